@@ -1,0 +1,110 @@
+"""The method registry: every method's name, family, protocol and paper, and its class once built.
+
+A method module registers its class with ``@register("name")``. Methods listed here but not
+registered are *not implemented*: the factory raises ``NotImplementedError`` for them instead of
+falling back to an uncompressed cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+QUANTIZATION, EVICTION, CROSS_LAYER = "quantization", "eviction", "cross_layer"
+MLX_LM, STANDALONE = "mlx_lm", "standalone"
+
+# name: (family, protocol, paper)
+_METHOD_TABLE = {
+    "turboquant_prod": (QUANTIZATION, STANDALONE, "TurboQuant (arXiv 2504.19874)"),
+    "turboquant_mse": (QUANTIZATION, STANDALONE, "TurboQuant (arXiv 2504.19874)"),
+    "turboquant_rvq": (QUANTIZATION, MLX_LM, "TurboQuant (arXiv 2504.19874) + residual VQ"),
+    "polar": (QUANTIZATION, STANDALONE, "PolarQuant (arXiv 2502.02617)"),
+    "qjl": (QUANTIZATION, STANDALONE, "QJL (arXiv 2406.03482)"),
+    "vecinfer": (QUANTIZATION, MLX_LM, "VecInfer (arXiv 2510.06175)"),
+    "spectral": (QUANTIZATION, STANDALONE, "SpectralQuant"),
+    "kivi": (QUANTIZATION, MLX_LM, "KIVI (arXiv 2402.02750)"),
+    "kivi_sink": (QUANTIZATION, MLX_LM, "KIVI (arXiv 2402.02750) + attention sinks"),
+    "svdq": (CROSS_LAYER, MLX_LM, "SVDq (arXiv 2502.15304)"),
+    "kitty": (QUANTIZATION, MLX_LM, "Kitty: mixed channel precision"),
+    "adakv": (QUANTIZATION, MLX_LM, "adaptive per-token bit allocation"),
+    "xquant": (CROSS_LAYER, MLX_LM, "XQuant: cross-layer KV reuse"),
+    "kvquant": (QUANTIZATION, MLX_LM, "KVQuant (arXiv 2401.18079)"),
+    "palu": (CROSS_LAYER, MLX_LM, "Palu (arXiv 2407.21118)"),
+    "cachegen": (QUANTIZATION, MLX_LM, "CacheGen (arXiv 2310.07240)"),
+    "minicache": (CROSS_LAYER, MLX_LM, "MiniCache (arXiv 2405.14366)"),
+    "gear": (QUANTIZATION, MLX_LM, "GEAR (arXiv 2403.05527)"),
+    "zipcache": (QUANTIZATION, MLX_LM, "ZipCache (arXiv 2405.14256)"),
+    "snapkv": (EVICTION, MLX_LM, "SnapKV (arXiv 2404.14469)"),
+    "streaming_llm": (EVICTION, MLX_LM, "StreamingLLM (arXiv 2309.17453)"),
+    "h2o": (EVICTION, MLX_LM, "H2O (arXiv 2306.14048)"),
+    "tova": (EVICTION, MLX_LM, "TOVA (arXiv 2401.06104)"),
+    "pyramidkv": (EVICTION, MLX_LM, "PyramidKV (arXiv 2406.02069)"),
+    "squeeze": (EVICTION, MLX_LM, "SqueezeAttention (arXiv 2404.04793)"),
+    "chunkkv": (EVICTION, MLX_LM, "ChunkKV (arXiv 2502.00299)"),
+    "cam": (EVICTION, MLX_LM, "CaM (ICML 2024)"),
+    "xkv": (CROSS_LAYER, MLX_LM, "xKV (arXiv 2503.18893)"),
+    "nsnquant": (QUANTIZATION, MLX_LM, "NSNQuant"),
+    "knorm": (EVICTION, MLX_LM, "L2-norm eviction (arXiv 2406.11430)"),
+    "skvq": (QUANTIZATION, MLX_LM, "SKVQ (arXiv 2405.06219)"),
+    "qfilters": (EVICTION, MLX_LM, "Q-Filters (arXiv 2503.02812)"),
+    "keyformer": (EVICTION, MLX_LM, "Keyformer (arXiv 2403.09054)"),
+    "morphkv": (EVICTION, MLX_LM, "MorphKV: Dialogue Without Limits (ICML 2025)"),
+    "kvzip": (EVICTION, MLX_LM, "KVzip (arXiv 2505.23416)"),
+    "kvtc": (CROSS_LAYER, MLX_LM, "KV cache transform coding"),
+    "curdkv": (EVICTION, MLX_LM, "CurDKV: CUR leverage-score selection"),
+    "nestedkv": (EVICTION, MLX_LM, "NestedKV"),
+    "amc": (QUANTIZATION, MLX_LM, "AMC: saliency-tiered precision"),
+    "a2ats": (QUANTIZATION, MLX_LM, "A2ATS"),
+    "anchorkv": (QUANTIZATION, MLX_LM, "AnchorKV"),
+    "rocketkv": (EVICTION, MLX_LM, "RocketKV (arXiv 2502.14051)"),
+    "age_tiered": (QUANTIZATION, MLX_LM, "age-tiered re-quantization"),
+}
+
+METHOD_NAMES = tuple(_METHOD_TABLE)
+
+# Methods with VeloxQuant's own per-vector API (append_key / append_value / attend / memory_bytes /
+# reset) rather than mlx_lm's KVCache serving contract. ``for_model`` rejects them.
+STANDALONE_METHODS = frozenset(n for n, (_, p, _) in _METHOD_TABLE.items() if p == STANDALONE)
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    name: str
+    family: str
+    protocol: str
+    paper: str
+    cls: Optional[type] = None
+
+    @property
+    def implemented(self) -> bool:
+        return self.cls is not None
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: make ``cls`` the implementation of method ``name``."""
+    if name not in _METHOD_TABLE:
+        raise KeyError(f"unknown method {name!r}; add it to _METHOD_TABLE first")
+
+    def decorate(cls):
+        _CLASSES[name] = cls
+        cls.method_name = name
+        return cls
+
+    return decorate
+
+
+def _load_methods() -> None:
+    from . import methods  # noqa: F401  (importing registers every built method)
+
+
+def method_info(name: str) -> MethodInfo:
+    _load_methods()
+    family, protocol, paper = _METHOD_TABLE[name]
+    return MethodInfo(name, family, protocol, paper, _CLASSES.get(name))
+
+
+def all_methods() -> list[MethodInfo]:
+    return [method_info(n) for n in METHOD_NAMES]

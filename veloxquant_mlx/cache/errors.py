@@ -1,0 +1,13 @@
+"""Errors raised by the cache package."""
+
+
+class QuantizerConfigError(ValueError):
+    """An invalid configuration value: the message names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field}={value!r} is invalid: expected {allowed}")
+
+
+class CacheInputError(ValueError):
+    """Keys/values handed to a cache have the wrong shape, dtype or contents."""
