@@ -1,0 +1,431 @@
+"""``KVCacheConfig``: the one configuration object every cache is built from.
+
+Fields, types and defaults follow the API reference exactly (a test checks them against the spec's
+signature). Per-method parameters are best given as an options dataclass (``options=SnapKVOptions(...)``),
+whose values populate the flat fields; setting a flat per-method field directly still works but emits a
+``DeprecationWarning`` naming its options replacement. Every value is validated here, and a bad one
+raises ``QuantizerConfigError`` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union, get_args
+
+from .artifacts import ArtifactStore
+from .base import METHOD_NAMES
+from .errors import QuantizerConfigError
+from .options import FLAT_FIELD_OPTIONS, OPTIONS_BY_METHOD, MethodOptions
+
+MethodName = Literal[
+    "turboquant_prod", "turboquant_mse", "turboquant_rvq", "polar", "qjl", "vecinfer", "spectral",
+    "kivi", "kivi_sink", "svdq", "kitty", "adakv", "xquant", "kvquant", "palu", "cachegen",
+    "minicache", "gear", "zipcache", "snapkv", "streaming_llm", "h2o", "tova", "pyramidkv",
+    "squeeze", "chunkkv", "cam", "xkv", "nsnquant", "knorm", "skvq", "qfilters", "keyformer",
+    "morphkv", "kvzip", "kvtc", "curdkv", "nestedkv", "amc", "a2ats", "anchorkv", "rocketkv",
+    "age_tiered",
+]
+assert get_args(MethodName) == METHOD_NAMES
+
+# String-valued fields and the values they accept.
+_CHOICES = {
+    "snap_dtype": ("auto", "float16", "bfloat16", "float32"),
+    "snap_backend": ("auto", "mlx", "metal", "reference"),
+    "tova_backend": ("auto", "mlx", "metal", "reference"),
+    "pyramid_backend": ("reference", "mlx", "auto"),
+    "chunkkv_score": ("attn_mass", "key_norm"),
+    "cam_merge": ("sim_weighted", "mean", "drop"),
+    "knorm_keep": ("low", "high"),
+    "adakv_importance": ("norm_variance", "attention", "norm"),
+    "kvzip_probe": ("context", "repeat"),
+    "qfilters_on_low_retention": ("warn", "raise", "ignore"),
+}
+
+_suppress_flat_warnings = False
+
+
+@contextlib.contextmanager
+def _quiet_flat_fields():
+    global _suppress_flat_warnings
+    old, _suppress_flat_warnings = _suppress_flat_warnings, True
+    try:
+        yield
+    finally:
+        _suppress_flat_warnings = old
+
+
+@dataclass
+class KVCacheConfig:
+    """Configuration for a KV cache. See the API reference for every field's meaning."""
+
+    method: MethodName = 'turboquant_rvq'
+    head_dim: int = 128
+    bit_width_inlier: Union[int, list] = 2
+    bit_width_outlier: Optional[int] = None
+    jl_dim: Optional[int] = None
+    n_outlier_channels: Optional[int] = None
+    n_calib_tokens: Optional[int] = None
+    enable_vectorized_attend: bool = True
+    enable_outlier_two_stream: bool = False
+    enable_fused_query_dot: bool = False
+    seed: int = 42
+    dtype: Any = None
+    capacity: Optional[int] = None
+    sliding_window: Optional[int] = None
+    store: Optional[ArtifactStore] = None
+    observers: list = field(default_factory=list)
+    options: Optional[object] = None
+    key_sub_dim: int = 4
+    value_sub_dim: int = 8
+    key_codebook_bits: int = 12
+    value_codebook_bits: int = 8
+    residual_length: int = 128
+    kivi_group_size: int = 32
+    svdq_rank: Optional[int] = None
+    svdq_energy_threshold: float = 0.95
+    svdq_bit_schedule: tuple[int, ...] = (8, 4, 2, 1, 1, 0, 0, 0)
+    svdq_group_size: int = 32
+    kitty_hi_fraction: float = 0.25
+    kitty_hi_bit: int = 4
+    kitty_lo_bit: int = 2
+    kitty_group_size: int = 32
+    adakv_target_avg_bits: float = 2.5
+    adakv_lo_bit: int = 2
+    adakv_mid_bit: int = 3
+    adakv_hi_bit: int = 4
+    adakv_group_size: int = 32
+    adakv_update_interval: int = 1
+    adakv_importance: str = 'norm_variance'
+    adakv_obs_window: int = 32
+    xquant_group_size: int = 2
+    xquant_base_bits: int = 2
+    xquant_residual_bits: int = 4
+    xquant_group_quant_size: int = 32
+    xquant_max_ctx: int = 8192
+    kvquant_bits: int = 3
+    kvquant_outlier_fraction: float = 0.01
+    kvquant_group_size: int = 32
+    kvquant_lloyd_iters: int = 8
+    kvquant_refit_interval: int = 0
+    kvquant_n_sink: int = 1
+    palu_rank: Optional[int] = None
+    palu_energy_threshold: float = 0.9
+    palu_n_head_groups: int = 4
+    palu_hi_bit: int = 4
+    palu_lo_bit: int = 2
+    palu_hi_fraction: float = 0.25
+    palu_group_size: int = 32
+    palu_quantize_values: bool = True
+    cachegen_bits: int = 4
+    cachegen_group_size: int = 32
+    cachegen_use_delta: bool = True
+    cachegen_per_channel: bool = True
+    cachegen_layer_groups: int = 3
+    cachegen_resolved_bits: Optional[int] = None
+    minicache_start_frac: float = 0.5
+    minicache_group_size: int = 2
+    minicache_retention_threshold: float = 0.9
+    minicache_slerp_t: float = 0.5
+    minicache_max_ctx: int = 8192
+    gear_bits: int = 2
+    gear_rank: Optional[int] = None
+    gear_energy_threshold: float = 0.9
+    gear_sparse_fraction: float = 0.01
+    gear_group_size: int = 32
+    gear_quantize_values: bool = True
+    zipcache_hi_bits: int = 4
+    zipcache_lo_bits: int = 2
+    zipcache_hi_fraction: float = 0.2
+    zipcache_group_size: int = 32
+    zipcache_quantize_values: bool = True
+    snap_dtype: str = 'auto'
+    snap_batched_scoring: bool = True
+    snap_backend: str = 'auto'
+    snap_budget: int = 512
+    snap_obs_window: int = 32
+    snap_n_sink: int = 4
+    stream_n_sink: int = 4
+    stream_window_size: int = 512
+    h2o_budget: int = 512
+    h2o_n_sink: int = 4
+    h2o_rope_base: float = 10000.0
+    h2o_grace: int = 16
+    h2o_decay: float = 0.98
+    tova_budget: int = 512
+    tova_n_sink: int = 4
+    tova_backend: str = 'auto'
+    pyramid_budget: int = 512
+    pyramid_backend: str = 'reference'
+    pyramid_n_sink: int = 4
+    pyramid_beta: float = 2.0
+    pyramid_resolved_budget: Optional[int] = None
+    squeeze_budget: int = 512
+    squeeze_n_sink: int = 4
+    squeeze_strength: float = 1.0
+    squeeze_resolved_budget: Optional[int] = None
+    chunkkv_budget: int = 512
+    chunkkv_chunk_size: int = 8
+    chunkkv_n_sink: int = 4
+    chunkkv_score: str = 'attn_mass'
+    chunkkv_reuse_layers: int = 1
+    cam_budget: int = 512
+    cam_n_sink: int = 4
+    cam_merge: str = 'sim_weighted'
+    cam_merge_keys: bool = False
+    cam_merge_gate: bool = True
+    xkv_group_size: int = 2
+    xkv_rank: Optional[int] = None
+    xkv_energy_threshold: float = 0.95
+    xkv_latent_bits: int = 4
+    xkv_group_quant_size: int = 32
+    xkv_max_ctx: int = 8192
+    nsn_bits: int = 2
+    nsn_residual_length: int = 64
+    nsn_codebook_size: int = 256
+    nsn_subvector_dim: int = 8
+    nsn_seed: int = 1234
+    nsn_max_ctx: int = 8192
+    knorm_budget: int = 512
+    knorm_n_sink: int = 4
+    knorm_recent: int = 0
+    knorm_keep: str = 'low'
+    skvq_bits_key: int = 2
+    skvq_bits_value: int = 2
+    skvq_group_size: int = 32
+    skvq_window: int = 128
+    skvq_n_sink: int = 5
+    skvq_reorder: bool = True
+    skvq_clip_search: bool = True
+    skvq_clip_alpha: float = 1.0
+    skvq_max_ctx: Optional[int] = None
+    qfilters_budget: int = 512
+    qfilters_n_sink: int = 4
+    qfilters_recent: int = 0
+    qfilters_calib_tokens: int = 128
+    qfilters_sign: int = 1
+    qfilters_min_retention: Optional[float] = 0.9
+    qfilters_on_low_retention: Literal['warn', 'raise', 'ignore'] = 'warn'
+    keyformer_budget: int = 512
+    keyformer_n_sink: int = 4
+    keyformer_recent: int = 0
+    keyformer_tau: Optional[float] = None
+    keyformer_tau_init: float = 1.0
+    keyformer_tau_end: float = 1.0
+    keyformer_anneal_steps: int = 0
+    keyformer_rope_base: float = 10000.0
+    keyformer_seed: int = 0
+    morphkv_budget: int = 512
+    morphkv_n_sink: int = 4
+    morphkv_window: int = 8
+    kvzip_budget: int = 512
+    kvzip_n_sink: int = 4
+    kvzip_probe: str = 'context'
+    kvtc_bit_budget: int = 512
+    kvtc_bit_choices: tuple = (0, 1, 2, 3, 4, 6, 8)
+    kvtc_beta: float = 3.5
+    curdkv_budget: int = 512
+    curdkv_n_sink: int = 4
+    curdkv_rank_cap: int = 16
+    curdkv_rope_base: float = 10000.0
+    nestedkv_budget: int = 512
+    nestedkv_n_sink: int = 4
+    nestedkv_window: int = 64
+    nestedkv_beta: float = 3.0
+    nestedkv_tau: float = 0.6
+    nestedkv_kappa: float = 10.0
+    nestedkv_safeguard_alpha: float = 0.2
+    amc_k_high: float = 0.2
+    amc_k_mid: float = 0.3
+    amc_use_query_saliency: bool = False
+    amc_query_alpha: float = 0.5
+    amc_adaptive_thresholds: bool = False
+    amc_threshold_window: int = 64
+    amc_gamma: float = 0.1
+    amc_calib_variance: Optional[float] = None
+    amc_group_size: int = 32
+    a2ats_codebook_bits: int = 8
+    a2ats_sub_dim: int = 8
+    a2ats_window: int = 128
+    a2ats_b: int = 2048
+    a2ats_use_query_aware: bool = True
+    a2ats_beta: float = 0.5
+    a2ats_retrieval_fraction: float = 0.2
+    a2ats_rope_base: float = 10000.0
+    a2ats_rope_scaling: Any = None
+    a2ats_query_h: Any = None
+    a2ats_codebook: Any = None
+    anchorkv_theta: float = 0.05
+    anchorkv_window: int = 32
+    anchorkv_rho: float = 0.7
+    anchorkv_anchor_frac: float = 0.0078125
+    anchorkv_residual_bits: int = 2
+    anchorkv_seed: int = 42
+    rocketkv_compression_ratio: float = 8.0
+    rocketkv_page_size: Optional[int] = None
+    rocketkv_head_topk1: Optional[int] = None
+    rocketkv_obs_window: int = 32
+    rocketkv_n_sink: int = 4
+    age_recent_boundary: int = 128
+    age_mid_boundary: int = 1024
+    age_bits_recent: int = 8
+    age_bits_mid: int = 4
+    age_bits_old: int = 2
+    age_group_size: int = 32
+    n_sink_tokens: int = 5
+    smooth_factors: Any = None
+    key_codebook: Any = None
+    value_codebook: Any = None
+    spectral_key_d_eff: int = 4
+    spectral_val_d_eff: int = 50
+    spectral_apply_qjl: bool = True
+    spectral_model_name: str = 'model'
+    use_metal_kernels: Optional[bool] = None
+    fused_sdpa: Optional[bool] = False
+    fused_sdpa_max_ctx: Optional[int] = None
+    fused_sdpa_memory_bound: bool = False
+
+    def __post_init__(self):
+        defaults = _DEFAULTS
+        if self.options is not None:
+            self._apply_options(defaults)
+        elif not _suppress_flat_warnings:
+            for name, classes in FLAT_FIELD_OPTIONS.items():
+                if _differs(getattr(self, name), defaults[name]):
+                    cls = next((c for c in classes if c.METHOD == self.method), classes[0])
+                    opt = next(o for o, f in cls.FIELDS.items() if f == name)
+                    warnings.warn(
+                        f"KVCacheConfig.{name} is deprecated as a flat field; pass "
+                        f"options={cls.__name__}({opt}=...) instead",
+                        DeprecationWarning,
+                        stacklevel=3,
+                    )
+        validate_config(self)
+
+    def _apply_options(self, defaults):
+        opts = self.options
+        if not isinstance(opts, MethodOptions):
+            raise QuantizerConfigError(
+                "options", opts, "an options dataclass from veloxquant_mlx.cache.options or None"
+            )
+        expected = OPTIONS_BY_METHOD.get(self.method)
+        if type(opts) is not expected:
+            allowed = expected.__name__ if expected else "None (this method has no options)"
+            raise QuantizerConfigError("options", type(opts).__name__, f"{allowed} for method={self.method!r}")
+        for flat, value in opts.flat_items():
+            current = getattr(self, flat)
+            if _differs(current, defaults[flat]) and _differs(current, value):
+                raise QuantizerConfigError(
+                    flat, current, f"not to be set both directly and through options (options give {value!r})"
+                )
+            setattr(self, flat, value)
+
+    def replace(self, **changes) -> "KVCacheConfig":
+        """A copy with ``changes`` applied (used for per-layer configs; emits no deprecation warnings)."""
+        with _quiet_flat_fields():
+            return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS = {
+    f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+    for f in dataclasses.fields(KVCacheConfig)
+}
+
+
+def _differs(a, b) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:  # arrays and other objects without a plain truth value
+        return a is not b
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise QuantizerConfigError(name, value, allowed)
+
+
+def _int_range(name: str) -> tuple[int, Optional[int]]:
+    """Allowed inclusive range of an int field, from its name."""
+    if name == "seed" or name.endswith("_seed"):
+        return (-(2**63), 2**63 - 1)
+    if name.endswith("_sign"):
+        return (-1, 1)
+    if "codebook_bits" in name:
+        return (1, 16)
+    if name.endswith(("_bits", "_bit")) or "_bits_" in name:
+        return (1, 8)
+    if name.endswith(("_n_sink", "_recent", "n_sink_tokens", "anneal_steps", "refit_interval")):
+        return (0, None)
+    return (1, None)
+
+
+def validate_config(cfg: KVCacheConfig) -> None:
+    """Raise ``QuantizerConfigError`` for the first invalid field of ``cfg``."""
+    _check(cfg.method in METHOD_NAMES, "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
+    bw = cfg.bit_width_inlier
+    if isinstance(bw, (list, tuple)):
+        _check(len(bw) > 0 and all(_is_int(b) and 1 <= b <= 8 for b in bw), "bit_width_inlier", bw,
+               "an int in 1..8 or a non-empty list of ints in 1..8 (one per layer)")
+    else:
+        _check(_is_int(bw) and 1 <= bw <= 8, "bit_width_inlier", bw, "an int in 1..8 or a list of them")
+    for name, value in _DEFAULTS.items():
+        if name in ("method", "bit_width_inlier", "options", "store", "dtype") or name.startswith(
+            ("smooth_factors", "key_codebook", "value_codebook", "a2ats_rope_scaling", "a2ats_query_h", "a2ats_codebook")
+        ) and name not in ("key_codebook_bits", "value_codebook_bits"):
+            continue
+        v = getattr(cfg, name)
+        if name == "observers":
+            _check(isinstance(v, list), name, v, "a list of QuantizationObserver")
+            continue
+        if v is None and _FIELD_TYPES[name].startswith("Optional"):
+            continue
+        if name in _CHOICES:
+            _check(v in _CHOICES[name], name, v, f"one of {_CHOICES[name]}")
+            continue
+        t = _FIELD_TYPES[name]
+        if "bool" in t:
+            _check(isinstance(v, bool), name, v, "True or False")
+        elif "tuple" in t:
+            _check(isinstance(v, (tuple, list)) and len(v) > 0 and all(_is_int(b) and 0 <= b <= 16 for b in v),
+                   name, v, "a non-empty tuple of ints in 0..16")
+        elif "float" in t:
+            _check(_is_num(v), name, v, "a finite number")
+            if any(s in name for s in ("fraction", "_frac", "threshold", "retention", "slerp_t", "_rho", "_beta") ) \
+                    and name not in ("pyramid_beta", "kvtc_beta", "nestedkv_beta", "a2ats_beta"):
+                _check(0.0 <= v <= 1.0, name, v, "a number in [0, 1]")
+            elif name.endswith("_decay"):
+                _check(0.0 < v <= 1.0, name, v, "a number in (0, 1]")
+            elif name.endswith(("rope_base", "compression_ratio")):
+                _check(v > 1.0, name, v, "a number > 1")
+            elif name.endswith(("_k_high", "_k_mid", "_theta", "_tau", "_kappa", "_gamma", "_strength", "_beta", "_alpha")) \
+                    or "tau_" in name or "query_alpha" in name:
+                _check(v >= 0.0, name, v, "a number >= 0")
+        elif "int" in t:
+            lo, hi = _int_range(name)
+            _check(_is_int(v) and v >= lo and (hi is None or v <= hi), name, v,
+                   f"an int >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+    if cfg.bit_width_outlier is not None:
+        _check(1 <= cfg.bit_width_outlier <= 8, "bit_width_outlier", cfg.bit_width_outlier, "an int in 1..8 or None")
+    if cfg.n_outlier_channels is not None:
+        _check(0 <= cfg.n_outlier_channels < cfg.head_dim, "n_outlier_channels", cfg.n_outlier_channels,
+               f"an int in [0, head_dim={cfg.head_dim})")
+    _check(cfg.store is None or isinstance(cfg.store, ArtifactStore), "store", cfg.store, "an ArtifactStore or None")
+    if cfg.amc_k_high + cfg.amc_k_mid > 1.0:
+        raise QuantizerConfigError("amc_k_mid", cfg.amc_k_mid, f"amc_k_high + amc_k_mid <= 1 (amc_k_high={cfg.amc_k_high})")
+    if cfg.age_mid_boundary < cfg.age_recent_boundary:
+        raise QuantizerConfigError("age_mid_boundary", cfg.age_mid_boundary,
+                                   f"an int >= age_recent_boundary={cfg.age_recent_boundary}")
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(KVCacheConfig)}

@@ -1,0 +1,238 @@
+"""The mlx_lm cache contract, implemented once for every mlx_lm-protocol cache.
+
+mlx_lm's attention code does::
+
+    q = rope(q, offset=cache.offset); k = rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=..., mask=mask)
+
+with ``mask`` built *before* ``update_and_fetch`` from the first layer's ``make_mask`` and shared by all
+layers. ``CompressedKVCache`` keeps that contract for caches whose stored rows are fewer than, or
+encoded differently from, the tokens seen:
+
+* ``offset`` is always the logical position (it drives RoPE), whatever is stored.
+* ``update_and_fetch`` returns, in order, every stored row (past tokens, in position order) followed by
+  the new rows. Past rows are all visible to every new query, so mlx_lm's bottom-right-aligned
+  ``"causal"`` mask is right whatever the stored count is, and layers that keep different numbers of
+  tokens share one mask. The dense rows are built lazily: when the attention dispatch point
+  (``dispatch.py``) routes attention to ``attend`` on the compressed form, MLX never computes them.
+* ``state`` is a dict ``{"meta": json, <array name>: array, ...}`` that carries the configuration too,
+  so ``from_state`` (and mlx_lm's ``load_prompt_cache``) rebuild an identical cache.
+* ``nbytes`` is the sum of ``.nbytes`` of the arrays the cache holds (``held_arrays``): never an
+  estimate.
+* ``merge`` raises ``BatchingNotSupported`` unless a subclass batches its compressed form: it never
+  returns a plain uncompressed batch cache.
+
+A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``held_arrays`` and may override
+``attend`` to compute attention on its compressed representation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.base import create_causal_mask
+
+from .errors import CacheInputError
+
+
+class BatchingNotSupported(NotImplementedError):
+    """Raised by ``merge`` for caches whose compressed form cannot be batched."""
+
+
+_CONFIG_SKIP = ("store", "observers", "options", "dtype")
+
+
+def config_to_json(config) -> str:
+    """The config fields that differ from their defaults, as JSON (for ``state``)."""
+    from .config import _DEFAULTS
+
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.name in _CONFIG_SKIP:
+            continue
+        v = getattr(config, f.name)
+        if v != _DEFAULTS[f.name]:
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+    if config.dtype is not None:
+        out["dtype"] = str(config.dtype).replace("mlx.core.", "")
+    return json.dumps(out, sort_keys=True)
+
+
+def config_from_json(text: str):
+    from .config import _DEFAULTS, KVCacheConfig
+
+    values = json.loads(text)
+    for k, v in values.items():
+        if isinstance(_DEFAULTS.get(k), tuple):
+            values[k] = tuple(v)
+    if "dtype" in values:
+        values["dtype"] = getattr(mx, values["dtype"])
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("ignore", DeprecationWarning)
+        return KVCacheConfig(**values)
+
+
+def causal_mask_for(n_queries: int, n_past: int) -> Optional[Any]:
+    """The mask for ``n_queries`` new rows after ``n_past`` visible past rows: None or "causal"."""
+    return None if n_queries == 1 else "causal"
+
+
+class CompressedKVCache(mlx_cache._BaseCache):
+    """Base of every mlx_lm-protocol cache of this library. See the module docstring."""
+
+    method_name = "?"
+    # Names of the array attributes that make up the cache's contents (state and nbytes).
+    array_fields: tuple[str, ...] = ()
+    # Scalar attributes (ints/floats/strs) that are part of the state besides ``offset``.
+    scalar_fields: tuple[str, ...] = ()
+
+    def __init__(self, config):
+        self.config = config
+        self.offset = 0
+        for name in self.array_fields:
+            setattr(self, name, None)
+        self._init_layout()
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _init_layout(self) -> None:
+        """Set derived, non-array attributes from ``self.config`` (called at init and from_state)."""
+
+    def _store(self, keys: mx.array, values: mx.array) -> None:
+        """Encode and store new rows [B, H, N, D] (already RoPE-rotated)."""
+        raise NotImplementedError
+
+    def _dense(self) -> tuple[mx.array, mx.array]:
+        """Dense (keys, values) of every stored row, in the order described above."""
+        raise NotImplementedError
+
+    def _trim_rows(self, n: int) -> int:
+        """Drop the ``n`` newest stored rows exactly; return how many were dropped."""
+        raise NotImplementedError
+
+    def stored_rows(self) -> int:
+        """Rows currently stored (may be fewer than ``offset``)."""
+        raise NotImplementedError
+
+    def held_arrays(self) -> list[mx.array]:
+        return [a for a in (getattr(self, n) for n in self.array_fields) if a is not None]
+
+    # ------------------------------------------------------------------ contract
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_input(keys, values)
+        self._store(keys, values)
+        self.offset += keys.shape[2]
+        return self._dense()
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """Attention for this call (dispatch point). Default: dense attention over what
+        ``update_and_fetch`` returned. Compressed caches override this to work on codes."""
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys), sinks=sinks
+        )
+
+    def _own_mask(self, mask, queries, keys):
+        """The mask to use: mlx_lm's shared mask comes from layer 0, whose row count may differ from
+        ours; a string/None mask is correct for any row count, an array one is rebuilt if it does not fit."""
+        if mask is None or isinstance(mask, str):
+            return mask
+        n, k = queries.shape[-2], keys.shape[-2]
+        if mask.shape[-1] == k and mask.shape[-2] == n:
+            return mask
+        return create_causal_mask(n, k - n)
+
+    def _check_input(self, keys, values):
+        if keys.ndim != 4 or values.ndim != 4:
+            raise CacheInputError(
+                f"{type(self).__name__}.update_and_fetch expects [B, H, N, D] keys and values, "
+                f"got {keys.shape} and {values.shape}"
+            )
+        if keys.shape[:3] != values.shape[:3]:
+            raise CacheInputError(f"keys {keys.shape} and values {values.shape} differ in B, H or N")
+        if not mx.issubdtype(keys.dtype, mx.floating) or not mx.issubdtype(values.dtype, mx.floating):
+            raise CacheInputError(f"keys/values must be floating point, got {keys.dtype}/{values.dtype}")
+        expected = getattr(self, "_shape", None)
+        if expected is not None and (keys.shape[1], keys.shape[3], values.shape[3]) != expected:
+            raise CacheInputError(
+                f"{type(self).__name__} holds H={expected[0]}, key D={expected[1]}, value D={expected[2]}; "
+                f"got keys {keys.shape}, values {values.shape} (head_dim mismatch?)"
+            )
+        if keys.shape[2] > 1 and not bool(mx.all(mx.isfinite(keys)) and mx.all(mx.isfinite(values))):
+            # Checked on prefill chunks only: a per-decode-step check would force a host sync.
+            raise CacheInputError(f"{type(self).__name__}: NaN or Inf in keys/values")
+        self._shape = (keys.shape[1], keys.shape[3], values.shape[3])
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        past = self.stored_rows()
+        if window_size is not None or return_array:
+            return create_causal_mask(N, past, window_size=window_size)
+        return causal_mask_for(N, past)
+
+    def size(self) -> int:
+        return self.stored_rows()
+
+    def empty(self) -> bool:
+        return self.stored_rows() == 0 and self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.held_arrays())
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(int(n), self.offset)
+        if n <= 0:
+            return 0
+        dropped = self._trim_rows(n)
+        self.offset -= dropped
+        return dropped
+
+    @classmethod
+    def merge(cls, caches):
+        raise BatchingNotSupported(
+            f"{cls.__name__} ({cls.method_name}) cannot merge into a batch cache without losing its "
+            "compression; serve these requests one at a time"
+        )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self):
+        meta = {"config": config_to_json(self.config), "offset": self.offset,
+                "scalars": {n: getattr(self, n) for n in self.scalar_fields},
+                "shape": list(getattr(self, "_shape", None) or [])}
+        out = {"meta": json.dumps(meta)}
+        for name in self.array_fields:
+            out[name] = getattr(self, name)
+        return out
+
+    @state.setter
+    def state(self, v):
+        meta = json.loads(v["meta"])
+        self.config = config_from_json(meta["config"])
+        self._init_layout()
+        self.offset = meta["offset"]
+        for k, val in meta["scalars"].items():
+            setattr(self, k, val)
+        self._shape = tuple(meta["shape"]) or None
+        for name in self.array_fields:
+            setattr(self, name, v.get(name))
+
+    @property
+    def meta_state(self):  # mlx_lm < 0.32 compatibility: everything lives in ``state``
+        return ""
+
+    @meta_state.setter
+    def meta_state(self, v):
+        pass
+
+
+def register_with_mlx_lm(cls):
+    """Make ``cls`` loadable by mlx_lm's ``load_prompt_cache`` (it looks names up in its cache module)."""
+    setattr(mlx_cache, cls.__name__, cls)
+    return cls

@@ -1,0 +1,57 @@
+"""The attention dispatch point: lets a cache compute attention itself, seeing the real queries.
+
+mlx_lm's model files call ``mlx_lm.models.base.scaled_dot_product_attention(q, k, v, cache=cache,
+scale=..., mask=...)`` right after ``cache.update_and_fetch``. ``install()`` replaces that function (in
+``mlx_lm.models.base`` and in every loaded model module that imported it) by one that hands the call to
+``cache.attend(q, k, v, scale=, mask=, sinks=)`` when the cache has an ``attend`` method (all caches
+of this library do), and to mlx_lm's original function otherwise. So:
+
+* quantized caches compute attention on their codes; the dense K/V that ``update_and_fetch`` returned
+  are lazy MLX arrays that are then never evaluated;
+* eviction caches score tokens with the model's real queries instead of keys used as stand-ins.
+
+Without ``install()`` every cache still works: ``update_and_fetch`` returns correct dense K/V and
+eviction falls back to key proxies. ``KVCacheBuilder.for_model`` installs it (idempotent); set the
+environment variable ``VELOXQUANT_DISPATCH=0`` to keep mlx_lm untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx_lm.models.base as _base
+
+_ORIGINAL = _base.scaled_dot_product_attention
+
+
+def dispatched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    attend = getattr(cache, "attend", None)
+    if attend is not None:
+        return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _modules():
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "mlx_lm.models.base" or name.startswith("mlx_lm.models."))]
+
+
+def install() -> bool:
+    """Route mlx_lm attention through caches' ``attend``. Returns False if disabled by the env."""
+    if os.environ.get("VELOXQUANT_DISPATCH", "1").lower() in ("0", "off", "false"):
+        return False
+    for module in _modules():
+        if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
+            module.scaled_dot_product_attention = dispatched_sdpa
+    return True
+
+
+def uninstall() -> None:
+    for module in _modules():
+        if getattr(module, "scaled_dot_product_attention", None) is dispatched_sdpa:
+            module.scaled_dot_product_attention = _ORIGINAL
+
+
+def installed() -> bool:
+    return _base.scaled_dot_product_attention is dispatched_sdpa

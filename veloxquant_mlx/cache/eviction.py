@@ -1,0 +1,177 @@
+"""Position-tracked eviction storage: the shared base of every eviction method.
+
+An eviction method is a scoring function on this base. The base stores the kept rows of every head
+(``keys``/``values`` [B, H, capacity, D]) with their logical positions (``positions`` [B, H, capacity]),
+appends new rows in place, protects sinks and a recent window, keeps the top-scoring rows of each
+head (heads may keep different tokens; every head keeps the same count, so one mask fits them all),
+and does the mlx_lm bookkeeping (offset, masks, state, trim, nbytes) through ``CompressedKVCache``.
+
+Scoring uses the model's real queries when the attention dispatch point is installed: eviction is
+deferred to ``attend``, which sees this call's queries. Without it, the last ``obs_window`` new keys
+stand in for queries (the documented fallback), and eviction runs inside ``update_and_fetch``. In both
+cases eviction happens *after* this call's rows were returned, so the mask built before the call
+(from the previous stored count) still matches.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import dispatch
+from .contract import CompressedKVCache
+
+GROW_STEP = 256
+
+
+def _grow(buf, rows: int, new: mx.array) -> mx.array:
+    """Write ``new`` [.., N, ..] at row ``rows`` of ``buf`` along axis 2, growing it in steps."""
+    n = new.shape[2]
+    if buf is None or rows + n > buf.shape[2]:
+        extra = ((rows + n - (0 if buf is None else buf.shape[2]) + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+        shape = list(new.shape)
+        shape[2] = extra
+        pad = mx.zeros(shape, dtype=new.dtype)
+        buf = pad if buf is None else mx.concatenate([buf[:, :, :rows], pad], axis=2)
+    buf[:, :, rows : rows + n] = new
+    return buf
+
+
+def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
+                       key_positions: mx.array) -> mx.array:
+    """Attention mass each key row receives from the observation queries, summed over queries and
+    over the query heads of each KV head (GQA). obs_queries [B, Hq, W, D], keys [B, H, M, D],
+    positions of the queries [W] and keys [B, H, M] (causality). Returns [B, H, M] float32."""
+    B, Hq, W, D = obs_queries.shape
+    H, M = keys.shape[1], keys.shape[2]
+    q = obs_queries.astype(mx.float32).reshape(B, H, Hq // H, W, D)
+    k = keys.astype(mx.float32)[:, :, None]
+    logits = (q * scale) @ k.swapaxes(-1, -2)  # [B, H, rep, W, M]
+    visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
+    logits = mx.where(visible, logits, -mx.inf)
+    weights = mx.softmax(logits, axis=-1, precise=True)
+    return weights.sum(axis=(2, 3))
+
+
+class EvictionKVCache(CompressedKVCache):
+    """Base of eviction methods. Subclasses set ``budget``/``n_sink``/``recent``/``obs_window`` in
+    ``_init_layout`` and implement ``wants_eviction`` and ``score``."""
+
+    array_fields = ("keys", "values", "positions")
+    scalar_fields = ("rows",)
+    budget: int = 512
+    n_sink: int = 4
+    recent: int = 0
+    obs_window: int = 32
+
+    rows = 0
+    _pending = False  # eviction deferred to this call's ``attend`` (real queries)
+    _n_new = 0
+
+    # ---------------------------------------------------------------- method hooks
+    def wants_eviction(self, n_new: int) -> bool:
+        """Whether to evict after a call that added ``n_new`` rows."""
+        return self.rows > self.budget
+
+    def score(self, obs_queries: mx.array, obs_positions: mx.array, scale: float) -> mx.array:
+        """[B, H, rows] importance of each stored row (higher = keep)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- storage
+    def _store(self, keys, values):
+        B, H, N, _ = keys.shape
+        if self._pending:  # the previous call's attention never reached ``attend``: fall back
+            self._evict_with_proxy()
+        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + N, dtype=mx.int32), (B, H, N))
+        self.keys = _grow(self.keys, self.rows, keys)
+        self.values = _grow(self.values, self.rows, values)
+        self.positions = _grow(self.positions, self.rows, pos)
+        self.rows += N
+        self._n_new = N
+
+    def update_and_fetch(self, keys, values):
+        out = super().update_and_fetch(keys, values)
+        if self.wants_eviction(keys.shape[2]):
+            if dispatch.installed():
+                self._pending = True
+            else:
+                self._evict_with_proxy()
+        return out
+
+    def _dense(self):
+        return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
+
+    def stored_rows(self) -> int:
+        return self.rows
+
+    def _trim_rows(self, n: int) -> int:
+        """Exact when the ``n`` newest positions are all still stored (every head): drop them."""
+        if n > self.rows:
+            raise ValueError(f"cannot trim {n} tokens: only {self.rows} rows are stored")
+        tail = self.positions[:, :, self.rows - n : self.rows]
+        want = mx.arange(self.offset - n, self.offset, dtype=mx.int32)
+        if not bool(mx.all(tail == want)):
+            raise ValueError(
+                f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed exactly"
+            )
+        self.rows -= n
+        return n
+
+    # ---------------------------------------------------------------- eviction
+    def _evict_with_proxy(self):
+        """Score with the newest keys standing in for queries (no dispatch)."""
+        w = max(1, min(self.obs_window, self._n_new))
+        obs = self.keys[:, :, self.rows - w : self.rows]
+        obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
+        self.evict(self.score(obs, obs_pos, obs.shape[-1] ** -0.5))
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if self._pending:
+            w = min(self.obs_window, queries.shape[2])
+            obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
+            self.evict(self.score(queries[:, :, -w:], obs_pos, scale))
+        return out
+
+    def protected(self) -> mx.array:
+        """[B, H, rows] rows that are never evicted: sinks and the recent window."""
+        pos = self.positions[:, :, : self.rows]
+        return (pos < self.n_sink) | (pos >= self.offset - self.recent)
+
+    def evict(self, scores: mx.array, keep: int | None = None) -> None:
+        """Keep the ``keep`` (default ``budget``) best rows of each head, in position order."""
+        self._pending = False
+        keep = self.budget if keep is None else keep
+        if self.rows <= keep:
+            return
+        scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
+        idx = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
+        self.keep_rows(mx.sort(idx, axis=-1))
+
+    def keep_rows(self, idx: mx.array) -> None:
+        """Keep the rows ``idx`` [B, H, K] (ascending per head) and drop the rest."""
+        self.keys = mx.take_along_axis(self.keys[:, :, : self.rows], idx[..., None], axis=2)
+        self.values = mx.take_along_axis(self.values[:, :, : self.rows], idx[..., None], axis=2)
+        self.positions = mx.take_along_axis(self.positions[:, :, : self.rows], idx, axis=2)
+        self.rows = idx.shape[-1]
+
+    # ---------------------------------------------------------------- telemetry
+    @property
+    def tokens_kept(self) -> int:
+        return self.rows
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.offset
+
+    @property
+    def keep_rate(self) -> float:
+        return self.rows / self.offset if self.offset else 1.0
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """What mlx_lm's plain cache would hold for the same tokens (without its 256-row slack)."""
+        if self.keys is None:
+            return 0
+        B, H, _, D = self.keys.shape
+        Dv = self.values.shape[-1]
+        return B * H * self.offset * (D + Dv) * self.keys.dtype.size

@@ -1,0 +1,216 @@
+"""Construction: ``KVCacheFactory.create`` (one cache), ``KVCacheBuilder`` (fluent, validated) and
+``KVCacheBuilder.for_model`` (one cache per layer of an mlx_lm model)."""
+
+from __future__ import annotations
+
+from mlx_lm.models import cache as mlx_cache
+
+from . import dispatch
+from .artifacts import ArtifactStore
+from .base import STANDALONE_METHODS, method_info
+from .config import KVCacheConfig
+from .errors import QuantizerConfigError
+from .observers import QuantizationObserver, notify
+from .standalone import SlidingWindowKVCache
+
+
+def _implemented_class(method: str):
+    info = method_info(method)
+    if not info.implemented:
+        raise NotImplementedError(
+            f"method {method!r} ({info.paper}) is registered but not implemented yet; "
+            "`veloxquant methods` lists the implemented ones"
+        )
+    return info.cls
+
+
+class KVCacheFactory:
+    """Builds one cache from a ``KVCacheConfig``."""
+
+    @staticmethod
+    def create(config: KVCacheConfig):
+        if not isinstance(config, KVCacheConfig):
+            raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
+        if isinstance(config.bit_width_inlier, (list, tuple)):
+            raise QuantizerConfigError(
+                "bit_width_inlier", config.bit_width_inlier,
+                "an int for KVCacheFactory.create (a per-layer list needs KVCacheBuilder.for_model)",
+            )
+        cls = _implemented_class(config.method)
+        cache = cls(config)
+        if config.sliding_window is not None:
+            if config.method not in STANDALONE_METHODS:
+                raise QuantizerConfigError(
+                    "sliding_window", config.sliding_window,
+                    "None for mlx_lm-protocol methods (use method='streaming_llm' for a windowed cache)",
+                )
+            cache = SlidingWindowKVCache(cache, config.sliding_window)
+        notify(config.observers, "created", config.method, cache=type(cache).__name__)
+        return cache
+
+
+def language_model(model):
+    """The text model inside a VLM-style wrapper (``model.language_model``), else ``model``."""
+    return getattr(model, "language_model", model)
+
+
+def _layers(model):
+    lm = language_model(model)
+    for path in ("layers", "model.layers", "transformer.h", "transformer.layers"):
+        obj = lm
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return list(obj)
+        except AttributeError:
+            continue
+    raise QuantizerConfigError("model", type(model).__name__, "an mlx_lm model with a .layers list")
+
+
+def _attention(layer):
+    for name in ("self_attn", "attention", "attn"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    return None
+
+
+def _head_dim(attn, fallback: int) -> int:
+    hd = getattr(attn, "head_dim", None)
+    if isinstance(hd, int):
+        return hd
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+    k_proj = getattr(attn, "k_proj", None)
+    if n_kv and k_proj is not None and hasattr(k_proj, "weight"):
+        return int(k_proj.weight.shape[0]) // int(n_kv)
+    return fallback
+
+
+class KVCacheBuilder:
+    """Fluent, validated construction of a ``KVCacheConfig`` and its cache."""
+
+    def __init__(self):
+        self._fields: dict = {}
+
+    def _set(self, **kw) -> "KVCacheBuilder":
+        self._fields.update(kw)
+        return self
+
+    def with_method(self, method: str):
+        method_info(method) if method in _known() else None
+        if method not in _known():
+            raise QuantizerConfigError("method", method, f"one of {', '.join(_known())}")
+        return self._set(method=method)
+
+    def with_head_dim(self, d: int):
+        if not isinstance(d, int) or isinstance(d, bool) or d < 2 or d & (d - 1):
+            raise QuantizerConfigError("head_dim", d, "a power of 2 >= 2")
+        return self._set(head_dim=d)
+
+    def with_bit_width(self, inlier, outlier=None):
+        return self._set(bit_width_inlier=inlier, bit_width_outlier=outlier)
+
+    def with_jl_dim(self, m: int):
+        return self._set(jl_dim=m)
+
+    def with_n_outlier_channels(self, n: int):
+        return self._set(n_outlier_channels=n)
+
+    def with_n_calib_tokens(self, n: int):
+        return self._set(n_calib_tokens=n)
+
+    def with_vectorized_attend(self, enabled: bool = True):
+        return self._set(enable_vectorized_attend=enabled)
+
+    def with_outlier_two_stream(self, enabled: bool = True):
+        return self._set(enable_outlier_two_stream=enabled)
+
+    def with_fused_query_dot(self, enabled: bool = True):
+        return self._set(enable_fused_query_dot=enabled)
+
+    def with_seed(self, seed: int):
+        return self._set(seed=seed)
+
+    def with_precision(self, dtype):
+        return self._set(dtype=dtype)
+
+    def with_capacity(self, max_tokens: int):
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise QuantizerConfigError("capacity", max_tokens, "a positive int")
+        return self._set(capacity=max_tokens)
+
+    def with_artifact_store(self, store: ArtifactStore):
+        if not isinstance(store, ArtifactStore):
+            raise QuantizerConfigError("store", store, "an ArtifactStore")
+        return self._set(store=store)
+
+    def with_observer(self, observer: QuantizationObserver):
+        if not isinstance(observer, QuantizationObserver):
+            raise QuantizerConfigError("observers", observer, "a QuantizationObserver")
+        return self._set(observers=self._fields.get("observers", []) + [observer])
+
+    def with_sliding_window(self, window_size: int):
+        return self._set(sliding_window=window_size)
+
+    def with_options(self, options):
+        return self._set(options=options)
+
+    def config(self) -> KVCacheConfig:
+        return KVCacheConfig(**self._fields)
+
+    def build(self):
+        """Validate the configuration and construct the cache (QuantizerConfigError if invalid)."""
+        return KVCacheFactory.create(self.config())
+
+    @staticmethod
+    def for_model(model, config: KVCacheConfig, install_dispatch: bool = True) -> list:
+        """One cache per layer of ``model`` (``model.language_model`` for VLM wrappers).
+
+        Layers whose mlx_lm default cache is a plain ``KVCache`` get a cache of ``config.method``,
+        with ``head_dim`` taken from the layer and ``bit_width_inlier[i]`` when it is a list (one entry
+        per such layer). Other layers (sliding-window ``RotatingKVCache``, state-space ``ArraysCache``,
+        ...) keep the cache the model makes for them. Cross-layer methods get their coordinator from
+        the class's ``build_layers``. Installs the attention dispatch point unless told not to.
+        """
+        if not isinstance(config, KVCacheConfig):
+            raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
+        if config.method in STANDALONE_METHODS:
+            raise QuantizerConfigError(
+                "method", config.method,
+                "an mlx_lm-protocol method: standalone methods "
+                f"({', '.join(sorted(STANDALONE_METHODS))}) have no mlx_lm KVCache serving contract",
+            )
+        cls = _implemented_class(config.method)
+        defaults = mlx_cache.make_prompt_cache(model)
+        layers = _layers(model)
+        if len(defaults) != len(layers):
+            raise QuantizerConfigError("model", type(model).__name__,
+                                       f"a model whose make_cache() returns one cache per layer ({len(layers)})")
+        slots = [i for i, c in enumerate(defaults) if type(c) is mlx_cache.KVCache]
+        bits = config.bit_width_inlier
+        if isinstance(bits, (list, tuple)) and len(bits) != len(slots):
+            raise QuantizerConfigError(
+                "bit_width_inlier", list(bits),
+                f"a list of {len(slots)} ints (one per attention layer with a full KV cache)",
+            )
+        layer_configs = []
+        for j, i in enumerate(slots):
+            attn = _attention(layers[i])
+            changes = {"head_dim": _head_dim(attn, config.head_dim) if attn is not None else config.head_dim}
+            if isinstance(bits, (list, tuple)):
+                changes["bit_width_inlier"] = int(bits[j])
+            layer_configs.append(config.replace(**changes))
+        build_layers = getattr(cls, "build_layers", None)
+        built = build_layers(layer_configs) if build_layers else [cls(c) for c in layer_configs]
+        caches = list(defaults)
+        for i, cache in zip(slots, built):
+            caches[i] = cache
+        if install_dispatch:
+            dispatch.install()
+        notify(config.observers, "created", config.method, layers=len(slots))
+        return caches
+
+
+def _known():
+    from .base import METHOD_NAMES
+
+    return METHOD_NAMES

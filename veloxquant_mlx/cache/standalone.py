@@ -1,0 +1,48 @@
+"""``SlidingWindowKVCache``: sliding-window eviction around any standalone cache.
+
+Unlike a wrapper that keeps its own full-precision ring buffer and re-feeds the inner cache (which
+holds an uncompressed copy of everything it claims to compress), this one asks the inner cache to drop
+its oldest encoded tokens in place (``drop_oldest``): memory stays at the compressed window.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..core.abstractions import KVCache
+from .errors import QuantizerConfigError
+
+
+class SlidingWindowKVCache(KVCache):
+    """Keeps the ``window_size`` most recent (key, value) pairs of ``inner``."""
+
+    def __init__(self, inner: KVCache, window_size: int):
+        if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 1:
+            raise QuantizerConfigError("window_size", window_size, "an int >= 1")
+        if not callable(getattr(inner, "drop_oldest", None)):
+            raise QuantizerConfigError("inner", type(inner).__name__, "a standalone cache with drop_oldest(n)")
+        self.inner, self.window_size = inner, window_size
+        self._pending_keys = 0
+
+    def append_key(self, k):
+        self.inner.append_key(k)
+        self._pending_keys += 1 if k.ndim == 1 else k.shape[0]
+
+    def append_value(self, v):
+        self.inner.append_value(v)
+        n = len(self.inner)
+        if n > self.window_size:
+            self.inner.drop_oldest(n - self.window_size)
+
+    def attend(self, q: mx.array) -> mx.array:
+        return self.inner.attend(q)
+
+    def memory_bytes(self) -> int:
+        return self.inner.memory_bytes()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._pending_keys = 0
+
+    def __len__(self):
+        return len(self.inner)
