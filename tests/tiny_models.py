@@ -42,3 +42,12 @@ def tiny_gemma3(seed=0):
 
 
 ARCHS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gemma3": tiny_gemma3}
+
+
+def greedy(model, prompt, cache, max_tokens=8, prefill_step_size=2048):
+    """Token ids generated greedily by mlx_lm's own generation loop (``generate_step``)."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache,
+                          prefill_step_size=prefill_step_size)
+    return [int(t) for t, _ in steps]

@@ -1,0 +1,185 @@
+"""KVCacheConfig against the spec, options, deprecation, validation, registry and factory errors."""
+
+import ast
+import dataclasses
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from veloxquant_mlx.cache import (
+    STANDALONE_METHODS,
+    ArtifactStore,
+    InMemoryArtifactStore,
+    KVCacheBuilder,
+    KVCacheConfig,
+    KVCacheFactory,
+    NpyDirectoryArtifactStore,
+    QuantizationObserver,
+    QuantizerConfigError,
+    all_methods,
+    options as opts,
+)
+from veloxquant_mlx.cache.config import _DEFAULTS
+
+HERE = Path(__file__).parent
+SPEC = HERE.parent.parent / "shared" / "spec" / "cache-api-reference.txt"
+
+
+def _spec_signature() -> str:
+    """The spec's KVCacheConfig signature: from ../shared when present, else the copy in tests/data."""
+    if SPEC.exists():
+        m = re.search(r"class veloxquant_mlx\.cache\.KVCacheConfig\((.*?)\)\[source\]", SPEC.read_text())
+        return m.group(1)
+    return (HERE / "data" / "kvcacheconfig_signature.txt").read_text().strip()
+
+
+def _parse_signature(sig: str) -> dict:
+    tree = ast.parse(f"def f({sig.replace('<factory>', 'None')}): pass")
+    args = tree.body[0].args
+    out = {}
+    for a, d in zip(args.args, args.defaults):
+        out[a.arg] = ast.literal_eval(d) if not isinstance(d, ast.Name) else d.id
+    return out
+
+
+def test_fields_and_defaults_match_the_spec_signature():
+    spec = _parse_signature(_spec_signature())
+    ours = [f.name for f in dataclasses.fields(KVCacheConfig)]
+    assert ours == list(spec), "field order/names differ from the spec"
+    for name, default in spec.items():
+        if name == "observers":
+            assert _DEFAULTS[name] == []
+        else:
+            assert _DEFAULTS[name] == default, name
+
+
+def test_method_literal_lists_all_43_and_default_is_turboquant_rvq():
+    assert KVCacheConfig().method == "turboquant_rvq"
+    names = [m.name for m in all_methods()]
+    assert len(names) == 43 and len(set(names)) == 43
+    assert STANDALONE_METHODS == {"turboquant_prod", "turboquant_mse", "polar", "qjl", "spectral"}
+
+
+def test_options_populate_flat_fields_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = KVCacheConfig(method="snapkv", options=opts.SnapKVOptions(budget=100, obs_window=8))
+    assert c.snap_budget == 100 and c.snap_obs_window == 8 and c.snap_n_sink == 4
+
+
+def test_every_options_class_defaults_equal_flat_defaults():
+    for cls in opts.ALL_OPTIONS:
+        o = cls()
+        for flat, value in o.flat_items():
+            assert _DEFAULTS[flat] == value, (cls.__name__, flat)
+
+
+def test_flat_field_emits_deprecation_naming_the_options_class():
+    with pytest.warns(DeprecationWarning, match=r"H2OOptions\(budget=\.\.\.\)"):
+        c = KVCacheConfig(method="h2o", h2o_budget=64)
+    assert c.h2o_budget == 64
+
+
+def test_options_for_the_wrong_method_is_rejected():
+    with pytest.raises(QuantizerConfigError, match="options.*SnapKVOptions.*method='h2o'"):
+        KVCacheConfig(method="h2o", options=opts.SnapKVOptions())
+
+
+def test_conflicting_flat_and_options_value_is_rejected():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(QuantizerConfigError, match="snap_budget"):
+            KVCacheConfig(method="snapkv", snap_budget=10, options=opts.SnapKVOptions(budget=20))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(method="nope"), "method"),
+        (dict(head_dim=0), "head_dim"),
+        (dict(bit_width_inlier=0), "bit_width_inlier"),
+        (dict(bit_width_inlier=[4, 9]), "bit_width_inlier"),
+        (dict(bit_width_inlier=True), "bit_width_inlier"),
+        (dict(seed="x"), "seed"),
+        (dict(options=opts.H2OOptions(decay=0.0), method="h2o"), "h2o_decay"),
+        (dict(options=opts.CaMOptions(merge="blend"), method="cam"), "cam_merge"),
+        (dict(options=opts.GEAROptions(sparse_fraction=1.5), method="gear"), "gear_sparse_fraction"),
+        (dict(options=opts.SnapKVOptions(budget=0), method="snapkv"), "snap_budget"),
+        (dict(options=opts.StreamingLLMOptions(n_sink=-1), method="streaming_llm"), "stream_n_sink"),
+        (dict(options=opts.SVDqOptions(bit_schedule=(8, 99)), method="svdq"), "svdq_bit_schedule"),
+        (dict(options=opts.KIVIOptions(group_size=2.5), method="kivi"), "kivi_group_size"),
+        (dict(options=opts.RocketKVOptions(compression_ratio=1.0), method="rocketkv"), "rocketkv_compression_ratio"),
+        (dict(options=opts.QFiltersOptions(on_low_retention="shout"), method="qfilters"), "qfilters_on_low_retention"),
+        (dict(n_outlier_channels=128), "n_outlier_channels"),
+        (dict(store="dir"), "store"),
+    ],
+)
+def test_invalid_values_name_field_value_and_allowed(kwargs, field):
+    with pytest.raises(QuantizerConfigError) as e:
+        KVCacheConfig(**kwargs)
+    assert e.value.field == field
+    assert field in str(e.value) and "expected" in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_factory_refuses_unimplemented_method_instead_of_falling_back():
+    unbuilt = [m.name for m in all_methods() if not m.implemented]
+    if not unbuilt:
+        pytest.skip("every method is built")
+    with pytest.raises(NotImplementedError, match=unbuilt[0]):
+        KVCacheFactory.create(KVCacheConfig(method=unbuilt[0]))
+
+
+def test_factory_rejects_per_layer_list():
+    with pytest.raises(QuantizerConfigError, match="for_model"):
+        KVCacheFactory.create(KVCacheConfig(method="snapkv", bit_width_inlier=[2, 4]))
+
+
+def test_builder_validates_inputs():
+    with pytest.raises(QuantizerConfigError, match="head_dim"):
+        KVCacheBuilder().with_head_dim(96)
+    with pytest.raises(QuantizerConfigError, match="capacity"):
+        KVCacheBuilder().with_capacity(0)
+    with pytest.raises(QuantizerConfigError, match="method"):
+        KVCacheBuilder().with_method("bogus")
+    with pytest.raises(QuantizerConfigError, match="store"):
+        KVCacheBuilder().with_artifact_store("x")
+
+
+def test_builder_assembles_config_fields():
+    obs = QuantizationObserver()
+    b = (KVCacheBuilder().with_method("snapkv").with_head_dim(64).with_seed(7).with_capacity(100)
+         .with_observer(obs).with_options(opts.SnapKVOptions(budget=32)))
+    c = b.config()
+    assert (c.method, c.head_dim, c.seed, c.capacity, c.snap_budget, c.observers) == ("snapkv", 64, 7, 100, 32, [obs])
+    cache = b.build()
+    assert type(cache).__name__ == "SnapKVKVCache" and cache.budget == 32
+    assert obs.events and obs.events[0].kind == "created"
+
+
+def test_for_model_rejects_standalone_methods():
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    from tiny_models import tiny_llama
+
+    for m in STANDALONE_METHODS:
+        with pytest.raises(QuantizerConfigError, match="standalone"):
+            KVCacheBuilder.for_model(tiny_llama(), KVCacheConfig(method=m))
+
+
+@pytest.mark.parametrize("store_factory", [lambda p: InMemoryArtifactStore(), lambda p: NpyDirectoryArtifactStore(p)])
+def test_artifact_stores_round_trip(tmp_path, store_factory):
+    import mlx.core as mx
+
+    store = store_factory(tmp_path)
+    assert isinstance(store, ArtifactStore)
+    calls = []
+    make = lambda: calls.append(1) or mx.arange(6).reshape(2, 3).astype(mx.float32)
+    a = store.get_or_create("rot.64.seed42", make)
+    b = store.get_or_create("rot.64.seed42", make)
+    assert calls == [1] and mx.array_equal(a, b)
+    with pytest.raises(ValueError, match="artifact key"):
+        store.put("../escape", a)

@@ -1,0 +1,255 @@
+"""The mlx_lm contract on eviction caches (StreamingLLM, SnapKV) and the attention dispatch point."""
+
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
+from veloxquant_mlx.cache import (
+    BatchingNotSupported,
+    CacheInputError,
+    KVCacheBuilder,
+    KVCacheConfig,
+    KVCacheFactory,
+    SnapKVOptions,
+    StreamingLLMOptions,
+    dispatch,
+)
+from veloxquant_mlx.cache.dispatch import dispatched_sdpa
+
+B, HQ, H, D = 2, 4, 2, 16
+
+
+def streaming(n_sink=2, window=6):
+    return KVCacheFactory.create(KVCacheConfig(method="streaming_llm", options=StreamingLLMOptions(n_sink=n_sink, window_size=window)))
+
+
+def snap(budget=16, obs=4, n_sink=2):
+    return KVCacheFactory.create(KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=budget, obs_window=obs, n_sink=n_sink)))
+
+
+def layer_call(cache, q, k, v):
+    """What an mlx_lm attention layer does with a cache (mask first, then update, then sdpa)."""
+    mask = cache.make_mask(q.shape[2])
+    keys, values = cache.update_and_fetch(k, v)
+    return dispatched_sdpa(q, keys, values, cache=cache, scale=D**-0.5, mask=mask)
+
+
+def reference_attention(q, K, V, q_pos, allowed):
+    """Dense attention of queries at positions q_pos over all keys K, V with allowed(q_pos, k_pos)."""
+    k_pos = mx.arange(K.shape[2])
+    mask = allowed(q_pos[:, None], k_pos[None])
+    return mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=mask)
+
+
+@pytest.mark.parametrize("use_dispatch", [True, False])
+@pytest.mark.parametrize("chunks", [[9, 1, 1, 1, 5, 1], [1] * 12, [20, 3, 1]])
+def test_streaming_llm_is_exactly_sinks_plus_window(use_dispatch, chunks):
+    (dispatch.install if use_dispatch else dispatch.uninstall)()
+    n_sink, window = 2, 6
+    cache = streaming(n_sink, window)
+    mx.random.seed(0)
+    total = sum(chunks)
+    K, V = mx.random.normal((B, H, total, D)), mx.random.normal((B, H, total, D))
+    Q = mx.random.normal((B, HQ, total, D))
+    allowed = lambda qp, kp: (kp <= qp) & ((kp < n_sink) | (kp > qp - window))
+    start = 0
+    for n in chunks:
+        sl = slice(start, start + n)
+        out = layer_call(cache, Q[:, :, sl], K[:, :, sl], V[:, :, sl])
+        ref = reference_attention(Q[:, :, sl], K[:, :, : start + n], V[:, :, : start + n], mx.arange(start, start + n), allowed)
+        assert mx.allclose(out, ref, atol=1e-5), (n, start)
+        start += n
+        assert cache.offset == start
+        assert cache.size() <= n_sink + window - 1
+    # stored rows are exactly the sinks and the newest window-1 tokens
+    pos = cache.positions[0, 0, : cache.size()].tolist()
+    assert pos == list(range(n_sink)) + list(range(total - window + 1, total))
+
+
+def test_eviction_keeps_original_rows_with_their_positions_per_head():
+    dispatch.install()
+    mx.random.seed(1)
+    cache = snap(budget=12, obs=4, n_sink=2)
+    T = 40
+    K, V = mx.random.normal((B, H, T, D)), mx.random.normal((B, H, T, D))
+    Q = mx.random.normal((B, HQ, T, D))
+    layer_call(cache, Q, K, V)
+    assert cache.size() == 12 and cache.offset == T
+    pos = cache.positions[:, :, :12]
+    # rows are the original rows at their positions, in position order, sinks and window kept
+    assert mx.array_equal(cache.keys[:, :, :12], mx.take_along_axis(K, pos[..., None], axis=2))
+    assert mx.all(pos[..., 1:] > pos[..., :-1])
+    assert mx.all(pos[..., :2] == mx.array([0, 1])) and mx.all(pos[..., -4:] == mx.arange(T - 4, T))
+    # heads choose independently (random data: the sets differ)
+    assert not mx.array_equal(pos[0, 0], pos[0, 1])
+    # a decode step: attention over exactly the kept rows + the new token, token by token
+    q1, k1, v1 = mx.random.normal((B, HQ, 1, D)), mx.random.normal((B, H, 1, D)), mx.random.normal((B, H, 1, D))
+    out = layer_call(cache, q1, k1, v1)
+    Kk = mx.concatenate([mx.take_along_axis(K, pos[..., None], axis=2), k1], axis=2)
+    Vk = mx.concatenate([mx.take_along_axis(V, pos[..., None], axis=2), v1], axis=2)
+    ref = mx.fast.scaled_dot_product_attention(q1, Kk, Vk, scale=D**-0.5, mask=None)
+    assert mx.allclose(out, ref, atol=1e-5)
+    assert cache.size() == 13  # decode tokens are kept (SnapKV compresses the prompt)
+
+
+def test_snapkv_real_queries_keep_what_real_attention_concentrates_on():
+    """Queries look along direction u; keys of a few 'needle' tokens point along u, while the
+    observation window's own keys are orthogonal to u. Real-query scoring keeps the needles;
+    keys-as-queries (the fallback) does not."""
+    T, obs = 128, 4
+    budget = 1 + obs + 4 * 7  # sink + window + the needles with their pooling neighbourhoods
+    mx.random.seed(2)
+    u = mx.zeros((D,)).at[0].add(1.0)
+    K = mx.random.normal((1, 1, T, D)) * 0.3
+    K = K.at[..., 0].multiply(0.0)  # nothing else along u
+    needles = [10, 33, 67, 95]
+    for i in needles:
+        K = K.at[0, 0, i].add(u * 6.0)
+    V = mx.random.normal((1, 1, T, D))
+    Q = mx.broadcast_to(u * 6.0, (1, 1, T, D))
+
+    def kept(use_dispatch):
+        (dispatch.install if use_dispatch else dispatch.uninstall)()
+        c = snap(budget=budget, obs=obs, n_sink=1)
+        layer_call(c, Q, K, V)
+        return set(c.positions[0, 0, : c.size()].tolist())
+
+    assert set(needles) <= kept(True)
+    assert not set(needles) <= kept(False)
+
+
+def test_layers_with_different_budgets_share_one_mask_in_a_model():
+    model = tiny_llama(n_layers=3)
+    toks = mx.random.randint(0, VOCAB, (1, 50))
+    for use_dispatch in (True, False):
+        (dispatch.install if use_dispatch else dispatch.uninstall)()
+        caches = [snap(budget=b, obs=4) for b in (8, 16, 24)]
+        model(toks[:, :40], cache=caches)
+        assert [c.size() for c in caches] == [8, 16, 24]
+        logits = model(toks[:, 40:], cache=caches)  # a second chunk: rows differ per layer
+        assert logits.shape == (1, 10, VOCAB) and bool(mx.all(mx.isfinite(logits)))
+        assert [c.offset for c in caches] == [50] * 3
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("method, options", [("snapkv", SnapKVOptions(budget=2048)), ("streaming_llm", StreamingLLMOptions(window_size=4096))])
+def test_lossless_budget_matches_plain_cache_through_generate(arch, method, options):
+    """With a budget larger than the prompt nothing is evicted: generation equals mlx_lm's plain cache,
+    across prefill chunks (prefill_step_size=16) and with mixed layer types (gemma3 sliding layers)."""
+    model = ARCHS[arch]()
+    prompt = mx.random.randint(0, VOCAB, (45,)).tolist()
+    ref = greedy(model, prompt, make_prompt_cache(model), 8, prefill_step_size=16)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, options=options))
+    out = greedy(model, prompt, caches, 8, prefill_step_size=16)
+    assert out == ref
+    assert sum(type(c).__name__ != "RotatingKVCache" for c in caches) >= 1
+
+
+def test_eviction_through_generate_with_chunked_prefill_stays_within_budget():
+    model = tiny_llama()
+    prompt = mx.random.randint(0, VOCAB, (100,)).tolist()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=24, obs_window=8)))
+    greedy(model, prompt, caches, 5, prefill_step_size=32)
+    # 99 prompt tokens in chunks of 32 (evicting to 24 after each), then the last prompt token and
+    # 5 decode calls (generate_step runs one step ahead): decode rows are all kept
+    assert all(c.offset == 105 and c.size() == 24 + 6 for c in caches)
+    assert sum(c.nbytes for c in caches) < sum(c.full_seq_bytes for c in caches)
+
+
+def test_streaming_memory_stays_bounded_over_a_long_decode():
+    model = tiny_llama(n_layers=1)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="streaming_llm", options=StreamingLLMOptions(n_sink=4, window_size=32)))
+    prompt = mx.random.randint(0, VOCAB, (10,)).tolist()
+    greedy(model, prompt, caches, 600)
+    c = caches[0]
+    assert c.offset == 610 and c.size() == 35
+    assert c.keys.shape[2] <= 35 + 64  # buffer growth is bounded, never proportional to tokens seen
+
+
+def test_batch_of_two_equal_length_prompts():
+    model = tiny_llama()
+    toks = mx.random.randint(0, VOCAB, (2, 30))
+    ref = model(toks, cache=make_prompt_cache(model))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64)))
+    out = model(toks[:, :20], cache=caches)
+    out = mx.concatenate([out, model(toks[:, 20:], cache=caches)], axis=1)
+    assert mx.allclose(out, ref, atol=1e-4)
+    # and each row matches a batch of one
+    single = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64)))
+    assert mx.allclose(model(toks[1:], cache=single), ref[1:], atol=1e-4)
+
+
+def test_state_round_trip_through_mlx_lm_prompt_cache_files(tmp_path):
+    model = tiny_llama()
+    toks = mx.random.randint(0, VOCAB, (1, 60))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=20, obs_window=4)))
+    model(toks, cache=caches)
+    path = str(tmp_path / "p.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert loaded[0].budget == 20 and loaded[0].offset == 60 and loaded[0].size() == 20
+    nxt = mx.array([[3]])
+    a = model(nxt, cache=caches)
+    b = model(nxt, cache=loaded)
+    assert mx.array_equal(a, b)
+
+
+def test_deepcopy_is_independent():
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=20, obs_window=4)))
+    model(mx.random.randint(0, VOCAB, (1, 40)), cache=caches)
+    twin = copy.deepcopy(caches)
+    a = model(mx.array([[5]]), cache=caches)
+    b = model(mx.array([[5]]), cache=twin)
+    assert mx.array_equal(a, b)
+    assert twin[0].size() == caches[0].size() == 21
+
+
+def test_trim_is_exact_while_trimmed_tokens_are_held():
+    model = tiny_llama()
+    toks = mx.random.randint(0, VOCAB, (1, 40))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=16, obs_window=4)))
+    model(toks, cache=caches)
+    for t in range(3):
+        model(mx.array([[t + 1]]), cache=caches)
+    before = [c.size() for c in caches]
+    assert all(c.is_trimmable() for c in caches)
+    assert [c.trim(2) for c in caches] == [2] * 3
+    assert [c.size() for c in caches] == [b - 2 for b in before] and caches[0].offset == 41
+    # continuing gives the same logits as a cache that never saw the two trimmed tokens
+    fresh = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=16, obs_window=4)))
+    model(toks, cache=fresh)
+    model(mx.array([[1]]), cache=fresh)
+    assert mx.array_equal(model(mx.array([[9]]), cache=caches), model(mx.array([[9]]), cache=fresh))
+
+
+def test_trim_into_evicted_tokens_raises_instead_of_corrupting():
+    cache = snap(budget=8, obs=2, n_sink=1)
+    mx.random.seed(3)
+    cache.update_and_fetch(mx.random.normal((1, 1, 30, D)), mx.random.normal((1, 1, 30, D)))
+    with pytest.raises(ValueError):
+        cache.trim(20)
+    assert cache.offset == 30 and cache.size() == 8
+
+
+def test_merge_refuses_instead_of_returning_an_uncompressed_batch():
+    with pytest.raises(BatchingNotSupported):
+        type(snap()).merge([snap(), snap()])
+
+
+def test_bad_inputs_get_clear_errors():
+    c = snap()
+    with pytest.raises(CacheInputError, match=r"\[B, H, N, D\]"):
+        c.update_and_fetch(mx.zeros((2, 3, 4)), mx.zeros((2, 3, 4)))
+    with pytest.raises(CacheInputError, match="floating"):
+        c.update_and_fetch(mx.zeros((1, 2, 3, D), dtype=mx.int32), mx.zeros((1, 2, 3, D)))
+    with pytest.raises(CacheInputError, match="NaN or Inf"):
+        c.update_and_fetch(mx.full((1, 2, 3, D), mx.nan), mx.zeros((1, 2, 3, D)))
+    c.update_and_fetch(mx.zeros((1, 2, 3, D)), mx.zeros((1, 2, 3, D)))
+    with pytest.raises(CacheInputError, match="head_dim mismatch"):
+        c.update_and_fetch(mx.zeros((1, 2, 1, 32)), mx.zeros((1, 2, 1, 32)))
+    assert c.offset == 3
