@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import dispatch
+from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 
 MIN_GROW = 64
@@ -41,14 +42,9 @@ def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_
     """Attention mass each key row receives from the observation queries, summed over queries and
     over the query heads of each KV head (GQA). obs_queries [B, Hq, W, D], keys [B, H, M, D],
     positions of the queries [W] and keys [B, H, M] (causality). Returns [B, H, M] float32."""
-    B, Hq, W, D = obs_queries.shape
-    H, M = keys.shape[1], keys.shape[2]
-    q = obs_queries.astype(mx.float32).reshape(B, H, Hq // H, W, D)
-    k = keys.astype(mx.float32)[:, :, None]
-    logits = (q * scale) @ k.swapaxes(-1, -2)  # [B, H, rep, W, M]
+    logits = attention_logits(obs_queries, keys, scale)  # [B, H, rep, W, M]
     visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
-    logits = mx.where(visible, logits, -mx.inf)
-    weights = mx.softmax(logits, axis=-1, precise=True)
+    weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     return weights.sum(axis=(2, 3))
 
 
@@ -63,6 +59,14 @@ class EvictionKVCache(CompressedKVCache):
     recent: int = 0
     obs_window: int = 32
 
+    # Extra per-row float32 arrays [B, H, capacity] a method keeps (accumulated scores, counters):
+    # grown with zeros for new rows, gathered on eviction, part of state and nbytes. A subclass lists
+    # them here *and* in ``array_fields``.
+    row_fields: tuple[str, ...] = ()
+    # True for methods that learn from every call's attention probabilities (H2O, TOVA, ...): the
+    # base then computes attention explicitly and hands the probabilities to ``observe``.
+    uses_attention_weights = False
+
     rows = 0
     _pending = False  # eviction deferred to this call's ``attend`` (real queries)
     _n_new = 0
@@ -76,6 +80,10 @@ class EvictionKVCache(CompressedKVCache):
         """[B, H, rows] importance of each stored row (higher = keep)."""
         raise NotImplementedError
 
+    def observe(self, weights: mx.array) -> None:
+        """Called with this call's attention probabilities [B, H, rep, N, rows] (float32) when
+        ``uses_attention_weights``; real queries with the dispatch point, key proxies without."""
+
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
         B, H, N, _ = keys.shape
@@ -85,17 +93,30 @@ class EvictionKVCache(CompressedKVCache):
         self.keys = _grow(self.keys, self.rows, keys)
         self.values = _grow(self.values, self.rows, values)
         self.positions = _grow(self.positions, self.rows, pos)
+        for name in self.row_fields:
+            setattr(self, name, _grow(getattr(self, name), self.rows, mx.zeros((B, H, N), mx.float32)))
         self.rows += N
         self._n_new = N
 
     def update_and_fetch(self, keys, values):
         out = super().update_and_fetch(keys, values)
+        via_dispatch = dispatch.installed()
+        if self.uses_attention_weights and not via_dispatch:
+            self.observe(self._proxy_weights())
         if self.wants_eviction(keys.shape[2]):
-            if dispatch.installed():
+            if via_dispatch:
                 self._pending = True
             else:
                 self._evict_with_proxy()
         return out
+
+    def _proxy_weights(self):
+        """Attention probabilities with this call's new keys standing in for its queries."""
+        n = self._n_new
+        obs = self.keys[:, :, self.rows - n : self.rows]
+        _, w = attention_with_weights(obs, self.keys[:, :, : self.rows], self.values[:, :, : self.rows],
+                                      scale=obs.shape[-1] ** -0.5, mask="causal" if n > 1 else None)
+        return w
 
     def _dense(self):
         return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
@@ -125,7 +146,12 @@ class EvictionKVCache(CompressedKVCache):
         self.evict(self.score(obs, obs_pos, obs.shape[-1] ** -0.5))
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if self.uses_attention_weights and sinks is None:
+            out, weights = attention_with_weights(queries, keys, values, scale=scale,
+                                                  mask=self._own_mask(mask, queries, keys))
+            self.observe(weights)
+        else:
+            out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self._pending:
             w = min(self.obs_window, queries.shape[2])
             obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
@@ -152,6 +178,8 @@ class EvictionKVCache(CompressedKVCache):
         self.keys = mx.take_along_axis(self.keys[:, :, : self.rows], idx[..., None], axis=2)
         self.values = mx.take_along_axis(self.values[:, :, : self.rows], idx[..., None], axis=2)
         self.positions = mx.take_along_axis(self.positions[:, :, : self.rows], idx, axis=2)
+        for name in self.row_fields:
+            setattr(self, name, mx.take_along_axis(getattr(self, name)[:, :, : self.rows], idx, axis=2))
         self.rows = idx.shape[-1]
 
     # ---------------------------------------------------------------- telemetry
