@@ -20,14 +20,15 @@ from veloxquant_mlx.cache import (
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 
 B, HQ, H, D = 2, 4, 2, 16
+F32 = mx.float32  # exactness tests store rows in float32 (the default stores 16-bit)
 
 
 def streaming(n_sink=2, window=6):
-    return KVCacheFactory.create(KVCacheConfig(method="streaming_llm", options=StreamingLLMOptions(n_sink=n_sink, window_size=window)))
+    return KVCacheFactory.create(KVCacheConfig(method="streaming_llm", options=StreamingLLMOptions(n_sink=n_sink, window_size=window), dtype=F32))
 
 
 def snap(budget=16, obs=4, n_sink=2):
-    return KVCacheFactory.create(KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=budget, obs_window=obs, n_sink=n_sink)))
+    return KVCacheFactory.create(KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=budget, obs_window=obs, n_sink=n_sink), dtype=F32))
 
 
 def layer_call(cache, q, k, v):
@@ -142,7 +143,7 @@ def test_lossless_budget_matches_plain_cache_through_generate(arch, method, opti
     model = ARCHS[arch]()
     prompt = mx.random.randint(0, VOCAB, (45,)).tolist()
     ref = greedy(model, prompt, make_prompt_cache(model), 8, prefill_step_size=16)
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, options=options))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, options=options, dtype=F32))
     out = greedy(model, prompt, caches, 8, prefill_step_size=16)
     assert out == ref
     assert sum(type(c).__name__ != "RotatingKVCache" for c in caches) >= 1
@@ -173,12 +174,12 @@ def test_batch_of_two_equal_length_prompts():
     model = tiny_llama()
     toks = mx.random.randint(0, VOCAB, (2, 30))
     ref = model(toks, cache=make_prompt_cache(model))
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64)))
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64), dtype=F32))
     out = model(toks[:, :20], cache=caches)
     out = mx.concatenate([out, model(toks[:, 20:], cache=caches)], axis=1)
     assert mx.allclose(out, ref, atol=1e-4)
     # and each row matches a batch of one
-    single = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64)))
+    single = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64), dtype=F32))
     assert mx.allclose(model(toks[1:], cache=single), ref[1:], atol=1e-4)
 
 
@@ -253,3 +254,13 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(CacheInputError, match="head_dim mismatch"):
         c.update_and_fetch(mx.zeros((1, 2, 1, 32)), mx.zeros((1, 2, 1, 32)))
     assert c.offset == 3
+
+
+def test_rows_are_stored_at_16_bits_by_default_and_bytes_are_honest():
+    c = KVCacheFactory.create(KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=16, obs_window=4)))
+    mx.random.seed(4)
+    k = mx.random.normal((1, H, 40, D))
+    keys, _ = c.update_and_fetch(k, k)
+    assert keys.dtype == mx.float32 and c.keys.dtype == mx.float16
+    assert c.nbytes == c.keys.nbytes + c.values.nbytes + c.positions.nbytes
+    assert c.full_seq_bytes == 40 * H * 2 * D * 2

@@ -10,7 +10,7 @@ from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, QuantizerConfigE
 
 
 def snap_config(**kw):
-    return KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64), **kw)
+    return KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64), dtype=mx.float32, **kw)
 
 
 def test_head_dim_is_taken_from_each_layer():

@@ -29,6 +29,7 @@ A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``held_arrays``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any, Optional
@@ -199,6 +200,16 @@ class CompressedKVCache(mlx_cache._BaseCache):
             f"{cls.__name__} ({cls.method_name}) cannot merge into a batch cache without losing its "
             "compression; serve these requests one at a time"
         )
+
+    def __deepcopy__(self, memo):
+        """Copies everything but the (never mutated) config and MLX dtypes, which are shared;
+        objects shared between layers (coordinators) stay shared within one deepcopy call."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            shared = k == "config" or isinstance(v, mx.Dtype)
+            setattr(new, k, v if shared else copy.deepcopy(v, memo))
+        return new
 
     # ------------------------------------------------------------------ state
     @property

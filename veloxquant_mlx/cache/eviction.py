@@ -89,6 +89,8 @@ class EvictionKVCache(CompressedKVCache):
         B, H, N, _ = keys.shape
         if self._pending:  # the previous call's attention never reached ``attend``: fall back
             self._evict_with_proxy()
+        self.compute_dtype = keys.dtype
+        keys, values = keys.astype(self.storage_dtype(keys.dtype)), values.astype(self.storage_dtype(keys.dtype))
         pos = mx.broadcast_to(mx.arange(self.offset, self.offset + N, dtype=mx.int32), (B, H, N))
         self.keys = _grow(self.keys, self.rows, keys)
         self.values = _grow(self.values, self.rows, values)
@@ -118,8 +120,16 @@ class EvictionKVCache(CompressedKVCache):
                                       scale=obs.shape[-1] ** -0.5, mask="causal" if n > 1 else None)
         return w
 
+    def storage_dtype(self, compute_dtype):
+        """Rows are stored at 16 bits (float16 when computing in float32 on the CPU, else the model's
+        own 16-bit type), so byte figures compare with mlx_lm's fp16 cache; ``config.dtype`` overrides."""
+        if self.config.dtype is not None:
+            return self.config.dtype
+        return mx.float16 if compute_dtype == mx.float32 else compute_dtype
+
     def _dense(self):
-        return self.keys[:, :, : self.rows], self.values[:, :, : self.rows]
+        dt = getattr(self, "compute_dtype", self.keys.dtype)
+        return self.keys[:, :, : self.rows].astype(dt), self.values[:, :, : self.rows].astype(dt)
 
     def stored_rows(self) -> int:
         return self.rows
@@ -197,9 +207,9 @@ class EvictionKVCache(CompressedKVCache):
 
     @property
     def full_seq_bytes(self) -> int:
-        """What mlx_lm's plain cache would hold for the same tokens (without its 256-row slack)."""
+        """What mlx_lm's plain cache would hold for the same tokens at fp16 (without its 256-row slack)."""
         if self.keys is None:
             return 0
         B, H, _, D = self.keys.shape
         Dv = self.values.shape[-1]
-        return B * H * self.offset * (D + Dv) * self.keys.dtype.size
+        return B * H * self.offset * (D + Dv) * 2

@@ -1,0 +1,1 @@
+"""Quality and speed measurement against mlx_lm's uncompressed cache."""
