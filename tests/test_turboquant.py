@@ -1,0 +1,476 @@
+"""Tests for the TurboQuant standalone caches (arXiv 2504.19874)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx.cache.base import _CLASSES
+from veloxquant_mlx.cache.errors import CacheInputError, QuantizerConfigError
+from veloxquant_mlx.cache.methods.turboquant import TurboQuantMSEKVCache, TurboQuantProdKVCache
+from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion
+from veloxquant_mlx.cache.primitives.rotation import random_orthogonal
+from veloxquant_mlx.core.abstractions import KVCache
+
+D = 128
+PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}  # TurboQuant paper (Theorem 1)
+
+
+def cfg(**kw):
+    base = dict(
+        head_dim=D,
+        bit_width_inlier=2,
+        bit_width_outlier=3,
+        jl_dim=128,
+        n_outlier_channels=None,
+        n_calib_tokens=None,
+        seed=42,
+        dtype=None,
+        capacity=None,
+        observers=[],
+        store=None,
+    )
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def unit_rows(n, d=D, seed=0):
+    x = np.random.default_rng(seed).standard_normal((n, d))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def exact_attention(q, k, v):
+    s = q @ k.T / math.sqrt(k.shape[1])
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    w /= w.sum(axis=-1, keepdims=True)
+    return w @ v
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def held_arrays(obj, seen=None):
+    """Every mx.array reachable from the cache through its own (package) objects and containers."""
+    seen = set() if seen is None else seen
+    out = []
+    if id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, dict):
+        for v in obj.values():
+            out += held_arrays(v, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            out += held_arrays(v, seen)
+    elif type(obj).__module__.startswith("veloxquant_mlx") and hasattr(obj, "__dict__"):
+        for v in vars(obj).values():
+            out += held_arrays(v, seen)
+    return out
+
+
+CLASSES = [TurboQuantMSEKVCache, TurboQuantProdKVCache]
+
+# ------------------------------------------------------------------------------------ registration
+
+
+def test_registered_and_implements_kvcache():
+    assert _CLASSES["turboquant_mse"] is TurboQuantMSEKVCache
+    assert _CLASSES["turboquant_prod"] is TurboQuantProdKVCache
+    for cls in CLASSES:
+        assert issubclass(cls, KVCache)
+        assert "2504.19874" in importlib.import_module(cls.__module__).__doc__
+
+
+# -------------------------------------------------------------------------------------- distortion
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 4])
+def test_mse_distortion_matches_paper(b):
+    x = unit_rows(3000, seed=b)
+    cache = TurboQuantMSEKVCache(cfg(bit_width_inlier=b))
+    cache.append_key(mx.array(x))
+    xh = np.array(cache.reconstruct_keys())
+    dist = float(np.mean(np.sum((x - xh) ** 2, axis=1)))
+    assert dist <= math.sqrt(3) * math.pi / 2 * 4.0**-b  # paper's upper bound (Theorem 1)
+    assert dist == pytest.approx(PAPER_MSE[b], rel=0.2)  # paper's reported values
+    assert dist == pytest.approx(lloyd_max_distortion(b, D), rel=0.05)  # our codebook's own figure
+
+
+def test_mse_distortion_scales_with_norm():
+    x = unit_rows(1000, seed=9)
+    norms = np.random.default_rng(1).uniform(0.1, 20, size=(1000, 1)).astype(np.float32)
+    cache = TurboQuantMSEKVCache(cfg(bit_width_inlier=3))
+    cache.append_key(mx.array(x * norms))
+    xh = np.array(cache.reconstruct_keys())
+    rel = np.sum((x * norms - xh) ** 2, axis=1) / norms[:, 0] ** 2
+    assert float(rel.mean()) == pytest.approx(lloyd_max_distortion(3, D), rel=0.08)
+
+
+def test_outlier_split_distortion_between_uniform_widths():
+    x = unit_rows(1500, seed=4)
+    dist = {}
+    for name, kw in {
+        "2": dict(bit_width_inlier=2),
+        "3": dict(bit_width_inlier=3),
+        "mix": dict(bit_width_inlier=2, bit_width_outlier=3, n_outlier_channels=32),
+    }.items():
+        c = TurboQuantMSEKVCache(cfg(**kw))
+        c.append_key(mx.array(x))
+        dist[name] = float(np.mean(np.sum((x - np.array(c.reconstruct_keys())) ** 2, axis=1)))
+    assert dist["3"] < dist["mix"] < dist["2"]
+
+
+def test_outlier_channels_are_the_high_magnitude_ones():
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((64, D)).astype(np.float32)
+    hot = np.sort(rng.choice(D, size=8, replace=False))
+    k[:, hot] *= 20
+    c = TurboQuantMSEKVCache(cfg(bit_width_inlier=2, bit_width_outlier=4, n_outlier_channels=8))
+    c.append_key(mx.array(k))
+    np.testing.assert_array_equal(np.array(c.outlier_channels), hot)
+    # those channels are reconstructed better than with a uniform 2-bit cache
+    u = TurboQuantMSEKVCache(cfg(bit_width_inlier=2))
+    u.append_key(mx.array(k))
+    err_split = np.sum((k - np.array(c.reconstruct_keys())) ** 2)
+    err_uniform = np.sum((k - np.array(u.reconstruct_keys())) ** 2)
+    assert err_split < 0.5 * err_uniform
+
+
+def test_n_calib_tokens_limits_calibration_rows():
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((40, D)).astype(np.float32)
+    k[:10, :4] *= 30  # hot only in the first 10 rows
+    k[10:, 100:104] *= 100  # much hotter afterwards
+    c = TurboQuantMSEKVCache(cfg(n_outlier_channels=4, n_calib_tokens=10))
+    c.append_key(mx.array(k))
+    np.testing.assert_array_equal(np.array(c.outlier_channels), [0, 1, 2, 3])
+
+
+# --------------------------------------------------------------------------------- inner products
+
+
+def _prod_errors(b, m, seeds=80, n=32):
+    k = unit_rows(n, seed=11)
+    rng = np.random.default_rng(12)
+    q = (k + 0.3 * rng.standard_normal((n, D)) / math.sqrt(D)).astype(np.float32)  # q correlated with k
+    true = np.sum(q * k, axis=1)
+    errs = []
+    for s in range(seeds):
+        c = TurboQuantProdKVCache(cfg(bit_width_inlier=b, jl_dim=m, seed=1000 + s))
+        c.append_key(mx.array(k))
+        errs.append(np.diagonal(np.array(c.key_scores(mx.array(q)))) - true)
+    return np.array(errs)  # (seeds, n)
+
+
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_prod_inner_product_unbiased(b):
+    e = _prod_errors(b, D)
+    per_seed = e.mean(axis=1)  # independent across seeds (fresh rotation and sketch)
+    se = per_seed.std(ddof=1) / math.sqrt(len(per_seed))
+    assert abs(per_seed.mean()) < 4 * se
+    # The MSE quantizer at the same bits is visibly biased on the same pairs (the test can fail).
+    k = unit_rows(32, seed=11)
+    q = (k + 0.3 * np.random.default_rng(12).standard_normal((32, D)) / math.sqrt(D)).astype(np.float32)
+    mse = TurboQuantMSEKVCache(cfg(bit_width_inlier=1))
+    mse.append_key(mx.array(k))
+    bias = np.mean(np.diagonal(np.array(mse.key_scores(mx.array(q)))) - np.sum(q * k, axis=1))
+    assert abs(bias) > 20 * se
+
+
+def test_prod_variance_falls_with_sketch_size():
+    v = {m: float(_prod_errors(2, m, seeds=40).var()) for m in (32, 128, 512)}
+    assert v[128] < 0.6 * v[32]
+    assert v[512] < 0.6 * v[128]
+    # QJL bound: Var <= pi/(2m) ||r||^2 ||q||^2 with ||r||^2 ~ MSE(1 bit) ~ 0.36, ||q|| ~ 1
+    for m, var in v.items():
+        assert var < math.pi / (2 * m) * 0.37 * 1.1
+
+
+def test_prod_with_outlier_split_unbiased():
+    k = unit_rows(32, seed=21)
+    q = (k + 0.3 * np.random.default_rng(22).standard_normal((32, D)) / math.sqrt(D)).astype(np.float32)
+    true = np.sum(q * k, axis=1)
+    per_seed = []
+    for s in range(60):
+        c = TurboQuantProdKVCache(cfg(n_outlier_channels=32, seed=s))
+        c.append_key(mx.array(k))
+        per_seed.append(np.mean(np.diagonal(np.array(c.key_scores(mx.array(q)))) - true))
+    per_seed = np.array(per_seed)
+    assert abs(per_seed.mean()) < 4 * per_seed.std(ddof=1) / math.sqrt(len(per_seed))
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def _theory_bytes_per_token(cls, b, m=D):
+    values = D + 2  # int8 codes + fp16 scale
+    if cls is TurboQuantMSEKVCache:
+        return b * D / 8 + 2 + values
+    return (b - 1) * D / 8 + (2 if b > 1 else 0) + m / 8 + 2 + values
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("b", [1, 2, 3, 4])
+def test_memory_bytes_is_held_arrays_and_matches_budget(cls, b):
+    n = 1024
+    c = cls(cfg(bit_width_inlier=b))
+    rng = np.random.default_rng(b)
+    c.append_key(mx.array(rng.standard_normal((n // 2, D)).astype(np.float32)))
+    c.append_value(mx.array(rng.standard_normal((n // 2, D)).astype(np.float32)))
+    for i in range(n // 2):  # grows by doubling from the default 256 rows
+        c.append_key(mx.array(rng.standard_normal(D).astype(np.float32)))
+        c.append_value(mx.array(rng.standard_normal(D).astype(np.float32)))
+    assert len(c) == n
+    arrays = held_arrays(c)
+    assert c.memory_bytes() + c.state_bytes() == sum(a.nbytes for a in arrays)
+    per_token = c.memory_bytes() / n
+    assert per_token == pytest.approx(_theory_bytes_per_token(cls, b), rel=0.10)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_memory_is_preallocated_not_per_token(cls):
+    c = cls(cfg(capacity=64))
+    assert c.memory_bytes() == 0
+    c.append_key(mx.zeros((D,)) + 1)
+    c.append_value(mx.zeros((D,)) + 1)
+    one = c.memory_bytes()
+    assert one == pytest.approx(64 * _theory_bytes_per_token(cls, 2), rel=0.01)
+    for _ in range(63):
+        c.append_key(mx.ones((D,)))
+        c.append_value(mx.ones((D,)))
+    assert c.memory_bytes() == one  # no growth until the 64 rows are used
+    c.append_key(mx.ones((D,)))
+    c.append_value(mx.ones((D,)))
+    assert c.memory_bytes() == 2 * one  # doubled
+    assert sum(a.nbytes for a in held_arrays(c)) == c.memory_bytes() + c.state_bytes()
+
+
+def test_memory_with_outlier_split_spec_config():
+    c = TurboQuantMSEKVCache(cfg(n_outlier_channels=32, capacity=100))
+    c.append_key(mx.array(np.random.default_rng(0).standard_normal((100, D)).astype(np.float32)))
+    c.append_value(mx.array(np.random.default_rng(1).standard_normal((100, D)).astype(np.float32)))
+    theory = (32 * 3 + 96 * 2) / 8 + 2 * 2 + D + 2  # two groups, each with an fp16 norm
+    assert c.memory_bytes() / 100 == pytest.approx(theory, rel=0.10)
+
+
+# --------------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("key_scale", [1.0, 2.0])
+def test_attend_close_to_exact_at_4_bits(cls, key_scale):
+    # key_scale 2 gives logits with std 2 (a peaked softmax); there Prod's QJL variance costs more
+    # than MSE's bias, so only the mean cosine is held to 0.9 (per-query floor 0.8).
+    rng = np.random.default_rng(7)
+    n = 300
+    k = (rng.standard_normal((n, D)) * key_scale).astype(np.float32)
+    v = rng.standard_normal((n, D)).astype(np.float32)
+    q = rng.standard_normal((8, D)).astype(np.float32)
+    c = cls(cfg(bit_width_inlier=4))
+    c.append_key(mx.array(k))
+    c.append_value(mx.array(v))
+    out = np.array(c.attend(mx.array(q)))
+    ref = exact_attention(q, k, v)
+    assert out.shape == (8, D)
+    cos = [cosine(out[i], ref[i]) for i in range(8)]
+    if key_scale == 1.0:
+        assert min(cos) > 0.9
+    else:
+        assert np.mean(cos) > 0.9 and min(cos) > 0.8
+    single = np.array(c.attend(mx.array(q[0])))
+    assert single.shape == (D,)
+    np.testing.assert_allclose(single, out[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls, floor", [(TurboQuantMSEKVCache, 0.9), (TurboQuantProdKVCache, 0.7)])
+def test_spec_example_config(cls, floor):
+    # head_dim=128, inlier=2, outlier=3, jl_dim=128, seed=42; keys with 5 hot channels (x8)
+    rng = np.random.default_rng(8)
+    k = rng.standard_normal((200, D)).astype(np.float32)
+    k[:, :5] *= 8
+    v = rng.standard_normal((200, D)).astype(np.float32)
+    q = rng.standard_normal((4, D)).astype(np.float32)
+    ref = exact_attention(q, k, v)
+    mean_cos = {}
+    for n_out in (None, 32):
+        c = cls(cfg(n_outlier_channels=n_out))
+        c.append_key(mx.array(k[:150]))  # the first block calibrates the outlier channels
+        c.append_key(mx.array(k[150:]))
+        c.append_value(mx.array(v))
+        out = np.array(c.attend(mx.array(q)))
+        assert out.shape == (4, D) and np.all(np.isfinite(out))
+        mean_cos[n_out] = np.mean([cosine(out[i], ref[i]) for i in range(4)])
+    # the 2/3-bit outlier split (2.25 bits/channel) beats uniform 2 bits on such keys
+    assert mean_cos[32] > mean_cos[None]
+    assert mean_cos[32] > floor
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_scores_use_rotated_domain_consistently(cls):
+    # key_scores (rotated-domain) equals <q, reconstructed key> (original domain)
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((50, D)).astype(np.float32)
+    q = rng.standard_normal((3, D)).astype(np.float32)
+    c = cls(cfg(bit_width_inlier=3, n_outlier_channels=16))
+    c.append_key(mx.array(k))
+    np.testing.assert_allclose(
+        np.array(c.key_scores(mx.array(q))), q @ np.array(c.reconstruct_keys()).T, rtol=1e-3, atol=1e-3
+    )
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_single_vectors_equal_block(cls):
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((20, D)).astype(np.float32)
+    v = rng.standard_normal((20, D)).astype(np.float32)
+    a, b = cls(cfg(bit_width_inlier=3)), cls(cfg(bit_width_inlier=3))
+    a.append_key(mx.array(k))
+    a.append_value(mx.array(v))
+    for i in range(20):
+        b.append_key(mx.array(k[i]))
+        b.append_value(mx.array(v[i]))
+    np.testing.assert_array_equal(np.array(a.reconstruct_keys()), np.array(b.reconstruct_keys()))
+    np.testing.assert_array_equal(np.array(a.reconstruct_values()), np.array(b.reconstruct_values()))
+
+
+def test_values_int8_roundtrip_error():
+    rng = np.random.default_rng(6)
+    v = (rng.standard_normal((100, D)) * rng.uniform(0.01, 100, size=(100, 1))).astype(np.float32)
+    c = TurboQuantMSEKVCache(cfg())
+    c.append_value(mx.array(v))
+    vh = np.array(c.reconstruct_values())
+    err = np.abs(vh - v).max(axis=1) / np.abs(v).max(axis=1)
+    assert np.all(err < 0.5 / 127 + 2e-3)  # half a step (+ fp16 scale rounding)
+    c.append_value(mx.zeros((D,)))
+    assert np.all(np.array(c.reconstruct_values())[-1] == 0)
+
+
+def test_attend_dtype_and_partial_pairs():
+    rng = np.random.default_rng(1)
+    c = TurboQuantMSEKVCache(cfg(bit_width_inlier=4))
+    q16 = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.float16)
+    assert np.all(np.array(c.attend(q16)) == 0)  # nothing stored
+    k = rng.standard_normal((10, D)).astype(np.float32)
+    v = rng.standard_normal((10, D)).astype(np.float32)
+    c.append_key(mx.array(k))
+    c.append_value(mx.array(v[:6]))
+    assert len(c) == 6
+    assert c.attend(q16).dtype == mx.float16
+    ref = exact_attention(np.array(q16, dtype=np.float32)[None], k[:6], v[:6])[0]
+    assert cosine(np.array(c.attend(q16), dtype=np.float32), ref) > 0.9
+    c32 = TurboQuantMSEKVCache(cfg(dtype=mx.float32))
+    c32.append_key(mx.array(k))
+    c32.append_value(mx.array(v))
+    assert c32.attend(q16).dtype == mx.float32
+
+
+# ------------------------------------------------------------------------------------------- reset
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_reset_empties_but_keeps_rotation(cls):
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((30, D)).astype(np.float32)
+    v = rng.standard_normal((30, D)).astype(np.float32)
+    c = cls(cfg(bit_width_inlier=3))
+    rot = np.array(c.rotation)
+    np.testing.assert_array_equal(rot, np.array(random_orthogonal(D, 42)))
+    c.append_key(mx.array(k))
+    c.append_value(mx.array(v))
+    first = np.array(c.reconstruct_keys())
+    c.reset()
+    assert len(c) == 0 and c.n_keys == 0 and c.n_values == 0
+    assert c.memory_bytes() == 0
+    np.testing.assert_array_equal(np.array(c.rotation), rot)
+    c.append_key(mx.array(k))
+    c.append_value(mx.array(v))
+    np.testing.assert_array_equal(np.array(c.reconstruct_keys()), first)
+
+
+def test_seed_determinism():
+    k = unit_rows(10, seed=3)
+    a, b, other = (TurboQuantProdKVCache(cfg(seed=s)) for s in (5, 5, 6))
+    for c in (a, b, other):
+        c.append_key(mx.array(k))
+    np.testing.assert_array_equal(np.array(a.reconstruct_keys()), np.array(b.reconstruct_keys()))
+    assert not np.allclose(np.array(a.reconstruct_keys()), np.array(other.reconstruct_keys()))
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_bad_inputs_raise_cache_input_error(cls):
+    c = cls(cfg())
+    bad = [
+        mx.zeros((D + 1,)),
+        mx.zeros((3, D - 1)),
+        mx.zeros((2, 3, D)),
+        mx.zeros((D,), dtype=mx.int32),
+        mx.array(np.full(D, np.nan, dtype=np.float32)),
+        mx.array(np.concatenate([[np.inf], np.zeros(D - 1)]).astype(np.float32)),
+        [0.0] * D,
+        np.zeros(D, dtype=np.int64),
+    ]
+    for x in bad:
+        for fn in (c.append_key, c.append_value, c.attend):
+            with pytest.raises(CacheInputError):
+                fn(x)
+    with pytest.raises(CacheInputError):
+        c.append_key(mx.full((D,), 1e4))  # norm 1.1e5 does not fit the fp16 norm
+    assert c.n_keys == 0 and c.n_values == 0
+    c.append_key(np.zeros((2, D), dtype=np.float32))  # NumPy floats are accepted
+    assert c.n_keys == 2
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("head_dim", 1),
+        ("head_dim", 64.0),
+        ("bit_width_inlier", 0),
+        ("bit_width_inlier", 9),
+        ("bit_width_inlier", True),
+        ("n_outlier_channels", 1),
+        ("n_outlier_channels", D - 1),
+        ("bit_width_outlier", 9),
+        ("n_calib_tokens", 0),
+        ("capacity", 0),
+        ("seed", "x"),
+        ("seed", None),
+        ("dtype", mx.int32),
+    ],
+)
+@pytest.mark.parametrize("cls", CLASSES)
+def test_bad_config_raises_quantizer_config_error(cls, field, value):
+    kw = {field: value}
+    if field in ("n_outlier_channels",):
+        kw["bit_width_outlier"] = 3
+    if field == "bit_width_outlier":
+        kw["n_outlier_channels"] = 8
+    with pytest.raises(QuantizerConfigError) as info:
+        cls(cfg(**kw))
+    assert info.value.field == field
+
+
+def test_prod_specific_config_errors():
+    with pytest.raises(QuantizerConfigError) as info:
+        TurboQuantProdKVCache(cfg(jl_dim=0))
+    assert info.value.field == "jl_dim"
+    with pytest.raises(QuantizerConfigError) as info:
+        TurboQuantMSEKVCache(cfg(n_outlier_channels=8, bit_width_outlier=None))
+    assert info.value.field == "bit_width_outlier"
+    assert TurboQuantProdKVCache(cfg(jl_dim=None)).jl_dim == D
+    # 1-bit prod is pure QJL: no MSE codes are stored
+    c = TurboQuantProdKVCache(cfg(bit_width_inlier=1, capacity=8))
+    c.append_key(mx.ones((D,)))
+    assert c.memory_bytes() == 8 * (D // 8 + 2)
