@@ -73,6 +73,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..primitives.rowstore import RowStore
 from ..base import register
 from ..errors import CacheInputError, QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
@@ -132,60 +133,6 @@ def _as_block(x, d: int, what: str) -> tuple[mx.array, bool]:
     if x.shape[0] and not mx.all(mx.isfinite(x)).item():
         raise CacheInputError(f"{what} contains NaN or Inf")
     return x, single
-
-
-class _RowStore:
-    """Named per-token arrays, preallocated ``(capacity, *row_shape)`` and grown by doubling.
-
-    Arrays are created lazily on the first write (an empty store holds nothing) and dropped by
-    :meth:`clear`. Rows ``[0, n)`` are valid; the rest is reserved capacity (counted in ``nbytes``
-    because it is held).
-    """
-
-    def __init__(self, specs: dict, initial_capacity: int):
-        self.specs = specs  # name -> (row_shape tuple, dtype)
-        self.initial_capacity = initial_capacity
-        self.arrays: dict[str, mx.array] = {}
-        self.capacity = 0
-        self.n = 0
-
-    def _allocate(self, capacity: int) -> None:
-        new = {}
-        for name, (shape, dtype) in self.specs.items():
-            buf = mx.zeros((capacity, *shape), dtype=dtype)
-            if self.n:
-                buf[: self.n] = self.arrays[name][: self.n]
-            new[name] = buf
-        self.arrays, self.capacity = new, capacity
-
-    def append(self, rows: dict) -> None:
-        k = next(iter(rows.values())).shape[0]
-        if k == 0:
-            return
-        need = self.n + k
-        if need > self.capacity:
-            cap = max(self.initial_capacity, 2 * self.capacity, need)
-            self._allocate(cap)
-        for name, val in rows.items():
-            self.arrays[name][self.n : need] = val
-        self.n = need
-        mx.eval(list(self.arrays.values()))
-
-    def view(self, name: str) -> mx.array:
-        return self.arrays[name][: self.n]
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
-    def clear(self) -> None:
-        self.arrays, self.capacity, self.n = {}, 0, 0
-
-    def drop_oldest(self, k: int) -> None:
-        """Remove rows [0, k) in place (the rest shifts down; capacity is kept)."""
-        k = min(k, self.n)
-        for name, buf in self.arrays.items():
-            buf[: self.n - k] = buf[k : self.n]
-        self.n -= k
 
 
 class _Group:
@@ -272,8 +219,8 @@ class _TurboQuantBase(KVCache):
             key_specs["qjl"] = ((packed_words(self.jl_dim, 1),), mx.uint32)
             key_specs["rnorm"] = ((), mx.float16)
         initial = cap if cap is not None else _DEFAULT_CAPACITY
-        self._keys = _RowStore(key_specs, initial)
-        self._values = _RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, initial)
+        self._keys = RowStore(key_specs, initial)
+        self._values = RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, initial)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 

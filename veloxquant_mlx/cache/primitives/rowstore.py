@@ -1,0 +1,59 @@
+"""Per-token row storage for the standalone (single-head, per-vector) caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class RowStore:
+    """Named per-token arrays, preallocated ``(capacity, *row_shape)`` and grown by doubling.
+
+    Arrays are created lazily on the first write (an empty store holds nothing) and dropped by
+    :meth:`clear`. Rows ``[0, n)`` are valid; the rest is reserved capacity (counted in ``nbytes``
+    because it is held).
+    """
+
+    def __init__(self, specs: dict, initial_capacity: int):
+        self.specs = specs  # name -> (row_shape tuple, dtype)
+        self.initial_capacity = initial_capacity
+        self.arrays: dict[str, mx.array] = {}
+        self.capacity = 0
+        self.n = 0
+
+    def _allocate(self, capacity: int) -> None:
+        new = {}
+        for name, (shape, dtype) in self.specs.items():
+            buf = mx.zeros((capacity, *shape), dtype=dtype)
+            if self.n:
+                buf[: self.n] = self.arrays[name][: self.n]
+            new[name] = buf
+        self.arrays, self.capacity = new, capacity
+
+    def append(self, rows: dict) -> None:
+        k = next(iter(rows.values())).shape[0]
+        if k == 0:
+            return
+        need = self.n + k
+        if need > self.capacity:
+            cap = max(self.initial_capacity, 2 * self.capacity, need)
+            self._allocate(cap)
+        for name, val in rows.items():
+            self.arrays[name][self.n : need] = val
+        self.n = need
+        mx.eval(list(self.arrays.values()))
+
+    def view(self, name: str) -> mx.array:
+        return self.arrays[name][: self.n]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def clear(self) -> None:
+        self.arrays, self.capacity, self.n = {}, 0, 0
+
+    def drop_oldest(self, k: int) -> None:
+        """Remove rows [0, k) in place (the rest shifts down; capacity is kept)."""
+        k = min(k, self.n)
+        for name, buf in self.arrays.items():
+            buf[: self.n - k] = buf[k : self.n]
+        self.n -= k
