@@ -22,7 +22,7 @@ Storage per token (``d = head_dim``, no outlier split): MSE: ``b*d`` bits of cod
 32-bit words, each row padded to a whole word) + fp16 key norm; Prod: ``(b-1)*d`` bits + fp16 key
 norm (omitted when ``b = 1``) + ``m`` sign bits (padded to words) + fp16 residual norm. Values (both
 caches): ``d`` int8 codes + one fp16 absmax scale per token. All per-token storage is preallocated
-and grown by doubling (see :class:`_RowStore`).
+and grown by doubling (see :class:`~veloxquant_mlx.cache.primitives.rowstore.RowStore`).
 
 Outlier split (the paper's KV-cache experiments: outlier channels get more bits, with two
 independent TurboQuant instances for the two channel sets): when ``n_outlier_channels`` is set,
