@@ -74,72 +74,29 @@ import math
 
 import mlx.core as mx
 
+from ..standalone_util import FP16_MAX, as_block, check_drop, check_norm16, common_fields, from_store, int_field, out_dtype
 from ..base import register
-from ..errors import CacheInputError, QuantizerConfigError
+from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.polar import angle_codebook, polar_levels, polar_transform, quantize_angles
 from ..primitives.rotation import random_orthogonal
 from ..primitives.rowstore import RowStore
 from ...core.abstractions import KVCache
-from .turboquant import _as_block, _int_field, _is_int
 
 __all__ = ["PolarQuantKVCache"]
 
-_DEFAULT_CAPACITY = 256
 _MAX_LEVELS = 4
 _TINY = 1e-30
-_FP16_MAX = 65504.0
 
 
 # --------------------------------------------------------------------------------------------------
 # helpers shared by the standalone caches of this family (polar, qjl, spectral)
 
 
-def _common_fields(config):
-    """Validate and return ``(head_dim, seed, dtype, capacity)``."""
-    d = _int_field(config, "head_dim", 2)
-    seed = getattr(config, "seed", 0)
-    if not _is_int(seed):
-        raise QuantizerConfigError("seed", seed, "an int")
-    cap = _int_field(config, "capacity", 1, optional=True)
-    dtype = getattr(config, "dtype", None)
-    if dtype is not None and not (isinstance(dtype, mx.Dtype) and mx.issubdtype(dtype, mx.floating)):
-        raise QuantizerConfigError("dtype", dtype, "None or a floating mlx dtype")
-    return d, int(seed), dtype, (cap if cap is not None else _DEFAULT_CAPACITY)
-
-
-def _from_store(store, key: str, make, shape: tuple) -> mx.array:
-    """``make()`` or, with an ArtifactStore, the stored artifact under ``key`` (created if absent)."""
-    if store is None:
-        return make()
-    value = store.get_or_create(key, make)
-    if tuple(value.shape) != tuple(shape):
-        raise QuantizerConfigError("store", key, f"an artifact of shape {tuple(shape)}, got {tuple(value.shape)}")
-    return value.astype(mx.float32)
-
-
-def _out_dtype(dtype, q):
-    out = dtype if dtype is not None else (q.dtype if isinstance(q, mx.array) else None)
-    if out is None or not mx.issubdtype(out, mx.floating):
-        out = mx.float32
-    return out
-
-
-def _check_norm16(x: mx.array, what: str) -> None:
-    if x.shape[0] and mx.max(mx.sum(x * x, axis=1)).item() > _FP16_MAX**2:
-        raise CacheInputError(f"{what} norm exceeds the float16 range ({_FP16_MAX}) of the stored norms")
-
-
-def _check_drop(n) -> int:
-    if not _is_int(n) or n < 0:
-        raise CacheInputError(f"drop_oldest needs an int n >= 0, got {n!r}")
-    return int(n)
-
-
 def _int8_rows(v: mx.array) -> dict:
     """Symmetric per-row int8 codes with a float16 absmax scale."""
     absmax = mx.max(mx.abs(v), axis=1)
-    scale16 = mx.minimum(absmax / 127.0, _FP16_MAX).astype(mx.float16)
+    scale16 = mx.minimum(absmax / 127.0, FP16_MAX).astype(mx.float16)
     scale = scale16.astype(mx.float32)
     q = mx.where(scale[:, None] > 0, mx.round(v / mx.maximum(scale, _TINY)[:, None]), 0.0)
     return {"v": mx.clip(q, -127, 127).astype(mx.int8), "vscale": scale16}
@@ -158,10 +115,10 @@ class PolarQuantKVCache(KVCache):
 
     def __init__(self, config):
         self.config = config
-        d, seed, dtype, initial = _common_fields(config)
+        d, seed, dtype, initial = common_fields(config)
         if d % 2:
             raise QuantizerConfigError("head_dim", d, "an even int >= 2 (the polar transform pairs coordinates)")
-        b = _int_field(config, "bit_width_inlier", 1, 8)
+        b = int_field(config, "bit_width_inlier", 1, 8)
         self.head_dim, self.seed, self.dtype, self.bit_width_inlier = d, seed, dtype, b
         self.observers = list(getattr(config, "observers", None) or [])
         self.store = getattr(config, "store", None)
@@ -171,7 +128,7 @@ class PolarQuantKVCache(KVCache):
         self.level_bits = [b] + [max(1, b - 2)] * (self.levels - 1)
         self.level_sizes = [d >> level for level in range(1, self.levels + 1)]  # angles per level
         self.n_radii = d >> self.levels
-        self.rotation = _from_store(
+        self.rotation = from_store(
             self.store, f"polar.rotation.d{d}.seed{seed}", lambda: random_orthogonal(d, seed), (d, d)
         )
         self.codebooks = [angle_codebook(lv + 1, bits) for lv, bits in enumerate(self.level_bits)]
@@ -219,7 +176,7 @@ class PolarQuantKVCache(KVCache):
 
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        n = _check_drop(n)
+        n = check_drop(n)
         self._keys.drop_oldest(n)
         self._values.drop_oldest(n)
 
@@ -231,10 +188,10 @@ class PolarQuantKVCache(KVCache):
     # ---- keys ------------------------------------------------------------------------------------
 
     def append_key(self, k) -> None:
-        k, _ = _as_block(k, self.head_dim, "key")
+        k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0] == 0:
             return
-        _check_norm16(k, "key")
+        check_norm16(k, "key")
         radii, angles = polar_transform(k @ self.rotation.T, self.levels)
         rows = {
             "a1": pack_bits(quantize_angles(angles[0], 1, self.level_bits[0]), self.level_bits[0]),
@@ -279,7 +236,7 @@ class PolarQuantKVCache(KVCache):
     def key_scores(self, q) -> mx.array:
         """Estimated ``<q, k_i>`` for every stored key: ``(n,)`` for ``q`` ``(d,)``, ``(m, n)`` for
         ``(m, d)``."""
-        q, single = _as_block(q, self.head_dim, "query")
+        q, single = as_block(q, self.head_dim, "query")
         s = self._scores(q, self._keys.n)
         return s[0] if single else s
 
@@ -289,7 +246,7 @@ class PolarQuantKVCache(KVCache):
     # ---- values ----------------------------------------------------------------------------------
 
     def append_value(self, v) -> None:
-        v, _ = _as_block(v, self.head_dim, "value")
+        v, _ = as_block(v, self.head_dim, "value")
         if v.shape[0] == 0:
             return
         self._values.append(_int8_rows(v))
@@ -305,8 +262,8 @@ class PolarQuantKVCache(KVCache):
     def attend(self, q) -> mx.array:
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs; ``(d,)`` or
         ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        out_dtype = _out_dtype(self.dtype, q)
-        qf, single = _as_block(q, self.head_dim, "query")
+        odt = out_dtype(self.dtype, q)
+        qf, single = as_block(q, self.head_dim, "query")
         n = self.n_tokens
         if n == 0:
             out = mx.zeros(qf.shape, dtype=mx.float32)
@@ -315,5 +272,5 @@ class PolarQuantKVCache(KVCache):
             v = self._values.view("v")[:n].astype(mx.float32)
             vs = self._values.view("vscale")[:n].astype(mx.float32)
             out = (w * vs[None, :]) @ v
-        out = out.astype(out_dtype)
+        out = out.astype(odt)
         return out[0] if single else out

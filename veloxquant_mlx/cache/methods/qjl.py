@@ -64,28 +64,26 @@ import math
 
 import mlx.core as mx
 
+from ..standalone_util import FP16_MAX, as_block, check_drop, check_norm16, common_fields, from_store, int_field, out_dtype
 from ..base import register
 from ..errors import CacheInputError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.rowstore import RowStore
 from ..primitives.sketch import QJL_SCALE, gaussian_jl
 from ...core.abstractions import KVCache
-from .polar import _check_drop, _check_norm16, _common_fields, _from_store, _out_dtype
-from .turboquant import _as_block, _int_field
 
 __all__ = ["QJLKVCache"]
 
-_FP16_MAX = 65504.0
 
 
 def _minmax_rows(v: mx.array, bits: int) -> dict:
     """Per-row asymmetric ``bits``-bit codes (packed) with float16 scale and minimum."""
-    if mx.max(mx.abs(v)).item() > _FP16_MAX:
-        raise CacheInputError(f"value entries exceed the float16 range ({_FP16_MAX}) of the stored minimum")
+    if mx.max(mx.abs(v)).item() > FP16_MAX:
+        raise CacheInputError(f"value entries exceed the float16 range ({FP16_MAX}) of the stored minimum")
     levels = float((1 << bits) - 1)
     lo = mx.min(v, axis=1)
     scale = (mx.max(v, axis=1) - lo) / levels
-    if mx.max(scale).item() > _FP16_MAX:
+    if mx.max(scale).item() > FP16_MAX:
         raise CacheInputError(f"value range exceeds what a float16 scale can hold at {bits} bits")
     lo16, scale16 = lo.astype(mx.float16), scale.astype(mx.float16)
     s = scale16.astype(mx.float32)
@@ -105,14 +103,14 @@ class QJLKVCache(KVCache):
 
     def __init__(self, config):
         self.config = config
-        d, seed, dtype, initial = _common_fields(config)
-        b = _int_field(config, "bit_width_inlier", 1, 8)
-        m = d if getattr(config, "jl_dim", None) is None else _int_field(config, "jl_dim", 1)
+        d, seed, dtype, initial = common_fields(config)
+        b = int_field(config, "bit_width_inlier", 1, 8)
+        m = d if getattr(config, "jl_dim", None) is None else int_field(config, "jl_dim", 1)
         self.head_dim, self.seed, self.dtype, self.bit_width_inlier, self.jl_dim = d, seed, dtype, b, m
         self.observers = list(getattr(config, "observers", None) or [])
         self.store = getattr(config, "store", None)
         self.scale = 1.0 / math.sqrt(d)
-        self.sketch = _from_store(
+        self.sketch = from_store(
             self.store, f"qjl.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed), (m, d)
         )
         self._keys = RowStore({"signs": ((packed_words(m, 1),), mx.uint32), "norm": ((), mx.float16)}, initial)
@@ -146,7 +144,7 @@ class QJLKVCache(KVCache):
 
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        n = _check_drop(n)
+        n = check_drop(n)
         self._keys.drop_oldest(n)
         self._values.drop_oldest(n)
 
@@ -158,10 +156,10 @@ class QJLKVCache(KVCache):
     # ---- keys ------------------------------------------------------------------------------------
 
     def append_key(self, k) -> None:
-        k, _ = _as_block(k, self.head_dim, "key")
+        k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0] == 0:
             return
-        _check_norm16(k, "key")
+        check_norm16(k, "key")
         self._keys.append({
             "signs": pack_bits((k @ self.sketch.T) >= 0, 1),
             "norm": mx.sqrt(mx.sum(k * k, axis=1)).astype(mx.float16),
@@ -178,7 +176,7 @@ class QJLKVCache(KVCache):
     def key_scores(self, q) -> mx.array:
         """Unbiased estimates of ``<q, k_i>`` for every stored key: ``(n,)`` for ``q`` ``(d,)``,
         ``(m, n)`` for ``(m, d)``."""
-        q, single = _as_block(q, self.head_dim, "query")
+        q, single = as_block(q, self.head_dim, "query")
         s = self._scores(q, self._keys.n)
         return s[0] if single else s
 
@@ -192,7 +190,7 @@ class QJLKVCache(KVCache):
     # ---- values ----------------------------------------------------------------------------------
 
     def append_value(self, v) -> None:
-        v, _ = _as_block(v, self.head_dim, "value")
+        v, _ = as_block(v, self.head_dim, "value")
         if v.shape[0] == 0:
             return
         self._values.append(_minmax_rows(v, self.bit_width_inlier))
@@ -212,8 +210,8 @@ class QJLKVCache(KVCache):
     def attend(self, q) -> mx.array:
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs (scores from the QJL
         estimator); ``(d,)`` or ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        out_dtype = _out_dtype(self.dtype, q)
-        qf, single = _as_block(q, self.head_dim, "query")
+        odt = out_dtype(self.dtype, q)
+        qf, single = as_block(q, self.head_dim, "query")
         n = self.n_tokens
         if n == 0:
             out = mx.zeros(qf.shape, dtype=mx.float32)
@@ -221,5 +219,5 @@ class QJLKVCache(KVCache):
             w = mx.softmax(self._scores(qf, n) * self.scale, axis=-1)
             codes, scale, lo = self._value_parts(n)
             out = (w * scale[None, :]) @ codes + (w @ lo)[:, None]
-        out = out.astype(out_dtype)
+        out = out.astype(odt)
         return out[0] if single else out

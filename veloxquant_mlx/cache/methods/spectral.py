@@ -89,6 +89,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..standalone_util import FP16_MAX, as_block, check_drop, common_fields, from_store, int_field, is_int, out_dtype
 from ..base import register
 from ..errors import CacheInputError, QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
@@ -96,12 +97,9 @@ from ..primitives.codebook import lloyd_max_codebook, nearest_code
 from ..primitives.rowstore import RowStore
 from ..primitives.sketch import QJL_SCALE, gaussian_jl
 from ...core.abstractions import KVCache
-from .polar import _check_drop, _common_fields, _from_store, _out_dtype
-from .turboquant import _as_block, _int_field, _is_int
 
 __all__ = ["SpectralQuantKVCache"]
 
-_FP16_MAX = 65504.0
 _TINY = 1e-30
 _EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
 _DEFAULTS = {"spectral_key_d_eff": 4, "spectral_val_d_eff": 50, "spectral_apply_qjl": True,
@@ -168,7 +166,7 @@ class _Side:
         zs = z / zmax  # scaled first so that the norm cannot overflow
         zn = mx.sqrt(mx.sum(zs * zs, axis=1, keepdims=True))
         codes = nearest_code(zs / mx.maximum(zn, _TINY), self.codebook)
-        rho16 = mx.minimum(zn[:, 0] * zmax[:, 0], _FP16_MAX).astype(mx.float16)
+        rho16 = mx.minimum(zn[:, 0] * zmax[:, 0], FP16_MAX).astype(mx.float16)
         rows = {"codes": pack_bits(codes, self.bits), "rho": rho16}
         return rows, self._coefficients(codes, rho16)
 
@@ -207,11 +205,11 @@ class SpectralQuantKVCache(KVCache):
 
     def __init__(self, config):
         self.config = config
-        d, seed, dtype, initial = _common_fields(config)
-        b = _int_field(config, "bit_width_inlier", 1, 8)
+        d, seed, dtype, initial = common_fields(config)
+        b = int_field(config, "bit_width_inlier", 1, 8)
         vals = {f: getattr(config, f, default) for f, default in _DEFAULTS.items()}
         for f in ("spectral_key_d_eff", "spectral_val_d_eff"):
-            if not _is_int(vals[f]) or vals[f] < 1:
+            if not is_int(vals[f]) or vals[f] < 1:
                 raise QuantizerConfigError(f, vals[f], "an int >= 1 (clipped to head_dim)")
         if not isinstance(vals["spectral_apply_qjl"], bool):
             raise QuantizerConfigError("spectral_apply_qjl", vals["spectral_apply_qjl"], "True or False")
@@ -219,8 +217,8 @@ class SpectralQuantKVCache(KVCache):
         if not isinstance(name, str) or not name:
             raise QuantizerConfigError("spectral_model_name", name, "a non-empty str")
         self.apply_qjl = vals["spectral_apply_qjl"]
-        m = d if getattr(config, "jl_dim", None) is None else _int_field(config, "jl_dim", 1)
-        self.n_calib_tokens = _int_field(config, "n_calib_tokens", 1, optional=True)
+        m = d if getattr(config, "jl_dim", None) is None else int_field(config, "jl_dim", 1)
+        self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
         self.head_dim, self.seed, self.dtype, self.bit_width_inlier = d, seed, dtype, b
         self.jl_dim = m if self.apply_qjl else None
         self.model_name = name
@@ -234,7 +232,7 @@ class SpectralQuantKVCache(KVCache):
         self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial)
         self._values = _Side("value", d, self.val_d_eff, b, {}, initial)
         self.sketch = (
-            _from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed), (m, d))
+            from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed), (m, d))
             if self.apply_qjl else None
         )
         for side in (self._keys, self._values):
@@ -284,7 +282,7 @@ class SpectralQuantKVCache(KVCache):
         for side, x, what in ((self._keys, keys, "keys"), (self._values, values, "values")):
             if x is None:
                 continue
-            x, _ = _as_block(x, self.head_dim, what)
+            x, _ = as_block(x, self.head_dim, what)
             if x.shape[0] < 2:
                 raise CacheInputError(f"calibration {what} need at least 2 rows, got {x.shape[0]}")
             self._calibrate_side(side, x, side.pending)
@@ -293,8 +291,8 @@ class SpectralQuantKVCache(KVCache):
         if side.calibrated:
             side.rows.append(self._encode_rows(side, x))
             return
-        if mx.max(mx.sum(x * x, axis=1)).item() > _FP16_MAX**2:
-            raise CacheInputError(f"{side.kind} norm exceeds the float16 range ({_FP16_MAX}) of the stored norms")
+        if mx.max(mx.sum(x * x, axis=1)).item() > FP16_MAX**2:
+            raise CacheInputError(f"{side.kind} norm exceeds the float16 range ({FP16_MAX}) of the stored norms")
         held = x if side.pending is None else mx.concatenate([side.pending, x], axis=0)
         need = self.n_calib_tokens if self.n_calib_tokens is not None else self.head_dim
         if held.shape[0] >= max(need, 2):
@@ -307,14 +305,14 @@ class SpectralQuantKVCache(KVCache):
     def _encode_rows(self, side: _Side, x: mx.array) -> dict:
         """Per-token arrays of the encoded rows ``x`` (raises ``CacheInputError`` before any change)."""
         centred = mx.sum((x - side.mean) ** 2, axis=1)
-        if mx.max(centred).item() > _FP16_MAX**2:
-            raise CacheInputError(f"{side.kind} is farther than {_FP16_MAX} from the calibrated mean")
+        if mx.max(centred).item() > FP16_MAX**2:
+            raise CacheInputError(f"{side.kind} is farther than {FP16_MAX} from the calibrated mean")
         rows, chat = side.encode(x)
         if side is self._keys and self.apply_qjl:
             resid = x - (side.mean + chat @ side.basis.T)
             rnorm = mx.sqrt(mx.sum(resid * resid, axis=1))
-            if mx.max(rnorm).item() > _FP16_MAX:
-                raise CacheInputError(f"key residual norm exceeds the float16 range ({_FP16_MAX})")
+            if mx.max(rnorm).item() > FP16_MAX:
+                raise CacheInputError(f"key residual norm exceeds the float16 range ({FP16_MAX})")
             rows["signs"] = pack_bits((resid @ self.sketch.T) >= 0, 1)
             rows["rnorm"] = rnorm.astype(mx.float16)
         return rows
@@ -385,7 +383,7 @@ class SpectralQuantKVCache(KVCache):
 
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        n = _check_drop(n)
+        n = check_drop(n)
         self._keys.drop_oldest(n)
         self._values.drop_oldest(n)
 
@@ -398,12 +396,12 @@ class SpectralQuantKVCache(KVCache):
     # ---- keys ------------------------------------------------------------------------------------
 
     def append_key(self, k) -> None:
-        k, _ = _as_block(k, self.head_dim, "key")
+        k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0]:
             self._append(self._keys, k)
 
     def append_value(self, v) -> None:
-        v, _ = _as_block(v, self.head_dim, "value")
+        v, _ = as_block(v, self.head_dim, "value")
         if v.shape[0]:
             self._append(self._values, v)
 
@@ -425,7 +423,7 @@ class SpectralQuantKVCache(KVCache):
     def key_scores(self, q) -> mx.array:
         """Estimated ``<q, k_i>`` for every stored key (unbiased with ``spectral_apply_qjl``): ``(n,)``
         for ``q`` ``(d,)``, ``(m, n)`` for ``(m, d)``. Exact for rows held before calibration."""
-        q, single = _as_block(q, self.head_dim, "query")
+        q, single = as_block(q, self.head_dim, "query")
         s = self._scores(q, self._keys.n)
         return s[0] if single else s
 
@@ -454,8 +452,8 @@ class SpectralQuantKVCache(KVCache):
     def attend(self, q) -> mx.array:
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs; ``(d,)`` or
         ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        out_dtype = _out_dtype(self.dtype, q)
-        qf, single = _as_block(q, self.head_dim, "query")
+        odt = out_dtype(self.dtype, q)
+        qf, single = as_block(q, self.head_dim, "query")
         n = self.n_tokens
         if n == 0:
             out = mx.zeros(qf.shape, dtype=mx.float32)
@@ -466,5 +464,5 @@ class SpectralQuantKVCache(KVCache):
                 out = side.mean[None, :] + (w @ side.coefficients(n)) @ side.basis.T
             else:
                 out = w @ side.pending[:n]
-        out = out.astype(out_dtype)
+        out = out.astype(odt)
         return out[0] if single else out

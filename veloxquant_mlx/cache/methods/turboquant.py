@@ -74,6 +74,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.rowstore import RowStore
+from ..standalone_util import as_block, derive_seed, int_field, is_int
 from ..base import register
 from ..errors import CacheInputError, QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
@@ -91,48 +92,6 @@ _FP16_MAX = 65504.0
 
 # --------------------------------------------------------------------------------------------------
 # helpers
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _int_field(config, field, lo, hi=None, optional=False):
-    v = getattr(config, field, None)
-    if v is None and optional:
-        return None
-    allowed = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
-    if optional:
-        allowed += " or None"
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        raise QuantizerConfigError(field, v, allowed)
-    return int(v)
-
-
-def _derive_seed(seed: int, stream: int) -> int:
-    """Independent integer seed for sub-stream ``stream`` of ``seed``."""
-    return int(np.random.SeedSequence([seed % (1 << 64), stream]).generate_state(1)[0])
-
-
-def _as_block(x, d: int, what: str) -> tuple[mx.array, bool]:
-    """Validate a ``(d,)`` / ``(n, d)`` floating, finite input; return it as float32 ``(n, d)``."""
-    if isinstance(x, np.ndarray):
-        if not np.issubdtype(x.dtype, np.floating):
-            raise CacheInputError(f"{what} must have a floating dtype, got {x.dtype}")
-        x = mx.array(x)
-    if not isinstance(x, mx.array):
-        raise CacheInputError(f"{what} must be an mlx array, got {type(x).__name__}")
-    if not mx.issubdtype(x.dtype, mx.floating):
-        raise CacheInputError(f"{what} must have a floating dtype, got {x.dtype}")
-    if x.ndim not in (1, 2):
-        raise CacheInputError(f"{what} must have shape (d,) or (n, d), got {tuple(x.shape)}")
-    if x.shape[-1] != d:
-        raise CacheInputError(f"{what} last dimension is {x.shape[-1]}, expected head_dim={d}")
-    single = x.ndim == 1
-    x = x.astype(mx.float32).reshape(-1, d)
-    if x.shape[0] and not mx.all(mx.isfinite(x)).item():
-        raise CacheInputError(f"{what} contains NaN or Inf")
-    return x, single
 
 
 class _Group:
@@ -159,10 +118,10 @@ class _TurboQuantBase(KVCache):
 
     def __init__(self, config):
         self.config = config
-        d = _int_field(config, "head_dim", 2)
-        b_in = _int_field(config, "bit_width_inlier", 1, 8)
+        d = int_field(config, "head_dim", 2)
+        b_in = int_field(config, "bit_width_inlier", 1, 8)
         seed = getattr(config, "seed", 0)
-        if not _is_int(seed):
+        if not is_int(seed):
             raise QuantizerConfigError("seed", seed, "an int")
         n_out = getattr(config, "n_outlier_channels", None)
         if n_out is not None and n_out != 0:
@@ -170,24 +129,24 @@ class _TurboQuantBase(KVCache):
                 raise QuantizerConfigError(
                     "n_outlier_channels", n_out, "None or 0 (an outlier split needs head_dim >= 4)"
                 )
-            n_out = _int_field(config, "n_outlier_channels", 2, d - 2)
+            n_out = int_field(config, "n_outlier_channels", 2, d - 2)
             b_out = getattr(config, "bit_width_outlier", None)
             if b_out is None:
                 raise QuantizerConfigError(
                     "bit_width_outlier", None, "an int in 1..8 when n_outlier_channels is set"
                 )
-            b_out = _int_field(config, "bit_width_outlier", 1, 8)
+            b_out = int_field(config, "bit_width_outlier", 1, 8)
         else:
             n_out, b_out = 0, None
-            _int_field(config, "bit_width_outlier", 1, 8, optional=True)  # validated, unused
-        self.n_calib_tokens = _int_field(config, "n_calib_tokens", 1, optional=True)
-        cap = _int_field(config, "capacity", 1, optional=True)
+            int_field(config, "bit_width_outlier", 1, 8, optional=True)  # validated, unused
+        self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
+        cap = int_field(config, "capacity", 1, optional=True)
         dtype = getattr(config, "dtype", None)
         if dtype is not None and not (isinstance(dtype, mx.Dtype) and mx.issubdtype(dtype, mx.floating)):
             raise QuantizerConfigError("dtype", dtype, "None or a floating mlx dtype")
         if self._prod:
             m = getattr(config, "jl_dim", None)
-            self.jl_dim = d if m is None else _int_field(config, "jl_dim", 1)
+            self.jl_dim = d if m is None else int_field(config, "jl_dim", 1)
         else:
             self.jl_dim = None
 
@@ -200,7 +159,7 @@ class _TurboQuantBase(KVCache):
         stage = 1 if self._prod else 0  # Prod spends one bit per coordinate-equivalent on QJL
         if n_out:
             sizes, bits = [n_out, d - n_out], [b_out - stage, b_in - stage]
-            seeds = [_derive_seed(self.seed, 1), _derive_seed(self.seed, 2)]
+            seeds = [derive_seed(self.seed, 1), derive_seed(self.seed, 2)]
         else:
             sizes, bits, seeds = [d], [b_in - stage], [self.seed]
         self.groups = [_Group(i, s, b, sd) for i, (s, b, sd) in enumerate(zip(sizes, bits, seeds))]
@@ -303,7 +262,7 @@ class _TurboQuantBase(KVCache):
         return x
 
     def append_key(self, k) -> None:
-        k, _ = _as_block(k, self.head_dim, "key")
+        k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0] == 0:
             return
         if mx.max(mx.sum(k * k, axis=1)).item() > _FP16_MAX**2:
@@ -350,7 +309,7 @@ class _TurboQuantBase(KVCache):
     def key_scores(self, q) -> mx.array:
         """Estimated ``<q, k_i>`` for every stored key: ``(n,)`` for ``q`` ``(d,)``, ``(m, n)`` for
         ``(m, d)``. Computed in the rotated domain (query rotated once per group)."""
-        q, single = _as_block(q, self.head_dim, "query")
+        q, single = as_block(q, self.head_dim, "query")
         s = self._scores(q, self._keys.n)
         return s[0] if single else s
 
@@ -389,7 +348,7 @@ class _TurboQuantBase(KVCache):
     # ---- values ----------------------------------------------------------------------------------
 
     def append_value(self, v) -> None:
-        v, _ = _as_block(v, self.head_dim, "value")
+        v, _ = as_block(v, self.head_dim, "value")
         if v.shape[0] == 0:
             return
         absmax = mx.max(mx.abs(v), axis=1)
@@ -412,7 +371,7 @@ class _TurboQuantBase(KVCache):
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs; ``(d,)`` or
         ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
         out_dtype = self.dtype if self.dtype is not None else (q.dtype if isinstance(q, mx.array) else None)
-        qf, single = _as_block(q, self.head_dim, "query")
+        qf, single = as_block(q, self.head_dim, "query")
         if out_dtype is None or not mx.issubdtype(out_dtype, mx.floating):
             out_dtype = mx.float32
         n = self.n_tokens
