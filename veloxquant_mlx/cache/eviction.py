@@ -21,12 +21,12 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 
-MIN_GROW = 64
+MIN_GROW = 16
 
 
 def _grow(buf, rows: int, new: mx.array) -> mx.array:
     """Write ``new`` [.., N, ..] at row ``rows`` of ``buf`` along axis 2. The buffer grows by
-    max(64, rows/8) spare rows at a time: amortised O(1) appends, slack at most 12.5% + 64 rows."""
+    max(16, rows/8) spare rows at a time: amortised O(1) appends, slack at most 12.5% + 16 rows."""
     n = new.shape[2]
     if buf is None or rows + n > buf.shape[2]:
         shape = list(new.shape)

@@ -1,0 +1,296 @@
+"""The ``veloxquant`` command line (``veloxquant_mlx.cli``) and byte accounting (``veloxquant_mlx.measure``).
+
+The CLI runs in-process through ``cli.main([...])`` (which returns the exit code); one test runs
+``python -m veloxquant_mlx`` in a subprocess. Tests marked ``real_model`` run the embedded
+SmolLM2-135M-Instruct model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from veloxquant_mlx import cli  # noqa: I001  (imports veloxquant_mlx first: OpenBLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
+
+from veloxquant_mlx import measure  # noqa: E402
+from veloxquant_mlx.cache import (  # noqa: E402
+    METHOD_NAMES,
+    KVCacheConfig,
+    KVCacheFactory,
+    QuantizerConfigError,
+    SnapKVOptions,
+    all_methods,
+    method_info,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+METHOD_KEYS = {"name", "family", "protocol", "implemented", "paper"}
+GENERATE_KEYS = {"method", "settings", "model", "text", "prompt_tokens", "generated_tokens", "prefill_s",
+                 "decode_tps", "kv_tokens", "kv_bytes", "kv_bytes_fp16", "compression_ratio"}
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def test_methods_json_matches_registry(capsys):
+    code, out, _ = run_cli(capsys, "methods", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert len(rows) == 43 == len(METHOD_NAMES)
+    assert [r["name"] for r in rows] == list(METHOD_NAMES)
+    for row in rows:
+        assert set(row) == METHOD_KEYS
+        info = method_info(row["name"])
+        assert row["implemented"] is info.implemented
+        assert (row["family"], row["protocol"], row["paper"]) == (info.family, info.protocol, info.paper)
+
+
+def test_methods_table_lists_every_method(capsys):
+    code, out, _ = run_cli(capsys, "methods")
+    assert code == 0
+    lines = out.splitlines()
+    for info in all_methods():
+        row = next(line for line in lines if line.split()[:1] == [info.name])
+        assert ("yes" if info.implemented else "no") in row.split()
+    built = sum(i.implemented for i in all_methods())
+    assert f"{built} of 43 methods implemented" in out
+
+
+def test_python_dash_m_methods_subprocess():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "veloxquant_mlx", "methods"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "turboquant_rvq" in proc.stdout and "age_tiered" in proc.stdout
+    assert "of 43 methods implemented" in proc.stdout
+
+
+def test_no_command_and_help_exit_codes(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["generate", "--method", "snapkv"]) == 2  # --prompt is required
+    capsys.readouterr()
+
+
+# --------------------------------------------------------------------------- --set parsing
+
+
+@pytest.mark.parametrize(
+    "item, expected",
+    [
+        ("snap_budget=64", ("snap_budget", 64)),
+        ("svdq_energy_threshold=0.9", ("svdq_energy_threshold", 0.9)),
+        ("cam_merge_keys=true", ("cam_merge_keys", True)),
+        ("cam_merge_keys=False", ("cam_merge_keys", False)),
+        ("bit_width_inlier=[4, 2, 2]", ("bit_width_inlier", [4, 2, 2])),
+        ("palu_rank=null", ("palu_rank", None)),
+        ("palu_rank=None", ("palu_rank", None)),
+        ("knorm_keep=high", ("knorm_keep", "high")),
+        ("spectral_model_name=my model=v2", ("spectral_model_name", "my model=v2")),
+        ("spectral_model_name=\"42\"", ("spectral_model_name", "42")),
+    ],
+)
+def test_parse_set_values(item, expected):
+    assert cli.parse_set(item) == expected
+
+
+@pytest.mark.parametrize("item", ["snap_budget", "=3", ""])
+def test_parse_set_rejects_malformed(item):
+    with pytest.raises(cli.UsageError):
+        cli.parse_set(item)
+
+
+def test_parse_sets_rejects_unknown_and_unsettable_fields():
+    assert cli.parse_sets(["snap_budget=64", "snap_n_sink=2"]) == {"snap_budget": 64, "snap_n_sink": 2}
+    with pytest.raises(cli.UsageError, match="snap_budgett"):
+        cli.parse_sets(["snap_budgett=64"])
+    with pytest.raises(cli.UsageError, match="--method"):
+        cli.parse_sets(["method=kivi"])
+
+
+def test_build_config_routes_method_fields_through_options():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the options path is not deprecated
+        cfg = cli.build_config("snapkv", {"snap_budget": 64, "snap_n_sink": 2, "seed": 7})
+    assert isinstance(cfg.options, SnapKVOptions)
+    assert (cfg.snap_budget, cfg.snap_n_sink, cfg.seed, cfg.method) == (64, 2, 7, "snapkv")
+    cfg = cli.build_config("kivi", {"bit_width_inlier": 4})
+    assert cfg.bit_width_inlier == 4
+    cfg = cli.build_config("snapkv", {"dtype": "float16"})
+    assert cfg.dtype == mx.float16
+    with pytest.raises(cli.UsageError, match="dtype"):
+        cli.build_config("snapkv", {"dtype": "float17"})
+
+
+def test_generate_unknown_field_exits_2_naming_it(capsys):
+    code, out, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_budgett=64",
+                             "--prompt", "hi")
+    assert code == 2
+    assert "snap_budgett" in err and out == ""
+
+
+def test_generate_bad_value_exits_2_with_config_error_text(capsys):
+    with pytest.raises(QuantizerConfigError) as exc:
+        KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=-5))
+    code, _, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_budget=-5", "--prompt", "hi")
+    assert code == 2
+    assert str(exc.value) in err
+
+    code, _, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_backend=cuda",
+                           "--prompt", "hi")
+    assert code == 2 and "snap_backend='cuda' is invalid" in err
+
+
+def test_generate_unknown_method_exits_2(capsys):
+    code, _, err = run_cli(capsys, "generate", "--method", "kivy", "--prompt", "hi")
+    assert code == 2 and "kivy" in err and "veloxquant methods" in err
+
+
+def test_generate_unimplemented_method_exits_2_with_clear_message(capsys):
+    missing = [i.name for i in all_methods() if not i.implemented and i.protocol == "mlx_lm"]
+    if not missing:
+        pytest.skip("every mlx_lm-protocol method is implemented")
+    code, out, err = run_cli(capsys, "generate", "--method", missing[0], "--prompt", "hi")
+    assert code == 2 and out == ""
+    assert missing[0] in err and "not implemented" in err
+
+
+def test_generate_none_rejects_set(capsys):
+    code, _, err = run_cli(capsys, "generate", "--method", "none", "--set", "snap_budget=64", "--prompt", "hi")
+    assert code == 2 and "--set" in err
+
+
+def test_demo_rejects_unknown_method(capsys):
+    code, _, err = run_cli(capsys, "demo", "--methods", "snapkv,nope")
+    assert code == 2 and "nope" in err
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def _kv(B=1, H=2, T=5, D=8, seed=0):
+    mx.random.seed(seed)
+    return mx.random.normal((B, H, T, D)), mx.random.normal((B, H, T, D))
+
+
+def test_kv_bytes_is_the_sum_of_nbytes():
+    plain = KVCache()
+    plain.update_and_fetch(*_kv(T=5))
+    snap = KVCacheFactory.create(KVCacheConfig(method="snapkv", head_dim=8))
+    snap.update_and_fetch(*_kv(T=7, seed=1))
+    empty = KVCache()
+    caches = [plain, snap, empty]
+    assert measure.kv_bytes(caches) == plain.nbytes + snap.nbytes + empty.nbytes
+    assert measure.kv_bytes(caches) > 0
+    assert measure.kv_bytes([]) == 0
+    assert measure.cache_tokens(caches) == 7
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp16_kv_bytes_matches_the_plain_cache_shapes(arch):
+    from tiny_models import ARCHS
+
+    model = ARCHS[arch]()
+    caches = make_prompt_cache(model)
+    T = 37
+    model(mx.arange(T)[None] % 100, cache=caches)
+    expected = 0
+    for c in caches:
+        B, H, _, Dk = c.keys.shape
+        Dv = c.values.shape[-1]
+        expected += B * H * c.offset * (Dk + Dv) * 2
+    assert measure.fp16_kv_bytes(model, T) == expected
+    assert measure.fp16_kv_bytes(model, T, batch_size=3) == 3 * expected
+    assert measure.fp16_kv_bytes(model, 0) == 0
+
+
+def test_fp16_kv_bytes_caps_sliding_window_layers():
+    from tiny_models import tiny_gemma3
+
+    model = tiny_gemma3()  # 4 layers, sliding window 8 on every other layer, 2 KV heads, head_dim 16
+    kinds = [type(c).__name__ for c in make_prompt_cache(model)]
+    n_rot, n_full = kinds.count("RotatingKVCache"), kinds.count("KVCache")
+    assert n_rot + n_full == 4 and n_rot > 0
+    per_token_layer = 2 * 2 * 16 * 2
+    assert measure.fp16_kv_bytes(model, 30) == per_token_layer * (n_full * 30 + n_rot * 8)
+    assert measure.fp16_kv_bytes(model, 5) == per_token_layer * 4 * 5
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="module")
+def long_prompt():
+    from veloxquant_mlx.assets import essays_text
+
+    return essays_text(max_chars=1200) + "\n\nSummarize the text above in one sentence."
+
+
+@pytest.mark.real_model
+def test_generate_none_and_snapkv_json(capsys, long_prompt):
+    code, out, err = run_cli(capsys, "generate", "--method", "none", "--prompt", long_prompt,
+                             "--max-tokens", "4", "--json")
+    assert code == 0, err
+    plain = json.loads(out)
+    assert set(plain) == GENERATE_KEYS
+    assert plain["method"] == "none" and plain["prompt_tokens"] > 200
+    assert 1 <= plain["generated_tokens"] <= 4
+    assert plain["prompt_tokens"] <= plain["kv_tokens"] <= plain["prompt_tokens"] + plain["generated_tokens"]
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; K and V at 2 bytes per element
+    assert plain["kv_bytes_fp16"] == 30 * 2 * 3 * 64 * 2 * plain["kv_tokens"]
+    assert plain["kv_bytes"] >= plain["kv_bytes_fp16"]  # full precision (or fp16) plus mlx_lm's slack
+    assert plain["compression_ratio"] == pytest.approx(plain["kv_bytes_fp16"] / plain["kv_bytes"])
+
+    code, out, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_budget=64",
+                             "--prompt", long_prompt, "--max-tokens", "4", "--json")
+    assert code == 0, err
+    snap = json.loads(out)
+    assert set(snap) == GENERATE_KEYS
+    assert snap["settings"] == {"snap_budget": 64}
+    assert snap["prompt_tokens"] == plain["prompt_tokens"] > 64
+    assert snap["kv_bytes"] < snap["kv_bytes_fp16"]
+    assert snap["compression_ratio"] > 1
+
+
+@pytest.mark.real_model
+def test_generate_text_output(capsys):
+    code, out, err = run_cli(capsys, "generate", "--method", "streaming_llm", "--set", "stream_window_size=16",
+                             "--prompt", "What is the capital of France?", "--max-tokens", "8")
+    assert code == 0, err
+    for label in ("prompt tokens", "generated tokens", "decode tok/s", "kv_bytes", "kv_bytes_fp16", "ratio"):
+        assert f"{label}:" in out
+
+
+@pytest.mark.real_model
+def test_demo_small_context(capsys):
+    code, out, err = run_cli(capsys, "demo", "--methods", "snapkv,streaming_llm,kivi", "--context", "300",
+                             "--max-tokens", "6")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("method"))
+    for column in ("answer", "correct", "KV bytes", "vs fp16", "decode tok/s", "agreement"):
+        assert column in header
+    rows = {line.split()[0]: line for line in lines[lines.index(header) + 2:] if line and not line[0].isupper()
+            and line.split()[0] in ("none", "snapkv", "streaming_llm", "kivi")}
+    assert "none" in rows and rows["none"].rstrip().endswith("1.00")
+    for m in ("snapkv", "streaming_llm", "kivi"):
+        if method_info(m).implemented:
+            assert m in rows
+        else:
+            assert m not in rows and f"skipping {m}" in err
+    assert "[1/" in err  # progress on stderr

@@ -1,0 +1,529 @@
+"""The ``veloxquant`` command line (also ``python -m veloxquant_mlx``).
+
+Subcommands:
+
+* ``veloxquant methods [--json]`` — the method registry: name, family, protocol, implemented, paper.
+* ``veloxquant generate --method M [--set FIELD=VALUE ...] [--model PATH] --prompt TEXT
+  [--max-tokens N] [--json]`` — one generation with a compressed cache (``--method none``: mlx_lm's
+  plain ``KVCache``), with the measured KV bytes next to the fp16 reference.
+* ``veloxquant demo [--methods a,b,...] [--context N] [--model PATH]`` — a needle-in-a-haystack
+  question over ~N tokens of real text, answered with the uncompressed cache and with each
+  implemented method side by side.
+
+``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure), so it
+can be called in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from . import _blas
+
+_blas.preload()  # before mlx.core is first imported (no-op if already done or too late)
+
+# transformers (imported by mlx_lm for its tokenizer wrapper) warns that PyTorch is missing; we never
+# need torch, so keep its logger quiet unless the user asked for something else.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+__all__ = ["main", "parse_set", "parse_sets", "build_config", "encode_prompt", "run_generation",
+           "build_needle_prompt", "DEMO_METHODS", "NONE"]
+
+#: ``--method none``: mlx_lm's own uncompressed ``KVCache``.
+NONE = "none"
+
+#: The demo's default methods, and their settings beyond the config defaults.
+DEMO_METHODS = ("kivi", "snapkv", "streaming_llm", "turboquant_rvq")
+DEMO_PRESETS: dict[str, dict[str, Any]] = {"kivi": {"bit_width_inlier": 4}}
+DEMO_MAX_TOKENS = 24
+
+#: Fields that cannot come from the command line (objects, not values) or come from elsewhere.
+_NOT_SETTABLE = {"method": "use --method", "options": "set the flat fields instead",
+                 "store": "an ArtifactStore object", "observers": "observer objects"}
+
+
+class UsageError(Exception):
+    """A bad command line: reported as ``error: ...`` with exit code 2."""
+
+
+# --------------------------------------------------------------------------- #
+# --set parsing and configuration
+# --------------------------------------------------------------------------- #
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` -> ``(FIELD, value)``; VALUE is JSON when it parses (ints, floats, bools, lists,
+    null), ``true``/``false``/``none`` in any case, else the string itself."""
+    field, sep, raw = item.partition("=")
+    field = field.strip()
+    if not sep or not field:
+        raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+    text = raw.strip()
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return field, lowered == "true"
+    if lowered in ("none", "null"):
+        return field, None
+    try:
+        return field, json.loads(text)
+    except ValueError:
+        return field, raw
+
+
+def parse_sets(items: Optional[Sequence[str]]) -> dict[str, Any]:
+    """Parse every ``--set`` item; unknown or unsettable ``KVCacheConfig`` fields are a ``UsageError``."""
+    from .cache import KVCacheConfig
+
+    known = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    out: dict[str, Any] = {}
+    for item in items or ():
+        field, value = parse_set(item)
+        if field not in known:
+            close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
+            hint = f" (similar: {', '.join(close)})" if close else ""
+            raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
+        if field in _NOT_SETTABLE:
+            raise UsageError(f"field {field!r} cannot be set with --set: {_NOT_SETTABLE[field]}")
+        out[field] = value
+    return out
+
+
+def build_config(method: str, sets: dict[str, Any]):
+    """``KVCacheConfig(method=method, **sets)``.
+
+    Fields that belong to ``method``'s options dataclass are passed through it (the non-deprecated
+    path; the config copies them to the same flat fields and validates them under their flat names).
+    A ``dtype`` string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
+    """
+    from .cache import KVCacheConfig
+    from .cache.options import OPTIONS_BY_METHOD
+
+    flat = dict(sets)
+    if isinstance(flat.get("dtype"), str):
+        import mlx.core as mx
+
+        name = flat["dtype"]
+        if not isinstance(getattr(mx, name, None), mx.Dtype):
+            raise UsageError(f"dtype={name!r} is not an mlx dtype (e.g. float16, bfloat16, float32)")
+        flat["dtype"] = getattr(mx, name)
+    options = None
+    opts_cls = OPTIONS_BY_METHOD.get(method)
+    if opts_cls is not None:
+        by_flat = {f: o for o, f in opts_cls.FIELDS.items()}
+        picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
+        if picked:
+            options = opts_cls(**picked)
+    return KVCacheConfig(method=method, options=options, **flat)
+
+
+def _check_method_name(method: str) -> None:
+    from .cache import METHOD_NAMES
+
+    if method != NONE and method not in METHOD_NAMES:
+        raise UsageError(f"unknown method {method!r}; `veloxquant methods` lists the {len(METHOD_NAMES)} methods "
+                         f"(or use {NONE!r} for mlx_lm's uncompressed cache)")
+
+
+def _check_buildable(method: str) -> None:
+    """Raise ``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
+    from .cache.factory import _implemented_class
+
+    _implemented_class(method)
+
+
+def make_caches(model, method: str, config=None) -> list:
+    """One cache per layer: mlx_lm's plain caches for ``none``, else ``KVCacheBuilder.for_model``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if method == NONE:
+        return make_prompt_cache(model)
+    from .cache import KVCacheBuilder
+
+    return KVCacheBuilder.for_model(model, config)
+
+
+# --------------------------------------------------------------------------- #
+# generation
+# --------------------------------------------------------------------------- #
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as a user turn of the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding from some transformers versions
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(text)]
+
+
+def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
+                   on_token: Optional[Callable[[int], None]] = None) -> dict:
+    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded)."""
+    import mlx_lm
+
+    tokens: list[int] = []
+    text: list[str] = []
+    t0 = time.perf_counter()
+    t_first = t_last = None
+    for resp in mlx_lm.stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
+                                       prompt_cache=caches):
+        now = time.perf_counter()
+        text.append(resp.text)
+        if resp.finish_reason == "stop":  # this response carries the EOS token
+            break
+        tokens.append(int(resp.token))
+        if t_first is None:
+            t_first = now
+        t_last = now
+        if on_token is not None:
+            on_token(len(tokens))
+    end = time.perf_counter()
+    decode_tps = None
+    if len(tokens) >= 2 and t_last > t_first:
+        decode_tps = (len(tokens) - 1) / (t_last - t_first)
+    return {
+        "text": "".join(text),
+        "tokens": tokens,
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": len(tokens),
+        "prefill_s": (t_first if t_first is not None else end) - t0,
+        "decode_tps": decode_tps,
+    }
+
+
+def _kv_summary(model, caches) -> dict:
+    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
+
+    n = cache_tokens(caches)
+    measured = kv_bytes(caches)
+    reference = fp16_kv_bytes(model, n)
+    return {
+        "kv_tokens": n,
+        "kv_bytes": measured,
+        "kv_bytes_fp16": reference,
+        "compression_ratio": (reference / measured) if measured else None,
+    }
+
+
+# --------------------------------------------------------------------------- #
+# subcommands
+# --------------------------------------------------------------------------- #
+
+
+def _cmd_methods(args) -> int:
+    from .cache import all_methods
+
+    rows = [{"name": i.name, "family": i.family, "protocol": i.protocol,
+             "implemented": i.implemented, "paper": i.paper} for i in all_methods()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [[r["name"], r["family"], r["protocol"], "yes" if r["implemented"] else "no", r["paper"]]
+             for r in rows]
+    print(_format_table(["method", "family", "protocol", "implemented", "paper"], table))
+    built = sum(r["implemented"] for r in rows)
+    print(f"\n{built} of {len(rows)} methods implemented.")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    method = args.method
+    _check_method_name(method)
+    sets = parse_sets(args.set)
+    if method == NONE:
+        if sets:
+            raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
+        config = None
+    else:
+        config = build_config(method, sets)
+        _check_buildable(method)
+    if args.max_tokens < 1:
+        raise UsageError("--max-tokens must be >= 1")
+
+    from .model import load_model
+
+    model, tokenizer = load_model(args.model)
+    caches = make_caches(model, method, config)
+    prompt_ids = encode_prompt(tokenizer, args.prompt)
+    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens)
+    out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
+           "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
+           "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"], **_kv_summary(model, caches)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(out["text"])
+    print("-" * 40)
+    ratio = out["compression_ratio"]
+    for label, value in [
+        ("method", method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")),
+        ("prompt tokens", out["prompt_tokens"]),
+        ("generated tokens", out["generated_tokens"]),
+        ("decode tok/s", _fmt_tps(out["decode_tps"])),
+        ("kv_bytes", f"{out['kv_bytes']} ({_fmt_bytes(out['kv_bytes'])}, measured: sum of cache nbytes)"),
+        ("kv_bytes_fp16", f"{out['kv_bytes_fp16']} ({_fmt_bytes(out['kv_bytes_fp16'])}, "
+                          f"{out['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
+        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+    ]:
+        print(f"{label:>16}: {value}")
+    return 0
+
+
+# --- demo ------------------------------------------------------------------ #
+
+NEEDLE = "The secret passcode for the blue vault is 4817."
+QUESTION = "What is the secret passcode for the blue vault? Answer with the number only."
+ANSWER = "4817"
+
+
+def build_needle_prompt(tokenizer, n_tokens: int, depth: float = 0.5) -> list[int]:
+    """~``n_tokens`` prompt tokens: real essay text with :data:`NEEDLE` at ``depth``, then :data:`QUESTION`."""
+    from .assets import essays_text
+
+    def wrap(document: str) -> str:
+        return ("Read the text below, then answer the question after it.\n\n"
+                f"{document}\n\nQuestion: {QUESTION}")
+
+    overhead = len(encode_prompt(tokenizer, wrap(NEEDLE)))
+    budget = max(n_tokens - overhead, 16)
+    hay_ids = tokenizer.encode(essays_text(max_chars=budget * 8), add_special_tokens=False)[:budget]
+    hay = tokenizer.decode(hay_ids)
+    cut = int(len(hay) * depth)
+    stop = hay.find(". ", cut)
+    pos = stop + 2 if stop != -1 else cut
+    return encode_prompt(tokenizer, wrap(hay[:pos] + NEEDLE + " " + hay[pos:]))
+
+
+def _is_correct(answer: str) -> bool:
+    return ANSWER in re.sub(r"[\s,.'\"]", "", answer)
+
+
+def _agreement(reference: list[int], tokens: list[int]) -> float:
+    """Fraction of positions where the generated tokens equal the reference run's."""
+    n = max(len(reference), len(tokens))
+    if n == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(reference, tokens)) / n
+
+
+def _demo_settings(method: str, config) -> str:
+    if config is None:
+        return "uncompressed"
+    from .cache.options import OPTIONS_BY_METHOD
+
+    shown = dict(DEMO_PRESETS.get(method, {}))
+    opts_cls = OPTIONS_BY_METHOD.get(method)
+    if opts_cls is not None:
+        for opt, flat in opts_cls.FIELDS.items():
+            if opt in ("budget", "window_size", "n_sink", "bits", "residual_length"):
+                shown[opt] = getattr(config, flat)
+    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
+
+
+class _Progress:
+    """Progress on stderr: rewritten in place on a terminal, one line per stage otherwise."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self._open = False
+
+    def update(self, msg: str, transient: bool = False) -> None:
+        """Show ``msg``; a ``transient`` one is overwritten by the next on a terminal, else not shown."""
+        line = f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line + ("" if transient else "\n"))
+            self._open = transient
+        elif not transient:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def note(self, msg: str) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self._open = False
+        self.stream.write(msg + "\n")
+        self.stream.flush()
+
+
+def _cmd_demo(args) -> int:
+    from .cache import method_info
+    from .cache.base import STANDALONE_METHODS
+
+    wanted = [m.strip() for m in (args.methods.split(",") if args.methods else DEMO_METHODS) if m.strip()]
+    for m in wanted:
+        _check_method_name(m)
+    if args.context < 64:
+        raise UsageError("--context must be >= 64")
+    if args.max_tokens < 1:
+        raise UsageError("--max-tokens must be >= 1")
+
+    progress = _Progress()
+    runs: list[tuple[str, Any]] = [(NONE, None)]
+    skipped: list[str] = []
+    for m in dict.fromkeys(wanted):
+        if m == NONE:
+            continue
+        info = method_info(m)
+        if not info.implemented:
+            skipped.append(f"{m}: not implemented yet")
+        elif m in STANDALONE_METHODS:
+            skipped.append(f"{m}: standalone protocol (no mlx_lm serving contract)")
+        else:
+            runs.append((m, build_config(m, DEMO_PRESETS.get(m, {}))))
+    for note in skipped:
+        progress.note(f"note: skipping {note}")
+
+    from .model import load_model
+
+    progress.update("loading model (first use downloads it)")
+    model, tokenizer = load_model(args.model)
+    progress.update("building the needle prompt (first use downloads the essays)")
+    prompt_ids = build_needle_prompt(tokenizer, args.context)
+
+    rows = []
+    reference: Optional[list[int]] = None
+    for i, (method, config) in enumerate(runs, 1):
+        tag = f"[{i}/{len(runs)}] {method}"
+        progress.update(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
+        caches = make_caches(model, method, config)
+        result = run_generation(
+            model, tokenizer, prompt_ids, caches, args.max_tokens,
+            on_token=lambda n, tag=tag: progress.update(f"{tag}: decoding {n}/{args.max_tokens} tokens",
+                                                       transient=True),
+        )
+        if reference is None:
+            reference = result["tokens"]
+        kv = _kv_summary(model, caches)
+        del caches
+        rows.append({
+            "method": method, "settings": _demo_settings(method, config),
+            "answer": result["text"].strip(), "correct": _is_correct(result["text"]),
+            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
+            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
+            "agreement": _agreement(reference, result["tokens"]), **kv,
+        })
+        progress.update(f"{tag}: done ({result['prefill_s']:.1f}s prefill, "
+                        f"{result['generated_tokens']} tokens)")
+
+    if args.json:
+        print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))
+        return 0
+    print(f"Needle in a haystack: {len(prompt_ids)} prompt tokens of Paul Graham essays, passcode sentence at "
+          f"50% depth, expected answer {ANSWER}; model {args.model or 'SmolLM2-135M-Instruct (embedded)'}, "
+          f"greedy, <= {args.max_tokens} new tokens.")
+    table = [[r["method"], r["settings"], _truncate(r["answer"], 50), "yes" if r["correct"] else "no",
+              _fmt_bytes(r["kv_bytes"]), f"{r['compression_ratio']:.2f}x" if r["compression_ratio"] else "n/a",
+              _fmt_tps(r["decode_tps"]), f"{r['agreement']:.2f}"] for r in rows]
+    print(_format_table(["method", "settings", "answer", "correct", "KV bytes", "vs fp16", "decode tok/s",
+                         "agreement"], table))
+    print(f"KV bytes: measured (sum of the caches' nbytes) after the run; vs fp16 = the same "
+          f"{rows[0]['kv_tokens']} tokens in mlx_lm's plain cache at fp16 without slack, divided by KV bytes.")
+    print("The uncompressed run ('none') stores the model's compute dtype (float32 on the MLX CPU backend) "
+          "and counts mlx_lm's 256-row allocation steps, so its ratio is below 1.")
+    print("agreement = fraction of generated tokens identical to the uncompressed run, position by position.")
+    for note in skipped:
+        print(f"skipped {note}")
+    return 0
+
+
+# --------------------------------------------------------------------------- #
+# formatting and entry point
+# --------------------------------------------------------------------------- #
+
+
+def _fmt_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_tps(tps: Optional[float]) -> str:
+    return f"{tps:.1f}" if tps else "n/a"
+
+
+def _truncate(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _format_table(headers: list[str], rows: list[list[str]]) -> str:
+    cols = list(zip(headers, *rows))
+    widths = [max(len(str(c)) for c in col) for col in cols]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo}")
+
+    m = sub.add_parser("methods", help="list the 43 methods and which are implemented")
+    m.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
+    m.set_defaults(func=_cmd_methods)
+
+    g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
+    g.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
+    g.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
+                   help="a KVCacheConfig field (repeatable); VALUE is parsed as JSON when possible")
+    g.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
+                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
+    d.add_argument("--methods", default=None,
+                   help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
+    d.add_argument("--context", type=int, default=2000, help="approximate prompt length in tokens (default 2000)")
+    d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help=argparse.SUPPRESS)
+    d.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    from .cache import QuantizerConfigError
+
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except QuantizerConfigError as exc:
+        print(f"error: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except NotImplementedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
