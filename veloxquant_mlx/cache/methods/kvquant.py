@@ -1,0 +1,245 @@
+"""KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million
+Context Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
+
+Paper ideas used here: (1) per-channel key quantization (keys have fixed outlier channels);
+(2) non-uniform quantization (nuq): the levels of a channel are fitted to its distribution
+(sensitivity-weighted k-means in the paper) instead of being evenly spaced; (3) dense-and-sparse:
+a small fraction of outlier entries is kept exactly in a sparse (index, value) store, so the dense
+codes only cover the narrowed inlier range; (4) the attention-sink token(s) kept in full precision.
+
+Algorithm (a subclass of ``KIVIKVCache``: same full-precision residual of < G tokens, same
+``update_and_fetch``/``attend``; only the storage of whole G-token groups differs), per block of
+whole groups, bits b = ``kvquant_bits``, G = ``kvquant_group_size``:
+
+* keys, per (batch, head, group): the ``ceil(f*G*D)`` largest-magnitude entries (f =
+  ``kvquant_outlier_fraction``) go to the sparse store (uint16 index in the G x D block + float16
+  value); the rest of each channel is normalized by its inlier min/max in the group (float16 scale and
+  bias per channel per group, as KIVI) to u in [0, 1] and coded as the nearest of 2^b per-channel levels.
+  The levels [B, H, D, 2^b] are fitted by ``kvquant_lloyd_iters`` rounds of 1-D Lloyd (k-means) on the
+  normalized values of the block that first fills the quantized part (the prefill), and refitted on
+  a later block when ``kvquant_refit_interval`` > 0 groups were appended since the last fit (each
+  group records which fit it uses). Codes: b bits, packed along the token axis as KIVI's keys.
+* values, per token: the same dense-and-sparse split per (group of G tokens) block, then KIVI's
+  per-token uniform b-bit group quantization of the dense part.
+* the first ``kvquant_n_sink`` tokens are also kept in float16 and replace their dequantized rows.
+
+Dequantized rows = dense part + exact outliers (+ exact sink rows); attention goes through KIVI's
+``attend`` (scores over the dequantized part and the full-precision part, one softmax).
+
+Deviations from the paper (deliberate):
+
+* Pre-RoPE key quantization is impossible behind mlx_lm's cache API (keys arrive rotated), so keys are
+  quantized after RoPE (the paper's main gain from pre-RoPE is narrower per-channel ranges).
+* Levels are fitted online, per layer/head/channel, on the cache's own prefill (normalized by a
+  per-group min/max), not offline on calibration data with Fisher-information weighting; plain
+  (unweighted) Lloyd.
+* Outliers are the largest-magnitude entries of each G-token block (a fixed count per block, so the
+  store is a dense array), not per-channel thresholds from calibration.
+* Values use uniform per-token levels (plus the sparse outliers), not nuq.
+* Sink tokens are stored in float16 *in addition to* their codes (they also sit in group 0).
+* The residual of < G float16 tokens is KIVI's (the paper quantizes every token on arrival).
+
+Trim: exact (KIVI's rule: residual tokens + whole groups); a trim that would remove part of the block
+a level fit was made from raises ``ValueError`` (the remaining codes use those levels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..base import register
+from ..contract import register_with_mlx_lm
+from ..errors import QuantizerConfigError
+from ..eviction import _grow
+from ..primitives import bitpack
+from ..primitives import groupquant as gq
+from ..primitives import nonuniform as nu
+from .kivi import RES_DTYPE, KIVIKVCache, _grow_last
+
+
+def _int(v, lo, hi=None):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
+
+@register_with_mlx_lm
+@register("kvquant")
+class KVQuantKVCache(KIVIKVCache):
+    """KVQuant: per-channel non-uniform keys, dense-and-sparse outliers, float16 sink tokens."""
+
+    array_fields = ("k_codes", "k_scales", "k_biases", "k_levels", "k_fit", "k_oidx", "k_oval",
+                    "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "sink_k", "sink_v", "res_k", "res_v")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "fit_starts", "fit_ends")
+
+    fit_starts: list = []
+    fit_ends: list = []
+
+    def _init_layout(self):
+        c = self.config
+        if not _int(c.kvquant_bits, 1, 8):
+            raise QuantizerConfigError("kvquant_bits", c.kvquant_bits, "an int in 1..8")
+        if not _int(c.kvquant_group_size, 2) or c.kvquant_group_size % 2:
+            raise QuantizerConfigError("kvquant_group_size", c.kvquant_group_size, "an even int >= 2")
+        f = c.kvquant_outlier_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 0.5:
+            raise QuantizerConfigError("kvquant_outlier_fraction", f, "a float in [0, 0.5)")
+        if not _int(c.kvquant_lloyd_iters, 0, 100):
+            raise QuantizerConfigError("kvquant_lloyd_iters", c.kvquant_lloyd_iters, "an int in 0..100")
+        if not _int(c.kvquant_refit_interval, 0):
+            raise QuantizerConfigError("kvquant_refit_interval", c.kvquant_refit_interval,
+                                       "an int >= 0 (groups between level refits; 0 = fit once)")
+        if not _int(c.kvquant_n_sink, 0, c.kvquant_group_size):
+            raise QuantizerConfigError("kvquant_n_sink", c.kvquant_n_sink,
+                                       f"an int in 0..kvquant_group_size ({c.kvquant_group_size})")
+        self.qbits = int(c.kvquant_bits)
+        self.group = int(c.kvquant_group_size)
+        self.frac = float(f)
+        self.n_sink = int(c.kvquant_n_sink)
+        self.fit_starts, self.fit_ends = [], []
+        self._call = None
+
+    def _uses_qmm(self) -> bool:
+        return False  # non-uniform codes + outliers: not MLX's affine layout
+
+    def _n_out(self, d: int) -> int:
+        """Sparse entries per G-token block of d channels."""
+        return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
+
+    # ---------------------------------------------------------------- encode
+    def _append_groups(self, kb, vb):
+        G, b = self.group, self.qbits
+        B, H, n, D = kb.shape
+        Dv = vb.shape[-1]
+        g = n // G
+        t0 = self.n_quant
+        g0 = t0 // G
+        if t0 == 0 and self.n_sink:
+            self.sink_k = kb[:, :, : self.n_sink].astype(RES_DTYPE)
+            self.sink_v = vb[:, :, : self.n_sink].astype(RES_DTYPE)
+        # ---- keys: [B, H, g, D, G] blocks, dense-and-sparse split per block
+        kblk = kb.astype(mx.float32).reshape(B, H, g, G, D).swapaxes(-1, -2)
+        ko = self._n_out(D)
+        kidx, kval, kd = nu.split_outliers(kblk.reshape(B, H, g, D * G), ko)
+        kd = kd.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)  # [B, H, D, g, G]
+        lo, hi = kd.min(axis=-1, keepdims=True), kd.max(axis=-1, keepdims=True)
+        scale = (hi - lo).astype(mx.float16)
+        bias = lo.astype(mx.float16)
+        s32 = scale.astype(mx.float32)
+        u = mx.clip((kd - bias.astype(mx.float32)) / mx.where(s32 > 0, s32, 1.0), 0.0, 1.0)
+        # level fit (first block, or refit after kvquant_refit_interval groups)
+        ri = self.config.kvquant_refit_interval
+        if not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri):
+            lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.kvquant_lloyd_iters)
+            lv = lv.astype(mx.float16)
+            nf = len(self.fit_starts)
+            L = 1 << b
+            self.k_levels = _grow_last(self.k_levels, nf * L, lv, (nf + 1) * L)
+            self.fit_starts = self.fit_starts + [g0]
+            self.fit_ends = self.fit_ends + [g0 + g]
+        fit = len(self.fit_starts) - 1
+        L = 1 << b
+        lv = self.k_levels[..., fit * L : (fit + 1) * L]
+        codes = nu.encode_levels(u, lv[:, :, :, None, :])  # [B, H, D, g, G]
+        kcodes = bitpack.pack_bits(codes, b).reshape(B, H, D, -1)
+        # ---- values: per block split, then per-token uniform groups
+        vblk = vb.astype(mx.float32).reshape(B, H, g, G * Dv)
+        vo = self._n_out(Dv)
+        vidx, vval, vd = nu.split_outliers(vblk, vo)
+        vq = gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv))
+        # ---- append (values by token rows, per-group arrays follow the value capacity)
+        self.v_codes = _grow(self.v_codes, t0, vq.codes)
+        self.v_scales = _grow(self.v_scales, t0, vq.scales)
+        self.v_biases = _grow(self.v_biases, t0, vq.biases)
+        cap = self.v_codes.shape[2] // G
+        w = self._key_words()
+        self.k_codes = _grow_last(self.k_codes, g0 * w, kcodes, cap * w)
+        self.k_scales = _grow_last(self.k_scales, g0, scale.reshape(B, H, D, g), cap)
+        self.k_biases = _grow_last(self.k_biases, g0, bias.reshape(B, H, D, g), cap)
+        self.k_fit = _grow_last(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
+        if ko:
+            self.k_oidx = _grow_last(self.k_oidx, g0 * ko, kidx.reshape(B, H, g * ko), cap * ko)
+            self.k_oval = _grow_last(self.k_oval, g0 * ko, kval.reshape(B, H, g * ko), cap * ko)
+        if vo:
+            self.v_oidx = _grow_last(self.v_oidx, g0 * vo, vidx.reshape(B, H, g * vo), cap * vo)
+            self.v_oval = _grow_last(self.v_oval, g0 * vo, vval.reshape(B, H, g * vo), cap * vo)
+        self.n_quant = t0 + n
+
+    # ---------------------------------------------------------------- decode
+    def _keys_t(self, n, dtype=mx.float32):
+        G, b = self.group, self.qbits
+        g = n // G
+        B, H, D = self.k_codes.shape[:3]
+        w = self._key_words()
+        L = 1 << b
+        codes = bitpack.unpack_bits(self.k_codes[..., : g * w].reshape(B, H, D, g, w), b, G)
+        nf = len(self.fit_starts)
+        levels = self.k_levels[..., : nf * L].reshape(B, H, D, nf, L).astype(mx.float32)
+        lv = mx.take(levels, self.k_fit[:g], axis=3)  # [B, H, D, g, L]
+        u = nu.decode_levels(codes, lv)
+        x = u * self.k_scales[..., :g, None].astype(mx.float32) + self.k_biases[..., :g, None].astype(mx.float32)
+        ko = self._n_out(D)
+        if ko:
+            blk = x.transpose(0, 1, 3, 2, 4).reshape(B, H, g, D * G)
+            blk = nu.scatter_outliers(blk, self.k_oidx[..., : g * ko].reshape(B, H, g, ko),
+                                      self.k_oval[..., : g * ko].reshape(B, H, g, ko))
+            x = blk.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)
+        x = x.reshape(B, H, D, g * G)
+        if self.n_sink and self.sink_k is not None:
+            x = mx.concatenate([self.sink_k.swapaxes(-1, -2).astype(mx.float32), x[..., self.n_sink :]], axis=-1)
+        return x.astype(dtype)
+
+    def _values(self, n, dtype=mx.float32):
+        G = self.group
+        Dv = self.res_v.shape[-1]
+        v = gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
+                          self.qbits, self.value_group(Dv), mx.float32)
+        B, H = v.shape[:2]
+        g = n // G
+        vo = self._n_out(Dv)
+        if vo:
+            v = nu.scatter_outliers(v.reshape(B, H, g, G * Dv), self.v_oidx[..., : g * vo].reshape(B, H, g, vo),
+                                    self.v_oval[..., : g * vo].reshape(B, H, g, vo)).reshape(B, H, n, Dv)
+        if self.n_sink and self.sink_v is not None:
+            v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
+        return v.astype(dtype)
+
+    # ---------------------------------------------------------------- trim
+    def _trim_rows(self, n):
+        extra = n - self.n_res
+        if extra > 0 and extra % self.group == 0 and extra <= self.n_quant:
+            new_g = (self.n_quant - extra) // self.group
+            keep = [i for i, s in enumerate(self.fit_starts) if s < new_g]
+            if keep and self.fit_ends[keep[-1]] > new_g:
+                raise ValueError(
+                    f"KVQuantKVCache: trimming {n} tokens would remove part of the block (groups "
+                    f"{self.fit_starts[keep[-1]]}..{self.fit_ends[keep[-1]] - 1}) the non-uniform levels of the "
+                    "remaining codes were fitted on; the result would differ from never having seen them")
+            dropped = super()._trim_rows(n)
+            self.fit_starts = self.fit_starts[: len(keep)]
+            self.fit_ends = self.fit_ends[: len(keep)]
+            return dropped
+        return super()._trim_rows(n)
+
+    # ---------------------------------------------------------------- accounting
+    @property
+    def used_nbytes(self) -> int:
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        Dv = self.res_v.shape[-1]
+        G, b = self.group, self.qbits
+        g = self.n_quant // G
+        gv = self.value_group(Dv)
+        key = B * H * D * g * (4 * self._key_words() + 4)
+        value = B * H * self.n_quant * (Dv // gv) * (4 * gq.words_per_group(b, gv) + 4)
+        sparse = B * H * g * (self._n_out(D) + self._n_out(Dv)) * (2 + 2)  # uint16 index + float16 value
+        levels = B * H * D * len(self.fit_starts) * (1 << b) * 2 + g * 4
+        sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
+        return key + value + sparse + levels + sinks + self.res_k.nbytes + self.res_v.nbytes
+
+    def bytes_per_token_budget(self, d: int, dv: int) -> float:
+        """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
+        G, b = self.group, self.qbits
+        gv = math.gcd(dv, G)
+        return (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / gv) + 4 * (self._n_out(d) + self._n_out(dv)) / G

@@ -1,0 +1,105 @@
+"""Non-uniform per-row scalar levels (1-D Lloyd / k-means) and the dense-and-sparse outlier split.
+
+Used by KVQuant-style quantizers (arXiv 2401.18079):
+
+* ``fit_levels(u, bits, iters)``: for every row of ``u [..., T]`` (values normalized to [0, 1]), the
+  ``2**bits`` sorted levels minimizing the squared error over the row's T samples, by ``iters`` rounds
+  of 1-D Lloyd (assign every sample to its nearest level, move every level to the mean of its
+  samples; a level with no samples keeps its place). Initialized at the row's quantiles, so skewed
+  rows start with more levels where their mass is. All rows at once, no Python loop over rows.
+* ``encode_levels(u, levels)`` / ``decode_levels(codes, levels)``: nearest-level codes per row and
+  back (``levels [..., L]`` broadcast against ``u [..., T]``).
+* ``split_outliers(x, k)``: the ``k`` largest-magnitude entries of every row of ``x [..., n]``
+  (indices as uint16/uint32 and their exact values) and ``x`` with them replaced by the row's inlier
+  midrange, so the dense part's range shrinks; ``scatter_outliers`` writes them back exactly.
+
+Token saliency for mixed-precision (per-token bit width) quantizers:
+
+* ``token_importance(k, v, kind)``: a score per token row of ``k``/``v`` [..., T, D]:
+  ``"norm"`` = ‖k_t‖₂, ``"norm_variance"`` = variance of the token's key entries × (1 + variance of its
+  value entries) (tokens with spread-out / outlier-heavy entries lose the most to a coarse grid).
+* ``tier_counts(target, lo, mid, hi, n)``: how many of ``n`` tokens go to each of three bit widths so
+  the average is as close to ``target`` as whole tokens allow (|error| ≤ (hi - lo) / (2n)).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+__all__ = ["fit_levels", "encode_levels", "decode_levels", "split_outliers", "scatter_outliers",
+           "outlier_index_dtype", "token_importance", "tier_counts"]
+
+
+def fit_levels(u: mx.array, bits: int, iters: int) -> mx.array:
+    """Sorted float32 levels ``[..., 2**bits]`` fitted per row of ``u [..., T]`` by 1-D Lloyd."""
+    L = 1 << bits
+    uf = u.astype(mx.float32)
+    T = uf.shape[-1]
+    srt = mx.sort(uf, axis=-1)
+    pos = ((mx.arange(L, dtype=mx.float32) + 0.5) / L * T).astype(mx.int32)
+    pos = mx.minimum(pos, T - 1)
+    lv = mx.take(srt, pos, axis=-1)  # row quantiles
+    for _ in range(iters):
+        code = encode_levels(uf, lv)
+        onehot = (code[..., None] == mx.arange(L)).astype(mx.float32)  # [..., T, L]
+        cnt = onehot.sum(axis=-2)
+        tot = (onehot * uf[..., None]).sum(axis=-2)
+        lv = mx.where(cnt > 0, tot / mx.maximum(cnt, 1.0), lv)
+        lv = mx.sort(lv, axis=-1)
+    return lv
+
+
+def encode_levels(u: mx.array, levels: mx.array) -> mx.array:
+    """Index (uint32) of the nearest of the sorted ``levels [..., L]`` for every entry of ``u [..., T]``."""
+    lv = levels.astype(mx.float32)
+    bnd = 0.5 * (lv[..., 1:] + lv[..., :-1])  # [..., L-1]
+    return (u.astype(mx.float32)[..., None] > bnd[..., None, :]).sum(axis=-1).astype(mx.uint32)
+
+
+def decode_levels(codes: mx.array, levels: mx.array, dtype=mx.float32) -> mx.array:
+    """``levels[..., code]`` for codes ``[..., T]`` against ``levels [..., L]``."""
+    return mx.take_along_axis(levels.astype(dtype), codes.astype(mx.int32), axis=-1)
+
+
+def outlier_index_dtype(n: int):
+    return mx.uint16 if n <= 65536 else mx.uint32
+
+
+def split_outliers(x: mx.array, k: int):
+    """``(idx [..., k], vals [..., k] float16, x_dense)``: the k largest |x| of every row of
+    ``x [..., n]``, exactly (float16, as the stored rows), and x with them set to the row's inlier
+    midrange (so min/max of the dense part ignore them)."""
+    n = x.shape[-1]
+    xf = x.astype(mx.float32)
+    if k <= 0:
+        return None, None, xf
+    idx = mx.argpartition(-mx.abs(xf), kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(xf, idx, axis=-1)
+    is_out = mx.put_along_axis(mx.zeros(xf.shape, dtype=mx.bool_), idx, mx.array(True), axis=-1)
+    hi = mx.where(is_out, -mx.inf, xf).max(axis=-1, keepdims=True)
+    lo = mx.where(is_out, mx.inf, xf).min(axis=-1, keepdims=True)
+    dense = mx.where(is_out, 0.5 * (hi + lo), xf)
+    return idx.astype(outlier_index_dtype(n)), vals.astype(mx.float16), dense
+
+
+def scatter_outliers(x: mx.array, idx: mx.array, vals: mx.array) -> mx.array:
+    """Write the stored outliers back into rows of ``x [..., n]``."""
+    return mx.put_along_axis(x, idx.astype(mx.int32), vals.astype(x.dtype), axis=-1)
+
+
+def token_importance(k: mx.array, v: mx.array, kind: str) -> mx.array:
+    kf = k.astype(mx.float32)
+    if kind == "norm":
+        return mx.sqrt((kf * kf).sum(axis=-1))
+    if kind == "norm_variance":
+        return mx.var(kf, axis=-1) * (1.0 + mx.var(v.astype(mx.float32), axis=-1))
+    raise ValueError(f"unknown importance {kind!r}")
+
+
+def tier_counts(target: float, lo: int, mid: int, hi: int, n: int) -> tuple[int, int, int]:
+    """``(n_hi, n_mid, n_lo)`` with ``(hi*n_hi + mid*n_mid + lo*n_lo) / n`` closest to ``target``."""
+    if target <= mid:
+        n_mid = round((target - lo) * n / (mid - lo)) if mid > lo else 0
+        return 0, n_mid, n - n_mid
+    n_hi = round((target - mid) * n / (hi - mid)) if hi > mid else 0
+    return n_hi, n - n_hi, 0
