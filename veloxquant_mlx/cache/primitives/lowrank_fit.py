@@ -1,0 +1,245 @@
+"""Low-rank fitting and latent-channel coding: the shared primitives of the low-rank caches
+(``svdq``, ``palu``, ``kvtc``).
+
+* ``group_heads`` / ``ungroup_heads``: ``[B, H, T, D]`` <-> ``[B, Hg, T, s*D]`` (``s = H / Hg`` heads
+  concatenated per group, the feature layout of a group-head projection).
+* ``fit_basis``: per (batch, group) principal directions of a block of rows ``[B, Hg, T, F]``, sorted
+  by decreasing energy: the eigenvectors of ``XᵀX`` (uncentered: the right singular vectors of ``X``,
+  eigenvalues = squared singular values) or of the covariance (``center=True``: PCA, mean returned).
+  One symmetric eigendecomposition of an ``F x F`` matrix per (batch, group), on the CPU stream
+  (MLX's ``eigh`` is CPU-only); called once per prompt, never per decode step.
+* ``energy_rank``: the smallest rank whose leading components hold at least ``threshold`` of the
+  energy, for *every* (batch, group) (the maximum of the per-head minimal ranks).
+* ``dp_allocate``: optimal integer bit allocation across components under a total bit budget
+  (dynamic programming over the budget, a multiple-choice knapsack), minimising the summed distortion
+  of a measured distortion table plus an optional Lagrangian rate term.
+* ``LatentLayout`` + ``encode_latents`` / ``decode_latents_t``: per-channel group quantization of
+  latent channels with a different bit width per channel (0 = dropped, 16 = float16). Channels are
+  kept in order of decreasing bits so that equal widths form contiguous *segments*; each segment is
+  quantized along the token axis in groups of ``G`` tokens (``groupquant``: every group owns whole
+  uint32 words, float16 scale + bias per channel per group), and the words of all segments for one
+  token group are stored in one row, so a block of whole token groups is appended to a buffer by
+  writing rows (axis 2). The only Python loops are over the (at most 9) distinct bit widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import groupquant as gq
+
+__all__ = [
+    "group_heads",
+    "ungroup_heads",
+    "fit_basis",
+    "energy_rank",
+    "captured_energy",
+    "dp_allocate",
+    "LatentLayout",
+    "encode_latents",
+    "decode_latents_t",
+    "measure_distortion",
+]
+
+FLOAT_BITS = 16  # a latent channel stored as float16
+
+
+# ------------------------------------------------------------------------------------ head groups
+def group_heads(x: mx.array, n_groups: int) -> mx.array:
+    """[B, H, T, D] -> [B, Hg, T, s*D] (heads h = g*s + j concatenated in order j)."""
+    B, H, T, D = x.shape
+    s = H // n_groups
+    return x.reshape(B, n_groups, s, T, D).transpose(0, 1, 3, 2, 4).reshape(B, n_groups, T, s * D)
+
+
+def ungroup_heads(x: mx.array, n_heads: int) -> mx.array:
+    """Inverse of ``group_heads``: [B, Hg, T, s*D] -> [B, H, T, D]."""
+    B, Hg, T, F = x.shape
+    s = n_heads // Hg
+    return x.reshape(B, Hg, T, s, F // s).transpose(0, 1, 3, 2, 4).reshape(B, n_heads, T, F // s)
+
+
+# ------------------------------------------------------------------------------------ fitting
+def fit_basis(x: mx.array, center: bool = False):
+    """Principal directions of the rows of ``x [B, Hg, T, F]``.
+
+    Returns ``(basis [B, Hg, F, F] float32, columns by decreasing energy; energy [B, Hg, F] float32,
+    the energy (sum of squared projections over the T rows) of each column; mean [B, Hg, 1, F] float32
+    or None)``."""
+    x = x.astype(mx.float32)
+    mean = None
+    if center:
+        mean = x.mean(axis=2, keepdims=True)
+        x = x - mean
+    gram = x.swapaxes(-1, -2) @ x
+    w, v = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
+    w = mx.maximum(w[..., ::-1], 0.0)
+    v = v[..., ::-1]
+    return v, w, mean
+
+
+def captured_energy(energy: mx.array, rank: int) -> mx.array:
+    """Fraction of the energy in the first ``rank`` components, per (batch, group)."""
+    total = energy.sum(axis=-1)
+    return energy[..., :rank].sum(axis=-1) / mx.maximum(total, 1e-30)
+
+
+def energy_rank(energy: mx.array, threshold: float) -> int:
+    """Smallest r such that the first r components hold >= ``threshold`` of the energy in every
+    (batch, group). One host sync (fit time only)."""
+    e = np.asarray(energy.astype(mx.float32)).reshape(-1, energy.shape[-1]).astype(np.float64)
+    total = e.sum(axis=-1, keepdims=True)
+    frac = np.cumsum(e, axis=-1) / np.maximum(total, 1e-30)
+    # tolerance for float round-off at threshold 1.0
+    r = (frac < threshold - 1e-9).sum(axis=-1) + 1
+    return int(min(max(int(r.max()), 1), e.shape[-1]))
+
+
+def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit: float = 1.0):
+    """Optimal bits per component: minimise ``sum_c distortion[c, k_c] + lam * sum_c cost[k_c]``
+    subject to ``sum_c cost[k_c] <= budget``.
+
+    ``distortion`` [C, K] (numpy or mx), ``choices`` K bit widths, ``cost`` K costs in bits (e.g. bits
+    + side information), ``unit`` the granularity of the costs (costs/unit must be integers).
+    Dynamic programming over (component, budget used): O(C * K * budget/unit), vectorised over the
+    budget axis. Returns a list of C chosen bit widths."""
+    d = np.asarray(distortion, dtype=np.float64)
+    C, K = d.shape
+    w = np.rint(np.asarray(cost, dtype=np.float64) / unit).astype(np.int64)
+    cap = int(np.floor(budget / unit + 1e-9))
+    if cap < 0:
+        raise ValueError(f"budget {budget} < 0")
+    d = d + lam * np.asarray(cost, dtype=np.float64)[None]
+    INF = np.inf
+    best = np.zeros(cap + 1)  # best[u] = min distortion of components processed so far using <= u units
+    choice = np.zeros((C, cap + 1), dtype=np.int16)
+    for c in range(C):  # over components (fit time only), vectorised over the budget axis
+        new = np.full(cap + 1, INF)
+        arg = np.zeros(cap + 1, dtype=np.int16)
+        for k in range(K):
+            if w[k] > cap:
+                continue
+            cand = np.full(cap + 1, INF)
+            cand[w[k]:] = best[: cap + 1 - w[k]] + d[c, k]
+            better = cand < new
+            new = np.where(better, cand, new)
+            arg = np.where(better, k, arg)
+        if not np.isfinite(new[cap]):
+            raise ValueError(f"budget {budget} cannot cover {C} components with costs {list(cost)}")
+        best, choice[c] = new, arg
+    out, u = [0] * C, cap
+    for c in range(C - 1, -1, -1):
+        k = int(choice[c, u])
+        out[c] = int(choices[k])
+        u -= int(w[k])
+    return out
+
+
+# ------------------------------------------------------------------------------------ latent coding
+@dataclass(frozen=True)
+class LatentLayout:
+    """Bit widths of the kept latent channels (non-increasing; 16 = float16) and the token group."""
+
+    bits: tuple
+    group: int
+
+    def __post_init__(self):
+        b = list(self.bits)
+        if not b or any(x <= 0 for x in b) or b != sorted(b, reverse=True):
+            raise ValueError(f"latent bits must be positive and non-increasing, got {b}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.bits)
+
+    def segments(self):
+        """(bits, first channel, end channel, first word, end word) of each run of equal widths
+        (quantized runs only; words per token group)."""
+        out, c0, w0 = [], 0, 0
+        b = list(self.bits)
+        while c0 < len(b):
+            c1 = c0
+            while c1 < len(b) and b[c1] == b[c0]:
+                c1 += 1
+            if b[c0] != FLOAT_BITS:
+                w1 = w0 + (c1 - c0) * gq.words_per_group(b[c0], self.group)
+                out.append((b[c0], c0, c1, w0, w1))
+                w0 = w1
+            c0 = c1
+        return out
+
+    @property
+    def n_float(self) -> int:
+        return sum(1 for x in self.bits if x == FLOAT_BITS)
+
+    @property
+    def n_quant(self) -> int:
+        return self.rank - self.n_float
+
+    @property
+    def words(self) -> int:
+        """uint32 words per token group (all quantized channels)."""
+        return sum(s[4] - s[3] for s in self.segments())
+
+    def bytes_per_token(self) -> float:
+        """Stored bytes per token per (batch, group): codes + float16 scale/bias + float16 channels."""
+        return (4 * self.words + 4 * self.n_quant) / self.group + 2 * self.n_float
+
+
+def encode_latents(z: mx.array, layout: LatentLayout):
+    """Quantize latents ``z [B, Hg, n, r]`` (n a multiple of G). Returns ``(codes [B, Hg, n/G, W]
+    uint32, scales [B, Hg, n/G, r_q], biases [B, Hg, n/G, r_q] float16, raw [B, Hg, n, r_f] float16)``
+    (None for empty parts). Width 16 sorts first, so the float16 channels are channels ``[0, r_f)``
+    and the quantized ones ``[r_f, r)``."""
+    B, Hg, n, _ = z.shape
+    G = layout.group
+    nf = layout.n_float
+    raw = z[..., :nf].astype(mx.float16) if nf else None
+    codes, scales, biases = [], [], []
+    zt = z.swapaxes(-1, -2)  # [B, Hg, r, n]
+    for b, c0, c1, _, _ in layout.segments():
+        q = gq.quantize(zt[:, :, c0:c1], b, G)  # codes [B, Hg, nc, (n/G)*w], scales [B, Hg, nc, n/G]
+        nc, w = c1 - c0, gq.words_per_group(b, G)
+        codes.append(q.codes.reshape(B, Hg, nc, n // G, w).transpose(0, 1, 3, 2, 4).reshape(B, Hg, n // G, nc * w))
+        scales.append(q.scales.swapaxes(-1, -2))
+        biases.append(q.biases.swapaxes(-1, -2))
+    if not codes:
+        return None, None, None, raw
+    cat = (lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1))
+    return cat(codes), cat(scales), cat(biases), raw
+
+
+def decode_latents_t(codes, scales, biases, raw, n: int, layout: LatentLayout, dtype=mx.float32) -> mx.array:
+    """Latentsᵀ ``[B, Hg, r, n]`` of the first ``n`` tokens (n a multiple of G) in ``dtype``."""
+    G = layout.group
+    g = n // G
+    parts = []
+    if layout.n_float:
+        parts.append(raw[:, :, :n].astype(dtype).swapaxes(-1, -2))
+    for b, c0, c1, w0, w1 in layout.segments():
+        B, Hg = codes.shape[:2]
+        nc, w = c1 - c0, gq.words_per_group(b, G)
+        cw = codes[:, :, :g, w0:w1].reshape(B, Hg, g, nc, w).transpose(0, 1, 3, 2, 4).reshape(B, Hg, nc, g * w)
+        parts.append(gq.dequantize(cw, scales[:, :, :g, c0 - layout.n_float : c1 - layout.n_float].swapaxes(-1, -2),
+                                   biases[:, :, :g, c0 - layout.n_float : c1 - layout.n_float].swapaxes(-1, -2),
+                                   b, G, dtype))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def measure_distortion(z: mx.array, choices, group: int) -> mx.array:
+    """Squared error of quantizing each latent channel of ``z [B, Hg, n, C]`` (n a multiple of
+    ``group``) at each bit width in ``choices`` (0 = dropped: the channel's energy), summed over
+    (B, Hg, tokens): ``[C, K]`` float32."""
+    zt = z.astype(mx.float32).swapaxes(-1, -2)  # [B, Hg, C, n]
+    cols = []
+    for b in choices:
+        if b == 0:
+            err = zt * zt
+        else:
+            q = gq.quantize(zt, int(b), group)
+            err = (gq.dequantize(*q, int(b), group) - zt) ** 2
+        cols.append(err.sum(axis=(0, 1, 3)))
+    return mx.stack(cols, axis=-1)
