@@ -401,7 +401,9 @@ def validate_config(cfg: KVCacheConfig) -> None:
                    name, v, "a non-empty tuple of ints in 0..16")
         elif "float" in t:
             _check(_is_num(v), name, v, "a finite number")
-            if any(s in name for s in ("fraction", "_frac", "threshold", "retention", "slerp_t", "_rho", "_beta") ) \
+            if name == "minicache_retention_threshold":  # a cosine similarity
+                _check(-1.0 <= v <= 1.0, name, v, "a cosine in [-1, 1]")
+            elif any(s in name for s in ("fraction", "_frac", "threshold", "retention", "slerp_t", "_rho", "_beta") ) \
                     and name not in ("pyramid_beta", "kvtc_beta", "nestedkv_beta", "a2ats_beta"):
                 _check(0.0 <= v <= 1.0, name, v, "a number in [0, 1]")
             elif name.endswith("_decay"):
