@@ -254,7 +254,7 @@ class KIVIKVCache(CompressedKVCache):
         if q0 + r0 == 0:  # nothing stored before this call: plain attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale, mask=mask,
                                                         sinks=sinks)
-        if N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu:
+        if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu):
             # GPU prefill chunk: the fused sdpa kernel over the (lazily dequantized) rows is faster and
             # never holds the [N, M] score matrix; decode steps stay on the codes.
             return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
