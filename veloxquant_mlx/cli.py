@@ -473,7 +473,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench}")
 
     m = sub.add_parser("methods", help="list the 43 methods and which are implemented")
     m.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
@@ -498,6 +498,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help=argparse.SUPPRESS)
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
+
+    from .cli_measure import add_subcommands  # eval, bench
+
+    add_subcommands(sub)
     return p
 
 

@@ -1,20 +1,26 @@
-"""Fidelity to the uncompressed model: next-token KL divergence and top-1 agreement.
+"""Fidelity to the uncompressed model: next-token KL divergence, top-1 agreement and perplexity.
 
 The context is prefilled through the compressed cache (so prefill-time compression runs), then the
 following ``n_score`` tokens are fed one at a time (so decode-time compression runs too). At each
 step the compressed model's next-token distribution is compared with the uncompressed model's on the
-same tokens (one dense forward pass).
+same tokens (one dense forward pass, :func:`reference_logprobs`, which callers comparing several
+methods on the same tokens can compute once and pass in as ``ref_logp``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import KVCacheBuilder, KVCacheConfig
 from ..measure import fp16_kv_bytes, kv_bytes
+
+__all__ = ["FidelityResult", "make_caches", "prefill", "reference_logprobs", "next_token_fidelity"]
+
+PREFILL_STEP = 2048  # mlx_lm's default prefill chunk
 
 
 @dataclass
@@ -29,6 +35,7 @@ class FidelityResult:
 
     @property
     def compression(self) -> float:
+        """``kv_bytes / kv_bytes_fp16`` (the fraction of the fp16 cache kept; lower = smaller)."""
         return self.kv_bytes / self.kv_bytes_fp16 if self.kv_bytes_fp16 else 1.0
 
 
@@ -44,18 +51,44 @@ def _log_softmax(x):
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVCacheConfig | None,
-                        prefill_step_size: int = 2048) -> FidelityResult:
-    """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2."""
-    tokens = mx.array(tokens[: n_context + n_score]).reshape(1, -1)
+def prefill(model, tokens, caches, step: int = PREFILL_STEP) -> None:
+    """Run ``tokens`` ([1, T] array or list) through ``caches`` in chunks of ``step``, as mlx_lm does."""
+    if not isinstance(tokens, mx.array):
+        tokens = mx.array(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    n = tokens.shape[1]
+    for start in range(0, n, step):
+        model(tokens[:, start : min(start + step, n)], cache=caches)
+        mx.eval([c.state for c in caches])
+
+
+def reference_logprobs(model, tokens, n_context: int, n_score: int) -> mx.array:
+    """[n_score, vocab] log-probabilities of the uncompressed model at positions n_context-1 .. +n_score-2."""
+    tokens = mx.array(list(tokens)[: n_context + n_score]).reshape(1, -1)
     if tokens.shape[1] < n_context + n_score:
         raise ValueError(f"need {n_context + n_score} tokens, got {tokens.shape[1]}")
-    ref_logp = _log_softmax(model(tokens, cache=make_prompt_cache(model))[0, n_context - 1 : -1])
+    out = _log_softmax(model(tokens, cache=make_prompt_cache(model))[0, n_context - 1 : -1])
+    mx.eval(out)
+    return out
+
+
+def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVCacheConfig | None,
+                        prefill_step_size: int = PREFILL_STEP,
+                        ref_logp: Optional[mx.array] = None) -> FidelityResult:
+    """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2.
+
+    ``ref_logp``: :func:`reference_logprobs` of the same tokens, if already computed.
+    """
+    if n_context < 2 or n_score < 1:
+        raise ValueError(f"need n_context >= 2 and n_score >= 1, got {n_context}, {n_score}")
+    tokens = mx.array(list(tokens)[: n_context + n_score]).reshape(1, -1)
+    if tokens.shape[1] < n_context + n_score:
+        raise ValueError(f"need {n_context + n_score} tokens, got {tokens.shape[1]}")
+    if ref_logp is None:
+        ref_logp = reference_logprobs(model, tokens[0].tolist(), n_context, n_score)
     caches = make_caches(model, config)
-    for start in range(0, n_context - 1, prefill_step_size):  # chunked prefill, as mlx_lm does
-        end = min(start + prefill_step_size, n_context - 1)
-        model(tokens[:, start:end], cache=caches)
-        mx.eval([c.state for c in caches])
+    prefill(model, tokens[:, : n_context - 1], caches, prefill_step_size)
     steps = []
     for i in range(n_score):
         pos = n_context - 1 + i
@@ -68,6 +101,7 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
     nll = -mx.take_along_axis(logp, targets[:, None], axis=-1).mean()
     nll_ref = -mx.take_along_axis(ref_logp, targets[:, None], axis=-1).mean()
     agree = (logp.argmax(-1) == ref_logp.argmax(-1)).astype(mx.float32).mean()
+    mx.eval([c.state for c in caches])
     return FidelityResult(
         kld=float(kld.mean()), top1_agree=float(agree), ppl=float(mx.exp(nll)), ppl_ref=float(mx.exp(nll_ref)),
         kv_bytes=kv_bytes(caches), kv_bytes_fp16=fp16_kv_bytes(model, n_context + n_score - 1), n_scored=n_score,

@@ -1,0 +1,412 @@
+"""The quality harness (``veloxquant_mlx.eval``) and the benchmark (``veloxquant_mlx.bench``), and their
+``veloxquant eval`` / ``veloxquant bench`` subcommands.
+
+Fast: the tasks run on a tiny random-weight Llama with a character-level tokenizer; the benchmark on
+the ``tiny`` shape with tiny contexts. The two ``real_model`` tests use the embedded SmolLM2-135M
+(tokenizer + a short ``eval --task kld`` on a small text file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+
+import pytest
+
+from veloxquant_mlx import cli  # noqa: I001  (imports veloxquant_mlx first: OpenBLAS before mlx)
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache  # noqa: E402
+
+from veloxquant_mlx import bench, cli_measure  # noqa: E402
+from veloxquant_mlx.eval import plot, tasks  # noqa: E402
+from veloxquant_mlx.eval.specs import MethodSpec, implemented_mlx_lm_methods, resolve_methods  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
+
+TEXT = " ".join(f"Sentence number {i} is about apples, rivers and the quiet sea." for i in range(80))
+
+
+class CharTokenizer:
+    """One token per ASCII character (ids 1..127; 0 is EOS); no chat template."""
+
+    bos_token = None
+    chat_template = None
+    eos_token_ids = {0}
+
+    def encode(self, text, add_special_tokens=True):
+        return [max(1, min(ord(c), 127)) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(seed=3, head_dim=32, n_layers=2), CharTokenizer()
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def test_fidelity_rows_keys_and_arithmetic(tiny):
+    model, tok = tiny
+    memo = {}
+    methods = [("kivi", {"bit_width_inlier": 4}), ("streaming_llm", {"stream_window_size": 32})]
+    ppl = tasks.eval_ppl(model, tok, methods, context=96, n_score=8, text=TEXT, memo=memo)
+    kld = tasks.eval_kld(model, tok, methods, context=96, n_score=8, text=TEXT, memo=memo)
+    assert [r["method"] for r in ppl] == ["none", "kivi", "streaming_llm"]
+    assert [r["task"] for r in ppl] == ["ppl"] * 3 and [r["task"] for r in kld] == ["kld"] * 3
+    for r in ppl + kld:
+        assert tuple(r) == tasks.ROW_KEYS
+        assert r["error"] is None and r["context"] == 96 and r["n_scored"] == 8
+        assert r["ppl_delta"] == pytest.approx(r["ppl"] - r["ppl_ref"])
+        assert r["compression"] == pytest.approx(r["kv_bytes_fp16"] / r["kv_bytes"])
+        assert 0.0 <= r["top1_agree"] <= 1.0 and r["kld"] >= -1e-6
+        assert r["niah_acc"] is None
+    none = ppl[0]
+    assert none["kld"] < 1e-5 and none["top1_agree"] == 1.0 and none["settings"] == {}
+    assert ppl[1]["settings"] == {"bit_width_inlier": 4} and ppl[1]["label"] == "kivi bit_width_inlier=4"
+    # eval_kld reused eval_ppl's runs (same numbers, no recomputation)
+    for a, b in zip(ppl, kld):
+        assert (a["kld"], a["ppl"], a["kv_bytes"]) == (b["kld"], b["ppl"], b["kv_bytes"])
+    # 95 + 8 tokens: the fp16 reference is 2 layers x (K, V) x 2 heads x 103 rows x 32 x 2 bytes; mlx_lm's
+    # own cache holds float32 in one 256-row step; the 32-token window holds less
+    for r in ppl:
+        assert r["kv_tokens"] == 103 and r["kv_bytes_fp16"] == 2 * 2 * 2 * 103 * 32 * 2
+    assert none["kv_bytes"] == 2 * 2 * 2 * 256 * 32 * 4
+    assert ppl[2]["kv_bytes"] < ppl[2]["kv_bytes_fp16"] < none["kv_bytes"]
+    json.dumps(ppl + kld)  # JSON-serializable
+
+
+def test_niah_rows_and_run_eval(tiny):
+    model, tok = tiny
+    seen = []
+    rows = tasks.run_eval(model, tok, ["streaming_llm"], ["kld", "niah"], context=200, n_score=4,
+                          depths=(0.2, 0.8), text=TEXT, progress=seen.append, max_new_tokens=4)
+    assert len(seen) == tasks.count_units(["kld", "niah"], 2, 2)
+    assert [(r["method"], r["task"]) for r in rows] == [("none", "kld"), ("streaming_llm", "kld"),
+                                                        ("none", "niah"), ("streaming_llm", "niah")]
+    for r in rows[2:]:
+        assert r["niah_trials"] == 2 and r["niah_acc"] == r["niah_hits"] / 2
+        assert [d["depth"] for d in r["niah_detail"]] == [0.2, 0.8]
+        assert all(set(d) == {"depth", "passcode", "answer", "correct"} for d in r["niah_detail"])
+        assert r["kv_bytes"] > 0 and r["compression"] == pytest.approx(r["kv_bytes_fp16"] / r["kv_bytes"])
+    with pytest.raises(ValueError):
+        tasks.run_eval(model, tok, ["kivi"], ["bogus"], context=64, text=TEXT)
+
+
+def test_failing_method_is_a_row_not_a_crash(tiny, monkeypatch):
+    model, tok = tiny
+    from veloxquant_mlx.cache.methods import kivi as kivi_mod
+
+    cls = next(c for c in vars(kivi_mod).values() if isinstance(c, type) and getattr(c, "method_name", "") == "kivi")
+
+    def boom(self, *a, **k):
+        raise RuntimeError("kernel missing")
+
+    monkeypatch.setattr(cls, "update_and_fetch", boom)
+    rows = tasks.eval_kld(model, tok, ["kivi"], context=32, n_score=2, text=TEXT)
+    assert rows[0]["error"] is None
+    assert rows[1]["error"] == "RuntimeError: kernel missing" and rows[1]["kld"] is None
+
+
+def test_text_too_short(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="tokens"):
+        tasks.text_tokens(tok, 500, "short text")
+    assert len(tasks.text_tokens(tok, 500, "short text. ", repeat=True)) == 500
+
+
+# --------------------------------------------------------------------------- NIAH builder
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_niah_builder_places_the_needle(depth):
+    tok = CharTokenizer()
+    p = tasks.build_niah_prompt(tok, 600, depth, "5821", text=TEXT)
+    assert len(p.context_ids) == 600
+    text = tok.decode(p.context_ids)
+    needle = tasks.NEEDLE_TEMPLATE.format(code="5821")
+    assert text.count(needle) == 1 and "5821" not in tok.decode(p.question_ids)
+    assert tok.decode(p.context_ids[p.needle_index: p.needle_index + len(p.needle_ids)]).strip() == needle
+    head = len(tok.encode(tasks.INSTRUCTION + "\n\n"))
+    hay_depth = (p.needle_index - head) / (600 - head - len(p.needle_ids))
+    assert abs(hay_depth - depth) < 0.1  # snapped to the nearest sentence end
+    if 0 < depth < 1:
+        assert text[p.needle_index - 1] in " ." or text[p.needle_index - 2] == "."
+    assert tasks.QUESTION in tok.decode(p.question_ids)  # the question is not in the context
+    assert tasks.QUESTION not in text
+    with pytest.raises(ValueError):
+        tasks.build_niah_prompt(tok, 80, 0.5, text=TEXT)
+
+
+def test_extract_answer_and_passcodes():
+    assert tasks.extract_answer("The passcode is 4817.") == "4817"
+    assert tasks.extract_answer("4,817") == "4817"
+    assert tasks.extract_answer(" 4 8 1 7\n") == "4817"
+    assert tasks.extract_answer("I do not know.") is None
+    assert tasks.extract_answer("Vault 12: 4817") == "12"  # the first number counts
+    codes = tasks.passcodes(3, seed=1)
+    assert len(set(codes)) == 3 and all(len(c) == 4 and c.isdigit() for c in codes)
+    assert codes == tasks.passcodes(3, seed=1)
+
+
+@pytest.mark.real_model
+def test_niah_builder_real_tokenizer_chat_template():
+    from veloxquant_mlx.model import load_model
+
+    _, tok = load_model()
+    p = tasks.build_niah_prompt(tok, 512, 0.5, "7311")
+    assert len(p.context_ids) == 512
+    ctx, q = tok.decode(p.context_ids), tok.decode(p.question_ids)
+    assert ctx.startswith("<|im_start|>") and "blue vault is 7311." in ctx
+    assert q.startswith("\n\nQuestion:") and q.endswith("<|im_start|>assistant\n") and "7311" not in q
+    assert 0.45 < p.needle_depth < 0.6
+
+
+# --------------------------------------------------------------------------- --set rules
+
+
+def test_resolve_methods_distributes_sets():
+    specs = resolve_methods(["kivi", "snapkv"], ["bit_width_inlier=4", "snap_budget=64", "snapkv:obs_window=8"])
+    assert [s.method for s in specs] == ["none", "kivi", "snapkv"]
+    assert specs[0].settings == {}
+    assert specs[1].settings == {"bit_width_inlier": 4}
+    assert specs[2].settings == {"bit_width_inlier": 4, "snap_budget": 64, "snap_obs_window": 8}
+    assert specs[2].config().snap_budget == 64
+    with pytest.raises(cli.UsageError, match="applies to none"):
+        resolve_methods(["kivi"], ["snap_budget=64"])
+    with pytest.raises(cli.UsageError, match="not one of the methods"):
+        resolve_methods(["kivi"], ["snapkv:budget=64"])
+    with pytest.raises(cli.UsageError, match="unknown method"):
+        resolve_methods(["nope"])
+    with pytest.raises(cli.UsageError, match="standalone"):
+        resolve_methods(["qjl"])
+    assert "qjl" not in implemented_mlx_lm_methods() and "kivi" in implemented_mlx_lm_methods()
+
+
+def test_parser_constants_match():
+    assert cli_measure.TASK_NAMES == tasks.TASKS
+    assert cli_measure.SHAPE_NAMES == tuple(bench.SHAPES)
+
+
+# --------------------------------------------------------------------------- ratios, slopes, stats
+
+
+def _row(method, context, **medians):
+    r = bench._bench_row(method, {}, method, context, 4, None)
+    for k, v in medians.items():
+        r[k] = {"median": v, "min": v, "max": v}
+    return r
+
+
+def test_ratio_arithmetic():
+    rows = [_row("none", 100, prefill_s=2.0, decode_tps=10.0, kv_resident_bytes=1000, step_s=0.1),
+            _row("mlx_q4", 100, prefill_s=4.0, decode_tps=20.0, kv_resident_bytes=250, step_s=0.05),
+            _row("kivi", 100, prefill_s=1.0, decode_tps=5.0, kv_resident_bytes=500, step_s=0.2)]
+    bench.add_ratios(rows)
+    k = rows[2]["ratios"]
+    assert k["none"]["prefill_s"] == 0.5 and k["none"]["decode_tps"] == 0.5 and k["none"]["kv_resident_bytes"] == 0.5
+    assert k["mlx_q4"]["prefill_s"] == 0.25 and k["mlx_q4"]["kv_resident_bytes"] == 2.0
+    assert k["mlx_q8"] is None  # not measured
+    assert k["none"]["peak_bytes"] is None  # not measured either
+    assert bench.stats([3, 1, 2, None]) == {"median": 2, "min": 1, "max": 3}
+    assert bench.stats([None]) is None
+
+
+def test_slope_fit():
+    assert bench.fit_slope([0, 1000, 2000], [1.0, 3.0, 5.0]) == pytest.approx(0.002)
+    assert bench.fit_slope([5, 5], [1, 2]) is None
+    rows = []
+    for n in (1000, 3000):
+        rows.append(_row("none", n, step_s=0.01 + 1e-6 * n))
+        rows.append(_row("kivi", n, step_s=0.01 + 4e-6 * n))
+    bench.add_slopes(rows)
+    assert rows[0]["decode_s_per_1k"] == pytest.approx(1e-3)
+    assert rows[1]["decode_s_per_1k"] == pytest.approx(4e-3) and rows[1]["slope_vs_none"] == pytest.approx(4.0)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_resident_memory_of_a_known_cache():
+    model = tiny_llama(seed=0, head_dim=16, n_layers=3)  # float32, 2 KV heads
+    prompt = mx.arange(1, 41).astype(mx.int32)
+    bench.run_once(model, make_prompt_cache(model), prompt[:8], decode_tokens=1)  # warm-up (first-call constants)
+    r = bench.run_once(model, make_prompt_cache(model), prompt, decode_tokens=3)
+    # 43 tokens -> mlx_lm's KVCache holds one 256-row step: 3 layers * (K, V) * 2 heads * 256 * 16 * 4 bytes
+    expected = 3 * 2 * 2 * 256 * 16 * 4
+    assert r["kv_nbytes"] == expected
+    assert r["kv_resident_bytes"] == expected
+    assert r["peak_delta_bytes"] >= expected and r["peak_bytes"] >= r["peak_delta_bytes"]
+    assert r["prefill_s"] > 0 and r["decode_tps"] > 0
+
+    # a cache that counts only its used rows: resident memory still sees the whole 256-row buffer
+    class UsedRowsOnly(KVCache):
+        @property
+        def nbytes(self):
+            return 2 * self.keys[..., : self.offset, :].nbytes
+
+    r2 = bench.run_once(model, [UsedRowsOnly() for _ in range(3)], prompt, decode_tokens=3)
+    assert r2["kv_nbytes"] == 3 * 2 * 2 * 43 * 16 * 4
+    assert r2["kv_resident_bytes"] == expected
+
+
+def test_quantized_baseline_cache_measured():
+    model = tiny_llama(seed=0, head_dim=32, n_layers=2)
+    caches = bench._mlx_quant_factory(8)(model)
+    assert all(isinstance(c, QuantizedKVCache) and c.group_size == 32 and c.bits == 8 for c in caches)
+    r = bench.run_once(model, caches, mx.arange(1, 41).astype(mx.int32), decode_tokens=2)
+    assert r["kv_nbytes"] > 0 and r["kv_resident_bytes"] >= r["kv_nbytes"]
+
+
+# --------------------------------------------------------------------------- bench end to end
+
+
+def test_bench_cli_tiny_shape_json(capsys):
+    code, out, err = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--method", "kivi",
+                             "--context", "16,48", "--repeats", "2", "--decode-tokens", "2", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["method"], r["context"]) for r in rows] == [
+        (m, n) for m in ("none", "mlx_q4", "mlx_q8", "kivi") for n in (16, 48)]
+    for r in rows:
+        assert r["available"] and r["repeats"] == 2 and r["error"] is None
+        for k in bench.STATS:
+            assert set(r[k]) == {"median", "min", "max"} and r[k]["min"] <= r[k]["median"] <= r[k]["max"]
+        assert set(r["ratios"]) == set(bench.BASELINES)
+        assert r["decode_s_per_1k"] is not None
+    kivi = rows[-1]
+    assert kivi["ratios"]["none"]["kv_nbytes"] == pytest.approx(
+        kivi["kv_nbytes"]["median"] / rows[1]["kv_nbytes"]["median"])
+    assert rows[0]["ratios"]["none"]["prefill_s"] == 1.0
+    assert "repeat 2/2" in err
+
+
+def test_bench_cli_table_and_usage(capsys):
+    code, out, _ = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--baselines", "none",
+                           "--method", "streaming_llm", "--set", "stream_window_size=8", "--context", "24",
+                           "--repeats", "1", "--decode-tokens", "2")
+    assert code == 0
+    assert "streaming_llm stream_window_size=8" in out and "vs none" in out and "KV resident" in out
+    assert run_cli(capsys, "bench", "--shape", "tiny", "--baselines", "mlx_q2")[0] == 2
+    assert run_cli(capsys, "bench", "--random-weights")[0] == 2
+    assert run_cli(capsys, "bench", "--shape", "tiny", "--method", "kivi", "--set", "snap_budget=3")[0] == 2
+
+
+def test_bench_failing_baseline_reported_unavailable(monkeypatch):
+    def boom(self, *a, **k):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+
+    monkeypatch.setattr(QuantizedKVCache, "update_and_fetch", boom)
+    model = bench.random_model("tiny")
+    rows = bench.bench(model, ["streaming_llm"], contexts=[16], repeats=1, decode_tokens=1)
+    by = {r["method"]: r for r in rows}
+    assert by["none"]["available"] and by["streaming_llm"]["available"]
+    for b in ("mlx_q4", "mlx_q8"):
+        assert not by[b]["available"] and "No implementation" in by[b]["error"]
+    assert by["streaming_llm"]["ratios"]["mlx_q4"] is None and by["streaming_llm"]["ratios"]["none"] is not None
+
+
+def test_bench_isolated_subprocess_failure_is_contained():
+    shared = ["--shape", "tiny", "--random-weights", "--context", "16", "--repeats", "1", "--decode-tokens", "1",
+              "--no-warmup"]
+
+    def child_args(baseline, spec):
+        if baseline is not None:
+            return shared + ["--baselines", baseline]
+        return ["--shape", "no-such-shape"]  # this child fails
+
+    rows = bench.bench_isolated(child_args, [MethodSpec("kivi")], [16], 1, baselines=["none"], timeout_s=120)
+    by = {r["method"]: r for r in rows}
+    assert by["none"]["available"] and by["none"]["prefill_s"]["median"] > 0
+    assert not by["kivi"]["available"] and "exit code 2" in by["kivi"]["error"]
+
+
+def test_random_model_shapes():
+    m = bench.random_model("tiny", dtype="float16")
+    assert m.model.embed_tokens.weight.dtype == mx.float16
+    assert len(m.model.layers) == bench.SHAPES["tiny"]["num_hidden_layers"]
+    assert bench.SHAPES["llama-8b"]["head_dim"] == 128 and bench.SHAPES["llama-1b"]["num_key_value_heads"] == 8
+
+
+# --------------------------------------------------------------------------- eval CLI, plot, results.md
+
+
+def test_eval_cli_on_tiny_text_file(tmp_path, capsys, monkeypatch, tiny):
+    import veloxquant_mlx.model as model_mod
+
+    monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: tiny)
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT)
+    out_dir = tmp_path / "out"
+    code, out, err = run_cli(capsys, "eval", "--method", "streaming_llm", "--set", "stream_window_size=16",
+                             "--text-file", str(text_file), "--context", "160", "--n-score", "4",
+                             "--depths", "0.5", "--json", "--out", str(out_dir))
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["method"], r["task"]) for r in rows] == [
+        (m, t) for t in ("ppl", "kld", "niah") for m in ("none", "streaming_llm")]
+    assert all(tuple(r) == tasks.ROW_KEYS for r in rows)
+    assert "loading model" in err and "[" in err
+    md = (out_dir / "results.md").read_text()
+    assert "| streaming_llm | stream_window_size=16 | kld | 160 |" in md and "pareto.png" in md
+    assert json.loads((out_dir / "results.json").read_text()) == rows
+    png = (out_dir / "pareto.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # the table
+    code, out, _ = run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
+                           "--context", "64", "--n-score", "2")
+    assert code == 0 and "kivi" in out and "KLD" in out
+    # usage errors
+    assert run_cli(capsys, "eval", "--task", "kld")[0] == 2  # no method
+    assert run_cli(capsys, "eval", "--method", "kivi", "--text-file", str(tmp_path / "missing.txt"))[0] == 2
+    assert run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
+                   "--context", "5000")[0] == 2  # text too short
+
+
+@pytest.mark.real_model
+def test_eval_cli_real_model_kld(tmp_path, capsys):
+    from veloxquant_mlx.assets import essays_text
+
+    text_file = tmp_path / "essay.txt"
+    text_file.write_text(essays_text(max_chars=2000))
+    code, out, err = run_cli(capsys, "eval", "--method", "streaming_llm", "--set", "stream_window_size=24",
+                             "--task", "kld", "--text-file", str(text_file), "--context", "64", "--n-score", "4",
+                             "--json")
+    assert code == 0, err
+    none, stream = json.loads(out)
+    assert none["kld"] < 1e-4 and none["top1_agree"] == 1.0
+    assert stream["kld"] > none["kld"] and stream["compression"] > none["compression"]
+
+
+def test_png_writer_and_pareto(tmp_path):
+    path = tmp_path / "x.png"
+    plot.write_png(path, 3, 2, bytes(range(18)))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    assert (w, h) == (3, 2)
+    idat = data[data.index(b"IDAT") + 4: data.index(b"IEND") - 8]
+    raw = zlib.decompress(idat)
+    assert raw == b"\x00" + bytes(range(9)) + b"\x00" + bytes(range(9, 18))
+    pts = [{"label": "a", "method": "a", "compression": 1.0, "kld": 0.0},
+           {"label": "b", "method": "b", "compression": 4.0, "kld": 0.1},
+           {"label": "c", "method": "c", "compression": 3.0, "kld": 0.2},  # dominated by b
+           {"label": "d", "method": "d", "compression": 2.0, "kld": 0.01}]
+    assert [p["label"] for p in plot.pareto_front(pts)] == ["a", "d", "b"]
+    rows = [{"task": "kld", "label": p["label"], "method": p["method"], "compression": p["compression"],
+             "kld": p["kld"]} for p in pts]
+    out = tmp_path / "p.png"
+    assert plot.plot_pareto(rows, out, prefer_matplotlib=False) == "builtin"
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert plot.plot_pareto([{"task": "niah", "kld": None}], out) is None
+    assert math.isfinite(plot._log_range([0.0, 0.5])[0])

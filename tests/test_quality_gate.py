@@ -1,0 +1,69 @@
+"""CI quality gate: next-token fidelity of three methods on the embedded SmolLM2-135M, against fixed
+thresholds, so that a quality regression fails CI.
+
+Setting: the first 512 + 32 tokens of the Paul Graham essays; the 512-token context is prefilled through
+each cache, then 32 tokens are scored one decode step at a time (``veloxquant_mlx.eval.tasks.eval_kld``:
+mean KL divergence vs the uncompressed model, top-1 agreement, perplexity, measured KV bytes).
+
+Values measured when the gate was set (mlx 0.32.4 CPU, float32 compute):
+
+=================================  =======  =====  ===========  ===========
+method                             KLD      top-1  ppl (ref)    compression
+=================================  =======  =====  ===========  ===========
+kivi bit_width_inlier=4            0.0074   1.000  18.43 (18.99)  2.77x
+snapkv budget=256                  0.0199   0.938  19.22          1.85x
+streaming_llm window_size=256      0.0740   0.875  19.38          1.83x
+=================================  =======  =====  ===========  ===========
+
+Thresholds leave margin for numerical noise (KLD about 2x the measured value, top-1 one or two tokens of
+32 below it, compression about 10% below it, perplexity within a few percent of the uncompressed model's), but
+a method that loses the information the gate measures (a 2-bit KIVI, random eviction, a broken window)
+fails. StreamingLLM runs with a 256-token window, so that at this context it evicts like SnapKV does; its
+bytes depend on where the run ends in its eviction cycle (it evicts in batches of max(16, window/8) rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import veloxquant_mlx  # noqa: F401,I001  (first: OpenBLAS before mlx)
+
+from veloxquant_mlx.eval.specs import MethodSpec  # noqa: E402
+from veloxquant_mlx.eval.tasks import eval_kld  # noqa: E402
+
+CONTEXT, N_SCORE = 512, 32
+
+# label: (spec, max KLD, min top-1, max |ppl/ppl_ref - 1|, min compression)
+GATE = {
+    "kivi": (MethodSpec("kivi", {"bit_width_inlier": 4}), 0.02, 0.93, 0.06, 2.5),
+    "snapkv": (MethodSpec("snapkv", {"snap_budget": 256}), 0.045, 0.87, 0.05, 1.7),
+    "streaming_llm": (MethodSpec("streaming_llm", {"stream_window_size": 256}), 0.15, 0.80, 0.06, 1.65),
+}
+
+
+@pytest.fixture(scope="module")
+def gate_rows():
+    from veloxquant_mlx.model import load_model
+
+    model, tokenizer = load_model()
+    rows = eval_kld(model, tokenizer, [spec for spec, *_ in GATE.values()], context=CONTEXT, n_score=N_SCORE,
+                    include_none=False)
+    return {r["method"]: r for r in rows}
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(GATE))
+def test_quality_gate(gate_rows, method):
+    _, max_kld, min_top1, max_ppl_rel, min_compression = GATE[method]
+    r = gate_rows[method]
+    summary = (f"{r['label']}: KLD {r['kld']:.4f}, top-1 {r['top1_agree']:.3f}, ppl {r['ppl']:.2f} "
+               f"(uncompressed {r['ppl_ref']:.2f}), compression {r['compression']:.2f}x")
+    print(summary)
+    assert r["error"] is None, r["error"]
+    assert r["n_scored"] == N_SCORE
+    assert 17.0 < r["ppl_ref"] < 21.0, f"the uncompressed reference itself moved: {summary}"
+    assert r["kld"] <= max_kld, f"KLD regression: {summary} (gate {max_kld})"
+    assert r["top1_agree"] >= min_top1, f"top-1 agreement regression: {summary} (gate {min_top1})"
+    assert abs(r["ppl"] / r["ppl_ref"] - 1) <= max_ppl_rel, f"perplexity regression: {summary}"
+    assert r["compression"] >= min_compression, f"compression regression: {summary} (gate {min_compression}x)"

@@ -1,0 +1,447 @@
+"""Side-by-side speed and memory of KV caches in one process: prefill, decode, resident bytes, peak.
+
+For every context length and repeat, each candidate cache runs once (methods alternate within a
+repeat, starting one place later on each repeat): a random prompt of ``context`` tokens is prefilled
+in chunks of 2048 (mlx_lm's default) with the last token run on its own, its greedy next token
+evaluated (``prefill_s`` = time to that first token), then ``decode_tokens`` greedy decode steps are
+timed one by one (``decode_tps``, ``step_s``). Memory comes from MLX's allocator: ``kv_resident_bytes``
+= ``mx.get_active_memory()`` after the run minus before it (what the caches really keep alive,
+including views pinning larger buffers and allocation slack), beside ``kv_nbytes`` (the caches' own
+``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()`` (reset before the run; weights included) and
+``peak_delta_bytes`` = that peak minus the memory in use before the run.
+
+Each statistic is the median with min and max over the repeats, and each median is also given as a
+ratio against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
+(``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads) measured in the same run. A candidate
+that raises is reported as unavailable (``available: false`` with the error); ``isolate=True`` (CLI
+``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses that one.
+
+``decode_s_per_1k`` is the least-squares slope of the median decode-step time against the context
+length (seconds per 1000 tokens of context, two or more contexts): a cache whose decode step is
+O(context) with a large constant, or O(context²), shows up as a slope far above ``none``'s.
+
+Shapes (random weights, :data:`SHAPES`): ``llama-1b``, ``llama-8b``, ``smollm2`` (the embedded model's
+architecture) and ``tiny`` (tests). Speed does not depend on weight values.
+"""
+
+from __future__ import annotations
+
+from . import _blas
+
+_blas.preload()
+
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Callable, Optional, Sequence  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from .eval.specs import NONE, MethodSpec  # noqa: E402
+
+__all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
+           "candidates", "run_once", "bench", "add_ratios", "add_slopes", "fit_slope", "stats",
+           "bench_isolated"]
+
+#: Random-weight Llama shapes: mlx_lm ``llama.ModelArgs`` fields.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=256, vocab_size=512, tie_word_embeddings=True, rope_theta=10000.0),
+    "smollm2": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                    rope_theta=100000.0),
+    "llama-1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                     rope_theta=500000.0),
+    "llama-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                     rope_theta=500000.0),
+}
+
+#: The reference caches measured with every run: mlx_lm's plain cache and its quantized one.
+BASELINES = (NONE, "mlx_q4", "mlx_q8")
+_MLX_QUANT_BITS = {"mlx_q4": 4, "mlx_q8": 8}
+
+#: Per-run measurements summarized as median/min/max; the ones also given as ratios.
+STATS = ("prefill_s", "decode_tps", "step_s", "kv_resident_bytes", "kv_nbytes", "peak_bytes", "peak_delta_bytes")
+RATIO_STATS = ("prefill_s", "decode_tps", "kv_resident_bytes", "kv_nbytes", "peak_bytes", "peak_delta_bytes")
+
+PREFILL_STEP = 2048
+
+
+# --------------------------------------------------------------------------- #
+# models
+# --------------------------------------------------------------------------- #
+
+
+def default_dtype():
+    """float32 on the CPU backend (fast BLAS path), float16 on a GPU."""
+    return _blas.compute_dtype()
+
+
+def _dtype(dtype) -> "mx.Dtype":
+    if dtype is None:
+        return default_dtype()
+    if isinstance(dtype, str):
+        value = getattr(mx, dtype, None)
+        if not isinstance(value, mx.Dtype):
+            raise ValueError(f"{dtype!r} is not an mlx dtype (float16, bfloat16, float32)")
+        return value
+    return dtype
+
+
+def random_model(shape: str, dtype=None, seed: int = 0):
+    """An mlx_lm Llama of the named :data:`SHAPES` entry with random N(0, 0.02) matrices, in ``dtype``."""
+    import mlx.utils
+    from mlx_lm.models import llama
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}")
+    dt = _dtype(dtype)
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SHAPES[shape])
+    model = llama.Model(args)
+    mx.random.seed(seed)
+    # The default initializers stay lazy and are never evaluated: each parameter is replaced first.
+    params = mlx.utils.tree_map(
+        lambda p: (mx.random.normal(p.shape, dtype=dt) * 0.02) if p.ndim > 1 else mx.ones(p.shape, dtype=dt),
+        model.parameters())
+    model.update(params)
+    for layer in model.model.layers:  # materialize layer by layer: bounded peak memory
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    if isinstance(v, int):
+        return v
+    from .cache.factory import language_model
+
+    emb = getattr(getattr(language_model(model), "model", None), "embed_tokens", None)
+    return int(emb.weight.shape[0]) if emb is not None else 32000
+
+
+# --------------------------------------------------------------------------- #
+# candidates
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Candidate:
+    """A cache to benchmark: a name (method or baseline), its settings and a per-run cache factory."""
+
+    name: str
+    settings: dict
+    make: Callable[[Any], list]
+
+    @property
+    def label(self) -> str:
+        return MethodSpec(self.name, self.settings).label
+
+
+def _head_dim(model) -> int:
+    from .cache.factory import _attention, _head_dim as hd, _layers
+
+    attn = _attention(_layers(model)[0])
+    return hd(attn, 64) if attn is not None else 64
+
+
+def _mlx_quant_factory(bits: int) -> Callable[[Any], list]:
+    def make(model):
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+        d = _head_dim(model)
+        group = 64 if d % 64 == 0 else 32
+        return [QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
+                for c in make_prompt_cache(model)]
+
+    return make
+
+
+def candidates(methods: Sequence, baselines: Sequence[str] = BASELINES) -> list[Candidate]:
+    """Baselines first (``none``, ``mlx_q4``, ``mlx_q8``), then ``methods`` (names / specs), deduplicated."""
+    from .eval.fidelity import make_caches
+
+    out: list[Candidate] = []
+    seen = set()
+    for b in baselines:
+        if b in seen:
+            continue
+        seen.add(b)
+        if b == NONE:
+            out.append(Candidate(NONE, {}, lambda model: make_caches(model, None)))
+        elif b in _MLX_QUANT_BITS:
+            out.append(Candidate(b, {}, _mlx_quant_factory(_MLX_QUANT_BITS[b])))
+        else:
+            raise ValueError(f"unknown baseline {b!r}; baselines: {', '.join(BASELINES)}")
+    for m in methods:
+        spec = MethodSpec.coerce(m)
+        key = spec.label
+        if key in seen:
+            continue
+        seen.add(key)
+        if spec.method == NONE:
+            out.append(Candidate(NONE, {}, lambda model: make_caches(model, None)))
+            continue
+        config = spec.config()
+        out.append(Candidate(spec.method, dict(spec.settings), lambda model, c=config: make_caches(model, c)))
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# one run
+# --------------------------------------------------------------------------- #
+
+
+def _settle() -> None:
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+
+
+def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
+             prefill_step: int = PREFILL_STEP) -> dict:
+    """Prefill ``prompt`` ([T] ids) into ``caches``, decode ``decode_tokens`` greedily; the measurements.
+
+    Memory baselines are taken right before the prefill, so ``caches`` should be fresh (empty).
+    """
+    from .eval.fidelity import prefill
+    from .measure import kv_bytes
+
+    _settle()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    if prompt.size > 1:
+        prefill(model, prompt[:-1], caches, prefill_step)
+    logits = model(prompt[-1:][None], cache=caches)
+    tok = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(tok)
+    prefill_s = time.perf_counter() - t0
+    del logits
+    steps = []
+    for _ in range(decode_tokens):
+        ts = time.perf_counter()
+        logits = model(tok[:, None], cache=caches)
+        tok = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.eval(tok)
+        steps.append(time.perf_counter() - ts)
+        del logits
+    del tok
+    mx.eval([c.state for c in caches])
+    mx.synchronize()
+    resident = mx.get_active_memory() - base
+    peak = mx.get_peak_memory()
+    decode_s = sum(steps)
+    return {
+        "prefill_s": prefill_s,
+        "decode_tps": (len(steps) / decode_s) if decode_s > 0 else None,
+        "step_s": statistics.median(steps) if steps else None,
+        "kv_resident_bytes": int(resident),
+        "kv_nbytes": kv_bytes(caches),
+        "peak_bytes": int(peak),
+        "peak_delta_bytes": int(peak - base),
+    }
+
+
+def stats(values: Sequence[Optional[float]]) -> Optional[dict]:
+    """``{"median", "min", "max"}`` of the non-None ``values`` (None if there are none)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+# --------------------------------------------------------------------------- #
+# the benchmark
+# --------------------------------------------------------------------------- #
+
+
+def _prompt(vocab: int, n: int, seed: int) -> mx.array:
+    key = mx.random.key(seed)
+    p = mx.random.randint(0, vocab, (n,), key=key).astype(mx.int32)
+    mx.eval(p)
+    return p
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repeats: int = 3,
+          decode_tokens: int = 32, baselines: Sequence[str] = BASELINES, seed: int = 0,
+          prefill_step: int = PREFILL_STEP, warmup: bool = True,
+          progress: Optional[Callable[[str], None]] = None, model_name: Optional[str] = None) -> list[dict]:
+    """Rows, one per candidate and context (baselines first), with ratios and slopes filled in."""
+    if repeats < 1 or decode_tokens < 1 or not contexts or min(contexts) < 2:
+        raise ValueError("need repeats >= 1, decode_tokens >= 1 and contexts >= 2")
+    cands = candidates(methods, baselines)
+    vocab = _vocab_size(model)
+    errors: dict[str, str] = {}
+    say = progress or (lambda msg: None)
+    if warmup:  # first calls compile kernels and grow the allocator's pool: keep them out of the timings
+        wp = _prompt(vocab, min(min(contexts), 256), seed + 1)
+        for c in cands:
+            say(f"warm-up: {c.label}")
+            try:
+                run_once(model, c.make(model), wp, 2, prefill_step)
+            except Exception as exc:
+                errors[c.label] = _error(exc)
+    samples: dict[tuple[str, int], list[dict]] = {(c.label, n): [] for c in cands for n in contexts}
+    prompts = {n: _prompt(vocab, n, seed + n) for n in contexts}
+    for rep in range(repeats):
+        order = cands[rep % len(cands):] + cands[: rep % len(cands)]
+        for n in contexts:
+            for c in order:
+                if c.label in errors:
+                    continue
+                say(f"repeat {rep + 1}/{repeats}, context {n}: {c.label}")
+                try:
+                    samples[(c.label, n)].append(run_once(model, c.make(model), prompts[n], decode_tokens,
+                                                          prefill_step))
+                except Exception as exc:
+                    errors[c.label] = _error(exc)
+                _settle()
+    rows = []
+    for c in cands:
+        for n in contexts:
+            runs = samples[(c.label, n)]
+            row = _bench_row(c.name, c.settings, c.label, n, decode_tokens, model_name)
+            if c.label in errors:
+                row.update(available=False, error=errors[c.label])
+            else:
+                row.update(repeats=len(runs), **{k: stats([r[k] for r in runs]) for k in STATS})
+            rows.append(row)
+    add_ratios(rows)
+    add_slopes(rows)
+    return rows
+
+
+def _bench_row(name, settings, label, context, decode_tokens, model_name) -> dict:
+    row = {"method": name, "settings": dict(settings), "label": label, "model": model_name, "context": context,
+           "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True, "error": None,
+           "repeats": 0}
+    row.update(dict.fromkeys(STATS))
+    row.update(ratios={}, decode_s_per_1k=None, slope_vs_none=None)
+    return row
+
+
+def _median(row, key) -> Optional[float]:
+    s = row.get(key)
+    return s["median"] if isinstance(s, dict) else None
+
+
+def add_ratios(rows: list[dict], baselines: Sequence[str] = BASELINES) -> list[dict]:
+    """``row["ratios"][baseline][stat]`` = row's median / the baseline's median at the same context
+    (None where either is missing or the baseline's is 0); rows are modified in place and returned."""
+    base = {(r["method"], r["context"]): r for r in rows
+            if r["method"] in baselines and not r["settings"] and r["available"]}
+    for r in rows:
+        r["ratios"] = {}
+        for b in baselines:
+            ref = base.get((b, r["context"]))
+            if ref is None:
+                r["ratios"][b] = None
+                continue
+            ratios = {}
+            for k in RATIO_STATS:
+                a, z = _median(r, k), _median(ref, k)
+                ratios[k] = (a / z) if (a is not None and z) else None
+            r["ratios"][b] = ratios
+    return rows
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Least-squares slope dy/dx (None with fewer than two distinct x)."""
+    pts = [(float(x), float(y)) for x, y in zip(xs, ys) if y is not None]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx_ = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx_) ** 2 for x, _ in pts)
+    return sum((x - mx_) * (y - my) for x, y in pts) / sxx
+
+
+def add_slopes(rows: list[dict]) -> list[dict]:
+    """``decode_s_per_1k``: slope of the median decode-step time vs context (the step at context n sees
+    n + decode_tokens/2 tokens on average), per candidate; ``slope_vs_none`` its ratio to ``none``'s."""
+    by_label: dict[str, list[dict]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], []).append(r)
+    slopes = {}
+    for label, rs in by_label.items():
+        ok = [r for r in rs if r["available"] and _median(r, "step_s") is not None]
+        s = fit_slope([r["context"] + r["decode_tokens"] / 2 for r in ok], [_median(r, "step_s") for r in ok])
+        slopes[label] = None if s is None else s * 1000.0
+    ref = slopes.get(NONE)
+    for r in rows:
+        r["decode_s_per_1k"] = slopes.get(r["label"])
+        s = r["decode_s_per_1k"]
+        r["slope_vs_none"] = (s / ref) if (s is not None and ref and ref > 0) else None
+    return rows
+
+
+# --------------------------------------------------------------------------- #
+# one subprocess per candidate
+# --------------------------------------------------------------------------- #
+
+
+def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]], names: Sequence,
+                   contexts: Sequence[int], decode_tokens: int, baselines: Sequence[str] = BASELINES,
+                   timeout_s: Optional[float] = None, progress: Optional[Callable[[str], None]] = None,
+                   model_name: Optional[str] = None) -> list[dict]:
+    """Each candidate in its own ``python -m veloxquant_mlx bench ... --json`` subprocess.
+
+    ``child_args(baseline_or_None, spec_or_None)`` returns the CLI arguments for one candidate (the
+    caller keeps the shared options: model, contexts, repeats, ...). A child that fails, crashes or
+    times out makes its rows unavailable with the reason; the others are unaffected.
+    """
+    jobs: list[tuple[str, dict, list[str]]] = []
+    for b in dict.fromkeys(baselines):
+        if b != NONE and b not in _MLX_QUANT_BITS:
+            raise ValueError(f"unknown baseline {b!r}; baselines: {', '.join(BASELINES)}")
+        jobs.append((b, {}, child_args(b, None)))
+    for m in names:
+        spec = MethodSpec.coerce(m)
+        if spec.method == NONE and NONE in baselines:
+            continue
+        jobs.append((spec.method, dict(spec.settings), child_args(None, spec)))
+    rows: list[dict] = []
+    env = dict(os.environ)
+    for i, (name, settings, argv) in enumerate(jobs, 1):
+        label = MethodSpec(name, settings).label
+        if progress:
+            progress(f"[{i}/{len(jobs)}] subprocess: {label}")
+        cmd = [sys.executable, "-m", "veloxquant_mlx", "bench", *argv, "--json"]
+        error = None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+            if proc.returncode == 0:
+                child = json.loads(proc.stdout)
+                for r in child:
+                    if r["method"] == name:
+                        r["label"] = label
+                        rows.append(r)
+                continue
+            tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
+            error = f"subprocess exit code {proc.returncode}" + (f": {tail[-1][:300]}" if tail else "")
+        except subprocess.TimeoutExpired:
+            error = f"subprocess timed out after {timeout_s:.0f} s"
+        except ValueError as exc:  # bad JSON
+            error = f"subprocess output unreadable: {exc}"
+        for n in contexts:
+            row = _bench_row(name, settings, label, n, decode_tokens, model_name)
+            row.update(available=False, error=error)
+            rows.append(row)
+    add_ratios(rows)
+    add_slopes(rows)
+    return rows

