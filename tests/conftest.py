@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import veloxquant_mlx  # noqa: F401  (loads OpenBLAS before any test imports mlx)
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -156,7 +156,8 @@ class EvictionKVCache(CompressedKVCache):
         self.evict(self.score(obs, obs_pos, obs.shape[-1] ** -0.5))
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        if self.uses_attention_weights and sinks is None:
+        if self.uses_attention_weights and sinks is None and dispatch.installed():
+            # (without the dispatch point, update_and_fetch already observed key proxies for this call)
             out, weights = attention_with_weights(queries, keys, values, scale=scale,
                                                   mask=self._own_mask(mask, queries, keys))
             self.observe(weights)
