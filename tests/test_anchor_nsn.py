@@ -171,7 +171,6 @@ def test_trim_exact_or_valueerror(method):
 
 
 # ------------------------------------------------------------------------------------- anchorkv
-@pytest.mark.skipif("anchorkv" not in METHODS, reason="not registered")
 def test_anchorkv_validation():
     for field, kw in [("anchorkv_residual_bits", {"residual_bits": 9}), ("anchorkv_anchor_frac", {"anchor_frac": 0.0}),
                       ("anchorkv_rho", {"rho": 1.5}), ("anchorkv_theta", {"theta": 1.0}),
@@ -182,7 +181,6 @@ def test_anchorkv_validation():
     assert not hasattr(make("anchorkv"), "bits")
 
 
-@pytest.mark.skipif("anchorkv" not in METHODS, reason="not registered")
 def test_anchorkv_anchors_exact_and_residual_beats_direct():
     """Tokens clustered around a few centres: anchors are bit-exact float16 rows, and residual coding
     against them has far lower error than direct per-token quantization at the same bits."""
@@ -211,7 +209,6 @@ def test_anchorkv_anchors_exact_and_residual_beats_direct():
     assert float(((d2 - x) ** 2).mean()) <= 1.02 * float(((direct2 - x) ** 2).mean())
 
 
-@pytest.mark.skipif("anchorkv" not in METHODS, reason="not registered")
 def test_anchorkv_bytes_per_token():
     B, H, D, T = 1, 2, 64, 2048
     c = make("anchorkv", window=32)
@@ -225,7 +222,6 @@ def test_anchorkv_bytes_per_token():
 
 
 # ------------------------------------------------------------------------------------- nsnquant
-@pytest.mark.skipif("nsnquant" not in METHODS, reason="not registered")
 def test_nsnquant_validation():
     for field, kw in [("nsn_codebook_size", {"codebook_size": 100}), ("nsn_subvector_dim", {"subvector_dim": 3}),
                       ("nsn_bits", {"bits": 3, "subvector_dim": 4, "codebook_size": 256}),
@@ -235,7 +231,6 @@ def test_nsnquant_validation():
         assert e.value.field == field
 
 
-@pytest.mark.skipif("nsnquant" not in METHODS, reason="not registered")
 def test_nsnquant_normalization_matches_codebook_and_beats_plain_vq():
     """After NSN + rotation the coordinates of shifted, scaled tokens are ~ N(0, 1) (i.e. variance 1/D
     before the sqrt(D) scaling), which is what the codebook was trained on; plain VQ of the normalized,
@@ -270,7 +265,6 @@ def test_nsnquant_normalization_matches_codebook_and_beats_plain_vq():
     assert c.n_quant == T and float(((dk - x) ** 2).sum() / (xf ** 2).sum()) < 1.05 * err_nsn + 1e-4
 
 
-@pytest.mark.skipif("nsnquant" not in METHODS, reason="not registered")
 def test_nsnquant_bytes_per_token():
     B, H, D, T = 1, 2, 64, 2048
     c = make("nsnquant", residual_length=64)

@@ -234,7 +234,6 @@ def test_kivi_sink_bytes_per_token():
 
 
 # ------------------------------------------------------------------------------------- kitty
-@pytest.mark.skipif("kitty" not in METHODS, reason="not registered")
 def test_kitty_hi_channels_lower_error_and_mixed_budget():
     B, H, D, T, G = 1, 2, 64, 4096, 32
     c = make("kitty", hi_fraction=0.25, hi_bit=4, lo_bit=2, group_size=G)
@@ -269,7 +268,6 @@ def test_kitty_hi_channels_lower_error_and_mixed_budget():
 
 
 # ------------------------------------------------------------------------------------- skvq
-@pytest.mark.skipif("skvq" not in METHODS, reason="not registered")
 def test_skvq_window_and_sinks_exact_reorder_clip_lowers_error():
     B, H, D, G, W, S = 1, 2, 64, 16, 16, 5
     c = make("skvq", group_size=G, window=W, n_sink=S, bits_key=2, bits_value=2)
@@ -302,7 +300,6 @@ def test_skvq_window_and_sinks_exact_reorder_clip_lowers_error():
     assert bool(mx.all(c.k_alpha <= 1.0)) and bool(mx.any(c.k_alpha < 1.0))  # the search clipped somewhere
 
 
-@pytest.mark.skipif("skvq" not in METHODS, reason="not registered")
 def test_skvq_bytes_per_token():
     B, H, D, T = 1, 2, 64, 4096
     c = make("skvq", bits_key=2, bits_value=2, group_size=32, window=16, n_sink=5)
@@ -328,7 +325,6 @@ def _group_codes(c, t, i):
     return k + v
 
 
-@pytest.mark.skipif("age_tiered" not in METHODS, reason="not registered")
 def test_age_tiered_boundaries_and_requantization_from_codes():
     B, H, D, G, R, M = 1, 2, 64, 16, 32, 64
     c = make("age_tiered", recent_boundary=R, mid_boundary=M, group_size=G)  # bits 8 / 4 / 2
@@ -363,7 +359,6 @@ def test_age_tiered_boundaries_and_requantization_from_codes():
     assert all(b >= 8 for b in bits[T - R :]) and all(b >= 4 for b in bits[T - M :])
 
 
-@pytest.mark.skipif("age_tiered" not in METHODS, reason="not registered")
 def test_age_tiered_bytes_follow_tier_mix():
     B, H, D, T = 1, 2, 64, 4096
     c = make("age_tiered", recent_boundary=128, mid_boundary=1024, group_size=32)
@@ -396,7 +391,6 @@ def _zip_tokens(B=1, H=2, T=64, D=64):
     return k, rand(B, H, T, D), sal_pos, dis_pos
 
 
-@pytest.mark.skipif("zipcache" not in METHODS, reason="not registered")
 @pytest.mark.parametrize("with_queries", [True, False])
 def test_zipcache_salient_tokens_at_hi_bits(with_queries):
     B, H, T, D = 1, 2, 64, 64
@@ -424,7 +418,6 @@ def test_zipcache_salient_tokens_at_hi_bits(with_queries):
     assert e_hi < 0.5 * e_lo, (e_hi, e_lo)
 
 
-@pytest.mark.skipif("zipcache" not in METHODS, reason="not registered")
 def test_zipcache_spec_properties_from_arrays():
     B, H, T, D = 1, 2, 4096, 64
     c = make("zipcache")  # 20% at 4 bits, 80% at 2 bits, values routed the same way
@@ -447,7 +440,6 @@ def test_zipcache_spec_properties_from_arrays():
     assert c.res_k.shape[2] <= 32 and c.nbytes < 1.2 * c.used_nbytes  # the prompt-sized pending buffer is gone
 
 
-@pytest.mark.skipif("zipcache" not in METHODS, reason="not registered")
 def test_zipcache_values_unquantized_option():
     B, H, T, D = 1, 2, 96, 64
     c = make("zipcache", quantize_values=False)
