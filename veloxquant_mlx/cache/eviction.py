@@ -20,6 +20,7 @@ import mlx.core as mx
 from . import dispatch
 from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
+from .errors import QuantizerConfigError
 
 MIN_GROW = 16
 
@@ -214,3 +215,79 @@ class EvictionKVCache(CompressedKVCache):
         B, H, _, D = self.keys.shape
         Dv = self.values.shape[-1]
         return B * H * self.offset * (D + Dv) * 2
+
+
+# ------------------------------------------------------------------ shared by scoring methods
+SETTLE_EVERY = 32
+
+
+def default_slack(budget: int) -> int:
+    """Decode-time growth allowed before a batched eviction: 1/8 of the budget, at least 8 rows."""
+    return max(8, budget // 8)
+
+
+def check_budget(field: str, budget: int, protected: int, what: str) -> None:
+    """Every head must keep at least one evictable row beyond the protected ones."""
+    if budget <= protected:
+        raise QuantizerConfigError(field, budget, f"an int > {what} = {protected}")
+
+
+class BatchedEviction:
+    """Mixin for ``EvictionKVCache`` scoring methods.
+
+    * ``evict_slack``: after a decode step (one new row) eviction waits until more than
+      ``budget + evict_slack`` rows are held, then cuts back to ``budget``; after a multi-row call it
+      cuts to ``budget`` at once. ``evict_slack = 0`` evicts every step. Between calls at most
+      ``budget + evict_slack`` rows are held, in buffers of ``budget + evict_slack + 1`` rows (the
+      eviction gathers the spare rows along, so decode appends never re-allocate).
+    * Evicting exactly one row uses an argmin instead of a partition and a sort.
+    * ``settle()`` keeps lazily accumulated per-row state from building an unbounded graph when no
+      eviction consumes it (``mx.async_eval`` every ``SETTLE_EVERY`` calls: no host sync).
+    """
+
+    evict_slack = 0
+    _unsettled = 0
+
+    def wants_eviction(self, n_new: int) -> bool:
+        return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
+
+    def evict(self, scores, keep=None):
+        keep = self.budget if keep is None else keep
+        if self.rows != keep + 1:
+            return super().evict(scores, keep)
+        self._pending = False
+        scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
+        j = mx.argmin(scores, axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
+        r = mx.arange(keep, dtype=mx.int32)
+        self.keep_rows(r + (r >= j).astype(mx.int32))
+
+    def keep_rows(self, idx):
+        """The base's gather, with ``evict_slack + 1`` spare rows gathered along (their contents are
+        never read), so the decode rows up to the next eviction append in place instead of
+        re-allocating the buffers."""
+        spare = self.evict_slack + 1
+        pad = mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)
+        super().keep_rows(mx.concatenate([idx, pad], axis=-1))
+        self.rows = idx.shape[-1]
+        self._unsettled = 0
+
+    def settle(self) -> None:
+        self._unsettled += 1
+        if self._unsettled >= SETTLE_EVERY:
+            mx.async_eval([getattr(self, n) for n in self.row_fields])
+            self._unsettled = 0
+
+    # ------------------------------------------------------------ telemetry (spec properties)
+    @property
+    def kept_bytes(self) -> int:
+        return self.nbytes
+
+    @property
+    def compression_ratio(self) -> float:
+        """fp16 bytes of every token seen / bytes held (> 1 means memory saved)."""
+        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
+
+
+def check_min(field: str, value: int, minimum: int, what: str) -> None:
+    if value < minimum:
+        raise QuantizerConfigError(field, value, f"an int >= {what} = {minimum}")

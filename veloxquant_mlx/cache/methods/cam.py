@@ -41,7 +41,8 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from .pyramidkv import VotingEviction, check_min
+from ..eviction import check_min
+from .pyramidkv import VotingEviction
 
 MERGE_SPAN = 32  # "mean": an evicted value is spread over this many following kept rows (paper: 32)
 SIM_TEMPERATURE = 1.0  # "sim_weighted": softmax temperature on the cosine of centred keys

@@ -34,7 +34,8 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from .pyramidkv import VotingEviction, check_min
+from ..eviction import check_min
+from .pyramidkv import VotingEviction
 
 
 class ChunkKVIndexReuseCoordinator:

@@ -38,7 +38,7 @@ from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..eviction import EvictionKVCache
 from ..attention import attention_logits
-from .qfilters import check_budget, decode_slack
+from ..eviction import check_budget, default_slack
 
 EIG_EPS = 1e-6  # singular directions below this fraction of the largest carry no leverage
 
@@ -75,10 +75,10 @@ class CurDKVKVCache(EvictionKVCache):
         c = self.config
         self.budget, self.n_sink, self.rank_cap = c.curdkv_budget, c.curdkv_n_sink, c.curdkv_rank_cap
         self.recent, self.obs_window = 0, 32
-        check_budget("curdkv_budget", self.budget, self.n_sink, self.recent)
+        check_budget("curdkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         if self.rank_cap < 1:
             raise QuantizerConfigError("curdkv_rank_cap", self.rank_cap, "an int >= 1")
-        self.slack = decode_slack(self.budget)
+        self.slack = default_slack(self.budget)
 
     def wants_eviction(self, n_new):
         return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)

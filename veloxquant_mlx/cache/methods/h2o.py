@@ -34,81 +34,10 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..errors import QuantizerConfigError
-from ..eviction import EvictionKVCache
+from ..eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 # Un-evaluated per-row score updates are scheduled for evaluation (mx.async_eval, no host sync)
 # after this many calls without an eviction, so the lazy graph (and its memory) stays bounded.
-SETTLE_EVERY = 32
-
-
-def default_slack(budget: int) -> int:
-    """Decode-time growth allowed before a batched eviction: 1/16 of the budget, 1 .. 32 rows."""
-    return max(1, min(32, budget // 16))
-
-
-def check_budget(field: str, budget: int, protected: int, what: str) -> None:
-    """Every head must keep at least one evictable row beyond the protected ones."""
-    if budget <= protected:
-        raise QuantizerConfigError(field, budget, f"an int > {what} = {protected}")
-
-
-class BatchedEviction:
-    """Mixin for ``EvictionKVCache`` scoring methods.
-
-    * ``evict_slack``: after a decode step (one new row) eviction waits until more than
-      ``budget + evict_slack`` rows are held, then cuts back to ``budget``; after a multi-row call it
-      cuts to ``budget`` at once. ``evict_slack = 0`` evicts every step. Between calls at most
-      ``budget + evict_slack`` rows are held, in buffers of ``budget + evict_slack + 1`` rows (the
-      eviction gathers the spare rows along, so decode appends never re-allocate).
-    * Evicting exactly one row uses an argmin instead of a partition and a sort.
-    * ``settle()`` keeps lazily accumulated per-row state from building an unbounded graph when no
-      eviction consumes it (``mx.async_eval`` every ``SETTLE_EVERY`` calls: no host sync).
-    """
-
-    evict_slack = 0
-    _unsettled = 0
-
-    def wants_eviction(self, n_new: int) -> bool:
-        return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
-
-    def evict(self, scores, keep=None):
-        keep = self.budget if keep is None else keep
-        if self.rows != keep + 1:
-            return super().evict(scores, keep)
-        self._pending = False
-        scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
-        j = mx.argmin(scores, axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
-        r = mx.arange(keep, dtype=mx.int32)
-        self.keep_rows(r + (r >= j).astype(mx.int32))
-
-    def keep_rows(self, idx):
-        """The base's gather, with ``evict_slack + 1`` spare rows gathered along (their contents are
-        never read), so the decode rows up to the next eviction append in place instead of
-        re-allocating the buffers."""
-        spare = self.evict_slack + 1
-        pad = mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)
-        super().keep_rows(mx.concatenate([idx, pad], axis=-1))
-        self.rows = idx.shape[-1]
-        self._unsettled = 0
-
-    def settle(self) -> None:
-        self._unsettled += 1
-        if self._unsettled >= SETTLE_EVERY:
-            mx.async_eval([getattr(self, n) for n in self.row_fields])
-            self._unsettled = 0
-
-    # ------------------------------------------------------------ telemetry (spec properties)
-    @property
-    def kept_bytes(self) -> int:
-        return self.nbytes
-
-    @property
-    def compression_ratio(self) -> float:
-        """fp16 bytes of every token seen / bytes held (> 1 means memory saved)."""
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
-
-
 @register_with_mlx_lm
 @register("h2o")
 class H2OKVCache(BatchedEviction, EvictionKVCache):

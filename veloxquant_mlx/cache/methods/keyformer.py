@@ -41,7 +41,7 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..eviction import EvictionKVCache
-from .h2o import BatchedEviction, check_budget, default_slack
+from ..eviction import BatchedEviction, check_budget, default_slack
 
 
 @register_with_mlx_lm

@@ -26,7 +26,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..eviction import EvictionKVCache
-from .h2o import BatchedEviction, check_budget, default_slack
+from ..eviction import BatchedEviction, check_budget, default_slack
 
 
 @register_with_mlx_lm

@@ -50,7 +50,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..eviction import EvictionKVCache
-from .qfilters import check_budget, decode_slack
+from ..eviction import check_budget, default_slack
 
 REPEAT_PROMPT = "\n\nRepeat the previous context:"
 
@@ -71,8 +71,8 @@ class KVzipKVCache(EvictionKVCache):
         c = self.config
         self.budget, self.n_sink, self.probe = c.kvzip_budget, c.kvzip_n_sink, c.kvzip_probe
         self.recent = 0
-        check_budget("kvzip_budget", self.budget, self.n_sink, self.recent)
-        self.slack = decode_slack(self.budget)
+        check_budget("kvzip_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
+        self.slack = default_slack(self.budget)
 
     def wants_eviction(self, n_new):
         return self._probe_rows is None and n_new == 1 and self.rows > self.budget + self.slack

@@ -35,7 +35,7 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..eviction import EvictionKVCache
 from ..attention import attention_logits
-from .h2o import BatchedEviction, check_budget
+from ..eviction import BatchedEviction, check_budget
 
 
 @register_with_mlx_lm

@@ -43,7 +43,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..eviction import EvictionKVCache
-from .qfilters import check_budget, decode_slack
+from ..eviction import check_budget, default_slack
 
 
 def rank01(x: mx.array) -> mx.array:
@@ -74,9 +74,9 @@ class NestedKVKVCache(EvictionKVCache):
         self.beta, self.tau, self.kappa = c.nestedkv_beta, c.nestedkv_tau, c.nestedkv_kappa
         self.alpha = c.nestedkv_safeguard_alpha
         self.recent = self.window  # the sliding-window memory is kept verbatim
-        check_budget("nestedkv_budget", self.budget, self.n_sink, self.recent)
+        check_budget("nestedkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         self.decay = 1.0 - 1.0 / self.window
-        self.slack = decode_slack(self.budget)
+        self.slack = default_slack(self.budget)
 
     def wants_eviction(self, n_new):
         return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)

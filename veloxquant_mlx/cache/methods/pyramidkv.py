@@ -46,23 +46,10 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import EvictionKVCache
+from ..eviction import SETTLE_EVERY, EvictionKVCache, check_min, default_slack
 from .snapkv import POOL_KERNEL, avg_pool_last
 
 OBS_WINDOW = 32  # observation window (queries that vote) and protected recent window, in tokens
-SETTLE_EVERY = 32  # schedule lazily accumulated votes for evaluation after this many calls
-
-
-def default_slack(budget: int) -> int:
-    """Decode-time growth allowed before a batched eviction: 1/16 of the budget, 1 .. 32 rows."""
-    return max(1, min(32, budget // 16))
-
-
-def check_min(field: str, value: int, minimum: int, what: str) -> None:
-    if value < minimum:
-        raise QuantizerConfigError(field, value, f"an int >= {what} = {minimum}")
-
-
 class VotingEviction(EvictionKVCache):
     """``EvictionKVCache`` plus what the layer-budget methods share.
 

@@ -40,22 +40,12 @@ from ..attention import attention_logits
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import EvictionKVCache
+from ..eviction import EvictionKVCache, check_budget, default_slack
 from ..observers import notify
 
 
 class QFiltersRetentionError(RuntimeError):
     """The calibrated filter keeps less real attention mass than ``qfilters_min_retention``."""
-
-
-def decode_slack(budget: int) -> int:
-    """Rows a cache may grow past its budget during decoding before it evicts back to the budget."""
-    return max(8, budget // 8)
-
-
-def check_budget(field: str, budget: int, n_sink: int, recent: int) -> None:
-    if budget <= n_sink + recent:
-        raise QuantizerConfigError(field, budget, f"an int > n_sink + recent = {n_sink + recent}")
 
 
 def principal_direction(gram: mx.array, total: mx.array) -> mx.array:
@@ -84,8 +74,8 @@ class QFiltersKVCache(EvictionKVCache):
         self.min_retention, self.on_low_retention = c.qfilters_min_retention, c.qfilters_on_low_retention
         if self.sign not in (1, -1):
             raise QuantizerConfigError("qfilters_sign", self.sign, "1 or -1")
-        check_budget("qfilters_budget", self.budget, self.n_sink, self.recent)
-        self.slack = decode_slack(self.budget)
+        check_budget("qfilters_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
+        self.slack = default_slack(self.budget)
 
     def wants_eviction(self, n_new):
         return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)

@@ -42,7 +42,8 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from .pyramidkv import OBS_WINDOW, VotingEviction, check_min
+from ..eviction import check_min
+from .pyramidkv import OBS_WINDOW, VotingEviction
 
 N_CLUSTERS = 3
 

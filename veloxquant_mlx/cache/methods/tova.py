@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..eviction import EvictionKVCache, observation_scores
-from .h2o import BatchedEviction, check_budget
+from ..eviction import BatchedEviction, check_budget
 
 
 @register_with_mlx_lm
