@@ -57,6 +57,8 @@ def config_to_json(config) -> str:
         if f.name in _CONFIG_SKIP:
             continue
         v = getattr(config, f.name)
+        if not isinstance(v, (int, float, str, bool, tuple, list, type(None))):
+            continue  # array-valued inputs (codebooks, smoothing factors): the cache's state holds what it fitted
         if v != _DEFAULTS[f.name]:
             out[f.name] = list(v) if isinstance(v, tuple) else v
     if config.dtype is not None:
