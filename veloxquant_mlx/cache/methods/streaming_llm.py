@@ -1,11 +1,13 @@
 """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
 
 Every query attends to the first ``stream_n_sink`` tokens (attention sinks) and to the most recent
-``stream_window_size`` tokens, itself included, and nothing else. The mask (``make_mask``) limits
-each query to exactly that set, in prefill chunks and decode steps alike. Storage is evicted back to
-sinks + ``window - 1`` rows whenever it exceeds that by ``slack`` rows (max(16, window/8)): dropping
-one row per decode step would copy the whole window every step (measured 0.64x the plain cache's
-decode speed on an H200), while the mask keeps the attended set exact between evictions.
+``stream_window_size`` tokens, itself included, and nothing else. Between calls the cache holds the
+sinks and the ``window`` newest tokens. A decode step, once the cache is full, writes its token over
+the oldest window row in place (a ring, as mlx_lm's ``RotatingKVCache`` does), so it attends to exactly
+sinks + window with no mask, no copy and no gather. A multi-token call appends, attends under a
+position mask (``make_mask``) that limits each query to its own window, and then keeps sinks + window.
+Rows are therefore not always in position order; every mask here is built from the stored positions,
+which is what keeps it exact.
 
 Deviations from the paper:
 * Keys are cached after RoPE (mlx_lm's order), so tokens keep their original positions; the paper
@@ -25,40 +27,65 @@ from ..eviction import EvictionKVCache
 @register_with_mlx_lm
 @register("streaming_llm")
 class StreamingLLMKVCache(EvictionKVCache):
-    """Attention sinks + a sliding window, exact; holds at most sinks + window - 1 + slack rows."""
+    """Attention sinks + a sliding window, exact; holds at most sinks + window rows."""
+
+    scalar_fields = EvictionKVCache.scalar_fields + ("ring",)
+    ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)
 
     def _init_layout(self):
         self.n_sink = self.config.stream_n_sink
         self.window = self.config.stream_window_size
-        self.budget = self.n_sink + self.window - 1
-        self.slack = max(16, self.window // 8)
+        self.budget = self.n_sink + self.window
 
     def update_and_fetch(self, keys, values):
+        if keys.shape[2] == 1 and self.rows == self.budget and self.offset >= self.budget:
+            return self._overwrite_oldest(keys, values)
         out = super(EvictionKVCache, self).update_and_fetch(keys, values)
-        if self.rows > self.budget + (self.slack if keys.shape[2] == 1 else 0):
+        if self.rows > self.budget:
             self.evict(None)  # position-only rule: no scores, no deferral needed
         return out
 
+    def _overwrite_oldest(self, keys, values):
+        """Decode step on a full cache: the new row replaces the oldest window row, in place."""
+        self._check_input(keys, values)
+        if self.ring < 0:
+            self.ring = self.n_sink  # rows are in position order: the oldest window row follows the sinks
+        r = self.ring
+        dt = self.storage_dtype(keys.dtype)
+        self.keys[:, :, r : r + 1] = keys.astype(dt)
+        self.values[:, :, r : r + 1] = values.astype(dt)
+        self.positions[:, :, r : r + 1] = mx.full(keys.shape[:2] + (1,), self.offset, dtype=mx.int32)
+        self.ring = self.n_sink + (r + 1 - self.n_sink) % self.window
+        self.offset += 1
+        self._n_new = 1
+        return self._dense()
+
     def evict(self, scores, keep=None):
-        # Rows are in position order and identical across heads: keep the first sinks and the tail.
-        n_tail = self.window - 1
-        sink = min(self.n_sink, self.rows - n_tail)
-        idx = mx.concatenate([mx.arange(sink), mx.arange(self.rows - n_tail, self.rows)]).astype(mx.int32)
+        """Keep the sinks and the ``window`` newest tokens, in position order."""
+        order = mx.argsort(self.positions[0, 0, : self.rows]).astype(mx.int32)
+        sink = min(self.n_sink, self.rows - self.window)
+        idx = mx.concatenate([order[:sink], order[self.rows - self.window :]])
         B, H = self.keys.shape[:2]
         self.keep_rows(mx.broadcast_to(idx, (B, H, idx.size)))
+        self.ring = -1
+
+    def _trim_rows(self, n):
+        if self.ring >= 0:  # restore position order first, so the newest rows are the last ones
+            order = mx.argsort(self.positions[0, 0, : self.rows]).astype(mx.int32)
+            B, H = self.keys.shape[:2]
+            self.keep_rows(mx.broadcast_to(order, (B, H, self.rows)))
+            self.ring = -1
+        return super()._trim_rows(n)
 
     def make_mask(self, N, return_array=False, window_size=None):
         past = self.rows
-        if N == 1 and window_size is None and not return_array and past <= self.budget:
-            return None  # stored rows are exactly sinks + (window - 1): all visible
-        if past + N <= self.window and window_size is None and not return_array:
-            return "causal"
-        # key positions: stored (sinks then the recent tail, in order) followed by the N new ones
-        if past:
-            key_pos = mx.concatenate([self.positions[0, 0, :past], mx.arange(self.offset, self.offset + N)])
-        else:
-            key_pos = mx.arange(self.offset, self.offset + N)
-        q_pos = mx.arange(self.offset, self.offset + N)[:, None]
+        full_decode = N == 1 and past == self.budget and self.offset >= self.budget
+        if window_size is None and not return_array and (full_decode or past + N <= self.window):
+            # a full cache's decode step attends to exactly sinks + window; a short context sees all
+            return None if N == 1 else "causal"
+        new = mx.arange(self.offset, self.offset + N, dtype=mx.int32)
+        key_pos = mx.concatenate([self.positions[0, 0, :past], new]) if past else new
+        q_pos = new[:, None]
         win = self.window if window_size is None else min(self.window, window_size)
         return (key_pos[None] <= q_pos) & ((key_pos[None] < self.n_sink) | (key_pos[None] > q_pos - win))
 
