@@ -22,7 +22,7 @@ for ctx in contexts:
     prompt = mx.random.randint(0, vocab, (ctx,))
     res = {}
     for rep in range(3):
-        for name in ("none", "auto", "sdpa", "dequant"):
+        for name in ("none", "auto", "sdpa", "dequant", "quantized_matmul"):
             if name == "none":
                 caches = make_prompt_cache(model)
             else:
