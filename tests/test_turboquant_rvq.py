@@ -355,3 +355,20 @@ def test_merge_refuses_and_bad_configs_are_rejected():
     c = make(16)
     with pytest.raises(QuantizerConfigError, match="value_sub_dim"):
         c.update_and_fetch(mx.zeros((1, 1, 2, 16)), mx.zeros((1, 1, 2, 12)))
+
+
+# ------------------------------------------------------------------------------------------ real model
+@pytest.mark.real_model
+def test_default_config_on_the_embedded_model_kl_and_bytes():
+    """SmolLM2-135M, 1024-token essay prompt, 64 decode steps: measured KLD 0.066 at the defaults with
+    0.141x fp16 bytes per quantized token and 0.282x for the whole cache (window included)."""
+    from veloxquant_mlx.assets import essays_text
+    from veloxquant_mlx.eval.fidelity import next_token_fidelity
+    from veloxquant_mlx.model import load_model
+
+    model, tok = load_model()
+    ids = tok.encode(essays_text(max_chars=40_000), add_special_tokens=False)[:1088]
+    r = next_token_fidelity(model, ids, 1024, 64, KVCacheConfig(head_dim=64))
+    print(f"\nturboquant_rvq defaults: KLD {r.kld:.4f}, top-1 {r.top1_agree:.3f}, whole cache {r.compression:.3f}x fp16")
+    assert r.kld < 0.08 and r.top1_agree > 0.75
+    assert r.compression < 0.30

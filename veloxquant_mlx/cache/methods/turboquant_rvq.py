@@ -87,6 +87,8 @@ K10/2 V16/4 (4-bit class)              0.0012   0.297x           0.422x
 "bytes/token": one quantized token (codes + norms) vs float16; "whole cache": ``nbytes`` of all 30
 caches (window, sink rows, spare capacity and the constants included) vs mlx_lm's fp16 cache for the
 same 1087 tokens -- at this length the float16 window (128-159 rows) is about half the bytes.
+With a 4096-token prompt (prefilled in two chunks of 2048, the second seeing the first compressed):
+defaults KLD 0.102 at 0.179x whole cache, K10/4 V16/8 0.042 at 0.194x, K10/2 V16/4 0.0010 at 0.332x.
 
 Without the float16 sink rows the defaults measured 0.128 (the first tokens take a large share of
 the attention, so their 1-bit value error is not averaged out); values, not keys, dominate the
