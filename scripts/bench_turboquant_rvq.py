@@ -224,8 +224,8 @@ def stage2(args):
             n = mx.sqrt((xf * xf).sum(-1, keepdims=True))
             y = (xf / mx.maximum(n, 1e-30)) @ rot_t
             k = (type(self).key_fn(y) @ rot_t.T) * n.astype(mx.float16).astype(mx.float32)
-            self.fk = tq._grow(getattr(self, "fk", None), self.n_quant, k)
-            self.fv = tq._grow(getattr(self, "fv", None), self.n_quant, values.astype(mx.float32))
+            self.fk = tq.grow_rows(getattr(self, "fk", None), self.n_quant, k)
+            self.fv = tq.grow_rows(getattr(self, "fv", None), self.n_quant, values.astype(mx.float32))
 
         def _quantized_dense(self, n):
             return self.fk[:, :, :n], self.fv[:, :, :n]

@@ -21,22 +21,7 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
-
-MIN_GROW = 16
-
-
-def _grow(buf, rows: int, new: mx.array) -> mx.array:
-    """Write ``new`` [.., N, ..] at row ``rows`` of ``buf`` along axis 2. The buffer grows by
-    max(16, rows/8) spare rows at a time: amortised O(1) appends, slack at most 12.5% + 16 rows."""
-    n = new.shape[2]
-    if buf is None or rows + n > buf.shape[2]:
-        shape = list(new.shape)
-        shape[2] = rows + n + max(MIN_GROW, (rows + n) // 8) - (0 if buf is None else rows)
-        pad = mx.zeros(shape, dtype=new.dtype)
-        buf = pad if buf is None else mx.concatenate([buf[:, :, :rows], pad], axis=2)
-    buf[:, :, rows : rows + n] = new
-    return buf
-
+from .primitives.buffers import grow_rows
 
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
                        key_positions: mx.array) -> mx.array:
@@ -93,11 +78,11 @@ class EvictionKVCache(CompressedKVCache):
         self.compute_dtype = keys.dtype
         keys, values = keys.astype(self.storage_dtype(keys.dtype)), values.astype(self.storage_dtype(keys.dtype))
         pos = mx.broadcast_to(mx.arange(self.offset, self.offset + N, dtype=mx.int32), (B, H, N))
-        self.keys = _grow(self.keys, self.rows, keys)
-        self.values = _grow(self.values, self.rows, values)
-        self.positions = _grow(self.positions, self.rows, pos)
+        self.keys = grow_rows(self.keys, self.rows, keys)
+        self.values = grow_rows(self.values, self.rows, values)
+        self.positions = grow_rows(self.positions, self.rows, pos)
         for name in self.row_fields:
-            setattr(self, name, _grow(getattr(self, name), self.rows, mx.zeros((B, H, N), mx.float32)))
+            setattr(self, name, grow_rows(getattr(self, name), self.rows, mx.zeros((B, H, N), mx.float32)))
         self.rows += N
         self._n_new = N
 

@@ -67,7 +67,7 @@ from ..attention import group_queries
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
@@ -137,8 +137,8 @@ class A2ATSKVCache(CompressedKVCache):
     def _store(self, keys, values):
         t0 = self.n_rows
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
-        self.keys = _grow(self.keys, t0, keys.astype(ROW_DTYPE))
-        self.values = _grow(self.values, t0, values.astype(ROW_DTYPE))
+        self.keys = grow_rows(self.keys, t0, keys.astype(ROW_DTYPE))
+        self.values = grow_rows(self.values, t0, values.astype(ROW_DTYPE))
         self.n_rows = t0 + keys.shape[2]
         self._call = (t0, keys, values)
 
@@ -213,7 +213,7 @@ class A2ATSKVCache(CompressedKVCache):
         B, H, n, D = k.shape
         x = self._to_code_space(k).reshape(1, -1, self.sub)
         c = vq_assign(x, self.codebook).reshape(B, H, n, D // self.sub)
-        self.codes = _grow(self.codes, t0, bitpack.pack_bits(c, self.cbits))
+        self.codes = grow_rows(self.codes, t0, bitpack.pack_bits(c, self.cbits))
         self.n_coded = t1
 
     def approx_scores(self, q, n):

@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import nonuniform as sal
 from .kivi import KIVIKVCache
@@ -99,9 +99,9 @@ class AdaKVKVCache(KIVIKVCache):
                     q = gq.quantize(x[:, :, :, start : start + c].reshape(B, H, g * c, d), b, self._cg(d))
                     for a, arr in zip(("codes", "scales", "biases"), q):
                         name = f"{side}_{a}_{t}"
-                        setattr(self, name, _grow(getattr(self, name), r0, arr))
+                        setattr(self, name, grow_rows(getattr(self, name), r0, arr))
             start += c
-        self.order = _grow(self.order, t0, order.reshape(B, H, n).astype(mx.uint8))
+        self.order = grow_rows(self.order, t0, order.reshape(B, H, n).astype(mx.uint8))
         self.n_quant = t0 + n
 
     # ---------------------------------------------------------------- decode

@@ -48,9 +48,10 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
-from .kivi import KIVIKVCache, _grow_last
+from .kivi import KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 TIERS = ("old", "mid", "recent")
 _ARR = ("codes", "scales", "biases")
@@ -120,11 +121,11 @@ class AgeTieredKVCache(KIVIKVCache):
         kq = gq.quantize(kt, b, G)
         vq = gq.quantize(v, b, self.value_group(v.shape[-1]))
         for a, x in zip(_ARR, vq):
-            setattr(self, f"v{t}_{a}", _grow(getattr(self, f"v{t}_{a}"), n0 * G, x))
+            setattr(self, f"v{t}_{a}", grow_rows(getattr(self, f"v{t}_{a}"), n0 * G, x))
         cap = getattr(self, f"v{t}_codes").shape[2] // G
         w = gq.words_per_group(b, G)
         for a, x, per in zip(_ARR, kq, (w, 1, 1)):
-            setattr(self, f"k{t}_{a}", _grow_last(getattr(self, f"k{t}_{a}"), n0 * per, x, cap * per))
+            setattr(self, f"k{t}_{a}", grow_columns(getattr(self, f"k{t}_{a}"), n0 * per, x, cap * per))
         self._set_count(t, n0 + m)
 
     def _pop_front(self, t, m):

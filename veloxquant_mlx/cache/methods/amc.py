@@ -47,11 +47,12 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives import groupquant as gq
 from ..primitives import nonuniform as sal
-from .kivi import KIVIKVCache, _grow_last
+from .kivi import KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 TIERS = ("hi", "mid", "lo")
 TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
@@ -131,10 +132,10 @@ class AMCKVCache(KIVIKVCache):
         kf = kb.astype(mx.float32).reshape(B, H, g, G, D)
         kmin = kf.min(axis=3).astype(mx.float16)  # [B, H, g, D] per channel per group
         krange = (kf.max(axis=3) - kf.min(axis=3)).astype(mx.float16)
-        self.order = _grow(self.order, t0, order.reshape(B, H, n).astype(mx.uint8))
+        self.order = grow_rows(self.order, t0, order.reshape(B, H, n).astype(mx.uint8))
         cap = self.order.shape[2] // G  # per-group arrays follow the token arrays' capacity
-        self.k_mins = _grow_last(self.k_mins, t0 // G, kmin.swapaxes(-1, -2), cap)  # [B, H, D, groups]
-        self.k_ranges = _grow_last(self.k_ranges, t0 // G, krange.swapaxes(-1, -2), cap)
+        self.k_mins = grow_columns(self.k_mins, t0 // G, kmin.swapaxes(-1, -2), cap)  # [B, H, D, groups]
+        self.k_ranges = grow_columns(self.k_ranges, t0 // G, krange.swapaxes(-1, -2), cap)
         r32 = krange.astype(mx.float32)[:, :, :, None]
         u = (mx.take_along_axis(kf, order[..., None], axis=3) - kmin.astype(mx.float32)[:, :, :, None]) \
             / mx.where(r32 > 0, r32, 1.0)  # [B, H, g, G, D] in [0, 1], rank order
@@ -147,11 +148,11 @@ class AMCKVCache(KIVIKVCache):
                 lv = float((1 << b) - 1)
                 kq = mx.clip(mx.round(u[:, :, :, start : start + c] * lv), 0.0, lv).astype(mx.uint32)
                 name = f"k_codes_{t}"
-                setattr(self, name, _grow(getattr(self, name), r0, bitpack.pack_bits(kq, b).reshape(B, H, g * c, -1)))
+                setattr(self, name, grow_rows(getattr(self, name), r0, bitpack.pack_bits(kq, b).reshape(B, H, g * c, -1)))
                 q = gq.quantize(vs[:, :, :, start : start + c].reshape(B, H, g * c, Dv), b, self._cg(Dv))
                 for a, arr in zip(("codes", "scales", "biases"), q):
                     name = f"v_{a}_{t}"
-                    setattr(self, name, _grow(getattr(self, name), r0, arr))
+                    setattr(self, name, grow_rows(getattr(self, name), r0, arr))
             start += c
         self.n_quant = t0 + n
 

@@ -66,7 +66,7 @@ import numpy as np
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives import groupquant as gq
 from ..primitives.rotation import seeded_rng
@@ -186,12 +186,12 @@ class AnchorKVCache(KIVIKVCache):
         for p, x in (("k", kb), ("v", vb)):
             vg = self.value_group(x.shape[-1])
             codes, scales, biases, ref, apos, anc = anchor_encode(x, G, A, b, vg, self.rho, self.theta, self.seed)
-            setattr(self, f"{p}_codes", _grow(getattr(self, f"{p}_codes"), t0, codes))
-            setattr(self, f"{p}_scales", _grow(getattr(self, f"{p}_scales"), t0, scales))
-            setattr(self, f"{p}_biases", _grow(getattr(self, f"{p}_biases"), t0, biases))
-            setattr(self, f"{p}_ref", _grow(getattr(self, f"{p}_ref"), g0, ref))
-            setattr(self, f"{p}_apos", _grow(getattr(self, f"{p}_apos"), g0 * A, apos))
-            setattr(self, f"{p}_anc", _grow(getattr(self, f"{p}_anc"), g0 * A, anc))
+            setattr(self, f"{p}_codes", grow_rows(getattr(self, f"{p}_codes"), t0, codes))
+            setattr(self, f"{p}_scales", grow_rows(getattr(self, f"{p}_scales"), t0, scales))
+            setattr(self, f"{p}_biases", grow_rows(getattr(self, f"{p}_biases"), t0, biases))
+            setattr(self, f"{p}_ref", grow_rows(getattr(self, f"{p}_ref"), g0, ref))
+            setattr(self, f"{p}_apos", grow_rows(getattr(self, f"{p}_apos"), g0 * A, apos))
+            setattr(self, f"{p}_anc", grow_rows(getattr(self, f"{p}_anc"), g0 * A, anc))
         self.n_quant = t0 + n
 
     def _decode(self, p: str, n: int, dtype) -> mx.array:

@@ -71,10 +71,11 @@ import numpy as np
 from ..base import register
 from ..contract import config_from_json, config_to_json, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives import entropy
-from .kivi import KIVIKVCache, _grow_last
+from .kivi import KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 ANCHOR_BITS = 8
 ANCHOR_CG = 32
@@ -181,19 +182,19 @@ class CacheGenKVCache(KIVIKVCache):
             vf = vf - va[:, :, :, None]
             for name, arr in zip(("ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases"),
                                  (*kaq, *vaq)):
-                setattr(self, name, _grow(getattr(self, name), g0, arr))
+                setattr(self, name, grow_rows(getattr(self, name), g0, arr))
         # keys per channel over the group: [B, H, D, g, G]
         kw, ks, kbias = _quant(kf.transpose(0, 1, 4, 2, 3), bits)
         gv = self.value_group(Dv)
         vw, vs, vbias = _quant(vf.reshape(B, H, n, Dv // gv, gv), bits)
-        self.v_codes = _grow(self.v_codes, t0, vw.reshape(B, H, n, -1))
-        self.v_scales = _grow(self.v_scales, t0, vs)
-        self.v_biases = _grow(self.v_biases, t0, vbias)
+        self.v_codes = grow_rows(self.v_codes, t0, vw.reshape(B, H, n, -1))
+        self.v_scales = grow_rows(self.v_scales, t0, vs)
+        self.v_biases = grow_rows(self.v_biases, t0, vbias)
         cap = self.v_codes.shape[2] // G
         w = self._key_words()
-        self.k_codes = _grow_last(self.k_codes, g0 * w, kw.reshape(B, H, D, g * w), cap * w)
-        self.k_scales = _grow_last(self.k_scales, g0, ks, cap)
-        self.k_biases = _grow_last(self.k_biases, g0, kbias, cap)
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kw.reshape(B, H, D, g * w), cap * w)
+        self.k_scales = grow_columns(self.k_scales, g0, ks, cap)
+        self.k_biases = grow_columns(self.k_biases, g0, kbias, cap)
         self.n_quant = t0 + n
 
     # ---------------------------------------------------------------- decode

@@ -40,11 +40,12 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank as lr
 from ..primitives import nonuniform as nu
-from .kivi import KIVIKVCache, _grow_last
+from .kivi import KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 
 def _int(v, lo, hi=None):
@@ -137,26 +138,26 @@ class GEARKVCache(KIVIKVCache):
         else:
             vq, vidx, vval, va, vbt = gq.quantize(vb, b, self.value_group(Dv)), None, None, None, None
         # ---- append: token-aligned arrays by rows, per-group arrays follow the value capacity
-        self.v_codes = _grow(self.v_codes, t0, vq.codes)
-        self.v_scales = _grow(self.v_scales, t0, vq.scales)
-        self.v_biases = _grow(self.v_biases, t0, vq.biases)
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
         cap = self.v_codes.shape[2] // G
         w, r = self._key_words(), self.rank
-        self.k_codes = _grow_last(self.k_codes, g0 * w, kq.codes, cap * w)
-        self.k_scales = _grow_last(self.k_scales, g0, kq.scales, cap)
-        self.k_biases = _grow_last(self.k_biases, g0, kq.biases, cap)
-        self.k_err_base = _grow_last(self.k_err_base, g0, err_base, cap)
-        self.k_err_gear = _grow_last(self.k_err_gear, g0, err_gear, cap)
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap * w)
+        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap)
+        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap)
+        self.k_err_base = grow_columns(self.k_err_base, g0, err_base, cap)
+        self.k_err_gear = grow_columns(self.k_err_gear, g0, err_gear, cap)
         for side, idx, val, a, bt, d in (("k", kidx, kval, ka, kbt, D), ("v", vidx, vval, va, vbt, Dv)):
             o = self._n_out(d)
             if idx is not None and o:
-                setattr(self, f"{side}_oidx", _grow_last(getattr(self, f"{side}_oidx"), g0 * o,
+                setattr(self, f"{side}_oidx", grow_columns(getattr(self, f"{side}_oidx"), g0 * o,
                                                          idx.reshape(B, H, g * o), cap * o))
-                setattr(self, f"{side}_oval", _grow_last(getattr(self, f"{side}_oval"), g0 * o,
+                setattr(self, f"{side}_oval", grow_columns(getattr(self, f"{side}_oval"), g0 * o,
                                                          val.reshape(B, H, g * o), cap * o))
             if a is not None:
-                setattr(self, f"{side}_a", _grow(getattr(self, f"{side}_a"), t0, a.reshape(B, H, n, r)))
-                setattr(self, f"{side}_bt", _grow_last(getattr(self, f"{side}_bt"), g0 * r * d,
+                setattr(self, f"{side}_a", grow_rows(getattr(self, f"{side}_a"), t0, a.reshape(B, H, n, r)))
+                setattr(self, f"{side}_bt", grow_columns(getattr(self, f"{side}_bt"), g0 * r * d,
                                                        bt.reshape(B, H, g * r * d), cap * r * d))
         self.n_quant = t0 + n
 

@@ -43,9 +43,10 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
-from .kivi import KIVIKVCache, _grow_last
+from .kivi import KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 
 def _bits(field, v):
@@ -115,9 +116,9 @@ class KittyKVCache(KIVIKVCache):
         perm = mx.broadcast_to(self.k_perm[None, :, :, None], kt.shape)
         kt = mx.take_along_axis(kt, perm, axis=2)  # hi rows first
         vq = gq.quantize(vb, self.lo_bit, self.value_group(vb.shape[-1]))
-        self.v_codes = _grow(self.v_codes, t0, vq.codes)
-        self.v_scales = _grow(self.v_scales, t0, vq.scales)
-        self.v_biases = _grow(self.v_biases, t0, vq.biases)
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
         cap = self.v_codes.shape[2] // G
         g0 = t0 // G
         for pre, rows, bits in (("kh", kt[:, :, :nh], self.hi_bit), ("kl", kt[:, :, nh:], self.lo_bit)):
@@ -125,9 +126,9 @@ class KittyKVCache(KIVIKVCache):
                 continue
             q = gq.quantize(rows, bits, G)
             w = gq.words_per_group(bits, G)
-            setattr(self, f"{pre}_codes", _grow_last(getattr(self, f"{pre}_codes"), g0 * w, q.codes, cap * w))
-            setattr(self, f"{pre}_scales", _grow_last(getattr(self, f"{pre}_scales"), g0, q.scales, cap))
-            setattr(self, f"{pre}_biases", _grow_last(getattr(self, f"{pre}_biases"), g0, q.biases, cap))
+            setattr(self, f"{pre}_codes", grow_columns(getattr(self, f"{pre}_codes"), g0 * w, q.codes, cap * w))
+            setattr(self, f"{pre}_scales", grow_columns(getattr(self, f"{pre}_scales"), g0, q.scales, cap))
+            setattr(self, f"{pre}_biases", grow_columns(getattr(self, f"{pre}_biases"), g0, q.biases, cap))
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:

@@ -16,7 +16,7 @@ not yet fill a key group stay in a full-precision **residual** buffer. Algorithm
 This implementation (``bit_width_inlier`` = b ∈ {2, 3, 4, 8}, ``kivi_group_size`` = G):
 
 * Layout (B batch, H kv heads, D/Dv head dims, all buffers preallocated and grown in steps by
-  ``eviction._grow``'s policy, never concatenated per token):
+  ``eviction.grow_rows``'s policy, never concatenated per token):
 
   - keys, per channel, stored **transposed**: ``k_codes [B, H, D, groups*words]`` (uint32; the codes of
     ``K^T`` quantized along the token axis in groups of G tokens) with ``k_scales``/``k_biases``
@@ -81,23 +81,11 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_columns, grow_rows
 from ..primitives import groupquant as gq
 
 KIVI_BITS = (2, 3, 4, 8)
 RES_DTYPE = mx.float16
-
-
-def _grow_last(buf, used: int, new: mx.array, capacity: int) -> mx.array:
-    """Write ``new`` at column ``used`` of ``buf``'s last axis, reallocating to ``capacity`` columns
-    (keeping the first ``used``) when it does not fit."""
-    n = new.shape[-1]
-    if buf is None or used + n > buf.shape[-1]:
-        capacity = max(capacity, used + n)
-        pad = mx.zeros((*new.shape[:-1], capacity - used), dtype=new.dtype)
-        buf = pad if buf is None else mx.concatenate([buf[..., :used], pad], axis=-1)
-    buf[..., used : used + n] = new
-    return buf
 
 
 @register_with_mlx_lm
@@ -189,14 +177,14 @@ class KIVIKVCache(CompressedKVCache):
         t0, n = self.n_quant, kb.shape[2]
         kq = gq.quantize_per_channel(kb, b, G)  # codes [B, H, D, (n/G)*w], scales [B, H, D, n/G]
         vq = gq.quantize(vb, b, self.value_group(vb.shape[-1]))  # codes [B, H, n, W], scales [B, H, n, Dv/Gv]
-        self.v_codes = _grow(self.v_codes, t0, vq.codes)
-        self.v_scales = _grow(self.v_scales, t0, vq.scales)
-        self.v_biases = _grow(self.v_biases, t0, vq.biases)
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
         cap_groups = self.v_codes.shape[2] // G  # keys follow the values' capacity
         g0, w = t0 // G, self._key_words()
-        self.k_codes = _grow_last(self.k_codes, g0 * w, kq.codes, cap_groups * w)
-        self.k_scales = _grow_last(self.k_scales, g0, kq.scales, cap_groups)
-        self.k_biases = _grow_last(self.k_biases, g0, kq.biases, cap_groups)
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap_groups * w)
+        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap_groups)
+        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap_groups)
         self.n_quant = t0 + n
 
     # ---------------------------------------------------------------- decoding the stored form

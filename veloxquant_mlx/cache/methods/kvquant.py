@@ -52,11 +52,12 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives import groupquant as gq
 from ..primitives import nonuniform as nu
-from .kivi import RES_DTYPE, KIVIKVCache, _grow_last
+from .kivi import RES_DTYPE, KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 
 def _int(v, lo, hi=None):
@@ -134,7 +135,7 @@ class KVQuantKVCache(KIVIKVCache):
             lv = lv.astype(mx.float16)
             nf = len(self.fit_starts)
             L = 1 << b
-            self.k_levels = _grow_last(self.k_levels, nf * L, lv, (nf + 1) * L)
+            self.k_levels = grow_columns(self.k_levels, nf * L, lv, (nf + 1) * L)
             self.fit_starts = self.fit_starts + [g0]
             self.fit_ends = self.fit_ends + [g0 + g]
         fit = len(self.fit_starts) - 1
@@ -148,21 +149,21 @@ class KVQuantKVCache(KIVIKVCache):
         vidx, vval, vd = nu.split_outliers(vblk, vo)
         vq = gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv))
         # ---- append (values by token rows, per-group arrays follow the value capacity)
-        self.v_codes = _grow(self.v_codes, t0, vq.codes)
-        self.v_scales = _grow(self.v_scales, t0, vq.scales)
-        self.v_biases = _grow(self.v_biases, t0, vq.biases)
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
         cap = self.v_codes.shape[2] // G
         w = self._key_words()
-        self.k_codes = _grow_last(self.k_codes, g0 * w, kcodes, cap * w)
-        self.k_scales = _grow_last(self.k_scales, g0, scale.reshape(B, H, D, g), cap)
-        self.k_biases = _grow_last(self.k_biases, g0, bias.reshape(B, H, D, g), cap)
-        self.k_fit = _grow_last(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kcodes, cap * w)
+        self.k_scales = grow_columns(self.k_scales, g0, scale.reshape(B, H, D, g), cap)
+        self.k_biases = grow_columns(self.k_biases, g0, bias.reshape(B, H, D, g), cap)
+        self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
         if ko:
-            self.k_oidx = _grow_last(self.k_oidx, g0 * ko, kidx.reshape(B, H, g * ko), cap * ko)
-            self.k_oval = _grow_last(self.k_oval, g0 * ko, kval.reshape(B, H, g * ko), cap * ko)
+            self.k_oidx = grow_columns(self.k_oidx, g0 * ko, kidx.reshape(B, H, g * ko), cap * ko)
+            self.k_oval = grow_columns(self.k_oval, g0 * ko, kval.reshape(B, H, g * ko), cap * ko)
         if vo:
-            self.v_oidx = _grow_last(self.v_oidx, g0 * vo, vidx.reshape(B, H, g * vo), cap * vo)
-            self.v_oval = _grow_last(self.v_oval, g0 * vo, vval.reshape(B, H, g * vo), cap * vo)
+            self.v_oidx = grow_columns(self.v_oidx, g0 * vo, vidx.reshape(B, H, g * vo), cap * vo)
+            self.v_oval = grow_columns(self.v_oval, g0 * vo, vval.reshape(B, H, g * vo), cap * vo)
         self.n_quant = t0 + n
 
     # ---------------------------------------------------------------- decode

@@ -69,7 +69,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
 
 BLOCK = 32  # window rows merged at once (one host sync per merge step)
@@ -235,8 +235,8 @@ class MiniCacheKVCache(KIVIKVCache):
         past_k = self.res_k[:, :, :r0] if r0 else None
         past_v = self.res_v[:, :, :r0] if r0 else None
         self._call = (q0, r0, past_k, past_v, keys, values)
-        self.res_k = _grow(self.res_k, r0, keys.astype(RES_DTYPE))
-        self.res_v = _grow(self.res_v, r0, values.astype(RES_DTYPE))
+        self.res_k = grow_rows(self.res_k, r0, keys.astype(RES_DTYPE))
+        self.res_v = grow_rows(self.res_v, r0, values.astype(RES_DTYPE))
         self.n_res = r0 + N
         m = (self.n_res // BLOCK) * BLOCK
         if not m:
@@ -256,8 +256,8 @@ class MiniCacheKVCache(KIVIKVCache):
 
     def _append_primary(self, kind, d, pn):
         t0 = self.n_quant
-        setattr(self, f"dir_{kind}", _grow(getattr(self, f"dir_{kind}"), t0, d.astype(RES_DTYPE)))
-        setattr(self, f"pn_{kind}", _grow(getattr(self, f"pn_{kind}"), t0, pn.astype(RES_DTYPE)))
+        setattr(self, f"dir_{kind}", grow_rows(getattr(self, f"dir_{kind}"), t0, d.astype(RES_DTYPE)))
+        setattr(self, f"pn_{kind}", grow_rows(getattr(self, f"pn_{kind}"), t0, pn.astype(RES_DTYPE)))
 
     def _advance(self, m):
         """Move the window past its first ``m`` (now merged) rows."""
@@ -265,7 +265,7 @@ class MiniCacheKVCache(KIVIKVCache):
         for kind in ("k", "v"):
             buf = getattr(self, f"res_{kind}")
             keep = buf[:, :, m : self.n_res] if rest else buf[:, :, :0]
-            setattr(self, f"res_{kind}", _grow(None, 0, keep) if rest else
+            setattr(self, f"res_{kind}", grow_rows(None, 0, keep) if rest else
                     mx.zeros((*buf.shape[:2], BLOCK, buf.shape[-1]), RES_DTYPE))
         self.n_quant += m
         self.n_res = rest
@@ -279,7 +279,7 @@ class MiniCacheKVCache(KIVIKVCache):
             d, pn, mn, retain = merge_pair(xp, xm, float(c.minicache_slerp_t),
                                            float(c.minicache_retention_threshold))
             p._append_primary(kind, d, pn)
-            setattr(self, f"mn_{kind}", _grow(getattr(self, f"mn_{kind}"), t0, mn.astype(RES_DTYPE)))
+            setattr(self, f"mn_{kind}", grow_rows(getattr(self, f"mn_{kind}"), t0, mn.astype(RES_DTYPE)))
             # retained rows, compact, in token-major flat order: position (t0 + i) * B*H + (b*H + h)
             B, H, _, D = xm.shape
             flat_ret = retain.transpose(2, 0, 1).reshape(-1)  # [m*B*H]

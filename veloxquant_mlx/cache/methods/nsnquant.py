@@ -54,7 +54,7 @@ import numpy as np
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives.codebook import kmeans
 from ..primitives.rotation import randomized_hadamard, seeded_rng
@@ -179,8 +179,8 @@ class NSNQuantKVCache(KIVIKVCache):
             setattr(self, f"{p}_mu", mu)
             codes = bitpack.pack_bits(vq_encode(y, books), self.lc)
             norms = mx.stack([n1, n2], axis=-1).astype(mx.float16)
-            setattr(self, f"{p}_codes", _grow(getattr(self, f"{p}_codes"), t0, codes))
-            setattr(self, f"{p}_norms", _grow(getattr(self, f"{p}_norms"), t0, norms))
+            setattr(self, f"{p}_codes", grow_rows(getattr(self, f"{p}_codes"), t0, codes))
+            setattr(self, f"{p}_norms", grow_rows(getattr(self, f"{p}_norms"), t0, norms))
         if t0 == 0:
             self.calib_end = n
         self.n_quant = t0 + n

@@ -41,7 +41,8 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import EvictionKVCache, _grow, observation_scores
+from ..primitives.buffers import grow_rows
+from ..eviction import EvictionKVCache, observation_scores
 from .snapkv import POOL_KERNEL, avg_pool_last
 
 
@@ -98,8 +99,8 @@ class RocketKVKVCache(EvictionKVCache):
         if pad:
             fill = mx.full((B, H, pad, D), mx.inf, dtype=seg.dtype)
             lo, hi = mx.concatenate([seg, fill], axis=2), mx.concatenate([seg, -fill], axis=2)
-        self.page_min = _grow(self.page_min, p0, lo.reshape(B, H, p1 - p0, P, D).min(axis=3))
-        self.page_max = _grow(self.page_max, p0, hi.reshape(B, H, p1 - p0, P, D).max(axis=3))
+        self.page_min = grow_rows(self.page_min, p0, lo.reshape(B, H, p1 - p0, P, D).min(axis=3))
+        self.page_max = grow_rows(self.page_max, p0, hi.reshape(B, H, p1 - p0, P, D).max(axis=3))
 
     def _store(self, keys, values):
         before = self.rows

@@ -55,7 +55,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import mixedquant as mq
 from .kivi import RES_DTYPE, KIVIKVCache
@@ -138,7 +138,7 @@ class SKVQKVCache(KIVIKVCache):
         kq = self._encode(kb, self.kbits, self.k_perm, self.k_alpha)
         vq = self._encode(vb, self.vbits, self.v_perm, self.v_alpha)
         for name, arr in zip(("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases"), (*kq, *vq)):
-            setattr(self, name, _grow(getattr(self, name), t0, arr))
+            setattr(self, name, grow_rows(getattr(self, name), t0, arr))
         self.n_quant = t0 + kb.shape[2]
 
     # ---------------------------------------------------------------- storage

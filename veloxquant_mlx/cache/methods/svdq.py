@@ -48,7 +48,7 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank_fit as lr
 from .kivi import KIVIKVCache
@@ -149,7 +149,7 @@ class LowRankKVCache(KIVIKVCache):
                                ("raw", raw, t0)):
             if arr is not None:
                 f = f"{which}_{name}"
-                setattr(self, f, _grow(getattr(self, f), row, arr))
+                setattr(self, f, grow_rows(getattr(self, f), row, arr))
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         t0, n = self.n_quant, kb.shape[2]
@@ -167,9 +167,9 @@ class LowRankKVCache(KIVIKVCache):
             self._encode("v", xv, t0)
         else:  # KIVI per-token value codes
             vq = gq.quantize(vb, self.qbits, self.value_group(vb.shape[-1]))
-            self.v_codes = _grow(self.v_codes, t0, vq.codes)
-            self.v_scales = _grow(self.v_scales, t0, vq.scales)
-            self.v_biases = _grow(self.v_biases, t0, vq.biases)
+            self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+            self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+            self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
         self.n_quant = t0 + n
 
     # ------------------------------------------------------------------ decoding

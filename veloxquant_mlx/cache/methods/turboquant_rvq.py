@@ -128,7 +128,7 @@ Deviations from the paper (all of them):
 
 Storage and ``nbytes``. Arrays held: ``k_codes1``/``k_codes2`` (uint32 words), ``k_norms`` (float16),
 the same for values (no ``*_codes2`` plane when ``B <= 8``), all ``[B, H, capacity, .]``, appended in
-place (``eviction._grow``) after reserving at most 1/32 + ``QUANT_BLOCK`` spare rows; the window
+place (``eviction.grow_rows``) after reserving at most 1/32 + ``QUANT_BLOCK`` spare rows; the window
 ``win_k``/``win_v`` ``[B, H, R + QUANT_BLOCK, d]`` and ``sink_k``/``sink_v`` ``[B, H, 4, d]`` in float16 (the
 model's 16-bit dtype when it computes in 16 bits; ``config.dtype`` overrides). ``nbytes`` is the sum
 of their ``.nbytes`` (spare capacity included: it is held) plus, for one cache per model, the
@@ -167,7 +167,7 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.codebook import kmeans
 from ..primitives.rotation import random_orthogonal, seeded_rng
@@ -436,8 +436,8 @@ def _unpack(words: mx.array, bits: int, n: int) -> mx.array:
 
 def _reserve(buf: Optional[mx.array], rows: int, new: mx.array) -> Optional[mx.array]:
     """Make room for ``new`` at row ``rows`` (axis 2) with at most 1/32 + ``QUANT_BLOCK`` spare
-    rows, then ``eviction._grow`` writes in place. Quantized rows arrive in blocks of at least
-    ``QUANT_BLOCK`` rows, so this smaller reserve than ``_grow``'s 1/8 costs few reallocations."""
+    rows, then ``eviction.grow_rows`` writes in place. Quantized rows arrive in blocks of at least
+    ``QUANT_BLOCK`` rows, so this smaller reserve than ``grow_rows``'s 1/8 costs few reallocations."""
     need = rows + new.shape[2]
     if buf is not None and need <= buf.shape[2]:
         return buf
@@ -581,8 +581,8 @@ class ResidualWindowCache(CompressedKVCache):
         past = (self.win_k[:, :, :r0], self.win_v[:, :, :r0]) if r0 else (None, None)
         self._call = _Call(self.n_sink, self.n_quant, r0, *past, keys, values)
         sd = self.storage_dtype(keys.dtype)
-        self.win_k = _grow(self.win_k, r0, keys.astype(sd))
-        self.win_v = _grow(self.win_v, r0, values.astype(sd))
+        self.win_k = grow_rows(self.win_k, r0, keys.astype(sd))
+        self.win_v = grow_rows(self.win_v, r0, values.astype(sd))
         self.n_win = r0 + n
         if self.n_win >= self.residual_length + QUANT_BLOCK:
             self._compact(self.n_win - self.residual_length)
@@ -785,7 +785,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             for name, rows in (("codes1", p1), ("codes2", p2), ("norms", norms)):
                 if rows is not None:
                     buf = _reserve(getattr(self, prefix + name), t0, rows)
-                    setattr(self, prefix + name, _grow(buf, t0, rows))
+                    setattr(self, prefix + name, grow_rows(buf, t0, rows))
 
     def _planes(self, prefix: str, n: int):
         p1 = getattr(self, prefix + "codes1")[:, :, :n]

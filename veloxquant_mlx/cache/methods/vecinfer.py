@@ -76,7 +76,7 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives.rotation import random_orthogonal, randomized_hadamard, seeded_rng
 from .kivi import KIVIKVCache
@@ -289,12 +289,12 @@ class VecInferKVCache(KIVIKVCache):
         vc = self._encode(vb.astype(mx.float32), self.val_cb, self.vs)
         klo, khi = pack_codes(kc, self.kbits)
         vlo, vhi = pack_codes(vc, self.vbits)
-        self.v_lo = _grow(self.v_lo, t0, vlo)
+        self.v_lo = grow_rows(self.v_lo, t0, vlo)
         if vhi is not None:
-            self.v_hi = _grow(self.v_hi, t0, vhi)
-        self.k_lo = _grow(self.k_lo, t0, klo)
+            self.v_hi = grow_rows(self.v_hi, t0, vhi)
+        self.k_lo = grow_rows(self.k_lo, t0, klo)
         if khi is not None:
-            self.k_hi = _grow(self.k_hi, t0, khi)
+            self.k_hi = grow_rows(self.k_hi, t0, khi)
         self.n_quant = t0 + kb.shape[2]
 
     def _key_codes(self, n: int) -> mx.array:

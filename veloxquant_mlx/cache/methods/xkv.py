@@ -78,10 +78,11 @@ import mlx.core as mx
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank_fit as lr
-from .kivi import RES_DTYPE, KIVIKVCache, _grow_last
+from .kivi import RES_DTYPE, KIVIKVCache
+from ..primitives.buffers import grow_columns
 
 _LOADED: "weakref.WeakValueDictionary[str, XKVGroup]" = weakref.WeakValueDictionary()
 
@@ -179,8 +180,8 @@ class XKVKVCache(KIVIKVCache):
         past_k = self.res_k[:, :, :r0] if r0 else None
         past_v = self.res_v[:, :, :r0] if r0 else None
         self._call = (q0, r0, past_k, past_v, keys, values)
-        self.res_k = _grow(self.res_k, r0, keys.astype(RES_DTYPE))
-        self.res_v = _grow(self.res_v, r0, values.astype(RES_DTYPE))
+        self.res_k = grow_rows(self.res_k, r0, keys.astype(RES_DTYPE))
+        self.res_v = grow_rows(self.res_v, r0, values.astype(RES_DTYPE))
         self.n_res = r0 + N
         m = (self.n_res // self.group) * self.group
         if m and self.xk_index == self.xk_size - 1:  # the last layer of the group compresses
@@ -209,7 +210,7 @@ class XKVKVCache(KIVIKVCache):
             cap = g0 + max(m // self.group, 1 + g0 // 8)  # amortised growth
             for name, arr, per in (("codes", q.codes, w), ("scales", q.scales, 1), ("biases", q.biases, 1)):
                 attr = f"z{kind}_{name}"
-                setattr(own, attr, _grow_last(getattr(own, attr), g0 * per, arr, cap * per))
+                setattr(own, attr, grow_columns(getattr(own, attr), g0 * per, arr, cap * per))
         for l in members:
             l._advance(m)
 
@@ -217,7 +218,7 @@ class XKVKVCache(KIVIKVCache):
         rest = self.n_res - m
         for kind in ("k", "v"):
             buf = getattr(self, f"res_{kind}")
-            setattr(self, f"res_{kind}", _grow(None, 0, buf[:, :, m : self.n_res]) if rest else
+            setattr(self, f"res_{kind}", grow_rows(None, 0, buf[:, :, m : self.n_res]) if rest else
                     mx.zeros((*buf.shape[:2], self.group, buf.shape[-1]), RES_DTYPE))
         self.n_quant += m
         self.n_res = rest

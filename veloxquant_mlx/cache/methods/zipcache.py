@@ -61,7 +61,7 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import _grow
+from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from .kivi import RES_DTYPE, KIVIKVCache
 
@@ -140,14 +140,14 @@ class ZipCacheKVCache(KIVIKVCache):
         if self.quantize_values:
             stores += [("vh", vs[:, :, :nh], self.hi_bits, h0), ("vl", vs[:, :, nh:], self.lo_bits, l0)]
         else:
-            self.v_fp = _grow(self.v_fp, self.n_quant, vb)
+            self.v_fp = grow_rows(self.v_fp, self.n_quant, vb)
         for name, x, bits, n0 in stores:
             if x.shape[2] == 0:
                 continue
             q = gq.quantize(x, bits, x.shape[-1])  # tokenwise: one group per token
             for a, arr in zip(_ARR, q):
-                setattr(self, f"{name}_{a}", _grow(getattr(self, f"{name}_{a}"), n0, arr))
-        self.is_hi = _grow(self.is_hi, self.n_quant, flag.astype(mx.uint8)[..., None])
+                setattr(self, f"{name}_{a}", grow_rows(getattr(self, f"{name}_{a}"), n0, arr))
+        self.is_hi = grow_rows(self.is_hi, self.n_quant, flag.astype(mx.uint8)[..., None])
         self.n_hi = h0 + nh
         self.n_quant += f
 
@@ -163,20 +163,20 @@ class ZipCacheKVCache(KIVIKVCache):
             # must not outlive the prompt's compression
             for name in ("res_k", "res_v", "sal_sum", "sal_cnt"):
                 a = getattr(self, name)
-                setattr(self, name, _grow(None, 0, a[:, :, f:r]) if rem else None)
+                setattr(self, name, grow_rows(None, 0, a[:, :, f:r]) if rem else None)
             self.n_res = r = rem
             self.n_scored = max(self.n_scored - f, 0)
         past_k = self.res_k[:, :, :r] if r else None
         past_v = self.res_v[:, :, :r] if r else None
         self._call = (self.n_quant, r, past_k, past_v, keys, values)
-        self.res_k = _grow(self.res_k, r, keys.astype(RES_DTYPE))
-        self.res_v = _grow(self.res_v, r, values.astype(RES_DTYPE))
+        self.res_k = grow_rows(self.res_k, r, keys.astype(RES_DTYPE))
+        self.res_v = grow_rows(self.res_v, r, values.astype(RES_DTYPE))
         zeros = mx.zeros((B, H, N, 1), dtype=mx.float32)
-        self.sal_sum = _grow(self.sal_sum, r, zeros)
-        self.sal_cnt = _grow(self.sal_cnt, r, zeros)
+        self.sal_sum = grow_rows(self.sal_sum, r, zeros)
+        self.sal_cnt = grow_rows(self.sal_cnt, r, zeros)
         self.n_res = r + N
 
-    # sal_* are stored [B, H, cap, 1] so that eviction._grow's axis-2 growth applies; views [B, H, n]
+    # sal_* are stored [B, H, cap, 1] so that eviction.grow_rows's axis-2 growth applies; views [B, H, n]
     def _saliency_view(self, name, n):
         return getattr(self, name)[:, :, :n, 0]
 

@@ -1,0 +1,33 @@
+"""Preallocated buffers grown in steps: amortised O(1) appends along the token axis (or the last axis),
+shared by every cache that stores rows."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+MIN_GROW = 16
+
+
+def grow_rows(buf, rows: int, new: mx.array) -> mx.array:
+    """Write ``new`` [.., N, ..] at row ``rows`` of ``buf`` along axis 2. The buffer grows by
+    max(16, rows/8) spare rows at a time: amortised O(1) appends, slack at most 12.5% + 16 rows."""
+    n = new.shape[2]
+    if buf is None or rows + n > buf.shape[2]:
+        shape = list(new.shape)
+        shape[2] = rows + n + max(MIN_GROW, (rows + n) // 8) - (0 if buf is None else rows)
+        pad = mx.zeros(shape, dtype=new.dtype)
+        buf = pad if buf is None else mx.concatenate([buf[:, :, :rows], pad], axis=2)
+    buf[:, :, rows : rows + n] = new
+    return buf
+
+
+def grow_columns(buf, used: int, new: mx.array, capacity: int) -> mx.array:
+    """Write ``new`` at column ``used`` of ``buf``'s last axis, reallocating to ``capacity`` columns
+    (keeping the first ``used``) when it does not fit."""
+    n = new.shape[-1]
+    if buf is None or used + n > buf.shape[-1]:
+        capacity = max(capacity, used + n)
+        pad = mx.zeros((*new.shape[:-1], capacity - used), dtype=new.dtype)
+        buf = pad if buf is None else mx.concatenate([buf[..., :used], pad], axis=-1)
+    buf[..., used : used + n] = new
+    return buf
