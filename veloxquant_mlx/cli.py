@@ -6,6 +6,8 @@ Subcommands:
 * ``veloxquant generate --method M [--set FIELD=VALUE ...] [--model PATH] --prompt TEXT
   [--max-tokens N] [--json]`` — one generation with a compressed cache (``--method none``: mlx_lm's
   plain ``KVCache``), with the measured KV bytes next to the fp16 reference.
+* ``veloxquant generate --prompt-cache PATH --prompt TEXT [--method M] [--model PATH]`` — continue after a
+  cache saved by ``veloxquant cache save`` (:mod:`.cli_cache`, which also has ``cache info``).
 * ``veloxquant demo [--methods a,b,...] [--context N] [--model PATH]`` — a needle-in-a-haystack
   question over ~N tokens of real text, answered with the uncompressed cache and with each
   implemented method side by side.
@@ -235,7 +237,14 @@ def _cmd_methods(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if args.prompt_cache is not None:
+        from .cli_cache import generate_from_saved
+
+        return generate_from_saved(args)
     method = args.method
+    if method is None:
+        raise UsageError("the following argument is required: --method (it may be left out only with "
+                         "--prompt-cache, whose file records it)")
     _check_method_name(method)
     sets = parse_sets(args.set)
     if method == NONE:
@@ -473,14 +482,15 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
 
     m = sub.add_parser("methods", help="list the 43 methods and which are implemented")
     m.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
     m.set_defaults(func=_cmd_methods)
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
-    g.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
+    g.add_argument("--method", default=None,
+                   help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
     g.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a KVCacheConfig field (repeatable); VALUE is parsed as JSON when possible")
     g.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
@@ -489,6 +499,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
+    from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
+
+    add_generate_arguments(g)
 
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
@@ -502,6 +515,11 @@ def _parser() -> argparse.ArgumentParser:
     from .cli_measure import add_subcommands  # eval, bench
 
     add_subcommands(sub)
+    add_cache_parsers(sub)
+
+    from .cli_serve import add_subcommand as add_serve
+
+    add_serve(sub)
     return p
 
 

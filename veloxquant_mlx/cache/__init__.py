@@ -9,12 +9,13 @@ from .artifacts import ArtifactStore, InMemoryArtifactStore, NpyDirectoryArtifac
 from .base import METHOD_NAMES, STANDALONE_METHODS, all_methods, method_info
 from .config import KVCacheConfig
 from .contract import BatchingNotSupported, CompressedKVCache
-from .errors import CacheInputError, QuantizerConfigError
+from .errors import CacheInputError, QuantizerConfigError, SavedCacheError
 from .factory import KVCacheBuilder, KVCacheFactory
 from .observers import QuantizationEvent, QuantizationObserver
 from .options import *  # noqa: F401,F403  (every <Method>Options dataclass)
 from .standalone import SlidingWindowKVCache
 from . import methods as _methods  # noqa: F401  (registers the built methods)
+from .saved import load_cache, read_cache_info, save_cache
 
 
 def __getattr__(name):

@@ -11,3 +11,9 @@ class QuantizerConfigError(ValueError):
 
 class CacheInputError(ValueError):
     """Keys/values handed to a cache have the wrong shape, dtype or contents."""
+
+
+class SavedCacheError(ValueError):
+    """A saved cache file cannot be written or read back: missing, truncated, corrupt, not a veloxquant
+    cache, of an unknown format version, or not matching the expected method or model. The message names
+    the file and the problem."""

@@ -1,0 +1,251 @@
+"""Saved caches on the command line (registered by :mod:`.cli`).
+
+* ``veloxquant cache save --method M [--set FIELD=VALUE ...] [--model PATH] --prompt-file F --out PATH
+  [--json]`` — prefill the text of F (plain text, ``tokenizer.encode``, no chat template) into caches
+  made as ``generate`` makes them, and save them (:func:`veloxquant_mlx.cache.save_cache`).
+* ``veloxquant cache info PATH [--json]`` — the metadata of a saved cache (no model is loaded).
+* ``veloxquant generate --prompt-cache PATH --prompt TEXT`` — continue after a saved cache: the prompt
+  (plain text, no chat template) is appended after the cached tokens (:func:`generate_from_saved`).
+
+A missing, corrupt or mismatched file ends with exit code 2 and a message naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .cli import (NONE, UsageError, _check_buildable, _check_method_name, _fmt_bytes, _fmt_tps, _kv_summary,
+                  build_config, make_caches, parse_sets, run_generation)
+
+__all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
+
+_PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template is applied"
+
+
+def _saved_error(exc) -> UsageError:
+    return UsageError(str(exc))
+
+
+# --------------------------------------------------------------------------- #
+# cache save / cache info
+# --------------------------------------------------------------------------- #
+
+
+def cmd_cache_save(args) -> int:
+    from .cache import SavedCacheError, save_cache
+
+    method = args.method
+    _check_method_name(method)
+    sets = parse_sets(args.set)
+    if method == NONE:
+        if sets:
+            raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
+        config = None
+    else:
+        from .cache import STANDALONE_METHODS
+
+        if method in STANDALONE_METHODS:
+            raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
+                             "mlx_lm prompt cache to save; `veloxquant methods` lists the mlx_lm-protocol ones")
+        config = build_config(method, sets)
+        _check_buildable(method)
+    if not os.path.isfile(args.prompt_file):
+        raise UsageError(f"--prompt-file {args.prompt_file!r}: no such file")
+    with open(args.prompt_file, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise UsageError(f"--prompt-file {args.prompt_file!r} is empty: there is nothing to cache")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
+
+    from .eval.fidelity import prefill
+    from .model import load_model
+
+    model, tokenizer = load_model(args.model)
+    caches = make_caches(model, method, config)
+    tokens = [int(t) for t in tokenizer.encode(text)]
+    prefill(model, tokens, caches)
+    try:
+        info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
+    except SavedCacheError as exc:
+        raise _saved_error(exc) from None
+    kv = _kv_summary(model, caches)
+    out = {"path": args.out, "method": method, "settings": sets, "model": info["model_id"],
+           "tokens": len(tokens), "file_bytes": info["file_bytes"], **kv}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    ratio = kv["compression_ratio"]
+    rows = [
+        ("saved", args.out),
+        ("method", method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")),
+        ("model", info["model_id"]),
+        ("tokens", len(tokens)),
+        ("kv_bytes", f"{kv['kv_bytes']} ({_fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
+        ("file_bytes", f"{info['file_bytes']} ({_fmt_bytes(info['file_bytes'])})"),
+        ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({_fmt_bytes(kv['kv_bytes_fp16'])}, "
+                          f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
+        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+    ]
+    for label, value in rows:
+        print(f"{label:>14}: {value}")
+    return 0
+
+
+def _shapes_summary(shapes: list) -> str:
+    """``30 x [3, 64, 64]`` style runs of equal per-layer head shapes ([H_kv, D_key, D_value])."""
+    runs: list[list[Any]] = []
+    for s in shapes:
+        if runs and runs[-1][1] == s:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, s])
+    return ", ".join(f"{n} x {'none' if s is None else s}" for n, s in runs)
+
+
+def cmd_cache_info(args) -> int:
+    from .cache import SavedCacheError, read_cache_info
+
+    try:
+        info = read_cache_info(args.path)
+    except SavedCacheError as exc:
+        raise _saved_error(exc) from None
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    kv, size = info["kv_bytes"], info["file_bytes"]
+    preview = info["tokens"][:8]
+    rows = [
+        ("file", info["path"]),
+        ("format", f"{info['format']} v{info['format_version']} (veloxquant_mlx {info['library_version']})"),
+        ("method", info["method"]),
+        ("config", json.dumps(info["config"]) if info["config"] else "defaults"),
+        ("model", info["model_id"]),
+        ("layers", f"{info['n_layers']} ({_format_classes(info['layer_classes'])})"),
+        ("head shapes", _shapes_summary(info["head_shapes"]) + "  [KV heads, key dim, value dim]"),
+        ("tokens", f"{info['n_tokens']} (first: {preview}{' ...' if info['n_tokens'] > len(preview) else ''})"),
+        ("kv_bytes", f"{kv} ({_fmt_bytes(kv)}, sum of cache nbytes when saved)"),
+        ("file_bytes", f"{size} ({_fmt_bytes(size)})"),
+    ]
+    for label, value in rows:
+        print(f"{label:>12}: {value}")
+    return 0
+
+
+def _format_classes(classes: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for c in classes:
+        counts[c] = counts.get(c, 0) + 1
+    return ", ".join(f"{n} x {c}" for c, n in counts.items())
+
+
+# --------------------------------------------------------------------------- #
+# generate --prompt-cache
+# --------------------------------------------------------------------------- #
+
+
+def generate_from_saved(args) -> int:
+    """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and
+    ``--method`` when given; the model defaults to the one the file records), append the prompt's
+    tokens after the cached ones and generate greedily."""
+    from .cache import SavedCacheError, load_cache, read_cache_info
+
+    if args.method is not None:
+        _check_method_name(args.method)
+    if args.set:
+        raise UsageError("--set does not apply with --prompt-cache: the saved cache keeps the configuration "
+                         "it was made with")
+    if args.max_tokens < 1:
+        raise UsageError("--max-tokens must be >= 1")
+    if not args.prompt:
+        raise UsageError("--prompt must not be empty with --prompt-cache (its tokens follow the cached ones)")
+    try:
+        info = read_cache_info(args.prompt_cache)  # file problems before loading any model
+        if args.method is not None and args.method != info["method"]:
+            raise SavedCacheError(f"{args.prompt_cache}: method mismatch: the file holds a {info['method']!r} "
+                                  f"cache, --method is {args.method!r}")
+        from .cache.saved import normalize_model_id
+
+        if args.model is not None and normalize_model_id(args.model) != info["model_id"]:
+            raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
+                                  f"{info['model_id']!r}, --model is {args.model!r}")
+        from .model import load_model
+
+        model_id = args.model if args.model is not None else info["model_id"]
+        model, tokenizer = load_model(model_id)
+        caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
+                                  expect_model_id=args.model)
+    except SavedCacheError as exc:
+        raise _saved_error(exc) from None
+    prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
+    if not prompt_ids:
+        raise UsageError("--prompt encodes to no tokens")
+    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens)
+    settings = info["config"]
+    out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
+           "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
+           "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
+           "prompt_cache": args.prompt_cache, "cached_tokens": info["n_tokens"],
+           "tokens": result["tokens"], **_kv_summary(model, caches)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(result["text"])
+    print("-" * 40)
+    ratio = out["compression_ratio"]
+    for label, value in [
+        ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
+        ("method", info["method"] + (" " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else "")),
+        ("prompt tokens", f"{out['prompt_tokens']} (after the cached ones)"),
+        ("generated tokens", out["generated_tokens"]),
+        ("decode tok/s", _fmt_tps(out["decode_tps"])),
+        ("kv_bytes", f"{out['kv_bytes']} ({_fmt_bytes(out['kv_bytes'])}, measured: sum of cache nbytes)"),
+        ("kv_bytes_fp16", f"{out['kv_bytes_fp16']} ({_fmt_bytes(out['kv_bytes_fp16'])}, "
+                          f"{out['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
+        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+    ]:
+        print(f"{label:>16}: {value}")
+    return 0
+
+
+# --------------------------------------------------------------------------- #
+# parsers
+# --------------------------------------------------------------------------- #
+
+
+def add_generate_arguments(g) -> None:
+    """``--prompt-cache`` on the ``generate`` parser."""
+    g.add_argument("--prompt-cache", default=None, metavar="PATH",
+                   help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
+                        "to the file's (and must match it when given); the prompt is appended after the "
+                        f"cached tokens, {_PLAIN_TEXT}")
+
+
+def add_parsers(sub) -> None:
+    """Add ``cache save`` and ``cache info`` to the ``veloxquant`` subparsers."""
+    c = sub.add_parser("cache", help="save a prefilled compressed cache to a file, or show a saved one")
+    csub = c.add_subparsers(dest="cache_command", required=True, metavar="{save,info}")
+
+    s = csub.add_parser(
+        "save", help="prefill a text file into compressed caches and save them",
+        description="Prefill the text of --prompt-file into caches made as `generate` makes them and save "
+                    f"them to --out (a safetensors file). The text is {_PLAIN_TEXT}. Continue after it with "
+                    "`veloxquant generate --prompt-cache PATH --prompt TEXT`.")
+    s.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
+    s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
+                   help="a KVCacheConfig field (repeatable); VALUE is parsed as JSON when possible")
+    s.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
+                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--prompt-file", required=True, metavar="F",
+                   help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
+    s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_cache_save)
+
+    i = csub.add_parser("info", help="print the metadata of a saved cache (no model is loaded)")
+    i.add_argument("path", metavar="PATH")
+    i.add_argument("--json", action="store_true", help="print the metadata as one JSON object (with token ids)")
+    i.set_defaults(func=cmd_cache_info)

@@ -1,0 +1,61 @@
+"""``veloxquant serve``: the subcommand's parser and handler (the server itself is ``server.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_subcommand(sub) -> None:
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models and GET /v1/kv/stats. "
+                    "Every request's cache is built with KVCacheBuilder.for_model; a request may pick its "
+                    'own with "kv_cache": {"method": M, "settings": {FIELD: VALUE}}.')
+    s.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
+                                                  "(default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--method", default="turboquant_rvq",
+                   help="default method for requests (default: turboquant_rvq; 'none' = mlx_lm's plain cache)")
+    s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
+                   help="a KVCacheConfig field for the default method (repeatable)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--max-prompt-tokens", type=int, default=8192,
+                   help="longer prompts get HTTP 413 (default 8192)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413 (default 1 MiB)")
+    s.add_argument("--prompt-cache-size", type=int, default=10,
+                   help="finished caches kept for prefix reuse (0: none)")
+    s.add_argument("--prompt-cache-bytes", type=int, default=None, help="byte cap of the kept caches")
+    s.add_argument("--decode-concurrency", type=int, default=32,
+                   help="batch size of mlx_lm's batch path (uncompressed 'none' requests)")
+    s.add_argument("--prefill-step-size", type=int, default=2048)
+    s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .cli import UsageError, parse_sets
+    from .server import RequestError, parse_kv_settings, serve, server_args
+
+    for name in ("max_tokens", "max_tokens_limit", "max_prompt_tokens", "max_body_bytes", "prefill_step_size",
+                 "decode_concurrency"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prompt_cache_size < 0:
+        raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
+    if args.max_tokens > args.max_tokens_limit:
+        raise UsageError(f"--max-tokens {args.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
+    try:
+        kv = parse_kv_settings(args.method, parse_sets(args.set))
+    except RequestError as e:
+        raise UsageError(str(e)) from None
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
+    cli_args = server_args(args.model, host=args.host, port=args.port, max_tokens=args.max_tokens,
+                           prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
+                           decode_concurrency=args.decode_concurrency, prefill_step_size=args.prefill_step_size,
+                           log_level=args.log_level)
+    serve(kv, cli_args, max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+          max_tokens_limit=args.max_tokens_limit)
+    return 0

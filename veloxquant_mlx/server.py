@@ -1,0 +1,557 @@
+"""``veloxquant serve``: mlx_lm's OpenAI-compatible HTTP server with this library's caches.
+
+What is mlx_lm's, reused as is: the HTTP API (``/v1/chat/completions`` streaming and not,
+``/v1/completions``, sampling arguments, stop words, tool calls, logprobs), its request queue and
+generation thread, and, for uncompressed requests (``--method none``), its continuous-batching path.
+
+What this module adds:
+
+* **Compressed caches per request.** Every compressed request gets caches from
+  ``KVCacheBuilder.for_model`` with the server's configuration, or with the request's own
+  ``"kv_cache": {"method": ..., "settings": {...}}``.
+* **Batching, stated.** No compressed cache has a batch form yet (``merge`` raises), so compressed
+  requests are served one at a time, in arrival order, and ``/v1/kv/stats`` says so; they are never
+  silently decoded with an uncompressed batch cache. ``none`` requests use mlx_lm's batch path.
+* **Prompt-cache reuse that is exact.** A follow-up request reuses the cache of the longest cached
+  prefix only where that gives the state a fresh run would build: the method must be
+  ``chunk_invariant`` (its state does not depend on how tokens were split across calls), and trimming a
+  longer cached sequence back to the shared prefix needs ``exact_trim`` and is verified layer by layer
+  (every layer must report the full trim). Otherwise the prompt is recomputed, and the stats say why.
+* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` (bytes of
+  the arrays the caches hold) next to the fp16 bytes of mlx_lm's plain cache for the same tokens,
+  tokens seen and kept, and process memory.
+* **Bad input gets a 4xx JSON error** naming the problem (malformed JSON, unknown model, method or
+  field, bad values, bodies over ``--max-body-bytes``, prompts over ``--max-prompt-tokens``); the
+  server goes on serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from http.server import ThreadingHTTPServer
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+from mlx_lm.generate import stream_generate
+from mlx_lm.models import cache as mlx_cache
+
+from .measure import fp16_kv_bytes
+
+NONE = "none"
+EMBEDDED_ID = "smollm2-135m"
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_PROMPT_TOKENS = 8192
+
+
+class RequestError(ValueError):
+    """A client error with its HTTP status (4xx)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# mlx_lm's handler answers every error of a request factory with 400 and every error of
+# ``generate`` with 404; the status of a RequestError raised on the handler's thread replaces it.
+_pending = threading.local()
+
+
+def _remember_status(error: Exception) -> None:
+    if isinstance(error, RequestError):
+        _pending.status = error.status
+
+
+# --------------------------------------------------------------------------- #
+# KV settings of a request
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSettings:
+    """The cache configuration of a request: a method, its ``--set`` fields and the built config."""
+
+    method: str
+    settings: tuple  # sorted (field, value) pairs, hashable
+    config: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    @property
+    def key(self) -> tuple:
+        return (self.method, self.settings)
+
+    def describe(self) -> dict:
+        cls = _method_class(self.method)
+        out = {"method": self.method, "settings": dict(self.settings)}
+        if cls is None:
+            out.update(batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
+                       prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
+            return out
+        out["batching"] = "sequential"
+        out["batching_reason"] = (f"{cls.__name__} has no batch form (merge raises BatchingNotSupported): "
+                                  "requests are served one at a time, compressed")
+        out["prompt_reuse"] = reuse_mode(cls)
+        return out
+
+
+def _method_class(method: str):
+    if method == NONE:
+        return None
+    from .cache.base import method_info
+
+    return method_info(method).cls
+
+
+def reuse_mode(cls) -> str:
+    """How a cached prefix of this class can be reused (see the module docstring)."""
+    if not getattr(cls, "chunk_invariant", False):
+        return "recompute (state depends on how tokens were split across calls)"
+    if getattr(cls, "exact_trim", False):
+        return "prefix and trim"
+    return "prefix only (trim is not exact)"
+
+
+def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
+    """Validate ``method`` and ``sets`` (``--set`` fields) into ``KVSettings``; with ``model``, also
+    build its caches once, so that per-layer checks fail here rather than in the generation thread.
+
+    Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
+    from .cache.errors import QuantizerConfigError
+    from .cli import UsageError, _check_buildable, _check_method_name, build_config, parse_sets
+
+    if not isinstance(method, str):
+        raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
+    if not isinstance(sets, dict):
+        raise RequestError(400, f"kv_cache.settings must be an object of FIELD: VALUE, got {sets!r}")
+    try:
+        _check_method_name(method)
+        if method == NONE:
+            if sets:
+                raise UsageError(f"settings do not apply to method {NONE!r} (mlx_lm's plain KVCache)")
+            return KVSettings(NONE, ())
+        parsed = parse_sets([f"{k}={json.dumps(v)}" for k, v in sets.items()])
+        config = build_config(method, parsed)
+        _check_buildable(method)
+        if model is not None:
+            from .cache import KVCacheBuilder
+
+            KVCacheBuilder.for_model(model, config)
+    except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError) as e:
+        raise RequestError(400, str(e)) from None
+    return KVSettings(method, tuple(sorted(parsed.items(), key=lambda kv: kv[0])), config)
+
+
+# --------------------------------------------------------------------------- #
+# byte and token figures
+# --------------------------------------------------------------------------- #
+
+
+def cache_figures(model, caches) -> dict:
+    """Tokens seen and kept, measured bytes and the fp16 reference for one request's caches."""
+    seen = max((int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
+    kept = []
+    for c in caches:
+        rows = c.stored_rows() if hasattr(c, "stored_rows") else c.size()
+        kept.append(int(rows))
+    measured = int(sum(int(c.nbytes) for c in caches))
+    reference = fp16_kv_bytes(model, seen)
+    return {"tokens_seen": seen, "tokens_kept_max": max(kept, default=0),
+            "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0,
+            "kv_bytes": measured, "kv_bytes_fp16": reference,
+            "ratio_vs_fp16": (measured / reference) if reference else None}
+
+
+def process_memory() -> dict:
+    out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
+           "mlx_cache_bytes": int(mx.get_cache_memory())}
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["rss_peak_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# prompt-cache store for compressed caches
+# --------------------------------------------------------------------------- #
+
+
+class PromptCacheStore:
+    """LRU store of finished requests' compressed caches, keyed by (KV settings, tokens).
+
+    ``fetch`` returns a private copy of the cache of the longest usable cached prefix of a prompt,
+    following the reuse rules of the module docstring, and leaves at least one prompt token to process.
+    """
+
+    def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, list] = OrderedDict()  # (kv key, tokens) -> caches
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return len(self._entries)
+
+    @staticmethod
+    def _common(a, b) -> int:
+        n = min(len(a), len(b))
+        i = 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        return i
+
+    def fetch(self, kv_key, prompt: list[int]):
+        """``(caches or None, tokens reused, how)``."""
+        limit = len(prompt) - 1
+        best = None
+        with self._lock:
+            for (key, tokens), caches in self._entries.items():
+                if key != kv_key:
+                    continue
+                use = min(self._common(tokens, prompt), limit)
+                trim = len(tokens) - use
+                if use > 0 and (best is None or (use, -trim) > (best[0], -best[1])):
+                    best = (use, trim, (key, tokens), caches)
+            if best is None:
+                return None, 0, "no cached prefix"
+            use, trim, entry_key, caches = best
+            self._entries.move_to_end(entry_key)
+            caches = copy.deepcopy(caches)
+        if trim:
+            if not all(getattr(c, "exact_trim", True) for c in caches):
+                return None, 0, "cached sequence is longer and trim is not exact: recomputed"
+            if any(c.trim(trim) != trim for c in caches):
+                return None, 0, "a layer could not trim the cached sequence: recomputed"
+        return caches, use, "trimmed" if trim else "prefix"
+
+    def insert(self, kv_key, tokens: list[int], caches: list) -> None:
+        with self._lock:
+            self._entries[(kv_key, tuple(tokens))] = caches
+            self._entries.move_to_end((kv_key, tuple(tokens)))
+            while len(self._entries) > self.max_entries or (
+                    self.max_bytes is not None and self.nbytes_locked() > self.max_bytes and self._entries):
+                self._entries.popitem(last=False)
+
+    def nbytes_locked(self) -> int:
+        return sum(int(c.nbytes) for caches in self._entries.values() for c in caches)
+
+    def describe(self, model) -> list[dict]:
+        with self._lock:
+            items = list(self._entries.items())
+        return [{"method": key[0][0], "settings": dict(key[0][1]), **cache_figures(model, caches)}
+                for key, caches in items]
+
+
+def is_reusable(caches) -> bool:
+    """All layers chunk-invariant (mlx_lm's own KVCache is)."""
+    return all(getattr(c, "chunk_invariant", type(c) is mlx_cache.KVCache) for c in caches)
+
+
+# --------------------------------------------------------------------------- #
+# mlx_lm server pieces
+# --------------------------------------------------------------------------- #
+
+
+class ServedModelProvider(mlx_server.ModelProvider):
+    """Serves one model (default: the embedded SmolLM2), loaded through ``veloxquant_mlx.model``."""
+
+    def __init__(self, cli_args):
+        super().__init__(cli_args)
+        self.served_id = cli_args.model
+        self._aliases = {None, "default_model", cli_args.model}
+        if cli_args.model == EMBEDDED_ID:
+            self._aliases |= {"smollm2", "SmolLM2-135M-Instruct"}
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        if model_path not in self._aliases:
+            raise RequestError(404, f"model {model_path!r} is not served here; this server serves "
+                                    f"{self.served_id!r}")
+        if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
+            raise RequestError(400, "adapters and draft models are not supported by veloxquant serve")
+        if self.model is not None:
+            self.model_key = (self.served_id, None, None)
+            return
+        from .model import load_model
+
+        model, tokenizer = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
+        self.model_key = (self.served_id, None, None)
+        self.model, self.tokenizer = model, tokenizer
+        self.processor, self.draft_model = None, None
+        self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        self._load(model_path, adapter_path, draft_model_path)
+        return self.model, self.tokenizer
+
+
+class CompressedResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx_lm's generation thread; compressed requests are served one at a time by ``_serve_single``."""
+
+    def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore):
+        self.default_kv = default_kv
+        self.store = store
+        self.live: dict[int, tuple] = {}
+        self.counters = {"requests": 0, "compressed_requests": 0, "prompt_tokens": 0,
+                         "reused_tokens": 0, "recomputed_requests": 0, "errors": 0}
+        self._ids = 0
+        super().__init__(provider, prompt_cache)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        generation_args.kv = getattr(request, "kv", None) or self.default_kv
+        self.counters["requests"] += 1
+        try:
+            return super().generate(request, generation_args, progress_callback)
+        except Exception as e:
+            _remember_status(e)
+            raise
+
+    def _is_batchable(self, args):
+        return super()._is_batchable(args) and getattr(args, "kv", self.default_kv).method == NONE
+
+    def _serve_single(self, request, stream):
+        rqueue, req, args = request
+        kv = getattr(args, "kv", self.default_kv)
+        if kv.method == NONE:
+            return super()._serve_single(request, stream)
+        try:
+            self._serve_compressed(rqueue, req, args, kv, stream)
+        except Exception as e:  # reported to the request's handler, the thread goes on
+            self.counters["errors"] += 1
+            rqueue.put(e)
+        finally:
+            gc.collect()
+            mx.clear_cache()
+
+    def _serve_compressed(self, rqueue, request, args, kv, stream):
+        from .cache import KVCacheBuilder
+
+        provider = self.model_provider
+        model, tokenizer = provider.model, provider.tokenizer
+        prompt, _, _, initial_state, vision = self._tokenize(tokenizer, request, args)
+        if vision is not None:
+            raise RequestError(400, "image inputs are not supported by veloxquant serve")
+        stop_sequences, text_sm = self._make_state_machine(provider.model_key, tokenizer, args.stop_words)
+        ctx = mlx_server.GenerationContext(
+            has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
+
+        caches, reused, how = self.store.fetch(kv.key, prompt)
+        if caches is None:
+            caches = KVCacheBuilder.for_model(model, kv.config)
+            if reused == 0 and "recomputed" in how:
+                self.counters["recomputed_requests"] += 1
+        ctx.prompt_cache_count = reused
+        self.counters["compressed_requests"] += 1
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["reused_tokens"] += reused
+        rqueue.put(ctx)
+
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        self._ids += 1
+        live_id = self._ids
+        self.live[live_id] = (kv, caches)
+        tokens = list(prompt)
+        try:
+            matcher = stop_sequences.matcher()
+            for gen in stream_generate(
+                model=model, tokenizer=tokenizer, prompt=prompt[reused:], max_tokens=args.max_tokens,
+                sampler=mlx_server._make_sampler(args, tokenizer),
+                logits_processors=mlx_server._make_logits_processors(args), prompt_cache=caches,
+                prompt_progress_callback=lambda done, total: rqueue.put((done, total)),
+                prefill_step_size=self.cli_args.prefill_step_size, stream=stream,
+            ):
+                finish = gen.finish_reason
+                if matcher.advance(gen.token):
+                    finish = "stop"
+                rqueue.put(mlx_server.Response(
+                    gen.text, gen.token, gen.logprobs[gen.token].item(), finish,
+                    mlx_server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)))
+                tokens.append(gen.token)
+                if ctx._should_stop or finish is not None:
+                    break
+            rqueue.put(None)
+        finally:
+            self.live.pop(live_id, None)
+        # mlx_lm's generate_step feeds each token before yielding it, so the caches have seen
+        # ``offset`` of ``tokens``; they are stored under exactly those.
+        seen = max(int(c.offset) for c in caches)
+        if is_reusable(caches) and self.store.max_entries > 0 and seen <= len(tokens):
+            self.store.insert(kv.key, tokens[:seen], caches)
+
+    def stats(self) -> dict:
+        model = self.model_provider.model
+        live = [{"id": i, "method": kv.method, "settings": dict(kv.settings), **cache_figures(model, caches)}
+                for i, (kv, caches) in list(self.live.items())]
+        cached = self.store.describe(model)
+        plain = {"sequences": len(self.prompt_cache), "kv_bytes": int(self.prompt_cache.nbytes)}
+        return {
+            "model": self.model_provider.served_id,
+            "default": self.default_kv.describe(),
+            "live": live,
+            "cached": cached,
+            "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
+            "uncompressed_prompt_cache": plain,
+            "counters": dict(self.counters),
+            "process": process_memory(),
+            "time": time.time(),
+        }
+
+
+class CompressedAPIHandler(mlx_server.APIHandler):
+    """mlx_lm's handler plus ``/v1/kv/stats``, request ``kv_cache`` settings and size limits."""
+
+    def _set_completion_headers(self, status_code: int = 200):
+        pending = getattr(_pending, "status", None)
+        if status_code >= 400 and pending is not None:
+            status_code = pending
+        _pending.status = None
+        super()._set_completion_headers(status_code)
+
+    def _send_json(self, status: int, obj) -> None:
+        self._set_completion_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps(obj).encode())
+        self.wfile.flush()
+
+    def do_GET(self):
+        if self.path.rstrip("/") == "/v1/kv/stats":
+            return self._send_json(200, self.response_generator.stats())
+        if self.path.startswith("/v1/models"):
+            served = self.response_generator.model_provider.served_id
+            data = [{"id": served, "object": "model", "created": self.created, "owned_by": "veloxquant"}]
+            return self._send_json(200, {"object": "list", "data": data})
+        return super().do_GET()
+
+    def do_POST(self):
+        limit = self.response_generator.limits["max_body_bytes"]
+        length = self.headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            self.close_connection = True
+            return self._send_json(413, {"error": f"request body of {length} bytes is over the limit of "
+                                                  f"{limit} bytes (--max-body-bytes)"})
+        return super().do_POST()
+
+    def _checked(self, request):
+        """Attach the request's KV settings and check its prompt length (raises RequestError)."""
+        try:
+            spec = self.body.get("kv_cache")
+            if spec is not None:
+                if not isinstance(spec, dict) or set(spec) - {"method", "settings"}:
+                    raise RequestError(400, 'kv_cache must be {"method": NAME, "settings": {FIELD: VALUE}}, '
+                                            f"got {spec!r}")
+                request.kv = parse_kv_settings(spec.get("method"), spec.get("settings") or {},
+                                               model=self.response_generator.model_provider.model)
+            max_tokens = self.response_generator.limits["max_tokens"]
+            if self.max_tokens > max_tokens:
+                raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "
+                                        f"{max_tokens}")
+            tokenizer = self.response_generator.model_provider.tokenizer
+            if request.request_type == "chat":
+                n = len(tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                      tools=request.tools))
+            else:
+                if not isinstance(request.prompt, str):
+                    raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")
+                n = len(tokenizer.encode(request.prompt))
+            cap = self.response_generator.limits["max_prompt_tokens"]
+            if n > cap:
+                raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "
+                                        "(--max-prompt-tokens)")
+        except RequestError as e:
+            _remember_status(e)
+            raise
+        return request
+
+    def handle_chat_completions(self):
+        messages = self.body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return self._reject(400, "messages must be a non-empty list of {role, content} objects")
+        return self._checked(super().handle_chat_completions())
+
+    def handle_text_completions(self):
+        if "prompt" not in self.body:
+            return self._reject(400, "prompt is required")
+        return self._checked(super().handle_text_completions())
+
+    def _reject(self, status: int, message: str):
+        error = RequestError(status, message)
+        _remember_status(error)
+        raise error
+
+
+# --------------------------------------------------------------------------- #
+# assembly
+# --------------------------------------------------------------------------- #
+
+
+def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
+    """The argument namespace mlx_lm's server pieces read, with its defaults."""
+    args = dict(
+        model=model or EMBEDDED_ID, adapter_path=None, host="127.0.0.1", port=8080, allowed_origins=["*"],
+        draft_model=None, num_draft_tokens=3, trust_remote_code=False, log_level="INFO", chat_template="",
+        use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=512,
+        chat_template_args={}, decode_concurrency=32, prompt_concurrency=8, prefill_step_size=2048,
+        prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
+        quantized_kv_start=0, pipeline=False,
+    )
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS,
+                max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None):
+    """A ready ``ThreadingHTTPServer`` (not yet serving) and its response generator.
+
+    Port 0 picks a free port (``httpd.server_address``). Call ``shutdown(httpd, generator)`` to stop."""
+    provider = ServedModelProvider(cli_args)
+    provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
+    if kv.method != NONE:  # per-layer configuration errors surface now, not on the first request
+        from .cache import KVCacheBuilder
+
+        KVCacheBuilder.for_model(provider.model, kv.config)
+    store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
+    plain = mlx_cache.LRUPromptCache(cli_args.prompt_cache_size)
+    generator = CompressedResponseGenerator(provider, plain, kv, store)
+    generator.limits = {"max_prompt_tokens": max_prompt_tokens, "max_body_bytes": max_body_bytes,
+                        "max_tokens": max_tokens_limit or max(cli_args.max_tokens, 4096)}
+    httpd = ThreadingHTTPServer(
+        (cli_args.host, cli_args.port),
+        lambda *a, **k: CompressedAPIHandler(generator, *a, **k),
+    )
+    httpd.daemon_threads = True
+    return httpd, generator
+
+
+def shutdown(httpd, generator) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+    generator.stop_and_join()
+
+
+def serve(kv: KVSettings, cli_args: argparse.Namespace, **limits) -> None:
+    httpd, generator = make_server(kv, cli_args, **limits)
+    host, port = httpd.server_address[:2]
+    logging.info("veloxquant serve: %s with %s at http://%s:%s/v1", cli_args.model, kv.method, host, port)
+    print(f"serving {cli_args.model} with method {kv.method} at http://{host}:{port}/v1 "
+          f"(stats: http://{host}:{port}/v1/kv/stats)", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown(httpd, generator)
