@@ -12,11 +12,15 @@ What this module adds:
 * **Batching, stated.** No compressed cache has a batch form yet (``merge`` raises), so compressed
   requests are served one at a time, in arrival order, and ``/v1/kv/stats`` says so; they are never
   silently decoded with an uncompressed batch cache. ``none`` requests use mlx_lm's batch path.
-* **Prompt-cache reuse that is exact.** A follow-up request reuses the cache of the longest cached
-  prefix only where that gives the state a fresh run would build: the method must be
-  ``chunk_invariant`` (its state does not depend on how tokens were split across calls), and trimming a
-  longer cached sequence back to the shared prefix needs ``exact_trim`` and is verified layer by layer
-  (every layer must report the full trim). Otherwise the prompt is recomputed, and the stats say why.
+* **Prompt-cache reuse only where the cache state is the one a fresh run builds.** A follow-up request
+  reuses the cache of the longest cached prefix only if the method is ``chunk_invariant`` (its state
+  does not depend on how tokens were split across calls); trimming a longer cached sequence back to
+  the shared prefix needs ``exact_trim`` (or ``trim_exact_or_raises``, and then a raise means
+  recompute) and is verified layer by layer (every layer must report the full trim). Otherwise the
+  prompt is recomputed, and the stats say why. As with mlx_lm's own quantized cache, a lossy method's
+  rows for decoded tokens were computed against the compressed past, so reuse matches a fresh run in
+  the cache's rules, not bit for bit in every hidden state; tests/test_server.py checks that the
+  greedy answers agree.
 * **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` (bytes of
   the arrays the caches hold) next to the fp16 bytes of mlx_lm's plain cache for the same tokens,
   tokens seen and kept, and process memory.
@@ -115,7 +119,14 @@ def reuse_mode(cls) -> str:
         return "recompute (state depends on how tokens were split across calls)"
     if getattr(cls, "exact_trim", False):
         return "prefix and trim"
+    if getattr(cls, "trim_exact_or_raises", False):
+        return "prefix, and trim where it stays in the float16 residual (else recompute)"
     return "prefix only (trim is not exact)"
+
+
+def _trim_ok(cache) -> bool:
+    return bool(getattr(cache, "exact_trim", type(cache) is mlx_cache.KVCache)
+                or getattr(cache, "trim_exact_or_raises", False))
 
 
 def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
@@ -232,10 +243,13 @@ class PromptCacheStore:
             self._entries.move_to_end(entry_key)
             caches = copy.deepcopy(caches)
         if trim:
-            if not all(getattr(c, "exact_trim", True) for c in caches):
+            if not all(_trim_ok(c) for c in caches):
                 return None, 0, "cached sequence is longer and trim is not exact: recomputed"
-            if any(c.trim(trim) != trim for c in caches):
-                return None, 0, "a layer could not trim the cached sequence: recomputed"
+            try:
+                if any(c.trim(trim) != trim for c in caches):
+                    return None, 0, "a layer could not trim the cached sequence: recomputed"
+            except ValueError:  # the trim would cut into compressed groups: not exact
+                return None, 0, "trim would cut into compressed rows: recomputed"
         return caches, use, "trimmed" if trim else "prefix"
 
     def insert(self, kv_key, tokens: list[int], caches: list) -> None:

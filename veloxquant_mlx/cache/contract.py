@@ -94,6 +94,30 @@ class CompressedKVCache(mlx_cache._BaseCache):
     # Scalar attributes (ints/floats/strs) that are part of the state besides ``offset``.
     scalar_fields: tuple[str, ...] = ()
 
+    # Prefix reuse (a server continuing a saved prompt cache: prefill, decode steps, trim back to the
+    # shared prefix, prefill the rest) equals a fresh run only where both flags hold. Every registered
+    # method declares both in its own class body, with the reason; tests/test_chunk_invariance.py
+    # proves each declaration both ways and docs/ARCHITECTURE.md ("Prefix reuse") tabulates them.
+    #
+    # ``chunk_invariant``: True when, given the same key/value rows (and the same queries through
+    # ``attend``), the attention output for any later query does not depend on how the rows were split
+    # across calls (one prefill call vs. several prefill chunks vs. single-token decode calls). False
+    # where the stored state depends on the split: eviction at each prefill chunk with an observation
+    # window, batched (slack) decode eviction, bases / codebooks / statistics fitted on the first
+    # block or call, coordinators that calibrate once, windows flushed by call size.
+    chunk_invariant: bool = True
+    # ``exact_trim``: True when ``trim(n)`` right after n appended rows (decode steps, as a server trims
+    # generated tokens) returns n and leaves a cache equivalent (same attention outputs for any later
+    # query) to one that never saw those rows. False where such a trim raises ``ValueError``, returns
+    # fewer than n, or leaves a different state (evicted rows not restored, statistics of the trimmed
+    # queries kept, rows quantized earlier than they would have been).
+    exact_trim: bool = True
+    # ``trim_exact_or_raises``: weaker than ``exact_trim``: such a trim is exact whenever it returns
+    # instead of raising ``ValueError`` (KIVI-style groups: trimming rows still in the float16 residual
+    # is exact, trimming into a completed group raises). A server tries the trim on a copy and
+    # recomputes when it raises.
+    trim_exact_or_raises: bool = False
+
     def __init__(self, config):
         self.config = config
         self.offset = 0

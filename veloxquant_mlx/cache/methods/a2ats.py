@@ -87,6 +87,9 @@ def _num(v):
 @register("a2ats")
 class A2ATSKVCache(CompressedKVCache):
     """A2ATS: float16 K/V store + VQ key codes for query-aware top-k retrieval at decode."""
+    # codebook and query metric fitted on the first call with >= 32 rows, with that call's queries
+    chunk_invariant = False
+    exact_trim = True  # float16 rows + per-token codes; trimming below the fit drops the codebook
 
     array_fields = ("keys", "values", "codes", "codebook", "metric_l", "metric_linv")
     scalar_fields = ("n_rows", "n_coded", "fit_rows", "dtype_name")

@@ -41,6 +41,8 @@ CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 @register("adakv")
 class AdaKVKVCache(KIVIKVCache):
     """Per-token hi/mid/lo bit widths by importance, at a target average."""
+    chunk_invariant = True  # per-group tiers, groups at absolute positions
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = tuple(f"{s}_{a}_{t}" for t in TIERS for s in "kv" for a in ("codes", "scales", "biases")) + (
         "order", "res_k", "res_v")

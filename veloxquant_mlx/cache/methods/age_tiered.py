@@ -68,6 +68,10 @@ def _int(field, v, lo, hi=None):
 @register("age_tiered")
 class AgeTieredKVCache(KIVIKVCache):
     """KIVI layout in three tiers of decreasing bits by token age, re-quantized from the stored codes."""
+    # a prompt group is quantized once at its tier's width, a decoded one re-quantized tier by tier
+    # from its codes
+    chunk_invariant = False
+    exact_trim = False  # raises ValueError once the trimmed rows completed a group
 
     array_fields = tuple(f"{kv}{t}_{a}" for t in range(3) for kv in "kv" for a in _ARR) + ("res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "n_old", "n_mid", "n_recent")

@@ -74,6 +74,8 @@ def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
 @register("amc")
 class AMCKVCache(KIVIKVCache):
     """Per-token 8 / 4 / 2-bit tiers by key-norm saliency, tier fractions amc_k_high / amc_k_mid."""
+    chunk_invariant = True  # per-group tiers, groups at absolute positions
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = tuple(f"k_codes_{t}" for t in TIERS) + ("k_mins", "k_ranges") + tuple(
         f"v_{a}_{t}" for t in TIERS for a in ("codes", "scales", "biases")) + ("order", "res_k", "res_v")

@@ -148,6 +148,8 @@ def ref_bits(A: int) -> int:
 @register("anchorkv")
 class AnchorKVCache(KIVIKVCache):
     """Exact float16 anchors per G-token group; other tokens b-bit residuals against their nearest anchor."""
+    chunk_invariant = True  # per-group anchors, groups at absolute positions
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("k_codes", "k_scales", "k_biases", "k_ref", "k_apos", "k_anc",
                     "v_codes", "v_scales", "v_biases", "v_ref", "v_apos", "v_anc", "res_k", "res_v")

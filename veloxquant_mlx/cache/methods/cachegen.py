@@ -111,6 +111,8 @@ def _dequant(words: mx.array, scale: mx.array, bias: mx.array, bits: int, g: int
 @register("cachegen")
 class CacheGenKVCache(KIVIKVCache):
     """CacheGen: anchor + token-delta codes, layer-wise bits, entropy-coded saved form."""
+    chunk_invariant = True  # per-group anchors and codes, groups at absolute positions
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases", "res_k", "res_v")

@@ -71,6 +71,9 @@ def merge_weights(mode: str, pos_kept, pos_gone, keys_kept, keys_gone, n_sink_ro
 @register("cam")
 class CaMKVCache(VotingEviction):
     """H2O eviction whose evicted values are merged into the kept ones."""
+    # eviction (with value merging) per prefill chunk; batched (slack) decode eviction
+    chunk_invariant = False
+    exact_trim = False  # decode rows add votes, evict and merge (slack)
 
     array_fields = VotingEviction.array_fields + ("attn",)
     row_fields = ("votes", "attn")

@@ -67,6 +67,8 @@ def key_norm_scores(keys: mx.array) -> mx.array:
 @register("chunkkv")
 class ChunkKVCache(VotingEviction):
     """Chunk-granular observation-window eviction with layer-wise index reuse."""
+    chunk_invariant = False  # observation-window eviction per prefill chunk; batched (slack) decode eviction
+    exact_trim = False  # decode rows add votes and evict (slack)
 
     layer_id = None
     coordinator = None

@@ -68,6 +68,8 @@ def attention_columns(obs_queries, keys, scale, obs_positions, key_positions):
 @register("curdkv")
 class CurDKVKVCache(EvictionKVCache):
     """Eviction by CUR leverage: key-side (real attention) leverage x value leverage, per KV head."""
+    chunk_invariant = False  # leverage eviction per prefill chunk; batched (slack) decode eviction
+    exact_trim = False  # decode steps evict older rows (slack)
 
     _proxy_scoring = False
 

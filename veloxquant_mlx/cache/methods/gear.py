@@ -56,6 +56,8 @@ def _int(v, lo, hi=None):
 @register("gear")
 class GEARKVCache(KIVIKVCache):
     """GEAR: KIVI-style b-bit base + rank-r residual + exact sparse outliers, keys and values."""
+    chunk_invariant = False  # low-rank width chosen on the first quantized block (unless gear_rank is set)
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("k_codes", "k_scales", "k_biases", "k_oidx", "k_oval", "k_a", "k_bt", "k_err_base", "k_err_gear",
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "v_a", "v_bt", "res_k", "res_v")

@@ -42,6 +42,8 @@ from ..eviction import BatchedEviction, EvictionKVCache, check_budget, default_s
 @register("h2o")
 class H2OKVCache(BatchedEviction, EvictionKVCache):
     """Heavy-hitter eviction: keep the rows with the most accumulated attention, per KV head."""
+    chunk_invariant = False  # batched (slack) decode eviction; eviction at each prefill chunk
+    exact_trim = False  # decode rows evict older rows and add attention mass
 
     array_fields = EvictionKVCache.array_fields + ("acc",)
     row_fields = ("acc",)

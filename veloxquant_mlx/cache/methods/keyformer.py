@@ -48,6 +48,8 @@ from ..eviction import BatchedEviction, check_budget, default_slack
 @register("keyformer")
 class KeyformerKVCache(BatchedEviction, EvictionKVCache):
     """Keep the rows with the highest accumulated Gumbel-regularised attention score."""
+    chunk_invariant = False  # batched (slack) decode eviction; Gumbel noise drawn per call
+    exact_trim = False  # decode rows add scores and evict (slack)
 
     array_fields = EvictionKVCache.array_fields + ("acc",)
     row_fields = ("acc",)

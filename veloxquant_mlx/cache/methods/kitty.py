@@ -59,6 +59,8 @@ def _bits(field, v):
 @register("kitty")
 class KittyKVCache(KIVIKVCache):
     """KIVI layout with the most important key channels at ``kitty_hi_bit`` and the rest at ``kitty_lo_bit``."""
+    chunk_invariant = False  # hi/lo key channels ranked on the first quantized block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("kh_codes", "kh_scales", "kh_biases", "kl_codes", "kl_scales", "kl_biases",
                     "v_codes", "v_scales", "v_biases", "res_k", "res_v", "k_perm", "k_inv")

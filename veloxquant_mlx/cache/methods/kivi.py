@@ -92,6 +92,9 @@ RES_DTYPE = mx.float16
 @register("kivi")
 class KIVIKVCache(CompressedKVCache):
     """KIVI: keys per-channel, values per-token, b-bit groups of G, float16 residual of < G tokens."""
+    chunk_invariant = True  # groups of G at absolute positions, the rest in the residual
+    exact_trim = False  # raises ValueError when the trimmed rows completed a quantized group
+    trim_exact_or_raises = True  # ... and is exact when it does not raise
 
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name")

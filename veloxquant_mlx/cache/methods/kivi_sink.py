@@ -44,6 +44,8 @@ from .kivi import RES_DTYPE, KIVIKVCache
 @register("kivi_sink")
 class KIVISinkKVCache(KIVIKVCache):
     """KIVI whose first ``n_sink_tokens`` tokens stay float16 (attention sinks)."""
+    chunk_invariant = True  # sinks are the first positions, then KIVI's position-aligned groups
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a quantized group
 
     array_fields = KIVIKVCache.array_fields + ("sink_k", "sink_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("n_sink",)

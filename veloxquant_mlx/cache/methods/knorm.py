@@ -33,6 +33,9 @@ from ..eviction import BatchedEviction, check_budget, default_slack
 @register("knorm")
 class KNormKVCache(BatchedEviction, EvictionKVCache):
     """Keep the lowest-L2-norm keys of each KV head (query-free)."""
+    # batched (slack) decode eviction: after decode steps up to budget + slack rows are held
+    chunk_invariant = False
+    exact_trim = False  # decode steps evict older rows (slack)
 
     def _init_layout(self):
         c = self.config

@@ -68,6 +68,8 @@ def _int(v, lo, hi=None):
 @register("kvquant")
 class KVQuantKVCache(KIVIKVCache):
     """KVQuant: per-channel non-uniform keys, dense-and-sparse outliers, float16 sink tokens."""
+    chunk_invariant = False  # non-uniform levels fitted on the first quantized block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("k_codes", "k_scales", "k_biases", "k_levels", "k_fit", "k_oidx", "k_oval",
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "sink_k", "sink_v", "res_k", "res_v")

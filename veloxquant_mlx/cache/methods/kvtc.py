@@ -62,6 +62,8 @@ def side_bits(group: int) -> float:
 @register("kvtc")
 class KVTCKVCache(LowRankKVCache):
     """KVTC: PCA transform + DP bit allocation under a per-token bit budget, keys and values."""
+    chunk_invariant = False  # PCA basis and bit allocation fitted on the first quantized block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     center = True
     latent_values = True

@@ -37,8 +37,9 @@ Deviations from the paper:
   (``slack = max(8, budget // 8)``), then drops back to ``budget`` by importance; every decode query
   also raises the running max of the rows it sees, which is how decode rows get scored. Memory is
   bounded by ``budget + slack`` rows once decoding starts.
-* ``trim`` is exact for the held rows (the next step's output equals a cache that never saw the
-  trimmed tokens); the running statistic keeps the trimmed queries' contributions.
+* ``trim`` drops the held rows of the trimmed tokens; the running statistic keeps the trimmed
+  queries' contributions, and rows evicted while they were decoded are not restored
+  (``exact_trim = False``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ REPEAT_PROMPT = "\n\nRepeat the previous context:"
 @register("kvzip")
 class KVzipKVCache(EvictionKVCache):
     """Query-agnostic eviction by context-reconstruction importance (max attention received)."""
+    chunk_invariant = False  # prefill chunks never evict, decode steps evict (slack)
+    exact_trim = False  # decode steps raise the importance and evict (slack)
 
     uses_attention_weights = True
     row_fields = ("importance",)

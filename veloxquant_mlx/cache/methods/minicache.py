@@ -47,9 +47,10 @@ in the shared-direction slot with magnitude 1 (no extra bytes). The project's br
 primary as lossless; with a lossless primary plus a stored merged direction the pair would hold more
 bytes than two float16 layers, so (as in the paper) the primary also restores merged tokens from the
 shared direction. Only g = 2 (the paper's pairs) is supported. ``minicache_max_ctx`` is unused
-(buffers grow). The newest < ``BLOCK`` tokens stay float16 in both layers. Trims are exact (every
-stored token is restored from its own per-token data) and must be applied to every layer alike
-(mlx_lm does). A cache built alone (``KVCacheFactory.create``) is a lossless primary.
+(buffers grow). The newest < ``BLOCK`` tokens stay float16 in both layers. Trims keep every remaining
+token's own per-token data (but tokens merged together with trimmed ones stay merged, where a cache
+that never saw the trimmed tokens would hold them in float16: ``exact_trim = False``) and must be
+applied to every layer alike (mlx_lm does). A cache built alone (``KVCacheFactory.create``) is a lossless primary.
 
 Measured (scripts/quality_crosslayer.py, SmolLM2-135M float32 on the CPU, 512-token essay context +
 32 scored decode steps, merging from half depth, t = 0.5): adjacent SmolLM2 layers are nearly
@@ -130,6 +131,11 @@ def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
 @register("minicache")
 class MiniCacheKVCache(KIVIKVCache):
     """MiniCache cross-layer merging for one layer (role "primary" or "merge"; see the module doc)."""
+    chunk_invariant = True  # whole 32-row blocks at absolute positions, merged token by token
+    # returns n, but rows merged together with the trimmed ones stay merged (lossy) instead of
+    # float16
+    exact_trim = False
+    trim_exact_or_raises = False
 
     array_fields = ("res_k", "res_v", "dir_k", "dir_v", "pn_k", "pn_v", "mn_k", "mn_v",
                     "ret_k", "idx_k", "ret_v", "idx_v")

@@ -42,6 +42,8 @@ from ..eviction import BatchedEviction, check_budget
 @register("morphkv")
 class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     """Constant-size cache: recent window + the older rows the window attends to most."""
+    chunk_invariant = False  # evicts after every call, by the window's queries
+    exact_trim = False  # decode steps evict older rows
 
     array_fields = EvictionKVCache.array_fields + ("queries", "query_positions")
     evict_slack = 0

@@ -30,8 +30,8 @@ Memory: eviction runs after every prefill chunk (to ``budget`` rows) and, while 
 cache reaches ``budget + slack`` rows (``slack = max(8, budget // 8)``), so memory stays bounded (the
 decode-time part is ours too).
 
-``trim`` is exact for the held rows (the next step's output equals a cache that never saw the
-trimmed tokens); the running statistic keeps the trimmed queries' contributions.
+``trim`` drops the held rows of the trimmed tokens; the running statistic keeps the trimmed queries'
+contributions, and rows evicted while they were decoded are not restored (``exact_trim = False``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def _cos_distance(k: mx.array, centre: mx.array) -> mx.array:
 @register("nestedkv")
 class NestedKVKVCache(EvictionKVCache):
     """Nested global / block / sliding-window memories with a surprise gate and an attention safeguard."""
+    chunk_invariant = False  # eviction per prefill chunk; batched (slack) decode eviction
+    exact_trim = False  # decode rows add attention statistics and evict (slack)
 
     uses_attention_weights = True
     row_fields = ("cur",)

@@ -132,6 +132,8 @@ def nsn_inverse(y, n1, n2, mu, rot):
 @register("nsnquant")
 class NSNQuantKVCache(KIVIKVCache):
     """NSN-normalized, Hadamard-rotated tokens, residual VQ of d-dim sub-vectors with a fixed codebook."""
+    chunk_invariant = False  # channel mean taken from the first coded block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("k_codes", "k_norms", "k_mu", "v_codes", "v_norms", "v_mu", "res_k", "res_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("calib_end",)

@@ -54,6 +54,8 @@ from .svdq import LowRankKVCache, _is_int, check_group, check_rank_energy
 @register("palu")
 class PALUKVCache(LowRankKVCache):
     """Palu: group-head low-rank latents (keys and values), mixed-bit, matrix-fused attention."""
+    chunk_invariant = False  # projections and ranks fitted on the first quantized block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     center = True
     latent_values = True

@@ -144,6 +144,8 @@ def pyramid_budgets(n_layers: int, budget: int, beta: float, protected: int) -> 
 @register("pyramidkv")
 class PyramidKVCache(VotingEviction):
     """SnapKV-style observation-window eviction with a per-layer budget from the pyramid schedule."""
+    chunk_invariant = False  # observation-window eviction per prefill chunk; batched (slack) decode eviction
+    exact_trim = False  # decode rows add votes and evict (slack)
 
     def _init_layout(self):
         c = self.config

@@ -60,6 +60,8 @@ def principal_direction(gram: mx.array, total: mx.array) -> mx.array:
 @register("qfilters")
 class QFiltersKVCache(EvictionKVCache):
     """Eviction by projection of keys on calibrated per-head query directions."""
+    chunk_invariant = False  # batched (slack) decode eviction; filters calibrated on the first queries
+    exact_trim = False  # decode steps evict older rows (slack)
 
     array_fields = EvictionKVCache.array_fields + ("qf_gram", "qf_sum", "qf_filter")
     scalar_fields = EvictionKVCache.scalar_fields + ("qf_count", "qf_source", "retention")

@@ -50,6 +50,8 @@ from .snapkv import POOL_KERNEL, avg_pool_last
 @register("rocketkv")
 class RocketKVKVCache(EvictionKVCache):
     """SnapKV++ prompt eviction (stage 1) + paged hybrid sparse attention at decode (stage 2)."""
+    chunk_invariant = False  # stage 1 evicts each prefill chunk to ceil(offset / c1) rows
+    exact_trim = True  # decode rows are never evicted; the last page summary is recomputed
 
     array_fields = EvictionKVCache.array_fields + ("page_max", "page_min")
     last_attended_rows = 0  # rows the last sparse decode step attended (diagnostic)

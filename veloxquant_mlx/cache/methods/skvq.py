@@ -37,8 +37,10 @@ Deviations from the paper:
 * The window is flushed g tokens at a time (W..W+g-1 exact tokens, the paper exactly W).
 * Window tokens leave it after the step's attention (the step sees them in full precision).
 * Attention dequantizes and multiplies (``_uses_qmm`` False: permuted channels).
-* Trim is exact for window rows only; deeper trims raise ``ValueError`` (a cache that never saw the
-  trimmed tokens would hold some quantized tokens in its window).
+* Trim drops window rows only; deeper trims raise ``ValueError`` (a cache that never saw the
+  trimmed tokens would hold some quantized tokens in its window). Even a window-only trim is not
+  exact when the trimmed tokens pushed older ones out of the window: those stay quantized
+  (``exact_trim = False``).
 
 Measured (scripts/quality_quant_a.py: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
@@ -73,6 +75,11 @@ def _int(field, v, lo, hi=None):
 @register("skvq")
 class SKVQKVCache(KIVIKVCache):
     """SKVQ: reordered, clipped per-token group quantization; float16 sinks and sliding window."""
+    # channel order and clip ratios calibrated on the first quantized block; the float16 window is
+    # cut to W rows by a prefill call but holds W..W+g-1 between decode flushes
+    chunk_invariant = False
+    exact_trim = False  # returns n, but rows the trimmed rows pushed out of the window stay quantized
+    trim_exact_or_raises = False
 
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v",
                     "sink_k", "sink_v", "k_perm", "k_inv", "v_perm", "v_inv", "k_alpha", "v_alpha")

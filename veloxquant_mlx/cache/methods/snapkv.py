@@ -46,6 +46,8 @@ def avg_pool_last(x: mx.array, kernel: int) -> mx.array:
 @register("snapkv")
 class SnapKVKVCache(EvictionKVCache):
     """Prefill eviction by observation-window votes, per KV head."""
+    chunk_invariant = False  # each prefill chunk evicts, voted by its own last queries
+    exact_trim = True  # decode rows are never evicted and add no statistics
 
     def _init_layout(self):
         c = self.config

@@ -126,6 +126,9 @@ class SqueezeCoordinator:
 @register("squeeze")
 class SqueezeAttentionCache(VotingEviction):
     """H2O-style eviction with a per-layer budget reallocated by measured layer importance."""
+    # layer budgets calibrated once, on the first forward pass; batched (slack) decode eviction
+    chunk_invariant = False
+    exact_trim = False  # decode rows add votes and evict (slack)
 
     scalar_fields = VotingEviction.scalar_fields + ("budget", "squeezed", "concentration_value")
     vote_all_queries = True

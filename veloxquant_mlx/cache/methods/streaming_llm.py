@@ -28,6 +28,8 @@ from ..eviction import EvictionKVCache
 @register("streaming_llm")
 class StreamingLLMKVCache(EvictionKVCache):
     """Attention sinks + a sliding window, exact; holds at most sinks + window rows."""
+    chunk_invariant = True  # holds exactly the sinks and the newest window rows
+    exact_trim = False  # the rows that slid out of the window while the trimmed rows were added are gone
 
     scalar_fields = EvictionKVCache.scalar_fields + ("ring",)
     ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)

@@ -368,6 +368,8 @@ class LowRankKVCache(KIVIKVCache):
 @register("svdq")
 class SVDqKVCache(LowRankKVCache):
     """SVDq: keys as SVD latents with a decreasing per-channel bit schedule; values as KIVI."""
+    chunk_invariant = False  # key basis and rank fitted on the first quantized block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     array_fields = ("k_basis", "k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "res_k", "res_v")

@@ -33,6 +33,9 @@ from ..eviction import BatchedEviction, check_budget
 @register("tova")
 class TOVAKVCache(BatchedEviction, EvictionKVCache):
     """Drop the row the current query attends to least (mean over each KV head's query heads)."""
+    # a prefill chunk is cut to the budget by its last query, decode drops one row per step
+    chunk_invariant = False
+    exact_trim = False  # decode steps evict older rows
 
     uses_attention_weights = True
     evict_slack = 0

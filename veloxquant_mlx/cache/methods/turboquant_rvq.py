@@ -36,8 +36,9 @@ Algorithm (per KV head; keys with ``(s, B) = (key_sub_dim, key_codebook_bits)``,
    a plane of B2-bit codes, each row padded to whole 32-bit words): a 12-bit code takes 12 bits.
    8- and 4-bit planes are read back by reinterpreting the words as bytes (same bit layout).
 5. New rows enter a float16 window. When it holds ``R + QUANT_BLOCK`` rows (``R = residual_length``)
-   its rows beyond the newest ``R`` leave it in one vectorized block: the stream's first
-   ``SINK_ROWS`` = 4 tokens go to a float16 *sink* buffer, all later ones are quantized.
+   its oldest rows beyond the newest ``R``, in whole ``QUANT_BLOCK``s, leave it in one vectorized
+   block (so the rows quantized are the same however the stream was split into calls): the stream's
+   first ``SINK_ROWS`` = 4 tokens go to a float16 *sink* buffer, all later ones are quantized.
 
 Attention on the compressed form (``attend``, the dispatch point). The query is rotated once
 (``q' = Pi q``, times the softmax scale). For decode-sized calls (``rep * N <= LUT_MAX_ROWS`` query
@@ -140,10 +141,12 @@ constants out; ``constant_nbytes`` reports the constants (~33 KB for d = 64 at t
 
 mlx_lm protocol: ``offset`` is the logical position; ``state`` holds the used rows of every array
 and the configuration (``save_prompt_cache``/``load_prompt_cache`` round trip); deepcopy shares the
-constants; ``trim(n)`` is exact while the trimmed tokens are window rows, and beyond the window drops
-the newest codes (then sink rows): each remaining token keeps its own code, so the result is what a
-cache that never saw the trimmed tokens would hold except that up to R of the newest remaining
-tokens are quantized rather than float16; ``merge`` raises ``BatchingNotSupported``. No Python loop
+constants; ``trim(n)`` drops window rows, beyond the window the newest codes (then sink rows): each
+remaining token keeps its own stored form, so the result is what a cache that never saw the trimmed
+tokens would hold except that some of the newest remaining tokens may be quantized rather than
+float16 -- those that the trimmed tokens pushed out of the window (so even a trim of window rows
+only is not exact once a compaction ran since: ``exact_trim`` is False), or up to R of them after a
+trim beyond the window; ``merge`` raises ``BatchingNotSupported``. No Python loop
 runs over tokens, heads or batch rows (long blocks are encoded in a few chunks of rows only to
 bound the distance matrices' memory) and no decode step forces a host synchronisation.
 
@@ -535,8 +538,8 @@ class ResidualWindowCache(CompressedKVCache):
 
     Row order (= position order): ``n_sink`` float16 *sink* rows (the first ``SINK_ROWS`` tokens,
     never quantized), ``n_quant`` quantized rows, ``n_win`` float16 window rows. New rows enter the
-    window; when it holds ``residual_length + QUANT_BLOCK`` rows, its oldest rows beyond
-    ``residual_length`` leave it: the first ``SINK_ROWS`` tokens of the stream to the sink buffer,
+    window; when it holds ``residual_length + QUANT_BLOCK`` rows, its oldest whole ``QUANT_BLOCK``s
+    beyond ``residual_length`` leave it: the first ``SINK_ROWS`` tokens of the stream to the sink buffer,
     the others to the subclass's quantized storage (``_append_quantized``). ``update_and_fetch``
     returns the rows stored before the call in their stored form, then the call's rows as given;
     ``attend`` computes the same attention from the subclass's scores and values on the quantized
@@ -585,7 +588,10 @@ class ResidualWindowCache(CompressedKVCache):
         self.win_v = grow_rows(self.win_v, r0, values.astype(sd))
         self.n_win = r0 + n
         if self.n_win >= self.residual_length + QUANT_BLOCK:
-            self._compact(self.n_win - self.residual_length)
+            # whole blocks only: which rows are compacted then depends on the positions stored, not on
+            # how the rows were split into calls (one prefill call or chunks + decode steps leave the
+            # same rows quantized: ``chunk_invariant``)
+            self._compact((self.n_win - self.residual_length) // QUANT_BLOCK * QUANT_BLOCK)
 
     def _compact(self, n: int) -> None:
         """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window
@@ -727,6 +733,8 @@ class ResidualWindowCache(CompressedKVCache):
 class TurboQuantRVQKVCache(ResidualWindowCache):
     """TurboQuant rotation + two-stage residual VQ of keys and values, float16 window, attention on
     the codes. See the module docstring."""
+    chunk_invariant = True  # data-oblivious codebooks, per-token codes, window compacted in whole blocks
+    exact_trim = False  # returns n, but rows the trimmed rows pushed out of the float16 window stay quantized
 
     array_fields = ("k_codes1", "k_codes2", "k_norms", "v_codes1", "v_codes2", "v_norms", "win_k", "win_v",
                     "sink_k", "sink_v")

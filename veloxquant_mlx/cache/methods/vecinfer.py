@@ -190,6 +190,8 @@ def _as_array(v, name, ndims):
 @register("vecinfer")
 class VecInferKVCache(KIVIKVCache):
     """VecInfer: smoothing + Hadamard on keys, product VQ of keys and values, LUT attention on codes."""
+    chunk_invariant = False  # smoothing factors and codebooks fitted on the first encoded block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a block
 
     array_fields = ("k_lo", "k_hi", "v_lo", "v_hi", "key_cb", "val_cb", "smooth", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "calib_tokens")

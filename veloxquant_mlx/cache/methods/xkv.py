@@ -104,6 +104,8 @@ class XKVGroup:
 @register("xkv")
 class XKVKVCache(KIVIKVCache):
     """xKV: the layers of a group share one low-rank token basis (quantized latents)."""
+    chunk_invariant = False  # shared projection and rank fitted on the first block the group completes
+    exact_trim = False  # raises ValueError when the trimmed rows completed a latent group
 
     array_fields = ("res_k", "res_v", "proj_k", "proj_v", "zk_codes", "zk_scales", "zk_biases",
                     "zv_codes", "zv_scales", "zv_biases")

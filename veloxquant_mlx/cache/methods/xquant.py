@@ -61,6 +61,8 @@ def _is_int(x) -> bool:
 @register("xquant")
 class XQuantKVCache(KIVIKVCache):
     """Cross-layer residual KIVI: base layer at base bits, the others as residuals against it."""
+    chunk_invariant = True  # KIVI groups; residual layers code against the base's same group
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
 
     scalar_fields = ("n_quant", "n_res", "dtype_name", "xq_role", "xq_uid")
     attend_path = "dequant"

@@ -79,6 +79,13 @@ def _int(field, v, lo, hi=None):
 @register("zipcache")
 class ZipCacheKVCache(KIVIKVCache):
     """ZipCache: saliency-routed (normalized attention) per-token mixed precision."""
+    # blocks follow the calls (the prompt is one block); saliency from the queries seen while
+    # pending; channel factors from the first block
+    chunk_invariant = False
+    # raises ValueError once the trimmed rows reach compressed ones; the trimmed queries stay in the
+    # pending rows' saliency
+    exact_trim = False
+    trim_exact_or_raises = False
 
     array_fields = tuple(f"{s}_{a}" for s in ("kh", "kl", "vh", "vl") for a in _ARR) + (
         "is_hi", "k_chan", "v_fp", "res_k", "res_v", "sal_sum", "sal_cnt")
