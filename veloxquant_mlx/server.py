@@ -86,6 +86,7 @@ class KVSettings:
     method: str
     settings: tuple  # sorted (field, value) pairs, hashable
     config: Any = dataclasses.field(default=None, compare=False, hash=False)
+    reuse: bool = True  # False: neither reuse a cached prefix nor keep this request's cache
 
     @property
     def key(self) -> tuple:
@@ -363,7 +364,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
 
-        caches, reused, how = self.store.fetch(kv.key, prompt)
+        caches, reused, how = self.store.fetch(kv.key, prompt) if kv.reuse else (None, 0, "reuse off")
         if caches is None:
             caches = KVCacheBuilder.for_model(model, kv.config)
             if reused == 0 and "recomputed" in how:
@@ -404,7 +405,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         # mlx_lm's generate_step feeds each token before yielding it, so the caches have seen
         # ``offset`` of ``tokens``; they are stored under exactly those.
         seen = max(int(c.offset) for c in caches)
-        if is_reusable(caches) and self.store.max_entries > 0 and seen <= len(tokens):
+        if kv.reuse and is_reusable(caches) and self.store.max_entries > 0 and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
 
     def stats(self) -> dict:
@@ -465,11 +466,17 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         try:
             spec = self.body.get("kv_cache")
             if spec is not None:
-                if not isinstance(spec, dict) or set(spec) - {"method", "settings"}:
-                    raise RequestError(400, 'kv_cache must be {"method": NAME, "settings": {FIELD: VALUE}}, '
-                                            f"got {spec!r}")
-                request.kv = parse_kv_settings(spec.get("method"), spec.get("settings") or {},
-                                               model=self.response_generator.model_provider.model)
+                if not isinstance(spec, dict) or set(spec) - {"method", "settings", "reuse"}:
+                    raise RequestError(400, 'kv_cache must be {"method": NAME, "settings": {FIELD: VALUE}, '
+                                            f'"reuse": BOOL}} (each optional), got {spec!r}')
+                reuse = spec.get("reuse", True)
+                if not isinstance(reuse, bool):
+                    raise RequestError(400, f"kv_cache.reuse must be true or false, got {reuse!r}")
+                kv = self.response_generator.default_kv
+                if "method" in spec or "settings" in spec:
+                    kv = parse_kv_settings(spec.get("method", kv.method), spec.get("settings") or {},
+                                           model=self.response_generator.model_provider.model)
+                request.kv = dataclasses.replace(kv, reuse=reuse)
             max_tokens = self.response_generator.limits["max_tokens"]
             if self.max_tokens > max_tokens:
                 raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "

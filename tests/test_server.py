@@ -1,0 +1,208 @@
+"""``veloxquant serve`` on loopback: the OpenAI endpoints, /v1/kv/stats, prefix reuse, batching mode,
+4xx errors and a bounded concurrent load, on the embedded SmolLM2 (greedy decoding)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from veloxquant_mlx import server as S
+from veloxquant_mlx.cli import main as cli_main
+
+pytestmark = pytest.mark.real_model
+
+KIVI4 = {"method": "kivi", "settings": {"bit_width_inlier": 4}}
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    kv = S.parse_kv_settings("kivi", {"bit_width_inlier": 4})
+    httpd, gen = S.make_server(kv, S.server_args(port=0, max_tokens=12), max_prompt_tokens=600,
+                               max_body_bytes=20_000)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    host, port = httpd.server_address[:2]
+    yield f"http://{host}:{port}", gen
+    S.shutdown(httpd, gen)
+
+
+def call(base, path, body=None, raw: bytes | None = None, timeout=120):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def chat(base, messages, **extra):
+    status, text = call(base, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, **extra})
+    assert status == 200, text
+    out = json.loads(text)
+    return out["choices"][0]["message"]["content"], out["usage"]
+
+
+def stats(base):
+    status, text = call(base, "/v1/kv/stats")
+    assert status == 200
+    return json.loads(text)
+
+
+def test_chat_streaming_matches_non_streaming_and_completions_work(srv):
+    base, _ = srv
+    text, usage = chat(base, QUESTION, kv_cache={"reuse": False})
+    assert text.strip() and usage["completion_tokens"] <= 12 and usage["prompt_tokens"] > 10
+    status, body = call(base, "/v1/chat/completions",
+                        {"messages": QUESTION, "max_tokens": 12, "stream": True, "kv_cache": {"reuse": False}})
+    assert status == 200
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-1] if json.loads(e)["choices"])
+    assert streamed == text
+    status, body = call(base, "/v1/completions", {"prompt": "The sky is", "max_tokens": 5})
+    assert status == 200 and json.loads(body)["choices"][0]["text"]
+    status, body = call(base, "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["smollm2-135m"]
+
+
+def test_stats_report_measured_compressed_bytes_and_sequential_batching(srv):
+    base, gen = srv
+    essay = " ".join(f"Sentence {i} is about the sea, the wind and a small boat." for i in range(30))
+    chat(base, [{"role": "user", "content": essay + " Summarize."}])
+    s = stats(base)
+    assert s["default"]["method"] == "kivi" and s["default"]["settings"] == {"bit_width_inlier": 4}
+    assert s["default"]["batching"] == "sequential"
+    assert "prefix" in s["default"]["prompt_reuse"]
+    assert s["cached"], "a finished kivi request's cache is kept for reuse"
+    entry = s["cached"][-1]
+    # measured bytes: the very arrays the stored caches hold, well under the fp16 reference
+    stored = list(gen.store._entries.values())[-1]
+    assert entry["kv_bytes"] == sum(c.nbytes for c in stored)
+    assert entry["tokens_seen"] == stored[0].offset
+    assert entry["tokens_seen"] > 400
+    assert 0 < entry["kv_bytes"] < 0.45 * entry["kv_bytes_fp16"]
+    assert s["process"]["mlx_active_bytes"] > 0
+
+
+def test_live_request_appears_in_stats(srv):
+    base, _ = srv
+    seen = []
+
+    def poll():
+        for _ in range(400):
+            live = stats(base)["live"]
+            if live and live[0]["tokens_seen"] > 0:
+                seen.append(live[0])
+                return
+            time.sleep(0.005)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    chat(base, [{"role": "user", "content": "Count from one to twenty in words."}], max_tokens=40,
+         kv_cache={"reuse": False})
+    t.join()
+    assert seen, "the running request was never visible in /v1/kv/stats"
+    assert seen[0]["method"] == "kivi" and seen[0]["kv_bytes"] > 0 and seen[0]["tokens_seen"] > 0
+
+
+def test_follow_up_turn_reuses_the_compressed_prefix_and_matches_a_fresh_run(srv):
+    base, gen = srv
+    first, _ = chat(base, QUESTION)
+    turn2 = QUESTION + [{"role": "assistant", "content": first},
+                        {"role": "user", "content": "Now name two more."}]
+    before = dict(gen.counters)
+    reused_text, usage = chat(base, turn2)
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 20  # the first turn was not recomputed
+    assert gen.counters["reused_tokens"] - before["reused_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    fresh_text, fresh_usage = chat(base, turn2, kv_cache={"reuse": False})
+    assert fresh_usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert reused_text == fresh_text
+
+
+def test_eviction_method_recomputes_instead_of_reusing(srv):
+    base, _ = srv
+    spec = {"method": "snapkv", "settings": {"snap_budget": 32}}
+    first, _ = chat(base, QUESTION, kv_cache=spec)
+    turn2 = QUESTION + [{"role": "assistant", "content": first}, {"role": "user", "content": "Thanks."}]
+    _, usage = chat(base, turn2, kv_cache=spec)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert S.reuse_mode(S._method_class("snapkv")).startswith("recompute")
+
+
+@pytest.mark.parametrize("body, raw, status, needle", [
+    (None, b"{not json", 400, "Invalid JSON"),
+    ({"messages": QUESTION, "kv_cache": {"method": "kivix"}}, None, 400, "unknown method 'kivix'"),
+    ({"messages": QUESTION, "kv_cache": {"method": "kivi", "settings": {"bits": 4}}}, None, 400,
+     "unknown KVCacheConfig field 'bits'"),
+    ({"messages": QUESTION, "kv_cache": {"method": "kivi", "settings": {"bit_width_inlier": 7}}}, None, 400,
+     "bit_width_inlier=7"),
+    ({"messages": QUESTION, "kv_cache": {"reuse": "yes"}}, None, 400, "kv_cache.reuse"),
+    ({"messages": QUESTION, "kv_cache": "kivi"}, None, 400, "kv_cache must be"),
+    ({"messages": QUESTION, "max_tokens": -3}, None, 400, "max_tokens"),
+    ({"messages": QUESTION, "max_tokens": 10 ** 6}, None, 400, "over this server's limit"),
+    ({"messages": "hello"}, None, 400, "messages must be"),
+    ({"messages": QUESTION, "model": "gpt-4"}, None, 404, "'gpt-4' is not served"),
+    ({"messages": [{"role": "user", "content": "word " * 700}]}, None, 413, "over the limit of 600 tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 30_000}]}, None, 413, "over the limit of 20000 bytes"),
+])
+def test_bad_requests_get_4xx_json_naming_the_problem(srv, body, raw, status, needle):
+    base, _ = srv
+    got, text = call(base, "/v1/chat/completions", body, raw=raw)
+    assert got == status, text
+    assert needle in json.loads(text)["error"]
+
+
+def test_server_keeps_serving_after_errors(srv):
+    base, _ = srv
+    call(base, "/v1/chat/completions", raw=b"[")
+    call(base, "/v1/chat/completions", {"messages": QUESTION, "kv_cache": {"method": "nope"}})
+    text, _ = chat(base, QUESTION, kv_cache={"reuse": False})
+    assert text.strip()
+
+
+def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
+    base, gen = srv
+    import mlx.core as mx
+
+    prompts = [[{"role": "user", "content": f"Give one fact about the number {n}."}] for n in range(6)]
+    fresh = {"reuse": False}
+    one_by_one = [chat(base, p, kv_cache=fresh)[0] for p in prompts]
+    idle = mx.get_active_memory()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        concurrent = list(pool.map(lambda p: chat(base, p, kv_cache=fresh)[0], prompts))
+    assert time.perf_counter() - t0 < 120
+    assert concurrent == one_by_one
+    assert stats(base)["live"] == []
+    # nothing of the six requests stays on the device (reuse off: none of them is kept)
+    assert mx.get_active_memory() <= idle + 1_000_000
+
+
+def test_none_requests_use_mlx_lm_batch_path(srv):
+    base, gen = srv
+    prompts = [[{"role": "user", "content": f"Say hello to {name}."}] for name in ("Ann", "Bo", "Cy")]
+    spec = {"method": "none"}
+    one_by_one = [chat(base, p, kv_cache=spec)[0] for p in prompts]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda p: chat(base, p, kv_cache=spec)[0], prompts))
+    assert all(t.strip() for t in together)
+    assert together == one_by_one
+    desc = S.KVSettings("none", ()).describe()
+    assert desc["batching"] == "batched"
+
+
+def test_serve_cli_rejects_bad_configuration_before_serving(capsys):
+    assert cli_main(["serve", "--method", "kivix"]) == 2
+    assert "unknown method 'kivix'" in capsys.readouterr().err
+    assert cli_main(["serve", "--method", "kivi", "--set", "bit_width_inlier=7", "--port", "0"]) == 2
+    assert "bit_width_inlier=7" in capsys.readouterr().err
+    assert cli_main(["serve", "--max-tokens", "0"]) == 2
