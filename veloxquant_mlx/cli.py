@@ -266,15 +266,19 @@ def _cmd_generate(args) -> int:
     out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"], **_kv_summary(model, caches)}
-    if args.json:
+    method_label = method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")
+    return print_generation(out, [("method", method_label), ("prompt tokens", out["prompt_tokens"])], args.json)
+
+
+def print_generation(out: dict, head: list, as_json: bool) -> int:
+    """Print a generation: one JSON object, or its text then ``head`` rows and the measured byte rows."""
+    if as_json:
         print(json.dumps(out))
         return 0
     print(out["text"])
     print("-" * 40)
     ratio = out["compression_ratio"]
-    for label, value in [
-        ("method", method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")),
-        ("prompt tokens", out["prompt_tokens"]),
+    for label, value in head + [
         ("generated tokens", out["generated_tokens"]),
         ("decode tok/s", _fmt_tps(out["decode_tps"])),
         ("kv_bytes", f"{out['kv_bytes']} ({_fmt_bytes(out['kv_bytes'])}, measured: sum of cache nbytes)"),

@@ -16,8 +16,8 @@ import json
 import os
 from typing import Any
 
-from .cli import (NONE, UsageError, _check_buildable, _check_method_name, _fmt_bytes, _fmt_tps, _kv_summary,
-                  build_config, make_caches, parse_sets, run_generation)
+from .cli import (NONE, UsageError, _check_buildable, _check_method_name, _fmt_bytes, _kv_summary,
+                  build_config, make_caches, parse_sets, print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
@@ -190,25 +190,12 @@ def generate_from_saved(args) -> int:
            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
            "prompt_cache": args.prompt_cache, "cached_tokens": info["n_tokens"],
            "tokens": result["tokens"], **_kv_summary(model, caches)}
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(result["text"])
-    print("-" * 40)
-    ratio = out["compression_ratio"]
-    for label, value in [
+    method_label = info["method"] + (" " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else "")
+    return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
-        ("method", info["method"] + (" " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else "")),
+        ("method", method_label),
         ("prompt tokens", f"{out['prompt_tokens']} (after the cached ones)"),
-        ("generated tokens", out["generated_tokens"]),
-        ("decode tok/s", _fmt_tps(out["decode_tps"])),
-        ("kv_bytes", f"{out['kv_bytes']} ({_fmt_bytes(out['kv_bytes'])}, measured: sum of cache nbytes)"),
-        ("kv_bytes_fp16", f"{out['kv_bytes_fp16']} ({_fmt_bytes(out['kv_bytes_fp16'])}, "
-                          f"{out['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
-    ]:
-        print(f"{label:>16}: {value}")
-    return 0
+    ], args.json)
 
 
 # --------------------------------------------------------------------------- #
