@@ -9,8 +9,9 @@ SmolLM2-135M, greedy) on 127.0.0.1 with that method as its default; ``--requests
 essay excerpt of about ``--prompt-tokens`` tokens (all different) and a question, first sent one by one
 (the reference outputs and latencies), then all at once from ``--concurrency`` client threads. Reported:
 requests/s and p50/p99 latency of the concurrent phase, whether its outputs equal the one-by-one ones, the
-KV bytes of one finished request (``/v1/kv/stats``: measured ``kv_bytes`` vs the fp16 reference), and MLX
-active memory idle / after. ``kv_cache.reuse`` is off so every request computes its own prompt. Ratios
+KV bytes of one finished request (measured ``kv_bytes`` vs the fp16 reference), and MLX active memory
+idle / after, next to the bytes of the prompt caches the server keeps for reuse (mlx_lm's own store for
+``none``, which ignores ``kv_cache.reuse``). ``kv_cache.reuse`` is off so every request computes its own prompt. Ratios
 are against the ``none`` server measured in the same run.
 """
 
@@ -79,6 +80,9 @@ def run_method(name, sets, prompts, args):
         time.sleep(0.2)
         mx.clear_cache()
         after = mx.get_active_memory()
+        with urllib.request.urlopen(base + "/v1/kv/stats") as r:
+            end = json.loads(r.read())
+        kept = end["cached_kv_bytes"] + end["uncompressed_prompt_cache"]["kv_bytes"]
     finally:
         S.shutdown(httpd, gen)
     lat = [t for _, t, _ in together]
@@ -102,6 +106,7 @@ def run_method(name, sets, prompts, args):
         "outputs_equal_one_by_one": [o for o, _, _ in together] == [o for o, _, _ in serial],
         "prompt_tokens_mean": statistics.mean(u["prompt_tokens"] for _, _, u in serial),
         "kv_one_request": probe, "mlx_active_idle": idle, "mlx_active_after": after,
+        "kept_prompt_cache_bytes": kept,
     }
 
 
@@ -121,7 +126,8 @@ def main(argv=None):
                for i in range(args.requests)]
     rows = [run_method(*parse_method(m), prompts, args) for m in args.methods.split(",")]
     ref = next((r for r in rows if r["method"] == "none"), None)
-    print(f"| method | batching | req/s | vs none | p50 s | p99 s | equal 1-by-1 | kv_bytes/fp16 | MLX active idle -> after |")
+    print("| method | batching | req/s | vs none | p50 s | p99 s | equal 1-by-1 | kv_bytes/fp16 | "
+          "MLX active idle -> after (kept prompt caches) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["requests_per_s"] / ref["requests_per_s"] if ref else float("nan")
@@ -130,7 +136,8 @@ def main(argv=None):
         label = r["method"] + "".join(f" {k}={v}" for k, v in r["settings"].items())
         print(f"| {label} | {r['batching']} | {r['requests_per_s']:.2f} | {ratio:.2f}x | {r['latency_p50_s']:.2f} | "
               f"{r['latency_p99_s']:.2f} | {r['outputs_equal_one_by_one']} | {kvr} | "
-              f"{r['mlx_active_idle'] / 2**20:.0f} -> {r['mlx_active_after'] / 2**20:.0f} MiB |")
+              f"{r['mlx_active_idle'] / 2**20:.0f} -> {r['mlx_active_after'] / 2**20:.0f} MiB "
+              f"({r['kept_prompt_cache_bytes'] / 2**20:.0f} MiB) |")
     if args.out:
         meta = {"machine": f"{platform.machine()} {platform.system()}", "mlx": mx.__version__,
                 "device": str(mx.default_device()), "args": vars(args), "date": time.strftime("%Y-%m-%d")}

@@ -334,10 +334,15 @@ def test_deepcopy_is_independent():
         assert bool(mx.array_equal(x, y))
 
 
-def test_merge_raises_batching_not_supported():
+def test_merge_builds_the_batch_form_variants_raise():
+    """KIVI batches its compressed form (tests/test_kivi_batch.py); its variants refuse."""
+    from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache
+
     a, b = make_cache(), make_cache()
+    assert type(KIVIKVCache.merge([a, b])) is KIVIBatchKVCache
+    sink = KVCacheFactory.create(KVCacheConfig(method="kivi_sink", head_dim=64))
     with pytest.raises(BatchingNotSupported):
-        KIVIKVCache.merge([a, b])
+        type(sink).merge([sink, copy.deepcopy(sink)])
 
 
 def _kl(p_logits, q_logits):

@@ -39,6 +39,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from http.server import ThreadingHTTPServer
 from typing import Any, Optional
@@ -99,11 +100,21 @@ class KVSettings:
             out.update(batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
                        prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
             return out
-        out["batching"] = "sequential"
-        out["batching_reason"] = (f"{cls.__name__} has no batch form (merge raises BatchingNotSupported): "
-                                  "requests are served one at a time, compressed")
+        if cls.__dict__.get("batchable", False):
+            out["batching"] = "batched"
+            out["batching_reason"] = (f"{cls.__name__}.merge builds its compressed batch form: requests with "
+                                      "these settings share mlx_lm's continuous batch")
+        else:
+            out["batching"] = "sequential"
+            out["batching_reason"] = (f"{cls.__name__} has no batch form (merge raises BatchingNotSupported): "
+                                      "requests are served one at a time, compressed")
         out["prompt_reuse"] = reuse_mode(cls)
         return out
+
+    @property
+    def batchable(self) -> bool:
+        cls = _method_class(self.method)
+        return cls is None or bool(cls.__dict__.get("batchable", False))
 
 
 def _method_class(method: str):
@@ -177,6 +188,15 @@ def cache_figures(model, caches) -> dict:
     return {"tokens_seen": seen, "tokens_kept_max": max(kept, default=0),
             "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0,
             "kv_bytes": measured, "kv_bytes_fp16": reference,
+            "ratio_vs_fp16": (measured / reference) if reference else None}
+
+
+def batch_figures(model, caches) -> dict:
+    """Like ``cache_figures`` for a running batch cache (host-side lengths only: no device reads)."""
+    lens = list(getattr(caches[0], "lens", []))
+    measured = int(sum(int(c.nbytes) for c in caches))
+    reference = sum(fp16_kv_bytes(model, n) for n in lens)
+    return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
             "ratio_vs_fp16": (measured / reference) if reference else None}
 
 
@@ -281,12 +301,85 @@ def is_reusable(caches) -> bool:
 # --------------------------------------------------------------------------- #
 
 
+@dataclasses.dataclass
+class KVModelDescription(mlx_server.ModelDescription):
+    """mlx_lm's model description plus the KV settings: its batch path only puts requests whose
+    descriptions are equal into one batch, so requests with other settings wait for a new batch."""
+
+    kv: tuple = ()
+
+
+class CachedModel:
+    """The served model whose ``make_cache`` builds one request's compressed caches: what mlx_lm's
+    batch path calls (``make_prompt_cache``) for each new request. It also remembers the caches of
+    the latest forward pass (weakly), so ``/v1/kv/stats`` can report the running batch."""
+
+    def __init__(self, model, config):
+        self._model = model
+        self._config = config
+        self._last = ()
+
+    def __call__(self, *args, cache=None, **kwargs):
+        if cache is not None:
+            self._last = tuple(weakref.ref(c) for c in cache)
+        return self._model(*args, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def make_cache(self):
+        from .cache import KVCacheBuilder
+
+        return KVCacheBuilder.for_model(self._model, self._config)
+
+    def live_caches(self) -> list:
+        caches = [r() for r in self._last]
+        return caches if caches and all(c is not None for c in caches) else []
+
+
+class SafePromptCache(mlx_cache.LRUPromptCache):
+    """mlx_lm's prompt-cache store (used by its batch path), keyed per KV settings through the model
+    key, with trims that are checked: a trim that raises or that a layer does not complete means
+    "recompute" instead of a wrong or crashed request."""
+
+    skip_fetch = False  # set per request (kv_cache.reuse = false) by the response generator
+
+    def __init__(self, max_size: int, counters: dict):
+        super().__init__(max_size)
+        self.counters = counters
+
+    def fetch_nearest_cache(self, model, tokens):
+        if self.skip_fetch:
+            return None, tokens
+        try:
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+        except ValueError:  # e.g. KIVI: the trim would cut into quantized groups
+            return None, tokens
+        if cache is not None:
+            expected = len(tokens) - len(rest)
+            offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+            if any(o != expected for o in offsets):
+                return None, tokens
+            self.counters["reused_tokens"] += expected
+        return cache, rest
+
+    def entries(self) -> list:
+        """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie)."""
+        out = []
+        for lru in self._lru._lrus.values():
+            for model, tokens in list(lru):
+                out.append((model, tokens, self._trie.get(model, tokens).prompt_cache))
+        return out
+
+
 class ServedModelProvider(mlx_server.ModelProvider):
     """Serves one model (default: the embedded SmolLM2), loaded through ``veloxquant_mlx.model``."""
 
     def __init__(self, cli_args):
         super().__init__(cli_args)
         self.served_id = cli_args.model
+        self.kv: Optional[KVSettings] = None  # settings of the request being scheduled (see _is_batchable)
+        self._wrapped: dict = {}
         self._aliases = {None, "default_model", cli_args.model}
         if cli_args.model == EMBEDDED_ID:
             self._aliases |= {"smollm2", "SmolLM2-135M-Instruct"}
@@ -309,24 +402,34 @@ class ServedModelProvider(mlx_server.ModelProvider):
         self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
+        """The model for the request being scheduled: the plain model for ``none``, else a
+        ``CachedModel`` building its compressed caches; ``model_key`` then names the KV settings too,
+        so mlx_lm's prompt-cache store never hands one method's cache to another."""
         self._load(model_path, adapter_path, draft_model_path)
-        return self.model, self.tokenizer
+        kv = self.kv
+        if kv is None or kv.method == NONE:
+            return self.model, self.tokenizer
+        self.model_key = (self.served_id, kv.key, None)
+        if kv.key not in self._wrapped:
+            self._wrapped[kv.key] = CachedModel(self.model, kv.config)
+        return self._wrapped[kv.key], self.tokenizer
 
 
 class CompressedResponseGenerator(mlx_server.ResponseGenerator):
     """mlx_lm's generation thread; compressed requests are served one at a time by ``_serve_single``."""
 
-    def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore):
+    def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore, counters: dict):
         self.default_kv = default_kv
         self.store = store
         self.live: dict[int, tuple] = {}
-        self.counters = {"requests": 0, "compressed_requests": 0, "prompt_tokens": 0,
-                         "reused_tokens": 0, "recomputed_requests": 0, "errors": 0}
+        self.counters = counters
         self._ids = 0
         super().__init__(provider, prompt_cache)
 
     def generate(self, request, generation_args, progress_callback=None):
-        generation_args.kv = getattr(request, "kv", None) or self.default_kv
+        kv = getattr(request, "kv", None) or self.default_kv
+        generation_args.kv = kv
+        generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
         self.counters["requests"] += 1
         try:
             return super().generate(request, generation_args, progress_callback)
@@ -335,7 +438,12 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             raise
 
     def _is_batchable(self, args):
-        return super()._is_batchable(args) and getattr(args, "kv", self.default_kv).method == NONE
+        # mlx_lm's loop calls this for each request just before loading the model and fetching a
+        # prompt cache for it: the provider learns the request's KV settings here.
+        kv = getattr(args, "kv", self.default_kv)
+        self.model_provider.kv = kv
+        self.prompt_cache.skip_fetch = not kv.reuse
+        return super()._is_batchable(args) and kv.batchable
 
     def _serve_single(self, request, stream):
         rqueue, req, args = request
@@ -412,15 +520,22 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         model = self.model_provider.model
         live = [{"id": i, "method": kv.method, "settings": dict(kv.settings), **cache_figures(model, caches)}
                 for i, (kv, caches) in list(self.live.items())]
+        for key, wrapped in list(self.model_provider._wrapped.items()):
+            caches = wrapped.live_caches()
+            if caches:
+                live.append({"batch": True, "method": key[0], "settings": dict(key[1]),
+                             **batch_figures(model, caches)})
         cached = self.store.describe(model)
-        plain = {"sequences": len(self.prompt_cache), "kv_bytes": int(self.prompt_cache.nbytes)}
+        for key, tokens, caches in self.prompt_cache.entries():
+            method, settings = key[1] if key[1] is not None else (NONE, ())
+            cached.append({"method": method, "settings": dict(settings), "store": "mlx_lm",
+                           **cache_figures(model, caches)})
         return {
             "model": self.model_provider.served_id,
             "default": self.default_kv.describe(),
             "live": live,
             "cached": cached,
             "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
-            "uncompressed_prompt_cache": plain,
             "counters": dict(self.counters),
             "process": process_memory(),
             "time": time.time(),
@@ -546,8 +661,10 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
 
         KVCacheBuilder.for_model(provider.model, kv.config)
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    plain = mlx_cache.LRUPromptCache(cli_args.prompt_cache_size)
-    generator = CompressedResponseGenerator(provider, plain, kv, store)
+    counters = {"requests": 0, "compressed_requests": 0, "prompt_tokens": 0, "reused_tokens": 0,
+                "recomputed_requests": 0, "errors": 0}
+    plain = SafePromptCache(cli_args.prompt_cache_size, counters)
+    generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
     generator.limits = {"max_prompt_tokens": max_prompt_tokens, "max_body_bytes": max_body_bytes,
                         "max_tokens": max_tokens_limit or max(cli_args.max_tokens, 4096)}
     httpd = ThreadingHTTPServer(

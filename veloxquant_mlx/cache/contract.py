@@ -20,8 +20,9 @@ encoded differently from, the tokens seen:
   so ``from_state`` (and mlx_lm's ``load_prompt_cache``) rebuild an identical cache.
 * ``nbytes`` is the sum of ``.nbytes`` of the arrays the cache holds (``held_arrays``): never an
   estimate.
-* ``merge`` raises ``BatchingNotSupported`` unless a subclass batches its compressed form: it never
-  returns a plain uncompressed batch cache.
+* ``merge`` raises ``BatchingNotSupported`` unless the class batches its compressed form
+  (``batchable``, ``_merge_batch``; all caches exactly of that class): it never returns a plain
+  uncompressed batch cache.
 
 A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``held_arrays`` and may override
 ``attend`` to compute attention on its compressed representation.
@@ -117,6 +118,15 @@ class CompressedKVCache(mlx_cache._BaseCache):
     # is exact, trimming into a completed group raises). A server tries the trim on a copy and
     # recomputes when it raises.
     trim_exact_or_raises: bool = False
+    # ``batchable``: True when ``merge`` builds a batch form of the compressed cache (mlx_lm's
+    # continuous batching; a server batches only such requests). Not inherited: a subclass batches only
+    # if its own class body says so (its storage hooks differ from the batched ones).
+    batchable: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "batchable" not in cls.__dict__:
+            cls.batchable = False
 
     def __init__(self, config):
         self.config = config
@@ -222,10 +232,20 @@ class CompressedKVCache(mlx_cache._BaseCache):
 
     @classmethod
     def merge(cls, caches):
+        caches = list(caches)
+        if cls.batchable and caches and all(type(c) is cls for c in caches):
+            return cls._merge_batch(caches)
+        others = sorted({type(c).__name__ for c in caches if type(c) is not cls})
         raise BatchingNotSupported(
             f"{cls.__name__} ({cls.method_name}) cannot merge into a batch cache without losing its "
             "compression; serve these requests one at a time"
+            + (f" (batch also holds {', '.join(others)})" if others and cls.batchable else "")
         )
+
+    @classmethod
+    def _merge_batch(cls, caches):
+        """The batch form of ``caches`` (all exactly of type ``cls``); only where ``batchable``."""
+        raise BatchingNotSupported(f"{cls.__name__} has no batch form")
 
     def __deepcopy__(self, memo):
         """Copies everything but the (never mutated) config and MLX dtypes, which are shared;

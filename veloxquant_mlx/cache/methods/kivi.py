@@ -95,6 +95,7 @@ class KIVIKVCache(CompressedKVCache):
     chunk_invariant = True  # groups of G at absolute positions, the rest in the residual
     exact_trim = False  # raises ValueError when the trimmed rows completed a quantized group
     trim_exact_or_raises = True  # ... and is exact when it does not raise
+    batchable = True  # merge -> KIVIBatchKVCache (kivi_batch.py); variants keep raising BatchingNotSupported
 
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name")
@@ -309,6 +310,12 @@ class KIVIKVCache(CompressedKVCache):
             else:
                 out = out + p_q @ self._values(q0)
         return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+
+    @classmethod
+    def _merge_batch(cls, caches):
+        from .kivi_batch import KIVIBatchKVCache
+
+        return KIVIBatchKVCache.from_caches(caches)
 
     # ---------------------------------------------------------------- trim
     def _trim_rows(self, n: int) -> int:

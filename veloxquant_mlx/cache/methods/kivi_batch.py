@@ -1,0 +1,533 @@
+"""The batch form of the KIVI cache: several requests decoded together by mlx_lm's ``BatchGenerator``
+(continuous batching), each keeping exactly the compressed state it would hold alone.
+
+``KIVIKVCache.merge(caches)`` builds a ``KIVIBatchKVCache`` (only when every cache is exactly a
+``KIVIKVCache``: the KIVI variants keep raising ``BatchingNotSupported``); ``extract(i)`` gives back an
+ordinary ``KIVIKVCache`` with the same codes, scales and residual rows as an unbatched run.
+
+Layout (B sequences, H kv heads, D / Dv head dims, G = ``kivi_group_size``, b bits). Every sequence
+keeps its own groups of G tokens at its own absolute positions 0, G, 2G, ... (as the single cache),
+so a request's codes do not depend on the batch it runs in:
+
+* quantized region, groups left-aligned per sequence: sequence i's groups fill slots
+  ``[0, nq[i])`` of ``k_codes [B, H, D, cap*w]``, ``k_scales``/``k_biases [B, H, D, cap]`` (KIVI's
+  transposed per-channel layout) and ``v_codes [B, H, cap*G, Wv]``, ``v_scales``/``v_biases
+  [B, H, cap*G, Dv/Gv]``; slots ``>= nq[i]`` are invalid for it (masked out of the scores; they may
+  hold leftovers, always finite). ``cap`` grows in steps.
+* float16 residual region, right-aligned: ``res_k [B, H, R, D]``, ``res_v [B, H, R, Dv]`` with
+  ``R = max(nr)``; sequence i's ``nr[i] < G`` rows are the last ``nr[i]`` columns. A decode step
+  appends one shared column; a sequence whose residual completes a group flushes its G rows into
+  its slot ``nq[i]`` (one gather over the batch, ``groupquant``, one ``put_along_axis`` scatter; the
+  sequences that flush nothing write a throw-away group into their own first invalid slot), and the
+  region's common invalid prefix is sliced off, so ``R < G`` after every call.
+
+All per-sequence counts (``nq``, ``nr``, ``lens``) are host-side Python ints derived from the call
+sizes and ``prepare``'s lengths: the decode path never syncs with the device, and nothing loops over
+tokens, heads or sequences per step (``merge``/``extract``/``extend``/``filter`` loop over the
+sequences once per request).
+
+``update_and_fetch`` returns [dequantized quantized region (max(nq)*G rows), residual region (R rows),
+new rows (N)] and ``make_mask`` the boolean mask [B, 1, N, M] that hides each sequence's invalid
+slots and keeps the new rows causal; ``attend`` (dispatch point) computes the same attention on the
+codes (KIVI's one-softmax form over [quantized part, residual + new rows], ``mx.quantized_matmul``
+where KIVI's ``_uses_qmm`` says so). Right-padded batched prefill (``prepare(lengths=,
+right_padding=)``): only each sequence's first ``lengths[i]`` rows of the call are stored; padded rows
+come after every valid row of their sequence, so the causal structure already hides them from valid
+queries; ``finalize`` has nothing to move. ``offset`` is an ``mx.array`` of the sequences' positions
+(RoPE of a valid row j of sequence i is ``lens[i] + j``).
+
+``nbytes`` = the arrays held: codes, float16 scales/biases (with the buffers' spare group slots) and the
+float16 residual region; no dense copy of the quantized rows is kept.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+
+from ..attention import bool_mask, group_queries, ungroup
+from ..contract import (BatchingNotSupported, CompressedKVCache, config_from_json, config_to_json,
+                        register_with_mlx_lm)
+from ..primitives import groupquant as gq
+from .kivi import RES_DTYPE, KIVIKVCache
+
+_Q_FIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
+
+
+def _grow_slots(cap: int, need: int) -> int:
+    """Group slots to allocate for ``need`` (amortised growth, as ``buffers.grow_rows``)."""
+    return cap if need <= cap else need + max(4, need // 8)
+
+
+@register_with_mlx_lm
+class KIVIBatchKVCache(CompressedKVCache):
+    """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
+
+    method_name = "kivi"
+    array_fields = _Q_FIELDS + ("res_k", "res_v")
+    chunk_invariant = True
+    exact_trim = False
+    trim_exact_or_raises = True
+
+    attend_path = "auto"
+    dtype_name = "float16"
+
+    # KIVI's decoding helpers work unchanged on the batch buffers (same layout, leading batch axis).
+    value_group = KIVIKVCache.value_group
+    _key_words = KIVIKVCache._key_words
+    _uses_qmm = KIVIKVCache._uses_qmm
+    _keys_t = KIVIKVCache._keys_t
+    _values = KIVIKVCache._values
+
+    def __init__(self, config, batch_size: int = 0):
+        super().__init__(config)
+        self.nq = [0] * batch_size  # quantized groups per sequence
+        self.nr = [0] * batch_size  # residual rows per sequence (< G)
+        self.lens = [0] * batch_size  # tokens held per sequence (= nq*G + nr)
+        self.cap = 0  # group slots allocated
+        self._pending = None  # prepare(lengths=): valid rows still to come per sequence
+        self._call = None
+        self._sync_offset()
+
+    def _init_layout(self):
+        KIVIKVCache._init_layout(self)
+
+    # ---------------------------------------------------------------- bookkeeping
+    @property
+    def batch_size(self) -> int:
+        return len(self.lens)
+
+    @property
+    def R(self) -> int:
+        return 0 if self.res_k is None else self.res_k.shape[2]
+
+    def _sync_offset(self):
+        self.offset = mx.array(self.lens, dtype=mx.int32)
+        self.left_padding = mx.zeros((len(self.lens),), dtype=mx.int32)  # ours is never left-padded
+
+    def stored_rows(self) -> int:
+        return max(self.lens, default=0)
+
+    def size(self) -> int:
+        return max(self.nq, default=0) * self.group + self.R
+
+    def empty(self) -> bool:
+        return self.res_k is None and not any(self.lens)
+
+    # ---------------------------------------------------------------- allocation
+    def _alloc(self, B, H, D, Dv, cap):
+        """Zero buffers for B sequences with ``cap`` group slots and an empty residual region."""
+        G, w = self.group, self._key_words()
+        gv = self.value_group(Dv)
+        wv = gq.words_per_group(self.qbits, gv) * (Dv // gv)
+        f16 = gq.SCALE_DTYPE
+        return {
+            "k_codes": mx.zeros((B, H, D, cap * w), dtype=mx.uint32),
+            "k_scales": mx.zeros((B, H, D, cap), dtype=f16),
+            "k_biases": mx.zeros((B, H, D, cap), dtype=f16),
+            "v_codes": mx.zeros((B, H, cap * G, wv), dtype=mx.uint32),
+            "v_scales": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
+            "v_biases": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
+            "res_k": mx.zeros((B, H, 0, D), dtype=RES_DTYPE),
+            "res_v": mx.zeros((B, H, 0, Dv), dtype=RES_DTYPE),
+        }
+
+    def _set_capacity(self, cap: int) -> None:
+        """Reallocate the quantized buffers to ``cap`` group slots (keeping the used ones)."""
+        if cap == self.cap:
+            return
+        G, w = self.group, self._key_words()
+        keep = min(cap, self.cap)
+        per_slot = {"k_codes": (3, w), "k_scales": (3, 1), "k_biases": (3, 1),
+                    "v_codes": (2, G), "v_scales": (2, G), "v_biases": (2, G)}
+        for name, (axis, width) in per_slot.items():
+            a = getattr(self, name)
+            idx = [slice(None)] * a.ndim
+            idx[axis] = slice(0, keep * width)
+            a = a[tuple(idx)]
+            if cap > keep:
+                shape = list(a.shape)
+                shape[axis] = (cap - keep) * width
+                a = mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
+            setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
+        self.cap = cap
+
+    # ---------------------------------------------------------------- batch protocol
+    @classmethod
+    def from_caches(cls, caches) -> "KIVIBatchKVCache":
+        """Batch of single ``KIVIKVCache``s (empty or holding tokens: prompt-cache reuse)."""
+        first = caches[0]
+        for c in caches:
+            if (c.qbits, c.group, c.attend_path) != (first.qbits, first.group, first.attend_path):
+                raise BatchingNotSupported(
+                    "KIVI caches with different bits / group size / attend path cannot share a batch "
+                    f"(bits {c.qbits} vs {first.qbits}, group {c.group} vs {first.group})")
+            if c.stored_rows() != c.offset:
+                raise BatchingNotSupported("KIVI cache whose offset differs from its stored rows")
+        shapes = {tuple(c._shape) for c in caches if getattr(c, "_shape", None) and c.res_k is not None}
+        if len(shapes) > 1:
+            raise BatchingNotSupported(f"KIVI caches with different head shapes cannot share a batch: {shapes}")
+        out = cls(first.config, len(caches))
+        out.attend_path = first.attend_path
+        if not shapes:
+            return out  # nothing stored yet: buffers are allocated by the first update
+        H, D, Dv = shapes.pop()
+        G, w = out.group, out._key_words()
+        held = [c for c in caches if c.res_k is not None]
+        out.dtype_name = held[0].dtype_name
+        out._shape = (H, D, Dv)
+        out.nq = [c.n_quant // G for c in caches]
+        out.nr = [c.n_res for c in caches]
+        out.lens = [c.offset for c in caches]
+        R = max(out.nr)
+        out.cap = max(out.nq)
+        empty = out._alloc(1, H, D, Dv, out.cap)
+        parts = {name: [] for name in cls.array_fields}
+        for c, g, r in zip(caches, out.nq, out.nr):  # once per request, not per step
+            one = out._alloc(1, H, D, Dv, out.cap)
+            if g:
+                one["k_codes"][..., : g * w] = c.k_codes[..., : g * w]
+                for name in ("k_scales", "k_biases"):
+                    one[name][..., :g] = getattr(c, name)[..., :g]
+                for name in ("v_codes", "v_scales", "v_biases"):
+                    one[name][:, :, : g * G] = getattr(c, name)[:, :, : g * G]
+            for name, src in (("res_k", c.res_k), ("res_v", c.res_v)):
+                d = D if name == "res_k" else Dv
+                pad = mx.zeros((1, H, R - r, d), dtype=RES_DTYPE)
+                one[name] = mx.concatenate([pad, src[:, :, :r].astype(RES_DTYPE)], axis=2) if r else pad
+            for name in cls.array_fields:
+                parts[name].append(one[name] if c.res_k is not None else
+                                   (empty[name] if name not in ("res_k", "res_v") else
+                                    mx.zeros((1, H, R, D if name == "res_k" else Dv), dtype=RES_DTYPE)))
+        for name in cls.array_fields:
+            setattr(out, name, mx.concatenate(parts[name], axis=0))
+        out._sync_offset()
+        return out
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None and max(left_padding, default=0) > 0:
+            raise ValueError("KIVIBatchKVCache takes right-padded prompts (prepare(lengths=...)), not left padding")
+        if lengths is not None:
+            self._pending = [int(n) for n in lengths]
+
+    def finalize(self):
+        # Padded rows were never stored: each sequence already holds exactly its own tokens.
+        self._pending = None
+
+    def filter(self, batch_indices):
+        idx = [int(i) for i in batch_indices]
+        self.nq = [self.nq[i] for i in idx]
+        self.nr = [self.nr[i] for i in idx]
+        self.lens = [self.lens[i] for i in idx]
+        if self._pending is not None:
+            self._pending = [self._pending[i] for i in idx]
+        self._call = None
+        if self.res_k is not None:
+            sel = mx.array(idx, dtype=mx.int32)
+            for name in self.array_fields:
+                setattr(self, name, getattr(self, name)[sel])
+            R, drop = max(self.nr, default=0), self.R - max(self.nr, default=0)
+            if drop:  # drop the common invalid prefix of the residual region
+                self.res_k = mx.contiguous(self.res_k[:, :, drop:])
+                self.res_v = mx.contiguous(self.res_v[:, :, drop:])
+            need = max(self.nq, default=0)
+            if self.cap > _grow_slots(need, need + 1):  # a long request left: give its spare slots back
+                self._set_capacity(need)
+        self._sync_offset()
+
+    def extend(self, other: "KIVIBatchKVCache"):
+        if not isinstance(other, KIVIBatchKVCache) or (other.qbits, other.group) != (self.qbits, self.group):
+            raise BatchingNotSupported("only KIVI batch caches with the same bits and group size extend each other")
+        shape = getattr(self, "_shape", None) or getattr(other, "_shape", None)
+        if self.res_k is not None or other.res_k is not None:
+            if other.res_k is not None and self.res_k is not None and other._shape != self._shape:
+                raise BatchingNotSupported(f"head shapes differ: {self._shape} vs {other._shape}")
+            H, D, Dv = shape
+            cap = max(self.cap, other.cap)
+            R = max(self.R, other.R)
+            for c in (self, other):
+                if c.res_k is None:
+                    for name, a in c._alloc(c.batch_size, H, D, Dv, 0).items():
+                        setattr(c, name, a)
+                    c.cap, c._shape = 0, shape
+                    c.dtype_name = (other if c is self else self).dtype_name
+                c._set_capacity(cap)
+                pad = R - c.R
+                if pad:  # right-aligned: pad on the left
+                    c.res_k = mx.concatenate([mx.zeros((c.batch_size, H, pad, D), RES_DTYPE), c.res_k], axis=2)
+                    c.res_v = mx.concatenate([mx.zeros((c.batch_size, H, pad, Dv), RES_DTYPE), c.res_v], axis=2)
+            for name in self.array_fields:
+                setattr(self, name, mx.concatenate([getattr(self, name), getattr(other, name)], axis=0))
+            self._shape = shape
+        self.nq, self.nr, self.lens = self.nq + other.nq, self.nr + other.nr, self.lens + other.lens
+        if self._pending is not None or other._pending is not None:
+            self._pending = (self._pending or [0] * (len(self.lens) - len(other.lens))) + (
+                other._pending or [0] * len(other.lens))
+        self._call = None
+        self._sync_offset()
+
+    def extract(self, idx: int) -> KIVIKVCache:
+        """Sequence ``idx`` as an ordinary single ``KIVIKVCache`` (the same codes it would hold alone)."""
+        idx = int(idx)
+        c = KIVIKVCache(self.config)
+        if type(self).attend_path != self.attend_path:
+            c.attend_path = self.attend_path
+        c.offset = self.lens[idx]
+        if self.res_k is None:
+            return c
+        G, w = self.group, self._key_words()
+        g, r = self.nq[idx], self.nr[idx]
+        H, D, Dv = self._shape
+        c._shape = self._shape
+        c.dtype_name = self.dtype_name
+        c.n_quant, c.n_res = g * G, r
+        one = slice(idx, idx + 1)
+        if g:
+            c.k_codes = mx.contiguous(self.k_codes[one, ..., : g * w])
+            c.k_scales = mx.contiguous(self.k_scales[one, ..., :g])
+            c.k_biases = mx.contiguous(self.k_biases[one, ..., :g])
+            c.v_codes = mx.contiguous(self.v_codes[one, :, : g * G])
+            c.v_scales = mx.contiguous(self.v_scales[one, :, : g * G])
+            c.v_biases = mx.contiguous(self.v_biases[one, :, : g * G])
+        R = self.R
+        c.res_k = mx.concatenate([self.res_k[one, :, R - r:], mx.zeros((1, H, G - r, D), RES_DTYPE)], axis=2)
+        c.res_v = mx.concatenate([self.res_v[one, :, R - r:], mx.zeros((1, H, G - r, Dv), RES_DTYPE)], axis=2)
+        return c
+
+    # ---------------------------------------------------------------- masks
+    def _visible(self, N: int, nq, nr, qw: int, R: int) -> mx.array:
+        """Boolean [B, 1, N, qw*G + R + N]: per sequence, its valid group slots, its residual rows,
+        and the new rows causally."""
+        G = self.group
+        parts = []
+        if qw:
+            parts.append(mx.arange(qw * G)[None] < (mx.array(nq, dtype=mx.int32) * G)[:, None])
+        if R:
+            parts.append(mx.arange(R)[None] >= (R - mx.array(nr, dtype=mx.int32))[:, None])
+        B = len(nq)
+        causal = mx.arange(N)[:, None] >= mx.arange(N)[None]
+        new = mx.broadcast_to(causal[None, None], (B, 1, N, N))
+        if not parts:
+            return new
+        past = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+        past = mx.broadcast_to(past[:, None, None, :], (B, 1, N, past.shape[-1]))
+        return mx.concatenate([past, new], axis=-1)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        if window_size is not None:
+            raise ValueError("KIVIBatchKVCache has no sliding-window mask")
+        qw, R = max(self.nq, default=0), self.R
+        if qw == 0 and R == 0 and not return_array:
+            return None if N == 1 else "causal"
+        return self._visible(N, self.nq, self.nr, qw, R)
+
+    # ---------------------------------------------------------------- storage
+    def _dense_past(self, qw: int, res_k, res_v, dtype):
+        ks, vs = [], []
+        if qw:
+            ks.append(self._keys_t(qw * self.group).swapaxes(-1, -2).astype(dtype))
+            vs.append(self._values(qw * self.group).astype(dtype))
+        if res_k is not None and res_k.shape[2]:
+            ks.append(res_k.astype(dtype))
+            vs.append(res_v.astype(dtype))
+        return ks, vs
+
+    def update_and_fetch(self, keys, values):
+        self._check_input(keys, values)
+        B, H, N, D = keys.shape
+        if B != self.batch_size:
+            raise ValueError(f"KIVIBatchKVCache holds {self.batch_size} sequences, got a batch of {B}")
+        if self.res_k is None:
+            for name, a in self._alloc(B, H, D, values.shape[-1], 0).items():
+                setattr(self, name, a)
+        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        if self._pending is not None:
+            valid = [min(N, p) for p in self._pending]
+            self._pending = [p - v for p, v in zip(self._pending, valid)]
+        else:
+            valid = [N] * B
+        qw = max(self.nq, default=0)
+        self._call = (qw, self.R, list(self.nq), list(self.nr), self.res_k, self.res_v, keys, values)
+        self._store(keys, values, valid)
+        ks, vs = self._dense_past(qw, self._call[4], self._call[5], keys.dtype)
+        if not ks:
+            return keys, values
+        return mx.concatenate(ks + [keys], axis=2), mx.concatenate(vs + [values], axis=2)
+
+    def _store(self, keys, values, valid):
+        B, H, N, D = keys.shape
+        G, R = self.group, self.R
+        fk = mx.concatenate([self.res_k, keys.astype(RES_DTYPE)], axis=2)  # [B, H, R + N, D]
+        fv = mx.concatenate([self.res_v, values.astype(RES_DTYPE)], axis=2)
+        W = R + N
+        start = [R - r for r in self.nr]  # first valid column of each sequence in fk
+        total = [r + v for r, v in zip(self.nr, valid)]
+        ng = [t // G for t in total]
+        rem = [t - g * G for t, g in zip(total, ng)]
+        K = max(ng)
+        if K:  # complete groups: quantize them and write each sequence's into its next slots
+            idx = mx.minimum(mx.array(start, dtype=mx.int32)[:, None] + mx.arange(K * G, dtype=mx.int32)[None],
+                             W - 1)[:, None, :, None]  # [B, 1, K*G, 1]
+            kb = mx.take_along_axis(fk, idx, axis=2)
+            vb = mx.take_along_axis(fv, idx, axis=2)
+            need = max(q + K for q in self.nq)
+            self._set_capacity(need if N > 1 else _grow_slots(self.cap, need))  # decode: grow in steps
+            self._put_groups(kb, vb, K)
+            self.nq = [q + g for q, g in zip(self.nq, ng)]
+        R2 = max(rem)
+        ends = [R + v for v in valid]  # one past each sequence's last valid column
+        if all(e == ends[0] for e in ends) and N < G:  # decode: one shared column, a small view
+            self.res_k = fk[:, :, ends[0] - R2 : ends[0]]
+            self.res_v = fv[:, :, ends[0] - R2 : ends[0]]
+        else:  # ragged ends (right-padded prefill) or a long call: gather into a fresh small array
+            idx = mx.clip(mx.array(ends, dtype=mx.int32)[:, None] - R2 + mx.arange(R2, dtype=mx.int32)[None],
+                          0, W - 1)[:, None, :, None]
+            self.res_k = mx.take_along_axis(fk, idx, axis=2)
+            self.res_v = mx.take_along_axis(fv, idx, axis=2)
+        self.nr = rem
+        self.lens = [n + v for n, v in zip(self.lens, valid)]
+        self._sync_offset()
+
+    def _put_groups(self, kb, vb, K):
+        """Quantize K groups per sequence (kb/vb [B, H, K*G, D]) into slots nq[i] .. nq[i]+K-1."""
+        B, H, _, D = kb.shape
+        Dv = vb.shape[-1]
+        G, b, w, cap = self.group, self.qbits, self._key_words(), self.cap
+        kq = gq.quantize_per_channel(kb, b, G)  # codes [B, H, D, K*w], scales [B, H, D, K]
+        vq = gq.quantize(vb, b, self.value_group(Dv))  # codes [B, H, K*G, Wv], scales [B, H, K*G, Dv/Gv]
+        slots = mx.array(self.nq, dtype=mx.int32)[:, None] + mx.arange(K, dtype=mx.int32)[None]  # [B, K]
+        ks = slots[:, None, None, :]
+        self.k_codes = mx.put_along_axis(self.k_codes.reshape(B, H, D, cap, w), ks[..., None],
+                                         kq.codes.reshape(B, H, D, K, w), axis=3).reshape(B, H, D, cap * w)
+        self.k_scales = mx.put_along_axis(self.k_scales, ks, kq.scales, axis=3)
+        self.k_biases = mx.put_along_axis(self.k_biases, ks, kq.biases, axis=3)
+        vs = slots[:, None, :, None, None]
+        for name, new in (("v_codes", vq.codes), ("v_scales", vq.scales), ("v_biases", vq.biases)):
+            buf = getattr(self, name)
+            last = buf.shape[-1]
+            out = mx.put_along_axis(buf.reshape(B, H, cap, G, last), vs, new.reshape(B, H, K, G, last), axis=2)
+            setattr(self, name, out.reshape(B, H, cap * G, last))
+
+    def _dense(self):
+        dtype = getattr(mx, self.dtype_name)
+        ks, vs = self._dense_past(max(self.nq, default=0), self.res_k, self.res_v, dtype)
+        if not ks:
+            return None, None
+        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+    # ---------------------------------------------------------------- attention on the codes
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        call, self._call = self._call, None
+        N = queries.shape[2]
+        if call is None or call[6].shape[2] != N:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        qw, R, nq, nr, past_k, past_v, new_k, new_v = call
+        G, b = self.group, self.qbits
+        P = qw * G + R
+        if keys.shape[2] != P + N:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
+            return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
+                                                        mask="causal" if N > 1 else None, sinks=sinks)
+        use_qmm = self._uses_qmm()
+        B, Hq, _, D = queries.shape
+        H = new_k.shape[1]
+        rep = Hq // H
+        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
+
+        fk, fv = new_k, new_v  # full-precision part: residual rows (float16) then this call's rows
+        if R:
+            fk = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
+            fv = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
+        fv = fv.astype(mx.float32)
+        parts = [q @ fk.astype(mx.float32).swapaxes(-1, -2)]  # [B, H, rep*N, R+N]
+        if qw:
+            if use_qmm:
+                w = self._key_words()
+                parts.insert(0, mx.quantized_matmul(q, self.k_codes[..., : qw * w], self.k_scales[..., :qw],
+                                                    self.k_biases[..., :qw], transpose=False, group_size=G, bits=b))
+            else:
+                parts.insert(0, q @ self._keys_t(qw * G))
+        if sinks is not None:
+            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
+            parts.insert(0, sink.reshape(B, H, rep * N, 1))
+        s = mx.concatenate(parts, axis=-1)
+        lead = s.shape[-1] - (P + N)
+        s = s.reshape(B, H, rep, N, s.shape[-1])
+
+        m = self._visible(N, nq, nr, qw, R)[:, :, None]  # [B, 1, 1, N, P + N]
+        if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == (N, P + N):
+            m = m & bool_mask(mask, N, P + N, H)  # a caller's extra array mask (ours is already in m)
+        if lead:
+            m = mx.concatenate([mx.ones((*m.shape[:-1], 1), dtype=mx.bool_), m], axis=-1)
+        s = mx.where(m, s, -mx.inf)
+
+        p = mx.softmax(s, axis=-1, precise=True).reshape(B, H, rep * N, s.shape[-1])
+        out = p[..., lead + qw * G:] @ fv
+        if qw:
+            p_q = p[..., lead: lead + qw * G]
+            if use_qmm:
+                out = out + mx.quantized_matmul(p_q, self.v_codes[:, :, : qw * G], self.v_scales[:, :, : qw * G],
+                                                self.v_biases[:, :, : qw * G], transpose=False,
+                                                group_size=self.value_group(new_v.shape[-1]), bits=b)
+            else:
+                out = out + p_q @ self._values(qw * G)
+        return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+
+    # ---------------------------------------------------------------- trim
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""
+        n = int(n)
+        if n <= 0 or not self.lens:
+            return 0
+        if n > min(self.nr):
+            raise ValueError(
+                f"KIVIBatchKVCache: trimming {n} tokens would cut into a quantized group of some sequence "
+                f"(residual rows per sequence: {self.nr}); extract the sequences and trim them one by one")
+        self._call = None
+        R = self.R
+        self.res_k, self.res_v = self.res_k[:, :, : R - n], self.res_v[:, :, : R - n]
+        self.nr = [r - n for r in self.nr]
+        # the region stays right-aligned: shift by dropping the now common invalid prefix
+        R2 = max(self.nr)
+        if R2 < R - n:
+            self.res_k, self.res_v = self.res_k[:, :, R - n - R2:], self.res_v[:, :, R - n - R2:]
+        self.lens = [x - n for x in self.lens]
+        self._sync_offset()
+        return n
+
+    # ---------------------------------------------------------------- accounting and state
+    @property
+    def state(self):
+        meta = {"config": config_to_json(self.config),
+                "nq": self.nq, "nr": self.nr, "lens": self.lens, "cap": self.cap,
+                "dtype_name": self.dtype_name, "shape": list(getattr(self, "_shape", None) or [])}
+        out = {"meta": json.dumps(meta)}
+        for name in self.array_fields:
+            out[name] = getattr(self, name)
+        return out
+
+    @state.setter
+    def state(self, v):
+        meta = json.loads(v["meta"])
+        self.config = config_from_json(meta["config"])
+        self._init_layout()
+        self.nq, self.nr, self.lens, self.cap = meta["nq"], meta["nr"], meta["lens"], meta["cap"]
+        self.dtype_name = meta["dtype_name"]
+        self._shape = tuple(meta["shape"]) or None
+        self._pending = None
+        for name in self.array_fields:
+            setattr(self, name, v.get(name))
+        self._sync_offset()
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """What float16 rows of every sequence's tokens would take (no padding, no slack)."""
+        if getattr(self, "_shape", None) is None:
+            return 0
+        H, D, Dv = self._shape
+        return sum(self.lens) * H * (D + Dv) * 2
