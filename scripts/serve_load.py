@@ -82,7 +82,7 @@ def run_method(name, sets, prompts, args):
         after = mx.get_active_memory()
         with urllib.request.urlopen(base + "/v1/kv/stats") as r:
             end = json.loads(r.read())
-        kept = end["cached_kv_bytes"] + end["uncompressed_prompt_cache"]["kv_bytes"]
+        kept = end["cached_kv_bytes"]
     finally:
         S.shutdown(httpd, gen)
     lat = [t for _, t, _ in together]

@@ -47,25 +47,22 @@ import json
 import mlx.core as mx
 
 from ..attention import bool_mask, group_queries, ungroup
-from ..contract import (BatchingNotSupported, CompressedKVCache, config_from_json, config_to_json,
-                        register_with_mlx_lm)
+from ..contract import BatchingNotSupported, config_from_json, config_to_json, register_with_mlx_lm
 from ..primitives import groupquant as gq
+from .batch_common import (RaggedBatchCache, grow_slots, keep_right, pad_left, rows_ending_at, rows_from,
+                           visible_mask)
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _Q_FIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
 
 
-def _grow_slots(cap: int, need: int) -> int:
-    """Group slots to allocate for ``need`` (amortised growth, as ``buffers.grow_rows``)."""
-    return cap if need <= cap else need + max(4, need // 8)
-
-
 @register_with_mlx_lm
-class KIVIBatchKVCache(CompressedKVCache):
+class KIVIBatchKVCache(RaggedBatchCache):
     """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
     method_name = "kivi"
     array_fields = _Q_FIELDS + ("res_k", "res_v")
+    count_fields = ("nq", "nr", "lens")  # quantized groups, residual rows (< G), tokens held (= nq*G + nr)
     chunk_invariant = True
     exact_trim = False
     trim_exact_or_raises = True
@@ -82,32 +79,16 @@ class KIVIBatchKVCache(CompressedKVCache):
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
-        self.nq = [0] * batch_size  # quantized groups per sequence
-        self.nr = [0] * batch_size  # residual rows per sequence (< G)
-        self.lens = [0] * batch_size  # tokens held per sequence (= nq*G + nr)
         self.cap = 0  # group slots allocated
-        self._pending = None  # prepare(lengths=): valid rows still to come per sequence
-        self._call = None
-        self._sync_offset()
+        self._init_counts(batch_size)
 
     def _init_layout(self):
         KIVIKVCache._init_layout(self)
 
     # ---------------------------------------------------------------- bookkeeping
     @property
-    def batch_size(self) -> int:
-        return len(self.lens)
-
-    @property
     def R(self) -> int:
         return 0 if self.res_k is None else self.res_k.shape[2]
-
-    def _sync_offset(self):
-        self.offset = mx.array(self.lens, dtype=mx.int32)
-        self.left_padding = mx.zeros((len(self.lens),), dtype=mx.int32)  # ours is never left-padded
-
-    def stored_rows(self) -> int:
-        return max(self.lens, default=0)
 
     def size(self) -> int:
         return max(self.nq, default=0) * self.group + self.R
@@ -205,34 +186,19 @@ class KIVIBatchKVCache(CompressedKVCache):
         out._sync_offset()
         return out
 
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
-        if left_padding is not None and max(left_padding, default=0) > 0:
-            raise ValueError("KIVIBatchKVCache takes right-padded prompts (prepare(lengths=...)), not left padding")
-        if lengths is not None:
-            self._pending = [int(n) for n in lengths]
-
-    def finalize(self):
-        # Padded rows were never stored: each sequence already holds exactly its own tokens.
-        self._pending = None
-
     def filter(self, batch_indices):
         idx = [int(i) for i in batch_indices]
-        self.nq = [self.nq[i] for i in idx]
-        self.nr = [self.nr[i] for i in idx]
-        self.lens = [self.lens[i] for i in idx]
-        if self._pending is not None:
-            self._pending = [self._pending[i] for i in idx]
-        self._call = None
+        self._filter_counts(idx)
         if self.res_k is not None:
             sel = mx.array(idx, dtype=mx.int32)
             for name in self.array_fields:
                 setattr(self, name, getattr(self, name)[sel])
-            R, drop = max(self.nr, default=0), self.R - max(self.nr, default=0)
-            if drop:  # drop the common invalid prefix of the residual region
-                self.res_k = mx.contiguous(self.res_k[:, :, drop:])
-                self.res_v = mx.contiguous(self.res_v[:, :, drop:])
+            R = max(self.nr, default=0)
+            if R < self.R:  # drop the common invalid prefix of the residual region
+                self.res_k = mx.contiguous(keep_right(self.res_k, R))
+                self.res_v = mx.contiguous(keep_right(self.res_v, R))
             need = max(self.nq, default=0)
-            if self.cap > _grow_slots(need, need + 1):  # a long request left: give its spare slots back
+            if self.cap > grow_slots(need, need + 1):  # a long request left: give its spare slots back
                 self._set_capacity(need)
         self._sync_offset()
 
@@ -253,19 +219,11 @@ class KIVIBatchKVCache(CompressedKVCache):
                     c.cap, c._shape = 0, shape
                     c.dtype_name = (other if c is self else self).dtype_name
                 c._set_capacity(cap)
-                pad = R - c.R
-                if pad:  # right-aligned: pad on the left
-                    c.res_k = mx.concatenate([mx.zeros((c.batch_size, H, pad, D), RES_DTYPE), c.res_k], axis=2)
-                    c.res_v = mx.concatenate([mx.zeros((c.batch_size, H, pad, Dv), RES_DTYPE), c.res_v], axis=2)
+                c.res_k, c.res_v = pad_left(c.res_k, R), pad_left(c.res_v, R)  # right-aligned
             for name in self.array_fields:
                 setattr(self, name, mx.concatenate([getattr(self, name), getattr(other, name)], axis=0))
             self._shape = shape
-        self.nq, self.nr, self.lens = self.nq + other.nq, self.nr + other.nr, self.lens + other.lens
-        if self._pending is not None or other._pending is not None:
-            self._pending = (self._pending or [0] * (len(self.lens) - len(other.lens))) + (
-                other._pending or [0] * len(other.lens))
-        self._call = None
-        self._sync_offset()
+        self._extend_counts(other)
 
     def extract(self, idx: int) -> KIVIKVCache:
         """Sequence ``idx`` as an ordinary single ``KIVIKVCache`` (the same codes it would hold alone)."""
@@ -300,19 +258,7 @@ class KIVIBatchKVCache(CompressedKVCache):
         """Boolean [B, 1, N, qw*G + R + N]: per sequence, its valid group slots, its residual rows,
         and the new rows causally."""
         G = self.group
-        parts = []
-        if qw:
-            parts.append(mx.arange(qw * G)[None] < (mx.array(nq, dtype=mx.int32) * G)[:, None])
-        if R:
-            parts.append(mx.arange(R)[None] >= (R - mx.array(nr, dtype=mx.int32))[:, None])
-        B = len(nq)
-        causal = mx.arange(N)[:, None] >= mx.arange(N)[None]
-        new = mx.broadcast_to(causal[None, None], (B, 1, N, N))
-        if not parts:
-            return new
-        past = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
-        past = mx.broadcast_to(past[:, None, None, :], (B, 1, N, past.shape[-1]))
-        return mx.concatenate([past, new], axis=-1)
+        return visible_mask(N, len(nq), [(qw * G, [q * G for q in nq], "left"), (R, nr, "right")])
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if window_size is not None:
@@ -342,11 +288,7 @@ class KIVIBatchKVCache(CompressedKVCache):
             for name, a in self._alloc(B, H, D, values.shape[-1], 0).items():
                 setattr(self, name, a)
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
-        if self._pending is not None:
-            valid = [min(N, p) for p in self._pending]
-            self._pending = [p - v for p, v in zip(self._pending, valid)]
-        else:
-            valid = [N] * B
+        valid = self._take_valid(N)
         qw = max(self.nq, default=0)
         self._call = (qw, self.R, list(self.nq), list(self.nr), self.res_k, self.res_v, keys, values)
         self._store(keys, values, valid)
@@ -360,31 +302,22 @@ class KIVIBatchKVCache(CompressedKVCache):
         G, R = self.group, self.R
         fk = mx.concatenate([self.res_k, keys.astype(RES_DTYPE)], axis=2)  # [B, H, R + N, D]
         fv = mx.concatenate([self.res_v, values.astype(RES_DTYPE)], axis=2)
-        W = R + N
         start = [R - r for r in self.nr]  # first valid column of each sequence in fk
         total = [r + v for r, v in zip(self.nr, valid)]
         ng = [t // G for t in total]
         rem = [t - g * G for t, g in zip(total, ng)]
         K = max(ng)
         if K:  # complete groups: quantize them and write each sequence's into its next slots
-            idx = mx.minimum(mx.array(start, dtype=mx.int32)[:, None] + mx.arange(K * G, dtype=mx.int32)[None],
-                             W - 1)[:, None, :, None]  # [B, 1, K*G, 1]
-            kb = mx.take_along_axis(fk, idx, axis=2)
-            vb = mx.take_along_axis(fv, idx, axis=2)
+            kb, vb = rows_from(fk, start, K * G), rows_from(fv, start, K * G)  # [B, H, K*G, D]
             need = max(q + K for q in self.nq)
-            self._set_capacity(need if N > 1 else _grow_slots(self.cap, need))  # decode: grow in steps
+            self._set_capacity(need if N > 1 else grow_slots(self.cap, need))  # decode: grow in steps
             self._put_groups(kb, vb, K)
             self.nq = [q + g for q, g in zip(self.nq, ng)]
         R2 = max(rem)
         ends = [R + v for v in valid]  # one past each sequence's last valid column
-        if all(e == ends[0] for e in ends) and N < G:  # decode: one shared column, a small view
-            self.res_k = fk[:, :, ends[0] - R2 : ends[0]]
-            self.res_v = fv[:, :, ends[0] - R2 : ends[0]]
-        else:  # ragged ends (right-padded prefill) or a long call: gather into a fresh small array
-            idx = mx.clip(mx.array(ends, dtype=mx.int32)[:, None] - R2 + mx.arange(R2, dtype=mx.int32)[None],
-                          0, W - 1)[:, None, :, None]
-            self.res_k = mx.take_along_axis(fk, idx, axis=2)
-            self.res_v = mx.take_along_axis(fv, idx, axis=2)
+        # decode: one shared column, a small view; ragged ends or a long call: a fresh small array
+        self.res_k = rows_ending_at(fk, ends, R2, view=N < G)
+        self.res_v = rows_ending_at(fv, ends, R2, view=N < G)
         self.nr = rem
         self.lens = [n + v for n, v in zip(self.lens, valid)]
         self._sync_offset()
@@ -494,8 +427,7 @@ class KIVIBatchKVCache(CompressedKVCache):
         self.nr = [r - n for r in self.nr]
         # the region stays right-aligned: shift by dropping the now common invalid prefix
         R2 = max(self.nr)
-        if R2 < R - n:
-            self.res_k, self.res_v = self.res_k[:, :, R - n - R2:], self.res_v[:, :, R - n - R2:]
+        self.res_k, self.res_v = keep_right(self.res_k, R2), keep_right(self.res_v, R2)
         self.lens = [x - n for x in self.lens]
         self._sync_offset()
         return n

@@ -1,0 +1,139 @@
+"""Per-request bookkeeping shared by the batch forms of compressed caches (``kivi_batch.py``,
+``turboquant_rvq_batch.py``): mlx_lm's batch-cache protocol (``prepare``/``finalize`` for right-padded
+prefill, ``offset`` as an ``mx.array``, ``filter``/``extend`` of the per-request counts) and the ragged
+layouts both use: regions whose rows are *left-aligned* per sequence (quantized slots ``[0, n_i)``)
+or *right-aligned* (float16 rows of the newest tokens, the last ``n_i`` columns), and the boolean
+mask that shows each sequence its own rows.
+
+Counts are host-side Python ints (lists, one entry per sequence): no decode step syncs with the
+device, and nothing here loops over tokens, heads or sequences with array operations.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..contract import CompressedKVCache
+
+
+def grow_slots(cap: int, need: int) -> int:
+    """Slots to allocate for ``need`` (amortised growth, as ``buffers.grow_rows``)."""
+    return cap if need <= cap else need + max(4, need // 8)
+
+
+def pad_left(a: mx.array, width: int) -> mx.array:
+    """``a`` [B, H, W, D] with zero columns prepended on axis 2 up to ``width`` (right-aligned rows)."""
+    pad = width - a.shape[2]
+    if pad <= 0:
+        return a
+    return mx.concatenate([mx.zeros((*a.shape[:2], pad, a.shape[3]), dtype=a.dtype), a], axis=2)
+
+
+def keep_right(a: mx.array, width: int) -> mx.array:
+    """The last ``width`` columns of ``a`` on axis 2 (drops a right-aligned region's common invalid prefix)."""
+    return a if a.shape[2] == width else a[:, :, a.shape[2] - width:]
+
+
+def rows_ending_at(a: mx.array, ends: Sequence[int], width: int, view: bool = True) -> mx.array:
+    """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] that end at column ``ends[i]``
+    (exclusive), right-aligned: a view when every sequence ends at the same column and ``view`` (a
+    decode step: the view keeps ``a`` alive, one column more), else one gather into a fresh array
+    (columns before 0 are clipped: they land in each sequence's invalid prefix)."""
+    if view and all(e == ends[0] for e in ends):
+        return a[:, :, ends[0] - width: ends[0]]
+    idx = mx.clip(mx.array(ends, dtype=mx.int32)[:, None] - width + mx.arange(width, dtype=mx.int32)[None],
+                  0, a.shape[2] - 1)
+    return mx.take_along_axis(a, idx[:, None, :, None], axis=2)
+
+
+def rows_from(a: mx.array, starts: Sequence[int], width: int) -> mx.array:
+    """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] from column ``starts[i]`` on (one
+    gather; columns past the end are clipped to the last one, always finite throw-away rows)."""
+    idx = mx.minimum(mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None],
+                     a.shape[2] - 1)
+    return mx.take_along_axis(a, idx[:, None, :, None], axis=2)
+
+
+def visible_mask(N: int, B: int, regions) -> mx.array:
+    """Boolean [B, 1, N, sum(widths) + N]: the stored regions, in key order, then the call's N rows
+    (causally). ``regions``: ``(width, counts, "left" | "right")``: sequence i sees the first (left)
+    or last (right) ``counts[i]`` of the region's ``width`` columns."""
+    parts = []
+    for width, counts, align in regions:
+        if not width:
+            continue
+        n = mx.array(list(counts), dtype=mx.int32)[:, None]
+        cols = mx.arange(width)[None]
+        parts.append(cols < n if align == "left" else cols >= width - n)
+    causal = mx.arange(N)[:, None] >= mx.arange(N)[None]
+    new = mx.broadcast_to(causal[None, None], (B, 1, N, N))
+    if not parts:
+        return new
+    past = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+    past = mx.broadcast_to(past[:, None, None, :], (B, 1, N, past.shape[-1]))
+    return mx.concatenate([past, new], axis=-1)
+
+
+class RaggedBatchCache(CompressedKVCache):
+    """Base of the batch forms: per-sequence host-side counts (``count_fields``, lists of ints, one
+    of them ``lens``: tokens held per sequence), mlx_lm's ``prepare``/``finalize`` (right padding
+    only: padded rows are never stored), ``offset``/``left_padding`` as arrays, and the count side of
+    ``filter``/``extend``. Subclasses select/concatenate their arrays."""
+
+    count_fields: tuple[str, ...] = ("lens",)
+
+    def _init_counts(self, batch_size: int) -> None:
+        for name in self.count_fields:
+            setattr(self, name, [0] * batch_size)
+        self._pending = None  # prepare(lengths=): valid rows still to come per sequence
+        self._call = None
+        self._sync_offset()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lens)
+
+    def _sync_offset(self):
+        self.offset = mx.array(self.lens, dtype=mx.int32)
+        self.left_padding = mx.zeros((len(self.lens),), dtype=mx.int32)  # never left-padded
+
+    def stored_rows(self) -> int:
+        return max(self.lens, default=0)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None and max(left_padding, default=0) > 0:
+            raise ValueError(f"{type(self).__name__} takes right-padded prompts (prepare(lengths=...)), "
+                             "not left padding")
+        if lengths is not None:
+            self._pending = [int(n) for n in lengths]
+
+    def finalize(self):
+        # Padded rows were never stored: each sequence already holds exactly its own tokens.
+        self._pending = None
+
+    def _take_valid(self, N: int) -> list[int]:
+        """Valid rows of each sequence in a call of N rows (all N unless ``prepare`` gave lengths)."""
+        if self._pending is None:
+            return [N] * self.batch_size
+        valid = [min(N, p) for p in self._pending]
+        self._pending = [p - v for p, v in zip(self._pending, valid)]
+        return valid
+
+    def _filter_counts(self, idx: list[int]) -> None:
+        for name in self.count_fields:
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in idx])
+        if self._pending is not None:
+            self._pending = [self._pending[i] for i in idx]
+        self._call = None
+
+    def _extend_counts(self, other: "RaggedBatchCache") -> None:
+        n_self, n_other = self.batch_size, other.batch_size
+        for name in self.count_fields:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if self._pending is not None or other._pending is not None:
+            self._pending = (self._pending or [0] * n_self) + (other._pending or [0] * n_other)
+        self._call = None
+        self._sync_offset()
