@@ -215,13 +215,13 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
 
 def test_methods_without_batch_form_are_served_one_at_a_time(srv):
     base, _ = srv
-    spec = {"method": "turboquant_rvq", "reuse": False}
+    spec = {"method": "snapkv", "settings": {"snap_budget": 24}, "reuse": False}
     prompts = [[{"role": "user", "content": f"Describe the colour {c}."}] for c in ("red", "blue", "green")]
     one_by_one = [chat(base, p, kv_cache=spec)[0] for p in prompts]
     with ThreadPoolExecutor(3) as pool:
         together = list(pool.map(lambda p: chat(base, p, kv_cache=spec)[0], prompts))
     assert together == one_by_one
-    desc = S.parse_kv_settings("turboquant_rvq", {}).describe()
+    desc = S.parse_kv_settings("snapkv", {}).describe()
     assert desc["batching"] == "sequential" and "BatchingNotSupported" in desc["batching_reason"]
 
 

@@ -351,6 +351,18 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
     def fetch_nearest_cache(self, model, tokens):
         if self.skip_fetch:
             return None, tokens
+        # mlx_lm trims a longer kept sequence whenever its caches say ``is_trimmable``; ours may only be
+        # trimmed where the trim is exact (the flags): otherwise fall back to a shorter kept prefix.
+        found = self._trie.search(model, tokens)
+        short = len(found.shorter) if found.shorter is not None else 0
+        if found.exact is None and found.longer is not None and found.common_prefix > short:
+            longer = self._trie.get(found.model, found.longer).prompt_cache
+            if not all(_trim_ok(c) for c in longer):
+                if short == 0:
+                    return None, tokens
+                kept = self._trie.get(found.model, found.shorter).prompt_cache
+                self.counters["reused_tokens"] += short
+                return copy.deepcopy(kept), tokens[short:]
         try:
             cache, rest = super().fetch_nearest_cache(model, tokens)
         except ValueError:  # e.g. KIVI: the trim would cut into quantized groups
@@ -363,8 +375,13 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
             self.counters["reused_tokens"] += expected
         return cache, rest
 
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        if is_reusable(prompt_cache):  # a state that depends on the call split is never reused
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+
     def entries(self) -> list:
-        """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie)."""
+        """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie,
+        as ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
         out = []
         for lru in self._lru._lrus.values():
             for model, tokens in list(lru):
