@@ -247,31 +247,34 @@ class PromptCacheStore:
         return i
 
     def fetch(self, kv_key, prompt: list[int]):
-        """``(caches or None, tokens reused, how)``."""
+        """``(caches or None, tokens reused, how)``: the candidate reusing the most tokens, among kept
+        prefixes of the prompt and longer kept sequences whose trim back to the shared part is exact."""
         limit = len(prompt) - 1
-        best = None
+        candidates = []
+        skipped = ""
         with self._lock:
             for (key, tokens), caches in self._entries.items():
-                if key != kv_key:
-                    continue
-                use = min(self._common(tokens, prompt), limit)
+                use = min(self._common(tokens, prompt), limit) if key == kv_key else 0
                 trim = len(tokens) - use
-                if use > 0 and (best is None or (use, -trim) > (best[0], -best[1])):
-                    best = (use, trim, (key, tokens), caches)
-            if best is None:
-                return None, 0, "no cached prefix"
-            use, trim, entry_key, caches = best
-            self._entries.move_to_end(entry_key)
-            caches = copy.deepcopy(caches)
-        if trim:
-            if not all(_trim_ok(c) for c in caches):
-                return None, 0, "cached sequence is longer and trim is not exact: recomputed"
+                if use <= 0:
+                    continue
+                if trim and not all(_trim_ok(c) for c in caches):
+                    skipped = "; a longer kept sequence was skipped (its trim is not exact)"
+                    continue
+                candidates.append((use, -trim, (key, tokens)))
+            candidates.sort(reverse=True)
+            picked = [(use, -neg, k, copy.deepcopy(self._entries[k])) for use, neg, k in candidates[:2]]
+        for use, trim, entry_key, caches in picked:
             try:
-                if any(c.trim(trim) != trim for c in caches):
-                    return None, 0, "a layer could not trim the cached sequence: recomputed"
-            except ValueError:  # the trim would cut into compressed groups: not exact
-                return None, 0, "trim would cut into compressed rows: recomputed"
-        return caches, use, "trimmed" if trim else "prefix"
+                if trim and any(c.trim(trim) != trim for c in caches):
+                    continue  # a layer did not trim all of it: not the state a fresh run builds
+            except ValueError:  # the trim would cut into compressed rows
+                continue
+            with self._lock:
+                if entry_key in self._entries:
+                    self._entries.move_to_end(entry_key)
+            return caches, use, ("trimmed" if trim else "prefix") + skipped
+        return None, 0, "no reusable cached prefix: recomputed" + skipped
 
     def insert(self, kv_key, tokens: list[int], caches: list) -> None:
         with self._lock:
