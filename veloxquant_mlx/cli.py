@@ -125,6 +125,24 @@ def build_config(method: str, sets: dict[str, Any]):
     return KVCacheConfig(method=method, options=options, **flat)
 
 
+def method_config(method: str, set_items, *, standalone_ok: bool = True):
+    """Validate ``--method`` and its ``--set`` items: ``(sets, config)``, ``config`` None for ``none``."""
+    _check_method_name(method)
+    sets = parse_sets(set_items)
+    if method == NONE:
+        if sets:
+            raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
+        return sets, None
+    from .cache import STANDALONE_METHODS
+
+    if not standalone_ok and method in STANDALONE_METHODS:
+        raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
+                         "mlx_lm prompt cache; `veloxquant methods` lists the mlx_lm-protocol ones")
+    config = build_config(method, sets)
+    _check_buildable(method)
+    return sets, config
+
+
 def _check_method_name(method: str) -> None:
     from .cache import METHOD_NAMES
 
@@ -245,15 +263,7 @@ def _cmd_generate(args) -> int:
     if method is None:
         raise UsageError("the following argument is required: --method (it may be left out only with "
                          "--prompt-cache, whose file records it)")
-    _check_method_name(method)
-    sets = parse_sets(args.set)
-    if method == NONE:
-        if sets:
-            raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
-        config = None
-    else:
-        config = build_config(method, sets)
-        _check_buildable(method)
+    sets, config = method_config(method, args.set)
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
 

@@ -16,8 +16,8 @@ import json
 import os
 from typing import Any
 
-from .cli import (NONE, UsageError, _check_buildable, _check_method_name, _fmt_bytes, _kv_summary,
-                  build_config, make_caches, parse_sets, print_generation, run_generation)
+from .cli import (NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
+                  print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
@@ -37,20 +37,7 @@ def cmd_cache_save(args) -> int:
     from .cache import SavedCacheError, save_cache
 
     method = args.method
-    _check_method_name(method)
-    sets = parse_sets(args.set)
-    if method == NONE:
-        if sets:
-            raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
-        config = None
-    else:
-        from .cache import STANDALONE_METHODS
-
-        if method in STANDALONE_METHODS:
-            raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
-                             "mlx_lm prompt cache to save; `veloxquant methods` lists the mlx_lm-protocol ones")
-        config = build_config(method, sets)
-        _check_buildable(method)
+    sets, config = method_config(method, args.set, standalone_ok=False)
     if not os.path.isfile(args.prompt_file):
         raise UsageError(f"--prompt-file {args.prompt_file!r}: no such file")
     with open(args.prompt_file, encoding="utf-8") as f:

@@ -147,21 +147,17 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
 
     Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
     from .cache.errors import QuantizerConfigError
-    from .cli import UsageError, _check_buildable, _check_method_name, build_config, parse_sets
+    from .cli import UsageError, method_config
 
     if not isinstance(method, str):
         raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
     if not isinstance(sets, dict):
         raise RequestError(400, f"kv_cache.settings must be an object of FIELD: VALUE, got {sets!r}")
     try:
-        _check_method_name(method)
+        parsed, config = method_config(method, [f"{k}={json.dumps(v)}" for k, v in sets.items()],
+                                       standalone_ok=False)
         if method == NONE:
-            if sets:
-                raise UsageError(f"settings do not apply to method {NONE!r} (mlx_lm's plain KVCache)")
             return KVSettings(NONE, ())
-        parsed = parse_sets([f"{k}={json.dumps(v)}" for k, v in sets.items()])
-        config = build_config(method, parsed)
-        _check_buildable(method)
         if model is not None:
             from .cache import KVCacheBuilder
 
