@@ -15,14 +15,15 @@ from veloxquant_mlx import _blas
 _blas.preload()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
 from veloxquant_mlx.cache.contract import CompressedKVCache  # noqa: E402
 from veloxquant_mlx.cache.methods.kivi import KIVIKVCache  # noqa: E402
 from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache  # noqa: E402
 
-from tiny_models import VOCAB, tiny_llama  # noqa: E402
+from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off  # noqa: E402
+from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt, run_with_late_joiners  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
 
 G = 32
 QFIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
@@ -31,55 +32,6 @@ QFIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
 def _caches(model, bits=4, install=True):
     return KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bit_width_inlier=bits),
                                     install_dispatch=install)
-
-
-def _prompt(n, k):
-    return [(i * 37 + 11 + 13 * k) % VOCAB for i in range(n)]
-
-
-def _alone(model, prompt, max_tokens, cache, prefill_step_size=2048):
-    """(tokens, logprobs) of mlx_lm's single-request loop, greedy."""
-    out = list(generate_step(mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache,
-                             prefill_step_size=prefill_step_size))
-    return [int(t) for t, _ in out], [lp for _, lp in out]
-
-
-class _Run:
-    """Drives a BatchGenerator; collects tokens, logprobs and the extracted caches per uid."""
-
-    def __init__(self, model, max_tokens=40, **kw):
-        self.gen = BatchGenerator(model, max_tokens=max_tokens, **kw)
-        self.tokens, self.logprobs, self.final = {}, {}, {}
-
-    def insert(self, prompts, caches, max_tokens=None):
-        uids = self.gen.insert(prompts, max_tokens, caches=caches)
-        for u in uids:
-            self.tokens[u], self.logprobs[u] = [], []
-        return uids
-
-    def step(self):
-        _, responses = self.gen.next()
-        for r in responses:
-            self.tokens[r.uid].append(r.token)
-            self.logprobs[r.uid].append(r.logprobs)
-            if r.finish_reason is not None:
-                self.final[r.uid] = r.prompt_cache
-        return responses
-
-    def run(self):
-        while self.gen._unprocessed_sequences or len(self.gen._prompt_batch) or len(self.gen._generation_batch):
-            self.step()
-        self.gen.close()
-
-
-def _batch_caches(gen):
-    return [c for c in gen._generation_batch.prompt_cache] + [c for c in gen._prompt_batch.prompt_cache]
-
-
-def _frac_off(x, y):
-    """Fraction of elements that differ by more than 1% of the array's scale."""
-    x, y = x.astype(mx.float32), y.astype(mx.float32)
-    return float(mx.mean(mx.abs(x - y) > 1e-2 * mx.abs(y).max() + 1e-3))
 
 
 def _same_codes(a: KIVIKVCache, b: KIVIKVCache, exact=True):
@@ -114,15 +66,8 @@ def _same_codes(a: KIVIKVCache, b: KIVIKVCache, exact=True):
             assert _frac_off(x, y) < 1e-2, name
 
 
-def _check_against_alone(model, run, uids, prompts, max_tokens, alone_caches, prefill_step_size=2048, tol=1e-4):
-    for u, p, m, c in zip(uids, prompts, max_tokens, alone_caches):
-        toks, lps = _alone(model, p, m, c, prefill_step_size)
-        assert len(run.tokens[u]) == m
-        diff = max(float(mx.abs(a - b).max()) for a, b in zip(lps, run.logprobs[u]))
-        assert diff < tol, (len(p), diff)
-        assert run.tokens[u] == toks, len(p)
-        for layer, (ext, one) in enumerate(zip(run.final[u], c)):
-            _same_codes(ext, one, exact=False)  # float32 summation order differs with the batch's widths
+def _same_inexact(extracted, alone):  # float32 summation order differs with the batch's widths
+    _same_codes(extracted, alone, exact=False)
 
 
 # ------------------------------------------------------------------------------------- tiny model
@@ -139,7 +84,7 @@ def test_batch_generator_equals_each_request_alone(use_dispatch):
     run = _Run(model, prefill_step_size=64)
     uids = run.insert(prompts, [_caches(model, install=use_dispatch) for _ in prompts], max_tokens)
     saw_batch = False
-    while run.gen._unprocessed_sequences or len(run.gen._prompt_batch) or len(run.gen._generation_batch):
+    while run.busy():
         run.step()
         kb = [c for c in _batch_caches(run.gen) if isinstance(c, KIVIBatchKVCache)]
         if len(run.gen._generation_batch) == 4:
@@ -149,7 +94,7 @@ def test_batch_generator_equals_each_request_alone(use_dispatch):
             assert c.res_k.shape[2] == max(c.nr) < G  # residual region bounded, common prefix sliced off
     assert saw_batch and dispatch.installed() == use_dispatch
     alone = [_caches(model, install=use_dispatch) for _ in prompts]
-    _check_against_alone(model, run, uids, prompts, max_tokens, alone, prefill_step_size=64)
+    check_against_alone(model, run, uids, prompts, max_tokens, alone, _same_inexact, prefill_step_size=64)
 
 
 def test_request_joins_running_batch_and_history_is_merged():
@@ -163,21 +108,13 @@ def test_request_joins_running_batch_and_history_is_merged():
     reused_alone = copy.deepcopy(reused)
     late = [rest, _prompt(120, 3)]
 
-    run = _Run(model)
-    uids = run.insert(first, [_caches(model) for _ in first], [40, 12])
-    for _ in range(8):
-        run.step()
-    assert len(run.gen._generation_batch) == 2
-    uids += run.insert(late, [reused, _caches(model)], [30, 40])
-    sizes = set()
-    while run.gen._unprocessed_sequences or len(run.gen._prompt_batch) or len(run.gen._generation_batch):
-        run.step()
-        sizes.add(len(run.gen._generation_batch))
+    run, uids, sizes = run_with_late_joiners(model, first, [_caches(model) for _ in first], late,
+                                             [reused, _caches(model)], [40, 12], [30, 40])
     assert {4, 3} <= sizes  # the late requests joined; the short one left first
     alone = [_caches(model), _caches(model), reused_alone, _caches(model)]
     # masked slots change float32 summation order (attention itself agrees to ~1e-7, see
     # test_attend_on_ragged_batch_equals_each_single); this random model's sharp attention amplifies it
-    _check_against_alone(model, run, uids, first + late, [40, 12, 30, 40], alone, tol=2e-3)
+    check_against_alone(model, run, uids, first + late, [40, 12, 30, 40], alone, _same_inexact, tol=2e-3)
     assert run.final[uids[2]][0].offset == 66 + len(rest) + 30  # one step computed ahead, as alone
 
 
@@ -198,24 +135,8 @@ def test_attend_on_ragged_batch_equals_each_single():
             c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
         singles.append(c)
     batch = KIVIKVCache.merge([copy.deepcopy(c) for c in singles])
-    for N, lengths in [(23, [23, 10, 23, 1]), (1, None), (1, None), (40, None), (1, None)]:
-        k, v, q = (mx.random.normal((4, H, N, D)), mx.random.normal((4, H, N, D)),
-                   mx.random.normal((4, Hq, N, D)))
-        if lengths:
-            batch.prepare(lengths=lengths, right_padding=[N - n for n in lengths])
-        mask = batch.make_mask(N)
-        K, V = batch.update_and_fetch(k, v)
-        out = dispatch.dispatched_sdpa(q, K, V, cache=batch, scale=0.125, mask=mask)
-        dense = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.125, mask=mask)
-        if lengths:
-            batch.finalize()
-        for i, c in enumerate(singles):
-            n = lengths[i] if lengths else N
-            m = c.make_mask(n)
-            Ks, Vs = c.update_and_fetch(k[i:i + 1, :, :n], v[i:i + 1, :, :n])
-            ref = c.attend(q[i:i + 1, :, :n], Ks, Vs, scale=0.125, mask=m)
-            assert float(mx.abs(ref - out[i:i + 1, :, :n]).max()) < 1e-6
-            assert float(mx.abs(ref - dense[i:i + 1, :, :n]).max()) < 1e-5
+    steps = [(23, [23, 10, 23, 1]), (1, None), (1, None), (40, None), (1, None)]
+    attend_steps_equal_singles(batch, singles, steps, H, Hq, D, tol_codes=1e-6, tol_dense=1e-5)
     assert batch.nq == [4, 5, 2, 1] and batch.nr == [4, 23, 7, 12] and batch.lens == [132, 183, 71, 44]
     for i, c in enumerate(singles):
         _same_codes(batch.extract(i), c)

@@ -347,9 +347,17 @@ def test_trim_into_sink_rows_then_refill_after_a_state_round_trip():
     assert float(mx.abs(out - ref).max()) < 1e-4
 
 
-def test_merge_refuses_and_bad_configs_are_rejected():
+def test_merge_builds_the_batch_form_and_bad_configs_are_rejected():
+    """merge builds the compressed batch form (tests/test_turboquant_rvq_batch.py); a subclass refuses."""
+    from veloxquant_mlx.cache.methods.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
+
+    assert type(tq.TurboQuantRVQKVCache.merge([make(), make()])) is TurboQuantRVQBatchKVCache
+
+    class Sub(tq.TurboQuantRVQKVCache):
+        pass
+
     with pytest.raises(BatchingNotSupported):
-        tq.TurboQuantRVQKVCache.merge([make(), make()])
+        Sub.merge([Sub(cfg()), Sub(cfg())])
     with pytest.raises(QuantizerConfigError, match="key_sub_dim"):
         make(16, key_sub_dim=3)
     c = make(16)

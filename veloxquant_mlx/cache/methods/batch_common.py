@@ -11,11 +11,12 @@ device, and nothing here loops over tokens, heads or sequences with array operat
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import mlx.core as mx
 
-from ..contract import CompressedKVCache
+from ..contract import BatchingNotSupported, CompressedKVCache, config_to_json
 
 
 def grow_slots(cap: int, need: int) -> int:
@@ -77,12 +78,20 @@ def visible_mask(N: int, B: int, regions) -> mx.array:
 
 
 class RaggedBatchCache(CompressedKVCache):
-    """Base of the batch forms: per-sequence host-side counts (``count_fields``, lists of ints, one
-    of them ``lens``: tokens held per sequence), mlx_lm's ``prepare``/``finalize`` (right padding
-    only: padded rows are never stored), ``offset``/``left_padding`` as arrays, and the count side of
-    ``filter``/``extend``. Subclasses select/concatenate their arrays."""
+    """Base of the batch forms: per-sequence host-side counts (``count_fields``, lists of ints, among
+    them ``lens``: tokens held, and ``nq``: used slots of the left-aligned buffers, ``cap`` allocated),
+    a right-aligned float16 region (``right_fields``, its per-sequence rows in ``right_count``),
+    mlx_lm's ``prepare``/``finalize`` (right padding only: padded rows are never stored), ``offset`` /
+    ``left_padding`` as arrays, ``filter``/``extend`` and the state. Subclasses implement
+    ``_settings`` (what must match to share a batch), ``_region_dtype`` (the right region's dtype for a
+    compute dtype), ``_alloc(B, dtype)`` (zero arrays for B sequences: no slots, an empty right
+    region of that dtype) and ``_set_capacity``."""
 
-    count_fields: tuple[str, ...] = ("lens",)
+    count_fields: tuple[str, ...] = ("nq", "lens")
+    right_fields: tuple[str, ...] = ()
+    right_count: str = ""
+    state_scalars: tuple[str, ...] = ("cap", "dtype_name")
+    cap = 0
 
     def _init_counts(self, batch_size: int) -> None:
         for name in self.count_fields:
@@ -91,9 +100,30 @@ class RaggedBatchCache(CompressedKVCache):
         self._call = None
         self._sync_offset()
 
+    # ---------------------------------------------------------------- subclass hooks
+    def _settings(self) -> tuple:
+        raise NotImplementedError
+
+    def _region_dtype(self, compute_dtype):
+        raise NotImplementedError
+
+    def _alloc(self, B: int, dtype, cap: int = 0) -> dict:
+        raise NotImplementedError
+
+    def _set_capacity(self, cap: int) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- bookkeeping
     @property
     def batch_size(self) -> int:
         return len(self.lens)
+
+    def _held(self) -> bool:
+        return getattr(self, self.right_fields[0]) is not None
+
+    @property
+    def right_width(self) -> int:
+        return getattr(self, self.right_fields[0]).shape[2] if self._held() else 0
 
     def _sync_offset(self):
         self.offset = mx.array(self.lens, dtype=mx.int32)
@@ -102,6 +132,13 @@ class RaggedBatchCache(CompressedKVCache):
     def stored_rows(self) -> int:
         return max(self.lens, default=0)
 
+    def empty(self) -> bool:
+        return not self._held() and not any(self.lens)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    # ---------------------------------------------------------------- mlx_lm batch protocol
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None and max(left_padding, default=0) > 0:
             raise ValueError(f"{type(self).__name__} takes right-padded prompts (prepare(lengths=...)), "
@@ -113,27 +150,95 @@ class RaggedBatchCache(CompressedKVCache):
         # Padded rows were never stored: each sequence already holds exactly its own tokens.
         self._pending = None
 
-    def _take_valid(self, N: int) -> list[int]:
-        """Valid rows of each sequence in a call of N rows (all N unless ``prepare`` gave lengths)."""
+    def _begin_call(self, keys, values) -> list[int]:
+        """Checks a call's rows, allocates on the first one; returns each sequence's valid rows
+        (all N unless ``prepare`` gave lengths)."""
+        self._check_input(keys, values)
+        N = keys.shape[2]
+        if keys.shape[0] != self.batch_size:
+            raise ValueError(f"{type(self).__name__} holds {self.batch_size} sequences, "
+                             f"got a batch of {keys.shape[0]}")
+        if not self._held():
+            for name, a in self._alloc(self.batch_size, self._region_dtype(keys.dtype)).items():
+                setattr(self, name, a)
+            self.cap = 0
+        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         if self._pending is None:
             return [N] * self.batch_size
         valid = [min(N, p) for p in self._pending]
         self._pending = [p - v for p, v in zip(self._pending, valid)]
         return valid
 
-    def _filter_counts(self, idx: list[int]) -> None:
+    def filter(self, batch_indices):
+        idx = [int(i) for i in batch_indices]
         for name in self.count_fields:
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in idx])
         if self._pending is not None:
             self._pending = [self._pending[i] for i in idx]
         self._call = None
+        if self._held():
+            sel = mx.array(idx, dtype=mx.int32)
+            for name in self.array_fields:
+                setattr(self, name, getattr(self, name)[sel])
+            width = max(getattr(self, self.right_count), default=0)
+            if width < self.right_width:  # drop the common invalid prefix of the right-aligned region
+                for name in self.right_fields:
+                    setattr(self, name, mx.contiguous(keep_right(getattr(self, name), width)))
+            need = max(self.nq, default=0)
+            if self.cap > grow_slots(need, need + 1):  # a long request left: give its spare slots back
+                self._set_capacity(need)
+        self._sync_offset()
 
-    def _extend_counts(self, other: "RaggedBatchCache") -> None:
+    def extend(self, other):
+        if type(other) is not type(self) or other._settings() != self._settings():
+            raise BatchingNotSupported(f"only {type(self).__name__}s with the same settings extend each other")
+        held = [c for c in (self, other) if c._held()]
+        if held:
+            ref = held[0]
+            layout = lambda c: (c._shape, getattr(c, c.right_fields[0]).dtype)  # noqa: E731
+            if len(held) == 2 and layout(self) != layout(other):
+                raise BatchingNotSupported(f"head shapes / dtypes differ: {layout(self)} vs {layout(other)}")
+            cap, width = max(self.cap, other.cap), max(self.right_width, other.right_width)
+            for c in (self, other):
+                if not c._held():
+                    c._shape, c.dtype_name = ref._shape, ref.dtype_name
+                    for name, a in c._alloc(c.batch_size, getattr(ref, ref.right_fields[0]).dtype).items():
+                        setattr(c, name, a)
+                    c.cap = 0
+                c._set_capacity(cap)
+                for name in c.right_fields:  # right-aligned: pad on the left
+                    setattr(c, name, pad_left(getattr(c, name), width))
+            for name in self.array_fields:
+                setattr(self, name, mx.concatenate([getattr(self, name), getattr(other, name)], axis=0))
         n_self, n_other = self.batch_size, other.batch_size
         for name in self.count_fields:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if self._pending is not None or other._pending is not None:
             self._pending = (self._pending or [0] * n_self) + (other._pending or [0] * n_other)
+        self._call = None
+        self._sync_offset()
+
+    # ---------------------------------------------------------------- accounting and state
+    @property
+    def full_seq_bytes(self) -> int:
+        """What float16 rows of every sequence's tokens would take (no padding, no slack)."""
+        if getattr(self, "_shape", None) is None:
+            return 0
+        H, D, Dv = self._shape
+        return sum(self.lens) * H * (D + Dv) * 2
+
+    @property
+    def state(self):
+        # CompressedKVCache's format; the per-sequence counts ride as scalars (offset follows from lens)
+        scalars = {n: getattr(self, n) for n in self.count_fields + self.state_scalars}
+        meta = {"config": config_to_json(self.config), "offset": 0, "scalars": scalars,
+                "shape": list(getattr(self, "_shape", None) or [])}
+        return {"meta": json.dumps(meta), **{name: getattr(self, name) for name in self.array_fields}}
+
+    @state.setter
+    def state(self, v):
+        CompressedKVCache.state.fset(self, v)
+        self._pending = None
         self._call = None
         self._sync_offset()

@@ -42,15 +42,12 @@ float16 residual region; no dense copy of the quantized rows is kept.
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 
 from ..attention import bool_mask, group_queries, ungroup
-from ..contract import BatchingNotSupported, config_from_json, config_to_json, register_with_mlx_lm
+from ..contract import BatchingNotSupported, register_with_mlx_lm
 from ..primitives import groupquant as gq
-from .batch_common import (RaggedBatchCache, grow_slots, keep_right, pad_left, rows_ending_at, rows_from,
-                           visible_mask)
+from .batch_common import RaggedBatchCache, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _Q_FIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
@@ -63,6 +60,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
     method_name = "kivi"
     array_fields = _Q_FIELDS + ("res_k", "res_v")
     count_fields = ("nq", "nr", "lens")  # quantized groups, residual rows (< G), tokens held (= nq*G + nr)
+    right_fields, right_count = ("res_k", "res_v"), "nr"  # the float16 residual region, right-aligned
     chunk_invariant = True
     exact_trim = False
     trim_exact_or_raises = True
@@ -93,12 +91,16 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def size(self) -> int:
         return max(self.nq, default=0) * self.group + self.R
 
-    def empty(self) -> bool:
-        return self.res_k is None and not any(self.lens)
+    def _settings(self) -> tuple:
+        return (self.qbits, self.group, self.attend_path)
 
     # ---------------------------------------------------------------- allocation
-    def _alloc(self, B, H, D, Dv, cap):
+    def _region_dtype(self, compute_dtype):
+        return RES_DTYPE
+
+    def _alloc(self, B, dtype=RES_DTYPE, cap=0):
         """Zero buffers for B sequences with ``cap`` group slots and an empty residual region."""
+        H, D, Dv = self._shape
         G, w = self.group, self._key_words()
         gv = self.value_group(Dv)
         wv = gq.words_per_group(self.qbits, gv) * (Dv // gv)
@@ -110,8 +112,8 @@ class KIVIBatchKVCache(RaggedBatchCache):
             "v_codes": mx.zeros((B, H, cap * G, wv), dtype=mx.uint32),
             "v_scales": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
             "v_biases": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
-            "res_k": mx.zeros((B, H, 0, D), dtype=RES_DTYPE),
-            "res_v": mx.zeros((B, H, 0, Dv), dtype=RES_DTYPE),
+            "res_k": mx.zeros((B, H, 0, D), dtype=dtype),
+            "res_v": mx.zeros((B, H, 0, Dv), dtype=dtype),
         }
 
     def _set_capacity(self, cap: int) -> None:
@@ -163,10 +165,10 @@ class KIVIBatchKVCache(RaggedBatchCache):
         out.lens = [c.offset for c in caches]
         R = max(out.nr)
         out.cap = max(out.nq)
-        empty = out._alloc(1, H, D, Dv, out.cap)
+        empty = out._alloc(1, cap=out.cap)
         parts = {name: [] for name in cls.array_fields}
         for c, g, r in zip(caches, out.nq, out.nr):  # once per request, not per step
-            one = out._alloc(1, H, D, Dv, out.cap)
+            one = out._alloc(1, cap=out.cap)
             if g:
                 one["k_codes"][..., : g * w] = c.k_codes[..., : g * w]
                 for name in ("k_scales", "k_biases"):
@@ -185,45 +187,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
             setattr(out, name, mx.concatenate(parts[name], axis=0))
         out._sync_offset()
         return out
-
-    def filter(self, batch_indices):
-        idx = [int(i) for i in batch_indices]
-        self._filter_counts(idx)
-        if self.res_k is not None:
-            sel = mx.array(idx, dtype=mx.int32)
-            for name in self.array_fields:
-                setattr(self, name, getattr(self, name)[sel])
-            R = max(self.nr, default=0)
-            if R < self.R:  # drop the common invalid prefix of the residual region
-                self.res_k = mx.contiguous(keep_right(self.res_k, R))
-                self.res_v = mx.contiguous(keep_right(self.res_v, R))
-            need = max(self.nq, default=0)
-            if self.cap > grow_slots(need, need + 1):  # a long request left: give its spare slots back
-                self._set_capacity(need)
-        self._sync_offset()
-
-    def extend(self, other: "KIVIBatchKVCache"):
-        if not isinstance(other, KIVIBatchKVCache) or (other.qbits, other.group) != (self.qbits, self.group):
-            raise BatchingNotSupported("only KIVI batch caches with the same bits and group size extend each other")
-        shape = getattr(self, "_shape", None) or getattr(other, "_shape", None)
-        if self.res_k is not None or other.res_k is not None:
-            if other.res_k is not None and self.res_k is not None and other._shape != self._shape:
-                raise BatchingNotSupported(f"head shapes differ: {self._shape} vs {other._shape}")
-            H, D, Dv = shape
-            cap = max(self.cap, other.cap)
-            R = max(self.R, other.R)
-            for c in (self, other):
-                if c.res_k is None:
-                    for name, a in c._alloc(c.batch_size, H, D, Dv, 0).items():
-                        setattr(c, name, a)
-                    c.cap, c._shape = 0, shape
-                    c.dtype_name = (other if c is self else self).dtype_name
-                c._set_capacity(cap)
-                c.res_k, c.res_v = pad_left(c.res_k, R), pad_left(c.res_v, R)  # right-aligned
-            for name in self.array_fields:
-                setattr(self, name, mx.concatenate([getattr(self, name), getattr(other, name)], axis=0))
-            self._shape = shape
-        self._extend_counts(other)
 
     def extract(self, idx: int) -> KIVIKVCache:
         """Sequence ``idx`` as an ordinary single ``KIVIKVCache`` (the same codes it would hold alone)."""
@@ -280,15 +243,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         return ks, vs
 
     def update_and_fetch(self, keys, values):
-        self._check_input(keys, values)
-        B, H, N, D = keys.shape
-        if B != self.batch_size:
-            raise ValueError(f"KIVIBatchKVCache holds {self.batch_size} sequences, got a batch of {B}")
-        if self.res_k is None:
-            for name, a in self._alloc(B, H, D, values.shape[-1], 0).items():
-                setattr(self, name, a)
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
-        valid = self._take_valid(N)
+        valid = self._begin_call(keys, values)
         qw = max(self.nq, default=0)
         self._call = (qw, self.R, list(self.nq), list(self.nr), self.res_k, self.res_v, keys, values)
         self._store(keys, values, valid)
@@ -409,9 +364,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
         return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
 
     # ---------------------------------------------------------------- trim
-    def is_trimmable(self) -> bool:
-        return True
-
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""
         n = int(n)
@@ -431,35 +383,3 @@ class KIVIBatchKVCache(RaggedBatchCache):
         self.lens = [x - n for x in self.lens]
         self._sync_offset()
         return n
-
-    # ---------------------------------------------------------------- accounting and state
-    @property
-    def state(self):
-        meta = {"config": config_to_json(self.config),
-                "nq": self.nq, "nr": self.nr, "lens": self.lens, "cap": self.cap,
-                "dtype_name": self.dtype_name, "shape": list(getattr(self, "_shape", None) or [])}
-        out = {"meta": json.dumps(meta)}
-        for name in self.array_fields:
-            out[name] = getattr(self, name)
-        return out
-
-    @state.setter
-    def state(self, v):
-        meta = json.loads(v["meta"])
-        self.config = config_from_json(meta["config"])
-        self._init_layout()
-        self.nq, self.nr, self.lens, self.cap = meta["nq"], meta["nr"], meta["lens"], meta["cap"]
-        self.dtype_name = meta["dtype_name"]
-        self._shape = tuple(meta["shape"]) or None
-        self._pending = None
-        for name in self.array_fields:
-            setattr(self, name, v.get(name))
-        self._sync_offset()
-
-    @property
-    def full_seq_bytes(self) -> int:
-        """What float16 rows of every sequence's tokens would take (no padding, no slack)."""
-        if getattr(self, "_shape", None) is None:
-            return 0
-        H, D, Dv = self._shape
-        return sum(self.lens) * H * (D + Dv) * 2

@@ -146,7 +146,8 @@ remaining token keeps its own stored form, so the result is what a cache that ne
 tokens would hold except that some of the newest remaining tokens may be quantized rather than
 float16 -- those that the trimmed tokens pushed out of the window (so even a trim of window rows
 only is not exact once a compaction ran since: ``exact_trim`` is False), or up to R of them after a
-trim beyond the window; ``merge`` raises ``BatchingNotSupported``. No Python loop
+trim beyond the window; ``merge`` builds the batch form (``turboquant_rvq_batch.py``: each request
+keeps its own sink rows, codes and window in mlx_lm's continuous batching). No Python loop
 runs over tokens, heads or batch rows (long blocks are encoded in a few chunks of rows only to
 bound the distance matrices' memory) and no decode step forces a host synchronisation.
 
@@ -735,6 +736,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     the codes. See the module docstring."""
     chunk_invariant = True  # data-oblivious codebooks, per-token codes, window compacted in whole blocks
     exact_trim = False  # returns n, but rows the trimmed rows pushed out of the float16 window stay quantized
+    batchable = True  # merge -> TurboQuantRVQBatchKVCache (turboquant_rvq_batch.py); subclasses keep raising
 
     array_fields = ("k_codes1", "k_codes2", "k_norms", "v_codes1", "v_codes2", "v_norms", "win_k", "win_v",
                     "sink_k", "sink_v")
@@ -905,6 +907,12 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             return 0
         B, H, _, D = self.win_k.shape
         return B * H * self.offset * (D + self.win_v.shape[-1]) * 2
+
+    @classmethod
+    def _merge_batch(cls, caches):
+        from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
+
+        return TurboQuantRVQBatchKVCache.from_caches(caches)
 
     # ---- copies share the constants
     def __deepcopy__(self, memo):
