@@ -9,9 +9,11 @@ What this module adds:
 * **Compressed caches per request.** Every compressed request gets caches from
   ``KVCacheBuilder.for_model`` with the server's configuration, or with the request's own
   ``"kv_cache": {"method": ..., "settings": {...}}``.
-* **Batching, stated.** No compressed cache has a batch form yet (``merge`` raises), so compressed
-  requests are served one at a time, in arrival order, and ``/v1/kv/stats`` says so; they are never
-  silently decoded with an uncompressed batch cache. ``none`` requests use mlx_lm's batch path.
+* **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi,
+  turboquant_rvq) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
+  description carry them); the others (``merge`` raises ``BatchingNotSupported``) are served one at a
+  time, in arrival order. ``/v1/kv/stats`` says which; nothing is ever decoded with an uncompressed batch
+  cache behind a compressed label. ``none`` requests use mlx_lm's batch path as is.
 * **Prompt-cache reuse only where the cache state is the one a fresh run builds.** A follow-up request
   reuses the cache of the longest cached prefix only if the method is ``chunk_invariant`` (its state
   does not depend on how tokens were split across calls); trimming a longer cached sequence back to
