@@ -83,6 +83,7 @@ def test_stats_report_measured_compressed_bytes_and_sequential_batching(srv):
     assert s["default"]["method"] == "kivi" and s["default"]["settings"] == {"bit_width_inlier": 4}
     assert s["default"]["batching"] == "batched"  # KIVI has a compressed batch form
     assert S.parse_kv_settings("turboquant_rvq", {}).describe()["batching"] == "batched"
+    assert S.parse_kv_settings("streaming_llm", {}).describe()["batching"] == "batched"
     assert S.parse_kv_settings("kivi_sink", {}).describe()["batching"] == "sequential"  # variants do not
     assert "prefix" in s["default"]["prompt_reuse"]
     kept = [e for e in s["cached"] if e["method"] == "kivi"]

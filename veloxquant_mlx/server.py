@@ -10,7 +10,7 @@ What this module adds:
   ``KVCacheBuilder.for_model`` with the server's configuration, or with the request's own
   ``"kv_cache": {"method": ..., "settings": {...}}``.
 * **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi,
-  turboquant_rvq) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
+  turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
   description carry them); the others (``merge`` raises ``BatchingNotSupported``) are served one at a
   time, in arrival order. ``/v1/kv/stats`` says which; nothing is ever decoded with an uncompressed batch
   cache behind a compressed label. ``none`` requests use mlx_lm's batch path as is.
@@ -441,6 +441,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self.store = store
         self.live: dict[int, tuple] = {}
         self.counters = counters
+        self.last_reuse = None  # the prefix-reuse decision of the latest request served one at a time
         self._ids = 0
         super().__init__(provider, prompt_cache)
 
@@ -491,13 +492,12 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
 
         caches, reused, how = self.store.fetch(kv.key, prompt) if kv.reuse else (None, 0, "reuse off")
+        self.last_reuse = {"method": kv.method, "reused_tokens": reused, "prompt_tokens": len(prompt), "how": how}
         if caches is None:
             caches = KVCacheBuilder.for_model(model, kv.config)
-            if reused == 0 and "recomputed" in how:
-                self.counters["recomputed_requests"] += 1
         ctx.prompt_cache_count = reused
-        self.counters["compressed_requests"] += 1
-        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["served_one_at_a_time"] += 1
+        self.counters["prompt_tokens_one_at_a_time"] += len(prompt)
         self.counters["reused_tokens"] += reused
         rqueue.put(ctx)
 
@@ -555,6 +555,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             "cached": cached,
             "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
             "counters": dict(self.counters),
+            "last_one_at_a_time_reuse": self.last_reuse,
             "process": process_memory(),
             "time": time.time(),
         }
@@ -679,8 +680,10 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
 
         KVCacheBuilder.for_model(provider.model, kv.config)
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    counters = {"requests": 0, "compressed_requests": 0, "prompt_tokens": 0, "reused_tokens": 0,
-                "recomputed_requests": 0, "errors": 0}
+    # requests: all POSTed generations; served_one_at_a_time: compressed requests without a batch form;
+    # reused_tokens: prompt tokens taken from a kept cache (both paths); errors: failed generations
+    counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
+                "reused_tokens": 0, "errors": 0}
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
     generator.limits = {"max_prompt_tokens": max_prompt_tokens, "max_body_bytes": max_body_bytes,

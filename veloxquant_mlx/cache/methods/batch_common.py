@@ -1,5 +1,6 @@
 """Per-request bookkeeping shared by the batch forms of compressed caches (``kivi_batch.py``,
-``turboquant_rvq_batch.py``): mlx_lm's batch-cache protocol (``prepare``/``finalize`` for right-padded
+``turboquant_rvq_batch.py``, ``streaming_llm_batch.py``: the last has no right-aligned region, its
+``right_fields`` is empty): mlx_lm's batch-cache protocol (``prepare``/``finalize`` for right-padded
 prefill, ``offset`` as an ``mx.array``, ``filter``/``extend`` of the per-request counts) and the ragged
 layouts both use: regions whose rows are *left-aligned* per sequence (quantized slots ``[0, n_i)``)
 or *right-aligned* (float16 rows of the newest tokens, the last ``n_i`` columns), and the boolean
@@ -118,12 +119,17 @@ class RaggedBatchCache(CompressedKVCache):
     def batch_size(self) -> int:
         return len(self.lens)
 
+    def _lead(self):
+        """The array that tells whether buffers are held and their dtype: the right-aligned region's
+        first field, or the first array field of a layout without one (all left-aligned)."""
+        return getattr(self, (self.right_fields or self.array_fields)[0])
+
     def _held(self) -> bool:
-        return getattr(self, self.right_fields[0]) is not None
+        return self._lead() is not None
 
     @property
     def right_width(self) -> int:
-        return getattr(self, self.right_fields[0]).shape[2] if self._held() else 0
+        return getattr(self, self.right_fields[0]).shape[2] if self.right_fields and self._held() else 0
 
     def _sync_offset(self):
         self.offset = mx.array(self.lens, dtype=mx.int32)
@@ -181,7 +187,7 @@ class RaggedBatchCache(CompressedKVCache):
             sel = mx.array(idx, dtype=mx.int32)
             for name in self.array_fields:
                 setattr(self, name, getattr(self, name)[sel])
-            width = max(getattr(self, self.right_count), default=0)
+            width = max(getattr(self, self.right_count), default=0) if self.right_fields else 0
             if width < self.right_width:  # drop the common invalid prefix of the right-aligned region
                 for name in self.right_fields:
                     setattr(self, name, mx.contiguous(keep_right(getattr(self, name), width)))
@@ -196,14 +202,14 @@ class RaggedBatchCache(CompressedKVCache):
         held = [c for c in (self, other) if c._held()]
         if held:
             ref = held[0]
-            layout = lambda c: (c._shape, getattr(c, c.right_fields[0]).dtype)  # noqa: E731
+            layout = lambda c: (c._shape, c._lead().dtype)  # noqa: E731
             if len(held) == 2 and layout(self) != layout(other):
                 raise BatchingNotSupported(f"head shapes / dtypes differ: {layout(self)} vs {layout(other)}")
             cap, width = max(self.cap, other.cap), max(self.right_width, other.right_width)
             for c in (self, other):
                 if not c._held():
                     c._shape, c.dtype_name = ref._shape, ref.dtype_name
-                    for name, a in c._alloc(c.batch_size, getattr(ref, ref.right_fields[0]).dtype).items():
+                    for name, a in c._alloc(c.batch_size, ref._lead().dtype).items():
                         setattr(c, name, a)
                     c.cap = 0
                 c._set_capacity(cap)

@@ -30,6 +30,7 @@ class StreamingLLMKVCache(EvictionKVCache):
     """Attention sinks + a sliding window, exact; holds at most sinks + window rows."""
     chunk_invariant = True  # holds exactly the sinks and the newest window rows
     exact_trim = False  # the rows that slid out of the window while the trimmed rows were added are gone
+    batchable = True  # merge -> StreamingLLMBatchKVCache (streaming_llm_batch.py)
 
     scalar_fields = EvictionKVCache.scalar_fields + ("ring",)
     ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)
@@ -90,6 +91,12 @@ class StreamingLLMKVCache(EvictionKVCache):
         q_pos = new[:, None]
         win = self.window if window_size is None else min(self.window, window_size)
         return (key_pos[None] <= q_pos) & ((key_pos[None] < self.n_sink) | (key_pos[None] > q_pos - win))
+
+    @classmethod
+    def _merge_batch(cls, caches):
+        from .streaming_llm_batch import StreamingLLMBatchKVCache
+
+        return StreamingLLMBatchKVCache.from_caches(caches)
 
     @property
     def tokens_in_window(self) -> int:
