@@ -1,4 +1,4 @@
-"""Shared by the batch-form tests (tests/test_kivi_batch.py, tests/test_turboquant_rvq_batch.py):
+"""Shared by the batch-form tests (tests/test_{kivi,turboquant_rvq,streaming_llm}_batch.py):
 prompts for the tiny models, mlx_lm's single-request loop, a driver for mlx_lm's ``BatchGenerator``
 that records what each request got, and a tolerance helper."""
 
@@ -118,3 +118,32 @@ def attend_steps_equal_singles(batch, singles, steps, H, Hq, D, tol_codes, tol_d
             ref = c.attend(q[i:i + 1, :, :n], Ks, Vs, scale=0.125, mask=m)
             assert float(mx.abs(ref - out[i:i + 1, :, :n]).max()) < tol_codes
             assert float(mx.abs(ref - dense[i:i + 1, :, :n]).max()) < tol_dense
+
+
+def real_model_batch_equals_alone(spans, max_tokens, make_caches, same_state):
+    """The embedded SmolLM2-135M: essay prompts ``ids[a:b]`` for each ``(a, b)`` in ``spans``, decoded
+    together by mlx_lm's BatchGenerator with caches from ``make_caches(model)``: each request's greedy
+    tokens equal its run alone through mlx_lm.stream_generate, and layer by layer
+    ``same_state(extracted, alone, exact=False)`` holds. Returns the lone runs' caches."""
+    import mlx_lm
+
+    from veloxquant_mlx.assets import essays_text
+    from veloxquant_mlx.model import load_model
+
+    model, tokenizer = load_model(None)
+    ids = tokenizer.encode(essays_text(max_chars=4000), add_special_tokens=False)
+    prompts = [ids[a:b] for a, b in spans]
+    alone_caches = [make_caches(model) for _ in prompts]
+    lone = [[r.token for r in mlx_lm.stream_generate(model, tokenizer, p, max_tokens=max_tokens, prompt_cache=c)]
+            for p, c in zip(prompts, alone_caches)]
+    run = Run(model, max_tokens=max_tokens, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+    uids = run.insert(prompts, [make_caches(model) for _ in prompts])
+    run.run()
+    for u, toks, c in zip(uids, lone, alone_caches):
+        got = run.tokens[u]
+        if got and got[-1] in tokenizer.eos_token_ids:  # stream_generate does not yield the stop token
+            got = got[:-1]
+        assert got == toks
+        for ext, one in zip(run.final[u], c):
+            same_state(ext, one, exact=False)
+    return alone_caches

@@ -23,6 +23,7 @@ from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache  # noqa: E4
 
 from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off  # noqa: E402
 from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt, run_with_late_joiners  # noqa: E402
+from batch_helpers import real_model_batch_equals_alone  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
 G = 32
@@ -221,26 +222,5 @@ def test_real_model_batch_equals_alone():
     """The embedded SmolLM2-135M: 3 essay prompts (41-150 tokens), 24 greedy decode steps batched by
     mlx_lm's BatchGenerator: the same tokens as each request alone through mlx_lm.stream_generate,
     and the extracted caches hold the same codes."""
-    import mlx_lm
-
-    from veloxquant_mlx.assets import essays_text
-    from veloxquant_mlx.model import load_model
-
-    model, tokenizer = load_model(None)
-    ids = tokenizer.encode(essays_text(max_chars=4000), add_special_tokens=False)
     # 24 steps (the CPU is slow with this model); every request crosses a group boundary while decoding
-    prompts = [ids[:41], ids[200:350], ids[500:610]]
-    T = 24
-    alone_caches = [_caches(model) for _ in prompts]
-    alone = [[r.token for r in mlx_lm.stream_generate(model, tokenizer, p, max_tokens=T, prompt_cache=c)]
-             for p, c in zip(prompts, alone_caches)]
-    run = _Run(model, max_tokens=T, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
-    uids = run.insert(prompts, [_caches(model) for _ in prompts])
-    run.run()
-    for u, toks, c in zip(uids, alone, alone_caches):
-        got = run.tokens[u]
-        if got and got[-1] in tokenizer.eos_token_ids:  # stream_generate does not yield the stop token
-            got = got[:-1]
-        assert got == toks
-        for ext, one in zip(run.final[u], c):
-            _same_codes(ext, one, exact=False)
+    real_model_batch_equals_alone([(0, 41), (200, 350), (500, 610)], 24, _caches, _same_codes)

@@ -25,6 +25,7 @@ from veloxquant_mlx.cache.options import StreamingLLMOptions  # noqa: E402
 
 from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off  # noqa: E402
 from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt, run_with_late_joiners  # noqa: E402
+from batch_helpers import real_model_batch_equals_alone  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
 SINKS, WINDOW = 4, 24
@@ -239,25 +240,4 @@ def test_real_model_batch_equals_alone():
     """The embedded SmolLM2-135M: 3 essay prompts (41-120 tokens), 30 greedy decode steps batched by
     mlx_lm's BatchGenerator with 4 sinks + a 24-token window (every window wraps): the same tokens as
     each request alone through mlx_lm.stream_generate, and the extracted caches keep the same rows."""
-    import mlx_lm
-
-    from veloxquant_mlx.assets import essays_text
-    from veloxquant_mlx.model import load_model
-
-    model, tokenizer = load_model(None)
-    ids = tokenizer.encode(essays_text(max_chars=4000), add_special_tokens=False)
-    prompts = [ids[:41], ids[200:320], ids[500:580]]
-    T = 30
-    alone_caches = [_caches(model) for _ in prompts]
-    alone = [[r.token for r in mlx_lm.stream_generate(model, tokenizer, p, max_tokens=T, prompt_cache=c)]
-             for p, c in zip(prompts, alone_caches)]
-    run = _Run(model, max_tokens=T, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
-    uids = run.insert(prompts, [_caches(model) for _ in prompts])
-    run.run()
-    for u, toks, c in zip(uids, alone, alone_caches):
-        got = run.tokens[u]
-        if got and got[-1] in tokenizer.eos_token_ids:  # stream_generate does not yield the stop token
-            got = got[:-1]
-        assert got == toks
-        for ext, one in zip(run.final[u], c):
-            _same_state(ext, one, exact=False)
+    real_model_batch_equals_alone([(0, 41), (200, 320), (500, 580)], 30, _caches, _same_state)

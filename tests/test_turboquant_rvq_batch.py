@@ -26,6 +26,7 @@ from veloxquant_mlx.cache.options import TurboQuantRVQOptions  # noqa: E402
 
 from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off  # noqa: E402
 from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt, run_with_late_joiners  # noqa: E402
+from batch_helpers import real_model_batch_equals_alone  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
 R_TINY = 32  # a short window on the tiny model: flushes every 32 decode steps
@@ -267,30 +268,11 @@ def test_real_model_batch_equals_alone():
     """The embedded SmolLM2-135M, default settings: 3 essay prompts (140-175 tokens) whose windows
     flush while decoding, 24 greedy decode steps batched by mlx_lm's BatchGenerator: the same tokens
     as each request alone through mlx_lm.stream_generate, and the extracted caches hold the same state."""
-    import mlx_lm
 
-    from veloxquant_mlx.assets import essays_text
-    from veloxquant_mlx.model import load_model
-
-    model, tokenizer = load_model(None)
-    ids = tokenizer.encode(essays_text(max_chars=4000), add_special_tokens=False)
-    prompts = [ids[:140], ids[200:350], ids[500:675]]  # window flushes at decode steps 20, 10, 17
-    T = 24
-
-    def caches():
+    def caches(model):
         return KVCacheBuilder.for_model(model, KVCacheConfig(method="turboquant_rvq"))
 
-    alone_caches = [caches() for _ in prompts]
-    alone = [[r.token for r in mlx_lm.stream_generate(model, tokenizer, p, max_tokens=T, prompt_cache=c)]
-             for p, c in zip(prompts, alone_caches)]
-    run = _Run(model, max_tokens=T, stop_tokens=[[t] for t in tokenizer.eos_token_ids])
-    uids = run.insert(prompts, [caches() for _ in prompts])
-    run.run()
-    for u, toks, c in zip(uids, alone, alone_caches):
-        got = run.tokens[u]
-        if got and got[-1] in tokenizer.eos_token_ids:  # stream_generate does not yield the stop token
-            got = got[:-1]
-        assert got == toks
+    # window flushes at decode steps 20, 10, 17
+    alone = real_model_batch_equals_alone([(0, 140), (200, 350), (500, 675)], 24, caches, _same_state)
+    for c in alone:
         assert c[0].n_sink == SINK_ROWS and c[0].n_quant >= 28
-        for ext, one in zip(run.final[u], c):
-            _same_state(ext, one, exact=False)
