@@ -384,9 +384,12 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie,
         as ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
         out = []
-        for lru in self._lru._lrus.values():
+        for lru in list(self._lru._lrus.values()):
             for model, tokens in list(lru):
-                out.append((model, tokens, self._trie.get(model, tokens).prompt_cache))
+                try:  # the generation thread may evict it meanwhile (stats run on a handler thread)
+                    out.append((model, tokens, self._trie.get(model, tokens).prompt_cache))
+                except (KeyError, AttributeError, TypeError):
+                    continue
         return out
 
 
