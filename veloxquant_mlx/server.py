@@ -51,7 +51,7 @@ from mlx_lm import server as mlx_server
 from mlx_lm.generate import stream_generate
 from mlx_lm.models import cache as mlx_cache
 
-from .measure import fp16_kv_bytes
+from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
 
 NONE = "none"
 EMBEDDED_ID = "smollm2-135m"
@@ -176,12 +176,9 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
 
 def cache_figures(model, caches) -> dict:
     """Tokens seen and kept, measured bytes and the fp16 reference for one request's caches."""
-    seen = max((int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
-    kept = []
-    for c in caches:
-        rows = c.stored_rows() if hasattr(c, "stored_rows") else c.size()
-        kept.append(int(rows))
-    measured = int(sum(int(c.nbytes) for c in caches))
+    seen = cache_tokens(caches)
+    kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
+    measured = kv_bytes(caches)
     reference = fp16_kv_bytes(model, seen)
     return {"tokens_seen": seen, "tokens_kept_max": max(kept, default=0),
             "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0,
@@ -192,7 +189,7 @@ def cache_figures(model, caches) -> dict:
 def batch_figures(model, caches) -> dict:
     """Like ``cache_figures`` for a running batch cache (host-side lengths only: no device reads)."""
     lens = list(getattr(caches[0], "lens", []))
-    measured = int(sum(int(c.nbytes) for c in caches))
+    measured = kv_bytes(caches)
     reference = sum(fp16_kv_bytes(model, n) for n in lens)
     return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
             "ratio_vs_fp16": (measured / reference) if reference else None}
