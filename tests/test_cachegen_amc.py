@@ -1,11 +1,11 @@
-"""CacheGen (arXiv 2310.07240) and AMC (saliency-tiered precision): KIVI-layout subclasses. Contract
-(dispatch == dense attention, dense path, bytes budget, generate, state, deepcopy, trim, merge) and
-each method's defining property (CacheGen: bit-exact entropy coding that saves bytes, token deltas,
-layer-wise bits; AMC: tier fractions and bytes follow k_high / k_mid)."""
+"""CacheGen (arXiv 2310.07240) and AMC (saliency-tiered precision): KIVI-layout subclasses. Each
+method's defining property (CacheGen: bit-exact entropy coding that saves bytes, token deltas,
+layer-wise bits; AMC: tier fractions and bytes follow k_high / k_mid) and byte accounting; the shared
+contract (dispatch == dense attention, dense path, bytes budget, generate, state, deepcopy, trim, merge,
+validation) and the per-method configs (``make``) are in test_quant_contract.py."""
 
 from __future__ import annotations
 
-import copy
 import os
 
 import numpy as np
@@ -18,189 +18,20 @@ _blas.preload()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
-    KVCacheBuilder,
-    KVCacheConfig,
-    KVCacheFactory,
-    QuantizerConfigError,
-    dispatch,
-)
+from veloxquant_mlx.cache import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.cache.base import method_info  # noqa: E402
 from veloxquant_mlx.cache.methods.cachegen import CacheGenKVCache, layer_bits  # noqa: E402
-from veloxquant_mlx.cache.options import AMCOptions, CacheGenOptions  # noqa: E402
 from veloxquant_mlx.cache.primitives import entropy  # noqa: E402
 
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
+from test_quant_contract import caches_for, make, rand, run_chunks  # noqa: E402
+from tiny_models import VOCAB, tiny_llama  # noqa: E402
 
-METHODS = {"cachegen": (CacheGenKVCache, CacheGenOptions)}
-if method_info("amc").implemented:
-    from veloxquant_mlx.cache.methods.amc import AMCKVCache  # noqa: E402
-
-    METHODS["amc"] = (AMCKVCache, AMCOptions)
-
-
-def config(method, **opts):
-    cls, opt = METHODS[method]
-    return KVCacheConfig(method=method, head_dim=64, options=opt(**opts) if opts else None)
-
-
-def make(method, **opts):
-    c = KVCacheFactory.create(config(method, **opts))
-    assert isinstance(c, METHODS[method][0]) and not hasattr(c, "bits")
-    return c
-
-
-def rand(*shape, dtype=mx.float32):
-    return mx.random.normal(shape).astype(dtype)
-
-
-def sdpa(q, k, v, mask, scale, sinks=None):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+METHODS = [m for m in ("cachegen", "amc") if method_info(m).implemented]
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(11)
-
-
-@pytest.mark.parametrize("method,field,bad", [
-    ("cachegen", "bits", 9), ("cachegen", "group_size", 1), ("cachegen", "layer_groups", 0),
-    ("cachegen", "use_delta", "yes"),
-    ("amc", "k_high", -0.1), ("amc", "group_size", 1), ("amc", "query_alpha", 2.0),
-])
-def test_validation_names_field(method, field, bad):
-    with pytest.raises(QuantizerConfigError) as e:
-        KVCacheFactory.create(config(method, **{field: bad}))
-    assert e.value.field == f"{method}_{field}"
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("use_sinks", [False, True])
-def test_attend_through_dispatch_equals_dense(method, use_sinks):
-    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
-    cache = make(method)
-    sinks = rand(Hq) if use_sinks else None
-    for n, kind in [(70, "causal"), (1, None), (20, "array"), (1, None), (9, "causal"), (1, None)]:
-        k, v, q = rand(B, H, n, D), rand(B, H, n, D), rand(B, Hq, n, D)
-        past = cache.stored_rows()
-        mask = cache.make_mask(n, return_array=kind == "array")
-        K, V = cache.update_and_fetch(k, v)
-        assert bool(mx.array_equal(K[:, :, past:], k)) and K.shape[2] == past + n
-        out = dispatch.dispatched_sdpa(q, K, V, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        assert float(mx.abs(out - sdpa(q, K, V, mask, scale, sinks)).max()) < 1e-4
-    assert cache.n_quant == 96 and cache.n_res == 6
-
-
-TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]
-
-
-def _run(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
-def _caches(model, method, install=True, **opts):
-    opt = METHODS[method][1](**opts) if opts else None
-    return KVCacheBuilder.for_model(model, KVCacheConfig(method=method, options=opt), install_dispatch=install)
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_dense_path_without_dispatch_same_logits(method):
-    model, chunks = tiny_llama(), [45, 1, 1, 20, 1, 16, 1]
-    dispatch.install()
-    a = _run(model, _caches(model, method), TOKENS, chunks)
-    dispatch.uninstall()
-    b = _run(model, _caches(model, method, install=False), TOKENS, chunks)
-    dispatch.install()
-    for x, y in zip(a, b):  # logits (|x| up to ~5): float32 summation order differs between the paths
-        assert float(mx.abs(x - y).max()) < 1e-4 * max(1.0, float(mx.abs(x).max()))
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_bytes_per_token_budget(method):
-    B, H, D, T = 1, 2, 64, 4096
-    cache = make(method)
-    cache.update_and_fetch(rand(B, H, T - 40, D), rand(B, H, T - 40, D))
-    for _ in range(40):
-        cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
-    assert cache.n_quant == T and cache.nbytes == sum(a.nbytes for a in cache.held_arrays())
-    assert cache.used_nbytes <= cache.nbytes <= 1.2 * cache.used_nbytes
-    measured = cache.used_nbytes / (B * H * T)
-    budget = cache.bytes_per_token_budget(D, D)
-    assert abs(measured / budget - 1) < 0.10, (measured, budget)
-    if method == "cachegen":  # 4 bits: (32 + 8) per side + 8-bit anchors (64 + 8) / 32 per side
-        assert budget == pytest.approx(2 * (40 + 72 / 32))
-        assert cache.fixed_width_key_bytes + cache.fixed_width_value_bytes + cache.res_k.nbytes * 2 \
-            == cache.used_nbytes
-        assert cache.fp16_key_bytes == B * H * T * D * 2
-    else:  # 6 / 10 / 16 of 32 tokens at 8 / 4 / 2 bits = 3.75 bits; 4 bytes per 32 channels; 1 order byte
-        assert budget == pytest.approx(3.75 * 128 / 8 + 16 + 1)
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_generation_long_prompt_chunked(method, arch):
-    model = ARCHS[arch]()
-    caches = _caches(model, method)
-    toks = greedy(model, TOKENS[:75], caches, max_tokens=6, prefill_step_size=16)
-    assert len(toks) == 6 and all(0 <= t < VOCAB for t in toks)
-    ours = [c for c in caches if isinstance(c, METHODS[method][0])]
-    assert ours and all(c.offset == 75 + 6 and c.stored_rows() == c.offset and c.n_quant == 64 for c in ours)
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_state_roundtrip_deepcopy_merge(method, tmp_path):
-    model = tiny_llama()
-    caches = _caches(model, method)
-    _run(model, caches, TOKENS, [50, 1, 1])
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is METHODS[method][0] for c in loaded)
-    assert [c.used_nbytes for c in loaded] == [c.used_nbytes for c in caches]
-    nxt = TOKENS[52:58]
-    la, lb, lc = (_run(model, cs, nxt, [1] * 6) for cs in (caches, loaded, clone))
-    for a, b, c in zip(la, lb, lc):
-        assert bool(mx.array_equal(a, b)) and bool(mx.array_equal(a, c))
-    with pytest.raises(BatchingNotSupported):
-        METHODS[method][0].merge(caches[:2])
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_trim_exact_or_refused(method):
-    D = 64
-    k, v = rand(1, 2, 136, D), rand(1, 2, 136, D)
-
-    def fed(*chunks):
-        c, i = make(method), 0
-        for n in chunks:
-            c.update_and_fetch(k[:, :, i : i + n], v[:, :, i : i + n])
-            i += n
-        return c
-
-    def same(a, b):
-        assert (a.offset, a.n_quant, a.n_res) == (b.offset, b.n_quant, b.n_res)
-        for x, y in zip(a._dense(), b._dense()):
-            assert bool(mx.array_equal(x, y))
-
-    c = fed(104)
-    assert c.trim(5) == 5
-    same(c, fed(99))
-    with pytest.raises(ValueError):
-        c.trim(20)  # cuts into a quantized group
-    c = fed(96, 32)
-    assert c.trim(32) == 32
-    same(c, fed(96))
-    c = fed(104)
-    assert c.trim(104) == 104 and c.empty()
-    c.update_and_fetch(k[:, :, :40], v[:, :, :40])
-    same(c, fed(40))
 
 
 # ------------------------------------------------------------------------------------- CacheGen
@@ -242,6 +73,8 @@ def test_cachegen_saved_form_is_entropy_coded_exact_and_smaller():
         assert nb == 1 and c.compressed_key_bytes == st["k_stream"].size + 8 * nb + side_k
         assert c.compressed_value_bytes == st["v_stream"].size + 4 * nb + sum(a.nbytes for a in c._side("v"))
         assert c.fixed_width_key_bytes == B * H * D * (T // 32) * (4 * 3) + side_k
+        assert c.fixed_width_key_bytes + c.fixed_width_value_bytes + c.res_k.nbytes * 2 == c.used_nbytes
+        assert c.fp16_key_bytes == B * H * T * D * 2  # the T quantized tokens (the 10 newest are float16)
         assert c.compressed_key_bytes < c.fixed_width_key_bytes and c.compressed_value_bytes < c.fixed_width_value_bytes
         assert 0 < c.entropy_savings == pytest.approx(1 - c.compressed_key_bytes / c.fixed_width_key_bytes)
         assert c.assigned_avg_bits == pytest.approx(8 * c.compressed_key_bytes / (B * H * T * D))
@@ -255,6 +88,7 @@ def test_cachegen_saved_form_is_entropy_coded_exact_and_smaller():
     # groups added later (decode steps) are coded as a new block; reading state again codes only them
     for _ in range(40):
         c.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
+    assert c.fixed_width_key_bytes + c.fixed_width_value_bytes + c.res_k.nbytes * 2 == c.used_nbytes
     st = c.state
     assert st["stream_index"].shape[0] == 2 and c._blocks[1][:2] == (T // 32, T // 32 + 1)
     new = CacheGenKVCache.__new__(CacheGenKVCache)
@@ -273,8 +107,8 @@ def test_cachegen_saved_form_is_entropy_coded_exact_and_smaller():
 def test_cachegen_prompt_cache_file_roundtrip_smaller_than_fixed_width(tmp_path):
     model = tiny_llama(head_dim=32, n_layers=2)
     toks = [(i * 7 + (i * i) % 13) % VOCAB for i in range(300)]
-    caches = _caches(model, "cachegen", bits=2)
-    _run(model, caches, toks, [290, 1])
+    caches = caches_for(model, "cachegen", bits=2)
+    run_chunks(model, caches, toks, [290, 1])
     paths = {}
     for coded in (True, False):
         for c in caches:
@@ -287,7 +121,7 @@ def test_cachegen_prompt_cache_file_roundtrip_smaller_than_fixed_width(tmp_path)
     assert sizes[True] < sizes[False], sizes
     loaded = mlx_cache.load_prompt_cache(paths[True])
     nxt = toks[291:296]
-    for a, b in zip(_run(model, caches, nxt, [1] * 5), _run(model, loaded, nxt, [1] * 5)):
+    for a, b in zip(run_chunks(model, caches, nxt, [1] * 5), run_chunks(model, loaded, nxt, [1] * 5)):
         assert bool(mx.array_equal(a, b))
 
 
@@ -295,7 +129,7 @@ def test_cachegen_layer_schedule_and_deltas():
     assert layer_bits(30, 4, 3) == [6] * 10 + [5] * 10 + [4] * 10
     assert layer_bits(4, 7, 3) == [8, 8, 8, 7] and layer_bits(5, 2, 1) == [2] * 5
     model = tiny_llama(n_layers=6)
-    caches = _caches(model, "cachegen", bits=2)
+    caches = caches_for(model, "cachegen", bits=2)
     assert [c.qbits for c in caches] == [4, 4, 3, 3, 2, 2]
     assert [c.config.cachegen_resolved_bits for c in caches] == [4, 4, 3, 3, 2, 2]
     # token deltas: on token-local data (a smooth walk with a large offset per channel) the deltas
@@ -354,14 +188,6 @@ def test_amc_tier_fractions_saliency_and_bytes_follow_mix(k_high, k_mid):
     means = [float(mx.sum(mx.where(tiers == i, err, 0))) / max(1, int((tiers == i).sum())) for i in range(3)]
     present = [m for i, m in enumerate(means) if int((tiers == i).sum())]
     assert all(a < b for a, b in zip(present, present[1:])), means
-
-
-@pytest.mark.parametrize("field,val", [("use_query_saliency", True), ("adaptive_thresholds", True),
-                                       ("calib_variance", 0.5)])
-def test_amc_unimplemented_options_rejected(field, val):
-    with pytest.raises(QuantizerConfigError) as e:
-        KVCacheFactory.create(config("amc", **{field: val}))
-    assert e.value.field == f"amc_{field}"
 
 
 # ------------------------------------------------------------------------------------ real model

@@ -1,10 +1,10 @@
-"""KVQuant (arXiv 2401.18079) and GEAR (arXiv 2403.05527): KIVI-layout subclasses with non-uniform
-levels / dense-and-sparse outliers / low-rank error feedback. Contract (dispatch == dense attention,
-dense path, bytes budget, generate, state, deepcopy, trim, merge) and each paper's defining property."""
+"""KVQuant (arXiv 2401.18079), GEAR (arXiv 2403.05527) and AdaKV: KIVI-layout subclasses with non-uniform
+levels / dense-and-sparse outliers / low-rank error feedback / per-token bit tiers. Each paper's defining
+property and byte accounting; the shared contract (dispatch == dense attention, dense path, bytes budget,
+generate, state, deepcopy, trim, merge, validation) and the per-method configs (``make``) are in
+test_quant_contract.py."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 
@@ -13,46 +13,11 @@ from veloxquant_mlx import _blas
 _blas.preload()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
-    KVCacheBuilder,
-    KVCacheConfig,
-    KVCacheFactory,
-    QuantizerConfigError,
-    dispatch,
-)
-from veloxquant_mlx.cache.methods.adakv import AdaKVKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.gear import GEARKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.kvquant import KVQuantKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import AdaKVOptions, GEAROptions, KVQuantOptions  # noqa: E402
 from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
 from veloxquant_mlx.cache.primitives import nonuniform as nu  # noqa: E402
 
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
-
-METHODS = {"kvquant": (KVQuantKVCache, KVQuantOptions), "gear": (GEARKVCache, GEAROptions),
-           "adakv": (AdaKVKVCache, AdaKVOptions)}
-
-
-def config(method, **opts):
-    cls, opt = METHODS[method]
-    return KVCacheConfig(method=method, head_dim=64, options=opt(**opts) if opts else None)
-
-
-def make(method, **opts):
-    c = KVCacheFactory.create(config(method, **opts))
-    assert isinstance(c, METHODS[method][0]) and not hasattr(c, "bits")
-    return c
-
-
-def rand(*shape, dtype=mx.float32):
-    return mx.random.normal(shape).astype(dtype)
-
-
-def sdpa(q, k, v, mask, scale, sinks=None):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+from test_quant_contract import make, rand  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -60,148 +25,22 @@ def _seed():
     mx.random.seed(11)
 
 
-@pytest.mark.parametrize("method,field,bad", [
-    ("kvquant", "n_sink", 33), ("kvquant", "outlier_fraction", 0.7), ("kvquant", "bits", 9),
-    ("gear", "bits", 0), ("gear", "sparse_fraction", 0.6), ("gear", "energy_threshold", 1.5),
-    ("adakv", "importance", "attention"), ("adakv", "target_avg_bits", 5.0),
-])
-def test_validation_names_field(method, field, bad):
-    with pytest.raises(QuantizerConfigError) as e:
-        KVCacheFactory.create(config(method, **{field: bad}))
-    assert e.value.field == f"{method}_{field}"
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("use_sinks", [False, True])
-def test_attend_through_dispatch_equals_dense(method, use_sinks):
-    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
-    cache = make(method)
-    sinks = rand(Hq) if use_sinks else None
-    for n, kind in [(70, "causal"), (1, None), (20, "array"), (1, None), (9, "causal"), (1, None)]:
-        k, v, q = rand(B, H, n, D), rand(B, H, n, D), rand(B, Hq, n, D)
-        past = cache.stored_rows()
-        mask = cache.make_mask(n, return_array=kind == "array")
-        K, V = cache.update_and_fetch(k, v)
-        assert bool(mx.array_equal(K[:, :, past:], k)) and K.shape[2] == past + n
-        out = dispatch.dispatched_sdpa(q, K, V, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        assert float(mx.abs(out - sdpa(q, K, V, mask, scale, sinks)).max()) < 1e-4
-    assert cache.n_quant == 96 and cache.n_res == 6
-
-
-TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]
-
-
-def _run(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
-def _caches(model, method, install=True):
-    return KVCacheBuilder.for_model(model, KVCacheConfig(method=method), install_dispatch=install)
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_dense_path_without_dispatch_same_logits(method):
-    model, chunks = tiny_llama(), [45, 1, 1, 20, 1, 16, 1]
-    dispatch.install()
-    a = _run(model, _caches(model, method), TOKENS, chunks)
-    dispatch.uninstall()
-    b = _run(model, _caches(model, method, install=False), TOKENS, chunks)
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_bytes_per_token_budget(method):
-    B, H, D, T = 1, 2, 64, 4096
-    cache = make(method)
-    cache.update_and_fetch(rand(B, H, T - 40, D), rand(B, H, T - 40, D))
-    for _ in range(40):
-        cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
-    assert cache.n_quant == T and cache.nbytes == sum(a.nbytes for a in cache.held_arrays())
-    assert cache.used_nbytes <= cache.nbytes <= 1.2 * cache.used_nbytes
-    measured = cache.used_nbytes / (B * H * T)
-    budget = cache.bytes_per_token_budget(D, D)
-    assert abs(measured / budget - 1) < 0.10, (measured, budget)
-    if method == "kvquant":  # 3 bits: (24 + 8) per side + 21+21 sparse entries * 4 B / 32 tokens
-        assert budget == pytest.approx(2 * 32 + 2 * 21 * 4 / 32)
-    elif method == "adakv":  # 2.5 bits average: 2.5*128/8 code bytes + 4 groups*4 + 1 order byte
-        assert budget == pytest.approx(40 + 16 + 1)
-    else:  # 2 bits, rank 4 (energy-resolved, capped), k and v: codes 16+8, sparse 2.625, A 8, B^T 16
-        assert cache.rank == 4 and budget == pytest.approx(2 * (16 + 8 + 2.625 + 8 + 16))
-        assert cache.compressed_key_bytes + cache.compressed_value_bytes + cache.res_k.nbytes * 2 + T // 32 * 8 \
-            == cache.used_nbytes
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_generation_long_prompt_chunked(method, arch):
-    model = ARCHS[arch]()
-    caches = _caches(model, method)
-    toks = greedy(model, TOKENS[:75], caches, max_tokens=6, prefill_step_size=16)
-    assert len(toks) == 6 and all(0 <= t < VOCAB for t in toks)
-    ours = [c for c in caches if isinstance(c, METHODS[method][0])]
-    assert ours and all(c.offset == 75 + 6 and c.stored_rows() == c.offset and c.n_quant == 64 for c in ours)
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_state_roundtrip_deepcopy_merge(method, tmp_path):
-    model = tiny_llama()
-    caches = _caches(model, method)
-    _run(model, caches, TOKENS, [50, 1, 1])
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is METHODS[method][0] for c in loaded)
-    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
-    nxt = TOKENS[52:58]
-    la, lb, lc = (_run(model, cs, nxt, [1] * 6) for cs in (caches, loaded, clone))
-    for a, b, c in zip(la, lb, lc):
-        assert bool(mx.array_equal(a, b)) and bool(mx.array_equal(a, c))
-    with pytest.raises(BatchingNotSupported):
-        METHODS[method][0].merge(caches[:2])
-
-
-@pytest.mark.parametrize("method", list(METHODS))
-def test_trim_exact_or_refused(method):
-    D = 64
-    k, v = rand(1, 2, 136, D), rand(1, 2, 136, D)
-
-    def fed(*chunks):
-        c, i = make(method), 0
-        for n in chunks:
-            c.update_and_fetch(k[:, :, i : i + n], v[:, :, i : i + n])
-            i += n
-        return c
-
-    def same(a, b):
-        assert (a.offset, a.n_quant, a.n_res) == (b.offset, b.n_quant, b.n_res)
-        for x, y in zip(a._dense(), b._dense()):
-            assert bool(mx.array_equal(x, y))
-
-    c = fed(104)
-    assert c.trim(5) == 5
-    same(c, fed(99))
-    with pytest.raises(ValueError):
-        c.trim(20)  # cuts into a quantized group
-    c = fed(96, 32)  # 96 quantized by the prefill, group 3 by the second block
-    assert c.trim(32) == 32
-    same(c, fed(96))
-    c = fed(104)
-    if method == "kvquant":  # the levels were fitted on all 3 prefill groups: dropping one is refused
-        with pytest.raises(ValueError, match="fitted"):
-            c.trim(8 + 32)
-    assert c.trim(104) == 104 and c.empty()
-    c.update_and_fetch(k[:, :, :40], v[:, :, :40])
-    same(c, fed(40))
-
-
 # ------------------------------------------------------------------------------------- properties
+def test_kvquant_trim_into_fitted_groups_refused():
+    k, v = rand(1, 2, 104, 64), rand(1, 2, 104, 64)
+    c = make("kvquant")
+    c.update_and_fetch(k, v)
+    with pytest.raises(ValueError, match="fitted"):  # the levels were fitted on all 3 prefill groups
+        c.trim(8 + 32)
+    assert c.trim(104) == 104 and c.empty()  # a refused trim left a cache that still works
+    c.update_and_fetch(k[:, :, :40], v[:, :, :40])
+    ref = make("kvquant")
+    ref.update_and_fetch(k[:, :, :40], v[:, :, :40])
+    assert (c.offset, c.n_quant, c.n_res) == (ref.offset, ref.n_quant, ref.n_res)
+    for x, y in zip(c._dense(), ref._dense()):
+        assert bool(mx.array_equal(x, y))
+
+
 def test_kvquant_nonuniform_beats_uniform_on_skewed_data_and_outliers_exact():
     # skewed channels (log-normal magnitudes): Lloyd levels beat evenly spaced ones at the same bits
     x = mx.exp(1.2 * rand(1, 2, 64, 512))  # [B, H, D, T]: per channel, 512 tokens
@@ -244,6 +83,8 @@ def test_gear_recovery_positive_and_growing_with_rank():
         kbytes.append(c.compressed_key_bytes)
         errs.append(float(mx.mean((dk - k) ** 2)))
         assert c.base_only_key_bytes < c.compressed_key_bytes
+        # used bytes are its parts: base codes + sparse + low-rank factors, residual, 8 B per group
+        assert c.compressed_key_bytes + c.compressed_value_bytes + c.res_k.nbytes * 2 + 256 // 32 * 8 == c.used_nbytes
         assert c.fp16_key_bytes == 2 * 256 * 64 * 2
     assert rec[0] > 0 and all(a < b for a, b in zip(rec, rec[1:])), rec
     assert all(a > b for a, b in zip(errs, errs[1:])) and all(a < b for a, b in zip(kbytes, kbytes[1:]))

@@ -1,9 +1,8 @@
-"""Group-quantizer variants built on KIVI's layout: kivi_sink, kitty, skvq, age_tiered.
+"""Group-quantizer variants built on KIVI's layout: kivi_sink, kitty, skvq, age_tiered, zipcache.
 
-Shared contract (every method): attention through the dispatch point equals dense attention over
-what update_and_fetch returned, mlx_lm generation with chunked prefill on tiny llama/qwen2/gemma3,
-save/load_prompt_cache round trip, deepcopy, trim (exact or ValueError), merge refusal. Then each
-method's defining property and its bytes-per-token budget."""
+Each method's defining property and its bytes-per-token budget. The shared cache contract (dispatch
+attention, dense path, generation, state round trip, deepcopy, trim, merge refusal, validation) and the
+per-method configs (``make``) are in test_quant_contract.py."""
 
 from __future__ import annotations
 
@@ -16,188 +15,16 @@ from veloxquant_mlx import _blas
 _blas.preload()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
-    KVCacheBuilder,
-    KVCacheConfig,
-    KVCacheFactory,
-    QuantizerConfigError,
-    dispatch,
-)
-from veloxquant_mlx.cache import options as O  # noqa: E402
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
 from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
 
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
-
-CONFIGS = {
-    "kivi_sink": lambda **kw: KVCacheConfig(method="kivi_sink", bit_width_inlier=kw.pop("bits", 2),
-                                            options=O.KIVISinkOptions(**kw)),
-    "kitty": lambda **kw: KVCacheConfig(method="kitty", options=O.KittyOptions(**kw)),
-    "skvq": lambda **kw: KVCacheConfig(method="skvq", options=O.SKVQOptions(**{"window": 16, **kw})),
-    "age_tiered": lambda **kw: KVCacheConfig(
-        method="age_tiered", options=O.AgeTieredOptions(**{"recent_boundary": 32, "mid_boundary": 64, **kw})),
-    "zipcache": lambda **kw: KVCacheConfig(method="zipcache", options=O.ZipCacheOptions(**kw)),
-}
-METHODS = [m for m in CONFIGS if __import__("veloxquant_mlx.cache.base", fromlist=["x"]).method_info(m).implemented]
-
-
-def make(method, head_dim=64, **kw):
-    cfg = CONFIGS[method](**kw)
-    return KVCacheFactory.create(cfg.replace(head_dim=head_dim))
-
-
-def rand(*shape, dtype=mx.float32):
-    return mx.random.normal(shape).astype(dtype)
-
-
-def sdpa(q, k, v, mask, scale, sinks=None):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+from test_quant_contract import make, rand  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(7)
-
-
-# ------------------------------------------------------------------------------------- contract
-CASES = [(70, "causal"), (1, None), (1, None), (20, "array"), (1, None), (9, "additive"), (1, None), (40, "causal"),
-         (1, None)]
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("use_sinks", [False, True])
-def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
-    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
-    cache = make(method)
-    sinks = rand(Hq) if use_sinks else None
-    for n, kind in CASES:
-        k, v, q = rand(B, H, n, D), rand(B, H, n, D), rand(B, Hq, n, D)
-        past = cache.stored_rows()
-        if kind == "array":
-            mask = cache.make_mask(n, return_array=True)
-            mask = mask & (mx.random.uniform(shape=(B, Hq, n, past + n)) > 0.2) | (mx.eye(n, past + n, past) > 0)
-        elif kind == "additive":
-            mask = mx.where(cache.make_mask(n, return_array=True), 0.0, -mx.inf)
-        else:
-            mask = cache.make_mask(n)
-        K, V = cache.update_and_fetch(k, v)
-        assert K.shape[2] == past + n
-        assert bool(mx.array_equal(K[:, :, past:], k)) and bool(mx.array_equal(V[:, :, past:], v))
-        out = dispatch.dispatched_sdpa(q, K, V, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        ref = sdpa(q, K, V, mask, scale, sinks)
-        assert out.shape == (B, Hq, n, D)
-        assert float(mx.abs(out - ref).max()) < 1e-4, (n, kind)
-    assert cache.offset == sum(n for n, _ in CASES) == cache.stored_rows()
-    dk, dv = cache._dense()  # the stored form, in position order
-    assert dk.shape == (B, H, cache.offset, D) and dv.shape == dk.shape
-
-
-def _run(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
-TOKENS = [(i * 37 + 11) % VOCAB for i in range(140)]
-
-
-def _caches(model, method, install=True):
-    return KVCacheBuilder.for_model(model, CONFIGS[method](), install_dispatch=install)
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_generate_with_chunked_prefill(method, arch):
-    model = ARCHS[arch]()
-    caches = _caches(model, method)
-    out = greedy(model, TOKENS[:75], caches, max_tokens=10, prefill_step_size=16)  # 75 > prefill step
-    assert len(out) == 10 and all(0 <= t < VOCAB for t in out)
-    ours = [c for c in caches if getattr(type(c), "method_name", None) == method]
-    assert ours and all(c.offset == 75 + 10 and c.stored_rows() == c.offset for c in ours)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_dense_path_without_dispatch(method):
-    """Without the dispatch point mlx_lm attends over the dense rows update_and_fetch returns."""
-    model = tiny_llama()
-    dispatch.install()
-    ca = _caches(model, method)
-    a = _run(model, ca, TOKENS, [70, 1, 1, 1, 20, 1])
-    dispatch.uninstall()
-    cb = _caches(model, method, install=False)
-    b = _run(model, cb, TOKENS, [70, 1, 1, 1, 20, 1])
-    if method == "zipcache":
-        # saliency needs the real queries: with them (dispatch) it is normalized attention, without
-        # them the key-norm fallback, so the compressed forms (and later logits) legitimately differ
-        assert (ca[0].saliency_source, cb[0].saliency_source) == ("attention", "key_norm")
-        a, b = a[:1], b[:1]  # the prompt attends itself in full precision either way
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_deepcopy_merge(method, tmp_path):
-    model = tiny_llama()
-    caches = _caches(model, method)
-    _run(model, caches, TOKENS, [70, 1, 1])
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is type(caches[0]) for c in loaded)
-    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
-    nxt = TOKENS[72:80]
-    la = _run(model, caches, nxt, [1] * 8)
-    lb = _run(model, loaded, nxt, [1] * 8)
-    lc = _run(model, clone, nxt, [1] * 8)
-    for a, b, c in zip(la, lb, lc):
-        assert bool(mx.array_equal(a, b)) and bool(mx.array_equal(a, c))
-    with pytest.raises(BatchingNotSupported):
-        type(caches[0]).merge(caches[:2])
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trim_exact_or_valueerror(method):
-    k, v = rand(1, 2, 130, 64, dtype=mx.float16), rand(1, 2, 130, 64, dtype=mx.float16)
-
-    def fed(n, chunks=None):
-        c = make(method)
-        i = 0
-        for m in chunks or [n]:
-            c.update_and_fetch(k[:, :, i : i + m], v[:, :, i : i + m])
-            i += m
-        return c
-
-    c = fed(125, [115] + [1] * 10)
-    assert c.trim(3) == 3  # the newest rows are full precision in every method: exact
-    ref = fed(122, [115] + [1] * 7)
-    assert c.offset == ref.offset == c.stored_rows()
-    for x, y in zip(c._dense(), ref._dense()):
-        assert bool(mx.array_equal(x, y))
-    before = c.offset
-    try:
-        c.trim(77)
-    except ValueError:
-        assert c.offset == before  # refused: unchanged
-    else:
-        assert c.offset == 45
-
-
-def test_config_validation():
-    with pytest.raises(QuantizerConfigError) as e:
-        make("kivi_sink", bits=5)
-    assert e.value.field == "bit_width_inlier"
-    if "kitty" in METHODS:
-        with pytest.raises(QuantizerConfigError) as e:
-            make("kitty", hi_bit=2, lo_bit=4)
-        assert e.value.field == "kitty_hi_bit"
-    for m in METHODS:
-        assert not hasattr(make(m), "bits")
 
 
 # ------------------------------------------------------------------------------------- kivi_sink

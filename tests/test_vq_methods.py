@@ -1,13 +1,11 @@
 """Vector-quantization caches: vecinfer (arXiv 2510.06175) and a2ats (arXiv 2502.12665, if registered).
 
-Shared contract (every method): attention through the dispatch point equals dense attention over what
-update_and_fetch returned, dense path without the dispatch point, mlx_lm generation with chunked
-prefill on tiny llama/qwen2/gemma3, save/load_prompt_cache round trip, deepcopy, trim (exact or
-ValueError), merge refusal. Then each method's defining property and its bytes-per-token budget."""
+Each method's defining property and its bytes-per-token budget. The shared contract (dispatch attention,
+dense path, generation, save/load round trip, deepcopy, trim, merge refusal, validation) and the
+per-method configs (``make``) are in test_quant_contract.py."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -17,47 +15,13 @@ from veloxquant_mlx import _blas
 _blas.preload()
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
 
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
-    KVCacheBuilder,
-    KVCacheConfig,
-    KVCacheFactory,
-    QuantizerConfigError,
-    dispatch,
-)
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch  # noqa: E402
 from veloxquant_mlx.cache import options as O  # noqa: E402
-from veloxquant_mlx.cache.base import method_info  # noqa: E402
 
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
+from test_quant_contract import METHODS, make, rand, sdpa  # noqa: E402
 
-CONFIGS = {
-    # small codebooks keep the tests fast; the defaults (12/8 bits) are measured in scripts/quality_vq.py
-    "vecinfer": lambda **kw: KVCacheConfig(method="vecinfer", key_codebook_bits=kw.pop("kbits", 8),
-                                           value_codebook_bits=kw.pop("vbits", 6),
-                                           options=O.VecInferOptions(**kw)),
-    "a2ats": lambda **kw: KVCacheConfig(method="a2ats", options=O.A2ATSOptions(**{"window": 16, **kw})),
-}
-METHODS = [m for m in CONFIGS if method_info(m).implemented]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # key_sub_dim etc. are shared flat fields
-
-
-# a2ats attends to retrieved rows only at decode; with retrieval_fraction=1 every row is retrieved and its
-# attention must equal dense attention (the sparse case is tested against attention over the retrieved rows)
-DENSE_KW = {"a2ats": {"retrieval_fraction": 1.0}}
-
-
-def make(method, head_dim=64, **kw):
-    return KVCacheFactory.create(CONFIGS[method](**kw).replace(head_dim=head_dim))
-
-
-def rand(*shape, dtype=mx.float32):
-    return mx.random.normal(shape).astype(dtype)
-
-
-def sdpa(q, k, v, mask, scale, sinks=None):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 @pytest.fixture(autouse=True)
@@ -65,135 +29,24 @@ def _seed():
     mx.random.seed(7)
 
 
-# ------------------------------------------------------------------------------------- contract
-CASES = [(70, "causal"), (1, None), (1, None), (20, "array"), (1, None), (9, "additive"), (1, None), (40, "causal"),
-         (1, None)]
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("use_sinks", [False, True])
-def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
-    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
-    cache = make(method, **DENSE_KW.get(method, {}))
-    sinks = rand(Hq) if use_sinks else None
-    for n, kind in CASES:
-        k, v, q = rand(B, H, n, D), rand(B, H, n, D), rand(B, Hq, n, D)
-        past = cache.stored_rows()
-        if kind == "array":
-            mask = cache.make_mask(n, return_array=True)
-            mask = mask & (mx.random.uniform(shape=(B, Hq, n, past + n)) > 0.2) | (mx.eye(n, past + n, past) > 0)
-        elif kind == "additive":
-            mask = mx.where(cache.make_mask(n, return_array=True), 0.0, -mx.inf)
-        else:
-            mask = cache.make_mask(n)
-        K, V = cache.update_and_fetch(k, v)
-        assert K.shape[2] == past + n
-        assert bool(mx.array_equal(K[:, :, past:], k)) and bool(mx.array_equal(V[:, :, past:], v))
-        out = dispatch.dispatched_sdpa(q, K, V, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        ref = sdpa(q, K, V, mask, scale, sinks)
-        assert out.shape == (B, Hq, n, D)
-        assert float(mx.abs(out - ref).max()) < 1e-4, (n, kind)
-    assert cache.offset == sum(n for n, _ in CASES) == cache.stored_rows()
-    dk, dv = cache._dense()
-    assert dk.shape == (B, H, cache.offset, D) and dv.shape == dk.shape
-
-
-def _run(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
-TOKENS = [(i * 37 + 11) % VOCAB for i in range(140)]
-
-
-def _caches(model, method, install=True, **kw):
-    return KVCacheBuilder.for_model(model, CONFIGS[method](**kw), install_dispatch=install)
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_generate_with_chunked_prefill(method, arch):
-    model = ARCHS[arch]()
-    caches = _caches(model, method)
-    out = greedy(model, TOKENS[:75], caches, max_tokens=10, prefill_step_size=16)  # 75 > prefill step
-    assert len(out) == 10 and all(0 <= t < VOCAB for t in out)
-    ours = [c for c in caches if getattr(type(c), "method_name", None) == method]
-    assert ours and all(c.offset == 75 + 10 and c.stored_rows() == c.offset for c in ours)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_dense_path_without_dispatch(method):
-    model = tiny_llama()
-    dispatch.install()
-    kw = DENSE_KW.get(method, {})
-    a = _run(model, _caches(model, method, **kw), TOKENS, [70, 1, 1, 1, 20, 1])
-    dispatch.uninstall()
-    b = _run(model, _caches(model, method, install=False, **kw), TOKENS, [70, 1, 1, 1, 20, 1])
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_deepcopy_merge(method, tmp_path):
-    model = tiny_llama()
-    caches = _caches(model, method)
-    _run(model, caches, TOKENS, [70, 1, 1])
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is type(caches[0]) for c in loaded)
-    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
-    nxt = TOKENS[72:80]
-    la = _run(model, caches, nxt, [1] * 8)
-    lb = _run(model, loaded, nxt, [1] * 8)
-    lc = _run(model, clone, nxt, [1] * 8)
-    for a, b, c in zip(la, lb, lc):
-        assert bool(mx.array_equal(a, b)) and bool(mx.array_equal(a, c))
-    with pytest.raises(BatchingNotSupported):
-        type(caches[0]).merge(caches[:2])
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trim_exact_or_valueerror(method):
+# ------------------------------------------------------------------------------------- vecinfer
+@pytest.mark.skipif("vecinfer" not in METHODS, reason="not registered")
+def test_vecinfer_trim_whole_blocks_after_calibration_exact():
     k, v = rand(1, 2, 200, 64, dtype=mx.float16), rand(1, 2, 200, 64, dtype=mx.float16)
 
     def fed(chunks):
-        c = make(method)
-        i = 0
+        c, i = make("vecinfer"), 0
         for m in chunks:
             c.update_and_fetch(k[:, :, i : i + m], v[:, :, i : i + m])
             i += m
         return c
 
-    c = fed([115] + [1] * 10)
-    assert c.trim(3) == 3  # the newest rows are float16 residual rows: exact
-    ref = fed([115] + [1] * 7)
-    assert c.offset == ref.offset == c.stored_rows()
-    for x, y in zip(c._dense(), ref._dense()):
+    c = fed([64, 64, 5])  # trims into the calibration block are refused: test_quant_contract.py
+    assert c.trim(5 + 32) == 37
+    for x, y in zip(c._dense(), fed([64, 32])._dense()):
         assert bool(mx.array_equal(x, y))
-    before = c.offset
-    if method == "vecinfer":
-        with pytest.raises(ValueError):
-            c.trim(77)  # into the block the statistics were fitted on
-        assert c.offset == before
-    else:  # float16 rows: any trim is exact
-        assert c.trim(77) == 77 and c.offset == 45
-        for x, y in zip(c._dense(), fed([45])._dense()):
-            assert bool(mx.array_equal(x, y))
-    if method == "vecinfer":  # whole blocks after the calibration block: exact
-        c = fed([64, 64, 5])
-        assert c.trim(5 + 32) == 37
-        ref = fed([64, 32])
-        for x, y in zip(c._dense(), ref._dense()):
-            assert bool(mx.array_equal(x, y))
 
 
-# ------------------------------------------------------------------------------------- vecinfer
 def _outlier_keys(B=1, H=2, T=256, D=64, n_out=4, mag=20.0):
     k = rand(B, H, T, D)
     boost = mx.where(mx.arange(D) < n_out, mag, 1.0)
@@ -267,19 +120,12 @@ def test_vecinfer_config_arrays_and_validation():
     assert bool(mx.array_equal(c.key_cb[0], cb.astype(mx.float16)))
     assert bool(mx.array_equal(c.smooth, mx.ones((2, D))))
     with pytest.raises(QuantizerConfigError) as e:
-        make("vecinfer", kbits=17)
-    assert e.value.field == "key_codebook_bits"
-    with pytest.raises(QuantizerConfigError) as e:
-        make("vecinfer", fused_sdpa_max_ctx=0)
-    assert e.value.field == "fused_sdpa_max_ctx"
-    with pytest.raises(QuantizerConfigError) as e:
         KVCacheFactory.create(KVCacheConfig(method="vecinfer", key_codebook_bits=4, key_codebook=mx.zeros((32, 4))))
     assert e.value.field == "key_codebook"
     with pytest.raises(QuantizerConfigError) as e:  # checked against the real head dim at calibration
         KVCacheFactory.create(KVCacheConfig(method="vecinfer", key_sub_dim=5, head_dim=24)).update_and_fetch(
             rand(1, 1, 40, 24), rand(1, 1, 40, 24))
     assert e.value.field == "key_sub_dim"
-    assert not hasattr(make("vecinfer"), "bits")
 
 
 @pytest.mark.skipif("vecinfer" not in METHODS, reason="not registered")
@@ -347,7 +193,7 @@ def test_a2ats_vq_retrieval_recall_and_sparse_attention(query_aware):
 
 
 @pytest.mark.skipif("a2ats" not in METHODS, reason="not registered")
-def test_a2ats_bytes_and_validation():
+def test_a2ats_bytes_per_token():
     B, H, D = 1, 3, 64
     c = make("a2ats", head_dim=D, window=16)
     k, v = rand(B, H, 400, D), rand(B, H, 400, D)
@@ -357,10 +203,3 @@ def test_a2ats_bytes_and_validation():
     budget = c.bytes_per_token_budget(D, D)  # 256 float16 bytes (offloaded in the paper) + 8 code bytes
     assert budget == 264 and abs(per_tok - budget) <= 0.1 * budget
     assert c.nbytes >= c.used_nbytes and c.resident_nbytes < 0.2 * c.used_nbytes
-    for field, bad in (("a2ats_codebook_bits", 9), ("a2ats_retrieval_fraction", 0.0), ("a2ats_beta", 2.0),
-                       ("a2ats_window", -1)):
-        with pytest.raises(QuantizerConfigError) as e:
-            KVCacheFactory.create(KVCacheConfig(method="a2ats", options=O.A2ATSOptions(
-                **{field.removeprefix("a2ats_"): bad})))
-        assert e.value.field == field
-    assert not hasattr(c, "bits")
