@@ -216,6 +216,32 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
     assert second <= first + 1_000_000
 
 
+@pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"},
+                                  {"method": "streaming_llm", "settings": {"stream_window_size": 16}}])
+def test_other_batch_forms_batch_through_the_server(srv, spec):
+    """The default method (turboquant_rvq) and streaming_llm join one batch too, with the outputs of
+    one-by-one runs."""
+    base, _ = srv
+    spec = {**spec, "reuse": False}
+    prompts = [[{"role": "user", "content": f"Tell me about the number {n} in one line."}] for n in (3, 7, 9)]
+    one_by_one = [chat(base, p, kv_cache=spec)[0] for p in prompts]
+    widest, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            widest.extend(e.get("batch_size", 0) for e in stats(base)["live"] if e["method"] == spec["method"])
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda p: chat(base, p, kv_cache=spec)[0], prompts))
+    done.set()
+    watcher.join()
+    assert together == one_by_one
+    assert max(widest, default=0) >= 2
+
+
 def test_methods_without_batch_form_are_served_one_at_a_time(srv):
     base, _ = srv
     spec = {"method": "snapkv", "settings": {"snap_budget": 24}, "reuse": False}
