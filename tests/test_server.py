@@ -259,10 +259,24 @@ def test_none_requests_use_mlx_lm_batch_path(srv):
     prompts = [[{"role": "user", "content": f"Say hello to {name}."}] for name in ("Ann", "Bo", "Cy")]
     spec = {"method": "none"}
     one_by_one = [chat(base, p, kv_cache=spec)[0] for p in prompts]
+    seen, done = [], threading.Event()
+
+    def watch():  # the running uncompressed batch, with its measured bytes
+        while not done.is_set():
+            seen.extend(e for e in stats(base)["live"] if e["method"] == "none")
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     with ThreadPoolExecutor(3) as pool:
         together = list(pool.map(lambda p: chat(base, p, kv_cache=spec)[0], prompts))
+    done.set()
+    watcher.join()
     assert all(t.strip() for t in together)
     assert together == one_by_one
+    assert seen and max(e["batch_size"] for e in seen) >= 2 and all(e["kv_bytes"] > 0 for e in seen)
+    wrapped = gen.model_provider._wrapped[("none", ())]
+    assert type(wrapped.make_cache()[0]).__name__ == "KVCache"  # mlx_lm's own cache, uncompressed
     desc = S.KVSettings("none", ()).describe()
     assert desc["batching"] == "batched"
 

@@ -187,9 +187,16 @@ def cache_figures(model, caches) -> dict:
 
 
 def batch_figures(model, caches) -> dict:
-    """Like ``cache_figures`` for a running batch cache (host-side lengths only: no device reads)."""
-    lens = list(getattr(caches[0], "lens", []))
+    """Like ``cache_figures`` for a running batch cache (host-side lengths only: no device reads; mlx_lm's
+    ``BatchKVCache`` keeps its per-request lengths on the device, so for ``none`` only bytes and the batch
+    size are reported)."""
+    first = caches[0]
     measured = kv_bytes(caches)
+    if not hasattr(first, "lens"):
+        padding = getattr(first, "left_padding", None)
+        return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
+                "kv_bytes": measured, "kv_bytes_fp16": None, "ratio_vs_fp16": None}
+    lens = list(first.lens)
     reference = sum(fp16_kv_bytes(model, n) for n in lens)
     return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
             "ratio_vs_fp16": (measured / reference) if reference else None}
@@ -326,6 +333,8 @@ class CachedModel:
         return getattr(self._model, name)
 
     def make_cache(self):
+        if self._config is None:  # ``none``: mlx_lm's own caches
+            return mlx_cache.make_prompt_cache(self._model)
         from .cache import KVCacheBuilder
 
         return KVCacheBuilder.for_model(self._model, self._config)
@@ -425,9 +434,10 @@ class ServedModelProvider(mlx_server.ModelProvider):
         so mlx_lm's prompt-cache store never hands one method's cache to another."""
         self._load(model_path, adapter_path, draft_model_path)
         kv = self.kv
-        if kv is None or kv.method == NONE:
+        if kv is None:
             return self.model, self.tokenizer
-        self.model_key = (self.served_id, kv.key, None)
+        if kv.method != NONE:
+            self.model_key = (self.served_id, kv.key, None)
         if kv.key not in self._wrapped:
             self._wrapped[kv.key] = CachedModel(self.model, kv.config)
         return self._wrapped[kv.key], self.tokenizer
