@@ -111,8 +111,27 @@ class RaggedBatchCache(CompressedKVCache):
     def _alloc(self, B: int, dtype, cap: int = 0) -> dict:
         raise NotImplementedError
 
-    def _set_capacity(self, cap: int) -> None:
+    def _slot_fields(self) -> dict:
+        """``{array name: (slot axis, rows per slot)}`` of the slot-indexed buffers ``_set_capacity`` resizes."""
         raise NotImplementedError
+
+    def _set_capacity(self, cap: int) -> None:
+        """Reallocate the slot-indexed buffers to ``cap`` slots, keeping the used ones (new slots are zeros;
+        a shrunk buffer is made contiguous so it does not keep the larger one alive)."""
+        if cap == self.cap:
+            return
+        keep = min(cap, self.cap)
+        for name, (axis, width) in self._slot_fields().items():
+            a = getattr(self, name)
+            idx = [slice(None)] * a.ndim
+            idx[axis] = slice(0, keep * width)
+            a = a[tuple(idx)]
+            if cap > keep:
+                shape = list(a.shape)
+                shape[axis] = (cap - keep) * width
+                a = mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
+            setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
+        self.cap = cap
 
     # ---------------------------------------------------------------- bookkeeping
     @property

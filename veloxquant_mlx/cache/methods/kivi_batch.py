@@ -116,25 +116,11 @@ class KIVIBatchKVCache(RaggedBatchCache):
             "res_v": mx.zeros((B, H, 0, Dv), dtype=dtype),
         }
 
-    def _set_capacity(self, cap: int) -> None:
-        """Reallocate the quantized buffers to ``cap`` group slots (keeping the used ones)."""
-        if cap == self.cap:
-            return
+    def _slot_fields(self) -> dict:
+        """Group slots: keys' codes/scales along their last axis (transposed layout), values' along rows."""
         G, w = self.group, self._key_words()
-        keep = min(cap, self.cap)
-        per_slot = {"k_codes": (3, w), "k_scales": (3, 1), "k_biases": (3, 1),
-                    "v_codes": (2, G), "v_scales": (2, G), "v_biases": (2, G)}
-        for name, (axis, width) in per_slot.items():
-            a = getattr(self, name)
-            idx = [slice(None)] * a.ndim
-            idx[axis] = slice(0, keep * width)
-            a = a[tuple(idx)]
-            if cap > keep:
-                shape = list(a.shape)
-                shape[axis] = (cap - keep) * width
-                a = mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
-            setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
-        self.cap = cap
+        return {"k_codes": (3, w), "k_scales": (3, 1), "k_biases": (3, 1),
+                "v_codes": (2, G), "v_scales": (2, G), "v_biases": (2, G)}
 
     # ---------------------------------------------------------------- batch protocol
     @classmethod

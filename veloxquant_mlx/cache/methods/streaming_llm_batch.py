@@ -92,16 +92,8 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         return {"keys": mx.zeros((B, H, cap, D), dtype=dtype), "values": mx.zeros((B, H, cap, Dv), dtype=dtype),
                 "positions": mx.zeros((B, H, cap), dtype=mx.int32)}
 
-    def _set_capacity(self, cap: int) -> None:
-        if cap == self.cap:
-            return
-        keep = min(cap, self.cap)
-        for name in _FIELDS:
-            a = getattr(self, name)[:, :, :keep]
-            if cap > keep:
-                a = mx.concatenate([a, mx.zeros((*a.shape[:2], cap - keep, *a.shape[3:]), dtype=a.dtype)], axis=2)
-            setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
-        self.cap = cap
+    def _slot_fields(self) -> dict:
+        return {name: (2, 1) for name in _FIELDS}  # one kept row per slot
 
     def _spare(self, need: int) -> int:
         """Slots to allocate for ``need`` rows: some room for decode appends, never beyond the budget."""

@@ -155,17 +155,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
             out[name] = mx.zeros((B, H, rows, d), dtype=dtype)
         return out
 
-    def _set_capacity(self, cap: int) -> None:
-        """Reallocate the code buffers to ``cap`` slots (keeping the used ones)."""
-        if cap == self.cap:
-            return
-        keep = min(cap, self.cap)
-        for name in self._code_widths():
-            a = getattr(self, name)[:, :, :keep]
-            if cap > keep:
-                a = mx.concatenate([a, mx.zeros((*a.shape[:2], cap - keep, *a.shape[3:]), dtype=a.dtype)], axis=2)
-            setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
-        self.cap = cap
+    def _slot_fields(self) -> dict:
+        return {name: (2, 1) for name in self._code_widths()}  # one code row per slot
 
     # ---------------------------------------------------------------- batch protocol
     @classmethod
