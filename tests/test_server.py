@@ -216,11 +216,12 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
     assert second <= first + 1_000_000
 
 
-@pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"},
-                                  {"method": "streaming_llm", "settings": {"stream_window_size": 16}}])
+@pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"}, {"method": "streaming_llm"}])
 def test_other_batch_forms_batch_through_the_server(srv, spec):
     """The default method (turboquant_rvq) and streaming_llm join one batch too, with the outputs of
-    one-by-one runs."""
+    one-by-one runs. (Defaults: a tiny StreamingLLM window evicts so hard on this model that greedy
+    near-ties flip with the batch's float32 summation order, which depends on when requests join;
+    tests/test_streaming_llm_batch.py checks wrapped windows with a fixed batch schedule.)"""
     base, _ = srv
     spec = {**spec, "reuse": False}
     prompts = [[{"role": "user", "content": f"Tell me about the number {n} in one line."}] for n in (3, 7, 9)]
