@@ -12,9 +12,7 @@ after the run over mlx_lm's plain fp16 cache for the same tokens).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,12 +21,9 @@ from veloxquant_mlx import _blas  # noqa: E402
 
 _blas.preload()
 
-from veloxquant_mlx.assets import essays_text  # noqa: E402
+import fidelity_table  # noqa: E402  (scripts/fidelity_table.py)
 from veloxquant_mlx.cache import KVCacheConfig  # noqa: E402
 from veloxquant_mlx.cache import options as O  # noqa: E402
-from veloxquant_mlx.cache.base import method_info  # noqa: E402
-from veloxquant_mlx.eval.fidelity import next_token_fidelity, reference_logprobs  # noqa: E402
-from veloxquant_mlx.model import load_model  # noqa: E402
 
 CONFIGS = {
     "kivi[2b, G=32]": ("kivi", lambda: KVCacheConfig(method="kivi", bit_width_inlier=2)),
@@ -42,27 +37,7 @@ CONFIGS = {
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n-context", type=int, default=512)
-    ap.add_argument("--n-score", type=int, default=32)
-    ap.add_argument("--methods", nargs="*", default=None, help="method names to run (default: all registered)")
-    args = ap.parse_args(argv)
-    model, tok = load_model()
-    ids = tok.encode(essays_text(max_chars=8 * (args.n_context + args.n_score)),
-                     add_special_tokens=False)[: args.n_context + args.n_score]
-    ref = reference_logprobs(model, ids, args.n_context, args.n_score)
-    print(f"| config | KLD (nats) | top-1 | kv_bytes / fp16 | s |")
-    print("|---|---|---|---|---|")
-    for label, (method, make) in CONFIGS.items():
-        if args.methods and method not in args.methods:
-            continue
-        if not method_info(method).implemented:
-            print(f"| {label} | not registered | | | |")
-            continue
-        t = time.time()
-        r = next_token_fidelity(model, ids, args.n_context, args.n_score, make(), ref_logp=ref)
-        print(f"| {label} | {r.kld:.4f} | {r.top1_agree:.3f} | {r.compression:.3f} | {time.time() - t:.0f} |",
-              flush=True)
+    fidelity_table.main(CONFIGS, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
