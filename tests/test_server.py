@@ -179,8 +179,11 @@ def test_server_keeps_serving_after_errors(srv):
 
 def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
     """Six concurrent chat requests (bounded: 12 tokens each, 120 s): all complete, decoded as one
-    KIVI batch, with the outputs of one-by-one runs; a second identical round ends at the memory level
-    of the first (nothing accumulates per round: the store keeps the same sequences)."""
+    KIVI batch, with the outputs of one-by-one runs; three identical rounds end at the memory level of
+    the first (nothing accumulates per round: the store keeps the same sequences). The level moves by a
+    few MB from round to round with the batch's composition (which requests join when: measured
+    +2.9/-1.5/-1.2 MB on this model), so the bound is one round's kept caches: a leak of each round's
+    caches would add at least that much per round, two rounds' worth by the third."""
     base, gen = srv
     import mlx.core as mx
 
@@ -196,7 +199,7 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
             time.sleep(0.01)
 
     levels = []
-    for _ in range(2):
+    for _ in range(3):
         done.clear()
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -211,9 +214,9 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
         gc.collect()
         levels.append((mx.get_active_memory(), stats(base)["cached_kv_bytes"]))
     assert max(widest, default=0) >= 2, "the concurrent KIVI requests were never decoded as one batch"
-    (first, kept1), (second, kept2) = levels
-    assert kept2 == kept1
-    assert second <= first + 1_000_000
+    (first, kept), *rest = levels
+    assert kept > 0 and all(k == kept for _, k in rest)
+    assert all(level <= first + kept for level, _ in rest), (levels, kept)
 
 
 @pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"}, {"method": "streaming_llm"}])
