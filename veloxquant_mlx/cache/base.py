@@ -58,6 +58,7 @@ _METHOD_TABLE = {
     "anchorkv": (QUANTIZATION, MLX_LM, "AnchorKV"),
     "rocketkv": (EVICTION, MLX_LM, "RocketKV (arXiv 2502.14051)"),
     "age_tiered": (QUANTIZATION, MLX_LM, "age-tiered re-quantization"),
+    "waterfill": (QUANTIZATION, MLX_LM, "query-weighted key channel bits (KVQuant + Kitty + QuaRot ideas)"),
 }
 
 METHOD_NAMES = tuple(_METHOD_TABLE)

@@ -28,6 +28,7 @@ MethodName = Literal[
     "squeeze", "chunkkv", "cam", "xkv", "nsnquant", "knorm", "skvq", "qfilters", "keyformer",
     "morphkv", "kvzip", "kvtc", "curdkv", "nestedkv", "amc", "a2ats", "anchorkv", "rocketkv",
     "age_tiered",
+    "waterfill",  # the library's own 4-bit-class method (not in the reference spec's list)
 ]
 assert get_args(MethodName) == METHOD_NAMES
 

@@ -169,7 +169,8 @@ class KVCacheBuilder:
         with ``head_dim`` taken from the layer and ``bit_width_inlier[i]`` when it is a list (one entry
         per such layer). Other layers (sliding-window ``RotatingKVCache``, state-space ``ArraysCache``,
         ...) keep the cache the model makes for them. Cross-layer methods get their coordinator from
-        the class's ``build_layers``. Installs the attention dispatch point unless told not to.
+        the class's ``build_layers``; a cache with ``bind_attention`` is given its layer's attention
+        module (e.g. to read the RoPE). Installs the attention dispatch point unless told not to.
         """
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
@@ -204,6 +205,9 @@ class KVCacheBuilder:
         caches = list(defaults)
         for i, cache in zip(slots, built):
             caches[i] = cache
+            bind = getattr(cache, "bind_attention", None)
+            if bind is not None:  # caches that need the layer itself (e.g. its RoPE) read it here
+                bind(_attention(layers[i]))
         if install_dispatch:
             dispatch.install()
         notify(config.observers, "created", config.method, layers=len(slots))

@@ -171,7 +171,7 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..primitives.buffers import grow_rows
+from ..primitives.buffers import grow_rows, reserve_rows
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.codebook import kmeans
 from ..primitives.rotation import random_orthogonal, seeded_rng
@@ -419,38 +419,11 @@ class _Quantizer:
 
     def codes(self, p1, p2):
         """Unpacked codes (uint8 ``[.., S]``) from packed planes."""
-        return _unpack(p1, self.cb.bits1, self.cb.n_sub), (
-            _unpack(p2, self.cb.bits2, self.cb.n_sub) if p2 is not None else None)
+        return unpack_bits(p1, self.cb.bits1, self.cb.n_sub), (
+            unpack_bits(p2, self.cb.bits2, self.cb.n_sub) if p2 is not None else None)
 
     def decode_rotated(self, p1, p2) -> mx.array:
         return self.cb.decode(*self.codes(p1, p2))
-
-
-def _unpack(words: mx.array, bits: int, n: int) -> mx.array:
-    """``bitpack.unpack_bits`` with free reinterpretation for byte and nibble codes (same layout:
-    little-endian bit stream, code j at bits [j*bits, (j+1)*bits))."""
-    if bits == 8:
-        return mx.view(words, mx.uint8)[..., :n]
-    if bits == 4:
-        b = mx.view(words, mx.uint8)
-        both = mx.stack([b & 15, b >> 4], axis=-1)
-        return both.reshape(*b.shape[:-1], -1)[..., :n]
-    return unpack_bits(words, bits, n)
-
-
-def _reserve(buf: Optional[mx.array], rows: int, new: mx.array) -> Optional[mx.array]:
-    """Make room for ``new`` at row ``rows`` (axis 2) with at most 1/32 + ``QUANT_BLOCK`` spare
-    rows, then ``eviction.grow_rows`` writes in place. Quantized rows arrive in blocks of at least
-    ``QUANT_BLOCK`` rows, so this smaller reserve than ``grow_rows``'s 1/8 costs few reallocations."""
-    need = rows + new.shape[2]
-    if buf is not None and need <= buf.shape[2]:
-        return buf
-    shape = list(new.shape)
-    shape[2] = need + max(QUANT_BLOCK, need // 32)
-    out = mx.zeros(shape, dtype=new.dtype)
-    if buf is not None and rows:
-        out[:, :, :rows] = buf[:, :, :rows]
-    return out
 
 
 _QUANTIZERS: dict[tuple, _Quantizer] = {}
@@ -539,7 +512,7 @@ class ResidualWindowCache(CompressedKVCache):
 
     Row order (= position order): ``n_sink`` float16 *sink* rows (the first ``SINK_ROWS`` tokens,
     never quantized), ``n_quant`` quantized rows, ``n_win`` float16 window rows. New rows enter the
-    window; when it holds ``residual_length + QUANT_BLOCK`` rows, its oldest whole ``QUANT_BLOCK``s
+    window; when it holds ``residual_length + quant_block`` rows, its oldest whole ``quant_block``s
     beyond ``residual_length`` leave it: the first ``SINK_ROWS`` tokens of the stream to the sink buffer,
     the others to the subclass's quantized storage (``_append_quantized``). ``update_and_fetch``
     returns the rows stored before the call in their stored form, then the call's rows as given;
@@ -550,6 +523,7 @@ class ResidualWindowCache(CompressedKVCache):
     window_fields = ("win_k", "win_v")
     sink_fields = ("sink_k", "sink_v")
     residual_length = 128
+    quant_block = QUANT_BLOCK  # rows leave the window in whole blocks of this many
     n_sink = 0  # float16 sink rows (the stream's first tokens)
     n_quant = 0  # rows in quantized storage
     n_win = 0  # rows in the float16 window
@@ -588,15 +562,16 @@ class ResidualWindowCache(CompressedKVCache):
         self.win_k = grow_rows(self.win_k, r0, keys.astype(sd))
         self.win_v = grow_rows(self.win_v, r0, values.astype(sd))
         self.n_win = r0 + n
-        if self.n_win >= self.residual_length + QUANT_BLOCK:
+        block = self.quant_block
+        if self.n_win >= self.residual_length + block:
             # whole blocks only: which rows are compacted then depends on the positions stored, not on
             # how the rows were split into calls (one prefill call or chunks + decode steps leave the
             # same rows quantized: ``chunk_invariant``)
-            self._compact((self.n_win - self.residual_length) // QUANT_BLOCK * QUANT_BLOCK)
+            self._compact((self.n_win - self.residual_length) // block * block)
 
     def _compact(self, n: int) -> None:
         """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window
-        buffer of exactly ``residual_length + QUANT_BLOCK`` rows (it never holds more between calls)."""
+        buffer of exactly ``residual_length + quant_block`` rows (it never holds more between calls)."""
         w = self.n_win
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         s = min(SINK_ROWS - self.n_sink, n) if self.n_quant == 0 else 0
@@ -611,7 +586,7 @@ class ResidualWindowCache(CompressedKVCache):
         if n > s:
             self._append_quantized(k[:, :, s:], v[:, :, s:])
             self.n_quant += n - s
-        cap = self.residual_length + QUANT_BLOCK
+        cap = self.residual_length + self.quant_block
         self.win_k = self._fresh(self.win_k, cap, self.win_k[:, :, n:w])
         self.win_v = self._fresh(self.win_v, cap, self.win_v[:, :, n:w])
         self.n_win = w - n
@@ -794,7 +769,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             p1, p2, norms = qz.encode(x)
             for name, rows in (("codes1", p1), ("codes2", p2), ("norms", norms)):
                 if rows is not None:
-                    buf = _reserve(getattr(self, prefix + name), t0, rows)
+                    buf = reserve_rows(getattr(self, prefix + name), t0, rows, QUANT_BLOCK)
                     setattr(self, prefix + name, grow_rows(buf, t0, rows))
 
     def _planes(self, prefix: str, n: int):

@@ -70,7 +70,8 @@ def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
     """Inverse of :func:`pack_bits`: ``(..., words)`` ``uint32`` -> ``(..., n)`` ``uint8`` codes.
 
     Each code is read with one gather of its first word and, for codes that straddle a word
-    boundary, one gather of the next word.
+    boundary, one gather of the next word. 8- and 4-bit codes are read by reinterpreting the words
+    as bytes (the same little-endian layout), without gathers.
     """
     _check_bits(bits)
     if packed.dtype != mx.uint32:
@@ -81,6 +82,11 @@ def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
     lead = packed.shape[:-1]
     if n == 0:
         return mx.zeros((*lead, 0), dtype=mx.uint8)
+    if bits == 8:
+        return mx.view(packed, mx.uint8)[..., :n]
+    if bits == 4:
+        b = mx.view(packed, mx.uint8)
+        return mx.stack([b & 15, b >> 4], axis=-1).reshape(*lead, -1)[..., :n]
     offsets = mx.arange(n, dtype=mx.uint32) * bits
     word = (offsets // 32).astype(mx.int32)
     shift = offsets % 32

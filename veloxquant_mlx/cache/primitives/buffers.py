@@ -21,6 +21,21 @@ def grow_rows(buf, rows: int, new: mx.array) -> mx.array:
     return buf
 
 
+def reserve_rows(buf, rows: int, new: mx.array, block: int):
+    """Make room for ``new`` at row ``rows`` (axis 2) with at most 1/32 + ``block`` spare rows (then
+    ``grow_rows`` writes in place). For rows that arrive in blocks of at least ``block``: a smaller
+    reserve than ``grow_rows``'s 1/8, at the cost of few reallocations."""
+    need = rows + new.shape[2]
+    if buf is not None and need <= buf.shape[2]:
+        return buf
+    shape = list(new.shape)
+    shape[2] = need + max(block, need // 32)
+    out = mx.zeros(shape, dtype=new.dtype)
+    if buf is not None and rows:
+        out[:, :, :rows] = buf[:, :, :rows]
+    return out
+
+
 def grow_columns(buf, used: int, new: mx.array, capacity: int) -> mx.array:
     """Write ``new`` at column ``used`` of ``buf``'s last axis, reallocating to ``capacity`` columns
     (keeping the first ``used``) when it does not fit."""

@@ -1,0 +1,371 @@
+"""Waterfill: per-channel key bits allocated by reverse water-filling on the model's own queries,
+pre-RoPE calibrated key ranges, rotated per-token values; float16 sinks and window. The library's
+4-bit-class method (a VeloxQuant composition, not one paper).
+
+Why. On SmolLM2 the keys carry the 4-bit error (docs/RESULTS.md, "4-bit class target"): a few key
+channels have wide ranges *and* meet large query components, so a uniform width wastes bits on
+channels the attention logits barely see. The logit error of channel ``c`` quantized uniformly
+over a range ``r_c`` with ``b_c`` bits has variance ``~ E[q_c^2] r_c^2 4^-b_c / 12``; minimising the
+sum at a fixed total ``sum_c b_c`` is reverse water-filling (rate-distortion theory for independent
+components): every extra bit goes where ``E[q_c^2] r_c^2 4^-b_c`` is largest. The queries are the
+model's real ones (the attention dispatch point shows them to the cache).
+
+Ideas used, by source:
+
+* per-channel key quantization with *calibrated* per-channel ranges, on keys *before* RoPE, and
+  float16 attention-sink tokens: KVQuant (Hooper et al., arXiv 2401.18079, sections 3.1, 3.2, 3.6);
+* channel-wise precision differing per key channel: Kitty (arXiv 2511.18643) boosts a fixed fraction
+  of channels to a higher width; here every channel gets its own width, from the allocation above;
+* values rotated by a Hadamard transform before per-token quantization (outliers spread over all
+  coordinates): QuaRot (Ashkboos et al., arXiv 2404.00456);
+* a float16 window of the newest tokens: KIVI's residual (arXiv 2402.02750).
+
+Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
+
+1. Rows enter a float16 window (``ResidualWindowCache``); until calibration nothing leaves it, and
+   every call's queries add ``sum q^2`` per KV head and channel (``q_energy``; with RoPE undone,
+   the two channels of a rotary pair share their mean, since a key's pre-RoPE channel meets both).
+2. Calibration, once, at the end of the first call after which ``n_calib_tokens`` (default 64) rows
+   are stored: keys are un-rotated (the model's RoPE inverted exactly, ``primitives.rope``; when the
+   layer's RoPE is unknown the keys stay post-RoPE), the range ``[lo, hi]`` of every (batch row, head,
+   channel) is taken over the stored rows except the first 4 (the sinks), and each head's ``b * D``
+   key bits are allocated greedily by marginal gain ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (the j-th
+   bit of channel c; widths 0..8; the top ``b * D`` gains per head): the widths ``k_bits [H, D]``.
+3. Rows leaving the window (whole blocks of 16, the newest R..R+15 stay): the stream's first 4
+   tokens go to float16 sink rows; the others are quantized.
+   Keys: un-rotated, coded ``round((k - lo) / step)`` clamped to ``[0, 2^b_c - 1]`` with
+   ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels reconstruct the range's midpoint), packed at
+   their own widths (``primitives.varpack``: ``b * D`` bits per row, in whole 32-bit words).
+   Values: ``y = v H`` (normalized Hadamard, or a seeded random rotation when ``Dv`` is not a power
+   of two), symmetric ``b``-bit per-token codes ``round(y / s + L/2)``, ``L = 2^b - 1``,
+   ``s = max|y| / (L/2)`` stored as float16, packed with ``primitives.bitpack``.
+4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows and the window plus
+   the call's own rows. Quantized keys are decoded (``lo + code * step``, RoPE re-applied at their
+   positions in one ``mx.fast.rope``) and multiplied by the queries; the value output is
+   ``((p * s) @ (codes - L/2)) H^T`` -- the rotation applied once per query, not per row.
+
+Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2``
+(values + scale); b = 4, D = 64: 32 + 34 = 66 bytes vs 256 at float16 (0.258x). Per cache:
+``[B, H, 1, D]`` float16 ``lo``/``step``, the ``[H, D]`` widths and their unpacking tables, the
+window (``R + 16`` rows) and 4 sink rows in float16; the rotation matrix is counted once per model
+(``build_layers``, as turboquant_rvq).
+
+Deviations and limits (all of them):
+
+* KVQuant calibrates per-channel scales offline on a calibration set and quantizes with non-uniform
+  (sensitivity-weighted k-means) levels and dense-and-sparse outliers; here ranges come from the
+  cache's own first ``n_calib_tokens``, levels are uniform, and sensitivity enters through the bit
+  widths instead. Later keys outside the calibrated range are clamped (the range is not refitted);
+  pre-RoPE ranges do not drift with position, post-RoPE ones can.
+* Calibration happens once; its statistics come from the first calls (prompt), so the cache is not
+  chunk-invariant. Without the dispatch point (no queries seen) the widths are allocated with equal
+  channel weights, at the first call after ``n_calib_tokens`` rows.
+* Values are quantized per token (KIVI's finding: value errors average out over tokens), symmetric
+  after the rotation (no zero point: the rotated coordinates are centred), at the uniform width b.
+* ``bit_width_inlier`` sets both the keys' average width and the values' width; ``n_sink_tokens``
+  is not used (4 sink rows, as turboquant_rvq).
+
+mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``): ``offset`` logical, ``state`` with
+only the used rows plus the calibration (round trip through ``save_prompt_cache``), trim drops window
+rows, then the newest codes; not batchable (``merge`` raises ``BatchingNotSupported``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..base import register
+from ..contract import register_with_mlx_lm
+from ..errors import QuantizerConfigError
+from ..primitives.bitpack import pack_bits, unpack_bits
+from ..primitives.buffers import grow_rows, reserve_rows
+from ..primitives.rope import apply_rope, rope_spec
+from ..primitives.rotation import hadamard, random_orthogonal
+from ..primitives.varpack import VarLayout
+from ..attention import group_queries
+from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
+
+__all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
+
+DEFAULT_CALIB_TOKENS = 64
+BLOCK = 16  # rows leave the window in whole blocks of this many
+MAX_BITS = 8
+_TINY = 1e-30
+_ROTATIONS: dict[tuple, mx.array] = {}
+
+
+def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarray:
+    """Greedy reverse water-filling: ``total`` bits per row of ``sensitivity [G, D]`` (>= 0), each
+    bit to the channel whose ``log2(sensitivity) - 2 * (bits it has)`` is largest. Returns int
+    widths ``[G, D]`` in ``0..max_bits`` with every row summing to ``total``."""
+    s = np.asarray(sensitivity, dtype=np.float64)
+    G, D = s.shape
+    if not 0 <= total <= max_bits * D:
+        raise ValueError(f"total={total} bits cannot be spread over {D} channels of at most {max_bits} bits")
+    gain = np.log2(np.maximum(s, _TINY))[:, :, None] - 2.0 * np.arange(max_bits)[None, None, :]
+    flat = gain.reshape(G, D * max_bits)
+    # stable order: among equal gains the lower channel / lower bit first (gains fall with j per channel,
+    # so the chosen set always takes a channel's bits in order)
+    order = np.argsort(-flat, axis=1, kind="stable")[:, :total]
+    widths = np.zeros(G * D, dtype=np.int64)
+    np.add.at(widths, (np.arange(G)[:, None] * D + order // max_bits).reshape(-1), 1)
+    return widths.reshape(G, D)
+
+
+def value_rotation(dim: int, seed: int) -> mx.array:
+    """The values' rotation ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized Hadamard for a
+    power-of-two ``dim``, else a seeded Haar-random orthogonal matrix. One array per process."""
+    key = (int(dim), int(seed))
+    m = _ROTATIONS.get(key)
+    if m is None:
+        m = hadamard(dim) if dim & (dim - 1) == 0 else random_orthogonal(dim, seed)
+        _ROTATIONS[key] = m = mx.contiguous(m)
+        mx.eval(m)
+    return m
+
+
+@register_with_mlx_lm
+@register("waterfill")
+class WaterfillKVCache(ResidualWindowCache):
+    """Query-weighted per-channel key widths, pre-RoPE calibrated key ranges, rotated per-token
+    values, float16 sinks + window. See the module docstring."""
+
+    chunk_invariant = False  # widths and ranges are calibrated once, on the first calls' rows and queries
+    exact_trim = False  # rows the trimmed rows pushed out of the window stay quantized (as turboquant_rvq)
+    quant_block = BLOCK
+
+    array_fields = ("k_words", "k_lo", "k_step", "k_bits", "v_words", "v_scales", "q_energy",
+                    "win_k", "win_v", "sink_k", "sink_v")
+    scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "q_count", "rope", "counts_constants")
+    calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
+    q_count = 0
+    rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
+    counts_constants = True  # this cache's nbytes includes the shared value rotation
+
+    def _init_layout(self):
+        c = self.config
+        bits = c.bit_width_inlier
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+            raise QuantizerConfigError("bit_width_inlier", bits,
+                                       "an int in 1..8 (waterfill: keys' average and values' width)")
+        self.bits = bits
+        self.residual_length = int(c.residual_length)
+        n_calib = c.n_calib_tokens
+        if n_calib is not None and (isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1):
+            raise QuantizerConfigError("n_calib_tokens", n_calib, "an int >= 1 or None (waterfill: 64)")
+        self.n_calib = DEFAULT_CALIB_TOKENS if n_calib is None else n_calib
+        self.seed = int(c.seed)
+        self._call = None
+        self._layout = None
+        self._rope_rt = None
+
+    # ---- the layer's RoPE (KVCacheBuilder.for_model calls this)
+    def bind_attention(self, attn) -> None:
+        """Read the layer's RoPE so keys are quantized before it (None: post-RoPE keys)."""
+        self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
+        self._rope_rt = None
+
+    def _rope(self) -> Optional[dict]:
+        if self.rope is None:
+            return None
+        if self._rope_rt is None:
+            f = self.rope.get("freqs")
+            self._rope_rt = {**self.rope, "freqs": None if f is None else mx.array(f, dtype=mx.float32)}
+        return self._rope_rt
+
+    def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
+        spec = self._rope()
+        k = k.astype(mx.float32)
+        return apply_rope(k, spec, offset, inverse=True) if spec is not None else k
+
+    def _post_rope(self, k: mx.array, offset: int) -> mx.array:
+        spec = self._rope()
+        return apply_rope(k, spec, offset) if spec is not None else k
+
+    # ---- calibration
+    @property
+    def calibrated(self) -> bool:
+        return self.k_bits is not None
+
+    def _observe(self, queries: mx.array) -> None:
+        """Add the call's ``sum q^2`` per KV head and channel (lazy: no host sync)."""
+        H = self._shape[0]
+        q = group_queries(queries, H).astype(mx.float32)  # [B, H, rep, N, D]
+        e = (q * q).sum(axis=(0, 2, 3))[None, :, None, :]  # [1, H, 1, D]
+        self.q_energy = e if self.q_energy is None else self.q_energy + e
+        self.q_count += queries.shape[0] * queries.shape[1] // H * queries.shape[2]
+
+    def _calibrate(self) -> None:
+        """Key ranges over the stored rows (sinks excluded) and per-head widths (one host sync, once)."""
+        n = self.n_win  # nothing has left the window yet: rows 0 .. n-1 are positions 0 .. n-1
+        keys = self._pre_rope(self.win_k[:, :, :n], 0)
+        body = keys[:, :, SINK_ROWS:] if n > SINK_ROWS else keys
+        lo, hi = body.min(axis=2, keepdims=True), body.max(axis=2, keepdims=True)  # [B, H, 1, D]
+        H, D = keys.shape[1], keys.shape[3]
+        if self.q_energy is not None:
+            w = self.q_energy[0, :, 0]
+            if self.rope is not None:  # a pre-RoPE channel meets both channels of its rotary pair
+                w = _pair_mean(w, self.rope)
+        else:
+            w = mx.ones((H, D))
+        sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
+        widths = allocate_bits(np.array(sens), self.bits * D)
+        levels = mx.array((2 ** widths - 1).astype(np.float32))[None, :, None, :]
+        zero = levels == 0
+        self.k_step = mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16)
+        self.k_lo = mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16)
+        self.k_bits = mx.array(widths.astype(np.uint8))[None, :, None, :]
+        self._layout = VarLayout(widths)
+        self.q_energy = None  # only needed to calibrate
+        mx.eval(self.k_step, self.k_lo)
+
+    def _layout_of(self) -> VarLayout:
+        if self._layout is None:  # restored from a state
+            self._layout = VarLayout(np.array(self.k_bits[0, :, 0]))
+        return self._layout
+
+    # ---- storage hooks
+    def _store(self, keys, values):
+        if not self.calibrated and self.stored_rows() >= self.n_calib:
+            self._calibrate()  # the previous call was never attended (no dispatch point): no query weights
+        super()._store(keys, values)
+
+    def _compact(self, n: int) -> None:
+        if self.calibrated:  # before calibration every row stays in the float16 window
+            super()._compact(n)
+
+    def _append_quantized(self, keys, values):
+        t0 = self.n_quant
+        pos = self.n_sink + t0  # positions of these rows (sinks first, no rows ever evicted)
+        lay = self._layout_of()
+        step, lo = self.k_step.astype(mx.float32), self.k_lo.astype(mx.float32)
+        codes = mx.round((self._pre_rope(keys, pos) - lo) / mx.where(step > 0, step, 1.0))
+        codes = mx.clip(codes, 0, mx.array(lay.mask[None, :, None, :]).astype(mx.float32))
+        kw = lay.pack(codes.astype(mx.uint32))
+        vw, vs = self._encode_values(values)
+        for name, rows in (("k_words", kw), ("v_words", vw), ("v_scales", vs)):
+            buf = reserve_rows(getattr(self, name), t0, rows, BLOCK)
+            setattr(self, name, grow_rows(buf, t0, rows))
+
+    def _encode_values(self, values):
+        L = (1 << self.bits) - 1
+        y = values.astype(mx.float32) @ self._rotation(values.shape[-1])
+        scale = (mx.max(mx.abs(y), axis=-1, keepdims=True) / (L / 2)).astype(mx.float16)
+        s = mx.maximum(scale.astype(mx.float32), _TINY)
+        codes = mx.clip(mx.round(y / s + L / 2), 0, L).astype(mx.uint32)
+        return pack_bits(codes, self.bits), scale[..., 0]
+
+    def _rotation(self, dv: int) -> mx.array:
+        return value_rotation(dv, self.seed)
+
+    def _keys(self, n: int) -> mx.array:
+        """Decoded keys of the first ``n`` quantized rows, RoPE re-applied: [B, H, n, D] float32."""
+        codes = self._layout_of().unpack(self.k_words[:, :, :n]).astype(mx.float32)
+        return self._post_rope(self.k_lo.astype(mx.float32) + codes * self.k_step.astype(mx.float32), self.n_sink)
+
+    def _value_codes(self, n: int) -> mx.array:
+        """Centred value codes ``code - L/2`` of the first ``n`` quantized rows (rotated domain)."""
+        dv = self._shape[2]
+        return unpack_bits(self.v_words[:, :, :n], self.bits, dv).astype(mx.float32) - ((1 << self.bits) - 1) / 2
+
+    def _quantized_dense(self, n):
+        rot = self._rotation(self._shape[2])
+        v = (self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)) @ rot.T
+        return self._keys(n), v
+
+    def _quantized_part(self, q, n):
+        scores = q @ self._keys(n).swapaxes(-1, -2)
+        vc = self._value_codes(n)
+        vs = self.v_scales[:, :, :n].astype(mx.float32)[:, :, None, :]
+        rot = self._rotation(self._shape[2])
+
+        def value_fn(p):  # sum_t p_t s_t (code_t - L/2), rotated back once per query row
+            return ((p * vs) @ vc) @ rot.T
+
+        return scores, value_fn
+
+    # ---- attention: observe the queries until calibrated
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if not self.calibrated and getattr(self, "_shape", None):
+            self._observe(queries)
+        out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if not self.calibrated and self.stored_rows() >= self.n_calib:
+            self._calibrate()
+            R, w = self.residual_length, self.n_win
+            if w >= R + BLOCK:
+                self._compact((w - R) // BLOCK * BLOCK)
+        return out
+
+    # ---- accounting and state
+    @classmethod
+    def build_layers(cls, configs):
+        """One cache per layer; the first cache per (head dim, seed) counts the shared rotation."""
+        caches, seen = [], set()
+        for c in configs:
+            cache = cls(c)
+            key = (c.head_dim, c.seed)
+            cache.counts_constants = key not in seen
+            seen.add(key)
+            caches.append(cache)
+        return caches
+
+    def held_arrays(self):
+        out = super().held_arrays()
+        if self._layout is not None:
+            out += self._layout.arrays()
+        return out
+
+    @property
+    def constant_nbytes(self) -> int:
+        shape = getattr(self, "_shape", None)
+        return self._rotation(shape[2]).nbytes if shape else 0
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + (self.constant_nbytes if self.counts_constants else 0)
+
+    def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
+        """Bytes of one quantized token per KV head: key words + value words + the value scale."""
+        d = head_dim or (self._shape[1] if getattr(self, "_shape", None) else self.config.head_dim)
+        dv = value_dim or (self._shape[2] if getattr(self, "_shape", None) else d)
+        return 4 * ((self.bits * d + 31) // 32) + 4 * ((self.bits * dv + 31) // 32) + 2
+
+    def _used(self, name: str):
+        return None if name in self.calib_fields else super()._used(name)
+
+    @property
+    def state(self):
+        return ResidualWindowCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        ResidualWindowCache.state.fset(self, v)
+        self._layout = None
+        self._rope_rt = None
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            shared = k in ("config", "_layout", "_rope_rt") or isinstance(v, mx.Dtype)
+            setattr(new, k, v if shared else copy.deepcopy(v, memo))
+        return new
+
+
+def _pair_mean(w: mx.array, spec: dict) -> mx.array:
+    """Average ``w [H, D]`` over the channel pairs RoPE rotates together (its first ``dims`` channels:
+    adjacent pairs when ``traditional``, else channel i with i + dims/2)."""
+    dims = spec["dims"]
+    head, tail = w[:, :dims], w[:, dims:]
+    H = w.shape[0]
+    if spec["traditional"]:
+        m = head.reshape(H, dims // 2, 2).mean(axis=-1, keepdims=True)
+        head = mx.broadcast_to(m, (H, dims // 2, 2)).reshape(H, dims)
+    else:
+        m = (head[:, : dims // 2] + head[:, dims // 2 :]) / 2
+        head = mx.concatenate([m, m], axis=1)
+    return mx.concatenate([head, tail], axis=1) if tail.shape[1] else head

@@ -1,0 +1,63 @@
+"""Undo and redo a model's rotary position embedding (RoPE) on cached keys.
+
+mlx_lm hands caches keys that are already rotated by their positions. A quantizer that wants the
+keys *before* RoPE (KVQuant's observation: pre-RoPE key channels have stable ranges, post-RoPE ones
+rotate into each other with position) can undo the rotation exactly when it knows the model's RoPE,
+since RoPE is a rotation by ``position * scale * frequency`` per pair of channels: the inverse is the
+same operation with the scale negated.
+
+``rope_spec(module)`` reads the parameters of an attention module's ``rope`` (``mlx.nn.RoPE`` and
+the mlx_lm variants that call ``mx.fast.rope`` with a ``_freqs`` table, e.g. Llama-3 scaling) and
+checks them numerically against the module itself; anything else (extra magnitude scaling as in
+YaRN's ``mscale``, custom position handling) gives None and the caller keeps post-RoPE keys.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+__all__ = ["rope_spec", "apply_rope"]
+
+
+def rope_spec(module) -> Optional[dict]:
+    """``{"dims", "traditional", "base", "scale", "freqs"}`` of ``module`` (a RoPE layer) or None.
+
+    ``freqs`` is a list of floats (Llama-3 style tables) or None. The spec is returned only if
+    rotating a random probe with it matches ``module(probe, offset=...)``."""
+    if module is None:
+        return None
+    if getattr(module, "mscale", 1.0) != 1.0:
+        return None
+    dims, traditional = getattr(module, "dims", None), getattr(module, "traditional", None)
+    scale = getattr(module, "scale", 1.0)
+    base = getattr(module, "base", None)
+    freqs = getattr(module, "_freqs", None)
+    if not isinstance(dims, int) or not isinstance(traditional, bool) or not isinstance(scale, (int, float)):
+        return None
+    if freqs is None and not isinstance(base, (int, float)):
+        return None
+    spec = {"dims": dims, "traditional": traditional, "base": None if freqs is not None else float(base),
+            "scale": float(scale), "freqs": None if freqs is None else [float(f) for f in freqs.tolist()]}
+    d = dims + (dims % 2)
+    probe = mx.random.normal((1, 1, 3, max(d, 2)), key=mx.random.key(7))
+    try:
+        want = module(probe, offset=11)
+        got = apply_rope(probe, spec, 11)
+    except Exception:  # noqa: BLE001 -- any mismatch in calling convention means "unknown RoPE"
+        return None
+    if want.shape != got.shape or not bool(mx.allclose(want, got, atol=1e-5, rtol=1e-4)):
+        return None
+    return spec
+
+
+def apply_rope(x: mx.array, spec: dict, offset: int, inverse: bool = False) -> mx.array:
+    """RoPE of rows ``x [B, H, n, D]`` at positions ``offset .. offset + n - 1`` (or its inverse).
+    ``spec["freqs"]`` may be a list (as stored) or an ``mx.array`` (converted once by the caller)."""
+    scale = -spec["scale"] if inverse else spec["scale"]
+    freqs = spec.get("freqs")
+    if freqs is not None and not isinstance(freqs, mx.array):
+        freqs = mx.array(freqs, dtype=mx.float32)
+    return mx.fast.rope(x, spec["dims"], traditional=spec["traditional"], base=spec["base"], scale=scale,
+                        offset=offset, freqs=freqs)

@@ -1,0 +1,99 @@
+"""Variable-width bit packing: every channel of a row has its own code width (0..8 bits).
+
+A ``VarLayout`` is built once from a per-row-group width table ``bits [G, D]`` (one table per KV head,
+say) whose rows all sum to the same total ``P`` bits. A row of ``D`` codes is written as one
+little-endian bit stream, channel ``c`` at stream bits ``[off_c, off_c + bits_c)`` (``off`` the
+exclusive cumulative sum of ``bits`` along the channel axis), padded to ``ceil(P / 32)`` ``uint32``
+words -- the same stream convention as ``bitpack`` (which is the special case of equal widths). A
+0-bit channel takes no bits and unpacks to code 0.
+
+Packing gathers each stream bit from its channel (one ``[.., P]`` gather, then 32-bit words as in
+``bitpack``); unpacking reads each channel's (at most two) words with two gathers and shifts, so a
+decode step that unpacks every stored row costs two gathers per code. No Python loop runs over
+elements, rows or channels.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["VarLayout"]
+
+
+class VarLayout:
+    """Index tables of the variable-width layout of ``bits [G, D]`` (ints in 0..8, equal row sums).
+
+    Arrays to pack / unpack rows ``[.., G, n, D]`` (the group axis third from the end, e.g. mlx_lm's
+    ``[B, H, n, D]``): ``src_channel``/``src_bit`` [G, P] (for every stream bit, its channel and bit),
+    ``word``/``shift``/``mask``/``straddle`` [G, D] (for every channel, its first word, its bit offset
+    in that word, its width mask, and whether it runs into the next word)."""
+
+    def __init__(self, bits):
+        b = np.asarray(bits, dtype=np.int64)
+        if b.ndim != 2 or b.size == 0:
+            raise ValueError(f"bits must be a non-empty [G, D] table, got shape {b.shape}")
+        if b.min() < 0 or b.max() > 8:
+            raise ValueError(f"code widths must be in 0..8, got {b.min()}..{b.max()}")
+        totals = b.sum(axis=1)
+        if not (totals == totals[0]).all():
+            raise ValueError(f"every row of bits must sum to the same total, got {sorted(set(totals.tolist()))}")
+        self.groups, self.dim = b.shape
+        self.total_bits = int(totals[0])
+        self.words = (self.total_bits + 31) // 32
+        off = np.cumsum(b, axis=1) - b  # exclusive cumulative sum
+        self.bits = mx.array(b.astype(np.uint8))
+        P = max(self.total_bits, 1)
+        idx_t = np.uint8 if self.dim <= 256 and self.words <= 256 else np.int32  # small tables: they are held
+        ch = np.zeros((self.groups, P), idx_t)
+        bi = np.zeros((self.groups, P), np.uint8)
+        for g in range(self.groups):  # layout construction (once per calibration), not a hot path
+            c = np.repeat(np.arange(self.dim), b[g])
+            ch[g, : c.size] = c
+            bi[g, : c.size] = np.arange(c.size) - off[g, c]
+        self.src_channel = mx.array(ch)
+        self.src_bit = mx.array(bi)
+        shift = off % 32
+        self.word = mx.array((off // 32).astype(idx_t))
+        self.next_word = mx.array(np.minimum(off // 32 + 1, max(self.words - 1, 0)).astype(idx_t))
+        self.shift = mx.array(shift.astype(np.uint8))
+        self.straddle = mx.array((shift + b) > 32)
+        self.hi_shift = mx.array(np.where(shift + b > 32, 32 - shift, 0).astype(np.uint8))
+        self.mask = mx.array(((1 << b) - 1).astype(np.uint8))
+
+    def arrays(self) -> list[mx.array]:
+        return [self.bits, self.src_channel, self.src_bit, self.word, self.next_word, self.shift,
+                self.straddle, self.hi_shift, self.mask]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def pack(self, codes: mx.array) -> mx.array:
+        """``codes [.., G, n, D]`` (integers, each below ``2**bits``) -> ``uint32`` words ``[.., G, n, W]``."""
+        lead = codes.shape[:-1]
+        if codes.shape[-3] != self.groups or codes.shape[-1] != self.dim:
+            raise ValueError(f"codes {codes.shape} do not match the layout [.., {self.groups}, n, {self.dim}]")
+        if self.total_bits == 0:
+            return mx.zeros((*lead, 0), dtype=mx.uint32)
+        c = codes.astype(mx.uint32)
+        P = self.total_bits
+        idx = mx.broadcast_to(self.src_channel[:, None, :P], (*lead, P))
+        stream = (mx.take_along_axis(c, idx, axis=-1) >> self.src_bit[:, None, :P]) & 1
+        pad = self.words * 32 - P
+        if pad:
+            stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
+        stream = stream.reshape(*lead, self.words, 32)
+        return mx.sum(stream << mx.arange(32, dtype=mx.uint32), axis=-1).astype(mx.uint32)
+
+    def unpack(self, words: mx.array) -> mx.array:
+        """Inverse of :meth:`pack`: ``[.., G, n, W]`` words -> ``uint32`` codes ``[.., G, n, D]``."""
+        lead = words.shape[:-1]
+        if self.total_bits == 0:
+            return mx.zeros((*lead, self.dim), dtype=mx.uint32)
+        shape = (*lead, self.dim)
+        lo = mx.take_along_axis(words, mx.broadcast_to(self.word[:, None], shape), axis=-1)
+        hi = mx.take_along_axis(words, mx.broadcast_to(self.next_word[:, None], shape), axis=-1)
+        code = lo >> self.shift[:, None]
+        code = code | mx.where(self.straddle[:, None], hi << self.hi_shift[:, None], 0)
+        return code & self.mask[:, None]
