@@ -47,6 +47,10 @@ CONFIGS = {
     "tq_k10v16_r32": ("turboquant_rvq K10/2 V16/4, residual_length=32", _tq(10, 2, 16, 4, 32)),
     "tq_k10v16_r128": ("turboquant_rvq K10/2 V16/4, residual_length=128", _tq(10, 2, 16, 4, 128)),
     "tq_k10v12_r1": ("turboquant_rvq K10/2 V12/4, residual_length=1", _tq(10, 2, 12, 4, 1)),
+    "waterfill4_r16": ("waterfill 4-bit, residual_length=16", lambda: KVCacheConfig(
+        method="waterfill", bit_width_inlier=4, options=O.WaterfillOptions(residual_length=16))),
+    "waterfill4_r32": ("waterfill 4-bit, residual_length=32", lambda: KVCacheConfig(
+        method="waterfill", bit_width_inlier=4, options=O.WaterfillOptions(residual_length=32))),
     "kivi_sink4": ("kivi_sink 4-bit, G=32, 5 sinks", lambda: KVCacheConfig(
         method="kivi_sink", bit_width_inlier=4, options=O.KIVISinkOptions())),
     "kivi4": ("kivi 4-bit, G=32", lambda: KVCacheConfig(method="kivi", bit_width_inlier=4)),

@@ -72,6 +72,7 @@ CONFIGS = {
     "a2ats": dict(options=O.A2ATSOptions(window=16, codebook_bits=6, retrieval_fraction=0.3)),
     "anchorkv": dict(options=O.AnchorKVOptions(window=16)),
     "age_tiered": dict(options=O.AgeTieredOptions(recent_boundary=32, mid_boundary=64, group_size=16)),
+    "waterfill": dict(bit_width_inlier=3, n_calib_tokens=32, options=O.WaterfillOptions(residual_length=16)),
     # cross-layer
     "svdq": dict(options=O.SVDqOptions(group_size=16)),
     "xquant": dict(options=O.XQuantOptions(group_quant_size=16)),

@@ -56,9 +56,10 @@ def test_fields_and_defaults_match_the_spec_signature():
 
 
 def test_method_literal_lists_all_43_and_default_is_turboquant_rvq():
+    """The spec's 43 methods, in its order, then the library's own ``waterfill``."""
     assert KVCacheConfig().method == "turboquant_rvq"
     names = [m.name for m in all_methods()]
-    assert len(names) == 43 and len(set(names)) == 43
+    assert len(names) == 44 and len(set(names)) == 44 and names[-1] == "waterfill"
     assert STANDALONE_METHODS == {"turboquant_prod", "turboquant_mse", "polar", "qjl", "spectral"}
 
 

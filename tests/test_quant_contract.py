@@ -2,7 +2,7 @@
 
 Methods: kivi_sink, kitty, skvq, age_tiered, zipcache (test_quant_variants.py), kvquant, gear, adakv
 (test_quant_mixed.py), cachegen, amc (test_cachegen_amc.py), anchorkv, nsnquant (test_anchor_nsn.py),
-vecinfer, a2ats (test_vq_methods.py). Those modules keep each method's defining property and byte
+vecinfer, a2ats (test_vq_methods.py), waterfill (test_waterfill.py). Those modules keep each method's defining property and byte
 formulas, and build their caches with ``make`` / ``config`` from the table below.
 
 Contract checked here for every method: the factory builds the method's class (no ``bits`` attribute),
@@ -60,6 +60,7 @@ class Spec:
     logits_rel_tol: bool = False  # dense-path logits compared to 1e-4 relative (else absolute)
     loaded_nbytes_equal: bool = True  # a loaded cache holds the same nbytes (else: the same used_nbytes)
     query_saliency: bool = False  # compression depends on the real queries (not seen without dispatch)
+    fallback_source: str = "key_norm"  # ``saliency_source`` of a cache that saw no queries
     deep_trim: str | None = None  # trim into compressed rows: "refuse", "exact", or None (either)
 
 
@@ -122,6 +123,13 @@ SPECS = {
                            ({"retrieval_fraction": 0.0}, "a2ats_retrieval_fraction"), ({"beta": 2.0}, "a2ats_beta"),
                            ({"window": -1}, "a2ats_window")),
                   dense_kw={"retrieval_fraction": 1.0}, deep_trim="exact"),
+    # widths are allocated from the real queries (dispatch) or, without them, with equal weights: the
+    # compressed forms legitimately differ between the two paths; values and keys reloaded bit-exactly
+    "waterfill": Spec("WaterfillKVCache", "waterfill", O.WaterfillOptions, defaults={"residual_length": 16},
+                      flat={"bits": ("bit_width_inlier", 4), "n_calib": ("n_calib_tokens", 32)},
+                      invalid=(({"bits": 9}, "bit_width_inlier"), ({"n_calib": 0}, "n_calib_tokens"),
+                               ({"bits": [4, 4]}, "bit_width_inlier")),
+                      query_saliency=True, fallback_source="uniform", loaded_nbytes_equal=False),
 }
 METHODS = [m for m in SPECS if method_info(m).implemented]
 KIVI_LAYOUT = [m for m in METHODS if SPECS[m].group]
@@ -258,7 +266,7 @@ def test_dense_path_without_dispatch_same_logits(method):
     cb = caches_for(model, method, install=False, **kw)
     b = run_chunks(model, cb, TOKENS, chunks)
     if SPECS[method].query_saliency:
-        assert (ca[0].saliency_source, cb[0].saliency_source) == ("attention", "key_norm")
+        assert (ca[0].saliency_source, cb[0].saliency_source) == ("attention", SPECS[method].fallback_source)
         a, b = a[:1], b[:1]  # the prompt attends itself in full precision either way
     for x, y in zip(a, b):  # relative: logits (|x| up to ~5), float32 summation order differs between the paths
         tol = 1e-4 * (max(1.0, float(mx.abs(x).max())) if SPECS[method].logits_rel_tol else 1.0)

@@ -498,7 +498,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
 
-    m = sub.add_parser("methods", help="list the 43 methods and which are implemented")
+    m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill) and which are implemented")
     m.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
     m.set_defaults(func=_cmd_methods)
 

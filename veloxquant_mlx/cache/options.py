@@ -579,7 +579,18 @@ class VecInferOptions(MethodOptions):
     fused_sdpa_memory_bound: bool = False
 
 
-ALL_OPTIONS: tuple[type, ...] = (SnapKVOptions, StreamingLLMOptions, H2OOptions, TOVAOptions, PyramidKVOptions, SqueezeOptions, ChunkKVOptions, CaMOptions, XKVOptions, NSNQuantOptions, KNormOptions, SKVQOptions, QFiltersOptions, KeyformerOptions, MorphKVOptions, KVzipOptions, KVTCOptions, CurDKVOptions, NestedKVOptions, AMCOptions, A2ATSOptions, AnchorKVOptions, RocketKVOptions, AgeTieredOptions, KIVIOptions, SVDqOptions, KittyOptions, AdaKVOptions, XQuantOptions, KVQuantOptions, PaluOptions, CacheGenOptions, MiniCacheOptions, GEAROptions, ZipCacheOptions, SpectralOptions, TurboQuantRVQOptions, KIVISinkOptions, VecInferOptions)
+@dataclass
+class WaterfillOptions(MethodOptions):
+    """Options of ``waterfill`` (its widths are ``bit_width_inlier``, its calibration length
+    ``n_calib_tokens``: flat fields every method reads)."""
+
+    METHOD: ClassVar[str] = "waterfill"
+    FIELDS: ClassVar[dict[str, str]] = {"residual_length": "residual_length"}
+
+    residual_length: int = 128
+
+
+ALL_OPTIONS: tuple[type, ...] = (SnapKVOptions, StreamingLLMOptions, H2OOptions, TOVAOptions, PyramidKVOptions, SqueezeOptions, ChunkKVOptions, CaMOptions, XKVOptions, NSNQuantOptions, KNormOptions, SKVQOptions, QFiltersOptions, KeyformerOptions, MorphKVOptions, KVzipOptions, KVTCOptions, CurDKVOptions, NestedKVOptions, AMCOptions, A2ATSOptions, AnchorKVOptions, RocketKVOptions, AgeTieredOptions, KIVIOptions, SVDqOptions, KittyOptions, AdaKVOptions, XQuantOptions, KVQuantOptions, PaluOptions, CacheGenOptions, MiniCacheOptions, GEAROptions, ZipCacheOptions, SpectralOptions, TurboQuantRVQOptions, KIVISinkOptions, VecInferOptions, WaterfillOptions)
 OPTIONS_BY_METHOD: dict[str, type] = {o.METHOD: o for o in ALL_OPTIONS}
 
 # flat field -> options classes that set it (kivi_group_size belongs to KIVI and KIVI-sink)

@@ -140,11 +140,13 @@ class WaterfillKVCache(ResidualWindowCache):
 
     array_fields = ("k_words", "k_lo", "k_step", "k_bits", "v_words", "v_scales", "q_energy",
                     "win_k", "win_v", "sink_k", "sink_v")
-    scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "q_count", "rope", "counts_constants")
+    scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "q_count", "rope", "counts_constants",
+                     "saliency_source")
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
     counts_constants = True  # this cache's nbytes includes the shared value rotation
+    saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
 
     def _init_layout(self):
         c = self.config
@@ -152,7 +154,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
             raise QuantizerConfigError("bit_width_inlier", bits,
                                        "an int in 1..8 (waterfill: keys' average and values' width)")
-        self.bits = bits
+        self.bit_width = bits
         self.residual_length = int(c.residual_length)
         n_calib = c.n_calib_tokens
         if n_calib is not None and (isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1):
@@ -206,6 +208,7 @@ class WaterfillKVCache(ResidualWindowCache):
         body = keys[:, :, SINK_ROWS:] if n > SINK_ROWS else keys
         lo, hi = body.min(axis=2, keepdims=True), body.max(axis=2, keepdims=True)  # [B, H, 1, D]
         H, D = keys.shape[1], keys.shape[3]
+        self.saliency_source = "attention" if self.q_energy is not None else "uniform"
         if self.q_energy is not None:
             w = self.q_energy[0, :, 0]
             if self.rope is not None:  # a pre-RoPE channel meets both channels of its rotary pair
@@ -213,7 +216,7 @@ class WaterfillKVCache(ResidualWindowCache):
         else:
             w = mx.ones((H, D))
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
-        widths = allocate_bits(np.array(sens), self.bits * D)
+        widths = allocate_bits(np.array(sens), self.bit_width * D)
         levels = mx.array((2 ** widths - 1).astype(np.float32))[None, :, None, :]
         zero = levels == 0
         self.k_step = mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16)
@@ -252,12 +255,12 @@ class WaterfillKVCache(ResidualWindowCache):
             setattr(self, name, grow_rows(buf, t0, rows))
 
     def _encode_values(self, values):
-        L = (1 << self.bits) - 1
+        L = (1 << self.bit_width) - 1
         y = values.astype(mx.float32) @ self._rotation(values.shape[-1])
         scale = (mx.max(mx.abs(y), axis=-1, keepdims=True) / (L / 2)).astype(mx.float16)
         s = mx.maximum(scale.astype(mx.float32), _TINY)
         codes = mx.clip(mx.round(y / s + L / 2), 0, L).astype(mx.uint32)
-        return pack_bits(codes, self.bits), scale[..., 0]
+        return pack_bits(codes, self.bit_width), scale[..., 0]
 
     def _rotation(self, dv: int) -> mx.array:
         return value_rotation(dv, self.seed)
@@ -270,7 +273,7 @@ class WaterfillKVCache(ResidualWindowCache):
     def _value_codes(self, n: int) -> mx.array:
         """Centred value codes ``code - L/2`` of the first ``n`` quantized rows (rotated domain)."""
         dv = self._shape[2]
-        return unpack_bits(self.v_words[:, :, :n], self.bits, dv).astype(mx.float32) - ((1 << self.bits) - 1) / 2
+        return unpack_bits(self.v_words[:, :, :n], self.bit_width, dv).astype(mx.float32) - ((1 << self.bit_width) - 1) / 2
 
     def _quantized_dense(self, n):
         rot = self._rotation(self._shape[2])
@@ -314,25 +317,26 @@ class WaterfillKVCache(ResidualWindowCache):
         return caches
 
     def held_arrays(self):
+        """The arrays of ``array_fields``, the width layout's tables and, for the cache that counts
+        it, the shared value rotation (so ``nbytes`` is their sum)."""
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays()
+        if self.counts_constants and getattr(self, "_shape", None):
+            out.append(self._rotation(self._shape[2]))
         return out
 
     @property
     def constant_nbytes(self) -> int:
+        """Bytes of the value rotation (shared by every layer with the same value dim and seed)."""
         shape = getattr(self, "_shape", None)
         return self._rotation(shape[2]).nbytes if shape else 0
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + (self.constant_nbytes if self.counts_constants else 0)
 
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Bytes of one quantized token per KV head: key words + value words + the value scale."""
         d = head_dim or (self._shape[1] if getattr(self, "_shape", None) else self.config.head_dim)
         dv = value_dim or (self._shape[2] if getattr(self, "_shape", None) else d)
-        return 4 * ((self.bits * d + 31) // 32) + 4 * ((self.bits * dv + 31) // 32) + 2
+        return 4 * ((self.bit_width * d + 31) // 32) + 4 * ((self.bit_width * dv + 31) // 32) + 2
 
     def _used(self, name: str):
         return None if name in self.calib_fields else super()._used(name)
@@ -346,6 +350,14 @@ class WaterfillKVCache(ResidualWindowCache):
         ResidualWindowCache.state.fset(self, v)
         self._layout = None
         self._rope_rt = None
+        if self.k_bits is not None:
+            self._layout_of()  # held from the start, as in the cache that was saved
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the used rows of every array (spare capacity and the shared rotation left out)."""
+        rows = sum(a[:, :, : self._used(n)].nbytes for n in self.array_fields if (a := getattr(self, n)) is not None)
+        return rows + (self._layout.nbytes if self._layout is not None else 0)
 
     def __deepcopy__(self, memo):
         new = type(self).__new__(type(self))

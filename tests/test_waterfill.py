@@ -1,0 +1,229 @@
+"""waterfill: variable-width packing, reverse water-filling, RoPE inversion, and the cache's defining
+properties -- bits follow the queries' channel energy times the key range, keys are quantized before
+RoPE when the layer's RoPE is known, every quantized row costs exactly its bit budget, the float16
+sinks and window are exact. (The mlx_lm contract: tests/test_quant_contract.py; quality on SmolLM2:
+tests/test_quality_gate.py.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
+from veloxquant_mlx.cache.options import WaterfillOptions
+from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, allocate_bits
+from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_spec
+from veloxquant_mlx.cache.primitives.varpack import VarLayout
+
+from tiny_models import tiny_llama
+
+H, D = 2, 64
+
+
+def make(bits=4, residual_length=16, n_calib=32, rope=None):
+    c = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=bits, head_dim=D,
+                                            n_calib_tokens=n_calib,
+                                            options=WaterfillOptions(residual_length=residual_length)))
+    assert isinstance(c, WaterfillKVCache)
+    if rope is not None:
+        c.bind_attention(type("Attn", (), {"rope": rope})())
+    return c
+
+
+# ------------------------------------------------------------------------------------------- varpack
+@pytest.mark.parametrize("seed", range(6))
+def test_varpack_round_trip_any_widths(seed):
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(1, 8 * D))
+    widths = np.zeros((3, D), int)
+    for g in range(3):  # random widths 0..8 with the same row total
+        while widths[g].sum() < total:
+            c = rng.integers(D)
+            widths[g, c] += widths[g, c] < 8
+    lay = VarLayout(widths)
+    codes = rng.integers(0, 256, (2, 3, 7, D)) % (1 << widths)[None, :, None, :]
+    words = lay.pack(mx.array(codes))
+    assert words.shape == (2, 3, 7, -(-total // 32)) and words.dtype == mx.uint32
+    assert (np.array(lay.unpack(words)) == codes).all()
+
+
+def test_varpack_refuses_unequal_rows_and_wide_codes():
+    with pytest.raises(ValueError, match="same total"):
+        VarLayout([[4, 4], [4, 3]])
+    with pytest.raises(ValueError, match="0..8"):
+        VarLayout([[9, 0]])
+
+
+# ------------------------------------------------------------------------------------ water-filling
+def test_allocation_meets_the_budget_and_is_optimal():
+    rng = np.random.default_rng(0)
+    sens = np.exp(rng.normal(0, 3, (4, D)))
+    w = allocate_bits(sens, 4 * D)
+    assert w.shape == (4, D) and (w.sum(axis=1) == 4 * D).all() and w.min() >= 0 and w.max() <= 8
+    # monotone: a more sensitive channel never gets fewer bits
+    for g in range(4):
+        order = np.argsort(sens[g])
+        assert (np.diff(w[g, order]) >= 0).all()
+    # optimal: moving one bit from any channel to any other never lowers sum_c s_c 4^-b_c
+    dist = (sens * 4.0 ** -w).sum(axis=1)
+    for g in range(4):
+        for i in range(D):
+            for j in range(D):
+                if i != j and w[g, i] > 0 and w[g, j] < 8:
+                    v = w[g].copy()
+                    v[i] -= 1
+                    v[j] += 1
+                    assert (sens[g] * 4.0 ** -v).sum() >= dist[g] * (1 - 1e-12)
+
+
+def test_allocation_equal_sensitivities_spread_evenly():
+    w = allocate_bits(np.ones((1, D)), 3 * D)
+    assert (w == 3).all()
+
+
+# ------------------------------------------------------------------------------------------- rope
+@pytest.mark.parametrize("traditional", [True, False])
+def test_rope_spec_reproduces_and_inverts_the_layer(traditional):
+    rope = nn.RoPE(D, traditional=traditional, base=10000.0)
+    spec = rope_spec(rope)
+    assert spec is not None and spec["traditional"] is traditional
+    x = mx.random.normal((1, H, 9, D), key=mx.random.key(1))
+    y = apply_rope(x, spec, 100)
+    assert float(mx.abs(y - rope(x, offset=100)).max()) < 1e-5
+    assert float(mx.abs(apply_rope(y, spec, 100, inverse=True) - x).max()) < 1e-4
+
+
+def test_rope_spec_unknown_layers_give_none():
+    assert rope_spec(None) is None
+    assert rope_spec(nn.Linear(4, 4)) is None
+
+    class Scaled(nn.RoPE):  # extra magnitude scaling (YaRN's mscale): not a pure rotation
+        mscale = 1.2
+
+    assert rope_spec(Scaled(D)) is None
+
+
+# ------------------------------------------------------------------------------------------- cache
+def rows(n, scale=None, seed=0):
+    k = mx.random.normal((1, H, n, D), key=mx.random.key(seed))
+    if scale is not None:
+        k = k * mx.array(scale, dtype=mx.float32)
+    return k
+
+
+def feed(c, k, v, queries=None):
+    """One call the way mlx_lm's attention makes it (update_and_fetch, then the dispatch point)."""
+    K, V = c.update_and_fetch(k, v)
+    q = queries if queries is not None else mx.zeros((1, 2 * H, k.shape[2], D))
+    mask = "causal" if k.shape[2] > 1 else None
+    return dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=mask)
+
+
+def test_window_until_calibrated_then_sinks_codes_window():
+    c = make(n_calib=48)
+    k, v = rows(40), rows(40, seed=1)
+    feed(c, k, v)
+    assert not c.calibrated and (c.n_sink, c.n_quant, c.n_win) == (0, 0, 40)  # below n_calib: all float16
+    K, V = c._dense()
+    assert bool(mx.array_equal(K, k.astype(mx.float16).astype(mx.float32)))
+    feed(c, rows(30, seed=2), rows(30, seed=3))
+    assert c.calibrated and c.saliency_source == "attention"
+    # 70 rows: whole 16-row blocks beyond the newest 16 leave the window; the first 4 rows are sinks
+    assert (c.n_sink, c.n_quant, c.n_win) == (4, 44, 22)
+    K, V = c._dense()
+    assert bool(mx.array_equal(K[:, :, :4], k[:, :, :4].astype(mx.float16).astype(mx.float32)))
+
+
+def test_bits_follow_query_energy_times_key_range():
+    """Channel 0 has a wide key range and large query components, channel 1 the same key range but
+    no query energy, the rest narrow: channel 0 gets the most bits, channel 1 fewer than channel 0
+    (its error is invisible to these queries), and the allocation is per head."""
+    scale = np.ones(D, np.float32)
+    scale[:2] = 8.0
+    qs = np.ones(D, np.float32)
+    qs[0], qs[1] = 6.0, 0.0
+    c = make(n_calib=32)
+    q = mx.random.normal((1, 2 * H, 64, D), key=mx.random.key(5)) * mx.array(qs)
+    feed(c, rows(64, scale), rows(64, seed=1), queries=q)
+    w = np.array(c.k_bits[0, :, 0])
+    assert (w.sum(axis=1) == 4 * D).all()
+    assert (w[:, 0] == w.max(axis=1)).all() and (w[:, 0] > w[:, 1]).all() and (w[:, 0] > 4).all()
+
+
+def test_pre_rope_keys_quantize_far_better_than_post_rope():
+    """Keys that are one fixed vector (plus small noise) rotated by RoPE: before RoPE every channel's
+    range is tiny, after it the rotating pairs sweep their whole circle. Bound to the layer's RoPE,
+    the cache quantizes the former: its key error is many times smaller."""
+    rope = nn.RoPE(D, traditional=True, base=10000.0)
+    base = mx.random.normal((1, H, 1, D), key=mx.random.key(3)) * 3
+    pre = base + 0.01 * mx.random.normal((1, H, 200, D), key=mx.random.key(4))
+    post = rope(pre)  # positions 0..199
+    v = rows(200, seed=9)
+    errs = {}
+    for name, r in (("pre", rope), ("post", None)):
+        c = make(bits=3, rope=r)
+        feed(c, post, v)
+        n = c.n_sink + c.n_quant
+        K, _ = c._dense()
+        errs[name] = float(mx.mean((K[:, :, 4:n] - post[:, :, 4:n]) ** 2))
+    assert errs["pre"] * 50 < errs["post"], errs
+
+
+def test_for_model_binds_the_layer_rope():
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="waterfill", bit_width_inlier=4))
+    spec = rope_spec(model.model.layers[0].self_attn.rope)
+    assert spec is not None and all(c.rope == spec for c in caches)
+
+
+def test_quantized_rows_cost_their_bit_budget_and_value_error_is_bounded():
+    c = make(bits=4, residual_length=16)
+    k, v = rows(400), rows(400, seed=1)
+    feed(c, k, v)
+    assert c.calibrated
+    n = c.n_quant
+    per_row = c.k_words[:, :, :n].nbytes + c.v_words[:, :, :n].nbytes + c.v_scales[:, :, :n].nbytes
+    assert per_row == n * H * c.bytes_per_token() == n * H * (4 * D // 8 + 4 * D // 8 + 2)
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
+    assert c.used_nbytes <= c.nbytes <= c.used_nbytes * 1.1 + c.constant_nbytes + 2 * 2 * H * 32 * D
+    # values: symmetric 4-bit codes of the rotated row, so the error per row is at most half a step
+    # of its scale, s / 2 = max|y| / 15, in every rotated coordinate
+    _, V = c._dense()
+    s = c.sink_k.shape[2]
+    err = mx.abs(V[:, :, s : s + n] - v[:, :, s : s + n])
+    yabs = mx.abs(v[:, :, s : s + n] @ c._rotation(D)).max(axis=-1, keepdims=True)
+    assert float((mx.sqrt((err**2).sum(-1, keepdims=True)) / (yabs / 15 * D**0.5)).max()) <= 1.01
+
+
+def test_compressed_attention_equals_dense_attention_over_the_stored_rows():
+    c = make(n_calib=32)
+    q = mx.random.normal((1, 2 * H, 100, D), key=mx.random.key(2))
+    feed(c, rows(100), rows(100, seed=1), queries=q)
+    for i in range(20):
+        k, v, q = rows(1, seed=10 + i), rows(1, seed=50 + i), mx.random.normal((1, 2 * H, 1, D), key=mx.random.key(i))
+        K, V = c.update_and_fetch(k, v)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=None)
+        assert float(mx.abs(out - ref).max()) < 1e-4
+
+
+def test_without_queries_calibrates_with_equal_weights_at_the_next_call():
+    c = make(n_calib=32)
+    c.update_and_fetch(rows(40), rows(40, seed=1))  # no dispatch point: attend never runs
+    assert not c.calibrated
+    c.update_and_fetch(rows(1, seed=2), rows(1, seed=3))
+    assert c.calibrated and c.saliency_source == "uniform" and c.n_quant > 0
+
+
+@pytest.mark.parametrize("field,kw", [("bit_width_inlier", {"bit_width_inlier": 0}),
+                                      ("bit_width_inlier", {"bit_width_inlier": 9}),
+                                      ("n_calib_tokens", {"n_calib_tokens": 0})])
+def test_bad_settings_name_their_field(field, kw):
+    """(The window's flat field points to the method's options class.)"""
+    with pytest.warns(DeprecationWarning, match=r"WaterfillOptions\(residual_length=\.\.\.\)"):
+        KVCacheConfig(method="waterfill", residual_length=16)
+    with pytest.raises(QuantizerConfigError) as e:
+        KVCacheFactory.create(KVCacheConfig(method="waterfill", **kw))
+    assert e.value.field == field
