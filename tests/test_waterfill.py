@@ -14,6 +14,7 @@ import pytest
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache.options import WaterfillOptions
 from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, allocate_bits
+from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_spec
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
 
@@ -178,7 +179,7 @@ def test_for_model_binds_the_layer_rope():
     assert spec is not None and all(c.rope == spec for c in caches)
 
 
-def test_quantized_rows_cost_their_bit_budget_and_value_error_is_bounded():
+def test_quantized_rows_cost_their_bit_budget_and_values_meet_the_lloyd_max_distortion():
     c = make(bits=4, residual_length=16)
     k, v = rows(400), rows(400, seed=1)
     feed(c, k, v)
@@ -188,13 +189,14 @@ def test_quantized_rows_cost_their_bit_budget_and_value_error_is_bounded():
     assert per_row == n * H * c.bytes_per_token() == n * H * (4 * D // 8 + 4 * D // 8 + 2)
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
     assert c.used_nbytes <= c.nbytes <= c.used_nbytes * 1.1 + c.constant_nbytes + 2 * 2 * H * 32 * D
-    # values: symmetric 4-bit codes of the rotated row, so the error per row is at most half a step
-    # of its scale, s / 2 = max|y| / 15, in every rotated coordinate
+    # values: per row, the rotated coordinates over their RMS are coded with the 4-bit Lloyd-Max codebook
+    # of N(0, 1); for Gaussian rows the mean squared error per coordinate is that codebook's distortion
     _, V = c._dense()
     s = c.sink_k.shape[2]
-    err = mx.abs(V[:, :, s : s + n] - v[:, :, s : s + n])
-    yabs = mx.abs(v[:, :, s : s + n] @ c._rotation(D)).max(axis=-1, keepdims=True)
-    assert float((mx.sqrt((err**2).sum(-1, keepdims=True)) / (yabs / 15 * D**0.5)).max()) <= 1.01
+    y = v[:, :, s : s + n] @ c._rotation(D)
+    rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
+    err = ((V[:, :, s : s + n] - v[:, :, s : s + n]) @ c._rotation(D)) / rms
+    assert float(mx.mean(err * err)) == pytest.approx(lloyd_max_distortion(4), rel=0.15)
 
 
 def test_compressed_attention_equals_dense_attention_over_the_stored_rows():

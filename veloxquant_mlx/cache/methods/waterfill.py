@@ -17,7 +17,8 @@ Ideas used, by source:
 * channel-wise precision differing per key channel: Kitty (arXiv 2511.18643) boosts a fixed fraction
   of channels to a higher width; here every channel gets its own width, from the allocation above;
 * values rotated by a Hadamard transform before per-token quantization (outliers spread over all
-  coordinates): QuaRot (Ashkboos et al., arXiv 2404.00456);
+  coordinates): QuaRot (Ashkboos et al., arXiv 2404.00456); their coordinates then coded with a
+  Lloyd-Max codebook for the Gaussian, scaled per row: TurboQuant-MSE (arXiv 2504.19874);
 * a float16 window of the newest tokens: KIVI's residual (arXiv 2402.02750).
 
 Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
@@ -37,12 +38,14 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels reconstruct the range's midpoint), packed at
    their own widths (``primitives.varpack``: ``b * D`` bits per row, in whole 32-bit words).
    Values: ``y = v H`` (normalized Hadamard, or a seeded random rotation when ``Dv`` is not a power
-   of two), symmetric ``b``-bit per-token codes ``round(y / s + L/2)``, ``L = 2^b - 1``,
-   ``s = max|y| / (L/2)`` stored as float16, packed with ``primitives.bitpack``.
+   of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
+   and ``y / s`` is coded coordinate-wise with the ``b``-bit Lloyd-Max codebook of N(0, 1)
+   (TurboQuant-MSE's scalar quantizer, with the Gaussian limit of its coordinate distribution),
+   packed with ``primitives.bitpack``.
 4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows and the window plus
    the call's own rows. Quantized keys are decoded (``lo + code * step``, RoPE re-applied at their
    positions in one ``mx.fast.rope``) and multiplied by the queries; the value output is
-   ``((p * s) @ (codes - L/2)) H^T`` -- the rotation applied once per query, not per row.
+   ``((p * s) @ centroid[codes]) H^T`` -- the rotation applied once per query, not per row.
 
 Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2``
 (values + scale); b = 4, D = 64: 32 + 34 = 66 bytes vs 256 at float16 (0.258x). Per cache:
@@ -60,8 +63,10 @@ Deviations and limits (all of them):
 * Calibration happens once; its statistics come from the first calls (prompt), so the cache is not
   chunk-invariant. Without the dispatch point (no queries seen) the widths are allocated with equal
   channel weights, at the first call after ``n_calib_tokens`` rows.
-* Values are quantized per token (KIVI's finding: value errors average out over tokens), symmetric
-  after the rotation (no zero point: the rotated coordinates are centred), at the uniform width b.
+* Values are quantized per token (KIVI's finding: value errors average out over tokens), at the
+  uniform width b; the codebook is the Gaussian one (TurboQuant uses the exact Beta-type law of a
+  coordinate of a random unit vector and a random rotation; for Dv = 64 the two are close, and a
+  Hadamard rotation is cheaper), scaled by the row's RMS instead of its norm.
 * ``bit_width_inlier`` sets both the keys' average width and the values' width; ``n_sink_tokens``
   is not used (4 sink rows, as turboquant_rvq).
 
@@ -83,6 +88,7 @@ from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, unpack_bits
 from ..primitives.buffers import grow_rows, reserve_rows
+from ..primitives.codebook import lloyd_max_gaussian, nearest_code
 from ..primitives.rope import apply_rope, rope_spec
 from ..primitives.rotation import hadamard, random_orthogonal
 from ..primitives.varpack import VarLayout
@@ -255,12 +261,14 @@ class WaterfillKVCache(ResidualWindowCache):
             setattr(self, name, grow_rows(buf, t0, rows))
 
     def _encode_values(self, values):
-        L = (1 << self.bit_width) - 1
+        """Rotated rows ``y = v M``, their RMS ``s`` (float16) and the Lloyd-Max codes of ``y / s``."""
         y = values.astype(mx.float32) @ self._rotation(values.shape[-1])
-        scale = (mx.max(mx.abs(y), axis=-1, keepdims=True) / (L / 2)).astype(mx.float16)
-        s = mx.maximum(scale.astype(mx.float32), _TINY)
-        codes = mx.clip(mx.round(y / s + L / 2), 0, L).astype(mx.uint32)
+        scale = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True)).astype(mx.float16)
+        codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), self._codebook())
         return pack_bits(codes, self.bit_width), scale[..., 0]
+
+    def _codebook(self) -> mx.array:
+        return lloyd_max_gaussian(self.bit_width)
 
     def _rotation(self, dv: int) -> mx.array:
         return value_rotation(dv, self.seed)
@@ -271,9 +279,9 @@ class WaterfillKVCache(ResidualWindowCache):
         return self._post_rope(self.k_lo.astype(mx.float32) + codes * self.k_step.astype(mx.float32), self.n_sink)
 
     def _value_codes(self, n: int) -> mx.array:
-        """Centred value codes ``code - L/2`` of the first ``n`` quantized rows (rotated domain)."""
-        dv = self._shape[2]
-        return unpack_bits(self.v_words[:, :, :n], self.bit_width, dv).astype(mx.float32) - ((1 << self.bit_width) - 1) / 2
+        """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows."""
+        codes = unpack_bits(self.v_words[:, :, :n], self.bit_width, self._shape[2])
+        return mx.take(self._codebook(), codes.astype(mx.int32))
 
     def _quantized_dense(self, n):
         rot = self._rotation(self._shape[2])
@@ -286,7 +294,7 @@ class WaterfillKVCache(ResidualWindowCache):
         vs = self.v_scales[:, :, :n].astype(mx.float32)[:, :, None, :]
         rot = self._rotation(self._shape[2])
 
-        def value_fn(p):  # sum_t p_t s_t (code_t - L/2), rotated back once per query row
+        def value_fn(p):  # sum_t p_t s_t centroid[code_t], rotated back once per query row
             return ((p * vs) @ vc) @ rot.T
 
         return scores, value_fn
