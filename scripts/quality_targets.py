@@ -56,6 +56,7 @@ CONFIGS = {
     "waterfill4_r16": ("waterfill 4-bit, residual_length=16", _wf(4, 16)),
     "waterfill4_r32": ("waterfill 4-bit, residual_length=32", _wf(4, 32)),
     "waterfill2_r16": ("waterfill 2-bit, residual_length=16", _wf(2, 16), 2),
+    "waterfill2_r32": ("waterfill 2-bit, residual_length=32", _wf(2, 32), 2),
     "waterfill2_r64": ("waterfill 2-bit, residual_length=64", _wf(2, 64), 2),
     "tq_defaults": ("turboquant_rvq defaults (K12/4 V8/8, residual_length=128)",
                     lambda: KVCacheConfig(method="turboquant_rvq"), 2),

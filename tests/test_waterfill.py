@@ -14,8 +14,8 @@ import pytest
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache.options import WaterfillOptions
 from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, allocate_bits
-from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion
-from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_spec
+from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion, nearest_code, odd_poly_gaussian
+from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
 
 from tiny_models import tiny_llama
@@ -84,6 +84,16 @@ def test_allocation_equal_sensitivities_spread_evenly():
     assert (w == 3).all()
 
 
+def test_odd_poly_codebook_is_within_a_fraction_of_lloyd_max():
+    x = mx.random.normal((400_000,), key=mx.random.key(0))
+    for bits, rel in ((2, 0.002), (3, 0.004), (4, 0.006)):
+        cents, (a, b, c) = odd_poly_gaussian(bits)
+        u = mx.arange(1 << bits).astype(mx.float32) - ((1 << bits) - 1) / 2
+        assert float(mx.abs(cents - (a * u + b * u**3 + c * u**5)).max()) < 1e-5
+        err = x - cents[nearest_code(x, cents).astype(mx.int32)]
+        assert float(mx.mean(err * err)) <= lloyd_max_distortion(bits) * (1 + rel) + 5e-4
+
+
 # ------------------------------------------------------------------------------------------- rope
 @pytest.mark.parametrize("traditional", [True, False])
 def test_rope_spec_reproduces_and_inverts_the_layer(traditional):
@@ -94,6 +104,20 @@ def test_rope_spec_reproduces_and_inverts_the_layer(traditional):
     y = apply_rope(x, spec, 100)
     assert float(mx.abs(y - rope(x, offset=100)).max()) < 1e-5
     assert float(mx.abs(apply_rope(y, spec, 100, inverse=True) - x).max()) < 1e-4
+
+
+@pytest.mark.parametrize("rope", [nn.RoPE(D, traditional=True, base=1e5), nn.RoPE(D, traditional=False, base=1e4),
+                                  nn.RoPE(32, traditional=False, base=1e4, scale=0.5)])
+def test_rotate_rows_matches_fast_rope_and_inverts_exactly(rope):
+    """Angle-addition tables give MLX's RoPE up to float32 angle rounding (which grows with the
+    position for both), and the inverse undoes the forward to float32 precision at any position."""
+    spec = rope_spec(rope)
+    omega = rope_frequencies(spec)
+    x = mx.random.normal((1, H, 200, D), key=mx.random.key(2))
+    for offset in (0, 3, 5000):
+        y = rotate_rows(x, spec, omega, offset)
+        assert float(mx.abs(y - apply_rope(x, spec, offset)).max()) < 1e-4 + 4e-7 * offset
+        assert float(mx.abs(rotate_rows(y, spec, omega, offset, inverse=True) - x).max()) < 1e-5
 
 
 def test_rope_spec_unknown_layers_give_none():
@@ -197,6 +221,7 @@ def test_quantized_rows_cost_their_bit_budget_and_values_meet_the_lloyd_max_dist
     rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
     err = ((V[:, :, s : s + n] - v[:, :, s : s + n]) @ c._rotation(D)) / rms
     assert float(mx.mean(err * err)) == pytest.approx(lloyd_max_distortion(4), rel=0.15)
+    assert float(mx.mean(err * err)) < 0.8 * lloyd_max_distortion(3)  # not a coarser codebook
 
 
 def test_compressed_attention_equals_dense_attention_over_the_stored_rows():

@@ -27,8 +27,10 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    every call's queries add ``sum q^2`` per KV head and channel (``q_energy``; with RoPE undone,
    the two channels of a rotary pair share their mean, since a key's pre-RoPE channel meets both).
 2. Calibration, once, at the end of the first call after which ``n_calib_tokens`` (default 64) rows
-   are stored: keys are un-rotated (the model's RoPE inverted exactly, ``primitives.rope``; when the
-   layer's RoPE is unknown the keys stay post-RoPE), the range ``[lo, hi]`` of every (batch row, head,
+   are stored: keys are un-rotated (the model's RoPE, read from the layer and checked against it,
+   inverted by ``primitives.rope.rotate_rows``: the same rotation from angle-addition tables, no
+   sine per element; when the layer's RoPE is unknown the keys stay post-RoPE), the range
+   ``[lo, hi]`` of every (batch row, head,
    channel) is taken over the stored rows except the first 4 (the sinks), and each head's ``b * D``
    key bits are allocated greedily by marginal gain ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (the j-th
    bit of channel c; widths 0..8; the top ``b * D`` gains per head): the widths ``k_bits [H, D]``.
@@ -39,12 +41,14 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    their own widths (``primitives.varpack``: ``b * D`` bits per row, in whole 32-bit words).
    Values: ``y = v H`` (normalized Hadamard, or a seeded random rotation when ``Dv`` is not a power
    of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
-   and ``y / s`` is coded coordinate-wise with the ``b``-bit Lloyd-Max codebook of N(0, 1)
-   (TurboQuant-MSE's scalar quantizer, with the Gaussian limit of its coordinate distribution),
-   packed with ``primitives.bitpack``.
+   and ``y / s`` is coded coordinate-wise with a ``b``-bit codebook for N(0, 1): TurboQuant-MSE's
+   scalar Lloyd-Max quantizer (with the Gaussian limit of its coordinate distribution), its centroids
+   replaced by their least-squares fit ``a u + b u^3 + c u^5`` in the centred code ``u`` so that
+   decoding is arithmetic (``primitives.codebook.odd_poly_gaussian``: distortion within 0.2% of
+   Lloyd-Max's at 4 bits); packed with ``primitives.bitpack``.
 4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows and the window plus
    the call's own rows. Quantized keys are decoded (``lo + code * step``, RoPE re-applied at their
-   positions in one ``mx.fast.rope``) and multiplied by the queries; the value output is
+   positions by ``rotate_rows``) and multiplied by the queries; the value output is
    ``((p * s) @ centroid[codes]) H^T`` -- the rotation applied once per query, not per row.
 
 Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2``
@@ -78,6 +82,7 @@ rows, then the newest codes; not batchable (``merge`` raises ``BatchingNotSuppor
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -88,8 +93,8 @@ from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, unpack_bits
 from ..primitives.buffers import grow_rows, reserve_rows
-from ..primitives.codebook import lloyd_max_gaussian, nearest_code
-from ..primitives.rope import apply_rope, rope_spec
+from ..primitives.codebook import nearest_code, odd_poly_gaussian
+from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from ..primitives.rotation import hadamard, random_orthogonal
 from ..primitives.varpack import VarLayout
 from ..attention import group_queries
@@ -177,22 +182,17 @@ class WaterfillKVCache(ResidualWindowCache):
         self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
         self._rope_rt = None
 
-    def _rope(self) -> Optional[dict]:
-        if self.rope is None:
-            return None
+    def _omega(self) -> mx.array:
         if self._rope_rt is None:
-            f = self.rope.get("freqs")
-            self._rope_rt = {**self.rope, "freqs": None if f is None else mx.array(f, dtype=mx.float32)}
+            self._rope_rt = rope_frequencies(self.rope)
         return self._rope_rt
 
     def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
-        spec = self._rope()
         k = k.astype(mx.float32)
-        return apply_rope(k, spec, offset, inverse=True) if spec is not None else k
+        return rotate_rows(k, self.rope, self._omega(), offset, inverse=True) if self.rope is not None else k
 
     def _post_rope(self, k: mx.array, offset: int) -> mx.array:
-        spec = self._rope()
-        return apply_rope(k, spec, offset) if spec is not None else k
+        return rotate_rows(k, self.rope, self._omega(), offset) if self.rope is not None else k
 
     # ---- calibration
     @property
@@ -268,20 +268,25 @@ class WaterfillKVCache(ResidualWindowCache):
         return pack_bits(codes, self.bit_width), scale[..., 0]
 
     def _codebook(self) -> mx.array:
-        return lloyd_max_gaussian(self.bit_width)
+        return odd_poly_gaussian(self.bit_width)[0]
 
     def _rotation(self, dv: int) -> mx.array:
         return value_rotation(dv, self.seed)
 
     def _keys(self, n: int) -> mx.array:
         """Decoded keys of the first ``n`` quantized rows, RoPE re-applied: [B, H, n, D] float32."""
-        codes = self._layout_of().unpack(self.k_words[:, :, :n]).astype(mx.float32)
-        return self._post_rope(self.k_lo.astype(mx.float32) + codes * self.k_step.astype(mx.float32), self.n_sink)
+        lay = self._layout_of()
+        lo, hi = lay.gather(self.k_words[:, :, :n])
+        shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
+        pre = _dequantize(lo, hi, shift, mask, self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32))
+        return self._post_rope(pre, self.n_sink)
 
     def _value_codes(self, n: int) -> mx.array:
-        """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows."""
+        """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows, computed
+        from the codes arithmetically (the codebook is an odd polynomial of the centred code)."""
         codes = unpack_bits(self.v_words[:, :, :n], self.bit_width, self._shape[2])
-        return mx.take(self._codebook(), codes.astype(mx.int32))
+        a, b, c = odd_poly_gaussian(self.bit_width)[1]
+        return _odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
 
     def _quantized_dense(self, n):
         rot = self._rotation(self._shape[2])
@@ -374,6 +379,21 @@ class WaterfillKVCache(ResidualWindowCache):
             shared = k in ("config", "_layout", "_rope_rt") or isinstance(v, mx.Dtype)
             setattr(new, k, v if shared else copy.deepcopy(v, memo))
         return new
+
+
+@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
+def _dequantize(lo, hi, shift, mask, k_lo, k_step):
+    """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``; the
+    code extraction of ``varpack.extract_codes``, inlined so the whole chain is one kernel)."""
+    code = ((lo >> shift) | ((hi << (31 - shift)) << 1)) & mask
+    return k_lo + code.astype(mx.float32) * k_step
+
+
+@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
+def _odd_poly(codes, top, a, b, c):
+    u = codes.astype(mx.float32) - top / 2
+    u2 = u * u
+    return u * (a + u2 * (b + c * u2))
 
 
 def _pair_mean(w: mx.array, spec: dict) -> mx.array:

@@ -15,10 +15,12 @@ elements, rows or channels.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["VarLayout"]
+__all__ = ["VarLayout", "extract_codes"]
 
 
 class VarLayout:
@@ -26,8 +28,8 @@ class VarLayout:
 
     Arrays to pack / unpack rows ``[.., G, n, D]`` (the group axis third from the end, e.g. mlx_lm's
     ``[B, H, n, D]``): ``src_channel``/``src_bit`` [G, P] (for every stream bit, its channel and bit),
-    ``word``/``shift``/``mask``/``straddle`` [G, D] (for every channel, its first word, its bit offset
-    in that word, its width mask, and whether it runs into the next word)."""
+    ``word``/``next_word``/``shift``/``mask`` [G, D] (for every channel, its first word, the word after
+    it, its bit offset in the first word and its width mask)."""
 
     def __init__(self, bits):
         b = np.asarray(bits, dtype=np.int64)
@@ -57,13 +59,10 @@ class VarLayout:
         self.word = mx.array((off // 32).astype(idx_t))
         self.next_word = mx.array(np.minimum(off // 32 + 1, max(self.words - 1, 0)).astype(idx_t))
         self.shift = mx.array(shift.astype(np.uint8))
-        self.straddle = mx.array((shift + b) > 32)
-        self.hi_shift = mx.array(np.where(shift + b > 32, 32 - shift, 0).astype(np.uint8))
         self.mask = mx.array(((1 << b) - 1).astype(np.uint8))
 
     def arrays(self) -> list[mx.array]:
-        return [self.bits, self.src_channel, self.src_bit, self.word, self.next_word, self.shift,
-                self.straddle, self.hi_shift, self.mask]
+        return [self.bits, self.src_channel, self.src_bit, self.word, self.next_word, self.shift, self.mask]
 
     @property
     def nbytes(self) -> int:
@@ -86,14 +85,25 @@ class VarLayout:
         stream = stream.reshape(*lead, self.words, 32)
         return mx.sum(stream << mx.arange(32, dtype=mx.uint32), axis=-1).astype(mx.uint32)
 
+    def gather(self, words: mx.array) -> tuple[mx.array, mx.array]:
+        """Each channel's first word and the next one, ``[.., G, n, D]`` each (two gathers)."""
+        lead = (1,) * (words.ndim - 3) + (self.groups, 1, self.dim)
+        lo = mx.take_along_axis(words, self.word.reshape(lead), axis=-1)
+        hi = mx.take_along_axis(words, self.next_word.reshape(lead), axis=-1)
+        return lo, hi
+
     def unpack(self, words: mx.array) -> mx.array:
         """Inverse of :meth:`pack`: ``[.., G, n, W]`` words -> ``uint32`` codes ``[.., G, n, D]``."""
-        lead = words.shape[:-1]
         if self.total_bits == 0:
-            return mx.zeros((*lead, self.dim), dtype=mx.uint32)
-        shape = (*lead, self.dim)
-        lo = mx.take_along_axis(words, mx.broadcast_to(self.word[:, None], shape), axis=-1)
-        hi = mx.take_along_axis(words, mx.broadcast_to(self.next_word[:, None], shape), axis=-1)
-        code = lo >> self.shift[:, None]
-        code = code | mx.where(self.straddle[:, None], hi << self.hi_shift[:, None], 0)
-        return code & self.mask[:, None]
+            return mx.zeros((*words.shape[:-1], self.dim), dtype=mx.uint32)
+        lo, hi = self.gather(words)
+        return extract_codes(lo, hi, self.shift[:, None], self.mask[:, None])
+
+
+@functools.partial(mx.compile, shapeless=True)
+def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -> mx.array:
+    """Codes from their first word ``lo`` and the next word ``hi`` (one fused elementwise kernel).
+    ``(hi << (31 - s)) << 1`` is ``hi << (32 - s)`` without a shift by 32 (it is 0 when s = 0); for a
+    code that does not straddle, the bits it brings in lie above the code's width and are masked off."""
+    s = shift.astype(mx.uint32)
+    return ((lo >> s) | ((hi << (31 - s)) << 1)) & mask.astype(mx.uint32)
