@@ -580,8 +580,10 @@ class ResidualWindowCache(CompressedKVCache):
                 kept = slice(0, self.n_sink if self.sink_k is not None else 0)
                 self.sink_k = self._fresh(k, SINK_ROWS, (self.sink_k if self.sink_k is not None else k)[:, :, kept])
                 self.sink_v = self._fresh(v, SINK_ROWS, (self.sink_v if self.sink_v is not None else v)[:, :, kept])
-            self.sink_k[:, :, self.n_sink : self.n_sink + s] = k[:, :, :s]
-            self.sink_v[:, :, self.n_sink : self.n_sink + s] = v[:, :, :s]
+            # copies: a slice assignment that fills the whole buffer hands back its source, here a view
+            # that would keep the whole (prompt-sized) window buffer alive behind 4 rows
+            self.sink_k[:, :, self.n_sink : self.n_sink + s] = mx.contiguous(k[:, :, :s])
+            self.sink_v[:, :, self.n_sink : self.n_sink + s] = mx.contiguous(v[:, :, :s])
             self.n_sink += s
         if n > s:
             self._append_quantized(k[:, :, s:], v[:, :, s:])
