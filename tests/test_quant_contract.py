@@ -122,7 +122,8 @@ SPECS = {
                   invalid=(({"codebook_bits": 9}, "a2ats_codebook_bits"),
                            ({"retrieval_fraction": 0.0}, "a2ats_retrieval_fraction"), ({"beta": 2.0}, "a2ats_beta"),
                            ({"window": -1}, "a2ats_window")),
-                  dense_kw={"retrieval_fraction": 1.0}, deep_trim="exact"),
+                  dense_kw={"retrieval_fraction": 1.0}, deep_trim="exact",
+                  loaded_nbytes_equal=False),  # the last step's retrieved indices are held (counted), not saved
     # widths are allocated from the real queries (dispatch) or, without them, with equal weights: the
     # compressed forms legitimately differ between the two paths; values and keys reloaded bit-exactly
     "waterfill": Spec("WaterfillKVCache", "waterfill", O.WaterfillOptions, defaults={"residual_length": 16},

@@ -100,6 +100,11 @@ class A2ATSKVCache(CompressedKVCache):
     dtype_name = "float16"
     last_selected = None  # [B, H, k] retrieved token indices of the last sparse step (diagnostic)
 
+    def held_arrays(self):
+        """The state's arrays and the last step's retrieved indices (held too, so counted)."""
+        out = super().held_arrays()
+        return out + [self.last_selected] if self.last_selected is not None else out
+
     def _init_layout(self):
         c = self.config
         if not _int(c.a2ats_codebook_bits, 1, 8):

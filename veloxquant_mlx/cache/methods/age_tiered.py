@@ -138,8 +138,9 @@ class AgeTieredKVCache(KIVIKVCache):
         n = self._counts()[t]
         w = gq.words_per_group(b, G)
         for a, per in zip(_ARR, (w, 1, 1)):
-            setattr(self, f"k{t}_{a}", getattr(self, f"k{t}_{a}")[..., m * per : n * per])
-            setattr(self, f"v{t}_{a}", getattr(self, f"v{t}_{a}")[:, :, m * G : n * G])
+            # copies: a slice would stay a view of (and keep alive) the whole old buffer
+            setattr(self, f"k{t}_{a}", mx.contiguous(getattr(self, f"k{t}_{a}")[..., m * per : n * per]))
+            setattr(self, f"v{t}_{a}", mx.contiguous(getattr(self, f"v{t}_{a}")[:, :, m * G : n * G]))
         self._set_count(t, n - m)
 
     def _targets(self, T, n_groups):

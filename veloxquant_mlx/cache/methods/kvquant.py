@@ -118,8 +118,9 @@ class KVQuantKVCache(KIVIKVCache):
         t0 = self.n_quant
         g0 = t0 // G
         if t0 == 0 and self.n_sink:
-            self.sink_k = kb[:, :, : self.n_sink].astype(RES_DTYPE)
-            self.sink_v = vb[:, :, : self.n_sink].astype(RES_DTYPE)
+            # copies: ``astype`` to the same dtype is a view that would keep the whole block alive
+            self.sink_k = mx.contiguous(kb[:, :, : self.n_sink].astype(RES_DTYPE))
+            self.sink_v = mx.contiguous(vb[:, :, : self.n_sink].astype(RES_DTYPE))
         # ---- keys: [B, H, g, D, G] blocks, dense-and-sparse split per block
         kblk = kb.astype(mx.float32).reshape(B, H, g, G, D).swapaxes(-1, -2)
         ko = self._n_out(D)
