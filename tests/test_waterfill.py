@@ -233,7 +233,8 @@ def test_compressed_attention_equals_dense_attention_over_the_stored_rows():
         K, V = c.update_and_fetch(k, v)
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
         ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=None)
-        assert float(mx.abs(out - ref).max()) < 1e-4
+        # float32 on the CPU; GPU matmuls may round float32 inputs (TF32): measured 2.3e-4 on an H200
+        assert float(mx.abs(out - ref).max()) < (1e-4 if mx.default_device() == mx.cpu else 1e-3)
 
 
 def test_without_queries_calibrates_with_equal_weights_at_the_next_call():

@@ -1,0 +1,88 @@
+"""Per-piece timing of waterfill's decode attention on the current device (one layer, one decode step),
+next to MLX's fused attention over a plain cache of the same rows.
+
+    python scripts/profile_waterfill.py --context 8192 --heads 8 --rep 4 --dim 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx import _blas  # noqa: E402
+
+_blas.preload()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory  # noqa: E402
+from veloxquant_mlx.cache.methods.waterfill import _dequantize  # noqa: E402
+from veloxquant_mlx.cache.options import WaterfillOptions  # noqa: E402
+
+
+def timed(f, reps=20):
+    for _ in range(3):
+        mx.eval(f())
+    t = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(f())
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--bits", type=int, default=4)
+    a = ap.parse_args(argv)
+    T, H, R, D = a.context, a.heads, a.rep, a.dim
+    dt = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    c = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=a.bits, head_dim=D,
+                                            options=WaterfillOptions(residual_length=16)))
+    c.bind_attention(type("Attn", (), {"rope": nn.RoPE(D, traditional=False, base=1e4)})())
+    k, v = mx.random.normal((1, H, T, D)).astype(dt), mx.random.normal((1, H, T, D)).astype(dt)
+    q = mx.random.normal((1, H * R, T, D)).astype(dt)
+    K, V = c.update_and_fetch(k, v)
+    mx.eval(c.attend(q, K, V, scale=D**-0.5, mask="causal"), c.held_arrays())
+    n, lay = c.n_quant, c._layout_of()
+    words = c.k_words[:, :, :n]
+    lo, hi = lay.gather(words)
+    shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
+    klo, kst = c.k_lo.astype(mx.float32), c.k_step.astype(mx.float32)
+    pre = _dequantize(lo, hi, shift, mask, klo, kst)
+    keys = c._keys(n)
+    qq = mx.random.normal((1, H, R, D))
+    p = mx.softmax(mx.random.normal((1, H, R, n)), axis=-1)
+    mx.eval(lo, hi, pre, keys)
+    one_q = mx.random.normal((1, H * R, 1, D)).astype(dt)
+    rows = {
+        "gather (2 take_along_axis)": lambda: lay.gather(words),
+        "dequantize (compiled)": lambda: _dequantize(lo, hi, shift, mask, klo, kst),
+        "rotate_rows (RoPE)": lambda: c._post_rope(pre, c.n_sink),
+        "keys total": lambda: c._keys(n),
+        "q @ K^T": lambda: qq @ keys.swapaxes(-1, -2),
+        "value codes (unpack + poly)": lambda: c._value_codes(n),
+        "quantized part (scores + values)": lambda: c._quantized_part(qq, n)[1](p),
+        "whole decode step (store + attend)": None,
+        "fused sdpa, plain rows": lambda: mx.fast.scaled_dot_product_attention(one_q, k, v, scale=D**-0.5),
+    }
+
+    def step():
+        K, V = c.update_and_fetch(k[:, :, :1], v[:, :, :1])
+        return c.attend(one_q, K, V, scale=D**-0.5, mask=None)
+
+    rows["whole decode step (store + attend)"] = step
+    print(f"device {mx.default_device()}, T={T}, H={H}, rep={R}, D={D}, {a.bits}-bit")
+    for name, f in rows.items():
+        print(f"{name:36s} {timed(f):8.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
