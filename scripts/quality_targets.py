@@ -18,6 +18,7 @@ norms, spare capacity, shared constants) over mlx_lm's plain fp16 cache for the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from veloxquant_mlx.cache import options as O  # noqa: E402
 from veloxquant_mlx.eval.fidelity import next_token_fidelity, reference_logprobs  # noqa: E402
 from veloxquant_mlx.model import load_model  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 TARGETS = {4: (0.002, 0.30), 2: (0.08, 0.17)}  # class: (max KLD, max kv/fp16)
 
 
@@ -47,7 +50,39 @@ def _wf(bits, r):
                                  options=O.WaterfillOptions(residual_length=r))
 
 
-# name: (label, config factory[, class]); class 4 unless given
+def _ablation(what):
+    """waterfill 4-bit, 16-row window, with one ingredient removed (``what``): "post_rope" (keys
+    quantized after RoPE), "no_queries" (channel weights all equal instead of the queries' energy),
+    "uniform_widths" (4 bits on every key channel). Applied to the caches the harness builds."""
+    from veloxquant_mlx.cache.methods import waterfill as wf
+    from veloxquant_mlx.eval import fidelity
+
+    class Patched:
+        def __enter__(self):
+            self.make, self.alloc = fidelity.make_caches, wf.allocate_bits
+
+            def make(model, config):
+                caches = self.make(model, config)
+                for c in caches:
+                    if what == "post_rope":
+                        c.rope = None
+                    if what == "no_queries":
+                        c._observe = lambda queries: None
+                return caches
+
+            fidelity.make_caches = make
+            if what == "uniform_widths":
+                wf.allocate_bits = lambda s, total: np.full(np.shape(s), total // np.shape(s)[1])
+            return self
+
+        def __exit__(self, *exc):
+            fidelity.make_caches, wf.allocate_bits = self.make, self.alloc
+
+    return Patched()
+
+
+# name: (label, config factory[, class[, patch]]); class 4 unless given; ``patch`` a context manager
+# applied while the configuration runs (ablations)
 CONFIGS = {
     "tq_k10v16_r1": ("turboquant_rvq K10/2 V16/4, residual_length=1", _tq(10, 2, 16, 4, 1)),
     "tq_k10v16_r32": ("turboquant_rvq K10/2 V16/4, residual_length=32", _tq(10, 2, 16, 4, 32)),
@@ -60,6 +95,10 @@ CONFIGS = {
     "waterfill2_r64": ("waterfill 2-bit, residual_length=64", _wf(2, 64), 2),
     "tq_defaults": ("turboquant_rvq defaults (K12/4 V8/8, residual_length=128)",
                     lambda: KVCacheConfig(method="turboquant_rvq"), 2),
+    "waterfill4_post_rope": ("waterfill 4-bit, r=16, keys quantized after RoPE", _wf(4, 16), 4, "post_rope"),
+    "waterfill4_no_queries": ("waterfill 4-bit, r=16, equal channel weights (no queries)", _wf(4, 16), 4,
+                              "no_queries"),
+    "waterfill4_uniform": ("waterfill 4-bit, r=16, 4 bits on every key channel", _wf(4, 16), 4, "uniform_widths"),
     "kivi_sink4": ("kivi_sink 4-bit, G=32, 5 sinks", lambda: KVCacheConfig(
         method="kivi_sink", bit_width_inlier=4, options=O.KIVISinkOptions())),
     "kivi4": ("kivi 4-bit, G=32", lambda: KVCacheConfig(method="kivi", bit_width_inlier=4)),
@@ -86,7 +125,8 @@ def main(argv=None):
             cls = rest[0] if rest else 4
             max_kld, max_bytes = TARGETS[cls]
             t = time.time()
-            r = next_token_fidelity(model, ids, ctx, args.n_score, make(), ref_logp=ref)
+            with (_ablation(rest[1]) if len(rest) > 1 else contextlib.nullcontext()):
+                r = next_token_fidelity(model, ids, ctx, args.n_score, make(), ref_logp=ref)
             ok = "yes" if (r.kld <= max_kld and r.compression <= max_bytes) else "no"
             print(f"| {label} | {cls}-bit | {ctx} | {r.kld:.4f} | {r.top1_agree:.3f} | {r.compression:.3f} | {ok} | "
                   f"{time.time() - t:.0f} |", flush=True)

@@ -57,6 +57,13 @@ Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b *
 window (``R + 16`` rows) and 4 sink rows in float16; the rotation matrix is counted once per model
 (``build_layers``, as turboquant_rvq).
 
+Measured (``scripts/quality_targets.py``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
+decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
+0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
+2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
+is below mlx_lm's fused attention over plain rows (two gathers per key channel and step: CPU attention
+op ~0.2x at 8k, H200 0.21x at 8k, ``scripts/profile_waterfill.py``).
+
 Deviations and limits (all of them):
 
 * KVQuant calibrates per-channel scales offline on a calibration set and quantizes with non-uniform
