@@ -185,3 +185,33 @@ def test_artifact_stores_round_trip(tmp_path, store_factory):
     assert calls == [1] and mx.array_equal(a, b)
     with pytest.raises(ValueError, match="artifact key"):
         store.put("../escape", a)
+
+
+def test_flat_field_warnings_survive_interleaved_quiet_sections_in_threads():
+    """Per-layer configs are built under ``_quiet_flat_fields`` on a server's request threads; two such
+    sections interleaved (A enters, B enters, A leaves, B leaves) must not leave warnings off."""
+    import threading
+
+    from veloxquant_mlx.cache import config as C
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with C._quiet_flat_fields():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with C._quiet_flat_fields():
+            b_in.set()
+            a_out.wait(5)
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    with pytest.warns(DeprecationWarning, match="H2OOptions"):
+        KVCacheConfig(method="h2o", h2o_budget=64)

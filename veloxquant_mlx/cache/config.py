@@ -10,6 +10,7 @@ raises ``QuantizerConfigError`` naming the field, the value and what is allowed.
 from __future__ import annotations
 
 import contextlib
+import threading
 import dataclasses
 import math
 import warnings
@@ -46,17 +47,19 @@ _CHOICES = {
     "qfilters_on_low_retention": ("warn", "raise", "ignore"),
 }
 
-_suppress_flat_warnings = False
+# Per thread: a server builds per-layer configs (``replace``) on several request threads at once, and a
+# process-wide flag saved/restored by interleaved threads could be left on for good.
+_quiet = threading.local()
 
 
 @contextlib.contextmanager
 def _quiet_flat_fields():
-    global _suppress_flat_warnings
-    old, _suppress_flat_warnings = _suppress_flat_warnings, True
+    old = getattr(_quiet, "on", False)
+    _quiet.on = True
     try:
         yield
     finally:
-        _suppress_flat_warnings = old
+        _quiet.on = old
 
 
 @dataclass
@@ -293,7 +296,7 @@ class KVCacheConfig:
         defaults = _DEFAULTS
         if self.options is not None:
             self._apply_options(defaults)
-        elif not _suppress_flat_warnings:
+        elif not getattr(_quiet, "on", False):
             for name, classes in FLAT_FIELD_OPTIONS.items():
                 if _differs(getattr(self, name), defaults[name]):
                     cls = next((c for c in classes if c.METHOD == self.method), classes[0])
