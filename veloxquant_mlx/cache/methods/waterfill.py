@@ -103,7 +103,7 @@ from ..primitives.buffers import grow_rows, reserve_rows
 from ..primitives.codebook import nearest_code, odd_poly_gaussian
 from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from ..primitives.rotation import hadamard, random_orthogonal
-from ..primitives.varpack import VarLayout
+from ..primitives.varpack import VarLayout, extract_codes
 from ..attention import group_queries
 from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
 
@@ -181,18 +181,18 @@ class WaterfillKVCache(ResidualWindowCache):
         self.seed = int(c.seed)
         self._call = None
         self._layout = None
-        self._rope_rt = None
+        self._omega_cache = None
 
     # ---- the layer's RoPE (KVCacheBuilder.for_model calls this)
     def bind_attention(self, attn) -> None:
         """Read the layer's RoPE so keys are quantized before it (None: post-RoPE keys)."""
         self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
-        self._rope_rt = None
+        self._omega_cache = None
 
     def _omega(self) -> mx.array:
-        if self._rope_rt is None:
-            self._rope_rt = rope_frequencies(self.rope)
-        return self._rope_rt
+        if self._omega_cache is None:
+            self._omega_cache = rope_frequencies(self.rope)
+        return self._omega_cache
 
     def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
         k = k.astype(mx.float32)
@@ -369,7 +369,7 @@ class WaterfillKVCache(ResidualWindowCache):
     def state(self, v):
         ResidualWindowCache.state.fset(self, v)
         self._layout = None
-        self._rope_rt = None
+        self._omega_cache = None
         if self.k_bits is not None:
             self._layout_of()  # held from the start, as in the cache that was saved
 
@@ -383,17 +383,16 @@ class WaterfillKVCache(ResidualWindowCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            shared = k in ("config", "_layout", "_rope_rt") or isinstance(v, mx.Dtype)
+            shared = k in ("config", "_layout", "_omega_cache") or isinstance(v, mx.Dtype)
             setattr(new, k, v if shared else copy.deepcopy(v, memo))
         return new
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
 def _dequantize(lo, hi, shift, mask, k_lo, k_step):
-    """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``; the
-    code extraction of ``varpack.extract_codes``, inlined so the whole chain is one kernel)."""
-    code = ((lo >> shift) | ((hi << (31 - shift)) << 1)) & mask
-    return k_lo + code.astype(mx.float32) * k_step
+    """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
+    fused kernel with the code extraction."""
+    return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
