@@ -51,6 +51,11 @@ class ChunkKVIndexReuseCoordinator:
     def publish(self, layer_id: int, offset: int, rows: int, idx: mx.array) -> None:
         self._records[layer_id] = (offset, rows, idx)
 
+    def published(self, layer_id: int):
+        """The indices ``layer_id`` last published (held here until it publishes again), or None."""
+        rec = self._records.get(layer_id)
+        return rec[2] if rec is not None else None
+
     def lookup(self, layer_id: int, offset: int, rows: int):
         """The leader's indices if it evicted at this same step from the same number of rows."""
         rec = self._records.get(self.leader_of(layer_id))
@@ -72,6 +77,13 @@ class ChunkKVCache(VotingEviction):
 
     layer_id = None
     coordinator = None
+
+    def held_arrays(self):
+        """The stored rows, plus the kept-row indices this layer published for its followers (the
+        coordinator holds them; the publishing layer counts them)."""
+        out = super().held_arrays()
+        idx = self.coordinator.published(self.layer_id) if self.coordinator is not None else None
+        return out + [idx] if idx is not None else out
 
     def __init__(self, config, layer_id=None, coordinator=None):
         super().__init__(config)

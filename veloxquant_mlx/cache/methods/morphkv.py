@@ -63,8 +63,9 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
         q = queries[:, :, -keep:].astype(self.storage_dtype(queries.dtype))
         pos = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)
         if self.queries is not None and n < keep and self.queries.shape[:2] == q.shape[:2]:
-            q = mx.concatenate([self.queries, q], axis=2)[:, :, -keep:]
-            pos = mx.concatenate([self.query_positions, pos])[-keep:]
+            # copies of the kept rows: a slice would keep the whole concatenation alive (one row more)
+            q = mx.contiguous(mx.concatenate([self.queries, q], axis=2)[:, :, -keep:])
+            pos = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)  # queries come in position order
         self.queries, self.query_positions = q, pos
         self._live = True
         try:
@@ -80,7 +81,8 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
             if left == 0:
                 self.queries = self.query_positions = None
             else:
-                self.queries, self.query_positions = self.queries[:, :, :left], self.query_positions[:left]
+                self.queries = mx.contiguous(self.queries[:, :, :left])
+                self.query_positions = mx.array(self.query_positions[:left])
         return dropped
 
     # ------------------------------------------------------------ scoring
