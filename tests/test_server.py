@@ -246,15 +246,18 @@ def test_other_batch_forms_batch_through_the_server(srv, spec):
     assert max(widest, default=0) >= 2
 
 
-def test_methods_without_batch_form_are_served_one_at_a_time(srv):
+@pytest.mark.parametrize("spec", [{"method": "snapkv", "settings": {"snap_budget": 24}},
+                                  {"method": "waterfill", "settings": {"bit_width_inlier": 4, "residual_length": 16,
+                                                                       "n_calib_tokens": 16}}])
+def test_methods_without_batch_form_are_served_one_at_a_time(srv, spec):
     base, _ = srv
-    spec = {"method": "snapkv", "settings": {"snap_budget": 24}, "reuse": False}
+    spec = {**spec, "reuse": False}
     prompts = [[{"role": "user", "content": f"Describe the colour {c}."}] for c in ("red", "blue", "green")]
     one_by_one = [chat(base, p, kv_cache=spec)[0] for p in prompts]
     with ThreadPoolExecutor(3) as pool:
         together = list(pool.map(lambda p: chat(base, p, kv_cache=spec)[0], prompts))
     assert together == one_by_one
-    desc = S.parse_kv_settings("snapkv", {}).describe()
+    desc = S.parse_kv_settings(spec["method"], {}).describe()
     assert desc["batching"] == "sequential" and "BatchingNotSupported" in desc["batching_reason"]
 
 
