@@ -16,9 +16,7 @@ per-layer budget (ChunkKV, CaM). SnapKV at the same budget is printed as a refer
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,8 +25,8 @@ from veloxquant_mlx import _blas  # noqa: E402
 
 _blas.preload()
 
-from veloxquant_mlx.assets import essays_text  # noqa: E402
-from veloxquant_mlx.cache import KVCacheConfig  # noqa: E402
+import budget_table  # noqa: E402  (scripts/budget_table.py)
+
 from veloxquant_mlx.cache.options import (  # noqa: E402
     CaMOptions,
     ChunkKVOptions,
@@ -36,8 +34,6 @@ from veloxquant_mlx.cache.options import (  # noqa: E402
     SnapKVOptions,
     SqueezeOptions,
 )
-from veloxquant_mlx.eval.fidelity import next_token_fidelity  # noqa: E402
-from veloxquant_mlx.model import load_model  # noqa: E402
 
 METHODS = {
     "pyramidkv": lambda b: PyramidKVOptions(budget=b),
@@ -60,32 +56,7 @@ VARIANTS = {
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--n-context", type=int, default=1024)
-    ap.add_argument("--n-score", type=int, default=64)
-    ap.add_argument("--variants", action="store_true", help="also run paper-like settings")
-    args = ap.parse_args(argv)
-
-    model, tokenizer = load_model()
-    need = args.n_context + args.n_score
-    ids = tokenizer.encode(essays_text(max_chars=12 * need), add_special_tokens=False)[:need]
-
-    runs = [(m, m, METHODS[m]) for m in args.methods]
-    if args.variants:
-        runs += [(label, m, make) for label, (m, make) in VARIANTS.items() if m in args.methods]
-
-    print(f"SmolLM2-135M, essay context {args.n_context} tokens, {args.n_score} scored decode steps")
-    print(f"{'method':<28} {'budget':>6} {'KLD':>8} {'top1':>6} {'kv/fp16':>8} {'time':>6}")
-    for budget in args.budgets:
-        for label, method, make in runs:
-            t0 = time.perf_counter()
-            cfg = KVCacheConfig(method=method, options=make(budget))
-            r = next_token_fidelity(model, ids, args.n_context, args.n_score, cfg)
-            dt = time.perf_counter() - t0
-            print(f"{label:<28} {budget:>6} {r.kld:>8.4f} {r.top1_agree:>6.3f} "
-                  f"{r.kv_bytes / r.kv_bytes_fp16:>8.3f} {dt:>5.0f}s", flush=True)
+    budget_table.main(METHODS, VARIANTS, __doc__.splitlines()[0], argv, label_width=28)
 
 
 if __name__ == "__main__":
