@@ -94,6 +94,25 @@ def run_with_late_joiners(model, first, first_caches, late, late_caches, first_m
     return run, uids, sizes
 
 
+def joiners_with_history_equal_alone(model, make_caches, reused, rest, same_state, tol=2e-3):
+    """Two requests decode; then two join the running batch (extend, empty caches next to full ones),
+    one of them with ``reused``, a cache already holding a prefix, whose prompt continues with ``rest``
+    (merge with history). Each request equals its run alone. (Masked slots change the float32
+    summation order; the random tiny model's sharp attention amplifies it: hence ``tol``.)"""
+    import copy
+
+    first = [prompt(70, 0), prompt(33, 1)]
+    reused_alone = copy.deepcopy(reused)
+    held = reused[0].offset
+    late = [rest, prompt(120, 3)]
+    run, uids, sizes = run_with_late_joiners(model, first, [make_caches() for _ in first], late,
+                                             [reused, make_caches()], [40, 12], [30, 40])
+    assert {4, 3} <= sizes  # the late requests joined; the short one left first
+    alone_caches = [make_caches(), make_caches(), reused_alone, make_caches()]
+    check_against_alone(model, run, uids, first + late, [40, 12, 30, 40], alone_caches, same_state, tol=tol)
+    assert run.final[uids[2]][0].offset == held + len(rest) + 30  # one step computed ahead, as alone
+
+
 def attend_steps_equal_singles(batch, singles, steps, H, Hq, D, tol_codes, tol_dense):
     """Random rows for ``steps`` (``(N, lengths or None)``: a right-padded call when lengths are given)
     through a layer of ``batch`` (mask, update, dispatched attention on the codes, and dense attention

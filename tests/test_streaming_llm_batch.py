@@ -23,8 +23,8 @@ from veloxquant_mlx.cache.methods.streaming_llm import StreamingLLMKVCache  # no
 from veloxquant_mlx.cache.methods.streaming_llm_batch import StreamingLLMBatchKVCache  # noqa: E402
 from veloxquant_mlx.cache.options import StreamingLLMOptions  # noqa: E402
 
-from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off  # noqa: E402
-from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt, run_with_late_joiners  # noqa: E402
+from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone  # noqa: E402
+from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt  # noqa: E402
 from batch_helpers import real_model_batch_equals_alone  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
@@ -104,21 +104,13 @@ def test_request_joins_running_batch_and_history_is_merged():
     carrying a cache that already holds a prefix and wrapped its ring (merge with history); all equal
     their run alone."""
     model = tiny_llama()
-    first = [_prompt(70, 0), _prompt(33, 1)]
     prefix, rest = _prompt(90, 2)[:50], _prompt(90, 2)[50:]
     reused = _caches(model)
     model(mx.array(prefix)[None], cache=reused)
     for t in prefix[:5]:  # decode steps on a full cache: the ring moved
         model(mx.array([[t]]), cache=reused)
-    assert reused[0].rows == BUDGET and reused[0].ring == SINKS + 5
-    reused_alone = copy.deepcopy(reused)
-    late = [rest, _prompt(120, 3)]
-    run, uids, sizes = run_with_late_joiners(model, first, [_caches(model) for _ in first], late,
-                                             [reused, _caches(model)], [40, 12], [30, 40])
-    assert {4, 3} <= sizes  # the late requests joined; the short one left first
-    alone = [_caches(model), _caches(model), reused_alone, _caches(model)]
-    check_against_alone(model, run, uids, first + late, [40, 12, 30, 40], alone, _same_inexact, tol=2e-3)
-    assert run.final[uids[2]][0].offset == 55 + len(rest) + 30
+    assert reused[0].rows == BUDGET and reused[0].ring == SINKS + 5 and reused[0].offset == 55
+    joiners_with_history_equal_alone(model, lambda: _caches(model), reused, rest, _same_inexact)
 
 
 def test_attend_on_ragged_batch_equals_each_single():
