@@ -684,6 +684,27 @@ class ResidualWindowCache(CompressedKVCache):
         self.n_sink -= n - w - q
         return n
 
+    # ---- per-model constants
+    counts_constants = True  # this cache's nbytes includes the process-wide constants it uses
+
+    @staticmethod
+    def constants_key(c):
+        """The config fields a subclass's shared constants (rotations, codebooks) depend on; None: none."""
+        return None
+
+    @classmethod
+    def build_layers(cls, configs):
+        """One cache per layer config; the first cache of each distinct ``constants_key`` counts the
+        shared constants in its ``nbytes``, the others do not (``KVCacheBuilder.for_model`` calls this)."""
+        caches, seen = [], set()
+        for c in configs:
+            cache = cls(c)
+            key = cls.constants_key(c)
+            cache.counts_constants = key not in seen
+            seen.add(key)
+            caches.append(cache)
+        return caches
+
     # ---- state: only the used rows are saved
     def _used(self, name: str) -> int:
         if name in self.window_fields:
@@ -719,7 +740,6 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                     "sink_k", "sink_v")
     scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "counts_constants")
     _shared = ("config", "_kq", "_vq")
-    counts_constants = True  # this cache's nbytes includes the shared rotation/codebooks
 
     def _init_layout(self):
         c = self.config
@@ -826,18 +846,10 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return (gather(t1, i, cb.k1) + sig * gather(t2, j, cb.k2)).sum(axis=-1)
 
     # ---- accounting
-    @classmethod
-    def build_layers(cls, configs):
-        """One cache per layer config; the first cache of each distinct set of constants (head
-        dimension, sub-vector dims, bits, seed) counts them in its ``nbytes``, the others do not."""
-        caches, seen = [], set()
-        for c in configs:
-            cache = cls(c)
-            key = (c.head_dim, c.key_sub_dim, c.value_sub_dim, c.key_codebook_bits, c.value_codebook_bits, c.seed)
-            cache.counts_constants = key not in seen
-            seen.add(key)
-            caches.append(cache)
-        return caches
+    @staticmethod
+    def constants_key(c):
+        """What the shared rotation and codebooks depend on: head dim, sub-vector dims, bits, seed."""
+        return (c.head_dim, c.key_sub_dim, c.value_sub_dim, c.key_codebook_bits, c.value_codebook_bits, c.seed)
 
     @property
     def constant_nbytes(self) -> int:

@@ -163,7 +163,6 @@ class WaterfillKVCache(ResidualWindowCache):
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
-    counts_constants = True  # this cache's nbytes includes the shared value rotation
     saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
 
     def _init_layout(self):
@@ -324,17 +323,10 @@ class WaterfillKVCache(ResidualWindowCache):
         return out
 
     # ---- accounting and state
-    @classmethod
-    def build_layers(cls, configs):
-        """One cache per layer; the first cache per (head dim, seed) counts the shared rotation."""
-        caches, seen = [], set()
-        for c in configs:
-            cache = cls(c)
-            key = (c.head_dim, c.seed)
-            cache.counts_constants = key not in seen
-            seen.add(key)
-            caches.append(cache)
-        return caches
+    @staticmethod
+    def constants_key(c):
+        """The value rotation depends on the head dim and the seed (``build_layers`` counts it once)."""
+        return (c.head_dim, c.seed)
 
     def held_arrays(self):
         """The arrays of ``array_fields``, the width layout's tables and, for the cache that counts
