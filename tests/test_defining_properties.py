@@ -218,7 +218,10 @@ def test_snapkv_only_the_observation_window_votes():
 
 
 # ------------------------------------------------------------------------------------------ kivi
-def _kivi(bits=2, G=32):
+KIVI_GROUP = 32
+
+
+def _kivi(bits=2, G=KIVI_GROUP):
     return KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=bits, head_dim=64,
                                                options=KIVIOptions(group_size=G)))
 
@@ -229,7 +232,7 @@ def test_kivi_values_are_quantized_per_token_and_keys_per_channel():
     even tokens and different odd tokens (10x larger, with an outlier channel): the even tokens'
     dequantized values are bit-identical, their keys are not; each value is within one
     quantization step of the original, a step set by its own channel group."""
-    B, H, T, D, G, bits = 1, 2, 64, 64, 32, 2
+    B, H, T, D, G, bits = 1, 2, 64, 64, KIVI_GROUP, 2
     rng = np.random.default_rng(8)
     k = rng.standard_normal((B, H, T, D)).astype(np.float32)
     v = rng.standard_normal((B, H, T, D)).astype(np.float32)
@@ -294,3 +297,43 @@ def test_turboquant_rvq_rotation_makes_the_cache_distortion_input_independent():
     for err, b in ((k_iso, bk), (k_an, bk), (v_iso, bv), (v_an, bv)):
         assert err < TQ_UPPER * 4.0**-b, (err, b)
     assert 0.7 < k_an / k_iso < 1.4 and 0.7 < v_an / v_iso < 1.4, (k_an, k_iso, v_an, v_iso)
+
+
+# ------------------------------------------------------------------------------------------ kvquant
+def test_kvquant_bound_to_the_layer_rope_quantizes_keys_before_it():
+    """Keys that are one vector per head (plus small noise) rotated by RoPE: before RoPE each channel's
+    range over a group is tiny, after it the fast rotary pairs sweep their circle. Bound to the
+    layer's RoPE (as ``for_model`` does) the cache quantizes the pre-RoPE keys and its key error is
+    far smaller; attention through the dispatch point still equals attention over its dense rows."""
+    H, T, D = 2, 200, 64
+    rope = nn.RoPE(D, traditional=False, base=10000.0)
+    rng = np.random.default_rng(10)
+    pre = 3 * rng.standard_normal((1, H, 1, D)) + 0.01 * rng.standard_normal((1, H, T, D))
+    post = rope(mx.array(pre.astype(np.float32)))  # positions 0..T-1
+    v = mx.array(rng.standard_normal((1, H, T, D)).astype(np.float32))
+    errs, caches = {}, {}
+    for name, layer_rope in (("pre", rope), ("post", None)):
+        c = caches[name] = make("kvquant", bits=3)
+        if layer_rope is not None:
+            c.bind_attention(type("Attn", (), {"rope": layer_rope})())
+        c.update_and_fetch(post, v)
+        n = c.n_quant
+        K = np.array(c._dense()[0][:, :, :n], np.float64)
+        ref = np.array(post[:, :, :n].astype(mx.float16), np.float64)
+        errs[name] = float(((K - ref) ** 2)[:, :, c.n_sink :].mean())
+    assert errs["pre"] * 100 < errs["post"], errs
+    # the bound cache's attention on the compressed form is attention over its dense (re-rotated) rows
+    c = caches["pre"]
+    q = mx.array(rng.standard_normal((1, 2 * H, 1, D)).astype(np.float32))
+    k1 = rope(mx.array(pre[:, :, :1].astype(np.float32)), offset=T)
+    K, V = c.update_and_fetch(k1, v[:, :, :1])
+    out = dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=None)
+    assert float(mx.abs(out - ref).max()) < 1e-4 * float(mx.abs(ref).max()) + 1e-5
+
+
+def test_for_model_binds_the_layer_rope_to_kvquant():
+    model = tiny_llama()
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kvquant"))
+    spec = rope_spec(model.model.layers[0].self_attn.rope)
+    assert spec is not None and all(c.rope == spec for c in caches)

@@ -56,6 +56,7 @@ from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
 from ..primitives import groupquant as gq
 from ..primitives import nonuniform as nu
+from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from .kivi import RES_DTYPE, KIVIKVCache
 from ..primitives.buffers import grow_columns
 
@@ -73,10 +74,11 @@ class KVQuantKVCache(KIVIKVCache):
 
     array_fields = ("k_codes", "k_scales", "k_biases", "k_levels", "k_fit", "k_oidx", "k_oval",
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "sink_k", "sink_v", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name", "fit_starts", "fit_ends")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "fit_starts", "fit_ends", "rope")
 
     fit_starts: list = []
     fit_ends: list = []
+    rope: dict | None = None  # the layer's RoPE (primitives.rope spec); None: keys quantized post-RoPE
 
     def _init_layout(self):
         c = self.config
@@ -101,6 +103,23 @@ class KVQuantKVCache(KIVIKVCache):
         self.n_sink = int(c.kvquant_n_sink)
         self.fit_starts, self.fit_ends = [], []
         self._call = None
+        self.rope, self._omega = None, None
+
+    # ---------------------------------------------------------------- the layer's RoPE
+    def bind_attention(self, attn) -> None:
+        """Read the layer's RoPE (``KVCacheBuilder.for_model`` calls this) so that keys are quantized
+        before it; a RoPE that ``rope_spec`` cannot reproduce leaves the keys post-RoPE."""
+        self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
+        self._omega = None
+
+    def _rope(self, k: mx.array, offset: int, inverse: bool) -> mx.array:
+        """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` taken back to pre-RoPE
+        (``inverse``) or rotated forward again; unchanged when no RoPE is bound."""
+        if self.rope is None:
+            return k
+        if self._omega is None:
+            self._omega = rope_frequencies(self.rope)
+        return rotate_rows(k, self.rope, self._omega, offset, inverse=inverse)
 
     def _uses_qmm(self) -> bool:
         return False  # non-uniform codes + outliers: not MLX's affine layout
@@ -121,8 +140,10 @@ class KVQuantKVCache(KIVIKVCache):
             # copies: ``astype`` to the same dtype is a view that would keep the whole block alive
             self.sink_k = mx.contiguous(kb[:, :, : self.n_sink].astype(RES_DTYPE))
             self.sink_v = mx.contiguous(vb[:, :, : self.n_sink].astype(RES_DTYPE))
-        # ---- keys: [B, H, g, D, G] blocks, dense-and-sparse split per block
-        kblk = kb.astype(mx.float32).reshape(B, H, g, G, D).swapaxes(-1, -2)
+        # ---- keys (pre-RoPE when the layer's RoPE is bound; rows t0.. are positions t0..):
+        # [B, H, g, D, G] blocks, dense-and-sparse split per block
+        kpre = self._rope(kb.astype(mx.float32), t0, inverse=True)
+        kblk = kpre.reshape(B, H, g, G, D).swapaxes(-1, -2)
         ko = self._n_out(D)
         kidx, kval, kd = nu.split_outliers(kblk.reshape(B, H, g, D * G), ko)
         kd = kd.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)  # [B, H, D, g, G]
@@ -189,6 +210,8 @@ class KVQuantKVCache(KIVIKVCache):
                                       self.k_oval[..., : g * ko].reshape(B, H, g, ko))
             x = blk.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)
         x = x.reshape(B, H, D, g * G)
+        if self.rope is not None:  # back to the keys the model attends with
+            x = self._rope(x.swapaxes(-1, -2), 0, inverse=False).swapaxes(-1, -2)
         if self.n_sink and self.sink_k is not None:
             x = mx.concatenate([self.sink_k.swapaxes(-1, -2).astype(mx.float32), x[..., self.n_sink :]], axis=-1)
         return x.astype(dtype)
