@@ -1,16 +1,26 @@
 """KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million
 Context Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
 
-Paper ideas used here: (1) per-channel key quantization (keys have fixed outlier channels);
-(2) non-uniform quantization (nuq): the levels of a channel are fitted to its distribution
-(sensitivity-weighted k-means in the paper) instead of being evenly spaced; (3) dense-and-sparse:
-a small fraction of outlier entries is kept exactly in a sparse (index, value) store, so the dense
-codes only cover the narrowed inlier range; (4) the attention-sink token(s) kept in full precision.
+Paper ideas used here: (1) per-channel key quantization (keys have fixed outlier channels), applied
+to the keys *before* RoPE (pre-RoPE channels keep stable ranges; after RoPE each rotary pair sweeps
+its circle with position, widening every channel's range); (2) non-uniform quantization (nuq): the
+levels of a channel are fitted to its distribution (sensitivity-weighted k-means in the paper)
+instead of being evenly spaced; (3) dense-and-sparse: a small fraction of outlier entries is kept
+exactly in a sparse (index, value) store, so the dense codes only cover the narrowed inlier range;
+(4) the attention-sink token(s) kept in full precision.
 
 Algorithm (a subclass of ``KIVIKVCache``: same full-precision residual of < G tokens, same
 ``update_and_fetch``/``attend``; only the storage of whole G-token groups differs), per block of
 whole groups, bits b = ``kvquant_bits``, G = ``kvquant_group_size``:
 
+* pre-RoPE keys: mlx_lm hands a cache keys after RoPE, but RoPE is a known rotation of each channel
+  pair by an angle proportional to the position, so a cache that knows the layer's RoPE can undo it
+  exactly. ``KVCacheBuilder.for_model`` calls ``bind_attention`` with each layer's attention module;
+  ``primitives.rope.rope_spec`` reads its RoPE (checked numerically against the layer). A block of
+  keys at positions t0.. is rotated back to pre-RoPE (``primitives.rope.rotate_rows``, inverse) before
+  everything below, and decoded keys get RoPE re-applied (a rotation of the dequantized rows, no
+  sine per element). A cache made alone (``KVCacheFactory.create``), or bound to a layer whose RoPE
+  ``rope_spec`` cannot reproduce (e.g. YaRN's magnitude scaling), quantizes the post-RoPE keys.
 * keys, per (batch, head, group): the ``ceil(f*G*D)`` largest-magnitude entries (f =
   ``kvquant_outlier_fraction``) go to the sparse store (uint16 index in the G x D block + float16
   value); the rest of each channel is normalized by its inlier min/max in the group (float16 scale and
@@ -28,8 +38,11 @@ Dequantized rows = dense part + exact outliers (+ exact sink rows); attention go
 
 Deviations from the paper (deliberate):
 
-* Pre-RoPE key quantization is impossible behind mlx_lm's cache API (keys arrive rotated), so keys are
-  quantized after RoPE (the paper's main gain from pre-RoPE is narrower per-channel ranges).
+* Pre-RoPE keys come from undoing the layer's RoPE on the keys mlx_lm hands over (the paper quantizes
+  before applying RoPE in the model's own code); the round trip is exact up to float32 rounding of
+  the angles (it grows with the position; tests/test_waterfill.py bounds it), far below the
+  quantization error. Sink rows and the float16 residual
+  stay post-RoPE (they are exact rows the model attends with).
 * Levels are fitted online, per layer/head/channel, on the cache's own prefill (normalized by a
   per-group min/max), not offline on calibration data with Fisher-information weighting; plain
   (unweighted) Lloyd.
