@@ -132,14 +132,22 @@ class KVQuantKVCache(KIVIKVCache):
         self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
         self._omega = None
 
+    def _rope_omega(self) -> mx.array:
+        """The bound RoPE's angle per position of each rotary pair (float32 [dims / 2], made once)."""
+        if self._omega is None:
+            self._omega = rope_frequencies(self.rope)
+        return self._omega
+
     def _rope(self, k: mx.array, offset: int, inverse: bool) -> mx.array:
         """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` taken back to pre-RoPE
         (``inverse``) or rotated forward again; unchanged when no RoPE is bound."""
         if self.rope is None:
             return k
-        if self._omega is None:
-            self._omega = rope_frequencies(self.rope)
-        return rotate_rows(k, self.rope, self._omega, offset, inverse=inverse)
+        return rotate_rows(k, self.rope, self._rope_omega(), offset, inverse=inverse)
+
+    def held_arrays(self):
+        """The stored arrays and, with a RoPE bound, its angle table (so ``nbytes`` counts it)."""
+        return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
 
     def _uses_qmm(self) -> bool:
         return False  # non-uniform codes + outliers: not MLX's affine layout
