@@ -21,7 +21,6 @@ _blas.preload()
 import mlx.core as mx  # noqa: E402
 
 from veloxquant_mlx.cache import dispatch  # noqa: E402
-from veloxquant_mlx.cache import eviction  # noqa: E402, F401
 from veloxquant_mlx.cache.methods import kivi, kvquant, kvzip, snapkv, turboquant_rvq, zipcache  # noqa: E402
 from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
 
