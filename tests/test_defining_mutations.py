@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+import traceback
 import types
 
 import pytest
@@ -93,18 +94,26 @@ def kvquant_post_rope(mp):
     mp.setattr(kvquant.KVQuantKVCache, "bind_attention", lambda self, attn: None)
 
 
+# name: (break, guard, the guard's assertion that must be the one failing -- not an incidental check)
 BREAKS = {
     "zipcache_accumulated": (zipcache_accumulated,
-                             guards.test_zipcache_hi_tokens_are_the_top_normalized_attention_not_the_top_accumulated),
-    "kvzip_sum": (kvzip_sum, guards.test_kvzip_importance_is_the_max_over_reconstruction_queries),
+                             guards.test_zipcache_hi_tokens_are_the_top_normalized_attention_not_the_top_accumulated,
+                             "assert hi == normalized == set(salient)"),
+    "kvzip_sum": (kvzip_sum, guards.test_kvzip_importance_is_the_max_over_reconstruction_queries,
+                  "assert kept == set(range(n_sink)) | by_max"),
     "snapkv_unpooled": (snapkv_unpooled,
-                        guards.test_snapkv_pools_the_window_votes_so_a_voted_token_keeps_its_neighbourhood),
-    "snapkv_all_queries": (snapkv_all_queries, guards.test_snapkv_only_the_observation_window_votes),
+                        guards.test_snapkv_pools_the_window_votes_so_a_voted_token_keeps_its_neighbourhood,
+                        "assert kept == top_set(np.where(body, pooled[h]"),
+    "snapkv_all_queries": (snapkv_all_queries, guards.test_snapkv_only_the_observation_window_votes,
+                           "assert set(needles) <= kept and not set(decoys) & kept"),
     "kivi_per_channel_values": (kivi_per_channel_values,
-                                guards.test_kivi_values_are_quantized_per_token_and_keys_per_channel),
+                                guards.test_kivi_values_are_quantized_per_token_and_keys_per_channel,
+                                "assert np.array_equal(dv1[:, :, even], dv2[:, :, even])"),
     "turboquant_no_rotation": (turboquant_no_rotation,
-                               guards.test_turboquant_rvq_rotation_makes_the_cache_distortion_input_independent),
-    "kvquant_post_rope": (kvquant_post_rope, guards.test_kvquant_bound_to_the_layer_rope_quantizes_keys_before_it),
+                               guards.test_turboquant_rvq_rotation_makes_the_cache_distortion_input_independent,
+                               "assert err < TQ_UPPER * 4.0**-b"),
+    "kvquant_post_rope": (kvquant_post_rope, guards.test_kvquant_bound_to_the_layer_rope_quantizes_keys_before_it,
+                          'assert errs["pre"] * 100 < errs["post"]'),
 }
 
 
@@ -116,9 +125,11 @@ def _dispatch():
 
 @pytest.mark.parametrize("name", list(BREAKS))
 def test_guard_passes_unbroken_and_fails_under_the_break(name, monkeypatch):
-    apply, guard = BREAKS[name]
+    apply, guard, assertion = BREAKS[name]
     guard()
     with monkeypatch.context() as mp:
         apply(mp)
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError) as failure:
             guard()
+    failing = traceback.extract_tb(failure.tb)[-1].line
+    assert failing.startswith(assertion), f"{name}: the guard failed elsewhere: {failing!r} ({failure.value})"
