@@ -2,9 +2,10 @@
 
 Each entry of ``BREAKS`` removes the step a paper is named for -- as a one-line source substitution
 in the method (``substitute``) or a monkeypatch of one function -- and runs that method's guard from
-test_defining_properties.py, which must then fail with an AssertionError. The same guards are run
-unbroken here too, so a break that silently stops applying (its source line changed) is reported by
-``substitute`` instead of passing unnoticed. Runs in about half a minute on two CPU cores."""
+test_defining_properties.py, which must then fail -- at its defining assertion (named per break), not
+at an incidental check. Each guard is also run unbroken here. A substitution whose source line has
+changed fails loudly in ``substitute``; a monkeypatched function the method stopped calling shows up
+as a guard that passes under its break. Runs in about half a minute on two CPU cores."""
 
 from __future__ import annotations
 
