@@ -27,6 +27,7 @@ from veloxquant_mlx.cache import (  # noqa: E402
 from veloxquant_mlx.cache.methods.kivi import KIVIKVCache  # noqa: E402
 from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
 
+from numerics import float16_rounding_effect  # noqa: E402
 from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
 
 G = 32
@@ -237,8 +238,10 @@ def test_dense_path_without_dispatch_gives_same_logits():
     caches = _kivi_caches(model, 2, install=False)
     without = _run_tokens(model, caches, TOKENS, CHUNKS)
     assert not dispatch.installed()
-    for a, b in zip(with_dispatch, without):
-        assert float(mx.abs(a - b).max()) < 1e-4
+    # the paths sum in different orders; a residual row on a float16 rounding edge then moves by an ulp
+    tols = float16_rounding_effect(model, TOKENS, CHUNKS)  # (tests/numerics.py)
+    for a, b, tol in zip(with_dispatch, without, tols):
+        assert float(mx.abs(a - b).max()) <= tol
     assert caches[0].n_quant == 64 and caches[0].n_res == sum(CHUNKS) - 64
 
 

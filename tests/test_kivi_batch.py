@@ -106,7 +106,7 @@ def test_request_joins_running_batch_and_history_is_merged():
     reused = _caches(model)
     model(mx.array(prefix)[None], cache=reused)  # 66 tokens held: 2 groups + 2 residual rows
     # (attention itself agrees to ~1e-7 with masked slots: test_attend_on_ragged_batch_equals_each_single)
-    joiners_with_history_equal_alone(model, lambda: _caches(model), reused, rest, _same_inexact)
+    joiners_with_history_equal_alone(model, lambda: _caches(model), reused, prefix, rest, _same_inexact)
 
 
 def test_attend_on_ragged_batch_equals_each_single():

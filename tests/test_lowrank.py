@@ -33,6 +33,7 @@ from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache  # noq
 from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions  # noqa: E402
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr  # noqa: E402
 
+from numerics import float16_rounding_effect  # noqa: E402
 from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
 
 CLASSES = {"svdq": SVDqKVCache, "palu": PALUKVCache, "kvtc": KVTCKVCache}
@@ -191,8 +192,9 @@ def test_dense_path_without_dispatch_gives_same_logits(method):
     dispatch.uninstall()
     caches = _caches(model, method, install=False)
     b = _run_tokens(model, caches, TOKENS, CHUNKS)
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
+    # different summation orders, then float16 rounding edges of the stored rows (tests/numerics.py)
+    for x, y, tol in zip(a, b, float16_rounding_effect(model, TOKENS, CHUNKS)):
+        assert float(mx.abs(x - y).max()) <= tol
     assert caches[0].n_quant == 64
 
 
@@ -483,8 +485,8 @@ def test_xquant_contract_on_tiny_models(tmp_path):
     a = _run_tokens(model, caches, TOKENS, CHUNKS)
     dispatch.uninstall()
     b = _run_tokens(model, KVCacheBuilder.for_model(model, cfg, install_dispatch=False), TOKENS, CHUNKS)
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
+    for x, y, tol in zip(a, b, float16_rounding_effect(model, TOKENS, CHUNKS)):  # as in the test above
+        assert float(mx.abs(x - y).max()) <= tol
     dispatch.install()
     # two prompt caches never share state: fresh group ids, no shared objects
     other = KVCacheBuilder.for_model(model, cfg)

@@ -93,8 +93,7 @@ def test_batch_generator_equals_each_request_alone(use_dispatch):
     assert saw_batch and dispatch.installed() == use_dispatch
     assert len(rings) > 3  # full caches overwrote their oldest window rows in place, at several slots
     alone = [_caches(model, install=use_dispatch) for _ in prompts]
-    check_against_alone(model, run, uids, prompts, max_tokens, alone, _same_inexact, prefill_step_size=64,
-                        tol=1e-3)
+    check_against_alone(model, run, uids, prompts, max_tokens, alone, _same_inexact, prefill_step_size=64)
     final = run.final[uids[1]][0]
     assert _kept_positions(final) == list(range(SINKS)) + list(range(final.offset - WINDOW, final.offset))
 
@@ -110,7 +109,8 @@ def test_request_joins_running_batch_and_history_is_merged():
     for t in prefix[:5]:  # decode steps on a full cache: the ring moved
         model(mx.array([[t]]), cache=reused)
     assert reused[0].rows == BUDGET and reused[0].ring == SINKS + 5 and reused[0].offset == 55
-    joiners_with_history_equal_alone(model, lambda: _caches(model), reused, rest, _same_inexact)
+    joiners_with_history_equal_alone(model, lambda: _caches(model), reused, prefix + prefix[:5], rest,
+                                     _same_inexact)
 
 
 def test_attend_on_ragged_batch_equals_each_single():

@@ -76,8 +76,11 @@ class KIVISinkKVCache(KIVIKVCache):
             if self.sink_k is None:
                 self.sink_k = mx.zeros((B, H, S, D), dtype=RES_DTYPE)
                 self.sink_v = mx.zeros((B, H, S, values.shape[-1]), dtype=RES_DTYPE)
-            self.sink_k[:, :, s0 : s0 + take] = keys[:, :, :take].astype(RES_DTYPE)
-            self.sink_v[:, :, s0 : s0 + take] = values[:, :, :take].astype(RES_DTYPE)
+            # copied (mx.contiguous): for a float16 model ``astype`` is a view of this call's rows, and
+            # an assignment that fills the whole sink buffer hands back that view, which would keep the
+            # whole chunk alive
+            self.sink_k[:, :, s0 : s0 + take] = mx.contiguous(keys[:, :, :take].astype(RES_DTYPE))
+            self.sink_v[:, :, s0 : s0 + take] = mx.contiguous(values[:, :, :take].astype(RES_DTYPE))
             self.n_sink = s0 + take
         q0 = s0 + self.n_quant  # the "quantized part" before this call: sinks, then groups
         if take < N:

@@ -163,8 +163,9 @@ class SKVQKVCache(KIVIKVCache):
             if self.sink_k is None:
                 self.sink_k = mx.zeros((B, H, S, D), dtype=RES_DTYPE)
                 self.sink_v = mx.zeros((B, H, S, dv), dtype=RES_DTYPE)
-            self.sink_k[:, :, s0 : s0 + take] = keys[:, :, :take].astype(RES_DTYPE)
-            self.sink_v[:, :, s0 : s0 + take] = values[:, :, :take].astype(RES_DTYPE)
+            # copied: a same-dtype astype is a view of the chunk (see kivi_sink.py)
+            self.sink_k[:, :, s0 : s0 + take] = mx.contiguous(keys[:, :, :take].astype(RES_DTYPE))
+            self.sink_v[:, :, s0 : s0 + take] = mx.contiguous(values[:, :, :take].astype(RES_DTYPE))
             self.n_sink = s0 + take
         q0, r0 = s0 + self.n_quant, self.n_res
         past_k = self.res_k[:, :, :r0] if r0 else None

@@ -61,7 +61,9 @@ class StreamingLLMKVCache(EvictionKVCache):
         self.ring = self.n_sink + (r + 1 - self.n_sink) % self.window
         self.offset += 1
         self._n_new = 1
-        return self._dense()
+        # Nothing in a full cache's decode step reads ``positions``: tie it to the rows returned, so it is
+        # evaluated with them instead of stacking one pending update per step (memory crept ~4 B/step).
+        return tuple(mx.depends(list(self._dense()), self.positions))
 
     def evict(self, scores, keep=None):
         """Keep the sinks and the ``window`` newest tokens, in position order."""
