@@ -48,7 +48,9 @@ DEMO_MAX_TOKENS = 24
 
 #: Fields that cannot come from the command line (objects, not values) or come from elsewhere.
 _NOT_SETTABLE = {"method": "use --method", "options": "set the flat fields instead",
-                 "store": "an ArtifactStore object", "observers": "observer objects"}
+                 "store": "an ArtifactStore object", "observers": "observer objects",
+                 **{f: "an array: pass it through the Python API" for f in (
+                     "smooth_factors", "key_codebook", "value_codebook", "a2ats_query_h", "a2ats_codebook")}}
 
 
 class UsageError(Exception):
@@ -79,41 +81,84 @@ def parse_set(item: str) -> tuple[str, Any]:
         return field, raw
 
 
-def parse_sets(items: Optional[Sequence[str]]) -> dict[str, Any]:
-    """Parse every ``--set`` item; unknown or unsettable ``KVCacheConfig`` fields are a ``UsageError``."""
+def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> dict[str, Any]:
+    """Parse every ``--set`` item into ``{flat KVCacheConfig field: value}``.
+
+    Unknown or unsettable fields are a ``UsageError``. With ``method``, a field is also accepted under its
+    options name (``budget`` for ``snapkv``'s ``snap_budget``) and refused, naming the method and listing
+    its settings, when ``method`` does not read it (``cache.options.method_fields``).
+    """
     from .cache import KVCacheConfig
+    from .cache.options import DERIVED_FIELDS, method_fields
 
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
     for item in items or ():
         field, value = parse_set(item)
-        if field not in known:
+        if field in _NOT_SETTABLE:
+            raise UsageError(f"field {field!r} cannot be set with --set: {_NOT_SETTABLE[field]}")
+        if field in DERIVED_FIELDS:
+            raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
+        if accepted is not None:
+            if field not in accepted:
+                raise UsageError(f"--set {field}: method {method!r} does not read {field!r}{_owner_hint(field)}; "
+                                 f"its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+            field = accepted[field]
+        elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
             hint = f" (similar: {', '.join(close)})" if close else ""
             raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
-        if field in _NOT_SETTABLE:
-            raise UsageError(f"field {field!r} cannot be set with --set: {_NOT_SETTABLE[field]}")
         out[field] = value
     return out
+
+
+def _owner_hint(field: str) -> str:
+    """`` (a setting of snapkv, ...)`` for a field other methods read, else ``""``."""
+    from .cache import METHOD_NAMES
+    from .cache.options import method_fields
+
+    owners = [m for m in METHOD_NAMES if field in method_fields(m)]
+    if not owners:
+        return " (no method has a setting of that name)"
+    more = f", ... ({len(owners)} methods)" if len(owners) > 4 else ""
+    return f" (a setting of {', '.join(owners[:4])}{more})"
+
+
+def settings_summary(method: str) -> str:
+    """``budget (snap_budget), n_sink (snap_n_sink), dtype``: the names ``--set`` takes for ``method``."""
+    from .cache.options import COMMON_FIELDS, OPTIONS_BY_METHOD, method_fields
+
+    opts = OPTIONS_BY_METHOD.get(method)
+    own = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
+    parts = []
+    for name, flat in method_fields(method).items():
+        if name in _NOT_SETTABLE or name == flat and flat in own or name in COMMON_FIELDS and name != "sliding_window":
+            continue
+        parts.append(f"{name} ({flat})" if name != flat else name)
+    return ", ".join(parts) or "none"
 
 
 def build_config(method: str, sets: dict[str, Any]):
     """``KVCacheConfig(method=method, **sets)``.
 
-    Fields that belong to ``method``'s options dataclass are passed through it (the non-deprecated
-    path; the config copies them to the same flat fields and validates them under their flat names).
-    A ``dtype`` string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
+    ``sets`` keys are flat fields or ``method``'s option names. Fields that belong to ``method``'s options
+    dataclass are passed through it (the non-deprecated path; the config copies them to the same flat fields
+    and validates them under their flat names); the shared fields it reads go in as flat fields. A ``dtype``
+    string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
     """
     from .cache import KVCacheConfig
-    from .cache.options import OPTIONS_BY_METHOD
+    from .cache.config import DTYPE_NAMES, _quiet_flat_fields
+    from .cache.options import OPTIONS_BY_METHOD, method_fields
 
-    flat = dict(sets)
+    aliases = method_fields(method)
+    flat = {aliases.get(k, k): v for k, v in sets.items()}
     if isinstance(flat.get("dtype"), str):
         import mlx.core as mx
 
         name = flat["dtype"]
-        if not isinstance(getattr(mx, name, None), mx.Dtype):
-            raise UsageError(f"dtype={name!r} is not an mlx dtype (e.g. float16, bfloat16, float32)")
+        if name not in DTYPE_NAMES:
+            raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
         flat["dtype"] = getattr(mx, name)
     options = None
     opts_cls = OPTIONS_BY_METHOD.get(method)
@@ -122,13 +167,14 @@ def build_config(method: str, sets: dict[str, Any]):
         picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
         if picked:
             options = opts_cls(**picked)
-    return KVCacheConfig(method=method, options=options, **flat)
+    with _quiet_flat_fields():  # a shared field another method's options also own (vecinfer's key_sub_dim)
+        return KVCacheConfig(method=method, options=options, **flat)
 
 
 def method_config(method: str, set_items, *, standalone_ok: bool = True):
     """Validate ``--method`` and its ``--set`` items: ``(sets, config)``, ``config`` None for ``none``."""
     _check_method_name(method)
-    sets = parse_sets(set_items)
+    sets = parse_sets(set_items, method=method)
     if method == NONE:
         if sets:
             raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
@@ -241,6 +287,8 @@ def _kv_summary(model, caches) -> dict:
 def _cmd_methods(args) -> int:
     from .cache import all_methods
 
+    if args.name is not None:
+        return _cmd_method_settings(args)
     rows = [{"name": i.name, "family": i.family, "protocol": i.protocol,
              "implemented": i.implemented, "paper": i.paper} for i in all_methods()]
     if args.json:
@@ -250,7 +298,53 @@ def _cmd_methods(args) -> int:
              for r in rows]
     print(_format_table(["method", "family", "protocol", "implemented", "paper"], table))
     built = sum(r["implemented"] for r in rows)
-    print(f"\n{built} of {len(rows)} methods implemented.")
+    print(f"\n{built} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
+    return 0
+
+
+def method_settings(method: str) -> list[dict]:
+    """One row per ``--set`` name of ``method``: name, flat alias, type, default, allowed values, and
+    whether it is the method's own option or a shared field it reads."""
+    from .cache.config import _DEFAULTS, _FIELD_TYPES, allowed_values
+    from .cache.options import OPTIONS_BY_METHOD, method_fields
+
+    opts = OPTIONS_BY_METHOD.get(method)
+    names = method_fields(method)
+    rows = []
+    for name, flat in names.items():
+        if flat in _NOT_SETTABLE:
+            continue
+        option = opts is not None and opts.FIELDS.get(name) == flat
+        if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
+            opt_name = next(o for o, f in opts.FIELDS.items() if f == flat)
+            if names.get(opt_name) == flat:
+                continue  # the flat alias of an option: shown on the option's row
+            option = True  # the option's own name is taken by a shared field (snapkv's dtype): use the flat one
+        rows.append({"name": name, "flat": flat, "kind": "option" if option else "shared",
+                     "type": str(_FIELD_TYPES[flat]).replace("typing.", ""),
+                     "default": _DEFAULTS[flat], "allowed": allowed_values(flat)})
+    return rows
+
+
+def _cmd_method_settings(args) -> int:
+    from .cache import method_info
+
+    _check_method_name(args.name)
+    if args.name == NONE:
+        raise UsageError(f"{NONE!r} (mlx_lm's plain KVCache) has no settings")
+    info = method_info(args.name)
+    rows = method_settings(args.name)
+    if args.json:
+        print(json.dumps({"method": info.name, "family": info.family, "protocol": info.protocol,
+                          "paper": info.paper, "settings": rows}, indent=2, default=repr))
+        return 0
+    print(f"{info.name}: {info.family}, {info.protocol} protocol; {info.paper}")
+    table = [[r["name"], r["flat"] if r["flat"] != r["name"] else "", r["type"], repr(r["default"]),
+              r["allowed"]] for r in rows]
+    print(_format_table(["setting", "flat alias", "type", "default", "allowed"], table))
+    example = next((r for r in rows if r["default"] is not None), None)
+    print("\nSet with --set NAME=VALUE (the setting or its flat alias)"
+          + (f", e.g. --set {example['name']}={json.dumps(example['default'], default=str)}." if example else "."))
     return 0
 
 
@@ -498,8 +592,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
 
-    m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill) and which are implemented")
-    m.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
+    m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill), or one method's settings")
+    m.add_argument("name", nargs="?", default=None,
+                   help="a method name: list its --set settings (type, default, allowed values, flat alias)")
+    m.add_argument("--json", action="store_true", help="print JSON (a list of methods, or one method's settings)")
     m.set_defaults(func=_cmd_methods)
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
