@@ -461,6 +461,11 @@ def _check_dtype(v) -> None:
     _check(ok, "dtype", v, allowed_values("dtype"))
 
 
+# Checked before the loop, or objects (arrays, stores, codebooks) the methods check when they use them.
+_UNCHECKED = frozenset(("method", "bit_width_inlier", "options", "store", "dtype", "smooth_factors", "key_codebook",
+                        "value_codebook", "a2ats_rope_scaling", "a2ats_query_h", "a2ats_codebook"))
+
+
 def validate_config(cfg: KVCacheConfig) -> None:
     """Raise ``QuantizerConfigError`` for the first invalid field of ``cfg``."""
     _check(cfg.method in METHOD_NAMES, "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
@@ -472,9 +477,7 @@ def validate_config(cfg: KVCacheConfig) -> None:
         _check(_is_int(bw) and 1 <= bw <= 8, "bit_width_inlier", bw, allowed_values("bit_width_inlier"))
     _check_dtype(cfg.dtype)
     for name, value in _DEFAULTS.items():
-        if name in ("method", "bit_width_inlier", "options", "store", "dtype") or name.startswith(
-            ("smooth_factors", "key_codebook", "value_codebook", "a2ats_rope_scaling", "a2ats_query_h", "a2ats_codebook")
-        ) and name not in ("key_codebook_bits", "value_codebook_bits"):
+        if name in _UNCHECKED:
             continue
         v = getattr(cfg, name)
         if name == "observers":
