@@ -137,6 +137,72 @@ def test_build_config_routes_method_fields_through_options():
         cli.build_config("snapkv", {"dtype": "float17"})
 
 
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_each_method_accepts_its_own_settings_and_refuses_another_methods(method):
+    from veloxquant_mlx.cache.options import method_fields
+
+    names = method_fields(method)
+    settable = {n: f for n, f in names.items() if f not in cli._NOT_SETTABLE}
+    for name, flat in settable.items():
+        assert list(cli.parse_sets([f"{name}=1"], method=method)) == [flat]
+    foreign = next(f for m in METHOD_NAMES if m != method for f in method_fields(m).values()
+                   if f not in names and f not in cli._NOT_SETTABLE)
+    with pytest.raises(cli.UsageError) as exc:
+        cli.parse_sets([f"{foreign}=1"], method=method)
+    msg = str(exc.value)
+    assert f"method {method!r} does not read {foreign!r}" in msg and f"veloxquant methods {method}" in msg
+    for name in list(settable)[:3]:
+        assert name in msg
+
+
+def test_option_names_and_flat_names_build_the_same_config():
+    _, by_option = cli.method_config("snapkv", ["budget=256", "n_sink=2"])
+    _, by_flat = cli.method_config("snapkv", ["snap_budget=256", "snap_n_sink=2"])
+    assert by_option == by_flat and by_option.snap_budget == 256 and by_option.snap_n_sink == 2
+    _, cfg = cli.method_config("nsnquant", ["seed=5", "bits=3"])  # nsnquant's own seed, not the shared one
+    assert (cfg.nsn_seed, cfg.seed, cfg.nsn_bits) == (5, KVCacheConfig().seed, 3)
+    _, cfg = cli.method_config("snapkv", ["dtype=bfloat16", "snap_dtype=float32"])
+    assert (cfg.dtype, cfg.snap_dtype) == (mx.bfloat16, "float32")
+
+
+@pytest.mark.parametrize("argv, method, field", [
+    (["--method", "kivi", "--set", "snap_budget=256"], "kivi", "snap_budget"),
+    (["--method", "streaming_llm", "--set", "bit_width_inlier=2"], "streaming_llm", "bit_width_inlier"),
+    (["--method", "snapkv", "--set", "window_size=8"], "snapkv", "window_size"),
+])
+def test_generate_and_cache_save_refuse_another_methods_field(capsys, tmp_path, argv, method, field):
+    for cmd in (["generate", "--prompt", "hi"], ["cache", "save", "--prompt", "hi", "--out", str(tmp_path / "c")]):
+        code, out, err = run_cli(capsys, *cmd, *argv)
+        assert code == 2 and out == "" and f"method {method!r} does not read {field!r}" in err
+
+
+def test_methods_name_lists_settings_with_type_default_allowed_and_alias(capsys):
+    code, out, _ = run_cli(capsys, "methods", "snapkv", "--json")
+    assert code == 0
+    info = json.loads(out)
+    rows = {r["name"]: r for r in info["settings"]}
+    assert info["method"] == "snapkv"
+    assert rows["budget"] == {"name": "budget", "flat": "snap_budget", "kind": "option", "type": "int",
+                              "default": 512, "allowed": "an int in 1..1048576"}
+    assert rows["backend"]["allowed"] == "one of 'auto', 'mlx', 'metal', 'reference'"
+    assert rows["snap_dtype"]["kind"] == "option" and rows["dtype"]["kind"] == "shared"
+    assert [r["name"] for r in cli.method_settings("snapkv")] == list(rows)
+    assert "snap_budget" not in rows and "bit_width_inlier" not in rows
+    code, out, _ = run_cli(capsys, "methods", "snapkv")
+    assert code == 0 and "budget" in out and "snap_budget" in out and "an int in 1..1048576" in out
+    code, _, err = run_cli(capsys, "methods", "snapkvv")
+    assert code == 2 and "snapkvv" in err
+
+
+def test_methods_json_into_a_closed_pipe_ends_without_traceback():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for reader in ("head -n 2", "true"):  # `true` exits before the CLI writes: every write hits a closed pipe
+        proc = subprocess.run(f"{sys.executable} -m veloxquant_mlx methods --json | {reader}", shell=True, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.splitlines()[:1] == (["["] if reader != "true" else [])
+        assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
 def test_generate_unknown_field_exits_2_naming_it(capsys):
     code, out, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_budgett=64",
                              "--prompt", "hi")

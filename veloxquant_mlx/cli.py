@@ -127,15 +127,7 @@ def _owner_hint(field: str) -> str:
 
 def settings_summary(method: str) -> str:
     """``budget (snap_budget), n_sink (snap_n_sink), dtype``: the names ``--set`` takes for ``method``."""
-    from .cache.options import COMMON_FIELDS, OPTIONS_BY_METHOD, method_fields
-
-    opts = OPTIONS_BY_METHOD.get(method)
-    own = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
-    parts = []
-    for name, flat in method_fields(method).items():
-        if name in _NOT_SETTABLE or name == flat and flat in own or name in COMMON_FIELDS and name != "sliding_window":
-            continue
-        parts.append(f"{name} ({flat})" if name != flat else name)
+    parts = [f"{r['name']} ({r['flat']})" if r["name"] != r["flat"] else r["name"] for r in method_settings(method)]
     return ", ".join(parts) or "none"
 
 
@@ -633,6 +625,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (captured in tests)
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     from .cache import QuantizerConfigError
@@ -642,7 +643,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that went away is reported here, not at exit
+        return code
+    except BrokenPipeError:  # `veloxquant methods --json | head`: the reader has all it wanted
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a program stopped by a closed pipe
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
