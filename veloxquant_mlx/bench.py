@@ -8,10 +8,11 @@ timed one by one (``decode_tps``, ``step_s``). Memory comes from MLX's allocator
 = ``mx.get_active_memory()`` after the run minus before it (what the caches really keep alive,
 including views pinning larger buffers and allocation slack), beside ``kv_nbytes`` (the caches' own
 ``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()`` (reset before the run; weights included) and
-``peak_delta_bytes`` = that peak minus the memory in use before the run.
+``peak_delta_bytes`` = that peak minus the memory in use before the run. ``kv_fraction_of_fp16`` = the
+median ``kv_nbytes`` / ``kv_bytes_fp16`` (the same tokens in mlx_lm's plain cache at fp16, without slack).
 
 Each statistic is the median with min and max over the repeats, and each median is also given as a
-ratio against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
+ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
 (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads) measured in the same run. A candidate
 that raises is reported as unavailable (``available: false`` with the error); ``isolate=True`` (CLI
 ``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses that one.
@@ -43,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from .eval.specs import NONE, MethodSpec  # noqa: E402
+from .measure import kv_fraction_of_fp16  # noqa: E402
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
            "candidates", "run_once", "bench", "add_ratios", "add_slopes", "fit_slope", "stats",
@@ -214,7 +216,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     Memory baselines are taken right before the prefill, so ``caches`` should be fresh (empty).
     """
     from .eval.fidelity import prefill
-    from .measure import kv_bytes
+    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
 
     _settle()
     base = mx.get_active_memory()
@@ -247,6 +249,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
         "step_s": statistics.median(steps) if steps else None,
         "kv_resident_bytes": int(resident),
         "kv_nbytes": kv_bytes(caches),
+        "kv_bytes_fp16": fp16_kv_bytes(model, cache_tokens(caches)),
         "peak_bytes": int(peak),
         "peak_delta_bytes": int(peak - base),
     }
@@ -320,6 +323,10 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                 row.update(available=False, error=errors[c.label])
             else:
                 row.update(repeats=len(runs), **{k: stats([r[k] for r in runs]) for k in STATS})
+                if runs:
+                    fp16 = runs[0]["kv_bytes_fp16"]
+                    row.update(kv_bytes_fp16=fp16, kv_fraction_of_fp16=kv_fraction_of_fp16(
+                        _median(row, "kv_nbytes"), fp16))
             rows.append(row)
     add_ratios(rows)
     add_slopes(rows)
@@ -331,7 +338,7 @@ def _bench_row(name, settings, label, context, decode_tokens, model_name) -> dic
            "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True, "error": None,
            "repeats": 0}
     row.update(dict.fromkeys(STATS))
-    row.update(ratios={}, decode_s_per_1k=None, slope_vs_none=None)
+    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None)
     return row
 
 

@@ -258,7 +258,7 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
 
 
 def _kv_summary(model, caches) -> dict:
-    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
+    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 
     n = cache_tokens(caches)
     measured = kv_bytes(caches)
@@ -267,7 +267,7 @@ def _kv_summary(model, caches) -> dict:
         "kv_tokens": n,
         "kv_bytes": measured,
         "kv_bytes_fp16": reference,
-        "compression_ratio": (reference / measured) if measured else None,
+        "kv_fraction_of_fp16": kv_fraction_of_fp16(measured, reference),
     }
 
 
@@ -366,23 +366,34 @@ def _cmd_generate(args) -> int:
     return print_generation(out, [("method", method_label), ("prompt tokens", out["prompt_tokens"])], args.json)
 
 
+#: Why a compressed cache can hold more than fp16 on a short prompt (README, "Reading the byte figures").
+SHORT_PROMPT_NOTE = (
+    "note: above 1 means this cache holds more than mlx_lm's fp16 cache would for these few tokens: below a "
+    "method's budget, window or residual length nothing is compressed yet, and the rows it keeps at 16 bits "
+    "come with fixed per-layer parts (codebooks, rotations, scales, preallocated rows); the fraction falls "
+    "once the prompt is longer than that.")
+
+
 def print_generation(out: dict, head: list, as_json: bool) -> int:
     """Print a generation: one JSON object, or its text then ``head`` rows and the measured byte rows."""
     if as_json:
         print(json.dumps(out))
         return 0
+    from .measure import fraction_text
+
     print(out["text"])
     print("-" * 40)
-    ratio = out["compression_ratio"]
     for label, value in head + [
         ("generated tokens", out["generated_tokens"]),
         ("decode tok/s", _fmt_tps(out["decode_tps"])),
         ("kv_bytes", f"{out['kv_bytes']} ({_fmt_bytes(out['kv_bytes'])}, measured: sum of cache nbytes)"),
         ("kv_bytes_fp16", f"{out['kv_bytes_fp16']} ({_fmt_bytes(out['kv_bytes_fp16'])}, "
                           f"{out['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+        ("kv_fraction_of_fp16", f"{fraction_text(out['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
     ]:
-        print(f"{label:>16}: {value}")
+        print(f"{label:>19}: {value}")
+    if out["kv_fraction_of_fp16"] is not None and out["kv_fraction_of_fp16"] > 1:
+        print(SHORT_PROMPT_NOTE)
     return 0
 
 
@@ -524,6 +535,8 @@ def _cmd_demo(args) -> int:
         progress.update(f"{tag}: done ({result['prefill_s']:.1f}s prefill, "
                         f"{result['generated_tokens']} tokens)")
 
+    from .measure import fraction_text
+
     if args.json:
         print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))
         return 0
@@ -531,14 +544,14 @@ def _cmd_demo(args) -> int:
           f"50% depth, expected answer {ANSWER}; model {args.model or 'SmolLM2-135M-Instruct (embedded)'}, "
           f"greedy, <= {args.max_tokens} new tokens.")
     table = [[r["method"], r["settings"], _truncate(r["answer"], 50), "yes" if r["correct"] else "no",
-              _fmt_bytes(r["kv_bytes"]), f"{r['compression_ratio']:.2f}x" if r["compression_ratio"] else "n/a",
+              _fmt_bytes(r["kv_bytes"]), fraction_text(r["kv_fraction_of_fp16"]),
               _fmt_tps(r["decode_tps"]), f"{r['agreement']:.2f}"] for r in rows]
-    print(_format_table(["method", "settings", "answer", "correct", "KV bytes", "vs fp16", "decode tok/s",
-                         "agreement"], table))
-    print(f"KV bytes: measured (sum of the caches' nbytes) after the run; vs fp16 = the same "
-          f"{rows[0]['kv_tokens']} tokens in mlx_lm's plain cache at fp16 without slack, divided by KV bytes.")
+    print(_format_table(["method", "settings", "answer", "correct", "KV bytes", "kv_fraction_of_fp16",
+                         "decode tok/s", "agreement"], table))
+    print(f"KV bytes: measured (sum of the caches' nbytes) after the run; kv_fraction_of_fp16 = KV bytes / the "
+          f"same {rows[0]['kv_tokens']} tokens in mlx_lm's plain cache at fp16 without slack (lower = smaller).")
     print("The uncompressed run ('none') stores the model's compute dtype (float32 on the MLX CPU backend) "
-          "and counts mlx_lm's 256-row allocation steps, so its ratio is below 1.")
+          "and counts mlx_lm's 256-row allocation steps, so its fraction is above 1.")
     print("agreement = fraction of generated tokens identical to the uncompressed run, position by position.")
     for note in skipped:
         print(f"skipped {note}")

@@ -65,7 +65,8 @@ def cmd_cache_save(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    ratio = kv["compression_ratio"]
+    from .measure import fraction_text
+
     rows = [
         ("saved", args.out),
         ("method", method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")),
@@ -75,10 +76,10 @@ def cmd_cache_save(args) -> int:
         ("file_bytes", f"{info['file_bytes']} ({_fmt_bytes(info['file_bytes'])})"),
         ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({_fmt_bytes(kv['kv_bytes_fp16'])}, "
                           f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+        ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
     ]
     for label, value in rows:
-        print(f"{label:>14}: {value}")
+        print(f"{label:>19}: {value}")
     return 0
 
 

@@ -4,7 +4,7 @@
   [--task ppl|kld|niah ...] [--text-file FILE] [--context N] [--n-score N] [--depths D,D,...] [--json]
   [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each method and the uncompressed
   ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR`` also
-  writes ``results.md``, ``results.json`` and ``pareto.png`` (compression vs KLD).
+  writes ``results.md``, ``results.json`` and ``pareto.png`` (kv_fraction_of_fp16 vs KLD).
 * ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
   [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
   [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table
+from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table, _truncate
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench", "ProgressBar"]
 
@@ -85,6 +85,8 @@ def _settings_text(settings: dict) -> str:
 
 
 def eval_table(rows: list[dict]) -> str:
+    from .measure import fraction_text
+
     table = []
     for r in rows:
         if r.get("error"):
@@ -96,10 +98,9 @@ def eval_table(rows: list[dict]) -> str:
         kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
         table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
                       _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, _fmt_bytes(r["kv_bytes"]),
-                      _fmt(r["compression"], ".2f") + ("x" if r["compression"] is not None else ""),
-                      f"{r['seconds']:.0f}s"])
+                      fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
     return _format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
-                          "KV bytes", "vs fp16", "time"], table)
+                          "KV bytes", "kv_fraction_of_fp16", "time"], table)
 
 
 def cmd_eval(args) -> int:
@@ -155,8 +156,8 @@ def cmd_eval(args) -> int:
         print(eval_table(rows))
         print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
               "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
-              "compression; vs fp16 = fp16 KV bytes / measured KV bytes (the plain 'none' cache holds float32 "
-              "on the CPU, so it is below 1x).")
+              "compression; kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
+              "smaller; the plain 'none' cache holds float32 on the CPU, so it is above 1).")
     return 1 if any(r.get("error") for r in rows) else 0
 
 
@@ -232,24 +233,36 @@ def _child_args(args):
     return make
 
 
-def _stat(s: Optional[dict], fmt) -> str:
+def _stat(s: Optional[dict], fmt, spread: bool) -> str:
+    """The median, then (``spread``: more than one repeat) half the min-max range as a percentage of it."""
     if s is None:
         return "-"
-    return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
+    text = fmt(s["median"])
+    if spread and s["median"]:
+        text += f" ±{50 * (s['max'] - s['min']) / abs(s['median']):.0f}%"
+    return text
+
+
+LABEL_WIDTH = 22  # keeps the main bench table within ~120 columns
 
 
 def bench_tables(rows: list[dict]) -> str:
+    """The bench report: medians per method and context, ratios to the baselines, decode-step slopes.
+
+    A ``±N%`` after a timing median (only with more than one repeat) is half the min-max range over the
+    repeats; the JSON rows keep min and max of every statistic.
+    """
     from .bench import BASELINES
 
     ok = [r for r in rows if r["available"]]
-    main = [[r["label"], str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}"),
-             _stat(r["decode_tps"], lambda v: f"{v:.1f}"), _stat(r["step_s"], lambda v: f"{v * 1e3:.1f}"),
-             _stat(r["kv_resident_bytes"], lambda v: _fmt_bytes(int(v))),
-             _stat(r["kv_nbytes"], lambda v: _fmt_bytes(int(v))),
-             _stat(r["peak_delta_bytes"], lambda v: _fmt_bytes(int(v))),
-             _fmt_bytes(int(r["peak_bytes"]["median"])) if r["peak_bytes"] else "-"] for r in ok]
-    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "step ms", "KV resident",
-                            "KV nbytes", "peak over start", "peak"], main)]
+    spread = any(r.get("repeats", 0) > 1 for r in ok)
+    mib = lambda v: _fmt_bytes(int(v))  # noqa: E731
+    main = [[_truncate(r["label"], LABEL_WIDTH), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
+             _stat(r["decode_tps"], lambda v: f"{v:.1f}", spread),
+             _stat(r["kv_nbytes"], mib, False), _fmt(r.get("kv_fraction_of_fp16"), ".3f"),
+             _stat(r["kv_resident_bytes"], mib, False), _stat(r["peak_delta_bytes"], mib, False)] for r in ok]
+    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
+                            "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
     for r in ok:
         first = True
@@ -257,23 +270,24 @@ def bench_tables(rows: list[dict]) -> str:
             rat = (r.get("ratios") or {}).get(b)
             if rat is None or (r["method"] == b and not r["settings"]):
                 continue
-            ratio_rows.append([r["label"] if first else "", str(r["context"]) if first else "", "vs " + b,
-                               *(_fmt(rat[k], ".2f") + ("x" if rat[k] is not None else "")
-                                 for k in ("prefill_s", "decode_tps", "kv_resident_bytes", "kv_nbytes",
-                                           "peak_delta_bytes"))])
+            ratio_rows.append([_truncate(r["label"], LABEL_WIDTH) if first else "", str(r["context"]) if first else "",
+                               b, *(_fmt(rat[k], ".2f") for k in ("prefill_s", "decode_tps", "kv_resident_bytes",
+                                                                  "kv_nbytes", "peak_delta_bytes"))])
             first = False
     if ratio_rows:
-        parts.append(_format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
-                                    "KV nbytes", "peak over start"], ratio_rows))
+        parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's):\n"
+                     "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
+                     + _format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
+                                      "KV nbytes", "peak over start"], ratio_rows))
     seen, slope_rows = set(), []
     for r in ok:
         if r["label"] in seen or r["decode_s_per_1k"] is None:
             continue
         seen.add(r["label"])
-        slope_rows.append([r["label"], f"{r['decode_s_per_1k'] * 1e3:.3f}",
-                           _fmt(r["slope_vs_none"], ".2f") + ("x" if r["slope_vs_none"] is not None else "")])
+        slope_rows.append([_truncate(r["label"], LABEL_WIDTH), f"{r['decode_s_per_1k'] * 1e3:.3f}",
+                           _fmt(r["slope_vs_none"], ".2f")])
     if slope_rows:
-        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "vs none"], slope_rows))
+        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
     if bad:
         parts.append("\n".join(f"unavailable: {k}: {v}" for k, v in bad.items()))
@@ -332,12 +346,12 @@ def cmd_bench(args) -> int:
     import mlx.core as mx
 
     first = rows[0] if rows else {}
-    print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeats, "
-          f"{args.decode_tokens} decode tokens; median [min-max]")
+    print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeat(s), "
+          f"{args.decode_tokens} decode tokens; medians" + (" ±half the min-max range" if args.repeats > 1 else ""))
     print(bench_tables(rows))
-    print("KV resident = active-memory growth over the run (mx.get_active_memory); KV nbytes = the caches' own "
-          "count; peak over start = mx.get_peak_memory() minus the memory in use before the run (the weights); "
-          "ratios compare medians measured in this run.")
+    print("KV nbytes = the caches' own count; kv_fraction_of_fp16 = KV nbytes / the same tokens in mlx_lm's\n"
+          "plain fp16 cache (lower = smaller); KV resident = active-memory growth over the run\n"
+          "(mx.get_active_memory); peak over start = mx.get_peak_memory() minus the memory in use before the run.")
     return 0
 
 

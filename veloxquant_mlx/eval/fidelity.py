@@ -34,9 +34,14 @@ class FidelityResult:
     n_scored: int
 
     @property
-    def compression(self) -> float:
+    def kv_fraction_of_fp16(self) -> float:
         """``kv_bytes / kv_bytes_fp16`` (the fraction of the fp16 cache kept; lower = smaller)."""
         return self.kv_bytes / self.kv_bytes_fp16 if self.kv_bytes_fp16 else 1.0
+
+    @property
+    def compression(self) -> float:
+        """The same fraction under its older name (scripts and tests use it); prefer ``kv_fraction_of_fp16``."""
+        return self.kv_fraction_of_fp16
 
 
 def make_caches(model, config):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 
-from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes
+from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 from .fidelity import make_caches, next_token_fidelity, prefill, reference_logprobs
 from .specs import NONE, MethodSpec
 
@@ -43,7 +43,7 @@ TASKS = ("ppl", "kld", "niah")
 ROW_KEYS = ("method", "settings", "label", "task", "model", "context", "n_scored",
             "ppl", "ppl_ref", "ppl_delta", "kld", "top1_agree",
             "niah_acc", "niah_hits", "niah_trials", "niah_detail",
-            "kv_tokens", "kv_bytes", "kv_bytes_fp16", "compression", "seconds", "error")
+            "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16", "seconds", "error")
 
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 NEEDLE_TEMPLATE = "The secret passcode for the blue vault is {code}."
@@ -64,9 +64,7 @@ def _row(spec: MethodSpec, task: str, context: int, model_name: Optional[str], *
     row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task,
                model=model_name, context=context)
     row.update(values)
-    kb, ref = row.get("kv_bytes"), row.get("kv_bytes_fp16")
-    if kb and ref is not None:
-        row["compression"] = ref / kb
+    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row.get("kv_bytes"), row.get("kv_bytes_fp16"))
     return row
 
 
