@@ -35,7 +35,7 @@ from veloxquant_mlx.cache import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 METHOD_KEYS = {"name", "family", "protocol", "implemented", "paper"}
 GENERATE_KEYS = {"method", "settings", "model", "text", "prompt_tokens", "generated_tokens", "prefill_s",
-                 "decode_tps", "kv_tokens", "kv_bytes", "kv_bytes_fp16", "compression_ratio"}
+                 "decode_tps", "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16"}
 
 
 def run_cli(capsys, *argv):
@@ -322,7 +322,7 @@ def test_generate_none_and_snapkv_json(capsys, long_prompt):
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; K and V at 2 bytes per element
     assert plain["kv_bytes_fp16"] == 30 * 2 * 3 * 64 * 2 * plain["kv_tokens"]
     assert plain["kv_bytes"] >= plain["kv_bytes_fp16"]  # full precision (or fp16) plus mlx_lm's slack
-    assert plain["compression_ratio"] == pytest.approx(plain["kv_bytes_fp16"] / plain["kv_bytes"])
+    assert plain["kv_fraction_of_fp16"] == pytest.approx(plain["kv_bytes"] / plain["kv_bytes_fp16"])
 
     code, out, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_budget=64",
                              "--prompt", long_prompt, "--max-tokens", "4", "--json")
@@ -332,7 +332,7 @@ def test_generate_none_and_snapkv_json(capsys, long_prompt):
     assert snap["settings"] == {"snap_budget": 64}
     assert snap["prompt_tokens"] == plain["prompt_tokens"] > 64
     assert snap["kv_bytes"] < snap["kv_bytes_fp16"]
-    assert snap["compression_ratio"] > 1
+    assert snap["kv_fraction_of_fp16"] == pytest.approx(snap["kv_bytes"] / snap["kv_bytes_fp16"]) < 1
 
 
 @pytest.mark.real_model
@@ -340,8 +340,9 @@ def test_generate_text_output(capsys):
     code, out, err = run_cli(capsys, "generate", "--method", "streaming_llm", "--set", "stream_window_size=16",
                              "--prompt", "What is the capital of France?", "--max-tokens", "8")
     assert code == 0, err
-    for label in ("prompt tokens", "generated tokens", "decode tok/s", "kv_bytes", "kv_bytes_fp16", "ratio"):
+    for label in ("prompt tokens", "generated tokens", "decode tok/s", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16"):
         assert f"{label}:" in out
+    assert "x smaller" in out and "ratio" not in out
 
 
 @pytest.mark.real_model
@@ -351,7 +352,7 @@ def test_demo_small_context(capsys):
     assert code == 0, err
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("method"))
-    for column in ("answer", "correct", "KV bytes", "vs fp16", "decode tok/s", "agreement"):
+    for column in ("answer", "correct", "KV bytes", "kv_fraction_of_fp16", "decode tok/s", "agreement"):
         assert column in header
     rows = {line.split()[0]: line for line in lines[lines.index(header) + 2:] if line and not line[0].isupper()
             and line.split()[0] in ("none", "snapkv", "streaming_llm", "kivi")}

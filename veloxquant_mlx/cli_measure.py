@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table, _truncate
+from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench", "ProgressBar"]
 
@@ -243,7 +243,13 @@ def _stat(s: Optional[dict], fmt, spread: bool) -> str:
     return text
 
 
-LABEL_WIDTH = 22  # keeps the main bench table within ~120 columns
+def _short_label(r: dict) -> str:
+    """``streaming_llm window_size=8``: the method and its settings under their options' own (shorter) names."""
+    from .cache.options import OPTIONS_BY_METHOD
+
+    opts = OPTIONS_BY_METHOD.get(r["method"])
+    short = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
+    return " ".join([r["method"]] + [f"{short.get(k, k)}={v}" for k, v in (r.get("settings") or {}).items()])
 
 
 def bench_tables(rows: list[dict]) -> str:
@@ -257,7 +263,7 @@ def bench_tables(rows: list[dict]) -> str:
     ok = [r for r in rows if r["available"]]
     spread = any(r.get("repeats", 0) > 1 for r in ok)
     mib = lambda v: _fmt_bytes(int(v))  # noqa: E731
-    main = [[_truncate(r["label"], LABEL_WIDTH), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
+    main = [[_short_label(r), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
              _stat(r["decode_tps"], lambda v: f"{v:.1f}", spread),
              _stat(r["kv_nbytes"], mib, False), _fmt(r.get("kv_fraction_of_fp16"), ".3f"),
              _stat(r["kv_resident_bytes"], mib, False), _stat(r["peak_delta_bytes"], mib, False)] for r in ok]
@@ -270,7 +276,7 @@ def bench_tables(rows: list[dict]) -> str:
             rat = (r.get("ratios") or {}).get(b)
             if rat is None or (r["method"] == b and not r["settings"]):
                 continue
-            ratio_rows.append([_truncate(r["label"], LABEL_WIDTH) if first else "", str(r["context"]) if first else "",
+            ratio_rows.append([_short_label(r) if first else "", str(r["context"]) if first else "",
                                b, *(_fmt(rat[k], ".2f") for k in ("prefill_s", "decode_tps", "kv_resident_bytes",
                                                                   "kv_nbytes", "peak_delta_bytes"))])
             first = False
@@ -284,7 +290,7 @@ def bench_tables(rows: list[dict]) -> str:
         if r["label"] in seen or r["decode_s_per_1k"] is None:
             continue
         seen.add(r["label"])
-        slope_rows.append([_truncate(r["label"], LABEL_WIDTH), f"{r['decode_s_per_1k'] * 1e3:.3f}",
+        slope_rows.append([_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}",
                            _fmt(r["slope_vs_none"], ".2f")])
     if slope_rows:
         parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
