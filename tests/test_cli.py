@@ -171,7 +171,10 @@ def test_option_names_and_flat_names_build_the_same_config():
     (["--method", "snapkv", "--set", "window_size=8"], "snapkv", "window_size"),
 ])
 def test_generate_and_cache_save_refuse_another_methods_field(capsys, tmp_path, argv, method, field):
-    for cmd in (["generate", "--prompt", "hi"], ["cache", "save", "--prompt", "hi", "--out", str(tmp_path / "c")]):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    for cmd in (["generate", "--prompt", "hi"], ["cache", "save", "--prompt-file", str(prompt), "--out",
+                                                 str(tmp_path / "c")]):
         code, out, err = run_cli(capsys, *cmd, *argv)
         assert code == 2 and out == "" and f"method {method!r} does not read {field!r}" in err
 
@@ -363,3 +366,24 @@ def test_demo_small_context(capsys):
         else:
             assert m not in rows and f"skipping {m}" in err
     assert "[1/" in err  # progress on stderr
+
+
+# --------------------------------------------------------------------------- --model
+def test_non_llama_gguf_is_refused_in_one_line(capsys, tmp_path):
+    path = tmp_path / "gemma.gguf"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))}, {"general.architecture": "gemma2"})
+    for cmd in (["generate", "--method", "kivi", "--prompt", "hi"], ["cache", "save", "--method", "kivi",
+                                                                      "--prompt-file", str(prompt), "--out",
+                                                                      str(tmp_path / "c")]):
+        code, out, err = run_cli(capsys, *cmd, "--model", str(path))
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and "'gemma2'" in err and "llama" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "generate", "--method", "kivi", "--prompt", "hi", "--model",
+                           str(tmp_path / "missing.gguf"))
+    assert code == 2 and "no such file" in err
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"\0" * 16)
+    code, _, err = run_cli(capsys, "generate", "--method", "kivi", "--prompt", "hi", "--model", str(not_gguf))
+    assert code == 2 and "not a .gguf" in err

@@ -638,6 +638,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unsupported_model_error() -> type:
+    from .model import UnsupportedModelError
+
+    return UnsupportedModelError
+
+
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
     try:
@@ -667,6 +673,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except QuantizerConfigError as exc:
         print(f"error: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except _unsupported_model_error() as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:
         print(f"error: {exc}", file=sys.stderr)
