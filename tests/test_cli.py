@@ -387,3 +387,55 @@ def test_non_llama_gguf_is_refused_in_one_line(capsys, tmp_path):
     not_gguf.write_bytes(b"\0" * 16)
     code, _, err = run_cli(capsys, "generate", "--method", "kivi", "--prompt", "hi", "--model", str(not_gguf))
     assert code == 2 and "not a .gguf" in err
+
+
+# --------------------------------------------------------------------------- progress
+class _Stream:
+    def __init__(self, tty):
+        self.tty, self.parts = tty, []
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.parts.append(s)
+
+    def flush(self):
+        pass
+
+
+def test_progress_lines_bars_and_quiet():
+    from veloxquant_mlx.cli_progress import Progress
+
+    log = _Stream(tty=False)
+    p = Progress(total=2, stream=log)
+    p("first")
+    for done in (0, 2048, 4096, 5000, 5000):  # mlx_lm reports the start and the last chunk twice
+        p.chunk(done, 5000)
+    p("second")
+    p.close("done")
+    text = "".join(log.parts)
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [ln.split("] ", 1)[1] for ln in lines if "] " in ln] == ["1/2 first", "2/2 second", "done"]
+    assert [ln.strip().split(" (")[0] for ln in lines if "prefill" in ln] == [
+        "prefill 2048/5000 tokens", "prefill 4096/5000 tokens", "prefill 5000/5000 tokens"]
+
+    quiet = _Stream(tty=False)
+    q = Progress(total=3, enabled=False, stream=quiet)
+    q("x")
+    q.chunk(10, 20)
+    q.stage("y")
+    q.note("z")
+    q.close("w")
+    assert quiet.parts == []
+
+    term = _Stream(tty=True)
+    t = Progress(total=2, stream=term)
+    t("a")
+    t.chunk(100, 200)
+    t.chunk(200, 200)
+    t("b")
+    t.close()
+    drawn = "".join(term.parts)
+    assert "\r" in drawn and "prefill" in drawn and "2/2" in drawn  # tqdm bars, redrawn in place

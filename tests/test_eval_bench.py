@@ -292,7 +292,7 @@ def test_bench_cli_tiny_shape_json(capsys):
     assert kivi["ratios"]["none"]["kv_nbytes"] == pytest.approx(
         kivi["kv_nbytes"]["median"] / rows[1]["kv_nbytes"]["median"])
     assert rows[0]["ratios"]["none"]["prefill_s"] == 1.0
-    assert "repeat 2/2" in err
+    assert err == ""  # --json: no progress
     assert kivi["kv_fraction_of_fp16"] == pytest.approx(kivi["kv_nbytes"]["median"] / kivi["kv_bytes_fp16"])
     # tiny shape: 2 layers, 2 KV heads, head_dim 32; 48 prompt + 2 decoded tokens at fp16
     assert kivi["kv_bytes_fp16"] == 2 * 2 * 2 * 32 * 2 * (48 + 2)
@@ -301,10 +301,12 @@ def test_bench_cli_tiny_shape_json(capsys):
 
 
 def test_bench_cli_table_and_usage(capsys):
-    code, out, _ = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--baselines", "none",
-                           "--method", "streaming_llm", "--set", "stream_window_size=8", "--context", "24",
-                           "--repeats", "1", "--decode-tokens", "2")
+    code, out, err = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--baselines", "none",
+                             "--method", "streaming_llm", "--set", "stream_window_size=8", "--context", "24",
+                             "--prefill-step", "8", "--repeats", "1", "--decode-tokens", "2")
     assert code == 0
+    assert "repeat 1/1, context 24: streaming_llm" in err
+    assert "prefill 8/23 tokens" in err and "prefill 23/23 tokens" in err  # chunk progress inside each run
     assert "streaming_llm window_size=8" in out and "KV resident" in out and "kv_fraction_of_fp16" in out
     assert "±" not in out and "[" not in out  # one repeat: no spread
     assert max(len(line) for line in out.splitlines() if "|" not in line) <= 125
@@ -367,16 +369,17 @@ def test_eval_cli_on_tiny_text_file(tmp_path, capsys, monkeypatch, tiny):
     assert [(r["method"], r["task"]) for r in rows] == [
         (m, t) for t in ("ppl", "kld", "niah") for m in ("none", "streaming_llm")]
     assert all(tuple(r) == tasks.ROW_KEYS for r in rows)
-    assert "loading model" in err and "[" in err
+    assert "loading model" not in err  # --json: no progress
     md = (out_dir / "results.md").read_text()
     assert "| streaming_llm | stream_window_size=16 | kld | 160 |" in md and "pareto.png" in md
     assert json.loads((out_dir / "results.json").read_text()) == rows
     png = (out_dir / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # the table
-    code, out, _ = run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
-                           "--context", "64", "--n-score", "2")
-    assert code == 0 and "kivi" in out and "KLD" in out
+    code, out, err = run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
+                             "--context", "64", "--n-score", "2")
+    assert code == 0 and "kivi" in out and "KLD" in out and "kv_fraction_of_fp16" in out
+    assert "1/4 loading model" in err and "4/4 kld: kivi" in err and "prefill 63/63 tokens" in err
     # usage errors
     assert run_cli(capsys, "eval", "--task", "kld")[0] == 2  # no method
     assert run_cli(capsys, "eval", "--method", "kivi", "--text-file", str(tmp_path / "missing.txt"))[0] == 2

@@ -210,10 +210,11 @@ def _settle() -> None:
 
 
 def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
-             prefill_step: int = PREFILL_STEP) -> dict:
+             prefill_step: int = PREFILL_STEP, on_chunk: Optional[Callable[[int, int], None]] = None) -> dict:
     """Prefill ``prompt`` ([T] ids) into ``caches``, decode ``decode_tokens`` greedily; the measurements.
 
     Memory baselines are taken right before the prefill, so ``caches`` should be fresh (empty).
+    ``on_chunk(done, total)`` reports the prefill's chunks (its time is inside ``prefill_s``).
     """
     from .eval.fidelity import prefill
     from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
@@ -223,7 +224,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     if prompt.size > 1:
-        prefill(model, prompt[:-1], caches, prefill_step)
+        prefill(model, prompt[:-1], caches, prefill_step, on_chunk)
     logits = model(prompt[-1:][None], cache=caches)
     tok = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(tok)
@@ -291,6 +292,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     vocab = _vocab_size(model)
     errors: dict[str, str] = {}
     say = progress or (lambda msg: None)
+    on_chunk = getattr(progress, "chunk", None)
     if warmup:  # first calls compile kernels and grow the allocator's pool: keep them out of the timings
         wp = _prompt(vocab, min(min(contexts), 256), seed + 1)
         for c in cands:
@@ -310,7 +312,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                 say(f"repeat {rep + 1}/{repeats}, context {n}: {c.label}")
                 try:
                     samples[(c.label, n)].append(run_once(model, c.make(model), prompts[n], decode_tokens,
-                                                          prefill_step))
+                                                          prefill_step, on_chunk))
                 except Exception as exc:
                     errors[c.label] = _error(exc)
                 _settle()

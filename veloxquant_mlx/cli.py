@@ -223,8 +223,12 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
-                   on_token: Optional[Callable[[int], None]] = None) -> dict:
-    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded)."""
+                   on_token: Optional[Callable[[int], None]] = None,
+                   on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded).
+
+    ``on_prefill(done, total)`` follows the prompt's prefill chunk by chunk (mlx_lm's
+    ``prompt_progress_callback``); ``on_token(n)`` each generated token."""
     import mlx_lm
 
     tokens: list[int] = []
@@ -232,7 +236,7 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
     t0 = time.perf_counter()
     t_first = t_last = None
     for resp in mlx_lm.stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
-                                       prompt_cache=caches):
+                                       prompt_cache=caches, prompt_progress_callback=on_prefill):
         now = time.perf_counter()
         text.append(resp.text)
         if resp.finish_reason == "stop":  # this response carries the EOS token
@@ -353,12 +357,16 @@ def _cmd_generate(args) -> int:
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
 
+    from .cli_progress import Progress
     from .model import load_model
 
+    progress = Progress(enabled=not args.json)
+    progress.stage("loading model")
     model, tokenizer = load_model(args.model)
     caches = make_caches(model, method, config)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
-    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens)
+    progress.stage(f"prefill {len(prompt_ids)} prompt tokens, then up to {args.max_tokens} new tokens")
+    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"], **_kv_summary(model, caches)}
@@ -448,33 +456,6 @@ def _demo_settings(method: str, config) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
 
 
-class _Progress:
-    """Progress on stderr: rewritten in place on a terminal, one line per stage otherwise."""
-
-    def __init__(self, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.perf_counter()
-        self._open = False
-
-    def update(self, msg: str, transient: bool = False) -> None:
-        """Show ``msg``; a ``transient`` one is overwritten by the next on a terminal, else not shown."""
-        line = f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line + ("" if transient else "\n"))
-            self._open = transient
-        elif not transient:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def note(self, msg: str) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self._open = False
-        self.stream.write(msg + "\n")
-        self.stream.flush()
-
-
 def _cmd_demo(args) -> int:
     from .cache import method_info
     from .cache.base import STANDALONE_METHODS
@@ -487,7 +468,9 @@ def _cmd_demo(args) -> int:
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
 
-    progress = _Progress()
+    from .cli_progress import Progress
+
+    progress = Progress(enabled=not args.json)
     runs: list[tuple[str, Any]] = [(NONE, None)]
     skipped: list[str] = []
     for m in dict.fromkeys(wanted):
@@ -505,22 +488,18 @@ def _cmd_demo(args) -> int:
 
     from .model import load_model
 
-    progress.update("loading model (first use downloads it)")
+    progress.stage("loading model (first use downloads it)")
     model, tokenizer = load_model(args.model)
-    progress.update("building the needle prompt (first use downloads the essays)")
+    progress.stage("building the needle prompt (first use downloads the essays)")
     prompt_ids = build_needle_prompt(tokenizer, args.context)
 
     rows = []
     reference: Optional[list[int]] = None
     for i, (method, config) in enumerate(runs, 1):
         tag = f"[{i}/{len(runs)}] {method}"
-        progress.update(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
+        progress.stage(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
         caches = make_caches(model, method, config)
-        result = run_generation(
-            model, tokenizer, prompt_ids, caches, args.max_tokens,
-            on_token=lambda n, tag=tag: progress.update(f"{tag}: decoding {n}/{args.max_tokens} tokens",
-                                                       transient=True),
-        )
+        result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
         if reference is None:
             reference = result["tokens"]
         kv = _kv_summary(model, caches)
@@ -532,8 +511,7 @@ def _cmd_demo(args) -> int:
             "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
             "agreement": _agreement(reference, result["tokens"]), **kv,
         })
-        progress.update(f"{tag}: done ({result['prefill_s']:.1f}s prefill, "
-                        f"{result['generated_tokens']} tokens)")
+        progress.stage(f"{tag}: done ({result['prefill_s']:.1f}s prefill, {result['generated_tokens']} tokens)")
 
     from .measure import fraction_text
 

@@ -48,13 +48,17 @@ def cmd_cache_save(args) -> int:
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
 
+    from .cli_progress import Progress
     from .eval.fidelity import prefill
     from .model import load_model
 
+    progress = Progress(enabled=not args.json)
+    progress.stage("loading model")
     model, tokenizer = load_model(args.model)
     caches = make_caches(model, method, config)
     tokens = [int(t) for t in tokenizer.encode(text)]
-    prefill(model, tokens, caches)
+    progress.stage(f"prefill {len(tokens)} tokens")
+    prefill(model, tokens, caches, on_chunk=progress.chunk)
     try:
         info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
     except SavedCacheError as exc:
@@ -171,7 +175,11 @@ def generate_from_saved(args) -> int:
     prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
-    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens)
+    from .cli_progress import Progress
+
+    progress = Progress(enabled=not args.json)
+    progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
+    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     settings = info["config"]
     out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],

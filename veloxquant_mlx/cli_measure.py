@@ -19,36 +19,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table
+from .cli import NONE, UsageError, _fmt_bytes, _format_table
+from .cli_progress import Progress
 
-__all__ = ["add_subcommands", "cmd_eval", "cmd_bench", "ProgressBar"]
+__all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
 SUBCOMMANDS = ("eval", "bench")
 # Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them), so that building the parser
 # for the other subcommands imports neither mlx nor mlx_lm.
 TASK_NAMES = ("ppl", "kld", "niah")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
-
-
-class ProgressBar:
-    """``bar(msg)`` starts the next of ``total`` units: ``[####------]  3/12  message`` on stderr."""
-
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.done, self.width = max(total, 1), 0, width
-        self.p = _Progress(stream)
-
-    def __call__(self, msg: str) -> None:
-        self.done = min(self.done + 1, self.total)
-        fill = int(self.width * (self.done - 1) / self.total)
-        bar = "#" * fill + "-" * (self.width - fill)
-        self.p.update(f"[{bar}] {self.done}/{self.total} {msg}", transient=self.p.tty)
-
-    def close(self, msg: str = "done") -> None:
-        self.p.update(f"[{'#' * self.width}] {msg}")
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -131,7 +111,7 @@ def cmd_eval(args) -> int:
 
     from .model import load_model
 
-    bar = ProgressBar(count_units(tasks, len(specs), len(depths)) + 1)
+    bar = Progress(count_units(tasks, len(specs), len(depths)) + 1, enabled=not args.json)
     bar("loading model")
     model, tokenizer = load_model(args.model)
     model_name = args.model or "smollm2-135m (embedded)"
@@ -149,7 +129,7 @@ def cmd_eval(args) -> int:
             "NIAH depths": ", ".join(f"{d:g}" for d in depths), "tasks": ", ".join(tasks),
             "command": f"`{_eval_command(args, tasks)}`",
         })
-        _say(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
+        bar.note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -329,19 +309,21 @@ def cmd_bench(args) -> int:
     if args.shape and args.model:
         raise UsageError("give --model or --shape, not both")
 
+    say = Progress(enabled=not args.json)
     if args.isolate:
-        _say(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
+        say.note(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
         rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens,
-                                    baselines=baselines, timeout_s=args.timeout, progress=_say,
+                                    baselines=baselines, timeout_s=args.timeout, progress=say.note,
                                     model_name=args.model or (f"{args.shape} (random weights)" if args.shape
                                                               else "smollm2-135m (embedded)"))
     else:
         t0 = time.perf_counter()
-        _say("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
+        say.stage("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
         model, name = _bench_model(args)
-        _say(f"model ready in {time.perf_counter() - t0:.1f}s")
+        say.stage(f"model ready in {time.perf_counter() - t0:.1f}s")
         n = len(bench.candidates(specs, baselines))
-        bar = ProgressBar(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0))
+        bar = Progress(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0),
+                       enabled=not args.json)
         rows = bench.bench(model, specs, args.contexts, args.repeats, args.decode_tokens, baselines=baselines,
                            seed=args.seed, prefill_step=args.prefill_step, warmup=not args.no_warmup,
                            progress=bar, model_name=name)

@@ -76,6 +76,11 @@ def _specs(methods: Iterable, include_none: bool) -> list[MethodSpec]:
     return specs
 
 
+def _chunks(progress: Progress):
+    """The progress object's prefill-chunk callback (``chunk(done, total)``), if it has one."""
+    return getattr(progress, "chunk", None)
+
+
 def _tick(progress: Progress, msg: str) -> None:
     if progress is not None:
         progress(msg)
@@ -132,7 +137,8 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, m
             t0 = time.perf_counter()
             try:
                 memo[key] = (next_token_fidelity(model, ids, context, n_score, spec.config(),
-                                                 ref_logp=memo[ref_key]), time.perf_counter() - t0, None)
+                                                 ref_logp=memo[ref_key], on_chunk=_chunks(progress)),
+                             time.perf_counter() - t0, None)
             except Exception as exc:  # one broken method must not end a sweep
                 memo[key] = (None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         r, seconds, error = memo[key]
@@ -285,10 +291,11 @@ def _eos_ids(tokenizer) -> set[int]:
     return {int(eos)} if eos is not None else set()
 
 
-def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int) -> tuple[str, list]:
+def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int,
+            on_chunk=None) -> tuple[str, list]:
     """Prefill the context, feed the question token by token, decode greedily; (text, caches)."""
     caches = make_caches(model, config)
-    prefill(model, prompt.context_ids, caches)
+    prefill(model, prompt.context_ids, caches, on_chunk=on_chunk)
     logits = None
     for t in prompt.question_ids:
         logits = model(mx.array([[t]]), cache=caches)
@@ -330,7 +337,7 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
             config = spec.config()
             for p in prompts:
                 _tick(progress, f"niah: {spec.label} depth {p.depth:g}")
-                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens)
+                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, _chunks(progress))
                 sizes.append(kv_bytes(caches))
                 n_tok = cache_tokens(caches)
                 del caches
