@@ -439,3 +439,35 @@ def test_progress_lines_bars_and_quiet():
     t.close()
     drawn = "".join(term.parts)
     assert "\r" in drawn and "prefill" in drawn and "2/2" in drawn  # tqdm bars, redrawn in place
+
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+
+    missing = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + [name])
+            elif not action.help or action.help == argparse.SUPPRESS:
+                missing.append(" ".join(path + [action.option_strings[0] if action.option_strings else action.dest]))
+
+    walk(cli._parser(), ["veloxquant"])
+    assert not missing, missing
+
+
+def test_decode_concurrency_help_names_the_batched_methods_as_the_readme_does():
+    import re
+
+    from veloxquant_mlx.cache.factory import _implemented_class
+
+    serve = cli._parser()._subparsers._group_actions[0].choices["serve"]
+    text = next(a.help for a in serve._actions if "--decode-concurrency" in a.option_strings)
+    batched = {m for m in METHOD_NAMES if getattr(_implemented_class(m), "batchable", False)}
+    assert batched == {"kivi", "turboquant_rvq", "streaming_llm"}
+    assert set(re.findall(r"\b(?:%s)\b" % "|".join(METHOD_NAMES), text)) == batched
+    assert "one request at a time" in text
+    serving = (REPO / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
+    assert all(name in serving for name in ("KIVI", "TurboQuant-RVQ", "StreamingLLM")) and "one at a time" in serving

@@ -229,6 +229,6 @@ def add_parsers(sub) -> None:
     s.set_defaults(func=cmd_cache_save)
 
     i = csub.add_parser("info", help="print the metadata of a saved cache (no model is loaded)")
-    i.add_argument("path", metavar="PATH")
+    i.add_argument("path", metavar="PATH", help="a file written by `veloxquant cache save`")
     i.add_argument("--json", action="store_true", help="print the metadata as one JSON object (with token ids)")
     i.set_defaults(func=cmd_cache_info)

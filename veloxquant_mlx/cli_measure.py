@@ -374,8 +374,10 @@ def add_subcommands(sub) -> None:
                    help="a KVCacheConfig field, as for eval (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--decode-tokens", type=int, default=32)
+    b.add_argument("--repeats", type=int, default=3,
+                   help="runs of every candidate and context; medians are reported (default 3)")
+    b.add_argument("--decode-tokens", type=int, default=32,
+                   help="greedy decode steps timed after each prefill (default 32)")
     b.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
@@ -384,8 +386,10 @@ def add_subcommands(sub) -> None:
                    help="comma-separated reference caches (default none,mlx_q4,mlx_q8; '' for none at all)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--prefill-step", type=int, default=2048, help=argparse.SUPPRESS)
-    b.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
+    b.add_argument("--prefill-step", type=int, default=2048,
+                   help="prompt tokens per prefill chunk (default 2048, mlx_lm's)")
+    b.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up run of each candidate (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     b.set_defaults(func=cmd_bench)
