@@ -471,3 +471,16 @@ def test_decode_concurrency_help_names_the_batched_methods_as_the_readme_does():
     assert "one request at a time" in text
     serving = (REPO / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
     assert all(name in serving for name in ("KIVI", "TurboQuant-RVQ", "StreamingLLM")) and "one at a time" in serving
+
+
+@pytest.mark.real_model
+def test_encode_turn_is_the_chat_template_without_its_start():
+    from veloxquant_mlx.model import load_model
+
+    _, tok = load_model()
+    turn = cli.encode_turn(tok, "Summarize the text above.")
+    whole = cli.encode_prompt(tok, "Summarize the text above.")
+    assert whole[-len(turn):] == turn and len(turn) < len(whole)  # the conversation's start is left out
+    text = tok.decode(turn)
+    assert text.startswith("<|im_start|>user\nSummarize the text above.") and text.endswith("<|im_start|>assistant\n")
+    assert "system" not in text

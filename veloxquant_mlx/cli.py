@@ -35,7 +35,7 @@ _blas.preload()  # before mlx.core is first imported (no-op if already done or t
 # need torch, so keep its logger quiet unless the user asked for something else.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-__all__ = ["main", "parse_set", "parse_sets", "build_config", "encode_prompt", "run_generation",
+__all__ = ["main", "parse_set", "parse_sets", "build_config", "encode_prompt", "encode_turn", "run_generation",
            "build_needle_prompt", "DEMO_METHODS", "NONE"]
 
 #: ``--method none``: mlx_lm's own uncompressed ``KVCache``.
@@ -222,6 +222,26 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text)]
 
 
+def encode_turn(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one more user turn of the chat template, to follow tokens already in a cache:
+    the turn and the assistant prompt only, without the BOS or default system message the template puts
+    at the start of a conversation. Plain ``tokenizer.encode`` when there is no template (or when the
+    template does not render a system message and the turn one after the other)."""
+    plain = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    if not (getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)):
+        return plain
+    system = [{"role": "system", "content": "-"}]
+    try:
+        head = tokenizer.apply_chat_template(system, tokenize=False)
+        full = tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that refuses a system message
+        return plain
+    if not full.startswith(head):
+        return plain
+    return [int(i) for i in tokenizer.encode(full[len(head):], add_special_tokens=False)]
+
+
 def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
                    on_token: Optional[Callable[[int], None]] = None,
                    on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
@@ -345,6 +365,8 @@ def _cmd_method_settings(args) -> int:
 
 
 def _cmd_generate(args) -> int:
+    if args.raw_prompt and args.prompt_cache is None:
+        raise UsageError("--raw-prompt applies only with --prompt-cache")
     if args.prompt_cache is not None:
         from .cli_cache import generate_from_saved
 

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from .cli import (NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
-                  print_generation, run_generation)
+                  encode_turn, print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
@@ -172,7 +172,10 @@ def generate_from_saved(args) -> int:
                                   expect_model_id=args.model)
     except SavedCacheError as exc:
         raise _saved_error(exc) from None
-    prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
+    if args.raw_prompt:
+        prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
+    else:
+        prompt_ids = encode_turn(tokenizer, args.prompt)
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
     from .cli_progress import Progress
@@ -203,8 +206,10 @@ def add_generate_arguments(g) -> None:
     """``--prompt-cache`` on the ``generate`` parser."""
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
                    help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
-                        "to the file's (and must match it when given); the prompt is appended after the "
-                        f"cached tokens, {_PLAIN_TEXT}")
+                        "to the file's (and must match it when given); the prompt follows the cached tokens as a "
+                        "new user turn of the chat template (the turn alone: no BOS, no default system message)")
+    g.add_argument("--raw-prompt", action="store_true",
+                   help=f"with --prompt-cache: append the prompt {_PLAIN_TEXT} (to continue the text itself)")
 
 
 def add_parsers(sub) -> None:
