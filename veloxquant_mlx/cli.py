@@ -38,6 +38,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 __all__ = ["main", "parse_set", "parse_sets", "build_config", "encode_prompt", "encode_turn", "run_generation",
            "build_needle_prompt", "DEMO_METHODS", "NONE"]
 
+#: ``--model`` help, shared by the subcommands.
+MODEL_HELP = ("an mlx_lm model directory, a Hugging Face repo id, or a llama-architecture .gguf file "
+              "(default: the embedded SmolLM2-135M-Instruct)")
+
 #: ``--method none``: mlx_lm's own uncompressed ``KVCache``.
 NONE = "none"
 
@@ -610,8 +614,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a setting of --method (repeatable): its option name (budget=256) or flat KVCacheConfig "
                         "field (snap_budget=256); `veloxquant methods NAME` lists them. VALUE is parsed as JSON "
                         "when possible")
-    g.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
-                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--prompt", required=True,
                    help="the user message (wrapped in the model's chat template when it has one)")
     g.add_argument("--max-tokens", type=int, default=64, help="most new tokens to generate, greedily (default 64)")
@@ -625,7 +628,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
     d.add_argument("--context", type=int, default=2000, help="approximate prompt length in tokens (default 2000)")
-    d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    d.add_argument("--model", default=None, help=MODEL_HELP)
     d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS,
                    help=f"most new tokens per answer (default {DEMO_MAX_TOKENS})")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from .cli import (NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
+from .cli import (MODEL_HELP, NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
                   encode_turn, print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -224,9 +224,8 @@ def add_parsers(sub) -> None:
                     "`veloxquant generate --prompt-cache PATH --prompt TEXT`.")
     s.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field (repeatable); VALUE is parsed as JSON when possible")
-    s.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
-                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+                   help="a setting of --method (repeatable), as for generate: `veloxquant methods NAME` lists them")
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--prompt-file", required=True, metavar="F",
                    help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")

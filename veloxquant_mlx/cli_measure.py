@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import NONE, UsageError, _fmt_bytes, _format_table
+from .cli import MODEL_HELP, NONE, UsageError, _fmt_bytes, _format_table
 from .cli_progress import Progress
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
@@ -354,8 +354,9 @@ def add_subcommands(sub) -> None:
     e.add_argument("--method", action="append", default=[], help=f"a method (repeatable); {NONE!r} is always run")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
     e.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field for the methods it belongs to, or for METHOD only (repeatable)")
-    e.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
+                   help="a setting for every listed method that reads it, or for METHOD only (repeatable); FIELD "
+                        "is an option name (budget) or flat field (snap_budget): `veloxquant methods NAME`")
+    e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
                    help="ppl, kld, niah (repeatable; default: all three)")
     e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
@@ -371,17 +372,18 @@ def add_subcommands(sub) -> None:
     b = sub.add_parser("bench", help="prefill, decode speed and memory side by side with mlx_lm's caches")
     b.add_argument("--method", action="append", default=[], help="a method (repeatable)")
     b.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field, as for eval (repeatable)")
+                   help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
     b.add_argument("--repeats", type=int, default=3,
                    help="runs of every candidate and context; medians are reported (default 3)")
     b.add_argument("--decode-tokens", type=int, default=32,
                    help="greedy decode steps timed after each prefill (default 32)")
-    b.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
+    b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
-    b.add_argument("--dtype", default=None, help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
+    b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
+                   help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
     b.add_argument("--baselines", default=None,
                    help="comma-separated reference caches (default none,mlx_q4,mlx_q8; '' for none at all)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
