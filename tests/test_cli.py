@@ -35,7 +35,7 @@ from veloxquant_mlx.cache import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 METHOD_KEYS = {"name", "family", "protocol", "implemented", "paper"}
 GENERATE_KEYS = {"method", "settings", "model", "text", "prompt_tokens", "generated_tokens", "prefill_s",
-                 "decode_tps", "kv_tokens", "kv_bytes", "kv_bytes_fp16", "compression_ratio"}
+                 "decode_tps", "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16"}
 
 
 def run_cli(capsys, *argv):
@@ -135,6 +135,75 @@ def test_build_config_routes_method_fields_through_options():
     assert cfg.dtype == mx.float16
     with pytest.raises(cli.UsageError, match="dtype"):
         cli.build_config("snapkv", {"dtype": "float17"})
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_each_method_accepts_its_own_settings_and_refuses_another_methods(method):
+    from veloxquant_mlx.cache.options import method_fields
+
+    names = method_fields(method)
+    settable = {n: f for n, f in names.items() if f not in cli._NOT_SETTABLE}
+    for name, flat in settable.items():
+        assert list(cli.parse_sets([f"{name}=1"], method=method)) == [flat]
+    foreign = next(f for m in METHOD_NAMES if m != method for f in method_fields(m).values()
+                   if f not in names and f not in cli._NOT_SETTABLE)
+    with pytest.raises(cli.UsageError) as exc:
+        cli.parse_sets([f"{foreign}=1"], method=method)
+    msg = str(exc.value)
+    assert f"method {method!r} does not read {foreign!r}" in msg and f"veloxquant methods {method}" in msg
+    for name in list(settable)[:3]:
+        assert name in msg
+
+
+def test_option_names_and_flat_names_build_the_same_config():
+    _, by_option = cli.method_config("snapkv", ["budget=256", "n_sink=2"])
+    _, by_flat = cli.method_config("snapkv", ["snap_budget=256", "snap_n_sink=2"])
+    assert by_option == by_flat and by_option.snap_budget == 256 and by_option.snap_n_sink == 2
+    _, cfg = cli.method_config("nsnquant", ["seed=5", "bits=3"])  # nsnquant's own seed, not the shared one
+    assert (cfg.nsn_seed, cfg.seed, cfg.nsn_bits) == (5, KVCacheConfig().seed, 3)
+    _, cfg = cli.method_config("snapkv", ["dtype=bfloat16", "snap_dtype=float32"])
+    assert (cfg.dtype, cfg.snap_dtype) == (mx.bfloat16, "float32")
+
+
+@pytest.mark.parametrize("argv, method, field", [
+    (["--method", "kivi", "--set", "snap_budget=256"], "kivi", "snap_budget"),
+    (["--method", "streaming_llm", "--set", "bit_width_inlier=2"], "streaming_llm", "bit_width_inlier"),
+    (["--method", "snapkv", "--set", "window_size=8"], "snapkv", "window_size"),
+])
+def test_generate_and_cache_save_refuse_another_methods_field(capsys, tmp_path, argv, method, field):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    for cmd in (["generate", "--prompt", "hi"], ["cache", "save", "--prompt-file", str(prompt), "--out",
+                                                 str(tmp_path / "c")]):
+        code, out, err = run_cli(capsys, *cmd, *argv)
+        assert code == 2 and out == "" and f"method {method!r} does not read {field!r}" in err
+
+
+def test_methods_name_lists_settings_with_type_default_allowed_and_alias(capsys):
+    code, out, _ = run_cli(capsys, "methods", "snapkv", "--json")
+    assert code == 0
+    info = json.loads(out)
+    rows = {r["name"]: r for r in info["settings"]}
+    assert info["method"] == "snapkv"
+    assert rows["budget"] == {"name": "budget", "flat": "snap_budget", "kind": "option", "type": "int",
+                              "default": 512, "allowed": "an int in 1..1048576"}
+    assert rows["backend"]["allowed"] == "one of 'auto', 'mlx', 'metal', 'reference'"
+    assert rows["snap_dtype"]["kind"] == "option" and rows["dtype"]["kind"] == "shared"
+    assert [r["name"] for r in cli.method_settings("snapkv")] == list(rows)
+    assert "snap_budget" not in rows and "bit_width_inlier" not in rows
+    code, out, _ = run_cli(capsys, "methods", "snapkv")
+    assert code == 0 and "budget" in out and "snap_budget" in out and "an int in 1..1048576" in out
+    code, _, err = run_cli(capsys, "methods", "snapkvv")
+    assert code == 2 and "snapkvv" in err
+
+
+def test_methods_json_into_a_closed_pipe_ends_without_traceback():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for reader in ("head -n 2", "true"):  # `true` exits before the CLI writes: every write hits a closed pipe
+        proc = subprocess.run(f"{sys.executable} -m veloxquant_mlx methods --json | {reader}", shell=True, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.splitlines()[:1] == (["["] if reader != "true" else [])
+        assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
 def test_generate_unknown_field_exits_2_naming_it(capsys):
@@ -256,7 +325,7 @@ def test_generate_none_and_snapkv_json(capsys, long_prompt):
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; K and V at 2 bytes per element
     assert plain["kv_bytes_fp16"] == 30 * 2 * 3 * 64 * 2 * plain["kv_tokens"]
     assert plain["kv_bytes"] >= plain["kv_bytes_fp16"]  # full precision (or fp16) plus mlx_lm's slack
-    assert plain["compression_ratio"] == pytest.approx(plain["kv_bytes_fp16"] / plain["kv_bytes"])
+    assert plain["kv_fraction_of_fp16"] == pytest.approx(plain["kv_bytes"] / plain["kv_bytes_fp16"])
 
     code, out, err = run_cli(capsys, "generate", "--method", "snapkv", "--set", "snap_budget=64",
                              "--prompt", long_prompt, "--max-tokens", "4", "--json")
@@ -266,7 +335,7 @@ def test_generate_none_and_snapkv_json(capsys, long_prompt):
     assert snap["settings"] == {"snap_budget": 64}
     assert snap["prompt_tokens"] == plain["prompt_tokens"] > 64
     assert snap["kv_bytes"] < snap["kv_bytes_fp16"]
-    assert snap["compression_ratio"] > 1
+    assert snap["kv_fraction_of_fp16"] == pytest.approx(snap["kv_bytes"] / snap["kv_bytes_fp16"]) < 1
 
 
 @pytest.mark.real_model
@@ -274,8 +343,9 @@ def test_generate_text_output(capsys):
     code, out, err = run_cli(capsys, "generate", "--method", "streaming_llm", "--set", "stream_window_size=16",
                              "--prompt", "What is the capital of France?", "--max-tokens", "8")
     assert code == 0, err
-    for label in ("prompt tokens", "generated tokens", "decode tok/s", "kv_bytes", "kv_bytes_fp16", "ratio"):
+    for label in ("prompt tokens", "generated tokens", "decode tok/s", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16"):
         assert f"{label}:" in out
+    assert "x smaller" in out and "ratio" not in out
 
 
 @pytest.mark.real_model
@@ -285,7 +355,7 @@ def test_demo_small_context(capsys):
     assert code == 0, err
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("method"))
-    for column in ("answer", "correct", "KV bytes", "vs fp16", "decode tok/s", "agreement"):
+    for column in ("answer", "correct", "KV bytes", "kv_fraction_of_fp16", "decode tok/s", "agreement"):
         assert column in header
     rows = {line.split()[0]: line for line in lines[lines.index(header) + 2:] if line and not line[0].isupper()
             and line.split()[0] in ("none", "snapkv", "streaming_llm", "kivi")}
@@ -296,3 +366,121 @@ def test_demo_small_context(capsys):
         else:
             assert m not in rows and f"skipping {m}" in err
     assert "[1/" in err  # progress on stderr
+
+
+# --------------------------------------------------------------------------- --model
+def test_non_llama_gguf_is_refused_in_one_line(capsys, tmp_path):
+    path = tmp_path / "gemma.gguf"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))}, {"general.architecture": "gemma2"})
+    for cmd in (["generate", "--method", "kivi", "--prompt", "hi"], ["cache", "save", "--method", "kivi",
+                                                                      "--prompt-file", str(prompt), "--out",
+                                                                      str(tmp_path / "c")]):
+        code, out, err = run_cli(capsys, *cmd, "--model", str(path))
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and "'gemma2'" in err and "llama" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "generate", "--method", "kivi", "--prompt", "hi", "--model",
+                           str(tmp_path / "missing.gguf"))
+    assert code == 2 and "no such file" in err
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"\0" * 16)
+    code, _, err = run_cli(capsys, "generate", "--method", "kivi", "--prompt", "hi", "--model", str(not_gguf))
+    assert code == 2 and "not a .gguf" in err
+
+
+# --------------------------------------------------------------------------- progress
+class _Stream:
+    def __init__(self, tty):
+        self.tty, self.parts = tty, []
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.parts.append(s)
+
+    def flush(self):
+        pass
+
+
+def test_progress_lines_bars_and_quiet():
+    from veloxquant_mlx.cli_progress import Progress
+
+    log = _Stream(tty=False)
+    p = Progress(total=2, stream=log)
+    p("first")
+    for done in (0, 2048, 4096, 5000, 5000):  # mlx_lm reports the start and the last chunk twice
+        p.chunk(done, 5000)
+    p("second")
+    p.close("done")
+    text = "".join(log.parts)
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [ln.split("] ", 1)[1] for ln in lines if "] " in ln] == ["1/2 first", "2/2 second", "done"]
+    assert [ln.strip().split(" (")[0] for ln in lines if "prefill" in ln] == [
+        "prefill 2048/5000 tokens", "prefill 4096/5000 tokens", "prefill 5000/5000 tokens"]
+
+    quiet = _Stream(tty=False)
+    q = Progress(total=3, enabled=False, stream=quiet)
+    q("x")
+    q.chunk(10, 20)
+    q.stage("y")
+    q.note("z")
+    q.close("w")
+    assert quiet.parts == []
+
+    term = _Stream(tty=True)
+    t = Progress(total=2, stream=term)
+    t("a")
+    t.chunk(100, 200)
+    t.chunk(200, 200)
+    t("b")
+    t.close()
+    drawn = "".join(term.parts)
+    assert "\r" in drawn and "prefill" in drawn and "2/2" in drawn  # tqdm bars, redrawn in place
+
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+
+    missing = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, path + [name])
+            elif not action.help or action.help == argparse.SUPPRESS:
+                missing.append(" ".join(path + [action.option_strings[0] if action.option_strings else action.dest]))
+
+    walk(cli._parser(), ["veloxquant"])
+    assert not missing, missing
+
+
+def test_decode_concurrency_help_names_the_batched_methods_as_the_readme_does():
+    import re
+
+    from veloxquant_mlx.cache.factory import _implemented_class
+
+    serve = cli._parser()._subparsers._group_actions[0].choices["serve"]
+    text = next(a.help for a in serve._actions if "--decode-concurrency" in a.option_strings)
+    batched = {m for m in METHOD_NAMES if getattr(_implemented_class(m), "batchable", False)}
+    assert batched == {"kivi", "turboquant_rvq", "streaming_llm"}
+    assert set(re.findall(r"\b(?:%s)\b" % "|".join(METHOD_NAMES), text)) == batched
+    assert "one request at a time" in text
+    serving = (REPO / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
+    assert all(name in serving for name in ("KIVI", "TurboQuant-RVQ", "StreamingLLM")) and "one at a time" in serving
+
+
+@pytest.mark.real_model
+def test_encode_turn_is_the_chat_template_without_its_start():
+    from veloxquant_mlx.model import load_model
+
+    _, tok = load_model()
+    turn = cli.encode_turn(tok, "Summarize the text above.")
+    whole = cli.encode_prompt(tok, "Summarize the text above.")
+    assert whole[-len(turn):] == turn and len(turn) < len(whole)  # the conversation's start is left out
+    text = tok.decode(turn)
+    assert text.startswith("<|im_start|>user\nSummarize the text above.") and text.endswith("<|im_start|>assistant\n")
+    assert "system" not in text

@@ -215,3 +215,135 @@ def test_flat_field_warnings_survive_interleaved_quiet_sections_in_threads():
         t.join(10)
     with pytest.warns(DeprecationWarning, match="H2OOptions"):
         KVCacheConfig(method="h2o", h2o_budget=64)
+
+
+# --------------------------------------------------------------------------- bounds (issue 13 item 12)
+
+_INT_FIELDS = [n for n, t in __import__("veloxquant_mlx.cache.config", fromlist=["_FIELD_TYPES"])._FIELD_TYPES.items()
+               if "int" in t and "float" not in t and "bool" not in t and "tuple" not in t]
+
+
+def test_int_field_list_covers_the_counted_fields():
+    assert len(_INT_FIELDS) > 100 and {"kivi_group_size", "stream_window_size", "residual_length", "seed",
+                                       "bit_width_inlier", "bit_width_outlier", "capacity"} <= set(_INT_FIELDS)
+
+
+@pytest.mark.parametrize("value", [2**31, 10**12])
+@pytest.mark.parametrize("name", _INT_FIELDS)
+def test_every_int_field_refuses_huge_values_and_names_the_field(name, value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(QuantizerConfigError) as exc:
+            KVCacheConfig(**{name: value})
+    assert exc.value.field == name and str(value) in str(exc.value)
+
+
+@pytest.mark.parametrize("name", _INT_FIELDS)
+def test_every_int_field_accepts_its_default_and_upper_bound(name):
+    from veloxquant_mlx.cache.config import _int_range
+
+    KVCacheConfig(**{name: _DEFAULTS[name]})
+    if name not in ("bit_width_inlier", "n_outlier_channels"):
+        lo, hi = _int_range(name)
+        if name == "age_recent_boundary":
+            hi = _DEFAULTS["age_mid_boundary"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            KVCacheConfig(**{name: hi})
+            with pytest.raises(QuantizerConfigError):
+                KVCacheConfig(**{name: hi + 1})
+
+
+def test_float_fields_refuse_huge_values():
+    for name in ("h2o_rope_base", "squeeze_strength", "nestedkv_kappa", "rocketkv_compression_ratio"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with pytest.raises(QuantizerConfigError, match=name):
+                KVCacheConfig(**{name: 1e300})
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int32", "uint8", "complex64", 5, "bfloat16"])
+def test_dtype_must_be_one_of_three_float_mlx_dtypes(dtype):
+    import mlx.core as mx
+
+    value = getattr(mx, dtype) if isinstance(dtype, str) else dtype
+    with pytest.raises(QuantizerConfigError) as exc:
+        KVCacheConfig(dtype=value if dtype in ("int32", "uint8", "complex64", 5) else str(dtype))
+    assert exc.value.field == "dtype" and "float16" in str(exc.value) and "bfloat16" in str(exc.value)
+    for ok in (None, mx.float16, mx.bfloat16, mx.float32):
+        KVCacheConfig(dtype=ok)
+
+
+def test_for_model_bounds_sub_dims_by_head_dim_and_layer_groups_by_layers():
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(head_dim=16, n_layers=3)
+    with pytest.raises(QuantizerConfigError, match=r"key_sub_dim.*1\.\.16.*head_dim"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(options=opts.TurboQuantRVQOptions(key_sub_dim=32)))
+    with pytest.raises(QuantizerConfigError, match=r"xquant_group_size.*1\.\.3.*layer"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant", options=opts.XQuantOptions(group_size=4)))
+    assert len(KVCacheBuilder.for_model(model, KVCacheConfig(method="xquant",
+                                                              options=opts.XQuantOptions(group_size=3)))) == 3
+    # defaults fit any model: cachegen's 3 layer groups on a 2-layer model are "every layer"
+    assert len(KVCacheBuilder.for_model(tiny_llama(n_layers=2), KVCacheConfig(method="cachegen"))) == 2
+
+
+# --------------------------------------------------------------------------- which fields a method reads
+
+
+def test_method_fields_accept_own_names_and_flat_aliases_and_refuse_other_methods():
+    from veloxquant_mlx.cache.base import METHOD_NAMES
+
+    for m in METHOD_NAMES:
+        names = opts.method_fields(m)
+        cls = opts.OPTIONS_BY_METHOD.get(m)
+        for opt, flat in (cls.FIELDS.items() if cls else ()):
+            assert names[flat] == flat
+            assert names.get(opt) == flat or opt in opts.SHARED_FIELDS.get(m, ()), (m, opt)
+    assert opts.method_fields("snapkv")["budget"] == "snap_budget"
+    assert opts.method_fields("snapkv")["dtype"] == "dtype"  # the shared field keeps the name ...
+    assert opts.method_fields("snapkv")["snap_dtype"] == "snap_dtype"  # ... the option keeps its alias
+    assert opts.method_fields("nsnquant")["seed"] == "nsn_seed"  # nsnquant reads no shared seed
+    assert "snap_budget" not in opts.method_fields("kivi")
+    assert "bit_width_inlier" not in opts.method_fields("streaming_llm")
+    assert "kivi_group_size" not in opts.method_fields("snapkv")
+
+
+def test_shared_field_table_matches_what_each_method_reads():
+    """Record every KVCacheConfig read each mlx_lm-protocol method makes (build, chunked prefill past the
+    512-token budgets, decode) on a tiny model: every field read must be settable for that method, and
+    every shared field listed for it must be read."""
+    import sys
+
+    import mlx.core as mx
+    from tiny_models import greedy, tiny_llama
+
+    from veloxquant_mlx.cache.base import METHOD_NAMES
+
+    fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    reads: dict[str, str] = {}
+    skip = ("factory.py", "config.py", "dataclasses.py")  # the builder's own reads, validation, replace()
+
+    class Recording(KVCacheConfig):
+        def __getattribute__(self, name):
+            if name in fields:
+                f = sys._getframe(1)
+                if f.f_code.co_name != "config_to_json" and not f.f_code.co_filename.endswith(skip):
+                    reads.setdefault(name, f"{Path(f.f_code.co_filename).name}:{f.f_lineno}")
+            return object.__getattribute__(self, name)
+
+    model = tiny_llama(head_dim=32)
+    prompt = mx.random.randint(0, 128, (600,), key=mx.random.key(1)).tolist()
+    problems = []
+    for m in METHOD_NAMES:
+        if m in STANDALONE_METHODS:
+            continue
+        reads.clear()
+        greedy(model, prompt, KVCacheBuilder.for_model(model, Recording(method=m)), max_tokens=3,
+               prefill_step_size=256)
+        settable = set(opts.method_fields(m).values()) | set(opts.DERIVED_FIELDS) | {"method", "head_dim"}
+        problems += [f"{m} reads {f} ({where}) but does not accept it" for f, where in reads.items()
+                     if f not in settable]
+        problems += [f"{m} accepts shared {f} but never reads it" for f in opts.SHARED_FIELDS.get(m, ())
+                     if f not in reads]
+    assert not problems, "\n".join(problems)

@@ -68,7 +68,7 @@ def test_fidelity_rows_keys_and_arithmetic(tiny):
         assert tuple(r) == tasks.ROW_KEYS
         assert r["error"] is None and r["context"] == 96 and r["n_scored"] == 8
         assert r["ppl_delta"] == pytest.approx(r["ppl"] - r["ppl_ref"])
-        assert r["compression"] == pytest.approx(r["kv_bytes_fp16"] / r["kv_bytes"])
+        assert r["kv_fraction_of_fp16"] == pytest.approx(r["kv_bytes"] / r["kv_bytes_fp16"])
         assert 0.0 <= r["top1_agree"] <= 1.0 and r["kld"] >= -1e-6
         assert r["niah_acc"] is None
     none = ppl[0]
@@ -98,7 +98,7 @@ def test_niah_rows_and_run_eval(tiny):
         assert r["niah_trials"] == 2 and r["niah_acc"] == r["niah_hits"] / 2
         assert [d["depth"] for d in r["niah_detail"]] == [0.2, 0.8]
         assert all(set(d) == {"depth", "passcode", "answer", "correct"} for d in r["niah_detail"])
-        assert r["kv_bytes"] > 0 and r["compression"] == pytest.approx(r["kv_bytes_fp16"] / r["kv_bytes"])
+        assert r["kv_bytes"] > 0 and r["kv_fraction_of_fp16"] == pytest.approx(r["kv_bytes"] / r["kv_bytes_fp16"])
     with pytest.raises(ValueError):
         tasks.run_eval(model, tok, ["kivi"], ["bogus"], context=64, text=TEXT)
 
@@ -180,8 +180,12 @@ def test_resolve_methods_distributes_sets():
     assert [s.method for s in specs] == ["none", "kivi", "snapkv"]
     assert specs[0].settings == {}
     assert specs[1].settings == {"bit_width_inlier": 4}
-    assert specs[2].settings == {"bit_width_inlier": 4, "snap_budget": 64, "snap_obs_window": 8}
+    assert specs[2].settings == {"snap_budget": 64, "snap_obs_window": 8}  # snapkv reads no bit_width_inlier
     assert specs[2].config().snap_budget == 64
+    specs = resolve_methods(["snapkv", "h2o", "kivi"], ["budget=64"], include_none=False)  # option names
+    assert [s.settings for s in specs] == [{"snap_budget": 64}, {"h2o_budget": 64}, {}]
+    with pytest.raises(cli.UsageError, match="method 'kivi' does not read 'budget'"):
+        resolve_methods(["kivi"], ["kivi:budget=64"])
     with pytest.raises(cli.UsageError, match="applies to none"):
         resolve_methods(["kivi"], ["snap_budget=64"])
     with pytest.raises(cli.UsageError, match="not one of the methods"):
@@ -288,15 +292,24 @@ def test_bench_cli_tiny_shape_json(capsys):
     assert kivi["ratios"]["none"]["kv_nbytes"] == pytest.approx(
         kivi["kv_nbytes"]["median"] / rows[1]["kv_nbytes"]["median"])
     assert rows[0]["ratios"]["none"]["prefill_s"] == 1.0
-    assert "repeat 2/2" in err
+    assert err == ""  # --json: no progress
+    assert kivi["kv_fraction_of_fp16"] == pytest.approx(kivi["kv_nbytes"]["median"] / kivi["kv_bytes_fp16"])
+    # tiny shape: 2 layers, 2 KV heads, head_dim 32; 48 prompt + 2 decoded tokens at fp16
+    assert kivi["kv_bytes_fp16"] == 2 * 2 * 2 * 32 * 2 * (48 + 2)
+    table = cli_measure.bench_tables(rows)
+    assert "±" in table and max(len(line) for line in table.splitlines()) <= 125
 
 
 def test_bench_cli_table_and_usage(capsys):
-    code, out, _ = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--baselines", "none",
-                           "--method", "streaming_llm", "--set", "stream_window_size=8", "--context", "24",
-                           "--repeats", "1", "--decode-tokens", "2")
+    code, out, err = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--baselines", "none",
+                             "--method", "streaming_llm", "--set", "stream_window_size=8", "--context", "24",
+                             "--prefill-step", "8", "--repeats", "1", "--decode-tokens", "2")
     assert code == 0
-    assert "streaming_llm stream_window_size=8" in out and "vs none" in out and "KV resident" in out
+    assert "repeat 1/1, context 24: streaming_llm" in err
+    assert "prefill 8/23 tokens" in err and "prefill 23/23 tokens" in err  # chunk progress inside each run
+    assert "streaming_llm window_size=8" in out and "KV resident" in out and "kv_fraction_of_fp16" in out
+    assert "±" not in out and "[" not in out  # one repeat: no spread
+    assert max(len(line) for line in out.splitlines() if "|" not in line) <= 125
     assert run_cli(capsys, "bench", "--shape", "tiny", "--baselines", "mlx_q2")[0] == 2
     assert run_cli(capsys, "bench", "--random-weights")[0] == 2
     assert run_cli(capsys, "bench", "--shape", "tiny", "--method", "kivi", "--set", "snap_budget=3")[0] == 2
@@ -356,16 +369,17 @@ def test_eval_cli_on_tiny_text_file(tmp_path, capsys, monkeypatch, tiny):
     assert [(r["method"], r["task"]) for r in rows] == [
         (m, t) for t in ("ppl", "kld", "niah") for m in ("none", "streaming_llm")]
     assert all(tuple(r) == tasks.ROW_KEYS for r in rows)
-    assert "loading model" in err and "[" in err
+    assert "loading model" not in err  # --json: no progress
     md = (out_dir / "results.md").read_text()
     assert "| streaming_llm | stream_window_size=16 | kld | 160 |" in md and "pareto.png" in md
     assert json.loads((out_dir / "results.json").read_text()) == rows
     png = (out_dir / "pareto.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # the table
-    code, out, _ = run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
-                           "--context", "64", "--n-score", "2")
-    assert code == 0 and "kivi" in out and "KLD" in out
+    code, out, err = run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
+                             "--context", "64", "--n-score", "2")
+    assert code == 0 and "kivi" in out and "KLD" in out and "kv_fraction_of_fp16" in out
+    assert "1/4 loading model" in err and "4/4 kld: kivi" in err and "prefill 63/63 tokens" in err
     # usage errors
     assert run_cli(capsys, "eval", "--task", "kld")[0] == 2  # no method
     assert run_cli(capsys, "eval", "--method", "kivi", "--text-file", str(tmp_path / "missing.txt"))[0] == 2
@@ -385,7 +399,7 @@ def test_eval_cli_real_model_kld(tmp_path, capsys):
     assert code == 0, err
     none, stream = json.loads(out)
     assert none["kld"] < 1e-4 and none["top1_agree"] == 1.0
-    assert stream["kld"] > none["kld"] and stream["compression"] > none["compression"]
+    assert stream["kld"] > none["kld"] and stream["kv_fraction_of_fp16"] < none["kv_fraction_of_fp16"]
 
 
 def test_png_writer_and_pareto(tmp_path):
@@ -398,12 +412,13 @@ def test_png_writer_and_pareto(tmp_path):
     idat = data[data.index(b"IDAT") + 4: data.index(b"IEND") - 8]
     raw = zlib.decompress(idat)
     assert raw == b"\x00" + bytes(range(9)) + b"\x00" + bytes(range(9, 18))
-    pts = [{"label": "a", "method": "a", "compression": 1.0, "kld": 0.0},
-           {"label": "b", "method": "b", "compression": 4.0, "kld": 0.1},
-           {"label": "c", "method": "c", "compression": 3.0, "kld": 0.2},  # dominated by b
-           {"label": "d", "method": "d", "compression": 2.0, "kld": 0.01}]
-    assert [p["label"] for p in plot.pareto_front(pts)] == ["a", "d", "b"]
-    rows = [{"task": "kld", "label": p["label"], "method": p["method"], "compression": p["compression"],
+    f = "kv_fraction_of_fp16"
+    pts = [{"label": "a", "method": "a", f: 1.0, "kld": 0.0},
+           {"label": "b", "method": "b", f: 0.25, "kld": 0.1},
+           {"label": "c", "method": "c", f: 0.33, "kld": 0.2},  # dominated by b
+           {"label": "d", "method": "d", f: 0.5, "kld": 0.01}]
+    assert [p["label"] for p in plot.pareto_front(pts)] == ["b", "d", "a"]
+    rows = [{"task": "kld", "label": p["label"], "method": p["method"], f: p[f],
              "kld": p["kld"]} for p in pts]
     out = tmp_path / "p.png"
     assert plot.plot_pareto(rows, out, prefer_matplotlib=False) == "builtin"

@@ -33,11 +33,11 @@ from veloxquant_mlx.eval.tasks import eval_kld  # noqa: E402
 
 CONTEXT, N_SCORE = 512, 32
 
-# label: (spec, max KLD, min top-1, max |ppl/ppl_ref - 1|, min compression)
+# label: (spec, max KLD, min top-1, max |ppl/ppl_ref - 1|, max kv_fraction_of_fp16)
 GATE = {
-    "kivi": (MethodSpec("kivi", {"bit_width_inlier": 4}), 0.02, 0.93, 0.06, 2.5),
-    "snapkv": (MethodSpec("snapkv", {"snap_budget": 256}), 0.045, 0.87, 0.05, 1.7),
-    "streaming_llm": (MethodSpec("streaming_llm", {"stream_window_size": 256}), 0.15, 0.80, 0.06, 1.65),
+    "kivi": (MethodSpec("kivi", {"bit_width_inlier": 4}), 0.02, 0.93, 0.06, 1 / 2.5),
+    "snapkv": (MethodSpec("snapkv", {"snap_budget": 256}), 0.045, 0.87, 0.05, 1 / 1.7),
+    "streaming_llm": (MethodSpec("streaming_llm", {"stream_window_size": 256}), 0.15, 0.80, 0.06, 1 / 1.65),
 }
 
 
@@ -55,10 +55,10 @@ def gate_rows():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", list(GATE))
 def test_quality_gate(gate_rows, method):
-    _, max_kld, min_top1, max_ppl_rel, min_compression = GATE[method]
+    _, max_kld, min_top1, max_ppl_rel, max_fraction = GATE[method]
     r = gate_rows[method]
     summary = (f"{r['label']}: KLD {r['kld']:.4f}, top-1 {r['top1_agree']:.3f}, ppl {r['ppl']:.2f} "
-               f"(uncompressed {r['ppl_ref']:.2f}), compression {r['compression']:.2f}x")
+               f"(uncompressed {r['ppl_ref']:.2f}), kv_fraction_of_fp16 {r['kv_fraction_of_fp16']:.3f}")
     print(summary)
     assert r["error"] is None, r["error"]
     assert r["n_scored"] == N_SCORE
@@ -66,7 +66,7 @@ def test_quality_gate(gate_rows, method):
     assert r["kld"] <= max_kld, f"KLD regression: {summary} (gate {max_kld})"
     assert r["top1_agree"] >= min_top1, f"top-1 agreement regression: {summary} (gate {min_top1})"
     assert abs(r["ppl"] / r["ppl_ref"] - 1) <= max_ppl_rel, f"perplexity regression: {summary}"
-    assert r["compression"] >= min_compression, f"compression regression: {summary} (gate {min_compression}x)"
+    assert r["kv_fraction_of_fp16"] <= max_fraction, f"bytes regression: {summary} (gate {max_fraction:.3f})"
 
 
 

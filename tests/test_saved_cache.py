@@ -315,7 +315,7 @@ def test_cli_save_then_generate_matches_the_full_prompt(capsys, smol, doc_file, 
     assert code == 0, err
     got = json.loads(stdout)
     assert got["method"] == method and got["cached_tokens"] == len(doc_ids)
-    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    prompt_ids = cli.encode_turn(tokenizer, PROMPT)  # a new user turn of the chat template
     assert got["prompt_tokens"] == len(prompt_ids)
 
     # the same greedy tokens as one generation over the whole text, without a saved cache
@@ -327,7 +327,7 @@ def test_cli_save_then_generate_matches_the_full_prompt(capsys, smol, doc_file, 
     code, stdout, err = run_cli(capsys, "generate", "--prompt-cache", str(out), "--method", method, "--model",
                                 "smollm2-135m", "--prompt", PROMPT, "--max-tokens", "6")
     assert code == 0, err
-    for label in ("prompt cache", "prompt tokens", "generated tokens", "kv_bytes", "kv_bytes_fp16", "ratio"):
+    for label in ("prompt cache", "prompt tokens", "generated tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16"):
         assert f"{label}:" in stdout
 
 

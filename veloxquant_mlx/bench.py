@@ -8,10 +8,11 @@ timed one by one (``decode_tps``, ``step_s``). Memory comes from MLX's allocator
 = ``mx.get_active_memory()`` after the run minus before it (what the caches really keep alive,
 including views pinning larger buffers and allocation slack), beside ``kv_nbytes`` (the caches' own
 ``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()`` (reset before the run; weights included) and
-``peak_delta_bytes`` = that peak minus the memory in use before the run.
+``peak_delta_bytes`` = that peak minus the memory in use before the run. ``kv_fraction_of_fp16`` = the
+median ``kv_nbytes`` / ``kv_bytes_fp16`` (the same tokens in mlx_lm's plain cache at fp16, without slack).
 
 Each statistic is the median with min and max over the repeats, and each median is also given as a
-ratio against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
+ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
 (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads) measured in the same run. A candidate
 that raises is reported as unavailable (``available: false`` with the error); ``isolate=True`` (CLI
 ``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses that one.
@@ -43,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from .eval.specs import NONE, MethodSpec  # noqa: E402
+from .measure import kv_fraction_of_fp16  # noqa: E402
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
            "candidates", "run_once", "bench", "add_ratios", "add_slopes", "fit_slope", "stats",
@@ -208,20 +210,21 @@ def _settle() -> None:
 
 
 def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
-             prefill_step: int = PREFILL_STEP) -> dict:
+             prefill_step: int = PREFILL_STEP, on_chunk: Optional[Callable[[int, int], None]] = None) -> dict:
     """Prefill ``prompt`` ([T] ids) into ``caches``, decode ``decode_tokens`` greedily; the measurements.
 
     Memory baselines are taken right before the prefill, so ``caches`` should be fresh (empty).
+    ``on_chunk(done, total)`` reports the prefill's chunks (its time is inside ``prefill_s``).
     """
     from .eval.fidelity import prefill
-    from .measure import kv_bytes
+    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
 
     _settle()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     if prompt.size > 1:
-        prefill(model, prompt[:-1], caches, prefill_step)
+        prefill(model, prompt[:-1], caches, prefill_step, on_chunk)
     logits = model(prompt[-1:][None], cache=caches)
     tok = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(tok)
@@ -247,6 +250,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
         "step_s": statistics.median(steps) if steps else None,
         "kv_resident_bytes": int(resident),
         "kv_nbytes": kv_bytes(caches),
+        "kv_bytes_fp16": fp16_kv_bytes(model, cache_tokens(caches)),
         "peak_bytes": int(peak),
         "peak_delta_bytes": int(peak - base),
     }
@@ -288,6 +292,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     vocab = _vocab_size(model)
     errors: dict[str, str] = {}
     say = progress or (lambda msg: None)
+    on_chunk = getattr(progress, "chunk", None)
     if warmup:  # first calls compile kernels and grow the allocator's pool: keep them out of the timings
         wp = _prompt(vocab, min(min(contexts), 256), seed + 1)
         for c in cands:
@@ -307,7 +312,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                 say(f"repeat {rep + 1}/{repeats}, context {n}: {c.label}")
                 try:
                     samples[(c.label, n)].append(run_once(model, c.make(model), prompts[n], decode_tokens,
-                                                          prefill_step))
+                                                          prefill_step, on_chunk))
                 except Exception as exc:
                     errors[c.label] = _error(exc)
                 _settle()
@@ -320,6 +325,10 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                 row.update(available=False, error=errors[c.label])
             else:
                 row.update(repeats=len(runs), **{k: stats([r[k] for r in runs]) for k in STATS})
+                if runs:
+                    fp16 = runs[0]["kv_bytes_fp16"]
+                    row.update(kv_bytes_fp16=fp16, kv_fraction_of_fp16=kv_fraction_of_fp16(
+                        _median(row, "kv_nbytes"), fp16))
             rows.append(row)
     add_ratios(rows)
     add_slopes(rows)
@@ -331,7 +340,7 @@ def _bench_row(name, settings, label, context, decode_tokens, model_name) -> dic
            "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True, "error": None,
            "repeats": 0}
     row.update(dict.fromkeys(STATS))
-    row.update(ratios={}, decode_s_per_1k=None, slope_vs_none=None)
+    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None)
     return row
 
 

@@ -35,8 +35,12 @@ _blas.preload()  # before mlx.core is first imported (no-op if already done or t
 # need torch, so keep its logger quiet unless the user asked for something else.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-__all__ = ["main", "parse_set", "parse_sets", "build_config", "encode_prompt", "run_generation",
+__all__ = ["main", "parse_set", "parse_sets", "build_config", "encode_prompt", "encode_turn", "run_generation",
            "build_needle_prompt", "DEMO_METHODS", "NONE"]
+
+#: ``--model`` help, shared by the subcommands.
+MODEL_HELP = ("an mlx_lm model directory, a Hugging Face repo id, or a llama-architecture .gguf file "
+              "(default: the embedded SmolLM2-135M-Instruct)")
 
 #: ``--method none``: mlx_lm's own uncompressed ``KVCache``.
 NONE = "none"
@@ -48,7 +52,9 @@ DEMO_MAX_TOKENS = 24
 
 #: Fields that cannot come from the command line (objects, not values) or come from elsewhere.
 _NOT_SETTABLE = {"method": "use --method", "options": "set the flat fields instead",
-                 "store": "an ArtifactStore object", "observers": "observer objects"}
+                 "store": "an ArtifactStore object", "observers": "observer objects",
+                 **{f: "an array: pass it through the Python API" for f in (
+                     "smooth_factors", "key_codebook", "value_codebook", "a2ats_query_h", "a2ats_codebook")}}
 
 
 class UsageError(Exception):
@@ -79,41 +85,76 @@ def parse_set(item: str) -> tuple[str, Any]:
         return field, raw
 
 
-def parse_sets(items: Optional[Sequence[str]]) -> dict[str, Any]:
-    """Parse every ``--set`` item; unknown or unsettable ``KVCacheConfig`` fields are a ``UsageError``."""
+def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> dict[str, Any]:
+    """Parse every ``--set`` item into ``{flat KVCacheConfig field: value}``.
+
+    Unknown or unsettable fields are a ``UsageError``. With ``method``, a field is also accepted under its
+    options name (``budget`` for ``snapkv``'s ``snap_budget``) and refused, naming the method and listing
+    its settings, when ``method`` does not read it (``cache.options.method_fields``).
+    """
     from .cache import KVCacheConfig
+    from .cache.options import DERIVED_FIELDS, method_fields
 
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
     for item in items or ():
         field, value = parse_set(item)
-        if field not in known:
+        if field in _NOT_SETTABLE:
+            raise UsageError(f"field {field!r} cannot be set with --set: {_NOT_SETTABLE[field]}")
+        if field in DERIVED_FIELDS:
+            raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
+        if accepted is not None:
+            if field not in accepted:
+                raise UsageError(f"--set {field}: method {method!r} does not read {field!r}{_owner_hint(field)}; "
+                                 f"its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+            field = accepted[field]
+        elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
             hint = f" (similar: {', '.join(close)})" if close else ""
             raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
-        if field in _NOT_SETTABLE:
-            raise UsageError(f"field {field!r} cannot be set with --set: {_NOT_SETTABLE[field]}")
         out[field] = value
     return out
+
+
+def _owner_hint(field: str) -> str:
+    """`` (a setting of snapkv, ...)`` for a field other methods read, else ``""``."""
+    from .cache import METHOD_NAMES
+    from .cache.options import method_fields
+
+    owners = [m for m in METHOD_NAMES if field in method_fields(m)]
+    if not owners:
+        return " (no method has a setting of that name)"
+    more = f", ... ({len(owners)} methods)" if len(owners) > 4 else ""
+    return f" (a setting of {', '.join(owners[:4])}{more})"
+
+
+def settings_summary(method: str) -> str:
+    """``budget (snap_budget), n_sink (snap_n_sink), dtype``: the names ``--set`` takes for ``method``."""
+    parts = [f"{r['name']} ({r['flat']})" if r["name"] != r["flat"] else r["name"] for r in method_settings(method)]
+    return ", ".join(parts) or "none"
 
 
 def build_config(method: str, sets: dict[str, Any]):
     """``KVCacheConfig(method=method, **sets)``.
 
-    Fields that belong to ``method``'s options dataclass are passed through it (the non-deprecated
-    path; the config copies them to the same flat fields and validates them under their flat names).
-    A ``dtype`` string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
+    ``sets`` keys are flat fields or ``method``'s option names. Fields that belong to ``method``'s options
+    dataclass are passed through it (the non-deprecated path; the config copies them to the same flat fields
+    and validates them under their flat names); the shared fields it reads go in as flat fields. A ``dtype``
+    string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
     """
     from .cache import KVCacheConfig
-    from .cache.options import OPTIONS_BY_METHOD
+    from .cache.config import DTYPE_NAMES, _quiet_flat_fields
+    from .cache.options import OPTIONS_BY_METHOD, method_fields
 
-    flat = dict(sets)
+    aliases = method_fields(method)
+    flat = {aliases.get(k, k): v for k, v in sets.items()}
     if isinstance(flat.get("dtype"), str):
         import mlx.core as mx
 
         name = flat["dtype"]
-        if not isinstance(getattr(mx, name, None), mx.Dtype):
-            raise UsageError(f"dtype={name!r} is not an mlx dtype (e.g. float16, bfloat16, float32)")
+        if name not in DTYPE_NAMES:
+            raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
         flat["dtype"] = getattr(mx, name)
     options = None
     opts_cls = OPTIONS_BY_METHOD.get(method)
@@ -122,13 +163,14 @@ def build_config(method: str, sets: dict[str, Any]):
         picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
         if picked:
             options = opts_cls(**picked)
-    return KVCacheConfig(method=method, options=options, **flat)
+    with _quiet_flat_fields():  # a shared field another method's options also own (vecinfer's key_sub_dim)
+        return KVCacheConfig(method=method, options=options, **flat)
 
 
 def method_config(method: str, set_items, *, standalone_ok: bool = True):
     """Validate ``--method`` and its ``--set`` items: ``(sets, config)``, ``config`` None for ``none``."""
     _check_method_name(method)
-    sets = parse_sets(set_items)
+    sets = parse_sets(set_items, method=method)
     if method == NONE:
         if sets:
             raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
@@ -184,9 +226,33 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text)]
 
 
+def encode_turn(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one more user turn of the chat template, to follow tokens already in a cache:
+    the turn and the assistant prompt only, without the BOS or default system message the template puts
+    at the start of a conversation. Plain ``tokenizer.encode`` when there is no template (or when the
+    template does not render a system message and the turn one after the other)."""
+    plain = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    if not (getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)):
+        return plain
+    system = [{"role": "system", "content": "-"}]
+    try:
+        head = tokenizer.apply_chat_template(system, tokenize=False)
+        full = tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that refuses a system message
+        return plain
+    if not full.startswith(head):
+        return plain
+    return [int(i) for i in tokenizer.encode(full[len(head):], add_special_tokens=False)]
+
+
 def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
-                   on_token: Optional[Callable[[int], None]] = None) -> dict:
-    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded)."""
+                   on_token: Optional[Callable[[int], None]] = None,
+                   on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded).
+
+    ``on_prefill(done, total)`` follows the prompt's prefill chunk by chunk (mlx_lm's
+    ``prompt_progress_callback``); ``on_token(n)`` each generated token."""
     import mlx_lm
 
     tokens: list[int] = []
@@ -194,7 +260,7 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
     t0 = time.perf_counter()
     t_first = t_last = None
     for resp in mlx_lm.stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
-                                       prompt_cache=caches):
+                                       prompt_cache=caches, prompt_progress_callback=on_prefill):
         now = time.perf_counter()
         text.append(resp.text)
         if resp.finish_reason == "stop":  # this response carries the EOS token
@@ -220,7 +286,7 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
 
 
 def _kv_summary(model, caches) -> dict:
-    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
+    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 
     n = cache_tokens(caches)
     measured = kv_bytes(caches)
@@ -229,7 +295,7 @@ def _kv_summary(model, caches) -> dict:
         "kv_tokens": n,
         "kv_bytes": measured,
         "kv_bytes_fp16": reference,
-        "compression_ratio": (reference / measured) if measured else None,
+        "kv_fraction_of_fp16": kv_fraction_of_fp16(measured, reference),
     }
 
 
@@ -241,6 +307,8 @@ def _kv_summary(model, caches) -> dict:
 def _cmd_methods(args) -> int:
     from .cache import all_methods
 
+    if args.name is not None:
+        return _cmd_method_settings(args)
     rows = [{"name": i.name, "family": i.family, "protocol": i.protocol,
              "implemented": i.implemented, "paper": i.paper} for i in all_methods()]
     if args.json:
@@ -250,11 +318,59 @@ def _cmd_methods(args) -> int:
              for r in rows]
     print(_format_table(["method", "family", "protocol", "implemented", "paper"], table))
     built = sum(r["implemented"] for r in rows)
-    print(f"\n{built} of {len(rows)} methods implemented.")
+    print(f"\n{built} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
+    return 0
+
+
+def method_settings(method: str) -> list[dict]:
+    """One row per ``--set`` name of ``method``: name, flat alias, type, default, allowed values, and
+    whether it is the method's own option or a shared field it reads."""
+    from .cache.config import _DEFAULTS, _FIELD_TYPES, allowed_values
+    from .cache.options import OPTIONS_BY_METHOD, method_fields
+
+    opts = OPTIONS_BY_METHOD.get(method)
+    names = method_fields(method)
+    rows = []
+    for name, flat in names.items():
+        if flat in _NOT_SETTABLE:
+            continue
+        option = opts is not None and opts.FIELDS.get(name) == flat
+        if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
+            opt_name = next(o for o, f in opts.FIELDS.items() if f == flat)
+            if names.get(opt_name) == flat:
+                continue  # the flat alias of an option: shown on the option's row
+            option = True  # the option's own name is taken by a shared field (snapkv's dtype): use the flat one
+        rows.append({"name": name, "flat": flat, "kind": "option" if option else "shared",
+                     "type": str(_FIELD_TYPES[flat]).replace("typing.", ""),
+                     "default": _DEFAULTS[flat], "allowed": allowed_values(flat)})
+    return rows
+
+
+def _cmd_method_settings(args) -> int:
+    from .cache import method_info
+
+    _check_method_name(args.name)
+    if args.name == NONE:
+        raise UsageError(f"{NONE!r} (mlx_lm's plain KVCache) has no settings")
+    info = method_info(args.name)
+    rows = method_settings(args.name)
+    if args.json:
+        print(json.dumps({"method": info.name, "family": info.family, "protocol": info.protocol,
+                          "paper": info.paper, "settings": rows}, indent=2, default=repr))
+        return 0
+    print(f"{info.name}: {info.family}, {info.protocol} protocol; {info.paper}")
+    table = [[r["name"], r["flat"] if r["flat"] != r["name"] else "", r["type"], repr(r["default"]),
+              r["allowed"]] for r in rows]
+    print(_format_table(["setting", "flat alias", "type", "default", "allowed"], table))
+    example = next((r for r in rows if r["default"] is not None), None)
+    print("\nSet with --set NAME=VALUE (the setting or its flat alias)"
+          + (f", e.g. --set {example['name']}={json.dumps(example['default'], default=str)}." if example else "."))
     return 0
 
 
 def _cmd_generate(args) -> int:
+    if args.raw_prompt and args.prompt_cache is None:
+        raise UsageError("--raw-prompt applies only with --prompt-cache")
     if args.prompt_cache is not None:
         from .cli_cache import generate_from_saved
 
@@ -267,12 +383,16 @@ def _cmd_generate(args) -> int:
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
 
+    from .cli_progress import Progress
     from .model import load_model
 
+    progress = Progress(enabled=not args.json)
+    progress.stage("loading model")
     model, tokenizer = load_model(args.model)
     caches = make_caches(model, method, config)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
-    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens)
+    progress.stage(f"prefill {len(prompt_ids)} prompt tokens, then up to {args.max_tokens} new tokens")
+    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"], **_kv_summary(model, caches)}
@@ -280,23 +400,34 @@ def _cmd_generate(args) -> int:
     return print_generation(out, [("method", method_label), ("prompt tokens", out["prompt_tokens"])], args.json)
 
 
+#: Why a compressed cache can hold more than fp16 on a short prompt (README, "Reading the byte figures").
+SHORT_PROMPT_NOTE = (
+    "note: above 1 means this cache holds more than mlx_lm's fp16 cache would for these few tokens: below a "
+    "method's budget, window or residual length nothing is compressed yet, and the rows it keeps at 16 bits "
+    "come with fixed per-layer parts (codebooks, rotations, scales, preallocated rows); the fraction falls "
+    "once the prompt is longer than that.")
+
+
 def print_generation(out: dict, head: list, as_json: bool) -> int:
     """Print a generation: one JSON object, or its text then ``head`` rows and the measured byte rows."""
     if as_json:
         print(json.dumps(out))
         return 0
+    from .measure import fraction_text
+
     print(out["text"])
     print("-" * 40)
-    ratio = out["compression_ratio"]
     for label, value in head + [
         ("generated tokens", out["generated_tokens"]),
         ("decode tok/s", _fmt_tps(out["decode_tps"])),
         ("kv_bytes", f"{out['kv_bytes']} ({_fmt_bytes(out['kv_bytes'])}, measured: sum of cache nbytes)"),
         ("kv_bytes_fp16", f"{out['kv_bytes_fp16']} ({_fmt_bytes(out['kv_bytes_fp16'])}, "
                           f"{out['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+        ("kv_fraction_of_fp16", f"{fraction_text(out['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
     ]:
-        print(f"{label:>16}: {value}")
+        print(f"{label:>19}: {value}")
+    if out["kv_fraction_of_fp16"] is not None and out["kv_fraction_of_fp16"] > 1:
+        print(SHORT_PROMPT_NOTE)
     return 0
 
 
@@ -351,33 +482,6 @@ def _demo_settings(method: str, config) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
 
 
-class _Progress:
-    """Progress on stderr: rewritten in place on a terminal, one line per stage otherwise."""
-
-    def __init__(self, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.t0 = time.perf_counter()
-        self._open = False
-
-    def update(self, msg: str, transient: bool = False) -> None:
-        """Show ``msg``; a ``transient`` one is overwritten by the next on a terminal, else not shown."""
-        line = f"[{time.perf_counter() - self.t0:6.1f}s] {msg}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line + ("" if transient else "\n"))
-            self._open = transient
-        elif not transient:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def note(self, msg: str) -> None:
-        if self._open:
-            self.stream.write("\n")
-            self._open = False
-        self.stream.write(msg + "\n")
-        self.stream.flush()
-
-
 def _cmd_demo(args) -> int:
     from .cache import method_info
     from .cache.base import STANDALONE_METHODS
@@ -390,7 +494,9 @@ def _cmd_demo(args) -> int:
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
 
-    progress = _Progress()
+    from .cli_progress import Progress
+
+    progress = Progress(enabled=not args.json)
     runs: list[tuple[str, Any]] = [(NONE, None)]
     skipped: list[str] = []
     for m in dict.fromkeys(wanted):
@@ -408,22 +514,18 @@ def _cmd_demo(args) -> int:
 
     from .model import load_model
 
-    progress.update("loading model (first use downloads it)")
+    progress.stage("loading model (first use downloads it)")
     model, tokenizer = load_model(args.model)
-    progress.update("building the needle prompt (first use downloads the essays)")
+    progress.stage("building the needle prompt (first use downloads the essays)")
     prompt_ids = build_needle_prompt(tokenizer, args.context)
 
     rows = []
     reference: Optional[list[int]] = None
     for i, (method, config) in enumerate(runs, 1):
         tag = f"[{i}/{len(runs)}] {method}"
-        progress.update(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
+        progress.stage(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
         caches = make_caches(model, method, config)
-        result = run_generation(
-            model, tokenizer, prompt_ids, caches, args.max_tokens,
-            on_token=lambda n, tag=tag: progress.update(f"{tag}: decoding {n}/{args.max_tokens} tokens",
-                                                       transient=True),
-        )
+        result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
         if reference is None:
             reference = result["tokens"]
         kv = _kv_summary(model, caches)
@@ -435,8 +537,9 @@ def _cmd_demo(args) -> int:
             "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
             "agreement": _agreement(reference, result["tokens"]), **kv,
         })
-        progress.update(f"{tag}: done ({result['prefill_s']:.1f}s prefill, "
-                        f"{result['generated_tokens']} tokens)")
+        progress.stage(f"{tag}: done ({result['prefill_s']:.1f}s prefill, {result['generated_tokens']} tokens)")
+
+    from .measure import fraction_text
 
     if args.json:
         print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))
@@ -445,14 +548,14 @@ def _cmd_demo(args) -> int:
           f"50% depth, expected answer {ANSWER}; model {args.model or 'SmolLM2-135M-Instruct (embedded)'}, "
           f"greedy, <= {args.max_tokens} new tokens.")
     table = [[r["method"], r["settings"], _truncate(r["answer"], 50), "yes" if r["correct"] else "no",
-              _fmt_bytes(r["kv_bytes"]), f"{r['compression_ratio']:.2f}x" if r["compression_ratio"] else "n/a",
+              _fmt_bytes(r["kv_bytes"]), fraction_text(r["kv_fraction_of_fp16"]),
               _fmt_tps(r["decode_tps"]), f"{r['agreement']:.2f}"] for r in rows]
-    print(_format_table(["method", "settings", "answer", "correct", "KV bytes", "vs fp16", "decode tok/s",
-                         "agreement"], table))
-    print(f"KV bytes: measured (sum of the caches' nbytes) after the run; vs fp16 = the same "
-          f"{rows[0]['kv_tokens']} tokens in mlx_lm's plain cache at fp16 without slack, divided by KV bytes.")
+    print(_format_table(["method", "settings", "answer", "correct", "KV bytes", "kv_fraction_of_fp16",
+                         "decode tok/s", "agreement"], table))
+    print(f"KV bytes: measured (sum of the caches' nbytes) after the run; kv_fraction_of_fp16 = KV bytes / the "
+          f"same {rows[0]['kv_tokens']} tokens in mlx_lm's plain cache at fp16 without slack (lower = smaller).")
     print("The uncompressed run ('none') stores the model's compute dtype (float32 on the MLX CPU backend) "
-          "and counts mlx_lm's 256-row allocation steps, so its ratio is below 1.")
+          "and counts mlx_lm's 256-row allocation steps, so its fraction is above 1.")
     print("agreement = fraction of generated tokens identical to the uncompressed run, position by position.")
     for note in skipped:
         print(f"skipped {note}")
@@ -498,19 +601,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
 
-    m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill) and which are implemented")
-    m.add_argument("--json", action="store_true", help="print a JSON list, one object per method")
+    m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill), or one method's settings")
+    m.add_argument("name", nargs="?", default=None,
+                   help="a method name: list its --set settings (type, default, allowed values, flat alias)")
+    m.add_argument("--json", action="store_true", help="print JSON (a list of methods, or one method's settings)")
     m.set_defaults(func=_cmd_methods)
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
     g.add_argument("--method", default=None,
                    help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
     g.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field (repeatable); VALUE is parsed as JSON when possible")
-    g.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
-                                                 "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
+                   help="a setting of --method (repeatable): its option name (budget=256) or flat KVCacheConfig "
+                        "field (snap_budget=256); `veloxquant methods NAME` lists them. VALUE is parsed as JSON "
+                        "when possible")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
+    g.add_argument("--prompt", required=True,
+                   help="the user message (wrapped in the model's chat template when it has one)")
+    g.add_argument("--max-tokens", type=int, default=64, help="most new tokens to generate, greedily (default 64)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
     from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
@@ -521,8 +628,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
     d.add_argument("--context", type=int, default=2000, help="approximate prompt length in tokens (default 2000)")
-    d.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help=argparse.SUPPRESS)
+    d.add_argument("--model", default=None, help=MODEL_HELP)
+    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS,
+                   help=f"most new tokens per answer (default {DEMO_MAX_TOKENS})")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
 
@@ -537,6 +645,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unsupported_model_error() -> type:
+    from .model import UnsupportedModelError
+
+    return UnsupportedModelError
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (captured in tests)
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     from .cache import QuantizerConfigError
@@ -546,12 +669,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that went away is reported here, not at exit
+        return code
+    except BrokenPipeError:  # `veloxquant methods --json | head`: the reader has all it wanted
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a program stopped by a closed pipe
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except QuantizerConfigError as exc:
         print(f"error: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except _unsupported_model_error() as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except NotImplementedError as exc:
         print(f"error: {exc}", file=sys.stderr)

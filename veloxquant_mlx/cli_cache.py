@@ -16,8 +16,8 @@ import json
 import os
 from typing import Any
 
-from .cli import (NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
-                  print_generation, run_generation)
+from .cli import (MODEL_HELP, NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
+                  encode_turn, print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
@@ -48,13 +48,17 @@ def cmd_cache_save(args) -> int:
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
 
+    from .cli_progress import Progress
     from .eval.fidelity import prefill
     from .model import load_model
 
+    progress = Progress(enabled=not args.json)
+    progress.stage("loading model")
     model, tokenizer = load_model(args.model)
     caches = make_caches(model, method, config)
     tokens = [int(t) for t in tokenizer.encode(text)]
-    prefill(model, tokens, caches)
+    progress.stage(f"prefill {len(tokens)} tokens")
+    prefill(model, tokens, caches, on_chunk=progress.chunk)
     try:
         info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
     except SavedCacheError as exc:
@@ -65,7 +69,8 @@ def cmd_cache_save(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    ratio = kv["compression_ratio"]
+    from .measure import fraction_text
+
     rows = [
         ("saved", args.out),
         ("method", method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")),
@@ -75,10 +80,10 @@ def cmd_cache_save(args) -> int:
         ("file_bytes", f"{info['file_bytes']} ({_fmt_bytes(info['file_bytes'])})"),
         ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({_fmt_bytes(kv['kv_bytes_fp16'])}, "
                           f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("ratio", f"{ratio:.2f}x" if ratio else "n/a"),
+        ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
     ]
     for label, value in rows:
-        print(f"{label:>14}: {value}")
+        print(f"{label:>19}: {value}")
     return 0
 
 
@@ -167,10 +172,17 @@ def generate_from_saved(args) -> int:
                                   expect_model_id=args.model)
     except SavedCacheError as exc:
         raise _saved_error(exc) from None
-    prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
+    if args.raw_prompt:
+        prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
+    else:
+        prompt_ids = encode_turn(tokenizer, args.prompt)
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
-    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens)
+    from .cli_progress import Progress
+
+    progress = Progress(enabled=not args.json)
+    progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
+    result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     settings = info["config"]
     out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
@@ -194,8 +206,10 @@ def add_generate_arguments(g) -> None:
     """``--prompt-cache`` on the ``generate`` parser."""
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
                    help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
-                        "to the file's (and must match it when given); the prompt is appended after the "
-                        f"cached tokens, {_PLAIN_TEXT}")
+                        "to the file's (and must match it when given); the prompt follows the cached tokens as a "
+                        "new user turn of the chat template (the turn alone: no BOS, no default system message)")
+    g.add_argument("--raw-prompt", action="store_true",
+                   help=f"with --prompt-cache: append the prompt {_PLAIN_TEXT} (to continue the text itself)")
 
 
 def add_parsers(sub) -> None:
@@ -210,9 +224,8 @@ def add_parsers(sub) -> None:
                     "`veloxquant generate --prompt-cache PATH --prompt TEXT`.")
     s.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field (repeatable); VALUE is parsed as JSON when possible")
-    s.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
-                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+                   help="a setting of --method (repeatable), as for generate: `veloxquant methods NAME` lists them")
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--prompt-file", required=True, metavar="F",
                    help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")
@@ -220,6 +233,6 @@ def add_parsers(sub) -> None:
     s.set_defaults(func=cmd_cache_save)
 
     i = csub.add_parser("info", help="print the metadata of a saved cache (no model is loaded)")
-    i.add_argument("path", metavar="PATH")
+    i.add_argument("path", metavar="PATH", help="a file written by `veloxquant cache save`")
     i.add_argument("--json", action="store_true", help="print the metadata as one JSON object (with token ids)")
     i.set_defaults(func=cmd_cache_info)

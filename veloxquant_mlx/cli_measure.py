@@ -4,7 +4,7 @@
   [--task ppl|kld|niah ...] [--text-file FILE] [--context N] [--n-score N] [--depths D,D,...] [--json]
   [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each method and the uncompressed
   ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR`` also
-  writes ``results.md``, ``results.json`` and ``pareto.png`` (compression vs KLD).
+  writes ``results.md``, ``results.json`` and ``pareto.png`` (kv_fraction_of_fp16 vs KLD).
 * ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
   [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
   [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
@@ -19,36 +19,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import NONE, UsageError, _Progress, _fmt_bytes, _format_table
+from .cli import MODEL_HELP, NONE, UsageError, _fmt_bytes, _format_table
+from .cli_progress import Progress
 
-__all__ = ["add_subcommands", "cmd_eval", "cmd_bench", "ProgressBar"]
+__all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
 SUBCOMMANDS = ("eval", "bench")
 # Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them), so that building the parser
 # for the other subcommands imports neither mlx nor mlx_lm.
 TASK_NAMES = ("ppl", "kld", "niah")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
-
-
-class ProgressBar:
-    """``bar(msg)`` starts the next of ``total`` units: ``[####------]  3/12  message`` on stderr."""
-
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total, self.done, self.width = max(total, 1), 0, width
-        self.p = _Progress(stream)
-
-    def __call__(self, msg: str) -> None:
-        self.done = min(self.done + 1, self.total)
-        fill = int(self.width * (self.done - 1) / self.total)
-        bar = "#" * fill + "-" * (self.width - fill)
-        self.p.update(f"[{bar}] {self.done}/{self.total} {msg}", transient=self.p.tty)
-
-    def close(self, msg: str = "done") -> None:
-        self.p.update(f"[{'#' * self.width}] {msg}")
-
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -85,6 +65,8 @@ def _settings_text(settings: dict) -> str:
 
 
 def eval_table(rows: list[dict]) -> str:
+    from .measure import fraction_text
+
     table = []
     for r in rows:
         if r.get("error"):
@@ -96,10 +78,9 @@ def eval_table(rows: list[dict]) -> str:
         kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
         table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
                       _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, _fmt_bytes(r["kv_bytes"]),
-                      _fmt(r["compression"], ".2f") + ("x" if r["compression"] is not None else ""),
-                      f"{r['seconds']:.0f}s"])
+                      fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
     return _format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
-                          "KV bytes", "vs fp16", "time"], table)
+                          "KV bytes", "kv_fraction_of_fp16", "time"], table)
 
 
 def cmd_eval(args) -> int:
@@ -130,7 +111,7 @@ def cmd_eval(args) -> int:
 
     from .model import load_model
 
-    bar = ProgressBar(count_units(tasks, len(specs), len(depths)) + 1)
+    bar = Progress(count_units(tasks, len(specs), len(depths)) + 1, enabled=not args.json)
     bar("loading model")
     model, tokenizer = load_model(args.model)
     model_name = args.model or "smollm2-135m (embedded)"
@@ -148,15 +129,15 @@ def cmd_eval(args) -> int:
             "NIAH depths": ", ".join(f"{d:g}" for d in depths), "tasks": ", ".join(tasks),
             "command": f"`{_eval_command(args, tasks)}`",
         })
-        _say(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
+        bar.note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print(eval_table(rows))
         print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
               "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
-              "compression; vs fp16 = fp16 KV bytes / measured KV bytes (the plain 'none' cache holds float32 "
-              "on the CPU, so it is below 1x).")
+              "compression; kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
+              "smaller; the plain 'none' cache holds float32 on the CPU, so it is above 1).")
     return 1 if any(r.get("error") for r in rows) else 0
 
 
@@ -232,24 +213,42 @@ def _child_args(args):
     return make
 
 
-def _stat(s: Optional[dict], fmt) -> str:
+def _stat(s: Optional[dict], fmt, spread: bool) -> str:
+    """The median, then (``spread``: more than one repeat) half the min-max range as a percentage of it."""
     if s is None:
         return "-"
-    return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
+    text = fmt(s["median"])
+    if spread and s["median"]:
+        text += f" ±{50 * (s['max'] - s['min']) / abs(s['median']):.0f}%"
+    return text
+
+
+def _short_label(r: dict) -> str:
+    """``streaming_llm window_size=8``: the method and its settings under their options' own (shorter) names."""
+    from .cache.options import OPTIONS_BY_METHOD
+
+    opts = OPTIONS_BY_METHOD.get(r["method"])
+    short = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
+    return " ".join([r["method"]] + [f"{short.get(k, k)}={v}" for k, v in (r.get("settings") or {}).items()])
 
 
 def bench_tables(rows: list[dict]) -> str:
+    """The bench report: medians per method and context, ratios to the baselines, decode-step slopes.
+
+    A ``±N%`` after a timing median (only with more than one repeat) is half the min-max range over the
+    repeats; the JSON rows keep min and max of every statistic.
+    """
     from .bench import BASELINES
 
     ok = [r for r in rows if r["available"]]
-    main = [[r["label"], str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}"),
-             _stat(r["decode_tps"], lambda v: f"{v:.1f}"), _stat(r["step_s"], lambda v: f"{v * 1e3:.1f}"),
-             _stat(r["kv_resident_bytes"], lambda v: _fmt_bytes(int(v))),
-             _stat(r["kv_nbytes"], lambda v: _fmt_bytes(int(v))),
-             _stat(r["peak_delta_bytes"], lambda v: _fmt_bytes(int(v))),
-             _fmt_bytes(int(r["peak_bytes"]["median"])) if r["peak_bytes"] else "-"] for r in ok]
-    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "step ms", "KV resident",
-                            "KV nbytes", "peak over start", "peak"], main)]
+    spread = any(r.get("repeats", 0) > 1 for r in ok)
+    mib = lambda v: _fmt_bytes(int(v))  # noqa: E731
+    main = [[_short_label(r), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
+             _stat(r["decode_tps"], lambda v: f"{v:.1f}", spread),
+             _stat(r["kv_nbytes"], mib, False), _fmt(r.get("kv_fraction_of_fp16"), ".3f"),
+             _stat(r["kv_resident_bytes"], mib, False), _stat(r["peak_delta_bytes"], mib, False)] for r in ok]
+    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
+                            "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
     for r in ok:
         first = True
@@ -257,23 +256,24 @@ def bench_tables(rows: list[dict]) -> str:
             rat = (r.get("ratios") or {}).get(b)
             if rat is None or (r["method"] == b and not r["settings"]):
                 continue
-            ratio_rows.append([r["label"] if first else "", str(r["context"]) if first else "", "vs " + b,
-                               *(_fmt(rat[k], ".2f") + ("x" if rat[k] is not None else "")
-                                 for k in ("prefill_s", "decode_tps", "kv_resident_bytes", "kv_nbytes",
-                                           "peak_delta_bytes"))])
+            ratio_rows.append([_short_label(r) if first else "", str(r["context"]) if first else "",
+                               b, *(_fmt(rat[k], ".2f") for k in ("prefill_s", "decode_tps", "kv_resident_bytes",
+                                                                  "kv_nbytes", "peak_delta_bytes"))])
             first = False
     if ratio_rows:
-        parts.append(_format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
-                                    "KV nbytes", "peak over start"], ratio_rows))
+        parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's):\n"
+                     "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
+                     + _format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
+                                      "KV nbytes", "peak over start"], ratio_rows))
     seen, slope_rows = set(), []
     for r in ok:
         if r["label"] in seen or r["decode_s_per_1k"] is None:
             continue
         seen.add(r["label"])
-        slope_rows.append([r["label"], f"{r['decode_s_per_1k'] * 1e3:.3f}",
-                           _fmt(r["slope_vs_none"], ".2f") + ("x" if r["slope_vs_none"] is not None else "")])
+        slope_rows.append([_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}",
+                           _fmt(r["slope_vs_none"], ".2f")])
     if slope_rows:
-        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "vs none"], slope_rows))
+        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
     if bad:
         parts.append("\n".join(f"unavailable: {k}: {v}" for k, v in bad.items()))
@@ -309,19 +309,21 @@ def cmd_bench(args) -> int:
     if args.shape and args.model:
         raise UsageError("give --model or --shape, not both")
 
+    say = Progress(enabled=not args.json)
     if args.isolate:
-        _say(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
+        say.note(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
         rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens,
-                                    baselines=baselines, timeout_s=args.timeout, progress=_say,
+                                    baselines=baselines, timeout_s=args.timeout, progress=say.note,
                                     model_name=args.model or (f"{args.shape} (random weights)" if args.shape
                                                               else "smollm2-135m (embedded)"))
     else:
         t0 = time.perf_counter()
-        _say("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
+        say.stage("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
         model, name = _bench_model(args)
-        _say(f"model ready in {time.perf_counter() - t0:.1f}s")
+        say.stage(f"model ready in {time.perf_counter() - t0:.1f}s")
         n = len(bench.candidates(specs, baselines))
-        bar = ProgressBar(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0))
+        bar = Progress(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0),
+                       enabled=not args.json)
         rows = bench.bench(model, specs, args.contexts, args.repeats, args.decode_tokens, baselines=baselines,
                            seed=args.seed, prefill_step=args.prefill_step, warmup=not args.no_warmup,
                            progress=bar, model_name=name)
@@ -332,12 +334,12 @@ def cmd_bench(args) -> int:
     import mlx.core as mx
 
     first = rows[0] if rows else {}
-    print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeats, "
-          f"{args.decode_tokens} decode tokens; median [min-max]")
+    print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeat(s), "
+          f"{args.decode_tokens} decode tokens; medians" + (" ±half the min-max range" if args.repeats > 1 else ""))
     print(bench_tables(rows))
-    print("KV resident = active-memory growth over the run (mx.get_active_memory); KV nbytes = the caches' own "
-          "count; peak over start = mx.get_peak_memory() minus the memory in use before the run (the weights); "
-          "ratios compare medians measured in this run.")
+    print("KV nbytes = the caches' own count; kv_fraction_of_fp16 = KV nbytes / the same tokens in mlx_lm's\n"
+          "plain fp16 cache (lower = smaller); KV resident = active-memory growth over the run\n"
+          "(mx.get_active_memory); peak over start = mx.get_peak_memory() minus the memory in use before the run.")
     return 0
 
 
@@ -352,8 +354,9 @@ def add_subcommands(sub) -> None:
     e.add_argument("--method", action="append", default=[], help=f"a method (repeatable); {NONE!r} is always run")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
     e.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field for the methods it belongs to, or for METHOD only (repeatable)")
-    e.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
+                   help="a setting for every listed method that reads it, or for METHOD only (repeatable); FIELD "
+                        "is an option name (budget) or flat field (snap_budget): `veloxquant methods NAME`")
+    e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
                    help="ppl, kld, niah (repeatable; default: all three)")
     e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
@@ -369,21 +372,26 @@ def add_subcommands(sub) -> None:
     b = sub.add_parser("bench", help="prefill, decode speed and memory side by side with mlx_lm's caches")
     b.add_argument("--method", action="append", default=[], help="a method (repeatable)")
     b.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field, as for eval (repeatable)")
+                   help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--decode-tokens", type=int, default=32)
-    b.add_argument("--model", default=None, help="an mlx_lm model path or HF id (default: embedded SmolLM2-135M)")
+    b.add_argument("--repeats", type=int, default=3,
+                   help="runs of every candidate and context; medians are reported (default 3)")
+    b.add_argument("--decode-tokens", type=int, default=32,
+                   help="greedy decode steps timed after each prefill (default 32)")
+    b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
-    b.add_argument("--dtype", default=None, help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
+    b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
+                   help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
     b.add_argument("--baselines", default=None,
                    help="comma-separated reference caches (default none,mlx_q4,mlx_q8; '' for none at all)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--prefill-step", type=int, default=2048, help=argparse.SUPPRESS)
-    b.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
+    b.add_argument("--prefill-step", type=int, default=2048,
+                   help="prompt tokens per prefill chunk (default 2048, mlx_lm's)")
+    b.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up run of each candidate (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     b.set_defaults(func=cmd_bench)

@@ -18,8 +18,8 @@ def add_subcommand(sub) -> None:
                    help="default method for requests (default: turboquant_rvq; 'none' = mlx_lm's plain cache)")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a KVCacheConfig field for the default method (repeatable)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     s.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--max-prompt-tokens", type=int, default=8192,
@@ -29,9 +29,13 @@ def add_subcommand(sub) -> None:
                    help="finished caches kept for prefix reuse (0: none)")
     s.add_argument("--prompt-cache-bytes", type=int, default=None, help="byte cap of the kept caches")
     s.add_argument("--decode-concurrency", type=int, default=32,
-                   help="batch size of mlx_lm's batch path (uncompressed 'none' requests)")
-    s.add_argument("--prefill-step-size", type=int, default=2048)
-    s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   help="most requests decoded together in mlx_lm's continuous batch: 'none' and the methods "
+                        "with a compressed batch form (kivi, turboquant_rvq, streaming_llm); other methods run "
+                        "one request at a time (default 32)")
+    s.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill chunk (default 2048)")
+    s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log verbosity (default WARNING)")
     s.set_defaults(func=_cmd_serve)
 
 
@@ -48,7 +52,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.max_tokens > args.max_tokens_limit:
         raise UsageError(f"--max-tokens {args.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
     try:
-        kv = parse_kv_settings(args.method, parse_sets(args.set))
+        kv = parse_kv_settings(args.method, parse_sets(args.set, method=args.method))
     except RequestError as e:
         raise UsageError(str(e)) from None
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")

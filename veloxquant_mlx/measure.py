@@ -9,13 +9,19 @@
   ``RotatingKVCache`` count at most their window; layers without a KV cache (state-space layers)
   count nothing.
 * :func:`cache_tokens` — the number of tokens a model's caches have seen (their logical ``offset``).
+
+One ratio convention everywhere (CLI tables, JSON keys, bench rows, eval rows, plots, docs):
+:func:`kv_fraction_of_fp16` = held bytes / fp16 bytes (0.30 = the cache holds 30% of what mlx_lm's plain
+fp16 cache would). Where a "times smaller" figure helps, :func:`compression_text` prints the inverse in
+words next to it ("3.4x smaller"), never as a bare number.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
-__all__ = ["kv_bytes", "fp16_kv_bytes", "cache_tokens", "FP16_BYTES"]
+__all__ = ["kv_bytes", "fp16_kv_bytes", "cache_tokens", "kv_fraction_of_fp16", "compression_text",
+           "fraction_text", "FP16_BYTES"]
 
 FP16_BYTES = 2
 
@@ -71,3 +77,26 @@ def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
             raise ValueError(f"cannot tell the head dimension of {type(attn).__name__}")
         total += 2 * batch_size * _kv_heads(attn, head_dim) * tokens * head_dim * FP16_BYTES
     return total
+
+
+def kv_fraction_of_fp16(held_bytes: Optional[int], fp16_bytes: Optional[int]) -> Optional[float]:
+    """``held_bytes / fp16_bytes`` (lower = smaller cache); None when there is no fp16 reference."""
+    if held_bytes is None or not fp16_bytes:
+        return None
+    return held_bytes / fp16_bytes
+
+
+def compression_text(fraction: Optional[float]) -> str:
+    """A :func:`kv_fraction_of_fp16` in words: ``"3.4x smaller"``, ``"1.2x larger"``, ``"n/a"``."""
+    if fraction is None:
+        return "n/a"
+    if fraction <= 0:
+        return "empty"
+    if abs(fraction - 1.0) < 0.005:
+        return "same size as fp16"
+    return f"{1 / fraction:.1f}x smaller" if fraction < 1 else f"{fraction:.1f}x larger"
+
+
+def fraction_text(fraction: Optional[float]) -> str:
+    """``"0.30 (3.3x smaller)"``: the fraction, then the same figure in words."""
+    return "n/a" if fraction is None else f"{fraction:.2f} ({compression_text(fraction)})"

@@ -35,6 +35,7 @@ __all__ = [
     "gguf_to_mlx_weights",
     "load_gguf_llama",
     "load_gguf_tokenizer",
+    "UnsupportedModelError",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -63,6 +64,15 @@ _TOP_NAME_MAP = {
 }
 
 
+class UnsupportedModelError(ValueError):
+    """A ``--model`` this library cannot load (a GGUF of another architecture, a file that is no model);
+    the CLI reports it in one line with exit code 2."""
+
+
+#: What ``load_model`` accepts, for error messages.
+SUPPORTED = ("the embedded 'smollm2-135m', an mlx_lm model directory or Hugging Face repo id, or a "
+             "llama-architecture .gguf file")
+
 # --------------------------------------------------------------------------- #
 # GGUF helpers
 # --------------------------------------------------------------------------- #
@@ -89,7 +99,9 @@ def gguf_model_args(metadata: dict, rope_traditional: bool = True):
 
     arch = _scalar(metadata.get("general.architecture", "llama"))
     if arch != "llama":
-        raise ValueError(f"only llama-architecture GGUF files are supported, got {arch!r}")
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported: the GGUF loader builds llama-architecture files only "
+            "(others differ in norms and RoPE layout); convert it with mlx_lm.convert and pass the directory")
 
     def key(name, default=None):
         full = f"llama.{name}"
@@ -286,6 +298,25 @@ def _load_embedded(dtype_name: str):
     return model, tokenizer
 
 
+def _load_gguf_file(path: Path, dtype):
+    """A local GGUF file: llama architecture only; anything else is an ``UnsupportedModelError``."""
+    import mlx.core as mx
+
+    if not path.is_file():
+        raise UnsupportedModelError(f"--model {str(path)!r}: no such file")
+    if path.suffix.lower() != ".gguf":
+        raise UnsupportedModelError(f"--model {str(path)!r} is a file but not a .gguf; supported: {SUPPORTED}")
+    try:
+        _, metadata = _read_gguf(str(path))
+    except Exception as exc:  # not a GGUF at all, or damaged
+        raise UnsupportedModelError(f"--model {str(path)!r} is not a readable GGUF file ({exc})") from None
+    gguf_model_args(metadata)  # refuses other architectures before any weight is converted
+    model = load_gguf_llama(path, dtype=getattr(mx, _dtype_key(dtype)))
+    tokenizer = load_gguf_tokenizer(path)
+    _read_gguf.cache_clear()
+    return model, tokenizer
+
+
 def load_model(model: str | None = None, dtype=None):
     """Load ``(model, tokenizer)``.
 
@@ -295,12 +326,17 @@ def load_model(model: str | None = None, dtype=None):
     The embedded model is cached per process and per dtype, so callers share
     one instance: do not modify its weights.
 
-    Any other string is passed to ``mlx_lm.load`` (a local path or a Hugging
-    Face repo id); when ``dtype`` is given, its floating-point parameters are
-    cast to it.
+    A path to a ``.gguf`` file is loaded like the embedded model (llama
+    architecture only; another raises ``UnsupportedModelError``). Any other
+    string is passed to ``mlx_lm.load`` (a local directory or a Hugging Face
+    repo id); when ``dtype`` is given, its floating-point parameters are cast
+    to it.
     """
     if model is None or model.strip().lower() in EMBEDDED_MODELS:
         return _load_embedded(_dtype_key(dtype))
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or path.is_file():
+        return _load_gguf_file(path, dtype)
 
     import mlx_lm
 

@@ -359,19 +359,111 @@ def _check(ok: bool, name: str, value, allowed: str) -> None:
         raise QuantizerConfigError(name, value, allowed)
 
 
-def _int_range(name: str) -> tuple[int, Optional[int]]:
-    """Allowed inclusive range of an int field, from its name."""
+#: Upper bounds of integer fields, by what they count. Large enough for any model this library runs
+#: (a million-token context, 4096-wide heads, 1024 layers), small enough that an absurd value fails here
+#: instead of in an allocation, a shape or a 32-bit index deep inside a cache.
+MAX_TOKENS = 1 << 20  # budgets, windows, sinks, residuals, calibration lengths, context caps
+MAX_DIM = 4096  # channel counts: head dims, ranks, sub-vector and sketch widths
+MAX_GROUP = 1024  # quantization groups (channels or tokens per scale)
+MAX_LAYERS = 1024  # layer groups and layer counts
+MAX_SEED = 2**31 - 1
+MAX_ITERS = 10_000
+
+_DIM_FIELDS = ("head_dim", "jl_dim", "n_outlier_channels", "key_sub_dim", "value_sub_dim", "nsn_subvector_dim",
+               "a2ats_sub_dim", "spectral_key_d_eff", "spectral_val_d_eff", "svdq_rank", "palu_rank", "gear_rank",
+               "xkv_rank", "curdkv_rank_cap")
+_LAYER_FIELDS = ("xquant_group_size", "xkv_group_size", "minicache_group_size", "cachegen_layer_groups",
+                 "chunkkv_reuse_layers", "palu_n_head_groups")
+
+
+def _int_range(name: str) -> tuple[int, int]:
+    """Allowed inclusive range of an int field, from what it counts."""
     if name == "seed" or name.endswith("_seed"):
-        return (-(2**63), 2**63 - 1)
+        return (0, MAX_SEED)
     if name.endswith("_sign"):
         return (-1, 1)
     if "codebook_bits" in name:
         return (1, 16)
+    if name == "bit_width_outlier":
+        return (1, 8)
     if name.endswith(("_bits", "_bit")) or "_bits_" in name:
         return (1, 8)
+    if name == "nsn_codebook_size":
+        return (2, 1 << 16)
+    if name in _DIM_FIELDS:
+        return (0 if name == "n_outlier_channels" else 1, MAX_DIM)
+    if name in _LAYER_FIELDS:
+        return (1, MAX_LAYERS)
+    if name.endswith("_group_size") or name.endswith("group_quant_size"):
+        return (1, MAX_GROUP)
+    if name.endswith(("_iters",)):
+        return (1, MAX_ITERS)
     if name.endswith(("_n_sink", "_recent", "n_sink_tokens", "anneal_steps", "refit_interval")):
-        return (0, None)
-    return (1, None)
+        return (0, MAX_TOKENS)
+    return (1, MAX_TOKENS)  # token counts: budgets, windows, residuals, calibration, caps, intervals
+
+
+_UNIT_FLOATS = ("fraction", "_frac", "threshold", "retention", "slerp_t", "_rho", "_beta")
+_UNBOUNDED_BETAS = ("pyramid_beta", "kvtc_beta", "nestedkv_beta", "a2ats_beta")
+_NONNEG_FLOATS = ("_k_high", "_k_mid", "_theta", "_tau", "_kappa", "_gamma", "_strength", "_beta", "_alpha")
+MAX_FLOAT = 1e6  # rope bases, temperatures, strengths: far above any real value, below float16's overflow
+
+
+def _float_rule(name: str) -> tuple[float, float, bool, str]:
+    """``(lo, hi, lo_open, allowed)`` of a float field."""
+    if name == "minicache_retention_threshold":  # a cosine similarity
+        return (-1.0, 1.0, False, "a cosine in [-1, 1]")
+    if any(s in name for s in _UNIT_FLOATS) and name not in _UNBOUNDED_BETAS:
+        return (0.0, 1.0, False, "a number in [0, 1]")
+    if name.endswith("_decay"):
+        return (0.0, 1.0, True, "a number in (0, 1]")
+    if name.endswith("rope_base"):
+        return (1.0, 1e9, True, "a number > 1 and <= 1e9")
+    if name.endswith("compression_ratio"):
+        return (1.0, 1e4, True, "a number > 1 and <= 10000")
+    if name.endswith(_NONNEG_FLOATS) or "tau_" in name or "query_alpha" in name or name == "adakv_target_avg_bits":
+        return (0.0, MAX_FLOAT, False, f"a number in [0, {MAX_FLOAT:g}]")
+    return (-MAX_FLOAT, MAX_FLOAT, False, "a finite number")
+
+
+#: The dtypes a cache may store or compute in.
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
+
+
+def allowed_values(name: str) -> str:
+    """What field ``name`` accepts, in the words a ``QuantizerConfigError`` uses."""
+    t = _FIELD_TYPES[name]
+    none = " or None" if t.startswith("Optional") else ""
+    if name in _CHOICES:
+        return f"one of {', '.join(map(repr, _CHOICES[name]))}{none}"
+    if name == "dtype":
+        return f"None or mx.{', mx.'.join(DTYPE_NAMES)}"
+    if name == "bit_width_inlier":
+        return "an int in 1..8 or a non-empty list of ints in 1..8 (one per layer)"
+    if "bool" in t:
+        return "True or False" + none
+    if "tuple" in t:
+        return "a non-empty tuple of ints in 0..16"
+    if "float" in t:
+        return _float_rule(name)[3] + none
+    if "int" in t:
+        lo, hi = _int_range(name)
+        return f"an int in {lo}..{hi}" + none
+    return "any value"
+
+
+def _check_dtype(v) -> None:
+    if v is None:
+        return
+    import mlx.core as mx
+
+    ok = any(v == getattr(mx, n) for n in DTYPE_NAMES) if isinstance(v, mx.Dtype) else False
+    _check(ok, "dtype", v, allowed_values("dtype"))
+
+
+# Checked before the loop, or objects (arrays, stores, codebooks) the methods check when they use them.
+_UNCHECKED = frozenset(("method", "bit_width_inlier", "options", "store", "dtype", "smooth_factors", "key_codebook",
+                        "value_codebook", "a2ats_rope_scaling", "a2ats_query_h", "a2ats_codebook"))
 
 
 def validate_config(cfg: KVCacheConfig) -> None:
@@ -379,14 +471,13 @@ def validate_config(cfg: KVCacheConfig) -> None:
     _check(cfg.method in METHOD_NAMES, "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
     bw = cfg.bit_width_inlier
     if isinstance(bw, (list, tuple)):
-        _check(len(bw) > 0 and all(_is_int(b) and 1 <= b <= 8 for b in bw), "bit_width_inlier", bw,
-               "an int in 1..8 or a non-empty list of ints in 1..8 (one per layer)")
+        _check(0 < len(bw) <= MAX_LAYERS and all(_is_int(b) and 1 <= b <= 8 for b in bw), "bit_width_inlier", bw,
+               allowed_values("bit_width_inlier"))
     else:
-        _check(_is_int(bw) and 1 <= bw <= 8, "bit_width_inlier", bw, "an int in 1..8 or a list of them")
+        _check(_is_int(bw) and 1 <= bw <= 8, "bit_width_inlier", bw, allowed_values("bit_width_inlier"))
+    _check_dtype(cfg.dtype)
     for name, value in _DEFAULTS.items():
-        if name in ("method", "bit_width_inlier", "options", "store", "dtype") or name.startswith(
-            ("smooth_factors", "key_codebook", "value_codebook", "a2ats_rope_scaling", "a2ats_query_h", "a2ats_codebook")
-        ) and name not in ("key_codebook_bits", "value_codebook_bits"):
+        if name in _UNCHECKED:
             continue
         v = getattr(cfg, name)
         if name == "observers":
@@ -395,34 +486,20 @@ def validate_config(cfg: KVCacheConfig) -> None:
         if v is None and _FIELD_TYPES[name].startswith("Optional"):
             continue
         if name in _CHOICES:
-            _check(v in _CHOICES[name], name, v, f"one of {_CHOICES[name]}")
+            _check(v in _CHOICES[name], name, v, allowed_values(name))
             continue
         t = _FIELD_TYPES[name]
         if "bool" in t:
-            _check(isinstance(v, bool), name, v, "True or False")
+            _check(isinstance(v, bool), name, v, allowed_values(name))
         elif "tuple" in t:
-            _check(isinstance(v, (tuple, list)) and len(v) > 0 and all(_is_int(b) and 0 <= b <= 16 for b in v),
-                   name, v, "a non-empty tuple of ints in 0..16")
+            _check(isinstance(v, (tuple, list)) and 0 < len(v) <= 64 and all(_is_int(b) and 0 <= b <= 16 for b in v),
+                   name, v, allowed_values(name))
         elif "float" in t:
-            _check(_is_num(v), name, v, "a finite number")
-            if name == "minicache_retention_threshold":  # a cosine similarity
-                _check(-1.0 <= v <= 1.0, name, v, "a cosine in [-1, 1]")
-            elif any(s in name for s in ("fraction", "_frac", "threshold", "retention", "slerp_t", "_rho", "_beta") ) \
-                    and name not in ("pyramid_beta", "kvtc_beta", "nestedkv_beta", "a2ats_beta"):
-                _check(0.0 <= v <= 1.0, name, v, "a number in [0, 1]")
-            elif name.endswith("_decay"):
-                _check(0.0 < v <= 1.0, name, v, "a number in (0, 1]")
-            elif name.endswith(("rope_base", "compression_ratio")):
-                _check(v > 1.0, name, v, "a number > 1")
-            elif name.endswith(("_k_high", "_k_mid", "_theta", "_tau", "_kappa", "_gamma", "_strength", "_beta", "_alpha")) \
-                    or "tau_" in name or "query_alpha" in name:
-                _check(v >= 0.0, name, v, "a number >= 0")
+            lo, hi, lo_open, _ = _float_rule(name)
+            _check(_is_num(v) and (v > lo if lo_open else v >= lo) and v <= hi, name, v, allowed_values(name))
         elif "int" in t:
             lo, hi = _int_range(name)
-            _check(_is_int(v) and v >= lo and (hi is None or v <= hi), name, v,
-                   f"an int >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
-    if cfg.bit_width_outlier is not None:
-        _check(1 <= cfg.bit_width_outlier <= 8, "bit_width_outlier", cfg.bit_width_outlier, "an int in 1..8 or None")
+            _check(_is_int(v) and lo <= v <= hi, name, v, allowed_values(name))
     if cfg.n_outlier_channels is not None:
         _check(0 <= cfg.n_outlier_channels < cfg.head_dim, "n_outlier_channels", cfg.n_outlier_channels,
                f"an int in [0, head_dim={cfg.head_dim})")
@@ -432,6 +509,27 @@ def validate_config(cfg: KVCacheConfig) -> None:
     if cfg.age_mid_boundary < cfg.age_recent_boundary:
         raise QuantizerConfigError("age_mid_boundary", cfg.age_mid_boundary,
                                    f"an int >= age_recent_boundary={cfg.age_recent_boundary}")
+
+
+#: Fields whose value counts channels of one head or layers of the model: ``validate_for_model`` checks
+#: them against the model that ``KVCacheBuilder.for_model`` builds for.
+_HEAD_DIM_BOUND = ("key_sub_dim", "value_sub_dim", "nsn_subvector_dim", "a2ats_sub_dim")
+_LAYER_BOUND = ("xquant_group_size", "xkv_group_size", "minicache_group_size", "cachegen_layer_groups",
+                "chunkkv_reuse_layers")
+
+
+def validate_for_model(cfg: KVCacheConfig, head_dim: int, n_layers: int) -> None:
+    """Raise ``QuantizerConfigError`` for a field that cannot fit this model: a sub-vector width over the
+    head dim, or a layer group set over the count of compressed layers (the defaults are left alone: the
+    methods shorten their last group, so a default of 3 on a 2-layer model means "all of them")."""
+    for name in _HEAD_DIM_BOUND:
+        v = getattr(cfg, name)
+        if v is not None and v > head_dim:
+            raise QuantizerConfigError(name, v, f"an int in 1..{head_dim} (the model's head_dim)")
+    for name in _LAYER_BOUND:
+        v = getattr(cfg, name)
+        if v > n_layers and v != _DEFAULTS[name]:
+            raise QuantizerConfigError(name, v, f"an int in 1..{n_layers} (the model's layer count)")
 
 
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(KVCacheConfig)}

@@ -8,7 +8,7 @@ from mlx_lm.models import cache as mlx_cache
 from . import dispatch
 from .artifacts import ArtifactStore
 from .base import STANDALONE_METHODS, method_info
-from .config import KVCacheConfig
+from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver, notify
 from .standalone import SlidingWindowKVCache
@@ -200,6 +200,8 @@ class KVCacheBuilder:
             if isinstance(bits, (list, tuple)):
                 changes["bit_width_inlier"] = int(bits[j])
             layer_configs.append(config.replace(**changes))
+        if layer_configs:
+            validate_for_model(config, min(c.head_dim for c in layer_configs), len(layer_configs))
         build_layers = getattr(cls, "build_layers", None)
         built = build_layers(layer_configs) if build_layers else [cls(c) for c in layer_configs]
         caches = list(defaults)

@@ -598,3 +598,58 @@ FLAT_FIELD_OPTIONS: dict[str, list[type]] = {}
 for _cls in ALL_OPTIONS:
     for _flat in _cls.FIELDS.values():
         FLAT_FIELD_OPTIONS.setdefault(_flat, []).append(_cls)
+
+# --------------------------------------------------------------------------- which fields a method reads
+
+#: Config fields the builder applies to every method (a wrapper, hooks), whatever the method.
+COMMON_FIELDS: tuple[str, ...] = ("sliding_window", "store", "observers")
+
+_EVICTION_SHARED = ("dtype",)  # eviction rows are stored at 16 bits unless ``dtype`` overrides
+_RVQ_CODEBOOKS = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
+_TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "jl_dim", "n_outlier_channels",
+               "n_calib_tokens", "enable_vectorized_attend", "enable_outlier_two_stream", "enable_fused_query_dot",
+               "seed", "dtype", "capacity")
+
+#: Per method, the flat fields outside its own options class that its cache reads (``head_dim`` of an
+#: mlx_lm-protocol method comes from the model, so it is listed only for the standalone ones).
+#: ``tests/test_config.py`` records every config read of each mlx_lm-protocol method on a tiny model and
+#: checks this table both ways: nothing listed here goes unread, nothing read is missing.
+SHARED_FIELDS: dict[str, tuple[str, ...]] = {
+    "turboquant_prod": _TURBOQUANT,
+    "turboquant_mse": _TURBOQUANT,
+    "polar": ("head_dim", "bit_width_inlier", "seed", "dtype", "capacity"),
+    "qjl": ("head_dim", "bit_width_inlier", "jl_dim", "seed", "dtype", "capacity"),
+    "spectral": ("head_dim", "bit_width_inlier", "jl_dim", "n_calib_tokens", "seed", "dtype", "capacity"),
+    "turboquant_rvq": ("seed", "dtype"),
+    "waterfill": ("bit_width_inlier", "n_calib_tokens", "seed", "dtype"),
+    "vecinfer": _RVQ_CODEBOOKS + ("seed",),
+    "kivi": ("bit_width_inlier",),
+    "kivi_sink": ("bit_width_inlier",),
+    "svdq": ("bit_width_inlier", "kivi_group_size"),
+    "kvtc": ("kivi_group_size",),
+    "cam": ("seed",) + _EVICTION_SHARED,
+    "a2ats": ("seed",),
+    **{m: _EVICTION_SHARED for m in ("snapkv", "streaming_llm", "h2o", "tova", "pyramidkv", "squeeze", "chunkkv",
+                                     "knorm", "qfilters", "keyformer", "morphkv", "kvzip", "curdkv", "nestedkv",
+                                     "rocketkv")},
+}
+
+#: Fields the library writes per layer when it builds a model's caches; never user settings.
+DERIVED_FIELDS: tuple[str, ...] = ("cachegen_resolved_bits", "pyramid_resolved_budget", "squeeze_resolved_budget")
+
+
+def method_fields(method: str) -> dict[str, str]:
+    """Every setting name ``method`` accepts -> the flat ``KVCacheConfig`` field it sets.
+
+    The names are its options' own names (``budget``), their flat aliases (``snap_budget``), the shared
+    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. Where an option's own name is also a
+    shared field the method reads (snapkv's ``dtype``), the shared field keeps the name and the option is
+    reached through its flat alias (``snap_dtype``).
+    """
+    opts = OPTIONS_BY_METHOD.get(method)
+    out: dict[str, str] = dict(opts.FIELDS) if opts is not None else {}
+    for flat in (opts.FIELDS.values() if opts is not None else ()):
+        out[flat] = flat
+    for flat in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS:
+        out[flat] = flat
+    return out

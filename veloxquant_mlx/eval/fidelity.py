@@ -10,7 +10,7 @@ methods on the same tokens can compute once and pass in as ``ref_logp``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -34,9 +34,14 @@ class FidelityResult:
     n_scored: int
 
     @property
-    def compression(self) -> float:
+    def kv_fraction_of_fp16(self) -> float:
         """``kv_bytes / kv_bytes_fp16`` (the fraction of the fp16 cache kept; lower = smaller)."""
         return self.kv_bytes / self.kv_bytes_fp16 if self.kv_bytes_fp16 else 1.0
+
+    @property
+    def compression(self) -> float:
+        """The same fraction under its older name (scripts and tests use it); prefer ``kv_fraction_of_fp16``."""
+        return self.kv_fraction_of_fp16
 
 
 def make_caches(model, config):
@@ -51,8 +56,10 @@ def _log_softmax(x):
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-def prefill(model, tokens, caches, step: int = PREFILL_STEP) -> None:
-    """Run ``tokens`` ([1, T] array or list) through ``caches`` in chunks of ``step``, as mlx_lm does."""
+def prefill(model, tokens, caches, step: int = PREFILL_STEP,
+            on_chunk: Optional[Callable[[int, int], None]] = None) -> None:
+    """Run ``tokens`` ([1, T] array or list) through ``caches`` in chunks of ``step``, as mlx_lm does;
+    ``on_chunk(done, T)`` after each chunk (progress of a long prefill)."""
     if not isinstance(tokens, mx.array):
         tokens = mx.array(tokens)
     if tokens.ndim == 1:
@@ -61,6 +68,8 @@ def prefill(model, tokens, caches, step: int = PREFILL_STEP) -> None:
     for start in range(0, n, step):
         model(tokens[:, start : min(start + step, n)], cache=caches)
         mx.eval([c.state for c in caches])
+        if on_chunk is not None:
+            on_chunk(min(start + step, n), n)
 
 
 def reference_logprobs(model, tokens, n_context: int, n_score: int) -> mx.array:
@@ -75,10 +84,12 @@ def reference_logprobs(model, tokens, n_context: int, n_score: int) -> mx.array:
 
 def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVCacheConfig | None,
                         prefill_step_size: int = PREFILL_STEP,
-                        ref_logp: Optional[mx.array] = None) -> FidelityResult:
+                        ref_logp: Optional[mx.array] = None,
+                        on_chunk: Optional[Callable[[int, int], None]] = None) -> FidelityResult:
     """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2.
 
-    ``ref_logp``: :func:`reference_logprobs` of the same tokens, if already computed.
+    ``ref_logp``: :func:`reference_logprobs` of the same tokens, if already computed; ``on_chunk``: the
+    prefill's progress (:func:`prefill`).
     """
     if n_context < 2 or n_score < 1:
         raise ValueError(f"need n_context >= 2 and n_score >= 1, got {n_context}, {n_score}")
@@ -88,7 +99,7 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
     if ref_logp is None:
         ref_logp = reference_logprobs(model, tokens[0].tolist(), n_context, n_score)
     caches = make_caches(model, config)
-    prefill(model, tokens[:, : n_context - 1], caches, prefill_step_size)
+    prefill(model, tokens[:, : n_context - 1], caches, prefill_step_size, on_chunk)
     steps = []
     for i in range(n_score):
         pos = n_context - 1 + i

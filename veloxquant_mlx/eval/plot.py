@@ -1,4 +1,4 @@
-"""The compression-vs-KLD Pareto plot, and ``results.md``.
+"""The KV-bytes-vs-KLD Pareto plot (kv_fraction_of_fp16 against KLD), and ``results.md``.
 
 :func:`plot_pareto` draws with matplotlib when it is importable, else with a small built-in
 rasterizer (:class:`Canvas`: points, lines, a 3x5 pixel font) and PNG writer (:func:`write_png`, zlib),
@@ -28,21 +28,23 @@ def pareto_points(rows: Sequence[dict]) -> list[dict]:
     by_label: dict[str, dict] = {}
     for task in ("ppl", "kld"):  # kld overrides ppl
         for r in rows:
-            if r.get("task") == task and r.get("kld") is not None and r.get("compression"):
+            if r.get("task") == task and r.get("kld") is not None and r.get("kv_fraction_of_fp16"):
                 by_label[r["label"]] = {"label": r["label"], "method": r["method"],
-                                        "compression": float(r["compression"]), "kld": float(r["kld"])}
+                                        "kv_fraction_of_fp16": float(r["kv_fraction_of_fp16"]),
+                                        "kld": float(r["kld"])}
     return list(by_label.values())
 
 
 def pareto_front(points: Sequence[dict]) -> list[dict]:
-    """The points no other point beats on both axes (higher compression, lower KLD), by compression."""
+    """The points no other point beats on both axes (smaller kv_fraction_of_fp16, lower KLD), smallest first."""
+    f = "kv_fraction_of_fp16"
     front = []
     for p in points:
-        dominated = any(q is not p and q["compression"] >= p["compression"] and q["kld"] <= p["kld"]
-                        and (q["compression"] > p["compression"] or q["kld"] < p["kld"]) for q in points)
+        dominated = any(q is not p and q[f] <= p[f] and q["kld"] <= p["kld"] and (q[f] < p[f] or q["kld"] < p["kld"])
+                        for q in points)
         if not dominated:
             front.append(p)
-    return sorted(front, key=lambda p: p["compression"])
+    return sorted(front, key=lambda p: p[f])
 
 
 # --------------------------------------------------------------------------- #
@@ -145,12 +147,12 @@ def _plot_matplotlib(points, front, path, title) -> bool:
     on_front = {p["label"] for p in front}
     for p in points:
         y = max(p["kld"], KLD_FLOOR)
-        ax.scatter(p["compression"], y, color="tab:red" if p["label"] in on_front else "tab:blue", zorder=3)
-        ax.annotate(p["label"], (p["compression"], y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.scatter(p["kv_fraction_of_fp16"], y, color="tab:red" if p["label"] in on_front else "tab:blue", zorder=3)
+        ax.annotate(p["label"], (p["kv_fraction_of_fp16"], y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     if len(front) > 1:
-        ax.plot([p["compression"] for p in front], [max(p["kld"], KLD_FLOOR) for p in front], "r--", lw=1)
+        ax.plot([p["kv_fraction_of_fp16"] for p in front], [max(p["kld"], KLD_FLOOR) for p in front], "r--", lw=1)
     ax.set_yscale("log")
-    ax.set_xlabel("compression (fp16 KV bytes / KV bytes, higher = smaller cache)")
+    ax.set_xlabel("kv_fraction_of_fp16 (KV bytes / fp16 KV bytes, lower = smaller cache)")
     ax.set_ylabel("mean next-token KL divergence (nats, lower = better)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
@@ -164,7 +166,7 @@ def _plot_builtin(points, front, path, title) -> None:
     W, H, L, R, T, B = 760, 480, 70, 30, 56, 50
     cv = Canvas(W, H)
     grey, black, blue, red = (200, 200, 200), (0, 0, 0), (31, 119, 180), (214, 39, 40)
-    xmax = max(p["compression"] for p in points) * 1.15 or 1.0
+    xmax = max(p["kv_fraction_of_fp16"] for p in points) * 1.15 or 1.0
     lo, hi = _log_range([p["kld"] for p in points])
 
     def X(c):
@@ -190,13 +192,13 @@ def _plot_builtin(points, front, path, title) -> None:
     cv.line(L, T, L, H - B, black)
     cv.line(L, H - B, W - R, H - B, black)
     cv.text(L, 10, title[:80])
-    cv.text(L + 120, H - 20, "COMPRESSION (FP16 BYTES / KV BYTES)")
+    cv.text(L + 120, H - 20, "KV BYTES / FP16 BYTES (LOWER = SMALLER)")
     cv.text(6, T - 22, "KLD (NATS, LOG SCALE)")
     for a, b in zip(front, front[1:]):
-        cv.line(X(a["compression"]), Y(a["kld"]), X(b["compression"]), Y(b["kld"]), red, dash=4)
+        cv.line(X(a["kv_fraction_of_fp16"]), Y(a["kld"]), X(b["kv_fraction_of_fp16"]), Y(b["kld"]), red, dash=4)
     on_front = {p["label"] for p in front}
     for p in points:
-        px, py = X(p["compression"]), Y(p["kld"])
+        px, py = X(p["kv_fraction_of_fp16"]), Y(p["kld"])
         cv.disc(px, py, 4, red if p["label"] in on_front else blue)
         label = p["label"][:40]
         tx = int(px) + 7
@@ -206,7 +208,7 @@ def _plot_builtin(points, front, path, title) -> None:
     cv.save(path)
 
 
-def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: compression vs KLD",
+def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV bytes vs KLD",
                 prefer_matplotlib: bool = True) -> Optional[str]:
     """Write the Pareto plot PNG; returns the backend used ("matplotlib"/"builtin"), None if no KLD rows."""
     points = pareto_points(rows)
@@ -228,13 +230,19 @@ def _f(v, fmt):
     return "–" if v is None else format(v, fmt)
 
 
+def _fraction(v) -> str:
+    from ..measure import fraction_text
+
+    return "–" if v is None else fraction_text(v)
+
+
 def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] = None) -> str:
     """The ``results.md`` text: settings, a table of every row, the Pareto front, definitions."""
     lines = ["# VeloxQuant-MLX quality results", ""]
     for k, v in meta.items():
         lines.append(f"- **{k}**: {v}")
     lines += ["", "| method | settings | task | context | ppl | Δppl | KLD (nats) | top-1 | NIAH | KV bytes | "
-                  "fp16 KV bytes | compression |",
+                  "fp16 KV bytes | kv_fraction_of_fp16 |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults"
@@ -247,15 +255,15 @@ def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] 
             f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
             f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
             f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
-            f"{_f(r['compression'], '.2f')}× |")
+            f"{_fraction(r['kv_fraction_of_fp16'])} |")
     points = pareto_points(rows)
     if points:
         front = pareto_front(points)
-        lines += ["", "## Pareto front (compression vs KLD)", "",
+        lines += ["", "## Pareto front (kv_fraction_of_fp16 vs KLD)", "",
                   "Not beaten on both axes by another method: " + ", ".join(
-                      f"{p['label']} ({p['compression']:.2f}×, KLD {p['kld']:.4g})" for p in front) + "."]
+                      f"{p['label']} ({_fraction(p['kv_fraction_of_fp16'])}, KLD {p['kld']:.4g})" for p in front) + "."]
         if plot_file:
-            lines += ["", f"![compression vs KLD]({plot_file})"]
+            lines += ["", f"![kv_fraction_of_fp16 vs KLD]({plot_file})"]
     lines += ["", "## Definitions", "",
               "- ppl: perplexity of the scored real-text tokens after the context was prefilled through the "
               "cache (one decode step per token); Δppl = ppl − the uncompressed model's on the same tokens.",
@@ -264,7 +272,7 @@ def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] 
               "- NIAH: passcodes planted at several depths; the context is compressed without the question "
               "(query-agnostic, as kvpress), the question is fed afterwards; greedy answer, exact match.",
               "- KV bytes: measured (sum of the caches' `nbytes`) after the run; fp16 KV bytes: the same tokens "
-              "in mlx_lm's plain cache at fp16 without slack; compression = fp16 KV bytes / KV bytes. `none` "
-              "(mlx_lm's KVCache) stores the compute dtype (float32 on the CPU) with 256-row slack, so it is "
-              "below 1×."]
+              "in mlx_lm's plain cache at fp16 without slack; kv_fraction_of_fp16 = KV bytes / fp16 KV bytes "
+              "(lower = smaller; 0.25 is 4.0x smaller). `none` (mlx_lm's KVCache) stores the compute dtype "
+              "(float32 on the CPU) with 256-row slack, so its fraction is above 1."]
     return "\n".join(lines) + "\n"

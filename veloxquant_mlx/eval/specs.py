@@ -1,9 +1,9 @@
 """Which caches to measure: a method name plus its settings (``MethodSpec``), and the ``--set`` rules.
 
-``--set FIELD=VALUE`` applies to every listed method it belongs to: a method-specific flat field
-(``snap_budget``) only to the method whose options own it, a general field (``bit_width_inlier``) to every
-method except ``none``. ``--set METHOD:FIELD=VALUE`` applies to that method only, and there FIELD may also
-be the option's short name (``snapkv:budget=256``).
+``--set FIELD=VALUE`` applies to every listed method that reads FIELD (``cache.options.method_fields``):
+``snap_budget`` only to snapkv, ``bit_width_inlier`` to the methods whose caches read it, ``budget`` to
+every listed method with an option of that name; a field no listed method reads is an error.
+``--set METHOD:FIELD=VALUE`` applies to that method only (its option names or flat aliases).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
     so invalid values fail (``QuantizerConfigError``) before any model is loaded.
     """
     from ..cache.base import STANDALONE_METHODS
-    from ..cache.options import FLAT_FIELD_OPTIONS, OPTIONS_BY_METHOD
-    from ..cli import UsageError, _check_buildable, _check_method_name, parse_sets
+    from ..cache.options import method_fields
+    from ..cli import UsageError, _check_buildable, _check_method_name, parse_set, parse_sets
 
     names = list(dict.fromkeys(m.strip() for m in methods if m and m.strip()))
     if include_none and NONE not in names:
@@ -101,23 +101,16 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
                 raise UsageError(f"--set {scope}:{item}: {scope!r} is not one of the methods measured")
             if scope == NONE:
                 raise UsageError(f"--set does not apply to {NONE!r} (mlx_lm's plain KVCache)")
-            opts = OPTIONS_BY_METHOD.get(scope)
-            fname, eq, value = item.partition("=")
-            if opts is not None and fname.strip() in opts.FIELDS:  # short option name
-                item = f"{opts.FIELDS[fname.strip()]}{eq}{value}"
-            per_method[scope].update(parse_sets([item]))
+            per_method[scope].update(parse_sets([item], method=scope))
             continue
-        (fname, value), = parse_sets([item]).items()
-        def owns(m, fname=fname):
-            opts = OPTIONS_BY_METHOD.get(m)
-            return opts is not None and fname in opts.FIELDS.values()
-
-        targets = [m for m in names if m != NONE and (fname not in FLAT_FIELD_OPTIONS or owns(m))]
+        fname, _ = parse_set(item)
+        targets = [m for m in names if m != NONE and fname in method_fields(m)]
         if not targets:
+            parse_sets([item])  # an unknown or unsettable field: its own message
             raise UsageError(f"--set {item}: {fname!r} applies to none of the methods measured "
-                             f"({', '.join(names)})")
+                             f"({', '.join(names)}); `veloxquant methods NAME` lists a method's settings")
         for m in targets:
-            per_method[m][fname] = value
+            per_method[m].update(parse_sets([item], method=m))
     specs = []
     for m in names:
         spec = MethodSpec(m, per_method[m])

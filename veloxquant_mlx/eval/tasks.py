@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 
-from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes
+from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 from .fidelity import make_caches, next_token_fidelity, prefill, reference_logprobs
 from .specs import NONE, MethodSpec
 
@@ -43,7 +43,7 @@ TASKS = ("ppl", "kld", "niah")
 ROW_KEYS = ("method", "settings", "label", "task", "model", "context", "n_scored",
             "ppl", "ppl_ref", "ppl_delta", "kld", "top1_agree",
             "niah_acc", "niah_hits", "niah_trials", "niah_detail",
-            "kv_tokens", "kv_bytes", "kv_bytes_fp16", "compression", "seconds", "error")
+            "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16", "seconds", "error")
 
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 NEEDLE_TEMPLATE = "The secret passcode for the blue vault is {code}."
@@ -64,9 +64,7 @@ def _row(spec: MethodSpec, task: str, context: int, model_name: Optional[str], *
     row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task,
                model=model_name, context=context)
     row.update(values)
-    kb, ref = row.get("kv_bytes"), row.get("kv_bytes_fp16")
-    if kb and ref is not None:
-        row["compression"] = ref / kb
+    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row.get("kv_bytes"), row.get("kv_bytes_fp16"))
     return row
 
 
@@ -76,6 +74,11 @@ def _specs(methods: Iterable, include_none: bool) -> list[MethodSpec]:
     if include_none and not any(s.method == NONE for s in specs):
         specs.insert(0, MethodSpec(NONE))
     return specs
+
+
+def _chunks(progress: Progress):
+    """The progress object's prefill-chunk callback (``chunk(done, total)``), if it has one."""
+    return getattr(progress, "chunk", None)
 
 
 def _tick(progress: Progress, msg: str) -> None:
@@ -134,7 +137,8 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, m
             t0 = time.perf_counter()
             try:
                 memo[key] = (next_token_fidelity(model, ids, context, n_score, spec.config(),
-                                                 ref_logp=memo[ref_key]), time.perf_counter() - t0, None)
+                                                 ref_logp=memo[ref_key], on_chunk=_chunks(progress)),
+                             time.perf_counter() - t0, None)
             except Exception as exc:  # one broken method must not end a sweep
                 memo[key] = (None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         r, seconds, error = memo[key]
@@ -287,10 +291,11 @@ def _eos_ids(tokenizer) -> set[int]:
     return {int(eos)} if eos is not None else set()
 
 
-def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int) -> tuple[str, list]:
+def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int,
+            on_chunk=None) -> tuple[str, list]:
     """Prefill the context, feed the question token by token, decode greedily; (text, caches)."""
     caches = make_caches(model, config)
-    prefill(model, prompt.context_ids, caches)
+    prefill(model, prompt.context_ids, caches, on_chunk=on_chunk)
     logits = None
     for t in prompt.question_ids:
         logits = model(mx.array([[t]]), cache=caches)
@@ -332,7 +337,7 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
             config = spec.config()
             for p in prompts:
                 _tick(progress, f"niah: {spec.label} depth {p.depth:g}")
-                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens)
+                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, _chunks(progress))
                 sizes.append(kv_bytes(caches))
                 n_tok = cache_tokens(caches)
                 del caches
