@@ -238,6 +238,7 @@ class AdaKVKVCache(KIVIKVCache):
         score = p.sum(axis=(2, 3))  # [B, H, total]
         cnt = seen.astype(mx.float32).sum(axis=0)  # observations per column
         prev_s, prev_c = self._prev_scores
+        self._prev_scores = None
         if r0:
             score = mx.concatenate([score[:, :, :r0] + prev_s, score[:, :, r0:]], axis=2)
             cnt = mx.concatenate([cnt[:r0] + prev_c, cnt[r0:]])
