@@ -4,8 +4,8 @@ an essay context: prefill ``--n-context`` tokens through the method's caches, th
 (``veloxquant_mlx.eval.fidelity.next_token_fidelity``). Prints mean next-token KL (nats), top-1
 agreement, kv_bytes / kv_bytes_fp16 (bytes really held after the run over mlx_lm's fp16 cache), and
 the stored bits per K/V element (everything held, bases and residual buffers included; 16 = fp16).
-KIVI rows are printed as references; "kivi 2,4,2,4,..." quantizes each layer alone at the bits
-xquant gives it, which is the comparison that says whether xquant's cross-layer reuse helps.
+KIVI rows are printed as references; xquant pairs sharing 4-bit codes hold exactly the bytes of KIVI
+2-bit on every layer, the comparison that says whether xquant's cross-layer sharing helps.
 
     python scripts/quality_lowrank.py            # default settings of each method + a few variants
 """
@@ -46,11 +46,9 @@ RUNS = {
         KVCacheConfig(method="palu", options=PaluOptions(energy_threshold=0.99, hi_bit=8, lo_bit=4)),
     "kvtc (default: 512 bits/token vector)": KVCacheConfig(method="kvtc", options=KVTCOptions()),
     "kvtc (768 bits/token vector)": KVCacheConfig(method="kvtc", options=KVTCOptions(bit_budget=768)),
-    "xquant (default: pairs, base 2-bit, residual 4-bit)": KVCacheConfig(method="xquant", options=XQuantOptions()),
-    "kivi 2,4,2,4,... per layer (same bits, each layer alone)":
-        KVCacheConfig(method="kivi", bit_width_inlier=[2, 4] * 15, options=KIVIOptions()),
-    "xquant (pairs, base 4-bit, residual 4-bit)":
-        KVCacheConfig(method="xquant", options=XQuantOptions(base_bits=4, residual_bits=4)),
+    "xquant (default: pairs sharing 2-bit codes)": KVCacheConfig(method="xquant", options=XQuantOptions()),
+    "xquant (pairs sharing 4-bit codes; the bytes of kivi 2-bit)":
+        KVCacheConfig(method="xquant", options=XQuantOptions(base_bits=4)),
     "kivi 4-bit (reference)": KVCacheConfig(method="kivi", bit_width_inlier=4, options=KIVIOptions()),
     "kivi 2-bit (reference)": KVCacheConfig(method="kivi", bit_width_inlier=2, options=KIVIOptions()),
 }

@@ -84,7 +84,7 @@ SPECS = {
                  # 2 bits, rank 4 (energy-resolved, capped), k and v: codes 16+8, sparse 2.625, A 8, B^T 16
                  budget=2 * (16 + 8 + 2.625 + 8 + 16), resolved={"rank": 4}),
     "adakv": Spec("AdaKVKVCache", "adakv", O.AdaKVOptions, group=32,
-                  invalid=(({"importance": "attention"}, "adakv_importance"),
+                  invalid=(({"importance": "entropy"}, "adakv_importance"), ({"obs_window": 0}, "adakv_obs_window"),
                            ({"target_avg_bits": 5.0}, "adakv_target_avg_bits")),
                   budget=40 + 16 + 1),  # 2.5 bits average: 2.5*128/8 code bytes + 4 groups*4 + 1 order byte
     "cachegen": Spec("CacheGenKVCache", "cachegen", O.CacheGenOptions, group=32,
