@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from numerics import float16_rounding_effect_on_logprobs
 from tiny_models import VOCAB
@@ -145,11 +146,13 @@ def attend_steps_equal_singles(batch, singles, steps, H, Hq, D, tol_codes, tol_d
             assert float(mx.abs(ref - dense[i:i + 1, :, :n]).max()) < tol_dense
 
 
-def real_model_batch_equals_alone(spans, max_tokens, make_caches, same_state):
+def real_model_batch_equals_alone(spans, max_tokens, make_caches, same_state, plain_reference=False):
     """The embedded SmolLM2-135M: essay prompts ``ids[a:b]`` for each ``(a, b)`` in ``spans``, decoded
     together by mlx_lm's BatchGenerator with caches from ``make_caches(model)``: each request's greedy
     tokens equal its run alone through mlx_lm.stream_generate, and layer by layer
-    ``same_state(extracted, alone, exact=False)`` holds. Returns the lone runs' caches."""
+    ``same_state(extracted, alone, exact=False)`` holds. ``plain_reference``: ``same_state`` also gets
+    ``plain=``, that layer's mlx_lm plain cache fed the same tokens (unquantized float32 rows), to bound
+    differences by what quantization does to the same rows. Returns the lone runs' caches."""
     import mlx_lm
 
     from veloxquant_mlx.assets import essays_text
@@ -169,6 +172,12 @@ def real_model_batch_equals_alone(spans, max_tokens, make_caches, same_state):
         if got and got[-1] in tokenizer.eos_token_ids:  # stream_generate does not yield the stop token
             got = got[:-1]
         assert got == toks
-        for ext, one in zip(run.final[u], c):
-            same_state(ext, one, exact=False)
+        extra = {}
+        if plain_reference:
+            plain = make_prompt_cache(model)
+            mx.eval(model(mx.array(prompts[uids.index(u)] + toks)[None], cache=plain))
+        for k, (ext, one) in enumerate(zip(run.final[u], c)):
+            if plain_reference:
+                extra = {"plain": plain[k]}
+            same_state(ext, one, exact=False, **extra)
     return alone_caches

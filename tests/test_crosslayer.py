@@ -28,6 +28,7 @@ from veloxquant_mlx.cache import (  # noqa: E402
 from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp  # noqa: E402
 from veloxquant_mlx.cache.options import MiniCacheOptions  # noqa: E402
 
+from numerics import float16_rounding_effect  # noqa: E402
 from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
 
 
@@ -187,8 +188,9 @@ def test_minicache_contract_on_tiny_models(tmp_path):
     a = _run_tokens(model, caches, TOKENS, CHUNKS)
     dispatch.uninstall()
     b = _run_tokens(model, KVCacheBuilder.for_model(model, cfg, install_dispatch=False), TOKENS, CHUNKS)
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
+    # the paths sum in different orders; a stored row on a float16 rounding edge then moves by an ulp
+    for x, y, tol in zip(a, b, float16_rounding_effect(model, TOKENS, CHUNKS)):  # (tests/numerics.py)
+        assert float(mx.abs(x - y).max()) <= tol
     dispatch.install()
     assert all(c.n_quant == 64 for c in caches) and caches[2].n_merged > 0
     # two prompt caches never share state
@@ -363,8 +365,9 @@ def test_xkv_contract_on_tiny_models(tmp_path):
     a = _run_tokens(model, caches, TOKENS, CHUNKS)
     dispatch.uninstall()
     b = _run_tokens(model, KVCacheBuilder.for_model(model, cfg, install_dispatch=False), TOKENS, CHUNKS)
-    for x, y in zip(a, b):
-        assert float(mx.abs(x - y).max()) < 1e-4
+    # the paths sum in different orders; a stored row on a float16 rounding edge then moves by an ulp
+    for x, y, tol in zip(a, b, float16_rounding_effect(model, TOKENS, CHUNKS)):  # (tests/numerics.py)
+        assert float(mx.abs(x - y).max()) <= tol
     dispatch.install()
     assert all(c.n_quant == 64 for c in caches)
     other = KVCacheBuilder.for_model(model, cfg)
