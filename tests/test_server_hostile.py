@@ -295,6 +295,36 @@ def test_a_stream_that_fails_ends_with_an_error_event(srv, model, method):
     assert counters(httpd)["errors"] == before + 1
 
 
+def test_a_request_waiting_behind_a_failed_batch_is_served(srv, model):
+    """A (kivi, batched) is streaming when B (snapkv: no batch form, so it waits for A's batch to drain)
+    arrives; then A's batch step raises. A ends with an error event; B, never started, is served by the
+    restarted loop instead of failing with A."""
+    httpd, gen = srv
+    spec_a = {"messages": QUESTION, "max_tokens": 3000, "stream": True, "logit_bias": {"65": 100.0},
+              "kv_cache": {"method": "kivi", "reuse": False}}
+    body = json.dumps(spec_a).encode()
+    before = counters(httpd)["requests"]
+    result_b = []
+    with socket.create_connection(address(httpd), timeout=TIMEOUT) as a:
+        a.sendall(post_head(str(len(body)).encode(), body))
+        got = b""
+        while got.count(b"data: ") < 2:
+            got += a.recv(4096)
+        b = threading.Thread(target=lambda: result_b.append(chat(httpd, kv_cache={"method": "snapkv", "reuse": False})))
+        b.start()
+        wait_for(lambda: gen.counters["requests"] == before + 2 and gen.requests.qsize() == 0,
+                 "B to be taken off the queue by the generation loop")
+        time.sleep(0.1)
+        model.fail_in = 1
+        while chunk := a.recv(65536):
+            got += chunk
+    b.join(TIMEOUT)
+    last = [line for line in got.decode().splitlines() if line.startswith("data: {")][-1]
+    assert "injected model failure" in json.loads(last[6:])["error"]["message"]
+    status, _, text = result_b[0]
+    assert status == 200, text
+
+
 # --------------------------------------------------------------------------- 13, 16: bytes and sockets
 
 

@@ -467,16 +467,21 @@ class ServedModelProvider(mlx_server.ModelProvider):
 
 
 class _TrackedQueue:
-    """A request's response queue as the generation thread sees it: remembers whether the request has
-    had its last item (``None`` or an exception), so a failure of the loop can fail the open ones."""
+    """A request's response queue as the generation thread sees it. It remembers whether the request has
+    started (its first item, the context, was put) and finished (``None`` or an exception), so that a
+    failure of the generation loop fails the requests it was serving and re-queues, once, those it had
+    not started."""
 
-    __slots__ = ("queue", "done", "__weakref__")
+    __slots__ = ("queue", "request", "started", "done", "retried", "__weakref__")
 
-    def __init__(self, queue):
+    def __init__(self, queue, request: tuple, retried: bool = False):
         self.queue = queue
-        self.done = False
+        self.request = request  # (request, generation args), to re-queue
+        self.started = self.done = False
+        self.retried = retried
 
     def put(self, item) -> None:
+        self.started = True
         if item is None or isinstance(item, Exception):
             self.done = True
         self.queue.put(item)
@@ -515,8 +520,12 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                               type(e).__name__, e, exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
                 failure = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
                 for q in list(self._in_flight):
-                    if not q.done:
+                    if q.done:
+                        continue
+                    if q.started or q.retried:
                         q.put(failure)
+                    else:  # waiting behind the failed batch: served by the restarted loop
+                        self.requests.put((_TrackedQueue(q.queue, q.request, retried=True), *q.request))
                 self._in_flight = weakref.WeakSet()
                 self.count("generation_failures")
                 del e
@@ -527,7 +536,8 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         request = super()._next_request(timeout)
         if request is None:
             return None
-        tracked = _TrackedQueue(request[0])
+        queue = request[0]
+        tracked = queue if isinstance(queue, _TrackedQueue) else _TrackedQueue(queue, tuple(request[1:]))
         self._in_flight.add(tracked)
         return (tracked, *request[1:])
 
