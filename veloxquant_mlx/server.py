@@ -26,9 +26,21 @@ What this module adds:
 * **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` (bytes of
   the arrays the caches hold) next to the fp16 bytes of mlx_lm's plain cache for the same tokens,
   tokens seen and kept, and process memory.
-* **Bad input gets a 4xx JSON error** naming the problem (malformed JSON, unknown model, method or
-  field, bad values, bodies over ``--max-body-bytes``, prompts over ``--max-prompt-tokens``); the
-  server goes on serving.
+* **Bad input gets a 4xx JSON error** naming the field (malformed JSON or UTF-8, a non-numeric
+  Content-Length, unknown model, method or field, bad values: booleans or NaN where numbers belong,
+  seeds MLX cannot take, ``top_k`` and ``logit_bias`` ids outside the vocabulary, non-string ``stop``
+  items, malformed messages, template errors, bodies over ``--max-body-bytes``, prompts over
+  ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
+  Images are refused before anything is fetched (the served models are text-only).
+* **Every failure gets an answer and fails only its own requests.** A failure after generation started
+  is a 500 JSON error, or a final SSE error event on a stream already under way; an exception that
+  escapes mlx_lm's generation loop fails the requests the loop was serving, re-queues those it had not
+  started, and the loop starts again (mlx_lm would end its thread: every later request failing).
+* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (a
+  request from another origin gets 403); ``--api-key`` requires a bearer token; every socket read and
+  write is bounded by ``--socket-timeout``; a request whose client has closed its connection is
+  cancelled at its next prefill chunk or decode step; a disconnecting streaming client leaves no
+  traceback. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
 """
 
 from __future__ import annotations

@@ -433,7 +433,8 @@ def _allowed_classes(method: str) -> dict:
         from .base import method_info
 
         cls = method_info(method).cls
-        if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and getattr(mlx_cache, cls.__name__, None) is cls:
+        registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
+        if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
             allowed[cls.__name__] = cls
     return allowed
 
