@@ -502,3 +502,13 @@ def test_stats_report_the_fraction_of_fp16_bytes(srv):
     for entry in cached:
         assert "ratio_vs_fp16" not in entry
         assert math.isclose(entry["kv_fraction_of_fp16"], entry["kv_bytes"] / entry["kv_bytes_fp16"])
+
+
+def test_serve_cli_refuses_bad_access_options_before_loading(capsys):
+    from veloxquant_mlx.cli import main as cli_main
+
+    assert cli_main(["serve", "--socket-timeout", "0"]) == 2
+    assert "--socket-timeout must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+    assert cli_main(["serve", "--socket-timeout", "nan"]) == 2
+    assert cli_main(["serve", "--api-key", " "]) == 2
+    assert "--api-key must not be empty" in capsys.readouterr().err
