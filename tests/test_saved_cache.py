@@ -371,3 +371,165 @@ def test_cli_usage_errors(capsys, tmp_path):
                            "--out", str(tmp_path / "no" / "x.safetensors"))
     assert code == 2 and "does not exist" in err
     assert cli.main(["cache"]) == 2  # a cache subcommand is required
+
+
+# --------------------------------------------------------------------------- forged files (issue 13, item 18)
+#
+# The checksum only catches accidents: ``_forge`` edits a file as anyone could and recomputes it, so these
+# files pass the checksum and must be refused by the validation of what they say.
+
+
+def _forge(path, *, info=None, layer_meta=None, classes=None, arrays_edit=None):
+    """Rewrite the saved file ``path``: ``info(dict)`` edits the veloxquant metadata, ``layer_meta(i, dict)``
+    each compressed layer's meta, ``classes(i, name)`` returns each layer's class name (in both places
+    the file lists it), ``arrays_edit(dict)`` the arrays; then the checksum is recomputed."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    meta = {k: v for k, v in meta.items() if k != saved_mod._SUM_KEY}
+    record = json.loads(meta[saved_mod._INFO_KEY])
+    if info is not None:
+        info(record)
+    if classes is not None:
+        names = [classes(i, n) for i, n in enumerate(record["layer_classes"])]
+        if "layer_classes" in record:
+            record["layer_classes"] = names
+        for i, n in enumerate(names):
+            meta[f"1.{i}"] = n
+    meta[saved_mod._INFO_KEY] = json.dumps(record)
+    if layer_meta is not None:
+        for key in [k for k in arrays if k.endswith(".meta")]:
+            m = json.loads("".join(chr(c) for c in arrays[key].tolist()))
+            layer_meta(int(key.split(".")[0]), m)
+            arrays[key] = mx.array([ord(c) for c in json.dumps(m)])
+    if arrays_edit is not None:
+        arrays_edit(arrays)
+    raw = path.with_name(path.name + ".raw.safetensors")
+    mx.save_safetensors(str(raw), arrays, meta)
+    saved_mod._write_with_checksum(str(raw), str(path))
+    raw.unlink()
+    return path
+
+
+@pytest.fixture()
+def none_file(tiny, tmp_path):
+    path = tmp_path / "none.safetensors"
+    save_cache(path, _prefilled(tiny, "none", None), model_id="tiny-llama", tokens=TOKENS, method="none")
+    return path
+
+
+def _set(key, value):
+    def edit(d):
+        d[key] = value
+    return edit
+
+
+def _drop(key):
+    return lambda d: d.pop(key)
+
+
+def _scalars(**extra):
+    return lambda i, m: m["scalars"].update(extra)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (dict(info=_set("offset", 10 ** 12), layer_meta=lambda i, m: m.update(offset=10 ** 12)),
+     "'offset' = 1000000000000 does not equal 'n_tokens' (300)"),
+    (dict(info=_set("n_tokens", 10 ** 12)), "'offset' = 300 does not equal 'n_tokens' (1000000000000)"),
+    (dict(layer_meta=lambda i, m: m.update(offset=10 ** 12)), "offset 1000000000000 differs from the file's 300"),
+    (dict(info=_set("tokens", [-1] + TOKENS[1:])), "'tokens' must be token ids"),
+    (dict(info=_set("n_layers", 10 ** 9)), "'n_layers' = 1000000000 is outside"),
+    (dict(info=_set("head_shapes", [[2, 10 ** 9, 16]] * 4)), "'head_shapes[0]' must be null or [H_kv, D_key"),
+    (dict(info=_set("state_bytes", 10 ** 15)), "'state_bytes' = 1000000000000000 is more than the file's"),
+    (dict(info=_set("method", "snapkv")), "layer 0 holds a 'kivi' cache but the file says method 'snapkv'"),
+    (dict(info=_set("method", "os")), "'method' 'os' is not a method name"),
+    (dict(layer_meta=lambda i, m: m.update(config=json.dumps({"method": "snapkv"}))),
+     "holds a 'kivi' cache configured for 'snapkv', but the file says method 'kivi'"),
+    (dict(layer_meta=lambda i, m: m.update(config=json.dumps({"method": "kivi", "dtype": "random"}))),
+     "dtype 'random' is not one of float16, bfloat16, float32"),
+    (dict(layer_meta=lambda i, m: m.update(config=json.dumps({"method": "kivi", "store": "os.system"}))),
+     "are never saved"),
+    (dict(layer_meta=_scalars(_dense=1)), "scalars ['_dense'] are not attributes KIVIKVCache declares"),
+    (dict(layer_meta=_scalars(__dict__={})), "scalars ['__dict__'] are not attributes"),
+    (dict(layer_meta=_scalars(__class__="KVCache")), "scalars ['__class__'] are not attributes"),
+    (dict(layer_meta=_scalars(update_and_fetch=0)), "scalars ['update_and_fetch'] are not attributes"),
+    (dict(layer_meta=_scalars(n_res={"a": 1})), "scalar 'n_res' must be a number"),
+    (dict(layer_meta=lambda i, m: m.update(shape=[2, 16, 64])), "head shape [2, 16, 64] differs from the recorded"),
+    (dict(layer_meta=lambda i, m: m.update(extra=1)), "its meta must have exactly config, offset, scalars and shape"),
+    (dict(classes=lambda i, n: "os"), "layer 0 is 'os'; a 'kivi' file may hold only"),
+    (dict(classes=lambda i, n: "__builtins__"), "layer 0 is '__builtins__'"),
+    (dict(classes=lambda i, n: "_BaseCache"), "layer 0 is '_BaseCache'"),
+    (dict(classes=lambda i, n: "CacheList"), "layer 0 is 'CacheList'"),
+    (dict(classes=lambda i, n: "SnapKVKVCache"), "layer 0 holds a 'snapkv' cache but the file says method 'kivi'"),
+    (dict(arrays_edit=lambda a: a.update({"0.evil": mx.zeros((1,))})), "arrays ['evil'] are not among the class's"),
+])
+def test_forged_kivi_file_is_refused_naming_the_field(kivi_file, tiny, edit, needle):
+    _forge(kivi_file, **edit)
+    with pytest.raises(SavedCacheError, match="kivi.safetensors: corrupt") as err:
+        load_cache(kivi_file, model=tiny)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["library_version", "method", "config", "model_id", "n_layers", "layer_classes",
+                                 "head_shapes", "offset", "n_tokens", "tokens", "kv_bytes", "state_bytes"])
+def test_missing_metadata_keys_are_a_saved_cache_error(kivi_file, key):
+    _forge(kivi_file, info=_drop(key))
+    with pytest.raises(SavedCacheError, match=f"corrupt veloxquant metadata: '{key}' is missing"):
+        read_cache_info(kivi_file)
+
+
+def test_missing_metadata_key_is_one_line_and_exit_2_in_the_cli(capsys, kivi_file):
+    _forge(kivi_file, info=_drop("offset"))
+    code, out, err = run_cli(capsys, "cache", "info", str(kivi_file))
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "'offset' is missing" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("edit, needle", [  # same byte sizes as the arrays they replace (KVCache: 512 rows)
+    (lambda a: a.update({"0.0": mx.zeros((1, 4, 256, 16))}), "layer 0 (KVCache) is inconsistent with its recorded "
+                                                             "head shape [2, 16, 16]"),
+    (lambda a: a.update({"1.1": mx.zeros((1, 2, 256, 32))}), "layer 1 (KVCache) is inconsistent"),
+    (lambda a: a.update({"2.0": mx.zeros((1, 2, 512, 16), dtype=mx.int32),
+                         "2.1": mx.zeros((1, 2, 512, 16), dtype=mx.int32)}), "keys/values of dtype"),
+])
+def test_forged_plain_cache_arrays_are_refused(none_file, edit, needle):
+    _forge(none_file, arrays_edit=edit)
+    with pytest.raises(SavedCacheError, match="corrupt or forged") as err:
+        load_cache(none_file)
+    assert needle in str(err.value)
+
+
+def test_forged_compressed_arrays_are_refused(kivi_file):
+    """A KIVI layer whose float16 residual holds other heads than recorded."""
+    arrays, _ = mx.load(str(kivi_file), return_metadata=True)
+    name, array = next((k, v) for k, v in arrays.items() if k.startswith("0.") and v.ndim == 4 and v.shape[1] == 2)
+    widened = mx.concatenate([array, array], axis=1)
+    _forge(kivi_file, arrays_edit=lambda a: a.update({name: widened}))
+    with pytest.raises(SavedCacheError, match="corrupt or forged: layer 0 \\(KIVIKVCache\\)"):
+        load_cache(kivi_file)
+
+
+def test_no_saved_file_runs_code_or_imports_modules(kivi_file, tiny, monkeypatch):
+    """Class names and scalars naming modules, callables or dunder attributes are refused before any
+    object is built: loading such files imports nothing and sets no attribute."""
+    import sys
+
+    clean = kivi_file.read_bytes()
+    load_cache(kivi_file, model=tiny)  # warm: the modules a real load imports
+    before = set(sys.modules)
+    built = []
+    for name in ("KIVIKVCache", "KVCache"):
+        cls = getattr(__import__("mlx_lm.models.cache", fromlist=[name]), name)
+        monkeypatch.setattr(cls, "from_state", classmethod(lambda c, state: built.append(c)), raising=True)
+    attacks = [
+        dict(classes=lambda i, n: "os.system"), dict(classes=lambda i, n: "subprocess"),
+        dict(classes=lambda i, n: "mx"), dict(classes=lambda i, n: "__import__"),
+        dict(info=_set("method", "__import__")), dict(layer_meta=_scalars(__reduce__="os.system")),
+        dict(layer_meta=_scalars(__init_subclass__=1)),
+        dict(layer_meta=lambda i, m: m.update(config=json.dumps({"method": "kivi", "dtype": "__builtins__"}))),
+    ]
+    for attack in attacks:
+        kivi_file.write_bytes(clean)
+        _forge(kivi_file, **attack)
+        with pytest.raises(SavedCacheError):
+            load_cache(kivi_file, model=tiny)
+    assert built == []
+    assert set(sys.modules) == before

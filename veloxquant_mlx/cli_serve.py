@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 
 
 def add_subcommand(sub) -> None:
@@ -20,10 +22,19 @@ def add_subcommand(sub) -> None:
                    help="a KVCacheConfig field for the default method (repeatable)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    s.add_argument("--allow-origin", action="append", metavar="ORIGIN", default=[],
+                   help="a web origin (e.g. http://localhost:3000) whose pages may call the server (repeatable; "
+                        "default: none, requests carrying another Origin header get HTTP 403)")
+    s.add_argument("--api-key", default=os.environ.get("VELOXQUANT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request (default: $VELOXQUANT_API_KEY; "
+                        "unset = no key)")
+    s.add_argument("--socket-timeout", type=float, default=30.0,
+                   help="seconds a client connection may stall on a read or write before it is dropped (default 30)")
     s.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--max-prompt-tokens", type=int, default=8192,
-                   help="longer prompts get HTTP 413 (default 8192)")
+                   help="longer prompts get HTTP 413 (default 8192, SmolLM2's context; prefill time grows with "
+                        "it and one prompt holds the generation thread: lower it on a slow machine)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413 (default 1 MiB)")
     s.add_argument("--prompt-cache-size", type=int, default=10,
                    help="finished caches kept for prefix reuse (0: none)")
@@ -47,6 +58,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  "decode_concurrency"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (math.isfinite(args.socket_timeout) and args.socket_timeout > 0):
+        raise UsageError(f"--socket-timeout must be a positive number of seconds, got {args.socket_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key must not be empty")
     if args.prompt_cache_size < 0:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if args.max_tokens > args.max_tokens_limit:
@@ -59,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cli_args = server_args(args.model, host=args.host, port=args.port, max_tokens=args.max_tokens,
                            prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
                            decode_concurrency=args.decode_concurrency, prefill_step_size=args.prefill_step_size,
-                           log_level=args.log_level)
+                           log_level=args.log_level, allowed_origins=list(args.allow_origin))
     serve(kv, cli_args, max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-          max_tokens_limit=args.max_tokens_limit)
+          max_tokens_limit=args.max_tokens_limit, socket_timeout=args.socket_timeout, api_key=args.api_key)
     return 0

@@ -26,9 +26,21 @@ What this module adds:
 * **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` (bytes of
   the arrays the caches hold) next to the fp16 bytes of mlx_lm's plain cache for the same tokens,
   tokens seen and kept, and process memory.
-* **Bad input gets a 4xx JSON error** naming the problem (malformed JSON, unknown model, method or
-  field, bad values, bodies over ``--max-body-bytes``, prompts over ``--max-prompt-tokens``); the
-  server goes on serving.
+* **Bad input gets a 4xx JSON error** naming the field (malformed JSON or UTF-8, a non-numeric
+  Content-Length, unknown model, method or field, bad values: booleans or NaN where numbers belong,
+  seeds MLX cannot take, ``top_k`` and ``logit_bias`` ids outside the vocabulary, non-string ``stop``
+  items, malformed messages, template errors, bodies over ``--max-body-bytes``, prompts over
+  ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
+  Images are refused before anything is fetched (the served models are text-only).
+* **Every failure gets an answer and fails only its own requests.** A failure after generation started
+  is a 500 JSON error, or a final SSE error event on a stream already under way; an exception that
+  escapes mlx_lm's generation loop fails the requests the loop was serving, re-queues those it had not
+  started, and the loop starts again (mlx_lm would end its thread: every later request failing).
+* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (a
+  request from another origin gets 403); ``--api-key`` requires a bearer token; every socket read and
+  write is bounded by ``--socket-timeout``; a request whose client has closed its connection is
+  cancelled at its next prefill chunk or decode step; a disconnecting streaming client leaves no
+  traceback. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
 """
 
 from __future__ import annotations
@@ -37,8 +49,14 @@ import argparse
 import copy
 import dataclasses
 import gc
+import hmac
+import io
 import json
 import logging
+import math
+import re
+import select
+import socket
 import threading
 import time
 import weakref
@@ -57,6 +75,8 @@ NONE = "none"
 EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
+DEFAULT_SOCKET_TIMEOUT = 30.0
+_POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
 
 class RequestError(ValueError):
@@ -73,8 +93,15 @@ _pending = threading.local()
 
 
 def _remember_status(error: Exception) -> None:
-    if isinstance(error, RequestError):
-        _pending.status = error.status
+    _pending.status = error.status if isinstance(error, RequestError) else 500
+
+
+class ClientGone(Exception):
+    """The client of a request closed its connection: the request is cancelled, nothing is sent."""
+
+
+class RequestCancelled(Exception):
+    """Raised in the generation thread to stop the prefill of a request whose client has gone."""
 
 
 # --------------------------------------------------------------------------- #
@@ -164,8 +191,11 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
             from .cache import KVCacheBuilder
 
             KVCacheBuilder.for_model(model, config)
-    except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError) as e:
+    except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError, OverflowError) as e:
         raise RequestError(400, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - whatever else a config or cache constructor raises is the request's
+        raise RequestError(400, f"kv_cache settings {sets!r} for method {method!r} were refused: "
+                                f"{type(e).__name__}: {e}") from None
     return KVSettings(method, tuple(sorted(parsed.items(), key=lambda kv: kv[0])), config)
 
 
@@ -175,7 +205,8 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
 
 
 def cache_figures(model, caches) -> dict:
-    """Tokens seen and kept, measured bytes and the fp16 reference for one request's caches."""
+    """Tokens seen and kept, measured bytes and the fp16 reference for one request's caches
+    (``kv_fraction_of_fp16`` = held bytes / fp16 bytes, the project's one ratio convention)."""
     seen = cache_tokens(caches)
     kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
     measured = kv_bytes(caches)
@@ -183,7 +214,7 @@ def cache_figures(model, caches) -> dict:
     return {"tokens_seen": seen, "tokens_kept_max": max(kept, default=0),
             "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0,
             "kv_bytes": measured, "kv_bytes_fp16": reference,
-            "ratio_vs_fp16": (measured / reference) if reference else None}
+            "kv_fraction_of_fp16": (measured / reference) if reference else None}
 
 
 def batch_figures(model, caches) -> dict:
@@ -195,11 +226,11 @@ def batch_figures(model, caches) -> dict:
     if not hasattr(first, "lens"):
         padding = getattr(first, "left_padding", None)
         return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
-                "kv_bytes": measured, "kv_bytes_fp16": None, "ratio_vs_fp16": None}
+                "kv_bytes": measured, "kv_bytes_fp16": None, "kv_fraction_of_fp16": None}
     lens = list(first.lens)
     reference = sum(fp16_kv_bytes(model, n) for n in lens)
     return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
-            "ratio_vs_fp16": (measured / reference) if reference else None}
+            "kv_fraction_of_fp16": (measured / reference) if reference else None}
 
 
 def process_memory() -> dict:
@@ -402,17 +433,18 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
 class ServedModelProvider(mlx_server.ModelProvider):
     """Serves one model (default: the embedded SmolLM2), loaded through ``veloxquant_mlx.model``."""
 
-    def __init__(self, cli_args):
+    def __init__(self, cli_args, loaded: Optional[tuple] = None):
         super().__init__(cli_args)
         self.served_id = cli_args.model
+        self._loaded = loaded  # (model, tokenizer) given by the caller instead of loading served_id
         self.kv: Optional[KVSettings] = None  # settings of the request being scheduled (see _is_batchable)
         self._wrapped: dict = {}
-        self._aliases = {None, "default_model", cli_args.model}
+        self.aliases = {None, "default_model", cli_args.model}
         if cli_args.model == EMBEDDED_ID:
-            self._aliases |= {"smollm2", "SmolLM2-135M-Instruct"}
+            self.aliases |= {"smollm2", "SmolLM2-135M-Instruct"}
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        if model_path not in self._aliases:
+        if model_path not in self.aliases:
             raise RequestError(404, f"model {model_path!r} is not served here; this server serves "
                                     f"{self.served_id!r}")
         if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
@@ -420,9 +452,12 @@ class ServedModelProvider(mlx_server.ModelProvider):
         if self.model is not None:
             self.model_key = (self.served_id, None, None)
             return
-        from .model import load_model
+        if self._loaded is not None:
+            model, tokenizer = self._loaded
+        else:
+            from .model import load_model
 
-        model, tokenizer = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
+            model, tokenizer = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
         self.model_key = (self.served_id, None, None)
         self.model, self.tokenizer = model, tokenizer
         self.processor, self.draft_model = None, None
@@ -443,8 +478,32 @@ class ServedModelProvider(mlx_server.ModelProvider):
         return self._wrapped[kv.key], self.tokenizer
 
 
+class _TrackedQueue:
+    """A request's response queue as the generation thread sees it. It remembers whether the request has
+    started (its first item, the context, was put) and finished (``None`` or an exception), so that a
+    failure of the generation loop fails the requests it was serving and re-queues, once, those it had
+    not started."""
+
+    __slots__ = ("queue", "request", "started", "done", "retried", "__weakref__")
+
+    def __init__(self, queue, request: tuple, retried: bool = False):
+        self.queue = queue
+        self.request = request  # (request, generation args), to re-queue
+        self.started = self.done = False
+        self.retried = retried
+
+    def put(self, item) -> None:
+        self.started = True
+        if item is None or isinstance(item, Exception):
+            self.done = True
+        self.queue.put(item)
+
+
 class CompressedResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx_lm's generation thread; compressed requests are served one at a time by ``_serve_single``."""
+    """mlx_lm's generation thread; compressed requests are served one at a time by ``_serve_single``.
+
+    An exception that escapes mlx_lm's loop (e.g. raised inside its batch step) no longer ends the
+    thread: the requests it was serving get the error and the loop starts again (``_run_generate``)."""
 
     def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore, counters: dict):
         self.default_kv = default_kv
@@ -453,18 +512,80 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self.counters = counters
         self.last_reuse = None  # the prefix-reuse decision of the latest request served one at a time
         self._ids = 0
+        self._count_lock = threading.Lock()
+        self._in_flight: weakref.WeakSet = weakref.WeakSet()  # before the thread starts
         super().__init__(provider, prompt_cache)
 
+    def count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    def _run_generate(self):
+        while not self._stop:
+            try:
+                self._generate()
+                return
+            except Exception as e:  # noqa: BLE001 - any failure fails the requests in flight, not the server
+                if self._stop:
+                    return
+                logging.error("generation loop failed (%s: %s); failing its requests and going on",
+                              type(e).__name__, e, exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
+                failure = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
+                for q in list(self._in_flight):
+                    if q.done:
+                        continue
+                    if q.started or q.retried:
+                        q.put(failure)
+                    else:  # waiting behind the failed batch: served by the restarted loop
+                        self.requests.put((_TrackedQueue(q.queue, q.request, retried=True), *q.request))
+                self._in_flight = weakref.WeakSet()
+                self.count("generation_failures")
+                del e
+                gc.collect()
+                time.sleep(0.05)  # no busy loop should the failure repeat without requests
+
+    def _next_request(self, timeout=None):
+        request = super()._next_request(timeout)
+        if request is None:
+            return None
+        queue = request[0]
+        tracked = queue if isinstance(queue, _TrackedQueue) else _TrackedQueue(queue, tuple(request[1:]))
+        self._in_flight.add(tracked)
+        return (tracked, *request[1:])
+
     def generate(self, request, generation_args, progress_callback=None):
+        """mlx_lm's ``generate`` on the handler's thread; while the client of a non-streaming request
+        waits, its connection is checked at each progress report and token, and a closed one stops the
+        request (``ClientGone``; the generation thread drops it at its next step)."""
         kv = getattr(request, "kv", None) or self.default_kv
         generation_args.kv = kv
         generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
-        self.counters["requests"] += 1
+        self.count("requests")
+        gone = getattr(_pending, "client_gone", None) or (lambda: False)
+        started = []
+
+        def progress(done, total):
+            if gone():
+                started[0].stop()
+                raise ClientGone()
+            if progress_callback is not None:
+                progress_callback(done, total)
+
         try:
-            return super().generate(request, generation_args, progress_callback)
+            ctx, responses = super().generate(request, generation_args, progress)
         except Exception as e:
             _remember_status(e)
             raise
+        started.append(ctx)
+
+        def watched():
+            for response in responses:
+                if gone():
+                    ctx.stop()
+                    raise ClientGone()
+                yield response
+
+        return ctx, watched()
 
     def _is_batchable(self, args):
         # mlx_lm's loop calls this for each request just before loading the model and fetching a
@@ -481,8 +602,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             return super()._serve_single(request, stream)
         try:
             self._serve_compressed(rqueue, req, args, kv, stream)
-        except Exception as e:  # reported to the request's handler, the thread goes on
-            self.counters["errors"] += 1
+        except Exception as e:  # reported to the request's handler (its response counts it), the thread goes on
             rqueue.put(e)
         finally:
             gc.collect()
@@ -506,9 +626,9 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         if caches is None:
             caches = KVCacheBuilder.for_model(model, kv.config)
         ctx.prompt_cache_count = reused
-        self.counters["served_one_at_a_time"] += 1
-        self.counters["prompt_tokens_one_at_a_time"] += len(prompt)
-        self.counters["reused_tokens"] += reused
+        self.count("served_one_at_a_time")
+        self.count("prompt_tokens_one_at_a_time", len(prompt))
+        self.count("reused_tokens", reused)
         rqueue.put(ctx)
 
         if args.seed is not None:
@@ -517,13 +637,19 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         live_id = self._ids
         self.live[live_id] = (kv, caches)
         tokens = list(prompt)
+
+        def progress(done, total):
+            if ctx._should_stop:  # the client has gone: stop the prefill here
+                raise RequestCancelled()
+            rqueue.put((done, total))
+
         try:
             matcher = stop_sequences.matcher()
             for gen in stream_generate(
                 model=model, tokenizer=tokenizer, prompt=prompt[reused:], max_tokens=args.max_tokens,
                 sampler=mlx_server._make_sampler(args, tokenizer),
                 logits_processors=mlx_server._make_logits_processors(args), prompt_cache=caches,
-                prompt_progress_callback=lambda done, total: rqueue.put((done, total)),
+                prompt_progress_callback=progress,
                 prefill_step_size=self.cli_args.prefill_step_size, stream=stream,
             ):
                 finish = gen.finish_reason
@@ -543,6 +669,10 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         seen = max(int(c.offset) for c in caches)
         if kv.reuse and is_reusable(caches) and self.store.max_entries > 0 and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
+
+    def _counters_copy(self) -> dict:
+        with self._count_lock:
+            return dict(self.counters)
 
     def stats(self) -> dict:
         model = self.model_provider.model
@@ -564,15 +694,62 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             "live": live,
             "cached": cached,
             "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
-            "counters": dict(self.counters),
+            "counters": self._counters_copy(),
             "last_one_at_a_time_reuse": self.last_reuse,
             "process": process_memory(),
             "time": time.time(),
         }
 
 
+_INT_FIELDS = ("max_tokens", "top_k", "num_draft_tokens", "repetition_context_size", "presence_context_size",
+               "frequency_context_size", "top_logprobs", "seed")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "xtc_probability", "xtc_threshold")
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_IMAGE_TYPES = ("image_url", "input_image", "image")
+
+
+def _check_messages(messages) -> None:
+    """Refuse malformed chat messages with a 400 naming the field, before any of mlx_lm's processing
+    (which fetches remote image URLs and feeds the chat template whatever it is given)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(400, f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise RequestError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise RequestError(400, f"messages[{i}].content must be a string, null or a list of "
+                                    f"{{type: text, text}} parts, got {type(content).__name__}")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _IMAGE_TYPES:
+                raise RequestError(400, f"messages[{i}].content[{j}]: image inputs are not supported by "
+                                        "veloxquant serve (it serves text-only models); nothing was fetched")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": "
+                                        f"STRING}}, got {part!r}"[:300])
+
+
 class CompressedAPIHandler(mlx_server.APIHandler):
-    """mlx_lm's handler plus ``/v1/kv/stats``, request ``kv_cache`` settings and size limits."""
+    """mlx_lm's handler plus ``/v1/kv/stats``, request ``kv_cache`` settings, size limits, origin and
+    API-key checks, a socket timeout, and request validation that refuses, with a 4xx JSON error naming
+    the field, whatever could otherwise fail inside the generation thread."""
+
+    def __init__(self, response_generator, *args, **kwargs):
+        self.timeout = response_generator.limits["socket_timeout"]  # read by StreamRequestHandler.setup
+        super().__init__(response_generator, *args, **kwargs)
+
+    # ------------------------------------------------------------------ responses
+    def send_response(self, code, message=None):
+        if code >= 400:
+            self.response_generator.count("errors")
+        super().send_response(code, message)
 
     def _set_completion_headers(self, status_code: int = 200):
         pending = getattr(_pending, "status", None)
@@ -581,13 +758,84 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         _pending.status = None
         super()._set_completion_headers(status_code)
 
-    def _send_json(self, status: int, obj) -> None:
+    def _set_stream_headers(self, status_code: int = 200):
+        self._stream_started = True
+        super()._set_stream_headers(status_code)
+
+    def _set_cors_headers(self):
+        """Cross-origin access only for the origins the operator allowed (``--allow-origin``)."""
+        origin = self.headers.get("Origin")
+        allowed = self.response_generator.cli_args.allowed_origins
+        if origin is not None and ("*" in allowed or origin in allowed):
+            self.send_header("Access-Control-Allow-Origin", "*" if "*" in allowed else origin)
+            self.send_header("Vary", "Origin")
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+
+    def _send_json(self, status: int, obj, headers: Optional[dict] = None) -> None:
+        _pending.status = None
         self._set_completion_headers(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        data = json.dumps(obj).encode()
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(json.dumps(obj).encode())
+        self.wfile.write(data)
         self.wfile.flush()
 
+    def _guarded(self, method) -> None:
+        """Run a request; a client that went away or stalled past the socket timeout ends it quietly."""
+        _pending.status = None
+        _pending.client_gone = self._client_gone
+        try:
+            method()
+        except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError) as e:
+            self.close_connection = True
+            if isinstance(e, ClientGone):
+                self.response_generator.count("cancelled_client_gone")
+            logging.info("client %s gone (%s): request dropped", self.client_address[0], type(e).__name__)
+        finally:
+            _pending.client_gone = None
+
+    def _client_gone(self) -> bool:
+        """True when the client closed its connection (readable with nothing to read: EOF)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    # ------------------------------------------------------------------ access
+    def _access_refused(self) -> bool:
+        """Send 403 for a browser request from an origin not allowed, 401 without the API key."""
+        origin = self.headers.get("Origin")
+        allowed = self.response_generator.cli_args.allowed_origins
+        if origin is not None and "*" not in allowed and origin not in allowed:
+            self.close_connection = True
+            self._send_json(403, {"error": f"origin {origin!r} is not allowed (the server allows "
+                                           f"{', '.join(allowed) or 'no cross-origin requests'}; see "
+                                           "--allow-origin)"})
+            return True
+        key = self.response_generator.limits.get("api_key")
+        if key:
+            given = self.headers.get("Authorization") or ""
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
+                self.close_connection = True
+                self._send_json(401, {"error": "missing or wrong API key: send the header "
+                                               "'Authorization: Bearer KEY' (--api-key)"},
+                                headers={"WWW-Authenticate": "Bearer"})
+                return True
+        return False
+
+    def do_OPTIONS(self):
+        self._guarded(super().do_OPTIONS)
+
     def do_GET(self):
+        self._guarded(self._get)
+
+    def _get(self):
+        if self._access_refused():
+            return
         if self.path.rstrip("/") == "/v1/kv/stats":
             return self._send_json(200, self.response_generator.stats())
         if self.path.startswith("/v1/models"):
@@ -597,13 +845,96 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         return super().do_GET()
 
     def do_POST(self):
+        self._guarded(self._post)
+
+    def _post(self):
+        """Check access, the path, Content-Length and the body's encoding, then mlx_lm's ``do_POST``
+        on the body read here (so a bad or stalled body gets a JSON error, never a dropped thread)."""
+        if self._access_refused():
+            return
+        if self.path not in _POST_PATHS:
+            return self._send_json(404, {"error": f"no such endpoint: POST {self.path[:200]}"})
         limit = self.response_generator.limits["max_body_bytes"]
         length = self.headers.get("Content-Length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        if length is None:
             self.close_connection = True
-            return self._send_json(413, {"error": f"request body of {length} bytes is over the limit of "
+            return self._send_json(411, {"error": "Content-Length header is required"})
+        if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
+            self.close_connection = True
+            return self._send_json(400, {"error": f"Content-Length must be a decimal byte count, got "
+                                                  f"{length[:40]!r}"})
+        n = int(length)
+        if n > limit:
+            self.close_connection = True
+            return self._send_json(413, {"error": f"request body of {n} bytes is over the limit of "
                                                   f"{limit} bytes (--max-body-bytes)"})
-        return super().do_POST()
+        try:
+            raw = self.rfile.read(n)
+        except TimeoutError:
+            self.close_connection = True
+            return self._send_json(408, {"error": f"request body not received within "
+                                                  f"{self.timeout:g} s (Content-Length: {n})"})
+        if len(raw) < n:
+            self.close_connection = True
+            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"})
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return self._send_json(400, {"error": f"request body is not valid UTF-8 (byte {e.start}): send "
+                                                  "UTF-8 encoded JSON"})
+        socket_file, self.rfile = self.rfile, io.BytesIO(raw)
+        self._stream_started = False
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = socket_file
+
+    # ------------------------------------------------------------------ validation
+    def validate_model_parameters(self) -> None:
+        """mlx_lm's checks, plus: no booleans for numbers, finite floats, ``seed`` within what MLX
+        accepts, ``top_k`` and ``logit_bias`` ids within the vocabulary, string ``stop`` words, an object
+        for ``chat_template_kwargs``, and a served model (named in the response as the served id)."""
+        gen = self.response_generator
+        for name in _INT_FIELDS + _FLOAT_FIELDS:
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {json.dumps(getattr(self, name))}")
+        super().validate_model_parameters()
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        vocab = gen.vocab_size
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
+        if self.top_k >= vocab:
+            raise ValueError(f"top_k={self.top_k} is not below the vocabulary of {vocab} tokens (allowed: 0 "
+                             f"= off, or 1..{vocab - 1})")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if not 0 <= token < vocab:
+                    raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab} "
+                                     f"tokens (ids 0..{vocab - 1})")
+                if not math.isfinite(bias):
+                    raise ValueError(f"logit_bias[{token}] must be a finite number, got {bias}")
+        stop = self.body.get("stop")
+        words = [stop] if isinstance(stop, str) else stop
+        if words is not None and (not isinstance(words, list)
+                                  or not all(isinstance(w, str) and w for w in words)):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got "
+                             f"{json.dumps(stop)[:200]}")
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be an object, got {json.dumps(kwargs)[:200]}")
+        for name in ("tools", "role_mapping"):
+            value = self.body.get(name)
+            expected = list if name == "tools" else dict
+            if value is not None and not isinstance(value, expected):
+                raise ValueError(f"{name} must be {'a list' if expected is list else 'an object'}, got "
+                                 f"{json.dumps(value)[:200]}")
+        provider = gen.model_provider
+        if self.requested_model not in provider.aliases:
+            self._reject(404, f"model {self.requested_model!r} is not served here; this server serves "
+                              f"{provider.served_id!r}")
+        self.requested_model = provider.served_id  # responses name the served model
 
     def _checked(self, request):
         """Attach the request's KV settings and check its prompt length (raises RequestError)."""
@@ -612,7 +943,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             if spec is not None:
                 if not isinstance(spec, dict) or set(spec) - {"method", "settings", "reuse"}:
                     raise RequestError(400, 'kv_cache must be {"method": NAME, "settings": {FIELD: VALUE}, '
-                                            f'"reuse": BOOL}} (each optional), got {spec!r}')
+                                            f'"reuse": BOOL}} (each optional), got {spec!r}'[:400])
                 reuse = spec.get("reuse", True)
                 if not isinstance(reuse, bool):
                     raise RequestError(400, f"kv_cache.reuse must be true or false, got {reuse!r}")
@@ -625,14 +956,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             if self.max_tokens > max_tokens:
                 raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "
                                         f"{max_tokens}")
-            tokenizer = self.response_generator.model_provider.tokenizer
-            if request.request_type == "chat":
-                n = len(tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                      tools=request.tools))
-            else:
-                if not isinstance(request.prompt, str):
-                    raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")
-                n = len(tokenizer.encode(request.prompt))
+            n = len(self._prompt_tokens(request))
             cap = self.response_generator.limits["max_prompt_tokens"]
             if n > cap:
                 raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "
@@ -642,16 +966,58 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             raise
         return request
 
+    def _prompt_tokens(self, request) -> list:
+        """The prompt as the generation thread will build it; a template error is the client's (400)."""
+        tokenizer = self.response_generator.model_provider.tokenizer
+        if request.request_type != "chat":
+            if not isinstance(request.prompt, str):
+                raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")
+            return tokenizer.encode(request.prompt)
+        try:
+            messages = copy.deepcopy(request.messages)
+            mlx_server.process_message_content(messages)
+            if not tokenizer.has_chat_template:
+                return tokenizer.encode(mlx_server.convert_chat(messages, request.role_mapping))
+            kwargs = {**self.response_generator.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=request.tools,
+                                                 **{**kwargs, "tokenize": True})
+        except Exception as e:  # noqa: BLE001 - the template's own error, whatever its type
+            raise RequestError(400, "messages (with tools and chat_template_kwargs) could not be rendered by "
+                                    f"the model's chat template: {type(e).__name__}: {e}"[:500]) from None
+
     def handle_chat_completions(self):
-        messages = self.body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return self._reject(400, "messages must be a non-empty list of {role, content} objects")
+        try:
+            _check_messages(self.body.get("messages"))
+        except RequestError as e:
+            _remember_status(e)
+            raise
         return self._checked(super().handle_chat_completions())
 
     def handle_text_completions(self):
         if "prompt" not in self.body:
             return self._reject(400, "prompt is required")
         return self._checked(super().handle_text_completions())
+
+    def handle_completion(self, request, stop_words):
+        """mlx_lm's response loop; a failure after generation has started still gets an answer: a JSON
+        error with its status before the response has begun, else a final SSE ``error`` event."""
+        try:
+            super().handle_completion(request, stop_words)
+        except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to the client, the server goes on
+            status = e.status if isinstance(e, RequestError) else 500
+            message = str(e) or type(e).__name__
+            logging.warning("request failed after it started (%s): %s", status, message)
+            self.close_connection = True
+            if self._stream_started:
+                self.response_generator.count("errors")
+                event = {"error": {"message": message, "status": status}}
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            else:
+                self._headers_buffer = []  # drop the buffered 200 header: nothing was sent yet
+                self._send_json(status, {"error": message})
 
     def _reject(self, status: int, message: str):
         error = RequestError(status, message)
@@ -667,7 +1033,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
     """The argument namespace mlx_lm's server pieces read, with its defaults."""
     args = dict(
-        model=model or EMBEDDED_ID, adapter_path=None, host="127.0.0.1", port=8080, allowed_origins=["*"],
+        model=model or EMBEDDED_ID, adapter_path=None, host="127.0.0.1", port=8080, allowed_origins=[],
         draft_model=None, num_draft_tokens=3, trust_remote_code=False, log_level="INFO", chat_template="",
         use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=512,
         chat_template_args={}, decode_concurrency=32, prompt_concurrency=8, prefill_step_size=2048,
@@ -678,12 +1044,24 @@ def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
+def output_vocab_size(model) -> int:
+    """Width of the model's logits: the ids ``logit_bias`` may name and the bound of ``top_k``. (MLX
+    infers the shape without computing the forward pass.)"""
+    return int(model(mx.array([[0]])).shape[-1])
+
+
 def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS,
-                max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None):
+                max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None,
+                socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, api_key: Optional[str] = None,
+                loaded: Optional[tuple] = None):
     """A ready ``ThreadingHTTPServer`` (not yet serving) and its response generator.
 
-    Port 0 picks a free port (``httpd.server_address``). Call ``shutdown(httpd, generator)`` to stop."""
-    provider = ServedModelProvider(cli_args)
+    Port 0 picks a free port (``httpd.server_address``). ``socket_timeout`` bounds each read and write
+    on a client connection; ``api_key`` makes every request need ``Authorization: Bearer KEY``;
+    ``cli_args.allowed_origins`` lists the origins a browser page may call from (default: none).
+    ``loaded`` is an already loaded ``(model, tokenizer)`` to serve under the id ``cli_args.model``.
+    Call ``shutdown(httpd, generator)`` to stop."""
+    provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     if kv.method != NONE:  # per-layer configuration errors surface now, not on the first request
         from .cache import KVCacheBuilder
@@ -691,19 +1069,27 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
         KVCacheBuilder.for_model(provider.model, kv.config)
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
     # requests: all POSTed generations; served_one_at_a_time: compressed requests without a batch form;
-    # reused_tokens: prompt tokens taken from a kept cache (both paths); errors: failed generations
+    # reused_tokens: prompt tokens taken from a kept cache (both paths); errors: 4xx/5xx responses and
+    # error events ending a started stream; cancelled_client_gone: requests stopped because their client
+    # closed the connection; generation_failures: failures of the generation loop that it survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
-                "reused_tokens": 0, "errors": 0}
+                "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
+    generator.vocab_size = output_vocab_size(provider.model)
     generator.limits = {"max_prompt_tokens": max_prompt_tokens, "max_body_bytes": max_body_bytes,
-                        "max_tokens": max_tokens_limit or max(cli_args.max_tokens, 4096)}
-    httpd = ThreadingHTTPServer(
-        (cli_args.host, cli_args.port),
-        lambda *a, **k: CompressedAPIHandler(generator, *a, **k),
-    )
-    httpd.daemon_threads = True
+                        "max_tokens": max_tokens_limit or max(cli_args.max_tokens, 4096),
+                        "socket_timeout": socket_timeout, "api_key": api_key}
+    httpd = _HTTPServer((cli_args.host, cli_args.port), lambda *a, **k: CompressedAPIHandler(generator, *a, **k))
     return httpd, generator
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """One thread per connection (each bounded by the socket timeout), and a listen backlog deep enough
+    that a burst of connections waits in it instead of having its packets dropped by the kernel."""
+
+    daemon_threads = True
+    request_queue_size = 128
 
 
 def shutdown(httpd, generator) -> None:

@@ -21,6 +21,16 @@ On top of that layout the file carries, in its safetensors metadata:
 exactly fill it, carries the veloxquant metadata, matches its checksum, has a known format version,
 holds the expected method, and fits the given model (layer count, layer types, KV heads and head
 dimensions). Every failure is a :class:`SavedCacheError` whose message names the file and the problem.
+
+The checksum only catches accidents: anyone can recompute a SHA-256. So every field read from the file
+is validated against the class that will hold it before anything is built: the metadata's keys and
+types, token ids, one offset for all layers that equals the number of tokens recorded, layer classes
+from a fixed list (this library's registered caches of the file's method, and mlx_lm's plain KV caches:
+never an arbitrary name looked up in a module), each layer's ``meta`` (its config must parse and name
+the file's method; its ``scalars`` may set only the attributes its class declares in
+``scalar_fields``; its head shape must equal the recorded one), only the array names the class
+declares, and, once rebuilt, stored rows and array shapes consistent with the recorded head shape.
+Nothing in a file names code to run or a module to import.
 A file named ``*.safetensors`` also loads with mlx_lm's ``load_prompt_cache`` once ``veloxquant_mlx.cache``
 is imported (mlx picks the format from the extension; ``load_cache`` reads any name).
 """
@@ -33,6 +43,7 @@ import os
 import struct
 from typing import Any, Optional, Sequence
 
+import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from .contract import CompressedKVCache, config_to_json
@@ -53,6 +64,13 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 
                 "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
 _MAX_HEADER = 1 << 30
 _CHUNK = 1 << 22
+#: mlx_lm's cache classes a saved file may name (their ``state`` is arrays and integers only).
+_PLAIN_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache", "MambaCache")
+_KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache")  # (keys, values, offset, ...) states
+_MAX_LAYERS = 4096
+_MAX_HEAD = 1 << 16  # bound of H_kv and head dimensions
+_MAX_TOKEN_ID = (1 << 31) - 1
+_DTYPES = ("float16", "bfloat16", "float32")
 
 
 # --------------------------------------------------------------------------- #
@@ -349,7 +367,76 @@ def read_cache_info(path) -> dict:
             f"{path}: unknown saved-cache format version {version!r} (written by veloxquant_mlx "
             f"{info.get('library_version', '?')}); veloxquant_mlx {_library_version()} reads version(s) "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+    _check_info(path, info, size)
     return {**info, "path": path, "file_bytes": size}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_info(path: str, info: dict, file_bytes: int) -> None:
+    """Every metadata field present, of its type and within bounds; layer classes from the allowed list
+    and of the file's method (see the module docstring)."""
+    from .base import METHOD_NAMES
+
+    def bad(field, why):
+        raise SavedCacheError(f"{path}: corrupt veloxquant metadata: {field} {why}")
+
+    required = {"library_version": str, "method": str, "config": dict, "model_id": str, "n_layers": int,
+                "layer_classes": list, "head_shapes": list, "offset": int, "n_tokens": int, "tokens": list,
+                "kv_bytes": int, "state_bytes": int}
+    for field, kind in required.items():
+        if field not in info:
+            bad(f"'{field}'", "is missing")
+        value = info[field]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            bad(f"'{field}'", f"must be {kind.__name__}, got {type(value).__name__}")
+    method, n = info["method"], info["n_layers"]
+    if method != NONE and method not in METHOD_NAMES:
+        bad("'method'", f"{method[:80]!r} is not a method name")
+    if not 1 <= n <= _MAX_LAYERS:
+        bad("'n_layers'", f"= {n} is outside 1..{_MAX_LAYERS}")
+    for field in ("layer_classes", "head_shapes"):
+        if len(info[field]) != n:
+            bad(f"'{field}'", f"has {len(info[field])} entries for {n} layers")
+    offset, tokens = info["offset"], info["tokens"]
+    if not (offset >= 0 and info["n_tokens"] == offset == len(tokens)):
+        bad("'offset'", f"= {offset} does not equal 'n_tokens' ({info['n_tokens']}) and the {len(tokens)} "
+                        "token ids recorded")
+    if not all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in tokens):
+        bad("'tokens'", f"must be token ids in 0..{_MAX_TOKEN_ID}")
+    for field in ("kv_bytes", "state_bytes"):
+        if info[field] < 0:
+            bad(f"'{field}'", f"= {info[field]} is negative")
+    if info["state_bytes"] > file_bytes:
+        bad("'state_bytes'", f"= {info['state_bytes']} is more than the file's {file_bytes} bytes")
+    for i, shape in enumerate(info["head_shapes"]):
+        if shape is not None and not (isinstance(shape, list) and len(shape) == 3
+                                      and all(_is_int(d) and 1 <= d <= _MAX_HEAD for d in shape)):
+            bad(f"'head_shapes[{i}]'", f"must be null or [H_kv, D_key, D_value] with each in 1..{_MAX_HEAD}, "
+                                       f"got {json.dumps(shape)[:80]}")
+    allowed = _allowed_classes(method)
+    for i, name in enumerate(info["layer_classes"]):
+        if name not in allowed:
+            held = getattr(getattr(mlx_cache, name, None), "method_name", None) if isinstance(name, str) else None
+            why = (f"holds a {held!r} cache but the file says method {method!r}" if held and held != method
+                   else f"is {str(name)[:80]!r}; a {method!r} file may hold only {', '.join(sorted(allowed))}")
+            raise SavedCacheError(f"{path}: corrupt or forged: layer {i} {why}")
+
+
+def _allowed_classes(method: str) -> dict:
+    """Name -> class of the caches a file of ``method`` may hold: mlx_lm's plain KV caches (the
+    uncompressed layers of any model) and, for a compressed method, that method's own class."""
+    allowed = {name: getattr(mlx_cache, name) for name in _PLAIN_CLASSES if hasattr(mlx_cache, name)}
+    if method != NONE:
+        from .base import method_info
+
+        cls = method_info(method).cls
+        registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
+        if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
+            allowed[cls.__name__] = cls
+    return allowed
 
 
 def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -> None:
@@ -386,13 +473,16 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
                 f"dimension {shape[1]}")
 
 
-def _rebuild(path: str) -> list:
-    """mlx_lm's ``load_prompt_cache``, for any file name (mlx picks the format from the extension)."""
-    import mlx.core as mx
+def _rebuild(path: str, info: dict) -> list:
+    """mlx_lm's ``load_prompt_cache`` for any file name (mlx picks the format from the extension), with
+    each layer's state checked against its class before ``from_state`` sees it."""
     from mlx.utils import tree_unflatten
 
     arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
     _, classes, scalars = tree_unflatten(list(meta.items()))
+    if classes != info["layer_classes"]:
+        raise SavedCacheError(f"{path}: corrupt: the file's cache classes {str(classes)[:200]} differ from its "
+                              "veloxquant metadata")
     for key, kind in scalars[1:]:
         if kind == "scalar":
             arrays[key] = arrays[key].item()
@@ -403,14 +493,113 @@ def _rebuild(path: str) -> list:
         else:
             raise SavedCacheError(f"{path}: corrupt: unknown scalar kind {kind!r} for {key!r}")
     states = tree_unflatten(list(arrays.items()))
+    if not isinstance(states, list) or len(states) != len(classes):
+        raise SavedCacheError(f"{path}: corrupt: the file holds states for {len(states)} layers, its metadata "
+                              f"lists {len(classes)}")
+    allowed = _allowed_classes(info["method"])
     caches = []
     for i, (name, state) in enumerate(zip(classes, states)):
-        cls = getattr(mlx_cache, name, None)
-        if not isinstance(cls, type) or not issubclass(cls, mlx_cache._BaseCache):
-            raise SavedCacheError(f"{path}: layer {i}: cache class {name!r} is unknown to mlx_lm and "
-                                  f"veloxquant_mlx {_library_version()}")
+        cls = allowed[name]  # read_cache_info checked every name against this list
+        if issubclass(cls, CompressedKVCache):
+            _check_layer_state(path, i, cls, state, info)
         caches.append(cls.from_state(state))
     return caches
+
+
+def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
+    """A compressed layer's ``state``: its meta (config of the file's method, offset, only the scalars
+    its class declares, the recorded head shape) and only the arrays its class declares."""
+    from .contract import config_from_json
+
+    def bad(why):
+        raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({cls.__name__}): {why}")
+
+    if not isinstance(state, dict) or not isinstance(state.get("meta"), str):
+        bad("its state is not {meta, arrays}")
+    extra = set(state) - {"meta", *cls.array_fields}
+    if extra:
+        bad(f"arrays {sorted(extra)} are not among the class's {list(cls.array_fields)}")
+    if not all(state[k] is None or isinstance(state[k], mx.array) for k in cls.array_fields if k in state):
+        bad("an array field holds a non-array value")
+    try:
+        meta = json.loads(state["meta"])
+    except ValueError:
+        bad("its meta is not JSON")
+    if not isinstance(meta, dict) or set(meta) != {"config", "offset", "scalars", "shape"}:
+        bad("its meta must have exactly config, offset, scalars and shape")
+    if not _is_int(meta["offset"]) or meta["offset"] != info["offset"]:
+        bad(f"offset {str(meta['offset'])[:40]} differs from the file's {info['offset']} tokens")
+    scalars = meta["scalars"]
+    if not isinstance(scalars, dict):
+        bad("its scalars are not an object")
+    foreign = sorted(set(scalars) - set(cls.scalar_fields))
+    if foreign:
+        bad(f"scalars {str(foreign)[:200]} are not attributes {cls.__name__} declares "
+            f"(its scalar_fields: {', '.join(cls.scalar_fields) or 'none'})")
+    for k, v in scalars.items():
+        if not _plain_value(v):
+            bad(f"scalar {k!r} must be a number, string, boolean, null or a list of them")
+    recorded = info["head_shapes"][i]
+    if meta["shape"] != (recorded or []):
+        bad(f"head shape {str(meta['shape'])[:80]} differs from the recorded {recorded}")
+    config = meta["config"]
+    try:
+        fields = json.loads(config) if isinstance(config, str) else None
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        if fields.get("dtype", "float16") not in _DTYPES:
+            raise ValueError(f"dtype {str(fields['dtype'])[:40]!r} is not one of {', '.join(_DTYPES)}")
+        if set(fields) & {"store", "observers", "options"}:
+            raise ValueError(f"fields {sorted(set(fields) & {'store', 'observers', 'options'})} are never saved")
+        parsed = config_from_json(config)
+    except Exception as exc:  # noqa: BLE001 - whatever the config's own validation raises
+        bad(f"its config does not parse: {type(exc).__name__}: {str(exc)[:200]}")
+    if parsed.method != info["method"] or cls.method_name != info["method"]:
+        bad(f"it holds a {cls.method_name!r} cache configured for {parsed.method!r}, but the file says method "
+            f"{info['method']!r}")
+
+
+def _plain_value(v) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, list) and all(_plain_value(x) for x in v)
+
+
+def _check_rebuilt(path: str, caches: list, info: dict) -> None:
+    """After ``from_state``: offsets, stored rows and the arrays' shapes agree with the recorded head
+    shapes (shapes only: MLX infers them without computing anything)."""
+    for i, (c, recorded) in enumerate(zip(caches, info["head_shapes"])):
+        name = type(c).__name__
+        try:
+            if isinstance(c, CompressedKVCache):
+                rows = int(c.stored_rows())
+                if not 0 <= rows <= info["offset"] or c.offset != info["offset"]:
+                    raise ValueError(f"{rows} stored rows at offset {c.offset} for {info['offset']} tokens")
+                keys, values = c._dense() if rows else (None, None)
+            elif name in _KV_CLASSES:
+                keys, values = c.keys, c.values
+                if not _is_int(c.offset) or c.offset != info["offset"]:
+                    raise ValueError(f"offset {c.offset} for {info['offset']} tokens")
+                if name == "KVCache" and keys is not None and keys.shape[2] < c.offset:
+                    raise ValueError(f"{keys.shape[2]} rows for offset {c.offset}")
+            else:
+                continue
+            if keys is None or recorded is None:
+                continue
+            h, dk, dv = recorded
+            if (keys.ndim, values.ndim) != (4, 4) or (keys.shape[1], keys.shape[3]) != (h, dk) \
+                    or (values.shape[1], values.shape[3]) != (h, dv) or keys.shape[2] != values.shape[2]:
+                raise ValueError(f"keys {keys.shape} and values {values.shape} do not hold {h} heads of "
+                                 f"dimensions {dk}/{dv}")
+            if isinstance(c, CompressedKVCache) and keys.shape[2] != rows:
+                raise ValueError(f"{keys.shape[2]} rows where the cache says it stores {rows}")
+            if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+                raise ValueError(f"keys/values of dtype {keys.dtype}/{values.dtype}")
+        except SavedCacheError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - inconsistent arrays raise whatever MLX raises
+            raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({name}) is inconsistent with its "
+                                  f"recorded head shape {recorded}: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def load_cache(path, *, model=None, expect_method: Optional[str] = None,
@@ -433,15 +622,12 @@ def load_cache(path, *, model=None, expect_method: Optional[str] = None,
                               f"expected {expect_method!r}")
     _check_model(path, info, model, expect_model_id)
     try:
-        caches = _rebuild(path)
+        caches = _rebuild(path, info)
     except SavedCacheError:
         raise
     except Exception as exc:  # noqa: BLE001 - anything mlx or a cache's from_state raises
         raise SavedCacheError(f"{path}: could not rebuild the caches: {type(exc).__name__}: {exc}") from None
-    classes = [type(c).__name__ for c in caches]
-    if classes != info["layer_classes"]:
-        raise SavedCacheError(f"{path}: corrupt: the file's cache classes {classes} differ from its "
-                              "veloxquant metadata")
+    _check_rebuilt(path, caches, info)
     held, seen = _state_bytes(caches), cache_tokens(caches)
     if (held, seen) != (info["state_bytes"], info["offset"]):
         raise SavedCacheError(f"{path}: corrupt: the loaded caches' state holds {held} bytes at offset {seen}, "
