@@ -166,6 +166,10 @@ def generate_from_saved(args) -> int:
                                   f"{info['model_id']!r}, --model is {args.model!r}")
         from .model import load_model
 
+        from .cli_progress import Progress
+
+        progress = Progress(enabled=not args.json)
+        progress.stage("loading model and saved cache")
         model_id = args.model if args.model is not None else info["model_id"]
         model, tokenizer = load_model(model_id)
         caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
@@ -178,9 +182,6 @@ def generate_from_saved(args) -> int:
         prompt_ids = encode_turn(tokenizer, args.prompt)
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
-    from .cli_progress import Progress
-
-    progress = Progress(enabled=not args.json)
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     settings = info["config"]
