@@ -106,8 +106,8 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
             raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
         if accepted is not None:
             if field not in accepted:
-                raise UsageError(f"--set {field}: method {method!r} does not read {field!r}{_owner_hint(field)}; "
-                                 f"its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}: it does not "
+                                 f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
             field = accepted[field]
         elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
