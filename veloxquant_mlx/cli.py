@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``veloxquant methods [--json]`` — the method registry: name, family, protocol, implemented, paper.
+* ``veloxquant methods [NAME] [--json]`` — the method registry: name, family, protocol, implemented, paper;
+  with NAME, that method's settings (type, default, allowed values, flat alias).
 * ``veloxquant generate --method M [--set FIELD=VALUE ...] [--model PATH] --prompt TEXT
   [--max-tokens N] [--json]`` — one generation with a compressed cache (``--method none``: mlx_lm's
   plain ``KVCache``), with the measured KV bytes next to the fp16 reference.
@@ -12,8 +13,13 @@ Subcommands:
   question over ~N tokens of real text, answered with the uncompressed cache and with each
   implemented method side by side.
 
-``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure), so it
-can be called in-process.
+``--set`` takes a method's option names (``budget``) or flat ``KVCacheConfig`` fields (``snap_budget``) and
+refuses a field the method does not read (:func:`parse_sets`). Byte figures use one convention,
+``kv_fraction_of_fp16`` = held / fp16 bytes (:mod:`.measure`). ``eval`` and ``bench`` live in
+:mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, progress in :mod:`.cli_progress`.
+
+``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure, 141 when
+stdout's reader went away), so it can be called in-process.
 """
 
 from __future__ import annotations
