@@ -495,3 +495,24 @@ def test_serve_and_eval_refuse_another_methods_field_before_loading_a_model(caps
     assert code == 2 and "method 'kivi' has no setting 'window_size'" in err
     code, _, err = run_cli(capsys, "eval", "--method", "kivi", "--set", "snap_budget=8", "--task", "kld")
     assert code == 2 and "applies to none of the methods measured" in err
+
+
+@pytest.mark.parametrize("method, held, note", [("snapkv", 1_216_800, True), ("snapkv", 311_040, False),
+                                                ("none", 2_073_600, False)])
+def test_text_output_names_the_fraction_and_explains_one_above_fp16(capsys, method, held, note):
+    fp16 = 1_036_800
+    out = {"method": method, "text": "Paris.", "generated_tokens": 2, "decode_tps": 3.0, "kv_tokens": 45,
+           "kv_bytes": held, "kv_bytes_fp16": fp16, "kv_fraction_of_fp16": measure.kv_fraction_of_fp16(held, fp16)}
+    assert cli.print_generation(out, [("method", method)], as_json=False) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("kv_fraction_of_fp16:"))
+    assert f"{held / fp16:.2f} ({measure.compression_text(held / fp16)})" in line
+    assert ("note: above 1" in text) is note
+
+
+def test_compression_text_is_the_inverse_in_words():
+    assert measure.kv_fraction_of_fp16(30, 100) == 0.3 and measure.kv_fraction_of_fp16(5, 0) is None
+    assert measure.compression_text(0.3) == "3.3x smaller"
+    assert measure.compression_text(1.17) == "1.2x larger"
+    assert measure.compression_text(1.0) == "same size as fp16" and measure.compression_text(None) == "n/a"
+    assert measure.fraction_text(0.25) == "0.25 (4.0x smaller)"

@@ -432,7 +432,7 @@ def print_generation(out: dict, head: list, as_json: bool) -> int:
         ("kv_fraction_of_fp16", f"{fraction_text(out['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
     ]:
         print(f"{label:>19}: {value}")
-    if out["kv_fraction_of_fp16"] is not None and out["kv_fraction_of_fp16"] > 1:
+    if out["kv_fraction_of_fp16"] is not None and out["kv_fraction_of_fp16"] > 1 and out["method"] != NONE:
         print(SHORT_PROMPT_NOTE)
     return 0
 
@@ -563,6 +563,8 @@ def _cmd_demo(args) -> int:
     print("The uncompressed run ('none') stores the model's compute dtype (float32 on the MLX CPU backend) "
           "and counts mlx_lm's 256-row allocation steps, so its fraction is above 1.")
     print("agreement = fraction of generated tokens identical to the uncompressed run, position by position.")
+    if any((r["kv_fraction_of_fp16"] or 0) > 1 for r in rows if r["method"] != NONE):
+        print(SHORT_PROMPT_NOTE)
     for note in skipped:
         print(f"skipped {note}")
     return 0

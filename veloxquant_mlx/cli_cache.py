@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from .cli import (MODEL_HELP, NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
+from .cli import (MODEL_HELP, NONE, SHORT_PROMPT_NOTE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
                   encode_turn, print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -84,6 +84,8 @@ def cmd_cache_save(args) -> int:
     ]
     for label, value in rows:
         print(f"{label:>19}: {value}")
+    if kv["kv_fraction_of_fp16"] is not None and kv["kv_fraction_of_fp16"] > 1 and method != NONE:
+        print(SHORT_PROMPT_NOTE)
     return 0
 
 
