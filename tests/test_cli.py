@@ -150,7 +150,7 @@ def test_each_method_accepts_its_own_settings_and_refuses_another_methods(method
     with pytest.raises(cli.UsageError) as exc:
         cli.parse_sets([f"{foreign}=1"], method=method)
     msg = str(exc.value)
-    assert f"method {method!r} does not read {foreign!r}" in msg and f"veloxquant methods {method}" in msg
+    assert f"method {method!r} has no setting {foreign!r}" in msg and f"veloxquant methods {method}" in msg
     for name in list(settable)[:3]:
         assert name in msg
 
@@ -176,7 +176,7 @@ def test_generate_and_cache_save_refuse_another_methods_field(capsys, tmp_path, 
     for cmd in (["generate", "--prompt", "hi"], ["cache", "save", "--prompt-file", str(prompt), "--out",
                                                  str(tmp_path / "c")]):
         code, out, err = run_cli(capsys, *cmd, *argv)
-        assert code == 2 and out == "" and f"method {method!r} does not read {field!r}" in err
+        assert code == 2 and out == "" and f"method {method!r} has no setting {field!r}" in err
 
 
 def test_methods_name_lists_settings_with_type_default_allowed_and_alias(capsys):
@@ -380,7 +380,8 @@ def test_non_llama_gguf_is_refused_in_one_line(capsys, tmp_path):
                                                                       str(tmp_path / "c")]):
         code, out, err = run_cli(capsys, *cmd, "--model", str(path))
         assert code == 2 and out == ""
-        assert err.count("\n") == 1 and "'gemma2'" in err and "llama" in err and "Traceback" not in err
+        errors = [line for line in err.splitlines() if not line.startswith("[")]  # progress lines start "[ 0.0s]"
+        assert len(errors) == 1 and "'gemma2'" in errors[0] and "llama" in errors[0] and "Traceback" not in err
     code, _, err = run_cli(capsys, "generate", "--method", "kivi", "--prompt", "hi", "--model",
                            str(tmp_path / "missing.gguf"))
     assert code == 2 and "no such file" in err
@@ -485,3 +486,33 @@ def test_encode_turn_is_the_chat_template_without_its_start():
     text = tok.decode(turn)
     assert text.startswith("<|im_start|>user\nSummarize the text above.") and text.endswith("<|im_start|>assistant\n")
     assert "system" not in text
+
+
+def test_serve_and_eval_refuse_another_methods_field_before_loading_a_model(capsys):
+    code, _, err = run_cli(capsys, "serve", "--method", "kivi", "--set", "snap_budget=256", "--port", "0")
+    assert code == 2 and "method 'kivi' has no setting 'snap_budget'" in err
+    code, _, err = run_cli(capsys, "eval", "--method", "kivi", "--set", "kivi:window_size=8", "--task", "kld")
+    assert code == 2 and "method 'kivi' has no setting 'window_size'" in err
+    code, _, err = run_cli(capsys, "eval", "--method", "kivi", "--set", "snap_budget=8", "--task", "kld")
+    assert code == 2 and "applies to none of the methods measured" in err
+
+
+@pytest.mark.parametrize("method, held, note", [("snapkv", 1_216_800, True), ("snapkv", 311_040, False),
+                                                ("none", 2_073_600, False)])
+def test_text_output_names_the_fraction_and_explains_one_above_fp16(capsys, method, held, note):
+    fp16 = 1_036_800
+    out = {"method": method, "text": "Paris.", "generated_tokens": 2, "decode_tps": 3.0, "kv_tokens": 45,
+           "kv_bytes": held, "kv_bytes_fp16": fp16, "kv_fraction_of_fp16": measure.kv_fraction_of_fp16(held, fp16)}
+    assert cli.print_generation(out, [("method", method)], as_json=False) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("kv_fraction_of_fp16:"))
+    assert f"{held / fp16:.2f} ({measure.compression_text(held / fp16)})" in line
+    assert ("note: above 1" in text) is note
+
+
+def test_compression_text_is_the_inverse_in_words():
+    assert measure.kv_fraction_of_fp16(30, 100) == 0.3 and measure.kv_fraction_of_fp16(5, 0) is None
+    assert measure.compression_text(0.3) == "3.3x smaller"
+    assert measure.compression_text(1.17) == "1.2x larger"
+    assert measure.compression_text(1.0) == "same size as fp16" and measure.compression_text(None) == "n/a"
+    assert measure.fraction_text(0.25) == "0.25 (4.0x smaller)"

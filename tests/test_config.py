@@ -309,29 +309,65 @@ def test_method_fields_accept_own_names_and_flat_aliases_and_refuse_other_method
     assert "kivi_group_size" not in opts.method_fields("snapkv")
 
 
-def test_shared_field_table_matches_what_each_method_reads():
-    """Record every KVCacheConfig read each mlx_lm-protocol method makes (build, chunked prefill past the
-    512-token budgets, decode) on a tiny model: every field read must be settable for that method, and
-    every shared field listed for it must be read."""
+_READS: dict[str, str] = {}
+
+
+def _recording_config_class():
+    """A KVCacheConfig whose field reads by cache code land in ``_READS`` (field -> first file:line); reads
+    by the builder, validation, ``replace`` and the state serializer are not the method's and are left out."""
     import sys
 
-    import mlx.core as mx
-    from tiny_models import greedy, tiny_llama
-
-    from veloxquant_mlx.cache.base import METHOD_NAMES
-
     fields = {f.name for f in dataclasses.fields(KVCacheConfig)}
-    reads: dict[str, str] = {}
-    skip = ("factory.py", "config.py", "dataclasses.py")  # the builder's own reads, validation, replace()
+    skip = ("factory.py", "config.py", "dataclasses.py")
 
     class Recording(KVCacheConfig):
         def __getattribute__(self, name):
             if name in fields:
                 f = sys._getframe(1)
                 if f.f_code.co_name != "config_to_json" and not f.f_code.co_filename.endswith(skip):
-                    reads.setdefault(name, f"{Path(f.f_code.co_filename).name}:{f.f_lineno}")
+                    _READS.setdefault(name, f"{Path(f.f_code.co_filename).name}:{f.f_lineno}")
             return object.__getattribute__(self, name)
 
+    return Recording
+
+
+def test_shared_field_table_matches_what_each_standalone_method_reads():
+    """Every shared field a standalone method accepts is read while it appends rows and attends (with
+    outliers, calibration, a sketch and a capacity configured), and nothing it reads is refused."""
+    import mlx.core as mx
+
+    Recording = _recording_config_class()
+    mx.random.seed(0)
+    keys, values, q = mx.random.normal((48, 64)), mx.random.normal((48, 64)), mx.random.normal((64,))
+    problems = []
+    for m in sorted(STANDALONE_METHODS):
+        _READS.clear()
+        outliers = dict(n_outlier_channels=8, bit_width_outlier=3) if m.startswith("turboquant") else {}
+        cache = KVCacheFactory.create(Recording(method=m, head_dim=64, bit_width_inlier=3, n_calib_tokens=16,
+                                                capacity=64, jl_dim=64, **outliers))
+        for k, v in zip(keys, values):
+            cache.append_key(k)
+            cache.append_value(v)
+        mx.eval(cache.attend(q))
+        settable = set(opts.method_fields(m).values()) | {"method"}
+        problems += [f"{m} reads {f} ({where}) but does not accept it" for f, where in _READS.items()
+                     if f not in settable]
+        problems += [f"{m} accepts shared {f} but never reads it" for f in opts.SHARED_FIELDS[m] if f not in _READS]
+    assert not problems, "\n".join(problems)
+    assert "enable_vectorized_attend" not in opts.method_fields("turboquant_prod")  # a spec field nothing reads
+
+
+def test_shared_field_table_matches_what_each_method_reads():
+    """Record every KVCacheConfig read each mlx_lm-protocol method makes (build, chunked prefill past the
+    512-token budgets, decode) on a tiny model: every field read must be settable for that method, and
+    every shared field listed for it must be read."""
+    import mlx.core as mx
+    from tiny_models import greedy, tiny_llama
+
+    from veloxquant_mlx.cache.base import METHOD_NAMES
+
+    Recording = _recording_config_class()
+    reads = _READS
     model = tiny_llama(head_dim=32)
     prompt = mx.random.randint(0, 128, (600,), key=mx.random.key(1)).tolist()
     problems = []

@@ -184,7 +184,7 @@ def test_resolve_methods_distributes_sets():
     assert specs[2].config().snap_budget == 64
     specs = resolve_methods(["snapkv", "h2o", "kivi"], ["budget=64"], include_none=False)  # option names
     assert [s.settings for s in specs] == [{"snap_budget": 64}, {"h2o_budget": 64}, {}]
-    with pytest.raises(cli.UsageError, match="method 'kivi' does not read 'budget'"):
+    with pytest.raises(cli.UsageError, match="method 'kivi' has no setting 'budget'"):
         resolve_methods(["kivi"], ["kivi:budget=64"])
     with pytest.raises(cli.UsageError, match="applies to none"):
         resolve_methods(["kivi"], ["snap_budget=64"])

@@ -2,7 +2,8 @@
 
 Subcommands:
 
-* ``veloxquant methods [--json]`` — the method registry: name, family, protocol, implemented, paper.
+* ``veloxquant methods [NAME] [--json]`` — the method registry: name, family, protocol, implemented, paper;
+  with NAME, that method's settings (type, default, allowed values, flat alias).
 * ``veloxquant generate --method M [--set FIELD=VALUE ...] [--model PATH] --prompt TEXT
   [--max-tokens N] [--json]`` — one generation with a compressed cache (``--method none``: mlx_lm's
   plain ``KVCache``), with the measured KV bytes next to the fp16 reference.
@@ -12,8 +13,13 @@ Subcommands:
   question over ~N tokens of real text, answered with the uncompressed cache and with each
   implemented method side by side.
 
-``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure), so it
-can be called in-process.
+``--set`` takes a method's option names (``budget``) or flat ``KVCacheConfig`` fields (``snap_budget``) and
+refuses a field the method does not read (:func:`parse_sets`). Byte figures use one convention,
+``kv_fraction_of_fp16`` = held / fp16 bytes (:mod:`.measure`). ``eval`` and ``bench`` live in
+:mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, progress in :mod:`.cli_progress`.
+
+``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure, 141 when
+stdout's reader went away), so it can be called in-process.
 """
 
 from __future__ import annotations
@@ -106,8 +112,8 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
             raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
         if accepted is not None:
             if field not in accepted:
-                raise UsageError(f"--set {field}: method {method!r} does not read {field!r}{_owner_hint(field)}; "
-                                 f"its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}: it does not "
+                                 f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
             field = accepted[field]
         elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
@@ -426,7 +432,7 @@ def print_generation(out: dict, head: list, as_json: bool) -> int:
         ("kv_fraction_of_fp16", f"{fraction_text(out['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
     ]:
         print(f"{label:>19}: {value}")
-    if out["kv_fraction_of_fp16"] is not None and out["kv_fraction_of_fp16"] > 1:
+    if out["kv_fraction_of_fp16"] is not None and out["kv_fraction_of_fp16"] > 1 and out["method"] != NONE:
         print(SHORT_PROMPT_NOTE)
     return 0
 
@@ -557,6 +563,8 @@ def _cmd_demo(args) -> int:
     print("The uncompressed run ('none') stores the model's compute dtype (float32 on the MLX CPU backend) "
           "and counts mlx_lm's 256-row allocation steps, so its fraction is above 1.")
     print("agreement = fraction of generated tokens identical to the uncompressed run, position by position.")
+    if any((r["kv_fraction_of_fp16"] or 0) > 1 for r in rows if r["method"] != NONE):
+        print(SHORT_PROMPT_NOTE)
     for note in skipped:
         print(f"skipped {note}")
     return 0

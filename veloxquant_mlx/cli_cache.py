@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from .cli import (MODEL_HELP, NONE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
+from .cli import (MODEL_HELP, NONE, SHORT_PROMPT_NOTE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
                   encode_turn, print_generation, run_generation)
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -84,6 +84,8 @@ def cmd_cache_save(args) -> int:
     ]
     for label, value in rows:
         print(f"{label:>19}: {value}")
+    if kv["kv_fraction_of_fp16"] is not None and kv["kv_fraction_of_fp16"] > 1 and method != NONE:
+        print(SHORT_PROMPT_NOTE)
     return 0
 
 
@@ -166,6 +168,10 @@ def generate_from_saved(args) -> int:
                                   f"{info['model_id']!r}, --model is {args.model!r}")
         from .model import load_model
 
+        from .cli_progress import Progress
+
+        progress = Progress(enabled=not args.json)
+        progress.stage("loading model and saved cache")
         model_id = args.model if args.model is not None else info["model_id"]
         model, tokenizer = load_model(model_id)
         caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
@@ -178,9 +184,6 @@ def generate_from_saved(args) -> int:
         prompt_ids = encode_turn(tokenizer, args.prompt)
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
-    from .cli_progress import Progress
-
-    progress = Progress(enabled=not args.json)
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     settings = info["config"]

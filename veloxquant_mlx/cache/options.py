@@ -606,16 +606,17 @@ COMMON_FIELDS: tuple[str, ...] = ("sliding_window", "store", "observers")
 
 _EVICTION_SHARED = ("dtype",)  # eviction rows are stored at 16 bits unless ``dtype`` overrides
 _RVQ_CODEBOOKS = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_codebook_bits")
-_TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "jl_dim", "n_outlier_channels",
-               "n_calib_tokens", "enable_vectorized_attend", "enable_outlier_two_stream", "enable_fused_query_dot",
-               "seed", "dtype", "capacity")
+_TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "n_outlier_channels", "n_calib_tokens", "seed",
+               "dtype", "capacity")
 
 #: Per method, the flat fields outside its own options class that its cache reads (``head_dim`` of an
-#: mlx_lm-protocol method comes from the model, so it is listed only for the standalone ones).
-#: ``tests/test_config.py`` records every config read of each mlx_lm-protocol method on a tiny model and
-#: checks this table both ways: nothing listed here goes unread, nothing read is missing.
+#: mlx_lm-protocol method comes from the model, so it is listed only for the standalone ones). The spec's
+#: ``enable_vectorized_attend``, ``enable_outlier_two_stream`` and ``enable_fused_query_dot`` are read by no
+#: method, so no method accepts them. ``tests/test_config.py`` records every config read of each method
+#: (a tiny model for the mlx_lm ones, appended rows and a query for the standalone ones) and checks this
+#: table both ways: nothing listed here goes unread, nothing read is missing.
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
-    "turboquant_prod": _TURBOQUANT,
+    "turboquant_prod": _TURBOQUANT + ("jl_dim",),  # the QJL residual's sketch width (the MSE variant has none)
     "turboquant_mse": _TURBOQUANT,
     "polar": ("head_dim", "bit_width_inlier", "seed", "dtype", "capacity"),
     "qjl": ("head_dim", "bit_width_inlier", "jl_dim", "seed", "dtype", "capacity"),
