@@ -57,6 +57,7 @@ import math
 import mlx.core as mx
 
 from ..attention import group_queries
+from .. import dispatch
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
@@ -161,8 +162,8 @@ class AdaKVKVCache(KIVIKVCache):
         B, H, n, D = kb.shape
         Dv = vb.shape[-1]
         g, t0 = n // G, self.n_quant
-        if self.uses_attention and imp is None:  # attend may re-rank these groups with the real queries
-            self._pending = (t0, kb, vb)
+        if self.uses_attention and imp is None and dispatch.installed():
+            self._pending = (t0, kb, vb)  # attend re-ranks these groups with the real queries, then drops them
         order = self._rank(kb, vb, imp)
         kg = kb.astype(mx.float32).reshape(B, H, g, G, D)
         k_mn = kg.min(axis=3).astype(RES_DTYPE)  # per channel per group [B, H, g, D]
