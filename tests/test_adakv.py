@@ -51,11 +51,13 @@ def out_err(cache, q, k, v):
 
 
 def filled(importance, allocation, k, v, q_prompt):
+    dispatch.install()  # attend re-ranks the stored groups only where the dispatch point routes attention
     c = make("adakv", importance=importance)
     c.allocation = allocation
     K, V = c.update_and_fetch(k, v)
     if importance == "attention":  # the prompt's real queries, through the dispatch point
         dispatch.dispatched_sdpa(q_prompt, K, V, cache=c, scale=D ** -0.5, mask="causal")
+        assert c._pending is None  # the rows kept for re-ranking are dropped by attend
     assert c.n_quant == T
     return c
 
@@ -88,6 +90,11 @@ def test_attention_importance_ranks_by_the_observed_queries():
     assert bool(mx.all(ranked[..., :n_hi].min(axis=-1) >= ranked[..., n_hi:].max(axis=-1) - 1e-6))
     fallback = make("adakv", importance="attention")
     fallback.update_and_fetch(k, v)  # no queries seen: the norm_variance ranking
+    assert fallback._pending is not None  # held for attend, and dropped by it (dispatch installed)
+    dispatch.uninstall()
+    unseen = make("adakv", importance="attention")
+    unseen.update_and_fetch(k, v)
+    assert unseen._pending is None  # without the dispatch point nothing waits for an attend that never comes
     assert not bool(mx.array_equal(fallback.order[:, :, :T], c.order[:, :, :T]))
 
 
@@ -95,6 +102,7 @@ def test_attention_importance_accumulates_over_decode_steps():
     """Decode steps observe the residual rows; the group a step completes is ranked by the attention its
     tokens received over the steps they waited (mean per observation), and the score buffers are counted."""
     k, v, q = heavy_tailed(T)
+    dispatch.install()
     c = make("adakv", importance="attention")
     K, V = c.update_and_fetch(k[:, :, :480], v[:, :, :480])
     dispatch.dispatched_sdpa(q[:, :, :480], K, V, cache=c, scale=D ** -0.5, mask="causal")

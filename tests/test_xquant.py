@@ -28,12 +28,9 @@ from veloxquant_mlx.cache import (  # noqa: E402
 from veloxquant_mlx.cache.methods.xquant import XQuantKVCache  # noqa: E402
 from veloxquant_mlx.cache.options import XQuantOptions  # noqa: E402
 
+from test_crosslayer import CASES, CHUNKS, TOKENS, _run_tokens  # noqa: E402  (the cross-layer tests' inputs)
 from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
-
-CASES = [(70, "causal"), (1, None), (1, None), (20, "array"), (1, None), (9, "additive"), (1, None)]
-TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]
-CHUNKS = [45, 1, 1, 1, 20, 1, 1, 16, 1]
+from tiny_models import ARCHS, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -55,15 +52,6 @@ def xq_pair(**opts):
 
 def kivi(bits):
     return KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=bits, head_dim=64))
-
-
-def _run_tokens(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
 
 
 @pytest.mark.parametrize("field,value", [("group_size", 0), ("base_bits", 5), ("residual_bits", 1),

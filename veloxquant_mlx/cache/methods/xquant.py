@@ -33,7 +33,10 @@ This implementation (``xquant_group_size`` g layers per group, ``xquant_base_bit
 
 Quality depends on how similar adjacent layers are: on synthetic layers that differ by small noise the
 shared pair at b bits beats two KIVI layers at b/2 bits (the same bytes), on unrelated layers it loses
-(tests/test_xquant.py). SmolLM2's adjacent layers are not that similar: docs/RESULTS.md has the rows.
+(tests/test_xquant.py). SmolLM2's adjacent layers are not that similar: ``veloxquant eval --method xquant
+--set xquant:xquant_base_bits=4 --task kld --context 1024`` gives KLD 2.0 at exactly the bytes of KIVI
+2-bit (KLD 0.193), the defaults (2-bit shared codes) KLD 2.15 at 0.156x the fp16 bytes (docs/RESULTS.md,
+CPU, 2026-12-01): on this model the paper's sharing does not pay.
 
 Deviations: no data-free end-point calibration; least-squares scale / zero point (above);
 ``xquant_residual_bits`` is validated but not used (a shared layer stores no codes of its own);
