@@ -174,3 +174,61 @@ def test_chunked_prefill_peaks_no_higher_than_the_plain_cache(method, peak_setup
     # the plain cache's score matrix of the last chunk alone: the test measures the regime it claims
     assert plain >= 4 * 256 * PROMPT * 4
     assert peak <= plain, f"{method}: prefill peak {peak} B above the plain cache's {plain} B"
+
+
+# ---------------------------------------------------------------------------------------- short chats
+from veloxquant_mlx.cache import all_methods  # noqa: E402
+from veloxquant_mlx.cache.base import MLX_LM  # noqa: E402
+from veloxquant_mlx.cache.contract import SHORT_PROMPT_SLACK_ROWS, short_prompt_bound  # noqa: E402
+from veloxquant_mlx.measure import fp16_kv_bytes  # noqa: E402
+
+QUANTIZERS = [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM and i.family == "quantization"]
+# Known to exceed the bound, in files outside this change (reported to the lead): per-layer fitted
+# codebooks (vecinfer: two per layer, larger than 40 rows; a2ats: a codebook and a query metric per
+# layer) and a residual window preallocated at its full length (skvq). Strict: fixing one fails here.
+OVER_BOUND = {"vecinfer", "skvq", "a2ats"}
+
+
+def _model_constants(caches) -> int:
+    return sum(c.constant_nbytes for c in caches
+               if getattr(c, "counts_constants", False) and hasattr(c, "constant_nbytes"))
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known: holds more than the bound"))
+    if m in OVER_BOUND else m for m in QUANTIZERS])
+def test_short_chat_holds_fp16_rows_plus_the_documented_constant(method):
+    """A 40-token prompt then 8 decode steps (a short chat, before most methods compress anything):
+    nbytes <= the float16 rows of those tokens + SHORT_PROMPT_SLACK_ROWS rows per layer + the
+    method's per-model constants (counted once). The 3.8 MB turboquant_rvq held on ~60-token chats
+    was a 160-row window per layer (R + QUANT_BLOCK rows allocated up front)."""
+    D, H, L = 32, 2, 3
+    model = tiny_llama(head_dim=D, n_layers=L)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method))
+    tokens = [(i * 29 + 5) % VOCAB for i in range(48)]
+    mx.eval(model(mx.array(tokens[:40])[None], cache=caches))
+    bound40 = short_prompt_bound(40, L, H, D, D) + _model_constants(caches)
+    held40 = sum(c.nbytes for c in caches)
+    for t in tokens[40:]:
+        mx.eval(model(mx.array([[t]]), cache=caches))
+    held48 = sum(c.nbytes for c in caches)
+    bound48 = short_prompt_bound(48, L, H, D, D) + _model_constants(caches)
+    assert fp16_kv_bytes(model, 48) + 2 * L * H * 2 * D * SHORT_PROMPT_SLACK_ROWS == short_prompt_bound(48, L, H, D, D)
+    assert held40 <= bound40, f"{method}: {held40} B after 40 tokens, bound {bound40} B"
+    assert held48 <= bound48, f"{method}: {held48} B after 48 tokens, bound {bound48} B"
+
+
+def test_turboquant_rvq_extracted_from_a_batch_holds_only_its_window_rows():
+    """The server's batch form hands each finished request back as a single cache: its window must hold
+    the request's rows (and what the single cache grows by), not R + QUANT_BLOCK rows up front."""
+    from veloxquant_mlx.cache.methods.turboquant_rvq import TurboQuantRVQKVCache
+
+    D, H = 32, 2
+    caches = [KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D)) for _ in range(2)]
+    for i, c in enumerate(caches):
+        n = 20 + 17 * i
+        c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    batch = TurboQuantRVQKVCache.merge(caches)
+    one = batch.extract(1)
+    assert one.n_win == 37 and one.win_k.shape[2] == 37
+    assert one.nbytes <= short_prompt_bound(37, 1, H, D, D) + one.constant_nbytes
