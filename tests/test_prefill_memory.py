@@ -232,3 +232,19 @@ def test_turboquant_rvq_extracted_from_a_batch_holds_only_its_window_rows():
     one = batch.extract(1)
     assert one.n_win == 37 and one.win_k.shape[2] == 37
     assert one.nbytes <= short_prompt_bound(37, 1, H, D, D) + one.constant_nbytes
+
+
+# ---------------------------------------------------------------------------------------- encoding cost
+def test_smallest_k_finds_the_k_smallest_of_every_row():
+    """The RVQ encoder's beam (``primitives.codebook.smallest_k``, two levels of argmins instead of
+    MLX's slow CPU argpartition) picks exactly the k smallest entries of each row, also when they sit
+    together in one column group, and for widths that do not split into groups."""
+    from veloxquant_mlx.cache.primitives.codebook import smallest_k
+
+    d = mx.random.normal((500, 256), key=mx.random.key(3))
+    d[:7, 32:36] = -10.0  # the 4 smallest of some rows in one group of 16
+    for x, k in ((d, 4), (d, 1), (d[:, :40], 3), (d[:, :48], 4)):
+        got = np.sort(np.array(smallest_k(x, k)), axis=1)
+        want = np.sort(np.argsort(np.array(x), axis=1, kind="stable")[:, :k], axis=1)
+        assert got.shape == (x.shape[0], k)
+        assert (got == want).all()

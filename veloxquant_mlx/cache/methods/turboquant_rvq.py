@@ -174,7 +174,7 @@ from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows, reserve_rows
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
-from ..primitives.codebook import kmeans
+from ..primitives.codebook import kmeans, smallest_k
 from ..primitives.rotation import random_orthogonal, seeded_rng
 
 __all__ = [
@@ -298,7 +298,7 @@ class RVQCodebook:
         if self.c2 is None:
             return mx.argmin(d1, axis=1).astype(mx.uint8), None
         beam = min(BEAM, self.k1)
-        cand = mx.argpartition(d1, kth=beam - 1, axis=1)[:, :beam] if beam < self.k1 else \
+        cand = smallest_k(d1, beam).astype(mx.uint32) if beam < self.k1 else \
             mx.broadcast_to(mx.arange(self.k1, dtype=mx.uint32)[None], d1.shape)
         sig = self.sigma[cand][..., None]  # [m, beam, 1]
         r = (x[:, None] - self.c1[cand]) / sig  # residual in units of its cell's scale
