@@ -61,7 +61,10 @@ Deviations from the paper (all deliberate):
   ``ValueError`` instead of silently keeping lossy rows.
 * Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
 * GPU prefill chunks (N > 1, ``attend_path="auto"``) attend through the fused sdpa kernel over the
-  lazily dequantized rows instead of the codes (same result; no [N, M] score matrix held).
+  lazily dequantized rows instead of the codes (same result; no [N, M] score matrix held). Elsewhere a
+  prefill chunk over a stored past is one online softmax over tiles of whole groups
+  (``_attend_chunk``, ``attention.online_softmax_attention``): the paper's one softmax, computed
+  without the [N, M] score matrix, so a chunked prefill peaks below the plain cache.
 
 Measured (SmolLM2-135M float32 on the CPU, 480 essay tokens prefilled in one chunk + 32
 teacher-forced decode steps, G = 32, vs mlx_lm's plain KVCache): mean next-token KL 0.012 at 4 bits,

@@ -45,8 +45,11 @@ Attention on the compressed form (``attend``, the dispatch point). The query is 
 rows per KV head) a lookup table ``LUT[s, c] = <q'_s, centroid c>`` of shape ``[.., S, 2^B]`` is
 built per query row (one joint table ``c1[i] + sigma[i] c2[j]`` when ``2^B <= JOINT_LUT_MAX`` and the
 context is long enough to amortise it, else one table per stage) and gathered with the stored codes:
-a quantized token's score is ``g_t * sum_s LUT[s, code_ts]``. Larger calls (prefill chunks after the
-first) decode the codes to rotated-domain rows once per call and use one matmul. Scores of the sink
+a quantized token's score is ``g_t * sum_s LUT[s, code_ts]``. Prefill chunks after the first
+(``ResidualWindowCache._attend_chunk``) visit the stored rows in tiles with an online softmax
+(``attention.online_softmax_attention``): each tile's codes are decoded to rotated-domain rows and
+multiplied by the rotated queries, so no [N, T] float32 score matrix or [T, d] decoded past is built
+(on a GPU: MLX's fused attention over the layer's decoded rows). Scores of the sink
 rows, the quantized rows, the window rows and the call's own rows share one softmax (with the
 model's attention-sink logit when it has one). The quantized rows' value output is computed in the
 rotated domain, ``o' = sum_t p_t gv_t centroid[code_t]`` per sub-vector, and rotated back once
@@ -518,8 +521,10 @@ class ResidualWindowCache(CompressedKVCache):
     the others to the subclass's quantized storage (``_append_quantized``). ``update_and_fetch``
     returns the rows stored before the call in their stored form, then the call's rows as given;
     ``attend`` computes the same attention from the subclass's scores and values on the quantized
-    form (``_quantized_part``), the exact float16 rows and the call's rows, with one softmax.
-    Subclasses implement ``_append_quantized``, ``_quantized_dense`` and ``_quantized_part``."""
+    form (``_quantized_part``), the exact float16 rows and the call's rows, with one softmax. A
+    multi-row call (prefill chunk) over a stored past attends in tiles (``_attend_chunk``): transients
+    bounded by a fraction of the dense score matrix. Subclasses implement ``_append_quantized``,
+    ``_quantized_dense``, ``_quantized_part`` (decode-sized calls) and ``_quantized_tiles`` (chunks)."""
 
     window_fields = ("win_k", "win_v")
     sink_fields = ("sink_k", "sink_v")
