@@ -59,3 +59,84 @@ def attention_with_weights(queries, keys, values, *, scale, mask):
     weights = mx.softmax(logits, axis=-1, precise=True)
     out = weights @ values.astype(mx.float32)[:, :, None]
     return ungroup(out).astype(queries.dtype), weights
+
+
+# ---------------------------------------------------------------------------------------- tiled attention
+# A prefill chunk of N queries attending to M keys: a dense attention builds [B, Hq, N, M] float32 score
+# matrices (several of them at once: scores, masked scores, probabilities), and MLX allocates the outputs
+# of the next few ops before it frees their inputs, so a cache that attends over its compressed past that
+# way peaks well above mlx_lm's plain cache. ``online_softmax_attention`` visits the keys in tiles of at
+# most ``tile_rows`` columns and keeps only a running max, sum and output per query row (the online
+# softmax of "FlashAttention", Dao et al., arXiv 2205.14135, here as MLX ops): each tile's transients are
+# a 1/TILE_FRACTION slice of the dense score matrix (and at most TILE_MAX_ELEMENTS scores).
+TILE_FRACTION = 16
+TILE_MAX_ELEMENTS = 1 << 24
+TILE_MIN_ROWS = 64
+
+
+def tile_rows(query_rows: int, n_keys: int, multiple: int = 1) -> int:
+    """Key rows per tile for ``query_rows`` (= B * Hq * N) queries over ``n_keys`` keys: the tile's score
+    matrix is at most 1/TILE_FRACTION of the dense one and at most TILE_MAX_ELEMENTS scores, with at
+    least TILE_MIN_ROWS rows; rounded down to a multiple of ``multiple`` (quantization groups)."""
+    budget = min(query_rows * n_keys // TILE_FRACTION, TILE_MAX_ELEMENTS)
+    rows = max(TILE_MIN_ROWS, budget // max(query_rows, 1))
+    return max(multiple, rows // multiple * multiple)
+
+
+def tile_ranges(start: int, stop: int, tile: int):
+    """``(a, b)`` ranges covering ``start .. stop`` in steps of ``tile``."""
+    return [(a, min(a + tile, stop)) for a in range(start, stop, tile)]
+
+
+def online_softmax_attention(shape, blocks, n_keys: int, mask, sinks, out_dtype):
+    """One softmax over blocks of keys visited one after another, without any [N, M] score matrix.
+
+    ``shape`` = (B, H, rep, N): KV heads H, rep query heads each, N query rows. ``blocks``: iterable of
+    ``(start, stop, scores_fn, values_fn)``, the key columns ``start .. stop`` of the full key axis
+    (``n_keys`` keys in mlx_lm's order); ``scores_fn()`` -> float32 scaled scores ``[B, H, rep*N, m]``,
+    ``values_fn(p [B, H, rep*N, m])`` -> ``[B, H, rep*N, Dv]`` (the probability-weighted value sum of
+    those keys). ``mask``: mlx_lm's (None, "causal" bottom-right aligned, boolean or additive array
+    broadcastable to [B, Hq, N, n_keys]); ``sinks``: [Hq] attention-sink logits or None. Returns
+    ``[B, Hq, N, Dv]`` in ``out_dtype``: softmax(scores) @ values over all blocks, exactly (up to float32
+    rounding) what one dense softmax over the concatenated scores gives."""
+    B, H, rep, N = shape
+    full = None if mask is None or isinstance(mask, str) else bool_mask(mask, N, n_keys, H)
+    causal = isinstance(mask, str) and N > 1
+    m = l = o = None
+    if sinks is not None:  # the sink logit starts the running max with weight exp(0) = 1 and no value
+        m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
+        l = mx.ones_like(m)
+    for start, stop, scores_fn, values_fn in blocks:
+        w = stop - start
+        s = scores_fn().reshape(B, H, rep, N, w)
+        if causal and stop - 1 > n_keys - N:  # query i sees the keys 0 .. n_keys - N + i
+            visible = mx.arange(start, stop)[None] <= (n_keys - N + mx.arange(N))[:, None]
+            s = mx.where(visible, s, -mx.inf)
+        elif full is not None:
+            s = mx.where(full[..., start:stop], s, -mx.inf)
+        peak = s.max(axis=-1, keepdims=True)
+        m_new = peak if m is None else mx.maximum(m, peak)
+        m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # rows with every key so far hidden
+        p = mx.exp(s - m_safe)
+        pv = values_fn(p.reshape(B, H, rep * N, w))
+        pv = pv.reshape(B, H, rep, N, pv.shape[-1])
+        if m is None:
+            l, o = p.sum(axis=-1, keepdims=True), pv
+        else:
+            alpha = mx.exp(m - m_safe)
+            l = l * alpha + p.sum(axis=-1, keepdims=True)
+            o = pv if o is None else o * alpha + pv
+        m = m_new
+    return ungroup(o / l).astype(out_dtype)
+
+
+def dense_blocks(q: mx.array, keys: mx.array, values: mx.array, start: int, tile: int):
+    """Blocks for ``online_softmax_attention`` over float rows ``keys``/``values`` [B, H, m, D] that are the
+    key columns ``start .. start + m``, for scaled float32 queries ``q`` [B, H, R, D], ``tile`` rows each."""
+    out = []
+    for a, b in tile_ranges(0, keys.shape[2], tile):
+        k, v = keys[:, :, a:b], values[:, :, a:b]
+        out.append((start + a, start + b,
+                    lambda k=k: q @ k.astype(mx.float32).swapaxes(-1, -2),
+                    lambda p, v=v: p @ v.astype(mx.float32)))
+    return out

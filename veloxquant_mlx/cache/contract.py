@@ -81,6 +81,21 @@ def config_from_json(text: str):
         return KVCacheConfig(**values)
 
 
+#: Below the point where a method starts compressing (short chats), a cache holds at most the float16
+#: rows of its tokens plus, per layer, this many float16 rows of keys and values (spare capacity of the
+#: growing buffers, a KIVI group's residual buffer, small per-layer calibration arrays), plus its
+#: per-model constants (rotations, codebooks: ``constant_nbytes``) counted once per model.
+#: ``tests/test_prefill_memory.py`` holds every quantizer to it.
+SHORT_PROMPT_SLACK_ROWS = 32
+
+
+def short_prompt_bound(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int,
+                       batch: int = 1) -> int:
+    """Most bytes a cache may hold for ``n_tokens`` tokens before compression starts, per-model constants
+    aside: float16 rows of the tokens plus ``SHORT_PROMPT_SLACK_ROWS`` rows per layer."""
+    return 2 * batch * n_layers * n_kv_heads * (head_dim + value_dim) * (n_tokens + SHORT_PROMPT_SLACK_ROWS)
+
+
 def causal_mask_for(n_queries: int, n_past: int) -> Optional[Any]:
     """The mask for ``n_queries`` new rows after ``n_past`` visible past rows: None or "causal"."""
     return None if n_queries == 1 else "causal"

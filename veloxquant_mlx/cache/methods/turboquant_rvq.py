@@ -45,8 +45,11 @@ Attention on the compressed form (``attend``, the dispatch point). The query is 
 rows per KV head) a lookup table ``LUT[s, c] = <q'_s, centroid c>`` of shape ``[.., S, 2^B]`` is
 built per query row (one joint table ``c1[i] + sigma[i] c2[j]`` when ``2^B <= JOINT_LUT_MAX`` and the
 context is long enough to amortise it, else one table per stage) and gathered with the stored codes:
-a quantized token's score is ``g_t * sum_s LUT[s, code_ts]``. Larger calls (prefill chunks after the
-first) decode the codes to rotated-domain rows once per call and use one matmul. Scores of the sink
+a quantized token's score is ``g_t * sum_s LUT[s, code_ts]``. Prefill chunks after the first
+(``ResidualWindowCache._attend_chunk``) visit the stored rows in tiles with an online softmax
+(``attention.online_softmax_attention``): each tile's codes are decoded to rotated-domain rows and
+multiplied by the rotated queries, so no [N, T] float32 score matrix or [T, d] decoded past is built
+(on a GPU: MLX's fused attention over the layer's decoded rows). Scores of the sink
 rows, the quantized rows, the window rows and the call's own rows share one softmax (with the
 model's attention-sink logit when it has one). The quantized rows' value output is computed in the
 rotated domain, ``o' = sum_t p_t gv_t centroid[code_t]`` per sub-vector, and rotated back once
@@ -167,13 +170,14 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..attention import bool_mask, group_queries, ungroup
+from ..attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
+                         tile_rows, ungroup)
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows, reserve_rows
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
-from ..primitives.codebook import kmeans
+from ..primitives.codebook import kmeans, smallest_k
 from ..primitives.rotation import random_orthogonal, seeded_rng
 
 __all__ = [
@@ -297,7 +301,7 @@ class RVQCodebook:
         if self.c2 is None:
             return mx.argmin(d1, axis=1).astype(mx.uint8), None
         beam = min(BEAM, self.k1)
-        cand = mx.argpartition(d1, kth=beam - 1, axis=1)[:, :beam] if beam < self.k1 else \
+        cand = smallest_k(d1, beam).astype(mx.uint32) if beam < self.k1 else \
             mx.broadcast_to(mx.arange(self.k1, dtype=mx.uint32)[None], d1.shape)
         sig = self.sigma[cand][..., None]  # [m, beam, 1]
         r = (x[:, None] - self.c1[cand]) / sig  # residual in units of its cell's scale
@@ -517,8 +521,10 @@ class ResidualWindowCache(CompressedKVCache):
     the others to the subclass's quantized storage (``_append_quantized``). ``update_and_fetch``
     returns the rows stored before the call in their stored form, then the call's rows as given;
     ``attend`` computes the same attention from the subclass's scores and values on the quantized
-    form (``_quantized_part``), the exact float16 rows and the call's rows, with one softmax.
-    Subclasses implement ``_append_quantized``, ``_quantized_dense`` and ``_quantized_part``."""
+    form (``_quantized_part``), the exact float16 rows and the call's rows, with one softmax. A
+    multi-row call (prefill chunk) over a stored past attends in tiles (``_attend_chunk``): transients
+    bounded by a fraction of the dense score matrix. Subclasses implement ``_append_quantized``,
+    ``_quantized_dense``, ``_quantized_part`` (decode-sized calls) and ``_quantized_tiles`` (chunks)."""
 
     window_fields = ("win_k", "win_v")
     sink_fields = ("sink_k", "sink_v")
@@ -645,6 +651,8 @@ class ResidualWindowCache(CompressedKVCache):
         if call.s0 + call.q0 + call.r0 == 0:  # nothing stored before this call: exact attention
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
                                                         mask=mask, sinks=sinks)
+        if n > 1:  # a prefill chunk over a stored past: bounded transients (``_attend_chunk``)
+            return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
         B, Hq, N, D = queries.shape
         H = call.new_k.shape[1]
         rep = Hq // H
@@ -670,6 +678,39 @@ class ResidualWindowCache(CompressedKVCache):
             parts.append((scores, value_fn, ((s0, s0 + q0),)))
         parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, s0), (s0 + q0, keys.shape[2]))))
         return joint_attention(q, parts, mask, sinks, keys.shape[2], queries.dtype)
+
+    def _attend_chunk(self, queries, keys, values, call: _Call, *, scale, mask, sinks):
+        """Attention of a multi-row call (prefill chunk) over the stored past and its own rows, without
+        any prompt-sized float32 array: on a GPU MLX's fused attention over the dense rows that
+        ``update_and_fetch`` returned (one layer's past, decoded lazily in the model's dtype; no score
+        matrix); elsewhere an online softmax over tiles of rows (``attention.online_softmax_attention``):
+        the sinks, the quantized rows (``_quantized_tiles``) and the window plus the call's rows."""
+        if mx.default_device().type == mx.DeviceType.gpu:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                        sinks=sinks)
+        B, Hq, N, D = queries.shape
+        H = call.new_k.shape[1]
+        rep, M = Hq // H, keys.shape[2]
+        qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
+        tile = tile_rows(B * Hq * N, M, self.quant_block)
+        s0, q0, r0 = call.s0, call.q0, call.r0
+        blocks = []
+        if s0:
+            blocks += dense_blocks(qf, self.sink_k[:, :, :s0], self.sink_v[:, :, :s0], 0, tile)
+        if q0:
+            ranges = tile_ranges(0, q0, tile)
+            blocks += [(s0 + a, s0 + b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(qf, ranges))]
+        ek, ev = call.new_k, call.new_v
+        if r0:
+            ek = mx.concatenate([call.past_k.astype(ek.dtype), ek], axis=2)
+            ev = mx.concatenate([call.past_v.astype(ev.dtype), ev], axis=2)
+        blocks += dense_blocks(qf, ek, ev, s0 + q0, tile)
+        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+
+    def _quantized_tiles(self, q: mx.array, ranges):
+        """For scaled float32 queries ``q`` [B, H, R, D] and row ranges ``(a, b)`` of the quantized rows:
+        one ``(scores_fn, values_fn)`` per range (``online_softmax_attention``'s block functions)."""
+        raise NotImplementedError
 
     # ---- trim
     def _trim_rows(self, n: int) -> int:
@@ -824,6 +865,23 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             return ((p * v_norms) @ v_rot) @ vq.rot_t.T
 
         return scores, value_fn
+
+    def _quantized_tiles(self, q, ranges):
+        """Prefill tiles: codes decoded to rotated-domain rows per tile, one matmul each; queries rotated
+        once per call."""
+        kq, vq = self._qs()
+        qr = q @ kq.rot_t
+
+        def rows(prefix, qz, a, b):
+            p1, p2 = self._planes(prefix, b)
+            return qz.decode_rotated(p1[:, :, a:], p2[:, :, a:] if p2 is not None else None)
+
+        def norms(prefix, a, b):
+            return getattr(self, prefix + "norms")[:, :, a:b].astype(mx.float32)[:, :, None, :]
+
+        return [(lambda a=a, b=b: (qr @ rows("k_", kq, a, b).swapaxes(-1, -2)) * norms("k_", a, b),
+                 lambda p, a=a, b=b: ((p * norms("v_", a, b)) @ rows("v_", vq, a, b)) @ vq.rot_t.T)
+                for a, b in ranges]
 
     @staticmethod
     def _lut_scores(qz: _Quantizer, qr: mx.array, i: mx.array, j: Optional[mx.array]) -> mx.array:

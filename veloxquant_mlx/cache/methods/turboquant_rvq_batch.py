@@ -228,7 +228,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
                 setattr(c, name, mx.contiguous(getattr(self, name)[one, :, :q]))
         if s:
             c.sink_k, c.sink_v = mx.contiguous(self.sink_k[one]), mx.contiguous(self.sink_v[one])
-        cap, W = max(self.residual_length + QUANT_BLOCK, w), self.W
+        cap, W = w, self.W  # the window's rows only: the single cache grows it when rows arrive
         for name in ("win_k", "win_v"):
             rows = getattr(self, name)[one, :, W - w:]
             setattr(c, name, mx.concatenate(

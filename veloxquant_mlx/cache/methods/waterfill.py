@@ -310,6 +310,27 @@ class WaterfillKVCache(ResidualWindowCache):
 
         return scores, value_fn
 
+    def _quantized_tiles(self, q, ranges):
+        """Prefill tiles: keys decoded per tile (RoPE re-applied at the tile's positions), values from
+        their codes; the value rotation applied once per tile."""
+        lay = self._layout_of()
+        shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
+        k_lo, k_step = self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32)
+        rot = self._rotation(self._shape[2])
+        top = (1 << self.bit_width) - 1
+        a3, b3, c3 = odd_poly_gaussian(self.bit_width)[1]
+
+        def scores(a, b):
+            lo, hi = lay.gather(self.k_words[:, :, a:b])
+            keys = self._post_rope(_dequantize(lo, hi, shift, mask, k_lo, k_step), self.n_sink + a)
+            return q @ keys.swapaxes(-1, -2)
+
+        def values(p, a, b):
+            vc = _odd_poly(unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2]), top, a3, b3, c3)
+            return ((p * self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]) @ vc) @ rot.T
+
+        return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
+
     # ---- attention: observe the queries until calibrated
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if not self.calibrated and getattr(self, "_shape", None):

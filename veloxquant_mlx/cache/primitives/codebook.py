@@ -247,3 +247,33 @@ def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
         if same:
             break
     return cent, labels.astype(mx.uint32)
+
+
+def smallest_k(d: mx.array, k: int, group: int = 16) -> mx.array:
+    """Column indices ``[m, k]`` of the ``k`` smallest entries of each row of ``d [m, n]`` (in no
+    particular order; ties broken arbitrarily), for small ``k``: a nearest-centroids beam.
+
+    MLX's CPU ``argpartition`` costs ~10x an ``argmin`` over the same rows, so this picks the ``k``
+    smallest by repeated ``argmin`` in two levels: the rows' minima over column groups of ``group``,
+    the ``k`` groups with the smallest minima (every one of the ``k`` smallest entries lies in one of
+    them: fewer than ``k`` entries are below it, so fewer than ``k`` groups have a smaller minimum),
+    then the ``k`` smallest of those ``k * group`` entries. Exact; O(n) per row, no sort."""
+    m, n = d.shape
+    if n % group or n <= k * group:
+        return _argmin_k(d, k)
+    g = d.reshape(m, n // group, group)
+    top = _argmin_k(g.min(axis=2), k)  # [m, k] groups
+    cand = mx.take_along_axis(g, top[:, :, None], axis=1).reshape(m, k * group)
+    sel = _argmin_k(cand, k)
+    return mx.take_along_axis(top, sel // group, axis=1) * group + sel % group
+
+
+def _argmin_k(d: mx.array, k: int) -> mx.array:
+    """``k`` repeated row argmins of ``d [m, n]``, each found entry masked with +inf: ``[m, k]``."""
+    out = []
+    for b in range(k):
+        i = mx.argmin(d, axis=1, keepdims=True)
+        out.append(i)
+        if b + 1 < k:
+            d = mx.put_along_axis(d, i, mx.array(mx.inf, d.dtype), axis=1)
+    return out[0] if k == 1 else mx.concatenate(out, axis=1)

@@ -1,0 +1,89 @@
+"""Peak MLX memory (beyond what is live before) and time of a chunked prefill, plain cache vs compressed.
+
+    python scripts/prefill_peak.py --shape smollm2 --contexts 2048,4096 --steps 512,2048 \
+        --methods none,waterfill:bit_width_inlier=4:residual_length=16,kivi:bit_width_inlier=4,turboquant_rvq
+
+Each (method, context, step) runs in this process after ``mx.clear_cache``: the prompt is prefilled
+as mlx_lm's ``generate_step`` does (chunks of ``step`` rows, every cache's state evaluated after each
+chunk), and ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()`` minus the memory live before
+is printed with the caches' ``nbytes`` and the prefill time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import veloxquant_mlx  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+
+from veloxquant_mlx.bench import random_model
+from veloxquant_mlx.eval.fidelity import make_caches, prefill
+from veloxquant_mlx.measure import kv_bytes
+
+
+def parse_method(text: str):
+    name, *sets = text.split(":")
+    if name == "none":
+        return name, None
+    from veloxquant_mlx.cli import build_config
+    import json
+
+    settings = {}
+    for s in sets:
+        k, v = s.split("=", 1)
+        try:
+            settings[k] = json.loads(v)
+        except ValueError:
+            settings[k] = v
+    return text, build_config(name, settings)
+
+
+def measure(model, config, n: int, step: int, seed: int = 0) -> dict:
+    caches = make_caches(model, config)
+    prompt = mx.random.randint(0, model.args.vocab_size, (n,), key=mx.random.key(seed))
+    mx.eval(prompt)
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    prefill(model, prompt, caches, step)
+    mx.synchronize()
+    dt = time.perf_counter() - t0
+    peak = mx.get_peak_memory() - base
+    return {"peak": peak, "nbytes": kv_bytes(caches), "s": dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="smollm2")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    ap.add_argument("--contexts", default="2048,4096")
+    ap.add_argument("--steps", default="512,2048")
+    ap.add_argument("--methods", default="none,kivi:bit_width_inlier=4,turboquant_rvq,"
+                                        "waterfill:bit_width_inlier=4:residual_length=16")
+    args = ap.parse_args()
+    from veloxquant_mlx import bench
+
+    if args.layers:
+        bench.SHAPES[args.shape] = dict(bench.SHAPES[args.shape], num_hidden_layers=args.layers)
+    model = random_model(args.shape)
+    methods = [parse_method(m) for m in args.methods.split(",")]
+    print(f"shape={args.shape} layers={len(model.layers)} dtype={bench.default_dtype()}")
+    print(f"{'method':48s} {'ctx':>6s} {'step':>5s} {'peak MB':>9s} {'x plain':>8s} {'nbytes MB':>9s} {'s':>7s} {'x plain':>8s}")
+    for n in [int(x) for x in args.contexts.split(",")]:
+        for step in [int(x) for x in args.steps.split(",")]:
+            plain = None
+            for label, config in methods:
+                r = measure(model, config, n, step)
+                if plain is None:
+                    plain = r
+                print(f"{label:48s} {n:6d} {step:5d} {r['peak'] / 1e6:9.1f} {r['peak'] / plain['peak']:8.2f} "
+                      f"{r['nbytes'] / 1e6:9.2f} {r['s']:7.2f} {r['s'] / plain['s']:8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

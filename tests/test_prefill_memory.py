@@ -1,0 +1,250 @@
+"""Bounded prefill: attention of a prefill chunk over the compressed past is an online softmax over
+tiles (``attention.online_softmax_attention``), equal to the dense softmax, and a long chunked prefill
+peaks no higher than mlx_lm's plain ``KVCache`` for the same model and prompt.
+
+References are float64 numpy; tolerances come from the magnitudes involved (float32 epsilon times the
+largest |logit| and |value| and the number of terms summed), not from one machine's rounding.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxquant_mlx.cache.attention as att
+from tiny_models import VOCAB, tiny_llama
+from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory
+from veloxquant_mlx.eval.fidelity import prefill
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _reference(q, k, v, scale, mask, sinks):
+    """float64 softmax attention over all keys; ``mask``: None, "causal" or a boolean [1, Hq, N, M] array."""
+    q, k, v = (np.array(x, dtype=np.float64) for x in (q, k, v))
+    B, Hq, N, _ = q.shape
+    rep = Hq // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = q @ k.swapaxes(-1, -2) * scale
+    M = k.shape[2]
+    if isinstance(mask, str):
+        s = np.where(np.arange(M)[None] <= (M - N + np.arange(N))[:, None], s, -np.inf)
+    elif mask is not None:
+        s = np.where(np.array(mask), s, -np.inf)
+    if sinks is not None:
+        col = np.broadcast_to(np.array(sinks, np.float64).reshape(1, Hq, 1, 1), (B, Hq, N, 1))
+        s = np.concatenate([col, s], axis=-1)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., 1:]
+    finite = np.where(np.isfinite(s), np.abs(s), 0.0)
+    return p @ v, float(finite.max()), M
+
+
+def _tolerance(max_logit, n_keys, values):
+    """Bound on float32 rounding of a softmax-weighted average: each logit carries ~eps * |logit| error
+    (through exp that is a relative error of the weight), the sums add ~eps per term."""
+    return 8 * EPS32 * (1 + max_logit + n_keys) * float(np.abs(np.array(values)).max())
+
+
+@pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "additive"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("n,rep", [(1, 1), (7, 3), (13, 2)])
+def test_online_softmax_equals_float64_reference(mask_kind, with_sinks, n, rep):
+    B, H, D, M = 2, 2, 16, 61
+    Hq = H * rep
+    key = mx.random.key(n * 10 + rep)
+    kq, kk, kv, km, ks = mx.random.split(key, 5)
+    q = mx.random.normal((B, Hq, n, D), key=kq) * 2
+    k = mx.random.normal((B, H, M, D), key=kk)
+    v = mx.random.normal((B, H, M, D), key=kv)
+    sinks = mx.random.normal((Hq,), key=ks) if with_sinks else None
+    scale = D**-0.5
+    ref_mask = mlx_mask = None
+    if mask_kind == "causal":
+        ref_mask = mlx_mask = "causal"
+    elif mask_kind is not None:
+        keep = mx.random.uniform(shape=(1, Hq, n, M), key=km) < 0.7  # mlx_lm's [B, Hq, N, M] layout
+        keep[..., -1] = True  # every query sees at least one key
+        ref_mask = keep
+        mlx_mask = keep if mask_kind == "bool" else mx.where(keep, 0.0, -mx.inf)
+    qf = (att.group_queries(q, H) * scale).reshape(B, H, rep * n, D)
+    # two groups of keys split at an odd column, tiles of 5 rows (the last one shorter)
+    blocks = att.dense_blocks(qf, k[:, :, :23], v[:, :, :23], 0, 5) + att.dense_blocks(
+        qf, k[:, :, 23:], v[:, :, 23:], 23, 5)
+    out = att.online_softmax_attention((B, H, rep, n), blocks, M, mlx_mask, sinks, mx.float32)
+    ref, max_logit, n_keys = _reference(q, k, v, scale, ref_mask, sinks)
+    assert out.shape == (B, Hq, n, D)
+    assert np.abs(np.array(out) - ref).max() <= _tolerance(max_logit, n_keys, v)
+
+
+def test_tile_rows_bounds_the_score_tile():
+    # 1/16 of the dense score matrix, rounded down to whole groups
+    assert att.tile_rows(4 * 512, 4096, 32) == 4096 // att.TILE_FRACTION
+    assert att.tile_rows(4 * 512, 4096 + 100, 32) % 32 == 0
+    # never below the minimum, never above the absolute cap of scores per tile
+    assert att.tile_rows(8, 100) == att.TILE_MIN_ROWS
+    rows = 32 * 2048
+    assert att.tile_rows(rows, 1 << 17) * rows <= att.TILE_MAX_ELEMENTS
+    assert att.tile_ranges(3, 20, 8) == [(3, 11), (11, 19), (19, 20)]
+
+
+CHUNK_CONFIGS = {
+    "kivi": dict(bit_width_inlier=4),
+    "kivi_sink": dict(bit_width_inlier=4),  # a KIVI variant with its own storage hooks
+    "turboquant_rvq": dict(residual_length=16),
+    "waterfill": dict(bit_width_inlier=4, residual_length=16),
+}
+
+
+@pytest.mark.parametrize("method", sorted(CHUNK_CONFIGS))
+def test_tiled_prefill_chunk_equals_dense_softmax_over_stored_rows(method, monkeypatch):
+    """Chunks of odd lengths after a stored past (sinks, quantized rows, window rows, the chunk's own
+    rows; GQA 3:1; model sink logits): ``attend`` equals a float64 softmax over the rows that
+    ``update_and_fetch`` returned in their stored form, with tiles forced small (many tile boundaries,
+    none aligned with the window or the sinks)."""
+    monkeypatch.setattr(att, "TILE_FRACTION", 1 << 20)
+    monkeypatch.setattr(att, "TILE_MIN_ROWS", 24)
+    B, H, rep, D = 1, 2, 3, 16
+    cache = KVCacheFactory.create(KVCacheConfig(method=method, head_dim=D, **CHUNK_CONFIGS[method]))
+    key = mx.random.key(7)
+    checked = 0
+    for n in (203, 77, 45, 1, 91):
+        key, kk, kv, kq, ks = mx.random.split(key, 5)
+        k = mx.random.normal((B, H, n, D), key=kk)
+        v = mx.random.normal((B, H, n, D), key=kv)
+        q = mx.random.normal((B, H * rep, n, D), key=kq)
+        sinks = mx.random.normal((H * rep,), key=ks)
+        stored_before = cache.stored_rows()
+        dk, dv = cache.update_and_fetch(k, v)
+        out = cache.attend(q, dk, dv, scale=D**-0.5, mask="causal" if n > 1 else None, sinks=sinks)
+        if n > 1 and stored_before:
+            ref, max_logit, n_keys = _reference(q, dk, dv, D**-0.5, "causal", sinks)
+            assert np.abs(np.array(out) - ref).max() <= _tolerance(max_logit, n_keys, dv)
+            assert n_keys > 4 * att.TILE_MIN_ROWS  # several tiles
+            checked += 1
+    assert checked == 3
+
+
+# ---------------------------------------------------------------------------------------- peak memory
+PROMPT, CHUNK = 2048, 256
+PEAK_METHODS = ["kivi", "kivi_sink", "kitty", "adakv", "kvquant", "cachegen", "gear", "skvq", "amc",
+                "anchorkv", "age_tiered", "nsnquant", "turboquant_rvq", "waterfill"]
+
+
+def _prefill_peak(model, caches, prompt) -> int:
+    """MLX's peak memory during a chunked prefill (as mlx_lm's generate_step does it), above what was
+    live before it (weights, the prompt, the empty caches)."""
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    prefill(model, prompt, caches, CHUNK)
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+@pytest.fixture(scope="module")
+def peak_setup():
+    model = tiny_llama(head_dim=16, n_layers=3)
+    prompt = mx.array([(i * 37 + 11) % VOCAB for i in range(PROMPT)])
+    plain = min(_prefill_peak(model, make_prompt_cache(model), prompt) for _ in range(2))
+    return model, prompt, plain
+
+
+@pytest.mark.parametrize("method", PEAK_METHODS)
+def test_chunked_prefill_peaks_no_higher_than_the_plain_cache(method, peak_setup):
+    """A 2048-token prompt in chunks of 256 on a tiny llama: the plain cache's peak is dominated by its
+    [Hq, 256, up to 2048] float32 score matrices (the weights and its own rows are small); a compressed
+    cache attending over its past must peak no higher. Measured after a first run, so process-wide
+    constants built once (codebooks) are not counted."""
+    model, prompt, plain = peak_setup
+    config = KVCacheConfig(method=method, **CHUNK_CONFIGS.get(method, {}))
+    _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt)
+    caches = KVCacheBuilder.for_model(model, config)
+    peak = _prefill_peak(model, caches, prompt)
+    # the plain cache's score matrix of the last chunk alone: the test measures the regime it claims
+    assert plain >= 4 * 256 * PROMPT * 4
+    assert peak <= plain, f"{method}: prefill peak {peak} B above the plain cache's {plain} B"
+
+
+# ---------------------------------------------------------------------------------------- short chats
+from veloxquant_mlx.cache import all_methods  # noqa: E402
+from veloxquant_mlx.cache.base import MLX_LM  # noqa: E402
+from veloxquant_mlx.cache.contract import SHORT_PROMPT_SLACK_ROWS, short_prompt_bound  # noqa: E402
+from veloxquant_mlx.measure import fp16_kv_bytes  # noqa: E402
+
+QUANTIZERS = [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM and i.family == "quantization"]
+# Known to exceed the bound, in files outside this change (reported to the lead): per-layer fitted
+# codebooks (vecinfer: two per layer, larger than 40 rows; a2ats: a codebook and a query metric per
+# layer) and a residual window preallocated at its full length (skvq). Strict: fixing one fails here.
+OVER_BOUND = {"vecinfer", "skvq", "a2ats"}
+
+
+def _model_constants(caches) -> int:
+    return sum(c.constant_nbytes for c in caches
+               if getattr(c, "counts_constants", False) and hasattr(c, "constant_nbytes"))
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known: holds more than the bound"))
+    if m in OVER_BOUND else m for m in QUANTIZERS])
+def test_short_chat_holds_fp16_rows_plus_the_documented_constant(method):
+    """A 40-token prompt then 8 decode steps (a short chat, before most methods compress anything):
+    nbytes <= the float16 rows of those tokens + SHORT_PROMPT_SLACK_ROWS rows per layer + the
+    method's per-model constants (counted once). The 3.8 MB turboquant_rvq held on ~60-token chats
+    was a 160-row window per layer (R + QUANT_BLOCK rows allocated up front)."""
+    D, H, L = 32, 2, 3
+    model = tiny_llama(head_dim=D, n_layers=L)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method))
+    tokens = [(i * 29 + 5) % VOCAB for i in range(48)]
+    mx.eval(model(mx.array(tokens[:40])[None], cache=caches))
+    bound40 = short_prompt_bound(40, L, H, D, D) + _model_constants(caches)
+    held40 = sum(c.nbytes for c in caches)
+    for t in tokens[40:]:
+        mx.eval(model(mx.array([[t]]), cache=caches))
+    held48 = sum(c.nbytes for c in caches)
+    bound48 = short_prompt_bound(48, L, H, D, D) + _model_constants(caches)
+    assert fp16_kv_bytes(model, 48) + 2 * L * H * 2 * D * SHORT_PROMPT_SLACK_ROWS == short_prompt_bound(48, L, H, D, D)
+    assert held40 <= bound40, f"{method}: {held40} B after 40 tokens, bound {bound40} B"
+    assert held48 <= bound48, f"{method}: {held48} B after 48 tokens, bound {bound48} B"
+
+
+def test_turboquant_rvq_extracted_from_a_batch_holds_only_its_window_rows():
+    """The server's batch form hands each finished request back as a single cache: its window must hold
+    the request's rows (and what the single cache grows by), not R + QUANT_BLOCK rows up front."""
+    from veloxquant_mlx.cache.methods.turboquant_rvq import TurboQuantRVQKVCache
+
+    D, H = 32, 2
+    caches = [KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D)) for _ in range(2)]
+    for i, c in enumerate(caches):
+        n = 20 + 17 * i
+        c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    batch = TurboQuantRVQKVCache.merge(caches)
+    one = batch.extract(1)
+    assert one.n_win == 37 and one.win_k.shape[2] == 37
+    assert one.nbytes <= short_prompt_bound(37, 1, H, D, D) + one.constant_nbytes
+
+
+# ---------------------------------------------------------------------------------------- encoding cost
+def test_smallest_k_finds_the_k_smallest_of_every_row():
+    """The RVQ encoder's beam (``primitives.codebook.smallest_k``, two levels of argmins instead of
+    MLX's slow CPU argpartition) picks exactly the k smallest entries of each row, also when they sit
+    together in one column group, and for widths that do not split into groups."""
+    from veloxquant_mlx.cache.primitives.codebook import smallest_k
+
+    d = mx.random.normal((500, 256), key=mx.random.key(3))
+    d[:7, 32:36] = -10.0  # the 4 smallest of some rows in one group of 16
+    for x, k in ((d, 4), (d, 1), (d[:, :40], 3), (d[:, :48], 4)):
+        got = np.sort(np.array(smallest_k(x, k)), axis=1)
+        want = np.sort(np.argsort(np.array(x), axis=1, kind="stable")[:, :k], axis=1)
+        assert got.shape == (x.shape[0], k)
+        assert (got == want).all()
