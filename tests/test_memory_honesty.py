@@ -13,7 +13,7 @@ buffer, and active memory would count that buffer's size.
 
 The model runs in float32 (the CPU's compute dtype: rows are cast to 16 bits, a copy) and in float16
 (a GPU model's: a cast to float16 is then a view of the call's rows, so a few rows stored from a
-256-row chunk can keep the chunk alive -- kivi_sink's and skvq's sinks did, 2.4x their ``nbytes``).
+256-row chunk can keep the chunk alive -- kivi_sink's and skvq's sinks did, 2.2-2.4x their ``nbytes``).
 """
 
 from __future__ import annotations
