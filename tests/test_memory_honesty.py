@@ -33,11 +33,11 @@ PROMPT, CHUNK, DECODE = 600, 256, 24
 TOKENS = [(i * 53 + 7) % VOCAB for i in range(PROMPT + DECODE)]
 
 
-def _fill(model, method):
+def _fill(model, method, prompt=PROMPT, decode=DECODE):
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, **CONFIGS[method]))
-    for a in range(0, PROMPT, CHUNK):
-        mx.eval(model(mx.array(TOKENS[a : min(a + CHUNK, PROMPT)])[None], cache=caches))
-    for t in TOKENS[PROMPT:]:
+    for a in range(0, prompt, CHUNK):
+        mx.eval(model(mx.array(TOKENS[a : min(a + CHUNK, prompt)])[None], cache=caches))
+    for t in TOKENS[prompt : prompt + decode]:
         mx.eval(model(mx.array([[t]]), cache=caches))
     return caches
 
@@ -63,7 +63,7 @@ def test_active_memory_of_the_caches_is_their_nbytes(method, dtype):
     model = tiny_llama(head_dim=32)
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
-    _fill(model, method)  # first run: process-wide constants are built here
+    _fill(model, method, 128, 2)  # a short first run: process-wide constants are built here
     gc.collect()
     base = mx.get_active_memory()
     caches = _fill(model, method)
