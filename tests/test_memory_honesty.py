@@ -6,8 +6,9 @@ everything but the caches is dropped and MLX's active memory is compared with th
 Hidden memory -- an array that is a view into a larger buffer (MLX hands back a slice assignment's
 source when it fills the whole target; ``astype`` to the same dtype returns a view), a lazy graph
 holding its inputs, a forgotten reference -- shows up as active memory above ``nbytes``. Each method
-runs twice and the second run is measured, so process-wide constants (codebooks, rotations) built
-once on first use are not counted against it (a cache that counts such constants may read lower).
+runs twice (the first run short) and the second run is measured, so process-wide constants (codebooks,
+rotations) built once on first use are not counted against it (a cache that counts such constants may
+read lower).
 MLX's buffer cache is switched off for the test: with it, a new array may be given a larger freed
 buffer, and active memory would count that buffer's size.
 
