@@ -83,6 +83,8 @@ from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_columns, grow_rows
 from ..primitives import groupquant as gq
+from .. import kernels
+from ..kernels import kivi as kivi_kernel
 
 KIVI_BITS = (2, 3, 4, 8)
 RES_DTYPE = mx.float16
@@ -108,6 +110,7 @@ class KIVIKVCache(CompressedKVCache):
     n_res = 0  # float16 residual tokens (< G)
     dtype_name = "float16"  # dtype of the rows last handed to the cache (dense outputs use it)
     _call = None  # (quantized, residual, past res_k, past res_v, new keys, new values) of the last call
+    _kernel_off = False  # set while the op path runs as the decode kernel's reference
 
     # ---------------------------------------------------------------- layout
     def _init_layout(self):
@@ -250,6 +253,9 @@ class KIVIKVCache(CompressedKVCache):
         if q0 + r0 == 0:  # nothing stored before this call: plain attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale, mask=mask,
                                                         sinks=sinks)
+        if N == 1 and q0 and not self._kernel_off and self._decode_kernel_ready(mask, new_k.shape[-1], new_v.shape[-1]):
+            self._call = call
+            return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu):
             # GPU prefill chunk: the fused sdpa kernel over the (lazily dequantized) rows is faster and
             # never holds the [N, M] score matrix; decode steps stay on the codes.
@@ -310,6 +316,48 @@ class KIVIKVCache(CompressedKVCache):
             else:
                 out = out + p_q @ self._values(q0)
         return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+
+    # ---------------------------------------------------------------- decode: the fused GPU kernel
+    def _decode_kernel_ready(self, mask, d: int, dv: int) -> bool:
+        """One query row over KIVI's own layout (subclasses that change what the codes mean keep the op
+        path), a string/None mask, a layout the kernel reads, and the CUDA backend."""
+        cls = type(self)
+        own = all(getattr(cls, f) is getattr(KIVIKVCache, f) for f in ("_keys_t", "_values", "_append_groups"))
+        return (own and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
+                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv)
+                and kernels.kernels_enabled())
+
+    def _decode_attend(self, queries, *, scale, sinks=None):
+        """One query row: the kernel's split-K partials over the codes, merged with the float16
+        residual and the call's own row (``kernels.merge_partials``)."""
+        call, self._call = self._call, None
+        q0, r0, past_k, past_v, new_k, new_v = call
+        B, Hq, _, D = queries.shape
+        H, dv = new_k.shape[1], new_v.shape[-1]
+        R = Hq // H
+        q = queries.reshape(B, H, R, D).astype(mx.float32) * scale
+        m, l, acc = kivi_kernel.kivi_partials(q, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
+                                              self.v_scales, self.v_biases, q0, self.qbits, self.group,
+                                              self.value_group(dv))
+        ek, ev = new_k, new_v
+        if r0:
+            ek = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
+            ev = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
+        out = kernels.merge_partials(m, l, acc, q, ek, ev, sinks)
+        return out.reshape(B, Hq, 1, dv).astype(queries.dtype)
+
+    def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
+        """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
+        return kernels.checked_call(
+            "kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+            lambda: self._op_attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks))
+
+    def _op_attend(self, queries, keys, values, *, scale, mask, sinks):
+        self._kernel_off = True
+        try:
+            return self.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        finally:
+            self._kernel_off = False
 
     @classmethod
     def _merge_batch(cls, caches):

@@ -105,6 +105,8 @@ from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from ..primitives.rotation import hadamard, random_orthogonal
 from ..primitives.varpack import VarLayout, extract_codes
 from ..attention import group_queries
+from .. import kernels
+from ..kernels import waterfill as wf_kernel
 from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
@@ -134,9 +136,26 @@ def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarr
     return widths.reshape(G, D)
 
 
+def _power_of_two(d: int) -> bool:
+    return d > 0 and d & (d - 1) == 0
+
+
+def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
+    """``y M`` (or ``y M^T``) over the last axis with the values' rotation ``M``: for a power-of-two
+    dim the normalized Hadamard applied as a fast Walsh-Hadamard transform (``mx.hadamard_transform``,
+    ``O(Dv log Dv)`` per row, no stored matrix; ``H`` is symmetric and orthogonal, so it is its own
+    inverse), else the seeded random rotation's matrix."""
+    dv = y.shape[-1]
+    if _power_of_two(dv):
+        return mx.hadamard_transform(y, scale=dv**-0.5)
+    m = value_rotation(dv, seed)
+    return y @ (m.T if inverse else m)
+
+
 def value_rotation(dim: int, seed: int) -> mx.array:
-    """The values' rotation ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized Hadamard for a
-    power-of-two ``dim``, else a seeded Haar-random orthogonal matrix. One array per process."""
+    """The values' rotation as a matrix ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized
+    Hadamard for a power-of-two ``dim`` (the caches apply it as a transform, :func:`rotate_values`, and
+    hold no matrix), else a seeded Haar-random orthogonal matrix (held, one array per process)."""
     key = (int(dim), int(seed))
     m = _ROTATIONS.get(key)
     if m is None:
@@ -268,7 +287,7 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _encode_values(self, values):
         """Rotated rows ``y = v M``, their RMS ``s`` (float16) and the Lloyd-Max codes of ``y / s``."""
-        y = values.astype(mx.float32) @ self._rotation(values.shape[-1])
+        y = rotate_values(values.astype(mx.float32), self.seed)
         scale = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True)).astype(mx.float16)
         codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), self._codebook())
         return pack_bits(codes, self.bit_width), scale[..., 0]
@@ -295,25 +314,85 @@ class WaterfillKVCache(ResidualWindowCache):
         return _odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
 
     def _quantized_dense(self, n):
-        rot = self._rotation(self._shape[2])
-        v = (self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)) @ rot.T
-        return self._keys(n), v
+        v = self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)
+        return self._keys(n), rotate_values(v, self.seed, inverse=True)
 
     def _quantized_part(self, q, n):
         scores = q @ self._keys(n).swapaxes(-1, -2)
         vc = self._value_codes(n)
         vs = self.v_scales[:, :, :n].astype(mx.float32)[:, :, None, :]
-        rot = self._rotation(self._shape[2])
 
         def value_fn(p):  # sum_t p_t s_t centroid[code_t], rotated back once per query row
-            return ((p * vs) @ vc) @ rot.T
+            return rotate_values((p * vs) @ vc, self.seed, inverse=True)
 
         return scores, value_fn
+
+    # ---- decode (one query row): the fused kernel on the GPU
+    def _decode_kernel_ready(self, queries, keys, mask) -> bool:
+        """Whether this call can take the fused decode kernel: one query row, quantized rows stored,
+        a string/None mask, shapes the kernel handles, and the CUDA backend."""
+        call = self._call
+        if queries.shape[2] != 1 or call is None or call.q0 == 0 or call.new_k.shape[2] != 1:
+            return False
+        if not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1:
+            return False
+        H, D, DV = self._shape
+        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1])
+        return ok and kernels.kernels_enabled()
+
+    def _kernel_constants(self):
+        """The kernel's per-cache tables (key layout, float32 ranges, RoPE), built once per calibration."""
+        kc = getattr(self, "_kconst", None)
+        if kc is None or kc[0] is not self.k_lo:
+            D = self._shape[1]
+            lay = self._layout_of()
+            a, b, c = odd_poly_gaussian(self.bit_width)[1]
+            vpoly = mx.array([a, b, c, ((1 << self.bit_width) - 1) / 2], dtype=mx.float32)
+            omega = self._omega() if self.rope is not None else None
+            kc = (self.k_lo, wf_kernel.key_table(lay), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
+                  mx.contiguous(self.k_step[:, :, 0].astype(mx.float32)),
+                  wf_kernel.rope_tables(self.rope, omega, D), vpoly)
+            mx.eval(*kc[1:4], *kc[4], kc[5])
+            self._kconst = kc
+        return kc[1:]
+
+    def _decode_attend(self, queries, *, scale, sinks=None):
+        """Attention of one query row: the kernel's split-K partials over the codes, merged with the
+        float16 sinks, the window and the call's own row (``kernels.merge_partials``)."""
+        call, self._call = self._call, None
+        B, Hq, _, D = queries.shape
+        H, DV = self._shape[0], self._shape[2]
+        R = Hq // H
+        q = queries.reshape(B, H, R, D).astype(mx.float32) * scale
+        ktab, lo, step, rope, vpoly = self._kernel_constants()
+        m, l, acc = wf_kernel.waterfill_partials(q, self.k_words, ktab, lo, step, rope, self.v_words,
+                                                 self.v_scales, vpoly, call.q0, call.s0, self.bit_width, DV)
+        ks, vs = [], []
+        if call.s0:
+            ks.append(self.sink_k[:, :, : call.s0])
+            vs.append(self.sink_v[:, :, : call.s0])
+        if call.r0:
+            ks.append(call.past_k)
+            vs.append(call.past_v)
+        dt = call.new_k.dtype
+        ek = mx.concatenate([k.astype(dt) for k in ks] + [call.new_k], axis=2)
+        ev = mx.concatenate([v.astype(dt) for v in vs] + [call.new_v], axis=2)
+        out = kernels.merge_partials(m, l, acc, q, ek, ev, sinks,
+                                     rotate=lambda y: rotate_values(y, self.seed, inverse=True))
+        return out.reshape(B, Hq, 1, DV).astype(queries.dtype)
+
+    def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
+        """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
+        return kernels.checked_call(
+            "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+            lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
 
     # ---- attention: observe the queries until calibrated
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if not self.calibrated and getattr(self, "_shape", None):
             self._observe(queries)
+        if self.calibrated and self._decode_kernel_ready(queries, keys, mask):
+            return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()
@@ -334,15 +413,19 @@ class WaterfillKVCache(ResidualWindowCache):
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays()
-        if self.counts_constants and getattr(self, "_shape", None):
+        kc = getattr(self, "_kconst", None)
+        if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
+            out += [*kc[1:4], *kc[4], kc[5]]
+        if self.counts_constants and getattr(self, "_shape", None) and not _power_of_two(self._shape[2]):
             out.append(self._rotation(self._shape[2]))
         return out
 
     @property
     def constant_nbytes(self) -> int:
-        """Bytes of the value rotation (shared by every layer with the same value dim and seed)."""
+        """Bytes of the value rotation matrix (shared by every layer with the same value dim and seed;
+        none for a power-of-two dim: the Hadamard is applied as a transform)."""
         shape = getattr(self, "_shape", None)
-        return self._rotation(shape[2]).nbytes if shape else 0
+        return self._rotation(shape[2]).nbytes if shape and not _power_of_two(shape[2]) else 0
 
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Bytes of one quantized token per KV head: key words + value words + the value scale."""
@@ -375,7 +458,7 @@ class WaterfillKVCache(ResidualWindowCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            shared = k in ("config", "_layout", "_omega_cache") or isinstance(v, mx.Dtype)
+            shared = k in ("config", "_layout", "_omega_cache", "_kconst") or isinstance(v, mx.Dtype)
             setattr(new, k, v if shared else copy.deepcopy(v, memo))
         return new
 

@@ -1,0 +1,82 @@
+"""Compile the CUDA decode kernels offline with nvcc (no GPU needed) and print ptxas's resource
+report (registers, shared memory, spills), wrapping each body the way ``mx.fast.cuda_kernel`` does.
+
+    python scripts/check_decode_kernels.py [--arch sm_90] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx.cache.kernels import _common, kivi, waterfill  # noqa: E402
+
+# What MLX's JIT puts before a custom kernel (its default header), reduced to what the bodies use.
+_HEADER = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+#define inf cuda::std::numeric_limits<float>::infinity()
+namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 8>; }
+"""
+
+_CTYPES = {"f32": "float", "f16": "__half", "u32": "uint32_t", "i32": "int32_t"}
+
+
+def render(name, body, inputs, outputs, template):
+    """``inputs``: (name, ctype key); shapes are passed for the names the body uses."""
+    sig = []
+    for n, t in inputs:
+        sig.append(f"    const {_CTYPES[t]}* {n}")
+        if f"{n}_shape" in body:
+            sig.append(f"    const __grid_constant__ Shape {n}_shape")
+    sig += [f"    float* {n}" for n in outputs]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    return (_HEADER + _common.PRELUDE + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {name}(\n" + ",\n".join(sig) + ") {\n" + consts + body + "\n}\n}\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--keep", default=None)
+    a = ap.parse_args(argv)
+    wf_in = [("q", "f32"), ("kw", "u32"), ("ktab", "u32"), ("klo", "f32"), ("kst", "f32"), ("rw", "f32"),
+             ("rp", "i32"), ("rs", "f32"), ("vw", "u32"), ("vs", "f16"), ("vpoly", "f32"), ("meta", "i32")]
+    kv_in = [("q", "f32"), ("kc", "u32"), ("ks", "f16"), ("kb", "f16"), ("vc", "u32"), ("vsc", "f16"),
+             ("vbi", "f16"), ("meta", "i32")]
+    cases = [
+        ("waterfill_d128_r4", waterfill._SOURCE, wf_in,
+         [("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("NW", 4), ("REP", 4), ("DV", 128)]),
+        ("waterfill_d64_r3", waterfill._SOURCE, wf_in,
+         [("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("NW", 4), ("REP", 3), ("DV", 64)]),
+        ("kivi_d128_r4", kivi._SOURCE, kv_in,
+         [("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("NW", 4), ("REP", 4), ("DV", 128)]),
+        ("kivi_d64_b2", kivi._SOURCE, kv_in,
+         [("D", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("NW", 4), ("REP", 3), ("DV", 64)]),
+    ]
+    out = Path(a.keep or tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    for name, body, ins, tmpl in cases:
+        src = out / f"{name}.cu"
+        src.write_text(render(name, body, ins, _common.OUTPUTS, tmpl))
+        r = subprocess.run(["nvcc", f"-arch={a.arch}", "-c", "-o", str(out / f"{name}.o"), "-Xptxas", "-v",
+                            "--std=c++17", str(src)], capture_output=True, text=True)
+        report = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]
+        print(f"{name}: {'ok' if r.returncode == 0 else 'FAILED'}")
+        for ln in report if r.returncode == 0 else r.stderr.splitlines()[:30]:
+            print("   ", ln.strip())
+        ok &= r.returncode == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
