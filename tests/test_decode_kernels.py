@@ -338,3 +338,102 @@ def test_decode_steps_take_the_kernels_on_the_gpu():
             mx.eval(dispatch.dispatched_sdpa(_rows(rng, 4, 1, D, mx.float16), K, V, cache=c, scale=D**-0.5,
                                              mask=None))
         assert name in _common._checked and name not in _common._disabled
+
+
+# ---------------------------------------------------------------------------------------- the kernel path's plumbing
+def _split_partials(scores, vals, S):
+    """(m, l, acc) of ``S`` splits (the last possibly empty) from scores [B, H, R, n] and values
+    [B, H, n, Dv], in MLX ops: what a kernel returns."""
+    n = scores.shape[-1]
+    per = -(-n // (S - 1)) if S > 1 else n
+    ms, ls, accs = [], [], []
+    for s in range(S):
+        a, b = min(n, s * per), min(n, (s + 1) * per)
+        if b > a:
+            m = scores[..., a:b].max(axis=-1)
+            p = mx.exp(scores[..., a:b] - m[..., None])
+            ms.append(m), ls.append(p.sum(axis=-1)), accs.append(p @ vals[:, :, a:b])
+        else:
+            ms.append(mx.full(scores.shape[:-1], -mx.inf)), ls.append(mx.zeros(scores.shape[:-1]))
+            accs.append(mx.zeros((*scores.shape[:-1], vals.shape[-1])))
+    return mx.stack(ms, axis=-1), mx.stack(ls, axis=-1), mx.stack(accs, axis=-2)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Stand-ins for the CUDA kernels computed from the op path's decoded rows (4 splits), and the
+    kernel path switched on: runs every line of the kernel path except the CUDA bodies on the CPU."""
+    from veloxquant_mlx.cache import kernels as kpkg
+
+    monkeypatch.setattr(kpkg, "kernels_enabled", lambda: True)
+    caches = {}
+
+    def wf(q, k_words, *args):
+        c = caches["waterfill"]
+        n = args[-4]
+        vals = c._value_codes(n) * c.v_scales[:, :, :n, None].astype(mx.float32)
+        return _split_partials(q @ c._keys(n).swapaxes(-1, -2), vals, 4)
+
+    def kv(q, *args):
+        c = caches["kivi"]
+        n = args[-4]
+        return _split_partials(q @ c._keys_t(n), c._values(n), 4)
+
+    monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
+    monkeypatch.setattr(kivi_kernel, "kivi_partials", kv)
+    monkeypatch.setattr(_common, "_checked", set())
+    monkeypatch.setattr(_common, "_disabled", set())
+    return caches
+
+
+@pytest.mark.parametrize("R,rope,with_sinks", [(1, None, False), (3, "rope", True), (4, "traditional", True)])
+def test_waterfill_kernel_path_plumbing_equals_float64_attention(reference_kernels, R, rope, with_sinks):
+    """With reference partials, the kernel path (tables, merge with sinks + window + own row, rotation
+    back, GQA layout) gives float64 attention over the stored rows, and passes its first-use check."""
+    H, D = 2, 64
+    r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
+    c = reference_kernels["waterfill"] = _waterfill(D, r)
+    rng = np.random.default_rng(R)
+    _feed_waterfill(c, H, R, D, 77, rng)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    for i in range(20):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        assert c._decode_kernel_ready(q, K, None)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
+        assert _rel(out, want) < 1e-4, i
+    assert "waterfill" in _common._checked and not _common._disabled
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
+
+
+@pytest.mark.parametrize("R,bits", [(1, 4), (4, 2)])
+def test_kivi_kernel_path_plumbing_equals_float64_attention(reference_kernels, R, bits):
+    H, D = 2, 64
+    c = reference_kernels["kivi"] = _kivi(D, bits, 32)
+    rng = np.random.default_rng(bits)
+    K, V = c.update_and_fetch(_rows(rng, H, 70, D), _rows(rng, H, 70, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 70, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(40):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4, i
+    assert "kivi" in _common._checked and not _common._disabled
+
+
+def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, monkeypatch):
+    """A kernel whose output disagrees with the op path at first use is turned off (one warning) and
+    the step's result is the op path's."""
+    H, D = 2, 64
+    c = reference_kernels["kivi"] = _kivi(D, 4, 32)
+    monkeypatch.setattr(kivi_kernel, "kivi_partials", lambda q, *a: _split_partials(
+        q @ c._keys_t(a[-4]), 2 * c._values(a[-4]), 2))
+    rng = np.random.default_rng(3)
+    K, V = c.update_and_fetch(_rows(rng, H, 64, D), _rows(rng, H, 64, D))
+    K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+    q = _rows(rng, H, 1, D)
+    with pytest.warns(RuntimeWarning, match="kivi"):
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+    assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4
+    assert "kivi" in _common._disabled
