@@ -16,14 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx.cache.kernels import _common, kivi, waterfill  # noqa: E402
 
-# What MLX's JIT puts before a custom kernel (its default header), reduced to what the bodies use.
+# What MLX's JIT puts before a custom kernel (its default header), reduced to what the bodies use
+# (MLX 0.32.4's own header defines no ``inf``: the bodies use the prelude's VQ_INF).
 _HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda/std/array>
 #include <cuda/std/limits>
 #include <cooperative_groups.h>
-#define inf cuda::std::numeric_limits<float>::infinity()
 namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 8>; }
 """
 

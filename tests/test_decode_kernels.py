@@ -27,6 +27,10 @@ from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, r
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
 
 GPU = pytest.mark.skipif(not kernels_enabled(), reason="the decode kernels need MLX's CUDA backend (none here)")
+# float32 against float64: on the CPU float32 rounding; GPU matmuls may round float32 inputs (TF32:
+# relative ~3e-4 measured on an H200)
+TOL32 = 1e-5 if mx.default_device() == mx.cpu else 3e-3
+TOL_ATTN = 1e-4 if mx.default_device() == mx.cpu else 3e-3
 
 
 def _rel(a, b) -> float:
@@ -91,7 +95,7 @@ def test_merge_partials_is_one_softmax_over_all_rows(seed, B, H, R, splits, E, w
     den = p.sum(axis=-1) + (np.exp(sinks.reshape(1, H, R) - peak[..., 0]) if sinks is not None else 0)
     want = np.einsum("bhrm,bhmd->bhrd", p, v_all) / den[..., None]
     assert got.shape == (B, H, R, DV)
-    assert _rel(got, want) < 1e-5
+    assert _rel(got, want) < TOL32
 
 
 def test_split_count_grows_with_the_context_and_is_bounded():
@@ -244,7 +248,7 @@ def test_waterfill_decode_op_path_equals_float64_attention_over_the_stored_rows(
         sk = sinks if i % 2 else None
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
         want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
-        assert _rel(out, want) < 1e-4, (i, c.n_sink, c.n_quant, c.n_win)
+        assert _rel(out, want) < TOL_ATTN, (i, c.n_sink, c.n_quant, c.n_win)
     assert c.n_sink == 4 and c.n_quant > 0
 
 
@@ -261,7 +265,7 @@ def test_kivi_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R,
         K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
         q = _rows(rng, H * R, 1, D)
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
-        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4, (i, c.n_quant, c.n_res)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, (i, c.n_quant, c.n_res)
     assert c.n_quant >= group
 
 
@@ -402,7 +406,7 @@ def test_waterfill_kernel_path_plumbing_equals_float64_attention(reference_kerne
         assert c._decode_kernel_ready(q, K, None)
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
         want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
-        assert _rel(out, want) < 1e-4, i
+        assert _rel(out, want) < TOL_ATTN, i
     assert "waterfill" in _common._checked and not _common._disabled
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
 
@@ -418,7 +422,7 @@ def test_kivi_kernel_path_plumbing_equals_float64_attention(reference_kernels, R
         K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
         q = _rows(rng, H * R, 1, D)
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
-        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4, i
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, i
     assert "kivi" in _common._checked and not _common._disabled
 
 
@@ -435,5 +439,5 @@ def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, 
     q = _rows(rng, H, 1, D)
     with pytest.warns(RuntimeWarning, match="kivi"):
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
-    assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4
+    assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN
     assert "kivi" in _common._disabled

@@ -19,6 +19,7 @@ MAX_SPLITS = 512
 # The thin macro layer: kernel bodies use only these names for the backend's primitives (CUDA here).
 PRELUDE = r"""
 #define VQ_FULL 0xffffffffu
+#define VQ_INF __int_as_float(0x7f800000)
 #define VQ_LANE ((int)(threadIdx.x & 31))
 #define VQ_WARP ((int)(threadIdx.x >> 5))
 #define VQ_NTHREADS ((int)blockDim.x)
@@ -158,10 +159,10 @@ BLOCK_MERGE = r"""
   VQ_SYNC();
   for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) {
     const int r = i / DV, c = i % DV;
-    float M = -inf;
+    float M = -VQ_INF;
     for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w * REP + r]);
     float L = 0.f, A = 0.f;
-    if (M > -inf) {
+    if (M > -VQ_INF) {
       for (int w = 0; w < NW; ++w) {
         const float e = VQ_EXP(sm_m[w * REP + r] - M);
         L += e * sm_l[w * REP + r];

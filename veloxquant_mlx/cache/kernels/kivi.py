@@ -43,7 +43,7 @@ _SOURCE = r"""
   float m[REP], l[REP], acc[REP][VJ];
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
-    m[r] = -inf; l[r] = 0.f;
+    m[r] = -VQ_INF; l[r] = 0.f;
 #pragma unroll
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
@@ -69,7 +69,7 @@ _SOURCE = r"""
     float p[REP];
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
-      const float sr = ok ? sc[r] : -inf;
+      const float sr = ok ? sc[r] : -VQ_INF;
       float mt = sr;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));

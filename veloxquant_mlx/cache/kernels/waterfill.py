@@ -71,7 +71,7 @@ _SOURCE = r"""
   float m[REP], l[REP], acc[REP][VJ];
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
-    m[r] = -inf; l[r] = 0.f;
+    m[r] = -VQ_INF; l[r] = 0.f;
 #pragma unroll
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
