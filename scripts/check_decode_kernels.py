@@ -27,18 +27,19 @@ _HEADER = r"""
 namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 8>; }
 """
 
-_CTYPES = {"f32": "float", "f16": "__half", "u32": "uint32_t", "i32": "int32_t"}
+_CTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16", "u32": "uint32_t", "i32": "int32_t"}
 
 
-def render(name, body, inputs, outputs, template):
+def render(name, body, inputs, outputs, template, out_type="float"):
     """``inputs``: (name, ctype key); shapes are passed for the names the body uses."""
     sig = []
     for n, t in inputs:
         sig.append(f"    const {_CTYPES[t]}* {n}")
         if f"{n}_shape" in body:
             sig.append(f"    const __grid_constant__ Shape {n}_shape")
-    sig += [f"    float* {n}" for n in outputs]
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    sig += [f"    {out_type}* {n}" for n in outputs]
+    consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+                     for k, v in template)
     return (_HEADER + _common.PRELUDE + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
             f"__global__ void {name}(\n" + ",\n".join(sig) + ") {\n" + consts + body + "\n}\n}\n")
 
@@ -48,10 +49,12 @@ def main(argv=None):
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--keep", default=None)
     a = ap.parse_args(argv)
-    wf_in = [("q", "f32"), ("kw", "u32"), ("ktab", "u32"), ("klo", "f32"), ("kst", "f32"), ("rw", "f32"),
-             ("rp", "i32"), ("rs", "f32"), ("vw", "u32"), ("vs", "f16"), ("vpoly", "f32"), ("meta", "i32")]
-    kv_in = [("q", "f32"), ("kc", "u32"), ("ks", "f16"), ("kb", "f16"), ("vc", "u32"), ("vsc", "f16"),
-             ("vbi", "f16"), ("meta", "i32")]
+    exact = [("ek0", "f16"), ("ev0", "f16"), ("ek1", "bf16"), ("ev1", "bf16"), ("nk", "f32"), ("nv", "f32")]
+    wf_in = [("q", "bf16"), ("fs", "f32"), ("kw", "u32"), ("ktab", "u32"), ("klo", "f32"), ("kst", "f32"), ("rw", "f32"),
+             ("rp", "i32"), ("rs", "f32"), ("vw", "u32"), ("vs", "f16"), ("vpoly", "f32"), ("meta", "i32")] + exact
+    kv_in = [("q", "f16"), ("fs", "f32"), ("kc", "u32"), ("ks", "f16"), ("kb", "f16"), ("vc", "u32"), ("vsc", "f16"),
+             ("vbi", "f16"), ("meta", "i32")] + exact
+    merge_in = [("pm", "f32"), ("pl", "f32"), ("pa", "f32"), ("sk", "bf16")]
     cases = [
         ("waterfill_d128_r4", waterfill._SOURCE, wf_in,
          [("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("NW", 4), ("REP", 4), ("DV", 128)]),
@@ -62,12 +65,16 @@ def main(argv=None):
         ("kivi_d64_b2", kivi._SOURCE, kv_in,
          [("D", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("NW", 4), ("REP", 3), ("DV", 64)]),
     ]
+    merges = [("merge_rot_bf16", merge_in, [("DV", 128), ("HAS_SINK", 1), ("ROT", 1), ("OT", "__nv_bfloat16")]),
+              ("merge_f16", merge_in, [("DV", 64), ("HAS_SINK", 0), ("ROT", 0), ("OT", "__half")])]
     out = Path(a.keep or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     ok = True
-    for name, body, ins, tmpl in cases:
+    jobs = [(n, b, i, t, "float", _common.OUTPUTS) for n, b, i, t in cases]
+    jobs += [(n, _common._MERGE_SOURCE, i, t, dict(t)["OT"], ["out"]) for n, i, t in merges]
+    for name, body, ins, tmpl, otype, outs in jobs:
         src = out / f"{name}.cu"
-        src.write_text(render(name, body, ins, _common.OUTPUTS, tmpl))
+        src.write_text(render(name, body, ins, outs, tmpl, otype))
         r = subprocess.run(["nvcc", f"-arch={a.arch}", "-c", "-o", str(out / f"{name}.o"), "-Xptxas", "-v",
                             "--std=c++17", str(src)], capture_output=True, text=True)
         report = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]

@@ -59,34 +59,38 @@ def _softmax_attention64(q, k, v, scale, sinks=None):
 @pytest.mark.parametrize("seed,B,H,R,splits,E,with_sinks", [
     (0, 1, 2, 1, 1, 1, False), (1, 1, 3, 3, 5, 17, True), (2, 2, 2, 4, 7, 1, False), (3, 1, 1, 8, 3, 30, True)])
 def test_merge_partials_is_one_softmax_over_all_rows(seed, B, H, R, splits, E, with_sinks):
-    """Split-K partials (one split left empty, as a kernel's last split can be) merged with exact rows
-    and sink logits, the quantized part's values in a rotated domain: equals one float64 softmax."""
+    """Split-K partials of the quantized rows (values in a rotated domain; one split left empty, as a
+    kernel's last split can be), the exact rows' partial last, and sink logits: the merge equals one
+    float64 softmax over every row."""
     rng = np.random.default_rng(seed)
-    D, DV = 16, 32
+    DV = 32
     n = 7 * splits - 3
     sq = rng.normal(size=(B, H, R, n)) * 3
     vq_rot = rng.normal(size=(B, H, n, DV))
     rot = np.linalg.qr(rng.normal(size=(DV, DV)))[0]
-    q = rng.normal(size=(B, H, R, D))
-    ek, ev = rng.normal(size=(B, H, E, D)), rng.normal(size=(B, H, E, DV))
+    se, ev = rng.normal(size=(B, H, R, E)) * 3, rng.normal(size=(B, H, E, DV))
     sinks = rng.normal(size=(H * R,)) if with_sinks else None
     per = -(-n // splits)
-    S = splits + 1  # the last split is empty
-    m = np.full((B, H, R, S), -np.inf)
-    l = np.zeros((B, H, R, S))
-    acc = np.zeros((B, H, R, S, DV))
+    S = splits + 1  # the last quantized split is empty
+    m = np.full((B, H, R, S + 1), -np.inf)
+    l = np.zeros((B, H, R, S + 1))
+    acc = np.zeros((B, H, R, S + 1, DV))
+
+    def put(s, scores, vals):
+        m[..., s] = scores.max(axis=-1)
+        p = np.exp(scores - m[..., s, None])
+        l[..., s] = p.sum(axis=-1)
+        acc[..., s, :] = np.einsum("bhrt,bhtd->bhrd", p, vals)
+
     for s in range(S):
         a, b = min(n, s * per), min(n, (s + 1) * per)
         if b > a:
-            m[..., s] = sq[..., a:b].max(axis=-1)
-            p = np.exp(sq[..., a:b] - m[..., s, None])
-            l[..., s] = p.sum(axis=-1)
-            acc[..., s, :] = np.einsum("bhrt,bhtd->bhrd", p, vq_rot[:, :, a:b])
+            put(s, sq[..., a:b], vq_rot[:, :, a:b])
+    put(S, se, ev)
     f32 = lambda x: mx.array(np.asarray(x, np.float32))  # noqa: E731
-    got = merge_partials(f32(m), f32(l), f32(acc), f32(q), f32(ek), f32(ev),
-                         None if sinks is None else f32(sinks), rotate=lambda y: y @ f32(rot.T))
-    # reference: scores [quantized | exact], values [rotated back | exact]
-    s_all = np.concatenate([sq, np.einsum("bhrd,bhed->bhre", q, ek)], axis=-1)
+    got = merge_partials(f32(m), f32(l), f32(acc), None if sinks is None else f32(sinks),
+                         rotate=lambda y: y @ f32(rot.T))
+    s_all = np.concatenate([sq, se], axis=-1)
     v_all = np.concatenate([vq_rot @ rot.T, ev], axis=2)
     peak = s_all.max(axis=-1, keepdims=True)
     if sinks is not None:
@@ -286,7 +290,7 @@ def _kernel_vs_op(c, q, scale, sinks, op):
     (8, 4, 128, 301, "rope", mx.float16, True),
     (3, 3, 64, 1037, "traditional", mx.bfloat16, False),
     (8, 4, 128, 5000, "rope", mx.bfloat16, True),
-    (4, 2, 96, 777, "rope", mx.float32, False)])
+    (4, 2, 128, 777, "rope", mx.float32, False)])
 def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_sinks):
     r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
     c = _waterfill(D, r)
@@ -363,28 +367,54 @@ def _split_partials(scores, vals, S):
     return mx.stack(ms, axis=-1), mx.stack(ls, axis=-1), mx.stack(accs, axis=-2)
 
 
+def _exact_partial(q, exact):
+    """(m, l, acc) of the exact rows a decode kernel is handed: e0 rows of k0, e1 of k1, the new row."""
+    k0, v0, e0, k1, v1, e1, nk, nv = exact
+    f = lambda a: a.astype(mx.float32)  # noqa: E731
+    ek = mx.concatenate([f(k0[:, :, :e0]), f(k1[:, :, :e1]), f(nk)], axis=2)
+    ev = mx.concatenate([f(v0[:, :, :e0]), f(v1[:, :, :e1]), f(nv)], axis=2)
+    return _split_partials(q @ ek.swapaxes(-1, -2), ev, 1)
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
-    """Stand-ins for the CUDA kernels computed from the op path's decoded rows (4 splits), and the
-    kernel path switched on: runs every line of the kernel path except the CUDA bodies on the CPU."""
+    """Stand-ins for the CUDA kernels computed from the op path's decoded rows (4 splits + the exact
+    rows' partial; the merge by ``merge_partials``), and the kernel path switched on: runs every line
+    of the kernel path but the CUDA bodies on the CPU (buffers handed over, counts, merge, layout)."""
     from veloxquant_mlx.cache import kernels as kpkg
 
     monkeypatch.setattr(kpkg, "kernels_enabled", lambda: True)
     caches = {}
 
-    def wf(q, k_words, *args):
-        c = caches["waterfill"]
-        n = args[-4]
-        vals = c._value_codes(n) * c.v_scales[:, :, :n, None].astype(mx.float32)
-        return _split_partials(q @ c._keys(n).swapaxes(-1, -2), vals, 4)
+    def grouped(queries, scale, H):
+        B, Hq, _, D = queries.shape
+        return queries.reshape(B, H, Hq // H, D).astype(mx.float32) * scale
 
-    def kv(q, *args):
-        c = caches["kivi"]
-        n = args[-4]
-        return _split_partials(q @ c._keys_t(n), c._values(n), 4)
+    def joined(q, scores, vals, exact):
+        qm, ql, qa = _split_partials(scores, vals, 4)
+        em, el, ea = _exact_partial(q, exact)
+        return (mx.concatenate([qm, em], axis=-1), mx.concatenate([ql, el], axis=-1),
+                mx.concatenate([qa, ea], axis=-2))
+
+    def wf(queries, scale, k_words, *args):
+        c, n, exact = caches["waterfill"], args[-5], args[-1]
+        q = grouped(queries, scale, k_words.shape[1])
+        vals = c._value_codes(n) * c.v_scales[:, :, :n, None].astype(mx.float32)
+        return joined(q, q @ c._keys(n).swapaxes(-1, -2), vals, exact)
+
+    def kv(queries, scale, k_codes, *args):
+        c, n, exact = caches["kivi"], args[-5], args[-1]
+        q = grouped(queries, scale, k_codes.shape[1])
+        return joined(q, q @ c._keys_t(n), c._values(n), exact)
+
+    def merge(m, l, acc, sinks, hadamard, out_dtype):
+        out = merge_partials(m, l, acc, sinks, rotate=(lambda y: rotate_values(y, 0, inverse=True)) if hadamard else None)
+        B, H, R, dv = out.shape
+        return out.reshape(B, H * R, 1, dv).astype(out_dtype)
 
     monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
     monkeypatch.setattr(kivi_kernel, "kivi_partials", kv)
+    monkeypatch.setattr(kpkg, "merge_kernel", merge)
     monkeypatch.setattr(_common, "_checked", set())
     monkeypatch.setattr(_common, "_disabled", set())
     return caches
@@ -431,8 +461,15 @@ def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, 
     the step's result is the op path's."""
     H, D = 2, 64
     c = reference_kernels["kivi"] = _kivi(D, 4, 32)
-    monkeypatch.setattr(kivi_kernel, "kivi_partials", lambda q, *a: _split_partials(
-        q @ c._keys_t(a[-4]), 2 * c._values(a[-4]), 2))
+    def wrong(queries, scale, k_codes, *args):  # values doubled
+        n = args[-5]
+        q = queries.reshape(1, H, -1, D).astype(mx.float32) * scale
+        qm, ql, qa = _split_partials(q @ c._keys_t(n), 2 * c._values(n), 2)
+        em, el, ea = _exact_partial(q, args[-1])
+        return (mx.concatenate([qm, em], axis=-1), mx.concatenate([ql, el], axis=-1),
+                mx.concatenate([qa, ea], axis=-2))
+
+    monkeypatch.setattr(kivi_kernel, "kivi_partials", wrong)
     rng = np.random.default_rng(3)
     K, V = c.update_and_fetch(_rows(rng, H, 64, D), _rows(rng, H, 64, D))
     K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))

@@ -2,9 +2,10 @@
 
 Each kernel reads every quantized token's packed codes once, dequantizes them in registers and
 produces split-K partial results of an online softmax (running max ``m``, sum ``l`` and the
-weighted value sum ``acc`` per query head and split of the context); :func:`merge_partials` joins
-the splits with the exact float16 rows (sinks, window, the step's own row) that the caches keep
-beside their codes. GQA-aware: one block reads a KV head's codes once for all its query heads.
+weighted value sum ``acc`` per query head and split of the context); one more block per KV head
+takes the exact float rows the caches keep beside their codes (sinks, window or residual, the step's
+own row); :func:`merge_kernel` (reference: :func:`merge_partials`) joins them in one softmax. A
+decode step is two launches per layer. GQA-aware: one block reads a KV head's codes once for all its query heads.
 fp16/bf16/fp32 in, fp32 accumulation.
 
 Backends: CUDA only (``mx.fast.cuda_kernel``, MLX's CUDA backend), chosen when
@@ -18,6 +19,6 @@ or measured here (no Apple GPU), so Metal keeps the op path.
 ``VELOXQUANT_DECODE_KERNELS=0`` in the environment turns the kernels off (op path everywhere).
 """
 
-from ._common import checked_call, kernels_enabled, merge_partials, split_count
+from ._common import checked_call, kernels_enabled, merge_kernel, merge_partials, split_count
 
-__all__ = ["checked_call", "kernels_enabled", "merge_partials", "split_count"]
+__all__ = ["checked_call", "kernels_enabled", "merge_kernel", "merge_partials", "split_count"]

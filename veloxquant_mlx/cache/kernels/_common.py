@@ -9,8 +9,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-__all__ = ["kernels_enabled", "merge_partials", "split_count", "cuda_kernel", "PRELUDE", "WARPS",
-           "disable", "checked_call"]
+__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "cuda_kernel", "PRELUDE",
+           "WARPS", "disable", "checked_call", "scale_array"]
 
 WARPS = 4  # warps per block
 TOKENS_PER_WARP = 64  # the split count aims at about this many tokens per warp
@@ -107,38 +107,156 @@ def cuda_kernel(name: str, inputs: list[str], outputs: list[str], source: str, h
     return k
 
 
-def merge_partials(m: mx.array, l: mx.array, acc: mx.array, q: mx.array, ek: Optional[mx.array],
-                   ev: Optional[mx.array], sinks: Optional[mx.array] = None,
+def merge_partials(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array] = None,
                    rotate: Optional[Callable[[mx.array], mx.array]] = None) -> mx.array:
-    """One softmax over split-K partials of the quantized rows and the exact rows.
+    """One softmax over a decode kernel's split-K partials (MLX ops: the reference of
+    :func:`merge_kernel`, and its path where it does not apply).
 
-    ``m``, ``l`` [B, H, R, S] and ``acc`` [B, H, R, S, Dv] (float32; an empty split has ``m = -inf``,
-    ``l = 0``, ``acc = 0``) are the running max, sum of ``exp(s - m)`` and sum of ``exp(s - m) v``
-    of each split. ``q`` [B, H, R, D] scaled float32 queries; ``ek``/``ev`` [B, H, E, D/Dv] the exact
-    rows (any float dtype; None: none); ``sinks`` [H * R] sink logits or None; ``rotate`` maps the
-    quantized part's weighted sum back from a rotated value domain (linear, so it is applied once to
-    the merged sum). Returns [B, H, R, Dv] float32."""
+    ``m``, ``l`` [B, H, R, S + 1] and ``acc`` [B, H, R, S + 1, Dv] (float32) are the running max,
+    sum of ``exp(s - m)`` and sum of ``exp(s - m) v`` of each split: S splits of the quantized rows
+    (an empty one has ``m = -inf``, ``l = 0``, ``acc = 0``), then the exact rows (never empty: the
+    step's own row). ``sinks`` [H * R] sink logits or None; ``rotate`` maps the quantized splits'
+    weighted sum back from a rotated value domain (linear: applied once, to the merged sum).
+    Returns [B, H, R, Dv] float32."""
     peak = m.max(axis=-1)
-    if ek is not None:
-        s_e = q @ ek.astype(mx.float32).swapaxes(-1, -2)  # [B, H, R, E]
-        peak = mx.maximum(peak, s_e.max(axis=-1))
     B, H, R = peak.shape
     sink = None
     if sinks is not None:
         sink = sinks.astype(mx.float32).reshape(1, H, R)
         peak = mx.maximum(peak, sink)
-    w = mx.exp(m - peak[..., None])  # [B, H, R, S]
+    w = mx.exp(m - peak[..., None])  # [B, H, R, S + 1]
     denom = (w * l).sum(axis=-1)
-    out = (w[..., None] * acc).sum(axis=-2)
+    quant = (w[..., :-1, None] * acc[..., :-1, :]).sum(axis=-2)
     if rotate is not None:
-        out = rotate(out)
-    if ek is not None:
-        p = mx.exp(s_e - peak[..., None])
-        denom = denom + p.sum(axis=-1)
-        out = out + p @ ev.astype(mx.float32)
+        quant = rotate(quant)
+    out = quant + w[..., -1:] * acc[..., -1, :]
     if sink is not None:
         denom = denom + mx.exp(sink - peak)
     return out / denom[..., None]
+
+
+_MERGE_SOURCE = r"""
+  const int qh = VQ_BLOCK_X;
+  const int c = VQ_TID;
+  const int S1 = pm_shape[3];
+  const int HQ = pm_shape[1] * pm_shape[2];
+  const float* m = pm + (size_t)qh * S1;
+  const float* l = pl + (size_t)qh * S1;
+  float M = -VQ_INF;
+  for (int s = 0; s < S1; ++s) M = fmaxf(M, m[s]);
+  float sinkv = 0.f;
+  if (HAS_SINK) { sinkv = VQ_F(sk[qh % HQ]); M = fmaxf(M, sinkv); }
+  float L = 0.f, Aq = 0.f, Ae = 0.f;
+  for (int s = 0; s < S1; ++s) {
+    const float e = VQ_EXP(m[s] - M);
+    L += e * l[s];
+    const float a = e * pa[((size_t)qh * S1 + s) * DV + c];
+    if (s < S1 - 1) Aq += a; else Ae = a;
+  }
+  if (HAS_SINK) L += VQ_EXP(sinkv - M);
+  if (ROT) {
+    VQ_SHARED float buf[DV];
+    buf[c] = Aq;
+    VQ_SYNC();
+    for (int h = 1; h < DV; h <<= 1) {
+      const float a = buf[c], b = buf[c ^ h];
+      VQ_SYNC();
+      buf[c] = (c & h) ? (b - a) : (a + b);
+      VQ_SYNC();
+    }
+    Aq = buf[c] * rsqrtf((float)DV);
+  }
+  out[(size_t)qh * DV + c] = static_cast<OT>((Aq + Ae) / L);
+"""
+
+
+def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array], hadamard: bool,
+                 out_dtype) -> mx.array:
+    """:func:`merge_partials` in one CUDA launch, the rotation (when ``hadamard``) a fast Walsh-Hadamard
+    transform in shared memory; returns [B, H * R, 1, Dv] in ``out_dtype`` (mlx_lm's layout)."""
+    B, H, R, _, dv = acc.shape
+    kern = cuda_kernel("vq_decode_merge", ["pm", "pl", "pa", "sk"], ["out"], _MERGE_SOURCE)
+    sk = sinks if sinks is not None else _zero()
+    (out,) = kern(inputs=[m, l, acc, sk], template=[("DV", dv), ("HAS_SINK", sinks is not None),
+                                                    ("ROT", bool(hadamard)), ("OT", out_dtype),
+                                                    ("SKT", sk.dtype)],
+                  grid=(dv * B * H * R, 1, 1), threadgroup=(dv, 1, 1), output_shapes=[(B, H * R, 1, dv)],
+                  output_dtypes=[out_dtype])
+    return out
+
+
+_ZERO: list = []
+
+
+def _zero() -> mx.array:
+    if not _ZERO:
+        _ZERO.append(mx.zeros((1,), dtype=mx.float32))
+    return _ZERO[0]
+
+
+_SCALES: dict = {}
+
+
+def scale_array(scale: float) -> mx.array:
+    """A float32 ``[1]`` array holding ``scale`` (one per distinct value and process)."""
+    a = _SCALES.get(float(scale))
+    if a is None:
+        a = _SCALES[float(scale)] = mx.array([float(scale)], dtype=mx.float32)
+        mx.eval(a)
+    return a
+
+
+# The exact rows of a decode step (float rows any dtype: e0 rows of x0, e1 rows of x1, then the new
+# row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
+# domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
+EXACT_ROWS = r"""
+    const int E = e0 + e1 + 1;
+    const int T0 = ek0_shape[2], T1 = ek1_shape[2];
+    for (int e = warp; e < E; e += NW) {
+      float part[REP];
+#pragma unroll
+      for (int r = 0; r < REP; ++r) part[r] = 0.f;
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {
+        const int c = lane + 32 * j;
+        const float kval = e < e0 ? VQ_F(ek0[((size_t)bh * T0 + e) * D + c])
+                         : e < e0 + e1 ? VQ_F(ek1[((size_t)bh * T1 + (e - e0)) * D + c])
+                         : VQ_F(nk[(size_t)bh * D + c]);
+#pragma unroll
+        for (int r = 0; r < REP; ++r) part[r] += QV(r, j) * kval;
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
+      }
+      float v[DV / 32];
+#pragma unroll
+      for (int j = 0; j < DV / 32; ++j) {
+        const int c = lane + 32 * j;
+        v[j] = e < e0 ? VQ_F(ev0[((size_t)bh * T0 + e) * DV + c])
+             : e < e0 + e1 ? VQ_F(ev1[((size_t)bh * T1 + (e - e0)) * DV + c])
+             : VQ_F(nv[(size_t)bh * DV + c]);
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        const float mn = fmaxf(m[r], part[r]);
+        const float corr = VQ_EXP(m[r] - mn);
+        const float p = VQ_EXP(part[r] - mn);
+        l[r] = l[r] * corr + p;
+#pragma unroll
+        for (int j = 0; j < DV / 32; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
+        m[r] = mn;
+      }
+    }
+"""
+
+EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
+
+
+def exact_template(arrays) -> list:
+    """Template dtype arguments naming the exact rows' dtypes (so each dtype mix compiles its own kernel)."""
+    return [(f"X{i}T", a.dtype) for i, a in enumerate(arrays)]
 
 
 # The end of every decode kernel: the block's warps hold (m[REP], l[REP], acc[REP][VJ]) of their
@@ -169,7 +287,7 @@ BLOCK_MERGE = r"""
         A += e * sm_a[(w * REP + r) * DV + c];
       }
     }
-    const size_t o = ((size_t)bh * REP + r) * (size_t)S + (size_t)s;
+    const size_t o = ((size_t)bh * REP + r) * (size_t)S1 + (size_t)s;
     out_acc[o * DV + c] = A;
     if (c == 0) { out_m[o] = M; out_l[o] = L; }
   }
@@ -179,9 +297,11 @@ OUTPUTS = ["out_m", "out_l", "out_acc"]
 
 
 def launch(kernel, inputs: list, template: list, B: int, H: int, R: int, S: int, dv: int):
-    """Run a decode kernel: one block of ``WARPS`` warps per (batch row, KV head) and split."""
+    """Run a decode kernel: one block of ``WARPS`` warps per (batch row, KV head) and split, plus one
+    block per (batch row, KV head) for the exact rows; partials [B, H, R, S + 1] (and ``acc`` [.., Dv])."""
+    S1 = S + 1
     m, l, acc = kernel(inputs=inputs, template=template + [("NW", WARPS), ("REP", R), ("DV", dv)],
-                       grid=(32 * WARPS * B * H, S, 1), threadgroup=(32 * WARPS, 1, 1),
-                       output_shapes=[(B, H, R, S), (B, H, R, S), (B, H, R, S, dv)],
+                       grid=(32 * WARPS * B * H, S1, 1), threadgroup=(32 * WARPS, 1, 1),
+                       output_shapes=[(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
                        output_dtypes=[mx.float32, mx.float32, mx.float32])
     return m, l, acc

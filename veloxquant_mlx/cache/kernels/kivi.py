@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._common import BLOCK_MERGE, OUTPUTS, cuda_kernel, launch, split_count
+from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
+                      scale_array, split_count)
 
 __all__ = ["kivi_partials", "supported"]
 
 _SOURCE = r"""
   const int n = meta[0];
+  const int e0 = meta[1];
+  const int e1 = meta[2];
+  const float scale = fs[0];
   const int H = kc_shape[1];
   const int CK = kc_shape[3];
   const int GK = ks_shape[3];
@@ -27,12 +31,13 @@ _SOURCE = r"""
   const int NG = vsc_shape[3];
   const int bh = VQ_BLOCK_X;
   const int s = VQ_BLOCK_Y;
-  const int S = VQ_GRID_Y;
+  const int S1 = VQ_GRID_Y;
+  const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
   const int lane = VQ_LANE, warp = VQ_WARP;
   constexpr int VJ = DV / 32;
   constexpr vq_u32 MASK = (1u << KB) - 1u;
   VQ_SHARED float sq[REP * D];
-  for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = q[(size_t)bh * REP * D + i];
+  for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   VQ_SYNC();
   const int per = (((n + S - 1) / S) + 31) / 32 * 32;
   const int t_begin = min(n, s * per);
@@ -48,7 +53,11 @@ _SOURCE = r"""
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
   const size_t cbase = (size_t)bh * D;
-  for (int t0 = w0; t0 < w1; t0 += 32) {
+  if (s == S) {
+#define QV(r, j) sq[(r) * D + lane + 32 * (j)]
+""" + EXACT_ROWS + r"""
+#undef QV
+  } else for (int t0 = w0; t0 < w1; t0 += 32) {
     const int t = t0 + lane;
     const bool ok = t < w1;
     const int tt = ok ? t : t0;
@@ -99,14 +108,16 @@ _SOURCE = r"""
       }
     }
   }
+  if (s != S) {  // the token loop keeps per-lane sums of p (the exact rows' are warp-uniform already)
 #pragma unroll
-  for (int r = 0; r < REP; ++r) {
+    for (int r = 0; r < REP; ++r) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l[r] += VQ_SHFL_XOR(l[r], o);
+      for (int o = 16; o > 0; o >>= 1) l[r] += VQ_SHFL_XOR(l[r], o);
+    }
   }
 """ + BLOCK_MERGE
 
-_INPUTS = ["q", "kc", "ks", "kb", "vc", "vsc", "vbi", "meta"]
+_INPUTS = ["q", "fs", "kc", "ks", "kb", "vc", "vsc", "vbi", "meta"] + EXACT_INPUTS
 
 
 def supported(bits: int, group: int, value_group: int, d: int, dv: int) -> bool:
@@ -115,16 +126,21 @@ def supported(bits: int, group: int, value_group: int, d: int, dv: int) -> bool:
     return bits in (2, 4, 8) and group % 32 == 0 and d % 32 == 0 and dv % 32 == 0 and dv % value_group == 0
 
 
-def kivi_partials(q, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, n: int, bits: int,
-                  group: int, value_group: int):
-    """Split-K partials (m, l, acc) of the first ``n`` quantized tokens (a multiple of 32) for scaled
-    float32 queries ``q [B, H, R, D]``; the arrays are the cache's buffers at full capacity."""
-    B, H, R, D = q.shape
+def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, n: int,
+                  bits: int, group: int, value_group: int, exact):
+    """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
+    ``n`` quantized tokens (a multiple of 32), then the exact rows (``exact`` as for
+    ``waterfill_partials``). ``queries`` [B, H * R, 1, D] as the model gives them; the arrays are the
+    cache's buffers at full capacity."""
+    B, Hq, _, D = queries.shape
+    H = k_codes.shape[1]
     dv = v_codes.shape[-1] * 32 // bits
     S = split_count(n)
+    k0, v0, e0, k1, v1, e1, nk, nv = exact
     kern = cuda_kernel("vq_kivi_decode", _INPUTS, OUTPUTS, _SOURCE)
-    meta = mx.array([n], dtype=mx.int32)
-    return launch(kern, [q, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, meta],
-                  [("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1])],
-                  B, H, R, S, dv)
-
+    meta = mx.array([n, e0, e1], dtype=mx.int32)
+    arrays = [k0, v0, k1, v1, nk, nv]
+    return launch(kern, [queries, scale_array(scale), k_codes, k_scales, k_biases, v_codes, v_scales, v_biases,
+                         meta, *arrays],
+                  [("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
+                   ("QT", queries.dtype)] + exact_template(arrays), B, H, Hq // H, S, dv)

@@ -17,13 +17,17 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ._common import BLOCK_MERGE, OUTPUTS, cuda_kernel, launch, split_count
+from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
+                      scale_array, split_count)
 
 __all__ = ["waterfill_partials", "key_table", "rope_tables", "supported"]
 
 _SOURCE = r"""
   const int n = meta[0];
   const int pos0 = meta[1];
+  const int e0 = meta[2];
+  const int e1 = meta[3];
+  const float scale = fs[0];
   const int H = kw_shape[1];
   const int TK = kw_shape[2];
   const int TV = vw_shape[2];
@@ -31,7 +35,8 @@ _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
   const int h = bh % H;
   const int s = VQ_BLOCK_Y;
-  const int S = VQ_GRID_Y;
+  const int S1 = VQ_GRID_Y;
+  const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
   const int lane = VQ_LANE, warp = VQ_WARP;
   constexpr int CJ = D / 32;
   constexpr int VJ = DV / 32;
@@ -63,8 +68,8 @@ _SOURCE = r"""
     const float sg = rs[c];
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
-      qa[r][j] = q[(bh * REP + r) * D + c];
-      qb[r][j] = sg * q[(bh * REP + r) * D + p];
+      qa[r][j] = VQ_F(q[(bh * REP + r) * D + c]) * scale;
+      qb[r][j] = sg * VQ_F(q[(bh * REP + r) * D + p]) * scale;
     }
   }
   const float pa = vpoly[0], pb = vpoly[1], pc = vpoly[2], half_top = vpoly[3];
@@ -75,7 +80,11 @@ _SOURCE = r"""
 #pragma unroll
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
-  for (int t = w0; t < w1; ++t) {
+  if (s == S) {
+#define QV(r, j) qa[r][j]
+""" + EXACT_ROWS + r"""
+#undef QV
+  } else for (int t = w0; t < w1; ++t) {
     const size_t krow = ((size_t)bh * TK + t) * WK;
     const size_t vrow = ((size_t)bh * TV + t) * WV;
     const vq_u32 kword = lane < WK ? kw[krow + lane] : 0u;
@@ -126,7 +135,7 @@ _SOURCE = r"""
   }
 """ + BLOCK_MERGE
 
-_INPUTS = ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly", "meta"]
+_INPUTS = ["q", "fs", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly", "meta"] + EXACT_INPUTS
 
 
 def supported(d: int, dv: int, key_words: int, value_words: int) -> bool:
@@ -163,18 +172,27 @@ def rope_tables(spec, omega, d: int):
     return mx.array(w), mx.array(partner), mx.array(sign)
 
 
-def waterfill_partials(q, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly, n: int, pos0: int,
-                       value_bits: int, dv: int):
-    """Split-K partials (m, l, acc) of the first ``n`` quantized rows for scaled float32 queries
-    ``q [B, H, R, D]``. ``k_words``/``v_words``/``v_scales``: the cache's buffers (capacity rows, not
-    sliced: no copy); ``ktab`` from :func:`key_table`; ``k_lo``/``k_step`` float32 ``[B, H, D]``;
-    ``rope`` from :func:`rope_tables`; ``vpoly`` float32 ``[a, b, c, (2^b - 1) / 2]``; ``pos0`` the
-    position of quantized row 0; ``dv`` the value head dim. ``acc`` is in the rotated value domain."""
-    B, H, R, D = q.shape
+def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly,
+                       n: int, pos0: int, value_bits: int, dv: int, exact):
+    """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
+    ``n`` quantized rows (``acc`` in the rotated value domain), then the exact rows.
+
+    ``queries`` [B, H * R, 1, D] as the model gives them (scaled by ``scale`` in the kernel);
+    ``k_words``/``v_words``/``v_scales``: the cache's buffers (capacity rows, not sliced: no copy);
+    ``ktab`` from :func:`key_table`; ``k_lo``/``k_step`` float32 ``[B, H, D]``; ``rope`` from
+    :func:`rope_tables`; ``vpoly`` float32 ``[a, b, c, (2^b - 1) / 2]``; ``pos0`` the position of
+    quantized row 0; ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v): the first ``e0`` rows of the
+    buffers k0/v0 [B, H, T0, D], the first ``e1`` of k1/v1, then the step's own row."""
+    B, Hq, _, D = queries.shape
+    H = k_words.shape[1]
     WK, WV = k_words.shape[-1], v_words.shape[-1]
     S = split_count(n)
+    k0, v0, e0, k1, v1, e1, nk, nv = exact
     kern = cuda_kernel("vq_waterfill_decode", _INPUTS, OUTPUTS, _SOURCE)
-    meta = mx.array([n, pos0], dtype=mx.int32)
+    meta = mx.array([n, pos0, e0, e1], dtype=mx.int32)
     rw, rp, rs = rope
-    return launch(kern, [q, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, meta],
-                  [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits)], B, H, R, S, dv)
+    arrays = [k0, v0, k1, v1, nk, nv]
+    return launch(kern, [queries, scale_array(scale), k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales,
+                         vpoly, meta, *arrays],
+                  [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("QT", queries.dtype)]
+                  + exact_template(arrays), B, H, Hq // H, S, dv)

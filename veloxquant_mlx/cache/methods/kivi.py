@@ -328,23 +328,19 @@ class KIVIKVCache(CompressedKVCache):
                 and kernels.kernels_enabled())
 
     def _decode_attend(self, queries, *, scale, sinks=None):
-        """One query row: the kernel's split-K partials over the codes, merged with the float16
-        residual and the call's own row (``kernels.merge_partials``)."""
+        """One query row in two launches: the decode kernel's split-K partials over the codes plus the
+        float16 residual and the call's own row, then the merge kernel (one softmax)."""
         call, self._call = self._call, None
         q0, r0, past_k, past_v, new_k, new_v = call
-        B, Hq, _, D = queries.shape
-        H, dv = new_k.shape[1], new_v.shape[-1]
-        R = Hq // H
-        q = queries.reshape(B, H, R, D).astype(mx.float32) * scale
-        m, l, acc = kivi_kernel.kivi_partials(q, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
-                                              self.v_scales, self.v_biases, q0, self.qbits, self.group,
-                                              self.value_group(dv))
-        ek, ev = new_k, new_v
-        if r0:
-            ek = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
-            ev = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
-        out = kernels.merge_partials(m, l, acc, q, ek, ev, sinks)
-        return out.reshape(B, Hq, 1, dv).astype(queries.dtype)
+        if self.n_quant == q0:  # the residual buffer still holds the past rows first
+            res_k, res_v = self.res_k, self.res_v
+        else:  # this call completed a group: the past rows are the record's
+            res_k, res_v = (past_k, past_v) if r0 else (self.res_k, self.res_v)
+        exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
+        m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
+                                              self.v_codes, self.v_scales, self.v_biases, q0, self.qbits,
+                                              self.group, self.value_group(new_v.shape[-1]), exact)
+        return kernels.merge_kernel(m, l, acc, sinks, hadamard=False, out_dtype=queries.dtype)
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""

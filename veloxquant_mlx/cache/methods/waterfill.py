@@ -337,8 +337,8 @@ class WaterfillKVCache(ResidualWindowCache):
         if not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1:
             return False
         H, D, DV = self._shape
-        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1])
-        return ok and kernels.kernels_enabled()
+        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and _power_of_two(DV)
+        return ok and call.s0 > 0 and kernels.kernels_enabled()
 
     def _kernel_constants(self):
         """The kernel's per-cache tables (key layout, float32 ranges, RoPE), built once per calibration."""
@@ -357,29 +357,22 @@ class WaterfillKVCache(ResidualWindowCache):
         return kc[1:]
 
     def _decode_attend(self, queries, *, scale, sinks=None):
-        """Attention of one query row: the kernel's split-K partials over the codes, merged with the
-        float16 sinks, the window and the call's own row (``kernels.merge_partials``)."""
+        """Attention of one query row in two launches: the decode kernel's split-K partials over the
+        codes plus the float16 sinks, the window and the call's own row, then the merge kernel (one
+        softmax; the values' Hadamard rotation undone once, as a fast transform)."""
         call, self._call = self._call, None
-        B, Hq, _, D = queries.shape
-        H, DV = self._shape[0], self._shape[2]
-        R = Hq // H
-        q = queries.reshape(B, H, R, D).astype(mx.float32) * scale
         ktab, lo, step, rope, vpoly = self._kernel_constants()
-        m, l, acc = wf_kernel.waterfill_partials(q, self.k_words, ktab, lo, step, rope, self.v_words,
-                                                 self.v_scales, vpoly, call.q0, call.s0, self.bit_width, DV)
-        ks, vs = [], []
-        if call.s0:
-            ks.append(self.sink_k[:, :, : call.s0])
-            vs.append(self.sink_v[:, :, : call.s0])
-        if call.r0:
-            ks.append(call.past_k)
-            vs.append(call.past_v)
-        dt = call.new_k.dtype
-        ek = mx.concatenate([k.astype(dt) for k in ks] + [call.new_k], axis=2)
-        ev = mx.concatenate([v.astype(dt) for v in vs] + [call.new_v], axis=2)
-        out = kernels.merge_partials(m, l, acc, q, ek, ev, sinks,
-                                     rotate=lambda y: rotate_values(y, self.seed, inverse=True))
-        return out.reshape(B, Hq, 1, DV).astype(queries.dtype)
+        if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)
+            win_k, win_v = self.sink_k, self.sink_v
+        elif self.n_quant == call.q0 and self.n_sink == call.s0:
+            win_k, win_v = self.win_k, self.win_v  # the window buffer still holds the past rows first
+        else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
+            win_k, win_v = call.past_k, call.past_v
+        exact = (self.sink_k, self.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
+        m, l, acc = wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
+                                                 self.v_scales, vpoly, call.q0, call.s0, self.bit_width,
+                                                 self._shape[2], exact)
+        return kernels.merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
