@@ -95,6 +95,33 @@ def split_count(n_tokens: int) -> int:
     return max(1, min(MAX_SPLITS, -(-n_tokens // per_block)))
 
 
+class RowsMemo:
+    """The lazily built dense rows of a cache's first ``n`` quantized rows, kept between decode steps
+    while nothing is appended (``update_and_fetch`` must return them, but with the dispatch point the
+    model's attention never evaluates them: rebuilding their graph of ~20 ops every step and layer is
+    host time that the GPU waits for). Cleared by the owner whenever the rows can change (append,
+    trim, state load); a deep copy starts empty."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self):
+        self.key, self.value = None, None
+
+    def get(self, n: int, buf):
+        k = self.key
+        return self.value if k is not None and k[0] == n and k[1] is buf else None
+
+    def put(self, n: int, buf, value, keep: bool):
+        self.key, self.value = ((n, buf), value) if keep else (None, None)
+        return value
+
+    def clear(self) -> None:
+        self.key, self.value = None, None
+
+    def __deepcopy__(self, memo):
+        return RowsMemo()
+
+
 _KERNELS: dict[str, object] = {}
 
 

@@ -83,7 +83,7 @@ from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_columns, grow_rows
 from ..primitives import groupquant as gq
-from .. import kernels
+from .. import dispatch, kernels
 from ..kernels import kivi as kivi_kernel
 
 KIVI_BITS = (2, 3, 4, 8)
@@ -180,6 +180,7 @@ class KIVIKVCache(CompressedKVCache):
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         """Quantize ``kb``/``vb`` [B, H, n, D] (n a multiple of G) and append them."""
+        self._forget_rows()
         G, b = self.group, self.qbits
         t0, n = self.n_quant, kb.shape[2]
         kq = gq.quantize_per_channel(kb, b, G)  # codes [B, H, D, (n/G)*w], scales [B, H, D, n/G]
@@ -212,8 +213,9 @@ class KIVIKVCache(CompressedKVCache):
         """Dense (K, V) of: ``n_quant`` quantized tokens, residual rows, new rows (in order)."""
         ks, vs = [], []
         if n_quant:
-            ks.append(self._keys_t(n_quant).swapaxes(-1, -2))
-            vs.append(self._values(n_quant))
+            k, v = self._quantized_rows(n_quant)
+            ks.append(k)
+            vs.append(v)
         if res_k is not None:
             ks.append(res_k)
             vs.append(res_v)
@@ -224,6 +226,25 @@ class KIVIKVCache(CompressedKVCache):
             return ks[0].astype(dtype), vs[0].astype(dtype)
         return (mx.concatenate([k.astype(dtype) for k in ks], axis=2),
                 mx.concatenate([v.astype(dtype) for v in vs], axis=2))
+
+    def _quantized_rows(self, n: int):
+        """Dense (K, V) of the first ``n`` quantized tokens; their lazy graph is reused between group
+        completions while the dispatch point is installed (the model's attention then never evaluates
+        them: see ``kernels._common.RowsMemo``)."""
+        memo = self.__dict__.get("_dense_memo")
+        if memo is None:
+            memo = self._dense_memo = kernels._common.RowsMemo()
+        out = memo.get(n, self.k_codes)
+        if out is None:
+            out = memo.put(n, self.k_codes, (self._keys_t(n).swapaxes(-1, -2), self._values(n)),
+                           keep=dispatch.installed() and type(self)._keys_t is KIVIKVCache._keys_t
+                           and type(self)._values is KIVIKVCache._values)
+        return out
+
+    def _forget_rows(self) -> None:
+        memo = self.__dict__.get("_dense_memo")
+        if memo is not None:
+            memo.clear()
 
     def _dense(self):
         dtype = getattr(mx, self.dtype_name)
@@ -365,6 +386,7 @@ class KIVIKVCache(CompressedKVCache):
     def _trim_rows(self, n: int) -> int:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
         self._call = None
+        self._forget_rows()
         if n <= self.n_res:
             self.n_res -= n
             return n

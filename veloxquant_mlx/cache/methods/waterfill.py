@@ -105,7 +105,7 @@ from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from ..primitives.rotation import hadamard, random_orthogonal
 from ..primitives.varpack import VarLayout, extract_codes
 from ..attention import group_queries
-from .. import kernels
+from .. import dispatch, kernels
 from ..kernels import waterfill as wf_kernel
 from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
 
@@ -273,6 +273,7 @@ class WaterfillKVCache(ResidualWindowCache):
             super()._compact(n)
 
     def _append_quantized(self, keys, values):
+        self._rows_memo().clear()
         t0 = self.n_quant
         pos = self.n_sink + t0  # positions of these rows (sinks first, no rows ever evicted)
         lay = self._layout_of()
@@ -310,12 +311,29 @@ class WaterfillKVCache(ResidualWindowCache):
         """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows, computed
         from the codes arithmetically (the codebook is an odd polynomial of the centred code)."""
         codes = unpack_bits(self.v_words[:, :, :n], self.bit_width, self._shape[2])
-        a, b, c = odd_poly_gaussian(self.bit_width)[1]
+        a, b, c = _poly_coefficients(self.bit_width)
         return _odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
 
     def _quantized_dense(self, n):
-        v = self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)
-        return self._keys(n), rotate_values(v, self.seed, inverse=True)
+        memo = self._rows_memo()
+        out = memo.get(n, self.k_words)
+        if out is None:
+            v = self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)
+            out = memo.put(n, self.k_words, (self._keys(n), rotate_values(v, self.seed, inverse=True)),
+                           keep=dispatch.installed())
+        return out
+
+    def _rows_memo(self) -> "kernels._common.RowsMemo":
+        """The memo of the dense quantized rows (their lazy graph, reused between compactions while the
+        dispatch point is installed: then the model's attention never evaluates them)."""
+        memo = self.__dict__.get("_dense_memo")
+        if memo is None:
+            memo = self._dense_memo = kernels._common.RowsMemo()
+        return memo
+
+    def _trim_rows(self, n: int) -> int:
+        self._rows_memo().clear()
+        return super()._trim_rows(n)
 
     def _quantized_part(self, q, n):
         scores = q @ self._keys(n).swapaxes(-1, -2)
@@ -346,7 +364,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if kc is None or kc[0] is not self.k_lo:
             D = self._shape[1]
             lay = self._layout_of()
-            a, b, c = odd_poly_gaussian(self.bit_width)[1]
+            a, b, c = _poly_coefficients(self.bit_width)
             vpoly = mx.array([a, b, c, ((1 << self.bit_width) - 1) / 2], dtype=mx.float32)
             omega = self._omega() if self.rope is not None else None
             kc = (self.k_lo, wf_kernel.key_table(lay), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
@@ -436,6 +454,7 @@ class WaterfillKVCache(ResidualWindowCache):
     @state.setter
     def state(self, v):
         ResidualWindowCache.state.fset(self, v)
+        self._rows_memo().clear()
         self._layout = None
         self._omega_cache = None
         if self.k_bits is not None:
@@ -461,6 +480,12 @@ def _dequantize(lo, hi, shift, mask, k_lo, k_step):
     """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
     fused kernel with the code extraction."""
     return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
+
+
+@functools.lru_cache(maxsize=8)
+def _poly_coefficients(bits: int) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the values' odd-polynomial codebook (computed once per width: decode steps use it)."""
+    return tuple(odd_poly_gaussian(bits)[1])
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
