@@ -39,8 +39,8 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    Keys: un-rotated, coded ``round((k - lo) / step)`` clamped to ``[0, 2^b_c - 1]`` with
    ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels reconstruct the range's midpoint), packed at
    their own widths (``primitives.varpack``: ``b * D`` bits per row, in whole 32-bit words).
-   Values: ``y = v H`` (normalized Hadamard, or a seeded random rotation when ``Dv`` is not a power
-   of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
+   Values: ``y = v H`` (normalized Hadamard applied as a fast Walsh-Hadamard transform, no stored
+   matrix; a seeded random rotation matrix when ``Dv`` is not a power of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
    and ``y / s`` is coded coordinate-wise with a ``b``-bit codebook for N(0, 1): TurboQuant-MSE's
    scalar Lloyd-Max quantizer (with the Gaussian limit of its coordinate distribution), its centroids
    replaced by their least-squares fit ``a u + b u^3 + c u^5`` in the centred code ``u`` so that
@@ -50,19 +50,32 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    the call's own rows. Quantized keys are decoded (``lo + code * step``, RoPE re-applied at their
    positions by ``rotate_rows``) and multiplied by the queries; the value output is
    ``((p * s) @ centroid[codes]) H^T`` -- the rotation applied once per query, not per row.
+   One query row on MLX's CUDA backend (a decode step): the fused kernel of
+   ``veloxquant_mlx.cache.kernels.waterfill`` reads each row's key and value words once, decodes
+   them in registers, applies RoPE to the query instead of the keys (``q . R(t) k`` as a sum over the
+   pre-RoPE key channels), and keeps an online softmax per split of the rows; one more block takes
+   the float16 sinks, window and own row, and a merge kernel joins the splits and undoes the
+   Hadamard once (two launches per layer). Checked against the op path at first use (falls back with
+   a one-line warning); the op path stays the reference and the CPU/Metal path.
 
 Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2``
 (values + scale); b = 4, D = 64: 32 + 34 = 66 bytes vs 256 at float16 (0.258x). Per cache:
 ``[B, H, 1, D]`` float16 ``lo``/``step``, the ``[H, D]`` widths and their unpacking tables, the
-window (``R + 16`` rows) and 4 sink rows in float16; the rotation matrix is counted once per model
-(``build_layers``, as turboquant_rvq).
+window (``R + 16`` rows) and 4 sink rows in float16 (on the GPU, once a decode step has run, the
+kernel's small tables too); no rotation matrix for a power-of-two ``Dv``, else the seeded rotation
+matrix, counted once per model (``build_layers``, as turboquant_rvq).
 
 Measured (``scripts/quality_targets.py``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
 decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
 0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
 2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
-is below mlx_lm's fused attention over plain rows (two gathers per key channel and step: CPU attention
-op ~0.2x at 8k, H200 0.21x at 8k, ``scripts/profile_waterfill.py``).
+is below the plain cache's. CPU: the op path reads the key words with two gathers per channel
+(``VarLayout.gather``). H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
+docs/data/h200_decode_kernels_2026-12-01.json): 0.40x plain at 8k and 0.31x at 32k with the fused
+kernel (0.17x / 0.07x with the op path in the same session); one layer's decode step at 32k
+(``scripts/profile_waterfill.py``) 1.08 ms with the kernel vs 5.2 ms on the op path. Most of the
+remaining gap is a per-layer cost that hardly grows with the context (+0.53 ms per layer and step over
+plain at 8k, +0.77 ms at 32k): host time building each step's graph, which the GPU waits for.
 
 Deviations and limits (all of them):
 
