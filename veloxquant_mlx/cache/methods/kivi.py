@@ -234,9 +234,9 @@ class KIVIKVCache(CompressedKVCache):
                 mx.concatenate([v.astype(dtype) for v in vs], axis=2))
 
     def _quantized_rows(self, n: int):
-        """Dense (K, V) of the first ``n`` quantized tokens; their lazy graph is reused between group
-        completions while the dispatch point is installed (the model's attention then never evaluates
-        them: see ``kernels._common.RowsMemo``)."""
+        """Dense (K, V) of the first ``n`` quantized tokens; on the decode kernels' backend their lazy
+        graph is reused between group completions while the dispatch point is installed (the model's
+        attention then never evaluates them: see ``kernels._common.RowsMemo``)."""
         if not self._own_layout():  # a variant storing other arrays: no memo
             return self._keys_t(n).swapaxes(-1, -2), self._values(n)
         memo = self.__dict__.get("_dense_memo")
@@ -245,7 +245,7 @@ class KIVIKVCache(CompressedKVCache):
         out = memo.get(n, self.k_codes)
         if out is None:
             out = memo.put(n, self.k_codes, (self._keys_t(n).swapaxes(-1, -2), self._values(n)),
-                           keep=dispatch.installed())
+                           keep=dispatch.installed() and kernels.kernels_enabled())
         return out
 
     def _own_layout(self) -> bool:

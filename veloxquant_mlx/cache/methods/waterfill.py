@@ -333,12 +333,13 @@ class WaterfillKVCache(ResidualWindowCache):
         if out is None:
             v = self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)
             out = memo.put(n, self.k_words, (self._keys(n), rotate_values(v, self.seed, inverse=True)),
-                           keep=dispatch.installed())
+                           keep=dispatch.installed() and kernels.kernels_enabled())
         return out
 
     def _rows_memo(self) -> "kernels._common.RowsMemo":
-        """The memo of the dense quantized rows (their lazy graph, reused between compactions while the
-        dispatch point is installed: then the model's attention never evaluates them)."""
+        """The memo of the dense quantized rows (their lazy graph, reused between compactions on the
+        decode kernels' backend while the dispatch point is installed: then the model's attention
+        never evaluates them)."""
         memo = self.__dict__.get("_dense_memo")
         if memo is None:
             memo = self._dense_memo = kernels._common.RowsMemo()
@@ -432,11 +433,14 @@ class WaterfillKVCache(ResidualWindowCache):
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """The arrays of ``array_fields``, the width layout's tables and, for the cache that counts
-        it, the shared value rotation (so ``nbytes`` is their sum)."""
+        """The arrays of ``array_fields``, the width layout's tables, the RoPE angle table, the decode
+        kernel's tables (once built) and, for the cache that counts it, a value rotation matrix (only
+        for a non-power-of-two value dim), so ``nbytes`` is their sum."""
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays()
+        if self._omega_cache is not None:  # the RoPE angles per position, once used
+            out.append(self._omega_cache)
         kc = getattr(self, "_kconst", None)
         if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
             out += [*kc[1:4], *kc[4], kc[5]]
