@@ -478,3 +478,36 @@ def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, 
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
     assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN
     assert "kivi" in _common._disabled
+
+
+@pytest.mark.parametrize("method", ["waterfill", "kivi"])
+def test_memoized_dense_rows_stay_the_stored_rows_across_appends_and_trims(reference_kernels, method):
+    """On the kernels' backend with the dispatch point installed, ``update_and_fetch`` reuses the lazy
+    dense rows of the quantized part between appends: the rows it returns still equal the stored rows
+    built afresh, across compactions / group completions and after a trim."""
+    H, D, R = 2, 64, 2
+    dispatch.install()
+    c = reference_kernels[method] = (_waterfill(D, nn.RoPE(D, base=10000.0)) if method == "waterfill"
+                                     else _kivi(D, 4, 32))
+    rng = np.random.default_rng(11)
+    K, V = c.update_and_fetch(_rows(rng, H, 70, D), _rows(rng, H, 70, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 70, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+
+    def fresh():
+        c._dense_memo.clear()
+        return c._dense()
+
+    reused = 0
+    for i in range(40):
+        if i == 25:
+            c.trim(c.n_res + 32 if method == "kivi" else 20)
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        reused += c._dense_memo.key is not None
+        call = c._call
+        n = call.s0 + call.q0 if method == "waterfill" else call[0]  # sinks + quantized rows at this step
+        out = dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D), K, V, cache=c, scale=D**-0.5, mask=None)
+        mx.eval(out)
+        Kf, Vf = fresh()  # (a step that compacts quantizes more rows after these: compare these only)
+        assert bool(mx.array_equal(K[:, :, :n], Kf[:, :, :n].astype(K.dtype))), i
+        assert bool(mx.array_equal(V[:, :, :n], Vf[:, :, :n].astype(V.dtype))), i
+    assert reused > 20
