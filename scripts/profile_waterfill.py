@@ -1,5 +1,6 @@
 """Per-piece timing of waterfill's decode attention on the current device (one layer, one decode step),
-next to MLX's fused attention over a plain cache of the same rows.
+next to MLX's fused attention over a plain cache of the same rows; on MLX's CUDA backend also the
+fused decode kernel (``veloxquant_mlx.cache.kernels``) and KIVI's, against their op paths.
 
     python scripts/profile_waterfill.py --context 8192 --heads 8 --rep 4 --dim 128
 """
@@ -21,8 +22,20 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory  # noqa: E402
+from veloxquant_mlx.cache.kernels import kernels_enabled  # noqa: E402
+from veloxquant_mlx.cache.methods.turboquant_rvq import ResidualWindowCache  # noqa: E402
 from veloxquant_mlx.cache.methods.waterfill import _dequantize  # noqa: E402
-from veloxquant_mlx.cache.options import WaterfillOptions  # noqa: E402
+from veloxquant_mlx.cache.options import KIVIOptions, WaterfillOptions  # noqa: E402
+
+CHUNK = 4096  # prefill chunk (the op path's prefill attention holds a [chunk, context] score matrix)
+
+
+def fill(c, k, v, q):
+    """Prefill ``c`` in chunks through its attention (waterfill calibrates on the first chunk's queries)."""
+    for a in range(0, k.shape[2], CHUNK):
+        b = min(k.shape[2], a + CHUNK)
+        K, V = c.update_and_fetch(k[:, :, a:b], v[:, :, a:b])
+        mx.eval(c.attend(q[:, :, a:b], K, V, scale=k.shape[-1] ** -0.5, mask="causal"), c.held_arrays())
 
 
 def timed(f, reps=20):
@@ -49,8 +62,7 @@ def main(argv=None):
     c.bind_attention(type("Attn", (), {"rope": nn.RoPE(D, traditional=False, base=1e4)})())
     k, v = mx.random.normal((1, H, T, D)).astype(dt), mx.random.normal((1, H, T, D)).astype(dt)
     q = mx.random.normal((1, H * R, T, D)).astype(dt)
-    K, V = c.update_and_fetch(k, v)
-    mx.eval(c.attend(q, K, V, scale=D**-0.5, mask="causal"), c.held_arrays())
+    fill(c, k, v, q)
     n, lay = c.n_quant, c._layout_of()
     words = c.k_words[:, :, :n]
     lo, hi = lay.gather(words)
@@ -74,11 +86,28 @@ def main(argv=None):
         "fused sdpa, plain rows": lambda: mx.fast.scaled_dot_product_attention(one_q, k, v, scale=D**-0.5),
     }
 
-    def step():
-        K, V = c.update_and_fetch(k[:, :, :1], v[:, :, :1])
-        return c.attend(one_q, K, V, scale=D**-0.5, mask=None)
+    def step(cache, op=None):
+        def run():
+            K, V = cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+            return (op or cache.attend)(one_q, K, V, scale=D**-0.5, mask=None)
+        return run
 
-    rows["whole decode step (store + attend)"] = step
+    rows["whole decode step (store + attend)"] = step(c, lambda *a, **kw: ResidualWindowCache.attend(c, *a, **kw))
+    if kernels_enabled():
+        rows["whole decode step, fused kernel"] = step(c)
+        kv = KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=a.bits, head_dim=D,
+                                                 options=KIVIOptions(group_size=32)))
+        fill(kv, k, v, q)
+
+        def kivi_op(*args, **kw):
+            kv.attend_path = "dequant"
+            try:
+                return kv.attend(*args, **kw)
+            finally:
+                kv.attend_path = "auto"
+
+        rows["kivi decode step, op path (dequant)"] = step(kv, kivi_op)
+        rows["kivi decode step, fused kernel"] = step(kv)
     print(f"device {mx.default_device()}, T={T}, H={H}, rep={R}, D={D}, {a.bits}-bit")
     for name, f in rows.items():
         print(f"{name:36s} {timed(f):8.3f} ms", flush=True)

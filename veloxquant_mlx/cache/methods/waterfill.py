@@ -39,8 +39,8 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    Keys: un-rotated, coded ``round((k - lo) / step)`` clamped to ``[0, 2^b_c - 1]`` with
    ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels reconstruct the range's midpoint), packed at
    their own widths (``primitives.varpack``: ``b * D`` bits per row, in whole 32-bit words).
-   Values: ``y = v H`` (normalized Hadamard, or a seeded random rotation when ``Dv`` is not a power
-   of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
+   Values: ``y = v H`` (normalized Hadamard applied as a fast Walsh-Hadamard transform, no stored
+   matrix; a seeded random rotation matrix when ``Dv`` is not a power of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
    and ``y / s`` is coded coordinate-wise with a ``b``-bit codebook for N(0, 1): TurboQuant-MSE's
    scalar Lloyd-Max quantizer (with the Gaussian limit of its coordinate distribution), its centroids
    replaced by their least-squares fit ``a u + b u^3 + c u^5`` in the centred code ``u`` so that
@@ -50,19 +50,32 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    the call's own rows. Quantized keys are decoded (``lo + code * step``, RoPE re-applied at their
    positions by ``rotate_rows``) and multiplied by the queries; the value output is
    ``((p * s) @ centroid[codes]) H^T`` -- the rotation applied once per query, not per row.
+   One query row on MLX's CUDA backend (a decode step): the fused kernel of
+   ``veloxquant_mlx.cache.kernels.waterfill`` reads each row's key and value words once, decodes
+   them in registers, applies RoPE to the query instead of the keys (``q . R(t) k`` as a sum over the
+   pre-RoPE key channels), and keeps an online softmax per split of the rows; one more block takes
+   the float16 sinks, window and own row, and a merge kernel joins the splits and undoes the
+   Hadamard once (two launches per layer). Checked against the op path at first use (falls back with
+   a one-line warning); the op path stays the reference and the CPU/Metal path.
 
 Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2``
 (values + scale); b = 4, D = 64: 32 + 34 = 66 bytes vs 256 at float16 (0.258x). Per cache:
 ``[B, H, 1, D]`` float16 ``lo``/``step``, the ``[H, D]`` widths and their unpacking tables, the
-window (``R + 16`` rows) and 4 sink rows in float16; the rotation matrix is counted once per model
-(``build_layers``, as turboquant_rvq).
+window (``R + 16`` rows) and 4 sink rows in float16 (on the GPU, once a decode step has run, the
+kernel's small tables too); no rotation matrix for a power-of-two ``Dv``, else the seeded rotation
+matrix, counted once per model (``build_layers``, as turboquant_rvq).
 
 Measured (``scripts/quality_targets.py``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
 decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
 0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
 2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
-is below mlx_lm's fused attention over plain rows (two gathers per key channel and step: CPU attention
-op ~0.2x at 8k, H200 0.21x at 8k, ``scripts/profile_waterfill.py``).
+is below the plain cache's. CPU: the op path reads the key words with two gathers per channel
+(``VarLayout.gather``). H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
+docs/data/h200_decode_kernels_2026-12-01.json): 0.40x plain at 8k and 0.31x at 32k with the fused
+kernel (0.17x / 0.07x with the op path in the same session); one layer's decode step at 32k
+(``scripts/profile_waterfill.py``) 1.08 ms with the kernel vs 5.2 ms on the op path. Most of the
+remaining gap is a per-layer cost that hardly grows with the context (+0.53 ms per layer and step over
+plain at 8k, +0.77 ms at 32k): host time building each step's graph, which the GPU waits for.
 
 Deviations and limits (all of them):
 
@@ -105,6 +118,8 @@ from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from ..primitives.rotation import hadamard, random_orthogonal
 from ..primitives.varpack import VarLayout, extract_codes
 from ..attention import group_queries
+from .. import dispatch, kernels
+from ..kernels import waterfill as wf_kernel
 from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
@@ -134,9 +149,26 @@ def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarr
     return widths.reshape(G, D)
 
 
+def _power_of_two(d: int) -> bool:
+    return d > 0 and d & (d - 1) == 0
+
+
+def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
+    """``y M`` (or ``y M^T``) over the last axis with the values' rotation ``M``: for a power-of-two
+    dim the normalized Hadamard applied as a fast Walsh-Hadamard transform (``mx.hadamard_transform``,
+    ``O(Dv log Dv)`` per row, no stored matrix; ``H`` is symmetric and orthogonal, so it is its own
+    inverse), else the seeded random rotation's matrix."""
+    dv = y.shape[-1]
+    if _power_of_two(dv):
+        return mx.hadamard_transform(y, scale=dv**-0.5)
+    m = value_rotation(dv, seed)
+    return y @ (m.T if inverse else m)
+
+
 def value_rotation(dim: int, seed: int) -> mx.array:
-    """The values' rotation ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized Hadamard for a
-    power-of-two ``dim``, else a seeded Haar-random orthogonal matrix. One array per process."""
+    """The values' rotation as a matrix ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized
+    Hadamard for a power-of-two ``dim`` (the caches apply it as a transform, :func:`rotate_values`, and
+    hold no matrix), else a seeded Haar-random orthogonal matrix (held, one array per process)."""
     key = (int(dim), int(seed))
     m = _ROTATIONS.get(key)
     if m is None:
@@ -254,6 +286,7 @@ class WaterfillKVCache(ResidualWindowCache):
             super()._compact(n)
 
     def _append_quantized(self, keys, values):
+        self._rows_memo().clear()
         t0 = self.n_quant
         pos = self.n_sink + t0  # positions of these rows (sinks first, no rows ever evicted)
         lay = self._layout_of()
@@ -268,7 +301,7 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _encode_values(self, values):
         """Rotated rows ``y = v M``, their RMS ``s`` (float16) and the Lloyd-Max codes of ``y / s``."""
-        y = values.astype(mx.float32) @ self._rotation(values.shape[-1])
+        y = rotate_values(values.astype(mx.float32), self.seed)
         scale = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True)).astype(mx.float16)
         codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), self._codebook())
         return pack_bits(codes, self.bit_width), scale[..., 0]
@@ -291,34 +324,49 @@ class WaterfillKVCache(ResidualWindowCache):
         """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows, computed
         from the codes arithmetically (the codebook is an odd polynomial of the centred code)."""
         codes = unpack_bits(self.v_words[:, :, :n], self.bit_width, self._shape[2])
-        a, b, c = odd_poly_gaussian(self.bit_width)[1]
+        a, b, c = _poly_coefficients(self.bit_width)
         return _odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
 
     def _quantized_dense(self, n):
-        rot = self._rotation(self._shape[2])
-        v = (self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)) @ rot.T
-        return self._keys(n), v
+        memo = self._rows_memo()
+        out = memo.get(n, self.k_words)
+        if out is None:
+            v = self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)
+            out = memo.put(n, self.k_words, (self._keys(n), rotate_values(v, self.seed, inverse=True)),
+                           keep=dispatch.installed() and kernels.kernels_enabled())
+        return out
+
+    def _rows_memo(self) -> "kernels._common.RowsMemo":
+        """The memo of the dense quantized rows (their lazy graph, reused between compactions on the
+        decode kernels' backend while the dispatch point is installed: then the model's attention
+        never evaluates them)."""
+        memo = self.__dict__.get("_dense_memo")
+        if memo is None:
+            memo = self._dense_memo = kernels._common.RowsMemo()
+        return memo
+
+    def _trim_rows(self, n: int) -> int:
+        self._rows_memo().clear()
+        return super()._trim_rows(n)
 
     def _quantized_part(self, q, n):
         scores = q @ self._keys(n).swapaxes(-1, -2)
         vc = self._value_codes(n)
         vs = self.v_scales[:, :, :n].astype(mx.float32)[:, :, None, :]
-        rot = self._rotation(self._shape[2])
 
         def value_fn(p):  # sum_t p_t s_t centroid[code_t], rotated back once per query row
-            return ((p * vs) @ vc) @ rot.T
+            return rotate_values((p * vs) @ vc, self.seed, inverse=True)
 
         return scores, value_fn
 
     def _quantized_tiles(self, q, ranges):
         """Prefill tiles: keys decoded per tile (RoPE re-applied at the tile's positions), values from
-        their codes; the value rotation applied once per tile."""
+        their codes; the value rotation (``rotate_values``: a fast transform, no matrix) once per tile."""
         lay = self._layout_of()
         shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
         k_lo, k_step = self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32)
-        rot = self._rotation(self._shape[2])
         top = (1 << self.bit_width) - 1
-        a3, b3, c3 = odd_poly_gaussian(self.bit_width)[1]
+        a3, b3, c3 = _poly_coefficients(self.bit_width)
 
         def scores(a, b):
             lo, hi = lay.gather(self.k_words[:, :, a:b])
@@ -327,14 +375,70 @@ class WaterfillKVCache(ResidualWindowCache):
 
         def values(p, a, b):
             vc = _odd_poly(unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2]), top, a3, b3, c3)
-            return ((p * self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]) @ vc) @ rot.T
+            vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
+            return rotate_values((p * vs) @ vc, self.seed, inverse=True)
 
         return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
+
+    # ---- decode (one query row): the fused kernel on the GPU
+    def _decode_kernel_ready(self, queries, keys, mask) -> bool:
+        """Whether this call can take the fused decode kernel: one query row, quantized rows stored,
+        a string/None mask, shapes the kernel handles, and the CUDA backend."""
+        call = self._call
+        if queries.shape[2] != 1 or call is None or call.q0 == 0 or call.new_k.shape[2] != 1:
+            return False
+        if not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1:
+            return False
+        H, D, DV = self._shape
+        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and _power_of_two(DV)
+        return ok and call.s0 > 0 and kernels.kernels_enabled()
+
+    def _kernel_constants(self):
+        """The kernel's per-cache tables (key layout, float32 ranges, RoPE), built once per calibration."""
+        kc = getattr(self, "_kconst", None)
+        if kc is None or kc[0] is not self.k_lo:
+            D = self._shape[1]
+            lay = self._layout_of()
+            a, b, c = _poly_coefficients(self.bit_width)
+            vpoly = mx.array([a, b, c, ((1 << self.bit_width) - 1) / 2], dtype=mx.float32)
+            omega = self._omega() if self.rope is not None else None
+            kc = (self.k_lo, wf_kernel.key_table(lay), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
+                  mx.contiguous(self.k_step[:, :, 0].astype(mx.float32)),
+                  wf_kernel.rope_tables(self.rope, omega, D), vpoly)
+            mx.eval(*kc[1:4], *kc[4], kc[5])
+            self._kconst = kc
+        return kc[1:]
+
+    def _decode_attend(self, queries, *, scale, sinks=None):
+        """Attention of one query row in two launches: the decode kernel's split-K partials over the
+        codes plus the float16 sinks, the window and the call's own row, then the merge kernel (one
+        softmax; the values' Hadamard rotation undone once, as a fast transform)."""
+        call, self._call = self._call, None
+        ktab, lo, step, rope, vpoly = self._kernel_constants()
+        if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)
+            win_k, win_v = self.sink_k, self.sink_v
+        elif self.n_quant == call.q0 and self.n_sink == call.s0:
+            win_k, win_v = self.win_k, self.win_v  # the window buffer still holds the past rows first
+        else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
+            win_k, win_v = call.past_k, call.past_v
+        exact = (self.sink_k, self.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
+        m, l, acc = wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
+                                                 self.v_scales, vpoly, call.q0, call.s0, self.bit_width,
+                                                 self._shape[2], exact)
+        return kernels.merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
+
+    def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
+        """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
+        return kernels.checked_call(
+            "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+            lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
 
     # ---- attention: observe the queries until calibrated
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if not self.calibrated and getattr(self, "_shape", None):
             self._observe(queries)
+        if self.calibrated and self._decode_kernel_ready(queries, keys, mask):
+            return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()
@@ -350,20 +454,27 @@ class WaterfillKVCache(ResidualWindowCache):
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """The arrays of ``array_fields``, the width layout's tables and, for the cache that counts
-        it, the shared value rotation (so ``nbytes`` is their sum)."""
+        """The arrays of ``array_fields``, the width layout's tables, the RoPE angle table, the decode
+        kernel's tables (once built) and, for the cache that counts it, a value rotation matrix (only
+        for a non-power-of-two value dim), so ``nbytes`` is their sum."""
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays()
-        if self.counts_constants and getattr(self, "_shape", None):
+        if self._omega_cache is not None:  # the RoPE angles per position, once used
+            out.append(self._omega_cache)
+        kc = getattr(self, "_kconst", None)
+        if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
+            out += [*kc[1:4], *kc[4], kc[5]]
+        if self.counts_constants and getattr(self, "_shape", None) and not _power_of_two(self._shape[2]):
             out.append(self._rotation(self._shape[2]))
         return out
 
     @property
     def constant_nbytes(self) -> int:
-        """Bytes of the value rotation (shared by every layer with the same value dim and seed)."""
+        """Bytes of the value rotation matrix (shared by every layer with the same value dim and seed;
+        none for a power-of-two dim: the Hadamard is applied as a transform)."""
         shape = getattr(self, "_shape", None)
-        return self._rotation(shape[2]).nbytes if shape else 0
+        return self._rotation(shape[2]).nbytes if shape and not _power_of_two(shape[2]) else 0
 
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Bytes of one quantized token per KV head: key words + value words + the value scale."""
@@ -381,6 +492,7 @@ class WaterfillKVCache(ResidualWindowCache):
     @state.setter
     def state(self, v):
         ResidualWindowCache.state.fset(self, v)
+        self._rows_memo().clear()
         self._layout = None
         self._omega_cache = None
         if self.k_bits is not None:
@@ -396,7 +508,7 @@ class WaterfillKVCache(ResidualWindowCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            shared = k in ("config", "_layout", "_omega_cache") or isinstance(v, mx.Dtype)
+            shared = k in ("config", "_layout", "_omega_cache", "_kconst") or isinstance(v, mx.Dtype)
             setattr(new, k, v if shared else copy.deepcopy(v, memo))
         return new
 
@@ -406,6 +518,12 @@ def _dequantize(lo, hi, shift, mask, k_lo, k_step):
     """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
     fused kernel with the code extraction."""
     return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
+
+
+@functools.lru_cache(maxsize=8)
+def _poly_coefficients(bits: int) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the values' odd-polynomial codebook (computed once per width: decode steps use it)."""
+    return tuple(odd_poly_gaussian(bits)[1])
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count

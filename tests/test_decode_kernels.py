@@ -1,0 +1,513 @@
+"""Decode attention on the compressed forms (one query row).
+
+On the CPU (CI): the pieces of the fused kernels' path against float64 references -- the merge of
+split-K partials with the exact rows, the query-side RoPE identity the waterfill kernel uses, the
+bit addressing both kernels read (against the layouts' own unpacking), waterfill's transform
+rotation -- and the op path's decode step against float64 attention over the stored rows (random
+shapes, odd lengths, GQA ratios, window/sink and group boundaries). Where MLX's CUDA backend is
+present (not in CI), each kernel against the op path on the same caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache.kernels import _common, kernels_enabled, merge_partials, split_count
+from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
+from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
+from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.turboquant_rvq import ResidualWindowCache
+from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, rotate_values, value_rotation
+from veloxquant_mlx.cache.options import KIVIOptions, WaterfillOptions
+from veloxquant_mlx.cache.primitives import groupquant as gq
+from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec
+from veloxquant_mlx.cache.primitives.varpack import VarLayout
+
+GPU = pytest.mark.skipif(not kernels_enabled(), reason="the decode kernels need MLX's CUDA backend (none here)")
+# float32 against float64: on the CPU float32 rounding; GPU matmuls may round float32 inputs (TF32:
+# relative ~3e-4 measured on an H200)
+TOL32 = 1e-5 if mx.default_device() == mx.cpu else 3e-3
+TOL_ATTN = 1e-4 if mx.default_device() == mx.cpu else 3e-3
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _softmax_attention64(q, k, v, scale, sinks=None):
+    """float64 reference: q [B, Hq, 1, D], k/v [B, H, M, D] (GQA), sinks [Hq] logits or None."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, N, D = q.shape
+    H = k.shape[1]
+    qg = q.reshape(B, H, Hq // H, N, D)
+    s = np.einsum("bhrnd,bhmd->bhrnm", qg, k) * scale
+    peak = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sk = np.asarray(sinks, np.float64).reshape(1, H, Hq // H, 1, 1)
+        peak = np.maximum(peak, sk)
+    p = np.exp(s - peak)
+    den = p.sum(axis=-1, keepdims=True) + (np.exp(sk - peak) if sinks is not None else 0.0)
+    out = np.einsum("bhrnm,bhmd->bhrnd", p, v) / den
+    return out.reshape(B, Hq, N, v.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------- merge
+@pytest.mark.parametrize("seed,B,H,R,splits,E,with_sinks", [
+    (0, 1, 2, 1, 1, 1, False), (1, 1, 3, 3, 5, 17, True), (2, 2, 2, 4, 7, 1, False), (3, 1, 1, 8, 3, 30, True)])
+def test_merge_partials_is_one_softmax_over_all_rows(seed, B, H, R, splits, E, with_sinks):
+    """Split-K partials of the quantized rows (values in a rotated domain; one split left empty, as a
+    kernel's last split can be), the exact rows' partial last, and sink logits: the merge equals one
+    float64 softmax over every row."""
+    rng = np.random.default_rng(seed)
+    DV = 32
+    n = 7 * splits - 3
+    sq = rng.normal(size=(B, H, R, n)) * 3
+    vq_rot = rng.normal(size=(B, H, n, DV))
+    rot = np.linalg.qr(rng.normal(size=(DV, DV)))[0]
+    se, ev = rng.normal(size=(B, H, R, E)) * 3, rng.normal(size=(B, H, E, DV))
+    sinks = rng.normal(size=(H * R,)) if with_sinks else None
+    per = -(-n // splits)
+    S = splits + 1  # the last quantized split is empty
+    m = np.full((B, H, R, S + 1), -np.inf)
+    l = np.zeros((B, H, R, S + 1))
+    acc = np.zeros((B, H, R, S + 1, DV))
+
+    def put(s, scores, vals):
+        m[..., s] = scores.max(axis=-1)
+        p = np.exp(scores - m[..., s, None])
+        l[..., s] = p.sum(axis=-1)
+        acc[..., s, :] = np.einsum("bhrt,bhtd->bhrd", p, vals)
+
+    for s in range(S):
+        a, b = min(n, s * per), min(n, (s + 1) * per)
+        if b > a:
+            put(s, sq[..., a:b], vq_rot[:, :, a:b])
+    put(S, se, ev)
+    f32 = lambda x: mx.array(np.asarray(x, np.float32))  # noqa: E731
+    got = merge_partials(f32(m), f32(l), f32(acc), None if sinks is None else f32(sinks),
+                         rotate=lambda y: y @ f32(rot.T))
+    s_all = np.concatenate([sq, se], axis=-1)
+    v_all = np.concatenate([vq_rot @ rot.T, ev], axis=2)
+    peak = s_all.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        peak = np.maximum(peak, sinks.reshape(1, H, R, 1))
+    p = np.exp(s_all - peak)
+    den = p.sum(axis=-1) + (np.exp(sinks.reshape(1, H, R) - peak[..., 0]) if sinks is not None else 0)
+    want = np.einsum("bhrm,bhmd->bhrd", p, v_all) / den[..., None]
+    assert got.shape == (B, H, R, DV)
+    assert _rel(got, want) < TOL32
+
+
+def test_split_count_grows_with_the_context_and_is_bounded():
+    assert split_count(1) == 1 and split_count(256) == 1 and split_count(257) == 2
+    assert split_count(32768) == 128 and split_count(10**7) == _common.MAX_SPLITS
+
+
+# ---------------------------------------------------------------------------------------- RoPE on the query
+@pytest.mark.parametrize("traditional,dims", [(False, 64), (True, 64), (False, 32), (True, 48)])
+def test_query_side_rope_identity_matches_the_layer(traditional, dims):
+    """``q . RoPE_t(k) = sum_c k_c (q_c cos(t w_c) + sign_c q_partner(c) sin(t w_c))`` with the tables the
+    waterfill kernel reads, for full and partial rotary dims, at several positions."""
+    D = 64
+    spec = rope_spec(nn.RoPE(dims, traditional=traditional, base=10000.0))
+    assert spec is not None
+    w, partner, sign = (np.array(a) for a in wf_kernel.rope_tables(spec, rope_frequencies(spec), D))
+    rng = np.random.default_rng(dims + traditional)
+    q, k = rng.normal(size=D), rng.normal(size=(1, 1, 1, D)).astype(np.float32)
+    for t in (0, 1, 37, 1000):
+        post = np.array(apply_rope(mx.array(k), spec, t), np.float64)[0, 0, 0]
+        want = q @ post
+        ang = t * w.astype(np.float64)
+        got = np.sum(k[0, 0, 0].astype(np.float64) * (q * np.cos(ang) + sign * q[partner] * np.sin(ang)))
+        assert abs(got - want) < 1e-4 * np.abs(q).sum() * np.abs(k).max()
+
+
+def test_rope_tables_without_rope_leave_the_query_alone():
+    w, partner, sign = (np.array(a) for a in wf_kernel.rope_tables(None, None, 32))
+    assert not w.any() and not sign.any() and (partner == np.arange(32)).all()
+
+
+# ---------------------------------------------------------------------------------------- the bits the kernels read
+@pytest.mark.parametrize("seed", range(4))
+def test_waterfill_key_table_addresses_every_code(seed):
+    """Reading each channel as the kernel does (its word and the next from ``key_table``, shift, width
+    mask) gives back the codes ``VarLayout.pack`` wrote, for random per-head widths 0..8."""
+    rng = np.random.default_rng(seed)
+    G, D = 3, 64
+    total = int(rng.integers(1, 8)) * D
+    bits = np.zeros((G, D), np.int64)
+    for g in range(G):  # random widths in 0..8 with the same total per row
+        while bits[g].sum() < total:
+            c = rng.integers(D)
+            if bits[g, c] < 8:
+                bits[g, c] += 1
+    lay = VarLayout(bits)
+    codes = (rng.integers(0, 256, size=(1, G, 9, D)) & ((1 << bits) - 1)[None, :, None, :]).astype(np.uint32)
+    words = np.array(lay.pack(mx.array(codes)), np.uint64)
+    tab = np.array(wf_kernel.key_table(lay), np.uint64)
+    W = words.shape[-1]
+    wi, sh, width = tab & 255, (tab >> 8) & 31, (tab >> 16) & 15
+    assert (width == bits).all()
+    lo = np.take_along_axis(words, wi[None, :, None, :].astype(np.int64).repeat(9, 2), axis=-1)
+    hi = np.take_along_axis(words, np.minimum(wi + 1, W - 1)[None, :, None, :].astype(np.int64).repeat(9, 2), axis=-1)
+    s = sh[None, :, None, :]
+    got = (((lo >> s) | (((hi << (31 - s)) << 1) & 0xFFFFFFFF)) & ((1 << width) - 1)[None, :, None, :])
+    np.testing.assert_array_equal(got, codes)
+
+
+@pytest.mark.parametrize("bits,group", [(2, 32), (4, 32), (4, 64), (8, 128)])
+def test_kivi_addressing_reads_what_mlx_quantize_wrote(bits, group):
+    """The kernel's reading of KIVI's layout -- key token t of channel c at word (t*b) >> 5, bit
+    (t*b) & 31, group t // G; value channel c at word (c*b) >> 5 -- equals ``groupquant.dequantize``."""
+    rng = np.random.default_rng(bits * group)
+    T, D = 2 * group, 64
+    x = mx.array(rng.normal(size=(1, 1, T, D)).astype(np.float32))
+    kq = gq.quantize_per_channel(x, bits, group)
+    codes, sc, bi = (np.array(a) for a in kq)
+    t = np.arange(T)
+    w = codes[..., (t * bits) >> 5].astype(np.uint64)  # [1, 1, D, T]
+    kv = ((w >> ((t * bits) & 31).astype(np.uint64)) & ((1 << bits) - 1)) * sc[..., t // group].astype(np.float32) \
+        + bi[..., t // group].astype(np.float32)
+    want = np.array(gq.dequantize_per_channel(*kq, bits, group, transposed=True))
+    np.testing.assert_allclose(kv, want, rtol=1e-6, atol=1e-6)
+    gv = 32
+    vq = gq.quantize(x, bits, gv)
+    vc, vs, vb = (np.array(a) for a in vq)
+    c = np.arange(D)
+    vw = vc[..., (c * bits) >> 5].astype(np.uint64)
+    vv = ((vw >> ((c * bits) & 31).astype(np.uint64)) & ((1 << bits) - 1)) * vs[..., c // gv].astype(np.float32) \
+        + vb[..., c // gv].astype(np.float32)
+    np.testing.assert_allclose(vv, np.array(gq.dequantize(*vq, bits, gv)), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- waterfill's rotation
+@pytest.mark.parametrize("dv", [16, 64, 128])
+def test_value_rotation_is_a_transform_equal_to_the_hadamard_matrix(dv):
+    y = mx.random.normal((3, 5, dv), key=mx.random.key(dv))
+    m = np.array(value_rotation(dv, 0), np.float64)
+    np.testing.assert_allclose(np.array(rotate_values(y, 0)), np.array(y, np.float64) @ m, atol=1e-5)
+    np.testing.assert_allclose(np.array(rotate_values(rotate_values(y, 0), 0, inverse=True)), np.array(y),
+                               atol=1e-5)
+
+
+def test_waterfill_holds_no_rotation_matrix_for_power_of_two_dims():
+    c = _waterfill(64, None)
+    _feed_waterfill(c, 2, 2, 64, 100, np.random.default_rng(0))
+    assert c.constant_nbytes == 0
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
+    assert not any(a.shape == (64, 64) and a.dtype == mx.float32 for a in c.held_arrays())
+
+
+# ---------------------------------------------------------------------------------------- op path vs float64
+def _waterfill(D, rope, bits=4, residual_length=16, n_calib=32):
+    c = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=bits, head_dim=D,
+                                            n_calib_tokens=n_calib,
+                                            options=WaterfillOptions(residual_length=residual_length)))
+    assert isinstance(c, WaterfillKVCache)
+    if rope is not None:
+        c.bind_attention(type("Attn", (), {"rope": rope})())
+    return c
+
+
+def _kivi(D, bits=4, group=32):
+    c = KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=bits, head_dim=D,
+                                            options=KIVIOptions(group_size=group)))
+    assert isinstance(c, KIVIKVCache)
+    return c
+
+
+def _rows(rng, H, n, D, dtype=mx.float32, scale=1.0):
+    return mx.array((rng.normal(size=(1, H, n, D)) * scale).astype(np.float32)).astype(dtype)
+
+
+def _feed_waterfill(c, H, R, D, n, rng, dtype=mx.float32):
+    k, v = _rows(rng, H, n, D, dtype), _rows(rng, H, n, D, dtype)
+    q = _rows(rng, H * R, n, D, dtype)
+    K, V = c.update_and_fetch(k, v)
+    return dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+
+
+@pytest.mark.parametrize("H,R,D,prompt,steps,rope", [
+    (1, 1, 64, 37, 20, None),
+    (2, 3, 64, 101, 19, "rope"),
+    (3, 4, 32, 64, 33, "traditional"),
+    (2, 2, 64, 161, 18, "rope")])
+def test_waterfill_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R, D, prompt, steps, rope):
+    """Each decode step (crossing window compactions: 16-row blocks leave a 16 + 16 row window; the
+    first 4 rows are float16 sinks) attends over exactly the rows the cache stores: float64 attention
+    over ``update_and_fetch``'s rows, with and without sink logits."""
+    r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
+    c = _waterfill(D, r)
+    rng = np.random.default_rng(H * 100 + prompt)
+    _feed_waterfill(c, H, R, D, prompt, rng)
+    assert c.calibrated
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        k, v, q = _rows(rng, H, 1, D), _rows(rng, H, 1, D), _rows(rng, H * R, 1, D)
+        K, V = c.update_and_fetch(k, v)
+        sk = sinks if i % 2 else None
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < TOL_ATTN, (i, c.n_sink, c.n_quant, c.n_win)
+    assert c.n_sink == 4 and c.n_quant > 0
+
+
+@pytest.mark.parametrize("H,R,D,bits,group,prompt,steps", [
+    (1, 1, 64, 4, 32, 33, 40), (2, 3, 64, 2, 32, 95, 36), (2, 4, 128, 8, 64, 64, 70)])
+def test_kivi_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R, D, bits, group, prompt, steps):
+    """KIVI decode steps across group boundaries (a group of G tokens is quantized after the step that
+    completes it) attend over exactly the rows the cache stores."""
+    c = _kivi(D, bits, group)
+    rng = np.random.default_rng(bits * 10 + prompt)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(steps):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, (i, c.n_quant, c.n_res)
+    assert c.n_quant >= group
+
+
+# ---------------------------------------------------------------------------------------- kernels (CUDA only)
+def _kernel_vs_op(c, q, scale, sinks, op):
+    """The kernel path and the op path on the same recorded step: (kernel output, op output)."""
+    call = c._call
+    got = c._decode_attend(q, scale=scale, sinks=sinks)
+    c._call = call
+    want = op()
+    mx.eval(got, want)
+    return got, want
+
+
+@GPU
+@pytest.mark.parametrize("H,R,D,prompt,rope,dtype,with_sinks", [
+    (2, 1, 64, 45, None, mx.float16, False),
+    (8, 4, 128, 301, "rope", mx.float16, True),
+    (3, 3, 64, 1037, "traditional", mx.bfloat16, False),
+    (8, 4, 128, 5000, "rope", mx.bfloat16, True),
+    (4, 2, 128, 777, "rope", mx.float32, False)])
+def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_sinks):
+    r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
+    c = _waterfill(D, r)
+    rng = np.random.default_rng(prompt)
+    _feed_waterfill(c, H, R, D, prompt, rng, dtype)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    for _ in range(3):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
+        q = _rows(rng, H * R, 1, D, dtype)
+        assert c._decode_kernel_ready(q, K, None)
+        got, want = _kernel_vs_op(c, q, D**-0.5, sinks, lambda: ResidualWindowCache.attend(
+            c, q, K, V, scale=D**-0.5, mask=None, sinks=sinks))
+        assert got.dtype == dtype and bool(mx.isfinite(got.astype(mx.float32)).all())
+        assert _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
+
+
+@GPU
+@pytest.mark.parametrize("H,R,D,bits,group,prompt,dtype", [
+    (2, 1, 64, 4, 32, 45, mx.float16), (8, 4, 128, 4, 32, 4100, mx.bfloat16),
+    (3, 3, 64, 2, 64, 700, mx.float16), (4, 2, 128, 8, 128, 999, mx.float16)])
+def test_kivi_kernel_equals_the_op_path(H, R, D, bits, group, prompt, dtype):
+    c = _kivi(D, bits, group)
+    rng = np.random.default_rng(prompt)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D, dtype), _rows(rng, H, prompt, D, dtype))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D, dtype), K, V, cache=c, scale=D**-0.5, mask="causal")
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    for _ in range(3):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
+        q = _rows(rng, H * R, 1, D, dtype)
+        assert c._decode_kernel_ready(None, D, D)
+
+        def op():
+            c.attend_path = "dequant"  # the op path (the kernel only takes attend_path="auto")
+            try:
+                return c.attend(q, K, V, scale=D**-0.5, mask=None)
+            finally:
+                c.attend_path = "auto"
+
+        got, want = _kernel_vs_op(c, q, D**-0.5, None, op)
+        assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
+
+
+@GPU
+def test_decode_steps_take_the_kernels_on_the_gpu():
+    """Through the dispatch point, a decode step on the GPU runs the checked kernel (no fallback)."""
+    for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64)):
+        rng = np.random.default_rng(1)
+        K, V = c.update_and_fetch(_rows(rng, 2, 200, D, mx.float16), _rows(rng, 2, 200, D, mx.float16))
+        dispatch.dispatched_sdpa(_rows(rng, 4, 200, D, mx.float16), K, V, cache=c, scale=D**-0.5, mask="causal")
+        for _ in range(2):
+            K, V = c.update_and_fetch(_rows(rng, 2, 1, D, mx.float16), _rows(rng, 2, 1, D, mx.float16))
+            mx.eval(dispatch.dispatched_sdpa(_rows(rng, 4, 1, D, mx.float16), K, V, cache=c, scale=D**-0.5,
+                                             mask=None))
+        assert name in _common._checked and name not in _common._disabled
+
+
+# ---------------------------------------------------------------------------------------- the kernel path's plumbing
+def _split_partials(scores, vals, S):
+    """(m, l, acc) of ``S`` splits (the last possibly empty) from scores [B, H, R, n] and values
+    [B, H, n, Dv], in MLX ops: what a kernel returns."""
+    n = scores.shape[-1]
+    per = -(-n // (S - 1)) if S > 1 else n
+    ms, ls, accs = [], [], []
+    for s in range(S):
+        a, b = min(n, s * per), min(n, (s + 1) * per)
+        if b > a:
+            m = scores[..., a:b].max(axis=-1)
+            p = mx.exp(scores[..., a:b] - m[..., None])
+            ms.append(m), ls.append(p.sum(axis=-1)), accs.append(p @ vals[:, :, a:b])
+        else:
+            ms.append(mx.full(scores.shape[:-1], -mx.inf)), ls.append(mx.zeros(scores.shape[:-1]))
+            accs.append(mx.zeros((*scores.shape[:-1], vals.shape[-1])))
+    return mx.stack(ms, axis=-1), mx.stack(ls, axis=-1), mx.stack(accs, axis=-2)
+
+
+def _exact_partial(q, exact):
+    """(m, l, acc) of the exact rows a decode kernel is handed: e0 rows of k0, e1 of k1, the new row."""
+    k0, v0, e0, k1, v1, e1, nk, nv = exact
+    f = lambda a: a.astype(mx.float32)  # noqa: E731
+    ek = mx.concatenate([f(k0[:, :, :e0]), f(k1[:, :, :e1]), f(nk)], axis=2)
+    ev = mx.concatenate([f(v0[:, :, :e0]), f(v1[:, :, :e1]), f(nv)], axis=2)
+    return _split_partials(q @ ek.swapaxes(-1, -2), ev, 1)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Stand-ins for the CUDA kernels computed from the op path's decoded rows (4 splits + the exact
+    rows' partial; the merge by ``merge_partials``), and the kernel path switched on: runs every line
+    of the kernel path but the CUDA bodies on the CPU (buffers handed over, counts, merge, layout)."""
+    from veloxquant_mlx.cache import kernels as kpkg
+
+    monkeypatch.setattr(kpkg, "kernels_enabled", lambda: True)
+    caches = {}
+
+    def grouped(queries, scale, H):
+        B, Hq, _, D = queries.shape
+        return queries.reshape(B, H, Hq // H, D).astype(mx.float32) * scale
+
+    def joined(q, scores, vals, exact):
+        qm, ql, qa = _split_partials(scores, vals, 4)
+        em, el, ea = _exact_partial(q, exact)
+        return (mx.concatenate([qm, em], axis=-1), mx.concatenate([ql, el], axis=-1),
+                mx.concatenate([qa, ea], axis=-2))
+
+    def wf(queries, scale, k_words, *args):
+        c, n, exact = caches["waterfill"], args[-5], args[-1]
+        q = grouped(queries, scale, k_words.shape[1])
+        vals = c._value_codes(n) * c.v_scales[:, :, :n, None].astype(mx.float32)
+        return joined(q, q @ c._keys(n).swapaxes(-1, -2), vals, exact)
+
+    def kv(queries, scale, k_codes, *args):
+        c, n, exact = caches["kivi"], args[-5], args[-1]
+        q = grouped(queries, scale, k_codes.shape[1])
+        return joined(q, q @ c._keys_t(n), c._values(n), exact)
+
+    def merge(m, l, acc, sinks, hadamard, out_dtype):
+        out = merge_partials(m, l, acc, sinks, rotate=(lambda y: rotate_values(y, 0, inverse=True)) if hadamard else None)
+        B, H, R, dv = out.shape
+        return out.reshape(B, H * R, 1, dv).astype(out_dtype)
+
+    monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
+    monkeypatch.setattr(kivi_kernel, "kivi_partials", kv)
+    monkeypatch.setattr(kpkg, "merge_kernel", merge)
+    monkeypatch.setattr(_common, "_checked", set())
+    monkeypatch.setattr(_common, "_disabled", set())
+    return caches
+
+
+@pytest.mark.parametrize("R,rope,with_sinks", [(1, None, False), (3, "rope", True), (4, "traditional", True)])
+def test_waterfill_kernel_path_plumbing_equals_float64_attention(reference_kernels, R, rope, with_sinks):
+    """With reference partials, the kernel path (tables, merge with sinks + window + own row, rotation
+    back, GQA layout) gives float64 attention over the stored rows, and passes its first-use check."""
+    H, D = 2, 64
+    r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
+    c = reference_kernels["waterfill"] = _waterfill(D, r)
+    rng = np.random.default_rng(R)
+    _feed_waterfill(c, H, R, D, 77, rng)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    for i in range(20):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        assert c._decode_kernel_ready(q, K, None)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
+        assert _rel(out, want) < TOL_ATTN, i
+    assert "waterfill" in _common._checked and not _common._disabled
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
+
+
+@pytest.mark.parametrize("R,bits", [(1, 4), (4, 2)])
+def test_kivi_kernel_path_plumbing_equals_float64_attention(reference_kernels, R, bits):
+    H, D = 2, 64
+    c = reference_kernels["kivi"] = _kivi(D, bits, 32)
+    rng = np.random.default_rng(bits)
+    K, V = c.update_and_fetch(_rows(rng, H, 70, D), _rows(rng, H, 70, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 70, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(40):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, i
+    assert "kivi" in _common._checked and not _common._disabled
+
+
+def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, monkeypatch):
+    """A kernel whose output disagrees with the op path at first use is turned off (one warning) and
+    the step's result is the op path's."""
+    H, D = 2, 64
+    c = reference_kernels["kivi"] = _kivi(D, 4, 32)
+    def wrong(queries, scale, k_codes, *args):  # values doubled
+        n = args[-5]
+        q = queries.reshape(1, H, -1, D).astype(mx.float32) * scale
+        qm, ql, qa = _split_partials(q @ c._keys_t(n), 2 * c._values(n), 2)
+        em, el, ea = _exact_partial(q, args[-1])
+        return (mx.concatenate([qm, em], axis=-1), mx.concatenate([ql, el], axis=-1),
+                mx.concatenate([qa, ea], axis=-2))
+
+    monkeypatch.setattr(kivi_kernel, "kivi_partials", wrong)
+    rng = np.random.default_rng(3)
+    K, V = c.update_and_fetch(_rows(rng, H, 64, D), _rows(rng, H, 64, D))
+    K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+    q = _rows(rng, H, 1, D)
+    with pytest.warns(RuntimeWarning, match="kivi"):
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+    assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN
+    assert "kivi" in _common._disabled
+
+
+@pytest.mark.parametrize("method", ["waterfill", "kivi"])
+def test_memoized_dense_rows_stay_the_stored_rows_across_appends_and_trims(reference_kernels, method):
+    """On the kernels' backend with the dispatch point installed, ``update_and_fetch`` reuses the lazy
+    dense rows of the quantized part between appends: the rows it returns still equal the stored rows
+    built afresh, across compactions / group completions and after a trim."""
+    H, D, R = 2, 64, 2
+    dispatch.install()
+    c = reference_kernels[method] = (_waterfill(D, nn.RoPE(D, base=10000.0)) if method == "waterfill"
+                                     else _kivi(D, 4, 32))
+    rng = np.random.default_rng(11)
+    K, V = c.update_and_fetch(_rows(rng, H, 70, D), _rows(rng, H, 70, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 70, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+
+    def fresh():
+        c._dense_memo.clear()
+        return c._dense()
+
+    reused = 0
+    for i in range(40):
+        if i == 25:
+            c.trim(c.n_res + 32 if method == "kivi" else 20)
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        reused += c._dense_memo.key is not None
+        call = c._call
+        n = call.s0 + call.q0 if method == "waterfill" else call[0]  # sinks + quantized rows at this step
+        out = dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D), K, V, cache=c, scale=D**-0.5, mask=None)
+        mx.eval(out)
+        Kf, Vf = fresh()  # (a step that compacts quantizes more rows after these: compare these only)
+        assert bool(mx.array_equal(K[:, :, :n], Kf[:, :, :n].astype(K.dtype))), i
+        assert bool(mx.array_equal(V[:, :, :n], Vf[:, :, :n].astype(V.dtype))), i
+    assert reused > 20

@@ -1,0 +1,24 @@
+"""Fused single-query (decode) attention kernels on the compressed forms, one module per storage layout.
+
+Each kernel reads every quantized token's packed codes once, dequantizes them in registers and
+produces split-K partial results of an online softmax (running max ``m``, sum ``l`` and the
+weighted value sum ``acc`` per query head and split of the context); one more block per KV head
+takes the exact float rows the caches keep beside their codes (sinks, window or residual, the step's
+own row); :func:`merge_kernel` (reference: :func:`merge_partials`) joins them in one softmax. A
+decode step is two launches per layer. GQA-aware: one block reads a KV head's codes once for all its query heads.
+fp16/bf16/fp32 in, fp32 accumulation.
+
+Backends: CUDA only (``mx.fast.cuda_kernel``, MLX's CUDA backend), chosen when
+:func:`kernels_enabled` (the default device is the GPU and ``mx.cuda.is_available()``); everywhere
+else the caches keep their op path, which stays the reference every kernel is tested against
+(``tests/test_decode_kernels.py``). The kernel bodies are written against the small macro prelude
+in ``_common.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelude could compile the
+same body through ``mx.fast.metal_kernel``; that Metal build is not provided: it could not be built
+or measured here (no Apple GPU), so Metal keeps the op path.
+
+``VELOXQUANT_DECODE_KERNELS=0`` in the environment turns the kernels off (op path everywhere).
+"""
+
+from ._common import checked_call, kernels_enabled, merge_kernel, merge_partials, split_count
+
+__all__ = ["checked_call", "kernels_enabled", "merge_kernel", "merge_partials", "split_count"]

@@ -1,0 +1,336 @@
+"""What the decode kernels share: backend choice, the macro prelude, the split count and the merge of
+split-K partials with the exact rows."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "cuda_kernel", "PRELUDE",
+           "WARPS", "disable", "checked_call", "scale_array"]
+
+WARPS = 4  # warps per block
+TOKENS_PER_WARP = 64  # the split count aims at about this many tokens per warp
+MAX_SPLITS = 512
+
+# The thin macro layer: kernel bodies use only these names for the backend's primitives (CUDA here).
+PRELUDE = r"""
+#define VQ_FULL 0xffffffffu
+#define VQ_INF __int_as_float(0x7f800000)
+#define VQ_LANE ((int)(threadIdx.x & 31))
+#define VQ_WARP ((int)(threadIdx.x >> 5))
+#define VQ_NTHREADS ((int)blockDim.x)
+#define VQ_TID ((int)threadIdx.x)
+#define VQ_BLOCK_X ((int)blockIdx.x)
+#define VQ_BLOCK_Y ((int)blockIdx.y)
+#define VQ_GRID_Y ((int)gridDim.y)
+#define VQ_SHFL(v, src) __shfl_sync(VQ_FULL, (v), (src))
+#define VQ_SHFL_XOR(v, m) __shfl_xor_sync(VQ_FULL, (v), (m))
+#define VQ_SHARED __shared__
+#define VQ_SYNC() __syncthreads()
+#define VQ_EXP(x) __expf(x)
+#define VQ_F(x) static_cast<float>(x)
+typedef unsigned int vq_u32;
+"""
+
+SELF_CHECK_TOL = 2e-2  # first-use check of a kernel against the op path: relative L2 error
+_disabled: set[str] = set()  # kernels turned off in this process (failed to build/run, or mismatched)
+_checked: set[str] = set()  # kernels that passed their first-use check in this process
+
+
+def kernels_enabled() -> bool:
+    """True on MLX's CUDA backend (default device the GPU, ``mx.cuda`` available), unless
+    ``VELOXQUANT_DECODE_KERNELS=0``."""
+    if os.environ.get("VELOXQUANT_DECODE_KERNELS", "1") == "0":
+        return False
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return False
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def disable(name: str, err: Exception) -> None:
+    """Turn kernel ``name`` off for this process after a failure (one warning line)."""
+    if name not in _disabled:
+        _disabled.add(name)
+        warnings.warn(f"veloxquant decode kernel {name!r} failed ({type(err).__name__}: {err}); "
+                      "using the op path", RuntimeWarning, stacklevel=3)
+
+
+def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable):
+    """``kernel_fn()``, the first time in a process evaluated next to ``op_fn()`` (the op path) and
+    compared (relative L2 error < ``SELF_CHECK_TOL``): on a build/launch error or a mismatch the
+    kernel is turned off with one warning line and the op path's result is used from then on. Both
+    functions consume ``cache._call`` (the cache's record of the step), which is restored between."""
+    if name in _disabled:
+        return op_fn()
+    if name in _checked:
+        return kernel_fn()
+    call = cache._call
+    try:
+        got = kernel_fn()
+        cache._call = call
+        want = op_fn()
+        mx.eval(got, want)
+    except Exception as err:  # noqa: BLE001 -- JIT compile/launch failures surface here: op path from now on
+        disable(name, err)
+        cache._call = call
+        return op_fn()
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    rel = float(mx.linalg.norm((g - w).reshape(-1)) / mx.maximum(mx.linalg.norm(w.reshape(-1)), 1e-30))
+    if not rel < SELF_CHECK_TOL:
+        disable(name, ValueError(f"relative error {rel:.2e} against the op path"))
+        return want
+    _checked.add(name)
+    return got
+
+
+def split_count(n_tokens: int) -> int:
+    """Splits of the context for split-K: about ``TOKENS_PER_WARP`` tokens per warp (enough blocks to
+    fill the GPU at long contexts, few partials at short ones), at most ``MAX_SPLITS``."""
+    per_block = WARPS * TOKENS_PER_WARP
+    return max(1, min(MAX_SPLITS, -(-n_tokens // per_block)))
+
+
+class RowsMemo:
+    """The lazily built dense rows of a cache's first ``n`` quantized rows, kept between decode steps
+    while nothing is appended (``update_and_fetch`` must return them, but with the dispatch point the
+    model's attention never evaluates them: rebuilding their graph of ~20 ops every step and layer is
+    host time that the GPU waits for). Cleared by the owner whenever the rows can change (append,
+    trim, state load); a deep copy starts empty. Used only on the kernels' backend: the graph keeps
+    its small constant leaves (codebook scalars, index tables: a few hundred bytes per layer,
+    measured on the CPU by tests/test_memory_honesty.py) alive between appends, outside ``nbytes``."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self):
+        self.key, self.value = None, None
+
+    def get(self, n: int, buf):
+        k = self.key
+        return self.value if k is not None and k[0] == n and k[1] is buf else None
+
+    def put(self, n: int, buf, value, keep: bool):
+        self.key, self.value = ((n, buf), value) if keep else (None, None)
+        return value
+
+    def clear(self) -> None:
+        self.key, self.value = None, None
+
+    def __deepcopy__(self, memo):
+        return RowsMemo()
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def cuda_kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):
+    """The ``mx.fast.cuda_kernel`` for ``name`` (built once per process)."""
+    k = _KERNELS.get(name)
+    if k is None:
+        k = _KERNELS[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                                 source=source, header=PRELUDE + header)
+    return k
+
+
+def merge_partials(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array] = None,
+                   rotate: Optional[Callable[[mx.array], mx.array]] = None) -> mx.array:
+    """One softmax over a decode kernel's split-K partials (MLX ops: the reference of
+    :func:`merge_kernel`, and its path where it does not apply).
+
+    ``m``, ``l`` [B, H, R, S + 1] and ``acc`` [B, H, R, S + 1, Dv] (float32) are the running max,
+    sum of ``exp(s - m)`` and sum of ``exp(s - m) v`` of each split: S splits of the quantized rows
+    (an empty one has ``m = -inf``, ``l = 0``, ``acc = 0``), then the exact rows (never empty: the
+    step's own row). ``sinks`` [H * R] sink logits or None; ``rotate`` maps the quantized splits'
+    weighted sum back from a rotated value domain (linear: applied once, to the merged sum).
+    Returns [B, H, R, Dv] float32."""
+    peak = m.max(axis=-1)
+    B, H, R = peak.shape
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, H, R)
+        peak = mx.maximum(peak, sink)
+    w = mx.exp(m - peak[..., None])  # [B, H, R, S + 1]
+    denom = (w * l).sum(axis=-1)
+    quant = (w[..., :-1, None] * acc[..., :-1, :]).sum(axis=-2)
+    if rotate is not None:
+        quant = rotate(quant)
+    out = quant + w[..., -1:] * acc[..., -1, :]
+    if sink is not None:
+        denom = denom + mx.exp(sink - peak)
+    return out / denom[..., None]
+
+
+_MERGE_SOURCE = r"""
+  const int qh = VQ_BLOCK_X;
+  const int c = VQ_TID;
+  const int S1 = pm_shape[3];
+  const int HQ = pm_shape[1] * pm_shape[2];
+  const float* m = pm + (size_t)qh * S1;
+  const float* l = pl + (size_t)qh * S1;
+  float M = -VQ_INF;
+  for (int s = 0; s < S1; ++s) M = fmaxf(M, m[s]);
+  float sinkv = 0.f;
+  if (HAS_SINK) { sinkv = VQ_F(sk[qh % HQ]); M = fmaxf(M, sinkv); }
+  float L = 0.f, Aq = 0.f, Ae = 0.f;
+  for (int s = 0; s < S1; ++s) {
+    const float e = VQ_EXP(m[s] - M);
+    L += e * l[s];
+    const float a = e * pa[((size_t)qh * S1 + s) * DV + c];
+    if (s < S1 - 1) Aq += a; else Ae = a;
+  }
+  if (HAS_SINK) L += VQ_EXP(sinkv - M);
+  if (ROT) {
+    VQ_SHARED float buf[DV];
+    buf[c] = Aq;
+    VQ_SYNC();
+    for (int h = 1; h < DV; h <<= 1) {
+      const float a = buf[c], b = buf[c ^ h];
+      VQ_SYNC();
+      buf[c] = (c & h) ? (b - a) : (a + b);
+      VQ_SYNC();
+    }
+    Aq = buf[c] * rsqrtf((float)DV);
+  }
+  out[(size_t)qh * DV + c] = static_cast<OT>((Aq + Ae) / L);
+"""
+
+
+def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array], hadamard: bool,
+                 out_dtype) -> mx.array:
+    """:func:`merge_partials` in one CUDA launch, the rotation (when ``hadamard``) a fast Walsh-Hadamard
+    transform in shared memory; returns [B, H * R, 1, Dv] in ``out_dtype`` (mlx_lm's layout)."""
+    B, H, R, _, dv = acc.shape
+    kern = cuda_kernel("vq_decode_merge", ["pm", "pl", "pa", "sk"], ["out"], _MERGE_SOURCE)
+    sk = sinks if sinks is not None else _zero()
+    (out,) = kern(inputs=[m, l, acc, sk], template=[("DV", dv), ("HAS_SINK", sinks is not None),
+                                                    ("ROT", bool(hadamard)), ("OT", out_dtype),
+                                                    ("SKT", sk.dtype)],
+                  grid=(dv * B * H * R, 1, 1), threadgroup=(dv, 1, 1), output_shapes=[(B, H * R, 1, dv)],
+                  output_dtypes=[out_dtype])
+    return out
+
+
+_ZERO: list = []
+
+
+def _zero() -> mx.array:
+    if not _ZERO:
+        _ZERO.append(mx.zeros((1,), dtype=mx.float32))
+    return _ZERO[0]
+
+
+_SCALES: dict = {}
+
+
+def scale_array(scale: float) -> mx.array:
+    """A float32 ``[1]`` array holding ``scale`` (one per distinct value and process)."""
+    a = _SCALES.get(float(scale))
+    if a is None:
+        a = _SCALES[float(scale)] = mx.array([float(scale)], dtype=mx.float32)
+        mx.eval(a)
+    return a
+
+
+# The exact rows of a decode step (float rows any dtype: e0 rows of x0, e1 rows of x1, then the new
+# row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
+# domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
+EXACT_ROWS = r"""
+    const int E = e0 + e1 + 1;
+    const int T0 = ek0_shape[2], T1 = ek1_shape[2];
+    for (int e = warp; e < E; e += NW) {
+      float part[REP];
+#pragma unroll
+      for (int r = 0; r < REP; ++r) part[r] = 0.f;
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) {
+        const int c = lane + 32 * j;
+        const float kval = e < e0 ? VQ_F(ek0[((size_t)bh * T0 + e) * D + c])
+                         : e < e0 + e1 ? VQ_F(ek1[((size_t)bh * T1 + (e - e0)) * D + c])
+                         : VQ_F(nk[(size_t)bh * D + c]);
+#pragma unroll
+        for (int r = 0; r < REP; ++r) part[r] += QV(r, j) * kval;
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
+      }
+      float v[DV / 32];
+#pragma unroll
+      for (int j = 0; j < DV / 32; ++j) {
+        const int c = lane + 32 * j;
+        v[j] = e < e0 ? VQ_F(ev0[((size_t)bh * T0 + e) * DV + c])
+             : e < e0 + e1 ? VQ_F(ev1[((size_t)bh * T1 + (e - e0)) * DV + c])
+             : VQ_F(nv[(size_t)bh * DV + c]);
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        const float mn = fmaxf(m[r], part[r]);
+        const float corr = VQ_EXP(m[r] - mn);
+        const float p = VQ_EXP(part[r] - mn);
+        l[r] = l[r] * corr + p;
+#pragma unroll
+        for (int j = 0; j < DV / 32; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
+        m[r] = mn;
+      }
+    }
+"""
+
+EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
+
+
+def exact_template(arrays) -> list:
+    """Template dtype arguments naming the exact rows' dtypes (so each dtype mix compiles its own kernel)."""
+    return [(f"X{i}T", a.dtype) for i, a in enumerate(arrays)]
+
+
+# The end of every decode kernel: the block's warps hold (m[REP], l[REP], acc[REP][VJ]) of their
+# token ranges (l already summed over the warp); join them and write the block's partial of split s.
+BLOCK_MERGE = r"""
+  VQ_SHARED float sm_m[NW * REP];
+  VQ_SHARED float sm_l[NW * REP];
+  VQ_SHARED float sm_a[NW * REP * DV];
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
+  }
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+#pragma unroll
+    for (int j = 0; j < VJ; ++j) sm_a[(warp * REP + r) * DV + lane + 32 * j] = acc[r][j];
+  }
+  VQ_SYNC();
+  for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) {
+    const int r = i / DV, c = i % DV;
+    float M = -VQ_INF;
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm_m[w * REP + r]);
+    float L = 0.f, A = 0.f;
+    if (M > -VQ_INF) {
+      for (int w = 0; w < NW; ++w) {
+        const float e = VQ_EXP(sm_m[w * REP + r] - M);
+        L += e * sm_l[w * REP + r];
+        A += e * sm_a[(w * REP + r) * DV + c];
+      }
+    }
+    const size_t o = ((size_t)bh * REP + r) * (size_t)S1 + (size_t)s;
+    out_acc[o * DV + c] = A;
+    if (c == 0) { out_m[o] = M; out_l[o] = L; }
+  }
+"""
+
+OUTPUTS = ["out_m", "out_l", "out_acc"]
+
+
+def launch(kernel, inputs: list, template: list, B: int, H: int, R: int, S: int, dv: int):
+    """Run a decode kernel: one block of ``WARPS`` warps per (batch row, KV head) and split, plus one
+    block per (batch row, KV head) for the exact rows; partials [B, H, R, S + 1] (and ``acc`` [.., Dv])."""
+    S1 = S + 1
+    m, l, acc = kernel(inputs=inputs, template=template + [("NW", WARPS), ("REP", R), ("DV", dv)],
+                       grid=(32 * WARPS * B * H, S1, 1), threadgroup=(32 * WARPS, 1, 1),
+                       output_shapes=[(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
+                       output_dtypes=[mx.float32, mx.float32, mx.float32])
+    return m, l, acc

@@ -1,0 +1,198 @@
+"""Decode kernel for waterfill's layout: variable-width pre-RoPE key codes (``primitives.varpack``) and
+rotated-domain value codes of one width with a per-row scale (``primitives.bitpack`` + the odd
+polynomial codebook).
+
+One warp walks its tokens in order; for each token, lanes 0..WK-1 load the key row's words and
+lanes 0..WV-1 the value row's (each word read once, coalesced), every lane decodes its D/32 key
+channels (two shuffles: the channel's word and the next, then shift and mask, ``lo + code * step``)
+and its Dv/32 value channels (the polynomial centroid times the row scale). RoPE is applied to the
+query, not the key: ``q . R(t) k = sum_c k_c (q_c cos(t w_c) + s_c q_p(c) sin(t w_c))`` with ``p(c)`` the
+channel's rotary partner and ``s_c`` its sign, the (cos, sin) of each lane's channels advanced by one
+rotation per token. The score is a warp sum; an online softmax keeps (m, l, acc) per query head of
+the KV head's group. The value sum stays in the rotated domain (``merge_partials`` rotates back once).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
+                      scale_array, split_count)
+
+__all__ = ["waterfill_partials", "key_table", "rope_tables", "supported"]
+
+_SOURCE = r"""
+  const int n = meta[0];
+  const int pos0 = meta[1];
+  const int e0 = meta[2];
+  const int e1 = meta[3];
+  const float scale = fs[0];
+  const int H = kw_shape[1];
+  const int TK = kw_shape[2];
+  const int TV = vw_shape[2];
+  const int TS = vs_shape[2];
+  const int bh = VQ_BLOCK_X;
+  const int h = bh % H;
+  const int s = VQ_BLOCK_Y;
+  const int S1 = VQ_GRID_Y;
+  const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
+  const int lane = VQ_LANE, warp = VQ_WARP;
+  constexpr int CJ = D / 32;
+  constexpr int VJ = DV / 32;
+  constexpr vq_u32 VMASK = (1u << VB) - 1u;
+  const int per = (n + S - 1) / S;
+  const int t_begin = min(n, s * per);
+  const int t_end = min(n, t_begin + per);
+  const int wper = (t_end - t_begin + NW - 1) / NW;
+  const int w0 = min(t_end, t_begin + warp * wper);
+  const int w1 = min(t_end, w0 + wper);
+
+  vq_u32 wi[CJ], wi1[CJ], sh[CJ], mk[CJ];
+  float lo[CJ], st[CJ], cs[CJ], sn[CJ], cw[CJ], sw[CJ];
+  float qa[REP][CJ], qb[REP][CJ];
+#pragma unroll
+  for (int j = 0; j < CJ; ++j) {
+    const int c = lane + 32 * j;
+    const vq_u32 tb = ktab[h * D + c];
+    wi[j] = tb & 255u;
+    wi1[j] = min(wi[j] + 1u, (vq_u32)(WK - 1));
+    sh[j] = (tb >> 8) & 31u;
+    mk[j] = (1u << ((tb >> 16) & 15u)) - 1u;
+    lo[j] = klo[bh * D + c];
+    st[j] = kst[bh * D + c];
+    const float om = rw[c];
+    sincosf(om, &sw[j], &cw[j]);
+    sincosf((float)(pos0 + w0) * om, &sn[j], &cs[j]);
+    const int p = rp[c];
+    const float sg = rs[c];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      qa[r][j] = VQ_F(q[(bh * REP + r) * D + c]) * scale;
+      qb[r][j] = sg * VQ_F(q[(bh * REP + r) * D + p]) * scale;
+    }
+  }
+  const float pa = vpoly[0], pb = vpoly[1], pc = vpoly[2], half_top = vpoly[3];
+  float m[REP], l[REP], acc[REP][VJ];
+#pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    m[r] = -VQ_INF; l[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
+  }
+  if (s == S) {
+#define QV(r, j) qa[r][j]
+""" + EXACT_ROWS + r"""
+#undef QV
+  } else for (int t = w0; t < w1; ++t) {
+    const size_t krow = ((size_t)bh * TK + t) * WK;
+    const size_t vrow = ((size_t)bh * TV + t) * WV;
+    const vq_u32 kword = lane < WK ? kw[krow + lane] : 0u;
+    const vq_u32 vword = lane < WV ? vw[vrow + lane] : 0u;
+    const float vscale = VQ_F(vs[(size_t)bh * TS + t]);
+    float part[REP];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) part[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < CJ; ++j) {
+      const vq_u32 a = VQ_SHFL(kword, (int)wi[j]);
+      const vq_u32 b = VQ_SHFL(kword, (int)wi1[j]);
+      const vq_u32 code = ((a >> sh[j]) | ((b << (31u - sh[j])) << 1)) & mk[j];
+      const float k = lo[j] + (float)code * st[j];
+#pragma unroll
+      for (int r = 0; r < REP; ++r) part[r] += k * (qa[r][j] * cs[j] + qb[r][j] * sn[j]);
+      const float c2 = cs[j] * cw[j] - sn[j] * sw[j];
+      sn[j] = sn[j] * cw[j] + cs[j] * sw[j];
+      cs[j] = c2;
+    }
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
+    }
+    float v[VJ];
+#pragma unroll
+    for (int j = 0; j < VJ; ++j) {
+      const int bit = (lane + 32 * j) * VB;
+      const vq_u32 a = VQ_SHFL(vword, bit >> 5);
+      const vq_u32 b = VQ_SHFL(vword, min((bit >> 5) + 1, WV - 1));
+      const vq_u32 sft = (vq_u32)(bit & 31);
+      const vq_u32 code = ((a >> sft) | ((b << (31u - sft)) << 1)) & VMASK;
+      const float u = (float)code - half_top;
+      const float u2 = u * u;
+      v[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
+    }
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      const float mn = fmaxf(m[r], part[r]);
+      const float corr = VQ_EXP(m[r] - mn);
+      const float p = VQ_EXP(part[r] - mn);
+      l[r] = l[r] * corr + p;
+#pragma unroll
+      for (int j = 0; j < VJ; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
+      m[r] = mn;
+    }
+  }
+""" + BLOCK_MERGE
+
+_INPUTS = ["q", "fs", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly", "meta"] + EXACT_INPUTS
+
+
+def supported(d: int, dv: int, key_words: int, value_words: int) -> bool:
+    """Shapes the kernel handles: head dims multiples of 32, rows of at most 32 words."""
+    return d % 32 == 0 and dv % 32 == 0 and 0 < key_words <= 32 and 0 < value_words <= 32
+
+
+def key_table(layout) -> mx.array:
+    """Per (head, channel) ``word | shift << 8 | width << 16`` (uint32 ``[H, D]``) of a ``VarLayout``."""
+    u = mx.uint32
+    return mx.contiguous(layout.word.astype(u) | (layout.shift.astype(u) << 8) | (layout.bits.astype(u) << 16))
+
+
+def rope_tables(spec, omega, d: int):
+    """Per channel: angle per position ``w`` (0 where RoPE does not rotate), rotary partner and sign
+    (``q . R(t) k = sum_c k_c (q_c cos(t w_c) + sign_c q_partner(c) sin(t w_c))``), as float32 /
+    int32 / float32 ``[d]``. ``spec`` None: no rotation."""
+    w = np.zeros(d, np.float32)
+    partner = np.arange(d, dtype=np.int32)
+    sign = np.zeros(d, np.float32)
+    if spec is not None:
+        om = np.array(omega, dtype=np.float32)
+        dims, half = spec["dims"], spec["dims"] // 2
+        c = np.arange(dims)
+        if spec["traditional"]:
+            w[:dims] = om[c // 2]
+            first = c % 2 == 0
+            partner[:dims] = np.where(first, c + 1, c - 1)
+        else:
+            w[:dims] = om[c % half]
+            first = c < half
+            partner[:dims] = np.where(first, c + half, c - half)
+        sign[:dims] = np.where(first, 1.0, -1.0)
+    return mx.array(w), mx.array(partner), mx.array(sign)
+
+
+def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly,
+                       n: int, pos0: int, value_bits: int, dv: int, exact):
+    """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
+    ``n`` quantized rows (``acc`` in the rotated value domain), then the exact rows.
+
+    ``queries`` [B, H * R, 1, D] as the model gives them (scaled by ``scale`` in the kernel);
+    ``k_words``/``v_words``/``v_scales``: the cache's buffers (capacity rows, not sliced: no copy);
+    ``ktab`` from :func:`key_table`; ``k_lo``/``k_step`` float32 ``[B, H, D]``; ``rope`` from
+    :func:`rope_tables`; ``vpoly`` float32 ``[a, b, c, (2^b - 1) / 2]``; ``pos0`` the position of
+    quantized row 0; ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v): the first ``e0`` rows of the
+    buffers k0/v0 [B, H, T0, D], the first ``e1`` of k1/v1, then the step's own row."""
+    B, Hq, _, D = queries.shape
+    H = k_words.shape[1]
+    WK, WV = k_words.shape[-1], v_words.shape[-1]
+    S = split_count(n)
+    k0, v0, e0, k1, v1, e1, nk, nv = exact
+    kern = cuda_kernel("vq_waterfill_decode", _INPUTS, OUTPUTS, _SOURCE)
+    meta = mx.array([n, pos0, e0, e1], dtype=mx.int32)
+    rw, rp, rs = rope
+    arrays = [k0, v0, k1, v1, nk, nv]
+    return launch(kern, [queries, scale_array(scale), k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales,
+                         vpoly, meta, *arrays],
+                  [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("QT", queries.dtype)]
+                  + exact_template(arrays), B, H, Hq // H, S, dv)
