@@ -3,7 +3,7 @@ Layer-wise Optimal Budget", arXiv 2404.04793).
 
 The paper measures, at prefill, how much each attention layer changes the hidden states: the cosine
 similarity of a token's hidden state before and after self-attention, averaged over the prompt. It
-clusters the layers by it with k-means (3 clusters), squeezes the cluster of highest similarity (the
+clusters the layers by it with k-means (3 clusters; solved exactly here, ``kmeans_1d``), squeezes the cluster of highest similarity (the
 layers that barely change their input) to a fraction ``p`` of the initial budget and spreads what it
 saves evenly over the other layers (two groups in the end), so the total is unchanged. Each layer then
 runs a sequence-wise policy with its own budget: H2O here (per-row accumulated attention of every
@@ -52,19 +52,39 @@ from .pyramidkv import OBS_WINDOW, VotingEviction
 N_CLUSTERS = 3
 
 
-def kmeans_1d(values: list[float], k: int, iters: int = 50) -> list[int]:
-    """Cluster labels of 1-D ``values`` (deterministic: centroids start at evenly spaced quantiles)."""
-    order = sorted(values)
-    n = len(values)
-    cents = [order[round(i * (n - 1) / max(k - 1, 1))] for i in range(k)]
-    labels = [0] * n
-    for _ in range(iters):
-        labels = [min(range(k), key=lambda j: (abs(v - cents[j]), j)) for v in values]
-        new = [sum(v for v, l in zip(values, labels) if l == j) / max(1, labels.count(j)) if j in labels
-               else cents[j] for j in range(k)]
-        if new == cents:
-            break
-        cents = new
+def kmeans_1d(values: list[float], k: int) -> list[int]:
+    """Cluster labels of 1-D ``values``: the k-means optimum (least within-cluster squared error), found
+    exactly -- in 1-D optimal clusters are runs of the sorted values, so a dynamic program over the
+    split points finds it (O(k n²); Lloyd's iterations can stop in a worse local optimum). Labels are
+    0..k-1 in increasing order of value."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    x = [float(values[i]) for i in order]
+    n = len(x)
+    k = max(1, min(k, n))
+    p1, p2 = [0.0], [0.0]
+    for v in x:
+        p1.append(p1[-1] + v)
+        p2.append(p2[-1] + v * v)
+
+    def sse(i, j):  # squared error of the run x[i:j] around its mean
+        return p2[j] - p2[i] - (p1[j] - p1[i]) ** 2 / (j - i)
+
+    inf = float("inf")
+    cost = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    cost[0][0] = 0.0
+    for c in range(1, k + 1):
+        for j in range(c, n + 1):
+            for i in range(c - 1, j):
+                v = cost[c - 1][i] + sse(i, j)
+                if v < cost[c][j] - 1e-15:
+                    cost[c][j], cut[c][j] = v, i
+    labels, j = [0] * n, n
+    for c in range(k, 0, -1):
+        i = cut[c][j]
+        for t in range(i, j):
+            labels[order[t]] = c - 1
+        j = i
     return labels
 
 
