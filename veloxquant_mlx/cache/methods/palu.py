@@ -59,7 +59,7 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
-from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
+from ..primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from .kivi import KIVIKVCache
 from .svdq import BASIS_DTYPE, LowRankKVCache, _is_int, check_group, check_rank_energy
 
@@ -110,7 +110,6 @@ class PALUKVCache(LowRankKVCache):
     rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
     center = True  # the projection bias is the latent's offset (``k_mean``)
     latent_values = True
-    _omega_cache = None
 
     def _init_layout(self):
         c = self.config
@@ -132,7 +131,6 @@ class PALUKVCache(LowRankKVCache):
         self.group = int(c.palu_group_size)
         self.qbits = int(c.palu_hi_bit)
         self._call = None
-        self._omega_cache = None
 
     def _n_groups(self, n_heads: int) -> int:
         want = min(self.config.palu_n_head_groups, n_heads)
@@ -163,7 +161,6 @@ class PALUKVCache(LowRankKVCache):
         if rope is not None and self.rope is None:
             raise ValueError(f"palu: the layer's RoPE ({type(rope).__name__}) is not one primitives.rope can "
                              "invert, so its keys cannot be un-rotated onto the factored weights")
-        self._omega_cache = None
         wk, bk = dense_weight(attn.k_proj)
         wv, bv = dense_weight(attn.v_proj)
         n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
@@ -189,13 +186,15 @@ class PALUKVCache(LowRankKVCache):
         self.n_quant = 0
 
     # ------------------------------------------------------------------ RoPE
-    def _omega(self):
-        if self._omega_cache is None:
-            self._omega_cache = rope_frequencies(self.rope)
-        return self._omega_cache
+    def _unrotate(self, k: mx.array, offset: int) -> mx.array:
+        """Pre-RoPE rows of ``k`` at positions offset.. (``mx.fast.rope`` inverse: each position's angle
+        is computed from the position alone, so a group's latents do not depend on the call split)."""
+        return k if self.rope is None else apply_rope(k, self.rope, offset, inverse=True)
 
-    def _rotate(self, k: mx.array, offset: int, inverse: bool = False) -> mx.array:
-        return k if self.rope is None else rotate_rows(k, self.rope, self._omega(), offset, inverse=inverse)
+    def _rotate(self, k: mx.array) -> mx.array:
+        """RoPE of rebuilt rows at positions 0.. (``rotate_rows``: few trigonometric values per call;
+        the frequency table is made per call, nothing is held besides the stored arrays)."""
+        return k if self.rope is None else rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)
 
     # ------------------------------------------------------------------ storage
     def _store(self, keys, values):
@@ -209,14 +208,14 @@ class PALUKVCache(LowRankKVCache):
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         t0, n = self.n_quant, kb.shape[2]
-        k = self._rotate(kb.astype(mx.float32), t0, inverse=True)  # pre-RoPE keys at positions t0..
+        k = self._unrotate(kb.astype(mx.float32), t0)  # pre-RoPE keys at positions t0..
         self._encode("k", lr.group_heads(k, self.hg), t0)
         self._encode("v", lr.group_heads(vb.astype(mx.float32), self.hg), t0)
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1."""
-        return self._rotate(self._reconstruct("k", n), 0).swapaxes(-1, -2).astype(dtype)
+        return self._rotate(self._reconstruct("k", n)).swapaxes(-1, -2).astype(dtype)
 
     def _key_scores(self, q: mx.array, n: int) -> mx.array:
         return q @ self._keys_t(n)

@@ -175,7 +175,6 @@ class SqueezeAttentionCache(VotingEviction):
     coordinator = None
     squeezed = False  # True once this layer's budget is resolved (state: survives reloads)
     similarity_value = 0.0
-    _first_end = None  # offset after the first call (the reports belong to it)
     _attn_out = None  # this layer's attention output of the first call, until the layer reports
 
     def __init__(self, config, layer_id=None, coordinator=None):
@@ -217,21 +216,22 @@ class SqueezeAttentionCache(VotingEviction):
     def _waiting(self) -> bool:
         return self.coordinator is not None and not self.squeezed
 
+    def _store(self, keys, values):
+        if self._waiting and self.offset > 0:
+            # a later call, yet some layer never reported (no hidden-state reports installed, or its
+            # layer was not called): resolve with what was measured rather than wait forever (before
+            # this call's rows are stored, so every layer is evicted between calls)
+            self.coordinator.finalize()
+        super()._store(keys, values)
+
     def wants_eviction(self, n_new):
-        if self._waiting:
-            if self._first_end is None:
-                self._first_end = self.offset
-            elif self.offset > self._first_end:
-                # a later call, yet some layer never reported (no hidden-state reports installed, or its
-                # layer was not called): resolve with what was measured rather than wait forever
-                self.coordinator.finalize()
         return not self._waiting and super().wants_eviction(n_new)
 
     # ---------------------------------------------------------------- hidden-state reports
     def observe_attention_output(self, x, out) -> None:
         """The attention module's output ``a`` [B, L, hidden] of the first call (kept until the layer
         reports; afterwards a no-op)."""
-        if self._waiting and self.offset == self._first_end:
+        if self._waiting:
             self._attn_out = out
 
     def observe_layer_io(self, h, out) -> None:
