@@ -156,7 +156,7 @@ class PALUKVCache(LowRankKVCache):
         if attn is None or "k_proj" not in attn or "v_proj" not in attn:
             raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
                              f"{type(attn).__name__}")
-        rope = attn.get("rope", getattr(attn, "rope", None))
+        rope = getattr(attn, "rope", None)
         self.rope = rope_spec(rope) if rope is not None else None
         if rope is not None and self.rope is None:
             raise ValueError(f"palu: the layer's RoPE ({type(rope).__name__}) is not one primitives.rope can "
