@@ -39,6 +39,9 @@ from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
 CLASSES = {"svdq": SVDqKVCache, "palu": PALUKVCache, "kvtc": KVTCKVCache}
 OPTIONS = {"svdq": SVDqOptions, "palu": PaluOptions, "kvtc": KVTCOptions}
 METHODS = list(CLASSES)
+# palu factors the model's projection weights, so a lone cache (``make``) has nothing to factor: its
+# contract on synthetic rows is in tests/test_palu.py; here it runs only through ``for_model``.
+DATA_METHODS = ["svdq", "kvtc"]
 
 
 def config(method, bits=4, head_dim=64, **opts):
@@ -137,15 +140,15 @@ def test_svdq_value_bits_validated():
 
 # ------------------------------------------------------------------------------------ attention
 CASES = [(70, "causal"), (1, None), (1, None), (20, "array"), (1, None), (9, "additive"), (1, None)]
-SETTINGS = {"svdq": {}, "palu": dict(n_head_groups=2, energy_threshold=0.99),
+SETTINGS = {"svdq": {},
             "kvtc": dict(bit_budget=300)}
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", DATA_METHODS)
 @pytest.mark.parametrize("use_sinks", [False, True])
 def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
-    """Palu's defining property (and the same contract for every method): attention with the
-    reconstruction folded into the query/output side equals reconstruct-then-attend."""
+    """Attention with the reconstruction folded into the query/output side equals
+    reconstruct-then-attend."""
     B, H, Hq, D, scale = 1, 4, 8, 64, 0.125
     cache = make(method, **SETTINGS[method])
     sinks = rand(Hq) if use_sinks else None
@@ -163,8 +166,6 @@ def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
         ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=scale, mask=mask, sinks=sinks)
         assert float(mx.abs(out - ref).max()) < 1e-4, (method, n, kind)
     assert cache.n_quant == 96 and cache.n_res > 0 and cache.rank > 0
-    if method == "palu":
-        assert cache.hg == 2 and cache.k_basis.shape[:3] == (1, 2, 2 * D)
 
 
 def _run_tokens(model, caches, tokens, chunks):
@@ -199,7 +200,7 @@ def test_dense_path_without_dispatch_gives_same_logits(method):
 
 
 # ------------------------------------------------------------------------------------ bytes
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", DATA_METHODS)
 def test_nbytes_and_bytes_per_token_budget(method):
     B, H, D, T = 1, 3, 64, 2048
     cache = make(method, **({"bit_budget": 384} if method == "kvtc" else {}))
@@ -232,7 +233,7 @@ def test_nbytes_and_bytes_per_token_budget(method):
 
 
 # ------------------------------------------------------------------------------------ contract
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", DATA_METHODS)
 def test_trim_exact_or_refused(method):
     D = 64
     k, v = lowrank_rows(1, 2, 104, D), lowrank_rows(1, 2, 104, D)
@@ -336,22 +337,6 @@ def test_svdq_energy_threshold_picks_promised_rank_and_error_falls_with_rank():
     assert c.k_bits == [8] * 16 + [4] * 16
 
 
-def test_palu_error_falls_with_rank_and_fused_scores_equal_reconstructed():
-    B, H, D = 1, 4, 64
-    k, v = lowrank_rows(B, H, 256, D, decay=0.85), lowrank_rows(B, H, 256, D, decay=0.85)
-    errs = []
-    for r in (4, 16, 64, 128):
-        c = make("palu", rank=r, n_head_groups=2, hi_bit=8, lo_bit=8)
-        c.update_and_fetch(k, v)
-        dk, dv = c._dense()
-        errs.append(float(mx.mean((dk - k) ** 2) + mx.mean((dv - v) ** 2)))
-        q = rand(B, H, 3, D)
-        fused = c._key_scores(q, 256)
-        assert float(mx.abs(fused - q @ c._keys_t(256)).max()) < 1e-3
-        assert c.rank == r and c.projection_bytes == 2 * B * 2 * (2 * D * r + 2 * D) * 2
-    assert all(a > b for a, b in zip(errs, errs[1:])), errs
-
-
 def test_kvtc_dp_meets_budget_and_beats_uniform():
     B, H, D, G = 1, 3, 64, 32
     fit, held = lowrank_rows(B, H, 512, D, decay=0.9), lowrank_rows(B, H, 512, D, decay=0.9)
@@ -381,8 +366,9 @@ def test_kvtc_dp_meets_budget_and_beats_uniform():
 N_CTX, N_SCORE = 512, 32
 # Measured by scripts/quality_lowrank.py (SmolLM2-135M float32 on the CPU, 512-token essay context +
 # 32 scored decode steps, default options; svdq values 4-bit KIVI): see KL_MEASURED.
-KL_MEASURED = {"svdq": 0.227, "palu": 0.535, "kvtc": 0.167}  # kv/fp16: 0.39, 0.39, 0.60
-KL_LIMIT = {"svdq": 0.35, "palu": 0.8, "kvtc": 0.3}
+# palu (factors of the weights alone, no calibration data: see docs/RESULTS.md) measured by this test.
+KL_MEASURED = {"svdq": 0.227, "palu": 1.869, "kvtc": 0.167}  # kv/fp16: 0.39, 0.46, 0.60
+KL_LIMIT = {"svdq": 0.35, "palu": 2.6, "kvtc": 0.3}
 
 
 @pytest.fixture(scope="module")

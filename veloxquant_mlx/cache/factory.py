@@ -170,7 +170,9 @@ class KVCacheBuilder:
         per such layer). Other layers (sliding-window ``RotatingKVCache``, state-space ``ArraysCache``,
         ...) keep the cache the model makes for them. Cross-layer methods get their coordinator from
         the class's ``build_layers``; a cache with ``bind_attention`` is given its layer's attention
-        module (e.g. to read the RoPE). Installs the attention dispatch point unless told not to.
+        module (e.g. to read the RoPE or factor its weights). Installs the attention dispatch point
+        unless told not to, and with it the hidden-state reports a cache asks for in ``io_hooks``
+        (``dispatch.report_io`` on its layer's attention module or decoder layer).
         """
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
@@ -210,6 +212,11 @@ class KVCacheBuilder:
             bind = getattr(cache, "bind_attention", None)
             if bind is not None:  # caches that need the layer itself (e.g. its RoPE) read it here
                 bind(_attention(layers[i]))
+            if install_dispatch:  # caches that watch hidden states: {"attention" | "layer": their method}
+                for part, method in getattr(cache, "io_hooks", {}).items():
+                    module = layers[i] if part == "layer" else _attention(layers[i])
+                    if module is not None:
+                        dispatch.report_io(module, method)
         if install_dispatch:
             dispatch.install()
         notify(config.observers, "created", config.method, layers=len(slots))

@@ -1,63 +1,114 @@
 """Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache
 with Low-Rank Projection", arXiv 2407.21118).
 
-Paper: the key and value projections are factored as ``W ≈ A B`` (SVD); the cache stores the
-low-rank *latents* ``h = x A`` instead of K/V, and reconstructs ``K = h B`` on the fly. Group-head
-low-rank decomposition (G-LRD) shares one factorization across a group of heads (a middle ground
-between per-head M-LRD and all-heads J-LRD). The latents are quantized (low-bit, mixed precision).
-Matrix fusion: the reconstruction matrix is folded into the query side, ``q·Kᵀ = (q Bᵀ)·hᵀ``, and for
-values into the output side, so full K/V are never rebuilt in attention.
+Paper: the key and value projection *weights* are factored offline, ``W ≈ A B`` (truncated SVD); the
+model computes the low-rank latent ``h = x A`` instead of K/V, the cache stores ``h``, and ``K = h B``
+is rebuilt on the fly. Group-head low-rank decomposition (G-LRD) factors the rows of a group of heads
+together (between per-head M-LRD and all-heads J-LRD). The latents are quantized; for values ``B`` is
+fused into the output projection, for keys a fused kernel rebuilds the pre-RoPE keys, applies RoPE and
+multiplies by the query.
 
-This implementation (``LowRankKVCache`` from ``svdq``; options ``palu_rank`` / ``palu_energy_threshold``,
-``palu_n_head_groups``, ``palu_hi_bit`` / ``palu_lo_bit`` / ``palu_hi_fraction``, ``palu_group_size``,
-``palu_quantize_values``):
+This implementation (options ``palu_rank`` / ``palu_energy_threshold``, ``palu_n_head_groups``,
+``palu_hi_bit`` / ``palu_lo_bit`` / ``palu_hi_fraction``, ``palu_group_size``, ``palu_quantize_values``):
 
-* Head groups: the H KV heads are split into Hg groups of s = H/Hg consecutive heads; Hg is the
-  largest divisor of H not above ``palu_n_head_groups`` (e.g. 3 KV heads and 4 requested -> 3 groups
-  of one head). A group's token feature is its heads' rows concatenated (F = s·D).
-* Projections fitted at prefill, once per prompt, on the first block of whole token groups: the
-  principal directions (PCA, mean μ subtracted) of the block's keys, and separately of its values, per
-  (batch, head group). Rank r = ``palu_rank`` or the smallest rank holding ``palu_energy_threshold`` of
-  the block's (centered) energy in every group (keys and values each get their own rank).
-* Latents ``h = (x - μ) P`` [T, r] are stored quantized per latent channel over groups of G tokens
-  (float16 scale + bias): the first ``ceil(hi_fraction · r)`` channels (largest energy) at
-  ``palu_hi_bit``, the rest at ``palu_lo_bit``; with ``palu_quantize_values=False`` the value latents
-  are stored float16.
-* ``attend`` folds the reconstruction: scores ``(q W_hᵀ)·hᵀ + q·μ_h`` with ``W_h`` the head's rows of
-  the group basis (GQA queries of all heads of a group multiply the group's latents in one matmul);
-  output ``(p h_v) W_v,hᵀ + (Σp) μ_v,h``. Equal to reconstruct-then-attend (tested).
-* The newest < G tokens stay float16 (KIVI residual), a call's own rows are attended in full
-  precision; ``update_and_fetch`` returns the reconstructed rows for the non-dispatch path.
+* **Factors from the weights** (``bind_attention``, called by ``KVCacheBuilder.for_model`` with the
+  layer's attention module): ``k_proj`` / ``v_proj`` weights (dequantized when quantized), rows split
+  into Hg head groups of s = H/Hg consecutive KV heads (Hg the largest divisor of H not above
+  ``palu_n_head_groups``), per group ``W_g = U S Vᵀ`` (float64 SVD, ``W_g`` [F = s·D, hidden]). With
+  mlx's ``k = x W_gᵀ`` the truncated factors are ``A = V_r S_r`` (hidden -> r) and ``B = U_rᵀ``
+  (r -> F), so the latent is ``h = x A = k U_r``: the pre-RoPE key projected on the top-r left
+  singular vectors of ``W_g`` -- exact for the rank-r projection ``x A B``. The cache holds ``U_r``
+  [1, Hg, F, r] float16 (the only factor it needs: mlx_lm hands it ``k = x W_gᵀ``, not ``x``).
+  Rank r = ``palu_rank`` or the smallest rank holding ``palu_energy_threshold`` of ``Σσ²`` of the
+  weight in every group (one rank per layer; keys and values each get their own).
+* **RoPE**: mlx_lm rotates keys before the cache sees them, so each completed token group is
+  un-rotated with the layer's own RoPE (``primitives.rope``, as waterfill) before projecting, and the
+  rebuilt keys are rotated again at attention.
+* A ``k_proj`` bias (Qwen2) is the latent's offset: ``h = (k - b) U_r``, ``k = h U_rᵀ + b``. A per-head
+  ``k_norm`` / ``v_norm`` (Gemma 3) is folded into the factored weight as its per-channel gain; its
+  per-token RMS scale is exact within a one-head group and an approximation for larger groups.
+* **Latents quantized** per latent channel over groups of G = ``palu_group_size`` tokens (float16
+  scale + bias): the first ``ceil(hi_fraction · r)`` channels (largest σ) at ``palu_hi_bit``, the rest
+  at ``palu_lo_bit``; with ``palu_quantize_values=False`` the value latents are stored float16.
+  The newest < G tokens wait in a float16 residual (KIVI's), a call's own rows are attended in full
+  precision.
+* ``attend``: keys rebuilt from the latents (``h U_rᵀ + b``), rotated, multiplied by the queries
+  (Palu's fused RoPE kernel, unfused); values fused on the output side: ``(p h_v) U_vᵀ + (Σp) b_v``.
+  ``update_and_fetch`` returns the same rebuilt rows for the non-dispatch path.
 
-Deviations: Palu factors the projection *weights* offline with calibration data (and Fisher-guided
-rank search); here the projections are fitted on the prompt's own cache rows at prefill (no weights,
-no calibration set), on post-RoPE keys (Palu reconstructs pre-RoPE keys and applies RoPE in a fused
-kernel; mlx_lm hands caches rotated keys), with mean-centering; one rank for all groups of a layer;
-the latent quantizer is per-channel min/max over token groups (Palu: per-token quantization after a
-Walsh-Hadamard rotation) with the mixed hi/lo split by energy; no Fisher-based rank allocation across
-layers. ``projection_bytes`` counts the bases and means actually held, stored float16 (the
-system this API comes from kept float32: twice the fixed per-prompt cost for no measurable gain).
+Without ``bind_attention`` (``KVCacheFactory.create`` alone) there are no weights to factor: the first
+``update_and_fetch`` raises ``ValueError`` naming the fix (build with ``for_model``). A saved cache holds
+its factors and RoPE parameters and needs no model.
+
+Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches
+ranks per layer with Fisher information; here one threshold on the weight's own spectrum); the latent
+quantizer is per-channel min/max over token groups with the mixed hi/lo split by singular value (Palu:
+per-token quantization after a Walsh-Hadamard rotation); keys are rebuilt before the RoPE rather than
+in a fused kernel; the factor ``U_r`` is stored float16 and counted in ``nbytes`` (the model keeps its
+own ``W_k``/``W_v``: the cache cannot replace them).
 """
 
 from __future__ import annotations
 
 import math
 
+import mlx.core as mx
+import numpy as np
+
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
-from .svdq import LowRankKVCache, _is_int, check_group, check_rank_energy
+from ..primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
+from .kivi import KIVIKVCache
+from .svdq import BASIS_DTYPE, LowRankKVCache, _is_int, check_group, check_rank_energy
+
+
+def dense_weight(linear) -> tuple[np.ndarray, np.ndarray | None]:
+    """(weight [out, in], bias [out] or None) of an ``nn.Linear`` / ``nn.QuantizedLinear``, float64."""
+    w = linear.weight
+    if "scales" in linear:  # quantized: dequantize with the layer's own layout
+        kw = {"mode": linear.mode} if getattr(linear, "mode", "affine") != "affine" else {}
+        w = mx.dequantize(w, linear.scales, linear.get("biases"), group_size=linear.group_size,
+                          bits=linear.bits, **kw)
+    b = linear.get("bias")
+    return (np.asarray(w.astype(mx.float32), dtype=np.float64),
+            None if b is None else np.asarray(b.astype(mx.float32), dtype=np.float64))
+
+
+def norm_gain(norm, dim: int) -> np.ndarray:
+    """Per-channel gain of a per-head RMS/layer norm, read from its response to the unit rows."""
+    out = np.asarray(norm(mx.eye(dim, dtype=mx.float32)).astype(mx.float32), dtype=np.float64)
+    gain = np.diag(out).copy()
+    if np.abs(out - np.diag(gain)).max() > 1e-5 * max(np.abs(gain).max(), 1e-30):
+        raise ValueError(f"palu: the key/value norm {type(norm).__name__} mixes channels; cannot fold it")
+    return gain
+
+
+def factor_groups(weight: np.ndarray, n_heads: int, n_groups: int, gain=None):
+    """Per head group: ``(U [Hg, F, m], σ² [Hg, m])`` of the group's rows of ``weight`` [H·D, hidden]
+    (float64 SVD, m = min(F, hidden)); ``gain`` [D] scales each head's rows first (a folded norm)."""
+    HD, hidden = weight.shape
+    D = HD // n_heads
+    w = weight.reshape(n_heads, D, hidden)
+    if gain is not None:
+        w = w * gain[None, :, None]
+    wg = w.reshape(n_groups, (n_heads // n_groups) * D, hidden)
+    U, S, _ = np.linalg.svd(wg, full_matrices=False)
+    return U, S**2
 
 
 @register_with_mlx_lm
 @register("palu")
 class PALUKVCache(LowRankKVCache):
-    """Palu: group-head low-rank latents (keys and values), mixed-bit, matrix-fused attention."""
-    chunk_invariant = False  # projections and ranks fitted on the first quantized block
+    """Palu: latents of the group-head SVD of the K/V projection weights, mixed-bit, RoPE-aware."""
+    chunk_invariant = True  # factors from the weights; groups of G at absolute positions (KIVI)
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
+    trim_exact_or_raises = True
 
-    center = True
+    scalar_fields = LowRankKVCache.scalar_fields + ("rope",)
+    rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
+    center = True  # the projection bias is the latent's offset (``k_mean``)
     latent_values = True
 
     def _init_layout(self):
@@ -85,15 +136,92 @@ class PALUKVCache(LowRankKVCache):
         want = min(self.config.palu_n_head_groups, n_heads)
         return max(d for d in range(1, want + 1) if n_heads % d == 0)
 
-    def _choose_bits(self, which, z, energy):
+    # ------------------------------------------------------------------ factoring the weights
+    def rank_for(self, energy: np.ndarray) -> int:
+        """The kept rank for per-group spectra ``energy`` [Hg, m] (σ², decreasing)."""
         c = self.config
-        F = energy.shape[-1]
-        r = c.palu_rank if c.palu_rank is not None else lr.energy_rank(energy, c.palu_energy_threshold)
-        r = min(int(r), F, z.shape[2])  # no more directions than fit rows
+        if c.palu_rank is not None:
+            return min(int(c.palu_rank), energy.shape[-1])
+        return lr.energy_rank(mx.array(energy.astype(np.float32)), c.palu_energy_threshold)
+
+    def _bits(self, which: str, r: int) -> list:
+        c = self.config
         if which == "v" and not c.palu_quantize_values:
-            return [lr.FLOAT_BITS] * r + [0] * (F - r)
+            return [lr.FLOAT_BITS] * r
         n_hi = min(r, math.ceil(r * c.palu_hi_fraction))
-        return [c.palu_hi_bit] * n_hi + [c.palu_lo_bit] * (r - n_hi) + [0] * (F - r)
+        return [c.palu_hi_bit] * n_hi + [c.palu_lo_bit] * (r - n_hi)
+
+    def bind_attention(self, attn) -> None:
+        """Factor the layer's ``k_proj`` / ``v_proj`` weights and read its RoPE (see the module doc)."""
+        if attn is None or "k_proj" not in attn or "v_proj" not in attn:
+            raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
+                             f"{type(attn).__name__}")
+        rope = getattr(attn, "rope", None)
+        self.rope = rope_spec(rope) if rope is not None else None
+        if rope is not None and self.rope is None:
+            raise ValueError(f"palu: the layer's RoPE ({type(rope).__name__}) is not one primitives.rope can "
+                             "invert, so its keys cannot be un-rotated onto the factored weights")
+        wk, bk = dense_weight(attn.k_proj)
+        wv, bv = dense_weight(attn.v_proj)
+        n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+        n_kv = int(n_kv) if n_kv else wk.shape[0] // int(self.config.head_dim)
+        D = wk.shape[0] // n_kv
+        self.hg = self._n_groups(n_kv)
+        for which, w, b, norm in (("k", wk, bk, attn.get("k_norm")), ("v", wv, bv, attn.get("v_norm"))):
+            gain = None
+            if norm is not None:
+                if b is not None:
+                    raise ValueError(f"palu: a {which}_proj bias under a {which}_norm cannot be factored")
+                gain = norm_gain(norm, D)
+            U, energy = factor_groups(w, n_kv, self.hg, gain)
+            r = self.rank_for(energy)
+            setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))
+            mean = None if b is None else mx.array(b.reshape(1, self.hg, 1, -1).astype(np.float32)).astype(BASIS_DTYPE)
+            setattr(self, f"{which}_mean", mean)
+            setattr(self, f"{which}_bits", self._bits(which, r))
+        # drop anything encoded against other factors
+        for name in self.array_fields:
+            if not name.endswith(("_basis", "_mean")) and name not in ("res_k", "res_v"):
+                setattr(self, name, None)
+        self.n_quant = 0
+
+    # ------------------------------------------------------------------ RoPE
+    def _unrotate(self, k: mx.array, offset: int) -> mx.array:
+        """Pre-RoPE rows of ``k`` at positions offset.. (``mx.fast.rope`` inverse: each position's angle
+        is computed from the position alone, so a group's latents do not depend on the call split)."""
+        return k if self.rope is None else apply_rope(k, self.rope, offset, inverse=True)
+
+    def _rotate(self, k: mx.array) -> mx.array:
+        """RoPE of rebuilt rows at positions 0.. (``rotate_rows``: few trigonometric values per call;
+        the frequency table is made per call, nothing is held besides the stored arrays)."""
+        return k if self.rope is None else rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)
+
+    # ------------------------------------------------------------------ storage
+    def _store(self, keys, values):
+        if self.k_basis is None:
+            raise ValueError(
+                "palu factors the layer's k_proj/v_proj weights: build its caches with "
+                "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
+                "before the first update_and_fetch"
+            )
+        super()._store(keys, values)
+
+    def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
+        t0, n = self.n_quant, kb.shape[2]
+        k = self._unrotate(kb.astype(mx.float32), t0)  # pre-RoPE keys at positions t0..
+        self._encode("k", lr.group_heads(k, self.hg), t0)
+        self._encode("v", lr.group_heads(vb.astype(mx.float32), self.hg), t0)
+        self.n_quant = t0 + n
+
+    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
+        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1."""
+        return self._rotate(self._reconstruct("k", n)).swapaxes(-1, -2).astype(dtype)
+
+    def _key_scores(self, q: mx.array, n: int) -> mx.array:
+        return q @ self._keys_t(n)
+
+    def _trim_rows(self, n: int) -> int:
+        return KIVIKVCache._trim_rows(self, n)  # the factors are the weights': never refitted
 
     @property
     def head_groups(self) -> int:
