@@ -46,7 +46,7 @@ class KNormKVCache(BatchedEviction, EvictionKVCache):
 
     def update_and_fetch(self, keys, values):
         out = CompressedKVCache.update_and_fetch(self, keys, values)
-        if self.wants_eviction(keys.shape[2]):  # no queries needed: never deferred to ``attend``
+        if self._evicts_after(keys.shape[2]):  # no queries needed: never deferred to ``attend``
             self.evict(self.score(None, None, None))
         return out
 
