@@ -11,6 +11,11 @@ deferred to ``attend``, which sees this call's queries. Without it, the last ``o
 stand in for queries (the documented fallback), and eviction runs inside ``update_and_fetch``. In both
 cases eviction happens *after* this call's rows were returned, so the mask built before the call
 (from the previous stored count) still matches.
+
+Decode-time budget: ``decode_evict`` (the cache's own setting, else ``config.decode_evict``, else the
+class's ``decode_evict_default``, i.e. the method's paper) decides whether one-row calls evict too.
+When they do, methods evict in blocks: the cache grows by its slack, then one top-k cuts it back to the
+budget, so at most ``budget + slack`` rows are held at any step.
 """
 
 from __future__ import annotations
