@@ -10,6 +10,7 @@ kv_bytes / fp16 bytes at the end (what the caches really hold after prompt + gen
 
     python scripts/decode_budget_kld.py                      # 512 + 512, budget 256
     python scripts/decode_budget_kld.py --budget 128 --n-gen 1024
+    python scripts/decode_budget_kld.py --methods snapkv --no-plain   # one method (runs in parallel)
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--text", action="store_true", help="score the essay's continuation, not a generated one")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain-cache row (KLD 0 by definition)")
     args = ap.parse_args(argv)
 
     model, tokenizer = load_model()
@@ -82,7 +84,7 @@ def main(argv=None):
     print(f"SmolLM2-135M, {args.n_context}-token essay prompt + {args.n_gen} "
           f"{'essay' if args.text else 'generated'} tokens, budget {args.budget}")
     print(f"{'cache':<22} {'KLD':>8} {'top1':>6} {'kv/fp16':>8} {'time':>6}")
-    runs = [("plain (none)", None, None)]
+    runs = [] if args.no_plain else [("plain (none)", None, None)]
     for m in args.methods:
         for on in (False, True):
             runs.append((f"{m} decode_evict={'on' if on else 'off'}", m, on))
