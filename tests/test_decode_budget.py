@@ -270,3 +270,20 @@ def test_snapkv_decode_evict_trim_and_state_round_trip():
         mx.eval(tok)
         worst[0] = max(worst[0], c.rows)
     assert worst[0] <= _bound(c)
+
+
+def test_decode_evict_is_read_from_the_config():
+    # ``KVCacheConfig.decode_evict`` (None / True / False): the caches read it with getattr, so this
+    # holds before and after the field is declared on the dataclass
+    cfg = _config("snapkv")
+    object.__setattr__(cfg, "decode_evict", True)
+    assert KVCacheFactory.create(cfg).decode_evict is True
+    cfg = _config("h2o")
+    object.__setattr__(cfg, "decode_evict", False)
+    c = KVCacheFactory.create(cfg)
+    assert c.decode_evict is False
+    c.decode_evict = True  # the cache's own setting wins
+    assert c.decode_evict is True
+    object.__setattr__(cfg, "decode_evict", "on")
+    with pytest.raises(QuantizerConfigError, match="decode_evict.*None .the method's default., True or False"):
+        KVCacheFactory.create(cfg)

@@ -68,6 +68,10 @@ class EvictionKVCache(CompressedKVCache):
     _pending = False  # eviction deferred to this call's ``attend`` (real queries)
     _n_new = 0
 
+    def __init__(self, config):
+        super().__init__(config)
+        check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
+
     # ---------------------------------------------------------------- method hooks
     def wants_eviction(self, n_new: int) -> bool:
         """Whether to evict after a call that added ``n_new`` rows."""
