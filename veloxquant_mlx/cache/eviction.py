@@ -11,6 +11,11 @@ deferred to ``attend``, which sees this call's queries. Without it, the last ``o
 stand in for queries (the documented fallback), and eviction runs inside ``update_and_fetch``. In both
 cases eviction happens *after* this call's rows were returned, so the mask built before the call
 (from the previous stored count) still matches.
+
+Decode-time budget: ``decode_evict`` (the cache's own setting, else ``config.decode_evict``, else the
+class's ``decode_evict_default``, i.e. the method's paper) decides whether one-row calls evict too.
+When they do, methods evict in blocks: the cache grows by its slack, then one top-k cuts it back to the
+budget, so at most ``budget + slack`` rows are held at any step.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_
     logits = attention_logits(obs_queries, keys, scale)  # [B, H, rep, W, M]
     visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
     weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
-    return weights.sum(axis=(2, 3))
+    # a query that sees no stored row (an empty slot of a query ring, position -1) votes nothing
+    return mx.where(visible, weights, 0.0).sum(axis=(2, 3))
 
 
 class EvictionKVCache(CompressedKVCache):
@@ -39,7 +45,7 @@ class EvictionKVCache(CompressedKVCache):
     ``_init_layout`` and implement ``wants_eviction`` and ``score``."""
 
     array_fields = ("keys", "values", "positions")
-    scalar_fields = ("rows",)
+    scalar_fields = ("rows", "_decode_evict")
     budget: int = 512
     n_sink: int = 4
     recent: int = 0
@@ -53,9 +59,18 @@ class EvictionKVCache(CompressedKVCache):
     # base then computes attention explicitly and hands the probabilities to ``observe``.
     uses_attention_weights = False
 
+    # Whether the budget also holds while decoding (one-row calls) when neither the config's
+    # ``decode_evict`` nor the cache's own setting says: the method's paper behaviour.
+    decode_evict_default = True
+    _decode_evict = None  # per-cache setting (None: the config's ``decode_evict``, then the default)
+
     rows = 0
     _pending = False  # eviction deferred to this call's ``attend`` (real queries)
     _n_new = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
 
     # ---------------------------------------------------------------- method hooks
     def wants_eviction(self, n_new: int) -> bool:
@@ -69,6 +84,27 @@ class EvictionKVCache(CompressedKVCache):
     def observe(self, weights: mx.array) -> None:
         """Called with this call's attention probabilities [B, H, rep, N, rows] (float32) when
         ``uses_attention_weights``; real queries with the dispatch point, key proxies without."""
+
+    # ---------------------------------------------------------------- decode-time budget
+    @property
+    def decode_evict(self) -> bool:
+        """True: one-row (decode) calls evict too, so the budget (plus the method's slack) holds for
+        the whole generation. False: only multi-row (prefill) calls evict; decode rows are all kept.
+        Resolved from this cache's own setting, else ``config.decode_evict``, else the method's
+        ``decode_evict_default``."""
+        v = self._decode_evict
+        if v is None:
+            v = getattr(self.config, "decode_evict", None)
+            check_decode_evict("decode_evict", v)
+        return self.decode_evict_default if v is None else v
+
+    @decode_evict.setter
+    def decode_evict(self, value) -> None:
+        check_decode_evict("decode_evict", value)
+        self._decode_evict = value
+
+    def _evicts_after(self, n_new: int) -> bool:
+        return (n_new > 1 or self.decode_evict) and self.wants_eviction(n_new)
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
@@ -91,7 +127,7 @@ class EvictionKVCache(CompressedKVCache):
         via_dispatch = dispatch.installed()
         if self.uses_attention_weights and not via_dispatch:
             self.observe(self._proxy_weights())
-        if self.wants_eviction(keys.shape[2]):
+        if self._evicts_after(keys.shape[2]):
             if via_dispatch:
                 self._pending = True
             else:
@@ -209,6 +245,11 @@ SETTLE_EVERY = 32
 def default_slack(budget: int) -> int:
     """Decode-time growth allowed before a batched eviction: 1/8 of the budget, at least 8 rows."""
     return max(8, budget // 8)
+
+
+def check_decode_evict(field: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise QuantizerConfigError(field, value, "None (the method's default), True or False")
 
 
 def check_budget(field: str, budget: int, protected: int, what: str) -> None:

@@ -26,7 +26,7 @@ Deviations from the paper:
   budget, vs 0.051 for dropping). Merging the deviation ``v_i - o`` is what keeps the observation
   output exact (same budget: 0.050 "mean", 0.044 "sim_weighted").
 * The paper merges one token at a time as it leaves a StreamingLLM/H2O window; here evictions are
-  batched (a prefill chunk, or ``evict_slack`` = ``min(32, max(1, budget // 16))`` decode rows at once)
+  batched (a prefill chunk, or ``evict_slack`` = ``max(8, budget // 8)`` decode rows at once)
   and all evicted rows merge at once, per KV head. ``"sim_weighted"`` (a soft version of merging into
   the most similar kept key) and ``cam_merge_keys`` are additions; the temperature was chosen on the
   measurement above (0.1: 0.081, 0.3: 0.046, 1.0: 0.044). Sinks (positions < ``cam_n_sink``) are never

@@ -20,7 +20,7 @@ Deviations from the paper:
 * One chunk selection per layer shared by all KV heads (votes summed over heads), as index reuse
   needs; with ``chunk_size=1`` this is per-token selection by head-summed votes.
 * Decoding is compressed too (the paper compresses the prompt): the cache may grow by ``evict_slack``
-  rows (``min(32, max(1, budget // 16))``), then evicts back, the votes coming from the queries seen since
+  rows (``max(8, budget // 8)``), then evicts back, the votes coming from the queries seen since
   the previous eviction. Sinks are an addition (``chunkkv_n_sink=0`` removes them).
 * A follower whose leader did not evict at the same step from the same rows (layers fed different
   calls, e.g. trimmed separately) selects by key norm instead. Reloaded caches have no coordinator:

@@ -14,8 +14,9 @@ Deviations from the paper:
 * ``h2o_decay`` multiplies every score by ``decay`` once per query before that query's mass is
   added (within a prefill chunk too, query by query), so old mass fades; the paper never decays
   (``h2o_decay=1.0`` reproduces it).
+* ``decode_evict=False`` (not the paper) keeps every decode row: only the prompt is cut to the budget.
 * Batched eviction: the paper evicts one token per decode step. Here the cache may grow by
-  ``evict_slack`` rows (``min(32, max(1, budget // 16))``) during decoding before evicting back to
+  ``evict_slack`` rows (``max(8, budget // 8)``) during decoding before evicting back to
   ``h2o_budget`` at once, so at most ``budget + evict_slack`` rows are held; after a prefill chunk
   the cache is cut to ``budget`` immediately.
 * ``h2o_rope_base`` is accepted and unused: keys are cached after RoPE at their original positions

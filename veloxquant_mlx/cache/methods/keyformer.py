@@ -25,7 +25,7 @@ Deviations from the paper:
 * ``keyformer_anneal_steps`` fixes the schedule's length (the paper spreads it over the generation
   length, unknown to a cache); ``anneal_steps=0`` means a constant ``tau_init`` (and then
   ``tau_end`` must equal it).
-* Batched eviction: the cache may grow by ``evict_slack`` rows (``min(32, max(1, budget // 16))``)
+* Batched eviction: the cache may grow by ``evict_slack`` rows (``max(8, budget // 8)``)
   during decoding before evicting back to ``keyformer_budget`` (the paper evicts every step).
 * ``keyformer_rope_base`` is accepted and unused: keys are cached after RoPE at their original
   positions (the paper's "original positions" variant), so nothing is re-rotated.

@@ -14,7 +14,7 @@ Deviations from the paper:
 * All layers are compressed; the paper leaves the first two layers uncompressed, where the
   norm/attention correlation is weak.
 * Compression runs during decoding too, in batches: the cache may grow by ``evict_slack`` rows
-  (``min(32, max(1, budget // 16))``) and is then cut back to the budget. Because a row's score never
+  (``max(8, budget // 8)``) and is then cut back to the budget. Because a row's score never
   changes, the rows held right after each cut are exactly the lowest-norm rows among every
   unprotected token seen, as if one row had been dropped per step.
 """
@@ -46,7 +46,7 @@ class KNormKVCache(BatchedEviction, EvictionKVCache):
 
     def update_and_fetch(self, keys, values):
         out = CompressedKVCache.update_and_fetch(self, keys, values)
-        if self.wants_eviction(keys.shape[2]):  # no queries needed: never deferred to ``attend``
+        if self._evicts_after(keys.shape[2]):  # no queries needed: never deferred to ``attend``
             self.evict(self.score(None, None, None))
         return out
 

@@ -24,8 +24,9 @@ Deviations from the paper:
   layers). ``beta`` must be >= 1 (``beta = 1`` is uniform); the paper uses ``beta = 20``, the
   default here is 2. The released code's shrinking of the schedule for prompts shorter than ``2 b`` is
   not reproduced.
+* ``decode_evict=False`` restores the paper's prompt-only compression (decode rows are all kept).
 * The paper compresses the prompt only. Here decoding is compressed too, so memory stays bounded: the
-  cache may grow by ``evict_slack`` rows (``min(32, max(1, budget // 16))``) during decoding, then
+  cache may grow by ``evict_slack`` rows (``max(8, budget // 8)``) during decoding, then
   evicts back to its budget; the votes then come from the queries seen since the previous eviction
   (the newest ``evict_slack + 1`` queries, a decode-time observation window). Prompts longer than one
   prefill chunk are compressed chunk by chunk, each chunk's last queries voting.

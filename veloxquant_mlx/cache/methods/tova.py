@@ -16,6 +16,7 @@ Deviations from the paper:
   paper's multi-state view feeds tokens one at a time, dropping one per token).
 * ``tova_backend`` is accepted for compatibility and ignored: scoring is MLX, batched over heads.
 
+``decode_evict=False`` (not the paper) keeps every decode row and cuts only the prompt.
 Decode evicts exactly one row per step (``evict_slack = 0``), with an argmin rather than a sort, so
 the cache holds exactly ``tova_budget`` rows between steps; the per-step cost is one gather of the
 kept rows, the same order of memory traffic as the attention itself.

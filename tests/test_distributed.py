@@ -1,0 +1,101 @@
+"""Compressed caches on a model sharded across 2 processes with MLX's own engine (issue 14, part 4).
+
+``mlx.launch --backend ring -n 2`` starts two ranks over loopback; each runs tests/distributed_worker.py:
+a tiny llama sharded with mlx_lm's ``model.shard`` (each rank: half the query and KV heads) and caches
+from ``KVCacheBuilder.for_model`` (kivi, waterfill, snapkv), compared with the same model unsharded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from veloxquant_mlx.cache.errors import QuantizerConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("kivi", "waterfill", "snapkv")
+
+
+def _launcher() -> str:
+    exe = Path(sys.executable).with_name("mlx.launch")
+    return str(exe) if exe.exists() else shutil.which("mlx.launch")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    launch = _launcher()
+    assert launch, "mlx.launch (installed with mlx) not found"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    port = random.Random(os.getpid()).randrange(20000, 60000)  # ring ports: port, port + 1
+    cmd = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--python", sys.executable,
+           str(ROOT / "tests" / "distributed_worker.py"), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = []
+    for r in range(2):
+        res.append((json.loads((out / f"rank{r}.json").read_text()), np.load(out / f"rank{r}.npz")))
+    return res
+
+
+def test_each_rank_holds_half_the_kv_heads(ranks):
+    for meta, _ in ranks:
+        assert meta["size"] == 2
+        assert meta["kv_heads_full"] == [2, 2] and meta["kv_heads_rank"] == [1, 1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sharded_generation_matches_one_process(ranks, method):
+    for meta, arrays in ranks:
+        ref = arrays[f"{method}_ref_logits"]
+        got = arrays[f"{method}_logits"]
+        tokens = arrays[f"{method}_tokens"]
+        # Sharding only reorders float32 sums (two partial all-sums); allow 1e-3 of the logits' range.
+        tol = 1e-3 * float(np.abs(ref).max())
+        assert np.abs(got - ref).max() <= tol, (method, np.abs(got - ref).max(), tol)
+        # Greedy decisions: the sharded argmax is the single-process token wherever the top-2 margin
+        # is beyond the tolerance (every step but near-ties, which float order may break either way).
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        decisive = (top2[:, 1] - top2[:, 0]) > 2 * tol
+        assert decisive.mean() >= 0.8
+        assert (arrays[f"{method}_argmax"][:-1] == tokens[64:])[decisive[:-1]].all()
+    # both ranks compute the same logits (the all-sums return the same result everywhere)
+    a, b = ranks[0][1][f"{method}_logits"], ranks[1][1][f"{method}_logits"]
+    assert np.abs(a - b).max() <= 1e-3 * float(np.abs(a).max())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_rank_nbytes_is_half(ranks, method):
+    meta = ranks[0][0]
+    m = meta[method]
+    all_ranks = np.array(meta["all_rank_nbytes"])[:, METHODS.index(method)]
+    assert (all_ranks == m["rank_nbytes"]).all()  # every rank holds the same
+    # Bytes that scale with KV heads halve exactly; per-model constants (waterfill's value rotation)
+    # are held once by every rank.
+    assert m["rank_constant_nbytes"] == m["ref_constant_nbytes"]
+    c = m["ref_constant_nbytes"]
+    assert 2 * (m["rank_nbytes"] - c) == m["ref_nbytes"] - c
+    if method != "waterfill":
+        assert c == 0 and 2 * m["rank_nbytes"] == m["ref_nbytes"]
+
+
+def test_shard_model_rejects_uneven_heads():
+    import mlx.core as mx
+    from tests.tiny_models import tiny_llama
+    from veloxquant_mlx.distributed import shard_model
+
+    class Group:  # a 3-rank group: 4 query / 2 KV heads do not divide
+        def size(self):
+            return 3
+
+    with pytest.raises(QuantizerConfigError, match="n_heads.*multiple of the distributed group size 3"):
+        shard_model(tiny_llama(n_layers=1), Group())
+    assert shard_model(tiny_llama(n_layers=1), mx.distributed.init()) is not None  # size 1: unchanged
