@@ -109,6 +109,9 @@ class CompressedKVCache(mlx_cache._BaseCache):
     array_fields: tuple[str, ...] = ()
     # Scalar attributes (ints/floats/strs) that are part of the state besides ``offset``.
     scalar_fields: tuple[str, ...] = ()
+    #: the scalar fields whose value is a JSON object (e.g. a RoPE spec); every other scalar is a number,
+    #: string, boolean, null or a list of them (saved caches are checked against this)
+    object_scalar_fields: tuple[str, ...] = ()
 
     # Prefix reuse (a server continuing a saved prompt cache: prefill, decode steps, trim back to the
     # shared prefix, prefill the rest) equals a fresh run only where both flags hold. Every registered

@@ -214,6 +214,10 @@ class EvictionKVCache(CompressedKVCache):
         for name in self.row_fields:
             setattr(self, name, mx.take_along_axis(getattr(self, name)[:, :, : self.rows], idx, axis=2))
         self.rows = idx.shape[-1]
+        # a cache that never reads its positions between evictions (a chunkkv follower reusing its
+        # leader's selection) would otherwise stack one pending gather/update per step: schedule them
+        # with each eviction (no host sync), so the graph stays bounded by the eviction interval
+        mx.async_eval(self.positions)
 
     # ---------------------------------------------------------------- telemetry
     @property

@@ -537,8 +537,9 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
         bad(f"scalars {str(foreign)[:200]} are not attributes {cls.__name__} declares "
             f"(its scalar_fields: {', '.join(cls.scalar_fields) or 'none'})")
     for k, v in scalars.items():
-        if not _plain_value(v):
-            bad(f"scalar {k!r} must be a number, string, boolean, null or a list of them")
+        if not _plain_value(v, objects=k in getattr(cls, "object_scalar_fields", ())):
+            bad(f"scalar {k!r} must be a number, string, boolean, null or a list of them"
+                + (" (or an object of them)" if k in getattr(cls, "object_scalar_fields", ()) else ""))
     recorded = info["head_shapes"][i]
     if meta["shape"] != (recorded or []):
         bad(f"head shape {str(meta['shape'])[:80]} differs from the recorded {recorded}")
@@ -559,10 +560,15 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
             f"{info['method']!r}")
 
 
-def _plain_value(v) -> bool:
+def _plain_value(v, objects: bool = False) -> bool:
+    """A number, string, boolean, null or a list of them; with ``objects``, also string-keyed JSON objects
+    of those (a class's ``object_scalar_fields``, e.g. a RoPE spec). Data only: a scalar is restored as an
+    attribute the class declares, never resolved to anything callable."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
-    return isinstance(v, list) and all(_plain_value(x) for x in v)
+    if objects and isinstance(v, dict):
+        return all(isinstance(k, str) and _plain_value(x, objects) for k, x in v.items())
+    return isinstance(v, list) and all(_plain_value(x, objects) for x in v)
 
 
 def _check_rebuilt(path: str, caches: list, info: dict) -> None:

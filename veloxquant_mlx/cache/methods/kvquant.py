@@ -95,6 +95,7 @@ class KVQuantKVCache(KIVIKVCache):
     array_fields = ("k_codes", "k_scales", "k_biases", "k_levels", "k_fit", "k_oidx", "k_oval",
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "sink_k", "sink_v", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "fit_starts", "fit_ends", "rope")
+    object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
 
     fit_starts: list = []
     fit_ends: list = []

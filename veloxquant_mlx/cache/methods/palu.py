@@ -107,6 +107,7 @@ class PALUKVCache(LowRankKVCache):
     trim_exact_or_raises = True
 
     scalar_fields = LowRankKVCache.scalar_fields + ("rope",)
+    object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
     center = True  # the projection bias is the latent's offset (``k_mean``)
     latent_values = True

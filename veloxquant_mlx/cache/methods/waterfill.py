@@ -192,6 +192,7 @@ class WaterfillKVCache(ResidualWindowCache):
                     "win_k", "win_v", "sink_k", "sink_v")
     scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "q_count", "rope", "counts_constants",
                      "saliency_source")
+    object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
