@@ -46,8 +46,11 @@ def run(model, config, tokens):
 
 
 def constant_nbytes(caches) -> int:
-    """Bytes a model's caches hold once whatever the head count (waterfill's value rotation)."""
-    return int(sum(c.constant_nbytes for c in caches if getattr(c, "counts_constants", False)))
+    """Bytes the caches hold whatever the head count: waterfill's value rotation (per model, for a value dim
+    that is not a power of two) and its RoPE angle table (per layer, once used)."""
+    n = sum(c.constant_nbytes for c in caches if getattr(c, "counts_constants", False))
+    n += sum(c._omega_cache.nbytes for c in caches if getattr(c, "_omega_cache", None) is not None)
+    return int(n)
 
 
 def main(out_dir: str) -> None:

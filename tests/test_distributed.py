@@ -78,8 +78,8 @@ def test_each_rank_nbytes_is_half(ranks, method):
     m = meta[method]
     all_ranks = np.array(meta["all_rank_nbytes"])[:, METHODS.index(method)]
     assert (all_ranks == m["rank_nbytes"]).all()  # every rank holds the same
-    # Bytes that scale with KV heads halve exactly; per-model constants (waterfill's value rotation)
-    # are held once by every rank.
+    # Bytes that scale with KV heads halve exactly; head-independent ones (waterfill's RoPE angle table,
+    # its value rotation for a non-power-of-two dim) are held whole by every rank.
     assert m["rank_constant_nbytes"] == m["ref_constant_nbytes"]
     c = m["ref_constant_nbytes"]
     assert 2 * (m["rank_nbytes"] - c) == m["ref_nbytes"] - c
