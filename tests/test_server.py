@@ -221,7 +221,7 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
 
 @pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"}, {"method": "streaming_llm"}])
 def test_other_batch_forms_batch_through_the_server(srv, spec):
-    """The default method (turboquant_rvq) and streaming_llm join one batch too, with the outputs of
+    """The former default turboquant_rvq and streaming_llm join one batch too, with the outputs of
     one-by-one runs. (Defaults: a tiny StreamingLLM window evicts so hard on this model that greedy
     near-ties flip with the batch's float32 summation order, which depends on when requests join;
     tests/test_streaming_llm_batch.py checks wrapped windows with a fixed batch schedule.)"""
@@ -286,6 +286,23 @@ def test_none_requests_use_mlx_lm_batch_path(srv):
     assert type(wrapped.make_cache()[0]).__name__ == "KVCache"  # mlx_lm's own cache, uncompressed
     desc = S.KVSettings("none", ()).describe()
     assert desc["batching"] == "batched"
+
+
+def test_serve_without_method_serves_batched_kivi_4bit_and_takes_set_fields_on_top(monkeypatch):
+    """The server's default (issue 13, item 20) is KIVI at 4 bits, a method with a batch form; ``--set``
+    fields apply on top of its settings, and an explicit ``--method`` keeps that method's own defaults."""
+    served = []
+    monkeypatch.setattr(S, "serve", lambda kv, cli_args, **limits: served.append(kv))
+    assert cli_main(["serve", "--port", "0"]) == 0
+    assert cli_main(["serve", "--set", "kivi_group_size=64", "--port", "0"]) == 0
+    assert cli_main(["serve", "--set", "bit_width_inlier=2", "--port", "0"]) == 0
+    assert cli_main(["serve", "--method", "kivi", "--port", "0"]) == 0
+    default, grouped, two_bit, explicit = served
+    assert default.describe()["method"] == "kivi" and default.describe()["batching"] == "batched"
+    assert default.config.bit_width_inlier == 4 and dict(default.settings) == {"bit_width_inlier": 4}
+    assert dict(grouped.settings) == {"bit_width_inlier": 4, "kivi_group_size": 64}
+    assert two_bit.config.bit_width_inlier == 2
+    assert explicit.config.bit_width_inlier == 2 and dict(explicit.settings) == {}
 
 
 def test_serve_cli_rejects_bad_configuration_before_serving(capsys):

@@ -16,8 +16,9 @@ def add_subcommand(sub) -> None:
                     'own with "kv_cache": {"method": M, "settings": {FIELD: VALUE}}.')
     s.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
                                                   "(default: the embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--method", default="turboquant_rvq",
-                   help="default method for requests (default: turboquant_rvq; 'none' = mlx_lm's plain cache)")
+    s.add_argument("--method", default=None,
+                   help="default method for requests (default: kivi with bit_width_inlier=4, batchable; "
+                        "'none' = mlx_lm's plain cache)")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a KVCacheConfig field for the default method (repeatable)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -52,7 +53,7 @@ def add_subcommand(sub) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .cli import UsageError, parse_sets
-    from .server import RequestError, parse_kv_settings, serve, server_args
+    from .server import DEFAULT_METHOD, DEFAULT_SETTINGS, RequestError, parse_kv_settings, serve, server_args
 
     for name in ("max_tokens", "max_tokens_limit", "max_prompt_tokens", "max_body_bytes", "prefill_step_size",
                  "decode_concurrency"):
@@ -67,7 +68,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.max_tokens > args.max_tokens_limit:
         raise UsageError(f"--max-tokens {args.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
     try:
-        kv = parse_kv_settings(args.method, parse_sets(args.set, method=args.method))
+        if args.method is None:  # the server's default: its settings, under any --set the user gave
+            kv = parse_kv_settings(DEFAULT_METHOD, {**DEFAULT_SETTINGS, **parse_sets(args.set, method=DEFAULT_METHOD)})
+        else:
+            kv = parse_kv_settings(args.method, parse_sets(args.set, method=args.method))
     except RequestError as e:
         raise UsageError(str(e)) from None
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")

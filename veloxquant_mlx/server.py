@@ -9,8 +9,8 @@ What this module adds:
 * **Compressed caches per request.** Every compressed request gets caches from
   ``KVCacheBuilder.for_model`` with the server's configuration, or with the request's own
   ``"kv_cache": {"method": ..., "settings": {...}}``.
-* **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi,
-  turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
+* **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi, the
+  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
   description carry them); the others (``merge`` raises ``BatchingNotSupported``) are served one at a
   time, in arrival order. ``/v1/kv/stats`` says which; nothing is ever decoded with an uncompressed batch
   cache behind a compressed label. ``none`` requests use mlx_lm's batch path as is.
@@ -76,6 +76,13 @@ EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
 DEFAULT_SOCKET_TIMEOUT = 30.0
+#: ``veloxquant serve``'s method when ``--method`` is not given: KIVI at 4 bits. It has a compressed batch
+#: form (concurrent requests share one continuous batch), a KL divergence of about 0.007 at about 0.36x
+#: the fp16 bytes, and the fastest quantizer; waterfill-4 is better per byte but served one at a time,
+#: and turboquant_rvq (the former default) is smaller but about 9x further from the fp16 logits
+#: (docs/RESULTS.md).
+DEFAULT_METHOD = "kivi"
+DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
 

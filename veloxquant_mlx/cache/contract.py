@@ -84,8 +84,11 @@ def config_from_json(text: str):
 #: Below the point where a method starts compressing (short chats), a cache holds at most the float16
 #: rows of its tokens plus, per layer, this many float16 rows of keys and values (spare capacity of the
 #: growing buffers, a KIVI group's residual buffer, small per-layer calibration arrays), plus its
-#: per-model constants (rotations, codebooks: ``constant_nbytes``) counted once per model.
-#: ``tests/test_prefill_memory.py`` holds every quantizer to it.
+#: per-model constants (rotations, codebooks: ``constant_nbytes``) counted once per model. The eviction
+#: caches use 16 of these rows: ``grow_rows`` keeps max(16, n/8) spare rows (plus an int32 position
+#: per row), so 40 tokens occupy 56 rows, 1.44x their float16 bytes, and 48 tokens 1.20x; rows are
+#: stored at float16 whatever the model's dtype. ``tests/test_prefill_memory.py`` holds every
+#: mlx_lm-protocol method to it (the few known exceptions are listed there).
 SHORT_PROMPT_SLACK_ROWS = 32
 
 

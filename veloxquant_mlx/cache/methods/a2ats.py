@@ -16,8 +16,11 @@ Algorithm here, per layer (B batch, H KV heads, head dim D):
   of ``2**a2ats_codebook_bits`` entries (defaults 8 dims, 8 bits: 8 bytes per token per head at D = 64),
   bit-packed (``primitives.bitpack``). The codebook (one per layer, shared by heads and sub-vector
   positions) is fitted by seeded k-means (``vecinfer.fit_codebook``) the first time the dispatch point
-  attends with at least ``FIT_MIN`` = 32 stored tokens, on all stored keys; later keys are encoded as
-  they are attended (lazily, inside ``attend``). ``a2ats_codebook`` ([K, sub_dim]) replaces the fit.
+  attends with at least ``FIT_MIN`` = 32 stored tokens and some of them outside the recent window
+  (before that every step is dense and a codebook would only cost bytes: a short chat holds its float16
+  rows and nothing else), on all stored keys; later keys are encoded as they are attended (lazily,
+  inside ``attend``). A prompt shorter than the window therefore gets its metric from the first decode
+  step's query instead of the prefill's queries. ``a2ats_codebook`` ([K, sub_dim]) replaces the fit.
 * query-aware VQ: with ``a2ats_use_query_aware`` the k-means runs in the metric
   ``M_j = (1 - beta) * I * tr(H_j)/sub + beta * H_j`` per sub-vector block j (``beta = a2ats_beta``), where
   ``H`` is ``a2ats_query_h`` ([D, D] or [H, D, D]; averaged over heads) or else the second moment of the
@@ -197,6 +200,10 @@ class A2ATSKVCache(CompressedKVCache):
         kb = k32.reshape(B, H, n, D // self.sub, self.sub)
         return (kb[..., None, :] @ self.metric_l).squeeze(-2)  # k^T L = (L^T k)^T
 
+    def _fit_due(self) -> bool:
+        """Enough rows to fit a codebook, and some outside the window (else no step would retrieve)."""
+        return self.n_rows >= max(FIT_MIN, self.window + 2)
+
     def _fit(self, queries):
         H, n, D = self.keys.shape[1], self.n_rows, self.keys.shape[-1]
         if D % self.sub:
@@ -244,13 +251,13 @@ class A2ATSKVCache(CompressedKVCache):
         B, Hq, N, D = queries.shape
         dense = CompressedKVCache.attend
         if call is None or N != 1 or keys.shape[2] != self.n_rows or not (mask is None or isinstance(mask, str)):
-            if call is not None and N > 1 and self.codebook is None and self.n_rows >= FIT_MIN:
+            if call is not None and N > 1 and self.codebook is None and self._fit_due():
                 self._fit(queries)  # fit on the prefill (its queries give the query-aware metric)
             if call is not None and self.codebook is not None:
                 self._encode_pending()
             return dense(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self.codebook is None:
-            if self.n_rows < FIT_MIN:
+            if not self._fit_due():
                 return dense(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
             self._fit(queries)
         T = self.n_rows

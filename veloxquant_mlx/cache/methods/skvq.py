@@ -11,7 +11,8 @@ This implementation (a ``KIVIKVCache`` subclass reusing its one-softmax attentio
 part, full-precision part], see ``kivi.py``):
 
 * sinks: the first ``skvq_n_sink`` = S tokens in float16 (``sink_k``/``sink_v``, bit-exact float16);
-* window: the newest tokens in a float16 buffer of ``skvq_window`` + g rows (``res_k``/``res_v``);
+* window: the newest tokens in a float16 buffer of at most ``skvq_window`` + g rows (``res_k``/``res_v``,
+  grown as it fills);
   when it holds W + g tokens (W = ``skvq_window``, g the group width below), all but the newest W
   are quantized and leave it, so the newest W..W+g-1 tokens are always exact;
 * quantized middle, per token: keys at ``skvq_bits_key`` bits, values at ``skvq_bits_value``, channel
@@ -24,7 +25,7 @@ part, full-precision part], see ``kivi.py``):
   ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) (``skvq_clip_search``; otherwise alpha =
   ``skvq_clip_alpha`` everywhere) minimising the block's squared reconstruction error.
 * Bytes per token per KV head in the quantized part: ``bk*D/8 + 4*D/g`` (keys) + ``bv*Dv/8 + 4*Dv/g``
-  (values); plus constants: 2*S*D*2 sink bytes, the (W+g)-row window, the permutations and alphas.
+  (values); plus constants: 2*S*D*2 sink bytes, the window (at most W+g rows), the permutations and alphas.
 
 Deviations from the paper:
 
@@ -57,7 +58,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..primitives.buffers import grow_rows
+from ..primitives.buffers import MIN_GROW, grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import mixedquant as mq
 from .kivi import RES_DTYPE, KIVIKVCache
@@ -154,11 +155,9 @@ class SKVQKVCache(KIVIKVCache):
         dv = values.shape[-1]
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         cap = self.window + self.cgroup(D)
-        if self.res_k is None:
-            self.res_k = mx.zeros((B, H, cap, D), dtype=RES_DTYPE)
-            self.res_v = mx.zeros((B, H, cap, dv), dtype=RES_DTYPE)
         s0, S = self.n_sink, self.n_sink_cap
         take = min(S - s0, N)
+        self._reserve_window(min(cap, max(1, self.n_res + N - max(take, 0))), cap, B, H, D, dv)
         if take > 0:
             if self.sink_k is None:
                 self.sink_k = mx.zeros((B, H, S, D), dtype=RES_DTYPE)
@@ -190,6 +189,20 @@ class SKVQKVCache(KIVIKVCache):
             self.res_k[:, :, : self.window] = allk[:, :, f:]
             self.res_v[:, :, : self.window] = allv[:, :, f:]
         self.n_res = self.window
+
+    def _reserve_window(self, need: int, cap: int, B: int, H: int, D: int, dv: int) -> None:
+        """Room for ``need`` <= ``cap`` (W + g) window rows: the buffers grow as ``grow_rows`` does (by
+        max(16, 1/8) spare rows) up to ``cap``, so a short chat holds its own rows, not the window up front."""
+        have = 0 if self.res_k is None else self.res_k.shape[2]
+        if need <= have:
+            return
+        rows = min(cap, need + max(MIN_GROW, need // 8))
+        k = mx.zeros((B, H, rows, D), dtype=RES_DTYPE)
+        v = mx.zeros((B, H, rows, dv), dtype=RES_DTYPE)
+        if self.n_res:
+            k[:, :, : self.n_res] = self.res_k[:, :, : self.n_res]
+            v[:, :, : self.n_res] = self.res_v[:, :, : self.n_res]
+        self.res_k, self.res_v = k, v
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         s = min(n, self.n_sink)
