@@ -165,7 +165,7 @@ def build_config(method: str, sets: dict[str, Any]):
     options = None
     opts_cls = OPTIONS_BY_METHOD.get(method)
     if opts_cls is not None:
-        by_flat = {f: o for o, f in opts_cls.FIELDS.items()}
+        by_flat = {f: o for o, f in opts_cls.FIELDS.items()} | {o: o for o in opts_cls.OPTION_ONLY}
         picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
         if picked:
             options = opts_cls(**picked)
@@ -332,13 +332,18 @@ def method_settings(method: str) -> list[dict]:
     """One row per ``--set`` name of ``method``: name, flat alias, type, default, allowed values, and
     whether it is the method's own option or a shared field it reads."""
     from .cache.config import _DEFAULTS, _FIELD_TYPES, allowed_values
-    from .cache.options import OPTIONS_BY_METHOD, method_fields
+    from .cache.options import OPTION_CHECKS, OPTIONS_BY_METHOD, method_fields
 
     opts = OPTIONS_BY_METHOD.get(method)
     names = method_fields(method)
     rows = []
     for name, flat in names.items():
         if flat in _NOT_SETTABLE:
+            continue
+        if opts is not None and name in opts.OPTION_ONLY:  # no flat field: described by the options class
+            f = next(f for f in dataclasses.fields(opts) if f.name == name)
+            rows.append({"name": name, "flat": name, "kind": "option", "type": str(f.type).replace("typing.", ""),
+                         "default": f.default, "allowed": OPTION_CHECKS[name][1]})
             continue
         option = opts is not None and opts.FIELDS.get(name) == flat
         if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
