@@ -287,3 +287,70 @@ def test_decode_evict_is_read_from_the_config():
     object.__setattr__(cfg, "decode_evict", "on")
     with pytest.raises(QuantizerConfigError, match="decode_evict.*None .the method's default., True or False"):
         KVCacheFactory.create(cfg)
+
+
+# ------------------------------------------------------------------ the options field and --set
+def test_decode_evict_option_sets_every_layer_without_a_config_field():
+    import dataclasses
+
+    assert "decode_evict" not in {f.name for f in dataclasses.fields(KVCacheConfig)}  # the spec's signature
+    model = tiny_llama(n_layers=2)
+    on = KVCacheConfig(method="snapkv", options=opt.SnapKVOptions(budget=BUDGET, obs_window=8, n_sink=2,
+                                                                  decode_evict=True))
+    caches = KVCacheBuilder.for_model(model, on)
+    assert [c.decode_evict for c in caches] == [True, True]  # snapkv's own default is False
+    worst = [0]
+    _decode(model, caches, 48, 3 * (caches[0].evict_slack + 1),
+            on_step=lambda i: worst.__setitem__(0, max(worst[0], max(c.rows for c in caches))))
+    assert worst[0] <= _bound(caches[0])  # the option really holds the budget while decoding
+    off = _config("h2o").options
+    off = opt.H2OOptions(**{**dataclasses.asdict(off), "decode_evict": False})
+    assert KVCacheFactory.create(KVCacheConfig(method="h2o", options=off)).decode_evict is False
+    assert KVCacheFactory.create(_config("h2o")).decode_evict is True  # unset: the paper's default
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(QuantizerConfigError, match="decode_evict.*None .the method's default., True or False"):
+            opt.TOVAOptions(decode_evict=bad)
+    with pytest.raises(TypeError, match="decode_evict"):  # quantizers have no such option
+        opt.KIVIOptions(decode_evict=True)
+
+
+def test_decode_evict_option_survives_state_and_saved_caches(tmp_path):
+    from veloxquant_mlx.cache import load_cache, save_cache
+    from veloxquant_mlx.cache.methods.snapkv import SnapKVKVCache
+
+    model = tiny_llama(n_layers=2)
+    cfg = KVCacheConfig(method="snapkv", options=opt.SnapKVOptions(budget=BUDGET, obs_window=8, n_sink=2,
+                                                                   decode_evict=True))
+    caches = KVCacheBuilder.for_model(model, cfg)
+    tokens = list(range(1, 49))
+    mx.eval(model(mx.array([tokens]), cache=caches))
+    assert SnapKVKVCache.from_state(caches[0].state).decode_evict is True
+    path = tmp_path / "snap.vqc"
+    save_cache(path, caches, model_id="tiny-llama", tokens=tokens, method="snapkv")
+    loaded, _ = load_cache(path, model=model, expect_method="snapkv", expect_model_id="tiny-llama")
+    assert [c.decode_evict for c in loaded] == [True, True]
+    assert [c.rows for c in loaded] == [c.rows for c in caches]
+
+
+def test_decode_evict_on_the_command_line(capsys):
+    from veloxquant_mlx import cli
+
+    _, cfg = cli.method_config("snapkv", ["budget=64", "decode_evict=true"])
+    assert isinstance(cfg.options, opt.SnapKVOptions) and cfg.options.decode_evict is True
+    assert cfg.snap_budget == 64 and KVCacheFactory.create(cfg).decode_evict is True
+    _, cfg = cli.method_config("h2o", ["decode_evict=false"])
+    assert KVCacheFactory.create(cfg).decode_evict is False
+    _, cfg = cli.method_config("snapkv", ["budget=64"])
+    assert cfg.options.decode_evict is None and KVCacheFactory.create(cfg).decode_evict is False
+    with pytest.raises(QuantizerConfigError, match="decode_evict"):
+        cli.method_config("tova", ["decode_evict=3"])
+    # a quantizer refuses it, naming the methods that have it
+    with pytest.raises(cli.UsageError, match="method 'kivi' has no setting 'decode_evict'.*a setting of snapkv"):
+        cli.method_config("kivi", ["decode_evict=true"])
+    assert cli.main(["generate", "--prompt", "hi", "--method", "waterfill", "--set", "decode_evict=true"]) == 2
+    assert "method 'waterfill' has no setting 'decode_evict'" in capsys.readouterr().err
+    # `veloxquant methods snapkv` lists it with its type, default and allowed values
+    row = next(r for r in cli.method_settings("snapkv") if r["name"] == "decode_evict")
+    assert row == {"name": "decode_evict", "flat": "decode_evict", "kind": "option", "type": "Optional[bool]",
+                   "default": None, "allowed": "None (the method's default), True or False"}
+    assert not any(r["name"] == "decode_evict" for r in cli.method_settings("kivi"))

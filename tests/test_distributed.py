@@ -99,3 +99,61 @@ def test_shard_model_rejects_uneven_heads():
     with pytest.raises(QuantizerConfigError, match="n_heads.*multiple of the distributed group size 3"):
         shard_model(tiny_llama(n_layers=1), Group())
     assert shard_model(tiny_llama(n_layers=1), mx.distributed.init()) is not None  # size 1: unchanged
+
+
+# ------------------------------------------------------------------ ``veloxquant generate`` under mlx.launch
+GEN_ARGS = ["generate", "--method", "kivi", "--prompt", "Name a color.", "--max-tokens", "8", "--json"]
+
+
+class _FakeGroup:
+    def __init__(self, rank, size):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+@pytest.mark.real_model
+def test_generate_shards_the_model_and_prints_on_rank_0_only(capsys, monkeypatch):
+    """The hook: with a group of 2 the CLI shards the loaded model with ``shard_model`` before building
+    its caches; rank 1 prints nothing, rank 0 the usual JSON plus ``ranks``."""
+    from veloxquant_mlx import cli, distributed
+
+    calls = []
+    monkeypatch.setattr(distributed, "shard_model", lambda model, group: calls.append((model, group.size())))
+    monkeypatch.setattr(distributed, "init_group", lambda: _FakeGroup(1, 2))
+    assert cli.main(GEN_ARGS) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and err == "" and len(calls) == 1 and calls[0][1] == 2
+    monkeypatch.setattr(distributed, "init_group", lambda: _FakeGroup(0, 2))
+    assert cli.main(GEN_ARGS) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ranks"] == 2 and res["generated_tokens"] == 8 and len(calls) == 2
+    monkeypatch.setattr(distributed, "init_group", lambda: _FakeGroup(0, 1))
+    assert cli.main(GEN_ARGS) == 0
+    assert "ranks" not in json.loads(capsys.readouterr().out) and len(calls) == 2  # one process: no shard
+
+
+@pytest.mark.real_model
+def test_generate_under_mlx_launch_matches_one_process():
+    """``mlx.launch --backend ring -n 3 -- -m veloxquant_mlx generate ...`` on the embedded SmolLM2-135M
+    (9 query / 3 KV heads: one KV head per rank): one JSON line (rank 0), the same greedy text as one
+    process, and rank 0's cache holds a third of the single-process bytes (~50 s on a 2-core CPU)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    one = subprocess.run([sys.executable, "-m", "veloxquant_mlx", *GEN_ARGS], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-2000:]
+    ref = json.loads(one.stdout)
+    port = random.Random(os.getpid() + 1).randrange(20000, 60000)
+    cmd = [_launcher(), "--backend", "ring", "-n", "3", "--starting-port", str(port), "--python", sys.executable,
+           "--", "-m", "veloxquant_mlx", *GEN_ARGS]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stdout[-2000:]  # rank 0 alone prints
+    res = json.loads(lines[0])
+    assert res["ranks"] == 3 and res["text"] == ref["text"] and res["kv_tokens"] == ref["kv_tokens"]
+    assert 3 * res["kv_bytes"] == ref["kv_bytes"] and 3 * res["kv_bytes_fp16"] == ref["kv_bytes_fp16"]

@@ -165,7 +165,7 @@ def build_config(method: str, sets: dict[str, Any]):
     options = None
     opts_cls = OPTIONS_BY_METHOD.get(method)
     if opts_cls is not None:
-        by_flat = {f: o for o, f in opts_cls.FIELDS.items()}
+        by_flat = {f: o for o, f in opts_cls.FIELDS.items()} | {o: o for o in opts_cls.OPTION_ONLY}
         picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
         if picked:
             options = opts_cls(**picked)
@@ -332,13 +332,18 @@ def method_settings(method: str) -> list[dict]:
     """One row per ``--set`` name of ``method``: name, flat alias, type, default, allowed values, and
     whether it is the method's own option or a shared field it reads."""
     from .cache.config import _DEFAULTS, _FIELD_TYPES, allowed_values
-    from .cache.options import OPTIONS_BY_METHOD, method_fields
+    from .cache.options import OPTION_CHECKS, OPTIONS_BY_METHOD, method_fields
 
     opts = OPTIONS_BY_METHOD.get(method)
     names = method_fields(method)
     rows = []
     for name, flat in names.items():
         if flat in _NOT_SETTABLE:
+            continue
+        if opts is not None and name in opts.OPTION_ONLY:  # no flat field: described by the options class
+            f = next(f for f in dataclasses.fields(opts) if f.name == name)
+            rows.append({"name": name, "flat": name, "kind": "option", "type": str(f.type).replace("typing.", ""),
+                         "default": f.default, "allowed": OPTION_CHECKS[name][1]})
             continue
         option = opts is not None and opts.FIELDS.get(name) == flat
         if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
@@ -390,11 +395,16 @@ def _cmd_generate(args) -> int:
         raise UsageError("--max-tokens must be >= 1")
 
     from .cli_progress import Progress
+    from .distributed import init_group, shard_model
     from .model import load_model
 
-    progress = Progress(enabled=not args.json)
+    group = init_group()  # size 1 unless started by ``mlx.launch``
+    rank0 = group.rank() == 0
+    progress = Progress(enabled=not args.json and rank0)
     progress.stage("loading model")
     model, tokenizer = load_model(args.model)
+    if group.size() > 1:  # each rank: its share of the heads, and the compressed cache of its own KV heads
+        shard_model(model, group)
     caches = make_caches(model, method, config)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens, then up to {args.max_tokens} new tokens")
@@ -403,7 +413,13 @@ def _cmd_generate(args) -> int:
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"], **_kv_summary(model, caches)}
     method_label = method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")
-    return print_generation(out, [("method", method_label), ("prompt tokens", out["prompt_tokens"])], args.json)
+    head = [("method", method_label), ("prompt tokens", out["prompt_tokens"])]
+    if group.size() > 1:
+        out["ranks"] = group.size()  # the byte figures are rank 0's: its own KV heads
+        head.append(("ranks", f"{group.size()} (mx.distributed; kv bytes below are rank 0's share)"))
+    if not rank0:
+        return 0  # every rank generates the same tokens; rank 0 alone prints them
+    return print_generation(out, head, args.json)
 
 
 #: Why a compressed cache can hold more than fp16 on a short prompt (README, "Reading the byte figures").

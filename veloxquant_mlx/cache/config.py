@@ -327,6 +327,11 @@ class KVCacheConfig:
                 )
             setattr(self, flat, value)
 
+    def option(self, name: str, default=None):
+        """An option-only setting (``OPTION_ONLY`` of the options class, e.g. ``decode_evict``): its value in
+        ``options``, or ``default`` when there are no options or they lack ``name``."""
+        return getattr(self.options, name, default) if self.options is not None else default
+
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with ``changes`` applied (used for per-layer configs; emits no deprecation warnings)."""
         with _quiet_flat_fields():

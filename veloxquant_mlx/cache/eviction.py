@@ -12,8 +12,9 @@ stand in for queries (the documented fallback), and eviction runs inside ``updat
 cases eviction happens *after* this call's rows were returned, so the mask built before the call
 (from the previous stored count) still matches.
 
-Decode-time budget: ``decode_evict`` (the cache's own setting, else ``config.decode_evict``, else the
-class's ``decode_evict_default``, i.e. the method's paper) decides whether one-row calls evict too.
+Decode-time budget: ``decode_evict`` (the cache's own setting, which starts as the options' ``decode_evict``
+and travels in ``state``; else ``config.decode_evict``; else the class's ``decode_evict_default``, i.e. the
+method's paper) decides whether one-row calls evict too.
 When they do, methods evict in blocks: the cache grows by its slack, then one top-k cuts it back to the
 budget, so at most ``budget + slack`` rows are held at any step.
 """
@@ -26,6 +27,7 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
+from .options import OPTION_CHECKS
 from .primitives.buffers import grow_rows
 
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
@@ -71,6 +73,9 @@ class EvictionKVCache(CompressedKVCache):
     def __init__(self, config):
         super().__init__(config)
         check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
+        option = config.option("decode_evict") if hasattr(config, "option") else None
+        if option is not None:  # SnapKVOptions(decode_evict=True): validated there; kept in ``state``
+            self._decode_evict = option
 
     # ---------------------------------------------------------------- method hooks
     def wants_eviction(self, n_new: int) -> bool:
@@ -252,8 +257,7 @@ def default_slack(budget: int) -> int:
 
 
 def check_decode_evict(field: str, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise QuantizerConfigError(field, value, "None (the method's default), True or False")
+    OPTION_CHECKS["decode_evict"][0](field, value)
 
 
 def check_budget(field: str, budget: int, protected: int, what: str) -> None:

@@ -3,6 +3,11 @@
 Pass one as ``KVCacheConfig(method=..., options=SnapKVOptions(budget=256))``. Each field maps to a flat
 ``KVCacheConfig`` field (``FIELDS`` gives the mapping); the config copies the values across when it is
 built, so caches read one place. Defaults equal the flat fields' defaults.
+
+Option-only fields (``OPTION_ONLY``; e.g. the eviction methods' ``decode_evict``) have no flat field, so
+that ``KVCacheConfig`` keeps exactly the spec's signature: a cache reads them with
+``config.option(name)``, they are validated when the options object is built (:data:`OPTION_CHECKS`),
+and ``--set NAME=VALUE`` reaches them under their own name.
 """
 
 from __future__ import annotations
@@ -10,16 +15,38 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, Optional
 
+from .errors import QuantizerConfigError
+
+
+def _optional_bool(field: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise QuantizerConfigError(field, value, "None (the method's default), True or False")
+
+
+#: Option-only field -> (validator(field, value), allowed values in words for ``veloxquant methods``).
+OPTION_CHECKS: dict[str, tuple] = {
+    "decode_evict": (_optional_bool, "None (the method's default), True or False"),
+}
+
+# the option-only fields of every eviction method: whether its budget also holds while decoding
+_EVICTION_ONLY: tuple[str, ...] = ("decode_evict",)
+
 
 class MethodOptions:
-    """Base of every options dataclass: ``METHOD`` names the method, ``FIELDS`` maps option -> flat field."""
+    """Base of every options dataclass: ``METHOD`` names the method, ``FIELDS`` maps option -> flat field,
+    ``OPTION_ONLY`` lists the options that have no flat field (read with ``KVCacheConfig.option``)."""
 
     METHOD: ClassVar[str] = ""
     FIELDS: ClassVar[dict[str, str]] = {}
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        for name in self.OPTION_ONLY:
+            OPTION_CHECKS[name][0](name, getattr(self, name))
 
     def flat_items(self):
-        """(flat field name, value) pairs this options object sets."""
-        return [(self.FIELDS[f.name], getattr(self, f.name)) for f in fields(self)]
+        """(flat field name, value) pairs this options object sets (option-only fields excluded)."""
+        return [(self.FIELDS[f.name], getattr(self, f.name)) for f in fields(self) if f.name not in self.OPTION_ONLY]
 
 
 @dataclass
@@ -27,6 +54,7 @@ class SnapKVOptions(MethodOptions):
     """Options of ``snapkv``."""
 
     METHOD: ClassVar[str] = "snapkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"dtype": "snap_dtype", "batched_scoring": "snap_batched_scoring", "backend": "snap_backend", "budget": "snap_budget", "obs_window": "snap_obs_window", "n_sink": "snap_n_sink"}
 
     dtype: str = 'auto'
@@ -35,6 +63,7 @@ class SnapKVOptions(MethodOptions):
     budget: int = 512
     obs_window: int = 32
     n_sink: int = 4
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -42,10 +71,12 @@ class StreamingLLMOptions(MethodOptions):
     """Options of ``streaming_llm``."""
 
     METHOD: ClassVar[str] = "streaming_llm"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"n_sink": "stream_n_sink", "window_size": "stream_window_size"}
 
     n_sink: int = 4
     window_size: int = 512
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -53,6 +84,7 @@ class H2OOptions(MethodOptions):
     """Options of ``h2o``."""
 
     METHOD: ClassVar[str] = "h2o"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "h2o_budget", "n_sink": "h2o_n_sink", "rope_base": "h2o_rope_base", "grace": "h2o_grace", "decay": "h2o_decay"}
 
     budget: int = 512
@@ -60,6 +92,7 @@ class H2OOptions(MethodOptions):
     rope_base: float = 10000.0
     grace: int = 16
     decay: float = 0.98
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -67,11 +100,13 @@ class TOVAOptions(MethodOptions):
     """Options of ``tova``."""
 
     METHOD: ClassVar[str] = "tova"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "tova_budget", "n_sink": "tova_n_sink", "backend": "tova_backend"}
 
     budget: int = 512
     n_sink: int = 4
     backend: str = 'auto'
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -79,12 +114,14 @@ class PyramidKVOptions(MethodOptions):
     """Options of ``pyramidkv``."""
 
     METHOD: ClassVar[str] = "pyramidkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "pyramid_budget", "backend": "pyramid_backend", "n_sink": "pyramid_n_sink", "beta": "pyramid_beta"}
 
     budget: int = 512
     backend: str = 'reference'
     n_sink: int = 4
     beta: float = 2.0
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -92,11 +129,13 @@ class SqueezeOptions(MethodOptions):
     """Options of ``squeeze``."""
 
     METHOD: ClassVar[str] = "squeeze"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "squeeze_budget", "n_sink": "squeeze_n_sink", "strength": "squeeze_strength"}
 
     budget: int = 512
     n_sink: int = 4
     strength: float = 1.0
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -104,6 +143,7 @@ class ChunkKVOptions(MethodOptions):
     """Options of ``chunkkv``."""
 
     METHOD: ClassVar[str] = "chunkkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "chunkkv_budget", "chunk_size": "chunkkv_chunk_size", "n_sink": "chunkkv_n_sink", "score": "chunkkv_score", "reuse_layers": "chunkkv_reuse_layers"}
 
     budget: int = 512
@@ -111,6 +151,7 @@ class ChunkKVOptions(MethodOptions):
     n_sink: int = 4
     score: str = 'attn_mass'
     reuse_layers: int = 1
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -118,6 +159,7 @@ class CaMOptions(MethodOptions):
     """Options of ``cam``."""
 
     METHOD: ClassVar[str] = "cam"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "cam_budget", "n_sink": "cam_n_sink", "merge": "cam_merge", "merge_keys": "cam_merge_keys", "merge_gate": "cam_merge_gate"}
 
     budget: int = 512
@@ -125,6 +167,7 @@ class CaMOptions(MethodOptions):
     merge: str = 'sim_weighted'
     merge_keys: bool = False
     merge_gate: bool = True
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -162,12 +205,14 @@ class KNormOptions(MethodOptions):
     """Options of ``knorm``."""
 
     METHOD: ClassVar[str] = "knorm"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "knorm_budget", "n_sink": "knorm_n_sink", "recent": "knorm_recent", "keep": "knorm_keep"}
 
     budget: int = 512
     n_sink: int = 4
     recent: int = 0
     keep: str = 'low'
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -193,6 +238,7 @@ class QFiltersOptions(MethodOptions):
     """Options of ``qfilters``."""
 
     METHOD: ClassVar[str] = "qfilters"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "qfilters_budget", "n_sink": "qfilters_n_sink", "recent": "qfilters_recent", "calib_tokens": "qfilters_calib_tokens", "sign": "qfilters_sign", "min_retention": "qfilters_min_retention", "on_low_retention": "qfilters_on_low_retention"}
 
     budget: int = 512
@@ -202,6 +248,7 @@ class QFiltersOptions(MethodOptions):
     sign: int = 1
     min_retention: Optional[float] = 0.9
     on_low_retention: Literal['warn', 'raise', 'ignore'] = 'warn'
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -209,6 +256,7 @@ class KeyformerOptions(MethodOptions):
     """Options of ``keyformer``."""
 
     METHOD: ClassVar[str] = "keyformer"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "keyformer_budget", "n_sink": "keyformer_n_sink", "recent": "keyformer_recent", "tau": "keyformer_tau", "tau_init": "keyformer_tau_init", "tau_end": "keyformer_tau_end", "anneal_steps": "keyformer_anneal_steps", "rope_base": "keyformer_rope_base", "seed": "keyformer_seed"}
 
     budget: int = 512
@@ -220,6 +268,7 @@ class KeyformerOptions(MethodOptions):
     anneal_steps: int = 0
     rope_base: float = 10000.0
     seed: int = 0
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -227,11 +276,13 @@ class MorphKVOptions(MethodOptions):
     """Options of ``morphkv``."""
 
     METHOD: ClassVar[str] = "morphkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "morphkv_budget", "n_sink": "morphkv_n_sink", "window": "morphkv_window"}
 
     budget: int = 512
     n_sink: int = 4
     window: int = 8
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -239,11 +290,13 @@ class KVzipOptions(MethodOptions):
     """Options of ``kvzip``."""
 
     METHOD: ClassVar[str] = "kvzip"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "kvzip_budget", "n_sink": "kvzip_n_sink", "probe": "kvzip_probe"}
 
     budget: int = 512
     n_sink: int = 4
     probe: str = 'context'
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -263,12 +316,14 @@ class CurDKVOptions(MethodOptions):
     """Options of ``curdkv``."""
 
     METHOD: ClassVar[str] = "curdkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "curdkv_budget", "n_sink": "curdkv_n_sink", "rank_cap": "curdkv_rank_cap", "rope_base": "curdkv_rope_base"}
 
     budget: int = 512
     n_sink: int = 4
     rank_cap: int = 16
     rope_base: float = 10000.0
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -276,6 +331,7 @@ class NestedKVOptions(MethodOptions):
     """Options of ``nestedkv``."""
 
     METHOD: ClassVar[str] = "nestedkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"budget": "nestedkv_budget", "n_sink": "nestedkv_n_sink", "window": "nestedkv_window", "beta": "nestedkv_beta", "tau": "nestedkv_tau", "kappa": "nestedkv_kappa", "safeguard_alpha": "nestedkv_safeguard_alpha"}
 
     budget: int = 512
@@ -285,6 +341,7 @@ class NestedKVOptions(MethodOptions):
     tau: float = 0.6
     kappa: float = 10.0
     safeguard_alpha: float = 0.2
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -345,6 +402,7 @@ class RocketKVOptions(MethodOptions):
     """Options of ``rocketkv``."""
 
     METHOD: ClassVar[str] = "rocketkv"
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
     FIELDS: ClassVar[dict[str, str]] = {"compression_ratio": "rocketkv_compression_ratio", "page_size": "rocketkv_page_size", "head_topk1": "rocketkv_head_topk1", "obs_window": "rocketkv_obs_window", "n_sink": "rocketkv_n_sink"}
 
     compression_ratio: float = 8.0
@@ -352,6 +410,7 @@ class RocketKVOptions(MethodOptions):
     head_topk1: Optional[int] = None
     obs_window: int = 32
     n_sink: int = 4
+    decode_evict: Optional[bool] = None
 
 
 @dataclass
@@ -643,12 +702,14 @@ def method_fields(method: str) -> dict[str, str]:
     """Every setting name ``method`` accepts -> the flat ``KVCacheConfig`` field it sets.
 
     The names are its options' own names (``budget``), their flat aliases (``snap_budget``), the shared
-    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. Where an option's own name is also a
+    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. An option-only field (``OPTION_ONLY``,
+    no flat field) maps to its own name, which is not a ``KVCacheConfig`` field. Where an option's own name is also a
     shared field the method reads (snapkv's ``dtype``), the shared field keeps the name and the option is
     reached through its flat alias (``snap_dtype``).
     """
     opts = OPTIONS_BY_METHOD.get(method)
     out: dict[str, str] = dict(opts.FIELDS) if opts is not None else {}
+    out.update({name: name for name in (opts.OPTION_ONLY if opts is not None else ())})
     for flat in (opts.FIELDS.values() if opts is not None else ()):
         out[flat] = flat
     for flat in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS:
