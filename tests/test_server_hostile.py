@@ -208,7 +208,8 @@ def test_logit_bias_inside_the_vocabulary_steers_the_output(srv):
     (None, b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NaN}}', "logit_bias[5]"),
     ({"messages": [{"role": "user", "content": 5}]}, None, "messages[0].content must be"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, None, "messages[0].content[0]"),
-    ({"messages": [{"content": "hi"}]}, None, "messages[0].role must be one of"),
+    ({"messages": [{"content": "hi"}]}, None, "messages[0].role must be a string"),
+    ({"messages": [{"role": 7, "content": "hi"}]}, None, "messages[0].role must be a string"),
     ({"messages": [{"role": "user", "content": "hi"}, 3]}, None, "messages[1] must be"),
     ({"model": "gpt-4"}, None, "'gpt-4' is not served"),
 ])
