@@ -47,3 +47,19 @@ def float16_rounding_effect_on_logprobs(model, tokens, first: int) -> float:
     a, b = _logits(model, KVCache, tokens, [n]), _logits(model, Float16RowsKVCache, tokens, [n])
     lp = [x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (a, b)]
     return float(mx.abs(lp[0] - lp[1])[first - 1 : n - 1].max())
+
+
+def plain_logits_at_chunk_ends(model, tokens, chunks) -> list:
+    """The last-position logits of each chunk of ``tokens`` with mlx_lm's plain cache (float32)."""
+    a = _logits(model, KVCache, tokens, chunks)
+    ends = [sum(chunks[: k + 1]) - 1 for k in range(len(chunks))]
+    return [a[e] for e in ends]
+
+
+def code_flip_bound(model, tokens, chunks, quantized) -> list[float]:
+    """For a quantizing cache, two paths whose rows differ in the last bits can also round a few elements to
+    the neighbouring code when quantizing them (a whole quantization step). That moves the logits by less than
+    quantizing *every* stored row does: per chunk, the largest change of ``quantized`` logits (one path's
+    last-position logits per chunk) from the plain cache's on the same model and tokens."""
+    plain = plain_logits_at_chunk_ends(model, tokens, chunks)
+    return [float(mx.abs(q - p).max()) for q, p in zip(quantized, plain)]
