@@ -20,11 +20,13 @@ from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
 from veloxquant_mlx.cache.methods.turboquant_rvq import ResidualWindowCache
-from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, rotate_values, value_rotation
-from veloxquant_mlx.cache.options import KIVIOptions, WaterfillOptions
+from veloxquant_mlx.cache.methods.waterfill import rotate_values, value_rotation
+from veloxquant_mlx.cache.options import KIVIOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
+
+from test_waterfill import make as make_waterfill  # noqa: E402
 
 GPU = pytest.mark.skipif(not kernels_enabled(), reason="the decode kernels need MLX's CUDA backend (none here)")
 # float32 against float64: on the CPU float32 rounding; GPU matmuls may round float32 inputs (TF32:
@@ -203,14 +205,8 @@ def test_waterfill_holds_no_rotation_matrix_for_power_of_two_dims():
 
 
 # ---------------------------------------------------------------------------------------- op path vs float64
-def _waterfill(D, rope, bits=4, residual_length=16, n_calib=32):
-    c = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=bits, head_dim=D,
-                                            n_calib_tokens=n_calib,
-                                            options=WaterfillOptions(residual_length=residual_length)))
-    assert isinstance(c, WaterfillKVCache)
-    if rope is not None:
-        c.bind_attention(type("Attn", (), {"rope": rope})())
-    return c
+def _waterfill(D, rope, **kw):
+    return make_waterfill(rope=rope, D=D, **kw)  # tests/test_waterfill.py's constructor
 
 
 def _kivi(D, bits=4, group=32):

@@ -23,7 +23,8 @@ from tiny_models import tiny_llama
 H, D = 2, 64
 
 
-def make(bits=4, residual_length=16, n_calib=32, rope=None):
+def make(bits=4, residual_length=16, n_calib=32, rope=None, D=D):
+    """A standalone waterfill cache of head dim ``D``, bound to ``rope`` (an mlx RoPE module) when given."""
     c = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=bits, head_dim=D,
                                             n_calib_tokens=n_calib,
                                             options=WaterfillOptions(residual_length=residual_length)))
