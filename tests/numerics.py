@@ -32,12 +32,18 @@ def _logits(model, cache_cls, tokens, chunks):
     return mx.concatenate(out, axis=0)
 
 
-def float16_rounding_effect(model, tokens, chunks) -> list[float]:
+def _chunk_end_logits(model, cache_cls, tokens, chunks) -> list:
+    a = _logits(model, cache_cls, tokens, chunks)
+    return [a[sum(chunks[: k + 1]) - 1] for k in range(len(chunks))]
+
+
+def float16_rounding_effect(model, tokens, chunks, plain=None) -> list[float]:
     """For each chunk of ``tokens`` fed in ``chunks``: the largest change of its last position's logits
-    that rounding every stored row to float16 causes (plain cache vs ``Float16RowsKVCache``)."""
-    a, b = _logits(model, KVCache, tokens, chunks), _logits(model, Float16RowsKVCache, tokens, chunks)
-    ends = [sum(chunks[: k + 1]) - 1 for k in range(len(chunks))]
-    return mx.abs(a - b).max(axis=-1)[mx.array(ends)].tolist()
+    that rounding every stored row to float16 causes (plain cache vs ``Float16RowsKVCache``). ``plain``:
+    the plain cache's chunk-end logits when the caller has them already."""
+    plain = _chunk_end_logits(model, KVCache, tokens, chunks) if plain is None else plain
+    rounded = _chunk_end_logits(model, Float16RowsKVCache, tokens, chunks)
+    return [float(mx.abs(a - b).max()) for a, b in zip(plain, rounded)]
 
 
 def float16_rounding_effect_on_logprobs(model, tokens, first: int) -> float:
@@ -49,17 +55,12 @@ def float16_rounding_effect_on_logprobs(model, tokens, first: int) -> float:
     return float(mx.abs(lp[0] - lp[1])[first - 1 : n - 1].max())
 
 
-def plain_logits_at_chunk_ends(model, tokens, chunks) -> list:
-    """The last-position logits of each chunk of ``tokens`` with mlx_lm's plain cache (float32)."""
-    a = _logits(model, KVCache, tokens, chunks)
-    ends = [sum(chunks[: k + 1]) - 1 for k in range(len(chunks))]
-    return [a[e] for e in ends]
-
-
-def code_flip_bound(model, tokens, chunks, quantized) -> list[float]:
-    """For a quantizing cache, two paths whose rows differ in the last bits can also round a few elements to
-    the neighbouring code when quantizing them (a whole quantization step). That moves the logits by less than
-    quantizing *every* stored row does: per chunk, the largest change of ``quantized`` logits (one path's
-    last-position logits per chunk) from the plain cache's on the same model and tokens."""
-    plain = plain_logits_at_chunk_ends(model, tokens, chunks)
-    return [float(mx.abs(q - p).max()) for q, p in zip(quantized, plain)]
+def rounding_bounds(model, tokens, chunks, quantized) -> list[float]:
+    """Per chunk, how far two paths of a quantizing cache may legitimately differ: the float16 rounding effect,
+    or -- since rows that differ in the last bits can also round a few elements to the neighbouring code (a
+    whole quantization step) -- what quantizing *every* stored row moves the logits: the largest change of
+    ``quantized`` (one path's last-position logits per chunk) from the plain cache's on the same tokens,
+    whichever is larger. The plain cache runs once for both."""
+    plain = _chunk_end_logits(model, KVCache, tokens, chunks)
+    flips = [float(mx.abs(q - p).max()) for q, p in zip(quantized, plain)]
+    return [max(f16, flip) for f16, flip in zip(float16_rounding_effect(model, tokens, chunks, plain), flips)]

@@ -40,7 +40,7 @@ from veloxquant_mlx.cache import (  # noqa: E402
 from veloxquant_mlx.cache import options as O  # noqa: E402
 from veloxquant_mlx.cache.base import method_info  # noqa: E402
 
-from numerics import code_flip_bound, float16_rounding_effect  # noqa: E402
+from numerics import rounding_bounds  # noqa: E402
 from tiny_models import ARCHS, VOCAB, greedy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vecinfer: key_sub_dim etc. are flat fields
@@ -272,10 +272,8 @@ def test_dense_path_without_dispatch_same_logits(method):
     # the paths sum in different orders; a stored row on a float16 rounding edge then moves by an ulp, and
     # an element on a quantization boundary may round to the neighbouring code (seen for kvquant with
     # OpenBLAS off: 0.023 on one chunk); both are bounded by what the run itself measures (tests/numerics.py)
-    f16 = float16_rounding_effect(model, TOKENS, chunks)
-    flips = code_flip_bound(model, TOKENS, chunks, b)
-    for x, y, t16, tq in zip(a, b, f16, flips):
-        assert float(mx.abs(x - y).max()) <= max(t16, tq)
+    for x, y, tol in zip(a, b, rounding_bounds(model, TOKENS, chunks, b)):
+        assert float(mx.abs(x - y).max()) <= tol
 
 
 # ------------------------------------------------------------------------------------- mlx_lm use
