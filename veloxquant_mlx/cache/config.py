@@ -308,6 +308,9 @@ class KVCacheConfig:
                         stacklevel=3,
                     )
         validate_config(self)
+        cls = OPTIONS_BY_METHOD.get(self.method)
+        if self.options is None and cls is not None:  # the options object is what a cache reads
+            self.options = cls(**{opt: getattr(self, flat) for opt, flat in cls.FIELDS.items()})
 
     def _apply_options(self, defaults):
         opts = self.options
@@ -334,6 +337,13 @@ class KVCacheConfig:
 
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with ``changes`` applied (used for per-layer configs; emits no deprecation warnings)."""
+        if changes.get("method", self.method) != self.method and "options" not in changes:
+            changes["options"] = None  # rebuilt for the new method from the flat fields
+        opts = changes.get("options", self.options)
+        if opts is not None:  # a changed flat alias changes the options too
+            own = {o: changes[f] for o, f in type(opts).FIELDS.items() if f in changes}
+            if own:
+                changes["options"] = dataclasses.replace(opts, **own)
         with _quiet_flat_fields():
             return dataclasses.replace(self, **changes)
 
