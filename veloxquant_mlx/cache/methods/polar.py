@@ -70,43 +70,23 @@ fetched from / saved to it under ``polar.rotation.d<d>.seed<seed>``.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
-from ..standalone_util import FP16_MAX, as_block, check_drop, check_norm16, common_fields, from_store, int_field, out_dtype
 from ..base import register
 from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.polar import angle_codebook, polar_levels, polar_transform, quantize_angles
 from ..primitives.rotation import random_orthogonal
 from ..primitives.rowstore import RowStore
-from ...core.abstractions import KVCache
+from ..standalone_util import Int8Values, StandaloneCache, as_block, check_norm16, from_store
 
 __all__ = ["PolarQuantKVCache"]
 
 _MAX_LEVELS = 4
-_TINY = 1e-30
-
-
-# --------------------------------------------------------------------------------------------------
-# helpers shared by the standalone caches of this family (polar, qjl, spectral)
-
-
-def _int8_rows(v: mx.array) -> dict:
-    """Symmetric per-row int8 codes with a float16 absmax scale."""
-    absmax = mx.max(mx.abs(v), axis=1)
-    scale16 = mx.minimum(absmax / 127.0, FP16_MAX).astype(mx.float16)
-    scale = scale16.astype(mx.float32)
-    q = mx.where(scale[:, None] > 0, mx.round(v / mx.maximum(scale, _TINY)[:, None]), 0.0)
-    return {"v": mx.clip(q, -127, 127).astype(mx.int8), "vscale": scale16}
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 @register("polar")
-class PolarQuantKVCache(KVCache):
+class PolarQuantKVCache(Int8Values, StandaloneCache):
     """PolarQuant (arXiv 2502.02617): random rotation + recursive polar transform of each key, angles
     quantized per level with codebooks for their known densities and bit-packed, float16 block radii;
     int8 values. ``bit_width_inlier`` = b: level-1 angle bits (higher levels ``max(1, b-2)``; b = 4 is
@@ -114,16 +94,10 @@ class PolarQuantKVCache(KVCache):
     """
 
     def __init__(self, config):
-        self.config = config
-        d, seed, dtype, initial = common_fields(config)
+        initial = self._setup(config)
+        d, b, seed = self.head_dim, self.bit_width_inlier, self.seed
         if d % 2:
             raise QuantizerConfigError("head_dim", d, "an even int >= 2 (the polar transform pairs coordinates)")
-        b = int_field(config, "bit_width_inlier", 1, 8)
-        self.head_dim, self.seed, self.dtype, self.bit_width_inlier = d, seed, dtype, b
-        self.observers = list(getattr(config, "observers", None) or [])
-        self.store = getattr(config, "store", None)
-        self.scale = 1.0 / math.sqrt(d)
-
         self.levels = polar_levels(d, _MAX_LEVELS)
         self.level_bits = [b] + [max(1, b - 2)] * (self.levels - 1)
         self.level_sizes = [d >> level for level in range(1, self.levels + 1)]  # angles per level
@@ -144,46 +118,15 @@ class PolarQuantKVCache(KVCache):
         if self.levels > 1:
             key_specs["ah"] = ((packed_words(self._high_count, self._high_bits),), mx.uint32)
         self._keys = RowStore(key_specs, initial)
-        self._values = RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, initial)
-
-    # ---- bookkeeping -----------------------------------------------------------------------------
-
-    @property
-    def n_keys(self) -> int:
-        return self._keys.n
-
-    @property
-    def n_values(self) -> int:
-        return self._values.n
-
-    @property
-    def n_tokens(self) -> int:
-        return min(self._keys.n, self._values.n)
+        self._values = self._value_store(d, initial)
 
     @property
     def key_bits_per_token(self) -> int:
         """Information bits of one key before word padding: angle codes + 16 per radius."""
         return sum(s * bits for s, bits in zip(self.level_sizes, self.level_bits)) + 16 * self.n_radii
 
-    def memory_bytes(self) -> int:
-        """Bytes of every per-token array held (angle codes, radii, int8 values, scales), including
-        preallocated capacity. The rotation and codebooks are reported by :meth:`state_bytes`."""
-        return self._keys.nbytes() + self._values.nbytes()
-
-    def state_bytes(self) -> int:
-        """Bytes of the token-independent state: rotation, angle codebooks, cos/sin tables."""
-        return sum(a.nbytes for a in [self.rotation, *self.codebooks, *self._cos, *self._sin])
-
-    def drop_oldest(self, n: int) -> None:
-        """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        n = check_drop(n)
-        self._keys.drop_oldest(n)
-        self._values.drop_oldest(n)
-
-    def reset(self) -> None:
-        """Drop all tokens and their storage; the rotation and codebooks are kept."""
-        self._keys.clear()
-        self._values.clear()
+    def _state_arrays(self) -> list:
+        return [self.rotation, *self.codebooks, *self._cos, *self._sin]
 
     # ---- keys ------------------------------------------------------------------------------------
 
@@ -233,44 +176,5 @@ class PolarQuantKVCache(KVCache):
         """``(n_keys, d)`` float32 decoded keys in the original basis (for tests and analysis)."""
         return self._rotated_keys(self._keys.n) @ self.rotation
 
-    def key_scores(self, q) -> mx.array:
-        """Estimated ``<q, k_i>`` for every stored key: ``(n,)`` for ``q`` ``(d,)``, ``(m, n)`` for
-        ``(m, d)``."""
-        q, single = as_block(q, self.head_dim, "query")
-        s = self._scores(q, self._keys.n)
-        return s[0] if single else s
-
     def _scores(self, q: mx.array, n: int) -> mx.array:
         return (q @ self.rotation.T) @ self._rotated_keys(n).T
-
-    # ---- values ----------------------------------------------------------------------------------
-
-    def append_value(self, v) -> None:
-        v, _ = as_block(v, self.head_dim, "value")
-        if v.shape[0] == 0:
-            return
-        self._values.append(_int8_rows(v))
-
-    def reconstruct_values(self) -> mx.array:
-        """``(n_values, d)`` float32 decoded values."""
-        n = self._values.n
-        scale = self._values.view("vscale")[:n].astype(mx.float32)
-        return self._values.view("v")[:n].astype(mx.float32) * scale[:, None]
-
-    # ---- attention -------------------------------------------------------------------------------
-
-    def attend(self, q) -> mx.array:
-        """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs; ``(d,)`` or
-        ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        odt = out_dtype(self.dtype, q)
-        qf, single = as_block(q, self.head_dim, "query")
-        n = self.n_tokens
-        if n == 0:
-            out = mx.zeros(qf.shape, dtype=mx.float32)
-        else:
-            w = mx.softmax(self._scores(qf, n) * self.scale, axis=-1)
-            v = self._values.view("v")[:n].astype(mx.float32)
-            vs = self._values.view("vscale")[:n].astype(mx.float32)
-            out = (w * vs[None, :]) @ v
-        out = out.astype(odt)
-        return out[0] if single else out

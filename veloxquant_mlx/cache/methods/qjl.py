@@ -60,40 +60,21 @@ fetched from / saved to it under ``qjl.sketch.m<m>.d<d>.seed<seed>``.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
-from ..standalone_util import FP16_MAX, as_block, check_drop, check_norm16, common_fields, from_store, int_field, out_dtype
 from ..base import register
 from ..errors import CacheInputError
-from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
+from ..primitives import groupquant as gq
+from ..primitives.bitpack import pack_bits, packed_words
 from ..primitives.rowstore import RowStore
-from ..primitives.sketch import QJL_SCALE, gaussian_jl
-from ...core.abstractions import KVCache
+from ..primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ..standalone_util import FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, jl_width, qjl_signs
 
 __all__ = ["QJLKVCache"]
 
 
-
-def _minmax_rows(v: mx.array, bits: int) -> dict:
-    """Per-row asymmetric ``bits``-bit codes (packed) with float16 scale and minimum."""
-    if mx.max(mx.abs(v)).item() > FP16_MAX:
-        raise CacheInputError(f"value entries exceed the float16 range ({FP16_MAX}) of the stored minimum")
-    levels = float((1 << bits) - 1)
-    lo = mx.min(v, axis=1)
-    scale = (mx.max(v, axis=1) - lo) / levels
-    if mx.max(scale).item() > FP16_MAX:
-        raise CacheInputError(f"value range exceeds what a float16 scale can hold at {bits} bits")
-    lo16, scale16 = lo.astype(mx.float16), scale.astype(mx.float16)
-    s = scale16.astype(mx.float32)
-    q = mx.round((v - lo16.astype(mx.float32)[:, None]) / mx.where(s > 0, s, 1.0)[:, None])
-    codes = mx.where(s[:, None] > 0, mx.clip(q, 0.0, levels), 0.0).astype(mx.uint32)
-    return {"vcodes": pack_bits(codes, bits), "vscale": scale16, "vmin": lo16}
-
-
 @register("qjl")
-class QJLKVCache(KVCache):
+class QJLKVCache(StandaloneCache):
     """QJL (arXiv 2406.03482): keys as ``m = jl_dim`` bit-packed signs of a Gaussian JL projection plus
     the float16 key norm, scored with the unbiased estimator ``sqrt(pi/2)/m ||k|| <S q, sign(S k)>``.
     ``jl_dim=None`` means ``m = head_dim`` (noisy: estimator variance ∝ 1/m, so raise ``jl_dim`` when
@@ -102,56 +83,21 @@ class QJLKVCache(KVCache):
     """
 
     def __init__(self, config):
-        self.config = config
-        d, seed, dtype, initial = common_fields(config)
-        b = int_field(config, "bit_width_inlier", 1, 8)
-        m = d if getattr(config, "jl_dim", None) is None else int_field(config, "jl_dim", 1)
-        self.head_dim, self.seed, self.dtype, self.bit_width_inlier, self.jl_dim = d, seed, dtype, b, m
-        self.observers = list(getattr(config, "observers", None) or [])
-        self.store = getattr(config, "store", None)
-        self.scale = 1.0 / math.sqrt(d)
+        initial = self._setup(config)
+        d, b, seed = self.head_dim, self.bit_width_inlier, self.seed
+        self.jl_dim = m = jl_width(config, d)
         self.sketch = from_store(
             self.store, f"qjl.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed), (m, d)
         )
         self._keys = RowStore({"signs": ((packed_words(m, 1),), mx.uint32), "norm": ((), mx.float16)}, initial)
         self._values = RowStore(
-            {"vcodes": ((packed_words(d, b),), mx.uint32), "vscale": ((), mx.float16), "vmin": ((), mx.float16)},
+            {"vcodes": ((gq.words_per_group(b, d),), mx.uint32), "vscale": ((), mx.float16),
+             "vmin": ((), mx.float16)},
             initial,
         )
 
-    # ---- bookkeeping -----------------------------------------------------------------------------
-
-    @property
-    def n_keys(self) -> int:
-        return self._keys.n
-
-    @property
-    def n_values(self) -> int:
-        return self._values.n
-
-    @property
-    def n_tokens(self) -> int:
-        return min(self._keys.n, self._values.n)
-
-    def memory_bytes(self) -> int:
-        """Bytes of every per-token array held (sign words, key norms, value codes, scales, minima),
-        including preallocated capacity. The JL matrix is reported by :meth:`state_bytes`."""
-        return self._keys.nbytes() + self._values.nbytes()
-
-    def state_bytes(self) -> int:
-        """Bytes of the token-independent state: the ``m x d`` float32 JL matrix."""
-        return self.sketch.nbytes
-
-    def drop_oldest(self, n: int) -> None:
-        """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        n = check_drop(n)
-        self._keys.drop_oldest(n)
-        self._values.drop_oldest(n)
-
-    def reset(self) -> None:
-        """Drop all tokens and their storage; the JL matrix is kept."""
-        self._keys.clear()
-        self._values.clear()
+    def _state_arrays(self) -> list:
+        return [self.sketch]  # the m x d float32 JL matrix
 
     # ---- keys ------------------------------------------------------------------------------------
 
@@ -166,26 +112,17 @@ class QJLKVCache(KVCache):
         })
 
     def _signs(self, n: int) -> mx.array:
-        """``(n, m)`` float32 +-1 signs of the ``n`` oldest keys."""
-        return unpack_bits(self._keys.view("signs")[:n], 1, self.jl_dim).astype(mx.float32) * 2.0 - 1.0
+        """``(n, m)`` 0/1 sign bits of the ``n`` oldest keys (1: ``S k >= 0``)."""
+        return qjl_signs(self._keys, "signs", n, self.jl_dim)
 
     def _scores(self, q: mx.array, n: int) -> mx.array:
-        coef = (QJL_SCALE / self.jl_dim) * self._keys.view("norm")[:n].astype(mx.float32)
-        return ((q @ self.sketch.T) @ self._signs(n).T) * coef[None, :]
-
-    def key_scores(self, q) -> mx.array:
-        """Unbiased estimates of ``<q, k_i>`` for every stored key: ``(n,)`` for ``q`` ``(d,)``,
-        ``(m, n)`` for ``(m, d)``."""
-        q, single = as_block(q, self.head_dim, "query")
-        s = self._scores(q, self._keys.n)
-        return s[0] if single else s
+        return qjl_inner_product(q, self._signs(n), self._keys.view("norm")[:n], self.sketch)
 
     def reconstruct_keys(self) -> mx.array:
         """``(n_keys, d)`` vectors ``sqrt(pi/2)/m ||k|| S^T sign(S k)``: their inner product with any
         query is the score estimate (unbiased for ``<q, k>``, not an MSE reconstruction)."""
         n = self._keys.n
-        coef = (QJL_SCALE / self.jl_dim) * self._keys.view("norm")[:n].astype(mx.float32)
-        return (self._signs(n) @ self.sketch) * coef[:, None]
+        return qjl_dequantize(self._signs(n), self._keys.view("norm")[:n], self.sketch)
 
     # ---- values ----------------------------------------------------------------------------------
 
@@ -193,31 +130,20 @@ class QJLKVCache(KVCache):
         v, _ = as_block(v, self.head_dim, "value")
         if v.shape[0] == 0:
             return
-        self._values.append(_minmax_rows(v, self.bit_width_inlier))
+        # the shared group quantizer (one group = the whole row) keeps its scale and minimum in float16
+        if mx.max(mx.abs(v)).item() > FP16_MAX or mx.max(mx.max(v, axis=1) - mx.min(v, axis=1)).item() > FP16_MAX:
+            raise CacheInputError(f"value entries or their range exceed the float16 range ({FP16_MAX})")
+        codes, scale, lo = gq.quantize(v, self.bit_width_inlier, self.head_dim, mx_kernels=False)
+        self._values.append({"vcodes": codes, "vscale": scale[:, 0], "vmin": lo[:, 0]})
 
-    def _value_parts(self, n: int):
-        codes = unpack_bits(self._values.view("vcodes")[:n], self.bit_width_inlier, self.head_dim)
-        return (codes.astype(mx.float32), self._values.view("vscale")[:n].astype(mx.float32),
-                self._values.view("vmin")[:n].astype(mx.float32))
+    def _decoded_values(self, n: int) -> mx.array:
+        scale, lo = self._values.view("vscale")[:n, None], self._values.view("vmin")[:n, None]
+        return gq.dequantize(self._values.view("vcodes")[:n], scale, lo, self.bit_width_inlier, self.head_dim,
+                             mx_kernels=False)
 
     def reconstruct_values(self) -> mx.array:
         """``(n_values, d)`` float32 decoded values ``min + code * scale``."""
-        codes, scale, lo = self._value_parts(self._values.n)
-        return codes * scale[:, None] + lo[:, None]
+        return self._decoded_values(self._values.n)
 
-    # ---- attention -------------------------------------------------------------------------------
-
-    def attend(self, q) -> mx.array:
-        """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs (scores from the QJL
-        estimator); ``(d,)`` or ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        odt = out_dtype(self.dtype, q)
-        qf, single = as_block(q, self.head_dim, "query")
-        n = self.n_tokens
-        if n == 0:
-            out = mx.zeros(qf.shape, dtype=mx.float32)
-        else:
-            w = mx.softmax(self._scores(qf, n) * self.scale, axis=-1)
-            codes, scale, lo = self._value_parts(n)
-            out = (w * scale[None, :]) @ codes + (w @ lo)[:, None]
-        out = out.astype(odt)
-        return out[0] if single else out
+    def _attend_values(self, w: mx.array, n: int) -> mx.array:
+        return w @ self._decoded_values(n)

@@ -82,28 +82,34 @@ range); ``attend`` covers the complete (key, value) pairs stored (``len(cache)``
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..standalone_util import FP16_MAX, as_block, check_drop, common_fields, from_store, int_field, is_int, out_dtype
 from ..base import register
 from ..errors import CacheInputError, QuantizerConfigError
+from ..options import SpectralOptions
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.codebook import lloyd_max_codebook, nearest_code
 from ..primitives.rowstore import RowStore
-from ..primitives.sketch import QJL_SCALE, gaussian_jl
-from ...core.abstractions import KVCache
+from ..primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ..standalone_util import FP16_MAX, StandaloneCache, as_block, from_store, int_field, is_int, jl_width, qjl_signs
 
 __all__ = ["SpectralQuantKVCache"]
 
 _TINY = 1e-30
 _EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
-_DEFAULTS = {"spectral_key_d_eff": 4, "spectral_val_d_eff": 50, "spectral_apply_qjl": True,
-             "spectral_model_name": "model"}
+
+
+def _options(config) -> dict:
+    """Option name -> value: ``config.options`` (a ``KVCacheConfig``'s), else the flat fields of any
+    other config object (defaults where it lacks them)."""
+    o = getattr(config, "options", None)
+    if isinstance(o, SpectralOptions):
+        return {f: getattr(o, f) for f in SpectralOptions.FIELDS}
+    return {f: getattr(config, flat, getattr(SpectralOptions, f)) for f, flat in SpectralOptions.FIELDS.items()}
 
 
 def _store_prefix(name: str) -> str:
@@ -194,7 +200,7 @@ class _Side:
 
 
 @register("spectral")
-class SpectralQuantKVCache(KVCache):
+class SpectralQuantKVCache(StandaloneCache):
     """SpectralQuant-style cache: keys and values projected onto calibrated principal directions
     (``spectral_key_d_eff`` / ``spectral_val_d_eff``, clipped to ``head_dim``), the whitened projections
     coded at ``bit_width_inlier`` bits per coordinate (norm + sphere Lloyd–Max codebook), plus, with
@@ -204,29 +210,21 @@ class SpectralQuantKVCache(KVCache):
     """
 
     def __init__(self, config):
-        self.config = config
-        d, seed, dtype, initial = common_fields(config)
-        b = int_field(config, "bit_width_inlier", 1, 8)
-        vals = {f: getattr(config, f, default) for f, default in _DEFAULTS.items()}
-        for f in ("spectral_key_d_eff", "spectral_val_d_eff"):
-            if not is_int(vals[f]) or vals[f] < 1:
-                raise QuantizerConfigError(f, vals[f], "an int >= 1 (clipped to head_dim)")
-        if not isinstance(vals["spectral_apply_qjl"], bool):
-            raise QuantizerConfigError("spectral_apply_qjl", vals["spectral_apply_qjl"], "True or False")
-        name = vals["spectral_model_name"]
-        if not isinstance(name, str) or not name:
-            raise QuantizerConfigError("spectral_model_name", name, "a non-empty str")
-        self.apply_qjl = vals["spectral_apply_qjl"]
-        m = d if getattr(config, "jl_dim", None) is None else int_field(config, "jl_dim", 1)
+        initial = self._setup(config)
+        d, b, seed = self.head_dim, self.bit_width_inlier, self.seed
+        o = _options(config)
+        for f in ("key_d_eff", "val_d_eff"):
+            if not is_int(o[f]) or o[f] < 1:
+                raise QuantizerConfigError(f"spectral_{f}", o[f], "an int >= 1 (clipped to head_dim)")
+        if not isinstance(o["apply_qjl"], bool):
+            raise QuantizerConfigError("spectral_apply_qjl", o["apply_qjl"], "True or False")
+        if not isinstance(o["model_name"], str) or not o["model_name"]:
+            raise QuantizerConfigError("spectral_model_name", o["model_name"], "a non-empty str")
+        self.apply_qjl, self.model_name = o["apply_qjl"], o["model_name"]
+        m = jl_width(config, d)
         self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
-        self.head_dim, self.seed, self.dtype, self.bit_width_inlier = d, seed, dtype, b
         self.jl_dim = m if self.apply_qjl else None
-        self.model_name = name
-        self.key_d_eff = min(int(vals["spectral_key_d_eff"]), d)
-        self.val_d_eff = min(int(vals["spectral_val_d_eff"]), d)
-        self.observers = list(getattr(config, "observers", None) or [])
-        self.store = getattr(config, "store", None)
-        self.scale = 1.0 / math.sqrt(d)
+        self.key_d_eff, self.val_d_eff = min(int(o["key_d_eff"]), d), min(int(o["val_d_eff"]), d)
 
         qjl_specs = {"signs": ((packed_words(m, 1),), mx.uint32), "rnorm": ((), mx.float16)} if self.apply_qjl else {}
         self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial)
@@ -354,44 +352,10 @@ class SpectralQuantKVCache(KVCache):
         lam = np.asarray(side.eigenvalues, dtype=np.float64)
         return float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
 
-    # ---- bookkeeping -----------------------------------------------------------------------------
-
-    @property
-    def n_keys(self) -> int:
-        return self._keys.n
-
-    @property
-    def n_values(self) -> int:
-        return self._values.n
-
-    @property
-    def n_tokens(self) -> int:
-        return min(self._keys.n, self._values.n)
-
-    def memory_bytes(self) -> int:
-        """Bytes of every per-token array held (codes, norms, sign words, residual norms, and rows held
-        exactly until calibration), including preallocated capacity. Bases, spectra, codebooks and the
-        JL matrix are reported by :meth:`state_bytes`."""
-        return self._keys.nbytes() + self._values.nbytes()
-
-    def state_bytes(self) -> int:
-        """Bytes of the token-independent state (means, bases, spectra, codebooks, JL matrix)."""
-        arrays = self._keys.state_arrays() + self._values.state_arrays()
-        if self.sketch is not None:
-            arrays.append(self.sketch)
-        return sum(a.nbytes for a in arrays)
-
-    def drop_oldest(self, n: int) -> None:
-        """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        n = check_drop(n)
-        self._keys.drop_oldest(n)
-        self._values.drop_oldest(n)
-
-    def reset(self) -> None:
-        """Drop all tokens and their storage (rows held for calibration too); the calibrated bases,
-        codebooks and JL matrix are kept."""
-        self._keys.clear()
-        self._values.clear()
+    def _state_arrays(self) -> list:
+        """Means, bases, spectra, codebooks and the JL matrix."""
+        out = self._keys.state_arrays() + self._values.state_arrays()
+        return out + ([self.sketch] if self.sketch is not None else [])
 
     # ---- keys ------------------------------------------------------------------------------------
 
@@ -405,10 +369,8 @@ class SpectralQuantKVCache(KVCache):
         if v.shape[0]:
             self._append(self._values, v)
 
-    def _qjl_parts(self, n: int):
-        signs = unpack_bits(self._keys.rows.view("signs")[:n], 1, self.jl_dim).astype(mx.float32) * 2.0 - 1.0
-        coef = (QJL_SCALE / self.jl_dim) * self._keys.rows.view("rnorm")[:n].astype(mx.float32)
-        return signs, coef
+    def _qjl_signs(self, n: int) -> mx.array:
+        return qjl_signs(self._keys.rows, "signs", n, self.jl_dim)
 
     def _scores(self, q: mx.array, n: int) -> mx.array:
         side = self._keys
@@ -416,16 +378,8 @@ class SpectralQuantKVCache(KVCache):
             return q @ (side.pending[:n].T if side.pending is not None else mx.zeros((self.head_dim, 0)))
         s = (q @ side.mean)[:, None] + (q @ side.basis) @ side.coefficients(n).T
         if self.apply_qjl:
-            signs, coef = self._qjl_parts(n)
-            s = s + ((q @ self.sketch.T) @ signs.T) * coef[None, :]
+            s = s + qjl_inner_product(q, self._qjl_signs(n), self._keys.rows.view("rnorm")[:n], self.sketch)
         return s
-
-    def key_scores(self, q) -> mx.array:
-        """Estimated ``<q, k_i>`` for every stored key (unbiased with ``spectral_apply_qjl``): ``(n,)``
-        for ``q`` ``(d,)``, ``(m, n)`` for ``(m, d)``. Exact for rows held before calibration."""
-        q, single = as_block(q, self.head_dim, "query")
-        s = self._scores(q, self._keys.n)
-        return s[0] if single else s
 
     def reconstruct_keys(self, with_qjl: bool = True) -> mx.array:
         """``(n_keys, d)`` float32 decoded keys: ``mu + U_r c_hat`` and, with QJL (and ``with_qjl``),
@@ -436,8 +390,7 @@ class SpectralQuantKVCache(KVCache):
             return side.pending if side.pending is not None else mx.zeros((0, self.head_dim))
         out = side.decode(n)
         if self.apply_qjl and with_qjl:
-            signs, coef = self._qjl_parts(n)
-            out = out + (signs @ self.sketch) * coef[:, None]
+            out = out + qjl_dequantize(self._qjl_signs(n), self._keys.rows.view("rnorm")[:n], self.sketch)
         return out
 
     def reconstruct_values(self) -> mx.array:
@@ -447,22 +400,8 @@ class SpectralQuantKVCache(KVCache):
             return side.pending if side.pending is not None else mx.zeros((0, self.head_dim))
         return side.decode(side.n)
 
-    # ---- attention -------------------------------------------------------------------------------
-
-    def attend(self, q) -> mx.array:
-        """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs; ``(d,)`` or
-        ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        odt = out_dtype(self.dtype, q)
-        qf, single = as_block(q, self.head_dim, "query")
-        n = self.n_tokens
-        if n == 0:
-            out = mx.zeros(qf.shape, dtype=mx.float32)
-        else:
-            w = mx.softmax(self._scores(qf, n) * self.scale, axis=-1)
-            side = self._values
-            if side.calibrated:
-                out = side.mean[None, :] + (w @ side.coefficients(n)) @ side.basis.T
-            else:
-                out = w @ side.pending[:n]
-        out = out.astype(odt)
-        return out[0] if single else out
+    def _attend_values(self, w: mx.array, n: int) -> mx.array:
+        side = self._values  # calibrated: mu_V + (w @ c_hat) U_V^T, no value decoded to d dimensions
+        if side.calibrated:
+            return side.mean[None, :] + (w @ side.coefficients(n)) @ side.basis.T
+        return w @ side.pending[:n]

@@ -67,31 +67,24 @@ and ``store`` are accepted and kept but not used by these caches.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..primitives.rowstore import RowStore
-from ..standalone_util import as_block, derive_seed, int_field, is_int
 from ..base import register
-from ..errors import CacheInputError, QuantizerConfigError
+from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.codebook import lloyd_max_codebook, nearest_code
 from ..primitives.rotation import random_orthogonal
-from ..primitives.sketch import QJL_SCALE, gaussian_jl
-from ...core.abstractions import KVCache
+from ..primitives.rowstore import RowStore
+from ..primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ..standalone_util import (Int8Values, StandaloneCache, as_block, check_norm16, derive_seed, int_field, jl_width,
+                               qjl_signs)
 
 __all__ = ["TurboQuantMSEKVCache", "TurboQuantProdKVCache"]
 
-_DEFAULT_CAPACITY = 256
 _TINY = 1e-30
-_FP16_MAX = 65504.0
-
-
-# --------------------------------------------------------------------------------------------------
-# helpers
 
 
 class _Group:
@@ -107,22 +100,14 @@ class _Group:
         return [a for a in (self.rotation, self.centroids) if a is not None]
 
 
-# --------------------------------------------------------------------------------------------------
-# caches
-
-
-class _TurboQuantBase(KVCache):
-    """Shared machinery: config validation, channel groups, key/value storage, attention."""
+class _TurboQuantBase(Int8Values, StandaloneCache):
+    """Shared machinery of both caches: outlier-split channel groups, key storage, scores."""
 
     _prod = False
 
     def __init__(self, config):
-        self.config = config
-        d = int_field(config, "head_dim", 2)
-        b_in = int_field(config, "bit_width_inlier", 1, 8)
-        seed = getattr(config, "seed", 0)
-        if not is_int(seed):
-            raise QuantizerConfigError("seed", seed, "an int")
+        initial = self._setup(config)
+        d, b_in = self.head_dim, self.bit_width_inlier
         n_out = getattr(config, "n_outlier_channels", None)
         if n_out is not None and n_out != 0:
             if d < 4:
@@ -130,8 +115,7 @@ class _TurboQuantBase(KVCache):
                     "n_outlier_channels", n_out, "None or 0 (an outlier split needs head_dim >= 4)"
                 )
             n_out = int_field(config, "n_outlier_channels", 2, d - 2)
-            b_out = getattr(config, "bit_width_outlier", None)
-            if b_out is None:
+            if getattr(config, "bit_width_outlier", None) is None:
                 raise QuantizerConfigError(
                     "bit_width_outlier", None, "an int in 1..8 when n_outlier_channels is set"
                 )
@@ -140,21 +124,8 @@ class _TurboQuantBase(KVCache):
             n_out, b_out = 0, None
             int_field(config, "bit_width_outlier", 1, 8, optional=True)  # validated, unused
         self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
-        cap = int_field(config, "capacity", 1, optional=True)
-        dtype = getattr(config, "dtype", None)
-        if dtype is not None and not (isinstance(dtype, mx.Dtype) and mx.issubdtype(dtype, mx.floating)):
-            raise QuantizerConfigError("dtype", dtype, "None or a floating mlx dtype")
-        if self._prod:
-            m = getattr(config, "jl_dim", None)
-            self.jl_dim = d if m is None else int_field(config, "jl_dim", 1)
-        else:
-            self.jl_dim = None
-
-        self.head_dim, self.seed, self.dtype = d, int(seed), dtype
-        self.bit_width_inlier, self.bit_width_outlier, self.n_outlier_channels = b_in, b_out, n_out
-        self.observers = list(getattr(config, "observers", None) or [])
-        self.store = getattr(config, "store", None)
-        self.scale = 1.0 / math.sqrt(d)
+        self.jl_dim = jl_width(config, d) if self._prod else None
+        self.bit_width_outlier, self.n_outlier_channels = b_out, n_out
 
         stage = 1 if self._prod else 0  # Prod spends one bit per coordinate-equivalent on QJL
         if n_out:
@@ -177,23 +148,8 @@ class _TurboQuantBase(KVCache):
         if self._prod:
             key_specs["qjl"] = ((packed_words(self.jl_dim, 1),), mx.uint32)
             key_specs["rnorm"] = ((), mx.float16)
-        initial = cap if cap is not None else _DEFAULT_CAPACITY
         self._keys = RowStore(key_specs, initial)
-        self._values = RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, initial)
-
-    # ---- bookkeeping -----------------------------------------------------------------------------
-
-    @property
-    def n_keys(self) -> int:
-        return self._keys.n
-
-    @property
-    def n_values(self) -> int:
-        return self._values.n
-
-    @property
-    def n_tokens(self) -> int:
-        return min(self._keys.n, self._values.n)
+        self._values = self._value_store(d, initial)
 
     @property
     def rotation(self) -> mx.array:
@@ -207,30 +163,15 @@ class _TurboQuantBase(KVCache):
             return None
         return self._perm[: self.n_outlier_channels]
 
-    def memory_bytes(self) -> int:
-        """Bytes of every per-token array held (codes, norms, sign bits, values, scales), including
-        preallocated capacity. Seeded quantizer state is reported by :meth:`state_bytes`."""
-        return self._keys.nbytes() + self._values.nbytes()
-
-    def state_bytes(self) -> int:
-        """Bytes of the token-independent state: rotations, codebooks, JL matrix, channel maps."""
-        return sum(a.nbytes for a in self._state_arrays())
-
     def _state_arrays(self) -> list:
+        """Rotations, codebooks, JL matrix, channel maps."""
         out = [a for g in self.groups for a in g.state_arrays()]
-        out += [a for a in (self.sketch, self._perm, self._inv_perm) if a is not None]
-        return out
-
-    def drop_oldest(self, n: int) -> None:
-        """Forget the ``n`` oldest (key, value) pairs, in place (used by SlidingWindowKVCache)."""
-        self._keys.drop_oldest(n)
-        self._values.drop_oldest(n)
+        return out + [a for a in (self.sketch, self._perm, self._inv_perm) if a is not None]
 
     def reset(self) -> None:
         """Drop all tokens and their storage (and the data-derived outlier-channel choice);
         rotations, codebooks and the JL matrix are kept."""
-        self._keys.clear()
-        self._values.clear()
+        super().reset()
         self._perm = self._inv_perm = None
 
     # ---- keys ------------------------------------------------------------------------------------
@@ -265,8 +206,7 @@ class _TurboQuantBase(KVCache):
         k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0] == 0:
             return
-        if mx.max(mx.sum(k * k, axis=1)).item() > _FP16_MAX**2:
-            raise CacheInputError(f"key norm exceeds the float16 range ({_FP16_MAX}) used for norms")
+        check_norm16(k, "key")
         if self.n_outlier_channels and self._perm is None:
             self._calibrate(k)
         rows, residuals = {}, []
@@ -301,17 +241,8 @@ class _TurboQuantBase(KVCache):
             out.append(cvals * self._keys.view(f"norm{g.index}")[:n].astype(mx.float32)[:, None])
         return out
 
-    def _qjl_parts(self, n: int):
-        signs = unpack_bits(self._keys.view("qjl")[:n], 1, self.jl_dim).astype(mx.float32) * 2.0 - 1.0
-        coef = (QJL_SCALE / self.jl_dim) * self._keys.view("rnorm")[:n].astype(mx.float32)
-        return signs, coef
-
-    def key_scores(self, q) -> mx.array:
-        """Estimated ``<q, k_i>`` for every stored key: ``(n,)`` for ``q`` ``(d,)``, ``(m, n)`` for
-        ``(m, d)``. Computed in the rotated domain (query rotated once per group)."""
-        q, single = as_block(q, self.head_dim, "query")
-        s = self._scores(q, self._keys.n)
-        return s[0] if single else s
+    def _qjl_signs(self, n: int) -> mx.array:
+        return qjl_signs(self._keys, "qjl", n, self.jl_dim)
 
     def _scores(self, q: mx.array, n: int) -> mx.array:
         total = mx.zeros((q.shape[0], n), dtype=mx.float32)
@@ -320,9 +251,8 @@ class _TurboQuantBase(KVCache):
             if kr is not None:
                 total = total + qr @ kr.T
         if self._prod:
-            signs, coef = self._qjl_parts(n)
             qr = mx.concatenate(qrot, axis=1) if len(qrot) > 1 else qrot[0]
-            total = total + ((qr @ self.sketch.T) @ signs.T) * coef[None, :]
+            total = total + qjl_inner_product(qr, self._qjl_signs(n), self._keys.view("rnorm")[:n], self.sketch)
         return total
 
     def reconstruct_keys(self) -> mx.array:
@@ -337,53 +267,12 @@ class _TurboQuantBase(KVCache):
         for g, kr in zip(self.groups, rot):
             parts.append(kr if kr is not None else mx.zeros((n, g.dim), dtype=mx.float32))
         if self._prod:
-            signs, coef = self._qjl_parts(n)
-            qjl = (signs @ self.sketch) * coef[:, None]
+            qjl = qjl_dequantize(self._qjl_signs(n), self._keys.view("rnorm")[:n], self.sketch)
             start = 0
             for i, g in enumerate(self.groups):
                 parts[i] = parts[i] + qjl[:, start : start + g.dim]
                 start += g.dim
         return self._merge([p @ g.rotation for p, g in zip(parts, self.groups)])
-
-    # ---- values ----------------------------------------------------------------------------------
-
-    def append_value(self, v) -> None:
-        v, _ = as_block(v, self.head_dim, "value")
-        if v.shape[0] == 0:
-            return
-        absmax = mx.max(mx.abs(v), axis=1)
-        scale16 = mx.minimum(absmax / 127.0, _FP16_MAX).astype(mx.float16)
-        scale = scale16.astype(mx.float32)
-        q = mx.where(scale[:, None] > 0, mx.round(v / mx.maximum(scale, _TINY)[:, None]), 0.0)
-        codes = mx.clip(q, -127, 127).astype(mx.int8)
-        self._values.append({"v": codes, "vscale": scale16})
-
-    def reconstruct_values(self) -> mx.array:
-        """``(n_values, d)`` float32 decoded values."""
-        n = self._values.n
-        return self._values.view("v")[:n].astype(mx.float32) * self._values.view("vscale")[:n].astype(
-            mx.float32
-        )[:, None]
-
-    # ---- attention -------------------------------------------------------------------------------
-
-    def attend(self, q) -> mx.array:
-        """``softmax(<q, k_i> / sqrt(d)) @ v`` over the ``len(self)`` complete pairs; ``(d,)`` or
-        ``(m, d)`` like ``q``. With nothing stored the result is zeros."""
-        out_dtype = self.dtype if self.dtype is not None else (q.dtype if isinstance(q, mx.array) else None)
-        qf, single = as_block(q, self.head_dim, "query")
-        if out_dtype is None or not mx.issubdtype(out_dtype, mx.floating):
-            out_dtype = mx.float32
-        n = self.n_tokens
-        if n == 0:
-            out = mx.zeros(qf.shape, dtype=mx.float32)
-        else:
-            w = mx.softmax(self._scores(qf, n) * self.scale, axis=-1)
-            v = self._values.view("v")[:n].astype(mx.float32)
-            vs = self._values.view("vscale")[:n].astype(mx.float32)
-            out = (w * vs[None, :]) @ v  # fold the per-token value scale into the weights
-        out = out.astype(out_dtype)
-        return out[0] if single else out
 
 
 @register("turboquant_mse")
