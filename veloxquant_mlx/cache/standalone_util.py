@@ -123,7 +123,10 @@ def qjl_signs(store: RowStore, name: str, n: int, m: int) -> mx.array:
 
 
 class StandaloneCache(KVCache):
-    """Base of the standalone caches. A subclass calls :meth:`_setup`, keeps its per-token rows in
+    """Base of the standalone caches, and their shared behaviour: inputs are ``(d,)`` or ``(n, d)``
+    floating arrays (MLX or NumPy) without NaN/Inf, else ``CacheInputError``; ``attend`` covers the
+    ``len(cache)`` complete (key, value) pairs with scale ``1/sqrt(head_dim)``; ``config.capacity`` is
+    the initial preallocation in rows (storage doubles when full). A subclass calls :meth:`_setup`, keeps its per-token rows in
     ``_keys``/``_values`` (objects with ``n``, ``nbytes()``, ``drop_oldest(n)``, ``clear()``) and
     implements ``append_key``, ``append_value``, ``_scores(q, n)`` (``(m, n)`` scores of ``(m, d)``
     queries against the ``n`` oldest keys), ``_attend_values(w, n)`` (``w @ values``) and

@@ -78,14 +78,6 @@ FIT_MIN = 32
 ROW_DTYPE = mx.float16
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
-def _num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 @register_with_mlx_lm
 @register("a2ats")
 class A2ATSKVCache(CompressedKVCache):
@@ -109,38 +101,29 @@ class A2ATSKVCache(CompressedKVCache):
         return out + [self.last_selected] if self.last_selected is not None else out
 
     def _init_layout(self):
-        c = self.config
-        if not _int(c.a2ats_codebook_bits, 1, 8):
-            raise QuantizerConfigError("a2ats_codebook_bits", c.a2ats_codebook_bits, "an int in 1..8")
-        if not _int(c.a2ats_sub_dim, 1, 256):
-            raise QuantizerConfigError("a2ats_sub_dim", c.a2ats_sub_dim, "an int in 1..256 dividing the head dim")
-        if not _int(c.a2ats_window, 0):
-            raise QuantizerConfigError("a2ats_window", c.a2ats_window, "an int >= 0")
-        if not _int(c.a2ats_b, 1):
-            raise QuantizerConfigError("a2ats_b", c.a2ats_b, "an int >= 1 (cap on retrieved tokens)")
-        if not isinstance(c.a2ats_use_query_aware, bool):
-            raise QuantizerConfigError("a2ats_use_query_aware", c.a2ats_use_query_aware, "a bool")
-        if not _num(c.a2ats_beta) or not 0.0 <= c.a2ats_beta <= 1.0:
-            raise QuantizerConfigError("a2ats_beta", c.a2ats_beta, "a float in [0, 1]")
-        f = c.a2ats_retrieval_fraction
-        if not _num(f) or not 0.0 < f <= 1.0:
-            raise QuantizerConfigError("a2ats_retrieval_fraction", f, "a float in (0, 1]")
-        if not _num(c.a2ats_rope_base) or c.a2ats_rope_base <= 0:
-            raise QuantizerConfigError("a2ats_rope_base", c.a2ats_rope_base, "a positive float")
-        if c.a2ats_rope_scaling is not None and not isinstance(c.a2ats_rope_scaling, (dict, int, float)):
-            raise QuantizerConfigError("a2ats_rope_scaling", c.a2ats_rope_scaling, "None, a number or a dict")
-        self.sub, self.cbits = int(c.a2ats_sub_dim), int(c.a2ats_codebook_bits)
-        self.window, self.cap, self.frac = int(c.a2ats_window), int(c.a2ats_b), float(f)
+        # types and the plain ranges are validated with the config; these are the method's own limits
+        o = self.config.options
+        if o.codebook_bits > 8:
+            raise QuantizerConfigError("a2ats_codebook_bits", o.codebook_bits, "an int in 1..8")
+        if o.beta > 1.0:
+            raise QuantizerConfigError("a2ats_beta", o.beta, "a float in [0, 1]")
+        if o.retrieval_fraction <= 0.0:
+            raise QuantizerConfigError("a2ats_retrieval_fraction", o.retrieval_fraction, "a float in (0, 1]")
+        if o.rope_scaling is not None and not isinstance(o.rope_scaling, (dict, int, float)):
+            raise QuantizerConfigError("a2ats_rope_scaling", o.rope_scaling, "None, a number or a dict")
+        self.sub, self.cbits = o.sub_dim, o.codebook_bits  # sub_dim must divide the head dim: checked at the fit
+        self.window, self.cap, self.frac = o.window, o.b, float(o.retrieval_fraction)
+        self.query_aware, self.beta = o.use_query_aware, float(o.beta)
         self._given_cb = None
-        if c.a2ats_codebook is not None:
-            cb = _as_array(c.a2ats_codebook, "a2ats_codebook", (2,))
+        if o.codebook is not None:
+            cb = _as_array(o.codebook, "a2ats_codebook", (2,))
             if cb.shape[-1] != self.sub or cb.shape[0] > (1 << self.cbits):
                 raise QuantizerConfigError("a2ats_codebook", tuple(cb.shape),
                                            f"[K, {self.sub}] with K <= 2**{self.cbits}")
             self._given_cb = cb
         self._given_h = None
-        if c.a2ats_query_h is not None:
-            self._given_h = _as_array(c.a2ats_query_h, "a2ats_query_h", (2, 3))
+        if o.query_h is not None:
+            self._given_h = _as_array(o.query_h, "a2ats_query_h", (2, 3))
         self._call = None
         self.last_selected = None
 
@@ -178,7 +161,7 @@ class A2ATSKVCache(CompressedKVCache):
         D, s = self.keys.shape[-1], self.sub
         m = D // s
         eye = np.broadcast_to(np.eye(s), (m, s, s))
-        if not self.config.a2ats_use_query_aware:
+        if not self.query_aware:
             return eye
         if self._given_h is not None:
             h = np.asarray(self._given_h, dtype=np.float64)
@@ -190,7 +173,7 @@ class A2ATSKVCache(CompressedKVCache):
             h = np.asarray(q.T @ q / q.shape[0], dtype=np.float64)
         blocks = np.stack([h[j * s:(j + 1) * s, j * s:(j + 1) * s] for j in range(m)])
         tr = np.trace(blocks, axis1=1, axis2=2)[:, None, None] / s
-        beta = float(self.config.a2ats_beta)
+        beta = self.beta
         M = (1 - beta) * eye * np.maximum(tr, 1e-6) + beta * blocks + 1e-6 * eye * np.maximum(tr, 1e-6)
         return np.linalg.cholesky(M)
 

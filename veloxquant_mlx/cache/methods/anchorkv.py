@@ -75,14 +75,6 @@ from .kivi import KIVIKVCache
 _TAG_ANCHOR = 0x0A7E_0A01
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
-def _num(v, lo, hi):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
-
-
 @functools.lru_cache(maxsize=32)
 def _jitter(G: int, seed: int) -> np.ndarray:
     return (seeded_rng(_TAG_ANCHOR, seed).random(G) * 1e-6).astype(np.float32)
@@ -155,24 +147,17 @@ class AnchorKVCache(KIVIKVCache):
                     "v_codes", "v_scales", "v_biases", "v_ref", "v_apos", "v_anc", "res_k", "res_v")
 
     def _init_layout(self):
-        c = self.config
-        if not _int(c.anchorkv_window, 1, 255):
-            raise QuantizerConfigError("anchorkv_window", c.anchorkv_window, "an int in 1..255 (tokens per group)")
-        if not _int(c.anchorkv_residual_bits, 1, 8):
-            raise QuantizerConfigError("anchorkv_residual_bits", c.anchorkv_residual_bits, "an int in 1..8")
-        f = c.anchorkv_anchor_frac
-        if not _num(f, 0.0, 1.0) or f <= 0:
-            raise QuantizerConfigError("anchorkv_anchor_frac", f, "a number in (0, 1]")
-        if not _num(c.anchorkv_rho, 0.0, 1.0):
-            raise QuantizerConfigError("anchorkv_rho", c.anchorkv_rho, "a number in [0, 1]")
-        if not _num(c.anchorkv_theta, 0.0, 1.0) or c.anchorkv_theta >= 1:
-            raise QuantizerConfigError("anchorkv_theta", c.anchorkv_theta, "a number in [0, 1)")
-        if isinstance(c.anchorkv_seed, bool) or not isinstance(c.anchorkv_seed, int):
-            raise QuantizerConfigError("anchorkv_seed", c.anchorkv_seed, "an int")
-        self.group = int(c.anchorkv_window)
-        self.qbits = int(c.anchorkv_residual_bits)
-        self.n_anchors = min(self.group, max(1, round(float(f) * self.group)))
-        self.rho, self.theta, self.seed = float(c.anchorkv_rho), float(c.anchorkv_theta), int(c.anchorkv_seed)
+        # types and the plain ranges are validated with the config; these are the method's own limits
+        o = self.config.options
+        if o.window > 255:  # anchor positions are stored as uint8
+            raise QuantizerConfigError("anchorkv_window", o.window, "an int in 1..255 (tokens per group)")
+        if o.anchor_frac <= 0:
+            raise QuantizerConfigError("anchorkv_anchor_frac", o.anchor_frac, "a number in (0, 1]")
+        if o.theta >= 1:
+            raise QuantizerConfigError("anchorkv_theta", o.theta, "a number in [0, 1)")
+        self.group, self.qbits = o.window, o.residual_bits
+        self.n_anchors = min(self.group, max(1, round(float(o.anchor_frac) * self.group)))
+        self.rho, self.theta, self.seed = float(o.rho), float(o.theta), o.seed
         self._call = None
 
     def _uses_qmm(self) -> bool:

@@ -24,7 +24,7 @@ Deviations from the paper:
   local-window normalisation of the scores.
 * The real-query key side above (an addition; without dispatch the paper's key leverage is used).
 * The paper compresses the prompt once; here decode-time eviction keeps memory bounded: the cache
-  grows to ``budget + slack`` rows (``slack = max(8, budget // 8)``) and is then re-scored (leverage
+  grows to ``budget + slack`` rows (the slack of ``eviction.py``) and is then re-scored (leverage
   over all held rows, the newest queries) and cut back to ``budget``.
 * ``curdkv_rope_base`` is accepted for compatibility and unused (keys are scored as stored, after RoPE).
 """
@@ -35,10 +35,8 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..errors import QuantizerConfigError
-from ..eviction import EvictionKVCache
+from ..eviction import EvictionKVCache, check_budget, default_slack
 from ..attention import attention_logits
-from ..eviction import check_budget, default_slack
 
 EIG_EPS = 1e-6  # singular directions below this fraction of the largest carry no leverage
 
@@ -74,12 +72,10 @@ class CurDKVKVCache(EvictionKVCache):
     _proxy_scoring = False
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.rank_cap = c.curdkv_budget, c.curdkv_n_sink, c.curdkv_rank_cap
+        o = self.config.options
+        self.budget, self.n_sink, self.rank_cap = o.budget, o.n_sink, o.rank_cap
         self.recent, self.obs_window = 0, 32
         check_budget("curdkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        if self.rank_cap < 1:
-            raise QuantizerConfigError("curdkv_rank_cap", self.rank_cap, "an int >= 1")
         self.slack = default_slack(self.budget)
 
     def wants_eviction(self, n_new):

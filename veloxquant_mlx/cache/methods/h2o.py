@@ -15,21 +15,19 @@ Deviations from the paper:
   added (within a prefill chunk too, query by query), so old mass fades; the paper never decays
   (``h2o_decay=1.0`` reproduces it).
 * ``decode_evict=False`` (not the paper) keeps every decode row: only the prompt is cut to the budget.
-* Batched eviction: the paper evicts one token per decode step. Here the cache may grow by
-  ``evict_slack`` rows (``max(8, budget // 8)``) during decoding before evicting back to
-  ``h2o_budget`` at once, so at most ``budget + evict_slack`` rows are held; after a prefill chunk
-  the cache is cut to ``budget`` immediately.
+* Batched eviction (``BatchedEviction`` of ``eviction.py``, which documents the slack): the paper
+  evicts one token per decode step; here decoding evicts once per ``evict_slack`` steps, so at most
+  ``budget + evict_slack`` rows are held. A prefill chunk is cut to ``budget`` at once.
 * ``h2o_rope_base`` is accepted and unused: keys are cached after RoPE at their original positions
   and ``offset`` stays the logical position, so nothing needs re-rotating.
 * Trim drops the trimmed rows and their scores; the mass the trimmed queries added to the rows
   that remain is not subtracted (it only affects later eviction choices, never the attention over
   the held rows).
-
-This module also holds ``BatchedEviction``, the small layer the other scoring methods of this group
-(TOVA, K-norm, Keyformer, MorphKV) share on top of ``EvictionKVCache``.
 """
 
 from __future__ import annotations
+
+from operator import attrgetter
 
 import mlx.core as mx
 
@@ -37,8 +35,6 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
-# Un-evaluated per-row score updates are scheduled for evaluation (mx.async_eval, no host sync)
-# after this many calls without an eviction, so the lazy graph (and its memory) stays bounded.
 @register_with_mlx_lm
 @register("h2o")
 class H2OKVCache(BatchedEviction, EvictionKVCache):
@@ -51,10 +47,10 @@ class H2OKVCache(BatchedEviction, EvictionKVCache):
     uses_attention_weights = True
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.recent = c.h2o_budget, c.h2o_n_sink, c.h2o_grace
-        self.decay = float(c.h2o_decay)
-        self.rope_base = c.h2o_rope_base  # accepted, unused (see module docstring)
+        o = self.config.options
+        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.grace
+        self.decay = float(o.decay)
+        self.rope_base = o.rope_base  # accepted, unused (see module docstring)
         check_budget("h2o_budget", self.budget, self.n_sink + self.recent, "h2o_n_sink + h2o_grace")
         self.evict_slack = default_slack(self.budget)
 
@@ -75,6 +71,4 @@ class H2OKVCache(BatchedEviction, EvictionKVCache):
     def score(self, obs_queries, obs_positions, scale):
         return self.acc[:, :, : self.rows]
 
-    @property
-    def h2o_kept_bytes(self) -> int:
-        return self.nbytes
+    h2o_kept_bytes = property(attrgetter("nbytes"))  # spec telemetry name

@@ -25,8 +25,7 @@ Deviations from the paper:
 * ``keyformer_anneal_steps`` fixes the schedule's length (the paper spreads it over the generation
   length, unknown to a cache); ``anneal_steps=0`` means a constant ``tau_init`` (and then
   ``tau_end`` must equal it).
-* Batched eviction: the cache may grow by ``evict_slack`` rows (``max(8, budget // 8)``)
-  during decoding before evicting back to ``keyformer_budget`` (the paper evicts every step).
+* Batched eviction: decoding evicts once per ``evict_slack`` steps (``eviction.py``), not every step.
 * ``keyformer_rope_base`` is accepted and unused: keys are cached after RoPE at their original
   positions (the paper's "original positions" variant), so nothing is re-rotated.
 * Trim drops the trimmed rows and their scores and rewinds the decode-step count; the score the
@@ -40,8 +39,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import EvictionKVCache
-from ..eviction import BatchedEviction, check_budget, default_slack
+from ..eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 
 @register_with_mlx_lm
@@ -69,11 +67,11 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
         return caches
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.recent = c.keyformer_budget, c.keyformer_n_sink, c.keyformer_recent
-        self.tau_fixed, self.tau_init, self.tau_end = c.keyformer_tau, c.keyformer_tau_init, c.keyformer_tau_end
-        self.anneal_steps, self.seed = c.keyformer_anneal_steps, c.keyformer_seed
-        self.rope_base = c.keyformer_rope_base  # accepted, unused
+        o = self.config.options
+        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
+        self.tau_fixed, self.tau_init, self.tau_end = o.tau, o.tau_init, o.tau_end
+        self.anneal_steps, self.seed = o.anneal_steps, o.seed
+        self.rope_base = o.rope_base  # accepted, unused
         check_budget("keyformer_budget", self.budget, self.n_sink + self.recent,
                      "keyformer_n_sink + keyformer_recent")
         for name in ("tau_fixed", "tau_init", "tau_end"):

@@ -13,10 +13,9 @@ Deviations from the paper:
   never dropped (the paper has neither; set both to 0 to reproduce it).
 * All layers are compressed; the paper leaves the first two layers uncompressed, where the
   norm/attention correlation is weak.
-* Compression runs during decoding too, in batches: the cache may grow by ``evict_slack`` rows
-  (``max(8, budget // 8)``) and is then cut back to the budget. Because a row's score never
-  changes, the rows held right after each cut are exactly the lowest-norm rows among every
-  unprotected token seen, as if one row had been dropped per step.
+* Compression runs during decoding too, in batches of ``evict_slack`` rows (``eviction.py``). A row's
+  score never changes, so the rows held right after each cut are exactly the lowest-norm rows among
+  every unprotected token seen, as if one row had been dropped per step.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
-from ..eviction import EvictionKVCache
-from ..eviction import BatchedEviction, check_budget, default_slack
+from ..eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 
 @register_with_mlx_lm
@@ -38,9 +36,9 @@ class KNormKVCache(BatchedEviction, EvictionKVCache):
     exact_trim = False  # decode steps evict older rows (slack)
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.recent = c.knorm_budget, c.knorm_n_sink, c.knorm_recent
-        self.keep_which = c.knorm_keep
+        o = self.config.options
+        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
+        self.keep_which = o.keep
         check_budget("knorm_budget", self.budget, self.n_sink + self.recent, "knorm_n_sink + knorm_recent")
         self.evict_slack = default_slack(self.budget)
 

@@ -34,7 +34,7 @@ Deviations from the paper:
   still works as a plain max-attention eviction cache.
 * Prefill chunks never evict (the context is held in full until ``compress_with_model``, the paper's
   setting); decoding evicts in batches: the cache grows to ``budget + slack`` rows
-  (``slack = max(8, budget // 8)``), then drops back to ``budget`` by importance; every decode query
+  (the slack of ``eviction.py``), then drops back to ``budget`` by importance; every decode query
   also raises the running max of the rows it sees, which is how decode rows get scored. Memory is
   bounded by ``budget + slack`` rows once decoding starts.
 * ``trim`` drops the held rows of the trimmed tokens; the running statistic keeps the trimmed
@@ -50,8 +50,7 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..eviction import EvictionKVCache
-from ..eviction import check_budget, default_slack
+from ..eviction import EvictionKVCache, check_budget, default_slack
 
 REPEAT_PROMPT = "\n\nRepeat the previous context:"
 
@@ -71,8 +70,8 @@ class KVzipKVCache(EvictionKVCache):
     _probe_rows = None  # rows held before a reconstruction chunk started (None: not probing)
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.probe = c.kvzip_budget, c.kvzip_n_sink, c.kvzip_probe
+        o = self.config.options
+        self.budget, self.n_sink, self.probe = o.budget, o.n_sink, o.probe
         self.recent = 0
         check_budget("kvzip_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         self.slack = default_slack(self.budget)

@@ -33,9 +33,8 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..eviction import EvictionKVCache
+from ..eviction import BatchedEviction, EvictionKVCache, check_budget
 from ..attention import attention_logits
-from ..eviction import BatchedEviction, check_budget
 
 
 @register_with_mlx_lm
@@ -51,8 +50,8 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     _live = False  # True while ``attend`` (real queries) is evicting
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.window = c.morphkv_budget, c.morphkv_n_sink, c.morphkv_window
+        o = self.config.options
+        self.budget, self.n_sink, self.window = o.budget, o.n_sink, o.window
         self.recent = self.obs_window = self.window
         check_budget("morphkv_budget", self.budget, self.n_sink + self.window, "morphkv_n_sink + morphkv_window")
 

@@ -27,7 +27,7 @@ Safeguard: the ceil(``safeguard_alpha`` * (budget - n_sink - window)) old rows w
 are always kept, whatever the key memories say. ``nestedkv_n_sink`` first tokens are kept too.
 
 Memory: eviction runs after every prefill chunk (to ``budget`` rows) and, while decoding, whenever the
-cache reaches ``budget + slack`` rows (``slack = max(8, budget // 8)``), so memory stays bounded (the
+cache reaches ``budget + slack`` rows (the slack of ``eviction.py``), so memory stays bounded (the
 decode-time part is ours too).
 
 ``trim`` drops the held rows of the trimmed tokens; the running statistic keeps the trimmed queries'
@@ -42,8 +42,7 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..eviction import EvictionKVCache
-from ..eviction import check_budget, default_slack
+from ..eviction import EvictionKVCache, check_budget, default_slack
 
 
 def rank01(x: mx.array) -> mx.array:
@@ -71,10 +70,9 @@ class NestedKVKVCache(EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("cur",)
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.window = c.nestedkv_budget, c.nestedkv_n_sink, c.nestedkv_window
-        self.beta, self.tau, self.kappa = c.nestedkv_beta, c.nestedkv_tau, c.nestedkv_kappa
-        self.alpha = c.nestedkv_safeguard_alpha
+        o = self.config.options
+        self.budget, self.n_sink, self.window = o.budget, o.n_sink, o.window
+        self.beta, self.tau, self.kappa, self.alpha = o.beta, o.tau, o.kappa, o.safeguard_alpha
         self.recent = self.window  # the sliding-window memory is kept verbatim
         check_budget("nestedkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         self.decay = 1.0 - 1.0 / self.window

@@ -60,12 +60,9 @@ Deviations from the paper (all of them, as implemented here):
 5. Attention rebuilds the rotated keys (float32 gathers of centroid cos/sin and a dense matmul); there
    is no fused kernel.
 
-Other behaviour: inputs are ``(d,)`` or ``(n, d)`` floating arrays (MLX or NumPy) without NaN/Inf,
-else ``CacheInputError`` (also raised for a key whose norm exceeds the float16 range of the radii);
-``attend`` covers the complete (key, value) pairs stored (``len(cache)``), uses scale
-``1/sqrt(head_dim)`` and returns ``config.dtype`` if set, else the query's dtype. ``config.capacity``
-is the initial preallocation (rows). With an ``ArtifactStore`` in ``config.store`` the rotation is
-fetched from / saved to it under ``polar.rotation.d<d>.seed<seed>``.
+Shared behaviour (inputs, ``attend``, capacity): :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`.
+A key whose norm exceeds the float16 range of the radii raises ``CacheInputError``. With an
+``ArtifactStore`` in ``config.store`` the rotation is kept there under ``polar.rotation.d<d>.seed<seed>``.
 """
 
 from __future__ import annotations

@@ -8,10 +8,14 @@ estimates the attention it will receive, without computing attention at all. Eac
 ``qfilters_budget`` rows whose keys project highest on the filters of its query heads (averaged over
 the GQA group), plus the first ``qfilters_n_sink`` tokens and the last ``qfilters_recent``.
 
-Calibration: the filters are learnt from the first ``qfilters_calib_tokens`` real queries that reach
-the attention dispatch point (their Gram matrix is accumulated, then its top eigenvector taken), once
-per layer cache. Without the dispatch point, the keys stand in for the queries (documented fallback;
-the principal key direction is then used). Retention check (real queries only): when calibration
+Calibration: the filters are learnt from ``qfilters_calib_tokens`` real queries that reach the attention
+dispatch point (their Gram matrix is accumulated, then its top eigenvector taken), once per layer
+cache: the first ones from the call that brings the cache within ``calib_tokens`` rows of its budget
+(a prompt that jumps past that point calibrates on its own first queries). Earlier queries are not
+needed -- nothing is evicted before -- and the accumulator ([query heads, D, D] float32 per layer, more
+than a short chat's rows) is then held only by a cache nearing its budget, until calibration ends.
+Without the dispatch point, the keys stand in for the queries (documented fallback; the principal key
+direction is then used). Retention check (real queries only): when calibration
 completes, the attention mass that the calibration queries put on the rows the filter would keep, at
 the compression ratio the cache is about to apply (``budget / stored rows``, sinks protected), is
 measured; below ``qfilters_min_retention`` the cache warns, raises ``QFiltersRetentionError`` or
@@ -22,11 +26,10 @@ filter's sign fixed as above); ``-1`` reverses the ranking (ablation).
 
 Deviations from the paper:
 * The paper calibrates offline on a separate dataset once per model; here each layer cache calibrates
-  online on the first queries it sees (no artifact to ship). The filters are part of ``state``.
+  online on its own queries as it nears its budget (no artifact to ship). The filters are in ``state``.
 * The retention check is an addition (the paper reports retrieval accuracy instead).
-* Decode-time eviction runs in batches: the cache grows to ``budget + slack`` rows
-  (``slack = max(8, budget // 8)``) before evicting back to ``budget``, so memory is bounded by
-  ``budget + slack`` rows and top-k runs once per ``slack`` decode steps, not every step.
+* Decode-time eviction runs in batches of ``slack`` rows (``eviction.default_slack``, described in
+  ``eviction.py``), so at most ``budget + slack`` rows are held.
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ class QFiltersKVCache(EvictionKVCache):
     retention = None  # measured retention (real-query calibration only)
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.recent = c.qfilters_budget, c.qfilters_n_sink, c.qfilters_recent
-        self.calib_tokens, self.sign = c.qfilters_calib_tokens, c.qfilters_sign
-        self.min_retention, self.on_low_retention = c.qfilters_min_retention, c.qfilters_on_low_retention
+        o = self.config.options
+        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
+        self.calib_tokens, self.sign = o.calib_tokens, o.sign
+        self.min_retention, self.on_low_retention = o.min_retention, o.on_low_retention
         if self.sign not in (1, -1):
             raise QuantizerConfigError("qfilters_sign", self.sign, "1 or -1")
         check_budget("qfilters_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
@@ -86,6 +89,12 @@ class QFiltersKVCache(EvictionKVCache):
     @property
     def calibrated(self) -> bool:
         return self.qf_filter is not None
+
+    def _calibration_due(self, rows: int) -> bool:
+        """Whether a call that leaves ``rows`` rows feeds the Gram accumulator: once it runs, or from the
+        call that brings the cache within ``calib_tokens`` rows of its budget (so the filters are
+        ready by the first eviction); a cache that stays far below its budget never holds one."""
+        return self.qf_gram is not None or rows + self.calib_tokens > self.budget
 
     def _accumulate(self, x: mx.array, source: str) -> int:
         """Add the first still-needed vectors of ``x`` [B, Hx, N, D] to the Gram sums; returns how many."""
@@ -120,12 +129,12 @@ class QFiltersKVCache(EvictionKVCache):
 
     # ------------------------------------------------------------------ hooks
     def update_and_fetch(self, keys, values):
-        if not self.calibrated and not dispatch.installed():
+        if not self.calibrated and not dispatch.installed() and self._calibration_due(self.rows + keys.shape[2]):
             self._accumulate(keys, "keys")  # fallback: keys stand in for queries
         return super().update_and_fetch(keys, values)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        if not self.calibrated:
+        if not self.calibrated and self._calibration_due(self.rows):
             used = self._accumulate(queries, "queries")
             if self.calibrated:
                 self._check_retention(queries[:, :, :used], scale)

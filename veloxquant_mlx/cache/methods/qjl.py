@@ -50,12 +50,10 @@ Deviations from the paper (all of them, as implemented here):
 4. The sketch is a dense Gaussian matrix applied with a float32 matmul; scores are computed from the
    unpacked signs (no fused kernel).
 
-Other behaviour: inputs are ``(d,)`` or ``(n, d)`` floating arrays (MLX or NumPy) without NaN/Inf,
-else ``CacheInputError`` (also for a key norm or value entries outside the float16 range);
-``attend`` covers the complete (key, value) pairs stored (``len(cache)``), uses scale
-``1/sqrt(head_dim)`` and returns ``config.dtype`` if set, else the query's dtype. ``config.capacity``
-is the initial preallocation (rows). With an ``ArtifactStore`` in ``config.store`` the JL matrix is
-fetched from / saved to it under ``qjl.sketch.m<m>.d<d>.seed<seed>``.
+Shared behaviour (inputs, ``attend``, capacity): :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`.
+A key norm, value entries or a value row's range outside the float16 range raise ``CacheInputError``.
+With an ``ArtifactStore`` in ``config.store`` the JL matrix is kept there under
+``qjl.sketch.m<m>.d<d>.seed<seed>``.
 """
 
 from __future__ import annotations

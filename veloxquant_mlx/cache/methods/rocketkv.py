@@ -34,6 +34,8 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import math
 
 import mlx.core as mx
@@ -57,17 +59,17 @@ class RocketKVKVCache(EvictionKVCache):
     last_attended_rows = 0  # rows the last sparse decode step attended (diagnostic)
 
     def _init_layout(self):
-        c = self.config
-        self.ratio = float(c.rocketkv_compression_ratio)
+        o, d = self.config.options, self.config.head_dim
+        self.ratio = float(o.compression_ratio)
         self._stage1_ratio = math.sqrt(self.ratio)
         self.stage2_ratio = self.ratio / self._stage1_ratio
-        self.obs_window, self.n_sink = c.rocketkv_obs_window, c.rocketkv_n_sink
+        self.obs_window, self.n_sink = o.obs_window, o.n_sink
         self.recent = self.obs_window
         s = math.sqrt(self.stage2_ratio)
-        self._head_topk1 = c.rocketkv_head_topk1 or max(1, min(c.head_dim, round(c.head_dim / s)))
-        self._page_size = c.rocketkv_page_size or max(2, 2 ** math.ceil(math.log2(2 * s)))
-        if self._head_topk1 > c.head_dim:
-            raise QuantizerConfigError("rocketkv_head_topk1", self._head_topk1, f"an int <= head_dim={c.head_dim}")
+        self._head_topk1 = o.head_topk1 or max(1, min(d, round(d / s)))
+        self._page_size = o.page_size or max(2, 2 ** math.ceil(math.log2(2 * s)))
+        if self._head_topk1 > d:
+            raise QuantizerConfigError("rocketkv_head_topk1", self._head_topk1, f"an int <= head_dim={d}")
         self.budget = self.n_sink + self.recent
 
     # ------------------------------------------------------------------ stage 1
@@ -179,17 +181,11 @@ class RocketKVKVCache(EvictionKVCache):
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=m.reshape(B, Hq, 1, -1))
 
     # ------------------------------------------------------------------ telemetry (spec)
-    @property
-    def stage1_ratio(self) -> float:
-        return self._stage1_ratio
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def head_topk1(self) -> int:
-        return self._head_topk1
+    stage1_ratio = property(attrgetter("_stage1_ratio"))
+    page_size = property(attrgetter("_page_size"))
+    head_topk1 = property(attrgetter("_head_topk1"))
+    full_fp16_bytes_total = property(attrgetter("full_seq_bytes"))
+    tokens_total = property(attrgetter("offset"))
 
     @property
     def stage1_bytes(self) -> int:
@@ -200,13 +196,5 @@ class RocketKVKVCache(EvictionKVCache):
         return sum(a.nbytes for a in (self.page_max, self.page_min) if a is not None)
 
     @property
-    def full_fp16_bytes_total(self) -> int:
-        return self.full_seq_bytes
-
-    @property
     def compression_ratio(self) -> float:
         return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
-
-    @property
-    def tokens_total(self) -> int:
-        return self.offset

@@ -10,7 +10,7 @@ paper compresses the prompt only), so the cache grows by one row per generated t
 Decode-time budget (``decode_evict=True``; an extension, not in the paper): the cache keeps a ring
 of the last ``snap_obs_window`` real queries (prompt and generated tokens alike, stored at 16 bits and
 counted in ``nbytes``). When a decode step leaves more than ``snap_budget + slack`` rows
-(``slack = max(8, budget // 8)``), the ring is the observation window of a SnapKV pass over the
+(the slack of ``eviction.py``), the ring is the observation window of a SnapKV pass over the
 stored rows (same votes, pooling, sinks and protected window as at prefill), which cuts back to
 ``snap_budget``; so the top-k runs once per ``slack`` steps and at most ``budget + slack`` rows are
 held. The eviction buffers keep ``slack + 1`` spare rows so the decode rows in between append in
@@ -29,6 +29,8 @@ Deviations from the paper:
 """
 
 from __future__ import annotations
+
+from operator import attrgetter
 
 import mlx.core as mx
 
@@ -65,8 +67,8 @@ class SnapKVKVCache(EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("qring", "qring_pos")
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.obs_window, self.n_sink = c.snap_budget, c.snap_obs_window, c.snap_n_sink
+        o = self.config.options
+        self.budget, self.obs_window, self.n_sink = o.budget, o.obs_window, o.n_sink
         self.recent = self.obs_window  # the observation window is always kept
         self.evict_slack = default_slack(self.budget)
 
@@ -130,9 +132,7 @@ class SnapKVKVCache(EvictionKVCache):
                                    self.positions[:, :, :rows])
         return avg_pool_last(votes, POOL_KERNEL)
 
-    @property
-    def tokens_total(self) -> int:
-        return self.offset
+    tokens_total = property(attrgetter("offset"))  # spec telemetry name
 
     @property
     def eviction_ratio(self) -> float:

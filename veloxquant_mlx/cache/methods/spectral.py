@@ -1,19 +1,16 @@
-"""SpectralQuant-style standalone cache: calibrated principal subspaces + residual QJL.
-
-``SpectralQuantKVCache`` ("spectral") -- a single-head cache implementing
-:class:`veloxquant_mlx.core.abstractions.KVCache`.
+"""``SpectralQuantKVCache`` ("spectral"), a standalone single-head cache: calibrated principal
+subspaces + residual QJL.
 
 Source. "SpectralQuant" has no arXiv paper to cite: it is Dynamis Labs' method ("3% Is All You Need:
 Breaking TurboQuant's Compression Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant,
 2026, manuscripts in that repository). Its observation: key vectors of a head concentrate their
 variance in a few principal directions (participation ratio ``d_eff = (sum l)^2 / sum l^2`` of the
-covariance eigenvalues ``l`` about 3-4% of ``head_dim``, ~4 at d = 128), values much less so
-(``d_eff`` ~40-55). That method rotates K/V into the calibrated eigenbasis (instead of TurboQuant's
-random rotation), spends more bits on the ``d_eff`` "signal" coordinates than on the rest, and applies
-the QJL correction to the signal coordinates only. This cache implements what VeloxQuant's config
-fields describe (``spectral_key_d_eff`` = 4, ``spectral_val_d_eff`` = 50, ``spectral_apply_qjl``,
-``spectral_model_name``) -- a truncated spectral code with a QJL sketch of the whole key residual --
-which differs from that method as listed under "Deviations".
+covariance eigenvalues ``l`` about 3-4% of ``head_dim``), values much less so (``d_eff`` ~40-55).
+That method rotates K/V into the calibrated eigenbasis (not TurboQuant's random rotation), spends
+more bits on the ``d_eff`` "signal" coordinates and applies QJL to them only. This cache implements
+what ``SpectralOptions`` describe (``key_d_eff`` = 4, ``val_d_eff`` = 50, ``apply_qjl``,
+``model_name``): a truncated spectral code with a QJL sketch of the whole key residual (see
+"Deviations").
 
 Algorithm (``d = head_dim``, ``b = bit_width_inlier``, ``r_K = min(spectral_key_d_eff, d)``,
 ``r_V = min(spectral_val_d_eff, d)``)
@@ -53,9 +50,8 @@ a new cache.
 Storage per token: keys ``r_K * b`` bits (padded to 32-bit words) + float16 ``rho``, plus ``m`` sign
 bits (padded) + float16 ``||e||`` with QJL; values ``r_V * b`` bits (padded) + float16 ``rho``.
 Defaults (d = 128, b = 2, m = 128): keys 4 + 2 + 16 + 2 = 24 bytes, values 16 + 2 = 18 bytes (fp16
-K+V: 512). ``memory_bytes()`` counts those per-token arrays (with preallocated capacity) and any rows
-held for calibration; ``state_bytes()`` the token-independent state (means, top-``r`` bases, full
-eigenvalue spectra, codebooks, JL matrix), as for the TurboQuant caches.
+K+V: 512). ``memory_bytes()`` also counts rows held for calibration; ``state_bytes()`` the means,
+top-``r`` bases, full spectra, codebooks and JL matrix.
 
 Deviations from Dynamis Labs' SpectralQuant (all of them, as implemented here):
 
@@ -74,10 +70,8 @@ Deviations from Dynamis Labs' SpectralQuant (all of them, as implemented here):
    ``spectral_model_name`` with characters outside ``[A-Za-z0-9.-]`` escaped as ``_<hex>_``); a
    per-layer/per-head basis needs a distinct ``spectral_model_name`` per cache.
 
-Other behaviour: inputs are ``(d,)`` or ``(n, d)`` floating arrays (MLX or NumPy) without NaN/Inf,
-else ``CacheInputError`` (also for a key whose centred norm or residual norm exceeds the float16
-range); ``attend`` covers the complete (key, value) pairs stored (``len(cache)``), uses scale
-``1/sqrt(head_dim)`` and returns ``config.dtype`` if set, else the query's dtype.
+Shared behaviour (inputs, ``attend``, capacity): :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`.
+A row whose centred norm or key residual norm exceeds the float16 range raises ``CacheInputError``.
 """
 
 from __future__ import annotations
@@ -237,7 +231,6 @@ class SpectralQuantKVCache(StandaloneCache):
             self._load(side)
 
     # ---- calibration -----------------------------------------------------------------------------
-
     def _store_key(self, side: _Side, part: str) -> str:
         return f"{_store_prefix(self.model_name)}.spectral.{side.kind}.d{self.head_dim}.{part}"
 
@@ -316,7 +309,6 @@ class SpectralQuantKVCache(StandaloneCache):
         return rows
 
     # ---- diagnostics -----------------------------------------------------------------------------
-
     def _side(self, kind: str) -> _Side:
         if kind not in ("key", "value"):
             raise ValueError(f"kind={kind!r} is invalid: expected 'key' or 'value'")
@@ -357,8 +349,7 @@ class SpectralQuantKVCache(StandaloneCache):
         out = self._keys.state_arrays() + self._values.state_arrays()
         return out + ([self.sketch] if self.sketch is not None else [])
 
-    # ---- keys ------------------------------------------------------------------------------------
-
+    # ---- rows and scores -------------------------------------------------------------------------
     def append_key(self, k) -> None:
         k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0]:

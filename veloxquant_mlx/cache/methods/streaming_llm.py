@@ -17,6 +17,8 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import mlx.core as mx
 
 from ..base import register
@@ -36,8 +38,8 @@ class StreamingLLMKVCache(EvictionKVCache):
     ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)
 
     def _init_layout(self):
-        self.n_sink = self.config.stream_n_sink
-        self.window = self.config.stream_window_size
+        o = self.config.options
+        self.n_sink, self.window = o.n_sink, o.window_size
         self.budget = self.n_sink + self.window
 
     def update_and_fetch(self, keys, values):
@@ -100,10 +102,6 @@ class StreamingLLMKVCache(EvictionKVCache):
 
         return StreamingLLMBatchKVCache.from_caches(caches)
 
-    @property
-    def tokens_in_window(self) -> int:
-        return self.rows
-
-    @property
-    def stream_kept_bytes(self) -> int:
-        return self.nbytes
+    # spec telemetry names
+    tokens_in_window = property(attrgetter("rows"))
+    stream_kept_bytes = property(attrgetter("nbytes"))

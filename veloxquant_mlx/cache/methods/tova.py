@@ -24,10 +24,11 @@ kept rows, the same order of memory traffic as the attention itself.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..eviction import EvictionKVCache, observation_scores
-from ..eviction import BatchedEviction, check_budget
+from ..eviction import BatchedEviction, EvictionKVCache, check_budget, observation_scores
 
 
 @register_with_mlx_lm
@@ -44,9 +45,9 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
     _current = None  # [B, H, rows] attention of this call's last query (transient)
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink, self.recent = c.tova_budget, c.tova_n_sink, 0
-        self.backend = c.tova_backend  # accepted, ignored
+        o = self.config.options
+        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, 0
+        self.backend = o.backend  # accepted, ignored
         check_budget("tova_budget", self.budget, self.n_sink, "tova_n_sink")
 
     def _store(self, keys, values):
@@ -69,6 +70,4 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
         return observation_scores(obs_queries[:, :, -1:], self.keys[:, :, :rows], scale, obs_positions[-1:],
                                   self.positions[:, :, :rows]) / rep
 
-    @property
-    def tova_kept_bytes(self) -> int:
-        return self.nbytes
+    tova_kept_bytes = property(attrgetter("nbytes"))  # spec telemetry name

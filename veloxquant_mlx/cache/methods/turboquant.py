@@ -56,13 +56,9 @@ Deviations from the paper (all of them, as implemented here):
    is computed by gathering centroids and doing a dense matmul in float32 (no fused kernel).
 7. A 1-bit Prod group (``b_g = 1``) is defined as pure QJL on that group (no MSE stage).
 
-Other behaviour: ``attend`` covers the complete (key, value) pairs stored (``len(cache)``), uses
-scale ``1/sqrt(head_dim)``, and returns ``config.dtype`` if set, else the query's dtype. Inputs are
-``(d,)`` or ``(n, d)`` floating arrays (MLX or NumPy) without NaN/Inf, else ``CacheInputError``
-(also raised for a key whose norm exceeds the float16 range of the stored norms; value entries
-beyond ``127 * 65504`` in magnitude are clipped).
-``config.capacity`` is the initial preallocation (rows); storage doubles when full. ``observers``
-and ``store`` are accepted and kept but not used by these caches.
+Shared behaviour (inputs, ``attend``, capacity): :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`.
+A key whose norm exceeds the float16 range raises ``CacheInputError``; value entries beyond
+``127 * 65504`` in magnitude are clipped. ``observers`` and ``store`` are kept but unused.
 """
 
 from __future__ import annotations
