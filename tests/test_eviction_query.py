@@ -267,6 +267,31 @@ def test_qfilters_ranking_matches_attention_when_queries_share_a_direction_and_r
         _qfilters_run(False, min_retention=0.75, on_low_retention="ignore")
 
 
+def test_qfilters_starts_its_query_accumulator_only_near_its_budget():
+    """The [query heads, D, D] Gram accumulator is started by the call that brings the cache within
+    ``calib_tokens`` rows of its budget (none is held below that), and the filters are ready, from
+    exactly the next ``calib_tokens`` real queries, when the first eviction comes."""
+    from veloxquant_mlx.cache.methods.qfilters import principal_direction
+
+    dispatch.install()
+    mx.random.seed(4)
+    T = 50
+    u = mx.random.normal((HQ, D))
+    Q = mx.random.uniform(4, 6, (B, HQ, T, 1)) * u[None, :, None, :] + 0.3 * mx.random.normal((B, HQ, T, D))
+    K, V = mx.random.normal((B, H, T, D)), mx.random.normal((B, H, T, D))
+    c = make("qfilters", budget=40, calib_tokens=16)  # within reach once more than 24 rows are held
+    for a, b in ((0, 20), (20, 30), (30, 50)):
+        if a == 20:
+            assert c.qf_gram is None and c.qf_count == 0 and not c.calibrated
+        layer_call(c, Q[:, :, a:b], K[:, :, a:b], V[:, :, a:b])
+        if a == 20:
+            assert c.qf_gram is not None and c.qf_count == 10 and c.qf_source == "queries"
+    assert c.calibrated and c.qf_gram is None and c.qf_count == 16 and c.size() == 40
+    q = Q[:, :, 20:36]
+    want = principal_direction(mx.einsum("bhnd,bhne->hde", q, q), q.sum(axis=(0, 2)))
+    assert mx.allclose(c.qf_filter, want, atol=1e-3)
+
+
 def test_kvzip_keeps_what_reconstruction_attends_to_and_beats_random_tokens():
     def lsm(x):
         return x - mx.logsumexp(x, axis=-1, keepdims=True)
