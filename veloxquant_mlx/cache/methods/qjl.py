@@ -24,9 +24,9 @@ Algorithm
     (the API reference quotes ~0.64 and ~0.88 at d = 128) -- so raise ``jl_dim`` when attention
     quality matters.
 
-Values are quantized per token: ``b = bit_width_inlier`` bits per coordinate (1..8), asymmetric
-min/max over the token's ``d`` entries (``scale = (max - min) / (2^b - 1)``, code
-``round((v - min) / scale)``), codes bit-packed, float16 scale and minimum. QJL's keys are 1-bit by
+Values are quantized per token with the shared group quantizer (``primitives.groupquant``, one group
+= the token's ``d`` entries, its min/max reference kernel): ``b = bit_width_inlier`` bits per
+coordinate (1..8), codes bit-packed, float16 scale and minimum. QJL's keys are 1-bit by
 construction, so ``bit_width_inlier`` is the value precision. Relative squared error on Gaussian
 values at d = 128: 3e-5 at ``b = 8`` (near-lossless), 0.01 at ``b = 4``, 0.25 at the default ``b = 2``
 (the aggressive low-bit setting of the KV-quantization literature); ``b = 1`` keeps only min and max.
@@ -34,10 +34,8 @@ values at d = 128: 3e-5 at ``b = 8`` (near-lossless), 0.01 at ``b = 4``, 0.25 at
 Storage per token (``d = head_dim``): ``m`` sign bits (padded to whole 32-bit words) + float16 key
 norm; values ``b*d`` bits (padded to words) + float16 scale + float16 minimum. ``d = m = 128, b = 8``:
 16 + 2 + 128 + 4 = 150 bytes; ``b = 2``: 16 + 2 + 32 + 4 = 54 bytes (fp16 K+V: 512). Signs take one
-bit each, not one byte as in the system the API reference was taken from. Per-token storage is
-preallocated and grown by doubling (:class:`~veloxquant_mlx.cache.primitives.rowstore.RowStore`).
-``memory_bytes()`` counts those per-token arrays (with the preallocated capacity); the JL matrix is
-token-independent state reported by ``state_bytes()``, as for the TurboQuant caches.
+bit each, not one byte as in the system the API reference was taken from. ``memory_bytes()`` counts
+those per-token arrays (with preallocated capacity); the JL matrix is reported by ``state_bytes()``.
 
 Deviations from the paper (all of them, as implemented here):
 
