@@ -129,13 +129,13 @@ class QJLKVCache(StandaloneCache):
         # the shared group quantizer (one group = the whole row) keeps its scale and minimum in float16
         if mx.max(mx.abs(v)).item() > FP16_MAX or mx.max(mx.max(v, axis=1) - mx.min(v, axis=1)).item() > FP16_MAX:
             raise CacheInputError(f"value entries or their range exceed the float16 range ({FP16_MAX})")
-        codes, scale, lo = gq.quantize(v, self.bit_width_inlier, self.head_dim, mx_kernels=False)
+        codes, scale, lo = gq.quantize(v, self.bit_width_inlier, self.head_dim, reference=True)
         self._values.append({"vcodes": codes, "vscale": scale[:, 0], "vmin": lo[:, 0]})
 
     def _decoded_values(self, n: int) -> mx.array:
         scale, lo = self._values.view("vscale")[:n, None], self._values.view("vmin")[:n, None]
         return gq.dequantize(self._values.view("vcodes")[:n], scale, lo, self.bit_width_inlier, self.head_dim,
-                             mx_kernels=False)
+                             reference=True)
 
     def reconstruct_values(self) -> mx.array:
         """``(n_values, d)`` float32 decoded values ``min + code * scale``."""

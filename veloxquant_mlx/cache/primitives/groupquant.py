@@ -118,16 +118,16 @@ def _unpack(words: mx.array, bits: int, g: int) -> mx.array:
 
 
 # ---------------------------------------------------------------------------------------- kernels
-def quantize(x: mx.array, bits: int, group: int, *, mx_kernels: bool | None = None) -> GroupQuantized:
+def quantize(x: mx.array, bits: int, group: int, *, reference: bool = False) -> GroupQuantized:
     """Quantize ``x [..., n]`` along its last axis in groups of ``group`` (``n % group == 0``).
-    ``mx_kernels=False`` forces the reference kernel (plain min/max: every element within half a step;
-    MLX's kernel moves the grid so that 0 is exact); pass the same to ``dequantize``."""
+    ``reference=True`` forces the reference kernel (plain min/max: every element within half a step;
+    MLX's kernel shifts the grid so that 0 is exact); pass the same to ``dequantize``."""
     _check(bits, group)
     n = x.shape[-1]
     if n % group:
         raise ValueError(f"last axis {n} is not a multiple of group={group}")
     lead = x.shape[:-1]
-    if uses_mx_kernels(bits, group) if mx_kernels is None else mx_kernels:
+    if uses_mx_kernels(bits, group) and not reference:
         codes, scales, biases = mx.quantize(x.astype(SCALE_DTYPE), group_size=group, bits=bits)
         return GroupQuantized(codes, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE))
     ng = n // group
@@ -145,11 +145,11 @@ def quantize(x: mx.array, bits: int, group: int, *, mx_kernels: bool | None = No
 
 
 def dequantize(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int,
-               dtype=mx.float32, *, mx_kernels: bool | None = None) -> mx.array:
+               dtype=mx.float32, *, reference: bool = False) -> mx.array:
     """``[..., n]`` values in ``dtype`` from what ``quantize`` returned (any leading slice of groups)."""
     _check(bits, group)
     s, b = scales.astype(dtype), biases.astype(dtype)
-    if uses_mx_kernels(bits, group) if mx_kernels is None else mx_kernels:
+    if uses_mx_kernels(bits, group) and not reference:
         return mx.dequantize(codes, s, b, group_size=group, bits=bits)
     lead = codes.shape[:-1]
     ng = scales.shape[-1]
