@@ -134,8 +134,7 @@ class QJLKVCache(StandaloneCache):
 
     def _decoded_values(self, n: int) -> mx.array:
         scale, lo = self._values.view("vscale")[:n, None], self._values.view("vmin")[:n, None]
-        return gq.dequantize(self._values.view("vcodes")[:n], scale, lo, self.bit_width_inlier, self.head_dim,
-                             reference=True)
+        return gq.dequantize(self._values.view("vcodes")[:n], scale, lo, self.bit_width_inlier, self.head_dim)
 
     def reconstruct_values(self) -> mx.array:
         """``(n_values, d)`` float32 decoded values ``min + code * scale``."""
