@@ -349,7 +349,8 @@ def test_shared_field_table_matches_what_each_standalone_method_reads():
             cache.append_key(k)
             cache.append_value(v)
         mx.eval(cache.attend(q))
-        settable = set(opts.method_fields(m).values()) | {"method", "options"}  # options: the method's own
+        # ``options``: the method's own options object (its fields are the settable options by construction)
+        settable = set(opts.method_fields(m).values()) | {"method", "options"}
         problems += [f"{m} reads {f} ({where}) but does not accept it" for f, where in _READS.items()
                      if f not in settable]
         problems += [f"{m} accepts shared {f} but never reads it" for f in opts.SHARED_FIELDS[m] if f not in _READS]
@@ -377,6 +378,7 @@ def test_shared_field_table_matches_what_each_method_reads():
         reads.clear()
         greedy(model, prompt, KVCacheBuilder.for_model(model, Recording(method=m)), max_tokens=3,
                prefill_step_size=256)
+        # ``options``: the method's own options object (its fields are the settable options by construction)
         settable = set(opts.method_fields(m).values()) | set(opts.DERIVED_FIELDS) | {"method", "head_dim", "options"}
         problems += [f"{m} reads {f} ({where}) but does not accept it" for f, where in reads.items()
                      if f not in settable]
