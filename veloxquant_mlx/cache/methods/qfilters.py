@@ -15,10 +15,9 @@ cache: the first ones from the call that brings the cache within ``calib_tokens`
 needed -- nothing is evicted before -- and the accumulator ([query heads, D, D] float32 per layer, more
 than a short chat's rows) is then held only by a cache nearing its budget, until calibration ends.
 Without the dispatch point, the keys stand in for the queries (documented fallback; the principal key
-direction is then used). Retention check (real queries only): when calibration
-completes, the attention mass that the calibration queries put on the rows the filter would keep, at
-the compression ratio the cache is about to apply (``budget / stored rows``, sinks protected), is
-measured; below ``qfilters_min_retention`` the cache warns, raises ``QFiltersRetentionError`` or
+direction is then used). Retention check (real queries only): when calibration completes, the
+attention mass that the calibration queries put on the rows the filter would keep, at the compression
+ratio the cache is about to apply (``budget / stored rows``, sinks protected), is measured; below ``qfilters_min_retention`` the cache warns, raises ``QFiltersRetentionError`` or
 ignores it (``qfilters_on_low_retention``). ``retention`` holds the measured value.
 
 ``qfilters_sign=1`` keeps keys that point along the queries' direction (the paper's rule, with the
