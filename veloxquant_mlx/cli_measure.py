@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import MODEL_HELP, NONE, UsageError, _fmt_bytes, _format_table
-from .cli_progress import Progress
+from .cache.settings import NONE, UsageError
+from .cli_output import MODEL_HELP, Progress, fmt_bytes, format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
@@ -77,9 +77,9 @@ def eval_table(rows: list[dict]) -> str:
         niah = "-" if r["niah_acc"] is None else f"{r['niah_hits']}/{r['niah_trials']}"
         kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
         table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
-                      _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, _fmt_bytes(r["kv_bytes"]),
+                      _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, fmt_bytes(r["kv_bytes"]),
                       fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
-    return _format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
+    return format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
                           "KV bytes", "kv_fraction_of_fp16", "time"], table)
 
 
@@ -242,12 +242,12 @@ def bench_tables(rows: list[dict]) -> str:
 
     ok = [r for r in rows if r["available"]]
     spread = any(r.get("repeats", 0) > 1 for r in ok)
-    mib = lambda v: _fmt_bytes(int(v))  # noqa: E731
+    mib = lambda v: fmt_bytes(int(v))  # noqa: E731
     main = [[_short_label(r), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
              _stat(r["decode_tps"], lambda v: f"{v:.1f}", spread),
              _stat(r["kv_nbytes"], mib, False), _fmt(r.get("kv_fraction_of_fp16"), ".3f"),
              _stat(r["kv_resident_bytes"], mib, False), _stat(r["peak_delta_bytes"], mib, False)] for r in ok]
-    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
+    parts = [format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
                             "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
     for r in ok:
@@ -263,7 +263,7 @@ def bench_tables(rows: list[dict]) -> str:
     if ratio_rows:
         parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's):\n"
                      "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
-                     + _format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
+                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
                                       "KV nbytes", "peak over start"], ratio_rows))
     seen, slope_rows = set(), []
     for r in ok:
@@ -273,7 +273,7 @@ def bench_tables(rows: list[dict]) -> str:
         slope_rows.append([_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}",
                            _fmt(r["slope_vs_none"], ".2f")])
     if slope_rows:
-        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
+        parts.append(format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
     if bad:
         parts.append("\n".join(f"unavailable: {k}: {v}" for k, v in bad.items()))

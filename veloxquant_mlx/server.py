@@ -183,7 +183,7 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
 
     Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
     from .cache.errors import QuantizerConfigError
-    from .cli import UsageError, method_config
+    from .cache.settings import UsageError, method_config
 
     if not isinstance(method, str):
         raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
