@@ -60,7 +60,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from http.server import ThreadingHTTPServer
 from typing import Any, Optional
 
@@ -69,7 +68,8 @@ from mlx_lm import server as mlx_server
 from mlx_lm.generate import stream_generate
 from mlx_lm.models import cache as mlx_cache
 
-from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
+from .measure import batch_figures, cache_figures, process_memory
+from .server_store import PromptCacheStore, SafePromptCache, reuse_mode  # noqa: F401 (PromptCacheStore: tests)
 
 NONE = "none"
 EMBEDDED_ID = "smollm2-135m"
@@ -161,22 +161,6 @@ def _method_class(method: str):
     return method_info(method).cls
 
 
-def reuse_mode(cls) -> str:
-    """How a cached prefix of this class can be reused (see the module docstring)."""
-    if not getattr(cls, "chunk_invariant", False):
-        return "recompute (state depends on how tokens were split across calls)"
-    if getattr(cls, "exact_trim", False):
-        return "prefix and trim"
-    if getattr(cls, "trim_exact_or_raises", False):
-        return "prefix, and trim where it stays in the float16 residual (else recompute)"
-    return "prefix only (trim is not exact)"
-
-
-def _trim_ok(cache) -> bool:
-    return bool(getattr(cache, "exact_trim", type(cache) is mlx_cache.KVCache)
-                or getattr(cache, "trim_exact_or_raises", False))
-
-
 def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
     """Validate ``method`` and ``sets`` (``--set`` fields) into ``KVSettings``; with ``model``, also
     build its caches once, so that per-layer checks fail here rather than in the generation thread.
@@ -204,139 +188,6 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
         raise RequestError(400, f"kv_cache settings {sets!r} for method {method!r} were refused: "
                                 f"{type(e).__name__}: {e}") from None
     return KVSettings(method, tuple(sorted(parsed.items(), key=lambda kv: kv[0])), config)
-
-
-# --------------------------------------------------------------------------- #
-# byte and token figures
-# --------------------------------------------------------------------------- #
-
-
-def cache_figures(model, caches) -> dict:
-    """Tokens seen and kept, measured bytes and the fp16 reference for one request's caches
-    (``kv_fraction_of_fp16`` = held bytes / fp16 bytes, the project's one ratio convention)."""
-    seen = cache_tokens(caches)
-    kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
-    measured = kv_bytes(caches)
-    reference = fp16_kv_bytes(model, seen)
-    return {"tokens_seen": seen, "tokens_kept_max": max(kept, default=0),
-            "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0,
-            "kv_bytes": measured, "kv_bytes_fp16": reference,
-            "kv_fraction_of_fp16": (measured / reference) if reference else None}
-
-
-def batch_figures(model, caches) -> dict:
-    """Like ``cache_figures`` for a running batch cache (host-side lengths only: no device reads; mlx_lm's
-    ``BatchKVCache`` keeps its per-request lengths on the device, so for ``none`` only bytes and the batch
-    size are reported)."""
-    first = caches[0]
-    measured = kv_bytes(caches)
-    if not hasattr(first, "lens"):
-        padding = getattr(first, "left_padding", None)
-        return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
-                "kv_bytes": measured, "kv_bytes_fp16": None, "kv_fraction_of_fp16": None}
-    lens = list(first.lens)
-    reference = sum(fp16_kv_bytes(model, n) for n in lens)
-    return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
-            "kv_fraction_of_fp16": (measured / reference) if reference else None}
-
-
-def process_memory() -> dict:
-    out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
-           "mlx_cache_bytes": int(mx.get_cache_memory())}
-    try:
-        import os
-
-        with open("/proc/self/statm") as f:
-            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out["rss_peak_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
-    return out
-
-
-# --------------------------------------------------------------------------- #
-# prompt-cache store for compressed caches
-# --------------------------------------------------------------------------- #
-
-
-class PromptCacheStore:
-    """LRU store of finished requests' compressed caches, keyed by (KV settings, tokens).
-
-    ``fetch`` returns a private copy of the cache of the longest usable cached prefix of a prompt,
-    following the reuse rules of the module docstring, and leaves at least one prompt token to process.
-    """
-
-    def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple, list] = OrderedDict()  # (kv key, tokens) -> caches
-        self._lock = threading.Lock()
-
-    def __len__(self):
-        return len(self._entries)
-
-    @staticmethod
-    def _common(a, b) -> int:
-        n = min(len(a), len(b))
-        i = 0
-        while i < n and a[i] == b[i]:
-            i += 1
-        return i
-
-    def fetch(self, kv_key, prompt: list[int]):
-        """``(caches or None, tokens reused, how)``: the candidate reusing the most tokens, among kept
-        prefixes of the prompt and longer kept sequences whose trim back to the shared part is exact."""
-        limit = len(prompt) - 1
-        candidates = []
-        skipped = ""
-        with self._lock:
-            for (key, tokens), caches in self._entries.items():
-                use = min(self._common(tokens, prompt), limit) if key == kv_key else 0
-                trim = len(tokens) - use
-                if use <= 0:
-                    continue
-                if trim and not all(_trim_ok(c) for c in caches):
-                    skipped = "; a longer kept sequence was skipped (its trim is not exact)"
-                    continue
-                candidates.append((use, -trim, (key, tokens)))
-            candidates.sort(reverse=True)
-            picked = [(use, -neg, k, copy.deepcopy(self._entries[k])) for use, neg, k in candidates[:2]]
-        for use, trim, entry_key, caches in picked:
-            try:
-                if trim and any(c.trim(trim) != trim for c in caches):
-                    continue  # a layer did not trim all of it: not the state a fresh run builds
-            except ValueError:  # the trim would cut into compressed rows
-                continue
-            with self._lock:
-                if entry_key in self._entries:
-                    self._entries.move_to_end(entry_key)
-            return caches, use, ("trimmed" if trim else "prefix") + skipped
-        return None, 0, "no reusable cached prefix: recomputed" + skipped
-
-    def insert(self, kv_key, tokens: list[int], caches: list) -> None:
-        with self._lock:
-            self._entries[(kv_key, tuple(tokens))] = caches
-            self._entries.move_to_end((kv_key, tuple(tokens)))
-            while len(self._entries) > self.max_entries or (
-                    self.max_bytes is not None and self.nbytes_locked() > self.max_bytes and self._entries):
-                self._entries.popitem(last=False)
-
-    def nbytes_locked(self) -> int:
-        return sum(int(c.nbytes) for caches in self._entries.values() for c in caches)
-
-    def describe(self, model) -> list[dict]:
-        with self._lock:
-            items = list(self._entries.items())
-        return [{"method": key[0][0], "settings": dict(key[0][1]), **cache_figures(model, caches)}
-                for key, caches in items]
-
-
-def is_reusable(caches) -> bool:
-    """All layers chunk-invariant (mlx_lm's own KVCache is)."""
-    return all(getattr(c, "chunk_invariant", type(c) is mlx_cache.KVCache) for c in caches)
 
 
 # --------------------------------------------------------------------------- #
@@ -380,61 +231,6 @@ class CachedModel:
     def live_caches(self) -> list:
         caches = [r() for r in self._last]
         return caches if caches and all(c is not None for c in caches) else []
-
-
-class SafePromptCache(mlx_cache.LRUPromptCache):
-    """mlx_lm's prompt-cache store (used by its batch path), keyed per KV settings through the model
-    key, with trims that are checked: a trim that raises or that a layer does not complete means
-    "recompute" instead of a wrong or crashed request."""
-
-    skip_fetch = False  # set per request (kv_cache.reuse = false) by the response generator
-
-    def __init__(self, max_size: int, counters: dict):
-        super().__init__(max_size)
-        self.counters = counters
-
-    def fetch_nearest_cache(self, model, tokens):
-        if self.skip_fetch:
-            return None, tokens
-        # mlx_lm trims a longer kept sequence whenever its caches say ``is_trimmable``; ours may only be
-        # trimmed where the trim is exact (the flags): otherwise fall back to a shorter kept prefix.
-        found = self._trie.search(model, tokens)
-        short = len(found.shorter) if found.shorter is not None else 0
-        if found.exact is None and found.longer is not None and found.common_prefix > short:
-            longer = self._trie.get(found.model, found.longer).prompt_cache
-            if not all(_trim_ok(c) for c in longer):
-                if short == 0:
-                    return None, tokens
-                kept = self._trie.get(found.model, found.shorter).prompt_cache
-                self.counters["reused_tokens"] += short
-                return copy.deepcopy(kept), tokens[short:]
-        try:
-            cache, rest = super().fetch_nearest_cache(model, tokens)
-        except ValueError:  # e.g. KIVI: the trim would cut into quantized groups
-            return None, tokens
-        if cache is not None:
-            expected = len(tokens) - len(rest)
-            offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
-            if any(o != expected for o in offsets):
-                return None, tokens
-            self.counters["reused_tokens"] += expected
-        return cache, rest
-
-    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if is_reusable(prompt_cache):  # a state that depends on the call split is never reused
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-
-    def entries(self) -> list:
-        """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie,
-        as ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
-        out = []
-        for lru in list(self._lru._lrus.values()):
-            for model, tokens in list(lru):
-                try:  # the generation thread may evict it meanwhile (stats run on a handler thread)
-                    out.append((model, tokens, self._trie.get(model, tokens).prompt_cache))
-                except (KeyError, AttributeError, TypeError):
-                    continue
-        return out
 
 
 class ServedModelProvider(mlx_server.ModelProvider):
@@ -674,7 +470,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         # mlx_lm's generate_step feeds each token before yielding it, so the caches have seen
         # ``offset`` of ``tokens``; they are stored under exactly those.
         seen = max(int(c.offset) for c in caches)
-        if kv.reuse and is_reusable(caches) and self.store.max_entries > 0 and seen <= len(tokens):
+        if kv.reuse and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
 
     def _counters_copy(self) -> dict:
