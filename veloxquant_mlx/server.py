@@ -6,54 +6,38 @@ generation thread, and, for uncompressed requests (``--method none``), its conti
 
 What this module adds:
 
-* **Compressed caches per request.** Every compressed request gets caches from
-  ``KVCacheBuilder.for_model`` with the server's configuration, or with the request's own
-  ``"kv_cache": {"method": ..., "settings": {...}}``.
+* **Compressed caches per request** from ``KVCacheBuilder.for_model`` with the server's configuration
+  or the request's own ``"kv_cache": {"method": ..., "settings": {...}}`` (:mod:`.server_requests`).
 * **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi, the
-  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
-  description carry them); the others (``merge`` raises ``BatchingNotSupported``) are served one at a
-  time, in arrival order. ``/v1/kv/stats`` says which; nothing is ever decoded with an uncompressed batch
-  cache behind a compressed label. ``none`` requests use mlx_lm's batch path as is.
-* **Prompt-cache reuse only where the cache state is the one a fresh run builds.** A follow-up request
-  reuses the cache of the longest cached prefix only if the method is ``chunk_invariant`` (its state
-  does not depend on how tokens were split across calls); trimming a longer cached sequence back to
-  the shared prefix needs ``exact_trim`` (or ``trim_exact_or_raises``, and then a raise means
-  recompute) and is verified layer by layer (every layer must report the full trim). Otherwise the
-  prompt is recomputed, and the stats say why. As with mlx_lm's own quantized cache, a lossy method's
-  rows for decoded tokens were computed against the compressed past, so reuse matches a fresh run in
-  the cache's rules, not bit for bit in every hidden state; tests/test_server.py checks that the
-  greedy answers agree.
-* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` (bytes of
-  the arrays the caches hold) next to the fp16 bytes of mlx_lm's plain cache for the same tokens,
-  tokens seen and kept, and process memory.
-* **Bad input gets a 4xx JSON error** naming the field (malformed JSON or UTF-8, a non-numeric
-  Content-Length, unknown model, method or field, bad values: booleans or NaN where numbers belong,
-  seeds MLX cannot take, ``top_k`` and ``logit_bias`` ids outside the vocabulary, non-string ``stop``
-  items, malformed messages, template errors, bodies over ``--max-body-bytes``, prompts over
-  ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
-  Images are refused before anything is fetched (the served models are text-only).
-* **Every failure gets an answer and fails only its own requests.** A failure after generation started
-  is a 500 JSON error, or a final SSE error event on a stream already under way; an exception that
-  escapes mlx_lm's generation loop fails the requests the loop was serving, re-queues those it had not
-  started, and the loop starts again (mlx_lm would end its thread: every later request failing).
-* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (a
-  request from another origin gets 403); ``--api-key`` requires a bearer token; every socket read and
-  write is bounded by ``--socket-timeout``; a request whose client has closed its connection is
-  cancelled at its next prefill chunk or decode step; a disconnecting streaming client leaves no
-  traceback. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
+  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV
+  settings (the model key and model description carry them); the others (``merge`` raises
+  ``BatchingNotSupported``) are served one at a time, in arrival order. ``/v1/kv/stats`` says which;
+  nothing is ever decoded with an uncompressed batch cache behind a compressed label.
+* **Prompt-cache reuse only where the cache state is the one a fresh run builds**: one policy for both
+  stores (:mod:`.server_store`); otherwise the prompt is recomputed, and the stats say why.
+* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` next to the
+  fp16 bytes of mlx_lm's plain cache for the same tokens, tokens seen and kept, and process memory.
+* **Bad input gets a 4xx JSON error** naming the field (malformed JSON, UTF-8 or Content-Length, unknown
+  model, method or field, bad values, images, template errors, bodies over ``--max-body-bytes``, prompts
+  over ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
+* **Every failure gets an answer and fails only its own requests**: a 500 JSON error, or a final SSE
+  error event on a stream under way; an exception escaping mlx_lm's generation loop fails the requests
+  it was serving, re-queues those it had not started, and the loop starts again.
+* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (others get
+  403); ``--api-key`` requires a bearer token; every socket read and write is bounded by
+  ``--socket-timeout``; a request whose client has gone is cancelled at its next prefill chunk or decode
+  step. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import hmac
 import io
 import json
 import logging
-import math
 import re
 import select
 import socket
@@ -61,17 +45,19 @@ import threading
 import time
 import weakref
 from http.server import ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import stream_generate
-from mlx_lm.models import cache as mlx_cache
 
+from .cache.settings import NONE
+from .generate import make_caches
 from .measure import batch_figures, cache_figures, process_memory
-from .server_store import PromptCacheStore, SafePromptCache, reuse_mode  # noqa: F401 (PromptCacheStore: tests)
+from .server_requests import (KVSettings, RequestError, _method_class, check_generation_fields,  # noqa: F401
+                              check_messages, check_number_types, parse_kv_settings, prompt_tokens, request_kv)
+from .server_store import PromptCacheStore, SafePromptCache, reuse_mode  # noqa: F401
 
-NONE = "none"
 EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
@@ -84,14 +70,6 @@ DEFAULT_SOCKET_TIMEOUT = 30.0
 DEFAULT_METHOD = "kivi"
 DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
-
-
-class RequestError(ValueError):
-    """A client error with its HTTP status (4xx)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 # mlx_lm's handler answers every error of a request factory with 400 and every error of
@@ -112,85 +90,6 @@ class RequestCancelled(Exception):
 
 
 # --------------------------------------------------------------------------- #
-# KV settings of a request
-# --------------------------------------------------------------------------- #
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSettings:
-    """The cache configuration of a request: a method, its ``--set`` fields and the built config."""
-
-    method: str
-    settings: tuple  # sorted (field, value) pairs, hashable
-    config: Any = dataclasses.field(default=None, compare=False, hash=False)
-    reuse: bool = True  # False: neither reuse a cached prefix nor keep this request's cache
-
-    @property
-    def key(self) -> tuple:
-        return (self.method, self.settings)
-
-    def describe(self) -> dict:
-        cls = _method_class(self.method)
-        out = {"method": self.method, "settings": dict(self.settings)}
-        if cls is None:
-            out.update(batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
-                       prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
-            return out
-        if cls.__dict__.get("batchable", False):
-            out["batching"] = "batched"
-            out["batching_reason"] = (f"{cls.__name__}.merge builds its compressed batch form: requests with "
-                                      "these settings share mlx_lm's continuous batch")
-        else:
-            out["batching"] = "sequential"
-            out["batching_reason"] = (f"{cls.__name__} has no batch form (merge raises BatchingNotSupported): "
-                                      "requests are served one at a time, compressed")
-        out["prompt_reuse"] = reuse_mode(cls)
-        return out
-
-    @property
-    def batchable(self) -> bool:
-        cls = _method_class(self.method)
-        return cls is None or bool(cls.__dict__.get("batchable", False))
-
-
-def _method_class(method: str):
-    if method == NONE:
-        return None
-    from .cache.base import method_info
-
-    return method_info(method).cls
-
-
-def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
-    """Validate ``method`` and ``sets`` (``--set`` fields) into ``KVSettings``; with ``model``, also
-    build its caches once, so that per-layer checks fail here rather than in the generation thread.
-
-    Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
-    from .cache.errors import QuantizerConfigError
-    from .cache.settings import UsageError, method_config
-
-    if not isinstance(method, str):
-        raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
-    if not isinstance(sets, dict):
-        raise RequestError(400, f"kv_cache.settings must be an object of FIELD: VALUE, got {sets!r}")
-    try:
-        parsed, config = method_config(method, [f"{k}={json.dumps(v)}" for k, v in sets.items()],
-                                       standalone_ok=False)
-        if method == NONE:
-            return KVSettings(NONE, ())
-        if model is not None:
-            from .cache import KVCacheBuilder
-
-            KVCacheBuilder.for_model(model, config)
-    except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError, OverflowError) as e:
-        raise RequestError(400, str(e)) from None
-    except Exception as e:  # noqa: BLE001 - whatever else a config or cache constructor raises is the request's
-        raise RequestError(400, f"kv_cache settings {sets!r} for method {method!r} were refused: "
-                                f"{type(e).__name__}: {e}") from None
-    return KVSettings(method, tuple(sorted(parsed.items(), key=lambda kv: kv[0])), config)
-
-
-# --------------------------------------------------------------------------- #
 # mlx_lm server pieces
 # --------------------------------------------------------------------------- #
 
@@ -208,9 +107,9 @@ class CachedModel:
     batch path calls (``make_prompt_cache``) for each new request. It also remembers the caches of
     the latest forward pass (weakly), so ``/v1/kv/stats`` can report the running batch."""
 
-    def __init__(self, model, config):
+    def __init__(self, model, kv: KVSettings):
         self._model = model
-        self._config = config
+        self._kv = kv
         self._last = ()
 
     def __call__(self, *args, cache=None, **kwargs):
@@ -222,11 +121,7 @@ class CachedModel:
         return getattr(self._model, name)
 
     def make_cache(self):
-        if self._config is None:  # ``none``: mlx_lm's own caches
-            return mlx_cache.make_prompt_cache(self._model)
-        from .cache import KVCacheBuilder
-
-        return KVCacheBuilder.for_model(self._model, self._config)
+        return make_caches(self._model, self._kv.method, self._kv.config)
 
     def live_caches(self) -> list:
         caches = [r() for r in self._last]
@@ -277,7 +172,7 @@ class ServedModelProvider(mlx_server.ModelProvider):
         if kv.method != NONE:
             self.model_key = (self.served_id, kv.key, None)
         if kv.key not in self._wrapped:
-            self._wrapped[kv.key] = CachedModel(self.model, kv.config)
+            self._wrapped[kv.key] = CachedModel(self.model, kv)
         return self._wrapped[kv.key], self.tokenizer
 
 
@@ -412,8 +307,6 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             mx.clear_cache()
 
     def _serve_compressed(self, rqueue, request, args, kv, stream):
-        from .cache import KVCacheBuilder
-
         provider = self.model_provider
         model, tokenizer = provider.model, provider.tokenizer
         prompt, _, _, initial_state, vision = self._tokenize(tokenizer, request, args)
@@ -427,7 +320,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         caches, reused, how = self.store.fetch(kv.key, prompt) if kv.reuse else (None, 0, "reuse off")
         self.last_reuse = {"method": kv.method, "reused_tokens": reused, "prompt_tokens": len(prompt), "how": how}
         if caches is None:
-            caches = KVCacheBuilder.for_model(model, kv.config)
+            caches = make_caches(model, kv.method, kv.config)
         ctx.prompt_cache_count = reused
         self.count("served_one_at_a_time")
         self.count("prompt_tokens_one_at_a_time", len(prompt))
@@ -473,12 +366,10 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         if kv.reuse and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
 
-    def _counters_copy(self) -> dict:
-        with self._count_lock:
-            return dict(self.counters)
-
     def stats(self) -> dict:
         model = self.model_provider.model
+        with self._count_lock:
+            counters = dict(self.counters)
         live = [{"id": i, "method": kv.method, "settings": dict(kv.settings), **cache_figures(model, caches)}
                 for i, (kv, caches) in list(self.live.items())]
         for key, wrapped in list(self.model_provider._wrapped.items()):
@@ -486,58 +377,18 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             if caches:
                 live.append({"batch": True, "method": key[0], "settings": dict(key[1]),
                              **batch_figures(model, caches)})
-        cached = self.store.describe(model)
-        for key, tokens, caches in self.prompt_cache.entries():
-            method, settings = key[1] if key[1] is not None else (NONE, ())
-            cached.append({"method": method, "settings": dict(settings), "store": "mlx_lm",
-                           **cache_figures(model, caches)})
+        cached = self.store.describe(model) + self.prompt_cache.describe(model)
         return {
             "model": self.model_provider.served_id,
             "default": self.default_kv.describe(),
             "live": live,
             "cached": cached,
             "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
-            "counters": self._counters_copy(),
+            "counters": counters,
             "last_one_at_a_time_reuse": self.last_reuse,
             "process": process_memory(),
             "time": time.time(),
         }
-
-
-_INT_FIELDS = ("max_tokens", "top_k", "num_draft_tokens", "repetition_context_size", "presence_context_size",
-               "frequency_context_size", "top_logprobs", "seed")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "xtc_probability", "xtc_threshold")
-_ROLES = ("system", "user", "assistant", "tool")  # examples for the message; the chat template decides
-_IMAGE_TYPES = ("image_url", "input_image", "image")
-
-
-def _check_messages(messages) -> None:
-    """Refuse malformed chat messages with a 400 naming the field, before any of mlx_lm's processing
-    (which fetches remote image URLs and feeds the chat template whatever it is given)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError(400, f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise RequestError(400, f"messages[{i}].role must be a string such as {', '.join(_ROLES)}, "
-                                    f"got {json.dumps(role)[:80]}")
-        content = m.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise RequestError(400, f"messages[{i}].content must be a string, null or a list of "
-                                    f"{{type: text, text}} parts, got {type(content).__name__}")
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _IMAGE_TYPES:
-                raise RequestError(400, f"messages[{i}].content[{j}]: image inputs are not supported by "
-                                        "veloxquant serve (it serves text-only models); nothing was fetched")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(400, f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": "
-                                        f"STRING}}, got {part!r}"[:300])
 
 
 class CompressedAPIHandler(mlx_server.APIHandler):
@@ -576,7 +427,9 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
             self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
 
-    def _send_json(self, status: int, obj, headers: Optional[dict] = None) -> None:
+    def _send_json(self, status: int, obj, headers: Optional[dict] = None, close: bool = False) -> None:
+        """A JSON answer; ``close`` ends the connection after it (the rest of the request is not read)."""
+        self.close_connection = self.close_connection or close
         _pending.status = None
         self._set_completion_headers(status)
         for name, value in (headers or {}).items():
@@ -615,19 +468,17 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         origin = self.headers.get("Origin")
         allowed = self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
-            self.close_connection = True
             self._send_json(403, {"error": f"origin {origin!r} is not allowed (the server allows "
                                            f"{', '.join(allowed) or 'no cross-origin requests'}; see "
-                                           "--allow-origin)"})
+                                           "--allow-origin)"}, close=True)
             return True
         key = self.response_generator.limits.get("api_key")
         if key:
             given = self.headers.get("Authorization") or ""
             if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
-                self.close_connection = True
                 self._send_json(401, {"error": "missing or wrong API key: send the header "
                                                "'Authorization: Bearer KEY' (--api-key)"},
-                                headers={"WWW-Authenticate": "Bearer"})
+                                headers={"WWW-Authenticate": "Bearer"}, close=True)
                 return True
         return False
 
@@ -661,26 +512,21 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         limit = self.response_generator.limits["max_body_bytes"]
         length = self.headers.get("Content-Length")
         if length is None:
-            self.close_connection = True
-            return self._send_json(411, {"error": "Content-Length header is required"})
+            return self._send_json(411, {"error": "Content-Length header is required"}, close=True)
         if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
-            self.close_connection = True
             return self._send_json(400, {"error": f"Content-Length must be a decimal byte count, got "
-                                                  f"{length[:40]!r}"})
+                                                  f"{length[:40]!r}"}, close=True)
         n = int(length)
         if n > limit:
-            self.close_connection = True
             return self._send_json(413, {"error": f"request body of {n} bytes is over the limit of "
-                                                  f"{limit} bytes (--max-body-bytes)"})
+                                                  f"{limit} bytes (--max-body-bytes)"}, close=True)
         try:
             raw = self.rfile.read(n)
         except TimeoutError:
-            self.close_connection = True
             return self._send_json(408, {"error": f"request body not received within "
-                                                  f"{self.timeout:g} s (Content-Length: {n})"})
+                                                  f"{self.timeout:g} s (Content-Length: {n})"}, close=True)
         if len(raw) < n:
-            self.close_connection = True
-            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"})
+            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"}, close=True)
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -698,43 +544,10 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         """mlx_lm's checks, plus: no booleans for numbers, finite floats, ``seed`` within what MLX
         accepts, ``top_k`` and ``logit_bias`` ids within the vocabulary, string ``stop`` words, an object
         for ``chat_template_kwargs``, and a served model (named in the response as the served id)."""
-        gen = self.response_generator
-        for name in _INT_FIELDS + _FLOAT_FIELDS:
-            if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number, got {json.dumps(getattr(self, name))}")
+        check_number_types(self)
         super().validate_model_parameters()
-        for name in _FLOAT_FIELDS:
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        vocab = gen.vocab_size
-        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
-        if self.top_k >= vocab:
-            raise ValueError(f"top_k={self.top_k} is not below the vocabulary of {vocab} tokens (allowed: 0 "
-                             f"= off, or 1..{vocab - 1})")
-        if self.logit_bias is not None:
-            for token, bias in self.logit_bias.items():
-                if not 0 <= token < vocab:
-                    raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab} "
-                                     f"tokens (ids 0..{vocab - 1})")
-                if not math.isfinite(bias):
-                    raise ValueError(f"logit_bias[{token}] must be a finite number, got {bias}")
-        stop = self.body.get("stop")
-        words = [stop] if isinstance(stop, str) else stop
-        if words is not None and (not isinstance(words, list)
-                                  or not all(isinstance(w, str) and w for w in words)):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got "
-                             f"{json.dumps(stop)[:200]}")
-        kwargs = self.chat_template_kwargs
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be an object, got {json.dumps(kwargs)[:200]}")
-        for name in ("tools", "role_mapping"):
-            value = self.body.get(name)
-            expected = list if name == "tools" else dict
-            if value is not None and not isinstance(value, expected):
-                raise ValueError(f"{name} must be {'a list' if expected is list else 'an object'}, got "
-                                 f"{json.dumps(value)[:200]}")
-        provider = gen.model_provider
+        check_generation_fields(self, self.response_generator.vocab_size)
+        provider = self.response_generator.model_provider
         if self.requested_model not in provider.aliases:
             self._reject(404, f"model {self.requested_model!r} is not served here; this server serves "
                               f"{provider.served_id!r}")
@@ -743,25 +556,17 @@ class CompressedAPIHandler(mlx_server.APIHandler):
     def _checked(self, request):
         """Attach the request's KV settings and check its prompt length (raises RequestError)."""
         try:
-            spec = self.body.get("kv_cache")
-            if spec is not None:
-                if not isinstance(spec, dict) or set(spec) - {"method", "settings", "reuse"}:
-                    raise RequestError(400, 'kv_cache must be {"method": NAME, "settings": {FIELD: VALUE}, '
-                                            f'"reuse": BOOL}} (each optional), got {spec!r}'[:400])
-                reuse = spec.get("reuse", True)
-                if not isinstance(reuse, bool):
-                    raise RequestError(400, f"kv_cache.reuse must be true or false, got {reuse!r}")
-                kv = self.response_generator.default_kv
-                if "method" in spec or "settings" in spec:
-                    kv = parse_kv_settings(spec.get("method", kv.method), spec.get("settings") or {},
-                                           model=self.response_generator.model_provider.model)
-                request.kv = dataclasses.replace(kv, reuse=reuse)
-            max_tokens = self.response_generator.limits["max_tokens"]
+            gen = self.response_generator
+            kv = request_kv(self.body.get("kv_cache"), gen.default_kv, gen.model_provider.model)
+            if kv is not None:
+                request.kv = kv
+            max_tokens = gen.limits["max_tokens"]
             if self.max_tokens > max_tokens:
                 raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "
                                         f"{max_tokens}")
-            n = len(self._prompt_tokens(request))
-            cap = self.response_generator.limits["max_prompt_tokens"]
+            template_args = {**gen.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
+            n = len(prompt_tokens(request, gen.model_provider.tokenizer, template_args))
+            cap = gen.limits["max_prompt_tokens"]
             if n > cap:
                 raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "
                                         "(--max-prompt-tokens)")
@@ -770,28 +575,9 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             raise
         return request
 
-    def _prompt_tokens(self, request) -> list:
-        """The prompt as the generation thread will build it; a template error is the client's (400)."""
-        tokenizer = self.response_generator.model_provider.tokenizer
-        if request.request_type != "chat":
-            if not isinstance(request.prompt, str):
-                raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")
-            return tokenizer.encode(request.prompt)
-        try:
-            messages = copy.deepcopy(request.messages)
-            mlx_server.process_message_content(messages)
-            if not tokenizer.has_chat_template:
-                return tokenizer.encode(mlx_server.convert_chat(messages, request.role_mapping))
-            kwargs = {**self.response_generator.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=request.tools,
-                                                 **{**kwargs, "tokenize": True})
-        except Exception as e:  # noqa: BLE001 - the template's own error, whatever its type
-            raise RequestError(400, "messages (with tools and chat_template_kwargs) could not be rendered by "
-                                    f"the model's chat template: {type(e).__name__}: {e}"[:500]) from None
-
     def handle_chat_completions(self):
         try:
-            _check_messages(self.body.get("messages"))
+            check_messages(self.body.get("messages"))
         except RequestError as e:
             _remember_status(e)
             raise
@@ -867,15 +653,11 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
     Call ``shutdown(httpd, generator)`` to stop."""
     provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
-    if kv.method != NONE:  # per-layer configuration errors surface now, not on the first request
-        from .cache import KVCacheBuilder
-
-        KVCacheBuilder.for_model(provider.model, kv.config)
+    make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    # requests: all POSTed generations; served_one_at_a_time: compressed requests without a batch form;
-    # reused_tokens: prompt tokens taken from a kept cache (both paths); errors: 4xx/5xx responses and
-    # error events ending a started stream; cancelled_client_gone: requests stopped because their client
-    # closed the connection; generation_failures: failures of the generation loop that it survived
+    # requests: POSTed generations; served_one_at_a_time: compressed requests without a batch form;
+    # reused_tokens: prompt tokens taken from a kept cache (both stores); errors: 4xx/5xx answers and error
+    # events ending a stream; generation_failures: failures of the generation loop that it survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
                 "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)

@@ -180,6 +180,15 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         if REUSE.keepable(prompt_cache):  # a state that depends on the call split is never reused
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
+    def describe(self, model) -> list[dict]:
+        """``/v1/kv/stats`` rows of the kept sequences (the KV settings ride in the model key)."""
+        rows = []
+        for key, _, caches in self.entries():
+            method, settings = key[1] if key[1] is not None else ("none", ())
+            rows.append({"method": method, "settings": dict(settings), "store": "mlx_lm",
+                         **cache_figures(model, caches)})
+        return rows
+
     def entries(self) -> list:
         """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie,
         as ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
