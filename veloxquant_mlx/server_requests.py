@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from mlx_lm import server as mlx_server
 
-from .cache.settings import NONE
+from .cache.errors import QuantizerConfigError
+from .cache.settings import NONE, UsageError, method_config
 from .server_store import reuse_mode
 
 __all__ = ["RequestError", "KVSettings", "parse_kv_settings", "request_kv", "check_messages",
@@ -51,7 +52,7 @@ class KVSettings:
             out.update(batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
                        prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
             return out
-        if cls.__dict__.get("batchable", False):
+        if self.batchable:
             out["batching"] = "batched"
             out["batching_reason"] = (f"{cls.__name__}.merge builds its compressed batch form: requests with "
                                       "these settings share mlx_lm's continuous batch")
@@ -81,9 +82,6 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
     build its caches once, so that per-layer checks fail here rather than in the generation thread.
 
     Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
-    from .cache.errors import QuantizerConfigError
-    from .cache.settings import UsageError, method_config
-
     if not isinstance(method, str):
         raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
     if not isinstance(sets, dict):
