@@ -318,12 +318,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _unsupported_model_error() -> type:
-    from .model import UnsupportedModelError
-
-    return UnsupportedModelError
-
-
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
     try:
@@ -336,6 +330,7 @@ def _silence_stdout() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     from .cache import QuantizerConfigError
+    from .model import UnsupportedModelError
 
     try:
         args = _parser().parse_args(argv)
@@ -348,17 +343,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:  # `veloxquant methods --json | head`: the reader has all it wanted
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a program stopped by a closed pipe
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except QuantizerConfigError as exc:
-        print(f"error: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    except _unsupported_model_error() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except NotImplementedError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (UsageError, QuantizerConfigError, UnsupportedModelError, NotImplementedError) as exc:
+        kind = "invalid configuration: " if isinstance(exc, QuantizerConfigError) else ""
+        print(f"error: {kind}{exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
