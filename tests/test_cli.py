@@ -22,6 +22,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
 from veloxquant_mlx import measure  # noqa: E402
+from veloxquant_mlx.cache import settings  # noqa: E402
 from veloxquant_mlx.cache import (  # noqa: E402
     METHOD_NAMES,
     KVCacheConfig,
@@ -142,11 +143,11 @@ def test_each_method_accepts_its_own_settings_and_refuses_another_methods(method
     from veloxquant_mlx.cache.options import method_fields
 
     names = method_fields(method)
-    settable = {n: f for n, f in names.items() if f not in cli._NOT_SETTABLE}
+    settable = {n: f for n, f in names.items() if f not in settings._NOT_SETTABLE}
     for name, flat in settable.items():
         assert list(cli.parse_sets([f"{name}=1"], method=method)) == [flat]
     foreign = next(f for m in METHOD_NAMES if m != method for f in method_fields(m).values()
-                   if f not in names and f not in cli._NOT_SETTABLE)
+                   if f not in names and f not in settings._NOT_SETTABLE)
     with pytest.raises(cli.UsageError) as exc:
         cli.parse_sets([f"{foreign}=1"], method=method)
     msg = str(exc.value)
@@ -407,7 +408,7 @@ class _Stream:
 
 
 def test_progress_lines_bars_and_quiet():
-    from veloxquant_mlx.cli_progress import Progress
+    from veloxquant_mlx.cli_output import Progress
 
     log = _Stream(tty=False)
     p = Progress(total=2, stream=log)
@@ -516,3 +517,48 @@ def test_compression_text_is_the_inverse_in_words():
     assert measure.compression_text(1.17) == "1.2x larger"
     assert measure.compression_text(1.0) == "same size as fp16" and measure.compression_text(None) == "n/a"
     assert measure.fraction_text(0.25) == "0.25 (4.0x smaller)"
+
+
+# --------------------------------------------------------------------------- layering
+def cli_imports(package: Path) -> list[str]:
+    """``path:line module`` for every import of a ``cli*`` module by a module of ``package`` that is not
+    itself part of the command line (``cli*.py``, ``__main__.py``)."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent)
+        if path.parent == package and (path.name.startswith("cli") or path.name == "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                # resolve ``from ..cli import x`` / ``from . import cli`` against the module's package
+                base = list(rel.parent.parts)[: len(rel.parent.parts) - max(node.level - 1, 0)] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [module] + [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            parts = [t.split(".") for t in targets]
+            hits = {p[1] for p in parts if len(p) > 1 and p[0] == package.name
+                    and (p[1] == "cli" or p[1].startswith("cli_"))}
+            found += [f"{rel}:{node.lineno} {package.name}.{m}" for m in sorted(hits)]
+    return sorted(found)
+
+
+def test_no_library_module_imports_the_command_line(tmp_path):
+    """The CLI is the top layer: settings from strings live in ``cache.settings``, generation in
+    ``generate``; nothing below imports ``cli*``."""
+    assert cli_imports(REPO / "veloxquant_mlx") == []
+    # the check sees the kinds of import the tree had before (server.py, eval/specs.py)
+    pkg = tmp_path / "veloxquant_mlx"
+    (pkg / "eval").mkdir(parents=True)
+    (pkg / "server.py").write_text("def f():\n    from .cli import UsageError\n")
+    (pkg / "eval" / "specs.py").write_text("from ..cli import build_config\nfrom .. import cli_measure\n")
+    (pkg / "bench.py").write_text("import veloxquant_mlx.cli_cache\nfrom .clip import x\n")
+    (pkg / "cli_output.py").write_text("from .cli import main\n")  # the CLI's own modules may
+    assert cli_imports(pkg) == ["veloxquant_mlx/bench.py:1 veloxquant_mlx.cli_cache",
+                                "veloxquant_mlx/eval/specs.py:1 veloxquant_mlx.cli",
+                                "veloxquant_mlx/eval/specs.py:2 veloxquant_mlx.cli_measure",
+                                "veloxquant_mlx/server.py:2 veloxquant_mlx.cli"]

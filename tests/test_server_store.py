@@ -109,3 +109,21 @@ def test_own_store_keeps_at_most_max_entries():
     for n in (4, 5, 6):
         store.insert("kv", [n] * n, layers(FakeCache, n))
     assert len(store) == 2
+
+
+@pytest.mark.parametrize("cls, reused", [(FakeCache, 12), (InexactTrim, 0), (RaisingTrim, 0), (SplitDependent, 0)])
+def test_both_stores_make_the_same_decision(cls, reused):
+    """One policy (server_store.PrefixReuse) for mlx_lm's store and the one-at-a-time store: a 20-token kept
+    sequence, a prompt sharing its first 12 tokens; the trim back to 12 is taken only where it is exact."""
+    prompt = list(range(12)) + [99]
+    lru = S.SafePromptCache(10, {"reused_tokens": 0})
+    lru.insert_cache("m", list(range(20)), layers(cls, 20))
+    cache, rest = lru.fetch_nearest_cache("m", prompt)
+    store = S.PromptCacheStore()
+    store.insert("kv", list(range(20)), layers(cls, 20))
+    caches, used, how = store.fetch("kv", prompt)
+    assert len(prompt) - len(rest) == used == reused
+    if reused:
+        assert [c.offset for c in cache] == [c.offset for c in caches] == [12, 12] and how == "trimmed"
+    else:
+        assert cache is None and caches is None

@@ -16,8 +16,10 @@ import json
 import os
 from typing import Any
 
-from .cli import (MODEL_HELP, NONE, SHORT_PROMPT_NOTE, UsageError, _check_method_name, _fmt_bytes, _kv_summary, make_caches, method_config,
-                  encode_turn, print_generation, run_generation)
+from .cache.settings import NONE, UsageError, check_method_name, method_config
+from .cli_output import (MODEL_HELP, Progress, fmt_bytes, kv_rows, method_label, print_generation, print_rows,
+                         short_prompt_note)
+from .generate import encode_turn, make_caches, run_generation
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
@@ -48,8 +50,8 @@ def cmd_cache_save(args) -> int:
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
 
-    from .cli_progress import Progress
     from .eval.fidelity import prefill
+    from .measure import kv_summary
     from .model import load_model
 
     progress = Progress(enabled=not args.json)
@@ -63,30 +65,19 @@ def cmd_cache_save(args) -> int:
         info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
     except SavedCacheError as exc:
         raise _saved_error(exc) from None
-    kv = _kv_summary(model, caches)
+    kv = kv_summary(model, caches)
     out = {"path": args.out, "method": method, "settings": sets, "model": info["model_id"],
            "tokens": len(tokens), "file_bytes": info["file_bytes"], **kv}
     if args.json:
         print(json.dumps(out))
         return 0
-    from .measure import fraction_text
-
-    rows = [
-        ("saved", args.out),
-        ("method", method + (" " + " ".join(f"{k}={v}" for k, v in sets.items()) if sets else "")),
-        ("model", info["model_id"]),
-        ("tokens", len(tokens)),
-        ("kv_bytes", f"{kv['kv_bytes']} ({_fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
-        ("file_bytes", f"{info['file_bytes']} ({_fmt_bytes(info['file_bytes'])})"),
-        ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({_fmt_bytes(kv['kv_bytes_fp16'])}, "
-                          f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
-    ]
-    for label, value in rows:
-        print(f"{label:>19}: {value}")
-    if kv["kv_fraction_of_fp16"] is not None and kv["kv_fraction_of_fp16"] > 1 and method != NONE:
-        print(SHORT_PROMPT_NOTE)
+    measured, *reference = kv_rows(kv)
+    print_rows([("saved", args.out), ("method", method_label(method, sets)), ("model", info["model_id"]),
+                ("tokens", len(tokens)), measured,
+                ("file_bytes", f"{info['file_bytes']} ({fmt_bytes(info['file_bytes'])})"), *reference])
+    short_prompt_note(kv, method)
     return 0
+
 
 
 def _shapes_summary(shapes: list) -> str:
@@ -112,7 +103,7 @@ def cmd_cache_info(args) -> int:
         return 0
     kv, size = info["kv_bytes"], info["file_bytes"]
     preview = info["tokens"][:8]
-    rows = [
+    print_rows([
         ("file", info["path"]),
         ("format", f"{info['format']} v{info['format_version']} (veloxquant_mlx {info['library_version']})"),
         ("method", info["method"]),
@@ -121,11 +112,9 @@ def cmd_cache_info(args) -> int:
         ("layers", f"{info['n_layers']} ({_format_classes(info['layer_classes'])})"),
         ("head shapes", _shapes_summary(info["head_shapes"]) + "  [KV heads, key dim, value dim]"),
         ("tokens", f"{info['n_tokens']} (first: {preview}{' ...' if info['n_tokens'] > len(preview) else ''})"),
-        ("kv_bytes", f"{kv} ({_fmt_bytes(kv)}, sum of cache nbytes when saved)"),
-        ("file_bytes", f"{size} ({_fmt_bytes(size)})"),
-    ]
-    for label, value in rows:
-        print(f"{label:>12}: {value}")
+        ("kv_bytes", f"{kv} ({fmt_bytes(kv)}, sum of cache nbytes when saved)"),
+        ("file_bytes", f"{size} ({fmt_bytes(size)})"),
+    ], width=12)
     return 0
 
 
@@ -146,9 +135,10 @@ def generate_from_saved(args) -> int:
     ``--method`` when given; the model defaults to the one the file records), append the prompt's
     tokens after the cached ones and generate greedily."""
     from .cache import SavedCacheError, load_cache, read_cache_info
+    from .measure import kv_summary
 
     if args.method is not None:
-        _check_method_name(args.method)
+        check_method_name(args.method)
     if args.set:
         raise UsageError("--set does not apply with --prompt-cache: the saved cache keeps the configuration "
                          "it was made with")
@@ -167,8 +157,6 @@ def generate_from_saved(args) -> int:
             raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
                                   f"{info['model_id']!r}, --model is {args.model!r}")
         from .model import load_model
-
-        from .cli_progress import Progress
 
         progress = Progress(enabled=not args.json)
         progress.stage("loading model and saved cache")
@@ -191,11 +179,10 @@ def generate_from_saved(args) -> int:
            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
            "prompt_cache": args.prompt_cache, "cached_tokens": info["n_tokens"],
-           "tokens": result["tokens"], **_kv_summary(model, caches)}
-    method_label = info["method"] + (" " + " ".join(f"{k}={v}" for k, v in settings.items()) if settings else "")
+           "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
-        ("method", method_label),
+        ("method", method_label(info["method"], settings)),
         ("prompt tokens", f"{out['prompt_tokens']} (after the cached ones)"),
     ], args.json)
 

@@ -12,15 +12,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from .cli import MODEL_HELP, NONE, UsageError, _fmt_bytes, _format_table
-from .cli_progress import Progress
+from .cache.settings import NONE, UsageError
+from .cli_output import MODEL_HELP, Progress, fmt_bytes, format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
@@ -77,9 +75,9 @@ def eval_table(rows: list[dict]) -> str:
         niah = "-" if r["niah_acc"] is None else f"{r['niah_hits']}/{r['niah_trials']}"
         kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
         table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
-                      _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, _fmt_bytes(r["kv_bytes"]),
+                      _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, fmt_bytes(r["kv_bytes"]),
                       fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
-    return _format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
+    return format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
                           "KV bytes", "kv_fraction_of_fp16", "time"], table)
 
 
@@ -173,15 +171,12 @@ def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
 
 
 def _bench_model(args):
-    """(model, name) from --model / --shape; the embedded model when neither is given."""
+    """(model, name) from --model / --shape (checked by :func:`cmd_bench`); the embedded model when neither
+    is given."""
     from . import bench
 
     if args.shape:
-        if args.model:
-            raise UsageError("give --model or --shape, not both")
         return bench.random_model(args.shape, args.dtype, args.seed), f"{args.shape} (random weights)"
-    if args.random_weights:
-        raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
     from .model import load_model
 
     model, _ = load_model(args.model, dtype=args.dtype)
@@ -242,12 +237,12 @@ def bench_tables(rows: list[dict]) -> str:
 
     ok = [r for r in rows if r["available"]]
     spread = any(r.get("repeats", 0) > 1 for r in ok)
-    mib = lambda v: _fmt_bytes(int(v))  # noqa: E731
+    mib = lambda v: fmt_bytes(int(v))  # noqa: E731
     main = [[_short_label(r), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
              _stat(r["decode_tps"], lambda v: f"{v:.1f}", spread),
              _stat(r["kv_nbytes"], mib, False), _fmt(r.get("kv_fraction_of_fp16"), ".3f"),
              _stat(r["kv_resident_bytes"], mib, False), _stat(r["peak_delta_bytes"], mib, False)] for r in ok]
-    parts = [_format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
+    parts = [format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
                             "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
     for r in ok:
@@ -263,7 +258,7 @@ def bench_tables(rows: list[dict]) -> str:
     if ratio_rows:
         parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's):\n"
                      "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
-                     + _format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
+                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
                                       "KV nbytes", "peak over start"], ratio_rows))
     seen, slope_rows = set(), []
     for r in ok:
@@ -273,7 +268,7 @@ def bench_tables(rows: list[dict]) -> str:
         slope_rows.append([_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}",
                            _fmt(r["slope_vs_none"], ".2f")])
     if slope_rows:
-        parts.append(_format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
+        parts.append(format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
     if bad:
         parts.append("\n".join(f"unavailable: {k}: {v}" for k, v in bad.items()))
@@ -291,11 +286,6 @@ def cmd_bench(args) -> int:
         raise UsageError("--repeats and --decode-tokens must be >= 1")
     if args.shape and args.shape not in bench.SHAPES:
         raise UsageError(f"unknown --shape {args.shape!r}; shapes: {', '.join(bench.SHAPES)}")
-    if args.dtype:
-        import mlx.core as mx
-
-        if not isinstance(getattr(mx, args.dtype, None), mx.Dtype):
-            raise UsageError(f"--dtype {args.dtype!r} is not an mlx dtype (float16, bfloat16, float32)")
     baselines = [b.strip() for b in (args.baselines if args.baselines is not None else ",".join(bench.BASELINES))
                  .split(",") if b.strip()]
     for b in baselines:

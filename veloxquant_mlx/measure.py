@@ -9,6 +9,8 @@
   ``RotatingKVCache`` count at most their window; layers without a KV cache (state-space layers)
   count nothing.
 * :func:`cache_tokens` — the number of tokens a model's caches have seen (their logical ``offset``).
+* :func:`kv_summary`, :func:`cache_figures`, :func:`batch_figures`, :func:`process_memory` — the figures
+  the command line and ``/v1/kv/stats`` report, built from the above.
 
 One ratio convention everywhere (CLI tables, JSON keys, bench rows, eval rows, plots, docs):
 :func:`kv_fraction_of_fp16` = held bytes / fp16 bytes (0.30 = the cache holds 30% of what mlx_lm's plain
@@ -21,7 +23,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 __all__ = ["kv_bytes", "fp16_kv_bytes", "cache_tokens", "kv_fraction_of_fp16", "compression_text",
-           "fraction_text", "FP16_BYTES"]
+           "fraction_text", "kv_summary", "cache_figures", "batch_figures", "process_memory", "FP16_BYTES"]
 
 FP16_BYTES = 2
 
@@ -100,3 +102,57 @@ def compression_text(fraction: Optional[float]) -> str:
 def fraction_text(fraction: Optional[float]) -> str:
     """``"0.30 (3.3x smaller)"``: the fraction, then the same figure in words."""
     return "n/a" if fraction is None else f"{fraction:.2f} ({compression_text(fraction)})"
+
+
+def kv_summary(model, caches) -> dict:
+    """``kv_tokens``, measured ``kv_bytes``, the ``kv_bytes_fp16`` reference and their fraction."""
+    n = cache_tokens(caches)
+    measured = kv_bytes(caches)
+    reference = fp16_kv_bytes(model, n)
+    return {"kv_tokens": n, "kv_bytes": measured, "kv_bytes_fp16": reference,
+            "kv_fraction_of_fp16": kv_fraction_of_fp16(measured, reference)}
+
+
+def cache_figures(model, caches) -> dict:
+    """:func:`kv_summary` of one request's caches under the server's names, with the tokens each layer
+    keeps (``stored_rows`` or ``size``): ``tokens_seen``, ``tokens_kept_max``, ``tokens_kept_mean``."""
+    kv = kv_summary(model, caches)
+    kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
+    return {"tokens_seen": kv.pop("kv_tokens"), "tokens_kept_max": max(kept, default=0),
+            "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0, **kv}
+
+
+def batch_figures(model, caches) -> dict:
+    """Like :func:`cache_figures` for a running batch cache (host-side lengths only: no device reads;
+    mlx_lm's ``BatchKVCache`` keeps its per-request lengths on the device, so for it only bytes and the
+    batch size are reported)."""
+    first = caches[0]
+    measured = kv_bytes(caches)
+    if not hasattr(first, "lens"):
+        padding = getattr(first, "left_padding", None)
+        return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
+                "kv_bytes": measured, "kv_bytes_fp16": None, "kv_fraction_of_fp16": None}
+    lens = list(first.lens)
+    reference = sum(fp16_kv_bytes(model, n) for n in lens)
+    return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
+            "kv_fraction_of_fp16": kv_fraction_of_fp16(measured, reference)}
+
+
+def process_memory() -> dict:
+    """MLX's active, peak and cache memory, and the process's resident bytes (peak where /proc is absent)."""
+    import os
+    import sys
+
+    import mlx.core as mx
+
+    out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
+           "mlx_cache_bytes": int(mx.get_cache_memory())}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["rss_peak_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
+    return out

@@ -285,23 +285,24 @@ def _dtype_key(dtype) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=2)
-def _load_embedded(dtype_name: str):
+def _load_gguf(path, dtype_name: str):
     import mlx.core as mx
 
-    from .assets import smollm2_gguf_path
-
-    path = smollm2_gguf_path()
     model = load_gguf_llama(path, dtype=getattr(mx, dtype_name))
     tokenizer = load_gguf_tokenizer(path)
     _read_gguf.cache_clear()  # the raw quantized tensors are no longer needed
     return model, tokenizer
 
 
+@functools.lru_cache(maxsize=2)
+def _load_embedded(dtype_name: str):
+    from .assets import smollm2_gguf_path
+
+    return _load_gguf(smollm2_gguf_path(), dtype_name)
+
+
 def _load_gguf_file(path: Path, dtype):
     """A local GGUF file: llama architecture only; anything else is an ``UnsupportedModelError``."""
-    import mlx.core as mx
-
     if not path.is_file():
         raise UnsupportedModelError(f"--model {str(path)!r}: no such file")
     if path.suffix.lower() != ".gguf":
@@ -311,10 +312,7 @@ def _load_gguf_file(path: Path, dtype):
     except Exception as exc:  # not a GGUF at all, or damaged
         raise UnsupportedModelError(f"--model {str(path)!r} is not a readable GGUF file ({exc})") from None
     gguf_model_args(metadata)  # refuses other architectures before any weight is converted
-    model = load_gguf_llama(path, dtype=getattr(mx, _dtype_key(dtype)))
-    tokenizer = load_gguf_tokenizer(path)
-    _read_gguf.cache_clear()
-    return model, tokenizer
+    return _load_gguf(path, _dtype_key(dtype))
 
 
 def load_model(model: str | None = None, dtype=None):

@@ -6,72 +6,58 @@ generation thread, and, for uncompressed requests (``--method none``), its conti
 
 What this module adds:
 
-* **Compressed caches per request.** Every compressed request gets caches from
-  ``KVCacheBuilder.for_model`` with the server's configuration, or with the request's own
-  ``"kv_cache": {"method": ..., "settings": {...}}``.
+* **Compressed caches per request** from ``KVCacheBuilder.for_model`` with the server's configuration
+  or the request's own ``"kv_cache": {"method": ..., "settings": {...}}`` (:mod:`.server_requests`).
 * **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi, the
-  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV settings (the model key and model
-  description carry them); the others (``merge`` raises ``BatchingNotSupported``) are served one at a
-  time, in arrival order. ``/v1/kv/stats`` says which; nothing is ever decoded with an uncompressed batch
-  cache behind a compressed label. ``none`` requests use mlx_lm's batch path as is.
-* **Prompt-cache reuse only where the cache state is the one a fresh run builds.** A follow-up request
-  reuses the cache of the longest cached prefix only if the method is ``chunk_invariant`` (its state
-  does not depend on how tokens were split across calls); trimming a longer cached sequence back to
-  the shared prefix needs ``exact_trim`` (or ``trim_exact_or_raises``, and then a raise means
-  recompute) and is verified layer by layer (every layer must report the full trim). Otherwise the
-  prompt is recomputed, and the stats say why. As with mlx_lm's own quantized cache, a lossy method's
-  rows for decoded tokens were computed against the compressed past, so reuse matches a fresh run in
-  the cache's rules, not bit for bit in every hidden state; tests/test_server.py checks that the
-  greedy answers agree.
-* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` (bytes of
-  the arrays the caches hold) next to the fp16 bytes of mlx_lm's plain cache for the same tokens,
-  tokens seen and kept, and process memory.
-* **Bad input gets a 4xx JSON error** naming the field (malformed JSON or UTF-8, a non-numeric
-  Content-Length, unknown model, method or field, bad values: booleans or NaN where numbers belong,
-  seeds MLX cannot take, ``top_k`` and ``logit_bias`` ids outside the vocabulary, non-string ``stop``
-  items, malformed messages, template errors, bodies over ``--max-body-bytes``, prompts over
-  ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
-  Images are refused before anything is fetched (the served models are text-only).
-* **Every failure gets an answer and fails only its own requests.** A failure after generation started
-  is a 500 JSON error, or a final SSE error event on a stream already under way; an exception that
-  escapes mlx_lm's generation loop fails the requests the loop was serving, re-queues those it had not
-  started, and the loop starts again (mlx_lm would end its thread: every later request failing).
-* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (a
-  request from another origin gets 403); ``--api-key`` requires a bearer token; every socket read and
-  write is bounded by ``--socket-timeout``; a request whose client has closed its connection is
-  cancelled at its next prefill chunk or decode step; a disconnecting streaming client leaves no
-  traceback. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
+  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV
+  settings (the model key and model description carry them); the others (``merge`` raises
+  ``BatchingNotSupported``) are served one at a time, in arrival order. ``/v1/kv/stats`` says which;
+  nothing is ever decoded with an uncompressed batch cache behind a compressed label.
+* **Prompt-cache reuse only where the cache state is the one a fresh run builds**: one policy for both
+  stores (:mod:`.server_store`); otherwise the prompt is recomputed, and the stats say why.
+* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` next to the
+  fp16 bytes of mlx_lm's plain cache for the same tokens, tokens seen and kept, and process memory.
+* **Bad input gets a 4xx JSON error** naming the field (malformed JSON, UTF-8 or Content-Length, unknown
+  model, method or field, bad values, images, template errors, bodies over ``--max-body-bytes``, prompts
+  over ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
+* **Every failure gets an answer and fails only its own requests**: a 500 JSON error, or a final SSE
+  error event on a stream under way; an exception escaping mlx_lm's generation loop fails the requests
+  it was serving, re-queues those it had not started, and the loop starts again.
+* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (others get
+  403); ``--api-key`` requires a bearer token; every socket read and write is bounded by
+  ``--socket-timeout``; a request whose client has gone is cancelled at its next prefill chunk or decode
+  step. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import hmac
 import io
 import json
 import logging
-import math
 import re
 import select
 import socket
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from http.server import ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import stream_generate
-from mlx_lm.models import cache as mlx_cache
 
-from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
+from .cache.settings import NONE
+from .generate import make_caches
+from .measure import batch_figures, cache_figures, process_memory
+from .server_requests import (KVSettings, RequestError, _method_class, check_generation_fields,  # noqa: F401
+                              check_messages, check_number_types, parse_kv_settings, prompt_tokens, request_kv)
+from .server_store import PromptCacheStore, SafePromptCache, reuse_mode  # noqa: F401
 
-NONE = "none"
 EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
@@ -84,14 +70,6 @@ DEFAULT_SOCKET_TIMEOUT = 30.0
 DEFAULT_METHOD = "kivi"
 DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
-
-
-class RequestError(ValueError):
-    """A client error with its HTTP status (4xx)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 # mlx_lm's handler answers every error of a request factory with 400 and every error of
@@ -112,234 +90,6 @@ class RequestCancelled(Exception):
 
 
 # --------------------------------------------------------------------------- #
-# KV settings of a request
-# --------------------------------------------------------------------------- #
-
-
-@dataclasses.dataclass(frozen=True)
-class KVSettings:
-    """The cache configuration of a request: a method, its ``--set`` fields and the built config."""
-
-    method: str
-    settings: tuple  # sorted (field, value) pairs, hashable
-    config: Any = dataclasses.field(default=None, compare=False, hash=False)
-    reuse: bool = True  # False: neither reuse a cached prefix nor keep this request's cache
-
-    @property
-    def key(self) -> tuple:
-        return (self.method, self.settings)
-
-    def describe(self) -> dict:
-        cls = _method_class(self.method)
-        out = {"method": self.method, "settings": dict(self.settings)}
-        if cls is None:
-            out.update(batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
-                       prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
-            return out
-        if cls.__dict__.get("batchable", False):
-            out["batching"] = "batched"
-            out["batching_reason"] = (f"{cls.__name__}.merge builds its compressed batch form: requests with "
-                                      "these settings share mlx_lm's continuous batch")
-        else:
-            out["batching"] = "sequential"
-            out["batching_reason"] = (f"{cls.__name__} has no batch form (merge raises BatchingNotSupported): "
-                                      "requests are served one at a time, compressed")
-        out["prompt_reuse"] = reuse_mode(cls)
-        return out
-
-    @property
-    def batchable(self) -> bool:
-        cls = _method_class(self.method)
-        return cls is None or bool(cls.__dict__.get("batchable", False))
-
-
-def _method_class(method: str):
-    if method == NONE:
-        return None
-    from .cache.base import method_info
-
-    return method_info(method).cls
-
-
-def reuse_mode(cls) -> str:
-    """How a cached prefix of this class can be reused (see the module docstring)."""
-    if not getattr(cls, "chunk_invariant", False):
-        return "recompute (state depends on how tokens were split across calls)"
-    if getattr(cls, "exact_trim", False):
-        return "prefix and trim"
-    if getattr(cls, "trim_exact_or_raises", False):
-        return "prefix, and trim where it stays in the float16 residual (else recompute)"
-    return "prefix only (trim is not exact)"
-
-
-def _trim_ok(cache) -> bool:
-    return bool(getattr(cache, "exact_trim", type(cache) is mlx_cache.KVCache)
-                or getattr(cache, "trim_exact_or_raises", False))
-
-
-def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
-    """Validate ``method`` and ``sets`` (``--set`` fields) into ``KVSettings``; with ``model``, also
-    build its caches once, so that per-layer checks fail here rather than in the generation thread.
-
-    Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
-    from .cache.errors import QuantizerConfigError
-    from .cli import UsageError, method_config
-
-    if not isinstance(method, str):
-        raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
-    if not isinstance(sets, dict):
-        raise RequestError(400, f"kv_cache.settings must be an object of FIELD: VALUE, got {sets!r}")
-    try:
-        parsed, config = method_config(method, [f"{k}={json.dumps(v)}" for k, v in sets.items()],
-                                       standalone_ok=False)
-        if method == NONE:
-            return KVSettings(NONE, ())
-        if model is not None:
-            from .cache import KVCacheBuilder
-
-            KVCacheBuilder.for_model(model, config)
-    except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError, OverflowError) as e:
-        raise RequestError(400, str(e)) from None
-    except Exception as e:  # noqa: BLE001 - whatever else a config or cache constructor raises is the request's
-        raise RequestError(400, f"kv_cache settings {sets!r} for method {method!r} were refused: "
-                                f"{type(e).__name__}: {e}") from None
-    return KVSettings(method, tuple(sorted(parsed.items(), key=lambda kv: kv[0])), config)
-
-
-# --------------------------------------------------------------------------- #
-# byte and token figures
-# --------------------------------------------------------------------------- #
-
-
-def cache_figures(model, caches) -> dict:
-    """Tokens seen and kept, measured bytes and the fp16 reference for one request's caches
-    (``kv_fraction_of_fp16`` = held bytes / fp16 bytes, the project's one ratio convention)."""
-    seen = cache_tokens(caches)
-    kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
-    measured = kv_bytes(caches)
-    reference = fp16_kv_bytes(model, seen)
-    return {"tokens_seen": seen, "tokens_kept_max": max(kept, default=0),
-            "tokens_kept_mean": (sum(kept) / len(kept)) if kept else 0.0,
-            "kv_bytes": measured, "kv_bytes_fp16": reference,
-            "kv_fraction_of_fp16": (measured / reference) if reference else None}
-
-
-def batch_figures(model, caches) -> dict:
-    """Like ``cache_figures`` for a running batch cache (host-side lengths only: no device reads; mlx_lm's
-    ``BatchKVCache`` keeps its per-request lengths on the device, so for ``none`` only bytes and the batch
-    size are reported)."""
-    first = caches[0]
-    measured = kv_bytes(caches)
-    if not hasattr(first, "lens"):
-        padding = getattr(first, "left_padding", None)
-        return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
-                "kv_bytes": measured, "kv_bytes_fp16": None, "kv_fraction_of_fp16": None}
-    lens = list(first.lens)
-    reference = sum(fp16_kv_bytes(model, n) for n in lens)
-    return {"batch_size": len(lens), "tokens_seen": lens, "kv_bytes": measured, "kv_bytes_fp16": reference,
-            "kv_fraction_of_fp16": (measured / reference) if reference else None}
-
-
-def process_memory() -> dict:
-    out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
-           "mlx_cache_bytes": int(mx.get_cache_memory())}
-    try:
-        import os
-
-        with open("/proc/self/statm") as f:
-            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out["rss_peak_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
-    return out
-
-
-# --------------------------------------------------------------------------- #
-# prompt-cache store for compressed caches
-# --------------------------------------------------------------------------- #
-
-
-class PromptCacheStore:
-    """LRU store of finished requests' compressed caches, keyed by (KV settings, tokens).
-
-    ``fetch`` returns a private copy of the cache of the longest usable cached prefix of a prompt,
-    following the reuse rules of the module docstring, and leaves at least one prompt token to process.
-    """
-
-    def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple, list] = OrderedDict()  # (kv key, tokens) -> caches
-        self._lock = threading.Lock()
-
-    def __len__(self):
-        return len(self._entries)
-
-    @staticmethod
-    def _common(a, b) -> int:
-        n = min(len(a), len(b))
-        i = 0
-        while i < n and a[i] == b[i]:
-            i += 1
-        return i
-
-    def fetch(self, kv_key, prompt: list[int]):
-        """``(caches or None, tokens reused, how)``: the candidate reusing the most tokens, among kept
-        prefixes of the prompt and longer kept sequences whose trim back to the shared part is exact."""
-        limit = len(prompt) - 1
-        candidates = []
-        skipped = ""
-        with self._lock:
-            for (key, tokens), caches in self._entries.items():
-                use = min(self._common(tokens, prompt), limit) if key == kv_key else 0
-                trim = len(tokens) - use
-                if use <= 0:
-                    continue
-                if trim and not all(_trim_ok(c) for c in caches):
-                    skipped = "; a longer kept sequence was skipped (its trim is not exact)"
-                    continue
-                candidates.append((use, -trim, (key, tokens)))
-            candidates.sort(reverse=True)
-            picked = [(use, -neg, k, copy.deepcopy(self._entries[k])) for use, neg, k in candidates[:2]]
-        for use, trim, entry_key, caches in picked:
-            try:
-                if trim and any(c.trim(trim) != trim for c in caches):
-                    continue  # a layer did not trim all of it: not the state a fresh run builds
-            except ValueError:  # the trim would cut into compressed rows
-                continue
-            with self._lock:
-                if entry_key in self._entries:
-                    self._entries.move_to_end(entry_key)
-            return caches, use, ("trimmed" if trim else "prefix") + skipped
-        return None, 0, "no reusable cached prefix: recomputed" + skipped
-
-    def insert(self, kv_key, tokens: list[int], caches: list) -> None:
-        with self._lock:
-            self._entries[(kv_key, tuple(tokens))] = caches
-            self._entries.move_to_end((kv_key, tuple(tokens)))
-            while len(self._entries) > self.max_entries or (
-                    self.max_bytes is not None and self.nbytes_locked() > self.max_bytes and self._entries):
-                self._entries.popitem(last=False)
-
-    def nbytes_locked(self) -> int:
-        return sum(int(c.nbytes) for caches in self._entries.values() for c in caches)
-
-    def describe(self, model) -> list[dict]:
-        with self._lock:
-            items = list(self._entries.items())
-        return [{"method": key[0][0], "settings": dict(key[0][1]), **cache_figures(model, caches)}
-                for key, caches in items]
-
-
-def is_reusable(caches) -> bool:
-    """All layers chunk-invariant (mlx_lm's own KVCache is)."""
-    return all(getattr(c, "chunk_invariant", type(c) is mlx_cache.KVCache) for c in caches)
-
-
-# --------------------------------------------------------------------------- #
 # mlx_lm server pieces
 # --------------------------------------------------------------------------- #
 
@@ -357,9 +107,9 @@ class CachedModel:
     batch path calls (``make_prompt_cache``) for each new request. It also remembers the caches of
     the latest forward pass (weakly), so ``/v1/kv/stats`` can report the running batch."""
 
-    def __init__(self, model, config):
+    def __init__(self, model, kv: KVSettings):
         self._model = model
-        self._config = config
+        self._kv = kv
         self._last = ()
 
     def __call__(self, *args, cache=None, **kwargs):
@@ -371,70 +121,11 @@ class CachedModel:
         return getattr(self._model, name)
 
     def make_cache(self):
-        if self._config is None:  # ``none``: mlx_lm's own caches
-            return mlx_cache.make_prompt_cache(self._model)
-        from .cache import KVCacheBuilder
-
-        return KVCacheBuilder.for_model(self._model, self._config)
+        return make_caches(self._model, self._kv.method, self._kv.config)
 
     def live_caches(self) -> list:
         caches = [r() for r in self._last]
         return caches if caches and all(c is not None for c in caches) else []
-
-
-class SafePromptCache(mlx_cache.LRUPromptCache):
-    """mlx_lm's prompt-cache store (used by its batch path), keyed per KV settings through the model
-    key, with trims that are checked: a trim that raises or that a layer does not complete means
-    "recompute" instead of a wrong or crashed request."""
-
-    skip_fetch = False  # set per request (kv_cache.reuse = false) by the response generator
-
-    def __init__(self, max_size: int, counters: dict):
-        super().__init__(max_size)
-        self.counters = counters
-
-    def fetch_nearest_cache(self, model, tokens):
-        if self.skip_fetch:
-            return None, tokens
-        # mlx_lm trims a longer kept sequence whenever its caches say ``is_trimmable``; ours may only be
-        # trimmed where the trim is exact (the flags): otherwise fall back to a shorter kept prefix.
-        found = self._trie.search(model, tokens)
-        short = len(found.shorter) if found.shorter is not None else 0
-        if found.exact is None and found.longer is not None and found.common_prefix > short:
-            longer = self._trie.get(found.model, found.longer).prompt_cache
-            if not all(_trim_ok(c) for c in longer):
-                if short == 0:
-                    return None, tokens
-                kept = self._trie.get(found.model, found.shorter).prompt_cache
-                self.counters["reused_tokens"] += short
-                return copy.deepcopy(kept), tokens[short:]
-        try:
-            cache, rest = super().fetch_nearest_cache(model, tokens)
-        except ValueError:  # e.g. KIVI: the trim would cut into quantized groups
-            return None, tokens
-        if cache is not None:
-            expected = len(tokens) - len(rest)
-            offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
-            if any(o != expected for o in offsets):
-                return None, tokens
-            self.counters["reused_tokens"] += expected
-        return cache, rest
-
-    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if is_reusable(prompt_cache):  # a state that depends on the call split is never reused
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-
-    def entries(self) -> list:
-        """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie,
-        as ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
-        out = []
-        for lru in list(self._lru._lrus.values()):
-            for model, tokens in list(lru):
-                try:  # the generation thread may evict it meanwhile (stats run on a handler thread)
-                    out.append((model, tokens, self._trie.get(model, tokens).prompt_cache))
-                except (KeyError, AttributeError, TypeError):
-                    continue
-        return out
 
 
 class ServedModelProvider(mlx_server.ModelProvider):
@@ -481,7 +172,7 @@ class ServedModelProvider(mlx_server.ModelProvider):
         if kv.method != NONE:
             self.model_key = (self.served_id, kv.key, None)
         if kv.key not in self._wrapped:
-            self._wrapped[kv.key] = CachedModel(self.model, kv.config)
+            self._wrapped[kv.key] = CachedModel(self.model, kv)
         return self._wrapped[kv.key], self.tokenizer
 
 
@@ -616,8 +307,6 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             mx.clear_cache()
 
     def _serve_compressed(self, rqueue, request, args, kv, stream):
-        from .cache import KVCacheBuilder
-
         provider = self.model_provider
         model, tokenizer = provider.model, provider.tokenizer
         prompt, _, _, initial_state, vision = self._tokenize(tokenizer, request, args)
@@ -631,7 +320,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         caches, reused, how = self.store.fetch(kv.key, prompt) if kv.reuse else (None, 0, "reuse off")
         self.last_reuse = {"method": kv.method, "reused_tokens": reused, "prompt_tokens": len(prompt), "how": how}
         if caches is None:
-            caches = KVCacheBuilder.for_model(model, kv.config)
+            caches = make_caches(model, kv.method, kv.config)
         ctx.prompt_cache_count = reused
         self.count("served_one_at_a_time")
         self.count("prompt_tokens_one_at_a_time", len(prompt))
@@ -674,15 +363,13 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         # mlx_lm's generate_step feeds each token before yielding it, so the caches have seen
         # ``offset`` of ``tokens``; they are stored under exactly those.
         seen = max(int(c.offset) for c in caches)
-        if kv.reuse and is_reusable(caches) and self.store.max_entries > 0 and seen <= len(tokens):
+        if kv.reuse and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
-
-    def _counters_copy(self) -> dict:
-        with self._count_lock:
-            return dict(self.counters)
 
     def stats(self) -> dict:
         model = self.model_provider.model
+        with self._count_lock:
+            counters = dict(self.counters)
         live = [{"id": i, "method": kv.method, "settings": dict(kv.settings), **cache_figures(model, caches)}
                 for i, (kv, caches) in list(self.live.items())]
         for key, wrapped in list(self.model_provider._wrapped.items()):
@@ -690,58 +377,18 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             if caches:
                 live.append({"batch": True, "method": key[0], "settings": dict(key[1]),
                              **batch_figures(model, caches)})
-        cached = self.store.describe(model)
-        for key, tokens, caches in self.prompt_cache.entries():
-            method, settings = key[1] if key[1] is not None else (NONE, ())
-            cached.append({"method": method, "settings": dict(settings), "store": "mlx_lm",
-                           **cache_figures(model, caches)})
+        cached = self.store.describe(model) + self.prompt_cache.describe(model)
         return {
             "model": self.model_provider.served_id,
             "default": self.default_kv.describe(),
             "live": live,
             "cached": cached,
             "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
-            "counters": self._counters_copy(),
+            "counters": counters,
             "last_one_at_a_time_reuse": self.last_reuse,
             "process": process_memory(),
             "time": time.time(),
         }
-
-
-_INT_FIELDS = ("max_tokens", "top_k", "num_draft_tokens", "repetition_context_size", "presence_context_size",
-               "frequency_context_size", "top_logprobs", "seed")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "xtc_probability", "xtc_threshold")
-_ROLES = ("system", "user", "assistant", "tool")  # examples for the message; the chat template decides
-_IMAGE_TYPES = ("image_url", "input_image", "image")
-
-
-def _check_messages(messages) -> None:
-    """Refuse malformed chat messages with a 400 naming the field, before any of mlx_lm's processing
-    (which fetches remote image URLs and feeds the chat template whatever it is given)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError(400, f"messages[{i}] must be a {{role, content}} object, got {type(m).__name__}")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise RequestError(400, f"messages[{i}].role must be a string such as {', '.join(_ROLES)}, "
-                                    f"got {json.dumps(role)[:80]}")
-        content = m.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise RequestError(400, f"messages[{i}].content must be a string, null or a list of "
-                                    f"{{type: text, text}} parts, got {type(content).__name__}")
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _IMAGE_TYPES:
-                raise RequestError(400, f"messages[{i}].content[{j}]: image inputs are not supported by "
-                                        "veloxquant serve (it serves text-only models); nothing was fetched")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(400, f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": "
-                                        f"STRING}}, got {part!r}"[:300])
 
 
 class CompressedAPIHandler(mlx_server.APIHandler):
@@ -780,7 +427,9 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
             self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
 
-    def _send_json(self, status: int, obj, headers: Optional[dict] = None) -> None:
+    def _send_json(self, status: int, obj, headers: Optional[dict] = None, close: bool = False) -> None:
+        """A JSON answer; ``close`` ends the connection after it (the rest of the request is not read)."""
+        self.close_connection = self.close_connection or close
         _pending.status = None
         self._set_completion_headers(status)
         for name, value in (headers or {}).items():
@@ -819,19 +468,17 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         origin = self.headers.get("Origin")
         allowed = self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
-            self.close_connection = True
             self._send_json(403, {"error": f"origin {origin!r} is not allowed (the server allows "
                                            f"{', '.join(allowed) or 'no cross-origin requests'}; see "
-                                           "--allow-origin)"})
+                                           "--allow-origin)"}, close=True)
             return True
         key = self.response_generator.limits.get("api_key")
         if key:
             given = self.headers.get("Authorization") or ""
             if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
-                self.close_connection = True
                 self._send_json(401, {"error": "missing or wrong API key: send the header "
                                                "'Authorization: Bearer KEY' (--api-key)"},
-                                headers={"WWW-Authenticate": "Bearer"})
+                                headers={"WWW-Authenticate": "Bearer"}, close=True)
                 return True
         return False
 
@@ -865,26 +512,21 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         limit = self.response_generator.limits["max_body_bytes"]
         length = self.headers.get("Content-Length")
         if length is None:
-            self.close_connection = True
-            return self._send_json(411, {"error": "Content-Length header is required"})
+            return self._send_json(411, {"error": "Content-Length header is required"}, close=True)
         if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
-            self.close_connection = True
             return self._send_json(400, {"error": f"Content-Length must be a decimal byte count, got "
-                                                  f"{length[:40]!r}"})
+                                                  f"{length[:40]!r}"}, close=True)
         n = int(length)
         if n > limit:
-            self.close_connection = True
             return self._send_json(413, {"error": f"request body of {n} bytes is over the limit of "
-                                                  f"{limit} bytes (--max-body-bytes)"})
+                                                  f"{limit} bytes (--max-body-bytes)"}, close=True)
         try:
             raw = self.rfile.read(n)
         except TimeoutError:
-            self.close_connection = True
             return self._send_json(408, {"error": f"request body not received within "
-                                                  f"{self.timeout:g} s (Content-Length: {n})"})
+                                                  f"{self.timeout:g} s (Content-Length: {n})"}, close=True)
         if len(raw) < n:
-            self.close_connection = True
-            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"})
+            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"}, close=True)
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -902,43 +544,10 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         """mlx_lm's checks, plus: no booleans for numbers, finite floats, ``seed`` within what MLX
         accepts, ``top_k`` and ``logit_bias`` ids within the vocabulary, string ``stop`` words, an object
         for ``chat_template_kwargs``, and a served model (named in the response as the served id)."""
-        gen = self.response_generator
-        for name in _INT_FIELDS + _FLOAT_FIELDS:
-            if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number, got {json.dumps(getattr(self, name))}")
+        check_number_types(self)
         super().validate_model_parameters()
-        for name in _FLOAT_FIELDS:
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        vocab = gen.vocab_size
-        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed}")
-        if self.top_k >= vocab:
-            raise ValueError(f"top_k={self.top_k} is not below the vocabulary of {vocab} tokens (allowed: 0 "
-                             f"= off, or 1..{vocab - 1})")
-        if self.logit_bias is not None:
-            for token, bias in self.logit_bias.items():
-                if not 0 <= token < vocab:
-                    raise ValueError(f"logit_bias: token id {token} is outside the vocabulary of {vocab} "
-                                     f"tokens (ids 0..{vocab - 1})")
-                if not math.isfinite(bias):
-                    raise ValueError(f"logit_bias[{token}] must be a finite number, got {bias}")
-        stop = self.body.get("stop")
-        words = [stop] if isinstance(stop, str) else stop
-        if words is not None and (not isinstance(words, list)
-                                  or not all(isinstance(w, str) and w for w in words)):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got "
-                             f"{json.dumps(stop)[:200]}")
-        kwargs = self.chat_template_kwargs
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ValueError(f"chat_template_kwargs must be an object, got {json.dumps(kwargs)[:200]}")
-        for name in ("tools", "role_mapping"):
-            value = self.body.get(name)
-            expected = list if name == "tools" else dict
-            if value is not None and not isinstance(value, expected):
-                raise ValueError(f"{name} must be {'a list' if expected is list else 'an object'}, got "
-                                 f"{json.dumps(value)[:200]}")
-        provider = gen.model_provider
+        check_generation_fields(self, self.response_generator.vocab_size)
+        provider = self.response_generator.model_provider
         if self.requested_model not in provider.aliases:
             self._reject(404, f"model {self.requested_model!r} is not served here; this server serves "
                               f"{provider.served_id!r}")
@@ -947,25 +556,17 @@ class CompressedAPIHandler(mlx_server.APIHandler):
     def _checked(self, request):
         """Attach the request's KV settings and check its prompt length (raises RequestError)."""
         try:
-            spec = self.body.get("kv_cache")
-            if spec is not None:
-                if not isinstance(spec, dict) or set(spec) - {"method", "settings", "reuse"}:
-                    raise RequestError(400, 'kv_cache must be {"method": NAME, "settings": {FIELD: VALUE}, '
-                                            f'"reuse": BOOL}} (each optional), got {spec!r}'[:400])
-                reuse = spec.get("reuse", True)
-                if not isinstance(reuse, bool):
-                    raise RequestError(400, f"kv_cache.reuse must be true or false, got {reuse!r}")
-                kv = self.response_generator.default_kv
-                if "method" in spec or "settings" in spec:
-                    kv = parse_kv_settings(spec.get("method", kv.method), spec.get("settings") or {},
-                                           model=self.response_generator.model_provider.model)
-                request.kv = dataclasses.replace(kv, reuse=reuse)
-            max_tokens = self.response_generator.limits["max_tokens"]
+            gen = self.response_generator
+            kv = request_kv(self.body.get("kv_cache"), gen.default_kv, gen.model_provider.model)
+            if kv is not None:
+                request.kv = kv
+            max_tokens = gen.limits["max_tokens"]
             if self.max_tokens > max_tokens:
                 raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "
                                         f"{max_tokens}")
-            n = len(self._prompt_tokens(request))
-            cap = self.response_generator.limits["max_prompt_tokens"]
+            template_args = {**gen.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
+            n = len(prompt_tokens(request, gen.model_provider.tokenizer, template_args))
+            cap = gen.limits["max_prompt_tokens"]
             if n > cap:
                 raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "
                                         "(--max-prompt-tokens)")
@@ -974,28 +575,9 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             raise
         return request
 
-    def _prompt_tokens(self, request) -> list:
-        """The prompt as the generation thread will build it; a template error is the client's (400)."""
-        tokenizer = self.response_generator.model_provider.tokenizer
-        if request.request_type != "chat":
-            if not isinstance(request.prompt, str):
-                raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")
-            return tokenizer.encode(request.prompt)
-        try:
-            messages = copy.deepcopy(request.messages)
-            mlx_server.process_message_content(messages)
-            if not tokenizer.has_chat_template:
-                return tokenizer.encode(mlx_server.convert_chat(messages, request.role_mapping))
-            kwargs = {**self.response_generator.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=request.tools,
-                                                 **{**kwargs, "tokenize": True})
-        except Exception as e:  # noqa: BLE001 - the template's own error, whatever its type
-            raise RequestError(400, "messages (with tools and chat_template_kwargs) could not be rendered by "
-                                    f"the model's chat template: {type(e).__name__}: {e}"[:500]) from None
-
     def handle_chat_completions(self):
         try:
-            _check_messages(self.body.get("messages"))
+            check_messages(self.body.get("messages"))
         except RequestError as e:
             _remember_status(e)
             raise
@@ -1071,15 +653,11 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
     Call ``shutdown(httpd, generator)`` to stop."""
     provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
-    if kv.method != NONE:  # per-layer configuration errors surface now, not on the first request
-        from .cache import KVCacheBuilder
-
-        KVCacheBuilder.for_model(provider.model, kv.config)
+    make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    # requests: all POSTed generations; served_one_at_a_time: compressed requests without a batch form;
-    # reused_tokens: prompt tokens taken from a kept cache (both paths); errors: 4xx/5xx responses and
-    # error events ending a started stream; cancelled_client_gone: requests stopped because their client
-    # closed the connection; generation_failures: failures of the generation loop that it survived
+    # requests: POSTed generations; served_one_at_a_time: compressed requests without a batch form;
+    # reused_tokens: prompt tokens taken from a kept cache (both stores); errors: 4xx/5xx answers and error
+    # events ending a stream; generation_failures: failures of the generation loop that it survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
                 "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)

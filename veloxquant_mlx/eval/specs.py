@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["NONE", "MethodSpec", "resolve_methods", "implemented_mlx_lm_methods", "split_sets"]
+from ..cache.settings import NONE, UsageError, build_config, check_buildable, check_method_name, parse_set, parse_sets
 
-NONE = "none"
+__all__ = ["NONE", "MethodSpec", "resolve_methods", "implemented_mlx_lm_methods", "split_sets"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,6 @@ class MethodSpec:
         """The ``KVCacheConfig`` (None for ``none``)."""
         if self.method == NONE:
             return None
-        from ..cli import build_config
-
         return build_config(self.method, dict(self.settings))
 
     @classmethod
@@ -78,19 +76,18 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
                     include_none: bool = True) -> list[MethodSpec]:
     """Validated ``MethodSpec`` list (``none`` first when ``include_none``), ``--set`` items distributed.
 
-    Raises ``cli.UsageError`` for unknown methods or fields, fields that apply to none of the methods,
+    Raises ``cache.settings.UsageError`` for unknown methods or fields, fields that apply to none of the methods,
     and ``NotImplementedError`` for registered but unbuilt methods; configurations are built once here
     so invalid values fail (``QuantizerConfigError``) before any model is loaded.
     """
     from ..cache.base import STANDALONE_METHODS
     from ..cache.options import method_fields
-    from ..cli import UsageError, _check_buildable, _check_method_name, parse_set, parse_sets
 
     names = list(dict.fromkeys(m.strip() for m in methods if m and m.strip()))
     if include_none and NONE not in names:
         names.insert(0, NONE)
     for m in names:
-        _check_method_name(m)
+        check_method_name(m)
         if m != NONE and m in STANDALONE_METHODS:
             raise UsageError(f"method {m!r} has the standalone protocol (no mlx_lm serving contract); "
                              "only mlx_lm-protocol methods can run in a model")
@@ -116,6 +113,6 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
         spec = MethodSpec(m, per_method[m])
         if m != NONE:
             spec.config()  # validate now
-            _check_buildable(m)
+            check_buildable(m)
         specs.append(spec)
     return specs

@@ -1,19 +1,32 @@
-"""Progress on stderr for every ``veloxquant`` command: one helper, quiet under ``--json``.
+"""Terminal output shared by every ``veloxquant`` command: progress on stderr, plain tables, byte rows.
 
 :class:`Progress` shows three things: stage lines (``[  3.1s] loading model``), a bar over a command's
 units of work (eval rows, bench runs) and, inside each unit, the prefill's chunks (``prefill 4096/8192
 tok``), so a minutes-long prefill is never silent. On a terminal the bars are ``tqdm`` bars redrawn in
 place; otherwise (a log file, a pipe, a test's captured stderr) every stage, unit and chunk is one plain
-line, so a log shows what ran and no carriage returns.
+line, so a log shows what ran and no carriage returns. Quiet under ``--json``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Optional
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation",
+           "MODEL_HELP", "SHORT_PROMPT_NOTE"]
+
+#: ``--model`` help, shared by the subcommands.
+MODEL_HELP = ("an mlx_lm model directory, a Hugging Face repo id, or a llama-architecture .gguf file "
+              "(default: the embedded SmolLM2-135M-Instruct)")
+
+#: Why a compressed cache can hold more than fp16 on a short prompt (README, "Reading the byte figures").
+SHORT_PROMPT_NOTE = (
+    "note: above 1 means this cache holds more than mlx_lm's fp16 cache would for these few tokens: below a "
+    "method's budget, window or residual length nothing is compressed yet, and the rows it keeps at 16 bits "
+    "come with fixed per-layer parts (codebooks, rotations, scales, preallocated rows); the fraction falls "
+    "once the prompt is longer than that.")
 
 
 class Progress:
@@ -102,3 +115,75 @@ class Progress:
         if self._chunks is not None:
             self._chunks.close()
             self._chunks = None
+
+
+def fmt_bytes(n: Optional[int]) -> str:
+    """``1.50 MiB``; ``n/a`` for None."""
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def fmt_tps(tps: Optional[float]) -> str:
+    return f"{tps:.1f}" if tps else "n/a"
+
+
+def truncate(text: str, width: int) -> str:
+    """``text`` on one line, cut to ``width`` characters with ``...``."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """Left-aligned columns two spaces apart, a dashed rule under the headers (every table of the CLI)."""
+    cols = list(zip(headers, *rows))
+    widths = [max(len(str(c)) for c in col) for col in cols]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def method_label(method: str, settings: dict) -> str:
+    """``snapkv snap_budget=64``: a method and the settings it was given."""
+    return " ".join([method] + [f"{k}={v}" for k, v in settings.items()])
+
+
+def print_rows(rows: list[tuple], width: int = 19) -> None:
+    """``label: value`` lines, labels right-aligned to ``width``."""
+    for label, value in rows:
+        print(f"{label:>{width}}: {value}")
+
+
+def kv_rows(kv: dict) -> list[tuple]:
+    """The measured-bytes rows of a generation or a saved cache (``measure.kv_summary``'s figures)."""
+    from .measure import fraction_text
+
+    return [
+        ("kv_bytes", f"{kv['kv_bytes']} ({fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
+        ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({fmt_bytes(kv['kv_bytes_fp16'])}, "
+                          f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
+        ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
+    ]
+
+
+def short_prompt_note(kv: dict, method: str) -> None:
+    """Print :data:`SHORT_PROMPT_NOTE` when a compressed cache holds more than fp16."""
+    if kv["kv_fraction_of_fp16"] is not None and kv["kv_fraction_of_fp16"] > 1 and method != "none":
+        print(SHORT_PROMPT_NOTE)
+
+
+def print_generation(out: dict, head: list, as_json: bool) -> int:
+    """Print a generation: one JSON object, or its text then ``head`` rows and the measured byte rows."""
+    if as_json:
+        print(json.dumps(out))
+        return 0
+    print(out["text"])
+    print("-" * 40)
+    print_rows(head + [("generated tokens", out["generated_tokens"]), ("decode tok/s", fmt_tps(out["decode_tps"]))]
+               + kv_rows(out))
+    short_prompt_note(out, out["method"])
+    return 0

@@ -1,0 +1,193 @@
+"""Cache settings from strings: ``FIELD=VALUE`` items into a checked ``KVCacheConfig``.
+
+The command line, the server (a request's ``kv_cache``) and ``veloxquant eval``'s method specs all take
+settings as text; this module turns them into a configuration with one set of rules and messages.
+A setting is a method's option name (``budget``) or its flat ``KVCacheConfig`` field (``snap_budget``);
+one the method does not read is refused, naming the method and listing its settings. ``"none"``
+(:data:`NONE`) stands for mlx_lm's plain, uncompressed ``KVCache``: it takes no settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional, Sequence
+
+__all__ = ["NONE", "UsageError", "parse_set", "parse_sets", "build_config", "method_config", "method_settings",
+           "settings_summary", "check_method_name", "check_buildable"]
+
+#: mlx_lm's own uncompressed ``KVCache``, accepted wherever a method name is.
+NONE = "none"
+
+#: Fields that cannot come from a string (objects, not values) or come from elsewhere.
+_NOT_SETTABLE = {"method": "use --method", "options": "set the flat fields instead",
+                 "store": "an ArtifactStore object", "observers": "observer objects",
+                 **{f: "an array: pass it through the Python API" for f in (
+                     "smooth_factors", "key_codebook", "value_codebook", "a2ats_query_h", "a2ats_codebook")}}
+
+
+class UsageError(Exception):
+    """Bad settings text (unknown method or field, malformed item): the CLI reports it as ``error: ...``
+    with exit code 2, the server as HTTP 400."""
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` -> ``(FIELD, value)``; VALUE is JSON when it parses (ints, floats, bools, lists,
+    null), ``true``/``false``/``none`` in any case, else the string itself."""
+    field, sep, raw = item.partition("=")
+    field = field.strip()
+    if not sep or not field:
+        raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+    text = raw.strip()
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return field, lowered == "true"
+    if lowered in ("none", "null"):
+        return field, None
+    try:
+        return field, json.loads(text)
+    except ValueError:
+        return field, raw
+
+
+def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> dict[str, Any]:
+    """Parse every ``FIELD=VALUE`` item into ``{flat KVCacheConfig field: value}``.
+
+    Unknown or unsettable fields are a ``UsageError``. With ``method``, a field is also accepted under its
+    options name (``budget`` for ``snapkv``'s ``snap_budget``) and refused, naming the method and listing
+    its settings, when ``method`` does not read it (``cache.options.method_fields``).
+    """
+    from .config import KVCacheConfig
+    from .options import DERIVED_FIELDS, method_fields
+
+    known = {f.name for f in dataclasses.fields(KVCacheConfig)}
+    accepted = method_fields(method) if method is not None and method != NONE else None
+    out: dict[str, Any] = {}
+    for item in items or ():
+        field, value = parse_set(item)
+        if field in _NOT_SETTABLE:
+            raise UsageError(f"field {field!r} cannot be set with --set: {_NOT_SETTABLE[field]}")
+        if field in DERIVED_FIELDS:
+            raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
+        if accepted is not None:
+            if field not in accepted:
+                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}: it does not "
+                                 f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+            field = accepted[field]
+        elif field not in known:
+            close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
+            hint = f" (similar: {', '.join(close)})" if close else ""
+            raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
+        out[field] = value
+    return out
+
+
+def _owner_hint(field: str) -> str:
+    """`` (a setting of snapkv, ...)`` for a field other methods read, else ``""``."""
+    from .base import METHOD_NAMES
+    from .options import method_fields
+
+    owners = [m for m in METHOD_NAMES if field in method_fields(m)]
+    if not owners:
+        return " (no method has a setting of that name)"
+    more = f", ... ({len(owners)} methods)" if len(owners) > 4 else ""
+    return f" (a setting of {', '.join(owners[:4])}{more})"
+
+
+def method_settings(method: str) -> list[dict]:
+    """One row per settable name of ``method``: name, flat alias, type, default, allowed values, and
+    whether it is the method's own option or a shared field it reads."""
+    from .config import _DEFAULTS, _FIELD_TYPES, allowed_values
+    from .options import OPTION_CHECKS, OPTIONS_BY_METHOD, method_fields
+
+    opts = OPTIONS_BY_METHOD.get(method)
+    names = method_fields(method)
+    rows = []
+    for name, flat in names.items():
+        if flat in _NOT_SETTABLE:
+            continue
+        if opts is not None and name in opts.OPTION_ONLY:  # no flat field: described by the options class
+            f = next(f for f in dataclasses.fields(opts) if f.name == name)
+            rows.append({"name": name, "flat": name, "kind": "option", "type": str(f.type).replace("typing.", ""),
+                         "default": f.default, "allowed": OPTION_CHECKS[name][1]})
+            continue
+        option = opts is not None and opts.FIELDS.get(name) == flat
+        if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
+            opt_name = next(o for o, f in opts.FIELDS.items() if f == flat)
+            if names.get(opt_name) == flat:
+                continue  # the flat alias of an option: shown on the option's row
+            option = True  # the option's own name is taken by a shared field (snapkv's dtype): use the flat one
+        rows.append({"name": name, "flat": flat, "kind": "option" if option else "shared",
+                     "type": str(_FIELD_TYPES[flat]).replace("typing.", ""),
+                     "default": _DEFAULTS[flat], "allowed": allowed_values(flat)})
+    return rows
+
+
+def settings_summary(method: str) -> str:
+    """``budget (snap_budget), n_sink (snap_n_sink), dtype``: the names ``--set`` takes for ``method``."""
+    parts = [f"{r['name']} ({r['flat']})" if r["name"] != r["flat"] else r["name"] for r in method_settings(method)]
+    return ", ".join(parts) or "none"
+
+
+def build_config(method: str, sets: dict[str, Any]):
+    """``KVCacheConfig(method=method, **sets)``.
+
+    ``sets`` keys are flat fields or ``method``'s option names. Fields that belong to ``method``'s options
+    dataclass are passed through it (the non-deprecated path); the shared fields it reads go in as flat
+    fields. A ``dtype`` string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
+    """
+    from .config import DTYPE_NAMES, KVCacheConfig, _quiet_flat_fields
+    from .options import OPTIONS_BY_METHOD, method_fields
+
+    aliases = method_fields(method)
+    flat = {aliases.get(k, k): v for k, v in sets.items()}
+    if isinstance(flat.get("dtype"), str):
+        import mlx.core as mx
+
+        name = flat["dtype"]
+        if name not in DTYPE_NAMES:
+            raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
+        flat["dtype"] = getattr(mx, name)
+    options = None
+    opts_cls = OPTIONS_BY_METHOD.get(method)
+    if opts_cls is not None:
+        by_flat = {f: o for o, f in opts_cls.FIELDS.items()} | {o: o for o in opts_cls.OPTION_ONLY}
+        picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
+        if picked:
+            options = opts_cls(**picked)
+    with _quiet_flat_fields():  # a shared field another method's options also own (vecinfer's key_sub_dim)
+        return KVCacheConfig(method=method, options=options, **flat)
+
+
+def method_config(method: str, set_items, *, standalone_ok: bool = True):
+    """Check ``method`` and its ``FIELD=VALUE`` items: ``(sets, config)``, ``config`` None for ``none``."""
+    check_method_name(method)
+    sets = parse_sets(set_items, method=method)
+    if method == NONE:
+        if sets:
+            raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
+        return sets, None
+    from .base import STANDALONE_METHODS
+
+    if not standalone_ok and method in STANDALONE_METHODS:
+        raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
+                         "mlx_lm prompt cache; `veloxquant methods` lists the mlx_lm-protocol ones")
+    config = build_config(method, sets)
+    check_buildable(method)
+    return sets, config
+
+
+def check_method_name(method: str) -> None:
+    """``UsageError`` unless ``method`` is a registered method or ``none``."""
+    from .base import METHOD_NAMES
+
+    if method != NONE and method not in METHOD_NAMES:
+        raise UsageError(f"unknown method {method!r}; `veloxquant methods` lists the {len(METHOD_NAMES)} methods "
+                         f"(or use {NONE!r} for mlx_lm's uncompressed cache)")
+
+
+def check_buildable(method: str) -> None:
+    """Raise ``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
+    from .factory import _implemented_class
+
+    _implemented_class(method)

@@ -1,0 +1,97 @@
+"""Greedy generation with a model's caches: prompt encoding, the decode loop and its timings.
+
+The command line (``generate``, ``demo``, ``generate --prompt-cache``) and the tests use these; the server
+has its own loop (mlx_lm's sampling, stop words and streaming) but builds caches the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+__all__ = ["make_caches", "encode_prompt", "encode_turn", "run_generation"]
+
+
+def make_caches(model, method: str, config=None) -> list:
+    """One cache per layer: mlx_lm's plain caches for ``method`` ``"none"``, else
+    ``KVCacheBuilder.for_model(model, config)``."""
+    if method == "none":
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(model)
+    from .cache import KVCacheBuilder
+
+    return KVCacheBuilder.for_model(model, config)
+
+
+def _has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as a user turn of the chat template when the tokenizer has one."""
+    if _has_template(tokenizer):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        if hasattr(ids, "keys"):  # a BatchEncoding from some transformers versions
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(text)]
+
+
+def encode_turn(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one more user turn of the chat template, to follow tokens already in a cache:
+    the turn and the assistant prompt only, without the BOS or default system message the template puts
+    at the start of a conversation. Plain ``tokenizer.encode`` when there is no template (or when the
+    template does not render a system message and the turn one after the other)."""
+    plain = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    if not _has_template(tokenizer):
+        return plain
+    system = [{"role": "system", "content": "-"}]
+    try:
+        head = tokenizer.apply_chat_template(system, tokenize=False)
+        full = tokenizer.apply_chat_template(system + [{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that refuses a system message
+        return plain
+    if not full.startswith(head):
+        return plain
+    return [int(i) for i in tokenizer.encode(full[len(head):], add_special_tokens=False)]
+
+
+def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
+                   on_token: Optional[Callable[[int], None]] = None,
+                   on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded).
+
+    ``on_prefill(done, total)`` follows the prompt's prefill chunk by chunk (mlx_lm's
+    ``prompt_progress_callback``); ``on_token(n)`` each generated token."""
+    import mlx_lm
+
+    tokens: list[int] = []
+    text: list[str] = []
+    t0 = time.perf_counter()
+    t_first = t_last = None
+    for resp in mlx_lm.stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
+                                       prompt_cache=caches, prompt_progress_callback=on_prefill):
+        now = time.perf_counter()
+        text.append(resp.text)
+        if resp.finish_reason == "stop":  # this response carries the EOS token
+            break
+        tokens.append(int(resp.token))
+        if t_first is None:
+            t_first = now
+        t_last = now
+        if on_token is not None:
+            on_token(len(tokens))
+    end = time.perf_counter()
+    decode_tps = None
+    if len(tokens) >= 2 and t_last > t_first:
+        decode_tps = (len(tokens) - 1) / (t_last - t_first)
+    return {
+        "text": "".join(text),
+        "tokens": tokens,
+        "prompt_tokens": len(prompt_ids),
+        "generated_tokens": len(tokens),
+        "prefill_s": (t_first if t_first is not None else end) - t0,
+        "decode_tps": decode_tps,
+    }
