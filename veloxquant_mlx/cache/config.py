@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union
 
 from .artifacts import ArtifactStore
 from .base import METHOD_NAMES
@@ -26,16 +26,7 @@ from .options import (  # noqa: F401  (MAX_*: re-exported, the bounds of the set
     ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_DIM, MAX_FLOAT, MAX_GROUP, MAX_ITERS, MAX_LAYERS, MAX_SEED, MAX_TOKENS,
     OPTIONS_BY_METHOD, MethodOptions, bitwidth, dims, rng_seed, rule_of, tokens)
 
-MethodName = Literal[
-    "turboquant_prod", "turboquant_mse", "turboquant_rvq", "polar", "qjl", "vecinfer", "spectral",
-    "kivi", "kivi_sink", "svdq", "kitty", "adakv", "xquant", "kvquant", "palu", "cachegen",
-    "minicache", "gear", "zipcache", "snapkv", "streaming_llm", "h2o", "tova", "pyramidkv",
-    "squeeze", "chunkkv", "cam", "xkv", "nsnquant", "knorm", "skvq", "qfilters", "keyformer",
-    "morphkv", "kvzip", "kvtc", "curdkv", "nestedkv", "amc", "a2ats", "anchorkv", "rocketkv",
-    "age_tiered",
-    "waterfill",  # the library's own 4-bit-class method (not in the reference spec's list)
-]
-assert get_args(MethodName) == METHOD_NAMES
+MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
 #: The spec's order of the flat per-method fields after ``options``: a method name places the flat aliases
 #: of its options not placed yet; another name, that one alias (vecinfer's array inputs precede spectral's
@@ -132,21 +123,18 @@ class KVCacheConfig:
             self.options = cls(**{opt: getattr(self, flat) for opt, flat in cls.FIELDS.items()})
 
     def _apply_options(self):
-        opts = self.options
+        opts, expected = self.options, OPTIONS_BY_METHOD.get(self.method)
         if not isinstance(opts, MethodOptions):
-            raise QuantizerConfigError(
-                "options", opts, "an options dataclass from veloxquant_mlx.cache.options or None"
-            )
-        expected = OPTIONS_BY_METHOD.get(self.method)
+            allowed = "an options dataclass from veloxquant_mlx.cache.options or None"
+            raise QuantizerConfigError("options", opts, allowed)
         if type(opts) is not expected:
             allowed = expected.__name__ if expected else "None (this method has no options)"
             raise QuantizerConfigError("options", type(opts).__name__, f"{allowed} for method={self.method!r}")
         for flat, value in opts.flat_items():
             current = getattr(self, flat)
             if _differs(current, _DEFAULTS[flat]) and _differs(current, value):
-                raise QuantizerConfigError(
-                    flat, current, f"not to be set both directly and through options (options give {value!r})"
-                )
+                raise QuantizerConfigError(flat, current, "not to be set both directly and through options "
+                                                          f"(options give {value!r})")
             setattr(self, flat, value)
 
     def option(self, name: str, default=None):
@@ -203,15 +191,6 @@ def allowed_values(name: str) -> str:
     return FIELD_RULES[name].allowed if name in FIELD_RULES else "any value"
 
 
-def _check_dtype(v) -> None:
-    if v is None:
-        return
-    import mlx.core as mx
-
-    ok = any(v == getattr(mx, n) for n in DTYPE_NAMES) if isinstance(v, mx.Dtype) else False
-    _check(ok, "dtype", v, allowed_values("dtype"))
-
-
 def validate_config(cfg: KVCacheConfig) -> None:
     """Raise ``QuantizerConfigError`` for the first invalid field of ``cfg``."""
     _check(cfg.method in METHOD_NAMES, "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
@@ -219,7 +198,11 @@ def validate_config(cfg: KVCacheConfig) -> None:
     many = isinstance(bw, (list, tuple))
     _check(0 < len(bw) <= MAX_LAYERS and all(map(ok, bw)) if many else ok(bw), "bit_width_inlier", bw,
            allowed_values("bit_width_inlier"))
-    _check_dtype(cfg.dtype)
+    if cfg.dtype is not None:
+        import mlx.core as mx
+
+        _check(isinstance(cfg.dtype, mx.Dtype) and any(cfg.dtype == getattr(mx, n) for n in DTYPE_NAMES), "dtype",
+               cfg.dtype, allowed_values("dtype"))
     for name, rule in FIELD_RULES.items():
         rule.check(name, getattr(cfg, name))
     _check(isinstance(cfg.observers, list), "observers", cfg.observers, "a list of QuantizationObserver")

@@ -1,32 +1,29 @@
 """Per-method options: the one declaration of every per-method setting.
 
 Pass one as ``KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=256))``; a cache reads
-``config.options``. A field declares its default and what it accepts: ``budget: int = tokens(512)`` is an
-int in 1..MAX_TOKENS, and its annotation gives the type (``Optional`` also admits None). From these
-declarations come the validation (:class:`Rule`), the error texts, the "allowed" column of
-``veloxquant methods``, and the spec's flat ``KVCacheConfig`` fields: ``<flat_prefix>_<name>``
-(``snap_budget``), or the field's ``alias``.
+``config.options``. A field declares its default and what it accepts (``budget: int = tokens(512)``: an
+int in 1..MAX_TOKENS; the annotation gives the type, ``Optional`` admits None). From that declaration come
+its :class:`Rule` (checks and error text, the "allowed" column of ``veloxquant methods``) and, for the
+spec's methods, its flat ``KVCacheConfig`` field: ``<flat_prefix>_<name>`` (``snap_budget``) or its ``alias``.
 
-Fields without a flat alias (``OPTION_ONLY``: the eviction methods' ``decode_evict``, every field of a
-class without ``flat_prefix``) are checked when the options object is built and read as
-``config.options.<name>``. The others are checked when the config is built, under their flat name (the
-one name unique across methods), so that an options object holding a bad value can still be made and
-handed to the config, which reports it.
-
-To add a method with a setting: ``class FooOptions(MethodOptions, method="foo"): budget: int = tokens(64)``,
-listed in ``ALL_OPTIONS``; only the spec's methods have a ``flat_prefix`` (flat fields are deprecated).
+Fields without a flat field (``OPTION_ONLY``: ``decode_evict``, and every field of a class without
+``flat_prefix``) are checked when the options object is built. The others are checked by the config,
+under their flat name (unique across methods): an options object holding a bad value can be built and is
+reported there. To add a method with a setting: ``class FooOptions(MethodOptions, method="foo")`` with
+``budget: int = tokens(64)``, listed in ``ALL_OPTIONS``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any, Callable, ClassVar, Literal, Optional, dataclass_transform
 
 from .errors import QuantizerConfigError
 
-__all__ = ["MethodOptions", "Rule", "ALL_OPTIONS", "OPTIONS_BY_METHOD", "FLAT_FIELD_OPTIONS", "OPTION_CHECKS",
-           "COMMON_FIELDS", "SHARED_FIELDS", "DERIVED_FIELDS", "method_fields"]  # + every <Method>Options below
+__all__ = ["MethodOptions", "EvictionOptions", "Rule", "ALL_OPTIONS", "OPTIONS_BY_METHOD", "FLAT_FIELD_OPTIONS",
+           "OPTION_CHECKS", "COMMON_FIELDS", "SHARED_FIELDS", "DERIVED_FIELDS", "method_fields"]  # + each class
 
 #: Upper bounds of integer settings, by what they count. Large enough for any model this library runs
 #: (a million-token context, 4096-wide heads, 1024 layers), small enough that an absurd value fails here
@@ -42,10 +39,6 @@ MAX_FLOAT = 1e6  # rope bases, temperatures, strengths: far above any real value
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -82,7 +75,8 @@ class Rule:
         if k == "int":
             return _is_int(v) and lo <= v <= hi
         if k == "float":
-            return _is_num(v) and (v > lo if self.lo_open else v >= lo) and v <= hi
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            return ok and (v > lo if self.lo_open else v >= lo) and v <= hi
         if k == "ints":
             return isinstance(v, (tuple, list)) and 0 < len(v) <= 64 and all(_is_int(b) and lo <= b <= hi for b in v)
         return True
@@ -107,7 +101,7 @@ def rule_of(f, owner: str = "KVCacheConfig") -> Rule:
 # --------------------------------------------------------------------------- declaring a setting
 
 
-def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False, **rule):
+def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False, **rule) -> Any:
     """A field with its default, the range (``lo``..``hi``) or ``choices`` it accepts (``Rule``'s other
     keywords refine it), and its flat alias where that is not ``<flat_prefix>_<name>``."""
     if hi is not None:
@@ -115,72 +109,39 @@ def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_on
     return field(default=default, metadata={"rule": rule, "alias": alias, "option_only": option_only})
 
 
-def tokens(default, lo=1, **kw):
-    """A token count: budget, window, sink count (``lo=0``), residual, calibration length, context cap."""
-    return setting(default, lo, MAX_TOKENS, **kw)
-
-
-def dims(default, lo=1, **kw):
-    """A channel count: head dim, rank, sketch or sub-vector width (``bound="head_dim"``: by the model's)."""
-    return setting(default, lo, MAX_DIM, **kw)
-
-
-def groups(default, **kw):
-    """A quantization group: channels or tokens per scale."""
-    return setting(default, 1, MAX_GROUP, **kw)
-
-
-def layers(default, **kw):
-    """A count of layers (``bound="layers"``: by the model's) or of head groups."""
-    return setting(default, 1, MAX_LAYERS, **kw)
-
-
-def bitwidth(default, hi=8, **kw):
-    return setting(default, 1, hi, **kw)
-
-
-def rng_seed(default, **kw):
-    return setting(default, 0, MAX_SEED, **kw)
-
-
-def unit(default, **kw):
-    """A fraction, probability or weight in [0, 1]."""
-    return setting(default, 0.0, 1.0, **kw)
-
-
-def nonneg(default, **kw):
-    """A temperature, strength or exponent: a number in [0, MAX_FLOAT]."""
-    return setting(default, 0.0, MAX_FLOAT, **kw)
-
-
-def rope(default):
-    """A RoPE base frequency."""
-    return setting(default, 1.0, 1e9, lo_open=True, words="a number > 1 and <= 1e9")
-
-
-def one_of(*choices, **kw):
+def one_of(*choices, **kw) -> Any:
     """A string among ``choices``; the first is the default."""
     return setting(choices[0], choices=choices, **kw)
+
+
+tokens = partial(setting, lo=1, hi=MAX_TOKENS)  # budgets, windows, sinks (lo=0), residuals, context caps
+dims = partial(setting, lo=1, hi=MAX_DIM)  # head dims, ranks, sketch and sub-vector widths
+groups = partial(setting, lo=1, hi=MAX_GROUP)  # quantization groups: channels or tokens per scale
+layers = partial(setting, lo=1, hi=MAX_LAYERS)  # layer groups (bound="layers": at most the model's), head groups
+bitwidth = partial(setting, lo=1, hi=8)
+rng_seed = partial(setting, lo=0, hi=MAX_SEED)
+unit = partial(setting, lo=0.0, hi=1.0)  # fractions, probabilities, weights
+nonneg = partial(setting, lo=0.0, hi=MAX_FLOAT)  # temperatures, strengths, exponents
+rope = partial(setting, lo=1.0, hi=1e9, lo_open=True, words="a number > 1 and <= 1e9")  # RoPE base frequencies
 
 
 # --------------------------------------------------------------------------- the options classes
 
 
-@dataclass_transform(field_specifiers=(field, setting, tokens, dims, groups, layers, bitwidth, rng_seed, unit,
-                                       nonneg, rope, one_of))
+@dataclass_transform(field_specifiers=(field, setting, one_of))
 class MethodOptions:
     """Base of the options dataclasses. A subclass names its method (and, for the spec's methods, the
     prefix of its flat aliases) in its class line and is made a dataclass there:
-    ``class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True)``.
-    ``evicts`` adds the option-only ``decode_evict`` of every eviction method: whether its budget also
-    holds while decoding (None: the method's default)."""
+    ``class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True)``. ``evicts``
+    adds the option-only ``decode_evict`` of the eviction methods: whether the budget also holds while
+    decoding (None: the method's default). Without ``method``, a base of options classes."""
 
     METHOD: ClassVar[str] = ""
     FIELDS: ClassVar[dict[str, str]] = {}  # option -> its flat KVCacheConfig field
     OPTION_ONLY: ClassVar[tuple[str, ...]] = ()  # options without a flat field
     RULES: ClassVar[dict[str, Rule]] = {}
 
-    def __init_subclass__(cls, method: str, flat_prefix: Optional[str] = None, evicts: bool = False, **kw):
+    def __init_subclass__(cls, method: str = "", flat_prefix: Optional[str] = None, evicts: bool = False, **kw):
         super().__init_subclass__(**kw)
         if evicts:
             cls.__annotations__["decode_evict"] = "Optional[bool]"
@@ -211,6 +172,14 @@ class MethodOptions:
         return [(flat, getattr(self, name)) for name, flat in self.FIELDS.items()]
 
 
+class EvictionOptions(MethodOptions):
+    """The fields most eviction methods open with: ``budget`` rows kept per head, the first ``n_sink``
+    tokens always among them."""
+
+    budget: int = tokens(512)
+    n_sink: int = tokens(4, lo=0)
+
+
 class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True):
     dtype: str = one_of("auto", "float16", "bfloat16", "float32")
     batched_scoring: bool = True
@@ -225,17 +194,13 @@ class StreamingLLMOptions(MethodOptions, method="streaming_llm", flat_prefix="st
     window_size: int = tokens(512)
 
 
-class H2OOptions(MethodOptions, method="h2o", flat_prefix="h2o", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class H2OOptions(EvictionOptions, method="h2o", flat_prefix="h2o", evicts=True):
     rope_base: float = rope(10000.0)
     grace: int = tokens(16)
     decay: float = setting(0.98, 0.0, 1.0, lo_open=True)
 
 
-class TOVAOptions(MethodOptions, method="tova", flat_prefix="tova", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class TOVAOptions(EvictionOptions, method="tova", flat_prefix="tova", evicts=True):
     backend: str = one_of("auto", "mlx", "metal", "reference")
 
 
@@ -246,9 +211,7 @@ class PyramidKVOptions(MethodOptions, method="pyramidkv", flat_prefix="pyramid",
     beta: float = nonneg(2.0)
 
 
-class SqueezeOptions(MethodOptions, method="squeeze", flat_prefix="squeeze", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class SqueezeOptions(EvictionOptions, method="squeeze", flat_prefix="squeeze", evicts=True):
     strength: float = nonneg(1.0)
 
 
@@ -260,9 +223,7 @@ class ChunkKVOptions(MethodOptions, method="chunkkv", flat_prefix="chunkkv", evi
     reuse_layers: int = layers(1, bound="layers")
 
 
-class CaMOptions(MethodOptions, method="cam", flat_prefix="cam", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class CaMOptions(EvictionOptions, method="cam", flat_prefix="cam", evicts=True):
     merge: str = one_of("sim_weighted", "mean", "drop")
     merge_keys: bool = False
     merge_gate: bool = True
@@ -286,9 +247,7 @@ class NSNQuantOptions(MethodOptions, method="nsnquant", flat_prefix="nsn"):
     max_ctx: int = tokens(8192)
 
 
-class KNormOptions(MethodOptions, method="knorm", flat_prefix="knorm", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class KNormOptions(EvictionOptions, method="knorm", flat_prefix="knorm", evicts=True):
     recent: int = tokens(0, lo=0)
     keep: str = one_of("low", "high")
 
@@ -305,9 +264,7 @@ class SKVQOptions(MethodOptions, method="skvq", flat_prefix="skvq"):
     max_ctx: Optional[int] = tokens(None)
 
 
-class QFiltersOptions(MethodOptions, method="qfilters", flat_prefix="qfilters", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class QFiltersOptions(EvictionOptions, method="qfilters", flat_prefix="qfilters", evicts=True):
     recent: int = tokens(0, lo=0)
     calib_tokens: int = tokens(128)
     sign: int = setting(1, -1, 1)
@@ -315,9 +272,7 @@ class QFiltersOptions(MethodOptions, method="qfilters", flat_prefix="qfilters", 
     on_low_retention: Literal['warn', 'raise', 'ignore'] = one_of("warn", "raise", "ignore")
 
 
-class KeyformerOptions(MethodOptions, method="keyformer", flat_prefix="keyformer", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class KeyformerOptions(EvictionOptions, method="keyformer", flat_prefix="keyformer", evicts=True):
     recent: int = tokens(0, lo=0)
     tau: Optional[float] = nonneg(None)
     tau_init: float = nonneg(1.0)
@@ -327,15 +282,11 @@ class KeyformerOptions(MethodOptions, method="keyformer", flat_prefix="keyformer
     seed: int = rng_seed(0)
 
 
-class MorphKVOptions(MethodOptions, method="morphkv", flat_prefix="morphkv", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class MorphKVOptions(EvictionOptions, method="morphkv", flat_prefix="morphkv", evicts=True):
     window: int = tokens(8)
 
 
-class KVzipOptions(MethodOptions, method="kvzip", flat_prefix="kvzip", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class KVzipOptions(EvictionOptions, method="kvzip", flat_prefix="kvzip", evicts=True):
     probe: str = one_of("context", "repeat")
 
 
@@ -345,16 +296,12 @@ class KVTCOptions(MethodOptions, method="kvtc", flat_prefix="kvtc"):
     beta: float = nonneg(3.5)
 
 
-class CurDKVOptions(MethodOptions, method="curdkv", flat_prefix="curdkv", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class CurDKVOptions(EvictionOptions, method="curdkv", flat_prefix="curdkv", evicts=True):
     rank_cap: int = dims(16)
     rope_base: float = rope(10000.0)
 
 
-class NestedKVOptions(MethodOptions, method="nestedkv", flat_prefix="nestedkv", evicts=True):
-    budget: int = tokens(512)
-    n_sink: int = tokens(4, lo=0)
+class NestedKVOptions(EvictionOptions, method="nestedkv", flat_prefix="nestedkv", evicts=True):
     window: int = tokens(64)
     beta: float = nonneg(3.0)
     tau: float = nonneg(0.6)
