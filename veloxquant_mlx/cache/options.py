@@ -564,16 +564,11 @@ def method_fields(method: str) -> dict[str, str]:
     """Every setting name ``method`` accepts -> the flat ``KVCacheConfig`` field it sets.
 
     The names are its options' own names (``budget``), their flat aliases (``snap_budget``), the shared
-    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. An option-only field (``OPTION_ONLY``,
-    no flat field) maps to its own name, which is not a ``KVCacheConfig`` field. Where an option's own name is also a
-    shared field the method reads (snapkv's ``dtype``), the shared field keeps the name and the option is
-    reached through its flat alias (``snap_dtype``).
+    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. An option-only field maps to its own
+    name, which is not a ``KVCacheConfig`` field. Where an option's own name is also a shared field the
+    method reads (snapkv's ``dtype``), the shared field keeps the name and the option is reached through its
+    flat alias (``snap_dtype``).
     """
-    opts = OPTIONS_BY_METHOD.get(method)
-    out: dict[str, str] = dict(opts.FIELDS) if opts is not None else {}
-    out.update({name: name for name in (opts.OPTION_ONLY if opts is not None else ())})
-    for flat in (opts.FIELDS.values() if opts is not None else ()):
-        out[flat] = flat
-    for flat in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS:
-        out[flat] = flat
-    return out
+    o = OPTIONS_BY_METHOD.get(method)
+    own = {**o.FIELDS, **{n: n for n in o.OPTION_ONLY}, **{f: f for f in o.FIELDS.values()}} if o else {}
+    return {**own, **{f: f for f in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS}}
