@@ -234,6 +234,7 @@ def test_a_new_options_class_is_validated_and_aliased_from_its_one_declaration()
     for name, value, allowed in [("budget", 0, "an int in 1..1048576"), ("budget", True, "an int in 1..1048576"),
                                  ("mode", "slow", "one of 'fast', 'exact'"),
                                  ("ratio", 1.5, "a number in [0, 1] or None"),
+                                 ("ratio", 10**400, "a number in [0, 1] or None"),  # no float holds it
                                  ("decode_evict", 1, "None (the method's default), True or False")]:
         with pytest.raises(QuantizerConfigError) as e:  # no flat field: checked when built, under its own name
             ToyOptions(**{name: value})

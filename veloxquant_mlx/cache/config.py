@@ -24,7 +24,7 @@ from .base import METHOD_NAMES
 from .errors import QuantizerConfigError
 from .options import (  # noqa: F401  (MAX_*: re-exported, the bounds of the settings)
     ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_DIM, MAX_FLOAT, MAX_GROUP, MAX_ITERS, MAX_LAYERS, MAX_SEED, MAX_TOKENS,
-    OPTIONS_BY_METHOD, MethodOptions, bitwidth, dims, rng_seed, rule_of, tokens)
+    OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth, dims, rng_seed, rule_of, tokens)
 
 MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
@@ -155,10 +155,8 @@ class KVCacheConfig:
             return dataclasses.replace(self, **changes)
 
 
-_DEFAULTS = {
-    f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-    for f in dataclasses.fields(KVCacheConfig)
-}
+_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(KVCacheConfig)}
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(KVCacheConfig)}
 # Checked on their own in ``validate_config``: the method, the per-layer width list and the objects.
 _OWN_CHECKS = ("method", "bit_width_inlier", "dtype", "store", "observers", "options")
@@ -194,10 +192,9 @@ def allowed_values(name: str) -> str:
 def validate_config(cfg: KVCacheConfig) -> None:
     """Raise ``QuantizerConfigError`` for the first invalid field of ``cfg``."""
     _check(cfg.method in METHOD_NAMES, "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
-    bw, ok = cfg.bit_width_inlier, lambda b: isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 8
-    many = isinstance(bw, (list, tuple))
-    _check(0 < len(bw) <= MAX_LAYERS and all(map(ok, bw)) if many else ok(bw), "bit_width_inlier", bw,
-           allowed_values("bit_width_inlier"))
+    bw, width = cfg.bit_width_inlier, Rule("int", lo=1, hi=8).accepts  # one width, or one per layer
+    _check(0 < len(bw) <= MAX_LAYERS and all(map(width, bw)) if isinstance(bw, (list, tuple)) else width(bw),
+           "bit_width_inlier", bw, allowed_values("bit_width_inlier"))
     if cfg.dtype is not None:
         import mlx.core as mx
 

@@ -69,13 +69,13 @@ class Rule:
         if v is None and self.optional:
             return True
         if k == "choice":
-            return v in self.choices
+            return isinstance(v, str) and v in self.choices
         if k == "bool":
             return isinstance(v, bool)
         if k == "int":
             return _is_int(v) and lo <= v <= hi
         if k == "float":
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = _is_int(v) or isinstance(v, float) and math.isfinite(v)  # an int too large for a float is out of range
             return ok and (v > lo if self.lo_open else v >= lo) and v <= hi
         if k == "ints":
             return isinstance(v, (tuple, list)) and 0 < len(v) <= 64 and all(_is_int(b) and lo <= b <= hi for b in v)
