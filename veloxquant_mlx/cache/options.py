@@ -537,6 +537,7 @@ _TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "n_outlier_c
 #: (a tiny model for the mlx_lm ones, appended rows and a query for the standalone ones) and checks this
 #: table both ways: nothing listed here goes unread, nothing read is missing.
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
+    **{c.METHOD: _EVICTION_SHARED for c in ALL_OPTIONS if "decode_evict" in c.RULES},  # the eviction methods
     "turboquant_prod": _TURBOQUANT + ("jl_dim",),  # the QJL residual's sketch width (the MSE variant has none)
     "turboquant_mse": _TURBOQUANT,
     "polar": ("head_dim", "bit_width_inlier", "seed", "dtype", "capacity"),
@@ -551,9 +552,6 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "kvtc": ("kivi_group_size",),
     "cam": ("seed",) + _EVICTION_SHARED,
     "a2ats": ("seed",),
-    **{m: _EVICTION_SHARED for m in ("snapkv", "streaming_llm", "h2o", "tova", "pyramidkv", "squeeze", "chunkkv",
-                                     "knorm", "qfilters", "keyformer", "morphkv", "kvzip", "curdkv", "nestedkv",
-                                     "rocketkv")},
 }
 
 #: Fields the library writes per layer when it builds a model's caches; never user settings.
