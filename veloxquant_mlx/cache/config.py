@@ -50,9 +50,9 @@ def flat_fields(layout) -> list[tuple[str, str, dataclasses.Field]]:
         if isinstance(item, tuple):
             out.setdefault(item[0], item)
             continue
-        cls = OPTIONS_BY_METHOD.get(item, item)
-        for cls, flat in [(cls, f) for f in cls.FIELDS.values()] if isinstance(cls, type) else \
-                [(FLAT_FIELD_OPTIONS[item][0], item)]:
+        cls = OPTIONS_BY_METHOD.get(item, item)  # a method's options class, or one alias of the first owner
+        cls, names = (cls, cls.FIELDS.values()) if isinstance(cls, type) else (FLAT_FIELD_OPTIONS[item][0], [item])
+        for flat in names:
             f = next(f for f in dataclasses.fields(cls) if cls.FIELDS.get(f.name) == flat)
             old = out.setdefault(flat, (flat, f.type, field(default=f.default, metadata=f.metadata)))
             if (old[1], old[2].default, old[2].metadata.get("rule")) != (f.type, f.default, f.metadata.get("rule")):
