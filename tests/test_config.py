@@ -217,6 +217,56 @@ def test_flat_field_warnings_survive_interleaved_quiet_sections_in_threads():
         KVCacheConfig(method="h2o", h2o_budget=64)
 
 
+def test_a_new_options_class_is_validated_and_aliased_from_its_one_declaration():
+    """The reader's path "to add a method with a setting": a field is declared once, with what it accepts;
+    its checks, its error text and (for a spec method, with ``flat_prefix``) its flat field follow."""
+    from typing import Optional
+
+    from veloxquant_mlx.cache.config import FIELD_RULES, flat_fields
+
+    class ToyOptions(opts.MethodOptions, method="toy", evicts=True):
+        budget: int = opts.tokens(64)
+        mode: str = opts.one_of("fast", "exact")
+        ratio: Optional[float] = opts.unit(None)
+
+    assert ToyOptions.FIELDS == {} and ToyOptions.OPTION_ONLY == ("budget", "mode", "ratio", "decode_evict")
+    assert (ToyOptions().budget, ToyOptions(mode="exact", ratio=0.5).mode) == (64, "exact")
+    for name, value, allowed in [("budget", 0, "an int in 1..1048576"), ("budget", True, "an int in 1..1048576"),
+                                 ("mode", "slow", "one of 'fast', 'exact'"),
+                                 ("ratio", 1.5, "a number in [0, 1] or None"),
+                                 ("ratio", 10**400, "a number in [0, 1] or None"),  # no float holds it
+                                 ("decode_evict", 1, "None (the method's default), True or False")]:
+        with pytest.raises(QuantizerConfigError) as e:  # no flat field: checked when built, under its own name
+            ToyOptions(**{name: value})
+        assert (e.value.field, e.value.value, e.value.allowed) == (name, value, allowed)
+
+    class ToyFlatOptions(opts.MethodOptions, method="toy", flat_prefix="toy"):
+        budget: int = opts.tokens(64)
+        n_sink: int = opts.tokens(4, lo=0, alias="toy_sinks")
+
+    assert ToyFlatOptions.FIELDS == {"budget": "toy_budget", "n_sink": "toy_sinks"} and not ToyFlatOptions.OPTION_ONLY
+    with pytest.raises(QuantizerConfigError) as e:  # built (the config reports it), checked under its flat name
+        ToyFlatOptions(n_sink=-1).validate()
+    assert (e.value.field, e.value.allowed) == ("toy_sinks", "an int in 0..1048576")
+    flat = dataclasses.make_dataclass("Flat", flat_fields([ToyFlatOptions]))
+    assert [(f.name, f.type, f.default) for f in dataclasses.fields(flat)] == [("toy_budget", int, 64),
+                                                                              ("toy_sinks", int, 4)]
+
+    class Clash(opts.MethodOptions, method="clash", flat_prefix="toy"):
+        budget: int = opts.tokens(32)
+
+    with pytest.raises(TypeError, match="toy_budget"):  # one flat field, two declarations that disagree
+        flat_fields([ToyFlatOptions, Clash])
+    with pytest.raises(TypeError, match="Bad.n: declare what it accepts"):  # a number needs its range
+
+        class Bad(opts.MethodOptions, method="bad"):
+            n: int = 3
+
+    for cls in opts.ALL_OPTIONS:  # KVCacheConfig's flat fields are these declarations
+        for name, flat_name in cls.FIELDS.items():
+            assert FIELD_RULES[flat_name] == cls.RULES[name] and _DEFAULTS[flat_name] == getattr(cls(), name)
+
+
 # --------------------------------------------------------------------------- bounds (issue 13 item 12)
 
 _INT_FIELDS = [n for n, t in __import__("veloxquant_mlx.cache.config", fromlist=["_FIELD_TYPES"])._FIELD_TYPES.items()
@@ -240,11 +290,11 @@ def test_every_int_field_refuses_huge_values_and_names_the_field(name, value):
 
 @pytest.mark.parametrize("name", _INT_FIELDS)
 def test_every_int_field_accepts_its_default_and_upper_bound(name):
-    from veloxquant_mlx.cache.config import _int_range
+    from veloxquant_mlx.cache.config import FIELD_RULES
 
     KVCacheConfig(**{name: _DEFAULTS[name]})
     if name not in ("bit_width_inlier", "n_outlier_channels"):
-        lo, hi = _int_range(name)
+        hi = FIELD_RULES[name].hi
         if name == "age_recent_boundary":
             hi = _DEFAULTS["age_mid_boundary"]
         with warnings.catch_warnings():

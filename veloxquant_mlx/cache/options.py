@@ -1,655 +1,513 @@
-"""Per-method options: one small dataclass per method that has parameters.
+"""Per-method options: the one declaration of every per-method setting.
 
-Pass one as ``KVCacheConfig(method=..., options=SnapKVOptions(budget=256))``. Each field maps to a flat
-``KVCacheConfig`` field (``FIELDS`` gives the mapping); the config copies the values across when it is
-built, so caches read one place. Defaults equal the flat fields' defaults.
+Pass one as ``KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=256))``; a cache reads
+``config.options``. A field declares its default and what it accepts (``budget: int = tokens(512)``: an
+int in 1..MAX_TOKENS; the annotation gives the type, ``Optional`` admits None). From that declaration come
+its :class:`Rule` (checks and error text, the "allowed" column of ``veloxquant methods``) and, for the
+spec's methods, its flat ``KVCacheConfig`` field: ``<flat_prefix>_<name>`` (``snap_budget``) or its ``alias``.
 
-Option-only fields (``OPTION_ONLY``; e.g. the eviction methods' ``decode_evict``) have no flat field, so
-that ``KVCacheConfig`` keeps exactly the spec's signature: a cache reads them with
-``config.option(name)``, they are validated when the options object is built (:data:`OPTION_CHECKS`),
-and ``--set NAME=VALUE`` reaches them under their own name.
+Fields without a flat field (``OPTION_ONLY``: ``decode_evict``, and every field of a class without
+``flat_prefix``) are checked when the options object is built. The others are checked by the config,
+under their flat name (unique across methods): an options object holding a bad value can be built and is
+reported there. To add a method with a setting: ``class FooOptions(MethodOptions, method="foo")`` with
+``budget: int = tokens(64)``, listed in ``ALL_OPTIONS``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, Optional
+import math
+from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import Any, Callable, ClassVar, Literal, Optional, dataclass_transform
 
 from .errors import QuantizerConfigError
 
+__all__ = ["MethodOptions", "EvictionOptions", "Rule", "ALL_OPTIONS", "OPTIONS_BY_METHOD", "FLAT_FIELD_OPTIONS",
+           "OPTION_CHECKS", "COMMON_FIELDS", "SHARED_FIELDS", "DERIVED_FIELDS", "method_fields"]  # + each class
 
-def _optional_bool(field: str, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise QuantizerConfigError(field, value, "None (the method's default), True or False")
+#: Upper bounds of integer settings, by what they count. Large enough for any model this library runs
+#: (a million-token context, 4096-wide heads, 1024 layers), small enough that an absurd value fails here
+#: instead of in an allocation, a shape or a 32-bit index deep inside a cache.
+MAX_TOKENS = 1 << 20  # budgets, windows, sinks, residuals, calibration lengths, context caps
+MAX_DIM = 4096  # channel counts: head dims, ranks, sub-vector and sketch widths
+MAX_GROUP = 1024  # quantization groups (channels or tokens per scale)
+MAX_LAYERS = 1024  # layer groups and layer counts
+MAX_SEED = 2**31 - 1
+MAX_ITERS = 10_000
+MAX_FLOAT = 1e6  # rope bases, temperatures, strengths: far above any real value, below float16's overflow
 
 
-#: Option-only field -> (validator(field, value), allowed values in words for ``veloxquant methods``).
-OPTION_CHECKS: dict[str, tuple] = {
-    "decode_evict": (_optional_bool, "None (the method's default), True or False"),
-}
-
-# the option-only fields of every eviction method: whether its budget also holds while decoding
-_EVICTION_ONLY: tuple[str, ...] = ("decode_evict",)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What one setting accepts, from its annotation (kind, ``Optional``) and its declaration (range,
+    choices); ``check`` raises ``QuantizerConfigError`` naming the field, the value and ``allowed``."""
+
+    kind: str  # "int", "float", "bool", "choice", "ints" (a non-empty tuple of ints), "any"
+    optional: bool = False
+    lo: float = 0
+    hi: float = 0
+    lo_open: bool = False
+    choices: tuple = ()
+    words: str = ""  # ``allowed`` in other words than the range's
+    bound: str = ""  # "head_dim" or "layers": ``validate_for_model`` also bounds it by the model's
+
+    @property
+    def allowed(self) -> str:
+        lo, hi, k = self.lo, self.hi, self.kind
+        text = self.words or {
+            "choice": "one of " + ", ".join(map(repr, self.choices)), "bool": "True or False",
+            "int": f"an int in {lo}..{hi}", "ints": f"a non-empty tuple of ints in {lo}..{hi}",
+            "float": f"a number in {'(' if self.lo_open else '['}{lo:g}, {hi:g}]"}.get(k, "any value")
+        return text + (" or None" if self.optional and "None" not in text and k != "any" else "")
+
+    def accepts(self, v) -> bool:
+        lo, hi, k = self.lo, self.hi, self.kind
+        if v is None and self.optional:
+            return True
+        if k == "choice":
+            return isinstance(v, str) and v in self.choices
+        if k == "bool":
+            return isinstance(v, bool)
+        if k == "int":
+            return _is_int(v) and lo <= v <= hi
+        if k == "float":
+            ok = _is_int(v) or isinstance(v, float) and math.isfinite(v)  # an int too large for a float is out of range
+            return ok and (v > lo if self.lo_open else v >= lo) and v <= hi
+        if k == "ints":
+            return isinstance(v, (tuple, list)) and 0 < len(v) <= 64 and all(_is_int(b) and lo <= b <= hi for b in v)
+        return True
+
+    def check(self, name: str, value) -> None:
+        if not self.accepts(value):
+            raise QuantizerConfigError(name, value, self.allowed)
+
+
+_KINDS = (("bool", "bool"), ("tuple", "ints"), ("float", "float"), ("int", "int"))
+
+
+def rule_of(f, owner: str = "KVCacheConfig") -> Rule:
+    """The :class:`Rule` of dataclass field ``f``; a number field must declare its range."""
+    spec, t = f.metadata.get("rule", {}), str(f.type).replace("typing.", "")
+    kind = "choice" if spec.get("choices") else next((k for s, k in _KINDS if s in t), "any")
+    if kind in ("int", "float", "ints") and "hi" not in spec:
+        raise TypeError(f"{owner}.{f.name}: declare what it accepts, e.g. tokens({f.default!r})")
+    return Rule(kind, t.startswith("Optional"), **spec)
+
+
+# --------------------------------------------------------------------------- declaring a setting
+
+
+def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False, **rule) -> Any:
+    """A field with its default, the range (``lo``..``hi``) or ``choices`` it accepts (``Rule``'s other
+    keywords refine it), and its flat alias where that is not ``<flat_prefix>_<name>``."""
+    if hi is not None:
+        rule.update(lo=lo, hi=hi)
+    return field(default=default, metadata={"rule": rule, "alias": alias, "option_only": option_only})
+
+
+def one_of(*choices, **kw) -> Any:
+    """A string among ``choices``; the first is the default."""
+    return setting(choices[0], choices=choices, **kw)
+
+
+tokens = partial(setting, lo=1, hi=MAX_TOKENS)  # budgets, windows, sinks (lo=0), residuals, context caps
+dims = partial(setting, lo=1, hi=MAX_DIM)  # head dims, ranks, sketch and sub-vector widths
+groups = partial(setting, lo=1, hi=MAX_GROUP)  # quantization groups: channels or tokens per scale
+layers = partial(setting, lo=1, hi=MAX_LAYERS)  # layer groups (bound="layers": at most the model's), head groups
+bitwidth = partial(setting, lo=1, hi=8)
+rng_seed = partial(setting, lo=0, hi=MAX_SEED)
+unit = partial(setting, lo=0.0, hi=1.0)  # fractions, probabilities, weights
+nonneg = partial(setting, lo=0.0, hi=MAX_FLOAT)  # temperatures, strengths, exponents
+rope = partial(setting, lo=1.0, hi=1e9, lo_open=True, words="a number > 1 and <= 1e9")  # RoPE base frequencies
+
+
+# --------------------------------------------------------------------------- the options classes
+
+
+@dataclass_transform(field_specifiers=(field, setting, one_of))
 class MethodOptions:
-    """Base of every options dataclass: ``METHOD`` names the method, ``FIELDS`` maps option -> flat field,
-    ``OPTION_ONLY`` lists the options that have no flat field (read with ``KVCacheConfig.option``)."""
+    """Base of the options dataclasses. A subclass names its method (and, for the spec's methods, the
+    prefix of its flat aliases) in its class line and is made a dataclass there:
+    ``class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True)``. ``evicts``
+    adds the option-only ``decode_evict`` of the eviction methods: whether the budget also holds while
+    decoding (None: the method's default). Without ``method``, a base of options classes."""
 
     METHOD: ClassVar[str] = ""
-    FIELDS: ClassVar[dict[str, str]] = {}
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = ()
+    FIELDS: ClassVar[dict[str, str]] = {}  # option -> its flat KVCacheConfig field
+    OPTION_ONLY: ClassVar[tuple[str, ...]] = ()  # options without a flat field
+    RULES: ClassVar[dict[str, Rule]] = {}
+
+    def __init_subclass__(cls, method: str = "", flat_prefix: Optional[str] = None, evicts: bool = False, **kw):
+        super().__init_subclass__(**kw)
+        if evicts:
+            cls.__annotations__["decode_evict"] = "Optional[bool]"
+            cls.decode_evict = setting(None, words="None (the method's default), True or False", option_only=True)
+        cls.__doc__ = cls.__doc__ or f"Options of ``{method}``."
+        dataclass(cls)
+        cls.METHOD, cls.RULES = method, {f.name: rule_of(f, cls.__name__) for f in fields(cls)}
+        cls.FIELDS = {f.name: f.metadata.get("alias") or "_".join(filter(None, (flat_prefix, f.name)))
+                      for f in fields(cls) if flat_prefix is not None and not f.metadata.get("option_only")}
+        cls.OPTION_ONLY = tuple(n for n in cls.RULES if n not in cls.FIELDS)
 
     def __post_init__(self):
         for name in self.OPTION_ONLY:
-            OPTION_CHECKS[name][0](name, getattr(self, name))
+            self.RULES[name].check(name, getattr(self, name))
+
+    def validate(self) -> None:
+        """Raise ``QuantizerConfigError`` for the first invalid field, named by its flat alias if it has one."""
+        for name, rule in self.RULES.items():
+            rule.check(self.FIELDS.get(name, name), getattr(self, name))
+        self.check_relations(lambda n: getattr(self, n))
+
+    @classmethod
+    def check_relations(cls, get: Callable[[str], Any]) -> None:
+        """Checks between fields (``get(name)`` gives a field's value), after each field's own check."""
 
     def flat_items(self):
         """(flat field name, value) pairs this options object sets (option-only fields excluded)."""
-        return [(self.FIELDS[f.name], getattr(self, f.name)) for f in fields(self) if f.name not in self.OPTION_ONLY]
+        return [(flat, getattr(self, name)) for name, flat in self.FIELDS.items()]
 
 
-@dataclass
-class SnapKVOptions(MethodOptions):
-    """Options of ``snapkv``."""
+class EvictionOptions(MethodOptions):
+    """The fields most eviction methods open with: ``budget`` rows kept per head, the first ``n_sink``
+    tokens always among them."""
 
-    METHOD: ClassVar[str] = "snapkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"dtype": "snap_dtype", "batched_scoring": "snap_batched_scoring", "backend": "snap_backend", "budget": "snap_budget", "obs_window": "snap_obs_window", "n_sink": "snap_n_sink"}
+    budget: int = tokens(512)
+    n_sink: int = tokens(4, lo=0)
 
-    dtype: str = 'auto'
+
+class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True):
+    dtype: str = one_of("auto", "float16", "bfloat16", "float32")
     batched_scoring: bool = True
-    backend: str = 'auto'
-    budget: int = 512
-    obs_window: int = 32
-    n_sink: int = 4
-    decode_evict: Optional[bool] = None
+    backend: str = one_of("auto", "mlx", "metal", "reference")
+    budget: int = tokens(512)
+    obs_window: int = tokens(32)
+    n_sink: int = tokens(4, lo=0)
 
 
-@dataclass
-class StreamingLLMOptions(MethodOptions):
-    """Options of ``streaming_llm``."""
-
-    METHOD: ClassVar[str] = "streaming_llm"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"n_sink": "stream_n_sink", "window_size": "stream_window_size"}
-
-    n_sink: int = 4
-    window_size: int = 512
-    decode_evict: Optional[bool] = None
+class StreamingLLMOptions(MethodOptions, method="streaming_llm", flat_prefix="stream", evicts=True):
+    n_sink: int = tokens(4, lo=0)
+    window_size: int = tokens(512)
 
 
-@dataclass
-class H2OOptions(MethodOptions):
-    """Options of ``h2o``."""
-
-    METHOD: ClassVar[str] = "h2o"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "h2o_budget", "n_sink": "h2o_n_sink", "rope_base": "h2o_rope_base", "grace": "h2o_grace", "decay": "h2o_decay"}
-
-    budget: int = 512
-    n_sink: int = 4
-    rope_base: float = 10000.0
-    grace: int = 16
-    decay: float = 0.98
-    decode_evict: Optional[bool] = None
+class H2OOptions(EvictionOptions, method="h2o", flat_prefix="h2o", evicts=True):
+    rope_base: float = rope(10000.0)
+    grace: int = tokens(16)
+    decay: float = setting(0.98, 0.0, 1.0, lo_open=True)
 
 
-@dataclass
-class TOVAOptions(MethodOptions):
-    """Options of ``tova``."""
-
-    METHOD: ClassVar[str] = "tova"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "tova_budget", "n_sink": "tova_n_sink", "backend": "tova_backend"}
-
-    budget: int = 512
-    n_sink: int = 4
-    backend: str = 'auto'
-    decode_evict: Optional[bool] = None
+class TOVAOptions(EvictionOptions, method="tova", flat_prefix="tova", evicts=True):
+    backend: str = one_of("auto", "mlx", "metal", "reference")
 
 
-@dataclass
-class PyramidKVOptions(MethodOptions):
-    """Options of ``pyramidkv``."""
-
-    METHOD: ClassVar[str] = "pyramidkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "pyramid_budget", "backend": "pyramid_backend", "n_sink": "pyramid_n_sink", "beta": "pyramid_beta"}
-
-    budget: int = 512
-    backend: str = 'reference'
-    n_sink: int = 4
-    beta: float = 2.0
-    decode_evict: Optional[bool] = None
+class PyramidKVOptions(MethodOptions, method="pyramidkv", flat_prefix="pyramid", evicts=True):
+    budget: int = tokens(512)
+    backend: str = one_of("reference", "mlx", "auto")
+    n_sink: int = tokens(4, lo=0)
+    beta: float = nonneg(2.0)
 
 
-@dataclass
-class SqueezeOptions(MethodOptions):
-    """Options of ``squeeze``."""
-
-    METHOD: ClassVar[str] = "squeeze"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "squeeze_budget", "n_sink": "squeeze_n_sink", "strength": "squeeze_strength"}
-
-    budget: int = 512
-    n_sink: int = 4
-    strength: float = 1.0
-    decode_evict: Optional[bool] = None
+class SqueezeOptions(EvictionOptions, method="squeeze", flat_prefix="squeeze", evicts=True):
+    strength: float = nonneg(1.0)
 
 
-@dataclass
-class ChunkKVOptions(MethodOptions):
-    """Options of ``chunkkv``."""
-
-    METHOD: ClassVar[str] = "chunkkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "chunkkv_budget", "chunk_size": "chunkkv_chunk_size", "n_sink": "chunkkv_n_sink", "score": "chunkkv_score", "reuse_layers": "chunkkv_reuse_layers"}
-
-    budget: int = 512
-    chunk_size: int = 8
-    n_sink: int = 4
-    score: str = 'attn_mass'
-    reuse_layers: int = 1
-    decode_evict: Optional[bool] = None
+class ChunkKVOptions(MethodOptions, method="chunkkv", flat_prefix="chunkkv", evicts=True):
+    budget: int = tokens(512)
+    chunk_size: int = tokens(8)
+    n_sink: int = tokens(4, lo=0)
+    score: str = one_of("attn_mass", "key_norm")
+    reuse_layers: int = layers(1, bound="layers")
 
 
-@dataclass
-class CaMOptions(MethodOptions):
-    """Options of ``cam``."""
-
-    METHOD: ClassVar[str] = "cam"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "cam_budget", "n_sink": "cam_n_sink", "merge": "cam_merge", "merge_keys": "cam_merge_keys", "merge_gate": "cam_merge_gate"}
-
-    budget: int = 512
-    n_sink: int = 4
-    merge: str = 'sim_weighted'
+class CaMOptions(EvictionOptions, method="cam", flat_prefix="cam", evicts=True):
+    merge: str = one_of("sim_weighted", "mean", "drop")
     merge_keys: bool = False
     merge_gate: bool = True
-    decode_evict: Optional[bool] = None
 
 
-@dataclass
-class XKVOptions(MethodOptions):
-    """Options of ``xkv``."""
-
-    METHOD: ClassVar[str] = "xkv"
-    FIELDS: ClassVar[dict[str, str]] = {"group_size": "xkv_group_size", "rank": "xkv_rank", "energy_threshold": "xkv_energy_threshold", "latent_bits": "xkv_latent_bits", "group_quant_size": "xkv_group_quant_size", "max_ctx": "xkv_max_ctx"}
-
-    group_size: int = 2
-    rank: Optional[int] = None
-    energy_threshold: float = 0.95
-    latent_bits: int = 4
-    group_quant_size: int = 32
-    max_ctx: int = 8192
+class XKVOptions(MethodOptions, method="xkv", flat_prefix="xkv"):
+    group_size: int = layers(2, bound="layers")
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.95)
+    latent_bits: int = bitwidth(4)
+    group_quant_size: int = groups(32)
+    max_ctx: int = tokens(8192)
 
 
-@dataclass
-class NSNQuantOptions(MethodOptions):
-    """Options of ``nsnquant``."""
-
-    METHOD: ClassVar[str] = "nsnquant"
-    FIELDS: ClassVar[dict[str, str]] = {"bits": "nsn_bits", "residual_length": "nsn_residual_length", "codebook_size": "nsn_codebook_size", "subvector_dim": "nsn_subvector_dim", "seed": "nsn_seed", "max_ctx": "nsn_max_ctx"}
-
-    bits: int = 2
-    residual_length: int = 64
-    codebook_size: int = 256
-    subvector_dim: int = 8
-    seed: int = 1234
-    max_ctx: int = 8192
+class NSNQuantOptions(MethodOptions, method="nsnquant", flat_prefix="nsn"):
+    bits: int = bitwidth(2)
+    residual_length: int = tokens(64)
+    codebook_size: int = setting(256, 2, 1 << 16)
+    subvector_dim: int = dims(8, bound="head_dim")
+    seed: int = rng_seed(1234)
+    max_ctx: int = tokens(8192)
 
 
-@dataclass
-class KNormOptions(MethodOptions):
-    """Options of ``knorm``."""
-
-    METHOD: ClassVar[str] = "knorm"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "knorm_budget", "n_sink": "knorm_n_sink", "recent": "knorm_recent", "keep": "knorm_keep"}
-
-    budget: int = 512
-    n_sink: int = 4
-    recent: int = 0
-    keep: str = 'low'
-    decode_evict: Optional[bool] = None
+class KNormOptions(EvictionOptions, method="knorm", flat_prefix="knorm", evicts=True):
+    recent: int = tokens(0, lo=0)
+    keep: str = one_of("low", "high")
 
 
-@dataclass
-class SKVQOptions(MethodOptions):
-    """Options of ``skvq``."""
-
-    METHOD: ClassVar[str] = "skvq"
-    FIELDS: ClassVar[dict[str, str]] = {"bits_key": "skvq_bits_key", "bits_value": "skvq_bits_value", "group_size": "skvq_group_size", "window": "skvq_window", "n_sink": "skvq_n_sink", "reorder": "skvq_reorder", "clip_search": "skvq_clip_search", "clip_alpha": "skvq_clip_alpha", "max_ctx": "skvq_max_ctx"}
-
-    bits_key: int = 2
-    bits_value: int = 2
-    group_size: int = 32
-    window: int = 128
-    n_sink: int = 5
+class SKVQOptions(MethodOptions, method="skvq", flat_prefix="skvq"):
+    bits_key: int = bitwidth(2)
+    bits_value: int = bitwidth(2)
+    group_size: int = groups(32)
+    window: int = tokens(128)
+    n_sink: int = tokens(5, lo=0)
     reorder: bool = True
     clip_search: bool = True
-    clip_alpha: float = 1.0
-    max_ctx: Optional[int] = None
+    clip_alpha: float = nonneg(1.0)
+    max_ctx: Optional[int] = tokens(None)
 
 
-@dataclass
-class QFiltersOptions(MethodOptions):
-    """Options of ``qfilters``."""
-
-    METHOD: ClassVar[str] = "qfilters"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "qfilters_budget", "n_sink": "qfilters_n_sink", "recent": "qfilters_recent", "calib_tokens": "qfilters_calib_tokens", "sign": "qfilters_sign", "min_retention": "qfilters_min_retention", "on_low_retention": "qfilters_on_low_retention"}
-
-    budget: int = 512
-    n_sink: int = 4
-    recent: int = 0
-    calib_tokens: int = 128
-    sign: int = 1
-    min_retention: Optional[float] = 0.9
-    on_low_retention: Literal['warn', 'raise', 'ignore'] = 'warn'
-    decode_evict: Optional[bool] = None
+class QFiltersOptions(EvictionOptions, method="qfilters", flat_prefix="qfilters", evicts=True):
+    recent: int = tokens(0, lo=0)
+    calib_tokens: int = tokens(128)
+    sign: int = setting(1, -1, 1)
+    min_retention: Optional[float] = unit(0.9)
+    on_low_retention: Literal['warn', 'raise', 'ignore'] = one_of("warn", "raise", "ignore")
 
 
-@dataclass
-class KeyformerOptions(MethodOptions):
-    """Options of ``keyformer``."""
-
-    METHOD: ClassVar[str] = "keyformer"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "keyformer_budget", "n_sink": "keyformer_n_sink", "recent": "keyformer_recent", "tau": "keyformer_tau", "tau_init": "keyformer_tau_init", "tau_end": "keyformer_tau_end", "anneal_steps": "keyformer_anneal_steps", "rope_base": "keyformer_rope_base", "seed": "keyformer_seed"}
-
-    budget: int = 512
-    n_sink: int = 4
-    recent: int = 0
-    tau: Optional[float] = None
-    tau_init: float = 1.0
-    tau_end: float = 1.0
-    anneal_steps: int = 0
-    rope_base: float = 10000.0
-    seed: int = 0
-    decode_evict: Optional[bool] = None
+class KeyformerOptions(EvictionOptions, method="keyformer", flat_prefix="keyformer", evicts=True):
+    recent: int = tokens(0, lo=0)
+    tau: Optional[float] = nonneg(None)
+    tau_init: float = nonneg(1.0)
+    tau_end: float = nonneg(1.0)
+    anneal_steps: int = tokens(0, lo=0)
+    rope_base: float = rope(10000.0)
+    seed: int = rng_seed(0)
 
 
-@dataclass
-class MorphKVOptions(MethodOptions):
-    """Options of ``morphkv``."""
-
-    METHOD: ClassVar[str] = "morphkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "morphkv_budget", "n_sink": "morphkv_n_sink", "window": "morphkv_window"}
-
-    budget: int = 512
-    n_sink: int = 4
-    window: int = 8
-    decode_evict: Optional[bool] = None
+class MorphKVOptions(EvictionOptions, method="morphkv", flat_prefix="morphkv", evicts=True):
+    window: int = tokens(8)
 
 
-@dataclass
-class KVzipOptions(MethodOptions):
-    """Options of ``kvzip``."""
-
-    METHOD: ClassVar[str] = "kvzip"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "kvzip_budget", "n_sink": "kvzip_n_sink", "probe": "kvzip_probe"}
-
-    budget: int = 512
-    n_sink: int = 4
-    probe: str = 'context'
-    decode_evict: Optional[bool] = None
+class KVzipOptions(EvictionOptions, method="kvzip", flat_prefix="kvzip", evicts=True):
+    probe: str = one_of("context", "repeat")
 
 
-@dataclass
-class KVTCOptions(MethodOptions):
-    """Options of ``kvtc``."""
-
-    METHOD: ClassVar[str] = "kvtc"
-    FIELDS: ClassVar[dict[str, str]] = {"bit_budget": "kvtc_bit_budget", "bit_choices": "kvtc_bit_choices", "beta": "kvtc_beta"}
-
-    bit_budget: int = 512
-    bit_choices: tuple = (0, 1, 2, 3, 4, 6, 8)
-    beta: float = 3.5
+class KVTCOptions(MethodOptions, method="kvtc", flat_prefix="kvtc"):
+    bit_budget: int = tokens(512)
+    bit_choices: tuple = setting((0, 1, 2, 3, 4, 6, 8), 0, 16)
+    beta: float = nonneg(3.5)
 
 
-@dataclass
-class CurDKVOptions(MethodOptions):
-    """Options of ``curdkv``."""
-
-    METHOD: ClassVar[str] = "curdkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "curdkv_budget", "n_sink": "curdkv_n_sink", "rank_cap": "curdkv_rank_cap", "rope_base": "curdkv_rope_base"}
-
-    budget: int = 512
-    n_sink: int = 4
-    rank_cap: int = 16
-    rope_base: float = 10000.0
-    decode_evict: Optional[bool] = None
+class CurDKVOptions(EvictionOptions, method="curdkv", flat_prefix="curdkv", evicts=True):
+    rank_cap: int = dims(16)
+    rope_base: float = rope(10000.0)
 
 
-@dataclass
-class NestedKVOptions(MethodOptions):
-    """Options of ``nestedkv``."""
-
-    METHOD: ClassVar[str] = "nestedkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"budget": "nestedkv_budget", "n_sink": "nestedkv_n_sink", "window": "nestedkv_window", "beta": "nestedkv_beta", "tau": "nestedkv_tau", "kappa": "nestedkv_kappa", "safeguard_alpha": "nestedkv_safeguard_alpha"}
-
-    budget: int = 512
-    n_sink: int = 4
-    window: int = 64
-    beta: float = 3.0
-    tau: float = 0.6
-    kappa: float = 10.0
-    safeguard_alpha: float = 0.2
-    decode_evict: Optional[bool] = None
+class NestedKVOptions(EvictionOptions, method="nestedkv", flat_prefix="nestedkv", evicts=True):
+    window: int = tokens(64)
+    beta: float = nonneg(3.0)
+    tau: float = nonneg(0.6)
+    kappa: float = nonneg(10.0)
+    safeguard_alpha: float = nonneg(0.2)
 
 
-@dataclass
-class AMCOptions(MethodOptions):
-    """Options of ``amc``."""
-
-    METHOD: ClassVar[str] = "amc"
-    FIELDS: ClassVar[dict[str, str]] = {"k_high": "amc_k_high", "k_mid": "amc_k_mid", "use_query_saliency": "amc_use_query_saliency", "query_alpha": "amc_query_alpha", "adaptive_thresholds": "amc_adaptive_thresholds", "threshold_window": "amc_threshold_window", "gamma": "amc_gamma", "calib_variance": "amc_calib_variance", "group_size": "amc_group_size"}
-
-    k_high: float = 0.2
-    k_mid: float = 0.3
+class AMCOptions(MethodOptions, method="amc", flat_prefix="amc"):
+    k_high: float = nonneg(0.2)
+    k_mid: float = nonneg(0.3)
     use_query_saliency: bool = False
-    query_alpha: float = 0.5
+    query_alpha: float = nonneg(0.5)
     adaptive_thresholds: bool = False
-    threshold_window: int = 64
-    gamma: float = 0.1
-    calib_variance: Optional[float] = None
-    group_size: int = 32
+    threshold_window: int = tokens(64)
+    gamma: float = nonneg(0.1)
+    calib_variance: Optional[float] = setting(None, -MAX_FLOAT, MAX_FLOAT, words="a finite number")
+    group_size: int = groups(32)
+
+    @classmethod
+    def check_relations(cls, get):
+        if get("k_high") + get("k_mid") > 1.0:
+            raise QuantizerConfigError("amc_k_mid", get("k_mid"),
+                                       f"amc_k_high + amc_k_mid <= 1 (amc_k_high={get('k_high')})")
 
 
-@dataclass
-class A2ATSOptions(MethodOptions):
-    """Options of ``a2ats``."""
-
-    METHOD: ClassVar[str] = "a2ats"
-    FIELDS: ClassVar[dict[str, str]] = {"codebook_bits": "a2ats_codebook_bits", "sub_dim": "a2ats_sub_dim", "window": "a2ats_window", "b": "a2ats_b", "use_query_aware": "a2ats_use_query_aware", "beta": "a2ats_beta", "retrieval_fraction": "a2ats_retrieval_fraction", "rope_base": "a2ats_rope_base", "rope_scaling": "a2ats_rope_scaling", "query_h": "a2ats_query_h", "codebook": "a2ats_codebook"}
-
-    codebook_bits: int = 8
-    sub_dim: int = 8
-    window: int = 128
-    b: int = 2048
+class A2ATSOptions(MethodOptions, method="a2ats", flat_prefix="a2ats"):
+    codebook_bits: int = bitwidth(8, hi=16)
+    sub_dim: int = dims(8, bound="head_dim")
+    window: int = tokens(128)
+    b: int = tokens(2048)
     use_query_aware: bool = True
-    beta: float = 0.5
-    retrieval_fraction: float = 0.2
-    rope_base: float = 10000.0
+    beta: float = nonneg(0.5)
+    retrieval_fraction: float = unit(0.2)
+    rope_base: float = rope(10000.0)
     rope_scaling: Any = None
     query_h: Any = None
     codebook: Any = None
 
 
-@dataclass
-class AnchorKVOptions(MethodOptions):
-    """Options of ``anchorkv``."""
-
-    METHOD: ClassVar[str] = "anchorkv"
-    FIELDS: ClassVar[dict[str, str]] = {"theta": "anchorkv_theta", "window": "anchorkv_window", "rho": "anchorkv_rho", "anchor_frac": "anchorkv_anchor_frac", "residual_bits": "anchorkv_residual_bits", "seed": "anchorkv_seed"}
-
-    theta: float = 0.05
-    window: int = 32
-    rho: float = 0.7
-    anchor_frac: float = 0.0078125
-    residual_bits: int = 2
-    seed: int = 42
+class AnchorKVOptions(MethodOptions, method="anchorkv", flat_prefix="anchorkv"):
+    theta: float = nonneg(0.05)
+    window: int = tokens(32)
+    rho: float = unit(0.7)
+    anchor_frac: float = unit(0.0078125)
+    residual_bits: int = bitwidth(2)
+    seed: int = rng_seed(42)
 
 
-@dataclass
-class RocketKVOptions(MethodOptions):
-    """Options of ``rocketkv``."""
-
-    METHOD: ClassVar[str] = "rocketkv"
-    OPTION_ONLY: ClassVar[tuple[str, ...]] = _EVICTION_ONLY
-    FIELDS: ClassVar[dict[str, str]] = {"compression_ratio": "rocketkv_compression_ratio", "page_size": "rocketkv_page_size", "head_topk1": "rocketkv_head_topk1", "obs_window": "rocketkv_obs_window", "n_sink": "rocketkv_n_sink"}
-
-    compression_ratio: float = 8.0
-    page_size: Optional[int] = None
-    head_topk1: Optional[int] = None
-    obs_window: int = 32
-    n_sink: int = 4
-    decode_evict: Optional[bool] = None
+class RocketKVOptions(MethodOptions, method="rocketkv", flat_prefix="rocketkv", evicts=True):
+    compression_ratio: float = setting(8.0, 1.0, 1e4, lo_open=True, words="a number > 1 and <= 10000")
+    page_size: Optional[int] = tokens(None)
+    head_topk1: Optional[int] = tokens(None)
+    obs_window: int = tokens(32)
+    n_sink: int = tokens(4, lo=0)
 
 
-@dataclass
-class AgeTieredOptions(MethodOptions):
-    """Options of ``age_tiered``."""
+class AgeTieredOptions(MethodOptions, method="age_tiered", flat_prefix="age"):
+    recent_boundary: int = tokens(128)
+    mid_boundary: int = tokens(1024)
+    bits_recent: int = bitwidth(8)
+    bits_mid: int = bitwidth(4)
+    bits_old: int = bitwidth(2)
+    group_size: int = groups(32)
 
-    METHOD: ClassVar[str] = "age_tiered"
-    FIELDS: ClassVar[dict[str, str]] = {"recent_boundary": "age_recent_boundary", "mid_boundary": "age_mid_boundary", "bits_recent": "age_bits_recent", "bits_mid": "age_bits_mid", "bits_old": "age_bits_old", "group_size": "age_group_size"}
-
-    recent_boundary: int = 128
-    mid_boundary: int = 1024
-    bits_recent: int = 8
-    bits_mid: int = 4
-    bits_old: int = 2
-    group_size: int = 32
-
-
-@dataclass
-class KIVIOptions(MethodOptions):
-    """Options of ``kivi``."""
-
-    METHOD: ClassVar[str] = "kivi"
-    FIELDS: ClassVar[dict[str, str]] = {"group_size": "kivi_group_size"}
-
-    group_size: int = 32
+    @classmethod
+    def check_relations(cls, get):
+        if get("mid_boundary") < get("recent_boundary"):
+            raise QuantizerConfigError("age_mid_boundary", get("mid_boundary"),
+                                       f"an int >= age_recent_boundary={get('recent_boundary')}")
 
 
-@dataclass
-class SVDqOptions(MethodOptions):
-    """Options of ``svdq``."""
-
-    METHOD: ClassVar[str] = "svdq"
-    FIELDS: ClassVar[dict[str, str]] = {"rank": "svdq_rank", "energy_threshold": "svdq_energy_threshold", "bit_schedule": "svdq_bit_schedule", "group_size": "svdq_group_size"}
-
-    rank: Optional[int] = None
-    energy_threshold: float = 0.95
-    bit_schedule: tuple = (8, 4, 2, 1, 1, 0, 0, 0)
-    group_size: int = 32
+class KIVIOptions(MethodOptions, method="kivi", flat_prefix="kivi"):
+    group_size: int = groups(32)
 
 
-@dataclass
-class KittyOptions(MethodOptions):
-    """Options of ``kitty``."""
-
-    METHOD: ClassVar[str] = "kitty"
-    FIELDS: ClassVar[dict[str, str]] = {"hi_fraction": "kitty_hi_fraction", "hi_bit": "kitty_hi_bit", "lo_bit": "kitty_lo_bit", "group_size": "kitty_group_size"}
-
-    hi_fraction: float = 0.25
-    hi_bit: int = 4
-    lo_bit: int = 2
-    group_size: int = 32
+class SVDqOptions(MethodOptions, method="svdq", flat_prefix="svdq"):
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.95)
+    bit_schedule: tuple[int, ...] = setting((8, 4, 2, 1, 1, 0, 0, 0), 0, 16)
+    group_size: int = groups(32)
 
 
-@dataclass
-class AdaKVOptions(MethodOptions):
-    """Options of ``adakv``."""
-
-    METHOD: ClassVar[str] = "adakv"
-    FIELDS: ClassVar[dict[str, str]] = {"target_avg_bits": "adakv_target_avg_bits", "lo_bit": "adakv_lo_bit", "mid_bit": "adakv_mid_bit", "hi_bit": "adakv_hi_bit", "group_size": "adakv_group_size", "update_interval": "adakv_update_interval", "importance": "adakv_importance", "obs_window": "adakv_obs_window"}
-
-    target_avg_bits: float = 2.5
-    lo_bit: int = 2
-    mid_bit: int = 3
-    hi_bit: int = 4
-    group_size: int = 32
-    update_interval: int = 1
-    importance: str = 'norm_variance'
-    obs_window: int = 32
+class KittyOptions(MethodOptions, method="kitty", flat_prefix="kitty"):
+    hi_fraction: float = unit(0.25)
+    hi_bit: int = bitwidth(4)
+    lo_bit: int = bitwidth(2)
+    group_size: int = groups(32)
 
 
-@dataclass
-class XQuantOptions(MethodOptions):
-    """Options of ``xquant``."""
-
-    METHOD: ClassVar[str] = "xquant"
-    FIELDS: ClassVar[dict[str, str]] = {"group_size": "xquant_group_size", "base_bits": "xquant_base_bits", "residual_bits": "xquant_residual_bits", "group_quant_size": "xquant_group_quant_size", "max_ctx": "xquant_max_ctx"}
-
-    group_size: int = 2
-    base_bits: int = 2
-    residual_bits: int = 4
-    group_quant_size: int = 32
-    max_ctx: int = 8192
+class AdaKVOptions(MethodOptions, method="adakv", flat_prefix="adakv"):
+    target_avg_bits: float = nonneg(2.5)
+    lo_bit: int = bitwidth(2)
+    mid_bit: int = bitwidth(3)
+    hi_bit: int = bitwidth(4)
+    group_size: int = groups(32)
+    update_interval: int = tokens(1)
+    importance: str = one_of("norm_variance", "attention", "norm")
+    obs_window: int = tokens(32)
 
 
-@dataclass
-class KVQuantOptions(MethodOptions):
-    """Options of ``kvquant``."""
-
-    METHOD: ClassVar[str] = "kvquant"
-    FIELDS: ClassVar[dict[str, str]] = {"bits": "kvquant_bits", "outlier_fraction": "kvquant_outlier_fraction", "group_size": "kvquant_group_size", "lloyd_iters": "kvquant_lloyd_iters", "refit_interval": "kvquant_refit_interval", "n_sink": "kvquant_n_sink"}
-
-    bits: int = 3
-    outlier_fraction: float = 0.01
-    group_size: int = 32
-    lloyd_iters: int = 8
-    refit_interval: int = 0
-    n_sink: int = 1
+class XQuantOptions(MethodOptions, method="xquant", flat_prefix="xquant"):
+    group_size: int = layers(2, bound="layers")
+    base_bits: int = bitwidth(2)
+    residual_bits: int = bitwidth(4)
+    group_quant_size: int = groups(32)
+    max_ctx: int = tokens(8192)
 
 
-@dataclass
-class PaluOptions(MethodOptions):
-    """Options of ``palu``."""
+class KVQuantOptions(MethodOptions, method="kvquant", flat_prefix="kvquant"):
+    bits: int = bitwidth(3)
+    outlier_fraction: float = unit(0.01)
+    group_size: int = groups(32)
+    lloyd_iters: int = setting(8, 1, MAX_ITERS)
+    refit_interval: int = tokens(0, lo=0)
+    n_sink: int = tokens(1, lo=0)
 
-    METHOD: ClassVar[str] = "palu"
-    FIELDS: ClassVar[dict[str, str]] = {"rank": "palu_rank", "energy_threshold": "palu_energy_threshold", "n_head_groups": "palu_n_head_groups", "hi_bit": "palu_hi_bit", "lo_bit": "palu_lo_bit", "hi_fraction": "palu_hi_fraction", "group_size": "palu_group_size", "quantize_values": "palu_quantize_values"}
 
-    rank: Optional[int] = None
-    energy_threshold: float = 0.9
-    n_head_groups: int = 4
-    hi_bit: int = 4
-    lo_bit: int = 2
-    hi_fraction: float = 0.25
-    group_size: int = 32
+class PaluOptions(MethodOptions, method="palu", flat_prefix="palu"):
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.9)
+    n_head_groups: int = layers(4)
+    hi_bit: int = bitwidth(4)
+    lo_bit: int = bitwidth(2)
+    hi_fraction: float = unit(0.25)
+    group_size: int = groups(32)
     quantize_values: bool = True
 
 
-@dataclass
-class CacheGenOptions(MethodOptions):
-    """Options of ``cachegen``."""
-
-    METHOD: ClassVar[str] = "cachegen"
-    FIELDS: ClassVar[dict[str, str]] = {"bits": "cachegen_bits", "group_size": "cachegen_group_size", "use_delta": "cachegen_use_delta", "per_channel": "cachegen_per_channel", "layer_groups": "cachegen_layer_groups"}
-
-    bits: int = 4
-    group_size: int = 32
+class CacheGenOptions(MethodOptions, method="cachegen", flat_prefix="cachegen"):
+    bits: int = bitwidth(4)
+    group_size: int = groups(32)
     use_delta: bool = True
     per_channel: bool = True
-    layer_groups: int = 3
+    layer_groups: int = layers(3, bound="layers")
 
 
-@dataclass
-class MiniCacheOptions(MethodOptions):
-    """Options of ``minicache``."""
-
-    METHOD: ClassVar[str] = "minicache"
-    FIELDS: ClassVar[dict[str, str]] = {"start_frac": "minicache_start_frac", "group_size": "minicache_group_size", "retention_threshold": "minicache_retention_threshold", "slerp_t": "minicache_slerp_t", "max_ctx": "minicache_max_ctx"}
-
-    start_frac: float = 0.5
-    group_size: int = 2
-    retention_threshold: float = 0.9
-    slerp_t: float = 0.5
-    max_ctx: int = 8192
+class MiniCacheOptions(MethodOptions, method="minicache", flat_prefix="minicache"):
+    start_frac: float = unit(0.5)
+    group_size: int = layers(2, bound="layers")
+    retention_threshold: float = setting(0.9, -1.0, 1.0, words="a cosine in [-1, 1]")
+    slerp_t: float = unit(0.5)
+    max_ctx: int = tokens(8192)
 
 
-@dataclass
-class GEAROptions(MethodOptions):
-    """Options of ``gear``."""
-
-    METHOD: ClassVar[str] = "gear"
-    FIELDS: ClassVar[dict[str, str]] = {"bits": "gear_bits", "rank": "gear_rank", "energy_threshold": "gear_energy_threshold", "sparse_fraction": "gear_sparse_fraction", "group_size": "gear_group_size", "quantize_values": "gear_quantize_values"}
-
-    bits: int = 2
-    rank: Optional[int] = None
-    energy_threshold: float = 0.9
-    sparse_fraction: float = 0.01
-    group_size: int = 32
+class GEAROptions(MethodOptions, method="gear", flat_prefix="gear"):
+    bits: int = bitwidth(2)
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.9)
+    sparse_fraction: float = unit(0.01)
+    group_size: int = groups(32)
     quantize_values: bool = True
 
 
-@dataclass
-class ZipCacheOptions(MethodOptions):
-    """Options of ``zipcache``."""
-
-    METHOD: ClassVar[str] = "zipcache"
-    FIELDS: ClassVar[dict[str, str]] = {"hi_bits": "zipcache_hi_bits", "lo_bits": "zipcache_lo_bits", "hi_fraction": "zipcache_hi_fraction", "group_size": "zipcache_group_size", "quantize_values": "zipcache_quantize_values"}
-
-    hi_bits: int = 4
-    lo_bits: int = 2
-    hi_fraction: float = 0.2
-    group_size: int = 32
+class ZipCacheOptions(MethodOptions, method="zipcache", flat_prefix="zipcache"):
+    hi_bits: int = bitwidth(4)
+    lo_bits: int = bitwidth(2)
+    hi_fraction: float = unit(0.2)
+    group_size: int = groups(32)
     quantize_values: bool = True
 
 
-@dataclass
-class SpectralOptions(MethodOptions):
-    """Options of ``spectral``."""
-
-    METHOD: ClassVar[str] = "spectral"
-    FIELDS: ClassVar[dict[str, str]] = {"key_d_eff": "spectral_key_d_eff", "val_d_eff": "spectral_val_d_eff", "apply_qjl": "spectral_apply_qjl", "model_name": "spectral_model_name"}
-
-    key_d_eff: int = 4
-    val_d_eff: int = 50
+class SpectralOptions(MethodOptions, method="spectral", flat_prefix="spectral"):
+    key_d_eff: int = dims(4)
+    val_d_eff: int = dims(50)
     apply_qjl: bool = True
     model_name: str = 'model'
 
 
-@dataclass
-class TurboQuantRVQOptions(MethodOptions):
-    """Options of ``turboquant_rvq``."""
-
-    METHOD: ClassVar[str] = "turboquant_rvq"
-    FIELDS: ClassVar[dict[str, str]] = {"key_sub_dim": "key_sub_dim", "value_sub_dim": "value_sub_dim", "key_codebook_bits": "key_codebook_bits", "value_codebook_bits": "value_codebook_bits", "residual_length": "residual_length"}
-
-    key_sub_dim: int = 4
-    value_sub_dim: int = 8
-    key_codebook_bits: int = 12
-    value_codebook_bits: int = 8
-    residual_length: int = 128
+class TurboQuantRVQOptions(MethodOptions, method="turboquant_rvq", flat_prefix=""):
+    key_sub_dim: int = dims(4, bound="head_dim")
+    value_sub_dim: int = dims(8, bound="head_dim")
+    key_codebook_bits: int = bitwidth(12, hi=16)
+    value_codebook_bits: int = bitwidth(8, hi=16)
+    residual_length: int = tokens(128)
 
 
-@dataclass
-class KIVISinkOptions(MethodOptions):
-    """Options of ``kivi_sink``."""
-
-    METHOD: ClassVar[str] = "kivi_sink"
-    FIELDS: ClassVar[dict[str, str]] = {"group_size": "kivi_group_size", "n_sink_tokens": "n_sink_tokens"}
-
-    group_size: int = 32
-    n_sink_tokens: int = 5
+class KIVISinkOptions(MethodOptions, method="kivi_sink", flat_prefix="kivi"):
+    group_size: int = groups(32)
+    n_sink_tokens: int = tokens(5, lo=0, alias="n_sink_tokens")
 
 
-@dataclass
-class VecInferOptions(MethodOptions):
-    """Options of ``vecinfer``."""
-
-    METHOD: ClassVar[str] = "vecinfer"
-    FIELDS: ClassVar[dict[str, str]] = {"smooth_factors": "smooth_factors", "key_codebook": "key_codebook", "value_codebook": "value_codebook", "use_metal_kernels": "use_metal_kernels", "fused_sdpa": "fused_sdpa", "fused_sdpa_max_ctx": "fused_sdpa_max_ctx", "fused_sdpa_memory_bound": "fused_sdpa_memory_bound"}
-
+class VecInferOptions(MethodOptions, method="vecinfer", flat_prefix=""):
     smooth_factors: Any = None
     key_codebook: Any = None
     value_codebook: Any = None
     use_metal_kernels: Optional[bool] = None
     fused_sdpa: Optional[bool] = False
-    fused_sdpa_max_ctx: Optional[int] = None
+    fused_sdpa_max_ctx: Optional[int] = tokens(None)
     fused_sdpa_memory_bound: bool = False
 
 
-@dataclass
-class WaterfillOptions(MethodOptions):
+class WaterfillOptions(MethodOptions, method="waterfill", flat_prefix=""):
     """Options of ``waterfill`` (its widths are ``bit_width_inlier``, its calibration length
     ``n_calib_tokens``: flat fields every method reads)."""
 
-    METHOD: ClassVar[str] = "waterfill"
-    FIELDS: ClassVar[dict[str, str]] = {"residual_length": "residual_length"}
-
-    residual_length: int = 128
+    residual_length: int = tokens(128)
 
 
-ALL_OPTIONS: tuple[type, ...] = (SnapKVOptions, StreamingLLMOptions, H2OOptions, TOVAOptions, PyramidKVOptions, SqueezeOptions, ChunkKVOptions, CaMOptions, XKVOptions, NSNQuantOptions, KNormOptions, SKVQOptions, QFiltersOptions, KeyformerOptions, MorphKVOptions, KVzipOptions, KVTCOptions, CurDKVOptions, NestedKVOptions, AMCOptions, A2ATSOptions, AnchorKVOptions, RocketKVOptions, AgeTieredOptions, KIVIOptions, SVDqOptions, KittyOptions, AdaKVOptions, XQuantOptions, KVQuantOptions, PaluOptions, CacheGenOptions, MiniCacheOptions, GEAROptions, ZipCacheOptions, SpectralOptions, TurboQuantRVQOptions, KIVISinkOptions, VecInferOptions, WaterfillOptions)
+ALL_OPTIONS: tuple[type, ...] = (
+    SnapKVOptions, StreamingLLMOptions, H2OOptions, TOVAOptions, PyramidKVOptions, SqueezeOptions, ChunkKVOptions,
+    CaMOptions, XKVOptions, NSNQuantOptions, KNormOptions, SKVQOptions, QFiltersOptions, KeyformerOptions,
+    MorphKVOptions, KVzipOptions, KVTCOptions, CurDKVOptions, NestedKVOptions, AMCOptions, A2ATSOptions,
+    AnchorKVOptions, RocketKVOptions, AgeTieredOptions, KIVIOptions, SVDqOptions, KittyOptions, AdaKVOptions,
+    XQuantOptions, KVQuantOptions, PaluOptions, CacheGenOptions, MiniCacheOptions, GEAROptions, ZipCacheOptions,
+    SpectralOptions, TurboQuantRVQOptions, KIVISinkOptions, VecInferOptions, WaterfillOptions)
+__all__ += [c.__name__ for c in ALL_OPTIONS]
 OPTIONS_BY_METHOD: dict[str, type] = {o.METHOD: o for o in ALL_OPTIONS}
 
 # flat field -> options classes that set it (kivi_group_size belongs to KIVI and KIVI-sink)
@@ -657,6 +515,10 @@ FLAT_FIELD_OPTIONS: dict[str, list[type]] = {}
 for _cls in ALL_OPTIONS:
     for _flat in _cls.FIELDS.values():
         FLAT_FIELD_OPTIONS.setdefault(_flat, []).append(_cls)
+
+#: Option-only field -> (check(field, value), allowed values in words for ``veloxquant methods``).
+OPTION_CHECKS: dict[str, tuple] = {"decode_evict": (SnapKVOptions.RULES["decode_evict"].check,
+                                                    SnapKVOptions.RULES["decode_evict"].allowed)}
 
 # --------------------------------------------------------------------------- which fields a method reads
 
@@ -675,6 +537,7 @@ _TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "n_outlier_c
 #: (a tiny model for the mlx_lm ones, appended rows and a query for the standalone ones) and checks this
 #: table both ways: nothing listed here goes unread, nothing read is missing.
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
+    **{c.METHOD: _EVICTION_SHARED for c in ALL_OPTIONS if "decode_evict" in c.RULES},  # the eviction methods
     "turboquant_prod": _TURBOQUANT + ("jl_dim",),  # the QJL residual's sketch width (the MSE variant has none)
     "turboquant_mse": _TURBOQUANT,
     "polar": ("head_dim", "bit_width_inlier", "seed", "dtype", "capacity"),
@@ -689,9 +552,6 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "kvtc": ("kivi_group_size",),
     "cam": ("seed",) + _EVICTION_SHARED,
     "a2ats": ("seed",),
-    **{m: _EVICTION_SHARED for m in ("snapkv", "streaming_llm", "h2o", "tova", "pyramidkv", "squeeze", "chunkkv",
-                                     "knorm", "qfilters", "keyformer", "morphkv", "kvzip", "curdkv", "nestedkv",
-                                     "rocketkv")},
 }
 
 #: Fields the library writes per layer when it builds a model's caches; never user settings.
@@ -702,16 +562,11 @@ def method_fields(method: str) -> dict[str, str]:
     """Every setting name ``method`` accepts -> the flat ``KVCacheConfig`` field it sets.
 
     The names are its options' own names (``budget``), their flat aliases (``snap_budget``), the shared
-    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. An option-only field (``OPTION_ONLY``,
-    no flat field) maps to its own name, which is not a ``KVCacheConfig`` field. Where an option's own name is also a
-    shared field the method reads (snapkv's ``dtype``), the shared field keeps the name and the option is
-    reached through its flat alias (``snap_dtype``).
+    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. An option-only field maps to its own
+    name, which is not a ``KVCacheConfig`` field. Where an option's own name is also a shared field the
+    method reads (snapkv's ``dtype``), the shared field keeps the name and the option is reached through its
+    flat alias (``snap_dtype``).
     """
-    opts = OPTIONS_BY_METHOD.get(method)
-    out: dict[str, str] = dict(opts.FIELDS) if opts is not None else {}
-    out.update({name: name for name in (opts.OPTION_ONLY if opts is not None else ())})
-    for flat in (opts.FIELDS.values() if opts is not None else ()):
-        out[flat] = flat
-    for flat in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS:
-        out[flat] = flat
-    return out
+    o = OPTIONS_BY_METHOD.get(method)
+    own = {**o.FIELDS, **{n: n for n in o.OPTION_ONLY}, **{f: f for f in o.FIELDS.values()}} if o else {}
+    return {**own, **{f: f for f in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS}}
