@@ -98,7 +98,7 @@ def method_settings(method: str) -> list[dict]:
     """One row per settable name of ``method``: name, flat alias, type, default, allowed values, and
     whether it is the method's own option or a shared field it reads."""
     from .config import _DEFAULTS, _FIELD_TYPES, allowed_values
-    from .options import OPTION_CHECKS, OPTIONS_BY_METHOD, method_fields
+    from .options import OPTIONS_BY_METHOD, method_fields
 
     opts = OPTIONS_BY_METHOD.get(method)
     names = method_fields(method)
@@ -109,7 +109,7 @@ def method_settings(method: str) -> list[dict]:
         if opts is not None and name in opts.OPTION_ONLY:  # no flat field: described by the options class
             f = next(f for f in dataclasses.fields(opts) if f.name == name)
             rows.append({"name": name, "flat": name, "kind": "option", "type": str(f.type).replace("typing.", ""),
-                         "default": f.default, "allowed": OPTION_CHECKS[name][1]})
+                         "default": f.default, "allowed": opts.RULES[name].allowed})
             continue
         option = opts is not None and opts.FIELDS.get(name) == flat
         if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
