@@ -68,7 +68,6 @@ from .kivi import RES_DTYPE, KIVIKVCache
 
 TIERS = ("hi", "mid", "lo")
 CG = 32  # channel group of the per-token value quantization (gcd with the head dim)
-IMPORTANCES = ("norm_variance", "attention", "norm")
 
 
 def _range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
@@ -101,24 +100,15 @@ class AdaKVKVCache(KIVIKVCache):
     _prev_scores = None  # the past residual rows' (accumulated attention, observations) before this call
 
     def _init_layout(self):
-        c = self.config
-        lo, mid, hi, t = c.adakv_lo_bit, c.adakv_mid_bit, c.adakv_hi_bit, c.adakv_target_avg_bits
-        for name, b in (("adakv_lo_bit", lo), ("adakv_mid_bit", mid), ("adakv_hi_bit", hi)):
-            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
-                raise QuantizerConfigError(name, b, "an int in 1..8")
+        o = self.config.options  # validation checked the types, widths in 1..8 and the importance names
+        lo, mid, hi, t = o.lo_bit, o.mid_bit, o.hi_bit, o.target_avg_bits
         if not lo < mid < hi:
             raise QuantizerConfigError("adakv_mid_bit", mid, f"strictly between adakv_lo_bit={lo} and adakv_hi_bit={hi}")
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not lo <= t <= hi:
+        if not lo <= t <= hi:
             raise QuantizerConfigError("adakv_target_avg_bits", t, f"a number in [{lo}, {hi}]")
-        G = c.adakv_group_size
-        if isinstance(G, bool) or not isinstance(G, int) or not 2 <= G <= 256:
-            raise QuantizerConfigError("adakv_group_size", G, "an int in 2..256")
-        if c.adakv_importance not in IMPORTANCES:
-            raise QuantizerConfigError("adakv_importance", c.adakv_importance, f"one of {IMPORTANCES}")
-        W = c.adakv_obs_window
-        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-            raise QuantizerConfigError("adakv_obs_window", W, "a positive int (queries observed per call)")
-        self.group = G
+        if not 2 <= o.group_size <= 256:
+            raise QuantizerConfigError("adakv_group_size", o.group_size, "an int in 2..256")
+        self.group = G = o.group_size
         self.tier_bits = {"hi": hi, "mid": mid, "lo": lo}
         n_hi, n_mid, n_lo = sal.tier_counts(float(t), lo, mid, hi, G)
         self.counts = {"hi": n_hi, "mid": n_mid, "lo": n_lo}
@@ -128,7 +118,7 @@ class AdaKVKVCache(KIVIKVCache):
 
     @property
     def uses_attention(self) -> bool:
-        return self.config.adakv_importance == "attention"
+        return self.config.options.importance == "attention"
 
     def _uses_qmm(self) -> bool:
         return False
@@ -153,7 +143,7 @@ class AdaKVKVCache(KIVIKVCache):
             pattern = mx.argsort((j % stride) * G + j // stride)
             return mx.broadcast_to(pattern, (B, H, g, G)).astype(mx.int32)
         if imp is None:
-            kind = "norm_variance" if self.uses_attention else self.config.adakv_importance
+            kind = "norm_variance" if self.uses_attention else self.config.options.importance
             imp = sal.token_importance(kb, vb, kind)
         return mx.argsort(-imp.reshape(B, H, g, G), axis=-1)
 
@@ -232,7 +222,7 @@ class AdaKVKVCache(KIVIKVCache):
         _, r0, past_k, _, new_k, _ = call
         B, Hq, N, D = queries.shape
         H = new_k.shape[1]
-        W = min(self.config.adakv_obs_window, N)
+        W = min(self.config.options.obs_window, N)
         fk = new_k if not r0 else mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
         total = r0 + N
         q = group_queries(queries[:, :, N - W :], H).astype(mx.float32) * scale  # [B, H, rep, W, D]

@@ -59,10 +59,6 @@ TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
 CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 
 
-def _frac(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
-
-
 def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
     """Tokens per G-token group in each tier (cumulative rounding: the counts sum to G)."""
     n_hi = int(round(k_high * group))
@@ -82,33 +78,23 @@ class AMCKVCache(KIVIKVCache):
     scalar_fields = ("n_quant", "n_res", "dtype_name")
 
     def _init_layout(self):
-        c = self.config
-        for f in ("amc_k_high", "amc_k_mid", "amc_query_alpha"):
-            if not _frac(getattr(c, f)):
-                raise QuantizerConfigError(f, getattr(c, f), "a number in [0, 1]")
-        if c.amc_k_high + c.amc_k_mid > 1.0:
-            raise QuantizerConfigError("amc_k_mid", c.amc_k_mid,
-                                       f"amc_k_high + amc_k_mid <= 1 (amc_k_high={c.amc_k_high})")
-        G = c.amc_group_size
-        if isinstance(G, bool) or not isinstance(G, int) or not 2 <= G <= 256:
-            raise QuantizerConfigError("amc_group_size", G, "an int in 2..256")
-        if c.amc_use_query_saliency is not False:
-            raise QuantizerConfigError("amc_use_query_saliency", c.amc_use_query_saliency,
-                                       "False (query-blended saliency is not implemented: groups are quantized "
-                                       "in update_and_fetch, which sees no queries)")
-        if c.amc_adaptive_thresholds is not False:
-            raise QuantizerConfigError("amc_adaptive_thresholds", c.amc_adaptive_thresholds,
-                                       "False (adaptive thresholds are not implemented; tiers are fixed fractions)")
-        if c.amc_calib_variance is not None:
-            raise QuantizerConfigError("amc_calib_variance", c.amc_calib_variance, "None (not implemented)")
-        if isinstance(c.amc_threshold_window, bool) or not isinstance(c.amc_threshold_window, int) \
-                or c.amc_threshold_window < 1:
-            raise QuantizerConfigError("amc_threshold_window", c.amc_threshold_window, "an int >= 1")
-        if isinstance(c.amc_gamma, bool) or not isinstance(c.amc_gamma, (int, float)) or c.amc_gamma < 0:
-            raise QuantizerConfigError("amc_gamma", c.amc_gamma, "a number >= 0")
-        self.group = G
+        o = self.config.options  # validation checked types, k_high + k_mid <= 1 and the lower bounds
+        for f in ("k_high", "k_mid", "query_alpha"):
+            if getattr(o, f) > 1.0:
+                raise QuantizerConfigError(f"amc_{f}", getattr(o, f), "a number in [0, 1]")
+        if not 2 <= o.group_size <= 256:
+            raise QuantizerConfigError("amc_group_size", o.group_size, "an int in 2..256")
+        for f, built, why in (("use_query_saliency", False, "False (query-blended saliency is not implemented: "
+                                                           "groups are quantized in update_and_fetch, which sees no "
+                                                           "queries)"),
+                              ("adaptive_thresholds", False, "False (adaptive thresholds are not implemented; tiers "
+                                                             "are fixed fractions)"),
+                              ("calib_variance", None, "None (not implemented)")):
+            if getattr(o, f) is not built:
+                raise QuantizerConfigError(f"amc_{f}", getattr(o, f), why)
+        self.group = o.group_size
         self.tier_bits = dict(TIER_BITS)
-        self.counts = tier_sizes(float(c.amc_k_high), float(c.amc_k_mid), G)
+        self.counts = tier_sizes(float(o.k_high), float(o.k_mid), o.group_size)
         self.qbits = TIER_BITS["hi"]
         self._call = None
 

@@ -81,10 +81,6 @@ ANCHOR_BITS = 8
 ANCHOR_CG = 32
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 def layer_bits(n_layers: int, base: int, n_groups: int) -> list[int]:
     """Bits per layer: ``n_groups`` contiguous layer groups, group j gets ``min(8, base + n_groups-1-j)``."""
     return [min(8, base + (n_groups - 1 - (i * n_groups // n_layers))) for i in range(n_layers)]
@@ -116,40 +112,36 @@ class CacheGenKVCache(KIVIKVCache):
 
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "qbits")  # qbits: the layer's width
 
     #: save the entropy-coded form (False: the fixed-width codes, for comparisons)
     save_entropy_coded = True
     _blocks: list = []  # encoded blocks: (first group, end group, key stream, value stream) numpy
 
+    def __init__(self, config, bits: int | None = None):
+        self._layer_bits = bits  # this layer's width from ``build_layers``' schedule (None: the config's)
+        super().__init__(config)
+
     def _init_layout(self):
-        c = self.config
-        if not _int(c.cachegen_bits, 1, 8):
-            raise QuantizerConfigError("cachegen_bits", c.cachegen_bits, "an int in 1..8")
-        if c.cachegen_resolved_bits is not None and not _int(c.cachegen_resolved_bits, 1, 8):
-            raise QuantizerConfigError("cachegen_resolved_bits", c.cachegen_resolved_bits, "None or an int in 1..8")
-        if not _int(c.cachegen_group_size, 2, 1024):
-            raise QuantizerConfigError("cachegen_group_size", c.cachegen_group_size, "an int in 2..1024")
-        if not _int(c.cachegen_layer_groups, 1):
-            raise QuantizerConfigError("cachegen_layer_groups", c.cachegen_layer_groups, "an int >= 1")
-        for f in ("cachegen_use_delta", "cachegen_per_channel"):
-            if not isinstance(getattr(c, f), bool):
-                raise QuantizerConfigError(f, getattr(c, f), "a bool")
-        self.qbits = int(c.cachegen_bits if c.cachegen_resolved_bits is None else c.cachegen_resolved_bits)
-        self.group = int(c.cachegen_group_size)
-        self.use_delta = c.cachegen_use_delta
+        c, o = self.config, self.config.options  # validation checked the types and ranges
+        if o.group_size < 2:
+            raise QuantizerConfigError("cachegen_group_size", o.group_size, "an int in 2..1024")
+        bits = self.__dict__.get("_layer_bits") or c.cachegen_resolved_bits or o.bits
+        self.qbits = int(bits)
+        self.group = o.group_size
+        self.use_delta = o.use_delta
         self._call = None
         self._blocks = []
 
     @classmethod
     def build_layers(cls, layer_configs):
-        """One cache per layer with its ``cachegen_resolved_bits`` from the layer-wise schedule."""
+        """One cache per layer, its bits from the layer-wise schedule (a constructor argument; the
+        configs are left as the user gave them)."""
         if not layer_configs:
             return []
-        c = layer_configs[0]
-        cls(c)  # validates the shared fields
-        bits = layer_bits(len(layer_configs), c.cachegen_bits, c.cachegen_layer_groups)
-        return [cls(cfg.replace(cachegen_resolved_bits=b)) for cfg, b in zip(layer_configs, bits)]
+        o = layer_configs[0].options
+        bits = layer_bits(len(layer_configs), o.bits, o.layer_groups)
+        return [cls(cfg, b) for cfg, b in zip(layer_configs, bits)]
 
     def _uses_qmm(self) -> bool:
         return False  # delta codes: not MLX's affine layout
@@ -255,7 +247,7 @@ class CacheGenKVCache(KIVIKVCache):
 
     def _tables(self, B, H, d):
         """Stream -> table map for B*H*d channel streams: per channel, or per (batch, head)."""
-        if self.config.cachegen_per_channel:
+        if self.config.options.per_channel:
             return np.arange(B * H * d), B * H * d
         return np.arange(B * H * d) // d, B * H
 

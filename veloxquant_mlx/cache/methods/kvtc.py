@@ -41,7 +41,6 @@ energy) in the allocation, so later tokens' energy there is still coded when the
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +49,7 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
-from .svdq import LowRankKVCache, _is_int, check_group
+from .svdq import LowRankKVCache
 
 
 def side_bits(group: int) -> float:
@@ -69,18 +68,13 @@ class KVTCKVCache(LowRankKVCache):
     latent_values = True
 
     def _init_layout(self):
-        c = self.config
-        if not _is_int(c.kvtc_bit_budget) or c.kvtc_bit_budget < 1:
-            raise QuantizerConfigError("kvtc_bit_budget", c.kvtc_bit_budget, "a positive int (bits per token vector)")
-        ch = c.kvtc_bit_choices
-        if (not isinstance(ch, (tuple, list)) or any(not _is_int(b) or not 0 <= b <= 8 for b in ch)
-                or 0 not in ch or len(set(ch)) != len(ch) or len(ch) < 2):
+        o = self.config.options  # validation checked the types, the budget and kivi_group_size
+        ch = o.bit_choices
+        if any(not 0 <= b <= 8 for b in ch) or 0 not in ch or len(set(ch)) != len(ch) or len(ch) < 2:
             raise QuantizerConfigError("kvtc_bit_choices", ch, "distinct ints in 0..8 including 0 and one > 0")
-        beta = c.kvtc_beta
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0 or math.isnan(beta):
-            raise QuantizerConfigError("kvtc_beta", beta, "a positive finite float (lambda = 10**-beta; large beta = pure budget DP)")
-        check_group("kivi_group_size", c.kivi_group_size)
-        self.group = int(c.kivi_group_size)
+        if not o.beta > 0:
+            raise QuantizerConfigError("kvtc_beta", o.beta, "a positive finite float (lambda = 10**-beta; large beta = pure budget DP)")
+        self.group = self.config.kivi_group_size
         self.choices = tuple(sorted(int(b) for b in ch))
         self.qbits = max(self.choices)
         self._call = None
@@ -108,9 +102,10 @@ class KVTCKVCache(LowRankKVCache):
         return d / total
 
     def allocate(self, dist: np.ndarray) -> list:
-        lam = 10.0 ** (-float(self.config.kvtc_beta)) / dist.shape[0]  # per average component
+        o = self.config.options
+        lam = 10.0 ** (-float(o.beta)) / dist.shape[0]  # per average component
         return lr.dp_allocate(dist, self.choices, [self.rate(b) for b in self.choices],
-                              float(self.config.kvtc_bit_budget), lam=lam, unit=1.0 / self.group)
+                              float(o.bit_budget), lam=lam, unit=1.0 / self.group)
 
     def _choose_bits(self, which, z, energy):
         return self.allocate(self.distortion_table(z))

@@ -159,19 +159,9 @@ class MiniCacheKVCache(KIVIKVCache):
         self.n_retained_k = self.n_retained_v = 0
 
     def _init_layout(self):
-        c = self.config
-        s = c.minicache_start_frac
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
-            raise QuantizerConfigError("minicache_start_frac", s, "a float in [0, 1]")
-        g = c.minicache_group_size
-        if isinstance(g, bool) or g != 2:
+        g = self.config.options.group_size  # validation checked the types and ranges
+        if g != 2:
             raise QuantizerConfigError("minicache_group_size", g, "2 (pairs of adjacent layers)")
-        th = c.minicache_retention_threshold
-        if isinstance(th, bool) or not isinstance(th, (int, float)) or not -1.0 <= th <= 1.0:
-            raise QuantizerConfigError("minicache_retention_threshold", th, "a cosine in [-1, 1]")
-        t = c.minicache_slerp_t
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
-            raise QuantizerConfigError("minicache_slerp_t", t, "a float in [0, 1]")
         self.group, self.qbits = BLOCK, 16
         self._call = None
 
@@ -189,7 +179,7 @@ class MiniCacheKVCache(KIVIKVCache):
         if not L:
             return []
         coord = MiniCacheCoordinator()
-        start = int(layer_configs[0].minicache_start_frac * L)
+        start = int(layer_configs[0].options.start_frac * L)
         out = []
         for i, cfg in enumerate(layer_configs):
             j = i - start
@@ -277,13 +267,12 @@ class MiniCacheKVCache(KIVIKVCache):
         self.n_res = rest
 
     def _merge_block(self, p, m):
-        c = self.config
+        o = self.config.options
         t0 = self.n_quant
         for kind in ("k", "v"):
             xp = getattr(p, f"res_{kind}")[:, :, :m]
             xm = getattr(self, f"res_{kind}")[:, :, :m]
-            d, pn, mn, retain = merge_pair(xp, xm, float(c.minicache_slerp_t),
-                                           float(c.minicache_retention_threshold))
+            d, pn, mn, retain = merge_pair(xp, xm, float(o.slerp_t), float(o.retention_threshold))
             p._append_primary(kind, d, pn)
             setattr(self, f"mn_{kind}", grow_rows(getattr(self, f"mn_{kind}"), t0, mn.astype(RES_DTYPE)))
             # retained rows, compact, in token-major flat order: position (t0 + i) * B*H + (b*H + h)

@@ -61,7 +61,7 @@ from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
 from ..primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from .kivi import KIVIKVCache
-from .svdq import BASIS_DTYPE, LowRankKVCache, _is_int, check_group, check_rank_energy
+from .svdq import BASIS_DTYPE, LowRankKVCache
 
 
 def dense_weight(linear) -> tuple[np.ndarray, np.ndarray | None]:
@@ -113,44 +113,33 @@ class PALUKVCache(LowRankKVCache):
     latent_values = True
 
     def _init_layout(self):
-        c = self.config
-        check_rank_energy("palu", c.palu_rank, c.palu_energy_threshold)
-        if not _is_int(c.palu_n_head_groups) or c.palu_n_head_groups < 1:
-            raise QuantizerConfigError("palu_n_head_groups", c.palu_n_head_groups, "a positive int")
-        for f in ("palu_hi_bit", "palu_lo_bit"):
-            b = getattr(c, f)
-            if not _is_int(b) or not 1 <= b <= 8:
-                raise QuantizerConfigError(f, b, "an int in 1..8")
-        if c.palu_lo_bit > c.palu_hi_bit:
-            raise QuantizerConfigError("palu_lo_bit", c.palu_lo_bit, f"<= palu_hi_bit ({c.palu_hi_bit})")
-        hf = c.palu_hi_fraction
-        if isinstance(hf, bool) or not isinstance(hf, (int, float)) or not 0.0 <= hf <= 1.0:
-            raise QuantizerConfigError("palu_hi_fraction", hf, "a float in [0, 1]")
-        if not isinstance(c.palu_quantize_values, bool):
-            raise QuantizerConfigError("palu_quantize_values", c.palu_quantize_values, "a bool")
-        check_group("palu_group_size", c.palu_group_size)
-        self.group = int(c.palu_group_size)
-        self.qbits = int(c.palu_hi_bit)
+        o = self.config.options  # validation checked the types and ranges
+        if not o.energy_threshold > 0.0:
+            raise QuantizerConfigError("palu_energy_threshold", o.energy_threshold, "a float in (0, 1]")
+        if o.lo_bit > o.hi_bit:
+            raise QuantizerConfigError("palu_lo_bit", o.lo_bit, f"<= palu_hi_bit ({o.hi_bit})")
+        self.group = o.group_size
+        self.qbits = o.hi_bit
         self._call = None
 
     def _n_groups(self, n_heads: int) -> int:
-        want = min(self.config.palu_n_head_groups, n_heads)
+        want = min(self.config.options.n_head_groups, n_heads)
         return max(d for d in range(1, want + 1) if n_heads % d == 0)
 
     # ------------------------------------------------------------------ factoring the weights
     def rank_for(self, energy: np.ndarray) -> int:
         """The kept rank for per-group spectra ``energy`` [Hg, m] (σ², decreasing)."""
-        c = self.config
-        if c.palu_rank is not None:
-            return min(int(c.palu_rank), energy.shape[-1])
-        return lr.energy_rank(mx.array(energy.astype(np.float32)), c.palu_energy_threshold)
+        o = self.config.options
+        if o.rank is not None:
+            return min(o.rank, energy.shape[-1])
+        return lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold)
 
     def _bits(self, which: str, r: int) -> list:
-        c = self.config
-        if which == "v" and not c.palu_quantize_values:
+        o = self.config.options
+        if which == "v" and not o.quantize_values:
             return [lr.FLOAT_BITS] * r
-        n_hi = min(r, math.ceil(r * c.palu_hi_fraction))
-        return [c.palu_hi_bit] * n_hi + [c.palu_lo_bit] * (r - n_hi)
+        n_hi = min(r, math.ceil(r * o.hi_fraction))
+        return [o.hi_bit] * n_hi + [o.lo_bit] * (r - n_hi)
 
     def bind_attention(self, attn) -> None:
         """Factor the layer's ``k_proj`` / ``v_proj`` weights and read its RoPE (see the module doc)."""

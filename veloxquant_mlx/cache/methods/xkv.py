@@ -87,10 +87,6 @@ from ..primitives.buffers import grow_columns
 _LOADED: "weakref.WeakValueDictionary[str, XKVGroup]" = weakref.WeakValueDictionary()
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 class XKVGroup:
     """The layers of one group (in order); ``members[0]`` owns the shared arrays."""
 
@@ -123,20 +119,11 @@ class XKVKVCache(KIVIKVCache):
         group.members[index] = self
 
     def _init_layout(self):
-        c = self.config
-        if not _is_int(c.xkv_group_size) or c.xkv_group_size < 1:
-            raise QuantizerConfigError("xkv_group_size", c.xkv_group_size, "a positive int (layers per group)")
-        if c.xkv_rank is not None and (not _is_int(c.xkv_rank) or c.xkv_rank < 1):
-            raise QuantizerConfigError("xkv_rank", c.xkv_rank, "None (energy threshold) or a positive int")
-        e = c.xkv_energy_threshold
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 < e <= 1.0:
-            raise QuantizerConfigError("xkv_energy_threshold", e, "a number in (0, 1]")
-        if not _is_int(c.xkv_latent_bits) or not 1 <= c.xkv_latent_bits <= 8:
-            raise QuantizerConfigError("xkv_latent_bits", c.xkv_latent_bits, "an int in 1..8")
-        if not _is_int(c.xkv_group_quant_size) or c.xkv_group_quant_size < 1:
-            raise QuantizerConfigError("xkv_group_quant_size", c.xkv_group_quant_size, "a positive int")
-        self.group = int(c.xkv_group_quant_size)  # G: token groups of the latents = the window length
-        self.qbits = int(c.xkv_latent_bits)
+        o = self.config.options  # validation checked the types and ranges
+        if not o.energy_threshold > 0.0:
+            raise QuantizerConfigError("xkv_energy_threshold", o.energy_threshold, "a number in (0, 1]")
+        self.group = o.group_quant_size  # G: token groups of the latents = the window length
+        self.qbits = o.latent_bits
         self._call = None
 
     def _uses_qmm(self) -> bool:
@@ -147,7 +134,7 @@ class XKVKVCache(KIVIKVCache):
         out, grp = [], None
         L = len(layer_configs)
         for i, cfg in enumerate(layer_configs):
-            g = cfg.xkv_group_size
+            g = cfg.options.group_size
             if i % g == 0:
                 grp = XKVGroup(min(g, L - i))
             out.append(cls(cfg, grp, i % g))
@@ -195,13 +182,13 @@ class XKVKVCache(KIVIKVCache):
             self._compress(members, m)
 
     def _compress(self, members, m):
-        own, c = members[0], self.config
+        own, o = members[0], self.config.options
         for kind in ("k", "v"):
             x = mx.concatenate([getattr(l, f"res_{kind}")[:, :, :m] for l in members], axis=-1)
             x = x.astype(mx.float32)  # [B, H, m, g*D]
             if getattr(own, f"proj_{kind}") is None:  # fit once (first block)
                 basis, energy, _ = lr.fit_basis(x)
-                r = c.xkv_rank if c.xkv_rank is not None else lr.energy_rank(energy, c.xkv_energy_threshold)
+                r = o.rank if o.rank is not None else lr.energy_rank(energy, o.energy_threshold)
                 r = min(int(r), x.shape[-1])
                 setattr(own, f"proj_{kind}", basis[..., :r].astype(RES_DTYPE))
                 setattr(own, f"rank_{kind}", r)

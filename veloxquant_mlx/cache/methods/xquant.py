@@ -62,10 +62,6 @@ from .kivi import KIVI_BITS, RES_DTYPE, KIVIKVCache
 _BASES: "weakref.WeakValueDictionary[str, XQuantKVCache]" = weakref.WeakValueDictionary()
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _fit_scale_zero(c: mx.array, x: mx.array):
     """Least-squares ``x ~ s * c + z`` along the last axis: float16 ``(s, z)`` [...]."""
     c, x = c.astype(mx.float32), x.astype(mx.float32)
@@ -91,17 +87,12 @@ class XQuantKVCache(KIVIKVCache):
     base = None  # the group's base cache (shared role)
 
     def _init_layout(self):
-        c = self.config
-        if not _is_int(c.xquant_group_size) or c.xquant_group_size < 1:
-            raise QuantizerConfigError("xquant_group_size", c.xquant_group_size, "a positive int (layers per group)")
-        for f in ("xquant_base_bits", "xquant_residual_bits"):
-            b = getattr(c, f)
-            if not _is_int(b) or b not in KIVI_BITS:
-                raise QuantizerConfigError(f, b, "one of 2, 3, 4, 8")
-        if not _is_int(c.xquant_group_quant_size) or c.xquant_group_quant_size < 1:
-            raise QuantizerConfigError("xquant_group_quant_size", c.xquant_group_quant_size, "a positive int")
-        self.group = int(c.xquant_group_quant_size)
-        self.qbits = int(c.xquant_base_bits)  # the shared codes' width, for every role
+        o = self.config.options  # validation checked the types and ranges; the codes are KIVI's
+        for f in ("base_bits", "residual_bits"):
+            if getattr(o, f) not in KIVI_BITS:
+                raise QuantizerConfigError(f"xquant_{f}", getattr(o, f), "one of 2, 3, 4, 8")
+        self.group = o.group_quant_size
+        self.qbits = o.base_bits  # the shared codes' width, for every role
         self._call = None
 
     def _uses_qmm(self) -> bool:
@@ -113,7 +104,7 @@ class XQuantKVCache(KIVIKVCache):
         out, base = [], None
         for i, cfg in enumerate(layer_configs):
             cache = cls(cfg)
-            if i % cfg.xquant_group_size == 0:
+            if i % cfg.options.group_size == 0:
                 base = cache
                 cache.xq_role, cache.xq_uid = "base", uuid.uuid4().hex
             else:
