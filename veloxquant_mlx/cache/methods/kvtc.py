@@ -21,6 +21,11 @@ This implementation (``kvtc_bit_budget`` R bits per token vector, ``kvtc_bit_cho
   and only refuses bits for components that are pure noise; small β (e.g. 1) trades budget for
   nothing where the spectrum is flat. (Normalising by the total energy instead left 10-45% of the
   budget unspent on SmolLM2 at β = 3.5 and cost quality.)
+* Short chats (``DeferredStart``): rows stay float16 until the compressed form -- bases bounded by
+  the budget (at most R / (cheapest width's rate) components) plus R bits per token and side -- is
+  smaller than the float16 rows (``start_rows``, a multiple of G; e.g. 256 rows on SmolLM2 at the
+  defaults). The fit block is the complete groups stored then. A budget that never pays (R >= 16 bits
+  per component) never compresses.
 * Components with b > 0 are stored per channel over groups of G tokens (``groupquant`` codes packed
   in uint32 words); b = 0 components are dropped. Attention folds the inverse transform into the query
   and output sides (``LowRankKVCache``); newest < G tokens stay float16 (KIVI residual).
@@ -49,6 +54,7 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
+from .deferred_start import DeferredStart
 from .svdq import LowRankKVCache
 
 
@@ -59,7 +65,7 @@ def side_bits(group: int) -> float:
 
 @register_with_mlx_lm
 @register("kvtc")
-class KVTCKVCache(LowRankKVCache):
+class KVTCKVCache(DeferredStart, LowRankKVCache):
     """KVTC: PCA transform + DP bit allocation under a per-token bit budget, keys and values."""
     chunk_invariant = False  # PCA basis and bit allocation fitted on the first quantized block
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -81,6 +87,14 @@ class KVTCKVCache(LowRankKVCache):
 
     def _n_groups(self, n_heads: int) -> int:
         return 1
+
+    def _compressed_cost(self, H, D, Dv):
+        """At most: float16 bases (F x r, r <= the budget over the cheapest kept width) and means of
+        both sides, and the budget's bits per token per side (``DeferredStart``)."""
+        R = self.config.options.bit_budget
+        r_max = R // min(self.rate(b) for b in self.choices if b)
+        fixed = sum((F * min(F, r_max) + F) * 2 for F in (H * D, H * Dv))
+        return fixed, 2 * R / 8
 
     def rate(self, b: int) -> float:
         return b + side_bits(self.group) if b else 0.0

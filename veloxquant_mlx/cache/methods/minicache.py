@@ -30,8 +30,7 @@ This implementation (``minicache_start_frac`` s, ``minicache_group_size`` g = 2,
     its retained tokens with their exact float16 rows, held compactly (``ret [r, D]`` float16 plus their
     flat token-major positions ``idx [r]`` int32).
 
-  θ = 1 retains every token (both layers exact in float16), θ = -1 merges every token. (The shared
-  config validator only admits θ in [0, 1]; the cache itself accepts [-1, 1].) Bytes per token
+  θ = 1 retains every token (both layers exact in float16), θ = -1 merges every token. Bytes per token
   per KV head for the pair (keys or values, D = 64): 2·D + 4 (shared direction + two magnitudes) +
   retained fraction · (2·D + 4), vs 4·D for two float16 layers.
 * ``update_and_fetch`` returns the stored rows (restored) + this call's rows as given (attended in
