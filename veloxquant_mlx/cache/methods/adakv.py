@@ -52,7 +52,6 @@ importances only).
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 
@@ -64,10 +63,9 @@ from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.buffers import grow_rows
 from ..primitives import nonuniform as sal
+from .amc import TIERS, RankTiers
 from .kivi import RES_DTYPE, KIVIKVCache
 
-TIERS = ("hi", "mid", "lo")
-CG = 32  # channel group of the per-token value quantization (gcd with the head dim)
 
 
 def _range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
@@ -84,7 +82,7 @@ def _range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx
 
 @register_with_mlx_lm
 @register("adakv")
-class AdaKVKVCache(KIVIKVCache):
+class AdaKVKVCache(RankTiers, KIVIKVCache):
     """MiKV-style per-token hi/mid/lo bit widths by importance at a target average; KIVI per-channel keys."""
     chunk_invariant = True  # norm importances: per-group tiers, groups at absolute positions
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -123,13 +121,7 @@ class AdaKVKVCache(KIVIKVCache):
     def _uses_qmm(self) -> bool:
         return False
 
-    @property
-    def realized_avg_bits(self) -> float:
-        """Average code bits per stored element (the allocation, excluding the range overhead)."""
-        return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
-
-    def _cg(self, d):
-        return math.gcd(d, CG)
+    realized_avg_bits = RankTiers.code_bits
 
     # ---------------------------------------------------------------- encode
     def _rank(self, kb, vb, imp=None) -> mx.array:
@@ -268,16 +260,7 @@ class AdaKVKVCache(KIVIKVCache):
                     x = _range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
                 parts.append(x)
             start += c
-        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)  # [B, H, g, G, d] in rank order
-        order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, g, G)
-        inv = mx.argsort(order, axis=-1)
-        return mx.take_along_axis(x, inv[..., None], axis=3).reshape(B, H, n, d)
-
-    def _keys_t(self, n, dtype=mx.float32):
-        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
-
-    def _values(self, n, dtype=mx.float32):
-        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
+        return self._in_token_order(parts, n, d)
 
     # ---------------------------------------------------------------- trim
     def _trim_rows(self, n: int) -> int:
@@ -301,8 +284,3 @@ class AdaKVKVCache(KIVIKVCache):
                 total += B * H * rows * 4 * (packed_words(D, b) + packed_words(Dv, b))
         extra = sum(a.nbytes for a in (self.res_score, self.res_cnt) if a is not None)
         return total + self.res_k.nbytes + self.res_v.nbytes + extra
-
-    def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """avg_bits·(d + dv)/8 code bytes + 4 bytes per key channel per G tokens + 4 per value channel
-        group + 1 byte of order, per token per head."""
-        return self.realized_avg_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1

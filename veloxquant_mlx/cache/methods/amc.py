@@ -59,6 +59,39 @@ TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
 CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 
 
+class RankTiers:
+    """Per-token tiers by within-group rank (amc, adakv): ``counts`` rows of each G-token group per tier
+    at ``tier_bits``, stored in rank order with the rank order of every row (``order``, uint8), which
+    ``_rows_of`` undoes (its subclasses decode each tier's rows, ``_in_token_order`` reorders them)."""
+
+    def _cg(self, d: int) -> int:
+        """Channel group of the per-token value codes."""
+        return math.gcd(d, CG)
+
+    @property
+    def code_bits(self) -> float:
+        """Code bits per stored element from the tier mix (scale/bias overhead excluded)."""
+        return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
+
+    def bytes_per_token_budget(self, d: int, dv: int) -> float:
+        """Code bytes + key min/range (4 bytes per channel per G tokens) + value min/range or scale/bias
+        (4 bytes per channel group) + 1 byte of order, per token per head."""
+        return self.code_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1
+
+    def _in_token_order(self, parts: list, n: int, d: int) -> mx.array:
+        """Tier rows ``[B, H, g, c_t, d]`` (in rank order) -> rows ``[B, H, n, d]`` in token order."""
+        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)
+        B, H = x.shape[:2]
+        order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, n // self.group, self.group)
+        return mx.take_along_axis(x, mx.argsort(order, axis=-1)[..., None], axis=3).reshape(B, H, n, d)
+
+    def _keys_t(self, n, dtype=mx.float32):
+        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
+
+    def _values(self, n, dtype=mx.float32):
+        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
+
+
 def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
     """Tokens per G-token group in each tier (cumulative rounding: the counts sum to G)."""
     n_hi = int(round(k_high * group))
@@ -68,7 +101,7 @@ def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
 
 @register_with_mlx_lm
 @register("amc")
-class AMCKVCache(KIVIKVCache):
+class AMCKVCache(RankTiers, KIVIKVCache):
     """Per-token 8 / 4 / 2-bit tiers by key-norm saliency, tier fractions amc_k_high / amc_k_mid."""
     chunk_invariant = True  # per-group tiers, groups at absolute positions
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -101,13 +134,7 @@ class AMCKVCache(KIVIKVCache):
     def _uses_qmm(self) -> bool:
         return False
 
-    @property
-    def assigned_avg_bits(self) -> float:
-        """Code bits per stored element from the tier mix (scale/bias overhead excluded)."""
-        return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
-
-    def _cg(self, d):
-        return math.gcd(d, CG)
+    assigned_avg_bits = RankTiers.code_bits
 
     # ---------------------------------------------------------------- encode
     def _append_groups(self, kb, vb):
@@ -163,19 +190,10 @@ class AMCKVCache(KIVIKVCache):
                 a = [getattr(self, f"v_{x}_{t}")[:, :, : g * c] for x in ("codes", "scales", "biases")]
                 x = gq.dequantize(*a, b, self._cg(d), mx.float32)
             parts.append(x.reshape(x.shape[0], x.shape[1], g, c, d))
-        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)  # [B, H, g, G, d], rank order
-        order = self.order[:, :, :n].astype(mx.int32).reshape(x.shape[0], x.shape[1], g, G)
-        inv = mx.argsort(order, axis=-1)
-        return mx.take_along_axis(x, inv[..., None], axis=3).reshape(x.shape[0], x.shape[1], n, d)
+        return self._in_token_order(parts, n, d)
 
     def k_codes_t(self, t: str) -> mx.array:
         return getattr(self, f"k_codes_{t}")
-
-    def _keys_t(self, n, dtype=mx.float32):
-        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
-
-    def _values(self, n, dtype=mx.float32):
-        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
 
     def tier_of_tokens(self) -> mx.array:
         """Tier index (0 = 8 bits, 1 = 4 bits, 2 = 2 bits) of every quantized token [B, H, n_quant]."""
@@ -203,8 +221,3 @@ class AMCKVCache(KIVIKVCache):
             total += B * H * rows * 4 * bitpack.packed_words(D, b)
             total += B * H * rows * (Dv // cg) * (4 * gq.words_per_group(b, cg) + 4)
         return total + self.res_k.nbytes + self.res_v.nbytes
-
-    def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """avg_bits·(d + dv)/8 code bytes + key min/range (4 bytes per channel per G tokens) + value
-        scale/bias (4 bytes per channel group) + 1 byte of order, per token per head."""
-        return self.assigned_avg_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1

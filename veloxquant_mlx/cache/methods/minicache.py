@@ -62,7 +62,6 @@ everything): KL 0.845, kv/fp16 0.837. The paper's similarity premise does not ho
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import mlx.core as mx
 
@@ -71,12 +70,13 @@ from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
+from .layer_links import registry, relink
 
 BLOCK = 32  # window rows merged at once (one host sync per merge step)
 _EPS = 1e-6
 
 # primaries by "<uid>:<group>" (the most recently loaded one), to relink after load_prompt_cache
-_LOADED: "weakref.WeakValueDictionary[str, MiniCacheCoordinator]" = weakref.WeakValueDictionary()
+_LOADED = registry()
 
 
 class MiniCacheCoordinator:
@@ -212,16 +212,11 @@ class MiniCacheKVCache(KIVIKVCache):
     @state.setter
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
-        key = f"{self.mc_uid}:{self.mc_group}"
-        if self.mc_role == "primary":
-            self.coordinator = MiniCacheCoordinator(self.mc_uid)  # fresh: never the originals' links
+        primary = self.mc_role == "primary"
+        self.coordinator = relink(_LOADED, f"{self.mc_uid}:{self.mc_group}", primary,
+                                  lambda: MiniCacheCoordinator(self.mc_uid), "MiniCacheKVCache: the primary")
+        if primary:
             self.coordinator.publish(self.mc_group, self)
-            _LOADED[key] = self.coordinator
-        else:
-            coord = _LOADED.get(key)
-            if coord is None:
-                raise ValueError(f"MiniCacheKVCache: the primary of group {key} must be loaded first")
-            self.coordinator = coord
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):

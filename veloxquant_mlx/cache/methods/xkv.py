@@ -71,7 +71,6 @@ the latent side). The layers of a group must have equal head dims (every model h
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import mlx.core as mx
 
@@ -82,9 +81,10 @@ from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank_fit as lr
 from .kivi import RES_DTYPE, KIVIKVCache
+from .layer_links import registry, relink
 from ..primitives.buffers import grow_columns
 
-_LOADED: "weakref.WeakValueDictionary[str, XKVGroup]" = weakref.WeakValueDictionary()
+_LOADED = registry()
 
 
 class XKVGroup:
@@ -152,14 +152,8 @@ class XKVKVCache(KIVIKVCache):
     @state.setter
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
-        if self.xk_index == 0:
-            self.group_obj = XKVGroup(self.xk_size, self.xk_uid)  # fresh: never the originals' links
-            _LOADED[self.xk_uid] = self.group_obj
-        else:
-            grp = _LOADED.get(self.xk_uid)
-            if grp is None:
-                raise ValueError(f"XKVKVCache: the first layer of group {self.xk_uid} must be loaded first")
-            self.group_obj = grp
+        self.group_obj = relink(_LOADED, self.xk_uid, self.xk_index == 0,
+                                lambda: XKVGroup(self.xk_size, self.xk_uid), "XKVKVCache: the first layer")
         self.group_obj.members[self.xk_index] = self
 
     # ---------------------------------------------------------------- storage

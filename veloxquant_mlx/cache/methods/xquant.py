@@ -48,7 +48,6 @@ layer alike (mlx_lm does).
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import mlx.core as mx
 
@@ -58,8 +57,9 @@ from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_columns, grow_rows
 from ..primitives import groupquant as gq
 from .kivi import KIVI_BITS, RES_DTYPE, KIVIKVCache
+from .layer_links import registry, relink
 
-_BASES: "weakref.WeakValueDictionary[str, XQuantKVCache]" = weakref.WeakValueDictionary()
+_BASES = registry()
 
 
 def _fit_scale_zero(c: mx.array, x: mx.array):
@@ -120,14 +120,10 @@ class XQuantKVCache(KIVIKVCache):
     @state.setter
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
-        if self.xq_role == "base":
-            if self.xq_uid:
-                _BASES[self.xq_uid] = self
-        else:
-            base = _BASES.get(self.xq_uid)
-            if base is None:
-                raise ValueError(f"XQuantKVCache: the base layer of group {self.xq_uid} must be loaded first")
-            self.base = base
+        base = self.xq_role == "base"
+        if self.xq_uid or not base:  # a base built alone belongs to no group
+            found = relink(_BASES, self.xq_uid, base, lambda: self, "XQuantKVCache: the base layer")
+            self.base = None if base else found
 
     # ---------------------------------------------------------------- shared coding
     def _base_codes(self, t0: int, n: int, d: int, dv: int):
