@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import weakref
 
+from ..contract import CompressedKVCache
+
 
 def registry() -> "weakref.WeakValueDictionary":
     return weakref.WeakValueDictionary()
@@ -24,3 +26,13 @@ def relink(links, key: str, owner: bool, make, what: str):
     if shared is None:
         raise ValueError(f"{what} of group {key} must be loaded first")
     return shared
+
+
+def relinking_state(relink_loaded):
+    """The contract's ``state`` property, with ``relink_loaded(cache)`` run after a state is set."""
+
+    def fset(self, v):
+        CompressedKVCache.state.fset(self, v)
+        relink_loaded(self)
+
+    return property(CompressedKVCache.state.fget, fset)

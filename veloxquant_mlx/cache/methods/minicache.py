@@ -66,11 +66,11 @@ import uuid
 import mlx.core as mx
 
 from ..base import register
-from ..contract import CompressedKVCache, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
-from .layer_links import registry, relink
+from .layer_links import registry, relink, relinking_state
 
 BLOCK = 32  # window rows merged at once (one host sync per merge step)
 _EPS = 1e-6
@@ -205,18 +205,14 @@ class MiniCacheKVCache(KIVIKVCache):
         return self.coordinator.fetch(self.mc_group)
 
     # ---------------------------------------------------------------- state (relink on load)
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        CompressedKVCache.state.fset(self, v)
+    def _relink_loaded(self):
         primary = self.mc_role == "primary"
         self.coordinator = relink(_LOADED, f"{self.mc_uid}:{self.mc_group}", primary,
                                   lambda: MiniCacheCoordinator(self.mc_uid), "MiniCacheKVCache: the primary")
         if primary:
             self.coordinator.publish(self.mc_group, self)
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):

@@ -75,13 +75,13 @@ import uuid
 import mlx.core as mx
 
 from ..base import register
-from ..contract import CompressedKVCache, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank_fit as lr
 from .kivi import RES_DTYPE, KIVIKVCache
-from .layer_links import registry, relink
+from .layer_links import registry, relink, relinking_state
 from ..primitives.buffers import grow_columns
 
 _LOADED = registry()
@@ -145,16 +145,12 @@ class XKVKVCache(KIVIKVCache):
         return self.group_obj.members[0]
 
     # ---------------------------------------------------------------- state (relink on load)
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        CompressedKVCache.state.fset(self, v)
+    def _relink_loaded(self):
         self.group_obj = relink(_LOADED, self.xk_uid, self.xk_index == 0,
                                 lambda: XKVGroup(self.xk_size, self.xk_uid), "XKVKVCache: the first layer")
         self.group_obj.members[self.xk_index] = self
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):

@@ -52,12 +52,12 @@ import uuid
 import mlx.core as mx
 
 from ..base import register
-from ..contract import CompressedKVCache, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_columns, grow_rows
 from ..primitives import groupquant as gq
 from .kivi import KIVI_BITS, RES_DTYPE, KIVIKVCache
-from .layer_links import registry, relink
+from .layer_links import registry, relink, relinking_state
 
 _BASES = registry()
 
@@ -113,17 +113,13 @@ class XQuantKVCache(KIVIKVCache):
         return out
 
     # ---------------------------------------------------------------- state (relink on load)
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        CompressedKVCache.state.fset(self, v)
+    def _relink_loaded(self):
         base = self.xq_role == "base"
         if self.xq_uid or not base:  # a base built alone belongs to no group
             found = relink(_BASES, self.xq_uid, base, lambda: self, "XQuantKVCache: the base layer")
             self.base = None if base else found
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     # ---------------------------------------------------------------- shared coding
     def _base_codes(self, t0: int, n: int, d: int, dv: int):
