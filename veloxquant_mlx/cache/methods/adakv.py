@@ -268,19 +268,13 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
         return super()._trim_rows(n)
 
     # ---------------------------------------------------------------- accounting
+    def _tier_nbytes(self, rows: int, b: int, D: int, Dv: int) -> int:
+        """Bytes of ``rows`` tier rows at ``b`` bits: key and value codes, the values' float16 minimum and
+        range per channel group."""
+        return rows * (4 * (packed_words(D, b) + packed_words(Dv, b)) + (Dv // self._cg(Dv)) * 4)
+
     @property
     def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        g = self.n_quant // self.group
-        total = B * H * self.n_quant  # order bytes
-        total += B * H * g * D * 2 * 2  # per-channel key minimum and range (float16)
-        total += B * H * self.n_quant * (Dv // self._cg(Dv)) * 2 * 2  # per-token value minimum and range
-        for t in TIERS:
-            rows, b = g * self.counts[t], self.tier_bits[t]
-            if rows:
-                total += B * H * rows * 4 * (packed_words(D, b) + packed_words(Dv, b))
+        """``RankTiers``' bytes plus, with ``"attention"``, the residual rows' accumulated scores."""
         extra = sum(a.nbytes for a in (self.res_score, self.res_cnt) if a is not None)
-        return total + self.res_k.nbytes + self.res_v.nbytes + extra
+        return super().used_nbytes + extra

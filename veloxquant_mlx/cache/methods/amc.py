@@ -85,6 +85,17 @@ class RankTiers:
         order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, n // self.group, self.group)
         return mx.take_along_axis(x, mx.argsort(order, axis=-1)[..., None], axis=3).reshape(B, H, n, d)
 
+    @property
+    def used_nbytes(self) -> int:
+        """Order bytes, the key ranges, each tier's codes (``_tier_nbytes``) and the float16 residual."""
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        g = self.n_quant // self.group
+        codes = sum(self._tier_nbytes(B * H * g * self.counts[t], self.tier_bits[t], D, self.res_v.shape[-1])
+                    for t in TIERS if self.counts[t])
+        return B * H * (self.n_quant + g * D * 4) + codes + self.res_k.nbytes + self.res_v.nbytes
+
     def _keys_t(self, n, dtype=mx.float32):
         return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
 
@@ -207,17 +218,7 @@ class AMCKVCache(RankTiers, KIVIKVCache):
         return tiers.reshape(B, H, n)
 
     # ---------------------------------------------------------------- accounting
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        g = self.n_quant // self.group
-        total = B * H * self.n_quant + B * H * g * D * 4  # order bytes, key min/range per channel per group
+    def _tier_nbytes(self, rows: int, b: int, D: int, Dv: int) -> int:
+        """Bytes of ``rows`` tier rows at ``b`` bits: key codes, value codes and float16 scale/bias."""
         cg = self._cg(Dv)
-        for t in TIERS:
-            rows, b = g * self.counts[t], self.tier_bits[t]
-            total += B * H * rows * 4 * bitpack.packed_words(D, b)
-            total += B * H * rows * (Dv // cg) * (4 * gq.words_per_group(b, cg) + 4)
-        return total + self.res_k.nbytes + self.res_v.nbytes
+        return rows * (4 * bitpack.packed_words(D, b) + (Dv // cg) * (4 * gq.words_per_group(b, cg) + 4))

@@ -349,21 +349,13 @@ class CacheGenKVCache(KIVIKVCache):
     # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
+        """KIVI's codes and residual, plus the 8-bit anchors (codes + scale/bias per channel group)."""
+        if self.res_k is None or not self.use_delta:
+            return super().used_nbytes
         B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        G, b = self.group, self.qbits
-        g = self.n_quant // G
-        gv = self.value_group(Dv)
-        key = B * H * D * g * (4 * self._key_words() + 4)
-        value = B * H * self.n_quant * (Dv // gv) * (4 * gq.words_per_group(b, gv) + 4)
-        anchors = 0
-        if self.use_delta:
-            for d in (D, Dv):
-                cg = self._acg(d)
-                anchors += B * H * g * (d // cg) * (4 * gq.words_per_group(ANCHOR_BITS, cg) + 4)
-        return key + value + anchors + self.res_k.nbytes + self.res_v.nbytes
+        g = self.n_quant // self.group
+        return super().used_nbytes + sum(B * H * g * (d // self._acg(d)) * (
+            4 * gq.words_per_group(ANCHOR_BITS, self._acg(d)) + 4) for d in (D, self.res_v.shape[-1]))
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the

@@ -267,19 +267,15 @@ class KVQuantKVCache(KIVIKVCache):
     # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
+        """KIVI's codes and residual, plus the sparse outliers, the fitted levels and the sink rows."""
         if self.res_k is None:
             return 0
         B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        G, b = self.group, self.qbits
-        g = self.n_quant // G
-        gv = self.value_group(Dv)
-        key = B * H * D * g * (4 * self._key_words() + 4)
-        value = B * H * self.n_quant * (Dv // gv) * (4 * gq.words_per_group(b, gv) + 4)
-        sparse = B * H * g * (self._n_out(D) + self._n_out(Dv)) * (2 + 2)  # uint16 index + float16 value
-        levels = B * H * D * len(self.fit_starts) * (1 << b) * 2 + g * 4
+        g = self.n_quant // self.group
+        sparse = B * H * g * (self._n_out(D) + self._n_out(self.res_v.shape[-1])) * (2 + 2)  # uint16 + float16
+        levels = B * H * D * len(self.fit_starts) * (1 << self.qbits) * 2 + g * 4
         sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
-        return key + value + sparse + levels + sinks + self.res_k.nbytes + self.res_v.nbytes
+        return super().used_nbytes + sparse + levels + sinks
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
