@@ -12,8 +12,9 @@ Algorithm (a ``KIVIKVCache`` subclass: same float16 residual of < G tokens, same
 
 * Layer-wise bits: ``build_layers`` splits the m layers with a full KV cache into
   ``cachegen_layer_groups`` = n contiguous groups (layer i is in group ``i * n // m``) and gives group
-  j the bits ``min(8, cachegen_bits + (n - 1 - j))`` in ``cachegen_resolved_bits`` (n = 3, bits 4:
-  6 / 5 / 4 bits for the first / middle / last third). A cache built alone uses ``cachegen_bits``.
+  j the bits ``min(8, cachegen_bits + (n - 1 - j))`` (n = 3, bits 4: 6 / 5 / 4 bits for the first /
+  middle / last third), passed to each cache's constructor and kept in its state (``qbits``). A cache
+  built alone uses ``cachegen_resolved_bits`` when set, else ``cachegen_bits``.
 * Token deltas (``cachegen_use_delta``): for every G-token group the anchor (its first token) is
   quantized per token at 8 bits (channel groups of gcd(D, 32), float16 scale/bias); every token's delta
   against the *dequantized* anchor is quantized at b bits (closed loop: the anchor's error does not
