@@ -74,6 +74,7 @@ def np_rope(x, offset, traditional, base=10000.0):
 def bound_cache(attn, **opts):
     cache = KVCacheFactory.create(KVCacheConfig(method="palu", head_dim=D, options=PaluOptions(**opts)))
     cache.bind_attention(attn)
+    cache.factor()  # the factors now (a cache made by for_model makes them at its first compression)
     return cache
 
 
@@ -273,4 +274,38 @@ def test_trim_is_exact_in_the_residual_or_refused_and_keeps_the_factors():
     assert c.trim(99) == 99 and c.empty() and c.k_basis is not None  # the weights' factors stay
     c.update_and_fetch(*project(attn, x[:, :40], 0))
     for a, b in zip(c._dense(), fed(40)._dense()):
+        assert bool(mx.array_equal(a, b))
+
+
+def test_short_chat_holds_float16_rows_and_no_factors_until_compressing_pays():
+    """Rows stay float16 and no factor is held until the compressed form -- factors plus latent codes --
+    is smaller than the float16 rows it replaces (``start_rows``, a multiple of G); from then on the
+    cache is, bit for bit, the one that factored first and took the rows in one call."""
+    from veloxquant_mlx.cache.contract import short_prompt_bound
+
+    attn = Attn(seed=5)
+    mx.random.seed(6)
+    x = mx.random.normal((1, 200, HIDDEN))
+    k, v = project(attn, x, 0)
+    opts = dict(rank=48, n_head_groups=1, hi_bit=8, lo_bit=8)
+    lazy = KVCacheFactory.create(KVCacheConfig(method="palu", head_dim=D, options=PaluOptions(**opts)))
+    lazy.bind_attention(attn)
+    assert lazy.k_basis is None and lazy.rank == 48
+    start = lazy.start_rows(N_KV, D, D)
+    fixed = 2 * N_KV * D * (48 + 1) * 2  # U_r of keys and values (+ a bias offset row each), float16
+    codes = 2 * lazy.layout("k").bytes_per_token()  # one head group, keys and values
+    fp16 = 2 * N_KV * 2 * D
+    assert start % 32 == 0 and start > 32
+    assert fixed + codes * start < fp16 * start and fixed + codes * (start - 32) >= fp16 * (start - 32)
+    t = 0
+    for n in [40] + [1] * 15 + [30, 20, 1, 94]:
+        lazy.update_and_fetch(k[:, :, t : t + n], v[:, :, t : t + n])
+        t += n
+        if t < start:
+            assert lazy.n_quant == 0 and lazy.k_basis is None
+            assert lazy.nbytes == lazy.res_k.nbytes + lazy.res_v.nbytes <= short_prompt_bound(t, 1, N_KV, D, D)
+    eager = bound_cache(attn, **opts)
+    eager.update_and_fetch(k, v)
+    assert (lazy.n_quant, lazy.n_res, lazy.res_k.shape) == (eager.n_quant, eager.n_res, eager.res_k.shape)
+    for a, b in zip(lazy._dense() + (lazy.k_basis, lazy.v_basis), eager._dense() + (eager.k_basis, eager.v_basis)):
         assert bool(mx.array_equal(a, b))

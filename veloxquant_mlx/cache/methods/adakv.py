@@ -52,7 +52,6 @@ importances only).
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 
@@ -64,11 +63,9 @@ from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ..primitives.buffers import grow_rows
 from ..primitives import nonuniform as sal
+from .amc import TIERS, RankTiers
 from .kivi import RES_DTYPE, KIVIKVCache
 
-TIERS = ("hi", "mid", "lo")
-CG = 32  # channel group of the per-token value quantization (gcd with the head dim)
-IMPORTANCES = ("norm_variance", "attention", "norm")
 
 
 def _range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
@@ -85,7 +82,7 @@ def _range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx
 
 @register_with_mlx_lm
 @register("adakv")
-class AdaKVKVCache(KIVIKVCache):
+class AdaKVKVCache(RankTiers, KIVIKVCache):
     """MiKV-style per-token hi/mid/lo bit widths by importance at a target average; KIVI per-channel keys."""
     chunk_invariant = True  # norm importances: per-group tiers, groups at absolute positions
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -101,24 +98,15 @@ class AdaKVKVCache(KIVIKVCache):
     _prev_scores = None  # the past residual rows' (accumulated attention, observations) before this call
 
     def _init_layout(self):
-        c = self.config
-        lo, mid, hi, t = c.adakv_lo_bit, c.adakv_mid_bit, c.adakv_hi_bit, c.adakv_target_avg_bits
-        for name, b in (("adakv_lo_bit", lo), ("adakv_mid_bit", mid), ("adakv_hi_bit", hi)):
-            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
-                raise QuantizerConfigError(name, b, "an int in 1..8")
+        o = self.config.options  # validation checked the types, widths in 1..8 and the importance names
+        lo, mid, hi, t = o.lo_bit, o.mid_bit, o.hi_bit, o.target_avg_bits
         if not lo < mid < hi:
             raise QuantizerConfigError("adakv_mid_bit", mid, f"strictly between adakv_lo_bit={lo} and adakv_hi_bit={hi}")
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not lo <= t <= hi:
+        if not lo <= t <= hi:
             raise QuantizerConfigError("adakv_target_avg_bits", t, f"a number in [{lo}, {hi}]")
-        G = c.adakv_group_size
-        if isinstance(G, bool) or not isinstance(G, int) or not 2 <= G <= 256:
-            raise QuantizerConfigError("adakv_group_size", G, "an int in 2..256")
-        if c.adakv_importance not in IMPORTANCES:
-            raise QuantizerConfigError("adakv_importance", c.adakv_importance, f"one of {IMPORTANCES}")
-        W = c.adakv_obs_window
-        if isinstance(W, bool) or not isinstance(W, int) or W < 1:
-            raise QuantizerConfigError("adakv_obs_window", W, "a positive int (queries observed per call)")
-        self.group = G
+        if not 2 <= o.group_size <= 256:
+            raise QuantizerConfigError("adakv_group_size", o.group_size, "an int in 2..256")
+        self.group = G = o.group_size
         self.tier_bits = {"hi": hi, "mid": mid, "lo": lo}
         n_hi, n_mid, n_lo = sal.tier_counts(float(t), lo, mid, hi, G)
         self.counts = {"hi": n_hi, "mid": n_mid, "lo": n_lo}
@@ -128,18 +116,12 @@ class AdaKVKVCache(KIVIKVCache):
 
     @property
     def uses_attention(self) -> bool:
-        return self.config.adakv_importance == "attention"
+        return self.config.options.importance == "attention"
 
     def _uses_qmm(self) -> bool:
         return False
 
-    @property
-    def realized_avg_bits(self) -> float:
-        """Average code bits per stored element (the allocation, excluding the range overhead)."""
-        return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
-
-    def _cg(self, d):
-        return math.gcd(d, CG)
+    realized_avg_bits = RankTiers.code_bits
 
     # ---------------------------------------------------------------- encode
     def _rank(self, kb, vb, imp=None) -> mx.array:
@@ -153,7 +135,7 @@ class AdaKVKVCache(KIVIKVCache):
             pattern = mx.argsort((j % stride) * G + j // stride)
             return mx.broadcast_to(pattern, (B, H, g, G)).astype(mx.int32)
         if imp is None:
-            kind = "norm_variance" if self.uses_attention else self.config.adakv_importance
+            kind = "norm_variance" if self.uses_attention else self.config.options.importance
             imp = sal.token_importance(kb, vb, kind)
         return mx.argsort(-imp.reshape(B, H, g, G), axis=-1)
 
@@ -232,7 +214,7 @@ class AdaKVKVCache(KIVIKVCache):
         _, r0, past_k, _, new_k, _ = call
         B, Hq, N, D = queries.shape
         H = new_k.shape[1]
-        W = min(self.config.adakv_obs_window, N)
+        W = min(self.config.options.obs_window, N)
         fk = new_k if not r0 else mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
         total = r0 + N
         q = group_queries(queries[:, :, N - W :], H).astype(mx.float32) * scale  # [B, H, rep, W, D]
@@ -278,16 +260,7 @@ class AdaKVKVCache(KIVIKVCache):
                     x = _range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
                 parts.append(x)
             start += c
-        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)  # [B, H, g, G, d] in rank order
-        order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, g, G)
-        inv = mx.argsort(order, axis=-1)
-        return mx.take_along_axis(x, inv[..., None], axis=3).reshape(B, H, n, d)
-
-    def _keys_t(self, n, dtype=mx.float32):
-        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
-
-    def _values(self, n, dtype=mx.float32):
-        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
+        return self._in_token_order(parts, n, d)
 
     # ---------------------------------------------------------------- trim
     def _trim_rows(self, n: int) -> int:
@@ -295,24 +268,13 @@ class AdaKVKVCache(KIVIKVCache):
         return super()._trim_rows(n)
 
     # ---------------------------------------------------------------- accounting
+    def _tier_nbytes(self, rows: int, b: int, D: int, Dv: int) -> int:
+        """Bytes of ``rows`` tier rows at ``b`` bits: key and value codes, the values' float16 minimum and
+        range per channel group."""
+        return rows * (4 * (packed_words(D, b) + packed_words(Dv, b)) + (Dv // self._cg(Dv)) * 4)
+
     @property
     def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        g = self.n_quant // self.group
-        total = B * H * self.n_quant  # order bytes
-        total += B * H * g * D * 2 * 2  # per-channel key minimum and range (float16)
-        total += B * H * self.n_quant * (Dv // self._cg(Dv)) * 2 * 2  # per-token value minimum and range
-        for t in TIERS:
-            rows, b = g * self.counts[t], self.tier_bits[t]
-            if rows:
-                total += B * H * rows * 4 * (packed_words(D, b) + packed_words(Dv, b))
+        """``RankTiers``' bytes plus, with ``"attention"``, the residual rows' accumulated scores."""
         extra = sum(a.nbytes for a in (self.res_score, self.res_cnt) if a is not None)
-        return total + self.res_k.nbytes + self.res_v.nbytes + extra
-
-    def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """avg_bits·(d + dv)/8 code bytes + 4 bytes per key channel per G tokens + 4 per value channel
-        group + 1 byte of order, per token per head."""
-        return self.realized_avg_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1
+        return super().used_nbytes + extra

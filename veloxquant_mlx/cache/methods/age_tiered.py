@@ -57,13 +57,6 @@ TIERS = ("old", "mid", "recent")
 _ARR = ("codes", "scales", "biases")
 
 
-def _int(field, v, lo, hi=None):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        raise QuantizerConfigError(field, v, f"an int >= {lo}" + (f" and <= {hi}" if hi else "")
-                                   + " for method='age_tiered'")
-    return int(v)
-
-
 @register_with_mlx_lm
 @register("age_tiered")
 class AgeTieredKVCache(KIVIKVCache):
@@ -80,16 +73,13 @@ class AgeTieredKVCache(KIVIKVCache):
     _T_after = None
 
     def _init_layout(self):
-        c = self.config
-        self.tier_bits = (_int("age_bits_old", c.age_bits_old, 1, 8), _int("age_bits_mid", c.age_bits_mid, 1, 8),
-                          _int("age_bits_recent", c.age_bits_recent, 1, 8))
-        if not self.tier_bits[0] <= self.tier_bits[1] <= self.tier_bits[2]:
-            raise QuantizerConfigError("age_bits_mid", c.age_bits_mid,
-                                       f"age_bits_old={c.age_bits_old} <= age_bits_mid <= "
-                                       f"age_bits_recent={c.age_bits_recent}")
-        self.recent_boundary = _int("age_recent_boundary", c.age_recent_boundary, 0)
-        self.mid_boundary = _int("age_mid_boundary", c.age_mid_boundary, self.recent_boundary)
-        self.group = _int("age_group_size", c.age_group_size, 1)
+        o = self.config.options  # validation checked the ranges and recent_boundary <= mid_boundary
+        self.tier_bits = (o.bits_old, o.bits_mid, o.bits_recent)
+        if not o.bits_old <= o.bits_mid <= o.bits_recent:
+            raise QuantizerConfigError("age_bits_mid", o.bits_mid, f"age_bits_old={o.bits_old} <= age_bits_mid <= "
+                                                                   f"age_bits_recent={o.bits_recent}")
+        self.recent_boundary, self.mid_boundary = o.recent_boundary, o.mid_boundary
+        self.group = o.group_size
         self.qbits = self.tier_bits[2]
         self._call = None
 

@@ -59,8 +59,48 @@ TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
 CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 
 
-def _frac(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+class RankTiers:
+    """Per-token tiers by within-group rank (amc, adakv): ``counts`` rows of each G-token group per tier
+    at ``tier_bits``, stored in rank order with the rank order of every row (``order``, uint8), which
+    ``_rows_of`` undoes (its subclasses decode each tier's rows, ``_in_token_order`` reorders them)."""
+
+    def _cg(self, d: int) -> int:
+        """Channel group of the per-token value codes."""
+        return math.gcd(d, CG)
+
+    @property
+    def code_bits(self) -> float:
+        """Code bits per stored element from the tier mix (scale/bias overhead excluded)."""
+        return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
+
+    def bytes_per_token_budget(self, d: int, dv: int) -> float:
+        """Code bytes + key min/range (4 bytes per channel per G tokens) + value min/range or scale/bias
+        (4 bytes per channel group) + 1 byte of order, per token per head."""
+        return self.code_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1
+
+    def _in_token_order(self, parts: list, n: int, d: int) -> mx.array:
+        """Tier rows ``[B, H, g, c_t, d]`` (in rank order) -> rows ``[B, H, n, d]`` in token order."""
+        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)
+        B, H = x.shape[:2]
+        order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, n // self.group, self.group)
+        return mx.take_along_axis(x, mx.argsort(order, axis=-1)[..., None], axis=3).reshape(B, H, n, d)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Order bytes, the key ranges, each tier's codes (``_tier_nbytes``) and the float16 residual."""
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        g = self.n_quant // self.group
+        codes = sum(self._tier_nbytes(B * H * g * self.counts[t], self.tier_bits[t], D, self.res_v.shape[-1])
+                    for t in TIERS if self.counts[t])
+        return B * H * (self.n_quant + g * D * 4) + codes + self.res_k.nbytes + self.res_v.nbytes
+
+    def _keys_t(self, n, dtype=mx.float32):
+        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
+
+    def _values(self, n, dtype=mx.float32):
+        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
 
 
 def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
@@ -72,7 +112,7 @@ def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
 
 @register_with_mlx_lm
 @register("amc")
-class AMCKVCache(KIVIKVCache):
+class AMCKVCache(RankTiers, KIVIKVCache):
     """Per-token 8 / 4 / 2-bit tiers by key-norm saliency, tier fractions amc_k_high / amc_k_mid."""
     chunk_invariant = True  # per-group tiers, groups at absolute positions
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -82,46 +122,30 @@ class AMCKVCache(KIVIKVCache):
     scalar_fields = ("n_quant", "n_res", "dtype_name")
 
     def _init_layout(self):
-        c = self.config
-        for f in ("amc_k_high", "amc_k_mid", "amc_query_alpha"):
-            if not _frac(getattr(c, f)):
-                raise QuantizerConfigError(f, getattr(c, f), "a number in [0, 1]")
-        if c.amc_k_high + c.amc_k_mid > 1.0:
-            raise QuantizerConfigError("amc_k_mid", c.amc_k_mid,
-                                       f"amc_k_high + amc_k_mid <= 1 (amc_k_high={c.amc_k_high})")
-        G = c.amc_group_size
-        if isinstance(G, bool) or not isinstance(G, int) or not 2 <= G <= 256:
-            raise QuantizerConfigError("amc_group_size", G, "an int in 2..256")
-        if c.amc_use_query_saliency is not False:
-            raise QuantizerConfigError("amc_use_query_saliency", c.amc_use_query_saliency,
-                                       "False (query-blended saliency is not implemented: groups are quantized "
-                                       "in update_and_fetch, which sees no queries)")
-        if c.amc_adaptive_thresholds is not False:
-            raise QuantizerConfigError("amc_adaptive_thresholds", c.amc_adaptive_thresholds,
-                                       "False (adaptive thresholds are not implemented; tiers are fixed fractions)")
-        if c.amc_calib_variance is not None:
-            raise QuantizerConfigError("amc_calib_variance", c.amc_calib_variance, "None (not implemented)")
-        if isinstance(c.amc_threshold_window, bool) or not isinstance(c.amc_threshold_window, int) \
-                or c.amc_threshold_window < 1:
-            raise QuantizerConfigError("amc_threshold_window", c.amc_threshold_window, "an int >= 1")
-        if isinstance(c.amc_gamma, bool) or not isinstance(c.amc_gamma, (int, float)) or c.amc_gamma < 0:
-            raise QuantizerConfigError("amc_gamma", c.amc_gamma, "a number >= 0")
-        self.group = G
+        o = self.config.options  # validation checked types, k_high + k_mid <= 1 and the lower bounds
+        for f in ("k_high", "k_mid", "query_alpha"):
+            if getattr(o, f) > 1.0:
+                raise QuantizerConfigError(f"amc_{f}", getattr(o, f), "a number in [0, 1]")
+        if not 2 <= o.group_size <= 256:
+            raise QuantizerConfigError("amc_group_size", o.group_size, "an int in 2..256")
+        for f, built, why in (("use_query_saliency", False, "False (query-blended saliency is not implemented: "
+                                                           "groups are quantized in update_and_fetch, which sees no "
+                                                           "queries)"),
+                              ("adaptive_thresholds", False, "False (adaptive thresholds are not implemented; tiers "
+                                                             "are fixed fractions)"),
+                              ("calib_variance", None, "None (not implemented)")):
+            if getattr(o, f) is not built:
+                raise QuantizerConfigError(f"amc_{f}", getattr(o, f), why)
+        self.group = o.group_size
         self.tier_bits = dict(TIER_BITS)
-        self.counts = tier_sizes(float(c.amc_k_high), float(c.amc_k_mid), G)
+        self.counts = tier_sizes(float(o.k_high), float(o.k_mid), o.group_size)
         self.qbits = TIER_BITS["hi"]
         self._call = None
 
     def _uses_qmm(self) -> bool:
         return False
 
-    @property
-    def assigned_avg_bits(self) -> float:
-        """Code bits per stored element from the tier mix (scale/bias overhead excluded)."""
-        return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
-
-    def _cg(self, d):
-        return math.gcd(d, CG)
+    assigned_avg_bits = RankTiers.code_bits
 
     # ---------------------------------------------------------------- encode
     def _append_groups(self, kb, vb):
@@ -177,19 +201,10 @@ class AMCKVCache(KIVIKVCache):
                 a = [getattr(self, f"v_{x}_{t}")[:, :, : g * c] for x in ("codes", "scales", "biases")]
                 x = gq.dequantize(*a, b, self._cg(d), mx.float32)
             parts.append(x.reshape(x.shape[0], x.shape[1], g, c, d))
-        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)  # [B, H, g, G, d], rank order
-        order = self.order[:, :, :n].astype(mx.int32).reshape(x.shape[0], x.shape[1], g, G)
-        inv = mx.argsort(order, axis=-1)
-        return mx.take_along_axis(x, inv[..., None], axis=3).reshape(x.shape[0], x.shape[1], n, d)
+        return self._in_token_order(parts, n, d)
 
     def k_codes_t(self, t: str) -> mx.array:
         return getattr(self, f"k_codes_{t}")
-
-    def _keys_t(self, n, dtype=mx.float32):
-        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
-
-    def _values(self, n, dtype=mx.float32):
-        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
 
     def tier_of_tokens(self) -> mx.array:
         """Tier index (0 = 8 bits, 1 = 4 bits, 2 = 2 bits) of every quantized token [B, H, n_quant]."""
@@ -203,22 +218,7 @@ class AMCKVCache(KIVIKVCache):
         return tiers.reshape(B, H, n)
 
     # ---------------------------------------------------------------- accounting
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        g = self.n_quant // self.group
-        total = B * H * self.n_quant + B * H * g * D * 4  # order bytes, key min/range per channel per group
+    def _tier_nbytes(self, rows: int, b: int, D: int, Dv: int) -> int:
+        """Bytes of ``rows`` tier rows at ``b`` bits: key codes, value codes and float16 scale/bias."""
         cg = self._cg(Dv)
-        for t in TIERS:
-            rows, b = g * self.counts[t], self.tier_bits[t]
-            total += B * H * rows * 4 * bitpack.packed_words(D, b)
-            total += B * H * rows * (Dv // cg) * (4 * gq.words_per_group(b, cg) + 4)
-        return total + self.res_k.nbytes + self.res_v.nbytes
-
-    def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """avg_bits·(d + dv)/8 code bytes + key min/range (4 bytes per channel per G tokens) + value
-        scale/bias (4 bytes per channel group) + 1 byte of order, per token per head."""
-        return self.assigned_avg_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1
+        return rows * (4 * bitpack.packed_words(D, b) + (Dv // cg) * (4 * gq.words_per_group(b, cg) + 4))

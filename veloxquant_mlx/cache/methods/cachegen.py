@@ -12,8 +12,9 @@ Algorithm (a ``KIVIKVCache`` subclass: same float16 residual of < G tokens, same
 
 * Layer-wise bits: ``build_layers`` splits the m layers with a full KV cache into
   ``cachegen_layer_groups`` = n contiguous groups (layer i is in group ``i * n // m``) and gives group
-  j the bits ``min(8, cachegen_bits + (n - 1 - j))`` in ``cachegen_resolved_bits`` (n = 3, bits 4:
-  6 / 5 / 4 bits for the first / middle / last third). A cache built alone uses ``cachegen_bits``.
+  j the bits ``min(8, cachegen_bits + (n - 1 - j))`` (n = 3, bits 4: 6 / 5 / 4 bits for the first /
+  middle / last third), passed to each cache's constructor and kept in its state (``qbits``). A cache
+  built alone uses ``cachegen_resolved_bits`` when set, else ``cachegen_bits``.
 * Token deltas (``cachegen_use_delta``): for every G-token group the anchor (its first token) is
   quantized per token at 8 bits (channel groups of gcd(D, 32), float16 scale/bias); every token's delta
   against the *dequantized* anchor is quantized at b bits (closed loop: the anchor's error does not
@@ -23,7 +24,7 @@ Algorithm (a ``KIVIKVCache`` subclass: same float16 residual of < G tokens, same
   deltas matter for the per-token value groups (they remove each channel's offset: 2-bit value error
   on a smooth walk with per-channel offsets drops ~10^4x in the test); per-channel key groups already
   remove it through their min, so there the deltas change the error little.
-* In memory the codes are fixed-width: b-bit codes bit-packed per group (``primitives.bitpack``),
+* In memory the codes are fixed-width ``primitives.groupquant`` codes (anchors and deltas alike),
   which attention (KIVI's ``attend`` through ``_keys_t``/``_values``) dequantizes.
 * Saved form (``state``, what ``save_prompt_cache`` writes): the key and value codes are
   entropy-coded by ``primitives.entropy`` (static-frequency rANS, frequencies stored in the stream):
@@ -69,42 +70,20 @@ import mlx.core as mx
 import numpy as np
 
 from ..base import register
-from ..contract import config_from_json, config_to_json, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..primitives.buffers import grow_rows
-from ..primitives import bitpack
-from ..primitives import entropy
+from ..primitives import bitpack, entropy
+from ..primitives import groupquant as gq
+from ..primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
-from ..primitives.buffers import grow_columns
 
 ANCHOR_BITS = 8
 ANCHOR_CG = 32
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 def layer_bits(n_layers: int, base: int, n_groups: int) -> list[int]:
     """Bits per layer: ``n_groups`` contiguous layer groups, group j gets ``min(8, base + n_groups-1-j)``."""
     return [min(8, base + (n_groups - 1 - (i * n_groups // n_layers))) for i in range(n_layers)]
-
-
-def _quant(xg: mx.array, bits: int):
-    """Min/max affine codes of ``xg [..., G]`` along the last axis: (packed words [..., w], f16 scale
-    [...], f16 bias [...])."""
-    levels = float((1 << bits) - 1)
-    lo, hi = xg.min(axis=-1), xg.max(axis=-1)
-    scale = ((hi - lo) / levels).astype(mx.float16)
-    bias = lo.astype(mx.float16)
-    s = scale.astype(mx.float32)[..., None]
-    q = mx.clip(mx.round((xg - bias.astype(mx.float32)[..., None]) / mx.where(s > 0, s, 1.0)), 0.0, levels)
-    return bitpack.pack_bits(q.astype(mx.uint32), bits), scale, bias
-
-
-def _dequant(words: mx.array, scale: mx.array, bias: mx.array, bits: int, g: int) -> mx.array:
-    q = bitpack.unpack_bits(words, bits, g).astype(mx.float32)
-    return q * scale.astype(mx.float32)[..., None] + bias.astype(mx.float32)[..., None]
 
 
 @register_with_mlx_lm
@@ -116,60 +95,47 @@ class CacheGenKVCache(KIVIKVCache):
 
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "qbits")  # qbits: the layer's width
 
     #: save the entropy-coded form (False: the fixed-width codes, for comparisons)
     save_entropy_coded = True
     _blocks: list = []  # encoded blocks: (first group, end group, key stream, value stream) numpy
 
+    def __init__(self, config, bits: int | None = None):
+        self._layer_bits = bits  # this layer's width from ``build_layers``' schedule (None: the config's)
+        super().__init__(config)
+
     def _init_layout(self):
-        c = self.config
-        if not _int(c.cachegen_bits, 1, 8):
-            raise QuantizerConfigError("cachegen_bits", c.cachegen_bits, "an int in 1..8")
-        if c.cachegen_resolved_bits is not None and not _int(c.cachegen_resolved_bits, 1, 8):
-            raise QuantizerConfigError("cachegen_resolved_bits", c.cachegen_resolved_bits, "None or an int in 1..8")
-        if not _int(c.cachegen_group_size, 2, 1024):
-            raise QuantizerConfigError("cachegen_group_size", c.cachegen_group_size, "an int in 2..1024")
-        if not _int(c.cachegen_layer_groups, 1):
-            raise QuantizerConfigError("cachegen_layer_groups", c.cachegen_layer_groups, "an int >= 1")
-        for f in ("cachegen_use_delta", "cachegen_per_channel"):
-            if not isinstance(getattr(c, f), bool):
-                raise QuantizerConfigError(f, getattr(c, f), "a bool")
-        self.qbits = int(c.cachegen_bits if c.cachegen_resolved_bits is None else c.cachegen_resolved_bits)
-        self.group = int(c.cachegen_group_size)
-        self.use_delta = c.cachegen_use_delta
+        c, o = self.config, self.config.options  # validation checked the types and ranges
+        if o.group_size < 2:
+            raise QuantizerConfigError("cachegen_group_size", o.group_size, "an int in 2..1024")
+        bits = self.__dict__.get("_layer_bits") or c.cachegen_resolved_bits or o.bits
+        self.qbits = int(bits)
+        self.group = o.group_size
+        self.use_delta = o.use_delta
         self._call = None
         self._blocks = []
 
     @classmethod
     def build_layers(cls, layer_configs):
-        """One cache per layer with its ``cachegen_resolved_bits`` from the layer-wise schedule."""
+        """One cache per layer, its bits from the layer-wise schedule (a constructor argument; the
+        configs are left as the user gave them)."""
         if not layer_configs:
             return []
-        c = layer_configs[0]
-        cls(c)  # validates the shared fields
-        bits = layer_bits(len(layer_configs), c.cachegen_bits, c.cachegen_layer_groups)
-        return [cls(cfg.replace(cachegen_resolved_bits=b)) for cfg, b in zip(layer_configs, bits)]
+        o = layer_configs[0].options
+        bits = layer_bits(len(layer_configs), o.bits, o.layer_groups)
+        return [cls(cfg, b) for cfg, b in zip(layer_configs, bits)]
 
     def _uses_qmm(self) -> bool:
         return False  # delta codes: not MLX's affine layout
-
-    def _key_words(self) -> int:
-        return bitpack.packed_words(self.group, self.qbits)
 
     def _acg(self, d: int) -> int:
         return math.gcd(d, ANCHOR_CG)
 
     # ---------------------------------------------------------------- encode
-    def _anchor(self, a: mx.array):
-        """8-bit per-token codes of anchors [B, H, g, d] and their dequantized rows."""
-        B, H, g, d = a.shape
-        cg = self._acg(d)
-        w, s, b = _quant(a.reshape(B, H, g, d // cg, cg), ANCHOR_BITS)
-        deq = _dequant(w, s, b, ANCHOR_BITS, cg).reshape(B, H, g, d)
-        return (w.reshape(B, H, g, -1), s, b), deq
-
     def _append_groups(self, kb, vb):
+        """Anchors (8-bit per token) and the deltas against them: keys per channel over the group
+        (KIVI's transposed layout), values per token (``groupquant``'s min/max rule, float32 input)."""
         G, bits = self.group, self.qbits
         B, H, n, D = kb.shape
         Dv = vb.shape[-1]
@@ -178,58 +144,50 @@ class CacheGenKVCache(KIVIKVCache):
         kf = kb.astype(mx.float32).reshape(B, H, g, G, D)
         vf = vb.astype(mx.float32).reshape(B, H, g, G, Dv)
         if self.use_delta:
-            kaq, ka = self._anchor(kf[:, :, :, 0])
-            vaq, va = self._anchor(vf[:, :, :, 0])
-            kf = kf - ka[:, :, :, None]
-            vf = vf - va[:, :, :, None]
-            for name, arr in zip(("ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases"),
-                                 (*kaq, *vaq)):
-                setattr(self, name, grow_rows(getattr(self, name), g0, arr))
-        # keys per channel over the group: [B, H, D, g, G]
-        kw, ks, kbias = _quant(kf.transpose(0, 1, 4, 2, 3), bits)
-        gv = self.value_group(Dv)
-        vw, vs, vbias = _quant(vf.reshape(B, H, n, Dv // gv, gv), bits)
-        self.v_codes = grow_rows(self.v_codes, t0, vw.reshape(B, H, n, -1))
-        self.v_scales = grow_rows(self.v_scales, t0, vs)
-        self.v_biases = grow_rows(self.v_biases, t0, vbias)
-        cap = self.v_codes.shape[2] // G
-        w = self._key_words()
-        self.k_codes = grow_columns(self.k_codes, g0 * w, kw.reshape(B, H, D, g * w), cap * w)
-        self.k_scales = grow_columns(self.k_scales, g0, ks, cap)
-        self.k_biases = grow_columns(self.k_biases, g0, kbias, cap)
+            for side, x in (("k", kf), ("v", vf)):
+                aq = gq.quantize(x[:, :, :, 0], ANCHOR_BITS, self._acg(x.shape[-1]), reference=True)
+                for name, arr in zip(("codes", "scales", "biases"), aq):
+                    setattr(self, f"{side}a_{name}", grow_rows(getattr(self, f"{side}a_{name}"), g0, arr))
+            kf = kf - self._anchors("k", g0, g0 + g, D)
+            vf = vf - self._anchors("v", g0, g0 + g, Dv)
+        kq = gq.quantize(kf.transpose(0, 1, 4, 2, 3).reshape(B, H, D, n), bits, G, reference=True)
+        vq = gq.quantize(vf.reshape(B, H, n, Dv), bits, self.value_group(Dv), reference=True)
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
+        cap, w = self.v_codes.shape[2] // G, self._key_words()
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap * w)
+        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap)
+        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap)
         self.n_quant = t0 + n
 
     # ---------------------------------------------------------------- decode
+    def _anchors(self, side: str, g0: int, g1: int, d: int) -> mx.array:
+        """Dequantized anchors of groups [g0, g1) as [B, H, g, 1, d]."""
+        a = [getattr(self, f"{side}a_{name}")[:, :, g0:g1] for name in ("codes", "scales", "biases")]
+        return gq.dequantize(*a, ANCHOR_BITS, self._acg(d))[:, :, :, None]
+
     def _with_anchor(self, x: mx.array, side: str, g: int) -> mx.array:
         """``x [B, H, g, G, d]`` deltas -> rows (anchor + delta; the anchor row is the anchor)."""
         if not self.use_delta:
             return x
-        B, H, _, G, d = x.shape
-        cg = self._acg(d)
-        a = _dequant(getattr(self, f"{side}a_codes")[:, :, :g].reshape(B, H, g, d // cg, -1),
-                     getattr(self, f"{side}a_scales")[:, :, :g], getattr(self, f"{side}a_biases")[:, :, :g],
-                     ANCHOR_BITS, cg).reshape(B, H, g, 1, d)
-        not_anchor = (mx.arange(G) > 0).astype(mx.float32)[:, None]
-        return a + x * not_anchor
+        not_anchor = (mx.arange(x.shape[3]) > 0).astype(mx.float32)[:, None]
+        return self._anchors(side, 0, g, x.shape[-1]) + x * not_anchor
 
     def _keys_t(self, n, dtype=mx.float32):
-        G = self.group
-        g = n // G
+        G, g = self.group, n // self.group
         B, H, D = self.k_codes.shape[:3]
-        w = self._key_words()
-        x = _dequant(self.k_codes[..., : g * w].reshape(B, H, D, g, w), self.k_scales[..., :g],
-                     self.k_biases[..., :g], self.qbits, G)  # [B, H, D, g, G]
+        x = gq.dequantize(self.k_codes[..., : g * self._key_words()], self.k_scales[..., :g],
+                          self.k_biases[..., :g], self.qbits, G).reshape(B, H, D, g, G)
         x = self._with_anchor(x.transpose(0, 1, 3, 4, 2), "k", g)  # [B, H, g, G, D]
         return x.reshape(B, H, n, D).swapaxes(-1, -2).astype(dtype)
 
     def _values(self, n, dtype=mx.float32):
-        G = self.group
         B, H = self.v_codes.shape[:2]
         Dv = self.res_v.shape[-1]
-        gv = self.value_group(Dv)
-        x = _dequant(self.v_codes[:, :, :n].reshape(B, H, n, Dv // gv, -1), self.v_scales[:, :, :n],
-                     self.v_biases[:, :, :n], self.qbits, gv)
-        x = self._with_anchor(x.reshape(B, H, n // G, G, Dv), "v", n // G)
+        x = gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
+                          self.qbits, self.value_group(Dv))
+        x = self._with_anchor(x.reshape(B, H, n // self.group, self.group, Dv), "v", n // self.group)
         return x.reshape(B, H, n, Dv).astype(dtype)
 
     def _trim_rows(self, n):
@@ -255,7 +213,7 @@ class CacheGenKVCache(KIVIKVCache):
 
     def _tables(self, B, H, d):
         """Stream -> table map for B*H*d channel streams: per channel, or per (batch, head)."""
-        if self.config.cachegen_per_channel:
+        if self.config.options.per_channel:
             return np.arange(B * H * d), B * H * d
         return np.arange(B * H * d) // d, B * H
 
@@ -343,39 +301,29 @@ class CacheGenKVCache(KIVIKVCache):
 
     @property
     def state(self):
+        out = super().state
         if not self.save_entropy_coded or self.n_quant == 0:
-            return super().state
-        B, H, D = self.k_codes.shape[:3]
-        meta = {"config": config_to_json(self.config), "offset": self.offset,
-                "scalars": {n: getattr(self, n) for n in self.scalar_fields},
-                "shape": list(getattr(self, "_shape", None) or []), "entropy": [B, H, D]}
+            return out
+        meta = json.loads(out["meta"])
+        meta["entropy"] = list(self.k_codes.shape[:3])  # B, H, D
         blocks = self._encoded()
         index = np.array([[b[1], len(b[2]), len(b[3])] for b in blocks], dtype=np.uint32)
         out = {"meta": json.dumps(meta), "stream_index": mx.array(index),
                "k_stream": mx.array(np.concatenate([b[2] for b in blocks])),
                "v_stream": mx.array(np.concatenate([b[3] for b in blocks])),
                "res_k": self.res_k, "res_v": self.res_v}
-        names = ["scales", "biases"] + (["a_codes", "a_scales", "a_biases"] if self.use_delta else [])
+        names = ["_scales", "_biases"] + (["a_codes", "a_scales", "a_biases"] if self.use_delta else [])
         for side in "kv":
-            for nm, arr in zip(names, self._side(side)):
-                out[f"{side}_{nm}" if not nm.startswith("a_") else f"{side}{nm}"] = arr
+            out.update({side + nm: arr for nm, arr in zip(names, self._side(side))})
         return out
 
     @state.setter
     def state(self, v):
+        KIVIKVCache.state.fset(self, v)  # config, scalars and the arrays saved as they are
+        self._blocks = []
         meta = json.loads(v["meta"])
         if "entropy" not in meta:
-            KIVIKVCache.state.fset(self, v)
-            self._blocks = []
             return
-        self.config = config_from_json(meta["config"])
-        self._init_layout()
-        self.offset = meta["offset"]
-        for k, val in meta["scalars"].items():
-            setattr(self, k, val)
-        self._shape = tuple(meta["shape"]) or None
-        for name in self.array_fields:
-            setattr(self, name, v.get(name))
         B, H, D = meta["entropy"]
         Dv = self.res_v.shape[-1]
         G, b = self.group, self.qbits
@@ -402,21 +350,13 @@ class CacheGenKVCache(KIVIKVCache):
     # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
+        """KIVI's codes and residual, plus the 8-bit anchors (codes + scale/bias per channel group)."""
+        if self.res_k is None or not self.use_delta:
+            return super().used_nbytes
         B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        G, b = self.group, self.qbits
-        g = self.n_quant // G
-        gv = self.value_group(Dv)
-        key = B * H * D * g * (4 * self._key_words() + 4)
-        value = B * H * self.n_quant * (Dv // gv) * (4 * bitpack.packed_words(gv, b) + 4)
-        anchors = 0
-        if self.use_delta:
-            for d in (D, Dv):
-                cg = self._acg(d)
-                anchors += B * H * g * (d // cg) * (4 * bitpack.packed_words(cg, ANCHOR_BITS) + 4)
-        return key + value + anchors + self.res_k.nbytes + self.res_v.nbytes
+        g = self.n_quant // self.group
+        return super().used_nbytes + sum(B * H * g * (d // self._acg(d)) * (
+            4 * gq.words_per_group(ANCHOR_BITS, self._acg(d)) + 4) for d in (D, self.res_v.shape[-1]))
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the

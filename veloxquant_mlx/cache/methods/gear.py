@@ -48,10 +48,6 @@ from .kivi import KIVIKVCache
 from ..primitives.buffers import grow_columns
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 @register_with_mlx_lm
 @register("gear")
 class GEARKVCache(KIVIKVCache):
@@ -66,24 +62,18 @@ class GEARKVCache(KIVIKVCache):
     rank = -1  # resolved low-rank width (-1: not yet, from the energy threshold at the first block)
 
     def _init_layout(self):
-        c = self.config
-        if not _int(c.gear_bits, 1, 8):
-            raise QuantizerConfigError("gear_bits", c.gear_bits, "an int in 1..8")
-        if not _int(c.gear_group_size, 2):
-            raise QuantizerConfigError("gear_group_size", c.gear_group_size, "an int >= 2")
-        if c.gear_rank is not None and not _int(c.gear_rank, 0, c.gear_group_size):
-            raise QuantizerConfigError("gear_rank", c.gear_rank, "None or an int in 0..gear_group_size")
-        t = c.gear_energy_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
-            raise QuantizerConfigError("gear_energy_threshold", t, "a float in (0, 1]")
-        f = c.gear_sparse_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 0.5:
-            raise QuantizerConfigError("gear_sparse_fraction", f, "a float in [0, 0.5)")
-        if not isinstance(c.gear_quantize_values, bool):
-            raise QuantizerConfigError("gear_quantize_values", c.gear_quantize_values, "a bool")
-        self.qbits, self.group = int(c.gear_bits), int(c.gear_group_size)
-        self.frac = float(f)
-        self.rank = -1 if c.gear_rank is None else int(c.gear_rank)
+        o = self.config.options  # validation checked the types, bits (1..8), rank >= 1 and [0, 1] ranges
+        if o.group_size < 2:
+            raise QuantizerConfigError("gear_group_size", o.group_size, "an int >= 2")
+        if o.rank is not None and o.rank > o.group_size:
+            raise QuantizerConfigError("gear_rank", o.rank, "None or an int in 0..gear_group_size")
+        if not o.energy_threshold > 0.0:
+            raise QuantizerConfigError("gear_energy_threshold", o.energy_threshold, "a float in (0, 1]")
+        if not o.sparse_fraction < 0.5:
+            raise QuantizerConfigError("gear_sparse_fraction", o.sparse_fraction, "a float in [0, 0.5)")
+        self.qbits, self.group = o.bits, o.group_size
+        self.frac = float(o.sparse_fraction)
+        self.rank = -1 if o.rank is None else o.rank
         self._call = None
 
     def _uses_qmm(self) -> bool:
@@ -112,7 +102,7 @@ class GEARKVCache(KIVIKVCache):
             approx = nu.scatter_outliers(approx, idx, vals)
         resid = (x - approx.reshape(B, H, g, G, D))
         if self.rank < 0:  # resolve once, from the energy threshold on the first block
-            need = int(lr.energy_rank(resid, self.config.gear_energy_threshold).max().item())
+            need = int(lr.energy_rank(resid, self.config.options.energy_threshold).max().item())
             self.rank = max(1, min(need, min(G, D) // 8))
         r = self.rank
         if r:
@@ -135,7 +125,7 @@ class GEARKVCache(KIVIKVCache):
         base = gq.dequantize_per_channel(*gq.quantize_per_channel(kb, b, G), b, G).reshape(B, H, g, G, D)
         err_base = ((xk - base) ** 2).sum(axis=(0, 1, 3, 4))
         err_gear = ((xk - krec) ** 2).sum(axis=(0, 1, 3, 4))
-        if self.config.gear_quantize_values:
+        if self.config.options.quantize_values:
             vq, vidx, vval, va, vbt, _ = self._gear_block(vb.astype(mx.float32).reshape(B, H, g, G, Dv), False)
         else:
             vq, vidx, vval, va, vbt = gq.quantize(vb, b, self.value_group(Dv)), None, None, None, None
@@ -188,7 +178,7 @@ class GEARKVCache(KIVIKVCache):
 
     def _values(self, n, dtype=mx.float32):
         base = super()._values(n, mx.float32)
-        if not self.config.gear_quantize_values:
+        if not self.config.options.quantize_values:
             return base.astype(dtype)
         return self._decode("v", n, base).astype(dtype)
 
@@ -204,7 +194,7 @@ class GEARKVCache(KIVIKVCache):
         else:
             gv = self.value_group(d)
             base = B * H * n * (d // gv) * (4 * gq.words_per_group(b, gv) + 4)
-        if not error_feedback or (side == "v" and not self.config.gear_quantize_values):
+        if not error_feedback or (side == "v" and not self.config.options.quantize_values):
             return base
         r = max(self.rank, 0)
         return base + B * H * (g * self._n_out(d) * 4 + n * r * 2 + g * r * d * 2)
@@ -266,12 +256,12 @@ class GEARKVCache(KIVIKVCache):
         gv = math.gcd(dv, G)
         kb = b * d / 8 + 4 * d / G + 4 * self._n_out(d) / G + 2 * r + 2 * r * d / G
         vb = b * dv / 8 + 4 * dv / gv
-        if self.config.gear_quantize_values:
+        if self.config.options.quantize_values:
             vb += 4 * self._n_out(dv) / G + 2 * r + 2 * r * dv / G
         return kb + vb
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)
-        if self.n_quant == 0 and self.config.gear_rank is None:
+        if self.n_quant == 0 and self.config.options.rank is None:
             self.rank = -1  # re-resolved from the next first block, as for a fresh cache
         return dropped

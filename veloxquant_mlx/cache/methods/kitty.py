@@ -49,12 +49,6 @@ from .kivi import KIVIKVCache
 from ..primitives.buffers import grow_columns
 
 
-def _bits(field, v):
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
-        raise QuantizerConfigError(field, v, "an int in 1..8 for method='kitty'")
-    return int(v)
-
-
 @register_with_mlx_lm
 @register("kitty")
 class KittyKVCache(KIVIKVCache):
@@ -66,19 +60,11 @@ class KittyKVCache(KIVIKVCache):
                     "v_codes", "v_scales", "v_biases", "res_k", "res_v", "k_perm", "k_inv")
 
     def _init_layout(self):
-        c = self.config
-        self.hi_bit = _bits("kitty_hi_bit", c.kitty_hi_bit)
-        self.lo_bit = _bits("kitty_lo_bit", c.kitty_lo_bit)
-        if self.hi_bit < self.lo_bit:
-            raise QuantizerConfigError("kitty_hi_bit", c.kitty_hi_bit, f"an int >= kitty_lo_bit={c.kitty_lo_bit}")
-        f = c.kitty_hi_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-            raise QuantizerConfigError("kitty_hi_fraction", f, "a number in [0, 1]")
-        self.hi_fraction = float(f)
-        g = c.kitty_group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-            raise QuantizerConfigError("kitty_group_size", g, "a positive int")
-        self.group = int(g)
+        o = self.config.options  # validation checked the widths (1..8), the fraction and the group
+        if o.hi_bit < o.lo_bit:
+            raise QuantizerConfigError("kitty_hi_bit", o.hi_bit, f"an int >= kitty_lo_bit={o.lo_bit}")
+        self.hi_bit, self.lo_bit, self.hi_fraction = o.hi_bit, o.lo_bit, float(o.hi_fraction)
+        self.group = o.group_size
         self.qbits = self.lo_bit  # values (KIVI's per-token path) use the low width
         self._call = None
 

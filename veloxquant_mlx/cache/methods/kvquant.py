@@ -81,10 +81,6 @@ from .kivi import RES_DTYPE, KIVIKVCache
 from ..primitives.buffers import grow_columns
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 @register_with_mlx_lm
 @register("kvquant")
 class KVQuantKVCache(KIVIKVCache):
@@ -102,26 +98,17 @@ class KVQuantKVCache(KIVIKVCache):
     rope: dict | None = None  # the layer's RoPE (primitives.rope spec); None: keys quantized post-RoPE
 
     def _init_layout(self):
-        c = self.config
-        if not _int(c.kvquant_bits, 1, 8):
-            raise QuantizerConfigError("kvquant_bits", c.kvquant_bits, "an int in 1..8")
-        if not _int(c.kvquant_group_size, 2) or c.kvquant_group_size % 2:
-            raise QuantizerConfigError("kvquant_group_size", c.kvquant_group_size, "an even int >= 2")
-        f = c.kvquant_outlier_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 0.5:
-            raise QuantizerConfigError("kvquant_outlier_fraction", f, "a float in [0, 0.5)")
-        if not _int(c.kvquant_lloyd_iters, 0, 100):
-            raise QuantizerConfigError("kvquant_lloyd_iters", c.kvquant_lloyd_iters, "an int in 0..100")
-        if not _int(c.kvquant_refit_interval, 0):
-            raise QuantizerConfigError("kvquant_refit_interval", c.kvquant_refit_interval,
-                                       "an int >= 0 (groups between level refits; 0 = fit once)")
-        if not _int(c.kvquant_n_sink, 0, c.kvquant_group_size):
-            raise QuantizerConfigError("kvquant_n_sink", c.kvquant_n_sink,
-                                       f"an int in 0..kvquant_group_size ({c.kvquant_group_size})")
-        self.qbits = int(c.kvquant_bits)
-        self.group = int(c.kvquant_group_size)
-        self.frac = float(f)
-        self.n_sink = int(c.kvquant_n_sink)
+        o = self.config.options  # validation checked the types, bits (1..8), lower bounds, fraction in [0, 1]
+        G = o.group_size
+        if G < 2 or G % 2:
+            raise QuantizerConfigError("kvquant_group_size", G, "an even int >= 2")
+        if not o.outlier_fraction < 0.5:
+            raise QuantizerConfigError("kvquant_outlier_fraction", o.outlier_fraction, "a float in [0, 0.5)")
+        if o.lloyd_iters > 100:
+            raise QuantizerConfigError("kvquant_lloyd_iters", o.lloyd_iters, "an int in 0..100")
+        if o.n_sink > G:
+            raise QuantizerConfigError("kvquant_n_sink", o.n_sink, f"an int in 0..kvquant_group_size ({G})")
+        self.qbits, self.group, self.frac, self.n_sink = o.bits, G, float(o.outlier_fraction), o.n_sink
         self.fit_starts, self.fit_ends = [], []
         self._call = None
         self.rope, self._omega = None, None
@@ -182,9 +169,9 @@ class KVQuantKVCache(KIVIKVCache):
         s32 = scale.astype(mx.float32)
         u = mx.clip((kd - bias.astype(mx.float32)) / mx.where(s32 > 0, s32, 1.0), 0.0, 1.0)
         # level fit (first block, or refit after kvquant_refit_interval groups)
-        ri = self.config.kvquant_refit_interval
+        ri = self.config.options.refit_interval
         if not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri):
-            lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.kvquant_lloyd_iters)
+            lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.options.lloyd_iters)
             lv = lv.astype(mx.float16)
             nf = len(self.fit_starts)
             L = 1 << b
@@ -280,19 +267,15 @@ class KVQuantKVCache(KIVIKVCache):
     # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
+        """KIVI's codes and residual, plus the sparse outliers, the fitted levels and the sink rows."""
         if self.res_k is None:
             return 0
         B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
-        G, b = self.group, self.qbits
-        g = self.n_quant // G
-        gv = self.value_group(Dv)
-        key = B * H * D * g * (4 * self._key_words() + 4)
-        value = B * H * self.n_quant * (Dv // gv) * (4 * gq.words_per_group(b, gv) + 4)
-        sparse = B * H * g * (self._n_out(D) + self._n_out(Dv)) * (2 + 2)  # uint16 index + float16 value
-        levels = B * H * D * len(self.fit_starts) * (1 << b) * 2 + g * 4
+        g = self.n_quant // self.group
+        sparse = B * H * g * (self._n_out(D) + self._n_out(self.res_v.shape[-1])) * (2 + 2)  # uint16 + float16
+        levels = B * H * D * len(self.fit_starts) * (1 << self.qbits) * 2 + g * 4
         sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
-        return key + value + sparse + levels + sinks + self.res_k.nbytes + self.res_v.nbytes
+        return super().used_nbytes + sparse + levels + sinks
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""

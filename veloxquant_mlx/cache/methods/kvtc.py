@@ -21,6 +21,11 @@ This implementation (``kvtc_bit_budget`` R bits per token vector, ``kvtc_bit_cho
   and only refuses bits for components that are pure noise; small β (e.g. 1) trades budget for
   nothing where the spectrum is flat. (Normalising by the total energy instead left 10-45% of the
   budget unspent on SmolLM2 at β = 3.5 and cost quality.)
+* Short chats (``DeferredStart``): rows stay float16 until the compressed form -- bases bounded by
+  the budget (at most R / (cheapest width's rate) components) plus R bits per token and side -- is
+  smaller than the float16 rows (``start_rows``, a multiple of G; e.g. 256 rows on SmolLM2 at the
+  defaults). The fit block is the complete groups stored then. A budget that never pays (R >= 16 bits
+  per component) never compresses.
 * Components with b > 0 are stored per channel over groups of G tokens (``groupquant`` codes packed
   in uint32 words); b = 0 components are dropped. Attention folds the inverse transform into the query
   and output sides (``LowRankKVCache``); newest < G tokens stay float16 (KIVI residual).
@@ -41,7 +46,6 @@ energy) in the allocation, so later tokens' energy there is still coded when the
 
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +54,8 @@ from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
-from .svdq import LowRankKVCache, _is_int, check_group
+from .deferred_start import DeferredStart
+from .svdq import LowRankKVCache
 
 
 def side_bits(group: int) -> float:
@@ -60,7 +65,7 @@ def side_bits(group: int) -> float:
 
 @register_with_mlx_lm
 @register("kvtc")
-class KVTCKVCache(LowRankKVCache):
+class KVTCKVCache(DeferredStart, LowRankKVCache):
     """KVTC: PCA transform + DP bit allocation under a per-token bit budget, keys and values."""
     chunk_invariant = False  # PCA basis and bit allocation fitted on the first quantized block
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -69,24 +74,27 @@ class KVTCKVCache(LowRankKVCache):
     latent_values = True
 
     def _init_layout(self):
-        c = self.config
-        if not _is_int(c.kvtc_bit_budget) or c.kvtc_bit_budget < 1:
-            raise QuantizerConfigError("kvtc_bit_budget", c.kvtc_bit_budget, "a positive int (bits per token vector)")
-        ch = c.kvtc_bit_choices
-        if (not isinstance(ch, (tuple, list)) or any(not _is_int(b) or not 0 <= b <= 8 for b in ch)
-                or 0 not in ch or len(set(ch)) != len(ch) or len(ch) < 2):
+        o = self.config.options  # validation checked the types, the budget and kivi_group_size
+        ch = o.bit_choices
+        if any(not 0 <= b <= 8 for b in ch) or 0 not in ch or len(set(ch)) != len(ch) or len(ch) < 2:
             raise QuantizerConfigError("kvtc_bit_choices", ch, "distinct ints in 0..8 including 0 and one > 0")
-        beta = c.kvtc_beta
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0 or math.isnan(beta):
-            raise QuantizerConfigError("kvtc_beta", beta, "a positive finite float (lambda = 10**-beta; large beta = pure budget DP)")
-        check_group("kivi_group_size", c.kivi_group_size)
-        self.group = int(c.kivi_group_size)
+        if not o.beta > 0:
+            raise QuantizerConfigError("kvtc_beta", o.beta, "a positive finite float (lambda = 10**-beta; large beta = pure budget DP)")
+        self.group = self.config.kivi_group_size
         self.choices = tuple(sorted(int(b) for b in ch))
         self.qbits = max(self.choices)
         self._call = None
 
     def _n_groups(self, n_heads: int) -> int:
         return 1
+
+    def _compressed_cost(self, H, D, Dv):
+        """At most: float16 bases (F x r, r <= the budget over the cheapest kept width) and means of
+        both sides, and the budget's bits per token per side (``DeferredStart``)."""
+        R = self.config.options.bit_budget
+        r_max = R // min(self.rate(b) for b in self.choices if b)
+        fixed = sum((F * min(F, r_max) + F) * 2 for F in (H * D, H * Dv))
+        return fixed, 2 * R / 8
 
     def rate(self, b: int) -> float:
         return b + side_bits(self.group) if b else 0.0
@@ -108,9 +116,10 @@ class KVTCKVCache(LowRankKVCache):
         return d / total
 
     def allocate(self, dist: np.ndarray) -> list:
-        lam = 10.0 ** (-float(self.config.kvtc_beta)) / dist.shape[0]  # per average component
+        o = self.config.options
+        lam = 10.0 ** (-float(o.beta)) / dist.shape[0]  # per average component
         return lr.dp_allocate(dist, self.choices, [self.rate(b) for b in self.choices],
-                              float(self.config.kvtc_bit_budget), lam=lam, unit=1.0 / self.group)
+                              float(o.bit_budget), lam=lam, unit=1.0 / self.group)
 
     def _choose_bits(self, which, z, energy):
         return self.allocate(self.distortion_table(z))

@@ -30,8 +30,7 @@ This implementation (``minicache_start_frac`` s, ``minicache_group_size`` g = 2,
     its retained tokens with their exact float16 rows, held compactly (``ret [r, D]`` float16 plus their
     flat token-major positions ``idx [r]`` int32).
 
-  θ = 1 retains every token (both layers exact in float16), θ = -1 merges every token. (The shared
-  config validator only admits θ in [0, 1]; the cache itself accepts [-1, 1].) Bytes per token
+  θ = 1 retains every token (both layers exact in float16), θ = -1 merges every token. Bytes per token
   per KV head for the pair (keys or values, D = 64): 2·D + 4 (shared direction + two magnitudes) +
   retained fraction · (2·D + 4), vs 4·D for two float16 layers.
 * ``update_and_fetch`` returns the stored rows (restored) + this call's rows as given (attended in
@@ -63,21 +62,21 @@ everything): KL 0.845, kv/fp16 0.837. The paper's similarity premise does not ho
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import mlx.core as mx
 
 from ..base import register
-from ..contract import CompressedKVCache, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
+from .layer_links import registry, relink, relinking_state
 
 BLOCK = 32  # window rows merged at once (one host sync per merge step)
 _EPS = 1e-6
 
 # primaries by "<uid>:<group>" (the most recently loaded one), to relink after load_prompt_cache
-_LOADED: "weakref.WeakValueDictionary[str, MiniCacheCoordinator]" = weakref.WeakValueDictionary()
+_LOADED = registry()
 
 
 class MiniCacheCoordinator:
@@ -159,19 +158,9 @@ class MiniCacheKVCache(KIVIKVCache):
         self.n_retained_k = self.n_retained_v = 0
 
     def _init_layout(self):
-        c = self.config
-        s = c.minicache_start_frac
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0.0 <= s <= 1.0:
-            raise QuantizerConfigError("minicache_start_frac", s, "a float in [0, 1]")
-        g = c.minicache_group_size
-        if isinstance(g, bool) or g != 2:
+        g = self.config.options.group_size  # validation checked the types and ranges
+        if g != 2:
             raise QuantizerConfigError("minicache_group_size", g, "2 (pairs of adjacent layers)")
-        th = c.minicache_retention_threshold
-        if isinstance(th, bool) or not isinstance(th, (int, float)) or not -1.0 <= th <= 1.0:
-            raise QuantizerConfigError("minicache_retention_threshold", th, "a cosine in [-1, 1]")
-        t = c.minicache_slerp_t
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
-            raise QuantizerConfigError("minicache_slerp_t", t, "a float in [0, 1]")
         self.group, self.qbits = BLOCK, 16
         self._call = None
 
@@ -189,7 +178,7 @@ class MiniCacheKVCache(KIVIKVCache):
         if not L:
             return []
         coord = MiniCacheCoordinator()
-        start = int(layer_configs[0].minicache_start_frac * L)
+        start = int(layer_configs[0].options.start_frac * L)
         out = []
         for i, cfg in enumerate(layer_configs):
             j = i - start
@@ -216,23 +205,14 @@ class MiniCacheKVCache(KIVIKVCache):
         return self.coordinator.fetch(self.mc_group)
 
     # ---------------------------------------------------------------- state (relink on load)
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        CompressedKVCache.state.fset(self, v)
-        key = f"{self.mc_uid}:{self.mc_group}"
-        if self.mc_role == "primary":
-            self.coordinator = MiniCacheCoordinator(self.mc_uid)  # fresh: never the originals' links
+    def _relink_loaded(self):
+        primary = self.mc_role == "primary"
+        self.coordinator = relink(_LOADED, f"{self.mc_uid}:{self.mc_group}", primary,
+                                  lambda: MiniCacheCoordinator(self.mc_uid), "MiniCacheKVCache: the primary")
+        if primary:
             self.coordinator.publish(self.mc_group, self)
-            _LOADED[key] = self.coordinator
-        else:
-            coord = _LOADED.get(key)
-            if coord is None:
-                raise ValueError(f"MiniCacheKVCache: the primary of group {key} must be loaded first")
-            self.coordinator = coord
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
@@ -277,13 +257,12 @@ class MiniCacheKVCache(KIVIKVCache):
         self.n_res = rest
 
     def _merge_block(self, p, m):
-        c = self.config
+        o = self.config.options
         t0 = self.n_quant
         for kind in ("k", "v"):
             xp = getattr(p, f"res_{kind}")[:, :, :m]
             xm = getattr(self, f"res_{kind}")[:, :, :m]
-            d, pn, mn, retain = merge_pair(xp, xm, float(c.minicache_slerp_t),
-                                           float(c.minicache_retention_threshold))
+            d, pn, mn, retain = merge_pair(xp, xm, float(o.slerp_t), float(o.retention_threshold))
             p._append_primary(kind, d, pn)
             setattr(self, f"mn_{kind}", grow_rows(getattr(self, f"mn_{kind}"), t0, mn.astype(RES_DTYPE)))
             # retained rows, compact, in token-major flat order: position (t0 + i) * B*H + (b*H + h)

@@ -64,10 +64,6 @@ _TAG_NSN = 0x0A7E_0B01
 _N_SAMPLES = 16384
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 @functools.lru_cache(maxsize=16)
 def nsn_codebooks(D: int, d: int, C: int, S: int, seed: int) -> mx.array:
     """[S, C, d] residual-VQ codebooks for sub-vectors of sqrt(D)-scaled random unit vectors in R^D."""
@@ -140,26 +136,19 @@ class NSNQuantKVCache(KIVIKVCache):
     calib_end = 0
 
     def _init_layout(self):
-        c = self.config
-        if not _int(c.nsn_residual_length, 1):
-            raise QuantizerConfigError("nsn_residual_length", c.nsn_residual_length, "an int >= 1")
-        C = c.nsn_codebook_size
-        if not _int(C, 2, 256) or C & (C - 1):
+        o = self.config.options  # validation checked the types and the residual length
+        C, d = o.codebook_size, o.subvector_dim
+        if not 2 <= C <= 256 or C & (C - 1):
             raise QuantizerConfigError("nsn_codebook_size", C, "a power of two in 2..256")
-        d = c.nsn_subvector_dim
-        if not _int(d, 1) or d & (d - 1):
+        if d & (d - 1):
             raise QuantizerConfigError("nsn_subvector_dim", d, "a power of two >= 1 (dividing the head dim)")
         lc = int(math.log2(C))
-        if not _int(c.nsn_bits, 1, 8) or (c.nsn_bits * d) % lc:
-            raise QuantizerConfigError("nsn_bits", c.nsn_bits,
+        if (o.bits * d) % lc:
+            raise QuantizerConfigError("nsn_bits", o.bits,
                                        f"an int in 1..8 with nsn_bits * nsn_subvector_dim a multiple of log2(codebook)={lc}")
-        if isinstance(c.nsn_seed, bool) or not isinstance(c.nsn_seed, int):
-            raise QuantizerConfigError("nsn_seed", c.nsn_seed, "an int")
-        self.group = int(c.nsn_residual_length)
-        self.qbits = int(c.nsn_bits)
-        self.C, self.lc, self.sub = int(C), lc, int(d)
+        self.group, self.qbits, self.seed = o.residual_length, o.bits, o.seed
+        self.C, self.lc, self.sub = C, lc, d
         self.stages = self.qbits * self.sub // lc
-        self.seed = int(c.nsn_seed)
         self._call = None
 
     def _uses_qmm(self) -> bool:

@@ -21,6 +21,11 @@ This implementation (options ``palu_rank`` / ``palu_energy_threshold``, ``palu_n
   [1, Hg, F, r] float16 (the only factor it needs: mlx_lm hands it ``k = x W_gᵀ``, not ``x``).
   Rank r = ``palu_rank`` or the smallest rank holding ``palu_energy_threshold`` of ``Σσ²`` of the
   weight in every group (one rank per layer; keys and values each get their own).
+* **Short chats** (``DeferredStart``): ``bind_attention`` reads the ranks and widths; the factors are
+  made (and the module's reference dropped) at the first compression, which waits until the stored
+  rows reach ``start_rows``: the first multiple of G at which factors + latent codes are smaller than
+  the float16 rows. Before that a cache holds only its float16 rows (a saved cache of such a short chat
+  needs ``bind_attention`` again before it can compress).
 * **RoPE**: mlx_lm rotates keys before the cache sees them, so each completed token group is
   un-rotated with the layer's own RoPE (``primitives.rope``, as waterfill) before projecting, and the
   rebuilt keys are rotated again at attention.
@@ -37,8 +42,8 @@ This implementation (options ``palu_rank`` / ``palu_energy_threshold``, ``palu_n
   ``update_and_fetch`` returns the same rebuilt rows for the non-dispatch path.
 
 Without ``bind_attention`` (``KVCacheFactory.create`` alone) there are no weights to factor: the first
-``update_and_fetch`` raises ``ValueError`` naming the fix (build with ``for_model``). A saved cache holds
-its factors and RoPE parameters and needs no model.
+``update_and_fetch`` raises ``ValueError`` naming the fix (build with ``for_model``). A saved cache that
+has compressed holds its factors and RoPE parameters and needs no model.
 
 Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches
 ranks per layer with Fisher information; here one threshold on the weight's own spectrum); the latent
@@ -60,8 +65,9 @@ from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives import lowrank_fit as lr
 from ..primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
+from .deferred_start import DeferredStart
 from .kivi import KIVIKVCache
-from .svdq import BASIS_DTYPE, LowRankKVCache, _is_int, check_group, check_rank_energy
+from .svdq import BASIS_DTYPE, LowRankKVCache
 
 
 def dense_weight(linear) -> tuple[np.ndarray, np.ndarray | None]:
@@ -98,9 +104,19 @@ def factor_groups(weight: np.ndarray, n_heads: int, n_groups: int, gain=None):
     return U, S**2
 
 
+class _Shared:
+    """A reference that deep copies share (a copied cache factors the same module)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 @register_with_mlx_lm
 @register("palu")
-class PALUKVCache(LowRankKVCache):
+class PALUKVCache(DeferredStart, LowRankKVCache):
     """Palu: latents of the group-head SVD of the K/V projection weights, mixed-bit, RoPE-aware."""
     chunk_invariant = True  # factors from the weights; groups of G at absolute positions (KIVI)
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -111,49 +127,40 @@ class PALUKVCache(LowRankKVCache):
     rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
     center = True  # the projection bias is the latent's offset (``k_mean``)
     latent_values = True
+    _attn = None  # the bound attention module until its weights are factored (``_Shared``: never deep-copied)
 
     def _init_layout(self):
-        c = self.config
-        check_rank_energy("palu", c.palu_rank, c.palu_energy_threshold)
-        if not _is_int(c.palu_n_head_groups) or c.palu_n_head_groups < 1:
-            raise QuantizerConfigError("palu_n_head_groups", c.palu_n_head_groups, "a positive int")
-        for f in ("palu_hi_bit", "palu_lo_bit"):
-            b = getattr(c, f)
-            if not _is_int(b) or not 1 <= b <= 8:
-                raise QuantizerConfigError(f, b, "an int in 1..8")
-        if c.palu_lo_bit > c.palu_hi_bit:
-            raise QuantizerConfigError("palu_lo_bit", c.palu_lo_bit, f"<= palu_hi_bit ({c.palu_hi_bit})")
-        hf = c.palu_hi_fraction
-        if isinstance(hf, bool) or not isinstance(hf, (int, float)) or not 0.0 <= hf <= 1.0:
-            raise QuantizerConfigError("palu_hi_fraction", hf, "a float in [0, 1]")
-        if not isinstance(c.palu_quantize_values, bool):
-            raise QuantizerConfigError("palu_quantize_values", c.palu_quantize_values, "a bool")
-        check_group("palu_group_size", c.palu_group_size)
-        self.group = int(c.palu_group_size)
-        self.qbits = int(c.palu_hi_bit)
+        o = self.config.options  # validation checked the types and ranges
+        if not o.energy_threshold > 0.0:
+            raise QuantizerConfigError("palu_energy_threshold", o.energy_threshold, "a float in (0, 1]")
+        if o.lo_bit > o.hi_bit:
+            raise QuantizerConfigError("palu_lo_bit", o.lo_bit, f"<= palu_hi_bit ({o.hi_bit})")
+        self.group = o.group_size
+        self.qbits = o.hi_bit
         self._call = None
 
     def _n_groups(self, n_heads: int) -> int:
-        want = min(self.config.palu_n_head_groups, n_heads)
+        want = min(self.config.options.n_head_groups, n_heads)
         return max(d for d in range(1, want + 1) if n_heads % d == 0)
 
     # ------------------------------------------------------------------ factoring the weights
     def rank_for(self, energy: np.ndarray) -> int:
         """The kept rank for per-group spectra ``energy`` [Hg, m] (σ², decreasing)."""
-        c = self.config
-        if c.palu_rank is not None:
-            return min(int(c.palu_rank), energy.shape[-1])
-        return lr.energy_rank(mx.array(energy.astype(np.float32)), c.palu_energy_threshold)
+        o = self.config.options
+        if o.rank is not None:
+            return min(o.rank, energy.shape[-1])
+        return lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold)
 
     def _bits(self, which: str, r: int) -> list:
-        c = self.config
-        if which == "v" and not c.palu_quantize_values:
+        o = self.config.options
+        if which == "v" and not o.quantize_values:
             return [lr.FLOAT_BITS] * r
-        n_hi = min(r, math.ceil(r * c.palu_hi_fraction))
-        return [c.palu_hi_bit] * n_hi + [c.palu_lo_bit] * (r - n_hi)
+        n_hi = min(r, math.ceil(r * o.hi_fraction))
+        return [o.hi_bit] * n_hi + [o.lo_bit] * (r - n_hi)
 
     def bind_attention(self, attn) -> None:
-        """Factor the layer's ``k_proj`` / ``v_proj`` weights and read its RoPE (see the module doc)."""
+        """Read the layer's RoPE and its factors' ranks and widths (see the module doc); the factors
+        themselves are made from ``attn``'s weights at the first compression (``factor``)."""
         if attn is None or "k_proj" not in attn or "v_proj" not in attn:
             raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
                              f"{type(attn).__name__}")
@@ -162,6 +169,21 @@ class PALUKVCache(LowRankKVCache):
         if rope is not None and self.rope is None:
             raise ValueError(f"palu: the layer's RoPE ({type(rope).__name__}) is not one primitives.rope can "
                              "invert, so its keys cannot be un-rotated onto the factored weights")
+        self._attn = _Shared(attn)
+        for name in self.array_fields:  # drop anything encoded against other factors
+            if name not in ("res_k", "res_v"):
+                setattr(self, name, None)
+        self.n_quant = 0
+        self.factor(keep=False)
+
+    def factor(self, keep: bool = True) -> None:
+        """Factor the bound layer's ``k_proj`` / ``v_proj`` weights: ranks, widths and head groups, and
+        with ``keep`` the factors ``U_r`` (and bias offsets) the cache holds from then on."""
+        attn = self._attn.obj if self._attn is not None else None
+        if attn is None:
+            raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
+                             "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
+                             "before its first compressed group")
         wk, bk = dense_weight(attn.k_proj)
         wv, bv = dense_weight(attn.v_proj)
         n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
@@ -176,15 +198,18 @@ class PALUKVCache(LowRankKVCache):
                 gain = norm_gain(norm, D)
             U, energy = factor_groups(w, n_kv, self.hg, gain)
             r = self.rank_for(energy)
-            setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))
-            mean = None if b is None else mx.array(b.reshape(1, self.hg, 1, -1).astype(np.float32)).astype(BASIS_DTYPE)
-            setattr(self, f"{which}_mean", mean)
             setattr(self, f"{which}_bits", self._bits(which, r))
-        # drop anything encoded against other factors
-        for name in self.array_fields:
-            if not name.endswith(("_basis", "_mean")) and name not in ("res_k", "res_v"):
-                setattr(self, name, None)
-        self.n_quant = 0
+            if keep:
+                setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))
+                mean = None if b is None else mx.array(b.reshape(1, self.hg, 1, -1).astype(np.float32))
+                setattr(self, f"{which}_mean", None if mean is None else mean.astype(BASIS_DTYPE))
+        if keep:
+            self._attn = None  # the factors are held now: the model's module is not needed any more
+
+    def _compressed_cost(self, H, D, Dv):
+        """Factors (and offsets) of both sides, and their latent codes per token (``DeferredStart``)."""
+        fixed = sum(H * d * (len(getattr(self, f"{w}_bits")) + 1) * 2 for w, d in (("k", D), ("v", Dv)))
+        return fixed, self.hg * (self.layout("k").bytes_per_token() + self.layout("v").bytes_per_token())
 
     # ------------------------------------------------------------------ RoPE
     def _unrotate(self, k: mx.array, offset: int) -> mx.array:
@@ -199,7 +224,7 @@ class PALUKVCache(LowRankKVCache):
 
     # ------------------------------------------------------------------ storage
     def _store(self, keys, values):
-        if self.k_basis is None:
+        if self.k_bits is None:
             raise ValueError(
                 "palu factors the layer's k_proj/v_proj weights: build its caches with "
                 "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
@@ -208,6 +233,8 @@ class PALUKVCache(LowRankKVCache):
         super()._store(keys, values)
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
+        if self.k_basis is None:
+            self.factor()
         t0, n = self.n_quant, kb.shape[2]
         k = self._unrotate(kb.astype(mx.float32), t0)  # pre-RoPE keys at positions t0..
         self._encode("k", lr.group_heads(k, self.hg), t0)

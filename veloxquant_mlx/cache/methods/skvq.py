@@ -66,12 +66,6 @@ from .kivi import RES_DTYPE, KIVIKVCache
 CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
 
 
-def _int(field, v, lo, hi=None):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        raise QuantizerConfigError(field, v, f"an int >= {lo}" + (f" and <= {hi}" if hi else "") + " for method='skvq'")
-    return int(v)
-
-
 @register_with_mlx_lm
 @register("skvq")
 class SKVQKVCache(KIVIKVCache):
@@ -89,18 +83,12 @@ class SKVQKVCache(KIVIKVCache):
     n_sink = 0
 
     def _init_layout(self):
-        c = self.config
-        self.kbits = _int("skvq_bits_key", c.skvq_bits_key, 1, 8)
-        self.vbits = _int("skvq_bits_value", c.skvq_bits_value, 1, 8)
-        self.group = _int("skvq_group_size", c.skvq_group_size, 1)
-        self.window = _int("skvq_window", c.skvq_window, 0)
-        self.n_sink_cap = _int("skvq_n_sink", c.skvq_n_sink, 0)
-        a = c.skvq_clip_alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
-            raise QuantizerConfigError("skvq_clip_alpha", a, "a number in (0, 1] for method='skvq'")
-        self.alpha = float(a)
-        self.reorder = bool(c.skvq_reorder)
-        self.clip_search = bool(c.skvq_clip_search)
+        o = self.config.options  # validation checked the widths (1..8), the group, window and sinks
+        if not 0.0 < o.clip_alpha <= 1.0:
+            raise QuantizerConfigError("skvq_clip_alpha", o.clip_alpha, "a number in (0, 1] for method='skvq'")
+        self.kbits, self.vbits, self.group = o.bits_key, o.bits_value, o.group_size
+        self.window, self.n_sink_cap = o.window, o.n_sink
+        self.alpha, self.reorder, self.clip_search = float(o.clip_alpha), o.reorder, o.clip_search
         self.qbits = self.kbits
         self._call = None
 

@@ -48,7 +48,7 @@ from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..primitives.buffers import grow_rows
+from ..primitives.buffers import grow_rows, reserve_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank_fit as lr
 from .kivi import KIVIKVCache
@@ -149,7 +149,8 @@ class LowRankKVCache(KIVIKVCache):
                                ("raw", raw, t0)):
             if arr is not None:
                 f = f"{which}_{name}"
-                setattr(self, f, grow_rows(getattr(self, f), row, arr))
+                buf = getattr(self, f) if name == "raw" else reserve_rows(getattr(self, f), row, arr, 1)
+                setattr(self, f, grow_rows(buf, row, arr))  # per-group rows: 1/32 spare, not 16 groups
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         t0, n = self.n_quant, kb.shape[2]

@@ -71,24 +71,20 @@ the latent side). The layers of a group must have equal head dims (every model h
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import mlx.core as mx
 
 from ..base import register
-from ..contract import CompressedKVCache, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows
 from ..primitives import groupquant as gq
 from ..primitives import lowrank_fit as lr
 from .kivi import RES_DTYPE, KIVIKVCache
+from .layer_links import registry, relink, relinking_state
 from ..primitives.buffers import grow_columns
 
-_LOADED: "weakref.WeakValueDictionary[str, XKVGroup]" = weakref.WeakValueDictionary()
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+_LOADED = registry()
 
 
 class XKVGroup:
@@ -123,20 +119,11 @@ class XKVKVCache(KIVIKVCache):
         group.members[index] = self
 
     def _init_layout(self):
-        c = self.config
-        if not _is_int(c.xkv_group_size) or c.xkv_group_size < 1:
-            raise QuantizerConfigError("xkv_group_size", c.xkv_group_size, "a positive int (layers per group)")
-        if c.xkv_rank is not None and (not _is_int(c.xkv_rank) or c.xkv_rank < 1):
-            raise QuantizerConfigError("xkv_rank", c.xkv_rank, "None (energy threshold) or a positive int")
-        e = c.xkv_energy_threshold
-        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 < e <= 1.0:
-            raise QuantizerConfigError("xkv_energy_threshold", e, "a number in (0, 1]")
-        if not _is_int(c.xkv_latent_bits) or not 1 <= c.xkv_latent_bits <= 8:
-            raise QuantizerConfigError("xkv_latent_bits", c.xkv_latent_bits, "an int in 1..8")
-        if not _is_int(c.xkv_group_quant_size) or c.xkv_group_quant_size < 1:
-            raise QuantizerConfigError("xkv_group_quant_size", c.xkv_group_quant_size, "a positive int")
-        self.group = int(c.xkv_group_quant_size)  # G: token groups of the latents = the window length
-        self.qbits = int(c.xkv_latent_bits)
+        o = self.config.options  # validation checked the types and ranges
+        if not o.energy_threshold > 0.0:
+            raise QuantizerConfigError("xkv_energy_threshold", o.energy_threshold, "a number in (0, 1]")
+        self.group = o.group_quant_size  # G: token groups of the latents = the window length
+        self.qbits = o.latent_bits
         self._call = None
 
     def _uses_qmm(self) -> bool:
@@ -147,7 +134,7 @@ class XKVKVCache(KIVIKVCache):
         out, grp = [], None
         L = len(layer_configs)
         for i, cfg in enumerate(layer_configs):
-            g = cfg.xkv_group_size
+            g = cfg.options.group_size
             if i % g == 0:
                 grp = XKVGroup(min(g, L - i))
             out.append(cls(cfg, grp, i % g))
@@ -158,22 +145,12 @@ class XKVKVCache(KIVIKVCache):
         return self.group_obj.members[0]
 
     # ---------------------------------------------------------------- state (relink on load)
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
-        CompressedKVCache.state.fset(self, v)
-        if self.xk_index == 0:
-            self.group_obj = XKVGroup(self.xk_size, self.xk_uid)  # fresh: never the originals' links
-            _LOADED[self.xk_uid] = self.group_obj
-        else:
-            grp = _LOADED.get(self.xk_uid)
-            if grp is None:
-                raise ValueError(f"XKVKVCache: the first layer of group {self.xk_uid} must be loaded first")
-            self.group_obj = grp
+    def _relink_loaded(self):
+        self.group_obj = relink(_LOADED, self.xk_uid, self.xk_index == 0,
+                                lambda: XKVGroup(self.xk_size, self.xk_uid), "XKVKVCache: the first layer")
         self.group_obj.members[self.xk_index] = self
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
@@ -195,13 +172,13 @@ class XKVKVCache(KIVIKVCache):
             self._compress(members, m)
 
     def _compress(self, members, m):
-        own, c = members[0], self.config
+        own, o = members[0], self.config.options
         for kind in ("k", "v"):
             x = mx.concatenate([getattr(l, f"res_{kind}")[:, :, :m] for l in members], axis=-1)
             x = x.astype(mx.float32)  # [B, H, m, g*D]
             if getattr(own, f"proj_{kind}") is None:  # fit once (first block)
                 basis, energy, _ = lr.fit_basis(x)
-                r = c.xkv_rank if c.xkv_rank is not None else lr.energy_rank(energy, c.xkv_energy_threshold)
+                r = o.rank if o.rank is not None else lr.energy_rank(energy, o.energy_threshold)
                 r = min(int(r), x.shape[-1])
                 setattr(own, f"proj_{kind}", basis[..., :r].astype(RES_DTYPE))
                 setattr(own, f"rank_{kind}", r)

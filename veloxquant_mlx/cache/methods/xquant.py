@@ -48,22 +48,18 @@ layer alike (mlx_lm does).
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import mlx.core as mx
 
 from ..base import register
-from ..contract import CompressedKVCache, register_with_mlx_lm
+from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_columns, grow_rows
 from ..primitives import groupquant as gq
 from .kivi import KIVI_BITS, RES_DTYPE, KIVIKVCache
+from .layer_links import registry, relink, relinking_state
 
-_BASES: "weakref.WeakValueDictionary[str, XQuantKVCache]" = weakref.WeakValueDictionary()
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+_BASES = registry()
 
 
 def _fit_scale_zero(c: mx.array, x: mx.array):
@@ -91,17 +87,12 @@ class XQuantKVCache(KIVIKVCache):
     base = None  # the group's base cache (shared role)
 
     def _init_layout(self):
-        c = self.config
-        if not _is_int(c.xquant_group_size) or c.xquant_group_size < 1:
-            raise QuantizerConfigError("xquant_group_size", c.xquant_group_size, "a positive int (layers per group)")
-        for f in ("xquant_base_bits", "xquant_residual_bits"):
-            b = getattr(c, f)
-            if not _is_int(b) or b not in KIVI_BITS:
-                raise QuantizerConfigError(f, b, "one of 2, 3, 4, 8")
-        if not _is_int(c.xquant_group_quant_size) or c.xquant_group_quant_size < 1:
-            raise QuantizerConfigError("xquant_group_quant_size", c.xquant_group_quant_size, "a positive int")
-        self.group = int(c.xquant_group_quant_size)
-        self.qbits = int(c.xquant_base_bits)  # the shared codes' width, for every role
+        o = self.config.options  # validation checked the types and ranges; the codes are KIVI's
+        for f in ("base_bits", "residual_bits"):
+            if getattr(o, f) not in KIVI_BITS:
+                raise QuantizerConfigError(f"xquant_{f}", getattr(o, f), "one of 2, 3, 4, 8")
+        self.group = o.group_quant_size
+        self.qbits = o.base_bits  # the shared codes' width, for every role
         self._call = None
 
     def _uses_qmm(self) -> bool:
@@ -113,7 +104,7 @@ class XQuantKVCache(KIVIKVCache):
         out, base = [], None
         for i, cfg in enumerate(layer_configs):
             cache = cls(cfg)
-            if i % cfg.xquant_group_size == 0:
+            if i % cfg.options.group_size == 0:
                 base = cache
                 cache.xq_role, cache.xq_uid = "base", uuid.uuid4().hex
             else:
@@ -122,21 +113,13 @@ class XQuantKVCache(KIVIKVCache):
         return out
 
     # ---------------------------------------------------------------- state (relink on load)
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
+    def _relink_loaded(self):
+        base = self.xq_role == "base"
+        if self.xq_uid or not base:  # a base built alone belongs to no group
+            found = relink(_BASES, self.xq_uid, base, lambda: self, "XQuantKVCache: the base layer")
+            self.base = None if base else found
 
-    @state.setter
-    def state(self, v):
-        CompressedKVCache.state.fset(self, v)
-        if self.xq_role == "base":
-            if self.xq_uid:
-                _BASES[self.xq_uid] = self
-        else:
-            base = _BASES.get(self.xq_uid)
-            if base is None:
-                raise ValueError(f"XQuantKVCache: the base layer of group {self.xq_uid} must be loaded first")
-            self.base = base
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     # ---------------------------------------------------------------- shared coding
     def _base_codes(self, t0: int, n: int, d: int, dv: int):
