@@ -281,12 +281,15 @@ def test_pyramid_schedule_decreases_with_depth_and_sums_to_the_total():
 
 @pytest.mark.parametrize("use_dispatch", [True, False])
 def test_pyramid_layer_budgets_in_a_real_mlx_lm_generation(use_dispatch):
-    """build_layers resolves the pyramid into each layer's ``pyramid_resolved_budget``; the layers
-    then hold different row counts, yet share mlx_lm's one mask per forward pass (dispatch or not)."""
+    """build_layers gives each layer its budget from the pyramid (a constructor argument, saved in the
+    layer's state; the user's config is not written); the layers then hold different row counts, yet
+    share mlx_lm's one mask per forward pass (dispatch or not)."""
     model = tiny_llama(n_layers=4)
     caches = KVCacheBuilder.for_model(model, config("pyramidkv", dtype=None, budget=80, beta=4.0))
-    budgets = [c.config.pyramid_resolved_budget for c in caches]
-    assert budgets == [c.layer_budget for c in caches] == pyramid_budgets(4, 80, 4.0, 4 + W)
+    budgets = [c.layer_budget for c in caches]
+    assert budgets == pyramid_budgets(4, 80, 4.0, 4 + W)
+    assert all(c.config.pyramid_resolved_budget is None for c in caches)
+    assert [type(c).from_state(c.state).layer_budget for c in caches] == budgets
     assert sum(budgets) == 4 * 80 and budgets[0] > budgets[1] > budgets[2] > budgets[3]
     (dispatch.install if use_dispatch else dispatch.uninstall)()
     toks = mx.random.randint(0, VOCAB, (1, 300))
