@@ -262,6 +262,25 @@ def test_invalid_options_are_refused():
         make("cam", budget=30)
     with pytest.raises(QuantizerConfigError, match="cam_merge"):
         make("cam", merge="sum")
+    with pytest.raises(QuantizerConfigError, match="budget"):  # a per-layer budget below sinks + window
+        type(make("pyramidkv", budget=64, n_sink=2))(config("pyramidkv", budget=64, n_sink=2), budget=20)
+
+
+def test_resolved_budget_fields_keep_their_meaning():
+    """The spec's derived fields stay accepted: ``pyramid_resolved_budget`` is a single cache's budget
+    (``for_model`` gives each layer its budget from the schedule instead); ``squeeze_resolved_budget``
+    gives every layer that budget, with no coordinator (uniform H2O)."""
+    pyr = KVCacheConfig(method="pyramidkv", options=PyramidKVOptions(budget=80), pyramid_resolved_budget=50)
+    assert KVCacheFactory.create(pyr).layer_budget == 50
+    model = tiny_llama(n_layers=4)
+    assert [c.layer_budget for c in KVCacheBuilder.for_model(model, pyr)] == pyramid_budgets(4, 80, 2.0, 4 + W)
+    sq = KVCacheConfig(method="squeeze", options=SqueezeOptions(budget=80), squeeze_resolved_budget=60)
+    caches = KVCacheBuilder.for_model(model, sq)
+    assert all(c.coordinator is None and c.layer_budget == 60 for c in caches)
+    model(mx.random.randint(0, VOCAB, (1, 100)), cache=caches)
+    assert [c.size() for c in caches] == [60] * 4
+    with pytest.raises(QuantizerConfigError, match="pyramid_resolved_budget"):
+        KVCacheFactory.create(KVCacheConfig(method="pyramidkv", pyramid_resolved_budget=10))
 
 
 # ------------------------------------------------------------------------------------------ PyramidKV

@@ -3,9 +3,10 @@ Layer-wise Optimal Budget", arXiv 2404.04793).
 
 The paper measures, at prefill, how much each attention layer changes the hidden states: the cosine
 similarity of a token's hidden state before and after self-attention, averaged over the prompt. It
-clusters the layers by it with k-means (3 clusters; solved exactly here, ``kmeans_1d``), squeezes the cluster of highest similarity (the
-layers that barely change their input) to a fraction ``p`` of the initial budget and spreads what it
-saves evenly over the other layers (two groups in the end), so the total is unchanged. Each layer then
+clusters the layers by it with k-means (3 clusters; solved exactly here, ``kmeans_1d``), squeezes the
+cluster of highest similarity (the layers that barely change their input) to a fraction ``p`` of the
+initial budget and spreads what it saves evenly over the other layers (two groups in the end), so the
+total is unchanged. Each layer then
 runs a sequence-wise policy with its own budget: H2O here (``VotingEviction.h2o_votes``: per-row
 accumulated attention of every query; the first ``n_sink`` tokens and the newest half of the layer's
 budget are protected). Real queries, slack, spare rows, ``decode_evict`` and trim: ``eviction``'s
