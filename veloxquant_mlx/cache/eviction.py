@@ -25,14 +25,15 @@ them all) and does the mlx_lm bookkeeping (offset, masks, state, trim, nbytes) t
 * **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along with the kept ones
   (their contents are never read), so the decode rows up to the next eviction append in place instead
   of re-allocating; ``nbytes`` counts them, since they are held.
-* **Exact trim.** ``trim(n)`` drops the ``n`` newest rows when every head still holds those positions,
-  else it raises ``ValueError`` (an evicted row cannot be restored); so an eviction cache trims exactly
-  only until a decode step has evicted.
+* **Trim.** ``trim(n)`` drops the ``n`` newest rows when every head still holds those positions, else
+  it raises ``ValueError`` (an evicted row cannot be restored). What the trimmed rows' queries added to
+  the other rows (votes, scores) and what their calls evicted stay, which is why most methods declare
+  ``exact_trim = False``.
+* **Settle.** Per-row state accumulated lazily between evictions (``row_fields``: votes, scores) is
+  scheduled (``mx.async_eval``, no host sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
 * **Votes** (``VotingEviction``, the layer of PyramidKV, SqueezeAttention, ChunkKV and CaM): each row
   accumulates the attention mass it receives, from the last ``obs_window`` queries of each call
-  (SnapKV-style, reset after each eviction) or from every query (H2O-style, never reset); lazily
-  accumulated per-row state is scheduled (``mx.async_eval``, no host sync) every ``SETTLE_EVERY`` calls
-  so its graph stays bounded when no eviction consumes it.
+  (SnapKV-style, reset after each eviction) or from every query (H2O-style, never reset).
 """
 
 from __future__ import annotations

@@ -23,10 +23,8 @@ window`` (the budget), so the bytes held do not grow with the decode length.
   ``evict``, its sinks and its ``window`` newest rows in position order (one argsort of the
   positions and one gather over the batch; a sequence with no valid rows keeps its order).
 
-All per-sequence counts (``nq``, ``ring``, ``lens``) are host-side Python ints
-(``batch_common.RaggedBatchCache``): the decode path never syncs with the device, and nothing loops
-over tokens, heads or sequences with array operations (``merge`` / ``extract`` / ``extend`` /
-``filter`` loop over the sequences once per request).
+The per-sequence counts (``nq``, ``ring``, ``lens``) are host-side ints, as in every
+``batch_common.RaggedBatchCache``; only ``merge`` / ``extract`` loop over the sequences (once per request).
 
 ``update_and_fetch`` returns [the stored rows before the call (max(nq) columns), the call's rows
 (rounded through the storage dtype, as alone)] and ``make_mask`` the boolean mask [B, 1, N, M] that
