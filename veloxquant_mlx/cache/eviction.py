@@ -45,7 +45,7 @@ from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .options import OPTION_CHECKS
-from .primitives.buffers import grow_rows
+from .primitives.buffers import fp16_row_bytes, grow_rows
 
 
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
@@ -246,13 +246,8 @@ class EvictionKVCache(CompressedKVCache):
                          doc="Fraction of the tokens seen that each head still holds.")
     kept_bytes = property(lambda self: self.nbytes, doc="Bytes held (``nbytes``).")
 
-    @property
-    def full_seq_bytes(self) -> int:
-        """What mlx_lm's plain cache would hold for the same tokens at fp16 (without its 256-row slack)."""
-        if self.keys is None:
-            return 0
-        B, H, _, D = self.keys.shape
-        return B * H * self.offset * (D + self.values.shape[-1]) * 2
+    full_seq_bytes = property(lambda self: fp16_row_bytes(self.keys, self.values, self.offset),
+                              doc="What mlx_lm's plain cache would hold for the same tokens (fp16, no spare rows).")
 
     @property
     def compression_ratio(self) -> float:
