@@ -262,6 +262,25 @@ def test_invalid_options_are_refused():
         make("cam", budget=30)
     with pytest.raises(QuantizerConfigError, match="cam_merge"):
         make("cam", merge="sum")
+    with pytest.raises(QuantizerConfigError, match="budget"):  # a per-layer budget below sinks + window
+        type(make("pyramidkv", budget=64, n_sink=2))(config("pyramidkv", budget=64, n_sink=2), budget=20)
+
+
+def test_resolved_budget_fields_keep_their_meaning():
+    """The spec's derived fields stay accepted: ``pyramid_resolved_budget`` is a single cache's budget
+    (``for_model`` gives each layer its budget from the schedule instead); ``squeeze_resolved_budget``
+    gives every layer that budget, with no coordinator (uniform H2O)."""
+    pyr = KVCacheConfig(method="pyramidkv", options=PyramidKVOptions(budget=80), pyramid_resolved_budget=50)
+    assert KVCacheFactory.create(pyr).layer_budget == 50
+    model = tiny_llama(n_layers=4)
+    assert [c.layer_budget for c in KVCacheBuilder.for_model(model, pyr)] == pyramid_budgets(4, 80, 2.0, 4 + W)
+    sq = KVCacheConfig(method="squeeze", options=SqueezeOptions(budget=80), squeeze_resolved_budget=60)
+    caches = KVCacheBuilder.for_model(model, sq)
+    assert all(c.coordinator is None and c.layer_budget == 60 for c in caches)
+    model(mx.random.randint(0, VOCAB, (1, 100)), cache=caches)
+    assert [c.size() for c in caches] == [60] * 4
+    with pytest.raises(QuantizerConfigError, match="pyramid_resolved_budget"):
+        KVCacheFactory.create(KVCacheConfig(method="pyramidkv", pyramid_resolved_budget=10))
 
 
 # ------------------------------------------------------------------------------------------ PyramidKV
@@ -281,12 +300,15 @@ def test_pyramid_schedule_decreases_with_depth_and_sums_to_the_total():
 
 @pytest.mark.parametrize("use_dispatch", [True, False])
 def test_pyramid_layer_budgets_in_a_real_mlx_lm_generation(use_dispatch):
-    """build_layers resolves the pyramid into each layer's ``pyramid_resolved_budget``; the layers
-    then hold different row counts, yet share mlx_lm's one mask per forward pass (dispatch or not)."""
+    """build_layers gives each layer its budget from the pyramid (a constructor argument, saved in the
+    layer's state; the user's config is not written); the layers then hold different row counts, yet
+    share mlx_lm's one mask per forward pass (dispatch or not)."""
     model = tiny_llama(n_layers=4)
     caches = KVCacheBuilder.for_model(model, config("pyramidkv", dtype=None, budget=80, beta=4.0))
-    budgets = [c.config.pyramid_resolved_budget for c in caches]
-    assert budgets == [c.layer_budget for c in caches] == pyramid_budgets(4, 80, 4.0, 4 + W)
+    budgets = [c.layer_budget for c in caches]
+    assert budgets == pyramid_budgets(4, 80, 4.0, 4 + W)
+    assert all(c.config.pyramid_resolved_budget is None for c in caches)
+    assert [type(c).from_state(c.state).layer_budget for c in caches] == budgets
     assert sum(budgets) == 4 * 80 and budgets[0] > budgets[1] > budgets[2] > budgets[3]
     (dispatch.install if use_dispatch else dispatch.uninstall)()
     toks = mx.random.randint(0, VOCAB, (1, 300))

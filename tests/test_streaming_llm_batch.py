@@ -141,6 +141,23 @@ def test_attend_on_ragged_batch_equals_each_single():
         _same_state(batch.extract(i), c)
 
 
+def test_batch_filled_by_decode_steps_only_wraps_its_ring_as_alone():
+    """Sequences that start empty and receive only one-row calls (a one-token prompt) fill up and then
+    overwrite their oldest window row, never a sink: the same rows, slots and ring as alone."""
+    mx.random.seed(1)
+    H, D = 2, 16
+    singles = [KVCacheFactory.create(_config(head_dim=D)) for _ in range(2)]
+    batch = StreamingLLMKVCache.merge([copy.deepcopy(c) for c in singles])
+    for _ in range(BUDGET + 5):
+        k, v = mx.random.normal((2, H, 1, D)), mx.random.normal((2, H, 1, D))
+        batch.update_and_fetch(k, v)
+        for i, c in enumerate(singles):
+            c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+    assert batch.ring == [SINKS + 5] * 2 and batch.nq == [BUDGET] * 2
+    for i, c in enumerate(singles):
+        _same_state(batch.extract(i), c)
+
+
 def test_merge_extract_filter_extend_units():
     """The batch protocol on the cache itself: merge of held/empty caches, extract, filter, extend,
     the mask, trim."""

@@ -1,22 +1,39 @@
 """Position-tracked eviction storage: the shared base of every eviction method.
 
-An eviction method is a scoring function on this base. The base stores the kept rows of every head
-(``keys``/``values`` [B, H, capacity, D]) with their logical positions (``positions`` [B, H, capacity]),
-appends new rows in place, protects sinks and a recent window, keeps the top-scoring rows of each
-head (heads may keep different tokens; every head keeps the same count, so one mask fits them all),
-and does the mlx_lm bookkeeping (offset, masks, state, trim, nbytes) through ``CompressedKVCache``.
+An eviction method is a scoring function on this base. ``EvictionKVCache`` stores the kept rows of
+every head (``keys``/``values`` [B, H, capacity, D]) with their logical positions (``positions``
+[B, H, capacity]), appends new rows in place, protects sinks and a recent window, keeps the top-scoring
+rows of each head (heads may keep different tokens; every head keeps the same count, so one mask fits
+them all) and does the mlx_lm bookkeeping (offset, masks, state, trim, nbytes) through
+``CompressedKVCache``. What every method shares, documented here once (method docstrings point here):
 
-Scoring uses the model's real queries when the attention dispatch point is installed: eviction is
-deferred to ``attend``, which sees this call's queries. Without it, the last ``obs_window`` new keys
-stand in for queries (the documented fallback), and eviction runs inside ``update_and_fetch``. In both
-cases eviction happens *after* this call's rows were returned, so the mask built before the call
-(from the previous stored count) still matches.
-
-Decode-time budget: ``decode_evict`` (the cache's own setting, which starts as the options' ``decode_evict``
-and travels in ``state``; else ``config.decode_evict``; else the class's ``decode_evict_default``, i.e. the
-method's paper) decides whether one-row calls evict too.
-When they do, methods evict in blocks: the cache grows by its slack, then one top-k cuts it back to the
-budget, so at most ``budget + slack`` rows are held at any step.
+* **Real queries.** With the attention dispatch point installed (``KVCacheBuilder.for_model`` installs
+  it), eviction is deferred to ``attend``, which scores with this call's own queries (its last
+  ``obs_window``). Without it, the last ``obs_window`` new keys stand in for queries (the documented
+  fallback) and eviction runs inside ``update_and_fetch``. Either way eviction happens *after* this
+  call's rows were returned, so the mask mlx_lm built before the call (from the previous stored count)
+  still matches.
+* **Decode-time budget** (``decode_evict``): whether one-row (decode) calls evict too. Resolved from
+  the cache's own setting (it starts as the options' ``decode_evict`` and travels in ``state``), else
+  ``config.decode_evict``, else the class's ``decode_evict_default`` (the method's paper). Multi-row
+  (prefill) calls always cut to the budget.
+* **Slack** (``BatchedEviction``): decode steps evict in blocks. The cache grows by ``evict_slack``
+  rows -- ``default_slack(budget) = max(8, budget // 8)`` unless a method says otherwise (0: every step,
+  one row by an argmin) -- then one top-k cuts it back to the budget, so at most ``budget + slack``
+  rows are held at any step, and a decode-time observation window is the queries seen since the
+  previous eviction.
+* **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along with the kept ones
+  (their contents are never read), so the decode rows up to the next eviction append in place instead
+  of re-allocating; ``nbytes`` counts them, since they are held.
+* **Trim.** ``trim(n)`` drops the ``n`` newest rows when every head still holds those positions, else
+  it raises ``ValueError`` (an evicted row cannot be restored). What the trimmed rows' queries added to
+  the other rows (votes, scores) and what their calls evicted stay, which is why most methods declare
+  ``exact_trim = False``.
+* **Settle.** Per-row state accumulated lazily between evictions (``row_fields``: votes, scores) is
+  scheduled (``mx.async_eval``, no host sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
+* **Votes** (``VotingEviction``, the layer of PyramidKV, SqueezeAttention, ChunkKV and CaM): each row
+  accumulates the attention mass it receives, from the last ``obs_window`` queries of each call
+  (SnapKV-style, reset after each eviction) or from every query (H2O-style, never reset).
 """
 
 from __future__ import annotations
@@ -28,7 +45,8 @@ from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .options import OPTION_CHECKS
-from .primitives.buffers import grow_rows
+from .primitives.buffers import fp16_row_bytes, grow_rows
+
 
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
                        key_positions: mx.array) -> mx.array:
@@ -44,7 +62,7 @@ def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_
 
 class EvictionKVCache(CompressedKVCache):
     """Base of eviction methods. Subclasses set ``budget``/``n_sink``/``recent``/``obs_window`` in
-    ``_init_layout`` and implement ``wants_eviction`` and ``score``."""
+    ``_init_layout`` and implement ``score`` (optionally ``observe`` and ``wants_eviction``)."""
 
     array_fields = ("keys", "values", "positions")
     scalar_fields = ("rows", "_decode_evict")
@@ -73,7 +91,7 @@ class EvictionKVCache(CompressedKVCache):
     def __init__(self, config):
         super().__init__(config)
         check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
-        option = config.option("decode_evict") if hasattr(config, "option") else None
+        option = getattr(getattr(config, "options", None), "decode_evict", None)
         if option is not None:  # SnapKVOptions(decode_evict=True): validated there; kept in ``state``
             self._decode_evict = option
 
@@ -93,10 +111,7 @@ class EvictionKVCache(CompressedKVCache):
     # ---------------------------------------------------------------- decode-time budget
     @property
     def decode_evict(self) -> bool:
-        """True: one-row (decode) calls evict too, so the budget (plus the method's slack) holds for
-        the whole generation. False: only multi-row (prefill) calls evict; decode rows are all kept.
-        Resolved from this cache's own setting, else ``config.decode_evict``, else the method's
-        ``decode_evict_default``."""
+        """Whether one-row (decode) calls evict too (see the module docstring for how it resolves)."""
         v = self._decode_evict
         if v is None:
             v = getattr(self.config, "decode_evict", None)
@@ -224,31 +239,25 @@ class EvictionKVCache(CompressedKVCache):
         # with each eviction (no host sync), so the graph stays bounded by the eviction interval
         mx.async_eval(self.positions)
 
-    # ---------------------------------------------------------------- telemetry
-    @property
-    def tokens_kept(self) -> int:
-        return self.rows
+    # ---------------------------------------------------------------- telemetry (the spec's names)
+    tokens_kept = property(lambda self: self.rows, doc="Rows held per head.")
+    tokens_seen = property(lambda self: self.offset, doc="Tokens seen (the logical position).")
+    keep_rate = property(lambda self: self.rows / self.offset if self.offset else 1.0,
+                         doc="Fraction of the tokens seen that each head still holds.")
+    kept_bytes = property(lambda self: self.nbytes, doc="Bytes held (``nbytes``).")
+
+    full_seq_bytes = property(lambda self: fp16_row_bytes(self.keys, self.values, self.offset),
+                              doc="What mlx_lm's plain cache would hold for the same tokens (fp16, no spare rows).")
 
     @property
-    def tokens_seen(self) -> int:
-        return self.offset
-
-    @property
-    def keep_rate(self) -> float:
-        return self.rows / self.offset if self.offset else 1.0
-
-    @property
-    def full_seq_bytes(self) -> int:
-        """What mlx_lm's plain cache would hold for the same tokens at fp16 (without its 256-row slack)."""
-        if self.keys is None:
-            return 0
-        B, H, _, D = self.keys.shape
-        Dv = self.values.shape[-1]
-        return B * H * self.offset * (D + Dv) * 2
+    def compression_ratio(self) -> float:
+        """fp16 bytes of every token seen / bytes held (> 1 means memory saved)."""
+        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
 
 
 # ------------------------------------------------------------------ shared by scoring methods
 SETTLE_EVERY = 32
+OBS_WINDOW = 32  # VotingEviction: queries that vote after each call, and the protected recent window
 
 
 def default_slack(budget: int) -> int:
@@ -266,18 +275,15 @@ def check_budget(field: str, budget: int, protected: int, what: str) -> None:
         raise QuantizerConfigError(field, budget, f"an int > {what} = {protected}")
 
 
-class BatchedEviction:
-    """Mixin for ``EvictionKVCache`` scoring methods.
+def check_min(field: str, value: int, minimum: int, what: str) -> None:
+    if value < minimum:
+        raise QuantizerConfigError(field, value, f"an int >= {what} = {minimum}")
 
-    * ``evict_slack``: after a decode step (one new row) eviction waits until more than
-      ``budget + evict_slack`` rows are held, then cuts back to ``budget``; after a multi-row call it
-      cuts to ``budget`` at once. ``evict_slack = 0`` evicts every step. Between calls at most
-      ``budget + evict_slack`` rows are held, in buffers of ``budget + evict_slack + 1`` rows (the
-      eviction gathers the spare rows along, so decode appends never re-allocate).
-    * Evicting exactly one row uses an argmin instead of a partition and a sort.
-    * ``settle()`` keeps lazily accumulated per-row state from building an unbounded graph when no
-      eviction consumes it (``mx.async_eval`` every ``SETTLE_EVERY`` calls: no host sync).
-    """
+
+class BatchedEviction:
+    """Mixin for ``EvictionKVCache`` scoring methods: the slack, the spare rows and ``settle`` of the
+    module docstring. ``evict_slack`` is 0 unless the method sets it; evicting exactly one row uses an
+    argmin instead of a partition and a sort."""
 
     evict_slack = 0
     _unsettled = 0
@@ -296,10 +302,8 @@ class BatchedEviction:
         self.keep_rows(r + (r >= j).astype(mx.int32))
 
     def keep_rows(self, idx):
-        """The base's gather, with ``evict_slack + 1`` spare rows gathered along (their contents are
-        never read), so the decode rows up to the next eviction append in place instead of
-        re-allocating the buffers."""
-        spare = self.evict_slack + 1
+        """The base's gather, with spare rows up to ``budget + evict_slack + 1`` gathered along."""
+        spare = max(self.budget - idx.shape[-1], 0) + self.evict_slack + 1
         pad = mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)
         super().keep_rows(mx.concatenate([idx, pad], axis=-1))
         self.rows = idx.shape[-1]
@@ -311,17 +315,53 @@ class BatchedEviction:
             mx.async_eval([getattr(self, n) for n in self.row_fields])
             self._unsettled = 0
 
-    # ------------------------------------------------------------ telemetry (spec properties)
-    @property
-    def kept_bytes(self) -> int:
-        return self.nbytes
+
+class VotingEviction(BatchedEviction, EvictionKVCache):
+    """Eviction by accumulated attention votes (``votes`` [B, H, capacity], a per-row field), with the
+    default slack; a subclass's ``_init_layout`` sets and validates ``budget`` and ``n_sink``, its
+    ``score`` may shape the votes. ``h2o_votes``: H2O's accumulation (every query votes, the votes are
+    never reset, the newest half of the budget is protected) instead of SnapKV's windows (the last
+    ``obs_window`` queries of each call vote, the votes are reset after each eviction, the window is
+    protected).
+
+    ``budget`` (constructor argument): this layer's own budget, derived by ``build_layers`` (e.g. the
+    pyramid schedule); it replaces the options' budget and travels in ``state``."""
+
+    array_fields = EvictionKVCache.array_fields + ("votes",)
+    scalar_fields = EvictionKVCache.scalar_fields + ("budget",)
+    row_fields = ("votes",)
+    uses_attention_weights = True
+    obs_window = OBS_WINDOW
+    h2o_votes = False
+
+    def __init__(self, config, budget: int | None = None):
+        super().__init__(config)
+        if budget is not None:
+            check_min("budget", budget, self.n_sink + self.obs_window, "n_sink + the observation window")
+            self.budget = int(budget)
 
     @property
-    def compression_ratio(self) -> float:
-        """fp16 bytes of every token seen / bytes held (> 1 means memory saved)."""
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
+    def recent(self) -> int:
+        return max(self.obs_window, self.budget // 2) if self.h2o_votes else self.obs_window
 
+    @property
+    def evict_slack(self) -> int:
+        return default_slack(self.budget)
 
-def check_min(field: str, value: int, minimum: int, what: str) -> None:
-    if value < minimum:
-        raise QuantizerConfigError(field, value, f"an int >= {what} = {minimum}")
+    @property
+    def layer_budget(self) -> int:
+        return self.budget
+
+    def observe(self, weights):
+        w = weights if self.h2o_votes else weights[..., -self.obs_window :, :]
+        n = self.rows
+        self.votes[:, :, :n] = self.votes[:, :, :n] + w.sum(axis=(2, 3))
+        self.settle()
+
+    def score(self, obs_queries, obs_positions, scale):
+        return self.votes[:, :, : self.rows]
+
+    def keep_rows(self, idx):
+        super().keep_rows(idx)
+        if not self.h2o_votes:
+            self.votes = mx.zeros_like(self.votes)

@@ -2,8 +2,8 @@
 
 Eviction perturbs the attention output; CaM reduces that by merging each to-be-evicted value into
 values that stay. Which rows stay is decided by accumulated attention (H2O: every query's softmax
-probabilities summed per row; the first ``cam_n_sink`` tokens and the newest half of the budget are
-protected); ``cam_merge="drop"`` stops there (plain H2O eviction). Otherwise evicted row ``i`` is merged
+probabilities summed per row, ``VotingEviction.h2o_votes``; the first ``n_sink`` tokens and the newest
+half of the budget are protected); ``merge="drop"`` stops there (plain H2O eviction). Otherwise evicted row ``i`` is merged
 into targets ``j`` with weights ``s_ij`` (each row of ``s`` sums to 1): ``"mean"`` -- the paper's rule --
 spreads it evenly over the ``m = MERGE_SPAN`` kept rows that follow it in position; ``"sim_weighted"``
 over all kept rows by key similarity, ``s_ij = softmax_j(cos(k_i - c, k_j - c) / SIM_TEMPERATURE)``
@@ -26,8 +26,8 @@ Deviations from the paper:
   budget, vs 0.051 for dropping). Merging the deviation ``v_i - o`` is what keeps the observation
   output exact (same budget: 0.050 "mean", 0.044 "sim_weighted").
 * The paper merges one token at a time as it leaves a StreamingLLM/H2O window; here evictions are
-  batched (a prefill chunk, or ``evict_slack`` = ``max(8, budget // 8)`` decode rows at once)
-  and all evicted rows merge at once, per KV head. ``"sim_weighted"`` (a soft version of merging into
+  batched (a prefill chunk, or the default slack's decode rows at once: ``eviction``'s module
+  docstring) and all evicted rows merge at once, per KV head. ``"sim_weighted"`` (a soft version of merging into
   the most similar kept key) and ``cam_merge_keys`` are additions; the temperature was chosen on the
   measurement above (0.1: 0.081, 0.3: 0.046, 1.0: 0.044). Sinks (positions < ``cam_n_sink``) are never
   merge targets (their large attention would amplify a merged value); sinks are themselves an addition.
@@ -41,8 +41,7 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..eviction import check_min
-from .pyramidkv import VotingEviction
+from ..eviction import VotingEviction, check_min
 
 MERGE_SPAN = 32  # "mean": an evicted value is spread over this many following kept rows (paper: 32)
 SIM_TEMPERATURE = 1.0  # "sim_weighted": softmax temperature on the cosine of centred keys
@@ -78,27 +77,22 @@ class CaMKVCache(VotingEviction):
     array_fields = VotingEviction.array_fields + ("attn",)
     row_fields = ("votes", "attn")
     scalar_fields = VotingEviction.scalar_fields + ("layer_id",)
-    vote_all_queries = True
-    layer_id = 0
+    h2o_votes = True
+    layer_id = 0  # decorrelates the layers' gate draws
 
-    @property
-    def recent(self) -> int:
-        """H2O's split: the newest half of the budget is the protected recent window (at least the
-        observation window)."""
-        return max(self.obs_window, self.budget // 2)
+    def __init__(self, config, layer_id: int = 0):
+        super().__init__(config)
+        self.layer_id = layer_id
 
     def _init_layout(self):
-        c = self.config
-        self.budget, self.n_sink = c.cam_budget, c.cam_n_sink
-        self.merge, self.merge_keys, self.gate, self.seed = c.cam_merge, c.cam_merge_keys, c.cam_merge_gate, c.seed
+        o = self.config.options
+        self.budget, self.n_sink, self.merge_mode, self.merge_keys, self.merge_gate = (
+            o.budget, o.n_sink, o.merge, o.merge_keys, o.merge_gate)
         check_min("cam_budget", self.budget, self.n_sink + self.obs_window + 1, f"cam_n_sink + {self.obs_window} + 1")
 
     @classmethod
     def build_layers(cls, layer_configs):
-        out = [cls(c) for c in layer_configs]
-        for i, c in enumerate(out):
-            c.layer_id = i  # decorrelates the layers' gate draws
-        return out
+        return [cls(c, layer_id=i) for i, c in enumerate(layer_configs)]
 
     def observe(self, weights):
         super().observe(weights)
@@ -114,19 +108,19 @@ class CaMKVCache(VotingEviction):
         scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
         order = mx.argsort(-scores, axis=-1)
         kept, gone = mx.sort(order[..., :keep], axis=-1), order[..., keep:]
-        if self.merge == "drop":
+        if self.merge_mode == "drop":
             self.keep_rows(kept)
             return
         take = lambda a, idx: mx.take_along_axis(a[:, :, :rows], idx[..., None] if a.ndim == 4 else idx, axis=2)
         keys_k, keys_g = take(self.keys, kept), take(self.keys, gone)
         vals_k, vals_g = take(self.values, kept).astype(mx.float32), take(self.values, gone).astype(mx.float32)
         n_sink_rows = min(self.n_sink, self.offset)  # sinks are protected: the first kept rows
-        s = merge_weights(self.merge, take(self.positions, kept), take(self.positions, gone), keys_k, keys_g,
+        s = merge_weights(self.merge_mode, take(self.positions, kept), take(self.positions, gone), keys_k, keys_g,
                           n_sink_rows)
         attn_k, attn_g = take(self.attn, kept), take(self.attn, gone)
         abar = (s * attn_k[..., None, :]).sum(axis=-1)
         p = mx.minimum(attn_g / mx.maximum(abar, 1e-30), 1.0)  # the paper's merge probability
-        if self.gate:
+        if self.merge_gate:
             s = s * mx.random.bernoulli(p, key=self._gate_key())[..., None].astype(mx.float32)
         else:
             s = s * p[..., None]  # the gated merge's expectation
@@ -144,16 +138,6 @@ class CaMKVCache(VotingEviction):
             self.keys[:, :, :keep] = new_keys.astype(self.keys.dtype)
 
     def _gate_key(self):
-        return mx.random.key((self.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
+        return mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
 
-    @property
-    def merge_mode(self) -> str:
-        return self.merge
-
-    @property
-    def merge_gate(self) -> bool:
-        return self.gate
-
-    @property
-    def cam_kept_bytes(self) -> int:
-        return self.nbytes
+    cam_kept_bytes = VotingEviction.kept_bytes

@@ -8,7 +8,8 @@ key norms (``"key_norm"``: low-norm keys draw attention, no queries needed); the
 with the observation window and the first ``chunkkv_n_sink`` tokens. Layer-wise index reuse: layers are
 grouped by ``chunkkv_reuse_layers``; the first layer of each group (the leader) selects, the others
 reuse its kept indices through the ``ChunkKVIndexReuseCoordinator`` built in ``build_layers``
-(lifetime: one prompt cache) and compute no scores at all (they attend with the fast kernel).
+(lifetime: one prompt cache) and compute no scores at all (they attend with the fast kernel). Real
+queries, slack, spare rows, ``decode_evict`` and trim: ``eviction``'s module docstring.
 
 Deviations from the paper:
 * Chunks are fixed on absolute positions: chunk ``j`` is positions ``n_sink + j*C .. n_sink + (j+1)*C - 1``
@@ -19,9 +20,8 @@ Deviations from the paper:
   next eviction may keep one partial chunk.
 * One chunk selection per layer shared by all KV heads (votes summed over heads), as index reuse
   needs; with ``chunk_size=1`` this is per-token selection by head-summed votes.
-* Decoding is compressed too (the paper compresses the prompt): the cache may grow by ``evict_slack``
-  rows (``max(8, budget // 8)``), then evicts back, the votes coming from the queries seen since
-  the previous eviction. Sinks are an addition (``chunkkv_n_sink=0`` removes them).
+* Decoding is compressed too (the paper compresses the prompt; the default slack), the votes coming from
+  the queries seen since the previous eviction. Sinks are an addition (``chunkkv_n_sink=0`` removes them).
 * A follower whose leader did not evict at the same step from the same rows (layers fed different
   calls, e.g. trimmed separately) selects by key norm instead. Reloaded caches have no coordinator:
   every layer then selects for itself (followers' votes start empty at the reload).
@@ -34,8 +34,7 @@ import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
-from ..eviction import check_min
-from .pyramidkv import VotingEviction
+from ..eviction import VotingEviction, check_min
 
 
 class ChunkKVIndexReuseCoordinator:
@@ -90,10 +89,9 @@ class ChunkKVCache(VotingEviction):
         self.layer_id, self.coordinator = layer_id, coordinator
 
     def _init_layout(self):
-        c = self.config
-        self.n_sink, self.chunk, self.score_mode = c.chunkkv_n_sink, c.chunkkv_chunk_size, c.chunkkv_score
-        self.budget = c.chunkkv_budget
-        check_min("chunkkv_budget", self.budget, self.n_sink + self.obs_window + 2 * self.chunk - 1,
+        o = self.config.options
+        self.n_sink, self.chunk_size, self.score_mode, self.budget = o.n_sink, o.chunk_size, o.score, o.budget
+        check_min("chunkkv_budget", self.budget, self.n_sink + self.obs_window + 2 * self.chunk_size - 1,
                   f"chunkkv_n_sink + {self.obs_window} + 2 * chunkkv_chunk_size - 1 (sinks, the window "
                   "with its chunk overhang, and one chunk)")
 
@@ -101,7 +99,7 @@ class ChunkKVCache(VotingEviction):
     def build_layers(cls, layer_configs):
         if not layer_configs:
             return []
-        reuse = layer_configs[0].chunkkv_reuse_layers
+        reuse = layer_configs[0].options.reuse_layers
         coord = ChunkKVIndexReuseCoordinator(reuse) if reuse > 1 and len(layer_configs) > 1 else None
         return [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
 
@@ -113,16 +111,12 @@ class ChunkKVCache(VotingEviction):
     def uses_attention_weights(self) -> bool:
         return self.score_mode == "attn_mass" and self.is_index_reuse_leader
 
-    @property
-    def chunk_size(self) -> int:
-        return self.chunk
-
     def _recent_start(self) -> int:
         """First protected recent position: ``offset - OBS_WINDOW`` rounded down to a chunk boundary."""
         ns = self.n_sink
         if self.offset - self.obs_window <= ns:
             return ns
-        return ns + (self.offset - self.obs_window - ns) // self.chunk * self.chunk
+        return ns + (self.offset - self.obs_window - ns) // self.chunk_size * self.chunk_size
 
     def protected(self):
         pos = self.positions[:, :, : self.rows]
@@ -154,7 +148,7 @@ class ChunkKVCache(VotingEviction):
         """Row indices [B, H, K] (ascending, the same for every head) of the protected rows and the
         ``k`` best whole chunks by head-summed ``scores`` [B, H, rows]."""
         B, H = scores.shape[:2]
-        ns, C, off = self.n_sink, self.chunk, self.offset
+        ns, C, off = self.n_sink, self.chunk_size, self.offset
         r0 = self._recent_start()
         n_prot = min(ns, off) + off - r0  # sinks and [r0, offset) are always held
         k = (self.budget - n_prot) // C
@@ -177,6 +171,4 @@ class ChunkKVCache(VotingEviction):
         idx = mx.sort(idx, axis=-1).astype(mx.int32)
         return mx.broadcast_to(idx[:, None, :], (B, H, n_keep))
 
-    @property
-    def chunkkv_kept_bytes(self) -> int:
-        return self.nbytes
+    chunkkv_kept_bytes = VotingEviction.kept_bytes

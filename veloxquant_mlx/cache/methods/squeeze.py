@@ -3,12 +3,14 @@ Layer-wise Optimal Budget", arXiv 2404.04793).
 
 The paper measures, at prefill, how much each attention layer changes the hidden states: the cosine
 similarity of a token's hidden state before and after self-attention, averaged over the prompt. It
-clusters the layers by it with k-means (3 clusters; solved exactly here, ``kmeans_1d``), squeezes the cluster of highest similarity (the
-layers that barely change their input) to a fraction ``p`` of the initial budget and spreads what it
-saves evenly over the other layers (two groups in the end), so the total is unchanged. Each layer then
-runs a sequence-wise policy with its own budget: H2O here (per-row accumulated attention of every
-query; the first ``squeeze_n_sink`` tokens and, as in H2O, the newest half of the layer's budget are
-protected).
+clusters the layers by it with k-means (3 clusters; solved exactly here, ``kmeans_1d``), squeezes the
+cluster of highest similarity (the layers that barely change their input) to a fraction ``p`` of the
+initial budget and spreads what it saves evenly over the other layers (two groups in the end), so the
+total is unchanged. Each layer then
+runs a sequence-wise policy with its own budget: H2O here (``VotingEviction.h2o_votes``: per-row
+accumulated attention of every query; the first ``n_sink`` tokens and the newest half of the layer's
+budget are protected). Real queries, slack, spare rows, ``decode_evict`` and trim: ``eviction``'s
+module docstring.
 
 How the hidden states are seen: ``KVCacheBuilder.for_model`` installs, next to the attention dispatch
 point, the two reports this class asks for in ``io_hooks`` (``dispatch.report_io``): the attention
@@ -23,20 +25,19 @@ Deviations from the paper:
 * ``h + a`` is the hidden state after attention in pre-norm blocks (Llama, Qwen, Mistral); blocks that
   normalise the attention output before adding it (Gemma's post-attention norm) get the un-normalised
   sum, an approximation.
-* ``squeeze_strength`` (``t >= 0``) sets the squeezed fraction ``p = 1 / (1 + t)`` of the selectable
-  rows (``budget - n_sink - OBS_WINDOW``): ``t = 0`` is uniform, the default ``t = 1`` keeps half
-  (the paper tunes ``p`` per model, roughly 0.3 - 0.7). Sinks and a 32-token window are never squeezed. Budgets
-  are rounded so they sum to exactly ``n_layers * squeeze_budget``.
+* ``strength`` (``t >= 0``) sets the squeezed fraction ``p = 1 / (1 + t)`` of the selectable rows
+  (``budget - n_sink - OBS_WINDOW``): ``t = 0`` is uniform, the default ``t = 1`` keeps half (the paper
+  tunes ``p`` per model, roughly 0.3 - 0.7). Sinks and a 32-token window are never squeezed. Budgets
+  are rounded so they sum to exactly ``n_layers * budget``.
 * The similarity comes from the first forward pass (the first prefill chunk when mlx_lm chunks a long
   prompt), not from the whole prompt. Until the budgets are resolved the layers do not evict, so that
-  chunk is held whole for that one call. Decoding evicts in batches: the cache may grow by
-  ``evict_slack`` rows (``min(32, max(1, budget // 16))``), then cuts back.
+  chunk is held whole for that one call. Decoding is compressed too (the default slack).
 * Without the reports (caches built with ``install_dispatch=False`` or ``VELOXQUANT_DISPATCH=0``, or a
   model whose layers were never called with these caches) the coordinator resolves at the second call
   with what it has; a layer that never reported counts as the mean of the others, and with no report at
   all the budgets are uniform. Without a coordinator (a single cache, or caches reloaded from a file) a
-  layer keeps its budget (``squeeze_resolved_budget`` if set, else the resolved one saved in its state,
-  else ``squeeze_budget``): uniform H2O.
+  layer keeps its budget (the resolved one saved in its state, else ``squeeze_resolved_budget`` if set,
+  else ``budget``): uniform H2O.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ import mlx.core as mx
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
-from ..eviction import check_min
-from .pyramidkv import OBS_WINDOW, VotingEviction
+from ..eviction import OBS_WINDOW, VotingEviction, check_min
 
 N_CLUSTERS = 3
 
@@ -167,8 +167,8 @@ class SqueezeAttentionCache(VotingEviction):
     chunk_invariant = False
     exact_trim = False  # decode rows add votes and evict (slack)
 
-    scalar_fields = VotingEviction.scalar_fields + ("budget", "squeezed", "similarity_value")
-    vote_all_queries = True
+    scalar_fields = VotingEviction.scalar_fields + ("squeezed", "similarity_value")
+    h2o_votes = True
     #: reports ``for_model`` installs (``dispatch.report_io``): module -> the method it calls
     io_hooks = {"attention": "observe_attention_output", "layer": "observe_layer_io"}
     layer_id = None
@@ -183,33 +183,25 @@ class SqueezeAttentionCache(VotingEviction):
         if coordinator is not None:
             coordinator.layers[layer_id] = self
 
-    @property
-    def recent(self) -> int:
-        """H2O's split: the newest half of the budget is the protected recent window (at least the
-        observation window)."""
-        return max(self.obs_window, self.budget // 2)
-
     def _init_layout(self):
-        c = self.config
-        self.n_sink = c.squeeze_n_sink
+        o, resolved = self.config.options, self.config.squeeze_resolved_budget
+        self.n_sink = o.n_sink
         protected = self.n_sink + self.obs_window
-        check_min("squeeze_budget", c.squeeze_budget, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
-        if c.squeeze_resolved_budget is not None:
-            check_min("squeeze_resolved_budget", c.squeeze_resolved_budget, protected + 1,
-                      f"squeeze_n_sink + {self.obs_window} + 1")
-        if c.squeeze_strength < 0:
-            raise QuantizerConfigError("squeeze_strength", c.squeeze_strength, "a number >= 0")
-        self.budget = c.squeeze_budget if c.squeeze_resolved_budget is None else c.squeeze_resolved_budget
+        check_min("squeeze_budget", o.budget, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
+        if resolved is not None:
+            check_min("squeeze_resolved_budget", resolved, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
+        if o.strength < 0:
+            raise QuantizerConfigError("squeeze_strength", o.strength, "a number >= 0")
+        self.budget = o.budget if resolved is None else resolved
 
     @classmethod
     def build_layers(cls, layer_configs):
         if not layer_configs:
             return []
-        c = layer_configs[0]
-        if c.squeeze_resolved_budget is not None or len(layer_configs) == 1:
-            return [cls(cfg, layer_id=i) for i, cfg in enumerate(layer_configs)]
-        coord = SqueezeCoordinator(len(layer_configs), c.squeeze_budget, c.squeeze_n_sink + OBS_WINDOW,
-                                   float(c.squeeze_strength))
+        c, o = layer_configs[0], layer_configs[0].options
+        coord = None
+        if c.squeeze_resolved_budget is None and len(layer_configs) > 1:
+            coord = SqueezeCoordinator(len(layer_configs), o.budget, o.n_sink + OBS_WINDOW, float(o.strength))
         return [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
 
     @property
@@ -262,6 +254,4 @@ class SqueezeAttentionCache(VotingEviction):
         first forward pass)."""
         return 1.0 - self.similarity_value if self.squeezed else 0.0
 
-    @property
-    def squeeze_kept_bytes(self) -> int:
-        return self.nbytes
+    squeeze_kept_bytes = VotingEviction.kept_bytes

@@ -23,10 +23,8 @@ window`` (the budget), so the bytes held do not grow with the decode length.
   ``evict``, its sinks and its ``window`` newest rows in position order (one argsort of the
   positions and one gather over the batch; a sequence with no valid rows keeps its order).
 
-All per-sequence counts (``nq``, ``ring``, ``lens``) are host-side Python ints
-(``batch_common.RaggedBatchCache``): the decode path never syncs with the device, and nothing loops
-over tokens, heads or sequences with array operations (``merge`` / ``extract`` / ``extend`` /
-``filter`` loop over the sequences once per request).
+The per-sequence counts (``nq``, ``ring``, ``lens``) are host-side ints, as in every
+``batch_common.RaggedBatchCache``; only ``merge`` / ``extract`` loop over the sequences (once per request).
 
 ``update_and_fetch`` returns [the stored rows before the call (max(nq) columns), the call's rows
 (rounded through the storage dtype, as alone)] and ``make_mask`` the boolean mask [B, 1, N, M] that
@@ -71,15 +69,12 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
-        self.cap = 0  # slots allocated (<= budget between calls)
-        self._init_counts(batch_size)
+        self._init_counts(batch_size)  # ``cap``: slots allocated (<= budget between calls)
+        self.ring = [-1] * batch_size  # rows in position order, as a fresh single cache
 
     # ---------------------------------------------------------------- bookkeeping
     def stored_rows(self) -> int:
         return max(self.nq, default=0)
-
-    def size(self) -> int:
-        return self.stored_rows()
 
     def _settings(self) -> tuple:
         return _settings(self)
@@ -102,7 +97,8 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     # ---------------------------------------------------------------- batch protocol
     @classmethod
     def from_caches(cls, caches) -> "StreamingLLMBatchKVCache":
-        """Batch of single ``StreamingLLMKVCache``s (empty or holding tokens: prompt-cache reuse)."""
+        """Batch of single ``StreamingLLMKVCache``s (empty or holding tokens: prompt-cache reuse): each
+        one as a one-sequence batch, joined by ``extend`` (once per request, not per step)."""
         first = caches[0]
         for c in caches:
             if _settings(c) != _settings(first):
@@ -111,36 +107,16 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
                     f"{_settings(c)} vs {_settings(first)}")
             if getattr(c, "_pending", False):
                 raise BatchingNotSupported("streaming_llm cache with a deferred eviction")
-        held = [c for c in caches if c.keys is not None]
-        shapes = {tuple(c._shape) for c in held}
-        dtypes = {c.keys.dtype for c in held}
-        if len(shapes) > 1 or len(dtypes) > 1:
-            raise BatchingNotSupported(
-                f"streaming_llm caches with different head shapes / storage dtypes cannot share a batch: "
-                f"{shapes}, {dtypes}")
-        out = cls(first.config, len(caches))
-        out.lens = [c.offset for c in caches]
-        if not held:
-            out._sync_offset()
-            return out  # nothing stored yet: buffers are allocated by the first update
-        out._shape = shapes.pop()
-        compute = getattr(held[0], "compute_dtype", held[0].keys.dtype)
-        out.dtype_name = str(compute).rsplit(".", 1)[-1]
-        out.nq = [c.rows if c.keys is not None else 0 for c in caches]
-        out.ring = [c.ring if c.keys is not None else -1 for c in caches]
-        dtype = dtypes.pop()
-        out.cap = max(out.nq)
-        parts = {name: [] for name in _FIELDS}
-        for c, n in zip(caches, out.nq):  # once per request, not per step
-            one = out._alloc(1, dtype, out.cap)
-            if n:
+        out = cls(first.config)
+        for c in caches:
+            one = cls(c.config, 1)
+            one.lens = [c.offset]
+            if c.keys is not None:
+                one._shape, one.nq, one.ring, one.cap = c._shape, [c.rows], [c.ring], c.rows
+                one.dtype_name = str(getattr(c, "compute_dtype", c.keys.dtype)).rsplit(".", 1)[-1]
                 for name in _FIELDS:
-                    one[name][:, :, :n] = getattr(c, name)[:, :, :n]
-            for name in _FIELDS:
-                parts[name].append(one[name])
-        for name in _FIELDS:
-            setattr(out, name, mx.concatenate(parts[name], axis=0))
-        out._sync_offset()
+                    setattr(one, name, getattr(c, name)[:, :, : c.rows])
+            out.extend(one)
         return out
 
     def extract(self, idx: int) -> StreamingLLMKVCache:

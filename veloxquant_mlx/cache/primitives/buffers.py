@@ -46,3 +46,13 @@ def grow_columns(buf, used: int, new: mx.array, capacity: int) -> mx.array:
         buf = pad if buf is None else mx.concatenate([buf[..., :used], pad], axis=-1)
     buf[..., used : used + n] = new
     return buf
+
+
+def fp16_row_bytes(keys, values, tokens: int) -> int:
+    """Bytes of ``tokens`` float16 key and value rows per sequence and head, shaped like ``keys`` /
+    ``values`` [B, H, rows, D] (0 when nothing is held): what mlx_lm's plain cache would hold for them
+    (without its spare rows), the reference of a cache's ``compression_ratio``."""
+    if keys is None:
+        return 0
+    B, H, _, D = keys.shape
+    return B * H * tokens * (D + values.shape[-1]) * 2
