@@ -10,14 +10,10 @@ import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
@@ -25,11 +21,11 @@ from veloxquant_mlx.cache import (  # noqa: E402
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp  # noqa: E402
-from veloxquant_mlx.cache.options import MiniCacheOptions  # noqa: E402
+from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp
+from veloxquant_mlx.cache.options import MiniCacheOptions
 
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, VOCAB, tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -256,9 +252,9 @@ def test_minicache_real_model_kl():
 
 
 # ==================================================================================== xKV
-from veloxquant_mlx.cache.methods.xkv import XKVKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import XKVOptions  # noqa: E402
-from veloxquant_mlx.cache.primitives import lowrank_fit as lr  # noqa: E402
+from veloxquant_mlx.cache.methods.xkv import XKVKVCache
+from veloxquant_mlx.cache.options import XKVOptions
+from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 
 
 def xkv_config(**opts):

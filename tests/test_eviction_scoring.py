@@ -6,19 +6,15 @@ trip, deepcopy, merge, and option validation."""
 
 import copy
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+import numpy as np
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-_blas.preload()  # OpenBLAS before mlx.core is first imported (the real-model test runs far faster)
-
-import mlx.core as mx  # noqa: E402
-import mlx_lm.models.base as mlx_base  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
-
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
-from veloxquant_mlx.cache.eviction import default_slack  # noqa: E402
-from veloxquant_mlx.cache import (  # noqa: E402
+from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
+from veloxquant_mlx.cache.eviction import default_slack
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     H2OOptions,
     KeyformerOptions,

@@ -9,14 +9,10 @@ import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
@@ -24,11 +20,11 @@ from veloxquant_mlx.cache import (  # noqa: E402
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache  # noqa: E402
-from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
+from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+from veloxquant_mlx.cache.primitives import groupquant as gq
 
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, VOCAB, tiny_llama
 
 G = 32
 

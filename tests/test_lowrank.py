@@ -12,14 +12,10 @@ import itertools
 import numpy as np
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
@@ -27,14 +23,14 @@ from veloxquant_mlx.cache import (  # noqa: E402
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.kvtc import KVTCKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.palu import PALUKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions  # noqa: E402
-from veloxquant_mlx.cache.primitives import lowrank_fit as lr  # noqa: E402
+from veloxquant_mlx.cache.methods.kvtc import KVTCKVCache
+from veloxquant_mlx.cache.methods.palu import PALUKVCache
+from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache
+from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions
+from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, VOCAB, tiny_llama
 
 CLASSES = {"svdq": SVDqKVCache, "palu": PALUKVCache, "kvtc": KVTCKVCache}
 OPTIONS = {"svdq": SVDqOptions, "palu": PaluOptions, "kvtc": KVTCOptions}

@@ -22,14 +22,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
@@ -37,11 +33,11 @@ from veloxquant_mlx.cache import (  # noqa: E402
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache import options as O  # noqa: E402
-from veloxquant_mlx.cache.base import method_info  # noqa: E402
+from veloxquant_mlx.cache import options as O
+from veloxquant_mlx.cache.base import method_info
 
-from numerics import rounding_bounds  # noqa: E402
-from tiny_models import ARCHS, VOCAB, greedy  # noqa: E402
+from numerics import rounding_bounds
+from tiny_models import ARCHS, VOCAB, greedy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vecinfer: key_sub_dim etc. are flat fields
 

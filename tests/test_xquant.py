@@ -10,14 +10,10 @@ import copy
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
@@ -25,12 +21,12 @@ from veloxquant_mlx.cache import (  # noqa: E402
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.xquant import XQuantKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import XQuantOptions  # noqa: E402
+from veloxquant_mlx.cache.methods.xquant import XQuantKVCache
+from veloxquant_mlx.cache.options import XQuantOptions
 
-from test_crosslayer import CASES, CHUNKS, TOKENS, _run_tokens  # noqa: E402  (the cross-layer tests' inputs)
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, tiny_llama  # noqa: E402
+from test_crosslayer import CASES, CHUNKS, TOKENS, _run_tokens  # the cross-layer tests' inputs
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, tiny_llama
 
 
 @pytest.fixture(autouse=True)
