@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import dispatch
 
-from test_quant_contract import make
+from contract_table import make
 
 B, H, HQ, D, T = 1, 2, 6, 64, 512
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache.primitives import groupquant as gq
 
-from test_quant_contract import make, rand
+from contract_table import make, rand
 
 
 @pytest.fixture(autouse=True)

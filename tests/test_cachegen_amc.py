@@ -19,7 +19,7 @@ from veloxquant_mlx.cache.base import method_info
 from veloxquant_mlx.cache.methods.cachegen import CacheGenKVCache, layer_bits
 from veloxquant_mlx.cache.primitives import entropy
 
-from test_quant_contract import caches_for, make, rand, run_chunks
+from contract_table import caches_for, make, rand, run_chunks
 from tiny_models import VOCAB, tiny_llama
 
 METHODS = [m for m in ("cachegen", "amc") if method_info(m).implemented]

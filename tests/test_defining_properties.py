@@ -36,7 +36,7 @@ from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.options import KIVIOptions, KVzipOptions
 from veloxquant_mlx.cache.primitives.rope import rope_spec
 
-from test_quant_contract import make
+from contract_table import make
 
 
 def layer_call(cache, q, k, v, scale):

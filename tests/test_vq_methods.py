@@ -15,7 +15,8 @@ import mlx.core as mx
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache import options as O
 
-from test_quant_contract import METHODS, make, rand, sdpa
+from contract_table import make, rand, sdpa
+from contract_table import QUANT_METHODS as METHODS
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # key_sub_dim etc. are shared flat fields
 
