@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import pytest
 
 from tiny_models import ARCHS, VOCAB
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, all_methods
@@ -163,7 +164,8 @@ class Case:
     unit: Spec | None = None  # the quantization contract's settings (KIVI family, vector quantization)
     merges: bool = False  # merge() builds the method's batched form (else it raises BatchingNotSupported)
     prepare: Callable | None = None  # (model, caches, prompt tokens) after the prompt: a method's own pass
-    loaded_nbytes_equal: bool = True  # a loaded cache holds the same nbytes (else the same used_nbytes)
+    loaded_nbytes_equal: bool = True  # a loaded / copied cache holds the same nbytes (else at most as many)
+    newest_trim_exact: bool = True  # trim of the newest decode rows == a cache that never saw them
 
 
 def _kvzip_compress(model, caches, tokens):
@@ -174,8 +176,28 @@ def _kvzip_compress(model, caches, tokens):
 
 MERGES = {"kivi", "turboquant_rvq", "streaming_llm"}  # their batched forms: test_*_batch.py
 PREPARE = {"kvzip": _kvzip_compress}
+LOADED_HOLDS_LESS = {  # a loaded or copied cache holds fewer bytes (the same used bytes), and why
+    "turboquant_rvq": "only the used rows are saved, not the spare capacity",
+    "chunkkv": "a group leader's last kept indices are held for its followers, not saved",
+    **{m: "see the Spec" for m, s in UNIT.items() if not s.loaded_nbytes_equal},
+}
+# Library bugs these tests expose, reported to the lead (strict: the test fails again once fixed, so the mark
+# has to go). chunkkv: load_prompt_cache does not restore the layer-wise index reuse (layer_id and the
+# coordinator are None after loading), so the followers vote and evict on their own and the loaded caches'
+# logits leave the original's at the first decode eviction after loading (deepcopy keeps the link).
+LOAD_BUGS = {"chunkkv": "library bug: a loaded chunkkv cache loses its index-reuse coordinator"}
+
+
+def with_known_bugs(methods, bugs):
+    """``methods`` as pytest params, those in ``bugs`` marked xfail(strict=True) with the bug as reason."""
+    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=bugs[m])) if m in bugs else m
+            for m in methods]
+
+
+# per-step eviction: a row the trimmed steps evicted does not come back (the trim drops exactly the newest)
+NEWEST_TRIM_DROPS_ONLY = {"streaming_llm", "tova", "morphkv"}
 TABLE = {m: Case(cfg, unit=UNIT.get(m), merges=m in MERGES, prepare=PREPARE.get(m),
-                 loaded_nbytes_equal=UNIT[m].loaded_nbytes_equal if m in UNIT else m != "turboquant_rvq")
+                 loaded_nbytes_equal=m not in LOADED_HOLDS_LESS, newest_trim_exact=m not in NEWEST_TRIM_DROPS_ONLY)
          for m, cfg in CONFIGS.items()}
 
 MLX_LM_METHODS = [i.name for i in all_methods() if i.protocol == MLX_LM and i.implemented]
