@@ -9,9 +9,9 @@ On a 4-layer tiny llama (head_dim 32) with each method's ``CONFIGS`` settings (c
   (and keep evolving identically), and are independent of the original;
 - ``merge`` builds the method's batched form, from which ``extract`` gives each cache back, or refuses
   with BatchingNotSupported (a compressed form is never silently decompressed);
-- a trim of the newest decode rows returns what it removed and continues like a cache that never saw
-  them, or (where the class says its trim may raise) refuses with ValueError and changes nothing; a trim
-  deep into compressed or evicted rows is refused with the offset unchanged, or exact;
+- a trim of the newest decode rows removes exactly them and continues like a cache that never saw them
+  (per-step eviction: the rows they evicted stay evicted); a trim deep into compressed rows is refused
+  with nothing changed, or exact; into evicted rows, refused;
 - mlx_lm's own generation with a chunked prefill runs on llama, qwen2 and gemma3 (sliding-window layers
   keep their own caches) and every cache of the method ends at the logical offset.
 
@@ -34,6 +34,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from contract_table import CONFIGS, LOAD_BUGS, MLX_LM_METHODS, TABLE, method_class, with_known_bugs
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.cache.base import method_info
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
 
@@ -115,6 +116,7 @@ def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
     loaded = load_prompt_cache(path)
     twin = copy.deepcopy(caches)
     assert [type(c) for c in loaded] == [type(c) for c in twin] == [type(c) for c in caches]
+    assert [c.size() for c in loaded] == [c.size() for c in twin] == [c.size() for c in caches]
     assert all(x is not y for x, y in zip(twin, caches))
     assert_same_state(caches, loaded)
     assert_same_state(caches, twin)
@@ -142,30 +144,26 @@ def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
 
 @pytest.mark.parametrize("method", MLX_LM_METHODS)
 def test_trim_of_the_newest_rows(method):
-    cls = method_class(method)
     caches = prefilled(method)
-    n = len(PROMPT) + len(DECODE)
-    try:
-        trimmed = [c.trim(2) for c in caches]
-    except ValueError:
-        assert cls.trim_exact_or_raises, f"{method}: a trim of two decode rows raised"
-        assert [c.offset for c in caches] == [n] * len(caches)
-    else:
-        assert trimmed == [2] * len(caches) and [c.offset for c in caches] == [n - 2] * len(caches)
+    n, sizes = len(PROMPT) + len(DECODE), [c.size() for c in caches]
+    assert all(c.is_trimmable() for c in caches)
+    assert [c.trim(2) for c in caches] == [2] * len(caches)  # decode rows: held at full precision
+    assert [c.offset for c in caches] == [n - 2] * len(caches) and [c.size() for c in caches] == [s - 2 for s in sizes]
+    if TABLE[method].newest_trim_exact:  # else the rows the trimmed steps evicted do not come back
         fresh = prefilled(method, DECODE[:-2])
+        assert [c.size() for c in caches] == [c.size() for c in fresh]
         for a, b in zip(step(caches, NEXT), step(fresh, NEXT)):
-            # per-step eviction (contract_table.NEWEST_TRIM_DROPS_ONLY): the rows the trimmed steps evicted
-            # do not come back, so only the offsets and the shapes agree
-            assert bool(mx.array_equal(a, b)) or (not TABLE[method].newest_trim_exact and a.shape == b.shape)
-        assert [c.offset for c in caches] == [c.offset for c in fresh]
-    for c in caches:  # deep into compressed / evicted rows: refused with nothing changed, or done
-        before = c.offset
+            assert bool(mx.array_equal(a, b))
+    evicts = method_info(method).family == "eviction"
+    for c in caches:  # deep into compressed or evicted rows: refused with nothing changed, or exact
+        before = (c.offset, c.size())
         try:
             deep = c.trim(60)
         except ValueError:
-            assert c.offset == before
+            assert (c.offset, c.size()) == before
         else:
-            assert deep == 60 == before - c.offset
+            assert not evicts, f"{method}: evicted rows cannot be trimmed back"
+            assert deep == 60 and (c.offset, c.size()) == (before[0] - 60, before[1] - 60)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -1,10 +1,10 @@
 """KIVI (arXiv 2402.02750): group quantization primitive, cache layout, attention on the codes, the
-mlx_lm contract (dispatch/dense equivalence, trim, state, deepcopy, merge, generate) and, on the real
+mlx_lm contract's KIVI specifics (dispatch/dense equivalence, group trims, generate; state, deepcopy and
+merge for every method: test_contract.py) and, on the real
 embedded model, next-token KL divergence against mlx_lm's plain KVCache."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -13,7 +13,6 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx.cache import (
-    BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
@@ -300,48 +299,6 @@ def test_trim_exact_cases_and_refusal():
     assert c.trim(104) == 104 and c.empty()
     c.update_and_fetch(k[:, :, :40], v[:, :, :40])
     same(c, fed(40))
-
-
-def test_state_round_trip_through_save_load_prompt_cache(tmp_path):
-    model = tiny_llama()
-    caches = _kivi_caches(model, 2)
-    _run_tokens(model, caches, TOKENS, [50, 1, 1])
-    path = str(tmp_path / "kivi.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    assert all(type(c) is KIVIKVCache for c in loaded)
-    for a, b in zip(caches, loaded):
-        assert (a.offset, a.n_quant, a.n_res, a.qbits, a.group, a.dtype_name) == (
-            b.offset, b.n_quant, b.n_res, b.qbits, b.group, b.dtype_name)
-        assert a.nbytes == b.nbytes
-    nxt = TOKENS[52:60]
-    la = _run_tokens(model, caches, nxt, [1] * 8)
-    lb = _run_tokens(model, loaded, nxt, [1] * 8)
-    for a, b in zip(la, lb):
-        assert bool(mx.array_equal(a, b))
-
-
-def test_deepcopy_is_independent():
-    model = tiny_llama()
-    caches = _kivi_caches(model, 4)
-    _run_tokens(model, caches, TOKENS, [40])
-    clone = copy.deepcopy(caches)
-    a = _run_tokens(model, caches, TOKENS[40:50], [1] * 10)
-    assert clone[0].offset == 40 and caches[0].offset == 50
-    b = _run_tokens(model, clone, TOKENS[40:50], [1] * 10)
-    for x, y in zip(a, b):
-        assert bool(mx.array_equal(x, y))
-
-
-def test_merge_builds_the_batch_form_variants_raise():
-    """KIVI batches its compressed form (tests/test_kivi_batch.py); its variants refuse."""
-    from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache
-
-    a, b = make_cache(), make_cache()
-    assert type(KIVIKVCache.merge([a, b])) is KIVIBatchKVCache
-    sink = KVCacheFactory.create(KVCacheConfig(method="kivi_sink", head_dim=64))
-    with pytest.raises(BatchingNotSupported):
-        type(sink).merge([sink, copy.deepcopy(sink)])
 
 
 def _kl(p_logits, q_logits):

@@ -9,21 +9,18 @@ Contract checked here for every method: the factory builds the method's class (n
 bad settings raise QuantizerConfigError naming the field, attention through the dispatch point equals
 dense attention over what update_and_fetch returned (every mask kind, with and without sinks), the
 dense path without the dispatch point gives the same logits, mlx_lm generation with chunked prefill on
-tiny llama/qwen2/gemma3, save/load_prompt_cache and deepcopy continue bit-identically, nbytes is the
-bytes of the arrays held, merge refuses, trim is exact or refused. KIVI-layout methods (``group``)
+tiny llama/qwen2/gemma3, trim is exact or refused (save/load_prompt_cache, deepcopy, nbytes and merge, for
+every mlx_lm method: test_contract.py). KIVI-layout methods (``group``)
 also keep whole quantized groups plus a float16 residual, trim whole groups exactly, and hold their
 bytes-per-token budget."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 
-from veloxquant_mlx.cache import BatchingNotSupported, QuantizerConfigError, dispatch
+from veloxquant_mlx.cache import QuantizerConfigError, dispatch
 
 from contract_table import (KIVI_LAYOUT, SPECS, TOKENS, caches_for, fill, make, method_class, model_of, rand,
                             run_chunks, sdpa)
@@ -129,29 +126,6 @@ def test_generate_with_chunked_prefill(method, arch):
     for c in ours:
         assert c.offset == 75 + 10 and c.stored_rows() == c.offset
         _kivi_layout(c, c.offset)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
-    model = model_of()
-    caches = caches_for(model, method)
-    run_chunks(model, caches, TOKENS, [70, 1, 1])
-    for c in caches:  # nbytes: the bytes of the arrays held (with spare capacity), used_nbytes of the filled part
-        assert c.nbytes == sum(a.nbytes for a in c.held_arrays()) >= c.used_nbytes
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is method_class(method) for c in caches + loaded)
-    assert [c.used_nbytes for c in loaded] == [c.used_nbytes for c in caches]
-    if SPECS[method].loaded_nbytes_equal:
-        assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
-    nxt = TOKENS[72:80]
-    la, lb, lc = (run_chunks(model, cs, nxt, [1] * 8) for cs in (caches, loaded, clone))
-    for a, b, c in zip(la, lb, lc):
-        assert bool(mx.array_equal(a, b)) and bool(mx.array_equal(a, c))
-    with pytest.raises(BatchingNotSupported):
-        method_class(method).merge(caches[:2])
 
 
 # ------------------------------------------------------------------------------------- trim
