@@ -5,14 +5,15 @@ under which it compresses the 120-token prompts of the model-level tables (budge
 below the prompt; test_chunk_invariance.py, test_contract.py, test_memory_honesty.py); ``unit``, for the
 KIVI-family / vector-quantization methods, the single-layer settings and quirks of the quantization
 contract (test_quant_contract.py); and the method's other quirks as data (``merges``, ``prepare``,
-``loaded_nbytes_equal``) instead of copies of a test body. The standalone methods are listed from the
-registry (their checks: test_standalone_methods.py, parametrized over them). ``chunk_invariant`` and
-``exact_trim`` are read from the classes, which declare them (proved both ways in test_chunk_invariance.py).
+``loaded_nbytes_equal``) instead of copies of a test body. Every standalone method has a row in
+``STANDALONE`` (its shared checks: test_standalone_methods.py). ``chunk_invariant`` and ``exact_trim`` are
+read from the classes, which declare them (proved both ways in test_chunk_invariance.py).
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -188,10 +189,11 @@ LOADED_HOLDS_LESS = {  # a loaded or copied cache holds fewer bytes (the same us
 LOAD_BUGS = {"chunkkv": "library bug: a loaded chunkkv cache loses its index-reuse coordinator"}
 
 
-def with_known_bugs(methods, bugs):
-    """``methods`` as pytest params, those in ``bugs`` marked xfail(strict=True) with the bug as reason."""
-    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=bugs[m])) if m in bugs else m
-            for m in methods]
+def with_known_bugs(items, bugs, name=lambda m: m):
+    """``items`` as pytest params, those whose method ``name(item)`` is in ``bugs`` marked xfail(strict=True)
+    with the bug as the reason."""
+    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=bugs[name(m)])) if name(m) in bugs else m
+            for m in items]
 
 
 # per-step eviction: a row the trimmed steps evicted does not come back (the trim drops exactly the newest)
@@ -201,7 +203,6 @@ TABLE = {m: Case(cfg, unit=UNIT.get(m), merges=m in MERGES, prepare=PREPARE.get(
          for m, cfg in CONFIGS.items()}
 
 MLX_LM_METHODS = [i.name for i in all_methods() if i.protocol == MLX_LM and i.implemented]
-STANDALONE_METHODS = [i.name for i in all_methods() if i.protocol != MLX_LM and i.implemented]
 SPECS = {m: TABLE[m].unit for m in UNIT}
 QUANT_METHODS = [m for m in SPECS if method_info(m).implemented]
 KIVI_LAYOUT = [m for m in QUANT_METHODS if SPECS[m].group]
@@ -258,7 +259,63 @@ def fill(cache, B, H, D, T, decode=40):
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(140)]
 
 
+# ------------------------------------------------------------------------------------ standalone methods
+@dataclass(frozen=True)
+class Standalone:
+    config: dict = field(default_factory=dict)  # settings over STANDALONE_FIELDS
+    calibrated: bool = False  # fitted up front from low-rank rows (spectral bases)
+    rotation: bool = False  # holds a random rotation drawn from ``seed`` (random_orthogonal(head_dim, seed))
+    reads_jl_dim: bool = True  # validates ``jl_dim``
+
+
+STANDALONE = {
+    "polar": Standalone(rotation=True, reads_jl_dim=False),
+    "qjl": Standalone(),
+    "spectral": Standalone(calibrated=True),
+    "turboquant_mse": Standalone({"bit_width_inlier": 2, "jl_dim": 128}, rotation=True, reads_jl_dim=False),
+    "turboquant_prod": Standalone({"bit_width_inlier": 2, "jl_dim": 128}, rotation=True),
+}
+
+
+# Library bugs (reported to the lead): TurboQuant's drop_oldest(-1) fails inside MLX ("[broadcast_shapes]
+# Shapes (0,8) and (16,8) ...", a ValueError) instead of raising CacheInputError as the other standalone caches do.
+DROP_OLDEST_BUGS = {m: "library bug: drop_oldest(-1) is not refused with CacheInputError"
+                    for m in ("turboquant_mse", "turboquant_prod")}
+
+
+def standalone_config(method=None, **kw):
+    """The plain config namespace a standalone cache reads its fields from: defaults, the method's row, ``kw``."""
+    base = dict(head_dim=128, bit_width_inlier=4, bit_width_outlier=3, jl_dim=None, n_outlier_channels=None,
+                n_calib_tokens=None, seed=42, dtype=None, capacity=None, observers=[], store=None,
+                spectral_key_d_eff=4, spectral_val_d_eff=50, spectral_apply_qjl=True, spectral_model_name="model")
+    return types.SimpleNamespace(**{**base, **(STANDALONE[method].config if method else {}), **kw})
+
+
+def held_arrays(obj, seen=None):
+    """Every mx.array reachable from a standalone cache through its own (package) objects and containers."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    out = []
+    if isinstance(obj, dict):
+        for v in obj.values():
+            out += held_arrays(v, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            out += held_arrays(v, seen)
+    elif type(obj).__module__.startswith("veloxquant_mlx") and hasattr(obj, "__dict__"):
+        for v in vars(obj).values():
+            out += held_arrays(v, seen)
+    return out
+
+
 @functools.cache
 def model_of(arch="llama"):
     """One tiny model per architecture for the whole session (inference never changes it)."""
     return ARCHS[arch]()
+
+
+STANDALONE_METHODS = [i.name for i in all_methods() if i.protocol != MLX_LM and i.implemented]
