@@ -167,6 +167,7 @@ class Case:
     prepare: Callable | None = None  # (model, caches, prompt tokens) after the prompt: a method's own pass
     loaded_nbytes_equal: bool = True  # a loaded / copied cache holds the same nbytes (else at most as many)
     newest_trim_exact: bool = True  # trim of the newest decode rows == a cache that never saw them
+    sparse_decode: bool = False  # a single-row call attends a subset of the rows update_and_fetch returned
 
 
 def _kvzip_compress(model, caches, tokens):
@@ -196,10 +197,15 @@ def with_known_bugs(items, bugs, name=lambda m: m):
             for m in items]
 
 
+# sparse decode attention: a single-row call attends a selected subset of the rows it returns (a2ats: the
+# retrieved rows; rocketkv: the selected pages), so only multi-row calls equal dense attention over them
+SPARSE_DECODE = {"a2ats", "rocketkv"}
+
 # per-step eviction: a row the trimmed steps evicted does not come back (the trim drops exactly the newest)
 NEWEST_TRIM_DROPS_ONLY = {"streaming_llm", "tova", "morphkv"}
 TABLE = {m: Case(cfg, unit=UNIT.get(m), merges=m in MERGES, prepare=PREPARE.get(m),
-                 loaded_nbytes_equal=m not in LOADED_HOLDS_LESS, newest_trim_exact=m not in NEWEST_TRIM_DROPS_ONLY)
+                 loaded_nbytes_equal=m not in LOADED_HOLDS_LESS, newest_trim_exact=m not in NEWEST_TRIM_DROPS_ONLY,
+                 sparse_decode=m in SPARSE_DECODE)
          for m, cfg in CONFIGS.items()}
 
 MLX_LM_METHODS = [i.name for i in all_methods() if i.protocol == MLX_LM and i.implemented]
@@ -257,6 +263,31 @@ def fill(cache, B, H, D, T, decode=40):
 
 
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(140)]
+
+
+# ------------------------------------------------------------------------------- per-layer rows of a model
+N_LAYERS, H, HQ, D = 4, 2, 4, 32  # the model-level tables' tiny llama: tiny_llama(head_dim=D, n_layers=N_LAYERS)
+
+
+def layer_rows(seed: int, n: int):
+    """Per layer of a N_LAYERS-layer model, (q [1, HQ, n, D], k [1, H, n, D], v [1, H, n, D]) float32 rows with
+    the structure the methods react to: adjacent layers correlated, a key outlier channel that moves after
+    position 48."""
+    mx.random.seed(seed)
+    shared_k = mx.random.normal((1, H, n, D))
+    shared_v = mx.random.normal((1, H, n, D))
+    pos = mx.arange(n)[:, None]
+    ch = mx.arange(D)[None]
+    # an outlier key channel that moves after position 48
+    boost = mx.where((pos < 48) & (ch == 0), 8.0, 1.0) * mx.where((pos >= 48) & (ch == 5), 8.0, 1.0)
+    out = []
+    for _ in range(N_LAYERS):
+        k = (shared_k + 0.25 * mx.random.normal((1, H, n, D))) * boost
+        v = shared_v + 0.25 * mx.random.normal((1, H, n, D))
+        q = mx.random.normal((1, HQ, n, D)) * 1.5
+        out.append((q, k, v))
+    mx.eval(out)
+    return out
 
 
 # ------------------------------------------------------------------------------------ standalone methods

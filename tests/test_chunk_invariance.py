@@ -33,14 +33,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_attention_mask
 
-from contract_table import CONFIGS, MLX_LM_METHODS, method_class
+from contract_table import CONFIGS, D, MLX_LM_METHODS, N_LAYERS, layer_rows, method_class
 from tiny_models import tiny_llama
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, dispatch
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
 
-N_LAYERS, H, HQ, D = 4, 2, 4, 32
 SCALE = D**-0.5
 T = 120  # prompt rows
 N_TRIM = 24  # decode rows appended, then trimmed
@@ -52,27 +51,9 @@ PROBE = [5, 1, 1]  # calls after the prompt whose outputs are compared
 TOL = 1e-5  # float32 rows; a chunk-invariant cache differs at most by summation order
 DIFFERS = 1e-3  # a False flag must show a difference at least this large
 
-def _data(seed: int, n: int):
-    """Per layer (q [1, HQ, n, D], k [1, H, n, D], v [1, H, n, D]) float32 rows."""
-    mx.random.seed(seed)
-    shared_k = mx.random.normal((1, H, n, D))
-    shared_v = mx.random.normal((1, H, n, D))
-    pos = mx.arange(n)[:, None]
-    ch = mx.arange(D)[None]
-    # an outlier key channel that moves after position 48
-    boost = mx.where((pos < 48) & (ch == 0), 8.0, 1.0) * mx.where((pos >= 48) & (ch == 5), 8.0, 1.0)
-    out = []
-    for _ in range(N_LAYERS):
-        k = (shared_k + 0.25 * mx.random.normal((1, H, n, D))) * boost
-        v = shared_v + 0.25 * mx.random.normal((1, H, n, D))
-        q = mx.random.normal((1, HQ, n, D)) * 1.5
-        out.append((q, k, v))
-    mx.eval(out)
-    return out
 
-
-PROMPT = _data(0, T + sum(PROBE))  # prompt rows, then the probe rows (same positions in every run)
-DISCARDED = _data(1, N_TRIM)  # rows of the decode steps that are trimmed away
+PROMPT = layer_rows(0, T + sum(PROBE))  # prompt rows, then the probe rows (same positions in every run)
+DISCARDED = layer_rows(1, N_TRIM)  # rows of the decode steps that are trimmed away
 
 
 def build(method):

@@ -1,7 +1,10 @@
 """The mlx_lm cache contract, once, for every mlx_lm-protocol method (the rows of tests/contract_table.py).
 
 On a 4-layer tiny llama (head_dim 32) with each method's ``CONFIGS`` settings (compression happens on the
-100-token prompt), driven by the model itself:
+100-token prompt), driven by the model itself (the first check: by per-layer rows, as mlx_lm's layers):
+
+- attention through the dispatch point equals dense attention over what update_and_fetch returned, with
+  the mask mlx_lm builds from the cache (``contract_table.SPARSE_DECODE``: prefill calls only);
 
 - ``nbytes`` is the bytes of the arrays each cache holds, at least its ``used_nbytes``;
 - ``save_prompt_cache`` / ``load_prompt_cache`` and ``copy.deepcopy`` give caches of the same classes with
@@ -15,9 +18,9 @@ On a 4-layer tiny llama (head_dim 32) with each method's ``CONFIGS`` settings (c
 - mlx_lm's own generation with a chunked prefill runs on llama, qwen2 and gemma3 (sliding-window layers
   keep their own caches) and every cache of the method ends at the logical offset.
 
-Each method's defining property and its own edge cases stay in its own test module; the attention /
-mask checks against a dense reference are test_quant_contract.py (quantization) and
-test_eviction_contract.py (eviction); chunk invariance and exact trims: test_chunk_invariance.py;
+Each method's defining property and its own edge cases stay in its own test module (every mask kind and
+sinks: test_quant_contract.py; eviction against a reference that knows the kept positions:
+test_eviction_contract.py and the eviction modules); chunk invariance and exact trims: test_chunk_invariance.py;
 memory honesty against MLX's allocator: test_memory_honesty.py.
 """
 
@@ -29,11 +32,13 @@ import functools
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from contract_table import CONFIGS, LOAD_BUGS, MLX_LM_METHODS, TABLE, method_class, with_known_bugs
+from contract_table import CONFIGS, D, LOAD_BUGS, MLX_LM_METHODS, TABLE, layer_rows, method_class, with_known_bugs
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
-from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, dispatch
+from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.base import method_info
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
@@ -102,6 +107,27 @@ def assert_same_state(a, b):
 
 def test_every_mlx_lm_method_has_a_row():
     assert sorted(TABLE) == sorted(MLX_LM_METHODS)
+
+
+@pytest.mark.parametrize("method", MLX_LM_METHODS)
+def test_attention_equals_dense_attention_over_the_returned_rows_with_mlx_lm_masks(method):
+    """Per layer and call, as mlx_lm runs them (one mask from layer 0, update_and_fetch, then the dispatch
+    point): the cache's own attention equals dense attention over the rows update_and_fetch returned with
+    that mask -- through prefill chunks, decode steps, and the compression / eviction between them."""
+    caches, data, start = build(method), layer_rows(3, 125), 0
+    assert dispatch.installed()
+    for n in (70, 1, 1, 20, 1, 30, 1, 1):
+        mask = create_attention_mask(mx.zeros((1, n, 1)), caches[0])
+        for cache, (q, k, v) in zip(caches, data):
+            sl = slice(start, start + n)
+            K, V = cache.update_and_fetch(k[:, :, sl], v[:, :, sl])
+            out = dispatched_sdpa(q[:, :, sl], K, V, cache=cache, scale=D**-0.5, mask=mask)
+            ref = mx.fast.scaled_dot_product_attention(q[:, :, sl], K, V, scale=D**-0.5, mask=mask)
+            assert out.shape == ref.shape and K.shape[2] == V.shape[2]
+            if n > 1 or not TABLE[method].sparse_decode:  # float32 rows: only the summation order differs
+                assert float(mx.abs(out - ref).max()) <= 1e-4 * max(1.0, float(mx.abs(V).max())), (start, n)
+        start += n
+        assert [c.offset for c in caches] == [start] * len(caches)
 
 
 @pytest.mark.parametrize("method", with_known_bugs(MLX_LM_METHODS, LOAD_BUGS))
