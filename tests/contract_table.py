@@ -13,11 +13,13 @@ read from the classes, which declare them (proved both ways in test_chunk_invari
 from __future__ import annotations
 
 import functools
+import math
 import types
 from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from tiny_models import ARCHS, VOCAB
@@ -260,6 +262,27 @@ def fill(cache, B, H, D, T, decode=40):
     for _ in range(decode):
         cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
     return cache
+
+
+def kl(p_logits, q_logits):
+    """KL(p || q) of the next-token distributions of two logit vectors."""
+    lp = p_logits - mx.logsumexp(p_logits, axis=-1, keepdims=True)
+    lq = q_logits - mx.logsumexp(q_logits, axis=-1, keepdims=True)
+    return float(mx.sum(mx.exp(lp) * (lp - lq)))
+
+
+def exact_attention(q, k, v):
+    """Softmax attention in NumPy: queries [n, D] over keys / values [T, D]."""
+    s = q @ k.T / math.sqrt(k.shape[1])
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    w /= w.sum(axis=-1, keepdims=True)
+    return w @ v
+
+
+def cosine(a, b):
+    """Cosine similarity of two arrays (flattened, float64)."""
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(140)]

@@ -35,7 +35,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from contract_table import CONFIGS, D, LOAD_BUGS, MLX_LM_METHODS, TABLE, layer_rows, method_class, with_known_bugs
+from contract_table import (CONFIGS, D, LOAD_BUGS, MLX_LM_METHODS, TABLE, layer_rows, method_class,
+                            with_known_bugs)
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, dispatch
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa

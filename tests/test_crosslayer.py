@@ -24,6 +24,7 @@ from veloxquant_mlx.cache import (
 from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp
 from veloxquant_mlx.cache.options import MiniCacheOptions
 
+from contract_table import run_chunks as _run_tokens
 from numerics import float16_rounding_effect
 from tiny_models import ARCHS, VOCAB, tiny_llama
 
@@ -157,15 +158,6 @@ def test_minicache_bytes_per_token_budget_and_shared_direction_counted_once():
     assert prim.used_nbytes + mer.used_nbytes == held
     assert mer.compressed_key_bytes + mer.compressed_value_bytes == mer.used_nbytes
     assert prim.fp16_key_bytes == B * H * T * D * 2 == mer.fp16_value_bytes
-
-
-def _run_tokens(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
 
 
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]

@@ -22,6 +22,8 @@ from veloxquant_mlx.cache import (
 from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
 from veloxquant_mlx.cache.primitives import groupquant as gq
 
+from contract_table import kl as _kl
+from contract_table import run_chunks as _run_tokens
 from numerics import float16_rounding_effect
 from tiny_models import ARCHS, VOCAB, tiny_llama
 
@@ -205,17 +207,6 @@ def test_attend_batch_gqa_and_low_precision_inputs(dtype):
     assert (cache.n_quant, cache.n_res) == (64, 7)
 
 
-def _run_tokens(model, caches, tokens, chunks):
-    """Feed ``tokens`` in chunks; return the last logits of every chunk (float32)."""
-    out, i = [], 0
-    for n in chunks:
-        logits = model(mx.array(tokens[i : i + n])[None], cache=caches)
-        out.append(logits[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
 def _kivi_caches(model, bits=4, install=True):
     return KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bit_width_inlier=bits),
                                     install_dispatch=install)
@@ -299,12 +290,6 @@ def test_trim_exact_cases_and_refusal():
     assert c.trim(104) == 104 and c.empty()
     c.update_and_fetch(k[:, :, :40], v[:, :, :40])
     same(c, fed(40))
-
-
-def _kl(p_logits, q_logits):
-    lp = p_logits - mx.logsumexp(p_logits, axis=-1, keepdims=True)
-    lq = q_logits - mx.logsumexp(q_logits, axis=-1, keepdims=True)
-    return float(mx.sum(mx.exp(lp) * (lp - lq)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -27,6 +27,8 @@ from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache
 from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 
+from contract_table import kl as _kl
+from contract_table import run_chunks as _run_tokens
 from numerics import float16_rounding_effect
 from tiny_models import ARCHS, VOCAB, tiny_llama
 
@@ -162,15 +164,6 @@ def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
     assert cache.n_quant == 96 and cache.n_res > 0 and cache.rank > 0
 
 
-def _run_tokens(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]
 CHUNKS = [45, 1, 1, 1, 20, 1, 1, 16, 1]
 
@@ -251,12 +244,6 @@ def test_trim_exact_or_refused(method):
     assert c.trim(104) == 104 and c.empty() and c.k_basis is None  # refit on the next block
     c.update_and_fetch(k[:, :, :40], v[:, :, :40])
     same(c, fed(40))
-
-
-def _kl(p, q):
-    lp = p - mx.logsumexp(p, axis=-1, keepdims=True)
-    lq = q - mx.logsumexp(q, axis=-1, keepdims=True)
-    return float(mx.sum(mx.exp(lp) * (lp - lq)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -31,8 +31,8 @@ from veloxquant_mlx.cache.primitives.rotation import random_orthogonal
 from veloxquant_mlx.cache.primitives.sketch import gaussian_jl
 from veloxquant_mlx.core.abstractions import KVCache
 
-from contract_table import (DROP_OLDEST_BUGS, STANDALONE, STANDALONE_METHODS, held_arrays, standalone_config,
-                            with_known_bugs)
+from contract_table import (DROP_OLDEST_BUGS, STANDALONE, STANDALONE_METHODS, cosine, exact_attention, held_arrays,
+                            standalone_config, with_known_bugs)
 
 D = 128
 CLASSES = [method_info(m).cls for m in STANDALONE]  # the shared checks below run on every standalone method
@@ -40,18 +40,6 @@ CLASSES = [method_info(m).cls for m in STANDALONE]  # the shared checks below ru
 
 def cfg(**kw):
     return standalone_config(None, **kw)
-
-
-def exact_attention(q, k, v):
-    s = q @ k.T / math.sqrt(k.shape[1])
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    w /= w.sum(axis=-1, keepdims=True)
-    return w @ v
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 # A low-rank-plus-noise key/value model: the kind of data SpectralQuant is built for.

@@ -15,7 +15,7 @@ from veloxquant_mlx.cache.methods.turboquant import TurboQuantMSEKVCache, TurboQ
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion
 from veloxquant_mlx.core.abstractions import KVCache
 
-from contract_table import held_arrays, standalone_config
+from contract_table import cosine, exact_attention, held_arrays, standalone_config
 
 D = 128
 PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}  # TurboQuant paper (Theorem 1)
@@ -29,18 +29,6 @@ def cfg(**kw):
 def unit_rows(n, d=D, seed=0):
     x = np.random.default_rng(seed).standard_normal((n, d))
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
-def exact_attention(q, k, v):
-    s = q @ k.T / math.sqrt(k.shape[1])
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    w /= w.sum(axis=-1, keepdims=True)
-    return w @ v
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 CLASSES = [TurboQuantMSEKVCache, TurboQuantProdKVCache]

@@ -1,9 +1,9 @@
 """XQuant (arXiv 2510.11236): the higher layers of a group read the base layer's quantized codes with their own
 scales / zero points. The defining properties: a shared layer holds no codes (exact bytes: a pair costs one
 KIVI layer's codes less than two KIVI layers at the same bits), and sharing wins at equal bytes when adjacent
-layers are similar and loses when they are not; the mlx_lm contract's XQuant specifics (dispatch == dense, state round trip
-and deepcopy relinking the group, deep trims refused, generate on every tiny architecture; the rest for every
-method: test_contract.py)."""
+layers are similar and loses when they are not; the mlx_lm contract's XQuant specifics (dispatch == dense,
+state round trip and deepcopy relinking the group, deep trims refused, generate on every tiny architecture;
+the rest for every method: test_contract.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from veloxquant_mlx.cache import (
 from veloxquant_mlx.cache.methods.xquant import XQuantKVCache
 from veloxquant_mlx.cache.options import XQuantOptions
 
-from test_crosslayer import CASES, CHUNKS, TOKENS, _run_tokens  # the cross-layer tests' inputs
+from contract_table import run_chunks as _run_tokens
+from test_crosslayer import CASES, CHUNKS, TOKENS  # the cross-layer tests' inputs
 from numerics import float16_rounding_effect
 from tiny_models import ARCHS, tiny_llama
 
