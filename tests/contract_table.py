@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import mlx_lm.models.base as mlx_base
 import numpy as np
 import pytest
 
@@ -262,6 +263,19 @@ def fill(cache, B, H, D, T, decode=40):
     for _ in range(decode):
         cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
     return cache
+
+
+def layer_call(cache, q, k, v):
+    """What an mlx_lm attention layer does with a cache: the mask first, then update_and_fetch, then mlx_lm's
+    sdpa (the cache's ``attend`` when the dispatch point is installed, MLX's kernel otherwise)."""
+    mask = cache.make_mask(q.shape[2])
+    keys, values = cache.update_and_fetch(k, v)
+    return mlx_base.scaled_dot_product_attention(q, keys, values, cache=cache, scale=q.shape[-1] ** -0.5, mask=mask)
+
+
+def gather(x, pos):
+    """Rows of ``x`` [B, H, T, D] at positions ``pos`` [B, H, n]."""
+    return mx.take_along_axis(x, pos[..., None], axis=2)
 
 
 def kl(p_logits, q_logits):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from contract_table import gather, layer_call
 from tiny_models import VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import (
     CaMOptions,
@@ -27,7 +28,6 @@ from veloxquant_mlx.cache import (
     dispatch,
 )
 from veloxquant_mlx.cache.attention import attention_with_weights
-from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.eviction import observation_scores
 from veloxquant_mlx.cache.methods.pyramidkv import OBS_WINDOW, pyramid_budgets
 from veloxquant_mlx.cache.methods.squeeze import SqueezeAttentionCache, kmeans_1d, squeeze_budgets
@@ -47,22 +47,8 @@ def make(method, **opts):
     return KVCacheFactory.create(config(method, **opts))
 
 
-def layer_call(cache, q, k, v):
-    """What an mlx_lm attention layer does with a cache (mask first, then update, then sdpa: the
-    cache's ``attend`` when the dispatch point is installed, mlx_lm's own attention otherwise)."""
-    mask = cache.make_mask(q.shape[2])
-    keys, values = cache.update_and_fetch(k, v)
-    if dispatch.installed():
-        return dispatched_sdpa(q, keys, values, cache=cache, scale=D**-0.5, mask=mask)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask)
-
-
 def kept(cache, b=0, h=0):
     return cache.positions[b, h, : cache.size()].tolist()
-
-
-def gather(x, pos):
-    return mx.take_along_axis(x, pos[..., None], axis=2)
 
 
 # ------------------------------------------------------------------------------------------ real queries

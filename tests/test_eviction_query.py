@@ -9,10 +9,10 @@ import math
 import warnings
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from contract_table import gather, layer_call
 from tiny_models import VOCAB, greedy, tiny_gemma3, tiny_llama
 from veloxquant_mlx.cache import (KVCacheBuilder, KVCacheConfig, KVCacheFactory,
                                   QuantizerConfigError, dispatch)
@@ -43,17 +43,6 @@ def config(method, dtype=F32, **kw):
 
 def make(method, **kw):
     return KVCacheFactory.create(config(method, **kw))
-
-
-def layer_call(cache, q, k, v):
-    """What an mlx_lm attention layer does (mask, update, then whatever sdpa is installed)."""
-    mask = cache.make_mask(q.shape[2])
-    keys, values = cache.update_and_fetch(k, v)
-    return mlx_base.scaled_dot_product_attention(q, keys, values, cache=cache, scale=SCALE, mask=mask)
-
-
-def gather(x, pos):
-    return mx.take_along_axis(x, pos[..., None], axis=2)
 
 
 def needle_data(T=128, needles=(40, 63, 87, 110)):

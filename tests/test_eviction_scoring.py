@@ -5,11 +5,11 @@ key proxies, the paper's defining property, bounded memory over a long decode, t
 makes exact, and option validation (state round trip, deepcopy, merge: test_contract.py)."""
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from contract_table import gather, layer_call
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache.eviction import default_slack
 from veloxquant_mlx.cache import (
@@ -51,23 +51,10 @@ def make(method, budget, **kw):
     return KVCacheFactory.create(config(method, budget, **kw))
 
 
-def layer_call(cache, q, k, v):
-    """What an mlx_lm attention layer does with a cache (mask first, then update, then mlx_lm's
-    sdpa: the dispatch point when installed, MLX's kernel otherwise)."""
-    mask = cache.make_mask(q.shape[2])
-    keys, values = cache.update_and_fetch(k, v)
-    return mlx_base.scaled_dot_product_attention(q, keys, values, cache=cache, scale=q.shape[-1] ** -0.5,
-                                                 mask=mask)
-
-
 def held(cache):
     if cache.positions is None:
         return mx.zeros((B, H, 0), mx.int32)
     return cache.positions[:, :, : cache.size()]
-
-
-def gather(X, pos):
-    return mx.take_along_axis(X, pos[..., None], axis=2)
 
 
 def probs(q, K, scale):
