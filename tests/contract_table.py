@@ -5,7 +5,8 @@ under which it compresses the 120-token prompts of the model-level tables (budge
 below the prompt; test_chunk_invariance.py, test_contract.py, test_memory_honesty.py); ``unit``, for the
 KIVI-family / vector-quantization methods, the single-layer settings and quirks of the quantization
 contract (test_quant_contract.py); and the method's other quirks as data (``merges``, ``prepare``,
-``loaded_nbytes_equal``) instead of copies of a test body. Every standalone method has a row in
+``loaded_nbytes_equal``, ``newest_trim_exact``, ``sparse_decode``, known library bugs) instead of copies of a
+test body. Every standalone method has a row in
 ``STANDALONE`` (its shared checks: test_standalone_methods.py). ``chunk_invariant`` and ``exact_trim`` are
 read from the classes, which declare them (proved both ways in test_chunk_invariance.py).
 """
@@ -161,6 +162,7 @@ CONFIGS = {  # method -> KVCacheConfig fields for the 4-layer, head_dim 32, 120-
     "nestedkv": dict(options=O.NestedKVOptions(budget=48, n_sink=2, window=8)),
     "rocketkv": dict(options=O.RocketKVOptions(compression_ratio=4.0, obs_window=8, n_sink=2)),
 }
+
 
 @dataclass(frozen=True)
 class Case:
