@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-import veloxquant_mlx  # noqa: F401  (loads OpenBLAS before any test imports mlx)
+# The suite's one OpenBLAS preload: importing the package runs ``_blas.preload()``, and conftest.py is
+# imported before any test module imports mlx, so no test module repeats it.
+import veloxquant_mlx  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).parent))
 

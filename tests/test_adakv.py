@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import dispatch
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache import dispatch  # noqa: E402
-
-from test_quant_contract import make  # noqa: E402
+from contract_table import make
 
 B, H, HQ, D, T = 1, 2, 6, 64, 512
 

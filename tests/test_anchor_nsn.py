@@ -8,15 +8,11 @@ import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache.primitives import groupquant as gq
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
-
-from test_quant_contract import make, rand  # noqa: E402
+from contract_table import make, rand
 
 
 @pytest.fixture(autouse=True)

@@ -11,20 +11,16 @@ import os
 import numpy as np
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
+from veloxquant_mlx.cache import KVCacheConfig
+from veloxquant_mlx.cache.base import method_info
+from veloxquant_mlx.cache.methods.cachegen import CacheGenKVCache, layer_bits
+from veloxquant_mlx.cache.primitives import entropy
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import KVCacheConfig  # noqa: E402
-from veloxquant_mlx.cache.base import method_info  # noqa: E402
-from veloxquant_mlx.cache.methods.cachegen import CacheGenKVCache, layer_bits  # noqa: E402
-from veloxquant_mlx.cache.primitives import entropy  # noqa: E402
-
-from test_quant_contract import caches_for, make, rand, run_chunks  # noqa: E402
-from tiny_models import VOCAB, tiny_llama  # noqa: E402
+from contract_table import caches_for, make, rand, run_chunks
+from tiny_models import VOCAB, tiny_llama
 
 METHODS = [m for m in ("cachegen", "amc") if method_info(m).implemented]
 

@@ -22,7 +22,7 @@ state is split-invariant.)
 The data has the structure the methods react to: adjacent layers correlated (cross-layer merging and
 shared bases), a key outlier channel that moves after the first 48 positions (so anything calibrated
 on the first block differs from a fit on the whole prompt), and budgets, groups and windows smaller
-than the 120-token prompt.
+than the 120-token prompt (the settings: ``CONFIGS`` of tests/contract_table.py).
 """
 
 from __future__ import annotations
@@ -33,15 +33,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_attention_mask
 
+from contract_table import CONFIGS, D, MLX_LM_METHODS, N_LAYERS, layer_rows, method_class
 from tiny_models import tiny_llama
-from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, all_methods, dispatch
-from veloxquant_mlx.cache import options as O
-from veloxquant_mlx.cache.base import MLX_LM, method_info
+from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, dispatch
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
 
-N_LAYERS, H, HQ, D = 4, 2, 4, 32
 SCALE = D**-0.5
 T = 120  # prompt rows
 N_TRIM = 24  # decode rows appended, then trimmed
@@ -53,76 +51,9 @@ PROBE = [5, 1, 1]  # calls after the prompt whose outputs are compared
 TOL = 1e-5  # float32 rows; a chunk-invariant cache differs at most by summation order
 DIFFERS = 1e-3  # a False flag must show a difference at least this large
 
-CONFIGS = {
-    # quantization
-    "turboquant_rvq": dict(key_codebook_bits=8, value_codebook_bits=6, residual_length=16),
-    "vecinfer": dict(key_codebook_bits=6, value_codebook_bits=6),
-    "kivi": dict(bit_width_inlier=2, options=O.KIVIOptions(group_size=16)),
-    "kivi_sink": dict(bit_width_inlier=2, options=O.KIVISinkOptions(group_size=16, n_sink_tokens=3)),
-    "kitty": dict(options=O.KittyOptions(group_size=16)),
-    "adakv": dict(options=O.AdaKVOptions(group_size=16)),
-    "kvquant": dict(options=O.KVQuantOptions(group_size=16)),
-    "cachegen": dict(options=O.CacheGenOptions(group_size=16, bits=2)),
-    "gear": dict(options=O.GEAROptions(group_size=32, energy_threshold=0.2)),
-    "zipcache": dict(options=O.ZipCacheOptions(group_size=16)),
-    "nsnquant": dict(options=O.NSNQuantOptions(residual_length=16, codebook_size=64, subvector_dim=4,
-                                                bits=3)),
-    "skvq": dict(options=O.SKVQOptions(window=16, group_size=16)),
-    "amc": dict(options=O.AMCOptions(group_size=16)),
-    "a2ats": dict(options=O.A2ATSOptions(window=16, codebook_bits=6, retrieval_fraction=0.3)),
-    "anchorkv": dict(options=O.AnchorKVOptions(window=16)),
-    "age_tiered": dict(options=O.AgeTieredOptions(recent_boundary=32, mid_boundary=64, group_size=16)),
-    "waterfill": dict(bit_width_inlier=3, n_calib_tokens=32, options=O.WaterfillOptions(residual_length=16)),
-    # cross-layer
-    "svdq": dict(options=O.SVDqOptions(group_size=16)),
-    "xquant": dict(options=O.XQuantOptions(group_quant_size=16)),
-    "palu": dict(options=O.PaluOptions(group_size=16)),
-    "minicache": dict(options=O.MiniCacheOptions(retention_threshold=0.9)),
-    "xkv": dict(options=O.XKVOptions(group_quant_size=16)),
-    "kvtc": dict(options=O.KVTCOptions(bit_budget=64)),
-    # eviction
-    "snapkv": dict(options=O.SnapKVOptions(budget=48, obs_window=8, n_sink=2)),
-    "streaming_llm": dict(options=O.StreamingLLMOptions(n_sink=2, window_size=40)),
-    "h2o": dict(options=O.H2OOptions(budget=48, n_sink=2, grace=8)),
-    "tova": dict(options=O.TOVAOptions(budget=48, n_sink=2)),
-    "pyramidkv": dict(options=O.PyramidKVOptions(budget=60, n_sink=2)),
-    "squeeze": dict(options=O.SqueezeOptions(budget=60, n_sink=2)),
-    "chunkkv": dict(options=O.ChunkKVOptions(budget=60, n_sink=2, chunk_size=4, reuse_layers=2)),
-    "cam": dict(options=O.CaMOptions(budget=60, n_sink=2)),
-    "knorm": dict(options=O.KNormOptions(budget=48, n_sink=2, recent=4)),
-    "qfilters": dict(options=O.QFiltersOptions(budget=48, n_sink=2, calib_tokens=32, on_low_retention="ignore")),
-    "keyformer": dict(options=O.KeyformerOptions(budget=48, n_sink=2, recent=4)),
-    "morphkv": dict(options=O.MorphKVOptions(budget=48, n_sink=2, window=8)),
-    "kvzip": dict(options=O.KVzipOptions(budget=48, n_sink=2)),
-    "curdkv": dict(options=O.CurDKVOptions(budget=48, n_sink=2, rank_cap=8)),
-    "nestedkv": dict(options=O.NestedKVOptions(budget=48, n_sink=2, window=8)),
-    "rocketkv": dict(options=O.RocketKVOptions(compression_ratio=4.0, obs_window=8, n_sink=2)),
-}
 
-MLX_LM_METHODS = [i.name for i in all_methods() if i.protocol == MLX_LM and i.implemented]
-
-
-def _data(seed: int, n: int):
-    """Per layer (q [1, HQ, n, D], k [1, H, n, D], v [1, H, n, D]) float32 rows."""
-    mx.random.seed(seed)
-    shared_k = mx.random.normal((1, H, n, D))
-    shared_v = mx.random.normal((1, H, n, D))
-    pos = mx.arange(n)[:, None]
-    ch = mx.arange(D)[None]
-    # an outlier key channel that moves after position 48
-    boost = mx.where((pos < 48) & (ch == 0), 8.0, 1.0) * mx.where((pos >= 48) & (ch == 5), 8.0, 1.0)
-    out = []
-    for _ in range(N_LAYERS):
-        k = (shared_k + 0.25 * mx.random.normal((1, H, n, D))) * boost
-        v = shared_v + 0.25 * mx.random.normal((1, H, n, D))
-        q = mx.random.normal((1, HQ, n, D)) * 1.5
-        out.append((q, k, v))
-    mx.eval(out)
-    return out
-
-
-PROMPT = _data(0, T + sum(PROBE))  # prompt rows, then the probe rows (same positions in every run)
-DISCARDED = _data(1, N_TRIM)  # rows of the decode steps that are trimmed away
+PROMPT = layer_rows(0, T + sum(PROBE))  # prompt rows, then the probe rows (same positions in every run)
+DISCARDED = layer_rows(1, N_TRIM)  # rows of the decode steps that are trimmed away
 
 
 def build(method):
@@ -174,10 +105,6 @@ def reference(method):
         feed(caches, PROMPT, [T])
         _CACHE[method] = probe(caches)
     return _CACHE[method]
-
-
-def method_class(method):
-    return method_info(method).cls
 
 
 # ------------------------------------------------------------------------------------------ tests

@@ -1,5 +1,6 @@
-"""Cross-layer caches: MiniCache (arXiv 2405.14366). The mlx_lm contract (dispatch/dense equivalence,
-bytes, trim, state, deepcopy, merge, generate), the paper's defining property (retention follows the
+"""Cross-layer caches: MiniCache (arXiv 2405.14366). The mlx_lm contract's cross-layer specifics
+(dispatch/dense equivalence, links kept by state and deepcopy, deep trims, generate; the rest for every
+method: test_contract.py), the paper's defining property (retention follows the
 cosine threshold; merged rows are magnitude · SLERP direction, the direction held once per pair) and
 next-token KL on the real model."""
 
@@ -10,26 +11,22 @@ import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
+from veloxquant_mlx.cache import (
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp  # noqa: E402
-from veloxquant_mlx.cache.options import MiniCacheOptions  # noqa: E402
+from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp
+from veloxquant_mlx.cache.options import MiniCacheOptions
 
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
+from contract_table import run_chunks as _run_tokens
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, VOCAB, tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -163,15 +160,6 @@ def test_minicache_bytes_per_token_budget_and_shared_direction_counted_once():
     assert prim.fp16_key_bytes == B * H * T * D * 2 == mer.fp16_value_bytes
 
 
-def _run_tokens(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]
 CHUNKS = [45, 1, 1, 1, 20, 1, 1, 16, 1]
 
@@ -202,14 +190,8 @@ def test_minicache_contract_on_tiny_models(tmp_path):
     loaded = mlx_cache.load_prompt_cache(path)
     clone = copy.deepcopy(caches)
     assert loaded[2].primary is loaded[1] and clone[2].primary is clone[1] and clone[1] is not caches[1]
-    assert caches[2].primary is caches[1]  # loading never relinks the originals
-    nxt = TOKENS[90:98]
-    ref = _run_tokens(model, caches, nxt, [1] * 8)
-    for cs in (loaded, clone):
-        for x, y in zip(ref, _run_tokens(model, cs, nxt, [1] * 8)):
-            assert bool(mx.array_equal(x, y))
-    with pytest.raises(BatchingNotSupported):
-        MiniCacheKVCache.merge(caches[1:3])
+    assert caches[2].primary is caches[1]  # loading never relinks the originals (continuing, merge: test_contract.py)
+    _run_tokens(model, caches, TOKENS[90:98], [1] * 8)  # 95 tokens: the trim below cuts into merged tokens
     # trim is exact: every remaining token keeps its stored form (per-token data, no group statistics)
     before = [c._dense() for c in caches]
     n_trim = caches[0].offset - 60
@@ -256,9 +238,9 @@ def test_minicache_real_model_kl():
 
 
 # ==================================================================================== xKV
-from veloxquant_mlx.cache.methods.xkv import XKVKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import XKVOptions  # noqa: E402
-from veloxquant_mlx.cache.primitives import lowrank_fit as lr  # noqa: E402
+from veloxquant_mlx.cache.methods.xkv import XKVKVCache
+from veloxquant_mlx.cache.options import XKVOptions
+from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 
 
 def xkv_config(**opts):
@@ -377,16 +359,7 @@ def test_xkv_contract_on_tiny_models(tmp_path):
     loaded = mlx_cache.load_prompt_cache(path)
     clone = copy.deepcopy(caches)
     assert loaded[1].owner is loaded[0] and clone[1].owner is clone[0] and clone[0] is not caches[0]
-    assert caches[1].owner is caches[0]
-    nxt = TOKENS[90:98]
-    ref = _run_tokens(model, caches, nxt, [1] * 8)
-    for cs in (loaded, clone):
-        for x, y in zip(ref, _run_tokens(model, cs, nxt, [1] * 8)):
-            assert bool(mx.array_equal(x, y))
-    with pytest.raises(BatchingNotSupported):
-        XKVKVCache.merge(caches[:2])
-    for c in caches:
-        assert c.trim(2) == 2
+    assert caches[1].owner is caches[0]  # continuing, merge, trims of the newest rows: test_contract.py
     with pytest.raises(ValueError, match="latent group"):
         caches[0].trim(40)
     for arch in ("llama", "qwen2", "gemma3"):

@@ -16,17 +16,13 @@ import types
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import dispatch
+from veloxquant_mlx.cache.methods import kivi, kvquant, kvzip, snapkv, turboquant_rvq, zipcache
+from veloxquant_mlx.cache.primitives import groupquant as gq
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache import dispatch  # noqa: E402
-from veloxquant_mlx.cache.methods import kivi, kvquant, kvzip, snapkv, turboquant_rvq, zipcache  # noqa: E402
-from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
-
-import test_defining_properties as guards  # noqa: E402
+import test_defining_properties as guards
 
 
 def substitute(monkeypatch, owner, name: str, old: str, new: str) -> None:

@@ -20,15 +20,11 @@ import math
 import numpy as np
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+import mlx.nn as nn
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-
-from tiny_models import tiny_llama  # noqa: E402
-from veloxquant_mlx.cache import (  # noqa: E402
+from tiny_models import tiny_llama
+from veloxquant_mlx.cache import (
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
@@ -36,11 +32,11 @@ from veloxquant_mlx.cache import (  # noqa: E402
     TurboQuantRVQOptions,
     dispatch,
 )
-from veloxquant_mlx.cache.dispatch import dispatched_sdpa  # noqa: E402
-from veloxquant_mlx.cache.options import KIVIOptions, KVzipOptions  # noqa: E402
-from veloxquant_mlx.cache.primitives.rope import rope_spec  # noqa: E402
+from veloxquant_mlx.cache.dispatch import dispatched_sdpa
+from veloxquant_mlx.cache.options import KIVIOptions, KVzipOptions
+from veloxquant_mlx.cache.primitives.rope import rope_spec
 
-from test_quant_contract import make  # noqa: E402
+from contract_table import make
 
 
 def layer_call(cache, q, k, v, scale):

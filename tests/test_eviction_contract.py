@@ -1,14 +1,13 @@
-"""The mlx_lm contract on eviction caches (StreamingLLM, SnapKV) and the attention dispatch point."""
-
-import copy
+"""The mlx_lm contract's eviction specifics (StreamingLLM, SnapKV): attention through the dispatch point vs
+a dense reference with the eviction mask, real-query scoring, lossless budgets, batches, bad inputs, bytes.
+State, save/load, deepcopy, trim and merge for every mlx_lm method: test_contract.py."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import (
-    BatchingNotSupported,
     CacheInputError,
     KVCacheBuilder,
     KVCacheConfig,
@@ -181,65 +180,6 @@ def test_batch_of_two_equal_length_prompts():
     # and each row matches a batch of one
     single = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64), dtype=F32))
     assert mx.allclose(model(toks[1:], cache=single), ref[1:], atol=1e-4)
-
-
-def test_state_round_trip_through_mlx_lm_prompt_cache_files(tmp_path):
-    model = tiny_llama()
-    toks = mx.random.randint(0, VOCAB, (1, 60))
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=20, obs_window=4)))
-    model(toks, cache=caches)
-    path = str(tmp_path / "p.safetensors")
-    save_prompt_cache(path, caches)
-    loaded = load_prompt_cache(path)
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    assert loaded[0].budget == 20 and loaded[0].offset == 60 and loaded[0].size() == 20
-    nxt = mx.array([[3]])
-    a = model(nxt, cache=caches)
-    b = model(nxt, cache=loaded)
-    assert mx.array_equal(a, b)
-
-
-def test_deepcopy_is_independent():
-    model = tiny_llama()
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=20, obs_window=4)))
-    model(mx.random.randint(0, VOCAB, (1, 40)), cache=caches)
-    twin = copy.deepcopy(caches)
-    a = model(mx.array([[5]]), cache=caches)
-    b = model(mx.array([[5]]), cache=twin)
-    assert mx.array_equal(a, b)
-    assert twin[0].size() == caches[0].size() == 21
-
-
-def test_trim_is_exact_while_trimmed_tokens_are_held():
-    model = tiny_llama()
-    toks = mx.random.randint(0, VOCAB, (1, 40))
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=16, obs_window=4)))
-    model(toks, cache=caches)
-    for t in range(3):
-        model(mx.array([[t + 1]]), cache=caches)
-    before = [c.size() for c in caches]
-    assert all(c.is_trimmable() for c in caches)
-    assert [c.trim(2) for c in caches] == [2] * 3
-    assert [c.size() for c in caches] == [b - 2 for b in before] and caches[0].offset == 41
-    # continuing gives the same logits as a cache that never saw the two trimmed tokens
-    fresh = KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=16, obs_window=4)))
-    model(toks, cache=fresh)
-    model(mx.array([[1]]), cache=fresh)
-    assert mx.array_equal(model(mx.array([[9]]), cache=caches), model(mx.array([[9]]), cache=fresh))
-
-
-def test_trim_into_evicted_tokens_raises_instead_of_corrupting():
-    cache = snap(budget=8, obs=2, n_sink=1)
-    mx.random.seed(3)
-    cache.update_and_fetch(mx.random.normal((1, 1, 30, D)), mx.random.normal((1, 1, 30, D)))
-    with pytest.raises(ValueError):
-        cache.trim(20)
-    assert cache.offset == 30 and cache.size() == 8
-
-
-def test_merge_refuses_instead_of_returning_an_uncompressed_batch():
-    with pytest.raises(BatchingNotSupported):
-        type(snap()).merge([snap(), snap()])
 
 
 def test_bad_inputs_get_clear_errors():

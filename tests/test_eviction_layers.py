@@ -1,8 +1,8 @@
 """Layer-budget eviction methods: PyramidKV, SqueezeAttention, ChunkKV, CaM.
 
 Each method: real-query scoring (vs the key-proxy fallback), exact attention over the kept rows at
-their positions (per head), bounded memory over a long decode, the mlx_lm contract (trim, prompt-cache
-files, deepcopy, merge), and the paper's defining property."""
+their positions (per head), bounded memory over a long decode, and the paper's defining property (trim, prompt-cache files,
+deepcopy and merge for every mlx_lm method: test_contract.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from contract_table import gather, layer_call
 from tiny_models import VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import (
-    BatchingNotSupported,
     CaMOptions,
     ChunkKVOptions,
     KVCacheBuilder,
@@ -28,7 +28,6 @@ from veloxquant_mlx.cache import (
     dispatch,
 )
 from veloxquant_mlx.cache.attention import attention_with_weights
-from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.eviction import observation_scores
 from veloxquant_mlx.cache.methods.pyramidkv import OBS_WINDOW, pyramid_budgets
 from veloxquant_mlx.cache.methods.squeeze import SqueezeAttentionCache, kmeans_1d, squeeze_budgets
@@ -48,22 +47,8 @@ def make(method, **opts):
     return KVCacheFactory.create(config(method, **opts))
 
 
-def layer_call(cache, q, k, v):
-    """What an mlx_lm attention layer does with a cache (mask first, then update, then sdpa: the
-    cache's ``attend`` when the dispatch point is installed, mlx_lm's own attention otherwise)."""
-    mask = cache.make_mask(q.shape[2])
-    keys, values = cache.update_and_fetch(k, v)
-    if dispatch.installed():
-        return dispatched_sdpa(q, keys, values, cache=cache, scale=D**-0.5, mask=mask)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask)
-
-
 def kept(cache, b=0, h=0):
     return cache.positions[b, h, : cache.size()].tolist()
-
-
-def gather(x, pos):
-    return mx.take_along_axis(x, pos[..., None], axis=2)
 
 
 # ------------------------------------------------------------------------------------------ real queries
@@ -184,58 +169,6 @@ CONTRACT_OPTS = {
 
 def model_caches(model, method, dtype=None):
     return KVCacheBuilder.for_model(model, config(method, dtype=dtype, **CONTRACT_OPTS[method]))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_trim_is_exact_while_trimmed_tokens_are_held(method):
-    model = tiny_llama()
-    toks = mx.random.randint(0, VOCAB, (1, 100))
-    caches = model_caches(model, method)
-    model(toks, cache=caches)
-    for t in range(2):  # within every layer's decode slack: no eviction after the prompt's
-        model(mx.array([[t + 1]]), cache=caches)
-    before = [c.size() for c in caches]
-    assert all(c.is_trimmable() for c in caches)
-    assert [c.trim(1) for c in caches] == [1] * 3
-    assert [c.size() for c in caches] == [b - 1 for b in before] and caches[0].offset == 101
-    fresh = model_caches(model, method)
-    model(toks, cache=fresh)
-    model(mx.array([[1]]), cache=fresh)
-    assert mx.array_equal(model(mx.array([[9]]), cache=caches), model(mx.array([[9]]), cache=fresh))
-    with pytest.raises(ValueError):  # evicted prompt tokens cannot be trimmed back
-        caches[0].trim(60)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_through_mlx_lm_prompt_cache_files(method, tmp_path):
-    model = tiny_llama()
-    caches = model_caches(model, method)
-    model(mx.random.randint(0, VOCAB, (1, 90)), cache=caches)
-    path = str(tmp_path / "p.safetensors")
-    save_prompt_cache(path, caches)
-    loaded = load_prompt_cache(path)
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    assert [c.budget for c in loaded] == [c.budget for c in caches]  # resolved per-layer budgets too
-    assert [c.size() for c in loaded] == [c.size() for c in caches]
-    nxt = mx.array([[3]])
-    assert mx.array_equal(model(nxt, cache=caches), model(nxt, cache=loaded))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_deepcopy_is_independent_and_merge_refuses(method):
-    model = tiny_llama()
-    caches = model_caches(model, method)
-    model(mx.random.randint(0, VOCAB, (1, 90)), cache=caches)
-    twin = copy.deepcopy(caches)
-    coord = getattr(caches[0], "coordinator", None)
-    if coord is not None:  # the copies share one new coordinator
-        assert twin[0].coordinator is twin[1].coordinator and twin[0].coordinator is not coord
-    a = model(mx.array([[5]]), cache=caches)
-    b = model(mx.array([[5]]), cache=twin)
-    assert mx.array_equal(a, b)
-    assert [c.size() for c in twin] == [c.size() for c in caches]
-    with pytest.raises(BatchingNotSupported):
-        type(caches[0]).merge(caches[:2])
 
 
 @pytest.mark.parametrize("use_dispatch", [True, False])

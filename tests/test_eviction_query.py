@@ -1,21 +1,20 @@
 """Query-aware eviction methods: Q-Filters, KVzip, CurDKV, NestedKV, RocketKV.
 
 For each: decode attention equals dense attention over exactly the rows it keeps (per head), memory
-stays bounded over a long decode, trim/state/deepcopy/merge follow the contract, real queries (through
+stays bounded over a long decode (trim/state/deepcopy/merge: test_contract.py), real queries (through
 the dispatch point) keep what real attention concentrates on where the fallback does not, and the
 paper's defining property holds on synthetic data."""
 
-import copy
 import math
 import warnings
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 import pytest
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from contract_table import gather, layer_call
 from tiny_models import VOCAB, greedy, tiny_gemma3, tiny_llama
-from veloxquant_mlx.cache import (BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory,
+from veloxquant_mlx.cache import (KVCacheBuilder, KVCacheConfig, KVCacheFactory,
                                   QuantizerConfigError, dispatch)
 from veloxquant_mlx.cache.methods.curdkv import leverage_scores
 from veloxquant_mlx.cache.methods.kvzip import KVzipKVCache, kvzip_compress
@@ -44,17 +43,6 @@ def config(method, dtype=F32, **kw):
 
 def make(method, **kw):
     return KVCacheFactory.create(config(method, **kw))
-
-
-def layer_call(cache, q, k, v):
-    """What an mlx_lm attention layer does (mask, update, then whatever sdpa is installed)."""
-    mask = cache.make_mask(q.shape[2])
-    keys, values = cache.update_and_fetch(k, v)
-    return mlx_base.scaled_dot_product_attention(q, keys, values, cache=cache, scale=SCALE, mask=mask)
-
-
-def gather(x, pos):
-    return mx.take_along_axis(x, pos[..., None], axis=2)
 
 
 def needle_data(T=128, needles=(40, 63, 87, 110)):
@@ -138,53 +126,6 @@ def test_long_decode_memory_stays_bounded(method):
         assert c.size() <= c.budget + c.slack
         assert c.keys.shape[2] <= c.budget + c.slack + 64  # buffer: never proportional to tokens seen
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
-
-
-@pytest.mark.parametrize("method", ALL)
-def test_trim_is_exact_while_trimmed_tokens_are_held(method):
-    model = tiny_llama()
-    toks = mx.random.randint(0, VOCAB, (1, 40))
-    cfg = KVCacheConfig(method=method, options=OPTIONS[method]())
-    caches = KVCacheBuilder.for_model(model, cfg)
-    model(toks, cache=caches)
-    for t in range(3):
-        model(mx.array([[t + 1]]), cache=caches)
-    assert [c.trim(2) for c in caches] == [2] * 3 and caches[0].offset == 41
-    fresh = KVCacheBuilder.for_model(model, cfg)
-    model(toks, cache=fresh)
-    model(mx.array([[1]]), cache=fresh)
-    for a, b in zip(caches, fresh):
-        assert a.size() == b.size() and mx.array_equal(a.positions[:, :, : a.size()], b.positions[:, :, : b.size()])
-        if method == "rocketkv":
-            n = a.n_pages
-            assert mx.array_equal(a.page_max[:, :, :n], b.page_max[:, :, :n])
-    assert mx.allclose(model(mx.array([[9]]), cache=caches), model(mx.array([[9]]), cache=fresh), atol=1e-5)
-    with pytest.raises(ValueError):
-        caches[0].trim(30)  # into evicted tokens
-
-
-@pytest.mark.parametrize("method", ALL)
-def test_state_round_trip_deepcopy_and_merge(method, tmp_path):
-    model = tiny_llama()
-    toks = mx.random.randint(0, VOCAB, (60,))
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, options=OPTIONS[method]()))
-    model(toks[None], cache=caches)
-    if method == "kvzip":
-        kvzip_compress(model, caches, toks, prompt_tokens=[5, 6])
-    for t in range(3):
-        model(mx.array([[t]]), cache=caches)
-    path = str(tmp_path / "p.safetensors")
-    save_prompt_cache(path, caches)
-    loaded = load_prompt_cache(path)
-    twin = copy.deepcopy(caches)
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    assert loaded[0].offset == 63 and loaded[0].size() == caches[0].size() and loaded[0].nbytes == caches[0].nbytes
-    nxt = mx.array([[7]])
-    a = model(nxt, cache=caches)
-    assert mx.array_equal(a, model(nxt, cache=loaded)) and mx.array_equal(a, model(nxt, cache=twin))
-    assert twin[0] is not caches[0] and twin[0].keys is not caches[0].keys
-    with pytest.raises(BatchingNotSupported):
-        type(caches[0]).merge(caches[:2])
 
 
 @pytest.mark.parametrize("method, field, kw", [

@@ -1,25 +1,18 @@
 """Attention-scoring eviction methods: H2O, TOVA, K-norm, Keyformer, MorphKV.
 
 For each: attention over exactly the kept rows (per head, at their positions), real queries beating
-key proxies, the paper's defining property, bounded memory over a long decode, trim, state round
-trip, deepcopy, merge, and option validation."""
+key proxies, the paper's defining property, bounded memory over a long decode, the trims the slack
+makes exact, and option validation (state round trip, deepcopy, merge: test_contract.py)."""
 
-import copy
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
-from veloxquant_mlx import _blas
-
-_blas.preload()  # OpenBLAS before mlx.core is first imported (the real-model test runs far faster)
-
-import mlx.core as mx  # noqa: E402
-import mlx_lm.models.base as mlx_base  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
-
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
-from veloxquant_mlx.cache.eviction import default_slack  # noqa: E402
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
+from contract_table import gather, layer_call
+from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
+from veloxquant_mlx.cache.eviction import default_slack
+from veloxquant_mlx.cache import (
     H2OOptions,
     KeyformerOptions,
     KNormOptions,
@@ -58,23 +51,10 @@ def make(method, budget, **kw):
     return KVCacheFactory.create(config(method, budget, **kw))
 
 
-def layer_call(cache, q, k, v):
-    """What an mlx_lm attention layer does with a cache (mask first, then update, then mlx_lm's
-    sdpa: the dispatch point when installed, MLX's kernel otherwise)."""
-    mask = cache.make_mask(q.shape[2])
-    keys, values = cache.update_and_fetch(k, v)
-    return mlx_base.scaled_dot_product_attention(q, keys, values, cache=cache, scale=q.shape[-1] ** -0.5,
-                                                 mask=mask)
-
-
 def held(cache):
     if cache.positions is None:
         return mx.zeros((B, H, 0), mx.int32)
     return cache.positions[:, :, : cache.size()]
-
-
-def gather(X, pos):
-    return mx.take_along_axis(X, pos[..., None], axis=2)
 
 
 def probs(q, K, scale):
@@ -411,39 +391,6 @@ def test_memory_stays_bounded_over_a_long_decode(method):
 
 
 # ---------------------------------------------------------------------------- mlx_lm contract
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_deepcopy_and_merge(method, tmp_path):
-    model = tiny_llama()
-    mx.random.seed(17)
-    toks = mx.random.randint(0, VOCAB, (1, 60))
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, options=options(method, 20, seed=4)
-                                                           if method == "keyformer" else options(method, 20)))
-    model(toks, cache=caches)
-    for t in range(5):
-        model(mx.array([[t + 2]]), cache=caches)
-    path = str(tmp_path / "p.safetensors")
-    save_prompt_cache(path, caches)
-    loaded = load_prompt_cache(path)
-    twin = copy.deepcopy(caches)
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    assert loaded[0].budget == 20 and loaded[0].offset == 65 and loaded[0].size() == caches[0].size()
-    for name in caches[0].scalar_fields:
-        assert getattr(loaded[0], name) == getattr(caches[0], name)
-    nxt = mx.array([[3]])
-    a = model(nxt, cache=caches)
-    assert mx.array_equal(a, model(nxt, cache=loaded)) and mx.array_equal(a, model(nxt, cache=twin))
-    for _ in range(3):  # they keep evolving identically (row state, step counters, noise sequence)
-        a, b, c = (model(nxt, cache=x) for x in (caches, loaded, twin))
-        assert mx.array_equal(a, b) and mx.array_equal(a, c)
-    for name in caches[0].array_fields:  # row state, query windows, ... evolved identically
-        x, y = getattr(caches[0], name), getattr(loaded[0], name)
-        assert (x is None and y is None) or mx.array_equal(x, y), name
-    model(nxt, cache=caches)  # the copies are independent
-    assert caches[0].offset == 70 and twin[0].offset == loaded[0].offset == 69
-    with pytest.raises(BatchingNotSupported):
-        type(caches[0]).merge(caches[:2])
-
-
 @pytest.mark.parametrize("method", ["h2o", "knorm", "keyformer"])
 def test_trim_is_exact_while_trimmed_tokens_are_held(method):
     """Batched-eviction methods: trimming decode tokens inside the slack gives the cache a cache that

@@ -1,34 +1,31 @@
 """KIVI (arXiv 2402.02750): group quantization primitive, cache layout, attention on the codes, the
-mlx_lm contract (dispatch/dense equivalence, trim, state, deepcopy, merge, generate) and, on the real
+mlx_lm contract's KIVI specifics (dispatch/dense equivalence, group trims, generate; state, deepcopy and
+merge for every method: test_contract.py) and, on the real
 embedded model, next-token KL divergence against mlx_lm's plain KVCache."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
+from veloxquant_mlx.cache import (
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache  # noqa: E402
-from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
+from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+from veloxquant_mlx.cache.primitives import groupquant as gq
 
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
+from contract_table import kl as _kl
+from contract_table import run_chunks as _run_tokens
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, VOCAB, tiny_llama
 
 G = 32
 
@@ -210,17 +207,6 @@ def test_attend_batch_gqa_and_low_precision_inputs(dtype):
     assert (cache.n_quant, cache.n_res) == (64, 7)
 
 
-def _run_tokens(model, caches, tokens, chunks):
-    """Feed ``tokens`` in chunks; return the last logits of every chunk (float32)."""
-    out, i = [], 0
-    for n in chunks:
-        logits = model(mx.array(tokens[i : i + n])[None], cache=caches)
-        out.append(logits[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
 def _kivi_caches(model, bits=4, install=True):
     return KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bit_width_inlier=bits),
                                     install_dispatch=install)
@@ -304,54 +290,6 @@ def test_trim_exact_cases_and_refusal():
     assert c.trim(104) == 104 and c.empty()
     c.update_and_fetch(k[:, :, :40], v[:, :, :40])
     same(c, fed(40))
-
-
-def test_state_round_trip_through_save_load_prompt_cache(tmp_path):
-    model = tiny_llama()
-    caches = _kivi_caches(model, 2)
-    _run_tokens(model, caches, TOKENS, [50, 1, 1])
-    path = str(tmp_path / "kivi.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    assert all(type(c) is KIVIKVCache for c in loaded)
-    for a, b in zip(caches, loaded):
-        assert (a.offset, a.n_quant, a.n_res, a.qbits, a.group, a.dtype_name) == (
-            b.offset, b.n_quant, b.n_res, b.qbits, b.group, b.dtype_name)
-        assert a.nbytes == b.nbytes
-    nxt = TOKENS[52:60]
-    la = _run_tokens(model, caches, nxt, [1] * 8)
-    lb = _run_tokens(model, loaded, nxt, [1] * 8)
-    for a, b in zip(la, lb):
-        assert bool(mx.array_equal(a, b))
-
-
-def test_deepcopy_is_independent():
-    model = tiny_llama()
-    caches = _kivi_caches(model, 4)
-    _run_tokens(model, caches, TOKENS, [40])
-    clone = copy.deepcopy(caches)
-    a = _run_tokens(model, caches, TOKENS[40:50], [1] * 10)
-    assert clone[0].offset == 40 and caches[0].offset == 50
-    b = _run_tokens(model, clone, TOKENS[40:50], [1] * 10)
-    for x, y in zip(a, b):
-        assert bool(mx.array_equal(x, y))
-
-
-def test_merge_builds_the_batch_form_variants_raise():
-    """KIVI batches its compressed form (tests/test_kivi_batch.py); its variants refuse."""
-    from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache
-
-    a, b = make_cache(), make_cache()
-    assert type(KIVIKVCache.merge([a, b])) is KIVIBatchKVCache
-    sink = KVCacheFactory.create(KVCacheConfig(method="kivi_sink", head_dim=64))
-    with pytest.raises(BatchingNotSupported):
-        type(sink).merge([sink, copy.deepcopy(sink)])
-
-
-def _kl(p_logits, q_logits):
-    lp = p_logits - mx.logsumexp(p_logits, axis=-1, keepdims=True)
-    lq = q_logits - mx.logsumexp(q_logits, axis=-1, keepdims=True)
-    return float(mx.sum(mx.exp(lp) * (lp - lq)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -10,21 +10,17 @@ import copy
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache.contract import CompressedKVCache
+from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
-from veloxquant_mlx.cache.contract import CompressedKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache  # noqa: E402
-
-from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone  # noqa: E402
-from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt  # noqa: E402
-from batch_helpers import real_model_batch_equals_alone  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
+from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone
+from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt
+from batch_helpers import real_model_batch_equals_alone
+from tiny_models import tiny_llama
 
 G = 32
 QFIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")

@@ -18,7 +18,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from test_chunk_invariance import CONFIGS
+from contract_table import CONFIGS
 from tiny_models import VOCAB, tiny_llama
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, all_methods
 from veloxquant_mlx.cache.base import MLX_LM

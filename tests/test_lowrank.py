@@ -1,40 +1,36 @@
 """Low-rank caches: SVDq (arXiv 2502.15304), Palu (arXiv 2407.21118), KVTC (arXiv 2511.01815), and the
 low-rank primitives
 (``primitives/lowrank_fit``): fitting, energy-threshold rank, DP bit allocation, mixed-width latent
-coding; the mlx_lm contract (dispatch/dense equivalence, bytes, trim, state,
-deepcopy, merge, generate); each paper's defining property; next-token KL on the real model."""
+coding; the mlx_lm contract's low-rank specifics (dispatch/dense equivalence, bytes, trim, generate; state,
+deepcopy and merge for every method: test_contract.py); each paper's defining property; next-token KL on the real model."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import numpy as np
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
+from veloxquant_mlx.cache import (
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.kvtc import KVTCKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.palu import PALUKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions  # noqa: E402
-from veloxquant_mlx.cache.primitives import lowrank_fit as lr  # noqa: E402
+from veloxquant_mlx.cache.methods.kvtc import KVTCKVCache
+from veloxquant_mlx.cache.methods.palu import PALUKVCache
+from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache
+from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions
+from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, VOCAB, tiny_llama  # noqa: E402
+from contract_table import kl as _kl
+from contract_table import run_chunks as _run_tokens
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, VOCAB, tiny_llama
 
 CLASSES = {"svdq": SVDqKVCache, "palu": PALUKVCache, "kvtc": KVTCKVCache}
 OPTIONS = {"svdq": SVDqOptions, "palu": PaluOptions, "kvtc": KVTCOptions}
@@ -168,15 +164,6 @@ def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
     assert cache.n_quant == 96 and cache.n_res > 0 and cache.rank > 0
 
 
-def _run_tokens(model, caches, tokens, chunks):
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
 TOKENS = [(i * 37 + 11) % VOCAB for i in range(120)]
 CHUNKS = [45, 1, 1, 1, 20, 1, 1, 16, 1]
 
@@ -263,34 +250,6 @@ def test_trim_exact_or_refused(method):
     assert c.trim(104) == 104 and c.empty() and c.k_basis is None  # refit on the next block
     c.update_and_fetch(k[:, :, :40], v[:, :, :40])
     same(c, fed(40))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_deepcopy_merge(method, tmp_path):
-    model = tiny_llama()
-    caches = _caches(model, method)
-    _run_tokens(model, caches, TOKENS, [50, 1, 1])
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is CLASSES[method] for c in loaded)
-    for a, b in zip(caches, loaded):
-        assert (a.offset, a.n_quant, a.n_res, a.rank, a.nbytes) == (b.offset, b.n_quant, b.n_res, b.rank, b.nbytes)
-    nxt = TOKENS[52:60]
-    la = _run_tokens(model, caches, nxt, [1] * 8)
-    for other in (loaded, clone):
-        lb = _run_tokens(model, other, nxt, [1] * 8)
-        for x, y in zip(la, lb):
-            assert bool(mx.array_equal(x, y))
-    with pytest.raises(BatchingNotSupported):
-        CLASSES[method].merge(caches[:2])
-
-
-def _kl(p, q):
-    lp = p - mx.logsumexp(p, axis=-1, keepdims=True)
-    lq = q - mx.logsumexp(q, axis=-1, keepdims=True)
-    return float(mx.sum(mx.exp(lp) * (lp - lq)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -24,7 +24,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from test_chunk_invariance import CONFIGS, MLX_LM_METHODS
+from contract_table import CONFIGS, MLX_LM_METHODS
 from tiny_models import VOCAB, tiny_llama
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig
 

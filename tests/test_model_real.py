@@ -13,9 +13,7 @@ import pytest
 
 from veloxquant_mlx import _blas
 
-_blas.preload()  # before mlx.core, in case this module is imported first
-
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
 pytestmark = pytest.mark.real_model
 

@@ -3,195 +3,32 @@
 Methods: kivi_sink, kitty, skvq, age_tiered, zipcache (test_quant_variants.py), kvquant, gear, adakv
 (test_quant_mixed.py), cachegen, amc (test_cachegen_amc.py), anchorkv, nsnquant (test_anchor_nsn.py),
 vecinfer, a2ats (test_vq_methods.py), waterfill (test_waterfill.py). Those modules keep each method's defining property and byte
-formulas, and build their caches with ``make`` / ``config`` from the table below.
+formulas, and build their caches with ``make`` / ``config`` from the table (tests/contract_table.py).
 
 Contract checked here for every method: the factory builds the method's class (no ``bits`` attribute),
 bad settings raise QuantizerConfigError naming the field, attention through the dispatch point equals
 dense attention over what update_and_fetch returned (every mask kind, with and without sinks), the
 dense path without the dispatch point gives the same logits, mlx_lm generation with chunked prefill on
-tiny llama/qwen2/gemma3, save/load_prompt_cache and deepcopy continue bit-identically, nbytes is the
-bytes of the arrays held, merge refuses, trim is exact or refused. KIVI-layout methods (``group``)
+tiny llama/qwen2/gemma3, trim is exact or refused (save/load_prompt_cache, deepcopy, nbytes and merge, for
+every mlx_lm method: test_contract.py). KIVI-layout methods (``group``)
 also keep whole quantized groups plus a float16 residual, trim whole groups exactly, and hold their
 bytes-per-token budget."""
 
 from __future__ import annotations
 
-import copy
-import functools
-from dataclasses import dataclass, field
-
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import QuantizerConfigError, dispatch
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
-    KVCacheBuilder,
-    KVCacheConfig,
-    KVCacheFactory,
-    QuantizerConfigError,
-    dispatch,
-)
-from veloxquant_mlx.cache import options as O  # noqa: E402
-from veloxquant_mlx.cache.base import method_info  # noqa: E402
-
-from numerics import rounding_bounds  # noqa: E402
-from tiny_models import ARCHS, VOCAB, greedy  # noqa: E402
+from contract_table import (KIVI_LAYOUT, SPECS, TOKENS, caches_for, fill, make, method_class, model_of, rand,
+                            run_chunks, sdpa)
+from contract_table import QUANT_METHODS as METHODS
+from numerics import rounding_bounds
+from tiny_models import ARCHS, VOCAB, greedy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vecinfer: key_sub_dim etc. are flat fields
-
-
-@dataclass(frozen=True)
-class Spec:
-    cls: str  # class name in veloxquant_mlx.cache.methods.<module>
-    module: str
-    options: type
-    defaults: dict = field(default_factory=dict)  # options given unless a test overrides them
-    flat: dict = field(default_factory=dict)  # make() keyword -> (KVCacheConfig field, default)
-    invalid: tuple = ()  # (make() keywords, the field QuantizerConfigError must name)
-    dense_kw: dict = field(default_factory=dict)  # settings under which attend is dense attention
-    group: int | None = None  # KIVI layout: whole quantized groups of this many rows + a float16 residual
-    budget: float | None = None  # bytes per token per head at D=64 after 4096 tokens (defaults)
-    resolved: dict = field(default_factory=dict)  # settings the 4096-token fill must resolve to
-    loaded_nbytes_equal: bool = True  # a loaded cache holds the same nbytes (else: the same used_nbytes)
-    query_saliency: bool = False  # compression depends on the real queries (not seen without dispatch)
-    fallback_source: str = "key_norm"  # ``saliency_source`` of a cache that saw no queries
-    deep_trim: str | None = None  # trim into compressed rows: "refuse", "exact", or None (either)
-
-
-SPECS = {
-    "kivi_sink": Spec("KIVISinkKVCache", "kivi_sink", O.KIVISinkOptions, flat={"bits": ("bit_width_inlier", 2)},
-                      invalid=(({"bits": 5}, "bit_width_inlier"),)),
-    "kitty": Spec("KittyKVCache", "kitty", O.KittyOptions, invalid=(({"hi_bit": 2, "lo_bit": 4}, "kitty_hi_bit"),)),
-    "skvq": Spec("SKVQKVCache", "skvq", O.SKVQOptions, defaults={"window": 16}),
-    "age_tiered": Spec("AgeTieredKVCache", "age_tiered", O.AgeTieredOptions,
-                       defaults={"recent_boundary": 32, "mid_boundary": 64}),
-    # saliency needs the real queries: with them (dispatch) it is normalized attention, without them the
-    # key-norm fallback, so the compressed forms (and later logits) legitimately differ
-    "zipcache": Spec("ZipCacheKVCache", "zipcache", O.ZipCacheOptions, query_saliency=True),
-    "kvquant": Spec("KVQuantKVCache", "kvquant", O.KVQuantOptions, group=32,
-                    invalid=(({"n_sink": 33}, "kvquant_n_sink"), ({"bits": 9}, "kvquant_bits"),
-                             ({"outlier_fraction": 0.7}, "kvquant_outlier_fraction")),
-                    budget=2 * 32 + 2 * 21 * 4 / 32),  # 3 bits: (24 + 8) per side + 21+21 sparse entries * 4 B / 32
-    "gear": Spec("GEARKVCache", "gear", O.GEAROptions, group=32,
-                 invalid=(({"bits": 0}, "gear_bits"), ({"sparse_fraction": 0.6}, "gear_sparse_fraction"),
-                          ({"energy_threshold": 1.5}, "gear_energy_threshold")),
-                 # 2 bits, rank 4 (energy-resolved, capped), k and v: codes 16+8, sparse 2.625, A 8, B^T 16
-                 budget=2 * (16 + 8 + 2.625 + 8 + 16), resolved={"rank": 4}),
-    "adakv": Spec("AdaKVKVCache", "adakv", O.AdaKVOptions, group=32,
-                  invalid=(({"importance": "entropy"}, "adakv_importance"), ({"obs_window": 0}, "adakv_obs_window"),
-                           ({"target_avg_bits": 5.0}, "adakv_target_avg_bits")),
-                  budget=40 + 16 + 1),  # 2.5 bits average: 2.5*128/8 code bytes + 4 groups*4 + 1 order byte
-    "cachegen": Spec("CacheGenKVCache", "cachegen", O.CacheGenOptions, group=32,
-                     loaded_nbytes_equal=False,
-                     invalid=(({"bits": 9}, "cachegen_bits"), ({"group_size": 1}, "cachegen_group_size"),
-                              ({"layer_groups": 0}, "cachegen_layer_groups"),
-                              ({"use_delta": "yes"}, "cachegen_use_delta")),
-                     budget=2 * (40 + 72 / 32)),  # 4 bits: (32 + 8) per side + 8-bit anchors (64 + 8) / 32 per side
-    "amc": Spec("AMCKVCache", "amc", O.AMCOptions, group=32, loaded_nbytes_equal=False,
-                invalid=(({"k_high": -0.1}, "amc_k_high"), ({"group_size": 1}, "amc_group_size"),
-                         ({"query_alpha": 2.0}, "amc_query_alpha"),
-                         # options of the paper that are not built are refused, not ignored
-                         ({"use_query_saliency": True}, "amc_use_query_saliency"),
-                         ({"adaptive_thresholds": True}, "amc_adaptive_thresholds"),
-                         ({"calib_variance": 0.5}, "amc_calib_variance")),
-                budget=3.75 * 128 / 8 + 16 + 1),  # 6/10/16 of 32 tokens at 8/4/2 bits; 4 B per 32 channels; order
-    "anchorkv": Spec("AnchorKVCache", "anchorkv", O.AnchorKVOptions, defaults={"window": 16},
-                     invalid=(({"residual_bits": 9}, "anchorkv_residual_bits"),
-                              ({"anchor_frac": 0.0}, "anchorkv_anchor_frac"),
-                              ({"rho": 1.5}, "anchorkv_rho"), ({"theta": 1.0}, "anchorkv_theta"),
-                              ({"window": 0}, "anchorkv_window"))),
-    "nsnquant": Spec("NSNQuantKVCache", "nsnquant", O.NSNQuantOptions, defaults={"residual_length": 16},
-                     invalid=(({"codebook_size": 100}, "nsn_codebook_size"),
-                              ({"subvector_dim": 3}, "nsn_subvector_dim"),
-                              ({"bits": 3, "subvector_dim": 4, "codebook_size": 256}, "nsn_bits"),
-                              ({"residual_length": 0}, "nsn_residual_length"))),
-    # small codebooks keep the tests fast; the defaults (12/8 bits) are measured in scripts/quality_vq.py
-    "vecinfer": Spec("VecInferKVCache", "vecinfer", O.VecInferOptions,
-                     flat={"kbits": ("key_codebook_bits", 8), "vbits": ("value_codebook_bits", 6)},
-                     invalid=(({"kbits": 17}, "key_codebook_bits"), ({"fused_sdpa_max_ctx": 0}, "fused_sdpa_max_ctx")),
-                     deep_trim="refuse"),  # into the block the statistics were fitted on
-    # a2ats attends to retrieved rows only at decode; with retrieval_fraction=1 every row is retrieved and its
-    # attention must equal dense attention (the sparse case: test_vq_methods.py); rows are float16: trims exact
-    "a2ats": Spec("A2ATSKVCache", "a2ats", O.A2ATSOptions, defaults={"window": 16},
-                  invalid=(({"codebook_bits": 9}, "a2ats_codebook_bits"),
-                           ({"retrieval_fraction": 0.0}, "a2ats_retrieval_fraction"), ({"beta": 2.0}, "a2ats_beta"),
-                           ({"window": -1}, "a2ats_window")),
-                  dense_kw={"retrieval_fraction": 1.0}, deep_trim="exact",
-                  loaded_nbytes_equal=False),  # the last step's retrieved indices are held (counted), not saved
-    # widths are allocated from the real queries (dispatch) or, without them, with equal weights: the
-    # compressed forms legitimately differ between the two paths; values and keys reloaded bit-exactly
-    "waterfill": Spec("WaterfillKVCache", "waterfill", O.WaterfillOptions, defaults={"residual_length": 16},
-                      flat={"bits": ("bit_width_inlier", 4), "n_calib": ("n_calib_tokens", 32)},
-                      invalid=(({"bits": 9}, "bit_width_inlier"), ({"n_calib": 0}, "n_calib_tokens"),
-                               ({"bits": [4, 4]}, "bit_width_inlier")),
-                      query_saliency=True, fallback_source="uniform", loaded_nbytes_equal=False),
-}
-METHODS = [m for m in SPECS if method_info(m).implemented]
-KIVI_LAYOUT = [m for m in METHODS if SPECS[m].group]
-
-
-def config(method, **kw):
-    """The method's KVCacheConfig: flat fields and options from ``kw`` over the table's defaults."""
-    s = SPECS[method]
-    flat = {f: kw.pop(k, default) for k, (f, default) in s.flat.items()}
-    opts = {**s.defaults, **kw}
-    return KVCacheConfig(method=method, **flat, options=s.options(**opts) if opts else None)
-
-
-def method_class(method):
-    s = SPECS[method]
-    return getattr(__import__(f"veloxquant_mlx.cache.methods.{s.module}", fromlist=[s.cls]), s.cls)
-
-
-def make(method, head_dim=64, **kw):
-    c = KVCacheFactory.create(config(method, **kw).replace(head_dim=head_dim))
-    assert isinstance(c, method_class(method)) and not hasattr(c, "bits")
-    return c
-
-
-def caches_for(model, method, install=True, **kw):
-    return KVCacheBuilder.for_model(model, config(method, **kw), install_dispatch=install)
-
-
-def rand(*shape, dtype=mx.float32):
-    return mx.random.normal(shape).astype(dtype)
-
-
-def sdpa(q, k, v, mask, scale, sinks=None):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-
-
-def run_chunks(model, caches, tokens, chunks):
-    """Last-position logits (float32) of each chunk of ``tokens`` fed in turn."""
-    out, i = [], 0
-    for n in chunks:
-        out.append(model(mx.array(tokens[i : i + n])[None], cache=caches)[0, -1].astype(mx.float32))
-        i += n
-    mx.eval(out)
-    return out
-
-
-def fill(cache, B, H, D, T, decode=40):
-    """A prefill of T - decode rows, then ``decode`` single-row steps."""
-    cache.update_and_fetch(rand(B, H, T - decode, D), rand(B, H, T - decode, D))
-    for _ in range(decode):
-        cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
-    return cache
-
-
-TOKENS = [(i * 37 + 11) % VOCAB for i in range(140)]
-
-
-@functools.cache
-def model_of(arch="llama"):
-    """One tiny model per architecture for the whole module (inference never changes it)."""
-    return ARCHS[arch]()
 
 
 @pytest.fixture(autouse=True)
@@ -289,29 +126,6 @@ def test_generate_with_chunked_prefill(method, arch):
     for c in ours:
         assert c.offset == 75 + 10 and c.stored_rows() == c.offset
         _kivi_layout(c, c.offset)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
-    model = model_of()
-    caches = caches_for(model, method)
-    run_chunks(model, caches, TOKENS, [70, 1, 1])
-    for c in caches:  # nbytes: the bytes of the arrays held (with spare capacity), used_nbytes of the filled part
-        assert c.nbytes == sum(a.nbytes for a in c.held_arrays()) >= c.used_nbytes
-    path = str(tmp_path / "c.safetensors")
-    mlx_cache.save_prompt_cache(path, caches)
-    loaded = mlx_cache.load_prompt_cache(path)
-    clone = copy.deepcopy(caches)
-    assert all(type(c) is method_class(method) for c in caches + loaded)
-    assert [c.used_nbytes for c in loaded] == [c.used_nbytes for c in caches]
-    if SPECS[method].loaded_nbytes_equal:
-        assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
-    nxt = TOKENS[72:80]
-    la, lb, lc = (run_chunks(model, cs, nxt, [1] * 8) for cs in (caches, loaded, clone))
-    for a, b, c in zip(la, lb, lc):
-        assert bool(mx.array_equal(a, b)) and bool(mx.array_equal(a, c))
-    with pytest.raises(BatchingNotSupported):
-        method_class(method).merge(caches[:2])
 
 
 # ------------------------------------------------------------------------------------- trim

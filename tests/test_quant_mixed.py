@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache.primitives import groupquant as gq
+from veloxquant_mlx.cache.primitives import nonuniform as nu
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
-from veloxquant_mlx.cache.primitives import nonuniform as nu  # noqa: E402
-
-from test_quant_contract import make, rand  # noqa: E402
+from contract_table import make, rand
 
 
 @pytest.fixture(autouse=True)

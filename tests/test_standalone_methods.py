@@ -1,11 +1,11 @@
-"""Tests for the PolarQuant, QJL and SpectralQuant standalone caches."""
+"""Tests for the PolarQuant, QJL and SpectralQuant standalone caches, and the checks every standalone
+method shares (TurboQuant too: its rows in tests/contract_table.py ``STANDALONE``)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 import math
-import types
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +13,7 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, SlidingWindowKVCache
 from veloxquant_mlx.cache.artifacts import InMemoryArtifactStore
-from veloxquant_mlx.cache.base import _CLASSES
+from veloxquant_mlx.cache.base import _CLASSES, method_info
 from veloxquant_mlx.cache.errors import CacheInputError, QuantizerConfigError
 from veloxquant_mlx.cache.methods.polar import PolarQuantKVCache
 from veloxquant_mlx.cache.methods.qjl import QJLKVCache
@@ -31,61 +31,15 @@ from veloxquant_mlx.cache.primitives.rotation import random_orthogonal
 from veloxquant_mlx.cache.primitives.sketch import gaussian_jl
 from veloxquant_mlx.core.abstractions import KVCache
 
+from contract_table import (DROP_OLDEST_BUGS, STANDALONE, STANDALONE_METHODS, cosine, exact_attention, held_arrays,
+                            standalone_config, with_known_bugs)
+
 D = 128
-CLASSES = [PolarQuantKVCache, QJLKVCache, SpectralQuantKVCache]
+CLASSES = [method_info(m).cls for m in STANDALONE]  # the shared checks below run on every standalone method
 
 
 def cfg(**kw):
-    base = dict(
-        head_dim=D,
-        bit_width_inlier=4,
-        jl_dim=None,
-        n_calib_tokens=None,
-        seed=42,
-        dtype=None,
-        capacity=None,
-        observers=[],
-        store=None,
-        spectral_key_d_eff=4,
-        spectral_val_d_eff=50,
-        spectral_apply_qjl=True,
-        spectral_model_name="model",
-    )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
-
-
-def exact_attention(q, k, v):
-    s = q @ k.T / math.sqrt(k.shape[1])
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    w /= w.sum(axis=-1, keepdims=True)
-    return w @ v
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
-
-
-def held_arrays(obj, seen=None):
-    """Every mx.array reachable from the cache through its own (package) objects and containers."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, mx.array):
-        return [obj]
-    out = []
-    if isinstance(obj, dict):
-        for v in obj.values():
-            out += held_arrays(v, seen)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            out += held_arrays(v, seen)
-    elif type(obj).__module__.startswith("veloxquant_mlx") and hasattr(obj, "__dict__"):
-        for v in vars(obj).values():
-            out += held_arrays(v, seen)
-    return out
+    return standalone_config(None, **kw)
 
 
 # A low-rank-plus-noise key/value model: the kind of data SpectralQuant is built for.
@@ -109,9 +63,10 @@ def lowrank_rows(n, seed):
 
 
 def make(cls, **kw):
-    """A cache whose spectral bases (if any) are calibrated up front from 512 low-rank rows."""
-    c = cls(cfg(**kw))
-    if cls is SpectralQuantKVCache:
+    """A cache of the method's table settings whose spectral bases (if any) are calibrated up front from 512
+    low-rank rows."""
+    c = cls(standalone_config(cls.method_name, **kw))
+    if STANDALONE[cls.method_name].calibrated:
         c.calibrate(keys=mx.array(lowrank_rows(512, 99)), values=mx.array(lowrank_rows(512, 98)))
     return c
 
@@ -124,6 +79,10 @@ def kv(n, seed, lowrank=False):
 
 
 # ---------------------------------------------------------------------------------- registration
+
+
+def test_every_standalone_method_has_a_row():
+    assert sorted(STANDALONE) == sorted(STANDALONE_METHODS)
 
 
 def test_registered_and_documented():
@@ -488,7 +447,7 @@ def test_memory_bytes_is_held_arrays_and_grows_by_doubling(cls):
     assert sum(a.nbytes for a in held_arrays(c)) == c.memory_bytes() + c.state_bytes()
 
 
-@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("cls", with_known_bugs(CLASSES, DROP_OLDEST_BUGS, lambda c: c.method_name))
 def test_drop_oldest_and_sliding_window(cls):
     k, v = kv(40, 5, lowrank=True)
     q = mx.array(np.random.default_rng(1).standard_normal((2, D)).astype(np.float32))
@@ -539,7 +498,7 @@ def test_reset_keeps_quantizer_state(cls):
     c.append_key(mx.array(k))
     c.append_value(mx.array(v))
     np.testing.assert_array_equal(np.array(c.reconstruct_keys()), first)
-    if cls is PolarQuantKVCache:
+    if STANDALONE[cls.method_name].rotation:
         np.testing.assert_array_equal(np.array(c.rotation), np.array(random_orthogonal(D, 42)))
 
 
@@ -609,10 +568,10 @@ def test_bad_inputs_raise_cache_input_error(cls):
 )
 @pytest.mark.parametrize("cls", CLASSES)
 def test_bad_config_raises_quantizer_config_error(cls, field, value):
-    if field == "jl_dim" and cls is PolarQuantKVCache:
-        return  # polar does not read jl_dim
+    if field == "jl_dim" and not STANDALONE[cls.method_name].reads_jl_dim:
+        return  # polar and turboquant_mse do not read jl_dim
     with pytest.raises(QuantizerConfigError) as info:
-        cls(cfg(**{field: value}))
+        cls(standalone_config(cls.method_name, **{field: value}))
     assert info.value.field == field
 
 

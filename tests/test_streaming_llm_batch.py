@@ -11,22 +11,18 @@ import copy
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache.contract import CompressedKVCache
+from veloxquant_mlx.cache.methods.streaming_llm import StreamingLLMKVCache
+from veloxquant_mlx.cache.methods.streaming_llm_batch import StreamingLLMBatchKVCache
+from veloxquant_mlx.cache.options import StreamingLLMOptions
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
-from veloxquant_mlx.cache.contract import CompressedKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.streaming_llm import StreamingLLMKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.streaming_llm_batch import StreamingLLMBatchKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import StreamingLLMOptions  # noqa: E402
-
-from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone  # noqa: E402
-from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt  # noqa: E402
-from batch_helpers import real_model_batch_equals_alone  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
+from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone
+from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt
+from batch_helpers import real_model_batch_equals_alone
+from tiny_models import tiny_llama
 
 SINKS, WINDOW = 4, 24
 BUDGET = SINKS + WINDOW

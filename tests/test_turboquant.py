@@ -4,77 +4,31 @@ from __future__ import annotations
 
 import importlib
 import math
-import types
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from veloxquant_mlx.cache.base import _CLASSES
-from veloxquant_mlx.cache.errors import CacheInputError, QuantizerConfigError
+from veloxquant_mlx.cache.errors import QuantizerConfigError
 from veloxquant_mlx.cache.methods.turboquant import TurboQuantMSEKVCache, TurboQuantProdKVCache
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion
-from veloxquant_mlx.cache.primitives.rotation import random_orthogonal
 from veloxquant_mlx.core.abstractions import KVCache
+
+from contract_table import cosine, exact_attention, held_arrays, standalone_config
 
 D = 128
 PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}  # TurboQuant paper (Theorem 1)
 
 
 def cfg(**kw):
-    base = dict(
-        head_dim=D,
-        bit_width_inlier=2,
-        bit_width_outlier=3,
-        jl_dim=128,
-        n_outlier_channels=None,
-        n_calib_tokens=None,
-        seed=42,
-        dtype=None,
-        capacity=None,
-        observers=[],
-        store=None,
-    )
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+    """The TurboQuant row of tests/contract_table.py ``STANDALONE`` (2 bits, a 128-dim sketch) with ``kw``."""
+    return standalone_config("turboquant_mse", **kw)
 
 
 def unit_rows(n, d=D, seed=0):
     x = np.random.default_rng(seed).standard_normal((n, d))
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
-def exact_attention(q, k, v):
-    s = q @ k.T / math.sqrt(k.shape[1])
-    w = np.exp(s - s.max(axis=-1, keepdims=True))
-    w /= w.sum(axis=-1, keepdims=True)
-    return w @ v
-
-
-def cosine(a, b):
-    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
-
-
-def held_arrays(obj, seen=None):
-    """Every mx.array reachable from the cache through its own (package) objects and containers."""
-    seen = set() if seen is None else seen
-    out = []
-    if id(obj) in seen:
-        return out
-    seen.add(id(obj))
-    if isinstance(obj, mx.array):
-        return [obj]
-    if isinstance(obj, dict):
-        for v in obj.values():
-            out += held_arrays(v, seen)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            out += held_arrays(v, seen)
-    elif type(obj).__module__.startswith("veloxquant_mlx") and hasattr(obj, "__dict__"):
-        for v in vars(obj).values():
-            out += held_arrays(v, seen)
-    return out
 
 
 CLASSES = [TurboQuantMSEKVCache, TurboQuantProdKVCache]
@@ -237,21 +191,13 @@ def test_memory_bytes_is_held_arrays_and_matches_budget(cls, b):
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_memory_is_preallocated_not_per_token(cls):
+def test_preallocated_rows_cost_the_budget(cls):
+    """Capacity is allocated up front at the paper's bytes per token (growth by doubling and the held
+    arrays: the shared standalone checks in test_standalone_methods.py)."""
     c = cls(cfg(capacity=64))
-    assert c.memory_bytes() == 0
     c.append_key(mx.zeros((D,)) + 1)
     c.append_value(mx.zeros((D,)) + 1)
-    one = c.memory_bytes()
-    assert one == pytest.approx(64 * _theory_bytes_per_token(cls, 2), rel=0.01)
-    for _ in range(63):
-        c.append_key(mx.ones((D,)))
-        c.append_value(mx.ones((D,)))
-    assert c.memory_bytes() == one  # no growth until the 64 rows are used
-    c.append_key(mx.ones((D,)))
-    c.append_value(mx.ones((D,)))
-    assert c.memory_bytes() == 2 * one  # doubled
-    assert sum(a.nbytes for a in held_arrays(c)) == c.memory_bytes() + c.state_bytes()
+    assert c.memory_bytes() == pytest.approx(64 * _theory_bytes_per_token(cls, 2), rel=0.01)
 
 
 def test_memory_with_outlier_split_spec_config():
@@ -327,21 +273,6 @@ def test_scores_use_rotated_domain_consistently(cls):
     )
 
 
-@pytest.mark.parametrize("cls", CLASSES)
-def test_single_vectors_equal_block(cls):
-    rng = np.random.default_rng(4)
-    k = rng.standard_normal((20, D)).astype(np.float32)
-    v = rng.standard_normal((20, D)).astype(np.float32)
-    a, b = cls(cfg(bit_width_inlier=3)), cls(cfg(bit_width_inlier=3))
-    a.append_key(mx.array(k))
-    a.append_value(mx.array(v))
-    for i in range(20):
-        b.append_key(mx.array(k[i]))
-        b.append_value(mx.array(v[i]))
-    np.testing.assert_array_equal(np.array(a.reconstruct_keys()), np.array(b.reconstruct_keys()))
-    np.testing.assert_array_equal(np.array(a.reconstruct_values()), np.array(b.reconstruct_values()))
-
-
 def test_values_int8_roundtrip_error():
     rng = np.random.default_rng(6)
     v = (rng.standard_normal((100, D)) * rng.uniform(0.01, 100, size=(100, 1))).astype(np.float32)
@@ -354,101 +285,27 @@ def test_values_int8_roundtrip_error():
     assert np.all(np.array(c.reconstruct_values())[-1] == 0)
 
 
-def test_attend_dtype_and_partial_pairs():
+def test_attend_on_partial_pairs_is_close_to_exact():
+    """Only complete key/value pairs are attended (dtype, empty and partial-pair behaviour of every standalone
+    cache: test_standalone_methods.py); over them 4-bit attention is close to exact attention."""
     rng = np.random.default_rng(1)
     c = TurboQuantMSEKVCache(cfg(bit_width_inlier=4))
     q16 = mx.array(rng.standard_normal(D).astype(np.float32)).astype(mx.float16)
-    assert np.all(np.array(c.attend(q16)) == 0)  # nothing stored
     k = rng.standard_normal((10, D)).astype(np.float32)
     v = rng.standard_normal((10, D)).astype(np.float32)
     c.append_key(mx.array(k))
     c.append_value(mx.array(v[:6]))
     assert len(c) == 6
-    assert c.attend(q16).dtype == mx.float16
     ref = exact_attention(np.array(q16, dtype=np.float32)[None], k[:6], v[:6])[0]
     assert cosine(np.array(c.attend(q16), dtype=np.float32), ref) > 0.9
-    c32 = TurboQuantMSEKVCache(cfg(dtype=mx.float32))
-    c32.append_key(mx.array(k))
-    c32.append_value(mx.array(v))
-    assert c32.attend(q16).dtype == mx.float32
-
-
-# ------------------------------------------------------------------------------------------- reset
-
-
-@pytest.mark.parametrize("cls", CLASSES)
-def test_reset_empties_but_keeps_rotation(cls):
-    rng = np.random.default_rng(0)
-    k = rng.standard_normal((30, D)).astype(np.float32)
-    v = rng.standard_normal((30, D)).astype(np.float32)
-    c = cls(cfg(bit_width_inlier=3))
-    rot = np.array(c.rotation)
-    np.testing.assert_array_equal(rot, np.array(random_orthogonal(D, 42)))
-    c.append_key(mx.array(k))
-    c.append_value(mx.array(v))
-    first = np.array(c.reconstruct_keys())
-    c.reset()
-    assert len(c) == 0 and c.n_keys == 0 and c.n_values == 0
-    assert c.memory_bytes() == 0
-    np.testing.assert_array_equal(np.array(c.rotation), rot)
-    c.append_key(mx.array(k))
-    c.append_value(mx.array(v))
-    np.testing.assert_array_equal(np.array(c.reconstruct_keys()), first)
-
-
-def test_seed_determinism():
-    k = unit_rows(10, seed=3)
-    a, b, other = (TurboQuantProdKVCache(cfg(seed=s)) for s in (5, 5, 6))
-    for c in (a, b, other):
-        c.append_key(mx.array(k))
-    np.testing.assert_array_equal(np.array(a.reconstruct_keys()), np.array(b.reconstruct_keys()))
-    assert not np.allclose(np.array(a.reconstruct_keys()), np.array(other.reconstruct_keys()))
 
 
 # ------------------------------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("cls", CLASSES)
-def test_bad_inputs_raise_cache_input_error(cls):
-    c = cls(cfg())
-    bad = [
-        mx.zeros((D + 1,)),
-        mx.zeros((3, D - 1)),
-        mx.zeros((2, 3, D)),
-        mx.zeros((D,), dtype=mx.int32),
-        mx.array(np.full(D, np.nan, dtype=np.float32)),
-        mx.array(np.concatenate([[np.inf], np.zeros(D - 1)]).astype(np.float32)),
-        [0.0] * D,
-        np.zeros(D, dtype=np.int64),
-    ]
-    for x in bad:
-        for fn in (c.append_key, c.append_value, c.attend):
-            with pytest.raises(CacheInputError):
-                fn(x)
-    with pytest.raises(CacheInputError):
-        c.append_key(mx.full((D,), 1e4))  # norm 1.1e5 does not fit the fp16 norm
-    assert c.n_keys == 0 and c.n_values == 0
-    c.append_key(np.zeros((2, D), dtype=np.float32))  # NumPy floats are accepted
-    assert c.n_keys == 2
-
-
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # the fields every standalone cache checks: test_standalone_methods.py
     "field, value",
-    [
-        ("head_dim", 1),
-        ("head_dim", 64.0),
-        ("bit_width_inlier", 0),
-        ("bit_width_inlier", 9),
-        ("bit_width_inlier", True),
-        ("n_outlier_channels", 1),
-        ("n_outlier_channels", D - 1),
-        ("bit_width_outlier", 9),
-        ("n_calib_tokens", 0),
-        ("capacity", 0),
-        ("seed", "x"),
-        ("seed", None),
-        ("dtype", mx.int32),
-    ],
+    [("n_outlier_channels", 1), ("n_outlier_channels", D - 1), ("bit_width_outlier", 9), ("n_calib_tokens", 0)],
 )
 @pytest.mark.parametrize("cls", CLASSES)
 def test_bad_config_raises_quantizer_config_error(cls, field, value):

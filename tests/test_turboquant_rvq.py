@@ -10,16 +10,12 @@ import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
-
-from tiny_models import ARCHS, VOCAB, greedy, tiny_llama  # noqa: E402
-from veloxquant_mlx.cache import (  # noqa: E402
+from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
+from veloxquant_mlx.cache import (
     BatchingNotSupported,
     KVCacheBuilder,
     KVCacheConfig,
@@ -28,10 +24,10 @@ from veloxquant_mlx.cache import (  # noqa: E402
     TurboQuantRVQOptions,
     dispatch,
 )
-from veloxquant_mlx.cache.artifacts import InMemoryArtifactStore  # noqa: E402
-from veloxquant_mlx.cache.dispatch import dispatched_sdpa  # noqa: E402
-from veloxquant_mlx.cache.methods import turboquant_rvq as tq  # noqa: E402
-from veloxquant_mlx.cache.primitives.rotation import seeded_rng  # noqa: E402
+from veloxquant_mlx.cache.artifacts import InMemoryArtifactStore
+from veloxquant_mlx.cache.dispatch import dispatched_sdpa
+from veloxquant_mlx.cache.methods import turboquant_rvq as tq
+from veloxquant_mlx.cache.primitives.rotation import seeded_rng
 
 TQ_UPPER = math.sqrt(3) * math.pi / 2  # TurboQuant's distortion constant (~2.72)
 

@@ -11,23 +11,19 @@ import copy
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache.contract import CompressedKVCache
+from veloxquant_mlx.cache.methods import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.turboquant_rvq import QUANT_BLOCK, SINK_ROWS, TurboQuantRVQKVCache
+from veloxquant_mlx.cache.methods.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
+from veloxquant_mlx.cache.options import TurboQuantRVQOptions
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
-from veloxquant_mlx.cache.contract import CompressedKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods import turboquant_rvq as tq  # noqa: E402
-from veloxquant_mlx.cache.methods.turboquant_rvq import QUANT_BLOCK, SINK_ROWS, TurboQuantRVQKVCache  # noqa: E402
-from veloxquant_mlx.cache.methods.turboquant_rvq_batch import TurboQuantRVQBatchKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import TurboQuantRVQOptions  # noqa: E402
-
-from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone  # noqa: E402
-from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt  # noqa: E402
-from batch_helpers import real_model_batch_equals_alone  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
+from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone
+from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt
+from batch_helpers import real_model_batch_equals_alone
+from tiny_models import tiny_llama
 
 R_TINY = 32  # a short window on the tiny model: flushes every 32 decode steps
 

@@ -10,16 +10,13 @@ import math
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
 
-_blas.preload()
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
+from veloxquant_mlx.cache import options as O
 
-import mlx.core as mx  # noqa: E402
-
-from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch  # noqa: E402
-from veloxquant_mlx.cache import options as O  # noqa: E402
-
-from test_quant_contract import METHODS, make, rand, sdpa  # noqa: E402
+from contract_table import make, rand, sdpa
+from contract_table import QUANT_METHODS as METHODS
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # key_sub_dim etc. are shared flat fields
 

@@ -1,8 +1,9 @@
 """XQuant (arXiv 2510.11236): the higher layers of a group read the base layer's quantized codes with their own
 scales / zero points. The defining properties: a shared layer holds no codes (exact bytes: a pair costs one
 KIVI layer's codes less than two KIVI layers at the same bits), and sharing wins at equal bytes when adjacent
-layers are similar and loses when they are not; the mlx_lm contract (dispatch == dense, state round trip
-relinking the group, deepcopy, trim, merge refused, generate on every tiny architecture)."""
+layers are similar and loses when they are not; the mlx_lm contract's XQuant specifics (dispatch == dense,
+state round trip and deepcopy relinking the group, deep trims refused, generate on every tiny architecture;
+the rest for every method: test_contract.py)."""
 
 from __future__ import annotations
 
@@ -10,27 +11,23 @@ import copy
 
 import pytest
 
-from veloxquant_mlx import _blas
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-_blas.preload()
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models import cache as mlx_cache  # noqa: E402
-
-from veloxquant_mlx.cache import (  # noqa: E402
-    BatchingNotSupported,
+from veloxquant_mlx.cache import (
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.xquant import XQuantKVCache  # noqa: E402
-from veloxquant_mlx.cache.options import XQuantOptions  # noqa: E402
+from veloxquant_mlx.cache.methods.xquant import XQuantKVCache
+from veloxquant_mlx.cache.options import XQuantOptions
 
-from test_crosslayer import CASES, CHUNKS, TOKENS, _run_tokens  # noqa: E402  (the cross-layer tests' inputs)
-from numerics import float16_rounding_effect  # noqa: E402
-from tiny_models import ARCHS, tiny_llama  # noqa: E402
+from contract_table import run_chunks as _run_tokens
+from test_crosslayer import CASES, CHUNKS, TOKENS  # the cross-layer tests' inputs
+from numerics import float16_rounding_effect
+from tiny_models import ARCHS, tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -192,17 +189,7 @@ def test_xquant_contract_on_tiny_models(tmp_path):
     loaded = mlx_cache.load_prompt_cache(path)
     clone = copy.deepcopy(caches)
     assert loaded[1].base is loaded[0] and clone[1].base is clone[0] and clone[0] is not caches[0]
-    assert [c.nbytes for c in loaded] == [c.nbytes for c in caches]
-    nxt = TOKENS[90:98]
-    ref = _run_tokens(model, caches, nxt, [1] * 8)
-    for cs in (loaded, clone):
-        for x, y in zip(ref, _run_tokens(model, cs, nxt, [1] * 8)):
-            assert bool(mx.array_equal(x, y))
-    with pytest.raises(BatchingNotSupported):
-        XQuantKVCache.merge(caches[:2])
-    # trim: exact (residual rows) or refused, every layer alike
-    for c in caches:
-        assert c.trim(2) == 2
+    # continuing, bytes, merge and trims of the newest rows: test_contract.py; deeper trims are refused
     with pytest.raises(ValueError, match="quantized group"):
         caches[0].trim(40)
     # generation with a prompt longer than prefill_step_size, on every architecture

@@ -1,0 +1,205 @@
+"""The mlx_lm cache contract, once, for every mlx_lm-protocol method (the rows of tests/contract_table.py).
+
+On a 4-layer tiny llama (head_dim 32) with each method's ``CONFIGS`` settings (compression happens on the
+100-token prompt), driven by the model itself (the first check: by per-layer rows, as mlx_lm's layers):
+
+- attention through the dispatch point equals dense attention over what update_and_fetch returned, with
+  the mask mlx_lm builds from the cache (``contract_table.SPARSE_DECODE``: prefill calls only);
+
+- ``nbytes`` is the bytes of the arrays each cache holds, at least its ``used_nbytes``;
+- ``save_prompt_cache`` / ``load_prompt_cache`` and ``copy.deepcopy`` give caches of the same classes with
+  the same offset, ``meta_state``, state arrays (bit for bit) and bytes, that continue bit-identically
+  (and keep evolving identically), and are independent of the original;
+- ``merge`` builds the method's batched form, from which ``extract`` gives each cache back, or refuses
+  with BatchingNotSupported (a compressed form is never silently decompressed);
+- a trim of the newest decode rows removes exactly them and continues like a cache that never saw them
+  (per-step eviction: the rows they evicted stay evicted); a trim deep into compressed rows is refused
+  with nothing changed, or exact; into evicted rows, refused;
+- mlx_lm's own generation with a chunked prefill runs on llama, qwen2 and gemma3 (sliding-window layers
+  keep their own caches) and every cache of the method ends at the logical offset.
+
+Each method's defining property and its own edge cases stay in its own test module (every mask kind and
+sinks: test_quant_contract.py; eviction against a reference that knows the kept positions:
+test_eviction_contract.py and the eviction modules); chunk invariance and exact trims: test_chunk_invariance.py;
+memory honesty against MLX's allocator: test_memory_honesty.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from contract_table import (CONFIGS, D, LOAD_BUGS, MLX_LM_METHODS, TABLE, layer_rows, method_class,
+                            with_known_bugs)
+from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
+from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, dispatch
+from veloxquant_mlx.cache.dispatch import dispatched_sdpa
+from veloxquant_mlx.cache.base import method_info
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
+
+PROMPT = [(i * 29 + 5) % VOCAB for i in range(100)]
+DECODE = [3, 17, 42]  # decode steps after the prompt
+NEXT = [7, 11, 64, 90]  # steps that continue the original, the loaded and the copied caches
+
+
+@functools.cache
+def model():
+    return tiny_llama(head_dim=32, n_layers=4)
+
+
+def build(method, m=None):
+    return KVCacheBuilder.for_model(m or model(), KVCacheConfig(method=method, **CONFIGS[method]))
+
+
+def prefilled(method, decode=DECODE):
+    """Caches that saw the prompt (in one call, then the method's own pass if any) and ``decode`` steps."""
+    caches = build(method)
+    mx.eval(model()(mx.array([PROMPT]), cache=caches))
+    if TABLE[method].prepare is not None:
+        TABLE[method].prepare(model(), caches, PROMPT)
+    for t in decode:
+        mx.eval(model()(mx.array([[t]]), cache=caches))
+    return caches
+
+
+def step(caches, tokens):
+    out = []
+    for t in tokens:
+        out.append(model()(mx.array([[t]]), cache=caches).astype(mx.float32))
+        mx.eval(out[-1])
+    return out
+
+
+def held_nbytes(c):
+    """The bytes of the arrays ``c`` holds (spare capacity included), plus the process-wide constants a
+    cache counts where it says so (``counts_constants``: one cache per set of constants)."""
+    return sum(a.nbytes for a in c.held_arrays()) + (c.constant_nbytes if getattr(c, "counts_constants", False) else 0)
+
+
+def used_nbytes(c):
+    """The bytes of the filled part, for a cache that keeps spare capacity (``used_nbytes``; else None)."""
+    return getattr(c, "used_nbytes", None)
+
+
+def state_of(caches):
+    """(meta_state, flattened state) of every cache: what a prompt-cache file stores."""
+    return [(c.meta_state, tree_flatten(c.state)) for c in caches]
+
+
+def assert_same_state(a, b):
+    for (ma, sa), (mb, sb) in zip(state_of(a), state_of(b)):
+        assert ma == mb
+        assert [k for k, _ in sa] == [k for k, _ in sb]
+        for (key, x), (_, y) in zip(sa, sb):
+            if isinstance(x, mx.array):
+                assert isinstance(y, mx.array) and (x.dtype, x.shape) == (y.dtype, y.shape), key
+                assert bool(mx.array_equal(x, y)), key
+            else:
+                assert x == y, key
+    assert [c.offset for c in a] == [c.offset for c in b]
+
+
+def test_every_mlx_lm_method_has_a_row():
+    assert sorted(TABLE) == sorted(MLX_LM_METHODS)
+
+
+@pytest.mark.parametrize("method", MLX_LM_METHODS)
+def test_attention_equals_dense_attention_over_the_returned_rows_with_mlx_lm_masks(method):
+    """Per layer and call, as mlx_lm runs them (one mask from layer 0, update_and_fetch, then the dispatch
+    point): the cache's own attention equals dense attention over the rows update_and_fetch returned with
+    that mask -- through prefill chunks, decode steps, and the compression / eviction between them."""
+    caches, data, start = build(method), layer_rows(3, 125), 0
+    assert dispatch.installed()
+    for n in (70, 1, 1, 20, 1, 30, 1, 1):
+        mask = create_attention_mask(mx.zeros((1, n, 1)), caches[0])
+        for cache, (q, k, v) in zip(caches, data):
+            sl = slice(start, start + n)
+            K, V = cache.update_and_fetch(k[:, :, sl], v[:, :, sl])
+            out = dispatched_sdpa(q[:, :, sl], K, V, cache=cache, scale=D**-0.5, mask=mask)
+            ref = mx.fast.scaled_dot_product_attention(q[:, :, sl], K, V, scale=D**-0.5, mask=mask)
+            assert out.shape == ref.shape and K.shape[2] == V.shape[2]
+            if n > 1 or not TABLE[method].sparse_decode:  # float32 rows: only the summation order differs
+                assert float(mx.abs(out - ref).max()) <= 1e-4 * max(1.0, float(mx.abs(V).max())), (start, n)
+        start += n
+        assert [c.offset for c in caches] == [start] * len(caches)
+
+
+@pytest.mark.parametrize("method", with_known_bugs(MLX_LM_METHODS, LOAD_BUGS))
+def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
+    caches = prefilled(method)
+    n = len(PROMPT) + len(DECODE)
+    assert all(type(c) is method_class(method) and c.offset == n for c in caches)
+    for c in caches:
+        assert c.nbytes == held_nbytes(c) >= (used_nbytes(c) or 0) and c.nbytes > 0
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    twin = copy.deepcopy(caches)
+    assert [type(c) for c in loaded] == [type(c) for c in twin] == [type(c) for c in caches]
+    assert [c.size() for c in loaded] == [c.size() for c in twin] == [c.size() for c in caches]
+    assert all(x is not y for x, y in zip(twin, caches))
+    assert_same_state(caches, loaded)
+    assert_same_state(caches, twin)
+    assert [used_nbytes(c) for c in loaded] == [used_nbytes(c) for c in twin] == [used_nbytes(c) for c in caches]
+    for other in (twin, loaded):
+        if TABLE[method].loaded_nbytes_equal:
+            assert [c.nbytes for c in other] == [c.nbytes for c in caches]
+        else:  # spare capacity, a per-step scratch: held, not saved (contract_table.LOADED_HOLDS_LESS)
+            assert all(a.nbytes <= b.nbytes for a, b in zip(other, caches))
+    if TABLE[method].merges:  # the batched form (its own tests: test_*_batch.py) gives each cache back
+        merged = method_class(method).merge([caches[0], twin[0]])
+        assert type(merged) is not method_class(method)
+        assert all(type(merged.extract(i)) is method_class(method) and merged.extract(i).offset == n for i in (0, 1))
+    else:
+        with pytest.raises(BatchingNotSupported):
+            method_class(method).merge(caches[:2])
+    ref = step(caches, NEXT)  # the original runs first: the copies must not share its state
+    assert [c.offset for c in twin] == [c.offset for c in loaded] == [n] * len(caches)
+    for other in (loaded, twin):
+        for a, b in zip(ref, step(other, NEXT)):
+            assert bool(mx.array_equal(a, b))
+    assert_same_state(caches, twin)  # evolved identically (row state, counters, statistics)
+    assert_same_state(caches, loaded)
+
+
+@pytest.mark.parametrize("method", MLX_LM_METHODS)
+def test_trim_of_the_newest_rows(method):
+    caches = prefilled(method)
+    n, sizes = len(PROMPT) + len(DECODE), [c.size() for c in caches]
+    assert all(c.is_trimmable() for c in caches)
+    assert [c.trim(2) for c in caches] == [2] * len(caches)  # decode rows: held at full precision
+    assert [c.offset for c in caches] == [n - 2] * len(caches) and [c.size() for c in caches] == [s - 2 for s in sizes]
+    if TABLE[method].newest_trim_exact:  # else the rows the trimmed steps evicted do not come back
+        fresh = prefilled(method, DECODE[:-2])
+        assert [c.size() for c in caches] == [c.size() for c in fresh]
+        for a, b in zip(step(caches, NEXT), step(fresh, NEXT)):
+            assert bool(mx.array_equal(a, b))
+    evicts = method_info(method).family == "eviction"
+    for c in caches:  # deep into compressed or evicted rows: refused with nothing changed, or exact
+        before = (c.offset, c.size())
+        try:
+            deep = c.trim(60)
+        except ValueError:
+            assert (c.offset, c.size()) == before
+        else:
+            assert not evicts, f"{method}: evicted rows cannot be trimmed back"
+            assert deep == 60 and (c.offset, c.size()) == (before[0] - 60, before[1] - 60)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("method", MLX_LM_METHODS)
+def test_generate_with_chunked_prefill(method, arch):
+    m = ARCHS[arch]()
+    caches = build(method, m)
+    out = greedy(m, PROMPT[:75], caches, max_tokens=6, prefill_step_size=16)  # 75 > prefill step
+    assert len(out) == 6 and all(0 <= t < VOCAB for t in out)
+    ours = [c for c in caches if isinstance(c, method_class(method))]
+    assert ours and all(c.offset == 75 + 6 for c in ours)
+    assert all(c.nbytes == held_nbytes(c) for c in ours)
