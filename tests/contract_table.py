@@ -347,10 +347,9 @@ STANDALONE = {
 }
 
 
-# Library bugs (reported to the lead): TurboQuant's drop_oldest(-1) fails inside MLX ("[broadcast_shapes]
-# Shapes (0,8) and (16,8) ...", a ValueError) instead of raising CacheInputError as the other standalone caches do.
-DROP_OLDEST_BUGS = {m: "library bug: drop_oldest(-1) is not refused with CacheInputError"
-                    for m in ("turboquant_mse", "turboquant_prod")}
+# Library bugs of the standalone caches (method -> reason; strict xfail): none known. TurboQuant's
+# drop_oldest(-1) failed inside MLX until the standalone caches shared one base (StandaloneCache).
+DROP_OLDEST_BUGS: dict[str, str] = {}
 
 
 def standalone_config(method=None, **kw):
