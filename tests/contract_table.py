@@ -188,11 +188,9 @@ LOADED_HOLDS_LESS = {  # a loaded or copied cache holds fewer bytes (the same us
     "chunkkv": "a group leader's last kept indices are held for its followers, not saved",
     **{m: "see the Spec" for m, s in UNIT.items() if not s.loaded_nbytes_equal},
 }
-# Library bugs these tests expose, reported to the lead (strict: the test fails again once fixed, so the mark
-# has to go). chunkkv: load_prompt_cache does not restore the layer-wise index reuse (layer_id and the
-# coordinator are None after loading), so the followers vote and evict on their own and the loaded caches'
-# logits leave the original's at the first decode eviction after loading (deepcopy keeps the link).
-LOAD_BUGS = {"chunkkv": "library bug: a loaded chunkkv cache loses its index-reuse coordinator"}
+# Library bugs these tests expose (strict: the test fails again once fixed, so the mark has to go). The
+# last one, chunkkv's lost layer-wise index reuse after load_prompt_cache, is fixed (groups relink on load).
+LOAD_BUGS: dict[str, str] = {}  # method -> known bug of its loaded form (strict xfail); chunkkv's is fixed
 
 
 def with_known_bugs(items, bugs, name=lambda m: m):

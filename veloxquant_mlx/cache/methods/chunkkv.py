@@ -23,18 +23,24 @@ Deviations from the paper:
 * Decoding is compressed too (the paper compresses the prompt; the default slack), the votes coming from
   the queries seen since the previous eviction. Sinks are an addition (``chunkkv_n_sink=0`` removes them).
 * A follower whose leader did not evict at the same step from the same rows (layers fed different
-  calls, e.g. trimmed separately) selects by key norm instead. Reloaded caches have no coordinator:
-  every layer then selects for itself (followers' votes start empty at the reload).
+  calls, e.g. trimmed separately) selects by key norm instead. A reloaded prompt cache relinks each
+  group (its id travels in ``state``): the leader, loaded first, brings a fresh coordinator that its
+  followers join, so a loaded cache evicts as the original would.
 * The paper's default chunk size is 10; ``chunkkv_chunk_size`` defaults to 8.
 """
 
 from __future__ import annotations
+
+import uuid
 
 import mlx.core as mx
 
 from ..base import register
 from ..contract import register_with_mlx_lm
 from ..eviction import VotingEviction, check_min
+from .layer_links import registry, relink, relinking_state
+
+_LOADED = registry()  # "<reuse id>:<leader layer>" -> the coordinator of a reloaded group
 
 
 class ChunkKVIndexReuseCoordinator:
@@ -76,6 +82,8 @@ class ChunkKVCache(VotingEviction):
 
     layer_id = None
     coordinator = None
+    reuse_id = ""  # one id per prompt cache's set of layers that reuse indices ("": built alone)
+    scalar_fields = VotingEviction.scalar_fields + ("layer_id", "reuse_id")
 
     def held_arrays(self):
         """The stored rows, plus the kept-row indices this layer published for its followers (the
@@ -101,7 +109,22 @@ class ChunkKVCache(VotingEviction):
             return []
         reuse = layer_configs[0].options.reuse_layers
         coord = ChunkKVIndexReuseCoordinator(reuse) if reuse > 1 and len(layer_configs) > 1 else None
-        return [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
+        caches = [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
+        if coord is not None:
+            uid = uuid.uuid4().hex
+            for c in caches:
+                c.reuse_id = uid
+        return caches
+
+    def _relink_loaded(self):
+        if not self.reuse_id or self.layer_id is None:
+            return
+        reuse = self.config.options.reuse_layers
+        leader = self.layer_id - self.layer_id % reuse
+        self.coordinator = relink(_LOADED, f"{self.reuse_id}:{leader}", leader == self.layer_id,
+                                  lambda: ChunkKVIndexReuseCoordinator(reuse), "ChunkKVCache: the leader layer")
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
 
     @property
     def is_index_reuse_leader(self) -> bool:
