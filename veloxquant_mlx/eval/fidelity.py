@@ -32,6 +32,8 @@ class FidelityResult:
     kv_bytes: int  # measured bytes held by the caches after the run
     kv_bytes_fp16: int  # the same tokens in mlx_lm's plain cache at fp16
     n_scored: int
+    top1_target: float = float("nan")  # fraction of steps whose argmax is the text's next token
+    top1_target_ref: float = float("nan")  # ... under the uncompressed cache
 
     @property
     def kv_fraction_of_fp16(self) -> float:
@@ -112,8 +114,11 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
     nll = -mx.take_along_axis(logp, targets[:, None], axis=-1).mean()
     nll_ref = -mx.take_along_axis(ref_logp, targets[:, None], axis=-1).mean()
     agree = (logp.argmax(-1) == ref_logp.argmax(-1)).astype(mx.float32).mean()
+    hit = (logp.argmax(-1) == targets).astype(mx.float32).mean()
+    hit_ref = (ref_logp.argmax(-1) == targets).astype(mx.float32).mean()
     mx.eval([c.state for c in caches])
     return FidelityResult(
         kld=float(kld.mean()), top1_agree=float(agree), ppl=float(mx.exp(nll)), ppl_ref=float(mx.exp(nll_ref)),
         kv_bytes=kv_bytes(caches), kv_bytes_fp16=fp16_kv_bytes(model, n_context + n_score - 1), n_scored=n_score,
+        top1_target=float(hit), top1_target_ref=float(hit_ref),
     )

@@ -10,6 +10,9 @@
   the context is prefilled through the cache (so compression sees no question), then the question is
   fed token by token as decode steps, and the greedy answer is scored by exact match of the number
   (:func:`extract_answer`). The ``none`` row is the uncompressed model's own accuracy.
+* :func:`eval_recall` — a real passage read early in the context is repeated at its end; the cache
+  compresses the context, then the repeat is scored (:mod:`.recall`): ``copy_acc`` is how much of it
+  the model still copies, the uncompressed model's ``copy_acc_ref`` its ceiling.
 
 Every row has the keys :data:`ROW_KEYS` (``None`` where a value does not apply). ``compression`` is
 ``kv_bytes_fp16 / kv_bytes``: how many times smaller the cache is than mlx_lm's plain cache at fp16 for
@@ -30,19 +33,22 @@ import mlx.core as mx
 
 from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 from .fidelity import make_caches, next_token_fidelity, prefill, reference_logprobs
+from .recall import PASSAGE_TOKENS, RecallPrompt, build_recall_prompt, recall_trial
 from .specs import NONE, MethodSpec
 
 __all__ = [
-    "ROW_KEYS", "TASKS", "NEEDLE_TEMPLATE", "QUESTION", "DEFAULT_DEPTHS",
+    "ROW_KEYS", "TASKS", "DEFAULT_TASKS", "NEEDLE_TEMPLATE", "QUESTION", "DEFAULT_DEPTHS",
     "NiahPrompt", "build_niah_prompt", "extract_answer", "passcodes", "text_tokens",
-    "eval_ppl", "eval_kld", "eval_niah", "run_eval", "count_units",
+    "eval_ppl", "eval_kld", "eval_niah", "eval_recall", "run_eval", "count_units",
 ]
 
-TASKS = ("ppl", "kld", "niah")
+TASKS = ("ppl", "kld", "niah", "recall")
+DEFAULT_TASKS = ("ppl", "kld", "niah")  # what ``veloxquant eval`` runs without --task
 
 ROW_KEYS = ("method", "settings", "label", "task", "model", "context", "n_scored",
             "ppl", "ppl_ref", "ppl_delta", "kld", "top1_agree",
             "niah_acc", "niah_hits", "niah_trials", "niah_detail",
+            "copy_acc", "copy_acc_ref", "recall_detail",
             "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16", "seconds", "error")
 
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
@@ -358,23 +364,87 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
 
 
 # --------------------------------------------------------------------------- #
+# recall
+# --------------------------------------------------------------------------- #
+
+
+def recall_prompts(tokenizer, context: int, depths: Sequence[float] = (), distances: Sequence[int] = (),
+                   text: Optional[str] = None, passage: int = PASSAGE_TOKENS) -> list[RecallPrompt]:
+    """One :class:`~.recall.RecallPrompt` per depth and per distance, on ``text`` (default: the essays)."""
+    ids = text_tokens(tokenizer, context + passage, text)
+    return ([build_recall_prompt(ids, context, depth=d, passage=passage) for d in depths]
+            + [build_recall_prompt(ids, context, distance=n, passage=passage) for n in distances])
+
+
+def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
+                depths: Sequence[float] = (0.1,), distances: Sequence[int] = (), passage: int = PASSAGE_TOKENS,
+                text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
+                memo: Optional[dict] = None, include_none: bool = True) -> list[dict]:
+    """Recall rows (task ``recall``): ``copy_acc`` / ``copy_acc_ref`` = mean over the trials (one per depth
+    and per distance) of the greedy copy accuracy with the cache / uncompressed; ``kld``, ``top1_agree``
+    and ``ppl`` of the same steps; ``recall_detail`` per trial. ``kv_bytes`` is the trials' mean."""
+    memo = {} if memo is None else memo
+    specs = _specs(methods, include_none)
+    prompts = recall_prompts(tokenizer, context, depths, distances, text, passage)
+    refs = []
+    for p in prompts:
+        key = ("recall_ref", tuple(p.ids), p.n_context)
+        if key not in memo:
+            memo[key] = reference_logprobs(model, p.ids, p.n_context, p.n_score)
+        refs.append(memo[key])
+    rows = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        results, error = [], None
+        try:
+            config = spec.config()
+            for p, ref in zip(prompts, refs):
+                _tick(progress, f"recall: {spec.label} distance {p.distance}")
+                results.append(recall_trial(model, p, config, ref_logp=ref, on_chunk=_chunks(progress)))
+        except Exception as exc:  # one broken method must not end a sweep
+            error = f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - t0
+        if error is not None:
+            rows.append(_row(spec, "recall", context, model_name, seconds=seconds, error=error))
+            continue
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        detail = [{"depth": round(p.depth, 4), "distance": p.distance, "copy_acc": r.top1_target,
+                   "copy_acc_ref": r.top1_target_ref, "kld": r.kld} for p, r in zip(prompts, results)]
+        rows.append(_row(spec, "recall", context, model_name, n_scored=sum(r.n_scored for r in results),
+                         copy_acc=mean([r.top1_target for r in results]),
+                         copy_acc_ref=mean([r.top1_target_ref for r in results]), recall_detail=detail,
+                         kld=mean([r.kld for r in results]), top1_agree=mean([r.top1_agree for r in results]),
+                         ppl=mean([r.ppl for r in results]), ppl_ref=mean([r.ppl_ref for r in results]),
+                         kv_tokens=prompts[0].n_context + prompts[0].n_score - 1,
+                         kv_bytes=int(round(mean([r.kv_bytes for r in results]))),
+                         kv_bytes_fp16=results[0].kv_bytes_fp16, seconds=seconds))
+        rows[-1]["ppl_delta"] = rows[-1]["ppl"] - rows[-1]["ppl_ref"]
+    return rows
+
+
+# --------------------------------------------------------------------------- #
 # several tasks
 # --------------------------------------------------------------------------- #
 
 
-def count_units(tasks: Sequence[str], n_methods: int, n_depths: int = len(DEFAULT_DEPTHS)) -> int:
-    """How many ``progress`` calls :func:`run_eval` makes (``n_methods`` including ``none``)."""
+def count_units(tasks: Sequence[str], n_methods: int, n_depths: int = len(DEFAULT_DEPTHS),
+                n_recall: int = 1) -> int:
+    """How many ``progress`` calls :func:`run_eval` makes (``n_methods`` including ``none``;
+    ``n_recall``: recall trials per method)."""
     total = 0
     for t in tasks:
-        total += n_methods * n_depths if t == "niah" else n_methods + 1
+        total += (n_methods * n_depths if t == "niah" else n_methods * n_recall if t == "recall"
+                  else n_methods + 1)
     return total
 
 
-def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = TASKS, *, context: int = 1024,
+def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = DEFAULT_TASKS, *, context: int = 1024,
              n_score: int = 64, depths: Sequence[float] = DEFAULT_DEPTHS, text: Optional[str] = None,
              model_name: Optional[str] = None, progress: Progress = None, include_none: bool = True,
+             recall_distances: Sequence[int] = (), recall_passage: int = PASSAGE_TOKENS,
              **niah_kw: Any) -> list[dict]:
-    """Rows of every task in ``tasks`` (in that order), sharing the uncompressed reference and runs."""
+    """Rows of every task in ``tasks`` (in that order), sharing the uncompressed reference and runs.
+    ``recall`` runs one trial per depth of ``depths``, or per distance of ``recall_distances`` if given."""
     memo: dict = {}
     rows: list[dict] = []
     unknown = [t for t in tasks if t not in TASKS]
@@ -391,6 +461,9 @@ def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = TASKS, 
             rows += eval_kld(model, tokenizer, methods, n_score=n_score, **common)
         elif task == "niah":
             rows += eval_niah(model, tokenizer, methods, depths=depths, **common, **niah_kw)
+        elif task == "recall":
+            rows += eval_recall(model, tokenizer, methods, depths=() if recall_distances else depths,
+                                distances=recall_distances, passage=recall_passage, **common)
         else:
             raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     return rows
