@@ -97,6 +97,36 @@ def register(name: str):
     return decorate
 
 
+def add_method(name: str, family: str, options: Optional[type] = None, paper: str = "no paper"):
+    """Add an mlx_lm-protocol method outside the built-in table (a plug-in, or a test's throw-away
+    method), with its options class if it has settings, so that ``@register(name)`` and
+    ``KVCacheConfig(method=name)`` accept it; returns a function that removes it again.
+    ``METHOD_NAMES`` (the spec's list, which ``veloxquant methods`` shows) is not changed."""
+    from .options import OPTIONS_BY_METHOD
+
+    if name in _METHOD_TABLE:
+        raise KeyError(f"method {name!r} exists")
+    if family not in (QUANTIZATION, EVICTION, CROSS_LAYER):
+        raise ValueError(f"unknown family {family!r}")
+    if options is not None and options.METHOD != name:
+        raise ValueError(f"{options.__name__} is declared for method {options.METHOD!r}, not {name!r}")
+    _METHOD_TABLE[name] = (family, MLX_LM, paper)
+    if options is not None:
+        OPTIONS_BY_METHOD[name] = options
+
+    def remove() -> None:
+        _METHOD_TABLE.pop(name, None)
+        _CLASSES.pop(name, None)
+        OPTIONS_BY_METHOD.pop(name, None)
+
+    return remove
+
+
+def is_method(name) -> bool:
+    """Whether ``name`` is a method: the built-in table plus :func:`add_method`'s."""
+    return isinstance(name, str) and name in _METHOD_TABLE
+
+
 def _load_methods() -> None:
     from . import methods  # noqa: F401  (importing registers every built method)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from .artifacts import ArtifactStore
-from .base import METHOD_NAMES
+from .base import METHOD_NAMES, is_method
 from .errors import QuantizerConfigError
 from .options import (  # noqa: F401  (MAX_*: re-exported, the bounds of the settings)
     ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_DIM, MAX_FLOAT, MAX_GROUP, MAX_ITERS, MAX_LAYERS, MAX_SEED, MAX_TOKENS,
@@ -191,7 +191,7 @@ def allowed_values(name: str) -> str:
 
 def validate_config(cfg: KVCacheConfig) -> None:
     """Raise ``QuantizerConfigError`` for the first invalid field of ``cfg``."""
-    _check(cfg.method in METHOD_NAMES, "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
+    _check(is_method(cfg.method), "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
     bw, width = cfg.bit_width_inlier, Rule("int", lo=1, hi=8).accepts  # one width, or one per layer
     _check(0 < len(bw) <= MAX_LAYERS and all(map(width, bw)) if isinstance(bw, (list, tuple)) else width(bw),
            "bit_width_inlier", bw, allowed_values("bit_width_inlier"))
