@@ -23,7 +23,8 @@ _blas.preload()
 import mlx.core as mx  # noqa: E402
 
 from veloxquant_mlx.cache import dispatch  # noqa: E402
-from veloxquant_mlx.cache.methods import kivi, kvquant, kvzip, snapkv, turboquant_rvq, zipcache  # noqa: E402
+from veloxquant_mlx.cache import grouped  # noqa: E402
+from veloxquant_mlx.cache.methods import kvquant, kvzip, snapkv, turboquant_rvq, zipcache  # noqa: E402
 from veloxquant_mlx.cache.primitives import groupquant as gq  # noqa: E402
 
 import test_defining_properties as guards  # noqa: E402
@@ -81,7 +82,7 @@ def kivi_per_channel_values(mp):
 
     proxy = types.SimpleNamespace(**{n: getattr(gq, n) for n in dir(gq) if not n.startswith("__")})
     proxy.quantize = quantize
-    mp.setattr(kivi, "gq", proxy)
+    mp.setattr(grouped, "gq", proxy)  # the KIVI layout quantizes in grouped.py
 
 
 def turboquant_no_rotation(mp):

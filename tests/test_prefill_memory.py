@@ -188,7 +188,7 @@ MLX_LM_METHODS = [i.name for i in all_methods() if i.implemented and i.protocol 
 # alone is 4096 x 4 float16 per layer); qfilters' query Gram accumulator ([query heads, D, D] float32
 # per layer until calibration ends); the low-rank caches' per-layer bases and codes of a first
 # compressed block (svdq, palu, kvtc compress from the first KIVI-style group on).
-OVER_BOUND = {"vecinfer", "qfilters", "svdq", "palu", "kvtc"}
+OVER_BOUND = {"qfilters", "kvtc"}
 
 
 def _model_constants(caches) -> int:

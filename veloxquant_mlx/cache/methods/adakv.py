@@ -130,8 +130,7 @@ class AdaKVKVCache(KIVIKVCache):
     def uses_attention(self) -> bool:
         return self.config.adakv_importance == "attention"
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "per-head bit widths"
 
     @property
     def realized_avg_bits(self) -> float:

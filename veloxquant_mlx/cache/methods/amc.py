@@ -112,8 +112,7 @@ class AMCKVCache(KIVIKVCache):
         self.qbits = TIER_BITS["hi"]
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "its codes are not MLX's affine layout"
 
     @property
     def assigned_avg_bits(self) -> float:

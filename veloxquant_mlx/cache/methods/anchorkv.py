@@ -175,10 +175,7 @@ class AnchorKVCache(KIVIKVCache):
         self.rho, self.theta, self.seed = float(c.anchorkv_rho), float(c.anchorkv_theta), int(c.anchorkv_seed)
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("anchorkv attends through dequantize + matmul (anchors + residual codes)")
-        return False
+    dequant_only = "anchors + residual codes"
 
     # ---------------------------------------------------------------- storage
     def _append_groups(self, kb, vb):

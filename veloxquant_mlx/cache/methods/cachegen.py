@@ -151,8 +151,7 @@ class CacheGenKVCache(KIVIKVCache):
         bits = layer_bits(len(layer_configs), c.cachegen_bits, c.cachegen_layer_groups)
         return [cls(cfg.replace(cachegen_resolved_bits=b)) for cfg, b in zip(layer_configs, bits)]
 
-    def _uses_qmm(self) -> bool:
-        return False  # delta codes: not MLX's affine layout
+    dequant_only = "delta codes"
 
     def _key_words(self) -> int:
         return bitpack.packed_words(self.group, self.qbits)

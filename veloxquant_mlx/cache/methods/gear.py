@@ -86,8 +86,7 @@ class GEARKVCache(KIVIKVCache):
         self.rank = -1 if c.gear_rank is None else int(c.gear_rank)
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "low-rank and sparse corrections on top of the codes"
 
     def _n_out(self, d: int) -> int:
         return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0

@@ -162,10 +162,7 @@ class NSNQuantKVCache(KIVIKVCache):
         self.seed = int(c.nsn_seed)
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("nsnquant attends through dequantize + matmul (vector-quantized codes)")
-        return False
+    dequant_only = "vector-quantized codes"
 
     def _tools(self, D: int):
         if D & (D - 1) or D % self.sub:

@@ -56,8 +56,9 @@ from ..attention import bool_mask, group_queries
 from ..contract import BatchingNotSupported, register_with_mlx_lm
 from ..primitives.bitpack import packed_words
 from .batch_common import RaggedBatchCache, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
-from .turboquant_rvq import (QUANT_BLOCK, SINK_ROWS, ResidualWindowCache, TurboQuantRVQKVCache, joint_attention,
-                             split_bits)
+from ..primitives.rvq import split_bits
+from ..window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache, joint_attention
+from .turboquant_rvq import TurboQuantRVQKVCache
 
 _CODE_FIELDS = ("k_codes1", "k_codes2", "k_norms", "v_codes1", "v_codes2", "v_norms")
 _ROW_FIELDS = ("win_k", "win_v", "sink_k", "sink_v")

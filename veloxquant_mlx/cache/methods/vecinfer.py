@@ -55,7 +55,10 @@ coordinate each): KL 0.214, top-1 0.69, kv_bytes 0.195 (KIVI 2-bit: 0.21 at 0.24
 Deviations from the paper (deliberate):
 
 * Calibration is online, on the first 32-token-multiple block each layer encodes (the paper calibrates
-  smoothing scales offline on a calibration set); config arrays replace it.
+  smoothing scales offline on a calibration set); config arrays replace it. That block waits in the
+  float16 residual until its codes plus the codebooks to be fitted are smaller than its rows
+  (``_holds_back``; for the defaults 192 tokens at D = 32 with 2 KV heads, 96 at D = 64 with 2),
+  so a short chat holds no more than its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the paper's transforms target key outliers).
 * Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
 * The newest < 32 tokens stay float16 (KIVI's residual) and a call's own rows are attended in full
@@ -72,7 +75,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
@@ -207,14 +209,15 @@ class VecInferKVCache(KIVIKVCache):
         for f in ("key_codebook_bits", "value_codebook_bits"):
             if not _int(getattr(c, f), 1, 16):
                 raise QuantizerConfigError(f, getattr(c, f), "an int in 1..16 (codebook of 2**bits codewords)")
-        if c.use_metal_kernels is not None and not isinstance(c.use_metal_kernels, bool):
-            raise QuantizerConfigError("use_metal_kernels", c.use_metal_kernels, "None or a bool")
-        if c.fused_sdpa is not None and not isinstance(c.fused_sdpa, bool):
-            raise QuantizerConfigError("fused_sdpa", c.fused_sdpa, "None or a bool")
-        if c.fused_sdpa_max_ctx is not None and not _int(c.fused_sdpa_max_ctx, 1):
-            raise QuantizerConfigError("fused_sdpa_max_ctx", c.fused_sdpa_max_ctx, "None or an int >= 1")
-        if not isinstance(c.fused_sdpa_memory_bound, bool):
-            raise QuantizerConfigError("fused_sdpa_memory_bound", c.fused_sdpa_memory_bound, "a bool")
+        o = c.options
+        if o.use_metal_kernels is not None and not isinstance(o.use_metal_kernels, bool):
+            raise QuantizerConfigError("use_metal_kernels", o.use_metal_kernels, "None or a bool")
+        if o.fused_sdpa is not None and not isinstance(o.fused_sdpa, bool):
+            raise QuantizerConfigError("fused_sdpa", o.fused_sdpa, "None or a bool")
+        if o.fused_sdpa_max_ctx is not None and not _int(o.fused_sdpa_max_ctx, 1):
+            raise QuantizerConfigError("fused_sdpa_max_ctx", o.fused_sdpa_max_ctx, "None or an int >= 1")
+        if not isinstance(o.fused_sdpa_memory_bound, bool):
+            raise QuantizerConfigError("fused_sdpa_memory_bound", o.fused_sdpa_memory_bound, "a bool")
         self.ks, self.vs = int(c.key_sub_dim), int(c.value_sub_dim)
         self.kbits, self.vbits = int(c.key_codebook_bits), int(c.value_codebook_bits)
         self.group = BLOCK
@@ -222,7 +225,7 @@ class VecInferKVCache(KIVIKVCache):
         self._given = {}
         for name, field, dims in (("smooth", "smooth_factors", (1, 2)), ("key_cb", "key_codebook", (2, 3)),
                                   ("val_cb", "value_codebook", (2, 3))):
-            v = getattr(c, field)
+            v = getattr(o, field)
             if v is not None:
                 a = _as_array(v, field, dims)
                 if field != "smooth_factors":
@@ -236,8 +239,21 @@ class VecInferKVCache(KIVIKVCache):
                 self._given[name] = a
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "vector-quantized codes"
+
+    def _holds_back(self, total: int, d: int, dv: int) -> bool:
+        """Before the calibration, rows wait in the float16 residual until their codes plus the
+        codebooks and smoothing factors to be fitted take fewer bytes than the rows themselves (a
+        40-token chat holds its rows, not 36 KiB of codebooks per layer); then every complete block
+        of them calibrates and is encoded at once."""
+        if self.key_cb is not None:
+            return False
+        B, H = self.res_k.shape[:2]
+        fitted = 4 * H * d * ("smooth" not in self._given)
+        for name, sub, bits in (("key_cb", self.ks, self.kbits), ("val_cb", self.vs, self.vbits)):
+            fitted += 2 * (1 << bits) * sub * (name not in self._given)
+        saved = B * H * (2 * (d + dv) - self.bytes_per_token_budget(d, dv))  # per token held as codes
+        return (total // BLOCK) * BLOCK * saved < fitted
 
     def _rot(self, d: int) -> mx.array:
         seed = int(self.config.seed)
@@ -331,54 +347,24 @@ class VecInferKVCache(KIVIKVCache):
 
     # ---------------------------------------------------------------- attention
     def _fused(self, N: int, M: int) -> bool:
-        c = self.config
+        c = self.config.options
         if not c.fused_sdpa:
             return False
         if c.fused_sdpa_max_ctx is not None and M > c.fused_sdpa_max_ctx:
             return False
         return N > 1 or bool(c.fused_sdpa_memory_bound)
 
-    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        call, self._call = self._call, None
-        N = queries.shape[2]
-        if call is None or call[4].shape[2] != N or keys.shape[2] != call[0] + call[1] + N:
+    def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
+        """Every call size on the codes (``_attend_codes``), unless nothing is encoded yet or the fused
+        sdpa path over the decoded rows is chosen (``_fused``)."""
+        if call[0] == 0 or self._fused(queries.shape[2], keys.shape[2]):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        q0, r0, past_k, past_v, new_k, new_v = call
-        mask = self._own_mask(mask, queries, keys)
-        if q0 == 0 or self._fused(N, keys.shape[2]):
-            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        B, Hq, _, D = queries.shape
-        H = new_k.shape[1]
-        rep, M = Hq // H, q0 + r0 + N
-        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        fk, fv = new_k, new_v
-        if r0:
-            fk = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
-            fv = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
-        parts = [q @ fk.astype(mx.float32).swapaxes(-1, -2)]
-        if rep * N * (D // self.ks) * q0 <= LUT_MAX:
-            parts.insert(0, self.lut_scores(q, q0))
-        else:
-            parts.insert(0, q @ self._keys_t(q0))
-        if sinks is not None:
-            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
-            parts.insert(0, sink.reshape(B, H, rep * N, 1))
-        s = mx.concatenate(parts, axis=-1)
-        lead = s.shape[-1] - M
-        s = s.reshape(B, H, rep, N, s.shape[-1])
-        if isinstance(mask, str):
-            if N > 1:
-                cols = mx.arange(r0 + N)[None] - r0
-                visible = cols <= mx.arange(N)[:, None]
-                s = mx.concatenate([s[..., : lead + q0], mx.where(visible, s[..., lead + q0 :], -mx.inf)], axis=-1)
-        elif mask is not None:
-            m = bool_mask(mask, N, M, H)
-            if lead:
-                m = mx.concatenate([mx.ones((*m.shape[:-1], 1), dtype=mx.bool_), m], axis=-1)
-            s = mx.where(m, s, -mx.inf)
-        p = mx.softmax(s, axis=-1, precise=True).reshape(B, H, rep * N, s.shape[-1])
-        out = p[..., lead + q0 :] @ fv.astype(mx.float32) + p[..., lead : lead + q0] @ self._values(q0)
-        return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _key_scores(self, q, n):
+        """LUT scores on the codes while the table stays small (``LUT_MAX``), else the decoded keys."""
+        B, H, R, D = q.shape
+        return self.lut_scores(q, n) if R * (D // self.ks) * n <= LUT_MAX else q @ self._keys_t(n)
 
     # ---------------------------------------------------------------- trim
     def _trim_rows(self, n):
@@ -415,7 +401,3 @@ class VecInferKVCache(KIVIKVCache):
                 per += bitpack.packed_nbytes(m, min(bits, 8)) + (bitpack.packed_nbytes(m, bits - 8) if bits > 8 else 0)
         fixed = sum(a.nbytes for a in (self.key_cb, self.val_cb, self.smooth) if a is not None)
         return B * H * self.n_quant * per + fixed + self.res_k.nbytes + self.res_v.nbytes
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0

@@ -101,7 +101,6 @@ rows, then the newest codes; not batchable (``merge`` raises ``BatchingNotSuppor
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Optional
 
@@ -113,69 +112,21 @@ from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, unpack_bits
 from ..primitives.buffers import grow_rows, reserve_rows
-from ..primitives.codebook import nearest_code, odd_poly_gaussian
+from ..primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
+from ..primitives.codebook import nearest_code
 from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
-from ..primitives.rotation import hadamard, random_orthogonal
+from ..primitives.value_rotation import odd_poly, poly_coefficients, power_of_two, rotate_values, value_rotation
 from ..primitives.varpack import VarLayout, extract_codes
 from ..attention import group_queries
 from .. import dispatch, kernels
 from ..kernels import waterfill as wf_kernel
-from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
+from ..window import SINK_ROWS, ResidualWindowCache
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
 
 DEFAULT_CALIB_TOKENS = 64
 BLOCK = 16  # rows leave the window in whole blocks of this many
-MAX_BITS = 8
 _TINY = 1e-30
-_ROTATIONS: dict[tuple, mx.array] = {}
-
-
-def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarray:
-    """Greedy reverse water-filling: ``total`` bits per row of ``sensitivity [G, D]`` (>= 0), each
-    bit to the channel whose ``log2(sensitivity) - 2 * (bits it has)`` is largest. Returns int
-    widths ``[G, D]`` in ``0..max_bits`` with every row summing to ``total``."""
-    s = np.asarray(sensitivity, dtype=np.float64)
-    G, D = s.shape
-    if not 0 <= total <= max_bits * D:
-        raise ValueError(f"total={total} bits cannot be spread over {D} channels of at most {max_bits} bits")
-    gain = np.log2(np.maximum(s, _TINY))[:, :, None] - 2.0 * np.arange(max_bits)[None, None, :]
-    flat = gain.reshape(G, D * max_bits)
-    # stable order: among equal gains the lower channel / lower bit first (gains fall with j per channel,
-    # so the chosen set always takes a channel's bits in order)
-    order = np.argsort(-flat, axis=1, kind="stable")[:, :total]
-    widths = np.zeros(G * D, dtype=np.int64)
-    np.add.at(widths, (np.arange(G)[:, None] * D + order // max_bits).reshape(-1), 1)
-    return widths.reshape(G, D)
-
-
-def _power_of_two(d: int) -> bool:
-    return d > 0 and d & (d - 1) == 0
-
-
-def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
-    """``y M`` (or ``y M^T``) over the last axis with the values' rotation ``M``: for a power-of-two
-    dim the normalized Hadamard applied as a fast Walsh-Hadamard transform (``mx.hadamard_transform``,
-    ``O(Dv log Dv)`` per row, no stored matrix; ``H`` is symmetric and orthogonal, so it is its own
-    inverse), else the seeded random rotation's matrix."""
-    dv = y.shape[-1]
-    if _power_of_two(dv):
-        return mx.hadamard_transform(y, scale=dv**-0.5)
-    m = value_rotation(dv, seed)
-    return y @ (m.T if inverse else m)
-
-
-def value_rotation(dim: int, seed: int) -> mx.array:
-    """The values' rotation as a matrix ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized
-    Hadamard for a power-of-two ``dim`` (the caches apply it as a transform, :func:`rotate_values`, and
-    hold no matrix), else a seeded Haar-random orthogonal matrix (held, one array per process)."""
-    key = (int(dim), int(seed))
-    m = _ROTATIONS.get(key)
-    if m is None:
-        m = hadamard(dim) if dim & (dim - 1) == 0 else random_orthogonal(dim, seed)
-        _ROTATIONS[key] = m = mx.contiguous(m)
-        mx.eval(m)
-    return m
 
 
 @register_with_mlx_lm
@@ -194,6 +145,7 @@ class WaterfillKVCache(ResidualWindowCache):
                      "saliency_source")
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
+    _shared = ("_layout", "_omega_cache", "_kconst")
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
     saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
@@ -205,7 +157,7 @@ class WaterfillKVCache(ResidualWindowCache):
             raise QuantizerConfigError("bit_width_inlier", bits,
                                        "an int in 1..8 (waterfill: keys' average and values' width)")
         self.bit_width = bits
-        self.residual_length = int(c.residual_length)
+        self.residual_length = int(c.options.residual_length)
         n_calib = c.n_calib_tokens
         if n_calib is not None and (isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1):
             raise QuantizerConfigError("n_calib_tokens", n_calib, "an int >= 1 or None (waterfill: 64)")
@@ -257,7 +209,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if self.q_energy is not None:
             w = self.q_energy[0, :, 0]
             if self.rope is not None:  # a pre-RoPE channel meets both channels of its rotary pair
-                w = _pair_mean(w, self.rope)
+                w = rope_pair_mean(w, self.rope)
         else:
             w = mx.ones((H, D))
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
@@ -325,8 +277,8 @@ class WaterfillKVCache(ResidualWindowCache):
         """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows, computed
         from the codes arithmetically (the codebook is an odd polynomial of the centred code)."""
         codes = unpack_bits(self.v_words[:, :, :n], self.bit_width, self._shape[2])
-        a, b, c = _poly_coefficients(self.bit_width)
-        return _odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
+        a, b, c = poly_coefficients(self.bit_width)
+        return odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
 
     def _quantized_dense(self, n):
         memo = self._rows_memo()
@@ -367,7 +319,7 @@ class WaterfillKVCache(ResidualWindowCache):
         shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
         k_lo, k_step = self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32)
         top = (1 << self.bit_width) - 1
-        a3, b3, c3 = _poly_coefficients(self.bit_width)
+        a3, b3, c3 = poly_coefficients(self.bit_width)
 
         def scores(a, b):
             lo, hi = lay.gather(self.k_words[:, :, a:b])
@@ -375,7 +327,7 @@ class WaterfillKVCache(ResidualWindowCache):
             return q @ keys.swapaxes(-1, -2)
 
         def values(p, a, b):
-            vc = _odd_poly(unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2]), top, a3, b3, c3)
+            vc = odd_poly(unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2]), top, a3, b3, c3)
             vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
             return rotate_values((p * vs) @ vc, self.seed, inverse=True)
 
@@ -391,7 +343,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1:
             return False
         H, D, DV = self._shape
-        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and _power_of_two(DV)
+        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and power_of_two(DV)
         return ok and call.s0 > 0 and kernels.kernels_enabled()
 
     def _kernel_constants(self):
@@ -400,7 +352,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if kc is None or kc[0] is not self.k_lo:
             D = self._shape[1]
             lay = self._layout_of()
-            a, b, c = _poly_coefficients(self.bit_width)
+            a, b, c = poly_coefficients(self.bit_width)
             vpoly = mx.array([a, b, c, ((1 << self.bit_width) - 1) / 2], dtype=mx.float32)
             omega = self._omega() if self.rope is not None else None
             kc = (self.k_lo, wf_kernel.key_table(lay), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
@@ -466,7 +418,7 @@ class WaterfillKVCache(ResidualWindowCache):
         kc = getattr(self, "_kconst", None)
         if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
             out += [*kc[1:4], *kc[4], kc[5]]
-        if self.counts_constants and getattr(self, "_shape", None) and not _power_of_two(self._shape[2]):
+        if self.counts_constants and getattr(self, "_shape", None) and not power_of_two(self._shape[2]):
             out.append(self._rotation(self._shape[2]))
         return out
 
@@ -475,12 +427,11 @@ class WaterfillKVCache(ResidualWindowCache):
         """Bytes of the value rotation matrix (shared by every layer with the same value dim and seed;
         none for a power-of-two dim: the Hadamard is applied as a transform)."""
         shape = getattr(self, "_shape", None)
-        return self._rotation(shape[2]).nbytes if shape and not _power_of_two(shape[2]) else 0
+        return self._rotation(shape[2]).nbytes if shape and not power_of_two(shape[2]) else 0
 
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Bytes of one quantized token per KV head: key words + value words + the value scale."""
-        d = head_dim or (self._shape[1] if getattr(self, "_shape", None) else self.config.head_dim)
-        dv = value_dim or (self._shape[2] if getattr(self, "_shape", None) else d)
+        d, dv = self._dims(head_dim, value_dim)
         return 4 * ((self.bit_width * d + 31) // 32) + 4 * ((self.bit_width * dv + 31) // 32) + 2
 
     def _used(self, name: str):
@@ -502,16 +453,7 @@ class WaterfillKVCache(ResidualWindowCache):
     @property
     def used_nbytes(self) -> int:
         """Bytes of the used rows of every array (spare capacity and the shared rotation left out)."""
-        rows = sum(a[:, :, : self._used(n)].nbytes for n in self.array_fields if (a := getattr(self, n)) is not None)
-        return rows + (self._layout.nbytes if self._layout is not None else 0)
-
-    def __deepcopy__(self, memo):
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            shared = k in ("config", "_layout", "_omega_cache", "_kconst") or isinstance(v, mx.Dtype)
-            setattr(new, k, v if shared else copy.deepcopy(v, memo))
-        return new
+        return super().used_nbytes + (self._layout.nbytes if self._layout is not None else 0)
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
@@ -519,31 +461,3 @@ def _dequantize(lo, hi, shift, mask, k_lo, k_step):
     """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
     fused kernel with the code extraction."""
     return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
-
-
-@functools.lru_cache(maxsize=8)
-def _poly_coefficients(bits: int) -> tuple[float, float, float]:
-    """``(a, b, c)`` of the values' odd-polynomial codebook (computed once per width: decode steps use it)."""
-    return tuple(odd_poly_gaussian(bits)[1])
-
-
-@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
-def _odd_poly(codes, top, a, b, c):
-    u = codes.astype(mx.float32) - top / 2
-    u2 = u * u
-    return u * (a + u2 * (b + c * u2))
-
-
-def _pair_mean(w: mx.array, spec: dict) -> mx.array:
-    """Average ``w [H, D]`` over the channel pairs RoPE rotates together (its first ``dims`` channels:
-    adjacent pairs when ``traditional``, else channel i with i + dims/2)."""
-    dims = spec["dims"]
-    head, tail = w[:, :dims], w[:, dims:]
-    H = w.shape[0]
-    if spec["traditional"]:
-        m = head.reshape(H, dims // 2, 2).mean(axis=-1, keepdims=True)
-        head = mx.broadcast_to(m, (H, dims // 2, 2)).reshape(H, dims)
-    else:
-        m = (head[:, : dims // 2] + head[:, dims // 2 :]) / 2
-        head = mx.concatenate([m, m], axis=1)
-    return mx.concatenate([head, tail], axis=1) if tail.shape[1] else head
