@@ -36,7 +36,7 @@ from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel
 from .primitives import groupquant as gq
 from .primitives.buffers import grow_columns, grow_rows
-from .window import concat_rows, joint_attention, rows_part
+from .window import concat_rows, fp16_row_bytes, joint_attention, rows_part
 
 KIVI_BITS = (2, 3, 4, 8)
 RES_DTYPE = mx.float16
@@ -412,12 +412,18 @@ class GroupedQuantCache(CompressedKVCache):
         return key + value + self.res_k.nbytes + self.res_v.nbytes
 
     @property
+    def fp16_key_bytes(self) -> int:
+        """Float16 bytes of the keys of every token seen (no spare capacity)."""
+        return fp16_row_bytes(self.res_k, self.offset)
+
+    @property
+    def fp16_value_bytes(self) -> int:
+        return fp16_row_bytes(self.res_v, self.offset)
+
+    @property
     def full_seq_bytes(self) -> int:
         """What a float16 cache would hold for the same tokens (no spare capacity)."""
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        return B * H * self.offset * (D + self.res_v.shape[-1]) * 2
+        return self.fp16_key_bytes + self.fp16_value_bytes
 
     @property
     def compression_ratio(self) -> float:

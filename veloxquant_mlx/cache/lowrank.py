@@ -256,20 +256,6 @@ class LowRankKVCache(GroupedQuantCache):
         return v + (self.res_v.nbytes if self.res_v is not None else 0)
 
     @property
-    def fp16_key_bytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        return B * H * self.offset * D * 2
-
-    @property
-    def fp16_value_bytes(self) -> int:
-        if self.res_v is None:
-            return 0
-        B, H, _, D = self.res_v.shape
-        return B * H * self.offset * D * 2
-
-    @property
     def rank(self) -> int:
         """Latent key channels kept (uniform across heads / head groups); 0 before the fit."""
         return len(self.k_bits) if self.k_bits else 0

@@ -25,6 +25,11 @@ QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
 SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
 
 
+def fp16_row_bytes(buf, n: int) -> int:
+    """Float16 bytes of ``n`` rows shaped like ``buf`` [B, H, ., D] (0 when ``buf`` is None)."""
+    return 0 if buf is None else buf.shape[0] * buf.shape[1] * n * buf.shape[-1] * 2
+
+
 def concat_rows(pairs, dtype):
     """(K, V) of the ``(keys, values)`` pairs (None entries skipped) concatenated along the rows, in ``dtype``."""
     ks = [k for k, _ in pairs if k is not None]
@@ -136,8 +141,10 @@ class ResidualWindowCache(CompressedKVCache):
 
     def _quantized_part(self, q: mx.array, n: int):
         """(scores [B, H, R, n], value_fn) of the first ``n`` quantized rows for scaled float32
-        queries ``q`` [B, H, R, D] (R = rep * N); ``value_fn(p [B, H, R, n])`` -> [B, H, R, Dv]."""
-        raise NotImplementedError
+        queries ``q`` [B, H, R, D] (R = rep * N); ``value_fn(p [B, H, R, n])`` -> [B, H, R, Dv]. By
+        default the one tile ``(0, n)`` of ``_quantized_tiles``."""
+        scores_fn, value_fn = self._quantized_tiles(q, [(0, n)])[0]
+        return scores_fn(), value_fn
 
     # ---- storage
     def storage_dtype(self, compute_dtype):
@@ -157,12 +164,15 @@ class ResidualWindowCache(CompressedKVCache):
         self.win_k = grow_rows(self.win_k, r0, keys.astype(sd))
         self.win_v = grow_rows(self.win_v, r0, values.astype(sd))
         self.n_win = r0 + n
-        block = self.quant_block
-        if self.n_win >= self.residual_length + block:
-            # whole blocks only: which rows are compacted then depends on the positions stored, not on
-            # how the rows were split into calls (one prefill call or chunks + decode steps leave the
-            # same rows quantized: ``chunk_invariant``)
-            self._compact((self.n_win - self.residual_length) // block * block)
+        self._compact_blocks()
+
+    def _compact_blocks(self) -> None:
+        """Compact the window's oldest whole blocks beyond the newest ``residual_length`` rows once it
+        holds ``residual_length + quant_block``: whole blocks only, so which rows are compacted depends
+        on the positions stored, not on how the rows were split into calls (``chunk_invariant``)."""
+        block, R = self.quant_block, self.residual_length
+        if self.n_win >= R + block:
+            self._compact((self.n_win - R) // block * block)
 
     def _compact(self, n: int) -> None:
         """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window
@@ -236,7 +246,7 @@ class ResidualWindowCache(CompressedKVCache):
         qf = q.reshape(B, H, rep * N, D)
 
         # exact rows (float16 sinks + window, and the call's own rows) as one group, in key order
-        s0, q0, r0 = call.s0, call.q0, call.r0
+        s0, q0 = call.s0, call.q0
         sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
         ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
         parts = []
@@ -260,7 +270,7 @@ class ResidualWindowCache(CompressedKVCache):
         rep, M = Hq // H, keys.shape[2]
         qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
         tile = tile_rows(B * Hq * N, M, self.quant_block)
-        s0, q0, r0 = call.s0, call.q0, call.r0
+        s0, q0 = call.s0, call.q0
         blocks = []
         if s0:
             blocks += dense_blocks(qf, self.sink_k[:, :, :s0], self.sink_v[:, :, :s0], 0, tile)
@@ -335,10 +345,7 @@ class ResidualWindowCache(CompressedKVCache):
     @property
     def full_seq_bytes(self) -> int:
         """What a float16 cache would hold for the same tokens (no spare capacity)."""
-        if self.win_k is None:
-            return 0
-        B, H, _, D = self.win_k.shape
-        return B * H * self.offset * (D + self.win_v.shape[-1]) * 2
+        return fp16_row_bytes(self.win_k, self.offset) + fp16_row_bytes(self.win_v, self.offset)
 
     # ---- state: only the used rows are saved
     def _used(self, name: str) -> int:

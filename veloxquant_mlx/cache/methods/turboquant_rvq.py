@@ -136,7 +136,7 @@ from ..primitives.bitpack import pack_bits, unpack_bits
 from ..primitives.buffers import grow_rows, reserve_rows
 from ..primitives.rotation import random_orthogonal
 from ..primitives.rvq import STAGE1_MAX_BITS, RVQCodebook, row_bytes, rvq_codebook, split_bits
-from ..window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache  # noqa: F401 (re-exported)
+from ..window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
 
 __all__ = [
     "TurboQuantRVQKVCache",

@@ -306,20 +306,6 @@ class ZipCacheKVCache(KIVIKVCache):
         return 0 if self.res_v is None else self._uniform_lo(self.res_v.shape[-1]) + self._pending_bytes("res_v")
 
     @property
-    def fp16_key_bytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        return B * H * self.offset * D * 2
-
-    @property
-    def fp16_value_bytes(self) -> int:
-        if self.res_v is None:
-            return 0
-        B, H, _, D = self.res_v.shape
-        return B * H * self.offset * D * 2
-
-    @property
     def compression_ratio(self) -> float:
         """fp16 key bytes / compressed key bytes (> 1 = savings)."""
         c = self.compressed_key_bytes
@@ -336,7 +322,3 @@ class ZipCacheKVCache(KIVIKVCache):
     @property
     def used_nbytes(self) -> int:
         return self.compressed_key_bytes + self.compressed_value_bytes
-
-    @property
-    def full_seq_bytes(self) -> int:
-        return self.fp16_key_bytes + self.fp16_value_bytes
