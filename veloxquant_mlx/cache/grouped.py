@@ -273,21 +273,35 @@ class GroupedQuantCache(CompressedKVCache):
         return joint_attention(q, parts, mask, sinks, M, queries.dtype, weights=weights)
 
     def _key_scores(self, q, n: int) -> mx.array:
-        """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens: ``quantized_matmul`` on
-        the transposed per-channel codes where ``_uses_qmm``, else the dequantized keys."""
-        if not self._uses_qmm():
-            return q @ self._keys_t(n)
-        g, w = n // self.group, self._key_words()
-        return mx.quantized_matmul(q, self.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g],
-                                   transpose=False, group_size=self.group, bits=self.qbits)
+        """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens."""
+        return self._scores_on_codes(q, 0, n) if self._codes_own() else q @ self._keys_t(n)
 
     def _value_out(self, p, n: int) -> mx.array:
         """``p [B, H, R, n] · Q(V)`` over the first ``n`` quantized tokens."""
-        if not self._uses_qmm():
-            return p @ self._values(n)
-        return mx.quantized_matmul(p, self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
-                                   transpose=False, group_size=self.value_group(self.res_v.shape[-1]),
-                                   bits=self.qbits)
+        return self._values_on_codes(p, 0, n) if self._codes_own() else p @ self._values(n)
+
+    def _codes_own(self) -> bool:
+        """Whether the stored codes are KIVI's own (not redefined by a variant's ``_keys_t``/``_values``)."""
+        cls = type(self)
+        return cls._keys_t is GroupedQuantCache._keys_t and cls._values is GroupedQuantCache._values
+
+    def _scores_on_codes(self, q, t0: int, t1: int) -> mx.array:
+        """``q · Q(K)ᵀ`` for quantized tokens ``t0 .. t1`` (whole groups): ``quantized_matmul`` on the
+        transposed per-channel codes where ``_uses_qmm``, else the codes dequantized to float32."""
+        G, b, w = self.group, self.qbits, self._key_words()
+        g0, g1 = t0 // G, t1 // G
+        codes, sc, bi = self.k_codes[..., g0 * w : g1 * w], self.k_scales[..., g0:g1], self.k_biases[..., g0:g1]
+        if self._uses_qmm():
+            return mx.quantized_matmul(q, codes, sc, bi, transpose=False, group_size=G, bits=b)
+        return q @ gq.dequantize(codes, sc, bi, b, G, mx.float32)
+
+    def _values_on_codes(self, p, t0: int, t1: int) -> mx.array:
+        """``p · Q(V)`` for quantized tokens ``t0 .. t1``."""
+        gv, b = self.value_group(self.res_v.shape[-1]), self.qbits
+        codes, sc, bi = self.v_codes[:, :, t0:t1], self.v_scales[:, :, t0:t1], self.v_biases[:, :, t0:t1]
+        if self._uses_qmm():
+            return mx.quantized_matmul(p, codes, sc, bi, transpose=False, group_size=gv, bits=b)
+        return p @ gq.dequantize(codes, sc, bi, b, gv, mx.float32)
 
     def _attend_chunk(self, queries, call, *, scale, mask, sinks):
         """Attention of a multi-row call over the quantized groups, the residual and its own rows as an
@@ -309,32 +323,15 @@ class GroupedQuantCache(CompressedKVCache):
         return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
 
     def _quantized_tiles(self, q, ranges):
-        """(scores_fn, values_fn) per range of quantized rows (whole groups): ``quantized_matmul`` on the
-        codes where the layouts allow it, else the tile dequantized to float32. Variants with their own
-        storage (``_keys_t`` / ``_values`` overridden) decode their rows once and are tiled from those."""
-        if type(self)._keys_t is not GroupedQuantCache._keys_t or type(self)._values is not GroupedQuantCache._values:
+        """(scores_fn, values_fn) per range of quantized rows (whole groups), on the codes. Variants with
+        their own storage (``_keys_t`` / ``_values`` overridden) decode their rows once and are tiled
+        from those."""
+        if not self._codes_own():
             n = ranges[-1][1]
             kt, vv = self._keys_t(n), self._values(n)
             return [(lambda a=a, c=c: q @ kt[..., a:c], lambda p, a=a, c=c: p @ vv[:, :, a:c]) for a, c in ranges]
-        G, b, w = self.group, self.qbits, self._key_words()
-        dv_group = self.value_group(self.res_v.shape[-1])
-        use_qmm = self._uses_qmm()
-
-        def scores(t0, t1):
-            g0, g1 = t0 // G, t1 // G
-            codes, sc, bi = (self.k_codes[..., g0 * w : g1 * w], self.k_scales[..., g0:g1],
-                             self.k_biases[..., g0:g1])
-            if use_qmm:
-                return mx.quantized_matmul(q, codes, sc, bi, transpose=False, group_size=G, bits=b)
-            return q @ gq.dequantize(codes, sc, bi, b, G, mx.float32)
-
-        def values(p, t0, t1):
-            codes, sc, bi = self.v_codes[:, :, t0:t1], self.v_scales[:, :, t0:t1], self.v_biases[:, :, t0:t1]
-            if use_qmm:
-                return mx.quantized_matmul(p, codes, sc, bi, transpose=False, group_size=dv_group, bits=b)
-            return p @ gq.dequantize(codes, sc, bi, b, dv_group, mx.float32)
-
-        return [(lambda a=a, c=c: scores(a, c), lambda p, a=a, c=c: values(p, a, c)) for a, c in ranges]
+        return [(lambda a=a, c=c: self._scores_on_codes(q, a, c), lambda p, a=a, c=c: self._values_on_codes(p, a, c))
+                for a, c in ranges]
 
     # ---------------------------------------------------------------- decode: the fused GPU kernel
     def _decode_kernel_ready(self, mask, d: int, dv: int) -> bool:

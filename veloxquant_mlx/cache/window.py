@@ -328,7 +328,7 @@ class ResidualWindowCache(CompressedKVCache):
             v = self.__dict__.get(name)
             if v is not None:
                 memo[id(v)] = v  # deepcopy returns a memoised object as it is
-        return super().__deepcopy__(memo)
+        return CompressedKVCache.__deepcopy__(self, memo)  # (the batch forms borrow this method)
 
     def _dims(self, head_dim=None, value_dim=None) -> tuple[int, int]:
         """(key, value) head dims: the given ones, else those seen, else ``config.head_dim``."""

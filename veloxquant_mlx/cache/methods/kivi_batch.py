@@ -77,6 +77,9 @@ class KIVIBatchKVCache(RaggedBatchCache):
     _values = GroupedQuantCache._values
     _key_scores = GroupedQuantCache._key_scores
     _value_out = GroupedQuantCache._value_out
+    _codes_own = GroupedQuantCache._codes_own
+    _scores_on_codes = GroupedQuantCache._scores_on_codes
+    _values_on_codes = GroupedQuantCache._values_on_codes
     _attend_codes = GroupedQuantCache._attend_codes
     dequant_only = ""
 

@@ -180,7 +180,10 @@ class VecInferKVCache(KIVIKVCache):
         """Before the calibration, rows wait in the float16 residual until their codes plus the
         codebooks and smoothing factors to be fitted take fewer bytes than the rows themselves (a
         40-token chat holds its rows, not 36 KiB of codebooks per layer); then every complete block
-        of them calibrates and is encoded at once."""
+        of them calibrates and is encoded at once. Checks the sub-vector dims against the real head dims."""
+        for field, sub, dim in (("key_sub_dim", self.ks, d), ("value_sub_dim", self.vs, dv)):
+            if dim % sub:
+                raise QuantizerConfigError(field, sub, f"a divisor of the {field[:-8]} head dim {dim}")
         if self.key_cb is not None:
             return False
         B, H = self.res_k.shape[:2]
@@ -197,11 +200,6 @@ class VecInferKVCache(KIVIKVCache):
     # ---------------------------------------------------------------- calibration
     def _calibrate(self, kb: mx.array, vb: mx.array) -> None:
         B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
-        if D % self.ks:
-            raise QuantizerConfigError("key_sub_dim", self.ks, f"a divisor of the key head dim {D}")
-        if Dv % self.vs:
-            raise QuantizerConfigError("value_sub_dim", self.vs, f"a divisor of the value head dim {Dv}")
         k32 = kb.astype(mx.float32)
         if "smooth" in self._given:
             s = self._given["smooth"]
