@@ -101,6 +101,27 @@ class RaggedBatchCache(CompressedKVCache):
         self._call = None
         self._sync_offset()
 
+    # ---------------------------------------------------------------- merge helpers
+    @staticmethod
+    def _check_mergeable(caches, settings, what: str) -> None:
+        """Refuse single caches that cannot share a batch: different ``settings(cache)`` (``what`` names
+        them) or an offset that differs from the stored rows."""
+        first = settings(caches[0])
+        for c in caches:
+            if settings(c) != first:
+                raise BatchingNotSupported(f"{c.method_name} caches with different {what} cannot share a batch: "
+                                           f"{settings(c)} vs {first}")
+            if c.stored_rows() != c.offset:
+                raise BatchingNotSupported(f"{c.method_name} cache whose offset differs from its stored rows")
+
+    def _stack(self, ones) -> "RaggedBatchCache":
+        """Set every array of ``array_fields`` to the batch of the per-request ``ones`` (dicts of [1, ...]
+        arrays, one per sequence, in order) and return ``self``."""
+        for name in self.array_fields:
+            setattr(self, name, mx.concatenate([one[name] for one in ones], axis=0))
+        self._sync_offset()
+        return self
+
     # ---------------------------------------------------------------- subclass hooks
     def _settings(self) -> tuple:
         raise NotImplementedError

@@ -135,13 +135,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def from_caches(cls, caches) -> "KIVIBatchKVCache":
         """Batch of single ``KIVIKVCache``s (empty or holding tokens: prompt-cache reuse)."""
         first = caches[0]
-        for c in caches:
-            if (c.qbits, c.group, c.attend_path) != (first.qbits, first.group, first.attend_path):
-                raise BatchingNotSupported(
-                    "KIVI caches with different bits / group size / attend path cannot share a batch "
-                    f"(bits {c.qbits} vs {first.qbits}, group {c.group} vs {first.group})")
-            if c.stored_rows() != c.offset:
-                raise BatchingNotSupported("KIVI cache whose offset differs from its stored rows")
+        cls._check_mergeable(caches, lambda c: (c.qbits, c.group, c.attend_path), "bits / group size / attend path")
         shapes = {tuple(c._shape) for c in caches if getattr(c, "_shape", None) and c.res_k is not None}
         if len(shapes) > 1:
             raise BatchingNotSupported(f"KIVI caches with different head shapes cannot share a batch: {shapes}")
@@ -159,8 +153,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         out.lens = [c.offset for c in caches]
         R = max(out.nr)
         out.cap = max(out.nq)
-        empty = out._alloc(1, cap=out.cap)
-        parts = {name: [] for name in cls.array_fields}
+        ones = []
         for c, g, r in zip(caches, out.nq, out.nr):  # once per request, not per step
             one = out._alloc(1, cap=out.cap)
             if g:
@@ -169,18 +162,11 @@ class KIVIBatchKVCache(RaggedBatchCache):
                     one[name][..., :g] = getattr(c, name)[..., :g]
                 for name in ("v_codes", "v_scales", "v_biases"):
                     one[name][:, :, : g * G] = getattr(c, name)[:, :, : g * G]
-            for name, src in (("res_k", c.res_k), ("res_v", c.res_v)):
-                d = D if name == "res_k" else Dv
+            for name, src, d in (("res_k", c.res_k, D), ("res_v", c.res_v, Dv)):
                 pad = mx.zeros((1, H, R - r, d), dtype=RES_DTYPE)
                 one[name] = mx.concatenate([pad, src[:, :, :r].astype(RES_DTYPE)], axis=2) if r else pad
-            for name in cls.array_fields:
-                parts[name].append(one[name] if c.res_k is not None else
-                                   (empty[name] if name not in ("res_k", "res_v") else
-                                    mx.zeros((1, H, R, D if name == "res_k" else Dv), dtype=RES_DTYPE)))
-        for name in cls.array_fields:
-            setattr(out, name, mx.concatenate(parts[name], axis=0))
-        out._sync_offset()
-        return out
+            ones.append(one)
+        return out._stack(ones)
 
     def extract(self, idx: int) -> KIVIKVCache:
         """Sequence ``idx`` as an ordinary single ``KIVIKVCache`` (the same codes it would hold alone)."""

@@ -164,13 +164,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def from_caches(cls, caches) -> "TurboQuantRVQBatchKVCache":
         """Batch of single ``TurboQuantRVQKVCache``s (empty or holding tokens: prompt-cache reuse)."""
         first = caches[0]
-        for c in caches:
-            if _settings(c) != _settings(first):
-                raise BatchingNotSupported(
-                    "turboquant_rvq caches with different settings (residual length, sub-vector dims, bits, "
-                    f"seed) cannot share a batch: {_settings(c)} vs {_settings(first)}")
-            if c.stored_rows() != c.offset:
-                raise BatchingNotSupported("turboquant_rvq cache whose offset differs from its stored rows")
+        cls._check_mergeable(caches, _settings, "settings (residual length, sub-vector dims, bits, seed)")
         held = [c for c in caches if c.win_k is not None]
         shapes = {tuple(c._shape) for c in held}
         dtypes = {c.win_k.dtype for c in held}
@@ -191,7 +185,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         out.lens = [c.offset for c in caches]
         out.cap, W = max(out.nq), max(out.nw)
         dtype = dtypes.pop()
-        parts = {name: [] for name in out.array_fields}
+        ones = []
         for c, s, q, w in zip(caches, out.ns, out.nq, out.nw):  # once per request, not per step
             one = out._alloc(1, dtype, out.cap, W)
             if c.win_k is not None:
@@ -204,12 +198,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
                 for name in ("win_k", "win_v"):
                     if w:
                         one[name][:, :, W - w:] = getattr(c, name)[:, :, :w]
-            for name in out.array_fields:
-                parts[name].append(one[name])
-        for name in out.array_fields:
-            setattr(out, name, mx.concatenate(parts[name], axis=0))
-        out._sync_offset()
-        return out
+            ones.append(one)
+        return out._stack(ones)
 
     def extract(self, idx: int) -> TurboQuantRVQKVCache:
         """Sequence ``idx`` as an ordinary ``TurboQuantRVQKVCache`` (the same state it would hold alone)."""

@@ -57,7 +57,7 @@ Deviations from the paper (deliberate):
 * Calibration is online, on the first 32-token-multiple block each layer encodes (the paper calibrates
   smoothing scales offline on a calibration set); config arrays replace it. That block waits in the
   float16 residual until its codes plus the codebooks to be fitted are smaller than its rows
-  (``_holds_back``; for the defaults 192 tokens at D = 32 with 2 KV heads, 96 at D = 64 with 2),
+  (``_holds_back``; for the defaults from 178 tokens at D = 32 with 2 KV heads, 104 at D = 64),
   so a short chat holds no more than its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the paper's transforms target key outliers).
 * Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
@@ -180,7 +180,8 @@ class VecInferKVCache(KIVIKVCache):
         """Before the calibration, rows wait in the float16 residual until their codes plus the
         codebooks and smoothing factors to be fitted take fewer bytes than the rows themselves (a
         40-token chat holds its rows, not 36 KiB of codebooks per layer); then every complete block
-        of them calibrates and is encoded at once. Checks the sub-vector dims against the real head dims."""
+        of them calibrates and is encoded at once (so a cache never holds more than its float16 rows
+        plus ``contract.SHORT_PROMPT_SLACK_ROWS`` rows). Checks the sub-vector dims against the real head dims."""
         for field, sub, dim in (("key_sub_dim", self.ks, d), ("value_sub_dim", self.vs, dv)):
             if dim % sub:
                 raise QuantizerConfigError(field, sub, f"a divisor of the {field[:-8]} head dim {dim}")
@@ -190,8 +191,10 @@ class VecInferKVCache(KIVIKVCache):
         fitted = 4 * H * d * ("smooth" not in self._given)
         for name, sub, bits in (("key_cb", self.ks, self.kbits), ("val_cb", self.vs, self.vbits)):
             fitted += 2 * (1 << bits) * sub * (name not in self._given)
-        saved = B * H * (2 * (d + dv) - self.bytes_per_token_budget(d, dv))  # per token held as codes
-        return (total // BLOCK) * BLOCK * saved < fitted
+        nq, fp16 = total // BLOCK * BLOCK, B * H * 2 * (d + dv)  # encodable rows; float16 bytes per token
+        # encoded: codebooks + the 32-row residual + codes; held back: the rows. Both with grow_rows' spare.
+        encoded = fitted + BLOCK * fp16 + B * H * (nq + max(16, nq // 8)) * self.bytes_per_token_budget(d, dv)
+        return encoded >= (total + max(16, total // 8)) * fp16
 
     def _rot(self, d: int) -> mx.array:
         seed = int(self.config.seed)
