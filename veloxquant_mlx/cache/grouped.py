@@ -48,7 +48,7 @@ class GroupedQuantCache(CompressedKVCache):
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name")
 
-    #: "auto" (quantized_matmul on a Metal GPU, dequantize + float32 matmul otherwise), "dequant" or
+    #: "auto" (quantized_matmul on the CPU and Metal, dequantize + float32 matmul on CUDA), "dequant" or
     #: "quantized_matmul" (needs MLX layouts: b and G, Gv in groupquant.MX_GROUPS).
     attend_path = "auto"
 
@@ -57,7 +57,7 @@ class GroupedQuantCache(CompressedKVCache):
     dequant_only = ""
 
     n_quant = 0  # quantized tokens (a multiple of G)
-    n_res = 0  # float16 residual tokens (< G)
+    n_res = 0  # float16 residual tokens (< G, or more while ``_holds_back``)
     dtype_name = "float16"  # dtype of the rows last handed to the cache (dense outputs use it)
     _call = None  # (quantized, residual, past res_k, past res_v, new keys, new values) of the last call
     _kernel_off = False  # set while the op path runs as the decode kernel's reference
@@ -97,10 +97,8 @@ class GroupedQuantCache(CompressedKVCache):
                     f"value group={self.value_group(dv)}"
                 )
             return True
-        # auto: quantized_matmul on the CPU and on Metal (measured on the CPU, SmolLM2 shape, 1k context:
-        # 0.89x the plain cache's decode speed vs 0.74x for dequantize + float32 matmul; see
-        # docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul kernel for these shapes, so CUDA
-        # dequantizes.
+        # auto: measured on the CPU (SmolLM2 shape, 1k context) 0.89x the plain cache's decode speed vs
+        # 0.74x dequantized (docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul for these shapes.
         cuda = mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
         return ok and not cuda
 

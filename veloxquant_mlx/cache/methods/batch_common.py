@@ -12,12 +12,24 @@ device, and nothing here loops over tokens, heads or sequences with array operat
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Sequence
 
 import mlx.core as mx
 
 from ..contract import BatchingNotSupported, CompressedKVCache, config_to_json
+
+
+def borrows(src, *names):
+    """Class decorator: the batch form takes ``src``'s attributes ``names`` as they are (methods,
+    properties, static methods), because they work unchanged on the batch buffers (same names and
+    layout, a leading batch axis)."""
+    def decorate(cls):
+        for name in names:
+            setattr(cls, name, inspect.getattr_static(src, name))
+        return cls
+    return decorate
 
 
 def grow_slots(cap: int, need: int) -> int:

@@ -47,7 +47,7 @@ import mlx.core as mx
 from ..attention import bool_mask
 from ..contract import BatchingNotSupported, register_with_mlx_lm
 from ..primitives import groupquant as gq
-from .batch_common import RaggedBatchCache, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
+from .batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from ..grouped import RES_DTYPE, GroupedQuantCache
 from .kivi import KIVIKVCache
 
@@ -55,6 +55,8 @@ _Q_FIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases
 
 
 @register_with_mlx_lm
+@borrows(GroupedQuantCache, "value_group", "_key_words", "_uses_qmm", "_keys_t", "_values", "_key_scores", "_value_out",
+         "_codes_own", "_scores_on_codes", "_values_on_codes", "_attend_codes", "dequant_only")
 class KIVIBatchKVCache(RaggedBatchCache):
     """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -69,19 +71,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
     attend_path = "auto"
     dtype_name = "float16"
 
-    # KIVI's decoding helpers work unchanged on the batch buffers (same layout, leading batch axis).
-    value_group = GroupedQuantCache.value_group
-    _key_words = GroupedQuantCache._key_words
-    _uses_qmm = GroupedQuantCache._uses_qmm
-    _keys_t = GroupedQuantCache._keys_t
-    _values = GroupedQuantCache._values
-    _key_scores = GroupedQuantCache._key_scores
-    _value_out = GroupedQuantCache._value_out
-    _codes_own = GroupedQuantCache._codes_own
-    _scores_on_codes = GroupedQuantCache._scores_on_codes
-    _values_on_codes = GroupedQuantCache._values_on_codes
-    _attend_codes = GroupedQuantCache._attend_codes
-    dequant_only = ""
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)

@@ -55,9 +55,9 @@ import mlx.core as mx
 from ..attention import bool_mask, group_queries
 from ..contract import BatchingNotSupported, register_with_mlx_lm
 from ..primitives.bitpack import packed_words
-from .batch_common import RaggedBatchCache, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
+from .batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from ..primitives.rvq import split_bits
-from ..window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache, joint_attention
+from ..window import QUANT_BLOCK, SINK_ROWS, joint_attention
 from .turboquant_rvq import TurboQuantRVQKVCache
 
 _CODE_FIELDS = ("k_codes1", "k_codes2", "k_norms", "v_codes1", "v_codes2", "v_norms")
@@ -87,6 +87,8 @@ def _settings(c) -> tuple:
 
 
 @register_with_mlx_lm
+@borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
+         "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")  # rows past a sequence's count are masked
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -102,18 +104,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     counts_constants = True
     _shared = TurboQuantRVQKVCache._shared
 
-    # The single cache's quantizer and attention helpers work unchanged on the batch buffers (same
-    # names and layout, leading batch axis; the rows past a sequence's count are masked).
-    _init_layout = TurboQuantRVQKVCache._init_layout
-    _quantizers = TurboQuantRVQKVCache._quantizers
-    _qs = TurboQuantRVQKVCache._qs
-    _planes = TurboQuantRVQKVCache._planes
-    _quantized_dense = TurboQuantRVQKVCache._quantized_dense
-    _quantized_part = TurboQuantRVQKVCache._quantized_part
-    _lut_scores = TurboQuantRVQKVCache.__dict__["_lut_scores"]
-    constant_nbytes = TurboQuantRVQKVCache.constant_nbytes
-    storage_dtype = ResidualWindowCache.storage_dtype
-    __deepcopy__ = TurboQuantRVQKVCache.__deepcopy__
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
