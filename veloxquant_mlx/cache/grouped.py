@@ -393,18 +393,22 @@ class GroupedQuantCache(CompressedKVCache):
     # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
-        """Bytes of the filled part: quantized tokens (codes + scales/biases) and the residual buffers
-        (the buffers' spare capacity left out)."""
+        """Bytes of the filled part: the quantized tokens (``_code_nbytes``) and the residual buffers
+        (the code buffers' spare capacity left out)."""
         if self.res_k is None:
             return 0
         B, H, _, D = self.res_k.shape
-        dv = self.res_v.shape[-1]
-        G, b = self.group, self.qbits
+        return self._code_nbytes(B, H, D, self.res_v.shape[-1]) + self.res_k.nbytes + self.res_v.nbytes
+
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Bytes of the ``n_quant`` quantized tokens: codes and float16 scales/biases of keys and values."""
+        key = B * H * D * (self.n_quant // self.group) * (4 * self._key_words() + 2 * 2)
+        return key + self._value_code_nbytes(B, H, dv)
+
+    def _value_code_nbytes(self, B: int, H: int, dv: int) -> int:
+        """Bytes of the ``n_quant`` tokens' per-token value codes and float16 scales/biases."""
         gv = self.value_group(dv)
-        groups = self.n_quant // G
-        key = B * H * D * groups * (4 * self._key_words() + 2 * 2)
-        value = B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(b, gv) + 2 * 2)
-        return key + value + self.res_k.nbytes + self.res_v.nbytes
+        return B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(self.qbits, gv) + 2 * 2)
 
     @property
     def fp16_key_bytes(self) -> int:

@@ -225,19 +225,15 @@ class LowRankKVCache(GroupedQuantCache):
                 total += a.nbytes
         return total
 
-    def _kivi_value_bytes(self) -> int:
-        if self.res_v is None or self.latent_values:
-            return 0
+    def _value_bytes(self) -> int:
+        """Stored value bytes but the residual: latents, or KIVI's per-token codes."""
+        if self.latent_values or self.res_v is None:
+            return self._part_bytes("v")
         B, H, _, dv = self.res_v.shape
-        gv = self.value_group(dv)
-        return B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(self.qbits, gv) + 2 * 2)
+        return self._value_code_nbytes(B, H, dv)
 
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        v = self._part_bytes("v") if self.latent_values else self._kivi_value_bytes()
-        return self._part_bytes("k") + v + self.res_k.nbytes + self.res_v.nbytes
+    def _code_nbytes(self, B, H, D, dv) -> int:
+        return self._part_bytes("k") + self._value_bytes()
 
     @property
     def projection_bytes(self) -> int:
@@ -252,7 +248,7 @@ class LowRankKVCache(GroupedQuantCache):
 
     @property
     def compressed_value_bytes(self) -> int:
-        v = self._part_bytes("v") if self.latent_values else self._kivi_value_bytes()
+        v = self._value_bytes()
         return v + (self.res_v.nbytes if self.res_v is not None else 0)
 
     @property

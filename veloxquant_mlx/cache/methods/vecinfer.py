@@ -323,17 +323,12 @@ class VecInferKVCache(KIVIKVCache):
         """Theoretical code bytes per token per KV head."""
         return (d // self.ks) * self.kbits / 8 + (dv // self.vs) * self.vbits / 8
 
-    @property
-    def used_nbytes(self) -> int:
-        """Codes of the encoded tokens (whole packed words), codebooks, smoothing factors, residual."""
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
+    def _code_nbytes(self, B, H, D, Dv) -> int:
+        """Codes of the encoded tokens (whole packed words), codebooks and smoothing factors."""
         per = 0
         for lo, hi, m, bits in ((self.k_lo, self.k_hi, D // self.ks, self.kbits),
                                 (self.v_lo, self.v_hi, Dv // self.vs, self.vbits)):
             if lo is not None:
                 per += bitpack.packed_nbytes(m, min(bits, 8)) + (bitpack.packed_nbytes(m, bits - 8) if bits > 8 else 0)
         fixed = sum(a.nbytes for a in (self.key_cb, self.val_cb, self.smooth) if a is not None)
-        return B * H * self.n_quant * per + fixed + self.res_k.nbytes + self.res_v.nbytes
+        return B * H * self.n_quant * per + fixed
