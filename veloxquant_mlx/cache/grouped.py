@@ -411,18 +411,21 @@ class GroupedQuantCache(CompressedKVCache):
         return B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(self.qbits, gv) + 2 * 2)
 
     @property
+    def full_seq_bytes(self) -> int:
+        """What a float16 cache would hold for the same tokens (no spare capacity)."""
+        return fp16_row_bytes(self.res_k, self.res_v, self.offset)
+
+    @property
     def fp16_key_bytes(self) -> int:
-        """Float16 bytes of the keys of every token seen (no spare capacity)."""
-        return fp16_row_bytes(self.res_k, self.offset)
+        """The keys' share of ``full_seq_bytes``."""
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        return B * H * self.offset * D * 2
 
     @property
     def fp16_value_bytes(self) -> int:
-        return fp16_row_bytes(self.res_v, self.offset)
-
-    @property
-    def full_seq_bytes(self) -> int:
-        """What a float16 cache would hold for the same tokens (no spare capacity)."""
-        return self.fp16_key_bytes + self.fp16_value_bytes
+        return self.full_seq_bytes - self.fp16_key_bytes
 
     @property
     def compression_ratio(self) -> float:

@@ -25,9 +25,13 @@ QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
 SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
 
 
-def fp16_row_bytes(buf, n: int) -> int:
-    """Float16 bytes of ``n`` rows shaped like ``buf`` [B, H, ., D] (0 when ``buf`` is None)."""
-    return 0 if buf is None else buf.shape[0] * buf.shape[1] * n * buf.shape[-1] * 2
+def fp16_row_bytes(keys, values, tokens: int) -> int:
+    """Bytes of ``tokens`` float16 key and value rows shaped like ``keys`` / ``values`` [B, H, rows, D]
+    (0 when nothing is held): what mlx_lm's plain cache would hold for them, without spare rows."""
+    if keys is None:
+        return 0
+    B, H, _, D = keys.shape
+    return B * H * tokens * (D + values.shape[-1]) * 2
 
 
 def concat_rows(pairs, dtype):
@@ -345,7 +349,7 @@ class ResidualWindowCache(CompressedKVCache):
     @property
     def full_seq_bytes(self) -> int:
         """What a float16 cache would hold for the same tokens (no spare capacity)."""
-        return fp16_row_bytes(self.win_k, self.offset) + fp16_row_bytes(self.win_v, self.offset)
+        return fp16_row_bytes(self.win_k, self.win_v, self.offset)
 
     # ---- state: only the used rows are saved
     def _used(self, name: str) -> int:
