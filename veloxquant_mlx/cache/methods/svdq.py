@@ -29,7 +29,9 @@ This implementation (``svdq_rank`` r or ``svdq_energy_threshold`` e, ``svdq_bit_
   latents, one softmax over [latent part, full-precision part]; ``update_and_fetch`` returns the
   reconstructed keys ``Z V_rᵀ`` (same numbers up to float32 rounding).
 * Bytes per token per head: ``Σ_c (b_c/8 + 4/G)`` over kept channels for keys, KIVI's for values,
-  plus the basis ``D·r`` float16 per head per prompt.
+  plus the basis ``D·r`` float16 per head per prompt. The group-indexed code buffers keep at most
+  1/32 + 1 spare groups (``LowRankKVCache._encode``), so a 40-token chat holds no more than its float16
+  rows plus ``contract.SHORT_PROMPT_SLACK_ROWS`` rows per layer (issue #13 item 20).
 
 Deviations: the basis is fitted on the prompt's first block of the cache itself (the paper fits an
 SVD of the prefill key cache too, but per sequence over the whole prefill; here later prefill chunks
