@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache
 from veloxquant_mlx import bench
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory
 from veloxquant_mlx.cache.methods import turboquant_rvq as tq
+from veloxquant_mlx.cache.primitives import rvq  # the RVQ encoder's beam search (smallest_k) lives here
 
 
 def main() -> None:
@@ -52,13 +53,13 @@ def main() -> None:
 
     def tq_encode(beam_fn):
         def run():
-            saved, tq.smallest_k = tq.smallest_k, beam_fn
+            saved, rvq.smallest_k = rvq.smallest_k, beam_fn
             try:
                 t0 = time.perf_counter()
                 mx.eval(kq.encode(x), vq.encode(x))
                 return time.perf_counter() - t0
             finally:
-                tq.smallest_k = saved
+                rvq.smallest_k = saved
         return run
 
     def append(method, **kw):
@@ -75,7 +76,7 @@ def main() -> None:
         return run
 
     cands = {"plain layer (model work)": plain,
-             "turboquant_rvq encode (beam: smallest_k)": tq_encode(tq.smallest_k),
+             "turboquant_rvq encode (beam: smallest_k)": tq_encode(rvq.smallest_k),
              "turboquant_rvq encode (beam: argpartition)": tq_encode(argpartition),
              "waterfill append": append("waterfill", bit_width_inlier=4),
              "kivi append": append("kivi", bit_width_inlier=4)}

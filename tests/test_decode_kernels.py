@@ -395,8 +395,8 @@ def reference_kernels(monkeypatch):
     def wf(queries, scale, k_words, *args):
         c, n, exact = caches["waterfill"], args[-5], args[-1]
         q = grouped(queries, scale, k_words.shape[1])
-        vals = c._value_codes(n) * c.v_scales[:, :, :n, None].astype(mx.float32)
-        return joined(q, q @ c._keys(n).swapaxes(-1, -2), vals, exact)
+        vals = c._value_codes(0, n) * c.v_scales[:, :, :n, None].astype(mx.float32)
+        return joined(q, q @ c._keys(0, n).swapaxes(-1, -2), vals, exact)
 
     def kv(queries, scale, k_codes, *args):
         c, n, exact = caches["kivi"], args[-5], args[-1]

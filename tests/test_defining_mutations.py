@@ -18,8 +18,8 @@ import pytest
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import dispatch
-from veloxquant_mlx.cache.methods import kivi, kvquant, kvzip, snapkv, turboquant_rvq, zipcache
+from veloxquant_mlx.cache import dispatch, grouped
+from veloxquant_mlx.cache.methods import kvquant, kvzip, snapkv, turboquant_rvq, zipcache
 from veloxquant_mlx.cache.primitives import groupquant as gq
 
 import test_defining_properties as guards
@@ -77,7 +77,7 @@ def kivi_per_channel_values(mp):
 
     proxy = types.SimpleNamespace(**{n: getattr(gq, n) for n in dir(gq) if not n.startswith("__")})
     proxy.quantize = quantize
-    mp.setattr(kivi, "gq", proxy)
+    mp.setattr(grouped, "gq", proxy)  # the KIVI layout quantizes in grouped.py
 
 
 def turboquant_no_rotation(mp):

@@ -6,6 +6,7 @@ embedded model, next-token KL divergence against mlx_lm's plain KVCache."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -385,3 +386,19 @@ def test_real_model_kl_and_compression(real, bits, dispatch_installed):
     assert float(_mean_kl(ref[:1], test[:1])[0]) < 1e-6  # prefill attends in full precision
     assert mean_kl < KL_LIMIT[bits], mean_kl
     assert fp16 / used > (3.3 if bits == 2 else 2.3)
+
+
+@pytest.mark.parametrize("method", ["gear", "kivi_sink", "vecinfer", "zipcache"])
+def test_variants_with_their_own_codes_refuse_quantized_matmul_naming_why(method):
+    """A KIVI variant whose codes are not MLX's affine layout always dequantizes; asking for
+    ``attend_path="quantized_matmul"`` raises with the variant's reason (``dequant_only``)."""
+    c = KVCacheFactory.create(KVCacheConfig(method=method, head_dim=64))
+    c.update_and_fetch(rand(1, 2, 40, 64), rand(1, 2, 40, 64))
+    assert c.dequant_only and not c._uses_qmm()
+    c.attend_path = "quantized_matmul"
+    with pytest.raises(ValueError, match=re.escape(f"{method} attends through dequantize + matmul ({c.dequant_only})")):
+        c._uses_qmm()
+    plain = make_cache()  # KIVI's own codes (4 bits, groups of 32): MLX's layout
+    plain.update_and_fetch(rand(1, 2, 40, 64), rand(1, 2, 40, 64))
+    plain.attend_path = "quantized_matmul"
+    assert plain.dequant_only == "" and plain._uses_qmm()

@@ -27,6 +27,7 @@ from veloxquant_mlx.cache import (
 from veloxquant_mlx.cache.artifacts import InMemoryArtifactStore
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.methods import turboquant_rvq as tq
+from veloxquant_mlx.cache.primitives import rvq  # the codebooks' LUT policy
 from veloxquant_mlx.cache.primitives.rotation import seeded_rng
 
 TQ_UPPER = math.sqrt(3) * math.pi / 2  # TurboQuant's distortion constant (~2.72)
@@ -167,7 +168,7 @@ def test_attend_on_codes_equals_dense_attention_over_the_dequantized_cache(opts,
     """Decode steps use the LUT path (one joint table, or per-stage tables), prefill chunks after
     quantized rows the rotated-domain matmul; all equal mx.fast sdpa over what update_and_fetch
     returned (dequantized codes + float16 rows + the call's rows)."""
-    monkeypatch.setattr(tq, "JOINT_LUT_PER_TOKEN", 10**6 if joint else 0)
+    monkeypatch.setattr(rvq, "JOINT_LUT_PER_TOKEN", 10**6 if joint else 0)
     dispatch.install()
     B, Hq, H, D = 2, 6, 2, 16
     c = make(D, residual_length=8, **opts)

@@ -200,3 +200,30 @@ def test_a2ats_bytes_per_token():
     budget = c.bytes_per_token_budget(D, D)  # 256 float16 bytes (offloaded in the paper) + 8 code bytes
     assert budget == 264 and abs(per_tok - budget) <= 0.1 * budget
     assert c.nbytes >= c.used_nbytes and c.resident_nbytes < 0.2 * c.used_nbytes
+
+
+@pytest.mark.skipif("vecinfer" not in METHODS, reason="not registered")
+def test_vecinfer_holds_float16_rows_until_codes_and_codebooks_are_smaller():
+    """Issue #13 item 20: a short chat holds its float16 rows, not 36 KiB of fitted codebooks; the first
+    blocks calibrate once the codebooks, the 32-row residual and the codes take fewer bytes than the
+    rows would (D = 32, 2 KV heads, defaults: at 178 rows); at no point more than the float16 rows plus
+    the documented slack."""
+    from veloxquant_mlx.cache.contract import short_prompt_bound
+
+    D, H = 32, 2
+    c = KVCacheFactory.create(KVCacheConfig(method="vecinfer", head_dim=D))
+    c.update_and_fetch(rand(1, H, 40, D), rand(1, H, 40, D))
+    assert c.key_cb is None and (c.n_quant, c.n_res) == (0, 40)
+    assert c.nbytes <= short_prompt_bound(40, 1, H, D, D)
+    c.update_and_fetch(rand(1, H, 137, D), rand(1, H, 137, D))  # 177 rows: encoding would not pay yet
+    assert c.key_cb is None and c.n_res == 177
+    assert c.nbytes <= short_prompt_bound(177, 1, H, D, D)
+    k, v = rand(1, H, 1, D), rand(1, H, 1, D)
+    c.update_and_fetch(k, v)  # 178 rows: five blocks calibrate and are encoded at once, 18 stay float16
+    assert (c.n_quant, c.n_res, c.calib_tokens) == (160, 18, 160)
+    assert c.res_k.shape[2] == 32  # back to the 32-row residual
+    assert bool(mx.array_equal(c.res_k[:, :, 17:18], k.astype(mx.float16)))
+    assert c.nbytes <= short_prompt_bound(178, 1, H, D, D)
+    for _ in range(64):  # decode: codes grow by 32 B per token against 256 B of float16 rows
+        c.update_and_fetch(rand(1, H, 1, D), rand(1, H, 1, D))
+    assert c.n_quant == 224 and c.nbytes <= short_prompt_bound(242, 1, H, D, D) - 10 * H * 2 * D * 2

@@ -13,7 +13,7 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache.options import WaterfillOptions
-from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, allocate_bits
+from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, allocate_bits, value_rotation
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion, nearest_code, odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
@@ -218,9 +218,9 @@ def test_quantized_rows_cost_their_bit_budget_and_values_meet_the_lloyd_max_dist
     # of N(0, 1); for Gaussian rows the mean squared error per coordinate is that codebook's distortion
     _, V = c._dense()
     s = c.sink_k.shape[2]
-    y = v[:, :, s : s + n] @ c._rotation(D)
+    y = v[:, :, s : s + n] @ value_rotation(D, c.seed)
     rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
-    err = ((V[:, :, s : s + n] - v[:, :, s : s + n]) @ c._rotation(D)) / rms
+    err = ((V[:, :, s : s + n] - v[:, :, s : s + n]) @ value_rotation(D, c.seed)) / rms
     assert float(mx.mean(err * err)) == pytest.approx(lloyd_max_distortion(4), rel=0.15)
     assert float(mx.mean(err * err)) < 0.8 * lloyd_max_distortion(3)  # not a coarser codebook
 

@@ -118,8 +118,7 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
     def uses_attention(self) -> bool:
         return self.config.options.importance == "attention"
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "per-head bit widths"
 
     realized_avg_bits = RankTiers.code_bits
 

@@ -83,10 +83,7 @@ class AgeTieredKVCache(KIVIKVCache):
         self.qbits = self.tier_bits[2]
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("age_tiered attends through dequantize + matmul (three code widths)")
-        return False
+    dequant_only = "three code widths"
 
     # ---------------------------------------------------------------- tier stores
     def _counts(self):

@@ -142,8 +142,7 @@ class AMCKVCache(RankTiers, KIVIKVCache):
         self.qbits = TIER_BITS["hi"]
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "its codes are not MLX's affine layout"
 
     assigned_avg_bits = RankTiers.code_bits
 

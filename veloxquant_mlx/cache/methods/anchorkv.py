@@ -160,10 +160,7 @@ class AnchorKVCache(KIVIKVCache):
         self.rho, self.theta, self.seed = float(o.rho), float(o.theta), o.seed
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("anchorkv attends through dequantize + matmul (anchors + residual codes)")
-        return False
+    dequant_only = "anchors + residual codes"
 
     # ---------------------------------------------------------------- storage
     def _append_groups(self, kb, vb):

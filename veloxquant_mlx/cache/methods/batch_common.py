@@ -12,12 +12,24 @@ device, and nothing here loops over tokens, heads or sequences with array operat
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Sequence
 
 import mlx.core as mx
 
 from ..contract import BatchingNotSupported, CompressedKVCache, config_to_json
+
+
+def borrows(src, *names):
+    """Class decorator: the batch form takes ``src``'s attributes ``names`` as they are (methods,
+    properties, static methods), because they work unchanged on the batch buffers (same names and
+    layout, a leading batch axis)."""
+    def decorate(cls):
+        for name in names:
+            setattr(cls, name, inspect.getattr_static(src, name))
+        return cls
+    return decorate
 
 
 def grow_slots(cap: int, need: int) -> int:
@@ -100,6 +112,27 @@ class RaggedBatchCache(CompressedKVCache):
         self._pending = None  # prepare(lengths=): valid rows still to come per sequence
         self._call = None
         self._sync_offset()
+
+    # ---------------------------------------------------------------- merge helpers
+    @staticmethod
+    def _check_mergeable(caches, settings, what: str) -> None:
+        """Refuse single caches that cannot share a batch: different ``settings(cache)`` (``what`` names
+        them) or an offset that differs from the stored rows."""
+        first = settings(caches[0])
+        for c in caches:
+            if settings(c) != first:
+                raise BatchingNotSupported(f"{c.method_name} caches with different {what} cannot share a batch: "
+                                           f"{settings(c)} vs {first}")
+            if c.stored_rows() != c.offset:
+                raise BatchingNotSupported(f"{c.method_name} cache whose offset differs from its stored rows")
+
+    def _stack(self, ones) -> "RaggedBatchCache":
+        """Set every array of ``array_fields`` to the batch of the per-request ``ones`` (dicts of [1, ...]
+        arrays, one per sequence, in order) and return ``self``."""
+        for name in self.array_fields:
+            setattr(self, name, mx.concatenate([one[name] for one in ones], axis=0))
+        self._sync_offset()
+        return self
 
     # ---------------------------------------------------------------- subclass hooks
     def _settings(self) -> tuple:

@@ -126,8 +126,7 @@ class CacheGenKVCache(KIVIKVCache):
         bits = layer_bits(len(layer_configs), o.bits, o.layer_groups)
         return [cls(cfg, b) for cfg, b in zip(layer_configs, bits)]
 
-    def _uses_qmm(self) -> bool:
-        return False  # delta codes: not MLX's affine layout
+    dequant_only = "delta codes"
 
     def _acg(self, d: int) -> int:
         return math.gcd(d, ANCHOR_CG)

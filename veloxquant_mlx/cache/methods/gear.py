@@ -76,8 +76,7 @@ class GEARKVCache(KIVIKVCache):
         self.rank = -1 if o.rank is None else o.rank
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "low-rank and sparse corrections on top of the codes"
 
     def _n_out(self, d: int) -> int:
         return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0

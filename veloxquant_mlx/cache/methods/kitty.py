@@ -74,10 +74,7 @@ class KittyKVCache(KIVIKVCache):
             return 0
         return min(d, max(1, round(self.hi_fraction * d)))
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("kitty attends through dequantize + matmul (two key widths)")
-        return False
+    dequant_only = "two key widths"
 
     # ---------------------------------------------------------------- storage
     def _calibrate(self, kb: mx.array) -> None:

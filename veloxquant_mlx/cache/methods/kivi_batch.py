@@ -44,16 +44,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..attention import bool_mask, group_queries, ungroup
+from ..attention import bool_mask
 from ..contract import BatchingNotSupported, register_with_mlx_lm
 from ..primitives import groupquant as gq
-from .batch_common import RaggedBatchCache, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
-from .kivi import RES_DTYPE, KIVIKVCache
+from .batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
+from ..grouped import RES_DTYPE, GroupedQuantCache
+from .kivi import KIVIKVCache
 
 _Q_FIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
 
 
 @register_with_mlx_lm
+@borrows(GroupedQuantCache, "value_group", "_key_words", "_uses_qmm", "_keys_t", "_values", "_key_scores", "_value_out",
+         "_codes_own", "_scores_on_codes", "_values_on_codes", "_attend_codes", "dequant_only")
 class KIVIBatchKVCache(RaggedBatchCache):
     """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -68,12 +71,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
     attend_path = "auto"
     dtype_name = "float16"
 
-    # KIVI's decoding helpers work unchanged on the batch buffers (same layout, leading batch axis).
-    value_group = KIVIKVCache.value_group
-    _key_words = KIVIKVCache._key_words
-    _uses_qmm = KIVIKVCache._uses_qmm
-    _keys_t = KIVIKVCache._keys_t
-    _values = KIVIKVCache._values
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
@@ -81,7 +78,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         self._init_counts(batch_size)
 
     def _init_layout(self):
-        KIVIKVCache._init_layout(self)
+        GroupedQuantCache._init_layout(self)
 
     # ---------------------------------------------------------------- bookkeeping
     @property
@@ -127,13 +124,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def from_caches(cls, caches) -> "KIVIBatchKVCache":
         """Batch of single ``KIVIKVCache``s (empty or holding tokens: prompt-cache reuse)."""
         first = caches[0]
-        for c in caches:
-            if (c.qbits, c.group, c.attend_path) != (first.qbits, first.group, first.attend_path):
-                raise BatchingNotSupported(
-                    "KIVI caches with different bits / group size / attend path cannot share a batch "
-                    f"(bits {c.qbits} vs {first.qbits}, group {c.group} vs {first.group})")
-            if c.stored_rows() != c.offset:
-                raise BatchingNotSupported("KIVI cache whose offset differs from its stored rows")
+        cls._check_mergeable(caches, lambda c: (c.qbits, c.group, c.attend_path), "bits / group size / attend path")
         shapes = {tuple(c._shape) for c in caches if getattr(c, "_shape", None) and c.res_k is not None}
         if len(shapes) > 1:
             raise BatchingNotSupported(f"KIVI caches with different head shapes cannot share a batch: {shapes}")
@@ -151,8 +142,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         out.lens = [c.offset for c in caches]
         R = max(out.nr)
         out.cap = max(out.nq)
-        empty = out._alloc(1, cap=out.cap)
-        parts = {name: [] for name in cls.array_fields}
+        ones = []
         for c, g, r in zip(caches, out.nq, out.nr):  # once per request, not per step
             one = out._alloc(1, cap=out.cap)
             if g:
@@ -161,18 +151,11 @@ class KIVIBatchKVCache(RaggedBatchCache):
                     one[name][..., :g] = getattr(c, name)[..., :g]
                 for name in ("v_codes", "v_scales", "v_biases"):
                     one[name][:, :, : g * G] = getattr(c, name)[:, :, : g * G]
-            for name, src in (("res_k", c.res_k), ("res_v", c.res_v)):
-                d = D if name == "res_k" else Dv
+            for name, src, d in (("res_k", c.res_k, D), ("res_v", c.res_v, Dv)):
                 pad = mx.zeros((1, H, R - r, d), dtype=RES_DTYPE)
                 one[name] = mx.concatenate([pad, src[:, :, :r].astype(RES_DTYPE)], axis=2) if r else pad
-            for name in cls.array_fields:
-                parts[name].append(one[name] if c.res_k is not None else
-                                   (empty[name] if name not in ("res_k", "res_v") else
-                                    mx.zeros((1, H, R, D if name == "res_k" else Dv), dtype=RES_DTYPE)))
-        for name in cls.array_fields:
-            setattr(out, name, mx.concatenate(parts[name], axis=0))
-        out._sync_offset()
-        return out
+            ones.append(one)
+        return out._stack(ones)
 
     def extract(self, idx: int) -> KIVIKVCache:
         """Sequence ``idx`` as an ordinary single ``KIVIKVCache`` (the same codes it would hold alone)."""
@@ -297,57 +280,18 @@ class KIVIBatchKVCache(RaggedBatchCache):
         if call is None or call[6].shape[2] != N:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         qw, R, nq, nr, past_k, past_v, new_k, new_v = call
-        G, b = self.group, self.qbits
+        G = self.group
         P = qw * G + R
         if keys.shape[2] != P + N:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
-        use_qmm = self._uses_qmm()
-        B, Hq, _, D = queries.shape
-        H = new_k.shape[1]
-        rep = Hq // H
-        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-
-        fk, fv = new_k, new_v  # full-precision part: residual rows (float16) then this call's rows
-        if R:
-            fk = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
-            fv = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
-        fv = fv.astype(mx.float32)
-        parts = [q @ fk.astype(mx.float32).swapaxes(-1, -2)]  # [B, H, rep*N, R+N]
-        if qw:
-            if use_qmm:
-                w = self._key_words()
-                parts.insert(0, mx.quantized_matmul(q, self.k_codes[..., : qw * w], self.k_scales[..., :qw],
-                                                    self.k_biases[..., :qw], transpose=False, group_size=G, bits=b))
-            else:
-                parts.insert(0, q @ self._keys_t(qw * G))
-        if sinks is not None:
-            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
-            parts.insert(0, sink.reshape(B, H, rep * N, 1))
-        s = mx.concatenate(parts, axis=-1)
-        lead = s.shape[-1] - (P + N)
-        s = s.reshape(B, H, rep, N, s.shape[-1])
-
         m = self._visible(N, nq, nr, qw, R)[:, :, None]  # [B, 1, 1, N, P + N]
         if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == (N, P + N):
-            m = m & bool_mask(mask, N, P + N, H)  # a caller's extra array mask (ours is already in m)
-        if lead:
-            m = mx.concatenate([mx.ones((*m.shape[:-1], 1), dtype=mx.bool_), m], axis=-1)
-        s = mx.where(m, s, -mx.inf)
-
-        p = mx.softmax(s, axis=-1, precise=True).reshape(B, H, rep * N, s.shape[-1])
-        out = p[..., lead + qw * G:] @ fv
-        if qw:
-            p_q = p[..., lead: lead + qw * G]
-            if use_qmm:
-                out = out + mx.quantized_matmul(p_q, self.v_codes[:, :, : qw * G], self.v_scales[:, :, : qw * G],
-                                                self.v_biases[:, :, : qw * G], transpose=False,
-                                                group_size=self.value_group(new_v.shape[-1]), bits=b)
-            else:
-                out = out + p_q @ self._values(qw * G)
-        return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+            m = m & bool_mask(mask, N, P + N, new_k.shape[1])  # a caller's extra array mask (ours is already in m)
+        return self._attend_codes(queries, (qw * G, R, past_k if R else None, past_v if R else None, new_k, new_v),
+                                  scale=scale, mask=m, sinks=sinks)
 
     # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:

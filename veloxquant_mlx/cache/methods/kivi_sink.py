@@ -54,15 +54,12 @@ class KIVISinkKVCache(KIVIKVCache):
 
     def _init_layout(self):
         super()._init_layout()
-        s = self.config.n_sink_tokens
+        s = self.config.options.n_sink_tokens
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise QuantizerConfigError("n_sink_tokens", s, "an int >= 0 for method='kivi_sink'")
         self.n_sink_cap = int(s)
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("kivi_sink attends through dequantize + matmul (sink rows precede the codes)")
-        return False
+    dequant_only = "sink rows precede the codes"
 
     # ---------------------------------------------------------------- storage
     def _store(self, keys, values):

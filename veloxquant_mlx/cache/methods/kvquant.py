@@ -137,8 +137,7 @@ class KVQuantKVCache(KIVIKVCache):
         """The stored arrays and, with a RoPE bound, its angle table (so ``nbytes`` counts it)."""
         return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
 
-    def _uses_qmm(self) -> bool:
-        return False  # non-uniform codes + outliers: not MLX's affine layout
+    dequant_only = "non-uniform codes + outliers"
 
     def _n_out(self, d: int) -> int:
         """Sparse entries per G-token block of d channels."""

@@ -164,8 +164,7 @@ class MiniCacheKVCache(KIVIKVCache):
         self.group, self.qbits = BLOCK, 16
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "merged cross-layer codes"
 
     def _key_words(self) -> int:  # KIVI's attend reads it; no codes here
         return 0

@@ -151,10 +151,7 @@ class NSNQuantKVCache(KIVIKVCache):
         self.stages = self.qbits * self.sub // lc
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("nsnquant attends through dequantize + matmul (vector-quantized codes)")
-        return False
+    dequant_only = "vector-quantized codes"
 
     def _tools(self, D: int):
         if D & (D - 1) or D % self.sub:

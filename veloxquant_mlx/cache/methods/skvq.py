@@ -96,10 +96,7 @@ class SKVQKVCache(KIVIKVCache):
         """Channel-group width for head dim ``d``."""
         return math.gcd(d, self.group)
 
-    def _uses_qmm(self) -> bool:
-        if self.attend_path == "quantized_matmul":
-            raise ValueError("skvq attends through dequantize + matmul (permuted, clipped channels)")
-        return False
+    dequant_only = "permuted, clipped channels"
 
     # ---------------------------------------------------------------- quantization
     def _calibrate(self, x: mx.array, bits: int):

@@ -55,9 +55,10 @@ import mlx.core as mx
 from ..attention import bool_mask, group_queries
 from ..contract import BatchingNotSupported, register_with_mlx_lm
 from ..primitives.bitpack import packed_words
-from .batch_common import RaggedBatchCache, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
-from .turboquant_rvq import (QUANT_BLOCK, SINK_ROWS, ResidualWindowCache, TurboQuantRVQKVCache, joint_attention,
-                             split_bits)
+from .batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
+from ..primitives.rvq import split_bits
+from ..window import QUANT_BLOCK, SINK_ROWS, joint_attention
+from .turboquant_rvq import TurboQuantRVQKVCache
 
 _CODE_FIELDS = ("k_codes1", "k_codes2", "k_norms", "v_codes1", "v_codes2", "v_norms")
 _ROW_FIELDS = ("win_k", "win_v", "sink_k", "sink_v")
@@ -86,6 +87,8 @@ def _settings(c) -> tuple:
 
 
 @register_with_mlx_lm
+@borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
+         "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")  # rows past a sequence's count are masked
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -101,18 +104,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     counts_constants = True
     _shared = TurboQuantRVQKVCache._shared
 
-    # The single cache's quantizer and attention helpers work unchanged on the batch buffers (same
-    # names and layout, leading batch axis; the rows past a sequence's count are masked).
-    _init_layout = TurboQuantRVQKVCache._init_layout
-    _quantizers = TurboQuantRVQKVCache._quantizers
-    _qs = TurboQuantRVQKVCache._qs
-    _planes = TurboQuantRVQKVCache._planes
-    _quantized_dense = TurboQuantRVQKVCache._quantized_dense
-    _quantized_part = TurboQuantRVQKVCache._quantized_part
-    _lut_scores = TurboQuantRVQKVCache.__dict__["_lut_scores"]
-    constant_nbytes = TurboQuantRVQKVCache.constant_nbytes
-    storage_dtype = ResidualWindowCache.storage_dtype
-    __deepcopy__ = TurboQuantRVQKVCache.__deepcopy__
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
@@ -163,13 +154,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def from_caches(cls, caches) -> "TurboQuantRVQBatchKVCache":
         """Batch of single ``TurboQuantRVQKVCache``s (empty or holding tokens: prompt-cache reuse)."""
         first = caches[0]
-        for c in caches:
-            if _settings(c) != _settings(first):
-                raise BatchingNotSupported(
-                    "turboquant_rvq caches with different settings (residual length, sub-vector dims, bits, "
-                    f"seed) cannot share a batch: {_settings(c)} vs {_settings(first)}")
-            if c.stored_rows() != c.offset:
-                raise BatchingNotSupported("turboquant_rvq cache whose offset differs from its stored rows")
+        cls._check_mergeable(caches, _settings, "settings (residual length, sub-vector dims, bits, seed)")
         held = [c for c in caches if c.win_k is not None]
         shapes = {tuple(c._shape) for c in held}
         dtypes = {c.win_k.dtype for c in held}
@@ -190,7 +175,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         out.lens = [c.offset for c in caches]
         out.cap, W = max(out.nq), max(out.nw)
         dtype = dtypes.pop()
-        parts = {name: [] for name in out.array_fields}
+        ones = []
         for c, s, q, w in zip(caches, out.ns, out.nq, out.nw):  # once per request, not per step
             one = out._alloc(1, dtype, out.cap, W)
             if c.win_k is not None:
@@ -203,12 +188,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
                 for name in ("win_k", "win_v"):
                     if w:
                         one[name][:, :, W - w:] = getattr(c, name)[:, :, :w]
-            for name in out.array_fields:
-                parts[name].append(one[name])
-        for name in out.array_fields:
-            setattr(out, name, mx.concatenate(parts[name], axis=0))
-        out._sync_offset()
-        return out
+            ones.append(one)
+        return out._stack(ones)
 
     def extract(self, idx: int) -> TurboQuantRVQKVCache:
         """Sequence ``idx`` as an ordinary ``TurboQuantRVQKVCache`` (the same state it would hold alone)."""

@@ -55,7 +55,10 @@ coordinate each): KL 0.214, top-1 0.69, kv_bytes 0.195 (KIVI 2-bit: 0.21 at 0.24
 Deviations from the paper (deliberate):
 
 * Calibration is online, on the first 32-token-multiple block each layer encodes (the paper calibrates
-  smoothing scales offline on a calibration set); config arrays replace it.
+  smoothing scales offline on a calibration set); config arrays replace it. That block waits in the
+  float16 residual until its codes plus the codebooks to be fitted are smaller than its rows
+  (``_holds_back``; for the defaults from 178 tokens at D = 32 with 2 KV heads, 104 at D = 64),
+  so a short chat holds no more than its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the paper's transforms target key outliers).
 * Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
 * The newest < 32 tokens stay float16 (KIVI's residual) and a call's own rows are attended in full
@@ -72,87 +75,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..attention import bool_mask, group_queries, ungroup
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.buffers import grow_rows
 from ..primitives import bitpack
-from ..primitives.rotation import random_orthogonal, randomized_hadamard, seeded_rng
+from ..primitives.vq import fit_codebook, pack_codes, unpack_codes, vq_assign  # noqa: F401 (a2ats, tests)
+from ..primitives.rotation import random_orthogonal, randomized_hadamard
 from .kivi import KIVIKVCache
 
 BLOCK = 32  # tokens per encoded block (= the float16 residual's capacity)
 LUT_MAX = 1 << 25  # gathered LUT entries above which scores use dequantized keys
-KMEANS_ITERS = 6
-KMEANS_ROWS_PER_CODE = 4  # fit sample: at most 4 rows per codeword (and 64K rows)
-KMEANS_MAX_ROWS = 1 << 16
-_CHUNK = 1024
-_TAG_VQ = 0x0A7E_0B01
 
 
 def _int(v, lo, hi=None):
     return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
-# ------------------------------------------------------------------------------------ VQ helpers
-def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
-    """Nearest codeword index for rows ``x [Hc, n, d]`` in codebooks ``cb [Hc, K, d]`` -> int32 [Hc, n].
-    Chunked over the codebook (running minimum), so memory is O(n * 1024)."""
-    x = x.astype(mx.float32)
-    cb = cb.astype(mx.float32)
-    K = cb.shape[1]
-    best_d = best_i = None
-    for s in range(0, K, _CHUNK):
-        c = cb[:, s : s + _CHUNK]
-        d = mx.sum(c * c, axis=-1)[:, None, :] - 2.0 * (x @ c.swapaxes(-1, -2))
-        i = mx.argmin(d, axis=-1)
-        m = mx.min(d, axis=-1)
-        if best_d is None:
-            best_d, best_i = m, i.astype(mx.int32)
-        else:
-            upd = m < best_d
-            best_i = mx.where(upd, i.astype(mx.int32) + s, best_i)
-            best_d = mx.minimum(m, best_d)
-    return best_i
-
-
-def fit_codebook(x: mx.array, k: int, seed: int, iters: int = KMEANS_ITERS) -> mx.array:
-    """Seeded k-means: ``k`` codewords for the rows of ``x [Hc, n, d]`` -> float32 [Hc, k, d]. Init =
-    random rows (with replacement when n < k); Lloyd iterations batched over the leading axis; an
-    empty cluster keeps its codeword."""
-    Hc, n, d = x.shape
-    x = x.astype(mx.float32)
-    rng = seeded_rng(_TAG_VQ, seed)
-    cap = min(KMEANS_MAX_ROWS, KMEANS_ROWS_PER_CODE * k)
-    if n > cap:
-        x = x[:, mx.array(np.sort(rng.choice(n, cap, replace=False)).astype(np.int32))]
-        n = cap
-    cb = x[:, mx.array(rng.choice(n, k, replace=n < k).astype(np.int32))]
-    off = (mx.arange(Hc, dtype=mx.int32) * k)[:, None]
-    flat_x = x.reshape(Hc * n, d)
-    for _ in range(iters):
-        lab = (vq_assign(x, cb) + off).reshape(-1)
-        sums = mx.zeros((Hc * k, d), dtype=mx.float32).at[lab].add(flat_x)
-        cnt = mx.zeros((Hc * k,), dtype=mx.float32).at[lab].add(mx.ones((Hc * n,), dtype=mx.float32))
-        new = (sums / mx.maximum(cnt, 1.0)[:, None]).reshape(Hc, k, d)
-        cb = mx.where((cnt > 0).reshape(Hc, k, 1), new, cb)
-        mx.eval(cb)
-    return cb
-
-
-def pack_codes(codes: mx.array, bits: int):
-    """Codes [.., m] in [0, 2**bits) -> (low 8-bit stream, high-bit stream or None), uint32 words."""
-    c = codes.astype(mx.uint32)
-    lo = bitpack.pack_bits(mx.bitwise_and(c, 0xFF), min(bits, 8))
-    hi = bitpack.pack_bits(mx.right_shift(c, 8), bits - 8) if bits > 8 else None
-    return lo, hi
-
-
-def unpack_codes(lo: mx.array, hi, bits: int, m: int) -> mx.array:
-    c = bitpack.unpack_bits(lo, min(bits, 8), m).astype(mx.int32)
-    if bits > 8:
-        c = c + mx.left_shift(bitpack.unpack_bits(hi, bits - 8, m).astype(mx.int32), 8)
-    return c
 
 
 def _to_head_rows(x: mx.array, hc: int, sub: int) -> mx.array:
@@ -207,14 +144,15 @@ class VecInferKVCache(KIVIKVCache):
         for f in ("key_codebook_bits", "value_codebook_bits"):
             if not _int(getattr(c, f), 1, 16):
                 raise QuantizerConfigError(f, getattr(c, f), "an int in 1..16 (codebook of 2**bits codewords)")
-        if c.use_metal_kernels is not None and not isinstance(c.use_metal_kernels, bool):
-            raise QuantizerConfigError("use_metal_kernels", c.use_metal_kernels, "None or a bool")
-        if c.fused_sdpa is not None and not isinstance(c.fused_sdpa, bool):
-            raise QuantizerConfigError("fused_sdpa", c.fused_sdpa, "None or a bool")
-        if c.fused_sdpa_max_ctx is not None and not _int(c.fused_sdpa_max_ctx, 1):
-            raise QuantizerConfigError("fused_sdpa_max_ctx", c.fused_sdpa_max_ctx, "None or an int >= 1")
-        if not isinstance(c.fused_sdpa_memory_bound, bool):
-            raise QuantizerConfigError("fused_sdpa_memory_bound", c.fused_sdpa_memory_bound, "a bool")
+        o = c.options
+        if o.use_metal_kernels is not None and not isinstance(o.use_metal_kernels, bool):
+            raise QuantizerConfigError("use_metal_kernels", o.use_metal_kernels, "None or a bool")
+        if o.fused_sdpa is not None and not isinstance(o.fused_sdpa, bool):
+            raise QuantizerConfigError("fused_sdpa", o.fused_sdpa, "None or a bool")
+        if o.fused_sdpa_max_ctx is not None and not _int(o.fused_sdpa_max_ctx, 1):
+            raise QuantizerConfigError("fused_sdpa_max_ctx", o.fused_sdpa_max_ctx, "None or an int >= 1")
+        if not isinstance(o.fused_sdpa_memory_bound, bool):
+            raise QuantizerConfigError("fused_sdpa_memory_bound", o.fused_sdpa_memory_bound, "a bool")
         self.ks, self.vs = int(c.key_sub_dim), int(c.value_sub_dim)
         self.kbits, self.vbits = int(c.key_codebook_bits), int(c.value_codebook_bits)
         self.group = BLOCK
@@ -222,7 +160,7 @@ class VecInferKVCache(KIVIKVCache):
         self._given = {}
         for name, field, dims in (("smooth", "smooth_factors", (1, 2)), ("key_cb", "key_codebook", (2, 3)),
                                   ("val_cb", "value_codebook", (2, 3))):
-            v = getattr(c, field)
+            v = getattr(o, field)
             if v is not None:
                 a = _as_array(v, field, dims)
                 if field != "smooth_factors":
@@ -236,8 +174,27 @@ class VecInferKVCache(KIVIKVCache):
                 self._given[name] = a
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "vector-quantized codes"
+
+    def _holds_back(self, total: int, d: int, dv: int) -> bool:
+        """Before the calibration, rows wait in the float16 residual until their codes plus the
+        codebooks and smoothing factors to be fitted take fewer bytes than the rows themselves (a
+        40-token chat holds its rows, not 36 KiB of codebooks per layer); then every complete block
+        of them calibrates and is encoded at once (so a cache never holds more than its float16 rows
+        plus ``contract.SHORT_PROMPT_SLACK_ROWS`` rows). Checks the sub-vector dims against the real head dims."""
+        for field, sub, dim in (("key_sub_dim", self.ks, d), ("value_sub_dim", self.vs, dv)):
+            if dim % sub:
+                raise QuantizerConfigError(field, sub, f"a divisor of the {field[:-8]} head dim {dim}")
+        if self.key_cb is not None:
+            return False
+        B, H = self.res_k.shape[:2]
+        fitted = 4 * H * d * ("smooth" not in self._given)
+        for name, sub, bits in (("key_cb", self.ks, self.kbits), ("val_cb", self.vs, self.vbits)):
+            fitted += 2 * (1 << bits) * sub * (name not in self._given)
+        nq, fp16 = total // BLOCK * BLOCK, B * H * 2 * (d + dv)  # encodable rows; float16 bytes per token
+        # encoded: codebooks + the 32-row residual + codes; held back: the rows. Both with grow_rows' spare.
+        encoded = fitted + BLOCK * fp16 + B * H * (nq + max(16, nq // 8)) * self.bytes_per_token_budget(d, dv)
+        return encoded >= (total + max(16, total // 8)) * fp16
 
     def _rot(self, d: int) -> mx.array:
         seed = int(self.config.seed)
@@ -246,11 +203,6 @@ class VecInferKVCache(KIVIKVCache):
     # ---------------------------------------------------------------- calibration
     def _calibrate(self, kb: mx.array, vb: mx.array) -> None:
         B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
-        if D % self.ks:
-            raise QuantizerConfigError("key_sub_dim", self.ks, f"a divisor of the key head dim {D}")
-        if Dv % self.vs:
-            raise QuantizerConfigError("value_sub_dim", self.vs, f"a divisor of the value head dim {Dv}")
         k32 = kb.astype(mx.float32)
         if "smooth" in self._given:
             s = self._given["smooth"]
@@ -331,54 +283,24 @@ class VecInferKVCache(KIVIKVCache):
 
     # ---------------------------------------------------------------- attention
     def _fused(self, N: int, M: int) -> bool:
-        c = self.config
+        c = self.config.options
         if not c.fused_sdpa:
             return False
         if c.fused_sdpa_max_ctx is not None and M > c.fused_sdpa_max_ctx:
             return False
         return N > 1 or bool(c.fused_sdpa_memory_bound)
 
-    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        call, self._call = self._call, None
-        N = queries.shape[2]
-        if call is None or call[4].shape[2] != N or keys.shape[2] != call[0] + call[1] + N:
+    def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
+        """Every call size on the codes (``_attend_codes``), unless nothing is encoded yet or the fused
+        sdpa path over the decoded rows is chosen (``_fused``)."""
+        if call[0] == 0 or self._fused(queries.shape[2], keys.shape[2]):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        q0, r0, past_k, past_v, new_k, new_v = call
-        mask = self._own_mask(mask, queries, keys)
-        if q0 == 0 or self._fused(N, keys.shape[2]):
-            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        B, Hq, _, D = queries.shape
-        H = new_k.shape[1]
-        rep, M = Hq // H, q0 + r0 + N
-        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        fk, fv = new_k, new_v
-        if r0:
-            fk = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
-            fv = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
-        parts = [q @ fk.astype(mx.float32).swapaxes(-1, -2)]
-        if rep * N * (D // self.ks) * q0 <= LUT_MAX:
-            parts.insert(0, self.lut_scores(q, q0))
-        else:
-            parts.insert(0, q @ self._keys_t(q0))
-        if sinks is not None:
-            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
-            parts.insert(0, sink.reshape(B, H, rep * N, 1))
-        s = mx.concatenate(parts, axis=-1)
-        lead = s.shape[-1] - M
-        s = s.reshape(B, H, rep, N, s.shape[-1])
-        if isinstance(mask, str):
-            if N > 1:
-                cols = mx.arange(r0 + N)[None] - r0
-                visible = cols <= mx.arange(N)[:, None]
-                s = mx.concatenate([s[..., : lead + q0], mx.where(visible, s[..., lead + q0 :], -mx.inf)], axis=-1)
-        elif mask is not None:
-            m = bool_mask(mask, N, M, H)
-            if lead:
-                m = mx.concatenate([mx.ones((*m.shape[:-1], 1), dtype=mx.bool_), m], axis=-1)
-            s = mx.where(m, s, -mx.inf)
-        p = mx.softmax(s, axis=-1, precise=True).reshape(B, H, rep * N, s.shape[-1])
-        out = p[..., lead + q0 :] @ fv.astype(mx.float32) + p[..., lead : lead + q0] @ self._values(q0)
-        return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _key_scores(self, q, n):
+        """LUT scores on the codes while the table stays small (``LUT_MAX``), else the decoded keys."""
+        B, H, R, D = q.shape
+        return self.lut_scores(q, n) if R * (D // self.ks) * n <= LUT_MAX else q @ self._keys_t(n)
 
     # ---------------------------------------------------------------- trim
     def _trim_rows(self, n):
@@ -401,21 +323,12 @@ class VecInferKVCache(KIVIKVCache):
         """Theoretical code bytes per token per KV head."""
         return (d // self.ks) * self.kbits / 8 + (dv // self.vs) * self.vbits / 8
 
-    @property
-    def used_nbytes(self) -> int:
-        """Codes of the encoded tokens (whole packed words), codebooks, smoothing factors, residual."""
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        Dv = self.res_v.shape[-1]
+    def _code_nbytes(self, B, H, D, Dv) -> int:
+        """Codes of the encoded tokens (whole packed words), codebooks and smoothing factors."""
         per = 0
         for lo, hi, m, bits in ((self.k_lo, self.k_hi, D // self.ks, self.kbits),
                                 (self.v_lo, self.v_hi, Dv // self.vs, self.vbits)):
             if lo is not None:
                 per += bitpack.packed_nbytes(m, min(bits, 8)) + (bitpack.packed_nbytes(m, bits - 8) if bits > 8 else 0)
         fixed = sum(a.nbytes for a in (self.key_cb, self.val_cb, self.smooth) if a is not None)
-        return B * H * self.n_quant * per + fixed + self.res_k.nbytes + self.res_v.nbytes
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
+        return B * H * self.n_quant * per + fixed

@@ -4,22 +4,16 @@ pre-RoPE calibrated key ranges, rotated per-token values; float16 sinks and wind
 
 Why. On SmolLM2 the keys carry the 4-bit error (docs/RESULTS.md, "4-bit class target"): a few key
 channels have wide ranges *and* meet large query components, so a uniform width wastes bits on
-channels the attention logits barely see. The logit error of channel ``c`` quantized uniformly
-over a range ``r_c`` with ``b_c`` bits has variance ``~ E[q_c^2] r_c^2 4^-b_c / 12``; minimising the
-sum at a fixed total ``sum_c b_c`` is reverse water-filling (rate-distortion theory for independent
-components): every extra bit goes where ``E[q_c^2] r_c^2 4^-b_c`` is largest. The queries are the
-model's real ones (the attention dispatch point shows them to the cache).
+channels the logits barely see. Each extra bit goes where ``E[q_c^2] r_c^2 4^-b_c`` (the logit error
+of channel ``c``) is largest: reverse water-filling (``primitives.bitalloc``), with the model's real
+queries (the attention dispatch point shows them to the cache).
 
-Ideas used, by source:
-
-* per-channel key quantization with *calibrated* per-channel ranges, on keys *before* RoPE, and
-  float16 attention-sink tokens: KVQuant (Hooper et al., arXiv 2401.18079, sections 3.1, 3.2, 3.6);
-* channel-wise precision differing per key channel: Kitty (arXiv 2511.18643) boosts a fixed fraction
-  of channels to a higher width; here every channel gets its own width, from the allocation above;
-* values rotated by a Hadamard transform before per-token quantization (outliers spread over all
-  coordinates): QuaRot (Ashkboos et al., arXiv 2404.00456); their coordinates then coded with a
-  Lloyd-Max codebook for the Gaussian, scaled per row: TurboQuant-MSE (arXiv 2504.19874);
-* a float16 window of the newest tokens: KIVI's residual (arXiv 2402.02750).
+Ideas used, by source: per-channel key quantization with *calibrated* ranges, on keys *before* RoPE,
+and float16 attention-sink tokens: KVQuant (arXiv 2401.18079, sections 3.1, 3.2, 3.6); a width per
+key channel: Kitty (arXiv 2511.18643) boosts a fixed fraction of channels, here every channel gets its
+own width; values rotated by a Hadamard transform before per-token quantization: QuaRot (arXiv
+2404.00456), their coordinates coded with a Gaussian Lloyd-Max codebook scaled per row: TurboQuant-MSE
+(arXiv 2504.19874); a float16 window of the newest tokens: KIVI's residual (arXiv 2402.02750).
 
 Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
 
@@ -27,55 +21,40 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    every call's queries add ``sum q^2`` per KV head and channel (``q_energy``; with RoPE undone,
    the two channels of a rotary pair share their mean, since a key's pre-RoPE channel meets both).
 2. Calibration, once, at the end of the first call after which ``n_calib_tokens`` (default 64) rows
-   are stored: keys are un-rotated (the model's RoPE, read from the layer and checked against it,
-   inverted by ``primitives.rope.rotate_rows``: the same rotation from angle-addition tables, no
-   sine per element; when the layer's RoPE is unknown the keys stay post-RoPE), the range
-   ``[lo, hi]`` of every (batch row, head,
-   channel) is taken over the stored rows except the first 4 (the sinks), and each head's ``b * D``
-   key bits are allocated greedily by marginal gain ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (the j-th
-   bit of channel c; widths 0..8; the top ``b * D`` gains per head): the widths ``k_bits [H, D]``.
-3. Rows leaving the window (whole blocks of 16, the newest R..R+15 stay): the stream's first 4
-   tokens go to float16 sink rows; the others are quantized.
-   Keys: un-rotated, coded ``round((k - lo) / step)`` clamped to ``[0, 2^b_c - 1]`` with
-   ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels reconstruct the range's midpoint), packed at
-   their own widths (``primitives.varpack``: ``b * D`` bits per row, in whole 32-bit words).
-   Values: ``y = v H`` (normalized Hadamard applied as a fast Walsh-Hadamard transform, no stored
-   matrix; a seeded random rotation matrix when ``Dv`` is not a power of two), whose coordinates are then close to Gaussian; each row's RMS ``s`` is stored as float16
-   and ``y / s`` is coded coordinate-wise with a ``b``-bit codebook for N(0, 1): TurboQuant-MSE's
-   scalar Lloyd-Max quantizer (with the Gaussian limit of its coordinate distribution), its centroids
-   replaced by their least-squares fit ``a u + b u^3 + c u^5`` in the centred code ``u`` so that
-   decoding is arithmetic (``primitives.codebook.odd_poly_gaussian``: distortion within 0.2% of
-   Lloyd-Max's at 4 bits); packed with ``primitives.bitpack``.
-4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows and the window plus
-   the call's own rows. Quantized keys are decoded (``lo + code * step``, RoPE re-applied at their
-   positions by ``rotate_rows``) and multiplied by the queries; the value output is
-   ``((p * s) @ centroid[codes]) H^T`` -- the rotation applied once per query, not per row.
-   One query row on MLX's CUDA backend (a decode step): the fused kernel of
-   ``veloxquant_mlx.cache.kernels.waterfill`` reads each row's key and value words once, decodes
-   them in registers, applies RoPE to the query instead of the keys (``q . R(t) k`` as a sum over the
-   pre-RoPE key channels), and keeps an online softmax per split of the rows; one more block takes
-   the float16 sinks, window and own row, and a merge kernel joins the splits and undoes the
-   Hadamard once (two launches per layer). Checked against the op path at first use (falls back with
-   a one-line warning); the op path stays the reference and the CPU/Metal path.
+   are stored: keys are un-rotated (the layer's RoPE, checked against it and inverted by
+   ``primitives.rope.rotate_rows``; unknown RoPE: keys stay post-RoPE), the range ``[lo, hi]`` of every
+   (batch row, head, channel) is taken over the stored rows but the 4 sinks, and each head's ``b * D``
+   key bits go to the top gains ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (the j-th bit of channel c, widths
+   0..8; ``allocate_bits``): the widths ``k_bits [H, D]``.
+3. Rows leaving the window (whole blocks of 16, the newest R..R+15 stay; the stream's first 4 tokens
+   go to float16 sink rows). Keys: un-rotated, coded ``round((k - lo) / step)`` in ``[0, 2^b_c - 1]``
+   with ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels: the range's midpoint), packed at their
+   own widths (``primitives.varpack``, whole 32-bit words per row). Values: ``y = v H`` (normalized
+   Hadamard as a fast transform; a seeded random rotation matrix when ``Dv`` is not a power of two);
+   each row's RMS ``s`` is stored as float16 and ``y / s`` coded with a ``b``-bit codebook for N(0, 1)
+   (TurboQuant-MSE's Lloyd-Max levels fitted by ``a u + b u^3 + c u^5`` in the centred code ``u``, so
+   decoding is arithmetic: ``codebook.odd_poly_gaussian``, within 0.2% of Lloyd-Max's distortion at
+   4 bits); packed with ``primitives.bitpack``.
+4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows, the window and the
+   call's rows (``window.joint_attention``); quantized keys decoded (``lo + code * step``, RoPE
+   re-applied), values as ``((p * s) @ centroid[codes]) H^T``. A decode step on MLX's CUDA backend
+   takes the fused kernel of ``cache.kernels.waterfill`` (words read once, RoPE applied to the query,
+   split-K online softmax, one merge undoing the Hadamard), checked against the op path at first use.
 
-Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2``
-(values + scale); b = 4, D = 64: 32 + 34 = 66 bytes vs 256 at float16 (0.258x). Per cache:
-``[B, H, 1, D]`` float16 ``lo``/``step``, the ``[H, D]`` widths and their unpacking tables, the
-window (``R + 16`` rows) and 4 sink rows in float16 (on the GPU, once a decode step has run, the
-kernel's small tables too); no rotation matrix for a power-of-two ``Dv``, else the seeded rotation
-matrix, counted once per model (``build_layers``, as turboquant_rvq).
+Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2`` (values
++ scale); b = 4, D = 64: 66 bytes vs 256 at float16 (0.258x). Per cache: float16 ``lo``/``step``
+``[B, H, 1, D]``, the widths and their unpacking tables, the float16 window and sinks (and the decode
+kernel's small tables once used); a value rotation matrix only for a non-power-of-two ``Dv``, counted
+once per model (``build_layers``).
 
 Measured (``scripts/quality_targets.py``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
 decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
 0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
 2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
-is below the plain cache's. CPU: the op path reads the key words with two gathers per channel
-(``VarLayout.gather``). H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
+is below the plain cache's. H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
 docs/data/h200_decode_kernels_2026-12-01.json): 0.40x plain at 8k and 0.31x at 32k with the fused
-kernel (0.17x / 0.07x with the op path in the same session); one layer's decode step at 32k
-(``scripts/profile_waterfill.py``) 1.08 ms with the kernel vs 5.2 ms on the op path. Most of the
-remaining gap is a per-layer cost that hardly grows with the context (+0.53 ms per layer and step over
-plain at 8k, +0.77 ms at 32k): host time building each step's graph, which the GPU waits for.
+kernel (0.17x / 0.07x on the op path); the remaining gap is mostly a per-layer host cost of building
+each step's graph (+0.53 ms per layer and step over plain at 8k, +0.77 ms at 32k).
 
 Deviations and limits (all of them):
 
@@ -87,21 +66,18 @@ Deviations and limits (all of them):
 * Calibration happens once; its statistics come from the first calls (prompt), so the cache is not
   chunk-invariant. Without the dispatch point (no queries seen) the widths are allocated with equal
   channel weights, at the first call after ``n_calib_tokens`` rows.
-* Values are quantized per token (KIVI's finding: value errors average out over tokens), at the
-  uniform width b; the codebook is the Gaussian one (TurboQuant uses the exact Beta-type law of a
-  coordinate of a random unit vector and a random rotation; for Dv = 64 the two are close, and a
-  Hadamard rotation is cheaper), scaled by the row's RMS instead of its norm.
+* Values are quantized per token (KIVI: value errors average out over tokens) at the uniform width b,
+  with the Gaussian codebook (TurboQuant: the exact Beta-type law and a random rotation; close for
+  Dv = 64, and a Hadamard is cheaper), scaled by the row's RMS instead of its norm.
 * ``bit_width_inlier`` sets both the keys' average width and the values' width; ``n_sink_tokens``
   is not used (4 sink rows, as turboquant_rvq).
 
-mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``): ``offset`` logical, ``state`` with
-only the used rows plus the calibration (round trip through ``save_prompt_cache``), trim drops window
-rows, then the newest codes; not batchable (``merge`` raises ``BatchingNotSupported``).
+mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``), plus the calibration in ``state``; not
+batchable (``merge`` raises ``BatchingNotSupported``).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Optional
 
@@ -113,69 +89,21 @@ from ..contract import register_with_mlx_lm
 from ..errors import QuantizerConfigError
 from ..primitives.bitpack import pack_bits, unpack_bits
 from ..primitives.buffers import grow_rows, reserve_rows
+from ..primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ..primitives.codebook import nearest_code, odd_poly_gaussian
 from ..primitives.rope import rope_frequencies, rope_spec, rotate_rows
-from ..primitives.rotation import hadamard, random_orthogonal
+from ..primitives.value_rotation import odd_poly, poly_coefficients, power_of_two, rotate_values, value_rotation
 from ..primitives.varpack import VarLayout, extract_codes
 from ..attention import group_queries
 from .. import dispatch, kernels
 from ..kernels import waterfill as wf_kernel
-from .turboquant_rvq import SINK_ROWS, ResidualWindowCache
+from ..window import SINK_ROWS, ResidualWindowCache
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
 
 DEFAULT_CALIB_TOKENS = 64
 BLOCK = 16  # rows leave the window in whole blocks of this many
-MAX_BITS = 8
 _TINY = 1e-30
-_ROTATIONS: dict[tuple, mx.array] = {}
-
-
-def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarray:
-    """Greedy reverse water-filling: ``total`` bits per row of ``sensitivity [G, D]`` (>= 0), each
-    bit to the channel whose ``log2(sensitivity) - 2 * (bits it has)`` is largest. Returns int
-    widths ``[G, D]`` in ``0..max_bits`` with every row summing to ``total``."""
-    s = np.asarray(sensitivity, dtype=np.float64)
-    G, D = s.shape
-    if not 0 <= total <= max_bits * D:
-        raise ValueError(f"total={total} bits cannot be spread over {D} channels of at most {max_bits} bits")
-    gain = np.log2(np.maximum(s, _TINY))[:, :, None] - 2.0 * np.arange(max_bits)[None, None, :]
-    flat = gain.reshape(G, D * max_bits)
-    # stable order: among equal gains the lower channel / lower bit first (gains fall with j per channel,
-    # so the chosen set always takes a channel's bits in order)
-    order = np.argsort(-flat, axis=1, kind="stable")[:, :total]
-    widths = np.zeros(G * D, dtype=np.int64)
-    np.add.at(widths, (np.arange(G)[:, None] * D + order // max_bits).reshape(-1), 1)
-    return widths.reshape(G, D)
-
-
-def _power_of_two(d: int) -> bool:
-    return d > 0 and d & (d - 1) == 0
-
-
-def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
-    """``y M`` (or ``y M^T``) over the last axis with the values' rotation ``M``: for a power-of-two
-    dim the normalized Hadamard applied as a fast Walsh-Hadamard transform (``mx.hadamard_transform``,
-    ``O(Dv log Dv)`` per row, no stored matrix; ``H`` is symmetric and orthogonal, so it is its own
-    inverse), else the seeded random rotation's matrix."""
-    dv = y.shape[-1]
-    if _power_of_two(dv):
-        return mx.hadamard_transform(y, scale=dv**-0.5)
-    m = value_rotation(dv, seed)
-    return y @ (m.T if inverse else m)
-
-
-def value_rotation(dim: int, seed: int) -> mx.array:
-    """The values' rotation as a matrix ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized
-    Hadamard for a power-of-two ``dim`` (the caches apply it as a transform, :func:`rotate_values`, and
-    hold no matrix), else a seeded Haar-random orthogonal matrix (held, one array per process)."""
-    key = (int(dim), int(seed))
-    m = _ROTATIONS.get(key)
-    if m is None:
-        m = hadamard(dim) if dim & (dim - 1) == 0 else random_orthogonal(dim, seed)
-        _ROTATIONS[key] = m = mx.contiguous(m)
-        mx.eval(m)
-    return m
 
 
 @register_with_mlx_lm
@@ -194,6 +122,7 @@ class WaterfillKVCache(ResidualWindowCache):
                      "saliency_source")
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
+    _shared = ("_layout", "_omega_cache", "_kconst")
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
     saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
@@ -205,7 +134,7 @@ class WaterfillKVCache(ResidualWindowCache):
             raise QuantizerConfigError("bit_width_inlier", bits,
                                        "an int in 1..8 (waterfill: keys' average and values' width)")
         self.bit_width = bits
-        self.residual_length = int(c.residual_length)
+        self.residual_length = int(c.options.residual_length)
         n_calib = c.n_calib_tokens
         if n_calib is not None and (isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1):
             raise QuantizerConfigError("n_calib_tokens", n_calib, "an int >= 1 or None (waterfill: 64)")
@@ -257,7 +186,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if self.q_energy is not None:
             w = self.q_energy[0, :, 0]
             if self.rope is not None:  # a pre-RoPE channel meets both channels of its rotary pair
-                w = _pair_mean(w, self.rope)
+                w = rope_pair_mean(w, self.rope)
         else:
             w = mx.ones((H, D))
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
@@ -304,36 +233,29 @@ class WaterfillKVCache(ResidualWindowCache):
         """Rotated rows ``y = v M``, their RMS ``s`` (float16) and the Lloyd-Max codes of ``y / s``."""
         y = rotate_values(values.astype(mx.float32), self.seed)
         scale = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True)).astype(mx.float16)
-        codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), self._codebook())
+        codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), odd_poly_gaussian(self.bit_width)[0])
         return pack_bits(codes, self.bit_width), scale[..., 0]
 
-    def _codebook(self) -> mx.array:
-        return odd_poly_gaussian(self.bit_width)[0]
-
-    def _rotation(self, dv: int) -> mx.array:
-        return value_rotation(dv, self.seed)
-
-    def _keys(self, n: int) -> mx.array:
-        """Decoded keys of the first ``n`` quantized rows, RoPE re-applied: [B, H, n, D] float32."""
+    def _keys(self, a: int, b: int) -> mx.array:
+        """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
         lay = self._layout_of()
-        lo, hi = lay.gather(self.k_words[:, :, :n])
+        lo, hi = lay.gather(self.k_words[:, :, a:b])
         shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
         pre = _dequantize(lo, hi, shift, mask, self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32))
-        return self._post_rope(pre, self.n_sink)
+        return self._post_rope(pre, self.n_sink + a)
 
-    def _value_codes(self, n: int) -> mx.array:
-        """Unit-RMS rotated values (codebook centroids) of the first ``n`` quantized rows, computed
-        from the codes arithmetically (the codebook is an odd polynomial of the centred code)."""
-        codes = unpack_bits(self.v_words[:, :, :n], self.bit_width, self._shape[2])
-        a, b, c = _poly_coefficients(self.bit_width)
-        return _odd_poly(codes, (1 << self.bit_width) - 1, a, b, c)
+    def _value_codes(self, a: int, b: int) -> mx.array:
+        """Unit-RMS rotated values (codebook centroids) of quantized rows ``a .. b``, computed from the
+        codes arithmetically (the codebook is an odd polynomial of the centred code)."""
+        codes = unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2])
+        return odd_poly(codes, (1 << self.bit_width) - 1, *poly_coefficients(self.bit_width))
 
     def _quantized_dense(self, n):
         memo = self._rows_memo()
         out = memo.get(n, self.k_words)
         if out is None:
-            v = self._value_codes(n) * self.v_scales[:, :, :n, None].astype(mx.float32)
-            out = memo.put(n, self.k_words, (self._keys(n), rotate_values(v, self.seed, inverse=True)),
+            v = self._value_codes(0, n) * self.v_scales[:, :, :n, None].astype(mx.float32)
+            out = memo.put(n, self.k_words, (self._keys(0, n), rotate_values(v, self.seed, inverse=True)),
                            keep=dispatch.installed() and kernels.kernels_enabled())
         return out
 
@@ -350,48 +272,26 @@ class WaterfillKVCache(ResidualWindowCache):
         self._rows_memo().clear()
         return super()._trim_rows(n)
 
-    def _quantized_part(self, q, n):
-        scores = q @ self._keys(n).swapaxes(-1, -2)
-        vc = self._value_codes(n)
-        vs = self.v_scales[:, :, :n].astype(mx.float32)[:, :, None, :]
-
-        def value_fn(p):  # sum_t p_t s_t centroid[code_t], rotated back once per query row
-            return rotate_values((p * vs) @ vc, self.seed, inverse=True)
-
-        return scores, value_fn
-
     def _quantized_tiles(self, q, ranges):
-        """Prefill tiles: keys decoded per tile (RoPE re-applied at the tile's positions), values from
-        their codes; the value rotation (``rotate_values``: a fast transform, no matrix) once per tile."""
-        lay = self._layout_of()
-        shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
-        k_lo, k_step = self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32)
-        top = (1 << self.bit_width) - 1
-        a3, b3, c3 = _poly_coefficients(self.bit_width)
-
-        def scores(a, b):
-            lo, hi = lay.gather(self.k_words[:, :, a:b])
-            keys = self._post_rope(_dequantize(lo, hi, shift, mask, k_lo, k_step), self.n_sink + a)
-            return q @ keys.swapaxes(-1, -2)
-
+        """Per range of quantized rows: scores on the keys decoded there (RoPE re-applied at their
+        positions) and ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
         def values(p, a, b):
-            vc = _odd_poly(unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2]), top, a3, b3, c3)
             vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
-            return rotate_values((p * vs) @ vc, self.seed, inverse=True)
+            return rotate_values((p * vs) @ self._value_codes(a, b), self.seed, inverse=True)
 
-        return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
+        return [(lambda a=a, b=b: q @ self._keys(a, b).swapaxes(-1, -2), lambda p, a=a, b=b: values(p, a, b))
+                for a, b in ranges]
 
     # ---- decode (one query row): the fused kernel on the GPU
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
-        """Whether this call can take the fused decode kernel: one query row, quantized rows stored,
-        a string/None mask, shapes the kernel handles, and the CUDA backend."""
+        """One query row over quantized rows, a string/None mask, kernel shapes, the CUDA backend."""
         call = self._call
         if queries.shape[2] != 1 or call is None or call.q0 == 0 or call.new_k.shape[2] != 1:
             return False
         if not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1:
             return False
         H, D, DV = self._shape
-        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and _power_of_two(DV)
+        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and power_of_two(DV)
         return ok and call.s0 > 0 and kernels.kernels_enabled()
 
     def _kernel_constants(self):
@@ -400,7 +300,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if kc is None or kc[0] is not self.k_lo:
             D = self._shape[1]
             lay = self._layout_of()
-            a, b, c = _poly_coefficients(self.bit_width)
+            a, b, c = poly_coefficients(self.bit_width)
             vpoly = mx.array([a, b, c, ((1 << self.bit_width) - 1) / 2], dtype=mx.float32)
             omega = self._omega() if self.rope is not None else None
             kc = (self.k_lo, wf_kernel.key_table(lay), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
@@ -428,24 +328,18 @@ class WaterfillKVCache(ResidualWindowCache):
                                                  self._shape[2], exact)
         return kernels.merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
 
-    def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
-        """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
-        return kernels.checked_call(
-            "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
-            lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
-
     # ---- attention: observe the queries until calibrated
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if not self.calibrated and getattr(self, "_shape", None):
             self._observe(queries)
-        if self.calibrated and self._decode_kernel_ready(queries, keys, mask):
-            return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if self.calibrated and self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
+            return kernels.checked_call(
+                "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+                lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()
-            R, w = self.residual_length, self.n_win
-            if w >= R + BLOCK:
-                self._compact((w - R) // BLOCK * BLOCK)
+            self._compact_blocks()
         return out
 
     # ---- accounting and state
@@ -455,9 +349,8 @@ class WaterfillKVCache(ResidualWindowCache):
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """The arrays of ``array_fields``, the width layout's tables, the RoPE angle table, the decode
-        kernel's tables (once built) and, for the cache that counts it, a value rotation matrix (only
-        for a non-power-of-two value dim), so ``nbytes`` is their sum."""
+        """``array_fields``, the width layout's and RoPE angle tables, the decode kernel's tables (once
+        built) and, for the cache that counts it, a non-power-of-two dim's value rotation matrix."""
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays()
@@ -466,32 +359,25 @@ class WaterfillKVCache(ResidualWindowCache):
         kc = getattr(self, "_kconst", None)
         if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
             out += [*kc[1:4], *kc[4], kc[5]]
-        if self.counts_constants and getattr(self, "_shape", None) and not _power_of_two(self._shape[2]):
-            out.append(self._rotation(self._shape[2]))
+        if self.counts_constants and getattr(self, "_shape", None) and not power_of_two(self._shape[2]):
+            out.append(value_rotation(self._shape[2], self.seed))
         return out
 
     @property
     def constant_nbytes(self) -> int:
-        """Bytes of the value rotation matrix (shared by every layer with the same value dim and seed;
-        none for a power-of-two dim: the Hadamard is applied as a transform)."""
+        """Bytes of the shared value rotation matrix (none for a power-of-two dim: a fast transform)."""
         shape = getattr(self, "_shape", None)
-        return self._rotation(shape[2]).nbytes if shape and not _power_of_two(shape[2]) else 0
+        return value_rotation(shape[2], self.seed).nbytes if shape and not power_of_two(shape[2]) else 0
 
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Bytes of one quantized token per KV head: key words + value words + the value scale."""
-        d = head_dim or (self._shape[1] if getattr(self, "_shape", None) else self.config.head_dim)
-        dv = value_dim or (self._shape[2] if getattr(self, "_shape", None) else d)
+        d, dv = self._dims(head_dim, value_dim)
         return 4 * ((self.bit_width * d + 31) // 32) + 4 * ((self.bit_width * dv + 31) // 32) + 2
 
     def _used(self, name: str):
         return None if name in self.calib_fields else super()._used(name)
 
-    @property
-    def state(self):
-        return ResidualWindowCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
+    def _set_state(self, v):
         ResidualWindowCache.state.fset(self, v)
         self._rows_memo().clear()
         self._layout = None
@@ -499,19 +385,12 @@ class WaterfillKVCache(ResidualWindowCache):
         if self.k_bits is not None:
             self._layout_of()  # held from the start, as in the cache that was saved
 
+    state = ResidualWindowCache.state.setter(_set_state)  # the base's getter, this setter
+
     @property
     def used_nbytes(self) -> int:
         """Bytes of the used rows of every array (spare capacity and the shared rotation left out)."""
-        rows = sum(a[:, :, : self._used(n)].nbytes for n in self.array_fields if (a := getattr(self, n)) is not None)
-        return rows + (self._layout.nbytes if self._layout is not None else 0)
-
-    def __deepcopy__(self, memo):
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            shared = k in ("config", "_layout", "_omega_cache", "_kconst") or isinstance(v, mx.Dtype)
-            setattr(new, k, v if shared else copy.deepcopy(v, memo))
-        return new
+        return super().used_nbytes + (self._layout.nbytes if self._layout is not None else 0)
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
@@ -519,31 +398,3 @@ def _dequantize(lo, hi, shift, mask, k_lo, k_step):
     """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
     fused kernel with the code extraction."""
     return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
-
-
-@functools.lru_cache(maxsize=8)
-def _poly_coefficients(bits: int) -> tuple[float, float, float]:
-    """``(a, b, c)`` of the values' odd-polynomial codebook (computed once per width: decode steps use it)."""
-    return tuple(odd_poly_gaussian(bits)[1])
-
-
-@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
-def _odd_poly(codes, top, a, b, c):
-    u = codes.astype(mx.float32) - top / 2
-    u2 = u * u
-    return u * (a + u2 * (b + c * u2))
-
-
-def _pair_mean(w: mx.array, spec: dict) -> mx.array:
-    """Average ``w [H, D]`` over the channel pairs RoPE rotates together (its first ``dims`` channels:
-    adjacent pairs when ``traditional``, else channel i with i + dims/2)."""
-    dims = spec["dims"]
-    head, tail = w[:, :dims], w[:, dims:]
-    H = w.shape[0]
-    if spec["traditional"]:
-        m = head.reshape(H, dims // 2, 2).mean(axis=-1, keepdims=True)
-        head = mx.broadcast_to(m, (H, dims // 2, 2)).reshape(H, dims)
-    else:
-        m = (head[:, : dims // 2] + head[:, dims // 2 :]) / 2
-        head = mx.concatenate([m, m], axis=1)
-    return mx.concatenate([head, tail], axis=1) if tail.shape[1] else head

@@ -126,8 +126,7 @@ class XKVKVCache(KIVIKVCache):
         self.qbits = o.latent_bits
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "cross-layer latent codes"
 
     @classmethod
     def build_layers(cls, layer_configs):

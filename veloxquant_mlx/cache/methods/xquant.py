@@ -95,8 +95,7 @@ class XQuantKVCache(KIVIKVCache):
         self.qbits = o.base_bits  # the shared codes' width, for every role
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "its codes are not MLX's affine layout"
 
     @classmethod
     def build_layers(cls, layer_configs):

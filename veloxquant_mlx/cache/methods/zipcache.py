@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..attention import bool_mask, group_queries, ungroup
+from ..attention import bool_mask
 from ..base import register
 from ..contract import CompressedKVCache, register_with_mlx_lm
 from ..errors import QuantizerConfigError
@@ -96,23 +96,21 @@ class ZipCacheKVCache(KIVIKVCache):
     saliency_source = "none"
 
     def _init_layout(self):
-        c = self.config
-        self.hi_bits = _int("zipcache_hi_bits", c.zipcache_hi_bits, 1, 8)
-        self.lo_bits = _int("zipcache_lo_bits", c.zipcache_lo_bits, 1, 8)
+        o = self.config.options
+        self.hi_bits = _int("zipcache_hi_bits", o.hi_bits, 1, 8)
+        self.lo_bits = _int("zipcache_lo_bits", o.lo_bits, 1, 8)
         if self.hi_bits < self.lo_bits:
-            raise QuantizerConfigError("zipcache_hi_bits", c.zipcache_hi_bits,
-                                       f"an int >= zipcache_lo_bits={c.zipcache_lo_bits}")
-        f = c.zipcache_hi_fraction
+            raise QuantizerConfigError("zipcache_hi_bits", o.hi_bits, f"an int >= zipcache_lo_bits={o.lo_bits}")
+        f = o.hi_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise QuantizerConfigError("zipcache_hi_fraction", f, "a number in [0, 1]")
         self.hi_fraction = float(f)
-        self.group = _int("zipcache_group_size", c.zipcache_group_size, 1)
-        self.quantize_values = bool(c.zipcache_quantize_values)
+        self.group = _int("zipcache_group_size", o.group_size, 1)
+        self.quantize_values = bool(o.quantize_values)
         self.qbits = self.lo_bits
         self._call = None
 
-    def _uses_qmm(self) -> bool:
-        return False
+    dequant_only = "two code widths routed per token"
 
     @property
     def n_lo(self) -> int:
@@ -226,57 +224,32 @@ class ZipCacheKVCache(KIVIKVCache):
 
     # ---------------------------------------------------------------- attention + saliency
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        call, self._call = self._call, None
-        N = queries.shape[2]
-        if call is None or call[4].shape[2] != N or keys.shape[2] != call[0] + call[1] + N:
+        """KIVI's one softmax on the stored form for every call (``_attend_codes``), which also adds
+        each query's softmax probability of every pending row (and how many queries saw it) to the
+        saliency accumulators."""
+        call = self._take_call(queries, keys)
+        if call is None:
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        q0, r0, past_k, past_v, new_k, new_v = call
+        q0, r0, _, _, new_k, _ = call
         mask = self._own_mask(mask, queries, keys)
-        B, Hq, _, D = queries.shape
-        H = new_k.shape[1]
-        rep, M, P = Hq // H, q0 + r0 + N, r0 + N
-        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        fk, fv = new_k, new_v
-        if r0:
-            fk = mx.concatenate([past_k.astype(new_k.dtype), new_k], axis=2)
-            fv = mx.concatenate([past_v.astype(new_v.dtype), new_v], axis=2)
-        parts = [q @ fk.astype(mx.float32).swapaxes(-1, -2)]
-        if q0:
-            parts.insert(0, q @ self._keys_t(q0))
-        if sinks is not None:
-            sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, rep, 1, 1), (B, H, rep, N, 1))
-            parts.insert(0, sink.reshape(B, H, rep * N, 1))
-        s = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        lead = s.shape[-1] - M
-        s = s.reshape(B, H, rep, N, s.shape[-1])
-        visible = None  # [.., N, P] visibility of the full-precision columns
-        if isinstance(mask, str):
-            if N > 1:
-                visible = (mx.arange(P)[None] - r0) <= mx.arange(N)[:, None]
-                s_tail = mx.where(visible, s[..., lead + q0 :], -mx.inf)
-                s = mx.concatenate([s[..., : lead + q0], s_tail], axis=-1)
-        elif mask is not None:
-            m = bool_mask(mask, N, M, H)
-            visible = m[..., q0:]
-            if lead:
-                m = mx.concatenate([mx.ones((*m.shape[:-1], 1), dtype=mx.bool_), m], axis=-1)
-            s = mx.where(m, s, -mx.inf)
-        p = mx.softmax(s, axis=-1, precise=True)  # [B, H, rep, N, lead + M]
+        out, probs = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True)
+        B, Hq, N, _ = queries.shape
+        H, P = new_k.shape[1], r0 + N
+        p_f = probs[-1]  # [B, H, rep, N, P]: the pending rows, then the call's own
+        if isinstance(mask, str):  # [.., N, P] visibility of the full-precision columns
+            visible = (mx.arange(P)[None] - r0) <= mx.arange(N)[:, None] if N > 1 else None
+        else:
+            visible = None if mask is None else bool_mask(mask, N, q0 + P, H)[..., q0:]
         # normalized attention saliency of the pending rows: probability mass / number of viewers
-        p_f = p[..., lead + q0 :]
         contrib = p_f.sum(axis=(2, 3))  # [B, H, P]
         if visible is None:
-            cnt = mx.full((1, 1, P), float(rep * N))
+            cnt = mx.full((1, 1, P), float(Hq // H * N))
         else:
             cnt = mx.broadcast_to(visible, p_f.shape).astype(mx.float32).sum(axis=(2, 3))
         self.sal_sum[:, :, :P] = self.sal_sum[:, :, :P] + contrib[..., None]
         self.sal_cnt[:, :, :P] = self.sal_cnt[:, :, :P] + mx.broadcast_to(cnt, contrib.shape)[..., None]
         self.n_scored = P
-        p = p.reshape(B, H, rep * N, p.shape[-1])
-        out = p[..., lead + q0 :] @ fv.astype(mx.float32)
-        if q0:
-            out = out + p[..., lead : lead + q0] @ self._values(q0)
-        return ungroup(out.reshape(B, H, rep, N, out.shape[-1])).astype(queries.dtype)
+        return out
 
     # ---------------------------------------------------------------- trim
     def _trim_rows(self, n: int) -> int:
@@ -333,20 +306,6 @@ class ZipCacheKVCache(KIVIKVCache):
         return 0 if self.res_v is None else self._uniform_lo(self.res_v.shape[-1]) + self._pending_bytes("res_v")
 
     @property
-    def fp16_key_bytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        return B * H * self.offset * D * 2
-
-    @property
-    def fp16_value_bytes(self) -> int:
-        if self.res_v is None:
-            return 0
-        B, H, _, D = self.res_v.shape
-        return B * H * self.offset * D * 2
-
-    @property
     def compression_ratio(self) -> float:
         """fp16 key bytes / compressed key bytes (> 1 = savings)."""
         c = self.compressed_key_bytes
@@ -363,7 +322,3 @@ class ZipCacheKVCache(KIVIKVCache):
     @property
     def used_nbytes(self) -> int:
         return self.compressed_key_bytes + self.compressed_value_bytes
-
-    @property
-    def full_seq_bytes(self) -> int:
-        return self.fp16_key_bytes + self.fp16_value_bytes

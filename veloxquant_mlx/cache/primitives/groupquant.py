@@ -21,9 +21,8 @@ Two interchangeable kernels, chosen from ``(bits, group)`` alone so that ``dequa
   codes were computed with). Only this layout can be fed to ``mx.quantized_matmul``
   (``uses_mx_kernels``).
 * anything else (bits 1..8, any group >= 1, e.g. a 16-channel head): a vectorized MLX reference
-  kernel with the same min/max rule; codes are packed little-endian per group (code ``j`` of a group
-  at stream bits ``[j*bits, (j+1)*bits)``, stream bit ``p`` = bit ``p % 32`` of the group's word
-  ``p // 32``).
+  kernel with the same min/max rule; each group's codes are one ``bitpack`` row (little-endian: code
+  ``j`` at stream bits ``[j*bits, (j+1)*bits)``, stream bit ``p`` = bit ``p % 32`` of word ``p // 32``).
 
 Per-channel quantization (KIVI keys: each channel, groups of ``group`` consecutive tokens) is the same
 operation on the transposed block: ``quantize_per_channel`` takes ``[..., T, D]`` and stores the codes
@@ -38,6 +37,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+
+from .bitpack import pack_bits, unpack_bits
 
 __all__ = [
     "MX_BITS",
@@ -90,33 +91,6 @@ def group_bytes_per_element(bits: int, group: int) -> float:
     return (4 * words_per_group(bits, group) + 2 * SCALE_DTYPE.size) / group
 
 
-# ---------------------------------------------------------------------------------------- packing
-def _pack(q: mx.array, bits: int) -> mx.array:
-    """Codes ``[..., G]`` (uint32, < 2**bits) -> words ``[..., ceil(G*bits/32)]``."""
-    *lead, g = q.shape
-    gp = -(-g // 32) * 32
-    if gp != g:
-        q = mx.pad(q, [(0, 0)] * len(lead) + [(0, gp - g)])
-    bit_pos = mx.arange(bits, dtype=mx.uint32)
-    stream = (q[..., None] >> bit_pos) & 1  # [..., gp, bits]: the bit stream, code-major
-    stream = stream.reshape(*lead, gp * bits // 32, 32)
-    words = (stream << mx.arange(32, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
-    return words[..., : (g * bits + 31) // 32]
-
-
-def _unpack(words: mx.array, bits: int, g: int) -> mx.array:
-    """Inverse of ``_pack``: words ``[..., W]`` -> codes ``[..., g]`` (uint32)."""
-    *lead, w = words.shape
-    gp = -(-g // 32) * 32
-    wp = gp * bits // 32
-    if wp != w:
-        words = mx.pad(words, [(0, 0)] * len(lead) + [(0, wp - w)])
-    stream = (words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1  # [..., wp, 32]
-    stream = stream.reshape(*lead, gp, bits)
-    codes = (stream << mx.arange(bits, dtype=mx.uint32)).sum(axis=-1).astype(mx.uint32)
-    return codes[..., :g]
-
-
 # ---------------------------------------------------------------------------------------- kernels
 def quantize(x: mx.array, bits: int, group: int, reference: bool = False) -> GroupQuantized:
     """Quantize ``x [..., n]`` along its last axis in groups of ``group`` (``n % group == 0``).
@@ -141,7 +115,7 @@ def quantize(x: mx.array, bits: int, group: int, reference: bool = False) -> Gro
     s = scales.astype(mx.float32)
     q = mx.round((xg - biases.astype(mx.float32)) / mx.where(s > 0, s, 1.0))
     q = mx.clip(q, 0.0, levels).astype(mx.uint32)
-    words = _pack(q, bits)  # [..., ng, wpg]
+    words = pack_bits(q, bits)  # [..., ng, wpg]
     return GroupQuantized(words.reshape(*lead, -1), scales[..., 0], biases[..., 0])
 
 
@@ -154,7 +128,7 @@ def dequantize(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, g
         return mx.dequantize(codes, s, b, group_size=group, bits=bits)
     lead = codes.shape[:-1]
     ng = scales.shape[-1]
-    q = _unpack(codes.reshape(*lead, ng, -1), bits, group).astype(dtype)
+    q = unpack_bits(codes.reshape(*lead, ng, -1), bits, group).astype(dtype)
     return (q * s[..., None] + b[..., None]).reshape(*lead, ng * group)
 
 

@@ -1,0 +1,432 @@
+"""The grouped-quantization layout (KIVI's): the family base of KIVI and its variants, beside
+``contract.py`` and ``window.py``.
+
+Keys are quantized per channel over groups of G tokens, values per token in channel groups; tokens
+that do not yet complete a key group stay in a float16 residual (``methods/kivi.py`` gives the paper
+and its deviations). Layout (B batch, H kv heads, D/Dv head dims; buffers preallocated and grown by
+``primitives.buffers``'s policy, never concatenated per token):
+
+* keys stored **transposed**: ``k_codes [B, H, D, groups*words]`` (uint32 codes of ``K^T`` along the
+  token axis) with ``k_scales``/``k_biases [B, H, D, groups]`` (float16), so
+  ``mx.quantized_matmul(q, k_codes, ..., transpose=False)`` is ``q @ Q(K)^T``;
+* values per token: ``v_codes [B, H, tokens, Dv*b/32]``, ``v_scales``/``v_biases [B, H, tokens, Dv/Gv]``,
+  channel groups ``Gv = gcd(Dv, G)``;
+* residual ``res_k [B, H, G, D]``, ``res_v [B, H, G, Dv]`` float16, rows ``[0, n_res)`` used.
+
+``update_and_fetch`` returns the rows stored before the call in their stored form, then the call's
+rows as given. ``attend`` (dispatch point) computes the same attention on the stored form: decode
+steps through ``_attend_codes`` (one softmax over the quantized part and the full-precision part,
+``window.joint_attention``) or, on CUDA, the fused kernel of ``kernels.kivi``; prefill chunks through
+an online softmax over tiles of whole groups (``_attend_chunk``), or MLX's fused attention on a GPU.
+Variants change what the codes mean by overriding ``_append_groups`` / ``_keys_t`` / ``_values``
+(and, for attention on their own codes, ``_key_scores`` / ``_value_out``); a variant whose codes are not
+MLX's affine layout sets ``dequant_only`` to the reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import dispatch, kernels
+from .attention import dense_blocks, group_queries, online_softmax_attention, tile_ranges, tile_rows
+from .contract import CompressedKVCache
+from .errors import QuantizerConfigError
+from .kernels import kivi as kivi_kernel
+from .primitives import groupquant as gq
+from .primitives.buffers import grow_columns, grow_rows
+from .window import concat_rows, fp16_row_bytes, joint_attention, rows_part
+
+KIVI_BITS = (2, 3, 4, 8)
+RES_DTYPE = mx.float16
+
+
+class GroupedQuantCache(CompressedKVCache):
+    """Keys per channel, values per token, b-bit groups of G tokens, float16 residual of < G tokens."""
+
+    array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v")
+    scalar_fields = ("n_quant", "n_res", "dtype_name")
+
+    #: "auto" (quantized_matmul on the CPU and Metal, dequantize + float32 matmul on CUDA), "dequant" or
+    #: "quantized_matmul" (needs MLX layouts: b and G, Gv in groupquant.MX_GROUPS).
+    attend_path = "auto"
+
+    #: Why a variant's codes cannot go through ``mx.quantized_matmul`` ("" for KIVI's own codes): its
+    #: attention then always dequantizes, and ``attend_path="quantized_matmul"`` raises naming it.
+    dequant_only = ""
+
+    n_quant = 0  # quantized tokens (a multiple of G)
+    n_res = 0  # float16 residual tokens (< G, or more while ``_holds_back``)
+    dtype_name = "float16"  # dtype of the rows last handed to the cache (dense outputs use it)
+    _call = None  # (quantized, residual, past res_k, past res_v, new keys, new values) of the last call
+    _kernel_off = False  # set while the op path runs as the decode kernel's reference
+
+    # ---------------------------------------------------------------- layout
+    def _init_layout(self):
+        b = self.config.bit_width_inlier
+        if isinstance(b, bool) or b not in KIVI_BITS:
+            raise QuantizerConfigError("bit_width_inlier", b, f"one of 2, 3, 4, 8 for method={self.config.method!r}")
+        self.qbits = int(b)  # not ``bits``: mlx_lm routes any cache with ``bits`` to its own kernel
+        self.group = int(self.config.options.group_size)
+        self._call = None
+
+    def value_group(self, dv: int) -> int:
+        """Channel-group width of the per-token value quantization for head dim ``dv``."""
+        return math.gcd(dv, self.group)
+
+    def _key_words(self) -> int:
+        return gq.words_per_group(self.qbits, self.group)
+
+    def _uses_qmm(self) -> bool:
+        """Whether attention reads the codes with ``mx.quantized_matmul`` (``attend_path``)."""
+        path = self.attend_path
+        if path == "dequant":
+            return False
+        if self.dequant_only:
+            if path == "quantized_matmul":
+                raise ValueError(f"{self.method_name} attends through dequantize + matmul ({self.dequant_only})")
+            return False
+        dv = self.res_v.shape[-1]
+        ok = gq.uses_mx_kernels(self.qbits, self.group) and gq.uses_mx_kernels(self.qbits, self.value_group(dv))
+        if path == "quantized_matmul":
+            if not ok:
+                raise ValueError(
+                    f"attend_path='quantized_matmul' needs MLX layouts (bits in {gq.MX_BITS}, groups in "
+                    f"{gq.MX_GROUPS}); got bits={self.qbits}, key group={self.group}, "
+                    f"value group={self.value_group(dv)}"
+                )
+            return True
+        # auto: measured on the CPU (SmolLM2 shape, 1k context) 0.89x the plain cache's decode speed vs
+        # 0.74x dequantized (docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul for these shapes.
+        cuda = mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
+        return ok and not cuda
+
+    # ---------------------------------------------------------------- storage
+    def _store(self, keys, values):
+        B, H, N, D = keys.shape
+        G = self.group
+        if self.res_k is None:
+            self.res_k = mx.zeros((B, H, G, D), dtype=RES_DTYPE)
+            self.res_v = mx.zeros((B, H, G, values.shape[-1]), dtype=RES_DTYPE)
+        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        q0, r0 = self.n_quant, self.n_res
+        past_k = self.res_k[:, :, :r0] if r0 else None
+        past_v = self.res_v[:, :, :r0] if r0 else None
+        self._call = (q0, r0, past_k, past_v, keys, values)
+        k16, v16 = keys.astype(RES_DTYPE), values.astype(RES_DTYPE)
+        total = r0 + N
+        nq = 0 if self._holds_back(total, D, values.shape[-1]) else total // G * G  # tokens quantized now
+        rem = total - nq
+        if nq == 0:  # grows past G rows only while ``_holds_back``
+            self.res_k = grow_rows(self.res_k, r0, k16)
+            self.res_v = grow_rows(self.res_v, r0, v16)
+        else:
+            kb = k16 if r0 == 0 else mx.concatenate([past_k, k16], axis=2)
+            vb = v16 if r0 == 0 else mx.concatenate([past_v, v16], axis=2)
+            self._append_groups(kb[:, :, :nq], vb[:, :, :nq])
+            if self.res_k.shape[2] != G:  # held-back rows flushed: back to a G-row residual
+                self.res_k = mx.zeros((B, H, G, D), dtype=RES_DTYPE)
+                self.res_v = mx.zeros((B, H, G, values.shape[-1]), dtype=RES_DTYPE)
+            if rem:
+                self.res_k[:, :, :rem] = kb[:, :, nq:]
+                self.res_v[:, :, :rem] = vb[:, :, nq:]
+        self.n_res = rem
+
+    def _holds_back(self, total: int, d: int, dv: int) -> bool:
+        """Whether ``total`` residual rows stay float16 instead of completing groups (variants with
+        per-layer fitted constants wait until their compressed form is smaller than the rows)."""
+        return False
+
+    def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
+        """Quantize ``kb``/``vb`` [B, H, n, D] (n a multiple of G) and append them."""
+        self._forget_rows()
+        G, b = self.group, self.qbits
+        t0, n = self.n_quant, kb.shape[2]
+        kq = gq.quantize_per_channel(kb, b, G)  # codes [B, H, D, (n/G)*w], scales [B, H, D, n/G]
+        vq = gq.quantize(vb, b, self.value_group(vb.shape[-1]))  # codes [B, H, n, W], scales [B, H, n, Dv/Gv]
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
+        cap_groups = self.v_codes.shape[2] // G  # keys follow the values' capacity
+        g0, w = t0 // G, self._key_words()
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap_groups * w)
+        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap_groups)
+        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap_groups)
+        self.n_quant = t0 + n
+
+    # ---------------------------------------------------------------- decoding the stored form
+    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
+        """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens."""
+        g = n // self.group
+        w = self._key_words()
+        return gq.dequantize(self.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g],
+                             self.qbits, self.group, dtype)
+
+    def _values(self, n: int, dtype=mx.float32) -> mx.array:
+        """Dequantized V [B, H, n, Dv] of the first ``n`` quantized tokens."""
+        dv_group = self.value_group(self.res_v.shape[-1])
+        return gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
+                             self.qbits, dv_group, dtype)
+
+    def _rows(self, n_quant: int, res_k, res_v, new_k=None, new_v=None, dtype=None):
+        """Dense (K, V) of: ``n_quant`` quantized tokens, residual rows, new rows (in order)."""
+        quant = self._quantized_rows(n_quant) if n_quant else (None, None)
+        return concat_rows((quant, (res_k, res_v), (new_k, new_v)), dtype)
+
+    def _quantized_rows(self, n: int):
+        """Dense (K, V) of the first ``n`` quantized tokens; on the decode kernels' backend their lazy
+        graph is reused between group completions while the dispatch point is installed (the model's
+        attention then never evaluates them: see ``kernels._common.RowsMemo``)."""
+        if not self._own_layout():  # a variant storing other arrays: no memo
+            return self._keys_t(n).swapaxes(-1, -2), self._values(n)
+        memo = self.__dict__.get("_dense_memo")
+        if memo is None:
+            memo = self._dense_memo = kernels._common.RowsMemo()
+        out = memo.get(n, self.k_codes)
+        if out is None:
+            out = memo.put(n, self.k_codes, (self._keys_t(n).swapaxes(-1, -2), self._values(n)),
+                           keep=dispatch.installed() and kernels.kernels_enabled())
+        return out
+
+    def _own_layout(self) -> bool:
+        """Whether this cache stores and reads KIVI's own codes (variants that change what the codes
+        mean, or store other arrays, override these)."""
+        cls = type(self)
+        return all(getattr(cls, f) is getattr(GroupedQuantCache, f) for f in ("_keys_t", "_values", "_append_groups"))
+
+    def _forget_rows(self) -> None:
+        memo = self.__dict__.get("_dense_memo")
+        if memo is not None:
+            memo.clear()
+
+    def _dense(self):
+        dtype = getattr(mx, self.dtype_name)
+        r = self.n_res
+        res = (self.res_k[:, :, :r], self.res_v[:, :, :r]) if r else (None, None)
+        return self._rows(self.n_quant, *res, dtype=dtype)
+
+    def update_and_fetch(self, keys, values):
+        """Store the new rows; return the rows stored before this call (stored form) + the new rows."""
+        self._check_input(keys, values)
+        self._store(keys, values)
+        self.offset += keys.shape[2]
+        q0, _, past_k, past_v, new_k, new_v = self._call
+        return self._rows(q0, past_k, past_v, new_k, new_v, dtype=keys.dtype)
+
+    def stored_rows(self) -> int:
+        return self.n_quant + self.n_res
+
+    # ---------------------------------------------------------------- attention on the codes
+    def _take_call(self, queries, keys):
+        """This call's record (``_store``) when ``keys`` are the rows ``update_and_fetch`` returned for
+        ``queries``, else None (then attention runs on the dense rows)."""
+        call, self._call = self._call, None
+        N = queries.shape[2]
+        if call is None or call[4].shape[2] != N or keys.shape[2] != call[0] + call[1] + N:
+            return None
+        return call
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        call = self._take_call(queries, keys)
+        if call is None:
+            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        mask = self._own_mask(mask, queries, keys)
+        if call[0] + call[1] == 0:  # nothing stored before this call: plain attention over the new rows
+            return mx.fast.scaled_dot_product_attention(queries, call[4], call[5], scale=scale, mask=mask,
+                                                        sinks=sinks)
+        return self._attend_stored(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
+        """Attention over a stored past: the decode kernel (CUDA), MLX's fused attention for GPU prefill
+        chunks, tiles for CPU prefill chunks (``_attend_chunk``), else ``_attend_codes``. Variants
+        that attend on their own codes for every call size override this."""
+        N, (q0, _, _, _, new_k, new_v) = queries.shape[2], call
+        if N == 1 and q0 and not self._kernel_off and self._decode_kernel_ready(mask, new_k.shape[-1], new_v.shape[-1]):
+            self._call = call
+            return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu):
+            # GPU prefill chunk: the fused sdpa kernel over the (lazily dequantized) rows is faster and
+            # never holds the [N, M] score matrix; decode steps stay on the codes.
+            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if N > 1:  # a prefill chunk over a stored past: online softmax over tiles (``_attend_chunk``)
+            return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
+        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _attend_codes(self, queries, call, *, scale, mask, sinks, weights=False):
+        """The paper's attention on the stored form: scores over [quantized part (``_key_scores``),
+        full-precision part (past residual rows, then the call's rows)], one softmax
+        (``window.joint_attention``), ``P_q·Q(V)`` (``_value_out``) + ``P_f·V_f``. ``call`` = (q0, r0,
+        past_k, past_v, new_k, new_v); ``weights`` as in ``joint_attention``."""
+        q0, _, past_k, past_v, new_k, new_v = call
+        B, Hq, N, D = queries.shape
+        H = new_k.shape[1]
+        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
+        qf = q.reshape(B, H, -1, D)
+        fk, fv = concat_rows(((past_k, past_v), (new_k, new_v)), new_k.dtype)
+        M = q0 + fk.shape[2]
+        parts = [rows_part(qf, fk, fv, ((q0, M),))]
+        if q0:
+            parts.insert(0, (self._key_scores(qf, q0), lambda p: self._value_out(p, q0), ((0, q0),)))
+        return joint_attention(q, parts, mask, sinks, M, queries.dtype, weights=weights)
+
+    def _key_scores(self, q, n: int) -> mx.array:
+        """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens."""
+        return self._scores_on_codes(q, 0, n) if self._codes_own() else q @ self._keys_t(n)
+
+    def _value_out(self, p, n: int) -> mx.array:
+        """``p [B, H, R, n] · Q(V)`` over the first ``n`` quantized tokens."""
+        return self._values_on_codes(p, 0, n) if self._codes_own() else p @ self._values(n)
+
+    def _codes_own(self) -> bool:
+        """Whether the stored codes are KIVI's own (not redefined by a variant's ``_keys_t``/``_values``)."""
+        cls = type(self)
+        return cls._keys_t is GroupedQuantCache._keys_t and cls._values is GroupedQuantCache._values
+
+    def _scores_on_codes(self, q, t0: int, t1: int) -> mx.array:
+        """``q · Q(K)ᵀ`` for quantized tokens ``t0 .. t1`` (whole groups): ``quantized_matmul`` on the
+        transposed per-channel codes where ``_uses_qmm``, else the codes dequantized to float32."""
+        G, b, w = self.group, self.qbits, self._key_words()
+        g0, g1 = t0 // G, t1 // G
+        codes, sc, bi = self.k_codes[..., g0 * w : g1 * w], self.k_scales[..., g0:g1], self.k_biases[..., g0:g1]
+        if self._uses_qmm():
+            return mx.quantized_matmul(q, codes, sc, bi, transpose=False, group_size=G, bits=b)
+        return q @ gq.dequantize(codes, sc, bi, b, G, mx.float32)
+
+    def _values_on_codes(self, p, t0: int, t1: int) -> mx.array:
+        """``p · Q(V)`` for quantized tokens ``t0 .. t1``."""
+        gv, b = self.value_group(self.res_v.shape[-1]), self.qbits
+        codes, sc, bi = self.v_codes[:, :, t0:t1], self.v_scales[:, :, t0:t1], self.v_biases[:, :, t0:t1]
+        if self._uses_qmm():
+            return mx.quantized_matmul(p, codes, sc, bi, transpose=False, group_size=gv, bits=b)
+        return p @ gq.dequantize(codes, sc, bi, b, gv, mx.float32)
+
+    def _attend_chunk(self, queries, call, *, scale, mask, sinks):
+        """Attention of a multi-row call over the quantized groups, the residual and its own rows as an
+        online softmax over tiles of whole groups (``attention.online_softmax_attention``): no [N, M]
+        score matrix, only tiles of 1/16 of it, so a prefill chunk's transients stay below the plain
+        cache's dense attention."""
+        q0, r0, past_k, past_v, new_k, new_v = call
+        B, Hq, N, D = queries.shape
+        H = new_k.shape[1]
+        rep, M = Hq // H, q0 + r0 + N
+        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
+        tile = tile_rows(B * Hq * N, M, self.group)
+        blocks = []
+        if q0:
+            ranges = tile_ranges(0, q0, tile)
+            blocks += [(a, b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(q, ranges))]
+        fk, fv = concat_rows(((past_k, past_v), (new_k, new_v)), new_k.dtype)
+        blocks += dense_blocks(q, fk, fv, q0, tile)
+        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+
+    def _quantized_tiles(self, q, ranges):
+        """(scores_fn, values_fn) per range of quantized rows (whole groups), on the codes. Variants with
+        their own storage (``_keys_t`` / ``_values`` overridden) decode their rows once and are tiled
+        from those."""
+        if not self._codes_own():
+            n = ranges[-1][1]
+            kt, vv = self._keys_t(n), self._values(n)
+            return [(lambda a=a, c=c: q @ kt[..., a:c], lambda p, a=a, c=c: p @ vv[:, :, a:c]) for a, c in ranges]
+        return [(lambda a=a, c=c: self._scores_on_codes(q, a, c), lambda p, a=a, c=c: self._values_on_codes(p, a, c))
+                for a, c in ranges]
+
+    # ---------------------------------------------------------------- decode: the fused GPU kernel
+    def _decode_kernel_ready(self, mask, d: int, dv: int) -> bool:
+        """One query row over KIVI's own layout (subclasses that change what the codes mean keep the op
+        path), a string/None mask, a layout the kernel reads, and the CUDA backend."""
+        return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
+                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv)
+                and kernels.kernels_enabled())
+
+    def _decode_attend(self, queries, *, scale, sinks=None):
+        """One query row in two launches: the decode kernel's split-K partials over the codes plus the
+        float16 residual and the call's own row, then the merge kernel (one softmax)."""
+        call, self._call = self._call, None
+        q0, r0, past_k, past_v, new_k, new_v = call
+        if self.n_quant == q0:  # the residual buffer still holds the past rows first
+            res_k, res_v = self.res_k, self.res_v
+        else:  # this call completed a group: the past rows are the record's
+            res_k, res_v = (past_k, past_v) if r0 else (self.res_k, self.res_v)
+        exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
+        m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
+                                              self.v_codes, self.v_scales, self.v_biases, q0, self.qbits,
+                                              self.group, self.value_group(new_v.shape[-1]), exact)
+        return kernels.merge_kernel(m, l, acc, sinks, hadamard=False, out_dtype=queries.dtype)
+
+    def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
+        """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
+        return kernels.checked_call(
+            "kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+            lambda: self._op_attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks))
+
+    def _op_attend(self, queries, keys, values, *, scale, mask, sinks):
+        self._kernel_off = True
+        try:
+            return self.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        finally:
+            self._kernel_off = False
+
+    # ---------------------------------------------------------------- trim
+    def _trim_rows(self, n: int) -> int:
+        """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
+        self._call = None
+        self._forget_rows()
+        if n <= self.n_res:
+            self.n_res -= n
+            return n
+        extra = n - self.n_res
+        if extra % self.group:
+            keep = self.n_quant - (extra // self.group + 1) * self.group
+            raise ValueError(
+                f"{type(self).__name__}: trimming {n} tokens would cut into a quantized group of {self.group} tokens "
+                f"(positions {keep}..{keep + self.group - 1} exist only as {self.qbits}-bit codes); exact "
+                f"trims drop at most the {self.n_res} residual tokens plus whole groups "
+                f"(n - {self.n_res} a multiple of {self.group})"
+            )
+        if extra > self.n_quant:
+            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+        self.n_quant -= extra
+        self.n_res = 0
+        return n
+
+    # ---------------------------------------------------------------- accounting
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the filled part: the quantized tokens (``_code_nbytes``) and the residual buffers
+        (the code buffers' spare capacity left out)."""
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        return self._code_nbytes(B, H, D, self.res_v.shape[-1]) + self.res_k.nbytes + self.res_v.nbytes
+
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Bytes of the ``n_quant`` quantized tokens: codes and float16 scales/biases of keys and values."""
+        key = B * H * D * (self.n_quant // self.group) * (4 * self._key_words() + 2 * 2)
+        return key + self._value_code_nbytes(B, H, dv)
+
+    def _value_code_nbytes(self, B: int, H: int, dv: int) -> int:
+        """Bytes of the ``n_quant`` tokens' per-token value codes and float16 scales/biases."""
+        gv = self.value_group(dv)
+        return B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(self.qbits, gv) + 2 * 2)
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """What a float16 cache would hold for the same tokens (no spare capacity)."""
+        return fp16_row_bytes(self.res_k, self.res_v, self.offset)
+
+    @property
+    def fp16_key_bytes(self) -> int:
+        """The keys' share of ``full_seq_bytes``."""
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        return B * H * self.offset * D * 2
+
+    @property
+    def fp16_value_bytes(self) -> int:
+        return self.full_seq_bytes - self.fp16_key_bytes
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0

@@ -1,0 +1,268 @@
+"""``LowRankKVCache``: latent (low-rank) storage on KIVI's residual layout, the family base of the
+low-rank quantizers (svdq, palu, kvtc), beside ``grouped.py``.
+
+Keys (and, with ``latent_values``, values) of whole token groups are stored as latents of a basis
+fitted on the first block (``primitives.lowrank_fit``) and quantized per latent channel; attention
+reads the latents directly (``q·Kᵀ = (q W)·Zᵀ``, ``p·V = (p Z_v) W_vᵀ``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .errors import QuantizerConfigError
+from .grouped import GroupedQuantCache
+from .primitives import groupquant as gq
+from .primitives import lowrank_fit as lr
+from .primitives.buffers import grow_rows, reserve_rows
+
+
+BASIS_DTYPE = mx.float16  # fitted bases and means as stored
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_rank_energy(prefix: str, rank, energy) -> None:
+    if rank is not None and (not _is_int(rank) or rank < 1):
+        raise QuantizerConfigError(f"{prefix}_rank", rank, "None or a positive int")
+    if isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0.0 < energy <= 1.0:
+        raise QuantizerConfigError(f"{prefix}_energy_threshold", energy, "a float in (0, 1]")
+
+
+def check_group(field: str, g) -> None:
+    if not _is_int(g) or g < 1:
+        raise QuantizerConfigError(field, g, "a positive int (tokens per quantization group)")
+
+
+class LowRankKVCache(GroupedQuantCache):
+    """Latent (low-rank) storage on KIVI's residual window (not registered: the base of svdq, palu,
+    kvtc).
+
+    Keys (and, with ``latent_values``, values) of whole token groups are stored as latents
+    ``Z = (X - μ) P`` of a per-(batch, head group) basis ``P`` [F, r] fitted on the first block
+    (F = heads per group × D), quantized per latent channel with per-channel bit widths
+    (``lowrank_fit.LatentLayout``). Subclasses choose the head grouping, centering and the bits
+    (``_n_groups``, ``center``, ``_choose_bits``).
+
+    The fit (one eigendecomposition per (batch, group), the rank / bit choice: one host sync) runs
+    once per prompt, when the first whole group of G tokens is stored: during prefill, or, for a
+    prompt shorter than G, at the one decode step that completes the first group. Every other
+    prefill chunk and decode step only projects and quantizes (no host sync, no Python loop over
+    tokens, heads or batch: only over the <= 9 distinct bit widths). Arrays: ``{k,v}_basis``
+    [B, Hg, F, r] float16, ``{k,v}_mean`` [B, Hg, 1, F] float16 (centered subclasses), ``{k,v}_codes``
+    [B, Hg, groups, words] uint32, ``{k,v}_scales``/``_biases`` [B, Hg, groups, r_q] float16,
+    ``{k,v}_raw`` [B, Hg, tokens, r_f] float16 (channels kept unquantized), plus KIVI's residual."""
+
+    array_fields = ("k_basis", "k_mean", "k_codes", "k_scales", "k_biases", "k_raw",
+                    "v_basis", "v_mean", "v_codes", "v_scales", "v_biases", "v_raw", "res_k", "res_v")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "k_bits", "v_bits", "hg")
+
+    latent_values = True  # values stored as latents too (else KIVI per-token codes)
+    center = False  # subtract the block mean before projecting (PCA) or not (SVD)
+    attend_path = "dequant"
+    k_bits = None  # per kept latent channel (non-increasing), set at fit
+    v_bits = None
+    hg = 0  # head groups, set at fit
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _n_groups(self, n_heads: int) -> int:
+        return n_heads
+
+    def _choose_bits(self, which: str, z: mx.array, energy: mx.array) -> list:
+        """Bits per latent component (F of them, by decreasing energy; 0 = dropped) from the fit
+        block's latents ``z [B, Hg, n, F]`` and component energies ``[B, Hg, F]``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ fit + encode
+    def _fit(self, which: str, x: mx.array) -> None:
+        """Fit the basis of ``which`` ('k'/'v') on grouped rows ``x [B, Hg, n, F]``."""
+        basis, energy, mean = lr.fit_basis(x, center=self.center)
+        z = (x - mean if mean is not None else x) @ basis
+        bits = [int(b) for b in self._choose_bits(which, z, energy)]
+        order = sorted(range(len(bits)), key=lambda c: -bits[c])  # stable: energy order within a width
+        kept = [c for c in order if bits[c] > 0]
+        if not kept:
+            raise ValueError(f"{type(self).__name__}: the bit allocation keeps no latent channel")
+        basis = basis[..., mx.array(kept)] if kept != list(range(len(kept))) else basis[..., : len(kept)]
+        # stored float16 (half the per-prompt fixed cost; every use reads the stored, rounded basis, so
+        # encoding, reconstruction and the fused attention agree exactly)
+        setattr(self, f"{which}_basis", basis.astype(BASIS_DTYPE))
+        setattr(self, f"{which}_mean", None if mean is None else mean.astype(BASIS_DTYPE))
+        setattr(self, f"{which}_bits", [bits[c] for c in kept])
+
+    def layout(self, which: str) -> lr.LatentLayout:
+        return lr.LatentLayout(tuple(getattr(self, f"{which}_bits")), self.group)
+
+    def _basis(self, which: str):
+        """The stored basis and mean of ``which`` in float32."""
+        basis, mean = getattr(self, f"{which}_basis"), getattr(self, f"{which}_mean")
+        return basis.astype(mx.float32), None if mean is None else mean.astype(mx.float32)
+
+    def _encode(self, which: str, x: mx.array, t0: int) -> None:
+        basis, mean = self._basis(which)
+        z = (x - mean if mean is not None else x) @ basis
+        codes, scales, biases, raw = lr.encode_latents(z, self.layout(which))
+        g0 = t0 // self.group
+        for name, arr, row in (("codes", codes, g0), ("scales", scales, g0), ("biases", biases, g0),
+                               ("raw", raw, t0)):
+            if arr is not None:
+                f, buf = f"{which}_{name}", getattr(self, f"{which}_{name}")
+                if name != "raw":  # rows are groups of G tokens: spare 1/32 + 1 group, not grow_rows' 16
+                    buf = reserve_rows(buf, row, arr, 1)
+                setattr(self, f, grow_rows(buf, row, arr))
+
+    def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
+        t0, n = self.n_quant, kb.shape[2]
+        H = kb.shape[1]
+        if self.k_basis is None:
+            self.hg = self._n_groups(H)
+        xk = lr.group_heads(kb.astype(mx.float32), self.hg)
+        if self.k_basis is None:
+            self._fit("k", xk)
+        self._encode("k", xk, t0)
+        if self.latent_values:
+            xv = lr.group_heads(vb.astype(mx.float32), self.hg)
+            if self.v_basis is None:
+                self._fit("v", xv)
+            self._encode("v", xv, t0)
+        else:  # KIVI per-token value codes
+            vq = gq.quantize(vb, self.qbits, self.value_group(vb.shape[-1]))
+            self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+            self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+            self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
+        self.n_quant = t0 + n
+
+    # ------------------------------------------------------------------ decoding
+    def _latents_t(self, which: str, n: int, dtype=mx.float32) -> mx.array:
+        return lr.decode_latents_t(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scales"),
+                                   getattr(self, f"{which}_biases"), getattr(self, f"{which}_raw"), n,
+                                   self.layout(which), dtype)
+
+    def _head_proj(self, which: str):
+        """Per-head reconstruction: W [B, H, D, r] (rows of the group basis belonging to each head) and
+        the mean [B, H, 1, D] (or None)."""
+        basis, mean = self._basis(which)
+        B, Hg, F, r = basis.shape
+        H = self.res_k.shape[1]
+        s = H // Hg
+        W = basis.reshape(B, Hg, s, F // s, r).reshape(B, H, F // s, r)
+        mu = None if mean is None else mean.reshape(B, H, 1, F // s)
+        return W, mu
+
+    def _reconstruct(self, which: str, n: int) -> mx.array:
+        """[B, H, n, D] rows rebuilt from the latents."""
+        zt = self._latents_t(which, n)  # [B, Hg, r, n]
+        basis, mean = self._basis(which)
+        x = zt.swapaxes(-1, -2) @ basis.swapaxes(-1, -2)
+        if mean is not None:
+            x = x + mean
+        return lr.ungroup_heads(x, self.res_k.shape[1])
+
+    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
+        return self._reconstruct("k", n).swapaxes(-1, -2).astype(dtype)
+
+    def _values(self, n: int, dtype=mx.float32) -> mx.array:
+        if self.latent_values:
+            return self._reconstruct("v", n).astype(dtype)
+        return super()._values(n, dtype)
+
+    # ------------------------------------------------------------------ fused attention hooks
+    def _key_scores(self, q: mx.array, n: int) -> mx.array:
+        """``q [B, H, M, D] · Kᵀ`` over the first n latent tokens without rebuilding keys:
+        ``(q W_h)·Zᵀ (+ q·μ_h)``."""
+        B, H, M, _ = q.shape
+        W, mu = self._head_proj("k")
+        zt = self._latents_t("k", n)  # [B, Hg, r, n]
+        Hg = zt.shape[1]
+        s = ((q @ W).reshape(B, Hg, (H // Hg) * M, -1) @ zt).reshape(B, H, M, n)
+        if mu is not None:
+            s = s + q @ mu.swapaxes(-1, -2)
+        return s
+
+    def _value_out(self, p: mx.array, n: int) -> mx.array:
+        """``p [B, H, M, n] · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents."""
+        if not self.latent_values:
+            return p @ self._values(n)
+        B, H, M, _ = p.shape
+        W, mu = self._head_proj("v")
+        zt = self._latents_t("v", n)  # [B, Hg, r, n]
+        Hg = zt.shape[1]
+        pz = (p.reshape(B, Hg, (H // Hg) * M, n) @ zt.swapaxes(-1, -2)).reshape(B, H, M, -1)
+        out = pz @ W.swapaxes(-1, -2)
+        if mu is not None:
+            out = out + p.sum(axis=-1, keepdims=True) * mu
+        return out
+
+    def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
+        """Every call size on the latents: one softmax over [latent part, full-precision part]
+        (``_attend_codes`` with the latent-side products ``_key_scores`` / ``_value_out``)."""
+        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    # ------------------------------------------------------------------ trim / accounting
+    def _trim_rows(self, n: int) -> int:
+        dropped = super()._trim_rows(n)
+        if self.n_quant == 0:  # nothing encoded is left: the next block refits (as if never seen)
+            for name in self.array_fields:
+                if name not in ("res_k", "res_v"):
+                    setattr(self, name, None)
+            self.k_bits = self.v_bits = None
+        return dropped
+
+    def _part_bytes(self, which: str, used: bool = True) -> int:
+        """Bytes of ``which``'s latent storage (basis, mean, codes, scales, biases, float16 channels);
+        ``used`` counts the filled rows only."""
+        total = 0
+        for name in ("basis", "mean", "codes", "scales", "biases", "raw"):
+            a = getattr(self, f"{which}_{name}")
+            if a is None:
+                continue
+            if used and name in ("codes", "scales", "biases", "raw"):
+                rows = self.n_quant if name == "raw" else self.n_quant // self.group
+                total += a.nbytes // a.shape[2] * rows
+            else:
+                total += a.nbytes
+        return total
+
+    def _value_bytes(self) -> int:
+        """Stored value bytes but the residual: latents, or KIVI's per-token codes."""
+        if self.latent_values or self.res_v is None:
+            return self._part_bytes("v")
+        B, H, _, dv = self.res_v.shape
+        return self._value_code_nbytes(B, H, dv)
+
+    def _code_nbytes(self, B, H, D, dv) -> int:
+        return self._part_bytes("k") + self._value_bytes()
+
+    @property
+    def projection_bytes(self) -> int:
+        """Bytes of the fitted bases and means (float16), keys and values."""
+        return sum(a.nbytes for a in (self.k_basis, self.k_mean, self.v_basis, self.v_mean) if a is not None)
+
+    @property
+    def compressed_key_bytes(self) -> int:
+        """Stored key bytes: latent codes/scales/biases of the filled rows + key basis/mean + the
+        float16 key residual buffer."""
+        return self._part_bytes("k") + (self.res_k.nbytes if self.res_k is not None else 0)
+
+    @property
+    def compressed_value_bytes(self) -> int:
+        v = self._value_bytes()
+        return v + (self.res_v.nbytes if self.res_v is not None else 0)
+
+    @property
+    def rank(self) -> int:
+        """Latent key channels kept (uniform across heads / head groups); 0 before the fit."""
+        return len(self.k_bits) if self.k_bits else 0
+
+    @property
+    def value_rank(self) -> int:
+        return len(self.v_bits) if self.v_bits else 0
+
+    @property
+    def assigned_avg_bits(self) -> float:
+        """Stored bits per original K and V element (both together, everything counted: codes,
+        scales, bases, residual); 16 = no compression."""
+        fp = self.fp16_key_bytes + self.fp16_value_bytes
+        return 16.0 * (self.compressed_key_bytes + self.compressed_value_bytes) / fp if fp else 16.0

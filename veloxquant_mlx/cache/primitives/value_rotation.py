@@ -1,0 +1,57 @@
+"""The values' rotation of Waterfill: a normalized Hadamard applied as a fast transform for a
+power-of-two dimension (no stored matrix), else a seeded Haar-random orthogonal matrix; and the odd
+polynomial codebook its rotated value coordinates are decoded with."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from .codebook import odd_poly_gaussian
+from .rotation import hadamard, random_orthogonal
+
+_ROTATIONS: dict[tuple, mx.array] = {}
+
+
+def power_of_two(d: int) -> bool:
+    return d > 0 and d & (d - 1) == 0
+
+
+def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
+    """``y M`` (or ``y M^T``) over the last axis with the values' rotation ``M``: for a power-of-two
+    dim the normalized Hadamard applied as a fast Walsh-Hadamard transform (``mx.hadamard_transform``,
+    ``O(Dv log Dv)`` per row, no stored matrix; ``H`` is symmetric and orthogonal, so it is its own
+    inverse), else the seeded random rotation's matrix."""
+    dv = y.shape[-1]
+    if power_of_two(dv):
+        return mx.hadamard_transform(y, scale=dv**-0.5)
+    m = value_rotation(dv, seed)
+    return y @ (m.T if inverse else m)
+
+
+def value_rotation(dim: int, seed: int) -> mx.array:
+    """The values' rotation as a matrix ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized
+    Hadamard for a power-of-two ``dim`` (the caches apply it as a transform, :func:`rotate_values`, and
+    hold no matrix), else a seeded Haar-random orthogonal matrix (held, one array per process)."""
+    key = (int(dim), int(seed))
+    m = _ROTATIONS.get(key)
+    if m is None:
+        m = hadamard(dim) if power_of_two(dim) else random_orthogonal(dim, seed)
+        _ROTATIONS[key] = m = mx.contiguous(m)
+        mx.eval(m)
+    return m
+
+
+@functools.lru_cache(maxsize=8)
+def poly_coefficients(bits: int) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the values' odd-polynomial codebook (computed once per width: decode steps use it)."""
+    return tuple(odd_poly_gaussian(bits)[1])
+
+
+@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
+def odd_poly(codes, top, a, b, c):
+    """Decoded values ``u (a + u^2 (b + c u^2))`` of codes centred at ``top / 2``."""
+    u = codes.astype(mx.float32) - top / 2
+    u2 = u * u
+    return u * (a + u2 * (b + c * u2))

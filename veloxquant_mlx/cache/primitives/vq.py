@@ -1,0 +1,77 @@
+"""Product vector quantization helpers: nearest-codeword assignment chunked over the codebook,
+seeded k-means codebooks batched over heads, and bit-packing of codes wider than 8 bits (VecInfer,
+A2ATS)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import bitpack
+from .rotation import seeded_rng
+
+KMEANS_ITERS = 6
+KMEANS_ROWS_PER_CODE = 4  # fit sample: at most 4 rows per codeword (and 64K rows)
+KMEANS_MAX_ROWS = 1 << 16
+_CHUNK = 1024
+_TAG_VQ = 0x0A7E_0B01
+
+
+def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
+    """Nearest codeword index for rows ``x [Hc, n, d]`` in codebooks ``cb [Hc, K, d]`` -> int32 [Hc, n].
+    Chunked over the codebook (running minimum), so memory is O(n * 1024)."""
+    x = x.astype(mx.float32)
+    cb = cb.astype(mx.float32)
+    K = cb.shape[1]
+    best_d = best_i = None
+    for s in range(0, K, _CHUNK):
+        c = cb[:, s : s + _CHUNK]
+        d = mx.sum(c * c, axis=-1)[:, None, :] - 2.0 * (x @ c.swapaxes(-1, -2))
+        i = mx.argmin(d, axis=-1)
+        m = mx.min(d, axis=-1)
+        if best_d is None:
+            best_d, best_i = m, i.astype(mx.int32)
+        else:
+            upd = m < best_d
+            best_i = mx.where(upd, i.astype(mx.int32) + s, best_i)
+            best_d = mx.minimum(m, best_d)
+    return best_i
+
+
+def fit_codebook(x: mx.array, k: int, seed: int, iters: int = KMEANS_ITERS) -> mx.array:
+    """Seeded k-means: ``k`` codewords for the rows of ``x [Hc, n, d]`` -> float32 [Hc, k, d]. Init =
+    random rows (with replacement when n < k); Lloyd iterations batched over the leading axis; an
+    empty cluster keeps its codeword."""
+    Hc, n, d = x.shape
+    x = x.astype(mx.float32)
+    rng = seeded_rng(_TAG_VQ, seed)
+    cap = min(KMEANS_MAX_ROWS, KMEANS_ROWS_PER_CODE * k)
+    if n > cap:
+        x = x[:, mx.array(np.sort(rng.choice(n, cap, replace=False)).astype(np.int32))]
+        n = cap
+    cb = x[:, mx.array(rng.choice(n, k, replace=n < k).astype(np.int32))]
+    off = (mx.arange(Hc, dtype=mx.int32) * k)[:, None]
+    flat_x = x.reshape(Hc * n, d)
+    for _ in range(iters):
+        lab = (vq_assign(x, cb) + off).reshape(-1)
+        sums = mx.zeros((Hc * k, d), dtype=mx.float32).at[lab].add(flat_x)
+        cnt = mx.zeros((Hc * k,), dtype=mx.float32).at[lab].add(mx.ones((Hc * n,), dtype=mx.float32))
+        new = (sums / mx.maximum(cnt, 1.0)[:, None]).reshape(Hc, k, d)
+        cb = mx.where((cnt > 0).reshape(Hc, k, 1), new, cb)
+        mx.eval(cb)
+    return cb
+
+
+def pack_codes(codes: mx.array, bits: int):
+    """Codes [.., m] in [0, 2**bits) -> (low 8-bit stream, high-bit stream or None), uint32 words."""
+    c = codes.astype(mx.uint32)
+    lo = bitpack.pack_bits(mx.bitwise_and(c, 0xFF), min(bits, 8))
+    hi = bitpack.pack_bits(mx.right_shift(c, 8), bits - 8) if bits > 8 else None
+    return lo, hi
+
+
+def unpack_codes(lo: mx.array, hi, bits: int, m: int) -> mx.array:
+    c = bitpack.unpack_bits(lo, min(bits, 8), m).astype(mx.int32)
+    if bits > 8:
+        c = c + mx.left_shift(bitpack.unpack_bits(hi, bits - 8, m).astype(mx.int32), 8)
+    return c

@@ -1,0 +1,372 @@
+"""The residual-window layout and the one-softmax attention over stored parts (family bases of the
+quantizers, beside ``contract.py``).
+
+* ``joint_attention``: one softmax over several groups of keys (float16 sink rows, quantized rows
+  scored on their codes, a float16 window, the call's own rows), each group giving its scores and a
+  function for its probability-weighted values. Every quantizer that attends on its compressed form
+  with the paper's one softmax (KIVI and its variants through ``grouped.GroupedQuantCache``,
+  TurboQuant-RVQ, Waterfill and their batch forms) computes it here.
+* ``ResidualWindowCache``: float16 sink rows + quantized blocks + a float16 window of the newest
+  rows; subclasses (turboquant_rvq, waterfill) supply the quantized storage and its scores.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import mlx.core as mx
+
+from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
+                        tile_rows, ungroup)
+from .contract import CompressedKVCache
+from .primitives.buffers import grow_rows
+
+QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
+SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
+
+
+def fp16_row_bytes(keys, values, tokens: int) -> int:
+    """Bytes of ``tokens`` float16 key and value rows shaped like ``keys`` / ``values`` [B, H, rows, D]
+    (0 when nothing is held): what mlx_lm's plain cache would hold for them, without spare rows."""
+    if keys is None:
+        return 0
+    B, H, _, D = keys.shape
+    return B * H * tokens * (D + values.shape[-1]) * 2
+
+
+def concat_rows(pairs, dtype):
+    """(K, V) of the ``(keys, values)`` pairs (None entries skipped) concatenated along the rows, in ``dtype``."""
+    ks = [k for k, _ in pairs if k is not None]
+    vs = [v for k, v in pairs if k is not None]
+    if len(ks) == 1:
+        return ks[0].astype(dtype), vs[0].astype(dtype)
+    return (mx.concatenate([k.astype(dtype) for k in ks], axis=2),
+            mx.concatenate([v.astype(dtype) for v in vs], axis=2))
+
+
+class WindowCall(NamedTuple):
+    """What one ``update_and_fetch`` call attends over, in key order: ``s0`` float16 sink rows,
+    ``q0`` quantized rows, the ``r0`` window rows stored before the call (``past_k``/``past_v``) and
+    the call's own rows."""
+
+    s0: int
+    q0: int
+    r0: int
+    past_k: Optional[mx.array]
+    past_v: Optional[mx.array]
+    new_k: mx.array
+    new_v: mx.array
+
+
+def rows_part(q, keys, values, cols):
+    """A ``joint_attention`` part of float rows ``keys``/``values`` [B, H, m, D] for scaled float32
+    queries ``q`` [B, H, R, D]; ``cols`` as in ``joint_attention``."""
+    vf = values.astype(mx.float32)
+    return q @ keys.astype(mx.float32).swapaxes(-1, -2), lambda p: p @ vf, cols
+
+
+def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool = False):
+    """One softmax over several groups of keys.
+
+    ``q`` [B, H, rep, N, D] (scaled, float32). ``parts``: list of ``(scores [B, H, rep*N, M_i],
+    value_fn, cols)``: ``value_fn(p [B, H, rep*N, M_i])`` -> ``[B, H, rep*N, Dv]`` and ``cols`` the
+    (start, stop) column ranges of the full key axis (``n_keys`` keys, mlx_lm order) that the part's
+    ``M_i`` keys are, in order. The *last* part ends with the call's own ``N`` rows, the only keys a
+    "causal" mask hides. ``mask``: mlx_lm's (None, "causal", boolean or additive array); ``sinks``
+    [Hq] attention-sink logits or None. Returns [B, Hq, N, Dv]; with ``weights`` also each part's
+    softmax probabilities [B, H, rep, N, M_i] (zipcache's saliency reads them)."""
+    B, H, rep, N, _ = q.shape
+    scores = [s.reshape(B, H, rep, N, s.shape[-1]) for s, _, _ in parts]
+    if isinstance(mask, str):
+        if N > 1:  # bottom-right aligned over the last part: its last N columns are the new rows
+            m = scores[-1].shape[-1]
+            allowed = mx.arange(m)[None] <= (m - N + mx.arange(N))[:, None]
+            scores[-1] = mx.where(allowed, scores[-1], -mx.inf)
+    elif mask is not None:
+        full = bool_mask(mask, N, n_keys, H)
+        for i, (_, _, cols) in enumerate(parts):
+            pieces = [full[..., a:b] for a, b in cols if b > a]
+            m = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
+            scores[i] = mx.where(m, scores[i], -mx.inf)
+    peak = scores[0].max(axis=-1, keepdims=True)
+    for s in scores[1:]:
+        peak = mx.maximum(peak, s.max(axis=-1, keepdims=True))
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, H, rep, 1, 1)
+        peak = mx.maximum(peak, sink)
+    probs = [mx.exp(s - peak) for s in scores]
+    denom = probs[0].sum(axis=-1, keepdims=True)
+    for p in probs[1:]:
+        denom = denom + p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + mx.exp(sink - peak)
+    out = None
+    for p, (_, value_fn, _) in zip(probs, parts):
+        o = value_fn(p.reshape(B, H, rep * N, p.shape[-1]))
+        out = o if out is None else out + o
+    out = ungroup(out.reshape(B, H, rep, N, out.shape[-1]) / denom).astype(out_dtype)
+    return (out, [p / denom for p in probs]) if weights else out
+
+
+class ResidualWindowCache(CompressedKVCache):
+    """Quantized blocks + a float16 window of the newest rows (+ float16 sink rows) + one softmax.
+
+    Row order (= position order): ``n_sink`` float16 *sink* rows (the first ``SINK_ROWS`` tokens,
+    never quantized), ``n_quant`` quantized rows, ``n_win`` float16 window rows. New rows enter the
+    window; when it holds ``residual_length + quant_block`` rows, its oldest whole ``quant_block``s
+    beyond ``residual_length`` leave it: the first ``SINK_ROWS`` tokens of the stream to the sink buffer,
+    the others to the subclass's quantized storage (``_append_quantized``). ``update_and_fetch``
+    returns the rows stored before the call in their stored form, then the call's rows as given;
+    ``attend`` computes the same attention from the subclass's scores and values on the quantized
+    form (``_quantized_part``), the exact float16 rows and the call's rows, with one softmax. A
+    multi-row call (prefill chunk) over a stored past attends in tiles (``_attend_chunk``): transients
+    bounded by a fraction of the dense score matrix. Subclasses implement ``_append_quantized``,
+    ``_quantized_dense``, ``_quantized_part`` (decode-sized calls) and ``_quantized_tiles`` (chunks)."""
+
+    window_fields = ("win_k", "win_v")
+    sink_fields = ("sink_k", "sink_v")
+    residual_length = 128
+    quant_block = QUANT_BLOCK  # rows leave the window in whole blocks of this many
+    n_sink = 0  # float16 sink rows (the stream's first tokens)
+    n_quant = 0  # rows in quantized storage
+    n_win = 0  # rows in the float16 window
+    dtype_name = "float32"  # dtype of the rows last handed to the cache (dense outputs use it)
+    _call: Optional[WindowCall] = None
+
+    # ---- subclass hooks
+    def _append_quantized(self, keys: mx.array, values: mx.array) -> None:
+        """Quantize and store rows [B, H, n, D] after the ``n_quant`` stored ones."""
+        raise NotImplementedError
+
+    def _quantized_dense(self, n: int) -> tuple[mx.array, mx.array]:
+        """Dense float32 (K, V) of the first ``n`` quantized rows."""
+        raise NotImplementedError
+
+    def _quantized_part(self, q: mx.array, n: int):
+        """(scores [B, H, R, n], value_fn) of the first ``n`` quantized rows for scaled float32
+        queries ``q`` [B, H, R, D] (R = rep * N); ``value_fn(p [B, H, R, n])`` -> [B, H, R, Dv]. By
+        default the one tile ``(0, n)`` of ``_quantized_tiles``."""
+        scores_fn, value_fn = self._quantized_tiles(q, [(0, n)])[0]
+        return scores_fn(), value_fn
+
+    # ---- storage
+    def storage_dtype(self, compute_dtype):
+        """Window/sink rows: float16 when computing in float32 (else the model's 16-bit dtype);
+        ``config.dtype`` overrides."""
+        if self.config.dtype is not None:
+            return self.config.dtype
+        return mx.float16 if compute_dtype == mx.float32 else compute_dtype
+
+    def _store(self, keys, values):
+        n = keys.shape[2]
+        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        r0 = self.n_win
+        past = (self.win_k[:, :, :r0], self.win_v[:, :, :r0]) if r0 else (None, None)
+        self._call = WindowCall(self.n_sink, self.n_quant, r0, *past, keys, values)
+        sd = self.storage_dtype(keys.dtype)
+        self.win_k = grow_rows(self.win_k, r0, keys.astype(sd))
+        self.win_v = grow_rows(self.win_v, r0, values.astype(sd))
+        self.n_win = r0 + n
+        self._compact_blocks()
+
+    def _compact_blocks(self) -> None:
+        """Compact the window's oldest whole blocks beyond the newest ``residual_length`` rows once it
+        holds ``residual_length + quant_block``: whole blocks only, so which rows are compacted depends
+        on the positions stored, not on how the rows were split into calls (``chunk_invariant``)."""
+        block, R = self.quant_block, self.residual_length
+        if self.n_win >= R + block:
+            self._compact((self.n_win - R) // block * block)
+
+    def _compact(self, n: int) -> None:
+        """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window
+        buffer of exactly ``residual_length + quant_block`` rows (it never holds more between calls)."""
+        w = self.n_win
+        k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
+        s = min(SINK_ROWS - self.n_sink, n) if self.n_quant == 0 else 0
+        if s > 0:  # a buffer of exactly SINK_ROWS rows
+            if self.sink_k is None or self.sink_k.shape[2] < SINK_ROWS:
+                kept = slice(0, self.n_sink if self.sink_k is not None else 0)
+                self.sink_k = self._fresh(k, SINK_ROWS, (self.sink_k if self.sink_k is not None else k)[:, :, kept])
+                self.sink_v = self._fresh(v, SINK_ROWS, (self.sink_v if self.sink_v is not None else v)[:, :, kept])
+            # copies: a slice assignment that fills the whole buffer hands back its source, here a view
+            # that would keep the whole (prompt-sized) window buffer alive behind 4 rows
+            self.sink_k[:, :, self.n_sink : self.n_sink + s] = mx.contiguous(k[:, :, :s])
+            self.sink_v[:, :, self.n_sink : self.n_sink + s] = mx.contiguous(v[:, :, :s])
+            self.n_sink += s
+        if n > s:
+            self._append_quantized(k[:, :, s:], v[:, :, s:])
+            self.n_quant += n - s
+        cap = self.residual_length + self.quant_block
+        self.win_k = self._fresh(self.win_k, cap, self.win_k[:, :, n:w])
+        self.win_v = self._fresh(self.win_v, cap, self.win_v[:, :, n:w])
+        self.n_win = w - n
+
+    @staticmethod
+    def _fresh(like: mx.array, capacity: int, rows: mx.array) -> mx.array:
+        """A buffer of ``capacity`` rows shaped like ``like``, starting with ``rows``."""
+        buf = mx.zeros((*like.shape[:2], capacity, like.shape[3]), dtype=like.dtype)
+        if rows.shape[2]:
+            buf[:, :, : rows.shape[2]] = rows
+        return buf
+
+    def _rows(self, s0, q0, past_k, past_v, new_k=None, new_v=None, dtype=mx.float32):
+        sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
+        return concat_rows((sink, self._quantized_dense(q0) if q0 else (None, None), (past_k, past_v),
+                            (new_k, new_v)), dtype)
+
+    def _dense(self):
+        r = self.n_win
+        win = (self.win_k[:, :, :r], self.win_v[:, :, :r]) if r else (None, None)
+        return self._rows(self.n_sink, self.n_quant, *win, dtype=getattr(mx, self.dtype_name))
+
+    def update_and_fetch(self, keys, values):
+        """Store the new rows; return the rows stored before this call (stored form) + the new rows."""
+        self._check_input(keys, values)
+        self._store(keys, values)
+        self.offset += keys.shape[2]
+        c = self._call
+        return self._rows(c.s0, c.q0, c.past_k, c.past_v, c.new_k, c.new_v, dtype=keys.dtype)
+
+    def stored_rows(self) -> int:
+        return self.n_sink + self.n_quant + self.n_win
+
+    # ---- attention
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        call, self._call = self._call, None
+        n = queries.shape[2]
+        if call is None or call.new_k.shape[2] != n or keys.shape[2] != call.s0 + call.q0 + call.r0 + n:
+            return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        mask = self._own_mask(mask, queries, keys)
+        if call.s0 + call.q0 + call.r0 == 0:  # nothing stored before this call: exact attention
+            return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
+                                                        mask=mask, sinks=sinks)
+        if n > 1:  # a prefill chunk over a stored past: bounded transients (``_attend_chunk``)
+            return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
+        B, Hq, N, D = queries.shape
+        H = call.new_k.shape[1]
+        rep = Hq // H
+        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
+        qf = q.reshape(B, H, rep * N, D)
+
+        # exact rows (float16 sinks + window, and the call's own rows) as one group, in key order
+        s0, q0 = call.s0, call.q0
+        sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
+        ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
+        parts = []
+        if q0:
+            scores, value_fn = self._quantized_part(qf, q0)
+            parts.append((scores, value_fn, ((s0, s0 + q0),)))
+        parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, keys.shape[2]))))
+        return joint_attention(q, parts, mask, sinks, keys.shape[2], queries.dtype)
+
+    def _attend_chunk(self, queries, keys, values, call: WindowCall, *, scale, mask, sinks):
+        """Attention of a multi-row call (prefill chunk) over the stored past and its own rows, without
+        any prompt-sized float32 array: on a GPU MLX's fused attention over the dense rows that
+        ``update_and_fetch`` returned (one layer's past, decoded lazily in the model's dtype; no score
+        matrix); elsewhere an online softmax over tiles of rows (``attention.online_softmax_attention``):
+        the sinks, the quantized rows (``_quantized_tiles``) and the window plus the call's rows."""
+        if mx.default_device().type == mx.DeviceType.gpu:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                        sinks=sinks)
+        B, Hq, N, D = queries.shape
+        H = call.new_k.shape[1]
+        rep, M = Hq // H, keys.shape[2]
+        qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
+        tile = tile_rows(B * Hq * N, M, self.quant_block)
+        s0, q0 = call.s0, call.q0
+        blocks = []
+        if s0:
+            blocks += dense_blocks(qf, self.sink_k[:, :, :s0], self.sink_v[:, :, :s0], 0, tile)
+        if q0:
+            ranges = tile_ranges(0, q0, tile)
+            blocks += [(s0 + a, s0 + b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(qf, ranges))]
+        ek, ev = concat_rows(((call.past_k, call.past_v), (call.new_k, call.new_v)), call.new_k.dtype)
+        blocks += dense_blocks(qf, ek, ev, s0 + q0, tile)
+        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+
+    def _quantized_tiles(self, q: mx.array, ranges):
+        """For scaled float32 queries ``q`` [B, H, R, D] and row ranges ``(a, b)`` of the quantized rows:
+        one ``(scores_fn, values_fn)`` per range (``online_softmax_attention``'s block functions)."""
+        raise NotImplementedError
+
+    # ---- trim
+    def _trim_rows(self, n: int) -> int:
+        """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
+        self._call = None
+        if n > self.stored_rows():
+            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
+        w = min(n, self.n_win)
+        q = min(n - w, self.n_quant)
+        self.n_win -= w
+        self.n_quant -= q
+        self.n_sink -= n - w - q
+        return n
+
+    # ---- per-model constants
+    counts_constants = True  # this cache's nbytes includes the process-wide constants it uses
+
+    @staticmethod
+    def constants_key(c):
+        """The config fields a subclass's shared constants (rotations, codebooks) depend on; None: none."""
+        return None
+
+    @classmethod
+    def build_layers(cls, configs):
+        """One cache per layer config; the first cache of each distinct ``constants_key`` counts the
+        shared constants in its ``nbytes``, the others do not (``KVCacheBuilder.for_model`` calls this)."""
+        caches, seen = [], set()
+        for c in configs:
+            cache = cls(c)
+            key = cls.constants_key(c)
+            cache.counts_constants = key not in seen
+            seen.add(key)
+            caches.append(cache)
+        return caches
+
+    # ---- copies share the per-model constants
+    _shared: tuple = ()  # attributes a deepcopy shares (rotations, codebooks, tables), not copies
+
+    def __deepcopy__(self, memo):
+        for name in self._shared:
+            v = self.__dict__.get(name)
+            if v is not None:
+                memo[id(v)] = v  # deepcopy returns a memoised object as it is
+        return CompressedKVCache.__deepcopy__(self, memo)  # (the batch forms borrow this method)
+
+    def _dims(self, head_dim=None, value_dim=None) -> tuple[int, int]:
+        """(key, value) head dims: the given ones, else those seen, else ``config.head_dim``."""
+        shape = getattr(self, "_shape", None)
+        d = head_dim or (shape[1] if shape else self.config.head_dim)
+        return d, value_dim or (shape[2] if shape else d)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the used rows of every array (``_used`` None: all of it; spare capacity and
+        constants left out)."""
+        return sum(a[:, :, : self._used(n)].nbytes for n in self.array_fields if (a := getattr(self, n)) is not None)
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """What a float16 cache would hold for the same tokens (no spare capacity)."""
+        return fp16_row_bytes(self.win_k, self.win_v, self.offset)
+
+    # ---- state: only the used rows are saved
+    def _used(self, name: str) -> int:
+        if name in self.window_fields:
+            return self.n_win
+        return self.n_sink if name in self.sink_fields else self.n_quant
+
+    @property
+    def state(self):
+        out = CompressedKVCache.state.fget(self)
+        for name in self.array_fields:
+            a = out.get(name)
+            if a is not None:
+                out[name] = a[:, :, : self._used(name)]
+        return out
+
+    @state.setter
+    def state(self, v):
+        CompressedKVCache.state.fset(self, v)
+        self._call = None
