@@ -103,3 +103,79 @@ def test_the_contract_comes_from_the_shared_layers(toy_method, tmp_path):
     token = mx.array([[out[-1]]])
     a, b = model(token, cache=caches), model(token, cache=loaded)
     np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+# ------------------------------------------------------------------ a quantizer on the grouped (KIVI) layout
+from veloxquant_mlx.cache.base import QUANTIZATION  # noqa: E402
+from veloxquant_mlx.cache.grouped import GroupedQuantCache  # noqa: E402
+from veloxquant_mlx.cache.options import MethodOptions, groups, rng_seed  # noqa: E402
+
+QNAME = "toy_sign_kivi"
+
+
+class SignFlipOptions(MethodOptions, method=QNAME):
+    """Options of the throw-away ``toy_sign_kivi``."""
+
+    group_size: int = groups(32)
+    seed: int = rng_seed(7)
+
+
+class SignFlipKIVICache(GroupedQuantCache):
+    """KIVI's codes of keys whose channels are multiplied by fixed random signs (a throw-away transform:
+    the codes change, the layout, residual, attention, trim, state and bytes are the base's)."""
+
+    chunk_invariant = True  # KIVI groups
+    exact_trim = False  # KIVI's rule: raises when the trimmed rows completed a group
+    dequant_only = "keys are stored with flipped channel signs"
+
+    def _signs(self, d: int) -> mx.array:
+        rng = np.random.default_rng(self.config.options.seed)
+        return mx.array(np.where(rng.random(d) < 0.5, -1.0, 1.0).astype(np.float16))
+
+    def _append_groups(self, kb, vb):
+        super()._append_groups(kb * self._signs(kb.shape[-1]), vb)
+
+    def _keys_t(self, n, dtype=mx.float32):
+        kt = super()._keys_t(n, dtype)  # [B, H, D, n]
+        return kt * self._signs(kt.shape[2])[:, None].astype(kt.dtype)
+
+
+@pytest.fixture(scope="module")
+def toy_quantizer():
+    remove = add_method(QNAME, QUANTIZATION, options=SignFlipOptions)
+    cls = register_with_mlx_lm(register(QNAME)(SignFlipKIVICache))
+    yield cls
+    remove()
+
+
+def test_a_quantizer_gets_the_layout_and_the_contract(toy_quantizer, tmp_path):
+    # its defining property: every stored key within one quantization step of its channel's group range
+    # (MLX's affine grid keeps 0 exact, so its error reaches ~0.9 of a step, not the min/max rule's half)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 2, 70, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 70, 16)).astype(np.float32)
+    cache = KVCacheFactory.create(KVCacheConfig(method=QNAME, bit_width_inlier=4, options=SignFlipOptions()))
+    assert type(cache) is toy_quantizer
+    cache.update_and_fetch(mx.array(k), mx.array(v))
+    keys, _ = cache.update_and_fetch(mx.zeros((1, 2, 1, 16)), mx.zeros((1, 2, 1, 16)))
+    got = np.array(keys[:, :, :64].astype(mx.float32))
+    g = k[:, :, :64].reshape(1, 2, 2, 32, 16)
+    step = (g.max(axis=3) - g.min(axis=3)) / 15  # [1, 2, groups, D]
+    err = np.abs(got.reshape(1, 2, 2, 32, 16) - g)
+    assert (err <= step[:, :, :, None] + 2e-3 * (np.abs(g) + step[:, :, :, None])).all()
+    assert (np.array(keys[:, :, 64:70].astype(mx.float32)) == k[:, :, 64:].astype(np.float16)).all()  # residual
+    assert cache.nbytes == sum(a.nbytes for a in cache.held_arrays())
+    # the contract on a model: generation through the compressed attention, save/load
+    model = tiny_llama(seed=2, head_dim=16, n_layers=2)
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=QNAME, bit_width_inlier=4, options=SignFlipOptions()))
+    prompt = [(i * 13 + 5) % 100 for i in range(80)]
+    out = greedy(model, prompt, caches, max_tokens=6, prefill_step_size=32)
+    assert len(out) == 6 and all(c.offset == 86 for c in caches)
+    kivi = KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bit_width_inlier=4))
+    greedy(model, prompt, kivi, max_tokens=6, prefill_step_size=32)
+    assert [c.nbytes for c in caches] == [c.nbytes for c in kivi]  # the base's layout: KIVI's bytes exactly
+    path = str(tmp_path / "q.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    token = mx.array([[out[-1]]])
+    np.testing.assert_array_equal(np.array(model(token, cache=caches)), np.array(model(token, cache=loaded)))
