@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, TurboQuantRVQOptions, dispatch  # noqa: E402
-from veloxquant_mlx.cache.methods import turboquant_rvq as tq  # noqa: E402
+from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ models

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx.bench import random_model, run_once
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "llama-8b"
 contexts = [int(c) for c in sys.argv[2:]] or [8192, 32768]

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx import bench
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory
-from veloxquant_mlx.cache.methods import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.primitives import rvq  # the RVQ encoder's beam search (smallest_k) lives here
 
 

@@ -23,8 +23,8 @@ import mlx.nn as nn  # noqa: E402
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory  # noqa: E402
 from veloxquant_mlx.cache.kernels import kernels_enabled  # noqa: E402
-from veloxquant_mlx.cache.methods.turboquant_rvq import ResidualWindowCache  # noqa: E402
-from veloxquant_mlx.cache.methods.waterfill import _dequantize  # noqa: E402
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache  # noqa: E402
+from veloxquant_mlx.cache.methods.quantization.waterfill import _dequantize  # noqa: E402
 from veloxquant_mlx.cache.options import KIVIOptions, WaterfillOptions  # noqa: E402
 
 CHUNK = 4096  # prefill chunk (the op path's prefill attention holds a [chunk, context] score matrix)

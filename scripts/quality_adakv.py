@@ -14,7 +14,7 @@ import time
 from veloxquant_mlx.model import load_model  # first: preloads OpenBLAS before mlx.core
 
 from veloxquant_mlx.cache import KVCacheConfig
-from veloxquant_mlx.cache.methods.adakv import AdaKVKVCache
+from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.options import AdaKVOptions
 from veloxquant_mlx.eval.fidelity import next_token_fidelity, reference_logprobs
 from veloxquant_mlx.eval.tasks import text_tokens

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.assets import essays_text
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig
-from veloxquant_mlx.cache.methods.kvzip import KVzipKVCache
+from veloxquant_mlx.cache.methods.eviction.kvzip import KVzipKVCache
 from veloxquant_mlx.cache.options import (CurDKVOptions, KVzipOptions, NestedKVOptions, QFiltersOptions,
                                           RocketKVOptions)
 from veloxquant_mlx.eval.fidelity import (FidelityResult, _log_softmax, next_token_fidelity, prefill,

@@ -54,7 +54,7 @@ def _ablation(what):
     """waterfill 4-bit, 16-row window, with one ingredient removed (``what``): "post_rope" (keys
     quantized after RoPE), "no_queries" (channel weights all equal instead of the queries' energy),
     "uniform_widths" (4 bits on every key channel). Applied to the caches the harness builds."""
-    from veloxquant_mlx.cache.methods import waterfill as wf
+    from veloxquant_mlx.cache.methods.quantization import waterfill as wf
     from veloxquant_mlx.eval import fidelity
 
     class Patched:

@@ -176,7 +176,7 @@ class Case:
 
 
 def _kvzip_compress(model, caches, tokens):
-    from veloxquant_mlx.cache.methods.kvzip import kvzip_compress
+    from veloxquant_mlx.cache.methods.eviction.kvzip import kvzip_compress
 
     kvzip_compress(model, caches, mx.array(tokens), prompt_tokens=[5, 6])
 

@@ -179,3 +179,17 @@ def test_a_quantizer_gets_the_layout_and_the_contract(toy_quantizer, tmp_path):
     loaded = load_prompt_cache(path)
     token = mx.array([[out[-1]]])
     np.testing.assert_array_equal(np.array(model(token, cache=caches)), np.array(model(token, cache=loaded)))
+
+
+def test_method_modules_sit_in_their_family_folder_and_keep_their_old_paths():
+    import importlib
+
+    from veloxquant_mlx.cache import all_methods
+
+    folder = {QUANTIZATION: "quantization", EVICTION: "eviction", "cross_layer": "crosslayer"}
+    for info in all_methods():
+        if info.implemented:
+            module = info.cls.__module__
+            assert module.split(".")[-2] == folder[info.family], (info.name, module)
+            short = importlib.import_module("veloxquant_mlx.cache.methods." + module.rsplit(".", 1)[-1])
+            assert short is importlib.import_module(module)  # the pre-family import path still works

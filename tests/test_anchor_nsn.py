@@ -66,7 +66,7 @@ def test_nsnquant_normalization_matches_codebook_and_beats_plain_vq():
     """After NSN + rotation the coordinates of shifted, scaled tokens are ~ N(0, 1) (i.e. variance 1/D
     before the sqrt(D) scaling), which is what the codebook was trained on; plain VQ of the normalized,
     rotated tokens without the shift has a larger error on data with a common offset."""
-    from veloxquant_mlx.cache.methods import nsnquant as nsn
+    from veloxquant_mlx.cache.methods.quantization import nsnquant as nsn
     from veloxquant_mlx.cache.primitives.rotation import randomized_hadamard
 
     B, H, T, D = 1, 2, 512, 64

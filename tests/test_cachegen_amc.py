@@ -16,7 +16,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx.cache import KVCacheConfig
 from veloxquant_mlx.cache.base import method_info
-from veloxquant_mlx.cache.methods.cachegen import CacheGenKVCache, layer_bits
+from veloxquant_mlx.cache.methods.quantization.cachegen import CacheGenKVCache, layer_bits
 from veloxquant_mlx.cache.primitives import entropy
 
 from contract_table import caches_for, make, rand, run_chunks

@@ -21,7 +21,7 @@ from veloxquant_mlx.cache import (
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.minicache import BLOCK, MiniCacheKVCache, slerp
+from veloxquant_mlx.cache.methods.crosslayer.minicache import BLOCK, MiniCacheKVCache, slerp
 from veloxquant_mlx.cache.options import MiniCacheOptions
 
 from contract_table import run_chunks as _run_tokens
@@ -238,7 +238,7 @@ def test_minicache_real_model_kl():
 
 
 # ==================================================================================== xKV
-from veloxquant_mlx.cache.methods.xkv import XKVKVCache
+from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.options import XKVOptions
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 

@@ -249,7 +249,7 @@ def test_snapkv_decode_evict_trim_and_state_round_trip():
     caches = _caches(model, _config("snapkv"), True)
     _decode(model, caches, 48, 100)
     c = caches[0]
-    from veloxquant_mlx.cache.methods.snapkv import SnapKVKVCache
+    from veloxquant_mlx.cache.methods.eviction.snapkv import SnapKVKVCache
 
     d = SnapKVKVCache.from_state(c.state)
     assert d.decode_evict is True and d.rows == c.rows and d.offset == c.offset
@@ -316,7 +316,7 @@ def test_decode_evict_option_sets_every_layer_without_a_config_field():
 
 def test_decode_evict_option_survives_state_and_saved_caches(tmp_path):
     from veloxquant_mlx.cache import load_cache, save_cache
-    from veloxquant_mlx.cache.methods.snapkv import SnapKVKVCache
+    from veloxquant_mlx.cache.methods.eviction.snapkv import SnapKVKVCache
 
     model = tiny_llama(n_layers=2)
     cfg = KVCacheConfig(method="snapkv", options=opt.SnapKVOptions(budget=BUDGET, obs_window=8, n_sink=2,

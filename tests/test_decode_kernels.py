@@ -18,9 +18,9 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
-from veloxquant_mlx.cache.methods.turboquant_rvq import ResidualWindowCache
-from veloxquant_mlx.cache.methods.waterfill import rotate_values, value_rotation
+from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache
+from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
 from veloxquant_mlx.cache.options import KIVIOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec

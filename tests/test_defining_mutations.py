@@ -19,7 +19,8 @@ import pytest
 import mlx.core as mx
 
 from veloxquant_mlx.cache import dispatch, grouped
-from veloxquant_mlx.cache.methods import kvquant, kvzip, snapkv, turboquant_rvq, zipcache
+from veloxquant_mlx.cache.methods.eviction import kvzip, snapkv
+from veloxquant_mlx.cache.methods.quantization import kvquant, turboquant_rvq, zipcache
 from veloxquant_mlx.cache.primitives import groupquant as gq
 
 import test_defining_properties as guards

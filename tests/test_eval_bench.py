@@ -105,7 +105,7 @@ def test_niah_rows_and_run_eval(tiny):
 
 def test_failing_method_is_a_row_not_a_crash(tiny, monkeypatch):
     model, tok = tiny
-    from veloxquant_mlx.cache.methods import kivi as kivi_mod
+    from veloxquant_mlx.cache.methods.quantization import kivi as kivi_mod
 
     cls = next(c for c in vars(kivi_mod).values() if isinstance(c, type) and getattr(c, "method_name", "") == "kivi")
 

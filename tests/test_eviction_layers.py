@@ -29,8 +29,8 @@ from veloxquant_mlx.cache import (
 )
 from veloxquant_mlx.cache.attention import attention_with_weights
 from veloxquant_mlx.cache.eviction import observation_scores
-from veloxquant_mlx.cache.methods.pyramidkv import OBS_WINDOW, pyramid_budgets
-from veloxquant_mlx.cache.methods.squeeze import SqueezeAttentionCache, kmeans_1d, squeeze_budgets
+from veloxquant_mlx.cache.methods.eviction.pyramidkv import OBS_WINDOW, pyramid_budgets
+from veloxquant_mlx.cache.methods.eviction.squeeze import SqueezeAttentionCache, kmeans_1d, squeeze_budgets
 
 B, HQ, H, D = 2, 4, 2, 16
 F32 = mx.float32

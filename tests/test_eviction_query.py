@@ -16,9 +16,9 @@ from contract_table import gather, layer_call
 from tiny_models import VOCAB, greedy, tiny_gemma3, tiny_llama
 from veloxquant_mlx.cache import (KVCacheBuilder, KVCacheConfig, KVCacheFactory,
                                   QuantizerConfigError, dispatch)
-from veloxquant_mlx.cache.methods.curdkv import leverage_scores
-from veloxquant_mlx.cache.methods.kvzip import KVzipKVCache, kvzip_compress
-from veloxquant_mlx.cache.methods.qfilters import QFiltersRetentionError
+from veloxquant_mlx.cache.methods.eviction.curdkv import leverage_scores
+from veloxquant_mlx.cache.methods.eviction.kvzip import KVzipKVCache, kvzip_compress
+from veloxquant_mlx.cache.methods.eviction.qfilters import QFiltersRetentionError
 from veloxquant_mlx.cache.options import CurDKVOptions, KVzipOptions, NestedKVOptions, QFiltersOptions, RocketKVOptions
 
 B, HQ, H, D = 2, 4, 2, 16
@@ -212,7 +212,7 @@ def test_qfilters_starts_its_query_accumulator_only_near_its_budget():
     """The [query heads, D, D] Gram accumulator is started by the call that brings the cache within
     ``calib_tokens`` rows of its budget (none is held below that), and the filters are ready, from
     exactly the next ``calib_tokens`` real queries, when the first eviction comes."""
-    from veloxquant_mlx.cache.methods.qfilters import principal_direction
+    from veloxquant_mlx.cache.methods.eviction.qfilters import principal_direction
 
     dispatch.install()
     mx.random.seed(4)

@@ -20,7 +20,7 @@ from veloxquant_mlx.cache import (
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
 from veloxquant_mlx.cache.primitives import groupquant as gq
 
 from contract_table import kl as _kl

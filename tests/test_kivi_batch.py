@@ -14,8 +14,8 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.contract import CompressedKVCache
-from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
-from veloxquant_mlx.cache.methods.kivi_batch import KIVIBatchKVCache
+from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.quantization.kivi_batch import KIVIBatchKVCache
 
 from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone
 from batch_helpers import attend_steps_equal_singles, check_against_alone, prompt as _prompt

@@ -21,9 +21,9 @@ from veloxquant_mlx.cache import (
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.kvtc import KVTCKVCache
-from veloxquant_mlx.cache.methods.palu import PALUKVCache
-from veloxquant_mlx.cache.methods.svdq import LowRankKVCache, SVDqKVCache
+from veloxquant_mlx.cache.methods.crosslayer.kvtc import KVTCKVCache
+from veloxquant_mlx.cache.methods.crosslayer.palu import PALUKVCache
+from veloxquant_mlx.cache.methods.crosslayer.svdq import LowRankKVCache, SVDqKVCache
 from veloxquant_mlx.cache.options import KVTCOptions, PaluOptions, SVDqOptions
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 

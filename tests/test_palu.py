@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, PaluOptions, dispatch
-from veloxquant_mlx.cache.methods.palu import PALUKVCache
+from veloxquant_mlx.cache.methods.crosslayer.palu import PALUKVCache
 from veloxquant_mlx.cache.primitives import groupquant as gq
 
 HIDDEN, N_KV, D, HQ = 96, 4, 16, 8

@@ -223,7 +223,7 @@ def test_short_chat_holds_fp16_rows_plus_the_documented_constant(method):
 def test_turboquant_rvq_extracted_from_a_batch_holds_only_its_window_rows():
     """The server's batch form hands each finished request back as a single cache: its window must hold
     the request's rows (and what the single cache grows by), not R + QUANT_BLOCK rows up front."""
-    from veloxquant_mlx.cache.methods.turboquant_rvq import TurboQuantRVQKVCache
+    from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 
     D, H = 32, 2
     caches = [KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D)) for _ in range(2)]

@@ -25,7 +25,7 @@ def _seed():
 
 # ------------------------------------------------------------------------------------- kivi_sink
 def test_kivi_sink_rows_bit_exact_rest_is_kivi():
-    from veloxquant_mlx.cache.methods.kivi import KIVIKVCache
+    from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
 
     S, D = 5, 64
     c = make("kivi_sink", bits=2, n_sink_tokens=S)

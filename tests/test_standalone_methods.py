@@ -15,9 +15,9 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, SlidingWindowKVC
 from veloxquant_mlx.cache.artifacts import InMemoryArtifactStore
 from veloxquant_mlx.cache.base import _CLASSES, method_info
 from veloxquant_mlx.cache.errors import CacheInputError, QuantizerConfigError
-from veloxquant_mlx.cache.methods.polar import PolarQuantKVCache
-from veloxquant_mlx.cache.methods.qjl import QJLKVCache
-from veloxquant_mlx.cache.methods.spectral import SpectralQuantKVCache
+from veloxquant_mlx.cache.methods.quantization.polar import PolarQuantKVCache
+from veloxquant_mlx.cache.methods.quantization.qjl import QJLKVCache
+from veloxquant_mlx.cache.methods.quantization.spectral import SpectralQuantKVCache
 from veloxquant_mlx.cache.primitives.polar import (
     angle_codebook,
     angle_density,

@@ -15,8 +15,8 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.contract import CompressedKVCache
-from veloxquant_mlx.cache.methods.streaming_llm import StreamingLLMKVCache
-from veloxquant_mlx.cache.methods.streaming_llm_batch import StreamingLLMBatchKVCache
+from veloxquant_mlx.cache.methods.eviction.streaming_llm import StreamingLLMKVCache
+from veloxquant_mlx.cache.methods.eviction.streaming_llm_batch import StreamingLLMBatchKVCache
 from veloxquant_mlx.cache.options import StreamingLLMOptions
 
 from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone

@@ -11,7 +11,7 @@ import pytest
 
 from veloxquant_mlx.cache.base import _CLASSES
 from veloxquant_mlx.cache.errors import QuantizerConfigError
-from veloxquant_mlx.cache.methods.turboquant import TurboQuantMSEKVCache, TurboQuantProdKVCache
+from veloxquant_mlx.cache.methods.quantization.turboquant import TurboQuantMSEKVCache, TurboQuantProdKVCache
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion
 from veloxquant_mlx.core.abstractions import KVCache
 

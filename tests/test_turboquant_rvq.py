@@ -26,7 +26,7 @@ from veloxquant_mlx.cache import (
 )
 from veloxquant_mlx.cache.artifacts import InMemoryArtifactStore
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
-from veloxquant_mlx.cache.methods import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.primitives import rvq  # the codebooks' LUT policy
 from veloxquant_mlx.cache.primitives.rotation import seeded_rng
 
@@ -346,7 +346,7 @@ def test_trim_into_sink_rows_then_refill_after_a_state_round_trip():
 
 def test_merge_builds_the_batch_form_and_bad_configs_are_rejected():
     """merge builds the compressed batch form (tests/test_turboquant_rvq_batch.py); a subclass refuses."""
-    from veloxquant_mlx.cache.methods.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
+    from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 
     assert type(tq.TurboQuantRVQKVCache.merge([make(), make()])) is TurboQuantRVQBatchKVCache
 

@@ -15,9 +15,9 @@ import mlx.core as mx
 
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.contract import CompressedKVCache
-from veloxquant_mlx.cache.methods import turboquant_rvq as tq
-from veloxquant_mlx.cache.methods.turboquant_rvq import QUANT_BLOCK, SINK_ROWS, TurboQuantRVQKVCache
-from veloxquant_mlx.cache.methods.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
+from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import QUANT_BLOCK, SINK_ROWS, TurboQuantRVQKVCache
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from veloxquant_mlx.cache.options import TurboQuantRVQOptions
 
 from batch_helpers import Run as _Run, batch_caches as _batch_caches, frac_off as _frac_off, joiners_with_history_equal_alone

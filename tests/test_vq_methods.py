@@ -70,7 +70,7 @@ def _rel_key_error(c, k):
 
 @pytest.mark.skipif("vecinfer" not in METHODS, reason="not registered")
 def test_vecinfer_error_falls_with_codebook_size_and_transform_helps_outliers():
-    from veloxquant_mlx.cache.methods import vecinfer as vi
+    from veloxquant_mlx.cache.methods.quantization import vecinfer as vi
 
     k = _outlier_keys()
     errs = [_rel_key_error(make("vecinfer", kbits=b), k) for b in (2, 4, 6, 8)]
@@ -98,7 +98,7 @@ def test_vecinfer_bytes_per_token_and_packed_bits():
     assert c.nbytes >= c.used_nbytes and c.nbytes == sum(a.nbytes for a in c.held_arrays())
     assert c.key_cb.shape == (1, 256, 4) and c.val_cb.shape == (1, 16, 8)
     # codes wider than 8 bits: low byte + high bits in two streams, exactly `bits` bits per code
-    from veloxquant_mlx.cache.methods import vecinfer as vi
+    from veloxquant_mlx.cache.methods.quantization import vecinfer as vi
 
     codes = mx.random.randint(0, 1 << 12, (2, 3, 16))
     lo, hi = vi.pack_codes(codes, 12)

@@ -13,7 +13,7 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache.options import WaterfillOptions
-from veloxquant_mlx.cache.methods.waterfill import WaterfillKVCache, allocate_bits, value_rotation
+from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache, allocate_bits, value_rotation
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion, nearest_code, odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from veloxquant_mlx.cache.primitives.varpack import VarLayout

@@ -21,7 +21,7 @@ from veloxquant_mlx.cache import (
     QuantizerConfigError,
     dispatch,
 )
-from veloxquant_mlx.cache.methods.xquant import XQuantKVCache
+from veloxquant_mlx.cache.methods.crosslayer.xquant import XQuantKVCache
 from veloxquant_mlx.cache.options import XQuantOptions
 
 from contract_table import run_chunks as _run_tokens

@@ -2,7 +2,7 @@
 ``contract.py`` and ``window.py``.
 
 Keys are quantized per channel over groups of G tokens, values per token in channel groups; tokens
-that do not yet complete a key group stay in a float16 residual (``methods/kivi.py`` gives the paper
+that do not yet complete a key group stay in a float16 residual (``methods/quantization/kivi.py`` gives the paper
 and its deviations). Layout (B batch, H kv heads, D/Dv head dims; buffers preallocated and grown by
 ``primitives.buffers``'s policy, never concatenated per token):
 

@@ -1,8 +1,14 @@
-"""Method implementations. Importing this package imports every module in it, which registers
-each built method with ``veloxquant_mlx.cache.base``."""
+"""Method implementations, one module per method, grouped by family: ``quantization/``, ``eviction/``,
+``crosslayer/`` (helpers shared across families stay here: batch forms, deferred starts, layer links). Importing this package imports every module, which
+registers each built method with ``veloxquant_mlx.cache.base``; each module is also reachable under its
+pre-family path (``veloxquant_mlx.cache.methods.kivi``), which earlier releases documented."""
 
 import importlib
 import pkgutil
+import sys
 
-for _info in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_info.name}")
+for _info in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+    _module = importlib.import_module(_info.name)
+    _short = f"{__name__}.{_info.name.rsplit('.', 1)[-1]}"
+    if not _info.ispkg and _info.name.count(".") > __name__.count(".") + 1:
+        sys.modules.setdefault(_short, _module)

@@ -16,7 +16,7 @@ import math
 import mlx.core as mx
 
 from ..primitives.buffers import grow_rows
-from .kivi import RES_DTYPE
+from .quantization.kivi import RES_DTYPE
 
 NEVER = 1 << 62  # start when the compressed form is never smaller
 

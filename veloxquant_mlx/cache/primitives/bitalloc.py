@@ -1,5 +1,5 @@
 """Bit allocation over channels by reverse water-filling, and the channel pairs RoPE rotates together
-(Waterfill's per-channel key widths, ``methods/waterfill.py``).
+(Waterfill's per-channel key widths, ``methods/quantization/waterfill.py``).
 
 Quantizing channel ``c`` uniformly with ``b_c`` bits over a range ``r_c`` adds logit error of variance
 ``~ E[q_c^2] r_c^2 4^-b_c / 12``; at a fixed total ``sum_c b_c`` the minimum gives each further bit to

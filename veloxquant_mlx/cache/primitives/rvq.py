@@ -1,5 +1,5 @@
 """Two-stage residual vector quantization (RVQ) codebooks for sub-vectors of rotated unit vectors
-(TurboQuant-RVQ's data-oblivious codebooks, ``methods/turboquant_rvq.py``).
+(TurboQuant-RVQ's data-oblivious codebooks, ``methods/quantization/turboquant_rvq.py``).
 
 A ``bits``-bit code of an ``s``-dim piece is a stage-1 centroid ``c1[i]`` (``B1 = min(bits, 8)`` bits) plus
 a cell-scaled stage-2 centroid ``sigma[i] * c2[j]`` (the other ``B2`` bits; none when ``bits <= 8``).

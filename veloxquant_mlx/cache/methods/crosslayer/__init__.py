@@ -1,0 +1,1 @@
+"""The cross-layer methods (one module each)."""

@@ -1,0 +1,256 @@
+"""Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache
+with Low-Rank Projection", arXiv 2407.21118).
+
+Paper: the key and value projection *weights* are factored offline, ``W ≈ A B`` (truncated SVD); the
+model computes the low-rank latent ``h = x A`` instead of K/V, the cache stores ``h``, and ``K = h B``
+is rebuilt on the fly. Group-head low-rank decomposition (G-LRD) factors the rows of a group of heads
+together (between per-head M-LRD and all-heads J-LRD). The latents are quantized; for values ``B`` is
+fused into the output projection, for keys a fused kernel rebuilds the pre-RoPE keys, applies RoPE and
+multiplies by the query.
+
+This implementation (options ``palu_rank`` / ``palu_energy_threshold``, ``palu_n_head_groups``,
+``palu_hi_bit`` / ``palu_lo_bit`` / ``palu_hi_fraction``, ``palu_group_size``, ``palu_quantize_values``):
+
+* **Factors from the weights** (``bind_attention``, called by ``KVCacheBuilder.for_model`` with the
+  layer's attention module): ``k_proj`` / ``v_proj`` weights (dequantized when quantized), rows split
+  into Hg head groups of s = H/Hg consecutive KV heads (Hg the largest divisor of H not above
+  ``palu_n_head_groups``), per group ``W_g = U S Vᵀ`` (float64 SVD, ``W_g`` [F = s·D, hidden]). With
+  mlx's ``k = x W_gᵀ`` the truncated factors are ``A = V_r S_r`` (hidden -> r) and ``B = U_rᵀ``
+  (r -> F), so the latent is ``h = x A = k U_r``: the pre-RoPE key projected on the top-r left
+  singular vectors of ``W_g`` -- exact for the rank-r projection ``x A B``. The cache holds ``U_r``
+  [1, Hg, F, r] float16 (the only factor it needs: mlx_lm hands it ``k = x W_gᵀ``, not ``x``).
+  Rank r = ``palu_rank`` or the smallest rank holding ``palu_energy_threshold`` of ``Σσ²`` of the
+  weight in every group (one rank per layer; keys and values each get their own).
+* **Short chats** (``DeferredStart``): ``bind_attention`` reads the ranks and widths; the factors are
+  made (and the module's reference dropped) at the first compression, which waits until the stored
+  rows reach ``start_rows``: the first multiple of G at which factors + latent codes are smaller than
+  the float16 rows. Before that a cache holds only its float16 rows (a saved cache of such a short chat
+  needs ``bind_attention`` again before it can compress).
+* **RoPE**: mlx_lm rotates keys before the cache sees them, so each completed token group is
+  un-rotated with the layer's own RoPE (``primitives.rope``, as waterfill) before projecting, and the
+  rebuilt keys are rotated again at attention.
+* A ``k_proj`` bias (Qwen2) is the latent's offset: ``h = (k - b) U_r``, ``k = h U_rᵀ + b``. A per-head
+  ``k_norm`` / ``v_norm`` (Gemma 3) is folded into the factored weight as its per-channel gain; its
+  per-token RMS scale is exact within a one-head group and an approximation for larger groups.
+* **Latents quantized** per latent channel over groups of G = ``palu_group_size`` tokens (float16
+  scale + bias): the first ``ceil(hi_fraction · r)`` channels (largest σ) at ``palu_hi_bit``, the rest
+  at ``palu_lo_bit``; with ``palu_quantize_values=False`` the value latents are stored float16.
+  The newest < G tokens wait in a float16 residual (KIVI's), a call's own rows are attended in full
+  precision.
+* ``attend``: keys rebuilt from the latents (``h U_rᵀ + b``), rotated, multiplied by the queries
+  (Palu's fused RoPE kernel, unfused); values fused on the output side: ``(p h_v) U_vᵀ + (Σp) b_v``.
+  ``update_and_fetch`` returns the same rebuilt rows for the non-dispatch path.
+
+Without ``bind_attention`` (``KVCacheFactory.create`` alone) there are no weights to factor: the first
+``update_and_fetch`` raises ``ValueError`` naming the fix (build with ``for_model``). A saved cache that
+has compressed holds its factors and RoPE parameters and needs no model.
+
+Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches
+ranks per layer with Fisher information; here one threshold on the weight's own spectrum); the latent
+quantizer is per-channel min/max over token groups with the mixed hi/lo split by singular value (Palu:
+per-token quantization after a Walsh-Hadamard rotation); keys are rebuilt before the RoPE rather than
+in a fused kernel; the factor ``U_r`` is stored float16 and counted in ``nbytes`` (the model keeps its
+own ``W_k``/``W_v``: the cache cannot replace them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import register
+from ...contract import register_with_mlx_lm
+from ...errors import QuantizerConfigError
+from ...primitives import lowrank_fit as lr
+from ...primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
+from ..deferred_start import DeferredStart
+from ..quantization.kivi import KIVIKVCache
+from .svdq import BASIS_DTYPE, LowRankKVCache
+
+
+def dense_weight(linear) -> tuple[np.ndarray, np.ndarray | None]:
+    """(weight [out, in], bias [out] or None) of an ``nn.Linear`` / ``nn.QuantizedLinear``, float64."""
+    w = linear.weight
+    if "scales" in linear:  # quantized: dequantize with the layer's own layout
+        kw = {"mode": linear.mode} if getattr(linear, "mode", "affine") != "affine" else {}
+        w = mx.dequantize(w, linear.scales, linear.get("biases"), group_size=linear.group_size,
+                          bits=linear.bits, **kw)
+    b = linear.get("bias")
+    return (np.asarray(w.astype(mx.float32), dtype=np.float64),
+            None if b is None else np.asarray(b.astype(mx.float32), dtype=np.float64))
+
+
+def norm_gain(norm, dim: int) -> np.ndarray:
+    """Per-channel gain of a per-head RMS/layer norm, read from its response to the unit rows."""
+    out = np.asarray(norm(mx.eye(dim, dtype=mx.float32)).astype(mx.float32), dtype=np.float64)
+    gain = np.diag(out).copy()
+    if np.abs(out - np.diag(gain)).max() > 1e-5 * max(np.abs(gain).max(), 1e-30):
+        raise ValueError(f"palu: the key/value norm {type(norm).__name__} mixes channels; cannot fold it")
+    return gain
+
+
+def factor_groups(weight: np.ndarray, n_heads: int, n_groups: int, gain=None):
+    """Per head group: ``(U [Hg, F, m], σ² [Hg, m])`` of the group's rows of ``weight`` [H·D, hidden]
+    (float64 SVD, m = min(F, hidden)); ``gain`` [D] scales each head's rows first (a folded norm)."""
+    HD, hidden = weight.shape
+    D = HD // n_heads
+    w = weight.reshape(n_heads, D, hidden)
+    if gain is not None:
+        w = w * gain[None, :, None]
+    wg = w.reshape(n_groups, (n_heads // n_groups) * D, hidden)
+    U, S, _ = np.linalg.svd(wg, full_matrices=False)
+    return U, S**2
+
+
+class _Shared:
+    """A reference that deep copies share (a copied cache factors the same module)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+@register_with_mlx_lm
+@register("palu")
+class PALUKVCache(DeferredStart, LowRankKVCache):
+    """Palu: latents of the group-head SVD of the K/V projection weights, mixed-bit, RoPE-aware."""
+    chunk_invariant = True  # factors from the weights; groups of G at absolute positions (KIVI)
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
+    trim_exact_or_raises = True
+
+    scalar_fields = LowRankKVCache.scalar_fields + ("rope",)
+    object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
+    rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
+    center = True  # the projection bias is the latent's offset (``k_mean``)
+    latent_values = True
+    _attn = None  # the bound attention module until its weights are factored (``_Shared``: never deep-copied)
+
+    def _init_layout(self):
+        o = self.config.options  # validation checked the types and ranges
+        if not o.energy_threshold > 0.0:
+            raise QuantizerConfigError("palu_energy_threshold", o.energy_threshold, "a float in (0, 1]")
+        if o.lo_bit > o.hi_bit:
+            raise QuantizerConfigError("palu_lo_bit", o.lo_bit, f"<= palu_hi_bit ({o.hi_bit})")
+        self.group = o.group_size
+        self.qbits = o.hi_bit
+        self._call = None
+
+    def _n_groups(self, n_heads: int) -> int:
+        want = min(self.config.options.n_head_groups, n_heads)
+        return max(d for d in range(1, want + 1) if n_heads % d == 0)
+
+    # ------------------------------------------------------------------ factoring the weights
+    def rank_for(self, energy: np.ndarray) -> int:
+        """The kept rank for per-group spectra ``energy`` [Hg, m] (σ², decreasing)."""
+        o = self.config.options
+        if o.rank is not None:
+            return min(o.rank, energy.shape[-1])
+        return lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold)
+
+    def _bits(self, which: str, r: int) -> list:
+        o = self.config.options
+        if which == "v" and not o.quantize_values:
+            return [lr.FLOAT_BITS] * r
+        n_hi = min(r, math.ceil(r * o.hi_fraction))
+        return [o.hi_bit] * n_hi + [o.lo_bit] * (r - n_hi)
+
+    def bind_attention(self, attn) -> None:
+        """Read the layer's RoPE and its factors' ranks and widths (see the module doc); the factors
+        themselves are made from ``attn``'s weights at the first compression (``factor``)."""
+        if attn is None or "k_proj" not in attn or "v_proj" not in attn:
+            raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
+                             f"{type(attn).__name__}")
+        rope = getattr(attn, "rope", None)
+        self.rope = rope_spec(rope) if rope is not None else None
+        if rope is not None and self.rope is None:
+            raise ValueError(f"palu: the layer's RoPE ({type(rope).__name__}) is not one primitives.rope can "
+                             "invert, so its keys cannot be un-rotated onto the factored weights")
+        self._attn = _Shared(attn)
+        for name in self.array_fields:  # drop anything encoded against other factors
+            if name not in ("res_k", "res_v"):
+                setattr(self, name, None)
+        self.n_quant = 0
+        self.factor(keep=False)
+
+    def factor(self, keep: bool = True) -> None:
+        """Factor the bound layer's ``k_proj`` / ``v_proj`` weights: ranks, widths and head groups, and
+        with ``keep`` the factors ``U_r`` (and bias offsets) the cache holds from then on."""
+        attn = self._attn.obj if self._attn is not None else None
+        if attn is None:
+            raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
+                             "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
+                             "before its first compressed group")
+        wk, bk = dense_weight(attn.k_proj)
+        wv, bv = dense_weight(attn.v_proj)
+        n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+        n_kv = int(n_kv) if n_kv else wk.shape[0] // int(self.config.head_dim)
+        D = wk.shape[0] // n_kv
+        self.hg = self._n_groups(n_kv)
+        for which, w, b, norm in (("k", wk, bk, attn.get("k_norm")), ("v", wv, bv, attn.get("v_norm"))):
+            gain = None
+            if norm is not None:
+                if b is not None:
+                    raise ValueError(f"palu: a {which}_proj bias under a {which}_norm cannot be factored")
+                gain = norm_gain(norm, D)
+            U, energy = factor_groups(w, n_kv, self.hg, gain)
+            r = self.rank_for(energy)
+            setattr(self, f"{which}_bits", self._bits(which, r))
+            if keep:
+                setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))
+                mean = None if b is None else mx.array(b.reshape(1, self.hg, 1, -1).astype(np.float32))
+                setattr(self, f"{which}_mean", None if mean is None else mean.astype(BASIS_DTYPE))
+        if keep:
+            self._attn = None  # the factors are held now: the model's module is not needed any more
+
+    def _compressed_cost(self, H, D, Dv):
+        """Factors (and offsets) of both sides, and their latent codes per token (``DeferredStart``)."""
+        fixed = sum(H * d * (len(getattr(self, f"{w}_bits")) + 1) * 2 for w, d in (("k", D), ("v", Dv)))
+        return fixed, self.hg * (self.layout("k").bytes_per_token() + self.layout("v").bytes_per_token())
+
+    # ------------------------------------------------------------------ RoPE
+    def _unrotate(self, k: mx.array, offset: int) -> mx.array:
+        """Pre-RoPE rows of ``k`` at positions offset.. (``mx.fast.rope`` inverse: each position's angle
+        is computed from the position alone, so a group's latents do not depend on the call split)."""
+        return k if self.rope is None else apply_rope(k, self.rope, offset, inverse=True)
+
+    def _rotate(self, k: mx.array) -> mx.array:
+        """RoPE of rebuilt rows at positions 0.. (``rotate_rows``: few trigonometric values per call;
+        the frequency table is made per call, nothing is held besides the stored arrays)."""
+        return k if self.rope is None else rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)
+
+    # ------------------------------------------------------------------ storage
+    def _store(self, keys, values):
+        if self.k_bits is None:
+            raise ValueError(
+                "palu factors the layer's k_proj/v_proj weights: build its caches with "
+                "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
+                "before the first update_and_fetch"
+            )
+        super()._store(keys, values)
+
+    def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
+        if self.k_basis is None:
+            self.factor()
+        t0, n = self.n_quant, kb.shape[2]
+        k = self._unrotate(kb.astype(mx.float32), t0)  # pre-RoPE keys at positions t0..
+        self._encode("k", lr.group_heads(k, self.hg), t0)
+        self._encode("v", lr.group_heads(vb.astype(mx.float32), self.hg), t0)
+        self.n_quant = t0 + n
+
+    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
+        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1."""
+        return self._rotate(self._reconstruct("k", n)).swapaxes(-1, -2).astype(dtype)
+
+    def _key_scores(self, q: mx.array, n: int) -> mx.array:
+        return q @ self._keys_t(n)
+
+    def _trim_rows(self, n: int) -> int:
+        return KIVIKVCache._trim_rows(self, n)  # the factors are the weights': never refitted
+
+    @property
+    def head_groups(self) -> int:
+        return self.hg

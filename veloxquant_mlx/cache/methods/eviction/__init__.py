@@ -1,0 +1,1 @@
+"""The eviction methods (one module each)."""

@@ -1,0 +1,197 @@
+"""ChunkKV (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context
+LLM Inference", arXiv 2502.00299).
+
+Tokens are kept or evicted in chunks of ``chunkkv_chunk_size`` consecutive tokens, so kept context
+stays contiguous. The last ``OBS_WINDOW`` queries vote with their softmax attention (as in SnapKV); a
+chunk's score is the sum of its tokens' votes (``chunkkv_score="attn_mass"``) or minus the sum of their
+key norms (``"key_norm"``: low-norm keys draw attention, no queries needed); the top chunks are kept,
+with the observation window and the first ``chunkkv_n_sink`` tokens. Layer-wise index reuse: layers are
+grouped by ``chunkkv_reuse_layers``; the first layer of each group (the leader) selects, the others
+reuse its kept indices through the ``ChunkKVIndexReuseCoordinator`` built in ``build_layers``
+(lifetime: one prompt cache) and compute no scores at all (they attend with the fast kernel). Real
+queries, slack, spare rows, ``decode_evict`` and trim: ``eviction``'s module docstring.
+
+Deviations from the paper:
+* Chunks are fixed on absolute positions: chunk ``j`` is positions ``n_sink + j*C .. n_sink + (j+1)*C - 1``
+  and the protected recent window starts on a chunk boundary (it holds ``OBS_WINDOW`` to
+  ``OBS_WINDOW + C - 1`` tokens), so every evictable chunk is whole and every eviction keeps or drops
+  whole chunks. A layer keeps ``protected + k*C`` rows with ``k = (budget - protected) // C``, i.e. up to
+  ``C - 1`` rows fewer than ``chunkkv_budget``. After ``trim`` cut into a previously evicted range the
+  next eviction may keep one partial chunk.
+* One chunk selection per layer shared by all KV heads (votes summed over heads), as index reuse
+  needs; with ``chunk_size=1`` this is per-token selection by head-summed votes.
+* Decoding is compressed too (the paper compresses the prompt; the default slack), the votes coming from
+  the queries seen since the previous eviction. Sinks are an addition (``chunkkv_n_sink=0`` removes them).
+* A follower whose leader did not evict at the same step from the same rows (layers fed different
+  calls, e.g. trimmed separately) selects by key norm instead. A reloaded prompt cache relinks each
+  group (its id travels in ``state``): the leader, loaded first, brings a fresh coordinator that its
+  followers join, so a loaded cache evicts as the original would.
+* The paper's default chunk size is 10; ``chunkkv_chunk_size`` defaults to 8.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import mlx.core as mx
+
+from ...base import register
+from ...contract import register_with_mlx_lm
+from ...eviction import VotingEviction, check_min
+from ..layer_links import registry, relink, relinking_state
+
+_LOADED = registry()  # "<reuse id>:<leader layer>" -> the coordinator of a reloaded group
+
+
+class ChunkKVIndexReuseCoordinator:
+    """Kept-row indices of each group leader's latest eviction, for the followers of its group."""
+
+    def __init__(self, reuse_layers: int):
+        self.reuse_layers = reuse_layers
+        self._records: dict[int, tuple[int, int, mx.array]] = {}
+
+    def leader_of(self, layer_id: int) -> int:
+        return layer_id - layer_id % self.reuse_layers
+
+    def publish(self, layer_id: int, offset: int, rows: int, idx: mx.array) -> None:
+        self._records[layer_id] = (offset, rows, idx)
+
+    def published(self, layer_id: int):
+        """The indices ``layer_id`` last published (held here until it publishes again), or None."""
+        rec = self._records.get(layer_id)
+        return rec[2] if rec is not None else None
+
+    def lookup(self, layer_id: int, offset: int, rows: int):
+        """The leader's indices if it evicted at this same step from the same number of rows."""
+        rec = self._records.get(self.leader_of(layer_id))
+        return rec[2] if rec is not None and rec[0] == offset and rec[1] == rows else None
+
+
+def key_norm_scores(keys: mx.array) -> mx.array:
+    """[B, H, rows]: minus the L2 norm of each key (low-norm keys attract attention)."""
+    k = keys.astype(mx.float32)
+    return -mx.sqrt((k * k).sum(axis=-1))
+
+
+@register_with_mlx_lm
+@register("chunkkv")
+class ChunkKVCache(VotingEviction):
+    """Chunk-granular observation-window eviction with layer-wise index reuse."""
+    chunk_invariant = False  # observation-window eviction per prefill chunk; batched (slack) decode eviction
+    exact_trim = False  # decode rows add votes and evict (slack)
+
+    layer_id = None
+    coordinator = None
+    reuse_id = ""  # one id per prompt cache's set of layers that reuse indices ("": built alone)
+    scalar_fields = VotingEviction.scalar_fields + ("layer_id", "reuse_id")
+
+    def held_arrays(self):
+        """The stored rows, plus the kept-row indices this layer published for its followers (the
+        coordinator holds them; the publishing layer counts them)."""
+        out = super().held_arrays()
+        idx = self.coordinator.published(self.layer_id) if self.coordinator is not None else None
+        return out + [idx] if idx is not None else out
+
+    def __init__(self, config, layer_id=None, coordinator=None):
+        super().__init__(config)
+        self.layer_id, self.coordinator = layer_id, coordinator
+
+    def _init_layout(self):
+        o = self.config.options
+        self.n_sink, self.chunk_size, self.score_mode, self.budget = o.n_sink, o.chunk_size, o.score, o.budget
+        check_min("chunkkv_budget", self.budget, self.n_sink + self.obs_window + 2 * self.chunk_size - 1,
+                  f"chunkkv_n_sink + {self.obs_window} + 2 * chunkkv_chunk_size - 1 (sinks, the window "
+                  "with its chunk overhang, and one chunk)")
+
+    @classmethod
+    def build_layers(cls, layer_configs):
+        if not layer_configs:
+            return []
+        reuse = layer_configs[0].options.reuse_layers
+        coord = ChunkKVIndexReuseCoordinator(reuse) if reuse > 1 and len(layer_configs) > 1 else None
+        caches = [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
+        if coord is not None:
+            uid = uuid.uuid4().hex
+            for c in caches:
+                c.reuse_id = uid
+        return caches
+
+    def _relink_loaded(self):
+        if not self.reuse_id or self.layer_id is None:
+            return
+        reuse = self.config.options.reuse_layers
+        leader = self.layer_id - self.layer_id % reuse
+        self.coordinator = relink(_LOADED, f"{self.reuse_id}:{leader}", leader == self.layer_id,
+                                  lambda: ChunkKVIndexReuseCoordinator(reuse), "ChunkKVCache: the leader layer")
+
+    state = relinking_state(lambda cache: cache._relink_loaded())
+
+    @property
+    def is_index_reuse_leader(self) -> bool:
+        return self.coordinator is None or self.layer_id is None or self.coordinator.leader_of(self.layer_id) == self.layer_id
+
+    @property
+    def uses_attention_weights(self) -> bool:
+        return self.score_mode == "attn_mass" and self.is_index_reuse_leader
+
+    def _recent_start(self) -> int:
+        """First protected recent position: ``offset - OBS_WINDOW`` rounded down to a chunk boundary."""
+        ns = self.n_sink
+        if self.offset - self.obs_window <= ns:
+            return ns
+        return ns + (self.offset - self.obs_window - ns) // self.chunk_size * self.chunk_size
+
+    def protected(self):
+        pos = self.positions[:, :, : self.rows]
+        return (pos < self.n_sink) | (pos >= self._recent_start())
+
+    def score(self, obs_queries, obs_positions, scale):
+        if not self.is_index_reuse_leader:
+            return None  # followers reuse the leader's selection
+        if self.score_mode == "key_norm":
+            return key_norm_scores(self.keys[:, :, : self.rows])
+        return self.votes[:, :, : self.rows]
+
+    def evict(self, scores, keep=None):
+        self._pending = False
+        if self.rows <= self.budget:
+            return
+        if not self.is_index_reuse_leader:
+            idx = self.coordinator.lookup(self.layer_id, self.offset, self.rows)
+            if idx is not None:
+                self.keep_rows(idx)
+                return
+            scores = key_norm_scores(self.keys[:, :, : self.rows])
+        idx = self.select_chunks(scores)
+        if self.coordinator is not None:
+            self.coordinator.publish(self.layer_id, self.offset, self.rows, idx)
+        self.keep_rows(idx)
+
+    def select_chunks(self, scores: mx.array) -> mx.array:
+        """Row indices [B, H, K] (ascending, the same for every head) of the protected rows and the
+        ``k`` best whole chunks by head-summed ``scores`` [B, H, rows]."""
+        B, H = scores.shape[:2]
+        ns, C, off = self.n_sink, self.chunk_size, self.offset
+        r0 = self._recent_start()
+        n_prot = min(ns, off) + off - r0  # sinks and [r0, offset) are always held
+        k = (self.budget - n_prot) // C
+        n_keep = n_prot + k * C
+        pos = self.positions[:, 0, : self.rows]  # positions are the same in every head
+        prot = (pos < ns) | (pos >= r0)
+        n_chunks = (r0 - ns) // C
+        cid = mx.where(prot, n_chunks, (pos - ns) // C)  # protected rows go to an extra bucket
+        b = mx.broadcast_to(mx.arange(B)[:, None], cid.shape)
+        row = scores.astype(mx.float32).sum(axis=1)
+        totals = mx.zeros((B, n_chunks + 1), mx.float32).at[b, cid].add(row)
+        counts = mx.zeros((B, n_chunks + 1), mx.float32).at[b, cid].add(mx.ones_like(row))
+        valid = (counts > 0) & (mx.arange(n_chunks + 1) < n_chunks)
+        totals = mx.where(valid, totals, -mx.inf)
+        keep = prot
+        if k > 0:
+            top = mx.argpartition(-totals, kth=k - 1, axis=-1)[:, :k]
+            keep = keep | (cid[:, :, None] == top[:, None, :]).any(axis=-1)
+        idx = mx.argpartition(-keep.astype(mx.float32), kth=n_keep - 1, axis=-1)[:, :n_keep]
+        idx = mx.sort(idx, axis=-1).astype(mx.int32)
+        return mx.broadcast_to(idx[:, None, :], (B, H, n_keep))
+
+    chunkkv_kept_bytes = VotingEviction.kept_bytes

@@ -1,0 +1,1 @@
+"""The quantization methods (one module each)."""

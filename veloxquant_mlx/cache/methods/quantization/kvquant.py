@@ -1,0 +1,283 @@
+"""KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million
+Context Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
+
+Paper ideas used here: (1) per-channel key quantization (keys have fixed outlier channels), applied
+to the keys *before* RoPE (pre-RoPE channels keep stable ranges; after RoPE each rotary pair sweeps
+its circle with position, widening every channel's range); (2) non-uniform quantization (nuq): the
+levels of a channel are fitted to its distribution (sensitivity-weighted k-means in the paper)
+instead of being evenly spaced; (3) dense-and-sparse: a small fraction of outlier entries is kept
+exactly in a sparse (index, value) store, so the dense codes only cover the narrowed inlier range;
+(4) the attention-sink token(s) kept in full precision.
+
+Algorithm (a subclass of ``KIVIKVCache``: same full-precision residual of < G tokens, same
+``update_and_fetch``/``attend``; only the storage of whole G-token groups differs), per block of
+whole groups, bits b = ``kvquant_bits``, G = ``kvquant_group_size``:
+
+* pre-RoPE keys: mlx_lm hands a cache keys after RoPE, but RoPE is a known rotation of each channel
+  pair by an angle proportional to the position, so a cache that knows the layer's RoPE can undo it
+  exactly. ``KVCacheBuilder.for_model`` calls ``bind_attention`` with each layer's attention module;
+  ``primitives.rope.rope_spec`` reads its RoPE (checked numerically against the layer). A block of
+  keys at positions t0.. is rotated back to pre-RoPE (``primitives.rope.rotate_rows``, inverse) before
+  everything below, and decoded keys get RoPE re-applied (a rotation of the dequantized rows, no
+  sine per element). A cache made alone (``KVCacheFactory.create``), or bound to a layer whose RoPE
+  ``rope_spec`` cannot reproduce (e.g. YaRN's magnitude scaling), quantizes the post-RoPE keys.
+* keys, per (batch, head, group): the ``ceil(f*G*D)`` largest-magnitude entries (f =
+  ``kvquant_outlier_fraction``) go to the sparse store (uint16 index in the G x D block + float16
+  value); the rest of each channel is normalized by its inlier min/max in the group (float16 scale and
+  bias per channel per group, as KIVI) to u in [0, 1] and coded as the nearest of 2^b per-channel levels.
+  The levels [B, H, D, 2^b] are fitted by ``kvquant_lloyd_iters`` rounds of 1-D Lloyd (k-means) on the
+  normalized values of the block that first fills the quantized part (the prefill), and refitted on
+  a later block when ``kvquant_refit_interval`` > 0 groups were appended since the last fit (each
+  group records which fit it uses). Codes: b bits, packed along the token axis as KIVI's keys.
+* values, per token: the same dense-and-sparse split per (group of G tokens) block, then KIVI's
+  per-token uniform b-bit group quantization of the dense part.
+* the first ``kvquant_n_sink`` tokens are also kept in float16 and replace their dequantized rows.
+
+Dequantized rows = dense part + exact outliers (+ exact sink rows); attention goes through KIVI's
+``attend`` (scores over the dequantized part and the full-precision part, one softmax).
+
+Deviations from the paper (deliberate):
+
+* Pre-RoPE keys come from undoing the layer's RoPE on the keys mlx_lm hands over (the paper quantizes
+  before applying RoPE in the model's own code); the round trip is exact up to float32 rounding of
+  the angles (it grows with the position; tests/test_waterfill.py bounds it), far below the
+  quantization error. Sink rows and the float16 residual
+  stay post-RoPE (they are exact rows the model attends with).
+* Levels are fitted online, per layer/head/channel, on the cache's own prefill (normalized by a
+  per-group min/max), not offline on calibration data with Fisher-information weighting; plain
+  (unweighted) Lloyd.
+* Outliers are the largest-magnitude entries of each G-token block (a fixed count per block, so the
+  store is a dense array), not per-channel thresholds from calibration.
+* Values use uniform per-token levels (plus the sparse outliers), not nuq.
+* Sink tokens are stored in float16 *in addition to* their codes (they also sit in group 0).
+* The residual of < G float16 tokens is KIVI's (the paper quantizes every token on arrival).
+
+Measured (``python scripts/quality_quant_b.py --only kvquant``: SmolLM2-135M float32 on the CPU, 512
+essay tokens + 32 scored decode steps, mean next-token KL vs the plain cache; one text, differences
+under ~20% are noise): keys pre-RoPE 0.0114 at 3 bits, 0.0703 at 2 bits; the same run with
+``bind_attention`` disabled (post-RoPE keys) 0.0137 and 0.0673; bytes unchanged (0.330x, 0.266x).
+On keys that are one vector per head rotated by RoPE the pre-RoPE key error is >100x smaller
+(tests/test_defining_properties.py); on this model's keys the gain is within the noise.
+
+Trim: exact (KIVI's rule: residual tokens + whole groups); a trim that would remove part of the block
+a level fit was made from raises ``ValueError`` (the remaining codes use those levels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ...base import register
+from ...contract import register_with_mlx_lm
+from ...errors import QuantizerConfigError
+from ...primitives.buffers import grow_rows
+from ...primitives import bitpack
+from ...primitives import groupquant as gq
+from ...primitives import nonuniform as nu
+from ...primitives.rope import rope_frequencies, rope_spec, rotate_rows
+from .kivi import RES_DTYPE, KIVIKVCache
+from ...primitives.buffers import grow_columns
+
+
+@register_with_mlx_lm
+@register("kvquant")
+class KVQuantKVCache(KIVIKVCache):
+    """KVQuant: per-channel non-uniform keys, dense-and-sparse outliers, float16 sink tokens."""
+    chunk_invariant = False  # non-uniform levels fitted on the first quantized block
+    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
+
+    array_fields = ("k_codes", "k_scales", "k_biases", "k_levels", "k_fit", "k_oidx", "k_oval",
+                    "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "sink_k", "sink_v", "res_k", "res_v")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "fit_starts", "fit_ends", "rope")
+    object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
+
+    fit_starts: list = []
+    fit_ends: list = []
+    rope: dict | None = None  # the layer's RoPE (primitives.rope spec); None: keys quantized post-RoPE
+
+    def _init_layout(self):
+        o = self.config.options  # validation checked the types, bits (1..8), lower bounds, fraction in [0, 1]
+        G = o.group_size
+        if G < 2 or G % 2:
+            raise QuantizerConfigError("kvquant_group_size", G, "an even int >= 2")
+        if not o.outlier_fraction < 0.5:
+            raise QuantizerConfigError("kvquant_outlier_fraction", o.outlier_fraction, "a float in [0, 0.5)")
+        if o.lloyd_iters > 100:
+            raise QuantizerConfigError("kvquant_lloyd_iters", o.lloyd_iters, "an int in 0..100")
+        if o.n_sink > G:
+            raise QuantizerConfigError("kvquant_n_sink", o.n_sink, f"an int in 0..kvquant_group_size ({G})")
+        self.qbits, self.group, self.frac, self.n_sink = o.bits, G, float(o.outlier_fraction), o.n_sink
+        self.fit_starts, self.fit_ends = [], []
+        self._call = None
+        self.rope, self._omega = None, None
+
+    # ---------------------------------------------------------------- the layer's RoPE
+    def bind_attention(self, attn) -> None:
+        """Read the layer's RoPE (``KVCacheBuilder.for_model`` calls this) so that keys are quantized
+        before it; a RoPE that ``rope_spec`` cannot reproduce leaves the keys post-RoPE."""
+        self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
+        self._omega = None
+
+    def _rope_omega(self) -> mx.array:
+        """The bound RoPE's angle per position of each rotary pair (float32 [dims / 2], made once)."""
+        if self._omega is None:
+            self._omega = rope_frequencies(self.rope)
+        return self._omega
+
+    def _rope(self, k: mx.array, offset: int, inverse: bool) -> mx.array:
+        """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` taken back to pre-RoPE
+        (``inverse``) or rotated forward again; unchanged when no RoPE is bound."""
+        if self.rope is None:
+            return k
+        return rotate_rows(k, self.rope, self._rope_omega(), offset, inverse=inverse)
+
+    def held_arrays(self):
+        """The stored arrays and, with a RoPE bound, its angle table (so ``nbytes`` counts it)."""
+        return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
+
+    dequant_only = "non-uniform codes + outliers"
+
+    def _n_out(self, d: int) -> int:
+        """Sparse entries per G-token block of d channels."""
+        return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
+
+    # ---------------------------------------------------------------- encode
+    def _append_groups(self, kb, vb):
+        G, b = self.group, self.qbits
+        B, H, n, D = kb.shape
+        Dv = vb.shape[-1]
+        g = n // G
+        t0 = self.n_quant
+        g0 = t0 // G
+        if t0 == 0 and self.n_sink:
+            # copies: ``astype`` to the same dtype is a view that would keep the whole block alive
+            self.sink_k = mx.contiguous(kb[:, :, : self.n_sink].astype(RES_DTYPE))
+            self.sink_v = mx.contiguous(vb[:, :, : self.n_sink].astype(RES_DTYPE))
+        # ---- keys (pre-RoPE when the layer's RoPE is bound; rows t0.. are positions t0..):
+        # [B, H, g, D, G] blocks, dense-and-sparse split per block
+        kpre = self._rope(kb.astype(mx.float32), t0, inverse=True)
+        kblk = kpre.reshape(B, H, g, G, D).swapaxes(-1, -2)
+        ko = self._n_out(D)
+        kidx, kval, kd = nu.split_outliers(kblk.reshape(B, H, g, D * G), ko)
+        kd = kd.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)  # [B, H, D, g, G]
+        lo, hi = kd.min(axis=-1, keepdims=True), kd.max(axis=-1, keepdims=True)
+        scale = (hi - lo).astype(mx.float16)
+        bias = lo.astype(mx.float16)
+        s32 = scale.astype(mx.float32)
+        u = mx.clip((kd - bias.astype(mx.float32)) / mx.where(s32 > 0, s32, 1.0), 0.0, 1.0)
+        # level fit (first block, or refit after kvquant_refit_interval groups)
+        ri = self.config.options.refit_interval
+        if not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri):
+            lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.options.lloyd_iters)
+            lv = lv.astype(mx.float16)
+            nf = len(self.fit_starts)
+            L = 1 << b
+            self.k_levels = grow_columns(self.k_levels, nf * L, lv, (nf + 1) * L)
+            self.fit_starts = self.fit_starts + [g0]
+            self.fit_ends = self.fit_ends + [g0 + g]
+        fit = len(self.fit_starts) - 1
+        L = 1 << b
+        lv = self.k_levels[..., fit * L : (fit + 1) * L]
+        codes = nu.encode_levels(u, lv[:, :, :, None, :])  # [B, H, D, g, G]
+        kcodes = bitpack.pack_bits(codes, b).reshape(B, H, D, -1)
+        # ---- values: per block split, then per-token uniform groups
+        vblk = vb.astype(mx.float32).reshape(B, H, g, G * Dv)
+        vo = self._n_out(Dv)
+        vidx, vval, vd = nu.split_outliers(vblk, vo)
+        vq = gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv))
+        # ---- append (values by token rows, per-group arrays follow the value capacity)
+        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
+        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
+        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
+        cap = self.v_codes.shape[2] // G
+        w = self._key_words()
+        self.k_codes = grow_columns(self.k_codes, g0 * w, kcodes, cap * w)
+        self.k_scales = grow_columns(self.k_scales, g0, scale.reshape(B, H, D, g), cap)
+        self.k_biases = grow_columns(self.k_biases, g0, bias.reshape(B, H, D, g), cap)
+        self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
+        if ko:
+            self.k_oidx = grow_columns(self.k_oidx, g0 * ko, kidx.reshape(B, H, g * ko), cap * ko)
+            self.k_oval = grow_columns(self.k_oval, g0 * ko, kval.reshape(B, H, g * ko), cap * ko)
+        if vo:
+            self.v_oidx = grow_columns(self.v_oidx, g0 * vo, vidx.reshape(B, H, g * vo), cap * vo)
+            self.v_oval = grow_columns(self.v_oval, g0 * vo, vval.reshape(B, H, g * vo), cap * vo)
+        self.n_quant = t0 + n
+
+    # ---------------------------------------------------------------- decode
+    def _keys_t(self, n, dtype=mx.float32):
+        G, b = self.group, self.qbits
+        g = n // G
+        B, H, D = self.k_codes.shape[:3]
+        w = self._key_words()
+        L = 1 << b
+        codes = bitpack.unpack_bits(self.k_codes[..., : g * w].reshape(B, H, D, g, w), b, G)
+        nf = len(self.fit_starts)
+        levels = self.k_levels[..., : nf * L].reshape(B, H, D, nf, L).astype(mx.float32)
+        lv = mx.take(levels, self.k_fit[:g], axis=3)  # [B, H, D, g, L]
+        u = nu.decode_levels(codes, lv)
+        x = u * self.k_scales[..., :g, None].astype(mx.float32) + self.k_biases[..., :g, None].astype(mx.float32)
+        ko = self._n_out(D)
+        if ko:
+            blk = x.transpose(0, 1, 3, 2, 4).reshape(B, H, g, D * G)
+            blk = nu.scatter_outliers(blk, self.k_oidx[..., : g * ko].reshape(B, H, g, ko),
+                                      self.k_oval[..., : g * ko].reshape(B, H, g, ko))
+            x = blk.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)
+        x = x.reshape(B, H, D, g * G)
+        if self.rope is not None:  # back to the keys the model attends with
+            x = self._rope(x.swapaxes(-1, -2), 0, inverse=False).swapaxes(-1, -2)
+        if self.n_sink and self.sink_k is not None:
+            x = mx.concatenate([self.sink_k.swapaxes(-1, -2).astype(mx.float32), x[..., self.n_sink :]], axis=-1)
+        return x.astype(dtype)
+
+    def _values(self, n, dtype=mx.float32):
+        G = self.group
+        Dv = self.res_v.shape[-1]
+        v = gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
+                          self.qbits, self.value_group(Dv), mx.float32)
+        B, H = v.shape[:2]
+        g = n // G
+        vo = self._n_out(Dv)
+        if vo:
+            v = nu.scatter_outliers(v.reshape(B, H, g, G * Dv), self.v_oidx[..., : g * vo].reshape(B, H, g, vo),
+                                    self.v_oval[..., : g * vo].reshape(B, H, g, vo)).reshape(B, H, n, Dv)
+        if self.n_sink and self.sink_v is not None:
+            v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
+        return v.astype(dtype)
+
+    # ---------------------------------------------------------------- trim
+    def _trim_rows(self, n):
+        extra = n - self.n_res
+        if extra > 0 and extra % self.group == 0 and extra <= self.n_quant:
+            new_g = (self.n_quant - extra) // self.group
+            keep = [i for i, s in enumerate(self.fit_starts) if s < new_g]
+            if keep and self.fit_ends[keep[-1]] > new_g:
+                raise ValueError(
+                    f"KVQuantKVCache: trimming {n} tokens would remove part of the block (groups "
+                    f"{self.fit_starts[keep[-1]]}..{self.fit_ends[keep[-1]] - 1}) the non-uniform levels of the "
+                    "remaining codes were fitted on; the result would differ from never having seen them")
+            dropped = super()._trim_rows(n)
+            self.fit_starts = self.fit_starts[: len(keep)]
+            self.fit_ends = self.fit_ends[: len(keep)]
+            return dropped
+        return super()._trim_rows(n)
+
+    # ---------------------------------------------------------------- accounting
+    @property
+    def used_nbytes(self) -> int:
+        """KIVI's codes and residual, plus the sparse outliers, the fitted levels and the sink rows."""
+        if self.res_k is None:
+            return 0
+        B, H, _, D = self.res_k.shape
+        g = self.n_quant // self.group
+        sparse = B * H * g * (self._n_out(D) + self._n_out(self.res_v.shape[-1])) * (2 + 2)  # uint16 + float16
+        levels = B * H * D * len(self.fit_starts) * (1 << self.qbits) * 2 + g * 4
+        sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
+        return super().used_nbytes + sparse + levels + sinks
+
+    def bytes_per_token_budget(self, d: int, dv: int) -> float:
+        """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
+        G, b = self.group, self.qbits
+        gv = math.gcd(dv, G)
+        return (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / gv) + 4 * (self._n_out(d) + self._n_out(dv)) / G

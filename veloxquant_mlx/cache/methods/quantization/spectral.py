@@ -1,0 +1,398 @@
+"""``SpectralQuantKVCache`` ("spectral"), a standalone single-head cache: calibrated principal
+subspaces + residual QJL.
+
+Source. "SpectralQuant" has no arXiv paper to cite: it is Dynamis Labs' method ("3% Is All You Need:
+Breaking TurboQuant's Compression Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant,
+2026, manuscripts in that repository). Its observation: key vectors of a head concentrate their
+variance in a few principal directions (participation ratio ``d_eff = (sum l)^2 / sum l^2`` of the
+covariance eigenvalues ``l`` about 3-4% of ``head_dim``), values much less so (``d_eff`` ~40-55).
+That method rotates K/V into the calibrated eigenbasis (not TurboQuant's random rotation), spends
+more bits on the ``d_eff`` "signal" coordinates and applies QJL to them only. This cache implements
+what ``SpectralOptions`` describe (``key_d_eff`` = 4, ``val_d_eff`` = 50, ``apply_qjl``,
+``model_name``): a truncated spectral code with a QJL sketch of the whole key residual (see
+"Deviations").
+
+Algorithm (``d = head_dim``, ``b = bit_width_inlier``, ``r_K = min(spectral_key_d_eff, d)``,
+``r_V = min(spectral_val_d_eff, d)``)
+    Calibration, once per side (keys, values): mean ``mu`` and covariance ``C`` of calibration rows,
+    eigendecomposition ``C = U diag(l) U^T`` (eigenvalues descending; each eigenvector's largest entry
+    made positive). The basis comes from ``config.store`` if it holds one for this model
+    (``spectral_model_name``) and ``head_dim``; otherwise from the first rows appended (see
+    "Calibration rows") and is then saved to the store, so later caches reuse it.
+
+    Encoding a vector ``x`` (per side, ``r`` = r_K or r_V): coefficients ``c = U_r^T (x - mu)`` on the
+    top-``r`` principal directions, whitened ``z = c / sqrt(l_r)``. For Gaussian data ``z`` is
+    isotropic, so it is coded like TurboQuant-MSE codes a rotated vector: its norm ``rho = ||z||``
+    (float16) and, per coordinate of the unit vector ``z / rho``, the ``b``-bit index of the nearest
+    Lloyd–Max centroid for a coordinate of a uniformly random unit vector in R^r (``r = 1``: the exact
+    sign codebook {-1, +1}). Decoding: ``c_hat = rho * sqrt(l_r) * centroid``,
+    ``x_hat = mu + U_r c_hat``. Directions beyond ``r`` are dropped.
+
+    Keys, ``spectral_apply_qjl=True``: the residual ``e = x - x_hat`` (truncation and quantization
+    error) is sketched with 1-bit QJL (arXiv 2406.03482): the ``m = jl_dim`` (default ``d``) signs of
+    ``S e`` (``S`` i.i.d. N(0, 1), seeded) and ``||e||`` (float16). Scores are
+    ``<q, x_hat> + sqrt(pi/2)/m ||e|| <S q, sign(S e)>``, unbiased for ``<q, x>`` (the projection
+    alone is biased: it misses ``<q, e>``, which is systematically positive for a query aligned with
+    its key). Without QJL the score is ``<q, x_hat>``.
+
+    Attention: ``<q, x_hat> = <q, mu> + <U_r^T q, c_hat>`` (the query is projected once); the output is
+    ``mu_V + (sum_i w_i c_hat_i) U_V^T`` (the weights sum to 1), so no value is decoded to ``d``
+    dimensions.
+
+Calibration rows. Until a side is calibrated its rows are held exactly (float32) and scored/averaged
+exactly. The side is calibrated on the first append that brings its held rows to at least
+``n_calib_tokens`` (if set; only the first ``n_calib_tokens`` rows are used) or else ``head_dim`` rows
+(all held rows are used, so a long first block calibrates on all of it); the held rows are then
+encoded and freed. :meth:`calibrate` calibrates a side explicitly from sample rows (which are not
+stored). ``reset()`` keeps the bases (the calibration is per model, done once); to recalibrate, build
+a new cache.
+
+Storage per token: keys ``r_K * b`` bits (padded to 32-bit words) + float16 ``rho``, plus ``m`` sign
+bits (padded) + float16 ``||e||`` with QJL; values ``r_V * b`` bits (padded) + float16 ``rho``.
+Defaults (d = 128, b = 2, m = 128): keys 4 + 2 + 16 + 2 = 24 bytes, values 16 + 2 = 18 bytes (fp16
+K+V: 512). ``memory_bytes()`` also counts rows held for calibration; ``state_bytes()`` the means,
+top-``r`` bases, full spectra, codebooks and JL matrix.
+
+Deviations from Dynamis Labs' SpectralQuant (all of them, as implemented here):
+
+1. Truncation: directions beyond ``d_eff`` are dropped (0 bits) rather than coded with fewer bits;
+   ``d_eff`` is the configured count, not the measured participation ratio (which
+   :meth:`participation_ratio` reports).
+2. QJL sketches the whole key residual (the dropped directions included), making scores unbiased;
+   SpectralQuant applies it to the signal coordinates only.
+3. All kept coordinates get ``b`` bits (no water-filling); coefficients are whitened by the calibrated
+   eigenvalues (floored at 1e-4 of the largest, so that near-null directions are not blown up) and
+   coded as norm + direction with the sphere-coordinate Lloyd–Max codebook; the whitened norm is
+   clamped to the float16 range (only a row thousands of standard deviations outside the
+   calibration data would reach it).
+4. Calibration is per cache (one head) from its own first rows or from the ArtifactStore entry
+   ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` is
+   ``spectral_model_name`` with characters outside ``[A-Za-z0-9.-]`` escaped as ``_<hex>_``); a
+   per-layer/per-head basis needs a distinct ``spectral_model_name`` per cache.
+
+Shared behaviour (inputs, ``attend``, capacity): :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`.
+A row whose centred norm or key residual norm exceeds the float16 range raises ``CacheInputError``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import register
+from ...errors import CacheInputError, QuantizerConfigError
+from ...options import SpectralOptions
+from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
+from ...primitives.codebook import lloyd_max_codebook, nearest_code
+from ...primitives.rowstore import RowStore
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...standalone_util import FP16_MAX, StandaloneCache, as_block, from_store, int_field, is_int, jl_width, qjl_signs
+
+__all__ = ["SpectralQuantKVCache"]
+
+_TINY = 1e-30
+_EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
+
+
+def _options(config) -> dict:
+    """Option name -> value: ``config.options`` (a ``KVCacheConfig``'s), else the flat fields of any
+    other config object (defaults where it lacks them)."""
+    o = getattr(config, "options", None)
+    if isinstance(o, SpectralOptions):
+        return {f: getattr(o, f) for f in SpectralOptions.FIELDS}
+    return {f: getattr(config, flat, getattr(SpectralOptions, f)) for f, flat in SpectralOptions.FIELDS.items()}
+
+
+def _store_prefix(name: str) -> str:
+    """Injective mapping of a model name onto the ArtifactStore key alphabet."""
+    return re.sub(r"[^A-Za-z0-9.\-]", lambda m: f"_{ord(m.group()):x}_", name)
+
+
+def _eigen(rows: mx.array):
+    """Mean, eigenvectors (columns, eigenvalues descending, largest entry positive) and eigenvalues of
+    the rows' covariance, as float32 NumPy arrays (computed with MLX on the CPU stream)."""
+    x = rows.astype(mx.float32)
+    mu = mx.mean(x, axis=0)
+    xc = x - mu
+    lam, vec = mx.linalg.eigh((xc.T @ xc) / x.shape[0], stream=mx.cpu)
+    lam = np.clip(np.asarray(lam)[::-1], 0.0, None)
+    vec = np.ascontiguousarray(np.asarray(vec)[:, ::-1])
+    sign = np.sign(vec[np.argmax(np.abs(vec), axis=0), np.arange(vec.shape[1])])
+    vec = vec * np.where(sign == 0, 1.0, sign)[None, :]
+    return np.asarray(mu, dtype=np.float32), vec.astype(np.float32), lam.astype(np.float32)
+
+
+class _Side:
+    """One calibrated (or not yet calibrated) stream: keys or values."""
+
+    def __init__(self, kind: str, d: int, r: int, bits: int, extra_specs: dict, initial: int):
+        self.kind, self.d, self.r, self.bits = kind, d, r, bits
+        self.mean = self.basis = self.eigenvalues = self.sqrt_lam = None
+        self.codebook = mx.array([-1.0, 1.0]) if r == 1 else lloyd_max_codebook(bits, r)
+        specs = {"codes": ((packed_words(r, bits),), mx.uint32), "rho": ((), mx.float16), **extra_specs}
+        self.rows = RowStore(specs, initial)
+        self.pending: Optional[mx.array] = None  # exact rows held until calibration
+
+    @property
+    def calibrated(self) -> bool:
+        return self.basis is not None
+
+    @property
+    def n(self) -> int:
+        return self.rows.n if self.calibrated else (0 if self.pending is None else self.pending.shape[0])
+
+    def set_basis(self, mean, vectors, eigenvalues) -> None:
+        self.mean = mx.array(mean, dtype=mx.float32)
+        self.eigenvalues = mx.array(eigenvalues, dtype=mx.float32)
+        self.basis = mx.array(vectors, dtype=mx.float32)[:, : self.r]
+        lam = np.asarray(eigenvalues, dtype=np.float64)[: self.r]
+        floor = max(float(lam.max(initial=0.0)) * _EIG_FLOOR, 1e-12)
+        self.sqrt_lam = mx.array(np.sqrt(np.maximum(lam, floor)).astype(np.float32))
+
+    def state_arrays(self) -> list:
+        return [a for a in (self.mean, self.basis, self.eigenvalues, self.sqrt_lam, self.codebook) if a is not None]
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes() + (0 if self.pending is None else self.pending.nbytes)
+
+    def encode(self, x: mx.array):
+        """``(n, d)`` rows -> (rows dict of codes and rho, decoded coefficients ``c_hat`` (n, r))."""
+        c = (x - self.mean) @ self.basis
+        z = c / self.sqrt_lam
+        zmax = mx.maximum(mx.max(mx.abs(z), axis=1, keepdims=True), _TINY)
+        zs = z / zmax  # scaled first so that the norm cannot overflow
+        zn = mx.sqrt(mx.sum(zs * zs, axis=1, keepdims=True))
+        codes = nearest_code(zs / mx.maximum(zn, _TINY), self.codebook)
+        rho16 = mx.minimum(zn[:, 0] * zmax[:, 0], FP16_MAX).astype(mx.float16)
+        rows = {"codes": pack_bits(codes, self.bits), "rho": rho16}
+        return rows, self._coefficients(codes, rho16)
+
+    def _coefficients(self, codes: mx.array, rho16: mx.array) -> mx.array:
+        cent = mx.take(self.codebook, codes.astype(mx.int32))
+        return cent * self.sqrt_lam[None, :] * rho16.astype(mx.float32)[:, None]
+
+    def coefficients(self, n: int) -> mx.array:
+        """Decoded coefficients ``c_hat`` ``(n, r)`` of the ``n`` oldest encoded rows."""
+        codes = unpack_bits(self.rows.view("codes")[:n], self.bits, self.r)
+        return self._coefficients(codes, self.rows.view("rho")[:n])
+
+    def decode(self, n: int) -> mx.array:
+        return self.mean + self.coefficients(n) @ self.basis.T
+
+    def drop_oldest(self, n: int) -> None:
+        if self.calibrated:
+            self.rows.drop_oldest(n)
+        elif self.pending is not None:
+            self.pending = self.pending[min(n, self.pending.shape[0]):]
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.pending = None
+
+
+@register("spectral")
+class SpectralQuantKVCache(StandaloneCache):
+    """SpectralQuant-style cache: keys and values projected onto calibrated principal directions
+    (``spectral_key_d_eff`` / ``spectral_val_d_eff``, clipped to ``head_dim``), the whitened projections
+    coded at ``bit_width_inlier`` bits per coordinate (norm + sphere Lloyd–Max codebook), plus, with
+    ``spectral_apply_qjl``, a 1-bit QJL sketch (``jl_dim`` signs, default ``head_dim``) of the key
+    residual that makes scores unbiased. Bases come from ``store`` under ``spectral_model_name`` or
+    from the first rows. See the module docstring for the algorithm, storage and every deviation.
+    """
+
+    def __init__(self, config):
+        initial = self._setup(config)
+        d, b, seed = self.head_dim, self.bit_width_inlier, self.seed
+        o = _options(config)
+        for f in ("key_d_eff", "val_d_eff"):
+            if not is_int(o[f]) or o[f] < 1:
+                raise QuantizerConfigError(f"spectral_{f}", o[f], "an int >= 1 (clipped to head_dim)")
+        if not isinstance(o["apply_qjl"], bool):
+            raise QuantizerConfigError("spectral_apply_qjl", o["apply_qjl"], "True or False")
+        if not isinstance(o["model_name"], str) or not o["model_name"]:
+            raise QuantizerConfigError("spectral_model_name", o["model_name"], "a non-empty str")
+        self.apply_qjl, self.model_name = o["apply_qjl"], o["model_name"]
+        m = jl_width(config, d)
+        self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
+        self.jl_dim = m if self.apply_qjl else None
+        self.key_d_eff, self.val_d_eff = min(int(o["key_d_eff"]), d), min(int(o["val_d_eff"]), d)
+
+        qjl_specs = {"signs": ((packed_words(m, 1),), mx.uint32), "rnorm": ((), mx.float16)} if self.apply_qjl else {}
+        self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial)
+        self._values = _Side("value", d, self.val_d_eff, b, {}, initial)
+        self.sketch = (
+            from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed), (m, d))
+            if self.apply_qjl else None
+        )
+        for side in (self._keys, self._values):
+            self._load(side)
+
+    # ---- calibration -----------------------------------------------------------------------------
+    def _store_key(self, side: _Side, part: str) -> str:
+        return f"{_store_prefix(self.model_name)}.spectral.{side.kind}.d{self.head_dim}.{part}"
+
+    def _load(self, side: _Side) -> None:
+        if self.store is None:
+            return
+        parts = [self.store.get(self._store_key(side, p)) for p in ("mean", "basis", "eigenvalues")]
+        if any(p is None for p in parts):
+            return
+        d = self.head_dim
+        for p, part, shape in zip(parts, ("mean", "basis", "eigenvalues"), ((d,), (d, d), (d,))):
+            if tuple(p.shape) != shape:
+                raise QuantizerConfigError("store", self._store_key(side, part),
+                                           f"an artifact of shape {shape}, got {tuple(p.shape)}")
+        side.set_basis(*(np.asarray(p, dtype=np.float32) for p in parts))
+
+    def _calibrate_side(self, side: _Side, rows: mx.array, held: Optional[mx.array]) -> None:
+        """Calibrate ``side`` on ``rows`` and encode the ``held`` rows; no change if anything raises."""
+        if side.rows.n:
+            raise CacheInputError(f"the {side.kind} side already holds encoded rows; build a new cache to recalibrate")
+        mean, vectors, lam = _eigen(rows)
+        old = (side.mean, side.basis, side.eigenvalues, side.sqrt_lam)
+        side.set_basis(mean, vectors, lam)
+        try:
+            encoded = self._encode_rows(side, held) if held is not None and held.shape[0] else None
+        except CacheInputError:
+            side.mean, side.basis, side.eigenvalues, side.sqrt_lam = old
+            raise
+        if self.store is not None:
+            for part, arr in (("mean", mean), ("basis", vectors), ("eigenvalues", lam)):
+                self.store.put(self._store_key(side, part), mx.array(arr))
+        side.pending = None
+        if encoded is not None:
+            side.rows.append(encoded)
+
+    def calibrate(self, keys=None, values=None) -> None:
+        """Calibrate the key and/or value basis from sample rows ``(n, d)`` (not stored in the cache),
+        replacing any basis loaded or computed before; rows held for calibration are then encoded.
+        Raises ``CacheInputError`` if that side already holds encoded rows."""
+        for side, x, what in ((self._keys, keys, "keys"), (self._values, values, "values")):
+            if x is None:
+                continue
+            x, _ = as_block(x, self.head_dim, what)
+            if x.shape[0] < 2:
+                raise CacheInputError(f"calibration {what} need at least 2 rows, got {x.shape[0]}")
+            self._calibrate_side(side, x, side.pending)
+
+    def _append(self, side: _Side, x: mx.array) -> None:
+        if side.calibrated:
+            side.rows.append(self._encode_rows(side, x))
+            return
+        if mx.max(mx.sum(x * x, axis=1)).item() > FP16_MAX**2:
+            raise CacheInputError(f"{side.kind} norm exceeds the float16 range ({FP16_MAX}) of the stored norms")
+        held = x if side.pending is None else mx.concatenate([side.pending, x], axis=0)
+        need = self.n_calib_tokens if self.n_calib_tokens is not None else self.head_dim
+        if held.shape[0] >= max(need, 2):
+            calib = held if self.n_calib_tokens is None else held[: self.n_calib_tokens]
+            self._calibrate_side(side, calib, held)
+        else:
+            mx.eval(held)
+            side.pending = held
+
+    def _encode_rows(self, side: _Side, x: mx.array) -> dict:
+        """Per-token arrays of the encoded rows ``x`` (raises ``CacheInputError`` before any change)."""
+        centred = mx.sum((x - side.mean) ** 2, axis=1)
+        if mx.max(centred).item() > FP16_MAX**2:
+            raise CacheInputError(f"{side.kind} is farther than {FP16_MAX} from the calibrated mean")
+        rows, chat = side.encode(x)
+        if side is self._keys and self.apply_qjl:
+            resid = x - (side.mean + chat @ side.basis.T)
+            rnorm = mx.sqrt(mx.sum(resid * resid, axis=1))
+            if mx.max(rnorm).item() > FP16_MAX:
+                raise CacheInputError(f"key residual norm exceeds the float16 range ({FP16_MAX})")
+            rows["signs"] = pack_bits((resid @ self.sketch.T) >= 0, 1)
+            rows["rnorm"] = rnorm.astype(mx.float16)
+        return rows
+
+    # ---- diagnostics -----------------------------------------------------------------------------
+    def _side(self, kind: str) -> _Side:
+        if kind not in ("key", "value"):
+            raise ValueError(f"kind={kind!r} is invalid: expected 'key' or 'value'")
+        return self._keys if kind == "key" else self._values
+
+    def calibrated(self, kind: str = "key") -> bool:
+        return self._side(kind).calibrated
+
+    def eigenvalues(self, kind: str = "key") -> Optional[mx.array]:
+        """The full calibrated covariance spectrum ``(d,)``, descending (None before calibration)."""
+        return self._side(kind).eigenvalues
+
+    def basis(self, kind: str = "key") -> Optional[mx.array]:
+        """The ``(d, r)`` principal directions kept (columns), or None before calibration."""
+        return self._side(kind).basis
+
+    def mean(self, kind: str = "key") -> Optional[mx.array]:
+        return self._side(kind).mean
+
+    def participation_ratio(self, kind: str = "key") -> Optional[float]:
+        """``(sum l)^2 / sum l^2`` of the calibrated spectrum (SpectralQuant's ``d_eff``)."""
+        lam = self._side(kind).eigenvalues
+        if lam is None:
+            return None
+        lam = np.asarray(lam, dtype=np.float64)
+        return float(lam.sum() ** 2 / max((lam * lam).sum(), 1e-300))
+
+    def captured_energy(self, kind: str = "key") -> Optional[float]:
+        """Fraction of the calibration variance on the kept directions: ``sum_{j<r} l_j / sum_j l_j``."""
+        side = self._side(kind)
+        if side.eigenvalues is None:
+            return None
+        lam = np.asarray(side.eigenvalues, dtype=np.float64)
+        return float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
+
+    def _state_arrays(self) -> list:
+        """Means, bases, spectra, codebooks and the JL matrix."""
+        out = self._keys.state_arrays() + self._values.state_arrays()
+        return out + ([self.sketch] if self.sketch is not None else [])
+
+    # ---- rows and scores -------------------------------------------------------------------------
+    def append_key(self, k) -> None:
+        k, _ = as_block(k, self.head_dim, "key")
+        if k.shape[0]:
+            self._append(self._keys, k)
+
+    def append_value(self, v) -> None:
+        v, _ = as_block(v, self.head_dim, "value")
+        if v.shape[0]:
+            self._append(self._values, v)
+
+    def _qjl_signs(self, n: int) -> mx.array:
+        return qjl_signs(self._keys.rows, "signs", n, self.jl_dim)
+
+    def _scores(self, q: mx.array, n: int) -> mx.array:
+        side = self._keys
+        if not side.calibrated:
+            return q @ (side.pending[:n].T if side.pending is not None else mx.zeros((self.head_dim, 0)))
+        s = (q @ side.mean)[:, None] + (q @ side.basis) @ side.coefficients(n).T
+        if self.apply_qjl:
+            s = s + qjl_inner_product(q, self._qjl_signs(n), self._keys.rows.view("rnorm")[:n], self.sketch)
+        return s
+
+    def reconstruct_keys(self, with_qjl: bool = True) -> mx.array:
+        """``(n_keys, d)`` float32 decoded keys: ``mu + U_r c_hat`` and, with QJL (and ``with_qjl``),
+        the term ``sqrt(pi/2)/m ||e|| S^T sign(S e)`` whose inner product with a query is the score
+        correction (not an MSE reconstruction). Rows held before calibration are returned exactly."""
+        side, n = self._keys, self._keys.n
+        if not side.calibrated:
+            return side.pending if side.pending is not None else mx.zeros((0, self.head_dim))
+        out = side.decode(n)
+        if self.apply_qjl and with_qjl:
+            out = out + qjl_dequantize(self._qjl_signs(n), self._keys.rows.view("rnorm")[:n], self.sketch)
+        return out
+
+    def reconstruct_values(self) -> mx.array:
+        """``(n_values, d)`` float32 decoded values (exact for rows held before calibration)."""
+        side = self._values
+        if not side.calibrated:
+            return side.pending if side.pending is not None else mx.zeros((0, self.head_dim))
+        return side.decode(side.n)
+
+    def _attend_values(self, w: mx.array, n: int) -> mx.array:
+        side = self._values  # calibrated: mu_V + (w @ c_hat) U_V^T, no value decoded to d dimensions
+        if side.calibrated:
+            return side.mean[None, :] + (w @ side.coefficients(n)) @ side.basis.T
+        return w @ side.pending[:n]
