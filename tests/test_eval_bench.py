@@ -511,8 +511,8 @@ def test_method_settings_and_sweeps_resolve():
     assert [s.label for s in specs] == ["h2o h2o_budget=16", "h2o h2o_budget=32",
                                         "tova tova_budget=16", "tova tova_budget=32"]
     assert specs[1].config().options.budget == 32
-    with pytest.raises(cli.UsageError, match="applies to none"):
-        resolve_methods(["kivi"], sweeps=["budget=16,32"])
+    with pytest.raises(cli.UsageError, match="--sweep bit_width_inlier=2,4: 'bit_width_inlier' applies to none"):
+        resolve_methods(["h2o"], sweeps=["bit_width_inlier=2,4"])
     with pytest.raises(cli.UsageError, match="takes no settings"):
         resolve_methods(["none window=3"])
     with pytest.raises(cli.UsageError, match="method 'kivi' has no setting 'budget'"):
