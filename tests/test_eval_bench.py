@@ -448,8 +448,8 @@ def test_eval_outputs_without_matplotlib_say_which_extra(tmp_path, monkeypatch):
 def test_eval_flags_reproduce_the_retired_quality_scripts(tmp_path, capsys, monkeypatch, tiny):
     """One ``eval`` run with several configurations of a method, a budget sweep and two contexts gives the
     numbers the retired scripts computed with ``next_token_fidelity`` on a hand-built config (same config ->
-    same KLD and bytes): scripts/quality_scoring.py (h2o budgets and its paper-like variant),
-    quality_quant_a.py (skvq options), quality_query.py (KVzip with its reconstruction pass)."""
+    same KLD and bytes): the scoring script (h2o budgets and its paper-like variant), the quantizer script
+    (skvq options), the query-aware script (KVzip with its reconstruction pass); ``git show bf46cf3:scripts``."""
     import veloxquant_mlx.model as model_mod
     from veloxquant_mlx.cache import KVCacheConfig
     from veloxquant_mlx.cache.methods.kvzip import KVzipKVCache
@@ -487,7 +487,7 @@ def test_eval_flags_reproduce_the_retired_quality_scripts(tmp_path, capsys, monk
             assert (row["top1_agree"], row["kv_bytes"]) == (r.top1_agree, r.kv_bytes), (context, label)
     assert by[(96, "h2o h2o_budget=32")]["kv_bytes"] < by[(96, "h2o h2o_budget=48")]["kv_bytes"]
 
-    # --reconstruct: KVzip's compress_with_model between the prefill and the scored steps, as quality_query.py did
+    # --reconstruct: KVzip's compress_with_model between the prefill and the scored steps, as the script did
     code, out, err = run_cli(capsys, "eval", "--method", "kvzip budget=32", "--reconstruct", "--task", "kld",
                              "--context", "96", "--n-score", "6", "--text-file", str(text_file), "--json")
     assert code == 0, err

@@ -46,7 +46,7 @@ Deviations from the paper (deliberate):
   8-bit per-token codes. Consequence, measured: min/max-scaled codes of a group spread over all
   levels, so their empirical entropy is close to b bits and the coder saves little (SmolLM2-135M,
   512 essay tokens: saved form 0-6% smaller than fixed width, most at 2 bits; per-(head, channel)
-  tables pay off only at long contexts; ``scripts/quality_quant_c.py``).
+  tables pay off only at long contexts; ``veloxquant cache save``).
 * On SmolLM2-135M the value deltas do not help: 2-bit uniform KL 0.157 with deltas vs 0.119 without
   (its values have weak token locality, so x_t - x_anchor has a wider range than x_t); deltas are
   still the default (``cachegen_use_delta=True``, the paper's design).
