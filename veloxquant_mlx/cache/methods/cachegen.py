@@ -26,7 +26,7 @@ Algorithm (a ``KIVIKVCache`` subclass: same float16 residual of < G tokens, same
 * In memory the codes are fixed-width: b-bit codes bit-packed per group (``primitives.bitpack``),
   which attention (KIVI's ``attend`` through ``_keys_t``/``_values``) dequantizes.
 * Saved form (``state``, what ``save_prompt_cache`` writes): the key and value codes are
-  entropy-coded by ``primitives.entropy`` (static-frequency rANS, frequencies stored in the stream):
+  entropy-coded by ``primitives.entropy`` (static-frequency ANS by constriction, tables in the stream):
   with ``cachegen_per_channel`` one table per (batch, head, channel) (paper section 5.1.3: grouping
   by channel and layer), otherwise one per (batch, head); scales, biases, anchors and the residual are
   saved as they are. Loading decodes the streams bit-exactly back to the same codes. Coding is
