@@ -361,7 +361,7 @@ def cmd_bench(args) -> int:
 def add_subcommands(sub) -> None:
     """Add ``eval`` and ``bench`` to the ``veloxquant`` subparsers."""
     e = sub.add_parser("eval", help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
-    e.add_argument("--method", action="append", default=[], metavar="METHOD [FIELD=VALUE ...]",
+    e.add_argument("--method", action="append", default=[], metavar='"METHOD [FIELD=VALUE ...]"',
                    help=f"a method, or one configuration of it with its own settings in the same argument "
                         f"(repeatable, so one run compares several); {NONE!r} is always run")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
