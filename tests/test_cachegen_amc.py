@@ -189,7 +189,7 @@ def test_amc_tier_fractions_saliency_and_bytes_follow_mix(k_high, k_mid):
 
 
 # ------------------------------------------------------------------------------------ real model
-# Measured by scripts/quality_quant_c.py (SmolLM2-135M float32 on the CPU, 512-token essay context +
+# Measured by veloxquant eval --task kld (SmolLM2-135M float32 on the CPU, 512-token essay context +
 # 32 scored decode steps): cachegen default (6/5/4 bits by layer third) KL 0.0020; amc default
 # (6/10/16 of 32 tokens at 8/4/2 bits) KL 0.085. Here 256 + 16 tokens (faster), with margin.
 N_CTX, N_SCORE = 256, 16

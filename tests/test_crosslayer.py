@@ -216,7 +216,7 @@ def test_minicache_contract_on_tiny_models(tmp_path):
 
 # ------------------------------------------------------------------------------------ real model
 N_CTX, N_SCORE = 512, 32
-# Measured by scripts/quality_crosslayer.py (SmolLM2-135M float32 on the CPU, 512-token essay context
+# Measured by veloxquant eval --task kld (SmolLM2-135M float32 on the CPU, 512-token essay context
 # + 32 scored decode steps, merging from half depth): theta 0 -> KL 0.444, kv/fp16 0.962, 55% of the
 # merge layers' rows retained (adjacent SmolLM2 layers are nearly orthogonal token by token); the
 # default theta 0.9 retains everything (KL 0, kv/fp16 1.064).
@@ -371,7 +371,7 @@ def test_xkv_contract_on_tiny_models(tmp_path):
         assert all(c.offset == 81 and c.n_quant == 64 for c in mine) and mine[0].rank == 8
 
 
-# Measured by scripts/quality_crosslayer.py (same setting as minicache above): default xkv (pairs,
+# Measured by veloxquant eval --task kld (same setting as minicache above): default xkv (pairs,
 # energy 0.95, 4-bit latents) KL 0.191, kv/fp16 0.342.
 @pytest.mark.real_model
 def test_xkv_real_model_kl():

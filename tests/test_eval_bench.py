@@ -9,9 +9,7 @@ the ``tiny`` shape with tiny contexts. The two ``real_model`` tests use the embe
 from __future__ import annotations
 
 import json
-import math
 import struct
-import zlib
 
 import pytest
 
@@ -371,10 +369,8 @@ def test_eval_cli_on_tiny_text_file(tmp_path, capsys, monkeypatch, tiny):
     assert all(tuple(r) == tasks.ROW_KEYS for r in rows)
     assert "loading model" not in err  # --json: no progress
     md = (out_dir / "results.md").read_text()
-    assert "| streaming_llm | stream_window_size=16 | kld | 160 |" in md and "pareto.png" in md
+    assert "| streaming_llm | stream_window_size=16 | kld | 160 |" in md
     assert json.loads((out_dir / "results.json").read_text()) == rows
-    png = (out_dir / "pareto.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # the table
     code, out, err = run_cli(capsys, "eval", "--method", "kivi", "--task", "kld", "--text-file", str(text_file),
                              "--context", "64", "--n-score", "2")
@@ -402,26 +398,122 @@ def test_eval_cli_real_model_kld(tmp_path, capsys):
     assert stream["kld"] > none["kld"] and stream["kv_fraction_of_fp16"] < none["kv_fraction_of_fp16"]
 
 
-def test_png_writer_and_pareto(tmp_path):
-    path = tmp_path / "x.png"
-    plot.write_png(path, 3, 2, bytes(range(18)))
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    w, h = struct.unpack(">II", data[16:24])
-    assert (w, h) == (3, 2)
-    idat = data[data.index(b"IDAT") + 4: data.index(b"IEND") - 8]
-    raw = zlib.decompress(idat)
-    assert raw == b"\x00" + bytes(range(9)) + b"\x00" + bytes(range(9, 18))
-    f = "kv_fraction_of_fp16"
-    pts = [{"label": "a", "method": "a", f: 1.0, "kld": 0.0},
-           {"label": "b", "method": "b", f: 0.25, "kld": 0.1},
-           {"label": "c", "method": "c", f: 0.33, "kld": 0.2},  # dominated by b
-           {"label": "d", "method": "d", f: 0.5, "kld": 0.01}]
-    assert [p["label"] for p in plot.pareto_front(pts)] == ["b", "d", "a"]
-    rows = [{"task": "kld", "label": p["label"], "method": p["method"], f: p[f],
-             "kld": p["kld"]} for p in pts]
+F = "kv_fraction_of_fp16"
+PARETO_PTS = [{"label": "a", "method": "a", F: 1.0, "kld": 0.0},
+              {"label": "b", "method": "b", F: 0.25, "kld": 0.1},
+              {"label": "c", "method": "c", F: 0.33, "kld": 0.2},  # dominated by b
+              {"label": "d", "method": "d", F: 0.5, "kld": 0.01}]
+PARETO_ROWS = [{"task": "kld", **p} for p in PARETO_PTS]
+
+
+def test_pareto_front():
+    assert [p["label"] for p in plot.pareto_front(PARETO_PTS)] == ["b", "d", "a"]
+    assert plot.pareto_points(PARETO_ROWS) == PARETO_PTS
+    assert plot.plot_pareto([{"task": "niah", "kld": None}], "unused.png") is False  # nothing to draw
+
+
+def test_plot_pareto_writes_png_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
     out = tmp_path / "p.png"
-    assert plot.plot_pareto(rows, out, prefer_matplotlib=False) == "builtin"
-    assert out.read_bytes()[:4] == b"\x89PNG"
-    assert plot.plot_pareto([{"task": "niah", "kld": None}], out) is None
-    assert math.isfinite(plot._log_range([0.0, 0.5])[0])
+    assert plot.plot_pareto(PARETO_ROWS, out) is True
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (800, 500)  # figsize 8x5 inches at 100 dpi
+    md_dir = tmp_path / "out"
+    cli_measure.write_eval_outputs(_full_rows(), md_dir, {"model": "m"}, note=lambda m: None)
+    assert (md_dir / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![kv_fraction_of_fp16 vs KLD](pareto.png)" in (md_dir / "results.md").read_text()
+
+
+def _full_rows():
+    return [{**dict.fromkeys(tasks.ROW_KEYS), "settings": {}, "context": 64, **r} for r in PARETO_ROWS]
+
+
+def test_eval_outputs_without_matplotlib_say_which_extra(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    notes = []
+    cli_measure.write_eval_outputs(_full_rows(), tmp_path, {"model": "m"}, note=notes.append)
+    assert notes[0] == "no pareto.png: " + plot.PLOT_EXTRA_HINT and "veloxquant-mlx[plot]" in notes[0]
+    assert not (tmp_path / "pareto.png").exists()
+    md = (tmp_path / "results.md").read_text()
+    assert "| a | defaults | kld | 64 |" in md and "pareto.png" not in md
+    assert "Pareto front" in md  # the front is still listed in words
+
+
+# --------------------------------------------------------------------------- the retired quality scripts
+
+
+def test_eval_flags_reproduce_the_retired_quality_scripts(tmp_path, capsys, monkeypatch, tiny):
+    """One ``eval`` run with several configurations of a method, a budget sweep and two contexts gives the
+    numbers the retired scripts computed with ``next_token_fidelity`` on a hand-built config (same config ->
+    same KLD and bytes): the scoring script (h2o budgets and its paper-like variant), the quantizer script
+    (skvq options), the query-aware script (KVzip with its reconstruction pass); ``git show bf46cf3:scripts``."""
+    import veloxquant_mlx.model as model_mod
+    from veloxquant_mlx.cache import KVCacheConfig
+    from veloxquant_mlx.cache.methods.kvzip import KVzipKVCache
+    from veloxquant_mlx.cache.options import H2OOptions, KVzipOptions, SKVQOptions
+    from veloxquant_mlx.eval.fidelity import next_token_fidelity, reference_logprobs
+
+    model, tok = tiny
+    monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: tiny)
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT)
+    code, out, err = run_cli(capsys, "eval", "--method", "h2o", "--method", "h2o decay=1.0 grace=16",
+                             "--method", "skvq window=32 reorder=false", "--sweep", "h2o:budget=32,48",
+                             "--task", "kld", "--context", "96,128", "--n-score", "6",
+                             "--text-file", str(text_file), "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [(r["context"], r["label"]) for r in rows] == [(c, lab) for c in (96, 128) for lab in (
+        "none", "h2o h2o_budget=32", "h2o h2o_budget=48", "h2o h2o_decay=1.0 h2o_grace=16 h2o_budget=32",
+        "h2o h2o_decay=1.0 h2o_grace=16 h2o_budget=48", "skvq skvq_window=32 skvq_reorder=False")]
+    by = {(r["context"], r["label"]): r for r in rows}
+    configs = {  # the retired scripts' own configurations
+        "h2o h2o_budget=32": KVCacheConfig(method="h2o", options=H2OOptions(budget=32)),
+        "h2o h2o_decay=1.0 h2o_grace=16 h2o_budget=48": KVCacheConfig(
+            method="h2o", options=H2OOptions(budget=48, decay=1.0, grace=16)),
+        "skvq skvq_window=32 skvq_reorder=False": KVCacheConfig(
+            method="skvq", options=SKVQOptions(window=32, reorder=False)),
+    }
+    for context in (96, 128):
+        ids = tasks.text_tokens(tok, context + 6, TEXT)
+        ref = reference_logprobs(model, ids, context, 6)
+        for label, cfg in configs.items():
+            r = next_token_fidelity(model, ids, context, 6, cfg, ref_logp=ref)
+            row = by[(context, label)]
+            assert row["kld"] == pytest.approx(r.kld, rel=1e-6, abs=1e-9), (context, label)
+            assert (row["top1_agree"], row["kv_bytes"]) == (r.top1_agree, r.kv_bytes), (context, label)
+    assert by[(96, "h2o h2o_budget=32")]["kv_bytes"] < by[(96, "h2o h2o_budget=48")]["kv_bytes"]
+
+    # --reconstruct: KVzip's compress_with_model between the prefill and the scored steps, as the script did
+    code, out, err = run_cli(capsys, "eval", "--method", "kvzip budget=32", "--reconstruct", "--task", "kld",
+                             "--context", "96", "--n-score", "6", "--text-file", str(text_file), "--json")
+    assert code == 0, err
+    row = json.loads(out)[1]
+    ids = tasks.text_tokens(tok, 102, TEXT)
+    cfg = KVCacheConfig(method="kvzip", options=KVzipOptions(budget=32))
+    with_pass = next_token_fidelity(model, ids, 96, 6, cfg, after_prefill=lambda caches, ctx: (
+        KVzipKVCache.compress_with_model(model, caches, ctx, tokenizer=tok)))
+    without = next_token_fidelity(model, ids, 96, 6, cfg)
+    assert row["kld"] == pytest.approx(with_pass.kld, rel=1e-6, abs=1e-9) and row["kv_bytes"] == with_pass.kv_bytes
+    assert abs(row["kld"] - without.kld) > 1e-4  # the pass ran: other rows kept than without it
+
+
+def test_method_settings_and_sweeps_resolve():
+    specs = resolve_methods(["snapkv budget=64", "snapkv budget=96 obs_window=8", "kivi"], ["bit_width_inlier=2"],
+                            sweeps=["kivi:bit_width_inlier=2,4"])
+    assert [(s.method, s.settings) for s in specs] == [
+        ("none", {}), ("snapkv", {"snap_budget": 64}), ("snapkv", {"snap_budget": 96, "snap_obs_window": 8}),
+        ("kivi", {"bit_width_inlier": 2}), ("kivi", {"bit_width_inlier": 4})]
+    specs = resolve_methods(["h2o", "tova"], sweeps=["budget=16,32"], include_none=False)
+    assert [s.label for s in specs] == ["h2o h2o_budget=16", "h2o h2o_budget=32",
+                                        "tova tova_budget=16", "tova tova_budget=32"]
+    assert specs[1].config().options.budget == 32
+    with pytest.raises(cli.UsageError, match="--sweep bit_width_inlier=2,4: 'bit_width_inlier' applies to none"):
+        resolve_methods(["h2o"], sweeps=["bit_width_inlier=2,4"])
+    with pytest.raises(cli.UsageError, match="takes no settings"):
+        resolve_methods(["none window=3"])
+    with pytest.raises(cli.UsageError, match="method 'kivi' has no setting 'budget'"):
+        resolve_methods(["kivi budget=3"])

@@ -525,7 +525,7 @@ def test_cam_gate_is_seeded_and_unbiased():
 @pytest.mark.real_model
 def test_real_model_layer_budgets_and_fidelity():
     """SmolLM2-135M: the pyramid and the squeeze coordinator on a real model (30 layers) keep the
-    total budget and stay close to the uncompressed model (the full table: scripts/quality_layers.py)."""
+    total budget and stay close to the uncompressed model (the full table: docs/RESULTS.md)."""
     from veloxquant_mlx.assets import essays_text
     from veloxquant_mlx.eval.fidelity import next_token_fidelity
     from veloxquant_mlx.model import load_model

@@ -481,7 +481,7 @@ def test_spec_telemetry_properties():
 def test_real_model_smoke_at_half_budget():
     """On SmolLM2-135M, one method per scoring path (accumulated attention through the dispatch
     point, a real-query window, query-free): evicting half of a 192-token essay context keeps the
-    next-token distribution close. scripts/quality_scoring.py measures all methods at 1024 tokens."""
+    next-token distribution close. docs/RESULTS.md has all methods at 1024 tokens."""
     from veloxquant_mlx.assets import essays_text
     from veloxquant_mlx.eval.fidelity import next_token_fidelity
     from veloxquant_mlx.model import load_model

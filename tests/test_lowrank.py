@@ -334,7 +334,7 @@ def test_kvtc_dp_meets_budget_and_beats_uniform():
 
 # ------------------------------------------------------------------------------------ real model
 N_CTX, N_SCORE = 512, 32
-# Measured by scripts/quality_lowrank.py (SmolLM2-135M float32 on the CPU, 512-token essay context +
+# Measured by veloxquant eval --task kld (SmolLM2-135M float32 on the CPU, 512-token essay context +
 # 32 scored decode steps, default options; svdq values 4-bit KIVI): see KL_MEASURED.
 # palu (factors of the weights alone, no calibration data: see docs/RESULTS.md) measured by this test.
 KL_MEASURED = {"svdq": 0.227, "palu": 1.869, "kvtc": 0.167}  # kv/fp16: 0.39, 0.46, 0.60

@@ -281,3 +281,25 @@ def test_qjl_estimator_is_unbiased_and_matches_dequantize():
     one = qjl_inner_product(mx.array(q[0]), signs, norms, s)
     assert one.shape == (8,)
     assert QJL_SCALE == pytest.approx(math.sqrt(math.pi / 2))
+
+
+# ----------------------------------------------------------------------------------------- entropy coder
+
+
+def test_entropy_saved_format_is_versioned():
+    """Format 2 (constriction ANS, or raw when coding would not pay) round-trips and says which it is; a
+    format-1 stream (the numpy rANS coder before issue #15; these bytes are its output) is refused by name."""
+    from veloxquant_mlx.cache.primitives import entropy
+
+    rng = np.random.default_rng(0)
+    skewed = np.minimum(rng.geometric(0.6, (6, 256)) - 1, 3).astype(np.uint8)  # mostly 0 and 1 of 4 codes
+    buf = entropy.encode(skewed, 2, np.arange(6) // 3, 2)
+    assert buf[0] == entropy.FORMAT_ANS and len(buf) < 6 * entropy.raw_nbytes(256, 2)
+    assert np.array_equal(entropy.decode(buf, 6, 256, 2, np.arange(6) // 3, 2), skewed)
+    uniform = rng.integers(0, 4, (6, 256)).astype(np.uint8)
+    buf = entropy.encode(uniform, 2, np.arange(6), 6)
+    assert buf[0] == entropy.FORMAT_RAW and len(buf) == 1 + 6 * entropy.raw_nbytes(256, 2)
+    assert np.array_equal(entropy.decode(buf, 6, 256, 2, np.arange(6), 6), uniform)
+    v1 = np.frombuffer(bytes.fromhex("020054955495549554951555155515551555"), np.uint8)
+    with pytest.raises(ValueError, match="format 1"):
+        entropy.decode(v1, 2, 32, 2, np.zeros(2, int), 1)

@@ -72,7 +72,7 @@ def test_quality_gate(gate_rows, method):
 
 # ------------------------------------------------------------------------------------------------
 # 4-bit class target (next-token KLD <= 0.002 nats at whole-cache bytes <= 0.30x fp16; docs/RESULTS.md,
-# "4-bit class target"; scripts/quality_targets.py). Met by waterfill at 4 bits with a 16-row window at
+# "4-bit class target"; veloxquant eval --task kld). Met by waterfill at 4 bits with a 16-row window at
 # the gate's context (1024 tokens + 32 scored decode steps): this test holds the target itself, both
 # halves, plus top-1 agreement within one token of the measured value.
 #

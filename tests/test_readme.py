@@ -87,7 +87,7 @@ def check_command(line: str) -> str:
         from veloxquant_mlx.eval.specs import implemented_mlx_lm_methods, resolve_methods
 
         names = list(args.method) + (implemented_mlx_lm_methods() if getattr(args, "all", False) else [])
-        resolve_methods(names, args.set, include_none=args.command == "eval")
+        resolve_methods(names, args.set, include_none=args.command == "eval", sweeps=getattr(args, "sweep", None))
     elif args.command == "methods" and args.name is not None:
         cli._check_method_name(args.name)
     return args.command

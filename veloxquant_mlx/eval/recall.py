@@ -73,10 +73,10 @@ def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optiona
                         passage_index=before, distance=room - before, depth=before / room if room else 0.0)
 
 
-def recall_trial(model, prompt: RecallPrompt, config, ref_logp=None, on_chunk=None):
+def recall_trial(model, prompt: RecallPrompt, config, ref_logp=None, on_chunk=None, after_prefill=None):
     """One trial: :class:`~.fidelity.FidelityResult` of the scored passage tokens (``top1_target`` is the
     copy accuracy). ``ref_logp``: :func:`~.fidelity.reference_logprobs` of ``prompt``, if computed."""
     if ref_logp is None:
         ref_logp = reference_logprobs(model, prompt.ids, prompt.n_context, prompt.n_score)
     return next_token_fidelity(model, prompt.ids, prompt.n_context, prompt.n_score, config, ref_logp=ref_logp,
-                               on_chunk=on_chunk)
+                               on_chunk=on_chunk, after_prefill=after_prefill)

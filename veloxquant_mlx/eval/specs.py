@@ -4,6 +4,9 @@
 ``snap_budget`` only to snapkv, ``bit_width_inlier`` to the methods whose caches read it, ``budget`` to
 every listed method with an option of that name; a field no listed method reads is an error.
 ``--set METHOD:FIELD=VALUE`` applies to that method only (its option names or flat aliases).
+``--method "METHOD FIELD=VALUE ..."`` is one configuration with its own settings, so one run can hold
+several configurations of a method; ``--sweep [METHOD:]FIELD=V1,V2`` runs each configuration it applies to
+once per value.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from ..cache.settings import NONE, UsageError, build_config, check_buildable, check_method_name, parse_set, parse_sets
+__all__ = ["NONE", "MethodSpec", "resolve_methods", "implemented_mlx_lm_methods", "split_sets", "sweep_values"]
 
-__all__ = ["NONE", "MethodSpec", "resolve_methods", "implemented_mlx_lm_methods", "split_sets"]
+from ..cache.settings import NONE, UsageError, build_config, check_buildable, check_method_name, parse_set, parse_sets
 
 
 @dataclass(frozen=True)
@@ -72,47 +75,77 @@ def split_sets(items: Optional[Sequence[str]]) -> list[tuple[Optional[str], str]
     return out
 
 
+def sweep_values(text: str) -> list:
+    """``"256,512"`` -> ``[256, 512]``; ``"[8,4],[4,2]"`` -> two lists; ``"norm,attention"`` -> two strings."""
+    import json
+
+    try:
+        values = json.loads(f"[{text}]")
+    except ValueError:
+        values = [v.strip() for v in text.split(",")]
+    if not values or any(v == "" for v in values):
+        raise UsageError(f"--sweep expects FIELD=V1,V2,..., got values {text!r}")
+    return values
+
+
 def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None,
-                    include_none: bool = True) -> list[MethodSpec]:
+                    include_none: bool = True, sweeps: Optional[Sequence[str]] = None) -> list[MethodSpec]:
     """Validated ``MethodSpec`` list (``none`` first when ``include_none``), ``--set`` items distributed.
 
+    A ``methods`` entry is a name or ``"NAME FIELD=VALUE ..."`` (settings of that configuration only, applied
+    after ``sets``); ``sweeps`` (``[METHOD:]FIELD=V1,V2``) multiply the configurations they apply to.
     Raises ``cache.settings.UsageError`` for unknown methods or fields, fields that apply to none of the methods,
     and ``NotImplementedError`` for registered but unbuilt methods; configurations are built once here
     so invalid values fail (``QuantizerConfigError``) before any model is loaded.
     """
+    import json
+
     from ..cache.base import STANDALONE_METHODS
     from ..cache.options import method_fields
 
-    names = list(dict.fromkeys(m.strip() for m in methods if m and m.strip()))
-    if include_none and NONE not in names:
-        names.insert(0, NONE)
+    entries = [(e.split()[0], e.split()[1:]) for e in dict.fromkeys(m.strip() for m in methods if m and m.strip())]
+    if include_none and all(m != NONE for m, _ in entries):
+        entries.insert(0, (NONE, []))
+    names = list(dict.fromkeys(m for m, _ in entries))
     for m in names:
         check_method_name(m)
         if m != NONE and m in STANDALONE_METHODS:
             raise UsageError(f"method {m!r} has the standalone protocol (no mlx_lm serving contract); "
                              "only mlx_lm-protocol methods can run in a model")
+
+    def targets(scope, item, flag):
+        if scope is not None:
+            if scope not in names:
+                raise UsageError(f"{flag} {scope}:{item}: {scope!r} is not one of the methods measured")
+            if scope == NONE:
+                raise UsageError(f"{flag} does not apply to {NONE!r} (mlx_lm's plain KVCache)")
+            return [scope]
+        fname, _ = parse_set(item)
+        found = [m for m in names if m != NONE and fname in method_fields(m)]
+        if not found:
+            parse_sets([item])  # an unknown or unsettable field: its own message
+            raise UsageError(f"{flag} {item}: {fname!r} applies to none of the methods measured "
+                             f"({', '.join(names)}); `veloxquant methods NAME` lists a method's settings")
+        return found
+
     per_method: dict[str, dict] = {m: {} for m in names}
     for scope, item in split_sets(sets):
-        if scope is not None:
-            if scope not in per_method:
-                raise UsageError(f"--set {scope}:{item}: {scope!r} is not one of the methods measured")
-            if scope == NONE:
-                raise UsageError(f"--set does not apply to {NONE!r} (mlx_lm's plain KVCache)")
-            per_method[scope].update(parse_sets([item], method=scope))
-            continue
-        fname, _ = parse_set(item)
-        targets = [m for m in names if m != NONE and fname in method_fields(m)]
-        if not targets:
-            parse_sets([item])  # an unknown or unsettable field: its own message
-            raise UsageError(f"--set {item}: {fname!r} applies to none of the methods measured "
-                             f"({', '.join(names)}); `veloxquant methods NAME` lists a method's settings")
-        for m in targets:
+        for m in targets(scope, item, "--set"):
             per_method[m].update(parse_sets([item], method=m))
     specs = []
-    for m in names:
-        spec = MethodSpec(m, per_method[m])
-        if m != NONE:
+    for m, own in entries:
+        if own and m == NONE:
+            raise UsageError(f"--method {NONE!r} takes no settings")
+        specs.append(MethodSpec(m, {**per_method[m], **parse_sets(own, method=m if m != NONE else None)}))
+    for scope, item in split_sets(sweeps):
+        hit = targets(scope, item, "--sweep")
+        fname, _ = parse_set(item)
+        values = sweep_values(item.partition("=")[2])
+        specs = [MethodSpec(s.method, {**s.settings, **parse_sets([f"{fname}={json.dumps(v)}"], method=s.method)})
+                 if s.method in hit else s for s in specs for v in (values if s.method in hit else [None])]
+    specs = list({s.key: s for s in specs}.values())
+    for spec in specs:
+        if spec.method != NONE:
             spec.config()  # validate now
-            check_buildable(m)
-        specs.append(spec)
+            check_buildable(spec.method)
     return specs

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import mlx.core as mx
 
 from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
-from .fidelity import make_caches, next_token_fidelity, prefill, reference_logprobs
+from .fidelity import make_caches, next_token_fidelity, prefill, reconstruct, reference_logprobs
 from .recall import PASSAGE_TOKENS, RecallPrompt, build_recall_prompt, recall_trial
 from .specs import NONE, MethodSpec
 
@@ -122,7 +122,7 @@ def text_tokens(tokenizer, n_tokens: int, text: Optional[str] = None, repeat: bo
 
 
 def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, model_name, progress, memo,
-                   include_none):
+                   include_none, reconstruct_context=False):
     if context < 2 or n_score < 1:
         raise ValueError(f"need context >= 2 and n_score >= 1, got {context}, {n_score}")
     memo = {} if memo is None else memo
@@ -138,12 +138,14 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, m
     rows = []
     for spec in specs:
         _tick(progress, f"{task}: {spec.label}")
-        key = ("fid", spec.key, ref_key)
+        key = ("fid", spec.key, ref_key, reconstruct_context)
         if key not in memo:
             t0 = time.perf_counter()
             try:
                 memo[key] = (next_token_fidelity(model, ids, context, n_score, spec.config(),
-                                                 ref_logp=memo[ref_key], on_chunk=_chunks(progress)),
+                                                 ref_logp=memo[ref_key], on_chunk=_chunks(progress),
+                                                 after_prefill=reconstruct(model, tokenizer)
+                                                 if reconstruct_context else None),
                              time.perf_counter() - t0, None)
             except Exception as exc:  # one broken method must not end a sweep
                 memo[key] = (None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
@@ -160,25 +162,28 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, m
 
 def eval_ppl(model, tokenizer, methods: Sequence, *, context: int = 1024, n_score: int = 64,
              text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
-             memo: Optional[dict] = None, include_none: bool = True) -> list[dict]:
+             memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
     """Perplexity rows (task ``ppl``): ``ppl``, ``ppl_ref`` (uncompressed), ``ppl_delta``; the KL
     divergence and top-1 agreement of the same run are filled in too.
 
     ``methods``: names, ``(name, settings)`` pairs or :class:`MethodSpec` s; ``none`` is added first
     unless ``include_none=False``. ``text``: the real text (default: the essays); it needs
-    ``context + n_score`` tokens.
+    ``context + n_score`` tokens. ``reconstruct_context``: run each cache's context-reconstruction pass
+    after the prefill (:func:`.fidelity.reconstruct`; KVzip's paper setting).
     """
     return _fidelity_rows("ppl", model, tokenizer, methods, context=context, n_score=n_score, text=text,
-                          model_name=model_name, progress=progress, memo=memo, include_none=include_none)
+                          model_name=model_name, progress=progress, memo=memo, include_none=include_none,
+                          reconstruct_context=reconstruct_context)
 
 
 def eval_kld(model, tokenizer, methods: Sequence, *, context: int = 1024, n_score: int = 64,
              text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
-             memo: Optional[dict] = None, include_none: bool = True) -> list[dict]:
+             memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
     """KL-divergence rows (task ``kld``): ``kld`` (nats, mean over the ``n_score`` steps), ``top1_agree``
     (and the same run's perplexities). Arguments as :func:`eval_ppl`."""
     return _fidelity_rows("kld", model, tokenizer, methods, context=context, n_score=n_score, text=text,
-                          model_name=model_name, progress=progress, memo=memo, include_none=include_none)
+                          model_name=model_name, progress=progress, memo=memo, include_none=include_none,
+                          reconstruct_context=reconstruct_context)
 
 
 # --------------------------------------------------------------------------- #
@@ -298,10 +303,12 @@ def _eos_ids(tokenizer) -> set[int]:
 
 
 def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int,
-            on_chunk=None) -> tuple[str, list]:
+            on_chunk=None, after_prefill=None) -> tuple[str, list]:
     """Prefill the context, feed the question token by token, decode greedily; (text, caches)."""
     caches = make_caches(model, config)
     prefill(model, prompt.context_ids, caches, on_chunk=on_chunk)
+    if after_prefill is not None:
+        after_prefill(caches, prompt.context_ids)
     logits = None
     for t in prompt.question_ids:
         logits = model(mx.array([[t]]), cache=caches)
@@ -324,10 +331,11 @@ def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int,
 def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
               depths: Sequence[float] = DEFAULT_DEPTHS, text: Optional[str] = None, seed: int = 0,
               max_new_tokens: int = 24, model_name: Optional[str] = None, progress: Progress = None,
-              memo: Optional[dict] = None, include_none: bool = True) -> list[dict]:
+              memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
     """Needle-in-a-haystack rows (task ``niah``): ``niah_acc`` = exact-match accuracy over ``depths``
     (one passcode per depth, from ``seed``), ``niah_detail`` = per depth: passcode, answer, correct.
-    ``kv_bytes`` is the mean over the trials, measured after the answer."""
+    ``kv_bytes`` is the mean over the trials, measured after the answer; ``reconstruct_context`` as
+    :func:`eval_ppl` (the pass sees the context only, not the question)."""
     specs = _specs(methods, include_none)
     codes = passcodes(len(depths), seed)
     hay_key = ("hay", context, hash(text) if text is not None else None)
@@ -343,7 +351,8 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
             config = spec.config()
             for p in prompts:
                 _tick(progress, f"niah: {spec.label} depth {p.depth:g}")
-                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, _chunks(progress))
+                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, _chunks(progress),
+                                         reconstruct(model, tokenizer) if reconstruct_context else None)
                 sizes.append(kv_bytes(caches))
                 n_tok = cache_tokens(caches)
                 del caches
@@ -379,7 +388,8 @@ def recall_prompts(tokenizer, context: int, depths: Sequence[float] = (), distan
 def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
                 depths: Sequence[float] = (0.1,), distances: Sequence[int] = (), passage: int = PASSAGE_TOKENS,
                 text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
-                memo: Optional[dict] = None, include_none: bool = True) -> list[dict]:
+                memo: Optional[dict] = None, include_none: bool = True,
+                reconstruct_context: bool = False) -> list[dict]:
     """Recall rows (task ``recall``): ``copy_acc`` / ``copy_acc_ref`` = mean over the trials (one per depth
     and per distance) of the greedy copy accuracy with the cache / uncompressed; ``kld``, ``top1_agree``
     and ``ppl`` of the same steps; ``recall_detail`` per trial. ``kv_bytes`` is the trials' mean."""
@@ -400,7 +410,9 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
             config = spec.config()
             for p, ref in zip(prompts, refs):
                 _tick(progress, f"recall: {spec.label} distance {p.distance}")
-                results.append(recall_trial(model, p, config, ref_logp=ref, on_chunk=_chunks(progress)))
+                results.append(recall_trial(model, p, config, ref_logp=ref, on_chunk=_chunks(progress),
+                                            after_prefill=reconstruct(model, tokenizer) if reconstruct_context
+                                            else None))
         except Exception as exc:  # one broken method must not end a sweep
             error = f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - t0
@@ -442,7 +454,7 @@ def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = DEFAULT
              n_score: int = 64, depths: Sequence[float] = DEFAULT_DEPTHS, text: Optional[str] = None,
              model_name: Optional[str] = None, progress: Progress = None, include_none: bool = True,
              recall_distances: Sequence[int] = (), recall_passage: int = PASSAGE_TOKENS,
-             **niah_kw: Any) -> list[dict]:
+             reconstruct_context: bool = False, **niah_kw: Any) -> list[dict]:
     """Rows of every task in ``tasks`` (in that order), sharing the uncompressed reference and runs.
     ``recall`` runs one trial per depth of ``depths``, or per distance of ``recall_distances`` if given."""
     memo: dict = {}
@@ -454,7 +466,7 @@ def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = DEFAULT
         build_niah_prompt(tokenizer, context, 0.5, "0000", text=text)
     for task in dict.fromkeys(tasks):
         common = dict(context=context, text=text, model_name=model_name, progress=progress, memo=memo,
-                      include_none=include_none)
+                      include_none=include_none, reconstruct_context=reconstruct_context)
         if task == "ppl":
             rows += eval_ppl(model, tokenizer, methods, n_score=n_score, **common)
         elif task == "kld":

@@ -51,7 +51,7 @@ token's own per-token data (but tokens merged together with trimmed ones stay me
 that never saw the trimmed tokens would hold them in float16: ``exact_trim = False``) and must be
 applied to every layer alike (mlx_lm does). A cache built alone (``KVCacheFactory.create``) is a lossless primary.
 
-Measured (scripts/quality_crosslayer.py, SmolLM2-135M float32 on the CPU, 512-token essay context +
+Measured (veloxquant eval --task kld, SmolLM2-135M float32 on the CPU, 512-token essay context +
 32 scored decode steps, merging from half depth, t = 0.5): adjacent SmolLM2 layers are nearly
 orthogonal token by token (55% of the merge layers' rows have cosine < 0 with their primary), so the
 default θ = 0.9 (and 0.99) retains every row: KL 0.0000, kv/fp16 1.064 (the magnitudes and retained

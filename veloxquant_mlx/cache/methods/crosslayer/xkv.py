@@ -38,7 +38,7 @@ This implementation (``xkv_group_size`` g, ``xkv_rank`` r or ``xkv_energy_thresh
 * ``update_and_fetch`` returns the restored rows + this call's rows as given; ``attend`` is KIVI's
   dispatch-point attention with ``_keys_t``/``_values`` = the restored rows.
 
-Measured (scripts/quality_crosslayer.py, SmolLM2-135M float32 on the CPU, 512-token essay context +
+Measured (veloxquant eval --task kld, SmolLM2-135M float32 on the CPU, 512-token essay context +
 32 scored decode steps; kv/fp16 = bytes held / float16 cache, projections included):
 
 =============================================  =====  =======

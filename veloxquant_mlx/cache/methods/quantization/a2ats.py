@@ -41,7 +41,7 @@ memory; ``resident_nbytes`` is what would stay on the accelerator in that design
 window rows). On one device (unified memory here) there is no saving -- this method trades compute
 (attended rows per step) not memory.
 
-Measured (scripts/quality_vq.py: SmolLM2-135M, 512 essay tokens + 32 scored decode steps, defaults:
+Measured (veloxquant eval --task kld: SmolLM2-135M, 512 essay tokens + 32 scored decode steps, defaults:
 8-bit codes of 8-dim sub-vectors, 20% retrieval + window 128): next-token KL 0.0059, top-1 1.00, bytes
 held 1.11 x the float16 cache (resident part, i.e. without the offloadable rows, far smaller).
 

@@ -33,7 +33,7 @@ is the target up to whole tokens (|error| <= (hi - lo) / 2G).
   (rank order), and the within-group rank order ``order`` (uint8 per token) that puts rows back in
   token order; with ``"attention"``, the residual rows' accumulated attention and observation counts.
 
-Measured (``python scripts/quality_adakv.py``: SmolLM2-135M, 1024 essay tokens prefilled + 64 scored decode
+Measured (``veloxquant eval --task kld``: SmolLM2-135M, 1024 essay tokens prefilled + 64 scored decode
 steps, KL vs the uncompressed cache, CPU, 2026-12-01; every adakv row holds 0.269-0.270x the fp16 bytes):
 ``"attention"`` KLD 0.058 vs 0.076 for the importance-blind control with the same tiers and bytes
 (``allocation = "uniform"``), so MiKV's signal earns the mixed widths their place over uniform allocation.
@@ -92,7 +92,7 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
     scalar_fields = ("n_quant", "n_res", "dtype_name")
 
     #: "importance" (the method) or "uniform" (an importance-blind control with the same tiers and bytes:
-    #: a fixed in-group pattern); tests and scripts/quality_adakv.py set it per instance.
+    #: a fixed in-group pattern); tests set it per instance.
     allocation = "importance"
     _pending = None  # (t0, keys, values) of the groups this call stored, for attend to re-rank
     _prev_scores = None  # the past residual rows' (accumulated attention, observations) before this call

@@ -35,7 +35,7 @@ Deviations / choices:
 * Trim is exact for residual rows only; deeper trims raise ``ValueError`` (re-quantized groups
   cannot be restored to the codes of a cache that never saw the trimmed tokens).
 
-Measured (scripts/quality_quant_a.py: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
 8/4/2 bits, boundaries 128/1024 (no token old yet): KL 0.005 (kv_bytes 0.424); boundaries 64/256:
 KL 0.101 (0.343).

@@ -49,7 +49,7 @@ Deviations / choices (deliberate, documented):
 * Attention dequantizes and multiplies (``_uses_qmm`` is False: anchors + residuals are not MLX's
   affine layout). Trim: exact for residual tokens + whole groups (KIVI's rule), ValueError otherwise.
 
-Measured (scripts/quality_anchor_nsn.py: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs the uncompressed cache; kv_bytes = bytes held / fp16):
 defaults (2 bits, G = 32, 1 anchor per group): KL 0.153 (top-1 0.69), kv_bytes 0.305; 4 anchors per
 group (anchor_frac = 0.125): KL 0.090 (top-1 0.88), kv_bytes 0.392; plain KIVI 2 bits: 0.206, 0.241.

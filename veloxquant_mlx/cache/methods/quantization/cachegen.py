@@ -27,7 +27,7 @@ Algorithm (a ``KIVIKVCache`` subclass: same float16 residual of < G tokens, same
 * In memory the codes are fixed-width ``primitives.groupquant`` codes (anchors and deltas alike),
   which attention (KIVI's ``attend`` through ``_keys_t``/``_values``) dequantizes.
 * Saved form (``state``, what ``save_prompt_cache`` writes): the key and value codes are
-  entropy-coded by ``primitives.entropy`` (static-frequency rANS, frequencies stored in the stream):
+  entropy-coded by ``primitives.entropy`` (static-frequency ANS by constriction, tables in the stream):
   with ``cachegen_per_channel`` one table per (batch, head, channel) (paper section 5.1.3: grouping
   by channel and layer), otherwise one per (batch, head); scales, biases, anchors and the residual are
   saved as they are. Loading decodes the streams bit-exactly back to the same codes. Coding is
@@ -47,7 +47,7 @@ Deviations from the paper (deliberate):
   8-bit per-token codes. Consequence, measured: min/max-scaled codes of a group spread over all
   levels, so their empirical entropy is close to b bits and the coder saves little (SmolLM2-135M,
   512 essay tokens: saved form 0-6% smaller than fixed width, most at 2 bits; per-(head, channel)
-  tables pay off only at long contexts; ``scripts/quality_quant_c.py``).
+  tables pay off only at long contexts; ``veloxquant cache save``).
 * On SmolLM2-135M the value deltas do not help: 2-bit uniform KL 0.157 with deltas vs 0.119 without
   (its values have weak token locality, so x_t - x_anchor has a wider range than x_t); deltas are
   still the default (``cachegen_use_delta=True``, the paper's design).

@@ -30,7 +30,7 @@ Deviations from the paper:
   ``quantized_matmul`` layout).
 * KIVI's deviations (residual length = G, float16 residual, quantize after the step's attention).
 
-Measured (scripts/quality_quant_a.py: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
 defaults (25% of key channels at 4 bits, the rest and values at 2, G = 32): KL 0.062 (top-1 0.94),
 kv_bytes 0.259; plain KIVI 2 bits: 0.206, 0.241.

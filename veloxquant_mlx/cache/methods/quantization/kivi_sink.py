@@ -25,7 +25,7 @@ Deviations (besides KIVI's own, see ``kivi.py``):
 * Trim is exact: the residual, whole groups, and (once every group is gone) sink rows can be
   dropped; a cut into a quantized group raises ``ValueError`` as in KIVI.
 
-Measured (scripts/quality_quant_a.py: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
 2 bits, G = 32, S = 5: KL 0.081 (top-1 0.84), kv_bytes 0.250; plain KIVI 2 bits: 0.206 (0.78), 0.241.
 """

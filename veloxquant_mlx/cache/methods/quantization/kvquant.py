@@ -52,7 +52,7 @@ Deviations from the paper (deliberate):
 * Sink tokens are stored in float16 *in addition to* their codes (they also sit in group 0).
 * The residual of < G float16 tokens is KIVI's (the paper quantizes every token on arrival).
 
-Measured (``python scripts/quality_quant_b.py --only kvquant``: SmolLM2-135M float32 on the CPU, 512
+Measured (``veloxquant eval --task kld --context 512 --n-score 32``: SmolLM2-135M float32 on the CPU, 512
 essay tokens + 32 scored decode steps, mean next-token KL vs the plain cache; one text, differences
 under ~20% are noise): keys pre-RoPE 0.0114 at 3 bits, 0.0703 at 2 bits; the same run with
 ``bind_attention`` disabled (post-RoPE keys) 0.0137 and 0.0673; bytes unchanged (0.330x, 0.266x).

@@ -37,7 +37,7 @@ Deviations from the paper (deliberate):
 * Attention dequantizes and multiplies (no lookup-table kernel). Trim: exact for window tokens + whole
   groups; a trim into the block the mean was taken from (other than all of it) raises ``ValueError``.
 
-Measured (scripts/quality_anchor_nsn.py: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs the uncompressed cache): defaults (2 bits/coord, C = 256,
 d = 8, R = 64): KL 0.152 (top-1 0.78), kv_bytes / fp16 0.285 (incl. the 64-row window); plain KIVI
 2 bits: 0.206 (0.78), 0.241.

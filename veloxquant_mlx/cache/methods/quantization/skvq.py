@@ -43,7 +43,7 @@ Deviations from the paper:
   exact when the trimmed tokens pushed older ones out of the window: those stay quantized
   (``exact_trim = False``).
 
-Measured (scripts/quality_quant_a.py: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
 K2 V2, G = 32, S = 5: W = 128 KL 0.183 (kv_bytes 0.458); W = 32 KL 0.243 (0.319), and 0.321 without
 reordering and clipping (same bytes): reordering + clip search remove a quarter of the KL.

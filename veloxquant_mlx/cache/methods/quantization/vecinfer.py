@@ -46,7 +46,7 @@ Bytes per token per KV head: ``(D/key_sub_dim)*key_codebook_bits/8 + (Dv/value_s
 value_codebook_bits/8`` (D = 64, defaults: 24 + 8 = 32 B vs 256 B float16), plus per layer the
 codebooks (float16: 4096*4*2 + 256*8*2 = 36 KiB) and smoothing factors, plus the < 32-row residual.
 
-Measured (scripts/quality_vq.py: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32 scored
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32 scored
 decode steps, mean next-token KL vs the uncompressed cache; kv_bytes = bytes held / float16 cache):
 defaults (K 4 dims / 12 bits, V 8 dims / 8 bits): KL 0.415, top-1 0.69, kv_bytes 0.273 (the fit of the
 4096-word key codebooks costs ~4 s per layer on this loaded 2-core CPU); K 4/8, V 4/8 (2 bits per

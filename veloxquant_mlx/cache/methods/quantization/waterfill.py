@@ -47,7 +47,7 @@ Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b *
 kernel's small tables once used); a value rotation matrix only for a non-power-of-two ``Dv``, counted
 once per model (``build_layers``).
 
-Measured (``scripts/quality_targets.py``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
+Measured (``veloxquant eval --task kld``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
 decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
 0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
 2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed

@@ -48,7 +48,7 @@ Deviations:
 * Trim is exact for pending rows only; deeper trims raise ``ValueError``.
 * Bits 1..8 (``groupquant``); the dequantize + matmul path on every backend.
 
-Measured (scripts/quality_quant_a.py: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
+Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
 scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
 defaults (20% at 4 bits, 80% at 2, values routed the same way): KL 0.180 (top-1 0.69), kv_bytes 0.252.
 """
