@@ -95,7 +95,7 @@ UNIT = {  # method -> Spec (the quantization contract's single-layer settings)
                               ({"subvector_dim": 3}, "nsn_subvector_dim"),
                               ({"bits": 3, "subvector_dim": 4, "codebook_size": 256}, "nsn_bits"),
                               ({"residual_length": 0}, "nsn_residual_length"))),
-    # small codebooks keep the tests fast; the defaults (12/8 bits) are measured in scripts/quality_vq.py
+    # small codebooks keep the tests fast; the defaults (12/8 bits) are measured in docs/RESULTS.md (veloxquant eval)
     "vecinfer": Spec("VecInferKVCache", O.VecInferOptions,
                      flat={"kbits": ("key_codebook_bits", 8), "vbits": ("value_codebook_bits", 6)},
                      invalid=(({"kbits": 17}, "key_codebook_bits"), ({"fused_sdpa_max_ctx": 0}, "fused_sdpa_max_ctx")),
