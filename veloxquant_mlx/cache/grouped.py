@@ -56,6 +56,10 @@ class GroupedQuantCache(CompressedKVCache):
     #: attention then always dequantizes, and ``attend_path="quantized_matmul"`` raises naming it.
     dequant_only = ""
 
+    #: the layout's trim rule: raises ValueError when the trimmed rows completed a quantized group, and is
+    #: exact when it does not raise (variants that break it set False)
+    trim_exact_or_raises = True
+
     n_quant = 0  # quantized tokens (a multiple of G)
     n_res = 0  # float16 residual tokens (< G, or more while ``_holds_back``)
     dtype_name = "float16"  # dtype of the rows last handed to the cache (dense outputs use it)

@@ -548,7 +548,7 @@ SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     "vecinfer": _RVQ_CODEBOOKS + ("seed",),
     "kivi": ("bit_width_inlier",),
     "kivi_sink": ("bit_width_inlier",),
-    "svdq": ("bit_width_inlier", "kivi_group_size"),
+    "svdq": ("bit_width_inlier",),  # its groups are svdq_group_size
     "kvtc": ("kivi_group_size",),
     "cam": ("seed",) + _EVICTION_SHARED,
     "a2ats": ("seed",),

@@ -120,7 +120,6 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     """Palu: latents of the group-head SVD of the K/V projection weights, mixed-bit, RoPE-aware."""
     chunk_invariant = True  # factors from the weights; groups of G at absolute positions (KIVI)
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
-    trim_exact_or_raises = True
 
     scalar_fields = LowRankKVCache.scalar_fields + ("rope",)
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)

@@ -76,7 +76,6 @@ class KIVIKVCache(GroupedQuantCache):
     """KIVI: keys per-channel, values per-token, b-bit groups of G, float16 residual of < G tokens."""
     chunk_invariant = True  # groups of G at absolute positions, the rest in the residual
     exact_trim = False  # raises ValueError when the trimmed rows completed a quantized group
-    trim_exact_or_raises = True  # ... and is exact when it does not raise
     batchable = True  # merge -> KIVIBatchKVCache (kivi_batch.py); variants keep raising BatchingNotSupported
 
     @classmethod
