@@ -22,7 +22,7 @@ IDS = list(range(10_000, 13_000))  # distinct "tokens": every position is recogn
 def test_layout(kw):
     context, passage = 1000, 100
     p = build_recall_prompt(IDS, context, passage=passage, **kw)
-    copy = IDS[context: context + passage]
+    copy = IDS[-passage:]
     prompt = p.ids[: p.n_context]
     assert p.n_context == context and p.n_score == passage - CUE_TOKENS and len(p.ids) == context + p.n_score
     assert prompt[p.passage_index: p.passage_index + passage] == copy  # the first copy
@@ -93,7 +93,9 @@ def test_cli(tmp_path, capsys, monkeypatch):
 def test_recall_tells_query_aware_eviction_from_recency():
     """SmolLM2-135M, 1024-token context, the passage at depth 0.1, a 25% budget: the uncompressed model
     copies the repeat near its ceiling; SnapKV (the cue's queries vote for the first copy) keeps it and
-    copies far more of it than StreamingLLM (sinks + the most recent rows, which lost the first copy)."""
+    copies far more of it than StreamingLLM (sinks + the most recent rows, which lost the first copy).
+    Measured on the 2-core CPU machine: copy 0.964 uncompressed, snapkv 0.616 (KLD 1.78), streaming_llm
+    0.393 (KLD 2.90); the margins asserted are about half the measured gaps."""
     from veloxquant_mlx.model import load_model
 
     model, tok = load_model()
@@ -103,5 +105,5 @@ def test_recall_tells_query_aware_eviction_from_recency():
     none, snap, stream = rows
     assert none["copy_acc_ref"] >= 0.85 and none["copy_acc"] == none["copy_acc_ref"]
     assert snap["kv_fraction_of_fp16"] < 0.5 and stream["kv_fraction_of_fp16"] < 0.5
-    assert snap["copy_acc"] >= stream["copy_acc"] + 0.2, (snap["copy_acc"], stream["copy_acc"])
-    assert snap["kld"] < stream["kld"]
+    assert snap["copy_acc"] >= stream["copy_acc"] + 0.12, (snap["copy_acc"], stream["copy_acc"])
+    assert snap["kld"] < stream["kld"] - 0.5, (snap["kld"], stream["kld"])

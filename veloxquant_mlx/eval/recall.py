@@ -26,6 +26,7 @@ __all__ = ["RecallPrompt", "build_recall_prompt", "recall_trial"]
 
 PASSAGE_TOKENS = 128
 CUE_TOKENS = 16
+FAR_TOKENS = 30_000  # where the default passage is taken from in the essays: far from the filler
 
 
 @dataclass
@@ -46,8 +47,8 @@ def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optiona
     """A ``context``-token prompt with the passage placed by ``depth`` or ``distance`` (exactly one).
 
     ``text_ids``: real text token ids, at least ``context + passage`` of them; the filler is its first
-    tokens and the passage the ``passage`` tokens after what the filler uses, so the passage occurs
-    nowhere else in the prompt.
+    tokens and the passage its last ``passage`` tokens, so the passage occurs nowhere else in the prompt
+    (given a long text, it comes from far away -- another essay -- and reads as unrelated to the filler).
     """
     if (depth is None) == (distance is None):
         raise ValueError("give exactly one of depth and distance")
@@ -67,7 +68,7 @@ def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optiona
             raise ValueError(f"distance must be in 0..{room} for context={context}, got {distance}")
         before = room - distance
     filler = [int(t) for t in text_ids[:room]]
-    copy = [int(t) for t in text_ids[context: context + passage]]
+    copy = [int(t) for t in text_ids[len(text_ids) - passage:]]
     prompt = filler[:before] + copy + filler[before:] + copy[:cue]
     return RecallPrompt(ids=prompt + copy[cue:], n_context=len(prompt), n_score=passage - cue,
                         passage_index=before, distance=room - before, depth=before / room if room else 0.0)

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 from .fidelity import make_caches, next_token_fidelity, prefill, reconstruct, reference_logprobs
-from .recall import PASSAGE_TOKENS, RecallPrompt, build_recall_prompt, recall_trial
+from .recall import FAR_TOKENS, PASSAGE_TOKENS, RecallPrompt, build_recall_prompt, recall_trial
 from .specs import NONE, MethodSpec
 
 __all__ = [
@@ -380,7 +380,10 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
 def recall_prompts(tokenizer, context: int, depths: Sequence[float] = (), distances: Sequence[int] = (),
                    text: Optional[str] = None, passage: int = PASSAGE_TOKENS) -> list[RecallPrompt]:
     """One :class:`~.recall.RecallPrompt` per depth and per distance, on ``text`` (default: the essays)."""
-    ids = text_tokens(tokenizer, context + passage, text)
+    if text is None:  # the essays: the passage from FAR_TOKENS on, another essay than the filler
+        ids = text_tokens(tokenizer, max(context, FAR_TOKENS) + passage)
+    else:  # a given text: the passage is its last tokens
+        ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
     return ([build_recall_prompt(ids, context, depth=d, passage=passage) for d in depths]
             + [build_recall_prompt(ids, context, distance=n, passage=passage) for n in distances])
 
