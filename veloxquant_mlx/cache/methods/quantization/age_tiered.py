@@ -206,11 +206,6 @@ class AgeTieredKVCache(KIVIKVCache):
         gv = self.value_group(dv)
         return (d * (4 * gq.words_per_group(b, G) + 4)) / G + (dv // gv) * (4 * gq.words_per_group(b, gv) + 4)
 
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        dv = self.res_v.shape[-1]
-        q = sum(B * H * m * self.group * self.tier_bytes_per_token(t, D, dv) for t, m in enumerate(self._counts()))
-        return int(q) + self.res_k.nbytes + self.res_v.nbytes
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Bytes of the quantized groups, each at its tier's width (the base adds the residual)."""
+        return int(sum(B * H * m * self.group * self.tier_bytes_per_token(t, D, dv) for t, m in enumerate(self._counts())))
