@@ -85,16 +85,12 @@ class RankTiers:
         order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, n // self.group, self.group)
         return mx.take_along_axis(x, mx.argsort(order, axis=-1)[..., None], axis=3).reshape(B, H, n, d)
 
-    @property
-    def used_nbytes(self) -> int:
-        """Order bytes, the key ranges, each tier's codes (``_tier_nbytes``) and the float16 residual."""
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Order bytes, the key ranges and each tier's codes (``_tier_nbytes``); the base adds the residual."""
         g = self.n_quant // self.group
-        codes = sum(self._tier_nbytes(B * H * g * self.counts[t], self.tier_bits[t], D, self.res_v.shape[-1])
+        codes = sum(self._tier_nbytes(B * H * g * self.counts[t], self.tier_bits[t], D, dv)
                     for t in TIERS if self.counts[t])
-        return B * H * (self.n_quant + g * D * 4) + codes + self.res_k.nbytes + self.res_v.nbytes
+        return B * H * (self.n_quant + g * D * 4) + codes
 
     def _keys_t(self, n, dtype=mx.float32):
         return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)

@@ -137,12 +137,8 @@ class KittyKVCache(KIVIKVCache):
         return mx.where(self.k_inv < nh, self.hi_bit, self.lo_bit)
 
     # ---------------------------------------------------------------- accounting
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        dv = self.res_v.shape[-1]
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Hi/lo key codes, low-width value codes and the channel order; the base adds the residual."""
         G = self.group
         nh = self.n_hi(D)
         groups = self.n_quant // G
@@ -151,7 +147,7 @@ class KittyKVCache(KIVIKVCache):
         gv = self.value_group(dv)
         value = B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(self.lo_bit, gv) + 4)
         perm = 0 if self.k_perm is None else self.k_perm.nbytes + self.k_inv.nbytes
-        return key + value + self.res_k.nbytes + self.res_v.nbytes + perm
+        return key + value + perm
 
     def theoretical_bytes_per_token(self, d: int, dv: int) -> float:
         """Bytes per token per KV head of the quantized part (codes at their bit widths + fp16 scales/biases)."""
