@@ -69,7 +69,7 @@ def main(argv=None):
     shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
     klo, kst = c.k_lo.astype(mx.float32), c.k_step.astype(mx.float32)
     pre = _dequantize(lo, hi, shift, mask, klo, kst)
-    keys = c._keys(n)
+    keys = c._keys(0, n)
     qq = mx.random.normal((1, H, R, D))
     p = mx.softmax(mx.random.normal((1, H, R, n)), axis=-1)
     mx.eval(lo, hi, pre, keys)
@@ -78,9 +78,9 @@ def main(argv=None):
         "gather (2 take_along_axis)": lambda: lay.gather(words),
         "dequantize (compiled)": lambda: _dequantize(lo, hi, shift, mask, klo, kst),
         "rotate_rows (RoPE)": lambda: c._post_rope(pre, c.n_sink),
-        "keys total": lambda: c._keys(n),
+        "keys total": lambda: c._keys(0, n),
         "q @ K^T": lambda: qq @ keys.swapaxes(-1, -2),
-        "value codes (unpack + poly)": lambda: c._value_codes(n),
+        "value codes (unpack + poly)": lambda: c._value_codes(0, n),
         "quantized part (scores + values)": lambda: c._quantized_part(qq, n)[1](p),
         "whole decode step (store + attend)": None,
         "fused sdpa, plain rows": lambda: mx.fast.scaled_dot_product_attention(one_q, k, v, scale=D**-0.5),
@@ -108,6 +108,22 @@ def main(argv=None):
 
         rows["kivi decode step, op path (dequant)"] = step(kv, kivi_op)
         rows["kivi decode step, fused kernel"] = step(kv)
+        from veloxquant_mlx.cache import kernels as kpkg
+        from veloxquant_mlx.cache.kernels import kivi as kivi_k
+
+        nk, nv = k[:, :, :1], v[:, :, :1]
+        exact = (kv.res_k, kv.res_v, kv.n_res, kv.res_k, kv.res_v, 0, nk, nv)
+
+        def kivi_only():
+            m, l, acc = kivi_k.kivi_partials(one_q, D**-0.5, kv.k_codes, kv.k_scales, kv.k_biases, kv.v_codes,
+                                             kv.v_scales, kv.v_biases, kv.n_quant, kv.qbits, kv.group,
+                                             kv.value_group(D), exact)
+            return kpkg.merge_kernel(m, l, acc, None, hadamard=False, out_dtype=one_q.dtype)
+
+        rows["kivi kernel only (partials + merge)"] = kivi_only
+        rows["kivi kernel x10 in one eval"] = lambda: [kivi_only() for _ in range(10)]
+        rows["fused sdpa x10 in one eval"] = lambda: [mx.fast.scaled_dot_product_attention(
+            one_q, k, v, scale=D**-0.5) for _ in range(10)]
     print(f"device {mx.default_device()}, T={T}, H={H}, rep={R}, D={D}, {a.bits}-bit")
     for name, f in rows.items():
         print(f"{name:36s} {timed(f):8.3f} ms", flush=True)

@@ -186,6 +186,15 @@ def test_kivi_addressing_reads_what_mlx_quantize_wrote(bits, group):
     np.testing.assert_allclose(vv, np.array(gq.dequantize(*vq, bits, gv)), rtol=1e-6, atol=1e-6)
 
 
+def test_kivi_kernel_takes_only_the_layouts_it_reads():
+    """Value words inside one value group, value rows dividing the warp, registers for rep x tokens per word."""
+    assert kivi_kernel.supported(4, 32, 32, 128, 128, rep=4) and kivi_kernel.supported(2, 64, 32, 128, 128, rep=4)
+    assert not kivi_kernel.supported(2, 32, 32, 128, 128, rep=8)  # 8 heads x 16 tokens per word: too many registers
+    assert not kivi_kernel.supported(8, 32, 32, 256, 256)  # a 64-word value row
+    assert not kivi_kernel.supported(4, 32, 32, 96, 96)  # 12 words per value row do not divide the warp
+    assert not kivi_kernel.supported(3, 32, 32, 128, 128) and not kivi_kernel.supported(4, 16, 32, 128, 128)
+
+
 # ---------------------------------------------------------------------------------------- waterfill's rotation
 @pytest.mark.parametrize("dv", [16, 64, 128])
 def test_value_rotation_is_a_transform_equal_to_the_hadamard_matrix(dv):
@@ -307,8 +316,12 @@ def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_
 @GPU
 @pytest.mark.parametrize("H,R,D,bits,group,prompt,dtype", [
     (2, 1, 64, 4, 32, 45, mx.float16), (8, 4, 128, 4, 32, 4100, mx.bfloat16),
-    (3, 3, 64, 2, 64, 700, mx.float16), (4, 2, 128, 8, 128, 999, mx.float16)])
-def test_kivi_kernel_equals_the_op_path(H, R, D, bits, group, prompt, dtype):
+    (3, 3, 64, 2, 64, 700, mx.float16), (4, 2, 128, 8, 128, 999, mx.float16),
+    (8, 8, 128, 8, 32, 20011, mx.bfloat16), (2, 4, 128, 2, 64, 2500, mx.float16), (1, 1, 32, 4, 32, 33, mx.float32)])
+@pytest.mark.parametrize("max_splits", [None, 2])
+def test_kivi_kernel_equals_the_op_path(H, R, D, bits, group, prompt, dtype, max_splits, monkeypatch):
+    if max_splits:  # splits that each take several tiles (the cap of very long contexts)
+        monkeypatch.setattr(kivi_kernel, "MAX_SPLITS", max_splits)
     c = _kivi(D, bits, group)
     rng = np.random.default_rng(prompt)
     K, V = c.update_and_fetch(_rows(rng, H, prompt, D, dtype), _rows(rng, H, prompt, D, dtype))
@@ -317,7 +330,7 @@ def test_kivi_kernel_equals_the_op_path(H, R, D, bits, group, prompt, dtype):
     for _ in range(3):
         K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
         q = _rows(rng, H * R, 1, D, dtype)
-        assert c._decode_kernel_ready(None, D, D)
+        assert c._decode_kernel_ready(None, D, D, R)
 
         def op():
             c.attend_path = "dequant"  # the op path (the kernel only takes attend_path="auto")

@@ -195,9 +195,13 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _own_layout(self) -> bool:
         """Whether this cache stores and reads KIVI's own codes (variants that change what the codes
-        mean, or store other arrays, override these)."""
+        mean, or store other arrays, override these); answered once per class (a decode-step check)."""
         cls = type(self)
-        return all(getattr(cls, f) is getattr(GroupedQuantCache, f) for f in ("_keys_t", "_values", "_append_groups"))
+        own = cls.__dict__.get("_own_layout_answer")
+        if own is None:
+            own = all(getattr(cls, f) is getattr(GroupedQuantCache, f) for f in ("_keys_t", "_values", "_append_groups"))
+            cls._own_layout_answer = own
+        return own
 
     def _forget_rows(self) -> None:
         memo = self.__dict__.get("_dense_memo")
@@ -246,7 +250,8 @@ class GroupedQuantCache(CompressedKVCache):
         chunks, tiles for CPU prefill chunks (``_attend_chunk``), else ``_attend_codes``. Variants
         that attend on their own codes for every call size override this."""
         N, (q0, _, _, _, new_k, new_v) = queries.shape[2], call
-        if N == 1 and q0 and not self._kernel_off and self._decode_kernel_ready(mask, new_k.shape[-1], new_v.shape[-1]):
+        if N == 1 and q0 and not self._kernel_off and self._decode_kernel_ready(
+                mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu):
@@ -336,11 +341,11 @@ class GroupedQuantCache(CompressedKVCache):
                 for a, c in ranges]
 
     # ---------------------------------------------------------------- decode: the fused GPU kernel
-    def _decode_kernel_ready(self, mask, d: int, dv: int) -> bool:
+    def _decode_kernel_ready(self, mask, d: int, dv: int, rep: int = 1) -> bool:
         """One query row over KIVI's own layout (subclasses that change what the codes mean keep the op
         path), a string/None mask, a layout the kernel reads, and the CUDA backend."""
         return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
-                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv)
+                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
                 and kernels.kernels_enabled())
 
     def _decode_attend(self, queries, *, scale, sinks=None):

@@ -288,12 +288,17 @@ def exact_template(arrays) -> list:
     return [(f"X{i}T", a.dtype) for i, a in enumerate(arrays)]
 
 
-# The end of every decode kernel: the block's warps hold (m[REP], l[REP], acc[REP][VJ]) of their
-# token ranges (l already summed over the warp); join them and write the block's partial of split s.
-BLOCK_MERGE = r"""
+# The end of every decode kernel: each warp puts (m, l, acc) of its tokens into shared memory (``sm_m``,
+# ``sm_l`` [NW * REP], ``sm_a`` [NW * REP * DV], declared by BLOCK_SHARED; l already summed over the warp),
+# then BLOCK_JOIN joins the warps and writes the block's partial of split s.
+BLOCK_SHARED = r"""
   VQ_SHARED float sm_m[NW * REP];
   VQ_SHARED float sm_l[NW * REP];
   VQ_SHARED float sm_a[NW * REP * DV];
+"""
+
+# The store for warps holding acc[REP][VJ] at channels lane + 32 j.
+LANE_STORE = r"""
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
@@ -303,6 +308,9 @@ BLOCK_MERGE = r"""
 #pragma unroll
     for (int j = 0; j < VJ; ++j) sm_a[(warp * REP + r) * DV + lane + 32 * j] = acc[r][j];
   }
+"""
+
+BLOCK_JOIN = r"""
   VQ_SYNC();
   for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) {
     const int r = i / DV, c = i % DV;
@@ -322,15 +330,17 @@ BLOCK_MERGE = r"""
   }
 """
 
+BLOCK_MERGE = BLOCK_SHARED + LANE_STORE + BLOCK_JOIN
+
 OUTPUTS = ["out_m", "out_l", "out_acc"]
 
 
-def launch(kernel, inputs: list, template: list, B: int, H: int, R: int, S: int, dv: int):
+def launch(kernel, inputs: list, template: list, B: int, H: int, R: int, S: int, dv: int, warps: int = WARPS):
     """Run a decode kernel: one block of ``WARPS`` warps per (batch row, KV head) and split, plus one
     block per (batch row, KV head) for the exact rows; partials [B, H, R, S + 1] (and ``acc`` [.., Dv])."""
     S1 = S + 1
-    m, l, acc = kernel(inputs=inputs, template=template + [("NW", WARPS), ("REP", R), ("DV", dv)],
-                       grid=(32 * WARPS * B * H, S1, 1), threadgroup=(32 * WARPS, 1, 1),
+    m, l, acc = kernel(inputs=inputs, template=template + [("NW", warps), ("REP", R), ("DV", dv)],
+                       grid=(32 * warps * B * H, S1, 1), threadgroup=(32 * warps, 1, 1),
                        output_shapes=[(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
                        output_dtypes=[mx.float32, mx.float32, mx.float32])
     return m, l, acc

@@ -4,18 +4,20 @@ stored transposed (``k_codes [B, H, D, groups * words]``, token ``t`` of channel
 tokens), values per token (``v_codes [B, H, T, Dv*b/32]``, float16 scale/bias per token and group of
 Gv channels); MLX's affine layout ``x = code * scale + bias`` with b in {2, 4, 8}.
 
-A warp takes 32 tokens at a time, one per lane: each lane decodes its token's key channel by channel
-(the channel's word for 32 consecutive tokens is 1-4 words, read once by the warp) against the
-block's queries in shared memory; an online-softmax update over the 32 scores; then the 32 value
-rows are accumulated with each lane owning Dv/32 channels (each row's words read once).
+A warp takes a tile of 32 words per key channel (32 * 32/b tokens): lane i reads word i of every
+channel (128 coalesced bytes per channel), so each word is read once and holds 32/b of the lane's
+tokens; the scale folds into the query (``q_c * s_c``) and the bias into one dot product per lane.
+After one online-softmax update for the tile, the value rows are read a whole row per 32/(Dv*b/32)
+lanes (consecutive rows: coalesced), each lane owning one word's 32/b channels; the weights reach
+those lanes by shuffles. Splits take tiles round-robin; the block's warps join in shared memory.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
-                      scale_array, split_count)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_INPUTS, EXACT_ROWS, LANE_STORE, MAX_SPLITS, OUTPUTS, WARPS,
+                      cuda_kernel, exact_template, launch, scale_array)
 
 __all__ = ["kivi_partials", "supported"]
 
@@ -24,7 +26,6 @@ _SOURCE = r"""
   const int e0 = meta[1];
   const int e1 = meta[2];
   const float scale = fs[0];
-  const int H = kc_shape[1];
   const int CK = kc_shape[3];
   const int GK = ks_shape[3];
   const int TV = vc_shape[2];
@@ -35,95 +36,157 @@ _SOURCE = r"""
   const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
   const int lane = VQ_LANE, warp = VQ_WARP;
   constexpr int VJ = DV / 32;
+  constexpr int TPW = 32 / KB;       // tokens per code word
+  constexpr int TILE = 32 * TPW;     // tokens per warp tile: one key word per lane and channel
+  constexpr int LPR = WV;            // lanes per value row (one word each)
+  constexpr int RPW = 32 / LPR;      // value rows per warp load
   constexpr vq_u32 MASK = (1u << KB) - 1u;
   VQ_SHARED float sq[REP * D];
+""" + BLOCK_SHARED + r"""
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   VQ_SYNC();
-  const int per = (((n + S - 1) / S) + 31) / 32 * 32;
-  const int t_begin = min(n, s * per);
-  const int t_end = min(n, t_begin + per);
-  const int wper = (((t_end - t_begin + NW - 1) / NW) + 31) / 32 * 32;
-  const int w0 = min(t_end, t_begin + warp * wper);
-  const int w1 = min(t_end, w0 + wper);
-  float m[REP], l[REP], acc[REP][VJ];
-#pragma unroll
-  for (int r = 0; r < REP; ++r) {
-    m[r] = -VQ_INF; l[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
-  }
-  const size_t cbase = (size_t)bh * D;
   if (s == S) {
-#define QV(r, j) sq[(r) * D + lane + 32 * (j)]
-""" + EXACT_ROWS + r"""
-#undef QV
-  } else for (int t0 = w0; t0 < w1; t0 += 32) {
-    const int t = t0 + lane;
-    const bool ok = t < w1;
-    const int tt = ok ? t : t0;
-    const int col = (tt * KB) >> 5;
-    const vq_u32 sft = (vq_u32)((tt * KB) & 31);
-    const int g = tt / G;
-    float sc[REP];
-#pragma unroll
-    for (int r = 0; r < REP; ++r) sc[r] = 0.f;
-#pragma unroll 8
-    for (int c = 0; c < D; ++c) {
-      const vq_u32 w = kc[(cbase + c) * CK + col];
-      const size_t gi = (cbase + c) * GK + g;
-      const float kv = (float)((w >> sft) & MASK) * VQ_F(ks[gi]) + VQ_F(kb[gi]);
-#pragma unroll
-      for (int r = 0; r < REP; ++r) sc[r] += sq[r * D + c] * kv;
-    }
-    float p[REP];
+    float m[REP], l[REP], acc[REP][VJ];
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
-      const float sr = ok ? sc[r] : -VQ_INF;
-      float mt = sr;
+      m[r] = -VQ_INF; l[r] = 0.f;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));
-      const float mn = fmaxf(m[r], mt);
-      const float corr = VQ_EXP(m[r] - mn);
-      p[r] = ok ? VQ_EXP(sr - mn) : 0.f;
-      l[r] = l[r] * corr + p[r];
-#pragma unroll
-      for (int j = 0; j < VJ; ++j) acc[r][j] *= corr;
-      m[r] = mn;
+      for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
     }
-    const int cnt = min(32, w1 - t0);
-    for (int i = 0; i < cnt; ++i) {
-      const size_t vrow = (size_t)bh * TV + (size_t)(t0 + i);
-      float pi[REP];
+#define QV(r, j) sq[(r) * D + lane + 32 * (j)]
+""" + EXACT_ROWS + LANE_STORE + r"""
+#undef QV
+  } else {
+    const int ntiles = (n + TILE - 1) / TILE;
+    const int wi = lane % LPR, ro = lane / LPR;
+    float m[REP], l[REP], acc[REP][TPW], vb[REP];
 #pragma unroll
-      for (int r = 0; r < REP; ++r) pi[r] = VQ_SHFL(p[r], i);
+    for (int r = 0; r < REP; ++r) {
+      m[r] = -VQ_INF; l[r] = 0.f; vb[r] = 0.f;
 #pragma unroll
-      for (int j = 0; j < VJ; ++j) {
-        const int c = lane + 32 * j;
-        const int bit = c * KB;
-        const vq_u32 w = vc[vrow * WV + (bit >> 5)];
-        const size_t gi = vrow * NG + c / GV;
-        const float val = (float)((w >> (bit & 31)) & MASK) * VQ_F(vsc[gi]) + VQ_F(vbi[gi]);
+      for (int i = 0; i < TPW; ++i) acc[r][i] = 0.f;
+    }
+    const size_t cbase = (size_t)bh * D;
+    for (int ti = s * NW + warp; ti < ntiles; ti += S * NW) {
+      const int tt0 = ti * TILE;
+      const int tl0 = tt0 + lane * TPW;  // this lane's first token
+      float sc[REP][TPW], bs[REP];
 #pragma unroll
-        for (int r = 0; r < REP; ++r) acc[r][j] += pi[r] * val;
+      for (int r = 0; r < REP; ++r) {
+        bs[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) sc[r][i] = 0.f;
+      }
+      if (tl0 < n) {
+        const int col = tl0 / TPW;
+        const int g = tl0 / G;
+#pragma unroll 8
+        for (int c = 0; c < D; ++c) {
+          const vq_u32 w = kc[(cbase + c) * CK + col];
+          const size_t gi = (cbase + c) * GK + g;
+          const float ksc = VQ_F(ks[gi]), kbi = VQ_F(kb[gi]);
+#pragma unroll
+          for (int r = 0; r < REP; ++r) {
+            const float qv = sq[r * D + c];
+            const float qs = qv * ksc;
+            bs[r] += qv * kbi;
+#pragma unroll
+            for (int i = 0; i < TPW; ++i) sc[r][i] += qs * (float)((w >> (i * KB)) & MASK);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        float mt = -VQ_INF;
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) {
+          sc[r][i] = (tl0 + i < n) ? sc[r][i] + bs[r] : -VQ_INF;
+          mt = fmaxf(mt, sc[r][i]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));
+        const float mn = fmaxf(m[r], mt);
+        const float corr = VQ_EXP(m[r] - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) { sc[r][i] = (tl0 + i < n) ? VQ_EXP(sc[r][i] - mn) : 0.f; ps += sc[r][i]; }
+        l[r] = l[r] * corr + ps;
+        vb[r] *= corr;
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) acc[r][i] *= corr;
+        m[r] = mn;
+      }
+      // values: lane (wi, ro) reads word wi of rows owner * TPW + k, k = kk * RPW + ro
+#pragma unroll 2
+      for (int owner = 0; owner < 32; ++owner) {
+        const int tb = tt0 + owner * TPW;
+        if (tb >= n) break;
+#pragma unroll
+        for (int kk = 0; kk < TPW / RPW; ++kk) {
+          float pv[REP];
+#pragma unroll
+          for (int r = 0; r < REP; ++r) {
+            float sel = 0.f;
+#pragma unroll
+            for (int q2 = 0; q2 < RPW; ++q2) {
+              const float x = VQ_SHFL(sc[r][kk * RPW + q2], owner);
+              if (ro == q2) sel = x;
+            }
+            pv[r] = sel;
+          }
+          const int t = tb + kk * RPW + ro;
+          if (t < n) {
+            const size_t vrow = (size_t)bh * TV + (size_t)t;
+            const vq_u32 w = vc[vrow * WV + wi];
+            const size_t gi = vrow * NG + (wi * TPW) / GV;
+            const float vsc_ = VQ_F(vsc[gi]), vbi_ = VQ_F(vbi[gi]);
+#pragma unroll
+            for (int r = 0; r < REP; ++r) {
+              const float pw = pv[r] * vsc_;
+              vb[r] += pv[r] * vbi_;
+#pragma unroll
+              for (int i = 0; i < TPW; ++i) acc[r][i] += pw * (float)((w >> (i * KB)) & MASK);
+            }
+          }
+        }
       }
     }
-  }
-  if (s != S) {  // the token loop keeps per-lane sums of p (the exact rows' are warp-uniform already)
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) l[r] += VQ_SHFL_XOR(l[r], o);
+#pragma unroll
+      for (int o = LPR; o < 32; o <<= 1) {
+        vb[r] += VQ_SHFL_XOR(vb[r], o);
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) acc[r][i] += VQ_SHFL_XOR(acc[r][i], o);
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
+    }
+    if (ro == 0) {
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) sm_a[(warp * REP + r) * DV + wi * TPW + i] = acc[r][i] + vb[r];
+      }
     }
   }
-""" + BLOCK_MERGE
+""" + BLOCK_JOIN
 
 _INPUTS = ["q", "fs", "kc", "ks", "kb", "vc", "vsc", "vbi", "meta"] + EXACT_INPUTS
 
 
-def supported(bits: int, group: int, value_group: int, d: int, dv: int) -> bool:
-    """Layouts the kernel reads: b in {2, 4, 8} (codes never straddle words), G a multiple of 32
-    (key groups whole words, splits aligned to them), head dims multiples of 32."""
-    return bits in (2, 4, 8) and group % 32 == 0 and d % 32 == 0 and dv % 32 == 0 and dv % value_group == 0
+def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int = 1) -> bool:
+    """Layouts the kernel reads: b in {2, 4, 8} (codes never straddle words), G a multiple of 32, a
+    value word inside one value group, a value row of at most 32 words dividing the warp, head dims
+    multiples of 32, and per-lane registers for ``rep`` query heads x 32/b tokens (at most 64)."""
+    tpw = 32 // bits if bits in (2, 4, 8) else 0
+    wv = dv * bits // 32
+    return (tpw > 0 and group % 32 == 0 and d % 32 == 0 and dv % 32 == 0 and dv % value_group == 0
+            and value_group % tpw == 0 and 0 < wv <= 32 and 32 % wv == 0 and rep * tpw <= 64)
 
 
 def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, n: int,
@@ -135,7 +198,8 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     B, Hq, _, D = queries.shape
     H = k_codes.shape[1]
     dv = v_codes.shape[-1] * 32 // bits
-    S = split_count(n)
+    tiles = -(-n // (32 * (32 // bits)))
+    S = max(1, min(MAX_SPLITS, -(-tiles // WARPS)))
     k0, v0, e0, k1, v1, e1, nk, nv = exact
     kern = cuda_kernel("vq_kivi_decode", _INPUTS, OUTPUTS, _SOURCE)
     meta = mx.array([n, e0, e1], dtype=mx.int32)
