@@ -118,7 +118,7 @@ class GroupedQuantCache(CompressedKVCache):
         past_k = self.res_k[:, :, :r0] if r0 else None
         past_v = self.res_v[:, :, :r0] if r0 else None
         self._call = (q0, r0, past_k, past_v, keys, values)
-        k16, v16 = keys.astype(RES_DTYPE), values.astype(RES_DTYPE)
+        k16, v16 = (x if x.dtype == RES_DTYPE else x.astype(RES_DTYPE) for x in (keys, values))
         total = r0 + N
         nq = 0 if self._holds_back(total, D, values.shape[-1]) else total // G * G  # tokens quantized now
         rem = total - nq

@@ -48,8 +48,13 @@ def kernels_enabled() -> bool:
         return False
     if mx.default_device().type != mx.DeviceType.gpu:
         return False
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
+    if not _CUDA:  # asked once per process (a decode-step check)
+        cuda = getattr(mx, "cuda", None)
+        _CUDA.append(bool(cuda is not None and cuda.is_available()))
+    return _CUDA[0]
+
+
+_CUDA: list = []
 
 
 def disable(name: str, err: Exception) -> None:

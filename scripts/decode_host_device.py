@@ -1,0 +1,73 @@
+"""Where a model's decode step goes: host time building the step's graph (the model call) against the
+time its evaluation then takes, per step, for a compressed cache and for mlx_lm's plain cache; with
+``--profile`` the host side's top Python functions (cProfile) for the compressed cache.
+
+    python scripts/decode_host_device.py --shape llama-8b --context 8192 --method kivi
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx import _blas  # noqa: E402
+
+_blas.preload()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from veloxquant_mlx.bench import random_model  # noqa: E402
+from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig  # noqa: E402
+from veloxquant_mlx.eval.fidelity import prefill  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-8b")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--method", default="kivi")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args(argv)
+    model = random_model(a.shape)
+    prompt = mx.random.randint(0, 1000, (a.context,))
+    for name in ("plain", a.method, "plain", a.method):
+        caches = make_prompt_cache(model) if name == "plain" else KVCacheBuilder.for_model(
+            model, KVCacheConfig(method=name, bit_width_inlier=a.bits))
+        prefill(model, prompt[:-1], caches, 2048, None)
+        tok = mx.array([[1]])
+        build, run = [], []
+        prof = cProfile.Profile() if a.profile and name != "plain" else None
+        for i in range(a.steps):
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
+            logits = model(tok, cache=caches)
+            nxt = mx.argmax(logits[:, -1, :], axis=-1)
+            if prof:
+                prof.disable()
+            t1 = time.perf_counter()
+            mx.eval(nxt)
+            t2 = time.perf_counter()
+            tok = nxt[:, None]
+            if i >= 4:
+                build.append(t1 - t0), run.append(t2 - t1)
+        print(f"{name:10s} T={a.context}: host build {statistics.median(build) * 1e3:6.2f} ms, "
+              f"eval {statistics.median(run) * 1e3:6.2f} ms per step (medians)", flush=True)
+        if prof:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        del caches
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
