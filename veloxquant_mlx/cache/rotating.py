@@ -128,7 +128,7 @@ class RotatingQuantKVCache(CompressedKVCache):
 
     def _dense(self):
         """Dequantized rows in RotatingKVCache's order (``keys_and_values``), in the model's dtype."""
-        n = min(self.offset, ring_rows(self))
+        n = self.stored_rows()
         arrays = [a if n == a.shape[2] else a[..., :n, :] for a in self._arrays()]
         return self._decode(arrays, getattr(mx, self.dtype_name))
 
@@ -137,7 +137,9 @@ class RotatingQuantKVCache(CompressedKVCache):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def stored_rows(self) -> int:
-        return self.size()
+        """Rows ``update_and_fetch`` returns: up to ``max_size + S - 1`` after a multi-row call (``size()``
+        is RotatingKVCache's ``min(offset, max_size)``)."""
+        return min(self.offset, ring_rows(self))
 
     def empty(self) -> bool:
         return self._arrays()[0] is None
