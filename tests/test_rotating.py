@@ -136,3 +136,33 @@ def test_codes_error_is_bounded_and_shrinks_with_bits(method):
 def test_bad_bit_width_names_the_field():
     with pytest.raises(QuantizerConfigError, match="bit_width_inlier"):
         RING_CLASSES["waterfill"](KVCacheConfig(method="waterfill", bit_width_inlier=[4]), 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("method", sorted(RING_CLASSES))
+def test_active_memory_of_a_filled_ring_is_its_nbytes(method, dtype):
+    """As tests/test_memory_honesty.py for the methods: after a 600-row prompt in chunks of 256 and 24
+    decode steps, nothing but the ring's code arrays stays alive (no view into a prompt-sized buffer)."""
+    import gc
+
+    previous = mx.set_cache_limit(0)
+    try:
+        def fill(n_prompt, n_decode):
+            c = ring(method, max_size=64, keep=4)
+            for a in range(0, n_prompt, 256):
+                k, v = rows(min(256, n_prompt - a), a)
+                mx.eval(c.update_and_fetch(k.astype(getattr(mx, dtype)), v.astype(getattr(mx, dtype))))
+            for i in range(n_decode):
+                k, v = rows(1, 1000 + i)
+                mx.eval(c.update_and_fetch(k.astype(getattr(mx, dtype)), v.astype(getattr(mx, dtype))))
+            return c
+
+        fill(100, 2)  # process-wide constants (codebooks) are built here
+        gc.collect()
+        base = mx.get_active_memory()
+        c = fill(600, 24)
+        gc.collect()
+        grown = mx.get_active_memory() - base
+        assert c.size() == 64 and grown <= c.nbytes, f"{grown} bytes alive for {c.nbytes} counted"
+    finally:
+        mx.set_cache_limit(previous)
