@@ -54,13 +54,19 @@ def greedy(model, prompt, cache, max_tokens=8, prefill_step_size=2048):
 
 
 # ---- more architectures (tests/test_architectures.py): mlx_lm's own classes, random weights, no downloads
+def _seeded(model_cls, args, seed):
+    """``_init`` of a model constructed under ``seed`` too, so its 1-D parameters (biases, sinks) do not
+    depend on what drew random numbers before."""
+    mx.random.seed(seed)
+    return _init(model_cls(args), seed)
+
 def tiny_qwen3(seed=0):
     from mlx_lm.models import qwen3
 
     args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
                            max_position_embeddings=512, head_dim=16, tie_word_embeddings=True, rope_theta=10000.0)
-    return _init(qwen3.Model(args), seed)
+    return _seeded(qwen3.Model, args, seed)
 
 
 def tiny_ministral(seed=0, window=8):
@@ -73,7 +79,7 @@ def tiny_ministral(seed=0, window=8):
                                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
                                 head_dim=16, max_position_embeddings=512, rope_parameters=rope, sliding_window=window,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-    return _init(ministral3.Model(args), seed)
+    return _seeded(ministral3.Model, args, seed)
 
 
 def tiny_phi3(seed=0):
@@ -81,7 +87,7 @@ def tiny_phi3(seed=0):
 
     args = phi3.ModelArgs(model_type="phi3", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)
-    return _init(phi3.Model(args), seed)
+    return _seeded(phi3.Model, args, seed)
 
 
 def tiny_gpt_oss(seed=0, window=8):
@@ -92,7 +98,7 @@ def tiny_gpt_oss(seed=0, window=8):
                              hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
                              num_key_value_heads=2, sliding_window=window, rope_theta=10000,
                              layer_types=["sliding_attention", "full_attention"])
-    model = _init(gpt_oss.Model(args), seed)
+    model = _seeded(gpt_oss.Model, args, seed)
     for layer in model.model.layers:  # non-zero sink logits, so the sinks matter
         layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
     mx.eval(model.parameters())
@@ -105,7 +111,7 @@ def tiny_mamba(seed=0):
 
     args = mamba.ModelArgs(model_type="mamba", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, state_size=8,
                            num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
-    return _init(mamba.Model(args), seed)
+    return _seeded(mamba.Model, args, seed)
 
 
 def tiny_lfm2(seed=0):
@@ -117,7 +123,7 @@ def tiny_lfm2(seed=0):
                           conv_bias=False, conv_L_cache=3, block_dim=64, block_multiple_of=16,
                           block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, block_ff_dim=96,
                           full_attn_idxs=[1])
-    return _init(lfm2.Model(args), seed)
+    return _seeded(lfm2.Model, args, seed)
 
 
 def tiny_deepseek_v3(seed=0):
@@ -128,7 +134,7 @@ def tiny_deepseek_v3(seed=0):
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                  kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
                                  qk_nope_head_dim=16, n_routed_experts=None, max_position_embeddings=512)
-    return _init(deepseek_v3.Model(args), seed)
+    return _seeded(deepseek_v3.Model, args, seed)
 
 
 #: the architectures tests/test_architectures.py covers (name -> builder)
