@@ -245,8 +245,8 @@ def _check_kv_layers(model, defaults, layers) -> None:
         raise QuantizerConfigError(
             "model", type(model).__name__,
             f"a model with per-head K/V caches: {type(mla).__name__} is multi-head latent attention (MLA, "
-            "kv_lora_rank), whose cache holds a shared latent that no method here compresses; use "
-            "mlx_lm's own cache (method 'none')")
+            "kv_lora_rank), whose cache holds a shared latent (DeepSeek-V3) or keys and values of different "
+            "widths rebuilt from one (V2), which no method here is built for; use mlx_lm's own cache (method 'none')")
     if not any(type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) for c in defaults):
         kinds = ", ".join(sorted({type(c).__name__ for c in defaults}))
         raise QuantizerConfigError(

@@ -20,7 +20,9 @@ Codes: a slot is overwritten one row at a time, so only per-token codes fit a ri
 * ``waterfill``: keys as the kivi ring's, values as waterfill's (Hadamard-rotated, per-row RMS in
   float16, ``b``-bit Gaussian odd-polynomial codebook). Deviation: no query-weighted per-channel key
   widths, no pre-RoPE ranges, no float16 sinks or window (they are calibrated on the first rows at
-  known positions and kept beside the codes, which a ring of at most ``max_size`` rows does without).
+  known positions and kept beside the codes, which a ring of at most ``max_size`` rows does without). A
+  non-power-of-two ``Dv`` rotates by waterfill's seeded matrix, a per-process constant that waterfill's
+  full-layer caches count (``build_layers``) and the ring does not.
 
 Every row, a call's own included, is stored and read back as codes: the attention of a call equals
 mlx_lm's ``RotatingKVCache`` fed the dequantized rows (``tests/test_rotating.py``, token by token).
