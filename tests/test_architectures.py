@@ -22,7 +22,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from tiny_models import ARCHITECTURES, VOCAB, greedy, tiny_deepseek_v3, tiny_lfm2, tiny_mamba
+from tiny_models import ARCHITECTURES, VOCAB, greedy, tiny_deepseek, tiny_lfm2, tiny_mamba
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, QuantizerConfigError, SnapKVOptions, WaterfillOptions
 from veloxquant_mlx.cache.rotating import RING_CLASSES, RotatingQuantKVCache
 from veloxquant_mlx.eval.fidelity import next_token_fidelity
@@ -104,8 +104,10 @@ def test_eviction_keeps_the_sliding_ring_and_evicts_full_layers(arch, tokens):
     assert r.kld < 1e-4, r.kld  # a budget above the context evicts nothing
 
 
-def test_mla_is_refused_with_a_clear_error():
-    model = tiny_deepseek_v3()
+@pytest.mark.parametrize("version", [2, 3])
+def test_mla_is_refused_with_a_clear_error(version):
+    model = tiny_deepseek(version)
+    assert model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model)).shape == (1, 3, VOCAB)  # mlx_lm's own cache
     for config in (quant("kivi", 4), snap(16)):
         with pytest.raises(QuantizerConfigError, match="multi-head latent attention"):
             KVCacheBuilder.for_model(model, config)

@@ -126,15 +126,17 @@ def tiny_lfm2(seed=0):
     return _seeded(lfm2.Model, args, seed)
 
 
-def tiny_deepseek_v3(seed=0):
-    """Multi-head latent attention (its cache holds a latent, not K/V rows): for_model must refuse it."""
-    from mlx_lm.models import deepseek_v3
+def tiny_deepseek(version=3, seed=0):
+    """Multi-head latent attention (DeepSeek-V2 / V3: ``kv_lora_rank``): for_model must refuse it."""
+    import importlib
 
-    args = deepseek_v3.ModelArgs(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                 kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
-                                 qk_nope_head_dim=16, n_routed_experts=None, max_position_embeddings=512)
-    return _seeded(deepseek_v3.Model, args, seed)
+    mod = importlib.import_module(f"mlx_lm.models.deepseek_v{version}")
+    args = mod.ModelArgs(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                         q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                         n_routed_experts=None, max_position_embeddings=512,
+                         rope_scaling={"factor": 1.0} if version == 2 else None)  # V2 reads its YaRN settings
+    return _seeded(mod.Model, args, seed)
 
 
 #: the architectures tests/test_architectures.py covers (name -> builder)
