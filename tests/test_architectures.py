@@ -5,7 +5,8 @@ qwen2, qwen3, gemma3_text and ministral3 with sliding-window layers, phi3, gpt_o
 ``KVCacheBuilder.for_model`` gives a quantizer's compressed form to *every* attention layer (the
 sliding ones get the compressed ring, cache/rotating.py), an eviction method to the full-attention
 layers (sliding layers keep mlx_lm's ring, which the window bounds); generation follows the plain cache
-within the method's tolerance; architectures whose cache holds no K/V rows are refused.
+within the method's tolerance; saved (mlx_lm's prompt-cache file) and copied caches continue identically;
+architectures whose cache holds no K/V rows are refused.
 
 Tolerances (mean next-token KL against mlx_lm's own caches, 32 teacher-forced decode steps after a
 64-token prompt prefilled in chunks of 16): tiny random models attend sharply, so 4 bits moves them a
@@ -135,3 +136,25 @@ def test_a_bit_width_list_covers_the_sliding_layers_too():
     assert [type(c).__name__ for c in caches][::2] == ["RotatingKIVICache"] * 2
     with pytest.raises(QuantizerConfigError, match="list of 4 ints .*sliding windows"):
         KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi", bit_width_inlier=[4, 4]))
+
+
+@pytest.mark.parametrize("method", sorted(RING_CLASSES))
+def test_saved_and_copied_caches_continue_identically(arch, method, tokens, tmp_path):
+    """The contract's state on every architecture: mlx_lm's save/load_prompt_cache and deepcopy of the
+    whole model's caches (rings included) continue with the same logits as the original."""
+    import copy
+
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    _, model = arch
+    caches = KVCacheBuilder.for_model(model, quant(method, 4))
+    for a in range(0, 40, STEP):
+        model(mx.array(tokens[a : min(a + STEP, 40)])[None], cache=caches)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches)
+    twins = [load_prompt_cache(path), copy.deepcopy(caches)]
+    assert [type(c) for c in twins[0]] == [type(c) for c in caches]
+    for t in tokens[40:44]:
+        want = model(mx.array([[t]]), cache=caches)
+        for twin in twins:
+            assert mx.array_equal(model(mx.array([[t]]), cache=twin), want)
