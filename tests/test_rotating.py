@@ -166,3 +166,19 @@ def test_active_memory_of_a_filled_ring_is_its_nbytes(method, dtype):
         assert c.size() == 64 and grown <= c.nbytes, f"{grown} bytes alive for {c.nbytes} counted"
     finally:
         mx.set_cache_limit(previous)
+
+
+@pytest.mark.parametrize("field,value", [("_idx", 99), ("keep", 8), ("max_size", 0), ("_idx", -1)])
+def test_a_forged_ring_state_is_refused(field, value):
+    import json
+
+    c = ring("kivi", max_size=8)
+    for step, n in enumerate([5, 1, 1, 1, 1]):
+        c.update_and_fetch(*rows(n, 70 + step))
+    state = dict(c.state)
+    RING_CLASSES["kivi"].from_state(dict(state))  # the real one loads
+    meta = json.loads(state["meta"])
+    meta["scalars"][field] = value
+    state["meta"] = json.dumps(meta)
+    with pytest.raises(ValueError, match=field.lstrip("_")):
+        RING_CLASSES["kivi"].from_state(state)

@@ -138,6 +138,22 @@ class RotatingQuantKVCache(CompressedKVCache):
         """Attention over the decoded window with mlx_lm's mask as given (it was built for this ring)."""
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
+    @property
+    def state(self):
+        return CompressedKVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        """As the base's, then the ring's own numbers checked (a forged file must not place rows wrongly)."""
+        CompressedKVCache.state.fset(self, v)
+        rows = {a.shape[2] for a in self._arrays() if a is not None}
+        n = max(rows, default=0)
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (self.max_size, self.keep, self._idx))
+        if not (ints and len(rows) <= 1 and 0 <= self.keep < self.max_size and 0 <= self._idx <= n
+                and 0 <= min(self.offset, self.max_size) <= n):
+            raise ValueError(f"{type(self).__name__} state: keep={self.keep!r}, max_size={self.max_size!r}, "
+                             f"_idx={self._idx!r}, offset={self.offset!r} do not fit {sorted(rows)} ring rows")
+
     def stored_rows(self) -> int:
         """Rows ``update_and_fetch`` returns: up to ``max_size + S - 1`` after a multi-row call (``size()``
         is RotatingKVCache's ``min(offset, max_size)``)."""
