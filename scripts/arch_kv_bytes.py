@@ -1,5 +1,5 @@
 """Whole-model kv_bytes against fp16, and the fidelity to the plain cache, on every architecture of
-``tests/tiny_models.ARCHITECTURES`` (mlx_lm's own model classes, tiny, random weights, float32; no downloads).
+``tests/tiny_models.ARCHITECTURES`` (mlx_lm's own model classes, tiny, random weights; no downloads).
 
 For each architecture and method: ``--n-context`` random token ids prefilled in chunks of ``--step``
 through ``KVCacheBuilder.for_model``'s caches, then ``--n-score`` decode steps teacher-forced on the same
@@ -84,6 +84,7 @@ def main(argv=None):
             before = before_bytes(held[0]) / r.kv_bytes_fp16
             print(f"| {arch} | {dtype} | {kinds(model)} | {name} | {r.kld:.4f} | {r.top1_agree:.2f} | {r.kv_bytes} "
                   f"| {r.kv_fraction_of_fp16:.3f} | {before:.3f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()
