@@ -303,7 +303,9 @@ def test_mlx_lm_generate_step_with_chunked_prefill(arch, dispatch_installed):
     kinds = [type(c) for c in caches]
     assert KIVIKVCache in kinds
     if arch == "gemma3":
-        assert mlx_cache.RotatingKVCache in kinds  # sliding layers keep mlx_lm's cache
+        from veloxquant_mlx.cache.rotating import RotatingKIVICache
+
+        assert RotatingKIVICache in kinds  # sliding layers: kivi's compressed ring (cache/rotating.py)
     else:
         assert set(kinds) == {KIVIKVCache}
     steps = list(generate_step(prompt, model, max_tokens=12, prompt_cache=caches, prefill_step_size=16))

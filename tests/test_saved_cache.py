@@ -220,7 +220,7 @@ def test_model_mismatch(kivi_file):
 
 
 def test_sliding_window_layers_round_trip_and_are_checked(tmp_path):
-    """Gemma-3 style models keep RotatingKVCache layers next to the compressed ones."""
+    """Gemma-3 style models: kivi's compressed rings (sliding layers) next to its full-layer caches."""
     from tiny_models import tiny_gemma3
 
     model = tiny_gemma3()
@@ -229,7 +229,7 @@ def test_sliding_window_layers_round_trip_and_are_checked(tmp_path):
     save_cache(path, caches, model_id="tiny-gemma3", tokens=TOKENS[:100], method="kivi")
     loaded, _ = load_cache(path, model=model)
     _assert_states_equal(caches, loaded)
-    with pytest.raises(SavedCacheError, match="model mismatch: layer 0 of the cache holds a RotatingKVCache, the "
+    with pytest.raises(SavedCacheError, match="model mismatch: layer 0 of the cache holds a RotatingKIVICache, the "
                                               "given model's layer 0 uses a KVCache"):
         load_cache(path, model=_tiny())
     llama_file = tmp_path / "l.safetensors"

@@ -11,6 +11,7 @@ from .base import STANDALONE_METHODS, method_info
 from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver, notify
+from .rotating import RING_CLASSES
 from .standalone import SlidingWindowKVCache
 
 
@@ -166,13 +167,19 @@ class KVCacheBuilder:
         """One cache per layer of ``model`` (``model.language_model`` for VLM wrappers).
 
         Layers whose mlx_lm default cache is a plain ``KVCache`` get a cache of ``config.method``,
-        with ``head_dim`` taken from the layer and ``bit_width_inlier[i]`` when it is a list (one entry
-        per such layer). Other layers (sliding-window ``RotatingKVCache``, state-space ``ArraysCache``,
-        ...) keep the cache the model makes for them. Cross-layer methods get their coordinator from
-        the class's ``build_layers``; a cache with ``bind_attention`` is given its layer's attention
-        module (e.g. to read the RoPE or factor its weights). Installs the attention dispatch point
-        unless told not to, and with it the hidden-state reports a cache asks for in ``io_hooks``
-        (``dispatch.report_io`` on its layer's attention module or decoder layer).
+        with ``head_dim`` taken from the layer. Sliding-window layers (``RotatingKVCache``) get the
+        method's compressed ring (``rotating.RING_CLASSES``: kivi, waterfill) with the layer's window and
+        ``keep``; for other methods they keep mlx_lm's ring: an eviction method's budget applies to the
+        full-attention layers, the window already bounds a sliding one. ``bit_width_inlier[i]``, when a
+        list, has one entry per compressed layer, in layer order. Layers with other caches (state-space
+        ``ArraysCache`` / ``MambaCache`` of a hybrid model, ``CacheList``) keep the model's cache;
+        ``QuantizerConfigError`` for a model with no K/V layer at all (pure state-space) and for MLA
+        attention (DeepSeek-V2/V3: a ``kv_lora_rank`` latent instead of per-head K/V rows).
+        Cross-layer methods get their coordinator from the class's ``build_layers``; a cache with
+        ``bind_attention`` is given its layer's attention module (e.g. to read the RoPE or factor its
+        weights). Installs the attention dispatch point unless told not to, and with it the
+        hidden-state reports a cache asks for in ``io_hooks`` (``dispatch.report_io`` on its layer's
+        attention module or decoder layer).
         """
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
@@ -188,24 +195,32 @@ class KVCacheBuilder:
         if len(defaults) != len(layers):
             raise QuantizerConfigError("model", type(model).__name__,
                                        f"a model whose make_cache() returns one cache per layer ({len(layers)})")
+        _check_kv_layers(model, defaults, layers)
         slots = [i for i, c in enumerate(defaults) if type(c) is mlx_cache.KVCache]
+        ring_cls = RING_CLASSES.get(config.method)
+        rings = [i for i, c in enumerate(defaults) if ring_cls and type(c) is mlx_cache.RotatingKVCache]
         bits = config.bit_width_inlier
-        if isinstance(bits, (list, tuple)) and len(bits) != len(slots):
+        n = len(slots) + len(rings)
+        if isinstance(bits, (list, tuple)) and len(bits) != n:
             raise QuantizerConfigError(
                 "bit_width_inlier", list(bits),
-                f"a list of {len(slots)} ints (one per attention layer with a full KV cache)",
+                f"a list of {n} ints (one per compressed attention layer: full KV caches"
+                + (" and sliding windows)" if rings else ")"),
             )
-        layer_configs = []
-        for j, i in enumerate(slots):
+        configs = {}
+        for j, i in enumerate(sorted(slots + rings)):
             attn = _attention(layers[i])
             changes = {"head_dim": _head_dim(attn, config.head_dim) if attn is not None else config.head_dim}
             if isinstance(bits, (list, tuple)):
                 changes["bit_width_inlier"] = int(bits[j])
-            layer_configs.append(config.replace(**changes))
+            configs[i] = config.replace(**changes)
+        layer_configs = [configs[i] for i in slots]
         if layer_configs:
-            validate_for_model(config, min(c.head_dim for c in layer_configs), len(layer_configs))
+            validate_for_model(config, min(c.head_dim for c in configs.values()), len(layer_configs))
         build_layers = getattr(cls, "build_layers", None)
         built = build_layers(layer_configs) if build_layers else [cls(c) for c in layer_configs]
+        built += [ring_cls(configs[i], defaults[i].max_size, defaults[i].keep) for i in rings]
+        slots = slots + rings
         caches = list(defaults)
         for i, cache in zip(slots, built):
             caches[i] = cache
@@ -221,6 +236,23 @@ class KVCacheBuilder:
             dispatch.install()
         notify(config.observers, "created", config.method, layers=len(slots))
         return caches
+
+
+def _check_kv_layers(model, defaults, layers) -> None:
+    """Refuse models whose caches hold no per-head K/V rows: MLA latents, or state-space layers only."""
+    mla = next((a for a in map(_attention, layers) if a is not None and hasattr(a, "kv_lora_rank")), None)
+    if mla is not None:
+        raise QuantizerConfigError(
+            "model", type(model).__name__,
+            f"a model with per-head K/V caches: {type(mla).__name__} is multi-head latent attention (MLA, "
+            "kv_lora_rank), whose cache holds a shared latent (DeepSeek-V3) or keys and values of different "
+            "widths rebuilt from one (V2), which no method here is built for; use mlx_lm's own cache (method 'none')")
+    if not any(type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) for c in defaults):
+        kinds = ", ".join(sorted({type(c).__name__ for c in defaults}))
+        raise QuantizerConfigError(
+            "model", type(model).__name__,
+            f"a model with at least one attention layer with a K/V cache: its caches are {kinds} "
+            "(state-space layers hold no K/V rows); use mlx_lm's own cache (method 'none')")
 
 
 def _known():

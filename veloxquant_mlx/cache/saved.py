@@ -48,6 +48,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from .contract import CompressedKVCache, config_to_json
 from .errors import SavedCacheError
+from .rotating import RING_CLASSES
 
 __all__ = ["save_cache", "load_cache", "read_cache_info", "FORMAT_NAME", "FORMAT_VERSION",
            "SUPPORTED_VERSIONS", "NONE"]
@@ -436,6 +437,8 @@ def _allowed_classes(method: str) -> dict:
         registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
         if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
             allowed[cls.__name__] = cls
+        if method in RING_CLASSES:  # its sliding-window layers
+            allowed[RING_CLASSES[method].__name__] = RING_CLASSES[method]
     return allowed
 
 
@@ -457,9 +460,11 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
         saved_cls = getattr(mlx_cache, saved_name, None)
         # a plain-KVCache layer may hold mlx_lm's KVCache or one of ours; any other layer type its own class
         if cls is mlx_cache.KVCache:
-            fits = saved_cls is cls or (isinstance(saved_cls, type) and issubclass(saved_cls, CompressedKVCache))
-        else:
-            fits = saved_name == cls.__name__
+            fits = saved_cls is cls or (isinstance(saved_cls, type) and issubclass(saved_cls, CompressedKVCache)
+                                        and saved_cls not in RING_CLASSES.values())
+        else:  # a sliding-window layer may hold a compressed ring (rotating.py)
+            fits = saved_name == cls.__name__ or (cls is mlx_cache.RotatingKVCache
+                                                  and saved_cls in RING_CLASSES.values())
         if not fits:
             raise SavedCacheError(f"{path}: model mismatch: layer {i} of the cache holds a {saved_name}, the "
                                   f"given model's layer {i} uses a {cls.__name__}")

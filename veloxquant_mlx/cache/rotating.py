@@ -1,0 +1,208 @@
+"""Sliding-window layers compressed: mlx_lm's ``RotatingKVCache`` ring with every slot holding codes.
+
+Models with sliding-window attention (Gemma 2/3, Ministral-style interleaved windows, gpt-oss) give
+those layers mlx_lm's ``RotatingKVCache``: a ring of ``max_size`` slots whose first ``keep`` stay put,
+filled in place one decode row at a time, and put in temporal order and cut to ``max_size + S - 1``
+rows by a multi-row call (so each of its S queries still sees a whole window). ``RotatingQuantKVCache``
+keeps that ring exactly -- it runs mlx_lm's own ring code (``_trim``, ``_temporal_order``,
+``make_mask``, ``trim``, ``size``, ``is_trimmable``) on each of its code arrays, whose row axis is the
+ring's slot axis -- so the slot of every position, the ``offset``, the masks mlx_lm builds from it for
+multi-row calls and windows smaller than the ring, and the trim rule are RotatingKVCache's.
+``update_and_fetch`` returns the dequantized rows in RotatingKVCache's slot order (the masks fit
+them unchanged) and ``attend`` is the fused attention over them with the model's mask and attention
+sinks (gpt-oss).
+
+Codes: a slot is overwritten one row at a time, so only per-token codes fit a ring.
+
+* ``kivi``: keys *and* values per token, ``b``-bit group-affine in channel groups of ``gcd(D, G)``
+  (``primitives.groupquant``). Deviation from KIVI, whose keys are per channel over groups of G tokens
+  (a group of tokens cannot be rewritten one slot at a time); KIVI's float16 residual is dropped too.
+* ``waterfill``: keys as the kivi ring's, values as waterfill's (Hadamard-rotated, per-row RMS in
+  float16, ``b``-bit Gaussian odd-polynomial codebook). Deviation: no query-weighted per-channel key
+  widths, no pre-RoPE ranges, no float16 sinks or window (they are calibrated on the first rows at
+  known positions and kept beside the codes, which a ring of at most ``max_size`` rows does without). A
+  non-power-of-two ``Dv`` rotates by waterfill's seeded matrix, a per-process constant that waterfill's
+  full-layer caches count (``build_layers``) and the ring does not.
+
+Every row, a call's own included, is stored and read back as codes: the attention of a call equals
+mlx_lm's ``RotatingKVCache`` fed the dequantized rows (``tests/test_rotating.py``, token by token).
+The dense rows of the window are decoded per call (at most ``max_size + S - 1`` rows, never held);
+``nbytes`` is the code arrays, spare slots of the growing ring included as RotatingKVCache counts them.
+Bytes per row and KV head at ``b = 4``, ``D = Dv = 64``, ``G = 32``: kivi 80, waterfill 74, vs 256 float16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from .contract import CompressedKVCache, register_with_mlx_lm
+from .errors import QuantizerConfigError
+from .primitives import groupquant as gq
+from .primitives.bitpack import pack_bits, unpack_bits
+from .primitives.codebook import nearest_code, odd_poly_gaussian
+from .primitives.value_rotation import odd_poly, poly_coefficients, rotate_values
+
+_RING = mlx_cache.RotatingKVCache
+
+
+class RotatingQuantKVCache(CompressedKVCache):
+    """A ``RotatingKVCache`` ring of per-token codes (module docstring). Subclasses name their code
+    arrays (``array_fields``: rows on axis 2, 4-D) and implement ``_encode`` / ``_decode``."""
+
+    chunk_invariant = False  # as RotatingKVCache: a multi-row call keeps max_size + S - 1 rows until the next
+    exact_trim = False  # as RotatingKVCache: only while offset < max_size (is_trimmable); rotated rows are gone
+    scalar_fields = ("keep", "max_size", "_idx", "dtype_name")
+    step = _RING.step
+    dtype_name = "float32"
+
+    # mlx_lm's ring, run on our arrays (they read only keep / max_size / offset / _idx)
+    _trim = _RING._trim
+    _temporal_order = _RING._temporal_order
+    make_mask = _RING.make_mask
+    size = _RING.size
+    is_trimmable = _RING.is_trimmable
+    trim = _RING.trim
+
+    def __init__(self, config, max_size: int, keep: int = 0):
+        self.max_size, self.keep, self._idx = int(max_size), int(keep), 0
+        super().__init__(config)
+
+    def _init_layout(self):
+        b, G = self.config.bit_width_inlier, int(getattr(self.config.options, "group_size", 32))
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+            raise QuantizerConfigError("bit_width_inlier", b,
+                                       f"an int in 1..8 for a sliding-window layer of {self.config.method!r}")
+        self.qbits, self.group = int(b), G  # not ``bits``: mlx_lm routes caches with ``bits`` to its own kernel
+
+    # ---- codes of rows [B, H, n, D]
+    def _encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        raise NotImplementedError
+
+    def _decode(self, arrays: list[mx.array], dtype) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def _affine(self, x):
+        return list(gq.quantize(x, self.qbits, math.gcd(x.shape[-1], self.group)))
+
+    def _unaffine(self, codes, scales, biases, dim, dtype):
+        return gq.dequantize(codes, scales, biases, self.qbits, math.gcd(dim, self.group), dtype)
+
+    # ---- the ring (RotatingKVCache._update_concat / _update_in_place over every code array)
+    def _arrays(self) -> list:
+        return [getattr(self, n) for n in self.array_fields]
+
+    def _put(self, arrays) -> None:
+        for name, a in zip(self.array_fields, arrays):
+            setattr(self, name, a)
+
+    def update_and_fetch(self, keys, values):
+        self._check_input(keys, values)
+        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        rows, S, ring = self._encode(keys, values), keys.shape[2], self._arrays()
+        if S > 1:  # _update_concat
+            if ring[0] is not None:
+                ring = [self._temporal_order(a) for a in ring]
+                self._idx = ring[0].shape[2]
+                trim_size = self._idx - self.max_size + 1
+                rows = [self._trim(trim_size, a, r) for a, r in zip(ring, rows)]
+            self._put(rows)
+        else:  # _update_in_place
+            prev = self.offset
+            if ring[0] is None or (prev >= ring[0].shape[2] and ring[0].shape[2] < self.max_size):
+                new = min(self.step, self.max_size - prev)
+                grown = [mx.zeros((*r.shape[:2], new, r.shape[3]), r.dtype) for r in rows]
+                ring = grown if ring[0] is None else [mx.concatenate([a, g], axis=2) for a, g in zip(ring, grown)]
+                self._idx = prev
+            if ring[0].shape[2] > self.max_size:
+                ring = [self._trim(ring[0].shape[2] - self.max_size, a) for a in ring]
+                self._idx = self.max_size
+            if self._idx == self.max_size:
+                self._idx = self.keep
+            for a, r in zip(ring, rows):
+                a[..., self._idx : self._idx + S, :] = r
+            self._put(ring)
+        self.offset += S
+        self._idx = self._idx + S if S == 1 else ring_rows(self)
+        return self._dense()
+
+    def _dense(self):
+        """Dequantized rows in RotatingKVCache's order (``keys_and_values``), in the model's dtype."""
+        n = self.stored_rows()
+        arrays = [a if n == a.shape[2] else a[..., :n, :] for a in self._arrays()]
+        return self._decode(arrays, getattr(mx, self.dtype_name))
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """Attention over the decoded window with mlx_lm's mask as given (it was built for this ring)."""
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    @property
+    def state(self):
+        return CompressedKVCache.state.fget(self)
+
+    @state.setter
+    def state(self, v):
+        """As the base's, then the ring's own numbers checked (a forged file must not place rows wrongly)."""
+        CompressedKVCache.state.fset(self, v)
+        rows = {a.shape[2] for a in self._arrays() if a is not None}
+        n = max(rows, default=0)
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (self.max_size, self.keep, self._idx))
+        if not (ints and len(rows) <= 1 and 0 <= self.keep < self.max_size and 0 <= self._idx <= n
+                and 0 <= min(self.offset, self.max_size) <= n):
+            raise ValueError(f"{type(self).__name__} state: keep={self.keep!r}, max_size={self.max_size!r}, "
+                             f"_idx={self._idx!r}, offset={self.offset!r} do not fit {sorted(rows)} ring rows")
+
+    def stored_rows(self) -> int:
+        """Rows ``update_and_fetch`` returns: up to ``max_size + S - 1`` after a multi-row call (``size()``
+        is RotatingKVCache's ``min(offset, max_size)``)."""
+        return min(self.offset, ring_rows(self))
+
+    def empty(self) -> bool:
+        return self._arrays()[0] is None
+
+
+def ring_rows(cache) -> int:
+    """Slots of the ring buffer (0 before the first call)."""
+    a = getattr(cache, cache.array_fields[0])
+    return 0 if a is None else a.shape[2]
+
+
+@register_with_mlx_lm
+class RotatingKIVICache(RotatingQuantKVCache):
+    """kivi on a sliding-window layer: keys and values per token, b-bit groups of gcd(D, G) channels."""
+
+    method_name = "kivi"
+    array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
+
+    def _encode(self, keys, values):
+        return self._affine(keys) + self._affine(values)
+
+    def _decode(self, a, dtype):
+        _, D, Dv = self._shape
+        return self._unaffine(*a[:3], D, dtype), self._unaffine(*a[3:], Dv, dtype)
+
+
+@register_with_mlx_lm
+class RotatingWaterfillCache(RotatingQuantKVCache):
+    """waterfill on a sliding-window layer: per-token affine keys, waterfill's rotated codebook values."""
+
+    method_name = "waterfill"
+    array_fields = ("k_codes", "k_scales", "k_biases", "v_words", "v_scales")
+
+    def _encode(self, keys, values):
+        y = rotate_values(values.astype(mx.float32), int(self.config.seed))
+        s = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True)).astype(mx.float16)  # [B, H, n, 1]
+        codes = nearest_code(y / mx.maximum(s.astype(mx.float32), 1e-30), odd_poly_gaussian(self.qbits)[0])
+        return self._affine(keys) + [pack_bits(codes, self.qbits), s]
+
+    def _decode(self, a, dtype):
+        _, D, Dv = self._shape
+        u = odd_poly(unpack_bits(a[3], self.qbits, Dv), (1 << self.qbits) - 1, *poly_coefficients(self.qbits))
+        v = rotate_values(u * a[4].astype(mx.float32), int(self.config.seed), inverse=True)
+        return self._unaffine(*a[:3], D, dtype), v.astype(dtype)
+
+
+#: method -> its ring class; a quantizer not listed keeps mlx_lm's RotatingKVCache on sliding layers
+RING_CLASSES = {"kivi": RotatingKIVICache, "waterfill": RotatingWaterfillCache}
