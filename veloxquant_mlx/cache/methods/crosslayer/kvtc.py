@@ -69,10 +69,10 @@ class KVTCKVCache(DeferredStart, LowRankKVCache):
     def rate(self, b: int) -> float:
         return b + 32.0 / self.group if b else 0.0  # side information: float16 scale + bias per G tokens
 
-    def distortion_table(self, z: mx.array) -> np.ndarray:
-        """Measured squared error [F, K] of each component at each choice, normalised by the block energy;
-        components with no energy in the block get a prior: the weakest observed component's energy
-        times the quantizer's average relative distortion at each width."""
+    def _choose_bits(self, which, z, energy):
+        """The DP allocation on the measured squared error [F, K] of each component at each choice,
+        normalised by the block energy; components with no energy in the block get a prior: the weakest
+        observed component's energy times the quantizer's average relative distortion at each width."""
         d = np.asarray(lr.measure_distortion(z, self.choices, self.group)).astype(np.float64)
         e0 = d[:, self.choices.index(0)]
         total = max(e0.sum(), 1e-30)
@@ -81,16 +81,10 @@ class KVTCKVCache(DeferredStart, LowRankKVCache):
             seen = d[~null]
             rel = seen.sum(axis=0) / seen[:, self.choices.index(0)].sum()  # [K], 1 at 0 bits
             d[null] = e0[~null].min() * rel[None]
-        return d / total
-
-    def allocate(self, dist: np.ndarray) -> list:
         o = self.config.options
-        lam = 10.0 ** (-float(o.beta)) / dist.shape[0]  # per average component
-        return lr.dp_allocate(dist, self.choices, [self.rate(b) for b in self.choices],
+        lam = 10.0 ** (-float(o.beta)) / d.shape[0]  # per average component
+        return lr.dp_allocate(d / total, self.choices, [self.rate(b) for b in self.choices],
                               float(o.bit_budget), lam=lam, unit=1.0 / self.group)
-
-    def _choose_bits(self, which, z, energy):
-        return self.allocate(self.distortion_table(z))
 
     def bits_per_token(self, which: str = "k") -> float:
         """Allocated rate of one token vector (codes + side information), <= kvtc_bit_budget."""

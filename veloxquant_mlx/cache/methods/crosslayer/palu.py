@@ -117,13 +117,6 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         want = min(self.config.options.n_head_groups, n_heads)
         return max(d for d in range(1, want + 1) if n_heads % d == 0)
 
-    def rank_for(self, energy: np.ndarray) -> int:
-        """The kept rank for per-group spectra ``energy`` [Hg, m] (σ², decreasing)."""
-        o = self.config.options
-        if o.rank is not None:
-            return min(o.rank, energy.shape[-1])
-        return lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold)
-
     def _bits(self, which: str, r: int) -> list:
         o = self.config.options
         if which == "v" and not o.quantize_values:
@@ -152,7 +145,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     def factor(self, keep: bool = True) -> None:
         """Factor the bound layer's ``k_proj`` / ``v_proj``: ranks, widths, head groups and, with ``keep``,
         the factors ``U_r`` (and bias offsets) held from then on."""
-        attn = self._attn.obj if self._attn is not None else None
+        o, attn = self.config.options, (self._attn.obj if self._attn is not None else None)
         if attn is None:
             raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
                              "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
@@ -169,8 +162,9 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
                 if b is not None:
                     raise ValueError(f"palu: a {which}_proj bias under a {which}_norm cannot be factored")
                 gain = norm_gain(norm, D)
-            U, energy = factor_groups(w, n_kv, self.hg, gain)
-            r = self.rank_for(energy)
+            U, energy = factor_groups(w, n_kv, self.hg, gain)  # energy: σ² [Hg, m], decreasing
+            r = (min(o.rank, energy.shape[-1]) if o.rank is not None
+                 else lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold))
             setattr(self, f"{which}_bits", self._bits(which, r))
             if keep:
                 setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))

@@ -102,8 +102,9 @@ class CaMKVCache(VotingEviction):
         attn_k, attn_g = take(self.attn, kept), take(self.attn, gone)
         abar = (s * attn_k[..., None, :]).sum(axis=-1)
         p = mx.minimum(attn_g / mx.maximum(abar, 1e-30), 1.0)  # the paper's merge probability
-        if self.merge_gate:
-            s = s * mx.random.bernoulli(p, key=self._gate_key())[..., None].astype(mx.float32)
+        if self.merge_gate:  # seeded by the config, the layer and the position
+            key = mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
+            s = s * mx.random.bernoulli(p, key=key)[..., None].astype(mx.float32)
         else:
             s = s * p[..., None]  # the gated merge's expectation
         vals = self.values[:, :, :rows].astype(mx.float32)
@@ -117,8 +118,5 @@ class CaMKVCache(VotingEviction):
         self.values[:, :, :keep] = new_vals.astype(self.values.dtype)
         if self.merge_keys:
             self.keys[:, :, :keep] = new_keys.astype(self.keys.dtype)
-
-    def _gate_key(self):
-        return mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
 
     cam_kept_bytes = VotingEviction.kept_bytes

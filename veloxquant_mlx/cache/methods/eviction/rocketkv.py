@@ -27,7 +27,7 @@ from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...eviction import EvictionKVCache
 from ...primitives.buffers import grow_rows
-from .snapkv import pooled_votes
+from .snapkv import SnapKVKVCache
 
 
 @register_with_mlx_lm
@@ -58,8 +58,8 @@ class RocketKVKVCache(EvictionKVCache):
         self.budget = max(math.ceil(self.offset / self._stage1_ratio), self.n_sink + self.recent)
         return self.rows > self.budget
 
-    def score(self, obs_queries, obs_positions, scale):
-        return pooled_votes(self, obs_queries, obs_positions, scale)
+    score = SnapKVKVCache.score  # stage 1: SnapKV's pooled votes (prefill chunks only)
+    qring = None  # no decode-time query ring (SnapKV's ``decode_evict``)
 
     n_pages = property(lambda self: -(-self.rows // self._page_size))
 

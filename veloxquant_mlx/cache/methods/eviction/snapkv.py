@@ -36,13 +36,6 @@ def avg_pool_last(x: mx.array, kernel: int) -> mx.array:
     return (c[..., kernel : kernel + n] - c[..., :n]) / kernel
 
 
-def pooled_votes(cache, obs_queries, obs_positions, scale) -> mx.array:
-    """SnapKV's score of ``cache``'s stored rows: the observation queries' votes, pooled (kernel 7)."""
-    rows = cache.rows
-    votes = observation_scores(obs_queries, cache.keys[:, :, :rows], scale, obs_positions, cache.positions[:, :, :rows])
-    return avg_pool_last(votes, POOL_KERNEL)
-
-
 @register_with_mlx_lm
 @register("snapkv")
 class SnapKVKVCache(EvictionKVCache):
@@ -109,7 +102,10 @@ class SnapKVKVCache(EvictionKVCache):
     def score(self, obs_queries, obs_positions, scale):
         if obs_queries.shape[2] == 1 and self.qring is not None:  # decode: the ring is the window
             obs_queries, obs_positions = self.qring, self.qring_pos
-        return pooled_votes(self, obs_queries, obs_positions, scale)
+        rows = self.rows
+        votes = observation_scores(obs_queries, self.keys[:, :, :rows], scale, obs_positions,
+                                   self.positions[:, :, :rows])
+        return avg_pool_last(votes, POOL_KERNEL)
 
     tokens_total = property(attrgetter("offset"))  # spec telemetry name
 
