@@ -1,23 +1,21 @@
 """MiniCache (Liu, Liu, Pan, He, Haffari, Zhuang, "MiniCache: KV Cache Compression in Depth
 Dimension for Large Language Models", arXiv 2405.14366).
 
-Paper: from mid-depth on, adjacent layers' KV states point alike; each pair (l-1, l) is merged per token:
-magnitudes ``||x||`` are kept per layer, the directions are interpolated on the sphere once for the pair
-(SLERP, ``e = sin((1-t)Ω)/sinΩ · e_{l-1} + sin(tΩ)/sinΩ · e_l``), ``x̂ = ||x|| · e``; pairs too far apart
-are *retained* exactly. Here (``minicache_start_frac`` s, ``minicache_group_size`` 2,
-``minicache_retention_threshold`` θ, ``minicache_slerp_t`` t): the first ``floor(s·L)`` layers and an
-unpaired last one are lossless primaries, then (*primary*, *merge*) pairs. Both keep rows in a float16
-window (``GroupWindow``); at ``BLOCK`` (32) rows the merge layer merges both windows in one step, keys
-and values apart: tokens with cosine < θ are retained. Stored: the shared direction ``dir`` (the
-primary's own row where retained; held by the primary), magnitudes ``pn`` (1 where retained) and
-``mn``, and the merge layer's retained rows (``ret [r, D]`` float16, token-major positions ``idx``).
-Per token per KV head the pair holds 2·D + 4 + retained fraction · (2·D + 4) bytes vs 4·D in float16. A
-call's own rows are attended in full precision; one host sync per merge step (the retained count).
+Paper: from mid-depth on adjacent layers' KV states point alike, so each pair (l-1, l) keeps per-token
+magnitudes ``||x||`` per layer and one SLERP of the two directions (``e = sin((1-t)Ω)/sinΩ · e_{l-1} +
+sin(tΩ)/sinΩ · e_l``), restoring ``||x|| · e``; token pairs too far apart are *retained* exactly. Here:
+the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one are lossless primaries,
+then (*primary*, *merge*) pairs; both keep rows in a float16 window (``GroupWindow``) until the merge
+layer has ``BLOCK`` (32) rows and merges both windows in one step (keys and values apart; cosine <
+``minicache_retention_threshold`` θ: retained; ``minicache_slerp_t`` t). The primary holds the shared
+direction (its own row where retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn``
+and its retained rows compactly (``ret`` float16, token-major ``idx``): 2·D + 4 + retained fraction ·
+(2·D + 4) bytes per token per KV head for the pair, vs 4·D. One host sync per merge step.
 
 Deviations: a fixed cosine threshold θ (the paper: relative angular distance); the primary's retained
-rows sit in the direction slot with magnitude 1 (no separate buffer) and it restores merged tokens from
-the shared direction too (a lossless primary plus a direction would exceed two float16 layers); pairs
-only; ``minicache_max_ctx`` unused; the newest < ``BLOCK`` tokens stay float16; trims keep the remaining
+rows sit in the direction slot with magnitude 1 and it restores merged tokens from the shared direction
+(a lossless primary plus a direction would exceed two float16 layers); ``minicache_group_size`` must be
+2; ``minicache_max_ctx`` unused; the newest < ``BLOCK`` tokens stay float16; trims keep the remaining
 tokens' data but tokens merged with trimmed ones stay merged (``exact_trim = False``) and must hit every
 layer alike; a cache built alone is a lossless primary.
 

@@ -1,29 +1,21 @@
 """Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache
 with Low-Rank Projection", arXiv 2407.21118).
 
-Paper: the K/V projection *weights* are factored offline, ``W ≈ A B``; the model computes the latent
-``h = x A``, the cache stores it and ``K = h B`` is rebuilt on the fly; group-head decomposition (G-LRD)
-factors a group of heads together; latents are quantized, ``B`` fused into the output projection
-(values) or a RoPE kernel (keys). Here (``palu_rank`` / ``palu_energy_threshold``,
-``palu_n_head_groups``, ``palu_hi_bit`` / ``palu_lo_bit`` / ``palu_hi_fraction``, ``palu_group_size``,
-``palu_quantize_values``):
-
-* ``bind_attention`` (from ``KVCacheBuilder.for_model``) splits the (dequantized) ``k_proj`` / ``v_proj``
-  rows into Hg groups of H/Hg heads (Hg the largest divisor of H <= ``palu_n_head_groups``); per group a
-  float64 SVD ``W_g = U S Vᵀ`` gives ``h = k U_r`` (mlx_lm hands the cache ``k``, not ``x``), exact for
-  the rank-r projection; the cache holds ``U_r`` float16. Rank: ``palu_rank`` or the smallest holding
-  ``palu_energy_threshold`` of ``Σσ²`` in every group. The factors are made at the first compression
-  (``DeferredStart``); a saved short chat needs ``bind_attention`` again before compressing.
-* Each completed token group is un-rotated with the layer's RoPE (``primitives.rope``) before projecting
-  and rebuilt keys are rotated at attention; a ``k_proj`` bias (Qwen2) is the latent's offset; a per-head
-  ``k_norm`` / ``v_norm`` (Gemma 3) is folded in as its gain (its per-token RMS scale: exact for one-head
-  groups, approximate for larger).
-* Latents are quantized per channel over G tokens: the first ``ceil(hi_fraction · r)`` at
-  ``palu_hi_bit``, the rest ``palu_lo_bit`` (``palu_quantize_values=False``: value latents float16);
-  newest < G tokens in KIVI's float16 residual. ``attend`` rebuilds keys (``h U_rᵀ + b``), rotates them
-  and fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
-* Without ``bind_attention`` the first ``update_and_fetch`` raises ``ValueError`` naming the fix; a saved
-  cache that has compressed needs no model.
+Paper: the K/V projection *weights* are factored offline, ``W ≈ A B``; the cache stores the latent
+``h = x A`` and ``K = h B`` is rebuilt on the fly (group-head decomposition, G-LRD, factors a group of
+heads together); latents are quantized. Here ``bind_attention`` (from ``KVCacheBuilder.for_model``)
+splits the (dequantized) ``k_proj`` / ``v_proj`` rows into Hg groups (Hg the largest divisor of H <=
+``palu_n_head_groups``); a float64 SVD ``W_g = U S Vᵀ`` per group gives ``h = k U_r`` (mlx_lm hands the
+cache ``k``, not ``x``), exact for the rank-r projection, with r = ``palu_rank`` or the smallest holding
+``palu_energy_threshold`` of ``Σσ²`` in every group; the cache holds ``U_r`` float16, made at the first
+compression (``DeferredStart``; a saved short chat needs ``bind_attention`` again, and without it the
+first ``update_and_fetch`` raises ``ValueError`` naming the fix). Completed token groups are un-rotated
+with the layer's RoPE before projecting and rebuilt keys rotated at attention; a ``k_proj`` bias (Qwen2)
+is the latent's offset; a per-head ``k_norm`` / ``v_norm`` (Gemma 3) is folded in as its gain (its
+per-token RMS scale: exact for one-head groups, approximate for larger). Latents are quantized per
+channel over ``palu_group_size`` tokens, the first ``ceil(palu_hi_fraction · r)`` at ``palu_hi_bit``, the
+rest ``palu_lo_bit`` (``palu_quantize_values=False``: value latents float16). ``attend`` rebuilds keys
+(``h U_rᵀ + b``) and fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
 
 Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks
 per layer by Fisher information); per-channel min/max over token groups with the hi/lo split by singular

@@ -141,13 +141,8 @@ class XQuantKVCache(KIVIKVCache):
         return gq.dequantize(o.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
                              self.qbits, gv, dtype)
 
-    @property
-    def used_nbytes(self) -> int:
-        """KIVI's for the base; a shared layer: its float16 scales / zero points and residual, no codes."""
-        if self.xq_role == "base" or self.res_k is None:
-            return super().used_nbytes
-        B, H, _, D = self.res_k.shape
-        dv = self.res_v.shape[-1]
-        groups = self.n_quant // self.group
-        meta = B * H * (D * groups + self.n_quant * (dv // self.value_group(dv))) * 2 * 2
-        return meta + self.res_k.nbytes + self.res_v.nbytes
+    def _code_nbytes(self, B, H, D, dv):
+        """KIVI's for the base; a shared layer holds only its float16 scales / zero points, no codes."""
+        if self.xq_role == "base":
+            return super()._code_nbytes(B, H, D, dv)
+        return B * H * (D * (self.n_quant // self.group) + self.n_quant * (dv // self.value_group(dv))) * 2 * 2

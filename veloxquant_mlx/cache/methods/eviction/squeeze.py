@@ -21,6 +21,7 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+from itertools import accumulate, combinations
 from operator import attrgetter
 
 import mlx.core as mx
@@ -34,35 +35,20 @@ N_CLUSTERS = 3
 
 def kmeans_1d(values: list[float], k: int) -> list[int]:
     """Labels 0..k-1 (increasing with value) of the exact 1-D k-means optimum: optimal clusters are runs of
-    the sorted values, so a dynamic program over split points finds it (O(k n²); Lloyd can stop worse)."""
+    the sorted values, so every split into k runs is tried (O(n^(k-1)), k = 3 here; Lloyd can stop worse)."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     x = [float(values[i]) for i in order]
-    n = len(x)
-    k = max(1, min(k, n))
-    p1, p2 = [0.0], [0.0]
-    for v in x:
-        p1.append(p1[-1] + v)
-        p2.append(p2[-1] + v * v)
+    n, k = len(x), max(1, min(k, len(x)))
+    p1, p2 = [0.0, *accumulate(x)], [0.0, *accumulate(v * v for v in x)]
 
-    def sse(i, j):  # squared error of the run x[i:j] around its mean
-        return p2[j] - p2[i] - (p1[j] - p1[i]) ** 2 / (j - i)
+    def sse(cuts):  # squared error of the runs between consecutive cuts, each around its mean
+        return sum(p2[j] - p2[i] - (p1[j] - p1[i]) ** 2 / (j - i) for i, j in zip(cuts, cuts[1:]))
 
-    inf = float("inf")
-    cost = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    cost[0][0] = 0.0
-    for c in range(1, k + 1):
-        for j in range(c, n + 1):
-            for i in range(c - 1, j):
-                v = cost[c - 1][i] + sse(i, j)
-                if v < cost[c][j] - 1e-15:
-                    cost[c][j], cut[c][j] = v, i
-    labels, j = [0] * n, n
-    for c in range(k, 0, -1):
-        i = cut[c][j]
+    best = min(((0, *c, n) for c in combinations(range(1, n), k - 1)), key=sse) if n else ()
+    labels = [0] * n
+    for c, (i, j) in enumerate(zip(best, best[1:])):
         for t in range(i, j):
-            labels[order[t]] = c - 1
-        j = i
+            labels[order[t]] = c
     return labels
 
 
