@@ -2,17 +2,16 @@
 Storage in LLM Inference", arXiv 2511.01815): PCA decorrelation, a quantizer whose bits per component
 come from a dynamic-programming rate allocation, and entropy coding.
 
-Here (``kvtc_bit_budget`` R bits per token vector, ``kvtc_bit_choices``, ``kvtc_beta`` β, group G =
-``kivi_group_size``): a token vector is one token's keys (resp. values) of all KV heads (F = H·D), each
-side under R. PCA is fitted once per prompt on the first block of whole groups (``fit_basis``). On that
-block the error of every component at every width is *measured* with the real quantizer, and
-``dp_allocate`` solves min Σ D_c(b_c) + λ Σ R(b_c) s.t. Σ R(b_c) <= R exactly, R(b) = b + 32/G (float16
-scale and bias per G tokens), R(0) = 0, λ = 10^-β / F of the block energy: a bit is spent only if it
-removes 10^-β of an average component's energy (β = 3.5 spends nearly all of R; normalising by the total
-energy left 10-45% unspent on SmolLM2 and cost quality). Rows stay float16 (``DeferredStart``) until the
-bases plus R bits per token and side are smaller (256 rows on SmolLM2 at the defaults; never when R >=
-16 bits per component). Kept components are stored per channel over G tokens; the inverse transform is
-folded into the query and output sides (``LowRankKVCache``); the newest < G tokens stay float16.
+Here a token vector is one token's keys (resp. values) of all KV heads (F = H·D), each side under
+``kvtc_bit_budget`` R bits. PCA is fitted once per prompt on the first block of whole G-token groups
+(G = ``kivi_group_size``); on that block each component's error at each of ``kvtc_bit_choices`` is
+*measured* with the real quantizer and ``dp_allocate`` solves min Σ D_c(b_c) + λ Σ R(b_c) s.t.
+Σ R(b_c) <= R exactly, with R(b) = b + 32/G (float16 scale and bias per G tokens), R(0) = 0 and
+λ = 10^-``kvtc_beta`` / F of the block energy: a bit is spent only if it removes that share of an
+average component's energy (β = 3.5 spends nearly all of R; normalising by the total energy left 10-45%
+unspent on SmolLM2 and cost quality). Rows stay float16 (``DeferredStart``) until bases plus R bits per
+token and side are smaller (256 rows on SmolLM2 at the defaults; never when R >= 16 bits per
+component). The inverse transform is folded into attention (``LowRankKVCache``).
 
 Deviations: the paper calibrates the PCA offline over all layers and heads (rotation removed), keeps 4
 sink and 128 recent tokens uncompressed and entropy-codes (DEFLATE); here the transform is per layer on
@@ -25,7 +24,6 @@ energy), so later tokens' energy there is still coded when the budget allows.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 
 from ...base import register

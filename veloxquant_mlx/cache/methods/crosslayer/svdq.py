@@ -1,17 +1,15 @@
 """SVDq (Hong, Li, Zhen, Yu, Liu, Yuan, "SVDq: 1.25-bit and 410x Key Cache Compression for LLM
 Attention", arXiv 2502.15304), on ``LowRankKVCache`` (``cache/lowrank.py``, shared with palu and kvtc).
 
-Paper: keys are written in their SVD basis, ``K = (K V) Vᵀ``; the latent channels (columns of ``K V``)
-decay with the singular values and get a **decreasing bit schedule** (the tail dropped); attention uses
-``q·Kᵀ = (q V)·(K V)ᵀ``. Here (``svdq_rank`` r or ``svdq_energy_threshold`` e, ``svdq_bit_schedule``
-b_0 >= b_1 >= ..., ``svdq_group_size`` G): ``V`` is fitted once per (batch, head) on the first block of
-whole G-token groups (eigendecomposition of ``KᵀK``; rank r, or the smallest holding e of the energy in
-every head) and later groups are projected onto it; with S schedule entries channel c gets
-``b[c*S // D]``, channels >= r none; each channel of G tokens has a float16 scale and bias
-(``groupquant``, 1..8 bits). Values are KIVI's (``bit_width_inlier``); the newest < G tokens stay
-float16. ``attend`` works on the latents, ``update_and_fetch`` returns ``Z V_rᵀ``. Bytes per token per
-head: ``Σ_c (b_c/8 + 4/G)`` over kept key channels, KIVI's for values, plus the float16 basis ``D·r``
-per prompt; a 40-token chat holds at most its float16 rows plus ``contract.SHORT_PROMPT_SLACK_ROWS``.
+Keys are written in their SVD basis, ``K = (K V) Vᵀ``; the latent channels decay with the singular
+values and get a **decreasing bit schedule** (the tail dropped); attention uses ``(q V)·(K V)ᵀ``. ``V``
+is fitted once per (batch, head) on the first block of whole ``svdq_group_size`` (G) token groups
+(eigendecomposition of ``KᵀK``; rank ``svdq_rank``, or the smallest holding ``svdq_energy_threshold`` of
+the energy in every head); with S entries of ``svdq_bit_schedule`` channel c gets ``b[c*S // D]``,
+channels past the rank none; each channel of G tokens has a float16 scale and bias. Values are KIVI's;
+the newest < G tokens stay float16. Bytes per token per head: ``Σ_c (b_c/8 + 4/G)`` over kept key
+channels, KIVI's for values, plus the float16 basis ``D·r`` per prompt; a 40-token chat holds at most
+its float16 rows plus ``contract.SHORT_PROMPT_SLACK_ROWS``.
 
 Deviations: the basis is fitted on the prompt's first block of post-RoPE keys (the paper: the whole
 prefill per sequence); the schedule is spread in S equal segments over D (the paper: explicit per-block
