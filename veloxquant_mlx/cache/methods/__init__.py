@@ -1,7 +1,8 @@
-"""Method implementations, one module per method, grouped by family: ``quantization/``, ``eviction/``,
-``crosslayer/`` (helpers shared across families stay here: batch forms, deferred starts, layer links). Importing this package imports every module, which
-registers each built method with ``veloxquant_mlx.cache.base``; each module is also reachable under its
-pre-family path (``veloxquant_mlx.cache.methods.kivi``), which earlier releases documented."""
+"""Method implementations, one module per method, grouped by family (``quantization/``, ``eviction/``,
+``crosslayer/``; shared helpers stay here). Importing this package imports every module, which registers
+each method with ``veloxquant_mlx.cache.base``; each module is also importable under its pre-family path
+(``veloxquant_mlx.cache.methods.kivi``), which earlier releases documented.
+"""
 
 import importlib
 import pkgutil

@@ -1,13 +1,8 @@
-"""Per-request bookkeeping shared by the batch forms of compressed caches (``kivi_batch.py``,
-``turboquant_rvq_batch.py``, ``streaming_llm_batch.py``: the last has no right-aligned region, its
-``right_fields`` is empty): mlx_lm's batch-cache protocol (``prepare``/``finalize`` for right-padded
-prefill, ``offset`` as an ``mx.array``, ``filter``/``extend`` of the per-request counts) and the ragged
-layouts both use: regions whose rows are *left-aligned* per sequence (quantized slots ``[0, n_i)``)
-or *right-aligned* (float16 rows of the newest tokens, the last ``n_i`` columns), and the boolean
-mask that shows each sequence its own rows.
-
-Counts are host-side Python ints (lists, one entry per sequence): no decode step syncs with the
-device, and nothing here loops over tokens, heads or sequences with array operations.
+"""What the batch forms of compressed caches (kivi_batch, turboquant_rvq_batch, streaming_llm_batch)
+share: mlx_lm's batch-cache protocol (right-padded ``prepare``/``finalize``, ``offset`` as an array,
+``filter``/``extend``) and ragged layouts: regions *left-aligned* per sequence (slots ``[0, n_i)``) or
+*right-aligned* (the newest tokens' float16 rows, the last ``n_i`` columns), with the mask that shows
+each sequence its own rows. Counts are host-side ints (one per sequence): no decode step syncs.
 """
 
 from __future__ import annotations
@@ -22,9 +17,8 @@ from ..contract import BatchingNotSupported, CompressedKVCache, config_to_json
 
 
 def borrows(src, *names):
-    """Class decorator: the batch form takes ``src``'s attributes ``names`` as they are (methods,
-    properties, static methods), because they work unchanged on the batch buffers (same names and
-    layout, a leading batch axis)."""
+    """Class decorator: the batch form takes ``src``'s attributes ``names`` as they are (they work
+    unchanged on the batch buffers: same names and layout, a leading batch axis)."""
     def decorate(cls):
         for name in names:
             setattr(cls, name, inspect.getattr_static(src, name))
@@ -38,7 +32,7 @@ def grow_slots(cap: int, need: int) -> int:
 
 
 def pad_left(a: mx.array, width: int) -> mx.array:
-    """``a`` [B, H, W, D] with zero columns prepended on axis 2 up to ``width`` (right-aligned rows)."""
+    """``a`` [B, H, W, D] left-padded with zero columns on axis 2 up to ``width``."""
     pad = width - a.shape[2]
     if pad <= 0:
         return a
@@ -46,15 +40,13 @@ def pad_left(a: mx.array, width: int) -> mx.array:
 
 
 def keep_right(a: mx.array, width: int) -> mx.array:
-    """The last ``width`` columns of ``a`` on axis 2 (drops a right-aligned region's common invalid prefix)."""
+    """The last ``width`` columns of ``a`` on axis 2."""
     return a if a.shape[2] == width else a[:, :, a.shape[2] - width:]
 
 
 def rows_ending_at(a: mx.array, ends: Sequence[int], width: int, view: bool = True) -> mx.array:
-    """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] that end at column ``ends[i]``
-    (exclusive), right-aligned: a view when every sequence ends at the same column and ``view`` (a
-    decode step: the view keeps ``a`` alive, one column more), else one gather into a fresh array
-    (columns before 0 are clipped: they land in each sequence's invalid prefix)."""
+    """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] ending at column ``ends[i]`` (exclusive):
+    a view when all end at the same column and ``view``, else one gather (columns before 0 clipped)."""
     if view and all(e == ends[0] for e in ends):
         return a[:, :, ends[0] - width: ends[0]]
     idx = mx.clip(mx.array(ends, dtype=mx.int32)[:, None] - width + mx.arange(width, dtype=mx.int32)[None],
@@ -64,7 +56,7 @@ def rows_ending_at(a: mx.array, ends: Sequence[int], width: int, view: bool = Tr
 
 def rows_from(a: mx.array, starts: Sequence[int], width: int) -> mx.array:
     """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] from column ``starts[i]`` on (one
-    gather; columns past the end are clipped to the last one, always finite throw-away rows)."""
+    gather; columns past the end are clipped to the last one)."""
     idx = mx.minimum(mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None],
                      a.shape[2] - 1)
     return mx.take_along_axis(a, idx[:, None, :, None], axis=2)
@@ -91,14 +83,11 @@ def visible_mask(N: int, B: int, regions) -> mx.array:
 
 
 class RaggedBatchCache(CompressedKVCache):
-    """Base of the batch forms: per-sequence host-side counts (``count_fields``, lists of ints, among
-    them ``lens``: tokens held, and ``nq``: used slots of the left-aligned buffers, ``cap`` allocated),
-    a right-aligned float16 region (``right_fields``, its per-sequence rows in ``right_count``),
-    mlx_lm's ``prepare``/``finalize`` (right padding only: padded rows are never stored), ``offset`` /
-    ``left_padding`` as arrays, ``filter``/``extend`` and the state. Subclasses implement
-    ``_settings`` (what must match to share a batch), ``_region_dtype`` (the right region's dtype for a
-    compute dtype), ``_alloc(B, dtype)`` (zero arrays for B sequences: no slots, an empty right
-    region of that dtype) and ``_set_capacity``."""
+    """Base of the batch forms: host-side counts (``count_fields``: ``lens`` tokens held, ``nq`` used
+    slots of the left-aligned buffers; ``cap`` allocated), an optional right-aligned float16 region
+    (``right_fields``, rows per sequence in ``right_count``), the batch protocol and the state.
+    Subclasses give ``_settings`` (what must match to share a batch), ``_region_dtype``, ``_alloc(B,
+    dtype)`` (empty arrays for B sequences) and ``_slot_fields``."""
 
     count_fields: tuple[str, ...] = ("nq", "lens")
     right_fields: tuple[str, ...] = ()
@@ -116,8 +105,7 @@ class RaggedBatchCache(CompressedKVCache):
     # ---------------------------------------------------------------- merge helpers
     @staticmethod
     def _check_mergeable(caches, settings, what: str) -> None:
-        """Refuse single caches that cannot share a batch: different ``settings(cache)`` (``what`` names
-        them) or an offset that differs from the stored rows."""
+        """Refuse caches with different ``settings(cache)`` (``what`` names them) or offset != stored rows."""
         first = settings(caches[0])
         for c in caches:
             if settings(c) != first:
@@ -127,8 +115,7 @@ class RaggedBatchCache(CompressedKVCache):
                 raise BatchingNotSupported(f"{c.method_name} cache whose offset differs from its stored rows")
 
     def _stack(self, ones) -> "RaggedBatchCache":
-        """Set every array of ``array_fields`` to the batch of the per-request ``ones`` (dicts of [1, ...]
-        arrays, one per sequence, in order) and return ``self``."""
+        """Set each of ``array_fields`` to the batch of the per-request dicts ``ones``; returns ``self``."""
         for name in self.array_fields:
             setattr(self, name, mx.concatenate([one[name] for one in ones], axis=0))
         self._sync_offset()
@@ -149,8 +136,8 @@ class RaggedBatchCache(CompressedKVCache):
         raise NotImplementedError
 
     def _set_capacity(self, cap: int) -> None:
-        """Reallocate the slot-indexed buffers to ``cap`` slots, keeping the used ones (new slots are zeros;
-        a shrunk buffer is made contiguous so it does not keep the larger one alive)."""
+        """Reallocate the slot-indexed buffers to ``cap`` slots, keeping the used ones (a shrunk buffer is
+        made contiguous so it does not keep the larger one alive)."""
         if cap == self.cap:
             return
         keep = min(cap, self.cap)
@@ -172,8 +159,7 @@ class RaggedBatchCache(CompressedKVCache):
         return len(self.lens)
 
     def _lead(self):
-        """The array that tells whether buffers are held and their dtype: the right-aligned region's
-        first field, or the first array field of a layout without one (all left-aligned)."""
+        """The array that tells whether buffers are held, and their dtype."""
         return getattr(self, (self.right_fields or self.array_fields)[0])
 
     def _held(self) -> bool:
@@ -209,8 +195,7 @@ class RaggedBatchCache(CompressedKVCache):
         self._pending = None
 
     def _begin_call(self, keys, values) -> list[int]:
-        """Checks a call's rows, allocates on the first one; returns each sequence's valid rows
-        (all N unless ``prepare`` gave lengths)."""
+        """Check a call's rows, allocate on the first; returns each sequence's valid rows."""
         self._check_input(keys, values)
         N = keys.shape[2]
         if keys.shape[0] != self.batch_size:

@@ -1,38 +1,73 @@
-"""Relinking the layers of a cross-layer group (minicache, xkv, xquant) after ``load_prompt_cache``.
+"""What the cross-layer groups (chunkkv, minicache, xkv, xquant) share: relinking a group after
+``load_prompt_cache`` and (minicache, xkv) the float16 window that waits for the group's other layers.
 
-mlx_lm loads the caches of a prompt cache in layer order, so a group's first layer (the owner of what
-the group shares) is loaded before the layers that read it. Each method keeps one registry (weak
-values, by group id) of the shared objects loaded most recently.
+mlx_lm loads a prompt cache's layers in order, so a group's first layer (the owner of what the group
+shares) is loaded before the layers that read it; ``_LOADED`` keeps the shared objects loaded most
+recently (weak values, by group id: a fresh uuid per group, so methods never collide).
 """
 
 from __future__ import annotations
 
 import weakref
 
+import mlx.core as mx
+
 from ..contract import CompressedKVCache
+from ..primitives.buffers import grow_rows
+from .quantization.kivi import RES_DTYPE
+
+_LOADED = weakref.WeakValueDictionary()
 
 
-def registry() -> "weakref.WeakValueDictionary":
-    return weakref.WeakValueDictionary()
-
-
-def relink(links, key: str, owner: bool, make, what: str):
+def relink(key: str, owner: bool, make, what: str):
     """The owner registers ``make()`` (fresh: never the originals' links) under ``key``; a reader gets
     it, or a ``ValueError`` naming ``what`` must be loaded first."""
     if owner:
-        shared = links[key] = make()
+        shared = _LOADED[key] = make()
         return shared
-    shared = links.get(key)
+    shared = _LOADED.get(key)
     if shared is None:
         raise ValueError(f"{what} of group {key} must be loaded first")
     return shared
 
 
-def relinking_state(relink_loaded):
-    """The contract's ``state`` property, with ``relink_loaded(cache)`` run after a state is set."""
+def relinking_state():
+    """The contract's ``state`` property, with the cache's ``_relink_loaded()`` run after a state is set."""
 
     def fset(self, v):
         CompressedKVCache.state.fset(self, v)
-        relink_loaded(self)
+        self._relink_loaded()
 
     return property(CompressedKVCache.state.fget, fset)
+
+
+class GroupWindow:
+    """Mixin before ``KIVIKVCache``: a layer keeps a call's rows in a float16 window (``res_k``/``res_v``,
+    ``n_res`` rows after ``n_quant`` compressed ones) until its group compresses whole blocks of
+    ``group`` rows; the subclass gives ``_part_bytes(kind)``, the filled bytes of one side."""
+
+    def _append_window(self, keys, values) -> int:
+        """Append this call's rows to the window; returns the rows that fill whole blocks."""
+        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        r0 = self.n_res
+        past = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
+        self._call = (self.n_quant, r0, *past, keys, values)
+        self.res_k = grow_rows(self.res_k, r0, keys.astype(RES_DTYPE))
+        self.res_v = grow_rows(self.res_v, r0, values.astype(RES_DTYPE))
+        self.n_res = r0 + keys.shape[2]
+        return self.n_res // self.group * self.group
+
+    def _advance(self, m: int) -> None:
+        """Drop the window's first ``m`` rows (now compressed)."""
+        rest = self.n_res - m
+        for kind in ("k", "v"):
+            buf = getattr(self, f"res_{kind}")
+            setattr(self, f"res_{kind}", grow_rows(None, 0, buf[:, :, m : self.n_res]) if rest else
+                    mx.zeros((*buf.shape[:2], self.group, buf.shape[-1]), RES_DTYPE))
+        self.n_quant += m
+        self.n_res = rest
+
+    used_nbytes = property(lambda self: self._part_bytes("k") + self._part_bytes("v"),
+                           doc="Bytes of the filled parts of the arrays held (spare capacity left out).")
+    compressed_key_bytes = property(lambda self: self._part_bytes("k"))
+    compressed_value_bytes = property(lambda self: self._part_bytes("v"))

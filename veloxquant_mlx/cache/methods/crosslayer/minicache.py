@@ -1,67 +1,34 @@
 """MiniCache (Liu, Liu, Pan, He, Haffari, Zhuang, "MiniCache: KV Cache Compression in Depth
 Dimension for Large Language Models", arXiv 2405.14366).
 
-Paper: from the middle of the network on, the KV states of adjacent layers point in similar
-directions. Each pair of adjacent layers (l-1, l) is merged token by token: every state is split into
-its magnitude ``||x||`` and direction ``x/||x||``; the two directions are interpolated on the sphere
-(SLERP, ``e = sin((1-t)Ω)/sinΩ · e_{l-1} + sin(tΩ)/sinΩ · e_l``, Ω the angle between them) and stored
-once for the pair, each layer keeps only its per-token magnitudes and restores ``x̂ = ||x|| · e``.
-Token pairs whose directions differ too much to be merged are *retained* (kept exactly).
+Paper: from mid-depth on adjacent layers' KV states point alike, so each pair (l-1, l) keeps per-token
+magnitudes ``||x||`` per layer and one SLERP of the two directions (``e = sin((1-t)Ω)/sinΩ · e_{l-1} +
+sin(tΩ)/sinΩ · e_l``), restoring ``||x|| · e``; token pairs too far apart are *retained* exactly. Here:
+the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one are lossless primaries,
+then (*primary*, *merge*) pairs; both keep rows in a float16 window (``GroupWindow``) until the merge
+layer has ``BLOCK`` (32) rows and merges both windows in one step (keys and values apart; cosine <
+``minicache_retention_threshold`` θ: retained; ``minicache_slerp_t`` t). The primary holds the shared
+direction (its own row where retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn``
+and its retained rows compactly (``ret`` float16, token-major ``idx``): 2·D + 4 + retained fraction ·
+(2·D + 4) bytes per token per KV head for the pair, vs 4·D. One host sync per merge step.
 
-This implementation (``minicache_start_frac`` s, ``minicache_group_size`` g = 2,
-``minicache_retention_threshold`` θ, ``minicache_slerp_t`` t):
+Deviations: a fixed cosine threshold θ (the paper: relative angular distance); the primary's retained
+rows sit in the direction slot with magnitude 1 and it restores merged tokens from the shared direction
+(a lossless primary plus a direction would exceed two float16 layers); ``minicache_group_size`` must be
+2; ``minicache_max_ctx`` unused; the newest < ``BLOCK`` tokens stay float16; trims keep the remaining
+tokens' data but tokens merged with trimmed ones stay merged (``exact_trim = False``) and must hit every
+layer alike; a cache built alone is a lossless primary.
 
-* ``build_layers`` (one ``MiniCacheCoordinator`` per prompt cache): the first ``floor(s·L)`` full-KV
-  layers and a trailing unpaired layer are lossless (role ``"primary"`` with no reader); from there,
-  pairs of adjacent layers: the *primary* (lower) and the *merge* (upper) layer. mlx_lm runs the
-  primary first in every forward pass.
-* Both layers keep this call's rows and up to ``BLOCK``-1 earlier ones in a float16 window (the
-  primary *publishes* its window to the coordinator: the merge layer reads it). When the merge layer
-  has ``BLOCK`` (32) or more window rows it merges them in one vectorized step, separately for keys
-  and values, per (batch, head, token): cosine c between the two layers' rows; tokens with
-  ``c < θ`` are *retained*, the others *merged*.
-
-  - shared direction ``dir [B, H, T, D]`` float16, held once (by the primary, counted once in its
-    ``nbytes``): ``SLERP(e_primary, e_merge; t)`` for merged tokens, the primary's own row for
-    retained tokens;
-  - primary magnitudes ``pn [B, H, T, 1]`` float16 (``1`` for retained tokens): the primary restores
-    ``pn · dir`` (exact float16 for retained tokens);
-  - merge magnitudes ``mn [B, H, T, 1]`` float16: the merge layer restores ``mn · dir``, then overwrites
-    its retained tokens with their exact float16 rows, held compactly (``ret [r, D]`` float16 plus their
-    flat token-major positions ``idx [r]`` int32).
-
-  θ = 1 retains every token (both layers exact in float16), θ = -1 merges every token. Bytes per token
-  per KV head for the pair (keys or values, D = 64): 2·D + 4 (shared direction + two magnitudes) +
-  retained fraction · (2·D + 4), vs 4·D for two float16 layers.
-* ``update_and_fetch`` returns the stored rows (restored) + this call's rows as given (attended in
-  full precision, stored merged afterwards, like KIVI's residual); ``attend`` is KIVI's dispatch-point
-  attention with ``_keys_t``/``_values`` = the restored rows.
-* Host syncs: one per merge step (the retained count, to size ``ret``), i.e. once per prefill chunk
-  or once per ``BLOCK`` decode steps, never per decode step.
-
-Deviations: the paper picks retained tokens with a *relative* angular-distance threshold (between the
-min and max distance of the layer pair); here a fixed cosine threshold θ (the project's option). The
-paper keeps retained tokens of both layers in a separate buffer; here the primary's retained rows live
-in the shared-direction slot with magnitude 1 (no extra bytes). The project's brief describes the
-primary as lossless; with a lossless primary plus a stored merged direction the pair would hold more
-bytes than two float16 layers, so (as in the paper) the primary also restores merged tokens from the
-shared direction. Only g = 2 (the paper's pairs) is supported. ``minicache_max_ctx`` is unused
-(buffers grow). The newest < ``BLOCK`` tokens stay float16 in both layers. Trims keep every remaining
-token's own per-token data (but tokens merged together with trimmed ones stay merged, where a cache
-that never saw the trimmed tokens would hold them in float16: ``exact_trim = False``) and must be
-applied to every layer alike (mlx_lm does). A cache built alone (``KVCacheFactory.create``) is a lossless primary.
-
-Measured (veloxquant eval --task kld, SmolLM2-135M float32 on the CPU, 512-token essay context +
-32 scored decode steps, merging from half depth, t = 0.5): adjacent SmolLM2 layers are nearly
-orthogonal token by token (55% of the merge layers' rows have cosine < 0 with their primary), so the
-default θ = 0.9 (and 0.99) retains every row: KL 0.0000, kv/fp16 1.064 (the magnitudes and retained
-positions cost 6% over float16); θ = 0: KL 0.444, kv/fp16 0.962, 55% retained; θ = -1 (merge
-everything): KL 0.845, kv/fp16 0.837. The paper's similarity premise does not hold on this model.
+Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps,
+from half depth, t = 0.5): 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9
+(default) and 0.99 retain everything (KL 0.0000, kv/fp16 1.064); θ = 0: KL 0.444, 0.962, 55% retained;
+θ = -1: KL 0.845, 0.837. The paper's premise fails on this model.
 """
 
 from __future__ import annotations
 
 import uuid
+from operator import attrgetter
 
 import mlx.core as mx
 
@@ -69,19 +36,15 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives.buffers import grow_rows
+from ..layer_links import GroupWindow, relink, relinking_state
 from ..quantization.kivi import RES_DTYPE, KIVIKVCache
-from ..layer_links import registry, relink, relinking_state
 
 BLOCK = 32  # window rows merged at once (one host sync per merge step)
 _EPS = 1e-6
 
-# primaries by "<uid>:<group>" (the most recently loaded one), to relink after load_prompt_cache
-_LOADED = registry()
-
 
 class MiniCacheCoordinator:
-    """Links the layers of one prompt cache: primaries publish themselves (their float16 window and
-    the shared direction they hold), merge layers fetch their primary by group id."""
+    """Links the layers of one prompt cache: primaries publish themselves, merge layers fetch them by group id."""
 
     def __init__(self, uid: str | None = None):
         self.uid = uid or uuid.uuid4().hex
@@ -111,16 +74,13 @@ def slerp(a: mx.array, b: mx.array, t: float) -> mx.array:
 
 
 def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
-    """Merge a block of rows [B, H, n, D] of the primary (xp) and the merge layer (xm).
-
-    Returns (dir, pn, mn, retain): shared direction (primary's own row where retained), primary
-    magnitude (1 where retained), merge magnitude, boolean retain mask [B, H, n]."""
+    """Merge rows [B, H, n, D] of the primary (xp) and the merge layer (xm): (shared direction, primary
+    magnitude, merge magnitude, retain mask [B, H, n]); retained rows keep xp as direction, magnitude 1."""
     xp, xm = xp.astype(mx.float32), xm.astype(mx.float32)
     np_ = mx.linalg.norm(xp, axis=-1, keepdims=True)
     nm = mx.linalg.norm(xm, axis=-1, keepdims=True)
     ep, em = xp / mx.maximum(np_, _EPS), xm / mx.maximum(nm, _EPS)
-    cos = mx.sum(ep * em, axis=-1)
-    retain = cos < threshold
+    retain = mx.sum(ep * em, axis=-1) < threshold
     d = mx.where(retain[..., None], xp, slerp(ep, em, t))
     pn = mx.where(retain[..., None], 1.0, np_)
     return d, pn, nm, retain
@@ -128,14 +88,11 @@ def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
 
 @register_with_mlx_lm
 @register("minicache")
-class MiniCacheKVCache(KIVIKVCache):
+class MiniCacheKVCache(GroupWindow, KIVIKVCache):
     """MiniCache cross-layer merging for one layer (role "primary" or "merge"; see the module doc)."""
     chunk_invariant = True  # whole 32-row blocks at absolute positions, merged token by token
-    # returns n, but rows merged together with the trimmed ones stay merged (lossy) instead of
-    # float16
-    exact_trim = False
+    exact_trim = False  # returns n, but rows merged with the trimmed ones stay merged instead of float16
     trim_exact_or_raises = False
-
     array_fields = ("res_k", "res_v", "dir_k", "dir_v", "pn_k", "pn_v", "mn_k", "mn_v",
                     "ret_k", "idx_k", "ret_v", "idx_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "mc_role", "mc_group", "mc_uid", "mc_readers",
@@ -149,7 +106,7 @@ class MiniCacheKVCache(KIVIKVCache):
         self.mc_role, self.mc_group = role, int(group_id)
         self.coordinator = coordinator
         self.mc_uid = coordinator.uid if coordinator is not None else ""
-        # a primary without coordinator (built alone) has no reader: lossless
+        # a primary built alone has no reader: lossless
         self.mc_readers = int(n_readers) if (coordinator is not None and role == "primary") else 0
         if role == "merge" and coordinator is None:
             raise QuantizerConfigError("coordinator", None, "a MiniCacheCoordinator for role='merge'")
@@ -158,7 +115,7 @@ class MiniCacheKVCache(KIVIKVCache):
         self.n_retained_k = self.n_retained_v = 0
 
     def _init_layout(self):
-        g = self.config.options.group_size  # validation checked the types and ranges
+        g = self.config.options.group_size
         if g != 2:
             raise QuantizerConfigError("minicache_group_size", g, "2 (pairs of adjacent layers)")
         self.group, self.qbits = BLOCK, 16
@@ -171,8 +128,7 @@ class MiniCacheKVCache(KIVIKVCache):
 
     @classmethod
     def build_layers(cls, layer_configs):
-        """Lossless layers below ``floor(start_frac · L)``, then (primary, merge) pairs; a trailing
-        unpaired layer is a lossless primary. One coordinator per call (= per prompt cache)."""
+        """Lossless primaries below ``floor(start_frac · L)`` and last if unpaired, (primary, merge) pairs between."""
         L = len(layer_configs)
         if not L:
             return []
@@ -181,49 +137,28 @@ class MiniCacheKVCache(KIVIKVCache):
         out = []
         for i, cfg in enumerate(layer_configs):
             j = i - start
-            if j < 0:
-                out.append(cls(cfg, "primary", group_id=i, coordinator=coord, n_readers=0))
-            elif j % 2 == 0:
-                readers = 1 if i + 1 < L else 0
+            if j < 0 or j % 2 == 0:
+                readers = int(j >= 0 and i + 1 < L)
                 out.append(cls(cfg, "primary", group_id=i, coordinator=coord, n_readers=readers))
             else:
                 out.append(cls(cfg, "merge", group_id=i - 1, coordinator=coord))
         return out
 
-    # ---------------------------------------------------------------- documented properties
-    @property
-    def role(self) -> str:
-        return self.mc_role
+    role = property(attrgetter("mc_role"))
+    group_id = property(attrgetter("mc_group"))
+    primary = property(lambda self: self.coordinator.fetch(self.mc_group))
 
-    @property
-    def group_id(self) -> int:
-        return self.mc_group
-
-    @property
-    def primary(self) -> "MiniCacheKVCache":
-        return self.coordinator.fetch(self.mc_group)
-
-    # ---------------------------------------------------------------- state (relink on load)
     def _relink_loaded(self):
         primary = self.mc_role == "primary"
-        self.coordinator = relink(_LOADED, f"{self.mc_uid}:{self.mc_group}", primary,
+        self.coordinator = relink(f"{self.mc_uid}:{self.mc_group}", primary,
                                   lambda: MiniCacheCoordinator(self.mc_uid), "MiniCacheKVCache: the primary")
         if primary:
             self.coordinator.publish(self.mc_group, self)
 
-    state = relinking_state(lambda cache: cache._relink_loaded())
+    state = relinking_state()
 
-    # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
-        q0, r0, N = self.n_quant, self.n_res, keys.shape[2]
-        past_k = self.res_k[:, :, :r0] if r0 else None
-        past_v = self.res_v[:, :, :r0] if r0 else None
-        self._call = (q0, r0, past_k, past_v, keys, values)
-        self.res_k = grow_rows(self.res_k, r0, keys.astype(RES_DTYPE))
-        self.res_v = grow_rows(self.res_v, r0, values.astype(RES_DTYPE))
-        self.n_res = r0 + N
-        m = (self.n_res // BLOCK) * BLOCK
+        m = self._append_window(keys, values)
         if not m:
             return
         if self.mc_role == "merge":
@@ -243,17 +178,6 @@ class MiniCacheKVCache(KIVIKVCache):
         t0 = self.n_quant
         setattr(self, f"dir_{kind}", grow_rows(getattr(self, f"dir_{kind}"), t0, d.astype(RES_DTYPE)))
         setattr(self, f"pn_{kind}", grow_rows(getattr(self, f"pn_{kind}"), t0, pn.astype(RES_DTYPE)))
-
-    def _advance(self, m):
-        """Move the window past its first ``m`` (now merged) rows."""
-        rest = self.n_res - m
-        for kind in ("k", "v"):
-            buf = getattr(self, f"res_{kind}")
-            keep = buf[:, :, m : self.n_res] if rest else buf[:, :, :0]
-            setattr(self, f"res_{kind}", grow_rows(None, 0, keep) if rest else
-                    mx.zeros((*buf.shape[:2], BLOCK, buf.shape[-1]), RES_DTYPE))
-        self.n_quant += m
-        self.n_res = rest
 
     def _merge_block(self, p, m):
         o = self.config.options
@@ -280,7 +204,6 @@ class MiniCacheKVCache(KIVIKVCache):
         p._advance(m)
         self._advance(m)
 
-    # ---------------------------------------------------------------- restoring the stored form
     def _restore(self, kind: str, n: int, dtype=mx.float32) -> mx.array:
         """Restored rows [B, H, n, D] of the first ``n`` merged tokens."""
         if self.mc_role == "primary":
@@ -290,8 +213,7 @@ class MiniCacheKVCache(KIVIKVCache):
         x = getattr(self, f"mn_{kind}")[:, :, :n].astype(dtype) * d
         r = getattr(self, f"n_retained_{kind}")
         if r:
-            # rows retained at positions >= n (merged later than the rows asked for) go to a trash
-            # row past the end: no host sync to count them
+            # rows retained at positions >= n go to a trash row past the end: no host sync to count them
             B, H, _, D = x.shape
             flat = mx.concatenate([x.transpose(2, 0, 1, 3).reshape(-1, D), mx.zeros((1, D), dtype)])
             idx = mx.minimum(getattr(self, f"idx_{kind}")[:r], n * B * H)
@@ -305,7 +227,6 @@ class MiniCacheKVCache(KIVIKVCache):
     def _values(self, n, dtype=mx.float32):
         return self._restore("v", n, dtype)
 
-    # ---------------------------------------------------------------- trim (exact)
     def _trim_rows(self, n: int) -> int:
         self._call = None
         if n > self.stored_rows():
@@ -326,9 +247,9 @@ class MiniCacheKVCache(KIVIKVCache):
                     setattr(self, f"idx_{kind}", getattr(self, f"idx_{kind}")[:keep])
         return n
 
-    # ---------------------------------------------------------------- accounting
     def _part_bytes(self, kind: str) -> int:
-        """Bytes of the filled part of one side (keys or values), window included."""
+        """Filled bytes of one side, window included: magnitudes + retained rows (merge) or the shared
+        direction + magnitudes (primary)."""
         res = getattr(self, f"res_{kind}")
         if res is None:
             return 0
@@ -340,43 +261,13 @@ class MiniCacheKVCache(KIVIKVCache):
         return win + B * H * self.n_quant * 2 + r * (D * 2 + 4)
 
     @property
-    def used_nbytes(self) -> int:
-        """Bytes of the filled parts of the arrays held (spare buffer capacity left out)."""
-        return self._part_bytes("k") + self._part_bytes("v")
-
-    @property
-    def compressed_key_bytes(self) -> int:
-        """Stored key bytes: magnitudes + retained float16 rows (merge) or the shared direction
-        (held and counted by the primary) + the float16 window."""
-        return self._part_bytes("k")
-
-    @property
-    def compressed_value_bytes(self) -> int:
-        return self._part_bytes("v")
-
-    def _fp16(self, kind):
-        res = getattr(self, f"res_{kind}")
-        return 0 if res is None else res.shape[0] * res.shape[1] * self.offset * res.shape[-1] * 2
-
-    @property
-    def fp16_key_bytes(self) -> int:
-        return self._fp16("k")
-
-    @property
-    def fp16_value_bytes(self) -> int:
-        return self._fp16("v")
-
-    @property
     def n_retained(self) -> int:
-        """Rows (batch, head, token; keys and values counted separately) this merge layer keeps
-        exactly instead of merging (0 for a primary: it holds the shared direction)."""
+        """Rows (batch, head, token; keys and values apart) a merge layer keeps exactly (0 for a primary)."""
         return self.n_retained_k + self.n_retained_v
 
     def _slots(self) -> int:
         """Merged-step rows, keys and values: 2 · B · H · n_quant."""
-        if self.res_k is None:
-            return 0
-        return 2 * self.res_k.shape[0] * self.res_k.shape[1] * self.n_quant
+        return 0 if self.res_k is None else 2 * self.res_k.shape[0] * self.res_k.shape[1] * self.n_quant
 
     @property
     def n_merged(self) -> int:

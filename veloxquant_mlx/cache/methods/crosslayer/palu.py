@@ -1,61 +1,32 @@
 """Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache
 with Low-Rank Projection", arXiv 2407.21118).
 
-Paper: the key and value projection *weights* are factored offline, ``W ≈ A B`` (truncated SVD); the
-model computes the low-rank latent ``h = x A`` instead of K/V, the cache stores ``h``, and ``K = h B``
-is rebuilt on the fly. Group-head low-rank decomposition (G-LRD) factors the rows of a group of heads
-together (between per-head M-LRD and all-heads J-LRD). The latents are quantized; for values ``B`` is
-fused into the output projection, for keys a fused kernel rebuilds the pre-RoPE keys, applies RoPE and
-multiplies by the query.
+Paper: the K/V projection *weights* are factored offline, ``W ≈ A B``; the cache stores the latent
+``h = x A`` and ``K = h B`` is rebuilt on the fly (group-head decomposition, G-LRD, factors a group of
+heads together); latents are quantized. Here ``bind_attention`` (from ``KVCacheBuilder.for_model``)
+splits the (dequantized) ``k_proj`` / ``v_proj`` rows into Hg groups (Hg the largest divisor of H <=
+``palu_n_head_groups``); a float64 SVD ``W_g = U S Vᵀ`` per group gives ``h = k U_r`` (mlx_lm hands the
+cache ``k``, not ``x``), exact for the rank-r projection, with r = ``palu_rank`` or the smallest holding
+``palu_energy_threshold`` of ``Σσ²`` in every group; the cache holds ``U_r`` float16, made at the first
+compression (``DeferredStart``; a saved short chat needs ``bind_attention`` again, and without it the
+first ``update_and_fetch`` raises ``ValueError`` naming the fix). Completed token groups are un-rotated
+with the layer's RoPE before projecting and rebuilt keys rotated at attention; a ``k_proj`` bias (Qwen2)
+is the latent's offset; a per-head ``k_norm`` / ``v_norm`` (Gemma 3) is folded in as its gain (its
+per-token RMS scale: exact for one-head groups, approximate for larger). Latents are quantized per
+channel over ``palu_group_size`` tokens, the first ``ceil(palu_hi_fraction · r)`` at ``palu_hi_bit``, the
+rest ``palu_lo_bit`` (``palu_quantize_values=False``: value latents float16). ``attend`` rebuilds keys
+(``h U_rᵀ + b``) and fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
 
-This implementation (options ``palu_rank`` / ``palu_energy_threshold``, ``palu_n_head_groups``,
-``palu_hi_bit`` / ``palu_lo_bit`` / ``palu_hi_fraction``, ``palu_group_size``, ``palu_quantize_values``):
-
-* **Factors from the weights** (``bind_attention``, called by ``KVCacheBuilder.for_model`` with the
-  layer's attention module): ``k_proj`` / ``v_proj`` weights (dequantized when quantized), rows split
-  into Hg head groups of s = H/Hg consecutive KV heads (Hg the largest divisor of H not above
-  ``palu_n_head_groups``), per group ``W_g = U S Vᵀ`` (float64 SVD, ``W_g`` [F = s·D, hidden]). With
-  mlx's ``k = x W_gᵀ`` the truncated factors are ``A = V_r S_r`` (hidden -> r) and ``B = U_rᵀ``
-  (r -> F), so the latent is ``h = x A = k U_r``: the pre-RoPE key projected on the top-r left
-  singular vectors of ``W_g`` -- exact for the rank-r projection ``x A B``. The cache holds ``U_r``
-  [1, Hg, F, r] float16 (the only factor it needs: mlx_lm hands it ``k = x W_gᵀ``, not ``x``).
-  Rank r = ``palu_rank`` or the smallest rank holding ``palu_energy_threshold`` of ``Σσ²`` of the
-  weight in every group (one rank per layer; keys and values each get their own).
-* **Short chats** (``DeferredStart``): ``bind_attention`` reads the ranks and widths; the factors are
-  made (and the module's reference dropped) at the first compression, which waits until the stored
-  rows reach ``start_rows``: the first multiple of G at which factors + latent codes are smaller than
-  the float16 rows. Before that a cache holds only its float16 rows (a saved cache of such a short chat
-  needs ``bind_attention`` again before it can compress).
-* **RoPE**: mlx_lm rotates keys before the cache sees them, so each completed token group is
-  un-rotated with the layer's own RoPE (``primitives.rope``, as waterfill) before projecting, and the
-  rebuilt keys are rotated again at attention.
-* A ``k_proj`` bias (Qwen2) is the latent's offset: ``h = (k - b) U_r``, ``k = h U_rᵀ + b``. A per-head
-  ``k_norm`` / ``v_norm`` (Gemma 3) is folded into the factored weight as its per-channel gain; its
-  per-token RMS scale is exact within a one-head group and an approximation for larger groups.
-* **Latents quantized** per latent channel over groups of G = ``palu_group_size`` tokens (float16
-  scale + bias): the first ``ceil(hi_fraction · r)`` channels (largest σ) at ``palu_hi_bit``, the rest
-  at ``palu_lo_bit``; with ``palu_quantize_values=False`` the value latents are stored float16.
-  The newest < G tokens wait in a float16 residual (KIVI's), a call's own rows are attended in full
-  precision.
-* ``attend``: keys rebuilt from the latents (``h U_rᵀ + b``), rotated, multiplied by the queries
-  (Palu's fused RoPE kernel, unfused); values fused on the output side: ``(p h_v) U_vᵀ + (Σp) b_v``.
-  ``update_and_fetch`` returns the same rebuilt rows for the non-dispatch path.
-
-Without ``bind_attention`` (``KVCacheFactory.create`` alone) there are no weights to factor: the first
-``update_and_fetch`` raises ``ValueError`` naming the fix (build with ``for_model``). A saved cache that
-has compressed holds its factors and RoPE parameters and needs no model.
-
-Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches
-ranks per layer with Fisher information; here one threshold on the weight's own spectrum); the latent
-quantizer is per-channel min/max over token groups with the mixed hi/lo split by singular value (Palu:
-per-token quantization after a Walsh-Hadamard rotation); keys are rebuilt before the RoPE rather than
-in a fused kernel; the factor ``U_r`` is stored float16 and counted in ``nbytes`` (the model keeps its
-own ``W_k``/``W_v``: the cache cannot replace them).
+Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks
+per layer by Fisher information); per-channel min/max over token groups with the hi/lo split by singular
+value (Palu: per-token after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused; ``U_r`` is
+stored float16 and counted in ``nbytes`` (the model keeps its own ``W_k``/``W_v``).
 """
 
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import mlx.core as mx
 import numpy as np
@@ -63,11 +34,11 @@ import numpy as np
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
+from ...lowrank import BASIS_DTYPE, LowRankKVCache
 from ...primitives import lowrank_fit as lr
 from ...primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from ..deferred_start import DeferredStart
 from ..quantization.kivi import KIVIKVCache
-from .svdq import BASIS_DTYPE, LowRankKVCache
 
 
 def dense_weight(linear) -> tuple[np.ndarray, np.ndarray | None]:
@@ -106,7 +77,6 @@ def factor_groups(weight: np.ndarray, n_heads: int, n_groups: int, gain=None):
 
 class _Shared:
     """A reference that deep copies share (a copied cache factors the same module)."""
-
     def __init__(self, obj):
         self.obj = obj
 
@@ -120,7 +90,6 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     """Palu: latents of the group-head SVD of the K/V projection weights, mixed-bit, RoPE-aware."""
     chunk_invariant = True  # factors from the weights; groups of G at absolute positions (KIVI)
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
-
     scalar_fields = LowRankKVCache.scalar_fields + ("rope",)
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
@@ -129,26 +98,16 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     _attn = None  # the bound attention module until its weights are factored (``_Shared``: never deep-copied)
 
     def _init_layout(self):
-        o = self.config.options  # validation checked the types and ranges
+        o = self.config.options
         if not o.energy_threshold > 0.0:
             raise QuantizerConfigError("palu_energy_threshold", o.energy_threshold, "a float in (0, 1]")
         if o.lo_bit > o.hi_bit:
             raise QuantizerConfigError("palu_lo_bit", o.lo_bit, f"<= palu_hi_bit ({o.hi_bit})")
-        self.group = o.group_size
-        self.qbits = o.hi_bit
-        self._call = None
+        self.group, self.qbits, self._call = o.group_size, o.hi_bit, None
 
     def _n_groups(self, n_heads: int) -> int:
         want = min(self.config.options.n_head_groups, n_heads)
         return max(d for d in range(1, want + 1) if n_heads % d == 0)
-
-    # ------------------------------------------------------------------ factoring the weights
-    def rank_for(self, energy: np.ndarray) -> int:
-        """The kept rank for per-group spectra ``energy`` [Hg, m] (σ², decreasing)."""
-        o = self.config.options
-        if o.rank is not None:
-            return min(o.rank, energy.shape[-1])
-        return lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold)
 
     def _bits(self, which: str, r: int) -> list:
         o = self.config.options
@@ -158,8 +117,8 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         return [o.hi_bit] * n_hi + [o.lo_bit] * (r - n_hi)
 
     def bind_attention(self, attn) -> None:
-        """Read the layer's RoPE and its factors' ranks and widths (see the module doc); the factors
-        themselves are made from ``attn``'s weights at the first compression (``factor``)."""
+        """Read the layer's RoPE and the factors' ranks and widths; the factors are made at the first
+        compression (``factor``)."""
         if attn is None or "k_proj" not in attn or "v_proj" not in attn:
             raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
                              f"{type(attn).__name__}")
@@ -176,9 +135,9 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         self.factor(keep=False)
 
     def factor(self, keep: bool = True) -> None:
-        """Factor the bound layer's ``k_proj`` / ``v_proj`` weights: ranks, widths and head groups, and
-        with ``keep`` the factors ``U_r`` (and bias offsets) the cache holds from then on."""
-        attn = self._attn.obj if self._attn is not None else None
+        """Factor the bound layer's ``k_proj`` / ``v_proj``: ranks, widths, head groups and, with ``keep``,
+        the factors ``U_r`` (and bias offsets) held from then on."""
+        o, attn = self.config.options, (self._attn.obj if self._attn is not None else None)
         if attn is None:
             raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
                              "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
@@ -195,8 +154,9 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
                 if b is not None:
                     raise ValueError(f"palu: a {which}_proj bias under a {which}_norm cannot be factored")
                 gain = norm_gain(norm, D)
-            U, energy = factor_groups(w, n_kv, self.hg, gain)
-            r = self.rank_for(energy)
+            U, energy = factor_groups(w, n_kv, self.hg, gain)  # energy: σ² [Hg, m], decreasing
+            r = (min(o.rank, energy.shape[-1]) if o.rank is not None
+                 else lr.energy_rank(mx.array(energy.astype(np.float32)), o.energy_threshold))
             setattr(self, f"{which}_bits", self._bits(which, r))
             if keep:
                 setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))
@@ -210,25 +170,20 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         fixed = sum(H * d * (len(getattr(self, f"{w}_bits")) + 1) * 2 for w, d in (("k", D), ("v", Dv)))
         return fixed, self.hg * (self.layout("k").bytes_per_token() + self.layout("v").bytes_per_token())
 
-    # ------------------------------------------------------------------ RoPE
     def _unrotate(self, k: mx.array, offset: int) -> mx.array:
-        """Pre-RoPE rows of ``k`` at positions offset.. (``mx.fast.rope`` inverse: each position's angle
-        is computed from the position alone, so a group's latents do not depend on the call split)."""
+        """Pre-RoPE rows of ``k`` at positions offset.. (each angle from its position alone: latents do not
+        depend on the call split)."""
         return k if self.rope is None else apply_rope(k, self.rope, offset, inverse=True)
 
     def _rotate(self, k: mx.array) -> mx.array:
-        """RoPE of rebuilt rows at positions 0.. (``rotate_rows``: few trigonometric values per call;
-        the frequency table is made per call, nothing is held besides the stored arrays)."""
+        """RoPE of rebuilt rows at positions 0.. (the frequency table is made per call, not held)."""
         return k if self.rope is None else rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)
 
-    # ------------------------------------------------------------------ storage
     def _store(self, keys, values):
         if self.k_bits is None:
-            raise ValueError(
-                "palu factors the layer's k_proj/v_proj weights: build its caches with "
-                "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
-                "before the first update_and_fetch"
-            )
+            raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
+                             "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
+                             "before the first update_and_fetch")
         super()._store(keys, values)
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
@@ -250,6 +205,4 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     def _trim_rows(self, n: int) -> int:
         return KIVIKVCache._trim_rows(self, n)  # the factors are the weights': never refitted
 
-    @property
-    def head_groups(self) -> int:
-        return self.hg
+    head_groups = property(attrgetter("hg"))

@@ -1,48 +1,24 @@
 """XQuant (Yang, Yao, Li, Qi, Liu, Zhao, "XQuant: Achieving Ultra-Low Bit KV Cache Quantization with
 Cross-Layer Compression", EMNLP 2025, arXiv 2510.11236): adjacent layers share one set of quantized codes.
 
-Paper: the KV caches of adjacent layers are similar, so the layers are paired; the lower layer is
-quantized as usual, and for the higher layer of a pair XQuant computes and stores only its own scaling
-factors and zero points, and at dequantization reads the *lower layer's* integer codes with them. A pair
-then costs one layer's codes plus two layers' scales / zero points (the paper also calibrates the
-quantizer's end points data-free, which is not done here).
+Paper: adjacent layers are similar, so in a pair the lower layer is quantized as usual and the higher
+stores only its scales and zero points, dequantizing the lower layer's integer codes with them. Here
+(``xquant_group_size`` g, ``xquant_base_bits`` b, ``xquant_group_quant_size`` G): in each group of g
+layers (``build_layers``) the *base* is a KIVI cache at b bits; the others (``"shared"``) hold **no
+codes**, only float16 ``s``, ``z`` per KIVI group, reading back ``s * c + z`` from the base's codes ``c``,
+plus their own float16 residual: a pair holds one KIVI layer's codes less than two (``used_nbytes``).
+Groups are linked per ``for_model`` call by a fresh id, relinked by ``load_prompt_cache`` (the base
+loads first); ``deepcopy`` keeps links within the copy. Attention: KIVI's on the dequantized rows.
 
-This implementation (``xquant_group_size`` g layers per group, ``xquant_base_bits`` b,
-``xquant_group_quant_size`` G):
+Quality needs similar adjacent layers (tests/test_xquant.py: a pair at b bits beats two KIVI layers at
+b/2 on near-identical synthetic layers, loses on unrelated ones). On SmolLM2 (``veloxquant eval
+--method xquant --set xquant:xquant_base_bits=4 --task kld --context 1024``): KLD 2.0 at KIVI 2-bit's
+bytes (KLD 0.193); the defaults KLD 2.15 at 0.156x the fp16 bytes (docs/RESULTS.md, CPU, 2026-12-01).
 
-* The full-KV layers of a model are split into groups of g consecutive layers by ``build_layers``. The
-  first layer of a group (the *base*) is a KIVI cache at b bits: keys per channel and values per token in
-  groups of G, float16 scale / zero point per group, float16 residual of < G tokens (``KIVIKVCache``).
-* Every other layer of the group (role ``"shared"``) holds **no codes**: when a group of its tokens is
-  quantized it reads the base's codes ``c`` of the same tokens and stores only its own float16 scale
-  ``s`` and zero point ``z`` per group (the same groups as the base's: per channel over G tokens for
-  keys, per token over the value channel groups for values), and reads back ``s * c + z``. ``s, z`` are
-  the least-squares fit of its own rows on ``c`` (deviation: the paper takes the higher layer's own
-  min / max; the fit is never worse for the given codes and does not depend on the sign convention of
-  the base's quantizer). Its own float16 residual of < G tokens is its own.
-* Bytes: a shared layer holds its scales / zero points and its residual only, so a pair costs one KIVI
-  layer's codes less than two KIVI layers at the same bits (``used_nbytes``; tests/test_xquant.py checks
-  the exact figure).
-* Lifetime: a coordinator built by ``build_layers`` links the caches of a group for one prompt cache
-  (``KVCacheBuilder.for_model`` call): two prompt caches never share state (a fresh group id per call).
-  ``save_prompt_cache``/``load_prompt_cache`` relink a group by its id when the base (an earlier layer)
-  has been loaded first, which ``load_prompt_cache``'s layer order guarantees; ``deepcopy`` of the cache
-  list keeps the links within the copy. mlx_lm runs a shared layer after its base, so the base has
-  always quantized (at least) the same tokens.
-* Attention: KIVI's ``attend`` (dispatch point) on the dequantized rows (``attend_path = "dequant"``).
-
-Quality depends on how similar adjacent layers are: on synthetic layers that differ by small noise the
-shared pair at b bits beats two KIVI layers at b/2 bits (the same bytes), on unrelated layers it loses
-(tests/test_xquant.py). SmolLM2's adjacent layers are not that similar: ``veloxquant eval --method xquant
---set xquant:xquant_base_bits=4 --task kld --context 1024`` gives KLD 2.0 at exactly the bytes of KIVI
-2-bit (KLD 0.193), the defaults (2-bit shared codes) KLD 2.15 at 0.156x the fp16 bytes (docs/RESULTS.md,
-CPU, 2026-12-01): on this model the paper's sharing does not pay.
-
-Deviations: no data-free end-point calibration; least-squares scale / zero point (above);
-``xquant_residual_bits`` is validated but not used (a shared layer stores no codes of its own);
-``xquant_max_ctx`` is not used (buffers grow). A cache built alone (``KVCacheFactory.create``) is a
-base with no partners: KIVI at b bits. Trims are exact only (KIVI's rule) and must be applied to every
-layer alike (mlx_lm does).
+Deviations: no data-free end-point calibration; ``s, z`` are the least-squares fit on ``c`` (the paper:
+the layer's own min / max; never worse for the given codes, independent of the base's sign convention);
+``xquant_residual_bits`` is validated, unused; ``xquant_max_ctx`` unused (buffers grow); a cache built
+alone is a base (KIVI at b bits); trims are KIVI's and must hit every layer alike (mlx_lm does).
 """
 
 from __future__ import annotations
@@ -54,12 +30,10 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_columns, grow_rows
 from ...primitives import groupquant as gq
+from ...primitives.buffers import grow_columns, grow_rows
+from ..layer_links import relink, relinking_state
 from ..quantization.kivi import KIVI_BITS, RES_DTYPE, KIVIKVCache
-from ..layer_links import registry, relink, relinking_state
-
-_BASES = registry()
 
 
 def _fit_scale_zero(c: mx.array, x: mx.array):
@@ -79,7 +53,6 @@ class XQuantKVCache(KIVIKVCache):
     """XQuant: the base layer of a group stores KIVI codes; the other layers only scales / zero points on them."""
     chunk_invariant = True  # KIVI groups; shared layers fit the base's same group
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
-
     scalar_fields = ("n_quant", "n_res", "dtype_name", "xq_role", "xq_uid")
     attend_path = "dequant"
     xq_role = "base"  # "base" or "shared"
@@ -87,7 +60,7 @@ class XQuantKVCache(KIVIKVCache):
     base = None  # the group's base cache (shared role)
 
     def _init_layout(self):
-        o = self.config.options  # validation checked the types and ranges; the codes are KIVI's
+        o = self.config.options  # the codes are KIVI's
         for f in ("base_bits", "residual_bits"):
             if getattr(o, f) not in KIVI_BITS:
                 raise QuantizerConfigError(f"xquant_{f}", getattr(o, f), "one of 2, 3, 4, 8")
@@ -111,18 +84,16 @@ class XQuantKVCache(KIVIKVCache):
             out.append(cache)
         return out
 
-    # ---------------------------------------------------------------- state (relink on load)
     def _relink_loaded(self):
         base = self.xq_role == "base"
         if self.xq_uid or not base:  # a base built alone belongs to no group
-            found = relink(_BASES, self.xq_uid, base, lambda: self, "XQuantKVCache: the base layer")
+            found = relink(self.xq_uid, base, lambda: self, "XQuantKVCache: the base layer")
             self.base = None if base else found
 
-    state = relinking_state(lambda cache: cache._relink_loaded())
+    state = relinking_state()
 
-    # ---------------------------------------------------------------- shared coding
     def _base_codes(self, t0: int, n: int, d: int, dv: int):
-        """The base's integer codes (as float32) of quantized tokens [t0, t0 + n): K^T [B, H, D, n], V [B, H, n, Dv]."""
+        """The base's codes (float32) of quantized tokens [t0, t0 + n): K^T [B, H, D, n], V [B, H, n, Dv]."""
         b = self.base
         if b.n_quant < t0 + n:
             raise RuntimeError("XQuantKVCache: the base layer has not quantized these tokens yet "
@@ -143,10 +114,8 @@ class XQuantKVCache(KIVIKVCache):
     def _append_groups(self, kb, vb):
         if self.xq_role == "base":
             return super()._append_groups(kb, vb)
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
-        G, t0 = self.group, self.n_quant
-        gv = self.value_group(Dv)
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
+        G, t0, gv = self.group, self.n_quant, self.value_group(Dv)
         ck, cv = self._base_codes(t0, n, D, Dv)
         g = n // G
         ks, kz = _fit_scale_zero(ck.reshape(B, H, D, g, G), kb.swapaxes(-1, -2).reshape(B, H, D, g, G))
@@ -172,14 +141,8 @@ class XQuantKVCache(KIVIKVCache):
         return gq.dequantize(o.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
                              self.qbits, gv, dtype)
 
-    # ---------------------------------------------------------------- accounting
-    @property
-    def used_nbytes(self) -> int:
-        """KIVI's for the base; a shared layer: its float16 scales / zero points and residual, no codes."""
-        if self.xq_role == "base" or self.res_k is None:
-            return super().used_nbytes
-        B, H, _, D = self.res_k.shape
-        dv = self.res_v.shape[-1]
-        groups = self.n_quant // self.group
-        meta = B * H * (D * groups + self.n_quant * (dv // self.value_group(dv))) * 2 * 2
-        return meta + self.res_k.nbytes + self.res_v.nbytes
+    def _code_nbytes(self, B, H, D, dv):
+        """KIVI's for the base; a shared layer holds only its float16 scales / zero points, no codes."""
+        if self.xq_role == "base":
+            return super()._code_nbytes(B, H, D, dv)
+        return B * H * (D * (self.n_quant // self.group) + self.n_quant * (dv // self.value_group(dv))) * 2 * 2

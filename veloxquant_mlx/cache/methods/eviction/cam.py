@@ -1,38 +1,23 @@
 """CaM (Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference", ICML 2024, PMLR 235).
 
-Eviction perturbs the attention output; CaM reduces that by merging each to-be-evicted value into
-values that stay. Which rows stay is decided by accumulated attention (H2O: every query's softmax
-probabilities summed per row, ``VotingEviction.h2o_votes``; the first ``n_sink`` tokens and the newest
-half of the budget are protected); ``merge="drop"`` stops there (plain H2O eviction). Otherwise evicted row ``i`` is merged
-into targets ``j`` with weights ``s_ij`` (each row of ``s`` sums to 1): ``"mean"`` -- the paper's rule --
-spreads it evenly over the ``m = MERGE_SPAN`` kept rows that follow it in position; ``"sim_weighted"``
-over all kept rows by key similarity, ``s_ij = softmax_j(cos(k_i - c, k_j - c) / SIM_TEMPERATURE)``
-(``c`` the mean kept key). With ``a`` the attention of the latest observation queries, ``abar_i =
-sum_j s_ij a_j`` that of i's targets and ``o = sum a v`` the observation output, the paper's Bernoulli
-merge mask (``cam_merge_gate=True``, the default) merges row ``i`` with probability
-``p_i = min(1, a_i / abar_i)``, as ``v_j += s_ij (v_i - o)``; ``cam_merge_gate=False`` merges every
-evicted row with the mask's expectation, ``v_j += s_ij p_i (v_i - o)``. Whenever ``a_i <= abar_i`` (the
-usual case: evicted rows draw less attention than the rows kept), ``sum_j a_j dv_j = sum_i a_i (v_i - o)``,
-so the observation queries' attention-weighted value mass over the kept rows, ``sum a v / sum a``, is
-exactly the one over all rows before the eviction; the gated merge equals it in expectation. Draws
-are seeded from ``config.seed``, the layer and the position (reproducible). ``cam_merge_keys=True`` also
-moves each target key to the mean of itself and the keys merged into it (weighted by the merges).
+H2O chooses the kept rows (``VotingEviction.h2o_votes``); CaM merges each evicted value into kept ones
+(``merge="drop"``: plain H2O). Evicted row ``i`` goes to kept rows ``j`` with weights ``s_ij`` (rows sum
+to 1): ``"mean"`` (the paper's) over the ``MERGE_SPAN`` kept rows after it, ``"sim_weighted"`` over all by
+``softmax_j(cos(k_i - c, k_j - c) / SIM_TEMPERATURE)`` (``c`` the mean kept key). With ``a`` the
+observation attention, ``abar_i = sum_j s_ij a_j`` and ``o = sum a v``, the paper's Bernoulli gate
+(``cam_merge_gate``) merges with probability ``p_i = min(1, a_i / abar_i)``, ``v_j += s_ij (v_i - o)``
+(gate off: the expectation, ``s_ij p_i``). When ``a_i <= abar_i`` this keeps the observation queries'
+normalised output exact (gated: in expectation). Draws are seeded by ``config.seed``, layer and position;
+``cam_merge_keys`` also moves each target key to the merge-weighted mean of its keys.
 
 Deviations from the paper:
-* Merged quantity: the paper adds ``v_i / m`` itself. After an eviction the softmax renormalises over the
-  kept rows, which already hands the evicted attention mass ``A`` to them; adding the values too counts
-  it twice and scales the output by about ``1 / (1 - A)``: negligible for one token per step, ruinous
-  when a prefill evicts most of a prompt at once (measured: KL 4.3 nats on SmolLM2-135M at a 25%
-  budget, vs 0.051 for dropping). Merging the deviation ``v_i - o`` is what keeps the observation
-  output exact (same budget: 0.050 "mean", 0.044 "sim_weighted").
-* The paper merges one token at a time as it leaves a StreamingLLM/H2O window; here evictions are
-  batched (a prefill chunk, or the default slack's decode rows at once: ``eviction``'s module
-  docstring) and all evicted rows merge at once, per KV head. ``"sim_weighted"`` (a soft version of merging into
-  the most similar kept key) and ``cam_merge_keys`` are additions; the temperature was chosen on the
-  measurement above (0.1: 0.081, 0.3: 0.046, 1.0: 0.044). Sinks (positions < ``cam_n_sink``) are never
-  merge targets (their large attention would amplify a merged value); sinks are themselves an addition.
-* ``a`` is the attention of the latest call's last ``OBS_WINDOW`` queries (averaged over them and over
-  the query heads of each KV head): real queries with the dispatch point, keys standing in without.
+* The paper adds ``v_i / m``, counting the evicted mass twice once the softmax renormalises (output x
+  ~``1 / (1 - A)``): measured KL 4.3 nats on SmolLM2-135M at a 25% budget vs 0.051 dropping; merging
+  ``v_i - o`` gives 0.050 ("mean"), 0.044 ("sim_weighted").
+* Evictions are batched (prefill chunks, slack) and merge at once, per KV head; ``"sim_weighted"`` and
+  ``cam_merge_keys`` are additions (temperature chosen on the same measurement: 0.1: 0.081, 0.3: 0.046,
+  1.0: 0.044); sinks (an addition) are never targets.
+* ``a`` is the last ``OBS_WINDOW`` queries' attention of the latest call (keys without dispatch).
 """
 
 from __future__ import annotations
@@ -70,10 +55,8 @@ def merge_weights(mode: str, pos_kept, pos_gone, keys_kept, keys_gone, n_sink_ro
 @register("cam")
 class CaMKVCache(VotingEviction):
     """H2O eviction whose evicted values are merged into the kept ones."""
-    # eviction (with value merging) per prefill chunk; batched (slack) decode eviction
-    chunk_invariant = False
+    chunk_invariant = False  # eviction (with value merging) per prefill chunk; batched (slack) decode eviction
     exact_trim = False  # decode rows add votes, evict and merge (slack)
-
     array_fields = VotingEviction.array_fields + ("attn",)
     row_fields = ("votes", "attn")
     scalar_fields = VotingEviction.scalar_fields + ("layer_id",)
@@ -96,8 +79,7 @@ class CaMKVCache(VotingEviction):
 
     def observe(self, weights):
         super().observe(weights)
-        n = self.rows
-        self.attn[:, :, :n] = weights[..., -self.obs_window :, :].mean(axis=(2, 3))
+        self.attn[:, :, : self.rows] = weights[..., -self.obs_window :, :].mean(axis=(2, 3))
 
     def evict(self, scores, keep=None):
         self._pending = False
@@ -120,24 +102,21 @@ class CaMKVCache(VotingEviction):
         attn_k, attn_g = take(self.attn, kept), take(self.attn, gone)
         abar = (s * attn_k[..., None, :]).sum(axis=-1)
         p = mx.minimum(attn_g / mx.maximum(abar, 1e-30), 1.0)  # the paper's merge probability
-        if self.merge_gate:
-            s = s * mx.random.bernoulli(p, key=self._gate_key())[..., None].astype(mx.float32)
+        if self.merge_gate:  # seeded by the config, the layer and the position
+            key = mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
+            s = s * mx.random.bernoulli(p, key=key)[..., None].astype(mx.float32)
         else:
             s = s * p[..., None]  # the gated merge's expectation
         vals = self.values[:, :, :rows].astype(mx.float32)
         out = (self.attn[:, :, :rows, None] * vals).sum(axis=2, keepdims=True)  # o per head
         w = s.swapaxes(-1, -2)  # [B, H, K, E]
         new_vals = vals_k + w @ (vals_g - out)
-        new_keys = None
         if self.merge_keys:
             mass = w.sum(axis=-1, keepdims=True)
             new_keys = (keys_k.astype(mx.float32) + w @ keys_g.astype(mx.float32)) / (1.0 + mass)
         self.keep_rows(kept)
         self.values[:, :, :keep] = new_vals.astype(self.values.dtype)
-        if new_keys is not None:
+        if self.merge_keys:
             self.keys[:, :, :keep] = new_keys.astype(self.keys.dtype)
-
-    def _gate_key(self):
-        return mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
 
     cam_kept_bytes = VotingEviction.kept_bytes

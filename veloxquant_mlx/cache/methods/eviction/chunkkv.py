@@ -1,32 +1,22 @@
 """ChunkKV (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context
 LLM Inference", arXiv 2502.00299).
 
-Tokens are kept or evicted in chunks of ``chunkkv_chunk_size`` consecutive tokens, so kept context
-stays contiguous. The last ``OBS_WINDOW`` queries vote with their softmax attention (as in SnapKV); a
-chunk's score is the sum of its tokens' votes (``chunkkv_score="attn_mass"``) or minus the sum of their
-key norms (``"key_norm"``: low-norm keys draw attention, no queries needed); the top chunks are kept,
-with the observation window and the first ``chunkkv_n_sink`` tokens. Layer-wise index reuse: layers are
-grouped by ``chunkkv_reuse_layers``; the first layer of each group (the leader) selects, the others
-reuse its kept indices through the ``ChunkKVIndexReuseCoordinator`` built in ``build_layers``
-(lifetime: one prompt cache) and compute no scores at all (they attend with the fast kernel). Real
-queries, slack, spare rows, ``decode_evict`` and trim: ``eviction``'s module docstring.
+Tokens are kept or evicted in chunks of ``chunkkv_chunk_size``, so kept context stays contiguous. A
+chunk scores the sum of its tokens' SnapKV votes (``"attn_mass"``) or minus their key norms
+(``"key_norm"``); the top chunks are kept with the window and the first ``chunkkv_n_sink`` tokens. Index
+reuse: in each group of ``chunkkv_reuse_layers`` layers the leader selects and the followers reuse its
+indices through the ``ChunkKVIndexReuseCoordinator`` of ``build_layers`` (one per prompt cache), scoring
+nothing. Real queries, slack, ``decode_evict``, trim: ``eviction``'s module docstring.
 
 Deviations from the paper:
-* Chunks are fixed on absolute positions: chunk ``j`` is positions ``n_sink + j*C .. n_sink + (j+1)*C - 1``
-  and the protected recent window starts on a chunk boundary (it holds ``OBS_WINDOW`` to
-  ``OBS_WINDOW + C - 1`` tokens), so every evictable chunk is whole and every eviction keeps or drops
-  whole chunks. A layer keeps ``protected + k*C`` rows with ``k = (budget - protected) // C``, i.e. up to
-  ``C - 1`` rows fewer than ``chunkkv_budget``. After ``trim`` cut into a previously evicted range the
-  next eviction may keep one partial chunk.
-* One chunk selection per layer shared by all KV heads (votes summed over heads), as index reuse
-  needs; with ``chunk_size=1`` this is per-token selection by head-summed votes.
-* Decoding is compressed too (the paper compresses the prompt; the default slack), the votes coming from
-  the queries seen since the previous eviction. Sinks are an addition (``chunkkv_n_sink=0`` removes them).
-* A follower whose leader did not evict at the same step from the same rows (layers fed different
-  calls, e.g. trimmed separately) selects by key norm instead. A reloaded prompt cache relinks each
-  group (its id travels in ``state``): the leader, loaded first, brings a fresh coordinator that its
-  followers join, so a loaded cache evicts as the original would.
-* The paper's default chunk size is 10; ``chunkkv_chunk_size`` defaults to 8.
+* Chunks sit on absolute positions (chunk ``j``: ``n_sink + j*C`` to ``n_sink + (j+1)*C - 1``) and the
+  window starts on a chunk boundary (``OBS_WINDOW`` to ``OBS_WINDOW + C - 1`` tokens), so a layer keeps
+  ``protected + k*C`` rows, ``k = (budget - protected) // C`` (up to ``C - 1`` below the budget); after
+  a trim into an evicted range one partial chunk may be kept.
+* One selection per layer for all KV heads (votes summed), as index reuse needs.
+* Decoding is compressed too; sinks are an addition; the default chunk size is 8 (the paper's: 10).
+* A follower whose leader did not evict at the same step from the same rows selects by key norm; a
+  reloaded prompt cache relinks each group (the leader, loaded first, brings a fresh coordinator).
 """
 
 from __future__ import annotations
@@ -38,9 +28,7 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...eviction import VotingEviction, check_min
-from ..layer_links import registry, relink, relinking_state
-
-_LOADED = registry()  # "<reuse id>:<leader layer>" -> the coordinator of a reloaded group
+from ..layer_links import relink, relinking_state
 
 
 class ChunkKVIndexReuseCoordinator:
@@ -58,13 +46,12 @@ class ChunkKVIndexReuseCoordinator:
 
     def published(self, layer_id: int):
         """The indices ``layer_id`` last published (held here until it publishes again), or None."""
-        rec = self._records.get(layer_id)
-        return rec[2] if rec is not None else None
+        return self._records.get(layer_id, (None,) * 3)[2]
 
     def lookup(self, layer_id: int, offset: int, rows: int):
         """The leader's indices if it evicted at this same step from the same number of rows."""
         rec = self._records.get(self.leader_of(layer_id))
-        return rec[2] if rec is not None and rec[0] == offset and rec[1] == rows else None
+        return rec[2] if rec is not None and rec[:2] == (offset, rows) else None
 
 
 def key_norm_scores(keys: mx.array) -> mx.array:
@@ -80,21 +67,19 @@ class ChunkKVCache(VotingEviction):
     chunk_invariant = False  # observation-window eviction per prefill chunk; batched (slack) decode eviction
     exact_trim = False  # decode rows add votes and evict (slack)
 
-    layer_id = None
-    coordinator = None
+    layer_id = coordinator = None
     reuse_id = ""  # one id per prompt cache's set of layers that reuse indices ("": built alone)
     scalar_fields = VotingEviction.scalar_fields + ("layer_id", "reuse_id")
-
-    def held_arrays(self):
-        """The stored rows, plus the kept-row indices this layer published for its followers (the
-        coordinator holds them; the publishing layer counts them)."""
-        out = super().held_arrays()
-        idx = self.coordinator.published(self.layer_id) if self.coordinator is not None else None
-        return out + [idx] if idx is not None else out
 
     def __init__(self, config, layer_id=None, coordinator=None):
         super().__init__(config)
         self.layer_id, self.coordinator = layer_id, coordinator
+
+    def held_arrays(self):
+        """The stored rows, plus the kept-row indices this layer published for its followers."""
+        out = super().held_arrays()
+        idx = self.coordinator.published(self.layer_id) if self.coordinator is not None else None
+        return out + [idx] if idx is not None else out
 
     def _init_layout(self):
         o = self.config.options
@@ -110,10 +95,9 @@ class ChunkKVCache(VotingEviction):
         reuse = layer_configs[0].options.reuse_layers
         coord = ChunkKVIndexReuseCoordinator(reuse) if reuse > 1 and len(layer_configs) > 1 else None
         caches = [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
-        if coord is not None:
-            uid = uuid.uuid4().hex
-            for c in caches:
-                c.reuse_id = uid
+        uid = uuid.uuid4().hex if coord is not None else ""
+        for c in caches:
+            c.reuse_id = uid
         return caches
 
     def _relink_loaded(self):
@@ -121,14 +105,15 @@ class ChunkKVCache(VotingEviction):
             return
         reuse = self.config.options.reuse_layers
         leader = self.layer_id - self.layer_id % reuse
-        self.coordinator = relink(_LOADED, f"{self.reuse_id}:{leader}", leader == self.layer_id,
+        self.coordinator = relink(f"{self.reuse_id}:{leader}", leader == self.layer_id,
                                   lambda: ChunkKVIndexReuseCoordinator(reuse), "ChunkKVCache: the leader layer")
 
-    state = relinking_state(lambda cache: cache._relink_loaded())
+    state = relinking_state()
 
     @property
     def is_index_reuse_leader(self) -> bool:
-        return self.coordinator is None or self.layer_id is None or self.coordinator.leader_of(self.layer_id) == self.layer_id
+        c, i = self.coordinator, self.layer_id
+        return c is None or i is None or c.leader_of(i) == i
 
     @property
     def uses_attention_weights(self) -> bool:
@@ -136,10 +121,8 @@ class ChunkKVCache(VotingEviction):
 
     def _recent_start(self) -> int:
         """First protected recent position: ``offset - OBS_WINDOW`` rounded down to a chunk boundary."""
-        ns = self.n_sink
-        if self.offset - self.obs_window <= ns:
-            return ns
-        return ns + (self.offset - self.obs_window - ns) // self.chunk_size * self.chunk_size
+        ns, start = self.n_sink, self.offset - self.obs_window
+        return ns if start <= ns else ns + (start - ns) // self.chunk_size * self.chunk_size
 
     def protected(self):
         pos = self.positions[:, :, : self.rows]

@@ -1,35 +1,18 @@
 """Keyformer (Adnan et al., "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient
 Generative Inference", arXiv 2403.09054).
 
-Each query's unnormalised attention logits x get Gumbel noise z and a temperature tau, and the
-regularised distribution softmax((x + z) / tau) is accumulated per cached row (summed over the query
-heads of each KV head and over queries, for prefill and decode alike). When over budget, each KV
-head keeps its ``keyformer_recent`` newest tokens plus the rows with the highest accumulated score
-(the "key tokens"). tau is ``keyformer_tau`` when set, else it rises linearly from
-``keyformer_tau_init`` to ``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps (prompt
-tokens use ``tau_init``). Real queries come from the attention dispatch point; keys stand in
-without it.
+Each row accumulates softmax((x + z) / tau) of every query's logits x with Gumbel noise z (summed over
+the KV head's query heads); over budget a KV head keeps its ``keyformer_recent`` newest tokens plus the
+highest-scoring rows. tau is ``keyformer_tau``, else it rises linearly from ``keyformer_tau_init`` to
+``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. Logits are recovered as log p (a
+per-query constant off). The noise key derives from ``keyformer_seed``, the layer and a call counter in
+``state``; ``gumbel_noise = False`` with tau = 1 is H2O without decay.
 
-Implementation notes: the logits are recovered from the attention probabilities as log p, which
-differs from x by a per-query constant that softmax ignores, so the score is exact. The noise is
-drawn from a key derived from ``keyformer_seed``, the layer index and a call counter kept in the
-state, so a run is reproducible, layers draw independent noise, and a restored cache continues the
-same noise sequence. With ``gumbel_noise = False`` and tau = 1 the score is exactly accumulated
-attention (H2O without decay); as tau -> 0 the Gumbel-max trick makes its expectation accumulated
-attention too. Scores are kept per KV head (summed over its query heads), like the other methods
-of this package.
-
-Deviations from the paper:
-* Sinks: the first ``keyformer_n_sink`` tokens are never evicted (the paper has none;
-  ``keyformer_n_sink=0`` reproduces it).
-* ``keyformer_anneal_steps`` fixes the schedule's length (the paper spreads it over the generation
-  length, unknown to a cache); ``anneal_steps=0`` means a constant ``tau_init`` (and then
-  ``tau_end`` must equal it).
-* Batched eviction: decoding evicts once per ``evict_slack`` steps (``eviction.py``), not every step.
-* ``keyformer_rope_base`` is accepted and unused: keys are cached after RoPE at their original
-  positions (the paper's "original positions" variant), so nothing is re-rotated.
-* Trim drops the trimmed rows and their scores and rewinds the decode-step count; the score the
-  trimmed queries added to the remaining rows stays.
+Deviations from the paper: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal
+length is ``keyformer_anneal_steps`` (the generation length is unknown to a cache; 0: constant
+``tau_init``, which ``tau_end`` must equal); decoding evicts once per ``evict_slack`` steps;
+``keyformer_rope_base`` is unused (keys cached after RoPE at original positions, the paper's variant);
+trim rewinds the decode-step count but keeps the trimmed queries' scores.
 """
 
 from __future__ import annotations
@@ -48,19 +31,16 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
     """Keep the rows with the highest accumulated Gumbel-regularised attention score."""
     chunk_invariant = False  # batched (slack) decode eviction; Gumbel noise drawn per call
     exact_trim = False  # decode rows add scores and evict (slack)
-
     array_fields = EvictionKVCache.array_fields + ("acc",)
     row_fields = ("acc",)
     scalar_fields = ("rows", "decode_steps", "noise_calls", "noise_stream")
     uses_attention_weights = True
     gumbel_noise = True  # set False (e.g. on an instance) to drop the noise term
-    decode_steps = 0
-    noise_calls = 0
+    decode_steps = noise_calls = 0
     noise_stream = 0  # the layer index under ``for_model``: layers draw independent noise
 
     @classmethod
     def build_layers(cls, layer_configs):
-        """One cache per layer (``KVCacheBuilder.for_model``), each with its own noise stream."""
         caches = [cls(c) for c in layer_configs]
         for i, c in enumerate(caches):
             c.noise_stream = i
@@ -70,16 +50,14 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
         o = self.config.options
         self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
         self.tau_fixed, self.tau_init, self.tau_end = o.tau, o.tau_init, o.tau_end
-        self.anneal_steps, self.seed = o.anneal_steps, o.seed
-        self.rope_base = o.rope_base  # accepted, unused
+        self.anneal_steps, self.seed, self.rope_base = o.anneal_steps, o.seed, o.rope_base
         check_budget("keyformer_budget", self.budget, self.n_sink + self.recent,
                      "keyformer_n_sink + keyformer_recent")
-        for name in ("tau_fixed", "tau_init", "tau_end"):
-            v = getattr(self, name)
+        for field, v in (("keyformer_tau", o.tau), ("keyformer_tau_init", o.tau_init),
+                         ("keyformer_tau_end", o.tau_end)):
             if v is not None and not v > 0:
-                field = "keyformer_tau" if name == "tau_fixed" else f"keyformer_{name}"
                 raise QuantizerConfigError(field, v, "a number > 0 (tau -> 0 is a limit, not a value)")
-        if self.tau_fixed is None and self.anneal_steps == 0 and self.tau_end != self.tau_init:
+        if o.tau is None and o.anneal_steps == 0 and o.tau_end != o.tau_init:
             raise QuantizerConfigError("keyformer_anneal_steps", 0,
                                        "an int > 0 when keyformer_tau_end differs from keyformer_tau_init")
         self.evict_slack = default_slack(self.budget)
@@ -88,22 +66,21 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
         """The temperature at decode step ``step`` (default: the next one)."""
         if self.tau_fixed is not None:
             return float(self.tau_fixed)
-        t = self.decode_steps if step is None else step
         if self.anneal_steps == 0:
             return float(self.tau_init)
+        t = self.decode_steps if step is None else step
         return self.tau_init + (self.tau_end - self.tau_init) * min(t, self.anneal_steps) / self.anneal_steps
 
     def observe(self, weights):
-        """weights [B, H, rep, N, rows]: accumulate softmax((log p + Gumbel) / tau)."""
-        rows, n = self.rows, weights.shape[3]
+        """Accumulate softmax((log p + Gumbel) / tau) of weights [B, H, rep, N, rows]."""
         logits = mx.log(weights)  # = x - logsumexp(x): hidden keys stay -inf
         if self.gumbel_noise:
             key = mx.random.key(((self.seed * 1_000_003 + self.noise_stream) * 1_000_003 + self.noise_calls) % 2**63)
             logits = logits + mx.random.gumbel(weights.shape, key=key)
             self.noise_calls += 1
         f = mx.softmax(logits / self.tau(), axis=-1, precise=True)
-        self.acc[:, :, :rows] = self.acc[:, :, :rows] + f.sum(axis=(2, 3))
-        if n == 1:
+        self.acc[:, :, : self.rows] = self.acc[:, :, : self.rows] + f.sum(axis=(2, 3))
+        if weights.shape[3] == 1:
             self.decode_steps += 1
         self.settle()
 

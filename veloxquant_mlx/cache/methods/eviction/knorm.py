@@ -1,21 +1,13 @@
 """K-norm eviction (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
 Compression", arXiv 2406.11430).
 
-The paper observes that keys with a low L2 norm tend to receive high attention, so each KV head keeps
-the ``knorm_budget`` rows whose (post-RoPE, so position-independent) key norm is lowest and drops the
-rest. The score needs no queries and no attention probabilities: it works the same with or without
-the attention dispatch point, leaves attention to MLX's fused kernel, and evicts right inside
-``update_and_fetch`` (after this call's rows were returned, so the mask still fits).
-``knorm_keep='high'`` keeps the highest-norm keys instead (the paper's contrast experiment).
+Low-norm keys tend to draw high attention, so each KV head keeps the ``knorm_budget`` rows of lowest
+(post-RoPE) key norm (``knorm_keep='high'``: highest, the paper's contrast). No queries are needed:
+eviction runs in ``update_and_fetch`` and attention stays on MLX's fused kernel.
 
-Deviations from the paper:
-* Sinks and a recent window: the first ``knorm_n_sink`` tokens and the newest ``knorm_recent`` are
-  never dropped (the paper has neither; set both to 0 to reproduce it).
-* All layers are compressed; the paper leaves the first two layers uncompressed, where the
-  norm/attention correlation is weak.
-* Compression runs during decoding too, in batches of ``evict_slack`` rows (``eviction.py``). A row's
-  score never changes, so the rows held right after each cut are exactly the lowest-norm rows among
-  every unprotected token seen, as if one row had been dropped per step.
+Deviations from the paper: the first ``knorm_n_sink`` and newest ``knorm_recent`` tokens are kept (0 and
+0 reproduce the paper); all layers are compressed (the paper skips the first two); decoding evicts in
+batches of ``evict_slack`` rows, which keeps exactly the lowest-norm rows since scores never change.
 """
 
 from __future__ import annotations
@@ -31,14 +23,12 @@ from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_
 @register("knorm")
 class KNormKVCache(BatchedEviction, EvictionKVCache):
     """Keep the lowest-L2-norm keys of each KV head (query-free)."""
-    # batched (slack) decode eviction: after decode steps up to budget + slack rows are held
-    chunk_invariant = False
+    chunk_invariant = False  # batched (slack) decode eviction: up to budget + slack rows are held
     exact_trim = False  # decode steps evict older rows (slack)
 
     def _init_layout(self):
         o = self.config.options
-        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
-        self.keep_which = o.keep
+        self.budget, self.n_sink, self.recent, self.keep_which = o.budget, o.n_sink, o.recent, o.keep
         check_budget("knorm_budget", self.budget, self.n_sink + self.recent, "knorm_n_sink + knorm_recent")
         self.evict_slack = default_slack(self.budget)
 

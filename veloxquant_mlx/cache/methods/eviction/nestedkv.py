@@ -1,37 +1,19 @@
 """NestedKV ("NestedKV: Nested Memory Routing for Long-Context KV Cache Compression", arXiv 2605.26678).
 
-Only the paper's abstract was accessible: it describes a key-only method, inspired by the Continuum
-Memory System of Nested Learning, that keeps *global*, *block-level* and *sliding-window* key
-memories and routes tokens between them, because one importance signal fails when useful context is
-globally distinctive, locally episodic or immediately relevant. The formulas below are therefore
-**our own design** from that description and the option names; they are not the paper's.
-
-Three nested memories score every held row of a KV head (each signal turned into a rank in [0, 1]):
-
-* current (sliding window): ``cur``, the attention mass the row received from the most recent queries,
-  exponentially windowed with horizon ``nestedkv_window`` (decay 1 - 1/window per query). Real queries
-  through the attention dispatch point; the keys stand in for them without it (documented fallback).
-  The newest ``nestedkv_window`` tokens themselves are always kept verbatim.
-* block (episodic): 1 - cos(k, mean key of the row's block of ``window`` consecutive positions);
-* global (stable): 1 - cos(k, mean of all held keys).
-
-Routing: a per-token surprise gate g = sigmoid(``kappa`` * (r_block - ``tau``)) sends tokens that are
-surprising inside their block to the long-term score max(r_global, r_block) and the others to the
-current score. A per-head blend lambda = sigmoid(``beta`` * (1 - 2 * H_norm)), where H_norm is the
-normalised entropy of the head's ``cur`` distribution, lets focused heads trust their attention and
-diffuse heads lean on the key memories:
+Only the abstract was accessible (global, block-level and sliding-window key memories with routing, after
+the Continuum Memory System of Nested Learning): the formulas below are **our own design**. Three
+memories score each held row of a KV head, each signal as a rank in [0, 1]: current, ``cur``, the
+attention mass from recent queries, decayed by 1 - 1/``nestedkv_window`` per query (real queries via the
+dispatch point, keys without; the newest ``window`` tokens are kept verbatim); block, 1 - cos(k, mean key
+of its ``window``-position block); global, 1 - cos(k, mean held key). A surprise gate g = sigmoid(
+``kappa`` (r_block - ``tau``)) and a per-head blend lambda = sigmoid(``beta`` (1 - 2 H_norm)) (H_norm:
+normalised entropy of ``cur``) give
 
     score = lambda * r_cur + (1 - lambda) * (g * max(r_global, r_block) + (1 - g) * r_cur)
 
-Safeguard: the ceil(``safeguard_alpha`` * (budget - n_sink - window)) old rows with the highest ``cur``
-are always kept, whatever the key memories say. ``nestedkv_n_sink`` first tokens are kept too.
-
-Memory: eviction runs after every prefill chunk (to ``budget`` rows) and, while decoding, whenever the
-cache reaches ``budget + slack`` rows (the slack of ``eviction.py``), so memory stays bounded (the
-decode-time part is ours too).
-
-``trim`` drops the held rows of the trimmed tokens; the running statistic keeps the trimmed queries'
-contributions, and rows evicted while they were decoded are not restored (``exact_trim = False``).
+The ceil(``safeguard_alpha`` (budget - n_sink - window)) old rows of highest ``cur`` and the first
+``nestedkv_n_sink`` tokens are always kept. Eviction runs after every prefill chunk and, decoding, at
+``budget + slack`` rows (also ours); trim keeps the trimmed queries' contributions.
 """
 
 from __future__ import annotations
@@ -64,7 +46,6 @@ class NestedKVKVCache(EvictionKVCache):
     """Nested global / block / sliding-window memories with a surprise gate and an attention safeguard."""
     chunk_invariant = False  # eviction per prefill chunk; batched (slack) decode eviction
     exact_trim = False  # decode rows add attention statistics and evict (slack)
-
     uses_attention_weights = True
     row_fields = ("cur",)
     array_fields = EvictionKVCache.array_fields + ("cur",)

@@ -1,32 +1,18 @@
 """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
 Funneling", arXiv 2406.02069).
 
-Attention is broad in the lower layers and concentrates on a few tokens in the upper ones, so lower
-layers get larger KV budgets than upper ones. With ``m`` layers, an average budget ``b`` and
-``s = b - (n_sink + window)`` selectable rows per layer, the top layer gets ``s / beta`` selectable rows,
-the bottom layer ``2s - s / beta``, and the layers between follow the arithmetic sequence, so the budgets
-sum to ``m * b`` (``pyramid_budgets``; ``build_layers`` gives each layer its budget; a single cache uses
-``pyramid_resolved_budget`` if set, else ``budget``). Within a layer tokens are chosen as in SnapKV: the
-last ``OBS_WINDOW`` queries vote with their softmax attention (summed over the window and over the query
-heads of each KV head), the votes are smoothed by average pooling and each KV head keeps its top rows;
-the window itself and the first ``n_sink`` tokens are always kept. Real queries, slack, spare rows,
-``decode_evict`` and trim: ``eviction``'s module docstring.
+Lower layers attend broadly, upper ones narrowly, so budgets shrink with depth: with ``m`` layers,
+average budget ``b`` and ``s = b - (n_sink + window)`` selectable rows, the top layer gets ``s / beta``,
+the bottom ``2s - s / beta``, the others the arithmetic sequence (``pyramid_budgets``; a single cache
+uses ``pyramid_resolved_budget``, else ``budget``). Within a layer SnapKV's votes choose
+(``VotingEviction``, pooled). Real queries, slack, ``decode_evict``, trim: ``eviction``'s docstring.
+Layers of different sizes share mlx_lm's one ``"causal"`` mask (past rows, then the new ones).
 
-Layers holding different row counts share mlx_lm's one mask per forward pass: every cache returns its
-past rows (all visible) followed by the new ones, so the bottom-right-aligned ``"causal"`` mask is right
-for every layer (array masks are rebuilt per layer, ``CompressedKVCache._own_mask``).
-
-Deviations from the paper:
-* The schedule is applied to the selectable rows, with the sinks and the window added to every layer
-  (the released code likewise subtracts the window first); budgets are rounded so that they sum to
-  exactly ``m * b`` and never increase with depth (the rounding's extra rows go to the lowest layers).
-  ``beta`` must be >= 1 (1 is uniform); the paper uses 20, the default here is 2. The released code's
-  shrinking of the schedule for prompts shorter than ``2 b`` is not reproduced.
-* The paper compresses the prompt only; here decoding is compressed too (the default slack; the votes
-  then come from the queries seen since the previous eviction), and ``decode_evict=False`` restores
-  prompt-only compression. Prompts longer than one prefill chunk are compressed chunk by chunk.
-* Sinks are an addition (``n_sink=0`` removes them). The pooling kernel is SnapKV's 7 (PyramidKV's
-  release defaults to 5). ``backend`` is accepted and unused (one MLX implementation).
+Deviations from the paper: the schedule applies to the selectable rows (as the release), rounded to
+sum to ``m * b`` and never increase with depth; ``beta >= 1`` (default 2, the paper's 20); no shrinking
+for prompts shorter than ``2 b``; decoding is compressed too (``decode_evict=False``: prompt only) and
+long prompts chunk by chunk; sinks are an addition; pooling kernel 7 (the release: 5); ``backend`` is
+unused.
 """
 
 from __future__ import annotations
@@ -41,9 +27,8 @@ from .snapkv import POOL_KERNEL, avg_pool_last
 
 
 def pyramid_budgets(n_layers: int, budget: int, beta: float, protected: int) -> list[int]:
-    """Per-layer budgets, bottom layer first: the arithmetic schedule on the selectable rows
-    ``budget - protected`` (top ``s / beta``, bottom ``2 s - s / beta``), plus ``protected`` rows each.
-    Integers, non-increasing with depth, summing to exactly ``n_layers * budget``."""
+    """Per-layer budgets, bottom layer first: the schedule on ``budget - protected`` selectable rows
+    plus ``protected`` each; integers, non-increasing, summing to exactly ``n_layers * budget``."""
     s = budget - protected
     if n_layers == 1 or beta == 1:
         vals = [float(s)] * n_layers
@@ -78,11 +63,9 @@ class PyramidKVCache(VotingEviction):
 
     @classmethod
     def build_layers(cls, layer_configs):
-        """One cache per layer, each with its budget from the schedule."""
         if not layer_configs:
             return []
-        first = cls(layer_configs[0])  # validates the shared options
-        o = layer_configs[0].options
+        first, o = cls(layer_configs[0]), layer_configs[0].options  # validates the shared options
         budgets = pyramid_budgets(len(layer_configs), o.budget, float(o.beta), first.n_sink + OBS_WINDOW)
         return [cls(cfg, budget=b) for cfg, b in zip(layer_configs, budgets)]
 

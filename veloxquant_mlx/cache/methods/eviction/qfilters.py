@@ -1,34 +1,19 @@
 """Q-Filters (Godey et al., "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression",
 arXiv 2503.02812).
 
-Queries of an attention head share a dominant direction: the principal right singular vector ``u`` of
-the query matrix, sign-fixed so that queries project positively on it (E<q, u> > 0). Then
-E_q<q, k> is roughly proportional to <k, u>, so a key's projection on ``u`` (the head's *filter*)
-estimates the attention it will receive, without computing attention at all. Each KV head keeps the
-``qfilters_budget`` rows whose keys project highest on the filters of its query heads (averaged over
-the GQA group), plus the first ``qfilters_n_sink`` tokens and the last ``qfilters_recent``.
+A head's queries share a dominant direction ``u`` (principal right singular vector, signed so E<q, u> >
+0), so <k, u> (the *filter*) estimates a key's attention without computing any. Each KV head keeps the
+``qfilters_budget`` keys projecting highest on its query heads' mean filter, plus the first
+``qfilters_n_sink`` and last ``qfilters_recent`` tokens (``qfilters_sign=-1`` reverses it, an ablation).
+The filters are the top eigenvector of the Gram matrix of ``qfilters_calib_tokens`` real queries (keys
+without the dispatch point), accumulated from the call that brings a cache within ``calib_tokens`` rows
+of its budget. At the end of calibration the attention mass the queries put on the rows the filter would
+keep (``retention``) is measured; below ``qfilters_min_retention`` the cache warns, raises
+``QFiltersRetentionError`` or ignores it (``qfilters_on_low_retention``).
 
-Calibration: the filters are learnt from ``qfilters_calib_tokens`` real queries that reach the attention
-dispatch point (their Gram matrix is accumulated, then its top eigenvector taken), once per layer
-cache: the first ones from the call that brings the cache within ``calib_tokens`` rows of its budget
-(a prompt that jumps past that point calibrates on its own first queries). Earlier queries are not
-needed -- nothing is evicted before -- and the accumulator ([query heads, D, D] float32 per layer, more
-than a short chat's rows) is then held only by a cache nearing its budget, until calibration ends.
-Without the dispatch point, the keys stand in for the queries (documented fallback; the principal key
-direction is then used). Retention check (real queries only): when calibration completes, the
-attention mass that the calibration queries put on the rows the filter would keep, at the compression
-ratio the cache is about to apply (``budget / stored rows``, sinks protected), is measured; below ``qfilters_min_retention`` the cache warns, raises ``QFiltersRetentionError`` or
-ignores it (``qfilters_on_low_retention``). ``retention`` holds the measured value.
-
-``qfilters_sign=1`` keeps keys that point along the queries' direction (the paper's rule, with the
-filter's sign fixed as above); ``-1`` reverses the ranking (ablation).
-
-Deviations from the paper:
-* The paper calibrates offline on a separate dataset once per model; here each layer cache calibrates
-  online on its own queries as it nears its budget (no artifact to ship). The filters are in ``state``.
-* The retention check is an addition (the paper reports retrieval accuracy instead).
-* Decode-time eviction runs in batches of ``slack`` rows (``eviction.default_slack``, described in
-  ``eviction.py``), so at most ``budget + slack`` rows are held.
+Deviations from the paper: each layer cache calibrates online on its own queries (the paper: offline,
+once per model; the filters are in ``state``); the retention check is an addition; decoding evicts in
+batches of ``slack`` rows.
 """
 
 from __future__ import annotations
@@ -64,7 +49,6 @@ class QFiltersKVCache(EvictionKVCache):
     """Eviction by projection of keys on calibrated per-head query directions."""
     chunk_invariant = False  # batched (slack) decode eviction; filters calibrated on the first queries
     exact_trim = False  # decode steps evict older rows (slack)
-
     array_fields = EvictionKVCache.array_fields + ("qf_gram", "qf_sum", "qf_filter")
     scalar_fields = EvictionKVCache.scalar_fields + ("qf_count", "qf_source", "retention")
     qf_count = 0
@@ -84,15 +68,10 @@ class QFiltersKVCache(EvictionKVCache):
     def wants_eviction(self, n_new):
         return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
 
-    # ------------------------------------------------------------------ calibration
-    @property
-    def calibrated(self) -> bool:
-        return self.qf_filter is not None
+    calibrated = property(lambda self: self.qf_filter is not None)
 
     def _calibration_due(self, rows: int) -> bool:
-        """Whether a call that leaves ``rows`` rows feeds the Gram accumulator: once it runs, or from the
-        call that brings the cache within ``calib_tokens`` rows of its budget (so the filters are
-        ready by the first eviction); a cache that stays far below its budget never holds one."""
+        """Whether a call that leaves ``rows`` rows feeds the Gram accumulator (see the module doc)."""
         return self.qf_gram is not None or rows + self.calib_tokens > self.budget
 
     def _accumulate(self, x: mx.array, source: str) -> int:
@@ -102,8 +81,7 @@ class QFiltersKVCache(EvictionKVCache):
             self.qf_count, self.qf_source = 0, source
         used = min(self.calib_tokens - self.qf_count, x.shape[2])
         xs = x[:, :, :used].astype(mx.float32)
-        gram = mx.einsum("bhnd,bhne->hde", xs, xs)
-        total = xs.sum(axis=(0, 2))
+        gram, total = mx.einsum("bhnd,bhne->hde", xs, xs), xs.sum(axis=(0, 2))
         self.qf_gram = gram if self.qf_gram is None else self.qf_gram + gram
         self.qf_sum = total if self.qf_sum is None else self.qf_sum + total
         self.qf_count += used
@@ -116,17 +94,12 @@ class QFiltersKVCache(EvictionKVCache):
         self.qf_gram = self.qf_sum = None  # no longer needed: free them
         notify(self.config.observers, "calibrated", self.method_name, source=self.qf_source, tokens=self.qf_count)
 
-    def _group_filter(self, n_kv_heads: int) -> mx.array:
-        """[H, D]: the mean filter of each KV head's query heads (the filter itself for key proxies)."""
-        f = self.qf_filter
-        return f.reshape(n_kv_heads, f.shape[0] // n_kv_heads, f.shape[-1]).mean(axis=1)
-
     def filter_scores(self, keys: mx.array) -> mx.array:
-        """[B, H, M] sign * <k, filter> for keys [B, H, M, D]."""
-        f = self._group_filter(keys.shape[1])
+        """[B, H, M] sign * <k, filter> for keys [B, H, M, D]; a KV head's filter is its query heads' mean."""
+        H, f = keys.shape[1], self.qf_filter
+        f = f.reshape(H, f.shape[0] // H, f.shape[-1]).mean(axis=1)
         return self.sign * (keys.astype(mx.float32) * f[None, :, None, :]).sum(-1)
 
-    # ------------------------------------------------------------------ hooks
     def update_and_fetch(self, keys, values):
         if not self.calibrated and not dispatch.installed() and self._calibration_due(self.rows + keys.shape[2]):
             self._accumulate(keys, "keys")  # fallback: keys stand in for queries
@@ -147,11 +120,9 @@ class QFiltersKVCache(EvictionKVCache):
                 self._finalize()
         return self.filter_scores(self.keys[:, :, : self.rows])
 
-    # ------------------------------------------------------------------ retention check
     def retention_of(self, queries: mx.array, q_positions: mx.array, scale: float) -> mx.array:
-        """Mean fraction of the attention mass of ``queries`` [B, Hq, n, D] (at ascending
-        ``q_positions``) that lands on the rows the filter keeps among those the queries see, keeping
-        the fraction budget / rows this cache is about to apply (sinks protected)."""
+        """Mean fraction of the attention mass of ``queries`` [B, Hq, n, D] (ascending ``q_positions``)
+        on the rows the filter keeps at the ratio budget / rows (sinks protected)."""
         rows = self.rows
         keys, pos = self.keys[:, :, :rows], self.positions[:, :, :rows]
         visible = pos <= q_positions[-1]  # [B, H, rows]
@@ -169,9 +140,8 @@ class QFiltersKVCache(EvictionKVCache):
     def _check_retention(self, calib_queries, scale):
         if self.min_retention is None or self.on_low_retention == "ignore":
             return
-        n = calib_queries.shape[2]
         first = self.offset - self._n_new  # position of this call's first query
-        q_pos = mx.arange(first, first + n, dtype=mx.int32)
+        q_pos = mx.arange(first, first + calib_queries.shape[2], dtype=mx.int32)
         self.retention = float(self.retention_of(calib_queries, q_pos, scale))  # once per cache
         notify(self.config.observers, "retention", self.method_name, retention=self.retention)
         if self.retention < self.min_retention:

@@ -1,51 +1,33 @@
 """RocketKV (Behnam et al., "RocketKV: Accelerating Long-Context LLM Inference via Two-Stage KV Cache
 Compression", arXiv 2502.14051).
 
-Two stages share the overall compression ratio c = ``rocketkv_compression_ratio``, split evenly in log
-space: stage 1 gets c1 = sqrt(c), stage 2 gets c2 = c / c1.
+The ratio c = ``rocketkv_compression_ratio`` is split c1 = sqrt(c) (stage 1), c2 = c / c1 (stage 2).
+Stage 1 (SnapKV++): after each prefill chunk the last ``rocketkv_obs_window`` queries vote (GQA-summed,
+pooled) and each KV head keeps ceil(offset / c1) rows, sinks and window included; decode rows are all
+kept. Stage 2 (hybrid sparse attention): keys form pages of ``page_size`` rows with element-wise max /
+min summaries; a decode query's ``head_topk1`` largest |q| channels (group-summed) bound each page's
+logits, and the top ceil(n_pages / c2) pages (softmax of the bounds, group-summed) plus sink and recent
+pages are attended. Defaults: with s = sqrt(c2), ``head_topk1 = round(head_dim / s)``, ``page_size`` the
+power of two >= 2 s, so the summaries read stay below 1/c2 of the keys.
 
-* Stage 1 (permanent eviction of the prompt, SnapKV++): after each prefill chunk the last
-  ``rocketkv_obs_window`` queries vote (softmax attention summed over the window and over the query
-  heads of each KV head, the GQA-aware rule of SnapKV++, then pooled with a kernel of 7) and each KV
-  head keeps ceil(offset / c1) rows, always including the ``rocketkv_n_sink`` first tokens and the
-  observation window. Decode tokens are all stored (the paper compresses the input only), so storage
-  grows by one row per generated token.
-* Stage 2 (hybrid sparse attention, decode steps): the stored keys are split into pages of
-  ``page_size`` consecutive rows whose element-wise max and min are kept (updated incrementally). For a
-  decode query, the ``head_topk1`` channels with the largest |q| (summed over the GQA group) give an
-  upper bound of each page's logits, sum_c max(q_c max_c, q_c min_c); the top ceil(n_pages / c2)
-  pages by the group's summed softmax of these bounds, plus the sink pages and the pages holding the
-  last ``obs_window`` rows, are gathered and attention is computed over their rows only (through the
-  dispatch point). The stored buffer is not shrunk; each decode step touches only the selected rows.
-
-Defaults from the adaptive split: with s = sqrt(c2), ``head_topk1 = round(head_dim / s)`` and
-``page_size`` = the power of two >= 2 s, so the summaries read per step (2 k1 values per page) stay
-below 1/c2 of the full keys. As c -> 1 every page is selected and attention is dense.
-
-Deviations from the paper:
-* The paper's SnapKV++ adapts the pooling kernel size; here it is fixed at 7 (SnapKV's).
-* The paper's HSA ranks tokens a second time inside the selected pages using the k1 channels and
-  attends over the top-k tokens; here attention runs over every row of the selected pages.
-* The split of c between the stages is sqrt(c) each (the paper tunes it per budget).
-* Stage 2 needs the attention dispatch point (``KVCacheBuilder.for_model`` installs it); without it
-  decode attention is dense over the stage-1 rows (stage 1 then scores with keys as stand-in queries).
-* ``select_indices`` returns row indices into the stored rows (``positions`` maps them to tokens).
+Deviations from the paper: fixed pooling kernel 7 and an even sqrt split (the paper adapts / tunes them);
+no second token ranking inside the selected pages; stage 2 needs the dispatch point (else dense, stage 1
+scoring with keys); ``select_indices`` returns stored-row indices.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import math
+from operator import attrgetter
 
 import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
+from ...eviction import EvictionKVCache
 from ...primitives.buffers import grow_rows
-from ...eviction import EvictionKVCache, observation_scores
-from .snapkv import POOL_KERNEL, avg_pool_last
+from .snapkv import SnapKVKVCache
 
 
 @register_with_mlx_lm
@@ -54,7 +36,6 @@ class RocketKVKVCache(EvictionKVCache):
     """SnapKV++ prompt eviction (stage 1) + paged hybrid sparse attention at decode (stage 2)."""
     chunk_invariant = False  # stage 1 evicts each prefill chunk to ceil(offset / c1) rows
     exact_trim = True  # decode rows are never evicted; the last page summary is recomputed
-
     array_fields = EvictionKVCache.array_fields + ("page_max", "page_min")
     last_attended_rows = 0  # rows the last sparse decode step attended (diagnostic)
 
@@ -63,8 +44,7 @@ class RocketKVKVCache(EvictionKVCache):
         self.ratio = float(o.compression_ratio)
         self._stage1_ratio = math.sqrt(self.ratio)
         self.stage2_ratio = self.ratio / self._stage1_ratio
-        self.obs_window, self.n_sink = o.obs_window, o.n_sink
-        self.recent = self.obs_window
+        self.obs_window, self.n_sink, self.recent = o.obs_window, o.n_sink, o.obs_window
         s = math.sqrt(self.stage2_ratio)
         self._head_topk1 = o.head_topk1 or max(1, min(d, round(d / s)))
         self._page_size = o.page_size or max(2, 2 ** math.ceil(math.log2(2 * s)))
@@ -72,31 +52,24 @@ class RocketKVKVCache(EvictionKVCache):
             raise QuantizerConfigError("rocketkv_head_topk1", self._head_topk1, f"an int <= head_dim={d}")
         self.budget = self.n_sink + self.recent
 
-    # ------------------------------------------------------------------ stage 1
     def wants_eviction(self, n_new):
         if n_new == 1:
             return False  # decode tokens are kept; stage 2 handles them
         self.budget = max(math.ceil(self.offset / self._stage1_ratio), self.n_sink + self.recent)
         return self.rows > self.budget
 
-    def score(self, obs_queries, obs_positions, scale):
-        rows = self.rows
-        votes = observation_scores(obs_queries, self.keys[:, :, :rows], scale, obs_positions,
-                                   self.positions[:, :, :rows])
-        return avg_pool_last(votes, POOL_KERNEL)
+    score = SnapKVKVCache.score  # stage 1: SnapKV's pooled votes (prefill chunks only)
+    qring = None  # no decode-time query ring (SnapKV's ``decode_evict``)
 
-    # ------------------------------------------------------------------ page summaries
-    @property
-    def n_pages(self) -> int:
-        return -(-self.rows // self._page_size)
+    n_pages = property(lambda self: -(-self.rows // self._page_size))
 
     def _refresh_pages(self, from_row: int) -> None:
         """Recompute the max/min summaries of the pages holding rows ``from_row`` .. rows - 1."""
-        P, rows = self._page_size, self.rows
-        p0, p1 = from_row // P, self.n_pages
+        P, p1 = self._page_size, self.n_pages
+        p0 = from_row // P
         if p1 <= p0:
             return
-        seg = self.keys[:, :, p0 * P : rows]
+        seg = self.keys[:, :, p0 * P : self.rows]
         B, H, n, D = seg.shape
         pad = (p1 - p0) * P - n
         lo = hi = seg
@@ -121,7 +94,6 @@ class RocketKVKVCache(EvictionKVCache):
         self._refresh_pages(self.rows)  # the last page is partial again
         return n
 
-    # ------------------------------------------------------------------ stage 2
     def n_selected_pages(self, keep_recent: int | None = None) -> int:
         """Pages attended per decode step: the top ceil(n_pages / c2) plus sink and recent pages."""
         keep_recent = self.recent if keep_recent is None else keep_recent
@@ -154,9 +126,8 @@ class RocketKVKVCache(EvictionKVCache):
         return mx.minimum(idx, self.rows - 1).astype(mx.int32), valid
 
     def select_indices(self, query: mx.array, b: int, h: int, keep_recent: int = 0) -> mx.array:
-        """Stage-2 selection for one (batch, KV head): ``query`` is [D] or the group's [rep, D].
-        Returns the selected row indices [n_selected] (int32, ascending, deduplicated). Host-side
-        (a diagnostic API); ``attend`` uses the batched ``_select_rows`` with no host sync."""
+        """Stage-2 selection for one (batch, KV head) and ``query`` [D] or the group's [rep, D]: the row
+        indices [n_selected] (int32, ascending). A host-side diagnostic; ``attend`` uses ``_select_rows``."""
         q = query.reshape(1, 1, -1, query.shape[-1])
         saved = (self.page_max, self.page_min)
         self.page_max, self.page_min = self.page_max[b : b + 1, h : h + 1], self.page_min[b : b + 1, h : h + 1]
@@ -173,28 +144,17 @@ class RocketKVKVCache(EvictionKVCache):
             return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         H = self.keys.shape[1]
         idx, valid = self._select_rows(queries.reshape(B, H, Hq // H, D), self.recent)
-        dt = queries.dtype
-        k = mx.take_along_axis(self.keys, idx[..., None], axis=2).astype(dt)
-        v = mx.take_along_axis(self.values, idx[..., None], axis=2).astype(dt)
+        k, v = (mx.take_along_axis(a, idx[..., None], axis=2).astype(queries.dtype) for a in (self.keys, self.values))
         m = mx.broadcast_to(valid[:, :, None, None, :], (B, H, Hq // H, 1, idx.shape[-1]))
         self.last_attended_rows = idx.shape[-1]
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=m.reshape(B, Hq, 1, -1))
 
-    # ------------------------------------------------------------------ telemetry (spec)
     stage1_ratio = property(attrgetter("_stage1_ratio"))
     page_size = property(attrgetter("_page_size"))
     head_topk1 = property(attrgetter("_head_topk1"))
     full_fp16_bytes_total = property(attrgetter("full_seq_bytes"))
     tokens_total = property(attrgetter("offset"))
 
-    @property
-    def stage1_bytes(self) -> int:
-        return sum(a.nbytes for a in (self.keys, self.values, self.positions) if a is not None)
-
-    @property
-    def stage2_aux_bytes(self) -> int:
-        return sum(a.nbytes for a in (self.page_max, self.page_min) if a is not None)
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
+    stage1_bytes = property(lambda self: sum(a.nbytes for a in (self.keys, self.values, self.positions)
+                                             if a is not None))
+    stage2_aux_bytes = property(lambda self: sum(a.nbytes for a in (self.page_max, self.page_min) if a is not None))

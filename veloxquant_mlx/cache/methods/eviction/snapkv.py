@@ -1,31 +1,16 @@
 """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469).
 
-After each prefill chunk, the last ``snap_obs_window`` queries of the prompt (the observation window)
-vote for prefix tokens: their softmax attention weights are summed over the window and over the query
-heads of each KV head, smoothed with a 1-D pooling (kernel 7, as in the paper's clustering step), and
-each KV head keeps its own top tokens. The observation window itself and the first ``snap_n_sink``
-tokens are always kept, so ``snap_budget`` rows remain. By default decode tokens are all kept (the
-paper compresses the prompt only), so the cache grows by one row per generated token.
+After each prefill chunk the last ``snap_obs_window`` queries vote: their softmax weights, summed over
+the window and each KV head's query heads, pooled (kernel 7, the paper's clustering); each KV head keeps
+its top tokens, the window and the first ``snap_n_sink`` included (``snap_budget`` rows). Decode tokens
+are kept (the paper compresses the prompt only). Without the dispatch point the window's keys vote.
+``decode_evict=True`` (an extension) keeps a ring of the last ``snap_obs_window`` real queries (16-bit,
+in ``nbytes``) that votes whenever decoding passes ``budget + slack`` rows (``eviction.py``); such a
+cache no longer trims exactly.
 
-Decode-time budget (``decode_evict=True``; an extension, not in the paper): the cache keeps a ring
-of the last ``snap_obs_window`` real queries (prompt and generated tokens alike, stored at 16 bits and
-counted in ``nbytes``). When a decode step leaves more than ``snap_budget + slack`` rows
-(the slack of ``eviction.py``), the ring is the observation window of a SnapKV pass over the
-stored rows (same votes, pooling, sinks and protected window as at prefill), which cuts back to
-``snap_budget``; so the top-k runs once per ``slack`` steps and at most ``budget + slack`` rows are
-held. The eviction buffers keep ``slack + 1`` spare rows so the decode rows in between append in
-place. Such a cache no longer trims exactly (older rows evicted while decoding are not restored).
-
-Real queries: with the attention dispatch point installed (``KVCacheBuilder.for_model`` installs it)
-the votes come from the model's own queries; without it, the window's keys stand in for queries.
-
-Deviations from the paper:
-* Pooling is average pooling with a kernel of 7 (the paper's released code also uses max pooling as
-  an option); sinks are an addition (the paper keeps no sinks; ``snap_n_sink=0`` reproduces it).
-* Prompts longer than one prefill chunk are compressed chunk by chunk, each chunk's last queries
-  voting over everything kept so far (the paper sees the whole prompt at once).
-* ``snap_dtype`` / ``snap_backend`` / ``snap_batched_scoring`` are accepted for compatibility; scoring
-  always runs batched over heads in float32.
+Deviations from the paper: average pooling (the release also has max); sinks are an addition (0
+reproduces it); long prompts are compressed chunk by chunk; ``snap_dtype`` / ``snap_backend`` /
+``snap_batched_scoring`` are accepted, scoring always runs batched in float32.
 """
 
 from __future__ import annotations
@@ -37,7 +22,6 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...eviction import EvictionKVCache, default_slack, observation_scores
-from ...primitives.buffers import grow_rows
 
 POOL_KERNEL = 7
 
@@ -46,11 +30,9 @@ def avg_pool_last(x: mx.array, kernel: int) -> mx.array:
     """Same-length average pooling along the last axis (zero padded, like the paper's pooling)."""
     if kernel <= 1:
         return x
-    pad = kernel // 2
-    padded = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, kernel - 1 - pad)])
-    c = mx.cumsum(padded, axis=-1)
+    pad, n = kernel // 2, x.shape[-1]
+    c = mx.cumsum(mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, kernel - 1 - pad)]), axis=-1)
     c = mx.pad(c, [(0, 0)] * (x.ndim - 1) + [(1, 0)])
-    n = x.shape[-1]
     return (c[..., kernel : kernel + n] - c[..., :n]) / kernel
 
 
@@ -59,10 +41,8 @@ def avg_pool_last(x: mx.array, kernel: int) -> mx.array:
 class SnapKVKVCache(EvictionKVCache):
     """Prefill eviction by observation-window votes, per KV head."""
     chunk_invariant = False  # each prefill chunk evicts, voted by its own last queries
-    # with the default ``decode_evict=False`` decode rows are never evicted and add no statistics
-    exact_trim = True
+    exact_trim = True  # with the default ``decode_evict=False`` decode rows are never evicted
     decode_evict_default = False  # the paper compresses the prompt only
-
     # the query ring of the decode-time budget: ``qring`` [B, Hq, W, D], ``qring_pos`` [W] (-1: empty)
     array_fields = EvictionKVCache.array_fields + ("qring", "qring_pos")
 
@@ -75,23 +55,21 @@ class SnapKVKVCache(EvictionKVCache):
     def wants_eviction(self, n_new):
         return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
 
-    # ---------------------------------------------------------------- decode-time budget
     def _remember_queries(self, queries):
         """Write this call's newest queries into the ring (slot = position mod W)."""
-        W, N = self.obs_window, queries.shape[2]
+        W = self.obs_window
         q = queries[:, :, -W:].astype(self.storage_dtype(queries.dtype))
         n = q.shape[2]
         start = self.offset - n  # position of q's first query
         if self.qring is None or self.qring.shape[:2] != q.shape[:2] or self.qring.shape[-1] != q.shape[-1]:
             self.qring = mx.zeros(q.shape[:2] + (W, q.shape[-1]), q.dtype)
             self.qring_pos = mx.full((W,), -1, mx.int32)
-        slots = [(start + i) % W for i in range(n)]  # host ints from Python counters: no sync
         if n == 1:
-            s = slots[0]
+            s = start % W
             self.qring[:, :, s : s + 1] = q
             self.qring_pos[s : s + 1] = mx.array([start], mx.int32)
         else:
-            idx = mx.array(slots, mx.int32)
+            idx = mx.array([(start + i) % W for i in range(n)], mx.int32)  # host ints: no sync
             self.qring[:, :, idx] = q
             self.qring_pos[idx] = mx.arange(start, start + n, dtype=mx.int32)
 
@@ -103,11 +81,9 @@ class SnapKVKVCache(EvictionKVCache):
     def _evict_with_proxy(self):
         if self._n_new > 1:
             return super()._evict_with_proxy()
-        # decode step without the dispatch point: the newest obs_window stored keys stand in
-        w = min(self.obs_window, self.rows)
+        w = min(self.obs_window, self.rows)  # a decode step without dispatch: the newest keys stand in
         obs = self.keys[:, :, self.rows - w : self.rows]
-        obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
-        self.evict(self.score(obs, obs_pos, obs.shape[-1] ** -0.5))
+        self.evict(self.score(obs, mx.arange(self.offset - w, self.offset, dtype=mx.int32), obs.shape[-1] ** -0.5))
 
     def keep_rows(self, idx):
         if not self.decode_evict:
@@ -124,10 +100,9 @@ class SnapKVKVCache(EvictionKVCache):
         return dropped
 
     def score(self, obs_queries, obs_positions, scale):
-        rows = self.rows
-        if obs_queries.shape[2] == 1 and self.qring is not None:
-            # a decode step: the ring's last W real queries are the observation window
+        if obs_queries.shape[2] == 1 and self.qring is not None:  # decode: the ring is the window
             obs_queries, obs_positions = self.qring, self.qring_pos
+        rows = self.rows
         votes = observation_scores(obs_queries, self.keys[:, :, :rows], scale, obs_positions,
                                    self.positions[:, :, :rows])
         return avg_pool_last(votes, POOL_KERNEL)

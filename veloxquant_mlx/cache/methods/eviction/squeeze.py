@@ -1,97 +1,60 @@
 """SqueezeAttention (Wang, Cui, Gan, "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via
 Layer-wise Optimal Budget", arXiv 2404.04793).
 
-The paper measures, at prefill, how much each attention layer changes the hidden states: the cosine
-similarity of a token's hidden state before and after self-attention, averaged over the prompt. It
-clusters the layers by it with k-means (3 clusters; solved exactly here, ``kmeans_1d``), squeezes the
-cluster of highest similarity (the layers that barely change their input) to a fraction ``p`` of the
-initial budget and spreads what it saves evenly over the other layers (two groups in the end), so the
-total is unchanged. Each layer then
-runs a sequence-wise policy with its own budget: H2O here (``VotingEviction.h2o_votes``: per-row
-accumulated attention of every query; the first ``n_sink`` tokens and the newest half of the layer's
-budget are protected). Real queries, slack, spare rows, ``decode_evict`` and trim: ``eviction``'s
-module docstring.
-
-How the hidden states are seen: ``KVCacheBuilder.for_model`` installs, next to the attention dispatch
-point, the two reports this class asks for in ``io_hooks`` (``dispatch.report_io``): the attention
-module hands the cache its output ``a`` and the decoder layer its input ``h`` (the residual stream), and
-the layer's similarity is ``mean_t cos(h_t, h_t + a_t)`` over the tokens (and batch) of the first forward
-pass, a lazy 0-d array. The ``SqueezeCoordinator`` built in ``build_layers`` (lifetime: one prompt cache)
-collects one per layer; when the last layer has reported it reads them (the one host read per prompt),
-resolves every layer's budget and evicts every layer down to it. Afterwards the reports return at once
-(a Python flag: no work and no host sync on the decode path).
+Layers are clustered by how little attention changes the hidden states (mean cos of a token's state
+before and after attention; exact 1-D k-means, 3 clusters, ``kmeans_1d``); the most similar cluster is
+squeezed to a fraction ``p`` of the budget and the savings spread over the others. Each layer then runs
+H2O with its budget (``VotingEviction.h2o_votes``; ``eviction``'s docstring). ``for_model`` installs
+the ``io_hooks`` reports (``dispatch.report_io``): the attention output ``a`` and the layer input ``h``
+give ``mean_t cos(h_t, h_t + a_t)`` (lazy) on the first forward pass; the ``SqueezeCoordinator`` (one
+per prompt cache) reads them once, resolves the budgets and evicts every layer.
 
 Deviations from the paper:
-* ``h + a`` is the hidden state after attention in pre-norm blocks (Llama, Qwen, Mistral); blocks that
-  normalise the attention output before adding it (Gemma's post-attention norm) get the un-normalised
-  sum, an approximation.
-* ``strength`` (``t >= 0``) sets the squeezed fraction ``p = 1 / (1 + t)`` of the selectable rows
-  (``budget - n_sink - OBS_WINDOW``): ``t = 0`` is uniform, the default ``t = 1`` keeps half (the paper
-  tunes ``p`` per model, roughly 0.3 - 0.7). Sinks and a 32-token window are never squeezed. Budgets
-  are rounded so they sum to exactly ``n_layers * budget``.
-* The similarity comes from the first forward pass (the first prefill chunk when mlx_lm chunks a long
-  prompt), not from the whole prompt. Until the budgets are resolved the layers do not evict, so that
-  chunk is held whole for that one call. Decoding is compressed too (the default slack).
-* Without the reports (caches built with ``install_dispatch=False`` or ``VELOXQUANT_DISPATCH=0``, or a
-  model whose layers were never called with these caches) the coordinator resolves at the second call
-  with what it has; a layer that never reported counts as the mean of the others, and with no report at
-  all the budgets are uniform. Without a coordinator (a single cache, or caches reloaded from a file) a
-  layer keeps its budget (the resolved one saved in its state, else ``squeeze_resolved_budget`` if set,
-  else ``budget``): uniform H2O.
+* ``h + a`` is the post-attention state of pre-norm blocks (Gemma's post-attention norm: approximated).
+* ``strength`` t >= 0 squeezes to ``p = 1 / (1 + t)`` of the selectable rows (0 uniform, default 1; the
+  paper tunes p ~0.3 - 0.7); sinks and the window are never squeezed; budgets sum to ``n * budget``.
+* The similarity is the first forward pass's (the first prefill chunk), and no layer evicts before it.
+* Without reports the coordinator resolves at the second call (a silent layer counts as the mean; none:
+  uniform); without a coordinator (single or reloaded caches) a layer keeps its state's budget, else
+  ``squeeze_resolved_budget``, else ``budget``.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate, combinations
+from operator import attrgetter
 
 import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...eviction import OBS_WINDOW, VotingEviction, check_min
 
 N_CLUSTERS = 3
 
 
 def kmeans_1d(values: list[float], k: int) -> list[int]:
-    """Cluster labels of 1-D ``values``: the k-means optimum (least within-cluster squared error), found
-    exactly -- in 1-D optimal clusters are runs of the sorted values, so a dynamic program over the
-    split points finds it (O(k n²); Lloyd's iterations can stop in a worse local optimum). Labels are
-    0..k-1 in increasing order of value."""
+    """Labels 0..k-1 (increasing with value) of the exact 1-D k-means optimum: optimal clusters are runs of
+    the sorted values, so every split into k runs is tried (O(n^(k-1)), k = 3 here; Lloyd can stop worse)."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     x = [float(values[i]) for i in order]
-    n = len(x)
-    k = max(1, min(k, n))
-    p1, p2 = [0.0], [0.0]
-    for v in x:
-        p1.append(p1[-1] + v)
-        p2.append(p2[-1] + v * v)
+    n, k = len(x), max(1, min(k, len(x)))
+    p1, p2 = [0.0, *accumulate(x)], [0.0, *accumulate(v * v for v in x)]
 
-    def sse(i, j):  # squared error of the run x[i:j] around its mean
-        return p2[j] - p2[i] - (p1[j] - p1[i]) ** 2 / (j - i)
+    def sse(cuts):  # squared error of the runs between consecutive cuts, each around its mean
+        return sum(p2[j] - p2[i] - (p1[j] - p1[i]) ** 2 / (j - i) for i, j in zip(cuts, cuts[1:]))
 
-    inf = float("inf")
-    cost = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    cost[0][0] = 0.0
-    for c in range(1, k + 1):
-        for j in range(c, n + 1):
-            for i in range(c - 1, j):
-                v = cost[c - 1][i] + sse(i, j)
-                if v < cost[c][j] - 1e-15:
-                    cost[c][j], cut[c][j] = v, i
-    labels, j = [0] * n, n
-    for c in range(k, 0, -1):
-        i = cut[c][j]
+    best = min(((0, *c, n) for c in combinations(range(1, n), k - 1)), key=sse) if n else ()
+    labels = [0] * n
+    for c, (i, j) in enumerate(zip(best, best[1:])):
         for t in range(i, j):
-            labels[order[t]] = c - 1
-        j = i
+            labels[order[t]] = c
     return labels
 
 
 def squeeze_budgets(similarity: list[float], budget: int, protected: int, strength: float) -> list[int]:
-    """Per-layer budgets: the k-means cluster of highest similarity (layers that change their hidden
-    states least) keeps ``1 / (1 + strength)`` of its selectable rows, the rest are shared evenly by the
-    other layers; the sum is ``n * budget``."""
+    """Per-layer budgets: the most similar k-means cluster keeps ``1 / (1 + strength)`` of its selectable
+    rows, the rest go evenly to the other layers; the sum is ``n * budget``."""
     n = len(similarity)
     s = budget - protected
     if n < 2 or strength == 0 or max(similarity) - min(similarity) < 1e-6:
@@ -99,8 +62,7 @@ def squeeze_budgets(similarity: list[float], budget: int, protected: int, streng
     labels = kmeans_1d(similarity, min(N_CLUSTERS, n))
     means = {l: sum(c for c, m in zip(similarity, labels) if m == l) / labels.count(l) for l in set(labels)}
     squeezed = max(means, key=means.get)
-    low = [i for i in range(n) if labels[i] == squeezed]
-    high = [i for i in range(n) if labels[i] != squeezed]
+    low, high = [i for i in range(n) if labels[i] == squeezed], [i for i in range(n) if labels[i] != squeezed]
     if not high:
         return [budget] * n
     s_low = s / (1.0 + strength)
@@ -116,30 +78,23 @@ def squeeze_budgets(similarity: list[float], budget: int, protected: int, streng
 
 
 def hidden_similarity(h: mx.array, attn_out: mx.array) -> mx.array:
-    """Mean over tokens (and batch) of ``cos(h_t, h_t + a_t)``: how little attention changed the hidden
-    state (a lazy 0-d float32 array)."""
+    """Mean over tokens (and batch) of ``cos(h_t, h_t + a_t)`` (a lazy 0-d float32 array)."""
     h = h.astype(mx.float32)
     after = h + attn_out.astype(mx.float32)
-    dot = (h * after).sum(axis=-1)
     norms = mx.sqrt((h * h).sum(axis=-1) * (after * after).sum(axis=-1))
-    return (dot / mx.maximum(norms, 1e-30)).mean()
+    return ((h * after).sum(axis=-1) / mx.maximum(norms, 1e-30)).mean()
 
 
 class SqueezeCoordinator:
-    """Shared by the layers of one prompt cache: collects each layer's hidden-state similarity during
-    the first forward pass, then resolves the budgets (``squeeze_budgets``) and applies them to every
-    layer."""
+    """Collects the layers' similarities of the first forward pass, then resolves and applies the budgets."""
 
     def __init__(self, n_layers: int, budget: int, protected: int, strength: float):
         self.budget, self.protected, self.strength = budget, protected, strength
         self.layers: list = [None] * n_layers
         self._reports: dict[int, mx.array] = {}
-        self.similarities: list[float] | None = None
-        self.budgets: list[int] | None = None
+        self.similarities = self.budgets = None
 
-    @property
-    def finalized(self) -> bool:
-        return self.budgets is not None
+    finalized = property(lambda self: self.budgets is not None)
 
     def report(self, layer_id: int, similarity: mx.array) -> None:
         self._reports[layer_id] = similarity
@@ -161,18 +116,14 @@ class SqueezeCoordinator:
 @register_with_mlx_lm
 @register("squeeze")
 class SqueezeAttentionCache(VotingEviction):
-    """H2O-style eviction with a per-layer budget reallocated by how little each layer's attention
-    changes the hidden states."""
-    # layer budgets calibrated once, on the first forward pass; batched (slack) decode eviction
-    chunk_invariant = False
+    """H2O eviction with per-layer budgets reallocated by how little each layer changes the hidden states."""
+    chunk_invariant = False  # layer budgets calibrated on the first forward pass; batched (slack) decode eviction
     exact_trim = False  # decode rows add votes and evict (slack)
-
     scalar_fields = VotingEviction.scalar_fields + ("squeezed", "similarity_value")
     h2o_votes = True
     #: reports ``for_model`` installs (``dispatch.report_io``): module -> the method it calls
     io_hooks = {"attention": "observe_attention_output", "layer": "observe_layer_io"}
-    layer_id = None
-    coordinator = None
+    layer_id = coordinator = None
     squeezed = False  # True once this layer's budget is resolved (state: survives reloads)
     similarity_value = 0.0
     _attn_out = None  # this layer's attention output of the first call, until the layer reports
@@ -190,8 +141,6 @@ class SqueezeAttentionCache(VotingEviction):
         check_min("squeeze_budget", o.budget, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
         if resolved is not None:
             check_min("squeeze_resolved_budget", resolved, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
-        if o.strength < 0:
-            raise QuantizerConfigError("squeeze_strength", o.strength, "a number >= 0")
         self.budget = o.budget if resolved is None else resolved
 
     @classmethod
@@ -204,54 +153,43 @@ class SqueezeAttentionCache(VotingEviction):
             coord = SqueezeCoordinator(len(layer_configs), o.budget, o.n_sink + OBS_WINDOW, float(o.strength))
         return [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
 
-    @property
-    def _waiting(self) -> bool:
-        return self.coordinator is not None and not self.squeezed
+    _waiting = property(lambda self: self.coordinator is not None and not self.squeezed)
 
     def _store(self, keys, values):
         if self._waiting and self.offset > 0:
-            # a later call, yet some layer never reported (no hidden-state reports installed, or its
-            # layer was not called): resolve with what was measured rather than wait forever (before
-            # this call's rows are stored, so every layer is evicted between calls)
+            # a later call, yet some layer never reported: resolve with what was measured, before this
+            # call's rows are stored (so every layer is evicted between calls)
             self.coordinator.finalize()
         super()._store(keys, values)
 
     def wants_eviction(self, n_new):
         return not self._waiting and super().wants_eviction(n_new)
 
-    # ---------------------------------------------------------------- hidden-state reports
     def observe_attention_output(self, x, out) -> None:
-        """The attention module's output ``a`` [B, L, hidden] of the first call (kept until the layer
-        reports; afterwards a no-op)."""
+        """The attention module's output ``a`` [B, L, hidden] of the first call (kept until the layer reports)."""
         if self._waiting:
             self._attn_out = out
 
     def observe_layer_io(self, h, out) -> None:
-        """The decoder layer's input ``h`` (residual stream) of the first call: report
-        ``cos(h, h + a)`` to the coordinator (lazy; afterwards a no-op)."""
+        """The decoder layer's input ``h`` of the first call: report ``cos(h, h + a)`` to the coordinator."""
         if self._waiting and self._attn_out is not None:
             a, self._attn_out = self._attn_out, None
             if a.shape == h.shape:
                 self.coordinator.report(self.layer_id, hidden_similarity(h, a))
 
     def adopt(self, budget: int, similarity: float) -> None:
-        """Take the resolved budget and evict down to it (called by the coordinator, after this layer's
-        attention of the current call was computed)."""
+        """Take the resolved budget and evict down to it (after this call's attention was computed)."""
         self.budget, self.squeezed, self.similarity_value = int(budget), True, float(similarity)
         self._attn_out = None
         if self.rows > self.budget:
             self.evict(self.score(None, None, None))
 
-    @property
-    def similarity(self) -> float:
-        """Mean cosine similarity of this layer's hidden states before and after attention, measured on
-        the first forward pass (0.0 before it; the mean of the other layers if this one never reported)."""
-        return self.similarity_value
+    similarity = property(attrgetter("similarity_value"),
+                          doc="Mean cos(h, h + a) on the first forward pass (0.0 before; the others' mean if missing).")
 
     @property
     def concentration(self) -> float:
-        """The spec's name for this layer's measured importance: ``1 - similarity`` (0.0 before the
-        first forward pass)."""
+        """The spec's name for ``1 - similarity`` (0.0 before the first forward pass)."""
         return 1.0 - self.similarity_value if self.squeezed else 0.0
 
     squeeze_kept_bytes = VotingEviction.kept_bytes

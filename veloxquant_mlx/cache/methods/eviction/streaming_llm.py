@@ -1,18 +1,13 @@
 """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
 
-Every query attends to the first ``stream_n_sink`` tokens (attention sinks) and to the most recent
-``stream_window_size`` tokens, itself included, and nothing else. Between calls the cache holds the
-sinks and the ``window`` newest tokens. A decode step, once the cache is full, writes its token over
-the oldest window row in place (a ring, as mlx_lm's ``RotatingKVCache`` does), so it attends to exactly
-sinks + window with no mask, no copy and no gather. A multi-token call appends, attends under a
-position mask (``make_mask``) that limits each query to its own window, and then keeps sinks + window.
-Rows are therefore not always in position order; every mask here is built from the stored positions,
-which is what keeps it exact.
+Every query sees the first ``stream_n_sink`` tokens (sinks) and the ``stream_window_size`` newest,
+itself included; between calls the cache holds exactly those. A decode step on a full cache overwrites
+the oldest window row in place (a ring, as mlx_lm's ``RotatingKVCache``); a multi-token call appends,
+attends under a position mask (``make_mask``) and keeps sinks + window. Masks come from the stored
+positions, since rows are not always in position order.
 
-Deviations from the paper:
-* Keys are cached after RoPE (mlx_lm's order), so tokens keep their original positions; the paper
-  re-assigns positions inside the cache. Same choice as mlx_lm's ``RotatingKVCache``.
-* The window counts the current token (the paper's "recent tokens" window likewise ends at it).
+Deviations from the paper: keys are cached after RoPE at their original positions (the paper re-assigns
+positions in the cache), as ``RotatingKVCache``; the window counts the current token.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ class StreamingLLMKVCache(EvictionKVCache):
     chunk_invariant = True  # holds exactly the sinks and the newest window rows
     exact_trim = False  # the rows that slid out of the window while the trimmed rows were added are gone
     batchable = True  # merge -> StreamingLLMBatchKVCache (streaming_llm_batch.py)
-
     scalar_fields = EvictionKVCache.scalar_fields + ("ring",)
     ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)
 
@@ -42,8 +36,11 @@ class StreamingLLMKVCache(EvictionKVCache):
         self.n_sink, self.window = o.n_sink, o.window_size
         self.budget = self.n_sink + self.window
 
+    def _full_decode(self, n: int) -> bool:
+        return n == 1 and self.rows == self.budget and self.offset >= self.budget
+
     def update_and_fetch(self, keys, values):
-        if keys.shape[2] == 1 and self.rows == self.budget and self.offset >= self.budget:
+        if self._full_decode(keys.shape[2]):
             return self._overwrite_oldest(keys, values)
         out = super(EvictionKVCache, self).update_and_fetch(keys, values)
         if self.rows > self.budget:
@@ -53,9 +50,7 @@ class StreamingLLMKVCache(EvictionKVCache):
     def _overwrite_oldest(self, keys, values):
         """Decode step on a full cache: the new row replaces the oldest window row, in place."""
         self._check_input(keys, values)
-        if self.ring < 0:
-            self.ring = self.n_sink  # rows are in position order: the oldest window row follows the sinks
-        r = self.ring
+        r = self.n_sink if self.ring < 0 else self.ring  # in position order the oldest window row follows the sinks
         dt = self.storage_dtype(keys.dtype)
         self.keys[:, :, r : r + 1] = keys.astype(dt)
         self.values[:, :, r : r + 1] = values.astype(dt)
@@ -63,38 +58,34 @@ class StreamingLLMKVCache(EvictionKVCache):
         self.ring = self.n_sink + (r + 1 - self.n_sink) % self.window
         self.offset += 1
         self._n_new = 1
-        # Nothing in a full cache's decode step reads ``positions``: tie it to the rows returned, so it is
-        # evaluated with them instead of stacking one pending update per step (memory crept ~4 B/step).
+        # nothing here reads ``positions``: tie it to the rows returned, so it is evaluated with them
+        # instead of stacking one pending update per step (memory crept ~4 B/step)
         return tuple(mx.depends(list(self._dense()), self.positions))
+
+    def _keep_in_order(self, idx):
+        self.keep_rows(mx.broadcast_to(idx, self.keys.shape[:2] + (idx.size,)))
+        self.ring = -1
 
     def evict(self, scores, keep=None):
         """Keep the sinks and the ``window`` newest tokens, in position order."""
         order = mx.argsort(self.positions[0, 0, : self.rows]).astype(mx.int32)
         sink = min(self.n_sink, self.rows - self.window)
-        idx = mx.concatenate([order[:sink], order[self.rows - self.window :]])
-        B, H = self.keys.shape[:2]
-        self.keep_rows(mx.broadcast_to(idx, (B, H, idx.size)))
-        self.ring = -1
+        self._keep_in_order(mx.concatenate([order[:sink], order[self.rows - self.window :]]))
 
     def _trim_rows(self, n):
         if self.ring >= 0:  # restore position order first, so the newest rows are the last ones
-            order = mx.argsort(self.positions[0, 0, : self.rows]).astype(mx.int32)
-            B, H = self.keys.shape[:2]
-            self.keep_rows(mx.broadcast_to(order, (B, H, self.rows)))
-            self.ring = -1
+            self._keep_in_order(mx.argsort(self.positions[0, 0, : self.rows]).astype(mx.int32))
         return super()._trim_rows(n)
 
     def make_mask(self, N, return_array=False, window_size=None):
         past = self.rows
-        full_decode = N == 1 and past == self.budget and self.offset >= self.budget
-        if window_size is None and not return_array and (full_decode or past + N <= self.window):
-            # a full cache's decode step attends to exactly sinks + window; a short context sees all
-            return None if N == 1 else "causal"
+        if window_size is None and not return_array and (self._full_decode(N) or past + N <= self.window):
+            return None if N == 1 else "causal"  # exactly sinks + window, or a short context that sees all
         new = mx.arange(self.offset, self.offset + N, dtype=mx.int32)
-        key_pos = mx.concatenate([self.positions[0, 0, :past], new]) if past else new
+        key_pos = (mx.concatenate([self.positions[0, 0, :past], new]) if past else new)[None]
         q_pos = new[:, None]
         win = self.window if window_size is None else min(self.window, window_size)
-        return (key_pos[None] <= q_pos) & ((key_pos[None] < self.n_sink) | (key_pos[None] > q_pos - win))
+        return (key_pos <= q_pos) & ((key_pos < self.n_sink) | (key_pos > q_pos - win))
 
     @classmethod
     def _merge_batch(cls, caches):
@@ -102,6 +93,5 @@ class StreamingLLMKVCache(EvictionKVCache):
 
         return StreamingLLMBatchKVCache.from_caches(caches)
 
-    # spec telemetry names
-    tokens_in_window = property(attrgetter("rows"))
+    tokens_in_window = property(attrgetter("rows"))  # spec telemetry names
     stream_kept_bytes = property(attrgetter("nbytes"))

@@ -1,37 +1,14 @@
-"""The batch form of the StreamingLLM cache: several requests decoded together by mlx_lm's
-``BatchGenerator`` (continuous batching), each keeping exactly the rows it would keep alone: its own
-attention sinks and its own most recent window, at its own positions.
+"""The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the
+rows it would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype);
+``extract(i)`` gives back a single cache with the same rows, order, positions and ring slot.
 
-``StreamingLLMKVCache.merge(caches)`` builds a ``StreamingLLMBatchKVCache`` (only when every cache is
-exactly a ``StreamingLLMKVCache`` with the same sinks / window / storage dtype); ``extract(i)`` gives
-back an ordinary ``StreamingLLMKVCache`` with the same rows, in the same order, the same positions and
-the same ring slot as an unbatched run.
-
-Layout (B sequences, H kv heads, D / Dv head dims): the single cache's storage with a batch axis,
-every sequence's rows left-aligned: ``keys [B, H, cap, D]``, ``values [B, H, cap, Dv]`` (the single
-cache's 16-bit storage dtype) and ``positions [B, H, cap]`` (int32, the same for every head, as alone).
-Sequence i's ``nq[i]`` rows fill slots ``[0, nq[i])`` in the order the single cache holds them
-(position order, or ring order once its full-cache decode steps have overwritten rows); slots
-``>= nq[i]`` are invalid for it (masked; they may hold leftovers, always finite). ``cap <= sinks +
-window`` (the budget), so the bytes held do not grow with the decode length.
-
-* A decode step (one row per sequence) writes each sequence's row into one slot, as alone: a full
-  sequence (budget rows, ``lens[i] >= budget``) over its oldest window row (its ring slot ``ring[i]``,
-  host-side), the others after their last row. One ``put_along_axis`` per array, no gather.
-* Any other call (prefill chunks, right-padded prefill, a decode step that meets a request with no
-  row this call) appends each sequence's valid rows and keeps, exactly as the single cache's
-  ``evict``, its sinks and its ``window`` newest rows in position order (one argsort of the
-  positions and one gather over the batch; a sequence with no valid rows keeps its order).
-
-The per-sequence counts (``nq``, ``ring``, ``lens``) are host-side ints, as in every
-``batch_common.RaggedBatchCache``; only ``merge`` / ``extract`` loop over the sequences (once per request).
-
-``update_and_fetch`` returns [the stored rows before the call (max(nq) columns), the call's rows
-(rounded through the storage dtype, as alone)] and ``make_mask`` the boolean mask [B, 1, N, M] that
-shows each sequence its valid rows under StreamingLLM's position rule (key position <= query
-position, and key position < sinks or within the query's window); ``attend`` (dispatch point) applies
-the same mask, rebuilt from the call's own counts. Right-padded prefill (``prepare(lengths=)``): only
-each sequence's first ``lengths[i]`` rows are stored. ``offset`` is an ``mx.array``.
+Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in
+``[0, nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode
+step writes each sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its
+last row: one ``put_along_axis``); any other call appends the valid rows and keeps each sequence's sinks
+and window newest rows in position order (one argsort, one gather). Counts are host-side ints
+(``batch_common.RaggedBatchCache``); ``make_mask`` / ``attend`` show each sequence its valid rows under
+the position rule; right-padded prefill (``prepare(lengths=)``) stores each sequence's valid rows only.
 """
 
 from __future__ import annotations
@@ -44,12 +21,7 @@ from ..batch_common import RaggedBatchCache, visible_mask
 from .streaming_llm import StreamingLLMKVCache
 
 _BIG = 2 ** 30  # sort key of invalid columns: after every real position
-
 _FIELDS = ("keys", "values", "positions")
-
-
-def _settings(c) -> tuple:
-    return (c.n_sink, c.window, c.config.dtype)
 
 
 @register_with_mlx_lm
@@ -60,9 +32,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     array_fields = _FIELDS
     count_fields = ("nq", "ring", "lens")  # rows held (left-aligned), ring slot (-1: position order), tokens seen
     right_fields = ()  # no right-aligned region: every row is in the left-aligned buffers
-    chunk_invariant = True  # as the single cache
-    exact_trim = False  # as the single cache
-
+    chunk_invariant, exact_trim = True, False  # as the single cache
     dtype_name = "float16"
     _init_layout = StreamingLLMKVCache._init_layout
     storage_dtype = EvictionKVCache.storage_dtype
@@ -72,12 +42,11 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         self._init_counts(batch_size)  # ``cap``: slots allocated (<= budget between calls)
         self.ring = [-1] * batch_size  # rows in position order, as a fresh single cache
 
-    # ---------------------------------------------------------------- bookkeeping
     def stored_rows(self) -> int:
         return max(self.nq, default=0)
 
-    def _settings(self) -> tuple:
-        return _settings(self)
+    def _settings(self) -> tuple:  # also called on single caches (``from_caches``)
+        return (self.n_sink, self.window, self.config.dtype)
 
     def _region_dtype(self, compute_dtype):
         return self.storage_dtype(compute_dtype)
@@ -94,17 +63,15 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         """Slots to allocate for ``need`` rows: some room for decode appends, never beyond the budget."""
         return max(need, min(self.budget, need + max(4, need // 8)))
 
-    # ---------------------------------------------------------------- batch protocol
     @classmethod
     def from_caches(cls, caches) -> "StreamingLLMBatchKVCache":
-        """Batch of single ``StreamingLLMKVCache``s (empty or holding tokens: prompt-cache reuse): each
-        one as a one-sequence batch, joined by ``extend`` (once per request, not per step)."""
-        first = caches[0]
+        """Batch of single caches (empty or holding tokens): each as a one-sequence batch, joined by ``extend``."""
+        first, settings = caches[0], cls._settings
         for c in caches:
-            if _settings(c) != _settings(first):
+            if settings(c) != settings(first):
                 raise BatchingNotSupported(
                     "streaming_llm caches with different sinks / window / dtype cannot share a batch: "
-                    f"{_settings(c)} vs {_settings(first)}")
+                    f"{settings(c)} vs {settings(first)}")
             if getattr(c, "_pending", False):
                 raise BatchingNotSupported("streaming_llm cache with a deferred eviction")
         out = cls(first.config)
@@ -120,26 +87,20 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         return out
 
     def extract(self, idx: int) -> StreamingLLMKVCache:
-        """Sequence ``idx`` as an ordinary ``StreamingLLMKVCache`` (the same rows, order, positions and
-        ring slot it would hold alone)."""
+        """Sequence ``idx`` as an ordinary ``StreamingLLMKVCache``."""
         idx = int(idx)
         c = StreamingLLMKVCache(self.config)
         c.offset = self.lens[idx]
         if self.keys is None:
             return c
         n = self.nq[idx]
-        c._shape = self._shape
-        c.compute_dtype = getattr(mx, self.dtype_name)
-        one = slice(idx, idx + 1)
+        c._shape, c.compute_dtype, c.rows, c.ring = self._shape, getattr(mx, self.dtype_name), n, self.ring[idx]
         for name in _FIELDS:
-            setattr(c, name, mx.contiguous(getattr(self, name)[one, :, :n]))
-        c.rows, c.ring = n, self.ring[idx]
+            setattr(c, name, mx.contiguous(getattr(self, name)[idx : idx + 1, :, :n]))
         return c
 
-    # ---------------------------------------------------------------- masks
     def _visible(self, N: int, nq, lens, past_pos) -> mx.array:
-        """Boolean [B, 1, N, P + N]: per sequence, its valid stored rows and the new rows causally,
-        under the position rule (sinks, or within the query's window)."""
+        """Boolean [B, 1, N, P + N]: each sequence's valid stored rows and new rows under the position rule."""
         B = len(nq)
         P = 0 if past_pos is None else past_pos.shape[1]
         m = visible_mask(N, B, [(P, nq, "left")])
@@ -159,12 +120,10 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
             return None if N == 1 else "causal"
         return self._visible(N, self.nq, self.lens, self._past_pos(P))
 
-    # ---------------------------------------------------------------- storage
     def update_and_fetch(self, keys, values):
         valid = self._begin_call(keys, values)
         N, P = keys.shape[2], self.stored_rows()
-        sd = self.keys.dtype
-        nk, nv = keys.astype(sd), values.astype(sd)
+        nk, nv = keys.astype(self.keys.dtype), values.astype(self.keys.dtype)
         past_k, past_v = self.keys[:, :, :P], self.values[:, :, :P]
         self._call = (N, list(self.nq), list(self.lens), self._past_pos(P))
         decode = N == 1 and all(v == 1 for v in valid) and all(
@@ -173,10 +132,8 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
             self._decode(nk, nv)
         else:
             self._store(past_k, past_v, nk, nv, valid)
-        dt = keys.dtype
-        if not P:
-            return nk.astype(dt), nv.astype(dt)
-        return (mx.concatenate([past_k, nk], axis=2).astype(dt), mx.concatenate([past_v, nv], axis=2).astype(dt))
+        return tuple((mx.concatenate([p, n], axis=2) if P else n).astype(keys.dtype)
+                     for p, n in ((past_k, nk), (past_v, nv)))
 
     def _decode(self, nk, nv):
         """One row per sequence: over the oldest window row of a full sequence, else appended."""
@@ -198,10 +155,9 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         self._sync_offset()
 
     def _store(self, past_k, past_v, nk, nv, valid):
-        """Append each sequence's valid rows, then keep its sinks and window newest rows in position
-        order (the single cache's ``evict``); a sequence without valid rows keeps its rows as they are."""
-        B, H, N, _ = nk.shape
-        P = past_k.shape[2]
+        """Append each sequence's valid rows, then keep its sinks and window newest rows in position order
+        (a sequence without valid rows keeps its rows as they are)."""
+        (B, H, N, _), P = nk.shape, past_k.shape[2]
         M = P + N
         new_pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
         ck = mx.concatenate([past_k, nk], axis=2) if P else nk
@@ -238,7 +194,6 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         dt = getattr(mx, self.dtype_name)
         return self.keys[:, :, :P].astype(dt), self.values[:, :, :P].astype(dt)
 
-    # ---------------------------------------------------------------- attention
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         N = queries.shape[2]
@@ -250,10 +205,8 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
                 mask = self._visible(N, nq, lens, past_pos)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence, as the single cache does (rows back in
-        position order); raises ``ValueError`` where a sequence no longer holds them."""
+        """Drop the ``n`` newest tokens of every sequence (rows back in position order), as the single cache."""
         n = int(n)
         if n <= 0 or not self.lens:
             return 0
