@@ -38,7 +38,6 @@ def density_grid(lo: float, hi: float, log_density, cells: int = _GRID):
 
 def lloyd(edges, x, w, k: int, center: float = 0.0, max_iter: int = 20000, tol: float = 1e-9):
     """Lloyd–Max on a discretized density symmetric about ``center``: ``(centroids, mse)`` in float64.
-
     Cell moments are read from cumulative sums interpolated at the exact (off-grid) boundaries, so the
     iteration moves continuously. It starts at the high-resolution optimum (point density ∝ f^(1/3),
     Panter–Dite) and only polishes it, which matters for 128/256 levels.
