@@ -150,14 +150,13 @@ def _train(dim: int, sub_dim: int, bits: int, seed: int) -> RVQCodebook:
     c1, labels = kmeans(x, k1, iters=KMEANS_ITERS, seed=seed)
     if not b2:
         return RVQCodebook(dim, sub_dim, bits, c1, mx.ones((k1,)), None)
-    ar1, ar2 = mx.arange(k1), mx.arange(k2)
 
-    def cell_sums(lab, vals, k, ar):  # per-cell sums of rows of vals (one-hot matmul), and counts
-        oh = (lab[:, None] == ar[None]).astype(mx.float32)
+    def cell_sums(lab, vals, k):  # per-cell sums of rows of vals (one-hot matmul), and counts
+        oh = (lab[:, None] == mx.arange(k)[None]).astype(mx.float32)
         return oh.T @ vals, oh.sum(axis=0)
 
     r = x - c1[labels]
-    ssum, cnt = cell_sums(labels, mx.sum(r * r, axis=1, keepdims=True), k1, ar1)
+    ssum, cnt = cell_sums(labels, mx.sum(r * r, axis=1, keepdims=True), k1)
     sigma = mx.sqrt(ssum[:, 0] / mx.maximum(cnt, 1.0) / sub_dim)
     sigma = mx.where(sigma > 0, sigma, mx.mean(sigma) + 1e-6)
     c2, _ = kmeans(r / sigma[labels][:, None], k2, iters=KMEANS_ITERS, seed=seed + 1)
@@ -167,16 +166,16 @@ def _train(dim: int, sub_dim: int, bits: int, seed: int) -> RVQCodebook:
         i, j = i.astype(mx.int32), j.astype(mx.int32)
         s_i = sigma[i][:, None]
         # c1 given (c2, sigma): cell means of x - sigma c2
-        num, cnt1 = cell_sums(i, x - s_i * c2[j], k1, ar1)
+        num, cnt1 = cell_sums(i, x - s_i * c2[j], k1)
         c1 = mx.where(cnt1[:, None] > 0, num / mx.maximum(cnt1, 1.0)[:, None], c1)
         # c2 given (c1, sigma): weighted least squares, weights sigma^2
         r = x - c1[i]
-        num, _ = cell_sums(j, r * s_i, k2, ar2)
-        den, _ = cell_sums(j, s_i * s_i, k2, ar2)
+        num, _ = cell_sums(j, r * s_i, k2)
+        den, _ = cell_sums(j, s_i * s_i, k2)
         c2 = mx.where(den > 0, num / mx.maximum(den, 1e-20), c2)
         # sigma given (c1, c2): per-cell least squares scale
-        num, _ = cell_sums(i, mx.sum(r * c2[j], axis=1, keepdims=True), k1, ar1)
-        den, _ = cell_sums(i, mx.sum(c2[j] * c2[j], axis=1, keepdims=True), k1, ar1)
+        num, _ = cell_sums(i, mx.sum(r * c2[j], axis=1, keepdims=True), k1)
+        den, _ = cell_sums(i, mx.sum(c2[j] * c2[j], axis=1, keepdims=True), k1)
         new = num[:, 0] / mx.maximum(den[:, 0], 1e-20)
         sigma = mx.where((den[:, 0] > 0) & (mx.abs(new) > 1e-12), new, sigma)
         cb = RVQCodebook(dim, sub_dim, bits, c1, sigma, c2)
