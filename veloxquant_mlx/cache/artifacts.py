@@ -1,7 +1,5 @@
-"""``ArtifactStore``: where precomputed artifacts (rotations, codebooks, JL matrices) are kept.
-
-A cache asks ``store.get_or_create(key, make)``; an in-memory store shares artifacts within a process, a
-``.npy``-directory store also across processes (so a calibrated codebook is computed once).
+"""``ArtifactStore``: precomputed artifacts (rotations, codebooks, JL matrices) shared within a process
+(in memory) or across processes (a ``.npy`` directory), via ``store.get_or_create(key, make)``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Attention helpers shared by caches that compute attention themselves (dispatch point).
-
-All of them take mlx_lm's layouts: queries [B, Hq, N, D], keys/values [B, H, M, D] with Hq a
-multiple of H (grouped-query attention), and mlx_lm's mask conventions (None, "causal" meaning
-bottom-right aligned, or a boolean/additive array broadcastable to [B, Hq, N, M]).
+"""Attention helpers for caches that compute attention themselves (dispatch point), in mlx_lm's layouts:
+queries [B, Hq, N, D], keys/values [B, H, M, D] (Hq a multiple of H), masks None, "causal" (bottom-right
+aligned) or a boolean/additive array broadcastable to [B, Hq, N, M].
 """
 
 from __future__ import annotations
@@ -23,10 +21,8 @@ def ungroup(x: mx.array) -> mx.array:
 
 
 def bool_mask(mask, n_queries: int, n_keys: int, n_kv_heads: int | None = None):
-    """mlx_lm's mask as a boolean array broadcastable to [B, H, rep, N, M] (None if no mask).
-
-    A "causal" string means query i sees keys 0 .. M - N + i. Array masks of shape [.., Hq, N, M]
-    are regrouped to [.., H, rep, N, M]."""
+    """mlx_lm's mask as a boolean array broadcastable to [B, H, rep, N, M], or None ("causal": query i sees
+    keys 0 .. M - N + i)."""
     if mask is None:
         return None
     if isinstance(mask, str):
@@ -49,9 +45,8 @@ def attention_logits(queries: mx.array, keys: mx.array, scale: float) -> mx.arra
 
 
 def attention_with_weights(queries, keys, values, *, scale, mask):
-    """Dense attention that also returns its probabilities.
-
-    Returns (out [B, Hq, N, Dv] in the queries' dtype, weights [B, H, rep, N, M] float32)."""
+    """Dense attention and its probabilities: (out [B, Hq, N, Dv] in the queries' dtype, weights
+    [B, H, rep, N, M] float32)."""
     logits = attention_logits(queries, keys, scale)
     m = bool_mask(mask, queries.shape[2], keys.shape[2], keys.shape[1])
     if m is not None:
@@ -61,23 +56,18 @@ def attention_with_weights(queries, keys, values, *, scale, mask):
     return ungroup(out).astype(queries.dtype), weights
 
 
-# ---------------------------------------------------------------------------------------- tiled attention
-# A prefill chunk of N queries attending to M keys: a dense attention builds [B, Hq, N, M] float32 score
-# matrices (several of them at once: scores, masked scores, probabilities), and MLX allocates the outputs
-# of the next few ops before it frees their inputs, so a cache that attends over its compressed past that
-# way peaks well above mlx_lm's plain cache. ``online_softmax_attention`` visits the keys in tiles of at
-# most ``tile_rows`` columns and keeps only a running max, sum and output per query row (the online
-# softmax of "FlashAttention", Dao et al., arXiv 2205.14135, here as MLX ops): each tile's transients are
-# a 1/TILE_FRACTION slice of the dense score matrix (and at most TILE_MAX_ELEMENTS scores).
+# Tiled attention: a dense attention of a prefill chunk builds several [B, Hq, N, M] float32 score matrices
+# at once and peaks well above mlx_lm's plain cache. ``online_softmax_attention`` visits the keys in tiles
+# and keeps a running max, sum and output per query row (FlashAttention's online softmax, arXiv 2205.14135,
+# as MLX ops): a tile's transients are 1/TILE_FRACTION of the dense scores, at most TILE_MAX_ELEMENTS.
 TILE_FRACTION = 16
 TILE_MAX_ELEMENTS = 1 << 24
 TILE_MIN_ROWS = 64
 
 
 def tile_rows(query_rows: int, n_keys: int, multiple: int = 1) -> int:
-    """Key rows per tile for ``query_rows`` (= B * Hq * N) queries over ``n_keys`` keys: the tile's score
-    matrix is at most 1/TILE_FRACTION of the dense one and at most TILE_MAX_ELEMENTS scores, with at
-    least TILE_MIN_ROWS rows; rounded down to a multiple of ``multiple`` (quantization groups)."""
+    """Key rows per tile for ``query_rows`` (= B * Hq * N) queries over ``n_keys`` keys (see above; at least
+    TILE_MIN_ROWS), rounded down to a multiple of ``multiple`` (quantization groups)."""
     budget = min(query_rows * n_keys // TILE_FRACTION, TILE_MAX_ELEMENTS)
     rows = max(TILE_MIN_ROWS, budget // max(query_rows, 1))
     return max(multiple, rows // multiple * multiple)
@@ -89,16 +79,11 @@ def tile_ranges(start: int, stop: int, tile: int):
 
 
 def online_softmax_attention(shape, blocks, n_keys: int, mask, sinks, out_dtype):
-    """One softmax over blocks of keys visited one after another, without any [N, M] score matrix.
-
-    ``shape`` = (B, H, rep, N): KV heads H, rep query heads each, N query rows. ``blocks``: iterable of
-    ``(start, stop, scores_fn, values_fn)``, the key columns ``start .. stop`` of the full key axis
-    (``n_keys`` keys in mlx_lm's order); ``scores_fn()`` -> float32 scaled scores ``[B, H, rep*N, m]``,
-    ``values_fn(p [B, H, rep*N, m])`` -> ``[B, H, rep*N, Dv]`` (the probability-weighted value sum of
-    those keys). ``mask``: mlx_lm's (None, "causal" bottom-right aligned, boolean or additive array
-    broadcastable to [B, Hq, N, n_keys]); ``sinks``: [Hq] attention-sink logits or None. Returns
-    ``[B, Hq, N, Dv]`` in ``out_dtype``: softmax(scores) @ values over all blocks, exactly (up to float32
-    rounding) what one dense softmax over the concatenated scores gives."""
+    """One softmax over blocks of keys visited in turn, without an [N, M] score matrix: ``[B, Hq, N, Dv]`` in
+    ``out_dtype``, what one dense softmax gives up to float32 rounding. ``shape`` = (B, H, rep, N);
+    ``blocks``: ``(start, stop, scores_fn, values_fn)`` over key columns ``start .. stop`` of the ``n_keys``,
+    ``scores_fn()`` -> scaled float32 scores ``[B, H, rep*N, m]``, ``values_fn(p)`` -> ``[B, H, rep*N, Dv]``;
+    ``sinks``: [Hq] attention-sink logits or None."""
     B, H, rep, N = shape
     full = None if mask is None or isinstance(mask, str) else bool_mask(mask, N, n_keys, H)
     causal = isinstance(mask, str) and N > 1
@@ -131,8 +116,8 @@ def online_softmax_attention(shape, blocks, n_keys: int, mask, sinks, out_dtype)
 
 
 def dense_blocks(q: mx.array, keys: mx.array, values: mx.array, start: int, tile: int):
-    """Blocks for ``online_softmax_attention`` over float rows ``keys``/``values`` [B, H, m, D] that are the
-    key columns ``start .. start + m``, for scaled float32 queries ``q`` [B, H, R, D], ``tile`` rows each."""
+    """``online_softmax_attention`` blocks of ``tile`` rows over float ``keys``/``values [B, H, m, D]`` (key
+    columns ``start .. start + m``), for scaled float32 queries ``q [B, H, R, D]``."""
     out = []
     for a, b in tile_ranges(0, keys.shape[2], tile):
         k, v = keys[:, :, a:b], values[:, :, a:b]

@@ -1,8 +1,5 @@
-"""The method registry: every method's name, family, protocol and paper, and its class once built.
-
-A method module registers its class with ``@register("name")``. Methods listed here but not
-registered are *not implemented*: the factory raises ``NotImplementedError`` for them instead of
-falling back to an uncompressed cache.
+"""The method registry: every method's name, family, protocol and paper, and its class once built
+(``@register("name")``); a listed method without a class makes the factory raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -63,8 +60,7 @@ _METHOD_TABLE = {
 
 METHOD_NAMES = tuple(_METHOD_TABLE)
 
-# Methods with VeloxQuant's own per-vector API (append_key / append_value / attend / memory_bytes /
-# reset) rather than mlx_lm's KVCache serving contract. ``for_model`` rejects them.
+# Methods with the per-vector API (append_key / append_value / attend / memory_bytes / reset), not mlx_lm's.
 STANDALONE_METHODS = frozenset(n for n, (_, p, _) in _METHOD_TABLE.items() if p == STANDALONE)
 
 
@@ -98,12 +94,10 @@ def register(name: str):
 
 
 def add_method(name: str, family: str, options: Optional[type] = None, paper: str = "no paper"):
-    """Add an mlx_lm-protocol method outside the built-in table (a plug-in, or a test's throw-away
-    method), with its options class if it has settings, so that ``@register(name)`` and
-    ``KVCacheConfig(method=name)`` accept it; returns a function that removes it again.
-    ``METHOD_NAMES`` (the spec's list, which ``veloxquant methods`` shows) is not changed."""
+    """Add an mlx_lm-protocol method (a plug-in, a test's throw-away method) and its options class, so that
+    ``@register(name)`` and ``KVCacheConfig(method=name)`` accept it; returns a function removing it again.
+    ``METHOD_NAMES`` (the spec's list) is not changed."""
     from .options import OPTIONS_BY_METHOD
-
     if name in _METHOD_TABLE:
         raise KeyError(f"method {name!r} exists")
     if family not in (QUANTIZATION, EVICTION, CROSS_LAYER):
@@ -127,12 +121,8 @@ def is_method(name) -> bool:
     return isinstance(name, str) and name in _METHOD_TABLE
 
 
-def _load_methods() -> None:
-    from . import methods  # noqa: F401  (importing registers every built method)
-
-
 def method_info(name: str) -> MethodInfo:
-    _load_methods()
+    from . import methods  # noqa: F401  (importing registers every built method)
     family, protocol, paper = _METHOD_TABLE[name]
     return MethodInfo(name, family, protocol, paper, _CLASSES.get(name))
 

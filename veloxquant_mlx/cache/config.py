@@ -1,13 +1,11 @@
 """``KVCacheConfig``: the one configuration object every cache is built from.
 
-Fields, types and defaults follow the API reference exactly (a test checks them against the spec's
-signature). The shared fields are written out below; the per-method flat fields are generated from the
-options classes' declarations (:mod:`.options`), in the spec's order. Per-method parameters are best given
-as an options dataclass (``options=SnapKVOptions(...)``), whose values populate the flat fields; setting a
-flat per-method field directly still works but emits a ``DeprecationWarning`` naming its options
-replacement. ``config.options`` is always the method's options object. Every value is validated here, by
-the rules its declaration gives, and a bad one raises ``QuantizerConfigError`` naming the field, the value
-and what is allowed.
+Fields, types and defaults follow the API reference exactly (a test checks the spec's signature): the
+shared fields are written out below, the per-method flat fields generated from the options classes
+(:mod:`.options`) in the spec's order. Per-method settings are given as an options dataclass
+(``options=SnapKVOptions(...)``, which fills the flat fields); a flat field set directly still works but
+warns (``DeprecationWarning`` naming its replacement). ``config.options`` is always the method's options
+object. Every value is checked by its declaration's rule (``QuantizerConfigError``: field, value, allowed).
 """
 
 from __future__ import annotations
@@ -28,10 +26,9 @@ from .options import (  # noqa: F401  (MAX_*: re-exported, the bounds of the set
 
 MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
-#: The spec's order of the flat per-method fields after ``options``: a method name places the flat aliases
-#: of its options not placed yet; another name, that one alias (vecinfer's array inputs precede spectral's
-#: fields); a tuple, a field declared here (the per-layer values the library derives, ``DERIVED_FIELDS``).
-#: Options classes left out here add their flat fields at the end.
+#: The spec's order of the flat fields after ``options``: a method places its options' aliases not placed yet;
+#: another name that one alias (vecinfer's arrays precede spectral's fields); a tuple a field declared here
+#: (the per-layer values the library derives, ``DERIVED_FIELDS``). Options left out come at the end.
 _LAYOUT = (
     "turboquant_rvq", "kivi", "svdq", "kitty", "adakv", "xquant", "kvquant", "palu", "cachegen",
     ("cachegen_resolved_bits", "Optional[int]", bitwidth(None)), "minicache", "gear", "zipcache", "snapkv",
@@ -43,8 +40,8 @@ _LAYOUT = (
 
 
 def flat_fields(layout) -> list[tuple[str, str, dataclasses.Field]]:
-    """``(name, annotation, field)`` of the flat fields ``layout`` places (see ``_LAYOUT``), each a copy of
-    its options declaration; two classes sharing a flat field (``residual_length``) must declare it alike."""
+    """``(name, annotation, field)`` of the flat fields ``layout`` places, each a copy of its options
+    declaration; classes sharing a flat field (``residual_length``) must declare it alike."""
     out: dict[str, tuple] = {}
     for item in layout:
         if isinstance(item, tuple):
@@ -68,8 +65,7 @@ def _with_flat_fields(cls):
     return cls
 
 
-# Per thread: a server builds per-layer configs (``replace``) on several request threads at once, and a
-# process-wide flag saved/restored by interleaved threads could be left on for good.
+# Per thread: a server builds per-layer configs on several threads; a process-wide flag could stay on.
 _quiet = threading.local()
 
 
@@ -138,8 +134,7 @@ class KVCacheConfig:
             setattr(self, flat, value)
 
     def option(self, name: str, default=None):
-        """An option-only setting (``OPTION_ONLY`` of the options class, e.g. ``decode_evict``): its value in
-        ``options``, or ``default`` when there are no options or they lack ``name``."""
+        """An option-only setting (e.g. ``decode_evict``) from ``options``, or ``default`` without it."""
         return getattr(self.options, name, default) if self.options is not None else default
 
     def replace(self, **changes) -> "KVCacheConfig":
@@ -197,7 +192,6 @@ def validate_config(cfg: KVCacheConfig) -> None:
            "bit_width_inlier", bw, allowed_values("bit_width_inlier"))
     if cfg.dtype is not None:
         import mlx.core as mx
-
         _check(isinstance(cfg.dtype, mx.Dtype) and any(cfg.dtype == getattr(mx, n) for n in DTYPE_NAMES), "dtype",
                cfg.dtype, allowed_values("dtype"))
     for name, rule in FIELD_RULES.items():
@@ -214,9 +208,8 @@ def validate_config(cfg: KVCacheConfig) -> None:
 
 
 def validate_for_model(cfg: KVCacheConfig, head_dim: int, n_layers: int) -> None:
-    """Raise ``QuantizerConfigError`` for a field that cannot fit this model: a sub-vector width over the
-    head dim, or a layer group set over the count of compressed layers (the defaults are left alone: the
-    methods shorten their last group, so a default of 3 on a 2-layer model means "all of them")."""
+    """Raise ``QuantizerConfigError`` for a sub-vector width over the head dim or a layer group set over the
+    layer count (defaults pass: the methods shorten their last group, so 3 on 2 layers means all)."""
     for name, rule in FIELD_RULES.items():
         v = getattr(cfg, name)
         if rule.bound == "head_dim" and v is not None and v > head_dim:

@@ -6,26 +6,21 @@ mlx_lm's attention code does::
     k, v = cache.update_and_fetch(k, v)
     out = scaled_dot_product_attention(q, k, v, cache=cache, scale=..., mask=mask)
 
-with ``mask`` built *before* ``update_and_fetch`` from the first layer's ``make_mask`` and shared by all
-layers. ``CompressedKVCache`` keeps that contract for caches whose stored rows are fewer than, or
-encoded differently from, the tokens seen:
+with ``mask`` built before ``update_and_fetch`` from the first layer's ``make_mask`` and shared by all
+layers. ``CompressedKVCache`` keeps that contract for caches that store fewer or encoded rows:
 
 * ``offset`` is always the logical position (it drives RoPE), whatever is stored.
-* ``update_and_fetch`` returns, in order, every stored row (past tokens, in position order) followed by
-  the new rows. Past rows are all visible to every new query, so mlx_lm's bottom-right-aligned
-  ``"causal"`` mask is right whatever the stored count is, and layers that keep different numbers of
-  tokens share one mask. The dense rows are built lazily: when the attention dispatch point
+* ``update_and_fetch`` returns every stored row (in position order) then the new rows. Past rows are all
+  visible to every new query, so the bottom-right-aligned ``"causal"`` mask fits any stored count and
+  layers keeping different counts share one mask. The dense rows are lazy: when the dispatch point
   (``dispatch.py``) routes attention to ``attend`` on the compressed form, MLX never computes them.
-* ``state`` is a dict ``{"meta": json, <array name>: array, ...}`` that carries the configuration too,
-  so ``from_state`` (and mlx_lm's ``load_prompt_cache``) rebuild an identical cache.
-* ``nbytes`` is the sum of ``.nbytes`` of the arrays the cache holds (``held_arrays``): never an
-  estimate.
-* ``merge`` raises ``BatchingNotSupported`` unless the class batches its compressed form
-  (``batchable``, ``_merge_batch``; all caches exactly of that class): it never returns a plain
-  uncompressed batch cache.
+* ``state`` is ``{"meta": json, <array name>: array, ...}`` and carries the config, so ``from_state`` (and
+  mlx_lm's ``load_prompt_cache``) rebuild an identical cache.
+* ``nbytes`` is the sum of ``.nbytes`` of the arrays held (``held_arrays``), never an estimate.
+* ``merge`` raises ``BatchingNotSupported`` unless the class batches its compressed form (``batchable``,
+  ``_merge_batch``): never a plain uncompressed batch cache.
 
-A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``held_arrays`` and may override
-``attend`` to compute attention on its compressed representation.
+A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``stored_rows`` and may override ``attend``.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -52,7 +47,6 @@ _CONFIG_SKIP = ("store", "observers", "options", "dtype")
 def config_to_json(config) -> str:
     """The config fields that differ from their defaults, as JSON (for ``state``)."""
     from .config import _DEFAULTS
-
     out = {}
     for f in dataclasses.fields(config):
         if f.name in _CONFIG_SKIP:
@@ -68,27 +62,22 @@ def config_to_json(config) -> str:
 
 
 def config_from_json(text: str):
-    from .config import _DEFAULTS, KVCacheConfig
-
+    from .config import _DEFAULTS, KVCacheConfig, _quiet_flat_fields
     values = json.loads(text)
     for k, v in values.items():
         if isinstance(_DEFAULTS.get(k), tuple):
             values[k] = tuple(v)
     if "dtype" in values:
         values["dtype"] = getattr(mx, values["dtype"])
-    with __import__("warnings").catch_warnings():
-        __import__("warnings").simplefilter("ignore", DeprecationWarning)
+    with _quiet_flat_fields():
         return KVCacheConfig(**values)
 
 
-#: Below the point where a method starts compressing (short chats), a cache holds at most the float16
-#: rows of its tokens plus, per layer, this many float16 rows of keys and values (spare capacity of the
-#: growing buffers, a KIVI group's residual buffer, small per-layer calibration arrays), plus its
-#: per-model constants (rotations, codebooks: ``constant_nbytes``) counted once per model. The eviction
-#: caches use 16 of these rows: ``grow_rows`` keeps max(16, n/8) spare rows (plus an int32 position
-#: per row), so 40 tokens occupy 56 rows, 1.44x their float16 bytes, and 48 tokens 1.20x; rows are
-#: stored at float16 whatever the model's dtype. ``tests/test_prefill_memory.py`` holds every
-#: mlx_lm-protocol method to it (the few known exceptions are listed there).
+#: Before a method starts compressing (short chats) a cache holds at most the float16 rows of its tokens
+#: plus, per layer, this many float16 key and value rows (spare buffer rows, a KIVI residual group, small
+#: calibration arrays), plus per-model constants (``constant_nbytes``) once per model. The eviction caches
+#: use 16 (``grow_rows``' spare rows: 40 tokens occupy 56 rows, 1.44x their float16 bytes).
+#: ``tests/test_prefill_memory.py`` holds every mlx_lm-protocol method to it (exceptions listed there).
 SHORT_PROMPT_SLACK_ROWS = 32
 
 
@@ -99,49 +88,30 @@ def short_prompt_bound(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: 
     return 2 * batch * n_layers * n_kv_heads * (head_dim + value_dim) * (n_tokens + SHORT_PROMPT_SLACK_ROWS)
 
 
-def causal_mask_for(n_queries: int, n_past: int) -> Optional[Any]:
-    """The mask for ``n_queries`` new rows after ``n_past`` visible past rows: None or "causal"."""
-    return None if n_queries == 1 else "causal"
-
-
 class CompressedKVCache(mlx_cache._BaseCache):
     """Base of every mlx_lm-protocol cache of this library. See the module docstring."""
 
     method_name = "?"
-    # Names of the array attributes that make up the cache's contents (state and nbytes).
-    array_fields: tuple[str, ...] = ()
-    # Scalar attributes (ints/floats/strs) that are part of the state besides ``offset``.
-    scalar_fields: tuple[str, ...] = ()
-    #: the scalar fields whose value is a JSON object (e.g. a RoPE spec); every other scalar is a number,
-    #: string, boolean, null or a list of them (saved caches are checked against this)
+    array_fields: tuple[str, ...] = ()  # the array attributes the cache holds (state and nbytes)
+    scalar_fields: tuple[str, ...] = ()  # the other attributes of its state besides ``offset``
+    #: scalar fields holding a JSON object (a RoPE spec); others are numbers, strings, booleans, null or
+    #: lists of them (saved caches are checked against this)
     object_scalar_fields: tuple[str, ...] = ()
 
-    # Prefix reuse (a server continuing a saved prompt cache: prefill, decode steps, trim back to the
-    # shared prefix, prefill the rest) equals a fresh run only where both flags hold. Every registered
-    # method declares both in its own class body, with the reason; tests/test_chunk_invariance.py
-    # proves each declaration both ways and docs/ARCHITECTURE.md ("Prefix reuse") tabulates them.
-    #
-    # ``chunk_invariant``: True when, given the same key/value rows (and the same queries through
-    # ``attend``), the attention output for any later query does not depend on how the rows were split
-    # across calls (one prefill call vs. several prefill chunks vs. single-token decode calls). False
-    # where the stored state depends on the split: eviction at each prefill chunk with an observation
-    # window, batched (slack) decode eviction, bases / codebooks / statistics fitted on the first
-    # block or call, coordinators that calibrate once, windows flushed by call size.
+    # Prefix reuse (a server continuing a prompt cache: trim back to the shared prefix, prefill the rest)
+    # equals a fresh run only where both flags hold. Every registered method declares both with its reason;
+    # tests/test_chunk_invariance.py proves each both ways, docs/ARCHITECTURE.md ("Prefix reuse") lists them.
+    # ``chunk_invariant``: later attention outputs do not depend on how the same rows were split across calls
+    # (False for eviction per prefill chunk, slack decode eviction, fits on the first block, flushed windows).
     chunk_invariant: bool = True
-    # ``exact_trim``: True when ``trim(n)`` right after n appended rows (decode steps, as a server trims
-    # generated tokens) returns n and leaves a cache equivalent (same attention outputs for any later
-    # query) to one that never saw those rows. False where such a trim raises ``ValueError``, returns
-    # fewer than n, or leaves a different state (evicted rows not restored, statistics of the trimmed
-    # queries kept, rows quantized earlier than they would have been).
+    # ``exact_trim``: ``trim(n)`` right after n appended rows returns n and leaves a cache equivalent to one
+    # that never saw them (False where it raises, returns fewer, or keeps evictions / statistics / codes).
     exact_trim: bool = True
-    # ``trim_exact_or_raises``: weaker than ``exact_trim``: such a trim is exact whenever it returns
-    # instead of raising ``ValueError`` (KIVI-style groups: trimming rows still in the float16 residual
-    # is exact, trimming into a completed group raises). A server tries the trim on a copy and
-    # recomputes when it raises.
+    # ``trim_exact_or_raises``: such a trim is exact whenever it does not raise ``ValueError`` (KIVI groups:
+    # rows still in the residual trim exactly); a server trims a copy and recomputes when it raises.
     trim_exact_or_raises: bool = False
-    # ``batchable``: True when ``merge`` builds a batch form of the compressed cache (mlx_lm's
-    # continuous batching; a server batches only such requests). Not inherited: a subclass batches only
-    # if its own class body says so (its storage hooks differ from the batched ones).
+    # ``batchable``: ``merge`` builds a batch form of the compressed cache (a server batches only these). Not
+    # inherited: a subclass batches only if its own class body says so.
     batchable: bool = False
 
     def __init_subclass__(cls, **kwargs):
@@ -156,7 +126,6 @@ class CompressedKVCache(mlx_cache._BaseCache):
             setattr(self, name, None)
         self._init_layout()
 
-    # ------------------------------------------------------------------ subclass hooks
     def _init_layout(self) -> None:
         """Set derived, non-array attributes from ``self.config`` (called at init and from_state)."""
 
@@ -179,7 +148,6 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def held_arrays(self) -> list[mx.array]:
         return [a for a in (getattr(self, n) for n in self.array_fields) if a is not None]
 
-    # ------------------------------------------------------------------ contract
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_input(keys, values)
         self._store(keys, values)
@@ -187,15 +155,14 @@ class CompressedKVCache(mlx_cache._BaseCache):
         return self._dense()
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        """Attention for this call (dispatch point). Default: dense attention over what
-        ``update_and_fetch`` returned. Compressed caches override this to work on codes."""
+        """Attention for this call (dispatch point); by default dense over what ``update_and_fetch`` returned."""
         return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys), sinks=sinks
         )
 
     def _own_mask(self, mask, queries, keys):
-        """The mask to use: mlx_lm's shared mask comes from layer 0, whose row count may differ from
-        ours; a string/None mask is correct for any row count, an array one is rebuilt if it does not fit."""
+        """mlx_lm's shared mask comes from layer 0, whose row count may differ: a string/None mask fits any
+        count, an array one is rebuilt if it does not fit."""
         if mask is None or isinstance(mask, str):
             return mask
         n, k = queries.shape[-2], keys.shape[-2]
@@ -225,10 +192,9 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self._shape = (keys.shape[1], keys.shape[3], values.shape[3])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        past = self.stored_rows()
         if window_size is not None or return_array:
-            return create_causal_mask(N, past, window_size=window_size)
-        return causal_mask_for(N, past)
+            return create_causal_mask(N, self.stored_rows(), window_size=window_size)
+        return None if N == 1 else "causal"
 
     def size(self) -> int:
         return self.stored_rows()
@@ -269,8 +235,8 @@ class CompressedKVCache(mlx_cache._BaseCache):
         raise BatchingNotSupported(f"{cls.__name__} has no batch form")
 
     def __deepcopy__(self, memo):
-        """Copies everything but the (never mutated) config and MLX dtypes, which are shared;
-        objects shared between layers (coordinators) stay shared within one deepcopy call."""
+        """Copies all but the (never mutated) config and MLX dtypes; objects shared between layers
+        (coordinators) stay shared within one deepcopy call."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
@@ -278,7 +244,6 @@ class CompressedKVCache(mlx_cache._BaseCache):
             setattr(new, k, v if shared else copy.deepcopy(v, memo))
         return new
 
-    # ------------------------------------------------------------------ state
     @property
     def state(self):
         meta = {"config": config_to_json(self.config), "offset": self.offset,

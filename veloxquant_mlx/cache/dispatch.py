@@ -1,22 +1,13 @@
-"""The attention dispatch point: lets a cache compute attention itself, seeing the real queries.
+"""The attention dispatch point: a cache computes attention itself, seeing the real queries.
 
-mlx_lm's model files call ``mlx_lm.models.base.scaled_dot_product_attention(q, k, v, cache=cache,
-scale=..., mask=...)`` right after ``cache.update_and_fetch``. ``install()`` replaces that function (in
-``mlx_lm.models.base`` and in every loaded model module that imported it) by one that hands the call to
-``cache.attend(q, k, v, scale=, mask=, sinks=)`` when the cache has an ``attend`` method (all caches
-of this library do), and to mlx_lm's original function otherwise. So:
-
-* quantized caches compute attention on their codes; the dense K/V that ``update_and_fetch`` returned
-  are lazy MLX arrays that are then never evaluated;
-* eviction caches score tokens with the model's real queries instead of keys used as stand-ins.
-
-Without ``install()`` every cache still works: ``update_and_fetch`` returns correct dense K/V and
-eviction falls back to key proxies. ``KVCacheBuilder.for_model`` installs it (idempotent); set the
-environment variable ``VELOXQUANT_DISPATCH=0`` to keep mlx_lm untouched.
-
-``report_io(module, method)`` is the same idea one level up, for caches that need the hidden states
-around attention (SqueezeAttention): after each call of that module (an attention module or a decoder
-layer) with a cache that has ``method``, the cache's ``method(x, out)`` gets the module's input and output.
+``install()`` replaces mlx_lm's ``scaled_dot_product_attention`` (in ``mlx_lm.models.base`` and every loaded
+model module that imported it) by one handing the call to ``cache.attend(q, k, v, scale=, mask=, sinks=)``
+when the cache has one: quantized caches attend on their codes (the lazy dense K/V of ``update_and_fetch``
+are never evaluated), eviction caches score with the real queries. Without it every cache still works
+(dense K/V, key proxies). ``KVCacheBuilder.for_model`` installs it; ``VELOXQUANT_DISPATCH=0`` leaves mlx_lm
+untouched. ``report_io(module, method)`` does the same one level up, for caches that need the hidden states
+around attention (SqueezeAttention): after each call of ``module`` the cache's ``method(x, out)`` gets its
+input and output.
 """
 
 from __future__ import annotations
@@ -70,8 +61,7 @@ _IO_CLASSES: dict = {}
 
 
 def _io_class(cls, method: str):
-    """``cls`` with a ``__call__`` that, after the original, hands (first argument, result) to
-    ``cache.<method>`` when the call's ``cache`` argument has that method (made once per pair)."""
+    """``cls`` with a ``__call__`` that then hands (first argument, result) to ``cache.<method>`` (made once)."""
     key = (cls, method)
     if key not in _IO_CLASSES:
         names = list(inspect.signature(cls.__call__).parameters)[1:]  # after self
@@ -94,10 +84,8 @@ def _io_class(cls, method: str):
 
 
 def report_io(module, method: str) -> bool:
-    """Make this one ``module`` instance report its input and output to its cache's ``method`` (see the
-    module docstring); its parameters and other instances of its class are untouched (the instance's
-    class becomes a subclass that only adds the report). Idempotent. Returns False, changing nothing,
-    when ``VELOXQUANT_DISPATCH=0``."""
+    """Make this ``module`` instance (only: its class becomes a subclass adding the report) report its input
+    and output to its cache's ``method``. Idempotent; False, changing nothing, when ``VELOXQUANT_DISPATCH=0``."""
     if _disabled():
         return False
     if method not in getattr(type(module), "_io_methods", ()):

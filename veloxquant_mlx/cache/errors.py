@@ -14,6 +14,5 @@ class CacheInputError(ValueError):
 
 
 class SavedCacheError(ValueError):
-    """A saved cache file cannot be written or read back: missing, truncated, corrupt, not a veloxquant
-    cache, of an unknown format version, or not matching the expected method or model. The message names
-    the file and the problem."""
+    """A saved cache file cannot be written or read back (missing, corrupt, unknown version, wrong method or
+    model); the message names the file and the problem."""

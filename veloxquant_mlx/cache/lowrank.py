@@ -1,9 +1,5 @@
-"""``LowRankKVCache``: latent (low-rank) storage on KIVI's residual layout, the family base of the
-low-rank quantizers (svdq, palu, kvtc), beside ``grouped.py``.
-
-Keys (and, with ``latent_values``, values) of whole token groups are stored as latents of a basis
-fitted on the first block (``primitives.lowrank_fit``) and quantized per latent channel; attention
-reads the latents directly (``q·Kᵀ = (q W)·Zᵀ``, ``p·V = (p Z_v) W_vᵀ``).
+"""``LowRankKVCache``: latent (low-rank) storage on KIVI's residual layout, the family base of the low-rank
+quantizers (svdq, palu, kvtc); attention reads the latents (``q·Kᵀ = (q W)·Zᵀ``, ``p·V = (p Z_v) W_vᵀ``).
 """
 
 from __future__ import annotations
@@ -12,16 +8,12 @@ import mlx.core as mx
 
 from .errors import QuantizerConfigError
 from .grouped import GroupedQuantCache
+from .options import _is_int
 from .primitives import groupquant as gq
 from .primitives import lowrank_fit as lr
 from .primitives.buffers import grow_rows, reserve_rows
 
-
 BASIS_DTYPE = mx.float16  # fitted bases and means as stored
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_rank_energy(prefix: str, rank, energy) -> None:
@@ -37,23 +29,17 @@ def check_group(field: str, g) -> None:
 
 
 class LowRankKVCache(GroupedQuantCache):
-    """Latent (low-rank) storage on KIVI's residual window (not registered: the base of svdq, palu,
-    kvtc).
+    """Latent storage on KIVI's residual window (not registered: the base of svdq, palu, kvtc).
 
-    Keys (and, with ``latent_values``, values) of whole token groups are stored as latents
-    ``Z = (X - μ) P`` of a per-(batch, head group) basis ``P`` [F, r] fitted on the first block
-    (F = heads per group × D), quantized per latent channel with per-channel bit widths
-    (``lowrank_fit.LatentLayout``). Subclasses choose the head grouping, centering and the bits
-    (``_n_groups``, ``center``, ``_choose_bits``).
-
-    The fit (one eigendecomposition per (batch, group), the rank / bit choice: one host sync) runs
-    once per prompt, when the first whole group of G tokens is stored: during prefill, or, for a
-    prompt shorter than G, at the one decode step that completes the first group. Every other
-    prefill chunk and decode step only projects and quantizes (no host sync, no Python loop over
-    tokens, heads or batch: only over the <= 9 distinct bit widths). Arrays: ``{k,v}_basis``
-    [B, Hg, F, r] float16, ``{k,v}_mean`` [B, Hg, 1, F] float16 (centered subclasses), ``{k,v}_codes``
-    [B, Hg, groups, words] uint32, ``{k,v}_scales``/``_biases`` [B, Hg, groups, r_q] float16,
-    ``{k,v}_raw`` [B, Hg, tokens, r_f] float16 (channels kept unquantized), plus KIVI's residual."""
+    Keys (and, with ``latent_values``, values) of whole token groups are stored as latents ``Z = (X - μ) P``
+    of a per-(batch, head group) basis ``P [F, r]`` (F = heads per group × D), quantized per latent channel
+    with its own width (``lowrank_fit.LatentLayout``); subclasses choose the grouping, centering and bits
+    (``_n_groups``, ``center``, ``_choose_bits``). The fit (one eigendecomposition per (batch, group), one
+    host sync) runs once per prompt, when the first whole group of G tokens is stored (in prefill, or at the
+    decode step completing it); later chunks and steps only project and quantize. Arrays: ``{k,v}_basis``
+    [B, Hg, F, r] and ``{k,v}_mean`` [B, Hg, 1, F] float16, ``{k,v}_codes`` [B, Hg, groups, words] uint32,
+    ``{k,v}_scales``/``_biases`` [B, Hg, groups, r_q] and ``{k,v}_raw`` [B, Hg, tokens, r_f] float16 (the
+    unquantized channels), plus KIVI's residual."""
 
     array_fields = ("k_basis", "k_mean", "k_codes", "k_scales", "k_biases", "k_raw",
                     "v_basis", "v_mean", "v_codes", "v_scales", "v_biases", "v_raw", "res_k", "res_v")
@@ -66,7 +52,6 @@ class LowRankKVCache(GroupedQuantCache):
     v_bits = None
     hg = 0  # head groups, set at fit
 
-    # ------------------------------------------------------------------ subclass hooks
     def _n_groups(self, n_heads: int) -> int:
         return n_heads
 
@@ -75,7 +60,6 @@ class LowRankKVCache(GroupedQuantCache):
         block's latents ``z [B, Hg, n, F]`` and component energies ``[B, Hg, F]``."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ fit + encode
     def _fit(self, which: str, x: mx.array) -> None:
         """Fit the basis of ``which`` ('k'/'v') on grouped rows ``x [B, Hg, n, F]``."""
         basis, energy, mean = lr.fit_basis(x, center=self.center)
@@ -86,8 +70,7 @@ class LowRankKVCache(GroupedQuantCache):
         if not kept:
             raise ValueError(f"{type(self).__name__}: the bit allocation keeps no latent channel")
         basis = basis[..., mx.array(kept)] if kept != list(range(len(kept))) else basis[..., : len(kept)]
-        # stored float16 (half the per-prompt fixed cost; every use reads the stored, rounded basis, so
-        # encoding, reconstruction and the fused attention agree exactly)
+        # stored float16 (half the fixed cost); every use reads the stored basis, so all paths agree exactly
         setattr(self, f"{which}_basis", basis.astype(BASIS_DTYPE))
         setattr(self, f"{which}_mean", None if mean is None else mean.astype(BASIS_DTYPE))
         setattr(self, f"{which}_bits", [bits[c] for c in kept])
@@ -134,15 +117,13 @@ class LowRankKVCache(GroupedQuantCache):
             self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
         self.n_quant = t0 + n
 
-    # ------------------------------------------------------------------ decoding
     def _latents_t(self, which: str, n: int, dtype=mx.float32) -> mx.array:
         return lr.decode_latents_t(getattr(self, f"{which}_codes"), getattr(self, f"{which}_scales"),
                                    getattr(self, f"{which}_biases"), getattr(self, f"{which}_raw"), n,
                                    self.layout(which), dtype)
 
     def _head_proj(self, which: str):
-        """Per-head reconstruction: W [B, H, D, r] (rows of the group basis belonging to each head) and
-        the mean [B, H, 1, D] (or None)."""
+        """Per-head reconstruction: W [B, H, D, r] (each head's rows of the group basis), mean [B, H, 1, D]."""
         basis, mean = self._basis(which)
         B, Hg, F, r = basis.shape
         H = self.res_k.shape[1]
@@ -168,10 +149,8 @@ class LowRankKVCache(GroupedQuantCache):
             return self._reconstruct("v", n).astype(dtype)
         return super()._values(n, dtype)
 
-    # ------------------------------------------------------------------ fused attention hooks
     def _key_scores(self, q: mx.array, n: int) -> mx.array:
-        """``q [B, H, M, D] · Kᵀ`` over the first n latent tokens without rebuilding keys:
-        ``(q W_h)·Zᵀ (+ q·μ_h)``."""
+        """``q [B, H, M, D] · Kᵀ`` over the first n tokens without rebuilding keys: ``(q W_h)·Zᵀ (+ q·μ_h)``."""
         B, H, M, _ = q.shape
         W, mu = self._head_proj("k")
         zt = self._latents_t("k", n)  # [B, Hg, r, n]
@@ -196,11 +175,9 @@ class LowRankKVCache(GroupedQuantCache):
         return out
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """Every call size on the latents: one softmax over [latent part, full-precision part]
-        (``_attend_codes`` with the latent-side products ``_key_scores`` / ``_value_out``)."""
+        """Every call size on the latents (``_attend_codes`` with ``_key_scores`` / ``_value_out``)."""
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
-    # ------------------------------------------------------------------ trim / accounting
     def _trim_rows(self, n: int) -> int:
         dropped = super()._trim_rows(n)
         if self.n_quant == 0:  # nothing encoded is left: the next block refits (as if never seen)
@@ -211,8 +188,7 @@ class LowRankKVCache(GroupedQuantCache):
         return dropped
 
     def _part_bytes(self, which: str, used: bool = True) -> int:
-        """Bytes of ``which``'s latent storage (basis, mean, codes, scales, biases, float16 channels);
-        ``used`` counts the filled rows only."""
+        """Bytes of ``which``'s latent storage; ``used``: the filled rows only."""
         total = 0
         for name in ("basis", "mean", "codes", "scales", "biases", "raw"):
             a = getattr(self, f"{which}_{name}")
@@ -242,14 +218,12 @@ class LowRankKVCache(GroupedQuantCache):
 
     @property
     def compressed_key_bytes(self) -> int:
-        """Stored key bytes: latent codes/scales/biases of the filled rows + key basis/mean + the
-        float16 key residual buffer."""
+        """Stored key bytes: the filled latent rows, basis, mean and the float16 residual."""
         return self._part_bytes("k") + (self.res_k.nbytes if self.res_k is not None else 0)
 
     @property
     def compressed_value_bytes(self) -> int:
-        v = self._value_bytes()
-        return v + (self.res_v.nbytes if self.res_v is not None else 0)
+        return self._value_bytes() + (self.res_v.nbytes if self.res_v is not None else 0)
 
     @property
     def rank(self) -> int:
@@ -262,7 +236,6 @@ class LowRankKVCache(GroupedQuantCache):
 
     @property
     def assigned_avg_bits(self) -> float:
-        """Stored bits per original K and V element (both together, everything counted: codes,
-        scales, bases, residual); 16 = no compression."""
+        """Stored bits per original K and V element, everything counted; 16 = no compression."""
         fp = self.fp16_key_bytes + self.fp16_value_bytes
         return 16.0 * (self.compressed_key_bytes + self.compressed_value_bytes) / fp if fp else 16.0

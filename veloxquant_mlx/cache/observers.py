@@ -1,8 +1,5 @@
-"""``QuantizationObserver``: optional callbacks a cache fires on notable events.
-
-Observers are for diagnostics (logging, tests); caches call them outside the hot path only
-(construction, calibration, eviction passes at prefill), never per decode step with host syncs.
-"""
+"""``QuantizationObserver``: optional diagnostic callbacks a cache fires on notable events, outside the hot
+path only (construction, calibration, prefill eviction), never per decode step."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Per-method options: the one declaration of every per-method setting.
 
-Pass one as ``KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=256))``; a cache reads
-``config.options``. A field declares its default and what it accepts (``budget: int = tokens(512)``: an
-int in 1..MAX_TOKENS; the annotation gives the type, ``Optional`` admits None). From that declaration come
-its :class:`Rule` (checks and error text, the "allowed" column of ``veloxquant methods``) and, for the
-spec's methods, its flat ``KVCacheConfig`` field: ``<flat_prefix>_<name>`` (``snap_budget``) or its ``alias``.
-
-Fields without a flat field (``OPTION_ONLY``: ``decode_evict``, and every field of a class without
-``flat_prefix``) are checked when the options object is built. The others are checked by the config,
-under their flat name (unique across methods): an options object holding a bad value can be built and is
-reported there. To add a method with a setting: ``class FooOptions(MethodOptions, method="foo")`` with
+``KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=256))``; a cache reads ``config.options``. A
+field declares its default and what it accepts (``budget: int = tokens(512)``; ``Optional`` admits None).
+From that come its :class:`Rule` (checks, error text, ``veloxquant methods``' "allowed") and, for the spec's
+methods, its flat ``KVCacheConfig`` field ``<flat_prefix>_<name>`` (or its ``alias``). Option-only fields
+(``OPTION_ONLY``) are checked when the options object is built, the others by the config under their flat
+name. To add a method with a setting: ``class FooOptions(MethodOptions, method="foo")`` with
 ``budget: int = tokens(64)``, listed in ``ALL_OPTIONS``.
 """
 
@@ -25,9 +21,8 @@ from .errors import QuantizerConfigError
 __all__ = ["MethodOptions", "EvictionOptions", "Rule", "ALL_OPTIONS", "OPTIONS_BY_METHOD", "FLAT_FIELD_OPTIONS",
            "OPTION_CHECKS", "COMMON_FIELDS", "SHARED_FIELDS", "DERIVED_FIELDS", "method_fields"]  # + each class
 
-#: Upper bounds of integer settings, by what they count. Large enough for any model this library runs
-#: (a million-token context, 4096-wide heads, 1024 layers), small enough that an absurd value fails here
-#: instead of in an allocation, a shape or a 32-bit index deep inside a cache.
+#: Upper bounds of integer settings: above any model this library runs, low enough that an absurd value fails
+#: here instead of in an allocation or a 32-bit index deep inside a cache.
 MAX_TOKENS = 1 << 20  # budgets, windows, sinks, residuals, calibration lengths, context caps
 MAX_DIM = 4096  # channel counts: head dims, ranks, sub-vector and sketch widths
 MAX_GROUP = 1024  # quantization groups (channels or tokens per scale)
@@ -43,8 +38,8 @@ def _is_int(v) -> bool:
 
 @dataclass(frozen=True)
 class Rule:
-    """What one setting accepts, from its annotation (kind, ``Optional``) and its declaration (range,
-    choices); ``check`` raises ``QuantizerConfigError`` naming the field, the value and ``allowed``."""
+    """What one setting accepts (kind and ``Optional`` from its annotation, range or choices from its
+    declaration); ``check`` raises ``QuantizerConfigError`` naming the field, the value and ``allowed``."""
 
     kind: str  # "int", "float", "bool", "choice", "ints" (a non-empty tuple of ints), "any"
     optional: bool = False
@@ -102,8 +97,8 @@ def rule_of(f, owner: str = "KVCacheConfig") -> Rule:
 
 
 def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False, **rule) -> Any:
-    """A field with its default, the range (``lo``..``hi``) or ``choices`` it accepts (``Rule``'s other
-    keywords refine it), and its flat alias where that is not ``<flat_prefix>_<name>``."""
+    """A field with its default, the range (``lo``..``hi``) or ``choices`` it accepts (refined by ``Rule``'s
+    other keywords) and its flat alias where not ``<flat_prefix>_<name>``."""
     if hi is not None:
         rule.update(lo=lo, hi=hi)
     return field(default=default, metadata={"rule": rule, "alias": alias, "option_only": option_only})
@@ -130,11 +125,9 @@ rope = partial(setting, lo=1.0, hi=1e9, lo_open=True, words="a number > 1 and <=
 
 @dataclass_transform(field_specifiers=(field, setting, one_of))
 class MethodOptions:
-    """Base of the options dataclasses. A subclass names its method (and, for the spec's methods, the
-    prefix of its flat aliases) in its class line and is made a dataclass there:
-    ``class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True)``. ``evicts``
-    adds the option-only ``decode_evict`` of the eviction methods: whether the budget also holds while
-    decoding (None: the method's default). Without ``method``, a base of options classes."""
+    """Base of the options dataclasses: ``class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap",
+    evicts=True)`` becomes a dataclass; ``evicts`` adds the option-only ``decode_evict`` (does the budget also
+    hold while decoding; None: the method's default). Without ``method``, a base of options classes."""
 
     METHOD: ClassVar[str] = ""
     FIELDS: ClassVar[dict[str, str]] = {}  # option -> its flat KVCacheConfig field
@@ -530,12 +523,9 @@ _RVQ_CODEBOOKS = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_co
 _TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "n_outlier_channels", "n_calib_tokens", "seed",
                "dtype", "capacity")
 
-#: Per method, the flat fields outside its own options class that its cache reads (``head_dim`` of an
-#: mlx_lm-protocol method comes from the model, so it is listed only for the standalone ones). The spec's
-#: ``enable_vectorized_attend``, ``enable_outlier_two_stream`` and ``enable_fused_query_dot`` are read by no
-#: method, so no method accepts them. ``tests/test_config.py`` records every config read of each method
-#: (a tiny model for the mlx_lm ones, appended rows and a query for the standalone ones) and checks this
-#: table both ways: nothing listed here goes unread, nothing read is missing.
+#: Per method, the flat fields outside its options that its cache reads (``head_dim`` only for the standalone
+#: ones; the spec's ``enable_*`` flags are read by none). ``tests/test_config.py`` records every config read
+#: of each method and checks this table both ways.
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     **{c.METHOD: _EVICTION_SHARED for c in ALL_OPTIONS if "decode_evict" in c.RULES},  # the eviction methods
     "turboquant_prod": _TURBOQUANT + ("jl_dim",),  # the QJL residual's sketch width (the MSE variant has none)
@@ -559,14 +549,9 @@ DERIVED_FIELDS: tuple[str, ...] = ("cachegen_resolved_bits", "pyramid_resolved_b
 
 
 def method_fields(method: str) -> dict[str, str]:
-    """Every setting name ``method`` accepts -> the flat ``KVCacheConfig`` field it sets.
-
-    The names are its options' own names (``budget``), their flat aliases (``snap_budget``), the shared
-    fields it reads (:data:`SHARED_FIELDS`) and :data:`COMMON_FIELDS`. An option-only field maps to its own
-    name, which is not a ``KVCacheConfig`` field. Where an option's own name is also a shared field the
-    method reads (snapkv's ``dtype``), the shared field keeps the name and the option is reached through its
-    flat alias (``snap_dtype``).
-    """
+    """Every setting name ``method`` accepts (option names, flat aliases, :data:`SHARED_FIELDS`,
+    :data:`COMMON_FIELDS`) -> the flat field it sets (an option-only field: its own name). A shared field
+    keeps a name an option also has (snapkv's ``dtype``; the option is ``snap_dtype``)."""
     o = OPTIONS_BY_METHOD.get(method)
     own = {**o.FIELDS, **{n: n for n in o.OPTION_ONLY}, **{f: f for f in o.FIELDS.values()}} if o else {}
     return {**own, **{f: f for f in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS}}

@@ -1,53 +1,40 @@
 """Saved caches: a prefilled prompt cache written to disk and read back bit-identical.
 
-A saved cache is a file in mlx_lm's prompt-cache layout (``mlx_lm.models.cache.save_prompt_cache``):
-a safetensors file whose tensors are the caches' ``state`` and whose metadata lists their classes.
-This library's caches carry their configuration in their ``state`` (see ``contract.py``) and are
-registered in mlx_lm's cache module, so ``load_prompt_cache`` rebuilds them as they were; mlx_lm's own
-``KVCache`` (``method="none"``) is saved the same way, which lets the two file sizes be compared.
+The file is mlx_lm's prompt-cache layout (``save_prompt_cache``: a safetensors file of the caches' ``state``,
+which carries their config, see ``contract.py``), so mlx_lm's ``load_prompt_cache`` rebuilds it too (a
+``*.safetensors`` name, once ``veloxquant_mlx.cache`` is imported; ``load_cache`` reads any name); mlx_lm's
+own ``KVCache`` (``method="none"``) is saved the same way, for comparing sizes. Its metadata adds
+``0.veloxquant`` (JSON: format and library versions, method, non-default config fields, model id, per
+layer the cache class and head shape ``[H_kv, D_key, D_value]``, the prompt token ids, the offset,
+``kv_bytes`` (``nbytes`` when saved) and ``state_bytes`` (the ``state`` arrays the file stores; spare rows
+such as TurboQuant-RVQ's reserve are not stored)) and ``0.veloxquant_checksum`` (SHA-256 of the canonical
+header and every data byte), so a truncated, damaged or edited file is reported instead of loaded.
 
-On top of that layout the file carries, in its safetensors metadata:
-
-* ``0.veloxquant`` (JSON): format name and version, library version, method, the config fields that
-  differ from the defaults, model id, number of layers, each layer's cache class and head shape
-  ``[H_kv, D_key, D_value]``, the prompt token ids the cache holds (a later generation continues after
-  them), the logical offset, ``kv_bytes`` (the caches' measured ``nbytes`` when saved) and
-  ``state_bytes`` (the bytes of their ``state`` arrays, which the file stores: a cache may hold spare
-  rows beyond them, e.g. TurboQuant-RVQ's reserved capacity, which a loaded cache does not hold).
-* ``0.veloxquant_checksum``: SHA-256 of the rest of the header (canonical JSON) and of every data
-  byte, so a truncated, damaged or edited file is reported instead of loaded.
-
-``load_cache`` checks, in order: the file exists, is a well-formed safetensors file whose tensors
-exactly fill it, carries the veloxquant metadata, matches its checksum, has a known format version,
-holds the expected method, and fits the given model (layer count, layer types, KV heads and head
-dimensions). Every failure is a :class:`SavedCacheError` whose message names the file and the problem.
-
-The checksum only catches accidents: anyone can recompute a SHA-256. So every field read from the file
-is validated against the class that will hold it before anything is built: the metadata's keys and
-types, token ids, one offset for all layers that equals the number of tokens recorded, layer classes
-from a fixed list (this library's registered caches of the file's method, and mlx_lm's plain KV caches:
-never an arbitrary name looked up in a module), each layer's ``meta`` (its config must parse and name
-the file's method; its ``scalars`` may set only the attributes its class declares in
-``scalar_fields``; its head shape must equal the recorded one), only the array names the class
-declares, and, once rebuilt, stored rows and array shapes consistent with the recorded head shape.
-Nothing in a file names code to run or a module to import.
-A file named ``*.safetensors`` also loads with mlx_lm's ``load_prompt_cache`` once ``veloxquant_mlx.cache``
-is imported (mlx picks the format from the extension; ``load_cache`` reads any name).
+``load_cache`` checks the file (exists, well-formed safetensors whose tensors fill it exactly, metadata,
+checksum, format version), the method, and the model (layer count and types, KV heads, head dims). A
+checksum only catches accidents, so every field is also validated against the class that will hold it:
+metadata keys and types, token ids, one offset equal to the token count, layer classes from a fixed list
+(the file's method's registered class and mlx_lm's plain caches, never a name looked up freely), each
+layer's config (parses, names the file's method), scalars (only the class's ``scalar_fields``), arrays
+(only its ``array_fields``) and, once rebuilt, rows and shapes against the recorded head shape. Nothing in
+a file names code to run. Every failure is a :class:`SavedCacheError` naming the file and the problem.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from .contract import CompressedKVCache, config_to_json
 from .errors import SavedCacheError
+from .options import _is_int
 from .rotating import RING_CLASSES
 
 __all__ = ["save_cache", "load_cache", "read_cache_info", "FORMAT_NAME", "FORMAT_VERSION",
@@ -74,22 +61,15 @@ _MAX_TOKEN_ID = (1 << 31) - 1
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
-# --------------------------------------------------------------------------- #
-# helpers
-# --------------------------------------------------------------------------- #
-
-
 def _library_version() -> str:
     from .. import __version__
-
     return __version__
 
 
 def normalize_model_id(model_id: Optional[str]) -> str:
-    """The id recorded for a model: the embedded model's canonical name for ``None`` or its aliases,
-    the real path for a local directory, else the string as given (an HF repo id)."""
+    """The recorded model id: the embedded model's name for ``None`` or its aliases, the real path of a local
+    directory, else the string as given (an HF repo id)."""
     from ..model import DEFAULT_MODEL, EMBEDDED_MODELS
-
     if model_id is None or str(model_id).strip().lower() in EMBEDDED_MODELS:
         return DEFAULT_MODEL
     model_id = str(model_id)
@@ -108,10 +88,8 @@ def _head_shape(cache) -> Optional[list[int]]:
 
 
 def _state_bytes(caches) -> int:
-    """Bytes of the arrays in the caches' ``state`` (what the file stores; a cache may hold spare rows
-    beyond it, counted in its ``nbytes``)."""
+    """Bytes of the arrays in the caches' ``state`` (what the file stores)."""
     from mlx.utils import tree_flatten
-
     return int(sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if hasattr(v, "nbytes")))
 
 
@@ -120,24 +98,22 @@ def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
     from ..measure import _kv_heads
     from .factory import _attention, _head_dim, _layers
 
+    def shape(layer):
+        attn = _attention(layer)
+        d = _head_dim(attn, fallback=0) if attn is not None else 0
+        try:
+            return (_kv_heads(attn, d), d) if d > 0 else None
+        except ValueError:
+            return None
+
     defaults = mlx_cache.make_prompt_cache(model)
     try:
         layers = _layers(model)
     except ValueError:
         layers = []
-    shapes: list[Optional[tuple[int, int]]] = []
-    for i in range(len(defaults)):
-        attn = _attention(layers[i]) if i < len(layers) and len(layers) == len(defaults) else None
-        shape = None
-        if attn is not None:
-            d = _head_dim(attn, fallback=0)
-            if d > 0:
-                try:
-                    shape = (_kv_heads(attn, d), d)
-                except ValueError:
-                    shape = None
-        shapes.append(shape)
-    return [type(c) for c in defaults], shapes
+    if len(layers) != len(defaults):
+        layers = [None] * len(defaults)
+    return [type(c) for c in defaults], [shape(layer) for layer in layers]
 
 
 def _canonical(header: dict) -> bytes:
@@ -177,14 +153,11 @@ def _read_header(path: str) -> tuple[dict, int, int]:
             continue
         try:
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            count = 1
-            for s in shape:
-                if not isinstance(s, int) or s < 0:
-                    raise ValueError
-                count *= s
             width = _DTYPE_BYTES[dtype]
-            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            if not (all(isinstance(s, int) and s >= 0 for s in shape) and isinstance(begin, int)
+                    and isinstance(end, int) and 0 <= begin <= end):
                 raise ValueError
+            count = math.prod(shape)
         except (KeyError, TypeError, ValueError):
             raise SavedCacheError(f"{path}: corrupt safetensors header: bad entry for tensor {name!r}") from None
         if end - begin != count * width:
@@ -233,14 +206,8 @@ def _write_with_checksum(src: str, dst: str) -> None:
             fout.write(chunk)
 
 
-# --------------------------------------------------------------------------- #
-# save
-# --------------------------------------------------------------------------- #
-
-
 def _check_caches(caches, method: str) -> None:
     from .base import METHOD_NAMES
-
     if not isinstance(method, str) or (method != NONE and method not in METHOD_NAMES):
         raise SavedCacheError(f"method={method!r} is not a method name: expected {NONE!r} or one of the "
                               f"{len(METHOD_NAMES)} methods `veloxquant methods` lists")
@@ -268,15 +235,10 @@ def _check_caches(caches, method: str) -> None:
 
 
 def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Sequence[int], method: str) -> dict:
-    """Write ``caches`` (one per layer, prefilled with ``tokens``) to the safetensors file ``path``.
-
-    ``model_id`` names the model (``None`` = the embedded SmolLM2-135M); ``tokens`` are the prompt token
-    ids the caches have seen, in order (their count must equal the caches' logical offset); ``method``
-    is the caches' method, or ``"none"`` for mlx_lm's own caches. The file is written atomically.
-    Returns the recorded metadata (plus ``path`` and ``file_bytes``). Raises :class:`SavedCacheError`.
-    """
+    """Write ``caches`` (one per layer) to the safetensors file ``path``, atomically, and return the recorded
+    metadata plus ``path`` and ``file_bytes``. ``model_id``: ``None`` = the embedded SmolLM2-135M; ``tokens``:
+    the prompt ids the caches have seen (as many as their offset); ``method``: theirs, or ``"none"``."""
     from ..measure import cache_tokens, kv_bytes
-
     path = os.fspath(path)
     _check_caches(caches, method)
     if hasattr(tokens, "tolist"):  # an mx/numpy array: [T] or [1, T]
@@ -298,22 +260,11 @@ def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Seque
     config = json.loads(config_to_json(first.config)) if first is not None else {}
     config.pop("method", None)  # recorded on its own
     config.pop("head_dim", None)  # set per layer by for_model: recorded in head_shapes
-    info = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "library_version": _library_version(),
-        "method": method,
-        "config": config,
-        "model_id": normalize_model_id(model_id),
-        "n_layers": len(caches),
-        "layer_classes": [type(c).__name__ for c in caches],
-        "head_shapes": [_head_shape(c) for c in caches],
-        "offset": offset,
-        "n_tokens": len(token_ids),
-        "tokens": token_ids,
-        "kv_bytes": kv_bytes(caches),
-        "state_bytes": _state_bytes(caches),
-    }
+    info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": _library_version(),
+            "method": method, "config": config, "model_id": normalize_model_id(model_id), "n_layers": len(caches),
+            "layer_classes": [type(c).__name__ for c in caches], "head_shapes": [_head_shape(c) for c in caches],
+            "offset": offset, "n_tokens": len(token_ids), "tokens": token_ids, "kv_bytes": kv_bytes(caches),
+            "state_bytes": _state_bytes(caches)}
     stem = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}")
     raw_tmp, final_tmp = stem + ".raw.safetensors", stem + ".tmp"
     try:
@@ -331,14 +282,9 @@ def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Seque
     return {**info, "path": path, "file_bytes": os.path.getsize(path)}
 
 
-# --------------------------------------------------------------------------- #
-# load
-# --------------------------------------------------------------------------- #
-
-
 def read_cache_info(path) -> dict:
-    """The metadata of the saved cache ``path`` (plus ``path`` and ``file_bytes``), after checking the
-    file's structure, checksum and format version; no array is loaded. Raises :class:`SavedCacheError`."""
+    """The metadata of the saved cache ``path`` (plus ``path`` and ``file_bytes``), after checking its
+    structure, checksum, format version and fields; no array is loaded."""
     path = os.fspath(path)
     header, data_start, size = _read_header(path)
     meta = header.get("__metadata__", {})
@@ -372,13 +318,8 @@ def read_cache_info(path) -> dict:
     return {**info, "path": path, "file_bytes": size}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_info(path: str, info: dict, file_bytes: int) -> None:
-    """Every metadata field present, of its type and within bounds; layer classes from the allowed list
-    and of the file's method (see the module docstring)."""
+    """Every metadata field present, of its type and within bounds; layer classes from the allowed list."""
     from .base import METHOD_NAMES
 
     def bad(field, why):
@@ -427,12 +368,10 @@ def _check_info(path: str, info: dict, file_bytes: int) -> None:
 
 
 def _allowed_classes(method: str) -> dict:
-    """Name -> class of the caches a file of ``method`` may hold: mlx_lm's plain KV caches (the
-    uncompressed layers of any model) and, for a compressed method, that method's own class."""
+    """Name -> class of the caches a file of ``method`` may hold: mlx_lm's plain caches and the method's own."""
     allowed = {name: getattr(mlx_cache, name) for name in _PLAIN_CLASSES if hasattr(mlx_cache, name)}
     if method != NONE:
         from .base import method_info
-
         cls = method_info(method).cls
         registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
         if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
@@ -479,10 +418,8 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
 
 
 def _rebuild(path: str, info: dict) -> list:
-    """mlx_lm's ``load_prompt_cache`` for any file name (mlx picks the format from the extension), with
-    each layer's state checked against its class before ``from_state`` sees it."""
+    """mlx_lm's ``load_prompt_cache`` for any file name, each layer's state checked before ``from_state``."""
     from mlx.utils import tree_unflatten
-
     arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
     _, classes, scalars = tree_unflatten(list(meta.items()))
     if classes != info["layer_classes"]:
@@ -512,8 +449,8 @@ def _rebuild(path: str, info: dict) -> list:
 
 
 def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
-    """A compressed layer's ``state``: its meta (config of the file's method, offset, only the scalars
-    its class declares, the recorded head shape) and only the arrays its class declares."""
+    """A compressed layer's ``state``: its meta (config of the file's method, offset, only declared scalars,
+    the recorded head shape) and only the arrays its class declares."""
     from .contract import config_from_json
 
     def bad(why):
@@ -566,9 +503,8 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
 
 
 def _plain_value(v, objects: bool = False) -> bool:
-    """A number, string, boolean, null or a list of them; with ``objects``, also string-keyed JSON objects
-    of those (a class's ``object_scalar_fields``, e.g. a RoPE spec). Data only: a scalar is restored as an
-    attribute the class declares, never resolved to anything callable."""
+    """A number, string, boolean, null or a list of them; with ``objects`` (a class's
+    ``object_scalar_fields``, e.g. a RoPE spec) also string-keyed objects of them. Data, never callables."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
     if objects and isinstance(v, dict):
@@ -577,8 +513,8 @@ def _plain_value(v, objects: bool = False) -> bool:
 
 
 def _check_rebuilt(path: str, caches: list, info: dict) -> None:
-    """After ``from_state``: offsets, stored rows and the arrays' shapes agree with the recorded head
-    shapes (shapes only: MLX infers them without computing anything)."""
+    """After ``from_state``: offsets, stored rows and array shapes agree with the recorded head shapes (MLX
+    infers shapes without computing anything)."""
     for i, (c, recorded) in enumerate(zip(caches, info["head_shapes"])):
         name = type(c).__name__
         try:
@@ -615,17 +551,11 @@ def _check_rebuilt(path: str, caches: list, info: dict) -> None:
 
 def load_cache(path, *, model=None, expect_method: Optional[str] = None,
                expect_model_id: Optional[str] = None, install_dispatch: bool = True) -> tuple[list, dict]:
-    """Read a cache written by :func:`save_cache`: ``(caches, info)``.
-
-    ``caches`` is one cache per layer, bit-identical to the saved ones (same state arrays and offset),
-    ready to pass as ``prompt_cache=`` after the tokens ``info["tokens"]``. ``info`` is the recorded
-    metadata plus ``path`` and ``file_bytes``. With ``model`` the layer count, layer types and head
-    shapes are checked against it; ``expect_method`` / ``expect_model_id`` check the method and the
-    model id. The attention dispatch point is installed for compressed caches unless told not to.
-    Raises :class:`SavedCacheError` naming the file and the problem.
-    """
+    """Read a cache written by :func:`save_cache`: ``(caches, info)``, the caches bit-identical to the saved
+    ones (pass as ``prompt_cache=`` after ``info["tokens"]``), ``info`` the metadata plus ``path`` and
+    ``file_bytes``. ``model``, ``expect_method`` and ``expect_model_id`` are checked when given; the
+    attention dispatch point is installed for compressed caches unless ``install_dispatch=False``."""
     from ..measure import cache_tokens
-
     path = os.fspath(path)
     info = read_cache_info(path)
     if expect_method is not None and expect_method != info["method"]:
@@ -645,6 +575,5 @@ def load_cache(path, *, model=None, expect_method: Optional[str] = None,
                               f"the file recorded {info['state_bytes']} bytes at offset {info['offset']}")
     if install_dispatch and any(isinstance(c, CompressedKVCache) for c in caches):
         from . import dispatch
-
         dispatch.install()
     return caches, info

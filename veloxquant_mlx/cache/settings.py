@@ -1,10 +1,7 @@
-"""Cache settings from strings: ``FIELD=VALUE`` items into a checked ``KVCacheConfig``.
-
-The command line, the server (a request's ``kv_cache``) and ``veloxquant eval``'s method specs all take
-settings as text; this module turns them into a configuration with one set of rules and messages.
-A setting is a method's option name (``budget``) or its flat ``KVCacheConfig`` field (``snap_budget``);
-one the method does not read is refused, naming the method and listing its settings. ``"none"``
-(:data:`NONE`) stands for mlx_lm's plain, uncompressed ``KVCache``: it takes no settings.
+"""Cache settings from strings (the CLI, a server request's ``kv_cache``, ``veloxquant eval``'s method specs):
+``FIELD=VALUE`` items into a checked ``KVCacheConfig``, with one set of rules and messages. A setting is an
+option name (``budget``) or its flat field (``snap_budget``); one the method does not read is refused,
+listing its settings. ``"none"`` (:data:`NONE`) is mlx_lm's plain ``KVCache``: it takes no settings.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ _NOT_SETTABLE = {"method": "use --method", "options": "set the flat fields inste
 
 
 class UsageError(Exception):
-    """Bad settings text (unknown method or field, malformed item): the CLI reports it as ``error: ...``
-    with exit code 2, the server as HTTP 400."""
+    """Bad settings text: the CLI reports it as ``error: ...`` (exit code 2), the server as HTTP 400."""
 
 
 def parse_set(item: str) -> tuple[str, Any]:
@@ -51,15 +47,10 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 
 def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> dict[str, Any]:
-    """Parse every ``FIELD=VALUE`` item into ``{flat KVCacheConfig field: value}``.
-
-    Unknown or unsettable fields are a ``UsageError``. With ``method``, a field is also accepted under its
-    options name (``budget`` for ``snapkv``'s ``snap_budget``) and refused, naming the method and listing
-    its settings, when ``method`` does not read it (``cache.options.method_fields``).
-    """
+    """``FIELD=VALUE`` items -> ``{flat KVCacheConfig field: value}``; unknown or unsettable fields are a
+    ``UsageError``. With ``method`` its option names are accepted too, and fields it does not read refused."""
     from .config import KVCacheConfig
     from .options import DERIVED_FIELDS, method_fields
-
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
     accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
@@ -86,7 +77,6 @@ def _owner_hint(field: str) -> str:
     """`` (a setting of snapkv, ...)`` for a field other methods read, else ``""``."""
     from .base import METHOD_NAMES
     from .options import method_fields
-
     owners = [m for m in METHOD_NAMES if field in method_fields(m)]
     if not owners:
         return " (no method has a setting of that name)"
@@ -95,11 +85,10 @@ def _owner_hint(field: str) -> str:
 
 
 def method_settings(method: str) -> list[dict]:
-    """One row per settable name of ``method``: name, flat alias, type, default, allowed values, and
-    whether it is the method's own option or a shared field it reads."""
+    """One row per settable name of ``method``: name, flat alias, kind (its option or a shared field), type,
+    default, allowed values."""
     from .config import _DEFAULTS, _FIELD_TYPES, allowed_values
     from .options import OPTIONS_BY_METHOD, method_fields
-
     opts = OPTIONS_BY_METHOD.get(method)
     names = method_fields(method)
     rows = []
@@ -130,20 +119,14 @@ def settings_summary(method: str) -> str:
 
 
 def build_config(method: str, sets: dict[str, Any]):
-    """``KVCacheConfig(method=method, **sets)``.
-
-    ``sets`` keys are flat fields or ``method``'s option names. Fields that belong to ``method``'s options
-    dataclass are passed through it (the non-deprecated path); the shared fields it reads go in as flat
-    fields. A ``dtype`` string names an mlx dtype. Raises ``QuantizerConfigError`` for invalid values.
-    """
+    """``KVCacheConfig(method=method, **sets)``, ``sets`` keyed by flat fields or option names: the options go
+    through the options dataclass, shared fields as flat fields; a ``dtype`` string names an mlx dtype."""
     from .config import DTYPE_NAMES, KVCacheConfig, _quiet_flat_fields
     from .options import OPTIONS_BY_METHOD, method_fields
-
     aliases = method_fields(method)
     flat = {aliases.get(k, k): v for k, v in sets.items()}
     if isinstance(flat.get("dtype"), str):
         import mlx.core as mx
-
         name = flat["dtype"]
         if name not in DTYPE_NAMES:
             raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
@@ -168,7 +151,6 @@ def method_config(method: str, set_items, *, standalone_ok: bool = True):
             raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
         return sets, None
     from .base import STANDALONE_METHODS
-
     if not standalone_ok and method in STANDALONE_METHODS:
         raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
                          "mlx_lm prompt cache; `veloxquant methods` lists the mlx_lm-protocol ones")
@@ -180,7 +162,6 @@ def method_config(method: str, set_items, *, standalone_ok: bool = True):
 def check_method_name(method: str) -> None:
     """``UsageError`` unless ``method`` is a registered method or ``none``."""
     from .base import METHOD_NAMES
-
     if method != NONE and method not in METHOD_NAMES:
         raise UsageError(f"unknown method {method!r}; `veloxquant methods` lists the {len(METHOD_NAMES)} methods "
                          f"(or use {NONE!r} for mlx_lm's uncompressed cache)")
@@ -189,5 +170,4 @@ def check_method_name(method: str) -> None:
 def check_buildable(method: str) -> None:
     """Raise ``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
     from .factory import _implemented_class
-
     _implemented_class(method)

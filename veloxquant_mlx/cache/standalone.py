@@ -1,8 +1,5 @@
-"""``SlidingWindowKVCache``: sliding-window eviction around any standalone cache.
-
-Unlike a wrapper that keeps its own full-precision ring buffer and re-feeds the inner cache (which
-holds an uncompressed copy of everything it claims to compress), this one asks the inner cache to drop
-its oldest encoded tokens in place (``drop_oldest``): memory stays at the compressed window.
+"""``SlidingWindowKVCache``: sliding-window eviction around any standalone cache, which drops its oldest
+encoded tokens in place (``drop_oldest``; no full-precision ring buffer): memory stays at the compressed window.
 """
 
 from __future__ import annotations
@@ -22,11 +19,9 @@ class SlidingWindowKVCache(KVCache):
         if not callable(getattr(inner, "drop_oldest", None)):
             raise QuantizerConfigError("inner", type(inner).__name__, "a standalone cache with drop_oldest(n)")
         self.inner, self.window_size = inner, window_size
-        self._pending_keys = 0
 
     def append_key(self, k):
         self.inner.append_key(k)
-        self._pending_keys += 1 if k.ndim == 1 else k.shape[0]
 
     def append_value(self, v):
         self.inner.append_value(v)
@@ -42,7 +37,6 @@ class SlidingWindowKVCache(KVCache):
 
     def reset(self) -> None:
         self.inner.reset()
-        self._pending_keys = 0
 
     def __len__(self):
         return len(self.inner)

@@ -1,10 +1,7 @@
-"""Bit allocation over channels by reverse water-filling, and the channel pairs RoPE rotates together
-(Waterfill's per-channel key widths, ``methods/quantization/waterfill.py``).
+"""Waterfill's per-channel key widths by reverse water-filling, and the channel pairs RoPE rotates together.
 
-Quantizing channel ``c`` uniformly with ``b_c`` bits over a range ``r_c`` adds logit error of variance
-``~ E[q_c^2] r_c^2 4^-b_c / 12``; at a fixed total ``sum_c b_c`` the minimum gives each further bit to
-the channel where ``E[q_c^2] r_c^2 4^-b_c`` is largest (reverse water-filling, rate-distortion theory
-for independent components).
+Channel ``c`` at ``b_c`` bits over range ``r_c`` adds logit error of variance ``~ E[q_c^2] r_c^2 4^-b_c / 12``;
+at a fixed total the minimum gives each further bit where that is largest (rate-distortion theory).
 """
 
 from __future__ import annotations
@@ -17,18 +14,15 @@ _TINY = 1e-30
 
 
 def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarray:
-    """Greedy reverse water-filling: ``total`` bits per row of ``sensitivity [G, D]`` (>= 0), each
-    bit to the channel whose ``log2(sensitivity) - 2 * (bits it has)`` is largest. Returns int
-    widths ``[G, D]`` in ``0..max_bits`` with every row summing to ``total``."""
+    """Int widths ``[G, D]`` in ``0..max_bits``, each row summing to ``total``: every bit goes to the channel
+    whose ``log2(sensitivity) - 2 * (bits it has)`` is largest."""
     s = np.asarray(sensitivity, dtype=np.float64)
     G, D = s.shape
     if not 0 <= total <= max_bits * D:
         raise ValueError(f"total={total} bits cannot be spread over {D} channels of at most {max_bits} bits")
     gain = np.log2(np.maximum(s, _TINY))[:, :, None] - 2.0 * np.arange(max_bits)[None, None, :]
     flat = gain.reshape(G, D * max_bits)
-    # stable order: among equal gains the lower channel / lower bit first (gains fall with j per channel,
-    # so the chosen set always takes a channel's bits in order)
-    order = np.argsort(-flat, axis=1, kind="stable")[:, :total]
+    order = np.argsort(-flat, axis=1, kind="stable")[:, :total]  # ties: lower channel / bit first
     widths = np.zeros(G * D, dtype=np.int64)
     np.add.at(widths, (np.arange(G)[:, None] * D + order // max_bits).reshape(-1), 1)
     return widths.reshape(G, D)
@@ -37,9 +31,8 @@ def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarr
 def rope_pair_mean(w: mx.array, spec: dict) -> mx.array:
     """Average ``w [H, D]`` over the channel pairs RoPE rotates together (its first ``dims`` channels:
     adjacent pairs when ``traditional``, else channel i with i + dims/2)."""
-    dims = spec["dims"]
+    dims, H = spec["dims"], w.shape[0]
     head, tail = w[:, :dims], w[:, dims:]
-    H = w.shape[0]
     if spec["traditional"]:
         m = head.reshape(H, dims // 2, 2).mean(axis=-1, keepdims=True)
         head = mx.broadcast_to(m, (H, dims // 2, 2)).reshape(H, dims)

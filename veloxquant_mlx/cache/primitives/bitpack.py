@@ -1,37 +1,22 @@
 """Dense bit packing of small integer codes into ``uint32`` words, along the last axis.
 
-Layout
-------
-Each row (everything but the last axis is a batch of independent rows) of ``n`` codes of ``bits``
-bits is written as one little-endian bit stream: code ``j`` occupies stream bits
-``[j * bits, (j + 1) * bits)``, least significant bit first, and stream bit ``p`` is bit ``p % 32``
-of word ``p // 32``. Codes therefore straddle word boundaries when ``32 % bits != 0`` (bits = 3, 5,
-6, 7). Each row is padded with zero bits up to a whole number of words, so a row of ``n`` codes
-takes ``ceil(n * bits / 32)`` words (``packed_nbytes(n, bits)`` bytes) and rows never share a word.
-
-Both directions are vectorized MLX ops; the only Python loops are over the (at most 32) bit
-positions of a word or code, never over elements.
+Each row of ``n`` codes is one little-endian bit stream: code ``j`` at stream bits ``[j*bits, (j+1)*bits)``,
+stream bit ``p`` = bit ``p % 32`` of word ``p // 32`` (codes straddle words when ``32 % bits != 0``),
+zero-padded to ``ceil(n * bits / 32)`` words, so rows never share a word. Vectorized MLX throughout.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from . import check_int
+
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "packed_words"]
-
-
-def _check_bits(bits: int) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits={bits!r} is invalid: expected an int in 1..8")
-    return bits
 
 
 def packed_words(n: int, bits: int) -> int:
     """Number of ``uint32`` words holding one row of ``n`` codes of ``bits`` bits."""
-    _check_bits(bits)
-    if n < 0:
-        raise ValueError(f"n={n!r} is invalid: expected n >= 0")
-    return (n * bits + 31) // 32
+    return (check_int("n", n, 0) * check_int("bits", bits, 1, 8) + 31) // 32
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -40,12 +25,8 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 
 def pack_bits(codes: mx.array, bits: int) -> mx.array:
-    """Pack integer codes in ``[0, 2**bits)`` along the last axis into ``uint32`` words.
-
-    ``codes`` has shape ``(..., n)``; the result has shape ``(..., ceil(n * bits / 32))``.
-    Bits of a code above ``bits`` are discarded (codes are masked, not checked).
-    """
-    _check_bits(bits)
+    """Codes ``(..., n)`` in ``[0, 2**bits)`` -> ``uint32`` words ``(..., ceil(n * bits / 32))``; bits of a
+    code above ``bits`` are discarded (masked, not checked)."""
     codes = mx.array(codes) if not isinstance(codes, mx.array) else codes
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis")
@@ -53,11 +34,8 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
     n_words = packed_words(n, bits)
     if n_words == 0:
         return mx.zeros((*lead, 0), dtype=mx.uint32)
-    c = codes.astype(mx.uint32)
-    # (..., n, bits) -> the row's bit stream (..., n * bits), zero-padded to whole words.
     bit_pos = mx.arange(bits, dtype=mx.uint32)
-    stream = mx.bitwise_and(mx.right_shift(c[..., None], bit_pos), 1)
-    stream = stream.reshape(*lead, n * bits)
+    stream = mx.bitwise_and(mx.right_shift(codes.astype(mx.uint32)[..., None], bit_pos), 1).reshape(*lead, n * bits)
     pad = n_words * 32 - n * bits
     if pad:
         stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
@@ -67,13 +45,8 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
 
 
 def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
-    """Inverse of :func:`pack_bits`: ``(..., words)`` ``uint32`` -> ``(..., n)`` ``uint8`` codes.
-
-    Each code is read with one gather of its first word and, for codes that straddle a word
-    boundary, one gather of the next word. 8- and 4-bit codes are read by reinterpreting the words
-    as bytes (the same little-endian layout), without gathers.
-    """
-    _check_bits(bits)
+    """Inverse of :func:`pack_bits`: ``(..., words)`` ``uint32`` -> ``(..., n)`` ``uint8`` codes: a gather of
+    each code's word and of the next; 8- and 4-bit codes read the words as bytes, without gathers."""
     if packed.dtype != mx.uint32:
         raise ValueError(f"packed must be uint32, got {packed.dtype}")
     n_words = packed_words(n, bits)

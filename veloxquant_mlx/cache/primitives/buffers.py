@@ -1,5 +1,4 @@
-"""Preallocated buffers grown in steps: amortised O(1) appends along the token axis (or the last axis),
-shared by every cache that stores rows."""
+"""Preallocated buffers grown in steps: amortised O(1) appends along the token (or last) axis."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ MIN_GROW = 16
 
 
 def grow_rows(buf, rows: int, new: mx.array) -> mx.array:
-    """Write ``new`` [.., N, ..] at row ``rows`` of ``buf`` along axis 2. The buffer grows by
-    max(16, rows/8) spare rows at a time: amortised O(1) appends, slack at most 12.5% + 16 rows."""
+    """Write ``new`` at row ``rows`` of ``buf`` (axis 2), growing it by max(16, rows/8) spare rows."""
     n = new.shape[2]
     if buf is None or rows + n > buf.shape[2]:
         shape = list(new.shape)
@@ -22,9 +20,8 @@ def grow_rows(buf, rows: int, new: mx.array) -> mx.array:
 
 
 def reserve_rows(buf, rows: int, new: mx.array, block: int):
-    """Make room for ``new`` at row ``rows`` (axis 2) with at most 1/32 + ``block`` spare rows (then
-    ``grow_rows`` writes in place). For rows that arrive in blocks of at least ``block``: a smaller
-    reserve than ``grow_rows``'s 1/8, at the cost of few reallocations."""
+    """Room for ``new`` at row ``rows`` (axis 2) with at most 1/32 + ``block`` spare rows (then ``grow_rows``
+    writes in place): for rows arriving in blocks of ``block`` or more, less slack than ``grow_rows``."""
     need = rows + new.shape[2]
     if buf is not None and need <= buf.shape[2]:
         return buf
@@ -49,9 +46,8 @@ def grow_columns(buf, used: int, new: mx.array, capacity: int) -> mx.array:
 
 
 def fp16_row_bytes(keys, values, tokens: int) -> int:
-    """Bytes of ``tokens`` float16 key and value rows per sequence and head, shaped like ``keys`` /
-    ``values`` [B, H, rows, D] (0 when nothing is held): what mlx_lm's plain cache would hold for them
-    (without its spare rows), the reference of a cache's ``compression_ratio``."""
+    """Bytes of ``tokens`` float16 key and value rows shaped like ``keys``/``values [B, H, rows, D]`` (0 when
+    None): mlx_lm's plain cache without spare rows, the reference of ``compression_ratio``."""
     if keys is None:
         return 0
     B, H, _, D = keys.shape

@@ -1,21 +1,12 @@
-"""Entropy coding of streams of b-bit quantization codes, for the *saved* form of entropy-coded caches
-(CacheGen, arXiv 2310.07240, section 5.1.3: the quantized KV codes are arithmetic-coded with probability
-tables grouped by channel and layer). The coder is ``constriction``'s ANS (a maintained, compiled
-entropy-coding library); saving is not a hot path.
+"""Entropy coding of b-bit code streams for the saved form of CacheGen (arXiv 2310.07240, 5.1.3: codes
+arithmetic-coded with tables grouped by channel and layer), with ``constriction``'s compiled ANS coder.
 
-Model: ``symbols [T, n]`` are T streams of n codes in ``[0, 2**bits)``; stream ``i`` uses the static table
-``table_of[i]`` (of ``n_tables``), the symbol counts of all its streams scaled to ``P = min(12, bits + 4)``
-bits per entry. Every table is stored in the output, so decoding needs only the shapes. constriction's
-leaky categorical model gives every symbol a nonzero probability, so any code round-trips exactly. When
-the coded form would not be shorter than the codes packed at ``bits`` bits, the block is stored *raw*.
-
-Byte layout of ``encode``'s output (format 2; little-endian):
-
-* 1 byte: ``FORMAT_ANS`` (0xC2) or ``FORMAT_RAW`` (0xC3). Format 1 (the numpy rANS coder of releases up to
-  issue #15) began with 2 or 4 and is refused by ``decode`` with an error naming it.
-* ``FORMAT_ANS``: the tables (``n_tables * 2**bits`` entries, P bits each, bit-packed), then the ANS words
-  (uint32), all streams of table 0 first (stream order), then table 1, ...
-* ``FORMAT_RAW``: the streams in order, ``ceil(n * bits / 8)`` bytes each, bits little-endian.
+``symbols [T, n]``: T streams of n codes; stream ``i`` uses static table ``table_of[i]`` (the symbol counts
+of its streams scaled to ``P = min(12, bits + 4)`` bits, stored in the output). The leaky categorical model
+gives every symbol a nonzero probability, so any code round-trips. Output (format 2, little-endian): one
+byte ``FORMAT_ANS`` (0xC2) then the bit-packed tables and the uint32 ANS words (table 0's streams first),
+or ``FORMAT_RAW`` (0xC3) then the streams packed at ``bits`` bits when coding would not be shorter. Format 1
+(the numpy rANS coder, first byte 2 or 4) is refused with an error naming it.
 """
 
 from __future__ import annotations

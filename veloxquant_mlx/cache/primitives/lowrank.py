@@ -1,11 +1,5 @@
-"""Batched low-rank fitting of small matrices (GEAR's error-feedback residual, arXiv 2403.05527).
-
-``lowrank_factors(r, rank)``: for every matrix of ``r [..., m, n]``, the best rank-``rank``
-approximation ``A @ Bt`` (Eckart–Young, from one batched SVD on the CPU stream: MLX's SVD is a CPU
-kernel), ``A [..., m, rank]`` = U·diag(σ), ``Bt [..., rank, n]`` = the top right singular vectors.
-``energy_rank(r, threshold)`` is the smallest rank whose singular values keep ``threshold`` of
-``||r||_F^2``, per matrix (int32 array).
-"""
+"""Batched low-rank fits of small matrices (GEAR's residual, arXiv 2403.05527): one CPU SVD (MLX's SVD
+is CPU-only) per call."""
 
 from __future__ import annotations
 
@@ -19,7 +13,8 @@ def _svd(r):
 
 
 def lowrank_factors(r: mx.array, rank: int):
-    """``(A, Bt)`` with ``A @ Bt`` the best rank-``rank`` approximation of each ``r [..., m, n]``."""
+    """``(A = U·diag(σ) [..., m, rank], Bt [..., rank, n])``: the best rank-``rank`` approximation of each
+    ``r [..., m, n]`` (Eckart–Young)."""
     u, s, vt = _svd(r)
     k = min(rank, s.shape[-1])
     return u[..., :k] * s[..., None, :k], vt[..., :k, :]

@@ -1,29 +1,17 @@
-"""Low-rank fitting and latent-channel coding: the shared primitives of the low-rank caches
-(``svdq``, ``palu``, ``kvtc``).
+"""Low-rank fitting and latent-channel coding, shared by the low-rank caches (``svdq``, ``palu``, ``kvtc``).
 
-* ``group_heads`` / ``ungroup_heads``: ``[B, H, T, D]`` <-> ``[B, Hg, T, s*D]`` (``s = H / Hg`` heads
-  concatenated per group, the feature layout of a group-head projection).
-* ``fit_basis``: per (batch, group) principal directions of a block of rows ``[B, Hg, T, F]``, sorted
-  by decreasing energy: the eigenvectors of ``XᵀX`` (uncentered: the right singular vectors of ``X``,
-  eigenvalues = squared singular values) or of the covariance (``center=True``: PCA, mean returned).
-  One symmetric eigendecomposition of an ``F x F`` matrix per (batch, group), on the CPU stream
-  (MLX's ``eigh`` is CPU-only); called once per prompt, never per decode step.
-* ``energy_rank``: the smallest rank whose leading components hold at least ``threshold`` of the
-  energy, for *every* (batch, group) (the maximum of the per-head minimal ranks).
-* ``dp_allocate``: optimal integer bit allocation across components under a total bit budget
-  (dynamic programming over the budget, a multiple-choice knapsack), minimising the summed distortion
-  of a measured distortion table plus an optional Lagrangian rate term.
-* ``LatentLayout`` + ``encode_latents`` / ``decode_latents_t``: per-channel group quantization of
-  latent channels with a different bit width per channel (0 = dropped, 16 = float16). Channels are
-  kept in order of decreasing bits so that equal widths form contiguous *segments*; each segment is
-  quantized along the token axis in groups of ``G`` tokens (``groupquant``: every group owns whole
-  uint32 words, float16 scale + bias per channel per group), and the words of all segments for one
-  token group are stored in one row, so a block of whole token groups is appended to a buffer by
-  writing rows (axis 2). The only Python loops are over the (at most 9) distinct bit widths.
+``fit_basis`` finds per (batch, head group) principal directions of a block of rows (one CPU ``eigh`` per
+prompt, never per decode step); ``energy_rank`` / ``dp_allocate`` choose the rank and the bits per latent
+channel (a multiple-choice knapsack by dynamic programming); ``encode_latents`` / ``decode_latents_t``
+quantize latent channels with a width each (0 = dropped, 16 = float16). Channels are sorted by decreasing
+width so equal widths form contiguous segments, each quantized along tokens in groups of ``G``
+(``groupquant``); one token group's words of all segments form one row, so whole groups append by rows
+(axis 2). Python loops run only over the (at most 9) distinct widths.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,23 +19,12 @@ import numpy as np
 
 from . import groupquant as gq
 
-__all__ = [
-    "group_heads",
-    "ungroup_heads",
-    "fit_basis",
-    "energy_rank",
-    "captured_energy",
-    "dp_allocate",
-    "LatentLayout",
-    "encode_latents",
-    "decode_latents_t",
-    "measure_distortion",
-]
+__all__ = ["group_heads", "ungroup_heads", "fit_basis", "energy_rank", "captured_energy", "dp_allocate",
+           "LatentLayout", "encode_latents", "decode_latents_t", "measure_distortion"]
 
 FLOAT_BITS = 16  # a latent channel stored as float16
 
 
-# ------------------------------------------------------------------------------------ head groups
 def group_heads(x: mx.array, n_groups: int) -> mx.array:
     """[B, H, T, D] -> [B, Hg, T, s*D] (heads h = g*s + j concatenated in order j)."""
     B, H, T, D = x.shape
@@ -62,23 +39,17 @@ def ungroup_heads(x: mx.array, n_heads: int) -> mx.array:
     return x.reshape(B, Hg, T, s, F // s).transpose(0, 1, 3, 2, 4).reshape(B, n_heads, T, F // s)
 
 
-# ------------------------------------------------------------------------------------ fitting
 def fit_basis(x: mx.array, center: bool = False):
-    """Principal directions of the rows of ``x [B, Hg, T, F]``.
-
-    Returns ``(basis [B, Hg, F, F] float32, columns by decreasing energy; energy [B, Hg, F] float32,
-    the energy (sum of squared projections over the T rows) of each column; mean [B, Hg, 1, F] float32
-    or None)``."""
+    """Principal directions of the rows of ``x [B, Hg, T, F]``: eigenvectors of ``XᵀX`` (the right singular
+    vectors), or of the covariance with ``center`` (PCA). Returns ``(basis [B, Hg, F, F]`` with columns by
+    decreasing energy, ``energy [B, Hg, F]`` (summed squared projections), ``mean [B, Hg, 1, F]`` or None),
+    float32."""
     x = x.astype(mx.float32)
-    mean = None
+    mean = x.mean(axis=2, keepdims=True) if center else None
     if center:
-        mean = x.mean(axis=2, keepdims=True)
         x = x - mean
-    gram = x.swapaxes(-1, -2) @ x
-    w, v = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending
-    w = mx.maximum(w[..., ::-1], 0.0)
-    v = v[..., ::-1]
-    return v, w, mean
+    w, v = mx.linalg.eigh(x.swapaxes(-1, -2) @ x, stream=mx.cpu)  # ascending; MLX's eigh is CPU-only
+    return v[..., ::-1], mx.maximum(w[..., ::-1], 0.0), mean
 
 
 def captured_energy(energy: mx.array, rank: int) -> mx.array:
@@ -88,24 +59,18 @@ def captured_energy(energy: mx.array, rank: int) -> mx.array:
 
 
 def energy_rank(energy: mx.array, threshold: float) -> int:
-    """Smallest r such that the first r components hold >= ``threshold`` of the energy in every
-    (batch, group). One host sync (fit time only)."""
+    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group) (the
+    maximum of the per-head ranks). One host sync (fit time only)."""
     e = np.asarray(energy.astype(mx.float32)).reshape(-1, energy.shape[-1]).astype(np.float64)
-    total = e.sum(axis=-1, keepdims=True)
-    frac = np.cumsum(e, axis=-1) / np.maximum(total, 1e-30)
-    # tolerance for float round-off at threshold 1.0
-    r = (frac < threshold - 1e-9).sum(axis=-1) + 1
+    frac = np.cumsum(e, axis=-1) / np.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
+    r = (frac < threshold - 1e-9).sum(axis=-1) + 1  # the 1e-9: round-off at threshold 1.0
     return int(min(max(int(r.max()), 1), e.shape[-1]))
 
 
 def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit: float = 1.0):
-    """Optimal bits per component: minimise ``sum_c distortion[c, k_c] + lam * sum_c cost[k_c]``
-    subject to ``sum_c cost[k_c] <= budget``.
-
-    ``distortion`` [C, K] (numpy or mx), ``choices`` K bit widths, ``cost`` K costs in bits (e.g. bits
-    + side information), ``unit`` the granularity of the costs (costs/unit must be integers).
-    Dynamic programming over (component, budget used): O(C * K * budget/unit), vectorised over the
-    budget axis. Returns a list of C chosen bit widths."""
+    """The C bit widths (of the K ``choices``) minimising ``sum_c distortion[c, k_c] + lam * sum_c cost[k_c]``
+    subject to ``sum_c cost[k_c] <= budget``: ``distortion [C, K]``, ``cost`` K costs in bits (multiples of
+    ``unit``). Dynamic programming over (component, budget used), vectorised over the budget axis."""
     d = np.asarray(distortion, dtype=np.float64)
     C, K = d.shape
     w = np.rint(np.asarray(cost, dtype=np.float64) / unit).astype(np.int64)
@@ -113,16 +78,15 @@ def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit
     if cap < 0:
         raise ValueError(f"budget {budget} < 0")
     d = d + lam * np.asarray(cost, dtype=np.float64)[None]
-    INF = np.inf
     best = np.zeros(cap + 1)  # best[u] = min distortion of components processed so far using <= u units
     choice = np.zeros((C, cap + 1), dtype=np.int16)
-    for c in range(C):  # over components (fit time only), vectorised over the budget axis
-        new = np.full(cap + 1, INF)
+    for c in range(C):  # fit time only
+        new = np.full(cap + 1, np.inf)
         arg = np.zeros(cap + 1, dtype=np.int16)
         for k in range(K):
             if w[k] > cap:
                 continue
-            cand = np.full(cap + 1, INF)
+            cand = np.full(cap + 1, np.inf)
             cand[w[k]:] = best[: cap + 1 - w[k]] + d[c, k]
             better = cand < new
             new = np.where(better, cand, new)
@@ -138,7 +102,6 @@ def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit
     return out
 
 
-# ------------------------------------------------------------------------------------ latent coding
 @dataclass(frozen=True)
 class LatentLayout:
     """Bit widths of the kept latent channels (non-increasing; 16 = float16) and the token group."""
@@ -159,14 +122,11 @@ class LatentLayout:
         """(bits, first channel, end channel, first word, end word) of each run of equal widths
         (quantized runs only; words per token group)."""
         out, c0, w0 = [], 0, 0
-        b = list(self.bits)
-        while c0 < len(b):
-            c1 = c0
-            while c1 < len(b) and b[c1] == b[c0]:
-                c1 += 1
-            if b[c0] != FLOAT_BITS:
-                w1 = w0 + (c1 - c0) * gq.words_per_group(b[c0], self.group)
-                out.append((b[c0], c0, c1, w0, w1))
+        for b, run in itertools.groupby(self.bits):
+            c1 = c0 + len(list(run))
+            if b != FLOAT_BITS:
+                w1 = w0 + (c1 - c0) * gq.words_per_group(b, self.group)
+                out.append((b, c0, c1, w0, w1))
                 w0 = w1
             c0 = c1
         return out
@@ -190,13 +150,11 @@ class LatentLayout:
 
 
 def encode_latents(z: mx.array, layout: LatentLayout):
-    """Quantize latents ``z [B, Hg, n, r]`` (n a multiple of G). Returns ``(codes [B, Hg, n/G, W]
-    uint32, scales [B, Hg, n/G, r_q], biases [B, Hg, n/G, r_q] float16, raw [B, Hg, n, r_f] float16)``
-    (None for empty parts). Width 16 sorts first, so the float16 channels are channels ``[0, r_f)``
-    and the quantized ones ``[r_f, r)``."""
+    """Quantize latents ``z [B, Hg, n, r]`` (n a multiple of G): ``(codes [B, Hg, n/G, W] uint32, scales and
+    biases [B, Hg, n/G, r_q] float16, raw [B, Hg, n, r_f] float16)``, None for empty parts. Width 16 sorts
+    first: the float16 channels are ``[0, r_f)``."""
     B, Hg, n, _ = z.shape
-    G = layout.group
-    nf = layout.n_float
+    G, nf = layout.group, layout.n_float
     raw = z[..., :nf].astype(mx.float16) if nf else None
     codes, scales, biases = [], [], []
     zt = z.swapaxes(-1, -2)  # [B, Hg, r, n]
@@ -214,25 +172,23 @@ def encode_latents(z: mx.array, layout: LatentLayout):
 
 def decode_latents_t(codes, scales, biases, raw, n: int, layout: LatentLayout, dtype=mx.float32) -> mx.array:
     """Latentsᵀ ``[B, Hg, r, n]`` of the first ``n`` tokens (n a multiple of G) in ``dtype``."""
-    G = layout.group
+    G, nf = layout.group, layout.n_float
     g = n // G
     parts = []
-    if layout.n_float:
+    if nf:
         parts.append(raw[:, :, :n].astype(dtype).swapaxes(-1, -2))
     for b, c0, c1, w0, w1 in layout.segments():
         B, Hg = codes.shape[:2]
         nc, w = c1 - c0, gq.words_per_group(b, G)
         cw = codes[:, :, :g, w0:w1].reshape(B, Hg, g, nc, w).transpose(0, 1, 3, 2, 4).reshape(B, Hg, nc, g * w)
-        parts.append(gq.dequantize(cw, scales[:, :, :g, c0 - layout.n_float : c1 - layout.n_float].swapaxes(-1, -2),
-                                   biases[:, :, :g, c0 - layout.n_float : c1 - layout.n_float].swapaxes(-1, -2),
-                                   b, G, dtype))
+        parts.append(gq.dequantize(cw, scales[:, :, :g, c0 - nf : c1 - nf].swapaxes(-1, -2),
+                                   biases[:, :, :g, c0 - nf : c1 - nf].swapaxes(-1, -2), b, G, dtype))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
 def measure_distortion(z: mx.array, choices, group: int) -> mx.array:
-    """Squared error of quantizing each latent channel of ``z [B, Hg, n, C]`` (n a multiple of
-    ``group``) at each bit width in ``choices`` (0 = dropped: the channel's energy), summed over
-    (B, Hg, tokens): ``[C, K]`` float32."""
+    """``[C, K]`` float32: squared error of each latent channel of ``z [B, Hg, n, C]`` at each width of
+    ``choices`` (0 = dropped: the channel's energy), summed over (B, Hg, tokens)."""
     zt = z.astype(mx.float32).swapaxes(-1, -2)  # [B, Hg, C, n]
     cols = []
     for b in choices:

@@ -1,24 +1,13 @@
-"""Helpers for group quantizers with reordered channels and clipped ranges (SKVQ-style) on top of
-``groupquant``'s group-affine layout.
-
-* ``range_permutation``: per head, the channels sorted by their value range (max - min) over a
-  calibration block, so that consecutive groups of channels have similar ranges.
-* ``clip_to_alpha``: shrink every group's [min, max] range about its centre by a factor ``alpha``
-  (per head and group) and clip the elements into it; ``groupquant.quantize`` of the clipped tensor
-  then uses exactly the clipped range (its min/max are the clipped bounds), so the codes keep
-  ``groupquant``'s layout (and MLX's, where ``uses_mx_kernels``).
-* ``search_clip``: per head and channel group, the ``alpha`` among candidates that minimises the
-  squared reconstruction error of a calibration block (all candidates evaluated at once, vectorized).
-
-Everything is vectorized MLX: no loop over tokens, heads or groups (only over nothing: candidates are
-a leading axis).
+"""Reordered channels and clipped group ranges (SKVQ) on ``groupquant``'s layout: channels sorted by range so
+groups hold similar ranges; each group's range shrunk by a searched ``alpha`` and the elements clipped into
+it, so ``groupquant.quantize`` of the clipped tensor uses exactly that range (its layout unchanged).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["range_permutation", "permute_channels", "clip_to_alpha", "fake_quant", "search_clip"]
+__all__ = ["range_permutation", "permute_channels", "clip_to_alpha", "search_clip"]
 
 
 def range_permutation(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -37,8 +26,7 @@ def permute_channels(x: mx.array, perm: mx.array) -> mx.array:
 
 
 def _bounds(xg: mx.array, alpha: mx.array):
-    lo = xg.min(axis=-1, keepdims=True)
-    hi = xg.max(axis=-1, keepdims=True)
+    lo, hi = xg.min(axis=-1, keepdims=True), xg.max(axis=-1, keepdims=True)
     c = (hi + lo) * 0.5
     h = (hi - lo) * 0.5 * alpha
     return c - h, c + h
@@ -53,21 +41,20 @@ def clip_to_alpha(x: mx.array, group: int, alpha: mx.array) -> mx.array:
     return mx.clip(xg, lo, hi).reshape(B, H, T, D)
 
 
-def fake_quant(xg: mx.array, bits: int, alpha) -> mx.array:
+def _fake_quant(xg: mx.array, bits: int, alpha) -> mx.array:
     """Quantize-dequantize groups on the last axis of ``xg`` with the clipped min/max rule (float32)."""
     lo, hi = _bounds(xg, alpha)
     levels = float(2**bits - 1)
     s = (hi - lo) / levels
     s = mx.where(s > 0, s, 1.0)
-    q = mx.clip(mx.round((xg - lo) / s), 0.0, levels)
-    return q * s + lo
+    return mx.clip(mx.round((xg - lo) / s), 0.0, levels) * s + lo
 
 
 def search_clip(x: mx.array, bits: int, group: int, candidates) -> mx.array:
     """``alpha [H, D/group]`` (float32): per head and channel group, the candidate minimising
-    ``sum((fake_quant(x) - x)^2)`` over the block ``x [B, H, T, D]`` (already channel-permuted)."""
+    ``sum((_fake_quant(x) - x)^2)`` over the block ``x [B, H, T, D]`` (already channel-permuted)."""
     B, H, T, D = x.shape
     a = mx.array(list(candidates), dtype=mx.float32)
     xg = x.astype(mx.float32).reshape(1, B, H, T, D // group, group)
-    err = ((fake_quant(xg, bits, a.reshape(-1, 1, 1, 1, 1, 1)) - xg) ** 2).sum(axis=(1, 3, 5))  # [A, H, ng]
+    err = ((_fake_quant(xg, bits, a.reshape(-1, 1, 1, 1, 1, 1)) - xg) ** 2).sum(axis=(1, 3, 5))  # [A, H, ng]
     return a[mx.argmin(err, axis=0)]

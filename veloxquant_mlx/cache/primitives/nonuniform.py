@@ -1,25 +1,5 @@
-"""Non-uniform per-row scalar levels (1-D Lloyd / k-means) and the dense-and-sparse outlier split.
-
-Used by KVQuant-style quantizers (arXiv 2401.18079):
-
-* ``fit_levels(u, bits, iters)``: for every row of ``u [..., T]`` (values normalized to [0, 1]), the
-  ``2**bits`` sorted levels minimizing the squared error over the row's T samples, by ``iters`` rounds
-  of 1-D Lloyd (assign every sample to its nearest level, move every level to the mean of its
-  samples; a level with no samples keeps its place). Initialized at the row's quantiles, so skewed
-  rows start with more levels where their mass is. All rows at once, no Python loop over rows.
-* ``encode_levels(u, levels)`` / ``decode_levels(codes, levels)``: nearest-level codes per row and
-  back (``levels [..., L]`` broadcast against ``u [..., T]``).
-* ``split_outliers(x, k)``: the ``k`` largest-magnitude entries of every row of ``x [..., n]``
-  (indices as uint16/uint32 and their exact values) and ``x`` with them replaced by the row's inlier
-  midrange, so the dense part's range shrinks; ``scatter_outliers`` writes them back exactly.
-
-Token saliency for mixed-precision (per-token bit width) quantizers:
-
-* ``token_importance(k, v, kind)``: a score per token row of ``k``/``v`` [..., T, D]:
-  ``"norm"`` = ‖k_t‖₂, ``"norm_variance"`` = variance of the token's key entries × (1 + variance of its
-  value entries) (tokens with spread-out / outlier-heavy entries lose the most to a coarse grid).
-* ``tier_counts(target, lo, mid, hi, n)``: how many of ``n`` tokens go to each of three bit widths so
-  the average is as close to ``target`` as whole tokens allow (|error| ≤ (hi - lo) / (2n)).
+"""Non-uniform per-row levels (1-D Lloyd) and the dense-and-sparse outlier split of KVQuant (arXiv
+2401.18079), and token saliency for the mixed-precision (per-token width) quantizers.
 """
 
 from __future__ import annotations
@@ -27,11 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 __all__ = ["fit_levels", "encode_levels", "decode_levels", "split_outliers", "scatter_outliers",
-           "outlier_index_dtype", "token_importance", "tier_counts"]
+           "token_importance", "tier_counts"]
 
 
 def fit_levels(u: mx.array, bits: int, iters: int) -> mx.array:
-    """Sorted float32 levels ``[..., 2**bits]`` fitted per row of ``u [..., T]`` by 1-D Lloyd."""
+    """Sorted float32 levels ``[..., 2**bits]`` per row of ``u [..., T]`` (normalized to [0, 1]): ``iters``
+    rounds of 1-D Lloyd from the row's quantiles (a level with no samples keeps its place), all rows at once."""
     L = 1 << bits
     uf = u.astype(mx.float32)
     T = uf.shape[-1]
@@ -61,14 +42,9 @@ def decode_levels(codes: mx.array, levels: mx.array, dtype=mx.float32) -> mx.arr
     return mx.take_along_axis(levels.astype(dtype), codes.astype(mx.int32), axis=-1)
 
 
-def outlier_index_dtype(n: int):
-    return mx.uint16 if n <= 65536 else mx.uint32
-
-
 def split_outliers(x: mx.array, k: int):
-    """``(idx [..., k], vals [..., k] float16, x_dense)``: the k largest |x| of every row of
-    ``x [..., n]``, exactly (float16, as the stored rows), and x with them set to the row's inlier
-    midrange (so min/max of the dense part ignore them)."""
+    """``(idx [..., k] uint16/32, vals [..., k] float16, x_dense)``: the k largest |x| of every row of
+    ``x [..., n]`` and x with them set to the row's inlier midrange (the dense part's range shrinks)."""
     n = x.shape[-1]
     xf = x.astype(mx.float32)
     if k <= 0:
@@ -79,7 +55,7 @@ def split_outliers(x: mx.array, k: int):
     hi = mx.where(is_out, -mx.inf, xf).max(axis=-1, keepdims=True)
     lo = mx.where(is_out, mx.inf, xf).min(axis=-1, keepdims=True)
     dense = mx.where(is_out, 0.5 * (hi + lo), xf)
-    return idx.astype(outlier_index_dtype(n)), vals.astype(mx.float16), dense
+    return idx.astype(mx.uint16 if n <= 65536 else mx.uint32), vals.astype(mx.float16), dense
 
 
 def scatter_outliers(x: mx.array, idx: mx.array, vals: mx.array) -> mx.array:
@@ -88,6 +64,8 @@ def scatter_outliers(x: mx.array, idx: mx.array, vals: mx.array) -> mx.array:
 
 
 def token_importance(k: mx.array, v: mx.array, kind: str) -> mx.array:
+    """A score per token row of ``k``/``v [..., T, D]``: ``"norm"`` ‖k_t‖₂, ``"norm_variance"`` var(k_t) ×
+    (1 + var(v_t)) (spread-out, outlier-heavy tokens lose the most to a coarse grid)."""
     kf = k.astype(mx.float32)
     if kind == "norm":
         return mx.sqrt((kf * kf).sum(axis=-1))
@@ -97,7 +75,8 @@ def token_importance(k: mx.array, v: mx.array, kind: str) -> mx.array:
 
 
 def tier_counts(target: float, lo: int, mid: int, hi: int, n: int) -> tuple[int, int, int]:
-    """``(n_hi, n_mid, n_lo)`` with ``(hi*n_hi + mid*n_mid + lo*n_lo) / n`` closest to ``target``."""
+    """``(n_hi, n_mid, n_lo)`` with ``(hi*n_hi + mid*n_mid + lo*n_lo) / n`` closest to ``target``
+    (|error| <= (hi - lo) / (2n))."""
     if target <= mid:
         n_mid = round((target - lo) * n / (mid - lo)) if mid > lo else 0
         return 0, n_mid, n - n_mid

@@ -1,22 +1,16 @@
 """Undo and redo a model's rotary position embedding (RoPE) on cached keys.
 
-mlx_lm hands caches keys that are already rotated by their positions. A quantizer that wants the
-keys *before* RoPE (KVQuant's observation: pre-RoPE key channels have stable ranges, post-RoPE ones
-rotate into each other with position) can undo the rotation exactly when it knows the model's RoPE,
-since RoPE is a rotation by ``position * scale * frequency`` per pair of channels: the inverse is the
-same operation with the scale negated.
-
-``rope_spec(module)`` reads the parameters of an attention module's ``rope`` (``mlx.nn.RoPE`` and
-the mlx_lm variants that call ``mx.fast.rope`` with a ``_freqs`` table, e.g. Llama-3 scaling) and
-checks them numerically against the module itself; anything else (extra magnitude scaling as in
-YaRN's ``mscale``, custom position handling) gives None and the caller keeps post-RoPE keys.
+mlx_lm hands caches RoPE-rotated keys; a quantizer that wants pre-RoPE keys (KVQuant: their channels have
+stable ranges) undoes the rotation exactly, RoPE being a rotation by ``position * scale * frequency`` per
+channel pair (the inverse negates the scale). ``rope_spec(module)`` reads an attention module's ``rope``
+(``mlx.nn.RoPE``, or mlx_lm's variants with a ``_freqs`` table) and checks it numerically against the
+module; anything else (YaRN's ``mscale``, custom positions) gives None and the caller keeps post-RoPE keys.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import functools
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -27,13 +21,9 @@ _BLOCK = 64  # positions per block of the angle-addition tables in rotate_rows
 
 
 def rope_spec(module) -> Optional[dict]:
-    """``{"dims", "traditional", "base", "scale", "freqs"}`` of ``module`` (a RoPE layer) or None.
-
-    ``freqs`` is a list of floats (Llama-3 style tables) or None. The spec is returned only if
-    rotating a random probe with it matches ``module(probe, offset=...)``."""
-    if module is None:
-        return None
-    if getattr(module, "mscale", 1.0) != 1.0:
+    """``{"dims", "traditional", "base", "scale", "freqs"}`` of ``module`` (a RoPE layer; ``freqs`` a list
+    or None), if rotating a random probe with it matches ``module(probe, offset=...)``; else None."""
+    if module is None or getattr(module, "mscale", 1.0) != 1.0:
         return None
     dims, traditional = getattr(module, "dims", None), getattr(module, "traditional", None)
     scale = getattr(module, "scale", 1.0)
@@ -85,11 +75,9 @@ def _turn(a, b, c, s):
 
 
 def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset: int, inverse: bool = False) -> mx.array:
-    """``apply_rope`` for rows ``x [B, H, n, D]`` at positions ``offset .. offset + n - 1`` without a
-    sine/cosine per element: ``cos((p0 + r) w) = cos(p0 w) cos(r w) - sin(p0 w) sin(r w)`` over blocks of
-    64 positions, so only ``(n / 64 + 64) * dims / 2`` trigonometric values are computed per call
-    (MLX's CPU ``fast.rope`` evaluates one per element: ~5x slower for long rows). ``omega`` is
-    :func:`rope_frequencies` of ``spec``."""
+    """``apply_rope`` without a sine/cosine per element: angle addition over blocks of 64 positions
+    (``cos((p0 + r) w) = cos(p0 w) cos(r w) - sin(p0 w) sin(r w)``), ``(n / 64 + 64) * dims / 2`` trig values
+    per call (MLX's CPU ``fast.rope``: one per element, ~5x slower). ``omega``: :func:`rope_frequencies`."""
     n = x.shape[2]
     nb = -(-n // _BLOCK)
     starts = (offset + _BLOCK * mx.arange(nb, dtype=mx.float32))[:, None] * omega  # [nb, P]

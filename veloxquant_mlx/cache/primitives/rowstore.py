@@ -6,15 +6,11 @@ import mlx.core as mx
 
 
 class RowStore:
-    """Named per-token arrays, preallocated ``(capacity, *row_shape)`` and grown by doubling.
-
-    Arrays are created lazily on the first write (an empty store holds nothing) and dropped by
-    :meth:`clear`. Rows ``[0, n)`` are valid; the rest is reserved capacity (counted in ``nbytes``
-    because it is held).
-    """
+    """Named per-token arrays ``(capacity, *row_shape)``, created on the first write, grown by doubling;
+    rows ``[0, n)`` are valid, the rest is held capacity (counted in ``nbytes``)."""
 
     def __init__(self, specs: dict, initial_capacity: int):
-        self.specs = specs  # name -> (row_shape tuple, dtype)
+        self.specs = specs
         self.initial_capacity = initial_capacity
         self.arrays: dict[str, mx.array] = {}
         self.capacity = 0
@@ -22,7 +18,7 @@ class RowStore:
 
     def _allocate(self, capacity: int) -> None:
         new = {}
-        for name, (shape, dtype) in self.specs.items():
+        for name, (shape, dtype) in self.specs.items():  # specs: name -> (row shape, dtype)
             buf = mx.zeros((capacity, *shape), dtype=dtype)
             if self.n:
                 buf[: self.n] = self.arrays[name][: self.n]
@@ -35,8 +31,7 @@ class RowStore:
             return
         need = self.n + k
         if need > self.capacity:
-            cap = max(self.initial_capacity, 2 * self.capacity, need)
-            self._allocate(cap)
+            self._allocate(max(self.initial_capacity, 2 * self.capacity, need))
         for name, val in rows.items():
             self.arrays[name][self.n : need] = val
         self.n = need

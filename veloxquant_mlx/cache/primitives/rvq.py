@@ -1,11 +1,8 @@
-"""Two-stage residual vector quantization (RVQ) codebooks for sub-vectors of rotated unit vectors
-(TurboQuant-RVQ's data-oblivious codebooks, ``methods/quantization/turboquant_rvq.py``).
-
-A ``bits``-bit code of an ``s``-dim piece is a stage-1 centroid ``c1[i]`` (``B1 = min(bits, 8)`` bits) plus
-a cell-scaled stage-2 centroid ``sigma[i] * c2[j]`` (the other ``B2`` bits; none when ``bits <= 8``).
-Training: seeded k-means (``codebook.kmeans``) on pieces of uniformly random unit vectors in R^dim,
-then ``REFINE_ITERS`` rounds of joint refinement (``c1`` given ``c2``; ``c2`` by weighted least squares;
-``sigma`` by least squares). Encoding is a beam search over the ``BEAM`` nearest stage-1 centroids.
+"""Two-stage residual VQ codebooks for sub-vectors of rotated unit vectors (TurboQuant-RVQ's data-oblivious
+codebooks). A ``bits``-bit code of an ``s``-dim piece is a stage-1 centroid ``c1[i]`` (``min(bits, 8)`` bits)
+plus a cell-scaled stage-2 centroid ``sigma[i] * c2[j]`` (the other bits). Training: seeded k-means on pieces
+of random unit vectors, then ``REFINE_ITERS`` rounds of joint least-squares refinement of ``c1``, ``c2`` and
+``sigma``. Encoding is a beam search over the ``BEAM`` nearest stage-1 centroids.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ def split_bits(bits: int) -> tuple[int, int]:
 
 
 def row_bytes(dim: int, sub_dim: int, bits: int) -> int:
-    """Stored bytes of one quantized vector: its packed code planes (whole 32-bit words each) and
-    its float16 norm."""
+    """Stored bytes of one quantized vector: its packed code planes (whole words) and its float16 norm."""
     b1, b2 = split_bits(bits)
     n = dim // sub_dim
     return 4 * (packed_words(n, b1) + (packed_words(n, b2) if b2 else 0)) + 2
@@ -71,12 +67,9 @@ class RVQCodebook:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
-    # ---- serialisation (ArtifactStore): one flat float32 array
     def to_array(self) -> mx.array:
-        parts = [self.c1.reshape(-1), self.sigma.reshape(-1)]
-        if self.c2 is not None:
-            parts.append(self.c2.reshape(-1))
-        return mx.concatenate(parts)
+        """One flat float32 array (an ArtifactStore entry)."""
+        return mx.concatenate([a.reshape(-1) for a in (self.c1, self.sigma, self.c2) if a is not None])
 
     @classmethod
     def from_array(cls, a: mx.array, dim: int, sub_dim: int, bits: int) -> "RVQCodebook":
@@ -91,7 +84,6 @@ class RVQCodebook:
         c2 = a[k1 * sub_dim + k1 :].reshape(k2, sub_dim) if k2 else None
         return cls(dim, sub_dim, bits, c1, sigma, c2)
 
-    # ---- coding
     def encode(self, y: mx.array) -> tuple[mx.array, Optional[mx.array]]:
         """Codes ``(i [.., S], j [.., S] or None)`` (uint8) of rotated unit vectors ``y [.., dim]``."""
         lead = y.shape[:-1]
@@ -134,11 +126,10 @@ class RVQCodebook:
         return out.reshape(*i.shape[:-1], self.dim)
 
     def lut(self, qs: mx.array, n_tokens: int):
-        """Lookup tables of the query pieces ``qs [.., S, s]``: ``(table [.., S*K], joint)``.
-        With ``joint`` the table is indexed by ``s*K + i*K2 + j`` (``K = K1*K2``), else it is the
-        pair ``(stage-1 table [.., S*K1], stage-2 table [.., S*K2])``. The joint table (one gather per
-        code instead of three) is built when ``K <= JOINT_LUT_MAX`` and not much larger than the
-        number of tokens it will be gathered for."""
+        """Lookup tables of the query pieces ``qs [.., S, s]``: ``(table, joint)``. A joint table ``[.., S*K]``
+        is indexed by ``s*K + i*K2 + j`` (one gather per code instead of three; built when ``K = K1*K2 <=
+        JOINT_LUT_MAX`` and not much above the token count), else the pair (stage-1 ``[.., S*K1]``, stage-2
+        ``[.., S*K2]``)."""
         lead = qs.shape[:-2]
         if self.c2 is None:
             return (qs @ self.c1.T).reshape(*lead, -1), True  # [.., S*K1]
@@ -159,14 +150,13 @@ def _train(dim: int, sub_dim: int, bits: int, seed: int) -> RVQCodebook:
     c1, labels = kmeans(x, k1, iters=KMEANS_ITERS, seed=seed)
     if not b2:
         return RVQCodebook(dim, sub_dim, bits, c1, mx.ones((k1,)), None)
-    ar1, ar2 = mx.arange(k1), mx.arange(k2)
 
-    def cell_sums(lab, vals, k, ar):  # per-cell sums of rows of vals (one-hot matmul), and counts
-        oh = (lab[:, None] == ar[None]).astype(mx.float32)
+    def cell_sums(lab, vals, k):  # per-cell sums of rows of vals (one-hot matmul), and counts
+        oh = (lab[:, None] == mx.arange(k)[None]).astype(mx.float32)
         return oh.T @ vals, oh.sum(axis=0)
 
     r = x - c1[labels]
-    ssum, cnt = cell_sums(labels, mx.sum(r * r, axis=1, keepdims=True), k1, ar1)
+    ssum, cnt = cell_sums(labels, mx.sum(r * r, axis=1, keepdims=True), k1)
     sigma = mx.sqrt(ssum[:, 0] / mx.maximum(cnt, 1.0) / sub_dim)
     sigma = mx.where(sigma > 0, sigma, mx.mean(sigma) + 1e-6)
     c2, _ = kmeans(r / sigma[labels][:, None], k2, iters=KMEANS_ITERS, seed=seed + 1)
@@ -176,16 +166,16 @@ def _train(dim: int, sub_dim: int, bits: int, seed: int) -> RVQCodebook:
         i, j = i.astype(mx.int32), j.astype(mx.int32)
         s_i = sigma[i][:, None]
         # c1 given (c2, sigma): cell means of x - sigma c2
-        num, cnt1 = cell_sums(i, x - s_i * c2[j], k1, ar1)
+        num, cnt1 = cell_sums(i, x - s_i * c2[j], k1)
         c1 = mx.where(cnt1[:, None] > 0, num / mx.maximum(cnt1, 1.0)[:, None], c1)
         # c2 given (c1, sigma): weighted least squares, weights sigma^2
         r = x - c1[i]
-        num, _ = cell_sums(j, r * s_i, k2, ar2)
-        den, _ = cell_sums(j, s_i * s_i, k2, ar2)
+        num, _ = cell_sums(j, r * s_i, k2)
+        den, _ = cell_sums(j, s_i * s_i, k2)
         c2 = mx.where(den > 0, num / mx.maximum(den, 1e-20), c2)
         # sigma given (c1, c2): per-cell least squares scale
-        num, _ = cell_sums(i, mx.sum(r * c2[j], axis=1, keepdims=True), k1, ar1)
-        den, _ = cell_sums(i, mx.sum(c2[j] * c2[j], axis=1, keepdims=True), k1, ar1)
+        num, _ = cell_sums(i, mx.sum(r * c2[j], axis=1, keepdims=True), k1)
+        den, _ = cell_sums(i, mx.sum(c2[j] * c2[j], axis=1, keepdims=True), k1)
         new = num[:, 0] / mx.maximum(den[:, 0], 1e-20)
         sigma = mx.where((den[:, 0] > 0) & (mx.abs(new) > 1e-12), new, sigma)
         cb = RVQCodebook(dim, sub_dim, bits, c1, sigma, c2)

@@ -1,16 +1,13 @@
 """Gaussian JL sketches and the 1-bit QJL inner-product estimator (QJL, arXiv 2406.03482).
 
-QJL stores, for a key ``k``, only the signs of a Gaussian projection ``S k`` (``S`` is ``m x d`` with
-i.i.d. N(0, 1) entries) and the norm ``||k||``. For an unquantized query ``q`` the asymmetric estimator
+For a key ``k`` QJL stores the signs of ``S k`` (``S`` ``m x d``, i.i.d. N(0, 1)) and ``||k||``. For an
+unquantized query ``q`` the asymmetric estimator
 
     <q, k>  ~  sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>
 
-is unbiased: for one row ``s`` of ``S``, ``E[<s, q> sign(<s, k>)] = sqrt(2/pi) <q, k> / ||k||``
-(the QJL paper's asymmetric estimator; TurboQuant, arXiv 2504.19874, uses it with ``m = d``), and
-its variance is at most ``pi / (2 m) * ||q||^2 ||k||^2``.
-
-Sign convention: ``sign(0) = +1``. Sign bits are ``uint8`` with 1 for +1 and 0 for -1, ready for
-:func:`veloxquant_mlx.cache.primitives.bitpack.pack_bits` at 1 bit.
+is unbiased (``E[<s, q> sign(<s, k>)] = sqrt(2/pi) <q, k> / ||k||`` per row ``s``; TurboQuant, arXiv
+2504.19874, uses it with ``m = d``), with variance at most ``pi / (2 m) * ||q||^2 ||k||^2``.
+``sign(0) = +1``; sign bits are ``uint8`` (1 for +1, 0 for -1), ready for ``bitpack.pack_bits`` at 1 bit.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from . import check_int
 from .rotation import seeded_rng
 
 __all__ = ["gaussian_jl", "qjl_signs", "qjl_inner_product", "qjl_dequantize", "QJL_SCALE"]
@@ -38,21 +36,12 @@ def _jl_np(m: int, d: int, seed: int) -> np.ndarray:
 
 def gaussian_jl(m: int, d: int, seed: int) -> mx.array:
     """``m x d`` float32 JL matrix with i.i.d. N(0, 1) entries, deterministic per ``(m, d, seed)``."""
-    for name, v in (("m", m), ("d", d)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}={v!r} is invalid: expected an int >= 1")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed={seed!r} is invalid: expected an int")
-    return mx.array(_jl_np(int(m), int(d), int(seed)))
+    return mx.array(_jl_np(check_int("m", m, 1), check_int("d", d, 1), check_int("seed", seed)))
 
 
 def qjl_signs(S: mx.array, k: mx.array) -> mx.array:
-    """Sign bits of ``S k`` for ``k`` of shape ``(d,)`` or ``(..., d)``.
-
-    Returns ``uint8`` of shape ``(..., m)``: 1 where ``S k >= 0``, 0 where it is negative.
-    """
-    proj = k.astype(mx.float32) @ S.T
-    return (proj >= 0).astype(mx.uint8)
+    """Sign bits ``uint8 (..., m)`` of ``S k`` for ``k (..., d)``: 1 where ``S k >= 0``."""
+    return (k.astype(mx.float32) @ S.T >= 0).astype(mx.uint8)
 
 
 def _pm(signs: mx.array) -> mx.array:
@@ -63,18 +52,12 @@ def _pm(signs: mx.array) -> mx.array:
 
 
 def qjl_inner_product(q: mx.array, signs: mx.array, norms: mx.array, S: mx.array) -> mx.array:
-    """Unbiased estimates of ``<q, k_i>`` from ``sign(S k_i)`` and ``||k_i||``.
-
-    ``q``: ``(d,)`` or ``(nq, d)``; ``signs``: ``(n, m)`` sign bits (0/1, or +-1 floats); ``norms``:
-    ``(n,)``. Returns ``(n,)`` for a single query, ``(nq, n)`` for a block.
-    """
-    m = S.shape[0]
-    sq = q.astype(mx.float32) @ S.T  # (..., m)
-    dots = sq @ _pm(signs).T  # (..., n)
-    return (QJL_SCALE / m) * dots * norms.astype(mx.float32)
+    """Unbiased estimates of ``<q, k_i>`` from sign bits ``(n, m)`` (0/1 or +-1) and norms ``(n,)``: ``(n,)``
+    for a query ``(d,)``, ``(nq, n)`` for ``(nq, d)``."""
+    dots = (q.astype(mx.float32) @ S.T) @ _pm(signs).T
+    return (QJL_SCALE / S.shape[0]) * dots * norms.astype(mx.float32)
 
 
 def qjl_dequantize(signs: mx.array, norms: mx.array, S: mx.array) -> mx.array:
     """Vectors ``sqrt(pi/2)/m * ||k|| * S^T sign(S k)`` whose inner products are the estimates above."""
-    m = S.shape[0]
-    return (QJL_SCALE / m) * (_pm(signs) @ S) * norms.astype(mx.float32)[..., None]
+    return (QJL_SCALE / S.shape[0]) * (_pm(signs) @ S) * norms.astype(mx.float32)[..., None]

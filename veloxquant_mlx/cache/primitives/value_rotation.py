@@ -1,6 +1,5 @@
-"""The values' rotation of Waterfill: a normalized Hadamard applied as a fast transform for a
-power-of-two dimension (no stored matrix), else a seeded Haar-random orthogonal matrix; and the odd
-polynomial codebook its rotated value coordinates are decoded with."""
+"""Waterfill's value rotation (a normalized Hadamard as a fast transform for a power-of-two dimension, else a
+seeded Haar-random orthogonal matrix) and the odd-polynomial codebook of its rotated coordinates."""
 
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ def power_of_two(d: int) -> bool:
 
 
 def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
-    """``y M`` (or ``y M^T``) over the last axis with the values' rotation ``M``: for a power-of-two
-    dim the normalized Hadamard applied as a fast Walsh-Hadamard transform (``mx.hadamard_transform``,
-    ``O(Dv log Dv)`` per row, no stored matrix; ``H`` is symmetric and orthogonal, so it is its own
-    inverse), else the seeded random rotation's matrix."""
+    """``y M`` (or ``y M^T``) over the last axis: ``mx.hadamard_transform`` for a power-of-two dim (``H`` is
+    its own inverse; no stored matrix), else the seeded random rotation's matrix."""
     dv = y.shape[-1]
     if power_of_two(dv):
         return mx.hadamard_transform(y, scale=dv**-0.5)
@@ -31,9 +28,7 @@ def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
 
 
 def value_rotation(dim: int, seed: int) -> mx.array:
-    """The values' rotation as a matrix ``[Dv, Dv]`` (rows are rotated by ``v @ M``): normalized
-    Hadamard for a power-of-two ``dim`` (the caches apply it as a transform, :func:`rotate_values`, and
-    hold no matrix), else a seeded Haar-random orthogonal matrix (held, one array per process)."""
+    """The values' rotation as a matrix ``[Dv, Dv]`` (``v @ M``), one array per process per key."""
     key = (int(dim), int(seed))
     m = _ROTATIONS.get(key)
     if m is None:

@@ -1,16 +1,9 @@
-"""Variable-width bit packing: every channel of a row has its own code width (0..8 bits).
+"""Variable-width bit packing: every channel has its own code width (0..8 bits).
 
-A ``VarLayout`` is built once from a per-row-group width table ``bits [G, D]`` (one table per KV head,
-say) whose rows all sum to the same total ``P`` bits. A row of ``D`` codes is written as one
-little-endian bit stream, channel ``c`` at stream bits ``[off_c, off_c + bits_c)`` (``off`` the
-exclusive cumulative sum of ``bits`` along the channel axis), padded to ``ceil(P / 32)`` ``uint32``
-words -- the same stream convention as ``bitpack`` (which is the special case of equal widths). A
-0-bit channel takes no bits and unpacks to code 0.
-
-Packing gathers each stream bit from its channel (one ``[.., P]`` gather, then 32-bit words as in
-``bitpack``); unpacking reads each channel's (at most two) words with two gathers and shifts, so a
-decode step that unpacks every stored row costs two gathers per code. No Python loop runs over
-elements, rows or channels.
+A ``VarLayout`` is built once from a width table ``bits [G, D]`` (one row per KV head, say; equal row sums
+``P``). A row of ``D`` codes is one little-endian bit stream as in ``bitpack`` (its equal-width special
+case), channel ``c`` at bits ``[off_c, off_c + bits_c)``, padded to ``ceil(P / 32)`` words; a 0-bit channel
+unpacks to 0. Packing is one gather of stream bits; unpacking two gathers per code. All vectorized.
 """
 
 from __future__ import annotations
@@ -24,12 +17,9 @@ __all__ = ["VarLayout", "extract_codes"]
 
 
 class VarLayout:
-    """Index tables of the variable-width layout of ``bits [G, D]`` (ints in 0..8, equal row sums).
-
-    Arrays to pack / unpack rows ``[.., G, n, D]`` (the group axis third from the end, e.g. mlx_lm's
-    ``[B, H, n, D]``): ``src_channel``/``src_bit`` [G, P] (for every stream bit, its channel and bit),
-    ``word``/``next_word``/``shift``/``mask`` [G, D] (for every channel, its first word, the word after
-    it, its bit offset in the first word and its width mask)."""
+    """Index tables of the layout of ``bits [G, D]``, for rows ``[.., G, n, D]``: per stream bit its channel
+    and bit (``src_channel``/``src_bit`` [G, P]); per channel its first word, the next, its bit offset and
+    width mask (``word``/``next_word``/``shift``/``mask`` [G, D])."""
 
     def __init__(self, bits):
         b = np.asarray(bits, dtype=np.int64)
@@ -102,8 +92,7 @@ class VarLayout:
 
 @functools.partial(mx.compile, shapeless=True)
 def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -> mx.array:
-    """Codes from their first word ``lo`` and the next word ``hi`` (one fused elementwise kernel).
-    ``(hi << (31 - s)) << 1`` is ``hi << (32 - s)`` without a shift by 32 (it is 0 when s = 0); for a
-    code that does not straddle, the bits it brings in lie above the code's width and are masked off."""
+    """Codes from their first word ``lo`` and the next ``hi`` (one fused kernel); ``(hi << (31 - s)) << 1``
+    is ``hi << (32 - s)`` without a shift by 32; bits above a non-straddling code's width are masked off."""
     s = shift.astype(mx.uint32)
     return ((lo >> s) | ((hi << (31 - s)) << 1)) & mask.astype(mx.uint32)

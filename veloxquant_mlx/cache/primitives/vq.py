@@ -1,6 +1,5 @@
-"""Product vector quantization helpers: nearest-codeword assignment chunked over the codebook,
-seeded k-means codebooks batched over heads, and bit-packing of codes wider than 8 bits (VecInfer,
-A2ATS)."""
+"""Product VQ helpers (VecInfer, A2ATS): chunked nearest-codeword search, seeded k-means codebooks batched
+over heads, and packing of codes wider than 8 bits."""
 
 from __future__ import annotations
 
@@ -20,28 +19,22 @@ _TAG_VQ = 0x0A7E_0B01
 def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
     """Nearest codeword index for rows ``x [Hc, n, d]`` in codebooks ``cb [Hc, K, d]`` -> int32 [Hc, n].
     Chunked over the codebook (running minimum), so memory is O(n * 1024)."""
-    x = x.astype(mx.float32)
-    cb = cb.astype(mx.float32)
-    K = cb.shape[1]
+    x, cb = x.astype(mx.float32), cb.astype(mx.float32)
     best_d = best_i = None
-    for s in range(0, K, _CHUNK):
+    for s in range(0, cb.shape[1], _CHUNK):
         c = cb[:, s : s + _CHUNK]
         d = mx.sum(c * c, axis=-1)[:, None, :] - 2.0 * (x @ c.swapaxes(-1, -2))
-        i = mx.argmin(d, axis=-1)
-        m = mx.min(d, axis=-1)
+        i, m = mx.argmin(d, axis=-1).astype(mx.int32) + s, mx.min(d, axis=-1)
         if best_d is None:
-            best_d, best_i = m, i.astype(mx.int32)
+            best_d, best_i = m, i
         else:
-            upd = m < best_d
-            best_i = mx.where(upd, i.astype(mx.int32) + s, best_i)
-            best_d = mx.minimum(m, best_d)
+            best_i, best_d = mx.where(m < best_d, i, best_i), mx.minimum(m, best_d)
     return best_i
 
 
 def fit_codebook(x: mx.array, k: int, seed: int, iters: int = KMEANS_ITERS) -> mx.array:
-    """Seeded k-means: ``k`` codewords for the rows of ``x [Hc, n, d]`` -> float32 [Hc, k, d]. Init =
-    random rows (with replacement when n < k); Lloyd iterations batched over the leading axis; an
-    empty cluster keeps its codeword."""
+    """Seeded k-means: ``k`` codewords for the rows of ``x [Hc, n, d]`` -> float32 [Hc, k, d], from random
+    rows (with replacement when n < k), batched over the leading axis; an empty cluster keeps its codeword."""
     Hc, n, d = x.shape
     x = x.astype(mx.float32)
     rng = seeded_rng(_TAG_VQ, seed)
