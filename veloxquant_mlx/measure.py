@@ -1,21 +1,11 @@
 """Byte accounting for KV caches: what a cache really holds, and what mlx_lm's plain cache would hold.
 
-* :func:`kv_bytes` — measured: the sum of ``nbytes`` over a model's caches (for this library's caches,
-  the arrays they really hold; for mlx_lm's ``KVCache``, its allocated buffers including the slack of
-  up to 256 rows it grows by).
-* :func:`fp16_kv_bytes` — the reference: the same number of tokens in mlx_lm's plain cache at fp16
-  without slack, ``sum over layers of 2 (K and V) * B * H_kv * T * D * 2 bytes``, with ``H_kv`` and
-  ``D`` read from each layer's attention module. Layers whose mlx_lm cache is a sliding-window
-  ``RotatingKVCache`` count at most their window; layers without a KV cache (state-space layers)
-  count nothing.
-* :func:`cache_tokens` — the number of tokens a model's caches have seen (their logical ``offset``).
-* :func:`kv_summary`, :func:`cache_figures`, :func:`batch_figures`, :func:`process_memory` — the figures
-  the command line and ``/v1/kv/stats`` report, built from the above.
-
-One ratio convention everywhere (CLI tables, JSON keys, bench rows, eval rows, plots, docs):
-:func:`kv_fraction_of_fp16` = held bytes / fp16 bytes (0.30 = the cache holds 30% of what mlx_lm's plain
-fp16 cache would). Where a "times smaller" figure helps, :func:`compression_text` prints the inverse in
-words next to it ("3.4x smaller"), never as a bare number.
+:func:`kv_bytes` is measured: the sum of the caches' ``nbytes`` (for mlx_lm's ``KVCache``, its buffers with the
+up-to-256-row slack). :func:`fp16_kv_bytes` is the reference: the same tokens in mlx_lm's plain cache at fp16
+without slack (``2 * B * H_kv * T * D * 2`` bytes a layer; a sliding-window layer counts at most its window,
+a layer without a KV cache nothing). One ratio everywhere (CLI, JSON, bench, eval, plots, docs):
+:func:`kv_fraction_of_fp16` = held / fp16 bytes; :func:`compression_text` says its inverse in words
+("3.4x smaller"), never as a bare number.
 """
 
 from __future__ import annotations
@@ -29,12 +19,11 @@ FP16_BYTES = 2
 
 
 def kv_bytes(caches: Iterable) -> int:
-    """Sum of ``c.nbytes`` over ``caches`` (one cache per layer), as reported by each cache."""
     return int(sum(int(c.nbytes) for c in caches))
 
 
 def cache_tokens(caches: Iterable) -> int:
-    """Tokens seen by the caches: the largest logical ``offset`` among them (0 if none has one)."""
+    """Tokens seen: the largest logical ``offset`` among the caches (0 if none has one)."""
     offsets = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
     return max(offsets, default=0)
 
@@ -114,8 +103,7 @@ def kv_summary(model, caches) -> dict:
 
 
 def cache_figures(model, caches) -> dict:
-    """:func:`kv_summary` of one request's caches under the server's names, with the tokens each layer
-    keeps (``stored_rows`` or ``size``): ``tokens_seen``, ``tokens_kept_max``, ``tokens_kept_mean``."""
+    """:func:`kv_summary` under the server's names, with the tokens each layer keeps (``stored_rows`` or ``size``)."""
     kv = kv_summary(model, caches)
     kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
     return {"tokens_seen": kv.pop("kv_tokens"), "tokens_kept_max": max(kept, default=0),
@@ -123,9 +111,8 @@ def cache_figures(model, caches) -> dict:
 
 
 def batch_figures(model, caches) -> dict:
-    """Like :func:`cache_figures` for a running batch cache (host-side lengths only: no device reads;
-    mlx_lm's ``BatchKVCache`` keeps its per-request lengths on the device, so for it only bytes and the
-    batch size are reported)."""
+    """:func:`cache_figures` of a running batch from host-side lengths only (no device reads): for mlx_lm's
+    ``BatchKVCache``, whose lengths live on the device, only bytes and the batch size."""
     first = caches[0]
     measured = kv_bytes(caches)
     if not hasattr(first, "lens"):
