@@ -1,24 +1,18 @@
-"""Saved caches on the command line (registered by :mod:`.cli`).
-
-* ``veloxquant cache save --method M [--set FIELD=VALUE ...] [--model PATH] --prompt-file F --out PATH
-  [--json]`` — prefill the text of F (plain text, ``tokenizer.encode``, no chat template) into caches
-  made as ``generate`` makes them, and save them (:func:`veloxquant_mlx.cache.save_cache`).
-* ``veloxquant cache info PATH [--json]`` — the metadata of a saved cache (no model is loaded).
-* ``veloxquant generate --prompt-cache PATH --prompt TEXT`` — continue after a saved cache: the prompt
-  (plain text, no chat template) is appended after the cached tokens (:func:`generate_from_saved`).
-
-A missing, corrupt or mismatched file ends with exit code 2 and a message naming the file and the problem.
+"""Saved caches on the command line: ``cache save`` (prefill a text file into caches made as ``generate`` makes
+them, and save them), ``cache info`` (a saved cache's metadata, no model loaded) and ``generate --prompt-cache``
+(continue after a saved cache). A missing, corrupt or mismatched file exits 2 naming the file and the problem.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections import Counter
+from itertools import groupby
 
 from .cache.settings import NONE, UsageError, check_method_name, method_config
-from .cli_output import (MODEL_HELP, Progress, fmt_bytes, kv_rows, method_label, print_generation, print_rows,
-                         short_prompt_note)
+from .cli_output import (GENERATION_KEYS, MODEL_HELP, Progress, fmt_bytes, kv_rows, method_label, print_generation,
+                         print_rows, short_prompt_note)
 from .generate import encode_turn, make_caches, run_generation
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -26,15 +20,9 @@ __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache
 _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template is applied"
 
 
-def _saved_error(exc) -> UsageError:
-    return UsageError(str(exc))
-
-
 # --------------------------------------------------------------------------- #
 # cache save / cache info
 # --------------------------------------------------------------------------- #
-
-
 def cmd_cache_save(args) -> int:
     from .cache import SavedCacheError, save_cache
 
@@ -64,7 +52,7 @@ def cmd_cache_save(args) -> int:
     try:
         info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
     except SavedCacheError as exc:
-        raise _saved_error(exc) from None
+        raise UsageError(str(exc)) from None
     kv = kv_summary(model, caches)
     out = {"path": args.out, "method": method, "settings": sets, "model": info["model_id"],
            "tokens": len(tokens), "file_bytes": info["file_bytes"], **kv}
@@ -79,16 +67,9 @@ def cmd_cache_save(args) -> int:
     return 0
 
 
-
 def _shapes_summary(shapes: list) -> str:
     """``30 x [3, 64, 64]`` style runs of equal per-layer head shapes ([H_kv, D_key, D_value])."""
-    runs: list[list[Any]] = []
-    for s in shapes:
-        if runs and runs[-1][1] == s:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, s])
-    return ", ".join(f"{n} x {'none' if s is None else s}" for n, s in runs)
+    return ", ".join(f"{len(list(run))} x {'none' if s is None else s}" for s, run in groupby(shapes))
 
 
 def cmd_cache_info(args) -> int:
@@ -97,11 +78,12 @@ def cmd_cache_info(args) -> int:
     try:
         info = read_cache_info(args.path)
     except SavedCacheError as exc:
-        raise _saved_error(exc) from None
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(info))
         return 0
     kv, size = info["kv_bytes"], info["file_bytes"]
+    classes = ", ".join(f"{n} x {c}" for c, n in Counter(info["layer_classes"]).items())
     preview = info["tokens"][:8]
     print_rows([
         ("file", info["path"]),
@@ -109,7 +91,7 @@ def cmd_cache_info(args) -> int:
         ("method", info["method"]),
         ("config", json.dumps(info["config"]) if info["config"] else "defaults"),
         ("model", info["model_id"]),
-        ("layers", f"{info['n_layers']} ({_format_classes(info['layer_classes'])})"),
+        ("layers", f"{info['n_layers']} ({classes})"),
         ("head shapes", _shapes_summary(info["head_shapes"]) + "  [KV heads, key dim, value dim]"),
         ("tokens", f"{info['n_tokens']} (first: {preview}{' ...' if info['n_tokens'] > len(preview) else ''})"),
         ("kv_bytes", f"{kv} ({fmt_bytes(kv)}, sum of cache nbytes when saved)"),
@@ -118,22 +100,9 @@ def cmd_cache_info(args) -> int:
     return 0
 
 
-def _format_classes(classes: list[str]) -> str:
-    counts: dict[str, int] = {}
-    for c in classes:
-        counts[c] = counts.get(c, 0) + 1
-    return ", ".join(f"{n} x {c}" for c, n in counts.items())
-
-
-# --------------------------------------------------------------------------- #
-# generate --prompt-cache
-# --------------------------------------------------------------------------- #
-
-
 def generate_from_saved(args) -> int:
-    """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and
-    ``--method`` when given; the model defaults to the one the file records), append the prompt's
-    tokens after the cached ones and generate greedily."""
+    """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and ``--method`` when
+    given; the model defaults to the file's), append the prompt's tokens after the cached ones, generate."""
     from .cache import SavedCacheError, load_cache, read_cache_info
     from .measure import kv_summary
 
@@ -165,7 +134,7 @@ def generate_from_saved(args) -> int:
         caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
                                   expect_model_id=args.model)
     except SavedCacheError as exc:
-        raise _saved_error(exc) from None
+        raise UsageError(str(exc)) from None
     if args.raw_prompt:
         prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
     else:
@@ -176,9 +145,8 @@ def generate_from_saved(args) -> int:
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     settings = info["config"]
     out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
-           "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
-           "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
-           "prompt_cache": args.prompt_cache, "cached_tokens": info["n_tokens"],
+           **{k: result[k] for k in GENERATION_KEYS}, "prompt_cache": args.prompt_cache,
+           "cached_tokens": info["n_tokens"],
            "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
@@ -187,13 +155,8 @@ def generate_from_saved(args) -> int:
     ], args.json)
 
 
-# --------------------------------------------------------------------------- #
-# parsers
-# --------------------------------------------------------------------------- #
-
-
 def add_generate_arguments(g) -> None:
-    """``--prompt-cache`` on the ``generate`` parser."""
+    """``--prompt-cache`` and ``--raw-prompt`` on the ``generate`` parser."""
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
                    help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
                         "to the file's (and must match it when given); the prompt follows the cached tokens as a "
