@@ -1,32 +1,22 @@
 """``veloxquant serve``: mlx_lm's OpenAI-compatible HTTP server with this library's caches.
 
-What is mlx_lm's, reused as is: the HTTP API (``/v1/chat/completions`` streaming and not,
-``/v1/completions``, sampling arguments, stop words, tool calls, logprobs), its request queue and
-generation thread, and, for uncompressed requests (``--method none``), its continuous-batching path.
+mlx_lm's pieces are reused as they are: the HTTP API (chat and text completions, streaming, sampling, stop
+words, tool calls, logprobs), its request queue and generation thread, and its continuous batching. Added:
 
-What this module adds:
-
-* **Compressed caches per request** from ``KVCacheBuilder.for_model`` with the server's configuration
-  or the request's own ``"kv_cache": {"method": ..., "settings": {...}}`` (:mod:`.server_requests`).
-* **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi, the
-  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV
-  settings (the model key and model description carry them); the others (``merge`` raises
-  ``BatchingNotSupported``) are served one at a time, in arrival order. ``/v1/kv/stats`` says which;
-  nothing is ever decoded with an uncompressed batch cache behind a compressed label.
-* **Prompt-cache reuse only where the cache state is the one a fresh run builds**: one policy for both
-  stores (:mod:`.server_store`); otherwise the prompt is recomputed, and the stats say why.
-* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` next to the
-  fp16 bytes of mlx_lm's plain cache for the same tokens, tokens seen and kept, and process memory.
-* **Bad input gets a 4xx JSON error** naming the field (malformed JSON, UTF-8 or Content-Length, unknown
-  model, method or field, bad values, images, template errors, bodies over ``--max-body-bytes``, prompts
-  over ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
-* **Every failure gets an answer and fails only its own requests**: a 500 JSON error, or a final SSE
-  error event on a stream under way; an exception escaping mlx_lm's generation loop fails the requests
-  it was serving, re-queues those it had not started, and the loop starts again.
-* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (others get
-  403); ``--api-key`` requires a bearer token; every socket read and write is bounded by
-  ``--socket-timeout``; a request whose client has gone is cancelled at its next prefill chunk or decode
-  step. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
+* **Compressed caches per request**: the server's configuration or the request's own ``"kv_cache": {"method",
+  "settings", "reuse"}`` (:mod:`.server_requests`). Methods with a compressed batch form (``batchable``: kivi,
+  the default at 4 bits; turboquant_rvq; streaming_llm) join mlx_lm's continuous batch, one batch per KV
+  settings (carried by the model key and description); the others are served one at a time, in arrival
+  order. Nothing is decoded with an uncompressed batch cache behind a compressed label.
+* **Prompt-cache reuse only where the kept state is the one a fresh run builds** (:mod:`.server_store`).
+* ``GET /v1/kv/stats``: measured ``kv_bytes`` of live and kept caches next to mlx_lm's fp16 bytes, tokens
+  seen and kept, batching and reuse per method, counters, process memory.
+* **Bad input gets a 4xx JSON error naming the field**, checked on the handler's thread before anything
+  reaches generation; any later failure a 500 or a final SSE error event, failing only its own requests (a
+  failed generation loop fails those it served, re-queues those it had not started, and starts again).
+* **Hostile and vanished clients**: no CORS unless ``--allow-origin`` names the origin (others get 403),
+  ``--api-key`` bearer tokens, ``--socket-timeout`` on every read and write, and a request whose client has
+  gone is cancelled at its next prefill chunk or decode step.
 """
 
 from __future__ import annotations
@@ -62,18 +52,14 @@ EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
 DEFAULT_SOCKET_TIMEOUT = 30.0
-#: ``veloxquant serve``'s method when ``--method`` is not given: KIVI at 4 bits. It has a compressed batch
-#: form (concurrent requests share one continuous batch), a KL divergence of about 0.007 at about 0.36x
-#: the fp16 bytes, and the fastest quantizer; waterfill-4 is better per byte but served one at a time,
-#: and turboquant_rvq (the former default) is smaller but about 9x further from the fp16 logits
-#: (docs/RESULTS.md).
+#: The method without ``--method``: KIVI at 4 bits -- batchable, KL about 0.007 at about 0.36x the fp16 bytes,
+#: the fastest quantizer (waterfill-4 is better per byte but served one at a time; docs/RESULTS.md).
 DEFAULT_METHOD = "kivi"
 DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
-
-# mlx_lm's handler answers every error of a request factory with 400 and every error of
-# ``generate`` with 404; the status of a RequestError raised on the handler's thread replaces it.
+# mlx_lm's handler answers every error of a request factory with 400 and every error of ``generate`` with 404;
+# the status of a RequestError raised on the handler's thread replaces it.
 _pending = threading.local()
 
 
@@ -89,23 +75,16 @@ class RequestCancelled(Exception):
     """Raised in the generation thread to stop the prefill of a request whose client has gone."""
 
 
-# --------------------------------------------------------------------------- #
-# mlx_lm server pieces
-# --------------------------------------------------------------------------- #
-
-
 @dataclasses.dataclass
 class KVModelDescription(mlx_server.ModelDescription):
-    """mlx_lm's model description plus the KV settings: its batch path only puts requests whose
-    descriptions are equal into one batch, so requests with other settings wait for a new batch."""
+    """mlx_lm's model description plus the KV settings: its batch path batches only equal descriptions."""
 
     kv: tuple = ()
 
 
 class CachedModel:
-    """The served model whose ``make_cache`` builds one request's compressed caches: what mlx_lm's
-    batch path calls (``make_prompt_cache``) for each new request. It also remembers the caches of
-    the latest forward pass (weakly), so ``/v1/kv/stats`` can report the running batch."""
+    """The served model whose ``make_cache`` (called by mlx_lm's batch path for each new request) builds
+    compressed caches; it remembers the latest forward pass's caches weakly, for ``/v1/kv/stats``."""
 
     def __init__(self, model, kv: KVSettings):
         self._model = model
@@ -135,7 +114,7 @@ class ServedModelProvider(mlx_server.ModelProvider):
         super().__init__(cli_args)
         self.served_id = cli_args.model
         self._loaded = loaded  # (model, tokenizer) given by the caller instead of loading served_id
-        self.kv: Optional[KVSettings] = None  # settings of the request being scheduled (see _is_batchable)
+        self.kv: Optional[KVSettings] = None  # of the request being scheduled (set by _is_batchable)
         self._wrapped: dict = {}
         self.aliases = {None, "default_model", cli_args.model}
         if cli_args.model == EMBEDDED_ID:
@@ -147,40 +126,33 @@ class ServedModelProvider(mlx_server.ModelProvider):
                                     f"{self.served_id!r}")
         if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
             raise RequestError(400, "adapters and draft models are not supported by veloxquant serve")
+        self.model_key = (self.served_id, None, None)
         if self.model is not None:
-            self.model_key = (self.served_id, None, None)
             return
-        if self._loaded is not None:
-            model, tokenizer = self._loaded
-        else:
+        if self._loaded is None:
             from .model import load_model
 
-            model, tokenizer = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
-        self.model_key = (self.served_id, None, None)
-        self.model, self.tokenizer = model, tokenizer
+            self._loaded = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
+        self.model, self.tokenizer = self._loaded
         self.processor, self.draft_model = None, None
         self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
-        """The model for the request being scheduled: the plain model for ``none``, else a
-        ``CachedModel`` building its compressed caches; ``model_key`` then names the KV settings too,
-        so mlx_lm's prompt-cache store never hands one method's cache to another."""
+        """The model for the request being scheduled, a ``CachedModel`` of its KV settings; ``model_key`` names
+        them too, so mlx_lm's prompt-cache store never hands one method's cache to another."""
         self._load(model_path, adapter_path, draft_model_path)
         kv = self.kv
         if kv is None:
             return self.model, self.tokenizer
         if kv.method != NONE:
             self.model_key = (self.served_id, kv.key, None)
-        if kv.key not in self._wrapped:
-            self._wrapped[kv.key] = CachedModel(self.model, kv)
-        return self._wrapped[kv.key], self.tokenizer
+        return self._wrapped.setdefault(kv.key, CachedModel(self.model, kv)), self.tokenizer
 
 
 class _TrackedQueue:
-    """A request's response queue as the generation thread sees it. It remembers whether the request has
-    started (its first item, the context, was put) and finished (``None`` or an exception), so that a
-    failure of the generation loop fails the requests it was serving and re-queues, once, those it had
-    not started."""
+    """A request's response queue, remembering whether the request has started (its context was put) and
+    finished (``None`` or an exception): a failed generation loop fails the started ones and re-queues, once,
+    the others."""
 
     __slots__ = ("queue", "request", "started", "done", "retried", "__weakref__")
 
@@ -198,10 +170,8 @@ class _TrackedQueue:
 
 
 class CompressedResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx_lm's generation thread; compressed requests are served one at a time by ``_serve_single``.
-
-    An exception that escapes mlx_lm's loop (e.g. raised inside its batch step) no longer ends the
-    thread: the requests it was serving get the error and the loop starts again (``_run_generate``)."""
+    """mlx_lm's generation thread: compressed requests without a batch form are served one at a time
+    (``_serve_single``); an exception escaping mlx_lm's loop fails its requests and the loop starts again."""
 
     def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore, counters: dict):
         self.default_kv = default_kv
@@ -214,9 +184,10 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self._in_flight: weakref.WeakSet = weakref.WeakSet()  # before the thread starts
         super().__init__(provider, prompt_cache)
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, **increments: int) -> None:
         with self._count_lock:
-            self.counters[name] = self.counters.get(name, 0) + n
+            for name, n in increments.items():
+                self.counters[name] = self.counters.get(name, 0) + n
 
     def _run_generate(self):
         while not self._stop:
@@ -237,7 +208,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                     else:  # waiting behind the failed batch: served by the restarted loop
                         self.requests.put((_TrackedQueue(q.queue, q.request, retried=True), *q.request))
                 self._in_flight = weakref.WeakSet()
-                self.count("generation_failures")
+                self.count(generation_failures=1)
                 del e
                 gc.collect()
                 time.sleep(0.05)  # no busy loop should the failure repeat without requests
@@ -252,13 +223,12 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         return (tracked, *request[1:])
 
     def generate(self, request, generation_args, progress_callback=None):
-        """mlx_lm's ``generate`` on the handler's thread; while the client of a non-streaming request
-        waits, its connection is checked at each progress report and token, and a closed one stops the
-        request (``ClientGone``; the generation thread drops it at its next step)."""
+        """mlx_lm's ``generate`` on the handler's thread; the client's connection is checked at each progress
+        report and token, and a closed one stops the request (``ClientGone``)."""
         kv = getattr(request, "kv", None) or self.default_kv
         generation_args.kv = kv
         generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
-        self.count("requests")
+        self.count(requests=1)
         gone = getattr(_pending, "client_gone", None) or (lambda: False)
         started = []
 
@@ -286,8 +256,8 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         return ctx, watched()
 
     def _is_batchable(self, args):
-        # mlx_lm's loop calls this for each request just before loading the model and fetching a
-        # prompt cache for it: the provider learns the request's KV settings here.
+        # called per request just before loading the model and fetching its prompt cache: the provider
+        # learns the request's KV settings here
         kv = getattr(args, "kv", self.default_kv)
         self.model_provider.kv = kv
         self.prompt_cache.skip_fetch = not kv.reuse
@@ -322,17 +292,14 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         if caches is None:
             caches = make_caches(model, kv.method, kv.config)
         ctx.prompt_cache_count = reused
-        self.count("served_one_at_a_time")
-        self.count("prompt_tokens_one_at_a_time", len(prompt))
-        self.count("reused_tokens", reused)
+        self.count(served_one_at_a_time=1, prompt_tokens_one_at_a_time=len(prompt), reused_tokens=reused)
         rqueue.put(ctx)
 
         if args.seed is not None:
             mx.random.seed(args.seed)
         self._ids += 1
-        live_id = self._ids
+        live_id, tokens = self._ids, list(prompt)
         self.live[live_id] = (kv, caches)
-        tokens = list(prompt)
 
         def progress(done, total):
             if ctx._should_stop:  # the client has gone: stop the prefill here
@@ -360,8 +327,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             rqueue.put(None)
         finally:
             self.live.pop(live_id, None)
-        # mlx_lm's generate_step feeds each token before yielding it, so the caches have seen
-        # ``offset`` of ``tokens``; they are stored under exactly those.
+        # mlx_lm's generate_step feeds each token before yielding it: the caches have seen ``offset`` of ``tokens``
         seen = max(int(c.offset) for c in caches)
         if kv.reuse and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
@@ -378,32 +344,22 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 live.append({"batch": True, "method": key[0], "settings": dict(key[1]),
                              **batch_figures(model, caches)})
         cached = self.store.describe(model) + self.prompt_cache.describe(model)
-        return {
-            "model": self.model_provider.served_id,
-            "default": self.default_kv.describe(),
-            "live": live,
-            "cached": cached,
-            "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
-            "counters": counters,
-            "last_one_at_a_time_reuse": self.last_reuse,
-            "process": process_memory(),
-            "time": time.time(),
-        }
+        return {"model": self.model_provider.served_id, "default": self.default_kv.describe(), "live": live,
+                "cached": cached, "cached_kv_bytes": sum(c["kv_bytes"] for c in cached), "counters": counters,
+                "last_one_at_a_time_reuse": self.last_reuse, "process": process_memory(), "time": time.time()}
 
 
 class CompressedAPIHandler(mlx_server.APIHandler):
-    """mlx_lm's handler plus ``/v1/kv/stats``, request ``kv_cache`` settings, size limits, origin and
-    API-key checks, a socket timeout, and request validation that refuses, with a 4xx JSON error naming
-    the field, whatever could otherwise fail inside the generation thread."""
+    """mlx_lm's handler plus ``/v1/kv/stats``, ``kv_cache`` settings, size limits, origin and API-key checks, a
+    socket timeout, and validation that refuses with a 4xx naming the field what could fail in generation."""
 
     def __init__(self, response_generator, *args, **kwargs):
         self.timeout = response_generator.limits["socket_timeout"]  # read by StreamRequestHandler.setup
         super().__init__(response_generator, *args, **kwargs)
 
-    # ------------------------------------------------------------------ responses
     def send_response(self, code, message=None):
         if code >= 400:
-            self.response_generator.count("errors")
+            self.response_generator.count(errors=1)
         super().send_response(code, message)
 
     def _set_completion_headers(self, status_code: int = 200):
@@ -449,7 +405,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError) as e:
             self.close_connection = True
             if isinstance(e, ClientGone):
-                self.response_generator.count("cancelled_client_gone")
+                self.response_generator.count(cancelled_client_gone=1)
             logging.info("client %s gone (%s): request dropped", self.client_address[0], type(e).__name__)
         finally:
             _pending.client_gone = None
@@ -462,7 +418,6 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         except (OSError, ValueError):
             return True
 
-    # ------------------------------------------------------------------ access
     def _access_refused(self) -> bool:
         """Send 403 for a browser request from an origin not allowed, 401 without the API key."""
         origin = self.headers.get("Origin")
@@ -503,8 +458,8 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self._guarded(self._post)
 
     def _post(self):
-        """Check access, the path, Content-Length and the body's encoding, then mlx_lm's ``do_POST``
-        on the body read here (so a bad or stalled body gets a JSON error, never a dropped thread)."""
+        """Check access, path, Content-Length and encoding, then mlx_lm's ``do_POST`` on the body read here (a bad
+        or stalled body gets a JSON error, never a dropped thread)."""
         if self._access_refused():
             return
         if self.path not in _POST_PATHS:
@@ -539,11 +494,8 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         finally:
             self.rfile = socket_file
 
-    # ------------------------------------------------------------------ validation
     def validate_model_parameters(self) -> None:
-        """mlx_lm's checks, plus: no booleans for numbers, finite floats, ``seed`` within what MLX
-        accepts, ``top_k`` and ``logit_bias`` ids within the vocabulary, string ``stop`` words, an object
-        for ``chat_template_kwargs``, and a served model (named in the response as the served id)."""
+        """mlx_lm's checks, ours (:mod:`.server_requests`) and a served model (responses name the served id)."""
         check_number_types(self)
         super().validate_model_parameters()
         check_generation_fields(self, self.response_generator.vocab_size)
@@ -589,8 +541,8 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         return self._checked(super().handle_text_completions())
 
     def handle_completion(self, request, stop_words):
-        """mlx_lm's response loop; a failure after generation has started still gets an answer: a JSON
-        error with its status before the response has begun, else a final SSE ``error`` event."""
+        """mlx_lm's response loop; a later failure still gets an answer: a JSON error before the response has
+        begun, else a final SSE ``error`` event."""
         try:
             super().handle_completion(request, stop_words)
         except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -601,7 +553,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             logging.warning("request failed after it started (%s): %s", status, message)
             self.close_connection = True
             if self._stream_started:
-                self.response_generator.count("errors")
+                self.response_generator.count(errors=1)
                 event = {"error": {"message": message, "status": status}}
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                 self.wfile.flush()
@@ -613,11 +565,6 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         error = RequestError(status, message)
         _remember_status(error)
         raise error
-
-
-# --------------------------------------------------------------------------- #
-# assembly
-# --------------------------------------------------------------------------- #
 
 
 def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
@@ -644,18 +591,12 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
                 max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None,
                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, api_key: Optional[str] = None,
                 loaded: Optional[tuple] = None):
-    """A ready ``ThreadingHTTPServer`` (not yet serving) and its response generator.
-
-    Port 0 picks a free port (``httpd.server_address``). ``socket_timeout`` bounds each read and write
-    on a client connection; ``api_key`` makes every request need ``Authorization: Bearer KEY``;
-    ``cli_args.allowed_origins`` lists the origins a browser page may call from (default: none).
-    ``loaded`` is an already loaded ``(model, tokenizer)`` to serve under the id ``cli_args.model``.
-    Call ``shutdown(httpd, generator)`` to stop."""
+    """A ready ``ThreadingHTTPServer`` (not yet serving; port 0 picks a free one) and its response generator;
+    ``loaded``: an already loaded ``(model, tokenizer)`` to serve as ``cli_args.model``. Stop with ``shutdown``."""
     provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    # requests: POSTed generations; served_one_at_a_time: compressed requests without a batch form;
     # reused_tokens: prompt tokens taken from a kept cache (both stores); errors: 4xx/5xx answers and error
     # events ending a stream; generation_failures: failures of the generation loop that it survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
@@ -671,8 +612,8 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
 
 
 class _HTTPServer(ThreadingHTTPServer):
-    """One thread per connection (each bounded by the socket timeout), and a listen backlog deep enough
-    that a burst of connections waits in it instead of having its packets dropped by the kernel."""
+    """One thread per connection (bounded by the socket timeout); a backlog deep enough that a burst of
+    connections waits in it instead of having its packets dropped."""
 
     daemon_threads = True
     request_queue_size = 128
