@@ -62,5 +62,4 @@ def preload() -> str | None:
 def compute_dtype():
     """``mx.float32`` on the CPU (half precision never reaches BLAS there: ~40x slower), else ``mx.float16``."""
     import mlx.core as mx
-
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else mx.float16

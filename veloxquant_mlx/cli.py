@@ -44,7 +44,6 @@ DEMO_MAX_TOKENS = 24
 
 def _cmd_methods(args) -> int:
     from .cache import all_methods
-
     if args.name is not None:
         return _cmd_method_settings(args)
     rows = [{"name": i.name, "family": i.family, "protocol": i.protocol, "implemented": i.implemented,
@@ -62,7 +61,6 @@ def _cmd_methods(args) -> int:
 
 def _cmd_method_settings(args) -> int:
     from .cache import method_info
-
     _check_method_name(args.name)
     if args.name == NONE:
         raise UsageError(f"{NONE!r} (mlx_lm's plain KVCache) has no settings")
@@ -87,7 +85,6 @@ def _cmd_generate(args) -> int:
         raise UsageError("--raw-prompt applies only with --prompt-cache")
     if args.prompt_cache is not None:
         from .cli_cache import generate_from_saved
-
         return generate_from_saved(args)
     method = args.method
     if method is None:
@@ -96,11 +93,9 @@ def _cmd_generate(args) -> int:
     sets, config = method_config(method, args.set)
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-
     from .distributed import init_group, shard_model
     from .measure import kv_summary
     from .model import load_model
-
     group = init_group()  # size 1 unless started by ``mlx.launch``
     rank0 = group.rank() == 0
     progress = Progress(enabled=not args.json and rank0)
@@ -141,7 +136,6 @@ def _demo_settings(method: str, config) -> str:
     if config is None:
         return "uncompressed"
     from .cache.options import OPTIONS_BY_METHOD
-
     fields = getattr(OPTIONS_BY_METHOD.get(method), "FIELDS", {})
     shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items()
                                                  if opt in ("budget", "window_size", "n_sink", "bits",
@@ -152,7 +146,6 @@ def _demo_settings(method: str, config) -> str:
 def _cmd_demo(args) -> int:
     from .cache import method_info
     from .cache.base import STANDALONE_METHODS
-
     wanted = [m.strip() for m in (args.methods.split(",") if args.methods else DEMO_METHODS) if m.strip()]
     for m in wanted:
         _check_method_name(m)
@@ -160,7 +153,6 @@ def _cmd_demo(args) -> int:
         raise UsageError("--context must be >= 64")
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-
     progress = Progress(enabled=not args.json)
     runs: list[tuple[str, Any]] = [(NONE, None)]
     skipped: list[str] = []
@@ -176,11 +168,9 @@ def _cmd_demo(args) -> int:
             runs.append((m, build_config(m, DEMO_PRESETS.get(m, {}))))
     for note in skipped:
         progress.note(f"note: skipping {note}")
-
     from .eval.tasks import build_niah_prompt
     from .measure import fraction_text, kv_summary
     from .model import load_model
-
     progress.stage("loading model (first use downloads it)")
     model, tokenizer = load_model(args.model)
     progress.stage("building the needle prompt (first use downloads the essays)")
@@ -189,7 +179,6 @@ def _cmd_demo(args) -> int:
     except ValueError as exc:
         raise UsageError(f"--context {args.context}: {exc}") from None
     prompt_ids = niah.context_ids + niah.question_ids
-
     rows, reference = [], None
     for i, (method, config) in enumerate(runs, 1):
         tag = f"[{i}/{len(runs)}] {method}"
@@ -204,7 +193,6 @@ def _cmd_demo(args) -> int:
                      "correct": _is_correct(result["text"]), **{k: result[k] for k in GENERATION_KEYS},
                      "agreement": _agreement(reference, result["tokens"]), **kv})
         progress.stage(f"{tag}: done ({result['prefill_s']:.1f}s prefill, {result['generated_tokens']} tokens)")
-
     if args.json:
         print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))
         return 0
@@ -230,17 +218,14 @@ def _cmd_demo(args) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
-
     p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
-
     m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill), or one method's settings")
     m.add_argument("name", nargs="?", default=None,
                    help="a method name: list its --set settings (type, default, allowed values, flat alias)")
     m.add_argument("--json", action="store_true", help="print JSON (a list of methods, or one method's settings)")
     m.set_defaults(func=_cmd_methods)
-
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
     g.add_argument("--method", default=None,
                    help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
@@ -255,9 +240,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
     from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
-
     add_generate_arguments(g)
-
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
@@ -267,14 +250,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"most new tokens per answer (default {DEMO_MAX_TOKENS})")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
-
     from .cli_measure import add_subcommands  # eval, bench
-
     add_subcommands(sub)
     add_cache_parsers(sub)
-
     from .cli_serve import add_subcommand as add_serve
-
     add_serve(sub)
     return p
 
@@ -292,7 +271,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     from .cache import QuantizerConfigError
     from .model import UnsupportedModelError
-
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)

@@ -25,7 +25,6 @@ _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template i
 # --------------------------------------------------------------------------- #
 def cmd_cache_save(args) -> int:
     from .cache import SavedCacheError, save_cache
-
     method = args.method
     sets, config = method_config(method, args.set, standalone_ok=False)
     if not os.path.isfile(args.prompt_file):
@@ -37,11 +36,9 @@ def cmd_cache_save(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
-
     from .eval.fidelity import prefill
     from .measure import kv_summary
     from .model import load_model
-
     progress = Progress(enabled=not args.json)
     progress.stage("loading model")
     model, tokenizer = load_model(args.model)
@@ -74,7 +71,6 @@ def _shapes_summary(shapes: list) -> str:
 
 def cmd_cache_info(args) -> int:
     from .cache import SavedCacheError, read_cache_info
-
     try:
         info = read_cache_info(args.path)
     except SavedCacheError as exc:
@@ -105,7 +101,6 @@ def generate_from_saved(args) -> int:
     given; the model defaults to the file's), append the prompt's tokens after the cached ones, generate."""
     from .cache import SavedCacheError, load_cache, read_cache_info
     from .measure import kv_summary
-
     if args.method is not None:
         check_method_name(args.method)
     if args.set:
@@ -121,12 +116,10 @@ def generate_from_saved(args) -> int:
             raise SavedCacheError(f"{args.prompt_cache}: method mismatch: the file holds a {info['method']!r} "
                                   f"cache, --method is {args.method!r}")
         from .cache.saved import normalize_model_id
-
         if args.model is not None and normalize_model_id(args.model) != info["model_id"]:
             raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
                                   f"{info['model_id']!r}, --model is {args.model!r}")
         from .model import load_model
-
         progress = Progress(enabled=not args.json)
         progress.stage("loading model and saved cache")
         model_id = args.model if args.model is not None else info["model_id"]
@@ -169,7 +162,6 @@ def add_parsers(sub) -> None:
     """Add ``cache save`` and ``cache info`` to the ``veloxquant`` subparsers."""
     c = sub.add_parser("cache", help="save a prefilled compressed cache to a file, or show a saved one")
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="{save,info}")
-
     s = csub.add_parser(
         "save", help="prefill a text file into compressed caches and save them",
         description="Prefill the text of --prompt-file into caches made as `generate` makes them and save "
@@ -184,7 +176,6 @@ def add_parsers(sub) -> None:
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_cache_save)
-
     i = csub.add_parser("info", help="print the metadata of a saved cache (no model is loaded)")
     i.add_argument("path", metavar="PATH", help="a file written by `veloxquant cache save`")
     i.add_argument("--json", action="store_true", help="print the metadata as one JSON object (with token ids)")

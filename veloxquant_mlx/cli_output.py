@@ -37,7 +37,6 @@ class Progress:
         self._units = self._chunks = self._last_chunk = None
         if self.tty and total:
             from tqdm import tqdm
-
             self._units = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, leave=True)
 
     def _line(self, text: str) -> None:
@@ -45,7 +44,6 @@ class Progress:
             return
         if self.tty:
             from tqdm import tqdm
-
             tqdm.write(text, file=self.stream)
         else:
             self.stream.write(text + "\n")
@@ -86,7 +84,6 @@ class Progress:
             return
         if self.tty:
             from tqdm import tqdm
-
             if self._chunks is None or self._chunks.total != total or done < self._chunks.n:
                 self._end_chunks()
                 self._chunks = tqdm(total=total, file=self.stream, unit="tok", desc="prefill", leave=False,
@@ -145,7 +142,6 @@ def print_rows(rows: list[tuple], width: int = 19) -> None:
 def kv_rows(kv: dict) -> list[tuple]:
     """The measured-bytes rows of a generation or a saved cache (``measure.kv_summary``'s figures)."""
     from .measure import fraction_text
-
     return [("kv_bytes", f"{kv['kv_bytes']} ({fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
             ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({fmt_bytes(kv['kv_bytes_fp16'])}, "
                               f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),

@@ -54,7 +54,6 @@ def add_subcommand(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .cache.settings import UsageError, parse_sets
     from .server import DEFAULT_METHOD, DEFAULT_SETTINGS, RequestError, parse_kv_settings, serve, server_args
-
     for name in ("max_tokens", "max_tokens_limit", "max_prompt_tokens", "max_body_bytes", "prefill_step_size",
                  "decode_concurrency"):
         if getattr(args, name) < 1:

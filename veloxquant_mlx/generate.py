@@ -13,10 +13,8 @@ def make_caches(model, method: str, config=None) -> list:
     """One cache per layer: mlx_lm's plain caches for ``"none"``, else ``KVCacheBuilder.for_model``."""
     if method == "none":
         from mlx_lm.models.cache import make_prompt_cache
-
         return make_prompt_cache(model)
     from .cache import KVCacheBuilder
-
     return KVCacheBuilder.for_model(model, config)
 
 
@@ -59,7 +57,6 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
     """Greedy ``mlx_lm.stream_generate`` into ``caches``: tokens, text and timings (EOS excluded).
     ``on_prefill(done, total)`` follows the prefill chunks, ``on_token(n)`` each generated token."""
     import mlx_lm
-
     tokens, text = [], []
     t0 = time.perf_counter()
     t_first = t_last = None

@@ -43,9 +43,7 @@ def _kv_heads(attn, head_dim: int) -> int:
 def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
     """Bytes of ``n_tokens`` tokens in mlx_lm's plain KV cache at fp16, without its 256-row slack."""
     from mlx_lm.models import cache as mlx_cache
-
     from .cache.factory import _attention, _head_dim, _layers
-
     if n_tokens < 0 or batch_size < 1:
         raise ValueError(f"need n_tokens >= 0 and batch_size >= 1, got {n_tokens}, {batch_size}")
     defaults = mlx_cache.make_prompt_cache(model)
@@ -129,9 +127,7 @@ def process_memory() -> dict:
     """MLX's active, peak and cache memory, and the process's resident bytes (peak where /proc is absent)."""
     import os
     import sys
-
     import mlx.core as mx
-
     out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
            "mlx_cache_bytes": int(mx.get_cache_memory())}
     try:
@@ -139,7 +135,6 @@ def process_memory() -> dict:
             out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         import resource
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out["rss_peak_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
     return out

@@ -46,14 +46,12 @@ def _scalar(value: Any) -> Any:
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str):
     import mlx.core as mx
-
     return mx.load(path, return_metadata=True)
 
 
 def gguf_model_args(metadata: dict, rope_traditional: bool = True):
     """``mlx_lm.models.llama.ModelArgs`` from the ``llama.*`` GGUF metadata keys."""
     from mlx_lm.models import llama
-
     arch = _scalar(metadata.get("general.architecture", "llama"))
     if arch != "llama":
         raise UnsupportedModelError(
@@ -90,7 +88,6 @@ def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
     """GGUF tensors under mlx_lm llama names in ``dtype``; quantized ones (uint32 ``weight`` + ``scales`` +
     ``biases``) through ``mx.dequantize`` (group 32, bits from the packed shape)."""
     import mlx.core as mx
-
     out = {}
     for name, w in weights.items():
         base, _, suffix = name.rpartition(".")
@@ -113,7 +110,6 @@ def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True)
     llama.cpp-converted files; the switch shows what goes wrong without it)."""
     import mlx.core as mx
     from mlx_lm.models import llama
-
     raw, metadata = _read_gguf(str(path))
     args = gguf_model_args(metadata, rope_traditional=rope_traditional)
     weights = gguf_to_mlx_weights(raw, dtype or _blas.compute_dtype())
@@ -132,12 +128,10 @@ def load_gguf_tokenizer(path: str | Path):
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
     _, metadata = _read_gguf(str(path))
     tok_model = _scalar(metadata.get("tokenizer.ggml.model", "gpt2"))
     if tok_model != "gpt2":
         raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {tok_model!r}")
-
     tokens = list(metadata["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
@@ -167,7 +161,6 @@ def load_gguf_tokenizer(path: str | Path):
 
 def _dtype_key(dtype) -> str:
     import mlx.core as mx
-
     dtype = getattr(mx, dtype) if isinstance(dtype, str) else _blas.compute_dtype() if dtype is None else dtype
     if not isinstance(dtype, mx.Dtype):
         raise TypeError(f"dtype must be an mlx dtype or its name, got {dtype!r}")
@@ -176,7 +169,6 @@ def _dtype_key(dtype) -> str:
 
 def _load_gguf(path, dtype_name: str):
     import mlx.core as mx
-
     model = load_gguf_llama(path, dtype=getattr(mx, dtype_name))
     tokenizer = load_gguf_tokenizer(path)
     _read_gguf.cache_clear()  # the raw quantized tensors are no longer needed
@@ -186,7 +178,6 @@ def _load_gguf(path, dtype_name: str):
 @functools.lru_cache(maxsize=2)
 def _load_embedded(dtype_name: str):
     from .assets import smollm2_gguf_path
-
     return _load_gguf(smollm2_gguf_path(), dtype_name)
 
 
@@ -215,10 +206,8 @@ def load_model(model: str | None = None, dtype=None):
     if path.suffix.lower() == ".gguf" or path.is_file():
         return _load_gguf_file(path, dtype)
     import mlx_lm
-
     loaded_model, tokenizer = mlx_lm.load(model)[:2]
     if dtype is not None:
         import mlx.core as mx
-
         loaded_model.set_dtype(getattr(mx, _dtype_key(dtype)))
     return loaded_model, tokenizer

@@ -22,6 +22,7 @@ words, tool calls, logprobs), its request queue and generation thread, and its c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import hmac
@@ -67,6 +68,16 @@ def _remember_status(error: Exception) -> None:
     _pending.status = error.status if isinstance(error, RequestError) else 500
 
 
+@contextlib.contextmanager
+def _status_kept():
+    """A RequestError raised inside keeps its status for the answer."""
+    try:
+        yield
+    except RequestError as e:
+        _remember_status(e)
+        raise
+
+
 class ClientGone(Exception):
     """The client of a request closed its connection: the request is cancelled, nothing is sent."""
 
@@ -87,9 +98,7 @@ class CachedModel:
     compressed caches; it remembers the latest forward pass's caches weakly, for ``/v1/kv/stats``."""
 
     def __init__(self, model, kv: KVSettings):
-        self._model = model
-        self._kv = kv
-        self._last = ()
+        self._model, self._kv, self._last = model, kv, ()
 
     def __call__(self, *args, cache=None, **kwargs):
         if cache is not None:
@@ -120,10 +129,12 @@ class ServedModelProvider(mlx_server.ModelProvider):
         if cli_args.model == EMBEDDED_ID:
             self.aliases |= {"smollm2", "SmolLM2-135M-Instruct"}
 
+    def check_served(self, name) -> None:
+        if name not in self.aliases:
+            raise RequestError(404, f"model {name!r} is not served here; this server serves {self.served_id!r}")
+
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        if model_path not in self.aliases:
-            raise RequestError(404, f"model {model_path!r} is not served here; this server serves "
-                                    f"{self.served_id!r}")
+        self.check_served(model_path)
         if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
             raise RequestError(400, "adapters and draft models are not supported by veloxquant serve")
         self.model_key = (self.served_id, None, None)
@@ -131,7 +142,6 @@ class ServedModelProvider(mlx_server.ModelProvider):
             return
         if self._loaded is None:
             from .model import load_model
-
             self._loaded = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
         self.model, self.tokenizer = self._loaded
         self.processor, self.draft_model = None, None
@@ -157,10 +167,8 @@ class _TrackedQueue:
     __slots__ = ("queue", "request", "started", "done", "retried", "__weakref__")
 
     def __init__(self, queue, request: tuple, retried: bool = False):
-        self.queue = queue
-        self.request = request  # (request, generation args), to re-queue
+        self.queue, self.request, self.retried = queue, request, retried  # request: (request, generation args)
         self.started = self.done = False
-        self.retried = retried
 
     def put(self, item) -> None:
         self.started = True
@@ -174,13 +182,10 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
     (``_serve_single``); an exception escaping mlx_lm's loop fails its requests and the loop starts again."""
 
     def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore, counters: dict):
-        self.default_kv = default_kv
-        self.store = store
-        self.live: dict[int, tuple] = {}
-        self.counters = counters
+        self.default_kv, self.store, self.counters = default_kv, store, counters
+        self.live: dict[int, tuple] = {}  # id -> (KV settings, caches) of the requests served one at a time
         self.last_reuse = None  # the prefix-reuse decision of the latest request served one at a time
-        self._ids = 0
-        self._count_lock = threading.Lock()
+        self._ids, self._count_lock = 0, threading.Lock()
         self._in_flight: weakref.WeakSet = weakref.WeakSet()  # before the thread starts
         super().__init__(provider, prompt_cache)
 
@@ -286,7 +291,6 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         ctx = mlx_server.GenerationContext(
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
-
         caches, reused, how = self.store.fetch(kv.key, prompt) if kv.reuse else (None, 0, "reuse off")
         self.last_reuse = {"method": kv.method, "reused_tokens": reused, "prompt_tokens": len(prompt), "how": how}
         if caches is None:
@@ -294,7 +298,6 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         ctx.prompt_cache_count = reused
         self.count(served_one_at_a_time=1, prompt_tokens_one_at_a_time=len(prompt), reused_tokens=reused)
         rqueue.put(ctx)
-
         if args.seed is not None:
             mx.random.seed(args.seed)
         self._ids += 1
@@ -396,6 +399,9 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
+    def _error(self, status: int, message: str, **kw) -> None:
+        self._send_json(status, {"error": message}, **kw)
+
     def _guarded(self, method) -> None:
         """Run a request; a client that went away or stalled past the socket timeout ends it quietly."""
         _pending.status = None
@@ -423,17 +429,15 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         origin = self.headers.get("Origin")
         allowed = self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
-            self._send_json(403, {"error": f"origin {origin!r} is not allowed (the server allows "
-                                           f"{', '.join(allowed) or 'no cross-origin requests'}; see "
-                                           "--allow-origin)"}, close=True)
+            self._error(403, f"origin {origin!r} is not allowed (the server allows "
+                             f"{', '.join(allowed) or 'no cross-origin requests'}; see --allow-origin)", close=True)
             return True
         key = self.response_generator.limits.get("api_key")
         if key:
             given = self.headers.get("Authorization") or ""
             if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
-                self._send_json(401, {"error": "missing or wrong API key: send the header "
-                                               "'Authorization: Bearer KEY' (--api-key)"},
-                                headers={"WWW-Authenticate": "Bearer"}, close=True)
+                self._error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (--api-key)",
+                            headers={"WWW-Authenticate": "Bearer"}, close=True)
                 return True
         return False
 
@@ -463,30 +467,28 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         if self._access_refused():
             return
         if self.path not in _POST_PATHS:
-            return self._send_json(404, {"error": f"no such endpoint: POST {self.path[:200]}"})
+            return self._error(404, f"no such endpoint: POST {self.path[:200]}")
         limit = self.response_generator.limits["max_body_bytes"]
         length = self.headers.get("Content-Length")
         if length is None:
-            return self._send_json(411, {"error": "Content-Length header is required"}, close=True)
+            return self._error(411, "Content-Length header is required", close=True)
         if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
-            return self._send_json(400, {"error": f"Content-Length must be a decimal byte count, got "
-                                                  f"{length[:40]!r}"}, close=True)
+            return self._error(400, f"Content-Length must be a decimal byte count, got {length[:40]!r}", close=True)
         n = int(length)
         if n > limit:
-            return self._send_json(413, {"error": f"request body of {n} bytes is over the limit of "
-                                                  f"{limit} bytes (--max-body-bytes)"}, close=True)
+            return self._error(413, f"request body of {n} bytes is over the limit of {limit} bytes (--max-body-bytes)",
+                               close=True)
         try:
             raw = self.rfile.read(n)
         except TimeoutError:
-            return self._send_json(408, {"error": f"request body not received within "
-                                                  f"{self.timeout:g} s (Content-Length: {n})"}, close=True)
+            return self._error(408, f"request body not received within {self.timeout:g} s (Content-Length: {n})",
+                               close=True)
         if len(raw) < n:
-            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"}, close=True)
+            return self._error(400, f"request body ended after {len(raw)} of {n} bytes", close=True)
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            return self._send_json(400, {"error": f"request body is not valid UTF-8 (byte {e.start}): send "
-                                                  "UTF-8 encoded JSON"})
+            return self._error(400, f"request body is not valid UTF-8 (byte {e.start}): send UTF-8 encoded JSON")
         socket_file, self.rfile = self.rfile, io.BytesIO(raw)
         self._stream_started = False
         try:
@@ -500,44 +502,37 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         super().validate_model_parameters()
         check_generation_fields(self, self.response_generator.vocab_size)
         provider = self.response_generator.model_provider
-        if self.requested_model not in provider.aliases:
-            self._reject(404, f"model {self.requested_model!r} is not served here; this server serves "
-                              f"{provider.served_id!r}")
+        with _status_kept():
+            provider.check_served(self.requested_model)
         self.requested_model = provider.served_id  # responses name the served model
 
     def _checked(self, request):
         """Attach the request's KV settings and check its prompt length (raises RequestError)."""
-        try:
-            gen = self.response_generator
+        gen = self.response_generator
+        with _status_kept():
             kv = request_kv(self.body.get("kv_cache"), gen.default_kv, gen.model_provider.model)
             if kv is not None:
                 request.kv = kv
-            max_tokens = gen.limits["max_tokens"]
-            if self.max_tokens > max_tokens:
+            if self.max_tokens > gen.limits["max_tokens"]:
                 raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "
-                                        f"{max_tokens}")
+                                        f"{gen.limits['max_tokens']}")
             template_args = {**gen.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
             n = len(prompt_tokens(request, gen.model_provider.tokenizer, template_args))
             cap = gen.limits["max_prompt_tokens"]
             if n > cap:
                 raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "
                                         "(--max-prompt-tokens)")
-        except RequestError as e:
-            _remember_status(e)
-            raise
         return request
 
     def handle_chat_completions(self):
-        try:
+        with _status_kept():
             check_messages(self.body.get("messages"))
-        except RequestError as e:
-            _remember_status(e)
-            raise
         return self._checked(super().handle_chat_completions())
 
     def handle_text_completions(self):
-        if "prompt" not in self.body:
-            return self._reject(400, "prompt is required")
+        with _status_kept():
+            if "prompt" not in self.body:
+                raise RequestError(400, "prompt is required")
         return self._checked(super().handle_text_completions())
 
     def handle_completion(self, request, stop_words):
@@ -559,12 +554,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
                 self.wfile.flush()
             else:
                 self._headers_buffer = []  # drop the buffered 200 header: nothing was sent yet
-                self._send_json(status, {"error": message})
-
-    def _reject(self, status: int, message: str):
-        error = RequestError(status, message)
-        _remember_status(error)
-        raise error
+                self._error(status, message)
 
 
 def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:

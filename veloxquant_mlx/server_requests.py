@@ -61,7 +61,6 @@ class KVSettings:
 
 def _method_class(method: str):
     from .cache.base import method_info
-
     return None if method == NONE else method_info(method).cls
 
 
@@ -79,7 +78,6 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
             return KVSettings(NONE, ())
         if model is not None:
             from .generate import make_caches
-
             make_caches(model, method, config)
     except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError, OverflowError) as e:
         raise RequestError(400, str(e)) from None

@@ -38,7 +38,6 @@ def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV b
         return False
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:

@@ -50,7 +50,6 @@ def implemented_mlx_lm_methods() -> list[str]:
     """Every implemented method with the mlx_lm serving protocol, in registry order."""
     from ..cache import all_methods
     from ..cache.base import MLX_LM
-
     return [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM]
 
 
@@ -87,7 +86,6 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
     """
     from ..cache.base import STANDALONE_METHODS
     from ..cache.options import method_fields
-
     entries = [(e.split()[0], e.split()[1:]) for e in dict.fromkeys(m.strip() for m in methods if m and m.strip())]
     if include_none and all(m != NONE for m, _ in entries):
         entries.insert(0, (NONE, []))

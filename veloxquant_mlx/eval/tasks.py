@@ -85,7 +85,6 @@ def text_tokens(tokenizer, n_tokens: int, text: Optional[str] = None, repeat: bo
     text raises ``ValueError``, or is repeated (blank-line separated) when ``repeat``."""
     if text is None:
         from ..assets import essays_text
-
         text = essays_text(max_chars=max(n_tokens, 64) * 8)
     ids = _encode(tokenizer, text)
     if len(ids) < n_tokens:
@@ -164,7 +163,6 @@ class NiahPrompt:
 def _template_parts(tokenizer) -> tuple[list[int], list[int]]:
     """Token ids before the document and after it (the question, end of turn, assistant header)."""
     from ..generate import _has_template
-
     marker = "\x00DOCUMENT\x00"
     content = f"{INSTRUCTION}\n\n{marker}\n\nQuestion: {QUESTION}"
     rendered = None
