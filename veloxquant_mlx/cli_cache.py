@@ -20,9 +20,6 @@ __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache
 _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template is applied"
 
 
-# --------------------------------------------------------------------------- #
-# cache save / cache info
-# --------------------------------------------------------------------------- #
 def cmd_cache_save(args) -> int:
     from .cache import SavedCacheError, save_cache
     method = args.method
@@ -64,11 +61,6 @@ def cmd_cache_save(args) -> int:
     return 0
 
 
-def _shapes_summary(shapes: list) -> str:
-    """``30 x [3, 64, 64]`` style runs of equal per-layer head shapes ([H_kv, D_key, D_value])."""
-    return ", ".join(f"{len(list(run))} x {'none' if s is None else s}" for s, run in groupby(shapes))
-
-
 def cmd_cache_info(args) -> int:
     from .cache import SavedCacheError, read_cache_info
     try:
@@ -80,6 +72,7 @@ def cmd_cache_info(args) -> int:
         return 0
     kv, size = info["kv_bytes"], info["file_bytes"]
     classes = ", ".join(f"{n} x {c}" for c, n in Counter(info["layer_classes"]).items())
+    shapes = ", ".join(f"{len(list(run))} x {'none' if s is None else s}" for s, run in groupby(info["head_shapes"]))
     preview = info["tokens"][:8]
     print_rows([
         ("file", info["path"]),
@@ -88,7 +81,7 @@ def cmd_cache_info(args) -> int:
         ("config", json.dumps(info["config"]) if info["config"] else "defaults"),
         ("model", info["model_id"]),
         ("layers", f"{info['n_layers']} ({classes})"),
-        ("head shapes", _shapes_summary(info["head_shapes"]) + "  [KV heads, key dim, value dim]"),
+        ("head shapes", shapes + "  [KV heads, key dim, value dim]"),
         ("tokens", f"{info['n_tokens']} (first: {preview}{' ...' if info['n_tokens'] > len(preview) else ''})"),
         ("kv_bytes", f"{kv} ({fmt_bytes(kv)}, sum of cache nbytes when saved)"),
         ("file_bytes", f"{size} ({fmt_bytes(size)})"),
@@ -122,16 +115,13 @@ def generate_from_saved(args) -> int:
         from .model import load_model
         progress = Progress(enabled=not args.json)
         progress.stage("loading model and saved cache")
-        model_id = args.model if args.model is not None else info["model_id"]
-        model, tokenizer = load_model(model_id)
+        model, tokenizer = load_model(args.model if args.model is not None else info["model_id"])
         caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
                                   expect_model_id=args.model)
     except SavedCacheError as exc:
         raise UsageError(str(exc)) from None
-    if args.raw_prompt:
-        prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
-    else:
-        prompt_ids = encode_turn(tokenizer, args.prompt)
+    prompt_ids = ([int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)] if args.raw_prompt
+                  else encode_turn(tokenizer, args.prompt))
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
@@ -139,8 +129,7 @@ def generate_from_saved(args) -> int:
     settings = info["config"]
     out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
            **{k: result[k] for k in GENERATION_KEYS}, "prompt_cache": args.prompt_cache,
-           "cached_tokens": info["n_tokens"],
-           "tokens": result["tokens"], **kv_summary(model, caches)}
+           "cached_tokens": info["n_tokens"], "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
         ("method", method_label(info["method"], settings)),
@@ -171,8 +160,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a setting of --method (repeatable), as for generate: `veloxquant methods NAME` lists them")
     s.add_argument("--model", default=None, help=MODEL_HELP)
-    s.add_argument("--prompt-file", required=True, metavar="F",
-                   help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
+    s.add_argument("--prompt-file", required=True, metavar="F", help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_cache_save)

@@ -10,6 +10,8 @@ a layer without a KV cache nothing). One ratio everywhere (CLI, JSON, bench, eva
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Iterable, Optional
 
 __all__ = ["kv_bytes", "fp16_kv_bytes", "cache_tokens", "kv_fraction_of_fp16", "compression_text",
@@ -24,8 +26,7 @@ def kv_bytes(caches: Iterable) -> int:
 
 def cache_tokens(caches: Iterable) -> int:
     """Tokens seen: the largest logical ``offset`` among the caches (0 if none has one)."""
-    offsets = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
-    return max(offsets, default=0)
+    return max((int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
 
 
 def _kv_heads(attn, head_dim: int) -> int:
@@ -33,8 +34,7 @@ def _kv_heads(attn, head_dim: int) -> int:
         value = getattr(attn, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    k_proj = getattr(attn, "k_proj", None)
-    weight = getattr(k_proj, "weight", None)
+    weight = getattr(getattr(attn, "k_proj", None), "weight", None)
     if weight is not None:
         return int(weight.shape[0]) // head_dim
     raise ValueError(f"cannot tell the number of KV heads of {type(attn).__name__}")
@@ -52,15 +52,10 @@ def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
         raise ValueError(f"{type(model).__name__}: {len(defaults)} caches for {len(layers)} layers")
     total = 0
     for layer, default in zip(layers, defaults):
-        if type(default) is mlx_cache.KVCache:
-            tokens = n_tokens
-        elif type(default) is mlx_cache.RotatingKVCache:
-            tokens = min(n_tokens, int(default.max_size))
-        else:
-            continue
         attn = _attention(layer)
-        if attn is None:
-            continue
+        if type(default) not in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) or attn is None:
+            continue  # no KV cache (e.g. a state-space layer)
+        tokens = n_tokens if type(default) is mlx_cache.KVCache else min(n_tokens, int(default.max_size))
         head_dim = _head_dim(attn, fallback=0)
         if head_dim <= 0:
             raise ValueError(f"cannot tell the head dimension of {type(attn).__name__}")
@@ -70,9 +65,7 @@ def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
 
 def kv_fraction_of_fp16(held_bytes: Optional[int], fp16_bytes: Optional[int]) -> Optional[float]:
     """``held_bytes / fp16_bytes`` (lower = smaller cache); None when there is no fp16 reference."""
-    if held_bytes is None or not fp16_bytes:
-        return None
-    return held_bytes / fp16_bytes
+    return None if held_bytes is None or not fp16_bytes else held_bytes / fp16_bytes
 
 
 def compression_text(fraction: Optional[float]) -> str:
@@ -93,8 +86,7 @@ def fraction_text(fraction: Optional[float]) -> str:
 
 def kv_summary(model, caches) -> dict:
     """``kv_tokens``, measured ``kv_bytes``, the ``kv_bytes_fp16`` reference and their fraction."""
-    n = cache_tokens(caches)
-    measured = kv_bytes(caches)
+    n, measured = cache_tokens(caches), kv_bytes(caches)
     reference = fp16_kv_bytes(model, n)
     return {"kv_tokens": n, "kv_bytes": measured, "kv_bytes_fp16": reference,
             "kv_fraction_of_fp16": kv_fraction_of_fp16(measured, reference)}
@@ -111,8 +103,7 @@ def cache_figures(model, caches) -> dict:
 def batch_figures(model, caches) -> dict:
     """:func:`cache_figures` of a running batch from host-side lengths only (no device reads): for mlx_lm's
     ``BatchKVCache``, whose lengths live on the device, only bytes and the batch size."""
-    first = caches[0]
-    measured = kv_bytes(caches)
+    first, measured = caches[0], kv_bytes(caches)
     if not hasattr(first, "lens"):
         padding = getattr(first, "left_padding", None)
         return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
@@ -125,8 +116,6 @@ def batch_figures(model, caches) -> dict:
 
 def process_memory() -> dict:
     """MLX's active, peak and cache memory, and the process's resident bytes (peak where /proc is absent)."""
-    import os
-    import sys
     import mlx.core as mx
     out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
            "mlx_cache_bytes": int(mx.get_cache_memory())}

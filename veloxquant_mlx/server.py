@@ -571,12 +571,6 @@ def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-def output_vocab_size(model) -> int:
-    """Width of the model's logits: the ids ``logit_bias`` may name and the bound of ``top_k``. (MLX
-    infers the shape without computing the forward pass.)"""
-    return int(model(mx.array([[0]])).shape[-1])
-
-
 def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS,
                 max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None,
                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, api_key: Optional[str] = None,
@@ -593,7 +587,8 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
                 "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
-    generator.vocab_size = output_vocab_size(provider.model)
+    # the logits' width bounds logit_bias ids and top_k (MLX infers the shape without computing the pass)
+    generator.vocab_size = int(provider.model(mx.array([[0]])).shape[-1])
     generator.limits = {"max_prompt_tokens": max_prompt_tokens, "max_body_bytes": max_body_bytes,
                         "max_tokens": max_tokens_limit or max(cli_args.max_tokens, 4096),
                         "socket_timeout": socket_timeout, "api_key": api_key}
