@@ -226,6 +226,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a method name: list its --set settings (type, default, allowed values, flat alias)")
     m.add_argument("--json", action="store_true", help="print JSON (a list of methods, or one method's settings)")
     m.set_defaults(func=_cmd_methods)
+
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
     g.add_argument("--method", default=None,
                    help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
@@ -241,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
     from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
     add_generate_arguments(g)
+
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
@@ -250,6 +252,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"most new tokens per answer (default {DEMO_MAX_TOKENS})")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
+
     from .cli_measure import add_subcommands  # eval, bench
     add_subcommands(sub)
     add_cache_parsers(sub)

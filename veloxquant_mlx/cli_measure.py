@@ -58,7 +58,6 @@ def _settings_text(settings: dict) -> str:
 
 def eval_table(rows: list[dict]) -> str:
     from .measure import fraction_text
-
     table = []
     for r in rows:
         head = [r["method"], _settings_text(r["settings"]), r["task"], str(r["context"])]
@@ -80,7 +79,6 @@ def cmd_eval(args) -> int:
     from .eval.specs import implemented_mlx_lm_methods, resolve_methods
     from .eval.recall import CUE_TOKENS
     from .eval.tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, count_units, run_eval
-
     names = list(args.method or [])
     if args.all:
         names += implemented_mlx_lm_methods()
@@ -109,7 +107,6 @@ def cmd_eval(args) -> int:
         except OSError as exc:
             raise UsageError(f"cannot read --text-file: {exc}") from None
     from .model import load_model
-
     n_recall = len(distances or depths)
     bar = Progress(len(contexts) * count_units(tasks, len(specs), len(depths), n_recall) + 1, enabled=not args.json)
     bar("loading model")
@@ -149,7 +146,6 @@ def cmd_eval(args) -> int:
 
 def _eval_command(args, tasks, contexts) -> str:
     import shlex
-
     parts = ["veloxquant", "eval"] + [x for m in args.method for x in ("--method", m)]
     parts += ["--all"] if args.all else []
     parts += [x for item in args.set for x in ("--set", item)]
@@ -167,7 +163,6 @@ def _eval_command(args, tasks, contexts) -> str:
 def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) -> None:
     """``results.json``, ``results.md`` and (matplotlib installed) ``pareto.png`` in ``out_dir``."""
     from .eval.plot import plot_pareto, results_markdown
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     try:

@@ -112,7 +112,7 @@ def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True)
     from mlx_lm.models import llama
     raw, metadata = _read_gguf(str(path))
     args = gguf_model_args(metadata, rope_traditional=rope_traditional)
-    weights = gguf_to_mlx_weights(raw, dtype or _blas.compute_dtype())
+    weights = gguf_to_mlx_weights(raw, _blas.compute_dtype() if dtype is None else dtype)
     args.tie_word_embeddings = "lm_head.weight" not in weights
     model = llama.Model(args)
     model.load_weights(list(weights.items()), strict=True)
