@@ -11,9 +11,11 @@ words, tool calls, logprobs), its request queue and generation thread, and its c
 * **Prompt-cache reuse only where the kept state is the one a fresh run builds** (:mod:`.server_store`).
 * ``GET /v1/kv/stats``: measured ``kv_bytes`` of live and kept caches next to mlx_lm's fp16 bytes, tokens
   seen and kept, batching and reuse per method, counters, process memory.
-* **Bad input gets a 4xx JSON error naming the field**, checked on the handler's thread before anything
-  reaches generation; any later failure a 500 or a final SSE error event, failing only its own requests (a
-  failed generation loop fails those it served, re-queues those it had not started, and starts again).
+* **Bad input gets a 4xx JSON error naming the field** (malformed JSON, UTF-8 or Content-Length, unknown model,
+  method or field, bad values, images, template errors, ``--max-body-bytes``, ``--max-prompt-tokens``), checked
+  on the handler's thread before generation; a later failure gets a 500 or a final SSE error event and fails
+  only its own requests (a failed generation loop fails those it served, re-queues those it had not started,
+  and starts again). ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
 * **Hostile and vanished clients**: no CORS unless ``--allow-origin`` names the origin (others get 403),
   ``--api-key`` bearer tokens, ``--socket-timeout`` on every read and write, and a request whose client has
   gone is cancelled at its next prefill chunk or decode step.
