@@ -1,27 +1,12 @@
-"""The ``veloxquant`` command line (also ``python -m veloxquant_mlx``).
+"""The ``veloxquant`` command line (also ``python -m veloxquant_mlx``): ``methods [NAME]`` (the registry, or one
+method's settings), ``generate`` (one generation with the measured KV bytes next to the fp16 reference;
+``--prompt-cache`` continues a saved cache) and ``demo`` (a needle-in-a-haystack answer per method) here;
+``eval``/``bench`` in :mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, ``serve`` in :mod:`.cli_serve`,
+output in :mod:`.cli_output`. The CLI is the top layer: settings from strings are :mod:`.cache.settings` and
+generation :mod:`.generate` (both re-exported here); no library module imports ``cli*``.
 
-Subcommands:
-
-* ``veloxquant methods [NAME] [--json]`` — the method registry: name, family, protocol, implemented, paper;
-  with NAME, that method's settings (type, default, allowed values, flat alias).
-* ``veloxquant generate --method M [--set FIELD=VALUE ...] [--model PATH] --prompt TEXT
-  [--max-tokens N] [--json]`` — one generation with a compressed cache (``--method none``: mlx_lm's
-  plain ``KVCache``), with the measured KV bytes next to the fp16 reference.
-* ``veloxquant generate --prompt-cache PATH --prompt TEXT [--method M] [--model PATH]`` — continue after a
-  cache saved by ``veloxquant cache save`` (:mod:`.cli_cache`, which also has ``cache info``).
-* ``veloxquant demo [--methods a,b,...] [--context N] [--model PATH]`` — a needle-in-a-haystack
-  question over ~N tokens of real text, answered with the uncompressed cache and with each
-  implemented method side by side.
-
-``--set`` takes a method's option names (``budget``) or flat ``KVCacheConfig`` fields (``snap_budget``) and
-refuses a field the method does not read (:func:`parse_sets`). Byte figures use one convention,
-``kv_fraction_of_fp16`` = held / fp16 bytes (:mod:`.measure`). ``eval`` and ``bench`` live in
-:mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, ``serve`` in :mod:`.cli_serve`; progress and tables in
-:mod:`.cli_output`. The CLI is the top layer: settings from strings are :mod:`.cache.settings`, generation
-is :mod:`.generate` (re-exported here), and no library module imports ``cli*``.
-
-``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure, 141 when
-stdout's reader went away), so it can be called in-process.
+``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure, 141 when stdout's
+reader went away), so it can be called in-process.
 """
 
 from __future__ import annotations
@@ -37,15 +22,14 @@ from . import _blas
 
 _blas.preload()  # before mlx.core is first imported (no-op if already done or too late)
 
-# transformers (imported by mlx_lm for its tokenizer wrapper) warns that PyTorch is missing; we never
-# need torch, so keep its logger quiet unless the user asked for something else.
+# transformers (mlx_lm's tokenizer wrapper) warns that PyTorch is missing: never needed here
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from .cache.settings import (NONE, UsageError, build_config, method_config, method_settings,  # noqa: F401
                              parse_set, parse_sets, settings_summary)
 from .cache.settings import check_buildable as _check_buildable  # noqa: F401
 from .cache.settings import check_method_name as _check_method_name
-from .cli_output import (MODEL_HELP, SHORT_PROMPT_NOTE, Progress, fmt_bytes, fmt_tps, format_table,
+from .cli_output import (GENERATION_KEYS, MODEL_HELP, SHORT_PROMPT_NOTE, Progress, fmt_bytes, fmt_tps, format_table,
                          method_label, print_generation, truncate)
 from .generate import encode_prompt, encode_turn, make_caches, run_generation  # noqa: F401
 
@@ -57,24 +41,19 @@ DEMO_METHODS = ("kivi", "snapkv", "streaming_llm", "turboquant_rvq")
 DEMO_PRESETS: dict[str, dict[str, Any]] = {"kivi": {"bit_width_inlier": 4}}
 DEMO_MAX_TOKENS = 24
 
-# --------------------------------------------------------------------------- #
-# subcommands
-# --------------------------------------------------------------------------- #
-
 
 def _cmd_methods(args) -> int:
     from .cache import all_methods
-
     if args.name is not None:
         return _cmd_method_settings(args)
-    rows = [{"name": i.name, "family": i.family, "protocol": i.protocol,
-             "implemented": i.implemented, "paper": i.paper} for i in all_methods()]
+    rows = [{"name": i.name, "family": i.family, "protocol": i.protocol, "implemented": i.implemented,
+             "paper": i.paper} for i in all_methods()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [[r["name"], r["family"], r["protocol"], "yes" if r["implemented"] else "no", r["paper"]]
-             for r in rows]
-    print(format_table(["method", "family", "protocol", "implemented", "paper"], table))
+    print(format_table(["method", "family", "protocol", "implemented", "paper"],
+                       [[r["name"], r["family"], r["protocol"], "yes" if r["implemented"] else "no", r["paper"]]
+                        for r in rows]))
     built = sum(r["implemented"] for r in rows)
     print(f"\n{built} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
     return 0
@@ -82,7 +61,6 @@ def _cmd_methods(args) -> int:
 
 def _cmd_method_settings(args) -> int:
     from .cache import method_info
-
     _check_method_name(args.name)
     if args.name == NONE:
         raise UsageError(f"{NONE!r} (mlx_lm's plain KVCache) has no settings")
@@ -107,7 +85,6 @@ def _cmd_generate(args) -> int:
         raise UsageError("--raw-prompt applies only with --prompt-cache")
     if args.prompt_cache is not None:
         from .cli_cache import generate_from_saved
-
         return generate_from_saved(args)
     method = args.method
     if method is None:
@@ -116,12 +93,9 @@ def _cmd_generate(args) -> int:
     sets, config = method_config(method, args.set)
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-
     from .distributed import init_group, shard_model
     from .measure import kv_summary
-
     from .model import load_model
-
     group = init_group()  # size 1 unless started by ``mlx.launch``
     rank0 = group.rank() == 0
     progress = Progress(enabled=not args.json and rank0)
@@ -134,8 +108,7 @@ def _cmd_generate(args) -> int:
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens, then up to {args.max_tokens} new tokens")
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
-           "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
-           "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"], **kv_summary(model, caches)}
+           **{k: result[k] for k in GENERATION_KEYS}, **kv_summary(model, caches)}
     head = [("method", method_label(method, sets)), ("prompt tokens", out["prompt_tokens"])]
     if group.size() > 1:
         out["ranks"] = group.size()  # the byte figures are rank 0's: its own KV heads
@@ -144,8 +117,6 @@ def _cmd_generate(args) -> int:
         return 0  # every rank generates the same tokens; rank 0 alone prints them
     return print_generation(out, head, args.json)
 
-
-# --- demo ------------------------------------------------------------------ #
 
 #: The demo's passcode (``eval.tasks.build_niah_prompt`` plants it at half depth).
 ANSWER = "4817"
@@ -158,29 +129,23 @@ def _is_correct(answer: str) -> bool:
 def _agreement(reference: list[int], tokens: list[int]) -> float:
     """Fraction of positions where the generated tokens equal the reference run's."""
     n = max(len(reference), len(tokens))
-    if n == 0:
-        return 1.0
-    return sum(a == b for a, b in zip(reference, tokens)) / n
+    return sum(a == b for a, b in zip(reference, tokens)) / n if n else 1.0
 
 
 def _demo_settings(method: str, config) -> str:
     if config is None:
         return "uncompressed"
     from .cache.options import OPTIONS_BY_METHOD
-
-    shown = dict(DEMO_PRESETS.get(method, {}))
-    opts_cls = OPTIONS_BY_METHOD.get(method)
-    if opts_cls is not None:
-        for opt, flat in opts_cls.FIELDS.items():
-            if opt in ("budget", "window_size", "n_sink", "bits", "residual_length"):
-                shown[opt] = getattr(config, flat)
+    fields = getattr(OPTIONS_BY_METHOD.get(method), "FIELDS", {})
+    shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items()
+                                                 if opt in ("budget", "window_size", "n_sink", "bits",
+                                                            "residual_length")}}
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
 
 
 def _cmd_demo(args) -> int:
     from .cache import method_info
     from .cache.base import STANDALONE_METHODS
-
     wanted = [m.strip() for m in (args.methods.split(",") if args.methods else DEMO_METHODS) if m.strip()]
     for m in wanted:
         _check_method_name(m)
@@ -188,7 +153,6 @@ def _cmd_demo(args) -> int:
         raise UsageError("--context must be >= 64")
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
-
     progress = Progress(enabled=not args.json)
     runs: list[tuple[str, Any]] = [(NONE, None)]
     skipped: list[str] = []
@@ -204,23 +168,18 @@ def _cmd_demo(args) -> int:
             runs.append((m, build_config(m, DEMO_PRESETS.get(m, {}))))
     for note in skipped:
         progress.note(f"note: skipping {note}")
-
+    from .eval.tasks import build_niah_prompt
+    from .measure import fraction_text, kv_summary
     from .model import load_model
-
     progress.stage("loading model (first use downloads it)")
     model, tokenizer = load_model(args.model)
     progress.stage("building the needle prompt (first use downloads the essays)")
-    from .eval.tasks import build_niah_prompt
-    from .measure import fraction_text, kv_summary
-
     try:
         niah = build_niah_prompt(tokenizer, args.context, 0.5, passcode=ANSWER)
     except ValueError as exc:
         raise UsageError(f"--context {args.context}: {exc}") from None
     prompt_ids = niah.context_ids + niah.question_ids
-
-    rows = []
-    reference: Optional[list[int]] = None
+    rows, reference = [], None
     for i, (method, config) in enumerate(runs, 1):
         tag = f"[{i}/{len(runs)}] {method}"
         progress.stage(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
@@ -230,15 +189,10 @@ def _cmd_demo(args) -> int:
             reference = result["tokens"]
         kv = kv_summary(model, caches)
         del caches
-        rows.append({
-            "method": method, "settings": _demo_settings(method, config),
-            "answer": result["text"].strip(), "correct": _is_correct(result["text"]),
-            "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
-            "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
-            "agreement": _agreement(reference, result["tokens"]), **kv,
-        })
+        rows.append({"method": method, "settings": _demo_settings(method, config), "answer": result["text"].strip(),
+                     "correct": _is_correct(result["text"]), **{k: result[k] for k in GENERATION_KEYS},
+                     "agreement": _agreement(reference, result["tokens"]), **kv})
         progress.stage(f"{tag}: done ({result['prefill_s']:.1f}s prefill, {result['generated_tokens']} tokens)")
-
     if args.json:
         print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))
         return 0
@@ -262,18 +216,11 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- #
-# entry point
-# --------------------------------------------------------------------------- #
-
-
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
-
     p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
-
     m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill), or one method's settings")
     m.add_argument("name", nargs="?", default=None,
                    help="a method name: list its --set settings (type, default, allowed values, flat alias)")
@@ -294,7 +241,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
     from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
-
     add_generate_arguments(g)
 
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
@@ -308,12 +254,9 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     from .cli_measure import add_subcommands  # eval, bench
-
     add_subcommands(sub)
     add_cache_parsers(sub)
-
     from .cli_serve import add_subcommand as add_serve
-
     add_serve(sub)
     return p
 
@@ -331,7 +274,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     from .cache import QuantizerConfigError
     from .model import UnsupportedModelError
-
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)

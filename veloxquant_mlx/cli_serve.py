@@ -54,7 +54,6 @@ def add_subcommand(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .cache.settings import UsageError, parse_sets
     from .server import DEFAULT_METHOD, DEFAULT_SETTINGS, RequestError, parse_kv_settings, serve, server_args
-
     for name in ("max_tokens", "max_tokens_limit", "max_prompt_tokens", "max_body_bytes", "prefill_step_size",
                  "decode_concurrency"):
         if getattr(args, name) < 1:
@@ -67,11 +66,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if args.max_tokens > args.max_tokens_limit:
         raise UsageError(f"--max-tokens {args.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
+    method = args.method or DEFAULT_METHOD
+    defaults = DEFAULT_SETTINGS if args.method is None else {}  # the server's default, under any --set given
     try:
-        if args.method is None:  # the server's default: its settings, under any --set the user gave
-            kv = parse_kv_settings(DEFAULT_METHOD, {**DEFAULT_SETTINGS, **parse_sets(args.set, method=DEFAULT_METHOD)})
-        else:
-            kv = parse_kv_settings(args.method, parse_sets(args.set, method=args.method))
+        kv = parse_kv_settings(method, {**defaults, **parse_sets(args.set, method=method)})
     except RequestError as e:
         raise UsageError(str(e)) from None
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")

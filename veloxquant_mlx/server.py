@@ -1,37 +1,30 @@
 """``veloxquant serve``: mlx_lm's OpenAI-compatible HTTP server with this library's caches.
 
-What is mlx_lm's, reused as is: the HTTP API (``/v1/chat/completions`` streaming and not,
-``/v1/completions``, sampling arguments, stop words, tool calls, logprobs), its request queue and
-generation thread, and, for uncompressed requests (``--method none``), its continuous-batching path.
+mlx_lm's pieces are reused as they are: the HTTP API (chat and text completions, streaming, sampling, stop
+words, tool calls, logprobs), its request queue and generation thread, and its continuous batching. Added:
 
-What this module adds:
-
-* **Compressed caches per request** from ``KVCacheBuilder.for_model`` with the server's configuration
-  or the request's own ``"kv_cache": {"method": ..., "settings": {...}}`` (:mod:`.server_requests`).
-* **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi, the
-  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV
-  settings (the model key and model description carry them); the others (``merge`` raises
-  ``BatchingNotSupported``) are served one at a time, in arrival order. ``/v1/kv/stats`` says which;
-  nothing is ever decoded with an uncompressed batch cache behind a compressed label.
-* **Prompt-cache reuse only where the cache state is the one a fresh run builds**: one policy for both
-  stores (:mod:`.server_store`); otherwise the prompt is recomputed, and the stats say why.
-* **Measured bytes.** ``GET /v1/kv/stats`` reports, for live and cached prompts, ``kv_bytes`` next to the
-  fp16 bytes of mlx_lm's plain cache for the same tokens, tokens seen and kept, and process memory.
-* **Bad input gets a 4xx JSON error** naming the field (malformed JSON, UTF-8 or Content-Length, unknown
-  model, method or field, bad values, images, template errors, bodies over ``--max-body-bytes``, prompts
-  over ``--max-prompt-tokens``), checked on the handler's thread before anything reaches generation.
-* **Every failure gets an answer and fails only its own requests**: a 500 JSON error, or a final SSE
-  error event on a stream under way; an exception escaping mlx_lm's generation loop fails the requests
-  it was serving, re-queues those it had not started, and the loop starts again.
-* **Hostile and vanished clients.** No CORS header unless ``--allow-origin`` names the origin (others get
-  403); ``--api-key`` requires a bearer token; every socket read and write is bounded by
-  ``--socket-timeout``; a request whose client has gone is cancelled at its next prefill chunk or decode
-  step. ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
+* **Compressed caches per request**: the server's configuration or the request's own ``"kv_cache": {"method",
+  "settings", "reuse"}`` (:mod:`.server_requests`). Methods with a compressed batch form (``batchable``: kivi,
+  the default at 4 bits; turboquant_rvq; streaming_llm) join mlx_lm's continuous batch, one batch per KV
+  settings (carried by the model key and description); the others are served one at a time, in arrival
+  order. Nothing is decoded with an uncompressed batch cache behind a compressed label.
+* **Prompt-cache reuse only where the kept state is the one a fresh run builds** (:mod:`.server_store`).
+* ``GET /v1/kv/stats``: measured ``kv_bytes`` of live and kept caches next to mlx_lm's fp16 bytes, tokens
+  seen and kept, batching and reuse per method, counters, process memory.
+* **Bad input gets a 4xx JSON error naming the field** (malformed JSON, UTF-8 or Content-Length, unknown model,
+  method or field, bad values, images, template errors, ``--max-body-bytes``, ``--max-prompt-tokens``), checked
+  on the handler's thread before generation; a later failure gets a 500 or a final SSE error event and fails
+  only its own requests (a failed generation loop fails those it served, re-queues those it had not started,
+  and starts again). ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
+* **Hostile and vanished clients**: no CORS unless ``--allow-origin`` names the origin (others get 403),
+  ``--api-key`` bearer tokens, ``--socket-timeout`` on every read and write, and a request whose client has
+  gone is cancelled at its next prefill chunk or decode step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import hmac
@@ -62,23 +55,29 @@ EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
 DEFAULT_SOCKET_TIMEOUT = 30.0
-#: ``veloxquant serve``'s method when ``--method`` is not given: KIVI at 4 bits. It has a compressed batch
-#: form (concurrent requests share one continuous batch), a KL divergence of about 0.007 at about 0.36x
-#: the fp16 bytes, and the fastest quantizer; waterfill-4 is better per byte but served one at a time,
-#: and turboquant_rvq (the former default) is smaller but about 9x further from the fp16 logits
-#: (docs/RESULTS.md).
+#: The method without ``--method``: KIVI at 4 bits -- batchable, KL about 0.007 at about 0.36x the fp16 bytes,
+#: the fastest quantizer (waterfill-4 is better per byte but served one at a time; docs/RESULTS.md).
 DEFAULT_METHOD = "kivi"
 DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 
-
-# mlx_lm's handler answers every error of a request factory with 400 and every error of
-# ``generate`` with 404; the status of a RequestError raised on the handler's thread replaces it.
+# mlx_lm's handler answers every error of a request factory with 400 and every error of ``generate`` with 404;
+# the status of a RequestError raised on the handler's thread replaces it.
 _pending = threading.local()
 
 
 def _remember_status(error: Exception) -> None:
     _pending.status = error.status if isinstance(error, RequestError) else 500
+
+
+@contextlib.contextmanager
+def _status_kept():
+    """A RequestError raised inside keeps its status for the answer."""
+    try:
+        yield
+    except RequestError as e:
+        _remember_status(e)
+        raise
 
 
 class ClientGone(Exception):
@@ -89,28 +88,19 @@ class RequestCancelled(Exception):
     """Raised in the generation thread to stop the prefill of a request whose client has gone."""
 
 
-# --------------------------------------------------------------------------- #
-# mlx_lm server pieces
-# --------------------------------------------------------------------------- #
-
-
 @dataclasses.dataclass
 class KVModelDescription(mlx_server.ModelDescription):
-    """mlx_lm's model description plus the KV settings: its batch path only puts requests whose
-    descriptions are equal into one batch, so requests with other settings wait for a new batch."""
+    """mlx_lm's model description plus the KV settings: its batch path batches only equal descriptions."""
 
     kv: tuple = ()
 
 
 class CachedModel:
-    """The served model whose ``make_cache`` builds one request's compressed caches: what mlx_lm's
-    batch path calls (``make_prompt_cache``) for each new request. It also remembers the caches of
-    the latest forward pass (weakly), so ``/v1/kv/stats`` can report the running batch."""
+    """The served model whose ``make_cache`` (called by mlx_lm's batch path for each new request) builds
+    compressed caches; it remembers the latest forward pass's caches weakly, for ``/v1/kv/stats``."""
 
     def __init__(self, model, kv: KVSettings):
-        self._model = model
-        self._kv = kv
-        self._last = ()
+        self._model, self._kv, self._last = model, kv, ()
 
     def __call__(self, *args, cache=None, **kwargs):
         if cache is not None:
@@ -135,60 +125,52 @@ class ServedModelProvider(mlx_server.ModelProvider):
         super().__init__(cli_args)
         self.served_id = cli_args.model
         self._loaded = loaded  # (model, tokenizer) given by the caller instead of loading served_id
-        self.kv: Optional[KVSettings] = None  # settings of the request being scheduled (see _is_batchable)
+        self.kv: Optional[KVSettings] = None  # of the request being scheduled (set by _is_batchable)
         self._wrapped: dict = {}
         self.aliases = {None, "default_model", cli_args.model}
         if cli_args.model == EMBEDDED_ID:
             self.aliases |= {"smollm2", "SmolLM2-135M-Instruct"}
 
+    def check_served(self, name) -> None:
+        if name not in self.aliases:
+            raise RequestError(404, f"model {name!r} is not served here; this server serves {self.served_id!r}")
+
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        if model_path not in self.aliases:
-            raise RequestError(404, f"model {model_path!r} is not served here; this server serves "
-                                    f"{self.served_id!r}")
+        self.check_served(model_path)
         if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
             raise RequestError(400, "adapters and draft models are not supported by veloxquant serve")
-        if self.model is not None:
-            self.model_key = (self.served_id, None, None)
-            return
-        if self._loaded is not None:
-            model, tokenizer = self._loaded
-        else:
-            from .model import load_model
-
-            model, tokenizer = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
         self.model_key = (self.served_id, None, None)
-        self.model, self.tokenizer = model, tokenizer
+        if self.model is not None:
+            return
+        if self._loaded is None:
+            from .model import load_model
+            self._loaded = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
+        self.model, self.tokenizer = self._loaded
         self.processor, self.draft_model = None, None
         self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
-        """The model for the request being scheduled: the plain model for ``none``, else a
-        ``CachedModel`` building its compressed caches; ``model_key`` then names the KV settings too,
-        so mlx_lm's prompt-cache store never hands one method's cache to another."""
+        """The model for the request being scheduled, a ``CachedModel`` of its KV settings; ``model_key`` names
+        them too, so mlx_lm's prompt-cache store never hands one method's cache to another."""
         self._load(model_path, adapter_path, draft_model_path)
         kv = self.kv
         if kv is None:
             return self.model, self.tokenizer
         if kv.method != NONE:
             self.model_key = (self.served_id, kv.key, None)
-        if kv.key not in self._wrapped:
-            self._wrapped[kv.key] = CachedModel(self.model, kv)
-        return self._wrapped[kv.key], self.tokenizer
+        return self._wrapped.setdefault(kv.key, CachedModel(self.model, kv)), self.tokenizer
 
 
 class _TrackedQueue:
-    """A request's response queue as the generation thread sees it. It remembers whether the request has
-    started (its first item, the context, was put) and finished (``None`` or an exception), so that a
-    failure of the generation loop fails the requests it was serving and re-queues, once, those it had
-    not started."""
+    """A request's response queue, remembering whether the request has started (its context was put) and
+    finished (``None`` or an exception): a failed generation loop fails the started ones and re-queues, once,
+    the others."""
 
     __slots__ = ("queue", "request", "started", "done", "retried", "__weakref__")
 
     def __init__(self, queue, request: tuple, retried: bool = False):
-        self.queue = queue
-        self.request = request  # (request, generation args), to re-queue
+        self.queue, self.request, self.retried = queue, request, retried  # request: (request, generation args)
         self.started = self.done = False
-        self.retried = retried
 
     def put(self, item) -> None:
         self.started = True
@@ -198,25 +180,21 @@ class _TrackedQueue:
 
 
 class CompressedResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx_lm's generation thread; compressed requests are served one at a time by ``_serve_single``.
-
-    An exception that escapes mlx_lm's loop (e.g. raised inside its batch step) no longer ends the
-    thread: the requests it was serving get the error and the loop starts again (``_run_generate``)."""
+    """mlx_lm's generation thread: compressed requests without a batch form are served one at a time
+    (``_serve_single``); an exception escaping mlx_lm's loop fails its requests and the loop starts again."""
 
     def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore, counters: dict):
-        self.default_kv = default_kv
-        self.store = store
-        self.live: dict[int, tuple] = {}
-        self.counters = counters
+        self.default_kv, self.store, self.counters = default_kv, store, counters
+        self.live: dict[int, tuple] = {}  # id -> (KV settings, caches) of the requests served one at a time
         self.last_reuse = None  # the prefix-reuse decision of the latest request served one at a time
-        self._ids = 0
-        self._count_lock = threading.Lock()
+        self._ids, self._count_lock = 0, threading.Lock()
         self._in_flight: weakref.WeakSet = weakref.WeakSet()  # before the thread starts
         super().__init__(provider, prompt_cache)
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, **increments: int) -> None:
         with self._count_lock:
-            self.counters[name] = self.counters.get(name, 0) + n
+            for name, n in increments.items():
+                self.counters[name] = self.counters.get(name, 0) + n
 
     def _run_generate(self):
         while not self._stop:
@@ -237,7 +215,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                     else:  # waiting behind the failed batch: served by the restarted loop
                         self.requests.put((_TrackedQueue(q.queue, q.request, retried=True), *q.request))
                 self._in_flight = weakref.WeakSet()
-                self.count("generation_failures")
+                self.count(generation_failures=1)
                 del e
                 gc.collect()
                 time.sleep(0.05)  # no busy loop should the failure repeat without requests
@@ -252,13 +230,12 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         return (tracked, *request[1:])
 
     def generate(self, request, generation_args, progress_callback=None):
-        """mlx_lm's ``generate`` on the handler's thread; while the client of a non-streaming request
-        waits, its connection is checked at each progress report and token, and a closed one stops the
-        request (``ClientGone``; the generation thread drops it at its next step)."""
+        """mlx_lm's ``generate`` on the handler's thread; the client's connection is checked at each progress
+        report and token, and a closed one stops the request (``ClientGone``)."""
         kv = getattr(request, "kv", None) or self.default_kv
         generation_args.kv = kv
         generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
-        self.count("requests")
+        self.count(requests=1)
         gone = getattr(_pending, "client_gone", None) or (lambda: False)
         started = []
 
@@ -286,8 +263,8 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         return ctx, watched()
 
     def _is_batchable(self, args):
-        # mlx_lm's loop calls this for each request just before loading the model and fetching a
-        # prompt cache for it: the provider learns the request's KV settings here.
+        # called per request just before loading the model and fetching its prompt cache: the provider
+        # learns the request's KV settings here
         kv = getattr(args, "kv", self.default_kv)
         self.model_provider.kv = kv
         self.prompt_cache.skip_fetch = not kv.reuse
@@ -316,23 +293,18 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         ctx = mlx_server.GenerationContext(
             has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
             tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state, prompt=prompt)
-
         caches, reused, how = self.store.fetch(kv.key, prompt) if kv.reuse else (None, 0, "reuse off")
         self.last_reuse = {"method": kv.method, "reused_tokens": reused, "prompt_tokens": len(prompt), "how": how}
         if caches is None:
             caches = make_caches(model, kv.method, kv.config)
         ctx.prompt_cache_count = reused
-        self.count("served_one_at_a_time")
-        self.count("prompt_tokens_one_at_a_time", len(prompt))
-        self.count("reused_tokens", reused)
+        self.count(served_one_at_a_time=1, prompt_tokens_one_at_a_time=len(prompt), reused_tokens=reused)
         rqueue.put(ctx)
-
         if args.seed is not None:
             mx.random.seed(args.seed)
         self._ids += 1
-        live_id = self._ids
+        live_id, tokens = self._ids, list(prompt)
         self.live[live_id] = (kv, caches)
-        tokens = list(prompt)
 
         def progress(done, total):
             if ctx._should_stop:  # the client has gone: stop the prefill here
@@ -360,8 +332,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             rqueue.put(None)
         finally:
             self.live.pop(live_id, None)
-        # mlx_lm's generate_step feeds each token before yielding it, so the caches have seen
-        # ``offset`` of ``tokens``; they are stored under exactly those.
+        # mlx_lm's generate_step feeds each token before yielding it: the caches have seen ``offset`` of ``tokens``
         seen = max(int(c.offset) for c in caches)
         if kv.reuse and seen <= len(tokens):
             self.store.insert(kv.key, tokens[:seen], caches)
@@ -378,32 +349,22 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 live.append({"batch": True, "method": key[0], "settings": dict(key[1]),
                              **batch_figures(model, caches)})
         cached = self.store.describe(model) + self.prompt_cache.describe(model)
-        return {
-            "model": self.model_provider.served_id,
-            "default": self.default_kv.describe(),
-            "live": live,
-            "cached": cached,
-            "cached_kv_bytes": sum(c["kv_bytes"] for c in cached),
-            "counters": counters,
-            "last_one_at_a_time_reuse": self.last_reuse,
-            "process": process_memory(),
-            "time": time.time(),
-        }
+        return {"model": self.model_provider.served_id, "default": self.default_kv.describe(), "live": live,
+                "cached": cached, "cached_kv_bytes": sum(c["kv_bytes"] for c in cached), "counters": counters,
+                "last_one_at_a_time_reuse": self.last_reuse, "process": process_memory(), "time": time.time()}
 
 
 class CompressedAPIHandler(mlx_server.APIHandler):
-    """mlx_lm's handler plus ``/v1/kv/stats``, request ``kv_cache`` settings, size limits, origin and
-    API-key checks, a socket timeout, and request validation that refuses, with a 4xx JSON error naming
-    the field, whatever could otherwise fail inside the generation thread."""
+    """mlx_lm's handler plus ``/v1/kv/stats``, ``kv_cache`` settings, size limits, origin and API-key checks, a
+    socket timeout, and validation that refuses with a 4xx naming the field what could fail in generation."""
 
     def __init__(self, response_generator, *args, **kwargs):
         self.timeout = response_generator.limits["socket_timeout"]  # read by StreamRequestHandler.setup
         super().__init__(response_generator, *args, **kwargs)
 
-    # ------------------------------------------------------------------ responses
     def send_response(self, code, message=None):
         if code >= 400:
-            self.response_generator.count("errors")
+            self.response_generator.count(errors=1)
         super().send_response(code, message)
 
     def _set_completion_headers(self, status_code: int = 200):
@@ -440,6 +401,9 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
+    def _error(self, status: int, message: str, **kw) -> None:
+        self._send_json(status, {"error": message}, **kw)
+
     def _guarded(self, method) -> None:
         """Run a request; a client that went away or stalled past the socket timeout ends it quietly."""
         _pending.status = None
@@ -449,7 +413,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError) as e:
             self.close_connection = True
             if isinstance(e, ClientGone):
-                self.response_generator.count("cancelled_client_gone")
+                self.response_generator.count(cancelled_client_gone=1)
             logging.info("client %s gone (%s): request dropped", self.client_address[0], type(e).__name__)
         finally:
             _pending.client_gone = None
@@ -462,23 +426,20 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         except (OSError, ValueError):
             return True
 
-    # ------------------------------------------------------------------ access
     def _access_refused(self) -> bool:
         """Send 403 for a browser request from an origin not allowed, 401 without the API key."""
         origin = self.headers.get("Origin")
         allowed = self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
-            self._send_json(403, {"error": f"origin {origin!r} is not allowed (the server allows "
-                                           f"{', '.join(allowed) or 'no cross-origin requests'}; see "
-                                           "--allow-origin)"}, close=True)
+            self._error(403, f"origin {origin!r} is not allowed (the server allows "
+                             f"{', '.join(allowed) or 'no cross-origin requests'}; see --allow-origin)", close=True)
             return True
         key = self.response_generator.limits.get("api_key")
         if key:
             given = self.headers.get("Authorization") or ""
             if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {key}".encode()):
-                self._send_json(401, {"error": "missing or wrong API key: send the header "
-                                               "'Authorization: Bearer KEY' (--api-key)"},
-                                headers={"WWW-Authenticate": "Bearer"}, close=True)
+                self._error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (--api-key)",
+                            headers={"WWW-Authenticate": "Bearer"}, close=True)
                 return True
         return False
 
@@ -503,35 +464,33 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self._guarded(self._post)
 
     def _post(self):
-        """Check access, the path, Content-Length and the body's encoding, then mlx_lm's ``do_POST``
-        on the body read here (so a bad or stalled body gets a JSON error, never a dropped thread)."""
+        """Check access, path, Content-Length and encoding, then mlx_lm's ``do_POST`` on the body read here (a bad
+        or stalled body gets a JSON error, never a dropped thread)."""
         if self._access_refused():
             return
         if self.path not in _POST_PATHS:
-            return self._send_json(404, {"error": f"no such endpoint: POST {self.path[:200]}"})
+            return self._error(404, f"no such endpoint: POST {self.path[:200]}")
         limit = self.response_generator.limits["max_body_bytes"]
         length = self.headers.get("Content-Length")
         if length is None:
-            return self._send_json(411, {"error": "Content-Length header is required"}, close=True)
+            return self._error(411, "Content-Length header is required", close=True)
         if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
-            return self._send_json(400, {"error": f"Content-Length must be a decimal byte count, got "
-                                                  f"{length[:40]!r}"}, close=True)
+            return self._error(400, f"Content-Length must be a decimal byte count, got {length[:40]!r}", close=True)
         n = int(length)
         if n > limit:
-            return self._send_json(413, {"error": f"request body of {n} bytes is over the limit of "
-                                                  f"{limit} bytes (--max-body-bytes)"}, close=True)
+            return self._error(413, f"request body of {n} bytes is over the limit of {limit} bytes (--max-body-bytes)",
+                               close=True)
         try:
             raw = self.rfile.read(n)
         except TimeoutError:
-            return self._send_json(408, {"error": f"request body not received within "
-                                                  f"{self.timeout:g} s (Content-Length: {n})"}, close=True)
+            return self._error(408, f"request body not received within {self.timeout:g} s (Content-Length: {n})",
+                               close=True)
         if len(raw) < n:
-            return self._send_json(400, {"error": f"request body ended after {len(raw)} of {n} bytes"}, close=True)
+            return self._error(400, f"request body ended after {len(raw)} of {n} bytes", close=True)
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            return self._send_json(400, {"error": f"request body is not valid UTF-8 (byte {e.start}): send "
-                                                  "UTF-8 encoded JSON"})
+            return self._error(400, f"request body is not valid UTF-8 (byte {e.start}): send UTF-8 encoded JSON")
         socket_file, self.rfile = self.rfile, io.BytesIO(raw)
         self._stream_started = False
         try:
@@ -539,58 +498,48 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         finally:
             self.rfile = socket_file
 
-    # ------------------------------------------------------------------ validation
     def validate_model_parameters(self) -> None:
-        """mlx_lm's checks, plus: no booleans for numbers, finite floats, ``seed`` within what MLX
-        accepts, ``top_k`` and ``logit_bias`` ids within the vocabulary, string ``stop`` words, an object
-        for ``chat_template_kwargs``, and a served model (named in the response as the served id)."""
+        """mlx_lm's checks, ours (:mod:`.server_requests`) and a served model (responses name the served id)."""
         check_number_types(self)
         super().validate_model_parameters()
         check_generation_fields(self, self.response_generator.vocab_size)
         provider = self.response_generator.model_provider
-        if self.requested_model not in provider.aliases:
-            self._reject(404, f"model {self.requested_model!r} is not served here; this server serves "
-                              f"{provider.served_id!r}")
+        with _status_kept():
+            provider.check_served(self.requested_model)
         self.requested_model = provider.served_id  # responses name the served model
 
     def _checked(self, request):
         """Attach the request's KV settings and check its prompt length (raises RequestError)."""
-        try:
-            gen = self.response_generator
+        gen = self.response_generator
+        with _status_kept():
             kv = request_kv(self.body.get("kv_cache"), gen.default_kv, gen.model_provider.model)
             if kv is not None:
                 request.kv = kv
-            max_tokens = gen.limits["max_tokens"]
-            if self.max_tokens > max_tokens:
+            if self.max_tokens > gen.limits["max_tokens"]:
                 raise RequestError(400, f"max_tokens={self.max_tokens} is over this server's limit of "
-                                        f"{max_tokens}")
+                                        f"{gen.limits['max_tokens']}")
             template_args = {**gen.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
             n = len(prompt_tokens(request, gen.model_provider.tokenizer, template_args))
             cap = gen.limits["max_prompt_tokens"]
             if n > cap:
                 raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "
                                         "(--max-prompt-tokens)")
-        except RequestError as e:
-            _remember_status(e)
-            raise
         return request
 
     def handle_chat_completions(self):
-        try:
+        with _status_kept():
             check_messages(self.body.get("messages"))
-        except RequestError as e:
-            _remember_status(e)
-            raise
         return self._checked(super().handle_chat_completions())
 
     def handle_text_completions(self):
-        if "prompt" not in self.body:
-            return self._reject(400, "prompt is required")
+        with _status_kept():
+            if "prompt" not in self.body:
+                raise RequestError(400, "prompt is required")
         return self._checked(super().handle_text_completions())
 
     def handle_completion(self, request, stop_words):
-        """mlx_lm's response loop; a failure after generation has started still gets an answer: a JSON
-        error with its status before the response has begun, else a final SSE ``error`` event."""
+        """mlx_lm's response loop; a later failure still gets an answer: a JSON error before the response has
+        begun, else a final SSE ``error`` event."""
         try:
             super().handle_completion(request, stop_words)
         except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -601,23 +550,13 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             logging.warning("request failed after it started (%s): %s", status, message)
             self.close_connection = True
             if self._stream_started:
-                self.response_generator.count("errors")
+                self.response_generator.count(errors=1)
                 event = {"error": {"message": message, "status": status}}
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                 self.wfile.flush()
             else:
                 self._headers_buffer = []  # drop the buffered 200 header: nothing was sent yet
-                self._send_json(status, {"error": message})
-
-    def _reject(self, status: int, message: str):
-        error = RequestError(status, message)
-        _remember_status(error)
-        raise error
-
-
-# --------------------------------------------------------------------------- #
-# assembly
-# --------------------------------------------------------------------------- #
+                self._error(status, message)
 
 
 def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
@@ -634,35 +573,24 @@ def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-def output_vocab_size(model) -> int:
-    """Width of the model's logits: the ids ``logit_bias`` may name and the bound of ``top_k``. (MLX
-    infers the shape without computing the forward pass.)"""
-    return int(model(mx.array([[0]])).shape[-1])
-
-
 def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS,
                 max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None,
                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, api_key: Optional[str] = None,
                 loaded: Optional[tuple] = None):
-    """A ready ``ThreadingHTTPServer`` (not yet serving) and its response generator.
-
-    Port 0 picks a free port (``httpd.server_address``). ``socket_timeout`` bounds each read and write
-    on a client connection; ``api_key`` makes every request need ``Authorization: Bearer KEY``;
-    ``cli_args.allowed_origins`` lists the origins a browser page may call from (default: none).
-    ``loaded`` is an already loaded ``(model, tokenizer)`` to serve under the id ``cli_args.model``.
-    Call ``shutdown(httpd, generator)`` to stop."""
+    """A ready ``ThreadingHTTPServer`` (not yet serving; port 0 picks a free one) and its response generator;
+    ``loaded``: an already loaded ``(model, tokenizer)`` to serve as ``cli_args.model``. Stop with ``shutdown``."""
     provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    # requests: POSTed generations; served_one_at_a_time: compressed requests without a batch form;
     # reused_tokens: prompt tokens taken from a kept cache (both stores); errors: 4xx/5xx answers and error
     # events ending a stream; generation_failures: failures of the generation loop that it survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
                 "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
-    generator.vocab_size = output_vocab_size(provider.model)
+    # the logits' width bounds logit_bias ids and top_k (MLX infers the shape without computing the pass)
+    generator.vocab_size = int(provider.model(mx.array([[0]])).shape[-1])
     generator.limits = {"max_prompt_tokens": max_prompt_tokens, "max_body_bytes": max_body_bytes,
                         "max_tokens": max_tokens_limit or max(cli_args.max_tokens, 4096),
                         "socket_timeout": socket_timeout, "api_key": api_key}
@@ -671,8 +599,8 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
 
 
 class _HTTPServer(ThreadingHTTPServer):
-    """One thread per connection (each bounded by the socket timeout), and a listen backlog deep enough
-    that a burst of connections waits in it instead of having its packets dropped by the kernel."""
+    """One thread per connection (bounded by the socket timeout); a backlog deep enough that a burst of
+    connections waits in it instead of having its packets dropped."""
 
     daemon_threads = True
     request_queue_size = 128

@@ -1,10 +1,6 @@
-"""What a ``veloxquant serve`` request may carry, checked on the handler's thread before generation.
-
-A request's cache configuration (``"kv_cache": {"method", "settings", "reuse"}``, :func:`request_kv`, read
-through :mod:`.cache.settings`), its chat messages (:func:`check_messages`) and its sampling fields
-(:func:`check_number_types`, :func:`check_generation_fields`): anything wrong is a :class:`RequestError`
-or ``ValueError`` naming the field, answered with a 4xx JSON error.
-"""
+"""What a ``veloxquant serve`` request may carry, checked on the handler's thread before generation: its cache
+configuration (``"kv_cache"``, :func:`request_kv`), chat messages and sampling fields. Anything wrong is a
+:class:`RequestError` or ``ValueError`` naming the field, answered with a 4xx JSON error."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ class RequestError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KVSettings:
-    """The cache configuration of a request: a method, its ``--set`` fields and the built config."""
+    """A request's cache configuration: a method, its ``--set`` fields and the built config."""
 
     method: str
     settings: tuple  # sorted (field, value) pairs, hashable
@@ -49,19 +45,13 @@ class KVSettings:
         cls = _method_class(self.method)
         out = {"method": self.method, "settings": dict(self.settings)}
         if cls is None:
-            out.update(batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
-                       prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
-            return out
-        if self.batchable:
-            out["batching"] = "batched"
-            out["batching_reason"] = (f"{cls.__name__}.merge builds its compressed batch form: requests with "
-                                      "these settings share mlx_lm's continuous batch")
-        else:
-            out["batching"] = "sequential"
-            out["batching_reason"] = (f"{cls.__name__} has no batch form (merge raises BatchingNotSupported): "
-                                      "requests are served one at a time, compressed")
-        out["prompt_reuse"] = reuse_mode(cls)
-        return out
+            return dict(out, batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
+                        prompt_reuse="mlx_lm's prompt cache (trim when trimmable)")
+        reason = (f"{cls.__name__}.merge builds its compressed batch form: requests with these settings share "
+                  "mlx_lm's continuous batch" if self.batchable else f"{cls.__name__} has no batch form (merge "
+                  "raises BatchingNotSupported): requests are served one at a time, compressed")
+        return dict(out, batching="batched" if self.batchable else "sequential", batching_reason=reason,
+                    prompt_reuse=reuse_mode(cls))
 
     @property
     def batchable(self) -> bool:
@@ -70,18 +60,13 @@ class KVSettings:
 
 
 def _method_class(method: str):
-    if method == NONE:
-        return None
     from .cache.base import method_info
-
-    return method_info(method).cls
+    return None if method == NONE else method_info(method).cls
 
 
 def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
-    """Validate ``method`` and ``sets`` (``--set`` fields) into ``KVSettings``; with ``model``, also
-    build its caches once, so that per-layer checks fail here rather than in the generation thread.
-
-    Raises ``RequestError(400)`` naming the unknown method or field or the bad value."""
+    """``KVSettings`` of ``method`` and its ``--set`` fields, or ``RequestError(400)`` naming what is wrong; with
+    ``model``, its caches are built once, so per-layer checks fail here rather than in the generation thread."""
     if not isinstance(method, str):
         raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
     if not isinstance(sets, dict):
@@ -92,9 +77,8 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
         if method == NONE:
             return KVSettings(NONE, ())
         if model is not None:
-            from .cache import KVCacheBuilder
-
-            KVCacheBuilder.for_model(model, config)
+            from .generate import make_caches
+            make_caches(model, method, config)
     except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError, OverflowError) as e:
         raise RequestError(400, str(e)) from None
     except Exception as e:  # noqa: BLE001 - whatever else a config or cache constructor raises is the request's
@@ -128,8 +112,8 @@ _IMAGE_TYPES = ("image_url", "input_image", "image")
 
 
 def check_messages(messages) -> None:
-    """Refuse malformed chat messages with a 400 naming the field, before any of mlx_lm's processing
-    (which fetches remote image URLs and feeds the chat template whatever it is given)."""
+    """A 400 naming the field for malformed chat messages, before mlx_lm's processing (which fetches remote
+    image URLs and feeds the chat template whatever it is given)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
@@ -163,9 +147,9 @@ def check_number_types(req) -> None:
 
 
 def check_generation_fields(req, vocab: int) -> None:
-    """After mlx_lm's checks: finite floats, ``seed`` within what MLX accepts, ``top_k`` and ``logit_bias``
-    ids within the vocabulary, string ``stop`` words, an object for ``chat_template_kwargs``, a list of
-    ``tools`` and an object for ``role_mapping``."""
+    """After mlx_lm's checks: finite floats, ``seed`` within what MLX accepts, ``top_k`` and ``logit_bias`` ids
+    within the vocabulary, string ``stop`` words, objects for ``chat_template_kwargs`` and ``role_mapping``,
+    a list of ``tools``."""
     for name in _FLOAT_FIELDS:
         if not math.isfinite(getattr(req, name)):
             raise ValueError(f"{name} must be a finite number, got {getattr(req, name)}")
@@ -187,20 +171,15 @@ def check_generation_fields(req, vocab: int) -> None:
                               or not all(isinstance(w, str) and w for w in words)):
         raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got "
                          f"{json.dumps(stop)[:200]}")
-    kwargs = req.chat_template_kwargs
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ValueError(f"chat_template_kwargs must be an object, got {json.dumps(kwargs)[:200]}")
-    for name in ("tools", "role_mapping"):
-        value = req.body.get(name)
-        expected = list if name == "tools" else dict
-        if value is not None and not isinstance(value, expected):
-            raise ValueError(f"{name} must be {'a list' if expected is list else 'an object'}, got "
+    for name, value, kind in (("chat_template_kwargs", req.chat_template_kwargs, dict), ("tools", req.body.get("tools"),
+                              list), ("role_mapping", req.body.get("role_mapping"), dict)):
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{name} must be {'a list' if kind is list else 'an object'}, got "
                              f"{json.dumps(value)[:200]}")
 
 
 def prompt_tokens(request, tokenizer, template_args: dict) -> list:
-    """The prompt as the generation thread will build it (to check its length); a template error is the
-    client's (400)."""
+    """The prompt as the generation thread will build it (to check its length); a template error is a 400."""
     if request.request_type != "chat":
         if not isinstance(request.prompt, str):
             raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")

@@ -1,14 +1,12 @@
-"""The server's prompt-cache stores and the one prefix-reuse policy both follow.
-
-A follow-up request may start from a kept cache instead of a fresh prefill only where that cache's state
-is the one a fresh run builds (:class:`PrefixReuse`). Two stores apply it: :class:`PromptCacheStore` keeps
-the caches of compressed requests served one at a time; :class:`SafePromptCache` is mlx_lm's own store
-(its batch path: ``none`` and the batchable methods), keyed per KV settings through the model key.
+"""The server's two prompt-cache stores and the one prefix-reuse policy both follow (:class:`PrefixReuse`):
+:class:`PromptCacheStore` keeps the caches of compressed requests served one at a time; :class:`SafePromptCache`
+is mlx_lm's own store (its batch path: ``none`` and the batchable methods), keyed per KV settings by the model key.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -17,21 +15,18 @@ from mlx_lm.models import cache as mlx_cache
 
 from .measure import cache_figures
 
-__all__ = ["PrefixReuse", "REUSE", "PromptCacheStore", "SafePromptCache", "reuse_mode"]
+__all__ = ["PrefixReuse", "PromptCacheStore", "SafePromptCache", "reuse_mode"]
 
 
 class PrefixReuse:
-    """When a kept cache may stand in for a fresh prefill, from the caches' own flags.
+    """When a kept cache may stand in for a fresh prefill, from the caches' own flags: keep only caches whose
+    state does not depend on how tokens were split across calls (``chunk_invariant``; mlx_lm's ``KVCache`` is);
+    trim a longer kept sequence back to the shared prefix only where every layer's trim is exact (``exact_trim``,
+    or ``trim_exact_or_raises`` where a raise means recompute) and complete; else a shorter prefix or recompute.
 
-    * **keep** only caches whose state does not depend on how tokens were split across calls
-      (``chunk_invariant``; mlx_lm's ``KVCache`` is);
-    * **trim** a longer kept sequence back to the shared prefix only where every layer's trim is exact
-      (``exact_trim``, or ``trim_exact_or_raises`` where a raise means recompute) and every layer reports
-      the whole trim; otherwise use a shorter kept prefix, or recompute.
-
-    As with mlx_lm's own quantized cache, a lossy method's rows for decoded tokens were computed against
-    the compressed past, so reuse matches a fresh run in the cache's rules, not bit for bit in every
-    hidden state (tests/test_server.py checks that the greedy answers agree).
+    As with mlx_lm's quantized cache, a lossy method's rows for decoded tokens were computed against the
+    compressed past, so reuse matches a fresh run in the cache's rules, not bit for bit in every hidden state
+    (tests/test_server.py checks that the greedy answers agree).
     """
 
     @staticmethod
@@ -63,24 +58,11 @@ class PrefixReuse:
         return "prefix only (trim is not exact)"
 
 
-REUSE = PrefixReuse()
 reuse_mode = PrefixReuse.mode
 
 
-def _common(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PromptCacheStore:
-    """LRU store of finished requests' compressed caches, keyed by (KV settings, tokens).
-
-    ``fetch`` returns a private copy of the cache of the longest usable cached prefix of a prompt and
-    leaves at least one prompt token to process.
-    """
+    """LRU store of finished requests' compressed caches, keyed by (KV settings, tokens)."""
 
     def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
         self.max_entries = max_entries
@@ -92,25 +74,24 @@ class PromptCacheStore:
         return len(self._entries)
 
     def fetch(self, kv_key, prompt: list[int]):
-        """``(caches or None, tokens reused, how)``: the candidate reusing the most tokens, among kept
-        prefixes of the prompt and longer kept sequences whose trim back to the shared part is exact."""
-        limit = len(prompt) - 1
-        candidates = []
-        skipped = ""
+        """``(private copy of caches or None, tokens reused, how)``: the candidate reusing the most tokens (at
+        least one prompt token is left to process), among kept prefixes of the prompt and longer kept
+        sequences whose trim back to the shared part is exact."""
+        candidates, skipped = [], ""
         with self._lock:
             for (key, tokens), caches in self._entries.items():
-                use = min(_common(tokens, prompt), limit) if key == kv_key else 0
+                use = min(len(os.path.commonprefix([list(tokens), prompt])), len(prompt) - 1) if key == kv_key else 0
                 trim = len(tokens) - use
                 if use <= 0:
                     continue
-                if trim and not REUSE.trimmable(caches):
+                if trim and not PrefixReuse.trimmable(caches):
                     skipped = "; a longer kept sequence was skipped (its trim is not exact)"
                     continue
                 candidates.append((use, -trim, (key, tokens)))
             candidates.sort(reverse=True)
             picked = [(use, -neg, k, copy.deepcopy(self._entries[k])) for use, neg, k in candidates[:2]]
         for use, trim, entry_key, caches in picked:
-            if trim and not REUSE.trim(caches, trim):
+            if trim and not PrefixReuse.trim(caches, trim):
                 continue
             with self._lock:
                 if entry_key in self._entries:
@@ -120,7 +101,7 @@ class PromptCacheStore:
 
     def insert(self, kv_key, tokens: list[int], caches: list) -> None:
         """Keep ``caches`` (which have seen exactly ``tokens``) if the policy allows, evicting LRU first."""
-        if self.max_entries <= 0 or not REUSE.keepable(caches):
+        if self.max_entries <= 0 or not PrefixReuse.keepable(caches):
             return
         with self._lock:
             self._entries[(kv_key, tuple(tokens))] = caches
@@ -140,9 +121,9 @@ class PromptCacheStore:
 
 
 class SafePromptCache(mlx_cache.LRUPromptCache):
-    """mlx_lm's prompt-cache store (used by its batch path) under :class:`PrefixReuse`: mlx_lm trims a
-    longer kept sequence whenever its caches say ``is_trimmable``; here a trim that is not exact, raises or
-    is incomplete means a shorter prefix or "recompute" instead of a wrong or crashed request."""
+    """mlx_lm's prompt-cache store under :class:`PrefixReuse`: where mlx_lm trims a longer kept sequence whenever
+    its caches say ``is_trimmable``, a trim that is not exact, raises or is incomplete means a shorter prefix or
+    a recompute instead of a wrong or crashed request."""
 
     skip_fetch = False  # set per request (kv_cache.reuse = false) by the response generator
 
@@ -159,10 +140,10 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         short = len(found.shorter) if found.shorter is not None else 0
         if found.longer is not None and found.common_prefix > short:
             longer = self._trie.get(found.model, found.longer).prompt_cache
-            if REUSE.trimmable(longer):
+            if PrefixReuse.trimmable(longer):
                 caches = copy.deepcopy(longer)
                 prefix = min(len(tokens) - 1, found.common_prefix)
-                if not REUSE.trim(caches, len(found.longer) - prefix):
+                if not PrefixReuse.trim(caches, len(found.longer) - prefix):
                     return None, tokens
                 return self._reused(caches, tokens, prefix, copied=True)
         if short > 0:
@@ -177,7 +158,7 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         return (caches if copied else copy.deepcopy(caches)), tokens[n:]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if REUSE.keepable(prompt_cache):  # a state that depends on the call split is never reused
+        if PrefixReuse.keepable(prompt_cache):  # a state that depends on the call split is never reused
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
     def describe(self, model) -> list[dict]:
@@ -190,8 +171,8 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         return rows
 
     def entries(self) -> list:
-        """``(model key, tokens, caches)`` of every kept sequence (reads mlx_lm 0.32's LRU and trie,
-        as ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
+        """``(model key, tokens, caches)`` of every kept sequence (read from mlx_lm 0.32's LRU and trie as
+        ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
         out = []
         for lru in list(self._lru._lrus.values()):
             for model, tokens in list(lru):

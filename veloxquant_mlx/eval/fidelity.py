@@ -1,10 +1,8 @@
 """Fidelity to the uncompressed model: next-token KL divergence, top-1 agreement and perplexity.
 
-The context is prefilled through the compressed cache (so prefill-time compression runs), then the
-following ``n_score`` tokens are fed one at a time (so decode-time compression runs too). At each
-step the compressed model's next-token distribution is compared with the uncompressed model's on the
-same tokens (one dense forward pass, :func:`reference_logprobs`, which callers comparing several
-methods on the same tokens can compute once and pass in as ``ref_logp``).
+The context is prefilled through the compressed cache, then ``n_score`` tokens are fed one at a time, so both
+prefill- and decode-time compression run; each step's next-token distribution is compared with the
+uncompressed model's on the same tokens (one dense pass, :func:`reference_logprobs`, shareable as ``ref_logp``).
 """
 
 from __future__ import annotations
@@ -37,13 +35,10 @@ class FidelityResult:
 
     @property
     def kv_fraction_of_fp16(self) -> float:
-        """``kv_bytes / kv_bytes_fp16`` (the fraction of the fp16 cache kept; lower = smaller)."""
+        """``kv_bytes / kv_bytes_fp16`` (lower = smaller)."""
         return self.kv_bytes / self.kv_bytes_fp16 if self.kv_bytes_fp16 else 1.0
 
-    @property
-    def compression(self) -> float:
-        """The same fraction under its older name (scripts and tests use it); prefer ``kv_fraction_of_fp16``."""
-        return self.kv_fraction_of_fp16
+    compression = kv_fraction_of_fp16  # the older name, still used by scripts and tests
 
 
 def make_caches(model, config):
@@ -54,9 +49,8 @@ def make_caches(model, config):
 
 
 def reconstruct(model, tokenizer) -> Callable[[list, list], None]:
-    """An ``after_prefill`` step that runs every context-reconstruction pass the caches have (a cache
-    class with ``compress_with_model``: KVzip) over the prefilled context, as its paper does."""
-
+    """An ``after_prefill`` step running each cache class's context-reconstruction pass
+    (``compress_with_model``: KVzip) over the prefilled context, as its paper does."""
     def run(caches, context_ids):
         for cls in dict.fromkeys(type(c) for c in caches):
             if hasattr(cls, "compress_with_model"):
@@ -73,11 +67,9 @@ def _log_softmax(x):
 def prefill(model, tokens, caches, step: int = PREFILL_STEP,
             on_chunk: Optional[Callable[[int, int], None]] = None) -> None:
     """Run ``tokens`` ([1, T] array or list) through ``caches`` in chunks of ``step``, as mlx_lm does;
-    ``on_chunk(done, T)`` after each chunk (progress of a long prefill)."""
-    if not isinstance(tokens, mx.array):
-        tokens = mx.array(tokens)
-    if tokens.ndim == 1:
-        tokens = tokens[None]
+    ``on_chunk(done, T)`` after each chunk."""
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
     n = tokens.shape[1]
     for start in range(0, n, step):
         model(tokens[:, start : min(start + step, n)], cache=caches)
@@ -86,11 +78,16 @@ def prefill(model, tokens, caches, step: int = PREFILL_STEP,
             on_chunk(min(start + step, n), n)
 
 
-def reference_logprobs(model, tokens, n_context: int, n_score: int) -> mx.array:
-    """[n_score, vocab] log-probabilities of the uncompressed model at positions n_context-1 .. +n_score-2."""
+def _scored(tokens, n_context: int, n_score: int) -> mx.array:
     tokens = mx.array(list(tokens)[: n_context + n_score]).reshape(1, -1)
     if tokens.shape[1] < n_context + n_score:
         raise ValueError(f"need {n_context + n_score} tokens, got {tokens.shape[1]}")
+    return tokens
+
+
+def reference_logprobs(model, tokens, n_context: int, n_score: int) -> mx.array:
+    """[n_score, vocab] log-probabilities of the uncompressed model at positions n_context-1 .. +n_score-2."""
+    tokens = _scored(tokens, n_context, n_score)
     out = _log_softmax(model(tokens, cache=make_prompt_cache(model))[0, n_context - 1 : -1])
     mx.eval(out)
     return out
@@ -101,17 +98,12 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
                         ref_logp: Optional[mx.array] = None,
                         on_chunk: Optional[Callable[[int, int], None]] = None,
                         after_prefill: Optional[Callable[[list, list], None]] = None) -> FidelityResult:
-    """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2.
-
-    ``ref_logp``: :func:`reference_logprobs` of the same tokens, if already computed; ``on_chunk``: the
-    prefill's progress (:func:`prefill`); ``after_prefill(caches, context_ids)``: a step between the
-    prefill and the scored decode steps (e.g. KVzip's reconstruction pass, :func:`reconstruct`).
-    """
+    """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2. ``ref_logp``:
+    :func:`reference_logprobs` of the same tokens, if computed; ``after_prefill(caches, context_ids)``: a step
+    between the prefill and the scored decode steps (e.g. :func:`reconstruct`)."""
     if n_context < 2 or n_score < 1:
         raise ValueError(f"need n_context >= 2 and n_score >= 1, got {n_context}, {n_score}")
-    tokens = mx.array(list(tokens)[: n_context + n_score]).reshape(1, -1)
-    if tokens.shape[1] < n_context + n_score:
-        raise ValueError(f"need {n_context + n_score} tokens, got {tokens.shape[1]}")
+    tokens = _scored(tokens, n_context, n_score)
     if ref_logp is None:
         ref_logp = reference_logprobs(model, tokens[0].tolist(), n_context, n_score)
     caches = make_caches(model, config)

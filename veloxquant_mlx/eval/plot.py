@@ -1,65 +1,43 @@
-"""The KV-bytes-vs-KLD Pareto plot (kv_fraction_of_fp16 against KLD), and ``results.md``.
-
-:func:`plot_pareto` draws with matplotlib, the optional extra ``veloxquant-mlx[plot]``; without it the
-eval outputs are written without the plot (one line says which extra to install).
-"""
+"""``results.md`` and the Pareto plot of kv_fraction_of_fp16 against KLD (matplotlib, the optional extra
+``veloxquant-mlx[plot]``; without it the outputs are written without the plot and one line names the extra)."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..measure import fraction_text
+
 __all__ = ["pareto_front", "pareto_points", "plot_pareto", "results_markdown", "PLOT_EXTRA_HINT"]
 
 KLD_FLOOR = 1e-6  # KL divergences below this are drawn at it (log axis)
-
-
-# --------------------------------------------------------------------------- #
-# data
-# --------------------------------------------------------------------------- #
+PLOT_EXTRA_HINT = "the Pareto plot needs matplotlib: pip install 'veloxquant-mlx[plot]'"
 
 
 def pareto_points(rows: Sequence[dict]) -> list[dict]:
     """One point per method label: from its ``kld`` row (else its ``ppl`` row), if it has a KLD."""
-    by_label: dict[str, dict] = {}
-    for task in ("ppl", "kld"):  # kld overrides ppl
-        for r in rows:
-            if r.get("task") == task and r.get("kld") is not None and r.get("kv_fraction_of_fp16"):
-                by_label[r["label"]] = {"label": r["label"], "method": r["method"],
-                                        "kv_fraction_of_fp16": float(r["kv_fraction_of_fp16"]),
-                                        "kld": float(r["kld"])}
+    by_label = {r["label"]: {"label": r["label"], "method": r["method"],
+                             "kv_fraction_of_fp16": float(r["kv_fraction_of_fp16"]), "kld": float(r["kld"])}
+                for task in ("ppl", "kld") for r in rows  # kld overrides ppl
+                if r.get("task") == task and r.get("kld") is not None and r.get("kv_fraction_of_fp16")}
     return list(by_label.values())
 
 
 def pareto_front(points: Sequence[dict]) -> list[dict]:
     """The points no other point beats on both axes (smaller kv_fraction_of_fp16, lower KLD), smallest first."""
     f = "kv_fraction_of_fp16"
-    front = []
-    for p in points:
-        dominated = any(q is not p and q[f] <= p[f] and q["kld"] <= p["kld"] and (q[f] < p[f] or q["kld"] < p["kld"])
-                        for q in points)
-        if not dominated:
-            front.append(p)
+    front = [p for p in points if not any(q is not p and q[f] <= p[f] and q["kld"] <= p["kld"]
+                                          and (q[f] < p[f] or q["kld"] < p["kld"]) for q in points)]
     return sorted(front, key=lambda p: p[f])
 
 
-# --------------------------------------------------------------------------- #
-# the plot
-# --------------------------------------------------------------------------- #
-
-PLOT_EXTRA_HINT = "the Pareto plot needs matplotlib: pip install 'veloxquant-mlx[plot]'"
-
-
 def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV bytes vs KLD") -> bool:
-    """Write the Pareto plot PNG with matplotlib; False (nothing written) when no row has a KLD.
-
-    Raises ``ImportError`` with :data:`PLOT_EXTRA_HINT` when matplotlib (the ``plot`` extra) is missing.
-    """
+    """Write the Pareto plot PNG; False (nothing written) when no row has a KLD; ``ImportError`` with
+    :data:`PLOT_EXTRA_HINT` when matplotlib is missing."""
     points = pareto_points(rows)
     if not points:
         return False
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
@@ -84,26 +62,17 @@ def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV b
     return True
 
 
-# --------------------------------------------------------------------------- #
-# results.md
-# --------------------------------------------------------------------------- #
-
-
 def _f(v, fmt):
     return "–" if v is None else format(v, fmt)
 
 
 def _fraction(v) -> str:
-    from ..measure import fraction_text
-
     return "–" if v is None else fraction_text(v)
 
 
 def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] = None) -> str:
     """The ``results.md`` text: settings, a table of every row, the Pareto front, definitions."""
-    lines = ["# VeloxQuant-MLX quality results", ""]
-    for k, v in meta.items():
-        lines.append(f"- **{k}**: {v}")
+    lines = ["# VeloxQuant-MLX quality results", "", *(f"- **{k}**: {v}" for k, v in meta.items())]
     lines += ["", "| method | settings | task | context | ppl | Δppl | KLD (nats) | top-1 | NIAH | KV bytes | "
                   "fp16 KV bytes | kv_fraction_of_fp16 |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

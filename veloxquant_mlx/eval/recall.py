@@ -1,18 +1,12 @@
 """The ``recall`` task: can the model still copy a passage it read long ago?
 
-A real passage (``passage`` tokens) appears early in the context and again at its end, after
-distractor text: ``[filler][passage][distractor][first cue tokens of the passage]`` is the prompt that
-the cache compresses; then the rest of the passage is fed token by token (decode steps) and scored.
-With the whole context in its cache a small model copies the repeat almost perfectly (induction:
-SmolLM2-135M predicts ~96% of its tokens at 2048 tokens); a cache that dropped the first copy
-cannot, whatever its quality elsewhere. So the task separates eviction methods that keep the rows
-later queries need (the cue's queries point at the first copy) from recency-only ones, which the NIAH
-task on a 135M model cannot (the uncompressed model itself fails most needles).
-
-Where the first copy sits: ``depth`` (fraction of the context before it) or ``distance`` (tokens from
-its end to the repeat). Scores per trial: ``copy_acc`` (fraction of scored steps whose greedy token
-is the passage's next token), the next-token KL against the uncompressed model and its top-1
-agreement (as the ``kld`` task), and the passage perplexity.
+The cache compresses ``[filler][passage][distractor][the passage's first cue tokens]``; then the rest of the
+passage is fed as decode steps and scored. With the whole context a small model copies the repeat almost
+perfectly (induction: SmolLM2-135M ~96% at 2048 tokens); a cache that dropped the first copy cannot. So the task
+separates eviction methods that keep the rows later queries need from recency-only ones, which NIAH on a 135M
+model cannot (the uncompressed model itself fails most needles). The first copy sits at ``depth`` (share of
+the other text before it) or ``distance`` (tokens from its end to the repeat). A trial scores ``copy_acc``
+(greedy token = the passage's next), KL and top-1 agreement against the uncompressed model, and perplexity.
 """
 
 from __future__ import annotations
@@ -44,12 +38,9 @@ class RecallPrompt:
 def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optional[float] = None,
                         distance: Optional[int] = None, passage: int = PASSAGE_TOKENS,
                         cue: int = CUE_TOKENS) -> RecallPrompt:
-    """A ``context``-token prompt with the passage placed by ``depth`` or ``distance`` (exactly one).
-
-    ``text_ids``: real text token ids, at least ``context + passage`` of them; the filler is its first
-    tokens and the passage its last ``passage`` tokens, so the passage occurs nowhere else in the prompt
-    (given a long text, it comes from far away -- another essay -- and reads as unrelated to the filler).
-    """
+    """A ``context``-token prompt with the passage placed by ``depth`` or ``distance`` (exactly one). The
+    filler is the first tokens of ``text_ids`` (at least ``context + passage``), the passage its last ones: in
+    a long text another essay, found nowhere else in the prompt."""
     if (depth is None) == (distance is None):
         raise ValueError("give exactly one of depth and distance")
     if not 1 <= cue < passage:
@@ -75,8 +66,7 @@ def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optiona
 
 
 def recall_trial(model, prompt: RecallPrompt, config, ref_logp=None, on_chunk=None, after_prefill=None):
-    """One trial: :class:`~.fidelity.FidelityResult` of the scored passage tokens (``top1_target`` is the
-    copy accuracy). ``ref_logp``: :func:`~.fidelity.reference_logprobs` of ``prompt``, if computed."""
+    """:class:`~.fidelity.FidelityResult` of the scored passage tokens (``top1_target`` = copy accuracy)."""
     if ref_logp is None:
         ref_logp = reference_logprobs(model, prompt.ids, prompt.n_context, prompt.n_score)
     return next_token_fidelity(model, prompt.ids, prompt.n_context, prompt.n_score, config, ref_logp=ref_logp,

@@ -1,22 +1,21 @@
 """Which caches to measure: a method name plus its settings (``MethodSpec``), and the ``--set`` rules.
 
-``--set FIELD=VALUE`` applies to every listed method that reads FIELD (``cache.options.method_fields``):
-``snap_budget`` only to snapkv, ``bit_width_inlier`` to the methods whose caches read it, ``budget`` to
-every listed method with an option of that name; a field no listed method reads is an error.
-``--set METHOD:FIELD=VALUE`` applies to that method only (its option names or flat aliases).
-``--method "METHOD FIELD=VALUE ..."`` is one configuration with its own settings, so one run can hold
-several configurations of a method; ``--sweep [METHOD:]FIELD=V1,V2`` runs each configuration it applies to
-once per value.
+``--set FIELD=VALUE`` applies to every listed method that reads FIELD (``cache.options.method_fields``: e.g.
+``snap_budget`` to snapkv, ``budget`` to every method with that option); a field no listed method reads is an
+error. ``--set METHOD:FIELD=VALUE`` applies to that method only. ``--method "METHOD FIELD=VALUE ..."`` is one
+configuration with its own settings (a run may hold several of a method); ``--sweep [METHOD:]FIELD=V1,V2``
+runs each configuration it applies to once per value.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["NONE", "MethodSpec", "resolve_methods", "implemented_mlx_lm_methods", "split_sets", "sweep_values"]
-
 from ..cache.settings import NONE, UsageError, build_config, check_buildable, check_method_name, parse_set, parse_sets
+
+__all__ = ["NONE", "MethodSpec", "resolve_methods", "implemented_mlx_lm_methods", "split_sets", "sweep_values"]
 
 
 @dataclass(frozen=True)
@@ -32,23 +31,17 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        if not self.settings:
-            return self.method
-        return self.method + " " + " ".join(f"{k}={v}" for k, v in self.settings.items())
+        return " ".join([self.method, *(f"{k}={v}" for k, v in self.settings.items())])
 
     def config(self):
         """The ``KVCacheConfig`` (None for ``none``)."""
-        if self.method == NONE:
-            return None
-        return build_config(self.method, dict(self.settings))
+        return None if self.method == NONE else build_config(self.method, dict(self.settings))
 
     @classmethod
     def coerce(cls, item: Any) -> "MethodSpec":
         """A ``MethodSpec`` from a spec, a name, or a ``(name, settings)`` pair."""
-        if isinstance(item, MethodSpec):
-            return item
-        if isinstance(item, str):
-            return cls(item, {})
+        if isinstance(item, (MethodSpec, str)):
+            return cls(item, {}) if isinstance(item, str) else item
         name, settings = item
         return cls(str(name), dict(settings or {}))
 
@@ -57,7 +50,6 @@ def implemented_mlx_lm_methods() -> list[str]:
     """Every implemented method with the mlx_lm serving protocol, in registry order."""
     from ..cache import all_methods
     from ..cache.base import MLX_LM
-
     return [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM]
 
 
@@ -67,18 +59,13 @@ def split_sets(items: Optional[Sequence[str]]) -> list[tuple[Optional[str], str]
     out = []
     for item in items or ():
         head, eq, _ = item.partition("=")
-        scope, colon, rest = head.partition(":")
-        if colon and eq:
-            out.append((scope.strip(), item.split(":", 1)[1]))
-        else:
-            out.append((None, item))
+        scope, colon, _ = head.partition(":")
+        out.append((scope.strip(), item.split(":", 1)[1]) if colon and eq else (None, item))
     return out
 
 
 def sweep_values(text: str) -> list:
     """``"256,512"`` -> ``[256, 512]``; ``"[8,4],[4,2]"`` -> two lists; ``"norm,attention"`` -> two strings."""
-    import json
-
     try:
         values = json.loads(f"[{text}]")
     except ValueError:
@@ -92,17 +79,13 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
                     include_none: bool = True, sweeps: Optional[Sequence[str]] = None) -> list[MethodSpec]:
     """Validated ``MethodSpec`` list (``none`` first when ``include_none``), ``--set`` items distributed.
 
-    A ``methods`` entry is a name or ``"NAME FIELD=VALUE ..."`` (settings of that configuration only, applied
-    after ``sets``); ``sweeps`` (``[METHOD:]FIELD=V1,V2``) multiply the configurations they apply to.
-    Raises ``cache.settings.UsageError`` for unknown methods or fields, fields that apply to none of the methods,
-    and ``NotImplementedError`` for registered but unbuilt methods; configurations are built once here
-    so invalid values fail (``QuantizerConfigError``) before any model is loaded.
+    A ``methods`` entry is a name or ``"NAME FIELD=VALUE ..."`` (applied after ``sets``); ``sweeps`` multiply the
+    configurations they apply to. ``UsageError`` for unknown methods or fields and fields no method reads,
+    ``NotImplementedError`` for unbuilt methods; configurations are built here, so bad values fail
+    (``QuantizerConfigError``) before any model is loaded.
     """
-    import json
-
     from ..cache.base import STANDALONE_METHODS
     from ..cache.options import method_fields
-
     entries = [(e.split()[0], e.split()[1:]) for e in dict.fromkeys(m.strip() for m in methods if m and m.strip())]
     if include_none and all(m != NONE for m, _ in entries):
         entries.insert(0, (NONE, []))

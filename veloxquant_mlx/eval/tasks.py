@@ -1,24 +1,15 @@
-"""Quality tasks on a real model, one function per task, each returning one row dict per method.
+"""Quality tasks on a real model: each task function returns one row (:data:`ROW_KEYS`, None where a value
+does not apply) per method, the uncompressed ``none`` first.
 
-* :func:`eval_ppl` — perplexity of ``n_score`` real-text tokens that follow a ``context``-token prefix
-  prefilled through the cache (teacher forcing, one decode step per token), and its change against
-  the uncompressed cache on the same tokens (``ppl_delta = ppl - ppl_ref``).
-* :func:`eval_kld` — on the same steps: mean KL(P_uncompressed || P_compressed) of the next-token
-  distributions in nats, and top-1 agreement (see :mod:`.fidelity`).
-* :func:`eval_niah` — needle in a haystack, kvpress's query-agnostic protocol: a passcode sentence is
-  planted at each of several depths of a ``context``-token real-text prompt (:func:`build_niah_prompt`),
-  the context is prefilled through the cache (so compression sees no question), then the question is
-  fed token by token as decode steps, and the greedy answer is scored by exact match of the number
-  (:func:`extract_answer`). The ``none`` row is the uncompressed model's own accuracy.
-* :func:`eval_recall` — a real passage read early in the context is repeated at its end; the cache
-  compresses the context, then the repeat is scored (:mod:`.recall`): ``copy_acc`` is how much of it
-  the model still copies, the uncompressed model's ``copy_acc_ref`` its ceiling.
-
-Every row has the keys :data:`ROW_KEYS` (``None`` where a value does not apply). ``compression`` is
-``kv_bytes_fp16 / kv_bytes``: how many times smaller the cache is than mlx_lm's plain cache at fp16 for
-the same tokens (above 1 = smaller; the ``none`` row is below 1 on the CPU, where mlx_lm stores the
-model's float32 and allocates in 256-row steps). Task functions share work through ``memo`` (a dict):
-``eval_ppl`` and ``eval_kld`` on the same tokens run each cache once.
+* ``ppl`` / ``kld`` (:mod:`.fidelity`): a ``context``-token real-text prefix is prefilled through the cache,
+  then ``n_score`` tokens are fed one decode step each; perplexity and its change against the uncompressed
+  model (``ppl_delta``), mean KL(P_uncompressed || P_compressed) in nats and top-1 agreement. One run per cache
+  serves both tasks (shared through ``memo``).
+* ``niah``: kvpress's query-agnostic needle in a haystack -- a passcode sentence at each depth of a real-text
+  context (:func:`build_niah_prompt`), the context compressed without the question, the question fed after
+  it as decode steps, the greedy answer scored by exact match (:func:`extract_answer`).
+* ``recall`` (:mod:`.recall`): how much of a passage read early the model still copies at the end
+  (``copy_acc``; the uncompressed model's ``copy_acc_ref`` is its ceiling).
 """
 
 from __future__ import annotations
@@ -36,55 +27,48 @@ from .fidelity import make_caches, next_token_fidelity, prefill, reconstruct, re
 from .recall import FAR_TOKENS, PASSAGE_TOKENS, RecallPrompt, build_recall_prompt, recall_trial
 from .specs import NONE, MethodSpec
 
-__all__ = [
-    "ROW_KEYS", "TASKS", "DEFAULT_TASKS", "NEEDLE_TEMPLATE", "QUESTION", "DEFAULT_DEPTHS",
-    "NiahPrompt", "build_niah_prompt", "extract_answer", "passcodes", "text_tokens",
-    "eval_ppl", "eval_kld", "eval_niah", "eval_recall", "run_eval", "count_units",
-]
+__all__ = ["ROW_KEYS", "TASKS", "DEFAULT_TASKS", "NEEDLE_TEMPLATE", "QUESTION", "DEFAULT_DEPTHS", "NiahPrompt",
+           "build_niah_prompt", "extract_answer", "passcodes", "text_tokens", "eval_ppl", "eval_kld", "eval_niah",
+           "eval_recall", "run_eval", "count_units"]
 
 TASKS = ("ppl", "kld", "niah", "recall")
 DEFAULT_TASKS = ("ppl", "kld", "niah")  # what ``veloxquant eval`` runs without --task
-
 ROW_KEYS = ("method", "settings", "label", "task", "model", "context", "n_scored",
             "ppl", "ppl_ref", "ppl_delta", "kld", "top1_agree",
             "niah_acc", "niah_hits", "niah_trials", "niah_detail",
             "copy_acc", "copy_acc_ref", "recall_detail",
             "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16", "seconds", "error")
-
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 NEEDLE_TEMPLATE = "The secret passcode for the blue vault is {code}."
 QUESTION = "What is the secret passcode for the blue vault? Answer with the number only."
 INSTRUCTION = "Read the text below, then answer the question after it."
-_SENTENCE_END = (".", "!", "?", "\n")
 
-Progress = Optional[Callable[[str], None]]
-
-
-# --------------------------------------------------------------------------- #
-# rows
-# --------------------------------------------------------------------------- #
+Progress = Optional[Callable[[str], None]]  # called once per unit of work; its ``chunk`` (if any) per prefill chunk
 
 
 def _row(spec: MethodSpec, task: str, context: int, model_name: Optional[str], **values) -> dict:
     row = dict.fromkeys(ROW_KEYS)
-    row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task,
-               model=model_name, context=context)
-    row.update(values)
-    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row.get("kv_bytes"), row.get("kv_bytes_fp16"))
+    row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task, model=model_name,
+               context=context, **values)
+    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row["kv_bytes"], row["kv_bytes_fp16"])
     return row
 
 
+def _measured(spec, task, context, model_name, run: Callable[[], dict], **on_error) -> dict:
+    """The row of ``run()``'s values, or an error row: one broken method must not end a sweep."""
+    t0 = time.perf_counter()
+    try:
+        values = run()
+    except Exception as exc:  # noqa: BLE001
+        values = dict(on_error, error=f"{type(exc).__name__}: {exc}")
+    return _row(spec, task, context, model_name, seconds=time.perf_counter() - t0, **values)
+
+
 def _specs(methods: Iterable, include_none: bool) -> list[MethodSpec]:
-    specs = [MethodSpec.coerce(m) for m in methods]
-    specs = list({s.key: s for s in specs}.values())
+    specs = list({s.key: s for s in map(MethodSpec.coerce, methods)}.values())
     if include_none and not any(s.method == NONE for s in specs):
         specs.insert(0, MethodSpec(NONE))
     return specs
-
-
-def _chunks(progress: Progress):
-    """The progress object's prefill-chunk callback (``chunk(done, total)``), if it has one."""
-    return getattr(progress, "chunk", None)
 
 
 def _tick(progress: Progress, msg: str) -> None:
@@ -92,41 +76,36 @@ def _tick(progress: Progress, msg: str) -> None:
         progress(msg)
 
 
-# --------------------------------------------------------------------------- #
-# text
-# --------------------------------------------------------------------------- #
+def _encode(tokenizer, text: str) -> list[int]:
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
 
 
 def text_tokens(tokenizer, n_tokens: int, text: Optional[str] = None, repeat: bool = False) -> list[int]:
-    """The first ``n_tokens`` token ids of ``text`` (default: the Paul Graham essays), no special tokens.
-
-    Too short a text raises ``ValueError``, or is repeated (blank-line separated) when ``repeat``.
-    """
+    """The first ``n_tokens`` token ids of ``text`` (default: the essays), no special tokens; too short a
+    text raises ``ValueError``, or is repeated (blank-line separated) when ``repeat``."""
     if text is None:
         from ..assets import essays_text
-
         text = essays_text(max_chars=max(n_tokens, 64) * 8)
-    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    ids = _encode(tokenizer, text)
     if len(ids) < n_tokens:
         if not repeat or not ids:
             raise ValueError(f"the text has {len(ids)} tokens; {n_tokens} are needed")
-        sep = [int(i) for i in tokenizer.encode("\n\n", add_special_tokens=False)]
-        unit = ids + sep
-        ids = (unit * (n_tokens // len(unit) + 1))
+        unit = ids + _encode(tokenizer, "\n\n")
+        ids = unit * (n_tokens // len(unit) + 1)
     return ids[:n_tokens]
 
 
-# --------------------------------------------------------------------------- #
-# perplexity and KL divergence
-# --------------------------------------------------------------------------- #
+def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64, text=None, model_name=None,
+                   progress: Progress = None, memo=None, include_none=True, reconstruct_context=False) -> list[dict]:
+    """``ppl`` or ``kld`` rows (both tasks fill the same keys from one run per cache, shared through ``memo``).
 
-
-def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, model_name, progress, memo,
-                   include_none, reconstruct_context=False):
+    ``methods``: names, ``(name, settings)`` pairs or :class:`MethodSpec` s; ``none`` is added first unless
+    ``include_none=False``. ``text`` (default: the essays) needs ``context + n_score`` tokens.
+    ``reconstruct_context``: run each cache's context-reconstruction pass after the prefill (KVzip's setting).
+    """
     if context < 2 or n_score < 1:
         raise ValueError(f"need context >= 2 and n_score >= 1, got {context}, {n_score}")
     memo = {} if memo is None else memo
-    specs = _specs(methods, include_none)
     ids_key = ("ids", context + n_score, hash(text) if text is not None else None)
     if ids_key not in memo:
         memo[ids_key] = text_tokens(tokenizer, context + n_score, text)
@@ -135,60 +114,33 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context, n_score, text, m
     _tick(progress, f"{task}: uncompressed reference ({context}+{n_score} tokens)")
     if ref_key not in memo:
         memo[ref_key] = reference_logprobs(model, ids, context, n_score)
+
+    def run(spec):
+        r = next_token_fidelity(model, ids, context, n_score, spec.config(), ref_logp=memo[ref_key],
+                                on_chunk=getattr(progress, "chunk", None),
+                                after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None)
+        return dict(n_scored=r.n_scored, ppl=r.ppl, ppl_ref=r.ppl_ref, ppl_delta=r.ppl - r.ppl_ref, kld=r.kld,
+                    top1_agree=r.top1_agree, kv_tokens=context + n_score - 1, kv_bytes=r.kv_bytes,
+                    kv_bytes_fp16=r.kv_bytes_fp16)
+
     rows = []
-    for spec in specs:
+    for spec in _specs(methods, include_none):
         _tick(progress, f"{task}: {spec.label}")
         key = ("fid", spec.key, ref_key, reconstruct_context)
         if key not in memo:
-            t0 = time.perf_counter()
-            try:
-                memo[key] = (next_token_fidelity(model, ids, context, n_score, spec.config(),
-                                                 ref_logp=memo[ref_key], on_chunk=_chunks(progress),
-                                                 after_prefill=reconstruct(model, tokenizer)
-                                                 if reconstruct_context else None),
-                             time.perf_counter() - t0, None)
-            except Exception as exc:  # one broken method must not end a sweep
-                memo[key] = (None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
-        r, seconds, error = memo[key]
-        if r is None:
-            rows.append(_row(spec, task, context, model_name, n_scored=n_score, seconds=seconds, error=error))
-            continue
-        rows.append(_row(spec, task, context, model_name, n_scored=r.n_scored, ppl=r.ppl, ppl_ref=r.ppl_ref,
-                         ppl_delta=r.ppl - r.ppl_ref, kld=r.kld, top1_agree=r.top1_agree,
-                         kv_tokens=context + n_score - 1, kv_bytes=r.kv_bytes, kv_bytes_fp16=r.kv_bytes_fp16,
-                         seconds=seconds))
+            memo[key] = _measured(spec, task, context, model_name, lambda: run(spec), n_scored=n_score)
+        rows.append({**memo[key], "task": task, "model": model_name})
     return rows
 
 
-def eval_ppl(model, tokenizer, methods: Sequence, *, context: int = 1024, n_score: int = 64,
-             text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
-             memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
-    """Perplexity rows (task ``ppl``): ``ppl``, ``ppl_ref`` (uncompressed), ``ppl_delta``; the KL
-    divergence and top-1 agreement of the same run are filled in too.
-
-    ``methods``: names, ``(name, settings)`` pairs or :class:`MethodSpec` s; ``none`` is added first
-    unless ``include_none=False``. ``text``: the real text (default: the essays); it needs
-    ``context + n_score`` tokens. ``reconstruct_context``: run each cache's context-reconstruction pass
-    after the prefill (:func:`.fidelity.reconstruct`; KVzip's paper setting).
-    """
-    return _fidelity_rows("ppl", model, tokenizer, methods, context=context, n_score=n_score, text=text,
-                          model_name=model_name, progress=progress, memo=memo, include_none=include_none,
-                          reconstruct_context=reconstruct_context)
+def eval_ppl(model, tokenizer, methods: Sequence, **kw) -> list[dict]:
+    """Perplexity rows (``ppl``, ``ppl_ref``, ``ppl_delta``; the same run's KLD too); keywords: :func:`_fidelity_rows`."""
+    return _fidelity_rows("ppl", model, tokenizer, methods, **kw)
 
 
-def eval_kld(model, tokenizer, methods: Sequence, *, context: int = 1024, n_score: int = 64,
-             text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
-             memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
-    """KL-divergence rows (task ``kld``): ``kld`` (nats, mean over the ``n_score`` steps), ``top1_agree``
-    (and the same run's perplexities). Arguments as :func:`eval_ppl`."""
-    return _fidelity_rows("kld", model, tokenizer, methods, context=context, n_score=n_score, text=text,
-                          model_name=model_name, progress=progress, memo=memo, include_none=include_none,
-                          reconstruct_context=reconstruct_context)
-
-
-# --------------------------------------------------------------------------- #
-# needle in a haystack
-# --------------------------------------------------------------------------- #
+def eval_kld(model, tokenizer, methods: Sequence, **kw) -> list[dict]:
+    """KL-divergence rows (``kld`` in nats over the scored steps, ``top1_agree``); keywords: :func:`_fidelity_rows`."""
+    return _fidelity_rows("kld", model, tokenizer, methods, **kw)
 
 
 @dataclass
@@ -210,49 +162,39 @@ class NiahPrompt:
 
 def _template_parts(tokenizer) -> tuple[list[int], list[int]]:
     """Token ids before the document and after it (the question, end of turn, assistant header)."""
+    from ..generate import _has_template
     marker = "\x00DOCUMENT\x00"
     content = f"{INSTRUCTION}\n\n{marker}\n\nQuestion: {QUESTION}"
     rendered = None
-    if getattr(tokenizer, "chat_template", None) or getattr(tokenizer, "has_chat_template", False):
+    if _has_template(tokenizer):
         try:
             rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                      add_generation_prompt=True)
-        except Exception:
-            rendered = None
+        except Exception:  # noqa: BLE001 - a template that refuses: plain text below
+            pass
     if not isinstance(rendered, str) or marker not in rendered:
         rendered = content + "\nAnswer:"
     head, tail = rendered.split(marker, 1)
     bos = getattr(tokenizer, "bos_token", None)
-    add_special = not (bos and head.startswith(bos))
-    head_ids = [int(i) for i in tokenizer.encode(head, add_special_tokens=add_special)]
-    tail_ids = [int(i) for i in tokenizer.encode(tail, add_special_tokens=False)]
-    return head_ids, tail_ids
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    head_ids = [int(i) for i in tokenizer.encode(head, add_special_tokens=not (bos and head.startswith(bos)))]
+    return head_ids, _encode(tokenizer, tail)
 
 
 def _snap_to_sentence(tokenizer, hay: list[int], k: int, reach: int = 48) -> int:
     """The insertion index nearest ``k`` right after a token that ends a sentence (else ``k``)."""
-    lo, hi = max(1, k - reach), min(len(hay), k + reach)
-    best = None
-    for j in range(lo, hi + 1):
-        piece = tokenizer.decode([hay[j - 1]])
-        if piece.rstrip(" ").endswith(_SENTENCE_END) and (best is None or abs(j - k) < abs(best - k)):
-            best = j
-    return k if best is None else best
+    ends = [j for j in range(max(1, k - reach), min(len(hay), k + reach) + 1)
+            if tokenizer.decode([hay[j - 1]]).rstrip(" ").endswith((".", "!", "?", "\n"))]
+    return min(ends, key=lambda j: abs(j - k), default=k)
 
 
 def build_niah_prompt(tokenizer, context_tokens: int, depth: float, passcode: str = "4817",
                       haystack_ids: Optional[Sequence[int]] = None, text: Optional[str] = None) -> NiahPrompt:
     """A ``context_tokens``-token context with the passcode sentence at ``depth`` of its real text.
 
-    Layout (chat template when the tokenizer has one): ``[template head + instruction][haystack up to
-    the depth][needle sentence][rest of the haystack]`` = exactly ``context_tokens`` tokens, the needle
-    inserted at the sentence boundary nearest ``depth``; the question and the assistant header are the
-    separate ``question_ids``. ``haystack_ids`` (token ids) or ``text`` (default: the essays; repeated
-    if short) provide the haystack.
+    Layout (chat template when the tokenizer has one): ``[template head + instruction][haystack up to the
+    depth][needle][rest of the haystack]``, the needle at the sentence boundary nearest ``depth``; the question
+    and assistant header are ``question_ids``. The haystack: ``haystack_ids``, or ``text`` (default: the
+    essays; repeated if short).
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -277,9 +219,8 @@ def build_niah_prompt(tokenizer, context_tokens: int, depth: float, passcode: st
     needle = _encode(tokenizer, ("" if before.endswith((" ", "\n")) else " ") + sentence
                      + ("" if after[:1].isspace() else " "))
     hay = hay[: context_tokens - len(head) - len(needle)]
-    context = head + hay[:k] + needle + hay[k:]
-    return NiahPrompt(context_ids=context, question_ids=question, answer=str(passcode), depth=depth,
-                      needle_index=len(head) + k, needle_ids=needle)
+    return NiahPrompt(context_ids=head + hay[:k] + needle + hay[k:], question_ids=question, answer=str(passcode),
+                      depth=depth, needle_index=len(head) + k, needle_ids=needle)
 
 
 def extract_answer(text: str) -> Optional[str]:
@@ -290,16 +231,7 @@ def extract_answer(text: str) -> Optional[str]:
 
 def passcodes(n: int, seed: int = 0) -> list[str]:
     """``n`` distinct 4-digit passcodes, reproducible from ``seed``."""
-    rng = random.Random(seed)
-    return [str(c) for c in rng.sample(range(1000, 10000), n)]
-
-
-def _eos_ids(tokenizer) -> set[int]:
-    ids = getattr(tokenizer, "eos_token_ids", None)
-    if ids:
-        return {int(i) for i in ids}
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return {int(eos)} if eos is not None else set()
+    return [str(c) for c in random.Random(seed).sample(range(1000, 10000), n)]
 
 
 def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int,
@@ -309,11 +241,10 @@ def _answer(model, tokenizer, prompt: NiahPrompt, config, max_new_tokens: int,
     prefill(model, prompt.context_ids, caches, on_chunk=on_chunk)
     if after_prefill is not None:
         after_prefill(caches, prompt.context_ids)
-    logits = None
     for t in prompt.question_ids:
         logits = model(mx.array([[t]]), cache=caches)
         mx.eval(logits)
-    eos = _eos_ids(tokenizer)
+    eos = getattr(tokenizer, "eos_token_ids", None) or {getattr(tokenizer, "eos_token_id", None)}
     out: list[int] = []
     for _ in range(max_new_tokens):
         tok = int(mx.argmax(logits[0, -1]).item())
@@ -332,58 +263,44 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
               depths: Sequence[float] = DEFAULT_DEPTHS, text: Optional[str] = None, seed: int = 0,
               max_new_tokens: int = 24, model_name: Optional[str] = None, progress: Progress = None,
               memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
-    """Needle-in-a-haystack rows (task ``niah``): ``niah_acc`` = exact-match accuracy over ``depths``
-    (one passcode per depth, from ``seed``), ``niah_detail`` = per depth: passcode, answer, correct.
-    ``kv_bytes`` is the mean over the trials, measured after the answer; ``reconstruct_context`` as
-    :func:`eval_ppl` (the pass sees the context only, not the question)."""
-    specs = _specs(methods, include_none)
-    codes = passcodes(len(depths), seed)
-    hay_key = ("hay", context, hash(text) if text is not None else None)
+    """Needle-in-a-haystack rows: ``niah_acc`` = exact-match accuracy over ``depths`` (one passcode per depth,
+    from ``seed``), ``niah_detail`` per depth; ``kv_bytes`` is the trials' mean, measured after the answer.
+    ``reconstruct_context``: as :func:`_fidelity_rows` (the pass sees the context, not the question)."""
     memo = {} if memo is None else memo
+    hay_key = ("hay", context, hash(text) if text is not None else None)
     if hay_key not in memo:
         memo[hay_key] = text_tokens(tokenizer, context, text, repeat=True)
-    prompts = [build_niah_prompt(tokenizer, context, d, c, haystack_ids=memo[hay_key]) for d, c in zip(depths, codes)]
-    rows = []
-    for spec in specs:
-        t0 = time.perf_counter()
-        detail, sizes, error, n_tok = [], [], None, 0
-        try:
-            config = spec.config()
-            for p in prompts:
-                _tick(progress, f"niah: {spec.label} depth {p.depth:g}")
-                answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, _chunks(progress),
-                                         reconstruct(model, tokenizer) if reconstruct_context else None)
-                sizes.append(kv_bytes(caches))
-                n_tok = cache_tokens(caches)
-                del caches
-                detail.append({"depth": p.depth, "passcode": p.answer, "answer": answer.strip(),
-                               "correct": extract_answer(answer) == p.answer})
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        seconds = time.perf_counter() - t0
-        if error is not None:
-            rows.append(_row(spec, "niah", context, model_name, seconds=seconds, error=error, niah_detail=detail))
-            continue
+    prompts = [build_niah_prompt(tokenizer, context, d, c, haystack_ids=memo[hay_key])
+               for d, c in zip(depths, passcodes(len(depths), seed))]
+
+    def run(spec, detail):
+        config, sizes, n_tok = spec.config(), [], 0
+        for p in prompts:
+            _tick(progress, f"niah: {spec.label} depth {p.depth:g}")
+            answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, getattr(progress, "chunk", None),
+                                     reconstruct(model, tokenizer) if reconstruct_context else None)
+            sizes.append(kv_bytes(caches))
+            n_tok = cache_tokens(caches)
+            del caches
+            detail.append({"depth": p.depth, "passcode": p.answer, "answer": answer.strip(),
+                           "correct": extract_answer(answer) == p.answer})
         hits = sum(d["correct"] for d in detail)
-        rows.append(_row(spec, "niah", context, model_name, niah_acc=hits / len(detail), niah_hits=hits,
-                         niah_trials=len(detail), niah_detail=detail, kv_tokens=n_tok,
-                         kv_bytes=int(round(sum(sizes) / len(sizes))), kv_bytes_fp16=fp16_kv_bytes(model, n_tok),
-                         seconds=seconds))
+        return dict(niah_acc=hits / len(detail), niah_hits=hits, niah_trials=len(detail), niah_detail=detail,
+                    kv_tokens=n_tok, kv_bytes=int(round(sum(sizes) / len(sizes))),
+                    kv_bytes_fp16=fp16_kv_bytes(model, n_tok))
+
+    rows = []
+    for spec in _specs(methods, include_none):
+        detail = []
+        rows.append(_measured(spec, "niah", context, model_name, lambda: run(spec, detail), niah_detail=detail))
     return rows
-
-
-# --------------------------------------------------------------------------- #
-# recall
-# --------------------------------------------------------------------------- #
 
 
 def recall_prompts(tokenizer, context: int, depths: Sequence[float] = (), distances: Sequence[int] = (),
                    text: Optional[str] = None, passage: int = PASSAGE_TOKENS) -> list[RecallPrompt]:
-    """One :class:`~.recall.RecallPrompt` per depth and per distance, on ``text`` (default: the essays)."""
-    if text is None:  # the essays: the passage from FAR_TOKENS on, another essay than the filler
-        ids = text_tokens(tokenizer, max(context, FAR_TOKENS) + passage)
-    else:  # a given text: the passage is its last tokens
-        ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    """One :class:`~.recall.RecallPrompt` per depth and per distance; the passage is the last tokens of
+    ``text``, or of the essays from FAR_TOKENS on (another essay than the filler)."""
+    ids = text_tokens(tokenizer, max(context, FAR_TOKENS) + passage) if text is None else _encode(tokenizer, text)
     return ([build_recall_prompt(ids, context, depth=d, passage=passage) for d in depths]
             + [build_recall_prompt(ids, context, distance=n, passage=passage) for n in distances])
 
@@ -393,11 +310,10 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
                 text: Optional[str] = None, model_name: Optional[str] = None, progress: Progress = None,
                 memo: Optional[dict] = None, include_none: bool = True,
                 reconstruct_context: bool = False) -> list[dict]:
-    """Recall rows (task ``recall``): ``copy_acc`` / ``copy_acc_ref`` = mean over the trials (one per depth
-    and per distance) of the greedy copy accuracy with the cache / uncompressed; ``kld``, ``top1_agree``
-    and ``ppl`` of the same steps; ``recall_detail`` per trial. ``kv_bytes`` is the trials' mean."""
+    """Recall rows: ``copy_acc`` / ``copy_acc_ref`` = mean greedy copy accuracy over the trials (one per depth
+    and per distance) with the cache / uncompressed; ``kld``, ``top1_agree`` and ``ppl`` of the same steps;
+    ``recall_detail`` per trial; ``kv_bytes`` the trials' mean."""
     memo = {} if memo is None else memo
-    specs = _specs(methods, include_none)
     prompts = recall_prompts(tokenizer, context, depths, distances, text, passage)
     refs = []
     for p in prompts:
@@ -405,52 +321,32 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
         if key not in memo:
             memo[key] = reference_logprobs(model, p.ids, p.n_context, p.n_score)
         refs.append(memo[key])
-    rows = []
-    for spec in specs:
-        t0 = time.perf_counter()
-        results, error = [], None
-        try:
-            config = spec.config()
-            for p, ref in zip(prompts, refs):
-                _tick(progress, f"recall: {spec.label} distance {p.distance}")
-                results.append(recall_trial(model, p, config, ref_logp=ref, on_chunk=_chunks(progress),
-                                            after_prefill=reconstruct(model, tokenizer) if reconstruct_context
-                                            else None))
-        except Exception as exc:  # one broken method must not end a sweep
-            error = f"{type(exc).__name__}: {exc}"
-        seconds = time.perf_counter() - t0
-        if error is not None:
-            rows.append(_row(spec, "recall", context, model_name, seconds=seconds, error=error))
-            continue
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+
+    def run(spec):
+        config, rs = spec.config(), []
+        for p, ref in zip(prompts, refs):
+            _tick(progress, f"recall: {spec.label} distance {p.distance}")
+            rs.append(recall_trial(model, p, config, ref_logp=ref, on_chunk=getattr(progress, "chunk", None),
+                                   after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None))
+        mean = {k: sum(getattr(r, k) for r in rs) / len(rs)
+                for k in ("top1_target", "top1_target_ref", "kld", "top1_agree", "ppl", "ppl_ref", "kv_bytes")}
         detail = [{"depth": round(p.depth, 4), "distance": p.distance, "copy_acc": r.top1_target,
-                   "copy_acc_ref": r.top1_target_ref, "kld": r.kld} for p, r in zip(prompts, results)]
-        rows.append(_row(spec, "recall", context, model_name, n_scored=sum(r.n_scored for r in results),
-                         copy_acc=mean([r.top1_target for r in results]),
-                         copy_acc_ref=mean([r.top1_target_ref for r in results]), recall_detail=detail,
-                         kld=mean([r.kld for r in results]), top1_agree=mean([r.top1_agree for r in results]),
-                         ppl=mean([r.ppl for r in results]), ppl_ref=mean([r.ppl_ref for r in results]),
-                         kv_tokens=prompts[0].n_context + prompts[0].n_score - 1,
-                         kv_bytes=int(round(mean([r.kv_bytes for r in results]))),
-                         kv_bytes_fp16=results[0].kv_bytes_fp16, seconds=seconds))
-        rows[-1]["ppl_delta"] = rows[-1]["ppl"] - rows[-1]["ppl_ref"]
-    return rows
+                   "copy_acc_ref": r.top1_target_ref, "kld": r.kld} for p, r in zip(prompts, rs)]
+        return dict(n_scored=sum(r.n_scored for r in rs), copy_acc=mean["top1_target"],
+                    copy_acc_ref=mean["top1_target_ref"], recall_detail=detail, kld=mean["kld"],
+                    top1_agree=mean["top1_agree"], ppl=mean["ppl"], ppl_ref=mean["ppl_ref"],
+                    ppl_delta=mean["ppl"] - mean["ppl_ref"], kv_tokens=prompts[0].n_context + prompts[0].n_score - 1,
+                    kv_bytes=int(round(mean["kv_bytes"])), kv_bytes_fp16=rs[0].kv_bytes_fp16)
 
-
-# --------------------------------------------------------------------------- #
-# several tasks
-# --------------------------------------------------------------------------- #
+    return [_measured(spec, "recall", context, model_name, lambda: run(spec)) for spec in _specs(methods, include_none)]
 
 
 def count_units(tasks: Sequence[str], n_methods: int, n_depths: int = len(DEFAULT_DEPTHS),
                 n_recall: int = 1) -> int:
     """How many ``progress`` calls :func:`run_eval` makes (``n_methods`` including ``none``;
     ``n_recall``: recall trials per method)."""
-    total = 0
-    for t in tasks:
-        total += (n_methods * n_depths if t == "niah" else n_methods * n_recall if t == "recall"
-                  else n_methods + 1)
-    return total
+    per_task = {"niah": n_methods * n_depths, "recall": n_methods * n_recall}
+    return sum(per_task.get(t, n_methods + 1) for t in tasks)
 
 
 def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = DEFAULT_TASKS, *, context: int = 1024,
@@ -458,27 +354,18 @@ def run_eval(model, tokenizer, methods: Sequence, tasks: Sequence[str] = DEFAULT
              model_name: Optional[str] = None, progress: Progress = None, include_none: bool = True,
              recall_distances: Sequence[int] = (), recall_passage: int = PASSAGE_TOKENS,
              reconstruct_context: bool = False, **niah_kw: Any) -> list[dict]:
-    """Rows of every task in ``tasks`` (in that order), sharing the uncompressed reference and runs.
-    ``recall`` runs one trial per depth of ``depths``, or per distance of ``recall_distances`` if given."""
-    memo: dict = {}
-    rows: list[dict] = []
+    """Rows of every task in ``tasks`` (in that order), sharing the uncompressed reference and runs;
+    ``recall`` runs one trial per depth, or per distance of ``recall_distances`` if given."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task {unknown[0]!r}; tasks: {', '.join(TASKS)}")
     if "niah" in tasks:  # fail on a too-short context before any other task runs
         build_niah_prompt(tokenizer, context, 0.5, "0000", text=text)
-    for task in dict.fromkeys(tasks):
-        common = dict(context=context, text=text, model_name=model_name, progress=progress, memo=memo,
-                      include_none=include_none, reconstruct_context=reconstruct_context)
-        if task == "ppl":
-            rows += eval_ppl(model, tokenizer, methods, n_score=n_score, **common)
-        elif task == "kld":
-            rows += eval_kld(model, tokenizer, methods, n_score=n_score, **common)
-        elif task == "niah":
-            rows += eval_niah(model, tokenizer, methods, depths=depths, **common, **niah_kw)
-        elif task == "recall":
-            rows += eval_recall(model, tokenizer, methods, depths=() if recall_distances else depths,
-                                distances=recall_distances, passage=recall_passage, **common)
-        else:
-            raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
-    return rows
+    common = dict(context=context, text=text, model_name=model_name, progress=progress, memo={},
+                  include_none=include_none, reconstruct_context=reconstruct_context)
+    run = {"ppl": lambda: eval_ppl(model, tokenizer, methods, n_score=n_score, **common),
+           "kld": lambda: eval_kld(model, tokenizer, methods, n_score=n_score, **common),
+           "niah": lambda: eval_niah(model, tokenizer, methods, depths=depths, **common, **niah_kw),
+           "recall": lambda: eval_recall(model, tokenizer, methods, depths=() if recall_distances else depths,
+                                         distances=recall_distances, passage=recall_passage, **common)}
+    return [row for task in dict.fromkeys(tasks) for row in run[task]()]
