@@ -127,3 +127,22 @@ def test_both_stores_make_the_same_decision(cls, reused):
         assert [c.offset for c in cache] == [c.offset for c in caches] == [12, 12] and how == "trimmed"
     else:
         assert cache is None and caches is None
+
+
+def test_a_sliding_window_model_serves_ring_methods_one_at_a_time():
+    """kivi batches on a model of full-attention layers; on gemma3 its sliding layers get the compressed
+    ring, which has no batch form, so kivi requests are served one at a time there (mlx_lm's own ring, for
+    ``none``, still batches)."""
+    from tiny_models import tiny_gemma3, tiny_llama
+
+    from veloxquant_mlx.server import ServedModelProvider, server_args
+    from veloxquant_mlx.server_requests import parse_kv_settings
+
+    kivi, none = parse_kv_settings("kivi", {}), parse_kv_settings("none", {})
+    snap = parse_kv_settings("snapkv", {})
+    for model, sliding in ((tiny_llama(), False), (tiny_gemma3(), True)):
+        provider = ServedModelProvider(server_args("tiny"), loaded=(model, None))
+        provider._load("tiny")
+        assert provider.batches(none)
+        assert provider.batches(kivi) is (not sliding)
+        assert provider.batches(snap) is snap.batchable

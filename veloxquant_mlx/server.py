@@ -43,7 +43,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+from .cache.rotating import RING_CLASSES
 from .cache.settings import NONE
 from .generate import make_caches
 from .measure import batch_figures, cache_figures, process_memory
@@ -148,6 +150,18 @@ class ServedModelProvider(mlx_server.ModelProvider):
         self.model, self.tokenizer = self._loaded
         self.processor, self.draft_model = None, None
         self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
+        self._sliding = None
+
+    def batches(self, kv: KVSettings) -> bool:
+        """Whether requests of ``kv`` join mlx_lm's batch: the method has a batch form, and the served model
+        has no sliding-window layer that would get the method's compressed ring (which has none)."""
+        if not kv.batchable:
+            return False
+        if kv.method not in RING_CLASSES or self.model is None:
+            return True
+        if self._sliding is None:
+            self._sliding = any(type(c) is RotatingKVCache for c in make_prompt_cache(self.model))
+        return not self._sliding
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         """The model for the request being scheduled, a ``CachedModel`` of its KV settings; ``model_key`` names
@@ -268,7 +282,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         kv = getattr(args, "kv", self.default_kv)
         self.model_provider.kv = kv
         self.prompt_cache.skip_fetch = not kv.reuse
-        return super()._is_batchable(args) and kv.batchable
+        return super()._is_batchable(args) and self.model_provider.batches(kv)
 
     def _serve_single(self, request, stream):
         rqueue, req, args = request
