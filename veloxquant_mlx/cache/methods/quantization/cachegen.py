@@ -2,38 +2,33 @@
 "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model Serving", SIGCOMM 2024,
 arXiv 2310.07240).
 
-Paper ideas used (section 5.1): token-wise locality (within a group the first token is an *anchor*, the
-others are coded as deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic
-coding of the quantized deltas with tables grouped by channel and layer.
+Paper ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the others are coded
+as deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes
+with tables grouped by channel and layer.
 
-Here (on KIVI's float16 residual; G = ``cachegen_group_size``, b = the layer's bits): ``build_layers`` splits
-the layers into ``cachegen_layer_groups`` = n contiguous groups, group j getting ``min(8, cachegen_bits + n - 1 -
-j)`` bits (a constructor argument kept in the state as ``qbits``; a cache built alone uses
-``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta`` each group's anchor is quantized
-per token at 8 bits (channel groups of gcd(D, 32)) and every token's delta against the *dequantized* anchor at
-b bits (closed loop), keys per channel over the group (KIVI's transposed layout), values per token in channel
-groups of gcd(Dv, G); decoding adds the anchor back. Without deltas this is KIVI at b bits. In memory the
-codes are fixed-width ``groupquant`` codes that attention dequantizes. The saved form (``state``) entropy-codes
-the key and value codes (``primitives.entropy``: static ANS, tables in the stream; per (batch, head,
-channel) with ``cachegen_per_channel``, else per (batch, head)) and loads them back bit-exactly. Coding is
-incremental: mlx_lm reads ``state`` after every prefill chunk, so the groups added since the last read form
-one new block (own tables, a 12-byte ``stream_index`` row); a trim drops the blocks past the kept groups.
-Sizes are measured bytes: ``compressed_*_bytes`` (streams + side info), ``fixed_width_*_bytes``, ``fp16_*_bytes``,
-``entropy_savings`` and ``assigned_avg_bits`` (of the saved keys).
+Here (on KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
+``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (kept as
+``qbits``; a cache built alone uses ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta``
+each group's anchor is quantized per token at 8 bits and the deltas against the *dequantized* anchor at the
+layer's bits (closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form
+(``state``) entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head,
+channel) with ``cachegen_per_channel``, else per (batch, head)), bit-exact on load; the groups added since the
+last read form one new block (mlx_lm reads ``state`` after every prefill chunk), and a trim drops the blocks
+past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``, ``entropy_savings`` and
+``assigned_avg_bits`` are measured bytes of that form.
 
 Deviations from the paper:
 
 * Group min/max affine codes (KIVI's grouping) replace the paper's per-layer delta levels, 8-bit per-token
-  codes its anchors. Min/max codes spread over all levels, so the coder saves little (SmolLM2-135M, 512
-  essay tokens: saved form 0-6% smaller than fixed width; ``veloxquant cache save``).
-* On SmolLM2-135M value deltas do not help (2-bit KL 0.157 with, 0.119 without: weak token locality);
-  deltas stay the default (the paper's design).
+  codes its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
+  tokens: 0-6% below fixed width; ``veloxquant cache save``).
+* On SmolLM2-135M value deltas do not help (2-bit KL 0.157 with, 0.119 without: weak token locality); they
+  stay the default (the paper's design).
 * Keys are quantized after RoPE; the newest < G tokens stay float16 (the paper codes whole chunks offline).
-* rANS with static per-table frequencies instead of adaptive arithmetic coding; a table whose streams do
-  not get shorter than fixed width is stored raw.
+* rANS with static per-table frequencies instead of adaptive arithmetic coding; a table whose streams do not
+  get shorter than fixed width is stored raw.
 * The entropy-coded form is what is saved, not what attention reads (the paper streams it and decodes).
-
-Trim: KIVI's rule (residual tokens + whole groups), else ``ValueError``.
+* Trim: KIVI's rule (residual tokens + whole groups), else ``ValueError``.
 """
 
 from __future__ import annotations

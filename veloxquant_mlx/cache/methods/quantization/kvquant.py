@@ -1,22 +1,22 @@
 """KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million Context
 Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
 
-Paper ideas used: (1) per-channel key quantization *before* RoPE (pre-RoPE channels keep stable ranges; after
-RoPE each rotary pair sweeps its circle); (2) non-uniform levels fitted to each channel's distribution (nuq);
-(3) dense-and-sparse: a small fraction of outlier entries kept exactly, so the codes cover the inlier range;
-(4) the attention-sink token(s) kept in full precision.
+Paper ideas used: (1) per-channel key quantization *before* RoPE (pre-RoPE channels keep stable ranges);
+(2) non-uniform per-channel levels (nuq); (3) dense-and-sparse: a few outlier entries kept exactly so the codes
+cover the inlier range; (4) attention-sink tokens in full precision.
 
-Here (on KIVI's float16 residual; b = ``kvquant_bits``, G = ``kvquant_group_size``), per block of whole groups:
-``KVCacheBuilder.for_model`` calls ``bind_attention`` with each layer's attention; ``primitives.rope.rope_spec``
-reads its RoPE (checked against the layer), a block of keys is rotated back to pre-RoPE before coding and the
-decoded keys get RoPE re-applied. Alone, or with a RoPE ``rope_spec`` cannot reproduce (e.g. YaRN's scaling),
-the post-RoPE keys are coded. Keys per (batch, head, group): the ``ceil(f*G*D)`` largest |x| (f =
-``kvquant_outlier_fraction``) go to a sparse store (uint16 index + float16 value); the rest of each channel is
-normalized by its group min/max (float16 scale and bias per channel per group) and coded as the nearest of 2^b
-per-channel levels [B, H, D, 2^b], fitted by ``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first block
-(refitted when ``kvquant_refit_interval`` > 0 groups came since; each group records its fit). Values: the same
-dense-and-sparse split, then KIVI's per-token uniform codes. The first ``kvquant_n_sink`` tokens are also kept
-float16 and replace their dequantized rows.
+Here (on KIVI's float16 residual; b = ``kvquant_bits``, G = ``kvquant_group_size``): ``bind_attention`` (called by
+``KVCacheBuilder.for_model``) reads the layer's RoPE (``primitives.rope.rope_spec``, checked against the layer);
+keys are rotated back to pre-RoPE before coding and forward again when decoded (alone, or with a RoPE it cannot
+reproduce such as YaRN's, keys are coded post-RoPE). Per (batch, head, group) the ``ceil(f*G*D)`` largest |x| (f
+= ``kvquant_outlier_fraction``) go to a sparse store (uint16 index + float16 value); the rest of each channel is
+normalized by its group min/max and coded as the nearest of 2^b per-channel levels, fitted by
+``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first block (refitted after ``kvquant_refit_interval`` groups
+when > 0; each group records its fit). Values: the same sparse split, then KIVI's per-token codes. The first
+``kvquant_n_sink`` tokens are also kept float16. Measured (``veloxquant eval --task kld --context 512 --n-score
+32``: SmolLM2-135M, CPU): pre-RoPE KL 0.0114 at 3 bits, 0.0703 at 2; post-RoPE 0.0137 and 0.0673 (within the
+~20% noise of one text); on keys that are one RoPE-rotated vector per head the pre-RoPE error is >100x smaller
+(tests/test_defining_properties.py).
 
 Deviations from the paper:
 
@@ -28,13 +28,7 @@ Deviations from the paper:
 * Values use uniform per-token levels (plus the sparse outliers), not nuq.
 * Sink tokens are stored float16 *in addition to* their codes (they also sit in group 0).
 * The newest < G tokens stay float16 (the paper quantizes every token on arrival).
-
-Measured (``veloxquant eval --task kld --context 512 --n-score 32``: SmolLM2-135M, CPU; differences under
-~20% are noise): pre-RoPE keys KL 0.0114 at 3 bits, 0.0703 at 2; post-RoPE (``bind_attention`` off) 0.0137 and
-0.0673 at the same bytes. On keys that are one vector per head rotated by RoPE the pre-RoPE error is >100x
-smaller (tests/test_defining_properties.py).
-
-Trim: KIVI's rule; a trim into the block a level fit was made from raises ``ValueError``.
+* Trim: KIVI's rule; a trim into the block a level fit was made from raises ``ValueError``.
 """
 
 from __future__ import annotations

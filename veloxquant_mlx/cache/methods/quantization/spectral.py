@@ -2,44 +2,31 @@
 residual QJL.
 
 Source: no arXiv paper; Dynamis Labs' SpectralQuant ("3% Is All You Need: Breaking TurboQuant's Compression
-Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026). Its observation: a head's keys
-concentrate their variance in a few principal directions (participation ratio ``(sum l)^2 / sum l^2`` of the
-covariance eigenvalues ~3-4% of ``head_dim``), values much less (~40-55). It rotates K/V into the calibrated
-eigenbasis, spends more bits on the ``d_eff`` signal coordinates and applies QJL to them only.
+Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): a head's keys concentrate their
+variance in a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
 
-Algorithm (``b = bit_width_inlier``, ``r = min(spectral_{key,val}_d_eff, head_dim)`` per side): calibration
-computes mean ``mu`` and eigendecomposition ``U diag(l) U^T`` of the covariance (descending, each
-eigenvector's largest entry positive), from ``config.store`` (under ``spectral_model_name``) or from the
-first rows, then saved there. A row ``x`` is coded as ``z = U_r^T (x - mu) / sqrt(l_r)``: its norm
-(float16) and the ``b``-bit nearest Lloyd–Max centroids of the unit vector's coordinates (sphere codebook in
-R^r; ``r = 1``: signs). Keys with ``spectral_apply_qjl`` add a 1-bit QJL sketch (arXiv 2406.03482) of the
-residual ``e = x - x_hat``: ``m = jl_dim`` signs of ``S e`` and ``||e||`` (float16), making scores
-``<q, x_hat> + sqrt(pi/2)/m ||e|| <S q, sign(S e)>`` unbiased (``<q, e>`` alone is biased positive for
-aligned queries). Attention projects the query once and mixes values as ``mu_V + (w @ c_hat) U_V^T``.
-
-Calibration rows: until a side is calibrated its rows are held exactly (float32); it calibrates on the
-append that brings them to ``n_calib_tokens`` (only those are used) or else ``head_dim`` rows (all used),
-then encodes and frees them. :meth:`calibrate` calibrates from sample rows; ``reset()`` keeps the bases.
-
-Storage per token: keys ``r_K * b`` bits (word-padded) + float16 norm (+ ``m`` sign bits + float16 ``||e||``
-with QJL), values ``r_V * b`` bits + norm; at d = 128, b = 2, m = 128: keys 24 bytes, values 18 (fp16 K+V:
-512). ``memory_bytes()`` includes held calibration rows; ``state_bytes()`` the means, bases, spectra,
-codebooks and JL matrix.
+Each side (keys, values) is calibrated once: mean ``mu`` and covariance eigenbasis ``U`` (from ``config.store``
+under ``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until
+then and saved to the store). A row is coded on its top ``r = min(spectral_{key,val}_d_eff, head_dim)``
+directions, whitened: ``z = U_r^T (x - mu) / sqrt(l_r)`` as its float16 norm and ``bit_width_inlier``-bit
+Lloyd–Max codes of the unit direction (sphere codebook in R^r; signs for r = 1). With ``spectral_apply_qjl`` a
+1-bit QJL sketch (arXiv 2406.03482) of the key residual (``jl_dim`` signs + float16 norm) makes scores unbiased.
+Attention projects the query once and mixes values as ``mu_V + (w @ c_hat) U_V^T``. At d = 128, 2 bits, m = 128
+a token takes 24 bytes of keys and 18 of values (fp16: 512). ``state_bytes()`` counts the bases and sketch.
 
 Deviations from SpectralQuant:
 
 1. Directions beyond ``d_eff`` are dropped (0 bits), not coded coarser; ``d_eff`` is configured, not the
    measured participation ratio (:meth:`participation_ratio` reports that).
 2. QJL sketches the whole key residual (dropped directions included), not the signal coordinates only.
-3. All kept coordinates get ``b`` bits (no water-filling); coefficients are whitened (eigenvalues floored
+3. All kept coordinates get the same bits (no water-filling); coefficients are whitened (eigenvalues floored
    at 1e-4 of the largest) and coded as norm + direction; the norm is clamped to the float16 range.
-4. Calibration is per cache (one head), from its first rows or the ArtifactStore entry
-   ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>``: ``spectral_model_name``
-   with characters outside ``[A-Za-z0-9.-]`` escaped as ``_<hex>_``); a per-layer/head basis needs a
-   distinct ``spectral_model_name`` per cache.
+4. Calibration is per cache (one head), from its first rows or the store entry
+   ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` escaped as ``_<hex>_`` outside
+   ``[A-Za-z0-9.-]``); a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
 
-Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A row whose centred norm
-or key residual norm exceeds the float16 range raises ``CacheInputError``.
+Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A row whose centred norm or key
+residual norm exceeds the float16 range raises ``CacheInputError``; ``reset()`` keeps the bases.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """TurboQuant standalone single-head caches (Zandieh, Daliri, Hadian, Mirrokni; arXiv 2504.19874).
 
 ``TurboQuantMSEKVCache`` ("turboquant_mse", Algorithm 1): a key is its norm and its direction rotated by a
-seeded Haar-random orthogonal ``Pi``; each rotated coordinate becomes the index of its nearest ``b``-bit
-Lloyd–Max centroid for the coordinate density of a random unit vector in R^d (``b = bit_width_inlier``).
-``attend(q)`` rotates ``q`` once and scores against the centroids (``<Pi q, c> = <q, Pi^T c>``).
-``TurboQuantProdKVCache`` ("turboquant_prod", Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL
-(arXiv 2406.03482) of the residual ``r``: ``m = jl_dim`` (default ``head_dim``) signs of a Gaussian sketch
-plus ``||r||``; ``<q, k_mse> + sqrt(pi/2)/m ||r|| <S q, sign(S r)>`` is unbiased for ``<q, k>``; ``b = 1`` is
-pure QJL. Storage per token: codes bit-packed in 32-bit words + float16 norms (+ the sign words and the
-residual norm for Prod); values int8 + one float16 absmax scale (``Int8Values``).
-
-Outlier split (the paper's KV-cache experiments): with ``n_outlier_channels`` set, that many channels (the
-largest RMS over the first ``n_calib_tokens`` keys of the first key block, or the whole block) are coded at
-``bit_width_outlier`` bits and the rest at ``bit_width_inlier``, each group with its own seeded rotation,
-codebook and norm (``head_dim=128``, 32 outliers, 3/2 bits: 2.25 key bits per channel). Without a split
-``bit_width_outlier`` is only range-checked.
+seeded Haar-random orthogonal ``Pi``, each rotated coordinate coded as its nearest ``b``-bit Lloyd–Max centroid
+for the coordinate law of a random unit vector (``b = bit_width_inlier``); ``attend`` rotates the query once.
+``TurboQuantProdKVCache`` ("turboquant_prod", Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
+2406.03482) of the residual (``jl_dim`` signs + its norm), so scores are unbiased; ``b = 1`` is pure QJL.
+Codes are bit-packed, norms float16, values int8 with an absmax scale (``Int8Values``). Outlier split (the
+paper's KV-cache experiments): with ``n_outlier_channels``, the channels of largest RMS over the first
+``n_calib_tokens`` keys of the first block get ``bit_width_outlier`` bits and their own rotation, codebook and
+norm, the rest ``bit_width_inlier`` (128 dims, 32 outliers, 3/2 bits: 2.25 bits per channel).
 
 Deviations from the paper:
 
@@ -31,9 +25,9 @@ Deviations from the paper:
    dense QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
 7. A 1-bit Prod group is pure QJL on that group (no MSE stage).
 
-Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A key norm beyond the
-float16 range raises ``CacheInputError``; value entries beyond ``127 * 65504`` are clipped. ``observers``
-and ``store`` are kept but unused.
+Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A key norm beyond the float16
+range raises ``CacheInputError``; value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only
+range-checked without a split; ``observers`` and ``store`` are kept but unused.
 """
 
 from __future__ import annotations

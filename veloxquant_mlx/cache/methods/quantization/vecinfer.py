@@ -1,39 +1,34 @@
 """VecInfer (Yao, Yang, Tong, Lin, Liu, Luan, Wang, "VecInfer: Efficient LLM Inference with Low-Bit KV Cache
 via Outlier-Suppressed Vector Quantization", arXiv 2510.06175).
 
-Paper: vector quantization uses bits better than scalar codes, but the keys' outlier channels waste a k-means
-codebook; VecInfer suppresses them with a per-channel smoothing scale and a Hadamard rotation, product-
-quantizes the near-isotropic result and computes attention from the codes with a per-query lookup table.
+Paper: the keys' outlier channels waste a k-means codebook, so VecInfer suppresses them (per-channel smoothing
+scale + Hadamard rotation), product-quantizes the near-isotropic result and computes attention from the codes
+with a per-query lookup table.
 
-Here (on KIVI's float16 residual; whole 32-token blocks are encoded): keys ``k' = (k / s) @ R`` (``s [H, D]``
-smoothing, ``R = randomized_hadamard(D, seed)``, Haar-random orthogonal when D is not a power of two), cut into
-``key_sub_dim``-dim sub-vectors, each coded as its nearest of ``2**key_codebook_bits`` codewords (defaults 4
-dims, 12 bits: 3 bits per coordinate), bit-packed in a low-8-bit and a high-bit ``uint32`` stream per token.
-Values: the same product VQ (``value_sub_dim``/``value_codebook_bits``, defaults 8 dims, 8 bits) without the
-transform. ``s = sqrt(max |k|)`` per head and channel over the calibration block (the first encoded block),
-or ``smooth_factors`` ([D] or [H, D]); codebooks ``key_codebook``/``value_codebook`` ([K, sub] or [H, K, sub])
-or one per layer fitted by seeded k-means (``primitives.vq``) on the calibration block. Attention on the
-codes: ``q' = (q * s) @ R`` gives ``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c``
-(dequantized keys instead when the table would exceed ``LUT_MAX``); values ``P @ V_hat`` from the codebook;
-residual and new rows are full-precision columns of the same softmax. ``fused_sdpa`` sends prefill chunks
-(and with ``fused_sdpa_memory_bound`` decode steps) through MLX's fused sdpa over the decoded rows, up to
-``fused_sdpa_max_ctx``; ``use_metal_kernels`` has no effect (no Metal kernels here). Bytes per token per KV
-head: ``(D/key_sub_dim)*key_codebook_bits/8 + (Dv/value_sub_dim)*value_codebook_bits/8`` + per-layer codebooks.
-
-Measured (``veloxquant eval --task kld``: SmolLM2-135M, CPU, 512 essay tokens + 32 scored decode steps):
-defaults KL 0.415 at 0.273x the fp16 bytes; K 4/8, V 4/8 KL 0.214 at 0.195x (KIVI 2-bit: 0.21 at 0.24x).
+Here (on KIVI's float16 residual, whole 32-token blocks encoded): keys ``k' = (k / s) @ R`` (``R`` a seeded
+randomized Hadamard, Haar-random orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim sub-vectors,
+each coded as its nearest of ``2**key_codebook_bits`` codewords (defaults 4 dims, 12 bits: 3 bits per coordinate);
+values the same with ``value_sub_dim``/``value_codebook_bits`` (8 dims, 8 bits) and no transform. ``s = sqrt(max
+|k|)`` per head and channel and one codebook per layer are fitted on the first encoded block, unless
+``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Attention on the codes: ``q' = (q * s) @ R``
+gives ``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c`` (dequantized keys when the table would
+exceed ``LUT_MAX``); residual and new rows share the softmax. ``fused_sdpa`` sends prefill chunks (and, with
+``fused_sdpa_memory_bound``, decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over the decoded
+rows; ``use_metal_kernels`` has no effect. Measured (``veloxquant eval --task kld``: SmolLM2-135M, CPU, 512 essay
+tokens + 32 scored): defaults KL 0.415 at 0.273x the fp16 bytes; K 4/8, V 4/8 KL 0.214 at 0.195x (KIVI 2-bit:
+0.21 at 0.24x).
 
 Deviations from the paper:
 
-* Calibration is online, on the first 32-token-multiple block each layer encodes (the paper: offline);
-  config arrays replace it. That block waits in the float16 residual until its codes plus the codebooks
-  to be fitted are smaller than its rows (``_holds_back``), so a short chat holds only its float16 rows.
+* Calibration is online, on each layer's first encoded block (the paper: offline); config arrays replace it.
+  That block waits in the float16 residual until its codes plus the codebooks to be fitted are smaller than its
+  rows (``_holds_back``), so a short chat holds only its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the transforms target key outliers).
-* Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in
-  full precision (the paper quantizes every token).
+* Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in full
+  precision (the paper quantizes every token).
 * No fused CUDA/Metal kernel: the LUT gather is plain MLX ops.
-* Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises
-  ``ValueError`` unless it removes every encoded token (then calibration is redone).
+* Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises ``ValueError``
+  unless it removes every encoded token (then calibration is redone).
 """
 
 from __future__ import annotations

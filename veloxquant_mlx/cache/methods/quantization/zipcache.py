@@ -1,22 +1,19 @@
 """ZipCache (He, Zhang, Wu, Liu, Zhou, Zhuang, "ZipCache: Accurate and Efficient KV Cache Quantization with
 Salient Token Identification", NeurIPS 2024, arXiv 2405.14256).
 
-Paper: (1) channel-separable tokenwise quantization: key channels are divided by c_i = sqrt(max |K[:, i]|),
-then each token is quantized with one scale and zero point; values tokenwise; (2) the *normalized* attention
-score as a token's saliency: the attention it receives divided by the number of queries that can see it
-(undoing the causal mask's bias towards early tokens); (3) the most salient tokens at high bits, the rest low.
+Paper: (1) channel-separable tokenwise quantization (key channels divided by sqrt(max |K[:, i]|), then one scale
+and zero point per token); (2) the *normalized* attention score as saliency: attention received divided by the
+number of queries that can see the token (undoing the causal mask's bias to early tokens); (3) the most salient
+tokens at high bits, the rest at low bits.
 
-Here (``zipcache_hi_bits`` = bh, ``zipcache_lo_bits`` = bl, ``zipcache_hi_fraction`` = f, ``zipcache_group_size``
-= G): new rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point,
-real queries) adds each query's probability of each pending row to ``sal_sum`` and the number of queries
-(x query heads per KV head) that could see it to ``sal_cnt``. At the next call the oldest whole multiples
-of G pending rows are compressed (a prompt as one block after its prefill attention, decode rows G at a
-time) with saliency ``sal_sum / sal_cnt`` (without the dispatch point: key L2 norm; ``saliency_source``
-says which). Per KV head the round(f*n) most salient rows of a block are *hi* (bh bits), the rest *lo*
-(bl bits): keys divided by ``k_chan`` [B, H, 1, D] (from the first block), tokenwise group-affine codes in
-a hi (``kh_*``) and a lo (``kl_*``) store in position order, ``is_hi`` routing each token; values the same
-(``vh_*``/``vl_*``) when ``zipcache_quantize_values``, else float16 (``v_fp``). Attention is KIVI's one
-softmax over [dequantized part, pending + new rows].
+Here: new rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point,
+real queries) adds each query's probability of each pending row to ``sal_sum`` and the number of queries that
+could see it to ``sal_cnt``. At the next call the oldest whole multiples of ``zipcache_group_size`` pending rows
+(a prompt as one block, decode rows a group at a time) are compressed by saliency ``sal_sum / sal_cnt`` (key
+L2 norm without the dispatch point; ``saliency_source`` says which): per KV head the ``zipcache_hi_fraction``
+most salient at ``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, keys divided by ``k_chan`` (from the first
+block), tokenwise codes in a hi and a lo store routed by ``is_hi``; values alike with
+``zipcache_quantize_values``, else float16. Attention is KIVI's one softmax over the two parts.
 
 Deviations:
 
