@@ -1,40 +1,29 @@
 """A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via Windowed
 Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665).
 
-Paper: the full KV cache is offloaded to CPU memory and each decode step attends only to the top-K tokens by
-attention score (plus a recent window); the scores are approximated from vector-quantized keys with a
-per-query lookup table, the codebook trained with a query-aware objective (error ``q . (k - k_hat)``: a metric
-weighted by ``E[q q^T]``), and a windowed RoPE makes one codebook serve every position.
+Paper: the KV cache is offloaded to CPU memory and each decode step attends only to the top-K tokens by score
+(plus a recent window), scores approximated from vector-quantized keys with a per-query lookup table; the
+codebook is trained query-aware (error ``q . (k - k_hat)``, a metric weighted by ``E[q q^T]``).
 
-Here, per layer: every token's K and V rows are held in float16 (the paper's offloaded store) plus key codes:
-``D / a2ats_sub_dim`` sub-vectors per key, each the bit-packed index of its nearest of ``2**a2ats_codebook_bits``
-codewords (one codebook per layer, seeded k-means ``primitives.vq``). The codebook is fitted the first time
-attention sees at least ``FIT_MIN`` = 32 stored rows, some outside the window (before that every step is
-dense and a short chat holds only its rows), on all stored keys; later keys are encoded lazily in ``attend``.
-``a2ats_codebook`` replaces the fit. With ``a2ats_use_query_aware`` the k-means runs in the metric
-``M_j = (1 - beta) I tr(H_j)/sub + beta H_j`` per sub-vector block (``beta = a2ats_beta``; ``H`` =
-``a2ats_query_h`` or the second moment of the fitting call's queries): keys map to ``L_j^T k_j``
-(``M_j = L_j L_j^T``), queries to ``L_j^{-1} q_j``, so the LUT score equals ``q . k_hat``. Decode steps (dispatch
-point, N = 1): LUT scores of the coded tokens outside the recent ``a2ats_window``, softmax per query head summed
-over the GQA group, the top ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` per KV head, then exact
-attention over [retrieved, window, uncoded, this step's row] (dense when that is every token). Prefill chunks,
-array masks and calls without the dispatch point attend densely (the paper's prefill is full attention).
-
-Memory: ``nbytes`` counts the float16 rows, codes and codebook, so this cache holds *more* than a float16
-cache (it trades attended rows per step, not memory); ``resident_nbytes`` is what the paper's design keeps on
-the accelerator. Measured (``veloxquant eval --task kld``: SmolLM2-135M, 512 essay tokens + 32 scored decode
-steps, defaults): KL 0.0059, top-1 1.00, 1.11x the fp16 bytes.
+Here every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
+``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` = 32
+rows with some outside the window, or given as ``a2ats_codebook``). With ``a2ats_use_query_aware`` the k-means
+runs in the per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or
+the fitting call's query second moment): keys map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step
+(dispatch point) scores the coded tokens outside ``a2ats_window`` from the LUT, sums the per-head softmax over the
+GQA group, keeps the top ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` per KV head and attends
+exactly over them, the window and the uncoded rows; everything else attends densely. ``nbytes`` counts the
+float16 rows too, so this cache holds *more* than a float16 one (it saves attended rows, not memory);
+``resident_nbytes`` is what the paper keeps on the accelerator.
 
 Deviations from the paper:
 
-* No windowed RoPE: mlx_lm hands over keys after RoPE and the cache does not know the model's RoPE variant,
-  so keys are quantized post-RoPE and scores use the rotated query and keys (``a2ats_rope_base`` /
-  ``a2ats_rope_scaling`` are validated and recorded only).
+* No windowed RoPE: keys arrive post-RoPE of an unknown variant, so codes and scores use rotated keys
+  (``a2ats_rope_base`` / ``a2ats_rope_scaling`` are validated and recorded only).
 * The query metric is per sub-vector block (diagonal blocks of E[q q^T]) blended with the identity by
   ``a2ats_beta``; the codebook is fitted online per layer.
 * No CPU offload and no heterogeneous pipeline.
-* Trim is exact for the stored rows; a trim below the rows the codebook was fitted on drops codebook and
-  codes, refitted at the next attention (as a fresh cache would).
+* Trim is exact; a trim below the rows the codebook was fitted on drops it, refitted at the next attention.
 """
 
 from __future__ import annotations

@@ -1,35 +1,26 @@
 """AnchorKV: anchor tokens kept exact, the other tokens coded as low-bit residuals against an anchor.
 
-Paper: none titled "AnchorKV" was found. The closest is AnTKV (Li, Xiao, Wang, Liu, Tang, Lu, Yang, Chen, Chu,
+Paper: none titled "AnchorKV" was found; the closest is AnTKV (Li, Xiao, Wang, Liu, Tang, Lu, Yang, Chen, Chu,
 "AnTKV: Anchor Token-Aware Sub-Bit Vector Quantization for KV Cache in Large Language Models", arXiv
-2506.19505): keep ~1% of the most quantization-sensitive tokens in float16 and quantize the rest. This module
-implements what the ``anchorkv_*`` fields describe, one step further: the exact anchors are also references the
-other tokens are delta-coded against, so tokens clustered around an anchor cost only their residual.
+2506.19505): ~1% of the most quantization-sensitive tokens stay float16. This module implements what the
+``anchorkv_*`` fields describe, one step further: the anchors are also references for delta coding.
 
-Algorithm (on KIVI's float16 window of < G tokens; G = ``anchorkv_window``, b = ``anchorkv_residual_bits``, A =
-min(G, max(1, round(``anchorkv_anchor_frac`` * G))) anchors per group; keys and values independently, per
-(batch, head, group): (1) anchor score ``rho * centrality + (1 - rho) * outlier`` (``anchorkv_rho``; centrality =
--mean squared distance to the group's tokens, outlier = ||x||, each min-max normalized, ties broken by a
-seeded 1e-6 jitter): the A best are stored exactly (float16 ``{k,v}_anc``, uint8 positions ``{k,v}_apos``);
-central tokens make good references, high-norm ones are the most damaging to quantize. (2) Each token takes
-its nearest anchor; its residual is used when the summed per-channel-group range of the residual is below
-``(1 - anchorkv_theta)`` times its own, else the token is coded directly; the choice (0 = none, j + 1 = anchor j)
-takes ceil(log2(A + 1)) bits (``{k,v}_ref``). (3) The chosen rows are quantized per token at b bits (channel
-groups of gcd(D, G), ``groupquant``). Decoding adds the anchor back and puts the exact anchor rows in place.
-Bytes per token per KV head (keys; values alike): ``b*D/8 + 4*D/gcd(D,G) + ceil(log2(A+1))/8 + A*(2*D + 1)/G``,
-28.2 at D = 64 and the defaults (float16: 128).
+Per (batch, head, G-token group; G = ``anchorkv_window``), keys and values alike: the A =
+min(G, max(1, round(``anchorkv_anchor_frac`` * G))) tokens with the best ``rho * centrality + (1 - rho) * norm``
+(each min-max normalized, seeded 1e-6 tie jitter) are stored exactly; each other token takes its nearest
+anchor and codes its residual when that narrows its summed per-channel-group range by more than
+``anchorkv_theta`` (else itself), at ``anchorkv_residual_bits`` bits per token (``groupquant``), with
+ceil(log2(A + 1)) bits naming its reference. Central tokens make good references; high-norm ones are the
+most damaging to quantize.
 
 Deviations / choices:
 
-* The anchor fraction applies per group with at least one anchor, so the effective fraction is
-  max(anchor_frac, 1/G) (1/32 at the defaults): anchors must be near the tokens coded against them.
+* At least one anchor per group, so the effective fraction is max(anchor_frac, 1/G): anchors must be near
+  the tokens coded against them.
 * Keys are quantized after RoPE; residuals per token (a per-channel min/max code is invariant to a
   per-channel offset and would gain nothing from an anchor).
 * KIVI's window deviations apply (a group completed by a decode step is coded after its attention).
-* Attention dequantizes and multiplies (anchors + residuals are not MLX's affine layout). Trim: KIVI's rule.
-
-Measured (``veloxquant eval --task kld``: SmolLM2-135M, CPU, 512 essay tokens + 32 scored decode steps):
-defaults KL 0.153 at 0.305x the fp16 bytes; 4 anchors per group KL 0.090 at 0.392x; KIVI 2 bits 0.206 at 0.241x.
+* Attention dequantizes and multiplies (not MLX's affine layout). Trim: KIVI's rule.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """PolarQuant standalone single-head cache ("polar"; Han, Kacham, Karbasi, Mirrokni, Zandieh; arXiv 2502.02617).
 
-A key ``k`` is rotated by a seeded Haar-random orthogonal ``Pi`` (its direction is then uniform on the
-sphere, so the angles below follow known laws) and turned by a recursive polar transform over ``L`` levels
-(:mod:`~veloxquant_mlx.cache.primitives.polar`) into ``d / 2**L`` float16 block radii and ``d/2 + ... + d/2**L``
-angles. Each angle becomes the index of the nearest centroid of its level's codebook, MSE-optimal for that
-level's exact density (level 1 uniform on the circle; level ``l >= 2`` Lloyd–Max for ``∝ sin(2 psi)^(2^(l-1)-1)``
-on ``[0, pi/2]``): no per-block scale or zero point, the point of the paper. Codes are bit-packed (level 1 in
-one ``uint32`` stream, levels ``2..L`` in another). ``attend(q)`` scores ``<Pi q, y_hat>`` from the codes'
-cos/sin tables and radii, never de-rotating keys. Values: int8 + one float16 absmax scale (``Int8Values``).
-
-Bits (``b = bit_width_inlier``): level-1 angles ``b``, higher levels ``max(1, b - 2)`` (``b = 4``: the paper's
-4/2/2/2; level 1 spans ``2*pi``, higher levels ``pi/2``, so two fewer bits keep the cell width). The per-level
-angle MSEs add up to the expected relative key error: 0.0323 at ``b = 4``. Per token at d = 128, b = 4: 48
-bytes of angles + 16 of radii = 64 bytes (3.875 bits/coordinate before word padding, the paper's figure).
-``memory_bytes()`` counts the per-token arrays; ``state_bytes()`` the rotation, codebooks and their tables.
+A key is rotated by a seeded Haar-random orthogonal ``Pi`` (its direction is then uniform on the sphere, so its
+angles follow known laws) and turned by a recursive polar transform over ``L`` levels
+(:mod:`~veloxquant_mlx.cache.primitives.polar`) into float16 block radii and angles; each angle is coded with
+its level's MSE-optimal codebook for that exact density (no per-block scale or zero point, the paper's point),
+bit-packed. ``attend`` scores ``<Pi q, y_hat>`` from cos/sin tables, never de-rotating keys. Values: int8 +
+float16 absmax scale. Bits (``b = bit_width_inlier``): ``b`` for level 1 (range ``2*pi``), ``max(1, b - 2)`` above
+(range ``pi/2``): ``b = 4`` is the paper's 4/2/2/2, 64 bytes per key at d = 128 (3.875 bits/coordinate).
 
 Deviations from the paper:
 

@@ -1,19 +1,16 @@
 """SKVQ (Duanmu et al., "SKVQ: Sliding-window Key and Value Cache Quantization for Large Language Models",
 arXiv 2405.06219).
 
-Paper: (1) channel reordering puts channels of similar range in one quantization group; (2) clipped dynamic
-quantization: each group is quantized per token over its range shrunk by a searched clip ratio alpha;
-(3) a sliding window of recent tokens and a few sink tokens stay in full precision.
+Paper: channels of similar range are reordered into one group, each group is quantized per token over its
+range shrunk by a searched clip ratio, and a sliding window of recent tokens plus a few sinks stay exact.
 
-Here (on KIVI's one-softmax attention, ``kivi.py``): the first S = ``skvq_n_sink`` tokens are float16 sinks;
-the newest tokens sit in a float16 window grown up to W + g rows (W = ``skvq_window``); when it is full all
-but the newest W are quantized, so the newest W..W+g-1 tokens are always exact. Quantized tokens: keys at
-``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in channel groups of g = gcd(D,
-``skvq_group_size``) after a per-head permutation (``{k,v}_perm``/``_inv`` [H, D]), each group clipped by
-``{k,v}_alpha`` [H, D/g] about its centre, then min/max affine codes (``groupquant``). Calibration, on the
-first quantized block: the permutation sorts channels by range; alpha is searched per head and group among
-``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) for the least squared error (``skvq_clip_search``; else alpha =
-``skvq_clip_alpha``). Bytes per quantized token per KV head: ``bk*D/8 + 4*D/g + bv*Dv/8 + 4*Dv/g``.
+Here: the first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g
+rows (W = ``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized
+(keys at ``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in g-channel groups after a per-head
+permutation, each group clipped by its alpha about its centre). The first quantized block calibrates: the
+permutation sorts channels by range, alpha is searched among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head
+and group (``skvq_clip_search``). Measured (RESULTS.md's command): reordering + clip search remove a quarter of
+the KL at the same bytes (window 32: 0.243 vs 0.321).
 
 Deviations from the paper:
 
@@ -25,10 +22,6 @@ Deviations from the paper:
 * Attention dequantizes and multiplies (permuted channels).
 * Trim drops window rows only, deeper trims raise ``ValueError``; not exact when the trimmed tokens pushed
   older ones out of the window (those stay quantized).
-
-Measured (``veloxquant eval --task kld``: SmolLM2-135M, CPU, 511 essay tokens + 32 scored decode steps), K2 V2,
-G = 32, S = 5: W = 128 KL 0.183 at 0.458x the fp16 bytes; W = 32 KL 0.243 (0.319x), 0.321 without
-reordering and clipping at the same bytes.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ values the same with ``value_sub_dim``/``value_codebook_bits`` (8 dims, 8 bits) 
 gives ``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c`` (dequantized keys when the table would
 exceed ``LUT_MAX``); residual and new rows share the softmax. ``fused_sdpa`` sends prefill chunks (and, with
 ``fused_sdpa_memory_bound``, decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over the decoded
-rows; ``use_metal_kernels`` has no effect. Measured (``veloxquant eval --task kld``: SmolLM2-135M, CPU, 512 essay
-tokens + 32 scored): defaults KL 0.415 at 0.273x the fp16 bytes; K 4/8, V 4/8 KL 0.214 at 0.195x (KIVI 2-bit:
-0.21 at 0.24x).
+rows; ``use_metal_kernels`` has no effect.
 
 Deviations from the paper:
 
