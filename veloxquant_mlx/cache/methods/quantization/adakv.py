@@ -110,8 +110,7 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
 
     def _append_groups(self, kb, vb, imp=None):
         G = self.group
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         if self.uses_attention and imp is None and dispatch.installed():
             self._pending = (t0, kb, vb)  # attend re-ranks these groups with the real queries, then drops them

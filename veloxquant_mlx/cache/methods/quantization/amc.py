@@ -2,18 +2,12 @@
 no paper text was available to check against, so this follows the method's description: a few salient tokens
 at high precision, more at medium, the rest at low precision).
 
-Algorithm (on KIVI's float16 residual; G = ``amc_group_size``): when a group is quantized its tokens are ranked
-by saliency = key L2 norm (large-norm keys make the large logits that dominate attention); the top
-``n_hi = round(amc_k_high * G)`` are stored at 8 bits, the next ``round((amc_k_high + amc_k_mid) * G) - n_hi`` at
-4, the rest at 2 (8 bits is near-lossless for group-affine codes, 2 the most aggressive width KIVI-style groups
-still serve; defaults 6 / 10 / 16 tokens: 3.75 bits per element). Each tier's rows are stored bit-packed at its
-width, with the within-group rank ``order`` (uint8) that restores token order. Keys share KIVI's per-channel
-ranges (one float16 min and range per channel per group, ``k_mins``/``k_ranges``), coded at the tier's width
-(per-token 2-bit keys measured KL 0.30 vs 0.085 with these shared ranges); values per token in channel groups of
-gcd(Dv, 32) (``groupquant``).
-
-Measured (``veloxquant eval --task kld``: SmolLM2-135M, 512 essay tokens + 32 scored): KL 0.085 at the defaults
-(3.75 bits) vs KIVI 2 bits 0.21 / 4 bits 0.012.
+On KIVI's residual (G = ``amc_group_size``), a quantized group's tokens are ranked by key L2 norm (large-norm
+keys make the logits that dominate attention): the top ``round(amc_k_high * G)`` get 8 bits (near-lossless), the
+next ``round((amc_k_high + amc_k_mid) * G) - n_hi`` 4 bits, the rest 2 (defaults 6 / 10 / 16: 3.75 bits per
+element). Keys share KIVI's per-channel group ranges, coded at each token's width (per-token 2-bit keys measured
+KL 0.30 vs 0.085 with shared ranges); values per token in channel groups of gcd(Dv, 32); ``order`` (uint8)
+restores token order.
 
 Deviations / not implemented (rejected with ``QuantizerConfigError``):
 
@@ -117,12 +111,12 @@ class AMCKVCache(RankTiers, KIVIKVCache):
                 raise QuantizerConfigError(f"amc_{f}", getattr(o, f), "a number in [0, 1]")
         if not 2 <= o.group_size <= 256:
             raise QuantizerConfigError("amc_group_size", o.group_size, "an int in 2..256")
-        for f, built, why in (("use_query_saliency", False, "False (query-blended saliency is not implemented: "
-                                                           "groups are quantized in update_and_fetch, which sees no "
-                                                           "queries)"),
-                              ("adaptive_thresholds", False, "False (adaptive thresholds are not implemented; tiers "
-                                                             "are fixed fractions)"),
-                              ("calib_variance", None, "None (not implemented)")):
+        for f, built, why in (
+                ("use_query_saliency", False, "False (query-blended saliency is not implemented: groups are "
+                                              "quantized in update_and_fetch, which sees no queries)"),
+                ("adaptive_thresholds", False, "False (adaptive thresholds are not implemented; tiers are fixed "
+                                               "fractions)"),
+                ("calib_variance", None, "None (not implemented)")):
             if getattr(o, f) is not built:
                 raise QuantizerConfigError(f"amc_{f}", getattr(o, f), why)
         self.group = o.group_size
@@ -135,8 +129,7 @@ class AMCKVCache(RankTiers, KIVIKVCache):
 
     def _append_groups(self, kb, vb):
         G = self.group
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         order = mx.argsort(-sal.token_importance(kb, vb, "norm").reshape(B, H, g, G), axis=-1)  # by saliency
         kf = kb.astype(mx.float32).reshape(B, H, g, G, D)

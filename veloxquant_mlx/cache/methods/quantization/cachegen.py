@@ -98,8 +98,7 @@ class CacheGenKVCache(KIVIKVCache):
         """Anchors (8-bit per token) and the deltas against them: keys per channel over the group
         (KIVI's transposed layout), values per token (``groupquant``'s min/max rule, float32 input)."""
         G, bits = self.group, self.qbits
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         kf = kb.astype(mx.float32).reshape(B, H, g, G, D)
@@ -287,8 +286,5 @@ class CacheGenKVCache(KIVIKVCache):
         """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the
         per-group 8-bit anchors (codes + scale/bias per channel group of gcd(d, 32)) / G."""
         G, b = self.group, self.qbits
-        gv = math.gcd(dv, G)
-        per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / gv)
-        if self.use_delta:
-            per += sum((d_ + 4 * d_ / self._acg(d_)) / G for d_ in (d, dv))
-        return per
+        per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
+        return per + (sum((x + 4 * x / self._acg(x)) / G for x in (d, dv)) if self.use_delta else 0)

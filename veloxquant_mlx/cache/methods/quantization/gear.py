@@ -93,8 +93,7 @@ class GEARKVCache(KIVIKVCache):
 
     def _append_groups(self, kb, vb):
         G, b = self.group, self.qbits
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         xk = kb.astype(mx.float32).reshape(B, H, g, G, D)
@@ -199,9 +198,8 @@ class GEARKVCache(KIVIKVCache):
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (both sides, rank and sparse overhead included)."""
         G, b, r = self.group, self.qbits, max(self.rank, 0)
-        gv = math.gcd(dv, G)
         kb = b * d / 8 + 4 * d / G + 4 * self._n_out(d) / G + 2 * r + 2 * r * d / G
-        vb = b * dv / 8 + 4 * dv / gv
+        vb = b * dv / 8 + 4 * dv / self.value_group(dv)
         if self.config.options.quantize_values:
             vb += 4 * self._n_out(dv) / G + 2 * r + 2 * r * dv / G
         return kb + vb

@@ -44,8 +44,7 @@ class KittyKVCache(KIVIKVCache):
         o = self.config.options
         if o.hi_bit < o.lo_bit:
             raise QuantizerConfigError("kitty_hi_bit", o.hi_bit, f"an int >= kitty_lo_bit={o.lo_bit}")
-        self.hi_bit, self.lo_bit, self.hi_fraction = o.hi_bit, o.lo_bit, float(o.hi_fraction)
-        self.group = o.group_size
+        self.hi_bit, self.lo_bit, self.hi_fraction, self.group = o.hi_bit, o.lo_bit, float(o.hi_fraction), o.group_size
         self.qbits = self.lo_bit  # values (KIVI's per-token path) use the low width
         self._call = None
 

@@ -109,8 +109,7 @@ class KVQuantKVCache(KIVIKVCache):
 
     def _append_groups(self, kb, vb):
         G, b, L = self.group, self.qbits, 1 << self.qbits
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         if t0 == 0 and self.n_sink:
@@ -179,8 +178,8 @@ class KVQuantKVCache(KIVIKVCache):
         B, H, _, Dv = v.shape
         g, vo = n // self.group, self._n_out(Dv)
         if vo:
-            v = nu.scatter_outliers(v.reshape(B, H, g, self.group * Dv), self.v_oidx[..., : g * vo].reshape(B, H, g, vo),
-                                    self.v_oval[..., : g * vo].reshape(B, H, g, vo)).reshape(B, H, n, Dv)
+            idx, val = (a[..., : g * vo].reshape(B, H, g, vo) for a in (self.v_oidx, self.v_oval))
+            v = nu.scatter_outliers(v.reshape(B, H, g, self.group * Dv), idx, val).reshape(B, H, n, Dv)
         if self.n_sink and self.sink_v is not None:
             v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
         return v.astype(dtype)
@@ -216,5 +215,5 @@ class KVQuantKVCache(KIVIKVCache):
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
         G, b = self.group, self.qbits
-        gv = math.gcd(dv, G)
-        return (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / gv) + 4 * (self._n_out(d) + self._n_out(dv)) / G
+        codes = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
+        return codes + 4 * (self._n_out(d) + self._n_out(dv)) / G

@@ -1,18 +1,15 @@
 """NSNQuant (Son, Choi, Kim, et al., "NSNQuant: A Double Normalization Approach for Calibration-Free Low-Bit
 Vector Quantization of KV Cache", arXiv 2505.18231).
 
-Paper: a Normalize-Shift-Normalize transform (per-token L2 normalization, subtraction of the channel mean,
-normalization again) and a Hadamard rotation make every token look like a random point on the sphere, so one
-data-independent codebook serves every model and layer without calibration data.
+Paper: Normalize-Shift-Normalize (per-token L2 normalization, minus the channel mean, normalization again) and
+a Hadamard rotation make every token look like a random point on the sphere, so one data-independent codebook
+serves every model and layer without calibration data.
 
-Here (on KIVI's float16 window of < R = ``nsn_residual_length`` tokens), keys and values alike: ``u = x/||x||``,
-``s = u - mu``, ``w = s/||s||``, ``y = sqrt(D) w H^T`` (seeded randomized Hadamard, ``nsn_seed``); ``mu`` [B, H, D]
-is the mean of ``u`` over the first coded block (float16), ``||x||`` and ``||s||`` float16 per token. ``y`` is cut
-into ``nsn_subvector_dim`` = d-dim sub-vectors, each coded by S = ``nsn_bits`` * d / log2 C stages of residual VQ
-with codebooks of C = ``nsn_codebook_size`` entries (``nsn_bits`` bits per coordinate; defaults: two 8-bit stages
-per 8 dims), trained by k-means on sqrt(D)-scaled random unit vectors (the NSN output law), seeded and cached.
-Codes are bit-packed per token. Decode: ``x = ||x|| (||s|| (y_hat H / sqrt(D)) + mu)``. Bytes per token per
-KV head, each of K and V: ``bits*D/8 + 4`` (+ the window and the mean).
+Here (on KIVI's float16 window of ``nsn_residual_length`` tokens), keys and values alike: ``y = sqrt(D) w H^T`` with
+``w`` the NSN of ``x`` (channel mean ``mu`` from the first coded block, float16; the two norms float16 per token)
+and ``H`` a seeded randomized Hadamard; ``y`` is cut into ``nsn_subvector_dim``-dim sub-vectors, each coded by
+residual VQ stages of ``nsn_codebook_size`` codewords (``nsn_bits`` bits per coordinate; defaults two 8-bit stages
+per 8 dims) from k-means on sqrt(D)-scaled random unit vectors (the NSN output law), seeded and cached.
 
 Deviations from the paper:
 

@@ -90,23 +90,18 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         self.bit_width_outlier, self.n_outlier_channels = b_out, n_out
         stage = 1 if self._prod else 0  # Prod spends one bit per coordinate-equivalent on QJL
         if n_out:
-            sizes, bits = [n_out, d - n_out], [b_out - stage, b_in - stage]
-            seeds = [derive_seed(self.seed, 1), derive_seed(self.seed, 2)]
+            split = [(n_out, b_out, derive_seed(self.seed, 1)), (d - n_out, b_in, derive_seed(self.seed, 2))]
         else:
-            sizes, bits, seeds = [d], [b_in - stage], [self.seed]
-        self.groups = [_Group(i, s, b, sd) for i, (s, b, sd) in enumerate(zip(sizes, bits, seeds))]
+            split = [(d, b_in, self.seed)]
+        self.groups = [_Group(i, size, b - stage, sd) for i, (size, b, sd) in enumerate(split)]
         self.sketch = gaussian_jl(self.jl_dim, d, self.seed) if self._prod else None
         # channel permutation (outlier channels first); None = identity / not yet calibrated
         self._perm: Optional[mx.array] = None
         self._inv_perm: Optional[mx.array] = None
-        key_specs = {}
-        for g in self.groups:
-            if g.mse_bits > 0:
-                key_specs[f"codes{g.index}"] = ((g.words,), mx.uint32)
-                key_specs[f"norm{g.index}"] = ((), mx.float16)
+        key_specs = {k: v for g in self.groups if g.mse_bits > 0
+                     for k, v in ((f"codes{g.index}", ((g.words,), mx.uint32)), (f"norm{g.index}", ((), mx.float16)))}
         if self._prod:
-            key_specs["qjl"] = ((packed_words(self.jl_dim, 1),), mx.uint32)
-            key_specs["rnorm"] = ((), mx.float16)
+            key_specs.update(qjl=((packed_words(self.jl_dim, 1),), mx.uint32), rnorm=((), mx.float16))
         self._keys = RowStore(key_specs, initial)
         self._values = self._value_store(d, initial)
 
@@ -118,9 +113,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
     @property
     def outlier_channels(self) -> Optional[mx.array]:
         """Sorted outlier channel indices once calibrated (None without a split / before)."""
-        if not self.n_outlier_channels or self._perm is None:
-            return None
-        return self._perm[: self.n_outlier_channels]
+        return None if not self.n_outlier_channels or self._perm is None else self._perm[: self.n_outlier_channels]
 
     def _state_arrays(self) -> list:
         """Rotations, codebooks, JL matrix, channel maps."""
@@ -138,8 +131,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         outl = np.sort(order[: self.n_outlier_channels])
         rest = np.setdiff1d(np.arange(self.head_dim), outl)
         perm = np.concatenate([outl, rest]).astype(np.int32)
-        self._perm = mx.array(perm)
-        self._inv_perm = mx.array(np.argsort(perm).astype(np.int32))
+        self._perm, self._inv_perm = mx.array(perm), mx.array(np.argsort(perm).astype(np.int32))
 
     def _split(self, x: mx.array, permute: bool = True) -> list:
         """``(n, d)`` (in original channel order when ``permute``) -> per-group ``(n, d_g)`` pieces."""
@@ -181,16 +173,11 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         self._keys.append(rows)
 
     def _rotated_keys(self, n: int) -> list:
-        """Per group, the stored MSE reconstructions ``||k_g|| c[idx]`` in the rotated domain."""
-        out = []
-        for g in self.groups:
-            if g.mse_bits == 0:
-                out.append(None)
-                continue
-            codes = unpack_bits(self._keys.view(f"codes{g.index}")[:n], g.mse_bits, g.dim)
-            cvals = mx.take(g.centroids, codes.astype(mx.int32))
-            out.append(cvals * self._keys.view(f"norm{g.index}")[:n].astype(mx.float32)[:, None])
-        return out
+        """Per group, the stored MSE reconstructions ``||k_g|| c[idx]`` in the rotated domain (None: pure QJL)."""
+        def group(g):
+            codes = unpack_bits(self._keys.view(f"codes{g.index}")[:n], g.mse_bits, g.dim).astype(mx.int32)
+            return mx.take(g.centroids, codes) * self._keys.view(f"norm{g.index}")[:n].astype(mx.float32)[:, None]
+        return [group(g) if g.mse_bits else None for g in self.groups]
 
     def _qjl_signs(self, n: int) -> mx.array:
         return qjl_signs(self._keys, "qjl", n, self.jl_dim)

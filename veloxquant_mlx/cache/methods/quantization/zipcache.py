@@ -230,13 +230,8 @@ class ZipCacheKVCache(KIVIKVCache):
         B, H, _, d = res.shape
         return B * H * self.n_quant * (4 * gq.words_per_group(self.lo_bits, d) + 4) + res[:, :, : self.n_res].nbytes
 
-    @property
-    def baseline_key_bytes(self) -> int:
-        return self._baseline(self.res_k)
-
-    @property
-    def baseline_value_bytes(self) -> int:
-        return self._baseline(self.res_v)
+    baseline_key_bytes = property(lambda self: self._baseline(self.res_k))
+    baseline_value_bytes = property(lambda self: self._baseline(self.res_v))
 
     @property
     def compression_ratio(self) -> float:
