@@ -140,26 +140,24 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
 
     def _store(self, keys, values):
         self._pending = None
-        if self.uses_attention:
-            B, H, N, _ = keys.shape
-            G = self.group
-            if self.res_score is None:
-                self.res_score = mx.zeros((B, H, G), dtype=mx.float32)
-                self.res_cnt = mx.zeros((G,), dtype=mx.float32)
-            r0 = self.n_res
-            prev = (self.res_score[:, :, :r0], self.res_cnt[:r0])
-            super()._store(keys, values)
-            # the call's rows start unobserved (attend adds the observations); kept residual rows keep theirs
-            self._prev_scores = prev
-            total = r0 + N
-            if total < G:
-                self.res_score[:, :, r0:total] = 0.0
-                self.res_cnt[r0:total] = 0.0
-            else:
-                self.res_score = mx.zeros_like(self.res_score)
-                self.res_cnt = mx.zeros_like(self.res_cnt)
+        if not self.uses_attention:
+            return super()._store(keys, values)
+        B, H, N, _ = keys.shape
+        G = self.group
+        if self.res_score is None:
+            self.res_score = mx.zeros((B, H, G), dtype=mx.float32)
+            self.res_cnt = mx.zeros((G,), dtype=mx.float32)
+        r0 = self.n_res
+        prev = (self.res_score[:, :, :r0], self.res_cnt[:r0])
+        super()._store(keys, values)
+        # the call's rows start unobserved (attend adds the observations); kept residual rows keep theirs
+        self._prev_scores = prev
+        if r0 + N < G:
+            self.res_score[:, :, r0 : r0 + N] = 0.0
+            self.res_cnt[r0 : r0 + N] = 0.0
         else:
-            super()._store(keys, values)
+            self.res_score = mx.zeros_like(self.res_score)
+            self.res_cnt = mx.zeros_like(self.res_cnt)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, pending = self._call, self._pending

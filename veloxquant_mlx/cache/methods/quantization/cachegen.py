@@ -205,6 +205,7 @@ class CacheGenKVCache(KIVIKVCache):
         """float16 bytes of the quantized tokens on the side of ``res``."""
         return 0 if res is None else res.shape[0] * res.shape[1] * self.n_quant * res.shape[-1] * 2
 
+    # measured bytes of the quantized tokens: saved (entropy-coded) form, fixed-width form, float16
     compressed_key_bytes = property(lambda self: self._saved_bytes("k", True))
     compressed_value_bytes = property(lambda self: self._saved_bytes("v", True))
     fixed_width_key_bytes = property(lambda self: self._saved_bytes("k", False))
