@@ -254,14 +254,12 @@ class CacheGenKVCache(KIVIKVCache):
         Dv = self.res_v.shape[-1]
         G, b = self.group, self.qbits
         gv = self.value_group(Dv)
-        ks, vs = np.array(v["k_stream"]), np.array(v["v_stream"])
         index = np.array(v["stream_index"]).astype(np.int64)
-        kp = np.concatenate([[0], np.cumsum(index[:, 1])])
-        vp = np.concatenate([[0], np.cumsum(index[:, 2])])
+        kbs = np.split(np.array(v["k_stream"]), np.cumsum(index[:-1, 1]))
+        vbs = np.split(np.array(v["v_stream"]), np.cumsum(index[:-1, 2]))
         blocks, kcs, vcs, g0 = [], [], [], 0
-        for i, (g1, _, _) in enumerate(index):  # one step per saved block
+        for g1, kb, vb in zip(index[:, 0], kbs, vbs):  # one step per saved block
             n = int(g1 - g0) * G
-            kb, vb = ks[kp[i] : kp[i + 1]], vs[vp[i] : vp[i + 1]]
             kcs.append(entropy.decode(kb, B * H * D, n, b, *self._tables(B, H, D)).reshape(B, H, D, n))
             vcs.append(entropy.decode(vb, B * H * Dv, n, b, *self._tables(B, H, Dv)).reshape(B, H, Dv, n))
             blocks.append((g0, int(g1), kb, vb))

@@ -194,10 +194,7 @@ class KVQuantKVCache(KIVIKVCache):
                     f"KVQuantKVCache: trimming {n} tokens would remove part of the block (groups "
                     f"{self.fit_starts[keep[-1]]}..{self.fit_ends[keep[-1]] - 1}) the non-uniform levels of the "
                     "remaining codes were fitted on; the result would differ from never having seen them")
-            dropped = super()._trim_rows(n)
-            self.fit_starts = self.fit_starts[: len(keep)]
-            self.fit_ends = self.fit_ends[: len(keep)]
-            return dropped
+            self.fit_starts, self.fit_ends = self.fit_starts[: len(keep)], self.fit_ends[: len(keep)]
         return super()._trim_rows(n)
 
     @property

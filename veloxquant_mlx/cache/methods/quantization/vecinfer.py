@@ -222,18 +222,15 @@ class VecInferKVCache(KIVIKVCache):
 
     def _trim_rows(self, n):
         extra = n - self.n_res
-        if extra > 0 and extra % BLOCK == 0 and extra <= self.n_quant:
-            left = self.n_quant - extra
-            if 0 < left < self.calib_tokens:
-                raise ValueError(
-                    f"VecInferKVCache: trimming {n} tokens would remove part of the calibration block "
-                    f"(the first {self.calib_tokens} encoded tokens) whose statistics made the remaining codes")
-            dropped = super()._trim_rows(n)
-            if left == 0:  # nothing encoded is left: calibrate again, as a fresh cache would
-                self.key_cb = self.val_cb = self.smooth = None
-                self.calib_tokens = 0
-            return dropped
-        return super()._trim_rows(n)
+        if extra > 0 and extra % BLOCK == 0 and 0 < self.n_quant - extra < self.calib_tokens:
+            raise ValueError(
+                f"VecInferKVCache: trimming {n} tokens would remove part of the calibration block "
+                f"(the first {self.calib_tokens} encoded tokens) whose statistics made the remaining codes")
+        dropped = super()._trim_rows(n)
+        if self.n_quant == 0:  # nothing encoded is left: calibrate again, as a fresh cache would
+            self.key_cb = self.val_cb = self.smooth = None
+            self.calib_tokens = 0
+        return dropped
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical code bytes per token per KV head."""
