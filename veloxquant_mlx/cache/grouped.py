@@ -149,15 +149,17 @@ class GroupedQuantCache(CompressedKVCache):
         t0, n = self.n_quant, kb.shape[2]
         kq = gq.quantize_per_channel(kb, b, G)  # codes [B, H, D, (n/G)*w], scales [B, H, D, n/G]
         vq = gq.quantize(vb, b, self.value_group(vb.shape[-1]))  # codes [B, H, n, W], scales [B, H, n, Dv/Gv]
-        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
-        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
-        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
-        cap_groups = self.v_codes.shape[2] // G  # keys follow the values' capacity
-        g0, w = t0 // G, self._key_words()
-        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap_groups * w)
-        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap_groups)
-        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap_groups)
+        self._append_codes(t0, kq, vq)
         self.n_quant = t0 + n
+
+    def _append_codes(self, t0: int, kq, vq) -> None:
+        """Write (codes, scales, biases) of keys (transposed, one column per group) and of values (per token)
+        for the tokens from ``t0``; the key columns follow the values' capacity."""
+        for a, x in zip(("codes", "scales", "biases"), vq):
+            setattr(self, f"v_{a}", grow_rows(getattr(self, f"v_{a}"), t0, x))
+        cap, g0, w = self.v_codes.shape[2] // self.group, t0 // self.group, self._key_words()
+        for a, x, per in zip(("codes", "scales", "biases"), kq, (w, 1, 1)):
+            setattr(self, f"k_{a}", grow_columns(getattr(self, f"k_{a}"), g0 * per, x, cap * per))
 
     # ---------------------------------------------------------------- decoding the stored form
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:

@@ -1,62 +1,29 @@
-"""A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via
-Windowed Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025,
-arXiv 2502.12665).
+"""A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via Windowed
+Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665).
 
-Paper idea: retrieval-based KV reduction -- the full KV cache is offloaded to CPU memory and each decode
-step attends only to the top-K tokens by attention score (plus a recent window). To find those tokens
-cheaply, the keys are vector-quantized and the scores approximated from the codes with a per-query
-lookup table; the codebook is trained with a *query-aware* objective (the error that matters is
-``q . (k - k_hat)``, i.e. a metric weighted by the query second moment ``E[q q^T]``), and a windowed
-RoPE makes keys position-independent so one codebook serves every position.
+Paper: the KV cache is offloaded to CPU memory and each decode step attends only to the top-K tokens by score
+(plus a recent window), scores approximated from vector-quantized keys with a per-query lookup table; the
+codebook is trained query-aware (error ``q . (k - k_hat)``, a metric weighted by ``E[q q^T]``).
 
-Algorithm here, per layer (B batch, H KV heads, head dim D):
+Here every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
+``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` = 32
+rows with some outside the window, or given as ``a2ats_codebook``). With ``a2ats_use_query_aware`` the k-means
+runs in the per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or
+the fitting call's query second moment): keys map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step
+(dispatch point) scores the coded tokens outside ``a2ats_window`` from the LUT, sums the per-head softmax over the
+GQA group, keeps the top ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` per KV head and attends
+exactly over them, the window and the uncoded rows; everything else attends densely. ``nbytes`` counts the
+float16 rows too, so this cache holds *more* than a float16 one (it saves attended rows, not memory);
+``resident_nbytes`` is what the paper keeps on the accelerator.
 
-* storage: every token's key and value row in float16 (the paper's offloaded store), plus the key
-  codes: ``D / a2ats_sub_dim`` sub-vectors per key, each the index of its nearest codeword in a codebook
-  of ``2**a2ats_codebook_bits`` entries (defaults 8 dims, 8 bits: 8 bytes per token per head at D = 64),
-  bit-packed (``primitives.bitpack``). The codebook (one per layer, shared by heads and sub-vector
-  positions) is fitted by seeded k-means (``vecinfer.fit_codebook``) the first time the dispatch point
-  attends with at least ``FIT_MIN`` = 32 stored tokens and some of them outside the recent window
-  (before that every step is dense and a codebook would only cost bytes: a short chat holds its float16
-  rows and nothing else), on all stored keys; later keys are encoded as they are attended (lazily,
-  inside ``attend``). A prompt shorter than the window therefore gets its metric from the first decode
-  step's query instead of the prefill's queries. ``a2ats_codebook`` ([K, sub_dim]) replaces the fit.
-* query-aware VQ: with ``a2ats_use_query_aware`` the k-means runs in the metric
-  ``M_j = (1 - beta) * I * tr(H_j)/sub + beta * H_j`` per sub-vector block j (``beta = a2ats_beta``), where
-  ``H`` is ``a2ats_query_h`` ([D, D] or [H, D, D]; averaged over heads) or else the second moment of the
-  queries of the call that triggers the fit (the prefill's queries, grouped to their KV heads). With
-  ``M_j = L_j L_j^T``, keys are mapped to ``L_j^T k_j``, clustered with the Euclidean k-means, and a query
-  is mapped to ``L_j^{-1} q_j`` so that the LUT score ``sum_j (L_j^{-1} q_j) . c`` equals ``q . k_hat``.
-* decode steps (N = 1, dispatch point): approximate scores of the coded tokens outside the recent
-  ``a2ats_window`` from the LUT over codes, softmax per query head, summed over the GQA group, top
-  ``min(a2ats_b, ceil(a2ats_retrieval_fraction * n_candidates))`` tokens per KV head; exact attention
-  (float16 rows) over [retrieved tokens, recent window, uncoded rows, this step's row], one softmax
-  (sinks honoured). When that is every token, attention is dense.
-* prefill chunks (N > 1), decode steps with an array mask, and calls without the dispatch point: dense
-  attention over all stored rows (the paper's prefill is full attention).
+Deviations from the paper:
 
-Memory: ``nbytes`` counts everything held: float16 K/V rows (4*D bytes per token per head), codes and
-codebook, so this cache holds *more* than a float16 cache. The paper keeps the float16 rows in host
-memory; ``resident_nbytes`` is what would stay on the accelerator in that design (codes, codebook,
-window rows). On one device (unified memory here) there is no saving -- this method trades compute
-(attended rows per step) not memory.
-
-Measured (veloxquant eval --task kld: SmolLM2-135M, 512 essay tokens + 32 scored decode steps, defaults:
-8-bit codes of 8-dim sub-vectors, 20% retrieval + window 128): next-token KL 0.0059, top-1 1.00, bytes
-held 1.11 x the float16 cache (resident part, i.e. without the offloadable rows, far smaller).
-
-Deviations from the paper (deliberate):
-
-* No windowed RoPE: mlx_lm hands the cache keys *after* RoPE, and the cache does not know the model's
-  RoPE variant (traditional or not, scaling, per-layer bases as in Gemma 3), so keys are quantized
-  post-RoPE and the retrieval scores use the rotated query and keys directly (exact positional
-  dependence, but the codebook must cover rotated keys). ``a2ats_rope_base`` / ``a2ats_rope_scaling`` are
-  validated and recorded only.
-* The query-aware metric is a per-sub-vector-block second moment of queries (diagonal blocks of
-  E[q q^T]), blended with the identity by ``a2ats_beta``; the codebook is fitted online per layer.
-* No CPU offload and no heterogeneous pipeline (see memory above).
-* Trim is exact for the stored rows; if it removes rows the codebook was fitted on, the codebook and
-  codes are dropped and refitted at the next attention (as a fresh cache would).
+* No windowed RoPE: keys arrive post-RoPE of an unknown variant, so codes and scores use rotated keys
+  (``a2ats_rope_base`` / ``a2ats_rope_scaling`` are validated and recorded only).
+* The query metric is per sub-vector block (diagonal blocks of E[q q^T]) blended with the identity by
+  ``a2ats_beta``; the codebook is fitted online per layer.
+* No CPU offload and no heterogeneous pipeline.
+* Trim is exact; a trim below the rows the codebook was fitted on drops it, refitted at the next attention.
 """
 
 from __future__ import annotations
@@ -70,8 +37,9 @@ from ...attention import group_queries
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import bitpack
+from ...primitives.buffers import grow_rows
+from ...window import fp16_row_bytes
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
 FIT_MIN = 32
@@ -89,9 +57,7 @@ class A2ATSKVCache(CompressedKVCache):
     array_fields = ("keys", "values", "codes", "codebook", "metric_l", "metric_linv")
     scalar_fields = ("n_rows", "n_coded", "fit_rows", "dtype_name")
 
-    n_rows = 0
-    n_coded = 0
-    fit_rows = 0
+    n_rows = n_coded = fit_rows = 0
     dtype_name = "float16"
     last_selected = None  # [B, H, k] retrieved token indices of the last sparse step (diagnostic)
 
@@ -101,8 +67,7 @@ class A2ATSKVCache(CompressedKVCache):
         return out + [self.last_selected] if self.last_selected is not None else out
 
     def _init_layout(self):
-        # types and the plain ranges are validated with the config; these are the method's own limits
-        o = self.config.options
+        o = self.config.options  # options validated types and plain ranges; these are the method's own limits
         if o.codebook_bits > 8:
             raise QuantizerConfigError("a2ats_codebook_bits", o.codebook_bits, "an int in 1..8")
         if o.beta > 1.0:
@@ -114,20 +79,14 @@ class A2ATSKVCache(CompressedKVCache):
         self.sub, self.cbits = o.sub_dim, o.codebook_bits  # sub_dim must divide the head dim: checked at the fit
         self.window, self.cap, self.frac = o.window, o.b, float(o.retrieval_fraction)
         self.query_aware, self.beta = o.use_query_aware, float(o.beta)
-        self._given_cb = None
-        if o.codebook is not None:
-            cb = _as_array(o.codebook, "a2ats_codebook", (2,))
-            if cb.shape[-1] != self.sub or cb.shape[0] > (1 << self.cbits):
-                raise QuantizerConfigError("a2ats_codebook", tuple(cb.shape),
-                                           f"[K, {self.sub}] with K <= 2**{self.cbits}")
-            self._given_cb = cb
-        self._given_h = None
-        if o.query_h is not None:
-            self._given_h = _as_array(o.query_h, "a2ats_query_h", (2, 3))
-        self._call = None
-        self.last_selected = None
+        self._given_cb = None if o.codebook is None else _as_array(o.codebook, "a2ats_codebook", (2,))
+        if self._given_cb is not None and (self._given_cb.shape[-1] != self.sub
+                                           or self._given_cb.shape[0] > (1 << self.cbits)):
+            raise QuantizerConfigError("a2ats_codebook", tuple(self._given_cb.shape),
+                                       f"[K, {self.sub}] with K <= 2**{self.cbits}")
+        self._given_h = None if o.query_h is None else _as_array(o.query_h, "a2ats_query_h", (2, 3))
+        self._call = self.last_selected = None
 
-    # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
         t0 = self.n_rows
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
@@ -155,7 +114,6 @@ class A2ATSKVCache(CompressedKVCache):
         return (mx.concatenate([self.keys[:, :, :t0].astype(dt), keys], axis=2),
                 mx.concatenate([self.values[:, :, :t0].astype(dt), values], axis=2))
 
-    # ---------------------------------------------------------------- query-aware VQ
     def _metric(self, queries, H):
         """Cholesky factors L_j [m, s, s] of the per-block metric (identity without query awareness)."""
         D, s = self.keys.shape[-1], self.sub
@@ -173,9 +131,8 @@ class A2ATSKVCache(CompressedKVCache):
             h = np.asarray(q.T @ q / q.shape[0], dtype=np.float64)
         blocks = np.stack([h[j * s:(j + 1) * s, j * s:(j + 1) * s] for j in range(m)])
         tr = np.trace(blocks, axis1=1, axis2=2)[:, None, None] / s
-        beta = self.beta
-        M = (1 - beta) * eye * np.maximum(tr, 1e-6) + beta * blocks + 1e-6 * eye * np.maximum(tr, 1e-6)
-        return np.linalg.cholesky(M)
+        tr = np.maximum(tr, 1e-6)
+        return np.linalg.cholesky((1 - self.beta) * eye * tr + self.beta * blocks + 1e-6 * eye * tr)
 
     def _to_code_space(self, k32):
         """Keys [B, H, n, D] -> rows L_j^T k_j [B, H, n, m, s]."""
@@ -194,10 +151,10 @@ class A2ATSKVCache(CompressedKVCache):
         L = self._metric(queries, H)
         self.metric_l = mx.array(L.astype(np.float32))
         self.metric_linv = mx.array(np.linalg.inv(L).astype(np.float32))
-        x = self._to_code_space(self.keys[:, :, :n].astype(mx.float32)).reshape(1, -1, self.sub)
         if self._given_cb is not None:
             self.codebook = self._given_cb[None].astype(mx.float16)
         else:
+            x = self._to_code_space(self.keys[:, :, :n].astype(mx.float32)).reshape(1, -1, self.sub)
             self.codebook = fit_codebook(x, 1 << self.cbits, int(self.config.seed)).astype(mx.float16)
         self.fit_rows = n
         self.n_coded = 0
@@ -228,7 +185,6 @@ class A2ATSKVCache(CompressedKVCache):
     def n_retrieved(self, n_candidates: int) -> int:
         return min(self.cap, math.ceil(self.frac * n_candidates))
 
-    # ---------------------------------------------------------------- attention
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         B, Hq, N, D = queries.shape
@@ -264,7 +220,6 @@ class A2ATSKVCache(CompressedKVCache):
         vv = mx.take_along_axis(values, idx[..., None], axis=2).astype(dt)
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
-    # ---------------------------------------------------------------- trim
     def _trim_rows(self, n):
         self._call = None
         n = min(n, self.n_rows)
@@ -275,7 +230,6 @@ class A2ATSKVCache(CompressedKVCache):
             self.n_coded = self.fit_rows = 0
         return n
 
-    # ---------------------------------------------------------------- accounting
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Bytes per token per KV head: float16 K and V rows + the packed key codes."""
         return 2 * (d + dv) + bitpack.packed_nbytes(d // self.sub, self.cbits)
@@ -285,25 +239,17 @@ class A2ATSKVCache(CompressedKVCache):
         if self.keys is None:
             return 0
         B, H, _, D = self.keys.shape
-        Dv = self.values.shape[-1]
         fixed = sum(a.nbytes for a in (self.codebook, self.metric_l, self.metric_linv) if a is not None)
         code = B * H * self.n_coded * bitpack.packed_nbytes(D // self.sub, self.cbits)
-        return B * H * self.n_rows * 2 * (D + Dv) + code + fixed
+        return fp16_row_bytes(self.keys, self.values, self.n_rows) + code + fixed
 
     @property
     def resident_nbytes(self) -> int:
         """Bytes the paper keeps on the accelerator: codes, codebook, metric and the window rows (the
         float16 rows outside the window would be offloaded to host memory)."""
-        if self.keys is None:
-            return 0
-        B, H, _, D = self.keys.shape
-        Dv = self.values.shape[-1]
-        win = min(self.n_rows, self.window + 1)
-        return self.used_nbytes - B * H * (self.n_rows - win) * 2 * (D + Dv)
+        offloaded = self.n_rows - min(self.n_rows, self.window + 1)
+        return self.used_nbytes - fp16_row_bytes(self.keys, self.values, offloaded)
 
     @property
     def full_seq_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        B, H, _, D = self.keys.shape
-        return B * H * self.offset * (D + self.values.shape[-1]) * 2
+        return fp16_row_bytes(self.keys, self.values, self.offset)

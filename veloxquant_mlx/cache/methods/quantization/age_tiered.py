@@ -1,44 +1,24 @@
 """Age-tiered KV quantization: tokens are stored at fewer bits as they age, re-quantized incrementally.
 
-No single paper: the scheme combines KIVI's layout (Liu et al., arXiv 2402.02750: keys per channel and
-values per token, groups of G tokens, full-precision residual) with the recency observation behind
-sliding-window / progressive schemes (e.g. SKVQ's full-precision window, arXiv 2405.06219; "more
-recent tokens matter more"): attention concentrates on recent tokens, so older tokens can take coarser
-codes.
+No single paper (library design): KIVI's layout (Liu et al., arXiv 2402.02750: keys per channel, values per
+token, groups of G tokens, full-precision residual) with the recency observation behind sliding-window schemes
+(e.g. SKVQ's full-precision window, arXiv 2405.06219): attention concentrates on recent tokens, so older
+tokens can take coarser codes.
 
-Algorithm (``age_recent_boundary`` = R, ``age_mid_boundary`` = M >= R, ``age_group_size`` = G):
+Algorithm (R = ``age_recent_boundary``, M = ``age_mid_boundary`` >= R, G = ``age_group_size``): a token's age is
+T - 1 - p (the newest has age 0); tokens that do not fill a key group stay in a float16 residual; a quantized
+group is *recent* (``age_bits_recent``) while its newest token's age is < R, *mid* (``age_bits_mid``) while < M,
+then *old* (``age_bits_old``). A group crossing a boundary is dequantized and re-quantized from its stored codes
+at the next tier's width (recent -> mid -> old); a group quantized for the first time goes straight to its
+tier from the float16 rows. The tiers are three KIVI-layout stores (``k{t}_*`` transposed, ``v{t}_*`` per token;
+t = 0 old, 1 mid, 2 recent) of contiguous groups in position order. Bytes per token per KV head at b bits:
+``b*D/8 + 4*D/G + b*Dv/8 + 4*Dv/gcd(Dv, G)``, following the tier mix.
 
-* the age of the token at position p when T tokens are stored is T - 1 - p (the newest has age 0);
-* tokens that do not yet fill a key group of G stay in a float16 residual (KIVI);
-* a quantized group belongs to the *recent* tier (``age_bits_recent`` bits) while its newest token's
-  age is < R, to the *mid* tier (``age_bits_mid``) while it is < M, and to the *old* tier
-  (``age_bits_old``) after: every token younger than R is stored at >= the recent bits and every token
-  younger than M at >= the mid bits;
-* incremental re-quantization: when a stored group crosses a boundary its codes are dequantized and
-  re-quantized at the next tier's width: recent -> mid -> old, reading only the stored codes (the
-  float16 rows are gone). A group quantized for the first time (prefill) is quantized directly at its
-  tier's width from the float16 rows that are still available.
-* tiers are three KIVI-layout stores (``k{t}_codes/scales/biases`` per channel, transposed;
-  ``v{t}_...`` per token; t = 0 old, 1 mid, 2 recent) holding contiguous runs of groups in position
-  order: old, then mid, then recent.
-* Bytes per token per KV head in a tier of b bits: ``b*D/8 + 4*D/G`` (keys) + ``b*Dv/8 + 4*Dv/gv``
-  (values, gv = gcd(Dv, G)); the cache's bytes follow the tier mix (plus the G-row residual).
-
-Deviations / choices:
-
-* The residual of < G tokens is float16 (not ``age_bits_recent``), as in KIVI.
-* Tiers are assigned per group by its newest token, so up to G - 1 tokens past a boundary keep the
-  finer width until their group crosses.
-* Moving groups between tiers copies the (bounded) recent and mid stores and appends to the old
-  one: once per crossing group, never per token.
-* Attention dequantizes and multiplies (``_uses_qmm`` False: three widths).
-* Trim is exact for residual rows only; deeper trims raise ``ValueError`` (re-quantized groups
-  cannot be restored to the codes of a cache that never saw the trimmed tokens).
-
-Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 511 essay tokens prefilled + 32
-scored decode steps, mean next-token KL vs mlx_lm's plain cache; kv_bytes = bytes held / fp16 cache):
-8/4/2 bits, boundaries 128/1024 (no token old yet): KL 0.005 (kv_bytes 0.424); boundaries 64/256:
-KL 0.101 (0.343).
+Deviations / choices: the residual of < G tokens is float16 (as in KIVI); tiers are per group by its newest
+token, so up to G - 1 tokens past a boundary keep the finer width; moving groups copies the bounded recent
+and mid stores once per crossing group, never per token; attention dequantizes and multiplies (three
+widths); trim is exact for residual rows only, deeper trims raise ``ValueError`` (re-quantized groups cannot
+be restored).
 """
 
 from __future__ import annotations
@@ -48,10 +28,9 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import groupquant as gq
+from ...primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
-from ...primitives.buffers import grow_columns
 
 TIERS = ("old", "mid", "recent")
 _ARR = ("codes", "scales", "biases")
@@ -71,9 +50,10 @@ class AgeTieredKVCache(KIVIKVCache):
 
     n_old = n_mid = n_recent = 0  # groups per tier
     _T_after = None
+    dequant_only = "three code widths"
 
     def _init_layout(self):
-        o = self.config.options  # validation checked the ranges and recent_boundary <= mid_boundary
+        o = self.config.options  # options checked the ranges and recent_boundary <= mid_boundary
         self.tier_bits = (o.bits_old, o.bits_mid, o.bits_recent)
         if not o.bits_old <= o.bits_mid <= o.bits_recent:
             raise QuantizerConfigError("age_bits_mid", o.bits_mid, f"age_bits_old={o.bits_old} <= age_bits_mid <= "
@@ -83,9 +63,6 @@ class AgeTieredKVCache(KIVIKVCache):
         self.qbits = self.tier_bits[2]
         self._call = None
 
-    dequant_only = "three code widths"
-
-    # ---------------------------------------------------------------- tier stores
     def _counts(self):
         return [self.n_old, self.n_mid, self.n_recent]
 
@@ -95,27 +72,19 @@ class AgeTieredKVCache(KIVIKVCache):
     def _tier_dense(self, t, m, dtype=mx.float32):
         """(K^T [B, H, D, m*G], V [B, H, m*G, Dv]) of the first ``m`` groups of tier ``t``."""
         G, b = self.group, self.tier_bits[t]
-        w = gq.words_per_group(b, G)
-        k = getattr(self, f"k{t}_codes")
-        kt = gq.dequantize(k[..., : m * w], getattr(self, f"k{t}_scales")[..., :m],
-                           getattr(self, f"k{t}_biases")[..., :m], b, G, dtype)
-        n = m * G
-        v = gq.dequantize(getattr(self, f"v{t}_codes")[:, :, :n], getattr(self, f"v{t}_scales")[:, :, :n],
-                          getattr(self, f"v{t}_biases")[:, :, :n], b, self.value_group(self.res_v.shape[-1]), dtype)
-        return kt, v
+        k = [getattr(self, f"k{t}_{a}")[..., : m * per] for a, per in zip(_ARR, (gq.words_per_group(b, G), 1, 1))]
+        v = [getattr(self, f"v{t}_{a}")[:, :, : m * G] for a in _ARR]
+        return gq.dequantize(*k, b, G, dtype), gq.dequantize(*v, b, self.value_group(self.res_v.shape[-1]), dtype)
 
     def _append(self, t, kt, v):
         """Quantize K^T [B, H, D, m*G] and V [B, H, m*G, Dv] at tier ``t``'s width; append to it."""
         G, b = self.group, self.tier_bits[t]
         m = kt.shape[-1] // G
         n0 = self._counts()[t]
-        kq = gq.quantize(kt, b, G)
-        vq = gq.quantize(v, b, self.value_group(v.shape[-1]))
-        for a, x in zip(_ARR, vq):
+        for a, x in zip(_ARR, gq.quantize(v, b, self.value_group(v.shape[-1]))):
             setattr(self, f"v{t}_{a}", grow_rows(getattr(self, f"v{t}_{a}"), n0 * G, x))
-        cap = getattr(self, f"v{t}_codes").shape[2] // G
-        w = gq.words_per_group(b, G)
-        for a, x, per in zip(_ARR, kq, (w, 1, 1)):
+        cap, w = getattr(self, f"v{t}_codes").shape[2] // G, gq.words_per_group(b, G)
+        for a, x, per in zip(_ARR, gq.quantize(kt, b, G), (w, 1, 1)):
             setattr(self, f"k{t}_{a}", grow_columns(getattr(self, f"k{t}_{a}"), n0 * per, x, cap * per))
         self._set_count(t, n0 + m)
 
@@ -133,25 +102,17 @@ class AgeTieredKVCache(KIVIKVCache):
     def _targets(self, T, n_groups):
         """(groups in the old tier, groups not in the recent tier) for T stored tokens."""
         G = self.group
-        not_recent = min(max((T - self.recent_boundary) // G, 0), n_groups)
-        old = min(max((T - self.mid_boundary) // G, 0), n_groups)
-        return old, not_recent
+        return tuple(min(max((T - edge) // G, 0), n_groups) for edge in (self.mid_boundary, self.recent_boundary))
 
     def _rebalance(self, T):
         """Move stored groups down the tiers for T stored tokens, re-quantizing from their codes."""
         old_t, not_recent_t = self._targets(T, sum(self._counts()))
-        m = not_recent_t - (self.n_old + self.n_mid)
-        if m > 0:  # recent -> mid
-            kt, v = self._tier_dense(2, m)
-            self._pop_front(2, m)
-            self._append(1, kt, v)
-        m = old_t - self.n_old
-        if m > 0:  # mid -> old
-            kt, v = self._tier_dense(1, m)
-            self._pop_front(1, m)
-            self._append(0, kt, v)
+        for t, m in ((2, not_recent_t - (self.n_old + self.n_mid)), (1, old_t - self.n_old)):  # recent -> mid -> old
+            if m > 0:
+                kt, v = self._tier_dense(t, m)
+                self._pop_front(t, m)
+                self._append(t - 1, kt, v)
 
-    # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
         self._T_after = self.n_quant + self.n_res + keys.shape[2]
         super()._store(keys, values)
@@ -174,20 +135,16 @@ class AgeTieredKVCache(KIVIKVCache):
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         parts = [self._tier_dense(t, m, dtype)[0] for t, m in enumerate(self._counts()) if m]
-        kt = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        return kt[..., :n]
+        return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))[..., :n]
 
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
         parts = [self._tier_dense(t, m, dtype)[1] for t, m in enumerate(self._counts()) if m]
-        v = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-        return v[:, :, :n]
+        return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))[:, :, :n]
 
     def token_bits(self) -> list[int]:
         """Bits of every stored token in position order (16 for the float16 residual)."""
-        out = []
-        for t, m in enumerate(self._counts()):
-            out += [self.tier_bits[t]] * (m * self.group)
-        return out + [16] * self.n_res
+        bits = [b for t, m in enumerate(self._counts()) for b in [self.tier_bits[t]] * (m * self.group)]
+        return bits + [16] * self.n_res
 
     def _trim_rows(self, n: int) -> int:
         self._call = None
@@ -199,7 +156,6 @@ class AgeTieredKVCache(KIVIKVCache):
             "float16 residual tokens can be dropped exactly: older groups were re-quantized as they aged)"
         )
 
-    # ---------------------------------------------------------------- accounting
     def tier_bytes_per_token(self, t: int, d: int, dv: int) -> float:
         """Bytes per token per KV head of tier ``t`` (codes at its width + float16 scales/biases)."""
         G, b = self.group, self.tier_bits[t]
@@ -208,4 +164,5 @@ class AgeTieredKVCache(KIVIKVCache):
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
         """Bytes of the quantized groups, each at its tier's width (the base adds the residual)."""
-        return int(sum(B * H * m * self.group * self.tier_bytes_per_token(t, D, dv) for t, m in enumerate(self._counts())))
+        return int(sum(B * H * m * self.group * self.tier_bytes_per_token(t, D, dv)
+                       for t, m in enumerate(self._counts())))

@@ -1,58 +1,26 @@
 """AnchorKV: anchor tokens kept exact, the other tokens coded as low-bit residuals against an anchor.
 
-Paper: no paper titled "AnchorKV" was found (searched: "AnchorKV anchor tokens KV cache quantization
-residual"). The closest published work is AnTKV (Li, Xiao, Wang, Liu, Tang, Lu, Yang, Chen, Chu,
-"AnTKV: Anchor Token-Aware Sub-Bit Vector Quantization for KV Cache in Large Language Models",
-arXiv 2506.19505): keep a small fraction (~1%) of the most quantization-sensitive tokens ("anchor
-tokens") in float16 and quantize the rest. This module implements what the configuration fields
-(``anchorkv_*``) describe, which goes one step further than AnTKV: the exact anchors also serve as
-*references* that the other tokens are coded against (delta coding), so tokens clustered around an
-anchor cost their small residual instead of their full range.
+Paper: none titled "AnchorKV" was found; the closest is AnTKV (Li, Xiao, Wang, Liu, Tang, Lu, Yang, Chen, Chu,
+"AnTKV: Anchor Token-Aware Sub-Bit Vector Quantization for KV Cache in Large Language Models", arXiv
+2506.19505): ~1% of the most quantization-sensitive tokens stay float16. This module implements what the
+``anchorkv_*`` fields describe, one step further: the anchors are also references for delta coding.
 
-Algorithm (a ``KIVIKVCache`` subclass: same float16 window of < G tokens, same ``update_and_fetch``
-/ ``attend``, one softmax over [decoded part, full-precision part]); G = ``anchorkv_window``,
-b = ``anchorkv_residual_bits``, A = ``n_anchors`` = min(G, max(1, round(anchorkv_anchor_frac * G)))
-anchors per G-token group; keys and values are coded independently, each per (batch, head, group):
+Per (batch, head, G-token group; G = ``anchorkv_window``), keys and values alike: the A =
+min(G, max(1, round(``anchorkv_anchor_frac`` * G))) tokens with the best ``rho * centrality + (1 - rho) * norm``
+(each min-max normalized, seeded 1e-6 tie jitter) are stored exactly; each other token takes its nearest
+anchor and codes its residual when that narrows its summed per-channel-group range by more than
+``anchorkv_theta`` (else itself), at ``anchorkv_residual_bits`` bits per token (``groupquant``), with
+ceil(log2(A + 1)) bits naming its reference. Central tokens make good references; high-norm ones are the
+most damaging to quantize.
 
-1. anchor score of token t of the group: ``rho * centrality + (1 - rho) * outlier`` with
-   centrality = -(mean squared distance of t to the group's tokens) and outlier = ||x_t||, each
-   min-max normalized within the group (``anchorkv_rho``); ties broken by a fixed, seeded
-   per-position jitter (``anchorkv_seed``, 1e-6). The A best tokens are the group's anchors, stored
-   exactly (float16 ``{k,v}_anc`` [B, H, groups*A, D]) with their positions (uint8 ``{k,v}_apos``).
-   Central tokens make good references; high-norm (outlier) tokens are the most damaging to
-   quantize, so both make good anchors.
-2. every token picks its nearest anchor (L2); its residual r = x - anchor is used only when it is
-   worth it: when the summed per-channel-group range of r is below ``(1 - theta) *`` that of x
-   (``anchorkv_theta``); otherwise the token is coded directly (reference 0). The reference code
-   (0 = none, j + 1 = anchor j) takes ceil(log2(A + 1)) bits per token, bit-packed per group
-   (``{k,v}_ref`` uint32).
-3. the chosen rows (residual or direct) are quantized per token, b bits, channel groups of
-   gcd(D, G), float16 scale/bias per channel group (``primitives.groupquant``).
+Deviations / choices:
 
-Decode: x = Q^-1(code) + (its anchor, if any); anchor rows are replaced by their exact float16
-values. All vectorized over batch, heads, groups and tokens.
-
-Bytes per token per KV head, for keys (same for values with Dv):
-``b*D/8 + 4*D/gcd(D,G) + ceil(log2(A+1))/8 + A*(2*D + 1)/G`` (+ the G-row float16 window);
-at the defaults (D = 64, G = 32, b = 2, A = 1): 16 + 8 + 0.125 + 4.03 = 28.2 bytes (float16: 128).
-
-Deviations / choices (deliberate, documented):
-
-* The anchor fraction is applied per G-token group with at least one anchor per group, so the
-  effective fraction is max(anchor_frac, 1/G) (1/32 at the defaults, not 1/128): anchors must be near
-  the tokens that are coded against them, and a fixed count per group keeps the layout dense.
-* Keys are quantized after RoPE (mlx_lm hands the cache rotated keys); per-token (not per-channel)
-  residual quantization, since a per-channel min/max code is invariant to subtracting a per-channel
-  constant and would gain nothing from an anchor.
-* KIVI's residual-window deviations apply (window = G: 0..G-1 newest tokens float16; a group
-  completed by a decode step is coded after that step's attention).
-* Attention dequantizes and multiplies (``_uses_qmm`` is False: anchors + residuals are not MLX's
-  affine layout). Trim: exact for residual tokens + whole groups (KIVI's rule), ValueError otherwise.
-
-Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32
-scored decode steps, mean next-token KL vs the uncompressed cache; kv_bytes = bytes held / fp16):
-defaults (2 bits, G = 32, 1 anchor per group): KL 0.153 (top-1 0.69), kv_bytes 0.305; 4 anchors per
-group (anchor_frac = 0.125): KL 0.090 (top-1 0.88), kv_bytes 0.392; plain KIVI 2 bits: 0.206, 0.241.
+* At least one anchor per group, so the effective fraction is max(anchor_frac, 1/G): anchors must be near
+  the tokens coded against them.
+* Keys are quantized after RoPE; residuals per token (a per-channel min/max code is invariant to a
+  per-channel offset and would gain nothing from an anchor).
+* KIVI's window deviations apply (a group completed by a decode step is coded after its attention).
+* Attention dequantizes and multiplies (not MLX's affine layout). Trim: KIVI's rule.
 """
 
 from __future__ import annotations
@@ -66,13 +34,14 @@ import numpy as np
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
+from ...primitives.buffers import grow_rows
 from ...primitives.rotation import seeded_rng
 from .kivi import KIVIKVCache
 
 _TAG_ANCHOR = 0x0A7E_0A01
+_PARTS = ("codes", "scales", "biases", "ref", "apos", "anc")  # what anchor_encode returns, per side
 
 
 @functools.lru_cache(maxsize=32)
@@ -145,10 +114,10 @@ class AnchorKVCache(KIVIKVCache):
 
     array_fields = ("k_codes", "k_scales", "k_biases", "k_ref", "k_apos", "k_anc",
                     "v_codes", "v_scales", "v_biases", "v_ref", "v_apos", "v_anc", "res_k", "res_v")
+    dequant_only = "anchors + residual codes"
 
     def _init_layout(self):
-        # types and the plain ranges are validated with the config; these are the method's own limits
-        o = self.config.options
+        o = self.config.options  # options validated types and plain ranges; these are the method's own limits
         if o.window > 255:  # anchor positions are stored as uint8
             raise QuantizerConfigError("anchorkv_window", o.window, "an int in 1..255 (tokens per group)")
         if o.anchor_frac <= 0:
@@ -160,32 +129,21 @@ class AnchorKVCache(KIVIKVCache):
         self.rho, self.theta, self.seed = float(o.rho), float(o.theta), o.seed
         self._call = None
 
-    dequant_only = "anchors + residual codes"
-
-    # ---------------------------------------------------------------- storage
     def _append_groups(self, kb, vb):
         G, A, b = self.group, self.n_anchors, self.qbits
         t0, n = self.n_quant, kb.shape[2]
         g0 = t0 // G
         for p, x in (("k", kb), ("v", vb)):
-            vg = self.value_group(x.shape[-1])
-            codes, scales, biases, ref, apos, anc = anchor_encode(x, G, A, b, vg, self.rho, self.theta, self.seed)
-            setattr(self, f"{p}_codes", grow_rows(getattr(self, f"{p}_codes"), t0, codes))
-            setattr(self, f"{p}_scales", grow_rows(getattr(self, f"{p}_scales"), t0, scales))
-            setattr(self, f"{p}_biases", grow_rows(getattr(self, f"{p}_biases"), t0, biases))
-            setattr(self, f"{p}_ref", grow_rows(getattr(self, f"{p}_ref"), g0, ref))
-            setattr(self, f"{p}_apos", grow_rows(getattr(self, f"{p}_apos"), g0 * A, apos))
-            setattr(self, f"{p}_anc", grow_rows(getattr(self, f"{p}_anc"), g0 * A, anc))
+            coded = anchor_encode(x, G, A, b, self.value_group(x.shape[-1]), self.rho, self.theta, self.seed)
+            for name, arr, at in zip(_PARTS, coded, (t0, t0, t0, g0, g0 * A, g0 * A)):
+                setattr(self, f"{p}_{name}", grow_rows(getattr(self, f"{p}_{name}"), at, arr))
         self.n_quant = t0 + n
 
     def _decode(self, p: str, n: int, dtype) -> mx.array:
         G, A = self.group, self.n_anchors
         g = n // G
-        d = getattr(self, f"{p}_anc").shape[-1]
-        return anchor_decode(getattr(self, f"{p}_codes")[:, :, :n], getattr(self, f"{p}_scales")[:, :, :n],
-                             getattr(self, f"{p}_biases")[:, :, :n], getattr(self, f"{p}_ref")[:, :, :g],
-                             getattr(self, f"{p}_apos")[:, :, : g * A], getattr(self, f"{p}_anc")[:, :, : g * A],
-                             G, A, self.qbits, self.value_group(d), dtype)
+        parts = [getattr(self, f"{p}_{name}")[:, :, :m] for name, m in zip(_PARTS, (n, n, n, g, g * A, g * A))]
+        return anchor_decode(*parts, G, A, self.qbits, self.value_group(parts[-1].shape[-1]), dtype)
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         return self._decode("k", n, dtype).swapaxes(-1, -2)
@@ -201,15 +159,10 @@ class AnchorKVCache(KIVIKVCache):
         pos = self.k_apos[:, :, : g * A].astype(mx.int32).reshape(B, H, g, A)
         return (mx.arange(G)[:, None] == pos[..., None, :]).any(-1).reshape(B, H, g * G)
 
-    # ---------------------------------------------------------------- accounting
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per KV head of the coded part (K + V)."""
         G, A, b = self.group, self.n_anchors, self.qbits
-
-        def one(dd):
-            return b * dd / 8 + 4 * dd / self.value_group(dd) + ref_bits(A) / 8 + A * (2 * dd + 1) / G
-
-        return one(d) + one(dv)
+        return sum(b * x / 8 + 4 * x / self.value_group(x) + ref_bits(A) / 8 + A * (2 * x + 1) / G for x in (d, dv))
 
     @property
     def used_nbytes(self) -> int:

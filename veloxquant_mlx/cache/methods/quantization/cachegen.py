@@ -1,64 +1,34 @@
-"""CacheGen (Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann,
-Holtzman, Jiang, "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model
-Serving", SIGCOMM 2024, arXiv 2310.07240).
+"""CacheGen (Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann, Holtzman, Jiang,
+"CacheGen: KV Cache Compression and Streaming for Fast Large Language Model Serving", SIGCOMM 2024,
+arXiv 2310.07240).
 
-Paper ideas used (section 5.1): (1) *token-wise locality*: nearby tokens have similar K/V, so within
-a group of tokens the first is an *anchor* and the others are coded as deltas against it; (2)
-*layer-wise sensitivity*: shallower layers are more sensitive to loss, so they get more bits; (3)
-*arithmetic coding* of the quantized deltas with probability tables grouped by channel and layer.
+Paper ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the others are coded
+as deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes
+with tables grouped by channel and layer.
 
-Algorithm (a ``KIVIKVCache`` subclass: same float16 residual of < G tokens, same
-``update_and_fetch``/``attend``; G = ``cachegen_group_size``, b = the layer's bits):
+Here (on KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
+``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (kept as
+``qbits``; a cache built alone uses ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta``
+each group's anchor is quantized per token at 8 bits and the deltas against the *dequantized* anchor at the
+layer's bits (closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form
+(``state``) entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head,
+channel) with ``cachegen_per_channel``, else per (batch, head)), bit-exact on load; the groups added since the
+last read form one new block (mlx_lm reads ``state`` after every prefill chunk), and a trim drops the blocks
+past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``, ``entropy_savings`` and
+``assigned_avg_bits`` are measured bytes of that form.
 
-* Layer-wise bits: ``build_layers`` splits the m layers with a full KV cache into
-  ``cachegen_layer_groups`` = n contiguous groups (layer i is in group ``i * n // m``) and gives group
-  j the bits ``min(8, cachegen_bits + (n - 1 - j))`` (n = 3, bits 4: 6 / 5 / 4 bits for the first /
-  middle / last third), passed to each cache's constructor and kept in its state (``qbits``). A cache
-  built alone uses ``cachegen_resolved_bits`` when set, else ``cachegen_bits``.
-* Token deltas (``cachegen_use_delta``): for every G-token group the anchor (its first token) is
-  quantized per token at 8 bits (channel groups of gcd(D, 32), float16 scale/bias); every token's delta
-  against the *dequantized* anchor is quantized at b bits (closed loop: the anchor's error does not
-  add to the deltas'), keys per channel over the group (KIVI's layout, transposed), values per token
-  in channel groups of gcd(Dv, G). Decoding: anchor + dequantized delta (the anchor row itself is the
-  dequantized anchor). Without deltas the tokens are quantized directly (= KIVI at b bits). The
-  deltas matter for the per-token value groups (they remove each channel's offset: 2-bit value error
-  on a smooth walk with per-channel offsets drops ~10^4x in the test); per-channel key groups already
-  remove it through their min, so there the deltas change the error little.
-* In memory the codes are fixed-width ``primitives.groupquant`` codes (anchors and deltas alike),
-  which attention (KIVI's ``attend`` through ``_keys_t``/``_values``) dequantizes.
-* Saved form (``state``, what ``save_prompt_cache`` writes): the key and value codes are
-  entropy-coded by ``primitives.entropy`` (static-frequency ANS by constriction, tables in the stream):
-  with ``cachegen_per_channel`` one table per (batch, head, channel) (paper section 5.1.3: grouping
-  by channel and layer), otherwise one per (batch, head); scales, biases, anchors and the residual are
-  saved as they are. Loading decodes the streams bit-exactly back to the same codes. Coding is
-  incremental: mlx_lm reads ``state`` after every prefill chunk, so the groups added since the last
-  read are coded as one new *block* (own tables; a ``stream_index`` row of 12 bytes per block) and the
-  earlier blocks are reused; a trim drops the blocks that reach past the kept groups.
-* Measured sizes (real bytes, never a Shannon estimate): ``compressed_{key,value}_bytes`` = the
-  bytes written for the quantized tokens (entropy-coded stream + scales/biases + anchors),
-  ``fixed_width_{key,value}_bytes`` = the same with the in-memory fixed-width codes, ``fp16_*`` =
-  float16 for the same tokens; ``entropy_savings`` = 1 - compressed/fixed-width (keys);
-  ``assigned_avg_bits`` = 8 * compressed key bytes / quantized key elements.
+Deviations from the paper:
 
-Deviations from the paper (deliberate):
-
-* The paper's delta quantizer (per-layer quantization levels shared across tokens) is replaced by
-  group min/max affine codes (KIVI's grouping: keys per channel, values per token) and the anchors by
-  8-bit per-token codes. Consequence, measured: min/max-scaled codes of a group spread over all
-  levels, so their empirical entropy is close to b bits and the coder saves little (SmolLM2-135M,
-  512 essay tokens: saved form 0-6% smaller than fixed width, most at 2 bits; per-(head, channel)
-  tables pay off only at long contexts; ``veloxquant cache save``).
-* On SmolLM2-135M the value deltas do not help: 2-bit uniform KL 0.157 with deltas vs 0.119 without
-  (its values have weak token locality, so x_t - x_anchor has a wider range than x_t); deltas are
-  still the default (``cachegen_use_delta=True``, the paper's design).
-* Keys are quantized after RoPE (mlx_lm hands the cache rotated keys); the newest < G tokens stay in
-  float16 (KIVI's residual), the paper codes whole chunks offline.
-* Entropy coding is rANS with static per-table frequencies instead of adaptive arithmetic coding; a
-  table whose streams do not get shorter than fixed width (table cost included) is stored raw.
-* The entropy-coded form is what is saved, not what attention reads (the paper decodes on load as
-  well; it streams the bytes over the network instead of saving them).
-
-Trim: KIVI's exact rule (residual tokens + whole groups; anchors are per group), else ``ValueError``.
+* Group min/max affine codes (KIVI's grouping) replace the paper's per-layer delta levels, 8-bit per-token
+  codes its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
+  tokens: 0-6% below fixed width; ``veloxquant cache save``).
+* On SmolLM2-135M value deltas do not help (2-bit KL 0.157 with, 0.119 without: weak token locality); they
+  stay the default (the paper's design).
+* Keys are quantized after RoPE; the newest < G tokens stay float16 (the paper codes whole chunks offline).
+* rANS with static per-table frequencies instead of adaptive arithmetic coding; a table whose streams do not
+  get shorter than fixed width is stored raw.
+* The entropy-coded form is what is saved, not what attention reads (the paper streams it and decodes).
+* Trim: KIVI's rule (residual tokens + whole groups), else ``ValueError``.
 """
 
 from __future__ import annotations
@@ -74,7 +44,7 @@ from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import bitpack, entropy
 from ...primitives import groupquant as gq
-from ...primitives.buffers import grow_columns, grow_rows
+from ...primitives.buffers import grow_rows
 from .kivi import KIVIKVCache
 
 ANCHOR_BITS = 8
@@ -97,8 +67,8 @@ class CacheGenKVCache(KIVIKVCache):
                     "ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "qbits")  # qbits: the layer's width
 
-    #: save the entropy-coded form (False: the fixed-width codes, for comparisons)
-    save_entropy_coded = True
+    dequant_only = "delta codes"
+    save_entropy_coded = True  # False: save the fixed-width codes (for comparisons)
     _blocks: list = []  # encoded blocks: (first group, end group, key stream, value stream) numpy
 
     def __init__(self, config, bits: int | None = None):
@@ -106,38 +76,29 @@ class CacheGenKVCache(KIVIKVCache):
         super().__init__(config)
 
     def _init_layout(self):
-        c, o = self.config, self.config.options  # validation checked the types and ranges
+        c, o = self.config, self.config.options
         if o.group_size < 2:
             raise QuantizerConfigError("cachegen_group_size", o.group_size, "an int in 2..1024")
-        bits = self.__dict__.get("_layer_bits") or c.cachegen_resolved_bits or o.bits
-        self.qbits = int(bits)
-        self.group = o.group_size
-        self.use_delta = o.use_delta
-        self._call = None
-        self._blocks = []
+        self.qbits = int(self.__dict__.get("_layer_bits") or c.cachegen_resolved_bits or o.bits)
+        self.group, self.use_delta = o.group_size, o.use_delta
+        self._call, self._blocks = None, []
 
     @classmethod
     def build_layers(cls, layer_configs):
-        """One cache per layer, its bits from the layer-wise schedule (a constructor argument; the
-        configs are left as the user gave them)."""
+        """One cache per layer, its bits from the layer-wise schedule (the configs stay as given)."""
         if not layer_configs:
             return []
         o = layer_configs[0].options
-        bits = layer_bits(len(layer_configs), o.bits, o.layer_groups)
-        return [cls(cfg, b) for cfg, b in zip(layer_configs, bits)]
-
-    dequant_only = "delta codes"
+        return [cls(cfg, b) for cfg, b in zip(layer_configs, layer_bits(len(layer_configs), o.bits, o.layer_groups))]
 
     def _acg(self, d: int) -> int:
         return math.gcd(d, ANCHOR_CG)
 
-    # ---------------------------------------------------------------- encode
     def _append_groups(self, kb, vb):
         """Anchors (8-bit per token) and the deltas against them: keys per channel over the group
         (KIVI's transposed layout), values per token (``groupquant``'s min/max rule, float32 input)."""
         G, bits = self.group, self.qbits
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         kf = kb.astype(mx.float32).reshape(B, H, g, G, D)
@@ -151,16 +112,9 @@ class CacheGenKVCache(KIVIKVCache):
             vf = vf - self._anchors("v", g0, g0 + g, Dv)
         kq = gq.quantize(kf.transpose(0, 1, 4, 2, 3).reshape(B, H, D, n), bits, G, reference=True)
         vq = gq.quantize(vf.reshape(B, H, n, Dv), bits, self.value_group(Dv), reference=True)
-        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
-        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
-        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
-        cap, w = self.v_codes.shape[2] // G, self._key_words()
-        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap * w)
-        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap)
-        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap)
+        self._append_codes(t0, kq, vq)
         self.n_quant = t0 + n
 
-    # ---------------------------------------------------------------- decode
     def _anchors(self, side: str, g0: int, g1: int, d: int) -> mx.array:
         """Dequantized anchors of groups [g0, g1) as [B, H, g, 1, d]."""
         a = [getattr(self, f"{side}a_{name}")[:, :, g0:g1] for name in ("codes", "scales", "biases")]
@@ -174,19 +128,15 @@ class CacheGenKVCache(KIVIKVCache):
         return self._anchors(side, 0, g, x.shape[-1]) + x * not_anchor
 
     def _keys_t(self, n, dtype=mx.float32):
-        G, g = self.group, n // self.group
         B, H, D = self.k_codes.shape[:3]
-        x = gq.dequantize(self.k_codes[..., : g * self._key_words()], self.k_scales[..., :g],
-                          self.k_biases[..., :g], self.qbits, G).reshape(B, H, D, g, G)
+        g = n // self.group
+        x = super()._keys_t(n).reshape(B, H, D, g, self.group)
         x = self._with_anchor(x.transpose(0, 1, 3, 4, 2), "k", g)  # [B, H, g, G, D]
         return x.reshape(B, H, n, D).swapaxes(-1, -2).astype(dtype)
 
     def _values(self, n, dtype=mx.float32):
-        B, H = self.v_codes.shape[:2]
-        Dv = self.res_v.shape[-1]
-        x = gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
-                          self.qbits, self.value_group(Dv))
-        x = self._with_anchor(x.reshape(B, H, n // self.group, self.group, Dv), "v", n // self.group)
+        B, H, _, Dv = self.res_v.shape
+        x = self._with_anchor(super()._values(n).reshape(B, H, n // self.group, self.group, Dv), "v", n // self.group)
         return x.reshape(B, H, n, Dv).astype(dtype)
 
     def _trim_rows(self, n):
@@ -195,16 +145,14 @@ class CacheGenKVCache(KIVIKVCache):
         self._blocks = [b for b in self._blocks if b[1] <= g]
         return dropped
 
-    # ---------------------------------------------------------------- entropy-coded form
     def _symbols(self, g0: int, g1: int):
         """(key codes [B*H*D, n], value codes [B*H*Dv, n]) of groups [g0, g1) as uint8 numpy, one
         stream per channel."""
-        G, b = self.group, self.qbits
+        G, b, w = self.group, self.qbits, self._key_words()
         n = (g1 - g0) * G
         B, H, D = self.k_codes.shape[:3]
         Dv = self.res_v.shape[-1]
         gv = self.value_group(Dv)
-        w = self._key_words()
         kc = bitpack.unpack_bits(self.k_codes[..., g0 * w : g1 * w].reshape(B, H, D, g1 - g0, w), b, G)
         vc = bitpack.unpack_bits(self.v_codes[:, :, g0 * G : g1 * G].reshape(B, H, n, Dv // gv, -1), b, gv)
         vc = vc.reshape(B, H, n, Dv).transpose(0, 1, 3, 2)
@@ -217,9 +165,8 @@ class CacheGenKVCache(KIVIKVCache):
         return np.arange(B * H * d) // d, B * H
 
     def _encoded(self) -> list:
-        """The entropy-coded blocks covering every quantized group. Groups added since the last call
-        are coded as one new block (tables per block), so reading ``state`` after every prefill chunk
-        (mlx_lm does) codes each group once."""
+        """The entropy-coded blocks covering every quantized group; the groups added since the last call
+        form one new block, so reading ``state`` after every prefill chunk codes each group once."""
         g = self.n_quant // self.group
         end = self._blocks[-1][1] if self._blocks else 0
         if end < g:
@@ -232,59 +179,39 @@ class CacheGenKVCache(KIVIKVCache):
 
     def _side(self, side: str) -> list:
         """Used parts of the arrays saved as they are (scales, biases, anchors) for ``side``."""
-        G, n = self.group, self.n_quant
-        g = n // G
-        if side == "k":
-            out = [self.k_scales[..., :g], self.k_biases[..., :g]]
-        else:
-            out = [self.v_scales[:, :, :n], self.v_biases[:, :, :n]]
+        n = self.n_quant
+        g = n // self.group
+        out = [self.k_scales[..., :g], self.k_biases[..., :g]] if side == "k" else \
+            [self.v_scales[:, :, :n], self.v_biases[:, :, :n]]
         if self.use_delta:
             out += [getattr(self, f"{side}a_{a}")[:, :, :g] for a in ("codes", "scales", "biases")]
         return out
 
-    def _fixed_codes_bytes(self, side: str) -> int:
+    def _saved_bytes(self, side: str, entropy: bool) -> int:
+        """Bytes written for the quantized ``side``: the entropy-coded streams with their share of the block
+        index (8 bytes per block for keys, 4 for values), or the fixed-width codes; plus the side info."""
         if self.n_quant == 0:
             return 0
-        if side == "k":
-            return self.k_codes[..., : (self.n_quant // self.group) * self._key_words()].nbytes
-        return self.v_codes[:, :, : self.n_quant].nbytes
+        if entropy:
+            blocks, i = self._encoded(), "kv".index(side)
+            codes = sum(len(b[2 + i]) for b in blocks) + (8 - 4 * i) * len(blocks)
+        elif side == "k":
+            codes = self.k_codes[..., : (self.n_quant // self.group) * self._key_words()].nbytes
+        else:
+            codes = self.v_codes[:, :, : self.n_quant].nbytes
+        return codes + sum(a.nbytes for a in self._side(side))
 
-    @property
-    def compressed_key_bytes(self) -> int:
-        """Bytes written for the quantized keys: entropy-coded streams + block index share + side info."""
-        if self.n_quant == 0:
-            return 0
-        blocks = self._encoded()
-        return sum(len(b[2]) for b in blocks) + 8 * len(blocks) + sum(a.nbytes for a in self._side("k"))
+    def _fp16_bytes(self, res) -> int:
+        """float16 bytes of the quantized tokens on the side of ``res``."""
+        return 0 if res is None else res.shape[0] * res.shape[1] * self.n_quant * res.shape[-1] * 2
 
-    @property
-    def compressed_value_bytes(self) -> int:
-        if self.n_quant == 0:
-            return 0
-        blocks = self._encoded()
-        return sum(len(b[3]) for b in blocks) + 4 * len(blocks) + sum(a.nbytes for a in self._side("v"))
-
-    @property
-    def fixed_width_key_bytes(self) -> int:
-        return 0 if self.n_quant == 0 else self._fixed_codes_bytes("k") + sum(a.nbytes for a in self._side("k"))
-
-    @property
-    def fixed_width_value_bytes(self) -> int:
-        return 0 if self.n_quant == 0 else self._fixed_codes_bytes("v") + sum(a.nbytes for a in self._side("v"))
-
-    @property
-    def fp16_key_bytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        return B * H * self.n_quant * D * 2
-
-    @property
-    def fp16_value_bytes(self) -> int:
-        if self.res_v is None:
-            return 0
-        B, H, _, Dv = self.res_v.shape
-        return B * H * self.n_quant * Dv * 2
+    # measured bytes of the quantized tokens: saved (entropy-coded) form, fixed-width form, float16
+    compressed_key_bytes = property(lambda self: self._saved_bytes("k", True))
+    compressed_value_bytes = property(lambda self: self._saved_bytes("v", True))
+    fixed_width_key_bytes = property(lambda self: self._saved_bytes("k", False))
+    fixed_width_value_bytes = property(lambda self: self._saved_bytes("v", False))
+    fp16_key_bytes = property(lambda self: self._fp16_bytes(self.res_k))
+    fp16_value_bytes = property(lambda self: self._fp16_bytes(self.res_v))
 
     @property
     def entropy_savings(self) -> float:
@@ -327,14 +254,12 @@ class CacheGenKVCache(KIVIKVCache):
         Dv = self.res_v.shape[-1]
         G, b = self.group, self.qbits
         gv = self.value_group(Dv)
-        ks, vs = np.array(v["k_stream"]), np.array(v["v_stream"])
         index = np.array(v["stream_index"]).astype(np.int64)
-        kp = np.concatenate([[0], np.cumsum(index[:, 1])])
-        vp = np.concatenate([[0], np.cumsum(index[:, 2])])
+        kbs = np.split(np.array(v["k_stream"]), np.cumsum(index[:-1, 1]))
+        vbs = np.split(np.array(v["v_stream"]), np.cumsum(index[:-1, 2]))
         blocks, kcs, vcs, g0 = [], [], [], 0
-        for i, (g1, _, _) in enumerate(index):  # one step per saved block
+        for g1, kb, vb in zip(index[:, 0], kbs, vbs):  # one step per saved block
             n = int(g1 - g0) * G
-            kb, vb = ks[kp[i] : kp[i + 1]], vs[vp[i] : vp[i + 1]]
             kcs.append(entropy.decode(kb, B * H * D, n, b, *self._tables(B, H, D)).reshape(B, H, D, n))
             vcs.append(entropy.decode(vb, B * H * Dv, n, b, *self._tables(B, H, Dv)).reshape(B, H, Dv, n))
             blocks.append((g0, int(g1), kb, vb))
@@ -346,7 +271,6 @@ class CacheGenKVCache(KIVIKVCache):
         self.v_codes = bitpack.pack_bits(vc, b).reshape(B, H, n, -1)
         self._blocks = blocks
 
-    # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
         """KIVI's codes and residual, plus the 8-bit anchors (codes + scale/bias per channel group)."""
@@ -361,8 +285,5 @@ class CacheGenKVCache(KIVIKVCache):
         """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the
         per-group 8-bit anchors (codes + scale/bias per channel group of gcd(d, 32)) / G."""
         G, b = self.group, self.qbits
-        gv = math.gcd(dv, G)
-        per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / gv)
-        if self.use_delta:
-            per += sum((d_ + 4 * d_ / self._acg(d_)) / G for d_ in (d, dv))
-        return per
+        per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
+        return per + (sum((x + 4 * x / self._acg(x)) / G for x in (d, dv)) if self.use_delta else 0)

@@ -1,34 +1,22 @@
-"""GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, "GEAR: An Efficient KV Cache Compression Recipe
-for Near-Lossless Generative Inference of LLM", arXiv 2403.05527).
+"""GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, "GEAR: An Efficient KV Cache Compression Recipe for
+Near-Lossless Generative Inference of LLM", arXiv 2403.05527).
 
-GEAR = base quantization + error feedback: for a KV block X,
+GEAR = base quantization + error feedback: for a KV block X, the ``s`` fraction of largest-magnitude entries S
+is kept exactly (sparse outliers), D̂ = Quant_b(X − S), and the rest R = X − S − D̂ is approximated by its
+best rank-r matrix L = A·Bᵀ; X ≈ D̂ + L + S.
 
-* S = the ``s`` fraction of largest-magnitude entries of X, kept exactly (sparse outlier correction);
-* D̂ = Quant_b(X − S) (ultra-low-bit group quantization of the filtered matrix);
-* R = X − S − D̂, approximated by its best rank-r matrix L = A·Bᵀ (low-rank error correction);
-* X ≈ D̂ + L + S.
+Here (on KIVI's full-precision residual; G = ``gear_group_size``, b = ``gear_bits``), per (batch, head, G-token
+group): S = the ``ceil(gear_sparse_fraction·G·D)`` largest |x| (uint16 index + float16 value); D̂ = KIVI's layout
+(keys per channel, values per token); L = rank-r SVD of the G×D residual (A [G, r] per token, Bᵀ [r, D] per
+group, float16). Values take the same path with ``gear_quantize_values`` (else plain KIVI). The rank is
+``gear_rank``, or chosen once on the first block as the largest per-(head, group) rank keeping
+``gear_energy_threshold`` of the residual energy, capped at min(G, D) // 8 (a b-bit quantizer's residual is
+noise-like: 0.9 of its energy would cost more bytes than the codes). ``error_recovery_ratio`` = 1 −
+‖X − GEAR(X)‖² / ‖X − base(X)‖² over the stored key groups (base: plain b-bit KIVI), kept per group.
 
-This implementation is a ``KIVIKVCache`` subclass (same full-precision residual of < G tokens, same
-``update_and_fetch``/``attend``: scores over the dequantized GEAR part + the full-precision part, one
-softmax). Per block of whole groups (G = ``gear_group_size``, b = ``gear_bits``), per (batch, head,
-G-token group): S = the ``ceil(gear_sparse_fraction·G·D)`` largest |x| (uint16 index in the G×D block
-+ float16 value); D̂ = KIVI's layout (keys per channel, values per token, float16 scales/biases);
-L = rank-r SVD of the G×D residual (A: [G, r] float16 stored per token, Bᵀ: [r, D] float16 stored per
-group). Values go through the same pipeline when ``gear_quantize_values`` (else plain KIVI quantization).
-
-Rank: ``gear_rank`` when set; otherwise chosen once, on the first block (the prefill), as the largest
-per-(head, group) rank keeping ``gear_energy_threshold`` of the residual's energy, capped at
-``RANK_CAP`` = min(G, D) // 8 (the residual of a b-bit quantizer is noise-like, so a 0.9 energy
-threshold alone would ask for most of the spectrum and cost more bytes than the codes).
-
-``error_recovery_ratio`` = 1 − ‖X − GEAR(X)‖² / ‖X − base(X)‖² (keys), summed over the stored groups,
-where base(X) is plain b-bit group quantization of X (what GEAR improves on); both errors are computed
-from the real arrays when a block is encoded and kept per group (float32), so trims stay exact.
-
-Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the
-whole prefill, then per n_b-token decode buffer); keys are quantized after RoPE (mlx_lm hands rotated
-keys); the base quantizer is KIVI's (per-channel keys / per-token values), as the paper's GEAR-KIVI
-variant; the recent < G tokens stay in float16 (KIVI's residual, the paper's streaming buffer).
+Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the prefill,
+then per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (the paper's GEAR-KIVI
+variant); the newest < G tokens stay float16 (the paper's streaming buffer).
 """
 
 from __future__ import annotations
@@ -40,12 +28,11 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import groupquant as gq
 from ...primitives import lowrank as lr
 from ...primitives import nonuniform as nu
+from ...primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
-from ...primitives.buffers import grow_columns
 
 
 @register_with_mlx_lm
@@ -59,10 +46,11 @@ class GEARKVCache(KIVIKVCache):
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "v_a", "v_bt", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "rank")
 
+    dequant_only = "low-rank and sparse corrections on top of the codes"
     rank = -1  # resolved low-rank width (-1: not yet, from the energy threshold at the first block)
 
     def _init_layout(self):
-        o = self.config.options  # validation checked the types, bits (1..8), rank >= 1 and [0, 1] ranges
+        o = self.config.options
         if o.group_size < 2:
             raise QuantizerConfigError("gear_group_size", o.group_size, "an int >= 2")
         if o.rank is not None and o.rank > o.group_size:
@@ -76,17 +64,13 @@ class GEARKVCache(KIVIKVCache):
         self.rank = -1 if o.rank is None else o.rank
         self._call = None
 
-    dequant_only = "low-rank and sparse corrections on top of the codes"
-
     def _n_out(self, d: int) -> int:
         return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
 
-    # ---------------------------------------------------------------- encode
     def _gear_block(self, x, per_channel: bool):
-        """x [B, H, g, G, D] float32 -> (codes, scales, biases, idx, vals, A, Bt, recon, base_recon)."""
+        """x [B, H, g, G, D] float32 -> (base codes, outlier indices, outlier values, A, Bt, reconstruction)."""
         B, H, g, G, D = x.shape
-        b = self.qbits
-        ko = self._n_out(D)
+        b, ko = self.qbits, self._n_out(D)
         idx, vals, dense = nu.split_outliers(x.reshape(B, H, g, G * D), ko)
         dense = dense.reshape(B, H, g * G, D)
         if per_channel:
@@ -97,26 +81,19 @@ class GEARKVCache(KIVIKVCache):
             q = gq.quantize(dense, b, gv)
             dq = gq.dequantize(*q, b, gv)
         approx = dq.reshape(B, H, g, G * D)
-        if ko:
-            approx = nu.scatter_outliers(approx, idx, vals)
-        resid = (x - approx.reshape(B, H, g, G, D))
+        approx = (nu.scatter_outliers(approx, idx, vals) if ko else approx).reshape(B, H, g, G, D)
+        resid = x - approx
         if self.rank < 0:  # resolve once, from the energy threshold on the first block
             need = int(lr.energy_rank(resid, self.config.options.energy_threshold).max().item())
             self.rank = max(1, min(need, min(G, D) // 8))
-        r = self.rank
-        if r:
-            a, bt = lr.lowrank_factors(resid, r)
-            a, bt = a.astype(mx.float16), bt.astype(mx.float16)
-            recon = approx.reshape(B, H, g, G, D) + a.astype(mx.float32) @ bt.astype(mx.float32)
-        else:
-            a = bt = None
-            recon = approx.reshape(B, H, g, G, D)
-        return q, idx, vals, a, bt, recon
+        if not self.rank:
+            return q, idx, vals, None, None, approx
+        a, bt = (f.astype(mx.float16) for f in lr.lowrank_factors(resid, self.rank))
+        return q, idx, vals, a, bt, approx + a.astype(mx.float32) @ bt.astype(mx.float32)
 
     def _append_groups(self, kb, vb):
         G, b = self.group, self.qbits
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         xk = kb.astype(mx.float32).reshape(B, H, g, G, D)
@@ -128,15 +105,8 @@ class GEARKVCache(KIVIKVCache):
             vq, vidx, vval, va, vbt, _ = self._gear_block(vb.astype(mx.float32).reshape(B, H, g, G, Dv), False)
         else:
             vq, vidx, vval, va, vbt = gq.quantize(vb, b, self.value_group(Dv)), None, None, None, None
-        # ---- append: token-aligned arrays by rows, per-group arrays follow the value capacity
-        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
-        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
-        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
-        cap = self.v_codes.shape[2] // G
-        w, r = self._key_words(), self.rank
-        self.k_codes = grow_columns(self.k_codes, g0 * w, kq.codes, cap * w)
-        self.k_scales = grow_columns(self.k_scales, g0, kq.scales, cap)
-        self.k_biases = grow_columns(self.k_biases, g0, kq.biases, cap)
+        self._append_codes(t0, kq, vq)  # per-group arrays below follow the values' capacity too
+        cap, r = self.v_codes.shape[2] // G, self.rank
         self.k_err_base = grow_columns(self.k_err_base, g0, err_base, cap)
         self.k_err_gear = grow_columns(self.k_err_gear, g0, err_gear, cap)
         for side, idx, val, a, bt, d in (("k", kidx, kval, ka, kbt, D), ("v", vidx, vval, va, vbt, Dv)):
@@ -152,7 +122,6 @@ class GEARKVCache(KIVIKVCache):
                                                        bt.reshape(B, H, g * r * d), cap * r * d))
         self.n_quant = t0 + n
 
-    # ---------------------------------------------------------------- decode
     def _decode(self, side: str, n: int, base: mx.array) -> mx.array:
         """base [B, H, n, d] float32 (dequantized codes) + sparse outliers + low-rank part."""
         B, H, _, d = base.shape
@@ -181,48 +150,25 @@ class GEARKVCache(KIVIKVCache):
             return base.astype(dtype)
         return self._decode("v", n, base).astype(dtype)
 
-    # ---------------------------------------------------------------- accounting (from the arrays)
-    def _side_bytes(self, d: int, side: str, error_feedback: bool) -> int:
+    def _side_bytes(self, side: str, error_feedback: bool) -> int:
         if self.res_k is None:
             return 0
         B, H = self.res_k.shape[:2]
-        G, b, n = self.group, self.qbits, self.n_quant
-        g = n // G
-        if side == "k":
-            base = B * H * d * g * (4 * self._key_words() + 4)
-        else:
-            gv = self.value_group(d)
-            base = B * H * n * (d // gv) * (4 * gq.words_per_group(b, gv) + 4)
+        d = (self.res_k if side == "k" else self.res_v).shape[-1]
+        n = self.n_quant
+        g = n // self.group
+        base = B * H * d * g * (4 * self._key_words() + 4) if side == "k" else self._value_code_nbytes(B, H, d)
         if not error_feedback or (side == "v" and not self.config.options.quantize_values):
             return base
         r = max(self.rank, 0)
         return base + B * H * (g * self._n_out(d) * 4 + n * r * 2 + g * r * d * 2)
 
-    @property
-    def compressed_key_bytes(self) -> int:
-        """Stored key bytes of the quantized part: codes + scales/biases + low-rank factors + sparse."""
-        return 0 if self.res_k is None else self._side_bytes(self.res_k.shape[-1], "k", True)
-
-    @property
-    def compressed_value_bytes(self) -> int:
-        return 0 if self.res_v is None else self._side_bytes(self.res_v.shape[-1], "v", True)
-
-    @property
-    def base_only_key_bytes(self) -> int:
-        """Key bytes of the base quantizer alone (codes + scales/biases, no error feedback)."""
-        return 0 if self.res_k is None else self._side_bytes(self.res_k.shape[-1], "k", False)
-
-    @property
-    def base_only_value_bytes(self) -> int:
-        return 0 if self.res_v is None else self._side_bytes(self.res_v.shape[-1], "v", False)
-
-    @property
-    def fp16_key_bytes(self) -> int:
-        return 0 if self.res_k is None else self.res_k.shape[0] * self.res_k.shape[1] * self.offset * self.res_k.shape[-1] * 2
-
-    @property
-    def fp16_value_bytes(self) -> int:
-        return 0 if self.res_v is None else self.res_v.shape[0] * self.res_v.shape[1] * self.offset * self.res_v.shape[-1] * 2
+    # stored bytes of the quantized part: codes + scales/biases (+ low-rank factors and sparse outliers; the
+    # base_only ones without that error feedback)
+    compressed_key_bytes = property(lambda self: self._side_bytes("k", True))
+    compressed_value_bytes = property(lambda self: self._side_bytes("v", True))
+    base_only_key_bytes = property(lambda self: self._side_bytes("k", False))
+    base_only_value_bytes = property(lambda self: self._side_bytes("v", False))
 
     @property
     def assigned_avg_bits(self) -> float:
@@ -252,9 +198,8 @@ class GEARKVCache(KIVIKVCache):
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (both sides, rank and sparse overhead included)."""
         G, b, r = self.group, self.qbits, max(self.rank, 0)
-        gv = math.gcd(dv, G)
         kb = b * d / 8 + 4 * d / G + 4 * self._n_out(d) / G + 2 * r + 2 * r * d / G
-        vb = b * dv / 8 + 4 * dv / gv
+        vb = b * dv / 8 + 4 * dv / self.value_group(dv)
         if self.config.options.quantize_values:
             vb += 4 * self._n_out(dv) / G + 2 * r + 2 * r * dv / G
         return kb + vb

@@ -1,66 +1,34 @@
-"""KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million
-Context Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
+"""KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million Context
+Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
 
-Paper ideas used here: (1) per-channel key quantization (keys have fixed outlier channels), applied
-to the keys *before* RoPE (pre-RoPE channels keep stable ranges; after RoPE each rotary pair sweeps
-its circle with position, widening every channel's range); (2) non-uniform quantization (nuq): the
-levels of a channel are fitted to its distribution (sensitivity-weighted k-means in the paper)
-instead of being evenly spaced; (3) dense-and-sparse: a small fraction of outlier entries is kept
-exactly in a sparse (index, value) store, so the dense codes only cover the narrowed inlier range;
-(4) the attention-sink token(s) kept in full precision.
+Paper ideas used: (1) per-channel key quantization *before* RoPE (pre-RoPE channels keep stable ranges);
+(2) non-uniform per-channel levels (nuq); (3) dense-and-sparse: a few outlier entries kept exactly so the codes
+cover the inlier range; (4) attention-sink tokens in full precision.
 
-Algorithm (a subclass of ``KIVIKVCache``: same full-precision residual of < G tokens, same
-``update_and_fetch``/``attend``; only the storage of whole G-token groups differs), per block of
-whole groups, bits b = ``kvquant_bits``, G = ``kvquant_group_size``:
+Here (on KIVI's float16 residual; b = ``kvquant_bits``, G = ``kvquant_group_size``): ``bind_attention`` (called by
+``KVCacheBuilder.for_model``) reads the layer's RoPE (``primitives.rope.rope_spec``, checked against the layer);
+keys are rotated back to pre-RoPE before coding and forward again when decoded (alone, or with a RoPE it cannot
+reproduce such as YaRN's, keys are coded post-RoPE). Per (batch, head, group) the ``ceil(f*G*D)`` largest |x| (f
+= ``kvquant_outlier_fraction``) go to a sparse store (uint16 index + float16 value); the rest of each channel is
+normalized by its group min/max and coded as the nearest of 2^b per-channel levels, fitted by
+``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first block (refitted after ``kvquant_refit_interval`` groups
+when > 0; each group records its fit). Values: the same sparse split, then KIVI's per-token codes. The first
+``kvquant_n_sink`` tokens are also kept float16. Measured (``veloxquant eval --task kld --context 512 --n-score
+32``: SmolLM2-135M, CPU): pre-RoPE KL 0.0114 at 3 bits, 0.0703 at 2; post-RoPE 0.0137 and 0.0673 (within the
+~20% noise of one text); on keys that are one RoPE-rotated vector per head the pre-RoPE error is >100x smaller
+(tests/test_defining_properties.py).
 
-* pre-RoPE keys: mlx_lm hands a cache keys after RoPE, but RoPE is a known rotation of each channel
-  pair by an angle proportional to the position, so a cache that knows the layer's RoPE can undo it
-  exactly. ``KVCacheBuilder.for_model`` calls ``bind_attention`` with each layer's attention module;
-  ``primitives.rope.rope_spec`` reads its RoPE (checked numerically against the layer). A block of
-  keys at positions t0.. is rotated back to pre-RoPE (``primitives.rope.rotate_rows``, inverse) before
-  everything below, and decoded keys get RoPE re-applied (a rotation of the dequantized rows, no
-  sine per element). A cache made alone (``KVCacheFactory.create``), or bound to a layer whose RoPE
-  ``rope_spec`` cannot reproduce (e.g. YaRN's magnitude scaling), quantizes the post-RoPE keys.
-* keys, per (batch, head, group): the ``ceil(f*G*D)`` largest-magnitude entries (f =
-  ``kvquant_outlier_fraction``) go to the sparse store (uint16 index in the G x D block + float16
-  value); the rest of each channel is normalized by its inlier min/max in the group (float16 scale and
-  bias per channel per group, as KIVI) to u in [0, 1] and coded as the nearest of 2^b per-channel levels.
-  The levels [B, H, D, 2^b] are fitted by ``kvquant_lloyd_iters`` rounds of 1-D Lloyd (k-means) on the
-  normalized values of the block that first fills the quantized part (the prefill), and refitted on
-  a later block when ``kvquant_refit_interval`` > 0 groups were appended since the last fit (each
-  group records which fit it uses). Codes: b bits, packed along the token axis as KIVI's keys.
-* values, per token: the same dense-and-sparse split per (group of G tokens) block, then KIVI's
-  per-token uniform b-bit group quantization of the dense part.
-* the first ``kvquant_n_sink`` tokens are also kept in float16 and replace their dequantized rows.
+Deviations from the paper:
 
-Dequantized rows = dense part + exact outliers (+ exact sink rows); attention goes through KIVI's
-``attend`` (scores over the dequantized part and the full-precision part, one softmax).
-
-Deviations from the paper (deliberate):
-
-* Pre-RoPE keys come from undoing the layer's RoPE on the keys mlx_lm hands over (the paper quantizes
-  before applying RoPE in the model's own code); the round trip is exact up to float32 rounding of
-  the angles (it grows with the position; tests/test_waterfill.py bounds it), far below the
-  quantization error. Sink rows and the float16 residual
-  stay post-RoPE (they are exact rows the model attends with).
-* Levels are fitted online, per layer/head/channel, on the cache's own prefill (normalized by a
-  per-group min/max), not offline on calibration data with Fisher-information weighting; plain
-  (unweighted) Lloyd.
-* Outliers are the largest-magnitude entries of each G-token block (a fixed count per block, so the
-  store is a dense array), not per-channel thresholds from calibration.
+* Pre-RoPE keys come from undoing the layer's RoPE on the keys mlx_lm hands over (exact up to float32
+  rounding of the angles, far below the quantization error); sinks and the residual stay post-RoPE.
+* Levels are fitted online per layer/head/channel on the cache's own prefill (plain Lloyd on min/max-
+  normalized values), not offline with Fisher-information weighting.
+* Outliers are a fixed count per G-token block (a dense store), not per-channel calibrated thresholds.
 * Values use uniform per-token levels (plus the sparse outliers), not nuq.
-* Sink tokens are stored in float16 *in addition to* their codes (they also sit in group 0).
-* The residual of < G float16 tokens is KIVI's (the paper quantizes every token on arrival).
-
-Measured (``veloxquant eval --task kld --context 512 --n-score 32``: SmolLM2-135M float32 on the CPU, 512
-essay tokens + 32 scored decode steps, mean next-token KL vs the plain cache; one text, differences
-under ~20% are noise): keys pre-RoPE 0.0114 at 3 bits, 0.0703 at 2 bits; the same run with
-``bind_attention`` disabled (post-RoPE keys) 0.0137 and 0.0673; bytes unchanged (0.330x, 0.266x).
-On keys that are one vector per head rotated by RoPE the pre-RoPE key error is >100x smaller
-(tests/test_defining_properties.py); on this model's keys the gain is within the noise.
-
-Trim: exact (KIVI's rule: residual tokens + whole groups); a trim that would remove part of the block
-a level fit was made from raises ``ValueError`` (the remaining codes use those levels).
+* Sink tokens are stored float16 *in addition to* their codes (they also sit in group 0).
+* The newest < G tokens stay float16 (the paper quantizes every token on arrival).
+* Trim: KIVI's rule; a trim into the block a level fit was made from raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -72,13 +40,12 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives import nonuniform as nu
+from ...primitives.buffers import grow_columns
 from ...primitives.rope import rope_frequencies, rope_spec, rotate_rows
 from .kivi import RES_DTYPE, KIVIKVCache
-from ...primitives.buffers import grow_columns
 
 
 @register_with_mlx_lm
@@ -92,13 +59,13 @@ class KVQuantKVCache(KIVIKVCache):
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "sink_k", "sink_v", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "fit_starts", "fit_ends", "rope")
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
-
+    dequant_only = "non-uniform codes + outliers"
     fit_starts: list = []
     fit_ends: list = []
     rope: dict | None = None  # the layer's RoPE (primitives.rope spec); None: keys quantized post-RoPE
 
     def _init_layout(self):
-        o = self.config.options  # validation checked the types, bits (1..8), lower bounds, fraction in [0, 1]
+        o = self.config.options
         G = o.group_size
         if G < 2 or G % 2:
             raise QuantizerConfigError("kvquant_group_size", G, "an even int >= 2")
@@ -113,7 +80,6 @@ class KVQuantKVCache(KIVIKVCache):
         self._call = None
         self.rope, self._omega = None, None
 
-    # ---------------------------------------------------------------- the layer's RoPE
     def bind_attention(self, attn) -> None:
         """Read the layer's RoPE (``KVCacheBuilder.for_model`` calls this) so that keys are quantized
         before it; a RoPE that ``rope_spec`` cannot reproduce leaves the keys post-RoPE."""
@@ -137,19 +103,14 @@ class KVQuantKVCache(KIVIKVCache):
         """The stored arrays and, with a RoPE bound, its angle table (so ``nbytes`` counts it)."""
         return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
 
-    dequant_only = "non-uniform codes + outliers"
-
     def _n_out(self, d: int) -> int:
         """Sparse entries per G-token block of d channels."""
         return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
 
-    # ---------------------------------------------------------------- encode
     def _append_groups(self, kb, vb):
-        G, b = self.group, self.qbits
-        B, H, n, D = kb.shape
-        Dv = vb.shape[-1]
-        g = n // G
-        t0 = self.n_quant
+        G, b, L = self.group, self.qbits, 1 << self.qbits
+        (B, H, n, D), Dv = kb.shape, vb.shape[-1]
+        g, t0 = n // G, self.n_quant
         g0 = t0 // G
         if t0 == 0 and self.n_sink:
             # copies: ``astype`` to the same dtype is a view that would keep the whole block alive
@@ -162,40 +123,24 @@ class KVQuantKVCache(KIVIKVCache):
         ko = self._n_out(D)
         kidx, kval, kd = nu.split_outliers(kblk.reshape(B, H, g, D * G), ko)
         kd = kd.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)  # [B, H, D, g, G]
-        lo, hi = kd.min(axis=-1, keepdims=True), kd.max(axis=-1, keepdims=True)
-        scale = (hi - lo).astype(mx.float16)
-        bias = lo.astype(mx.float16)
+        lo = kd.min(axis=-1, keepdims=True)
+        scale, bias = (kd.max(axis=-1, keepdims=True) - lo).astype(mx.float16), lo.astype(mx.float16)
         s32 = scale.astype(mx.float32)
         u = mx.clip((kd - bias.astype(mx.float32)) / mx.where(s32 > 0, s32, 1.0), 0.0, 1.0)
-        # level fit (first block, or refit after kvquant_refit_interval groups)
         ri = self.config.options.refit_interval
-        if not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri):
-            lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.options.lloyd_iters)
-            lv = lv.astype(mx.float16)
+        if not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri):  # first block, or a refit is due
+            lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.options.lloyd_iters).astype(mx.float16)
             nf = len(self.fit_starts)
-            L = 1 << b
             self.k_levels = grow_columns(self.k_levels, nf * L, lv, (nf + 1) * L)
             self.fit_starts = self.fit_starts + [g0]
             self.fit_ends = self.fit_ends + [g0 + g]
         fit = len(self.fit_starts) - 1
-        L = 1 << b
-        lv = self.k_levels[..., fit * L : (fit + 1) * L]
-        codes = nu.encode_levels(u, lv[:, :, :, None, :])  # [B, H, D, g, G]
-        kcodes = bitpack.pack_bits(codes, b).reshape(B, H, D, -1)
-        # ---- values: per block split, then per-token uniform groups
-        vblk = vb.astype(mx.float32).reshape(B, H, g, G * Dv)
-        vo = self._n_out(Dv)
-        vidx, vval, vd = nu.split_outliers(vblk, vo)
-        vq = gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv))
-        # ---- append (values by token rows, per-group arrays follow the value capacity)
-        self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
-        self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
-        self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
-        cap = self.v_codes.shape[2] // G
-        w = self._key_words()
-        self.k_codes = grow_columns(self.k_codes, g0 * w, kcodes, cap * w)
-        self.k_scales = grow_columns(self.k_scales, g0, scale.reshape(B, H, D, g), cap)
-        self.k_biases = grow_columns(self.k_biases, g0, bias.reshape(B, H, D, g), cap)
+        codes = nu.encode_levels(u, self.k_levels[..., fit * L : (fit + 1) * L][:, :, :, None, :])  # [B, H, D, g, G]
+        kq = (bitpack.pack_bits(codes, b).reshape(B, H, D, -1), scale.reshape(B, H, D, g), bias.reshape(B, H, D, g))
+        vo = self._n_out(Dv)  # values: the same split per block, then per-token uniform groups
+        vidx, vval, vd = nu.split_outliers(vb.astype(mx.float32).reshape(B, H, g, G * Dv), vo)
+        self._append_codes(t0, kq, gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv)))
+        cap = self.v_codes.shape[2] // G  # per-group arrays follow the values' capacity
         self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
         if ko:
             self.k_oidx = grow_columns(self.k_oidx, g0 * ko, kidx.reshape(B, H, g * ko), cap * ko)
@@ -205,13 +150,10 @@ class KVQuantKVCache(KIVIKVCache):
             self.v_oval = grow_columns(self.v_oval, g0 * vo, vval.reshape(B, H, g * vo), cap * vo)
         self.n_quant = t0 + n
 
-    # ---------------------------------------------------------------- decode
     def _keys_t(self, n, dtype=mx.float32):
-        G, b = self.group, self.qbits
+        G, b, w, L = self.group, self.qbits, self._key_words(), 1 << self.qbits
         g = n // G
         B, H, D = self.k_codes.shape[:3]
-        w = self._key_words()
-        L = 1 << b
         codes = bitpack.unpack_bits(self.k_codes[..., : g * w].reshape(B, H, D, g, w), b, G)
         nf = len(self.fit_starts)
         levels = self.k_levels[..., : nf * L].reshape(B, H, D, nf, L).astype(mx.float32)
@@ -232,21 +174,16 @@ class KVQuantKVCache(KIVIKVCache):
         return x.astype(dtype)
 
     def _values(self, n, dtype=mx.float32):
-        G = self.group
-        Dv = self.res_v.shape[-1]
-        v = gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
-                          self.qbits, self.value_group(Dv), mx.float32)
-        B, H = v.shape[:2]
-        g = n // G
-        vo = self._n_out(Dv)
+        v = super()._values(n)
+        B, H, _, Dv = v.shape
+        g, vo = n // self.group, self._n_out(Dv)
         if vo:
-            v = nu.scatter_outliers(v.reshape(B, H, g, G * Dv), self.v_oidx[..., : g * vo].reshape(B, H, g, vo),
-                                    self.v_oval[..., : g * vo].reshape(B, H, g, vo)).reshape(B, H, n, Dv)
+            idx, val = (a[..., : g * vo].reshape(B, H, g, vo) for a in (self.v_oidx, self.v_oval))
+            v = nu.scatter_outliers(v.reshape(B, H, g, self.group * Dv), idx, val).reshape(B, H, n, Dv)
         if self.n_sink and self.sink_v is not None:
             v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
         return v.astype(dtype)
 
-    # ---------------------------------------------------------------- trim
     def _trim_rows(self, n):
         extra = n - self.n_res
         if extra > 0 and extra % self.group == 0 and extra <= self.n_quant:
@@ -257,13 +194,9 @@ class KVQuantKVCache(KIVIKVCache):
                     f"KVQuantKVCache: trimming {n} tokens would remove part of the block (groups "
                     f"{self.fit_starts[keep[-1]]}..{self.fit_ends[keep[-1]] - 1}) the non-uniform levels of the "
                     "remaining codes were fitted on; the result would differ from never having seen them")
-            dropped = super()._trim_rows(n)
-            self.fit_starts = self.fit_starts[: len(keep)]
-            self.fit_ends = self.fit_ends[: len(keep)]
-            return dropped
+            self.fit_starts, self.fit_ends = self.fit_starts[: len(keep)], self.fit_ends[: len(keep)]
         return super()._trim_rows(n)
 
-    # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
         """KIVI's codes and residual, plus the sparse outliers, the fitted levels and the sink rows."""
@@ -279,5 +212,5 @@ class KVQuantKVCache(KIVIKVCache):
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
         G, b = self.group, self.qbits
-        gv = math.gcd(dv, G)
-        return (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / gv) + 4 * (self._n_out(d) + self._n_out(dv)) / G
+        codes = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
+        return codes + 4 * (self._n_out(d) + self._n_out(dv)) / G

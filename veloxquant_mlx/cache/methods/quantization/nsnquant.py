@@ -1,46 +1,24 @@
-"""NSNQuant (Son, Choi, Kim, et al., "NSNQuant: A Double Normalization Approach for Calibration-Free
-Low-Bit Vector Quantization of KV Cache", arXiv 2505.18231).
+"""NSNQuant (Son, Choi, Kim, et al., "NSNQuant: A Double Normalization Approach for Calibration-Free Low-Bit
+Vector Quantization of KV Cache", arXiv 2505.18231).
 
-Idea (paper): vector quantization needs the data to match the codebook's design distribution. A
-Normalize-Shift-Normalize (NSN) transform — per-token L2 normalization, subtraction of the channel mean,
-per-token normalization again — followed by a Hadamard rotation makes every token look like a random
-point on the unit sphere (coordinates ~ N(0, 1/d)), so one *data-independent* codebook (trained once on
-synthetic samples of that distribution) serves every model and layer without calibration data.
+Paper: Normalize-Shift-Normalize (per-token L2 normalization, minus the channel mean, normalization again) and
+a Hadamard rotation make every token look like a random point on the sphere, so one data-independent codebook
+serves every model and layer without calibration data.
 
-This implementation (a ``KIVIKVCache`` subclass: float16 window of < R tokens with R =
-``nsn_residual_length``, same ``update_and_fetch`` / one-softmax ``attend``), keys and values alike:
+Here (on KIVI's float16 window of ``nsn_residual_length`` tokens), keys and values alike: ``y = sqrt(D) w H^T`` with
+``w`` the NSN of ``x`` (channel mean ``mu`` from the first coded block, float16; the two norms float16 per token)
+and ``H`` a seeded randomized Hadamard; ``y`` is cut into ``nsn_subvector_dim``-dim sub-vectors, each coded by
+residual VQ stages of ``nsn_codebook_size`` codewords (``nsn_bits`` bits per coordinate; defaults two 8-bit stages
+per 8 dims) from k-means on sqrt(D)-scaled random unit vectors (the NSN output law), seeded and cached.
 
-* NSN: u = x / ||x||; s = u - mu; w = s / ||s||; y = sqrt(D) * w H^T with H a seeded randomized
-  Hadamard (``nsn_seed``). mu [B, H, D] is the mean of u over the first block of tokens that is
-  coded (the prefill's whole R-token groups: the "calibrated" channel mean, stored float16).
-  Per token the two norms ||x|| and ||s|| are stored float16.
-* VQ: y is cut into sub-vectors of d = ``nsn_subvector_dim`` dims, each coded by S stages of residual
-  VQ with codebooks of C = ``nsn_codebook_size`` entries (log2 C bits per code), S = ``nsn_bits`` * d /
-  log2 C, so the rate is ``nsn_bits`` bits per coordinate (defaults: C = 256, d = 8, bits = 2: two
-  8-bit stages per 8 dims). The codebooks are k-means (``primitives.codebook.kmeans``) on sub-vectors
-  of sqrt(D)-scaled uniform random unit vectors (the NSN output distribution), stage s on the residual
-  of stage s-1, seeded and cached per (D, d, C, S, seed) — data-independent.
-* Codes bit-packed per token at log2 C bits (``primitives.bitpack``).
-* Decode: x = ||x|| (||s|| * (y_hat H / sqrt(D)) + mu).
+Deviations from the paper:
 
-Bytes per token per KV head, each of K and V: bits*D/8 + 4 (two float16 norms); at D = 64, 2 bits:
-20 bytes (+ the R-row float16 window and the float16 mean, constants).
-
-Deviations from the paper (deliberate):
-
-* The channel mean is taken from the cache's own first coded block (the paper computes it per prompt
-  from the prefill too — "calibration-free"; here later tokens reuse it, decode tokens never update it).
-* The codebook is trained on synthetic sphere samples (the paper trains on NSN outputs of real data from
-  one model and shows it transfers); the 2-bit rate uses residual VQ stages with the same codebook size.
-* No fine-tuning of the codebook; the full-precision window is KIVI's (0..R-1 newest tokens, a group
-  completed by a decode step is coded after that step's attention). Keys are coded after RoPE.
+* The channel mean comes from the cache's own first coded block and is reused by later tokens.
+* The codebook is trained on synthetic sphere samples (the paper: NSN outputs of one model's real data);
+  the 2-bit rate uses residual VQ stages of the same codebook size.
+* No codebook fine-tuning; the full-precision window is KIVI's; keys are coded after RoPE.
 * Attention dequantizes and multiplies (no lookup-table kernel). Trim: exact for window tokens + whole
-  groups; a trim into the block the mean was taken from (other than all of it) raises ``ValueError``.
-
-Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32
-scored decode steps, mean next-token KL vs the uncompressed cache): defaults (2 bits/coord, C = 256,
-d = 8, R = 64): KL 0.152 (top-1 0.78), kv_bytes / fp16 0.285 (incl. the 64-row window); plain KIVI
-2 bits: 0.206 (0.78), 0.241.
+  groups; a trim into the block the mean came from (other than all of it) raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -54,8 +32,8 @@ import numpy as np
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import bitpack
+from ...primitives.buffers import grow_rows
 from ...primitives.codebook import kmeans
 from ...primitives.rotation import randomized_hadamard, seeded_rng
 from .kivi import RES_DTYPE, KIVIKVCache
@@ -71,7 +49,7 @@ def nsn_codebooks(D: int, d: int, C: int, S: int, seed: int) -> mx.array:
     g = g / np.linalg.norm(g, axis=1, keepdims=True) * math.sqrt(D)
     r = mx.array(g.reshape(-1, d)[:_N_SAMPLES].astype(np.float32))
     books = []
-    for s in range(S):
+    for s in range(S):  # S residual stages (2 by default)
         cent, lab = kmeans(r, C, iters=20, seed=seed + s)
         books.append(cent)
         r = r - cent[lab.astype(mx.int32)]
@@ -134,9 +112,10 @@ class NSNQuantKVCache(KIVIKVCache):
     array_fields = ("k_codes", "k_norms", "k_mu", "v_codes", "v_norms", "v_mu", "res_k", "res_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("calib_end",)
     calib_end = 0
+    dequant_only = "vector-quantized codes"
 
     def _init_layout(self):
-        o = self.config.options  # validation checked the types and the residual length
+        o = self.config.options
         C, d = o.codebook_size, o.subvector_dim
         if not 2 <= C <= 256 or C & (C - 1):
             raise QuantizerConfigError("nsn_codebook_size", C, "a power of two in 2..256")
@@ -144,21 +123,18 @@ class NSNQuantKVCache(KIVIKVCache):
             raise QuantizerConfigError("nsn_subvector_dim", d, "a power of two >= 1 (dividing the head dim)")
         lc = int(math.log2(C))
         if (o.bits * d) % lc:
-            raise QuantizerConfigError("nsn_bits", o.bits,
-                                       f"an int in 1..8 with nsn_bits * nsn_subvector_dim a multiple of log2(codebook)={lc}")
+            raise QuantizerConfigError("nsn_bits", o.bits, "an int in 1..8 with nsn_bits * nsn_subvector_dim a "
+                                       f"multiple of log2(codebook)={lc}")
         self.group, self.qbits, self.seed = o.residual_length, o.bits, o.seed
         self.C, self.lc, self.sub = C, lc, d
         self.stages = self.qbits * self.sub // lc
         self._call = None
-
-    dequant_only = "vector-quantized codes"
 
     def _tools(self, D: int):
         if D & (D - 1) or D % self.sub:
             raise QuantizerConfigError("head_dim", D, f"a power of two divisible by nsn_subvector_dim={self.sub}")
         return randomized_hadamard(D, self.seed), nsn_codebooks(D, self.sub, self.C, self.stages, self.seed)
 
-    # ---------------------------------------------------------------- storage
     def _append_groups(self, kb, vb):
         t0, n = self.n_quant, kb.shape[2]
         for p, x in (("k", kb), ("v", vb)):
@@ -187,11 +163,9 @@ class NSNQuantKVCache(KIVIKVCache):
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
         return self._decode("v", n, dtype)
 
-    # ---------------------------------------------------------------- trim
     def _trim_rows(self, n: int) -> int:
         extra = n - self.n_res
-        if extra > 0 and self.calib_end and self.n_quant - extra < self.calib_end and self.n_quant - extra > 0 \
-                and extra % self.group == 0 and extra <= self.n_quant:
+        if extra > 0 and extra % self.group == 0 and 0 < self.n_quant - extra < self.calib_end:
             raise ValueError(
                 f"NSNQuantKVCache: trimming {n} tokens would remove part of the first {self.calib_end} coded "
                 "tokens the channel mean was taken from; the result would differ from never having seen them")
@@ -201,7 +175,6 @@ class NSNQuantKVCache(KIVIKVCache):
             self.calib_end = 0
         return dropped
 
-    # ---------------------------------------------------------------- accounting
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per KV head (codes at ``nsn_bits`` bits/coord + 2 float16 norms, K + V)."""
         return self.qbits * (d + dv) / 8 + 8
@@ -211,10 +184,8 @@ class NSNQuantKVCache(KIVIKVCache):
         if self.res_k is None:
             return 0
         B, H, _, D = self.res_k.shape
-        n = self.n_quant
         total = self.res_k.nbytes + self.res_v.nbytes
         for dd in (D, self.res_v.shape[-1]):
-            total += B * H * n * (bitpack.packed_nbytes(self.stages * dd // self.sub, self.lc) + 4)
-            if self.k_mu is not None:
-                total += B * H * dd * 2
+            total += B * H * self.n_quant * (bitpack.packed_nbytes(self.stages * dd // self.sub, self.lc) + 4)
+            total += 0 if self.k_mu is None else B * H * dd * 2
         return total

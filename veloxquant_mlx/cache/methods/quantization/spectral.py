@@ -1,77 +1,32 @@
-"""``SpectralQuantKVCache`` ("spectral"), a standalone single-head cache: calibrated principal
-subspaces + residual QJL.
+"""``SpectralQuantKVCache`` ("spectral"), a standalone single-head cache: calibrated principal subspaces +
+residual QJL.
 
-Source. "SpectralQuant" has no arXiv paper to cite: it is Dynamis Labs' method ("3% Is All You Need:
-Breaking TurboQuant's Compression Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant,
-2026, manuscripts in that repository). Its observation: key vectors of a head concentrate their
-variance in a few principal directions (participation ratio ``d_eff = (sum l)^2 / sum l^2`` of the
-covariance eigenvalues ``l`` about 3-4% of ``head_dim``), values much less so (``d_eff`` ~40-55).
-That method rotates K/V into the calibrated eigenbasis (not TurboQuant's random rotation), spends
-more bits on the ``d_eff`` "signal" coordinates and applies QJL to them only. This cache implements
-what ``SpectralOptions`` describe (``key_d_eff`` = 4, ``val_d_eff`` = 50, ``apply_qjl``,
-``model_name``): a truncated spectral code with a QJL sketch of the whole key residual (see
-"Deviations").
+Source: no arXiv paper; Dynamis Labs' SpectralQuant ("3% Is All You Need: Breaking TurboQuant's Compression
+Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): a head's keys concentrate their
+variance in a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
 
-Algorithm (``d = head_dim``, ``b = bit_width_inlier``, ``r_K = min(spectral_key_d_eff, d)``,
-``r_V = min(spectral_val_d_eff, d)``)
-    Calibration, once per side (keys, values): mean ``mu`` and covariance ``C`` of calibration rows,
-    eigendecomposition ``C = U diag(l) U^T`` (eigenvalues descending; each eigenvector's largest entry
-    made positive). The basis comes from ``config.store`` if it holds one for this model
-    (``spectral_model_name``) and ``head_dim``; otherwise from the first rows appended (see
-    "Calibration rows") and is then saved to the store, so later caches reuse it.
+Each side (keys, values) is calibrated once: mean ``mu`` and covariance eigenbasis ``U`` (from ``config.store``
+under ``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until
+then and saved to the store). A row is coded on its top ``r = min(spectral_{key,val}_d_eff, head_dim)``
+directions, whitened: ``z = U_r^T (x - mu) / sqrt(l_r)`` as its float16 norm and ``bit_width_inlier``-bit
+Lloyd–Max codes of the unit direction (sphere codebook in R^r; signs for r = 1). With ``spectral_apply_qjl`` a
+1-bit QJL sketch (arXiv 2406.03482) of the key residual (``jl_dim`` signs + float16 norm) makes scores unbiased.
+Attention projects the query once and mixes values as ``mu_V + (w @ c_hat) U_V^T``. At d = 128, 2 bits, m = 128
+a token takes 24 bytes of keys and 18 of values (fp16: 512). ``state_bytes()`` counts the bases and sketch.
 
-    Encoding a vector ``x`` (per side, ``r`` = r_K or r_V): coefficients ``c = U_r^T (x - mu)`` on the
-    top-``r`` principal directions, whitened ``z = c / sqrt(l_r)``. For Gaussian data ``z`` is
-    isotropic, so it is coded like TurboQuant-MSE codes a rotated vector: its norm ``rho = ||z||``
-    (float16) and, per coordinate of the unit vector ``z / rho``, the ``b``-bit index of the nearest
-    Lloyd–Max centroid for a coordinate of a uniformly random unit vector in R^r (``r = 1``: the exact
-    sign codebook {-1, +1}). Decoding: ``c_hat = rho * sqrt(l_r) * centroid``,
-    ``x_hat = mu + U_r c_hat``. Directions beyond ``r`` are dropped.
+Deviations from SpectralQuant:
 
-    Keys, ``spectral_apply_qjl=True``: the residual ``e = x - x_hat`` (truncation and quantization
-    error) is sketched with 1-bit QJL (arXiv 2406.03482): the ``m = jl_dim`` (default ``d``) signs of
-    ``S e`` (``S`` i.i.d. N(0, 1), seeded) and ``||e||`` (float16). Scores are
-    ``<q, x_hat> + sqrt(pi/2)/m ||e|| <S q, sign(S e)>``, unbiased for ``<q, x>`` (the projection
-    alone is biased: it misses ``<q, e>``, which is systematically positive for a query aligned with
-    its key). Without QJL the score is ``<q, x_hat>``.
+1. Directions beyond ``d_eff`` are dropped (0 bits), not coded coarser; ``d_eff`` is configured, not the
+   measured participation ratio (:meth:`participation_ratio` reports that).
+2. QJL sketches the whole key residual (dropped directions included), not the signal coordinates only.
+3. All kept coordinates get the same bits (no water-filling); coefficients are whitened (eigenvalues floored
+   at 1e-4 of the largest) and coded as norm + direction; the norm is clamped to the float16 range.
+4. Calibration is per cache (one head), from its first rows or the store entry
+   ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` escaped as ``_<hex>_`` outside
+   ``[A-Za-z0-9.-]``); a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
 
-    Attention: ``<q, x_hat> = <q, mu> + <U_r^T q, c_hat>`` (the query is projected once); the output is
-    ``mu_V + (sum_i w_i c_hat_i) U_V^T`` (the weights sum to 1), so no value is decoded to ``d``
-    dimensions.
-
-Calibration rows. Until a side is calibrated its rows are held exactly (float32) and scored/averaged
-exactly. The side is calibrated on the first append that brings its held rows to at least
-``n_calib_tokens`` (if set; only the first ``n_calib_tokens`` rows are used) or else ``head_dim`` rows
-(all held rows are used, so a long first block calibrates on all of it); the held rows are then
-encoded and freed. :meth:`calibrate` calibrates a side explicitly from sample rows (which are not
-stored). ``reset()`` keeps the bases (the calibration is per model, done once); to recalibrate, build
-a new cache.
-
-Storage per token: keys ``r_K * b`` bits (padded to 32-bit words) + float16 ``rho``, plus ``m`` sign
-bits (padded) + float16 ``||e||`` with QJL; values ``r_V * b`` bits (padded) + float16 ``rho``.
-Defaults (d = 128, b = 2, m = 128): keys 4 + 2 + 16 + 2 = 24 bytes, values 16 + 2 = 18 bytes (fp16
-K+V: 512). ``memory_bytes()`` also counts rows held for calibration; ``state_bytes()`` the means,
-top-``r`` bases, full spectra, codebooks and JL matrix.
-
-Deviations from Dynamis Labs' SpectralQuant (all of them, as implemented here):
-
-1. Truncation: directions beyond ``d_eff`` are dropped (0 bits) rather than coded with fewer bits;
-   ``d_eff`` is the configured count, not the measured participation ratio (which
-   :meth:`participation_ratio` reports).
-2. QJL sketches the whole key residual (the dropped directions included), making scores unbiased;
-   SpectralQuant applies it to the signal coordinates only.
-3. All kept coordinates get ``b`` bits (no water-filling); coefficients are whitened by the calibrated
-   eigenvalues (floored at 1e-4 of the largest, so that near-null directions are not blown up) and
-   coded as norm + direction with the sphere-coordinate Lloyd–Max codebook; the whitened norm is
-   clamped to the float16 range (only a row thousands of standard deviations outside the
-   calibration data would reach it).
-4. Calibration is per cache (one head) from its own first rows or from the ArtifactStore entry
-   ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` is
-   ``spectral_model_name`` with characters outside ``[A-Za-z0-9.-]`` escaped as ``_<hex>_``); a
-   per-layer/per-head basis needs a distinct ``spectral_model_name`` per cache.
-
-Shared behaviour (inputs, ``attend``, capacity): :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`.
-A row whose centred norm or key residual norm exceeds the float16 range raises ``CacheInputError``.
+Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A row whose centred norm or key
+residual norm exceeds the float16 range raises ``CacheInputError``; ``reset()`` keeps the bases.
 """
 
 from __future__ import annotations
@@ -98,8 +53,7 @@ _EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
 
 
 def _options(config) -> dict:
-    """Option name -> value: ``config.options`` (a ``KVCacheConfig``'s), else the flat fields of any
-    other config object (defaults where it lacks them)."""
+    """Option name -> value from ``config.options``, else from any config's flat fields (or defaults)."""
     o = getattr(config, "options", None)
     if isinstance(o, SpectralOptions):
         return {f: getattr(o, f) for f in SpectralOptions.FIELDS}
@@ -112,8 +66,8 @@ def _store_prefix(name: str) -> str:
 
 
 def _eigen(rows: mx.array):
-    """Mean, eigenvectors (columns, eigenvalues descending, largest entry positive) and eigenvalues of
-    the rows' covariance, as float32 NumPy arrays (computed with MLX on the CPU stream)."""
+    """Mean, eigenvectors (columns, descending, largest entry positive) and eigenvalues of the rows'
+    covariance, as float32 NumPy arrays."""
     x = rows.astype(mx.float32)
     mu = mx.mean(x, axis=0)
     xc = x - mu
@@ -126,7 +80,7 @@ def _eigen(rows: mx.array):
 
 
 class _Side:
-    """One calibrated (or not yet calibrated) stream: keys or values."""
+    """One stream (keys or values): its basis once calibrated, its coded rows, or the exact rows held before."""
 
     def __init__(self, kind: str, d: int, r: int, bits: int, extra_specs: dict, initial: int):
         self.kind, self.d, self.r, self.bits = kind, d, r, bits
@@ -160,15 +114,13 @@ class _Side:
 
     def encode(self, x: mx.array):
         """``(n, d)`` rows -> (rows dict of codes and rho, decoded coefficients ``c_hat`` (n, r))."""
-        c = (x - self.mean) @ self.basis
-        z = c / self.sqrt_lam
+        z = ((x - self.mean) @ self.basis) / self.sqrt_lam
         zmax = mx.maximum(mx.max(mx.abs(z), axis=1, keepdims=True), _TINY)
         zs = z / zmax  # scaled first so that the norm cannot overflow
         zn = mx.sqrt(mx.sum(zs * zs, axis=1, keepdims=True))
         codes = nearest_code(zs / mx.maximum(zn, _TINY), self.codebook)
         rho16 = mx.minimum(zn[:, 0] * zmax[:, 0], FP16_MAX).astype(mx.float16)
-        rows = {"codes": pack_bits(codes, self.bits), "rho": rho16}
-        return rows, self._coefficients(codes, rho16)
+        return {"codes": pack_bits(codes, self.bits), "rho": rho16}, self._coefficients(codes, rho16)
 
     def _coefficients(self, codes: mx.array, rho16: mx.array) -> mx.array:
         cent = mx.take(self.codebook, codes.astype(mx.int32))
@@ -181,6 +133,10 @@ class _Side:
 
     def decode(self, n: int) -> mx.array:
         return self.mean + self.coefficients(n) @ self.basis.T
+
+    def exact(self, n: int) -> mx.array:
+        """The ``n`` oldest rows held before calibration (float32)."""
+        return self.pending[:n] if self.pending is not None else mx.zeros((0, self.d))
 
     def drop_oldest(self, n: int) -> None:
         if self.calibrated:
@@ -195,13 +151,8 @@ class _Side:
 
 @register("spectral")
 class SpectralQuantKVCache(StandaloneCache):
-    """SpectralQuant-style cache: keys and values projected onto calibrated principal directions
-    (``spectral_key_d_eff`` / ``spectral_val_d_eff``, clipped to ``head_dim``), the whitened projections
-    coded at ``bit_width_inlier`` bits per coordinate (norm + sphere Lloyd–Max codebook), plus, with
-    ``spectral_apply_qjl``, a 1-bit QJL sketch (``jl_dim`` signs, default ``head_dim``) of the key
-    residual that makes scores unbiased. Bases come from ``store`` under ``spectral_model_name`` or
-    from the first rows. See the module docstring for the algorithm, storage and every deviation.
-    """
+    """SpectralQuant-style cache: K/V on calibrated principal directions, whitened coefficients coded at
+    ``bit_width_inlier`` bits, plus a QJL sketch of the key residual (module docstring)."""
 
     def __init__(self, config):
         initial = self._setup(config)
@@ -219,18 +170,16 @@ class SpectralQuantKVCache(StandaloneCache):
         self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
         self.jl_dim = m if self.apply_qjl else None
         self.key_d_eff, self.val_d_eff = min(int(o["key_d_eff"]), d), min(int(o["val_d_eff"]), d)
-
         qjl_specs = {"signs": ((packed_words(m, 1),), mx.uint32), "rnorm": ((), mx.float16)} if self.apply_qjl else {}
         self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial)
         self._values = _Side("value", d, self.val_d_eff, b, {}, initial)
-        self.sketch = (
-            from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed), (m, d))
-            if self.apply_qjl else None
-        )
+        self.sketch = None
+        if self.apply_qjl:
+            self.sketch = from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}",
+                                     lambda: gaussian_jl(m, d, seed), (m, d))
         for side in (self._keys, self._values):
             self._load(side)
 
-    # ---- calibration -----------------------------------------------------------------------------
     def _store_key(self, side: _Side, part: str) -> str:
         return f"{_store_prefix(self.model_name)}.spectral.{side.kind}.d{self.head_dim}.{part}"
 
@@ -267,9 +216,8 @@ class SpectralQuantKVCache(StandaloneCache):
             side.rows.append(encoded)
 
     def calibrate(self, keys=None, values=None) -> None:
-        """Calibrate the key and/or value basis from sample rows ``(n, d)`` (not stored in the cache),
-        replacing any basis loaded or computed before; rows held for calibration are then encoded.
-        Raises ``CacheInputError`` if that side already holds encoded rows."""
+        """Replace the key and/or value basis by one from sample rows ``(n, d)`` (not stored); rows held for
+        calibration are then encoded. Raises ``CacheInputError`` if that side already holds encoded rows."""
         for side, x, what in ((self._keys, keys, "keys"), (self._values, values, "values")):
             if x is None:
                 continue
@@ -295,8 +243,7 @@ class SpectralQuantKVCache(StandaloneCache):
 
     def _encode_rows(self, side: _Side, x: mx.array) -> dict:
         """Per-token arrays of the encoded rows ``x`` (raises ``CacheInputError`` before any change)."""
-        centred = mx.sum((x - side.mean) ** 2, axis=1)
-        if mx.max(centred).item() > FP16_MAX**2:
+        if mx.max(mx.sum((x - side.mean) ** 2, axis=1)).item() > FP16_MAX**2:
             raise CacheInputError(f"{side.kind} is farther than {FP16_MAX} from the calibrated mean")
         rows, chat = side.encode(x)
         if side is self._keys and self.apply_qjl:
@@ -308,7 +255,6 @@ class SpectralQuantKVCache(StandaloneCache):
             rows["rnorm"] = rnorm.astype(mx.float16)
         return rows
 
-    # ---- diagnostics -----------------------------------------------------------------------------
     def _side(self, kind: str) -> _Side:
         if kind not in ("key", "value"):
             raise ValueError(f"kind={kind!r} is invalid: expected 'key' or 'value'")
@@ -345,11 +291,9 @@ class SpectralQuantKVCache(StandaloneCache):
         return float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
 
     def _state_arrays(self) -> list:
-        """Means, bases, spectra, codebooks and the JL matrix."""
         out = self._keys.state_arrays() + self._values.state_arrays()
         return out + ([self.sketch] if self.sketch is not None else [])
 
-    # ---- rows and scores -------------------------------------------------------------------------
     def append_key(self, k) -> None:
         k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0]:
@@ -360,36 +304,32 @@ class SpectralQuantKVCache(StandaloneCache):
         if v.shape[0]:
             self._append(self._values, v)
 
-    def _qjl_signs(self, n: int) -> mx.array:
-        return qjl_signs(self._keys.rows, "signs", n, self.jl_dim)
+    def _qjl_term(self, n: int, fn):
+        return fn(qjl_signs(self._keys.rows, "signs", n, self.jl_dim), self._keys.rows.view("rnorm")[:n], self.sketch)
 
     def _scores(self, q: mx.array, n: int) -> mx.array:
         side = self._keys
         if not side.calibrated:
-            return q @ (side.pending[:n].T if side.pending is not None else mx.zeros((self.head_dim, 0)))
+            return q @ side.exact(n).T
         s = (q @ side.mean)[:, None] + (q @ side.basis) @ side.coefficients(n).T
         if self.apply_qjl:
-            s = s + qjl_inner_product(q, self._qjl_signs(n), self._keys.rows.view("rnorm")[:n], self.sketch)
+            s = s + self._qjl_term(n, lambda *a: qjl_inner_product(q, *a))
         return s
 
     def reconstruct_keys(self, with_qjl: bool = True) -> mx.array:
-        """``(n_keys, d)`` float32 decoded keys: ``mu + U_r c_hat`` and, with QJL (and ``with_qjl``),
-        the term ``sqrt(pi/2)/m ||e|| S^T sign(S e)`` whose inner product with a query is the score
-        correction (not an MSE reconstruction). Rows held before calibration are returned exactly."""
+        """``(n_keys, d)`` float32 decoded keys ``mu + U_r c_hat`` plus, with QJL (and ``with_qjl``), the
+        score-correction term ``sqrt(pi/2)/m ||e|| S^T sign(S e)`` (not an MSE reconstruction). Rows held
+        before calibration are returned exactly."""
         side, n = self._keys, self._keys.n
         if not side.calibrated:
-            return side.pending if side.pending is not None else mx.zeros((0, self.head_dim))
+            return side.exact(n)
         out = side.decode(n)
-        if self.apply_qjl and with_qjl:
-            out = out + qjl_dequantize(self._qjl_signs(n), self._keys.rows.view("rnorm")[:n], self.sketch)
-        return out
+        return out + self._qjl_term(n, qjl_dequantize) if self.apply_qjl and with_qjl else out
 
     def reconstruct_values(self) -> mx.array:
         """``(n_values, d)`` float32 decoded values (exact for rows held before calibration)."""
         side = self._values
-        if not side.calibrated:
-            return side.pending if side.pending is not None else mx.zeros((0, self.head_dim))
-        return side.decode(side.n)
+        return side.decode(side.n) if side.calibrated else side.exact(side.n)
 
     def _attend_values(self, w: mx.array, n: int) -> mx.array:
         side = self._values  # calibrated: mu_V + (w @ c_hat) U_V^T, no value decoded to d dimensions

@@ -1,76 +1,35 @@
-"""VecInfer (Yao, Yang, Tong, Lin, Liu, Luan, Wang, "VecInfer: Efficient LLM Inference with Low-Bit KV
-Cache via Outlier-Suppressed Vector Quantization", arXiv 2510.06175).
+"""VecInfer (Yao, Yang, Tong, Lin, Liu, Luan, Wang, "VecInfer: Efficient LLM Inference with Low-Bit KV Cache
+via Outlier-Suppressed Vector Quantization", arXiv 2510.06175).
 
-Paper idea: vector quantization (VQ) of the KV cache uses bits better than scalar quantization, but the
-few outlier channels of the keys stretch the key distribution so that a k-means codebook wastes most
-of its codewords on the bulk and still misses the outliers. VecInfer first *suppresses the outliers*
-with a dual transform -- a per-channel smoothing scale followed by a Hadamard rotation -- so the
-transformed keys are near-isotropic, then product-quantizes them; attention is computed from the
-codes with a per-query lookup table over codewords (fused into a CUDA kernel in the paper).
+Paper: the keys' outlier channels waste a k-means codebook, so VecInfer suppresses them (per-channel smoothing
+scale + Hadamard rotation), product-quantizes the near-isotropic result and computes attention from the codes
+with a per-query lookup table.
 
-Algorithm here (a subclass of ``KIVIKVCache``: same float16 residual of < 32 tokens, same
-``update_and_fetch``; whole 32-token blocks are VQ-encoded), for a layer with H KV heads of dim D:
+Here (on KIVI's float16 residual, whole 32-token blocks encoded): keys ``k' = (k / s) @ R`` (``R`` a seeded
+randomized Hadamard, Haar-random orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim sub-vectors,
+each coded as its nearest of ``2**key_codebook_bits`` codewords (defaults 4 dims, 12 bits: 3 bits per coordinate);
+values the same with ``value_sub_dim``/``value_codebook_bits`` (8 dims, 8 bits) and no transform. ``s = sqrt(max
+|k|)`` per head and channel and one codebook per layer are fitted on the first encoded block, unless
+``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Attention on the codes: ``q' = (q * s) @ R``
+gives ``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c`` (dequantized keys when the table would
+exceed ``LUT_MAX``); residual and new rows share the softmax. ``fused_sdpa`` sends prefill chunks (and, with
+``fused_sdpa_memory_bound``, decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over the decoded
+rows; ``use_metal_kernels`` has no effect.
 
-* keys: ``k' = (k / s) @ R`` with ``s [H, D]`` smoothing factors and ``R = randomized_hadamard(D, seed)``
-  (orthogonal; a Haar-random orthogonal matrix when D is not a power of two). ``k'`` is cut into
-  ``D / key_sub_dim`` sub-vectors of ``key_sub_dim`` dims; each is replaced by the index of its nearest
-  codeword in a codebook of ``2**key_codebook_bits`` entries (defaults: 4 dims, 12 bits = 3 bits per
-  coordinate). Codes are bit-packed per token at ``key_codebook_bits`` bits each (low 8 bits and the
-  remaining high bits in two ``uint32`` streams; ``primitives.bitpack``); each stream of a token is
-  rounded up to whole 32-bit words, which is exact for the defaults at D = 64 (16 x 8 + 16 x 4 and
-  8 x 8 bits) and for any setting where sub-vectors x bits is a multiple of 32.
-* values: the same product VQ with ``value_sub_dim`` / ``value_codebook_bits`` (defaults 8 dims,
-  8 bits = 1 bit per coordinate; 2 bits per coordinate on average over K and V, the paper's headline
-  setting), without the transform (see deviations).
-* smoothing factors ``s[h, i] = sqrt(max |k[.., h, :, i]|)`` over the calibration block (the first block
-  the cache encodes), or ``smooth_factors`` from the config ([D] or [H, D]).
-* codebooks: ``key_codebook`` / ``value_codebook`` from the config ([K, sub_dim] shared by all heads, or
-  [H, K, sub_dim] per head), else fitted on the calibration block: one codebook per layer, shared by
-  its heads and sub-vector positions (after the transform all coordinates look alike -- the paper's
-  point), seeded k-means (``seed``; random-row init, 6 Lloyd iterations on a seeded sample of at most
-  4 rows per codeword (and 64K rows),
-  assignments chunked over the codebook so memory is O(rows x 1024)).
-* attention (dispatch point): for the VQ part, ``q' = (q * s) @ R`` gives ``q . k_hat = q' . k'_hat``, so
-  with the lookup table ``LUT[j, c] = q'_j . C_c`` (one [sub-vectors x codewords] table per query)
-  ``score(t) = sum_j LUT[j, code_j(t)]`` -- a gather over the codes, never materializing the keys.
-  Values: ``P_vq @ V_hat`` with V_hat gathered from the value codebook. The float16 residual and the
-  call's own rows are full-precision columns of the same softmax (KIVI's attend structure). When the
-  gathered table would exceed ``LUT_MAX`` entries (long prefill chunks) the identical product
-  ``q @ K_hat^T`` over dequantized keys is used instead.
-* ``fused_sdpa=True``: prefill chunks (N > 1) go through MLX's fused sdpa over the dequantized rows that
-  ``update_and_fetch`` returned (same math, no score matrix held); ``fused_sdpa_max_ctx`` limits this to
-  contexts of at most that many tokens; ``fused_sdpa_memory_bound=True`` routes decode steps there too.
-  ``use_metal_kernels`` is accepted (None/bool) and has no effect: there are no Metal kernels here.
+Deviations from the paper:
 
-Bytes per token per KV head: ``(D/key_sub_dim)*key_codebook_bits/8 + (Dv/value_sub_dim)*
-value_codebook_bits/8`` (D = 64, defaults: 24 + 8 = 32 B vs 256 B float16), plus per layer the
-codebooks (float16: 4096*4*2 + 256*8*2 = 36 KiB) and smoothing factors, plus the < 32-row residual.
-
-Measured (veloxquant eval --task kld: SmolLM2-135M float32 on the CPU, 512 essay tokens prefilled + 32 scored
-decode steps, mean next-token KL vs the uncompressed cache; kv_bytes = bytes held / float16 cache):
-defaults (K 4 dims / 12 bits, V 8 dims / 8 bits): KL 0.415, top-1 0.69, kv_bytes 0.273 (the fit of the
-4096-word key codebooks costs ~4 s per layer on this loaded 2-core CPU); K 4/8, V 4/8 (2 bits per
-coordinate each): KL 0.214, top-1 0.69, kv_bytes 0.195 (KIVI 2-bit: 0.21 at 0.24).
-
-Deviations from the paper (deliberate):
-
-* Calibration is online, on the first 32-token-multiple block each layer encodes (the paper calibrates
-  smoothing scales offline on a calibration set); config arrays replace it. That block waits in the
-  float16 residual until its codes plus the codebooks to be fitted are smaller than its rows
-  (``_holds_back``; for the defaults from 178 tokens at D = 32 with 2 KV heads, 104 at D = 64),
-  so a short chat holds no more than its float16 rows.
-* Values are vector-quantized without smoothing/rotation (the paper's transforms target key outliers).
-* Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
-* The newest < 32 tokens stay float16 (KIVI's residual) and a call's own rows are attended in full
-  precision; the paper quantizes every token.
+* Calibration is online, on each layer's first encoded block (the paper: offline); config arrays replace it.
+  That block waits in the float16 residual until its codes plus the codebooks to be fitted are smaller than its
+  rows (``_holds_back``), so a short chat holds only its float16 rows.
+* Values are vector-quantized without smoothing/rotation (the transforms target key outliers).
+* Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in full
+  precision (the paper quantizes every token).
 * No fused CUDA/Metal kernel: the LUT gather is plain MLX ops.
-* Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises
-  ``ValueError`` (the remaining codes were made with statistics of the removed tokens) unless it
-  removes every encoded token (then the calibration is redone, as in a fresh cache).
+* Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises ``ValueError``
+  unless it removes every encoded token (then calibration is redone).
 """
 
 from __future__ import annotations
-
 
 import mlx.core as mx
 import numpy as np
@@ -88,24 +47,15 @@ BLOCK = 32  # tokens per encoded block (= the float16 residual's capacity)
 LUT_MAX = 1 << 25  # gathered LUT entries above which scores use dequantized keys
 
 
-def _int(v, lo, hi=None):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-
 def _to_head_rows(x: mx.array, hc: int, sub: int) -> mx.array:
     """[B, H, n, D] -> sub-vector rows [Hc, B*n*D/sub (*H if Hc == 1), sub]."""
-    B, H, n, D = x.shape
-    if hc == 1:
-        return x.reshape(1, -1, sub)
-    return x.transpose(1, 0, 2, 3).reshape(H, -1, sub)
+    return x.reshape(1, -1, sub) if hc == 1 else x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, sub)
 
 
 def _from_head_rows(codes: mx.array, shape) -> mx.array:
     """Inverse of ``_to_head_rows`` for codes: [Hc, rows] -> [B, H, n, D/sub]."""
     B, H, n, m = shape
-    if codes.shape[0] == 1:
-        return codes.reshape(B, H, n, m)
-    return codes.reshape(H, B, n, m).transpose(1, 0, 2, 3)
+    return codes.reshape(B, H, n, m) if codes.shape[0] == 1 else codes.reshape(H, B, n, m).transpose(1, 0, 2, 3)
 
 
 def _lookup(codes: mx.array, cb: mx.array) -> mx.array:
@@ -133,26 +83,11 @@ class VecInferKVCache(KIVIKVCache):
     array_fields = ("k_lo", "k_hi", "v_lo", "v_hi", "key_cb", "val_cb", "smooth", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "calib_tokens")
 
+    dequant_only = "vector-quantized codes"
     calib_tokens = 0  # encoded tokens the fitted statistics were computed from (0: none fitted)
 
-    # ---------------------------------------------------------------- layout / validation
     def _init_layout(self):
-        c = self.config
-        for f in ("key_sub_dim", "value_sub_dim"):
-            if not _int(getattr(c, f), 1, 256):
-                raise QuantizerConfigError(f, getattr(c, f), "an int in 1..256 dividing the head dim")
-        for f in ("key_codebook_bits", "value_codebook_bits"):
-            if not _int(getattr(c, f), 1, 16):
-                raise QuantizerConfigError(f, getattr(c, f), "an int in 1..16 (codebook of 2**bits codewords)")
-        o = c.options
-        if o.use_metal_kernels is not None and not isinstance(o.use_metal_kernels, bool):
-            raise QuantizerConfigError("use_metal_kernels", o.use_metal_kernels, "None or a bool")
-        if o.fused_sdpa is not None and not isinstance(o.fused_sdpa, bool):
-            raise QuantizerConfigError("fused_sdpa", o.fused_sdpa, "None or a bool")
-        if o.fused_sdpa_max_ctx is not None and not _int(o.fused_sdpa_max_ctx, 1):
-            raise QuantizerConfigError("fused_sdpa_max_ctx", o.fused_sdpa_max_ctx, "None or an int >= 1")
-        if not isinstance(o.fused_sdpa_memory_bound, bool):
-            raise QuantizerConfigError("fused_sdpa_memory_bound", o.fused_sdpa_memory_bound, "a bool")
+        c, o = self.config, self.config.options
         self.ks, self.vs = int(c.key_sub_dim), int(c.value_sub_dim)
         self.kbits, self.vbits = int(c.key_codebook_bits), int(c.value_codebook_bits)
         self.group = BLOCK
@@ -174,14 +109,11 @@ class VecInferKVCache(KIVIKVCache):
                 self._given[name] = a
         self._call = None
 
-    dequant_only = "vector-quantized codes"
-
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
-        """Before the calibration, rows wait in the float16 residual until their codes plus the
-        codebooks and smoothing factors to be fitted take fewer bytes than the rows themselves (a
-        40-token chat holds its rows, not 36 KiB of codebooks per layer); then every complete block
-        of them calibrates and is encoded at once (so a cache never holds more than its float16 rows
-        plus ``contract.SHORT_PROMPT_SLACK_ROWS`` rows). Checks the sub-vector dims against the real head dims."""
+        """Before calibration, rows wait in the float16 residual until their codes plus the codebooks and
+        smoothing factors to be fitted take fewer bytes than the rows (a 40-token chat holds its rows, not
+        36 KiB of codebooks per layer); then every complete block calibrates and is encoded at once. Checks
+        the sub-vector dims against the real head dims."""
         for field, sub, dim in (("key_sub_dim", self.ks, d), ("value_sub_dim", self.vs, dv)):
             if dim % sub:
                 raise QuantizerConfigError(field, sub, f"a divisor of the {field[:-8]} head dim {dim}")
@@ -200,7 +132,6 @@ class VecInferKVCache(KIVIKVCache):
         seed = int(self.config.seed)
         return randomized_hadamard(d, seed) if d & (d - 1) == 0 else random_orthogonal(d, seed)
 
-    # ---------------------------------------------------------------- calibration
     def _calibrate(self, kb: mx.array, vb: mx.array) -> None:
         B, H, n, D = kb.shape
         k32 = kb.astype(mx.float32)
@@ -229,7 +160,6 @@ class VecInferKVCache(KIVIKVCache):
         """Smoothing + rotation: ``(k / s) @ R`` for keys [B, H, n, D] (float32)."""
         return (k32 / self.smooth[None, :, None, :]) @ self._rot(k32.shape[-1])
 
-    # ---------------------------------------------------------------- encode / decode
     def _encode(self, x: mx.array, cb: mx.array, sub: int) -> mx.array:
         B, H, n, D = x.shape
         codes = vq_assign(_to_head_rows(x, cb.shape[0], sub), cb)
@@ -241,34 +171,26 @@ class VecInferKVCache(KIVIKVCache):
         t0 = self.n_quant
         kc = self._encode(self._transform(kb.astype(mx.float32)), self.key_cb, self.ks)
         vc = self._encode(vb.astype(mx.float32), self.val_cb, self.vs)
-        klo, khi = pack_codes(kc, self.kbits)
-        vlo, vhi = pack_codes(vc, self.vbits)
-        self.v_lo = grow_rows(self.v_lo, t0, vlo)
-        if vhi is not None:
-            self.v_hi = grow_rows(self.v_hi, t0, vhi)
-        self.k_lo = grow_rows(self.k_lo, t0, klo)
-        if khi is not None:
-            self.k_hi = grow_rows(self.k_hi, t0, khi)
+        for side, codes, bits in (("k", kc, self.kbits), ("v", vc, self.vbits)):
+            for part, arr in zip(("lo", "hi"), pack_codes(codes, bits)):  # hi: None for <= 8 bits
+                if arr is not None:
+                    setattr(self, f"{side}_{part}", grow_rows(getattr(self, f"{side}_{part}"), t0, arr))
         self.n_quant = t0 + kb.shape[2]
 
-    def _key_codes(self, n: int) -> mx.array:
-        m = self.res_k.shape[-1] // self.ks
-        return unpack_codes(self.k_lo[:, :, :n], None if self.k_hi is None else self.k_hi[:, :, :n], self.kbits, m)
-
-    def _value_codes(self, n: int) -> mx.array:
-        m = self.res_v.shape[-1] // self.vs
-        return unpack_codes(self.v_lo[:, :, :n], None if self.v_hi is None else self.v_hi[:, :, :n], self.vbits, m)
+    def _codes(self, side: str, n: int) -> mx.array:
+        lo, hi = getattr(self, f"{side}_lo")[:, :, :n], getattr(self, f"{side}_hi")
+        sub, bits, res = (self.ks, self.kbits, self.res_k) if side == "k" else (self.vs, self.vbits, self.res_v)
+        return unpack_codes(lo, None if hi is None else hi[:, :, :n], bits, res.shape[-1] // sub)
 
     def _keys_t(self, n, dtype=mx.float32):
         """Dequantized K^T [B, H, D, n]: codewords, rotated back, times the smoothing factors."""
-        kt = _lookup(self._key_codes(n), self.key_cb)  # transformed space [B, H, n, D]
+        kt = _lookup(self._codes("k", n), self.key_cb)  # transformed space [B, H, n, D]
         k = (kt @ self._rot(kt.shape[-1]).T) * self.smooth[None, :, None, :]
         return k.swapaxes(-1, -2).astype(dtype)
 
     def _values(self, n, dtype=mx.float32):
-        return _lookup(self._value_codes(n), self.val_cb).astype(dtype)
+        return _lookup(self._codes("v", n), self.val_cb).astype(dtype)
 
-    # ---------------------------------------------------------------- LUT scores
     def lut_scores(self, q: mx.array, n: int) -> mx.array:
         """``q [B, H, Q, D]`` (already scaled) against the first ``n`` VQ keys -> [B, H, Q, n], as
         ``sum_j LUT[j, code_j]`` with ``LUT = (q * s) @ R`` split in sub-vectors times the codebook."""
@@ -277,18 +199,14 @@ class VecInferKVCache(KIVIKVCache):
         qt = ((q.astype(mx.float32) * self.smooth[None, :, None, :]) @ self._rot(D)).reshape(B, H, Q, m, sub)
         cb = self.key_cb.astype(mx.float32)  # [Hc, K, sub]
         lut = qt @ cb[None, :, None].swapaxes(-1, -2)  # [B, H, Q, m, K]
-        codes = self._key_codes(n).transpose(0, 1, 3, 2)[:, :, None]  # [B, H, 1, m, n]
+        codes = self._codes("k", n).transpose(0, 1, 3, 2)[:, :, None]  # [B, H, 1, m, n]
         idx = mx.broadcast_to(codes, (B, H, Q, m, n))
         return mx.take_along_axis(lut, idx, axis=-1).sum(axis=3)
 
-    # ---------------------------------------------------------------- attention
     def _fused(self, N: int, M: int) -> bool:
-        c = self.config.options
-        if not c.fused_sdpa:
-            return False
-        if c.fused_sdpa_max_ctx is not None and M > c.fused_sdpa_max_ctx:
-            return False
-        return N > 1 or bool(c.fused_sdpa_memory_bound)
+        o = self.config.options
+        within = o.fused_sdpa_max_ctx is None or M <= o.fused_sdpa_max_ctx
+        return bool(o.fused_sdpa) and within and (N > 1 or bool(o.fused_sdpa_memory_bound))
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
         """Every call size on the codes (``_attend_codes``), unless nothing is encoded yet or the fused
@@ -302,23 +220,18 @@ class VecInferKVCache(KIVIKVCache):
         B, H, R, D = q.shape
         return self.lut_scores(q, n) if R * (D // self.ks) * n <= LUT_MAX else q @ self._keys_t(n)
 
-    # ---------------------------------------------------------------- trim
     def _trim_rows(self, n):
         extra = n - self.n_res
-        if extra > 0 and extra % BLOCK == 0 and extra <= self.n_quant:
-            left = self.n_quant - extra
-            if 0 < left < self.calib_tokens:
-                raise ValueError(
-                    f"VecInferKVCache: trimming {n} tokens would remove part of the calibration block "
-                    f"(the first {self.calib_tokens} encoded tokens) whose statistics made the remaining codes")
-            dropped = super()._trim_rows(n)
-            if left == 0:  # nothing encoded is left: calibrate again, as a fresh cache would
-                self.key_cb = self.val_cb = self.smooth = None
-                self.calib_tokens = 0
-            return dropped
-        return super()._trim_rows(n)
+        if extra > 0 and extra % BLOCK == 0 and 0 < self.n_quant - extra < self.calib_tokens:
+            raise ValueError(
+                f"VecInferKVCache: trimming {n} tokens would remove part of the calibration block "
+                f"(the first {self.calib_tokens} encoded tokens) whose statistics made the remaining codes")
+        dropped = super()._trim_rows(n)
+        if self.n_quant == 0:  # nothing encoded is left: calibrate again, as a fresh cache would
+            self.key_cb = self.val_cb = self.smooth = None
+            self.calib_tokens = 0
+        return dropped
 
-    # ---------------------------------------------------------------- accounting
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical code bytes per token per KV head."""
         return (d // self.ks) * self.kbits / 8 + (dv // self.vs) * self.vbits / 8
