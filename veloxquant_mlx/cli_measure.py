@@ -288,9 +288,9 @@ def bench_tables(rows: list[dict]) -> str:
                                                                        "kv_resident_bytes", "kv_nbytes"))])
             first = False
     if ratio_rows:
-        parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's; ±N% "
-                     "adds both medians' spreads):\nbelow 1 = less time or fewer bytes; on decode tok/s above 1 = "
-                     "faster.\n"
+        parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's"
+                     + ("; ±N% adds both medians' spreads" if spread else "") + "):\n"
+                     "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
                      + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "peak over start",
                                       "KV resident", "KV nbytes"], ratio_rows))
     seen, slope_rows = set(), []
