@@ -135,11 +135,16 @@ def _singles(H, D, held, Hq, n_calib=None, residual_length=R_TINY):
     return out
 
 
-def test_attend_on_ragged_batch_equals_each_single():
+def test_attend_on_ragged_batch_equals_each_single(monkeypatch):
     """Random rows with the layer's RoPE, ragged states (held history of 90 calibrated / 40 not / 3 / 0),
-    right-padded prefill chunks, decode steps crossing flushes and calibrations, a full chunk: the batch's
-    attention (on the codes, and through the dense rows + mask) equals each single cache's, and the
-    extracted states equal theirs bit for bit (codes, calibration, rows)."""
+    right-padded prefill chunks (through the single cache's tiled chunk path), decode steps crossing
+    flushes and calibrations, a full chunk: the batch's attention (on the codes, and through the dense
+    rows + mask) equals each single cache's, and the extracted states equal theirs bit for bit (codes,
+    calibration, rows)."""
+    chunks = []
+    tiled = WaterfillBatchKVCache._attend_chunk
+    monkeypatch.setattr(WaterfillBatchKVCache, "_attend_chunk", lambda self, q, *a, **k: chunks.append(
+        (type(self), q.shape[2])) or tiled(self, q, *a, **k))
     mx.random.seed(0)
     D, H, Hq = 64, 2, 6
     singles = _singles(H, D, (90, 40, 3, 0), Hq)
@@ -149,6 +154,7 @@ def test_attend_on_ragged_batch_equals_each_single():
     steps = [(23, [23, 10, 23, 1]), (1, None), (1, None), (40, None)] + [(1, None)] * 30 + \
             [(50, [50, 5, 37, 50]), (1, None), (1, None)]
     attend_steps_equal_singles(batch, singles, steps, H, Hq, D, tol_codes=1e-4, tol_dense=1e-3)
+    assert chunks.count((WaterfillBatchKVCache, 23)) == chunks.count((WaterfillBatchKVCache, 50)) == 1
     assert batch.lens == [c.offset for c in singles] == [237, 129, 137, 125]
     assert batch.nq == [c.n_quant for c in singles] and batch.nw == [c.n_win for c in singles]
     assert all(c.calibrated for c in singles) and all(batch.src)

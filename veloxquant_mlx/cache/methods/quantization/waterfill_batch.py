@@ -22,9 +22,10 @@ undone at each sequence's own positions (``rotate_rows`` with per-row offsets), 
 single cache's bit for bit. Encoding, value decoding and the quantized scores are the single cache's
 (``_encode_values``, ``_value_codes``, ``_quantized_tiles``); only the batched key unpacking differs.
 
-Limits: decode attends on the op path (the single cache's fused CUDA decode kernel reads one
-sequence's layout); a prefill chunk scores the whole quantized past at once (turboquant_rvq's batch
-form), not in tiles. ``nbytes`` = the arrays held (codes with spare slots, sink rows, window,
+A prefill chunk over a stored past attends as the single cache's (``_attend_chunk``: fused attention
+over the returned rows on a GPU, online softmax over tiles elsewhere; no prompt-sized score matrix),
+the batch mask hiding each sequence's invalid slots. Limit: decode attends on the op path (the single
+cache's fused CUDA decode kernel reads one sequence's layout). ``nbytes`` = the arrays held (codes with spare slots, sink rows, window,
 calibration, ``q_energy`` kept for the batch's later joiners; the single cache drops it once
 calibrated), the width layout's tables and, for the first layer, a non-power-of-two ``Dv``'s rotation.
 """
@@ -34,13 +35,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ...attention import group_queries
+from ...attention import bool_mask, group_queries
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitalloc import allocate_bits, rope_pair_mean
 from ...primitives.bitpack import packed_words
 from ...primitives.value_rotation import rotate_values
 from ...primitives.varpack import VarLayout
-from ...window import SINK_ROWS, ResidualWindowCache
+from ...window import SINK_ROWS, ResidualWindowCache, WindowCall
 from ..batch_common import borrows, rows_from
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from .waterfill import BLOCK, WaterfillKVCache, _dequantize
@@ -54,7 +55,7 @@ def _settings(c) -> tuple:
 
 
 @register_with_mlx_lm
-@borrows(ResidualWindowCache, "_quantized_part")
+@borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk")
 @borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_encode_values",
          "_value_codes", "_quantized_tiles", "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
@@ -253,7 +254,18 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self._held() and not all(self.src):
             self._observe(queries)
-        out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        call, N = self._call, queries.shape[2]
+        if N > 1 and call is not None and call.new_k.shape[2] == N and keys.shape[2] == sum(call.widths) + N > N:
+            # a prefill chunk over a stored past: the single cache's bounded-transient path, the batch mask
+            self._call = None
+            S0, qw, W0 = call.widths
+            m = self._visible(N, call.ns, call.nq, call.nw, W0)
+            if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == m.shape[-2:]:
+                m = m & bool_mask(mask, N, m.shape[-1])[:, :, 0]  # a caller's extra array mask
+            wc = WindowCall(S0, qw, W0, call.past_k, call.past_v, call.new_k, call.new_v)
+            out = self._attend_chunk(queries, keys, values, wc, scale=scale, mask=m, sinks=sinks)
+        else:
+            out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         due = self._due()
         if due:  # as alone: calibrate at the end of the call, then flush those windows at once
             self._calibrate(due)
