@@ -254,3 +254,19 @@ def test_subclasses_and_other_settings_refuse():
     for other in (make(bits=2), make(residual_length=32)):  # different layouts / windows
         with pytest.raises(BatchingNotSupported, match="settings"):
             WaterfillKVCache.merge([make(), other])
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rotate_rows_per_row_offsets_equal_each_row_alone(traditional):
+    """The batch encodes each sequence's rows at its own positions: ``rotate_rows`` with one offset per
+    batch row gives every row the values it gets alone, bit for bit (the codes depend on them)."""
+    from veloxquant_mlx.cache.primitives.rope import rope_frequencies, rope_spec, rotate_rows
+
+    spec = rope_spec(nn.RoPE(32, traditional=traditional, base=10000.0))
+    omega = rope_frequencies(spec)
+    x = mx.random.normal((3, 2, 70, 32), key=mx.random.key(3))
+    offsets = [4, 0, 131]
+    for inverse in (False, True):
+        out = rotate_rows(x, spec, omega, offsets, inverse=inverse)
+        for i, p in enumerate(offsets):
+            assert bool(mx.array_equal(out[i:i + 1], rotate_rows(x[i:i + 1], spec, omega, p, inverse=inverse)))
