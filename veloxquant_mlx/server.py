@@ -9,7 +9,7 @@ What this module adds:
 * **Compressed caches per request** from ``KVCacheBuilder.for_model`` with the server's configuration
   or the request's own ``"kv_cache": {"method": ..., "settings": {...}}`` (:mod:`.server_requests`).
 * **Batching, stated.** Methods whose cache class has a compressed batch form (``batchable``: kivi, the
-  default at 4 bits, turboquant_rvq, streaming_llm) join mlx_lm's continuous batch, one batch per KV
+  default at 4 bits, turboquant_rvq, waterfill, streaming_llm) join mlx_lm's continuous batch, one batch per KV
   settings (the model key and model description carry them); the others (``merge`` raises
   ``BatchingNotSupported``) are served one at a time, in arrival order. ``/v1/kv/stats`` says which;
   nothing is ever decoded with an uncompressed batch cache behind a compressed label.
