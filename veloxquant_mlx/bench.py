@@ -382,8 +382,8 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
 
 def _bench_row(name, settings, label, context, decode_tokens, model_name, batch: int = 1) -> dict:
     row = {"method": name, "settings": dict(settings), "label": label, "model": model_name, "context": context,
-           "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True, "error": None,
-           "repeats": 0}
+           "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True,
+           "error": None, "repeats": 0}
     row.update(dict.fromkeys(STATS))
     row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None)
     return row

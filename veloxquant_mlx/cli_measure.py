@@ -427,7 +427,8 @@ def add_subcommands(sub) -> None:
     b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
                    help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
     b.add_argument("--baselines", default=None,
-                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '' for none at all)")
+                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '' for none "
+                        "at all)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")

@@ -25,9 +25,11 @@ single cache's bit for bit. Encoding, value decoding and the quantized scores ar
 A prefill chunk over a stored past attends as the single cache's (``_attend_chunk``: fused attention
 over the returned rows on a GPU, online softmax over tiles elsewhere; no prompt-sized score matrix),
 the batch mask hiding each sequence's invalid slots. Limit: decode attends on the op path (the single
-cache's fused CUDA decode kernel reads one sequence's layout). ``nbytes`` = the arrays held (codes with spare slots, sink rows, window,
-calibration, ``q_energy`` kept for the batch's later joiners; the single cache drops it once
-calibrated), the width layout's tables and, for the first layer, a non-power-of-two ``Dv``'s rotation.
+cache's fused CUDA decode kernel reads one sequence's layout).
+
+``nbytes`` = the arrays held (codes with spare slots, sink rows, window, calibration, ``q_energy``
+kept for the batch's later joiners -- the single cache drops it once calibrated), the width layout's
+tables, the RoPE angles and, for the first layer, a non-power-of-two ``Dv``'s rotation.
 """
 
 from __future__ import annotations
