@@ -270,3 +270,21 @@ def test_rotate_rows_per_row_offsets_equal_each_row_alone(traditional):
         out = rotate_rows(x, spec, omega, offsets, inverse=inverse)
         for i, p in enumerate(offsets):
             assert bool(mx.array_equal(out[i:i + 1], rotate_rows(x[i:i + 1], spec, omega, p, inverse=inverse)))
+
+
+# ------------------------------------------------------------------------------------- real model
+@pytest.mark.real_model
+def test_real_model_batch_equals_alone():
+    """The embedded SmolLM2-135M, 4 bits, window 16: 3 essay prompts (140-175 tokens, calibrated on
+    their own queries in prefill, windows flushing while decoding), 24 greedy decode steps batched by
+    mlx_lm's BatchGenerator: the same tokens as each request alone through mlx_lm.stream_generate, and
+    the extracted caches hold the same widths, codes and rows (``exact=False``: summation order)."""
+
+    def caches(model):
+        return KVCacheBuilder.for_model(model, _config())
+
+    from batch_helpers import real_model_batch_equals_alone
+
+    alone = real_model_batch_equals_alone([(0, 140), (200, 350), (500, 675)], 24, caches, _same_state)
+    for c in alone:
+        assert c[0].saliency_source == "attention" and c[0].n_sink == SINK_ROWS and c[0].n_quant >= 112

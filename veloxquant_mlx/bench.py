@@ -12,8 +12,10 @@ including views pinning larger buffers and allocation slack), beside ``kv_nbytes
 median ``kv_nbytes`` / ``kv_bytes_fp16`` (the same tokens in mlx_lm's plain cache at fp16, without slack).
 
 Each statistic is the median with min and max over the repeats, and each median is also given as a
-ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
-(``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads) measured in the same run. A candidate
+ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's
+``QuantizedKVCache`` at 4 and 8 bits (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads)
+measured in the same run, with a bound on its spread (``ratio_spread``: both medians' relative
+half-ranges added). A candidate
 that raises is reported as unavailable (``available: false`` with the error); ``isolate=True`` (CLI
 ``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses that one.
 
