@@ -15,9 +15,9 @@ Each statistic is the median with min and max over the repeats, and each median 
 ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's
 ``QuantizedKVCache`` at 4 and 8 bits (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads)
 measured in the same run, with a bound on its spread (``ratio_spread``: both medians' relative
-half-ranges added). A candidate
-that raises is reported as unavailable (``available: false`` with the error); ``isolate=True`` (CLI
-``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses that one.
+half-ranges added). A candidate that raises is reported as unavailable (``available: false`` with the
+error); ``isolate=True`` (CLI ``--isolate``) runs each candidate in its own subprocess, so even a hard
+crash only loses that one.
 
 ``batch=N`` (CLI ``--batch N``): N random prompts of the context length prefilled and decoded together
 through one batch cache per layer, the N per-request caches merged (``merge``: mlx_lm's ``BatchKVCache``
@@ -54,8 +54,8 @@ from .eval.specs import NONE, MethodSpec  # noqa: E402
 from .measure import kv_fraction_of_fp16  # noqa: E402
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
-           "candidates", "has_batch_form", "batch_methods", "batch_caches", "run_once", "bench", "add_ratios", "add_slopes",
-           "fit_slope", "stats", "bench_isolated"]
+           "candidates", "has_batch_form", "batch_methods", "batch_caches", "run_once", "bench", "add_ratios",
+           "add_slopes", "fit_slope", "stats", "bench_isolated"]
 
 #: Random-weight Llama shapes: mlx_lm ``llama.ModelArgs`` fields.
 SHAPES: dict[str, dict[str, Any]] = {
