@@ -9,7 +9,7 @@
   vs KLD).
 * ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
   [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
-  [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
+  [--batch N] [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
 """
 
 from __future__ import annotations
