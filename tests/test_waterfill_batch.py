@@ -39,7 +39,7 @@ def _caches(model, install=True, **kw):
 
 def _same_state(a: WaterfillKVCache, b: WaterfillKVCache, exact=True):
     """Same counts, calibration (widths exactly, the saliency source) and stored rows. The query energies
-    are float32 sums whose order differs with the batch's padded rows: compared to their magnitude.
+    are float32 sums whose order differs with the batch's padded rows: within their rounding bound.
     ``exact=False``: batched runs differ in float32 summation order (BLAS shapes, masked columns); where
     that moves a row across a decision edge a code moves (well under 1% of codes)."""
     assert type(a) is WaterfillKVCache and type(b) is WaterfillKVCache
@@ -53,8 +53,8 @@ def _same_state(a: WaterfillKVCache, b: WaterfillKVCache, exact=True):
             assert x is None and y is None or 0 in (x if x is not None else y).shape, name
             continue
         assert x.shape == y.shape and x.dtype == y.dtype, name
-        if name == "q_energy":
-            assert float(mx.abs(x - y).max()) <= 1e-5 * float(mx.abs(y).max()), name
+        if name == "q_energy":  # sums of q_count positive float32 terms: worst-case rounding q_count * eps
+            assert float(mx.abs(x - y).max()) <= a.q_count * 2.0**-23 * float(mx.abs(y).max()), name
         elif exact or name == "k_bits":
             assert bool(mx.array_equal(x, y)), name
         elif "words" in name:
