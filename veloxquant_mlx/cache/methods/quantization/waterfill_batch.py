@@ -7,7 +7,7 @@ back an ordinary ``WaterfillKVCache`` with the same sink rows, codes, calibratio
 
 Layout: turboquant_rvq's batch form (``turboquant_rvq_batch.py``: float16 sink rows and code slots
 left-aligned per sequence, the float16 window right-aligned, flushed in whole blocks of 16 beyond the
-newest R rows; the mask, ``trim``, ``filter``/``extend`` and the one-softmax ``attend`` are its), with
+newest R rows; the mask, ``trim``, ``filter``/``extend`` and the one-softmax decode ``attend`` are its), with
 waterfill's storage: key words at each sequence's own per-channel widths, rotated per-token value codes
 and their float16 RMS (``k_words``/``v_words``/``v_scales`` [B, H, cap, .]), and each sequence's
 calibration ``k_lo``/``k_step``/``k_bits`` [B, H, 1, D] (uniform placeholder widths until it is
@@ -146,7 +146,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         c.n_sink, c.n_quant, c.n_win = s, q, w
         one = slice(idx, idx + 1)
         for names, n, cols in ((_CODES, q, slice(0, q)), (("sink_k", "sink_v"), s, slice(None)),
-                               (("win_k", "win_v"), 1, slice(self.W - w, None))):
+                               (("win_k", "win_v"), True, slice(self.W - w, None))):  # the window, even empty
             for name in names if n else ():
                 setattr(c, name, mx.contiguous(getattr(self, name)[one, :, cols]))
         if self.src[idx]:
