@@ -181,7 +181,7 @@ def _kvzip_compress(model, caches, tokens):
     kvzip_compress(model, caches, mx.array(tokens), prompt_tokens=[5, 6])
 
 
-MERGES = {"kivi", "turboquant_rvq", "streaming_llm"}  # their batched forms: test_*_batch.py
+MERGES = {"kivi", "turboquant_rvq", "streaming_llm", "waterfill"}  # their batched forms: test_*_batch.py
 PREPARE = {"kvzip": _kvzip_compress}
 LOADED_HOLDS_LESS = {  # a loaded or copied cache holds fewer bytes (the same used bytes), and why
     "turboquant_rvq": "only the used rows are saved, not the spare capacity",

@@ -469,11 +469,12 @@ def test_decode_concurrency_help_names_the_batched_methods_as_the_readme_does():
     serve = cli._parser()._subparsers._group_actions[0].choices["serve"]
     text = next(a.help for a in serve._actions if "--decode-concurrency" in a.option_strings)
     batched = {m for m in METHOD_NAMES if getattr(_implemented_class(m), "batchable", False)}
-    assert batched == {"kivi", "turboquant_rvq", "streaming_llm"}
+    assert batched == {"kivi", "turboquant_rvq", "waterfill", "streaming_llm"}
     assert set(re.findall(r"\b(?:%s)\b" % "|".join(METHOD_NAMES), text)) == batched
     assert "one request at a time" in text
     serving = (REPO / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
-    assert all(name in serving for name in ("KIVI", "TurboQuant-RVQ", "StreamingLLM")) and "one at a time" in serving
+    assert all(name in serving for name in ("KIVI", "TurboQuant-RVQ", "Waterfill", "StreamingLLM"))
+    assert "one at a time" in serving
 
 
 @pytest.mark.real_model

@@ -224,6 +224,20 @@ def test_ratio_arithmetic():
     assert bench.stats([None]) is None
 
 
+def test_ratio_spread_adds_both_medians_spreads():
+    rows = [_row("none", 100, decode_tps=10.0), _row("kivi", 100, decode_tps=5.0)]
+    rows[0]["decode_tps"].update(min=9.0, max=11.0)  # +-10%
+    rows[1]["decode_tps"].update(min=4.0, max=5.5)  # +-15%
+    for r in rows:
+        r["repeats"] = 2
+    bench.add_ratios(rows)
+    assert rows[1]["ratios"]["none"]["decode_tps"] == 0.5
+    assert rows[1]["ratio_spread"]["none"]["decode_tps"] == pytest.approx(0.25)
+    assert rows[1]["ratio_spread"]["none"]["prefill_s"] is None and rows[1]["ratio_spread"]["mlx_q4"] is None
+    table = cli_measure.bench_tables(rows)
+    assert "0.50 ±25%" in table
+
+
 def test_slope_fit():
     assert bench.fit_slope([0, 1000, 2000], [1.0, 3.0, 5.0]) == pytest.approx(0.002)
     assert bench.fit_slope([5, 5], [1, 2]) is None
@@ -311,6 +325,57 @@ def test_bench_cli_table_and_usage(capsys):
     assert run_cli(capsys, "bench", "--shape", "tiny", "--baselines", "mlx_q2")[0] == 2
     assert run_cli(capsys, "bench", "--random-weights")[0] == 2
     assert run_cli(capsys, "bench", "--shape", "tiny", "--method", "kivi", "--set", "snap_budget=3")[0] == 2
+
+
+def test_bench_batch_decodes_sequences_together_through_batch_forms(capsys):
+    """``--batch 3``: three sequences per run through merged batch caches (waterfill's batch form, mlx_lm's
+    BatchKVCache for the plain cache; the quantized mlx_lm baselines have none, so only ``none`` is the
+    default baseline); the rows, ratios and spreads come from the same run."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from veloxquant_mlx.cache.methods.quantization.waterfill_batch import WaterfillBatchKVCache
+
+    wf = "waterfill bit_width_inlier=4 residual_length=16"
+    code, out, err = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--method", wf,
+                             "--context", "80", "--repeats", "2", "--decode-tokens", "3", "--batch", "3", "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["method"] for r in rows] == ["none", "waterfill"]
+    none, w = rows
+    for r in rows:
+        assert r["available"] and r["batch"] == 3 and r["repeats"] == 2
+        assert r["kv_bytes_fp16"] == 3 * 2 * 2 * 2 * 32 * 2 * (80 + 3)  # 3 sequences, 2 layers, K+V, 2 heads
+    for k in ("prefill_s", "decode_tps", "peak_delta_bytes"):
+        assert w["ratios"]["none"][k] == pytest.approx(w[k]["median"] / none[k]["median"])
+        assert w["ratio_spread"]["none"][k] == pytest.approx(
+            bench._spread(w, k) + bench._spread(none, k))
+    # compressed in the batch too (of 83 tokens, the 4 sinks and 16..31 window rows stay float16)
+    assert w["kv_nbytes"]["median"] < 0.7 * w["kv_bytes_fp16"] < none["kv_nbytes"]["median"]
+    # what a run does: one batch cache per layer, each sequence holding the prompt + the decoded tokens
+    model = bench.random_model("tiny")
+    cands = {c.name: c for c in bench.candidates([MethodSpec("waterfill", {"residual_length": 16})], ["none"])}
+    for name, cls in (("none", BatchKVCache), ("waterfill", WaterfillBatchKVCache)):
+        caches = bench.batch_caches(cands[name].make, model, 3)
+        assert all(type(c) is cls for c in caches)
+        r = bench.run_once(model, caches, bench._prompt(512, 80, 0, batch=3), decode_tokens=3)
+        assert r["decode_tps"] > 0 and caches[0].offset.tolist() == [83] * 3
+    text = cli_measure.bench_tables(rows)
+    assert f"{w['ratios']['none']['decode_tps']:.2f} ±" in text
+
+
+def test_bench_batch_refuses_caches_without_batch_form(capsys):
+    code, _, err = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--method", "snapkv",
+                           "--batch", "2")
+    assert code == 2 and "--batch 2: snapkv has no batch form" in err and "waterfill" in err and "kivi" in err
+    code, _, err = run_cli(capsys, "bench", "--shape", "tiny", "--random-weights", "--baselines", "none,mlx_q4",
+                           "--batch", "2")
+    assert code == 2 and "mlx_q4 has no batch form" in err
+    assert run_cli(capsys, "bench", "--shape", "tiny", "--batch", "0")[0] == 2
+    with pytest.raises(ValueError, match="no batch form for snapkv"):
+        bench.bench(bench.random_model("tiny"), ["snapkv"], contexts=[16], baselines=["none"], batch=2)
+    assert bench.has_batch_form("none") and not bench.has_batch_form("mlx_q8")
+    assert {"kivi", "turboquant_rvq", "streaming_llm", "waterfill"} <= set(bench.batch_methods())
+    assert "snapkv" not in bench.batch_methods()
 
 
 def test_bench_failing_baseline_reported_unavailable(monkeypatch):

@@ -219,9 +219,11 @@ def test_concurrent_load_completes_matches_one_by_one_and_releases_memory(srv):
     assert all(level <= first + kept for level, _ in rest), (levels, kept)
 
 
-@pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"}, {"method": "streaming_llm"}])
+@pytest.mark.parametrize("spec", [{"method": "turboquant_rvq"}, {"method": "streaming_llm"},
+                                  {"method": "waterfill", "settings": {"bit_width_inlier": 4, "residual_length": 16,
+                                                                       "n_calib_tokens": 16}}])
 def test_other_batch_forms_batch_through_the_server(srv, spec):
-    """The former default turboquant_rvq and streaming_llm join one batch too, with the outputs of
+    """The former default turboquant_rvq, streaming_llm and waterfill join one batch too, with the outputs of
     one-by-one runs. (Defaults: a tiny StreamingLLM window evicts so hard on this model that greedy
     near-ties flip with the batch's float32 summation order, which depends on when requests join;
     tests/test_streaming_llm_batch.py checks wrapped windows with a fixed batch schedule.)"""
@@ -247,8 +249,7 @@ def test_other_batch_forms_batch_through_the_server(srv, spec):
 
 
 @pytest.mark.parametrize("spec", [{"method": "snapkv", "settings": {"snap_budget": 24}},
-                                  {"method": "waterfill", "settings": {"bit_width_inlier": 4, "residual_length": 16,
-                                                                       "n_calib_tokens": 16}}])
+                                  {"method": "kivi_sink", "settings": {"bit_width_inlier": 4}}])
 def test_methods_without_batch_form_are_served_one_at_a_time(srv, spec):
     base, _ = srv
     spec = {**spec, "reuse": False}

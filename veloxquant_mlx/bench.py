@@ -12,10 +12,17 @@ including views pinning larger buffers and allocation slack), beside ``kv_nbytes
 median ``kv_nbytes`` / ``kv_bytes_fp16`` (the same tokens in mlx_lm's plain cache at fp16, without slack).
 
 Each statistic is the median with min and max over the repeats, and each median is also given as a
-ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's ``QuantizedKVCache`` at 4 and 8 bits
-(``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads) measured in the same run. A candidate
-that raises is reported as unavailable (``available: false`` with the error); ``isolate=True`` (CLI
-``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses that one.
+ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's
+``QuantizedKVCache`` at 4 and 8 bits (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads)
+measured in the same run, with a bound on its spread (``ratio_spread``: both medians' relative
+half-ranges added). A candidate that raises is reported as unavailable (``available: false`` with the
+error); ``isolate=True`` (CLI ``--isolate``) runs each candidate in its own subprocess, so even a hard
+crash only loses that one.
+
+``batch=N`` (CLI ``--batch N``): N random prompts of the context length prefilled and decoded together
+through one batch cache per layer, the N per-request caches merged (``merge``: mlx_lm's ``BatchKVCache``
+for the plain cache, a method's batch form); ``decode_tps`` is then the total over the N sequences. A
+candidate without a batch form (:func:`has_batch_form`: mlx_lm's ``QuantizedKVCache`` has none) is refused.
 
 ``decode_s_per_1k`` is the least-squares slope of the median decode-step time against the context
 length (seconds per 1000 tokens of context, two or more contexts): a cache whose decode step is
@@ -47,8 +54,8 @@ from .eval.specs import NONE, MethodSpec  # noqa: E402
 from .measure import kv_fraction_of_fp16  # noqa: E402
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
-           "candidates", "run_once", "bench", "add_ratios", "add_slopes", "fit_slope", "stats",
-           "bench_isolated"]
+           "candidates", "has_batch_form", "batch_methods", "batch_caches", "run_once", "bench", "add_ratios",
+           "add_slopes", "fit_slope", "stats", "bench_isolated"]
 
 #: Random-weight Llama shapes: mlx_lm ``llama.ModelArgs`` fields.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -198,6 +205,32 @@ def candidates(methods: Sequence, baselines: Sequence[str] = BASELINES) -> list[
     return out
 
 
+def has_batch_form(name: str) -> bool:
+    """Whether candidate ``name`` decodes batches: the plain cache (mlx_lm's ``BatchKVCache``) and the
+    methods whose class declares a batch form (``batchable``); mlx_lm's quantized cache has no ``merge``."""
+    if name == NONE:
+        return True
+    if name in _MLX_QUANT_BITS:
+        return False
+    from .cache.base import method_info
+
+    cls = method_info(name).cls
+    return cls is not None and bool(cls.__dict__.get("batchable", False))
+
+
+def batch_methods() -> list[str]:
+    """The methods with a batch form."""
+    from .cache.base import METHOD_NAMES
+
+    return [m for m in METHOD_NAMES if has_batch_form(m)]
+
+
+def batch_caches(make: Callable[[Any], list], model, n: int) -> list:
+    """One batch cache per layer for ``n`` sequences: ``n`` fresh per-request caches from ``make``, merged."""
+    per_request = [make(model) for _ in range(n)]
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*per_request)]
+
+
 # --------------------------------------------------------------------------- #
 # one run
 # --------------------------------------------------------------------------- #
@@ -211,21 +244,24 @@ def _settle() -> None:
 
 def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
              prefill_step: int = PREFILL_STEP, on_chunk: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Prefill ``prompt`` ([T] ids) into ``caches``, decode ``decode_tokens`` greedily; the measurements.
+    """Prefill ``prompt`` ([T] ids, or [B, T]: B sequences through batch caches) into ``caches``, decode
+    ``decode_tokens`` greedily; the measurements (``decode_tps``: tokens of all B sequences per second).
 
     Memory baselines are taken right before the prefill, so ``caches`` should be fresh (empty).
     ``on_chunk(done, total)`` reports the prefill's chunks (its time is inside ``prefill_s``).
     """
     from .eval.fidelity import prefill
-    from .measure import cache_tokens, fp16_kv_bytes, kv_bytes
+    from .measure import fp16_kv_bytes, kv_bytes
 
+    prompt = prompt.reshape(-1, prompt.shape[-1])  # [B, T]
+    B, T = prompt.shape
     _settle()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    if prompt.size > 1:
-        prefill(model, prompt[:-1], caches, prefill_step, on_chunk)
-    logits = model(prompt[-1:][None], cache=caches)
+    if T > 1:
+        prefill(model, prompt[:, :-1], caches, prefill_step, on_chunk)
+    logits = model(prompt[:, -1:], cache=caches)
     tok = mx.argmax(logits[:, -1, :], axis=-1)
     mx.eval(tok)
     prefill_s = time.perf_counter() - t0
@@ -246,11 +282,11 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     decode_s = sum(steps)
     return {
         "prefill_s": prefill_s,
-        "decode_tps": (len(steps) / decode_s) if decode_s > 0 else None,
+        "decode_tps": (B * len(steps) / decode_s) if decode_s > 0 else None,
         "step_s": statistics.median(steps) if steps else None,
         "kv_resident_bytes": int(resident),
         "kv_nbytes": kv_bytes(caches),
-        "kv_bytes_fp16": fp16_kv_bytes(model, cache_tokens(caches)),
+        "kv_bytes_fp16": fp16_kv_bytes(model, T + len(steps), batch_size=B),
         "peak_bytes": int(peak),
         "peak_delta_bytes": int(peak - base),
     }
@@ -269,9 +305,9 @@ def stats(values: Sequence[Optional[float]]) -> Optional[dict]:
 # --------------------------------------------------------------------------- #
 
 
-def _prompt(vocab: int, n: int, seed: int) -> mx.array:
+def _prompt(vocab: int, n: int, seed: int, batch: int = 1) -> mx.array:
     key = mx.random.key(seed)
-    p = mx.random.randint(0, vocab, (n,), key=key).astype(mx.int32)
+    p = mx.random.randint(0, vocab, (batch, n) if batch > 1 else (n,), key=key).astype(mx.int32)
     mx.eval(p)
     return p
 
@@ -284,25 +320,36 @@ def _error(exc: BaseException) -> str:
 def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repeats: int = 3,
           decode_tokens: int = 32, baselines: Sequence[str] = BASELINES, seed: int = 0,
           prefill_step: int = PREFILL_STEP, warmup: bool = True,
-          progress: Optional[Callable[[str], None]] = None, model_name: Optional[str] = None) -> list[dict]:
-    """Rows, one per candidate and context (baselines first), with ratios and slopes filled in."""
-    if repeats < 1 or decode_tokens < 1 or not contexts or min(contexts) < 2:
-        raise ValueError("need repeats >= 1, decode_tokens >= 1 and contexts >= 2")
+          progress: Optional[Callable[[str], None]] = None, model_name: Optional[str] = None,
+          batch: int = 1) -> list[dict]:
+    """Rows, one per candidate and context (baselines first), with ratios and slopes filled in; ``batch``
+    sequences per run (``batch > 1``: every candidate needs a batch form, else ``ValueError``)."""
+    if repeats < 1 or decode_tokens < 1 or not contexts or min(contexts) < 2 or batch < 1:
+        raise ValueError("need repeats >= 1, decode_tokens >= 1, contexts >= 2 and batch >= 1")
     cands = candidates(methods, baselines)
+    if batch > 1:
+        refused = [c.label for c in cands if not has_batch_form(c.name)]
+        if refused:
+            raise ValueError(f"batch {batch}: no batch form for {', '.join(refused)} (their caches cannot merge "
+                             "into one batch cache); drop them, e.g. --baselines none")
+
+    def make(c):
+        return c.make(model) if batch == 1 else batch_caches(c.make, model, batch)
+
     vocab = _vocab_size(model)
     errors: dict[str, str] = {}
     say = progress or (lambda msg: None)
     on_chunk = getattr(progress, "chunk", None)
     if warmup:  # first calls compile kernels and grow the allocator's pool: keep them out of the timings
-        wp = _prompt(vocab, min(min(contexts), 256), seed + 1)
+        wp = _prompt(vocab, min(min(contexts), 256), seed + 1, batch)
         for c in cands:
             say(f"warm-up: {c.label}")
             try:
-                run_once(model, c.make(model), wp, 2, prefill_step)
+                run_once(model, make(c), wp, 2, prefill_step)
             except Exception as exc:
                 errors[c.label] = _error(exc)
     samples: dict[tuple[str, int], list[dict]] = {(c.label, n): [] for c in cands for n in contexts}
-    prompts = {n: _prompt(vocab, n, seed + n) for n in contexts}
+    prompts = {n: _prompt(vocab, n, seed + n, batch) for n in contexts}
     for rep in range(repeats):
         order = cands[rep % len(cands):] + cands[: rep % len(cands)]
         for n in contexts:
@@ -311,7 +358,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                     continue
                 say(f"repeat {rep + 1}/{repeats}, context {n}: {c.label}")
                 try:
-                    samples[(c.label, n)].append(run_once(model, c.make(model), prompts[n], decode_tokens,
+                    samples[(c.label, n)].append(run_once(model, make(c), prompts[n], decode_tokens,
                                                           prefill_step, on_chunk))
                 except Exception as exc:
                     errors[c.label] = _error(exc)
@@ -320,7 +367,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     for c in cands:
         for n in contexts:
             runs = samples[(c.label, n)]
-            row = _bench_row(c.name, c.settings, c.label, n, decode_tokens, model_name)
+            row = _bench_row(c.name, c.settings, c.label, n, decode_tokens, model_name, batch)
             if c.label in errors:
                 row.update(available=False, error=errors[c.label])
             else:
@@ -335,10 +382,10 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     return rows
 
 
-def _bench_row(name, settings, label, context, decode_tokens, model_name) -> dict:
+def _bench_row(name, settings, label, context, decode_tokens, model_name, batch: int = 1) -> dict:
     row = {"method": name, "settings": dict(settings), "label": label, "model": model_name, "context": context,
-           "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True, "error": None,
-           "repeats": 0}
+           "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True,
+           "error": None, "repeats": 0}
     row.update(dict.fromkeys(STATS))
     row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None)
     return row
@@ -349,23 +396,33 @@ def _median(row, key) -> Optional[float]:
     return s["median"] if isinstance(s, dict) else None
 
 
+def _spread(row, key) -> Optional[float]:
+    """Half the min-max range of ``row[key]`` over the repeats, as a fraction of its median."""
+    s = row.get(key)
+    return (s["max"] - s["min"]) / 2 / abs(s["median"]) if isinstance(s, dict) and s["median"] else None
+
+
 def add_ratios(rows: list[dict], baselines: Sequence[str] = BASELINES) -> list[dict]:
     """``row["ratios"][baseline][stat]`` = row's median / the baseline's median at the same context
-    (None where either is missing or the baseline's is 0); rows are modified in place and returned."""
+    (None where either is missing or the baseline's is 0) and ``row["ratio_spread"][baseline][stat]`` its
+    spread: the two medians' spreads (:func:`_spread`) added, a bound on the ratio's relative half-range;
+    rows are modified in place and returned."""
     base = {(r["method"], r["context"]): r for r in rows
             if r["method"] in baselines and not r["settings"] and r["available"]}
     for r in rows:
-        r["ratios"] = {}
+        r["ratios"], r["ratio_spread"] = {}, {}
         for b in baselines:
             ref = base.get((b, r["context"]))
             if ref is None:
-                r["ratios"][b] = None
+                r["ratios"][b] = r["ratio_spread"][b] = None
                 continue
-            ratios = {}
+            ratios, spreads = {}, {}
             for k in RATIO_STATS:
                 a, z = _median(r, k), _median(ref, k)
                 ratios[k] = (a / z) if (a is not None and z) else None
-            r["ratios"][b] = ratios
+                sa, sz = _spread(r, k), _spread(ref, k)
+                spreads[k] = sa + sz if ratios[k] is not None and None not in (sa, sz) else None
+            r["ratios"][b], r["ratio_spread"][b] = ratios, spreads
     return rows
 
 
@@ -407,7 +464,7 @@ def add_slopes(rows: list[dict]) -> list[dict]:
 def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]], names: Sequence,
                    contexts: Sequence[int], decode_tokens: int, baselines: Sequence[str] = BASELINES,
                    timeout_s: Optional[float] = None, progress: Optional[Callable[[str], None]] = None,
-                   model_name: Optional[str] = None) -> list[dict]:
+                   model_name: Optional[str] = None, batch: int = 1) -> list[dict]:
     """Each candidate in its own ``python -m veloxquant_mlx bench ... --json`` subprocess.
 
     ``child_args(baseline_or_None, spec_or_None)`` returns the CLI arguments for one candidate (the
@@ -448,7 +505,7 @@ def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]],
         except ValueError as exc:  # bad JSON
             error = f"subprocess output unreadable: {exc}"
         for n in contexts:
-            row = _bench_row(name, settings, label, n, decode_tokens, model_name)
+            row = _bench_row(name, settings, label, n, decode_tokens, model_name, batch)
             row.update(available=False, error=error)
             rows.append(row)
     add_ratios(rows)

@@ -9,7 +9,7 @@
   vs KLD).
 * ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
   [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
-  [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
+  [--batch N] [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _child_args(args):
     """CLI arguments of one isolated candidate run (shared options + its own method or baseline)."""
     shared = ["--context", ",".join(str(c) for c in args.contexts), "--repeats", str(args.repeats),
               "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
-              "--prefill-step", str(args.prefill_step)]
+              "--prefill-step", str(args.prefill_step), "--batch", str(args.batch)]
     if args.shape:
         shared += ["--shape", args.shape, "--random-weights"]
     if args.model:
@@ -225,6 +225,13 @@ def _stat(s: Optional[dict], fmt, spread: bool) -> str:
     if spread and s["median"]:
         text += f" ±{50 * (s['max'] - s['min']) / abs(s['median']):.0f}%"
     return text
+
+
+def _ratio(r: dict, b: str, k: str, spread: bool) -> str:
+    """A ratio to baseline ``b``, then (``spread``) its bound ``±N%`` (``bench.add_ratios``)."""
+    text = _fmt(r["ratios"][b][k], ".2f")
+    s = ((r.get("ratio_spread") or {}).get(b) or {}).get(k)
+    return text + (f" ±{100 * s:.0f}%" if spread and s is not None else "")
 
 
 def _short_label(r: dict) -> str:
@@ -261,14 +268,15 @@ def bench_tables(rows: list[dict]) -> str:
             if rat is None or (r["method"] == b and not r["settings"]):
                 continue
             ratio_rows.append([_short_label(r) if first else "", str(r["context"]) if first else "",
-                               b, *(_fmt(rat[k], ".2f") for k in ("prefill_s", "decode_tps", "kv_resident_bytes",
-                                                                  "kv_nbytes", "peak_delta_bytes"))])
+                               b, *(_ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "peak_delta_bytes",
+                                                                       "kv_resident_bytes", "kv_nbytes"))])
             first = False
     if ratio_rows:
-        parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's):\n"
+        parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's"
+                     + ("; ±N% adds both medians' spreads" if spread else "") + "):\n"
                      "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
-                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "KV resident",
-                                      "KV nbytes", "peak over start"], ratio_rows))
+                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "peak over start",
+                                      "KV resident", "KV nbytes"], ratio_rows))
     seen, slope_rows = set(), []
     for r in ok:
         if r["label"] in seen or r["decode_s_per_1k"] is None:
@@ -295,14 +303,21 @@ def cmd_bench(args) -> int:
         raise UsageError("--repeats and --decode-tokens must be >= 1")
     if args.shape and args.shape not in bench.SHAPES:
         raise UsageError(f"unknown --shape {args.shape!r}; shapes: {', '.join(bench.SHAPES)}")
-    baselines = [b.strip() for b in (args.baselines if args.baselines is not None else ",".join(bench.BASELINES))
-                 .split(",") if b.strip()]
+    default = NONE if args.batch > 1 else ",".join(bench.BASELINES)  # mlx_lm's quantized cache has no batch form
+    baselines = [b.strip() for b in (args.baselines if args.baselines is not None else default).split(",")
+                 if b.strip()]
     for b in baselines:
         if b not in bench.BASELINES:
             raise UsageError(f"unknown baseline {b!r}; baselines: {', '.join(bench.BASELINES)}")
     specs = resolve_methods(args.method or [], args.set, include_none=False)
     if not specs and not baselines:
         raise UsageError("nothing to measure: give --method or keep a baseline")
+    if args.batch < 1:
+        raise UsageError("--batch must be >= 1")
+    refused = [n for n in baselines + [s.method for s in specs] if args.batch > 1 and not bench.has_batch_form(n)]
+    if refused:
+        raise UsageError(f"--batch {args.batch}: {', '.join(refused)} has no batch form (its caches cannot merge "
+                         "into one batch cache); methods with one: " + ", ".join(bench.batch_methods()))
     if args.random_weights and not args.shape:
         raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
     if args.shape and args.model:
@@ -312,7 +327,7 @@ def cmd_bench(args) -> int:
     if args.isolate:
         say.note(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
         rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens,
-                                    baselines=baselines, timeout_s=args.timeout, progress=say.note,
+                                    baselines=baselines, timeout_s=args.timeout, progress=say.note, batch=args.batch,
                                     model_name=args.model or (f"{args.shape} (random weights)" if args.shape
                                                               else "smollm2-135m (embedded)"))
     else:
@@ -325,7 +340,7 @@ def cmd_bench(args) -> int:
                        enabled=not args.json)
         rows = bench.bench(model, specs, args.contexts, args.repeats, args.decode_tokens, baselines=baselines,
                            seed=args.seed, prefill_step=args.prefill_step, warmup=not args.no_warmup,
-                           progress=bar, model_name=name)
+                           progress=bar, model_name=name, batch=args.batch)
         bar.close()
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -334,6 +349,7 @@ def cmd_bench(args) -> int:
 
     first = rows[0] if rows else {}
     print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeat(s), "
+          + (f"batches of {args.batch} sequences (decode tok/s: all of them), " if args.batch > 1 else "") +
           f"{args.decode_tokens} decode tokens; medians" + (" ±half the min-max range" if args.repeats > 1 else ""))
     print(bench_tables(rows))
     print("KV nbytes = the caches' own count; kv_fraction_of_fp16 = KV nbytes / the same tokens in mlx_lm's\n"
@@ -395,12 +411,16 @@ def add_subcommands(sub) -> None:
     b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
                    help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
     b.add_argument("--baselines", default=None,
-                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8; '' for none at all)")
+                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '' for none "
+                        "at all)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
     b.add_argument("--prefill-step", type=int, default=2048,
                    help="prompt tokens per prefill chunk (default 2048, mlx_lm's)")
+    b.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="N sequences of each context decoded together (the method's batch form; mlx_lm's "
+                        "BatchKVCache for none); decode tok/s is their total (default 1)")
     b.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up run of each candidate (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")

@@ -42,8 +42,8 @@ def add_subcommand(sub) -> None:
     s.add_argument("--prompt-cache-bytes", type=int, default=None, help="byte cap of the kept caches")
     s.add_argument("--decode-concurrency", type=int, default=32,
                    help="most requests decoded together in mlx_lm's continuous batch: 'none' and the methods "
-                        "with a compressed batch form (kivi, turboquant_rvq, streaming_llm); other methods run "
-                        "one request at a time (default 32)")
+                        "with a compressed batch form (kivi, turboquant_rvq, waterfill, streaming_llm); other "
+                        "methods run one request at a time (default 32)")
     s.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens per prefill chunk (default 2048)")
     s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],

@@ -5,7 +5,7 @@ words, tool calls, logprobs), its request queue and generation thread, and its c
 
 * **Compressed caches per request**: the server's configuration or the request's own ``"kv_cache": {"method",
   "settings", "reuse"}`` (:mod:`.server_requests`). Methods with a compressed batch form (``batchable``: kivi,
-  the default at 4 bits; turboquant_rvq; streaming_llm) join mlx_lm's continuous batch, one batch per KV
+  the default at 4 bits; turboquant_rvq; waterfill; streaming_llm) join mlx_lm's continuous batch, one batch per KV
   settings (carried by the model key and description); the others are served one at a time, in arrival
   order. Nothing is decoded with an uncompressed batch cache behind a compressed label.
 * **Prompt-cache reuse only where the kept state is the one a fresh run builds** (:mod:`.server_store`).
@@ -58,7 +58,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
 DEFAULT_SOCKET_TIMEOUT = 30.0
 #: The method without ``--method``: KIVI at 4 bits -- batchable, KL about 0.007 at about 0.36x the fp16 bytes,
-#: the fastest quantizer (waterfill-4 is better per byte but served one at a time; docs/RESULTS.md).
+#: the fastest quantizer (waterfill-4 is better per byte, and batches too; docs/RESULTS.md).
 DEFAULT_METHOD = "kivi"
 DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")

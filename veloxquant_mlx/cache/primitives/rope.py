@@ -74,18 +74,22 @@ def _turn(a, b, c, s):
     return a * c - b * s, a * s + b * c
 
 
-def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset: int, inverse: bool = False) -> mx.array:
+def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset, inverse: bool = False) -> mx.array:
     """``apply_rope`` without a sine/cosine per element: angle addition over blocks of 64 positions
     (``cos((p0 + r) w) = cos(p0 w) cos(r w) - sin(p0 w) sin(r w)``), ``(n / 64 + 64) * dims / 2`` trig values
-    per call (MLX's CPU ``fast.rope``: one per element, ~5x slower). ``omega``: :func:`rope_frequencies`."""
+    per call (MLX's CPU ``fast.rope``: one per element, ~5x slower). ``omega``: :func:`rope_frequencies`.
+    ``offset``: an int, or one int per batch row (a batch cache's sequences at their own positions)."""
     n = x.shape[2]
     nb = -(-n // _BLOCK)
-    starts = (offset + _BLOCK * mx.arange(nb, dtype=mx.float32))[:, None] * omega  # [nb, P]
+    per_row = not isinstance(offset, int)
+    p0 = mx.array(offset, dtype=mx.float32)[:, None] if per_row else offset
+    starts = (p0 + _BLOCK * mx.arange(nb, dtype=mx.float32))[..., None] * omega  # [(B,) nb, P]
     steps = mx.arange(_BLOCK, dtype=mx.float32)[:, None] * omega  # [Q, P]
-    c0, s0, c1, s1 = mx.cos(starts)[:, None], mx.sin(starts)[:, None], mx.cos(steps), mx.sin(steps)
+    c0, s0, c1, s1 = mx.cos(starts)[..., None, :], mx.sin(starts)[..., None, :], mx.cos(steps), mx.sin(steps)
     P = omega.shape[0]
-    cos = (c0 * c1 - s0 * s1).reshape(nb * _BLOCK, P)[:n]
-    sin = (s0 * c1 + c0 * s1).reshape(nb * _BLOCK, P)[:n]
+    lead = (x.shape[0], 1) if per_row else ()  # [B, 1, n, P]: one table per batch row
+    cos = (c0 * c1 - s0 * s1).reshape(*lead, nb * _BLOCK, P)[..., :n, :]
+    sin = (s0 * c1 + c0 * s1).reshape(*lead, nb * _BLOCK, P)[..., :n, :]
     if inverse:
         sin = -sin
     dims = spec["dims"]

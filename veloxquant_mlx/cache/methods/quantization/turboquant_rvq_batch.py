@@ -97,6 +97,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     count_fields = ("ns", "nq", "nw", "lens")  # sink rows, quantized tokens, window rows, tokens held
     right_fields, right_count = ("win_k", "win_v"), "nw"  # the float16 window, right-aligned
     state_scalars = ("cap", "dtype_name", "counts_constants")
+    quant_block = QUANT_BLOCK  # rows leave a window in whole blocks of this many
     chunk_invariant = True  # as the single cache: per-sequence blocks at the same positions
     exact_trim = False  # as the single cache
 
@@ -270,15 +271,14 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     def _store(self, keys, values, valid):
         N = keys.shape[2]
-        R, W0 = self.residual_length, self.W
+        W0 = self.W
         sd = self.win_k.dtype
         fk = mx.concatenate([self.win_k, keys.astype(sd)], axis=2)  # [B, H, W0 + N, D]
         fv = mx.concatenate([self.win_v, values.astype(sd)], axis=2)
         nw1 = [w + v for w, v in zip(self.nw, valid)]
         ends = [W0 + v for v in valid]  # one past each sequence's last valid column
         start = [e - w for e, w in zip(ends, nw1)]  # its first window column
-        # as the single cache: whole blocks beyond the newest R rows, once the window holds R + QB
-        flush = [(w - R) // QUANT_BLOCK * QUANT_BLOCK if w >= R + QUANT_BLOCK else 0 for w in nw1]
+        flush = self._flush_counts(nw1)
         sink = [min(SINK_ROWS - s, f) if q == 0 else 0 for s, q, f in zip(self.ns, self.nq, flush)]
         if any(sink):  # the stream's first tokens: sink slots ns[i] .. ns[i] + sink[i]
             j = mx.arange(SINK_ROWS, dtype=mx.int32)[None]
@@ -299,10 +299,16 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self.nw = [w - f for w, f in zip(nw1, flush)]
         W = max(self.nw, default=0)
         # decode: a view of the shared columns; ragged ends or a long call: a fresh array
-        self.win_k = rows_ending_at(fk, ends, W, view=N < QUANT_BLOCK)
-        self.win_v = rows_ending_at(fv, ends, W, view=N < QUANT_BLOCK)
+        self.win_k = rows_ending_at(fk, ends, W, view=N < self.quant_block)
+        self.win_v = rows_ending_at(fv, ends, W, view=N < self.quant_block)
         self.lens = [n + v for n, v in zip(self.lens, valid)]
         self._sync_offset()
+
+    def _flush_counts(self, nw) -> list:
+        """Rows each window of ``nw`` rows flushes, as the single cache: whole blocks beyond the newest R
+        rows, once it holds R + ``quant_block``."""
+        R, QB = self.residual_length, self.quant_block
+        return [(w - R) // QB * QB if w >= R + QB else 0 for w in nw]
 
     def _put_codes(self, kb, vb, K):
         """Encode K rows per sequence (kb/vb [B, H, K, D]) into slots nq[i] .. nq[i] + K - 1."""

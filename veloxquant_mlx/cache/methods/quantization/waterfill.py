@@ -72,8 +72,8 @@ Deviations and limits (all of them):
 * ``bit_width_inlier`` sets both the keys' average width and the values' width; ``n_sink_tokens``
   is not used (4 sink rows, as turboquant_rvq).
 
-mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``), plus the calibration in ``state``; not
-batchable (``merge`` raises ``BatchingNotSupported``).
+mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``), plus the calibration in ``state``;
+``merge`` builds the batch form (``waterfill_batch.py``).
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class WaterfillKVCache(ResidualWindowCache):
     chunk_invariant = False  # widths and ranges are calibrated once, on the first calls' rows and queries
     exact_trim = False  # rows the trimmed rows pushed out of the window stay quantized (as turboquant_rvq)
     quant_block = BLOCK
+    batchable = True  # merge -> WaterfillBatchKVCache (waterfill_batch.py); subclasses keep raising
 
     array_fields = ("k_words", "k_lo", "k_step", "k_bits", "v_words", "v_scales", "q_energy",
                     "win_k", "win_v", "sink_k", "sink_v")
@@ -391,6 +392,12 @@ class WaterfillKVCache(ResidualWindowCache):
     def used_nbytes(self) -> int:
         """Bytes of the used rows of every array (spare capacity and the shared rotation left out)."""
         return super().used_nbytes + (self._layout.nbytes if self._layout is not None else 0)
+
+    @classmethod
+    def _merge_batch(cls, caches):
+        from .waterfill_batch import WaterfillBatchKVCache
+
+        return WaterfillBatchKVCache.from_caches(caches)
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
