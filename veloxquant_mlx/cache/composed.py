@@ -63,9 +63,12 @@ def quant_config(config):
 
 
 def _implemented(method: str):
-    from .factory import _implemented_class
+    from .base import method_info
 
-    return _implemented_class(method)
+    cls = method_info(method).cls
+    if cls is None:
+        raise NotImplementedError(f"quantize={method!r}: the method is registered but not implemented yet")
+    return cls
 
 
 class QuantizedEviction(CompressedKVCache):
