@@ -164,3 +164,31 @@ def test_settings_from_strings():
     specs = resolve_methods(["snapkv budget=64 quantize=kivi"], ["snapkv:kivi:group_size=16"], include_none=False)
     assert [s.config().options.quantize for s in specs] == [KIVIOptions(group_size=16)]
     assert build_config("snapkv", parse_sets(["quantize=kivi"], method="snapkv")).options.quantize == "kivi"
+
+
+# ------------------------------------------------------------------------------------------------ real model
+# Issue 14 part 1's target on the embedded SmolLM2 (essays, 2048-token context + 64 scored decode steps; the
+# figures of docs/data/composed_kld_2048_2026-12-01): a composed point at <= 0.15x the fp16 bytes with
+# KLD <= 0.03, which waterfill at 2 bits (its 2-bit class point) does not reach at more bytes.
+COMPOSED_SPEC = ("snapkv", {"snap_budget": 1024, "quantize": "waterfill", "bit_width_inlier": 3,
+                            "residual_length": 16})
+WATERFILL2_SPEC = ("waterfill", {"bit_width_inlier": 2, "residual_length": 32})
+KLD_MARGIN = 0.01  # provisional
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_composed_point_beats_waterfill2_at_fewer_bytes():
+    from veloxquant_mlx.eval.specs import MethodSpec
+    from veloxquant_mlx.eval.tasks import eval_kld
+    from veloxquant_mlx.model import load_model
+
+    model, tok = load_model()
+    specs = [MethodSpec(m, s).label for m, s in (COMPOSED_SPEC, WATERFILL2_SPEC)]
+    comp, wf2 = eval_kld(model, tok, [MethodSpec(*COMPOSED_SPEC), MethodSpec(*WATERFILL2_SPEC)], context=2048,
+                         n_score=64, include_none=False)
+    summary = "; ".join(f"{r['label']}: KLD {r['kld']:.4f}, kv/fp16 {r['kv_fraction_of_fp16']:.3f}" for r in (comp, wf2))
+    print(summary)
+    assert [comp["label"], wf2["label"]] == specs and comp["error"] is None and wf2["error"] is None
+    assert comp["kv_fraction_of_fp16"] <= min(0.15, wf2["kv_fraction_of_fp16"]), summary
+    assert comp["kld"] <= 0.03 and comp["kld"] + KLD_MARGIN <= wf2["kld"], summary
