@@ -148,8 +148,10 @@ def test_bad_settings_are_refused_by_name():
         SnapKVOptions(quantize="turboquant_prod")  # standalone protocol
     with pytest.raises(QuantizerConfigError, match="decode_evict"):
         H2OOptions(quantize="kivi", decode_evict=True)
+    with pytest.raises(UsageError, match="has no setting 'bit_width_inlier'.*with quantize=METHOD"):
+        parse_sets(["bit_width_inlier=3"], method="snapkv")  # a quantizer's setting, but no quantizer chosen
     with pytest.raises(UsageError, match="quantize=METHOD"):
-        build_config("snapkv", parse_sets(["bit_width_inlier=3"], method="snapkv"))
+        build_config("snapkv", parse_sets(["waterfill:bit_width_inlier=3"], method="snapkv"))
     with pytest.raises(UsageError, match="kivi.*residual_length"):
         build_config("snapkv", parse_sets(["quantize=kivi", "residual_length=16"], method="snapkv"))
 

@@ -63,6 +63,10 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
     accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
+    # an eviction method storing its kept rows quantized takes its quantizer's settings too: bare names when
+    # the same items set ``quantize``, else in the explicit form ``QUANTIZER:NAME`` (eval's scoped --set)
+    composing = accepted is not None and "quantize" in accepted and any(
+        i.partition("=")[0].strip() == "quantize" for i in items or ())
     for item in items or ():
         field, value = parse_set(item)
         if field in _NOT_SETTABLE:
@@ -70,11 +74,13 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
         if field in DERIVED_FIELDS:
             raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
         if accepted is not None:
-            if field not in accepted and "quantize" in accepted and _quantizer_field(field):
+            quantizer = "quantize" in accepted and _quantizer_field(field)
+            if field not in accepted and quantizer and (composing or ":" in field):
                 pass  # a setting of the quantizer that stores the kept rows: resolved by build_config
             elif field not in accepted:
-                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}: it does not "
-                                 f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+                also = " (with quantize=METHOD, a quantizer's setting)" if quantizer else ""
+                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}{also}: it does "
+                                 f"not read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
             field = accepted.get(field, field)
         elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
