@@ -114,6 +114,7 @@ def _split_quantizer(method: str, flat: dict, own_fields) -> None:
     q = flat.get("quantize")
     extra = [k for k in flat if k not in own_fields]
     if q is None:
+        extra = [k for k in extra if ":" in k]  # (other flat fields go to KVCacheConfig as they are)
         if extra:
             raise UsageError(f"{extra[0]!r} is a setting of a quantizer, not of {method!r}: add quantize=METHOD "
                              f"({', '.join(_quantizers()[:4])}, ...) to store the kept rows quantized")
