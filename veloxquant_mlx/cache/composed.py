@@ -187,7 +187,8 @@ class QuantizedEviction(CompressedKVCache):
         return dropped
 
     def held_arrays(self):
-        return self.evict.held_arrays() + (self.quant.held_arrays() if self.frozen else [])
+        """Both parts' (during a prefill call the thawed rows are read from the quantizer, still held)."""
+        return self.evict.held_arrays() + self.quant.held_arrays()
 
     @property
     def quantized_rows(self) -> int:
