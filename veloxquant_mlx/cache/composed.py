@@ -49,7 +49,7 @@ from . import dispatch
 from .contract import CompressedKVCache, config_from_json
 from .errors import QuantizerConfigError
 from .eviction import EvictionKVCache
-from .options import MethodOptions
+from .options import MethodOptions, quantizer_methods
 from .primitives.buffers import grow_rows
 
 __all__ = ["QuantizedEviction", "composed_class", "quant_config", "register_composed"]
@@ -222,12 +222,10 @@ class QuantizedEviction(CompressedKVCache):
     def part_classes(cls, state) -> dict:
         """``{"evict": (class, method), "quant": (class, method)}`` of a saved state (saved.py checks each
         part as a cache of its own method); ``ValueError`` unless ``quant`` is a quantization method."""
-        from .base import MLX_LM, QUANTIZATION, method_info
-
-        info = method_info(cls.part_method(state["quant"]))
-        if info.family != QUANTIZATION or info.protocol != MLX_LM or info.cls is None:
-            raise ValueError(f"its quantizer {info.name!r} is not a built mlx_lm-protocol quantization method")
-        return {"evict": (cls.evict_class, cls.method_name), "quant": (info.cls, info.name)}
+        name = cls.part_method(state["quant"])
+        if name not in quantizer_methods():
+            raise ValueError(f"its quantizer {name!r} is not an mlx_lm-protocol quantization method")
+        return {"evict": (cls.evict_class, cls.method_name), "quant": (_implemented(name), name)}
 
 
 _CLASSES: dict[type, type] = {}

@@ -180,13 +180,18 @@ QUANTIZE_WORDS = ("None (rows kept at 16 bits), or the quantization method that 
                   "('waterfill', 'kivi', ...) or its options object (WaterfillOptions(residual_length=16))")
 
 
+def quantizer_methods() -> list[str]:
+    """The methods ``quantize`` accepts: the mlx_lm-protocol quantization methods."""
+    from .base import _METHOD_TABLE, MLX_LM, QUANTIZATION
+
+    return [m for m, (fam, proto, _) in _METHOD_TABLE.items() if (fam, proto) == (QUANTIZATION, MLX_LM)]
+
+
 def check_quantize(value, decode_evict) -> None:
     """``quantize`` names an mlx_lm-protocol quantization method (or is its options); decode-time eviction
     is not available with it (the composed cache evicts at prefill calls)."""
-    from .base import _METHOD_TABLE, MLX_LM, QUANTIZATION
-
     name = value.METHOD if isinstance(value, MethodOptions) else value
-    if not isinstance(name, str) or _METHOD_TABLE.get(name, (None, None))[:2] != (QUANTIZATION, MLX_LM):
+    if name not in quantizer_methods():
         raise QuantizerConfigError("quantize", value, QUANTIZE_WORDS)
     if decode_evict:
         raise QuantizerConfigError("decode_evict", decode_evict,

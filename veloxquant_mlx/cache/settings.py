@@ -90,26 +90,19 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
     return out
 
 
-def _quantizers() -> list[str]:
-    """The methods ``quantize`` accepts: mlx_lm-protocol quantization methods."""
-    from .base import _METHOD_TABLE, MLX_LM, QUANTIZATION
-
-    return [m for m, (fam, proto, _) in _METHOD_TABLE.items() if (fam, proto) == (QUANTIZATION, MLX_LM)]
-
-
 def _quantizer_field(field: str) -> bool:
     """``QUANTIZER:NAME`` or a bare ``NAME`` that some quantizer reads (an eviction method's ``quantize``)."""
-    from .options import COMMON_FIELDS, method_fields
+    from .options import COMMON_FIELDS, method_fields, quantizer_methods
 
     q, colon, name = field.rpartition(":")
-    return name not in COMMON_FIELDS and any(name in method_fields(m) for m in ([q] if colon else _quantizers())
-                                             if m in _quantizers())
+    return name not in COMMON_FIELDS and any(name in method_fields(m) for m in ([q] if colon else quantizer_methods())
+                                             if m in quantizer_methods())
 
 
 def _split_quantizer(method: str, flat: dict, own_fields) -> None:
     """Move the quantizer's settings out of ``flat`` (an eviction method's) into ``flat["quantize"]``: its
     options object (its own fields) and the shared flat fields it reads (left in ``flat``)."""
-    from .options import OPTIONS_BY_METHOD, method_fields
+    from .options import OPTIONS_BY_METHOD, method_fields, quantizer_methods
 
     q = flat.get("quantize")
     extra = [k for k in flat if k not in own_fields]
@@ -117,9 +110,9 @@ def _split_quantizer(method: str, flat: dict, own_fields) -> None:
         extra = [k for k in extra if ":" in k]  # (other flat fields go to KVCacheConfig as they are)
         if extra:
             raise UsageError(f"{extra[0]!r} is a setting of a quantizer, not of {method!r}: add quantize=METHOD "
-                             f"({', '.join(_quantizers()[:4])}, ...) to store the kept rows quantized")
+                             f"({', '.join(quantizer_methods()[:4])}, ...) to store the kept rows quantized")
         return
-    if not isinstance(q, str) or q not in _quantizers():
+    if not isinstance(q, str) or q not in quantizer_methods():
         return  # KVCacheConfig reports the invalid value
     qfields, picked = method_fields(q), {}
     for k in extra:
