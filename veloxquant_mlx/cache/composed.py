@@ -33,6 +33,11 @@ Limits (deviations from the plain methods):
 * A prefill call after rows were frozen (a chunked prompt, a second turn) re-quantizes the rows it
   keeps from their decoded values with a fresh quantizer (calibrated anew), so older rows carry the
   error of each re-quantization; the cache is not chunk-invariant and ``trim`` is not exact.
+* The fresh quantizer of a later prefill is a copy of the one built for the layer (its RoPE bound); in a
+  cache loaded from a file it is built from the quantizer's config alone (waterfill then codes those keys
+  post-RoPE: still exact up to its error, less compact).
+* Without the attention dispatch point the rows are frozen in ``update_and_fetch`` (the eviction cache's
+  key-proxy scores) and the quantizer sees no queries.
 * Not batchable (``merge`` raises ``BatchingNotSupported``).
 """
 
