@@ -6,6 +6,7 @@ and is configured from strings. The mlx_lm contract itself runs in test_contract
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -126,6 +127,28 @@ def test_save_load_round_trip(model, quantizer, tmp_path):
     for t in (5, 77, 12):  # both continue identically (decode on the codes)
         x, y = (model(mx.array([[t]]), cache=cs).astype(mx.float32) for cs in (caches, loaded))
         assert bool(mx.array_equal(x, y))
+
+
+def test_a_forged_composed_file_is_refused(model, tmp_path):
+    """Each part of a saved composed cache is checked as a cache of its own method (saved.py)."""
+    import json
+
+    from test_saved_cache import _forge
+    from veloxquant_mlx.cache import SavedCacheError
+
+    def quant_claims_an_eviction_method(arrays):
+        m = json.loads("".join(chr(c) for c in arrays["0.quant.meta"].tolist()))
+        m["config"] = json.dumps({**json.loads(m["config"]), "method": "snapkv"})
+        arrays["0.quant.meta"] = mx.array([ord(c) for c in json.dumps(m)])
+
+    caches = KVCacheBuilder.for_model(model, composed_config("snapkv", "kivi"))
+    mx.eval(model(mx.array([PROMPT]), cache=caches))
+    for edit, needle in ((quant_claims_an_eviction_method, "quantizer 'snapkv' is not an mlx_lm-protocol quantization"),
+                         (lambda a: a.update({"1.evict.extra": mx.zeros(3)}), "arrays ['extra'] are not among")):
+        path = tmp_path / "c.safetensors"
+        save_cache(path, caches, model_id="tiny", tokens=PROMPT, method="snapkv")
+        with pytest.raises(SavedCacheError, match=re.escape(needle)):
+            load_cache(_forge(path, arrays_edit=edit), model=model)
 
 
 def test_a_prefill_after_decode_re_evicts_to_the_budget(model):
