@@ -164,6 +164,21 @@ CONFIGS = {  # method -> KVCacheConfig fields for the 4-layer, head_dim 32, 120-
 }
 
 
+# quantized eviction (cache/composed.py): an eviction method's kept rows stored by a quantizer; a row's key
+# is "EVICTION+QUANTIZER" (the config's method is the eviction method, its options name the quantizer)
+COMPOSED = {
+    "snapkv+waterfill": dict(bit_width_inlier=3, n_calib_tokens=32, options=O.SnapKVOptions(
+        budget=48, obs_window=8, n_sink=2, quantize=O.WaterfillOptions(residual_length=16))),
+    "pyramidkv+kivi": dict(bit_width_inlier=2, options=O.PyramidKVOptions(
+        budget=60, n_sink=2, quantize=O.KIVIOptions(group_size=16))),
+}
+
+
+def base_method(key: str) -> str:
+    """The registered method of a table key (``"snapkv+waterfill"`` -> ``"snapkv"``)."""
+    return key.split("+")[0]
+
+
 @dataclass(frozen=True)
 class Case:
     config: dict  # KVCacheConfig fields of the model-level tables
@@ -185,6 +200,7 @@ MERGES = {"kivi", "turboquant_rvq", "streaming_llm", "waterfill"}  # their batch
 PREPARE = {"kvzip": _kvzip_compress}
 LOADED_HOLDS_LESS = {  # a loaded or copied cache holds fewer bytes (the same used bytes), and why
     "turboquant_rvq": "only the used rows are saved, not the spare capacity",
+    "snapkv+waterfill": "as waterfill (its quantizer)",
     "chunkkv": "a group leader's last kept indices are held for its followers, not saved",
     **{m: "see the Spec" for m, s in UNIT.items() if not s.loaded_nbytes_equal},
 }
@@ -209,9 +225,10 @@ NEWEST_TRIM_DROPS_ONLY = {"streaming_llm", "tova", "morphkv"}
 TABLE = {m: Case(cfg, unit=UNIT.get(m), merges=m in MERGES, prepare=PREPARE.get(m),
                  loaded_nbytes_equal=m not in LOADED_HOLDS_LESS, newest_trim_exact=m not in NEWEST_TRIM_DROPS_ONLY,
                  sparse_decode=m in SPARSE_DECODE)
-         for m, cfg in CONFIGS.items()}
+         for m, cfg in {**CONFIGS, **COMPOSED}.items()}
 
 MLX_LM_METHODS = [i.name for i in all_methods() if i.protocol == MLX_LM and i.implemented]
+CONTRACT_METHODS = MLX_LM_METHODS + list(COMPOSED)  # test_contract.py: every method and the composed forms
 SPECS = {m: TABLE[m].unit for m in UNIT}
 QUANT_METHODS = [m for m in SPECS if method_info(m).implemented]
 KIVI_LAYOUT = [m for m in QUANT_METHODS if SPECS[m].group]
@@ -226,7 +243,12 @@ def config(method, **kw):
 
 
 def method_class(method):
-    return method_info(method).cls
+    cls = method_info(base_method(method)).cls
+    if method in COMPOSED:
+        from veloxquant_mlx.cache.composed import composed_class
+
+        return composed_class(cls)
+    return cls
 
 
 def make(method, head_dim=64, **kw):

@@ -229,7 +229,7 @@ def test_a_new_options_class_is_validated_and_aliased_from_its_one_declaration()
         mode: str = opts.one_of("fast", "exact")
         ratio: Optional[float] = opts.unit(None)
 
-    assert ToyOptions.FIELDS == {} and ToyOptions.OPTION_ONLY == ("budget", "mode", "ratio", "decode_evict")
+    assert ToyOptions.FIELDS == {} and ToyOptions.OPTION_ONLY == ("budget", "mode", "ratio", "decode_evict", "quantize")
     assert (ToyOptions().budget, ToyOptions(mode="exact", ratio=0.5).mode) == (64, "exact")
     for name, value, allowed in [("budget", 0, "an int in 1..1048576"), ("budget", True, "an int in 1..1048576"),
                                  ("mode", "slow", "one of 'fast', 'exact'"),

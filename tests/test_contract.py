@@ -35,8 +35,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from contract_table import (CONFIGS, D, LOAD_BUGS, MLX_LM_METHODS, TABLE, layer_rows, method_class,
-                            with_known_bugs)
+from contract_table import (COMPOSED, CONFIGS, CONTRACT_METHODS, D, LOAD_BUGS, TABLE, base_method, layer_rows,
+                            method_class, with_known_bugs)
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, dispatch
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
@@ -55,7 +55,8 @@ def model():
 
 
 def build(method, m=None):
-    return KVCacheBuilder.for_model(m or model(), KVCacheConfig(method=method, **CONFIGS[method]))
+    fields = {**CONFIGS, **COMPOSED}[method]
+    return KVCacheBuilder.for_model(m or model(), KVCacheConfig(method=base_method(method), **fields))
 
 
 def prefilled(method, decode=DECODE):
@@ -107,10 +108,10 @@ def assert_same_state(a, b):
 
 
 def test_every_mlx_lm_method_has_a_row():
-    assert sorted(TABLE) == sorted(MLX_LM_METHODS)
+    assert sorted(TABLE) == sorted(CONTRACT_METHODS)
 
 
-@pytest.mark.parametrize("method", MLX_LM_METHODS)
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
 def test_attention_equals_dense_attention_over_the_returned_rows_with_mlx_lm_masks(method):
     """Per layer and call, as mlx_lm runs them (one mask from layer 0, update_and_fetch, then the dispatch
     point): the cache's own attention equals dense attention over the rows update_and_fetch returned with
@@ -131,7 +132,7 @@ def test_attention_equals_dense_attention_over_the_returned_rows_with_mlx_lm_mas
         assert [c.offset for c in caches] == [start] * len(caches)
 
 
-@pytest.mark.parametrize("method", with_known_bugs(MLX_LM_METHODS, LOAD_BUGS))
+@pytest.mark.parametrize("method", with_known_bugs(CONTRACT_METHODS, LOAD_BUGS))
 def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
     caches = prefilled(method)
     n = len(PROMPT) + len(DECODE)
@@ -169,7 +170,7 @@ def test_state_round_trip_deepcopy_nbytes_merge(method, tmp_path):
     assert_same_state(caches, loaded)
 
 
-@pytest.mark.parametrize("method", MLX_LM_METHODS)
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
 def test_trim_of_the_newest_rows(method):
     caches = prefilled(method)
     n, sizes = len(PROMPT) + len(DECODE), [c.size() for c in caches]
@@ -181,7 +182,7 @@ def test_trim_of_the_newest_rows(method):
         assert [c.size() for c in caches] == [c.size() for c in fresh]
         for a, b in zip(step(caches, NEXT), step(fresh, NEXT)):
             assert bool(mx.array_equal(a, b))
-    evicts = method_info(method).family == "eviction"
+    evicts = method_info(base_method(method)).family == "eviction"
     for c in caches:  # deep into compressed or evicted rows: refused with nothing changed, or exact
         before = (c.offset, c.size())
         try:
@@ -194,7 +195,7 @@ def test_trim_of_the_newest_rows(method):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("method", MLX_LM_METHODS)
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
 def test_generate_with_chunked_prefill(method, arch):
     m = ARCHS[arch]()
     caches = build(method, m)

@@ -24,7 +24,7 @@ import gc
 import mlx.core as mx
 import pytest
 
-from contract_table import CONFIGS, MLX_LM_METHODS
+from contract_table import COMPOSED, CONFIGS, CONTRACT_METHODS, base_method
 from tiny_models import VOCAB, tiny_llama
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig
 
@@ -35,7 +35,8 @@ TOKENS = [(i * 53 + 7) % VOCAB for i in range(PROMPT + DECODE)]
 
 
 def _fill(model, method, prompt=PROMPT, decode=DECODE):
-    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=method, **CONFIGS[method]))
+    fields = {**CONFIGS, **COMPOSED}[method]
+    caches = KVCacheBuilder.for_model(model, KVCacheConfig(method=base_method(method), **fields))
     for a in range(0, prompt, CHUNK):
         mx.eval(model(mx.array(TOKENS[a : min(a + CHUNK, prompt)])[None], cache=caches))
     for t in TOKENS[prompt : prompt + decode]:
@@ -59,7 +60,7 @@ def _no_buffer_cache():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("method", MLX_LM_METHODS)
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
 def test_active_memory_of_the_caches_is_their_nbytes(method, dtype):
     model = tiny_llama(head_dim=32)
     model.set_dtype(getattr(mx, dtype))

@@ -15,6 +15,9 @@ from .observers import QuantizationEvent, QuantizationObserver
 from .options import *  # noqa: F401,F403  (every <Method>Options dataclass)
 from .standalone import SlidingWindowKVCache
 from . import methods as _methods  # noqa: F401  (registers the built methods)
+from .composed import register_composed as _register_composed
+
+_register_composed()  # Quantized<EvictionClass>: loadable by mlx_lm's load_prompt_cache
 from .saved import load_cache, read_cache_info, save_cache
 
 

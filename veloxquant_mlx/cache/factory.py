@@ -25,6 +25,16 @@ def _implemented_class(method: str):
     return info.cls
 
 
+def _cache_class(config):
+    """The method's class, or its quantized-eviction form when its options set ``quantize``."""
+    cls = _implemented_class(config.method)
+    if config.option("quantize") is not None:
+        from .composed import composed_class
+
+        cls = composed_class(cls)
+    return cls
+
+
 class KVCacheFactory:
     """Builds one cache from a ``KVCacheConfig``."""
 
@@ -37,7 +47,7 @@ class KVCacheFactory:
                 "bit_width_inlier", config.bit_width_inlier,
                 "an int for KVCacheFactory.create (a per-layer list needs KVCacheBuilder.for_model)",
             )
-        cls = _implemented_class(config.method)
+        cls = _cache_class(config)
         cache = cls(config)
         if config.sliding_window is not None:
             if config.method not in STANDALONE_METHODS:
@@ -189,7 +199,7 @@ class KVCacheBuilder:
                 "an mlx_lm-protocol method: standalone methods "
                 f"({', '.join(sorted(STANDALONE_METHODS))}) have no mlx_lm KVCache serving contract",
             )
-        cls = _implemented_class(config.method)
+        cls = _cache_class(config)
         defaults = mlx_cache.make_prompt_cache(model)
         layers = _layers(model)
         if len(defaults) != len(layers):

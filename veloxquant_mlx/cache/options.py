@@ -139,6 +139,8 @@ class MethodOptions:
         if evicts:
             cls.__annotations__["decode_evict"] = "Optional[bool]"
             cls.decode_evict = setting(None, words="None (the method's default), True or False", option_only=True)
+            cls.__annotations__["quantize"] = "Any"  # the kept rows' storage (cache/composed.py)
+            cls.quantize = setting(None, words=QUANTIZE_WORDS, option_only=True)
         cls.__doc__ = cls.__doc__ or f"Options of ``{method}``."
         dataclass(cls)
         cls.METHOD, cls.RULES = method, {f.name: rule_of(f, cls.__name__) for f in fields(cls)}
@@ -149,6 +151,8 @@ class MethodOptions:
     def __post_init__(self):
         for name in self.OPTION_ONLY:
             self.RULES[name].check(name, getattr(self, name))
+        if getattr(self, "quantize", None) is not None:
+            check_quantize(self.quantize, self.decode_evict)
 
     def validate(self) -> None:
         """Raise ``QuantizerConfigError`` for the first invalid field, named by its flat alias if it has one."""
@@ -163,6 +167,28 @@ class MethodOptions:
     def flat_items(self):
         """(flat field name, value) pairs this options object sets (option-only fields excluded)."""
         return [(flat, getattr(self, name)) for name, flat in self.FIELDS.items()]
+
+
+QUANTIZE_WORDS = ("None (rows kept at 16 bits), or the quantization method that stores the kept rows: its name "
+                  "('waterfill', 'kivi', ...) or its options object (WaterfillOptions(residual_length=16))")
+
+
+def quantizer_methods() -> list[str]:
+    """The methods ``quantize`` accepts: the mlx_lm-protocol quantization methods."""
+    from .base import _METHOD_TABLE, MLX_LM, QUANTIZATION
+
+    return [m for m, (fam, proto, _) in _METHOD_TABLE.items() if (fam, proto) == (QUANTIZATION, MLX_LM)]
+
+
+def check_quantize(value, decode_evict) -> None:
+    """``quantize`` names an mlx_lm-protocol quantization method (or is its options); decode-time eviction
+    is not available with it (the composed cache evicts at prefill calls)."""
+    name = value.METHOD if isinstance(value, MethodOptions) else value
+    if name not in quantizer_methods():
+        raise QuantizerConfigError("quantize", value, QUANTIZE_WORDS)
+    if decode_evict:
+        raise QuantizerConfigError("decode_evict", decode_evict,
+                                   "None or False with quantize (the quantized cache evicts at prefill calls only)")
 
 
 class EvictionOptions(MethodOptions):

@@ -372,10 +372,15 @@ def _allowed_classes(method: str) -> dict:
     allowed = {name: getattr(mlx_cache, name) for name in _PLAIN_CLASSES if hasattr(mlx_cache, name)}
     if method != NONE:
         from .base import method_info
-        cls = method_info(method).cls
+        info = method_info(method)
+        cls = info.cls
         registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
         if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
             allowed[cls.__name__] = cls
+            if info.family == "eviction":  # its quantized form (cache/composed.py)
+                from .composed import composed_class
+
+                allowed[composed_class(cls).__name__] = composed_class(cls)
         if method in RING_CLASSES:  # its sliding-window layers
             allowed[RING_CLASSES[method].__name__] = RING_CLASSES[method]
     return allowed
@@ -458,6 +463,16 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
 
     if not isinstance(state, dict) or not isinstance(state.get("meta"), str):
         bad("its state is not {meta, arrays}")
+    if hasattr(cls, "part_classes"):  # an eviction cache + a quantizer cache: each checked as its method's
+        try:
+            parts = cls.part_classes(state)
+            rows = json.loads(state["evict"]["meta"])["scalars"]["rows"]
+        except Exception as exc:  # noqa: BLE001 - a malformed part: whatever parsing it raised
+            bad(f"its parts do not parse: {type(exc).__name__}: {str(exc)[:200]}")
+        for name, (part_cls, method) in parts.items():
+            offset = info["offset"] if name == "evict" else rows  # the quantizer counts the rows it holds
+            _check_layer_state(path, i, part_cls, state[name], {**info, "method": method, "offset": offset})
+        state = {k: v for k, v in state.items() if k not in parts}
     extra = set(state) - {"meta", *cls.array_fields}
     if extra:
         bad(f"arrays {sorted(extra)} are not among the class's {list(cls.array_fields)}")

@@ -54,6 +54,10 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
     accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
+    # an eviction method storing its kept rows quantized takes its quantizer's settings too: bare names when
+    # the same items set ``quantize``, else in the explicit form ``QUANTIZER:NAME`` (eval's scoped --set)
+    composing = accepted is not None and "quantize" in accepted and any(
+        i.partition("=")[0].strip() == "quantize" for i in items or ())
     for item in items or ():
         field, value = parse_set(item)
         if field in _NOT_SETTABLE:
@@ -61,16 +65,57 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
         if field in DERIVED_FIELDS:
             raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
         if accepted is not None:
-            if field not in accepted:
-                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}: it does not "
-                                 f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
-            field = accepted[field]
+            quantizer = "quantize" in accepted and _quantizer_field(field)
+            if field not in accepted and quantizer and (composing or ":" in field):
+                pass  # a setting of the quantizer that stores the kept rows: resolved by build_config
+            elif field not in accepted:
+                also = " (with quantize=METHOD, a quantizer's setting)" if quantizer else ""
+                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}{also}: it does "
+                                 f"not read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+            field = accepted.get(field, field)
         elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
             hint = f" (similar: {', '.join(close)})" if close else ""
             raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
         out[field] = value
     return out
+
+
+def _quantizer_field(field: str) -> bool:
+    """``QUANTIZER:NAME`` or a bare ``NAME`` that some quantizer reads (an eviction method's ``quantize``)."""
+    from .options import COMMON_FIELDS, method_fields, quantizer_methods
+
+    q, colon, name = field.rpartition(":")
+    return name not in COMMON_FIELDS and any(name in method_fields(m) for m in ([q] if colon else quantizer_methods())
+                                             if m in quantizer_methods())
+
+
+def _split_quantizer(method: str, flat: dict, own_fields) -> None:
+    """Move the quantizer's settings out of ``flat`` (an eviction method's) into ``flat["quantize"]``: its
+    options object (its own fields) and the shared flat fields it reads (left in ``flat``)."""
+    from .options import OPTIONS_BY_METHOD, method_fields, quantizer_methods
+
+    q = flat.get("quantize")
+    extra = [k for k in flat if k not in own_fields]
+    if q is None:
+        extra = [k for k in extra if ":" in k]  # (other flat fields go to KVCacheConfig as they are)
+        if extra:
+            raise UsageError(f"{extra[0]!r} is a setting of a quantizer, not of {method!r}: add quantize=METHOD "
+                             f"({', '.join(quantizer_methods()[:4])}, ...) to store the kept rows quantized")
+        return
+    if not isinstance(q, str) or q not in quantizer_methods():
+        return  # KVCacheConfig reports the invalid value
+    qfields, picked = method_fields(q), {}
+    for k in extra:
+        scope, _, name = k.rpartition(":")
+        if scope not in ("", q) or name not in qfields:
+            raise UsageError(f"quantizer {q!r} has no setting {name!r}; its settings: {settings_summary(q)}")
+        picked[qfields[name]] = flat.pop(k)
+    opts_cls = OPTIONS_BY_METHOD.get(q)
+    by_flat = {f: o for o, f in opts_cls.FIELDS.items()} | {o: o for o in opts_cls.OPTION_ONLY} if opts_cls else {}
+    own = {by_flat[k]: picked.pop(k) for k in list(picked) if k in by_flat}
+    flat.update(picked)
+    flat["quantize"] = opts_cls(**own) if own else q
 
 
 def _owner_hint(field: str) -> str:
@@ -125,6 +170,8 @@ def build_config(method: str, sets: dict[str, Any]):
     from .options import OPTIONS_BY_METHOD, method_fields
     aliases = method_fields(method)
     flat = {aliases.get(k, k): v for k, v in sets.items()}
+    if "quantize" in aliases:  # an eviction method: its kept rows may be stored by a quantizer
+        _split_quantizer(method, flat, set(aliases.values()))
     if isinstance(flat.get("dtype"), str):
         import mlx.core as mx
         name = flat["dtype"]

@@ -1,0 +1,260 @@
+"""Evict *and* quantize: an eviction method whose kept rows are stored as a quantizer's codes.
+
+``KVCacheConfig(method="snapkv", bit_width_inlier=4, options=SnapKVOptions(budget=1024, quantize="waterfill"))``
+(or ``quantize=WaterfillOptions(residual_length=16)``, ``quantize="kivi"``): any eviction method (a class
+on ``EvictionKVCache``) chooses the rows, any mlx_lm-protocol quantization method stores them. The
+quantizer reads its shared fields (``bit_width_inlier``, ``n_calib_tokens``, ``seed``, ...) from the
+config and its own settings from its options object (``quantize=KIVIOptions(group_size=64)``).
+
+How a layer's cache runs (``QuantizedEviction``, one subclass per eviction method, holding ``evict``, the
+eviction cache, and ``quant``, the quantizer cache):
+
+* **A prefill call** (more than one row) goes to the eviction cache on dense rows: the rows stored so
+  far are decoded from the codes into it ("thaw"), the call's rows appended, attention computed and the
+  rows scored with the call's real queries exactly as the plain method does, and evicted to its budget.
+  Then the kept rows are handed to a fresh quantizer cache as one prefill ("freeze"), with the call's
+  queries shown to its ``attend`` (waterfill weighs its key widths by them; the output is discarded,
+  so never computed); the eviction cache keeps only its per-row bookkeeping (positions, votes).
+* **A decode call** (one row) is appended to the quantizer and attended on its codes (``quant.attend``,
+  the quantizer's own path, fused kernels included); its position is appended to the bookkeeping.
+
+So the kept positions are exactly the plain method's, attention runs on the compressed form, and
+``nbytes`` is the sum of both parts' held arrays (codes, scales, windows, positions, per-row scores).
+The quantizer sees the kept rows as rows ``0 .. K-1`` of its own stream (its ``offset`` is its row
+count, the cache's ``offset`` stays the logical position); a quantizer that undoes RoPE (waterfill)
+undoes it at those row indices and re-applies it at the same ones, so keys are reconstructed exactly
+up to its quantization error, but are quantized rotated by ``position - row`` instead of fully pre-RoPE.
+
+Limits (deviations from the plain methods):
+
+* Decode calls do not evict: ``decode_evict=True`` is refused with ``quantize`` and the methods whose
+  default is decode-time eviction (h2o, tova, pyramidkv, ...) keep every decoded row here; their
+  per-row scores are not updated by decode queries.
+* A prefill call after rows were frozen (a chunked prompt, a second turn) re-quantizes the rows it
+  keeps from their decoded values with a fresh quantizer (calibrated anew), so older rows carry the
+  error of each re-quantization; the cache is not chunk-invariant and ``trim`` is not exact.
+* The fresh quantizer of a later prefill is a copy of the one built for the layer (its RoPE bound); in a
+  cache loaded from a file it is built from the quantizer's config alone (waterfill then codes those keys
+  post-RoPE: still exact up to its error, less compact).
+* Without the attention dispatch point the rows are frozen in ``update_and_fetch`` (the eviction cache's
+  key-proxy scores) and the quantizer sees no queries.
+* Not batchable (``merge`` raises ``BatchingNotSupported``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from . import dispatch
+from .contract import CompressedKVCache, config_from_json
+from .errors import QuantizerConfigError
+from .eviction import EvictionKVCache
+from .options import MethodOptions, quantizer_methods
+from .primitives.buffers import grow_rows
+
+__all__ = ["QuantizedEviction", "composed_class", "quant_config", "register_composed"]
+
+
+def quant_config(config):
+    """The quantizer's config: ``config`` with the quantizer's method and options (``options.quantize``)."""
+    q = config.options.quantize
+    method, opts = (q.METHOD, q) if isinstance(q, MethodOptions) else (q, None)
+    return config.replace(method=method, options=opts)
+
+
+def _implemented(method: str):
+    from .base import method_info
+
+    cls = method_info(method).cls
+    if cls is None:
+        raise NotImplementedError(f"quantize={method!r}: the method is registered but not implemented yet")
+    return cls
+
+
+class QuantizedEviction(CompressedKVCache):
+    """Base of the composed caches (see the module docstring); ``composed_class`` makes one subclass
+    per eviction class (``evict_class``), registered with mlx_lm under ``Quantized<EvictionClass>``."""
+
+    evict_class: type = EvictionKVCache
+    chunk_invariant = False  # each prefill call evicts and re-quantizes what it keeps
+    exact_trim = False  # quantizer trims are not exact (window compaction, completed groups)
+    scalar_fields = ("frozen",)
+    frozen = False  # the rows live in ``quant`` (after a prefill call's attention, and while decoding)
+
+    def __init__(self, config, evict=None, quant=None):
+        super().__init__(config)
+        if config.option("decode_evict") is True:
+            raise QuantizerConfigError("decode_evict", True, "None or False with quantize (the quantized "
+                                                             "eviction cache evicts at prefill calls only)")
+        self.evict = evict if evict is not None else self.evict_class(config)
+        self.evict.decode_evict = False
+        self.quant = quant if quant is not None else _implemented(quant_config(config).method)(quant_config(config))
+        self._blank = None  # an empty copy of the quantizer as built (bound to its layer), taken before use
+
+    @classmethod
+    def build_layers(cls, configs):
+        """The eviction class's and the quantizer class's own per-layer construction, paired."""
+        ev, qconfigs = cls.evict_class, [quant_config(c) for c in configs]
+        qcls = _implemented(qconfigs[0].method) if qconfigs else None
+        evs = ev.build_layers(configs) if hasattr(ev, "build_layers") else [ev(c) for c in configs]
+        qs = qcls.build_layers(qconfigs) if hasattr(qcls, "build_layers") else [qcls(c) for c in qconfigs]
+        return [cls(c, e, q) for c, e, q in zip(configs, evs, qs)]
+
+    def bind_attention(self, attn) -> None:
+        for part in (self.evict, self.quant):
+            if hasattr(part, "bind_attention"):
+                part.bind_attention(attn)
+
+    @property
+    def io_hooks(self):
+        return getattr(self.evict, "io_hooks", {})
+
+    def __getattr__(self, name):  # the eviction cache's hidden-state reports (``io_hooks``)
+        ev = self.__dict__.get("evict")
+        if ev is not None and name in getattr(ev, "io_hooks", {}).values():
+            return getattr(ev, name)
+        raise AttributeError(name)
+
+    # ---------------------------------------------------------------- storage
+    def update_and_fetch(self, keys, values):
+        ev, n = self.evict, keys.shape[2]
+        if self.frozen and n == 1:  # decode: the quantizer stores and attends
+            out = self.quant.update_and_fetch(keys, values)
+            pos = mx.full((keys.shape[0], keys.shape[1], 1), self.offset, mx.int32)
+            ev.positions = grow_rows(ev.positions, ev.rows, pos)
+            for name in ev.row_fields:
+                setattr(ev, name, grow_rows(getattr(ev, name), ev.rows, mx.zeros(pos.shape, mx.float32)))
+            ev.rows += 1
+            ev.offset += 1
+        else:
+            self._thaw()
+            out = ev.update_and_fetch(keys, values)
+            if not dispatch.installed():  # no ``attend`` will come: evicted already, freeze now
+                self._freeze(None, None)
+        self._shape = ev._shape
+        self.offset += n
+        return out
+
+    def _thaw(self) -> None:
+        """Decode the frozen rows back into the eviction cache (a prefill call scores them)."""
+        if not self.frozen:
+            return
+        ev, q = self.evict, self.quant
+        k, v = q._dense()
+        dt = ev.storage_dtype(k.dtype)
+        ev.keys, ev.values = k.astype(dt), v.astype(dt)
+        self.frozen = False
+
+    def _freeze(self, queries, scale) -> None:
+        """Hand the eviction cache's kept rows to a fresh quantizer (shown ``queries``, if any)."""
+        ev = self.evict
+        n, dt = ev.rows, getattr(ev, "compute_dtype", ev.keys.dtype)
+        k, v = mx.contiguous(ev.keys[:, :, :n].astype(dt)), mx.contiguous(ev.values[:, :, :n].astype(dt))
+        ev.keys = ev.values = None
+        if self._blank is None and self.quant.offset == 0:
+            self._blank = copy.copy(self.quant)
+        q = copy.copy(self._blank) if self._blank is not None else type(self.quant)(self.quant.config)
+        qk, qv = q.update_and_fetch(k, v)
+        if queries is not None:  # lets the quantizer see the real queries (e.g. to calibrate)
+            q.attend(queries[:, :, -n:], qk, qv, scale=scale, mask=None)
+        self.quant, self.frozen = q, True
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if self.frozen:
+            return self.quant.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        out = self.evict.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        self._freeze(queries, scale)
+        return out
+
+    def _dense(self):
+        return self.quant._dense() if self.frozen else self.evict._dense()
+
+    def stored_rows(self) -> int:
+        return self.evict.rows
+
+    def _trim_rows(self, n: int) -> int:
+        """The newest ``n`` rows, when every head still holds them (else ``ValueError``), from both parts."""
+        ev = self.evict
+        if not self.frozen:
+            dropped = ev._trim_rows(n)
+        else:
+            if n > ev.rows or not bool(mx.all(ev.positions[:, :, ev.rows - n : ev.rows]
+                                             == mx.arange(self.offset - n, self.offset, dtype=mx.int32))):
+                raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed")
+            dropped = self.quant.trim(n)
+            ev.rows -= dropped
+        ev.offset -= dropped
+        return dropped
+
+    def held_arrays(self):
+        """Both parts' (during a prefill call the thawed rows are read from the quantizer, still held)."""
+        return self.evict.held_arrays() + self.quant.held_arrays()
+
+    @property
+    def quantized_rows(self) -> int:
+        """Rows held as the quantizer's (0 while a prefill call is between store and attention)."""
+        return self.quant.stored_rows() if self.frozen else 0
+
+    # ---------------------------------------------------------------- state
+    @property
+    def state(self):
+        out = CompressedKVCache.state.fget(self)
+        out["evict"] = self.evict.state
+        out["quant"] = self.quant.state
+        return out
+
+    @state.setter
+    def state(self, v):
+        CompressedKVCache.state.fset(self, v)
+        self.evict = self.evict_class.from_state(v["evict"])
+        qcls = _implemented(self.part_method(v["quant"]))
+        self.quant = qcls.from_state(v["quant"])
+        q = self.quant.config.options if self.quant.config.options is not None else self.quant.config.method
+        self.config = self.config.replace(options=dataclasses.replace(self.config.options, quantize=q))
+        self._blank = None
+
+    @staticmethod
+    def part_method(part_state) -> str:
+        """The method of a part's state (its config names it)."""
+        return config_from_json(json.loads(part_state["meta"])["config"]).method
+
+    @classmethod
+    def part_classes(cls, state) -> dict:
+        """``{"evict": (class, method), "quant": (class, method)}`` of a saved state (saved.py checks each
+        part as a cache of its own method); ``ValueError`` unless ``quant`` is a quantization method."""
+        name = cls.part_method(state["quant"])
+        if name not in quantizer_methods():
+            raise ValueError(f"its quantizer {name!r} is not an mlx_lm-protocol quantization method")
+        return {"evict": (cls.evict_class, cls.method_name), "quant": (_implemented(name), name)}
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def composed_class(evict_cls: type) -> type:
+    """The ``QuantizedEviction`` subclass of eviction class ``evict_cls`` (made once, registered with
+    mlx_lm so ``load_prompt_cache`` finds it)."""
+    if not (isinstance(evict_cls, type) and issubclass(evict_cls, EvictionKVCache)):
+        raise QuantizerConfigError("quantize", getattr(evict_cls, "method_name", evict_cls),
+                                   "None: only eviction methods (EvictionKVCache) keep their rows quantized")
+    if evict_cls not in _CLASSES:
+        name = f"Quantized{evict_cls.__name__}"
+        cls = type(name, (QuantizedEviction,), {"evict_class": evict_cls, "method_name": evict_cls.method_name,
+                                                "__module__": __name__, "__doc__": f"{evict_cls.__name__}, kept rows quantized."})
+        setattr(mlx_cache, name, cls)
+        _CLASSES[evict_cls] = cls
+    return _CLASSES[evict_cls]
+
+
+def register_composed() -> None:
+    """Make the composed class of every built eviction method (so saved caches load in a new process)."""
+    from .base import EVICTION, all_methods
+
+    for info in all_methods():
+        if info.family == EVICTION and isinstance(info.cls, type) and issubclass(info.cls, EvictionKVCache):
+            composed_class(info.cls)
