@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (ArraysCache, KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache,
+                                  save_prompt_cache)
 
 from tiny_models import ARCHITECTURES, VOCAB, greedy, tiny_deepseek, tiny_lfm2, tiny_mamba
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, QuantizerConfigError, SnapKVOptions, WaterfillOptions
@@ -105,6 +106,36 @@ def test_eviction_keeps_the_sliding_ring_and_evicts_full_layers(arch, tokens):
     assert r.kld < 1e-4, r.kld  # a budget above the context evicts nothing
 
 
+@pytest.mark.parametrize("store", sorted(RING_CLASSES))
+def test_evict_and_quantize_compresses_every_layer(arch, store, tokens, tmp_path):
+    """snapkv whose kept rows are a quantizer's codes: full layers get the composed cache, sliding layers the
+    quantizer's ring; with a budget above the context only quantization error is left (8 bits: as small as
+    the quantizer's own); the caches save, load and continue as they were."""
+    _, model = arch
+
+    def composed(budget, bits):
+        q = WaterfillOptions(residual_length=16) if store == "waterfill" else store
+        return KVCacheConfig(method="snapkv", bit_width_inlier=bits, options=SnapKVOptions(budget=budget, quantize=q))
+
+    caches = KVCacheBuilder.for_model(model, composed(16, 4))
+    greedy(model, tokens[:N_CTX], caches, max_tokens=4, prefill_step_size=STEP)
+    for mine, theirs in zip(caches, make_prompt_cache(model)):
+        if type(theirs) is RotatingKVCache:
+            assert type(mine) is RING_CLASSES[store] and mine.size() == theirs.max_size
+        else:
+            assert type(mine).__name__ == "QuantizedSnapKVKVCache" and mine.size() < N_CTX // 2
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    t = mx.array([[tokens[N_CTX]]])
+    mx.eval(model(t, cache=caches), model(t, cache=loaded))
+    nxt = mx.array([[tokens[N_CTX + 1]]])
+    assert mx.array_equal(model(nxt, cache=caches), model(nxt, cache=loaded))
+    kl = next_token_fidelity(model, tokens, N_CTX, N_SCORE, composed(4 * N_CTX, 8), STEP).kld
+    assert kl < 5e-3, kl
+
+
 @pytest.mark.parametrize("version", [2, 3])
 def test_mla_is_refused_with_a_clear_error(version):
     model = tiny_deepseek(version)
@@ -143,8 +174,6 @@ def test_saved_and_copied_caches_continue_identically(arch, method, tokens, tmp_
     """The contract's state on every architecture: mlx_lm's save/load_prompt_cache and deepcopy of the
     whole model's caches (rings included) continue with the same logits as the original."""
     import copy
-
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     _, model = arch
     caches = KVCacheBuilder.for_model(model, quant(method, 4))

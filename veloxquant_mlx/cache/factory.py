@@ -207,7 +207,10 @@ class KVCacheBuilder:
                                        f"a model whose make_cache() returns one cache per layer ({len(layers)})")
         _check_kv_layers(model, defaults, layers)
         slots = [i for i, c in enumerate(defaults) if type(c) is mlx_cache.KVCache]
-        ring_cls = RING_CLASSES.get(config.method)
+        ring_config = lambda c: c  # noqa: E731
+        if getattr(config.options, "quantize", None) is not None:  # evict + quantize: the quantizer's ring
+            from .composed import quant_config as ring_config
+        ring_cls = RING_CLASSES.get(ring_config(config).method)
         rings = [i for i, c in enumerate(defaults) if ring_cls and type(c) is mlx_cache.RotatingKVCache]
         bits = config.bit_width_inlier
         n = len(slots) + len(rings)
@@ -229,7 +232,7 @@ class KVCacheBuilder:
             validate_for_model(config, min(c.head_dim for c in configs.values()), len(layer_configs))
         build_layers = getattr(cls, "build_layers", None)
         built = build_layers(layer_configs) if build_layers else [cls(c) for c in layer_configs]
-        built += [ring_cls(configs[i], defaults[i].max_size, defaults[i].keep) for i in rings]
+        built += [ring_cls(ring_config(configs[i]), defaults[i].max_size, defaults[i].keep) for i in rings]
         slots = slots + rings
         caches = list(defaults)
         for i, cache in zip(slots, built):

@@ -381,6 +381,7 @@ def _allowed_classes(method: str) -> dict:
                 from .composed import composed_class
 
                 allowed[composed_class(cls).__name__] = composed_class(cls)
+                allowed.update((ring.__name__, ring) for ring in RING_CLASSES.values())  # its quantizer's ring
         if method in RING_CLASSES:  # its sliding-window layers
             allowed[RING_CLASSES[method].__name__] = RING_CLASSES[method]
     return allowed
