@@ -39,6 +39,8 @@ METHODS = {
     "kivi-4": KVCacheConfig(method="kivi", bit_width_inlier=4),
     "waterfill-4": KVCacheConfig(method="waterfill", bit_width_inlier=4, options=WaterfillOptions(residual_length=16)),
     "snapkv-64": KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=64)),
+    "snapkv-64+waterfill-4": KVCacheConfig(method="snapkv", bit_width_inlier=4, options=SnapKVOptions(
+        budget=64, quantize=WaterfillOptions(residual_length=16))),
 }
 
 
