@@ -21,7 +21,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows"]
+__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows", "angle_tables"]
 
 _BLOCK = 64  # positions per block of the angle-addition tables in rotate_rows
 
@@ -84,20 +84,26 @@ def _turn(a, b, c, s):
     return a * c - b * s, a * s + b * c
 
 
+def angle_tables(omega: mx.array, offset: int, n: int) -> tuple[mx.array, mx.array]:
+    """``cos`` and ``sin`` of ``p * omega`` for positions ``p = offset .. offset + n - 1``, ``[n, P]`` each,
+    by angle addition over blocks of 64 positions (``(n / 64 + 64) * P`` trigonometric values)."""
+    nb = -(-n // _BLOCK)
+    starts = (offset + _BLOCK * mx.arange(nb, dtype=mx.float32))[:, None] * omega  # [nb, P]
+    steps = mx.arange(_BLOCK, dtype=mx.float32)[:, None] * omega  # [Q, P]
+    c0, s0, c1, s1 = mx.cos(starts)[:, None], mx.sin(starts)[:, None], mx.cos(steps), mx.sin(steps)
+    cos, sin = _turn(c0, s0, c1, s1)  # cos(a + b), sin(a + b)
+    P = omega.shape[0]
+    return cos.reshape(nb * _BLOCK, P)[:n], sin.reshape(nb * _BLOCK, P)[:n]
+
+
 def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset: int, inverse: bool = False) -> mx.array:
     """``apply_rope`` for rows ``x [B, H, n, D]`` at positions ``offset .. offset + n - 1`` without a
     sine/cosine per element: ``cos((p0 + r) w) = cos(p0 w) cos(r w) - sin(p0 w) sin(r w)`` over blocks of
     64 positions, so only ``(n / 64 + 64) * dims / 2`` trigonometric values are computed per call
     (MLX's CPU ``fast.rope`` evaluates one per element: ~5x slower for long rows). ``omega`` is
     :func:`rope_frequencies` of ``spec``."""
-    n = x.shape[2]
-    nb = -(-n // _BLOCK)
-    starts = (offset + _BLOCK * mx.arange(nb, dtype=mx.float32))[:, None] * omega  # [nb, P]
-    steps = mx.arange(_BLOCK, dtype=mx.float32)[:, None] * omega  # [Q, P]
-    c0, s0, c1, s1 = mx.cos(starts)[:, None], mx.sin(starts)[:, None], mx.cos(steps), mx.sin(steps)
+    cos, sin = angle_tables(omega, offset, x.shape[2])
     P = omega.shape[0]
-    cos = (c0 * c1 - s0 * s1).reshape(nb * _BLOCK, P)[:n]
-    sin = (s0 * c1 + c0 * s1).reshape(nb * _BLOCK, P)[:n]
     if inverse:
         sin = -sin
     dims = spec["dims"]

@@ -91,9 +91,9 @@ from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ...primitives.codebook import nearest_code, odd_poly_gaussian
-from ...primitives.rope import rope_frequencies, rope_spec, rotate_rows
+from ...primitives.rope import _turn, angle_tables, rope_frequencies, rope_spec, rotate_rows
 from ...primitives.value_rotation import odd_poly, poly_coefficients, power_of_two, rotate_values, value_rotation
-from ...primitives.varpack import VarLayout, extract_codes
+from ...primitives.varpack import VarLayout
 from ...attention import group_queries
 from ... import dispatch, kernels
 from ...kernels import waterfill as wf_kernel
@@ -158,9 +158,6 @@ class WaterfillKVCache(ResidualWindowCache):
     def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
         k = k.astype(mx.float32)
         return rotate_rows(k, self.rope, self._omega(), offset, inverse=True) if self.rope is not None else k
-
-    def _post_rope(self, k: mx.array, offset: int) -> mx.array:
-        return rotate_rows(k, self.rope, self._omega(), offset) if self.rope is not None else k
 
     # ---- calibration
     @property
@@ -236,13 +233,65 @@ class WaterfillKVCache(ResidualWindowCache):
         codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), odd_poly_gaussian(self.bit_width)[0])
         return pack_bits(codes, self.bit_width), scale[..., 0]
 
+    def _pre_keys(self, a: int, b: int) -> mx.array:
+        """Decoded pre-RoPE keys of quantized rows ``a .. b``: [B, H, b - a, D] float32. A code of width
+        <= 8 at stream bit ``o`` lies in the 16 bits from byte ``o // 8``: the rows' bytes are paired with
+        their next byte once, then one gather per code and a shift (``o % 8``) and mask."""
+        lay = self._layout_of()
+        by = mx.view(self.k_words[:, :, a:b], mx.uint8).astype(mx.uint16)
+        pairs = by | (mx.concatenate([by[..., 1:], mx.zeros_like(by[..., :1])], axis=-1) << 8)
+        byte = (lay.word.astype(mx.uint16) * 4 + (lay.shift >> 3))[:, None]
+        codes = mx.take_along_axis(pairs, mx.broadcast_to(byte, (*pairs.shape[:2], 1, byte.shape[-1])), axis=-1)
+        return _dequantize(codes, (lay.shift & 7)[:, None], lay.mask[:, None], self.k_lo.astype(mx.float32),
+                           self.k_step.astype(mx.float32))
+
+    def _pair_slices(self):
+        """The channels of the rotary pairs' first and second members, and the rotated dims."""
+        dims = self.rope["dims"]
+        if self.rope["traditional"]:
+            return slice(0, dims, 2), slice(1, dims, 2), dims
+        return slice(0, dims // 2), slice(dims // 2, dims), dims
+
+    def _rotated_keys(self, a: int, b: int):
+        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts: ``(keys,)`` without RoPE, else
+        the rotated pairs' first and second members and the unrotated tail (no interleaving copy)."""
+        pre = self._pre_keys(a, b)
+        if self.rope is None:
+            return (pre,)
+        first, second, dims = self._pair_slices()
+        cos, sin = angle_tables(self._omega(), self.n_sink + a, b - a)
+        return (*_turn(pre[..., first], pre[..., second], cos, sin), pre[..., dims:])
+
     def _keys(self, a: int, b: int) -> mx.array:
         """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
-        lay = self._layout_of()
-        lo, hi = lay.gather(self.k_words[:, :, a:b])
-        shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
-        pre = _dequantize(lo, hi, shift, mask, self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32))
-        return self._post_rope(pre, self.n_sink + a)
+        parts = self._rotated_keys(a, b)
+        if len(parts) == 1:
+            return parts[0]
+        u, v, tail = parts
+        rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1) if self.rope["traditional"] else mx.concatenate([u, v], -1)
+        return mx.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+
+    def _key_scores(self, q: mx.array, a: int, b: int) -> mx.array:
+        """``q [B, H, R, D] @ K^T`` over quantized rows ``a .. b`` from the key parts (a matmul each)."""
+        parts = self._rotated_keys(a, b)
+        if len(parts) == 1:
+            return q @ parts[0].swapaxes(-1, -2)
+        first, second, dims = self._pair_slices()
+        u, v, tail = parts
+        s = q[..., first] @ u.swapaxes(-1, -2) + q[..., second] @ v.swapaxes(-1, -2)
+        return s + q[..., dims:] @ tail.swapaxes(-1, -2) if tail.shape[-1] else s
+
+    def _weighted_values(self, p: mx.array, a: int, b: int) -> mx.array:
+        """``sum_t p_t s_t centroid[code_t]`` over quantized rows ``a .. b`` (rotated domain), [B, H, R, Dv].
+        4-bit codes: each byte's two nibbles decoded by one fused kernel into the even and odd channels."""
+        pw = p * self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
+        dv = self._shape[2]
+        if self.bit_width != 4 or dv % 2:
+            return pw @ self._value_codes(a, b)
+        even, odd = _nibble_centroids(mx.view(self.v_words[:, :, a:b], mx.uint8)[..., : dv // 2],
+                                      *poly_coefficients(4))
+        out = mx.stack([pw @ even, pw @ odd], axis=-1)
+        return out.reshape(*out.shape[:-2], dv)
 
     def _value_codes(self, a: int, b: int) -> mx.array:
         """Unit-RMS rotated values (codebook centroids) of quantized rows ``a .. b``, computed from the
@@ -275,11 +324,8 @@ class WaterfillKVCache(ResidualWindowCache):
     def _quantized_tiles(self, q, ranges):
         """Per range of quantized rows: scores on the keys decoded there (RoPE re-applied at their
         positions) and ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
-        def values(p, a, b):
-            vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
-            return rotate_values((p * vs) @ self._value_codes(a, b), self.seed, inverse=True)
-
-        return [(lambda a=a, b=b: q @ self._keys(a, b).swapaxes(-1, -2), lambda p, a=a, b=b: values(p, a, b))
+        return [(lambda a=a, b=b: self._key_scores(q, a, b),
+                 lambda p, a=a, b=b: rotate_values(self._weighted_values(p, a, b), self.seed, inverse=True))
                 for a, b in ranges]
 
     # ---- decode (one query row): the fused kernel on the GPU
@@ -394,7 +440,12 @@ class WaterfillKVCache(ResidualWindowCache):
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
-def _dequantize(lo, hi, shift, mask, k_lo, k_step):
-    """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
-    fused kernel with the code extraction."""
-    return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
+def _dequantize(pairs, shift, mask, k_lo, k_step):
+    """``k_lo + code * k_step`` with ``code = (pairs >> shift) & mask`` (``_pre_keys``), one fused kernel."""
+    return k_lo + ((pairs >> shift) & mask).astype(mx.float32) * k_step
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _nibble_centroids(b, pa, pb, pc):
+    """Codebook values of the low and high 4-bit codes of bytes ``b`` (channels 2j and 2j + 1)."""
+    return odd_poly(b & 15, 15, pa, pb, pc), odd_poly(b >> 4, 15, pa, pb, pc)
