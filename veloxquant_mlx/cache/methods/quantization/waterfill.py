@@ -122,7 +122,7 @@ class WaterfillKVCache(ResidualWindowCache):
                      "saliency_source")
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
-    _shared = ("_layout", "_omega_cache", "_kconst")
+    _shared = ("_layout", "_omega_cache", "_kconst", "_ptab")
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
     saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
@@ -237,13 +237,26 @@ class WaterfillKVCache(ResidualWindowCache):
         """Decoded pre-RoPE keys of quantized rows ``a .. b``: [B, H, b - a, D] float32. A code of width
         <= 8 at stream bit ``o`` lies in the 16 bits from byte ``o // 8``: the rows' bytes are paired with
         their next byte once, then one gather per code and a shift (``o % 8``) and mask."""
+        byte, shift, mask = self._pair_table()
+        by = mx.view(self.k_words[:, :, a:b], mx.uint8)
+        pairs = _byte_pairs(by, mx.pad(by[..., 1:], [(0, 0)] * (by.ndim - 1) + [(0, 1)]))
+        return _dequantize(mx.take_along_axis(pairs, byte, axis=-1), shift, mask, self.k_lo, self.k_step)
+
+    def _pair_table(self):
+        """Per (head, channel): the byte where its code starts (``[1, H, 1, D]``), the code's bit offset in it
+        and its width mask (``[H, 1, D]``) (built once per layout; the first two held, the mask is the layout's)."""
         lay = self._layout_of()
-        by = mx.view(self.k_words[:, :, a:b], mx.uint8).astype(mx.uint16)
-        pairs = by | (mx.concatenate([by[..., 1:], mx.zeros_like(by[..., :1])], axis=-1) << 8)
-        byte = (lay.word.astype(mx.uint16) * 4 + (lay.shift >> 3))[:, None]
-        codes = mx.take_along_axis(pairs, mx.broadcast_to(byte, (*pairs.shape[:2], 1, byte.shape[-1])), axis=-1)
-        return _dequantize(codes, (lay.shift & 7)[:, None], lay.mask[:, None], self.k_lo.astype(mx.float32),
-                           self.k_step.astype(mx.float32))
+        pt = self.__dict__.get("_ptab")
+        if pt is None or pt[0] is not lay:
+            dt = mx.uint8 if lay.words * 4 <= 256 else mx.uint16
+            byte = (lay.word.astype(mx.uint16) * 4 + (lay.shift >> 3)).astype(dt)[None, :, None]
+            pt = self._ptab = (lay, byte, (lay.shift & 7)[:, None])
+            mx.eval(pt[1:])
+        return pt[1], pt[2], lay.mask[:, None]
+
+    def _ptab_arrays(self) -> list:
+        pt = self.__dict__.get("_ptab")
+        return list(pt[1:]) if pt is not None and pt[0] is self._layout else []
 
     def _pair_slices(self):
         """The channels of the rotary pairs' first and second members, and the rotated dims."""
@@ -395,11 +408,11 @@ class WaterfillKVCache(ResidualWindowCache):
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """``array_fields``, the width layout's and RoPE angle tables, the decode kernel's tables (once
+        """``array_fields``, the width layout's (and its byte-pair) and RoPE angle tables, the decode kernel's tables (once
         built) and, for the cache that counts it, a non-power-of-two dim's value rotation matrix."""
         out = super().held_arrays()
         if self._layout is not None:
-            out += self._layout.arrays()
+            out += self._layout.arrays() + self._ptab_arrays()
         if self._omega_cache is not None:  # the RoPE angles per position, once used
             out.append(self._omega_cache)
         kc = getattr(self, "_kconst", None)
@@ -436,13 +449,20 @@ class WaterfillKVCache(ResidualWindowCache):
     @property
     def used_nbytes(self) -> int:
         """Bytes of the used rows of every array (spare capacity and the shared rotation left out)."""
-        return super().used_nbytes + (self._layout.nbytes if self._layout is not None else 0)
+        lay = self._layout.nbytes + sum(a.nbytes for a in self._ptab_arrays()) if self._layout is not None else 0
+        return super().used_nbytes + lay
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
 def _dequantize(pairs, shift, mask, k_lo, k_step):
     """``k_lo + code * k_step`` with ``code = (pairs >> shift) & mask`` (``_pre_keys``), one fused kernel."""
-    return k_lo + ((pairs >> shift) & mask).astype(mx.float32) * k_step
+    return k_lo.astype(mx.float32) + ((pairs >> shift) & mask).astype(mx.float32) * k_step.astype(mx.float32)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _byte_pairs(b, following):
+    """16-bit windows ``b | following << 8`` of bytes and their next bytes."""
+    return b.astype(mx.uint16) | (following.astype(mx.uint16) << 8)
 
 
 @functools.partial(mx.compile, shapeless=True)
