@@ -238,7 +238,8 @@ class WaterfillKVCache(ResidualWindowCache):
         <= 8 at stream bit ``o`` lies in the 16 bits from byte ``o // 8``: the rows' bytes are paired with
         their next byte once, then one gather per code and a shift (``o % 8``) and mask."""
         byte, shift, mask = self._pair_table()
-        by = mx.view(self.k_words[:, :, a:b], mx.uint8)
+        by = mx.view(mx.contiguous(self.k_words[:, :, a:b]), mx.uint8)  # (a strided input makes the fused
+        # kernels below take MLX's per-element strided loop: ~4x slower)
         pairs = _byte_pairs(by, mx.pad(by[..., 1:], [(0, 0)] * (by.ndim - 1) + [(0, 1)]))
         return _dequantize(mx.take_along_axis(pairs, byte, axis=-1), shift, mask, self.k_lo.astype(mx.float32),
                            self.k_step.astype(mx.float32))
@@ -302,7 +303,7 @@ class WaterfillKVCache(ResidualWindowCache):
         dv = self._shape[2]
         if self.bit_width != 4 or dv % 2:
             return pw @ self._value_codes(a, b)
-        even, odd = _nibble_centroids(mx.view(self.v_words[:, :, a:b], mx.uint8)[..., : dv // 2],
+        even, odd = _nibble_centroids(mx.contiguous(mx.view(self.v_words[:, :, a:b], mx.uint8)[..., : dv // 2]),
                                       *poly_coefficients(4))
         out = mx.stack([pw @ even, pw @ odd], axis=-1)
         return out.reshape(*out.shape[:-2], dv)
