@@ -298,7 +298,10 @@ def _rope64(k, spec, pos):
     ang = np.asarray(pos, np.float64)[:, None] * w
     c, s = np.cos(ang), np.sin(ang)
     out = k.copy()
-    a, b = (np.arange(0, dims, 2), np.arange(1, dims, 2)) if spec["traditional"] else (np.arange(half), np.arange(half, dims))
+    if spec["traditional"]:
+        a, b = np.arange(0, dims, 2), np.arange(1, dims, 2)
+    else:
+        a, b = np.arange(half), np.arange(half, dims)
     out[..., a] = k[..., a] * c - k[..., b] * s
     out[..., b] = k[..., a] * s + k[..., b] * c
     return out

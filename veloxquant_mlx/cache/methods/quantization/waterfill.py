@@ -36,10 +36,13 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    decoding is arithmetic: ``codebook.odd_poly_gaussian``, within 0.2% of Lloyd-Max's distortion at
    4 bits); packed with ``primitives.bitpack``.
 4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows, the window and the
-   call's rows (``window.joint_attention``); quantized keys decoded (``lo + code * step``, RoPE
-   re-applied), values as ``((p * s) @ centroid[codes]) H^T``. A decode step on MLX's CUDA backend
-   takes the fused kernel of ``cache.kernels.waterfill`` (words read once, RoPE applied to the query,
-   split-K online softmax, one merge undoing the Hadamard), checked against the op path at first use.
+   call's rows (``window.joint_attention``); quantized keys decoded (``lo + code * step``, each code
+   read from the 16 bits at its first byte: one gather, a shift and a mask), RoPE re-applied to the
+   rotary pairs' halves (the scores are two matmuls, no interleaving copy), values as
+   ``((p * s) @ centroid[codes]) H^T`` (4 bits: both nibbles of a byte in one fused kernel). A decode
+   step on MLX's CUDA backend takes the fused kernel of ``cache.kernels.waterfill`` (words read once,
+   RoPE applied to the query, split-K online softmax, one merge undoing the Hadamard), checked against
+   the op path at first use.
 
 Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2`` (values
 + scale); b = 4, D = 64: 66 bytes vs 256 at float16 (0.258x). Per cache: float16 ``lo``/``step``
@@ -283,7 +286,10 @@ class WaterfillKVCache(ResidualWindowCache):
         if len(parts) == 1:
             return parts[0]
         u, v, tail = parts
-        rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1) if self.rope["traditional"] else mx.concatenate([u, v], -1)
+        if self.rope["traditional"]:
+            rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1)
+        else:
+            rot = mx.concatenate([u, v], axis=-1)
         return mx.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
 
     def _key_scores(self, q: mx.array, a: int, b: int) -> mx.array:
@@ -410,8 +416,9 @@ class WaterfillKVCache(ResidualWindowCache):
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """``array_fields``, the width layout's (and its byte-pair) and RoPE angle tables, the decode kernel's tables (once
-        built) and, for the cache that counts it, a non-power-of-two dim's value rotation matrix."""
+        """``array_fields``, the width layout's tables (and its byte-pair tables), the RoPE angles, the decode
+        kernel's tables (once built) and, for the cache that counts it, a non-power-of-two dim's value
+        rotation matrix."""
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays() + self._ptab_arrays()
