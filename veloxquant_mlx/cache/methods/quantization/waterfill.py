@@ -54,7 +54,11 @@ Measured (``veloxquant eval --task kld``, SmolLM2-135M float32 on the CPU, essay
 decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
 0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
 2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
-is below the plain cache's. H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
+is below the plain cache's. CPU (2 cores shared with other jobs, 2026-12-01, ``veloxquant bench --method
+waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 4096 --repeats 1
+--decode-tokens 16 --baselines none``): 0.58x plain at 4k (0.45x on 2026-11-29, before the byte-pair
+decoding); the code decoding and RoPE passes over every stored row cost more than the plain cache's
+two matmuls, and each of the step's ~80 small MLX ops ~15 us of host time. H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
 docs/data/h200_decode_kernels_2026-12-01.json): 0.40x plain at 8k and 0.31x at 32k with the fused
 kernel (0.17x / 0.07x on the op path); the remaining gap is mostly a per-layer host cost of building
 each step's graph (+0.53 ms per layer and step over plain at 8k, +0.77 ms at 32k).
