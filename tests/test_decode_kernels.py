@@ -23,8 +23,11 @@ from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWin
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
 from veloxquant_mlx.cache.options import KIVIOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
+from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
+from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
+from veloxquant_mlx.cache.window import softmax_exp
 
 from test_waterfill import make as make_waterfill  # noqa: E402
 
@@ -261,6 +264,29 @@ def test_waterfill_decode_op_path_equals_float64_attention_over_the_stored_rows(
     assert c.n_sink == 4 and c.n_quant > 0
 
 
+@pytest.mark.parametrize("method", ["waterfill", "turboquant_rvq"])
+def test_tiled_long_decode_steps_equal_float64_attention(monkeypatch, method):
+    """A CPU decode step over more than two tiles of quantized rows (here tiles of 16 rows) is an online
+    softmax over the sinks, the tiles and the exact rows: the same attention over the stored rows."""
+    from veloxquant_mlx.cache import window
+
+    monkeypatch.setattr(window, "DECODE_TILE", 16)
+    H, R, D = 2, 3, 64
+    r = nn.RoPE(D, traditional=True, base=10000.0)
+    c = _waterfill(D, r) if method == "waterfill" else KVCacheFactory.create(
+        KVCacheConfig(method=method, bit_width_inlier=4, head_dim=D))
+    rng = np.random.default_rng(5)
+    _feed_waterfill(c, H, R, D, 257, rng)  # (turboquant_rvq: a 128-row window)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(20):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q, sk = _rows(rng, H * R, 1, D), sinks if i % 2 else None
+        assert c._call.q0 > 2 * 16
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < TOL_ATTN, i
+
+
 @pytest.mark.parametrize("H,R,D,bits,group,prompt,steps", [
     (1, 1, 64, 4, 32, 33, 40), (2, 3, 64, 2, 32, 95, 36), (2, 4, 128, 8, 64, 64, 70)])
 def test_kivi_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R, D, bits, group, prompt, steps):
@@ -276,6 +302,78 @@ def test_kivi_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R,
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
         assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, (i, c.n_quant, c.n_res)
     assert c.n_quant >= group
+
+
+# ---------------------------------------------------------------------------------------- the op path's pieces
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def test_softmax_exp_equals_float64_exp():
+    """The joint softmax's exponential: within a few float32 roundings of float64 ``exp`` for every
+    normal result, exactly 0 at -inf, and 0 or a denormal below float32's range."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([-np.abs(rng.normal(0, 20, 20000)), -rng.uniform(0, 1e-3, 500),
+                        -np.log(2) * (np.arange(126) + 0.5), [0.0, -np.inf, -87.3, -90.0, -200.0]])
+    x = x.astype(np.float32)
+    got = np.array(softmax_exp(mx.array(x)), np.float64)
+    want = np.exp(x.astype(np.float64))
+    normal = want >= np.finfo(np.float32).tiny
+    assert np.all(np.abs(got - want)[normal] <= 8 * EPS32 * want[normal])  # ~8 roundings of the evaluation
+    assert np.all(got[~normal] < np.finfo(np.float32).tiny) and np.all(got[~normal] >= 0)
+    assert got[np.isneginf(x)][0] == 0.0
+
+
+def _rope64(k, spec, pos):
+    """float64 RoPE of rows ``k [B, H, n, D]`` at positions ``pos [n]`` (``spec`` as ``rope_spec``)."""
+    dims, half = spec["dims"], spec["dims"] // 2
+    w = spec["scale"] * float(spec["base"]) ** (-2.0 * np.arange(half) / dims)
+    ang = np.asarray(pos, np.float64)[:, None] * w
+    c, s = np.cos(ang), np.sin(ang)
+    out = k.copy()
+    if spec["traditional"]:
+        a, b = np.arange(0, dims, 2), np.arange(1, dims, 2)
+    else:
+        a, b = np.arange(half), np.arange(half, dims)
+    out[..., a] = k[..., a] * c - k[..., b] * s
+    out[..., b] = k[..., a] * s + k[..., b] * c
+    return out
+
+
+@pytest.mark.parametrize("bits,rope,dims,R", [(4, "traditional", 64, 3), (4, "rope", 64, 1), (3, None, 64, 2),
+                                              (5, "traditional", 32, 4), (2, "rope", 48, 3)])
+def test_waterfill_scores_and_value_sums_equal_a_float64_decoding_of_the_codes(bits, rope, dims, R):
+    """The decode op path's scores (byte-pair unpacking, RoPE on the pair halves) and value sums (per-byte
+    nibbles at 4 bits) over odd row ranges equal float64 from the layout's own unpacking (``VarLayout.
+    unpack``, ``unpack_bits``) and float64 RoPE; widths spread over 0..8 bits (uneven channel scales)."""
+    H, D = 2, 64
+    r = None if rope is None else nn.RoPE(dims, traditional=rope == "traditional", base=10000.0)
+    c = make_waterfill(bits=bits, rope=r, D=D)
+    rng = np.random.default_rng(bits * 7 + dims)
+    chan = np.exp(rng.normal(0, 1.5, D)).astype(np.float32)
+    k = mx.array((rng.normal(size=(1, H, 203, D)) * chan).astype(np.float32))
+    K, V = c.update_and_fetch(k, _rows(rng, H, 203, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 203, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    widths = np.array(c.k_bits[0, :, 0])
+    assert c.n_quant > 100 and widths.max() >= bits + 2 and widths.min() <= bits - 2
+    lay, q0 = c._layout_of(), c.n_quant
+    for a, b in [(0, q0), (5, q0 - 3), (q0 - 1, q0)]:
+        codes = np.array(lay.unpack(c.k_words[:, :, a:b]), np.float64)
+        keys = np.array(c.k_lo, np.float64) + codes * np.array(c.k_step, np.float64)
+        pos = c.n_sink + a + np.arange(b - a)
+        if r is not None:
+            keys = _rope64(keys, rope_spec(r), pos)
+        q = rng.normal(size=(1, H, R, D))
+        got = c._key_scores(mx.array(q.astype(np.float32)), a, b)
+        max_angle = float(pos[-1]) if r is not None else 0.0  # float32 angles: ~eps * angle each
+        assert _rel(got, np.einsum("bhrd,bhnd->bhrn", q, keys)) < 8 * EPS32 * (1 + max_angle), (a, b)
+
+        vcodes = np.array(unpack_bits(c.v_words[:, :, a:b], bits, D), np.float64)
+        pa, pb, pc = odd_poly_gaussian(bits)[1]
+        u = vcodes - ((1 << bits) - 1) / 2
+        vals = (pa * u + pb * u**3 + pc * u**5) * np.array(c.v_scales[:, :, a:b], np.float64)[..., None]
+        p = rng.uniform(size=(1, H, R, b - a))
+        got = c._weighted_values(mx.array(p.astype(np.float32)), a, b)
+        assert _rel(got, np.einsum("bhrn,bhnd->bhrd", p, vals)) < TOL32, (a, b)
 
 
 # ---------------------------------------------------------------------------------------- kernels (CUDA only)

@@ -266,6 +266,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     mx.eval(tok)
     prefill_s = time.perf_counter() - t0
     del logits
+    mx.clear_cache()  # as mlx_lm's generate_step after the prompt: decode does not reuse prefill-sized buffers
     steps = []
     for _ in range(decode_tokens):
         ts = time.perf_counter()

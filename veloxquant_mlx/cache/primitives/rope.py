@@ -15,7 +15,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows"]
+__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows", "angle_tables"]
 
 _BLOCK = 64  # positions per block of the angle-addition tables in rotate_rows
 
@@ -74,22 +74,26 @@ def _turn(a, b, c, s):
     return a * c - b * s, a * s + b * c
 
 
-def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset, inverse: bool = False) -> mx.array:
-    """``apply_rope`` without a sine/cosine per element: angle addition over blocks of 64 positions
-    (``cos((p0 + r) w) = cos(p0 w) cos(r w) - sin(p0 w) sin(r w)``), ``(n / 64 + 64) * dims / 2`` trig values
-    per call (MLX's CPU ``fast.rope``: one per element, ~5x slower). ``omega``: :func:`rope_frequencies`.
-    ``offset``: an int, or one int per batch row (a batch cache's sequences at their own positions)."""
-    n = x.shape[2]
+def angle_tables(omega: mx.array, offset, n: int) -> tuple[mx.array, mx.array]:
+    """``cos`` and ``sin`` of ``p * omega`` for positions ``p = offset .. offset + n - 1`` by angle addition over
+    blocks of 64 positions (``(n / 64 + 64) * P`` trigonometric values): ``[n, P]`` each, or ``[B, 1, n, P]``
+    when ``offset`` holds one start per batch row (a batch cache's sequences at their own positions)."""
     nb = -(-n // _BLOCK)
     per_row = not isinstance(offset, int)
     p0 = mx.array(offset, dtype=mx.float32)[:, None] if per_row else offset
     starts = (p0 + _BLOCK * mx.arange(nb, dtype=mx.float32))[..., None] * omega  # [(B,) nb, P]
     steps = mx.arange(_BLOCK, dtype=mx.float32)[:, None] * omega  # [Q, P]
-    c0, s0, c1, s1 = mx.cos(starts)[..., None, :], mx.sin(starts)[..., None, :], mx.cos(steps), mx.sin(steps)
+    cos, sin = _turn(mx.cos(starts)[..., None, :], mx.sin(starts)[..., None, :], mx.cos(steps), mx.sin(steps))
+    lead, P = ((p0.shape[0], 1) if per_row else ()), omega.shape[0]
+    return cos.reshape(*lead, nb * _BLOCK, P)[..., :n, :], sin.reshape(*lead, nb * _BLOCK, P)[..., :n, :]
+
+
+def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset, inverse: bool = False) -> mx.array:
+    """``apply_rope`` for rows ``x [B, H, n, D]`` at positions ``offset ..`` (an int, or one per batch row)
+    without a sine/cosine per element (:func:`angle_tables`; MLX's CPU ``fast.rope`` evaluates one per
+    element: ~5x slower for long rows). ``omega`` is :func:`rope_frequencies` of ``spec``."""
+    cos, sin = angle_tables(omega, offset, x.shape[2])
     P = omega.shape[0]
-    lead = (x.shape[0], 1) if per_row else ()  # [B, 1, n, P]: one table per batch row
-    cos = (c0 * c1 - s0 * s1).reshape(*lead, nb * _BLOCK, P)[..., :n, :]
-    sin = (s0 * c1 + c0 * s1).reshape(*lead, nb * _BLOCK, P)[..., :n, :]
     if inverse:
         sin = -sin
     dims = spec["dims"]

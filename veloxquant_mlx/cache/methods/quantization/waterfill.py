@@ -36,10 +36,13 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    decoding is arithmetic: ``codebook.odd_poly_gaussian``, within 0.2% of Lloyd-Max's distortion at
    4 bits); packed with ``primitives.bitpack``.
 4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows, the window and the
-   call's rows (``window.joint_attention``); quantized keys decoded (``lo + code * step``, RoPE
-   re-applied), values as ``((p * s) @ centroid[codes]) H^T``. A decode step on MLX's CUDA backend
-   takes the fused kernel of ``cache.kernels.waterfill`` (words read once, RoPE applied to the query,
-   split-K online softmax, one merge undoing the Hadamard), checked against the op path at first use.
+   call's rows (``window.joint_attention``); quantized keys decoded (``lo + code * step``, each code
+   read from the 16 bits at its first byte: one gather, a shift and a mask), RoPE re-applied to the
+   rotary pairs' halves (the scores are two matmuls, no interleaving copy), values as
+   ``((p * s) @ centroid[codes]) H^T`` (4 bits: both nibbles of a byte in one fused kernel). A decode
+   step on MLX's CUDA backend takes the fused kernel of ``cache.kernels.waterfill`` (words read once,
+   RoPE applied to the query, split-K online softmax, one merge undoing the Hadamard), checked against
+   the op path at first use.
 
 Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2`` (values
 + scale); b = 4, D = 64: 66 bytes vs 256 at float16 (0.258x). Per cache: float16 ``lo``/``step``
@@ -51,7 +54,11 @@ Measured (``veloxquant eval --task kld``, SmolLM2-135M float32 on the CPU, essay
 decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
 0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
 2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
-is below the plain cache's. H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
+is below the plain cache's. CPU (2 cores shared with other jobs, 2026-12-01, ``veloxquant bench --method
+waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 4096 --repeats 1
+--decode-tokens 16 --baselines none``): 0.58x plain at 4k (0.45x on 2026-11-29, before the byte-pair
+decoding); the code decoding and RoPE passes over every stored row cost more than the plain cache's
+two matmuls, and each of the step's ~80 small MLX ops ~15 us of host time. H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
 docs/data/h200_decode_kernels_2026-12-01.json): 0.40x plain at 8k and 0.31x at 32k with the fused
 kernel (0.17x / 0.07x on the op path); the remaining gap is mostly a per-layer host cost of building
 each step's graph (+0.53 ms per layer and step over plain at 8k, +0.77 ms at 32k).
@@ -91,9 +98,9 @@ from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ...primitives.codebook import nearest_code, odd_poly_gaussian
-from ...primitives.rope import rope_frequencies, rope_spec, rotate_rows
+from ...primitives.rope import _turn, angle_tables, rope_frequencies, rope_spec, rotate_rows
 from ...primitives.value_rotation import odd_poly, poly_coefficients, power_of_two, rotate_values, value_rotation
-from ...primitives.varpack import VarLayout, extract_codes
+from ...primitives.varpack import VarLayout
 from ...attention import group_queries
 from ... import dispatch, kernels
 from ...kernels import waterfill as wf_kernel
@@ -123,7 +130,7 @@ class WaterfillKVCache(ResidualWindowCache):
                      "saliency_source")
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
-    _shared = ("_layout", "_omega_cache", "_kconst")
+    _shared = ("_layout", "_omega_cache", "_kconst", "_ptab")
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
     saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
@@ -159,9 +166,6 @@ class WaterfillKVCache(ResidualWindowCache):
     def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
         k = k.astype(mx.float32)
         return rotate_rows(k, self.rope, self._omega(), offset, inverse=True) if self.rope is not None else k
-
-    def _post_rope(self, k: mx.array, offset: int) -> mx.array:
-        return rotate_rows(k, self.rope, self._omega(), offset) if self.rope is not None else k
 
     # ---- calibration
     @property
@@ -237,13 +241,83 @@ class WaterfillKVCache(ResidualWindowCache):
         codes = nearest_code(y / mx.maximum(scale.astype(mx.float32), _TINY), odd_poly_gaussian(self.bit_width)[0])
         return pack_bits(codes, self.bit_width), scale[..., 0]
 
+    def _pre_keys(self, a: int, b: int) -> mx.array:
+        """Decoded pre-RoPE keys of quantized rows ``a .. b``: [B, H, b - a, D] float32. A code of width
+        <= 8 at stream bit ``o`` lies in the 16 bits from byte ``o // 8``: the rows' bytes are paired with
+        their next byte once, then one gather per code and a shift (``o % 8``) and mask."""
+        byte, shift, mask = self._pair_table()
+        by = mx.view(mx.contiguous(self.k_words[:, :, a:b]), mx.uint8)  # (a strided input makes the fused
+        # kernels below take MLX's per-element strided loop: ~4x slower)
+        pairs = _byte_pairs(by, mx.pad(by[..., 1:], [(0, 0)] * (by.ndim - 1) + [(0, 1)]))
+        return _dequantize(mx.take_along_axis(pairs, byte, axis=-1), shift, mask, self.k_lo.astype(mx.float32),
+                           self.k_step.astype(mx.float32))
+
+    def _pair_table(self):
+        """Per (head, channel): the byte where its code starts (``[1, H, 1, D]``), the code's bit offset in it
+        and its width mask (``[H, 1, D]``) (built once per layout; the first two held, the mask is the layout's)."""
+        lay = self._layout_of()
+        pt = self.__dict__.get("_ptab")
+        if pt is None or pt[0] is not lay:
+            dt = mx.uint8 if lay.words * 4 <= 256 else mx.uint16
+            byte = (lay.word.astype(mx.uint16) * 4 + (lay.shift >> 3)).astype(dt)[None, :, None]
+            pt = self._ptab = (lay, byte, (lay.shift & 7)[:, None])
+            mx.eval(pt[1:])
+        return pt[1], pt[2], lay.mask[:, None]
+
+    def _ptab_arrays(self) -> list:
+        pt = self.__dict__.get("_ptab")
+        return list(pt[1:]) if pt is not None and pt[0] is self._layout else []
+
+    def _pair_slices(self):
+        """The channels of the rotary pairs' first and second members, and the rotated dims."""
+        dims = self.rope["dims"]
+        if self.rope["traditional"]:
+            return slice(0, dims, 2), slice(1, dims, 2), dims
+        return slice(0, dims // 2), slice(dims // 2, dims), dims
+
+    def _rotated_keys(self, a: int, b: int):
+        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts: ``(keys,)`` without RoPE, else
+        the rotated pairs' first and second members and the unrotated tail (no interleaving copy)."""
+        pre = self._pre_keys(a, b)
+        if self.rope is None:
+            return (pre,)
+        first, second, dims = self._pair_slices()
+        cos, sin = angle_tables(self._omega(), self.n_sink + a, b - a)
+        return (*_turn(pre[..., first], pre[..., second], cos, sin), pre[..., dims:])
+
     def _keys(self, a: int, b: int) -> mx.array:
         """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
-        lay = self._layout_of()
-        lo, hi = lay.gather(self.k_words[:, :, a:b])
-        shift, mask = lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32)
-        pre = _dequantize(lo, hi, shift, mask, self.k_lo.astype(mx.float32), self.k_step.astype(mx.float32))
-        return self._post_rope(pre, self.n_sink + a)
+        parts = self._rotated_keys(a, b)
+        if len(parts) == 1:
+            return parts[0]
+        u, v, tail = parts
+        if self.rope["traditional"]:
+            rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1)
+        else:
+            rot = mx.concatenate([u, v], axis=-1)
+        return mx.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+
+    def _key_scores(self, q: mx.array, a: int, b: int) -> mx.array:
+        """``q [B, H, R, D] @ K^T`` over quantized rows ``a .. b`` from the key parts (a matmul each)."""
+        parts = self._rotated_keys(a, b)
+        if len(parts) == 1:
+            return q @ parts[0].swapaxes(-1, -2)
+        first, second, dims = self._pair_slices()
+        u, v, tail = parts
+        s = q[..., first] @ u.swapaxes(-1, -2) + q[..., second] @ v.swapaxes(-1, -2)
+        return s + q[..., dims:] @ tail.swapaxes(-1, -2) if tail.shape[-1] else s
+
+    def _weighted_values(self, p: mx.array, a: int, b: int) -> mx.array:
+        """``sum_t p_t s_t centroid[code_t]`` over quantized rows ``a .. b`` (rotated domain), [B, H, R, Dv].
+        4-bit codes: each byte's two nibbles decoded by one fused kernel into the even and odd channels."""
+        pw = p * self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
+        dv = self._shape[2]
+        if self.bit_width != 4 or dv % 2:
+            return pw @ self._value_codes(a, b)
+        even, odd = _nibble_centroids(mx.contiguous(mx.view(self.v_words[:, :, a:b], mx.uint8)[..., : dv // 2]),
+                                      *poly_coefficients(4))
+        out = mx.stack([pw @ even, pw @ odd], axis=-1)
+        return out.reshape(*out.shape[:-2], dv)
 
     def _value_codes(self, a: int, b: int) -> mx.array:
         """Unit-RMS rotated values (codebook centroids) of quantized rows ``a .. b``, computed from the
@@ -276,11 +350,8 @@ class WaterfillKVCache(ResidualWindowCache):
     def _quantized_tiles(self, q, ranges):
         """Per range of quantized rows: scores on the keys decoded there (RoPE re-applied at their
         positions) and ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
-        def values(p, a, b):
-            vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
-            return rotate_values((p * vs) @ self._value_codes(a, b), self.seed, inverse=True)
-
-        return [(lambda a=a, b=b: q @ self._keys(a, b).swapaxes(-1, -2), lambda p, a=a, b=b: values(p, a, b))
+        return [(lambda a=a, b=b: self._key_scores(q, a, b),
+                 lambda p, a=a, b=b: rotate_values(self._weighted_values(p, a, b), self.seed, inverse=True))
                 for a, b in ranges]
 
     # ---- decode (one query row): the fused kernel on the GPU
@@ -350,11 +421,12 @@ class WaterfillKVCache(ResidualWindowCache):
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """``array_fields``, the width layout's and RoPE angle tables, the decode kernel's tables (once
-        built) and, for the cache that counts it, a non-power-of-two dim's value rotation matrix."""
+        """``array_fields``, the width layout's tables (and its byte-pair tables), the RoPE angles, the decode
+        kernel's tables (once built) and, for the cache that counts it, a non-power-of-two dim's value
+        rotation matrix."""
         out = super().held_arrays()
         if self._layout is not None:
-            out += self._layout.arrays()
+            out += self._layout.arrays() + self._ptab_arrays()
         if self._omega_cache is not None:  # the RoPE angles per position, once used
             out.append(self._omega_cache)
         kc = getattr(self, "_kconst", None)
@@ -391,7 +463,8 @@ class WaterfillKVCache(ResidualWindowCache):
     @property
     def used_nbytes(self) -> int:
         """Bytes of the used rows of every array (spare capacity and the shared rotation left out)."""
-        return super().used_nbytes + (self._layout.nbytes if self._layout is not None else 0)
+        lay = self._layout.nbytes + sum(a.nbytes for a in self._ptab_arrays()) if self._layout is not None else 0
+        return super().used_nbytes + lay
 
     @classmethod
     def _merge_batch(cls, caches):
@@ -401,7 +474,18 @@ class WaterfillKVCache(ResidualWindowCache):
 
 
 @functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
-def _dequantize(lo, hi, shift, mask, k_lo, k_step):
-    """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``), one
-    fused kernel with the code extraction."""
-    return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
+def _dequantize(pairs, shift, mask, k_lo, k_step):
+    """``k_lo + code * k_step`` with ``code = (pairs >> shift) & mask`` (``_pre_keys``), one fused kernel."""
+    return k_lo + ((pairs >> shift) & mask).astype(mx.float32) * k_step  # (float16 -> 32 per element: 3x slower)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _byte_pairs(b, following):
+    """16-bit windows ``b | following << 8`` of bytes and their next bytes."""
+    return b.astype(mx.uint16) | (following.astype(mx.uint16) << 8)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _nibble_centroids(b, pa, pb, pc):
+    """Codebook values of the low and high 4-bit codes of bytes ``b`` (channels 2j and 2j + 1)."""
+    return odd_poly(b & 15, 15, pa, pb, pc), odd_poly(b >> 4, 15, pa, pb, pc)
