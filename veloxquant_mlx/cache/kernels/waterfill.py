@@ -20,7 +20,7 @@ import numpy as np
 from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
                       scale_array, split_count)
 
-__all__ = ["waterfill_partials", "key_table", "rope_tables", "supported"]
+__all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "decode_attend"]
 
 _SOURCE = r"""
   const int n = meta[0];
@@ -196,3 +196,40 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
                          vpoly, meta, *arrays],
                   [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("QT", queries.dtype)]
                   + exact_template(arrays), B, H, Hq // H, S, dv)
+
+
+def cache_constants(c):
+    """A waterfill cache's kernel tables (key layout, float32 ranges, RoPE, value codebook), built once per
+    calibration and kept on the cache (``_kconst``: held, counted by its ``held_arrays``)."""
+    kc = getattr(c, "_kconst", None)
+    if kc is None or kc[0] is not c.k_lo:
+        from ..primitives.value_rotation import poly_coefficients
+
+        a, b, cc = poly_coefficients(c.bit_width)
+        vpoly = mx.array([a, b, cc, ((1 << c.bit_width) - 1) / 2], dtype=mx.float32)
+        omega = c._omega() if c.rope is not None else None
+        kc = (c.k_lo, key_table(c._layout_of()), mx.contiguous(c.k_lo[:, :, 0].astype(mx.float32)),
+              mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, omega, c._shape[1]), vpoly)
+        mx.eval(*kc[1:4], *kc[4], kc[5])
+        c._kconst = kc
+    return kc[1:]
+
+
+def decode_attend(c, queries, scale: float, sinks=None):
+    """One query row of waterfill cache ``c`` in two launches: the split-K partials over the codes plus the
+    float16 sinks, the window and the call's own row, then the merge (one softmax; the values' Hadamard
+    rotation undone once)."""
+    from . import merge_kernel
+
+    call, c._call = c._call, None
+    ktab, lo, step, rope, vpoly = cache_constants(c)
+    if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)
+        win_k, win_v = c.sink_k, c.sink_v
+    elif c.n_quant == call.q0 and c.n_sink == call.s0:
+        win_k, win_v = c.win_k, c.win_v  # the window buffer still holds the past rows first
+    else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
+        win_k, win_v = call.past_k, call.past_v
+    exact = (c.sink_k, c.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
+    m, l, acc = waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly,
+                                   call.q0, call.s0, c.bit_width, c._shape[2], exact)
+    return merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)

@@ -50,3 +50,9 @@ def odd_poly(codes, top, a, b, c):
     u = codes.astype(mx.float32) - top / 2
     u2 = u * u
     return u * (a + u2 * (b + c * u2))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def nibble_centroids(b, pa, pb, pc):
+    """Codebook values (:func:`odd_poly`) of the low and high 4-bit codes of bytes ``b``: channels 2j and 2j + 1."""
+    return odd_poly(b & 15, 15, pa, pb, pc), odd_poly(b >> 4, 15, pa, pb, pc)

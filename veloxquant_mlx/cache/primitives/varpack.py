@@ -96,3 +96,30 @@ def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -
     is ``hi << (32 - s)`` without a shift by 32; bits above a non-straddling code's width are masked off."""
     s = shift.astype(mx.uint32)
     return ((lo >> s) | ((hi << (31 - s)) << 1)) & mask.astype(mx.uint32)
+
+
+def pair_table(layout: VarLayout):
+    """Per (group, channel): the byte where its code starts (``[1, G, 1, D]``) and the code's bit offset in
+    that byte (``[G, 1, D]``), for :func:`dequantize_pairs`."""
+    dt = mx.uint8 if layout.words * 4 <= 256 else mx.uint16
+    byte = (layout.word.astype(mx.uint16) * 4 + (layout.shift >> 3)).astype(dt)[None, :, None]
+    return byte, (layout.shift & 7)[:, None]
+
+
+def dequantize_pairs(words, byte, shift, mask, lo, step):
+    """``lo + code * step`` for every channel of ``words [B, G, n, W]`` (codes of width <= 8): a code at stream
+    bit ``o`` lies in the 16 bits from byte ``o // 8``, so the bytes are paired with their next byte once, then
+    one gather per code, a shift and a mask (:meth:`VarLayout.unpack` gathers two words per code)."""
+    by = mx.view(mx.contiguous(words), mx.uint8)  # (a strided input makes the fused kernels ~4x slower)
+    pairs = _byte_pairs(by, mx.pad(by[..., 1:], [(0, 0)] * (by.ndim - 1) + [(0, 1)]))
+    return _pair_dequantize(mx.take_along_axis(pairs, byte, axis=-1), shift, mask, lo, step)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _byte_pairs(b, following):
+    return b.astype(mx.uint16) | (following.astype(mx.uint16) << 8)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _pair_dequantize(pairs, shift, mask, lo, step):
+    return lo + ((pairs >> shift) & mask).astype(mx.float32) * step  # (float16 -> 32 per element: 3x slower)

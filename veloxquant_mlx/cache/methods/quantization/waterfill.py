@@ -2,90 +2,57 @@
 pre-RoPE calibrated key ranges, rotated per-token values; float16 sinks and window. The library's
 4-bit-class method (a VeloxQuant composition, not one paper).
 
-Why. On SmolLM2 the keys carry the 4-bit error (docs/RESULTS.md, "4-bit class target"): a few key
-channels have wide ranges *and* meet large query components, so a uniform width wastes bits on
-channels the logits barely see. Each extra bit goes where ``E[q_c^2] r_c^2 4^-b_c`` (the logit error
-of channel ``c``) is largest: reverse water-filling (``primitives.bitalloc``), with the model's real
-queries (the attention dispatch point shows them to the cache).
+Why: on SmolLM2 the keys carry the 4-bit error (docs/RESULTS.md, "4-bit class target"): a few key channels
+have wide ranges *and* meet large query components, so each extra bit goes where ``E[q_c^2] r_c^2 4^-b_c``
+(channel c's logit error) is largest (``primitives.bitalloc``), with the real queries the dispatch point shows.
 
-Ideas used, by source: per-channel key quantization with *calibrated* ranges, on keys *before* RoPE,
-and float16 attention-sink tokens: KVQuant (arXiv 2401.18079, sections 3.1, 3.2, 3.6); a width per
-key channel: Kitty (arXiv 2511.18643) boosts a fixed fraction of channels, here every channel gets its
-own width; values rotated by a Hadamard transform before per-token quantization: QuaRot (arXiv
-2404.00456), their coordinates coded with a Gaussian Lloyd-Max codebook scaled per row: TurboQuant-MSE
-(arXiv 2504.19874); a float16 window of the newest tokens: KIVI's residual (arXiv 2402.02750).
+Sources: per-channel key quantization with calibrated ranges, pre-RoPE keys and float16 sink tokens: KVQuant
+(arXiv 2401.18079, sections 3.1, 3.2, 3.6); a width per key channel: Kitty (arXiv 2511.18643, which boosts a
+fixed fraction of channels); values Hadamard-rotated before per-token quantization: QuaRot (arXiv 2404.00456),
+coded with a Gaussian Lloyd-Max codebook scaled per row: TurboQuant-MSE (arXiv 2504.19874); a float16 window of
+the newest tokens: KIVI's residual (arXiv 2402.02750).
 
 Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
 
-1. Rows enter a float16 window (``ResidualWindowCache``); until calibration nothing leaves it, and
-   every call's queries add ``sum q^2`` per KV head and channel (``q_energy``; with RoPE undone,
-   the two channels of a rotary pair share their mean, since a key's pre-RoPE channel meets both).
-2. Calibration, once, at the end of the first call after which ``n_calib_tokens`` (default 64) rows
-   are stored: keys are un-rotated (the layer's RoPE, checked against it and inverted by
-   ``primitives.rope.rotate_rows``; unknown RoPE: keys stay post-RoPE), the range ``[lo, hi]`` of every
-   (batch row, head, channel) is taken over the stored rows but the 4 sinks, and each head's ``b * D``
-   key bits go to the top gains ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (the j-th bit of channel c, widths
-   0..8; ``allocate_bits``): the widths ``k_bits [H, D]``.
-3. Rows leaving the window (whole blocks of 16, the newest R..R+15 stay; the stream's first 4 tokens
-   go to float16 sink rows). Keys: un-rotated, coded ``round((k - lo) / step)`` in ``[0, 2^b_c - 1]``
-   with ``step = (hi - lo) / (2^b_c - 1)`` (0-bit channels: the range's midpoint), packed at their
-   own widths (``primitives.varpack``, whole 32-bit words per row). Values: ``y = v H`` (normalized
-   Hadamard as a fast transform; a seeded random rotation matrix when ``Dv`` is not a power of two);
-   each row's RMS ``s`` is stored as float16 and ``y / s`` coded with a ``b``-bit codebook for N(0, 1)
-   (TurboQuant-MSE's Lloyd-Max levels fitted by ``a u + b u^3 + c u^5`` in the centred code ``u``, so
-   decoding is arithmetic: ``codebook.odd_poly_gaussian``, within 0.2% of Lloyd-Max's distortion at
-   4 bits); packed with ``primitives.bitpack``.
-4. Attention (``attend``): one softmax over the float16 sinks, the quantized rows, the window and the
-   call's rows (``window.joint_attention``); quantized keys decoded (``lo + code * step``, each code
-   read from the 16 bits at its first byte: one gather, a shift and a mask), RoPE re-applied to the
-   rotary pairs' halves (the scores are two matmuls, no interleaving copy), values as
-   ``((p * s) @ centroid[codes]) H^T`` (4 bits: both nibbles of a byte in one fused kernel). A decode
-   step on MLX's CUDA backend takes the fused kernel of ``cache.kernels.waterfill`` (words read once,
-   RoPE applied to the query, split-K online softmax, one merge undoing the Hadamard), checked against
-   the op path at first use.
+1. Rows enter a float16 window (``ResidualWindowCache``); until calibration nothing leaves it, and every
+   call's queries add ``sum q^2`` per KV head and channel (pre-RoPE: a rotary pair's channels share their mean).
+2. Calibration, once, after ``n_calib_tokens`` (default 64) rows: keys un-rotated by the layer's RoPE
+   (``rope.rotate_rows``; unknown RoPE: keys stay post-RoPE), ``[lo, hi]`` per (batch row, head, channel)
+   over the rows but the 4 sinks, and each head's ``b * D`` key bits to the top gains
+   ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (widths 0..8, ``allocate_bits``).
+3. Rows leave the window in blocks of 16 (the newest R..R+15 stay; the first 4 tokens are float16 sinks).
+   Keys: ``round((k - lo) / step)`` at their channel's width, packed per row (``primitives.varpack``);
+   0-bit channels decode to the range's midpoint. Values: ``y = v H`` (Hadamard; a seeded rotation for a
+   non-power-of-two ``Dv``), the row RMS ``s`` in float16, ``y / s`` coded with a ``b``-bit N(0, 1) codebook
+   fitted as an odd polynomial of the centred code (``codebook.odd_poly_gaussian``: within 0.2% of
+   Lloyd-Max's distortion at 4 bits, decoded arithmetically).
+4. Attention: one softmax over sinks, quantized rows, window and the call's rows (``window.joint_attention``);
+   keys decoded one gather per code (``varpack.dequantize_pairs``), RoPE re-applied to the rotary pairs'
+   halves (two matmuls); values ``((p * s) @ centroid[codes]) H^T``. On MLX's CUDA backend a decode step
+   takes ``kernels.waterfill`` (codes read once, RoPE on the query), checked against the op path at first use.
 
-Bytes per quantized token and KV head: ``b * D / 8`` (keys, whole words) + ``b * Dv / 8 + 2`` (values
-+ scale); b = 4, D = 64: 66 bytes vs 256 at float16 (0.258x). Per cache: float16 ``lo``/``step``
-``[B, H, 1, D]``, the widths and their unpacking tables, the float16 window and sinks (and the decode
-kernel's small tables once used); a value rotation matrix only for a non-power-of-two ``Dv``, counted
-once per model (``build_layers``).
-
-Measured (``veloxquant eval --task kld``, SmolLM2-135M float32 on the CPU, essay prompt + 32 scored
-decode steps; docs/RESULTS.md "Quality targets"): 4 bits with ``residual_length=16``: KLD 0.0009 at
-0.296x the fp16 bytes (whole cache) at 1024 tokens, 0.0008 at 0.277x at 2048 -- the 4-bit class target;
-2 bits with ``residual_length=32``: KLD 0.065 at 0.159x at 2048 -- the 2-bit class target. Decode speed
-is below the plain cache's. CPU (2 cores shared with other jobs, 2026-12-01, ``veloxquant bench --method
-waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 4096 --repeats 1
---decode-tokens 16 --baselines none``): 0.58x plain at 4k (0.45x on 2026-11-29, before the byte-pair
-decoding); the code decoding and RoPE passes over every stored row cost more than the plain cache's
-two matmuls, and each of the step's ~80 small MLX ops ~15 us of host time. H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
-docs/data/h200_decode_kernels_2026-12-01.json): 0.40x plain at 8k and 0.31x at 32k with the fused
-kernel (0.17x / 0.07x on the op path); the remaining gap is mostly a per-layer host cost of building
-each step's graph (+0.53 ms per layer and step over plain at 8k, +0.77 ms at 32k).
+Bytes per quantized token and KV head: ``b * D / 8`` + ``b * Dv / 8 + 2``; b = 4, D = 64: 66 vs 256 at
+float16 (0.258x), plus per cache the float16 ranges, the width tables, window and sinks. Quality and speed:
+docs/RESULTS.md ("Quality targets": KLD 0.0009 at 0.296x at 1024 tokens, 4 bits, ``residual_length=16``;
+"Speed and memory": below the plain cache's decode speed on the CPU and the H200).
 
 Deviations and limits (all of them):
 
-* KVQuant calibrates per-channel scales offline on a calibration set and quantizes with non-uniform
-  (sensitivity-weighted k-means) levels and dense-and-sparse outliers; here ranges come from the
-  cache's own first ``n_calib_tokens``, levels are uniform, and sensitivity enters through the bit
-  widths instead. Later keys outside the calibrated range are clamped (the range is not refitted);
-  pre-RoPE ranges do not drift with position, post-RoPE ones can.
-* Calibration happens once; its statistics come from the first calls (prompt), so the cache is not
-  chunk-invariant. Without the dispatch point (no queries seen) the widths are allocated with equal
-  channel weights, at the first call after ``n_calib_tokens`` rows.
-* Values are quantized per token (KIVI: value errors average out over tokens) at the uniform width b,
-  with the Gaussian codebook (TurboQuant: the exact Beta-type law and a random rotation; close for
-  Dv = 64, and a Hadamard is cheaper), scaled by the row's RMS instead of its norm.
-* ``bit_width_inlier`` sets both the keys' average width and the values' width; ``n_sink_tokens``
-  is not used (4 sink rows, as turboquant_rvq).
+* KVQuant calibrates per-channel scales offline and uses non-uniform (sensitivity-weighted k-means) levels
+  with dense-and-sparse outliers; here ranges come from the cache's own first ``n_calib_tokens``, levels are
+  uniform and sensitivity enters through the widths. Later keys outside the range are clamped (not refitted).
+* Calibration happens once, on the first calls (prompt): not chunk-invariant. Without the dispatch point
+  (no queries) the widths use equal channel weights.
+* Values are quantized per token (KIVI) at the uniform width b with the Gaussian codebook (TurboQuant: the
+  exact Beta-type law and a random rotation), scaled by the row's RMS instead of its norm.
+* ``bit_width_inlier`` sets both the keys' average and the values' width; ``n_sink_tokens`` is not used
+  (4 sink rows, as turboquant_rvq).
 
-mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``), plus the calibration in ``state``;
-``merge`` builds the batch form (``waterfill_batch.py``).
+mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``), plus the calibration in ``state``; ``merge``
+builds the batch form (``waterfill_batch.py``).
 """
-
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -99,8 +66,9 @@ from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ...primitives.codebook import nearest_code, odd_poly_gaussian
 from ...primitives.rope import _turn, angle_tables, rope_frequencies, rope_spec, rotate_rows
-from ...primitives.value_rotation import odd_poly, poly_coefficients, power_of_two, rotate_values, value_rotation
-from ...primitives.varpack import VarLayout
+from ...primitives.value_rotation import (nibble_centroids, odd_poly, poly_coefficients, power_of_two, rotate_values,
+                                         value_rotation)
+from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
 from ...attention import group_queries
 from ... import dispatch, kernels
 from ...kernels import waterfill as wf_kernel
@@ -242,25 +210,17 @@ class WaterfillKVCache(ResidualWindowCache):
         return pack_bits(codes, self.bit_width), scale[..., 0]
 
     def _pre_keys(self, a: int, b: int) -> mx.array:
-        """Decoded pre-RoPE keys of quantized rows ``a .. b``: [B, H, b - a, D] float32. A code of width
-        <= 8 at stream bit ``o`` lies in the 16 bits from byte ``o // 8``: the rows' bytes are paired with
-        their next byte once, then one gather per code and a shift (``o % 8``) and mask."""
-        byte, shift, mask = self._pair_table()
-        by = mx.view(mx.contiguous(self.k_words[:, :, a:b]), mx.uint8)  # (a strided input makes the fused
-        # kernels below take MLX's per-element strided loop: ~4x slower)
-        pairs = _byte_pairs(by, mx.pad(by[..., 1:], [(0, 0)] * (by.ndim - 1) + [(0, 1)]))
-        return _dequantize(mx.take_along_axis(pairs, byte, axis=-1), shift, mask, self.k_lo.astype(mx.float32),
-                           self.k_step.astype(mx.float32))
+        """Decoded pre-RoPE keys of quantized rows ``a .. b``: [B, H, b - a, D] float32 (one gather per code:
+        ``varpack.dequantize_pairs``)."""
+        return dequantize_pairs(self.k_words[:, :, a:b], *self._pair_table(), self.k_lo.astype(mx.float32),
+                                self.k_step.astype(mx.float32))
 
     def _pair_table(self):
-        """Per (head, channel): the byte where its code starts (``[1, H, 1, D]``), the code's bit offset in it
-        and its width mask (``[H, 1, D]``) (built once per layout; the first two held, the mask is the layout's)."""
+        """``varpack.pair_table`` of the layout and its width mask (built once per layout; held)."""
         lay = self._layout_of()
         pt = self.__dict__.get("_ptab")
         if pt is None or pt[0] is not lay:
-            dt = mx.uint8 if lay.words * 4 <= 256 else mx.uint16
-            byte = (lay.word.astype(mx.uint16) * 4 + (lay.shift >> 3)).astype(dt)[None, :, None]
-            pt = self._ptab = (lay, byte, (lay.shift & 7)[:, None])
+            pt = self._ptab = (lay, *pair_table(lay))
             mx.eval(pt[1:])
         return pt[1], pt[2], lay.mask[:, None]
 
@@ -314,7 +274,7 @@ class WaterfillKVCache(ResidualWindowCache):
         dv = self._shape[2]
         if self.bit_width != 4 or dv % 2:
             return pw @ self._value_codes(a, b)
-        even, odd = _nibble_centroids(mx.contiguous(mx.view(self.v_words[:, :, a:b], mx.uint8)[..., : dv // 2]),
+        even, odd = nibble_centroids(mx.contiguous(mx.view(self.v_words[:, :, a:b], mx.uint8)[..., : dv // 2]),
                                       *poly_coefficients(4))
         out = mx.stack([pw @ even, pw @ odd], axis=-1)
         return out.reshape(*out.shape[:-2], dv)
@@ -335,9 +295,7 @@ class WaterfillKVCache(ResidualWindowCache):
         return out
 
     def _rows_memo(self) -> "kernels._common.RowsMemo":
-        """The memo of the dense quantized rows (their lazy graph, reused between compactions on the
-        decode kernels' backend while the dispatch point is installed: then the model's attention
-        never evaluates them)."""
+        """The dense quantized rows' lazy graph, kept between compactions (``kernels._common.RowsMemo``)."""
         memo = self.__dict__.get("_dense_memo")
         if memo is None:
             memo = self._dense_memo = kernels._common.RowsMemo()
@@ -366,39 +324,8 @@ class WaterfillKVCache(ResidualWindowCache):
         ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and power_of_two(DV)
         return ok and call.s0 > 0 and kernels.kernels_enabled()
 
-    def _kernel_constants(self):
-        """The kernel's per-cache tables (key layout, float32 ranges, RoPE), built once per calibration."""
-        kc = getattr(self, "_kconst", None)
-        if kc is None or kc[0] is not self.k_lo:
-            D = self._shape[1]
-            lay = self._layout_of()
-            a, b, c = poly_coefficients(self.bit_width)
-            vpoly = mx.array([a, b, c, ((1 << self.bit_width) - 1) / 2], dtype=mx.float32)
-            omega = self._omega() if self.rope is not None else None
-            kc = (self.k_lo, wf_kernel.key_table(lay), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
-                  mx.contiguous(self.k_step[:, :, 0].astype(mx.float32)),
-                  wf_kernel.rope_tables(self.rope, omega, D), vpoly)
-            mx.eval(*kc[1:4], *kc[4], kc[5])
-            self._kconst = kc
-        return kc[1:]
-
     def _decode_attend(self, queries, *, scale, sinks=None):
-        """Attention of one query row in two launches: the decode kernel's split-K partials over the
-        codes plus the float16 sinks, the window and the call's own row, then the merge kernel (one
-        softmax; the values' Hadamard rotation undone once, as a fast transform)."""
-        call, self._call = self._call, None
-        ktab, lo, step, rope, vpoly = self._kernel_constants()
-        if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)
-            win_k, win_v = self.sink_k, self.sink_v
-        elif self.n_quant == call.q0 and self.n_sink == call.s0:
-            win_k, win_v = self.win_k, self.win_v  # the window buffer still holds the past rows first
-        else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
-            win_k, win_v = call.past_k, call.past_v
-        exact = (self.sink_k, self.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
-        m, l, acc = wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
-                                                 self.v_scales, vpoly, call.q0, call.s0, self.bit_width,
-                                                 self._shape[2], exact)
-        return kernels.merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
+        return wf_kernel.decode_attend(self, queries, scale, sinks)
 
     # ---- attention: observe the queries until calibrated
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -471,21 +398,3 @@ class WaterfillKVCache(ResidualWindowCache):
         from .waterfill_batch import WaterfillBatchKVCache
 
         return WaterfillBatchKVCache.from_caches(caches)
-
-
-@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
-def _dequantize(pairs, shift, mask, k_lo, k_step):
-    """``k_lo + code * k_step`` with ``code = (pairs >> shift) & mask`` (``_pre_keys``), one fused kernel."""
-    return k_lo + ((pairs >> shift) & mask).astype(mx.float32) * k_step  # (float16 -> 32 per element: 3x slower)
-
-
-@functools.partial(mx.compile, shapeless=True)
-def _byte_pairs(b, following):
-    """16-bit windows ``b | following << 8`` of bytes and their next bytes."""
-    return b.astype(mx.uint16) | (following.astype(mx.uint16) << 8)
-
-
-@functools.partial(mx.compile, shapeless=True)
-def _nibble_centroids(b, pa, pb, pc):
-    """Codebook values of the low and high 4-bit codes of bytes ``b`` (channels 2j and 2j + 1)."""
-    return odd_poly(b & 15, 15, pa, pb, pc), odd_poly(b >> 4, 15, pa, pb, pc)

@@ -34,6 +34,8 @@ tables, the RoPE angles and, for the first layer, a non-power-of-two ``Dv``'s ro
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -42,11 +44,12 @@ from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitalloc import allocate_bits, rope_pair_mean
 from ...primitives.bitpack import packed_words
 from ...primitives.value_rotation import rotate_values
-from ...primitives.varpack import VarLayout
+from ...primitives.rope import rotate_rows
+from ...primitives.varpack import VarLayout, extract_codes
 from ...window import SINK_ROWS, ResidualWindowCache, WindowCall
 from ..batch_common import borrows, rows_from
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
-from .waterfill import BLOCK, WaterfillKVCache, _dequantize
+from .waterfill import BLOCK, WaterfillKVCache
 
 _CODES = ("k_words", "v_words", "v_scales")
 _CALIB = ("k_lo", "k_step", "k_bits", "q_energy")
@@ -58,8 +61,8 @@ def _settings(c) -> tuple:
 
 @register_with_mlx_lm
 @borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk")
-@borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_encode_values",
-         "_value_codes", "_quantized_tiles", "constant_nbytes")
+@borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_encode_values",
+         "_value_codes", "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     """Waterfill's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -248,9 +251,22 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         pre = _dequantize(lo, hi, lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32), *flat)
         return self._post_rope(pre.reshape(B, H, n, D), SINK_ROWS + a)
 
+    def _post_rope(self, k: mx.array, offset) -> mx.array:
+        return rotate_rows(k, self.rope, self._omega(), offset) if self.rope is not None else k
+
     def _quantized_dense(self, n):
         v = self._value_codes(0, n) * self.v_scales[:, :, :n, None].astype(mx.float32)
         return self._keys(0, n), rotate_values(v, self.seed, inverse=True)
+
+    def _quantized_tiles(self, q, ranges):
+        """Per range of code slots: scores on the keys decoded there and ``sum_t p_t s_t centroid[code_t]``,
+        rotated back once (the single cache's tiles, on the batched key unpacking)."""
+        def values(p, a, b):
+            vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
+            return rotate_values((p * vs) @ self._value_codes(a, b), self.seed, inverse=True)
+
+        return [(lambda a=a, b=b: q @ self._keys(a, b).swapaxes(-1, -2), lambda p, a=a, b=b: values(p, a, b))
+                for a, b in ranges]
 
     # ---------------------------------------------------------------- attention
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -282,3 +298,9 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         if self._layout is not None:
             out += self._layout.arrays()
         return out + ([self._omega_cache] if getattr(self, "_omega_cache", None) is not None else [])
+
+
+@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
+def _dequantize(lo, hi, shift, mask, k_lo, k_step):
+    """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``)."""
+    return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
