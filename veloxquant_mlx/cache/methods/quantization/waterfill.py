@@ -225,8 +225,8 @@ class WaterfillKVCache(ResidualWindowCache):
         return pt[1], pt[2], lay.mask[:, None]
 
     def _ptab_arrays(self) -> list:
-        pt = self.__dict__.get("_ptab")
-        return list(pt[1:]) if pt is not None and pt[0] is self._layout else []
+        """The byte-pair tables, held whenever the layout is (so copies and loaded caches count the same)."""
+        return list(self._pair_table()[:2]) if self._layout is not None else []
 
     def _pair_slices(self):
         """The channels of the rotary pairs' first and second members, and the rotated dims."""
