@@ -8,6 +8,7 @@ from mlx_lm.models import cache as mlx_cache
 from . import dispatch
 from .artifacts import ArtifactStore
 from .base import STANDALONE_METHODS, method_info
+from .composed import quant_config
 from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver, notify
@@ -207,9 +208,8 @@ class KVCacheBuilder:
                                        f"a model whose make_cache() returns one cache per layer ({len(layers)})")
         _check_kv_layers(model, defaults, layers)
         slots = [i for i, c in enumerate(defaults) if type(c) is mlx_cache.KVCache]
-        ring_config = lambda c: c  # noqa: E731
-        if getattr(config.options, "quantize", None) is not None:  # evict + quantize: the quantizer's ring
-            from .composed import quant_config as ring_config
+        composed = getattr(config.options, "quantize", None) is not None  # evict + quantize: the quantizer's ring
+        ring_config = quant_config if composed else (lambda c: c)
         ring_cls = RING_CLASSES.get(ring_config(config).method)
         rings = [i for i, c in enumerate(defaults) if ring_cls and type(c) is mlx_cache.RotatingKVCache]
         bits = config.bit_width_inlier

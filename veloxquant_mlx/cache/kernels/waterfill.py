@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..primitives.value_rotation import poly_coefficients
 from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
                       scale_array, split_count)
 
@@ -203,8 +204,6 @@ def cache_constants(c):
     calibration and kept on the cache (``_kconst``: held, counted by its ``held_arrays``)."""
     kc = getattr(c, "_kconst", None)
     if kc is None or kc[0] is not c.k_lo:
-        from ..primitives.value_rotation import poly_coefficients
-
         a, b, cc = poly_coefficients(c.bit_width)
         vpoly = mx.array([a, b, cc, ((1 << c.bit_width) - 1) / 2], dtype=mx.float32)
         omega = c._omega() if c.rope is not None else None
