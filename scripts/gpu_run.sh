@@ -14,6 +14,7 @@ shift
 for cmd in "$@"; do
   case "$cmd" in
   ktest) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel" > $OUT/ktest.txt 2>&1; tail -25 $OUT/ktest.txt ;;
+  ktime) timeout 300 python3 scripts/decode_kernel_time.py --context 8192,32768,131072 --old-kernels .gpu/old > $OUT/ktime.txt 2>&1; cat $OUT/ktime.txt ;;
   prof32) timeout 200 python3 scripts/profile_waterfill.py --context 32768 --heads 8 --rep 4 --dim 128 > $OUT/prof32.txt 2>&1; tail -20 $OUT/prof32.txt ;;
   prof8) timeout 200 python3 scripts/profile_waterfill.py --context 8192 --heads 8 --rep 4 --dim 128 > $OUT/prof8.txt 2>&1; tail -20 $OUT/prof8.txt ;;
   prof128) timeout 200 python3 scripts/profile_waterfill.py --context 131072 --heads 8 --rep 4 --dim 128 ;;

@@ -196,6 +196,8 @@ def test_kivi_kernel_takes_only_the_layouts_it_reads():
     assert not kivi_kernel.supported(8, 32, 32, 256, 256)  # a 64-word value row
     assert not kivi_kernel.supported(4, 32, 32, 96, 96)  # 12 words per value row do not divide the warp
     assert not kivi_kernel.supported(3, 32, 32, 128, 128) and not kivi_kernel.supported(4, 16, 32, 128, 128)
+    assert kivi_kernel.supported(8, 32, 32, 128, 128, rep=12)
+    assert not kivi_kernel.supported(8, 32, 32, 128, 128, rep=16)  # the block's shared memory over 48 KB
 
 
 # ---------------------------------------------------------------------------------------- waterfill's rotation
@@ -365,7 +367,9 @@ def test_waterfill_scores_and_value_sums_equal_a_float64_decoding_of_the_codes(b
         q = rng.normal(size=(1, H, R, D))
         got = c._key_scores(mx.array(q.astype(np.float32)), a, b)
         max_angle = float(pos[-1]) if r is not None else 0.0  # float32 angles: ~eps * angle each
-        assert _rel(got, np.einsum("bhrd,bhnd->bhrn", q, keys)) < 8 * EPS32 * (1 + max_angle), (a, b)
+        # on a GPU the matmuls may round float32 inputs (TF32): TOL32 bounds that instead
+        tol = 8 * EPS32 * (1 + max_angle) if mx.default_device() == mx.cpu else max(TOL32, 8 * EPS32 * max_angle)
+        assert _rel(got, np.einsum("bhrd,bhnd->bhrn", q, keys)) < tol, (a, b)
 
         vcodes = np.array(unpack_bits(c.v_words[:, :, a:b], bits, D), np.float64)
         pa, pb, pc = odd_poly_gaussian(bits)[1]

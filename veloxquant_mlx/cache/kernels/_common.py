@@ -31,6 +31,7 @@ PRELUDE = r"""
 #define VQ_SHFL_XOR(v, m) __shfl_xor_sync(VQ_FULL, (v), (m))
 #define VQ_SHARED __shared__
 #define VQ_SYNC() __syncthreads()
+#define VQ_SYNCWARP() __syncwarp()
 #define VQ_EXP(x) __expf(x)
 #define VQ_F(x) static_cast<float>(x)
 typedef unsigned int vq_u32;

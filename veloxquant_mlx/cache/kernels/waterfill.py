@@ -2,8 +2,9 @@
 rotated-domain value codes of one width with a per-row scale (``primitives.bitpack`` + the odd
 polynomial codebook).
 
-One warp walks its tokens in order; for each token, lanes 0..WK-1 load the key row's words and
-lanes 0..WV-1 the value row's (each word read once, coalesced), every lane decodes its D/32 key
+One warp walks its tokens in order, loading the words of the next PREFETCH rows together (independent
+loads in flight: a warp's chain of dependent loads is its rows / PREFETCH); for each token, lanes
+0..WK-1 hold the key row's words and lanes 0..WV-1 the value row's (each word read once, coalesced), every lane decodes its D/32 key
 channels (two shuffles: the channel's word and the next, then shift and mask, ``lo + code * step``)
 and its Dv/32 value channels (the polynomial centroid times the row scale). RoPE is applied to the
 query, not the key: ``q . R(t) k = sum_c k_c (q_c cos(t w_c) + s_c q_p(c) sin(t w_c))`` with ``p(c)`` the
@@ -20,6 +21,8 @@ import numpy as np
 from ..primitives.value_rotation import poly_coefficients
 from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
                       scale_array, split_count)
+
+PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
 __all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "decode_attend"]
 
@@ -85,53 +88,65 @@ _SOURCE = r"""
 #define QV(r, j) qa[r][j]
 """ + EXACT_ROWS + r"""
 #undef QV
-  } else for (int t = w0; t < w1; ++t) {
-    const size_t krow = ((size_t)bh * TK + t) * WK;
-    const size_t vrow = ((size_t)bh * TV + t) * WV;
-    const vq_u32 kword = lane < WK ? kw[krow + lane] : 0u;
-    const vq_u32 vword = lane < WV ? vw[vrow + lane] : 0u;
-    const float vscale = VQ_F(vs[(size_t)bh * TS + t]);
-    float part[REP];
+  } else for (int t0 = w0; t0 < w1; t0 += PF) {
+    // the next PF rows' words are loaded together (independent loads in flight), then decoded in order
+    vq_u32 kwd[PF], vwd[PF];
+    float vsf[PF];
 #pragma unroll
-    for (int r = 0; r < REP; ++r) part[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < CJ; ++j) {
-      const vq_u32 a = VQ_SHFL(kword, (int)wi[j]);
-      const vq_u32 b = VQ_SHFL(kword, (int)wi1[j]);
-      const vq_u32 code = ((a >> sh[j]) | ((b << (31u - sh[j])) << 1)) & mk[j];
-      const float k = lo[j] + (float)code * st[j];
-#pragma unroll
-      for (int r = 0; r < REP; ++r) part[r] += k * (qa[r][j] * cs[j] + qb[r][j] * sn[j]);
-      const float c2 = cs[j] * cw[j] - sn[j] * sw[j];
-      sn[j] = sn[j] * cw[j] + cs[j] * sw[j];
-      cs[j] = c2;
+    for (int i = 0; i < PF; ++i) {
+      const int t = min(t0 + i, w1 - 1);
+      kwd[i] = lane < WK ? kw[((size_t)bh * TK + t) * WK + lane] : 0u;
+      vwd[i] = lane < WV ? vw[((size_t)bh * TV + t) * WV + lane] : 0u;
+      vsf[i] = VQ_F(vs[(size_t)bh * TS + t]);
     }
 #pragma unroll
-    for (int r = 0; r < REP; ++r) {
+    for (int i = 0; i < PF; ++i) {
+      if (t0 + i >= w1) break;
+      const vq_u32 kword = kwd[i];
+      const vq_u32 vword = vwd[i];
+      const float vscale = vsf[i];
+      float part[REP];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
-    }
-    float v[VJ];
+      for (int r = 0; r < REP; ++r) part[r] = 0.f;
 #pragma unroll
-    for (int j = 0; j < VJ; ++j) {
-      const int bit = (lane + 32 * j) * VB;
-      const vq_u32 a = VQ_SHFL(vword, bit >> 5);
-      const vq_u32 b = VQ_SHFL(vword, min((bit >> 5) + 1, WV - 1));
-      const vq_u32 sft = (vq_u32)(bit & 31);
-      const vq_u32 code = ((a >> sft) | ((b << (31u - sft)) << 1)) & VMASK;
-      const float u = (float)code - half_top;
-      const float u2 = u * u;
-      v[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
-    }
+      for (int j = 0; j < CJ; ++j) {
+        const vq_u32 a = VQ_SHFL(kword, (int)wi[j]);
+        const vq_u32 b = VQ_SHFL(kword, (int)wi1[j]);
+        const vq_u32 code = ((a >> sh[j]) | ((b << (31u - sh[j])) << 1)) & mk[j];
+        const float k = lo[j] + (float)code * st[j];
 #pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      const float mn = fmaxf(m[r], part[r]);
-      const float corr = VQ_EXP(m[r] - mn);
-      const float p = VQ_EXP(part[r] - mn);
-      l[r] = l[r] * corr + p;
+        for (int r = 0; r < REP; ++r) part[r] += k * (qa[r][j] * cs[j] + qb[r][j] * sn[j]);
+        const float c2 = cs[j] * cw[j] - sn[j] * sw[j];
+        sn[j] = sn[j] * cw[j] + cs[j] * sw[j];
+        cs[j] = c2;
+      }
 #pragma unroll
-      for (int j = 0; j < VJ; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
-      m[r] = mn;
+      for (int r = 0; r < REP; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
+      }
+      float v[VJ];
+#pragma unroll
+      for (int j = 0; j < VJ; ++j) {
+        const int bit = (lane + 32 * j) * VB;
+        const vq_u32 a = VQ_SHFL(vword, bit >> 5);
+        const vq_u32 b = VQ_SHFL(vword, min((bit >> 5) + 1, WV - 1));
+        const vq_u32 sft = (vq_u32)(bit & 31);
+        const vq_u32 code = ((a >> sft) | ((b << (31u - sft)) << 1)) & VMASK;
+        const float u = (float)code - half_top;
+        const float u2 = u * u;
+        v[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
+      }
+#pragma unroll
+      for (int r = 0; r < REP; ++r) {
+        const float mn = fmaxf(m[r], part[r]);
+        const float corr = VQ_EXP(m[r] - mn);
+        const float p = VQ_EXP(part[r] - mn);
+        l[r] = l[r] * corr + p;
+#pragma unroll
+        for (int j = 0; j < VJ; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
+        m[r] = mn;
+      }
     }
   }
 """ + BLOCK_MERGE
@@ -195,7 +210,7 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     arrays = [k0, v0, k1, v1, nk, nv]
     return launch(kern, [queries, scale_array(scale), k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales,
                          vpoly, meta, *arrays],
-                  [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("QT", queries.dtype)]
+                  [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH), ("QT", queries.dtype)]
                   + exact_template(arrays), B, H, Hq // H, S, dv)
 
 
