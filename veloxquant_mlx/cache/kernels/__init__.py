@@ -16,7 +16,7 @@ in ``_common.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelud
 same body through ``mx.fast.metal_kernel``; that Metal build is not provided: it could not be built
 or measured here (no Apple GPU), so Metal keeps the op path.
 
-``VELOXQUANT_DECODE_KERNELS=0`` in the environment turns the kernels off (op path everywhere).
+``VELOXQUANT_DECODE_KERNELS=0`` in the environment (read at import) turns the kernels off (op path everywhere).
 """
 
 from ._common import checked_call, kernels_enabled, merge_kernel, merge_partials, split_count

@@ -44,17 +44,18 @@ _checked: set[str] = set()  # kernels that passed their first-use check in this 
 
 def kernels_enabled() -> bool:
     """True on MLX's CUDA backend (default device the GPU, ``mx.cuda`` available), unless
-    ``VELOXQUANT_DECODE_KERNELS=0``."""
-    if os.environ.get("VELOXQUANT_DECODE_KERNELS", "1") == "0":
+    ``VELOXQUANT_DECODE_KERNELS=0`` was in the environment when the package was imported. Asked several
+    times per decode step and layer: no environment lookup or device query beyond one comparison."""
+    if not _ENV_ON or mx.default_device() == _CPU:
         return False
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return False
-    if not _CUDA:  # asked once per process (a decode-step check)
+    if not _CUDA:  # asked once per process
         cuda = getattr(mx, "cuda", None)
         _CUDA.append(bool(cuda is not None and cuda.is_available()))
     return _CUDA[0]
 
 
+_ENV_ON = os.environ.get("VELOXQUANT_DECODE_KERNELS", "1") != "0"
+_CPU = mx.Device(mx.cpu)
 _CUDA: list = []
 
 
