@@ -9,6 +9,8 @@ present (not in CI), each kernel against the op path on the same caches."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -622,3 +624,33 @@ def test_memoized_dense_rows_stay_the_stored_rows_across_appends_and_trims(refer
         assert bool(mx.array_equal(K[:, :, :n], Kf[:, :, :n].astype(K.dtype))), i
         assert bool(mx.array_equal(V[:, :, :n], Vf[:, :, :n].astype(V.dtype))), i
     assert reused > 20
+
+
+@pytest.mark.parametrize("method", ["waterfill", "kivi"])
+def test_prefill_chunks_leave_no_dense_rows_behind(reference_kernels, method):
+    """The memo keeps decode steps' lazy dense rows only: a prefill chunk's rows, evaluated by its attention
+    (MLX's fused attention on a GPU), are not held after the chunk -- held, every layer kept its dense past
+    until its next append (the H200's 128k prefill peaked at 1.5x the plain cache's)."""
+    H, D, R = 2, 64, 2
+    dispatch.install()
+    c = reference_kernels[method] = (_waterfill(D, nn.RoPE(D, base=10000.0)) if method == "waterfill"
+                                     else _kivi(D, 4, 32))
+    rng = np.random.default_rng(5)
+    gc.collect()
+    base = mx.get_active_memory()  # arrays other tests left alive
+    for chunk in range(3):
+        K, V = c.update_and_fetch(_rows(rng, H, 96, D), _rows(rng, H, 96, D))
+        mx.eval(K, V)  # what a dense prefill attention evaluates
+        mx.eval(dispatch.dispatched_sdpa(_rows(rng, H * R, 96, D), K, V, cache=c, scale=D**-0.5, mask="causal"))
+        dense = K.nbytes + V.nbytes
+        del K, V
+        memo = c.__dict__.get("_dense_memo")
+        assert memo is None or memo.value is None, chunk
+        mx.eval(c.held_arrays())
+        gc.collect()
+        mx.clear_cache()
+        held = mx.get_active_memory() - base
+        assert held < c.nbytes + dense // 4, (chunk, held, c.nbytes, dense)  # no dense copy of the past
+    K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+    mx.eval(dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D), K, V, cache=c, scale=D**-0.5, mask=None))
+    assert c._dense_memo.value is not None  # a decode step's lazy rows are kept (never evaluated)

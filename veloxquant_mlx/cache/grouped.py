@@ -29,7 +29,7 @@ import math
 
 import mlx.core as mx
 
-from . import dispatch, kernels
+from . import kernels
 from .attention import dense_blocks, group_queries, online_softmax_attention, tile_ranges, tile_rows
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
@@ -192,7 +192,7 @@ class GroupedQuantCache(CompressedKVCache):
         out = memo.get(n, self.k_codes)
         if out is None:
             out = memo.put(n, self.k_codes, (self._keys_t(n).swapaxes(-1, -2), self._values(n)),
-                           keep=dispatch.installed() and kernels.kernels_enabled())
+                           keep=kernels.keeps_rows(self, self._call[4].shape[2] if self._call else 0))
         return out
 
     def _own_layout(self) -> bool:

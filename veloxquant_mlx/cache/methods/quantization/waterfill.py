@@ -70,7 +70,7 @@ from ...primitives.value_rotation import (nibble_centroids, odd_poly, poly_coeff
                                          value_rotation)
 from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
 from ...attention import group_queries
-from ... import dispatch, kernels
+from ... import kernels
 from ...kernels import waterfill as wf_kernel
 from ...window import SINK_ROWS, ResidualWindowCache
 
@@ -291,7 +291,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if out is None:
             v = self._value_codes(0, n) * self.v_scales[:, :, :n, None].astype(mx.float32)
             out = memo.put(n, self.k_words, (self._keys(0, n), rotate_values(v, self.seed, inverse=True)),
-                           keep=dispatch.installed() and kernels.kernels_enabled())
+                           keep=kernels.keeps_rows(self, self._call.new_k.shape[2] if self._call else 0))
         return out
 
     def _rows_memo(self) -> "kernels._common.RowsMemo":
