@@ -630,7 +630,7 @@ def test_memoized_dense_rows_stay_the_stored_rows_across_appends_and_trims(refer
 def test_prefill_chunks_leave_no_dense_rows_behind(reference_kernels, method):
     """The memo keeps decode steps' lazy dense rows only: a prefill chunk's rows, evaluated by its attention
     (MLX's fused attention on a GPU), are not held after the chunk -- held, every layer kept its dense past
-    until its next append (the H200's 128k prefill peaked at 1.5x the plain cache's)."""
+    until its next append."""
     H, D, R = 2, 64, 2
     dispatch.install()
     c = reference_kernels[method] = (_waterfill(D, nn.RoPE(D, base=10000.0)) if method == "waterfill"

@@ -29,7 +29,7 @@ def keeps_rows(cache, rows: int) -> bool:
     """Whether a :class:`RowsMemo` keeps the dense rows built for a call of ``rows`` new rows: decode steps
     (one row) that go to a kernel (dispatch point installed, kernels on, ``attend_path`` "auto"), whose
     attention never evaluates them. A prefill chunk's dense rows are evaluated by its attention: kept,
-    every layer would hold its dense past until its next append (measured at 128k on the H200: peak
-    1.5x the plain cache's over the weights)."""
+    every layer would hold its dense past until its next append (the likely cause of KIVI's 128k prefill
+    peak of 1.5x the plain cache's over the weights on the H200; not re-measured since)."""
     return (rows == 1 and getattr(cache, "attend_path", "auto") == "auto" and dispatch.installed()
             and kernels_enabled())
