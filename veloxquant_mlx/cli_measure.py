@@ -1,16 +1,6 @@
-"""The ``veloxquant eval`` and ``veloxquant bench`` subcommands (registered by :mod:`.cli`).
-
-* ``veloxquant eval --method M [--method "M2 FIELD=VALUE ..." ...] [--set [METHOD:]FIELD=VALUE ...]
-  [--sweep [METHOD:]FIELD=V1,V2 ...] [--model PATH] [--task ppl|kld|niah|recall ...] [--text-file FILE]
-  [--context N[,N...]] [--n-score N] [--depths D,D,...] [--distances N,N,...] [--passage N] [--reconstruct]
-  [--json] [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each configuration, context and the
-  uncompressed ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR``
-  also writes ``results.md``, ``results.json`` and, with the ``plot`` extra, ``pareto.png`` (kv_fraction_of_fp16
-  vs KLD).
-* ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
-  [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
-  [--batch N] [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
-"""
+"""``veloxquant eval`` (quality rows of :mod:`.eval.tasks` per configuration and context, the uncompressed
+``none`` first: a table, ``--json``, or ``--out DIR`` files) and ``veloxquant bench`` (speed and memory side by
+side, :mod:`.bench`)."""
 
 from __future__ import annotations
 
@@ -24,43 +14,30 @@ from .cli_output import MODEL_HELP, Progress, fmt_bytes, format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
-SUBCOMMANDS = ("eval", "bench")
-# Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them), so that building the parser
-# for the other subcommands imports neither mlx nor mlx_lm.
+# Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them): building the parser imports no mlx.
 TASK_NAMES = ("ppl", "kld", "niah", "recall")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _numbers(items, what: str, kind=int) -> list:
+    """The numbers of comma-separated ``items`` (repeated flags give several)."""
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        return [kind(x) for item in items for x in str(item).split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{what} expects comma-separated numbers, got {text!r}") from None
-
-
-def _ints(items, what: str) -> list[int]:
-    out = []
-    for item in items:
-        try:
-            out += [int(x) for x in str(item).split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(f"{what} expects comma-separated integers, got {item!r}") from None
-    return out
+        raise UsageError(f"{what} expects comma-separated {'integers' if kind is int else 'numbers'}, got "
+                         f"{','.join(map(str, items))!r}") from None
 
 
 def _fmt(v, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
 
-def _settings_text(settings: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
-
-
 def eval_table(rows: list[dict]) -> str:
     from .measure import fraction_text
     table = []
     for r in rows:
-        head = [r["method"], _settings_text(r["settings"]), r["task"], str(r["context"])]
+        head = [r["method"], " ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults", r["task"],
+                str(r["context"])]
         if r.get("error"):
             table.append(head + ["error: " + r["error"][:60], "", "", "", "", "", f"{r['seconds']:.0f}s"])
             continue
@@ -85,15 +62,15 @@ def cmd_eval(args) -> int:
     if not names:
         raise UsageError("give at least one --method (or --all)")
     tasks = list(dict.fromkeys(args.task or DEFAULT_TASKS))
-    contexts = list(dict.fromkeys(_ints(args.context or ["1024"], "--context")))
+    contexts = list(dict.fromkeys(_numbers(args.context or ["1024"], "--context")))
     if not contexts or min(contexts) < 16:
         raise UsageError("--context values must be >= 16")
     if args.n_score < 1:
         raise UsageError("--n-score must be >= 1")
-    depths = _floats(args.depths, "--depths") if args.depths else list(DEFAULT_DEPTHS)
+    depths = _numbers([args.depths], "--depths", float) if args.depths else list(DEFAULT_DEPTHS)
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise UsageError("--depths must be numbers in [0, 1]")
-    distances = _floats(args.distances, "--distances") if args.distances else []
+    distances = _numbers([args.distances], "--distances", float) if args.distances else []
     if any(d < 0 or d != int(d) for d in distances):
         raise UsageError("--distances must be token counts >= 0")
     distances = [int(d) for d in distances]
@@ -174,24 +151,6 @@ def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) 
     note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}" + (" and pareto.png" if plotted else ""))
 
 
-# --------------------------------------------------------------------------- #
-# bench
-# --------------------------------------------------------------------------- #
-
-
-def _bench_model(args):
-    """(model, name) from --model / --shape (checked by :func:`cmd_bench`); the embedded model when neither
-    is given."""
-    from . import bench
-
-    if args.shape:
-        return bench.random_model(args.shape, args.dtype, args.seed), f"{args.shape} (random weights)"
-    from .model import load_model
-
-    model, _ = load_model(args.model, dtype=args.dtype)
-    return model, args.model or "smollm2-135m (embedded)"
-
-
 def _child_args(args):
     """CLI arguments of one isolated candidate run (shared options + its own method or baseline)."""
     shared = ["--context", ",".join(str(c) for c in args.contexts), "--repeats", str(args.repeats),
@@ -218,7 +177,7 @@ def _child_args(args):
 
 
 def _stat(s: Optional[dict], fmt, spread: bool) -> str:
-    """The median, then (``spread``: more than one repeat) half the min-max range as a percentage of it."""
+    """The median, then (``spread``) half the min-max range as a percentage of it."""
     if s is None:
         return "-"
     text = fmt(s["median"])
@@ -235,22 +194,17 @@ def _ratio(r: dict, b: str, k: str, spread: bool) -> str:
 
 
 def _short_label(r: dict) -> str:
-    """``streaming_llm window_size=8``: the method and its settings under their options' own (shorter) names."""
+    """``streaming_llm window_size=8``: the settings under their options' own (shorter) names."""
     from .cache.options import OPTIONS_BY_METHOD
-
     opts = OPTIONS_BY_METHOD.get(r["method"])
     short = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
     return " ".join([r["method"]] + [f"{short.get(k, k)}={v}" for k, v in (r.get("settings") or {}).items()])
 
 
 def bench_tables(rows: list[dict]) -> str:
-    """The bench report: medians per method and context, ratios to the baselines, decode-step slopes.
-
-    A ``±N%`` after a timing median (only with more than one repeat) is half the min-max range over the
-    repeats; the JSON rows keep min and max of every statistic.
-    """
+    """The bench report: medians per method and context (``±N%``: half the min-max range over the repeats),
+    ratios to the baselines, decode-step slopes."""
     from .bench import BASELINES
-
     ok = [r for r in rows if r["available"]]
     spread = any(r.get("repeats", 0) > 1 for r in ok)
     mib = lambda v: fmt_bytes(int(v))  # noqa: E731
@@ -295,8 +249,7 @@ def bench_tables(rows: list[dict]) -> str:
 def cmd_bench(args) -> int:
     from . import bench
     from .eval.specs import resolve_methods
-
-    args.contexts = _ints(args.context or ["1024"], "--context")
+    args.contexts = _numbers(args.context or ["1024"], "--context")
     if not args.contexts or min(args.contexts) < 2:
         raise UsageError("--context values must be >= 2")
     if args.repeats < 1 or args.decode_tokens < 1:
@@ -322,7 +275,6 @@ def cmd_bench(args) -> int:
         raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
     if args.shape and args.model:
         raise UsageError("give --model or --shape, not both")
-
     say = Progress(enabled=not args.json)
     if args.isolate:
         say.note(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
@@ -333,7 +285,11 @@ def cmd_bench(args) -> int:
     else:
         t0 = time.perf_counter()
         say.stage("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
-        model, name = _bench_model(args)
+        if args.shape:
+            model, name = bench.random_model(args.shape, args.dtype, args.seed), f"{args.shape} (random weights)"
+        else:
+            from .model import load_model
+            model, name = load_model(args.model, dtype=args.dtype)[0], args.model or "smollm2-135m (embedded)"
         say.stage(f"model ready in {time.perf_counter() - t0:.1f}s")
         n = len(bench.candidates(specs, baselines))
         bar = Progress(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0),
@@ -346,7 +302,6 @@ def cmd_bench(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     import mlx.core as mx
-
     first = rows[0] if rows else {}
     print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeat(s), "
           + (f"batches of {args.batch} sequences (decode tok/s: all of them), " if args.batch > 1 else "") +
@@ -356,11 +311,6 @@ def cmd_bench(args) -> int:
           "plain fp16 cache (lower = smaller); KV resident = active-memory growth over the run\n"
           "(mx.get_active_memory); peak over start = mx.get_peak_memory() minus the memory in use before the run.")
     return 0
-
-
-# --------------------------------------------------------------------------- #
-# registration
-# --------------------------------------------------------------------------- #
 
 
 def add_subcommands(sub) -> None:
