@@ -164,7 +164,6 @@ def _child_args(args):
         shared += ["--dtype", args.dtype]
     if args.no_warmup:
         shared += ["--no-warmup"]
-
     def make(baseline, spec):
         if baseline is not None:
             return shared + ["--baselines", baseline]
@@ -172,7 +171,6 @@ def _child_args(args):
         for k, v in spec.settings.items():
             extra += ["--set", f"{spec.method}:{k}={json.dumps(v)}"]
         return shared + extra
-
     return make
 
 
@@ -344,7 +342,6 @@ def add_subcommands(sub) -> None:
     e.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     e.add_argument("--out", default=None, metavar="DIR", help="also write results.md, results.json, pareto.png")
     e.set_defaults(func=cmd_eval)
-
     b = sub.add_parser("bench", help="prefill, decode speed and memory side by side with mlx_lm's caches")
     b.add_argument("--method", action="append", default=[], help="a method (repeatable)")
     b.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],

@@ -225,24 +225,20 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
         self.count(requests=1)
         gone = getattr(_pending, "client_gone", None) or (lambda: False)
-
         def progress(done, total):
             if gone():
                 ctx.stop()
                 raise ClientGone()
             if progress_callback is not None:
                 progress_callback(done, total)
-
         with _status_kept(Exception):
             ctx, responses = super().generate(request, generation_args, progress)
-
         def watched():
             for response in responses:
                 if gone():
                     ctx.stop()
                     raise ClientGone()
                 yield response
-
         return ctx, watched()
 
     def _is_batchable(self, args):  # per request, before its model is loaded: the provider learns its settings
@@ -286,12 +282,10 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self._ids += 1
         live_id, tokens = self._ids, list(prompt)
         self.live[live_id] = (kv, caches)
-
         def progress(done, total):
             if ctx._should_stop:  # the client has gone: stop the prefill here
                 raise ClientGone()
             rqueue.put((done, total))
-
         try:
             matcher = stop_sequences.matcher()
             for gen in stream_generate(

@@ -55,7 +55,6 @@ def reconstruct(model, tokenizer) -> Callable[[list, list], None]:
         for cls in dict.fromkeys(type(c) for c in caches):
             if hasattr(cls, "compress_with_model"):
                 cls.compress_with_model(model, caches, context_ids, tokenizer=tokenizer)
-
     return run
 
 

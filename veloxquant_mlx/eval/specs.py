@@ -95,7 +95,6 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
         if m != NONE and m in STANDALONE_METHODS:
             raise UsageError(f"method {m!r} has the standalone protocol (no mlx_lm serving contract); "
                              "only mlx_lm-protocol methods can run in a model")
-
     def targets(scope, item, flag):
         if scope is not None:
             if scope not in names:
@@ -110,7 +109,6 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
             raise UsageError(f"{flag} {item}: {fname!r} applies to none of the methods measured "
                              f"({', '.join(names)}); `veloxquant methods NAME` lists a method's settings")
         return found
-
     per_method: dict[str, dict] = {m: {} for m in names}
     for scope, item in split_sets(sets):
         for m in targets(scope, item, "--set"):

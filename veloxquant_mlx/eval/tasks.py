@@ -107,7 +107,6 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
     _tick(progress, f"{task}: uncompressed reference ({context}+{n_score} tokens)")
     if ref_key not in memo:
         memo[ref_key] = reference_logprobs(model, ids, context, n_score)
-
     def run(spec):
         r = next_token_fidelity(model, ids, context, n_score, spec.config(), ref_logp=memo[ref_key],
                                 on_chunk=getattr(progress, "chunk", None),
@@ -115,7 +114,6 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
         return dict(n_scored=r.n_scored, ppl=r.ppl, ppl_ref=r.ppl_ref, ppl_delta=r.ppl - r.ppl_ref, kld=r.kld,
                     top1_agree=r.top1_agree, kv_tokens=context + n_score - 1, kv_bytes=r.kv_bytes,
                     kv_bytes_fp16=r.kv_bytes_fp16)
-
     rows = []
     for spec in _specs(methods, include_none):
         _tick(progress, f"{task}: {spec.label}")
@@ -253,7 +251,6 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
         memo[hay_key] = text_tokens(tokenizer, context, text, repeat=True)
     prompts = [build_niah_prompt(tokenizer, context, d, c, haystack_ids=memo[hay_key])
                for d, c in zip(depths, passcodes(len(depths), seed))]
-
     def run(spec, detail):
         config, sizes, n_tok = spec.config(), [], 0
         for p in prompts:
@@ -269,7 +266,6 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
         return dict(niah_acc=hits / len(detail), niah_hits=hits, niah_trials=len(detail), niah_detail=detail,
                     kv_tokens=n_tok, kv_bytes=int(round(sum(sizes) / len(sizes))),
                     kv_bytes_fp16=fp16_kv_bytes(model, n_tok))
-
     rows = []
     for spec in _specs(methods, include_none):
         detail = []
@@ -296,7 +292,6 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
         if key not in memo:
             memo[key] = reference_logprobs(model, p.ids, p.n_context, p.n_score)
         refs.append(memo[key])
-
     def run(spec):
         config, rs = spec.config(), []
         for p, ref in zip(prompts, refs):
@@ -313,7 +308,6 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
                     top1_agree=mean["top1_agree"], ppl=mean["ppl"], ppl_ref=mean["ppl_ref"],
                     ppl_delta=mean["ppl"] - mean["ppl_ref"], kv_tokens=prompts[0].n_context + prompts[0].n_score - 1,
                     kv_bytes=int(round(mean["kv_bytes"])), kv_bytes_fp16=rs[0].kv_bytes_fp16)
-
     return [_measured(spec, "recall", context, model_name, lambda: run(spec)) for spec in _specs(methods, include_none)]
 
 
