@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    from .cache import QuantizerConfigError
+    from .cache import QuantizerConfigError, SavedCacheError
     from .model import UnsupportedModelError
     try:
         args = _parser().parse_args(argv)
@@ -262,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with contextlib.suppress(OSError, ValueError):  # stdout to /dev/null: the final flush must not raise again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a program stopped by a closed pipe
-    except (UsageError, QuantizerConfigError, UnsupportedModelError, NotImplementedError) as exc:
+    except (UsageError, QuantizerConfigError, SavedCacheError, UnsupportedModelError, NotImplementedError) as exc:
         kind = "invalid configuration: " if isinstance(exc, QuantizerConfigError) else ""
         print(f"error: {kind}{exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""``veloxquant serve``: the subcommand's parser and handler (the server itself is ``server.py``)."""
+"""``veloxquant serve``: the subcommand's parser and handler (the server is :mod:`.server`)."""
 
 from __future__ import annotations
 

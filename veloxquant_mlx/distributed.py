@@ -1,11 +1,7 @@
-"""Compressed caches on a model sharded with ``mx.distributed`` (mlx_lm's ``model.shard(group)``).
-
-mlx_lm shards each attention's heads across the ranks (q/k/v "all-to-sharded", output "sharded-to-all",
-``n_heads``/``n_kv_heads`` divided by the group size). Every cache takes its head count from the keys it is
-given, so ``KVCacheBuilder.for_model`` on a sharded model builds, per rank, the cache of that rank's KV heads;
-no bytes cross ranks but mlx_lm's own all-sums. This module only validates and wraps MLX's engine. Launch::
-
-    mlx.launch --backend ring -n 2 --python "$(which python)" my_script.py  # init_group, shard_model, for_model
+"""Compressed caches on a model sharded with ``mx.distributed`` (mlx_lm's ``model.shard(group)``, which splits
+each attention's heads across the ranks): every cache takes its head count from its keys, so ``for_model`` on a
+sharded model builds each rank the cache of its own KV heads; no bytes cross ranks but mlx_lm's own all-sums.
+Launch: ``mlx.launch --backend ring -n 2 --python "$(which python)" script.py`` (init_group, shard_model, for_model).
 """
 
 from __future__ import annotations
@@ -33,8 +29,8 @@ def kv_heads(model) -> list[int]:
 
 
 def shard_model(model, group=None):
-    """``model.shard(group)`` after checking every layer's query and KV heads divide evenly (else each rank's
-    cache would silently hold a wrong head count); a group of size 1 leaves ``model`` unchanged."""
+    """``model.shard(group)`` once every layer's heads divide evenly (else a rank's cache would hold a wrong head
+    count); a group of size 1 leaves ``model`` unchanged."""
     group = group if group is not None else init_group()
     n = group.size()
     if n == 1:

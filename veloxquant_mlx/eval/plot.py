@@ -31,8 +31,8 @@ def pareto_front(points: Sequence[dict]) -> list[dict]:
 
 
 def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV bytes vs KLD") -> bool:
-    """Write the Pareto plot PNG; False (nothing written) when no row has a KLD; ``ImportError`` with
-    :data:`PLOT_EXTRA_HINT` when matplotlib is missing."""
+    """Write the Pareto plot PNG; False when no row has a KLD; ``ImportError`` (:data:`PLOT_EXTRA_HINT`) without
+    matplotlib."""
     points = pareto_points(rows)
     if not points:
         return False
@@ -62,12 +62,8 @@ def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV b
     return True
 
 
-def _f(v, fmt):
-    return "–" if v is None else format(v, fmt)
-
-
-def _fraction(v) -> str:
-    return "–" if v is None else fraction_text(v)
+def _f(v, fmt=None):  # fmt None: a kv_fraction_of_fp16 with its words
+    return "–" if v is None else fraction_text(v) if fmt is None else format(v, fmt)
 
 
 def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] = None) -> str:
@@ -87,13 +83,13 @@ def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] 
             f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
             f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
             f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
-            f"{_fraction(r['kv_fraction_of_fp16'])} |")
+            f"{_f(r['kv_fraction_of_fp16'])} |")
     points = pareto_points(rows)
     if points:
         front = pareto_front(points)
         lines += ["", "## Pareto front (kv_fraction_of_fp16 vs KLD)", "",
                   "Not beaten on both axes by another method: " + ", ".join(
-                      f"{p['label']} ({_fraction(p['kv_fraction_of_fp16'])}, KLD {p['kld']:.4g})" for p in front) + "."]
+                      f"{p['label']} ({_f(p['kv_fraction_of_fp16'])}, KLD {p['kld']:.4g})" for p in front) + "."]
         if plot_file:
             lines += ["", f"![kv_fraction_of_fp16 vs KLD]({plot_file})"]
     lines += ["", "## Definitions", "",
