@@ -153,24 +153,17 @@ def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) 
 
 def _child_args(args):
     """CLI arguments of one isolated candidate run (shared options + its own method or baseline)."""
-    shared = ["--context", ",".join(str(c) for c in args.contexts), "--repeats", str(args.repeats),
-              "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
-              "--prefill-step", str(args.prefill_step), "--batch", str(args.batch)]
-    if args.shape:
-        shared += ["--shape", args.shape, "--random-weights"]
-    if args.model:
-        shared += ["--model", args.model]
-    if args.dtype:
-        shared += ["--dtype", args.dtype]
-    if args.no_warmup:
-        shared += ["--no-warmup"]
+    shared = ["--context", ",".join(map(str, args.contexts))] + (["--random-weights"] if args.shape else []) + (
+        ["--no-warmup"] if args.no_warmup else [])
+    for name in ("repeats", "decode_tokens", "seed", "prefill_step", "batch", "shape", "model", "dtype"):
+        if getattr(args, name) is not None:
+            shared += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+
     def make(baseline, spec):
         if baseline is not None:
             return shared + ["--baselines", baseline]
-        extra = ["--baselines", "", "--method", spec.method]
-        for k, v in spec.settings.items():
-            extra += ["--set", f"{spec.method}:{k}={json.dumps(v)}"]
-        return shared + extra
+        return shared + ["--baselines", "", "--method", spec.method] + [
+            x for k, v in spec.settings.items() for x in ("--set", f"{spec.method}:{k}={json.dumps(v)}")]
     return make
 
 
@@ -274,20 +267,19 @@ def cmd_bench(args) -> int:
     if args.shape and args.model:
         raise UsageError("give --model or --shape, not both")
     say = Progress(enabled=not args.json)
+    name = args.model or (f"{args.shape} (random weights)" if args.shape else "smollm2-135m (embedded)")
     if args.isolate:
         say.note(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
-        rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens,
-                                    baselines=baselines, timeout_s=args.timeout, progress=say.note, batch=args.batch,
-                                    model_name=args.model or (f"{args.shape} (random weights)" if args.shape
-                                                              else "smollm2-135m (embedded)"))
+        rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens, model_name=name,
+                                    baselines=baselines, timeout_s=args.timeout, progress=say.note, batch=args.batch)
     else:
         t0 = time.perf_counter()
         say.stage("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
         if args.shape:
-            model, name = bench.random_model(args.shape, args.dtype, args.seed), f"{args.shape} (random weights)"
+            model = bench.random_model(args.shape, args.dtype, args.seed)
         else:
             from .model import load_model
-            model, name = load_model(args.model, dtype=args.dtype)[0], args.model or "smollm2-135m (embedded)"
+            model = load_model(args.model, dtype=args.dtype)[0]
         say.stage(f"model ready in {time.perf_counter() - t0:.1f}s")
         n = len(bench.candidates(specs, baselines))
         bar = Progress(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0),

@@ -53,6 +53,7 @@ def gguf_model_args(metadata: dict, rope_traditional: bool = True):
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported: the GGUF loader builds llama-architecture files only "
             "(others differ in norms and RoPE layout); convert it with mlx_lm.convert and pass the directory")
+
     def key(name, default=None):
         if f"llama.{name}" not in metadata and default is None:
             raise KeyError(f"GGUF metadata lacks {f'llama.{name}'!r}")

@@ -225,6 +225,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
         self.count(requests=1)
         gone = getattr(_pending, "client_gone", None) or (lambda: False)
+
         def progress(done, total):
             if gone():
                 ctx.stop()
@@ -233,6 +234,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 progress_callback(done, total)
         with _status_kept(Exception):
             ctx, responses = super().generate(request, generation_args, progress)
+
         def watched():
             for response in responses:
                 if gone():
@@ -282,6 +284,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self._ids += 1
         live_id, tokens = self._ids, list(prompt)
         self.live[live_id] = (kv, caches)
+
         def progress(done, total):
             if ctx._should_stop:  # the client has gone: stop the prefill here
                 raise ClientGone()

@@ -49,6 +49,7 @@ def make_caches(model, config):
 
 def reconstruct(model, tokenizer) -> Callable[[list, list], None]:
     """An ``after_prefill`` step: each cache class's context-reconstruction pass (KVzip's ``compress_with_model``)."""
+
     def run(caches, context_ids):
         for cls in dict.fromkeys(type(c) for c in caches):
             if hasattr(cls, "compress_with_model"):

@@ -88,6 +88,7 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
         if m != NONE and m in STANDALONE_METHODS:
             raise UsageError(f"method {m!r} has the standalone protocol (no mlx_lm serving contract); "
                              "only mlx_lm-protocol methods can run in a model")
+
     def targets(scope, item, flag):
         if scope is not None:
             if scope not in names:

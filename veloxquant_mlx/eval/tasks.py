@@ -107,6 +107,7 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
     _tick(progress, f"{task}: uncompressed reference ({context}+{n_score} tokens)")
     if ref_key not in memo:
         memo[ref_key] = reference_logprobs(model, ids, context, n_score)
+
     def run(spec):
         r = next_token_fidelity(model, ids, context, n_score, spec.config(), ref_logp=memo[ref_key],
                                 on_chunk=getattr(progress, "chunk", None),
@@ -251,6 +252,7 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
         memo[hay_key] = text_tokens(tokenizer, context, text, repeat=True)
     prompts = [build_niah_prompt(tokenizer, context, d, c, haystack_ids=memo[hay_key])
                for d, c in zip(depths, passcodes(len(depths), seed))]
+
     def run(spec, detail):
         config, sizes, n_tok = spec.config(), [], 0
         for p in prompts:
@@ -292,6 +294,7 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
         if key not in memo:
             memo[key] = reference_logprobs(model, p.ids, p.n_context, p.n_score)
         refs.append(memo[key])
+
     def run(spec):
         config, rs = spec.config(), []
         for p, ref in zip(prompts, refs):
