@@ -218,12 +218,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default=None,
                    help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
     g.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a setting of --method (repeatable): its option name (budget=256) or flat KVCacheConfig "
-                        "field (snap_budget=256); `veloxquant methods NAME` lists them. VALUE is parsed as JSON "
-                        "when possible")
+                   help="a setting of --method (repeatable): option name (budget=256) or flat field (snap_budget=256) "
+                        "as `veloxquant methods NAME` lists them; VALUE is parsed as JSON when possible")
     g.add_argument("--model", default=None, help=MODEL_HELP)
-    g.add_argument("--prompt", required=True,
-                   help="the user message (wrapped in the model's chat template when it has one)")
+    g.add_argument("--prompt", required=True, help="the user message (in the model's chat template, if any)")
     g.add_argument("--max-tokens", type=int, default=64, help="most new tokens to generate, greedily (default 64)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
@@ -234,8 +232,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
     d.add_argument("--context", type=int, default=2000, help="approximate prompt length in tokens (default 2000)")
     d.add_argument("--model", default=None, help=MODEL_HELP)
-    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS,
-                   help=f"most new tokens per answer (default {DEMO_MAX_TOKENS})")
+    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help=f"new tokens at most ({DEMO_MAX_TOKENS})")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
     from .cli_measure import add_subcommands  # eval, bench

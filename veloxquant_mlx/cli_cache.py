@@ -126,9 +126,8 @@ def generate_from_saved(args) -> int:
 
 def add_generate_arguments(g) -> None:
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
-                   help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
-                        "to the file's (and must match it when given); the prompt follows the cached tokens as a "
-                        "new user turn of the chat template (the turn alone: no BOS, no default system message)")
+                   help="continue after a cache saved by `veloxquant cache save` (--method and --model default to "
+                        "the file's); the prompt follows as a new user turn (no BOS, no default system message)")
     g.add_argument("--raw-prompt", action="store_true",
                    help=f"with --prompt-cache: append the prompt {_PLAIN_TEXT} (to continue the text itself)")
 
@@ -143,7 +142,7 @@ def add_parsers(sub) -> None:
                     "`veloxquant generate --prompt-cache PATH --prompt TEXT`.")
     s.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a setting of --method (repeatable), as for generate: `veloxquant methods NAME` lists them")
+                   help="a setting of --method (repeatable), as for generate")
     s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--prompt-file", required=True, metavar="F", help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")

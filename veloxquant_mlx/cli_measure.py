@@ -307,26 +307,21 @@ def add_subcommands(sub) -> None:
     """Add ``eval`` and ``bench`` to the ``veloxquant`` subparsers."""
     e = sub.add_parser("eval", help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
     e.add_argument("--method", action="append", default=[], metavar='"METHOD [FIELD=VALUE ...]"',
-                   help=f"a method, or one configuration of it with its own settings in the same argument "
-                        f"(repeatable, so one run compares several); {NONE!r} is always run")
+                   help=f"a method, or one configuration with its own settings (repeatable); {NONE!r} always runs")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
     e.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
-                   help="a setting for every listed method that reads it, or for METHOD only (repeatable); FIELD "
-                        "is an option name (budget) or flat field (snap_budget): `veloxquant methods NAME`")
+                   help="a setting for every listed method that reads it, or for METHOD only (repeatable)")
     e.add_argument("--sweep", action="append", metavar="[METHOD:]FIELD=V1,V2", default=[],
                    help="run every configuration that reads FIELD once per value (repeatable: a grid)")
-    e.add_argument("--reconstruct", action="store_true",
-                   help="after the prefill, run the caches' context-reconstruction pass (KVzip's paper setting)")
+    e.add_argument("--reconstruct", action="store_true", help="run the caches' context-reconstruction pass (KVzip)")
     e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
                    help="ppl, kld, niah, recall (repeatable; default: ppl, kld, niah)")
-    e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
-                                                     "(default: the Paul Graham essays)")
+    e.add_argument("--text-file", default=None, help="text for ppl/kld and the haystack (default: the essays)")
     e.add_argument("--context", action="append", default=None, metavar="N[,N...]",
-                   help="context tokens (comma-separated or repeated: one run per context; default 1024)")
+                   help="context tokens, one run each (comma-separated or repeated; default 1024)")
     e.add_argument("--n-score", type=int, default=64, help="scored tokens after the context for ppl/kld (64)")
-    e.add_argument("--depths", default=None, help="NIAH needle depths, and recall passage depths, comma-separated "
-                                                  "(default 0.1,0.5,0.9)")
+    e.add_argument("--depths", default=None, help="NIAH and recall depths, comma-separated (default 0.1,0.5,0.9)")
     e.add_argument("--distances", default=None, metavar="N[,N...]",
                    help="recall: tokens between the passage and its repeat (instead of --depths)")
     e.add_argument("--passage", type=int, default=128, help="recall: passage tokens (default 128; 16 cue the repeat)")
@@ -340,27 +335,21 @@ def add_subcommands(sub) -> None:
                    help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
-    b.add_argument("--repeats", type=int, default=3,
-                   help="runs of every candidate and context; medians are reported (default 3)")
-    b.add_argument("--decode-tokens", type=int, default=32,
-                   help="greedy decode steps timed after each prefill (default 32)")
+    b.add_argument("--repeats", type=int, default=3, help="runs of every candidate and context (medians; default 3)")
+    b.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps timed per run (default 32)")
     b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
     b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
                    help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
     b.add_argument("--baselines", default=None,
-                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '' for none "
-                        "at all)")
+                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '': none)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
-    b.add_argument("--prefill-step", type=int, default=2048,
-                   help="prompt tokens per prefill chunk (default 2048, mlx_lm's)")
+    b.add_argument("--prefill-step", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     b.add_argument("--batch", type=int, default=1, metavar="N",
-                   help="N sequences of each context decoded together (the method's batch form; mlx_lm's "
-                        "BatchKVCache for none); decode tok/s is their total (default 1)")
-    b.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed warm-up run of each candidate (kernel compilation then counts)")
+                   help="N sequences decoded together through the batch form; decode tok/s is their total (default 1)")
+    b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     b.set_defaults(func=cmd_bench)

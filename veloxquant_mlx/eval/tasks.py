@@ -42,14 +42,6 @@ INSTRUCTION = "Read the text below, then answer the question after it."
 Progress = Optional[Callable[[str], None]]  # called once per unit of work; its ``chunk`` (if any) per prefill chunk
 
 
-def _row(spec: MethodSpec, task: str, context: int, model_name: Optional[str], **values) -> dict:
-    row = dict.fromkeys(ROW_KEYS)
-    row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task, model=model_name,
-               context=context, **values)
-    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row["kv_bytes"], row["kv_bytes_fp16"])
-    return row
-
-
 def _measured(spec, task, context, model_name, run: Callable[[], dict], **on_error) -> dict:
     """The row of ``run()``'s values, or an error row: one broken method must not end a sweep."""
     t0 = time.perf_counter()
@@ -57,7 +49,11 @@ def _measured(spec, task, context, model_name, run: Callable[[], dict], **on_err
         values = run()
     except Exception as exc:  # noqa: BLE001
         values = dict(on_error, error=f"{type(exc).__name__}: {exc}")
-    return _row(spec, task, context, model_name, seconds=time.perf_counter() - t0, **values)
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task, model=model_name,
+               context=context, seconds=time.perf_counter() - t0, **values)
+    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row["kv_bytes"], row["kv_bytes_fp16"])
+    return row
 
 
 def _specs(methods: Iterable, include_none: bool) -> list[MethodSpec]:
