@@ -115,12 +115,6 @@ def _cmd_generate(args) -> int:
 ANSWER = "4817"  # the demo's passcode, planted at half depth
 
 
-def _agreement(reference: list[int], tokens: list[int]) -> float:
-    """Fraction of positions where the generated tokens equal the reference run's."""
-    n = max(len(reference), len(tokens))
-    return sum(a == b for a, b in zip(reference, tokens)) / n if n else 1.0
-
-
 def _demo_settings(method: str, config) -> str:
     if config is None:
         return "uncompressed"
@@ -175,11 +169,11 @@ def _cmd_demo(args) -> int:
         caches = make_caches(model, method, config)
         result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
         reference = result["tokens"] if reference is None else reference
-        kv, text = kv_summary(model, caches), result["text"]
+        kv, text, n = kv_summary(model, caches), result["text"], max(len(reference), len(result["tokens"]))
         del caches
         rows.append({"method": method, "settings": _demo_settings(method, config), "answer": text.strip(),
                      "correct": ANSWER in re.sub(r"[\s,.'\"]", "", text), **{k: result[k] for k in GENERATION_KEYS},
-                     "agreement": _agreement(reference, result["tokens"]), **kv})
+                     "agreement": sum(a == b for a, b in zip(reference, result["tokens"])) / n if n else 1.0, **kv})
         progress.stage(f"{tag}: done ({result['prefill_s']:.1f}s prefill, {result['generated_tokens']} tokens)")
     if args.json:
         print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))

@@ -19,13 +19,9 @@ def init_group(backend: str = "any", strict: bool = False):
 
 def kv_heads(model) -> list[int]:
     """KV heads per attention layer as the model computes them now (per rank once sharded)."""
-    out = []
-    for layer in _layers(model):
-        attn = _attention(layer)
-        n = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
-        if n is not None:
-            out.append(int(n))
-    return out
+    heads = (getattr(a, "n_kv_heads", None) or getattr(a, "num_key_value_heads", None)
+             for a in map(_attention, _layers(model)))
+    return [int(n) for n in heads if n is not None]
 
 
 def shard_model(model, group=None):

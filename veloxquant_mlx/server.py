@@ -552,10 +552,10 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
     provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
-    store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
     # errors: 4xx/5xx answers and error events ending a stream; generation_failures: loop failures survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
                 "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
+    store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
     # the logits' width bounds logit_bias ids and top_k (MLX infers the shape without computing the pass)
@@ -587,8 +587,7 @@ def serve(kv: KVSettings, cli_args: argparse.Namespace, **limits) -> None:
     print(f"serving {cli_args.model} with method {kv.method} at http://{host}:{port}/v1 "
           f"(stats: http://{host}:{port}/v1/kv/stats)", flush=True)
     try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):
+            httpd.serve_forever()
     finally:
         shutdown(httpd, generator)
