@@ -112,12 +112,8 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(eval_table(rows))
-        print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
-              "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
-              "compression; recall: fraction of a repeated passage's tokens copied greedily after compression; "
-              "kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
-              "smaller; the plain 'none' cache holds float32 on the CPU, so it is above 1).")
+        from .eval.plot import DEFINITIONS
+        print(eval_table(rows), *DEFINITIONS, sep="\n")
     return 1 if any(r.get("error") for r in rows) else 0
 
 

@@ -298,9 +298,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 prompt_progress_callback=progress,
                 prefill_step_size=self.cli_args.prefill_step_size, stream=stream,
             ):
-                finish = gen.finish_reason
-                if matcher.advance(gen.token):
-                    finish = "stop"
+                finish = "stop" if matcher.advance(gen.token) else gen.finish_reason
                 rqueue.put(mlx_server.Response(
                     gen.text, gen.token, gen.logprobs[gen.token].item(), finish,
                     mlx_server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)))
