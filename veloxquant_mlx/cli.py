@@ -21,9 +21,7 @@ _blas.preload()  # before mlx.core is first imported (no-op if already done or t
 # transformers (mlx_lm's tokenizer wrapper) warns that PyTorch is missing: never needed here
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from .cache.settings import (NONE, UsageError, build_config, method_config, method_settings,  # noqa: F401
-                             parse_set, parse_sets, settings_summary)
-from .cache.settings import check_buildable as _check_buildable  # noqa: F401
+from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
 from .cli_output import (GENERATION_KEYS, MODEL_HELP, SHORT_PROMPT_NOTE, Progress, fmt_bytes, fmt_tps, format_table,
                          method_label, print_generation, truncate)
