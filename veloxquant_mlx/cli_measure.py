@@ -119,18 +119,16 @@ def cmd_eval(args) -> int:
 
 def _eval_command(args, tasks, contexts) -> str:
     import shlex
-    parts = ["veloxquant", "eval"] + [x for m in args.method for x in ("--method", m)]
-    parts += ["--all"] if args.all else []
-    parts += [x for item in args.set for x in ("--set", item)]
-    parts += [x for item in args.sweep for x in ("--sweep", item)]
-    parts += [x for t in tasks for x in ("--task", t)]
+    repeated = (("--method", args.method), ("--set", args.set), ("--sweep", args.sweep), ("--task", tasks))
+    parts = ["veloxquant", "eval", *(["--all"] if args.all else [])]
+    parts += [x for flag, items in repeated for item in items for x in (flag, item)]
     parts += ["--context", ",".join(map(str, contexts)), "--n-score", str(args.n_score)]
     parts += ["--reconstruct"] if args.reconstruct else []
     for flag, value in (("--model", args.model), ("--text-file", args.text_file), ("--depths", args.depths),
                         ("--distances", args.distances), ("--out", args.out)):
         if value:
             parts += [flag, str(value)]
-    return " ".join(shlex.quote(p) for p in parts)
+    return shlex.join(parts)
 
 
 def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) -> None:
