@@ -15,10 +15,8 @@ __all__ = ["preload", "compute_dtype", "ENV_VAR", "DEFAULT_PATHS"]
 #: A path to an OpenBLAS library to load first, or ``0``/``off``/``false``/``no``/``none`` to disable.
 ENV_VAR = "VELOXQUANT_OPENBLAS"
 #: Debian/Ubuntu ``libopenblas0-pthread`` locations, tried in order.
-DEFAULT_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-)
+DEFAULT_PATHS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+                 "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
 _loaded: tuple | None = None  # (path, CDLL): keeps the library referenced; repeated calls are cheap
 
 

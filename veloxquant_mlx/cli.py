@@ -118,9 +118,8 @@ def _demo_settings(method: str, config) -> str:
         return "uncompressed"
     from .cache.options import OPTIONS_BY_METHOD
     fields = getattr(OPTIONS_BY_METHOD.get(method), "FIELDS", {})
-    shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items()
-                                                 if opt in ("budget", "window_size", "n_sink", "bits",
-                                                            "residual_length")}}
+    shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items() if opt
+                                                 in ("budget", "window_size", "n_sink", "bits", "residual_length")}}
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
 
 

@@ -124,5 +124,4 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
     return FidelityResult(
         kld=float(kld.mean()), top1_agree=float(agree), ppl=float(mx.exp(nll)), ppl_ref=float(mx.exp(nll_ref)),
         kv_bytes=kv_bytes(caches), kv_bytes_fp16=fp16_kv_bytes(model, n_context + n_score - 1), n_scored=n_score,
-        top1_target=float(hit), top1_target_ref=float(hit_ref),
-    )
+        top1_target=float(hit), top1_target_ref=float(hit_ref))

@@ -92,11 +92,10 @@ def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] 
                          f"{r['error'][:80]} | | | | | | | |")
             continue
         niah = None if r.get("niah_acc") is None else f"{r['niah_hits']}/{r['niah_trials']}"
-        lines.append(
-            f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
-            f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
-            f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
-            f"{_f(r['kv_fraction_of_fp16'])} |")
+        lines.append(f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
+                     f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
+                     f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
+                     f"{_f(r['kv_fraction_of_fp16'])} |")
     points = pareto_points(rows)
     if points:
         front = pareto_front(points)
