@@ -239,8 +239,6 @@ def cmd_bench(args) -> int:
         raise UsageError("--context values must be >= 2")
     if args.repeats < 1 or args.decode_tokens < 1:
         raise UsageError("--repeats and --decode-tokens must be >= 1")
-    if args.shape and args.shape not in bench.SHAPES:
-        raise UsageError(f"unknown --shape {args.shape!r}; shapes: {', '.join(bench.SHAPES)}")
     default = NONE if args.batch > 1 else ",".join(bench.BASELINES)  # mlx_lm's quantized cache has no batch form
     baselines = [b.strip() for b in (args.baselines if args.baselines is not None else default).split(",")
                  if b.strip()]
