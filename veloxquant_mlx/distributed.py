@@ -1,7 +1,5 @@
-"""Compressed caches on a model sharded with ``mx.distributed`` (mlx_lm's ``model.shard(group)``, which splits
-each attention's heads across the ranks): every cache takes its head count from its keys, so ``for_model`` on a
-sharded model builds each rank the cache of its own KV heads; no bytes cross ranks but mlx_lm's own all-sums.
-Launch: ``mlx.launch --backend ring -n 2 --python "$(which python)" script.py`` (init_group, shard_model, for_model).
+"""Compressed caches on a model sharded with ``mx.distributed`` (README.md, "Sharded models"): every cache takes
+its head count from its keys, so ``for_model`` on a sharded model builds each rank the cache of its own KV heads.
 """
 
 from __future__ import annotations

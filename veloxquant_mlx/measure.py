@@ -1,8 +1,6 @@
-"""Byte accounting: :func:`kv_bytes` is measured (the sum of the caches' ``nbytes``; for mlx_lm's ``KVCache`` its
-buffers with the up-to-256-row slack), :func:`fp16_kv_bytes` the reference (the same tokens in mlx_lm's plain cache
-at fp16 without slack: ``2 * B * H_kv * T * D * 2`` bytes a layer, a sliding-window layer at most its window). One
-ratio everywhere: :func:`kv_fraction_of_fp16` = held / fp16 bytes; :func:`compression_text` says its inverse in
-words ("3.4x smaller"), never as a bare number.
+"""Byte accounting (README.md, "Reading the byte figures"): :func:`kv_bytes` is measured, :func:`fp16_kv_bytes` the
+reference (``2 * B * H_kv * T * D * 2`` bytes a layer, a sliding-window layer at most its window), and
+:func:`kv_fraction_of_fp16` the one ratio, said in words ("3.4x smaller") by :func:`compression_text`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """``veloxquant serve``: mlx_lm's OpenAI-compatible server (its HTTP API, request queue, generation thread and
-continuous batching, reused as they are) with this library's caches. Added:
-
-* a compressed cache per request: the server's or the request's ``"kv_cache"`` (:mod:`.server_requests`).
-  Methods with a compressed batch form (``batchable``: kivi, the default at 4 bits; turboquant_rvq; waterfill;
-  streaming_llm) join mlx_lm's batch, one batch per KV settings (in the model key and description); the others
-  are served one at a time. Nothing is decoded with an uncompressed batch cache behind a compressed label;
-* prompt-cache reuse only where the kept state is the one a fresh run builds (:mod:`.server_store`);
-* ``GET /v1/kv/stats``: measured bytes of live and kept caches against fp16, tokens, batching, reuse, counters;
-* a 4xx JSON error naming the field for bad input, checked on the handler's thread before generation; a later
-  failure is a 500 or a final SSE error event for its own requests only (a failed generation loop fails those
-  it started, re-queues the others and starts again);
-* for hostile or vanished clients: CORS only for ``--allow-origin``, ``--api-key``, ``--socket-timeout``, and
-  a request whose client has gone is cancelled at its next prefill chunk or decode step.
+continuous batching, reused as they are) with this library's caches: per-request ``"kv_cache"`` settings
+(:mod:`.server_requests`), batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model
+key and description) and the others one at a time, exact prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``,
+field-naming 4xx errors, access checks and cancellation of requests whose client has gone. README.md, "Serving",
+describes the behaviour.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The server's two prompt-cache stores under one prefix-reuse policy: :class:`PromptCacheStore` keeps the caches
 of compressed requests served one at a time, :class:`SafePromptCache` is mlx_lm's store (its batch path), keyed
-per KV settings by the model key.
-
-The policy, from the caches' own flags: keep only caches whose state does not depend on how tokens were split
-across calls (``chunk_invariant``; mlx_lm's ``KVCache`` is); trim a longer kept sequence back to the shared prefix
-only where every layer's trim is exact (``exact_trim``, or ``trim_exact_or_raises`` where a raise means
-recompute) and complete; else a shorter prefix or recompute. As with mlx_lm's quantized cache, a lossy method's
-rows for decoded tokens were computed against the compressed past, so reuse matches a fresh run in the cache's
-rules, not bit for bit (tests/test_server.py checks that the greedy answers agree).
+per KV settings by the model key. The policy (docs/ARCHITECTURE.md, "Prefix reuse"): keep only ``chunk_invariant``
+caches (mlx_lm's ``KVCache`` is); trim a longer kept sequence back to the shared prefix only where every layer's
+trim is exact (``exact_trim``, or ``trim_exact_or_raises`` where a raise means recompute) and complete; else a
+shorter prefix or recompute.
 """
 
 from __future__ import annotations
