@@ -93,9 +93,8 @@ def cmd_eval(args) -> int:
     try:
         for context in contexts:
             rows += run_eval(model, tokenizer, specs, tasks, context=context, n_score=args.n_score, depths=depths,
-                             text=text, model_name=model_name, progress=bar, seed=args.seed,
-                             recall_distances=distances, recall_passage=args.passage,
-                             reconstruct_context=args.reconstruct)
+                             text=text, model_name=model_name, progress=bar, seed=args.seed, recall_distances=distances,
+                             recall_passage=args.passage, reconstruct_context=args.reconstruct)
     except ValueError as exc:  # e.g. a text file too short for the context
         raise UsageError(str(exc)) from None
     bar.close(f"{len(rows)} rows")

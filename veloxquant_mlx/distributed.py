@@ -30,9 +30,8 @@ def shard_model(model, group=None):
     if n == 1:
         return model
     if not callable(getattr(model, "shard", None)):
-        raise QuantizerConfigError("model", type(model).__name__,
-                                   "an mlx_lm model with a shard() method (its architecture supports "
-                                   "tensor parallelism in mlx_lm)")
+        raise QuantizerConfigError("model", type(model).__name__, "an mlx_lm model with a shard() method (its "
+                                   "architecture supports tensor parallelism in mlx_lm)")
     for i, layer in enumerate(_layers(model)):
         attn = _attention(layer)
         for field in ("n_heads", "n_kv_heads"):
