@@ -54,6 +54,7 @@ _pending = threading.local()
 
 @contextlib.contextmanager
 def _status_kept(kinds=RequestError):
+    """An exception of ``kinds`` raised inside keeps its status (a RequestError's, else 500) for the answer."""
     try:
         yield
     except kinds as e:
@@ -278,7 +279,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self.live[live_id] = (kv, caches)
 
         def progress(done, total):
-            if ctx._should_stop:  # the client has gone: stop the prefill here
+            if ctx._should_stop:  # the handler stopped the request (its client is gone): stop the prefill here
                 raise ClientGone()
             rqueue.put((done, total))
         try:
