@@ -113,7 +113,7 @@ def test_own_store_keeps_at_most_max_entries():
 
 @pytest.mark.parametrize("cls, reused", [(FakeCache, 12), (InexactTrim, 0), (RaisingTrim, 0), (SplitDependent, 0)])
 def test_both_stores_make_the_same_decision(cls, reused):
-    """One policy (server_store.PrefixReuse) for mlx_lm's store and the one-at-a-time store: a 20-token kept
+    """One policy (server_store) for mlx_lm's store and the one-at-a-time store: a 20-token kept
     sequence, a prompt sharing its first 12 tokens; the trim back to 12 is taken only where it is exact."""
     prompt = list(range(12)) + [99]
     lru = S.SafePromptCache(10, {"reused_tokens": 0})
@@ -142,7 +142,7 @@ def test_a_sliding_window_model_serves_ring_methods_one_at_a_time():
     snap = parse_kv_settings("snapkv", {})
     for model, sliding in ((tiny_llama(), False), (tiny_gemma3(), True)):
         provider = ServedModelProvider(server_args("tiny"), loaded=(model, None))
-        provider._load("tiny")
+        provider.load("tiny")
         assert provider.batches(none)
         assert provider.batches(kivi) is (not sliding)
         assert provider.batches(snap) is snap.batchable

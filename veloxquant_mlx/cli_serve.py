@@ -1,4 +1,4 @@
-"""``veloxquant serve``: the subcommand's parser and handler (the server itself is ``server.py``)."""
+"""``veloxquant serve``: the subcommand's parser and handler (the server is :mod:`.server`)."""
 
 from __future__ import annotations
 
@@ -7,45 +7,38 @@ import logging
 import math
 import os
 
+from .cli_output import MODEL_HELP
+
 
 def add_subcommand(sub) -> None:
     s = sub.add_parser(
         "serve", help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models and GET /v1/kv/stats. "
-                    "Every request's cache is built with KVCacheBuilder.for_model; a request may pick its "
-                    'own with "kv_cache": {"method": M, "settings": {FIELD: VALUE}}.')
-    s.add_argument("--model", default=None, help="a local mlx_lm model path or HF repo id "
-                                                  "(default: the embedded SmolLM2-135M-Instruct)")
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models and GET /v1/kv/stats; a request may "
+                    'pick its own cache with "kv_cache": {"method": M, "settings": {FIELD: VALUE}}.')
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--method", default=None,
-                   help="default method for requests (default: kivi with bit_width_inlier=4, batchable; "
-                        "'none' = mlx_lm's plain cache)")
+                   help="default method (default: kivi with bit_width_inlier=4; 'none' = mlx_lm's plain cache)")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
-                   help="a KVCacheConfig field for the default method (repeatable)")
+                   help="a setting of the default method (repeatable)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     s.add_argument("--allow-origin", action="append", metavar="ORIGIN", default=[],
-                   help="a web origin (e.g. http://localhost:3000) whose pages may call the server (repeatable; "
-                        "default: none, requests carrying another Origin header get HTTP 403)")
+                   help="a web origin whose pages may call the server (repeatable; others get HTTP 403)")
     s.add_argument("--api-key", default=os.environ.get("VELOXQUANT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every request (default: $VELOXQUANT_API_KEY; "
-                        "unset = no key)")
+                   help="require 'Authorization: Bearer KEY' (default: $VELOXQUANT_API_KEY; unset = no key)")
     s.add_argument("--socket-timeout", type=float, default=30.0,
-                   help="seconds a client connection may stall on a read or write before it is dropped (default 30)")
+                   help="seconds a connection may stall on a read or write before it is dropped (default 30)")
     s.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--max-prompt-tokens", type=int, default=8192,
-                   help="longer prompts get HTTP 413 (default 8192, SmolLM2's context; prefill time grows with "
-                        "it and one prompt holds the generation thread: lower it on a slow machine)")
+                   help="longer prompts get HTTP 413 (default 8192; one prompt holds the generation thread)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413 (default 1 MiB)")
-    s.add_argument("--prompt-cache-size", type=int, default=10,
-                   help="finished caches kept for prefix reuse (0: none)")
+    s.add_argument("--prompt-cache-size", type=int, default=10, help="finished caches kept for prefix reuse (0: none)")
     s.add_argument("--prompt-cache-bytes", type=int, default=None, help="byte cap of the kept caches")
     s.add_argument("--decode-concurrency", type=int, default=32,
-                   help="most requests decoded together in mlx_lm's continuous batch: 'none' and the methods "
-                        "with a compressed batch form (kivi, turboquant_rvq, waterfill, streaming_llm); other "
-                        "methods run one request at a time (default 32)")
-    s.add_argument("--prefill-step-size", type=int, default=2048,
-                   help="prompt tokens per prefill chunk (default 2048)")
+                   help="most requests decoded together in mlx_lm's batch: 'none' and the methods with a batch form "
+                        "(kivi, turboquant_rvq, waterfill, streaming_llm); others run one request at a time")
+    s.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
     s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="server log verbosity (default WARNING)")
     s.set_defaults(func=_cmd_serve)

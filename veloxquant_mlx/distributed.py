@@ -1,11 +1,5 @@
-"""Compressed caches on a model sharded with ``mx.distributed`` (mlx_lm's ``model.shard(group)``).
-
-mlx_lm shards each attention's heads across the ranks (q/k/v "all-to-sharded", output "sharded-to-all",
-``n_heads``/``n_kv_heads`` divided by the group size). Every cache takes its head count from the keys it is
-given, so ``KVCacheBuilder.for_model`` on a sharded model builds, per rank, the cache of that rank's KV heads;
-no bytes cross ranks but mlx_lm's own all-sums. This module only validates and wraps MLX's engine. Launch::
-
-    mlx.launch --backend ring -n 2 --python "$(which python)" my_script.py  # init_group, shard_model, for_model
+"""Compressed caches on a model sharded with ``mx.distributed`` (README.md, "Sharded models"): every cache takes
+its head count from its keys, so ``for_model`` on a sharded model builds each rank the cache of its own KV heads.
 """
 
 from __future__ import annotations
@@ -23,26 +17,21 @@ def init_group(backend: str = "any", strict: bool = False):
 
 def kv_heads(model) -> list[int]:
     """KV heads per attention layer as the model computes them now (per rank once sharded)."""
-    out = []
-    for layer in _layers(model):
-        attn = _attention(layer)
-        n = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
-        if n is not None:
-            out.append(int(n))
-    return out
+    heads = (getattr(a, "n_kv_heads", None) or getattr(a, "num_key_value_heads", None)
+             for a in map(_attention, _layers(model)))
+    return [int(n) for n in heads if n is not None]
 
 
 def shard_model(model, group=None):
-    """``model.shard(group)`` after checking every layer's query and KV heads divide evenly (else each rank's
-    cache would silently hold a wrong head count); a group of size 1 leaves ``model`` unchanged."""
+    """``model.shard(group)`` once every layer's heads divide evenly (else a rank's cache would hold a wrong head
+    count); a group of size 1 leaves ``model`` unchanged."""
     group = group if group is not None else init_group()
     n = group.size()
     if n == 1:
         return model
     if not callable(getattr(model, "shard", None)):
-        raise QuantizerConfigError("model", type(model).__name__,
-                                   "an mlx_lm model with a shard() method (its architecture supports "
-                                   "tensor parallelism in mlx_lm)")
+        raise QuantizerConfigError("model", type(model).__name__, "an mlx_lm model with a shard() method (its "
+                                   "architecture supports tensor parallelism in mlx_lm)")
     for i, layer in enumerate(_layers(model)):
         attn = _attention(layer)
         for field in ("n_heads", "n_kv_heads"):

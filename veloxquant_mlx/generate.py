@@ -1,5 +1,4 @@
-"""Greedy generation with a model's caches: prompt encoding, the decode loop and its timings (the CLI's
-``generate``/``demo``; the server has mlx_lm's own loop but builds caches with :func:`make_caches` too)."""
+"""Caches for a model, prompt encoding and greedy generation with timings (the CLI's ``generate``/``demo``)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def encode_turn(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as one more user turn, to follow tokens already in a cache: the turn and the
-    assistant prompt without the conversation's BOS or default system message (plain ``encode`` when the
-    tokenizer has no template, or one that does not render a system message and the turn in sequence)."""
+    """Token ids of ``text`` as one more user turn after tokens already in a cache: the turn and the assistant
+    prompt without BOS or default system message (plain ``encode`` where the template cannot do that)."""
     plain = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
     if not _has_template(tokenizer):
         return plain
@@ -52,10 +50,9 @@ def encode_turn(tokenizer, text: str) -> list[int]:
 
 
 def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_tokens: int,
-                   on_token: Optional[Callable[[int], None]] = None,
                    on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Greedy ``mlx_lm.stream_generate`` into ``caches``: tokens, text and timings (EOS excluded).
-    ``on_prefill(done, total)`` follows the prefill chunks, ``on_token(n)`` each generated token."""
+    """Greedy ``mlx_lm.stream_generate`` into ``caches``: tokens, text and timings (EOS excluded);
+    ``on_prefill(done, total)`` after each prefill chunk."""
     import mlx_lm
     tokens, text = [], []
     t0 = time.perf_counter()
@@ -67,11 +64,7 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
         if resp.finish_reason == "stop":  # this response carries the EOS token
             break
         tokens.append(int(resp.token))
-        if t_first is None:
-            t_first = now
-        t_last = now
-        if on_token is not None:
-            on_token(len(tokens))
+        t_first, t_last = t_first or now, now
     end = time.perf_counter()
     decode_tps = (len(tokens) - 1) / (t_last - t_first) if len(tokens) >= 2 and t_last > t_first else None
     return {"text": "".join(text), "tokens": tokens, "prompt_tokens": len(prompt_ids), "generated_tokens": len(tokens),

@@ -1,11 +1,6 @@
-"""Byte accounting for KV caches: what a cache really holds, and what mlx_lm's plain cache would hold.
-
-:func:`kv_bytes` is measured: the sum of the caches' ``nbytes`` (for mlx_lm's ``KVCache``, its buffers with the
-up-to-256-row slack). :func:`fp16_kv_bytes` is the reference: the same tokens in mlx_lm's plain cache at fp16
-without slack (``2 * B * H_kv * T * D * 2`` bytes a layer; a sliding-window layer counts at most its window,
-a layer without a KV cache nothing). One ratio everywhere (CLI, JSON, bench, eval, plots, docs):
-:func:`kv_fraction_of_fp16` = held / fp16 bytes; :func:`compression_text` says its inverse in words
-("3.4x smaller"), never as a bare number.
+"""Byte accounting (README.md, "Reading the byte figures"): :func:`kv_bytes` is measured, :func:`fp16_kv_bytes` the
+reference (``2 * B * H_kv * T * D * 2`` bytes a layer, a sliding-window layer at most its window), and
+:func:`kv_fraction_of_fp16` the one ratio, said in words ("3.4x smaller") by :func:`compression_text`.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ def _kv_heads(attn, head_dim: int) -> int:
 
 
 def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
-    """Bytes of ``n_tokens`` tokens in mlx_lm's plain KV cache at fp16, without its 256-row slack."""
     from mlx_lm.models import cache as mlx_cache
     from .cache.factory import _attention, _head_dim, _layers
     if n_tokens < 0 or batch_size < 1:
@@ -64,12 +58,11 @@ def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
 
 
 def kv_fraction_of_fp16(held_bytes: Optional[int], fp16_bytes: Optional[int]) -> Optional[float]:
-    """``held_bytes / fp16_bytes`` (lower = smaller cache); None when there is no fp16 reference."""
+    """``held_bytes / fp16_bytes`` (lower = smaller); None without an fp16 reference."""
     return None if held_bytes is None or not fp16_bytes else held_bytes / fp16_bytes
 
 
-def compression_text(fraction: Optional[float]) -> str:
-    """A :func:`kv_fraction_of_fp16` in words: ``"3.4x smaller"``, ``"1.2x larger"``, ``"n/a"``."""
+def compression_text(fraction: Optional[float]) -> str:  # "3.4x smaller", "1.2x larger", "n/a"
     if fraction is None:
         return "n/a"
     if fraction <= 0:
@@ -79,8 +72,7 @@ def compression_text(fraction: Optional[float]) -> str:
     return f"{1 / fraction:.1f}x smaller" if fraction < 1 else f"{fraction:.1f}x larger"
 
 
-def fraction_text(fraction: Optional[float]) -> str:
-    """``"0.30 (3.3x smaller)"``: the fraction, then the same figure in words."""
+def fraction_text(fraction: Optional[float]) -> str:  # "0.30 (3.3x smaller)"
     return "n/a" if fraction is None else f"{fraction:.2f} ({compression_text(fraction)})"
 
 
@@ -101,8 +93,8 @@ def cache_figures(model, caches) -> dict:
 
 
 def batch_figures(model, caches) -> dict:
-    """:func:`cache_figures` of a running batch from host-side lengths only (no device reads): for mlx_lm's
-    ``BatchKVCache``, whose lengths live on the device, only bytes and the batch size."""
+    """:func:`cache_figures` of a running batch from host-side lengths only (no device reads: for mlx_lm's
+    ``BatchKVCache`` only bytes and the batch size)."""
     first, measured = caches[0], kv_bytes(caches)
     if not hasattr(first, "lens"):
         padding = getattr(first, "left_padding", None)

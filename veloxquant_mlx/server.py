@@ -1,24 +1,9 @@
-"""``veloxquant serve``: mlx_lm's OpenAI-compatible HTTP server with this library's caches.
-
-mlx_lm's pieces are reused as they are: the HTTP API (chat and text completions, streaming, sampling, stop
-words, tool calls, logprobs), its request queue and generation thread, and its continuous batching. Added:
-
-* **Compressed caches per request**: the server's configuration or the request's own ``"kv_cache": {"method",
-  "settings", "reuse"}`` (:mod:`.server_requests`). Methods with a compressed batch form (``batchable``: kivi,
-  the default at 4 bits; turboquant_rvq; waterfill; streaming_llm) join mlx_lm's continuous batch, one batch per KV
-  settings (carried by the model key and description); the others are served one at a time, in arrival
-  order. Nothing is decoded with an uncompressed batch cache behind a compressed label.
-* **Prompt-cache reuse only where the kept state is the one a fresh run builds** (:mod:`.server_store`).
-* ``GET /v1/kv/stats``: measured ``kv_bytes`` of live and kept caches next to mlx_lm's fp16 bytes, tokens
-  seen and kept, batching and reuse per method, counters, process memory.
-* **Bad input gets a 4xx JSON error naming the field** (malformed JSON, UTF-8 or Content-Length, unknown model,
-  method or field, bad values, images, template errors, ``--max-body-bytes``, ``--max-prompt-tokens``), checked
-  on the handler's thread before generation; a later failure gets a 500 or a final SSE error event and fails
-  only its own requests (a failed generation loop fails those it served, re-queues those it had not started,
-  and starts again). ``/v1/kv/stats`` counts 4xx/5xx answers in ``errors``.
-* **Hostile and vanished clients**: no CORS unless ``--allow-origin`` names the origin (others get 403),
-  ``--api-key`` bearer tokens, ``--socket-timeout`` on every read and write, and a request whose client has
-  gone is cancelled at its next prefill chunk or decode step.
+"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (its HTTP API, request queue, generation thread and
+continuous batching, reused as they are) with this library's caches: per-request ``"kv_cache"`` settings
+(:mod:`.server_requests`), batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model
+key and description) and the others one at a time, exact prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``,
+field-naming 4xx errors, access checks and cancellation of requests whose client has gone. README.md, "Serving",
+describes the behaviour.
 """
 
 from __future__ import annotations
@@ -57,8 +42,7 @@ EMBEDDED_ID = "smollm2-135m"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_TOKENS = 8192
 DEFAULT_SOCKET_TIMEOUT = 30.0
-#: The method without ``--method``: KIVI at 4 bits -- batchable, KL about 0.007 at about 0.36x the fp16 bytes,
-#: the fastest quantizer (waterfill-4 is better per byte, and batches too; docs/RESULTS.md).
+#: Without ``--method``: KIVI-4, batchable, KL ~0.007 at ~0.36x fp16 bytes, the fastest quantizer (docs/RESULTS.md).
 DEFAULT_METHOD = "kivi"
 DEFAULT_SETTINGS = {"bit_width_inlier": 4}
 _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
@@ -68,26 +52,18 @@ _POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _pending = threading.local()
 
 
-def _remember_status(error: Exception) -> None:
-    _pending.status = error.status if isinstance(error, RequestError) else 500
-
-
 @contextlib.contextmanager
-def _status_kept():
-    """A RequestError raised inside keeps its status for the answer."""
+def _status_kept(kinds=RequestError):
+    """An exception of ``kinds`` raised inside keeps its status (a RequestError's, else 500) for the answer."""
     try:
         yield
-    except RequestError as e:
-        _remember_status(e)
+    except kinds as e:
+        _pending.status = e.status if isinstance(e, RequestError) else 500
         raise
 
 
 class ClientGone(Exception):
     """The client of a request closed its connection: the request is cancelled, nothing is sent."""
-
-
-class RequestCancelled(Exception):
-    """Raised in the generation thread to stop the prefill of a request whose client has gone."""
 
 
 @dataclasses.dataclass
@@ -98,8 +74,8 @@ class KVModelDescription(mlx_server.ModelDescription):
 
 
 class CachedModel:
-    """The served model whose ``make_cache`` (called by mlx_lm's batch path for each new request) builds
-    compressed caches; it remembers the latest forward pass's caches weakly, for ``/v1/kv/stats``."""
+    """The served model whose ``make_cache`` (mlx_lm's batch path) builds compressed caches; it remembers the
+    latest forward pass's caches weakly, for ``/v1/kv/stats``."""
 
     def __init__(self, model, kv: KVSettings):
         self._model, self._kv, self._last = model, kv, ()
@@ -137,24 +113,29 @@ class ServedModelProvider(mlx_server.ModelProvider):
         if name not in self.aliases:
             raise RequestError(404, f"model {name!r} is not served here; this server serves {self.served_id!r}")
 
-    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        """A ``CachedModel`` of the scheduled request's KV settings, also named in ``model_key`` (so mlx_lm's
+        prompt-cache store never hands one method's cache to another)."""
         self.check_served(model_path)
         if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
             raise RequestError(400, "adapters and draft models are not supported by veloxquant serve")
         self.model_key = (self.served_id, None, None)
-        if self.model is not None:
-            return
-        if self._loaded is None:
-            from .model import load_model
-            self._loaded = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
-        self.model, self.tokenizer = self._loaded
-        self.processor, self.draft_model = None, None
-        self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
-        self._sliding = None
+        if self.model is None:
+            if self._loaded is None:
+                from .model import load_model
+                self._loaded = load_model(None if self.served_id == EMBEDDED_ID else self.served_id)
+            self.model, self.tokenizer = self._loaded
+            self.processor, self.draft_model, self._sliding = None, None, None
+            self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
+        kv = self.kv
+        if kv is None:
+            return self.model, self.tokenizer
+        if kv.method != NONE:
+            self.model_key = (self.served_id, kv.key, None)
+        return self._wrapped.setdefault(kv.key, CachedModel(self.model, kv)), self.tokenizer
 
     def batches(self, kv: KVSettings) -> bool:
-        """Whether requests of ``kv`` join mlx_lm's batch: the method has a batch form, and the served model
-        has no sliding-window layer that would get the method's compressed ring (which has none)."""
+        """Whether ``kv`` joins mlx_lm's batch: it has a batch form and no layer gets its compressed ring."""
         if not kv.batchable:
             return False
         if kv.method not in RING_CLASSES or self.model is None:
@@ -163,22 +144,10 @@ class ServedModelProvider(mlx_server.ModelProvider):
             self._sliding = any(type(c) is RotatingKVCache for c in make_prompt_cache(self.model))
         return not self._sliding
 
-    def load(self, model_path, adapter_path=None, draft_model_path=None):
-        """The model for the request being scheduled, a ``CachedModel`` of its KV settings; ``model_key`` names
-        them too, so mlx_lm's prompt-cache store never hands one method's cache to another."""
-        self._load(model_path, adapter_path, draft_model_path)
-        kv = self.kv
-        if kv is None:
-            return self.model, self.tokenizer
-        if kv.method != NONE:
-            self.model_key = (self.served_id, kv.key, None)
-        return self._wrapped.setdefault(kv.key, CachedModel(self.model, kv)), self.tokenizer
-
 
 class _TrackedQueue:
-    """A request's response queue, remembering whether the request has started (its context was put) and
-    finished (``None`` or an exception): a failed generation loop fails the started ones and re-queues, once,
-    the others."""
+    """A response queue that knows whether its request started and finished: a failed generation loop fails
+    the started ones and re-queues the others, once."""
 
     __slots__ = ("queue", "request", "started", "done", "retried", "__weakref__")
 
@@ -194,8 +163,7 @@ class _TrackedQueue:
 
 
 class CompressedResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx_lm's generation thread: compressed requests without a batch form are served one at a time
-    (``_serve_single``); an exception escaping mlx_lm's loop fails its requests and the loop starts again."""
+    """mlx_lm's generation thread; compressed requests without a batch form are served one at a time."""
 
     def __init__(self, provider, prompt_cache, default_kv: KVSettings, store: PromptCacheStore, counters: dict):
         self.default_kv, self.store, self.counters = default_kv, store, counters
@@ -244,28 +212,21 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         return (tracked, *request[1:])
 
     def generate(self, request, generation_args, progress_callback=None):
-        """mlx_lm's ``generate`` on the handler's thread; the client's connection is checked at each progress
-        report and token, and a closed one stops the request (``ClientGone``)."""
+        """mlx_lm's ``generate``; a client gone at a progress report or token stops it (``ClientGone``)."""
         kv = getattr(request, "kv", None) or self.default_kv
         generation_args.kv = kv
         generation_args.model = KVModelDescription(**dataclasses.asdict(generation_args.model), kv=kv.key)
         self.count(requests=1)
         gone = getattr(_pending, "client_gone", None) or (lambda: False)
-        started = []
 
         def progress(done, total):
             if gone():
-                started[0].stop()
+                ctx.stop()
                 raise ClientGone()
             if progress_callback is not None:
                 progress_callback(done, total)
-
-        try:
+        with _status_kept(Exception):
             ctx, responses = super().generate(request, generation_args, progress)
-        except Exception as e:
-            _remember_status(e)
-            raise
-        started.append(ctx)
 
         def watched():
             for response in responses:
@@ -273,12 +234,9 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                     ctx.stop()
                     raise ClientGone()
                 yield response
-
         return ctx, watched()
 
-    def _is_batchable(self, args):
-        # called per request just before loading the model and fetching its prompt cache: the provider
-        # learns the request's KV settings here
+    def _is_batchable(self, args):  # per request, before its model is loaded: the provider learns its settings
         kv = getattr(args, "kv", self.default_kv)
         self.model_provider.kv = kv
         self.prompt_cache.skip_fetch = not kv.reuse
@@ -321,10 +279,9 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self.live[live_id] = (kv, caches)
 
         def progress(done, total):
-            if ctx._should_stop:  # the client has gone: stop the prefill here
-                raise RequestCancelled()
+            if ctx._should_stop:  # the handler stopped the request (its client is gone): stop the prefill here
+                raise ClientGone()
             rqueue.put((done, total))
-
         try:
             matcher = stop_sequences.matcher()
             for gen in stream_generate(
@@ -334,9 +291,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 prompt_progress_callback=progress,
                 prefill_step_size=self.cli_args.prefill_step_size, stream=stream,
             ):
-                finish = gen.finish_reason
-                if matcher.advance(gen.token):
-                    finish = "stop"
+                finish = "stop" if matcher.advance(gen.token) else gen.finish_reason
                 rqueue.put(mlx_server.Response(
                     gen.text, gen.token, gen.logprobs[gen.token].item(), finish,
                     mlx_server._format_top_logprobs(gen.logprobs, args.top_logprobs, tokenizer)))
@@ -369,8 +324,8 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
 
 
 class CompressedAPIHandler(mlx_server.APIHandler):
-    """mlx_lm's handler plus ``/v1/kv/stats``, ``kv_cache`` settings, size limits, origin and API-key checks, a
-    socket timeout, and validation that refuses with a 4xx naming the field what could fail in generation."""
+    """mlx_lm's handler plus ``/v1/kv/stats``, ``kv_cache``, limits, origin and API-key checks, a socket timeout
+    and validation."""
 
     def __init__(self, response_generator, *args, **kwargs):
         self.timeout = response_generator.limits["socket_timeout"]  # read by StreamRequestHandler.setup
@@ -393,7 +348,6 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         super()._set_stream_headers(status_code)
 
     def _set_cors_headers(self):
-        """Cross-origin access only for the origins the operator allowed (``--allow-origin``)."""
         origin = self.headers.get("Origin")
         allowed = self.response_generator.cli_args.allowed_origins
         if origin is not None and ("*" in allowed or origin in allowed):
@@ -403,7 +357,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
 
     def _send_json(self, status: int, obj, headers: Optional[dict] = None, close: bool = False) -> None:
-        """A JSON answer; ``close`` ends the connection after it (the rest of the request is not read)."""
+        """A JSON answer; ``close``: end the connection after it (the rest of the request is not read)."""
         self.close_connection = self.close_connection or close
         _pending.status = None
         self._set_completion_headers(status)
@@ -419,7 +373,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self._send_json(status, {"error": message}, **kw)
 
     def _guarded(self, method) -> None:
-        """Run a request; a client that went away or stalled past the socket timeout ends it quietly."""
+        """Run a request; a client gone or stalled past the socket timeout ends it quietly."""
         _pending.status = None
         _pending.client_gone = self._client_gone
         try:
@@ -432,8 +386,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         finally:
             _pending.client_gone = None
 
-    def _client_gone(self) -> bool:
-        """True when the client closed its connection (readable with nothing to read: EOF)."""
+    def _client_gone(self) -> bool:  # readable with nothing to read: EOF
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
             return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
@@ -441,7 +394,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             return True
 
     def _access_refused(self) -> bool:
-        """Send 403 for a browser request from an origin not allowed, 401 without the API key."""
+        """403 for an origin not allowed, 401 without the API key."""
         origin = self.headers.get("Origin")
         allowed = self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
@@ -478,8 +431,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self._guarded(self._post)
 
     def _post(self):
-        """Check access, path, Content-Length and encoding, then mlx_lm's ``do_POST`` on the body read here (a bad
-        or stalled body gets a JSON error, never a dropped thread)."""
+        """Access, path, Content-Length and UTF-8 checks, then mlx_lm's ``do_POST`` on the body read here."""
         if self._access_refused():
             return
         if self.path not in _POST_PATHS:
@@ -513,7 +465,6 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             self.rfile = socket_file
 
     def validate_model_parameters(self) -> None:
-        """mlx_lm's checks, ours (:mod:`.server_requests`) and a served model (responses name the served id)."""
         check_number_types(self)
         super().validate_model_parameters()
         check_generation_fields(self, self.response_generator.vocab_size)
@@ -523,7 +474,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         self.requested_model = provider.served_id  # responses name the served model
 
     def _checked(self, request):
-        """Attach the request's KV settings and check its prompt length (raises RequestError)."""
+        """Attach the request's KV settings; check max_tokens and the prompt length."""
         gen = self.response_generator
         with _status_kept():
             kv = request_kv(self.body.get("kv_cache"), gen.default_kv, gen.model_provider.model)
@@ -552,8 +503,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         return self._checked(super().handle_text_completions())
 
     def handle_completion(self, request, stop_words):
-        """mlx_lm's response loop; a later failure still gets an answer: a JSON error before the response has
-        begun, else a final SSE ``error`` event."""
+        """mlx_lm's response loop; a failure gets a JSON error, or a final SSE ``error`` event once streaming."""
         try:
             super().handle_completion(request, stop_words)
         except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -575,32 +525,28 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 
 def server_args(model: Optional[str] = None, **overrides) -> argparse.Namespace:
     """The argument namespace mlx_lm's server pieces read, with its defaults."""
-    args = dict(
-        model=model or EMBEDDED_ID, adapter_path=None, host="127.0.0.1", port=8080, allowed_origins=[],
-        draft_model=None, num_draft_tokens=3, trust_remote_code=False, log_level="INFO", chat_template="",
-        use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=512,
-        chat_template_args={}, decode_concurrency=32, prompt_concurrency=8, prefill_step_size=2048,
-        prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None, kv_group_size=64,
-        quantized_kv_start=0, pipeline=False,
-    )
-    args.update(overrides)
-    return argparse.Namespace(**args)
+    return argparse.Namespace(**{
+        "model": model or EMBEDDED_ID, "adapter_path": None, "host": "127.0.0.1", "port": 8080, "allowed_origins": [],
+        "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False, "log_level": "INFO",
+        "chat_template": "", "use_default_chat_template": False, "temp": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+        "max_tokens": 512, "chat_template_args": {}, "decode_concurrency": 32, "prompt_concurrency": 8,
+        "prefill_step_size": 2048, "prompt_cache_size": 10, "prompt_cache_bytes": None, "kv_bits": None,
+        "kv_group_size": 64, "quantized_kv_start": 0, "pipeline": False, **overrides})
 
 
 def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_tokens=DEFAULT_MAX_PROMPT_TOKENS,
                 max_body_bytes=DEFAULT_MAX_BODY_BYTES, max_tokens_limit: Optional[int] = None,
                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, api_key: Optional[str] = None,
                 loaded: Optional[tuple] = None):
-    """A ready ``ThreadingHTTPServer`` (not yet serving; port 0 picks a free one) and its response generator;
-    ``loaded``: an already loaded ``(model, tokenizer)`` to serve as ``cli_args.model``. Stop with ``shutdown``."""
+    """``(httpd, generator)``, not yet serving (port 0 picks a free one); ``loaded``: an already loaded
+    ``(model, tokenizer)`` to serve as ``cli_args.model``. Stop with ``shutdown``."""
     provider = ServedModelProvider(cli_args, loaded)
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
-    store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
-    # reused_tokens: prompt tokens taken from a kept cache (both stores); errors: 4xx/5xx answers and error
-    # events ending a stream; generation_failures: failures of the generation loop that it survived
+    # errors: 4xx/5xx answers and error events ending a stream; generation_failures: loop failures survived
     counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
                 "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
+    store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
     # the logits' width bounds logit_bias ids and top_k (MLX infers the shape without computing the pass)
@@ -613,8 +559,7 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
 
 
 class _HTTPServer(ThreadingHTTPServer):
-    """One thread per connection (bounded by the socket timeout); a backlog deep enough that a burst of
-    connections waits in it instead of having its packets dropped."""
+    """One thread per connection; a backlog that holds a burst of connections rather than dropping them."""
 
     daemon_threads = True
     request_queue_size = 128
@@ -633,8 +578,7 @@ def serve(kv: KVSettings, cli_args: argparse.Namespace, **limits) -> None:
     print(f"serving {cli_args.model} with method {kv.method} at http://{host}:{port}/v1 "
           f"(stats: http://{host}:{port}/v1/kv/stats)", flush=True)
     try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):
+            httpd.serve_forever()
     finally:
         shutdown(httpd, generator)

@@ -1,6 +1,5 @@
-"""What a ``veloxquant serve`` request may carry, checked on the handler's thread before generation: its cache
-configuration (``"kv_cache"``, :func:`request_kv`), chat messages and sampling fields. Anything wrong is a
-:class:`RequestError` or ``ValueError`` naming the field, answered with a 4xx JSON error."""
+"""Checks of a ``veloxquant serve`` request on the handler's thread, before generation: ``"kv_cache"``, chat
+messages, sampling fields. Anything wrong is a :class:`RequestError` or ``ValueError`` naming the field (a 4xx)."""
 
 from __future__ import annotations
 
@@ -41,6 +40,11 @@ class KVSettings:
     def key(self) -> tuple:
         return (self.method, self.settings)
 
+    @property
+    def batchable(self) -> bool:
+        cls = _method_class(self.method)
+        return cls is None or bool(cls.__dict__.get("batchable", False))
+
     def describe(self) -> dict:
         cls = _method_class(self.method)
         out = {"method": self.method, "settings": dict(self.settings)}
@@ -53,11 +57,6 @@ class KVSettings:
         return dict(out, batching="batched" if self.batchable else "sequential", batching_reason=reason,
                     prompt_reuse=reuse_mode(cls))
 
-    @property
-    def batchable(self) -> bool:
-        cls = _method_class(self.method)
-        return cls is None or bool(cls.__dict__.get("batchable", False))
-
 
 def _method_class(method: str):
     from .cache.base import method_info
@@ -65,8 +64,8 @@ def _method_class(method: str):
 
 
 def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
-    """``KVSettings`` of ``method`` and its ``--set`` fields, or ``RequestError(400)`` naming what is wrong; with
-    ``model``, its caches are built once, so per-layer checks fail here rather than in the generation thread."""
+    """``KVSettings`` of ``method`` and its fields, or ``RequestError(400)``; with ``model``, caches are built
+    once, so per-layer checks fail here rather than in the generation thread."""
     if not isinstance(method, str):
         raise RequestError(400, f"kv_cache.method must be a string, got {method!r}")
     if not isinstance(sets, dict):
@@ -112,8 +111,7 @@ _IMAGE_TYPES = ("image_url", "input_image", "image")
 
 
 def check_messages(messages) -> None:
-    """A 400 naming the field for malformed chat messages, before mlx_lm's processing (which fetches remote
-    image URLs and feeds the chat template whatever it is given)."""
+    """Malformed chat messages, before mlx_lm's processing (which fetches image URLs and templates anything)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
@@ -147,9 +145,7 @@ def check_number_types(req) -> None:
 
 
 def check_generation_fields(req, vocab: int) -> None:
-    """After mlx_lm's checks: finite floats, ``seed`` within what MLX accepts, ``top_k`` and ``logit_bias`` ids
-    within the vocabulary, string ``stop`` words, objects for ``chat_template_kwargs`` and ``role_mapping``,
-    a list of ``tools``."""
+    """What mlx_lm's checks let through: finite floats, seed and token ids in range, types of the rest."""
     for name in _FLOAT_FIELDS:
         if not math.isfinite(getattr(req, name)):
             raise ValueError(f"{name} must be a finite number, got {getattr(req, name)}")

@@ -1,6 +1,9 @@
-"""The server's two prompt-cache stores and the one prefix-reuse policy both follow (:class:`PrefixReuse`):
-:class:`PromptCacheStore` keeps the caches of compressed requests served one at a time; :class:`SafePromptCache`
-is mlx_lm's own store (its batch path: ``none`` and the batchable methods), keyed per KV settings by the model key.
+"""The server's two prompt-cache stores under one prefix-reuse policy: :class:`PromptCacheStore` keeps the caches
+of compressed requests served one at a time, :class:`SafePromptCache` is mlx_lm's store (its batch path), keyed
+per KV settings by the model key. The policy (docs/ARCHITECTURE.md, "Prefix reuse"): keep only ``chunk_invariant``
+caches (mlx_lm's ``KVCache`` is); trim a longer kept sequence back to the shared prefix only where every layer's
+trim is exact (``exact_trim``, or ``trim_exact_or_raises`` where a raise means recompute) and complete; else a
+shorter prefix or recompute.
 """
 
 from __future__ import annotations
@@ -15,68 +18,50 @@ from mlx_lm.models import cache as mlx_cache
 
 from .measure import cache_figures
 
-__all__ = ["PrefixReuse", "PromptCacheStore", "SafePromptCache", "reuse_mode"]
+__all__ = ["PromptCacheStore", "SafePromptCache", "reuse_mode"]
 
 
-class PrefixReuse:
-    """When a kept cache may stand in for a fresh prefill, from the caches' own flags: keep only caches whose
-    state does not depend on how tokens were split across calls (``chunk_invariant``; mlx_lm's ``KVCache`` is);
-    trim a longer kept sequence back to the shared prefix only where every layer's trim is exact (``exact_trim``,
-    or ``trim_exact_or_raises`` where a raise means recompute) and complete; else a shorter prefix or recompute.
-
-    As with mlx_lm's quantized cache, a lossy method's rows for decoded tokens were computed against the
-    compressed past, so reuse matches a fresh run in the cache's rules, not bit for bit in every hidden state
-    (tests/test_server.py checks that the greedy answers agree).
-    """
-
-    @staticmethod
-    def keepable(caches) -> bool:
-        return all(getattr(c, "chunk_invariant", type(c) is mlx_cache.KVCache) for c in caches)
-
-    @staticmethod
-    def trimmable(caches) -> bool:
-        return all(getattr(c, "exact_trim", type(c) is mlx_cache.KVCache) or getattr(c, "trim_exact_or_raises", False)
-                   for c in caches)
-
-    @staticmethod
-    def trim(caches, n: int) -> bool:
-        """Trim ``n`` tokens off every layer; False (recompute) when a layer raises or trims less."""
-        try:
-            return all(c.trim(n) == n for c in caches)
-        except ValueError:  # the trim would cut into compressed rows
-            return False
-
-    @staticmethod
-    def mode(cls) -> str:
-        """How a cached prefix of cache class ``cls`` can be reused (``/v1/kv/stats``)."""
-        if not getattr(cls, "chunk_invariant", False):
-            return "recompute (state depends on how tokens were split across calls)"
-        if getattr(cls, "exact_trim", False):
-            return "prefix and trim"
-        if getattr(cls, "trim_exact_or_raises", False):
-            return "prefix, and trim where it stays in the float16 residual (else recompute)"
-        return "prefix only (trim is not exact)"
+def _keepable(caches) -> bool:
+    return all(getattr(c, "chunk_invariant", type(c) is mlx_cache.KVCache) for c in caches)
 
 
-reuse_mode = PrefixReuse.mode
+def _trimmable(caches) -> bool:
+    return all(getattr(c, "exact_trim", type(c) is mlx_cache.KVCache) or getattr(c, "trim_exact_or_raises", False)
+               for c in caches)
+
+
+def _trim(caches, n: int) -> bool:
+    """Trim ``n`` tokens off every layer; False (recompute) when a layer raises or trims less."""
+    try:
+        return all(c.trim(n) == n for c in caches)
+    except ValueError:  # the trim would cut into compressed rows
+        return False
+
+
+def reuse_mode(cls) -> str:
+    """How a cached prefix of cache class ``cls`` can be reused (``/v1/kv/stats``)."""
+    if not getattr(cls, "chunk_invariant", False):
+        return "recompute (state depends on how tokens were split across calls)"
+    if getattr(cls, "exact_trim", False):
+        return "prefix and trim"
+    if getattr(cls, "trim_exact_or_raises", False):
+        return "prefix, and trim where it stays in the float16 residual (else recompute)"
+    return "prefix only (trim is not exact)"
 
 
 class PromptCacheStore:
     """LRU store of finished requests' compressed caches, keyed by (KV settings, tokens)."""
 
     def __init__(self, max_entries: int = 10, max_bytes: Optional[int] = None):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        self.max_entries, self.max_bytes, self._lock = max_entries, max_bytes, threading.Lock()
         self._entries: OrderedDict[tuple, list] = OrderedDict()  # (kv key, tokens) -> caches
-        self._lock = threading.Lock()
 
     def __len__(self):
         return len(self._entries)
 
     def fetch(self, kv_key, prompt: list[int]):
-        """``(private copy of caches or None, tokens reused, how)``: the candidate reusing the most tokens (at
-        least one prompt token is left to process), among kept prefixes of the prompt and longer kept
-        sequences whose trim back to the shared part is exact."""
+        """``(private copy of caches or None, tokens reused, how)``: the kept sequence reusing the most tokens
+        (leaving at least one prompt token), a prefix of the prompt or a longer one whose trim is exact."""
         candidates, skipped = [], ""
         with self._lock:
             for (key, tokens), caches in self._entries.items():
@@ -84,14 +69,14 @@ class PromptCacheStore:
                 trim = len(tokens) - use
                 if use <= 0:
                     continue
-                if trim and not PrefixReuse.trimmable(caches):
+                if trim and not _trimmable(caches):
                     skipped = "; a longer kept sequence was skipped (its trim is not exact)"
                     continue
                 candidates.append((use, -trim, (key, tokens)))
             candidates.sort(reverse=True)
             picked = [(use, -neg, k, copy.deepcopy(self._entries[k])) for use, neg, k in candidates[:2]]
         for use, trim, entry_key, caches in picked:
-            if trim and not PrefixReuse.trim(caches, trim):
+            if trim and not _trim(caches, trim):
                 continue
             with self._lock:
                 if entry_key in self._entries:
@@ -101,17 +86,14 @@ class PromptCacheStore:
 
     def insert(self, kv_key, tokens: list[int], caches: list) -> None:
         """Keep ``caches`` (which have seen exactly ``tokens``) if the policy allows, evicting LRU first."""
-        if self.max_entries <= 0 or not PrefixReuse.keepable(caches):
+        if self.max_entries <= 0 or not _keepable(caches):
             return
         with self._lock:
             self._entries[(kv_key, tuple(tokens))] = caches
             self._entries.move_to_end((kv_key, tuple(tokens)))
-            while len(self._entries) > self.max_entries or (
-                    self.max_bytes is not None and self._nbytes() > self.max_bytes and self._entries):
+            while len(self._entries) > self.max_entries or (self.max_bytes is not None and self._entries and sum(
+                    int(c.nbytes) for caches in self._entries.values() for c in caches) > self.max_bytes):
                 self._entries.popitem(last=False)
-
-    def _nbytes(self) -> int:
-        return sum(int(c.nbytes) for caches in self._entries.values() for c in caches)
 
     def describe(self, model) -> list[dict]:
         with self._lock:
@@ -121,9 +103,8 @@ class PromptCacheStore:
 
 
 class SafePromptCache(mlx_cache.LRUPromptCache):
-    """mlx_lm's prompt-cache store under :class:`PrefixReuse`: where mlx_lm trims a longer kept sequence whenever
-    its caches say ``is_trimmable``, a trim that is not exact, raises or is incomplete means a shorter prefix or
-    a recompute instead of a wrong or crashed request."""
+    """mlx_lm's prompt-cache store under this module's policy: where mlx_lm trims whenever ``is_trimmable``, a
+    trim that is not exact, raises or is incomplete means a shorter prefix or a recompute instead."""
 
     skip_fetch = False  # set per request (kv_cache.reuse = false) by the response generator
 
@@ -140,10 +121,10 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         short = len(found.shorter) if found.shorter is not None else 0
         if found.longer is not None and found.common_prefix > short:
             longer = self._trie.get(found.model, found.longer).prompt_cache
-            if PrefixReuse.trimmable(longer):
+            if _trimmable(longer):
                 caches = copy.deepcopy(longer)
                 prefix = min(len(tokens) - 1, found.common_prefix)
-                if not PrefixReuse.trim(caches, len(found.longer) - prefix):
+                if not _trim(caches, len(found.longer) - prefix):
                     return None, tokens
                 return self._reused(caches, tokens, prefix, copied=True)
         if short > 0:
@@ -158,21 +139,16 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         return (caches if copied else copy.deepcopy(caches)), tokens[n:]
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-        if PrefixReuse.keepable(prompt_cache):  # a state that depends on the call split is never reused
+        if _keepable(prompt_cache):  # a state that depends on the call split is never reused
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
     def describe(self, model) -> list[dict]:
         """``/v1/kv/stats`` rows of the kept sequences (the KV settings ride in the model key)."""
-        rows = []
-        for key, _, caches in self.entries():
-            method, settings = key[1] if key[1] is not None else ("none", ())
-            rows.append({"method": method, "settings": dict(settings), "store": "mlx_lm",
-                         **cache_figures(model, caches)})
-        return rows
+        kept = [(key[1] or ("none", ()), caches) for key, _, caches in self.entries()]
+        return [{"method": m, "settings": dict(s), "store": "mlx_lm", **cache_figures(model, c)} for (m, s), c in kept]
 
     def entries(self) -> list:
-        """``(model key, tokens, caches)`` of every kept sequence (read from mlx_lm 0.32's LRU and trie as
-        ``fetch_nearest_cache`` does; mlx-lm is pinned below 0.33)."""
+        """``(model key, tokens, caches)`` of every kept sequence (mlx_lm 0.32's LRU and trie; pinned below 0.33)."""
         out = []
         for lru in list(self._lru._lrus.values()):
             for model, tokens in list(lru):

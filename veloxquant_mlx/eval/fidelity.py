@@ -35,27 +35,25 @@ class FidelityResult:
 
     @property
     def kv_fraction_of_fp16(self) -> float:
-        """``kv_bytes / kv_bytes_fp16`` (lower = smaller)."""
         return self.kv_bytes / self.kv_bytes_fp16 if self.kv_bytes_fp16 else 1.0
 
     compression = kv_fraction_of_fp16  # the older name, still used by scripts and tests
 
 
 def make_caches(model, config):
-    """Caches for ``config`` (None or "none" = mlx_lm's plain KVCache)."""
+    """Caches for ``config`` (None or "none": mlx_lm's plain KVCache)."""
     if config is None or config == "none":
         return make_prompt_cache(model)
     return KVCacheBuilder.for_model(model, config)
 
 
 def reconstruct(model, tokenizer) -> Callable[[list, list], None]:
-    """An ``after_prefill`` step running each cache class's context-reconstruction pass
-    (``compress_with_model``: KVzip) over the prefilled context, as its paper does."""
+    """An ``after_prefill`` step: each cache class's context-reconstruction pass (KVzip's ``compress_with_model``)."""
+
     def run(caches, context_ids):
         for cls in dict.fromkeys(type(c) for c in caches):
             if hasattr(cls, "compress_with_model"):
                 cls.compress_with_model(model, caches, context_ids, tokenizer=tokenizer)
-
     return run
 
 
@@ -66,8 +64,7 @@ def _log_softmax(x):
 
 def prefill(model, tokens, caches, step: int = PREFILL_STEP,
             on_chunk: Optional[Callable[[int, int], None]] = None) -> None:
-    """Run ``tokens`` ([1, T] array or list) through ``caches`` in chunks of ``step``, as mlx_lm does;
-    ``on_chunk(done, T)`` after each chunk."""
+    """Run ``tokens`` ([1, T] or a list) through ``caches`` in chunks of ``step``; ``on_chunk(done, T)`` after each."""
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     n = tokens.shape[1]
@@ -98,9 +95,8 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
                         ref_logp: Optional[mx.array] = None,
                         on_chunk: Optional[Callable[[int, int], None]] = None,
                         after_prefill: Optional[Callable[[list, list], None]] = None) -> FidelityResult:
-    """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2. ``ref_logp``:
-    :func:`reference_logprobs` of the same tokens, if computed; ``after_prefill(caches, context_ids)``: a step
-    between the prefill and the scored decode steps (e.g. :func:`reconstruct`)."""
+    """Compare next-token distributions at positions n_context-1 .. n_context+n_score-2; ``ref_logp``: the same
+    tokens' :func:`reference_logprobs`, if known; ``after_prefill(caches, context_ids)``: e.g. :func:`reconstruct`."""
     if n_context < 2 or n_score < 1:
         raise ValueError(f"need n_context >= 2 and n_score >= 1, got {n_context}, {n_score}")
     tokens = _scored(tokens, n_context, n_score)
@@ -128,5 +124,4 @@ def next_token_fidelity(model, tokens, n_context: int, n_score: int, config: KVC
     return FidelityResult(
         kld=float(kld.mean()), top1_agree=float(agree), ppl=float(mx.exp(nll)), ppl_ref=float(mx.exp(nll_ref)),
         kv_bytes=kv_bytes(caches), kv_bytes_fp16=fp16_kv_bytes(model, n_context + n_score - 1), n_scored=n_score,
-        top1_target=float(hit), top1_target_ref=float(hit_ref),
-    )
+        top1_target=float(hit), top1_target_ref=float(hit_ref))

@@ -7,10 +7,23 @@ from typing import Optional, Sequence
 
 from ..measure import fraction_text
 
-__all__ = ["pareto_front", "pareto_points", "plot_pareto", "results_markdown", "PLOT_EXTRA_HINT"]
+__all__ = ["pareto_front", "pareto_points", "plot_pareto", "results_markdown", "PLOT_EXTRA_HINT", "DEFINITIONS"]
 
 KLD_FLOOR = 1e-6  # KL divergences below this are drawn at it (log axis)
 PLOT_EXTRA_HINT = "the Pareto plot needs matplotlib: pip install 'veloxquant-mlx[plot]'"
+#: What the figures of ``veloxquant eval`` mean (results.md and the command's own output).
+DEFINITIONS = (
+    "ppl: perplexity of the scored real-text tokens after the context was prefilled through the cache (one decode "
+    "step per token); Δppl = ppl − the uncompressed model's on the same tokens.",
+    "KLD: mean KL(P_uncompressed ‖ P_compressed) of the next-token distributions over the same steps (nats); "
+    "top-1: fraction of steps whose argmax agrees.",
+    "NIAH: passcodes planted at several depths; the context is compressed without the question (query-agnostic, "
+    "as kvpress), the question is fed afterwards; greedy answer, exact match.",
+    "recall: fraction of a repeated passage's tokens copied greedily after compression.",
+    "KV bytes: measured (sum of the caches' `nbytes`) after the run; fp16 KV bytes: the same tokens in mlx_lm's "
+    "plain cache at fp16 without slack; kv_fraction_of_fp16 = KV bytes / fp16 KV bytes (lower = smaller; 0.25 is "
+    "4.0x smaller). `none` (mlx_lm's KVCache) stores the compute dtype (float32 on the CPU) with 256-row slack, "
+    "so its fraction is above 1.")
 
 
 def pareto_points(rows: Sequence[dict]) -> list[dict]:
@@ -31,8 +44,8 @@ def pareto_front(points: Sequence[dict]) -> list[dict]:
 
 
 def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV bytes vs KLD") -> bool:
-    """Write the Pareto plot PNG; False (nothing written) when no row has a KLD; ``ImportError`` with
-    :data:`PLOT_EXTRA_HINT` when matplotlib is missing."""
+    """Write the Pareto plot PNG; False when no row has a KLD; ``ImportError`` (:data:`PLOT_EXTRA_HINT`) without
+    matplotlib."""
     points = pareto_points(rows)
     if not points:
         return False
@@ -62,12 +75,8 @@ def plot_pareto(rows: Sequence[dict], path, title: str = "KV cache methods: KV b
     return True
 
 
-def _f(v, fmt):
-    return "–" if v is None else format(v, fmt)
-
-
-def _fraction(v) -> str:
-    return "–" if v is None else fraction_text(v)
+def _f(v, fmt=None):  # fmt None: a kv_fraction_of_fp16 with its words
+    return "–" if v is None else fraction_text(v) if fmt is None else format(v, fmt)
 
 
 def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] = None) -> str:
@@ -83,28 +92,16 @@ def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] 
                          f"{r['error'][:80]} | | | | | | | |")
             continue
         niah = None if r.get("niah_acc") is None else f"{r['niah_hits']}/{r['niah_trials']}"
-        lines.append(
-            f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
-            f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
-            f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
-            f"{_fraction(r['kv_fraction_of_fp16'])} |")
+        lines.append(f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
+                     f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
+                     f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
+                     f"{_f(r['kv_fraction_of_fp16'])} |")
     points = pareto_points(rows)
     if points:
         front = pareto_front(points)
         lines += ["", "## Pareto front (kv_fraction_of_fp16 vs KLD)", "",
                   "Not beaten on both axes by another method: " + ", ".join(
-                      f"{p['label']} ({_fraction(p['kv_fraction_of_fp16'])}, KLD {p['kld']:.4g})" for p in front) + "."]
+                      f"{p['label']} ({_f(p['kv_fraction_of_fp16'])}, KLD {p['kld']:.4g})" for p in front) + "."]
         if plot_file:
             lines += ["", f"![kv_fraction_of_fp16 vs KLD]({plot_file})"]
-    lines += ["", "## Definitions", "",
-              "- ppl: perplexity of the scored real-text tokens after the context was prefilled through the "
-              "cache (one decode step per token); Δppl = ppl − the uncompressed model's on the same tokens.",
-              "- KLD: mean KL(P_uncompressed ‖ P_compressed) of the next-token distributions over the same "
-              "steps (nats); top-1: fraction of steps whose argmax agrees.",
-              "- NIAH: passcodes planted at several depths; the context is compressed without the question "
-              "(query-agnostic, as kvpress), the question is fed afterwards; greedy answer, exact match.",
-              "- KV bytes: measured (sum of the caches' `nbytes`) after the run; fp16 KV bytes: the same tokens "
-              "in mlx_lm's plain cache at fp16 without slack; kv_fraction_of_fp16 = KV bytes / fp16 KV bytes "
-              "(lower = smaller; 0.25 is 4.0x smaller). `none` (mlx_lm's KVCache) stores the compute dtype "
-              "(float32 on the CPU) with 256-row slack, so its fraction is above 1."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", "## Definitions", "", *(f"- {d}" for d in DEFINITIONS)]) + "\n"

@@ -1,12 +1,10 @@
-"""The ``recall`` task: can the model still copy a passage it read long ago?
+"""The ``recall`` prompt: can the model still copy a passage it read long ago?
 
-The cache compresses ``[filler][passage][distractor][the passage's first cue tokens]``; then the rest of the
-passage is fed as decode steps and scored. With the whole context a small model copies the repeat almost
-perfectly (induction: SmolLM2-135M ~96% at 2048 tokens); a cache that dropped the first copy cannot. So the task
-separates eviction methods that keep the rows later queries need from recency-only ones, which NIAH on a 135M
-model cannot (the uncompressed model itself fails most needles). The first copy sits at ``depth`` (share of
-the other text before it) or ``distance`` (tokens from its end to the repeat). A trial scores ``copy_acc``
-(greedy token = the passage's next), KL and top-1 agreement against the uncompressed model, and perplexity.
+The cache compresses ``[filler][passage][distractor][the passage's first cue tokens]``; the rest of the passage
+is then fed as decode steps and scored. With the whole context a small model copies the repeat almost perfectly
+(induction: SmolLM2-135M ~96% at 2048 tokens); a cache that dropped the first copy cannot. So the task separates
+eviction methods that keep the rows later queries need from recency-only ones, which NIAH on a 135M model cannot
+(the uncompressed model itself fails most needles).
 """
 
 from __future__ import annotations
@@ -14,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .fidelity import next_token_fidelity, reference_logprobs
-
-__all__ = ["RecallPrompt", "build_recall_prompt", "recall_trial"]
+__all__ = ["RecallPrompt", "build_recall_prompt"]
 
 PASSAGE_TOKENS = 128
 CUE_TOKENS = 16
@@ -38,9 +34,9 @@ class RecallPrompt:
 def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optional[float] = None,
                         distance: Optional[int] = None, passage: int = PASSAGE_TOKENS,
                         cue: int = CUE_TOKENS) -> RecallPrompt:
-    """A ``context``-token prompt with the passage placed by ``depth`` or ``distance`` (exactly one). The
-    filler is the first tokens of ``text_ids`` (at least ``context + passage``), the passage its last ones: in
-    a long text another essay, found nowhere else in the prompt."""
+    """A ``context``-token prompt with the passage placed by ``depth`` (share of the other text before it) or
+    ``distance`` (tokens from its end to the repeat), exactly one. The filler is the first tokens of
+    ``text_ids`` (at least ``context + passage``), the passage its last ones (in the essays, another essay)."""
     if (depth is None) == (distance is None):
         raise ValueError("give exactly one of depth and distance")
     if not 1 <= cue < passage:
@@ -63,11 +59,3 @@ def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optiona
     prompt = filler[:before] + copy + filler[before:] + copy[:cue]
     return RecallPrompt(ids=prompt + copy[cue:], n_context=len(prompt), n_score=passage - cue,
                         passage_index=before, distance=room - before, depth=before / room if room else 0.0)
-
-
-def recall_trial(model, prompt: RecallPrompt, config, ref_logp=None, on_chunk=None, after_prefill=None):
-    """:class:`~.fidelity.FidelityResult` of the scored passage tokens (``top1_target`` = copy accuracy)."""
-    if ref_logp is None:
-        ref_logp = reference_logprobs(model, prompt.ids, prompt.n_context, prompt.n_score)
-    return next_token_fidelity(model, prompt.ids, prompt.n_context, prompt.n_score, config, ref_logp=ref_logp,
-                               on_chunk=on_chunk, after_prefill=after_prefill)

@@ -33,21 +33,18 @@ class MethodSpec:
     def label(self) -> str:
         return " ".join([self.method, *(f"{k}={v}" for k, v in self.settings.items())])
 
-    def config(self):
-        """The ``KVCacheConfig`` (None for ``none``)."""
+    def config(self):  # the KVCacheConfig (None for none)
         return None if self.method == NONE else build_config(self.method, dict(self.settings))
 
     @classmethod
     def coerce(cls, item: Any) -> "MethodSpec":
         """A ``MethodSpec`` from a spec, a name, or a ``(name, settings)`` pair."""
         if isinstance(item, (MethodSpec, str)):
-            return cls(item, {}) if isinstance(item, str) else item
-        name, settings = item
-        return cls(str(name), dict(settings or {}))
+            return cls(item) if isinstance(item, str) else item
+        return cls(str(item[0]), dict(item[1] or {}))
 
 
-def implemented_mlx_lm_methods() -> list[str]:
-    """Every implemented method with the mlx_lm serving protocol, in registry order."""
+def implemented_mlx_lm_methods() -> list[str]:  # in registry order
     from ..cache import all_methods
     from ..cache.base import MLX_LM
     return [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM]
@@ -77,13 +74,9 @@ def sweep_values(text: str) -> list:
 
 def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None,
                     include_none: bool = True, sweeps: Optional[Sequence[str]] = None) -> list[MethodSpec]:
-    """Validated ``MethodSpec`` list (``none`` first when ``include_none``), ``--set`` items distributed.
-
-    A ``methods`` entry is a name or ``"NAME FIELD=VALUE ..."`` (applied after ``sets``); ``sweeps`` multiply the
-    configurations they apply to. ``UsageError`` for unknown methods or fields and fields no method reads,
-    ``NotImplementedError`` for unbuilt methods; configurations are built here, so bad values fail
-    (``QuantizerConfigError``) before any model is loaded.
-    """
+    """Validated ``MethodSpec`` list (``none`` first when ``include_none``): a ``methods`` entry is a name or
+    ``"NAME FIELD=VALUE ..."`` (applied after ``sets``); ``sweeps`` multiply the configurations they apply to.
+    Configurations are built here, so bad values fail before any model is loaded."""
     from ..cache.base import STANDALONE_METHODS
     from ..cache.options import method_fields
     entries = [(e.split()[0], e.split()[1:]) for e in dict.fromkeys(m.strip() for m in methods if m and m.strip())]
@@ -110,7 +103,6 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
             raise UsageError(f"{flag} {item}: {fname!r} applies to none of the methods measured "
                              f"({', '.join(names)}); `veloxquant methods NAME` lists a method's settings")
         return found
-
     per_method: dict[str, dict] = {m: {} for m in names}
     for scope, item in split_sets(sets):
         for m in targets(scope, item, "--set"):

@@ -1,19 +1,17 @@
-"""Quality tasks on a real model: each task function returns one row (:data:`ROW_KEYS`, None where a value
-does not apply) per method, the uncompressed ``none`` first.
+"""Quality tasks on a real model: each returns one row (:data:`ROW_KEYS`, None where a value does not apply) per
+method, the uncompressed ``none`` first.
 
-* ``ppl`` / ``kld`` (:mod:`.fidelity`): a ``context``-token real-text prefix is prefilled through the cache,
-  then ``n_score`` tokens are fed one decode step each; perplexity and its change against the uncompressed
-  model (``ppl_delta``), mean KL(P_uncompressed || P_compressed) in nats and top-1 agreement. One run per cache
-  serves both tasks (shared through ``memo``).
-* ``niah``: kvpress's query-agnostic needle in a haystack -- a passcode sentence at each depth of a real-text
-  context (:func:`build_niah_prompt`), the context compressed without the question, the question fed after
-  it as decode steps, the greedy answer scored by exact match (:func:`extract_answer`).
+* ``ppl`` / ``kld`` (:mod:`.fidelity`): perplexity (and ``ppl_delta`` against the uncompressed model), mean
+  KL(P_uncompressed || P_compressed) in nats and top-1 agreement; one run per cache serves both (``memo``).
+* ``niah``: kvpress's query-agnostic needle in a haystack -- a passcode sentence at each depth
+  (:func:`build_niah_prompt`), compressed without the question, which is fed after it; exact-match answers.
 * ``recall`` (:mod:`.recall`): how much of a passage read early the model still copies at the end
   (``copy_acc``; the uncompressed model's ``copy_acc_ref`` is its ceiling).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import time
@@ -24,7 +22,7 @@ import mlx.core as mx
 
 from ..measure import cache_tokens, fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
 from .fidelity import make_caches, next_token_fidelity, prefill, reconstruct, reference_logprobs
-from .recall import FAR_TOKENS, PASSAGE_TOKENS, RecallPrompt, build_recall_prompt, recall_trial
+from .recall import FAR_TOKENS, PASSAGE_TOKENS, build_recall_prompt
 from .specs import NONE, MethodSpec
 
 __all__ = ["ROW_KEYS", "TASKS", "DEFAULT_TASKS", "NEEDLE_TEMPLATE", "QUESTION", "DEFAULT_DEPTHS", "NiahPrompt",
@@ -33,25 +31,15 @@ __all__ = ["ROW_KEYS", "TASKS", "DEFAULT_TASKS", "NEEDLE_TEMPLATE", "QUESTION", 
 
 TASKS = ("ppl", "kld", "niah", "recall")
 DEFAULT_TASKS = ("ppl", "kld", "niah")  # what ``veloxquant eval`` runs without --task
-ROW_KEYS = ("method", "settings", "label", "task", "model", "context", "n_scored",
-            "ppl", "ppl_ref", "ppl_delta", "kld", "top1_agree",
-            "niah_acc", "niah_hits", "niah_trials", "niah_detail",
-            "copy_acc", "copy_acc_ref", "recall_detail",
-            "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16", "seconds", "error")
+ROW_KEYS = ("method", "settings", "label", "task", "model", "context", "n_scored", "ppl", "ppl_ref", "ppl_delta",
+            "kld", "top1_agree", "niah_acc", "niah_hits", "niah_trials", "niah_detail", "copy_acc", "copy_acc_ref",
+            "recall_detail", "kv_tokens", "kv_bytes", "kv_bytes_fp16", "kv_fraction_of_fp16", "seconds", "error")
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 NEEDLE_TEMPLATE = "The secret passcode for the blue vault is {code}."
 QUESTION = "What is the secret passcode for the blue vault? Answer with the number only."
 INSTRUCTION = "Read the text below, then answer the question after it."
 
 Progress = Optional[Callable[[str], None]]  # called once per unit of work; its ``chunk`` (if any) per prefill chunk
-
-
-def _row(spec: MethodSpec, task: str, context: int, model_name: Optional[str], **values) -> dict:
-    row = dict.fromkeys(ROW_KEYS)
-    row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task, model=model_name,
-               context=context, **values)
-    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row["kv_bytes"], row["kv_bytes_fp16"])
-    return row
 
 
 def _measured(spec, task, context, model_name, run: Callable[[], dict], **on_error) -> dict:
@@ -61,7 +49,11 @@ def _measured(spec, task, context, model_name, run: Callable[[], dict], **on_err
         values = run()
     except Exception as exc:  # noqa: BLE001
         values = dict(on_error, error=f"{type(exc).__name__}: {exc}")
-    return _row(spec, task, context, model_name, seconds=time.perf_counter() - t0, **values)
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(method=spec.method, settings=dict(spec.settings), label=spec.label, task=task, model=model_name,
+               context=context, seconds=time.perf_counter() - t0, **values)
+    row["kv_fraction_of_fp16"] = kv_fraction_of_fp16(row["kv_bytes"], row["kv_bytes_fp16"])
+    return row
 
 
 def _specs(methods: Iterable, include_none: bool) -> list[MethodSpec]:
@@ -97,12 +89,9 @@ def text_tokens(tokenizer, n_tokens: int, text: Optional[str] = None, repeat: bo
 
 def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64, text=None, model_name=None,
                    progress: Progress = None, memo=None, include_none=True, reconstruct_context=False) -> list[dict]:
-    """``ppl`` or ``kld`` rows (both tasks fill the same keys from one run per cache, shared through ``memo``).
-
-    ``methods``: names, ``(name, settings)`` pairs or :class:`MethodSpec` s; ``none`` is added first unless
-    ``include_none=False``. ``text`` (default: the essays) needs ``context + n_score`` tokens.
-    ``reconstruct_context``: run each cache's context-reconstruction pass after the prefill (KVzip's setting).
-    """
+    """``ppl`` or ``kld`` rows of ``methods`` (names, ``(name, settings)`` pairs or :class:`MethodSpec` s; ``none``
+    first unless ``include_none=False``); ``text`` (default: the essays) needs ``context + n_score`` tokens;
+    ``reconstruct_context``: run each cache's context-reconstruction pass after the prefill (KVzip's setting)."""
     if context < 2 or n_score < 1:
         raise ValueError(f"need context >= 2 and n_score >= 1, got {context}, {n_score}")
     memo = {} if memo is None else memo
@@ -122,7 +111,6 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
         return dict(n_scored=r.n_scored, ppl=r.ppl, ppl_ref=r.ppl_ref, ppl_delta=r.ppl - r.ppl_ref, kld=r.kld,
                     top1_agree=r.top1_agree, kv_tokens=context + n_score - 1, kv_bytes=r.kv_bytes,
                     kv_bytes_fp16=r.kv_bytes_fp16)
-
     rows = []
     for spec in _specs(methods, include_none):
         _tick(progress, f"{task}: {spec.label}")
@@ -133,14 +121,8 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
     return rows
 
 
-def eval_ppl(model, tokenizer, methods: Sequence, **kw) -> list[dict]:
-    """Perplexity rows (``ppl``, ``ppl_ref``, ``ppl_delta``; the same run's KLD too); keywords: :func:`_fidelity_rows`."""
-    return _fidelity_rows("ppl", model, tokenizer, methods, **kw)
-
-
-def eval_kld(model, tokenizer, methods: Sequence, **kw) -> list[dict]:
-    """KL-divergence rows (``kld`` in nats over the scored steps, ``top1_agree``); keywords: :func:`_fidelity_rows`."""
-    return _fidelity_rows("kld", model, tokenizer, methods, **kw)
+eval_ppl = functools.partial(_fidelity_rows, "ppl")  # (model, tokenizer, methods, **kw): ppl rows
+eval_kld = functools.partial(_fidelity_rows, "kld")  # the same runs' rows under the kld task
 
 
 @dataclass
@@ -155,8 +137,7 @@ class NiahPrompt:
     needle_ids: list[int] = field(default_factory=list)
 
     @property
-    def needle_depth(self) -> float:
-        """Where the needle really starts, as a fraction of the context."""
+    def needle_depth(self) -> float:  # where the needle really starts
         return self.needle_index / len(self.context_ids)
 
 
@@ -189,13 +170,9 @@ def _snap_to_sentence(tokenizer, hay: list[int], k: int, reach: int = 48) -> int
 
 def build_niah_prompt(tokenizer, context_tokens: int, depth: float, passcode: str = "4817",
                       haystack_ids: Optional[Sequence[int]] = None, text: Optional[str] = None) -> NiahPrompt:
-    """A ``context_tokens``-token context with the passcode sentence at ``depth`` of its real text.
-
-    Layout (chat template when the tokenizer has one): ``[template head + instruction][haystack up to the
-    depth][needle][rest of the haystack]``, the needle at the sentence boundary nearest ``depth``; the question
-    and assistant header are ``question_ids``. The haystack: ``haystack_ids``, or ``text`` (default: the
-    essays; repeated if short).
-    """
+    """A ``context_tokens``-token context ``[template head + instruction][haystack][needle][haystack]``, the
+    needle at the sentence boundary nearest ``depth``; ``question_ids``: the question and assistant header. The
+    haystack: ``haystack_ids``, or ``text`` (default: the essays; repeated if short)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     head, question = _template_parts(tokenizer)
@@ -263,9 +240,8 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
               depths: Sequence[float] = DEFAULT_DEPTHS, text: Optional[str] = None, seed: int = 0,
               max_new_tokens: int = 24, model_name: Optional[str] = None, progress: Progress = None,
               memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
-    """Needle-in-a-haystack rows: ``niah_acc`` = exact-match accuracy over ``depths`` (one passcode per depth,
-    from ``seed``), ``niah_detail`` per depth; ``kv_bytes`` is the trials' mean, measured after the answer.
-    ``reconstruct_context``: as :func:`_fidelity_rows` (the pass sees the context, not the question)."""
+    """NIAH rows: ``niah_acc`` = exact-match accuracy over ``depths`` (one passcode each, from ``seed``),
+    ``niah_detail`` per depth; ``kv_bytes``: the trials' mean after the answer."""
     memo = {} if memo is None else memo
     hay_key = ("hay", context, hash(text) if text is not None else None)
     if hay_key not in memo:
@@ -288,21 +264,11 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
         return dict(niah_acc=hits / len(detail), niah_hits=hits, niah_trials=len(detail), niah_detail=detail,
                     kv_tokens=n_tok, kv_bytes=int(round(sum(sizes) / len(sizes))),
                     kv_bytes_fp16=fp16_kv_bytes(model, n_tok))
-
     rows = []
     for spec in _specs(methods, include_none):
         detail = []
         rows.append(_measured(spec, "niah", context, model_name, lambda: run(spec, detail), niah_detail=detail))
     return rows
-
-
-def recall_prompts(tokenizer, context: int, depths: Sequence[float] = (), distances: Sequence[int] = (),
-                   text: Optional[str] = None, passage: int = PASSAGE_TOKENS) -> list[RecallPrompt]:
-    """One :class:`~.recall.RecallPrompt` per depth and per distance; the passage is the last tokens of
-    ``text``, or of the essays from FAR_TOKENS on (another essay than the filler)."""
-    ids = text_tokens(tokenizer, max(context, FAR_TOKENS) + passage) if text is None else _encode(tokenizer, text)
-    return ([build_recall_prompt(ids, context, depth=d, passage=passage) for d in depths]
-            + [build_recall_prompt(ids, context, distance=n, passage=passage) for n in distances])
 
 
 def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
@@ -311,10 +277,13 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
                 memo: Optional[dict] = None, include_none: bool = True,
                 reconstruct_context: bool = False) -> list[dict]:
     """Recall rows: ``copy_acc`` / ``copy_acc_ref`` = mean greedy copy accuracy over the trials (one per depth
-    and per distance) with the cache / uncompressed; ``kld``, ``top1_agree`` and ``ppl`` of the same steps;
-    ``recall_detail`` per trial; ``kv_bytes`` the trials' mean."""
+    and per distance) with the cache / uncompressed; ``kld``, ``top1_agree``, ``ppl`` of the same steps;
+    ``recall_detail`` per trial; ``kv_bytes`` the trials' mean. The passage is the last tokens of ``text``, or
+    of the essays from FAR_TOKENS on (another essay than the filler)."""
     memo = {} if memo is None else memo
-    prompts = recall_prompts(tokenizer, context, depths, distances, text, passage)
+    ids = text_tokens(tokenizer, max(context, FAR_TOKENS) + passage) if text is None else _encode(tokenizer, text)
+    prompts = ([build_recall_prompt(ids, context, depth=d, passage=passage) for d in depths]
+               + [build_recall_prompt(ids, context, distance=n, passage=passage) for n in distances])
     refs = []
     for p in prompts:
         key = ("recall_ref", tuple(p.ids), p.n_context)
@@ -326,8 +295,9 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
         config, rs = spec.config(), []
         for p, ref in zip(prompts, refs):
             _tick(progress, f"recall: {spec.label} distance {p.distance}")
-            rs.append(recall_trial(model, p, config, ref_logp=ref, on_chunk=getattr(progress, "chunk", None),
-                                   after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None))
+            rs.append(next_token_fidelity(model, p.ids, p.n_context, p.n_score, config, ref_logp=ref,
+                                          on_chunk=getattr(progress, "chunk", None),
+                                          after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None))
         mean = {k: sum(getattr(r, k) for r in rs) / len(rs)
                 for k in ("top1_target", "top1_target_ref", "kld", "top1_agree", "ppl", "ppl_ref", "kv_bytes")}
         detail = [{"depth": round(p.depth, 4), "distance": p.distance, "copy_acc": r.top1_target,
@@ -337,14 +307,12 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
                     top1_agree=mean["top1_agree"], ppl=mean["ppl"], ppl_ref=mean["ppl_ref"],
                     ppl_delta=mean["ppl"] - mean["ppl_ref"], kv_tokens=prompts[0].n_context + prompts[0].n_score - 1,
                     kv_bytes=int(round(mean["kv_bytes"])), kv_bytes_fp16=rs[0].kv_bytes_fp16)
-
     return [_measured(spec, "recall", context, model_name, lambda: run(spec)) for spec in _specs(methods, include_none)]
 
 
 def count_units(tasks: Sequence[str], n_methods: int, n_depths: int = len(DEFAULT_DEPTHS),
                 n_recall: int = 1) -> int:
-    """How many ``progress`` calls :func:`run_eval` makes (``n_methods`` including ``none``;
-    ``n_recall``: recall trials per method)."""
+    """How many ``progress`` calls :func:`run_eval` makes (``n_methods`` with ``none``; ``n_recall`` per method)."""
     per_task = {"niah": n_methods * n_depths, "recall": n_methods * n_recall}
     return sum(per_task.get(t, n_methods + 1) for t in tasks)
 
