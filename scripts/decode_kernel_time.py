@@ -1,7 +1,8 @@
 """Time of the fused decode kernels alone (partials + merge, ten layers' worth in one evaluation) for KIVI's and
 waterfill's layouts against MLX's fused attention over the same rows in float16, on MLX's CUDA backend;
 with ``--old-kernels DIR`` also earlier versions of the kernel modules (``DIR/kivi.py``, ``DIR/waterfill.py``,
-e.g. from ``git show REV:veloxquant_mlx/cache/kernels/kivi.py``), checked against the current ones.
+e.g. from ``git show REV:veloxquant_mlx/cache/kernels/kivi.py``), checked against the current ones; with
+``--host`` also the host time to build each row's graph (no evaluation).
 
     python scripts/decode_kernel_time.py --context 8192,32768 --heads 8 --rep 4 --dim 128
 """
@@ -50,6 +51,16 @@ def timed(f, reps: int = 20) -> float:
     for _ in range(reps):
         mx.eval(f())
     return (time.perf_counter() - t) / reps * 1e3
+
+
+def host_build(f, reps: int = 50) -> float:
+    """Microseconds per layer to build ``f``'s graph (ten layers per call), without evaluating it."""
+    f()
+    t = time.perf_counter()
+    outs = [f() for _ in range(reps)]
+    dt = (time.perf_counter() - t) / reps / 10 * 1e6
+    mx.eval(outs)
+    return dt
 
 
 def fill(c, k, v, q):
@@ -107,6 +118,7 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--old-kernels", default=None)
+    ap.add_argument("--host", action="store_true", help="also the host time to build each row's graph")
     a = ap.parse_args(argv)
     if not kpkg.kernels_enabled():
         sys.exit("the decode kernels need MLX's CUDA backend")
@@ -114,7 +126,8 @@ def main(argv=None):
     for T in (int(x) for x in a.context.split(",")):
         print(f"T={T}, H={a.heads}, rep={a.rep}, D={a.dim}, {a.bits}-bit (ms per 10 layers, one evaluation)")
         for name, f in kernels_for(T, a.heads, a.rep, a.dim, a.bits, old).items():
-            print(f"  {name:36s} {timed(f):8.3f} ms", flush=True)
+            host = f", host build {host_build(f):6.1f} us per layer" if a.host else ""
+            print(f"  {name:36s} {timed(f):8.3f} ms{host}", flush=True)
         mx.clear_cache()
 
 

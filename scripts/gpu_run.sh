@@ -16,9 +16,6 @@ for cmd in "$@"; do
   ktest) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel" > $OUT/ktest.txt 2>&1; tail -25 $OUT/ktest.txt ;;
   kquick) timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel_equals or take_the_kernels or decoding_of_the_codes" > $OUT/kquick.txt 2>&1; tail -5 $OUT/kquick.txt ;;
   ktime) timeout 130 python3 scripts/decode_kernel_time.py --context 8192,32768,131072 --old-kernels .gpu/old > $OUT/decode_kernel_time.txt 2>&1; cat $OUT/decode_kernel_time.txt ;;
-  prof32) timeout 200 python3 scripts/profile_waterfill.py --context 32768 --heads 8 --rep 4 --dim 128 > $OUT/prof32.txt 2>&1; tail -20 $OUT/prof32.txt ;;
-  prof8) timeout 200 python3 scripts/profile_waterfill.py --context 8192 --heads 8 --rep 4 --dim 128 > $OUT/prof8.txt 2>&1; tail -20 $OUT/prof8.txt ;;
-  prof128) timeout 200 python3 scripts/profile_waterfill.py --context 131072 --heads 8 --rep 4 --dim 128 ;;
   benchk) timeout 400 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 2 --decode-tokens 16 --baselines none --isolate --json > $OUT/bench_kivi.json; tail -c 3000 $OUT/bench_kivi.json ;;
   cost) for m in kivi waterfill; do for T in 8192 32768; do timeout 200 python3 scripts/decode_step_cost.py --method $m --context $T; timeout 200 python3 scripts/decode_step_cost.py --method $m --context $T --reuse-meta; done; done > $OUT/cost.txt 2>&1; cat $OUT/cost.txt ;;
   hd) (timeout 250 python3 scripts/decode_host_device.py --context 8192 --method kivi --profile; timeout 200 python3 scripts/decode_host_device.py --context 32768 --method kivi; timeout 200 python3 scripts/decode_host_device.py --context 8192 --method waterfill --profile) > $OUT/hd.txt 2>&1; grep -v "^ *[0-9].*{built-in\|^$" $OUT/hd.txt | head -120 ;;
