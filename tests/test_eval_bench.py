@@ -582,3 +582,25 @@ def test_method_settings_and_sweeps_resolve():
         resolve_methods(["none window=3"])
     with pytest.raises(cli.UsageError, match="method 'kivi' has no setting 'budget'"):
         resolve_methods(["kivi budget=3"])
+
+
+@pytest.mark.parametrize("method", ["none", "kivi"])
+def test_bench_pipelined_decode_generates_what_mlx_lm_generates(method):
+    """``run_once`` pipelines decode steps as mlx_lm's ``generate_step`` does (step i + 1 built while step i
+    evaluates): the greedy tokens are the ones mlx_lm's own loop produces with a fresh cache, and every step
+    is timed."""
+    from tiny_models import greedy
+
+    from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig
+
+    model = bench.random_model("tiny")
+
+    def caches():
+        return (make_prompt_cache(model) if method == "none"
+                else KVCacheBuilder.for_model(model, KVCacheConfig(method=method, bit_width_inlier=4)))
+
+    prompt = mx.random.randint(0, 500, (40,), key=mx.random.key(3))
+    out = bench.run_once(model, caches(), prompt, 6, prefill_step=16)
+    want = greedy(model, prompt.tolist(), caches(), max_tokens=7, prefill_step_size=16)
+    assert out["tokens"] == [want]
+    assert out["decode_tps"] > 0 and out["step_s"] > 0

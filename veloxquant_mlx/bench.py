@@ -245,10 +245,14 @@ def _settle() -> None:
 def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
              prefill_step: int = PREFILL_STEP, on_chunk: Optional[Callable[[int, int], None]] = None) -> dict:
     """Prefill ``prompt`` ([T] ids, or [B, T]: B sequences through batch caches) into ``caches``, decode
-    ``decode_tokens`` greedily; the measurements (``decode_tps``: tokens of all B sequences per second).
+    ``decode_tokens`` greedily; the measurements (``decode_tps``: tokens of all B sequences per second) and
+    the greedy ``tokens`` (B lists of decode_tokens + 1 ids: the prefill's, then each step's).
 
-    Memory baselines are taken right before the prefill, so ``caches`` should be fresh (empty).
-    ``on_chunk(done, total)`` reports the prefill's chunks (its time is inside ``prefill_s``).
+    Decode steps are pipelined as mlx_lm's ``generate_step`` runs them: step i + 1's graph is built (and
+    queued with ``mx.async_eval``) while step i evaluates, so a cache's host time counts only where it
+    exceeds the evaluation's (tables before 2026-12-01 session 7 timed synchronous steps). ``step_s`` is
+    the median time between successive steps' completions. Memory baselines are taken right before the
+    prefill, so ``caches`` should be fresh (empty). ``on_chunk(done, total)`` reports the prefill's chunks.
     """
     from .eval.fidelity import prefill
     from .measure import fp16_kv_bytes, kv_bytes
@@ -261,21 +265,30 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     t0 = time.perf_counter()
     if T > 1:
         prefill(model, prompt[:, :-1], caches, prefill_step, on_chunk)
-    logits = model(prompt[:, -1:], cache=caches)
-    tok = mx.argmax(logits[:, -1, :], axis=-1)
+
+    def step(tok):
+        return mx.argmax(model(tok[:, None], cache=caches)[:, -1, :], axis=-1)
+
+    tok = mx.argmax(model(prompt[:, -1:], cache=caches)[:, -1, :], axis=-1)
     mx.eval(tok)
     prefill_s = time.perf_counter() - t0
-    del logits
     mx.clear_cache()  # as mlx_lm's generate_step after the prompt: decode does not reuse prefill-sized buffers
-    steps = []
-    for _ in range(decode_tokens):
-        ts = time.perf_counter()
-        logits = model(tok[:, None], cache=caches)
-        tok = mx.argmax(logits[:, -1, :], axis=-1)
-        mx.eval(tok)
-        steps.append(time.perf_counter() - ts)
-        del logits
-    del tok
+    tokens, steps = [tok], []
+    ts = time.perf_counter()
+    nxt = step(tok)
+    mx.async_eval(nxt)
+    for i in range(decode_tokens):
+        cur = nxt
+        if i + 1 < decode_tokens:
+            nxt = step(cur)
+            mx.async_eval(nxt)
+        mx.eval(cur)
+        now = time.perf_counter()
+        steps.append(now - ts)
+        ts = now
+        tokens.append(cur)
+    tokens = mx.stack(tokens, axis=1).tolist()  # held as Python ints: not in the resident figure below
+    del tok, cur, nxt
     mx.eval([c.state for c in caches])
     mx.synchronize()
     resident = mx.get_active_memory() - base
@@ -290,6 +303,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
         "kv_bytes_fp16": fp16_kv_bytes(model, T + len(steps), batch_size=B),
         "peak_bytes": int(peak),
         "peak_delta_bytes": int(peak - base),
+        "tokens": tokens,
     }
 
 
