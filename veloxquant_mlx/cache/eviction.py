@@ -44,7 +44,7 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
-from .options import OPTION_CHECKS
+from .options import SnapKVOptions
 from .primitives.buffers import fp16_row_bytes, grow_rows
 
 
@@ -266,7 +266,7 @@ def default_slack(budget: int) -> int:
 
 
 def check_decode_evict(field: str, value) -> None:
-    OPTION_CHECKS["decode_evict"][0](field, value)
+    SnapKVOptions.RULES["decode_evict"].check(field, value)
 
 
 def check_budget(field: str, budget: int, protected: int, what: str) -> None:
