@@ -1,23 +1,21 @@
 """Saved caches: a prefilled prompt cache written to disk and read back bit-identical.
 
-The file is mlx_lm's prompt-cache layout (``save_prompt_cache``: a safetensors file of the caches' ``state``,
-which carries their config, see ``contract.py``), so mlx_lm's ``load_prompt_cache`` rebuilds it too (a
-``*.safetensors`` name, once ``veloxquant_mlx.cache`` is imported; ``load_cache`` reads any name); mlx_lm's
-own ``KVCache`` (``method="none"``) is saved the same way, for comparing sizes. Its metadata adds
-``0.veloxquant`` (JSON: format and library versions, method, non-default config fields, model id, per
-layer the cache class and head shape ``[H_kv, D_key, D_value]``, the prompt token ids, the offset,
-``kv_bytes`` (``nbytes`` when saved) and ``state_bytes`` (the ``state`` arrays the file stores; spare rows
-such as TurboQuant-RVQ's reserve are not stored)) and ``0.veloxquant_checksum`` (SHA-256 of the canonical
-header and every data byte), so a truncated, damaged or edited file is reported instead of loaded.
+The file is mlx_lm's prompt-cache layout (``save_prompt_cache``: safetensors of the caches' ``state``, which
+carries their config), so mlx_lm's ``load_prompt_cache`` rebuilds a ``*.safetensors`` one too once
+``veloxquant_mlx.cache`` is imported; mlx_lm's ``KVCache`` (``method="none"``) is saved alike, to compare
+sizes. Its metadata adds ``0.veloxquant`` (JSON: format and library versions, method, non-default config
+fields, model id, per layer the cache class and head shape ``[H_kv, D_key, D_value]``, prompt token ids,
+offset, ``kv_bytes`` (``nbytes`` when saved), ``state_bytes`` (the ``state`` arrays stored; spare rows are
+not)) and ``0.veloxquant_checksum`` (SHA-256 of the canonical header and every data byte).
 
-``load_cache`` checks the file (exists, well-formed safetensors whose tensors fill it exactly, metadata,
-checksum, format version), the method, and the model (layer count and types, KV heads, head dims). A
-checksum only catches accidents, so every field is also validated against the class that will hold it:
-metadata keys and types, token ids, one offset equal to the token count, layer classes from a fixed list
-(the file's method's registered class and mlx_lm's plain caches, never a name looked up freely), each
-layer's config (parses, names the file's method), scalars (only the class's ``scalar_fields``), arrays
-(only its ``array_fields``) and, once rebuilt, rows and shapes against the recorded head shape. Nothing in
-a file names code to run. Every failure is a :class:`SavedCacheError` naming the file and the problem.
+``load_cache`` checks the file (exists, well-formed safetensors whose tensors fill it exactly, checksum,
+format version), the method and the model (layer count and types, KV heads, head dims). A checksum only
+catches accidents, so every field is also validated against the class that will hold it: metadata keys and
+types, token ids, one offset equal to the token count, layer classes from a fixed list (the method's class
+and mlx_lm's plain caches, never a name looked up freely), each layer's config, scalars (only the class's
+``scalar_fields``), arrays (only its ``array_fields``) and, once rebuilt, rows and shapes against the
+recorded head shape. Nothing in a file names code to run; every failure is a :class:`SavedCacheError`
+naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from .contract import CompressedKVCache, config_to_json
+from .config import DTYPE_NAMES
+from .contract import CompressedKVCache, config_from_json, config_to_json
 from .errors import SavedCacheError
 from .options import _is_int
 from .rotating import RING_CLASSES
@@ -58,7 +57,6 @@ _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache")  # (keys, values,
 _MAX_LAYERS = 4096
 _MAX_HEAD = 1 << 16  # bound of H_kv and head dimensions
 _MAX_TOKEN_ID = (1 << 31) - 1
-_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def _library_version() -> str:
@@ -100,7 +98,7 @@ def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
 
     def shape(layer):
         attn = _attention(layer)
-        d = _head_dim(attn, fallback=0) if attn is not None else 0
+        d = _head_dim(attn, 0)
         try:
             return (_kv_heads(attn, d), d) if d > 0 else None
         except ValueError:
@@ -114,10 +112,6 @@ def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
     if len(layers) != len(defaults):
         layers = [None] * len(defaults)
     return [type(c) for c in defaults], [shape(layer) for layer in layers]
-
-
-def _canonical(header: dict) -> bytes:
-    return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _read_header(path: str) -> tuple[dict, int, int]:
@@ -184,12 +178,18 @@ def _read_header(path: str) -> tuple[dict, int, int]:
 def _digest(path: str, header: dict, data_start: int) -> str:
     """SHA-256 over the header without the checksum entry, then every data byte."""
     meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != _SUM_KEY}
-    h = hashlib.sha256(_canonical({**header, "__metadata__": meta}))
+    canonical = json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    h = hashlib.sha256(canonical.encode())
+    _copy_data(path, data_start, h.update)
+    return h.hexdigest()
+
+
+def _copy_data(path: str, data_start: int, write) -> None:
+    """``write`` every data byte of ``path`` (from ``data_start``), in chunks."""
     with open(path, "rb") as f:
         f.seek(data_start)
         while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+            write(chunk)
 
 
 def _write_with_checksum(src: str, dst: str) -> None:
@@ -198,12 +198,9 @@ def _write_with_checksum(src: str, dst: str) -> None:
     header.setdefault("__metadata__", {})[_SUM_KEY] = _digest(src, header, data_start)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned (allowed by the safetensors spec)
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        fout.write(struct.pack("<Q", len(raw)))
-        fout.write(raw)
-        fin.seek(data_start)
-        while chunk := fin.read(_CHUNK):
-            fout.write(chunk)
+    with open(dst, "wb") as fout:
+        fout.write(struct.pack("<Q", len(raw)) + raw)
+        _copy_data(src, data_start, fout.write)
 
 
 def _check_caches(caches, method: str) -> None:
@@ -457,8 +454,6 @@ def _rebuild(path: str, info: dict) -> list:
 def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
     """A compressed layer's ``state``: its meta (config of the file's method, offset, only declared scalars,
     the recorded head shape) and only the arrays its class declares."""
-    from .contract import config_from_json
-
     def bad(why):
         raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({cls.__name__}): {why}")
 
@@ -506,8 +501,8 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
         fields = json.loads(config) if isinstance(config, str) else None
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
-        if fields.get("dtype", "float16") not in _DTYPES:
-            raise ValueError(f"dtype {str(fields['dtype'])[:40]!r} is not one of {', '.join(_DTYPES)}")
+        if fields.get("dtype", "float16") not in DTYPE_NAMES:
+            raise ValueError(f"dtype {str(fields['dtype'])[:40]!r} is not one of {', '.join(DTYPE_NAMES)}")
         if set(fields) & {"store", "observers", "options"}:
             raise ValueError(f"fields {sorted(set(fields) & {'store', 'observers', 'options'})} are never saved")
         parsed = config_from_json(config)
