@@ -28,13 +28,18 @@ import struct
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from .base import EVICTION, METHOD_NAMES, method_info
+from .composed import composed_class
 from .config import DTYPE_NAMES
 from .contract import CompressedKVCache, config_from_json, config_to_json
 from .errors import SavedCacheError
+from .factory import _attention, _head_dim, _layers
 from .options import _is_int
 from .rotating import RING_CLASSES
+from .settings import NONE
 
 __all__ = ["save_cache", "load_cache", "read_cache_info", "FORMAT_NAME", "FORMAT_VERSION",
            "SUPPORTED_VERSIONS", "NONE"]
@@ -42,8 +47,6 @@ __all__ = ["save_cache", "load_cache", "read_cache_info", "FORMAT_NAME", "FORMAT
 FORMAT_NAME = "veloxquant-saved-cache"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-#: ``method="none"``: mlx_lm's own uncompressed caches.
-NONE = "none"
 
 _INFO_KEY = "0.veloxquant"  # mlx_lm flattens its metadata dict under "0."
 _SUM_KEY = "0.veloxquant_checksum"
@@ -57,6 +60,9 @@ _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache")  # (keys, values,
 _MAX_LAYERS = 4096
 _MAX_HEAD = 1 << 16  # bound of H_kv and head dimensions
 _MAX_TOKEN_ID = (1 << 31) - 1
+#: How mlx_lm's ``save_prompt_cache`` stores a non-array state entry, decoded.
+_SCALAR_KINDS = {"scalar": lambda a: a.item(), "string": lambda a: "".join(map(chr, a.tolist())),
+                 "none": lambda a: None}
 
 
 def _library_version() -> str:
@@ -87,14 +93,12 @@ def _head_shape(cache) -> Optional[list[int]]:
 
 def _state_bytes(caches) -> int:
     """Bytes of the arrays in the caches' ``state`` (what the file stores)."""
-    from mlx.utils import tree_flatten
     return int(sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if hasattr(v, "nbytes")))
 
 
 def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
     """The model's default cache class per layer and ``(H_kv, head_dim)`` of its attention (or None)."""
     from ..measure import _kv_heads
-    from .factory import _attention, _head_dim, _layers
 
     def shape(layer):
         attn = _attention(layer)
@@ -204,7 +208,6 @@ def _write_with_checksum(src: str, dst: str) -> None:
 
 
 def _check_caches(caches, method: str) -> None:
-    from .base import METHOD_NAMES
     if not isinstance(method, str) or (method != NONE and method not in METHOD_NAMES):
         raise SavedCacheError(f"method={method!r} is not a method name: expected {NONE!r} or one of the "
                               f"{len(METHOD_NAMES)} methods `veloxquant methods` lists")
@@ -317,8 +320,6 @@ def read_cache_info(path) -> dict:
 
 def _check_info(path: str, info: dict, file_bytes: int) -> None:
     """Every metadata field present, of its type and within bounds; layer classes from the allowed list."""
-    from .base import METHOD_NAMES
-
     def bad(field, why):
         raise SavedCacheError(f"{path}: corrupt veloxquant metadata: {field} {why}")
 
@@ -368,15 +369,12 @@ def _allowed_classes(method: str) -> dict:
     """Name -> class of the caches a file of ``method`` may hold: mlx_lm's plain caches and the method's own."""
     allowed = {name: getattr(mlx_cache, name) for name in _PLAIN_CLASSES if hasattr(mlx_cache, name)}
     if method != NONE:
-        from .base import method_info
         info = method_info(method)
         cls = info.cls
         registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
         if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
             allowed[cls.__name__] = cls
-            if info.family == "eviction":  # its quantized form (cache/composed.py)
-                from .composed import composed_class
-
+            if info.family == EVICTION:  # its quantized form (cache/composed.py)
                 allowed[composed_class(cls).__name__] = composed_class(cls)
                 allowed.update((ring.__name__, ring) for ring in RING_CLASSES.values())  # its quantizer's ring
         if method in RING_CLASSES:  # its sliding-window layers
@@ -422,21 +420,15 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
 
 def _rebuild(path: str, info: dict) -> list:
     """mlx_lm's ``load_prompt_cache`` for any file name, each layer's state checked before ``from_state``."""
-    from mlx.utils import tree_unflatten
     arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
     _, classes, scalars = tree_unflatten(list(meta.items()))
     if classes != info["layer_classes"]:
         raise SavedCacheError(f"{path}: corrupt: the file's cache classes {str(classes)[:200]} differ from its "
                               "veloxquant metadata")
     for key, kind in scalars[1:]:
-        if kind == "scalar":
-            arrays[key] = arrays[key].item()
-        elif kind == "string":
-            arrays[key] = "".join(chr(c) for c in arrays[key].tolist())
-        elif kind == "none":
-            arrays[key] = None
-        else:
+        if kind not in _SCALAR_KINDS:
             raise SavedCacheError(f"{path}: corrupt: unknown scalar kind {kind!r} for {key!r}")
+        arrays[key] = _SCALAR_KINDS[kind](arrays[key])
     states = tree_unflatten(list(arrays.items()))
     if not isinstance(states, list) or len(states) != len(classes):
         raise SavedCacheError(f"{path}: corrupt: the file holds states for {len(states)} layers, its metadata "
