@@ -63,7 +63,6 @@ def quant_config(config):
 
 def _implemented(method: str) -> type:
     from .factory import _implemented_class  # (factory imports this module)
-
     return _implemented_class(method)
 
 
@@ -246,7 +245,6 @@ def composed_class(evict_cls: type) -> type:
 def register_composed() -> None:
     """Make the composed class of every built eviction method (so saved caches load in a new process)."""
     from .base import EVICTION, all_methods
-
     for info in all_methods():
         if info.family == EVICTION and isinstance(info.cls, type) and issubclass(info.cls, EvictionKVCache):
             composed_class(info.cls)

@@ -12,6 +12,7 @@ from .composed import composed_class, quant_config
 from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver, notify
+from .options import _is_int
 from .rotating import RING_CLASSES
 from .standalone import SlidingWindowKVCache
 
@@ -109,7 +110,7 @@ class KVCacheBuilder:
         return self._set(method=method)
 
     def with_head_dim(self, d: int):
-        if not isinstance(d, int) or isinstance(d, bool) or d < 2 or d & (d - 1):
+        if not _is_int(d) or d < 2 or d & (d - 1):
             raise QuantizerConfigError("head_dim", d, "a power of 2 >= 2")
         return self._set(head_dim=d)
 
@@ -141,7 +142,7 @@ class KVCacheBuilder:
         return self._set(dtype=dtype)
 
     def with_capacity(self, max_tokens: int):
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        if not _is_int(max_tokens) or max_tokens < 1:
             raise QuantizerConfigError("capacity", max_tokens, "a positive int")
         return self._set(capacity=max_tokens)
 

@@ -179,7 +179,6 @@ QUANTIZE_WORDS = ("None (rows kept at 16 bits), or the quantization method that 
 def quantizer_methods() -> list[str]:
     """The methods ``quantize`` accepts: the mlx_lm-protocol quantization methods."""
     from .base import _METHOD_TABLE, MLX_LM, QUANTIZATION
-
     return [m for m, (fam, proto, _) in _METHOD_TABLE.items() if (fam, proto) == (QUANTIZATION, MLX_LM)]
 
 

@@ -320,6 +320,7 @@ def read_cache_info(path) -> dict:
 
 def _check_info(path: str, info: dict, file_bytes: int) -> None:
     """Every metadata field present, of its type and within bounds; layer classes from the allowed list."""
+
     def bad(field, why):
         raise SavedCacheError(f"{path}: corrupt veloxquant metadata: {field} {why}")
 
@@ -446,6 +447,7 @@ def _rebuild(path: str, info: dict) -> list:
 def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
     """A compressed layer's ``state``: its meta (config of the file's method, offset, only declared scalars,
     the recorded head shape) and only the arrays its class declares."""
+
     def bad(why):
         raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({cls.__name__}): {why}")
 
