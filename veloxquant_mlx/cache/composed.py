@@ -77,10 +77,7 @@ class QuantizedEviction(CompressedKVCache):
     frozen = False  # the rows live in ``quant`` (after a prefill call's attention, and while decoding)
 
     def __init__(self, config, evict=None, quant=None):
-        super().__init__(config)
-        if config.option("decode_evict") is True:
-            raise QuantizerConfigError("decode_evict", True, "None or False with quantize (the quantized "
-                                                             "eviction cache evicts at prefill calls only)")
+        super().__init__(config)  # (the options refuse decode_evict=True with quantize)
         self.evict = evict if evict is not None else self.evict_class(config)
         self.evict.decode_evict = False
         self.quant = quant if quant is not None else _implemented(quant_config(config).method)(quant_config(config))
