@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from . import dispatch
 from .base import EVICTION, METHOD_NAMES, method_info
 from .composed import composed_class
 from .config import DTYPE_NAMES
@@ -547,8 +548,6 @@ def _check_rebuilt(path: str, caches: list, info: dict) -> None:
                 raise ValueError(f"{keys.shape[2]} rows where the cache says it stores {rows}")
             if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
                 raise ValueError(f"keys/values of dtype {keys.dtype}/{values.dtype}")
-        except SavedCacheError:
-            raise
         except Exception as exc:  # noqa: BLE001 - inconsistent arrays raise whatever MLX raises
             raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({name}) is inconsistent with its "
                                   f"recorded head shape {recorded}: {type(exc).__name__}: {str(exc)[:200]}") from None
@@ -579,6 +578,5 @@ def load_cache(path, *, model=None, expect_method: Optional[str] = None,
         raise SavedCacheError(f"{path}: corrupt: the loaded caches' state holds {held} bytes at offset {seen}, "
                               f"the file recorded {info['state_bytes']} bytes at offset {info['offset']}")
     if install_dispatch and any(isinstance(c, CompressedKVCache) for c in caches):
-        from . import dispatch
         dispatch.install()
     return caches, info
