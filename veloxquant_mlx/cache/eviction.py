@@ -69,8 +69,8 @@ class EvictionKVCache(CompressedKVCache):
     # Extra per-row float32 arrays [B, H, capacity] (accumulated scores, counters): grown with zeros,
     # gathered on eviction, in state and nbytes. A subclass lists them here *and* in ``array_fields``.
     row_fields: tuple[str, ...] = ()
-    # Methods that learn from every call's attention probabilities (H2O, TOVA, ...): the base computes
-    # attention explicitly and hands them to ``observe``.
+    # True for methods that learn from every call's attention probabilities (H2O, TOVA, ...): the base
+    # computes attention explicitly and hands them to ``observe``.
     uses_attention_weights = False
     decode_evict_default = True  # the paper's: does the budget hold while decoding (when nothing else says)
     _decode_evict = None  # the cache's own setting (None: the config's ``decode_evict``, then the default)
