@@ -258,14 +258,6 @@ class CompressedKVCache(mlx_cache._BaseCache):
         for name in self.array_fields:
             setattr(self, name, v.get(name))
 
-    @property
-    def meta_state(self):  # mlx_lm < 0.32 compatibility: everything lives in ``state``
-        return ""
-
-    @meta_state.setter
-    def meta_state(self, v):
-        pass
-
 
 def register_with_mlx_lm(cls):
     """Make ``cls`` loadable by mlx_lm's ``load_prompt_cache`` (it looks names up in its cache module)."""
