@@ -132,12 +132,7 @@ class RotatingQuantKVCache(CompressedKVCache):
         """Attention over the decoded window with mlx_lm's mask as given (it was built for this ring)."""
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
+    def _set_state(self, v):
         """As the base's, then the ring's own numbers checked (a forged file must not place rows wrongly)."""
         CompressedKVCache.state.fset(self, v)
         rows = {a.shape[2] for a in self._arrays() if a is not None}
@@ -147,6 +142,8 @@ class RotatingQuantKVCache(CompressedKVCache):
                 and 0 <= min(self.offset, self.max_size) <= n):
             raise ValueError(f"{type(self).__name__} state: keep={self.keep!r}, max_size={self.max_size!r}, "
                              f"_idx={self._idx!r}, offset={self.offset!r} do not fit {sorted(rows)} ring rows")
+
+    state = property(CompressedKVCache.state.fget, _set_state)
 
     def stored_rows(self) -> int:
         """Rows ``update_and_fetch`` returns: up to ``max_size + S - 1`` after a multi-row call (``size()``
