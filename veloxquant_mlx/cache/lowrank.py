@@ -211,14 +211,9 @@ class LowRankKVCache(GroupedQuantCache):
     def compressed_value_bytes(self) -> int:
         return self._value_bytes() + (self.res_v.nbytes if self.res_v is not None else 0)
 
-    @property
-    def rank(self) -> int:
-        """Latent key channels kept (uniform across heads / head groups); 0 before the fit."""
-        return len(self.k_bits) if self.k_bits else 0
-
-    @property
-    def value_rank(self) -> int:
-        return len(self.v_bits) if self.v_bits else 0
+    rank = property(lambda self: len(self.k_bits or ()),
+                    doc="Latent key channels kept (uniform across heads / head groups); 0 before the fit.")
+    value_rank = property(lambda self: len(self.v_bits or ()))
 
     @property
     def assigned_avg_bits(self) -> float:
