@@ -8,7 +8,7 @@ On a 4-layer tiny llama (head_dim 32) with each method's ``CONFIGS`` settings (c
 
 - ``nbytes`` is the bytes of the arrays each cache holds, at least its ``used_nbytes``;
 - ``save_prompt_cache`` / ``load_prompt_cache`` and ``copy.deepcopy`` give caches of the same classes with
-  the same offset, ``meta_state``, state arrays (bit for bit) and bytes, that continue bit-identically
+  the same offset, state arrays (bit for bit) and bytes, that continue bit-identically
   (and keep evolving identically), and are independent of the original;
 - ``merge`` builds the method's batched form, from which ``extract`` gives each cache back, or refuses
   with BatchingNotSupported (a compressed form is never silently decompressed);
@@ -90,13 +90,12 @@ def used_nbytes(c):
 
 
 def state_of(caches):
-    """(meta_state, flattened state) of every cache: what a prompt-cache file stores."""
-    return [(c.meta_state, tree_flatten(c.state)) for c in caches]
+    """The flattened state of every cache: what a prompt-cache file stores (mlx_lm >= 0.32: no meta_state)."""
+    return [tree_flatten(c.state) for c in caches]
 
 
 def assert_same_state(a, b):
-    for (ma, sa), (mb, sb) in zip(state_of(a), state_of(b)):
-        assert ma == mb
+    for sa, sb in zip(state_of(a), state_of(b)):
         assert [k for k, _ in sa] == [k for k, _ in sb]
         for (key, x), (_, y) in zip(sa, sb):
             if isinstance(x, mx.array):

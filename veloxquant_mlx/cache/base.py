@@ -89,7 +89,6 @@ def register(name: str):
         _CLASSES[name] = cls
         cls.method_name = name
         return cls
-
     return decorate
 
 
@@ -112,7 +111,6 @@ def add_method(name: str, family: str, options: Optional[type] = None, paper: st
         _METHOD_TABLE.pop(name, None)
         _CLASSES.pop(name, None)
         OPTIONS_BY_METHOD.pop(name, None)
-
     return remove
 
 

@@ -1,43 +1,37 @@
 """Evict *and* quantize: an eviction method whose kept rows are stored as a quantizer's codes.
 
 ``KVCacheConfig(method="snapkv", bit_width_inlier=4, options=SnapKVOptions(budget=1024, quantize="waterfill"))``
-(or ``quantize=WaterfillOptions(residual_length=16)``, ``quantize="kivi"``): any eviction method (a class
-on ``EvictionKVCache``) chooses the rows, any mlx_lm-protocol quantization method stores them. The
-quantizer reads its shared fields (``bit_width_inlier``, ``n_calib_tokens``, ``seed``, ...) from the
-config and its own settings from its options object (``quantize=KIVIOptions(group_size=64)``).
+(or ``quantize=WaterfillOptions(residual_length=16)``): any eviction method (on ``EvictionKVCache``) chooses
+the rows, any mlx_lm-protocol quantization method stores them, reading its shared fields from the config and
+its own settings from its options object. ``QuantizedEviction`` (one subclass per eviction class) holds
+``evict``, the eviction cache, and ``quant``, the quantizer cache:
 
-How a layer's cache runs (``QuantizedEviction``, one subclass per eviction method, holding ``evict``, the
-eviction cache, and ``quant``, the quantizer cache):
-
-* **A prefill call** (more than one row) goes to the eviction cache on dense rows: the rows stored so
-  far are decoded from the codes into it ("thaw"), the call's rows appended, attention computed and the
-  rows scored with the call's real queries exactly as the plain method does, and evicted to its budget.
-  Then the kept rows are handed to a fresh quantizer cache as one prefill ("freeze"), with the call's
-  queries shown to its ``attend`` (waterfill weighs its key widths by them; the output is discarded,
-  so never computed); the eviction cache keeps only its per-row bookkeeping (positions, votes).
+* **A prefill call** (more than one row): the stored rows are decoded from the codes into the eviction cache
+  ("thaw"), the call's rows appended, attended and scored with the call's real queries exactly as the plain
+  method does, and evicted to its budget; then the kept rows go to a fresh quantizer as one prefill
+  ("freeze"), whose ``attend`` is shown the call's queries (waterfill weighs its key widths by them; the
+  output is discarded, never computed). The eviction cache keeps only its per-row bookkeeping.
 * **A decode call** (one row) is appended to the quantizer and attended on its codes (``quant.attend``,
-  the quantizer's own path, fused kernels included); its position is appended to the bookkeeping.
+  fused kernels included); its position is appended to the bookkeeping.
 
-So the kept positions are exactly the plain method's, attention runs on the compressed form, and
-``nbytes`` is the sum of both parts' held arrays (codes, scales, windows, positions, per-row scores).
-The quantizer sees the kept rows as rows ``0 .. K-1`` of its own stream (its ``offset`` is its row
-count, the cache's ``offset`` stays the logical position); a quantizer that undoes RoPE (waterfill)
-undoes it at those row indices and re-applies it at the same ones, so keys are reconstructed exactly
-up to its quantization error, but are quantized rotated by ``position - row`` instead of fully pre-RoPE.
+So the kept positions are the plain method's, attention runs on the compressed form, and ``nbytes`` is the
+sum of both parts' held arrays. The quantizer sees the kept rows as its rows ``0 .. K-1`` (its ``offset`` is
+its row count); a quantizer that undoes RoPE (waterfill) undoes and re-applies it at those row indices, so
+keys are exact up to its quantization error but quantized rotated by ``position - row``, not fully pre-RoPE.
 
-Limits (deviations from the plain methods):
+Deviations from the plain methods:
 
-* Decode calls do not evict: ``decode_evict=True`` is refused with ``quantize`` and the methods whose
-  default is decode-time eviction (h2o, tova, pyramidkv, ...) keep every decoded row here; their
-  per-row scores are not updated by decode queries.
-* A prefill call after rows were frozen (a chunked prompt, a second turn) re-quantizes the rows it
-  keeps from their decoded values with a fresh quantizer (calibrated anew), so older rows carry the
-  error of each re-quantization; the cache is not chunk-invariant and ``trim`` is not exact.
-* The fresh quantizer of a later prefill is a copy of the one built for the layer (its RoPE bound); in a
-  cache loaded from a file it is built from the quantizer's config alone (waterfill then codes those keys
-  post-RoPE: still exact up to its error, less compact).
-* Without the attention dispatch point the rows are frozen in ``update_and_fetch`` (the eviction cache's
-  key-proxy scores) and the quantizer sees no queries.
+* Decode calls do not evict (``decode_evict=True`` is refused with ``quantize``); methods that evict while
+  decoding by default (h2o, tova, pyramidkv, ...) keep every decoded row, and decode queries do not update
+  their per-row scores.
+* A prefill call after rows were frozen (a chunked prompt, a second turn) re-quantizes the rows it keeps
+  from their decoded values with a fresh, newly calibrated quantizer: older rows carry each
+  re-quantization's error; not chunk-invariant, ``trim`` not exact.
+* That fresh quantizer is a copy of the layer's (its RoPE bound); in a cache loaded from a file it is built
+  from the quantizer's config alone (waterfill then codes those keys post-RoPE: exact up to its error, less
+  compact).
+* Without the attention dispatch point the rows are frozen in ``update_and_fetch`` (key-proxy scores) and
+  the quantizer sees no queries.
 * Not batchable (``merge`` raises ``BatchingNotSupported``).
 """
 
@@ -67,13 +61,9 @@ def quant_config(config):
     return config.replace(method=method, options=opts)
 
 
-def _implemented(method: str):
-    from .base import method_info
-
-    cls = method_info(method).cls
-    if cls is None:
-        raise NotImplementedError(f"quantize={method!r}: the method is registered but not implemented yet")
-    return cls
+def _implemented(method: str) -> type:
+    from .factory import _implemented_class  # (factory imports this module)
+    return _implemented_class(method)
 
 
 class QuantizedEviction(CompressedKVCache):
@@ -87,10 +77,7 @@ class QuantizedEviction(CompressedKVCache):
     frozen = False  # the rows live in ``quant`` (after a prefill call's attention, and while decoding)
 
     def __init__(self, config, evict=None, quant=None):
-        super().__init__(config)
-        if config.option("decode_evict") is True:
-            raise QuantizerConfigError("decode_evict", True, "None or False with quantize (the quantized "
-                                                             "eviction cache evicts at prefill calls only)")
+        super().__init__(config)  # (the options refuse decode_evict=True with quantize)
         self.evict = evict if evict is not None else self.evict_class(config)
         self.evict.decode_evict = False
         self.quant = quant if quant is not None else _implemented(quant_config(config).method)(quant_config(config))
@@ -244,8 +231,9 @@ def composed_class(evict_cls: type) -> type:
                                    "None: only eviction methods (EvictionKVCache) keep their rows quantized")
     if evict_cls not in _CLASSES:
         name = f"Quantized{evict_cls.__name__}"
+        doc = f"{evict_cls.__name__}, kept rows quantized."
         cls = type(name, (QuantizedEviction,), {"evict_class": evict_cls, "method_name": evict_cls.method_name,
-                                                "__module__": __name__, "__doc__": f"{evict_cls.__name__}, kept rows quantized."})
+                                                "__module__": __name__, "__doc__": doc})
         setattr(mlx_cache, name, cls)
         _CLASSES[evict_cls] = cls
     return _CLASSES[evict_cls]
@@ -254,7 +242,6 @@ def composed_class(evict_cls: type) -> type:
 def register_composed() -> None:
     """Make the composed class of every built eviction method (so saved caches load in a new process)."""
     from .base import EVICTION, all_methods
-
     for info in all_methods():
         if info.family == EVICTION and isinstance(info.cls, type) and issubclass(info.cls, EvictionKVCache):
             composed_class(info.cls)

@@ -49,12 +49,10 @@ def config_to_json(config) -> str:
     from .config import _DEFAULTS
     out = {}
     for f in dataclasses.fields(config):
-        if f.name in _CONFIG_SKIP:
-            continue
         v = getattr(config, f.name)
-        if not isinstance(v, (int, float, str, bool, tuple, list, type(None))):
-            continue  # array-valued inputs (codebooks, smoothing factors): the cache's state holds what it fitted
-        if v != _DEFAULTS[f.name]:
+        # array-valued inputs (codebooks, smoothing factors) are skipped: the state holds what the cache fitted
+        plain = isinstance(v, (int, float, str, bool, tuple, list, type(None)))
+        if f.name not in _CONFIG_SKIP and plain and v != _DEFAULTS[f.name]:
             out[f.name] = list(v) if isinstance(v, tuple) else v
     if config.dtype is not None:
         out["dtype"] = str(config.dtype).replace("mlx.core.", "")
@@ -62,22 +60,19 @@ def config_to_json(config) -> str:
 
 
 def config_from_json(text: str):
+    """The config :func:`config_to_json` wrote."""
     from .config import _DEFAULTS, KVCacheConfig, _quiet_flat_fields
     values = json.loads(text)
-    for k, v in values.items():
-        if isinstance(_DEFAULTS.get(k), tuple):
-            values[k] = tuple(v)
+    values.update({k: tuple(v) for k, v in values.items() if isinstance(_DEFAULTS.get(k), tuple)})
     if "dtype" in values:
         values["dtype"] = getattr(mx, values["dtype"])
     with _quiet_flat_fields():
         return KVCacheConfig(**values)
 
 
-#: Before a method starts compressing (short chats) a cache holds at most the float16 rows of its tokens
-#: plus, per layer, this many float16 key and value rows (spare buffer rows, a KIVI residual group, small
-#: calibration arrays), plus per-model constants (``constant_nbytes``) once per model. The eviction caches
-#: use 16 (``grow_rows``' spare rows: 40 tokens occupy 56 rows, 1.44x their float16 bytes).
-#: ``tests/test_prefill_memory.py`` holds every mlx_lm-protocol method to it (exceptions listed there).
+#: Before it compresses (short chats) a cache holds at most its tokens' float16 rows plus, per layer, this
+#: many float16 key and value rows (spare rows, a KIVI residual group, calibration arrays), plus per-model
+#: constants (``constant_nbytes``). ``tests/test_prefill_memory.py`` holds every mlx_lm-protocol method to it.
 SHORT_PROMPT_SLACK_ROWS = 32
 
 
@@ -98,20 +93,19 @@ class CompressedKVCache(mlx_cache._BaseCache):
     #: lists of them (saved caches are checked against this)
     object_scalar_fields: tuple[str, ...] = ()
 
-    # Prefix reuse (a server continuing a prompt cache: trim back to the shared prefix, prefill the rest)
-    # equals a fresh run only where both flags hold. Every registered method declares both with its reason;
-    # tests/test_chunk_invariance.py proves each both ways, docs/ARCHITECTURE.md ("Prefix reuse") lists them.
-    # ``chunk_invariant``: later attention outputs do not depend on how the same rows were split across calls
-    # (False for eviction per prefill chunk, slack decode eviction, fits on the first block, flushed windows).
+    # Prefix reuse (a server trims a prompt cache back to the shared prefix and prefills the rest) equals a
+    # fresh run only where both flags hold; each method declares them with its reason, proved both ways by
+    # tests/test_chunk_invariance.py, listed in docs/ARCHITECTURE.md ("Prefix reuse").
+    # ``chunk_invariant``: later outputs do not depend on how the same rows were split across calls.
     chunk_invariant: bool = True
     # ``exact_trim``: ``trim(n)`` right after n appended rows returns n and leaves a cache equivalent to one
-    # that never saw them (False where it raises, returns fewer, or keeps evictions / statistics / codes).
+    # that never saw them.
     exact_trim: bool = True
-    # ``trim_exact_or_raises``: such a trim is exact whenever it does not raise ``ValueError`` (KIVI groups:
-    # rows still in the residual trim exactly); a server trims a copy and recomputes when it raises.
+    # ``trim_exact_or_raises``: such a trim is exact unless it raises ``ValueError`` (KIVI groups: rows
+    # still in the residual trim exactly); a server trims a copy and recomputes when it raises.
     trim_exact_or_raises: bool = False
-    # ``batchable``: ``merge`` builds a batch form of the compressed cache (a server batches only these). Not
-    # inherited: a subclass batches only if its own class body says so.
+    # ``batchable``: ``merge`` builds a batch form of the compressed cache (a server batches only these);
+    # not inherited.
     batchable: bool = False
 
     def __init_subclass__(cls, **kwargs):
@@ -237,22 +231,20 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def __deepcopy__(self, memo):
         """Copies all but the (never mutated) config and MLX dtypes; objects shared between layers
         (coordinators) stay shared within one deepcopy call."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
+        new = memo[id(self)] = type(self).__new__(type(self))
         for k, v in self.__dict__.items():
-            shared = k == "config" or isinstance(v, mx.Dtype)
-            setattr(new, k, v if shared else copy.deepcopy(v, memo))
+            setattr(new, k, v if k == "config" or isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
         return new
 
     @property
     def state(self):
-        meta = {"config": config_to_json(self.config), "offset": self.offset,
-                "scalars": {n: getattr(self, n) for n in self.scalar_fields},
-                "shape": list(getattr(self, "_shape", None) or [])}
-        out = {"meta": json.dumps(meta)}
-        for name in self.array_fields:
-            out[name] = getattr(self, name)
-        return out
+        return self._state_of(self.offset, self.scalar_fields)
+
+    def _state_of(self, offset: int, scalars) -> dict:
+        """``{"meta": json(config, offset, scalars, shape), <array name>: array, ...}``."""
+        meta = {"config": config_to_json(self.config), "offset": offset,
+                "scalars": {n: getattr(self, n) for n in scalars}, "shape": list(getattr(self, "_shape", None) or [])}
+        return {"meta": json.dumps(meta), **{name: getattr(self, name) for name in self.array_fields}}
 
     @state.setter
     def state(self, v):
@@ -265,14 +257,6 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self._shape = tuple(meta["shape"]) or None
         for name in self.array_fields:
             setattr(self, name, v.get(name))
-
-    @property
-    def meta_state(self):  # mlx_lm < 0.32 compatibility: everything lives in ``state``
-        return ""
-
-    @meta_state.setter
-    def meta_state(self, v):
-        pass
 
 
 def register_with_mlx_lm(cls):

@@ -1,39 +1,32 @@
 """Position-tracked eviction storage: the shared base of every eviction method.
 
-An eviction method is a scoring function on this base. ``EvictionKVCache`` stores the kept rows of
-every head (``keys``/``values`` [B, H, capacity, D]) with their logical positions (``positions``
-[B, H, capacity]), appends new rows in place, protects sinks and a recent window, keeps the top-scoring
-rows of each head (heads may keep different tokens; every head keeps the same count, so one mask fits
-them all) and does the mlx_lm bookkeeping (offset, masks, state, trim, nbytes) through
-``CompressedKVCache``. What every method shares, documented here once (method docstrings point here):
+An eviction method is a scoring function on this base. ``EvictionKVCache`` stores each head's kept rows
+(``keys``/``values`` [B, H, capacity, D]) with their logical ``positions`` [B, H, capacity], appends in place,
+protects sinks and a recent window, keeps each head's top-scoring rows (heads may keep different tokens, all
+the same count, so one mask fits them all) and does the mlx_lm bookkeeping through ``CompressedKVCache``.
+What every method shares, documented here once (method docstrings point here):
 
-* **Real queries.** With the attention dispatch point installed (``KVCacheBuilder.for_model`` installs
-  it), eviction is deferred to ``attend``, which scores with this call's own queries (its last
-  ``obs_window``). Without it, the last ``obs_window`` new keys stand in for queries (the documented
-  fallback) and eviction runs inside ``update_and_fetch``. Either way eviction happens *after* this
-  call's rows were returned, so the mask mlx_lm built before the call (from the previous stored count)
-  still matches.
-* **Decode-time budget** (``decode_evict``): whether one-row (decode) calls evict too. Resolved from
-  the cache's own setting (it starts as the options' ``decode_evict`` and travels in ``state``), else
-  ``config.decode_evict``, else the class's ``decode_evict_default`` (the method's paper). Multi-row
-  (prefill) calls always cut to the budget.
-* **Slack** (``BatchedEviction``): decode steps evict in blocks. The cache grows by ``evict_slack``
-  rows -- ``default_slack(budget) = max(8, budget // 8)`` unless a method says otherwise (0: every step,
-  one row by an argmin) -- then one top-k cuts it back to the budget, so at most ``budget + slack``
-  rows are held at any step, and a decode-time observation window is the queries seen since the
-  previous eviction.
-* **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along with the kept ones
-  (their contents are never read), so the decode rows up to the next eviction append in place instead
-  of re-allocating; ``nbytes`` counts them, since they are held.
-* **Trim.** ``trim(n)`` drops the ``n`` newest rows when every head still holds those positions, else
-  it raises ``ValueError`` (an evicted row cannot be restored). What the trimmed rows' queries added to
-  the other rows (votes, scores) and what their calls evicted stay, which is why most methods declare
-  ``exact_trim = False``.
-* **Settle.** Per-row state accumulated lazily between evictions (``row_fields``: votes, scores) is
-  scheduled (``mx.async_eval``, no host sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
-* **Votes** (``VotingEviction``, the layer of PyramidKV, SqueezeAttention, ChunkKV and CaM): each row
-  accumulates the attention mass it receives, from the last ``obs_window`` queries of each call
-  (SnapKV-style, reset after each eviction) or from every query (H2O-style, never reset).
+* **Real queries.** With the attention dispatch point installed (``for_model`` installs it), eviction is
+  deferred to ``attend`` and scores with the call's own last ``obs_window`` queries; without it the last
+  ``obs_window`` new keys stand in for queries (the documented fallback), in ``update_and_fetch``. Either
+  way it happens after the call's rows were returned, so mlx_lm's mask (built from the previous count) fits.
+* **Decode-time budget** (``decode_evict``): whether one-row calls evict too: the cache's own setting (from
+  the options' ``decode_evict``, kept in ``state``), else ``config.decode_evict``, else the class's
+  ``decode_evict_default`` (the paper's). Multi-row (prefill) calls always cut to the budget.
+* **Slack** (``BatchedEviction``): decode steps evict in blocks: the cache grows by ``evict_slack`` rows
+  (``default_slack(budget) = max(8, budget // 8)`` unless a method says otherwise; 0: every step, one row by
+  an argmin), then one top-k cuts it back, so at most ``budget + slack`` rows are held, and a decode-time
+  observation window is the queries seen since the previous eviction.
+* **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along (never read), so decode
+  rows append in place until the next eviction; ``nbytes`` counts them, since they are held.
+* **Trim.** ``trim(n)`` drops the ``n`` newest rows when every head still holds them, else ``ValueError``
+  (an evicted row cannot be restored). What their queries added to other rows (votes, scores) and what
+  their calls evicted stay: most methods declare ``exact_trim = False``.
+* **Settle.** Per-row state accumulated lazily (``row_fields``: votes, scores) is scheduled
+  (``mx.async_eval``, no host sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
+* **Votes** (``VotingEviction``: PyramidKV, SqueezeAttention, ChunkKV, CaM): each row accumulates the
+  attention mass it receives, from the last ``obs_window`` queries of each call (SnapKV-style, reset after
+  each eviction) or from every query (H2O-style, never reset).
 """
 
 from __future__ import annotations
@@ -44,8 +37,10 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
-from .options import OPTION_CHECKS
+from .options import SnapKVOptions
 from .primitives.buffers import fp16_row_bytes, grow_rows
+
+_check_decode_evict = SnapKVOptions.RULES["decode_evict"].check
 
 
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
@@ -71,29 +66,22 @@ class EvictionKVCache(CompressedKVCache):
     recent: int = 0
     obs_window: int = 32
 
-    # Extra per-row float32 arrays [B, H, capacity] a method keeps (accumulated scores, counters):
-    # grown with zeros for new rows, gathered on eviction, part of state and nbytes. A subclass lists
-    # them here *and* in ``array_fields``.
+    # Extra per-row float32 arrays [B, H, capacity] (accumulated scores, counters): grown with zeros,
+    # gathered on eviction, in state and nbytes. A subclass lists them here *and* in ``array_fields``.
     row_fields: tuple[str, ...] = ()
-    # True for methods that learn from every call's attention probabilities (H2O, TOVA, ...): the
-    # base then computes attention explicitly and hands the probabilities to ``observe``.
+    # True for methods that learn from every call's attention probabilities (H2O, TOVA, ...): the base
+    # computes attention explicitly and hands them to ``observe``.
     uses_attention_weights = False
-
-    # Whether the budget also holds while decoding (one-row calls) when neither the config's
-    # ``decode_evict`` nor the cache's own setting says: the method's paper behaviour.
-    decode_evict_default = True
-    _decode_evict = None  # per-cache setting (None: the config's ``decode_evict``, then the default)
-
+    decode_evict_default = True  # the paper's: does the budget hold while decoding (when nothing else says)
+    _decode_evict = None  # the cache's own setting (None: the config's ``decode_evict``, then the default)
     rows = 0
     _pending = False  # eviction deferred to this call's ``attend`` (real queries)
     _n_new = 0
 
     def __init__(self, config):
         super().__init__(config)
-        check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
-        option = getattr(getattr(config, "options", None), "decode_evict", None)
-        if option is not None:  # SnapKVOptions(decode_evict=True): validated there; kept in ``state``
-            self._decode_evict = option
+        _check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
+        self._decode_evict = getattr(config.options, "decode_evict", None)  # checked by the options
 
     # ---------------------------------------------------------------- method hooks
     def wants_eviction(self, n_new: int) -> bool:
@@ -111,16 +99,14 @@ class EvictionKVCache(CompressedKVCache):
     # ---------------------------------------------------------------- decode-time budget
     @property
     def decode_evict(self) -> bool:
-        """Whether one-row (decode) calls evict too (see the module docstring for how it resolves)."""
-        v = self._decode_evict
-        if v is None:
-            v = getattr(self.config, "decode_evict", None)
-            check_decode_evict("decode_evict", v)
+        """Whether one-row (decode) calls evict too (see the module docstring)."""
+        v = self._decode_evict if self._decode_evict is not None else getattr(self.config, "decode_evict", None)
+        _check_decode_evict("decode_evict", v)
         return self.decode_evict_default if v is None else v
 
     @decode_evict.setter
     def decode_evict(self, value) -> None:
-        check_decode_evict("decode_evict", value)
+        _check_decode_evict("decode_evict", value)
         self._decode_evict = value
 
     def _evicts_after(self, n_new: int) -> bool:
@@ -183,9 +169,8 @@ class EvictionKVCache(CompressedKVCache):
         tail = self.positions[:, :, self.rows - n : self.rows]
         want = mx.arange(self.offset - n, self.offset, dtype=mx.int32)
         if not bool(mx.all(tail == want)):
-            raise ValueError(
-                f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed exactly"
-            )
+            raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed "
+                             "exactly")
         self.rows -= n
         return n
 
@@ -234,9 +219,8 @@ class EvictionKVCache(CompressedKVCache):
         for name in self.row_fields:
             setattr(self, name, mx.take_along_axis(getattr(self, name)[:, :, : self.rows], idx, axis=2))
         self.rows = idx.shape[-1]
-        # a cache that never reads its positions between evictions (a chunkkv follower reusing its
-        # leader's selection) would otherwise stack one pending gather/update per step: schedule them
-        # with each eviction (no host sync), so the graph stays bounded by the eviction interval
+        # scheduled (no host sync) so that a cache never reading its positions between evictions (a chunkkv
+        # follower) does not stack one pending gather per step
         mx.async_eval(self.positions)
 
     # ---------------------------------------------------------------- telemetry (the spec's names)
@@ -245,7 +229,6 @@ class EvictionKVCache(CompressedKVCache):
     keep_rate = property(lambda self: self.rows / self.offset if self.offset else 1.0,
                          doc="Fraction of the tokens seen that each head still holds.")
     kept_bytes = property(lambda self: self.nbytes, doc="Bytes held (``nbytes``).")
-
     full_seq_bytes = property(lambda self: fp16_row_bytes(self.keys, self.values, self.offset),
                               doc="What mlx_lm's plain cache would hold for the same tokens (fp16, no spare rows).")
 
@@ -263,10 +246,6 @@ OBS_WINDOW = 32  # VotingEviction: queries that vote after each call, and the pr
 def default_slack(budget: int) -> int:
     """Decode-time growth allowed before a batched eviction: 1/8 of the budget, at least 8 rows."""
     return max(8, budget // 8)
-
-
-def check_decode_evict(field: str, value) -> None:
-    OPTION_CHECKS["decode_evict"][0](field, value)
 
 
 def check_budget(field: str, budget: int, protected: int, what: str) -> None:
@@ -318,14 +297,11 @@ class BatchedEviction:
 
 class VotingEviction(BatchedEviction, EvictionKVCache):
     """Eviction by accumulated attention votes (``votes`` [B, H, capacity], a per-row field), with the
-    default slack; a subclass's ``_init_layout`` sets and validates ``budget`` and ``n_sink``, its
-    ``score`` may shape the votes. ``h2o_votes``: H2O's accumulation (every query votes, the votes are
-    never reset, the newest half of the budget is protected) instead of SnapKV's windows (the last
-    ``obs_window`` queries of each call vote, the votes are reset after each eviction, the window is
-    protected).
-
-    ``budget`` (constructor argument): this layer's own budget, derived by ``build_layers`` (e.g. the
-    pyramid schedule); it replaces the options' budget and travels in ``state``."""
+    default slack; a subclass's ``_init_layout`` sets and validates ``budget`` and ``n_sink``, its ``score``
+    may shape the votes. ``h2o_votes``: H2O's accumulation (every query votes, never reset, the newest half
+    of the budget protected) instead of SnapKV's windows (the last ``obs_window`` queries of each call vote,
+    reset after each eviction, the window protected). ``budget`` (constructor argument): this layer's own,
+    derived by ``build_layers`` (e.g. the pyramid schedule), kept in ``state``."""
 
     array_fields = EvictionKVCache.array_fields + ("votes",)
     scalar_fields = EvictionKVCache.scalar_fields + ("budget",)

@@ -7,11 +7,12 @@ from mlx_lm.models import cache as mlx_cache
 
 from . import dispatch
 from .artifacts import ArtifactStore
-from .base import STANDALONE_METHODS, method_info
-from .composed import quant_config
+from .base import METHOD_NAMES, STANDALONE_METHODS, method_info
+from .composed import composed_class, quant_config
 from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver, notify
+from .options import _is_int
 from .rotating import RING_CLASSES
 from .standalone import SlidingWindowKVCache
 
@@ -29,11 +30,7 @@ def _implemented_class(method: str):
 def _cache_class(config):
     """The method's class, or its quantized-eviction form when its options set ``quantize``."""
     cls = _implemented_class(config.method)
-    if config.option("quantize") is not None:
-        from .composed import composed_class
-
-        cls = composed_class(cls)
-    return cls
+    return cls if config.option("quantize") is None else composed_class(cls)
 
 
 class KVCacheFactory:
@@ -48,8 +45,7 @@ class KVCacheFactory:
                 "bit_width_inlier", config.bit_width_inlier,
                 "an int for KVCacheFactory.create (a per-layer list needs KVCacheBuilder.for_model)",
             )
-        cls = _cache_class(config)
-        cache = cls(config)
+        cache = _cache_class(config)(config)
         if config.sliding_window is not None:
             if config.method not in STANDALONE_METHODS:
                 raise QuantizerConfigError(
@@ -87,6 +83,7 @@ def _attention(layer):
 
 
 def _head_dim(attn, fallback: int) -> int:
+    """The attention module's head dimension (``fallback`` without one)."""
     hd = getattr(attn, "head_dim", None)
     if isinstance(hd, int):
         return hd
@@ -108,13 +105,12 @@ class KVCacheBuilder:
         return self
 
     def with_method(self, method: str):
-        method_info(method) if method in _known() else None
-        if method not in _known():
-            raise QuantizerConfigError("method", method, f"one of {', '.join(_known())}")
+        if method not in METHOD_NAMES:
+            raise QuantizerConfigError("method", method, f"one of {', '.join(METHOD_NAMES)}")
         return self._set(method=method)
 
     def with_head_dim(self, d: int):
-        if not isinstance(d, int) or isinstance(d, bool) or d < 2 or d & (d - 1):
+        if not _is_int(d) or d < 2 or d & (d - 1):
             raise QuantizerConfigError("head_dim", d, "a power of 2 >= 2")
         return self._set(head_dim=d)
 
@@ -146,7 +142,7 @@ class KVCacheBuilder:
         return self._set(dtype=dtype)
 
     def with_capacity(self, max_tokens: int):
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        if not _is_int(max_tokens) or max_tokens < 1:
             raise QuantizerConfigError("capacity", max_tokens, "a positive int")
         return self._set(capacity=max_tokens)
 
@@ -177,20 +173,13 @@ class KVCacheBuilder:
     def for_model(model, config: KVCacheConfig, install_dispatch: bool = True) -> list:
         """One cache per layer of ``model`` (``model.language_model`` for VLM wrappers).
 
-        Layers whose mlx_lm default cache is a plain ``KVCache`` get a cache of ``config.method``,
-        with ``head_dim`` taken from the layer. Sliding-window layers (``RotatingKVCache``) get the
-        method's compressed ring (``rotating.RING_CLASSES``: kivi, waterfill) with the layer's window and
-        ``keep``; for other methods they keep mlx_lm's ring: an eviction method's budget applies to the
-        full-attention layers, the window already bounds a sliding one. ``bit_width_inlier[i]``, when a
-        list, has one entry per compressed layer, in layer order. Layers with other caches (state-space
-        ``ArraysCache`` / ``MambaCache`` of a hybrid model, ``CacheList``) keep the model's cache;
-        ``QuantizerConfigError`` for a model with no K/V layer at all (pure state-space) and for MLA
-        attention (DeepSeek-V2/V3: a ``kv_lora_rank`` latent instead of per-head K/V rows).
-        Cross-layer methods get their coordinator from the class's ``build_layers``; a cache with
-        ``bind_attention`` is given its layer's attention module (e.g. to read the RoPE or factor its
-        weights). Installs the attention dispatch point unless told not to, and with it the
-        hidden-state reports a cache asks for in ``io_hooks`` (``dispatch.report_io`` on its layer's
-        attention module or decoder layer).
+        Plain ``KVCache`` layers get a cache of ``config.method`` (``head_dim`` from the layer; one
+        ``bit_width_inlier`` entry each when a list, in layer order); sliding-window layers the method's
+        compressed ring (``rotating.RING_CLASSES``), else mlx_lm's own ring (the window bounds it); other
+        layers (state-space, ``CacheList``) keep the model's cache. MLA attention and models without a K/V
+        layer are a ``QuantizerConfigError``. Cross-layer methods build their layers in ``build_layers``;
+        ``bind_attention`` gets the layer's attention module; the dispatch point and the ``io_hooks``
+        hidden-state reports are installed unless ``install_dispatch=False``.
         """
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
@@ -208,8 +197,7 @@ class KVCacheBuilder:
                                        f"a model whose make_cache() returns one cache per layer ({len(layers)})")
         _check_kv_layers(model, defaults, layers)
         slots = [i for i, c in enumerate(defaults) if type(c) is mlx_cache.KVCache]
-        composed = getattr(config.options, "quantize", None) is not None  # evict + quantize: the quantizer's ring
-        ring_config = quant_config if composed else (lambda c: c)
+        ring_config = (lambda c: c) if config.option("quantize") is None else quant_config  # a quantizer's ring
         ring_cls = RING_CLASSES.get(ring_config(config).method)
         rings = [i for i, c in enumerate(defaults) if ring_cls and type(c) is mlx_cache.RotatingKVCache]
         bits = config.bit_width_inlier
@@ -222,24 +210,20 @@ class KVCacheBuilder:
             )
         configs = {}
         for j, i in enumerate(sorted(slots + rings)):
-            attn = _attention(layers[i])
-            changes = {"head_dim": _head_dim(attn, config.head_dim) if attn is not None else config.head_dim}
+            changes = {"head_dim": _head_dim(_attention(layers[i]), config.head_dim)}
             if isinstance(bits, (list, tuple)):
                 changes["bit_width_inlier"] = int(bits[j])
             configs[i] = config.replace(**changes)
         layer_configs = [configs[i] for i in slots]
         if layer_configs:
             validate_for_model(config, min(c.head_dim for c in configs.values()), len(layer_configs))
-        build_layers = getattr(cls, "build_layers", None)
-        built = build_layers(layer_configs) if build_layers else [cls(c) for c in layer_configs]
+        built = cls.build_layers(layer_configs) if hasattr(cls, "build_layers") else [cls(c) for c in layer_configs]
         built += [ring_cls(ring_config(configs[i]), defaults[i].max_size, defaults[i].keep) for i in rings]
-        slots = slots + rings
         caches = list(defaults)
-        for i, cache in zip(slots, built):
+        for i, cache in zip(slots + rings, built):
             caches[i] = cache
-            bind = getattr(cache, "bind_attention", None)
-            if bind is not None:  # caches that need the layer itself (e.g. its RoPE) read it here
-                bind(_attention(layers[i]))
+            if hasattr(cache, "bind_attention"):  # caches that read the layer itself (e.g. its RoPE)
+                cache.bind_attention(_attention(layers[i]))
             if install_dispatch:  # caches that watch hidden states: {"attention" | "layer": their method}
                 for part, method in getattr(cache, "io_hooks", {}).items():
                     module = layers[i] if part == "layer" else _attention(layers[i])
@@ -247,7 +231,7 @@ class KVCacheBuilder:
                         dispatch.report_io(module, method)
         if install_dispatch:
             dispatch.install()
-        notify(config.observers, "created", config.method, layers=len(slots))
+        notify(config.observers, "created", config.method, layers=len(slots + rings))
         return caches
 
 
@@ -266,9 +250,3 @@ def _check_kv_layers(model, defaults, layers) -> None:
             "model", type(model).__name__,
             f"a model with at least one attention layer with a K/V cache: its caches are {kinds} "
             "(state-space layers hold no K/V rows); use mlx_lm's own cache (method 'none')")
-
-
-def _known():
-    from .base import METHOD_NAMES
-
-    return METHOD_NAMES

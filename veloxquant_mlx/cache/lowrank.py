@@ -98,19 +98,14 @@ class LowRankKVCache(GroupedQuantCache):
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         t0, n = self.n_quant, kb.shape[2]
-        H = kb.shape[1]
         if self.k_basis is None:
-            self.hg = self._n_groups(H)
-        xk = lr.group_heads(kb.astype(mx.float32), self.hg)
-        if self.k_basis is None:
-            self._fit("k", xk)
-        self._encode("k", xk, t0)
-        if self.latent_values:
-            xv = lr.group_heads(vb.astype(mx.float32), self.hg)
-            if self.v_basis is None:
-                self._fit("v", xv)
-            self._encode("v", xv, t0)
-        else:  # KIVI per-token value codes
+            self.hg = self._n_groups(kb.shape[1])
+        for which, rows in (("k", kb), ("v", vb)) if self.latent_values else (("k", kb),):
+            x = lr.group_heads(rows.astype(mx.float32), self.hg)
+            if getattr(self, f"{which}_basis") is None:
+                self._fit(which, x)
+            self._encode(which, x, t0)
+        if not self.latent_values:  # KIVI per-token value codes
             vq = gq.quantize(vb, self.qbits, self.value_group(vb.shape[-1]))
             self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
             self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
@@ -127,10 +122,8 @@ class LowRankKVCache(GroupedQuantCache):
         basis, mean = self._basis(which)
         B, Hg, F, r = basis.shape
         H = self.res_k.shape[1]
-        s = H // Hg
-        W = basis.reshape(B, Hg, s, F // s, r).reshape(B, H, F // s, r)
-        mu = None if mean is None else mean.reshape(B, H, 1, F // s)
-        return W, mu
+        D = F // (H // Hg)
+        return basis.reshape(B, H, D, r), None if mean is None else mean.reshape(B, H, 1, D)
 
     def _reconstruct(self, which: str, n: int) -> mx.array:
         """[B, H, n, D] rows rebuilt from the latents."""
@@ -187,19 +180,12 @@ class LowRankKVCache(GroupedQuantCache):
             self.k_bits = self.v_bits = None
         return dropped
 
-    def _part_bytes(self, which: str, used: bool = True) -> int:
-        """Bytes of ``which``'s latent storage; ``used``: the filled rows only."""
-        total = 0
-        for name in ("basis", "mean", "codes", "scales", "biases", "raw"):
-            a = getattr(self, f"{which}_{name}")
-            if a is None:
-                continue
-            if used and name in ("codes", "scales", "biases", "raw"):
-                rows = self.n_quant if name == "raw" else self.n_quant // self.group
-                total += a.nbytes // a.shape[2] * rows
-            else:
-                total += a.nbytes
-        return total
+    def _part_bytes(self, which: str) -> int:
+        """Bytes of ``which``'s latent storage: basis and mean, and the filled rows of the per-token arrays."""
+        g = self.n_quant // self.group
+        rows = {"basis": None, "mean": None, "codes": g, "scales": g, "biases": g, "raw": self.n_quant}
+        arrays = [(getattr(self, f"{which}_{name}"), n) for name, n in rows.items()]
+        return sum(a.nbytes if n is None else a.nbytes // a.shape[2] * n for a, n in arrays if a is not None)
 
     def _value_bytes(self) -> int:
         """Stored value bytes but the residual: latents, or KIVI's per-token codes."""
@@ -225,14 +211,9 @@ class LowRankKVCache(GroupedQuantCache):
     def compressed_value_bytes(self) -> int:
         return self._value_bytes() + (self.res_v.nbytes if self.res_v is not None else 0)
 
-    @property
-    def rank(self) -> int:
-        """Latent key channels kept (uniform across heads / head groups); 0 before the fit."""
-        return len(self.k_bits) if self.k_bits else 0
-
-    @property
-    def value_rank(self) -> int:
-        return len(self.v_bits) if self.v_bits else 0
+    rank = property(lambda self: len(self.k_bits or ()),
+                    doc="Latent key channels kept (uniform across heads / head groups); 0 before the fit.")
+    value_rank = property(lambda self: len(self.v_bits or ()))
 
     @property
     def assigned_avg_bits(self) -> float:

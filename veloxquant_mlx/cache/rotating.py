@@ -1,34 +1,28 @@
 """Sliding-window layers compressed: mlx_lm's ``RotatingKVCache`` ring with every slot holding codes.
 
-Models with sliding-window attention (Gemma 2/3, Ministral-style interleaved windows, gpt-oss) give
-those layers mlx_lm's ``RotatingKVCache``: a ring of ``max_size`` slots whose first ``keep`` stay put,
-filled in place one decode row at a time, and put in temporal order and cut to ``max_size + S - 1``
-rows by a multi-row call (so each of its S queries still sees a whole window). ``RotatingQuantKVCache``
-keeps that ring exactly -- it runs mlx_lm's own ring code (``_trim``, ``_temporal_order``,
-``make_mask``, ``trim``, ``size``, ``is_trimmable``) on each of its code arrays, whose row axis is the
-ring's slot axis -- so the slot of every position, the ``offset``, the masks mlx_lm builds from it for
-multi-row calls and windows smaller than the ring, and the trim rule are RotatingKVCache's.
-``update_and_fetch`` returns the dequantized rows in RotatingKVCache's slot order (the masks fit
-them unchanged) and ``attend`` is the fused attention over them with the model's mask and attention
-sinks (gpt-oss).
+Sliding-window models (Gemma 2/3, Ministral-style interleaved windows, gpt-oss) give those layers mlx_lm's
+``RotatingKVCache``: ``max_size`` slots whose first ``keep`` stay put, filled in place one decode row at a
+time; a multi-row call puts them in temporal order and cuts to ``max_size + S - 1`` rows (each of its S
+queries sees a whole window). ``RotatingQuantKVCache`` runs mlx_lm's own ring code (``_trim``,
+``_temporal_order``, ``make_mask``, ``trim``, ``size``, ``is_trimmable``) on each code array (row axis =
+slot axis), so slots, ``offset``, masks and the trim rule are RotatingKVCache's; ``update_and_fetch``
+returns the dequantized rows in its slot order and ``attend`` is the fused attention over them with the
+model's mask and sinks (gpt-oss). A slot is overwritten one row at a time, so only per-token codes fit:
 
-Codes: a slot is overwritten one row at a time, so only per-token codes fit a ring.
-
-* ``kivi``: keys *and* values per token, ``b``-bit group-affine in channel groups of ``gcd(D, G)``
-  (``primitives.groupquant``). Deviation from KIVI, whose keys are per channel over groups of G tokens
-  (a group of tokens cannot be rewritten one slot at a time); KIVI's float16 residual is dropped too.
-* ``waterfill``: keys as the kivi ring's, values as waterfill's (Hadamard-rotated, per-row RMS in
-  float16, ``b``-bit Gaussian odd-polynomial codebook). Deviation: no query-weighted per-channel key
-  widths, no pre-RoPE ranges, no float16 sinks or window (they are calibrated on the first rows at
-  known positions and kept beside the codes, which a ring of at most ``max_size`` rows does without). A
+* ``kivi``: keys *and* values per token, ``b``-bit group-affine in channel groups of ``gcd(D, G)``.
+  Deviation from KIVI (keys per channel over groups of G tokens, which a ring cannot rewrite one slot at a
+  time); KIVI's float16 residual is dropped too.
+* ``waterfill``: keys as kivi's ring, values as waterfill's (Hadamard-rotated, per-row float16 RMS,
+  ``b``-bit Gaussian odd-polynomial codebook). Deviation: no query-weighted key widths, no pre-RoPE ranges,
+  no float16 sinks or window (calibrated on the first rows, kept beside the codes: a ring does without). A
   non-power-of-two ``Dv`` rotates by waterfill's seeded matrix, a per-process constant that waterfill's
   full-layer caches count (``build_layers``) and the ring does not.
 
-Every row, a call's own included, is stored and read back as codes: the attention of a call equals
-mlx_lm's ``RotatingKVCache`` fed the dequantized rows (``tests/test_rotating.py``, token by token).
-The dense rows of the window are decoded per call (at most ``max_size + S - 1`` rows, never held);
-``nbytes`` is the code arrays, spare slots of the growing ring included as RotatingKVCache counts them.
-Bytes per row and KV head at ``b = 4``, ``D = Dv = 64``, ``G = 32``: kivi 80, waterfill 74, vs 256 float16.
+Every row, a call's own included, is read back from codes: a call's attention equals RotatingKVCache's fed
+the dequantized rows (``tests/test_rotating.py``). The window's dense rows are decoded per call (at most
+``max_size + S - 1``, never held); ``nbytes`` is the code arrays, spare slots included as RotatingKVCache
+counts them. Bytes per row and KV head at ``b = 4``, ``D = Dv = 64``, ``G = 32``: kivi 80, waterfill 74,
+float16 256.
 """
 
 from __future__ import annotations
@@ -40,6 +34,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from .contract import CompressedKVCache, register_with_mlx_lm
 from .errors import QuantizerConfigError
+from .options import _is_int
 from .primitives import groupquant as gq
 from .primitives.bitpack import pack_bits, unpack_bits
 from .primitives.codebook import nearest_code, odd_poly_gaussian
@@ -72,7 +67,7 @@ class RotatingQuantKVCache(CompressedKVCache):
 
     def _init_layout(self):
         b, G = self.config.bit_width_inlier, int(getattr(self.config.options, "group_size", 32))
-        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+        if not _is_int(b) or not 1 <= b <= 8:
             raise QuantizerConfigError("bit_width_inlier", b,
                                        f"an int in 1..8 for a sliding-window layer of {self.config.method!r}")
         self.qbits, self.group = int(b), G  # not ``bits``: mlx_lm routes caches with ``bits`` to its own kernel
@@ -95,8 +90,7 @@ class RotatingQuantKVCache(CompressedKVCache):
         return [getattr(self, n) for n in self.array_fields]
 
     def _put(self, arrays) -> None:
-        for name, a in zip(self.array_fields, arrays):
-            setattr(self, name, a)
+        self.__dict__.update(zip(self.array_fields, arrays))
 
     def update_and_fetch(self, keys, values):
         self._check_input(keys, values)
@@ -138,21 +132,18 @@ class RotatingQuantKVCache(CompressedKVCache):
         """Attention over the decoded window with mlx_lm's mask as given (it was built for this ring)."""
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    @property
-    def state(self):
-        return CompressedKVCache.state.fget(self)
-
-    @state.setter
-    def state(self, v):
+    def _set_state(self, v):
         """As the base's, then the ring's own numbers checked (a forged file must not place rows wrongly)."""
         CompressedKVCache.state.fset(self, v)
         rows = {a.shape[2] for a in self._arrays() if a is not None}
         n = max(rows, default=0)
-        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (self.max_size, self.keep, self._idx))
+        ints = all(map(_is_int, (self.max_size, self.keep, self._idx)))
         if not (ints and len(rows) <= 1 and 0 <= self.keep < self.max_size and 0 <= self._idx <= n
                 and 0 <= min(self.offset, self.max_size) <= n):
             raise ValueError(f"{type(self).__name__} state: keep={self.keep!r}, max_size={self.max_size!r}, "
                              f"_idx={self._idx!r}, offset={self.offset!r} do not fit {sorted(rows)} ring rows")
+
+    state = property(CompressedKVCache.state.fget, _set_state)
 
     def stored_rows(self) -> int:
         """Rows ``update_and_fetch`` returns: up to ``max_size + S - 1`` after a multi-row call (``size()``

@@ -1,23 +1,21 @@
 """Saved caches: a prefilled prompt cache written to disk and read back bit-identical.
 
-The file is mlx_lm's prompt-cache layout (``save_prompt_cache``: a safetensors file of the caches' ``state``,
-which carries their config, see ``contract.py``), so mlx_lm's ``load_prompt_cache`` rebuilds it too (a
-``*.safetensors`` name, once ``veloxquant_mlx.cache`` is imported; ``load_cache`` reads any name); mlx_lm's
-own ``KVCache`` (``method="none"``) is saved the same way, for comparing sizes. Its metadata adds
-``0.veloxquant`` (JSON: format and library versions, method, non-default config fields, model id, per
-layer the cache class and head shape ``[H_kv, D_key, D_value]``, the prompt token ids, the offset,
-``kv_bytes`` (``nbytes`` when saved) and ``state_bytes`` (the ``state`` arrays the file stores; spare rows
-such as TurboQuant-RVQ's reserve are not stored)) and ``0.veloxquant_checksum`` (SHA-256 of the canonical
-header and every data byte), so a truncated, damaged or edited file is reported instead of loaded.
+The file is mlx_lm's prompt-cache layout (``save_prompt_cache``: safetensors of the caches' ``state``, which
+carries their config), so mlx_lm's ``load_prompt_cache`` rebuilds a ``*.safetensors`` one too once
+``veloxquant_mlx.cache`` is imported; mlx_lm's ``KVCache`` (``method="none"``) is saved alike, to compare
+sizes. Its metadata adds ``0.veloxquant`` (JSON: format and library versions, method, non-default config
+fields, model id, per layer the cache class and head shape ``[H_kv, D_key, D_value]``, prompt token ids,
+offset, ``kv_bytes`` (``nbytes`` when saved), ``state_bytes`` (the ``state`` arrays stored; spare rows are
+not)) and ``0.veloxquant_checksum`` (SHA-256 of the canonical header and every data byte).
 
-``load_cache`` checks the file (exists, well-formed safetensors whose tensors fill it exactly, metadata,
-checksum, format version), the method, and the model (layer count and types, KV heads, head dims). A
-checksum only catches accidents, so every field is also validated against the class that will hold it:
-metadata keys and types, token ids, one offset equal to the token count, layer classes from a fixed list
-(the file's method's registered class and mlx_lm's plain caches, never a name looked up freely), each
-layer's config (parses, names the file's method), scalars (only the class's ``scalar_fields``), arrays
-(only its ``array_fields``) and, once rebuilt, rows and shapes against the recorded head shape. Nothing in
-a file names code to run. Every failure is a :class:`SavedCacheError` naming the file and the problem.
+``load_cache`` checks the file (exists, well-formed safetensors whose tensors fill it exactly, checksum,
+format version), the method and the model (layer count and types, KV heads, head dims). A checksum only
+catches accidents, so every field is also validated against the class that will hold it: metadata keys and
+types, token ids, one offset equal to the token count, layer classes from a fixed list (the method's class
+and mlx_lm's plain caches, never a name looked up freely), each layer's config, scalars (only the class's
+``scalar_fields``), arrays (only its ``array_fields``) and, once rebuilt, rows and shapes against the
+recorded head shape. Nothing in a file names code to run; every failure is a :class:`SavedCacheError`
+naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -30,12 +28,19 @@ import struct
 from typing import Optional, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
-from .contract import CompressedKVCache, config_to_json
+from . import dispatch
+from .base import EVICTION, METHOD_NAMES, method_info
+from .composed import composed_class
+from .config import DTYPE_NAMES
+from .contract import CompressedKVCache, config_from_json, config_to_json
 from .errors import SavedCacheError
+from .factory import _attention, _head_dim, _layers
 from .options import _is_int
 from .rotating import RING_CLASSES
+from .settings import NONE
 
 __all__ = ["save_cache", "load_cache", "read_cache_info", "FORMAT_NAME", "FORMAT_VERSION",
            "SUPPORTED_VERSIONS", "NONE"]
@@ -43,8 +48,6 @@ __all__ = ["save_cache", "load_cache", "read_cache_info", "FORMAT_NAME", "FORMAT
 FORMAT_NAME = "veloxquant-saved-cache"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
-#: ``method="none"``: mlx_lm's own uncompressed caches.
-NONE = "none"
 
 _INFO_KEY = "0.veloxquant"  # mlx_lm flattens its metadata dict under "0."
 _SUM_KEY = "0.veloxquant_checksum"
@@ -58,7 +61,9 @@ _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache")  # (keys, values,
 _MAX_LAYERS = 4096
 _MAX_HEAD = 1 << 16  # bound of H_kv and head dimensions
 _MAX_TOKEN_ID = (1 << 31) - 1
-_DTYPES = ("float16", "bfloat16", "float32")
+#: How mlx_lm's ``save_prompt_cache`` stores a non-array state entry, decoded.
+_SCALAR_KINDS = {"scalar": lambda a: a.item(), "string": lambda a: "".join(map(chr, a.tolist())),
+                 "none": lambda a: None}
 
 
 def _library_version() -> str:
@@ -89,18 +94,16 @@ def _head_shape(cache) -> Optional[list[int]]:
 
 def _state_bytes(caches) -> int:
     """Bytes of the arrays in the caches' ``state`` (what the file stores)."""
-    from mlx.utils import tree_flatten
     return int(sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if hasattr(v, "nbytes")))
 
 
 def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
     """The model's default cache class per layer and ``(H_kv, head_dim)`` of its attention (or None)."""
     from ..measure import _kv_heads
-    from .factory import _attention, _head_dim, _layers
 
     def shape(layer):
         attn = _attention(layer)
-        d = _head_dim(attn, fallback=0) if attn is not None else 0
+        d = _head_dim(attn, 0)
         try:
             return (_kv_heads(attn, d), d) if d > 0 else None
         except ValueError:
@@ -114,10 +117,6 @@ def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
     if len(layers) != len(defaults):
         layers = [None] * len(defaults)
     return [type(c) for c in defaults], [shape(layer) for layer in layers]
-
-
-def _canonical(header: dict) -> bytes:
-    return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _read_header(path: str) -> tuple[dict, int, int]:
@@ -184,12 +183,18 @@ def _read_header(path: str) -> tuple[dict, int, int]:
 def _digest(path: str, header: dict, data_start: int) -> str:
     """SHA-256 over the header without the checksum entry, then every data byte."""
     meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != _SUM_KEY}
-    h = hashlib.sha256(_canonical({**header, "__metadata__": meta}))
+    canonical = json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    h = hashlib.sha256(canonical.encode())
+    _copy_data(path, data_start, h.update)
+    return h.hexdigest()
+
+
+def _copy_data(path: str, data_start: int, write) -> None:
+    """``write`` every data byte of ``path`` (from ``data_start``), in chunks."""
     with open(path, "rb") as f:
         f.seek(data_start)
         while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+            write(chunk)
 
 
 def _write_with_checksum(src: str, dst: str) -> None:
@@ -198,16 +203,12 @@ def _write_with_checksum(src: str, dst: str) -> None:
     header.setdefault("__metadata__", {})[_SUM_KEY] = _digest(src, header, data_start)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned (allowed by the safetensors spec)
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        fout.write(struct.pack("<Q", len(raw)))
-        fout.write(raw)
-        fin.seek(data_start)
-        while chunk := fin.read(_CHUNK):
-            fout.write(chunk)
+    with open(dst, "wb") as fout:
+        fout.write(struct.pack("<Q", len(raw)) + raw)
+        _copy_data(src, data_start, fout.write)
 
 
 def _check_caches(caches, method: str) -> None:
-    from .base import METHOD_NAMES
     if not isinstance(method, str) or (method != NONE and method not in METHOD_NAMES):
         raise SavedCacheError(f"method={method!r} is not a method name: expected {NONE!r} or one of the "
                               f"{len(METHOD_NAMES)} methods `veloxquant methods` lists")
@@ -320,7 +321,6 @@ def read_cache_info(path) -> dict:
 
 def _check_info(path: str, info: dict, file_bytes: int) -> None:
     """Every metadata field present, of its type and within bounds; layer classes from the allowed list."""
-    from .base import METHOD_NAMES
 
     def bad(field, why):
         raise SavedCacheError(f"{path}: corrupt veloxquant metadata: {field} {why}")
@@ -371,15 +371,12 @@ def _allowed_classes(method: str) -> dict:
     """Name -> class of the caches a file of ``method`` may hold: mlx_lm's plain caches and the method's own."""
     allowed = {name: getattr(mlx_cache, name) for name in _PLAIN_CLASSES if hasattr(mlx_cache, name)}
     if method != NONE:
-        from .base import method_info
         info = method_info(method)
         cls = info.cls
         registered = getattr(mlx_cache, getattr(cls, "__name__", ""), None) is cls
         if isinstance(cls, type) and issubclass(cls, CompressedKVCache) and registered:
             allowed[cls.__name__] = cls
-            if info.family == "eviction":  # its quantized form (cache/composed.py)
-                from .composed import composed_class
-
+            if info.family == EVICTION:  # its quantized form (cache/composed.py)
                 allowed[composed_class(cls).__name__] = composed_class(cls)
                 allowed.update((ring.__name__, ring) for ring in RING_CLASSES.values())  # its quantizer's ring
         if method in RING_CLASSES:  # its sliding-window layers
@@ -425,21 +422,15 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
 
 def _rebuild(path: str, info: dict) -> list:
     """mlx_lm's ``load_prompt_cache`` for any file name, each layer's state checked before ``from_state``."""
-    from mlx.utils import tree_unflatten
     arrays, meta = mx.load(path, format="safetensors", return_metadata=True)
     _, classes, scalars = tree_unflatten(list(meta.items()))
     if classes != info["layer_classes"]:
         raise SavedCacheError(f"{path}: corrupt: the file's cache classes {str(classes)[:200]} differ from its "
                               "veloxquant metadata")
     for key, kind in scalars[1:]:
-        if kind == "scalar":
-            arrays[key] = arrays[key].item()
-        elif kind == "string":
-            arrays[key] = "".join(chr(c) for c in arrays[key].tolist())
-        elif kind == "none":
-            arrays[key] = None
-        else:
+        if kind not in _SCALAR_KINDS:
             raise SavedCacheError(f"{path}: corrupt: unknown scalar kind {kind!r} for {key!r}")
+        arrays[key] = _SCALAR_KINDS[kind](arrays[key])
     states = tree_unflatten(list(arrays.items()))
     if not isinstance(states, list) or len(states) != len(classes):
         raise SavedCacheError(f"{path}: corrupt: the file holds states for {len(states)} layers, its metadata "
@@ -457,7 +448,6 @@ def _rebuild(path: str, info: dict) -> list:
 def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
     """A compressed layer's ``state``: its meta (config of the file's method, offset, only declared scalars,
     the recorded head shape) and only the arrays its class declares."""
-    from .contract import config_from_json
 
     def bad(why):
         raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({cls.__name__}): {why}")
@@ -506,8 +496,8 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
         fields = json.loads(config) if isinstance(config, str) else None
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
-        if fields.get("dtype", "float16") not in _DTYPES:
-            raise ValueError(f"dtype {str(fields['dtype'])[:40]!r} is not one of {', '.join(_DTYPES)}")
+        if fields.get("dtype", "float16") not in DTYPE_NAMES:
+            raise ValueError(f"dtype {str(fields['dtype'])[:40]!r} is not one of {', '.join(DTYPE_NAMES)}")
         if set(fields) & {"store", "observers", "options"}:
             raise ValueError(f"fields {sorted(set(fields) & {'store', 'observers', 'options'})} are never saved")
         parsed = config_from_json(config)
@@ -558,8 +548,6 @@ def _check_rebuilt(path: str, caches: list, info: dict) -> None:
                 raise ValueError(f"{keys.shape[2]} rows where the cache says it stores {rows}")
             if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
                 raise ValueError(f"keys/values of dtype {keys.dtype}/{values.dtype}")
-        except SavedCacheError:
-            raise
         except Exception as exc:  # noqa: BLE001 - inconsistent arrays raise whatever MLX raises
             raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({name}) is inconsistent with its "
                                   f"recorded head shape {recorded}: {type(exc).__name__}: {str(exc)[:200]}") from None
@@ -590,6 +578,5 @@ def load_cache(path, *, model=None, expect_method: Optional[str] = None,
         raise SavedCacheError(f"{path}: corrupt: the loaded caches' state holds {held} bytes at offset {seen}, "
                               f"the file recorded {info['state_bytes']} bytes at offset {info['offset']}")
     if install_dispatch and any(isinstance(c, CompressedKVCache) for c in caches):
-        from . import dispatch
         dispatch.install()
     return caches, info

@@ -10,6 +10,11 @@ import dataclasses
 import json
 from typing import Any, Optional, Sequence
 
+from .base import METHOD_NAMES, STANDALONE_METHODS
+from .config import _DEFAULTS, _FIELD_TYPES, DTYPE_NAMES, KVCacheConfig, _quiet_flat_fields, allowed_values
+from .factory import _implemented_class
+from .options import COMMON_FIELDS, DERIVED_FIELDS, OPTIONS_BY_METHOD, method_fields, quantizer_methods
+
 __all__ = ["NONE", "UsageError", "parse_set", "parse_sets", "build_config", "method_config", "method_settings",
            "settings_summary", "check_method_name", "check_buildable"]
 
@@ -35,11 +40,9 @@ def parse_set(item: str) -> tuple[str, Any]:
     if not sep or not field:
         raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
     text = raw.strip()
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return field, lowered == "true"
-    if lowered in ("none", "null"):
-        return field, None
+    words = {"true": True, "false": False, "none": None, "null": None}
+    if text.lower() in words:
+        return field, words[text.lower()]
     try:
         return field, json.loads(text)
     except ValueError:
@@ -49,8 +52,6 @@ def parse_set(item: str) -> tuple[str, Any]:
 def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> dict[str, Any]:
     """``FIELD=VALUE`` items -> ``{flat KVCacheConfig field: value}``; unknown or unsettable fields are a
     ``UsageError``. With ``method`` its option names are accepted too, and fields it does not read refused."""
-    from .config import KVCacheConfig
-    from .options import DERIVED_FIELDS, method_fields
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
     accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
@@ -83,8 +84,6 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
 
 def _quantizer_field(field: str) -> bool:
     """``QUANTIZER:NAME`` or a bare ``NAME`` that some quantizer reads (an eviction method's ``quantize``)."""
-    from .options import COMMON_FIELDS, method_fields, quantizer_methods
-
     q, colon, name = field.rpartition(":")
     return name not in COMMON_FIELDS and any(name in method_fields(m) for m in ([q] if colon else quantizer_methods())
                                              if m in quantizer_methods())
@@ -93,8 +92,6 @@ def _quantizer_field(field: str) -> bool:
 def _split_quantizer(method: str, flat: dict, own_fields) -> None:
     """Move the quantizer's settings out of ``flat`` (an eviction method's) into ``flat["quantize"]``: its
     options object (its own fields) and the shared flat fields it reads (left in ``flat``)."""
-    from .options import OPTIONS_BY_METHOD, method_fields, quantizer_methods
-
     q = flat.get("quantize")
     extra = [k for k in flat if k not in own_fields]
     if q is None:
@@ -111,17 +108,21 @@ def _split_quantizer(method: str, flat: dict, own_fields) -> None:
         if scope not in ("", q) or name not in qfields:
             raise UsageError(f"quantizer {q!r} has no setting {name!r}; its settings: {settings_summary(q)}")
         picked[qfields[name]] = flat.pop(k)
-    opts_cls = OPTIONS_BY_METHOD.get(q)
-    by_flat = {f: o for o, f in opts_cls.FIELDS.items()} | {o: o for o in opts_cls.OPTION_ONLY} if opts_cls else {}
-    own = {by_flat[k]: picked.pop(k) for k in list(picked) if k in by_flat}
+    opts = _pop_options(q, picked)
     flat.update(picked)
-    flat["quantize"] = opts_cls(**own) if own else q
+    flat["quantize"] = q if opts is None else opts
+
+
+def _pop_options(method: str, flat: dict):
+    """The options object of ``method`` from the fields of ``flat`` it owns (popped), or None if none."""
+    cls = OPTIONS_BY_METHOD.get(method)
+    by_flat = {f: o for o, f in cls.FIELDS.items()} | {o: o for o in cls.OPTION_ONLY} if cls else {}
+    picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
+    return cls(**picked) if picked else None
 
 
 def _owner_hint(field: str) -> str:
     """`` (a setting of snapkv, ...)`` for a field other methods read, else ``""``."""
-    from .base import METHOD_NAMES
-    from .options import method_fields
     owners = [m for m in METHOD_NAMES if field in method_fields(m)]
     if not owners:
         return " (no method has a setting of that name)"
@@ -132,8 +133,6 @@ def _owner_hint(field: str) -> str:
 def method_settings(method: str) -> list[dict]:
     """One row per settable name of ``method``: name, flat alias, kind (its option or a shared field), type,
     default, allowed values."""
-    from .config import _DEFAULTS, _FIELD_TYPES, allowed_values
-    from .options import OPTIONS_BY_METHOD, method_fields
     opts = OPTIONS_BY_METHOD.get(method)
     names = method_fields(method)
     rows = []
@@ -166,8 +165,6 @@ def settings_summary(method: str) -> str:
 def build_config(method: str, sets: dict[str, Any]):
     """``KVCacheConfig(method=method, **sets)``, ``sets`` keyed by flat fields or option names: the options go
     through the options dataclass, shared fields as flat fields; a ``dtype`` string names an mlx dtype."""
-    from .config import DTYPE_NAMES, KVCacheConfig, _quiet_flat_fields
-    from .options import OPTIONS_BY_METHOD, method_fields
     aliases = method_fields(method)
     flat = {aliases.get(k, k): v for k, v in sets.items()}
     if "quantize" in aliases:  # an eviction method: its kept rows may be stored by a quantizer
@@ -178,13 +175,7 @@ def build_config(method: str, sets: dict[str, Any]):
         if name not in DTYPE_NAMES:
             raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
         flat["dtype"] = getattr(mx, name)
-    options = None
-    opts_cls = OPTIONS_BY_METHOD.get(method)
-    if opts_cls is not None:
-        by_flat = {f: o for o, f in opts_cls.FIELDS.items()} | {o: o for o in opts_cls.OPTION_ONLY}
-        picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
-        if picked:
-            options = opts_cls(**picked)
+    options = _pop_options(method, flat)
     with _quiet_flat_fields():  # a shared field another method's options also own (vecinfer's key_sub_dim)
         return KVCacheConfig(method=method, options=options, **flat)
 
@@ -197,7 +188,6 @@ def method_config(method: str, set_items, *, standalone_ok: bool = True):
         if sets:
             raise UsageError(f"--set does not apply to --method {NONE} (mlx_lm's plain KVCache)")
         return sets, None
-    from .base import STANDALONE_METHODS
     if not standalone_ok and method in STANDALONE_METHODS:
         raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
                          "mlx_lm prompt cache; `veloxquant methods` lists the mlx_lm-protocol ones")
@@ -208,13 +198,11 @@ def method_config(method: str, set_items, *, standalone_ok: bool = True):
 
 def check_method_name(method: str) -> None:
     """``UsageError`` unless ``method`` is a registered method or ``none``."""
-    from .base import METHOD_NAMES
     if method != NONE and method not in METHOD_NAMES:
-        raise UsageError(f"unknown method {method!r}; `veloxquant methods` lists the {len(METHOD_NAMES)} methods "
-                         f"(or use {NONE!r} for mlx_lm's uncompressed cache)")
+        raise UsageError(f"unknown method {method!r}; `veloxquant methods` lists the {len(METHOD_NAMES)} "
+                         f"methods (or use {NONE!r} for mlx_lm's uncompressed cache)")
 
 
 def check_buildable(method: str) -> None:
     """Raise ``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
-    from .factory import _implemented_class
     _implemented_class(method)

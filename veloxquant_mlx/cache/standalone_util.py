@@ -113,17 +113,9 @@ class StandaloneCache(KVCache):
         self.scale = 1.0 / math.sqrt(d)
         return capacity if capacity is not None else 256
 
-    @property
-    def n_keys(self) -> int:
-        return self._keys.n
-
-    @property
-    def n_values(self) -> int:
-        return self._values.n
-
-    @property
-    def n_tokens(self) -> int:
-        return min(self._keys.n, self._values.n)
+    n_keys = property(lambda self: self._keys.n)
+    n_values = property(lambda self: self._values.n)
+    n_tokens = property(lambda self: min(self._keys.n, self._values.n), doc="Complete (key, value) pairs.")
 
     def memory_bytes(self) -> int:
         """Bytes of the per-token arrays held, capacity included (the rest: :meth:`state_bytes`)."""

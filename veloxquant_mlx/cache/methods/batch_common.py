@@ -8,12 +8,11 @@ each sequence its own rows. Counts are host-side ints (one per sequence): no dec
 from __future__ import annotations
 
 import inspect
-import json
 from typing import Sequence
 
 import mlx.core as mx
 
-from ..contract import BatchingNotSupported, CompressedKVCache, config_to_json
+from ..contract import BatchingNotSupported, CompressedKVCache
 
 
 def borrows(src, *names):
@@ -86,8 +85,9 @@ class RaggedBatchCache(CompressedKVCache):
     """Base of the batch forms: host-side counts (``count_fields``: ``lens`` tokens held, ``nq`` used
     slots of the left-aligned buffers; ``cap`` allocated), an optional right-aligned float16 region
     (``right_fields``, rows per sequence in ``right_count``), the batch protocol and the state.
-    Subclasses give ``_settings`` (what must match to share a batch), ``_region_dtype``, ``_alloc(B,
-    dtype)`` (empty arrays for B sequences) and ``_slot_fields``."""
+    Subclasses give ``_settings()`` (what must match to share a batch), ``_region_dtype(compute_dtype)``,
+    ``_alloc(B, dtype, cap=0)`` (a dict of empty arrays for B sequences) and ``_slot_fields()`` (``{array
+    name: (slot axis, rows per slot)}`` of the slot-indexed buffers ``_set_capacity`` resizes)."""
 
     count_fields: tuple[str, ...] = ("nq", "lens")
     right_fields: tuple[str, ...] = ()
@@ -98,8 +98,7 @@ class RaggedBatchCache(CompressedKVCache):
     def _init_counts(self, batch_size: int) -> None:
         for name in self.count_fields:
             setattr(self, name, [0] * batch_size)
-        self._pending = None  # prepare(lengths=): valid rows still to come per sequence
-        self._call = None
+        self._pending = self._call = None  # _pending: prepare(lengths=)'s valid rows still to come per sequence
         self._sync_offset()
 
     # ---------------------------------------------------------------- merge helpers
@@ -120,20 +119,6 @@ class RaggedBatchCache(CompressedKVCache):
             setattr(self, name, mx.concatenate([one[name] for one in ones], axis=0))
         self._sync_offset()
         return self
-
-    # ---------------------------------------------------------------- subclass hooks
-    def _settings(self) -> tuple:
-        raise NotImplementedError
-
-    def _region_dtype(self, compute_dtype):
-        raise NotImplementedError
-
-    def _alloc(self, B: int, dtype, cap: int = 0) -> dict:
-        raise NotImplementedError
-
-    def _slot_fields(self) -> dict:
-        """``{array name: (slot axis, rows per slot)}`` of the slot-indexed buffers ``_set_capacity`` resizes."""
-        raise NotImplementedError
 
     def _set_capacity(self, cap: int) -> None:
         """Reallocate the slot-indexed buffers to ``cap`` slots, keeping the used ones (a shrunk buffer is
@@ -272,16 +257,11 @@ class RaggedBatchCache(CompressedKVCache):
         return sum(self.lens) * H * (D + Dv) * 2
 
     @property
-    def state(self):
-        # CompressedKVCache's format; the per-sequence counts ride as scalars (offset follows from lens)
-        scalars = {n: getattr(self, n) for n in self.count_fields + self.state_scalars}
-        meta = {"config": config_to_json(self.config), "offset": 0, "scalars": scalars,
-                "shape": list(getattr(self, "_shape", None) or [])}
-        return {"meta": json.dumps(meta), **{name: getattr(self, name) for name in self.array_fields}}
+    def state(self):  # the per-sequence counts ride as scalars (offset follows from lens)
+        return self._state_of(0, self.count_fields + self.state_scalars)
 
     @state.setter
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
-        self._pending = None
-        self._call = None
+        self._pending = self._call = None
         self._sync_offset()

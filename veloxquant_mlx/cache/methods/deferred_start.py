@@ -1,10 +1,9 @@
-"""``DeferredStart``: a grouped-layout cache whose compressed form carries a large per-layer fixed part
-(a fitted basis, factors of the weights) keeps its rows in float16 until compressing them pays
-(``contract.SHORT_PROMPT_SLACK_ROWS``: a short chat holds at most its float16 rows plus a small
-constant). The first block is compressed once the stored rows reach ``start_rows``, the smallest
-multiple of the group G at which fixed part + per-token codes are smaller than the float16 rows they
-replace; until then every row waits in the float16 residual (``GroupedQuantCache._holds_back``), from
-then on the cache is plain KIVI. The start depends only on the layer's shapes and settings.
+"""``DeferredStart``: a grouped-layout cache whose compressed form carries a large per-layer fixed part (a
+fitted basis, factors of the weights) keeps its rows in float16 until compressing pays (a short chat holds at
+most its float16 rows plus ``contract.SHORT_PROMPT_SLACK_ROWS``): every row waits in the float16 residual
+(``GroupedQuantCache._holds_back``) until the stored rows reach ``start_rows``, the smallest multiple of the
+group G at which fixed part + per-token codes undercut the float16 rows they replace (from the layer's shapes
+and settings alone); from then on the cache is plain KIVI.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ def relinking_state():
     def fset(self, v):
         CompressedKVCache.state.fset(self, v)
         self._relink_loaded()
-
     return property(CompressedKVCache.state.fget, fset)
 
 
