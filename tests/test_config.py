@@ -267,43 +267,6 @@ def test_a_new_options_class_is_validated_and_aliased_from_its_one_declaration()
             assert FIELD_RULES[flat_name] == cls.RULES[name] and _DEFAULTS[flat_name] == getattr(cls(), name)
 
 
-def test_the_table_form_builds_what_the_class_statement_builds():
-    """``options_class`` (how the spec's methods are declared) gives the class a class statement gives: fields
-    in order with their types and defaults, flat aliases, option-only fields, rules and relations."""
-    from typing import Optional
-
-    def relations(cls, get):
-        if get("budget") < get("n_sink"):
-            raise QuantizerConfigError("toy_budget", get("budget"), "an int >= toy_n_sink")
-
-    class ToyOptions(opts.EvictionOptions, method="toy", flat_prefix="toy", evicts=True):
-        mode: str = opts.one_of("fast", "exact")
-        ratio: Optional[float] = opts.unit(None)
-        cap: Optional[int] = opts.tokens(8, optional=True)
-        exact: bool = False
-        check_relations = classmethod(relations)
-
-    table = opts.options_class("ToyOptions", "toy", "toy", opts.EvictionOptions, evicts=True, relations=relations,
-                               mode=opts.one_of("fast", "exact"), ratio=opts.unit(None),
-                               cap=opts.tokens(8, optional=True), exact=False)
-
-    def described(cls):  # (this file's annotations are types, the table's are strings as in options.py)
-        types = [t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
-                 for t in (f.type for f in dataclasses.fields(cls))]
-        return ([(f.name, t, f.default) for f, t in zip(dataclasses.fields(cls), types)], cls.FIELDS,
-                cls.OPTION_ONLY, cls.RULES, cls.METHOD, cls.__mro__[1:], cls.__name__)
-
-    assert described(table) == described(ToyOptions)
-    assert [f.type for f in dataclasses.fields(table)][2:6] == ["str", "Optional[float]", "Optional[int]", "bool"]
-    assert table.__module__ == opts.__name__ and opts.KIVIOptions in opts.ALL_OPTIONS
-    for cls in (table, ToyOptions):
-        with pytest.raises(QuantizerConfigError) as e:
-            cls(budget=2, n_sink=4).validate()
-        assert e.value.field == "toy_budget"
-        with pytest.raises(QuantizerConfigError, match="toy_ratio"):
-            cls(ratio=2.0).validate()
-
-
 # --------------------------------------------------------------------------- bounds (issue 13 item 12)
 
 _INT_FIELDS = [n for n, t in __import__("veloxquant_mlx.cache.config", fromlist=["_FIELD_TYPES"])._FIELD_TYPES.items()

@@ -6,17 +6,15 @@ From that come its :class:`Rule` (checks, error text, ``veloxquant methods``' "a
 methods, its flat ``KVCacheConfig`` field ``<flat_prefix>_<name>`` (or its ``alias``). Option-only fields
 (``OPTION_ONLY``) are checked when the options object is built, the others by the config under their flat
 name. To add a method with a setting: ``class FooOptions(MethodOptions, method="foo")`` with
-``budget: int = tokens(64)``; the spec's methods are declared in the table form (:func:`options_class`).
+``budget: int = tokens(64)``, listed in ``ALL_OPTIONS``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Callable, ClassVar, Optional, dataclass_transform
+from typing import Any, Callable, ClassVar, Literal, Optional, dataclass_transform
 
 from .errors import QuantizerConfigError
 
@@ -95,19 +93,15 @@ def rule_of(f, owner: str = "KVCacheConfig") -> Rule:
     return Rule(kind, t.startswith("Optional"), **spec)
 
 
-_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", tuple: "tuple"}
+# --------------------------------------------------------------------------- declaring a setting
 
 
-def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False,
-            optional: bool = False, annotation: Optional[str] = None, **rule) -> Any:
+def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False, **rule) -> Any:
     """A field with its default, the range (``lo``..``hi``) or ``choices`` it accepts (refined by ``Rule``'s
-    other keywords) and its flat alias where not ``<flat_prefix>_<name>``. ``annotation`` (else the type of the
-    default or ``lo``; ``Optional`` for a None default or ``optional``) types it in :func:`options_class`."""
+    other keywords) and its flat alias where not ``<flat_prefix>_<name>``."""
     if hi is not None:
         rule.update(lo=lo, hi=hi)
-    t = annotation or _TYPE_NAMES.get(type(lo if default is None else default), "Any")
-    t = f"Optional[{t}]" if (default is None or optional) and t != "Any" else t
-    return field(default=default, metadata={"rule": rule, "alias": alias, "option_only": option_only, "type": t})
+    return field(default=default, metadata={"rule": rule, "alias": alias, "option_only": option_only})
 
 
 def one_of(*choices, **kw) -> Any:
@@ -124,6 +118,9 @@ rng_seed = partial(setting, lo=0, hi=MAX_SEED)
 unit = partial(setting, lo=0.0, hi=1.0)  # fractions, probabilities, weights
 nonneg = partial(setting, lo=0.0, hi=MAX_FLOAT)  # temperatures, strengths, exponents
 rope = partial(setting, lo=1.0, hi=1e9, lo_open=True, words="a number > 1 and <= 1e9")  # RoPE base frequencies
+
+
+# --------------------------------------------------------------------------- the options classes
 
 
 @dataclass_transform(field_specifiers=(field, setting, one_of))
@@ -201,162 +198,345 @@ class EvictionOptions(MethodOptions):
     n_sink: int = tokens(4, lo=0)
 
 
-def options_class(name: str, method: str, flat_prefix: str, base: type = MethodOptions, *, evicts: bool = False,
-                  doc: Optional[str] = None, relations: Optional[Callable] = None, **declared) -> type:
-    """``class name(base, method=, flat_prefix=, evicts=)`` with the fields ``declared`` in order
-    (``budget=tokens(512)``; a plain value: a field of its type) and ``relations`` as ``check_relations``."""
-    fs = {k: v if isinstance(v, dataclasses.Field) else setting(v) for k, v in declared.items()}
-    body = {"__annotations__": {k: f.metadata["type"] for k, f in fs.items()}, **fs, "__module__": __name__,
-            "__qualname__": name, "__doc__": doc}
-    if relations is not None:
-        body["check_relations"] = classmethod(relations)
-    return types.new_class(name, (base,), {"method": method, "flat_prefix": flat_prefix, "evicts": evicts},
-                           lambda ns: ns.update(body))
+class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap", evicts=True):
+    dtype: str = one_of("auto", "float16", "bfloat16", "float32")
+    batched_scoring: bool = True
+    backend: str = one_of("auto", "mlx", "metal", "reference")
+    budget: int = tokens(512)
+    obs_window: int = tokens(32)
+    n_sink: int = tokens(4, lo=0)
 
 
-def _amc_relations(cls, get):
-    if get("k_high") + get("k_mid") > 1.0:
-        raise QuantizerConfigError("amc_k_mid", get("k_mid"),
-                                   f"amc_k_high + amc_k_mid <= 1 (amc_k_high={get('k_high')})")
+class StreamingLLMOptions(MethodOptions, method="streaming_llm", flat_prefix="stream", evicts=True):
+    n_sink: int = tokens(4, lo=0)
+    window_size: int = tokens(512)
 
 
-def _age_relations(cls, get):
-    if get("mid_boundary") < get("recent_boundary"):
-        raise QuantizerConfigError("age_mid_boundary", get("mid_boundary"),
-                                   f"an int >= age_recent_boundary={get('recent_boundary')}")
+class H2OOptions(EvictionOptions, method="h2o", flat_prefix="h2o", evicts=True):
+    rope_base: float = rope(10000.0)
+    grace: int = tokens(16)
+    decay: float = setting(0.98, 0.0, 1.0, lo_open=True)
 
 
-_BACKENDS = ("auto", "mlx", "metal", "reference")
-# The spec's methods' options, one declaration each (the table form of the class statement above).
-SnapKVOptions = options_class(
-    "SnapKVOptions", "snapkv", "snap", evicts=True, dtype=one_of("auto", "float16", "bfloat16", "float32"),
-    batched_scoring=True, backend=one_of(*_BACKENDS), budget=tokens(512), obs_window=tokens(32),
-    n_sink=tokens(4, lo=0))
-StreamingLLMOptions = options_class("StreamingLLMOptions", "streaming_llm", "stream", evicts=True,
-                                    n_sink=tokens(4, lo=0), window_size=tokens(512))
-H2OOptions = options_class("H2OOptions", "h2o", "h2o", EvictionOptions, evicts=True, rope_base=rope(10000.0),
-                           grace=tokens(16), decay=setting(0.98, 0.0, 1.0, lo_open=True))
-TOVAOptions = options_class("TOVAOptions", "tova", "tova", EvictionOptions, evicts=True, backend=one_of(*_BACKENDS))
-PyramidKVOptions = options_class(
-    "PyramidKVOptions", "pyramidkv", "pyramid", evicts=True, budget=tokens(512),
-    backend=one_of("reference", "mlx", "auto"), n_sink=tokens(4, lo=0), beta=nonneg(2.0))
-SqueezeOptions = options_class("SqueezeOptions", "squeeze", "squeeze", EvictionOptions, evicts=True,
-                               strength=nonneg(1.0))
-ChunkKVOptions = options_class(
-    "ChunkKVOptions", "chunkkv", "chunkkv", evicts=True, budget=tokens(512), chunk_size=tokens(8),
-    n_sink=tokens(4, lo=0), score=one_of("attn_mass", "key_norm"), reuse_layers=layers(1, bound="layers"))
-CaMOptions = options_class("CaMOptions", "cam", "cam", EvictionOptions, evicts=True,
-                           merge=one_of("sim_weighted", "mean", "drop"), merge_keys=False, merge_gate=True)
-XKVOptions = options_class(
-    "XKVOptions", "xkv", "xkv", group_size=layers(2, bound="layers"), rank=dims(None), energy_threshold=unit(0.95),
-    latent_bits=bitwidth(4), group_quant_size=groups(32), max_ctx=tokens(8192))
-NSNQuantOptions = options_class(
-    "NSNQuantOptions", "nsnquant", "nsn", bits=bitwidth(2), residual_length=tokens(64),
-    codebook_size=setting(256, 2, 1 << 16), subvector_dim=dims(8, bound="head_dim"), seed=rng_seed(1234),
-    max_ctx=tokens(8192))
-KNormOptions = options_class("KNormOptions", "knorm", "knorm", EvictionOptions, evicts=True,
-                             recent=tokens(0, lo=0), keep=one_of("low", "high"))
-SKVQOptions = options_class(
-    "SKVQOptions", "skvq", "skvq", bits_key=bitwidth(2), bits_value=bitwidth(2), group_size=groups(32),
-    window=tokens(128), n_sink=tokens(5, lo=0), reorder=True, clip_search=True, clip_alpha=nonneg(1.0),
-    max_ctx=tokens(None))
-QFiltersOptions = options_class(
-    "QFiltersOptions", "qfilters", "qfilters", EvictionOptions, evicts=True, recent=tokens(0, lo=0),
-    calib_tokens=tokens(128), sign=setting(1, -1, 1), min_retention=unit(0.9, optional=True),
-    on_low_retention=one_of("warn", "raise", "ignore", annotation="Literal['warn', 'raise', 'ignore']"))
-KeyformerOptions = options_class(
-    "KeyformerOptions", "keyformer", "keyformer", EvictionOptions, evicts=True, recent=tokens(0, lo=0),
-    tau=nonneg(None), tau_init=nonneg(1.0), tau_end=nonneg(1.0), anneal_steps=tokens(0, lo=0),
-    rope_base=rope(10000.0), seed=rng_seed(0))
-MorphKVOptions = options_class("MorphKVOptions", "morphkv", "morphkv", EvictionOptions, evicts=True,
-                               window=tokens(8))
-KVzipOptions = options_class("KVzipOptions", "kvzip", "kvzip", EvictionOptions, evicts=True,
-                             probe=one_of("context", "repeat"))
-KVTCOptions = options_class("KVTCOptions", "kvtc", "kvtc", bit_budget=tokens(512),
-                            bit_choices=setting((0, 1, 2, 3, 4, 6, 8), 0, 16), beta=nonneg(3.5))
-CurDKVOptions = options_class("CurDKVOptions", "curdkv", "curdkv", EvictionOptions, evicts=True,
-                              rank_cap=dims(16), rope_base=rope(10000.0))
-NestedKVOptions = options_class(
-    "NestedKVOptions", "nestedkv", "nestedkv", EvictionOptions, evicts=True, window=tokens(64), beta=nonneg(3.0),
-    tau=nonneg(0.6), kappa=nonneg(10.0), safeguard_alpha=nonneg(0.2))
-AMCOptions = options_class(
-    "AMCOptions", "amc", "amc", relations=_amc_relations, k_high=nonneg(0.2), k_mid=nonneg(0.3),
-    use_query_saliency=False, query_alpha=nonneg(0.5), adaptive_thresholds=False, threshold_window=tokens(64),
-    gamma=nonneg(0.1), calib_variance=setting(None, -MAX_FLOAT, MAX_FLOAT, words="a finite number"),
-    group_size=groups(32))
-A2ATSOptions = options_class(
-    "A2ATSOptions", "a2ats", "a2ats", codebook_bits=bitwidth(8, hi=16), sub_dim=dims(8, bound="head_dim"),
-    window=tokens(128), b=tokens(2048), use_query_aware=True, beta=nonneg(0.5), retrieval_fraction=unit(0.2),
-    rope_base=rope(10000.0), rope_scaling=None, query_h=None, codebook=None)
-AnchorKVOptions = options_class(
-    "AnchorKVOptions", "anchorkv", "anchorkv", theta=nonneg(0.05), window=tokens(32), rho=unit(0.7),
-    anchor_frac=unit(0.0078125), residual_bits=bitwidth(2), seed=rng_seed(42))
-RocketKVOptions = options_class(
-    "RocketKVOptions", "rocketkv", "rocketkv", evicts=True,
-    compression_ratio=setting(8.0, 1.0, 1e4, lo_open=True, words="a number > 1 and <= 10000"),
-    page_size=tokens(None), head_topk1=tokens(None), obs_window=tokens(32), n_sink=tokens(4, lo=0))
-AgeTieredOptions = options_class(
-    "AgeTieredOptions", "age_tiered", "age", relations=_age_relations, recent_boundary=tokens(128),
-    mid_boundary=tokens(1024), bits_recent=bitwidth(8), bits_mid=bitwidth(4), bits_old=bitwidth(2),
-    group_size=groups(32))
-KIVIOptions = options_class("KIVIOptions", "kivi", "kivi", group_size=groups(32))
-SVDqOptions = options_class(
-    "SVDqOptions", "svdq", "svdq", rank=dims(None), energy_threshold=unit(0.95),
-    bit_schedule=setting((8, 4, 2, 1, 1, 0, 0, 0), 0, 16, annotation="tuple[int, ...]"), group_size=groups(32))
-KittyOptions = options_class("KittyOptions", "kitty", "kitty", hi_fraction=unit(0.25), hi_bit=bitwidth(4),
-                             lo_bit=bitwidth(2), group_size=groups(32))
-AdaKVOptions = options_class(
-    "AdaKVOptions", "adakv", "adakv", target_avg_bits=nonneg(2.5), lo_bit=bitwidth(2), mid_bit=bitwidth(3),
-    hi_bit=bitwidth(4), group_size=groups(32), update_interval=tokens(1),
-    importance=one_of("norm_variance", "attention", "norm"), obs_window=tokens(32))
-XQuantOptions = options_class(
-    "XQuantOptions", "xquant", "xquant", group_size=layers(2, bound="layers"), base_bits=bitwidth(2),
-    residual_bits=bitwidth(4), group_quant_size=groups(32), max_ctx=tokens(8192))
-KVQuantOptions = options_class(
-    "KVQuantOptions", "kvquant", "kvquant", bits=bitwidth(3), outlier_fraction=unit(0.01), group_size=groups(32),
-    lloyd_iters=setting(8, 1, MAX_ITERS), refit_interval=tokens(0, lo=0), n_sink=tokens(1, lo=0))
-PaluOptions = options_class(
-    "PaluOptions", "palu", "palu", rank=dims(None), energy_threshold=unit(0.9), n_head_groups=layers(4),
-    hi_bit=bitwidth(4), lo_bit=bitwidth(2), hi_fraction=unit(0.25), group_size=groups(32), quantize_values=True)
-CacheGenOptions = options_class(
-    "CacheGenOptions", "cachegen", "cachegen", bits=bitwidth(4), group_size=groups(32), use_delta=True,
-    per_channel=True, layer_groups=layers(3, bound="layers"))
-MiniCacheOptions = options_class(
-    "MiniCacheOptions", "minicache", "minicache", start_frac=unit(0.5), group_size=layers(2, bound="layers"),
-    retention_threshold=setting(0.9, -1.0, 1.0, words="a cosine in [-1, 1]"), slerp_t=unit(0.5),
-    max_ctx=tokens(8192))
-GEAROptions = options_class(
-    "GEAROptions", "gear", "gear", bits=bitwidth(2), rank=dims(None), energy_threshold=unit(0.9),
-    sparse_fraction=unit(0.01), group_size=groups(32), quantize_values=True)
-ZipCacheOptions = options_class(
-    "ZipCacheOptions", "zipcache", "zipcache", hi_bits=bitwidth(4), lo_bits=bitwidth(2), hi_fraction=unit(0.2),
-    group_size=groups(32), quantize_values=True)
-SpectralOptions = options_class("SpectralOptions", "spectral", "spectral", key_d_eff=dims(4), val_d_eff=dims(50),
-                                apply_qjl=True, model_name="model")
-TurboQuantRVQOptions = options_class(
-    "TurboQuantRVQOptions", "turboquant_rvq", "", key_sub_dim=dims(4, bound="head_dim"),
-    value_sub_dim=dims(8, bound="head_dim"), key_codebook_bits=bitwidth(12, hi=16),
-    value_codebook_bits=bitwidth(8, hi=16), residual_length=tokens(128))
-KIVISinkOptions = options_class("KIVISinkOptions", "kivi_sink", "kivi", group_size=groups(32),
-                                n_sink_tokens=tokens(5, lo=0, alias="n_sink_tokens"))
-VecInferOptions = options_class(
-    "VecInferOptions", "vecinfer", "", smooth_factors=None, key_codebook=None, value_codebook=None,
-    use_metal_kernels=setting(None, annotation="bool"), fused_sdpa=setting(False, optional=True),
-    fused_sdpa_max_ctx=tokens(None), fused_sdpa_memory_bound=False)
-WaterfillOptions = options_class(
-    "WaterfillOptions", "waterfill", "", residual_length=tokens(128),
-    doc="Options of ``waterfill`` (its widths are ``bit_width_inlier``, its calibration length ``n_calib_tokens``: "
-        "flat fields every method reads).")
+class TOVAOptions(EvictionOptions, method="tova", flat_prefix="tova", evicts=True):
+    backend: str = one_of("auto", "mlx", "metal", "reference")
 
-#: Every options class above, in declaration order (the spec's method order).
-ALL_OPTIONS: tuple[type, ...] = tuple(v for v in list(globals().values())
-                                      if isinstance(v, type) and issubclass(v, MethodOptions) and v.METHOD)
+
+class PyramidKVOptions(MethodOptions, method="pyramidkv", flat_prefix="pyramid", evicts=True):
+    budget: int = tokens(512)
+    backend: str = one_of("reference", "mlx", "auto")
+    n_sink: int = tokens(4, lo=0)
+    beta: float = nonneg(2.0)
+
+
+class SqueezeOptions(EvictionOptions, method="squeeze", flat_prefix="squeeze", evicts=True):
+    strength: float = nonneg(1.0)
+
+
+class ChunkKVOptions(MethodOptions, method="chunkkv", flat_prefix="chunkkv", evicts=True):
+    budget: int = tokens(512)
+    chunk_size: int = tokens(8)
+    n_sink: int = tokens(4, lo=0)
+    score: str = one_of("attn_mass", "key_norm")
+    reuse_layers: int = layers(1, bound="layers")
+
+
+class CaMOptions(EvictionOptions, method="cam", flat_prefix="cam", evicts=True):
+    merge: str = one_of("sim_weighted", "mean", "drop")
+    merge_keys: bool = False
+    merge_gate: bool = True
+
+
+class XKVOptions(MethodOptions, method="xkv", flat_prefix="xkv"):
+    group_size: int = layers(2, bound="layers")
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.95)
+    latent_bits: int = bitwidth(4)
+    group_quant_size: int = groups(32)
+    max_ctx: int = tokens(8192)
+
+
+class NSNQuantOptions(MethodOptions, method="nsnquant", flat_prefix="nsn"):
+    bits: int = bitwidth(2)
+    residual_length: int = tokens(64)
+    codebook_size: int = setting(256, 2, 1 << 16)
+    subvector_dim: int = dims(8, bound="head_dim")
+    seed: int = rng_seed(1234)
+    max_ctx: int = tokens(8192)
+
+
+class KNormOptions(EvictionOptions, method="knorm", flat_prefix="knorm", evicts=True):
+    recent: int = tokens(0, lo=0)
+    keep: str = one_of("low", "high")
+
+
+class SKVQOptions(MethodOptions, method="skvq", flat_prefix="skvq"):
+    bits_key: int = bitwidth(2)
+    bits_value: int = bitwidth(2)
+    group_size: int = groups(32)
+    window: int = tokens(128)
+    n_sink: int = tokens(5, lo=0)
+    reorder: bool = True
+    clip_search: bool = True
+    clip_alpha: float = nonneg(1.0)
+    max_ctx: Optional[int] = tokens(None)
+
+
+class QFiltersOptions(EvictionOptions, method="qfilters", flat_prefix="qfilters", evicts=True):
+    recent: int = tokens(0, lo=0)
+    calib_tokens: int = tokens(128)
+    sign: int = setting(1, -1, 1)
+    min_retention: Optional[float] = unit(0.9)
+    on_low_retention: Literal['warn', 'raise', 'ignore'] = one_of("warn", "raise", "ignore")
+
+
+class KeyformerOptions(EvictionOptions, method="keyformer", flat_prefix="keyformer", evicts=True):
+    recent: int = tokens(0, lo=0)
+    tau: Optional[float] = nonneg(None)
+    tau_init: float = nonneg(1.0)
+    tau_end: float = nonneg(1.0)
+    anneal_steps: int = tokens(0, lo=0)
+    rope_base: float = rope(10000.0)
+    seed: int = rng_seed(0)
+
+
+class MorphKVOptions(EvictionOptions, method="morphkv", flat_prefix="morphkv", evicts=True):
+    window: int = tokens(8)
+
+
+class KVzipOptions(EvictionOptions, method="kvzip", flat_prefix="kvzip", evicts=True):
+    probe: str = one_of("context", "repeat")
+
+
+class KVTCOptions(MethodOptions, method="kvtc", flat_prefix="kvtc"):
+    bit_budget: int = tokens(512)
+    bit_choices: tuple = setting((0, 1, 2, 3, 4, 6, 8), 0, 16)
+    beta: float = nonneg(3.5)
+
+
+class CurDKVOptions(EvictionOptions, method="curdkv", flat_prefix="curdkv", evicts=True):
+    rank_cap: int = dims(16)
+    rope_base: float = rope(10000.0)
+
+
+class NestedKVOptions(EvictionOptions, method="nestedkv", flat_prefix="nestedkv", evicts=True):
+    window: int = tokens(64)
+    beta: float = nonneg(3.0)
+    tau: float = nonneg(0.6)
+    kappa: float = nonneg(10.0)
+    safeguard_alpha: float = nonneg(0.2)
+
+
+class AMCOptions(MethodOptions, method="amc", flat_prefix="amc"):
+    k_high: float = nonneg(0.2)
+    k_mid: float = nonneg(0.3)
+    use_query_saliency: bool = False
+    query_alpha: float = nonneg(0.5)
+    adaptive_thresholds: bool = False
+    threshold_window: int = tokens(64)
+    gamma: float = nonneg(0.1)
+    calib_variance: Optional[float] = setting(None, -MAX_FLOAT, MAX_FLOAT, words="a finite number")
+    group_size: int = groups(32)
+
+    @classmethod
+    def check_relations(cls, get):
+        if get("k_high") + get("k_mid") > 1.0:
+            raise QuantizerConfigError("amc_k_mid", get("k_mid"),
+                                       f"amc_k_high + amc_k_mid <= 1 (amc_k_high={get('k_high')})")
+
+
+class A2ATSOptions(MethodOptions, method="a2ats", flat_prefix="a2ats"):
+    codebook_bits: int = bitwidth(8, hi=16)
+    sub_dim: int = dims(8, bound="head_dim")
+    window: int = tokens(128)
+    b: int = tokens(2048)
+    use_query_aware: bool = True
+    beta: float = nonneg(0.5)
+    retrieval_fraction: float = unit(0.2)
+    rope_base: float = rope(10000.0)
+    rope_scaling: Any = None
+    query_h: Any = None
+    codebook: Any = None
+
+
+class AnchorKVOptions(MethodOptions, method="anchorkv", flat_prefix="anchorkv"):
+    theta: float = nonneg(0.05)
+    window: int = tokens(32)
+    rho: float = unit(0.7)
+    anchor_frac: float = unit(0.0078125)
+    residual_bits: int = bitwidth(2)
+    seed: int = rng_seed(42)
+
+
+class RocketKVOptions(MethodOptions, method="rocketkv", flat_prefix="rocketkv", evicts=True):
+    compression_ratio: float = setting(8.0, 1.0, 1e4, lo_open=True, words="a number > 1 and <= 10000")
+    page_size: Optional[int] = tokens(None)
+    head_topk1: Optional[int] = tokens(None)
+    obs_window: int = tokens(32)
+    n_sink: int = tokens(4, lo=0)
+
+
+class AgeTieredOptions(MethodOptions, method="age_tiered", flat_prefix="age"):
+    recent_boundary: int = tokens(128)
+    mid_boundary: int = tokens(1024)
+    bits_recent: int = bitwidth(8)
+    bits_mid: int = bitwidth(4)
+    bits_old: int = bitwidth(2)
+    group_size: int = groups(32)
+
+    @classmethod
+    def check_relations(cls, get):
+        if get("mid_boundary") < get("recent_boundary"):
+            raise QuantizerConfigError("age_mid_boundary", get("mid_boundary"),
+                                       f"an int >= age_recent_boundary={get('recent_boundary')}")
+
+
+class KIVIOptions(MethodOptions, method="kivi", flat_prefix="kivi"):
+    group_size: int = groups(32)
+
+
+class SVDqOptions(MethodOptions, method="svdq", flat_prefix="svdq"):
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.95)
+    bit_schedule: tuple[int, ...] = setting((8, 4, 2, 1, 1, 0, 0, 0), 0, 16)
+    group_size: int = groups(32)
+
+
+class KittyOptions(MethodOptions, method="kitty", flat_prefix="kitty"):
+    hi_fraction: float = unit(0.25)
+    hi_bit: int = bitwidth(4)
+    lo_bit: int = bitwidth(2)
+    group_size: int = groups(32)
+
+
+class AdaKVOptions(MethodOptions, method="adakv", flat_prefix="adakv"):
+    target_avg_bits: float = nonneg(2.5)
+    lo_bit: int = bitwidth(2)
+    mid_bit: int = bitwidth(3)
+    hi_bit: int = bitwidth(4)
+    group_size: int = groups(32)
+    update_interval: int = tokens(1)
+    importance: str = one_of("norm_variance", "attention", "norm")
+    obs_window: int = tokens(32)
+
+
+class XQuantOptions(MethodOptions, method="xquant", flat_prefix="xquant"):
+    group_size: int = layers(2, bound="layers")
+    base_bits: int = bitwidth(2)
+    residual_bits: int = bitwidth(4)
+    group_quant_size: int = groups(32)
+    max_ctx: int = tokens(8192)
+
+
+class KVQuantOptions(MethodOptions, method="kvquant", flat_prefix="kvquant"):
+    bits: int = bitwidth(3)
+    outlier_fraction: float = unit(0.01)
+    group_size: int = groups(32)
+    lloyd_iters: int = setting(8, 1, MAX_ITERS)
+    refit_interval: int = tokens(0, lo=0)
+    n_sink: int = tokens(1, lo=0)
+
+
+class PaluOptions(MethodOptions, method="palu", flat_prefix="palu"):
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.9)
+    n_head_groups: int = layers(4)
+    hi_bit: int = bitwidth(4)
+    lo_bit: int = bitwidth(2)
+    hi_fraction: float = unit(0.25)
+    group_size: int = groups(32)
+    quantize_values: bool = True
+
+
+class CacheGenOptions(MethodOptions, method="cachegen", flat_prefix="cachegen"):
+    bits: int = bitwidth(4)
+    group_size: int = groups(32)
+    use_delta: bool = True
+    per_channel: bool = True
+    layer_groups: int = layers(3, bound="layers")
+
+
+class MiniCacheOptions(MethodOptions, method="minicache", flat_prefix="minicache"):
+    start_frac: float = unit(0.5)
+    group_size: int = layers(2, bound="layers")
+    retention_threshold: float = setting(0.9, -1.0, 1.0, words="a cosine in [-1, 1]")
+    slerp_t: float = unit(0.5)
+    max_ctx: int = tokens(8192)
+
+
+class GEAROptions(MethodOptions, method="gear", flat_prefix="gear"):
+    bits: int = bitwidth(2)
+    rank: Optional[int] = dims(None)
+    energy_threshold: float = unit(0.9)
+    sparse_fraction: float = unit(0.01)
+    group_size: int = groups(32)
+    quantize_values: bool = True
+
+
+class ZipCacheOptions(MethodOptions, method="zipcache", flat_prefix="zipcache"):
+    hi_bits: int = bitwidth(4)
+    lo_bits: int = bitwidth(2)
+    hi_fraction: float = unit(0.2)
+    group_size: int = groups(32)
+    quantize_values: bool = True
+
+
+class SpectralOptions(MethodOptions, method="spectral", flat_prefix="spectral"):
+    key_d_eff: int = dims(4)
+    val_d_eff: int = dims(50)
+    apply_qjl: bool = True
+    model_name: str = 'model'
+
+
+class TurboQuantRVQOptions(MethodOptions, method="turboquant_rvq", flat_prefix=""):
+    key_sub_dim: int = dims(4, bound="head_dim")
+    value_sub_dim: int = dims(8, bound="head_dim")
+    key_codebook_bits: int = bitwidth(12, hi=16)
+    value_codebook_bits: int = bitwidth(8, hi=16)
+    residual_length: int = tokens(128)
+
+
+class KIVISinkOptions(MethodOptions, method="kivi_sink", flat_prefix="kivi"):
+    group_size: int = groups(32)
+    n_sink_tokens: int = tokens(5, lo=0, alias="n_sink_tokens")
+
+
+class VecInferOptions(MethodOptions, method="vecinfer", flat_prefix=""):
+    smooth_factors: Any = None
+    key_codebook: Any = None
+    value_codebook: Any = None
+    use_metal_kernels: Optional[bool] = None
+    fused_sdpa: Optional[bool] = False
+    fused_sdpa_max_ctx: Optional[int] = tokens(None)
+    fused_sdpa_memory_bound: bool = False
+
+
+class WaterfillOptions(MethodOptions, method="waterfill", flat_prefix=""):
+    """Options of ``waterfill`` (its widths are ``bit_width_inlier``, its calibration length
+    ``n_calib_tokens``: flat fields every method reads)."""
+
+    residual_length: int = tokens(128)
+
+
+ALL_OPTIONS: tuple[type, ...] = (
+    SnapKVOptions, StreamingLLMOptions, H2OOptions, TOVAOptions, PyramidKVOptions, SqueezeOptions, ChunkKVOptions,
+    CaMOptions, XKVOptions, NSNQuantOptions, KNormOptions, SKVQOptions, QFiltersOptions, KeyformerOptions,
+    MorphKVOptions, KVzipOptions, KVTCOptions, CurDKVOptions, NestedKVOptions, AMCOptions, A2ATSOptions,
+    AnchorKVOptions, RocketKVOptions, AgeTieredOptions, KIVIOptions, SVDqOptions, KittyOptions, AdaKVOptions,
+    XQuantOptions, KVQuantOptions, PaluOptions, CacheGenOptions, MiniCacheOptions, GEAROptions, ZipCacheOptions,
+    SpectralOptions, TurboQuantRVQOptions, KIVISinkOptions, VecInferOptions, WaterfillOptions)
 __all__ += [c.__name__ for c in ALL_OPTIONS]
 OPTIONS_BY_METHOD: dict[str, type] = {o.METHOD: o for o in ALL_OPTIONS}
 
-#: flat field -> options classes that set it (kivi_group_size belongs to KIVI and KIVI-sink)
-FLAT_FIELD_OPTIONS: dict[str, list[type]] = {f: [c for c in ALL_OPTIONS if f in c.FIELDS.values()]
-                                             for c in ALL_OPTIONS for f in c.FIELDS.values()}
+# flat field -> options classes that set it (kivi_group_size belongs to KIVI and KIVI-sink)
+FLAT_FIELD_OPTIONS: dict[str, list[type]] = {}
+for _cls in ALL_OPTIONS:
+    for _flat in _cls.FIELDS.values():
+        FLAT_FIELD_OPTIONS.setdefault(_flat, []).append(_cls)
+
+#: Option-only field -> (check(field, value), allowed values in words for ``veloxquant methods``).
+
+# --------------------------------------------------------------------------- which fields a method reads
 
 #: Config fields the builder applies to every method (a wrapper, hooks), whatever the method.
 COMMON_FIELDS: tuple[str, ...] = ("sliding_window", "store", "observers")
