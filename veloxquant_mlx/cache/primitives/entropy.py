@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["prob_bits", "encode", "decode", "raw_nbytes", "FORMAT_ANS", "FORMAT_RAW"]
-
 FORMAT_ANS, FORMAT_RAW = 0xC2, 0xC3
 
 

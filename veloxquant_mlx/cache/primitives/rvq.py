@@ -7,8 +7,6 @@ of random unit vectors, then ``REFINE_ITERS`` rounds of joint least-squares refi
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 import numpy as np
 
@@ -44,8 +42,7 @@ class RVQCodebook:
     """A two-stage residual VQ codebook for ``sub_dim``-dimensional pieces of rotated unit vectors
     in R^``dim``: ``c1 [K1, s]``, cell scales ``sigma [K1]`` and ``c2 [K2, s]`` (None if one stage)."""
 
-    def __init__(self, dim: int, sub_dim: int, bits: int, c1: mx.array, sigma: mx.array,
-                 c2: Optional[mx.array]):
+    def __init__(self, dim: int, sub_dim: int, bits: int, c1: mx.array, sigma: mx.array, c2: mx.array | None):
         self.dim, self.sub_dim, self.bits = int(dim), int(sub_dim), int(bits)
         self.bits1, self.bits2 = split_bits(bits)
         self.n_sub = self.dim // self.sub_dim
@@ -55,9 +52,8 @@ class RVQCodebook:
         self.c2_sq = mx.sum(c2 * c2, axis=1) if c2 is not None else None
         # every reconstruction c1[i] + sigma[i] c2[j] at row i*K2 + j, when small enough: one gather
         # decodes a code and one matmul builds a query's joint lookup table
-        self.joint = None
-        if c2 is not None and self.k1 * self.k2 <= JOINT_LUT_MAX:
-            self.joint = (c1[:, None] + sigma[:, None, None] * c2[None]).reshape(-1, self.sub_dim)
+        small = c2 is not None and self.k1 * self.k2 <= JOINT_LUT_MAX
+        self.joint = (c1[:, None] + sigma[:, None, None] * c2[None]).reshape(-1, self.sub_dim) if small else None
         mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
@@ -84,21 +80,15 @@ class RVQCodebook:
         c2 = a[k1 * sub_dim + k1 :].reshape(k2, sub_dim) if k2 else None
         return cls(dim, sub_dim, bits, c1, sigma, c2)
 
-    def encode(self, y: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+    def encode(self, y: mx.array) -> tuple[mx.array, mx.array | None]:
         """Codes ``(i [.., S], j [.., S] or None)`` (uint8) of rotated unit vectors ``y [.., dim]``."""
-        lead = y.shape[:-1]
         x = y.astype(mx.float32).reshape(-1, self.sub_dim)
-        m = x.shape[0]
         per_row = self.k1 + (min(BEAM, self.k1) * self.k2 if self.c2 is not None else 0)
         step = max(1, _ENCODE_CHUNK // per_row)
-        if m <= step:
-            i, j = self._encode_rows(x)
-        else:  # bounded memory for long prefill blocks: a few blocks of rows, not a loop over tokens
-            outs = [self._encode_rows(x[a : a + step]) for a in range(0, m, step)]
-            i = mx.concatenate([o[0] for o in outs])
-            j = mx.concatenate([o[1] for o in outs]) if self.c2 is not None else None
-        shape = (*lead, self.n_sub)
-        return i.reshape(shape), (j.reshape(shape) if j is not None else None)
+        # bounded memory for long prefill blocks: a few blocks of rows, not a loop over tokens
+        outs = [self._encode_rows(x[a : a + step]) for a in range(0, max(x.shape[0], 1), step)]
+        cat = lambda k: mx.concatenate([o[k] for o in outs]).reshape(*y.shape[:-1], self.n_sub)  # noqa: E731
+        return cat(0), (cat(1) if self.c2 is not None else None)
 
     def _encode_rows(self, x: mx.array):
         d1 = self.c1_sq[None] - 2.0 * (x @ self.c1.T)  # [m, K1] (+||x||^2, constant per row)
@@ -114,7 +104,7 @@ class RVQCodebook:
         i = mx.take_along_axis(cand, (best // self.k2)[:, None].astype(mx.uint32), axis=1)[:, 0]
         return i.astype(mx.uint8), (best % self.k2).astype(mx.uint8)
 
-    def decode(self, i: mx.array, j: Optional[mx.array]) -> mx.array:
+    def decode(self, i: mx.array, j: mx.array | None) -> mx.array:
         """Rotated-domain unit-vector reconstructions ``[.., dim]`` (float32) of codes ``[.., S]``."""
         ii = i.astype(mx.int32)
         if self.joint is not None and j is not None:
