@@ -27,8 +27,6 @@ paper's premise fails on this model.
 from __future__ import annotations
 
 import uuid
-from operator import attrgetter
-
 import mlx.core as mx
 
 from ...base import register
@@ -82,8 +80,7 @@ def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
 @register("minicache")
 class MiniCacheKVCache(GroupWindow, KIVIKVCache):
     """MiniCache cross-layer merging for one layer (role "primary" or "merge"; see the module doc)."""
-    chunk_invariant = True  # whole 32-row blocks at absolute positions, merged token by token
-    exact_trim = False  # returns n, but rows merged with the trimmed ones stay merged instead of float16
+    chunk_invariant, exact_trim = True, False  # whole blocks; rows merged with trimmed ones stay
     trim_exact_or_raises = False
     array_fields = ("res_k", "res_v", "dir_k", "dir_v", "pn_k", "pn_v", "mn_k", "mn_v",
                     "ret_k", "idx_k", "ret_v", "idx_v")
@@ -124,8 +121,8 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
                 if i < start or (i - start) % 2 == 0 else cls(cfg, "merge", group_id=i - 1, coordinator=coord)
                 for i, cfg in enumerate(layer_configs)]
 
-    role = property(attrgetter("mc_role"))
-    group_id = property(attrgetter("mc_group"))
+    role = property(lambda self: self.mc_role)
+    group_id = property(lambda self: self.mc_group)
     primary = property(lambda self: self.coordinator.fetch(self.mc_group))
 
     def _relink_loaded(self):

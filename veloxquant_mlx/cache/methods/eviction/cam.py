@@ -55,8 +55,7 @@ def merge_weights(mode: str, pos_kept, pos_gone, keys_kept, keys_gone, n_sink_ro
 @register("cam")
 class CaMKVCache(VotingEviction):
     """H2O eviction whose evicted values are merged into the kept ones."""
-    chunk_invariant = False  # eviction (with value merging) per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode rows add votes, evict and merge (slack)
+    chunk_invariant, exact_trim = False, False  # merges per prefill chunk; decode rows vote, evict, merge
     array_fields = VotingEviction.array_fields + ("attn",)
     row_fields = ("votes", "attn")
     scalar_fields = VotingEviction.scalar_fields + ("layer_id",)

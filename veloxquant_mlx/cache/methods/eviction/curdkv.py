@@ -1,15 +1,13 @@
-"""CurDKV (Sengupta, Chaudhary & Chakraborty, "Value-Guided KV Compression for LLMs via Approximated
-CUR Decomposition", NeurIPS 2025, arXiv 2509.15038).
+"""CurDKV (Sengupta, Chaudhary & Chakraborty, "Value-Guided KV Compression for LLMs via Approximated CUR
+Decomposition", NeurIPS 2025, arXiv 2509.15038). Tokens are picked as CUR picks rows, by leverage (squared row
+norms of the top-r left singular vectors): each KV head keeps the ``curdkv_budget`` rows with the highest key-side
+x value-side leverage (the paper's "kv product"), plus the first ``curdkv_n_sink``. Key side: the leverage of the
+attention columns the call's last 32 real queries give each row, else (no dispatch point) the keys' own leverage
+(the paper's query-agnostic score).
 
-Tokens are picked as CUR picks rows, by leverage (squared row norms of the top-r left singular vectors):
-each KV head keeps the ``curdkv_budget`` rows with the highest key-side x value-side leverage (the
-paper's "kv product"), plus the first ``curdkv_n_sink``. Key side: the leverage of the attention columns
-the call's last 32 real queries give each row (dispatch point), else the keys' own leverage (the paper's
-query-agnostic score).
-
-Deviations from the paper: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X instead
-of a Gaussian sketch, no local-window normalisation; the real-query key side is an addition; decoding
-evicts too (grow to ``budget + slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
+Deviations from the paper: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X instead of a
+Gaussian sketch, no local-window normalisation; the real-query key side is an addition; decoding evicts too (grow
+to ``budget + slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
 """
 
 from __future__ import annotations
@@ -35,11 +33,17 @@ def leverage_scores(x: mx.array, rank: int) -> mx.array:
     return (proj * proj * inv[..., None, :]).sum(-1)
 
 
+def causal_weights(queries, keys, scale, q_positions, key_positions):
+    """[B, H, rep, W, M] attention probabilities of ``queries`` [B, Hq, W, D] over ``keys`` [B, H, M, D], causal
+    by positions [W] and [B, H, M]."""
+    logits = attention_logits(queries, keys, scale)
+    visible = key_positions[:, :, None, None, :] <= q_positions[None, None, None, :, None]
+    return mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+
+
 def attention_columns(obs_queries, keys, scale, obs_positions, key_positions):
     """[B, H, M, rep * W]: attention probabilities the observation queries give each key row (causal)."""
-    logits = attention_logits(obs_queries, keys, scale)  # [B, H, rep, W, M]
-    visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
-    w = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+    w = causal_weights(obs_queries, keys, scale, obs_positions, key_positions)
     B, H, R, W, M = w.shape
     return w.transpose(0, 1, 4, 2, 3).reshape(B, H, M, R * W)
 
@@ -48,8 +52,7 @@ def attention_columns(obs_queries, keys, scale, obs_positions, key_positions):
 @register("curdkv")
 class CurDKVKVCache(EvictionKVCache):
     """Eviction by CUR leverage: key-side (real attention) leverage x value leverage, per KV head."""
-    chunk_invariant = False  # leverage eviction per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode steps evict older rows (slack)
+    chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode steps evict (slack)
     _proxy_scoring = False
 
     def _init_layout(self):

@@ -1,18 +1,16 @@
-"""Keyformer (Adnan et al., "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient
-Generative Inference", arXiv 2403.09054).
+"""Keyformer (Adnan et al., "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient Generative
+Inference", arXiv 2403.09054). Each row accumulates softmax((x + z) / tau) of every query's logits x (recovered as
+log p, a per-query constant off) with Gumbel noise z, summed over the KV head's query heads; over budget a KV head
+keeps its ``keyformer_recent`` newest tokens plus the highest-scoring rows. tau is ``keyformer_tau``, else it rises
+linearly from ``keyformer_tau_init`` to ``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. The
+noise key derives from ``keyformer_seed``, the layer and a call counter in ``state``; ``gumbel_noise = False``
+with tau = 1 is H2O without decay.
 
-Each row accumulates softmax((x + z) / tau) of every query's logits x with Gumbel noise z (summed over
-the KV head's query heads); over budget a KV head keeps its ``keyformer_recent`` newest tokens plus the
-highest-scoring rows. tau is ``keyformer_tau``, else it rises linearly from ``keyformer_tau_init`` to
-``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. Logits are recovered as log p (a
-per-query constant off). The noise key derives from ``keyformer_seed``, the layer and a call counter in
-``state``; ``gumbel_noise = False`` with tau = 1 is H2O without decay.
-
-Deviations from the paper: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal
-length is ``keyformer_anneal_steps`` (the generation length is unknown to a cache; 0: constant
-``tau_init``, which ``tau_end`` must equal); decoding evicts once per ``evict_slack`` steps;
-``keyformer_rope_base`` is unused (keys cached after RoPE at original positions, the paper's variant);
-trim rewinds the decode-step count but keeps the trimmed queries' scores.
+Deviations from the paper: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal length is
+``keyformer_anneal_steps`` (a cache does not know the generation length; 0: constant ``tau_init``, which
+``tau_end`` must equal); decoding evicts once per ``evict_slack`` steps; ``keyformer_rope_base`` is unused (keys
+cached after RoPE at original positions, the paper's variant); trim rewinds the decode-step count but keeps the
+trimmed queries' scores.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_
 @register("keyformer")
 class KeyformerKVCache(BatchedEviction, EvictionKVCache):
     """Keep the rows with the highest accumulated Gumbel-regularised attention score."""
-    chunk_invariant = False  # batched (slack) decode eviction; Gumbel noise drawn per call
-    exact_trim = False  # decode rows add scores and evict (slack)
+    chunk_invariant, exact_trim = False, False  # noise drawn per call; decode rows add scores, evict
     array_fields = EvictionKVCache.array_fields + ("acc",)
     row_fields = ("acc",)
     scalar_fields = ("rows", "decode_steps", "noise_calls", "noise_stream")
@@ -64,12 +61,10 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
 
     def tau(self, step: int | None = None) -> float:
         """The temperature at decode step ``step`` (default: the next one)."""
-        if self.tau_fixed is not None:
-            return float(self.tau_fixed)
-        if self.anneal_steps == 0:
-            return float(self.tau_init)
-        t = self.decode_steps if step is None else step
-        return self.tau_init + (self.tau_end - self.tau_init) * min(t, self.anneal_steps) / self.anneal_steps
+        if self.tau_fixed is not None or self.anneal_steps == 0:
+            return float(self.tau_init if self.tau_fixed is None else self.tau_fixed)
+        t = min(self.decode_steps if step is None else step, self.anneal_steps)
+        return self.tau_init + (self.tau_end - self.tau_init) * t / self.anneal_steps
 
     def observe(self, weights):
         """Accumulate softmax((log p + Gumbel) / tau) of weights [B, H, rep, N, rows]."""

@@ -1,14 +1,14 @@
-"""The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the
-rows it would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype);
-``extract(i)`` gives back a single cache with the same rows, order, positions and ring slot.
+"""The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the rows it
+would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype); ``extract(i)`` gives back
+a single cache with the same rows, order, positions and ring slot.
 
-Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in
-``[0, nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode
-step writes each sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its
-last row: one ``put_along_axis``); any other call appends the valid rows and keeps each sequence's sinks
-and window newest rows in position order (one argsort, one gather). Counts are host-side ints
-(``batch_common.RaggedBatchCache``); ``make_mask`` / ``attend`` show each sequence its valid rows under
-the position rule; right-padded prefill (``prepare(lengths=)``) stores each sequence's valid rows only.
+Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in ``[0,
+nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode step writes each
+sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its last row: one
+``put_along_axis``); any other call appends the valid rows and keeps each sequence's sinks and window newest rows
+in position order (one argsort, one gather). Counts are host-side ints (``batch_common.RaggedBatchCache``);
+``make_mask`` / ``attend`` show each sequence its valid rows under the position rule; right-padded prefill
+(``prepare(lengths=)``) stores each sequence's valid rows only.
 """
 
 from __future__ import annotations
