@@ -4,24 +4,22 @@ Large Language Models", arXiv 2405.14366).
 Paper: from mid-depth on adjacent layers' KV states point alike, so each pair (l-1, l) keeps per-token
 magnitudes ``||x||`` per layer and one SLERP of the two directions, restoring ``||x|| · e``; token pairs too far
 apart are *retained* exactly. Here the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one
-are lossless primaries, then (*primary*, *merge*) pairs, both keeping rows in a float16 window
-(``GroupWindow``) until the merge layer has ``BLOCK`` rows and merges both windows (keys and values apart;
-cosine < ``minicache_retention_threshold`` θ: retained; SLERP at ``minicache_slerp_t``). The primary holds the
-shared direction (its own row where retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn``
-and its retained rows compactly (``ret`` float16, token-major ``idx``): 2·D + 4 + retained fraction · (2·D +
-4) bytes per token per KV head for the pair, vs 4·D. One host sync per merge step.
+are lossless primaries, then (*primary*, *merge*) pairs keep rows in a float16 window (``GroupWindow``) until the
+merge layer has ``BLOCK`` rows and merges both windows (keys and values apart; cosine <
+``minicache_retention_threshold`` θ: retained). The primary holds the shared direction (its own row where
+retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn`` and its retained rows (``ret``
+float16, token-major ``idx``): 2·D + 4 + retained fraction · (2·D + 4) bytes per token and KV head for the pair,
+vs 4·D. One host sync per merge step.
 
-Deviations: a fixed cosine threshold (the paper: relative angular distance); the primary's retained rows sit
-in the direction slot with magnitude 1 and it restores merged tokens from the shared direction (a lossless
-primary plus a direction would exceed two float16 layers); ``minicache_group_size`` must be 2;
-``minicache_max_ctx`` unused; the newest < ``BLOCK`` tokens stay float16; trims keep the remaining tokens' data
-but tokens merged with trimmed ones stay merged and must hit every layer alike; a cache built alone is a
-lossless primary.
+Deviations: a fixed cosine threshold (the paper: relative angular distance); the primary restores merged tokens
+from the shared direction, its retained rows sitting there with magnitude 1 (a lossless primary plus a direction
+would exceed two float16 layers); ``minicache_group_size`` must be 2; ``minicache_max_ctx`` unused; the newest <
+``BLOCK`` tokens stay float16; tokens merged with trimmed ones stay merged, and trims must hit every layer alike;
+a cache built alone is a lossless primary.
 
-Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, from
-half depth, t = 0.5): 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) and
-0.99 retain everything (KL 0.0000, kv/fp16 1.064); θ = 0: KL 0.444, 0.962; θ = -1: KL 0.845, 0.837. The
-paper's premise fails on this model.
+Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, t =
+0.5): 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) and 0.99 retain all (KL
+0, kv/fp16 1.064); θ = 0: KL 0.444, 0.962; θ = -1: 0.845, 0.837. The paper's premise fails on this model.
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         g = self.config.options.group_size
         if g != 2:
             raise QuantizerConfigError("minicache_group_size", g, "2 (pairs of adjacent layers)")
-        self.group, self.qbits = BLOCK, 16
-        self._call = None
+        self.group, self.qbits, self._call = BLOCK, 16, None
 
     dequant_only = "merged cross-layer codes"
     _key_words = staticmethod(lambda: 0)  # KIVI's attend reads it; no codes here
@@ -152,9 +149,8 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         # a paired primary waits for its merge layer, which merges both windows
 
     def _append_primary(self, kind, d, pn):
-        t0 = self.n_quant
-        setattr(self, f"dir_{kind}", grow_rows(getattr(self, f"dir_{kind}"), t0, d.astype(RES_DTYPE)))
-        setattr(self, f"pn_{kind}", grow_rows(getattr(self, f"pn_{kind}"), t0, pn.astype(RES_DTYPE)))
+        for name, new in ((f"dir_{kind}", d), (f"pn_{kind}", pn)):
+            setattr(self, name, grow_rows(getattr(self, name), self.n_quant, new.astype(RES_DTYPE)))
 
     def _merge_block(self, p, m):
         o = self.config.options
@@ -232,8 +228,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         win = B * H * self.n_res * D * 2
         if self.mc_role == "primary":
             return win + B * H * self.n_quant * (D + 1) * 2  # shared direction + magnitudes
-        r = getattr(self, f"n_retained_{kind}")
-        return win + B * H * self.n_quant * 2 + r * (D * 2 + 4)
+        return win + B * H * self.n_quant * 2 + getattr(self, f"n_retained_{kind}") * (D * 2 + 4)
 
     n_retained = property(lambda self: self.n_retained_k + self.n_retained_v,
                           doc="Rows (batch, head, token; keys and values apart) a merge layer keeps exactly.")

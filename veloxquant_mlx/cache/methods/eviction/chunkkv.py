@@ -61,7 +61,6 @@ def key_norm_scores(keys: mx.array) -> mx.array:
 class ChunkKVCache(VotingEviction):
     """Chunk-granular observation-window eviction with layer-wise index reuse."""
     chunk_invariant, exact_trim = False, False  # votes per prefill chunk; decode rows vote, evict
-
     layer_id = coordinator = None
     reuse_id = ""  # one id per prompt cache's set of layers that reuse indices ("": built alone)
     scalar_fields = VotingEviction.scalar_fields + ("layer_id", "reuse_id")

@@ -55,7 +55,6 @@ class RocketKVKVCache(EvictionKVCache):
 
     score = SnapKVKVCache.score  # stage 1: SnapKV's pooled votes (prefill chunks only)
     qring = None  # no decode-time query ring (SnapKV's ``decode_evict``)
-
     n_pages = property(lambda self: -(-self.rows // self.page_size))
 
     def _refresh_pages(self, from_row: int) -> None:
@@ -66,13 +65,10 @@ class RocketKVKVCache(EvictionKVCache):
             return
         seg = self.keys[:, :, p0 * P : self.rows]
         B, H, n, D = seg.shape
-        pad = (p1 - p0) * P - n
-        lo = hi = seg
-        if pad:
-            fill = mx.full((B, H, pad, D), mx.inf, dtype=seg.dtype)
-            lo, hi = mx.concatenate([seg, fill], axis=2), mx.concatenate([seg, -fill], axis=2)
-        self.page_min = grow_rows(self.page_min, p0, lo.reshape(B, H, p1 - p0, P, D).min(axis=3))
-        self.page_max = grow_rows(self.page_max, p0, hi.reshape(B, H, p1 - p0, P, D).max(axis=3))
+        pad = [(0, 0), (0, 0), (0, (p1 - p0) * P - n), (0, 0)]  # filled to whole pages with +-inf
+        lo, hi = (mx.pad(seg, pad, constant_values=v).reshape(B, H, p1 - p0, P, D) for v in (mx.inf, -mx.inf))
+        self.page_min = grow_rows(self.page_min, p0, lo.min(axis=3))
+        self.page_max = grow_rows(self.page_max, p0, hi.max(axis=3))
 
     def _store(self, keys, values):
         before = self.rows
@@ -145,7 +141,6 @@ class RocketKVKVCache(EvictionKVCache):
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=m.reshape(B, Hq, 1, -1))
 
     full_fp16_bytes_total, tokens_total = EvictionKVCache.full_seq_bytes, EvictionKVCache.tokens_seen
-
     stage1_bytes = property(lambda self: sum(a.nbytes for a in (self.keys, self.values, self.positions)
                                              if a is not None))
     stage2_aux_bytes = property(lambda self: sum(a.nbytes for a in (self.page_max, self.page_min) if a is not None))

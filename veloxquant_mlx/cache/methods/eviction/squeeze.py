@@ -170,8 +170,6 @@ class SqueezeAttentionCache(VotingEviction):
 
     similarity = property(lambda self: self.similarity_value,
                           doc="Mean cos(h, h + a) on the first forward pass (0.0 before; the others' mean if missing).")
-
     concentration = property(lambda self: 1.0 - self.similarity_value if self.squeezed else 0.0,
                              doc="The spec's name for ``1 - similarity`` (0.0 before the first forward pass).")
-
     squeeze_kept_bytes = VotingEviction.kept_bytes

@@ -27,7 +27,6 @@ _FIELDS = ("keys", "values", "positions")
 @register_with_mlx_lm
 class StreamingLLMBatchKVCache(RaggedBatchCache):
     """StreamingLLM's sinks + window for B sequences at once (mlx_lm batch-cache protocol)."""
-
     method_name = "streaming_llm"
     array_fields = _FIELDS
     count_fields = ("nq", "ring", "lens")  # rows held (left-aligned), ring slot (-1: position order), tokens seen
