@@ -59,9 +59,7 @@ class RVQCodebook:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.c1, self.sigma, self.c2, self.c1_sq, self.c2_sq, self.joint) if a is not None]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+    nbytes = property(lambda self: sum(a.nbytes for a in self.arrays()))
 
     def to_array(self) -> mx.array:
         """One flat float32 array (an ArtifactStore entry)."""
@@ -70,15 +68,12 @@ class RVQCodebook:
     @classmethod
     def from_array(cls, a: mx.array, dim: int, sub_dim: int, bits: int) -> "RVQCodebook":
         b1, b2 = split_bits(bits)
-        k1, k2 = 1 << b1, (1 << b2) if b2 else 0
-        need = k1 * sub_dim + k1 + k2 * sub_dim
+        k1, k2, n1 = 1 << b1, (1 << b2) if b2 else 0, (1 << b1) * sub_dim
         a = mx.array(a).astype(mx.float32).reshape(-1)
-        if a.size != need:
-            raise ValueError(f"stored codebook has {a.size} values, expected {need}")
-        c1 = a[: k1 * sub_dim].reshape(k1, sub_dim)
-        sigma = a[k1 * sub_dim : k1 * sub_dim + k1]
-        c2 = a[k1 * sub_dim + k1 :].reshape(k2, sub_dim) if k2 else None
-        return cls(dim, sub_dim, bits, c1, sigma, c2)
+        if a.size != n1 + k1 + k2 * sub_dim:
+            raise ValueError(f"stored codebook has {a.size} values, expected {n1 + k1 + k2 * sub_dim}")
+        c2 = a[n1 + k1 :].reshape(k2, sub_dim) if k2 else None
+        return cls(dim, sub_dim, bits, a[:n1].reshape(k1, sub_dim), a[n1 : n1 + k1], c2)
 
     def encode(self, y: mx.array) -> tuple[mx.array, mx.array | None]:
         """Codes ``(i [.., S], j [.., S] or None)`` (uint8) of rotated unit vectors ``y [.., dim]``."""
@@ -180,12 +175,8 @@ def rvq_codebook(dim: int, sub_dim: int, bits: int, seed: int, store=None) -> RV
     ``store`` (an ``ArtifactStore``), else trained (and put in ``store``)."""
     key = (int(dim), int(sub_dim), int(bits), int(seed))
     name = f"tqrvq.d{dim}.s{sub_dim}.b{bits}.seed{seed}"
-    cb = _CODEBOOKS.get(key)
     stored = store.get(name) if store is not None else None
-    if cb is None and stored is not None:
-        cb = RVQCodebook.from_array(stored, *key[:3])
-    if cb is None:
-        cb = _train(*key)
+    cb = _CODEBOOKS.get(key) or (RVQCodebook.from_array(stored, *key[:3]) if stored is not None else _train(*key))
     _CODEBOOKS[key] = cb
     if store is not None and stored is None:
         store.put(name, cb.to_array())

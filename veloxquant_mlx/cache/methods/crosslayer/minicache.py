@@ -205,8 +205,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         if n <= self.n_res:
             self.n_res -= n
             return n
-        self.n_quant -= n - self.n_res
-        self.n_res = 0
+        self.n_quant, self.n_res = self.n_quant - (n - self.n_res), 0
         if self.mc_role == "merge":
             BH = self.mn_k.shape[0] * self.mn_k.shape[1]
             for kind in ("k", "v"):

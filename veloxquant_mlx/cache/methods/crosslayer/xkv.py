@@ -111,13 +111,12 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                 r = min(int(o.rank if o.rank is not None else lr.energy_rank(energy, o.energy_threshold)), x.shape[-1])
                 setattr(own, f"proj_{kind}", basis[..., :r].astype(RES_DTYPE))
                 setattr(own, f"rank_{kind}", r)
-            p = getattr(own, f"proj_{kind}").astype(mx.float32)
-            z = x @ p  # [B, H, m, r]
+            z = x @ getattr(own, f"proj_{kind}").astype(mx.float32)  # [B, H, m, r]
             q = gq.quantize_per_channel(z, self.qbits, self.group)  # codes [B, H, r, (m/G)*w]
             g0, w = own.n_quant // self.group, self._key_words()
             cap = g0 + max(m // self.group, 1 + g0 // 8)  # amortised growth
-            for name, arr, per in (("codes", q.codes, w), ("scales", q.scales, 1), ("biases", q.biases, 1)):
-                attr = f"z{kind}_{name}"
+            for attr, arr, per in ((f"z{kind}_codes", q.codes, w), (f"z{kind}_scales", q.scales, 1),
+                                   (f"z{kind}_biases", q.biases, 1)):
                 setattr(own, attr, grow_columns(getattr(own, attr), g0 * per, arr, cap * per))
         for l in members:
             l._advance(m)
@@ -131,8 +130,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
     def _proj(self, kind: str, dtype=mx.float32) -> mx.array:
         """This layer's block P_l [B, H, D, r] of the group's projection."""
         d = getattr(self, f"res_{kind}").shape[-1]
-        p = getattr(self.owner, f"proj_{kind}")
-        return p[:, :, self.xk_index * d : (self.xk_index + 1) * d].astype(dtype)
+        return getattr(self.owner, f"proj_{kind}")[:, :, self.xk_index * d : (self.xk_index + 1) * d].astype(dtype)
 
     def _keys_t(self, n, dtype=mx.float32):
         return self._proj("k", dtype) @ self._latents_t("k", n, dtype)
@@ -152,8 +150,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                 f"drop the {self.n_res} window tokens plus whole groups (n - {self.n_res} a multiple of {self.group})")
         if extra > self.n_quant:
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
-        self.n_quant -= extra
-        self.n_res = 0
+        self.n_quant, self.n_res = self.n_quant - extra, 0
         return n
 
     def _part_bytes(self, kind: str) -> int:

@@ -98,8 +98,7 @@ class KVzipKVCache(EvictionKVCache):
             for c in ours:
                 c.begin_reconstruction(reset=i == 0)
             try:
-                mx.eval(model(mx.array(chunk)[None], cache=run))
-                mx.eval([c.importance for c in ours])
+                mx.eval(model(mx.array(chunk)[None], cache=run), [c.importance for c in ours])
             finally:
                 for c in ours:
                     c.end_reconstruction()

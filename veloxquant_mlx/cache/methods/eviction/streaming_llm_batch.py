@@ -87,8 +87,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
 
     def extract(self, idx: int) -> StreamingLLMKVCache:
         """Sequence ``idx`` as an ordinary ``StreamingLLMKVCache``."""
-        idx = int(idx)
-        c = StreamingLLMKVCache(self.config)
+        idx, c = int(idx), StreamingLLMKVCache(self.config)
         c.offset = self.lens[idx]
         if self.keys is None:
             return c
@@ -159,11 +158,8 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         (B, H, N, _), P = nk.shape, past_k.shape[2]
         M = P + N
         new_pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
-        ck = mx.concatenate([past_k, nk], axis=2) if P else nk
-        cv = mx.concatenate([past_v, nv], axis=2) if P else nv
-        cpos = mx.broadcast_to(new_pos[:, None], (B, H, N))
-        if P:
-            cpos = mx.concatenate([self.positions[:, :, :P], cpos], axis=2)
+        ck, cv, cpos = ((mx.concatenate([p, x], axis=2) if P else x) for p, x in (
+            (past_k, nk), (past_v, nv), (self.positions[:, :, :P], mx.broadcast_to(new_pos[:, None], (B, H, N)))))
         cols = mx.arange(M, dtype=mx.int32)[None]
         nq_a, val_a = mx.array(self.nq, dtype=mx.int32)[:, None], mx.array(valid, dtype=mx.int32)[:, None]
         ok = (cols < nq_a) | ((cols >= P) & (cols < P + val_a))
@@ -180,9 +176,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         self.keys = mx.take_along_axis(ck, sel[:, None, :, None], axis=2)
         self.values = mx.take_along_axis(cv, sel[:, None, :, None], axis=2)
         self.positions = mx.take_along_axis(cpos, sel[:, None, :], axis=2)
-        self.cap = cap
-        self.ring = [-1 if v else r for v, r in zip(valid, self.ring)]
-        self.nq = keep
+        self.cap, self.nq, self.ring = cap, keep, [-1 if v else r for v, r in zip(valid, self.ring)]
         self.lens = [x + v for x, v in zip(self.lens, valid)]
         self._sync_offset()
 
@@ -214,22 +208,17 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
                              f"(rows per sequence: {self.nq})")
         self._call = None
         P = self.stored_rows()
-        cols = mx.arange(P, dtype=mx.int32)[None]
-        pos = self.positions[:, 0, :P]
-        order = mx.argsort(mx.where(cols < mx.array(self.nq, dtype=mx.int32)[:, None], pos, _BIG), axis=1)
-        order = order.astype(mx.int32)
-        spos = mx.take_along_axis(pos, order, axis=1)
+        pos, nq = self.positions[:, 0, :P], mx.array(self.nq, dtype=mx.int32)[:, None]
+        order = mx.argsort(mx.where(mx.arange(P, dtype=mx.int32)[None] < nq, pos, _BIG), axis=1).astype(mx.int32)
         j = mx.arange(n, dtype=mx.int32)[None]
-        tail = mx.take_along_axis(spos, mx.array(self.nq, dtype=mx.int32)[:, None] - n + j, axis=1)
+        tail = mx.take_along_axis(mx.take_along_axis(pos, order, axis=1), nq - n + j, axis=1)
         if not bool(mx.all(tail == mx.array(self.lens, dtype=mx.int32)[:, None] - n + j)):
             raise ValueError("StreamingLLMBatchKVCache: the last tokens of a sequence were evicted, "
                              "so they cannot be trimmed exactly")
         self.keys = mx.take_along_axis(self.keys[:, :, :P], order[:, None, :, None], axis=2)
         self.values = mx.take_along_axis(self.values[:, :, :P], order[:, None, :, None], axis=2)
         self.positions = mx.take_along_axis(self.positions[:, :, :P], order[:, None, :], axis=2)
-        self.cap = P
-        self.nq = [x - n for x in self.nq]
-        self.ring = [-1] * len(self.nq)
-        self.lens = [x - n for x in self.lens]
+        self.cap, self.ring = P, [-1] * len(self.nq)
+        self.nq, self.lens = [x - n for x in self.nq], [x - n for x in self.lens]
         self._sync_offset()
         return n
