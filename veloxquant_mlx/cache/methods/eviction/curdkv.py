@@ -17,7 +17,7 @@ import mlx.core as mx
 from ...attention import attention_logits
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 EIG_EPS = 1e-6  # singular directions below this fraction of the largest carry no leverage
 
@@ -60,10 +60,9 @@ class CurDKVKVCache(EvictionKVCache):
         self.budget, self.n_sink, self.rank_cap = o.budget, o.n_sink, o.rank_cap
         self.recent, self.obs_window = 0, 32
         check_budget("curdkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = default_slack(self.budget)
+        self.slack = self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
+    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     def _evict_with_proxy(self):
         self._proxy_scoring = True  # no real queries: the paper's query-agnostic key leverage

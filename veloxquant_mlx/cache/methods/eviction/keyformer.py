@@ -75,8 +75,7 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
             self.noise_calls += 1
         f = mx.softmax(logits / self.tau(), axis=-1, precise=True)
         self.acc[:, :, : self.rows] = self.acc[:, :, : self.rows] + f.sum(axis=(2, 3))
-        if weights.shape[3] == 1:
-            self.decode_steps += 1
+        self.decode_steps += int(weights.shape[3] == 1)
         self.settle()
 
     def score(self, obs_queries, obs_positions, scale):

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 
 def rank01(x: mx.array) -> mx.array:
@@ -48,10 +48,9 @@ class NestedKVKVCache(EvictionKVCache):
         self.recent = self.window  # the sliding-window memory is kept verbatim
         check_budget("nestedkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         self.decay = 1.0 - 1.0 / self.window
-        self.slack = default_slack(self.budget)
+        self.slack = self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
+    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     def observe(self, weights):
         """cur <- cur * decay^N + sum_j decay^(N-1-j) * (attention of query j, summed over the group)."""

@@ -28,11 +28,9 @@ def pyramid_budgets(n_layers: int, budget: int, beta: float, protected: int) -> 
     s = budget - protected
     top = s / beta if n_layers > 1 else float(s)
     bottom = 2 * s - top
-    vals = [bottom - (bottom - top) * i / max(n_layers - 1, 1) for i in range(n_layers)]
-    floors = [int(math.floor(v + 1e-9)) for v in vals]
-    for i in range(n_layers * s - sum(floors)):  # < n_layers rows left by the rounding
-        floors[i] += 1
-    return [protected + f for f in floors]
+    floors = [int(math.floor(bottom - (bottom - top) * i / max(n_layers - 1, 1) + 1e-9)) for i in range(n_layers)]
+    rest = n_layers * s - sum(floors)  # < n_layers rows left by the rounding go to the bottom layers
+    return [protected + f + (i < rest) for i, f in enumerate(floors)]
 
 
 @register_with_mlx_lm

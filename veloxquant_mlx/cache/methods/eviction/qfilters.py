@@ -23,7 +23,7 @@ from ... import dispatch
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 from ...observers import notify
 from .curdkv import causal_weights
 
@@ -57,10 +57,9 @@ class QFiltersKVCache(EvictionKVCache):
         if self.sign not in (1, -1):
             raise QuantizerConfigError("qfilters_sign", self.sign, "1 or -1")
         check_budget("qfilters_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = default_slack(self.budget)
+        self.slack = self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
+    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     calibrated = property(lambda self: self.qf_filter is not None)
 

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, default_slack, observation_scores
+from ...eviction import BatchedEviction, EvictionKVCache, default_slack, observation_scores
 
 POOL_KERNEL = 7
 
@@ -46,8 +46,7 @@ class SnapKVKVCache(EvictionKVCache):
         self.recent = self.obs_window  # the observation window is always kept
         self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
+    wants_eviction = BatchedEviction.wants_eviction  # prefill: over budget; decode: over budget + slack
 
     def _remember_queries(self, queries):
         """Write this call's newest queries into the ring (slot = position mod W)."""
@@ -94,8 +93,5 @@ class SnapKVKVCache(EvictionKVCache):
                                    self.positions[:, :, :rows])
         return avg_pool_last(votes, POOL_KERNEL)
 
-    tokens_total = EvictionKVCache.tokens_seen  # spec telemetry name
-
-    @property
-    def eviction_ratio(self) -> float:
-        return self.offset / self.rows if self.rows else 1.0
+    tokens_total = EvictionKVCache.tokens_seen  # spec telemetry names
+    eviction_ratio = property(lambda self: self.offset / self.rows if self.rows else 1.0)
