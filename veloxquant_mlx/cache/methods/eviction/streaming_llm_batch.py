@@ -5,10 +5,8 @@ a single cache with the same rows, order, positions and ring slot.
 Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in ``[0,
 nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode step writes each
 sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its last row: one
-``put_along_axis``); any other call appends the valid rows and keeps each sequence's sinks and window newest rows
-in position order (one argsort, one gather). Counts are host-side ints (``batch_common.RaggedBatchCache``);
-``make_mask`` / ``attend`` show each sequence its valid rows under the position rule; right-padded prefill
-(``prepare(lengths=)``) stores each sequence's valid rows only.
+``put_along_axis``); any other call appends the valid rows (right-padded prefill: ``prepare(lengths=)``) and keeps
+each sequence's sinks and window newest rows in position order (one argsort, one gather).
 """
 
 from __future__ import annotations
