@@ -20,18 +20,16 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import check_budget, default_slack
+from .h2o import H2OKVCache
 
 
 @register_with_mlx_lm
 @register("keyformer")
-class KeyformerKVCache(BatchedEviction, EvictionKVCache):
-    """Keep the rows with the highest accumulated Gumbel-regularised attention score."""
+class KeyformerKVCache(H2OKVCache):
+    """Keep the rows with the highest accumulated (``acc``, H2O's) Gumbel-regularised attention score."""
     chunk_invariant, exact_trim = False, False  # noise drawn per call; decode rows add scores, evict
-    array_fields = EvictionKVCache.array_fields + ("acc",)
-    row_fields = ("acc",)
     scalar_fields = ("rows", "decode_steps", "noise_calls", "noise_stream")
-    uses_attention_weights = True
     gumbel_noise = True  # set False (e.g. on an instance) to drop the noise term
     decode_steps = noise_calls = 0
     noise_stream = 0  # the layer index under ``for_model``: layers draw independent noise
@@ -77,9 +75,6 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
         self.acc[:, :, : self.rows] = self.acc[:, :, : self.rows] + f.sum(axis=(2, 3))
         self.decode_steps += int(weights.shape[3] == 1)
         self.settle()
-
-    def score(self, obs_queries, obs_positions, scale):
-        return self.acc[:, :, : self.rows]
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)
