@@ -31,7 +31,9 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
     lead, n = codes.shape[:-1], codes.shape[-1]
     n_words = packed_words(n, bits)
     stream = mx.bitwise_and(mx.right_shift(codes.astype(mx.uint32)[..., None], mx.arange(bits, dtype=mx.uint32)), 1)
-    stream = mx.pad(stream.reshape(*lead, n * bits), [(0, 0)] * len(lead) + [(0, n_words * 32 - n * bits)])
+    stream, pad = stream.reshape(*lead, n * bits), n_words * 32 - n * bits
+    if pad:
+        stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
     # bits are disjoint, so the sum of the shifted bits is their OR
     stream = mx.left_shift(stream.reshape(*lead, n_words, 32), mx.arange(32, dtype=mx.uint32))
     return mx.sum(stream, axis=-1).astype(mx.uint32)
@@ -53,7 +55,7 @@ def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
         return mx.stack([b & 15, b >> 4], axis=-1).reshape(*lead, -1)[..., :n]
     offsets = mx.arange(n, dtype=mx.uint32) * bits
     word, shift = (offsets // 32).astype(mx.int32), offsets % 32
-    ext = mx.pad(packed[..., :n_words], [(0, 0)] * len(lead) + [(0, 1)])  # a "next word" for the last code
+    ext = mx.concatenate([packed[..., :n_words], mx.zeros((*lead, 1), dtype=mx.uint32)], axis=-1)  # a next word
     lo = mx.right_shift(mx.take(ext, word, axis=-1), shift)
     # (w << (32 - s)) as ((w << (31 - s)) << 1), so no shift is ever by 32
     hi = mx.left_shift(mx.left_shift(mx.take(ext, word + 1, axis=-1), 31 - shift), 1)

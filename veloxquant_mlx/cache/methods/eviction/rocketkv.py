@@ -65,10 +65,12 @@ class RocketKVKVCache(EvictionKVCache):
             return
         seg = self.keys[:, :, p0 * P : self.rows]
         B, H, n, D = seg.shape
-        pad = [(0, 0), (0, 0), (0, (p1 - p0) * P - n), (0, 0)]  # filled to whole pages with +-inf
-        lo, hi = (mx.pad(seg, pad, constant_values=v).reshape(B, H, p1 - p0, P, D) for v in (mx.inf, -mx.inf))
-        self.page_min = grow_rows(self.page_min, p0, lo.min(axis=3))
-        self.page_max = grow_rows(self.page_max, p0, hi.max(axis=3))
+        pad, lo, hi = (p1 - p0) * P - n, seg, seg
+        if pad:  # whole pages: fill with +-inf
+            fill = mx.full((B, H, pad, D), mx.inf, dtype=seg.dtype)
+            lo, hi = mx.concatenate([seg, fill], axis=2), mx.concatenate([seg, -fill], axis=2)
+        self.page_min = grow_rows(self.page_min, p0, lo.reshape(B, H, p1 - p0, P, D).min(axis=3))
+        self.page_max = grow_rows(self.page_max, p0, hi.reshape(B, H, p1 - p0, P, D).max(axis=3))
 
     def _store(self, keys, values):
         before = self.rows
