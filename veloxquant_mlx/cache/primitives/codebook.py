@@ -117,8 +117,9 @@ def nearest_code(x: mx.array, centroids: mx.array) -> mx.array:
     if not 1 <= k <= 256:
         raise ValueError(f"centroids has {k} entries; expected 1..256")
     levels = (k - 1).bit_length()
-    pad = mx.full(((1 << levels) - k,), float("inf"), dtype=mx.float32)  # to a power of two, never crossed
-    bnd = mx.concatenate([code_boundaries(centroids), pad])
+    bnd = code_boundaries(centroids)
+    if (1 << levels) > k:  # pad to a power of two with +inf (never crossed)
+        bnd = mx.concatenate([bnd, mx.full(((1 << levels) - k,), float("inf"), dtype=mx.float32)])
     xf, idx = x.astype(mx.float32), mx.zeros(x.shape, dtype=mx.int32)
     for level in range(levels):
         cand = idx + (1 << (levels - 1 - level))
