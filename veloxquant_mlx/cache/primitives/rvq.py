@@ -82,7 +82,8 @@ class RVQCodebook:
         step = max(1, _ENCODE_CHUNK // per_row)
         # bounded memory for long prefill blocks: a few blocks of rows, not a loop over tokens
         outs = [self._encode_rows(x[a : a + step]) for a in range(0, max(x.shape[0], 1), step)]
-        cat = lambda k: mx.concatenate([o[k] for o in outs]).reshape(*y.shape[:-1], self.n_sub)  # noqa: E731
+        cat = lambda k: (outs[0][k] if len(outs) == 1 else mx.concatenate([o[k] for o in outs])).reshape(  # noqa: E731
+            *y.shape[:-1], self.n_sub)
         return cat(0), (cat(1) if self.c2 is not None else None)
 
     def _encode_rows(self, x: mx.array):
