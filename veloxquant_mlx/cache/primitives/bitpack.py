@@ -2,7 +2,7 @@
 
 Each row of ``n`` codes is one little-endian bit stream: code ``j`` at stream bits ``[j*bits, (j+1)*bits)``,
 stream bit ``p`` = bit ``p % 32`` of word ``p // 32`` (codes straddle words when ``32 % bits != 0``),
-zero-padded to ``ceil(n * bits / 32)`` words, so rows never share a word. Vectorized MLX throughout.
+zero-padded to ``ceil(n * bits / 32)`` words, so rows never share a word.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import check_int
-
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "packed_words"]
 
 
 def packed_words(n: int, bits: int) -> int:
@@ -27,21 +25,18 @@ def packed_nbytes(n: int, bits: int) -> int:
 def pack_bits(codes: mx.array, bits: int) -> mx.array:
     """Codes ``(..., n)`` in ``[0, 2**bits)`` -> ``uint32`` words ``(..., ceil(n * bits / 32))``; bits of a
     code above ``bits`` are discarded (masked, not checked)."""
-    codes = mx.array(codes) if not isinstance(codes, mx.array) else codes
+    codes = codes if isinstance(codes, mx.array) else mx.array(codes)
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis")
     lead, n = codes.shape[:-1], codes.shape[-1]
     n_words = packed_words(n, bits)
-    if n_words == 0:
-        return mx.zeros((*lead, 0), dtype=mx.uint32)
-    bit_pos = mx.arange(bits, dtype=mx.uint32)
-    stream = mx.bitwise_and(mx.right_shift(codes.astype(mx.uint32)[..., None], bit_pos), 1).reshape(*lead, n * bits)
-    pad = n_words * 32 - n * bits
+    stream = mx.bitwise_and(mx.right_shift(codes.astype(mx.uint32)[..., None], mx.arange(bits, dtype=mx.uint32)), 1)
+    stream, pad = stream.reshape(*lead, n * bits), n_words * 32 - n * bits
     if pad:
         stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
-    stream = stream.reshape(*lead, n_words, 32)
-    # Bits are disjoint, so the sum of the shifted bits is their OR.
-    return mx.sum(mx.left_shift(stream, mx.arange(32, dtype=mx.uint32)), axis=-1).astype(mx.uint32)
+    # bits are disjoint, so the sum of the shifted bits is their OR
+    stream = mx.left_shift(stream.reshape(*lead, n_words, 32), mx.arange(32, dtype=mx.uint32))
+    return mx.sum(stream, axis=-1).astype(mx.uint32)
 
 
 def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
@@ -53,20 +48,15 @@ def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
     if packed.ndim == 0 or packed.shape[-1] < n_words:
         raise ValueError(f"packed has shape {packed.shape}; {n} codes of {bits} bits need {n_words} words")
     lead = packed.shape[:-1]
-    if n == 0:
-        return mx.zeros((*lead, 0), dtype=mx.uint8)
     if bits == 8:
         return mx.view(packed, mx.uint8)[..., :n]
     if bits == 4:
         b = mx.view(packed, mx.uint8)
         return mx.stack([b & 15, b >> 4], axis=-1).reshape(*lead, -1)[..., :n]
     offsets = mx.arange(n, dtype=mx.uint32) * bits
-    word = (offsets // 32).astype(mx.int32)
-    shift = offsets % 32
-    mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
-    # Append a zero word so that "next word" exists for the last code.
-    ext = mx.concatenate([packed[..., :n_words], mx.zeros((*lead, 1), dtype=mx.uint32)], axis=-1)
+    word, shift = (offsets // 32).astype(mx.int32), offsets % 32
+    ext = mx.concatenate([packed[..., :n_words], mx.zeros((*lead, 1), dtype=mx.uint32)], axis=-1)  # a next word
     lo = mx.right_shift(mx.take(ext, word, axis=-1), shift)
-    # (w << (32 - s)) computed as ((w << (31 - s)) << 1) so no shift is ever by 32.
+    # (w << (32 - s)) as ((w << (31 - s)) << 1), so no shift is ever by 32
     hi = mx.left_shift(mx.left_shift(mx.take(ext, word + 1, axis=-1), 31 - shift), 1)
-    return mx.bitwise_and(mx.bitwise_or(lo, hi), mask).astype(mx.uint8)
+    return mx.bitwise_and(mx.bitwise_or(lo, hi), (1 << bits) - 1).astype(mx.uint8)

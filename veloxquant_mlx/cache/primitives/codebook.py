@@ -1,11 +1,8 @@
 """Scalar codebooks (Lloyd–Max) and a vectorized k-means, for rotation-based quantizers.
 
-``lloyd_max_codebook(bits, d)`` is the MSE-optimal ``2**bits``-level scalar quantizer for one coordinate
-of a uniformly random unit vector in ``R^d``, whose density is (TurboQuant, arXiv 2504.19874)
-
-    f_d(x) = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)) * (1 - x^2)^((d-3)/2),   x in [-1, 1]
-
-(tending to N(0, 1/d)); Lloyd's fixed-point iteration on a fine NumPy grid, once per ``(bits, d)``.
+``lloyd_max_codebook(bits, d)`` is the MSE-optimal ``2**bits``-level quantizer for one coordinate of a
+uniformly random unit vector in ``R^d``, of density ``∝ (1 - x^2)^((d-3)/2)`` on [-1, 1] (TurboQuant,
+arXiv 2504.19874; tends to N(0, 1/d)): Lloyd's iteration on a fine NumPy grid, once per ``(bits, d)``.
 """
 
 from __future__ import annotations
@@ -17,10 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import check_int
-from .rotation import seeded_rng
-
-__all__ = ["lloyd_max_codebook", "lloyd_max_gaussian", "lloyd_max_distortion", "odd_poly_gaussian",
-           "code_boundaries", "nearest_code", "kmeans"]
+from .rotation import frozen, seeded_rng
 
 _GRID = 1 << 18  # grid cells for the numeric integration
 _TAG_KMEANS = 0x0A7E_0004
@@ -37,11 +31,10 @@ def density_grid(lo: float, hi: float, log_density, cells: int = _GRID):
 
 
 def lloyd(edges, x, w, k: int, center: float = 0.0, max_iter: int = 20000, tol: float = 1e-9):
-    """Lloyd–Max on a discretized density symmetric about ``center``: ``(centroids, mse)`` in float64.
-    Cell moments are read from cumulative sums interpolated at the exact (off-grid) boundaries, so the
-    iteration moves continuously. It starts at the high-resolution optimum (point density ∝ f^(1/3),
-    Panter–Dite) and only polishes it, which matters for 128/256 levels.
-    """
+    """Lloyd–Max on a discretized density symmetric about ``center``: ``(centroids, mse)``, float64. Cell
+    moments come from cumulative sums interpolated at the exact boundaries (the iteration moves
+    continuously); it starts at the high-resolution optimum (density ∝ f^(1/3), Panter–Dite), which matters
+    for 128/256 levels."""
     cums = [np.concatenate([[0.0], np.cumsum(w * x**p)]) for p in range(3)]
 
     def cells(c):
@@ -60,24 +53,18 @@ def lloyd(edges, x, w, k: int, center: float = 0.0, max_iter: int = 20000, tol: 
         if done:
             break
     m0, m1, m2 = cells(c)
-    return c, float(np.sum(m2 - 2 * c * m1 + c * c * m0))  # sum over cells of E[(x - c)^2]
-
-
-def _frozen(c, mse):
-    c = np.asarray(c, dtype=np.float32)
-    c.setflags(write=False)
-    return c, mse
+    return frozen(c), float(np.sum(m2 - 2 * c * m1 + c * c * m0))  # sum over cells of E[(x - c)^2]
 
 
 @functools.lru_cache(maxsize=128)
 def _beta_codebook(bits: int, d: int):
     half = min(1.0, 14.0 / math.sqrt(d))  # beyond ~14 standard deviations the mass is < 1e-40
-    return _frozen(*lloyd(*density_grid(-half, half, lambda x: 0.5 * (d - 3) * np.log1p(-x * x)), 1 << bits))
+    return lloyd(*density_grid(-half, half, lambda x: 0.5 * (d - 3) * np.log1p(-x * x)), 1 << bits)
 
 
 @functools.lru_cache(maxsize=16)
 def _gauss_codebook(bits: int):
-    return _frozen(*lloyd(*density_grid(-14.0, 14.0, lambda x: -0.5 * x * x), 1 << bits))
+    return lloyd(*density_grid(-14.0, 14.0, lambda x: -0.5 * x * x), 1 << bits)
 
 
 def lloyd_max_codebook(bits: int, d: int) -> mx.array:
@@ -96,8 +83,7 @@ def lloyd_max_distortion(bits: int, d: int | None = None) -> float:
     bits = check_int("bits", bits, 1, 8)
     if d is None:
         return _gauss_codebook(bits)[1]
-    d = check_int("d", d, 2)
-    return d * _beta_codebook(bits, d)[1]
+    return d * _beta_codebook(bits, check_int("d", d, 2))[1]
 
 
 @functools.lru_cache(maxsize=16)
@@ -109,9 +95,9 @@ def _odd_poly_np(bits: int):
 
 def odd_poly_gaussian(bits: int) -> tuple[mx.array, tuple[float, float, float]]:
     """A ``2**bits``-level N(0, 1) codebook that is an odd polynomial ``a u + b u^3 + c u^5`` of the centred
-    code index ``u = k - (2**bits - 1) / 2``, least-squares fitted to Lloyd-Max's centroids. Decoding is
-    arithmetic (no table gather, ~20x slower on MLX's CPU backend); its distortion is within 0.2% (4 bits),
-    0.1% (3 bits) and 0% (1-2 bits) of Lloyd-Max's. Returns (sorted centroids float32, (a, b, c))."""
+    code index ``u = k - (2**bits - 1) / 2``, least-squares fitted to Lloyd-Max's centroids: decoding is
+    arithmetic (no table gather, ~20x slower on MLX's CPU backend), distortion within 0.2% (4 bits), 0.1%
+    (3 bits), 0% (1-2 bits) of Lloyd-Max's. Returns (sorted centroids float32, (a, b, c))."""
     coef = _odd_poly_np(check_int("bits", bits, 1, 8))
     u = np.arange(1 << bits) - ((1 << bits) - 1) / 2
     return mx.array((coef[0] * u + coef[1] * u**3 + coef[2] * u**5).astype(np.float32)), coef
@@ -124,43 +110,21 @@ def code_boundaries(centroids: mx.array) -> mx.array:
 
 
 def nearest_code(x: mx.array, centroids: mx.array) -> mx.array:
-    """``uint8`` index of the nearest of the sorted ``centroids`` (at most 256) for every entry of ``x``:
-    a branch-free binary search over the boundaries (``ceil(log2 K)`` gathers and compares, memory
-    ``O(x.size)``); ties go to the lower code."""
+    """``uint8`` index of the nearest of the sorted ``centroids`` (at most 256) for every entry of ``x``: a
+    branch-free binary search over the boundaries (``ceil(log2 K)`` gathers, memory ``O(x.size)``); ties go
+    to the lower code."""
     k = int(centroids.size)
     if not 1 <= k <= 256:
         raise ValueError(f"centroids has {k} entries; expected 1..256")
-    if k == 1:
-        return mx.zeros(x.shape, dtype=mx.uint8)
     levels = (k - 1).bit_length()
     bnd = code_boundaries(centroids)
-    pad = (1 << levels) - k  # pad to a power of two with +inf (never crossed)
-    if pad:
-        bnd = mx.concatenate([bnd, mx.full((pad,), float("inf"), dtype=mx.float32)])
-    xf = x.astype(mx.float32)
-    idx = mx.zeros(x.shape, dtype=mx.int32)
+    if (1 << levels) > k:  # pad to a power of two with +inf (never crossed)
+        bnd = mx.concatenate([bnd, mx.full(((1 << levels) - k,), float("inf"), dtype=mx.float32)])
+    xf, idx = x.astype(mx.float32), mx.zeros(x.shape, dtype=mx.int32)
     for level in range(levels):
         cand = idx + (1 << (levels - 1 - level))
         idx = mx.where(xf > mx.take(bnd, cand - 1), cand, idx)
     return idx.astype(mx.uint8)
-
-
-def _kmeans_pp_init(xf: mx.array, x2: mx.array, k: int, rng: np.random.Generator) -> mx.array:
-    """k-means++ seeding: each new centre is a row drawn with probability ∝ its squared distance to the
-    nearest centre so far."""
-    n = xf.shape[0]
-    chosen = [int(rng.integers(n))]
-    d2 = mx.maximum(x2[:, 0] - 2.0 * (xf @ xf[chosen[0]]) + x2[chosen[0], 0], 0.0)
-    for _ in range(1, k):
-        p = np.asarray(d2, dtype=np.float64)
-        total = p.sum()
-        if total <= 0:  # fewer distinct rows than k: take any row not chosen yet
-            nxt = int(rng.choice(np.setdiff1d(np.arange(n), chosen)))
-        else:
-            nxt = int(rng.choice(n, p=p / total))
-        chosen.append(nxt)
-        d2 = mx.minimum(d2, mx.maximum(x2[:, 0] - 2.0 * (xf @ xf[nxt]) + x2[nxt, 0], 0.0))
-    return xf[mx.array(np.array(chosen, dtype=np.int32))]
 
 
 def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
@@ -172,12 +136,25 @@ def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
     n = x.shape[0]
     k, iters = check_int("k", k, 1, n), check_int("iters", iters, 0)
     xf = x.astype(mx.float32)
-    x2 = mx.sum(xf * xf, axis=1, keepdims=True)
-    cent = _kmeans_pp_init(xf, x2, k, seeded_rng(_TAG_KMEANS, seed))
+    x2 = mx.sum(xf * xf, axis=1)
+    # k-means++: each new centre is a row drawn with probability ∝ its squared distance to the nearest so far
+    rng = seeded_rng(_TAG_KMEANS, seed)
+    chosen, d2 = [], mx.full((n,), mx.inf)
+    for _ in range(k):
+        p = np.asarray(d2, dtype=np.float64) if chosen else None
+        if p is None:
+            nxt = int(rng.integers(n))
+        elif p.sum() <= 0:  # fewer distinct rows than k: take any row not chosen yet
+            nxt = int(rng.choice(np.setdiff1d(np.arange(n), chosen)))
+        else:
+            nxt = int(rng.choice(n, p=p / p.sum()))
+        chosen.append(nxt)
+        d2 = mx.minimum(d2, mx.maximum(x2 - 2.0 * (xf @ xf[nxt]) + x2[nxt], 0.0))
+    cent = xf[mx.array(np.array(chosen, dtype=np.int32))]
     ar = mx.arange(k)
 
     def assign(c):
-        return mx.argmin(x2 - 2.0 * (xf @ c.T) + mx.sum(c * c, axis=1)[None, :], axis=1)
+        return mx.argmin(x2[:, None] - 2.0 * (xf @ c.T) + mx.sum(c * c, axis=1)[None, :], axis=1)
 
     labels = assign(cent)
     for _ in range(iters):
@@ -194,9 +171,9 @@ def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
 
 def smallest_k(d: mx.array, k: int, group: int = 16) -> mx.array:
     """Column indices ``[m, k]`` of the ``k`` smallest entries of each row of ``d [m, n]`` (unordered), for
-    small ``k``. MLX's CPU ``argpartition`` costs ~10x an ``argmin``, so: repeated argmins over the minima
-    of column groups of ``group`` pick ``k`` groups (every one of the ``k`` smallest entries lies in one of
-    them), then the ``k`` smallest of those ``k * group`` entries. Exact; O(n) per row."""
+    small ``k``, exact. MLX's CPU ``argpartition`` costs ~10x an ``argmin``, so repeated argmins over the
+    minima of column groups of ``group`` pick ``k`` groups (holding the ``k`` smallest), then the ``k``
+    smallest of those ``k * group`` entries."""
     m, n = d.shape
     if n % group or n <= k * group:
         return _argmin_k(d, k)
@@ -209,9 +186,7 @@ def smallest_k(d: mx.array, k: int, group: int = 16) -> mx.array:
 def _argmin_k(d: mx.array, k: int) -> mx.array:
     """``k`` repeated row argmins of ``d [m, n]``, each found entry masked with +inf: ``[m, k]``."""
     out = []
-    for b in range(k):
-        i = mx.argmin(d, axis=1, keepdims=True)
-        out.append(i)
-        if b + 1 < k:
-            d = mx.put_along_axis(d, i, mx.array(mx.inf, d.dtype), axis=1)
-    return out[0] if k == 1 else mx.concatenate(out, axis=1)
+    for _ in range(k):
+        out.append(mx.argmin(d, axis=1, keepdims=True))
+        d = mx.put_along_axis(d, out[-1], mx.array(mx.inf, d.dtype), axis=1)
+    return mx.concatenate(out, axis=1)

@@ -11,9 +11,8 @@ or ``FORMAT_RAW`` (0xC3) then the streams packed at ``bits`` bits when coding wo
 
 from __future__ import annotations
 
+import constriction
 import numpy as np
-
-__all__ = ["prob_bits", "encode", "decode", "raw_nbytes", "FORMAT_ANS", "FORMAT_RAW"]
 
 FORMAT_ANS, FORMAT_RAW = 0xC2, 0xC3
 
@@ -40,18 +39,10 @@ def _unpack_raw(buf: np.ndarray, t: int, n: int, bits: int, dtype=np.uint8) -> n
     return (b.astype(np.int64) << np.arange(bits, dtype=np.int64)).sum(-1).astype(dtype)
 
 
-def _constriction():
-    try:
-        import constriction
-    except ImportError as exc:  # a dependency; only a broken install gets here
-        raise ImportError("entropy-coded saved forms need constriction: pip install constriction") from exc
-    return constriction
-
-
 def _models(F: np.ndarray):
     """One leaky categorical model per table of stored frequencies (None for a table with no counts)."""
-    c = _constriction()
-    return [c.stream.model.Categorical(f / f.sum(), perfect=False) if f.any() else None for f in F.astype(np.float64)]
+    return [constriction.stream.model.Categorical(f / f.sum(), perfect=False) if f.any() else None
+            for f in F.astype(np.float64)]
 
 
 def encode(symbols: np.ndarray, bits: int, table_of: np.ndarray, n_tables: int) -> np.ndarray:
@@ -62,7 +53,7 @@ def encode(symbols: np.ndarray, bits: int, table_of: np.ndarray, n_tables: int) 
     tab = np.asarray(table_of, dtype=np.int64)
     cnt = np.bincount((tab[:, None] * S + sym).ravel(), minlength=n_tables * S).reshape(n_tables, S)
     F = (cnt * ((1 << P) - 1)) // np.maximum(cnt.sum(-1, keepdims=True), 1)  # < 2**P; a used symbol may get 0
-    coder = _constriction().stream.stack.AnsCoder()
+    coder = constriction.stream.stack.AnsCoder()
     models = _models(F)
     for t in reversed(range(n_tables)):  # a stack: the last table coded is the first decoded
         streams = sym[tab == t]
@@ -87,7 +78,7 @@ def decode(buf: np.ndarray, T: int, n: int, bits: int, table_of: np.ndarray, n_t
     nt = (n_tables * S * P + 7) // 8
     F = _unpack_raw(buf[1 : 1 + nt], 1, n_tables * S, P, np.int64).reshape(n_tables, S)
     tail = buf[1 + nt :]
-    coder = _constriction().stream.stack.AnsCoder(tail[: tail.size // 4 * 4].view("<u4").astype(np.uint32))
+    coder = constriction.stream.stack.AnsCoder(tail[: tail.size // 4 * 4].view("<u4").astype(np.uint32))
     models = _models(F)
     tab = np.asarray(table_of, dtype=np.int64)
     out = np.empty((T, n), dtype=np.uint8)

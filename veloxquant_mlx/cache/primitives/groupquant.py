@@ -1,16 +1,13 @@
 """Group-affine (asymmetric min/max) scalar quantization: the shared primitive of the scalar quantizers.
 
-Along the last axis every ``group`` elements share a float16 scale ``s = (max - min) / (2^bits - 1)`` and
-bias ``z = min``; an element is the ``bits``-bit code ``round((x - z) / s)``, read back as ``c * s + z``.
-``codes`` are ``uint32`` words, each group owning whole words (``words_per_group``), so quantizing a block of
-whole groups and writing it after earlier ones equals quantizing the concatenation (appendable buffers).
-
-The kernel follows from ``(bits, group)`` alone, so ``dequantize`` always matches ``quantize``: MLX's
-``mx.quantize`` for bits in ``MX_BITS`` and groups in ``MX_GROUPS`` (input cast to float16 first; the only
-layout ``mx.quantized_matmul`` takes), else a vectorized MLX kernel with the same rule whose groups are
-``bitpack`` rows (the same bit stream). Per-channel quantization (KIVI keys: groups of tokens per channel)
-quantizes the transposed block: ``[..., D, T]`` along ``T``, the layout ``quantized_matmul(q, codes,
-transpose=False)`` multiplies as ``q @ K^T``.
+Along the last axis every ``group`` elements share a float16 scale ``s = (max - min) / (2^bits - 1)`` and bias
+``z = min``; an element is the code ``round((x - z) / s)``, read back as ``c * s + z``. ``codes`` are ``uint32``
+words, each group owning whole words, so blocks of whole groups append (quantizing a block after earlier ones
+equals quantizing the concatenation). The kernel follows from ``(bits, group)`` alone: MLX's ``mx.quantize``
+for bits in ``MX_BITS`` and groups in ``MX_GROUPS`` (input cast to float16; the layout ``mx.quantized_matmul``
+takes), else the same rule in MLX ops on ``bitpack`` rows. Per-channel quantization (KIVI keys) quantizes the
+transposed block ``[..., D, T]`` along ``T``, which ``quantized_matmul(q, codes, transpose=False)`` reads as
+``q @ K^T``.
 """
 
 from __future__ import annotations
@@ -22,19 +19,14 @@ import mlx.core as mx
 from . import check_int
 from .bitpack import pack_bits, unpack_bits
 
-__all__ = ["MX_BITS", "MX_GROUPS", "SCALE_DTYPE", "GroupQuantized", "uses_mx_kernels", "words_per_group",
-           "group_bytes_per_element", "quantize", "dequantize", "quantize_per_channel", "dequantize_per_channel"]
-
 MX_BITS = (2, 3, 4, 5, 6, 8)
 MX_GROUPS = (32, 64, 128)
 SCALE_DTYPE = mx.float16
 
 
 class GroupQuantized(NamedTuple):
-    """Packed codes (uint32) and float16 per-group scales and biases."""
-
-    codes: mx.array
-    scales: mx.array
+    codes: mx.array  # uint32 words
+    scales: mx.array  # float16, one per group
     biases: mx.array
 
 
@@ -57,16 +49,14 @@ def quantize(x: mx.array, bits: int, group: int, reference: bool = False) -> Gro
     """Quantize ``x [..., n]`` along its last axis in groups of ``group`` (``n % group == 0``). ``reference``:
     the min/max rule on the float32 input whatever ``(bits, group)`` (MLX's kernel rounds the input to
     float16 and shifts its levels to hold zero: up to 0.89 step at 8 bits); ``dequantize`` reads either."""
-    mx_kernel = uses_mx_kernels(bits, group) and not reference
     n, lead = x.shape[-1], x.shape[:-1]
     if n % group:
         raise ValueError(f"last axis {n} is not a multiple of group={group}")
-    if mx_kernel:
+    if uses_mx_kernels(bits, group) and not reference:
         codes, scales, biases = mx.quantize(x.astype(SCALE_DTYPE), group_size=group, bits=bits)
         return GroupQuantized(codes, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE))
     xg = x.astype(mx.float32).reshape(*lead, n // group, group)
-    lo = xg.min(axis=-1, keepdims=True)
-    levels = float(2**bits - 1)
+    lo, levels = xg.min(axis=-1, keepdims=True), float(2**bits - 1)
     scales = ((xg.max(axis=-1, keepdims=True) - lo) / levels).astype(SCALE_DTYPE)
     biases = lo.astype(SCALE_DTYPE)
     s = scales.astype(mx.float32)
@@ -80,15 +70,14 @@ def dequantize(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, g
     s, b = scales.astype(dtype), biases.astype(dtype)
     if uses_mx_kernels(bits, group):
         return mx.dequantize(codes, s, b, group_size=group, bits=bits)
-    lead = codes.shape[:-1]
-    ng = scales.shape[-1]
+    lead, ng = codes.shape[:-1], scales.shape[-1]
     q = unpack_bits(codes.reshape(*lead, ng, -1), bits, group).astype(dtype)
     return (q * s[..., None] + b[..., None]).reshape(*lead, ng * group)
 
 
 def quantize_per_channel(x: mx.array, bits: int, group: int) -> GroupQuantized:
-    """Each channel of ``x [..., T, D]`` in groups of ``group`` tokens: the transposed block's codes
-    ``[..., D, (T/group)*wpg]``, scales and biases ``[..., D, T/group]``."""
+    """Each channel of ``x [..., T, D]`` in groups of ``group`` tokens: codes ``[..., D, (T/group)*words]``,
+    scales and biases ``[..., D, T/group]``."""
     return quantize(x.swapaxes(-1, -2), bits, group)
 
 

@@ -1,11 +1,9 @@
-"""Batched low-rank fits of small matrices (GEAR's residual, arXiv 2403.05527): one CPU SVD (MLX's SVD
-is CPU-only) per call."""
+"""Batched low-rank fits of small matrices (GEAR's residual, arXiv 2403.05527): one CPU SVD (MLX's SVD is
+CPU-only) per call."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-
-__all__ = ["lowrank_factors", "energy_rank"]
 
 
 def _svd(r):

@@ -1,12 +1,10 @@
 """Low-rank fitting and latent-channel coding, shared by the low-rank caches (``svdq``, ``palu``, ``kvtc``).
 
-``fit_basis`` finds per (batch, head group) principal directions of a block of rows (one CPU ``eigh`` per
-prompt, never per decode step); ``energy_rank`` / ``dp_allocate`` choose the rank and the bits per latent
-channel (a multiple-choice knapsack by dynamic programming); ``encode_latents`` / ``decode_latents_t``
-quantize latent channels with a width each (0 = dropped, 16 = float16). Channels are sorted by decreasing
-width so equal widths form contiguous segments, each quantized along tokens in groups of ``G``
-(``groupquant``); one token group's words of all segments form one row, so whole groups append by rows
-(axis 2). Python loops run only over the (at most 9) distinct widths.
+``fit_basis`` finds principal directions per (batch, head group) (one CPU ``eigh`` per prompt); ``energy_rank``
+/ ``dp_allocate`` choose the rank and each latent channel's width (0 = dropped, 16 = float16);
+``encode_latents`` / ``decode_latents_t`` code the channels. Channels sort by decreasing width, so equal widths
+form segments, each quantized along tokens in groups of ``G`` (``groupquant``); a token group's words of all
+segments form one row, so whole groups append by rows (axis 2).
 """
 
 from __future__ import annotations
@@ -18,9 +16,6 @@ import mlx.core as mx
 import numpy as np
 
 from . import groupquant as gq
-
-__all__ = ["group_heads", "ungroup_heads", "fit_basis", "energy_rank", "captured_energy", "dp_allocate",
-           "LatentLayout", "encode_latents", "decode_latents_t", "measure_distortion"]
 
 FLOAT_BITS = 16  # a latent channel stored as float16
 
@@ -40,10 +35,9 @@ def ungroup_heads(x: mx.array, n_heads: int) -> mx.array:
 
 
 def fit_basis(x: mx.array, center: bool = False):
-    """Principal directions of the rows of ``x [B, Hg, T, F]``: eigenvectors of ``XᵀX`` (the right singular
-    vectors), or of the covariance with ``center`` (PCA). Returns ``(basis [B, Hg, F, F]`` with columns by
-    decreasing energy, ``energy [B, Hg, F]`` (summed squared projections), ``mean [B, Hg, 1, F]`` or None),
-    float32."""
+    """Principal directions of the rows of ``x [B, Hg, T, F]`` (eigenvectors of ``XᵀX``, of the covariance with
+    ``center``): float32 ``(basis [B, Hg, F, F]`` by decreasing energy, ``energy [B, Hg, F]``, ``mean [B, Hg, 1,
+    F]`` or None)."""
     x = x.astype(mx.float32)
     mean = x.mean(axis=2, keepdims=True) if center else None
     if center:
@@ -54,13 +48,12 @@ def fit_basis(x: mx.array, center: bool = False):
 
 def captured_energy(energy: mx.array, rank: int) -> mx.array:
     """Fraction of the energy in the first ``rank`` components, per (batch, group)."""
-    total = energy.sum(axis=-1)
-    return energy[..., :rank].sum(axis=-1) / mx.maximum(total, 1e-30)
+    return energy[..., :rank].sum(axis=-1) / mx.maximum(energy.sum(axis=-1), 1e-30)
 
 
 def energy_rank(energy: mx.array, threshold: float) -> int:
-    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group) (the
-    maximum of the per-head ranks). One host sync (fit time only)."""
+    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group). One
+    host sync (fit time only)."""
     e = np.asarray(energy.astype(mx.float32)).reshape(-1, energy.shape[-1]).astype(np.float64)
     frac = np.cumsum(e, axis=-1) / np.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
     r = (frac < threshold - 1e-9).sum(axis=-1) + 1  # the 1e-9: round-off at threshold 1.0
@@ -68,9 +61,9 @@ def energy_rank(energy: mx.array, threshold: float) -> int:
 
 
 def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit: float = 1.0):
-    """The C bit widths (of the K ``choices``) minimising ``sum_c distortion[c, k_c] + lam * sum_c cost[k_c]``
-    subject to ``sum_c cost[k_c] <= budget``: ``distortion [C, K]``, ``cost`` K costs in bits (multiples of
-    ``unit``). Dynamic programming over (component, budget used), vectorised over the budget axis."""
+    """The C widths (of the K ``choices``) minimising ``sum_c distortion[c, k_c] + lam * sum_c cost[k_c]``
+    subject to ``sum_c cost[k_c] <= budget`` (costs in bits, multiples of ``unit``): a multiple-choice knapsack
+    by dynamic programming over (component, budget used), vectorised over the budget axis."""
     d = np.asarray(distortion, dtype=np.float64)
     C, K = d.shape
     w = np.rint(np.asarray(cost, dtype=np.float64) / unit).astype(np.int64)
@@ -81,30 +74,25 @@ def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit
     best = np.zeros(cap + 1)  # best[u] = min distortion of components processed so far using <= u units
     choice = np.zeros((C, cap + 1), dtype=np.int16)
     for c in range(C):  # fit time only
-        new = np.full(cap + 1, np.inf)
-        arg = np.zeros(cap + 1, dtype=np.int16)
-        for k in range(K):
-            if w[k] > cap:
-                continue
+        new, arg = np.full(cap + 1, np.inf), np.zeros(cap + 1, dtype=np.int16)
+        for k in np.nonzero(w <= cap)[0]:
             cand = np.full(cap + 1, np.inf)
             cand[w[k]:] = best[: cap + 1 - w[k]] + d[c, k]
             better = cand < new
-            new = np.where(better, cand, new)
-            arg = np.where(better, k, arg)
+            new, arg = np.where(better, cand, new), np.where(better, k, arg)
         if not np.isfinite(new[cap]):
             raise ValueError(f"budget {budget} cannot cover {C} components with costs {list(cost)}")
         best, choice[c] = new, arg
     out, u = [0] * C, cap
     for c in range(C - 1, -1, -1):
         k = int(choice[c, u])
-        out[c] = int(choices[k])
-        u -= int(w[k])
+        out[c], u = int(choices[k]), u - int(w[k])
     return out
 
 
 @dataclass(frozen=True)
 class LatentLayout:
-    """Bit widths of the kept latent channels (non-increasing; 16 = float16) and the token group."""
+    """Widths of the kept latent channels (non-increasing; 16 = float16) and the token group."""
 
     bits: tuple
     group: int
@@ -114,45 +102,35 @@ class LatentLayout:
         if not b or any(x <= 0 for x in b) or b != sorted(b, reverse=True):
             raise ValueError(f"latent bits must be positive and non-increasing, got {b}")
 
-    @property
-    def rank(self) -> int:
-        return len(self.bits)
+    rank = property(lambda self: len(self.bits))
+    n_float = property(lambda self: self.bits.count(FLOAT_BITS))
+    n_quant = property(lambda self: self.rank - self.n_float)
+    words = property(lambda self: sum(s[4] - s[3] for s in self.segments()), doc="uint32 words per token group.")
 
     def segments(self):
-        """(bits, first channel, end channel, first word, end word) of each run of equal widths
-        (quantized runs only; words per token group)."""
+        """(bits, first channel, end channel, first word, end word) of each quantized run of equal widths."""
         out, c0, w0 = [], 0, 0
         for b, run in itertools.groupby(self.bits):
             c1 = c0 + len(list(run))
             if b != FLOAT_BITS:
-                w1 = w0 + (c1 - c0) * gq.words_per_group(b, self.group)
-                out.append((b, c0, c1, w0, w1))
-                w0 = w1
+                out.append((b, c0, c1, w0, w0 + (c1 - c0) * gq.words_per_group(b, self.group)))
+                w0 = out[-1][4]
             c0 = c1
         return out
-
-    @property
-    def n_float(self) -> int:
-        return sum(1 for x in self.bits if x == FLOAT_BITS)
-
-    @property
-    def n_quant(self) -> int:
-        return self.rank - self.n_float
-
-    @property
-    def words(self) -> int:
-        """uint32 words per token group (all quantized channels)."""
-        return sum(s[4] - s[3] for s in self.segments())
 
     def bytes_per_token(self) -> float:
         """Stored bytes per token per (batch, group): codes + float16 scale/bias + float16 channels."""
         return (4 * self.words + 4 * self.n_quant) / self.group + 2 * self.n_float
 
 
+def _cat(xs):
+    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1)
+
+
 def encode_latents(z: mx.array, layout: LatentLayout):
     """Quantize latents ``z [B, Hg, n, r]`` (n a multiple of G): ``(codes [B, Hg, n/G, W] uint32, scales and
-    biases [B, Hg, n/G, r_q] float16, raw [B, Hg, n, r_f] float16)``, None for empty parts. Width 16 sorts
-    first: the float16 channels are ``[0, r_f)``."""
+    biases [B, Hg, n/G, r_q] float16, raw [B, Hg, n, r_f] float16)``, None for empty parts. The float16
+    channels (width 16 sorts first) are ``[0, r_f)``."""
     B, Hg, n, _ = z.shape
     G, nf = layout.group, layout.n_float
     raw = z[..., :nf].astype(mx.float16) if nf else None
@@ -164,19 +142,14 @@ def encode_latents(z: mx.array, layout: LatentLayout):
         codes.append(q.codes.reshape(B, Hg, nc, n // G, w).transpose(0, 1, 3, 2, 4).reshape(B, Hg, n // G, nc * w))
         scales.append(q.scales.swapaxes(-1, -2))
         biases.append(q.biases.swapaxes(-1, -2))
-    if not codes:
-        return None, None, None, raw
-    cat = (lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1))
-    return cat(codes), cat(scales), cat(biases), raw
+    return (_cat(codes), _cat(scales), _cat(biases), raw) if codes else (None, None, None, raw)
 
 
 def decode_latents_t(codes, scales, biases, raw, n: int, layout: LatentLayout, dtype=mx.float32) -> mx.array:
     """Latentsᵀ ``[B, Hg, r, n]`` of the first ``n`` tokens (n a multiple of G) in ``dtype``."""
     G, nf = layout.group, layout.n_float
     g = n // G
-    parts = []
-    if nf:
-        parts.append(raw[:, :, :n].astype(dtype).swapaxes(-1, -2))
+    parts = [raw[:, :, :n].astype(dtype).swapaxes(-1, -2)] if nf else []
     for b, c0, c1, w0, w1 in layout.segments():
         B, Hg = codes.shape[:2]
         nc, w = c1 - c0, gq.words_per_group(b, G)
@@ -190,12 +163,6 @@ def measure_distortion(z: mx.array, choices, group: int) -> mx.array:
     """``[C, K]`` float32: squared error of each latent channel of ``z [B, Hg, n, C]`` at each width of
     ``choices`` (0 = dropped: the channel's energy), summed over (B, Hg, tokens)."""
     zt = z.astype(mx.float32).swapaxes(-1, -2)  # [B, Hg, C, n]
-    cols = []
-    for b in choices:
-        if b == 0:
-            err = zt * zt
-        else:
-            q = gq.quantize(zt, int(b), group)
-            err = (gq.dequantize(*q, int(b), group) - zt) ** 2
-        cols.append(err.sum(axis=(0, 1, 3)))
-    return mx.stack(cols, axis=-1)
+    errs = [zt * zt if b == 0 else (gq.dequantize(*gq.quantize(zt, int(b), group), int(b), group) - zt) ** 2
+            for b in choices]
+    return mx.stack([e.sum(axis=(0, 1, 3)) for e in errs], axis=-1)

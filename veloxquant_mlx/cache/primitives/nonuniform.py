@@ -6,27 +6,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["fit_levels", "encode_levels", "decode_levels", "split_outliers", "scatter_outliers",
-           "token_importance", "tier_counts"]
-
-
 def fit_levels(u: mx.array, bits: int, iters: int) -> mx.array:
     """Sorted float32 levels ``[..., 2**bits]`` per row of ``u [..., T]`` (normalized to [0, 1]): ``iters``
     rounds of 1-D Lloyd from the row's quantiles (a level with no samples keeps its place), all rows at once."""
-    L = 1 << bits
-    uf = u.astype(mx.float32)
-    T = uf.shape[-1]
-    srt = mx.sort(uf, axis=-1)
-    pos = ((mx.arange(L, dtype=mx.float32) + 0.5) / L * T).astype(mx.int32)
-    pos = mx.minimum(pos, T - 1)
-    lv = mx.take(srt, pos, axis=-1)  # row quantiles
+    L, uf = 1 << bits, u.astype(mx.float32)
+    pos = mx.minimum(((mx.arange(L, dtype=mx.float32) + 0.5) / L * uf.shape[-1]).astype(mx.int32), uf.shape[-1] - 1)
+    lv = mx.take(mx.sort(uf, axis=-1), pos, axis=-1)  # row quantiles
     for _ in range(iters):
-        code = encode_levels(uf, lv)
-        onehot = (code[..., None] == mx.arange(L)).astype(mx.float32)  # [..., T, L]
+        onehot = (encode_levels(uf, lv)[..., None] == mx.arange(L)).astype(mx.float32)  # [..., T, L]
         cnt = onehot.sum(axis=-2)
-        tot = (onehot * uf[..., None]).sum(axis=-2)
-        lv = mx.where(cnt > 0, tot / mx.maximum(cnt, 1.0), lv)
-        lv = mx.sort(lv, axis=-1)
+        lv = mx.sort(mx.where(cnt > 0, (onehot * uf[..., None]).sum(axis=-2) / mx.maximum(cnt, 1.0), lv), axis=-1)
     return lv
 
 
@@ -45,7 +34,6 @@ def decode_levels(codes: mx.array, levels: mx.array, dtype=mx.float32) -> mx.arr
 def split_outliers(x: mx.array, k: int):
     """``(idx [..., k] uint16/32, vals [..., k] float16, x_dense)``: the k largest |x| of every row of
     ``x [..., n]`` and x with them set to the row's inlier midrange (the dense part's range shrinks)."""
-    n = x.shape[-1]
     xf = x.astype(mx.float32)
     if k <= 0:
         return None, None, xf
@@ -55,7 +43,7 @@ def split_outliers(x: mx.array, k: int):
     hi = mx.where(is_out, -mx.inf, xf).max(axis=-1, keepdims=True)
     lo = mx.where(is_out, mx.inf, xf).min(axis=-1, keepdims=True)
     dense = mx.where(is_out, 0.5 * (hi + lo), xf)
-    return idx.astype(mx.uint16 if n <= 65536 else mx.uint32), vals.astype(mx.float16), dense
+    return idx.astype(mx.uint16 if x.shape[-1] <= 65536 else mx.uint32), vals.astype(mx.float16), dense
 
 
 def scatter_outliers(x: mx.array, idx: mx.array, vals: mx.array) -> mx.array:

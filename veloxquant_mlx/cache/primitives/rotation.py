@@ -1,9 +1,6 @@
-"""Seeded random rotations (d x d orthogonal matrices) as float32 MLX arrays.
-
-Draws use NumPy's ``default_rng`` seeded with ``(stream tag, seed)``: a matrix depends only on ``(d, seed)``
-(not on MLX's global RNG), and primitives sharing a seed (a rotation and a JL sketch) draw independently.
-Factorisations run in float64, rounded to float32.
-"""
+"""Seeded random rotations (d x d orthogonal, float32 MLX arrays). Draws use NumPy's ``default_rng`` seeded
+with ``(stream tag, seed)``: a matrix depends only on ``(d, seed)``, and primitives sharing a seed (a rotation
+and a JL sketch) draw independently. Factorisations run in float64."""
 
 from __future__ import annotations
 
@@ -14,10 +11,7 @@ import numpy as np
 
 from . import check_int
 
-__all__ = ["random_orthogonal", "randomized_hadamard", "hadamard", "seeded_rng"]
-
-_TAG_ORTHOGONAL = 0x0A7E_0001
-_TAG_HADAMARD = 0x0A7E_0002
+_TAG_ORTHOGONAL, _TAG_HADAMARD = 0x0A7E_0001, 0x0A7E_0002
 
 
 def seeded_rng(tag: int, seed: int) -> np.random.Generator:
@@ -25,8 +19,9 @@ def seeded_rng(tag: int, seed: int) -> np.random.Generator:
     return np.random.default_rng([int(tag), check_int("seed", seed) % (1 << 64)])
 
 
-def _frozen(m: np.ndarray) -> np.ndarray:
-    m = m.astype(np.float32)
+def frozen(m: np.ndarray) -> np.ndarray:
+    """A read-only float32 copy (safe to hand out of an ``lru_cache``)."""
+    m = np.asarray(m, dtype=np.float32)
     m.setflags(write=False)
     return m
 
@@ -34,9 +29,8 @@ def _frozen(m: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _orthogonal_np(d: int, seed: int) -> np.ndarray:
     q, r = np.linalg.qr(seeded_rng(_TAG_ORTHOGONAL, seed).standard_normal((d, d)))
-    s = np.sign(np.diag(r))  # diag(R) > 0 makes Q Haar-distributed (and the factorisation unique)
-    s[s == 0] = 1.0
-    return _frozen(q * s[None, :])
+    s = np.where(np.diag(r) < 0, -1.0, 1.0)  # diag(R) > 0 makes Q Haar-distributed
+    return frozen(q * s[None, :])
 
 
 def random_orthogonal(d: int, seed: int) -> mx.array:
@@ -46,30 +40,25 @@ def random_orthogonal(d: int, seed: int) -> mx.array:
 
 @functools.lru_cache(maxsize=16)
 def _hadamard_np(d: int) -> np.ndarray:
+    d = check_int("d", d, 1)
+    if d & (d - 1):
+        raise ValueError(f"d={d!r} is invalid: expected a power of two")
     h = np.ones((1, 1))
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
     return h / np.sqrt(d)
 
 
-def _power_of_two(d) -> int:
-    d = check_int("d", d, 1)
-    if d & (d - 1):
-        raise ValueError(f"d={d!r} is invalid: expected a power of two")
-    return d
-
-
 def hadamard(d: int) -> mx.array:
     """Normalized Sylvester Hadamard matrix ``H / sqrt(d)`` (``d`` a power of two)."""
-    return mx.array(_hadamard_np(_power_of_two(d)).astype(np.float32))
+    return mx.array(_hadamard_np(d).astype(np.float32))
 
 
 @functools.lru_cache(maxsize=64)
 def _randomized_hadamard_np(d: int, seed: int) -> np.ndarray:
-    signs = seeded_rng(_TAG_HADAMARD, seed).choice(np.array([-1.0, 1.0]), size=d)
-    return _frozen(_hadamard_np(d) * signs[None, :])
+    return frozen(_hadamard_np(d) * seeded_rng(_TAG_HADAMARD, seed).choice(np.array([-1.0, 1.0]), size=d)[None, :])
 
 
 def randomized_hadamard(d: int, seed: int) -> mx.array:
     """``H D``: normalized Hadamard times a seeded random +-1 diagonal; ``d`` a power of two."""
-    return mx.array(_randomized_hadamard_np(_power_of_two(d), check_int("seed", seed)))
+    return mx.array(_randomized_hadamard_np(d, check_int("seed", seed)))

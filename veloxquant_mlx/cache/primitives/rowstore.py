@@ -10,19 +10,14 @@ class RowStore:
     rows ``[0, n)`` are valid, the rest is held capacity (counted in ``nbytes``)."""
 
     def __init__(self, specs: dict, initial_capacity: int):
-        self.specs = specs
-        self.initial_capacity = initial_capacity
-        self.arrays: dict[str, mx.array] = {}
-        self.capacity = 0
-        self.n = 0
+        self.specs, self.initial_capacity = specs, initial_capacity  # specs: name -> (row shape, dtype)
+        self.clear()
 
     def _allocate(self, capacity: int) -> None:
-        new = {}
-        for name, (shape, dtype) in self.specs.items():  # specs: name -> (row shape, dtype)
-            buf = mx.zeros((capacity, *shape), dtype=dtype)
+        new = {name: mx.zeros((capacity, *shape), dtype=dtype) for name, (shape, dtype) in self.specs.items()}
+        for name, buf in new.items():
             if self.n:
                 buf[: self.n] = self.arrays[name][: self.n]
-            new[name] = buf
         self.arrays, self.capacity = new, capacity
 
     def append(self, rows: dict) -> None:
@@ -44,7 +39,7 @@ class RowStore:
         return sum(a.nbytes for a in self.arrays.values())
 
     def clear(self) -> None:
-        self.arrays, self.capacity, self.n = {}, 0, 0
+        self.arrays, self.capacity, self.n = {}, 0, 0  # arrays: name -> [capacity, *row shape]
 
     def drop_oldest(self, k: int) -> None:
         """Remove rows [0, k) in place (the rest shifts down; capacity is kept)."""

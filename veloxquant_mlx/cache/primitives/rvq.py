@@ -7,8 +7,6 @@ of random unit vectors, then ``REFINE_ITERS`` rounds of joint least-squares refi
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 import numpy as np
 
@@ -44,8 +42,7 @@ class RVQCodebook:
     """A two-stage residual VQ codebook for ``sub_dim``-dimensional pieces of rotated unit vectors
     in R^``dim``: ``c1 [K1, s]``, cell scales ``sigma [K1]`` and ``c2 [K2, s]`` (None if one stage)."""
 
-    def __init__(self, dim: int, sub_dim: int, bits: int, c1: mx.array, sigma: mx.array,
-                 c2: Optional[mx.array]):
+    def __init__(self, dim: int, sub_dim: int, bits: int, c1: mx.array, sigma: mx.array, c2: mx.array | None):
         self.dim, self.sub_dim, self.bits = int(dim), int(sub_dim), int(bits)
         self.bits1, self.bits2 = split_bits(bits)
         self.n_sub = self.dim // self.sub_dim
@@ -55,17 +52,14 @@ class RVQCodebook:
         self.c2_sq = mx.sum(c2 * c2, axis=1) if c2 is not None else None
         # every reconstruction c1[i] + sigma[i] c2[j] at row i*K2 + j, when small enough: one gather
         # decodes a code and one matmul builds a query's joint lookup table
-        self.joint = None
-        if c2 is not None and self.k1 * self.k2 <= JOINT_LUT_MAX:
-            self.joint = (c1[:, None] + sigma[:, None, None] * c2[None]).reshape(-1, self.sub_dim)
+        small = c2 is not None and self.k1 * self.k2 <= JOINT_LUT_MAX
+        self.joint = (c1[:, None] + sigma[:, None, None] * c2[None]).reshape(-1, self.sub_dim) if small else None
         mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.c1, self.sigma, self.c2, self.c1_sq, self.c2_sq, self.joint) if a is not None]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+    nbytes = property(lambda self: sum(a.nbytes for a in self.arrays()))
 
     def to_array(self) -> mx.array:
         """One flat float32 array (an ArtifactStore entry)."""
@@ -74,31 +68,23 @@ class RVQCodebook:
     @classmethod
     def from_array(cls, a: mx.array, dim: int, sub_dim: int, bits: int) -> "RVQCodebook":
         b1, b2 = split_bits(bits)
-        k1, k2 = 1 << b1, (1 << b2) if b2 else 0
-        need = k1 * sub_dim + k1 + k2 * sub_dim
+        k1, k2, n1 = 1 << b1, (1 << b2) if b2 else 0, (1 << b1) * sub_dim
         a = mx.array(a).astype(mx.float32).reshape(-1)
-        if a.size != need:
-            raise ValueError(f"stored codebook has {a.size} values, expected {need}")
-        c1 = a[: k1 * sub_dim].reshape(k1, sub_dim)
-        sigma = a[k1 * sub_dim : k1 * sub_dim + k1]
-        c2 = a[k1 * sub_dim + k1 :].reshape(k2, sub_dim) if k2 else None
-        return cls(dim, sub_dim, bits, c1, sigma, c2)
+        if a.size != n1 + k1 + k2 * sub_dim:
+            raise ValueError(f"stored codebook has {a.size} values, expected {n1 + k1 + k2 * sub_dim}")
+        c2 = a[n1 + k1 :].reshape(k2, sub_dim) if k2 else None
+        return cls(dim, sub_dim, bits, a[:n1].reshape(k1, sub_dim), a[n1 : n1 + k1], c2)
 
-    def encode(self, y: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+    def encode(self, y: mx.array) -> tuple[mx.array, mx.array | None]:
         """Codes ``(i [.., S], j [.., S] or None)`` (uint8) of rotated unit vectors ``y [.., dim]``."""
-        lead = y.shape[:-1]
         x = y.astype(mx.float32).reshape(-1, self.sub_dim)
-        m = x.shape[0]
         per_row = self.k1 + (min(BEAM, self.k1) * self.k2 if self.c2 is not None else 0)
         step = max(1, _ENCODE_CHUNK // per_row)
-        if m <= step:
-            i, j = self._encode_rows(x)
-        else:  # bounded memory for long prefill blocks: a few blocks of rows, not a loop over tokens
-            outs = [self._encode_rows(x[a : a + step]) for a in range(0, m, step)]
-            i = mx.concatenate([o[0] for o in outs])
-            j = mx.concatenate([o[1] for o in outs]) if self.c2 is not None else None
-        shape = (*lead, self.n_sub)
-        return i.reshape(shape), (j.reshape(shape) if j is not None else None)
+        # bounded memory for long prefill blocks: a few blocks of rows, not a loop over tokens
+        outs = [self._encode_rows(x[a : a + step]) for a in range(0, max(x.shape[0], 1), step)]
+        cat = lambda k: (outs[0][k] if len(outs) == 1 else mx.concatenate([o[k] for o in outs])).reshape(  # noqa: E731
+            *y.shape[:-1], self.n_sub)
+        return cat(0), (cat(1) if self.c2 is not None else None)
 
     def _encode_rows(self, x: mx.array):
         d1 = self.c1_sq[None] - 2.0 * (x @ self.c1.T)  # [m, K1] (+||x||^2, constant per row)
@@ -114,7 +100,7 @@ class RVQCodebook:
         i = mx.take_along_axis(cand, (best // self.k2)[:, None].astype(mx.uint32), axis=1)[:, 0]
         return i.astype(mx.uint8), (best % self.k2).astype(mx.uint8)
 
-    def decode(self, i: mx.array, j: Optional[mx.array]) -> mx.array:
+    def decode(self, i: mx.array, j: mx.array | None) -> mx.array:
         """Rotated-domain unit-vector reconstructions ``[.., dim]`` (float32) of codes ``[.., S]``."""
         ii = i.astype(mx.int32)
         if self.joint is not None and j is not None:
@@ -190,12 +176,8 @@ def rvq_codebook(dim: int, sub_dim: int, bits: int, seed: int, store=None) -> RV
     ``store`` (an ``ArtifactStore``), else trained (and put in ``store``)."""
     key = (int(dim), int(sub_dim), int(bits), int(seed))
     name = f"tqrvq.d{dim}.s{sub_dim}.b{bits}.seed{seed}"
-    cb = _CODEBOOKS.get(key)
     stored = store.get(name) if store is not None else None
-    if cb is None and stored is not None:
-        cb = RVQCodebook.from_array(stored, *key[:3])
-    if cb is None:
-        cb = _train(*key)
+    cb = _CODEBOOKS.get(key) or (RVQCodebook.from_array(stored, *key[:3]) if stored is not None else _train(*key))
     _CODEBOOKS[key] = cb
     if store is not None and stored is None:
         store.put(name, cb.to_array())

@@ -1,13 +1,9 @@
 """Gaussian JL sketches and the 1-bit QJL inner-product estimator (QJL, arXiv 2406.03482).
 
-For a key ``k`` QJL stores the signs of ``S k`` (``S`` ``m x d``, i.i.d. N(0, 1)) and ``||k||``. For an
-unquantized query ``q`` the asymmetric estimator
-
-    <q, k>  ~  sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>
-
-is unbiased (``E[<s, q> sign(<s, k>)] = sqrt(2/pi) <q, k> / ||k||`` per row ``s``; TurboQuant, arXiv
-2504.19874, uses it with ``m = d``), with variance at most ``pi / (2 m) * ||q||^2 ||k||^2``.
-``sign(0) = +1``; sign bits are ``uint8`` (1 for +1, 0 for -1), ready for ``bitpack.pack_bits`` at 1 bit.
+A key ``k`` is stored as the signs of ``S k`` (``S`` ``m x d``, i.i.d. N(0, 1)) and ``||k||``; for a query
+``q``, ``<q, k> ~ sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased with variance at most
+``pi / (2 m) ||q||^2 ||k||^2`` (TurboQuant, arXiv 2504.19874, uses ``m = d``). ``sign(0) = +1``; sign bits are
+``uint8`` (1 for +1), ready for ``bitpack.pack_bits`` at 1 bit.
 """
 
 from __future__ import annotations
@@ -16,22 +12,17 @@ import functools
 import math
 
 import mlx.core as mx
-import numpy as np
 
 from . import check_int
-from .rotation import seeded_rng
-
-__all__ = ["gaussian_jl", "qjl_signs", "qjl_inner_product", "qjl_dequantize", "QJL_SCALE"]
+from .rotation import frozen, seeded_rng
 
 QJL_SCALE = math.sqrt(math.pi / 2.0)
 _TAG_JL = 0x0A7E_0003
 
 
 @functools.lru_cache(maxsize=64)
-def _jl_np(m: int, d: int, seed: int) -> np.ndarray:
-    s = seeded_rng(_TAG_JL, seed).standard_normal((m, d)).astype(np.float32)
-    s.setflags(write=False)
-    return s
+def _jl_np(m: int, d: int, seed: int):
+    return frozen(seeded_rng(_TAG_JL, seed).standard_normal((m, d)))
 
 
 def gaussian_jl(m: int, d: int, seed: int) -> mx.array:
@@ -52,10 +43,9 @@ def _pm(signs: mx.array) -> mx.array:
 
 
 def qjl_inner_product(q: mx.array, signs: mx.array, norms: mx.array, S: mx.array) -> mx.array:
-    """Unbiased estimates of ``<q, k_i>`` from sign bits ``(n, m)`` (0/1 or +-1) and norms ``(n,)``: ``(n,)``
-    for a query ``(d,)``, ``(nq, n)`` for ``(nq, d)``."""
-    dots = (q.astype(mx.float32) @ S.T) @ _pm(signs).T
-    return (QJL_SCALE / S.shape[0]) * dots * norms.astype(mx.float32)
+    """Estimates of ``<q, k_i>`` from sign bits ``(n, m)`` (0/1 or +-1) and norms ``(n,)``: ``(n,)`` for a
+    query ``(d,)``, ``(nq, n)`` for ``(nq, d)``."""
+    return (QJL_SCALE / S.shape[0]) * ((q.astype(mx.float32) @ S.T) @ _pm(signs).T) * norms.astype(mx.float32)
 
 
 def qjl_dequantize(signs: mx.array, norms: mx.array, S: mx.array) -> mx.array:

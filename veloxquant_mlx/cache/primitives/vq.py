@@ -20,15 +20,12 @@ def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
     """Nearest codeword index for rows ``x [Hc, n, d]`` in codebooks ``cb [Hc, K, d]`` -> int32 [Hc, n].
     Chunked over the codebook (running minimum), so memory is O(n * 1024)."""
     x, cb = x.astype(mx.float32), cb.astype(mx.float32)
-    best_d = best_i = None
+    best_d, best_i = mx.array(mx.inf), mx.array(0, mx.int32)
     for s in range(0, cb.shape[1], _CHUNK):
         c = cb[:, s : s + _CHUNK]
         d = mx.sum(c * c, axis=-1)[:, None, :] - 2.0 * (x @ c.swapaxes(-1, -2))
         i, m = mx.argmin(d, axis=-1).astype(mx.int32) + s, mx.min(d, axis=-1)
-        if best_d is None:
-            best_d, best_i = m, i
-        else:
-            best_i, best_d = mx.where(m < best_d, i, best_i), mx.minimum(m, best_d)
+        best_i, best_d = mx.where(m < best_d, i, best_i), mx.minimum(m, best_d)
     return best_i
 
 

@@ -1,25 +1,24 @@
-"""KV cache transform coding (KVTC; Staniszewski, Łańcucki, "KV Cache Transform Coding for Compact
-Storage in LLM Inference", arXiv 2511.01815): PCA decorrelation, a quantizer whose bits per component
-come from a dynamic-programming rate allocation, and entropy coding.
+"""KV cache transform coding (KVTC; Staniszewski, Łańcucki, "KV Cache Transform Coding for Compact Storage in LLM
+Inference", arXiv 2511.01815): PCA decorrelation, a quantizer whose bits per component come from a
+dynamic-programming rate allocation, and entropy coding.
 
 Here a token vector is one token's keys (resp. values) of all KV heads (F = H·D), each side under
-``kvtc_bit_budget`` R bits. PCA is fitted once per prompt on the first block of whole G-token groups
-(G = ``kivi_group_size``); on that block each component's error at each of ``kvtc_bit_choices`` is
-*measured* with the real quantizer and ``dp_allocate`` solves min Σ D_c(b_c) + λ Σ R(b_c) s.t.
-Σ R(b_c) <= R exactly, with R(b) = b + 32/G (float16 scale and bias per G tokens), R(0) = 0 and
-λ = 10^-``kvtc_beta`` / F of the block energy: a bit is spent only if it removes that share of an
-average component's energy (β = 3.5 spends nearly all of R; normalising by the total energy left 10-45%
-unspent on SmolLM2 and cost quality). Rows stay float16 (``DeferredStart``) until bases plus R bits per
-token and side are smaller (256 rows on SmolLM2 at the defaults; never when R >= 16 bits per
+``kvtc_bit_budget`` R bits. PCA is fitted once per prompt on the first block of whole G-token groups (G =
+``kivi_group_size``); on that block each component's error at each of ``kvtc_bit_choices`` is *measured* with the
+real quantizer and ``dp_allocate`` solves min Σ D_c(b_c) + λ Σ R(b_c) s.t. Σ R(b_c) <= R exactly, with R(b) = b +
+32/G (float16 scale and bias per G tokens), R(0) = 0 and λ = 10^-``kvtc_beta`` / F of the block energy: a bit is
+spent only if it removes that share of an average component's energy (β = 3.5 spends nearly all of R; normalising
+by the total energy left 10-45% unspent on SmolLM2 and cost quality). Rows stay float16 (``DeferredStart``) until
+bases plus R bits per token and side are smaller (256 rows on SmolLM2 at the defaults; never when R >= 16 bits per
 component). The inverse transform is folded into attention (``LowRankKVCache``).
 
-Deviations: the paper calibrates the PCA offline over all layers and heads (rotation removed), keeps 4
-sink and 128 recent tokens uncompressed and entropy-codes (DEFLATE); here the transform is per layer on
-post-RoPE rows, fitted on the first block, with fixed-width codes (the budget is met by the stored
-bytes), per-component min/max over G tokens and only the newest < G tokens uncompressed. The float16
-bases are counted in ``nbytes`` (most of the bytes at 543 tokens on SmolLM2, F = 192; they amortise).
-Directions a short first block does not span get a prior distortion (the weakest observed component's
-energy), so later tokens' energy there is still coded when the budget allows.
+Deviations: the paper calibrates the PCA offline over all layers and heads (rotation removed), keeps 4 sink and
+128 recent tokens uncompressed and entropy-codes (DEFLATE); here the transform is per layer on post-RoPE rows,
+fitted on the first block, with fixed-width codes (the budget is met by the stored bytes), per-component min/max
+over G tokens and only the newest < G tokens uncompressed. The float16 bases are counted in ``nbytes`` (most of
+the bytes at 543 tokens on SmolLM2, F = 192; they amortise). Directions a short first block does not span get a
+prior distortion (the weakest observed component's energy), so later tokens' energy there is still coded when the
+budget allows.
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ from ..deferred_start import DeferredStart
 @register("kvtc")
 class KVTCKVCache(DeferredStart, LowRankKVCache):
     """KVTC: PCA transform + DP bit allocation under a per-token bit budget, keys and values."""
-    chunk_invariant = False  # PCA basis and bit allocation fitted on the first quantized block
-    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
+    chunk_invariant, exact_trim = False, False  # PCA fit on the first block; raises past a group
     center = True
     latent_values = True
 
@@ -76,9 +74,7 @@ class KVTCKVCache(DeferredStart, LowRankKVCache):
         total = max(e0.sum(), 1e-30)
         null = e0 <= 1e-7 * total
         if null.any() and not null.all():
-            seen = d[~null]
-            rel = seen.sum(axis=0) / seen[:, self.choices.index(0)].sum()  # [K], 1 at 0 bits
-            d[null] = e0[~null].min() * rel[None]
+            d[null] = e0[~null].min() * (d[~null].sum(axis=0) / e0[~null].sum())[None]  # ratio: 1 at 0 bits
         o = self.config.options
         lam = 10.0 ** (-float(o.beta)) / d.shape[0]  # per average component
         return lr.dp_allocate(d / total, self.choices, [self.rate(b) for b in self.choices],

@@ -1,35 +1,30 @@
-"""MiniCache (Liu, Liu, Pan, He, Haffari, Zhuang, "MiniCache: KV Cache Compression in Depth
-Dimension for Large Language Models", arXiv 2405.14366).
+"""MiniCache (Liu, Liu, Pan, He, Haffari, Zhuang, "MiniCache: KV Cache Compression in Depth Dimension for
+Large Language Models", arXiv 2405.14366).
 
 Paper: from mid-depth on adjacent layers' KV states point alike, so each pair (l-1, l) keeps per-token
-magnitudes ``||x||`` per layer and one SLERP of the two directions (``e = sin((1-t)Ω)/sinΩ · e_{l-1} +
-sin(tΩ)/sinΩ · e_l``), restoring ``||x|| · e``; token pairs too far apart are *retained* exactly. Here:
-the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one are lossless primaries,
-then (*primary*, *merge*) pairs; both keep rows in a float16 window (``GroupWindow``) until the merge
-layer has ``BLOCK`` (32) rows and merges both windows in one step (keys and values apart; cosine <
-``minicache_retention_threshold`` θ: retained; ``minicache_slerp_t`` t). The primary holds the shared
-direction (its own row where retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn``
-and its retained rows compactly (``ret`` float16, token-major ``idx``): 2·D + 4 + retained fraction ·
-(2·D + 4) bytes per token per KV head for the pair, vs 4·D. One host sync per merge step.
+magnitudes ``||x||`` per layer and one SLERP of the two directions, restoring ``||x|| · e``; token pairs too far
+apart are *retained* exactly. Here the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one
+are lossless primaries, then (*primary*, *merge*) pairs keep rows in a float16 window (``GroupWindow``) until the
+merge layer has ``BLOCK`` rows and merges both windows (keys and values apart; cosine <
+``minicache_retention_threshold`` θ: retained). The primary holds the shared direction (its own row where
+retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn`` and its retained rows (``ret``
+float16, token-major ``idx``): 2·D + 4 + retained fraction · (2·D + 4) bytes per token and KV head for the pair,
+vs 4·D. One host sync per merge step.
 
-Deviations: a fixed cosine threshold θ (the paper: relative angular distance); the primary's retained
-rows sit in the direction slot with magnitude 1 and it restores merged tokens from the shared direction
-(a lossless primary plus a direction would exceed two float16 layers); ``minicache_group_size`` must be
-2; ``minicache_max_ctx`` unused; the newest < ``BLOCK`` tokens stay float16; trims keep the remaining
-tokens' data but tokens merged with trimmed ones stay merged (``exact_trim = False``) and must hit every
-layer alike; a cache built alone is a lossless primary.
+Deviations: a fixed cosine threshold (the paper: relative angular distance); the primary restores merged tokens
+from the shared direction, its retained rows sitting there with magnitude 1 (a lossless primary plus a direction
+would exceed two float16 layers); ``minicache_group_size`` must be 2; ``minicache_max_ctx`` unused; the newest <
+``BLOCK`` tokens stay float16; tokens merged with trimmed ones stay merged, and trims must hit every layer alike;
+a cache built alone is a lossless primary.
 
-Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps,
-from half depth, t = 0.5): 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9
-(default) and 0.99 retain everything (KL 0.0000, kv/fp16 1.064); θ = 0: KL 0.444, 0.962, 55% retained;
-θ = -1: KL 0.845, 0.837. The paper's premise fails on this model.
+Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, t =
+0.5): 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) and 0.99 retain all (KL
+0, kv/fp16 1.064); θ = 0: KL 0.444, 0.962; θ = -1: 0.845, 0.837. The paper's premise fails on this model.
 """
 
 from __future__ import annotations
 
 import uuid
-from operator import attrgetter
-
 import mlx.core as mx
 
 from ...base import register
@@ -47,29 +42,25 @@ class MiniCacheCoordinator:
     """Links the layers of one prompt cache: primaries publish themselves, merge layers fetch them by group id."""
 
     def __init__(self, uid: str | None = None):
-        self.uid = uid or uuid.uuid4().hex
-        self._primaries: dict[int, "MiniCacheKVCache"] = {}
+        self.uid, self.primaries = uid or uuid.uuid4().hex, {}
 
     def publish(self, group_id: int, primary: "MiniCacheKVCache") -> None:
-        self._primaries[group_id] = primary
+        self.primaries[group_id] = primary
 
     def fetch(self, group_id: int) -> "MiniCacheKVCache":
-        p = self._primaries.get(group_id)
-        if p is None:
+        if group_id not in self.primaries:
             raise RuntimeError(f"MiniCache: no primary published for group {group_id}")
-        return p
+        return self.primaries[group_id]
 
 
 def slerp(a: mx.array, b: mx.array, t: float) -> mx.array:
-    """Spherical interpolation between unit vectors a, b [..., D] (t = 0 → a, t = 1 → b)."""
-    cos = mx.clip(mx.sum(a * b, axis=-1, keepdims=True), -1.0, 1.0)
-    omega = mx.arccos(cos)
+    """Spherical interpolation ``(sin((1-t)Ω) a + sin(tΩ) b) / sin Ω`` between unit vectors a, b [..., D]."""
+    omega = mx.arccos(mx.clip(mx.sum(a * b, axis=-1, keepdims=True), -1.0, 1.0))
     so = mx.sin(omega)
     small = so < 1e-4
     safe = mx.where(small, 1.0, so)
-    wa = mx.where(small, 1.0 - t, mx.sin((1.0 - t) * omega) / safe)
-    wb = mx.where(small, t, mx.sin(t * omega) / safe)
-    out = wa * a + wb * b
+    out = (mx.where(small, 1.0 - t, mx.sin((1.0 - t) * omega) / safe) * a
+           + mx.where(small, t, mx.sin(t * omega) / safe) * b)
     return out / mx.maximum(mx.linalg.norm(out, axis=-1, keepdims=True), _EPS)
 
 
@@ -77,21 +68,17 @@ def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
     """Merge rows [B, H, n, D] of the primary (xp) and the merge layer (xm): (shared direction, primary
     magnitude, merge magnitude, retain mask [B, H, n]); retained rows keep xp as direction, magnitude 1."""
     xp, xm = xp.astype(mx.float32), xm.astype(mx.float32)
-    np_ = mx.linalg.norm(xp, axis=-1, keepdims=True)
-    nm = mx.linalg.norm(xm, axis=-1, keepdims=True)
+    np_, nm = mx.linalg.norm(xp, axis=-1, keepdims=True), mx.linalg.norm(xm, axis=-1, keepdims=True)
     ep, em = xp / mx.maximum(np_, _EPS), xm / mx.maximum(nm, _EPS)
     retain = mx.sum(ep * em, axis=-1) < threshold
-    d = mx.where(retain[..., None], xp, slerp(ep, em, t))
-    pn = mx.where(retain[..., None], 1.0, np_)
-    return d, pn, nm, retain
+    return mx.where(retain[..., None], xp, slerp(ep, em, t)), mx.where(retain[..., None], 1.0, np_), nm, retain
 
 
 @register_with_mlx_lm
 @register("minicache")
 class MiniCacheKVCache(GroupWindow, KIVIKVCache):
     """MiniCache cross-layer merging for one layer (role "primary" or "merge"; see the module doc)."""
-    chunk_invariant = True  # whole 32-row blocks at absolute positions, merged token by token
-    exact_trim = False  # returns n, but rows merged with the trimmed ones stay merged instead of float16
+    chunk_invariant, exact_trim = True, False  # whole blocks; rows merged with trimmed ones stay
     trim_exact_or_raises = False
     array_fields = ("res_k", "res_v", "dir_k", "dir_v", "pn_k", "pn_v", "mn_k", "mn_v",
                     "ret_k", "idx_k", "ret_v", "idx_v")
@@ -103,49 +90,36 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         if role not in ("primary", "merge"):
             raise QuantizerConfigError("role", role, "'primary' or 'merge'")
         super().__init__(config)
-        self.mc_role, self.mc_group = role, int(group_id)
-        self.coordinator = coordinator
+        self.mc_role, self.mc_group, self.coordinator = role, int(group_id), coordinator
         self.mc_uid = coordinator.uid if coordinator is not None else ""
-        # a primary built alone has no reader: lossless
-        self.mc_readers = int(n_readers) if (coordinator is not None and role == "primary") else 0
-        if role == "merge" and coordinator is None:
-            raise QuantizerConfigError("coordinator", None, "a MiniCacheCoordinator for role='merge'")
-        if role == "primary" and coordinator is not None:
-            coordinator.publish(self.mc_group, self)
+        self.mc_readers = 0  # a primary built alone has no reader: lossless
         self.n_retained_k = self.n_retained_v = 0
+        if coordinator is None and role == "merge":
+            raise QuantizerConfigError("coordinator", None, "a MiniCacheCoordinator for role='merge'")
+        if coordinator is not None and role == "primary":
+            self.mc_readers = int(n_readers)
+            coordinator.publish(self.mc_group, self)
 
     def _init_layout(self):
         g = self.config.options.group_size
         if g != 2:
             raise QuantizerConfigError("minicache_group_size", g, "2 (pairs of adjacent layers)")
-        self.group, self.qbits = BLOCK, 16
-        self._call = None
+        self.group, self.qbits, self._call = BLOCK, 16, None
 
     dequant_only = "merged cross-layer codes"
-
-    def _key_words(self) -> int:  # KIVI's attend reads it; no codes here
-        return 0
+    _key_words = staticmethod(lambda: 0)  # KIVI's attend reads it; no codes here
 
     @classmethod
     def build_layers(cls, layer_configs):
         """Lossless primaries below ``floor(start_frac · L)`` and last if unpaired, (primary, merge) pairs between."""
-        L = len(layer_configs)
-        if not L:
-            return []
-        coord = MiniCacheCoordinator()
-        start = int(layer_configs[0].options.start_frac * L)
-        out = []
-        for i, cfg in enumerate(layer_configs):
-            j = i - start
-            if j < 0 or j % 2 == 0:
-                readers = int(j >= 0 and i + 1 < L)
-                out.append(cls(cfg, "primary", group_id=i, coordinator=coord, n_readers=readers))
-            else:
-                out.append(cls(cfg, "merge", group_id=i - 1, coordinator=coord))
-        return out
+        L, coord = len(layer_configs), MiniCacheCoordinator()
+        start = int(layer_configs[0].options.start_frac * L) if L else 0
+        return [cls(cfg, "primary", group_id=i, coordinator=coord, n_readers=int(i >= start and i + 1 < L))
+                if i < start or (i - start) % 2 == 0 else cls(cfg, "merge", group_id=i - 1, coordinator=coord)
+                for i, cfg in enumerate(layer_configs)]
 
-    role = property(attrgetter("mc_role"))
-    group_id = property(attrgetter("mc_group"))
+    role = property(lambda self: self.mc_role)
+    group_id = property(lambda self: self.mc_group)
     primary = property(lambda self: self.coordinator.fetch(self.mc_group))
 
     def _relink_loaded(self):
@@ -175,9 +149,8 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         # a paired primary waits for its merge layer, which merges both windows
 
     def _append_primary(self, kind, d, pn):
-        t0 = self.n_quant
-        setattr(self, f"dir_{kind}", grow_rows(getattr(self, f"dir_{kind}"), t0, d.astype(RES_DTYPE)))
-        setattr(self, f"pn_{kind}", grow_rows(getattr(self, f"pn_{kind}"), t0, pn.astype(RES_DTYPE)))
+        for name, new in ((f"dir_{kind}", d), (f"pn_{kind}", pn)):
+            setattr(self, name, grow_rows(getattr(self, name), self.n_quant, new.astype(RES_DTYPE)))
 
     def _merge_block(self, p, m):
         o = self.config.options
@@ -195,11 +168,9 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
             if r:
                 pos = mx.arange(flat_ret.size, dtype=mx.int32)
                 order = mx.argsort(mx.where(flat_ret, pos, pos + flat_ret.size))[:r].astype(mx.int32)
-                rows = xm.transpose(2, 0, 1, 3).reshape(-1, D)[order]
-                idx = order + t0 * B * H
-                old_r, old_i = getattr(self, f"ret_{kind}"), getattr(self, f"idx_{kind}")
-                setattr(self, f"ret_{kind}", rows if old_r is None else mx.concatenate([old_r, rows]))
-                setattr(self, f"idx_{kind}", idx if old_i is None else mx.concatenate([old_i, idx]))
+                for name, new in (("ret", xm.transpose(2, 0, 1, 3).reshape(-1, D)[order]), ("idx", order + t0 * B * H)):
+                    old = getattr(self, f"{name}_{kind}")
+                    setattr(self, f"{name}_{kind}", new if old is None else mx.concatenate([old, new]))
             setattr(self, f"n_retained_{kind}", getattr(self, f"n_retained_{kind}") + r)
         p._advance(m)
         self._advance(m)
@@ -234,8 +205,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         if n <= self.n_res:
             self.n_res -= n
             return n
-        self.n_quant -= n - self.n_res
-        self.n_res = 0
+        self.n_quant, self.n_res = self.n_quant - (n - self.n_res), 0
         if self.mc_role == "merge":
             BH = self.mn_k.shape[0] * self.mn_k.shape[1]
             for kind in ("k", "v"):
@@ -243,8 +213,8 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
                 if r:  # retained positions are ascending: keep those below the new length
                     keep = int((getattr(self, f"idx_{kind}")[:r] < self.n_quant * BH).sum())
                     setattr(self, f"n_retained_{kind}", keep)
-                    setattr(self, f"ret_{kind}", getattr(self, f"ret_{kind}")[:keep])
-                    setattr(self, f"idx_{kind}", getattr(self, f"idx_{kind}")[:keep])
+                    for name in ("ret", "idx"):
+                        setattr(self, f"{name}_{kind}", getattr(self, f"{name}_{kind}")[:keep])
         return n
 
     def _part_bytes(self, kind: str) -> int:
@@ -257,25 +227,14 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         win = B * H * self.n_res * D * 2
         if self.mc_role == "primary":
             return win + B * H * self.n_quant * (D + 1) * 2  # shared direction + magnitudes
-        r = getattr(self, f"n_retained_{kind}")
-        return win + B * H * self.n_quant * 2 + r * (D * 2 + 4)
+        return win + B * H * self.n_quant * 2 + getattr(self, f"n_retained_{kind}") * (D * 2 + 4)
 
-    @property
-    def n_retained(self) -> int:
-        """Rows (batch, head, token; keys and values apart) a merge layer keeps exactly (0 for a primary)."""
-        return self.n_retained_k + self.n_retained_v
-
-    def _slots(self) -> int:
-        """Merged-step rows, keys and values: 2 · B · H · n_quant."""
-        return 0 if self.res_k is None else 2 * self.res_k.shape[0] * self.res_k.shape[1] * self.n_quant
-
-    @property
-    def n_merged(self) -> int:
-        """Rows (as in ``n_retained``) restored as magnitude · shared SLERP direction."""
-        return self._slots() - self.n_retained if self.mc_role == "merge" else 0
-
-    @property
-    def retention_rate(self) -> float:
-        """n_retained / (n_retained + n_merged) of a merge layer (0.0 for a primary)."""
-        s = self._slots()
-        return self.n_retained / s if (s and self.mc_role == "merge") else 0.0
+    n_retained = property(lambda self: self.n_retained_k + self.n_retained_v,
+                          doc="Rows (batch, head, token; keys and values apart) a merge layer keeps exactly.")
+    # a merge layer's merged-step rows, keys and values: 2 · B · H · n_quant (0 for a primary)
+    _slots = property(lambda self: 0 if self.res_k is None or self.mc_role != "merge"
+                      else 2 * self.res_k.shape[0] * self.res_k.shape[1] * self.n_quant)
+    n_merged = property(lambda self: self._slots - self.n_retained if self._slots else 0,
+                        doc="Rows (as in ``n_retained``) restored as magnitude · shared SLERP direction.")
+    retention_rate = property(lambda self: self.n_retained / self._slots if self._slots else 0.0,
+                              doc="n_retained / (n_retained + n_merged) of a merge layer (0.0 for a primary).")

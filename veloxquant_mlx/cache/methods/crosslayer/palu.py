@@ -1,33 +1,30 @@
-"""Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache
-with Low-Rank Projection", arXiv 2407.21118).
+"""Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache with Low-Rank
+Projection", arXiv 2407.21118).
 
-Paper: the K/V projection *weights* are factored offline, ``W ≈ A B``; the cache stores the latent
-``h = x A`` and ``K = h B`` is rebuilt on the fly (group-head decomposition, G-LRD, factors a group of
-heads together); latents are quantized. Here ``bind_attention`` (from ``KVCacheBuilder.for_model``)
-splits the (dequantized) ``k_proj`` / ``v_proj`` rows into Hg groups (Hg the largest divisor of H <=
-``palu_n_head_groups``); a float64 SVD ``W_g = U S Vᵀ`` per group gives ``h = k U_r`` (mlx_lm hands the
-cache ``k``, not ``x``), exact for the rank-r projection, with r = ``palu_rank`` or the smallest holding
-``palu_energy_threshold`` of ``Σσ²`` in every group; the cache holds ``U_r`` float16, made at the first
-compression (``DeferredStart``; a saved short chat needs ``bind_attention`` again, and without it the
-first ``update_and_fetch`` raises ``ValueError`` naming the fix). Completed token groups are un-rotated
-with the layer's RoPE before projecting and rebuilt keys rotated at attention; a ``k_proj`` bias (Qwen2)
-is the latent's offset; a per-head ``k_norm`` / ``v_norm`` (Gemma 3) is folded in as its gain (its
-per-token RMS scale: exact for one-head groups, approximate for larger). Latents are quantized per
-channel over ``palu_group_size`` tokens, the first ``ceil(palu_hi_fraction · r)`` at ``palu_hi_bit``, the
-rest ``palu_lo_bit`` (``palu_quantize_values=False``: value latents float16). ``attend`` rebuilds keys
-(``h U_rᵀ + b``) and fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
+Paper: the K/V projection *weights* are factored offline, ``W ≈ A B``; the cache stores the latent ``h = x A`` and
+``K = h B`` is rebuilt on the fly (group-head decomposition, G-LRD, factors a group of heads together); latents are
+quantized. Here ``bind_attention`` (from ``KVCacheBuilder.for_model``) splits the (dequantized) ``k_proj`` /
+``v_proj`` rows into Hg groups (Hg the largest divisor of H <= ``palu_n_head_groups``); a float64 SVD ``W_g = U S
+Vᵀ`` per group gives ``h = k U_r`` (mlx_lm hands the cache ``k``, not ``x``), exact for the rank-r projection, with
+r = ``palu_rank`` or the smallest holding ``palu_energy_threshold`` of ``Σσ²`` in every group; the cache holds
+``U_r`` float16, made at the first compression (``DeferredStart``; a saved short chat needs ``bind_attention``
+again, and without it the first ``update_and_fetch`` raises ``ValueError`` naming the fix). Completed token groups
+are un-rotated with the layer's RoPE before projecting and rebuilt keys rotated at attention; a ``k_proj`` bias
+(Qwen2) is the latent's offset; a per-head ``k_norm`` / ``v_norm`` (Gemma 3) is folded in as its gain (its
+per-token RMS scale: exact for one-head groups, approximate for larger). Latents are quantized per channel over
+``palu_group_size`` tokens, the first ``ceil(palu_hi_fraction · r)`` at ``palu_hi_bit``, the rest ``palu_lo_bit``
+(``palu_quantize_values=False``: value latents float16). ``attend`` rebuilds keys (``h U_rᵀ + b``) and fuses
+values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
 
-Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks
-per layer by Fisher information); per-channel min/max over token groups with the hi/lo split by singular
-value (Palu: per-token after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused; ``U_r`` is
-stored float16 and counted in ``nbytes`` (the model keeps its own ``W_k``/``W_v``).
+Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks per layer
+by Fisher information); per-channel min/max over token groups with the hi/lo split by singular value (Palu:
+per-token after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused; ``U_r`` is stored float16 and
+counted in ``nbytes`` (the model keeps its own ``W_k``/``W_v``).
 """
 
 from __future__ import annotations
 
 import math
-from operator import attrgetter
-
 import mlx.core as mx
 import numpy as np
 
@@ -39,6 +36,9 @@ from ...primitives import lowrank_fit as lr
 from ...primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from ..deferred_start import DeferredStart
 from ..quantization.kivi import KIVIKVCache
+
+NEEDS_BINDING = ("palu factors the layer's k_proj/v_proj weights: build its caches with KVCacheBuilder.for_model("
+                 "model, config) (or call cache.bind_attention(layer.self_attn)) ")
 
 
 def dense_weight(linear) -> tuple[np.ndarray, np.ndarray | None]:
@@ -66,17 +66,14 @@ def factor_groups(weight: np.ndarray, n_heads: int, n_groups: int, gain=None):
     """Per head group: ``(U [Hg, F, m], σ² [Hg, m])`` of the group's rows of ``weight`` [H·D, hidden]
     (float64 SVD, m = min(F, hidden)); ``gain`` [D] scales each head's rows first (a folded norm)."""
     HD, hidden = weight.shape
-    D = HD // n_heads
-    w = weight.reshape(n_heads, D, hidden)
-    if gain is not None:
-        w = w * gain[None, :, None]
-    wg = w.reshape(n_groups, (n_heads // n_groups) * D, hidden)
-    U, S, _ = np.linalg.svd(wg, full_matrices=False)
+    w = weight.reshape(n_heads, HD // n_heads, hidden) * (1.0 if gain is None else gain[None, :, None])
+    U, S, _ = np.linalg.svd(w.reshape(n_groups, HD // n_groups, hidden), full_matrices=False)
     return U, S**2
 
 
 class _Shared:
     """A reference that deep copies share (a copied cache factors the same module)."""
+
     def __init__(self, obj):
         self.obj = obj
 
@@ -88,8 +85,7 @@ class _Shared:
 @register("palu")
 class PALUKVCache(DeferredStart, LowRankKVCache):
     """Palu: latents of the group-head SVD of the K/V projection weights, mixed-bit, RoPE-aware."""
-    chunk_invariant = True  # factors from the weights; groups of G at absolute positions (KIVI)
-    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
+    chunk_invariant, exact_trim = True, False  # factors from the weights; raises past a group
     scalar_fields = LowRankKVCache.scalar_fields + ("rope",)
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
@@ -139,9 +135,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         the factors ``U_r`` (and bias offsets) held from then on."""
         o, attn = self.config.options, (self._attn.obj if self._attn is not None else None)
         if attn is None:
-            raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
-                             "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
-                             "before its first compressed group")
+            raise ValueError(NEEDS_BINDING + "before its first compressed group")
         wk, bk = dense_weight(attn.k_proj)
         wv, bv = dense_weight(attn.v_proj)
         n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
@@ -160,8 +154,8 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
             setattr(self, f"{which}_bits", self._bits(which, r))
             if keep:
                 setattr(self, f"{which}_basis", mx.array(U[None, :, :, :r].astype(np.float32)).astype(BASIS_DTYPE))
-                mean = None if b is None else mx.array(b.reshape(1, self.hg, 1, -1).astype(np.float32))
-                setattr(self, f"{which}_mean", None if mean is None else mean.astype(BASIS_DTYPE))
+                setattr(self, f"{which}_mean", None if b is None else
+                        mx.array(b.reshape(1, self.hg, 1, -1).astype(np.float32)).astype(BASIS_DTYPE))
         if keep:
             self._attn = None  # the factors are held now: the model's module is not needed any more
 
@@ -170,34 +164,28 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         fixed = sum(H * d * (len(getattr(self, f"{w}_bits")) + 1) * 2 for w, d in (("k", D), ("v", Dv)))
         return fixed, self.hg * (self.layout("k").bytes_per_token() + self.layout("v").bytes_per_token())
 
-    def _unrotate(self, k: mx.array, offset: int) -> mx.array:
-        """Pre-RoPE rows of ``k`` at positions offset.. (each angle from its position alone: latents do not
-        depend on the call split)."""
-        return k if self.rope is None else apply_rope(k, self.rope, offset, inverse=True)
-
-    def _rotate(self, k: mx.array) -> mx.array:
-        """RoPE of rebuilt rows at positions 0.. (the frequency table is made per call, not held)."""
-        return k if self.rope is None else rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)
-
     def _store(self, keys, values):
         if self.k_bits is None:
-            raise ValueError("palu factors the layer's k_proj/v_proj weights: build its caches with "
-                             "KVCacheBuilder.for_model(model, config) (or call cache.bind_attention(layer.self_attn)) "
-                             "before the first update_and_fetch")
+            raise ValueError(NEEDS_BINDING + "before the first update_and_fetch")
         super()._store(keys, values)
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         if self.k_basis is None:
             self.factor()
-        t0, n = self.n_quant, kb.shape[2]
-        k = self._unrotate(kb.astype(mx.float32), t0)  # pre-RoPE keys at positions t0..
+        t0, n, k = self.n_quant, kb.shape[2], kb.astype(mx.float32)
+        if self.rope is not None:  # pre-RoPE keys at positions t0.. (each angle from its position alone)
+            k = apply_rope(k, self.rope, t0, inverse=True)
         self._encode("k", lr.group_heads(k, self.hg), t0)
         self._encode("v", lr.group_heads(vb.astype(mx.float32), self.hg), t0)
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1."""
-        return self._rotate(self._reconstruct("k", n)).swapaxes(-1, -2).astype(dtype)
+        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1 (the
+        frequency table is made per call, not held)."""
+        k = self._reconstruct("k", n)
+        if self.rope is not None:
+            k = rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)
+        return k.swapaxes(-1, -2).astype(dtype)
 
     def _key_scores(self, q: mx.array, n: int) -> mx.array:
         return q @ self._keys_t(n)
@@ -205,4 +193,4 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     def _trim_rows(self, n: int) -> int:
         return KIVIKVCache._trim_rows(self, n)  # the factors are the weights': never refitted
 
-    head_groups = property(attrgetter("hg"))
+    head_groups = property(lambda self: self.hg)

@@ -1,31 +1,27 @@
-"""xKV (Chang, Lin, Akhauri, Lin, Wu, Ceze, Abdelfattah, "xKV: Cross-Layer SVD for KV-Cache
-Compression", arXiv 2503.18893).
+"""xKV (Chang, Lin, Akhauri, Lin, Wu, Ceze, Abdelfattah, "xKV: Cross-Layer SVD for KV-Cache Compression", arXiv
+2503.18893).
 
-Paper: adjacent layers' dominant singular vectors align even when the caches differ token by token, so a
-group of g layers is concatenated along the features, ``X_group = [X_1 … X_g] ≈ U·[V_1 … V_g]`` (one
-truncated SVD), U stored once and layer l restoring ``U·V_l``. Here, per KV head, keys and values apart:
-groups of ``xkv_group_size`` layers (``build_layers``; the first, the *owner*, holds the shared arrays),
-each layer keeping its newest rows in a float16 window (``GroupWindow``). The group's last layer
-concatenates the windows' whole ``xkv_group_quant_size`` (G) blocks and the first time fits the
-projection ``P [B, H, g·D, r]`` (``lowrank_fit.fit_basis``; r = ``xkv_rank``, else the smallest keeping
-``xkv_energy_threshold`` of the energy in every head); the latents ``Z = X_group · P`` are quantized per
-channel over G tokens (``xkv_latent_bits`` b) and layer l restores ``Z · P_lᵀ`` (earlier layers on
-their next call). Bytes per token per KV head: ``r·b/8 + 4·r/G`` vs ``2·g·D`` for g float16 layers,
-plus ``2·g·D·r`` for P.
+Paper: adjacent layers' dominant singular vectors align even when the caches differ token by token, so a group of
+g layers is concatenated along the features, ``[X_1 … X_g] ≈ U·[V_1 … V_g]`` (one truncated SVD), U stored once
+and layer l restoring ``U·V_l``. Here, per KV head, keys and values apart, each layer of a group of
+``xkv_group_size`` keeps its newest rows in a float16 window (``GroupWindow``); the last concatenates the windows'
+whole ``xkv_group_quant_size`` (G) blocks, fits the projection ``P [B, H, g·D, r]`` once (r = ``xkv_rank``, else
+the smallest keeping ``xkv_energy_threshold`` of the energy in every head) and quantizes the latents ``Z = X_group
+· P`` per channel over G tokens (``xkv_latent_bits`` b) into the first layer (the *owner*); layer l restores ``Z ·
+P_lᵀ``. Bytes per token per KV head: ``r·b/8 + 4·r/G`` vs ``2·g·D`` for g float16 layers, plus ``2·g·D·r`` for P.
 
-Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 scored decode
-steps; KL, kv/fp16 with projections; 4-bit latents): pairs at energy 0.95 (default) 0.191, 0.342; pairs
-rank 64: 0.173, 0.333; groups of 4 rank 96: 0.259, 0.361; per-layer SVD rank 40: 0.246, 0.328; rank 32:
-0.344, 0.274; rank 24: 0.472, 0.221. Shared beats per-layer SVD at about the same bytes although adjacent
-layers are not similar token by token (minicache.py); on synthetic layers sharing a 12-dim subspace,
-rank 16 shared has relative error 5e-5 vs 0.17 for per-layer rank 8 (tests/test_crosslayer.py).
+Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, 4-bit
+latents; KL, kv/fp16 with projections): pairs at energy 0.95 (default) 0.191, 0.342; pairs rank 64: 0.173, 0.333;
+groups of 4 rank 96: 0.259, 0.361; per-layer SVD rank 40 / 32 / 24: 0.246, 0.328 / 0.344, 0.274 / 0.472, 0.221:
+sharing wins at about the same bytes although adjacent layers differ token by token (minicache.py); on synthetic
+layers sharing a 12-dim subspace, rank 16 shared has relative error 5e-5 vs 0.17 for per-layer rank 8
+(tests/test_crosslayer.py).
 
-Deviations: P is fitted on the group's first complete block and later tokens (decode too) are projected
-onto it (the paper: the whole prefill, decode uncompressed); latents are quantized (the paper: float16
-factors); per KV head, not over a layer's heads; attention is KIVI's on the restored rows (not
-``(q·P_l)·Zᵀ``); ``xkv_max_ctx`` unused; trims are exact only for window rows plus whole latent groups
-(else ``ValueError``) and must hit every layer alike; a cache built alone is a group of one; a group's
-layers need equal head dims.
+Deviations: P is fitted on the group's first complete block and later tokens (decode too) are projected onto it
+(the paper: the whole prefill, decode uncompressed); latents are quantized (the paper: float16 factors); per KV
+head, not over a layer's heads; attention is KIVI's on the restored rows (not ``(q·P_l)·Zᵀ``); ``xkv_max_ctx``
+unused; trims are exact only for window rows plus whole latent groups (else ``ValueError``) and must hit every
+layer alike; a cache built alone is a group of one; a group's layers need equal head dims.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ class XKVGroup:
 @register("xkv")
 class XKVKVCache(GroupWindow, KIVIKVCache):
     """xKV: the layers of a group share one low-rank token basis (quantized latents)."""
-    chunk_invariant = False  # shared projection and rank fitted on the first block the group completes
-    exact_trim = False  # raises ValueError when the trimmed rows completed a latent group
+    chunk_invariant, exact_trim = False, False  # basis fit on the first block; raises past a group
     array_fields = ("res_k", "res_v", "proj_k", "proj_v", "zk_codes", "zk_scales", "zk_biases",
                     "zv_codes", "zv_scales", "zv_biases")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "xk_uid", "xk_index", "xk_size", "rank_k", "rank_v")
@@ -66,8 +61,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
 
     def __init__(self, config, group: XKVGroup | None = None, index: int = 0):
         super().__init__(config)
-        group = group or XKVGroup(1)
-        self.group_obj = group
+        self.group_obj = group = group or XKVGroup(1)
         self.xk_uid, self.xk_index, self.xk_size = group.uid, int(index), group.size
         group.members[index] = self
 
@@ -75,20 +69,17 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
         o = self.config.options
         if not o.energy_threshold > 0.0:
             raise QuantizerConfigError("xkv_energy_threshold", o.energy_threshold, "a number in (0, 1]")
-        self.group = o.group_quant_size  # G: token groups of the latents = the window length
-        self.qbits = o.latent_bits
-        self._call = None
+        self.group, self.qbits, self._call = o.group_quant_size, o.latent_bits, None  # G: the window length
 
     dequant_only = "cross-layer latent codes"
 
     @classmethod
     def build_layers(cls, layer_configs):
         out, grp = [], None
-        L = len(layer_configs)
         for i, cfg in enumerate(layer_configs):
             g = cfg.options.group_size
             if i % g == 0:
-                grp = XKVGroup(min(g, L - i))
+                grp = XKVGroup(min(g, len(layer_configs) - i))
             out.append(cls(cfg, grp, i % g))
         return out
 
@@ -117,17 +108,15 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
             x = mx.concatenate([getattr(l, f"res_{kind}")[:, :, :m] for l in members], axis=-1).astype(mx.float32)
             if getattr(own, f"proj_{kind}") is None:  # fit once (first block)
                 basis, energy, _ = lr.fit_basis(x)
-                r = o.rank if o.rank is not None else lr.energy_rank(energy, o.energy_threshold)
-                r = min(int(r), x.shape[-1])
+                r = min(int(o.rank if o.rank is not None else lr.energy_rank(energy, o.energy_threshold)), x.shape[-1])
                 setattr(own, f"proj_{kind}", basis[..., :r].astype(RES_DTYPE))
                 setattr(own, f"rank_{kind}", r)
-            p = getattr(own, f"proj_{kind}").astype(mx.float32)
-            z = x @ p  # [B, H, m, r]
+            z = x @ getattr(own, f"proj_{kind}").astype(mx.float32)  # [B, H, m, r]
             q = gq.quantize_per_channel(z, self.qbits, self.group)  # codes [B, H, r, (m/G)*w]
             g0, w = own.n_quant // self.group, self._key_words()
             cap = g0 + max(m // self.group, 1 + g0 // 8)  # amortised growth
-            for name, arr, per in (("codes", q.codes, w), ("scales", q.scales, 1), ("biases", q.biases, 1)):
-                attr = f"z{kind}_{name}"
+            for attr, arr, per in ((f"z{kind}_codes", q.codes, w), (f"z{kind}_scales", q.scales, 1),
+                                   (f"z{kind}_biases", q.biases, 1)):
                 setattr(own, attr, grow_columns(getattr(own, attr), g0 * per, arr, cap * per))
         for l in members:
             l._advance(m)
@@ -141,8 +130,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
     def _proj(self, kind: str, dtype=mx.float32) -> mx.array:
         """This layer's block P_l [B, H, D, r] of the group's projection."""
         d = getattr(self, f"res_{kind}").shape[-1]
-        p = getattr(self.owner, f"proj_{kind}")
-        return p[:, :, self.xk_index * d : (self.xk_index + 1) * d].astype(dtype)
+        return getattr(self.owner, f"proj_{kind}")[:, :, self.xk_index * d : (self.xk_index + 1) * d].astype(dtype)
 
     def _keys_t(self, n, dtype=mx.float32):
         return self._proj("k", dtype) @ self._latents_t("k", n, dtype)
@@ -162,8 +150,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                 f"drop the {self.n_res} window tokens plus whole groups (n - {self.n_res} a multiple of {self.group})")
         if extra > self.n_quant:
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
-        self.n_quant -= extra
-        self.n_res = 0
+        self.n_quant, self.n_res = self.n_quant - extra, 0
         return n
 
     def _part_bytes(self, kind: str) -> int:
@@ -171,12 +158,9 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
         if res is None:
             return 0
         B, H, _, D = res.shape
-        out = B * H * self.n_res * D * 2
-        p = getattr(self, f"proj_{kind}")
+        out, p = B * H * self.n_res * D * 2, getattr(self, f"proj_{kind}")
         if self.xk_index == 0 and p is not None:
-            r = p.shape[-1]
-            groups = self.n_quant // self.group
-            out += p.nbytes + B * H * r * groups * (4 * self._key_words() + 2 * 2)
+            out += p.nbytes + B * H * p.shape[-1] * (self.n_quant // self.group) * (4 * self._key_words() + 2 * 2)
         return out
 
     rank = property(lambda self: self.owner.rank_k)

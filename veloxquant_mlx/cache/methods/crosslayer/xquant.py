@@ -1,24 +1,22 @@
-"""XQuant (Yang, Yao, Li, Qi, Liu, Zhao, "XQuant: Achieving Ultra-Low Bit KV Cache Quantization with
-Cross-Layer Compression", EMNLP 2025, arXiv 2510.11236): adjacent layers share one set of quantized codes.
+"""XQuant (Yang, Yao, Li, Qi, Liu, Zhao, "XQuant: Achieving Ultra-Low Bit KV Cache Quantization with Cross-Layer
+Compression", EMNLP 2025, arXiv 2510.11236): adjacent layers share one set of quantized codes.
 
-Paper: adjacent layers are similar, so in a pair the lower layer is quantized as usual and the higher
-stores only its scales and zero points, dequantizing the lower layer's integer codes with them. Here
-(``xquant_group_size`` g, ``xquant_base_bits`` b, ``xquant_group_quant_size`` G): in each group of g
-layers (``build_layers``) the *base* is a KIVI cache at b bits; the others (``"shared"``) hold **no
-codes**, only float16 ``s``, ``z`` per KIVI group, reading back ``s * c + z`` from the base's codes ``c``,
-plus their own float16 residual: a pair holds one KIVI layer's codes less than two (``used_nbytes``).
-Groups are linked per ``for_model`` call by a fresh id, relinked by ``load_prompt_cache`` (the base
-loads first); ``deepcopy`` keeps links within the copy. Attention: KIVI's on the dequantized rows.
+Paper: adjacent layers are similar, so in a pair the lower layer is quantized as usual and the higher stores only
+its scales and zero points, dequantizing the lower layer's integer codes with them. Here (``xquant_group_size`` g,
+``xquant_base_bits`` b, ``xquant_group_quant_size`` G): in each group of g layers the *base* is a KIVI cache at b
+bits; the others (``"shared"``) hold **no codes**, only float16 ``s``, ``z`` per KIVI group, reading back ``s * c
++ z`` from the base's codes ``c``, plus their own float16 residual: a pair holds one KIVI layer's codes less than
+two (``used_nbytes``). Groups are linked per ``for_model`` call by a fresh id, relinked by ``load_prompt_cache``
+(the base loads first); ``deepcopy`` keeps links within the copy. Attention: KIVI's on the dequantized rows.
 
-Quality needs similar adjacent layers (tests/test_xquant.py: a pair at b bits beats two KIVI layers at
-b/2 on near-identical synthetic layers, loses on unrelated ones). On SmolLM2 (``veloxquant eval
---method xquant --set xquant:xquant_base_bits=4 --task kld --context 1024``): KLD 2.0 at KIVI 2-bit's
-bytes (KLD 0.193); the defaults KLD 2.15 at 0.156x the fp16 bytes (docs/RESULTS.md, CPU, 2026-12-01).
+Quality needs similar adjacent layers (tests/test_xquant.py: a pair at b bits beats two KIVI layers at b/2 on
+near-identical synthetic layers, loses on unrelated ones); SmolLM2's are not (docs/RESULTS.md: KLD 2.0 at KIVI
+2-bit's bytes, where KIVI has 0.193).
 
-Deviations: no data-free end-point calibration; ``s, z`` are the least-squares fit on ``c`` (the paper:
-the layer's own min / max; never worse for the given codes, independent of the base's sign convention);
-``xquant_residual_bits`` is validated, unused; ``xquant_max_ctx`` unused (buffers grow); a cache built
-alone is a base (KIVI at b bits); trims are KIVI's and must hit every layer alike (mlx_lm does).
+Deviations: no data-free end-point calibration; ``s, z`` are the least-squares fit on ``c`` (the paper: the
+layer's own min / max; never worse for the given codes, independent of the base's sign convention);
+``xquant_residual_bits`` is validated, unused; ``xquant_max_ctx`` unused (buffers grow); a cache built alone is a
+base (KIVI at b bits); trims are KIVI's and must hit every layer alike (mlx_lm does).
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ def _fit_scale_zero(c: mx.array, x: mx.array):
 @register("xquant")
 class XQuantKVCache(KIVIKVCache):
     """XQuant: the base layer of a group stores KIVI codes; the other layers only scales / zero points on them."""
-    chunk_invariant = True  # KIVI groups; shared layers fit the base's same group
-    exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
+    chunk_invariant, exact_trim = True, False  # KIVI groups; KIVI's trim (raises past a group)
     scalar_fields = ("n_quant", "n_res", "dtype_name", "xq_role", "xq_uid")
     attend_path = "dequant"
     xq_role = "base"  # "base" or "shared"
@@ -64,9 +61,7 @@ class XQuantKVCache(KIVIKVCache):
         for f in ("base_bits", "residual_bits"):
             if getattr(o, f) not in KIVI_BITS:
                 raise QuantizerConfigError(f"xquant_{f}", getattr(o, f), "one of 2, 3, 4, 8")
-        self.group = o.group_quant_size
-        self.qbits = o.base_bits  # the shared codes' width, for every role
-        self._call = None
+        self.group, self.qbits, self._call = o.group_quant_size, o.base_bits, None  # qbits: every role's width
 
     dequant_only = "its codes are not MLX's affine layout"
 
@@ -101,15 +96,14 @@ class XQuantKVCache(KIVIKVCache):
         if b.res_k.shape[:2] + (b.res_k.shape[-1], b.res_v.shape[-1]) != self.res_k.shape[:2] + (d, dv):
             raise ValueError(f"XQuantKVCache: a shared layer needs its base layer's shapes; base keys "
                              f"{b.res_k.shape}, values {b.res_v.shape}, this layer head dims ({d}, {dv})")
-        G, w, g0, g = b.group, b._key_words(), t0 // b.group, n // b.group
-        kc = b.k_codes[..., g0 * w : (g0 + g) * w]
-        ones = mx.ones(kc.shape[:-1] + (g,), dtype=RES_DTYPE)
-        kt = gq.dequantize(kc, ones, mx.zeros_like(ones), b.qbits, G)  # s = 1, z = 0: the codes themselves
-        gv = b.value_group(dv)
-        vc = b.v_codes[:, :, t0 : t0 + n]
-        ones = mx.ones(vc.shape[:-1] + (dv // gv,), dtype=RES_DTYPE)
-        v = gq.dequantize(vc, ones, mx.zeros_like(ones), b.qbits, gv)
-        return kt, v
+        w, g0, g, gv = b._key_words(), t0 // b.group, n // b.group, b.value_group(dv)
+
+        def codes(c, group, n_groups):  # s = 1, z = 0: the codes themselves
+            ones = mx.ones(c.shape[:-1] + (n_groups,), dtype=RES_DTYPE)
+            return gq.dequantize(c, ones, mx.zeros_like(ones), b.qbits, group)
+
+        return (codes(b.k_codes[..., g0 * w : (g0 + g) * w], b.group, g),
+                codes(b.v_codes[:, :, t0 : t0 + n], gv, dv // gv))
 
     def _append_groups(self, kb, vb):
         if self.xq_role == "base":
@@ -127,17 +121,16 @@ class XQuantKVCache(KIVIKVCache):
         self.k_biases = grow_columns(self.k_biases, t0 // G, kz, cap_groups)
         self.n_quant = t0 + n
 
-    def _owner(self):
-        """The cache holding the codes this layer reads: itself (base) or its base (shared)."""
-        return self if self.xq_role == "base" else self.base
+    # the cache holding the codes this layer reads: itself (base) or its base (shared)
+    _owner = property(lambda self: self if self.xq_role == "base" else self.base)
 
     def _keys_t(self, n, dtype=mx.float32):
-        g, w, o = n // self.group, self._key_words(), self._owner()
+        g, w, o = n // self.group, self._key_words(), self._owner
         return gq.dequantize(o.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g],
                              self.qbits, self.group, dtype)
 
     def _values(self, n, dtype=mx.float32):
-        gv, o = self.value_group(self.res_v.shape[-1]), self._owner()
+        gv, o = self.value_group(self.res_v.shape[-1]), self._owner
         return gq.dequantize(o.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
                              self.qbits, gv, dtype)
 

@@ -1,23 +1,22 @@
-"""CaM (Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference", ICML 2024, PMLR 235).
-
-H2O chooses the kept rows (``VotingEviction.h2o_votes``); CaM merges each evicted value into kept ones
-(``merge="drop"``: plain H2O). Evicted row ``i`` goes to kept rows ``j`` with weights ``s_ij`` (rows sum
-to 1): ``"mean"`` (the paper's) over the ``MERGE_SPAN`` kept rows after it, ``"sim_weighted"`` over all by
-``softmax_j(cos(k_i - c, k_j - c) / SIM_TEMPERATURE)`` (``c`` the mean kept key). With ``a`` the
-observation attention, ``abar_i = sum_j s_ij a_j`` and ``o = sum a v``, the paper's Bernoulli gate
-(``cam_merge_gate``) merges with probability ``p_i = min(1, a_i / abar_i)``, ``v_j += s_ij (v_i - o)``
-(gate off: the expectation, ``s_ij p_i``). When ``a_i <= abar_i`` this keeps the observation queries'
-normalised output exact (gated: in expectation). Draws are seeded by ``config.seed``, layer and position;
-``cam_merge_keys`` also moves each target key to the merge-weighted mean of its keys.
+"""CaM (Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference", ICML 2024, PMLR 235). H2O chooses
+the kept rows (``VotingEviction.h2o_votes``); CaM merges each evicted value into kept ones (``merge="drop"``:
+plain H2O). Evicted row ``i`` goes to kept rows ``j`` with weights ``s_ij`` (rows sum to 1): ``"mean"`` (the
+paper's) over the ``MERGE_SPAN`` kept rows after it, ``"sim_weighted"`` over all by ``softmax_j(cos(k_i - c, k_j -
+c) / SIM_TEMPERATURE)`` (``c`` the mean kept key). With ``a`` the observation attention, ``abar_i = sum_j s_ij
+a_j`` and ``o = sum a v``, the paper's Bernoulli gate (``cam_merge_gate``) merges with probability ``p_i = min(1,
+a_i / abar_i)``, ``v_j += s_ij (v_i - o)`` (gate off: the expectation, ``s_ij p_i``), which keeps the observation
+queries' normalised output exact when ``a_i <= abar_i`` (gated: in expectation). Draws are seeded by
+``config.seed``, layer and position; ``cam_merge_keys`` also moves each target key to the merge-weighted mean of
+its keys.
 
 Deviations from the paper:
-* The paper adds ``v_i / m``, counting the evicted mass twice once the softmax renormalises (output x
-  ~``1 / (1 - A)``): measured KL 4.3 nats on SmolLM2-135M at a 25% budget vs 0.051 dropping; merging
-  ``v_i - o`` gives 0.050 ("mean"), 0.044 ("sim_weighted").
+* The paper adds ``v_i / m``, counting the evicted mass twice once the softmax renormalises (output x ~``1 / (1 -
+  A)``): KL 4.3 nats on SmolLM2-135M at a 25% budget vs 0.051 dropping; merging ``v_i - o``: 0.050 ("mean"),
+  0.044 ("sim_weighted").
 * Evictions are batched (prefill chunks, slack) and merge at once, per KV head; ``"sim_weighted"`` and
-  ``cam_merge_keys`` are additions (temperature chosen on the same measurement: 0.1: 0.081, 0.3: 0.046,
-  1.0: 0.044); sinks (an addition) are never targets.
-* ``a`` is the last ``OBS_WINDOW`` queries' attention of the latest call (keys without dispatch).
+  ``cam_merge_keys`` are additions (temperature on the same measurement: 0.1: 0.081, 0.3: 0.046, 1.0: 0.044);
+  sinks (an addition) are never targets; ``a`` is the last ``OBS_WINDOW`` queries' attention of the latest call
+  (keys without dispatch).
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ SIM_TEMPERATURE = 1.0  # "sim_weighted": softmax temperature on the cosine of ce
 
 def merge_weights(mode: str, pos_kept, pos_gone, keys_kept, keys_gone, n_sink_rows: int):
     """[B, H, E, K] weights ``s_ij`` of evicted row i on kept row j (rows sum to 1, sinks get 0)."""
-    K = pos_kept.shape[-1]
-    j = mx.arange(K)
+    K, j = pos_kept.shape[-1], mx.arange(pos_kept.shape[-1])
     if mode == "mean":
         m = min(MERGE_SPAN, K - n_sink_rows)
         rank = (pos_kept[..., None, :] < pos_gone[..., :, None]).sum(axis=-1)  # kept rows before i
@@ -43,20 +41,16 @@ def merge_weights(mode: str, pos_kept, pos_gone, keys_kept, keys_gone, n_sink_ro
         return ((j >= start) & (j < start + m)).astype(mx.float32) / m
     kk, kg = keys_kept.astype(mx.float32), keys_gone.astype(mx.float32)
     centre = kk.mean(axis=2, keepdims=True)  # keys share a large common component: remove it
-    kk, kg = kk - centre, kg - centre
-    kk = kk / mx.maximum(mx.linalg.norm(kk, axis=-1, keepdims=True), 1e-6)
-    kg = kg / mx.maximum(mx.linalg.norm(kg, axis=-1, keepdims=True), 1e-6)
+    kk, kg = (x / mx.maximum(mx.linalg.norm(x, axis=-1, keepdims=True), 1e-6) for x in (kk - centre, kg - centre))
     logits = (kg @ kk.swapaxes(-1, -2)) / SIM_TEMPERATURE
-    logits = mx.where(j >= n_sink_rows, logits, -mx.inf)
-    return mx.softmax(logits, axis=-1, precise=True)
+    return mx.softmax(mx.where(j >= n_sink_rows, logits, -mx.inf), axis=-1, precise=True)
 
 
 @register_with_mlx_lm
 @register("cam")
 class CaMKVCache(VotingEviction):
     """H2O eviction whose evicted values are merged into the kept ones."""
-    chunk_invariant = False  # eviction (with value merging) per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode rows add votes, evict and merge (slack)
+    chunk_invariant, exact_trim = False, False  # merges per prefill chunk; decode rows vote, evict, merge
     array_fields = VotingEviction.array_fields + ("attn",)
     row_fields = ("votes", "attn")
     scalar_fields = VotingEviction.scalar_fields + ("layer_id",)
@@ -99,9 +93,8 @@ class CaMKVCache(VotingEviction):
         n_sink_rows = min(self.n_sink, self.offset)  # sinks are protected: the first kept rows
         s = merge_weights(self.merge_mode, take(self.positions, kept), take(self.positions, gone), keys_k, keys_g,
                           n_sink_rows)
-        attn_k, attn_g = take(self.attn, kept), take(self.attn, gone)
-        abar = (s * attn_k[..., None, :]).sum(axis=-1)
-        p = mx.minimum(attn_g / mx.maximum(abar, 1e-30), 1.0)  # the paper's merge probability
+        abar = (s * take(self.attn, kept)[..., None, :]).sum(axis=-1)
+        p = mx.minimum(take(self.attn, gone) / mx.maximum(abar, 1e-30), 1.0)  # the paper's merge probability
         if self.merge_gate:  # seeded by the config, the layer and the position
             key = mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
             s = s * mx.random.bernoulli(p, key=key)[..., None].astype(mx.float32)
@@ -110,13 +103,10 @@ class CaMKVCache(VotingEviction):
         vals = self.values[:, :, :rows].astype(mx.float32)
         out = (self.attn[:, :, :rows, None] * vals).sum(axis=2, keepdims=True)  # o per head
         w = s.swapaxes(-1, -2)  # [B, H, K, E]
-        new_vals = vals_k + w @ (vals_g - out)
+        self.keep_rows(kept)  # (the gathers above read the arrays held before)
+        self.values[:, :, :keep] = (vals_k + w @ (vals_g - out)).astype(self.values.dtype)
         if self.merge_keys:
-            mass = w.sum(axis=-1, keepdims=True)
-            new_keys = (keys_k.astype(mx.float32) + w @ keys_g.astype(mx.float32)) / (1.0 + mass)
-        self.keep_rows(kept)
-        self.values[:, :, :keep] = new_vals.astype(self.values.dtype)
-        if self.merge_keys:
-            self.keys[:, :, :keep] = new_keys.astype(self.keys.dtype)
+            new_keys = keys_k.astype(mx.float32) + w @ keys_g.astype(mx.float32)
+            self.keys[:, :, :keep] = (new_keys / (1.0 + w.sum(axis=-1, keepdims=True))).astype(self.keys.dtype)
 
     cam_kept_bytes = VotingEviction.kept_bytes

@@ -1,12 +1,9 @@
-"""ChunkKV (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context
-LLM Inference", arXiv 2502.00299).
-
-Tokens are kept or evicted in chunks of ``chunkkv_chunk_size``, so kept context stays contiguous. A
-chunk scores the sum of its tokens' SnapKV votes (``"attn_mass"``) or minus their key norms
-(``"key_norm"``); the top chunks are kept with the window and the first ``chunkkv_n_sink`` tokens. Index
-reuse: in each group of ``chunkkv_reuse_layers`` layers the leader selects and the followers reuse its
-indices through the ``ChunkKVIndexReuseCoordinator`` of ``build_layers`` (one per prompt cache), scoring
-nothing. Real queries, slack, ``decode_evict``, trim: ``eviction``'s module docstring.
+"""ChunkKV (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
+Inference", arXiv 2502.00299). Tokens are kept or evicted in chunks of ``chunkkv_chunk_size``, so kept context
+stays contiguous: a chunk scores the sum of its tokens' SnapKV votes (``"attn_mass"``) or minus their key norms
+(``"key_norm"``); the top chunks are kept with the window and the first ``chunkkv_n_sink`` tokens. In each group of
+``chunkkv_reuse_layers`` layers the leader selects and the followers reuse its indices through the
+``ChunkKVIndexReuseCoordinator`` of ``build_layers`` (one per prompt cache), scoring nothing.
 
 Deviations from the paper:
 * Chunks sit on absolute positions (chunk ``j``: ``n_sink + j*C`` to ``n_sink + (j+1)*C - 1``) and the
@@ -35,23 +32,22 @@ class ChunkKVIndexReuseCoordinator:
     """Kept-row indices of each group leader's latest eviction, for the followers of its group."""
 
     def __init__(self, reuse_layers: int):
-        self.reuse_layers = reuse_layers
-        self._records: dict[int, tuple[int, int, mx.array]] = {}
+        self.reuse_layers, self.records = reuse_layers, {}  # layer -> (offset, rows, kept-row indices)
 
     def leader_of(self, layer_id: int) -> int:
         return layer_id - layer_id % self.reuse_layers
 
     def publish(self, layer_id: int, offset: int, rows: int, idx: mx.array) -> None:
-        self._records[layer_id] = (offset, rows, idx)
+        self.records[layer_id] = (offset, rows, idx)
 
     def published(self, layer_id: int):
         """The indices ``layer_id`` last published (held here until it publishes again), or None."""
-        return self._records.get(layer_id, (None,) * 3)[2]
+        return self.records.get(layer_id, (None,) * 3)[2]
 
     def lookup(self, layer_id: int, offset: int, rows: int):
         """The leader's indices if it evicted at this same step from the same number of rows."""
-        rec = self._records.get(self.leader_of(layer_id))
-        return rec[2] if rec is not None and rec[:2] == (offset, rows) else None
+        rec = self.records.get(self.leader_of(layer_id), (None,) * 3)
+        return rec[2] if rec[:2] == (offset, rows) else None
 
 
 def key_norm_scores(keys: mx.array) -> mx.array:
@@ -64,9 +60,7 @@ def key_norm_scores(keys: mx.array) -> mx.array:
 @register("chunkkv")
 class ChunkKVCache(VotingEviction):
     """Chunk-granular observation-window eviction with layer-wise index reuse."""
-    chunk_invariant = False  # observation-window eviction per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode rows add votes and evict (slack)
-
+    chunk_invariant, exact_trim = False, False  # votes per prefill chunk; decode rows vote, evict
     layer_id = coordinator = None
     reuse_id = ""  # one id per prompt cache's set of layers that reuse indices ("": built alone)
     scalar_fields = VotingEviction.scalar_fields + ("layer_id", "reuse_id")
@@ -90,9 +84,7 @@ class ChunkKVCache(VotingEviction):
 
     @classmethod
     def build_layers(cls, layer_configs):
-        if not layer_configs:
-            return []
-        reuse = layer_configs[0].options.reuse_layers
+        reuse = layer_configs[0].options.reuse_layers if layer_configs else 1
         coord = ChunkKVIndexReuseCoordinator(reuse) if reuse > 1 and len(layer_configs) > 1 else None
         caches = [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
         uid = uuid.uuid4().hex if coord is not None else ""

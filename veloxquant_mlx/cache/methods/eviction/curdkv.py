@@ -1,15 +1,13 @@
-"""CurDKV (Sengupta, Chaudhary & Chakraborty, "Value-Guided KV Compression for LLMs via Approximated
-CUR Decomposition", NeurIPS 2025, arXiv 2509.15038).
+"""CurDKV (Sengupta, Chaudhary & Chakraborty, "Value-Guided KV Compression for LLMs via Approximated CUR
+Decomposition", NeurIPS 2025, arXiv 2509.15038). Tokens are picked as CUR picks rows, by leverage (squared row
+norms of the top-r left singular vectors): each KV head keeps the ``curdkv_budget`` rows with the highest key-side
+x value-side leverage (the paper's "kv product"), plus the first ``curdkv_n_sink``. Key side: the leverage of the
+attention columns the call's last 32 real queries give each row, else (no dispatch point) the keys' own leverage
+(the paper's query-agnostic score).
 
-Tokens are picked as CUR picks rows, by leverage (squared row norms of the top-r left singular vectors):
-each KV head keeps the ``curdkv_budget`` rows with the highest key-side x value-side leverage (the
-paper's "kv product"), plus the first ``curdkv_n_sink``. Key side: the leverage of the attention columns
-the call's last 32 real queries give each row (dispatch point), else the keys' own leverage (the paper's
-query-agnostic score).
-
-Deviations from the paper: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X instead
-of a Gaussian sketch, no local-window normalisation; the real-query key side is an addition; decoding
-evicts too (grow to ``budget + slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
+Deviations from the paper: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X instead of a
+Gaussian sketch, no local-window normalisation; the real-query key side is an addition; decoding evicts too (grow
+to ``budget + slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import mlx.core as mx
 from ...attention import attention_logits
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 EIG_EPS = 1e-6  # singular directions below this fraction of the largest carry no leverage
 
@@ -35,11 +33,17 @@ def leverage_scores(x: mx.array, rank: int) -> mx.array:
     return (proj * proj * inv[..., None, :]).sum(-1)
 
 
+def causal_weights(queries, keys, scale, q_positions, key_positions):
+    """[B, H, rep, W, M] attention probabilities of ``queries`` [B, Hq, W, D] over ``keys`` [B, H, M, D], causal
+    by positions [W] and [B, H, M]."""
+    logits = attention_logits(queries, keys, scale)
+    visible = key_positions[:, :, None, None, :] <= q_positions[None, None, None, :, None]
+    return mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+
+
 def attention_columns(obs_queries, keys, scale, obs_positions, key_positions):
     """[B, H, M, rep * W]: attention probabilities the observation queries give each key row (causal)."""
-    logits = attention_logits(obs_queries, keys, scale)  # [B, H, rep, W, M]
-    visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
-    w = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+    w = causal_weights(obs_queries, keys, scale, obs_positions, key_positions)
     B, H, R, W, M = w.shape
     return w.transpose(0, 1, 4, 2, 3).reshape(B, H, M, R * W)
 
@@ -48,8 +52,7 @@ def attention_columns(obs_queries, keys, scale, obs_positions, key_positions):
 @register("curdkv")
 class CurDKVKVCache(EvictionKVCache):
     """Eviction by CUR leverage: key-side (real attention) leverage x value leverage, per KV head."""
-    chunk_invariant = False  # leverage eviction per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode steps evict older rows (slack)
+    chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode steps evict (slack)
     _proxy_scoring = False
 
     def _init_layout(self):
@@ -57,10 +60,9 @@ class CurDKVKVCache(EvictionKVCache):
         self.budget, self.n_sink, self.rank_cap = o.budget, o.n_sink, o.rank_cap
         self.recent, self.obs_window = 0, 32
         check_budget("curdkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = default_slack(self.budget)
+        self.slack = self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
+    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     def _evict_with_proxy(self):
         self._proxy_scoring = True  # no real queries: the paper's query-agnostic key leverage

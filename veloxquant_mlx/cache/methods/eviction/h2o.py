@@ -1,21 +1,14 @@
-"""H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
-Models", arXiv 2306.14048).
+"""H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+arXiv 2306.14048): each row accumulates the attention mass every query gives it (summed over the KV head's query
+heads); over budget, each KV head keeps its heavy hitters plus the newest tokens (shared behaviour: ``eviction``).
 
-Each row accumulates the attention mass every query gives it (summed over the KV head's query heads);
-over budget, each KV head keeps its heavy hitters plus the newest tokens. Real queries, slack and trim:
-``eviction``'s module docstring.
-
-Deviations from the paper:
-* The newest ``h2o_grace`` tokens are protected (the paper: half the budget recent) and the first
-  ``h2o_n_sink`` too (an addition; 0 removes them).
-* ``h2o_decay`` scales every score once per query before its mass is added (1.0: the paper's none).
-* ``decode_evict=False`` keeps every decode row; decoding evicts once per ``evict_slack`` steps.
-* ``h2o_rope_base`` is unused (keys are cached after RoPE); trim keeps the trimmed queries' mass.
+Deviations from the paper: the newest ``h2o_grace`` tokens are protected (the paper: half the budget) and the
+first ``h2o_n_sink`` too (an addition); ``h2o_decay`` scales every score once per query before its mass is added
+(1.0: the paper's none); ``decode_evict=False`` keeps every decode row, decoding evicts once per ``evict_slack``
+steps; ``h2o_rope_base`` is unused (keys are cached after RoPE); trim keeps the trimmed queries' mass.
 """
 
 from __future__ import annotations
-
-from operator import attrgetter
 
 import mlx.core as mx
 
@@ -28,8 +21,7 @@ from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_
 @register("h2o")
 class H2OKVCache(BatchedEviction, EvictionKVCache):
     """Heavy-hitter eviction: keep the rows with the most accumulated attention, per KV head."""
-    chunk_invariant = False  # batched (slack) decode eviction; eviction at each prefill chunk
-    exact_trim = False  # decode rows evict older rows and add attention mass
+    chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode rows add mass, evict
     array_fields = EvictionKVCache.array_fields + ("acc",)
     row_fields = ("acc",)
     uses_attention_weights = True
@@ -44,17 +36,14 @@ class H2OKVCache(BatchedEviction, EvictionKVCache):
     def observe(self, weights):
         """Add this call's attention mass (weights [B, H, rep, N, rows]), query by query with decay."""
         rows, n = self.rows, weights.shape[3]
-        old = self.acc[:, :, :rows]
         if self.decay == 1.0:
-            mass = weights.sum(axis=(2, 3))
+            self.acc[:, :, :rows] = self.acc[:, :, :rows] + weights.sum(axis=(2, 3))
         else:  # query i of N is followed by N-1-i more decay steps within this call
             w = mx.power(mx.array(self.decay, mx.float32), mx.arange(n - 1, -1, -1, dtype=mx.float32))
-            mass = (w[:, None] * weights).sum(axis=(2, 3))
-            old = old * (self.decay**n)
-        self.acc[:, :, :rows] = old + mass
+            self.acc[:, :, :rows] = self.acc[:, :, :rows] * (self.decay**n) + (w[:, None] * weights).sum(axis=(2, 3))
         self.settle()
 
     def score(self, obs_queries, obs_positions, scale):
         return self.acc[:, :, : self.rows]
 
-    h2o_kept_bytes = property(attrgetter("nbytes"))  # spec telemetry name
+    h2o_kept_bytes = EvictionKVCache.kept_bytes  # spec telemetry name

@@ -1,18 +1,16 @@
-"""Keyformer (Adnan et al., "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient
-Generative Inference", arXiv 2403.09054).
+"""Keyformer (Adnan et al., "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient Generative
+Inference", arXiv 2403.09054). Each row accumulates softmax((x + z) / tau) of every query's logits x (recovered as
+log p, a per-query constant off) with Gumbel noise z, summed over the KV head's query heads; over budget a KV head
+keeps its ``keyformer_recent`` newest tokens plus the highest-scoring rows. tau is ``keyformer_tau``, else it rises
+linearly from ``keyformer_tau_init`` to ``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. The
+noise key derives from ``keyformer_seed``, the layer and a call counter in ``state``; ``gumbel_noise = False``
+with tau = 1 is H2O without decay.
 
-Each row accumulates softmax((x + z) / tau) of every query's logits x with Gumbel noise z (summed over
-the KV head's query heads); over budget a KV head keeps its ``keyformer_recent`` newest tokens plus the
-highest-scoring rows. tau is ``keyformer_tau``, else it rises linearly from ``keyformer_tau_init`` to
-``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. Logits are recovered as log p (a
-per-query constant off). The noise key derives from ``keyformer_seed``, the layer and a call counter in
-``state``; ``gumbel_noise = False`` with tau = 1 is H2O without decay.
-
-Deviations from the paper: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal
-length is ``keyformer_anneal_steps`` (the generation length is unknown to a cache; 0: constant
-``tau_init``, which ``tau_end`` must equal); decoding evicts once per ``evict_slack`` steps;
-``keyformer_rope_base`` is unused (keys cached after RoPE at original positions, the paper's variant);
-trim rewinds the decode-step count but keeps the trimmed queries' scores.
+Deviations from the paper: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal length is
+``keyformer_anneal_steps`` (a cache does not know the generation length; 0: constant ``tau_init``, which
+``tau_end`` must equal); decoding evicts once per ``evict_slack`` steps; ``keyformer_rope_base`` is unused (keys
+cached after RoPE at original positions, the paper's variant); trim rewinds the decode-step count but keeps the
+trimmed queries' scores.
 """
 
 from __future__ import annotations
@@ -22,19 +20,16 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import check_budget, default_slack
+from .h2o import H2OKVCache
 
 
 @register_with_mlx_lm
 @register("keyformer")
-class KeyformerKVCache(BatchedEviction, EvictionKVCache):
-    """Keep the rows with the highest accumulated Gumbel-regularised attention score."""
-    chunk_invariant = False  # batched (slack) decode eviction; Gumbel noise drawn per call
-    exact_trim = False  # decode rows add scores and evict (slack)
-    array_fields = EvictionKVCache.array_fields + ("acc",)
-    row_fields = ("acc",)
+class KeyformerKVCache(H2OKVCache):
+    """Keep the rows with the highest accumulated (``acc``, H2O's) Gumbel-regularised attention score."""
+    chunk_invariant, exact_trim = False, False  # noise drawn per call; decode rows add scores, evict
     scalar_fields = ("rows", "decode_steps", "noise_calls", "noise_stream")
-    uses_attention_weights = True
     gumbel_noise = True  # set False (e.g. on an instance) to drop the noise term
     decode_steps = noise_calls = 0
     noise_stream = 0  # the layer index under ``for_model``: layers draw independent noise
@@ -64,12 +59,10 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
 
     def tau(self, step: int | None = None) -> float:
         """The temperature at decode step ``step`` (default: the next one)."""
-        if self.tau_fixed is not None:
-            return float(self.tau_fixed)
-        if self.anneal_steps == 0:
-            return float(self.tau_init)
-        t = self.decode_steps if step is None else step
-        return self.tau_init + (self.tau_end - self.tau_init) * min(t, self.anneal_steps) / self.anneal_steps
+        if self.tau_fixed is not None or self.anneal_steps == 0:
+            return float(self.tau_init if self.tau_fixed is None else self.tau_fixed)
+        t = min(self.decode_steps if step is None else step, self.anneal_steps)
+        return self.tau_init + (self.tau_end - self.tau_init) * t / self.anneal_steps
 
     def observe(self, weights):
         """Accumulate softmax((log p + Gumbel) / tau) of weights [B, H, rep, N, rows]."""
@@ -80,12 +73,8 @@ class KeyformerKVCache(BatchedEviction, EvictionKVCache):
             self.noise_calls += 1
         f = mx.softmax(logits / self.tau(), axis=-1, precise=True)
         self.acc[:, :, : self.rows] = self.acc[:, :, : self.rows] + f.sum(axis=(2, 3))
-        if weights.shape[3] == 1:
-            self.decode_steps += 1
+        self.decode_steps += int(weights.shape[3] == 1)
         self.settle()
-
-    def score(self, obs_queries, obs_positions, scale):
-        return self.acc[:, :, : self.rows]
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)

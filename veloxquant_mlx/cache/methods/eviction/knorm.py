@@ -1,30 +1,26 @@
-"""K-norm eviction (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache
-Compression", arXiv 2406.11430).
+"""K-norm eviction (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arXiv
+2406.11430): low-norm keys tend to draw high attention, so each KV head keeps the ``knorm_budget`` rows of lowest
+(post-RoPE) key norm (``knorm_keep='high'``: highest, the paper's contrast). Query-free: eviction runs in
+``update_and_fetch`` and attention stays on MLX's fused kernel.
 
-Low-norm keys tend to draw high attention, so each KV head keeps the ``knorm_budget`` rows of lowest
-(post-RoPE) key norm (``knorm_keep='high'``: highest, the paper's contrast). No queries are needed:
-eviction runs in ``update_and_fetch`` and attention stays on MLX's fused kernel.
-
-Deviations from the paper: the first ``knorm_n_sink`` and newest ``knorm_recent`` tokens are kept (0 and
-0 reproduce the paper); all layers are compressed (the paper skips the first two); decoding evicts in
-batches of ``evict_slack`` rows, which keeps exactly the lowest-norm rows since scores never change.
+Deviations from the paper: the first ``knorm_n_sink`` and newest ``knorm_recent`` tokens are kept (0 and 0
+reproduce the paper); all layers are compressed (the paper skips the first two); decoding evicts in batches of
+``evict_slack`` rows (exactly the lowest-norm rows, since scores never change).
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from .chunkkv import key_norm_scores
 
 
 @register_with_mlx_lm
 @register("knorm")
 class KNormKVCache(BatchedEviction, EvictionKVCache):
     """Keep the lowest-L2-norm keys of each KV head (query-free)."""
-    chunk_invariant = False  # batched (slack) decode eviction: up to budget + slack rows are held
-    exact_trim = False  # decode steps evict older rows (slack)
+    chunk_invariant, exact_trim = False, False  # slack decode eviction; decode steps evict
 
     def _init_layout(self):
         o = self.config.options
@@ -39,6 +35,5 @@ class KNormKVCache(BatchedEviction, EvictionKVCache):
         return out
 
     def score(self, obs_queries, obs_positions, scale):
-        k = self.keys[:, :, : self.rows].astype(mx.float32)
-        norm = mx.sqrt((k * k).sum(axis=-1))
-        return -norm if self.keep_which == "low" else norm
+        s = key_norm_scores(self.keys[:, :, : self.rows])  # minus the norm
+        return s if self.keep_which == "low" else -s

@@ -1,24 +1,22 @@
-"""KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
-arXiv 2505.23416).
-
-A KV pair matters if the model needs it to reproduce the context: after the prefill the model reruns,
-with the cache, on "Repeat the previous context:" plus the context; a pair's importance is the largest
-attention any reconstruction query (and GQA head) gives it, and each KV head keeps its ``kvzip_budget``
-most important pairs plus the first ``kvzip_n_sink`` tokens. The pass needs the model::
+"""KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416). A
+KV pair matters if the model needs it to reproduce the context: after the prefill the model reruns, with the
+cache, on "Repeat the previous context:" plus the context; a pair's importance is the largest attention any
+reconstruction query (and GQA head) gives it, and each KV head keeps its ``kvzip_budget`` most important pairs
+plus the first ``kvzip_n_sink`` tokens. The pass needs the model::
 
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kvzip", options=KVzipOptions(...)))
     model(context_ids[None], cache=caches)                       # prefill: nothing is evicted yet
     KVzipKVCache.compress_with_model(model, caches, context_ids, tokenizer=tok)   # or kvzip_compress
 
-The reconstruction's rows are dropped after each chunk (other layer types run on copies); without the
-dispatch point its keys stand in for its queries. ``kvzip_probe="repeat"`` feeds only the instruction
-(else the last ``chunk_size`` tokens): much cheaper, much less informed.
+The reconstruction's rows are dropped after each chunk (other layer types run on copies); without the dispatch
+point its keys stand in for its queries. ``kvzip_probe="repeat"`` feeds only the instruction (else the last
+``chunk_size`` tokens): much cheaper, much less informed.
 
-Deviations from the paper: per-layer budgets, equal for a layer's heads (the paper ranks all heads
-globally; mlx_lm shares one mask); chunks of ``chunk_size`` without the previous chunk's repeated
-tokens; without a reconstruction the importance is the max attention from the real queries so far;
-prefill never evicts, decoding grows to ``budget + slack`` rows and cuts back, decode queries raising
-the running max; trim keeps the trimmed queries' contributions and does not restore evicted rows.
+Deviations from the paper: per-layer budgets, equal for a layer's heads (the paper ranks all heads globally;
+mlx_lm shares one mask); chunks of ``chunk_size`` without the previous chunk's repeated tokens; without a
+reconstruction the importance is the max attention from the real queries so far; prefill never evicts, decoding
+grows to ``budget + slack`` rows and cuts back, decode queries raising the running max; trim keeps the trimmed
+queries' contributions and does not restore evicted rows.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ REPEAT_PROMPT = "\n\nRepeat the previous context:"
 @register("kvzip")
 class KVzipKVCache(EvictionKVCache):
     """Query-agnostic eviction by context-reconstruction importance (max attention received)."""
-    chunk_invariant = False  # prefill chunks never evict, decode steps evict (slack)
-    exact_trim = False  # decode steps raise the importance and evict (slack)
+    chunk_invariant, exact_trim = False, False  # only decode evicts (slack); it raises importance too
     uses_attention_weights = True
     row_fields = ("importance",)
     array_fields = EvictionKVCache.array_fields + ("importance",)
@@ -101,8 +98,7 @@ class KVzipKVCache(EvictionKVCache):
             for c in ours:
                 c.begin_reconstruction(reset=i == 0)
             try:
-                mx.eval(model(mx.array(chunk)[None], cache=run))
-                mx.eval([c.importance for c in ours])
+                mx.eval(model(mx.array(chunk)[None], cache=run), [c.importance for c in ours])
             finally:
                 for c in ours:
                     c.end_reconstruction()
@@ -111,6 +107,4 @@ class KVzipKVCache(EvictionKVCache):
         mx.eval([c.state for c in ours])
 
 
-def kvzip_compress(model, caches, tokens, **kw) -> None:
-    """Function form of ``KVzipKVCache.compress_with_model``."""
-    KVzipKVCache.compress_with_model(model, caches, tokens, **kw)
+kvzip_compress = KVzipKVCache.compress_with_model  # the function form

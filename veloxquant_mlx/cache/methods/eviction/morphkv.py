@@ -1,34 +1,31 @@
-"""MorphKV (Ghadia et al., "Dialogue Without Limits: Constant-Sized KV Caches for Extended Responses
-in LLMs", ICML 2025, arXiv 2503.00979).
+"""MorphKV (Ghadia et al., "Dialogue Without Limits: Constant-Sized KV Caches for Extended Responses in LLMs",
+ICML 2025, arXiv 2503.00979). Each KV head holds the ``morphkv_window`` newest tokens plus the older ones their
+queries attend to most, cut back to exactly ``morphkv_budget`` rows after every call (an argmin per decode step). A
+row's score is the window queries' attention, fused by sum (``sum_fused``; ``fusion = "max"``: ``max_fused``) over
+the window and the group's query heads. The window's real queries are kept (``queries``, ``query_positions``,
+16-bit, in ``nbytes``); without the dispatch point its keys stand in.
 
-Each KV head holds the ``morphkv_window`` newest tokens plus the older ones their queries attend to
-most, cut back to exactly ``morphkv_budget`` rows after every call (an argmin per decode step). A row's
-score is the window queries' attention, fused by sum (``sum_fused``; ``fusion = "max"``: ``max_fused``)
-over the window and the group's query heads. The window's real queries are kept (``queries``,
-``query_positions``, 16-bit, in ``nbytes``); without the dispatch point its keys stand in.
-
-Deviations from the paper: the first ``morphkv_n_sink`` tokens are kept (0 reproduces it); the window's
-attention is recomputed from the kept queries at each eviction (the paper keeps attention profiles), so
-the softmax covers only the rows held now; a trim drops its tokens' queries too (the window then votes
-with fewer queries until new tokens arrive).
+Deviations from the paper: the first ``morphkv_n_sink`` tokens are kept (0 reproduces it); the window's attention
+is recomputed from the kept queries at each eviction (the paper keeps attention profiles), so the softmax covers
+only the rows held now; a trim drops its tokens' queries too (the window votes with fewer queries until new
+tokens arrive).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ...attention import attention_logits
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...eviction import BatchedEviction, EvictionKVCache, check_budget
+from .curdkv import causal_weights
 
 
 @register_with_mlx_lm
 @register("morphkv")
 class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     """Constant-size cache: recent window + the older rows the window attends to most."""
-    chunk_invariant = False  # evicts after every call, by the window's queries
-    exact_trim = False  # decode steps evict older rows
+    chunk_invariant, exact_trim = False, False  # evicts after every call; decode steps evict
     array_fields = EvictionKVCache.array_fields + ("queries", "query_positions")
     evict_slack = 0
     fusion = "sum"
@@ -73,8 +70,5 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
             w = min(self.window, rows)
             q, q_pos = self.keys[:, :, rows - w : rows], mx.arange(self.offset - w, self.offset, dtype=mx.int32)
             scale = q.shape[-1] ** -0.5
-        k_pos = self.positions[:, :, :rows]
-        logits = attention_logits(q, self.keys[:, :, :rows], scale)  # [B, H, rep, W, rows]
-        visible = k_pos[:, :, None, None, :] <= q_pos[None, None, None, :, None]
-        weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+        weights = causal_weights(q, self.keys[:, :, :rows], scale, q_pos, self.positions[:, :, :rows])
         return weights.max(axis=(2, 3)) if self.fusion == "max" else weights.sum(axis=(2, 3))

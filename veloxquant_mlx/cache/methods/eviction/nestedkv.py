@@ -1,19 +1,15 @@
 """NestedKV ("NestedKV: Nested Memory Routing for Long-Context KV Cache Compression", arXiv 2605.26678).
 
-Only the abstract was accessible (global, block-level and sliding-window key memories with routing, after
-the Continuum Memory System of Nested Learning): the formulas below are **our own design**. Three
-memories score each held row of a KV head, each signal as a rank in [0, 1]: current, ``cur``, the
-attention mass from recent queries, decayed by 1 - 1/``nestedkv_window`` per query (real queries via the
-dispatch point, keys without; the newest ``window`` tokens are kept verbatim); block, 1 - cos(k, mean key
-of its ``window``-position block); global, 1 - cos(k, mean held key). A surprise gate g = sigmoid(
-``kappa`` (r_block - ``tau``)) and a per-head blend lambda = sigmoid(``beta`` (1 - 2 H_norm)) (H_norm:
-normalised entropy of ``cur``) give
-
-    score = lambda * r_cur + (1 - lambda) * (g * max(r_global, r_block) + (1 - g) * r_cur)
-
-The ceil(``safeguard_alpha`` (budget - n_sink - window)) old rows of highest ``cur`` and the first
-``nestedkv_n_sink`` tokens are always kept. Eviction runs after every prefill chunk and, decoding, at
-``budget + slack`` rows (also ours); trim keeps the trimmed queries' contributions.
+Only the abstract was accessible (global, block-level and sliding-window key memories with routing, after the
+Continuum Memory System of Nested Learning): the formulas below are **our own design**. Three memories score each
+held row of a KV head, each signal as a rank in [0, 1]: current, ``cur``, the attention mass from recent queries,
+decayed by 1 - 1/``nestedkv_window`` per query (the newest ``window`` tokens are kept verbatim); block, 1 - cos(k,
+mean key of its ``window``-position block); global, 1 - cos(k, mean held key). A surprise gate g = sigmoid(``kappa``
+(r_block - ``tau``)) and a per-head blend lambda = sigmoid(``beta`` (1 - 2 H_norm)) (H_norm: normalised entropy of
+``cur``) give ``score = lambda r_cur + (1 - lambda) (g max(r_global, r_block) + (1 - g) r_cur)``. The
+ceil(``safeguard_alpha`` (budget - n_sink - window)) old rows of highest ``cur`` and the first ``nestedkv_n_sink``
+tokens are always kept. Eviction runs after every prefill chunk and, decoding, at ``budget + slack`` rows (also
+ours); trim keeps the trimmed queries' contributions.
 """
 
 from __future__ import annotations
@@ -24,28 +20,23 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 
 
 def rank01(x: mx.array) -> mx.array:
     """Rank of each entry along the last axis, scaled to [0, 1] (ties broken by position)."""
-    n = x.shape[-1]
-    r = mx.argsort(mx.argsort(x, axis=-1), axis=-1).astype(mx.float32)
-    return r / max(n - 1, 1)
+    return mx.argsort(mx.argsort(x, axis=-1), axis=-1).astype(mx.float32) / max(x.shape[-1] - 1, 1)
 
 
 def _cos_distance(k: mx.array, centre: mx.array) -> mx.array:
-    num = (k * centre).sum(-1)
-    den = mx.sqrt((k * k).sum(-1) * (centre * centre).sum(-1)) + 1e-12
-    return 1.0 - num / den
+    return 1.0 - (k * centre).sum(-1) / (mx.sqrt((k * k).sum(-1) * (centre * centre).sum(-1)) + 1e-12)
 
 
 @register_with_mlx_lm
 @register("nestedkv")
 class NestedKVKVCache(EvictionKVCache):
     """Nested global / block / sliding-window memories with a surprise gate and an attention safeguard."""
-    chunk_invariant = False  # eviction per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode rows add attention statistics and evict (slack)
+    chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode rows add mass, evict
     uses_attention_weights = True
     row_fields = ("cur",)
     array_fields = EvictionKVCache.array_fields + ("cur",)
@@ -57,10 +48,9 @@ class NestedKVKVCache(EvictionKVCache):
         self.recent = self.window  # the sliding-window memory is kept verbatim
         check_budget("nestedkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         self.decay = 1.0 - 1.0 / self.window
-        self.slack = default_slack(self.budget)
+        self.slack = self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
+    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     def observe(self, weights):
         """cur <- cur * decay^N + sum_j decay^(N-1-j) * (attention of query j, summed over the group)."""

@@ -1,18 +1,14 @@
-"""PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
-Funneling", arXiv 2406.02069).
-
-Lower layers attend broadly, upper ones narrowly, so budgets shrink with depth: with ``m`` layers,
-average budget ``b`` and ``s = b - (n_sink + window)`` selectable rows, the top layer gets ``s / beta``,
-the bottom ``2s - s / beta``, the others the arithmetic sequence (``pyramid_budgets``; a single cache
-uses ``pyramid_resolved_budget``, else ``budget``). Within a layer SnapKV's votes choose
-(``VotingEviction``, pooled). Real queries, slack, ``decode_evict``, trim: ``eviction``'s docstring.
+"""PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", arXiv
+2406.02069). Lower layers attend broadly, upper ones narrowly, so budgets shrink with depth: with ``m`` layers,
+average budget ``b`` and ``s = b - (n_sink + window)`` selectable rows, the top layer gets ``s / beta``, the bottom
+``2s - s / beta``, the others the arithmetic sequence (``pyramid_budgets``; a single cache uses
+``pyramid_resolved_budget``, else ``budget``). Within a layer SnapKV's pooled votes choose (``VotingEviction``).
 Layers of different sizes share mlx_lm's one ``"causal"`` mask (past rows, then the new ones).
 
-Deviations from the paper: the schedule applies to the selectable rows (as the release), rounded to
-sum to ``m * b`` and never increase with depth; ``beta >= 1`` (default 2, the paper's 20); no shrinking
-for prompts shorter than ``2 b``; decoding is compressed too (``decode_evict=False``: prompt only) and
-long prompts chunk by chunk; sinks are an addition; pooling kernel 7 (the release: 5); ``backend`` is
-unused.
+Deviations from the paper: the schedule applies to the selectable rows (as the release), rounded to sum to ``m *
+b`` and never increase with depth; ``beta >= 1`` (default 2, the paper's 20); no shrinking for prompts shorter than
+``2 b``; decoding is compressed too (``decode_evict=False``: prompt only) and long prompts chunk by chunk; sinks
+are an addition; pooling kernel 7 (the release: 5); ``backend`` is unused.
 """
 
 from __future__ import annotations
@@ -30,24 +26,18 @@ def pyramid_budgets(n_layers: int, budget: int, beta: float, protected: int) -> 
     """Per-layer budgets, bottom layer first: the schedule on ``budget - protected`` selectable rows
     plus ``protected`` each; integers, non-increasing, summing to exactly ``n_layers * budget``."""
     s = budget - protected
-    if n_layers == 1 or beta == 1:
-        vals = [float(s)] * n_layers
-    else:
-        top = s / beta
-        bottom = 2 * s - top
-        vals = [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
-    floors = [int(math.floor(v + 1e-9)) for v in vals]
-    for i in range(n_layers * s - sum(floors)):  # < n_layers rows left by the rounding
-        floors[i] += 1
-    return [protected + f for f in floors]
+    top = s / beta if n_layers > 1 else float(s)
+    bottom = 2 * s - top
+    floors = [int(math.floor(bottom - (bottom - top) * i / max(n_layers - 1, 1) + 1e-9)) for i in range(n_layers)]
+    rest = n_layers * s - sum(floors)  # < n_layers rows left by the rounding go to the bottom layers
+    return [protected + f + (i < rest) for i, f in enumerate(floors)]
 
 
 @register_with_mlx_lm
 @register("pyramidkv")
 class PyramidKVCache(VotingEviction):
     """SnapKV-style observation-window eviction with a per-layer budget from the pyramid schedule."""
-    chunk_invariant = False  # observation-window eviction per prefill chunk; batched (slack) decode eviction
-    exact_trim = False  # decode rows add votes and evict (slack)
+    chunk_invariant, exact_trim = False, False  # votes per prefill chunk; decode rows vote, evict
 
     def _init_layout(self):
         o, resolved = self.config.options, self.config.pyramid_resolved_budget

@@ -1,19 +1,16 @@
-"""Q-Filters (Godey et al., "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression",
-arXiv 2503.02812).
+"""Q-Filters (Godey et al., "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression", arXiv
+2503.02812). A head's queries share a dominant direction ``u`` (principal right singular vector, signed so E<q, u>
+> 0), so <k, u> (the *filter*) estimates a key's attention without computing any. Each KV head keeps the
+``qfilters_budget`` keys projecting highest on its query heads' mean filter, plus the first ``qfilters_n_sink``
+and last ``qfilters_recent`` tokens (``qfilters_sign=-1`` reverses it, an ablation). The filters are the top
+eigenvector of the Gram matrix of ``qfilters_calib_tokens`` real queries (keys without the dispatch point),
+accumulated from the call that brings a cache within ``calib_tokens`` rows of its budget. Then the attention mass
+the queries put on the rows the filter would keep (``retention``) is measured; below ``qfilters_min_retention``
+the cache warns, raises ``QFiltersRetentionError`` or ignores it (``qfilters_on_low_retention``).
 
-A head's queries share a dominant direction ``u`` (principal right singular vector, signed so E<q, u> >
-0), so <k, u> (the *filter*) estimates a key's attention without computing any. Each KV head keeps the
-``qfilters_budget`` keys projecting highest on its query heads' mean filter, plus the first
-``qfilters_n_sink`` and last ``qfilters_recent`` tokens (``qfilters_sign=-1`` reverses it, an ablation).
-The filters are the top eigenvector of the Gram matrix of ``qfilters_calib_tokens`` real queries (keys
-without the dispatch point), accumulated from the call that brings a cache within ``calib_tokens`` rows
-of its budget. At the end of calibration the attention mass the queries put on the rows the filter would
-keep (``retention``) is measured; below ``qfilters_min_retention`` the cache warns, raises
-``QFiltersRetentionError`` or ignores it (``qfilters_on_low_retention``).
-
-Deviations from the paper: each layer cache calibrates online on its own queries (the paper: offline,
-once per model; the filters are in ``state``); the retention check is an addition; decoding evicts in
-batches of ``slack`` rows.
+Deviations from the paper: each layer cache calibrates online on its own queries (the paper: offline, once per
+model; the filters are in ``state``); the retention check is an addition; decoding evicts in batches of ``slack``
+rows.
 """
 
 from __future__ import annotations
@@ -23,12 +20,12 @@ import warnings
 import mlx.core as mx
 
 from ... import dispatch
-from ...attention import attention_logits
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
 from ...observers import notify
+from .curdkv import causal_weights
 
 
 class QFiltersRetentionError(RuntimeError):
@@ -37,18 +34,15 @@ class QFiltersRetentionError(RuntimeError):
 
 def principal_direction(gram: mx.array, total: mx.array) -> mx.array:
     """Top eigenvector of each Gram matrix [.., D, D], sign-fixed so <total, u> >= 0. Returns [.., D]."""
-    _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)
-    u = vecs[..., :, -1]
-    flip = mx.where((u * total).sum(-1, keepdims=True) < 0, -1.0, 1.0)
-    return u * flip
+    u = mx.linalg.eigh(gram, stream=mx.cpu)[1][..., :, -1]
+    return u * mx.where((u * total).sum(-1, keepdims=True) < 0, -1.0, 1.0)
 
 
 @register_with_mlx_lm
 @register("qfilters")
 class QFiltersKVCache(EvictionKVCache):
     """Eviction by projection of keys on calibrated per-head query directions."""
-    chunk_invariant = False  # batched (slack) decode eviction; filters calibrated on the first queries
-    exact_trim = False  # decode steps evict older rows (slack)
+    chunk_invariant, exact_trim = False, False  # filters fit on the first queries; decode steps evict
     array_fields = EvictionKVCache.array_fields + ("qf_gram", "qf_sum", "qf_filter")
     scalar_fields = EvictionKVCache.scalar_fields + ("qf_count", "qf_source", "retention")
     qf_count = 0
@@ -63,10 +57,9 @@ class QFiltersKVCache(EvictionKVCache):
         if self.sign not in (1, -1):
             raise QuantizerConfigError("qfilters_sign", self.sign, "1 or -1")
         check_budget("qfilters_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = default_slack(self.budget)
+        self.slack = self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > (self.budget if n_new > 1 else self.budget + self.slack)
+    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     calibrated = property(lambda self: self.qf_filter is not None)
 
@@ -132,9 +125,7 @@ class QFiltersKVCache(EvictionKVCache):
         s = mx.where(visible & (pos < self.n_sink), mx.inf, s)
         thresh = mx.take_along_axis(-mx.sort(-s, axis=-1), k - 1, axis=-1)  # k-th largest per head
         kept = visible & (s >= thresh)
-        logits = attention_logits(queries, keys, scale)  # [B, H, rep, n, rows]
-        causal = pos[:, :, None, None, :] <= q_positions[None, None, None, :, None]
-        w = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
+        w = causal_weights(queries, keys, scale, q_positions, pos)  # [B, H, rep, n, rows]
         return (w * kept[:, :, None, None, :]).sum(-1).mean()
 
     def _check_retention(self, calib_queries, scale):

@@ -1,25 +1,21 @@
-"""RocketKV (Behnam et al., "RocketKV: Accelerating Long-Context LLM Inference via Two-Stage KV Cache
-Compression", arXiv 2502.14051).
+"""RocketKV (Behnam et al., "RocketKV: Accelerating Long-Context LLM Inference via Two-Stage KV Cache Compression",
+arXiv 2502.14051). The ratio c = ``rocketkv_compression_ratio`` is split c1 = sqrt(c) (stage 1), c2 = c / c1
+(stage 2). Stage 1 (SnapKV++): after each prefill chunk the last ``rocketkv_obs_window`` queries vote (GQA-summed,
+pooled) and each KV head keeps ceil(offset / c1) rows, sinks and window included; decode rows are all kept. Stage
+2 (hybrid sparse attention): keys form pages of ``page_size`` rows with element-wise max / min summaries; a decode
+query's ``head_topk1`` largest |q| channels (group-summed) bound each page's logits, and the top ceil(n_pages /
+c2) pages (softmax of the bounds, group-summed) plus sink and recent pages are attended. Defaults: with s =
+sqrt(c2), ``head_topk1 = round(head_dim / s)``, ``page_size`` the power of two >= 2 s, so the summaries read stay
+below 1/c2 of the keys.
 
-The ratio c = ``rocketkv_compression_ratio`` is split c1 = sqrt(c) (stage 1), c2 = c / c1 (stage 2).
-Stage 1 (SnapKV++): after each prefill chunk the last ``rocketkv_obs_window`` queries vote (GQA-summed,
-pooled) and each KV head keeps ceil(offset / c1) rows, sinks and window included; decode rows are all
-kept. Stage 2 (hybrid sparse attention): keys form pages of ``page_size`` rows with element-wise max /
-min summaries; a decode query's ``head_topk1`` largest |q| channels (group-summed) bound each page's
-logits, and the top ceil(n_pages / c2) pages (softmax of the bounds, group-summed) plus sink and recent
-pages are attended. Defaults: with s = sqrt(c2), ``head_topk1 = round(head_dim / s)``, ``page_size`` the
-power of two >= 2 s, so the summaries read stay below 1/c2 of the keys.
-
-Deviations from the paper: fixed pooling kernel 7 and an even sqrt split (the paper adapts / tunes them);
-no second token ranking inside the selected pages; stage 2 needs the dispatch point (else dense, stage 1
-scoring with keys); ``select_indices`` returns stored-row indices.
+Deviations from the paper: fixed pooling kernel 7 and an even sqrt split (the paper adapts / tunes them); no
+second token ranking inside the selected pages; stage 2 needs the dispatch point (else dense, stage 1 scoring with
+keys); ``select_indices`` returns stored-row indices.
 """
 
 from __future__ import annotations
 
 import math
-from operator import attrgetter
-
 import mlx.core as mx
 
 from ...base import register
@@ -34,46 +30,43 @@ from .snapkv import SnapKVKVCache
 @register("rocketkv")
 class RocketKVKVCache(EvictionKVCache):
     """SnapKV++ prompt eviction (stage 1) + paged hybrid sparse attention at decode (stage 2)."""
-    chunk_invariant = False  # stage 1 evicts each prefill chunk to ceil(offset / c1) rows
-    exact_trim = True  # decode rows are never evicted; the last page summary is recomputed
+    chunk_invariant, exact_trim = False, True  # stage 1 cuts each prefill chunk; decode rows are kept
     array_fields = EvictionKVCache.array_fields + ("page_max", "page_min")
     last_attended_rows = 0  # rows the last sparse decode step attended (diagnostic)
 
     def _init_layout(self):
         o, d = self.config.options, self.config.head_dim
         self.ratio = float(o.compression_ratio)
-        self._stage1_ratio = math.sqrt(self.ratio)
-        self.stage2_ratio = self.ratio / self._stage1_ratio
+        self.stage1_ratio = math.sqrt(self.ratio)
+        self.stage2_ratio = self.ratio / self.stage1_ratio
         self.obs_window, self.n_sink, self.recent = o.obs_window, o.n_sink, o.obs_window
         s = math.sqrt(self.stage2_ratio)
-        self._head_topk1 = o.head_topk1 or max(1, min(d, round(d / s)))
-        self._page_size = o.page_size or max(2, 2 ** math.ceil(math.log2(2 * s)))
-        if self._head_topk1 > d:
-            raise QuantizerConfigError("rocketkv_head_topk1", self._head_topk1, f"an int <= head_dim={d}")
+        self.head_topk1 = o.head_topk1 or max(1, min(d, round(d / s)))
+        self.page_size = o.page_size or max(2, 2 ** math.ceil(math.log2(2 * s)))
+        if self.head_topk1 > d:
+            raise QuantizerConfigError("rocketkv_head_topk1", self.head_topk1, f"an int <= head_dim={d}")
         self.budget = self.n_sink + self.recent
 
     def wants_eviction(self, n_new):
         if n_new == 1:
             return False  # decode tokens are kept; stage 2 handles them
-        self.budget = max(math.ceil(self.offset / self._stage1_ratio), self.n_sink + self.recent)
+        self.budget = max(math.ceil(self.offset / self.stage1_ratio), self.n_sink + self.recent)
         return self.rows > self.budget
 
     score = SnapKVKVCache.score  # stage 1: SnapKV's pooled votes (prefill chunks only)
     qring = None  # no decode-time query ring (SnapKV's ``decode_evict``)
-
-    n_pages = property(lambda self: -(-self.rows // self._page_size))
+    n_pages = property(lambda self: -(-self.rows // self.page_size))
 
     def _refresh_pages(self, from_row: int) -> None:
         """Recompute the max/min summaries of the pages holding rows ``from_row`` .. rows - 1."""
-        P, p1 = self._page_size, self.n_pages
+        P, p1 = self.page_size, self.n_pages
         p0 = from_row // P
         if p1 <= p0:
             return
         seg = self.keys[:, :, p0 * P : self.rows]
         B, H, n, D = seg.shape
-        pad = (p1 - p0) * P - n
-        lo = hi = seg
-        if pad:
+        pad, lo, hi = (p1 - p0) * P - n, seg, seg
+        if pad:  # whole pages: fill with +-inf
             fill = mx.full((B, H, pad, D), mx.inf, dtype=seg.dtype)
             lo, hi = mx.concatenate([seg, fill], axis=2), mx.concatenate([seg, -fill], axis=2)
         self.page_min = grow_rows(self.page_min, p0, lo.reshape(B, H, p1 - p0, P, D).min(axis=3))
@@ -97,14 +90,14 @@ class RocketKVKVCache(EvictionKVCache):
     def n_selected_pages(self, keep_recent: int | None = None) -> int:
         """Pages attended per decode step: the top ceil(n_pages / c2) plus sink and recent pages."""
         keep_recent = self.recent if keep_recent is None else keep_recent
-        P, n = self._page_size, self.n_pages
+        P, n = self.page_size, self.n_pages
         forced = -(-self.n_sink // P) + -(-keep_recent // P) + 1
         return min(n, math.ceil(n / self.stage2_ratio) + forced)
 
     def _page_scores(self, q: mx.array, keep_recent: int) -> mx.array:
         """q [B, H, rep, D] decode queries of each KV head's group -> [B, H, n_pages] (forced = inf)."""
-        n, P, rows = self.n_pages, self._page_size, self.rows
-        k1 = min(self._head_topk1, q.shape[-1])
+        n, P, rows = self.n_pages, self.page_size, self.rows
+        k1 = min(self.head_topk1, q.shape[-1])
         q = q.astype(mx.float32)
         ch = mx.argpartition(-mx.abs(q).sum(axis=2), kth=k1 - 1, axis=-1)[..., :k1]  # [B, H, k1]
         qs = mx.take_along_axis(q, ch[:, :, None, :], axis=-1)[:, :, :, None, :]  # [B, H, rep, 1, k1]
@@ -118,7 +111,7 @@ class RocketKVKVCache(EvictionKVCache):
 
     def _select_rows(self, q: mx.array, keep_recent: int):
         """Batched selection: (row indices [B, H, S] ascending, valid mask [B, H, S])."""
-        n_sel, P = self.n_selected_pages(keep_recent), self._page_size
+        n_sel, P = self.n_selected_pages(keep_recent), self.page_size
         score = self._page_scores(q, keep_recent)
         pages = mx.sort(mx.argpartition(-score, kth=n_sel - 1, axis=-1)[..., :n_sel], axis=-1)
         idx = (pages[..., None] * P + mx.arange(P)).reshape(*pages.shape[:2], n_sel * P)
@@ -149,12 +142,7 @@ class RocketKVKVCache(EvictionKVCache):
         self.last_attended_rows = idx.shape[-1]
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=m.reshape(B, Hq, 1, -1))
 
-    stage1_ratio = property(attrgetter("_stage1_ratio"))
-    page_size = property(attrgetter("_page_size"))
-    head_topk1 = property(attrgetter("_head_topk1"))
-    full_fp16_bytes_total = property(attrgetter("full_seq_bytes"))
-    tokens_total = property(attrgetter("offset"))
-
+    full_fp16_bytes_total, tokens_total = EvictionKVCache.full_seq_bytes, EvictionKVCache.tokens_seen
     stage1_bytes = property(lambda self: sum(a.nbytes for a in (self.keys, self.values, self.positions)
                                              if a is not None))
     stage2_aux_bytes = property(lambda self: sum(a.nbytes for a in (self.page_max, self.page_min) if a is not None))

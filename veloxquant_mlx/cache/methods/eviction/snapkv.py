@@ -1,27 +1,22 @@
-"""SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469).
+"""SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469). After each
+prefill chunk the last ``snap_obs_window`` queries vote: their softmax weights, summed over the window and each KV
+head's query heads, pooled (kernel 7, the paper's clustering); each KV head keeps its top tokens, the window and
+the first ``snap_n_sink`` included (``snap_budget`` rows). Decode tokens are kept (the paper compresses the prompt
+only). ``decode_evict=True`` (an extension) keeps a ring of the last ``snap_obs_window`` real queries (16-bit, in
+``nbytes``) that votes whenever decoding passes ``budget + slack`` rows; such a cache no longer trims exactly.
 
-After each prefill chunk the last ``snap_obs_window`` queries vote: their softmax weights, summed over
-the window and each KV head's query heads, pooled (kernel 7, the paper's clustering); each KV head keeps
-its top tokens, the window and the first ``snap_n_sink`` included (``snap_budget`` rows). Decode tokens
-are kept (the paper compresses the prompt only). Without the dispatch point the window's keys vote.
-``decode_evict=True`` (an extension) keeps a ring of the last ``snap_obs_window`` real queries (16-bit,
-in ``nbytes``) that votes whenever decoding passes ``budget + slack`` rows (``eviction.py``); such a
-cache no longer trims exactly.
-
-Deviations from the paper: average pooling (the release also has max); sinks are an addition (0
-reproduces it); long prompts are compressed chunk by chunk; ``snap_dtype`` / ``snap_backend`` /
-``snap_batched_scoring`` are accepted, scoring always runs batched in float32.
+Deviations from the paper: average pooling (the release also has max); sinks are an addition (0 reproduces it);
+long prompts are compressed chunk by chunk; ``snap_dtype`` / ``snap_backend`` / ``snap_batched_scoring`` are
+accepted, scoring always runs batched in float32.
 """
 
 from __future__ import annotations
-
-from operator import attrgetter
 
 import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, default_slack, observation_scores
+from ...eviction import BatchedEviction, EvictionKVCache, default_slack, observation_scores
 
 POOL_KERNEL = 7
 
@@ -40,8 +35,7 @@ def avg_pool_last(x: mx.array, kernel: int) -> mx.array:
 @register("snapkv")
 class SnapKVKVCache(EvictionKVCache):
     """Prefill eviction by observation-window votes, per KV head."""
-    chunk_invariant = False  # each prefill chunk evicts, voted by its own last queries
-    exact_trim = True  # with the default ``decode_evict=False`` decode rows are never evicted
+    chunk_invariant, exact_trim = False, True  # each chunk votes on its own; decode rows are kept
     decode_evict_default = False  # the paper compresses the prompt only
     # the query ring of the decode-time budget: ``qring`` [B, Hq, W, D], ``qring_pos`` [W] (-1: empty)
     array_fields = EvictionKVCache.array_fields + ("qring", "qring_pos")
@@ -52,26 +46,21 @@ class SnapKVKVCache(EvictionKVCache):
         self.recent = self.obs_window  # the observation window is always kept
         self.evict_slack = default_slack(self.budget)
 
-    def wants_eviction(self, n_new):
-        return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
+    wants_eviction = BatchedEviction.wants_eviction  # prefill: over budget; decode: over budget + slack
 
     def _remember_queries(self, queries):
         """Write this call's newest queries into the ring (slot = position mod W)."""
         W = self.obs_window
         q = queries[:, :, -W:].astype(self.storage_dtype(queries.dtype))
-        n = q.shape[2]
-        start = self.offset - n  # position of q's first query
         if self.qring is None or self.qring.shape[:2] != q.shape[:2] or self.qring.shape[-1] != q.shape[-1]:
             self.qring = mx.zeros(q.shape[:2] + (W, q.shape[-1]), q.dtype)
             self.qring_pos = mx.full((W,), -1, mx.int32)
-        if n == 1:
-            s = start % W
-            self.qring[:, :, s : s + 1] = q
-            self.qring_pos[s : s + 1] = mx.array([start], mx.int32)
+        pos = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)
+        if q.shape[2] == 1:  # decode: a slice write (a scatter costs ~3x on the CPU)
+            s = (self.offset - 1) % W
+            self.qring[:, :, s : s + 1], self.qring_pos[s : s + 1] = q, pos
         else:
-            idx = mx.array([(start + i) % W for i in range(n)], mx.int32)  # host ints: no sync
-            self.qring[:, :, idx] = q
-            self.qring_pos[idx] = mx.arange(start, start + n, dtype=mx.int32)
+            self.qring[:, :, pos % W], self.qring_pos[pos % W] = q, pos
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self.decode_evict:
@@ -107,8 +96,5 @@ class SnapKVKVCache(EvictionKVCache):
                                    self.positions[:, :, :rows])
         return avg_pool_last(votes, POOL_KERNEL)
 
-    tokens_total = property(attrgetter("offset"))  # spec telemetry name
-
-    @property
-    def eviction_ratio(self) -> float:
-        return self.offset / self.rows if self.rows else 1.0
+    tokens_total = EvictionKVCache.tokens_seen  # spec telemetry names
+    eviction_ratio = property(lambda self: self.offset / self.rows if self.rows else 1.0)

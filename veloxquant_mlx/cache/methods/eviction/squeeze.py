@@ -1,13 +1,10 @@
-"""SqueezeAttention (Wang, Cui, Gan, "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via
-Layer-wise Optimal Budget", arXiv 2404.04793).
-
-Layers are clustered by how little attention changes the hidden states (mean cos of a token's state
-before and after attention; exact 1-D k-means, 3 clusters, ``kmeans_1d``); the most similar cluster is
-squeezed to a fraction ``p`` of the budget and the savings spread over the others. Each layer then runs
-H2O with its budget (``VotingEviction.h2o_votes``; ``eviction``'s docstring). ``for_model`` installs
-the ``io_hooks`` reports (``dispatch.report_io``): the attention output ``a`` and the layer input ``h``
-give ``mean_t cos(h_t, h_t + a_t)`` (lazy) on the first forward pass; the ``SqueezeCoordinator`` (one
-per prompt cache) reads them once, resolves the budgets and evicts every layer.
+"""SqueezeAttention (Wang, Cui, Gan, "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via Layer-wise
+Optimal Budget", arXiv 2404.04793). Layers are clustered by how little attention changes the hidden states (mean
+cos of a token's state before and after attention; exact 1-D k-means, 3 clusters); the most similar cluster is
+squeezed to a fraction ``p`` of the budget and the savings spread over the others; each layer then runs H2O with
+its budget (``VotingEviction.h2o_votes``). ``for_model`` installs the ``io_hooks`` reports: the attention output
+``a`` and the layer input ``h`` give ``mean_t cos(h_t, h_t + a_t)`` (lazy) on the first forward pass; the
+``SqueezeCoordinator`` (one per prompt cache) reads them once, resolves the budgets and evicts every layer.
 
 Deviations from the paper:
 * ``h + a`` is the post-attention state of pre-norm blocks (Gemma's post-attention norm: approximated).
@@ -22,8 +19,6 @@ Deviations from the paper:
 from __future__ import annotations
 
 from itertools import accumulate, combinations
-from operator import attrgetter
-
 import mlx.core as mx
 
 from ...base import register
@@ -44,19 +39,15 @@ def kmeans_1d(values: list[float], k: int) -> list[int]:
     def sse(cuts):  # squared error of the runs between consecutive cuts, each around its mean
         return sum(p2[j] - p2[i] - (p1[j] - p1[i]) ** 2 / (j - i) for i, j in zip(cuts, cuts[1:]))
 
-    best = min(((0, *c, n) for c in combinations(range(1, n), k - 1)), key=sse) if n else ()
-    labels = [0] * n
-    for c, (i, j) in enumerate(zip(best, best[1:])):
-        for t in range(i, j):
-            labels[order[t]] = c
-    return labels
+    best = min(((0, *c, n) for c in combinations(range(1, n), k - 1)), key=sse) if n else (0,)
+    run = [c for c, (i, j) in enumerate(zip(best, best[1:])) for _ in range(i, j)]  # cluster of each sorted value
+    return [run[order.index(i)] for i in range(n)]
 
 
 def squeeze_budgets(similarity: list[float], budget: int, protected: int, strength: float) -> list[int]:
     """Per-layer budgets: the most similar k-means cluster keeps ``1 / (1 + strength)`` of its selectable
     rows, the rest go evenly to the other layers; the sum is ``n * budget``."""
-    n = len(similarity)
-    s = budget - protected
+    n, s = len(similarity), budget - protected
     if n < 2 or strength == 0 or max(similarity) - min(similarity) < 1e-6:
         return [budget] * n
     labels = kmeans_1d(similarity, min(N_CLUSTERS, n))
@@ -69,11 +60,8 @@ def squeeze_budgets(similarity: list[float], budget: int, protected: int, streng
     s_high = s + (s - s_low) * len(low) / len(high)
     vals = [int(s_low) if i in low else int(s_high) for i in range(n)]
     rest = n * s - sum(vals)  # rounding remainder, < n: to the least similar layers first
-    for i in sorted(high, key=lambda i: similarity[i]) + low:
-        if rest <= 0:
-            break
+    for i in (sorted(high, key=lambda i: similarity[i]) + low)[: max(rest, 0)]:
         vals[i] += 1
-        rest -= 1
     return [protected + v for v in vals]
 
 
@@ -103,9 +91,8 @@ class SqueezeCoordinator:
 
     def finalize(self) -> None:
         ids = sorted(self._reports)
-        sims = mx.stack([self._reports[i] for i in ids]).tolist() if ids else []  # one host read per prompt
-        mean = sum(sims) / len(sims) if sims else 0.0
-        got = dict(zip(ids, sims))  # a layer that never reported counts as average
+        got = dict(zip(ids, mx.stack([self._reports[i] for i in ids]).tolist() if ids else []))  # one host read
+        mean = sum(got.values()) / len(got) if got else 0.0  # a layer that never reported counts as average
         self.similarities = [float(got.get(i, mean)) for i in range(len(self.layers))]
         self.budgets = squeeze_budgets(self.similarities, self.budget, self.protected, self.strength)
         self._reports = {}
@@ -117,8 +104,7 @@ class SqueezeCoordinator:
 @register("squeeze")
 class SqueezeAttentionCache(VotingEviction):
     """H2O eviction with per-layer budgets reallocated by how little each layer changes the hidden states."""
-    chunk_invariant = False  # layer budgets calibrated on the first forward pass; batched (slack) decode eviction
-    exact_trim = False  # decode rows add votes and evict (slack)
+    chunk_invariant, exact_trim = False, False  # budgets set on the 1st pass; decode rows vote, evict
     scalar_fields = VotingEviction.scalar_fields + ("squeezed", "similarity_value")
     h2o_votes = True
     #: reports ``for_model`` installs (``dispatch.report_io``): module -> the method it calls
@@ -145,11 +131,9 @@ class SqueezeAttentionCache(VotingEviction):
 
     @classmethod
     def build_layers(cls, layer_configs):
-        if not layer_configs:
-            return []
-        c, o = layer_configs[0], layer_configs[0].options
         coord = None
-        if c.squeeze_resolved_budget is None and len(layer_configs) > 1:
+        if len(layer_configs) > 1 and layer_configs[0].squeeze_resolved_budget is None:
+            o = layer_configs[0].options
             coord = SqueezeCoordinator(len(layer_configs), o.budget, o.n_sink + OBS_WINDOW, float(o.strength))
         return [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
 
@@ -184,12 +168,8 @@ class SqueezeAttentionCache(VotingEviction):
         if self.rows > self.budget:
             self.evict(self.score(None, None, None))
 
-    similarity = property(attrgetter("similarity_value"),
+    similarity = property(lambda self: self.similarity_value,
                           doc="Mean cos(h, h + a) on the first forward pass (0.0 before; the others' mean if missing).")
-
-    @property
-    def concentration(self) -> float:
-        """The spec's name for ``1 - similarity`` (0.0 before the first forward pass)."""
-        return 1.0 - self.similarity_value if self.squeezed else 0.0
-
+    concentration = property(lambda self: 1.0 - self.similarity_value if self.squeezed else 0.0,
+                             doc="The spec's name for ``1 - similarity`` (0.0 before the first forward pass).")
     squeeze_kept_bytes = VotingEviction.kept_bytes

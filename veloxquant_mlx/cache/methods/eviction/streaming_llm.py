@@ -1,18 +1,14 @@
-"""StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
+"""StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453). Every
+query sees the first ``stream_n_sink`` tokens (sinks) and the ``stream_window_size`` newest, itself included;
+between calls the cache holds exactly those. A decode step on a full cache overwrites the oldest window row in
+place (a ring, as mlx_lm's ``RotatingKVCache``); a multi-token call appends, attends under a position mask
+(``make_mask``, from the stored positions: rows are not always in position order) and keeps sinks + window.
 
-Every query sees the first ``stream_n_sink`` tokens (sinks) and the ``stream_window_size`` newest,
-itself included; between calls the cache holds exactly those. A decode step on a full cache overwrites
-the oldest window row in place (a ring, as mlx_lm's ``RotatingKVCache``); a multi-token call appends,
-attends under a position mask (``make_mask``) and keeps sinks + window. Masks come from the stored
-positions, since rows are not always in position order.
-
-Deviations from the paper: keys are cached after RoPE at their original positions (the paper re-assigns
-positions in the cache), as ``RotatingKVCache``; the window counts the current token.
+Deviations from the paper: keys are cached after RoPE at their original positions (the paper re-assigns positions
+in the cache), as ``RotatingKVCache``; the window counts the current token.
 """
 
 from __future__ import annotations
-
-from operator import attrgetter
 
 import mlx.core as mx
 
@@ -25,8 +21,7 @@ from ...eviction import EvictionKVCache
 @register("streaming_llm")
 class StreamingLLMKVCache(EvictionKVCache):
     """Attention sinks + a sliding window, exact; holds at most sinks + window rows."""
-    chunk_invariant = True  # holds exactly the sinks and the newest window rows
-    exact_trim = False  # the rows that slid out of the window while the trimmed rows were added are gone
+    chunk_invariant, exact_trim = True, False  # exactly sinks + window; rows slid out meanwhile are gone
     batchable = True  # merge -> StreamingLLMBatchKVCache (streaming_llm_batch.py)
     scalar_fields = EvictionKVCache.scalar_fields + ("ring",)
     ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)
@@ -82,8 +77,7 @@ class StreamingLLMKVCache(EvictionKVCache):
         if window_size is None and not return_array and (self._full_decode(N) or past + N <= self.window):
             return None if N == 1 else "causal"  # exactly sinks + window, or a short context that sees all
         new = mx.arange(self.offset, self.offset + N, dtype=mx.int32)
-        key_pos = (mx.concatenate([self.positions[0, 0, :past], new]) if past else new)[None]
-        q_pos = new[:, None]
+        key_pos, q_pos = (mx.concatenate([self.positions[0, 0, :past], new]) if past else new)[None], new[:, None]
         win = self.window if window_size is None else min(self.window, window_size)
         return (key_pos <= q_pos) & ((key_pos < self.n_sink) | (key_pos > q_pos - win))
 
@@ -93,5 +87,4 @@ class StreamingLLMKVCache(EvictionKVCache):
 
         return StreamingLLMBatchKVCache.from_caches(caches)
 
-    tokens_in_window = property(attrgetter("rows"))  # spec telemetry names
-    stream_kept_bytes = property(attrgetter("nbytes"))
+    tokens_in_window, stream_kept_bytes = EvictionKVCache.tokens_kept, EvictionKVCache.kept_bytes  # spec names

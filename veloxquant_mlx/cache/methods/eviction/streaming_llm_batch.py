@@ -1,14 +1,12 @@
-"""The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the
-rows it would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype);
-``extract(i)`` gives back a single cache with the same rows, order, positions and ring slot.
+"""The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the rows it
+would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype); ``extract(i)`` gives back
+a single cache with the same rows, order, positions and ring slot.
 
-Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in
-``[0, nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode
-step writes each sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its
-last row: one ``put_along_axis``); any other call appends the valid rows and keeps each sequence's sinks
-and window newest rows in position order (one argsort, one gather). Counts are host-side ints
-(``batch_common.RaggedBatchCache``); ``make_mask`` / ``attend`` show each sequence its valid rows under
-the position rule; right-padded prefill (``prepare(lengths=)``) stores each sequence's valid rows only.
+Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in ``[0,
+nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode step writes each
+sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its last row: one
+``put_along_axis``); any other call appends the valid rows (right-padded prefill: ``prepare(lengths=)``) and keeps
+each sequence's sinks and window newest rows in position order (one argsort, one gather).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ _FIELDS = ("keys", "values", "positions")
 @register_with_mlx_lm
 class StreamingLLMBatchKVCache(RaggedBatchCache):
     """StreamingLLM's sinks + window for B sequences at once (mlx_lm batch-cache protocol)."""
-
     method_name = "streaming_llm"
     array_fields = _FIELDS
     count_fields = ("nq", "ring", "lens")  # rows held (left-aligned), ring slot (-1: position order), tokens seen
@@ -88,8 +85,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
 
     def extract(self, idx: int) -> StreamingLLMKVCache:
         """Sequence ``idx`` as an ordinary ``StreamingLLMKVCache``."""
-        idx = int(idx)
-        c = StreamingLLMKVCache(self.config)
+        idx, c = int(idx), StreamingLLMKVCache(self.config)
         c.offset = self.lens[idx]
         if self.keys is None:
             return c
@@ -160,11 +156,8 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         (B, H, N, _), P = nk.shape, past_k.shape[2]
         M = P + N
         new_pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
-        ck = mx.concatenate([past_k, nk], axis=2) if P else nk
-        cv = mx.concatenate([past_v, nv], axis=2) if P else nv
-        cpos = mx.broadcast_to(new_pos[:, None], (B, H, N))
-        if P:
-            cpos = mx.concatenate([self.positions[:, :, :P], cpos], axis=2)
+        ck, cv, cpos = ((mx.concatenate([p, x], axis=2) if P else x) for p, x in (
+            (past_k, nk), (past_v, nv), (self.positions[:, :, :P], mx.broadcast_to(new_pos[:, None], (B, H, N)))))
         cols = mx.arange(M, dtype=mx.int32)[None]
         nq_a, val_a = mx.array(self.nq, dtype=mx.int32)[:, None], mx.array(valid, dtype=mx.int32)[:, None]
         ok = (cols < nq_a) | ((cols >= P) & (cols < P + val_a))
@@ -181,9 +174,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         self.keys = mx.take_along_axis(ck, sel[:, None, :, None], axis=2)
         self.values = mx.take_along_axis(cv, sel[:, None, :, None], axis=2)
         self.positions = mx.take_along_axis(cpos, sel[:, None, :], axis=2)
-        self.cap = cap
-        self.ring = [-1 if v else r for v, r in zip(valid, self.ring)]
-        self.nq = keep
+        self.cap, self.nq, self.ring = cap, keep, [-1 if v else r for v, r in zip(valid, self.ring)]
         self.lens = [x + v for x, v in zip(self.lens, valid)]
         self._sync_offset()
 
@@ -215,22 +206,17 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
                              f"(rows per sequence: {self.nq})")
         self._call = None
         P = self.stored_rows()
-        cols = mx.arange(P, dtype=mx.int32)[None]
-        pos = self.positions[:, 0, :P]
-        order = mx.argsort(mx.where(cols < mx.array(self.nq, dtype=mx.int32)[:, None], pos, _BIG), axis=1)
-        order = order.astype(mx.int32)
-        spos = mx.take_along_axis(pos, order, axis=1)
+        pos, nq = self.positions[:, 0, :P], mx.array(self.nq, dtype=mx.int32)[:, None]
+        order = mx.argsort(mx.where(mx.arange(P, dtype=mx.int32)[None] < nq, pos, _BIG), axis=1).astype(mx.int32)
         j = mx.arange(n, dtype=mx.int32)[None]
-        tail = mx.take_along_axis(spos, mx.array(self.nq, dtype=mx.int32)[:, None] - n + j, axis=1)
+        tail = mx.take_along_axis(mx.take_along_axis(pos, order, axis=1), nq - n + j, axis=1)
         if not bool(mx.all(tail == mx.array(self.lens, dtype=mx.int32)[:, None] - n + j)):
             raise ValueError("StreamingLLMBatchKVCache: the last tokens of a sequence were evicted, "
                              "so they cannot be trimmed exactly")
         self.keys = mx.take_along_axis(self.keys[:, :, :P], order[:, None, :, None], axis=2)
         self.values = mx.take_along_axis(self.values[:, :, :P], order[:, None, :, None], axis=2)
         self.positions = mx.take_along_axis(self.positions[:, :, :P], order[:, None, :], axis=2)
-        self.cap = P
-        self.nq = [x - n for x in self.nq]
-        self.ring = [-1] * len(self.nq)
-        self.lens = [x - n for x in self.lens]
+        self.cap, self.ring = P, [-1] * len(self.nq)
+        self.nq, self.lens = [x - n for x in self.nq], [x - n for x in self.lens]
         self._sync_offset()
         return n

@@ -1,19 +1,13 @@
-"""TOVA (Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104): Token Omission Via
-Attention.
+"""TOVA (Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104): Token Omission Via Attention. Over
+``tova_budget`` rows the row the *current* query attends to least is dropped, one per decode step (an argmin,
+``evict_slack = 0``); a KV head's attention is the mean over its query heads (the paper's GQA rule).
 
-Over ``tova_budget`` rows, the row the *current* query attends to least is dropped, one per decode step
-(an argmin, ``evict_slack = 0``); a KV head's attention is the mean over its query heads (the paper's
-GQA rule), nothing is accumulated. The probabilities come from the attention just computed (dispatch
-point), else the newest key stands in for the query.
-
-Deviations from the paper: the first ``tova_n_sink`` tokens are kept (0 reproduces the paper); a prefill
-chunk is cut at once by its last query (the paper feeds one token at a time); ``decode_evict=False``
-keeps decode rows; ``tova_backend`` is ignored (MLX, batched over heads).
+Deviations from the paper: the first ``tova_n_sink`` tokens are kept (0 reproduces the paper); a prefill chunk is
+cut at once by its last query (the paper feeds one token at a time); ``decode_evict=False`` keeps decode rows;
+``tova_backend`` is ignored (MLX, batched over heads).
 """
 
 from __future__ import annotations
-
-from operator import attrgetter
 
 from ...base import register
 from ...contract import register_with_mlx_lm
@@ -24,8 +18,7 @@ from ...eviction import BatchedEviction, EvictionKVCache, check_budget, observat
 @register("tova")
 class TOVAKVCache(BatchedEviction, EvictionKVCache):
     """Drop the row the current query attends to least (mean over each KV head's query heads)."""
-    chunk_invariant = False  # a prefill chunk is cut by its last query, decode drops one row per step
-    exact_trim = False  # decode steps evict older rows
+    chunk_invariant, exact_trim = False, False  # a chunk is cut by its last query; decode steps evict
     uses_attention_weights = True
     evict_slack = 0
     obs_window = 1
@@ -52,4 +45,4 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
         return observation_scores(obs_queries[:, :, -1:], self.keys[:, :, :rows], scale, obs_positions[-1:],
                                   self.positions[:, :, :rows]) / rep
 
-    tova_kept_bytes = property(attrgetter("nbytes"))  # spec telemetry name
+    tova_kept_bytes = EvictionKVCache.kept_bytes  # spec telemetry name
