@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import mlx.core as mx
 import pytest
@@ -354,3 +356,24 @@ def test_decode_evict_on_the_command_line(capsys):
     assert row == {"name": "decode_evict", "flat": "decode_evict", "kind": "option", "type": "Optional[bool]",
                    "default": None, "allowed": "None (the method's default), True or False"}
     assert not any(r["name"] == "decode_evict" for r in cli.method_settings("kivi"))
+
+
+_EVICTION_METHODS = [m for m, (fam, proto, _) in __import__("veloxquant_mlx.cache.base", fromlist=["_METHOD_TABLE"])
+                     ._METHOD_TABLE.items() if fam == "eviction" and proto == "mlx_lm"]
+
+
+@pytest.mark.parametrize("method", _EVICTION_METHODS)
+def test_every_eviction_cache_keeps_its_decode_evict_setting_in_state(method):
+    """A cache's own ``decode_evict`` (flipped from its default) comes back from its state (keyformer's
+    state once left it out)."""
+    from veloxquant_mlx.cache.base import method_info
+
+    options = opt.OPTIONS_BY_METHOD.get(method)
+    assert method_info(method).cls is not None
+    assert options is None or "decode_evict" in [f.name for f in dataclasses.fields(options)], method
+    model = tiny_llama(n_layers=1)
+    c = KVCacheBuilder.for_model(model, KVCacheConfig(method=method))[0]
+    flipped = not c.decode_evict
+    c.decode_evict = flipped
+    mx.eval(model(mx.array([list(range(1, 41))]), cache=[c]))
+    assert type(c).from_state(c.state).decode_evict is flipped, method

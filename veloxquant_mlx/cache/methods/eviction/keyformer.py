@@ -29,7 +29,7 @@ from .h2o import H2OKVCache
 class KeyformerKVCache(H2OKVCache):
     """Keep the rows with the highest accumulated (``acc``, H2O's) Gumbel-regularised attention score."""
     chunk_invariant, exact_trim = False, False  # noise drawn per call; decode rows add scores, evict
-    scalar_fields = ("rows", "decode_steps", "noise_calls", "noise_stream")
+    scalar_fields = H2OKVCache.scalar_fields + ("decode_steps", "noise_calls", "noise_stream")
     gumbel_noise = True  # set False (e.g. on an instance) to drop the noise term
     decode_steps = noise_calls = 0
     noise_stream = 0  # the layer index under ``for_model``: layers draw independent noise
