@@ -1,26 +1,23 @@
 """CacheGen (Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann, Holtzman, Jiang,
 "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model Serving", SIGCOMM 2024,
-arXiv 2310.07240).
+arXiv 2310.07240). Ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the
+others deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the
+codes with tables grouped by channel and layer.
 
-Paper ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the others are coded
-as deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes
-with tables grouped by channel and layer.
-
-Here (on KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
-``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (kept as
-``qbits``; a cache built alone uses ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta``
-each group's anchor is quantized per token at 8 bits and the deltas against the *dequantized* anchor at the
-layer's bits (closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form
-(``state``) entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head,
-channel) with ``cachegen_per_channel``, else per (batch, head)), bit-exact on load; the groups added since the
-last read form one new block (mlx_lm reads ``state`` after every prefill chunk), and a trim drops the blocks
-past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``, ``entropy_savings`` and
-``assigned_avg_bits`` are measured bytes of that form.
+Here (KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
+``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (``qbits``; a
+cache built alone: ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta`` each group's
+anchor is coded per token at 8 bits and the deltas against the *dequantized* anchor at the layer's bits
+(closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form (``state``)
+entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head, channel) with
+``cachegen_per_channel``, else per (batch, head)), bit-exact on load; groups added since the last read form one
+new block, a trim drops the blocks past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``,
+``entropy_savings`` and ``assigned_avg_bits`` measure that form.
 
 Deviations from the paper:
 
-* Group min/max affine codes (KIVI's grouping) replace the paper's per-layer delta levels, 8-bit per-token
-  codes its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
+* Group min/max affine codes (KIVI's grouping) replace the per-layer delta levels, 8-bit per-token codes
+  its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
   tokens: 0-6% below fixed width; ``veloxquant cache save``).
 * On SmolLM2-135M value deltas do not help (2-bit KL 0.157 with, 0.119 without: weak token locality); they
   stay the default (the paper's design).
@@ -66,7 +63,6 @@ class CacheGenKVCache(KIVIKVCache):
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "qbits")  # qbits: the layer's width
-
     dequant_only = "delta codes"
     save_entropy_coded = True  # False: save the fixed-width codes (for comparisons)
     _blocks: list = []  # encoded blocks: (first group, end group, key stream, value stream) numpy
@@ -273,13 +269,10 @@ class CacheGenKVCache(KIVIKVCache):
 
     @property
     def used_nbytes(self) -> int:
-        """KIVI's codes and residual, plus the 8-bit anchors (codes + scale/bias per channel group)."""
-        if self.res_k is None or not self.use_delta:
-            return super().used_nbytes
-        B, H, _, D = self.res_k.shape
-        g = self.n_quant // self.group
-        return super().used_nbytes + sum(B * H * g * (d // self._acg(d)) * (
-            4 * gq.words_per_group(ANCHOR_BITS, self._acg(d)) + 4) for d in (D, self.res_v.shape[-1]))
+        """The fixed-width codes and side info (anchors included) of both sides, and the residual."""
+        if self.res_k is None:
+            return 0
+        return self.fixed_width_key_bytes + self.fixed_width_value_bytes + self.res_k.nbytes + self.res_v.nbytes
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the
