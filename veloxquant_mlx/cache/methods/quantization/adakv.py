@@ -34,7 +34,7 @@ from ...errors import QuantizerConfigError
 from ...primitives import nonuniform as sal
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.buffers import grow_rows
-from .amc import TIERS, RankTiers
+from .amc import TIERS, RankTiers, range_decode
 from .kivi import RES_DTYPE, KIVIKVCache
 
 
@@ -44,10 +44,6 @@ def _range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array
     step = rng.astype(mx.float32) / levels
     q = mx.round((x.astype(mx.float32) - mn.astype(mx.float32)) / mx.where(step > 0, step, 1.0))
     return mx.clip(q, 0.0, levels).astype(mx.uint32)
-
-
-def _range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
-    return codes.astype(mx.float32) * (rng.astype(mx.float32) / float((1 << bits) - 1)) + mn.astype(mx.float32)
 
 
 @register_with_mlx_lm
@@ -202,11 +198,11 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
         for t, c, b, start in self._tiers():
             codes = unpack_bits(getattr(self, f"{side}_codes_{t}")[:, :, : g * c], b, d).reshape(B, H, g, c, d)
             if side == "k":
-                x = _range_decode(codes, self.k_mins[:, :, :g, None], self.k_rngs[:, :, :g, None], b)
+                x = range_decode(codes, self.k_mins[:, :, :g, None], self.k_rngs[:, :, :g, None], b)
             else:
                 mn = self.v_mins[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
                 rg = self.v_rngs[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
-                x = _range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
+                x = range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
             parts.append(x)
         return self._in_token_order(parts, n, d)
 
