@@ -164,7 +164,8 @@ class AMCKVCache(RankTiers, KIVIKVCache):
                 codes = getattr(self, f"k_codes_{t}")[:, :, : g * c]
                 B, H = codes.shape[:2]
                 q = bitpack.unpack_bits(codes, b, d).reshape(B, H, g, c, d)
-                x = range_decode(q, *(a[..., :g].swapaxes(-1, -2)[:, :, :, None] for a in (self.k_mins, self.k_ranges)), b)
+                mn, rng = (a[..., :g].swapaxes(-1, -2)[:, :, :, None] for a in (self.k_mins, self.k_ranges))
+                x = range_decode(q, mn, rng, b)
             else:
                 a = [getattr(self, f"v_{x}_{t}")[:, :, : g * c] for x in ("codes", "scales", "biases")]
                 x = gq.dequantize(*a, b, self._cg(d), mx.float32)
