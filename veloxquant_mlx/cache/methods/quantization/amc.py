@@ -47,6 +47,7 @@ class RankTiers:
     """Per-token tiers by within-group rank (amc, adakv): ``counts`` rows of each G-token group per tier
     at ``tier_bits``, stored in rank order with the rank order of every row (``order``, uint8), which
     ``_rows_of`` undoes (its subclasses decode each tier's rows, ``_in_token_order`` reorders them)."""
+
     def _tiers(self):
         """(tier, rows per group, bits, first rank) of each non-empty tier: three tiers, not a loop over tokens."""
         start = 0

@@ -36,6 +36,7 @@ from .kivi import KIVIKVCache
 class SparseOutliers:
     """Dense-and-sparse storage (gear, kvquant): per G-token block of d channels the ``_n_out(d)`` largest |x|
     (a ``frac`` of the entries), kept exactly in ``{side}_oidx`` / ``{side}_oval``, one column block per group."""
+
     def _n_out(self, d: int) -> int:
         return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
 

@@ -46,6 +46,7 @@ _MAX_LEVELS = 4
 @register("polar")
 class PolarQuantKVCache(Int8Values, StandaloneCache):
     """PolarQuant: rotated keys as per-level angle codes (known densities) and float16 radii; int8 values."""
+
     def __init__(self, config):
         initial = self._setup(config)
         d, b, seed = self.head_dim, self.bit_width_inlier, self.seed

@@ -38,6 +38,7 @@ __all__ = ["QJLKVCache"]
 @register("qjl")
 class QJLKVCache(StandaloneCache):
     """QJL: keys as ``jl_dim`` sign bits of a Gaussian sketch + float16 norm; min/max-coded values."""
+
     def __init__(self, config):
         initial = self._setup(config)
         d, b, seed = self.head_dim, self.bit_width_inlier, self.seed

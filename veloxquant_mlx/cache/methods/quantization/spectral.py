@@ -80,6 +80,7 @@ def _eigen(rows: mx.array):
 
 class _Side:
     """One stream (keys or values): its basis once calibrated, its coded rows, or the exact rows held before."""
+
     def __init__(self, kind: str, d: int, r: int, bits: int, extra_specs: dict, initial: int):
         self.kind, self.d, self.r, self.bits = kind, d, r, bits
         self.mean = self.basis = self.eigenvalues = self.sqrt_lam = None
@@ -150,6 +151,7 @@ class _Side:
 @register("spectral")
 class SpectralQuantKVCache(StandaloneCache):
     """K/V on calibrated principal directions, whitened coefficients at ``bit_width_inlier`` bits, QJL residual."""
+
     def __init__(self, config):
         initial = self._setup(config)
         d, b, seed = self.head_dim, self.bit_width_inlier, self.seed

@@ -52,6 +52,7 @@ _TINY = 1e-30
 
 class _Group:
     """One independently quantized channel group: rotation, codebook, bit width."""
+
     def __init__(self, index: int, dim: int, mse_bits: int, seed: int):
         self.index, self.dim, self.mse_bits = index, dim, mse_bits
         self.rotation = random_orthogonal(dim, seed)  # y = x @ rotation.T
