@@ -37,7 +37,7 @@ from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import bitpack
 from ...primitives.buffers import grow_rows
-from ...window import fp16_row_bytes
+from ...window import concat_rows, fp16_row_bytes
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
 FIT_MIN = 32
@@ -106,11 +106,8 @@ class A2ATSKVCache(CompressedKVCache):
         self._store(keys, values)
         self.offset += keys.shape[2]
         t0 = self._call[0]
-        if t0 == 0:
-            return keys, values
-        dt = keys.dtype
-        return (mx.concatenate([self.keys[:, :, :t0].astype(dt), keys], axis=2),
-                mx.concatenate([self.values[:, :, :t0].astype(dt), values], axis=2))
+        past = (self.keys[:, :, :t0], self.values[:, :, :t0]) if t0 else (None, None)
+        return concat_rows((past, (keys, values)), keys.dtype)
 
     def _metric(self, queries, H):
         """Cholesky factors L_j [m, s, s] of the per-block metric (identity without query awareness)."""
@@ -211,8 +208,7 @@ class A2ATSKVCache(CompressedKVCache):
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
     def _trim_rows(self, n):
-        self._call = None
-        n = min(n, self.n_rows)
+        self._call = None  # trim() caps n at the offset, which is n_rows
         self.n_rows -= n
         self.n_coded = min(self.n_coded, self.n_rows)
         if self.codebook is not None and self.n_rows < self.fit_rows:

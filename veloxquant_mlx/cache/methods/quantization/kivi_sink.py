@@ -93,9 +93,7 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
         values = super()._values
         return self._after_sinks(self.sink_v, n, lambda m: values(m, dtype), dtype)
 
-    def _trim_rows(self, n: int) -> int:
-        if n > self.stored_rows():
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+    def _trim_rows(self, n: int) -> int:  # n <= the offset, which is stored_rows()
         beyond = n - self.n_res - self.n_quant  # sink rows to drop, if > 0
         if beyond <= 0:
             return super()._trim_rows(n)
