@@ -142,12 +142,9 @@ class CacheGenKVCache(KIVIKVCache):
         return dropped
 
     def _symbols(self, g0: int, g1: int):
-        """(key codes [B*H*D, n], value codes [B*H*Dv, n]) of groups [g0, g1) as uint8 numpy, one
-        stream per channel."""
-        G, b, w = self.group, self.qbits, self._key_words()
-        n = (g1 - g0) * G
-        B, H, D = self.k_codes.shape[:3]
-        Dv = self.res_v.shape[-1]
+        """(key codes [B*H*D, n], value codes [B*H*Dv, n]) of groups [g0, g1) as uint8 numpy, one stream per channel."""
+        G, b, w, n = self.group, self.qbits, self._key_words(), (g1 - g0) * self.group
+        (B, H, D), Dv = self.k_codes.shape[:3], self.res_v.shape[-1]
         gv = self.value_group(Dv)
         kc = bitpack.unpack_bits(self.k_codes[..., g0 * w : g1 * w].reshape(B, H, D, g1 - g0, w), b, G)
         vc = bitpack.unpack_bits(self.v_codes[:, :, g0 * G : g1 * G].reshape(B, H, n, Dv // gv, -1), b, gv)
@@ -156,9 +153,8 @@ class CacheGenKVCache(KIVIKVCache):
 
     def _tables(self, B, H, d):
         """Stream -> table map for B*H*d channel streams: per channel, or per (batch, head)."""
-        if self.config.options.per_channel:
-            return np.arange(B * H * d), B * H * d
-        return np.arange(B * H * d) // d, B * H
+        n = B * H * d
+        return (np.arange(n), n) if self.config.options.per_channel else (np.arange(n) // d, B * H)
 
     def _encoded(self) -> list:
         """The entropy-coded blocks covering every quantized group; the groups added since the last call
@@ -267,12 +263,9 @@ class CacheGenKVCache(KIVIKVCache):
         self.v_codes = bitpack.pack_bits(vc, b).reshape(B, H, n, -1)
         self._blocks = blocks
 
-    @property
-    def used_nbytes(self) -> int:
-        """The fixed-width codes and side info (anchors included) of both sides, and the residual."""
-        if self.res_k is None:
-            return 0
-        return self.fixed_width_key_bytes + self.fixed_width_value_bytes + self.res_k.nbytes + self.res_v.nbytes
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """The fixed-width codes and side info (anchors included) of both sides; the base adds the residual."""
+        return self.fixed_width_key_bytes + self.fixed_width_value_bytes
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the

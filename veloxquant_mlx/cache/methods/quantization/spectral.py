@@ -42,7 +42,8 @@ from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
 from ...primitives.rowstore import RowStore
 from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
-from ...standalone_util import FP16_MAX, StandaloneCache, as_block, from_store, int_field, is_int, jl_width, qjl_signs
+from ...standalone_util import (FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, int_field, is_int,
+                               jl_width, qjl_signs)
 
 __all__ = ["SpectralQuantKVCache"]
 
@@ -228,8 +229,7 @@ class SpectralQuantKVCache(StandaloneCache):
         if side.calibrated:
             side.rows.append(self._encode_rows(side, x))
             return
-        if mx.max(mx.sum(x * x, axis=1)).item() > FP16_MAX**2:
-            raise CacheInputError(f"{side.kind} norm exceeds the float16 range ({FP16_MAX}) of the stored norms")
+        check_norm16(x, side.kind)
         held = x if side.pending is None else mx.concatenate([side.pending, x], axis=0)
         need = self.n_calib_tokens if self.n_calib_tokens is not None else self.head_dim
         if held.shape[0] >= max(need, 2):
