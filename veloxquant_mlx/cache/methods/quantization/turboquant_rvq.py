@@ -202,32 +202,31 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return out[0], out[1]
 
     def _quantized_part(self, q, n):
-        kq, vq = self._qs()
-        B, H, R, D = q.shape
-        qr = q @ kq.rot_t  # rotate the (scaled) queries once
-        if R <= LUT_MAX_ROWS:
-            scores = self._lut_scores(kq, qr, *kq.codes(*self._planes("k_", n)))
-        else:  # prefill-sized call: decode the codes once (rotated domain) and use one matmul
-            scores = qr @ kq.decode_rotated(*self._planes("k_", n)).swapaxes(-1, -2)
-        v_rot, v_norms = vq.decode_rotated(*self._planes("v_", n)), self._norms("v_", 0, n)
-        # values: sum_t p_t * g_t * centroid[code_t] in the rotated domain, rotated back once
-        return scores * self._norms("k_", 0, n), lambda p: ((p * v_norms) @ v_rot) @ vq.rot_t.T
+        """The one tile ``(0, n)``, its keys scored by LUT on the codes for decode-sized calls."""
+        scores_fn, value_fn = self._quantized_tiles(q, [(0, n)], lut=q.shape[2] <= LUT_MAX_ROWS)[0]
+        return scores_fn(), value_fn
 
-    def _norms(self, prefix: str, a: int, b: int) -> mx.array:
-        return getattr(self, prefix + "norms")[:, :, a:b].astype(mx.float32)[:, :, None, :]
-
-    def _quantized_tiles(self, q, ranges):
-        """Prefill tiles: codes decoded to rotated-domain rows per tile, one matmul each; queries rotated
-        once per call."""
+    def _quantized_tiles(self, q, ranges, lut: bool = False):
+        """Per tile: scores from its codes decoded to rotated-domain rows (or by LUT), values as
+        ``sum_t p_t g_t centroid[code_t]`` rotated back once; the queries are rotated once per call."""
         kq, vq = self._qs()
-        qr, nrm = q @ kq.rot_t, self._norms
+        qr = q @ kq.rot_t
 
         def rows(prefix, qz, a, b):
             return qz.decode_rotated(*self._planes(prefix, b, a))
 
-        return [(lambda a=a, b=b: (qr @ rows("k_", kq, a, b).swapaxes(-1, -2)) * nrm("k_", a, b),
-                 lambda p, a=a, b=b: ((p * nrm("v_", a, b)) @ rows("v_", vq, a, b)) @ vq.rot_t.T)
-                for a, b in ranges]
+        def norms(prefix, a, b):
+            return getattr(self, prefix + "norms")[:, :, a:b].astype(mx.float32)[:, :, None, :]
+
+        def scores(a, b):
+            s = self._lut_scores(kq, qr, *kq.codes(*self._planes("k_", b, a))) if lut else \
+                qr @ rows("k_", kq, a, b).swapaxes(-1, -2)
+            return s * norms("k_", a, b)
+
+        def values(p, a, b):
+            return ((p * norms("v_", a, b)) @ rows("v_", vq, a, b)) @ vq.rot_t.T
+
+        return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
 
     @staticmethod
     def _lut_scores(qz: _Quantizer, qr: mx.array, i: mx.array, j: Optional[mx.array]) -> mx.array:

@@ -50,7 +50,7 @@ class _BatchCall(NamedTuple):
 
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
-         "_norms", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
+         "_quantized_tiles", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
