@@ -34,6 +34,7 @@ from ...primitives import bitpack
 from ...primitives.buffers import grow_rows
 from ...primitives.codebook import kmeans
 from ...primitives.rotation import randomized_hadamard, seeded_rng
+from ...primitives.vq import vq_assign
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _TAG_NSN = 0x0A7E_0B01
@@ -62,7 +63,7 @@ def vq_encode(y: mx.array, books: mx.array) -> mx.array:
     lead, D = y.shape[:-1], y.shape[-1]
     r, codes = y.reshape(-1, d), []
     for cb in books:  # S stages (2 by default), not a loop over tokens
-        c = mx.argmin((cb * cb).sum(-1) - 2 * (r @ cb.T), axis=-1)
+        c = vq_assign(r[None], cb[None])[0]
         codes.append(c.reshape(*lead, D // d))
         r = r - cb[c]
     return mx.concatenate(codes, axis=-1)

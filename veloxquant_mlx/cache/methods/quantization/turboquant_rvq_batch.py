@@ -200,9 +200,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self._quantizers(keys.shape[-1], values.shape[-1])  # constants (and dim checks) up front
         valid = self._begin_call(keys, values)
         S0 = max(self.ns, default=0)
-        call = _BatchCall(list(self.ns), list(self.nq), list(self.nw), self.sink_k[:, :, :S0],
-                          self.sink_v[:, :, :S0], self.win_k, self.win_v, keys, values)
-        self._call = call
+        self._call = call = _BatchCall(list(self.ns), list(self.nq), list(self.nw), self.sink_k[:, :, :S0],
+                                       self.sink_v[:, :, :S0], self.win_k, self.win_v, keys, values)
         self._store(keys, values, valid)
         # stored slots < the pre-call counts are unchanged by _store; the others are masked
         return self._rows(S0, max(call.nq, default=0), call.sink_k, call.sink_v, call.past_k, call.past_v,
