@@ -90,14 +90,11 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         b, ko = self.qbits, self._n_out(D)
         idx, vals, dense = nu.split_outliers(x.reshape(B, H, g, G * D), ko)
         dense = dense.reshape(B, H, g * G, D)
-        if per_channel:
-            q = gq.quantize_per_channel(dense, b, G)
-            dq = gq.dequantize_per_channel(*q, b, G)
-        else:
-            gv = math.gcd(D, G)
-            q = gq.quantize(dense, b, gv)
-            dq = gq.dequantize(*q, b, gv)
-        approx = dq.reshape(B, H, g, G * D)
+        quant, dequant = (gq.quantize_per_channel, gq.dequantize_per_channel) if per_channel else \
+            (gq.quantize, gq.dequantize)
+        gv = G if per_channel else math.gcd(D, G)  # keys per channel over the group, values per token
+        q = quant(dense, b, gv)
+        approx = dequant(*q, b, gv).reshape(B, H, g, G * D)
         approx = (nu.scatter_outliers(approx, idx, vals) if ko else approx).reshape(B, H, g, G, D)
         resid = x - approx
         if self.rank < 0:  # resolve once, from the energy threshold on the first block

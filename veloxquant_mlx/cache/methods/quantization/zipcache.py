@@ -167,10 +167,8 @@ class ZipCacheKVCache(KIVIKVCache):
         else:
             visible = None if mask is None else bool_mask(mask, N, q0 + P, H)[..., q0:]
         contrib = p_f.sum(axis=(2, 3))  # [B, H, P]: probability mass, divided later by the viewer count
-        if visible is None:
-            cnt = mx.full((1, 1, P), float(Hq // H * N))
-        else:
-            cnt = mx.broadcast_to(visible, p_f.shape).astype(mx.float32).sum(axis=(2, 3))
+        cnt = mx.full((1, 1, P), float(Hq // H * N)) if visible is None else \
+            mx.broadcast_to(visible, p_f.shape).astype(mx.float32).sum(axis=(2, 3))
         self.sal_sum[:, :, :P] = self.sal_sum[:, :, :P] + contrib[..., None]
         self.sal_cnt[:, :, :P] = self.sal_cnt[:, :, :P] + mx.broadcast_to(cnt, contrib.shape)[..., None]
         self.n_scored = P
