@@ -36,11 +36,8 @@ Deviations from the paper:
    decoded with the loading process's codebooks (the same for the same seed and platform; an
    ``NpyDirectoryArtifactStore`` pins them across machines).
 
-``nbytes``: the code planes (no stage-2 plane when ``B <= 8``), norms, window and sink rows, plus for the
-first cache of each set of constants (``build_layers``, ``counts_constants``) the shared rotation and
-codebooks (``constant_nbytes``). Trim drops window rows, then the newest codes, then sink rows; rows the
-trimmed ones pushed out of the window stay quantized. ``merge`` builds the batch form
-(``turboquant_rvq_batch.py``).
+``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``) on the first cache of each set
+(``counts_constants``); trim follows ``ResidualWindowCache``; ``merge`` builds ``turboquant_rvq_batch.py``'s form.
 """
 
 from __future__ import annotations

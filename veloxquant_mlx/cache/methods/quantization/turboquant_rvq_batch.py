@@ -73,9 +73,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self._init_counts(batch_size)
 
     # ---------------------------------------------------------------- bookkeeping
-    @property
-    def W(self) -> int:
-        return self.right_width
+    W = property(lambda self: self.right_width)  # the window's columns
 
     def size(self) -> int:
         return max(self.ns, default=0) + max(self.nq, default=0) + self.W
