@@ -55,7 +55,6 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
 
     array_fields = tuple(f"{s}_codes_{t}" for t in TIERS for s in "kv") + (
         "k_mins", "k_rngs", "v_mins", "v_rngs", "order", "res_k", "res_v", "res_score", "res_cnt")
-    scalar_fields = ("n_quant", "n_res", "dtype_name")
     allocation = "importance"  # or "uniform": an importance-blind control, same tiers and bytes (tests)
     _pending = None  # (t0, keys, values) of the groups this call stored, for attend to re-rank
     _prev_scores = None  # the past residual rows' (accumulated attention, observations) before this call

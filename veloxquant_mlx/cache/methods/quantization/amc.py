@@ -106,7 +106,6 @@ class AMCKVCache(RankTiers, KIVIKVCache):
 
     array_fields = tuple(f"k_codes_{t}" for t in TIERS) + ("k_mins", "k_ranges") + tuple(
         f"v_{a}_{t}" for t in TIERS for a in ("codes", "scales", "biases")) + ("order", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name")
     dequant_only = "its codes are not MLX's affine layout"
 
     def _init_layout(self):
