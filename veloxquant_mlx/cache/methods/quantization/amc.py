@@ -66,8 +66,7 @@ class RankTiers:
         return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Code bytes + key min/range (4 bytes per channel per G tokens) + value min/range or scale/bias
-        (4 bytes per channel group) + 1 byte of order, per token per head."""
+        """Per token per head: codes, key min/range per channel per group, value side info, 1 byte of order."""
         return self.code_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1
 
     def _in_token_order(self, parts: list, n: int, d: int) -> mx.array:

@@ -91,8 +91,7 @@ class CacheGenKVCache(KIVIKVCache):
         return math.gcd(d, ANCHOR_CG)
 
     def _append_groups(self, kb, vb):
-        """Anchors (8-bit per token) and the deltas against them: keys per channel over the group
-        (KIVI's transposed layout), values per token (``groupquant``'s min/max rule, float32 input)."""
+        """8-bit per-token anchors and the deltas against them (keys per channel over the group, values per token)."""
         G, bits = self.group, self.qbits
         (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
@@ -268,8 +267,7 @@ class CacheGenKVCache(KIVIKVCache):
         return self.fixed_width_key_bytes + self.fixed_width_value_bytes
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the
-        per-group 8-bit anchors (codes + scale/bias per channel group of gcd(d, 32)) / G."""
+        """Fixed-width bytes per token per head: codes + float16 scale/bias per group, + the 8-bit anchors / G."""
         G, b = self.group, self.qbits
         per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
         return per + (sum((x + 4 * x / self._acg(x)) / G for x in (d, dv)) if self.use_delta else 0)

@@ -90,8 +90,7 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         return self._omega
 
     def _rope(self, k: mx.array, offset: int, inverse: bool) -> mx.array:
-        """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` taken back to pre-RoPE
-        (``inverse``) or rotated forward again; unchanged when no RoPE is bound."""
+        """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` to pre-RoPE (``inverse``) or back."""
         if self.rope is None:
             return k
         return rotate_rows(k, self.rope, self._rope_omega(), offset, inverse=inverse)

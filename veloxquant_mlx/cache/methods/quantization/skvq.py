@@ -130,8 +130,7 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         self.n_res = self.window
 
     def _reserve_window(self, need: int, cap: int, B: int, H: int, D: int, dv: int) -> None:
-        """Room for ``need`` <= ``cap`` (W + g) window rows, grown as ``grow_rows`` grows (up to ``cap``), so
-        a short chat holds its own rows, not the window up front."""
+        """Room for ``need`` <= ``cap`` (W + g) window rows, grown as ``grow_rows`` grows (short chats: own rows)."""
         if need <= (0 if self.res_k is None else self.res_k.shape[2]):
             return
         rows = min(cap, need + max(MIN_GROW, need // 8))

@@ -130,8 +130,7 @@ def _quantizer(dim, sub_dim, bits, seed, store) -> _Quantizer:
 @register_with_mlx_lm
 @register("turboquant_rvq")
 class TurboQuantRVQKVCache(ResidualWindowCache):
-    """TurboQuant rotation + two-stage residual VQ of keys and values, float16 window, attention on
-    the codes. See the module docstring."""
+    """TurboQuant rotation + two-stage residual VQ of keys and values, float16 window, attention on the codes."""
     chunk_invariant = True  # data-oblivious codebooks, per-token codes, window compacted in whole blocks
     exact_trim = False  # returns n, but rows the trimmed rows pushed out of the float16 window stay quantized
     batchable = True  # merge -> TurboQuantRVQBatchKVCache (turboquant_rvq_batch.py); subclasses keep raising

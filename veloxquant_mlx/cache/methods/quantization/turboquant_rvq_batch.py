@@ -169,8 +169,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     # ---------------------------------------------------------------- masks
     @staticmethod
     def _visible(N: int, ns, nq, nw, W: int) -> mx.array:
-        """Boolean [B, 1, N, max(ns) + max(nq) + W + N]: per sequence, its sink rows, its code slots,
-        its window rows, and the new rows causally."""
+        """Boolean [B, 1, N, M]: per sequence its sink rows, code slots and window rows, the new rows causally."""
         return visible_mask(N, len(ns), [(max(ns, default=0), ns, "left"), (max(nq, default=0), nq, "left"),
                                          (W, nw, "right")])
 
@@ -241,8 +240,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self._sync_offset()
 
     def _flush_counts(self, nw) -> list:
-        """Rows each window of ``nw`` rows flushes, as the single cache: whole blocks beyond the newest R
-        rows, once it holds R + ``quant_block``."""
+        """Rows each window of ``nw`` rows flushes, as the single cache (``_compact_blocks``)."""
         R, QB = self.residual_length, self.quant_block
         return [(w - R) // QB * QB if w >= R + QB else 0 for w in nw]
 
@@ -285,8 +283,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence as the single cache does: window rows, then
-        the newest codes, then sink rows."""
+        """Drop the ``n`` newest tokens of every sequence as the single cache does (window, codes, sinks)."""
         n = int(n)
         if n <= 0 or not self.lens:
             return 0

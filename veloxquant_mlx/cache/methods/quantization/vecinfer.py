@@ -201,8 +201,7 @@ class VecInferKVCache(KIVIKVCache):
         return bool(o.fused_sdpa) and within and (N > 1 or bool(o.fused_sdpa_memory_bound))
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """Every call size on the codes (``_attend_codes``), unless nothing is encoded yet or the fused
-        sdpa path over the decoded rows is chosen (``_fused``)."""
+        """Every call size on the codes, unless nothing is encoded yet or the fused sdpa path is chosen."""
         if call[0] == 0 or self._fused(queries.shape[2], keys.shape[2]):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
