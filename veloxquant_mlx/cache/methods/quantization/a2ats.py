@@ -125,8 +125,7 @@ class A2ATSKVCache(CompressedKVCache):
             q = group_queries(queries.astype(mx.float32), H).reshape(-1, D)
             h = np.asarray(q.T @ q / q.shape[0], dtype=np.float64)
         blocks = np.stack([h[j * s:(j + 1) * s, j * s:(j + 1) * s] for j in range(m)])
-        tr = np.trace(blocks, axis1=1, axis2=2)[:, None, None] / s
-        tr = np.maximum(tr, 1e-6)
+        tr = np.maximum(np.trace(blocks, axis1=1, axis2=2)[:, None, None] / s, 1e-6)
         return np.linalg.cholesky((1 - self.beta) * eye * tr + self.beta * blocks + 1e-6 * eye * tr)
 
     def _to_code_space(self, k32):

@@ -145,25 +145,20 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         """Sequence ``idx`` as an ordinary ``TurboQuantRVQKVCache`` (the same state it would hold alone)."""
         idx = int(idx)
         c = TurboQuantRVQKVCache(self.config)
-        c.counts_constants = self.counts_constants
-        c.offset = self.lens[idx]
+        c.counts_constants, c.offset = self.counts_constants, self.lens[idx]
         if self.win_k is None:
             return c
-        s, q, w = self.ns[idx], self.nq[idx], self.nw[idx]
-        c._shape, c.dtype_name = self._shape, self.dtype_name
-        c._kq, c._vq = self._kq, self._vq
-        c.n_sink, c.n_quant, c.n_win = s, q, w
+        c.n_sink, c.n_quant, c.n_win = s, q, w = self.ns[idx], self.nq[idx], self.nw[idx]
+        c._shape, c.dtype_name, c._kq, c._vq = self._shape, self.dtype_name, self._kq, self._vq
         one = slice(idx, idx + 1)
         if q:
             for name in self._code_widths():
                 setattr(c, name, mx.contiguous(getattr(self, name)[one, :, :q]))
         if s:
             c.sink_k, c.sink_v = mx.contiguous(self.sink_k[one]), mx.contiguous(self.sink_v[one])
-        cap, W = w, self.W  # the window's rows only: the single cache grows it when rows arrive
-        for name in ("win_k", "win_v"):
-            rows = getattr(self, name)[one, :, W - w:]
-            setattr(c, name, mx.concatenate(
-                [rows, mx.zeros((1, *rows.shape[1:2], cap - w, rows.shape[3]), dtype=rows.dtype)], axis=2))
+        for name in ("win_k", "win_v"):  # a copy of the window's rows only: the single cache grows it when rows arrive
+            rows = getattr(self, name)[one, :, self.W - w:]
+            setattr(c, name, mx.concatenate([rows, mx.zeros((*rows.shape[:2], 0, rows.shape[3]), dtype=rows.dtype)], 2))
         return c
 
     # ---------------------------------------------------------------- masks
