@@ -1,20 +1,18 @@
 """A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via Windowed
-Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665).
-
-Paper: the KV cache is offloaded to CPU memory and each decode step attends only to the top-K tokens by score
-(plus a recent window), scores approximated from vector-quantized keys with a per-query lookup table; the
-codebook is trained query-aware (error ``q . (k - k_hat)``, a metric weighted by ``E[q q^T]``).
+Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665): each
+decode step attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a
+per-query lookup table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
 
 Here every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
-``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` = 32
-rows with some outside the window, or given as ``a2ats_codebook``). With ``a2ats_use_query_aware`` the k-means
-runs in the per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or
-the fitting call's query second moment): keys map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step
-(dispatch point) scores the coded tokens outside ``a2ats_window`` from the LUT, sums the per-head softmax over the
-GQA group, keeps the top ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` per KV head and attends
-exactly over them, the window and the uncoded rows; everything else attends densely. ``nbytes`` counts the
-float16 rows too, so this cache holds *more* than a float16 one (it saves attended rows, not memory);
-``resident_nbytes`` is what the paper keeps on the accelerator.
+``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` rows
+with some outside the window, or given as ``a2ats_codebook``). ``a2ats_use_query_aware``: k-means in the
+per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or the
+fitting call's query second moment); keys map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step
+(dispatch point) scores the coded tokens outside ``a2ats_window`` from the LUT, sums the softmax over the GQA
+group, keeps the top ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` per KV head and attends
+exactly over them, the window and the uncoded rows; other calls attend densely. ``nbytes`` counts the float16
+rows, so this holds *more* than a float16 cache (it saves attended rows, not memory); ``resident_nbytes`` is
+what the paper keeps on the accelerator.
 
 Deviations from the paper:
 
@@ -39,7 +37,7 @@ from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import bitpack
 from ...primitives.buffers import grow_rows
-from ...window import fp16_row_bytes
+from ...window import concat_rows, fp16_row_bytes
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
 FIT_MIN = 32
@@ -108,11 +106,8 @@ class A2ATSKVCache(CompressedKVCache):
         self._store(keys, values)
         self.offset += keys.shape[2]
         t0 = self._call[0]
-        if t0 == 0:
-            return keys, values
-        dt = keys.dtype
-        return (mx.concatenate([self.keys[:, :, :t0].astype(dt), keys], axis=2),
-                mx.concatenate([self.values[:, :, :t0].astype(dt), values], axis=2))
+        past = (self.keys[:, :, :t0], self.values[:, :, :t0]) if t0 else (None, None)
+        return concat_rows((past, (keys, values)), keys.dtype)
 
     def _metric(self, queries, H):
         """Cholesky factors L_j [m, s, s] of the per-block metric (identity without query awareness)."""
@@ -130,8 +125,7 @@ class A2ATSKVCache(CompressedKVCache):
             q = group_queries(queries.astype(mx.float32), H).reshape(-1, D)
             h = np.asarray(q.T @ q / q.shape[0], dtype=np.float64)
         blocks = np.stack([h[j * s:(j + 1) * s, j * s:(j + 1) * s] for j in range(m)])
-        tr = np.trace(blocks, axis1=1, axis2=2)[:, None, None] / s
-        tr = np.maximum(tr, 1e-6)
+        tr = np.maximum(np.trace(blocks, axis1=1, axis2=2)[:, None, None] / s, 1e-6)
         return np.linalg.cholesky((1 - self.beta) * eye * tr + self.beta * blocks + 1e-6 * eye * tr)
 
     def _to_code_space(self, k32):
@@ -188,23 +182,16 @@ class A2ATSKVCache(CompressedKVCache):
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         B, Hq, N, D = queries.shape
-        dense = CompressedKVCache.attend
-        if call is None or N != 1 or keys.shape[2] != self.n_rows or not (mask is None or isinstance(mask, str)):
-            if call is not None and N > 1 and self.codebook is None and self._fit_due():
-                self._fit(queries)  # fit on the prefill (its queries give the query-aware metric)
-            if call is not None and self.codebook is not None:
-                self._encode_pending()
-            return dense(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if self.codebook is None:
-            if not self._fit_due():
-                return dense(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-            self._fit(queries)
+        step = call is not None and N == 1 and keys.shape[2] == self.n_rows and (mask is None or isinstance(mask, str))
+        if call is not None and self.codebook is None and (N > 1 or step) and self._fit_due():
+            self._fit(queries)  # on the prefill or a decode step: their queries give the query-aware metric
+        if call is not None and self.codebook is not None:
+            self._encode_pending()
         T = self.n_rows
         cand = max(0, min(T - self.window - 1, self.n_coded))  # coded rows outside the window (and not this row)
         k = self.n_retrieved(cand)
-        if cand == 0 or k >= cand:
-            self._encode_pending()
-            return dense(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if not step or self.codebook is None or cand == 0 or k >= cand:
+            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         H = self.keys.shape[1]
         rep = Hq // H
         qg = group_queries(queries, H).reshape(B, H, rep, D)
@@ -212,7 +199,6 @@ class A2ATSKVCache(CompressedKVCache):
         w = mx.softmax(s, axis=-1, precise=True).sum(axis=2)  # GQA group vote
         sel = mx.sort(mx.argpartition(-w, k - 1, axis=-1)[..., :k], axis=-1)  # [B, H, k] in token order
         self.last_selected = sel
-        self._encode_pending()
         rest = mx.broadcast_to(mx.arange(cand, T, dtype=sel.dtype)[None, None], (B, H, T - cand))
         idx = mx.concatenate([sel, rest], axis=-1)
         dt = queries.dtype
@@ -221,8 +207,7 @@ class A2ATSKVCache(CompressedKVCache):
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
     def _trim_rows(self, n):
-        self._call = None
-        n = min(n, self.n_rows)
+        self._call = None  # trim() caps n at the offset, which is n_rows
         self.n_rows -= n
         self.n_coded = min(self.n_coded, self.n_rows)
         if self.codebook is not None and self.n_rows < self.fit_rows:

@@ -1,23 +1,19 @@
-"""Importance-aware mixed-precision KV quantization: per-token bit widths (hi / mid / lo) chosen by token
-importance at a target average bit width, on KIVI's layout.
+"""Importance-aware mixed-precision KV quantization ("adakv"): per-token hi / mid / lo bit widths by token
+importance at a target average width, on KIVI's layout.
 
-Paper: the ``adakv_*`` fields describe MiKV (Yang, Kim, Bae, Kwon, Park, Yang, Kwon, Lee, "No Token Left Behind:
-Reliable KV Cache Compression via Importance-Aware Mixed Precision Quantization", arXiv 2402.18096): keep every
-token, the important ones at high precision, instead of evicting those an attention-based importance ranks
-low. The name is historical: Ada-KV (arXiv 2407.11550) is per-head budget allocation for eviction.
+Paper: MiKV (Yang, Kim, Bae, Kwon, Park, Yang, Kwon, Lee, "No Token Left Behind: Reliable KV Cache Compression
+via Importance-Aware Mixed Precision Quantization", arXiv 2402.18096): keep every token, the important ones at
+high precision, instead of evicting the low-ranked ones. (The name is historical: Ada-KV, arXiv 2407.11550, is
+per-head budget allocation for eviction.)
 
-Algorithm (on KIVI's residual; G = ``adakv_group_size``): a group's tokens are ranked by importance; fixed counts
-per group (``nonuniform.tier_counts``, the target average up to whole tokens) get ``adakv_hi_bit``,
-``adakv_mid_bit`` and ``adakv_lo_bit``. Keys are coded on KIVI's per-channel group ranges (metadata as KIVI's,
-outlier channels absorbed), values per token (channel groups of gcd(Dv, 32)), each token at its tier's width;
-``order`` (uint8) restores token order. ``adakv_importance``: ``"attention"`` (MiKV's signal: attention from the
-dispatch point's real queries, the last ``adakv_obs_window`` of each call, summed over the KV head's query heads,
-averaged over a token's observations; without the dispatch point the ``"norm_variance"`` ranking stays),
-``"norm"`` (‖k‖₂) or ``"norm_variance"`` (var(k) · (1 + var(v))).
-
-Measured (``veloxquant eval --task kld``: SmolLM2-135M, 1024 essay tokens + 64 scored decode steps, CPU,
-2026-12-01; all at 0.27x the fp16 bytes): ``"attention"`` KL 0.058 vs 0.076 for the importance-blind control
-(``allocation = "uniform"``); ``"norm_variance"`` (default) 0.144, ``"norm"`` 0.127; KIVI 3 bits 0.030 at 0.283x.
+On KIVI's residual (G = ``adakv_group_size``) a group's tokens are ranked by importance; fixed counts per group
+(``nonuniform.tier_counts``: the target average up to whole tokens) get ``adakv_hi_bit``, ``adakv_mid_bit`` and
+``adakv_lo_bit``. Keys are coded on KIVI's per-channel group ranges, values per token (channel groups of
+gcd(Dv, 32)), each token at its tier's width; ``order`` (uint8) restores token order. ``adakv_importance``:
+``"attention"`` (MiKV's signal: attention from the dispatch point's real queries, the last ``adakv_obs_window``
+of each call, summed over the KV head's query heads, averaged over a token's observations; without the dispatch
+point the ``"norm_variance"`` ranking stays), ``"norm"`` (‖k‖₂) or ``"norm_variance"`` (var(k) · (1 + var(v))).
+Measured against the importance-blind control (``allocation = "uniform"``): docs/RESULTS.md, "adakv and xquant".
 
 Deviations from MiKV: MiKV keeps an H2O-style accumulated attention over the whole generation and rebalances
 query/key outlier channels; here a token's tier is fixed when its group is quantized (``adakv_update_interval``
@@ -38,7 +34,7 @@ from ...errors import QuantizerConfigError
 from ...primitives import nonuniform as sal
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.buffers import grow_rows
-from .amc import TIERS, RankTiers
+from .amc import TIERS, RankTiers, range_decode
 from .kivi import RES_DTYPE, KIVIKVCache
 
 
@@ -50,10 +46,6 @@ def _range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array
     return mx.clip(q, 0.0, levels).astype(mx.uint32)
 
 
-def _range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
-    return codes.astype(mx.float32) * (rng.astype(mx.float32) / float((1 << bits) - 1)) + mn.astype(mx.float32)
-
-
 @register_with_mlx_lm
 @register("adakv")
 class AdaKVKVCache(RankTiers, KIVIKVCache):
@@ -63,11 +55,7 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
 
     array_fields = tuple(f"{s}_codes_{t}" for t in TIERS for s in "kv") + (
         "k_mins", "k_rngs", "v_mins", "v_rngs", "order", "res_k", "res_v", "res_score", "res_cnt")
-    scalar_fields = ("n_quant", "n_res", "dtype_name")
-
-    #: "importance" (the method) or "uniform" (an importance-blind control with the same tiers and bytes:
-    #: a fixed in-group pattern); tests set it per instance.
-    allocation = "importance"
+    allocation = "importance"  # or "uniform": an importance-blind control, same tiers and bytes (tests)
     _pending = None  # (t0, keys, values) of the groups this call stored, for attend to re-rank
     _prev_scores = None  # the past residual rows' (accumulated attention, observations) before this call
     dequant_only = "per-head bit widths"
@@ -209,11 +197,11 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
         for t, c, b, start in self._tiers():
             codes = unpack_bits(getattr(self, f"{side}_codes_{t}")[:, :, : g * c], b, d).reshape(B, H, g, c, d)
             if side == "k":
-                x = _range_decode(codes, self.k_mins[:, :, :g, None], self.k_rngs[:, :, :g, None], b)
+                x = range_decode(codes, self.k_mins[:, :, :g, None], self.k_rngs[:, :, :g, None], b)
             else:
                 mn = self.v_mins[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
                 rg = self.v_rngs[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
-                x = _range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
+                x = range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
             parts.append(x)
         return self._in_token_order(parts, n, d)
 
@@ -222,12 +210,10 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
         return super()._trim_rows(n)
 
     def _tier_nbytes(self, rows: int, b: int, D: int, Dv: int) -> int:
-        """Bytes of ``rows`` tier rows at ``b`` bits: key and value codes, the values' float16 minimum and
-        range per channel group."""
+        """Bytes of ``rows`` tier rows at ``b`` bits: codes, the values' float16 minimum and range per group."""
         return rows * (4 * (packed_words(D, b) + packed_words(Dv, b)) + (Dv // self._cg(Dv)) * 4)
 
     @property
     def used_nbytes(self) -> int:
         """``RankTiers``' bytes plus, with ``"attention"``, the residual rows' accumulated scores."""
-        extra = sum(a.nbytes for a in (self.res_score, self.res_cnt) if a is not None)
-        return super().used_nbytes + extra
+        return super().used_nbytes + sum(a.nbytes for a in (self.res_score, self.res_cnt) if a is not None)

@@ -1,18 +1,15 @@
 """Age-tiered KV quantization: tokens are stored at fewer bits as they age, re-quantized incrementally.
 
-No single paper (library design): KIVI's layout (Liu et al., arXiv 2402.02750: keys per channel, values per
-token, groups of G tokens, full-precision residual) with the recency observation behind sliding-window schemes
-(e.g. SKVQ's full-precision window, arXiv 2405.06219): attention concentrates on recent tokens, so older
-tokens can take coarser codes.
+No single paper (library design): KIVI's layout (Liu et al., arXiv 2402.02750) with the recency observation
+behind sliding-window schemes (e.g. SKVQ's full-precision window, arXiv 2405.06219): attention concentrates on
+recent tokens, so older tokens can take coarser codes.
 
-Algorithm (R = ``age_recent_boundary``, M = ``age_mid_boundary`` >= R, G = ``age_group_size``): a token's age is
-T - 1 - p (the newest has age 0); tokens that do not fill a key group stay in a float16 residual; a quantized
-group is *recent* (``age_bits_recent``) while its newest token's age is < R, *mid* (``age_bits_mid``) while < M,
-then *old* (``age_bits_old``). A group crossing a boundary is dequantized and re-quantized from its stored codes
-at the next tier's width (recent -> mid -> old); a group quantized for the first time goes straight to its
-tier from the float16 rows. The tiers are three KIVI-layout stores (``k{t}_*`` transposed, ``v{t}_*`` per token;
-t = 0 old, 1 mid, 2 recent) of contiguous groups in position order. Bytes per token per KV head at b bits:
-``b*D/8 + 4*D/G + b*Dv/8 + 4*Dv/gcd(Dv, G)``, following the tier mix.
+R = ``age_recent_boundary``, M = ``age_mid_boundary`` >= R, G = ``age_group_size``; a token's age is T - 1 - p.
+Tokens that do not fill a key group stay in a float16 residual; a quantized group is *recent*
+(``age_bits_recent``) while its newest token's age is < R, *mid* (``age_bits_mid``) while < M, then *old*
+(``age_bits_old``). A group crossing a boundary is re-quantized from its stored codes at the next tier's width;
+a new group goes straight to its tier. The tiers are three KIVI-layout stores (``k{t}_*`` transposed, ``v{t}_*``
+per token; t = 0 old, 1 mid, 2 recent) of contiguous groups in position order (``tier_bytes_per_token``).
 
 Deviations / choices: the residual of < G tokens is float16 (as in KIVI); tiers are per group by its newest
 token, so up to G - 1 tokens past a boundary keep the finer width; moving groups copies the bounded recent
@@ -40,26 +37,21 @@ _ARR = ("codes", "scales", "biases")
 @register("age_tiered")
 class AgeTieredKVCache(KIVIKVCache):
     """KIVI layout in three tiers of decreasing bits by token age, re-quantized from the stored codes."""
-    # a prompt group is quantized once at its tier's width, a decoded one re-quantized tier by tier
-    # from its codes
-    chunk_invariant = False
+    chunk_invariant = False  # a prompt group is coded once at its tier's width, a decoded one re-coded tier by tier
     exact_trim = False  # raises ValueError once the trimmed rows completed a group
-
     array_fields = tuple(f"{kv}{t}_{a}" for t in range(3) for kv in "kv" for a in _ARR) + ("res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "n_old", "n_mid", "n_recent")
-
     n_old = n_mid = n_recent = 0  # groups per tier
     _T_after = None
     dequant_only = "three code widths"
 
     def _init_layout(self):
         o = self.config.options  # options checked the ranges and recent_boundary <= mid_boundary
-        self.tier_bits = (o.bits_old, o.bits_mid, o.bits_recent)
         if not o.bits_old <= o.bits_mid <= o.bits_recent:
             raise QuantizerConfigError("age_bits_mid", o.bits_mid, f"age_bits_old={o.bits_old} <= age_bits_mid <= "
                                                                    f"age_bits_recent={o.bits_recent}")
-        self.recent_boundary, self.mid_boundary = o.recent_boundary, o.mid_boundary
-        self.group = o.group_size
+        self.tier_bits = (o.bits_old, o.bits_mid, o.bits_recent)
+        self.recent_boundary, self.mid_boundary, self.group = o.recent_boundary, o.mid_boundary, o.group_size
         self.qbits = self.tier_bits[2]
         self._call = None
 
@@ -90,10 +82,8 @@ class AgeTieredKVCache(KIVIKVCache):
 
     def _pop_front(self, t, m):
         """Drop the first ``m`` groups of tier ``t`` (the remaining ones are copied, exact size)."""
-        G, b = self.group, self.tier_bits[t]
-        n = self._counts()[t]
-        w = gq.words_per_group(b, G)
-        for a, per in zip(_ARR, (w, 1, 1)):
+        G, n = self.group, self._counts()[t]
+        for a, per in zip(_ARR, (gq.words_per_group(self.tier_bits[t], G), 1, 1)):
             # copies: a slice would stay a view of (and keep alive) the whole old buffer
             setattr(self, f"k{t}_{a}", mx.contiguous(getattr(self, f"k{t}_{a}")[..., m * per : n * per]))
             setattr(self, f"v{t}_{a}", mx.contiguous(getattr(self, f"v{t}_{a}")[:, :, m * G : n * G]))
@@ -134,12 +124,12 @@ class AgeTieredKVCache(KIVIKVCache):
         self.n_quant += kb.shape[2]
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        parts = [self._tier_dense(t, m, dtype)[0] for t, m in enumerate(self._counts()) if m]
-        return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1))[..., :n]
+        return mx.concatenate([self._tier_dense(t, m, dtype)[0] for t, m in enumerate(self._counts()) if m],
+                              axis=-1)[..., :n]
 
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
-        parts = [self._tier_dense(t, m, dtype)[1] for t, m in enumerate(self._counts()) if m]
-        return (parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))[:, :, :n]
+        return mx.concatenate([self._tier_dense(t, m, dtype)[1] for t, m in enumerate(self._counts()) if m],
+                              axis=2)[:, :, :n]
 
     def token_bits(self) -> list[int]:
         """Bits of every stored token in position order (16 for the float16 residual)."""

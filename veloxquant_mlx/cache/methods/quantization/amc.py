@@ -2,12 +2,12 @@
 no paper text was available to check against, so this follows the method's description: a few salient tokens
 at high precision, more at medium, the rest at low precision).
 
-On KIVI's residual (G = ``amc_group_size``), a quantized group's tokens are ranked by key L2 norm (large-norm
-keys make the logits that dominate attention): the top ``round(amc_k_high * G)`` get 8 bits (near-lossless), the
-next ``round((amc_k_high + amc_k_mid) * G) - n_hi`` 4 bits, the rest 2 (defaults 6 / 10 / 16: 3.75 bits per
-element). Keys share KIVI's per-channel group ranges, coded at each token's width (per-token 2-bit keys measured
-KL 0.30 vs 0.085 with shared ranges); values per token in channel groups of gcd(Dv, 32); ``order`` (uint8)
-restores token order.
+On KIVI's residual (G = ``amc_group_size``) a quantized group's tokens are ranked by key L2 norm (large-norm keys
+make the logits that dominate attention): the top ``round(amc_k_high * G)`` get 8 bits, the next
+``round((amc_k_high + amc_k_mid) * G) - n_hi`` 4 bits, the rest 2 (defaults 6 / 10 / 16: 3.75 bits per element).
+Keys share KIVI's per-channel group ranges, coded at each token's width (per-token 2-bit keys measured KL 0.30 vs
+0.085 with shared ranges); values per token in channel groups of gcd(Dv, 32); ``order`` (uint8) restores token
+order. ``RankTiers`` (the tier bookkeeping) is shared with adakv.
 
 Deviations / not implemented (rejected with ``QuantizerConfigError``):
 
@@ -38,6 +38,11 @@ TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
 CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 
 
+def range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
+    """float32 values of ``bits``-bit ``codes`` on ``[mn, mn + rng]`` (``mn``/``rng`` broadcast)."""
+    return codes.astype(mx.float32) * (rng.astype(mx.float32) / float((1 << bits) - 1)) + mn.astype(mx.float32)
+
+
 class RankTiers:
     """Per-token tiers by within-group rank (amc, adakv): ``counts`` rows of each G-token group per tier
     at ``tier_bits``, stored in rank order with the rank order of every row (``order``, uint8), which
@@ -61,8 +66,7 @@ class RankTiers:
         return sum(self.tier_bits[t] * self.counts[t] for t in TIERS) / self.group
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Code bytes + key min/range (4 bytes per channel per G tokens) + value min/range or scale/bias
-        (4 bytes per channel group) + 1 byte of order, per token per head."""
+        """Per token per head: codes, key min/range per channel per group, value side info, 1 byte of order."""
         return self.code_bits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self._cg(dv) + 1
 
     def _in_token_order(self, parts: list, n: int, d: int) -> mx.array:
@@ -101,7 +105,6 @@ class AMCKVCache(RankTiers, KIVIKVCache):
 
     array_fields = tuple(f"k_codes_{t}" for t in TIERS) + ("k_mins", "k_ranges") + tuple(
         f"v_{a}_{t}" for t in TIERS for a in ("codes", "scales", "biases")) + ("order", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name")
     dequant_only = "its codes are not MLX's affine layout"
 
     def _init_layout(self):
@@ -159,9 +162,9 @@ class AMCKVCache(RankTiers, KIVIKVCache):
             if side == "k":
                 codes = getattr(self, f"k_codes_{t}")[:, :, : g * c]
                 B, H = codes.shape[:2]
-                q = bitpack.unpack_bits(codes, b, d).astype(mx.float32).reshape(B, H, g, c, d)
-                rng = self.k_ranges[..., :g].swapaxes(-1, -2)[:, :, :, None].astype(mx.float32)
-                x = q * (rng / ((1 << b) - 1)) + self.k_mins[..., :g].swapaxes(-1, -2)[:, :, :, None].astype(mx.float32)
+                q = bitpack.unpack_bits(codes, b, d).reshape(B, H, g, c, d)
+                mn, rng = (a[..., :g].swapaxes(-1, -2)[:, :, :, None] for a in (self.k_mins, self.k_ranges))
+                x = range_decode(q, mn, rng, b)
             else:
                 a = [getattr(self, f"v_{x}_{t}")[:, :, : g * c] for x in ("codes", "scales", "biases")]
                 x = gq.dequantize(*a, b, self._cg(d), mx.float32)

@@ -7,16 +7,15 @@ Paper: none titled "AnchorKV" was found; the closest is AnTKV (Li, Xiao, Wang, L
 
 Per (batch, head, G-token group; G = ``anchorkv_window``), keys and values alike: the A =
 min(G, max(1, round(``anchorkv_anchor_frac`` * G))) tokens with the best ``rho * centrality + (1 - rho) * norm``
-(each min-max normalized, seeded 1e-6 tie jitter) are stored exactly; each other token takes its nearest
-anchor and codes its residual when that narrows its summed per-channel-group range by more than
-``anchorkv_theta`` (else itself), at ``anchorkv_residual_bits`` bits per token (``groupquant``), with
-ceil(log2(A + 1)) bits naming its reference. Central tokens make good references; high-norm ones are the
-most damaging to quantize.
+(each min-max normalized, seeded 1e-6 tie jitter) are stored exactly (central tokens make good references,
+high-norm ones are the most damaging to quantize); each other token codes its residual against its nearest
+anchor when that narrows its summed per-channel-group range by more than ``anchorkv_theta`` (else itself), at
+``anchorkv_residual_bits`` bits per token (``groupquant``), with ceil(log2(A + 1)) bits naming its reference.
 
 Deviations / choices:
 
-* At least one anchor per group, so the effective fraction is max(anchor_frac, 1/G): anchors must be near
-  the tokens coded against them.
+* At least one anchor per group (effective fraction max(anchor_frac, 1/G)): anchors must be near the tokens
+  coded against them.
 * Keys are quantized after RoPE; residuals per token (a per-channel min/max code is invariant to a
   per-channel offset and would gain nothing from an anchor).
 * KIVI's window deviations apply (a group completed by a decode step is coded after its attention).
@@ -111,7 +110,6 @@ class AnchorKVCache(KIVIKVCache):
     """Exact float16 anchors per G-token group; other tokens b-bit residuals against their nearest anchor."""
     chunk_invariant = True  # per-group anchors, groups at absolute positions
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
-
     array_fields = ("k_codes", "k_scales", "k_biases", "k_ref", "k_apos", "k_anc",
                     "v_codes", "v_scales", "v_biases", "v_ref", "v_apos", "v_anc", "res_k", "res_v")
     dequant_only = "anchors + residual codes"
@@ -164,16 +162,9 @@ class AnchorKVCache(KIVIKVCache):
         G, A, b = self.group, self.n_anchors, self.qbits
         return sum(b * x / 8 + 4 * x / self.value_group(x) + ref_bits(A) / 8 + A * (2 * x + 1) / G for x in (d, dv))
 
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        G, A, b = self.group, self.n_anchors, self.qbits
-        n, g = self.n_quant, self.n_quant // G
-        total = self.res_k.nbytes + self.res_v.nbytes
-        for dd in (D, self.res_v.shape[-1]):
-            vg = self.value_group(dd)
-            total += B * H * n * (dd // vg) * (4 * gq.words_per_group(b, vg) + 4)
-            total += B * H * g * (bitpack.packed_nbytes(G, ref_bits(A)) + A * (1 + 2 * dd))
-        return total
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Per side: per-token codes + scale/bias, and per group the reference words, anchor positions and rows."""
+        G, A, n, g = self.group, self.n_anchors, self.n_quant, self.n_quant // self.group
+        vg = {d: self.value_group(d) for d in (D, dv)}
+        return sum(B * H * (n * (d // vg[d]) * (4 * gq.words_per_group(self.qbits, vg[d]) + 4)
+                            + g * (bitpack.packed_nbytes(G, ref_bits(A)) + A * (1 + 2 * d))) for d in (D, dv))

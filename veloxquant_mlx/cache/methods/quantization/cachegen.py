@@ -1,26 +1,23 @@
 """CacheGen (Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann, Holtzman, Jiang,
 "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model Serving", SIGCOMM 2024,
-arXiv 2310.07240).
+arXiv 2310.07240). Ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the
+others deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the
+codes with tables grouped by channel and layer.
 
-Paper ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the others are coded
-as deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes
-with tables grouped by channel and layer.
-
-Here (on KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
-``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (kept as
-``qbits``; a cache built alone uses ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta``
-each group's anchor is quantized per token at 8 bits and the deltas against the *dequantized* anchor at the
-layer's bits (closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form
-(``state``) entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head,
-channel) with ``cachegen_per_channel``, else per (batch, head)), bit-exact on load; the groups added since the
-last read form one new block (mlx_lm reads ``state`` after every prefill chunk), and a trim drops the blocks
-past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``, ``entropy_savings`` and
-``assigned_avg_bits`` are measured bytes of that form.
+Here (KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
+``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (``qbits``; a
+cache built alone: ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta`` each group's
+anchor is coded per token at 8 bits and the deltas against the *dequantized* anchor at the layer's bits
+(closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form (``state``)
+entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head, channel) with
+``cachegen_per_channel``, else per (batch, head)), bit-exact on load; groups added since the last read form one
+new block, a trim drops the blocks past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``,
+``entropy_savings`` and ``assigned_avg_bits`` measure that form.
 
 Deviations from the paper:
 
-* Group min/max affine codes (KIVI's grouping) replace the paper's per-layer delta levels, 8-bit per-token
-  codes its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
+* Group min/max affine codes (KIVI's grouping) replace the per-layer delta levels, 8-bit per-token codes
+  its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
   tokens: 0-6% below fixed width; ``veloxquant cache save``).
 * On SmolLM2-135M value deltas do not help (2-bit KL 0.157 with, 0.119 without: weak token locality); they
   stay the default (the paper's design).
@@ -66,7 +63,6 @@ class CacheGenKVCache(KIVIKVCache):
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "ka_codes", "ka_scales", "ka_biases", "va_codes", "va_scales", "va_biases", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "qbits")  # qbits: the layer's width
-
     dequant_only = "delta codes"
     save_entropy_coded = True  # False: save the fixed-width codes (for comparisons)
     _blocks: list = []  # encoded blocks: (first group, end group, key stream, value stream) numpy
@@ -95,8 +91,7 @@ class CacheGenKVCache(KIVIKVCache):
         return math.gcd(d, ANCHOR_CG)
 
     def _append_groups(self, kb, vb):
-        """Anchors (8-bit per token) and the deltas against them: keys per channel over the group
-        (KIVI's transposed layout), values per token (``groupquant``'s min/max rule, float32 input)."""
+        """8-bit per-token anchors and the deltas against them (keys per channel over the group, values per token)."""
         G, bits = self.group, self.qbits
         (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
@@ -146,12 +141,9 @@ class CacheGenKVCache(KIVIKVCache):
         return dropped
 
     def _symbols(self, g0: int, g1: int):
-        """(key codes [B*H*D, n], value codes [B*H*Dv, n]) of groups [g0, g1) as uint8 numpy, one
-        stream per channel."""
-        G, b, w = self.group, self.qbits, self._key_words()
-        n = (g1 - g0) * G
-        B, H, D = self.k_codes.shape[:3]
-        Dv = self.res_v.shape[-1]
+        """(key codes [B*H*D, n], value codes [B*H*Dv, n]) of groups [g0, g1) as uint8 numpy, one stream per channel."""
+        G, b, w, n = self.group, self.qbits, self._key_words(), (g1 - g0) * self.group
+        (B, H, D), Dv = self.k_codes.shape[:3], self.res_v.shape[-1]
         gv = self.value_group(Dv)
         kc = bitpack.unpack_bits(self.k_codes[..., g0 * w : g1 * w].reshape(B, H, D, g1 - g0, w), b, G)
         vc = bitpack.unpack_bits(self.v_codes[:, :, g0 * G : g1 * G].reshape(B, H, n, Dv // gv, -1), b, gv)
@@ -160,9 +152,8 @@ class CacheGenKVCache(KIVIKVCache):
 
     def _tables(self, B, H, d):
         """Stream -> table map for B*H*d channel streams: per channel, or per (batch, head)."""
-        if self.config.options.per_channel:
-            return np.arange(B * H * d), B * H * d
-        return np.arange(B * H * d) // d, B * H
+        n = B * H * d
+        return (np.arange(n), n) if self.config.options.per_channel else (np.arange(n) // d, B * H)
 
     def _encoded(self) -> list:
         """The entropy-coded blocks covering every quantized group; the groups added since the last call
@@ -271,19 +262,12 @@ class CacheGenKVCache(KIVIKVCache):
         self.v_codes = bitpack.pack_bits(vc, b).reshape(B, H, n, -1)
         self._blocks = blocks
 
-    @property
-    def used_nbytes(self) -> int:
-        """KIVI's codes and residual, plus the 8-bit anchors (codes + scale/bias per channel group)."""
-        if self.res_k is None or not self.use_delta:
-            return super().used_nbytes
-        B, H, _, D = self.res_k.shape
-        g = self.n_quant // self.group
-        return super().used_nbytes + sum(B * H * g * (d // self._acg(d)) * (
-            4 * gq.words_per_group(ANCHOR_BITS, self._acg(d)) + 4) for d in (D, self.res_v.shape[-1]))
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """The fixed-width codes and side info (anchors included) of both sides; the base adds the residual."""
+        return self.fixed_width_key_bytes + self.fixed_width_value_bytes
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Fixed-width bytes per token per head: b-bit codes + f16 scale/bias per group, + the
-        per-group 8-bit anchors (codes + scale/bias per channel group of gcd(d, 32)) / G."""
+        """Fixed-width bytes per token per head: codes + float16 scale/bias per group, + the 8-bit anchors / G."""
         G, b = self.group, self.qbits
         per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
         return per + (sum((x + 4 * x / self._acg(x)) / G for x in (d, dv)) if self.use_delta else 0)

@@ -1,9 +1,7 @@
 """GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, "GEAR: An Efficient KV Cache Compression Recipe for
-Near-Lossless Generative Inference of LLM", arXiv 2403.05527).
-
-GEAR = base quantization + error feedback: for a KV block X, the ``s`` fraction of largest-magnitude entries S
-is kept exactly (sparse outliers), D̂ = Quant_b(X − S), and the rest R = X − S − D̂ is approximated by its
-best rank-r matrix L = A·Bᵀ; X ≈ D̂ + L + S.
+Near-Lossless Generative Inference of LLM", arXiv 2403.05527): base quantization + error feedback. For a KV
+block X the ``s`` fraction of largest-magnitude entries S is kept exactly, D̂ = Quant_b(X − S), and the rest
+R = X − S − D̂ is approximated by its best rank-r matrix L = A·Bᵀ: X ≈ D̂ + L + S.
 
 Here (on KIVI's full-precision residual; G = ``gear_group_size``, b = ``gear_bits``), per (batch, head, G-token
 group): S = the ``ceil(gear_sparse_fraction·G·D)`` largest |x| (uint16 index + float16 value); D̂ = KIVI's layout
@@ -12,7 +10,7 @@ group, float16). Values take the same path with ``gear_quantize_values`` (else p
 ``gear_rank``, or chosen once on the first block as the largest per-(head, group) rank keeping
 ``gear_energy_threshold`` of the residual energy, capped at min(G, D) // 8 (a b-bit quantizer's residual is
 noise-like: 0.9 of its energy would cost more bytes than the codes). ``error_recovery_ratio`` = 1 −
-‖X − GEAR(X)‖² / ‖X − base(X)‖² over the stored key groups (base: plain b-bit KIVI), kept per group.
+‖X − GEAR(X)‖² / ‖X − base(X)‖² over the stored key groups (base: plain b-bit KIVI).
 
 Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the prefill,
 then per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (the paper's GEAR-KIVI
@@ -35,9 +33,33 @@ from ...primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
 
 
+class SparseOutliers:
+    """Dense-and-sparse storage (gear, kvquant): per G-token block of d channels the ``_n_out(d)`` largest |x|
+    (a ``frac`` of the entries), kept exactly in ``{side}_oidx`` / ``{side}_oval``, one column block per group."""
+
+    def _n_out(self, d: int) -> int:
+        return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
+
+    def _put_outliers(self, side: str, g0: int, idx, val, cap: int) -> None:
+        """Store the outliers ``idx``/``val [B, H, g, o]`` of groups ``g0 ..`` (``cap`` groups of capacity)."""
+        B, H, g, o = idx.shape
+        for name, a in (("oidx", idx), ("oval", val)):
+            setattr(self, f"{side}_{name}", grow_columns(getattr(self, f"{side}_{name}"), g0 * o,
+                                                       a.reshape(B, H, g * o), cap * o))
+
+    def _with_outliers(self, side: str, x: mx.array, d: int) -> mx.array:
+        """Blocks ``x [B, H, g, G * d]`` with the stored outliers of their groups written back."""
+        B, H, g = x.shape[:3]
+        o, idx = self._n_out(d), getattr(self, f"{side}_oidx")
+        if not o or idx is None:
+            return x
+        stored = (a[..., : g * o].reshape(B, H, g, o) for a in (idx, getattr(self, f"{side}_oval")))
+        return nu.scatter_outliers(x, *stored)
+
+
 @register_with_mlx_lm
 @register("gear")
-class GEARKVCache(KIVIKVCache):
+class GEARKVCache(SparseOutliers, KIVIKVCache):
     """GEAR: KIVI-style b-bit base + rank-r residual + exact sparse outliers, keys and values."""
     chunk_invariant = False  # low-rank width chosen on the first quantized block (unless gear_rank is set)
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -45,7 +67,6 @@ class GEARKVCache(KIVIKVCache):
     array_fields = ("k_codes", "k_scales", "k_biases", "k_oidx", "k_oval", "k_a", "k_bt", "k_err_base", "k_err_gear",
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "v_a", "v_bt", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "rank")
-
     dequant_only = "low-rank and sparse corrections on top of the codes"
     rank = -1  # resolved low-rank width (-1: not yet, from the energy threshold at the first block)
 
@@ -59,13 +80,9 @@ class GEARKVCache(KIVIKVCache):
             raise QuantizerConfigError("gear_energy_threshold", o.energy_threshold, "a float in (0, 1]")
         if not o.sparse_fraction < 0.5:
             raise QuantizerConfigError("gear_sparse_fraction", o.sparse_fraction, "a float in [0, 0.5)")
-        self.qbits, self.group = o.bits, o.group_size
-        self.frac = float(o.sparse_fraction)
+        self.qbits, self.group, self.frac = o.bits, o.group_size, float(o.sparse_fraction)
         self.rank = -1 if o.rank is None else o.rank
         self._call = None
-
-    def _n_out(self, d: int) -> int:
-        return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
 
     def _gear_block(self, x, per_channel: bool):
         """x [B, H, g, G, D] float32 -> (base codes, outlier indices, outlier values, A, Bt, reconstruction)."""
@@ -73,14 +90,11 @@ class GEARKVCache(KIVIKVCache):
         b, ko = self.qbits, self._n_out(D)
         idx, vals, dense = nu.split_outliers(x.reshape(B, H, g, G * D), ko)
         dense = dense.reshape(B, H, g * G, D)
-        if per_channel:
-            q = gq.quantize_per_channel(dense, b, G)
-            dq = gq.dequantize_per_channel(*q, b, G)
-        else:
-            gv = math.gcd(D, G)
-            q = gq.quantize(dense, b, gv)
-            dq = gq.dequantize(*q, b, gv)
-        approx = dq.reshape(B, H, g, G * D)
+        quant, dequant = (gq.quantize_per_channel, gq.dequantize_per_channel) if per_channel else \
+            (gq.quantize, gq.dequantize)
+        gv = G if per_channel else math.gcd(D, G)  # keys per channel over the group, values per token
+        q = quant(dense, b, gv)
+        approx = dequant(*q, b, gv).reshape(B, H, g, G * D)
         approx = (nu.scatter_outliers(approx, idx, vals) if ko else approx).reshape(B, H, g, G, D)
         resid = x - approx
         if self.rank < 0:  # resolve once, from the energy threshold on the first block
@@ -110,12 +124,8 @@ class GEARKVCache(KIVIKVCache):
         self.k_err_base = grow_columns(self.k_err_base, g0, err_base, cap)
         self.k_err_gear = grow_columns(self.k_err_gear, g0, err_gear, cap)
         for side, idx, val, a, bt, d in (("k", kidx, kval, ka, kbt, D), ("v", vidx, vval, va, vbt, Dv)):
-            o = self._n_out(d)
-            if idx is not None and o:
-                setattr(self, f"{side}_oidx", grow_columns(getattr(self, f"{side}_oidx"), g0 * o,
-                                                         idx.reshape(B, H, g * o), cap * o))
-                setattr(self, f"{side}_oval", grow_columns(getattr(self, f"{side}_oval"), g0 * o,
-                                                         val.reshape(B, H, g * o), cap * o))
+            if idx is not None and self._n_out(d):
+                self._put_outliers(side, g0, idx, val, cap)
             if a is not None:
                 setattr(self, f"{side}_a", grow_rows(getattr(self, f"{side}_a"), t0, a.reshape(B, H, n, r)))
                 setattr(self, f"{side}_bt", grow_columns(getattr(self, f"{side}_bt"), g0 * r * d,
@@ -126,13 +136,7 @@ class GEARKVCache(KIVIKVCache):
         """base [B, H, n, d] float32 (dequantized codes) + sparse outliers + low-rank part."""
         B, H, _, d = base.shape
         G, g, r = self.group, n // self.group, self.rank
-        x = base.reshape(B, H, g, G * d)
-        o = self._n_out(d)
-        idx = getattr(self, f"{side}_oidx")
-        if o and idx is not None:
-            x = nu.scatter_outliers(x, idx[..., : g * o].reshape(B, H, g, o),
-                                    getattr(self, f"{side}_oval")[..., : g * o].reshape(B, H, g, o))
-        x = x.reshape(B, H, g, G, d)
+        x = self._with_outliers(side, base.reshape(B, H, g, G * d), d).reshape(B, H, g, G, d)
         a = getattr(self, f"{side}_a")
         if r > 0 and a is not None:
             af = a[:, :, :n].astype(mx.float32).reshape(B, H, g, G, r)
@@ -187,13 +191,9 @@ class GEARKVCache(KIVIKVCache):
         eb = float(self.k_err_base[:g].sum())
         return 1.0 - float(self.k_err_gear[:g].sum()) / eb if eb > 0 else 0.0
 
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        g = self.n_quant // self.group
-        return (self.compressed_key_bytes + self.compressed_value_bytes + g * 8
-                + self.res_k.nbytes + self.res_v.nbytes)
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Both sides' stored bytes and the per-group error records; the base adds the residual."""
+        return self.compressed_key_bytes + self.compressed_value_bytes + self.n_quant // self.group * 8
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (both sides, rank and sparse overhead included)."""

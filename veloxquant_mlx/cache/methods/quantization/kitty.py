@@ -1,16 +1,13 @@
 """Kitty: mixed channel precision for KIVI-style keys (Xia et al., "Kitty: Accurate and Efficient 2-bit KV Cache
-Quantization with Dynamic Channel-wise Precision Boost", arXiv 2511.18643).
+Quantization with Dynamic Channel-wise Precision Boost", arXiv 2511.18643): a few key channels carry most of the
+magnitude, so boosting a small fraction of them to 4 bits recovers near-4-bit accuracy at close to 2-bit memory,
+each page stored as two uniform tensors (boosted channels and the rest).
 
-Paper: 2-bit per-channel keys (KIVI) lose accuracy because a few key channels carry most of the magnitude;
-boosting a small fraction of channels to 4 bits recovers near-4-bit accuracy at close to 2-bit memory, each
-page stored as two uniform tensors (boosted channels and the rest).
-
-Here (on KIVI's float16 residual and one-softmax attention): on the first quantized block each KV head ranks
-its key channels by mean |k|; the ``round(kitty_hi_fraction * D)`` largest (at least 1 for a fraction > 0) are
-its *hi* channels for the cache's lifetime (``k_perm`` [H, D]: hi first, then lo, each ascending; ``k_inv`` the
-inverse). Keys per channel over G = ``kitty_group_size`` tokens: hi rows of K^T at ``kitty_hi_bit`` bits
-(``kh_*``), the rest at ``kitty_lo_bit`` (``kl_*``); values per token at ``kitty_lo_bit``. Bytes per token per
-KV head: ``(Dh*hi + Dl*lo)/8 + 4*D/G`` (keys) + ``lo*Dv/8 + 4*Dv/gcd(Dv, G)`` (values) + the residual.
+Here (KIVI's residual and one-softmax attention): on the first quantized block each KV head ranks its key
+channels by mean |k|; the ``round(kitty_hi_fraction * D)`` largest (at least 1 for a fraction > 0) are its *hi*
+channels for the cache's lifetime (``k_perm`` [H, D]: hi first, then lo, each ascending; ``k_inv`` its inverse).
+Keys per channel over G = ``kitty_group_size`` tokens: hi rows of K^T at ``kitty_hi_bit`` bits (``kh_*``), the
+rest at ``kitty_lo_bit`` (``kl_*``); values per token at ``kitty_lo_bit`` (``theoretical_bytes_per_token``).
 
 Deviations from the paper: static channel selection by magnitude from the first block (the paper ranks per
 page by sensitivity); no full-precision initial tokens (``kivi_sink`` does that for KIVI); attention
@@ -35,7 +32,6 @@ class KittyKVCache(KIVIKVCache):
     """KIVI layout with the most important key channels at ``kitty_hi_bit`` and the rest at ``kitty_lo_bit``."""
     chunk_invariant = False  # hi/lo key channels ranked on the first quantized block
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
-
     array_fields = ("kh_codes", "kh_scales", "kh_biases", "kl_codes", "kl_scales", "kl_biases",
                     "v_codes", "v_scales", "v_biases", "res_k", "res_v", "k_perm", "k_inv")
     dequant_only = "two key widths"
@@ -63,12 +59,10 @@ class KittyKVCache(KIVIKVCache):
         self.k_inv = mx.argsort(self.k_perm, axis=-1).astype(mx.int32)
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
-        G = self.group
-        t0, n = self.n_quant, kb.shape[2]
+        G, t0, n = self.group, self.n_quant, kb.shape[2]
         if self.k_perm is None:
             self._calibrate(kb)
-        D = kb.shape[-1]
-        nh = self.n_hi(D)
+        nh = self.n_hi(kb.shape[-1])
         kt = kb.swapaxes(-1, -2)  # [B, H, D, n]
         perm = mx.broadcast_to(self.k_perm[None, :, :, None], kt.shape)
         kt = mx.take_along_axis(kt, perm, axis=2)  # hi rows first
@@ -103,11 +97,9 @@ class KittyKVCache(KIVIKVCache):
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
         """Hi/lo key codes, low-width value codes and the channel order; the base adds the residual."""
-        G = self.group
-        nh = self.n_hi(D)
-        groups = self.n_quant // G
-        key = B * H * groups * (nh * (4 * gq.words_per_group(self.hi_bit, G) + 4)
-                                + (D - nh) * (4 * gq.words_per_group(self.lo_bit, G) + 4))
+        G, nh = self.group, self.n_hi(D)
+        key = B * H * (self.n_quant // G) * (nh * (4 * gq.words_per_group(self.hi_bit, G) + 4)
+                                             + (D - nh) * (4 * gq.words_per_group(self.lo_bit, G) + 4))
         perm = 0 if self.k_perm is None else self.k_perm.nbytes + self.k_inv.nbytes
         return key + self._value_code_nbytes(B, H, dv) + perm
 
@@ -115,5 +107,4 @@ class KittyKVCache(KIVIKVCache):
         """Bytes per token per KV head of the quantized part (codes at their bit widths + fp16 scales/biases)."""
         nh = self.n_hi(d)
         key = (nh * self.hi_bit + (d - nh) * self.lo_bit) / 8 + 4 * d / self.group
-        gv = self.value_group(dv)
-        return key + self.lo_bit * dv / 8 + 4 * dv / gv
+        return key + self.lo_bit * dv / 8 + 4 * dv / self.value_group(dv)

@@ -1,11 +1,8 @@
 """KIVI with attention sinks: KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
-Cache", ICML 2024, arXiv 2402.02750) whose first ``n_sink_tokens`` tokens are never quantized.
-
-Why: the first tokens receive a large share of the attention whatever their content (StreamingLLM, arXiv
-2309.17453), so an error in their keys moves every softmax; IntactKV (arXiv 2403.01241) and SKVQ (arXiv
-2405.06219) keep them in full precision. The first S = ``n_sink_tokens`` tokens go to a float16 sink
-buffer; every later token follows KIVI (its groups start at position S). The sinks lead the "quantized
-part" of KIVI's one-softmax attention. Bytes: KIVI's plus a constant 2*S*D*2 per KV head.
+Cache", ICML 2024, arXiv 2402.02750) whose first S = ``n_sink_tokens`` tokens go to a float16 sink buffer ahead
+of KIVI's groups (which start at position S). The first tokens receive a large share of the attention whatever
+their content (StreamingLLM, arXiv 2309.17453), so an error in their keys moves every softmax; IntactKV (arXiv
+2403.01241) and SKVQ (arXiv 2405.06219) keep them exact. Bytes: KIVI's plus 2*S*D*2 per KV head.
 
 Deviations (besides KIVI's, see ``kivi.py``): attention dequantizes and multiplies on every backend
 (``mx.quantized_matmul`` over the code buffer would not cover the sink rows ahead of it);
@@ -42,7 +39,7 @@ class SinkRows:
             self.sink_k[:, :, s0 : s0 + take] = mx.contiguous(keys[:, :, :take].astype(RES_DTYPE))
             self.sink_v[:, :, s0 : s0 + take] = mx.contiguous(values[:, :, :take].astype(RES_DTYPE))
             self.n_sink = s0 + take
-        return max(take, 0)
+        return take
 
     def _after_sinks(self, sink, n: int, rest, dtype) -> mx.array:
         """Rows [B, H, n, d] of the quantized part: the sink rows, then ``rest(m)`` for the other ``m``."""
@@ -58,9 +55,6 @@ class SinkRows:
     def stored_rows(self) -> int:
         return self.n_sink + self.n_quant + self.n_res
 
-    def _sink_nbytes(self) -> int:
-        return 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
-
 
 @register_with_mlx_lm
 @register("kivi_sink")
@@ -68,7 +62,6 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
     """KIVI whose first ``n_sink_tokens`` tokens stay float16 (attention sinks)."""
     chunk_invariant = True  # sinks are the first positions, then KIVI's position-aligned groups
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a quantized group
-
     array_fields = KIVIKVCache.array_fields + ("sink_k", "sink_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("n_sink",)
     dequant_only = "sink rows precede the codes"
@@ -100,9 +93,7 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
         values = super()._values
         return self._after_sinks(self.sink_v, n, lambda m: values(m, dtype), dtype)
 
-    def _trim_rows(self, n: int) -> int:
-        if n > self.stored_rows():
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+    def _trim_rows(self, n: int) -> int:  # n <= the offset, which is stored_rows()
         beyond = n - self.n_res - self.n_quant  # sink rows to drop, if > 0
         if beyond <= 0:
             return super()._trim_rows(n)
@@ -111,6 +102,5 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
         self.n_sink -= beyond
         return n
 
-    @property
-    def used_nbytes(self) -> int:
-        return super().used_nbytes + self._sink_nbytes()
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        return super()._code_nbytes(B, H, D, dv) + sum(a.nbytes for a in (self.sink_k, self.sink_v) if a is not None)

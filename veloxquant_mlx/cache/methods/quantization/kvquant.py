@@ -1,15 +1,13 @@
 """KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million Context
-Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079).
-
-Paper ideas used: (1) per-channel key quantization *before* RoPE (pre-RoPE channels keep stable ranges);
-(2) non-uniform per-channel levels (nuq); (3) dense-and-sparse: a few outlier entries kept exactly so the codes
-cover the inlier range; (4) attention-sink tokens in full precision.
+Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079). Ideas used: per-channel key
+quantization *before* RoPE; non-uniform per-channel levels (nuq); dense-and-sparse outliers kept exactly so the
+codes cover the inlier range; attention-sink tokens in full precision.
 
 Here (on KIVI's float16 residual; b = ``kvquant_bits``, G = ``kvquant_group_size``): ``bind_attention`` (called by
-``KVCacheBuilder.for_model``) reads the layer's RoPE (``primitives.rope.rope_spec``, checked against the layer);
-keys are rotated back to pre-RoPE before coding and forward again when decoded (alone, or with a RoPE it cannot
-reproduce such as YaRN's, keys are coded post-RoPE). Per (batch, head, group) the ``ceil(f*G*D)`` largest |x| (f
-= ``kvquant_outlier_fraction``) go to a sparse store (uint16 index + float16 value); the rest of each channel is
+``KVCacheBuilder.for_model``) reads the layer's RoPE (``primitives.rope.rope_spec``); keys are rotated back to
+pre-RoPE before coding and forward again when decoded (alone, or with a RoPE it cannot reproduce such as YaRN's,
+keys are coded post-RoPE). Per (batch, head, group) the ``ceil(f*G*D)`` largest |x| (f =
+``kvquant_outlier_fraction``) go to a sparse store (``gear.SparseOutliers``); the rest of each channel is
 normalized by its group min/max and coded as the nearest of 2^b per-channel levels, fitted by
 ``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first block (refitted after ``kvquant_refit_interval`` groups
 when > 0; each group records its fit). Values: the same sparse split, then KIVI's per-token codes. The first
@@ -33,8 +31,6 @@ Deviations from the paper:
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 from ...base import register
@@ -45,12 +41,13 @@ from ...primitives import groupquant as gq
 from ...primitives import nonuniform as nu
 from ...primitives.buffers import grow_columns
 from ...primitives.rope import rope_frequencies, rope_spec, rotate_rows
+from .gear import SparseOutliers
 from .kivi import RES_DTYPE, KIVIKVCache
 
 
 @register_with_mlx_lm
 @register("kvquant")
-class KVQuantKVCache(KIVIKVCache):
+class KVQuantKVCache(SparseOutliers, KIVIKVCache):
     """KVQuant: per-channel non-uniform keys, dense-and-sparse outliers, float16 sink tokens."""
     chunk_invariant = False  # non-uniform levels fitted on the first quantized block
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -93,8 +90,7 @@ class KVQuantKVCache(KIVIKVCache):
         return self._omega
 
     def _rope(self, k: mx.array, offset: int, inverse: bool) -> mx.array:
-        """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` taken back to pre-RoPE
-        (``inverse``) or rotated forward again; unchanged when no RoPE is bound."""
+        """float32 rows ``k [B, H, n, D]`` at positions ``offset..`` to pre-RoPE (``inverse``) or back."""
         if self.rope is None:
             return k
         return rotate_rows(k, self.rope, self._rope_omega(), offset, inverse=inverse)
@@ -102,10 +98,6 @@ class KVQuantKVCache(KIVIKVCache):
     def held_arrays(self):
         """The stored arrays and, with a RoPE bound, its angle table (so ``nbytes`` counts it)."""
         return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
-
-    def _n_out(self, d: int) -> int:
-        """Sparse entries per G-token block of d channels."""
-        return math.ceil(self.frac * self.group * d) if self.frac > 0 else 0
 
     def _append_groups(self, kb, vb):
         G, b, L = self.group, self.qbits, 1 << self.qbits
@@ -142,12 +134,9 @@ class KVQuantKVCache(KIVIKVCache):
         self._append_codes(t0, kq, gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv)))
         cap = self.v_codes.shape[2] // G  # per-group arrays follow the values' capacity
         self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
-        if ko:
-            self.k_oidx = grow_columns(self.k_oidx, g0 * ko, kidx.reshape(B, H, g * ko), cap * ko)
-            self.k_oval = grow_columns(self.k_oval, g0 * ko, kval.reshape(B, H, g * ko), cap * ko)
-        if vo:
-            self.v_oidx = grow_columns(self.v_oidx, g0 * vo, vidx.reshape(B, H, g * vo), cap * vo)
-            self.v_oval = grow_columns(self.v_oval, g0 * vo, vval.reshape(B, H, g * vo), cap * vo)
+        for side, o, idx, val in (("k", ko, kidx, kval), ("v", vo, vidx, vval)):
+            if o:
+                self._put_outliers(side, g0, idx, val, cap)
         self.n_quant = t0 + n
 
     def _keys_t(self, n, dtype=mx.float32):
@@ -160,13 +149,8 @@ class KVQuantKVCache(KIVIKVCache):
         lv = mx.take(levels, self.k_fit[:g], axis=3)  # [B, H, D, g, L]
         u = nu.decode_levels(codes, lv)
         x = u * self.k_scales[..., :g, None].astype(mx.float32) + self.k_biases[..., :g, None].astype(mx.float32)
-        ko = self._n_out(D)
-        if ko:
-            blk = x.transpose(0, 1, 3, 2, 4).reshape(B, H, g, D * G)
-            blk = nu.scatter_outliers(blk, self.k_oidx[..., : g * ko].reshape(B, H, g, ko),
-                                      self.k_oval[..., : g * ko].reshape(B, H, g, ko))
-            x = blk.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)
-        x = x.reshape(B, H, D, g * G)
+        blk = self._with_outliers("k", x.transpose(0, 1, 3, 2, 4).reshape(B, H, g, D * G), D)
+        x = blk.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4).reshape(B, H, D, g * G)
         if self.rope is not None:  # back to the keys the model attends with
             x = self._rope(x.swapaxes(-1, -2), 0, inverse=False).swapaxes(-1, -2)
         if self.n_sink and self.sink_k is not None:
@@ -176,10 +160,7 @@ class KVQuantKVCache(KIVIKVCache):
     def _values(self, n, dtype=mx.float32):
         v = super()._values(n)
         B, H, _, Dv = v.shape
-        g, vo = n // self.group, self._n_out(Dv)
-        if vo:
-            idx, val = (a[..., : g * vo].reshape(B, H, g, vo) for a in (self.v_oidx, self.v_oval))
-            v = nu.scatter_outliers(v.reshape(B, H, g, self.group * Dv), idx, val).reshape(B, H, n, Dv)
+        v = self._with_outliers("v", v.reshape(B, H, n // self.group, self.group * Dv), Dv).reshape(B, H, n, Dv)
         if self.n_sink and self.sink_v is not None:
             v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
         return v.astype(dtype)
@@ -197,17 +178,13 @@ class KVQuantKVCache(KIVIKVCache):
             self.fit_starts, self.fit_ends = self.fit_starts[: len(keep)], self.fit_ends[: len(keep)]
         return super()._trim_rows(n)
 
-    @property
-    def used_nbytes(self) -> int:
-        """KIVI's codes and residual, plus the sparse outliers, the fitted levels and the sink rows."""
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """KIVI's codes, plus the sparse outliers, the fitted levels and the sink rows."""
         g = self.n_quant // self.group
-        sparse = B * H * g * (self._n_out(D) + self._n_out(self.res_v.shape[-1])) * (2 + 2)  # uint16 + float16
+        sparse = B * H * g * (self._n_out(D) + self._n_out(dv)) * (2 + 2)  # uint16 + float16
         levels = B * H * D * len(self.fit_starts) * (1 << self.qbits) * 2 + g * 4
         sinks = 0 if self.sink_k is None else self.sink_k.nbytes + self.sink_v.nbytes
-        return super().used_nbytes + sparse + levels + sinks
+        return super()._code_nbytes(B, H, D, dv) + sparse + levels + sinks
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""

@@ -1,9 +1,7 @@
 """NSNQuant (Son, Choi, Kim, et al., "NSNQuant: A Double Normalization Approach for Calibration-Free Low-Bit
-Vector Quantization of KV Cache", arXiv 2505.18231).
-
-Paper: Normalize-Shift-Normalize (per-token L2 normalization, minus the channel mean, normalization again) and
-a Hadamard rotation make every token look like a random point on the sphere, so one data-independent codebook
-serves every model and layer without calibration data.
+Vector Quantization of KV Cache", arXiv 2505.18231): Normalize-Shift-Normalize (per-token L2 normalization, minus
+the channel mean, normalization again) and a Hadamard rotation make every token look like a random point on the
+sphere, so one data-independent codebook serves every model and layer without calibration data.
 
 Here (on KIVI's float16 window of ``nsn_residual_length`` tokens), keys and values alike: ``y = sqrt(D) w H^T`` with
 ``w`` the NSN of ``x`` (channel mean ``mu`` from the first coded block, float16; the two norms float16 per token)
@@ -36,6 +34,7 @@ from ...primitives import bitpack
 from ...primitives.buffers import grow_rows
 from ...primitives.codebook import kmeans
 from ...primitives.rotation import randomized_hadamard, seeded_rng
+from ...primitives.vq import vq_assign
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _TAG_NSN = 0x0A7E_0B01
@@ -62,12 +61,9 @@ def vq_encode(y: mx.array, books: mx.array) -> mx.array:
     """y [..., D] -> codes [..., S * D/d] (stage-major) with residual VQ on d-dim sub-vectors."""
     S, C, d = books.shape
     lead, D = y.shape[:-1], y.shape[-1]
-    r = y.reshape(-1, d)
-    codes = []
-    for s in range(S):  # S stages (2 by default), not a loop over tokens
-        cb = books[s]
-        dist = (cb * cb).sum(-1) - 2 * (r @ cb.T)
-        c = mx.argmin(dist, axis=-1)
+    r, codes = y.reshape(-1, d), []
+    for cb in books:  # S stages (2 by default), not a loop over tokens
+        c = vq_assign(r[None], cb[None])[0]
         codes.append(c.reshape(*lead, D // d))
         r = r - cb[c]
     return mx.concatenate(codes, axis=-1)
@@ -108,7 +104,6 @@ class NSNQuantKVCache(KIVIKVCache):
     """NSN-normalized, Hadamard-rotated tokens, residual VQ of d-dim sub-vectors with a fixed codebook."""
     chunk_invariant = False  # channel mean taken from the first coded block
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
-
     array_fields = ("k_codes", "k_norms", "k_mu", "v_codes", "v_norms", "v_mu", "res_k", "res_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("calib_end",)
     calib_end = 0
@@ -179,13 +174,7 @@ class NSNQuantKVCache(KIVIKVCache):
         """Theoretical bytes per token per KV head (codes at ``nsn_bits`` bits/coord + 2 float16 norms, K + V)."""
         return self.qbits * (d + dv) / 8 + 8
 
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        total = self.res_k.nbytes + self.res_v.nbytes
-        for dd in (D, self.res_v.shape[-1]):
-            total += B * H * self.n_quant * (bitpack.packed_nbytes(self.stages * dd // self.sub, self.lc) + 4)
-            total += 0 if self.k_mu is None else B * H * dd * 2
-        return total
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """Per side: the codes and two float16 norms per token, and the float16 channel mean."""
+        return sum(B * H * (self.n_quant * (bitpack.packed_nbytes(self.stages * d // self.sub, self.lc) + 4)
+                            + (0 if self.k_mu is None else d * 2)) for d in (D, dv))

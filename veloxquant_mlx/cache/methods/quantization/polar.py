@@ -1,12 +1,12 @@
 """PolarQuant standalone single-head cache ("polar"; Han, Kacham, Karbasi, Mirrokni, Zandieh; arXiv 2502.02617).
 
-A key is rotated by a seeded Haar-random orthogonal ``Pi`` (its direction is then uniform on the sphere, so its
-angles follow known laws) and turned by a recursive polar transform over ``L`` levels
-(:mod:`~veloxquant_mlx.cache.primitives.polar`) into float16 block radii and angles; each angle is coded with
-its level's MSE-optimal codebook for that exact density (no per-block scale or zero point, the paper's point),
-bit-packed. ``attend`` scores ``<Pi q, y_hat>`` from cos/sin tables, never de-rotating keys. Values: int8 +
-float16 absmax scale. Bits (``b = bit_width_inlier``): ``b`` for level 1 (range ``2*pi``), ``max(1, b - 2)`` above
-(range ``pi/2``): ``b = 4`` is the paper's 4/2/2/2, 64 bytes per key at d = 128 (3.875 bits/coordinate).
+A key is rotated by a seeded Haar-random orthogonal ``Pi`` (kept in ``config.store`` under
+``polar.rotation.d<d>.seed<seed>``; its direction is then uniform on the sphere, so its angles follow known
+laws) and turned by a recursive polar transform over ``L`` levels (``primitives.polar``) into float16 block radii
+and angles; each angle is coded with its level's MSE-optimal codebook for that exact density (no per-block scale
+or zero point, the paper's point), bit-packed. ``attend`` scores ``<Pi q, y_hat>`` from cos/sin tables, never
+de-rotating keys. Bits (``b = bit_width_inlier``): ``b`` for level 1 (range ``2*pi``), ``max(1, b - 2)`` above
+(range ``pi/2``): ``b = 4`` is the paper's 4/2/2/2, 64 bytes per key at d = 128.
 
 Deviations from the paper:
 
@@ -20,8 +20,8 @@ Deviations from the paper:
    ``bit_width_inlier`` sets key precision only (value error ~0.2%, below the key error).
 5. Attention rebuilds the rotated keys (float32 gathers + matmul); no fused kernel.
 
-Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A key norm beyond the float16
-range raises ``CacheInputError``. The rotation is kept in ``config.store`` under ``polar.rotation.d<d>.seed<seed>``.
+Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond the float16 range raises
+``CacheInputError``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """QJL standalone single-head cache ("qjl"; Zandieh, Daliri, Han; arXiv 2406.03482): keys as 1-bit quantized
 Johnson–Lindenstrauss sketches.
 
-A seeded ``m x d`` Gaussian ``S`` (``m = jl_dim``, default ``head_dim``) is drawn once; a key is stored as the
-``m`` sign bits of ``S k`` (bit-packed) and ``||k||`` (float16). The query is not quantized: scores are the
-paper's asymmetric estimator ``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>``, unbiased (per row ``s``:
-``E[<s, q> sign(<s, k>)] = sqrt(2/pi) <q, k>/||k||``) with variance ``(pi/2 ||q||^2 ||k||^2 - <q, k>^2) / m``.
-For independent Gaussian ``q, k`` the estimate's correlation with ``q·k`` is ``sqrt(1 / (1 + pi/2 * d/m))``:
-~0.62 at ``m = d``, ~0.85 at ``m = 4d``, so raise ``jl_dim`` when attention quality matters.
-
-Values: per token, one ``groupquant`` group over the row (min/max reference kernel) at ``b = bit_width_inlier``
-bits (QJL's keys are 1-bit, so ``b`` is the value precision; relative error on Gaussian values 3e-5 at 8 bits,
-0.01 at 4, 0.25 at 2). Per token at d = m = 128: 16 bytes of signs + 2 of norm + ``b*d/8`` of value codes + 4
-of scale and minimum (b = 2: 54 bytes; fp16 K+V: 512). ``state_bytes()`` reports the JL matrix.
+A seeded ``m x d`` Gaussian ``S`` (``m = jl_dim``, default ``head_dim``, kept in ``config.store`` under
+``qjl.sketch.m<m>.d<d>.seed<seed>``) is drawn once; a key is stored as the bit-packed signs of ``S k`` and
+``||k||`` (float16). Queries are not quantized: scores are the paper's asymmetric estimator
+``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>``, unbiased with variance ``(pi/2 ||q||^2 ||k||^2 - <q, k>^2) / m``
+(for Gaussian ``q, k`` its correlation with ``q·k`` is ``sqrt(1 / (1 + pi/2 * d/m))``: ~0.62 at ``m = d``, ~0.85
+at ``m = 4d``, so raise ``jl_dim`` when attention quality matters). Values: one ``groupquant`` min/max group per
+token at ``b = bit_width_inlier`` bits. Per token at d = m = 128, b = 2: 16 + 2 + 32 + 4 = 54 bytes (fp16 K+V: 512).
 
 Deviations from the paper:
 
@@ -20,9 +16,8 @@ Deviations from the paper:
 3. Values use one min/max group over the whole head per token, not group-wise quantization.
 4. The sketch is a dense float32 matmul; scores come from the unpacked signs (no fused kernel).
 
-Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A key norm, value entries or a
-value row's range beyond the float16 range raise ``CacheInputError``. The JL matrix is kept in ``config.store``
-under ``qjl.sketch.m<m>.d<d>.seed<seed>``.
+Shared behaviour: ``standalone_util.StandaloneCache``. A key norm, value entries or a value row's range beyond
+the float16 range raise ``CacheInputError``.
 """
 
 from __future__ import annotations
@@ -82,7 +77,7 @@ class QJLKVCache(StandaloneCache):
         v, _ = as_block(v, self.head_dim, "value")
         if v.shape[0] == 0:
             return
-        # the shared group quantizer (one group = the whole row) keeps its scale and minimum in float16
+        # one group = the whole row, its scale and minimum kept in float16
         if mx.max(mx.abs(v)).item() > FP16_MAX or mx.max(mx.max(v, axis=1) - mx.min(v, axis=1)).item() > FP16_MAX:
             raise CacheInputError(f"value entries or their range exceed the float16 range ({FP16_MAX})")
         codes, scale, lo = gq.quantize(v, self.bit_width_inlier, self.head_dim, reference=True)

@@ -1,16 +1,14 @@
 """SKVQ (Duanmu et al., "SKVQ: Sliding-window Key and Value Cache Quantization for Large Language Models",
-arXiv 2405.06219).
+arXiv 2405.06219): channels of similar range are reordered into one group, each group quantized per token over
+its range shrunk by a searched clip ratio; a sliding window of recent tokens plus a few sinks stay exact.
 
-Paper: channels of similar range are reordered into one group, each group is quantized per token over its
-range shrunk by a searched clip ratio, and a sliding window of recent tokens plus a few sinks stay exact.
-
-Here: the first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g
-rows (W = ``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized
-(keys at ``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in g-channel groups after a per-head
-permutation, each group clipped by its alpha about its centre). The first quantized block calibrates: the
-permutation sorts channels by range, alpha is searched among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head
-and group (``skvq_clip_search``). Measured (RESULTS.md's command): reordering + clip search remove a quarter of
-the KL at the same bytes (window 32: 0.243 vs 0.321).
+Here the first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g rows
+(W = ``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized (keys at
+``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in g-channel groups after a per-head permutation,
+each group clipped by its alpha about its centre). The first quantized block calibrates: the permutation sorts
+channels by range, alpha is searched among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head and group
+(``skvq_clip_search``). Measured (RESULTS.md's command): reordering + clip search remove a quarter of the KL at
+the same bytes (window 32: 0.243 vs 0.321).
 
 Deviations from the paper:
 
@@ -25,8 +23,6 @@ Deviations from the paper:
 """
 
 from __future__ import annotations
-
-import math
 
 import mlx.core as mx
 
@@ -51,7 +47,6 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
     chunk_invariant = False
     exact_trim = False  # returns n, but rows the trimmed rows pushed out of the window stay quantized
     trim_exact_or_raises = False
-
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v",
                     "sink_k", "sink_v", "k_perm", "k_inv", "v_perm", "v_inv", "k_alpha", "v_alpha")
     scalar_fields = KIVIKVCache.scalar_fields + ("n_sink",)
@@ -67,13 +62,9 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         self.qbits = self.kbits
         self._call = None
 
-    def cgroup(self, d: int) -> int:
-        """Channel-group width for head dim ``d``."""
-        return math.gcd(d, self.group)
-
     def _calibrate(self, x: mx.array, bits: int):
         B, H, T, D = x.shape
-        g = self.cgroup(D)
+        g = self.value_group(D)
         if self.reorder:
             perm, inv = mq.range_permutation(x)
         else:
@@ -85,13 +76,14 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         return perm, inv, alpha
 
     def _encode(self, x, bits, perm, alpha):
-        g = self.cgroup(x.shape[-1])
+        g = self.value_group(x.shape[-1])
         return gq.quantize(mq.clip_to_alpha(mq.permute_channels(x, perm), g, alpha), bits, g)
 
     def _decode(self, side: str, m: int, dtype) -> mx.array:
         bits, inv = (self.kbits, self.k_inv) if side == "k" else (self.vbits, self.v_inv)
         codes, scales, biases = (getattr(self, f"{side}_{a}")[:, :, :m] for a in ("codes", "scales", "biases"))
-        return mq.permute_channels(gq.dequantize(codes, scales, biases, bits, self.cgroup(inv.shape[-1]), dtype), inv)
+        x = gq.dequantize(codes, scales, biases, bits, self.value_group(inv.shape[-1]), dtype)
+        return mq.permute_channels(x, inv)
 
     def _append_groups(self, kb, vb):
         """Quantize a block of tokens leaving the window (any count) and append them."""
@@ -109,7 +101,7 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         B, H, N, D = keys.shape
         dv = values.shape[-1]
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
-        cap = self.window + self.cgroup(D)
+        cap = self.window + self.value_group(D)
         q0 = self.n_sink + self.n_quant
         take = self._take_sinks(keys, values)
         self._reserve_window(min(cap, max(1, self.n_res + N - take)), cap, B, H, D, dv)
@@ -138,8 +130,7 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         self.n_res = self.window
 
     def _reserve_window(self, need: int, cap: int, B: int, H: int, D: int, dv: int) -> None:
-        """Room for ``need`` <= ``cap`` (W + g) window rows, grown as ``grow_rows`` grows (up to ``cap``), so
-        a short chat holds its own rows, not the window up front."""
+        """Room for ``need`` <= ``cap`` (W + g) window rows, grown as ``grow_rows`` grows (short chats: own rows)."""
         if need <= (0 if self.res_k is None else self.res_k.shape[2]):
             return
         rows = min(cap, need + max(MIN_GROW, need // 8))
@@ -173,16 +164,12 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
 
     def theoretical_bytes_per_token(self, d: int, dv: int) -> float:
         """Bytes per quantized token per KV head (codes + float16 scale/bias per channel group)."""
-        gk, gv = self.cgroup(d), self.cgroup(dv)
+        gk, gv = self.value_group(d), self.value_group(dv)
         return (d // gk) * (4 * gq.words_per_group(self.kbits, gk) + 4) + \
             (dv // gv) * (4 * gq.words_per_group(self.vbits, gv) + 4)
 
-    @property
-    def used_nbytes(self) -> int:
-        if self.res_k is None:
-            return 0
-        B, H, _, D = self.res_k.shape
-        held = [self.res_k, self.res_v, self.sink_k, self.sink_v, self.k_perm, self.k_inv, self.v_perm,
-                self.v_inv, self.k_alpha, self.v_alpha]
-        fixed = sum(a.nbytes for a in held if a is not None)
-        return B * H * self.n_quant * int(self.theoretical_bytes_per_token(D, self.res_v.shape[-1])) + fixed
+    def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
+        """The codes, and the sinks, channel orders and clip ratios; the base adds the window."""
+        held = (self.sink_k, self.sink_v, self.k_perm, self.k_inv, self.v_perm, self.v_inv, self.k_alpha, self.v_alpha)
+        return B * H * self.n_quant * int(self.theoretical_bytes_per_token(D, dv)) + sum(
+            a.nbytes for a in held if a is not None)

@@ -1,18 +1,16 @@
-"""``SpectralQuantKVCache`` ("spectral"), a standalone single-head cache: calibrated principal subspaces +
-residual QJL.
+"""SpectralQuant standalone single-head cache ("spectral"): calibrated principal subspaces + residual QJL.
 
 Source: no arXiv paper; Dynamis Labs' SpectralQuant ("3% Is All You Need: Breaking TurboQuant's Compression
 Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): a head's keys concentrate their
 variance in a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
 
-Each side (keys, values) is calibrated once: mean ``mu`` and covariance eigenbasis ``U`` (from ``config.store``
-under ``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until
-then and saved to the store). A row is coded on its top ``r = min(spectral_{key,val}_d_eff, head_dim)``
-directions, whitened: ``z = U_r^T (x - mu) / sqrt(l_r)`` as its float16 norm and ``bit_width_inlier``-bit
-Lloyd–Max codes of the unit direction (sphere codebook in R^r; signs for r = 1). With ``spectral_apply_qjl`` a
-1-bit QJL sketch (arXiv 2406.03482) of the key residual (``jl_dim`` signs + float16 norm) makes scores unbiased.
-Attention projects the query once and mixes values as ``mu_V + (w @ c_hat) U_V^T``. At d = 128, 2 bits, m = 128
-a token takes 24 bytes of keys and 18 of values (fp16: 512). ``state_bytes()`` counts the bases and sketch.
+Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``: from ``config.store`` under
+``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until then,
+then stored). A row keeps its top ``r = min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates
+``z = U_r^T (x - mu) / sqrt(l_r)``, coded as a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the
+direction (sphere codebook in R^r; signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv
+2406.03482) of the key residual (``jl_dim`` signs + float16 norm): unbiased scores. Values mix as
+``mu_V + (w @ c_hat) U_V^T``. At d = 128, 2 bits, m = 128: 24 bytes of keys, 18 of values per token (fp16: 512).
 
 Deviations from SpectralQuant:
 
@@ -25,8 +23,8 @@ Deviations from SpectralQuant:
    ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` escaped as ``_<hex>_`` outside
    ``[A-Za-z0-9.-]``); a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
 
-Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A row whose centred norm or key
-residual norm exceeds the float16 range raises ``CacheInputError``; ``reset()`` keeps the bases.
+Shared behaviour: ``standalone_util.StandaloneCache``. A centred norm or key residual norm beyond the float16
+range raises ``CacheInputError``; ``reset()`` keeps the bases; ``state_bytes()`` counts the bases and sketch.
 """
 
 from __future__ import annotations
@@ -44,12 +42,14 @@ from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
 from ...primitives.rowstore import RowStore
 from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
-from ...standalone_util import FP16_MAX, StandaloneCache, as_block, from_store, int_field, is_int, jl_width, qjl_signs
+from ...standalone_util import (FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, int_field, is_int,
+                               jl_width, qjl_signs)
 
 __all__ = ["SpectralQuantKVCache"]
 
 _TINY = 1e-30
 _EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
+_PARTS = ("mean", "basis", "eigenvalues")  # a calibration's store entries
 
 
 def _options(config) -> dict:
@@ -151,8 +151,7 @@ class _Side:
 
 @register("spectral")
 class SpectralQuantKVCache(StandaloneCache):
-    """SpectralQuant-style cache: K/V on calibrated principal directions, whitened coefficients coded at
-    ``bit_width_inlier`` bits, plus a QJL sketch of the key residual (module docstring)."""
+    """K/V on calibrated principal directions, whitened coefficients at ``bit_width_inlier`` bits, QJL residual."""
 
     def __init__(self, config):
         initial = self._setup(config)
@@ -173,10 +172,8 @@ class SpectralQuantKVCache(StandaloneCache):
         qjl_specs = {"signs": ((packed_words(m, 1),), mx.uint32), "rnorm": ((), mx.float16)} if self.apply_qjl else {}
         self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial)
         self._values = _Side("value", d, self.val_d_eff, b, {}, initial)
-        self.sketch = None
-        if self.apply_qjl:
-            self.sketch = from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}",
-                                     lambda: gaussian_jl(m, d, seed), (m, d))
+        self.sketch = from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed),
+                                 (m, d)) if self.apply_qjl else None
         for side in (self._keys, self._values):
             self._load(side)
 
@@ -186,11 +183,11 @@ class SpectralQuantKVCache(StandaloneCache):
     def _load(self, side: _Side) -> None:
         if self.store is None:
             return
-        parts = [self.store.get(self._store_key(side, p)) for p in ("mean", "basis", "eigenvalues")]
+        parts = [self.store.get(self._store_key(side, p)) for p in _PARTS]
         if any(p is None for p in parts):
             return
         d = self.head_dim
-        for p, part, shape in zip(parts, ("mean", "basis", "eigenvalues"), ((d,), (d, d), (d,))):
+        for p, part, shape in zip(parts, _PARTS, ((d,), (d, d), (d,))):
             if tuple(p.shape) != shape:
                 raise QuantizerConfigError("store", self._store_key(side, part),
                                            f"an artifact of shape {shape}, got {tuple(p.shape)}")
@@ -209,7 +206,7 @@ class SpectralQuantKVCache(StandaloneCache):
             side.mean, side.basis, side.eigenvalues, side.sqrt_lam = old
             raise
         if self.store is not None:
-            for part, arr in (("mean", mean), ("basis", vectors), ("eigenvalues", lam)):
+            for part, arr in zip(_PARTS, (mean, vectors, lam)):
                 self.store.put(self._store_key(side, part), mx.array(arr))
         side.pending = None
         if encoded is not None:
@@ -227,11 +224,12 @@ class SpectralQuantKVCache(StandaloneCache):
             self._calibrate_side(side, x, side.pending)
 
     def _append(self, side: _Side, x: mx.array) -> None:
+        if not x.shape[0]:
+            return
         if side.calibrated:
             side.rows.append(self._encode_rows(side, x))
             return
-        if mx.max(mx.sum(x * x, axis=1)).item() > FP16_MAX**2:
-            raise CacheInputError(f"{side.kind} norm exceeds the float16 range ({FP16_MAX}) of the stored norms")
+        check_norm16(x, side.kind)
         held = x if side.pending is None else mx.concatenate([side.pending, x], axis=0)
         need = self.n_calib_tokens if self.n_calib_tokens is not None else self.head_dim
         if held.shape[0] >= max(need, 2):
@@ -277,32 +275,24 @@ class SpectralQuantKVCache(StandaloneCache):
     def participation_ratio(self, kind: str = "key") -> Optional[float]:
         """``(sum l)^2 / sum l^2`` of the calibrated spectrum (SpectralQuant's ``d_eff``)."""
         lam = self._side(kind).eigenvalues
-        if lam is None:
-            return None
-        lam = np.asarray(lam, dtype=np.float64)
-        return float(lam.sum() ** 2 / max((lam * lam).sum(), 1e-300))
+        lam = None if lam is None else np.asarray(lam, dtype=np.float64)
+        return None if lam is None else float(lam.sum() ** 2 / max((lam * lam).sum(), 1e-300))
 
     def captured_energy(self, kind: str = "key") -> Optional[float]:
         """Fraction of the calibration variance on the kept directions: ``sum_{j<r} l_j / sum_j l_j``."""
         side = self._side(kind)
-        if side.eigenvalues is None:
-            return None
-        lam = np.asarray(side.eigenvalues, dtype=np.float64)
-        return float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
+        lam = None if side.eigenvalues is None else np.asarray(side.eigenvalues, dtype=np.float64)
+        return None if lam is None else float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
 
     def _state_arrays(self) -> list:
         out = self._keys.state_arrays() + self._values.state_arrays()
         return out + ([self.sketch] if self.sketch is not None else [])
 
     def append_key(self, k) -> None:
-        k, _ = as_block(k, self.head_dim, "key")
-        if k.shape[0]:
-            self._append(self._keys, k)
+        self._append(self._keys, as_block(k, self.head_dim, "key")[0])
 
     def append_value(self, v) -> None:
-        v, _ = as_block(v, self.head_dim, "value")
-        if v.shape[0]:
-            self._append(self._values, v)
+        self._append(self._values, as_block(v, self.head_dim, "value")[0])
 
     def _qjl_term(self, n: int, fn):
         return fn(qjl_signs(self._keys.rows, "signs", n, self.jl_dim), self._keys.rows.view("rnorm")[:n], self.sketch)

@@ -4,11 +4,10 @@
 seeded Haar-random orthogonal ``Pi``, each rotated coordinate coded as its nearest ``b``-bit Lloyd–Max centroid
 for the coordinate law of a random unit vector (``b = bit_width_inlier``); ``attend`` rotates the query once.
 ``TurboQuantProdKVCache`` ("turboquant_prod", Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
-2406.03482) of the residual (``jl_dim`` signs + its norm), so scores are unbiased; ``b = 1`` is pure QJL.
-Codes are bit-packed, norms float16, values int8 with an absmax scale (``Int8Values``). Outlier split (the
-paper's KV-cache experiments): with ``n_outlier_channels``, the channels of largest RMS over the first
-``n_calib_tokens`` keys of the first block get ``bit_width_outlier`` bits and their own rotation, codebook and
-norm, the rest ``bit_width_inlier`` (128 dims, 32 outliers, 3/2 bits: 2.25 bits per channel).
+2406.03482) of the residual (``jl_dim`` signs + its norm): unbiased scores; ``b = 1`` is pure QJL. Codes are
+bit-packed, norms float16, values int8 with an absmax scale. Outlier split (the paper's KV-cache experiments):
+with ``n_outlier_channels``, the channels of largest RMS over the first ``n_calib_tokens`` keys of the first
+block get ``bit_width_outlier`` bits and their own rotation, codebook and norm, the rest ``bit_width_inlier``.
 
 Deviations from the paper:
 
@@ -19,14 +18,13 @@ Deviations from the paper:
 3. The sketch size ``m = jl_dim`` is configurable (the paper: ``m = d``).
 4. Outlier channels are chosen once, from the first key block, until ``reset()``; in Prod each group has
    its own ``(b_g - 1)``-bit MSE stage but one QJL sketch covers both groups' residual (still unbiased).
-5. Values are int8 with an absmax scale (the project spec), not TurboQuant-coded: ~0.2% error, well
-   below the key error.
+5. Values are int8 with an absmax scale (the project spec), not TurboQuant-coded: ~0.2% error.
 6. Codebooks are numerical (Lloyd–Max on a 2^18-cell grid of the exact density, cached), the rotation a
    dense QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
 7. A 1-bit Prod group is pure QJL on that group (no MSE stage).
 
-Shared behaviour: :class:`~veloxquant_mlx.cache.standalone_util.StandaloneCache`. A key norm beyond the float16
-range raises ``CacheInputError``; value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only
+Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond the float16 range raises
+``CacheInputError``; value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only
 range-checked without a split; ``observers`` and ``store`` are kept but unused.
 """
 
@@ -67,7 +65,6 @@ class _Group:
 
 class _TurboQuantBase(Int8Values, StandaloneCache):
     """Shared machinery of both caches: outlier-split channel groups, key storage, scores."""
-
     _prod = False
 
     def __init__(self, config):
@@ -95,9 +92,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
             split = [(d, b_in, self.seed)]
         self.groups = [_Group(i, size, b - stage, sd) for i, (size, b, sd) in enumerate(split)]
         self.sketch = gaussian_jl(self.jl_dim, d, self.seed) if self._prod else None
-        # channel permutation (outlier channels first); None = identity / not yet calibrated
-        self._perm: Optional[mx.array] = None
-        self._inv_perm: Optional[mx.array] = None
+        self._perm = self._inv_perm = None  # channel permutation (outliers first); None: identity / not calibrated
         key_specs = {k: v for g in self.groups if g.mse_bits > 0
                      for k, v in ((f"codes{g.index}", ((g.words,), mx.uint32)), (f"norm{g.index}", ((), mx.float16)))}
         if self._prod:
@@ -116,7 +111,6 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         return None if not self.n_outlier_channels or self._perm is None else self._perm[: self.n_outlier_channels]
 
     def _state_arrays(self) -> list:
-        """Rotations, codebooks, JL matrix, channel maps."""
         out = [a for g in self.groups for a in g.state_arrays()]
         return out + [a for a in (self.sketch, self._perm, self._inv_perm) if a is not None]
 
@@ -209,11 +203,8 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
 class TurboQuantMSEKVCache(_TurboQuantBase):
     """TurboQuant-MSE (Algorithm 1): rotation + ``bit_width_inlier``-bit Lloyd–Max codes per coordinate."""
 
-    _prod = False
-
 
 @register("turboquant_prod")
 class TurboQuantProdKVCache(_TurboQuantBase):
     """TurboQuant-Prod (Algorithm 2): (b-1)-bit TurboQuant-MSE + 1-bit QJL of the residual: unbiased scores."""
-
     _prod = True

@@ -1,127 +1,44 @@
-"""TurboQuant-RVQ: random rotation + two-stage residual vector quantization of keys *and* values,
-with float16 sink rows and a float16 window of the newest tokens, in the mlx_lm cache protocol.
-The library's default method (``KVCacheConfig().method``).
+"""TurboQuant-RVQ (the library's default method): random rotation + two-stage residual vector
+quantization of keys *and* values, float16 sink rows and a float16 window of the newest tokens.
 
-Paper: A. Zandieh, M. Daliri, M. Hadian, V. Mirrokni, "TurboQuant: Online Vector Quantization with
-Near-optimal Distortion Rate", arXiv 2504.19874. TurboQuant normalises a vector, multiplies it by a
-random rotation ``Pi`` so that every coordinate of the resulting unit vector follows the same known
-(Beta-type, ~N(0, 1/d)) distribution whatever the input, and can therefore quantize it with a
-*data-oblivious* codebook computed once for that distribution; its MSE distortion per unit vector at
-``b`` bits per coordinate is within a small constant (<= sqrt(3)*pi/2 ~ 2.72) of the
-information-theoretic lower bound ``4^-b``. The paper's quantizer is scalar (one Lloyd-Max codebook
-per coordinate, plus a 1-bit QJL stage on the residual for unbiased inner products); this method
-keeps the rotation and the data-oblivious codebooks and replaces the quantizer by a two-stage
-residual vector quantizer on sub-vectors.
+Paper: Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal
+Distortion Rate", arXiv 2504.19874: a normalised vector times a random rotation ``Pi`` has coordinates
+of one known law whatever the input, so a *data-oblivious* codebook computed once for that law codes it
+within a small constant (<= sqrt(3)*pi/2) of the ``4^-b`` MSE bound. This method keeps the rotation and
+the data-oblivious codebooks and replaces the scalar quantizer by a residual VQ on sub-vectors.
 
-Algorithm (per KV head; keys with ``(s, B) = (key_sub_dim, key_codebook_bits)``, values with
-``(value_sub_dim, value_codebook_bits)``; ``d`` the head dimension, ``S = d / s`` sub-vectors):
+Per KV head (keys: ``s, B = key_sub_dim, key_codebook_bits``; values: ``value_sub_dim,
+value_codebook_bits``): ``g = ||x||`` (float16) and ``y = Pi x / g`` (``Pi`` a seeded Haar-random
+orthogonal matrix per head dim, shared by keys, values, heads and layers); each of the ``d / s``
+sub-vectors of ``y`` gets a stage-1 centroid (``B1 = min(B, 8)`` bits) plus a cell-scaled stage-2
+centroid (``B - B1`` bits), beam-encoded over the 4 nearest stage-1 centroids (``primitives.rvq``:
+seeded k-means on random unit vectors' sub-vectors, jointly refined; cached per process and in
+``config.store`` as ``tqrvq.d{d}.s{s}.b{B}.seed{seed}``), codes bit-packed at their width. Rows enter
+``window.ResidualWindowCache``'s float16 window and leave it in whole blocks (the first ``SINK_ROWS``
+tokens to float16 sinks). Defaults at d = 64: 3.25 key + 1.25 value bits per coordinate, 36 bytes per
+token per KV head (0.141x fp16); the window's 16-bit rows lift a whole cache above that on short contexts
+(``bytes_per_token``, ``bits_per_coordinate``; measured KL and bytes: docs/RESULTS.md "TurboQuant-RVQ",
+``scripts/bench_turboquant_rvq.py``). Choices measured there: the second stage (``STAGE2_STUDY``: a QJL
+stage was worse than none), ``B1 = min(B, 8)``, the sink rows (KL 0.128 without them at the defaults).
 
-1. ``g = ||x||`` (stored as float16) and ``y = Pi (x / g)``, ``Pi`` a seeded Haar-random orthogonal
-   ``d x d`` matrix (``primitives.rotation.random_orthogonal(d, config.seed)``; one matrix per head
-   dimension, shared by keys, values, heads and layers).
-2. ``y`` is cut into ``S`` sub-vectors of ``s`` coordinates; each gets a ``B``-bit code of a two-stage
-   residual VQ (``primitives.rvq``): a stage-1 centroid ``c1[i]`` (``B1 = min(B, 8)`` bits) plus a
-   cell-scaled stage-2 centroid ``sigma[i] * c2[j]`` (``B2 = B - B1`` bits; none when ``B <= 8``),
-   encoded by a beam search over the 4 nearest stage-1 centroids.
-3. Codebooks are data-oblivious: seeded k-means on sub-vectors of uniformly random unit vectors in R^d
-   (exactly the distribution of ``y``) plus joint refinement; cached per process and, with
-   ``config.store``, in that ``ArtifactStore`` (key ``tqrvq.d{d}.s{s}.b{B}.seed{seed}``).
-4. Codes are bit-packed at their real width (``primitives.bitpack``: one plane per stage, rows padded
-   to whole 32-bit words): a 12-bit code takes 12 bits.
-5. New rows enter a float16 window (``window.ResidualWindowCache``). When it holds ``R + QUANT_BLOCK``
-   rows (``R = residual_length``) its oldest rows beyond the newest ``R``, in whole ``QUANT_BLOCK``s,
-   leave it in one block (the same rows however the stream was split into calls): the stream's first
-   ``SINK_ROWS`` = 4 tokens go to float16 *sink* rows, all later ones are quantized.
-
-Bits and bytes. Per quantized token and KV head: ``row_bytes(d, s, B)`` = packed code words + a
-2-byte norm, for keys and for values. Defaults (``s_k=4, B_k=12, s_v=8, B_v=8``), ``d = 64``: keys
-12/4 = 3 code bits per coordinate (8 + 4 bits per sub-vector) + 16/64 for the norm = 3.25 bits,
-values 8/8 = 1 code bit (one 8-bit stage) + 0.25 = 1.25 bits: 26 + 10 = 36 bytes per token per KV
-head instead of 256 at float16 (0.141x; SmolLM2-135M: 36 * 3 heads * 30 layers = 3240 bytes per
-token instead of 23040). The window (R .. R + QUANT_BLOCK - 1 rows) and the 4 sink rows stay at 16
-bits, so a whole cache tends to 0.141x only as the context grows: measured 0.282x at 1087 tokens
-(the window is ~13% of the tokens there). ``bits_per_coordinate()`` and ``bytes_per_token()`` report
-the figures of any configuration.
-
-Measured on the embedded SmolLM2-135M (``bench_turboquant_rvq.py quality``: 1024-token essay prompt,
-KL divergence of the next-token distribution vs the uncompressed cache over 64 decode steps; one
-text, so differences below ~20% are within noise):
-
-=====================================  =======  ===============  ===========
-setting (key B/s, value B/s)           KLD      bytes/token      whole cache
-=====================================  =======  ===============  ===========
-defaults K12/4 V8/8 (2-bit class)      0.066    0.141x fp16      0.282x
-K8/4 V16/8 (same bytes as defaults)    0.048    0.141x           0.280x
-K10/4 V16/8                            0.029    0.156x           0.295x
-K12/4 V12/8                            0.029    0.156x           0.302x
-K16/4 V12/4                            0.0050   0.234x           0.368x
-K16/4 V16/4                            0.0042   0.266x           0.393x
-K10/2 V12/4                            0.0023   0.266x           0.396x
-K10/2 V16/4 (4-bit class)              0.0012   0.297x           0.422x
-=====================================  =======  ===============  ===========
-
-"bytes/token": one quantized token (codes + norms) vs float16; "whole cache": ``nbytes`` of all 30
-caches (window, sink rows, spare capacity and the constants included) vs mlx_lm's fp16 cache for the
-same 1087 tokens -- at this length the float16 window (128-159 rows) is about half the bytes.
-With a 4096-token prompt (prefilled in two chunks of 2048, the second seeing the first compressed):
-defaults KLD 0.102 at 0.179x whole cache, K10/4 V16/8 0.042 at 0.194x, K10/2 V16/4 0.0010 at 0.332x.
-
-Without the float16 sink rows the defaults measured 0.128 (the first tokens take a large share of
-the attention, so their 1-bit value error is not averaged out); values, not keys, dominate the
-error at the defaults (keys only quantized: 0.015; values only: 0.133, both without sinks); at
-4-bit-class sizes keys matter most (K16/4 V16/4 vs K10/2 V12/4: same bytes, 0.0042 vs 0.0023).
-
-Choices (measured, see ``STAGE2_STUDY`` and the benchmark script):
-
-* Second stage: at the same 12 bits per 4 key coordinates, a second codebook (cell scales, beam
-  encoding) gave KLD 0.013, an 8-bit VQ + 1-bit sign stage 0.016, an 8-bit VQ + QJL (48 signs + a
-  float16 residual norm) 0.236 -- worse than no second stage at all (0.046): the QJL estimate is
-  unbiased but its variance exceeds the residual's own contribution -- and the paper's scalar
-  Lloyd-Max at 3 bits 0.012 (keys only quantized). The residual codebook is used.
-* Split of B: MSE per unit vector (d = 64) of 12 bits on 4 coordinates: 8+4 0.0286, 6+6 0.0292
-  (scalar Lloyd-Max at 3 bits 0.0334, bound 4^-3 = 0.0156); of 8 bits on 8 coordinates: one stage
-  0.326, 6+2 0.338, 4+4 0.338. Hence ``B1 = min(B, 8)``: with ``B <= 8`` one stage is better.
-  Cell scales and beam search lowered the 8+4 MSE from 0.0337 (plain greedy RVQ) to 0.0286.
-* Rejected after measurement: a per-token least-squares gain instead of the norm (KLD 0.140 vs
-  0.128 at the defaults, without sinks), centring keys or values on the first block's mean (0.218).
-
-Deviations from the paper (all of them):
+Deviations from the paper:
 
 1. Vector instead of scalar quantization (two residual k-means stages on ``s``-dim sub-vectors,
    ``B / s`` bits per coordinate), with a beam-search encoder and cell-scaled second stage.
-2. No QJL stage; the score estimate is biased like the paper's MSE variant (see the study above).
+2. No QJL stage; the score estimate is biased like the paper's MSE variant (``STAGE2_STUDY``).
 3. Norms are stored in float16 (the paper assumes exact norms); norms above 65504 saturate.
 4. Keys and values are both quantized this way, with no outlier-channel split.
-5. A float16 window of the newest ``R`` .. ``R + QUANT_BLOCK - 1`` tokens (KIVI-style residual) and
-   the stream's first 4 tokens in float16 (attention sinks, as in StreamingLLM arXiv 2309.17453 /
-   KIVI-sink); a call's own rows are attended in full precision, so a prompt processed in one chunk
-   is attended exactly and only stored compressed. Rows that move from the window into codes during
-   a call are still seen in float16 by that call; later prefill chunks see earlier ones compressed.
-6. Codebooks come from k-means on samples (not the exact density) and are refined jointly; they are
-   cached per process / in the artifact store. A saved prompt cache is decoded with the codebooks
-   of the loading process (identical for the same seed on the same platform; an
+5. A float16 window of the newest ``R`` .. ``R + QUANT_BLOCK - 1`` tokens (``R = residual_length``) and
+   the stream's first 4 tokens in float16 (attention sinks: StreamingLLM arXiv 2309.17453); a call's own
+   rows, and rows leaving the window during it, are attended in full precision; later prefill chunks see
+   earlier ones compressed.
+6. Codebooks come from k-means on samples (not the exact density), refined jointly; a saved cache is
+   decoded with the loading process's codebooks (the same for the same seed and platform; an
    ``NpyDirectoryArtifactStore`` pins them across machines).
 
-Storage and ``nbytes``: ``k_codes1``/``k_codes2`` (uint32 words, no stage-2 plane when ``B <= 8``) and
-``k_norms`` (float16), the same for values, ``[B, H, capacity, .]`` with at most 1/32 + ``QUANT_BLOCK``
-spare rows, plus ``ResidualWindowCache``'s float16 window and sink rows. ``nbytes`` is the sum of their
-``.nbytes`` plus, for the first cache of each set of constants (``build_layers``, ``counts_constants``
-in the state; a cache made alone owns its constants), the shared rotation and codebooks
-(``constant_nbytes``, ~33 KB for d = 64 at the defaults); ``used_nbytes`` leaves spare capacity and
-constants out. Trim drops window rows, then the newest codes, then sink rows: the remaining tokens keep
-their stored form, but those the trimmed tokens pushed out of the window stay quantized
-(``exact_trim`` False). ``merge`` builds the batch form (``turboquant_rvq_batch.py``). No Python loop
-over tokens, heads or batch rows (long blocks are encoded in a few row chunks to bound memory), no
-host synchronisation per decode step.
-
-Speed (``bench_turboquant_rvq.py speed``; CPU, 2 cores, both caches timed alternately in the same
-run, median of 5 rounds): decode runs at 0.62x (1k context) / 0.63x (4k) the tokens/s of mlx_lm's
-plain ``KVCache`` on the tiny-ish shape (SmolLM2's attention shape, 8 layers) and 0.72x / 0.66x on
-SmolLM2-135M. The quantized attention costs ~1.2 ms per layer at 1k tokens and ~2.9 ms at 4k
-(LUT gather ~0.7 ms, value gather ~0.8 ms at 4k) against MLX's fused attention over float32 rows;
-a fused kernel (GPU) would remove most of the gap, MLX's CPU backend has none for gathers.
+``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``) on the first cache of each set
+(``counts_constants``); trim follows ``ResidualWindowCache``; ``merge`` builds ``turboquant_rvq_batch.py``'s form.
 """
-
 
 from __future__ import annotations
 
@@ -135,18 +52,11 @@ from ...errors import QuantizerConfigError
 from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
-from ...primitives.rvq import STAGE1_MAX_BITS, RVQCodebook, row_bytes, rvq_codebook, split_bits
+from ...primitives.rvq import RVQCodebook, row_bytes, rvq_codebook, split_bits
 from ...window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
 
-__all__ = [
-    "TurboQuantRVQKVCache",
-    "RVQCodebook",
-    "rvq_codebook",
-    "split_bits",
-    "row_bytes",
-    "QUANT_BLOCK",
-    "STAGE2_STUDY",
-]
+__all__ = ["TurboQuantRVQKVCache", "RVQCodebook", "rvq_codebook", "split_bits", "row_bytes", "QUANT_BLOCK",
+           "STAGE2_STUDY"]
 
 LUT_MAX_ROWS = 16  # query rows per KV head (rep * N) up to which quantized keys are scored by LUT
 _FP16_MAX = 65504.0
@@ -161,7 +71,6 @@ STAGE2_STUDY: dict = {
     "scalar lloyd-max 3 bits (paper's MSE quantizer)": 0.0116,
     "vq8 alone (8 bits / 4 coords)": 0.0462,
 }
-
 
 
 class _Quantizer:
@@ -221,8 +130,7 @@ def _quantizer(dim, sub_dim, bits, seed, store) -> _Quantizer:
 @register_with_mlx_lm
 @register("turboquant_rvq")
 class TurboQuantRVQKVCache(ResidualWindowCache):
-    """TurboQuant rotation + two-stage residual VQ of keys and values, float16 window, attention on
-    the codes. See the module docstring."""
+    """TurboQuant rotation + two-stage residual VQ of keys and values, float16 window, attention on the codes."""
     chunk_invariant = True  # data-oblivious codebooks, per-token codes, window compacted in whole blocks
     exact_trim = False  # returns n, but rows the trimmed rows pushed out of the float16 window stay quantized
     batchable = True  # merge -> TurboQuantRVQBatchKVCache (turboquant_rvq_batch.py); subclasses keep raising
@@ -238,22 +146,13 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         self.key_sub_dim, self.value_sub_dim = int(o.key_sub_dim), int(o.value_sub_dim)
         self.key_bits, self.value_bits = int(o.key_codebook_bits), int(o.value_codebook_bits)
         self.seed = int(c.seed)
-        for field, sub, bits in (("key", self.key_sub_dim, self.key_bits),
-                                 ("value", self.value_sub_dim, self.value_bits)):
+        for field, sub in (("key", self.key_sub_dim), ("value", self.value_sub_dim)):
             if c.head_dim % sub:
-                raise QuantizerConfigError(f"{field}_sub_dim", sub,
-                                           f"a divisor of head_dim={c.head_dim}")
-            if not 1 <= bits <= 2 * STAGE1_MAX_BITS:
-                raise QuantizerConfigError(f"{field}_codebook_bits", bits, "an int in 1..16")
-        self._kq = self._vq = None
-        self._call = None
-        used = []
-        for name in TurboQuantRVQKVCache.array_fields:
-            is_stage2 = name.endswith("codes2")
-            bits = self.key_bits if name.startswith("k_") else self.value_bits
-            if not is_stage2 or split_bits(bits)[1]:
-                used.append(name)
-        self.array_fields = tuple(used)  # no stage-2 planes when B <= 8
+                raise QuantizerConfigError(f"{field}_sub_dim", sub, f"a divisor of head_dim={c.head_dim}")
+        self._kq = self._vq = self._call = None
+        stage2 = {"k": split_bits(self.key_bits)[1], "v": split_bits(self.value_bits)[1]}
+        self.array_fields = tuple(n for n in TurboQuantRVQKVCache.array_fields  # no stage-2 plane when B <= 8
+                                  if not n.endswith("codes2") or stage2[n[0]])
 
     # ---- constants (lazily, from the dims actually seen)
     def _quantizers(self, dk: int, dv: int):
@@ -285,10 +184,10 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                     buf = reserve_rows(getattr(self, prefix + name), t0, rows, QUANT_BLOCK)
                     setattr(self, prefix + name, grow_rows(buf, t0, rows))
 
-    def _planes(self, prefix: str, n: int):
-        p1 = getattr(self, prefix + "codes1")[:, :, :n]
+    def _planes(self, prefix: str, n: int, a: int = 0):
+        """Packed code planes of quantized rows ``a .. n`` (stage 2 None when there is none)."""
         p2 = getattr(self, prefix + "codes2", None)
-        return p1, (p2[:, :, :n] if p2 is not None else None)
+        return getattr(self, prefix + "codes1")[:, :, a:n], (p2[:, :, a:n] if p2 is not None else None)
 
     def _quantized_dense(self, n):
         kq, vq = self._qs()
@@ -299,39 +198,31 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return out[0], out[1]
 
     def _quantized_part(self, q, n):
-        kq, vq = self._qs()
-        B, H, R, D = q.shape
-        qr = q @ kq.rot_t  # rotate the (scaled) queries once
-        k_norms = self.k_norms[:, :, :n].astype(mx.float32)[:, :, None, :]
-        if R <= LUT_MAX_ROWS:
-            scores = self._lut_scores(kq, qr, *kq.codes(*self._planes("k_", n)))
-        else:  # prefill-sized call: decode the codes once (rotated domain) and use one matmul
-            scores = qr @ kq.decode_rotated(*self._planes("k_", n)).swapaxes(-1, -2)
-        scores = scores * k_norms
-        v_rot = vq.decode_rotated(*self._planes("v_", n))  # [B, H, n, Dv] rotated-domain centroids
-        v_norms = self.v_norms[:, :, :n].astype(mx.float32)[:, :, None, :]
+        """The one tile ``(0, n)``, its keys scored by LUT on the codes for decode-sized calls."""
+        scores_fn, value_fn = self._quantized_tiles(q, [(0, n)], lut=q.shape[2] <= LUT_MAX_ROWS)[0]
+        return scores_fn(), value_fn
 
-        def value_fn(p):  # sum_t p_t * gv_t * centroid[code_t] in the rotated domain, rotated back once
-            return ((p * v_norms) @ v_rot) @ vq.rot_t.T
-
-        return scores, value_fn
-
-    def _quantized_tiles(self, q, ranges):
-        """Prefill tiles: codes decoded to rotated-domain rows per tile, one matmul each; queries rotated
-        once per call."""
+    def _quantized_tiles(self, q, ranges, lut: bool = False):
+        """Per tile: scores from its codes decoded to rotated-domain rows (or by LUT), values as
+        ``sum_t p_t g_t centroid[code_t]`` rotated back once; the queries are rotated once per call."""
         kq, vq = self._qs()
         qr = q @ kq.rot_t
 
         def rows(prefix, qz, a, b):
-            p1, p2 = self._planes(prefix, b)
-            return qz.decode_rotated(p1[:, :, a:], p2[:, :, a:] if p2 is not None else None)
+            return qz.decode_rotated(*self._planes(prefix, b, a))
 
         def norms(prefix, a, b):
             return getattr(self, prefix + "norms")[:, :, a:b].astype(mx.float32)[:, :, None, :]
 
-        return [(lambda a=a, b=b: (qr @ rows("k_", kq, a, b).swapaxes(-1, -2)) * norms("k_", a, b),
-                 lambda p, a=a, b=b: ((p * norms("v_", a, b)) @ rows("v_", vq, a, b)) @ vq.rot_t.T)
-                for a, b in ranges]
+        def scores(a, b):
+            s = self._lut_scores(kq, qr, *kq.codes(*self._planes("k_", b, a))) if lut else \
+                qr @ rows("k_", kq, a, b).swapaxes(-1, -2)
+            return s * norms("k_", a, b)
+
+        def values(p, a, b):
+            return ((p * norms("v_", a, b)) @ rows("v_", vq, a, b)) @ vq.rot_t.T
+
+        return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
 
     @staticmethod
     def _lut_scores(qz: _Quantizer, qr: mx.array, i: mx.array, j: Optional[mx.array]) -> mx.array:
@@ -366,7 +257,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         if self._kq is None:
             if not getattr(self, "_shape", None):
                 return 0  # nothing stored yet: the constants are not built
-            self._qs()  # e.g. a cache restored from a state
+            self._qs()  # a cache restored from a state
         unique = {id(a): a for a in self._kq.arrays() + self._vq.arrays()}
         return sum(a.nbytes for a in unique.values())
 
@@ -377,8 +268,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Theoretical bytes of one quantized token per KV head (codes + norms of K and V)."""
         d, dv = self._dims(head_dim, value_dim)
-        return (row_bytes(d, self.key_sub_dim, self.key_bits)
-                + row_bytes(dv, self.value_sub_dim, self.value_bits))
+        return row_bytes(d, self.key_sub_dim, self.key_bits) + row_bytes(dv, self.value_sub_dim, self.value_bits)
 
     def bits_per_coordinate(self, head_dim: Optional[int] = None,
                             value_dim: Optional[int] = None) -> tuple[float, float]:
@@ -390,5 +280,4 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     @classmethod
     def _merge_batch(cls, caches):
         from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
-
         return TurboQuantRVQBatchKVCache.from_caches(caches)

@@ -1,49 +1,19 @@
-"""The batch form of the TurboQuant-RVQ cache (the default method): several requests decoded together
-by mlx_lm's ``BatchGenerator`` (continuous batching), each keeping exactly the compressed state it
-would hold alone.
+"""The batch form of TurboQuant-RVQ (the default method) for mlx_lm's ``BatchGenerator``: several
+requests decoded together, each keeping exactly the compressed state it would hold alone
+(``TurboQuantRVQKVCache.merge`` builds it when every cache is exactly a ``TurboQuantRVQKVCache`` with the
+same settings; ``extract(i)`` gives the single cache back).
 
-``TurboQuantRVQKVCache.merge(caches)`` builds a ``TurboQuantRVQBatchKVCache`` (only when every cache
-is exactly a ``TurboQuantRVQKVCache`` with the same quantizer settings); ``extract(i)`` gives back an
-ordinary ``TurboQuantRVQKVCache`` with the same sink rows, codes, norms and window rows as an
-unbatched run.
-
-Layout (B sequences, H kv heads, D / Dv head dims, R = ``residual_length``, QB = ``QUANT_BLOCK``).
-Each sequence keeps the single cache's three regions, in position order:
-
-* float16 sink rows, left-aligned: ``sink_k [B, H, SINK_ROWS, D]`` (``sink_v`` likewise); sequence
-  i's ``ns[i]`` rows are its first columns.
-* codes, left-aligned: ``k_codes1``/``k_codes2`` (packed uint32 words), ``k_norms`` (float16) and the
-  same for values, ``[B, H, cap, .]``; sequence i's ``nq[i]`` quantized tokens fill slots
-  ``[0, nq[i])``, slots ``>= nq[i]`` are invalid for it (masked; they may hold leftovers, always
-  finite). ``cap`` grows in steps.
-* float16 window, right-aligned: ``win_k [B, H, W, D]`` with ``W = max(nw)``; sequence i's ``nw[i]``
-  rows are the last columns. A call appends its valid rows; a sequence whose window then holds
-  ``R + QB`` rows or more flushes its oldest whole blocks beyond the newest R, exactly as the single
-  cache does (the stream's first ``SINK_ROWS`` tokens to the sink rows, the others encoded): one
-  gather over the batch, one ``_Quantizer.encode`` and one ``put_along_axis`` scatter into slots
-  ``nq[i] ..`` (sequences that flush fewer rows write throw-away codes into their own invalid slots);
-  the region's common invalid prefix is then sliced off.
-
-All per-sequence counts (``ns``, ``nq``, ``nw``, ``lens``) are host-side Python ints derived from the
-call sizes and ``prepare``'s lengths (``batch_common.RaggedBatchCache``): the decode path never
-syncs with the device and nothing loops over tokens, heads or sequences per step (``merge`` /
-``extract`` / ``extend`` / ``filter`` loop over the sequences once per request).
-
-``update_and_fetch`` returns [sink rows (max(ns)), dequantized codes (max(nq)), window (W), new rows
-(N)] and ``make_mask`` the boolean mask [B, 1, N, M] that shows each sequence its own rows and the new
-rows causally; ``attend`` (dispatch point) computes the same attention on the codes with the single
-cache's helpers (``_quantized_part``: LUT scores for decode-sized calls, rotated-domain value sums;
-``joint_attention``: one softmax over the quantized and the float16 parts), the mask hiding the
-invalid slots. As alone, a call's own rows are attended as given and rows flushed during a call are
-still seen in float16 by it. Right-padded batched prefill (``prepare(lengths=, right_padding=)``): only
-each sequence's first ``lengths[i]`` rows of a call are stored. ``offset`` is an ``mx.array`` of the
-sequences' positions.
-
-``nbytes`` = the arrays held (codes and norms with the buffers' spare slots, the float16 sink rows and
-window) plus, for the first layer of a model, the shared rotation and codebooks (``counts_constants``,
-as the single caches it was merged from); no dense copy of the quantized rows is kept. ``trim(n)``
-drops the n newest tokens of every sequence as the single cache does (window rows, then codes, then
-sink rows); it raises ``ValueError`` if a sequence holds fewer than n tokens.
+Layout per sequence, in position order: float16 sink rows (``sink_k [B, H, SINK_ROWS, D]``, left-aligned,
+``ns[i]`` used), codes and norms (``k_codes1``/``k_codes2``/``k_norms`` and the values', ``[B, H, cap, .]``,
+left-aligned, ``nq[i]`` used; later slots are masked and may hold finite leftovers) and the float16 window
+(``win_k [B, H, W, D]``, right-aligned, ``nw[i]`` used). A window that reaches ``R + QUANT_BLOCK`` rows
+flushes its oldest whole blocks beyond the newest R as the single cache does (the stream's first
+``SINK_ROWS`` tokens to the sinks): one gather, one ``_Quantizer.encode`` and one ``put_along_axis`` into
+slots ``nq[i] ..`` for the whole batch. The counts (``ns``, ``nq``, ``nw``, ``lens``) are host-side ints
+from the call sizes (``batch_common.RaggedBatchCache``): no per-step device sync, no loop over tokens,
+heads or sequences per step. ``make_mask`` shows each sequence its own rows; ``attend`` runs the single
+cache's ``_quantized_part`` and ``joint_attention`` with that mask. ``nbytes``: the arrays held plus,
+as the single caches, the shared constants where ``counts_constants``.
 """
 
 from __future__ import annotations
@@ -57,12 +27,8 @@ from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitpack import packed_words
 from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from ...primitives.rvq import split_bits
-from ...window import QUANT_BLOCK, SINK_ROWS, joint_attention
+from ...window import QUANT_BLOCK, SINK_ROWS, concat_rows, joint_attention, rows_part
 from .turboquant_rvq import TurboQuantRVQKVCache
-
-_CODE_FIELDS = ("k_codes1", "k_codes2", "k_norms", "v_codes1", "v_codes2", "v_norms")
-_ROW_FIELDS = ("win_k", "win_v", "sink_k", "sink_v")
-
 
 class _BatchCall(NamedTuple):
     """What one ``update_and_fetch`` call attends over: the counts and regions stored before it."""
@@ -82,13 +48,9 @@ class _BatchCall(NamedTuple):
         return max(self.ns, default=0), max(self.nq, default=0), self.past_k.shape[2]
 
 
-def _settings(c) -> tuple:
-    return (c.residual_length, c.key_sub_dim, c.value_sub_dim, c.key_bits, c.value_bits, c.seed)
-
-
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
-         "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")  # rows past a sequence's count are masked
+         "_quantized_tiles", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -105,22 +67,19 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     counts_constants = True
     _shared = TurboQuantRVQKVCache._shared
 
-
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
         self.cap = 0  # code slots allocated
         self._init_counts(batch_size)
 
     # ---------------------------------------------------------------- bookkeeping
-    @property
-    def W(self) -> int:
-        return self.right_width
+    W = property(lambda self: self.right_width)  # the window's columns
 
     def size(self) -> int:
         return max(self.ns, default=0) + max(self.nq, default=0) + self.W
 
     def _settings(self) -> tuple:
-        return _settings(self)
+        return (self.residual_length, self.key_sub_dim, self.value_sub_dim, self.key_bits, self.value_bits, self.seed)
 
     # ---------------------------------------------------------------- allocation
     def _code_widths(self) -> dict:
@@ -155,10 +114,9 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def from_caches(cls, caches) -> "TurboQuantRVQBatchKVCache":
         """Batch of single ``TurboQuantRVQKVCache``s (empty or holding tokens: prompt-cache reuse)."""
         first = caches[0]
-        cls._check_mergeable(caches, _settings, "settings (residual length, sub-vector dims, bits, seed)")
+        cls._check_mergeable(caches, cls._settings, "settings (residual length, sub-vector dims, bits, seed)")
         held = [c for c in caches if c.win_k is not None]
-        shapes = {tuple(c._shape) for c in held}
-        dtypes = {c.win_k.dtype for c in held}
+        shapes, dtypes = {tuple(c._shape) for c in held}, {c.win_k.dtype for c in held}
         if len(shapes) > 1 or len(dtypes) > 1:
             raise BatchingNotSupported(
                 f"turboquant_rvq caches with different head shapes / storage dtypes cannot share a batch: "
@@ -167,28 +125,19 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         out.counts_constants = first.counts_constants
         if not held:
             return out  # nothing stored yet: buffers are allocated by the first update
-        out._shape = shapes.pop()
-        out.dtype_name = held[0].dtype_name
+        out._shape, out.dtype_name = shapes.pop(), held[0].dtype_name
         out._quantizers(out._shape[1], out._shape[2])
-        out.ns = [c.n_sink for c in caches]
-        out.nq = [c.n_quant for c in caches]
-        out.nw = [c.n_win for c in caches]
+        out.ns, out.nq, out.nw = [c.n_sink for c in caches], [c.n_quant for c in caches], [c.n_win for c in caches]
         out.lens = [c.offset for c in caches]
         out.cap, W = max(out.nq), max(out.nw)
         dtype = dtypes.pop()
         ones = []
         for c, s, q, w in zip(caches, out.ns, out.nq, out.nw):  # once per request, not per step
             one = out._alloc(1, dtype, out.cap, W)
-            if c.win_k is not None:
-                for name in out._code_widths():
-                    if q:
-                        one[name][:, :, :q] = getattr(c, name)[:, :, :q]
-                for name in ("sink_k", "sink_v"):
-                    if s:
-                        one[name][:, :, :s] = getattr(c, name)[:, :, :s]
-                for name in ("win_k", "win_v"):
-                    if w:
-                        one[name][:, :, W - w:] = getattr(c, name)[:, :, :w]
+            for names, n, dst in ((list(out._code_widths()), q, slice(0, q)), (("sink_k", "sink_v"), s, slice(0, s)),
+                                  (("win_k", "win_v"), w, slice(W - w, W))):
+                for name in names if n else ():
+                    one[name][:, :, dst] = getattr(c, name)[:, :, :n]
             ones.append(one)
         return out._stack(ones)
 
@@ -196,32 +145,26 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         """Sequence ``idx`` as an ordinary ``TurboQuantRVQKVCache`` (the same state it would hold alone)."""
         idx = int(idx)
         c = TurboQuantRVQKVCache(self.config)
-        c.counts_constants = self.counts_constants
-        c.offset = self.lens[idx]
+        c.counts_constants, c.offset = self.counts_constants, self.lens[idx]
         if self.win_k is None:
             return c
-        s, q, w = self.ns[idx], self.nq[idx], self.nw[idx]
-        c._shape, c.dtype_name = self._shape, self.dtype_name
-        c._kq, c._vq = self._kq, self._vq
-        c.n_sink, c.n_quant, c.n_win = s, q, w
+        c.n_sink, c.n_quant, c.n_win = s, q, w = self.ns[idx], self.nq[idx], self.nw[idx]
+        c._shape, c.dtype_name, c._kq, c._vq = self._shape, self.dtype_name, self._kq, self._vq
         one = slice(idx, idx + 1)
         if q:
             for name in self._code_widths():
                 setattr(c, name, mx.contiguous(getattr(self, name)[one, :, :q]))
         if s:
             c.sink_k, c.sink_v = mx.contiguous(self.sink_k[one]), mx.contiguous(self.sink_v[one])
-        cap, W = w, self.W  # the window's rows only: the single cache grows it when rows arrive
-        for name in ("win_k", "win_v"):
-            rows = getattr(self, name)[one, :, W - w:]
-            setattr(c, name, mx.concatenate(
-                [rows, mx.zeros((1, *rows.shape[1:2], cap - w, rows.shape[3]), dtype=rows.dtype)], axis=2))
+        for name in ("win_k", "win_v"):  # a copy of the window's rows only: the single cache grows it when rows arrive
+            rows = getattr(self, name)[one, :, self.W - w:]
+            setattr(c, name, mx.concatenate([rows, mx.zeros((*rows.shape[:2], 0, rows.shape[3]), dtype=rows.dtype)], 2))
         return c
 
     # ---------------------------------------------------------------- masks
     @staticmethod
     def _visible(N: int, ns, nq, nw, W: int) -> mx.array:
-        """Boolean [B, 1, N, max(ns) + max(nq) + W + N]: per sequence, its sink rows, its code slots,
-        its window rows, and the new rows causally."""
+        """Boolean [B, 1, N, M]: per sequence its sink rows, code slots and window rows, the new rows causally."""
         return visible_mask(N, len(ns), [(max(ns, default=0), ns, "left"), (max(nq, default=0), nq, "left"),
                                          (W, nw, "right")])
 
@@ -235,22 +178,10 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     # ---------------------------------------------------------------- storage
     def _rows(self, S0, qw, sink_k, sink_v, win_k, win_v, dtype, new_k=None, new_v=None):
         """Dense rows in key order: sink rows, dequantized code slots, window, the call's rows."""
-        ks, vs = [], []
-        if S0:
-            ks.append(sink_k[:, :, :S0])
-            vs.append(sink_v[:, :, :S0])
-        if qw:
-            k, v = self._quantized_dense(qw)
-            ks.append(k)
-            vs.append(v)
-        for k, v in ((win_k, win_v), (new_k, new_v)):
-            if k is not None and k.shape[2]:
-                ks.append(k)
-                vs.append(v)
-        if not ks:
-            return None, None
-        return (mx.concatenate([k.astype(dtype) for k in ks], axis=2),
-                mx.concatenate([v.astype(dtype) for v in vs], axis=2))
+        parts = [(sink_k[:, :, :S0], sink_v[:, :, :S0]) if S0 else (None, None),
+                 self._quantized_dense(qw) if qw else (None, None)]
+        parts += [(k, v) if k is not None and k.shape[2] else (None, None) for k, v in ((win_k, win_v), (new_k, new_v))]
+        return concat_rows(parts, dtype) if any(k is not None for k, _ in parts) else (None, None)
 
     def _dense(self):
         return self._rows(max(self.ns, default=0), max(self.nq, default=0), self.sink_k, self.sink_v,
@@ -261,9 +192,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self._quantizers(keys.shape[-1], values.shape[-1])  # constants (and dim checks) up front
         valid = self._begin_call(keys, values)
         S0 = max(self.ns, default=0)
-        call = _BatchCall(list(self.ns), list(self.nq), list(self.nw), self.sink_k[:, :, :S0],
-                          self.sink_v[:, :, :S0], self.win_k, self.win_v, keys, values)
-        self._call = call
+        self._call = call = _BatchCall(list(self.ns), list(self.nq), list(self.nw), self.sink_k[:, :, :S0],
+                                       self.sink_v[:, :, :S0], self.win_k, self.win_v, keys, values)
         self._store(keys, values, valid)
         # stored slots < the pre-call counts are unchanged by _store; the others are masked
         return self._rows(S0, max(call.nq, default=0), call.sink_k, call.sink_v, call.past_k, call.past_v,
@@ -305,8 +235,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self._sync_offset()
 
     def _flush_counts(self, nw) -> list:
-        """Rows each window of ``nw`` rows flushes, as the single cache: whole blocks beyond the newest R
-        rows, once it holds R + ``quant_block``."""
+        """Rows each window of ``nw`` rows flushes, as the single cache (``_compact_blocks``)."""
         R, QB = self.residual_length, self.quant_block
         return [(w - R) // QB * QB if w >= R + QB else 0 for w in nw]
 
@@ -326,11 +255,9 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         N = queries.shape[2]
-        if call is None or call.new_k.shape[2] != N:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        S0, qw, W0 = call.widths
+        S0, qw, W0 = call.widths if call is not None else (0, 0, 0)
         n_keys = S0 + qw + W0 + N
-        if keys.shape[2] != n_keys:
+        if call is None or call.new_k.shape[2] != N or keys.shape[2] != n_keys:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if n_keys == N:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
@@ -340,15 +267,10 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
         qf = q.reshape(B, H, -1, D)
         # exact rows (float16 sink rows and window, the call's own rows) as one group, in key order
-        ks = [a for a in (call.sink_k, call.past_k, call.new_k) if a.shape[2]]
-        vs = [a for a in (call.sink_v, call.past_v, call.new_v) if a.shape[2]]
-        ek = mx.concatenate([k.astype(mx.float32) for k in ks], axis=2)
-        ev = mx.concatenate([v.astype(mx.float32) for v in vs], axis=2)
-        parts = []
-        if qw:
-            scores, value_fn = self._quantized_part(qf, qw)
-            parts.append((scores, value_fn, ((S0, S0 + qw),)))
-        parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, S0), (S0 + qw, n_keys))))
+        ek, ev = concat_rows(((call.sink_k, call.sink_v), (call.past_k, call.past_v), (call.new_k, call.new_v)),
+                             mx.float32)
+        parts = [(*self._quantized_part(qf, qw), ((S0, S0 + qw),))] if qw else []
+        parts.append(rows_part(qf, ek, ev, ((0, S0), (S0 + qw, n_keys))))
         m = bool_mask(self._visible(N, call.ns, call.nq, call.nw, W0), N, n_keys, H)  # [B, 1, 1, N, M]
         if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == (N, n_keys):
             m = m & bool_mask(mask, N, n_keys, H)  # a caller's extra array mask (ours is already in m)
@@ -356,8 +278,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence as the single cache does: window rows, then
-        the newest codes, then sink rows."""
+        """Drop the ``n`` newest tokens of every sequence as the single cache does (window, codes, sinks)."""
         n = int(n)
         if n <= 0 or not self.lens:
             return 0

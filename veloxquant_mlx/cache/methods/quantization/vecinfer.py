@@ -1,9 +1,6 @@
 """VecInfer (Yao, Yang, Tong, Lin, Liu, Luan, Wang, "VecInfer: Efficient LLM Inference with Low-Bit KV Cache
-via Outlier-Suppressed Vector Quantization", arXiv 2510.06175).
-
-Paper: the keys' outlier channels waste a k-means codebook, so VecInfer suppresses them (per-channel smoothing
-scale + Hadamard rotation), product-quantizes the near-isotropic result and computes attention from the codes
-with a per-query lookup table.
+via Outlier-Suppressed Vector Quantization", arXiv 2510.06175): key outlier channels are suppressed (per-channel
+smoothing + Hadamard rotation), the result product-quantized, attention computed from per-query lookup tables.
 
 Here (on KIVI's float16 residual, whole 32-token blocks encoded): keys ``k' = (k / s) @ R`` (``R`` a seeded
 randomized Hadamard, Haar-random orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim sub-vectors,
@@ -37,8 +34,8 @@ import numpy as np
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.buffers import grow_rows
 from ...primitives import bitpack
+from ...primitives.buffers import grow_rows
 from ...primitives.vq import fit_codebook, pack_codes, unpack_codes, vq_assign  # noqa: F401 (a2ats, tests)
 from ...primitives.rotation import random_orthogonal, randomized_hadamard
 from .kivi import KIVIKVCache
@@ -82,7 +79,6 @@ class VecInferKVCache(KIVIKVCache):
 
     array_fields = ("k_lo", "k_hi", "v_lo", "v_hi", "key_cb", "val_cb", "smooth", "res_k", "res_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "calib_tokens")
-
     dequant_only = "vector-quantized codes"
     calib_tokens = 0  # encoded tokens the fitted statistics were computed from (0: none fitted)
 
@@ -111,9 +107,8 @@ class VecInferKVCache(KIVIKVCache):
 
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
         """Before calibration, rows wait in the float16 residual until their codes plus the codebooks and
-        smoothing factors to be fitted take fewer bytes than the rows (a 40-token chat holds its rows, not
-        36 KiB of codebooks per layer); then every complete block calibrates and is encoded at once. Checks
-        the sub-vector dims against the real head dims."""
+        smoothing factors to fit take fewer bytes than the rows (a 40-token chat holds its rows, not 36 KiB of
+        codebooks per layer). Checks the sub-vector dims against the real head dims."""
         for field, sub, dim in (("key_sub_dim", self.ks, d), ("value_sub_dim", self.vs, dv)):
             if dim % sub:
                 raise QuantizerConfigError(field, sub, f"a divisor of the {field[:-8]} head dim {dim}")
@@ -129,8 +124,7 @@ class VecInferKVCache(KIVIKVCache):
         return encoded >= (total + max(16, total // 8)) * fp16
 
     def _rot(self, d: int) -> mx.array:
-        seed = int(self.config.seed)
-        return randomized_hadamard(d, seed) if d & (d - 1) == 0 else random_orthogonal(d, seed)
+        return (randomized_hadamard if d & (d - 1) == 0 else random_orthogonal)(d, int(self.config.seed))
 
     def _calibrate(self, kb: mx.array, vb: mx.array) -> None:
         B, H, n, D = kb.shape
@@ -161,9 +155,7 @@ class VecInferKVCache(KIVIKVCache):
         return (k32 / self.smooth[None, :, None, :]) @ self._rot(k32.shape[-1])
 
     def _encode(self, x: mx.array, cb: mx.array, sub: int) -> mx.array:
-        B, H, n, D = x.shape
-        codes = vq_assign(_to_head_rows(x, cb.shape[0], sub), cb)
-        return _from_head_rows(codes, (B, H, n, D // sub))
+        return _from_head_rows(vq_assign(_to_head_rows(x, cb.shape[0], sub), cb), (*x.shape[:3], x.shape[3] // sub))
 
     def _append_groups(self, kb, vb):
         if self.key_cb is None:
@@ -209,8 +201,7 @@ class VecInferKVCache(KIVIKVCache):
         return bool(o.fused_sdpa) and within and (N > 1 or bool(o.fused_sdpa_memory_bound))
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """Every call size on the codes (``_attend_codes``), unless nothing is encoded yet or the fused
-        sdpa path over the decoded rows is chosen (``_fused``)."""
+        """Every call size on the codes, unless nothing is encoded yet or the fused sdpa path is chosen."""
         if call[0] == 0 or self._fused(queries.shape[2], keys.shape[2]):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
@@ -238,10 +229,8 @@ class VecInferKVCache(KIVIKVCache):
 
     def _code_nbytes(self, B, H, D, Dv) -> int:
         """Codes of the encoded tokens (whole packed words), codebooks and smoothing factors."""
-        per = 0
-        for lo, hi, m, bits in ((self.k_lo, self.k_hi, D // self.ks, self.kbits),
-                                (self.v_lo, self.v_hi, Dv // self.vs, self.vbits)):
-            if lo is not None:
-                per += bitpack.packed_nbytes(m, min(bits, 8)) + (bitpack.packed_nbytes(m, bits - 8) if bits > 8 else 0)
+        per = sum(bitpack.packed_nbytes(m, min(bits, 8)) + (bitpack.packed_nbytes(m, bits - 8) if bits > 8 else 0)
+                  for lo, m, bits in ((self.k_lo, D // self.ks, self.kbits), (self.v_lo, Dv // self.vs, self.vbits))
+                  if lo is not None)
         fixed = sum(a.nbytes for a in (self.key_cb, self.val_cb, self.smooth) if a is not None)
         return B * H * self.n_quant * per + fixed

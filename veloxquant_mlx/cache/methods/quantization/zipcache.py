@@ -1,18 +1,16 @@
 """ZipCache (He, Zhang, Wu, Liu, Zhou, Zhuang, "ZipCache: Accurate and Efficient KV Cache Quantization with
-Salient Token Identification", NeurIPS 2024, arXiv 2405.14256).
+Salient Token Identification", NeurIPS 2024, arXiv 2405.14256): channel-separable tokenwise quantization (key
+channels divided by sqrt(max |K[:, i]|), then a scale and zero point per token); saliency = *normalized*
+attention (received attention / the number of queries that can see the token, undoing the causal mask's bias
+to early tokens); the most salient tokens at high bits, the rest at low bits.
 
-Paper: (1) channel-separable tokenwise quantization (key channels divided by sqrt(max |K[:, i]|), then one scale
-and zero point per token); (2) the *normalized* attention score as saliency: attention received divided by the
-number of queries that can see the token (undoing the causal mask's bias to early tokens); (3) the most salient
-tokens at high bits, the rest at low bits.
-
-Here: new rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point,
+Here new rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point,
 real queries) adds each query's probability of each pending row to ``sal_sum`` and the number of queries that
 could see it to ``sal_cnt``. At the next call the oldest whole multiples of ``zipcache_group_size`` pending rows
 (a prompt as one block, decode rows a group at a time) are compressed by saliency ``sal_sum / sal_cnt`` (key
 L2 norm without the dispatch point; ``saliency_source`` says which): per KV head the ``zipcache_hi_fraction``
-most salient at ``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, keys divided by ``k_chan`` (from the first
-block), tokenwise codes in a hi and a lo store routed by ``is_hi``; values alike with
+most salient at ``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, keys divided by ``k_chan`` (from the
+first block), tokenwise codes in a hi and a lo store routed by ``is_hi``; values alike with
 ``zipcache_quantize_values``, else float16. Attention is KIVI's one softmax over the two parts.
 
 Deviations:
@@ -44,19 +42,13 @@ _ARR = ("codes", "scales", "biases")
 @register("zipcache")
 class ZipCacheKVCache(KIVIKVCache):
     """ZipCache: saliency-routed (normalized attention) per-token mixed precision."""
-    # blocks follow the calls (the prompt is one block); saliency from the queries seen while
-    # pending; channel factors from the first block
-    chunk_invariant = False
-    # raises ValueError once the trimmed rows reach compressed ones; the trimmed queries stay in the
-    # pending rows' saliency
-    exact_trim = False
+    chunk_invariant = False  # blocks follow the calls; saliency from the queries seen while pending
+    exact_trim = False  # raises past the pending rows; the trimmed queries stay in the pending rows' saliency
     trim_exact_or_raises = False
-
     array_fields = tuple(f"{s}_{a}" for s in ("kh", "kl", "vh", "vl") for a in _ARR) + (
         "is_hi", "k_chan", "v_fp", "res_k", "res_v", "sal_sum", "sal_cnt")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "n_hi", "n_scored", "saliency_source")
     dequant_only = "two code widths routed per token"
-
     n_hi = 0  # compressed tokens at hi bits (per head)
     n_scored = 0  # pending rows (from the front) whose saliency has real-attention contributions
     saliency_source = "none"
@@ -137,12 +129,10 @@ class ZipCacheKVCache(KIVIKVCache):
         self.n_res = r + N
 
     def _dequant_rows(self, pre, bits, n, dtype):
-        codes = getattr(self, f"{pre}_codes")
-        if codes is None or n == 0:
+        if getattr(self, f"{pre}_codes") is None or n == 0:
             return None
         width = (self.res_k if pre[0] == "k" else self.res_v).shape[-1]
-        return gq.dequantize(codes[:, :, :n], getattr(self, f"{pre}_scales")[:, :, :n],
-                             getattr(self, f"{pre}_biases")[:, :, :n], bits, width, dtype)
+        return gq.dequantize(*(getattr(self, f"{pre}_{a}")[:, :, :n] for a in _ARR), bits, width, dtype)
 
     def _route(self, side, n, dtype):
         """Rows of the first ``n`` compressed tokens in position order from the hi / lo stores."""
@@ -150,11 +140,9 @@ class ZipCacheKVCache(KIVIKVCache):
         lo = self._dequant_rows(side + "l", self.lo_bits, self.n_lo, dtype)
         if hi is None or lo is None:
             return lo if hi is None else hi
-        flag = self.is_hi[:, :, :n]  # [B, H, n, 1]
-        fi = flag.astype(mx.int32)
-        ih = mx.maximum(mx.cumsum(fi, axis=2) - 1, 0)
-        il = mx.maximum(mx.cumsum(1 - fi, axis=2) - 1, 0)
-        return mx.where(flag > 0, mx.take_along_axis(hi, ih, axis=2), mx.take_along_axis(lo, il, axis=2))
+        fi = self.is_hi[:, :, :n].astype(mx.int32)  # [B, H, n, 1]
+        ih, il = (mx.maximum(mx.cumsum(f, axis=2) - 1, 0) for f in (fi, 1 - fi))
+        return mx.where(fi > 0, mx.take_along_axis(hi, ih, axis=2), mx.take_along_axis(lo, il, axis=2))
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         return (self._route("k", n, mx.float32) * self.k_chan.astype(mx.float32)).astype(dtype).swapaxes(-1, -2)
@@ -179,10 +167,8 @@ class ZipCacheKVCache(KIVIKVCache):
         else:
             visible = None if mask is None else bool_mask(mask, N, q0 + P, H)[..., q0:]
         contrib = p_f.sum(axis=(2, 3))  # [B, H, P]: probability mass, divided later by the viewer count
-        if visible is None:
-            cnt = mx.full((1, 1, P), float(Hq // H * N))
-        else:
-            cnt = mx.broadcast_to(visible, p_f.shape).astype(mx.float32).sum(axis=(2, 3))
+        cnt = mx.full((1, 1, P), float(Hq // H * N)) if visible is None else \
+            mx.broadcast_to(visible, p_f.shape).astype(mx.float32).sum(axis=(2, 3))
         self.sal_sum[:, :, :P] = self.sal_sum[:, :, :P] + contrib[..., None]
         self.sal_cnt[:, :, :P] = self.sal_cnt[:, :, :P] + mx.broadcast_to(cnt, contrib.shape)[..., None]
         self.n_scored = P
