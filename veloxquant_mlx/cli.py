@@ -94,7 +94,8 @@ def _cmd_generate(args) -> int:
     progress = Progress(enabled=not args.json and rank0)
     progress.stage("loading model")
     model, tokenizer = load_model(args.model)
-    shard_model(model, group)  # with mlx.launch, each rank: its share of the heads and the cache of its KV heads
+    if group.size() > 1:  # each rank: its share of the heads, and the compressed cache of its own KV heads
+        shard_model(model, group)
     caches = make_caches(model, method, config)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens, then up to {args.max_tokens} new tokens")
