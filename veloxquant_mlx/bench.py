@@ -275,20 +275,21 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     mx.clear_cache()  # as mlx_lm's generate_step after the prompt: decode does not reuse prefill-sized buffers
     tokens, steps = [tok], []
     ts = time.perf_counter()
-    nxt = step(tok)
-    mx.async_eval(nxt)
+    nxt = step(tok) if decode_tokens else None
+    if nxt is not None:
+        mx.async_eval(nxt)
     for i in range(decode_tokens):
-        cur = nxt
+        tok = nxt
         if i + 1 < decode_tokens:
-            nxt = step(cur)
+            nxt = step(tok)
             mx.async_eval(nxt)
-        mx.eval(cur)
+        mx.eval(tok)
         now = time.perf_counter()
         steps.append(now - ts)
         ts = now
-        tokens.append(cur)
+        tokens.append(tok)
     tokens = mx.stack(tokens, axis=1).tolist()  # held as Python ints: not in the resident figure below
-    del tok, cur, nxt
+    del tok, nxt
     mx.eval([c.state for c in caches])
     mx.synchronize()
     resident = mx.get_active_memory() - base

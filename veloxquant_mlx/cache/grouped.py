@@ -182,8 +182,8 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _quantized_rows(self, n: int):
         """Dense (K, V) of the first ``n`` quantized tokens; on the decode kernels' backend their lazy
-        graph is reused between group completions while the dispatch point is installed (the model's
-        attention then never evaluates them: see ``kernels._common.RowsMemo``)."""
+        graph is reused between group completions on decode steps that go to a kernel (the model's attention
+        then never evaluates them: ``kernels.keeps_rows``, ``kernels._common.RowsMemo``)."""
         if not self._own_layout():  # a variant storing other arrays: no memo
             return self._keys_t(n).swapaxes(-1, -2), self._values(n)
         memo = self.__dict__.get("_dense_memo")
