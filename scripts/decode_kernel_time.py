@@ -1,6 +1,6 @@
 """Time of the fused decode kernels alone (partials + merge, ten layers' worth in one evaluation) for KIVI's and
 waterfill's layouts against MLX's fused attention over the same rows in float16, on MLX's CUDA backend;
-with ``--old-kernels DIR`` also earlier versions of the kernel modules (``DIR/kivi.py``, ``DIR/waterfill.py``,
+with ``--old-kernels DIR`` also an earlier version of the kernels package (``DIR/__init__.py``, ``_common.py``, ...,
 e.g. from ``git show REV:veloxquant_mlx/cache/kernels/kivi.py``), checked against the current ones; with
 ``--host`` also the host time to build each row's graph (no evaluation).
 
@@ -10,6 +10,7 @@ e.g. from ``git show REV:veloxquant_mlx/cache/kernels/kivi.py``), checked agains
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 import time
@@ -30,17 +31,16 @@ CHUNK = 4096
 
 
 def load_old(folder: str) -> dict:
-    """Earlier kernel modules as siblings of the current ones, their CUDA kernels renamed (both get built)."""
-    mods = {}
-    for name in ("kivi", "waterfill"):
-        src = (Path(folder) / f"{name}.py").read_text()
-        src = src.replace(f'"vq_{name}_decode"', f'"vq_{name}_decode_old"')
-        spec = importlib.util.spec_from_loader(f"veloxquant_mlx.cache.kernels.{name}_old", loader=None)
-        mod = importlib.util.module_from_spec(spec)
-        mod.__package__ = "veloxquant_mlx.cache.kernels"
-        exec(compile(src, f"{folder}/{name}.py", "exec"), mod.__dict__)
-        mods[name] = mod
-    return mods
+    """An earlier version of the kernels package (``DIR/__init__.py``, ``_common.py``, ``kivi.py``, ``waterfill.py``,
+    e.g. from ``git show REV:veloxquant_mlx/cache/kernels/NAME.py``), loaded beside the current one."""
+    name = "veloxquant_mlx.cache.kernels_old"
+    spec = importlib.util.spec_from_file_location(name, Path(folder) / "__init__.py",
+                                                  submodule_search_locations=[folder])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    spec.loader.exec_module(pkg)
+    mods = {n: importlib.import_module(f"{name}.{n}") for n in ("kivi", "waterfill")}
+    return {**mods, "merge": pkg.merge_kernel}
 
 
 def timed(f, reps: int = 20) -> float:
@@ -85,16 +85,16 @@ def kernels_for(T: int, H: int, R: int, D: int, bits: int, old: dict | None):
     kex = (kv.res_k, kv.res_v, kv.n_res, kv.res_k, kv.res_v, 0, nk, nv)
     wex = (wf.sink_k, wf.sink_v, wf.n_sink, wf.win_k, wf.win_v, wf.n_win, nk, nv)
 
-    def kivi(mod=kivi_k):
+    def kivi(mod=kivi_k, merge=kpkg.merge_kernel):
         m, l, acc = mod.kivi_partials(one_q, D**-0.5, kv.k_codes, kv.k_scales, kv.k_biases, kv.v_codes, kv.v_scales,
                                       kv.v_biases, kv.n_quant, kv.qbits, kv.group, kv.value_group(D), kex)
-        return kpkg.merge_kernel(m, l, acc, None, hadamard=False, out_dtype=one_q.dtype)
+        return merge(m, l, acc, None, hadamard=False, out_dtype=one_q.dtype)
 
-    def waterfill(mod=wf_k):
+    def waterfill(mod=wf_k, merge=kpkg.merge_kernel):
         ktab, lo, st, rope, vpoly = wf_k.cache_constants(wf)
         m, l, acc = mod.waterfill_partials(one_q, D**-0.5, wf.k_words, ktab, lo, st, rope, wf.v_words, wf.v_scales,
                                            vpoly, wf.n_quant, wf.n_sink, wf.bit_width, D, wex)
-        return kpkg.merge_kernel(m, l, acc, None, hadamard=True, out_dtype=one_q.dtype)
+        return merge(m, l, acc, None, hadamard=True, out_dtype=one_q.dtype)
 
     rows = {"fused sdpa, float16 rows": lambda: [mx.fast.scaled_dot_product_attention(one_q, k, v, scale=D**-0.5)
                                                  for _ in range(10)],
@@ -102,11 +102,12 @@ def kernels_for(T: int, H: int, R: int, D: int, bits: int, old: dict | None):
             "waterfill kernel": lambda: [waterfill() for _ in range(10)]}
     if old:
         for name, f in (("kivi", kivi), ("waterfill", waterfill)):
-            a, b = f(), f(old[name])
+            a, b = f(), f(old[name], old["merge"])
             rel = (mx.linalg.norm((a - b).astype(mx.float32)) / mx.linalg.norm(a.astype(mx.float32))).item()
             print(f"  {name}: current vs previous kernel, relative L2 difference {rel:.2e}")
-        rows["kivi kernel, previous version"] = lambda: [kivi(old["kivi"]) for _ in range(10)]
-        rows["waterfill kernel, previous version"] = lambda: [waterfill(old["waterfill"]) for _ in range(10)]
+        rows["kivi kernel, previous version"] = lambda: [kivi(old["kivi"], old["merge"]) for _ in range(10)]
+        rows["waterfill kernel, previous version"] = lambda: [waterfill(old["waterfill"], old["merge"])
+                                                              for _ in range(10)]
     return rows
 
 

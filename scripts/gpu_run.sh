@@ -1,5 +1,5 @@
 #!/bin/bash
-# The H200 runs of session 6 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
+# The H200 runs of sessions 6-8 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
 # `bash scripts/gpu_run.sh install ktest bench2` (stages below) with `.gpu/b` carried; outputs land in $OUT.
 set -x
 export PYTHONPATH=/root/site:$PWD
@@ -15,18 +15,18 @@ for cmd in "$@"; do
   case "$cmd" in
   ktest) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel" > $OUT/ktest.txt 2>&1; tail -25 $OUT/ktest.txt ;;
   kquick) timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel_equals or take_the_kernels or decoding_of_the_codes" > $OUT/kquick.txt 2>&1; tail -5 $OUT/kquick.txt ;;
-  ktime) timeout 130 python3 scripts/decode_kernel_time.py --context 8192,32768,131072 --old-kernels .gpu/old > $OUT/decode_kernel_time.txt 2>&1; cat $OUT/decode_kernel_time.txt ;;
+  ktime) timeout 200 python3 scripts/decode_kernel_time.py --context 8192,32768,131072 --old-kernels .gpu/old --host > $OUT/decode_kernel_time.txt 2>&1; cat $OUT/decode_kernel_time.txt ;;
   benchk) timeout 400 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 2 --decode-tokens 16 --baselines none --isolate --json > $OUT/bench_kivi.json; tail -c 3000 $OUT/bench_kivi.json ;;
   cost) for m in kivi waterfill; do for T in 8192 32768; do timeout 200 python3 scripts/decode_step_cost.py --method $m --context $T; timeout 200 python3 scripts/decode_step_cost.py --method $m --context $T --reuse-meta; done; done > $OUT/cost.txt 2>&1; cat $OUT/cost.txt ;;
   hd) (timeout 250 python3 scripts/decode_host_device.py --context 8192 --method kivi --profile; timeout 200 python3 scripts/decode_host_device.py --context 32768 --method kivi; timeout 200 python3 scripts/decode_host_device.py --context 8192 --method waterfill --profile) > $OUT/hd.txt 2>&1; grep -v "^ *[0-9].*{built-in\|^$" $OUT/hd.txt | head -120 ;;
-  bench1) timeout 270 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 1 --decode-tokens 16 --baselines none --isolate --json > $OUT/h200_bench_2026-12-01_s7.json 2> $OUT/bench1.err; tail -3 $OUT/bench1.err; python3 -c "
+  bench1) timeout 270 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 1 --decode-tokens 16 --baselines none --isolate --json > $OUT/h200_bench.json 2> $OUT/bench1.err; tail -3 $OUT/bench1.err; python3 -c "
 import json,sys; rows=json.load(open(sys.argv[1]))
-for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, round(r['decode_tps']['median'],1))" $OUT/h200_bench_2026-12-01_s7.json ;;
-  bench2) timeout 560 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 2 --decode-tokens 16 --baselines none --isolate --json > $OUT/h200_bench_2026-12-01_s7.json 2> $OUT/bench2.err; tail -5 $OUT/bench2.err; python3 -c "
+for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, round(r['decode_tps']['median'],1))" $OUT/h200_bench.json ;;
+  bench2) timeout 560 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 2 --decode-tokens 16 --baselines none --isolate --json > $OUT/h200_bench.json 2> $OUT/bench2.err; tail -5 $OUT/bench2.err; python3 -c "
 import json,sys; rows=json.load(open(sys.argv[1]))
-for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, round(r['decode_tps']['median'],1))" $OUT/h200_bench_2026-12-01_s7.json ;;
-  bench128) timeout 580 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context 131072 --repeats 1 --decode-tokens 8 --baselines none --isolate --timeout 280 --json > $OUT/h200_bench_128k_2026-12-01_s6.json 2> $OUT/bench128.err; tail -5 $OUT/bench128.err; python3 -c "
+for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, round(r['decode_tps']['median'],1))" $OUT/h200_bench.json ;;
+  bench128) timeout 580 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context 131072 --repeats 1 --decode-tokens 8 --baselines none --isolate --timeout 280 --json > $OUT/h200_bench_128k.json 2> $OUT/bench128.err; tail -5 $OUT/bench128.err; python3 -c "
 import json,sys; rows=json.load(open(sys.argv[1]))
-for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, r['decode_tps'], r['prefill_s'])" $OUT/h200_bench_128k_2026-12-01_s6.json ;;
+for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, r['decode_tps'], r['prefill_s'])" $OUT/h200_bench_128k.json ;;
   esac
 done

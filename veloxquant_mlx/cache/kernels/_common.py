@@ -9,33 +9,13 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "cuda_kernel", "PRELUDE",
-           "WARPS", "disable", "checked_call", "scale_array"]
+from ._compile import Kernel
+
+__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "WARPS", "disable", "checked_call"]
 
 WARPS = 4  # warps per block
 TOKENS_PER_WARP = 64  # the split count aims at about this many tokens per warp
 MAX_SPLITS = 512
-
-# The thin macro layer: kernel bodies use only these names for the backend's primitives (CUDA here).
-PRELUDE = r"""
-#define VQ_FULL 0xffffffffu
-#define VQ_INF __int_as_float(0x7f800000)
-#define VQ_LANE ((int)(threadIdx.x & 31))
-#define VQ_WARP ((int)(threadIdx.x >> 5))
-#define VQ_NTHREADS ((int)blockDim.x)
-#define VQ_TID ((int)threadIdx.x)
-#define VQ_BLOCK_X ((int)blockIdx.x)
-#define VQ_BLOCK_Y ((int)blockIdx.y)
-#define VQ_GRID_Y ((int)gridDim.y)
-#define VQ_SHFL(v, src) __shfl_sync(VQ_FULL, (v), (src))
-#define VQ_SHFL_XOR(v, m) __shfl_xor_sync(VQ_FULL, (v), (m))
-#define VQ_SHARED __shared__
-#define VQ_SYNC() __syncthreads()
-#define VQ_SYNCWARP() __syncwarp()
-#define VQ_EXP(x) __expf(x)
-#define VQ_F(x) static_cast<float>(x)
-typedef unsigned int vq_u32;
-"""
 
 SELF_CHECK_TOL = 2e-2  # first-use check of a kernel against the op path: relative L2 error
 _disabled: set[str] = set()  # kernels turned off in this process (failed to build/run, or mismatched)
@@ -131,18 +111,6 @@ class RowsMemo:
         return RowsMemo()
 
 
-_KERNELS: dict[str, object] = {}
-
-
-def cuda_kernel(name: str, inputs: list[str], outputs: list[str], source: str, header: str = ""):
-    """The ``mx.fast.cuda_kernel`` for ``name`` (built once per process)."""
-    k = _KERNELS.get(name)
-    if k is None:
-        k = _KERNELS[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                                 source=source, header=PRELUDE + header)
-    return k
-
-
 def merge_partials(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array] = None,
                    rotate: Optional[Callable[[mx.array], mx.array]] = None) -> mx.array:
     """One softmax over a decode kernel's split-K partials (MLX ops: the reference of
@@ -174,8 +142,6 @@ def merge_partials(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.a
 _MERGE_SOURCE = r"""
   const int qh = VQ_BLOCK_X;
   const int c = VQ_TID;
-  const int S1 = pm_shape[3];
-  const int HQ = pm_shape[1] * pm_shape[2];
   const float* m = pm + (size_t)qh * S1;
   const float* l = pl + (size_t)qh * S1;
   float M = -VQ_INF;
@@ -202,44 +168,22 @@ _MERGE_SOURCE = r"""
     }
     Aq = buf[c] * rsqrtf((float)DV);
   }
-  out[(size_t)qh * DV + c] = static_cast<OT>((Aq + Ae) / L);
+  vq_store(out + (size_t)qh * DV + c, (Aq + Ae) / L);
 """
+
+
+_MERGE = Kernel("vq_decode_merge", ["pm", "pl", "pa", "sk"], ["out"], [("S1", "int"), ("HQ", "int")], _MERGE_SOURCE)
 
 
 def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array], hadamard: bool,
                  out_dtype) -> mx.array:
     """:func:`merge_partials` in one CUDA launch, the rotation (when ``hadamard``) a fast Walsh-Hadamard
     transform in shared memory; returns [B, H * R, 1, Dv] in ``out_dtype`` (mlx_lm's layout)."""
-    B, H, R, _, dv = acc.shape
-    kern = cuda_kernel("vq_decode_merge", ["pm", "pl", "pa", "sk"], ["out"], _MERGE_SOURCE)
-    sk = sinks if sinks is not None else _zero()
-    (out,) = kern(inputs=[m, l, acc, sk], template=[("DV", dv), ("HAS_SINK", sinks is not None),
-                                                    ("ROT", bool(hadamard)), ("OT", out_dtype),
-                                                    ("SKT", sk.dtype)],
-                  grid=(dv * B * H * R, 1, 1), threadgroup=(dv, 1, 1), output_shapes=[(B, H * R, 1, dv)],
-                  output_dtypes=[out_dtype])
+    B, H, R, S1, dv = acc.shape
+    sk = sinks if sinks is not None else m  # any array: not read without sinks
+    (out,) = _MERGE([m, l, acc, sk], [S1, H * R], (("DV", dv), ("HAS_SINK", sinks is not None), ("ROT", hadamard)),
+                    [(B, H * R, 1, dv)], [out_dtype], grid=(dv * B * H * R, 1, 1), threads=(dv, 1, 1))
     return out
-
-
-_ZERO: list = []
-
-
-def _zero() -> mx.array:
-    if not _ZERO:
-        _ZERO.append(mx.zeros((1,), dtype=mx.float32))
-    return _ZERO[0]
-
-
-_SCALES: dict = {}
-
-
-def scale_array(scale: float) -> mx.array:
-    """A float32 ``[1]`` array holding ``scale`` (one per distinct value and process)."""
-    a = _SCALES.get(float(scale))
-    if a is None:
-        a = _SCALES[float(scale)] = mx.array([float(scale)], dtype=mx.float32)
-        mx.eval(a)
-    return a
 
 
 # The exact rows of a decode step (float rows any dtype: e0 rows of x0, e1 rows of x1, then the new
@@ -247,7 +191,6 @@ def scale_array(scale: float) -> mx.array:
 # domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
 EXACT_ROWS = r"""
     const int E = e0 + e1 + 1;
-    const int T0 = ek0_shape[2], T1 = ek1_shape[2];
     for (int e = warp; e < E; e += NW) {
       float part[REP];
 #pragma unroll
@@ -288,11 +231,13 @@ EXACT_ROWS = r"""
 """
 
 EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
+EXACT_SCALARS = [("e0", "int"), ("e1", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
 
 
-def exact_template(arrays) -> list:
-    """Template dtype arguments naming the exact rows' dtypes (so each dtype mix compiles its own kernel)."""
-    return [(f"X{i}T", a.dtype) for i, a in enumerate(arrays)]
+def exact_args(exact) -> tuple[list, list]:
+    """The arrays and scalars of ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v) for EXACT_ROWS."""
+    k0, v0, e0, k1, v1, e1, nk, nv = exact
+    return [k0, v0, k1, v1, nk, nv], [int(e0), int(e1), k0.shape[2], k1.shape[2]]
 
 
 # The end of every decode kernel: each warp puts (m, l, acc) of its tokens into shared memory (``sm_m``,
@@ -342,12 +287,11 @@ BLOCK_MERGE = BLOCK_SHARED + LANE_STORE + BLOCK_JOIN
 OUTPUTS = ["out_m", "out_l", "out_acc"]
 
 
-def launch(kernel, inputs: list, template: list, B: int, H: int, R: int, S: int, dv: int, warps: int = WARPS):
+def launch(kernel: Kernel, arrays: list, scalars: list, consts: tuple, B: int, H: int, R: int, S: int, dv: int,
+           warps: int = WARPS):
     """Run a decode kernel: one block of ``WARPS`` warps per (batch row, KV head) and split, plus one
     block per (batch row, KV head) for the exact rows; partials [B, H, R, S + 1] (and ``acc`` [.., Dv])."""
     S1 = S + 1
-    m, l, acc = kernel(inputs=inputs, template=template + [("NW", warps), ("REP", R), ("DV", dv)],
-                       grid=(32 * warps * B * H, S1, 1), threadgroup=(32 * warps, 1, 1),
-                       output_shapes=[(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
-                       output_dtypes=[mx.float32, mx.float32, mx.float32])
-    return m, l, acc
+    return kernel(arrays, scalars, consts + (("NW", warps), ("REP", R), ("DV", dv)),
+                  [(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)], [mx.float32] * 3,
+                  grid=(32 * warps * B * H, S1, 1), threads=(32 * warps, 1, 1))

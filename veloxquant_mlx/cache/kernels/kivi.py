@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_INPUTS, EXACT_ROWS, LANE_STORE, MAX_SPLITS, OUTPUTS, WARPS,
-                      cuda_kernel, exact_template, launch, scale_array)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, LANE_STORE, MAX_SPLITS,
+                      OUTPUTS, WARPS, exact_args, launch)
+from ._compile import Kernel
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS"]
 
@@ -31,14 +32,6 @@ TILE_WORDS = 8  # key words per channel in a warp's tile; 32 / TILE_WORDS channe
 BLOCKS = 1024  # grid size past which splits take several tiles (a few blocks per SM on an H200)
 
 _SOURCE = r"""
-  const int n = meta[0];
-  const int e0 = meta[1];
-  const int e1 = meta[2];
-  const float scale = fs[0];
-  const int CK = kc_shape[3];
-  const int GK = ks_shape[3];
-  const int TV = vc_shape[2];
-  const int NG = vsc_shape[3];
   const int bh = VQ_BLOCK_X;
   const int s = VQ_BLOCK_Y;
   const int S1 = VQ_GRID_Y;
@@ -181,7 +174,10 @@ _SOURCE = r"""
   }
 """ + BLOCK_JOIN
 
-_INPUTS = ["q", "fs", "kc", "ks", "kb", "vc", "vsc", "vbi", "meta"] + EXACT_INPUTS
+# CK / GK: key words / groups per channel row; TV: value rows; NG: value groups per row (buffer capacities)
+_KERNEL = Kernel("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"] + EXACT_INPUTS, OUTPUTS,
+                 [("n", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int")]
+                 + EXACT_SCALARS, _SOURCE)
 
 
 def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int = 1) -> bool:
@@ -209,11 +205,9 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     tiles = -(-n // (TILE_WORDS * (32 // bits)))
     # one tile per warp while the grid stays under ~BLOCKS blocks; past that, warps take several tiles
     S = max(1, min(MAX_SPLITS, -(-tiles // WARPS), -(-BLOCKS // (B * H))))
-    k0, v0, e0, k1, v1, e1, nk, nv = exact
-    kern = cuda_kernel("vq_kivi_decode", _INPUTS, OUTPUTS, _SOURCE)
-    meta = mx.array([n, e0, e1], dtype=mx.int32)
-    arrays = [k0, v0, k1, v1, nk, nv]
-    return launch(kern, [queries, scale_array(scale), k_codes, k_scales, k_biases, v_codes, v_scales, v_biases,
-                         meta, *arrays],
-                  [("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
-                   ("TW", TILE_WORDS), ("QT", queries.dtype)] + exact_template(arrays), B, H, Hq // H, S, dv)
+    arrays, scalars = exact_args(exact)
+    return launch(_KERNEL, [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
+                  [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
+                   *scalars],
+                  (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
+                   ("TW", TILE_WORDS)), B, H, Hq // H, S, dv)

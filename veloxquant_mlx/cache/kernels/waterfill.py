@@ -19,23 +19,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import (BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, OUTPUTS, cuda_kernel, exact_template, launch,
-                      scale_array, split_count)
+from ._common import BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, OUTPUTS, exact_args, launch, split_count
+from ._compile import Kernel
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
 __all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "decode_attend"]
 
 _SOURCE = r"""
-  const int n = meta[0];
-  const int pos0 = meta[1];
-  const int e0 = meta[2];
-  const int e1 = meta[3];
-  const float scale = fs[0];
-  const int H = kw_shape[1];
-  const int TK = kw_shape[2];
-  const int TV = vw_shape[2];
-  const int TS = vs_shape[2];
   const int bh = VQ_BLOCK_X;
   const int h = bh % H;
   const int s = VQ_BLOCK_Y;
@@ -151,7 +142,10 @@ _SOURCE = r"""
   }
 """ + BLOCK_MERGE
 
-_INPUTS = ["q", "fs", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly", "meta"] + EXACT_INPUTS
+# H: KV heads; TK / TV / TS: rows of the key words, value words and value scales buffers (capacities)
+_KERNEL = Kernel("vq_waterfill_decode", ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly"]
+                 + EXACT_INPUTS, OUTPUTS, [("n", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"),
+                                           ("TK", "int"), ("TV", "int"), ("TS", "int")] + EXACT_SCALARS, _SOURCE)
 
 
 def supported(d: int, dv: int, key_words: int, value_words: int) -> bool:
@@ -203,15 +197,11 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     H = k_words.shape[1]
     WK, WV = k_words.shape[-1], v_words.shape[-1]
     S = split_count(n)
-    k0, v0, e0, k1, v1, e1, nk, nv = exact
-    kern = cuda_kernel("vq_waterfill_decode", _INPUTS, OUTPUTS, _SOURCE)
-    meta = mx.array([n, pos0, e0, e1], dtype=mx.int32)
     rw, rp, rs = rope
-    arrays = [k0, v0, k1, v1, nk, nv]
-    return launch(kern, [queries, scale_array(scale), k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales,
-                         vpoly, meta, *arrays],
-                  [("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH), ("QT", queries.dtype)]
-                  + exact_template(arrays), B, H, Hq // H, S, dv)
+    arrays, scalars = exact_args(exact)
+    return launch(_KERNEL, [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
+                  [int(n), int(pos0), float(scale), H, k_words.shape[2], v_words.shape[2], v_scales.shape[2], *scalars],
+                  (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)), B, H, Hq // H, S, dv)
 
 
 def cache_constants(c):

@@ -1,0 +1,156 @@
+"""Build and launch the decode kernels: each body is compiled once per variant (its constants and its
+arrays' dtypes) with NVRTC, the CUDA runtime compiler that MLX's CUDA backend already loads, and run with
+``mx.fast.precompiled_cuda_kernel``. A call then builds no source string (``mx.fast.cuda_kernel`` writes
+the whole kernel source on every call: 25-65 us of host time per launch, measured on the H200) and the
+step's counts travel as scalar arguments, not as a small array copied to the device each step."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+
+import mlx.core as mx
+
+__all__ = ["PRELUDE", "CTYPES", "Kernel", "render", "compile_binary"]
+
+# The thin macro layer: kernel bodies use only these names for the backend's primitives (CUDA here), and
+# no header: half and bfloat16 are read and written through their bits.
+PRELUDE = r"""
+#define VQ_FULL 0xffffffffu
+#define VQ_INF __int_as_float(0x7f800000)
+#define VQ_LANE ((int)(threadIdx.x & 31))
+#define VQ_WARP ((int)(threadIdx.x >> 5))
+#define VQ_NTHREADS ((int)blockDim.x)
+#define VQ_TID ((int)threadIdx.x)
+#define VQ_BLOCK_X ((int)blockIdx.x)
+#define VQ_BLOCK_Y ((int)blockIdx.y)
+#define VQ_GRID_Y ((int)gridDim.y)
+#define VQ_SHFL(v, src) __shfl_sync(VQ_FULL, (v), (src))
+#define VQ_SHFL_XOR(v, m) __shfl_xor_sync(VQ_FULL, (v), (m))
+#define VQ_SHARED __shared__
+#define VQ_SYNC() __syncthreads()
+#define VQ_SYNCWARP() __syncwarp()
+#define VQ_EXP(x) __expf(x)
+#define VQ_F(x) vq_f(x)
+typedef unsigned int vq_u32;
+struct vq_f16 { unsigned short b; };
+struct vq_bf16 { unsigned short b; };
+__device__ __forceinline__ float vq_f(float x) { return x; }
+__device__ __forceinline__ float vq_f(vq_f16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.b)); return f; }
+__device__ __forceinline__ float vq_f(vq_bf16 x) { return __uint_as_float((unsigned int)x.b << 16); }
+__device__ __forceinline__ void vq_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void vq_store(vq_f16* p, float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  p->b = h;
+}
+__device__ __forceinline__ void vq_store(vq_bf16* p, float x) {  // round to nearest even; NaN stays NaN
+  const unsigned int u = __float_as_uint(x);
+  p->b = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 64u)
+                                         : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+"""
+
+CTYPES = {mx.float32: "float", mx.float16: "vq_f16", mx.bfloat16: "vq_bf16", mx.uint32: "vq_u32", mx.int32: "int"}
+
+
+def render(symbol: str, body: str, inputs, outputs, scalars, consts) -> str:
+    """The kernel's CUDA source: ``inputs``/``outputs`` (name, C type) pointers, ``scalars`` (name, "int" or
+    "float") by value, ``consts`` (name, int) compile-time constants, then the body. A float scalar travels as
+    its bits in an int (MLX 0.32.4's binding refuses Python floats: "Received float but must be one of bool,
+    int or float", seen on the H200)."""
+    sig = ([f"const {t}* __restrict__ {n}" for n, t in inputs] + [f"{t}* __restrict__ {n}" for n, t in outputs]
+           + [f"const int {n}" + ("_bits" if t == "float" else "") for n, t in scalars])
+    head = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in consts)
+    head += "".join(f"  const float {n} = __int_as_float({n}_bits);\n" for n, t in scalars if t == "float")
+    return f'{PRELUDE}\nextern "C" __global__ void {symbol}(\n    ' + ",\n    ".join(sig) + f") {{\n{head}{body}\n}}\n"
+
+
+def _check(lib, res: int, prog=None) -> None:
+    if res != 0:
+        log = ""
+        if prog is not None:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(res).decode()} {log}".strip())
+
+
+_LIBS: dict = {}
+
+
+def _lib(names):
+    key = names[0]
+    if key not in _LIBS:
+        for name in names:
+            try:
+                _LIBS[key] = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise RuntimeError(f"none of {names} could be loaded")
+    return _LIBS[key]
+
+
+def _arch() -> str:
+    """``sm_XY`` of the default CUDA device (the driver API MLX has initialised)."""
+    cuda = _lib(["libcuda.so.1", "libcuda.so"])
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0):
+        raise RuntimeError("no CUDA device")
+    cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)
+    return f"sm_{major.value}{minor.value}"
+
+
+def compile_binary(source: str, name: str, arch: str | None = None) -> bytes:
+    """Compile ``source`` with NVRTC to a cubin for ``arch`` (default: the device's)."""
+    lib = _lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"])
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        opts = [f"--gpu-architecture={arch or _arch()}".encode()]
+        _check(lib, lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)), prog)
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        buf = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, buf))
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+class Kernel:
+    """A kernel body with named inputs, outputs (pointers) and scalars (``"int"``/``"float"`` by value)."""
+
+    def __init__(self, name: str, inputs: list[str], outputs: list[str], scalars: list[tuple[str, str]], body: str):
+        self.name, self.inputs, self.outputs, self.scalars, self.body = name, inputs, outputs, scalars, body
+        self._built: dict = {}
+
+    def source(self, dtypes, out_dtypes, consts) -> tuple[str, str]:
+        """(symbol, CUDA source) of the variant for these input/output dtypes and constants."""
+        ins = [(n, CTYPES[d]) for n, d in zip(self.inputs, dtypes)]
+        outs = [(n, CTYPES[d]) for n, d in zip(self.outputs, out_dtypes)]
+        text = render("VQ_SYMBOL", self.body, ins, outs, self.scalars, consts)
+        symbol = f"{self.name}_{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+        return symbol, text.replace("VQ_SYMBOL", symbol)
+
+    def __call__(self, arrays: list, scalars: list, consts: tuple, out_shapes: list, out_dtypes: list,
+                 grid: tuple, threads: tuple) -> list:
+        key = (consts, *(a.dtype for a in arrays), *out_dtypes)
+        built = self._built.get(key)
+        if built is None:
+            symbol, text = self.source([a.dtype for a in arrays], out_dtypes, consts)
+            built = self._built[key] = (symbol, compile_binary(text, symbol))
+        ints = [v if t == "int" else _F32_BITS.unpack(_F32.pack(v))[0] for v, (_, t) in zip(scalars, self.scalars)]
+        return mx.fast.precompiled_cuda_kernel(
+            name=built[0], compiled_source=built[1], inputs=arrays, output_shapes=out_shapes,
+            output_dtypes=out_dtypes, scalars=ints, grid=grid, threadgroup=threads, ensure_row_contiguous=True)
+
+
+_F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<i")
