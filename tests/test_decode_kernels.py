@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
-from veloxquant_mlx.cache.kernels import _common, kernels_enabled, merge_partials, split_count
+from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
@@ -189,6 +189,22 @@ def test_kivi_addressing_reads_what_mlx_quantize_wrote(bits, group):
     vv = ((vw >> ((c * bits) & 31).astype(np.uint64)) & ((1 << bits) - 1)) * vs[..., c // gv].astype(np.float32) \
         + vb[..., c // gv].astype(np.float32)
     np.testing.assert_allclose(vv, np.array(gq.dequantize(*vq, bits, gv)), rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_variants_are_named_by_their_source_and_take_their_counts_as_scalars():
+    k = _compile.Kernel("vq_t", ["a", "b"], ["o"], [("n", "int"), ("s", "float")], "  o[0] = a[0];")
+    sym1, src1 = k.source([mx.float16, mx.uint32], [mx.bfloat16], (("D", 64),))
+    sym2, src2 = k.source([mx.bfloat16, mx.uint32], [mx.bfloat16], (("D", 64),))
+    sym3, _ = k.source([mx.float16, mx.uint32], [mx.bfloat16], (("D", 128),))
+    assert len({sym1, sym2, sym3}) == 3 and sym1.startswith("vq_t_") and sym1 == k.source(
+        [mx.float16, mx.uint32], [mx.bfloat16], (("D", 64),))[0]
+    assert f'extern "C" __global__ void {sym1}(' in src1 and "VQ_SYMBOL" not in src1
+    assert "const vq_f16* __restrict__ a" in src1 and "const vq_bf16* __restrict__ a" in src2
+    assert "const vq_u32* __restrict__ b" in src1 and "vq_bf16* __restrict__ o" in src1
+    assert "const int n," in src1 and "const int s_bits)" in src1 and "constexpr int D = 64;" in src1
+    assert "const float s = __int_as_float(s_bits);" in src1
+    n, bits = k.scalar_args([7, 0.1])
+    assert n == 7 and np.array([bits], np.int32).view(np.float32)[0] == np.float32(0.1)
 
 
 def test_kivi_kernel_takes_only_the_layouts_it_reads():
