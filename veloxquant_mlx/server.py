@@ -1,10 +1,8 @@
-"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (its HTTP API, request queue, generation thread and
-continuous batching, reused as they are) with this library's caches: per-request ``"kv_cache"`` settings
-(:mod:`.server_requests`), batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model
-key and description) and the others one at a time, exact prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``,
-field-naming 4xx errors, access checks and cancellation of requests whose client has gone. README.md, "Serving",
-describes the behaviour.
-"""
+"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (HTTP API, queue, generation thread and continuous
+batching reused as they are) with this library's caches: per-request ``"kv_cache"`` (:mod:`.server_requests`),
+batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model key) and the others one at a
+time, prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``, access checks and cancellation of requests whose client
+has gone (README.md, "Serving")."""
 
 from __future__ import annotations
 
@@ -348,8 +346,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         super()._set_stream_headers(status_code)
 
     def _set_cors_headers(self):
-        origin = self.headers.get("Origin")
-        allowed = self.response_generator.cli_args.allowed_origins
+        origin, allowed = self.headers.get("Origin"), self.response_generator.cli_args.allowed_origins
         if origin is not None and ("*" in allowed or origin in allowed):
             self.send_header("Access-Control-Allow-Origin", "*" if "*" in allowed else origin)
             self.send_header("Vary", "Origin")
@@ -395,8 +392,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 
     def _access_refused(self) -> bool:
         """403 for an origin not allowed, 401 without the API key."""
-        origin = self.headers.get("Origin")
-        allowed = self.response_generator.cli_args.allowed_origins
+        origin, allowed = self.headers.get("Origin"), self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
             self._error(403, f"origin {origin!r} is not allowed (the server allows "
                              f"{', '.join(allowed) or 'no cross-origin requests'}; see --allow-origin)", close=True)
@@ -544,8 +540,8 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
     # errors: 4xx/5xx answers and error events ending a stream; generation_failures: loop failures survived
-    counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
-                "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
+    counters = dict.fromkeys(("requests", "served_one_at_a_time", "prompt_tokens_one_at_a_time", "reused_tokens",
+                              "errors", "cancelled_client_gone", "generation_failures"), 0)
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)
