@@ -21,7 +21,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
-from .cli_output import (GENERATION_KEYS, MODEL_HELP, Progress, at_least, fmt_bytes, fmt_tps, format_table,
+from .cli_output import (GENERATION_KEYS, MODEL_HELP, POSITIVE, Progress, at_least, fmt_bytes, fmt_tps, format_table,
                          method_label, print_generation, short_prompt_note, truncate)
 from .generate import encode_prompt, encode_turn, make_caches, run_generation  # noqa: F401
 
@@ -30,7 +30,6 @@ __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "
 
 DEMO_METHODS = ("kivi", "snapkv", "streaming_llm", "turboquant_rvq")
 DEMO_PRESETS: dict[str, dict[str, Any]] = {"kivi": {"bit_width_inlier": 4}}
-DEMO_MAX_TOKENS = 24
 
 
 def _cmd_methods(args) -> int:
@@ -202,15 +201,17 @@ def _parser() -> argparse.ArgumentParser:
                         "as `veloxquant methods NAME` lists them; VALUE is parsed as JSON when possible")
     g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--prompt", required=True, help="the user message (in the model's chat template, if any)")
-    g.add_argument("--max-tokens", type=at_least(1), default=64, help="most new tokens to generate, greedily (default 64)")
+    g.add_argument("--max-tokens", type=POSITIVE, default=64,
+                   help="most new tokens to generate, greedily (default 64)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
-    d.add_argument("--context", type=at_least(64), default=2000, help="approximate prompt length in tokens (default 2000)")
+    d.add_argument("--context", type=at_least(64), default=2000,
+                   help="approximate prompt length in tokens (default 2000)")
     d.add_argument("--model", default=None, help=MODEL_HELP)
-    d.add_argument("--max-tokens", type=at_least(1), default=DEMO_MAX_TOKENS, help=f"new tokens at most ({DEMO_MAX_TOKENS})")
+    d.add_argument("--max-tokens", type=POSITIVE, default=24, help="new tokens at most (24)")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
     from . import cli_cache, cli_measure, cli_serve

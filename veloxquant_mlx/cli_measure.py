@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .cache.settings import NONE, UsageError
-from .cli_output import MODEL_HELP, Progress, at_least, fmt_bytes, format_table
+from .cli_output import MODEL_HELP, POSITIVE, Progress, fmt_bytes, format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
@@ -182,29 +182,24 @@ def bench_tables(rows: list[dict]) -> str:
     parts = [format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
                             "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
-    for r in ok:
-        first = True
-        for b in BASELINES:
-            rat = (r.get("ratios") or {}).get(b)
-            if rat is None or (r["method"] == b and not r["settings"]):
-                continue
-            ratio_rows.append([_short_label(r) if first else "", str(r["context"]) if first else "",
-                               b, *(_ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "peak_delta_bytes",
-                                                                       "kv_resident_bytes", "kv_nbytes"))])
-            first = False
+    for r in ok:  # one row per baseline it was compared with; the method and context on the first only
+        bs = [b for b in BASELINES if (r.get("ratios") or {}).get(b) is not None
+              and not (r["method"] == b and not r["settings"])]
+        ratio_rows += [[*((_short_label(r), str(r["context"])) if i == 0 else ("", "")), b, *(
+            _ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "peak_delta_bytes", "kv_resident_bytes",
+                                              "kv_nbytes"))] for i, b in enumerate(bs)]
     if ratio_rows:
         parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's"
                      + ("; ±N% adds both medians' spreads" if spread else "") + "):\n"
                      "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
                      + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "peak over start",
                                       "KV resident", "KV nbytes"], ratio_rows))
-    seen, slope_rows = set(), []
+    slopes: dict = {}  # the first row of each label that has a slope
     for r in ok:
-        if r["label"] in seen or r["decode_s_per_1k"] is None:
-            continue
-        seen.add(r["label"])
-        slope_rows.append([_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}",
-                           _fmt(r["slope_vs_none"], ".2f")])
+        if r["decode_s_per_1k"] is not None:
+            slopes.setdefault(r["label"], r)
+    slope_rows = [[_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}", _fmt(r["slope_vs_none"], ".2f")]
+                  for r in slopes.values()]
     if slope_rows:
         parts.append(format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
@@ -290,7 +285,7 @@ def add_subcommands(sub) -> None:
     e.add_argument("--text-file", default=None, help="text for ppl/kld and the haystack (default: the essays)")
     e.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context tokens, one run each (comma-separated or repeated; default 1024)")
-    e.add_argument("--n-score", type=at_least(1), default=64, help="scored tokens after the context for ppl/kld (64)")
+    e.add_argument("--n-score", type=POSITIVE, default=64, help="scored tokens after the context for ppl/kld (64)")
     e.add_argument("--depths", default=None, help="NIAH and recall depths, comma-separated (default 0.1,0.5,0.9)")
     e.add_argument("--distances", default=None, metavar="N[,N...]",
                    help="recall: tokens between the passage and its repeat (instead of --depths)")
@@ -305,8 +300,9 @@ def add_subcommands(sub) -> None:
                    help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
-    b.add_argument("--repeats", type=at_least(1), default=3, help="runs of every candidate and context (medians; default 3)")
-    b.add_argument("--decode-tokens", type=at_least(1), default=32, help="greedy decode steps timed per run (default 32)")
+    b.add_argument("--repeats", type=POSITIVE, default=3,
+                   help="runs of every candidate and context (medians; default 3)")
+    b.add_argument("--decode-tokens", type=POSITIVE, default=32, help="greedy decode steps timed per run (default 32)")
     b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
@@ -318,7 +314,7 @@ def add_subcommands(sub) -> None:
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
     b.add_argument("--prefill-step", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
-    b.add_argument("--batch", type=at_least(1), default=1, metavar="N",
+    b.add_argument("--batch", type=POSITIVE, default=1, metavar="N",
                    help="N sequences decoded together through the batch form; decode tok/s is their total (default 1)")
     b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")

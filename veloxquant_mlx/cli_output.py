@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation", "at_least",
+__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation", "at_least", "POSITIVE",
            "MODEL_HELP", "SHORT_PROMPT_NOTE", "GENERATION_KEYS"]
 
 GENERATION_KEYS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_tps")
@@ -101,6 +101,9 @@ def at_least(low, kind=int):
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its 'invalid int value' message
     return parse
+
+
+POSITIVE = at_least(1)
 
 
 def fmt_bytes(n: Optional[int]) -> str:

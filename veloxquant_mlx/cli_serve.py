@@ -7,7 +7,7 @@ import logging
 import math
 import os
 
-from .cli_output import MODEL_HELP, at_least
+from .cli_output import MODEL_HELP, POSITIVE, at_least
 
 
 def add_subcommand(sub) -> None:
@@ -28,19 +28,19 @@ def add_subcommand(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $VELOXQUANT_API_KEY; unset = no key)")
     s.add_argument("--socket-timeout", type=float, default=30.0,
                    help="seconds a connection may stall on a read or write before it is dropped (default 30)")
-    s.add_argument("--max-tokens", type=at_least(1), default=512, help="default max_tokens of a request")
-    s.add_argument("--max-tokens-limit", type=at_least(1), default=4096, help="largest max_tokens a request may ask")
-    s.add_argument("--max-prompt-tokens", type=at_least(1), default=8192,
+    s.add_argument("--max-tokens", type=POSITIVE, default=512, help="default max_tokens of a request")
+    s.add_argument("--max-tokens-limit", type=POSITIVE, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--max-prompt-tokens", type=POSITIVE, default=8192,
                    help="longer prompts get HTTP 413 (default 8192; one prompt holds the generation thread)")
-    s.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20,
+    s.add_argument("--max-body-bytes", type=POSITIVE, default=1 << 20,
                    help="larger bodies get HTTP 413 (default 1 MiB)")
     s.add_argument("--prompt-cache-size", type=at_least(0), default=10,
                    help="finished caches kept for prefix reuse (0: none)")
     s.add_argument("--prompt-cache-bytes", type=int, default=None, help="byte cap of the kept caches")
-    s.add_argument("--decode-concurrency", type=at_least(1), default=32,
+    s.add_argument("--decode-concurrency", type=POSITIVE, default=32,
                    help="most requests decoded together in mlx_lm's batch: 'none' and the methods with a batch form "
                         "(kivi, turboquant_rvq, waterfill, streaming_llm); others run one request at a time")
-    s.add_argument("--prefill-step-size", type=at_least(1), default=2048,
+    s.add_argument("--prefill-step-size", type=POSITIVE, default=2048,
                    help="prompt tokens per prefill chunk (default 2048)")
     s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="server log verbosity (default WARNING)")
