@@ -36,16 +36,13 @@ def _cmd_methods(args) -> int:
     from .cache import all_methods
     if args.name is not None:
         return _cmd_method_settings(args)
-    rows = [{"name": i.name, "family": i.family, "protocol": i.protocol, "implemented": i.implemented,
-             "paper": i.paper} for i in all_methods()]
+    rows = [{k: getattr(i, k) for k in ("name", "family", "protocol", "implemented", "paper")} for i in all_methods()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(format_table(["method", "family", "protocol", "implemented", "paper"],
-                       [[r["name"], r["family"], r["protocol"], "yes" if r["implemented"] else "no", r["paper"]]
-                        for r in rows]))
-    built = sum(r["implemented"] for r in rows)
-    print(f"\n{built} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
+                       [[*{**r, "implemented": "yes" if r["implemented"] else "no"}.values()] for r in rows]))
+    print(f"\n{sum(r['implemented'] for r in rows)} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
     return 0
 
 

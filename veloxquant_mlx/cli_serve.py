@@ -63,10 +63,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except RequestError as e:
         raise UsageError(str(e)) from None
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
-    cli_args = server_args(args.model, host=args.host, port=args.port, max_tokens=args.max_tokens,
-                           prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
-                           decode_concurrency=args.decode_concurrency, prefill_step_size=args.prefill_step_size,
-                           log_level=args.log_level, allowed_origins=list(args.allow_origin))
-    serve(kv, cli_args, max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-          max_tokens_limit=args.max_tokens_limit, socket_timeout=args.socket_timeout, api_key=args.api_key)
+    opts = vars(args)  # the flags whose names are mlx_lm's server arguments or make_server's limits
+    cli_args = server_args(args.model, allowed_origins=list(args.allow_origin), **{n: opts[n] for n in (
+        "host", "port", "max_tokens", "prompt_cache_size", "prompt_cache_bytes", "decode_concurrency",
+        "prefill_step_size", "log_level")})
+    serve(kv, cli_args, **{n: opts[n] for n in ("max_prompt_tokens", "max_body_bytes", "max_tokens_limit",
+                                                "socket_timeout", "api_key")})
     return 0
