@@ -12,10 +12,6 @@ import re
 import sys
 from typing import Any, Optional, Sequence
 
-from . import _blas
-
-_blas.preload()  # before mlx.core is first imported (no-op if already done or too late)
-
 # transformers (mlx_lm's tokenizer wrapper) warns that PyTorch is missing: never needed here
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
