@@ -1,8 +1,6 @@
-"""The ``veloxquant`` command line (also ``python -m veloxquant_mlx``): ``methods``, ``generate`` and ``demo`` here;
-``eval``/``bench`` in :mod:`.cli_measure`, ``cache`` in :mod:`.cli_cache`, ``serve`` in :mod:`.cli_serve`. The CLI
-is the top layer: no library module imports ``cli*``. ``main(argv)`` returns the exit code (0 ok, 2 bad usage or
-configuration, 1 runtime failure, 141 when stdout's reader went away), so it can be called in-process.
-"""
+"""The ``veloxquant`` command line: ``methods``, ``generate`` and ``demo`` here, the other subcommands in the other
+``cli_*`` modules (the top layer: no library module imports them). ``main(argv)`` returns the exit code (0 ok, 2 bad
+usage or configuration, 1 runtime failure, 141 when stdout's reader went away)."""
 
 from __future__ import annotations
 
@@ -14,17 +12,13 @@ import re
 import sys
 from typing import Any, Optional, Sequence
 
-from . import _blas
-
-_blas.preload()  # before mlx.core is first imported (no-op if already done or too late)
-
 # transformers (mlx_lm's tokenizer wrapper) warns that PyTorch is missing: never needed here
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
-from .cli_output import (GENERATION_KEYS, MODEL_HELP, SHORT_PROMPT_NOTE, Progress, fmt_bytes, fmt_tps, format_table,
-                         method_label, print_generation, truncate)
+from .cli_output import (GENERATION_KEYS, MODEL_HELP, POSITIVE, Progress, at_least, fmt_bytes, fmt_tps, format_table,
+                         method_label, print_generation, short_prompt_note, truncate)
 from .generate import encode_prompt, encode_turn, make_caches, run_generation  # noqa: F401
 
 __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "encode_prompt", "encode_turn",
@@ -32,23 +26,19 @@ __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "
 
 DEMO_METHODS = ("kivi", "snapkv", "streaming_llm", "turboquant_rvq")
 DEMO_PRESETS: dict[str, dict[str, Any]] = {"kivi": {"bit_width_inlier": 4}}
-DEMO_MAX_TOKENS = 24
 
 
 def _cmd_methods(args) -> int:
     from .cache import all_methods
     if args.name is not None:
         return _cmd_method_settings(args)
-    rows = [{"name": i.name, "family": i.family, "protocol": i.protocol, "implemented": i.implemented,
-             "paper": i.paper} for i in all_methods()]
+    rows = [{k: getattr(i, k) for k in ("name", "family", "protocol", "implemented", "paper")} for i in all_methods()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(format_table(["method", "family", "protocol", "implemented", "paper"],
-                       [[r["name"], r["family"], r["protocol"], "yes" if r["implemented"] else "no", r["paper"]]
-                        for r in rows]))
-    built = sum(r["implemented"] for r in rows)
-    print(f"\n{built} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
+                       [[*{**r, "implemented": "yes" if r["implemented"] else "no"}.values()] for r in rows]))
+    print(f"\n{sum(r['implemented'] for r in rows)} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
     return 0
 
 
@@ -84,8 +74,6 @@ def _cmd_generate(args) -> int:
         raise UsageError("the following argument is required: --method (it may be left out only with "
                          "--prompt-cache, whose file records it)")
     sets, config = method_config(method, args.set)
-    if args.max_tokens < 1:
-        raise UsageError("--max-tokens must be >= 1")
     from .distributed import init_group, shard_model
     from .measure import kv_summary
     from .model import load_model
@@ -130,18 +118,11 @@ def _cmd_demo(args) -> int:
     wanted = [m.strip() for m in (args.methods.split(",") if args.methods else DEMO_METHODS) if m.strip()]
     for m in wanted:
         _check_method_name(m)
-    if args.context < 64:
-        raise UsageError("--context must be >= 64")
-    if args.max_tokens < 1:
-        raise UsageError("--max-tokens must be >= 1")
     progress = Progress(enabled=not args.json)
     runs: list[tuple[str, Any]] = [(NONE, None)]
     skipped: list[str] = []
-    for m in dict.fromkeys(wanted):
-        if m == NONE:
-            continue
-        info = method_info(m)
-        if not info.implemented:
+    for m in [m for m in dict.fromkeys(wanted) if m != NONE]:
+        if not method_info(m).implemented:
             skipped.append(f"{m}: not implemented yet")
         elif m in STANDALONE_METHODS:
             skipped.append(f"{m}: standalone protocol (no mlx_lm serving contract)")
@@ -189,8 +170,7 @@ def _cmd_demo(args) -> int:
     print("The uncompressed run ('none') stores the model's compute dtype (float32 on the MLX CPU backend) "
           "and counts mlx_lm's 256-row allocation steps, so its fraction is above 1.")
     print("agreement = fraction of generated tokens identical to the uncompressed run, position by position.")
-    if any((r["kv_fraction_of_fp16"] or 0) > 1 for r in rows if r["method"] != NONE):
-        print(SHORT_PROMPT_NOTE)
+    short_prompt_note(rows)
     for note in skipped:
         print(f"skipped {note}")
     return 0
@@ -214,24 +194,23 @@ def _parser() -> argparse.ArgumentParser:
                         "as `veloxquant methods NAME` lists them; VALUE is parsed as JSON when possible")
     g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--prompt", required=True, help="the user message (in the model's chat template, if any)")
-    g.add_argument("--max-tokens", type=int, default=64, help="most new tokens to generate, greedily (default 64)")
+    g.add_argument("--max-tokens", type=POSITIVE, default=64,
+                   help="most new tokens to generate, greedily (default 64)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_generate)
-    from .cli_cache import add_generate_arguments, add_parsers as add_cache_parsers  # generate --prompt-cache, cache
-    add_generate_arguments(g)
     d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
-    d.add_argument("--context", type=int, default=2000, help="approximate prompt length in tokens (default 2000)")
+    d.add_argument("--context", type=at_least(64), default=2000,
+                   help="approximate prompt length in tokens (default 2000)")
     d.add_argument("--model", default=None, help=MODEL_HELP)
-    d.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help=f"new tokens at most ({DEMO_MAX_TOKENS})")
+    d.add_argument("--max-tokens", type=POSITIVE, default=24, help="new tokens at most (24)")
     d.add_argument("--json", action="store_true", help="print the results as one JSON object")
     d.set_defaults(func=_cmd_demo)
-    from .cli_measure import add_subcommands  # eval, bench
-    add_subcommands(sub)
-    add_cache_parsers(sub)
-    from .cli_serve import add_subcommand as add_serve
-    add_serve(sub)
+    from . import cli_cache, cli_measure, cli_serve
+    cli_measure.add_subcommands(sub)
+    cli_cache.add_parsers(sub, g)
+    cli_serve.add_subcommand(sub)
     return p
 
 

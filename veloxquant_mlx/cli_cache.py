@@ -13,7 +13,7 @@ from .cli_output import (GENERATION_KEYS, MODEL_HELP, Progress, fmt_bytes, kv_ro
                          print_rows, short_prompt_note)
 from .generate import encode_turn, make_caches, run_generation
 
-__all__ = ["add_parsers", "add_generate_arguments", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
+__all__ = ["add_parsers", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
 _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template is applied"
 
@@ -52,7 +52,7 @@ def cmd_cache_save(args) -> int:
     print_rows([("saved", args.out), ("method", method_label(method, sets)), ("model", info["model_id"]),
                 ("tokens", len(tokens)), measured,
                 ("file_bytes", f"{info['file_bytes']} ({fmt_bytes(info['file_bytes'])})"), *reference])
-    short_prompt_note(kv, method)
+    short_prompt_note([out])
     return 0
 
 
@@ -89,8 +89,6 @@ def generate_from_saved(args) -> int:
     if args.set:
         raise UsageError("--set does not apply with --prompt-cache: the saved cache keeps the configuration "
                          "it was made with")
-    if args.max_tokens < 1:
-        raise UsageError("--max-tokens must be >= 1")
     if not args.prompt:
         raise UsageError("--prompt must not be empty with --prompt-cache (its tokens follow the cached ones)")
     info = read_cache_info(args.prompt_cache)  # file problems before loading any model
@@ -113,26 +111,23 @@ def generate_from_saved(args) -> int:
         raise UsageError("--prompt encodes to no tokens")
     progress.stage(f"prefill {len(prompt_ids)} prompt tokens after the {info['n_tokens']} cached ones")
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
-    settings = info["config"]
-    out = {"method": info["method"], "settings": settings, "model": info["model_id"], "text": result["text"],
+    out = {"method": info["method"], "settings": info["config"], "model": info["model_id"], "text": result["text"],
            **{k: result[k] for k in GENERATION_KEYS}, "prompt_cache": args.prompt_cache,
            "cached_tokens": info["n_tokens"], "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
-        ("method", method_label(info["method"], settings)),
+        ("method", method_label(info["method"], info["config"])),
         ("prompt tokens", f"{out['prompt_tokens']} (after the cached ones)"),
     ], args.json)
 
 
-def add_generate_arguments(g) -> None:
+def add_parsers(sub, g) -> None:
+    """``cache save``/``cache info``, and ``--prompt-cache``/``--raw-prompt`` on the ``generate`` parser ``g``."""
     g.add_argument("--prompt-cache", default=None, metavar="PATH",
                    help="continue after a cache saved by `veloxquant cache save` (--method and --model default to "
                         "the file's); the prompt follows as a new user turn (no BOS, no default system message)")
     g.add_argument("--raw-prompt", action="store_true",
                    help=f"with --prompt-cache: append the prompt {_PLAIN_TEXT} (to continue the text itself)")
-
-
-def add_parsers(sub) -> None:
     c = sub.add_parser("cache", help="save a prefilled compressed cache to a file, or show a saved one")
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="{save,info}")
     s = csub.add_parser(

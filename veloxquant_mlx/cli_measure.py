@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from .cache.settings import NONE, UsageError
-from .cli_output import MODEL_HELP, Progress, fmt_bytes, format_table
+from .cli_output import MODEL_HELP, POSITIVE, Progress, fmt_bytes, format_table
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
@@ -33,23 +33,8 @@ def _fmt(v, fmt: str, none: str = "-") -> str:
 
 
 def eval_table(rows: list[dict]) -> str:
-    from .measure import fraction_text
-    table = []
-    for r in rows:
-        head = [r["method"], " ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults", r["task"],
-                str(r["context"])]
-        if r.get("error"):
-            table.append(head + ["error: " + r["error"][:60], "", "", "", "", "", f"{r['seconds']:.0f}s"])
-            continue
-        ppl = "-" if r["ppl"] is None else f"{r['ppl']:.3f} ({r['ppl_delta']:+.3f})"
-        niah = "-" if r["niah_acc"] is None else f"{r['niah_hits']}/{r['niah_trials']}"
-        if r.get("copy_acc") is not None:
-            niah = f"copy {r['copy_acc']:.3f}"
-        kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
-        table.append(head + [ppl, _fmt(kld, ".4f"), _fmt(r["top1_agree"], ".3f"), niah, fmt_bytes(r["kv_bytes"]),
-                             fraction_text(r["kv_fraction_of_fp16"]), f"{r['seconds']:.0f}s"])
-    return format_table(["method", "settings", "task", "context", "ppl (delta)", "KLD", "top-1", "NIAH/recall",
-                          "KV bytes", "kv_fraction_of_fp16", "time"], table)
+    from .eval.plot import HEADERS, row_cells
+    return format_table([*HEADERS, "time"], [row_cells(r) + [f"{r['seconds']:.0f}s"] for r in rows])
 
 
 def cmd_eval(args) -> int:
@@ -65,8 +50,6 @@ def cmd_eval(args) -> int:
     contexts = list(dict.fromkeys(_numbers(args.context or ["1024"], "--context")))
     if not contexts or min(contexts) < 16:
         raise UsageError("--context values must be >= 16")
-    if args.n_score < 1:
-        raise UsageError("--n-score must be >= 1")
     depths = _numbers([args.depths], "--depths", float) if args.depths else list(DEFAULT_DEPTHS)
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise UsageError("--depths must be numbers in [0, 1]")
@@ -199,29 +182,24 @@ def bench_tables(rows: list[dict]) -> str:
     parts = [format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
                             "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
-    for r in ok:
-        first = True
-        for b in BASELINES:
-            rat = (r.get("ratios") or {}).get(b)
-            if rat is None or (r["method"] == b and not r["settings"]):
-                continue
-            ratio_rows.append([_short_label(r) if first else "", str(r["context"]) if first else "",
-                               b, *(_ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "peak_delta_bytes",
-                                                                       "kv_resident_bytes", "kv_nbytes"))])
-            first = False
+    for r in ok:  # one row per baseline it was compared with; the method and context on the first only
+        bs = [b for b in BASELINES if (r.get("ratios") or {}).get(b) is not None
+              and not (r["method"] == b and not r["settings"])]
+        ratio_rows += [[*((_short_label(r), str(r["context"])) if i == 0 else ("", "")), b, *(
+            _ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "peak_delta_bytes", "kv_resident_bytes",
+                                              "kv_nbytes"))] for i, b in enumerate(bs)]
     if ratio_rows:
         parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's"
                      + ("; ±N% adds both medians' spreads" if spread else "") + "):\n"
                      "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
                      + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "peak over start",
                                       "KV resident", "KV nbytes"], ratio_rows))
-    seen, slope_rows = set(), []
+    slopes: dict = {}  # the first row of each label that has a slope
     for r in ok:
-        if r["label"] in seen or r["decode_s_per_1k"] is None:
-            continue
-        seen.add(r["label"])
-        slope_rows.append([_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}",
-                           _fmt(r["slope_vs_none"], ".2f")])
+        if r["decode_s_per_1k"] is not None:
+            slopes.setdefault(r["label"], r)
+    slope_rows = [[_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}", _fmt(r["slope_vs_none"], ".2f")]
+                  for r in slopes.values()]
     if slope_rows:
         parts.append(format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
@@ -236,8 +214,6 @@ def cmd_bench(args) -> int:
     args.contexts = _numbers(args.context or ["1024"], "--context")
     if not args.contexts or min(args.contexts) < 2:
         raise UsageError("--context values must be >= 2")
-    if args.repeats < 1 or args.decode_tokens < 1:
-        raise UsageError("--repeats and --decode-tokens must be >= 1")
     default = NONE if args.batch > 1 else ",".join(bench.BASELINES)  # mlx_lm's quantized cache has no batch form
     baselines = [b.strip() for b in (args.baselines if args.baselines is not None else default).split(",")
                  if b.strip()]
@@ -247,8 +223,6 @@ def cmd_bench(args) -> int:
     specs = resolve_methods(args.method or [], args.set, include_none=False)
     if not specs and not baselines:
         raise UsageError("nothing to measure: give --method or keep a baseline")
-    if args.batch < 1:
-        raise UsageError("--batch must be >= 1")
     refused = [n for n in baselines + [s.method for s in specs] if args.batch > 1 and not bench.has_batch_form(n)]
     if refused:
         raise UsageError(f"--batch {args.batch}: {', '.join(refused)} has no batch form (its caches cannot merge "
@@ -311,7 +285,7 @@ def add_subcommands(sub) -> None:
     e.add_argument("--text-file", default=None, help="text for ppl/kld and the haystack (default: the essays)")
     e.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context tokens, one run each (comma-separated or repeated; default 1024)")
-    e.add_argument("--n-score", type=int, default=64, help="scored tokens after the context for ppl/kld (64)")
+    e.add_argument("--n-score", type=POSITIVE, default=64, help="scored tokens after the context for ppl/kld (64)")
     e.add_argument("--depths", default=None, help="NIAH and recall depths, comma-separated (default 0.1,0.5,0.9)")
     e.add_argument("--distances", default=None, metavar="N[,N...]",
                    help="recall: tokens between the passage and its repeat (instead of --depths)")
@@ -326,8 +300,9 @@ def add_subcommands(sub) -> None:
                    help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
     b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
                    help="context lengths (comma-separated or repeated; default 1024)")
-    b.add_argument("--repeats", type=int, default=3, help="runs of every candidate and context (medians; default 3)")
-    b.add_argument("--decode-tokens", type=int, default=32, help="greedy decode steps timed per run (default 32)")
+    b.add_argument("--repeats", type=POSITIVE, default=3,
+                   help="runs of every candidate and context (medians; default 3)")
+    b.add_argument("--decode-tokens", type=POSITIVE, default=32, help="greedy decode steps timed per run (default 32)")
     b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
@@ -339,7 +314,7 @@ def add_subcommands(sub) -> None:
     b.add_argument("--timeout", type=float, default=None, help="per-subprocess time limit with --isolate (s)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts and random weights (default 0)")
     b.add_argument("--prefill-step", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
-    b.add_argument("--batch", type=int, default=1, metavar="N",
+    b.add_argument("--batch", type=POSITIVE, default=1, metavar="N",
                    help="N sequences decoded together through the batch form; decode tok/s is their total (default 1)")
     b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run (kernel compilation then counts)")
     b.add_argument("--json", action="store_true", help="print the rows as a JSON list")

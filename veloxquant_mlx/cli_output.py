@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from typing import Optional
 
-__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation",
+__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation", "at_least", "POSITIVE",
            "MODEL_HELP", "SHORT_PROMPT_NOTE", "GENERATION_KEYS"]
 
 GENERATION_KEYS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_tps")
@@ -91,6 +92,20 @@ class Progress:
             self._chunks = None
 
 
+def at_least(low, kind=int):
+    """An argparse ``type``: a ``kind`` number >= ``low`` (else exit 2 naming the flag, the value and the bound)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its 'invalid int value' message
+    return parse
+
+
+POSITIVE = at_least(1)
+
+
 def fmt_bytes(n: Optional[int]) -> str:
     if n is None:
         return "n/a"
@@ -134,8 +149,8 @@ def kv_rows(kv: dict) -> list[tuple]:
             ("kv_fraction_of_fp16", f"{fraction_text(kv['kv_fraction_of_fp16'])} = kv_bytes / kv_bytes_fp16")]
 
 
-def short_prompt_note(kv: dict, method: str) -> None:
-    if (kv["kv_fraction_of_fp16"] or 0) > 1 and method != "none":
+def short_prompt_note(rows: list) -> None:
+    if any((r["kv_fraction_of_fp16"] or 0) > 1 and r["method"] != "none" for r in rows):
         print(SHORT_PROMPT_NOTE)
 
 
@@ -144,9 +159,8 @@ def print_generation(out: dict, head: list, as_json: bool) -> int:
     if as_json:
         print(json.dumps(out))
         return 0
-    print(out["text"])
-    print("-" * 40)
+    print(out["text"], "-" * 40, sep="\n")
     print_rows(head + [("generated tokens", out["generated_tokens"]), ("decode tok/s", fmt_tps(out["decode_tps"]))]
                + kv_rows(out))
-    short_prompt_note(out, out["method"])
+    short_prompt_note([out])
     return 0

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 
-from .cli_output import MODEL_HELP
+from .cli_output import MODEL_HELP, POSITIVE, at_least
 
 
 def add_subcommand(sub) -> None:
@@ -28,17 +28,20 @@ def add_subcommand(sub) -> None:
                    help="require 'Authorization: Bearer KEY' (default: $VELOXQUANT_API_KEY; unset = no key)")
     s.add_argument("--socket-timeout", type=float, default=30.0,
                    help="seconds a connection may stall on a read or write before it is dropped (default 30)")
-    s.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
-    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
-    s.add_argument("--max-prompt-tokens", type=int, default=8192,
+    s.add_argument("--max-tokens", type=POSITIVE, default=512, help="default max_tokens of a request")
+    s.add_argument("--max-tokens-limit", type=POSITIVE, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--max-prompt-tokens", type=POSITIVE, default=8192,
                    help="longer prompts get HTTP 413 (default 8192; one prompt holds the generation thread)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get HTTP 413 (default 1 MiB)")
-    s.add_argument("--prompt-cache-size", type=int, default=10, help="finished caches kept for prefix reuse (0: none)")
+    s.add_argument("--max-body-bytes", type=POSITIVE, default=1 << 20,
+                   help="larger bodies get HTTP 413 (default 1 MiB)")
+    s.add_argument("--prompt-cache-size", type=at_least(0), default=10,
+                   help="finished caches kept for prefix reuse (0: none)")
     s.add_argument("--prompt-cache-bytes", type=int, default=None, help="byte cap of the kept caches")
-    s.add_argument("--decode-concurrency", type=int, default=32,
+    s.add_argument("--decode-concurrency", type=POSITIVE, default=32,
                    help="most requests decoded together in mlx_lm's batch: 'none' and the methods with a batch form "
                         "(kivi, turboquant_rvq, waterfill, streaming_llm); others run one request at a time")
-    s.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk (default 2048)")
+    s.add_argument("--prefill-step-size", type=POSITIVE, default=2048,
+                   help="prompt tokens per prefill chunk (default 2048)")
     s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="server log verbosity (default WARNING)")
     s.set_defaults(func=_cmd_serve)
@@ -47,16 +50,10 @@ def add_subcommand(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .cache.settings import UsageError, parse_sets
     from .server import DEFAULT_METHOD, DEFAULT_SETTINGS, RequestError, parse_kv_settings, serve, server_args
-    for name in ("max_tokens", "max_tokens_limit", "max_prompt_tokens", "max_body_bytes", "prefill_step_size",
-                 "decode_concurrency"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (math.isfinite(args.socket_timeout) and args.socket_timeout > 0):
         raise UsageError(f"--socket-timeout must be a positive number of seconds, got {args.socket_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key must not be empty")
-    if args.prompt_cache_size < 0:
-        raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if args.max_tokens > args.max_tokens_limit:
         raise UsageError(f"--max-tokens {args.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
     method = args.method or DEFAULT_METHOD
@@ -66,10 +63,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except RequestError as e:
         raise UsageError(str(e)) from None
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(message)s")
-    cli_args = server_args(args.model, host=args.host, port=args.port, max_tokens=args.max_tokens,
-                           prompt_cache_size=args.prompt_cache_size, prompt_cache_bytes=args.prompt_cache_bytes,
-                           decode_concurrency=args.decode_concurrency, prefill_step_size=args.prefill_step_size,
-                           log_level=args.log_level, allowed_origins=list(args.allow_origin))
-    serve(kv, cli_args, max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-          max_tokens_limit=args.max_tokens_limit, socket_timeout=args.socket_timeout, api_key=args.api_key)
+    opts = vars(args)  # the flags whose names are mlx_lm's server arguments or make_server's limits
+    cli_args = server_args(args.model, allowed_origins=list(args.allow_origin), **{n: opts[n] for n in (
+        "host", "port", "max_tokens", "prompt_cache_size", "prompt_cache_bytes", "decode_concurrency",
+        "prefill_step_size", "log_level")})
+    serve(kv, cli_args, **{n: opts[n] for n in ("max_prompt_tokens", "max_body_bytes", "max_tokens_limit",
+                                                "socket_timeout", "api_key")})
     return 0

@@ -9,10 +9,8 @@ import mlx.core as mx
 from .cache.errors import QuantizerConfigError
 from .cache.factory import _attention, _layers
 
-
-def init_group(backend: str = "any", strict: bool = False):
-    """This process's group (size 1 when not started by mlx.launch and not ``strict``)."""
-    return mx.distributed.init(strict=strict, backend=backend)
+#: This process's group: ``init_group(strict=False, backend="any")``, size 1 when not started by ``mlx.launch``.
+init_group = mx.distributed.init
 
 
 def kv_heads(model) -> list[int]:

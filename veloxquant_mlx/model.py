@@ -15,8 +15,6 @@ from typing import Any
 
 from . import _blas
 
-_blas.preload()  # no-op if already done or if mlx.core is already imported
-
 __all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "load_model", "gguf_model_args", "gguf_to_mlx_weights",
            "load_gguf_llama", "load_gguf_tokenizer", "UnsupportedModelError"]
 

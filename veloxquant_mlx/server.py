@@ -1,16 +1,15 @@
-"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (its HTTP API, request queue, generation thread and
-continuous batching, reused as they are) with this library's caches: per-request ``"kv_cache"`` settings
-(:mod:`.server_requests`), batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model
-key and description) and the others one at a time, exact prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``,
-field-naming 4xx errors, access checks and cancellation of requests whose client has gone. README.md, "Serving",
-describes the behaviour.
-"""
+"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (HTTP API, queue, generation thread and continuous
+batching reused as they are) with this library's caches: per-request ``"kv_cache"`` (:mod:`.server_requests`),
+batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model key) and the others one at a
+time, prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``, access checks and cancellation of requests whose client
+has gone (README.md, "Serving")."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import hmac
 import io
@@ -119,7 +118,8 @@ class ServedModelProvider(mlx_server.ModelProvider):
         self.check_served(model_path)
         if adapter_path is not None or draft_model_path not in (None, "default_model", self.cli_args.draft_model):
             raise RequestError(400, "adapters and draft models are not supported by veloxquant serve")
-        self.model_key = (self.served_id, None, None)
+        kv = self.kv
+        self.model_key = (self.served_id, kv.key if kv is not None and kv.method != NONE else None, None)
         if self.model is None:
             if self._loaded is None:
                 from .model import load_model
@@ -127,11 +127,8 @@ class ServedModelProvider(mlx_server.ModelProvider):
             self.model, self.tokenizer = self._loaded
             self.processor, self.draft_model, self._sliding = None, None, None
             self.is_batchable = True  # for ``none`` requests; compressed ones opt out in _is_batchable
-        kv = self.kv
         if kv is None:
             return self.model, self.tokenizer
-        if kv.method != NONE:
-            self.model_key = (self.served_id, kv.key, None)
         return self._wrapped.setdefault(kv.key, CachedModel(self.model, kv)), self.tokenizer
 
     def batches(self, kv: KVSettings) -> bool:
@@ -189,9 +186,7 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 logging.error("generation loop failed (%s: %s); failing its requests and going on",
                               type(e).__name__, e, exc_info=logging.getLogger().isEnabledFor(logging.DEBUG))
                 failure = RuntimeError(f"generation failed: {type(e).__name__}: {e}")
-                for q in list(self._in_flight):
-                    if q.done:
-                        continue
+                for q in [q for q in self._in_flight if not q.done]:
                     if q.started or q.retried:
                         q.put(failure)
                     else:  # waiting behind the failed batch: served by the restarted loop
@@ -312,15 +307,30 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
             counters = dict(self.counters)
         live = [{"id": i, "method": kv.method, "settings": dict(kv.settings), **cache_figures(model, caches)}
                 for i, (kv, caches) in list(self.live.items())]
-        for key, wrapped in list(self.model_provider._wrapped.items()):
-            caches = wrapped.live_caches()
-            if caches:
-                live.append({"batch": True, "method": key[0], "settings": dict(key[1]),
-                             **batch_figures(model, caches)})
+        live += [{"batch": True, "method": key[0], "settings": dict(key[1]), **batch_figures(model, caches)}
+                 for key, wrapped in list(self.model_provider._wrapped.items()) if (caches := wrapped.live_caches())]
         cached = self.store.describe(model) + self.prompt_cache.describe(model)
         return {"model": self.model_provider.served_id, "default": self.default_kv.describe(), "live": live,
                 "cached": cached, "cached_kv_bytes": sum(c["kv_bytes"] for c in cached), "counters": counters,
                 "last_one_at_a_time_reuse": self.last_reuse, "process": process_memory(), "time": time.time()}
+
+
+def _guarded(handler):
+    """A ``do_*`` handler that a client gone or stalled past the socket timeout ends quietly."""
+    @functools.wraps(handler)
+    def run(self) -> None:
+        _pending.status = None
+        _pending.client_gone = self._client_gone
+        try:
+            handler(self)
+        except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError) as e:
+            self.close_connection = True
+            if isinstance(e, ClientGone):
+                self.response_generator.count(cancelled_client_gone=1)
+            logging.info("client %s gone (%s): request dropped", self.client_address[0], type(e).__name__)
+        finally:
+            _pending.client_gone = None
+    return run
 
 
 class CompressedAPIHandler(mlx_server.APIHandler):
@@ -348,8 +358,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         super()._set_stream_headers(status_code)
 
     def _set_cors_headers(self):
-        origin = self.headers.get("Origin")
-        allowed = self.response_generator.cli_args.allowed_origins
+        origin, allowed = self.headers.get("Origin"), self.response_generator.cli_args.allowed_origins
         if origin is not None and ("*" in allowed or origin in allowed):
             self.send_header("Access-Control-Allow-Origin", "*" if "*" in allowed else origin)
             self.send_header("Vary", "Origin")
@@ -372,20 +381,6 @@ class CompressedAPIHandler(mlx_server.APIHandler):
     def _error(self, status: int, message: str, **kw) -> None:
         self._send_json(status, {"error": message}, **kw)
 
-    def _guarded(self, method) -> None:
-        """Run a request; a client gone or stalled past the socket timeout ends it quietly."""
-        _pending.status = None
-        _pending.client_gone = self._client_gone
-        try:
-            method()
-        except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError) as e:
-            self.close_connection = True
-            if isinstance(e, ClientGone):
-                self.response_generator.count(cancelled_client_gone=1)
-            logging.info("client %s gone (%s): request dropped", self.client_address[0], type(e).__name__)
-        finally:
-            _pending.client_gone = None
-
     def _client_gone(self) -> bool:  # readable with nothing to read: EOF
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
@@ -395,8 +390,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 
     def _access_refused(self) -> bool:
         """403 for an origin not allowed, 401 without the API key."""
-        origin = self.headers.get("Origin")
-        allowed = self.response_generator.cli_args.allowed_origins
+        origin, allowed = self.headers.get("Origin"), self.response_generator.cli_args.allowed_origins
         if origin is not None and "*" not in allowed and origin not in allowed:
             self._error(403, f"origin {origin!r} is not allowed (the server allows "
                              f"{', '.join(allowed) or 'no cross-origin requests'}; see --allow-origin)", close=True)
@@ -410,13 +404,10 @@ class CompressedAPIHandler(mlx_server.APIHandler):
                 return True
         return False
 
-    def do_OPTIONS(self):
-        self._guarded(super().do_OPTIONS)
+    do_OPTIONS = _guarded(mlx_server.APIHandler.do_OPTIONS)
 
+    @_guarded
     def do_GET(self):
-        self._guarded(self._get)
-
-    def _get(self):
         if self._access_refused():
             return
         if self.path.rstrip("/") == "/v1/kv/stats":
@@ -427,10 +418,8 @@ class CompressedAPIHandler(mlx_server.APIHandler):
             return self._send_json(200, {"object": "list", "data": data})
         return super().do_GET()
 
+    @_guarded
     def do_POST(self):
-        self._guarded(self._post)
-
-    def _post(self):
         """Access, path, Content-Length and UTF-8 checks, then mlx_lm's ``do_POST`` on the body read here."""
         if self._access_refused():
             return
@@ -544,8 +533,8 @@ def make_server(kv: KVSettings, cli_args: argparse.Namespace, *, max_prompt_toke
     provider.load("default_model")  # load before serving: handlers tokenize to check prompt lengths
     make_caches(provider.model, kv.method, kv.config)  # per-layer configuration errors surface now
     # errors: 4xx/5xx answers and error events ending a stream; generation_failures: loop failures survived
-    counters = {"requests": 0, "served_one_at_a_time": 0, "prompt_tokens_one_at_a_time": 0,
-                "reused_tokens": 0, "errors": 0, "cancelled_client_gone": 0, "generation_failures": 0}
+    counters = dict.fromkeys(("requests", "served_one_at_a_time", "prompt_tokens_one_at_a_time", "reused_tokens",
+                              "errors", "cancelled_client_gone", "generation_failures"), 0)
     store = PromptCacheStore(cli_args.prompt_cache_size, cli_args.prompt_cache_bytes)
     plain = SafePromptCache(cli_args.prompt_cache_size, counters)
     generator = CompressedResponseGenerator(provider, plain, kv, store, counters)

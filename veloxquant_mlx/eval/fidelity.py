@@ -13,7 +13,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache import KVCacheBuilder, KVCacheConfig
+from ..cache import KVCacheConfig
+from ..generate import make_caches as _make_caches
 from ..measure import fp16_kv_bytes, kv_bytes
 
 __all__ = ["FidelityResult", "make_caches", "prefill", "reconstruct", "reference_logprobs", "next_token_fidelity"]
@@ -42,9 +43,7 @@ class FidelityResult:
 
 def make_caches(model, config):
     """Caches for ``config`` (None or "none": mlx_lm's plain KVCache)."""
-    if config is None or config == "none":
-        return make_prompt_cache(model)
-    return KVCacheBuilder.for_model(model, config)
+    return _make_caches(model, "none" if config is None or config == "none" else config.method, config)
 
 
 def reconstruct(model, tokenizer) -> Callable[[list, list], None]:

@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 
 from ..measure import fraction_text
 
-__all__ = ["pareto_front", "pareto_points", "plot_pareto", "results_markdown", "PLOT_EXTRA_HINT", "DEFINITIONS"]
+__all__ = ["pareto_front", "pareto_points", "plot_pareto", "results_markdown", "row_cells", "HEADERS",
+           "PLOT_EXTRA_HINT", "DEFINITIONS"]
 
 KLD_FLOOR = 1e-6  # KL divergences below this are drawn at it (log axis)
 PLOT_EXTRA_HINT = "the Pareto plot needs matplotlib: pip install 'veloxquant-mlx[plot]'"
@@ -79,23 +80,28 @@ def _f(v, fmt=None):  # fmt None: a kv_fraction_of_fp16 with its words
     return "–" if v is None else fraction_text(v) if fmt is None else format(v, fmt)
 
 
+HEADERS = ("method", "settings", "task", "context", "ppl", "Δppl", "KLD (nats)", "top-1", "NIAH/recall", "KV bytes",
+           "fp16 KV bytes", "kv_fraction_of_fp16")
+
+
+def row_cells(r: dict) -> list[str]:
+    """A row's cells under :data:`HEADERS` (results.md and the ``eval`` table); an error row: its message."""
+    head = [r["method"], ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults", r["task"],
+            str(r["context"])]
+    if r.get("error"):
+        return head + ["error: " + r["error"][:80]] + [""] * 7
+    hits = None if r.get("niah_acc") is None else f"{r['niah_hits']}/{r['niah_trials']}"
+    hits = hits if r.get("copy_acc") is None else f"copy {r['copy_acc']:.3f}"
+    kld = None if r["kld"] is None else max(r["kld"], 0.0)  # float noise can make the none row -1e-8
+    return head + [_f(r["ppl"], ".3f"), _f(r["ppl_delta"], "+.3f"), _f(kld, ".4g"), _f(r["top1_agree"], ".3f"),
+                   hits or "–", _f(r["kv_bytes"], "d"), _f(r["kv_bytes_fp16"], "d"), _f(r["kv_fraction_of_fp16"])]
+
+
 def results_markdown(rows: Sequence[dict], meta: dict, plot_file: Optional[str] = None) -> str:
     """The ``results.md`` text: settings, a table of every row, the Pareto front, definitions."""
-    lines = ["# VeloxQuant-MLX quality results", "", *(f"- **{k}**: {v}" for k, v in meta.items())]
-    lines += ["", "| method | settings | task | context | ppl | Δppl | KLD (nats) | top-1 | NIAH | KV bytes | "
-                  "fp16 KV bytes | kv_fraction_of_fp16 |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "defaults"
-        if r.get("error"):
-            lines.append(f"| {r['method']} | {settings} | {r['task']} | {r['context']} | error: "
-                         f"{r['error'][:80]} | | | | | | | |")
-            continue
-        niah = None if r.get("niah_acc") is None else f"{r['niah_hits']}/{r['niah_trials']}"
-        lines.append(f"| {r['method']} | {settings} | {r['task']} | {r['context']} | {_f(r['ppl'], '.3f')} | "
-                     f"{_f(r['ppl_delta'], '+.3f')} | {_f(r['kld'], '.4g')} | {_f(r['top1_agree'], '.3f')} | "
-                     f"{niah or '–'} | {_f(r['kv_bytes'], 'd')} | {_f(r['kv_bytes_fp16'], 'd')} | "
-                     f"{_f(r['kv_fraction_of_fp16'])} |")
+    lines = ["# VeloxQuant-MLX quality results", "", *(f"- **{k}**: {v}" for k, v in meta.items()), "",
+             "| " + " | ".join(HEADERS) + " |", "|---|---|---|" + "---:|" * 9]
+    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in rows]
     points = pareto_points(rows)
     if points:
         front = pareto_front(points)

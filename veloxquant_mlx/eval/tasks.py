@@ -68,6 +68,18 @@ def _tick(progress: Progress, msg: str) -> None:
         progress(msg)
 
 
+def _memo(memo: dict, key, compute: Callable[[], Any]):
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def _hooks(model, tokenizer, progress: Progress, reconstruct_context: bool) -> dict:
+    """``on_chunk`` (the progress's prefill report) and ``after_prefill`` (the reconstruction pass) of a run."""
+    return dict(on_chunk=getattr(progress, "chunk", None),
+                after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None)
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
 
@@ -95,29 +107,23 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
     if context < 2 or n_score < 1:
         raise ValueError(f"need context >= 2 and n_score >= 1, got {context}, {n_score}")
     memo = {} if memo is None else memo
-    ids_key = ("ids", context + n_score, hash(text) if text is not None else None)
-    if ids_key not in memo:
-        memo[ids_key] = text_tokens(tokenizer, context + n_score, text)
-    ids = memo[ids_key]
+    ids = _memo(memo, ("ids", context + n_score, text), lambda: text_tokens(tokenizer, context + n_score, text))
     ref_key = ("ref", tuple(ids), context, n_score)
     _tick(progress, f"{task}: uncompressed reference ({context}+{n_score} tokens)")
-    if ref_key not in memo:
-        memo[ref_key] = reference_logprobs(model, ids, context, n_score)
+    ref = _memo(memo, ref_key, lambda: reference_logprobs(model, ids, context, n_score))
+    hooks = _hooks(model, tokenizer, progress, reconstruct_context)
 
     def run(spec):
-        r = next_token_fidelity(model, ids, context, n_score, spec.config(), ref_logp=memo[ref_key],
-                                on_chunk=getattr(progress, "chunk", None),
-                                after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None)
+        r = next_token_fidelity(model, ids, context, n_score, spec.config(), ref_logp=ref, **hooks)
         return dict(n_scored=r.n_scored, ppl=r.ppl, ppl_ref=r.ppl_ref, ppl_delta=r.ppl - r.ppl_ref, kld=r.kld,
                     top1_agree=r.top1_agree, kv_tokens=context + n_score - 1, kv_bytes=r.kv_bytes,
                     kv_bytes_fp16=r.kv_bytes_fp16)
     rows = []
     for spec in _specs(methods, include_none):
         _tick(progress, f"{task}: {spec.label}")
-        key = ("fid", spec.key, ref_key, reconstruct_context)
-        if key not in memo:
-            memo[key] = _measured(spec, task, context, model_name, lambda: run(spec), n_scored=n_score)
-        rows.append({**memo[key], "task": task, "model": model_name})
+        row = _memo(memo, ("fid", spec.key, ref_key, reconstruct_context),
+                    lambda: _measured(spec, task, context, model_name, lambda: run(spec), n_scored=n_score))
+        rows.append({**row, "task": task, "model": model_name})
     return rows
 
 
@@ -242,19 +248,17 @@ def eval_niah(model, tokenizer, methods: Sequence, *, context: int = 1024,
               memo: Optional[dict] = None, include_none: bool = True, reconstruct_context: bool = False) -> list[dict]:
     """NIAH rows: ``niah_acc`` = exact-match accuracy over ``depths`` (one passcode each, from ``seed``),
     ``niah_detail`` per depth; ``kv_bytes``: the trials' mean after the answer."""
-    memo = {} if memo is None else memo
-    hay_key = ("hay", context, hash(text) if text is not None else None)
-    if hay_key not in memo:
-        memo[hay_key] = text_tokens(tokenizer, context, text, repeat=True)
-    prompts = [build_niah_prompt(tokenizer, context, d, c, haystack_ids=memo[hay_key])
+    hay = _memo({} if memo is None else memo, ("hay", context, text),
+                lambda: text_tokens(tokenizer, context, text, repeat=True))
+    prompts = [build_niah_prompt(tokenizer, context, d, c, haystack_ids=hay)
                for d, c in zip(depths, passcodes(len(depths), seed))]
+    hooks = _hooks(model, tokenizer, progress, reconstruct_context)
 
     def run(spec, detail):
         config, sizes, n_tok = spec.config(), [], 0
         for p in prompts:
             _tick(progress, f"niah: {spec.label} depth {p.depth:g}")
-            answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, getattr(progress, "chunk", None),
-                                     reconstruct(model, tokenizer) if reconstruct_context else None)
+            answer, caches = _answer(model, tokenizer, p, config, max_new_tokens, **hooks)
             sizes.append(kv_bytes(caches))
             n_tok = cache_tokens(caches)
             del caches
@@ -284,20 +288,15 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
     ids = text_tokens(tokenizer, max(context, FAR_TOKENS) + passage) if text is None else _encode(tokenizer, text)
     prompts = ([build_recall_prompt(ids, context, depth=d, passage=passage) for d in depths]
                + [build_recall_prompt(ids, context, distance=n, passage=passage) for n in distances])
-    refs = []
-    for p in prompts:
-        key = ("recall_ref", tuple(p.ids), p.n_context)
-        if key not in memo:
-            memo[key] = reference_logprobs(model, p.ids, p.n_context, p.n_score)
-        refs.append(memo[key])
+    refs = [_memo(memo, ("recall_ref", tuple(p.ids), p.n_context),
+                  lambda: reference_logprobs(model, p.ids, p.n_context, p.n_score)) for p in prompts]
+    hooks = _hooks(model, tokenizer, progress, reconstruct_context)
 
     def run(spec):
         config, rs = spec.config(), []
         for p, ref in zip(prompts, refs):
             _tick(progress, f"recall: {spec.label} distance {p.distance}")
-            rs.append(next_token_fidelity(model, p.ids, p.n_context, p.n_score, config, ref_logp=ref,
-                                          on_chunk=getattr(progress, "chunk", None),
-                                          after_prefill=reconstruct(model, tokenizer) if reconstruct_context else None))
+            rs.append(next_token_fidelity(model, p.ids, p.n_context, p.n_score, config, ref_logp=ref, **hooks))
         mean = {k: sum(getattr(r, k) for r in rs) / len(rs)
                 for k in ("top1_target", "top1_target_ref", "kld", "top1_agree", "ppl", "ppl_ref", "kv_bytes")}
         detail = [{"depth": round(p.depth, 4), "distance": p.distance, "copy_acc": r.top1_target,
