@@ -154,12 +154,9 @@ class QuantizedEviction(CompressedKVCache):
     def _trim_rows(self, n: int) -> int:
         """The newest ``n`` rows from both parts, when every head still holds them (else ``ValueError``)."""
         ev = self.evict
-        if not self.frozen:
-            dropped = ev._trim_rows(n)
-        else:
-            if n > ev.rows or not bool(mx.all(ev.positions[:, :, ev.rows - n : ev.rows]
-                                             == mx.arange(self.offset - n, self.offset, dtype=mx.int32))):
-                raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed")
+        dropped = ev._trim_rows(n)  # raises unless every head holds them (ev.offset is ours)
+        if self.frozen:
+            ev.rows += n  # the quantizer may drop fewer, or raise
             dropped = self.quant.trim(n)
             ev.rows -= dropped
         ev.offset -= dropped

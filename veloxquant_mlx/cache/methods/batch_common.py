@@ -175,9 +175,7 @@ class RaggedBatchCache(CompressedKVCache):
             raise ValueError(f"{type(self).__name__} holds {self.batch_size} sequences, "
                              f"got a batch of {keys.shape[0]}")
         if not self._held():
-            for name, a in self._alloc(self.batch_size, self._region_dtype(keys.dtype)).items():
-                setattr(self, name, a)
-            self.cap = 0
+            self.__dict__.update(self._alloc(self.batch_size, self._region_dtype(keys.dtype)), cap=0)
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         if self._pending is None:
             return [N] * self.batch_size
@@ -188,8 +186,7 @@ class RaggedBatchCache(CompressedKVCache):
     def filter(self, batch_indices):
         idx = [int(i) for i in batch_indices]
         for name in self.count_fields:
-            values = getattr(self, name)
-            setattr(self, name, [values[i] for i in idx])
+            setattr(self, name, [getattr(self, name)[i] for i in idx])
         if self._pending is not None:
             self._pending = [self._pending[i] for i in idx]
         self._call = None
@@ -219,9 +216,7 @@ class RaggedBatchCache(CompressedKVCache):
             for c in (self, other):
                 if not c._held():
                     c._shape, c.dtype_name = ref._shape, ref.dtype_name
-                    for name, a in c._alloc(c.batch_size, ref._lead().dtype).items():
-                        setattr(c, name, a)
-                    c.cap = 0
+                    c.__dict__.update(c._alloc(c.batch_size, ref._lead().dtype), cap=0)
                 c._set_capacity(cap)
                 for name in c.right_fields:  # right-aligned: pad on the left
                     setattr(c, name, pad_left(getattr(c, name), width))
