@@ -35,6 +35,7 @@ import dataclasses
 import json
 
 import mlx.core as mx
+
 from . import dispatch
 from .contract import CompressedKVCache, config_from_json, register_with_mlx_lm
 from .errors import QuantizerConfigError

@@ -18,9 +18,8 @@ from typing import Any, Literal, Optional, Union
 from .artifacts import ArtifactStore
 from .base import METHOD_NAMES, is_method
 from .errors import QuantizerConfigError
-from .options import (  # noqa: F401  (MAX_*: re-exported, the bounds of the settings)
-    ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_DIM, MAX_FLOAT, MAX_GROUP, MAX_ITERS, MAX_LAYERS, MAX_SEED, MAX_TOKENS,
-    OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth, dims, rng_seed, rule_of, tokens)
+from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth,
+                      dims, rng_seed, rule_of, tokens)
 
 MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
