@@ -1,6 +1,5 @@
-"""``ArtifactStore``: precomputed artifacts (rotations, codebooks, JL matrices) shared within a process
-(in memory) or across processes (a ``.npy`` directory), via ``store.get_or_create(key, make)``.
-"""
+"""``ArtifactStore``: precomputed artifacts (rotations, codebooks, JL matrices) shared in memory or across
+processes (a ``.npy`` directory), via ``store.get_or_create(key, make)``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Attention helpers for caches that compute attention themselves (dispatch point), in mlx_lm's layouts:
-queries [B, Hq, N, D], keys/values [B, H, M, D] (Hq a multiple of H), masks None, "causal" (bottom-right
-aligned) or a boolean/additive array broadcastable to [B, Hq, N, M].
+"""Attention helpers for caches that attend themselves, in mlx_lm's layouts: queries [B, Hq, N, D],
+keys/values [B, H, M, D], masks None, "causal" (bottom-right aligned) or a boolean/additive array.
 """
 
 from __future__ import annotations
@@ -21,13 +20,11 @@ def ungroup(x: mx.array) -> mx.array:
 
 
 def bool_mask(mask, n_queries: int, n_keys: int, n_kv_heads: int | None = None):
-    """mlx_lm's mask as a boolean array broadcastable to [B, H, rep, N, M], or None ("causal": query i sees
-    keys 0 .. M - N + i)."""
+    """mlx_lm's mask as a boolean array broadcastable to [B, H, rep, N, M], or None."""
     if mask is None:
         return None
-    if isinstance(mask, str):
-        q = mx.arange(n_keys - n_queries, n_keys)[:, None]
-        return q >= mx.arange(n_keys)[None]
+    if isinstance(mask, str):  # "causal": query i sees keys 0 .. M - N + i
+        return mx.arange(n_keys - n_queries, n_keys)[:, None] >= mx.arange(n_keys)[None]
     if mask.dtype != mx.bool_:
         mask = mask > -1e30  # additive mask: -inf (or dtype min) marks hidden keys
     if mask.ndim == 4 and n_kv_heads is not None and mask.shape[1] > 1:
@@ -45,8 +42,7 @@ def attention_logits(queries: mx.array, keys: mx.array, scale: float) -> mx.arra
 
 
 def attention_with_weights(queries, keys, values, *, scale, mask):
-    """Dense attention and its probabilities: (out [B, Hq, N, Dv] in the queries' dtype, weights
-    [B, H, rep, N, M] float32)."""
+    """Dense attention (queries' dtype) and its float32 probabilities [B, H, rep, N, M]."""
     logits = attention_logits(queries, keys, scale)
     m = bool_mask(mask, queries.shape[2], keys.shape[2], keys.shape[1])
     if m is not None:
@@ -56,34 +52,31 @@ def attention_with_weights(queries, keys, values, *, scale, mask):
     return ungroup(out).astype(queries.dtype), weights
 
 
-# Tiled attention: a dense attention of a prefill chunk builds several [B, Hq, N, M] float32 score matrices
-# at once and peaks well above mlx_lm's plain cache. ``online_softmax_attention`` visits the keys in tiles
-# and keeps a running max, sum and output per query row (FlashAttention's online softmax, arXiv 2205.14135,
-# as MLX ops): a tile's transients are 1/TILE_FRACTION of the dense scores, at most TILE_MAX_ELEMENTS.
+# Tiled attention: a prefill chunk's dense scores [B, Hq, N, M] peak well above mlx_lm's plain cache, so
+# ``online_softmax_attention`` visits keys in tiles with a running max, sum and output per query row
+# (FlashAttention's online softmax, arXiv 2205.14135): 1/TILE_FRACTION of the scores, <= TILE_MAX_ELEMENTS.
 TILE_FRACTION = 16
 TILE_MAX_ELEMENTS = 1 << 24
 TILE_MIN_ROWS = 64
 
 
 def tile_rows(query_rows: int, n_keys: int, multiple: int = 1) -> int:
-    """Key rows per tile for ``query_rows`` (= B * Hq * N) queries over ``n_keys`` keys (see above; at least
-    TILE_MIN_ROWS), rounded down to a multiple of ``multiple`` (quantization groups)."""
+    """Key rows per tile for ``query_rows`` (B * Hq * N) queries over ``n_keys`` keys (at least TILE_MIN_ROWS),
+    a multiple of ``multiple`` (quantization groups)."""
     budget = min(query_rows * n_keys // TILE_FRACTION, TILE_MAX_ELEMENTS)
     rows = max(TILE_MIN_ROWS, budget // max(query_rows, 1))
     return max(multiple, rows // multiple * multiple)
 
 
 def tile_ranges(start: int, stop: int, tile: int):
-    """``(a, b)`` ranges covering ``start .. stop`` in steps of ``tile``."""
     return [(a, min(a + tile, stop)) for a in range(start, stop, tile)]
 
 
 def online_softmax_attention(shape, blocks, n_keys: int, mask, sinks, out_dtype):
-    """One softmax over blocks of keys visited in turn, without an [N, M] score matrix: ``[B, Hq, N, Dv]`` in
-    ``out_dtype``, what one dense softmax gives up to float32 rounding. ``shape`` = (B, H, rep, N);
-    ``blocks``: ``(start, stop, scores_fn, values_fn)`` over key columns ``start .. stop`` of the ``n_keys``,
-    ``scores_fn()`` -> scaled float32 scores ``[B, H, rep*N, m]``, ``values_fn(p)`` -> ``[B, H, rep*N, Dv]``;
-    ``sinks``: [Hq] attention-sink logits or None."""
+    """One softmax over blocks of keys in turn, without an [N, M] score matrix: ``[B, Hq, N, Dv]`` in
+    ``out_dtype``. ``shape`` = (B, H, rep, N); ``blocks``: ``(start, stop, scores_fn, values_fn)`` over key
+    columns ``start .. stop``, ``scores_fn()`` -> scaled float32 ``[B, H, rep*N, m]``, ``values_fn(p)`` ->
+    ``[B, H, rep*N, Dv]``; ``sinks``: [Hq] sink logits or None."""
     B, H, rep, N = shape
     full = None if mask is None or isinstance(mask, str) else bool_mask(mask, N, n_keys, H)
     causal = isinstance(mask, str) and N > 1
@@ -116,8 +109,8 @@ def online_softmax_attention(shape, blocks, n_keys: int, mask, sinks, out_dtype)
 
 
 def dense_blocks(q: mx.array, keys: mx.array, values: mx.array, start: int, tile: int):
-    """``online_softmax_attention`` blocks of ``tile`` rows over float ``keys``/``values [B, H, m, D]`` (key
-    columns ``start .. start + m``), for scaled float32 queries ``q [B, H, R, D]``."""
+    """``online_softmax_attention`` blocks of ``tile`` rows over ``keys``/``values [B, H, m, D]`` (columns
+    ``start ..``), for scaled float32 queries ``q [B, H, R, D]``."""
     out = []
     for a, b in tile_ranges(0, keys.shape[2], tile):
         k, v = keys[:, :, a:b], values[:, :, a:b]

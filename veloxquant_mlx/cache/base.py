@@ -1,6 +1,4 @@
-"""The method registry: every method's name, family, protocol and paper, and its class once built
-(``@register("name")``); a listed method without a class makes the factory raise ``NotImplementedError``.
-"""
+"""The method registry: each method's name, family, protocol, paper and class (``@register("name")``)."""
 
 from __future__ import annotations
 
@@ -60,7 +58,7 @@ _METHOD_TABLE = {
 
 METHOD_NAMES = tuple(_METHOD_TABLE)
 
-# Methods with the per-vector API (append_key / append_value / attend / memory_bytes / reset), not mlx_lm's.
+# per-vector API (append_key / append_value / attend / memory_bytes / reset), not mlx_lm's
 STANDALONE_METHODS = frozenset(n for n, (_, p, _) in _METHOD_TABLE.items() if p == STANDALONE)
 
 
@@ -93,9 +91,8 @@ def register(name: str):
 
 
 def add_method(name: str, family: str, options: Optional[type] = None, paper: str = "no paper"):
-    """Add an mlx_lm-protocol method (a plug-in, a test's throw-away method) and its options class, so that
-    ``@register(name)`` and ``KVCacheConfig(method=name)`` accept it; returns a function removing it again.
-    ``METHOD_NAMES`` (the spec's list) is not changed."""
+    """Add an mlx_lm-protocol method (a plug-in) and its options class for ``@register`` and ``KVCacheConfig``
+    (``METHOD_NAMES``, the spec's list, unchanged); returns a function removing it again."""
     from .options import OPTIONS_BY_METHOD
     if name in _METHOD_TABLE:
         raise KeyError(f"method {name!r} exists")
@@ -115,7 +112,7 @@ def add_method(name: str, family: str, options: Optional[type] = None, paper: st
 
 
 def is_method(name) -> bool:
-    """Whether ``name`` is a method: the built-in table plus :func:`add_method`'s."""
+    """Whether ``name`` is a method (built-in or :func:`add_method`'s)."""
     return isinstance(name, str) and name in _METHOD_TABLE
 
 

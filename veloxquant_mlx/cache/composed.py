@@ -1,38 +1,31 @@
 """Evict *and* quantize: an eviction method whose kept rows are stored as a quantizer's codes.
 
 ``KVCacheConfig(method="snapkv", bit_width_inlier=4, options=SnapKVOptions(budget=1024, quantize="waterfill"))``
-(or ``quantize=WaterfillOptions(residual_length=16)``): any eviction method (on ``EvictionKVCache``) chooses
-the rows, any mlx_lm-protocol quantization method stores them, reading its shared fields from the config and
-its own settings from its options object. ``QuantizedEviction`` (one subclass per eviction class) holds
-``evict``, the eviction cache, and ``quant``, the quantizer cache:
+(or ``quantize=WaterfillOptions(...)``): any eviction method chooses the rows, any mlx_lm-protocol
+quantization method stores them (shared fields from the config, its own from its options).
+``QuantizedEviction`` (one subclass per eviction class) holds ``evict`` and ``quant``:
 
-* **A prefill call** (more than one row): the stored rows are decoded from the codes into the eviction cache
-  ("thaw"), the call's rows appended, attended and scored with the call's real queries exactly as the plain
-  method does, and evicted to its budget; then the kept rows go to a fresh quantizer as one prefill
-  ("freeze"), whose ``attend`` is shown the call's queries (waterfill weighs its key widths by them; the
-  output is discarded, never computed). The eviction cache keeps only its per-row bookkeeping.
-* **A decode call** (one row) is appended to the quantizer and attended on its codes (``quant.attend``,
-  fused kernels included); its position is appended to the bookkeeping.
+* **A prefill call** decodes the stored rows into the eviction cache ("thaw"), appends, attends and scores
+  with the call's real queries as the plain method does and evicts to the budget; the kept rows then go to
+  a fresh quantizer as one prefill ("freeze"), shown the call's queries (waterfill weighs its key widths by
+  them; that output is never computed). The eviction cache keeps only its per-row bookkeeping.
+* **A decode call** is appended to the quantizer and attended on its codes (``quant.attend``).
 
-So the kept positions are the plain method's, attention runs on the compressed form, and ``nbytes`` is the
-sum of both parts' held arrays. The quantizer sees the kept rows as its rows ``0 .. K-1`` (its ``offset`` is
-its row count); a quantizer that undoes RoPE (waterfill) undoes and re-applies it at those row indices, so
-keys are exact up to its quantization error but quantized rotated by ``position - row``, not fully pre-RoPE.
+The kept positions are the plain method's and ``nbytes`` sums both parts. The quantizer sees the kept rows
+as its rows ``0 .. K-1``; one that undoes RoPE (waterfill) does so at those indices, so keys are quantized
+rotated by ``position - row``, not fully pre-RoPE (exact up to its error).
 
 Deviations from the plain methods:
 
-* Decode calls do not evict (``decode_evict=True`` is refused with ``quantize``); methods that evict while
-  decoding by default (h2o, tova, pyramidkv, ...) keep every decoded row, and decode queries do not update
-  their per-row scores.
-* A prefill call after rows were frozen (a chunked prompt, a second turn) re-quantizes the rows it keeps
-  from their decoded values with a fresh, newly calibrated quantizer: older rows carry each
-  re-quantization's error; not chunk-invariant, ``trim`` not exact.
-* That fresh quantizer is a copy of the layer's (its RoPE bound); in a cache loaded from a file it is built
-  from the quantizer's config alone (waterfill then codes those keys post-RoPE: exact up to its error, less
-  compact).
-* Without the attention dispatch point the rows are frozen in ``update_and_fetch`` (key-proxy scores) and
-  the quantizer sees no queries.
-* Not batchable (``merge`` raises ``BatchingNotSupported``).
+* Decode calls do not evict (``decode_evict=True`` is refused): methods that evict while decoding (h2o,
+  tova, pyramidkv, ...) keep every decoded row, and decode queries do not update per-row scores.
+* A later prefill call (chunked prompt, second turn) re-quantizes the rows it keeps from their decoded
+  values with a fresh, newly calibrated quantizer: errors compound; not chunk-invariant, ``trim`` not exact.
+* That fresh quantizer is a copy of the layer's (its RoPE bound); after loading from a file it is built from
+  the config alone (waterfill then codes keys post-RoPE: exact up to its error, less compact).
+* Without the dispatch point rows are frozen in ``update_and_fetch`` (key-proxy scores), the quantizer sees
+  no queries.
+* Not batchable.
 """
 
 from __future__ import annotations
@@ -42,10 +35,9 @@ import dataclasses
 import json
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 
 from . import dispatch
-from .contract import CompressedKVCache, config_from_json
+from .contract import CompressedKVCache, config_from_json, register_with_mlx_lm
 from .errors import QuantizerConfigError
 from .eviction import EvictionKVCache
 from .options import MethodOptions, quantizer_methods
@@ -67,8 +59,7 @@ def _implemented(method: str) -> type:
 
 
 class QuantizedEviction(CompressedKVCache):
-    """Base of the composed caches (see the module docstring); ``composed_class`` makes one subclass
-    per eviction class (``evict_class``), registered with mlx_lm under ``Quantized<EvictionClass>``."""
+    """Base of the composed caches; ``composed_class`` makes one subclass per eviction class."""
 
     evict_class: type = EvictionKVCache
     chunk_invariant = False  # each prefill call evicts and re-quantizes what it keeps
@@ -77,7 +68,7 @@ class QuantizedEviction(CompressedKVCache):
     frozen = False  # the rows live in ``quant`` (after a prefill call's attention, and while decoding)
 
     def __init__(self, config, evict=None, quant=None):
-        super().__init__(config)  # (the options refuse decode_evict=True with quantize)
+        super().__init__(config)
         self.evict = evict if evict is not None else self.evict_class(config)
         self.evict.decode_evict = False
         self.quant = quant if quant is not None else _implemented(quant_config(config).method)(quant_config(config))
@@ -107,7 +98,6 @@ class QuantizedEviction(CompressedKVCache):
             return getattr(ev, name)
         raise AttributeError(name)
 
-    # ---------------------------------------------------------------- storage
     def update_and_fetch(self, keys, values):
         ev, n = self.evict, keys.shape[2]
         if self.frozen and n == 1:  # decode: the quantizer stores and attends
@@ -129,13 +119,11 @@ class QuantizedEviction(CompressedKVCache):
 
     def _thaw(self) -> None:
         """Decode the frozen rows back into the eviction cache (a prefill call scores them)."""
-        if not self.frozen:
-            return
-        ev, q = self.evict, self.quant
-        k, v = q._dense()
-        dt = ev.storage_dtype(k.dtype)
-        ev.keys, ev.values = k.astype(dt), v.astype(dt)
-        self.frozen = False
+        if self.frozen:
+            k, v = self.quant._dense()
+            dt = self.evict.storage_dtype(k.dtype)
+            self.evict.keys, self.evict.values = k.astype(dt), v.astype(dt)
+            self.frozen = False
 
     def _freeze(self, queries, scale) -> None:
         """Hand the eviction cache's kept rows to a fresh quantizer (shown ``queries``, if any)."""
@@ -147,7 +135,7 @@ class QuantizedEviction(CompressedKVCache):
             self._blank = copy.copy(self.quant)
         q = copy.copy(self._blank) if self._blank is not None else type(self.quant)(self.quant.config)
         qk, qv = q.update_and_fetch(k, v)
-        if queries is not None:  # lets the quantizer see the real queries (e.g. to calibrate)
+        if queries is not None:  # the quantizer sees the real queries (to calibrate)
             q.attend(queries[:, :, -n:], qk, qv, scale=scale, mask=None)
         self.quant, self.frozen = q, True
 
@@ -165,14 +153,11 @@ class QuantizedEviction(CompressedKVCache):
         return self.evict.rows
 
     def _trim_rows(self, n: int) -> int:
-        """The newest ``n`` rows, when every head still holds them (else ``ValueError``), from both parts."""
+        """The newest ``n`` rows from both parts, when every head still holds them (else ``ValueError``)."""
         ev = self.evict
-        if not self.frozen:
-            dropped = ev._trim_rows(n)
-        else:
-            if n > ev.rows or not bool(mx.all(ev.positions[:, :, ev.rows - n : ev.rows]
-                                             == mx.arange(self.offset - n, self.offset, dtype=mx.int32))):
-                raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed")
+        dropped = ev._trim_rows(n)  # raises unless every head holds them (ev.offset is ours)
+        if self.frozen:
+            ev.rows += n  # the quantizer may drop fewer, or raise
             dropped = self.quant.trim(n)
             ev.rows -= dropped
         ev.offset -= dropped
@@ -187,20 +172,15 @@ class QuantizedEviction(CompressedKVCache):
         """Rows held as the quantizer's (0 while a prefill call is between store and attention)."""
         return self.quant.stored_rows() if self.frozen else 0
 
-    # ---------------------------------------------------------------- state
     @property
     def state(self):
-        out = CompressedKVCache.state.fget(self)
-        out["evict"] = self.evict.state
-        out["quant"] = self.quant.state
-        return out
+        return {**CompressedKVCache.state.fget(self), "evict": self.evict.state, "quant": self.quant.state}
 
     @state.setter
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
         self.evict = self.evict_class.from_state(v["evict"])
-        qcls = _implemented(self.part_method(v["quant"]))
-        self.quant = qcls.from_state(v["quant"])
+        self.quant = _implemented(self.part_method(v["quant"])).from_state(v["quant"])
         q = self.quant.config.options if self.quant.config.options is not None else self.quant.config.method
         self.config = self.config.replace(options=dataclasses.replace(self.config.options, quantize=q))
         self._blank = None
@@ -224,23 +204,20 @@ _CLASSES: dict[type, type] = {}
 
 
 def composed_class(evict_cls: type) -> type:
-    """The ``QuantizedEviction`` subclass of eviction class ``evict_cls`` (made once, registered with
-    mlx_lm so ``load_prompt_cache`` finds it)."""
+    """The ``QuantizedEviction`` subclass of ``evict_cls`` (made once, registered with mlx_lm)."""
     if not (isinstance(evict_cls, type) and issubclass(evict_cls, EvictionKVCache)):
         raise QuantizerConfigError("quantize", getattr(evict_cls, "method_name", evict_cls),
                                    "None: only eviction methods (EvictionKVCache) keep their rows quantized")
     if evict_cls not in _CLASSES:
-        name = f"Quantized{evict_cls.__name__}"
-        doc = f"{evict_cls.__name__}, kept rows quantized."
-        cls = type(name, (QuantizedEviction,), {"evict_class": evict_cls, "method_name": evict_cls.method_name,
-                                                "__module__": __name__, "__doc__": doc})
-        setattr(mlx_cache, name, cls)
-        _CLASSES[evict_cls] = cls
+        _CLASSES[evict_cls] = register_with_mlx_lm(type(
+            f"Quantized{evict_cls.__name__}", (QuantizedEviction,),
+            {"evict_class": evict_cls, "method_name": evict_cls.method_name, "__module__": __name__,
+             "__doc__": f"{evict_cls.__name__}, kept rows quantized."}))
     return _CLASSES[evict_cls]
 
 
 def register_composed() -> None:
-    """Make the composed class of every built eviction method (so saved caches load in a new process)."""
+    """Make every built eviction method's composed class (saved caches load in a new process)."""
     from .base import EVICTION, all_methods
     for info in all_methods():
         if info.family == EVICTION and isinstance(info.cls, type) and issubclass(info.cls, EvictionKVCache):

@@ -1,11 +1,9 @@
 """``KVCacheConfig``: the one configuration object every cache is built from.
 
-Fields, types and defaults follow the API reference exactly (a test checks the spec's signature): the
-shared fields are written out below, the per-method flat fields generated from the options classes
-(:mod:`.options`) in the spec's order. Per-method settings are given as an options dataclass
-(``options=SnapKVOptions(...)``, which fills the flat fields); a flat field set directly still works but
-warns (``DeprecationWarning`` naming its replacement). ``config.options`` is always the method's options
-object. Every value is checked by its declaration's rule (``QuantizerConfigError``: field, value, allowed).
+Its signature is the API reference's (a test checks it): shared fields written out, per-method flat fields
+generated from the options classes (:mod:`.options`) in the spec's order. ``options=SnapKVOptions(...)`` fills
+the flat fields; setting one directly still works but warns (``DeprecationWarning``); ``config.options`` is
+always the method's options object. Every value is checked by its declaration's rule.
 """
 
 from __future__ import annotations
@@ -20,15 +18,13 @@ from typing import Any, Literal, Optional, Union
 from .artifacts import ArtifactStore
 from .base import METHOD_NAMES, is_method
 from .errors import QuantizerConfigError
-from .options import (  # noqa: F401  (MAX_*: re-exported, the bounds of the settings)
-    ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_DIM, MAX_FLOAT, MAX_GROUP, MAX_ITERS, MAX_LAYERS, MAX_SEED, MAX_TOKENS,
-    OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth, dims, rng_seed, rule_of, tokens)
+from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth,
+                      dims, rng_seed, rule_of, tokens)
 
 MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
-#: The spec's order of the flat fields after ``options``: a method places its options' aliases not placed yet;
-#: another name that one alias (vecinfer's arrays precede spectral's fields); a tuple a field declared here
-#: (the per-layer values the library derives, ``DERIVED_FIELDS``). Options left out come at the end.
+#: The spec's order of the flat fields: a method places its options' aliases not placed yet, another name
+#: that one alias, a tuple a field declared here (``DERIVED_FIELDS``); options left out come last.
 _LAYOUT = (
     "turboquant_rvq", "kivi", "svdq", "kitty", "adakv", "xquant", "kvquant", "palu", "cachegen",
     ("cachegen_resolved_bits", "Optional[int]", bitwidth(None)), "minicache", "gear", "zipcache", "snapkv",
@@ -40,8 +36,8 @@ _LAYOUT = (
 
 
 def flat_fields(layout) -> list[tuple[str, str, dataclasses.Field]]:
-    """``(name, annotation, field)`` of the flat fields ``layout`` places, each a copy of its options
-    declaration; classes sharing a flat field (``residual_length``) must declare it alike."""
+    """``(name, annotation, field)`` of the flat fields ``layout`` places, copied from their options
+    declarations (which must agree where classes share one, e.g. ``residual_length``)."""
     out: dict[str, tuple] = {}
     for item in layout:
         if isinstance(item, tuple):
@@ -65,8 +61,7 @@ def _with_flat_fields(cls):
     return cls
 
 
-# Per thread: a server builds per-layer configs on several threads; a process-wide flag could stay on.
-_quiet = threading.local()
+_quiet = threading.local()  # per thread: a server builds per-layer configs on several
 
 
 @contextlib.contextmanager
@@ -134,11 +129,11 @@ class KVCacheConfig:
             setattr(self, flat, value)
 
     def option(self, name: str, default=None):
-        """An option-only setting (e.g. ``decode_evict``) from ``options``, or ``default`` without it."""
+        """An option-only setting (``decode_evict``) from ``options``, else ``default``."""
         return getattr(self.options, name, default) if self.options is not None else default
 
     def replace(self, **changes) -> "KVCacheConfig":
-        """A copy with ``changes`` applied (used for per-layer configs; emits no deprecation warnings)."""
+        """A copy with ``changes`` applied (per-layer configs; no deprecation warnings)."""
         if changes.get("method", self.method) != self.method and "options" not in changes:
             changes["options"] = None  # rebuilt for the new method from the flat fields
         opts = changes.get("options", self.options)
@@ -153,9 +148,7 @@ class KVCacheConfig:
 _DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
              for f in dataclasses.fields(KVCacheConfig)}
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(KVCacheConfig)}
-# Checked on their own in ``validate_config``: the method, the per-layer width list and the objects.
-_OWN_CHECKS = ("method", "bit_width_inlier", "dtype", "store", "observers", "options")
-#: The rule of every other field, from its declaration (``.options.Rule``).
+_OWN_CHECKS = ("method", "bit_width_inlier", "dtype", "store", "observers", "options")  # validate_config's
 FIELD_RULES = {f.name: rule_of(f) for f in dataclasses.fields(KVCacheConfig) if f.name not in _OWN_CHECKS}
 
 
@@ -171,7 +164,6 @@ def _check(ok: bool, name: str, value, allowed: str) -> None:
         raise QuantizerConfigError(name, value, allowed)
 
 
-#: The dtypes a cache may store or compute in.
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 
 
@@ -208,8 +200,8 @@ def validate_config(cfg: KVCacheConfig) -> None:
 
 
 def validate_for_model(cfg: KVCacheConfig, head_dim: int, n_layers: int) -> None:
-    """Raise ``QuantizerConfigError`` for a sub-vector width over the head dim or a layer group set over the
-    layer count (defaults pass: the methods shorten their last group, so 3 on 2 layers means all)."""
+    """Refuse a sub-vector width over the head dim or a layer group set over the layer count (defaults pass:
+    the methods shorten their last group)."""
     for name, rule in FIELD_RULES.items():
         v = getattr(cfg, name)
         if rule.bound == "head_dim" and v is not None and v > head_dim:

@@ -1,24 +1,17 @@
 """The mlx_lm cache contract, implemented once for every mlx_lm-protocol cache.
 
-mlx_lm's attention code does::
-
-    q = rope(q, offset=cache.offset); k = rope(k, offset=cache.offset)
-    k, v = cache.update_and_fetch(k, v)
-    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=..., mask=mask)
-
-with ``mask`` built before ``update_and_fetch`` from the first layer's ``make_mask`` and shared by all
-layers. ``CompressedKVCache`` keeps that contract for caches that store fewer or encoded rows:
+mlx_lm ropes q and k at ``cache.offset``, calls ``k, v = cache.update_and_fetch(k, v)``, then attends with a
+mask built beforehand from layer 0's ``make_mask`` and shared by all layers. ``CompressedKVCache`` keeps that
+contract for caches that store fewer or encoded rows:
 
 * ``offset`` is always the logical position (it drives RoPE), whatever is stored.
-* ``update_and_fetch`` returns every stored row (in position order) then the new rows. Past rows are all
-  visible to every new query, so the bottom-right-aligned ``"causal"`` mask fits any stored count and
-  layers keeping different counts share one mask. The dense rows are lazy: when the dispatch point
-  (``dispatch.py``) routes attention to ``attend`` on the compressed form, MLX never computes them.
+* ``update_and_fetch`` returns every stored row (position order) then the new ones; past rows are visible to
+  every new query, so the bottom-right ``"causal"`` mask fits any stored count. The dense rows are lazy: when
+  the dispatch point (``dispatch.py``) routes attention to ``attend``, MLX never computes them.
 * ``state`` is ``{"meta": json, <array name>: array, ...}`` and carries the config, so ``from_state`` (and
   mlx_lm's ``load_prompt_cache``) rebuild an identical cache.
-* ``nbytes`` is the sum of ``.nbytes`` of the arrays held (``held_arrays``), never an estimate.
-* ``merge`` raises ``BatchingNotSupported`` unless the class batches its compressed form (``batchable``,
-  ``_merge_batch``): never a plain uncompressed batch cache.
+* ``nbytes`` is the sum of the held arrays' ``.nbytes`` (``held_arrays``), never an estimate.
+* ``merge`` raises ``BatchingNotSupported`` unless the class batches its compressed form (``batchable``).
 
 A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``stored_rows`` and may override ``attend``.
 """
@@ -49,8 +42,7 @@ def config_to_json(config) -> str:
     from .config import _DEFAULTS
     out = {}
     for f in dataclasses.fields(config):
-        v = getattr(config, f.name)
-        # array-valued inputs (codebooks, smoothing factors) are skipped: the state holds what the cache fitted
+        v = getattr(config, f.name)  # arrays (codebooks) are skipped: the state holds what the cache fitted
         plain = isinstance(v, (int, float, str, bool, tuple, list, type(None)))
         if f.name not in _CONFIG_SKIP and plain and v != _DEFAULTS[f.name]:
             out[f.name] = list(v) if isinstance(v, tuple) else v
@@ -70,16 +62,14 @@ def config_from_json(text: str):
         return KVCacheConfig(**values)
 
 
-#: Before it compresses (short chats) a cache holds at most its tokens' float16 rows plus, per layer, this
-#: many float16 key and value rows (spare rows, a KIVI residual group, calibration arrays), plus per-model
-#: constants (``constant_nbytes``). ``tests/test_prefill_memory.py`` holds every mlx_lm-protocol method to it.
+#: Float16 rows per layer a cache may hold beyond its tokens' before it compresses (spare rows, a KIVI
+#: residual, calibration), per-model constants aside; ``tests/test_prefill_memory.py`` checks every method.
 SHORT_PROMPT_SLACK_ROWS = 32
 
 
 def short_prompt_bound(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int,
                        batch: int = 1) -> int:
-    """Most bytes a cache may hold for ``n_tokens`` tokens before compression starts, per-model constants
-    aside: float16 rows of the tokens plus ``SHORT_PROMPT_SLACK_ROWS`` rows per layer."""
+    """Most bytes a cache may hold for ``n_tokens`` tokens before it compresses (see above)."""
     return 2 * batch * n_layers * n_kv_heads * (head_dim + value_dim) * (n_tokens + SHORT_PROMPT_SLACK_ROWS)
 
 
@@ -87,26 +77,17 @@ class CompressedKVCache(mlx_cache._BaseCache):
     """Base of every mlx_lm-protocol cache of this library. See the module docstring."""
 
     method_name = "?"
-    array_fields: tuple[str, ...] = ()  # the array attributes the cache holds (state and nbytes)
+    array_fields: tuple[str, ...] = ()  # the array attributes held (state and nbytes)
     scalar_fields: tuple[str, ...] = ()  # the other attributes of its state besides ``offset``
-    #: scalar fields holding a JSON object (a RoPE spec); others are numbers, strings, booleans, null or
-    #: lists of them (saved caches are checked against this)
-    object_scalar_fields: tuple[str, ...] = ()
+    object_scalar_fields: tuple[str, ...] = ()  # scalar fields holding a JSON object (a RoPE spec)
 
-    # Prefix reuse (a server trims a prompt cache back to the shared prefix and prefills the rest) equals a
-    # fresh run only where both flags hold; each method declares them with its reason, proved both ways by
-    # tests/test_chunk_invariance.py, listed in docs/ARCHITECTURE.md ("Prefix reuse").
-    # ``chunk_invariant``: later outputs do not depend on how the same rows were split across calls.
-    chunk_invariant: bool = True
-    # ``exact_trim``: ``trim(n)`` right after n appended rows returns n and leaves a cache equivalent to one
-    # that never saw them.
-    exact_trim: bool = True
-    # ``trim_exact_or_raises``: such a trim is exact unless it raises ``ValueError`` (KIVI groups: rows
-    # still in the residual trim exactly); a server trims a copy and recomputes when it raises.
+    # Prefix reuse (trim to the shared prefix, prefill the rest) equals a fresh run only where both hold
+    # (tests/test_chunk_invariance.py; docs/ARCHITECTURE.md "Prefix reuse"):
+    chunk_invariant: bool = True  # outputs do not depend on how the rows were split across calls
+    exact_trim: bool = True  # trim(n) after n appended rows leaves a cache that never saw them
+    # such a trim is exact unless it raises ValueError (KIVI: rows still in the residual); a server retries
     trim_exact_or_raises: bool = False
-    # ``batchable``: ``merge`` builds a batch form of the compressed cache (a server batches only these);
-    # not inherited.
-    batchable: bool = False
+    batchable: bool = False  # ``_merge_batch`` builds a batch form (a server batches only these); not inherited
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -150,9 +131,8 @@ class CompressedKVCache(mlx_cache._BaseCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         """Attention for this call (dispatch point); by default dense over what ``update_and_fetch`` returned."""
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys), sinks=sinks
-        )
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=self._own_mask(mask, queries, keys), sinks=sinks)
 
     def _own_mask(self, mask, queries, keys):
         """mlx_lm's shared mask comes from layer 0, whose row count may differ: a string/None mask fits any
@@ -166,22 +146,18 @@ class CompressedKVCache(mlx_cache._BaseCache):
 
     def _check_input(self, keys, values):
         if keys.ndim != 4 or values.ndim != 4:
-            raise CacheInputError(
-                f"{type(self).__name__}.update_and_fetch expects [B, H, N, D] keys and values, "
-                f"got {keys.shape} and {values.shape}"
-            )
+            raise CacheInputError(f"{type(self).__name__}.update_and_fetch expects [B, H, N, D] keys and values, "
+                                  f"got {keys.shape} and {values.shape}")
         if keys.shape[:3] != values.shape[:3]:
             raise CacheInputError(f"keys {keys.shape} and values {values.shape} differ in B, H or N")
         if not mx.issubdtype(keys.dtype, mx.floating) or not mx.issubdtype(values.dtype, mx.floating):
             raise CacheInputError(f"keys/values must be floating point, got {keys.dtype}/{values.dtype}")
         expected = getattr(self, "_shape", None)
         if expected is not None and (keys.shape[1], keys.shape[3], values.shape[3]) != expected:
-            raise CacheInputError(
-                f"{type(self).__name__} holds H={expected[0]}, key D={expected[1]}, value D={expected[2]}; "
-                f"got keys {keys.shape}, values {values.shape} (head_dim mismatch?)"
-            )
+            raise CacheInputError(f"{type(self).__name__} holds H={expected[0]}, key D={expected[1]}, value "
+                                  f"D={expected[2]}; got keys {keys.shape}, values {values.shape} (head_dim mismatch?)")
+        # prefill chunks only: a per-decode-step check would force a host sync
         if keys.shape[2] > 1 and not bool(mx.all(mx.isfinite(keys)) and mx.all(mx.isfinite(values))):
-            # Checked on prefill chunks only: a per-decode-step check would force a host sync.
             raise CacheInputError(f"{type(self).__name__}: NaN or Inf in keys/values")
         self._shape = (keys.shape[1], keys.shape[3], values.shape[3])
 
@@ -220,13 +196,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         raise BatchingNotSupported(
             f"{cls.__name__} ({cls.method_name}) cannot merge into a batch cache without losing its "
             "compression; serve these requests one at a time"
-            + (f" (batch also holds {', '.join(others)})" if others and cls.batchable else "")
-        )
-
-    @classmethod
-    def _merge_batch(cls, caches):
-        """The batch form of ``caches`` (all exactly of type ``cls``); only where ``batchable``."""
-        raise BatchingNotSupported(f"{cls.__name__} has no batch form")
+            + (f" (batch also holds {', '.join(others)})" if others and cls.batchable else ""))
 
     def __deepcopy__(self, memo):
         """Copies all but the (never mutated) config and MLX dtypes; objects shared between layers

@@ -1,32 +1,27 @@
-"""Position-tracked eviction storage: the shared base of every eviction method.
+"""Position-tracked eviction storage, the base of every eviction method (a method is a scoring function).
 
-An eviction method is a scoring function on this base. ``EvictionKVCache`` stores each head's kept rows
-(``keys``/``values`` [B, H, capacity, D]) with their logical ``positions`` [B, H, capacity], appends in place,
-protects sinks and a recent window, keeps each head's top-scoring rows (heads may keep different tokens, all
-the same count, so one mask fits them all) and does the mlx_lm bookkeeping through ``CompressedKVCache``.
-What every method shares, documented here once (method docstrings point here):
+``EvictionKVCache`` keeps each head's rows (``keys``/``values`` [B, H, capacity, D]) with their ``positions``,
+appends in place, protects sinks and a recent window and keeps each head's top-scoring rows (all heads the
+same count, so one mask fits). What every method shares, documented once here:
 
-* **Real queries.** With the attention dispatch point installed (``for_model`` installs it), eviction is
-  deferred to ``attend`` and scores with the call's own last ``obs_window`` queries; without it the last
-  ``obs_window`` new keys stand in for queries (the documented fallback), in ``update_and_fetch``. Either
-  way it happens after the call's rows were returned, so mlx_lm's mask (built from the previous count) fits.
+* **Real queries.** With the dispatch point installed, eviction waits for ``attend`` and scores with the
+  call's last ``obs_window`` queries; without it the newest keys stand in for them. Either way it runs
+  after the call's rows were returned, so mlx_lm's mask fits.
 * **Decode-time budget** (``decode_evict``): whether one-row calls evict too: the cache's own setting (from
-  the options' ``decode_evict``, kept in ``state``), else ``config.decode_evict``, else the class's
-  ``decode_evict_default`` (the paper's). Multi-row (prefill) calls always cut to the budget.
-* **Slack** (``BatchedEviction``): decode steps evict in blocks: the cache grows by ``evict_slack`` rows
-  (``default_slack(budget) = max(8, budget // 8)`` unless a method says otherwise; 0: every step, one row by
-  an argmin), then one top-k cuts it back, so at most ``budget + slack`` rows are held, and a decode-time
-  observation window is the queries seen since the previous eviction.
-* **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along (never read), so decode
-  rows append in place until the next eviction; ``nbytes`` counts them, since they are held.
-* **Trim.** ``trim(n)`` drops the ``n`` newest rows when every head still holds them, else ``ValueError``
-  (an evicted row cannot be restored). What their queries added to other rows (votes, scores) and what
-  their calls evicted stay: most methods declare ``exact_trim = False``.
-* **Settle.** Per-row state accumulated lazily (``row_fields``: votes, scores) is scheduled
-  (``mx.async_eval``, no host sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
-* **Votes** (``VotingEviction``: PyramidKV, SqueezeAttention, ChunkKV, CaM): each row accumulates the
-  attention mass it receives, from the last ``obs_window`` queries of each call (SnapKV-style, reset after
-  each eviction) or from every query (H2O-style, never reset).
+  the options, in ``state``), else ``config.decode_evict``, else ``decode_evict_default`` (the paper's).
+  Prefill calls always cut to the budget.
+* **Slack** (``BatchedEviction``): decoding grows the cache by ``evict_slack`` rows (``default_slack``:
+  ``max(8, budget // 8)``; 0: one row per step, by an argmin) before one top-k cuts it back; at most
+  ``budget + slack`` rows are held; a decode-time observation window is the queries since the last eviction.
+* **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along so decode rows append in
+  place; ``nbytes`` counts them.
+* **Trim.** ``trim(n)`` drops the ``n`` newest rows if every head still holds them, else ``ValueError``;
+  what their queries added to other rows stays (most methods: ``exact_trim = False``).
+* **Settle.** Lazily accumulated per-row state (``row_fields``) is scheduled (``mx.async_eval``, no host
+  sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
+* **Votes** (``VotingEviction``: PyramidKV, SqueezeAttention, ChunkKV, CaM): rows accumulate the attention
+  mass from each call's last ``obs_window`` queries (SnapKV-style, reset after each eviction) or from every
+  query (H2O-style, never reset).
 """
 
 from __future__ import annotations
@@ -45,9 +40,8 @@ _check_decode_evict = SnapKVOptions.RULES["decode_evict"].check
 
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
                        key_positions: mx.array) -> mx.array:
-    """Attention mass each key row receives from the observation queries, summed over queries and
-    over the query heads of each KV head (GQA). obs_queries [B, Hq, W, D], keys [B, H, M, D],
-    positions of the queries [W] and keys [B, H, M] (causality). Returns [B, H, M] float32."""
+    """[B, H, M] float32 attention mass each key row gets from the queries [B, Hq, W, D] (summed over them
+    and each KV head's query heads), causal by the positions [W] and [B, H, M]."""
     logits = attention_logits(obs_queries, keys, scale)  # [B, H, rep, W, M]
     visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
     weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
@@ -66,14 +60,12 @@ class EvictionKVCache(CompressedKVCache):
     recent: int = 0
     obs_window: int = 32
 
-    # Extra per-row float32 arrays [B, H, capacity] (accumulated scores, counters): grown with zeros,
-    # gathered on eviction, in state and nbytes. A subclass lists them here *and* in ``array_fields``.
+    # per-row float32 arrays [B, H, capacity] (scores, counters): grown with zeros, gathered on eviction;
+    # a subclass lists them here *and* in ``array_fields``
     row_fields: tuple[str, ...] = ()
-    # True for methods that learn from every call's attention probabilities (H2O, TOVA, ...): the base
-    # computes attention explicitly and hands them to ``observe``.
-    uses_attention_weights = False
-    decode_evict_default = True  # the paper's: does the budget hold while decoding (when nothing else says)
-    _decode_evict = None  # the cache's own setting (None: the config's ``decode_evict``, then the default)
+    uses_attention_weights = False  # hand every call's attention probabilities to ``observe`` (H2O, TOVA)
+    decode_evict_default = True  # the paper's: does the budget hold while decoding
+    _decode_evict = None  # the cache's own setting (None: the config's, then the default)
     rows = 0
     _pending = False  # eviction deferred to this call's ``attend`` (real queries)
     _n_new = 0
@@ -83,7 +75,6 @@ class EvictionKVCache(CompressedKVCache):
         _check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
         self._decode_evict = getattr(config.options, "decode_evict", None)  # checked by the options
 
-    # ---------------------------------------------------------------- method hooks
     def wants_eviction(self, n_new: int) -> bool:
         """Whether to evict after a call that added ``n_new`` rows."""
         return self.rows > self.budget
@@ -96,7 +87,6 @@ class EvictionKVCache(CompressedKVCache):
         """Called with this call's attention probabilities [B, H, rep, N, rows] (float32) when
         ``uses_attention_weights``; real queries with the dispatch point, key proxies without."""
 
-    # ---------------------------------------------------------------- decode-time budget
     @property
     def decode_evict(self) -> bool:
         """Whether one-row (decode) calls evict too (see the module docstring)."""
@@ -112,7 +102,6 @@ class EvictionKVCache(CompressedKVCache):
     def _evicts_after(self, n_new: int) -> bool:
         return (n_new > 1 or self.decode_evict) and self.wants_eviction(n_new)
 
-    # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
         B, H, N, _ = keys.shape
         if self._pending:  # the previous call's attention never reached ``attend``: fall back
@@ -149,8 +138,7 @@ class EvictionKVCache(CompressedKVCache):
         return w
 
     def storage_dtype(self, compute_dtype):
-        """Rows are stored at 16 bits (float16 when computing in float32 on the CPU, else the model's
-        own 16-bit type), so byte figures compare with mlx_lm's fp16 cache; ``config.dtype`` overrides."""
+        """``config.dtype``, else 16 bits (float16 for float32 compute) so bytes compare with mlx_lm's cache."""
         if self.config.dtype is not None:
             return self.config.dtype
         return mx.float16 if compute_dtype == mx.float32 else compute_dtype
@@ -174,7 +162,6 @@ class EvictionKVCache(CompressedKVCache):
         self.rows -= n
         return n
 
-    # ---------------------------------------------------------------- eviction
     def _evict_with_proxy(self):
         """Score with the newest keys standing in for queries (no dispatch)."""
         w = max(1, min(self.obs_window, self._n_new))
@@ -184,7 +171,6 @@ class EvictionKVCache(CompressedKVCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self.uses_attention_weights and sinks is None and dispatch.installed():
-            # (without the dispatch point, update_and_fetch already observed key proxies for this call)
             out, weights = attention_with_weights(queries, keys, values, scale=scale,
                                                   mask=self._own_mask(mask, queries, keys))
             self.observe(weights)
@@ -219,11 +205,9 @@ class EvictionKVCache(CompressedKVCache):
         for name in self.row_fields:
             setattr(self, name, mx.take_along_axis(getattr(self, name)[:, :, : self.rows], idx, axis=2))
         self.rows = idx.shape[-1]
-        # scheduled (no host sync) so that a cache never reading its positions between evictions (a chunkkv
-        # follower) does not stack one pending gather per step
-        mx.async_eval(self.positions)
+        mx.async_eval(self.positions)  # so a cache that never reads them (chunkkv follower) stacks no gathers
 
-    # ---------------------------------------------------------------- telemetry (the spec's names)
+    # telemetry (the spec's names)
     tokens_kept = property(lambda self: self.rows, doc="Rows held per head.")
     tokens_seen = property(lambda self: self.offset, doc="Tokens seen (the logical position).")
     keep_rate = property(lambda self: self.rows / self.offset if self.offset else 1.0,
@@ -238,7 +222,6 @@ class EvictionKVCache(CompressedKVCache):
         return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
 
 
-# ------------------------------------------------------------------ shared by scoring methods
 SETTLE_EVERY = 32
 OBS_WINDOW = 32  # VotingEviction: queries that vote after each call, and the protected recent window
 
@@ -260,9 +243,8 @@ def check_min(field: str, value: int, minimum: int, what: str) -> None:
 
 
 class BatchedEviction:
-    """Mixin for ``EvictionKVCache`` scoring methods: the slack, the spare rows and ``settle`` of the
-    module docstring. ``evict_slack`` is 0 unless the method sets it; evicting exactly one row uses an
-    argmin instead of a partition and a sort."""
+    """Mixin before ``EvictionKVCache``: the slack (0 unless set), spare rows and ``settle`` of the module
+    docstring; evicting one row is an argmin."""
 
     evict_slack = 0
     _unsettled = 0
@@ -296,12 +278,10 @@ class BatchedEviction:
 
 
 class VotingEviction(BatchedEviction, EvictionKVCache):
-    """Eviction by accumulated attention votes (``votes`` [B, H, capacity], a per-row field), with the
-    default slack; a subclass's ``_init_layout`` sets and validates ``budget`` and ``n_sink``, its ``score``
-    may shape the votes. ``h2o_votes``: H2O's accumulation (every query votes, never reset, the newest half
-    of the budget protected) instead of SnapKV's windows (the last ``obs_window`` queries of each call vote,
-    reset after each eviction, the window protected). ``budget`` (constructor argument): this layer's own,
-    derived by ``build_layers`` (e.g. the pyramid schedule), kept in ``state``."""
+    """Eviction by accumulated attention ``votes`` (a row field) with the default slack; ``_init_layout``
+    sets ``budget`` and ``n_sink``. ``h2o_votes``: every query votes, never reset, the newest half of the
+    budget protected (else SnapKV's windows, the window protected). ``budget`` (argument): this layer's own,
+    derived by ``build_layers`` (the pyramid schedule), kept in ``state``."""
 
     array_fields = EvictionKVCache.array_fields + ("votes",)
     scalar_fields = EvictionKVCache.scalar_fields + ("budget",)

@@ -20,10 +20,8 @@ from .standalone import SlidingWindowKVCache
 def _implemented_class(method: str):
     info = method_info(method)
     if not info.implemented:
-        raise NotImplementedError(
-            f"method {method!r} ({info.paper}) is registered but not implemented yet; "
-            "`veloxquant methods` lists the implemented ones"
-        )
+        raise NotImplementedError(f"method {method!r} ({info.paper}) is registered but not implemented yet; "
+                                  "`veloxquant methods` lists the implemented ones")
     return info.cls
 
 
@@ -41,17 +39,13 @@ class KVCacheFactory:
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
         if isinstance(config.bit_width_inlier, (list, tuple)):
-            raise QuantizerConfigError(
-                "bit_width_inlier", config.bit_width_inlier,
-                "an int for KVCacheFactory.create (a per-layer list needs KVCacheBuilder.for_model)",
-            )
+            raise QuantizerConfigError("bit_width_inlier", config.bit_width_inlier, "an int for "
+                                       "KVCacheFactory.create (a per-layer list needs KVCacheBuilder.for_model)")
         cache = _cache_class(config)(config)
         if config.sliding_window is not None:
             if config.method not in STANDALONE_METHODS:
-                raise QuantizerConfigError(
-                    "sliding_window", config.sliding_window,
-                    "None for mlx_lm-protocol methods (use method='streaming_llm' for a windowed cache)",
-                )
+                raise QuantizerConfigError("sliding_window", config.sliding_window, "None for mlx_lm-protocol methods "
+                                           "(use method='streaming_llm' for a windowed cache)")
             cache = SlidingWindowKVCache(cache, config.sliding_window)
         notify(config.observers, "created", config.method, cache=type(cache).__name__)
         return cache
@@ -166,29 +160,24 @@ class KVCacheBuilder:
         return KVCacheConfig(**self._fields)
 
     def build(self):
-        """Validate the configuration and construct the cache (QuantizerConfigError if invalid)."""
         return KVCacheFactory.create(self.config())
 
     @staticmethod
     def for_model(model, config: KVCacheConfig, install_dispatch: bool = True) -> list:
-        """One cache per layer of ``model`` (``model.language_model`` for VLM wrappers).
+        """One cache per layer of ``model`` (its ``language_model`` for VLM wrappers).
 
-        Plain ``KVCache`` layers get a cache of ``config.method`` (``head_dim`` from the layer; one
-        ``bit_width_inlier`` entry each when a list, in layer order); sliding-window layers the method's
-        compressed ring (``rotating.RING_CLASSES``), else mlx_lm's own ring (the window bounds it); other
-        layers (state-space, ``CacheList``) keep the model's cache. MLA attention and models without a K/V
-        layer are a ``QuantizerConfigError``. Cross-layer methods build their layers in ``build_layers``;
-        ``bind_attention`` gets the layer's attention module; the dispatch point and the ``io_hooks``
-        hidden-state reports are installed unless ``install_dispatch=False``.
+        ``KVCache`` layers get ``config.method``'s cache (``head_dim`` from the layer, one ``bit_width_inlier``
+        entry each when a list); sliding-window layers the method's ring (``rotating.RING_CLASSES``) or mlx_lm's;
+        others (state-space, ``CacheList``) the model's cache. MLA and K/V-less models are refused. Cross-layer
+        methods build through ``build_layers``; ``bind_attention`` gets the layer's attention; the dispatch
+        point and ``io_hooks`` reports are installed unless ``install_dispatch=False``.
         """
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
         if config.method in STANDALONE_METHODS:
-            raise QuantizerConfigError(
-                "method", config.method,
-                "an mlx_lm-protocol method: standalone methods "
-                f"({', '.join(sorted(STANDALONE_METHODS))}) have no mlx_lm KVCache serving contract",
-            )
+            raise QuantizerConfigError("method", config.method, "an mlx_lm-protocol method: standalone methods "
+                                       f"({', '.join(sorted(STANDALONE_METHODS))}) have no mlx_lm KVCache "
+                                       "serving contract")
         cls = _cache_class(config)
         defaults = mlx_cache.make_prompt_cache(model)
         layers = _layers(model)
@@ -203,11 +192,8 @@ class KVCacheBuilder:
         bits = config.bit_width_inlier
         n = len(slots) + len(rings)
         if isinstance(bits, (list, tuple)) and len(bits) != n:
-            raise QuantizerConfigError(
-                "bit_width_inlier", list(bits),
-                f"a list of {n} ints (one per compressed attention layer: full KV caches"
-                + (" and sliding windows)" if rings else ")"),
-            )
+            raise QuantizerConfigError("bit_width_inlier", list(bits), f"a list of {n} ints (one per compressed "
+                                       "attention layer: full KV caches" + (" and sliding windows)" if rings else ")"))
         configs = {}
         for j, i in enumerate(sorted(slots + rings)):
             changes = {"head_dim": _head_dim(_attention(layers[i]), config.head_dim)}
@@ -239,14 +225,12 @@ def _check_kv_layers(model, defaults, layers) -> None:
     """Refuse models whose caches hold no per-head K/V rows: MLA latents, or state-space layers only."""
     mla = next((a for a in map(_attention, layers) if a is not None and hasattr(a, "kv_lora_rank")), None)
     if mla is not None:
-        raise QuantizerConfigError(
-            "model", type(model).__name__,
+        raise QuantizerConfigError("model", type(model).__name__, (
             f"a model with per-head K/V caches: {type(mla).__name__} is multi-head latent attention (MLA, "
             "kv_lora_rank), whose cache holds a shared latent (DeepSeek-V3) or keys and values of different "
-            "widths rebuilt from one (V2), which no method here is built for; use mlx_lm's own cache (method 'none')")
+            "widths rebuilt from one (V2), which no method here is built for; use mlx_lm's own cache (method 'none')"))
     if not any(type(c) in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) for c in defaults):
         kinds = ", ".join(sorted({type(c).__name__ for c in defaults}))
-        raise QuantizerConfigError(
-            "model", type(model).__name__,
+        raise QuantizerConfigError("model", type(model).__name__, (
             f"a model with at least one attention layer with a K/V cache: its caches are {kinds} "
-            "(state-space layers hold no K/V rows); use mlx_lm's own cache (method 'none')")
+            "(state-space layers hold no K/V rows); use mlx_lm's own cache (method 'none')"))

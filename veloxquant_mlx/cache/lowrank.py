@@ -29,17 +29,15 @@ def check_group(field: str, g) -> None:
 
 
 class LowRankKVCache(GroupedQuantCache):
-    """Latent storage on KIVI's residual window (not registered: the base of svdq, palu, kvtc).
+    """Latent storage on KIVI's residual window (the unregistered base of svdq, palu, kvtc).
 
     Keys (and, with ``latent_values``, values) of whole token groups are stored as latents ``Z = (X - μ) P``
-    of a per-(batch, head group) basis ``P [F, r]`` (F = heads per group × D), quantized per latent channel
-    with its own width (``lowrank_fit.LatentLayout``); subclasses choose the grouping, centering and bits
-    (``_n_groups``, ``center``, ``_choose_bits``). The fit (one eigendecomposition per (batch, group), one
-    host sync) runs once per prompt, when the first whole group of G tokens is stored (in prefill, or at the
-    decode step completing it); later chunks and steps only project and quantize. Arrays: ``{k,v}_basis``
-    [B, Hg, F, r] and ``{k,v}_mean`` [B, Hg, 1, F] float16, ``{k,v}_codes`` [B, Hg, groups, words] uint32,
-    ``{k,v}_scales``/``_biases`` [B, Hg, groups, r_q] and ``{k,v}_raw`` [B, Hg, tokens, r_f] float16 (the
-    unquantized channels), plus KIVI's residual."""
+    of a per-(batch, head group) basis ``P [F, r]`` (F = heads per group × D), each latent channel quantized
+    at its own width (``lowrank_fit.LatentLayout``); subclasses choose ``_n_groups``, ``center`` and
+    ``_choose_bits``. The fit (one eigendecomposition per (batch, group), one host sync) runs once per prompt,
+    at the first whole group of G tokens; later rows only project and quantize. Arrays: ``{k,v}_basis``
+    [B, Hg, F, r], ``_mean`` [B, Hg, 1, F] float16, ``_codes`` [B, Hg, groups, words], ``_scales``/``_biases``
+    [B, Hg, groups, r_q], ``_raw`` [B, Hg, tokens, r_f] float16 (unquantized channels), KIVI's residual."""
 
     array_fields = ("k_basis", "k_mean", "k_codes", "k_scales", "k_biases", "k_raw",
                     "v_basis", "v_mean", "v_codes", "v_scales", "v_biases", "v_raw", "res_k", "res_v")
@@ -56,8 +54,8 @@ class LowRankKVCache(GroupedQuantCache):
         return n_heads
 
     def _choose_bits(self, which: str, z: mx.array, energy: mx.array) -> list:
-        """Bits per latent component (F of them, by decreasing energy; 0 = dropped) from the fit
-        block's latents ``z [B, Hg, n, F]`` and component energies ``[B, Hg, F]``."""
+        """Bits per latent component (by decreasing energy; 0 = dropped) from the fit block's latents
+        ``z [B, Hg, n, F]`` and energies ``[B, Hg, F]``."""
         raise NotImplementedError
 
     def _fit(self, which: str, x: mx.array) -> None:
@@ -143,7 +141,7 @@ class LowRankKVCache(GroupedQuantCache):
         return super()._values(n, dtype)
 
     def _key_scores(self, q: mx.array, n: int) -> mx.array:
-        """``q [B, H, M, D] · Kᵀ`` over the first n tokens without rebuilding keys: ``(q W_h)·Zᵀ (+ q·μ_h)``."""
+        """``q · Kᵀ`` over the first n tokens without rebuilding keys: ``(q W_h)·Zᵀ (+ q·μ_h)``."""
         B, H, M, _ = q.shape
         W, mu = self._head_proj("k")
         zt = self._latents_t("k", n)  # [B, Hg, r, n]
@@ -154,7 +152,7 @@ class LowRankKVCache(GroupedQuantCache):
         return s
 
     def _value_out(self, p: mx.array, n: int) -> mx.array:
-        """``p [B, H, M, n] · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents."""
+        """``p · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents."""
         if not self.latent_values:
             return p @ self._values(n)
         B, H, M, _ = p.shape
@@ -181,14 +179,14 @@ class LowRankKVCache(GroupedQuantCache):
         return dropped
 
     def _part_bytes(self, which: str) -> int:
-        """Bytes of ``which``'s latent storage: basis and mean, and the filled rows of the per-token arrays."""
+        """Bytes of ``which``'s latents: basis, mean and the filled rows."""
         g = self.n_quant // self.group
         rows = {"basis": None, "mean": None, "codes": g, "scales": g, "biases": g, "raw": self.n_quant}
         arrays = [(getattr(self, f"{which}_{name}"), n) for name, n in rows.items()]
         return sum(a.nbytes if n is None else a.nbytes // a.shape[2] * n for a, n in arrays if a is not None)
 
     def _value_bytes(self) -> int:
-        """Stored value bytes but the residual: latents, or KIVI's per-token codes."""
+        """Value bytes but the residual: latents, or KIVI's per-token codes."""
         if self.latent_values or self.res_v is None:
             return self._part_bytes("v")
         B, H, _, dv = self.res_v.shape
@@ -197,19 +195,13 @@ class LowRankKVCache(GroupedQuantCache):
     def _code_nbytes(self, B, H, D, dv) -> int:
         return self._part_bytes("k") + self._value_bytes()
 
-    @property
-    def projection_bytes(self) -> int:
-        """Bytes of the fitted bases and means (float16), keys and values."""
-        return sum(a.nbytes for a in (self.k_basis, self.k_mean, self.v_basis, self.v_mean) if a is not None)
+    def _held_bytes(self, *names) -> int:
+        return sum(a.nbytes for a in (getattr(self, n) for n in names) if a is not None)
 
-    @property
-    def compressed_key_bytes(self) -> int:
-        """Stored key bytes: the filled latent rows, basis, mean and the float16 residual."""
-        return self._part_bytes("k") + (self.res_k.nbytes if self.res_k is not None else 0)
-
-    @property
-    def compressed_value_bytes(self) -> int:
-        return self._value_bytes() + (self.res_v.nbytes if self.res_v is not None else 0)
+    projection_bytes = property(lambda self: self._held_bytes("k_basis", "k_mean", "v_basis", "v_mean"),
+                                doc="Bytes of the fitted bases and means, keys and values.")
+    compressed_key_bytes = property(lambda self: self._part_bytes("k") + self._held_bytes("res_k"))
+    compressed_value_bytes = property(lambda self: self._value_bytes() + self._held_bytes("res_v"))
 
     rank = property(lambda self: len(self.k_bits or ()),
                     doc="Latent key channels kept (uniform across heads / head groups); 0 before the fit.")

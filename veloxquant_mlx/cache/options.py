@@ -1,12 +1,10 @@
-"""Per-method options: the one declaration of every per-method setting.
+"""Per-method options, the one declaration of every per-method setting (a cache reads ``config.options``).
 
-``KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=256))``; a cache reads ``config.options``. A
-field declares its default and what it accepts (``budget: int = tokens(512)``; ``Optional`` admits None).
-From that come its :class:`Rule` (checks, error text, ``veloxquant methods``' "allowed") and, for the spec's
-methods, its flat ``KVCacheConfig`` field ``<flat_prefix>_<name>`` (or its ``alias``). Option-only fields
-(``OPTION_ONLY``) are checked when the options object is built, the others by the config under their flat
-name. To add a method with a setting: ``class FooOptions(MethodOptions, method="foo")`` with
-``budget: int = tokens(64)``, listed in ``ALL_OPTIONS``.
+A field declares its default and what it accepts (``budget: int = tokens(512)``; ``Optional`` admits None);
+from that come its :class:`Rule` (check, error text, "allowed") and, for the spec's methods, its flat
+``KVCacheConfig`` field ``<flat_prefix>_<name>`` (or ``alias``). Option-only fields are checked when the
+options object is built, the others by the config. A new method: ``class FooOptions(MethodOptions,
+method="foo")`` listed in ``ALL_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from .errors import QuantizerConfigError
 __all__ = ["MethodOptions", "EvictionOptions", "Rule", "ALL_OPTIONS", "OPTIONS_BY_METHOD", "FLAT_FIELD_OPTIONS",
            "COMMON_FIELDS", "SHARED_FIELDS", "DERIVED_FIELDS", "method_fields"]  # + each class
 
-#: Upper bounds of integer settings: above any model this library runs, low enough that an absurd value fails
-#: here instead of in an allocation or a 32-bit index deep inside a cache.
+#: Bounds above any real model, low enough that an absurd value fails here, not in an allocation.
 MAX_TOKENS = 1 << 20  # budgets, windows, sinks, residuals, calibration lengths, context caps
 MAX_DIM = 4096  # channel counts: head dims, ranks, sub-vector and sketch widths
 MAX_GROUP = 1024  # quantization groups (channels or tokens per scale)
@@ -38,8 +35,7 @@ def _is_int(v) -> bool:
 
 @dataclass(frozen=True)
 class Rule:
-    """What one setting accepts (kind and ``Optional`` from its annotation, range or choices from its
-    declaration); ``check`` raises ``QuantizerConfigError`` naming the field, the value and ``allowed``."""
+    """What one setting accepts (kind and ``Optional`` from its annotation, range or choices declared)."""
 
     kind: str  # "int", "float", "bool", "choice", "ints" (a non-empty tuple of ints), "any"
     optional: bool = False
@@ -93,9 +89,6 @@ def rule_of(f, owner: str = "KVCacheConfig") -> Rule:
     return Rule(kind, t.startswith("Optional"), **spec)
 
 
-# --------------------------------------------------------------------------- declaring a setting
-
-
 def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_only: bool = False, **rule) -> Any:
     """A field with its default, the range (``lo``..``hi``) or ``choices`` it accepts (refined by ``Rule``'s
     other keywords) and its flat alias where not ``<flat_prefix>_<name>``."""
@@ -120,14 +113,10 @@ nonneg = partial(setting, lo=0.0, hi=MAX_FLOAT)  # temperatures, strengths, expo
 rope = partial(setting, lo=1.0, hi=1e9, lo_open=True, words="a number > 1 and <= 1e9")  # RoPE base frequencies
 
 
-# --------------------------------------------------------------------------- the options classes
-
-
 @dataclass_transform(field_specifiers=(field, setting, one_of))
 class MethodOptions:
-    """Base of the options dataclasses: ``class SnapKVOptions(MethodOptions, method="snapkv", flat_prefix="snap",
-    evicts=True)`` becomes a dataclass; ``evicts`` adds the option-only ``decode_evict`` (does the budget also
-    hold while decoding; None: the method's default). Without ``method``, a base of options classes."""
+    """Base of the options dataclasses (``class XOptions(MethodOptions, method=..., flat_prefix=...)``);
+    ``evicts`` adds the option-only ``decode_evict`` and ``quantize``. Without ``method``, a base."""
 
     METHOD: ClassVar[str] = ""
     FIELDS: ClassVar[dict[str, str]] = {}  # option -> its flat KVCacheConfig field
@@ -155,7 +144,7 @@ class MethodOptions:
             check_quantize(self.quantize, self.decode_evict)
 
     def validate(self) -> None:
-        """Raise ``QuantizerConfigError`` for the first invalid field, named by its flat alias if it has one."""
+        """Raise ``QuantizerConfigError`` for the first invalid field (named by its flat alias if any)."""
         for name, rule in self.RULES.items():
             rule.check(self.FIELDS.get(name, name), getattr(self, name))
         self.check_relations(lambda n: getattr(self, n))
@@ -165,7 +154,7 @@ class MethodOptions:
         """Checks between fields (``get(name)`` gives a field's value), after each field's own check."""
 
     def flat_items(self):
-        """(flat field name, value) pairs this options object sets (option-only fields excluded)."""
+        """(flat field, value) pairs this options object sets."""
         return [(flat, getattr(self, name)) for name, flat in self.FIELDS.items()]
 
 
@@ -180,8 +169,7 @@ def quantizer_methods() -> list[str]:
 
 
 def check_quantize(value, decode_evict) -> None:
-    """``quantize`` names an mlx_lm-protocol quantization method (or is its options); decode-time eviction
-    is not available with it (the composed cache evicts at prefill calls)."""
+    """``quantize`` names an mlx_lm-protocol quantization method (or is its options), without decode_evict."""
     name = value.METHOD if isinstance(value, MethodOptions) else value
     if name not in quantizer_methods():
         raise QuantizerConfigError("quantize", value, QUANTIZE_WORDS)
@@ -528,15 +516,11 @@ ALL_OPTIONS: tuple[type, ...] = (
 __all__ += [c.__name__ for c in ALL_OPTIONS]
 OPTIONS_BY_METHOD: dict[str, type] = {o.METHOD: o for o in ALL_OPTIONS}
 
-# flat field -> options classes that set it (kivi_group_size belongs to KIVI and KIVI-sink)
+#: flat field -> options classes that set it (kivi_group_size: KIVI and KIVI-sink)
 FLAT_FIELD_OPTIONS: dict[str, list[type]] = {}
 for _cls in ALL_OPTIONS:
     for _flat in _cls.FIELDS.values():
         FLAT_FIELD_OPTIONS.setdefault(_flat, []).append(_cls)
-
-#: Option-only field -> (check(field, value), allowed values in words for ``veloxquant methods``).
-
-# --------------------------------------------------------------------------- which fields a method reads
 
 #: Config fields the builder applies to every method (a wrapper, hooks), whatever the method.
 COMMON_FIELDS: tuple[str, ...] = ("sliding_window", "store", "observers")
@@ -546,9 +530,8 @@ _RVQ_CODEBOOKS = ("key_sub_dim", "value_sub_dim", "key_codebook_bits", "value_co
 _TURBOQUANT = ("head_dim", "bit_width_inlier", "bit_width_outlier", "n_outlier_channels", "n_calib_tokens", "seed",
                "dtype", "capacity")
 
-#: Per method, the flat fields outside its options that its cache reads (``head_dim`` only for the standalone
-#: ones; the spec's ``enable_*`` flags are read by none). ``tests/test_config.py`` records every config read
-#: of each method and checks this table both ways.
+#: Per method, the flat fields outside its options that its cache reads (``tests/test_config.py`` checks
+#: this both ways; the spec's ``enable_*`` flags are read by none).
 SHARED_FIELDS: dict[str, tuple[str, ...]] = {
     **{c.METHOD: _EVICTION_SHARED for c in ALL_OPTIONS if "decode_evict" in c.RULES},  # the eviction methods
     "turboquant_prod": _TURBOQUANT + ("jl_dim",),  # the QJL residual's sketch width (the MSE variant has none)
@@ -572,9 +555,8 @@ DERIVED_FIELDS: tuple[str, ...] = ("cachegen_resolved_bits", "pyramid_resolved_b
 
 
 def method_fields(method: str) -> dict[str, str]:
-    """Every setting name ``method`` accepts (option names, flat aliases, :data:`SHARED_FIELDS`,
-    :data:`COMMON_FIELDS`) -> the flat field it sets (an option-only field: its own name). A shared field
-    keeps a name an option also has (snapkv's ``dtype``; the option is ``snap_dtype``)."""
+    """Every setting name ``method`` accepts (option names, flat aliases, shared and common fields) -> the
+    flat field it sets (option-only: its own name); a shared field wins a name (snapkv's ``dtype``)."""
     o = OPTIONS_BY_METHOD.get(method)
     own = {**o.FIELDS, **{n: n for n in o.OPTION_ONLY}, **{f: f for f in o.FIELDS.values()}} if o else {}
     return {**own, **{f: f for f in SHARED_FIELDS.get(method, ()) + COMMON_FIELDS}}

@@ -1,28 +1,22 @@
 """Sliding-window layers compressed: mlx_lm's ``RotatingKVCache`` ring with every slot holding codes.
 
-Sliding-window models (Gemma 2/3, Ministral-style interleaved windows, gpt-oss) give those layers mlx_lm's
-``RotatingKVCache``: ``max_size`` slots whose first ``keep`` stay put, filled in place one decode row at a
-time; a multi-row call puts them in temporal order and cuts to ``max_size + S - 1`` rows (each of its S
-queries sees a whole window). ``RotatingQuantKVCache`` runs mlx_lm's own ring code (``_trim``,
-``_temporal_order``, ``make_mask``, ``trim``, ``size``, ``is_trimmable``) on each code array (row axis =
-slot axis), so slots, ``offset``, masks and the trim rule are RotatingKVCache's; ``update_and_fetch``
-returns the dequantized rows in its slot order and ``attend`` is the fused attention over them with the
-model's mask and sinks (gpt-oss). A slot is overwritten one row at a time, so only per-token codes fit:
+Sliding-window models (Gemma 2/3, Ministral, gpt-oss) give those layers a ``RotatingKVCache``: ``max_size``
+slots (the first ``keep`` stay put) filled in place while decoding; a multi-row call reorders them and keeps
+``max_size + S - 1`` rows. ``RotatingQuantKVCache`` runs mlx_lm's own ring code on each code array (row axis
+= slot axis), so slots, ``offset``, masks and the trim rule are RotatingKVCache's; ``update_and_fetch``
+returns the dequantized rows in slot order, ``attend`` uses the model's mask and sinks. A slot is rewritten
+one row at a time, so only per-token codes fit:
 
 * ``kivi``: keys *and* values per token, ``b``-bit group-affine in channel groups of ``gcd(D, G)``.
-  Deviation from KIVI (keys per channel over groups of G tokens, which a ring cannot rewrite one slot at a
-  time); KIVI's float16 residual is dropped too.
-* ``waterfill``: keys as kivi's ring, values as waterfill's (Hadamard-rotated, per-row float16 RMS,
-  ``b``-bit Gaussian odd-polynomial codebook). Deviation: no query-weighted key widths, no pre-RoPE ranges,
-  no float16 sinks or window (calibrated on the first rows, kept beside the codes: a ring does without). A
-  non-power-of-two ``Dv`` rotates by waterfill's seeded matrix, a per-process constant that waterfill's
-  full-layer caches count (``build_layers``) and the ring does not.
+  Deviation from KIVI: keys are not per channel over G tokens, and there is no float16 residual.
+* ``waterfill``: keys as kivi's ring, values as waterfill's (Hadamard-rotated, per-row float16 RMS, ``b``-bit
+  Gaussian odd-polynomial codebook). Deviation: no query-weighted key widths, no pre-RoPE ranges, no
+  float16 sinks or window. A non-power-of-two ``Dv`` rotates by waterfill's seeded matrix, a per-process
+  constant the ring does not count.
 
-Every row, a call's own included, is read back from codes: a call's attention equals RotatingKVCache's fed
-the dequantized rows (``tests/test_rotating.py``). The window's dense rows are decoded per call (at most
-``max_size + S - 1``, never held); ``nbytes`` is the code arrays, spare slots included as RotatingKVCache
-counts them. Bytes per row and KV head at ``b = 4``, ``D = Dv = 64``, ``G = 32``: kivi 80, waterfill 74,
-float16 256.
+A call's attention equals RotatingKVCache's fed the dequantized rows (``tests/test_rotating.py``); dense rows
+are decoded per call, never held; ``nbytes`` is the code arrays, spare slots included. Bytes per row and KV
+head at ``b = 4``, ``D = Dv = 64``, ``G = 32``: kivi 80, waterfill 74, float16 256.
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ class RotatingQuantKVCache(CompressedKVCache):
     """A ``RotatingKVCache`` ring of per-token codes (module docstring). Subclasses name their code
     arrays (``array_fields``: rows on axis 2, 4-D) and implement ``_encode`` / ``_decode``."""
 
-    chunk_invariant = False  # as RotatingKVCache: a multi-row call keeps max_size + S - 1 rows until the next
-    exact_trim = False  # as RotatingKVCache: only while offset < max_size (is_trimmable); rotated rows are gone
+    chunk_invariant = False  # as RotatingKVCache (a multi-row call keeps max_size + S - 1 rows)
+    exact_trim = False  # as RotatingKVCache: only while offset < max_size; rotated rows are gone
     scalar_fields = ("keep", "max_size", "_idx", "dtype_name")
     step = _RING.step
     dtype_name = "float32"
@@ -66,13 +60,13 @@ class RotatingQuantKVCache(CompressedKVCache):
         super().__init__(config)
 
     def _init_layout(self):
-        b, G = self.config.bit_width_inlier, int(getattr(self.config.options, "group_size", 32))
-        if not _is_int(b) or not 1 <= b <= 8:
+        b = self.config.bit_width_inlier
+        if not _is_int(b):  # a per-layer list: for_model gives each layer its own
             raise QuantizerConfigError("bit_width_inlier", b,
                                        f"an int in 1..8 for a sliding-window layer of {self.config.method!r}")
-        self.qbits, self.group = int(b), G  # not ``bits``: mlx_lm routes caches with ``bits`` to its own kernel
+        # ``qbits``, not ``bits``: mlx_lm routes caches with ``bits`` to its own kernel
+        self.qbits, self.group = b, getattr(self.config.options, "group_size", 32)
 
-    # ---- codes of rows [B, H, n, D]
     def _encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
         raise NotImplementedError
 
@@ -85,7 +79,6 @@ class RotatingQuantKVCache(CompressedKVCache):
     def _unaffine(self, codes, scales, biases, dim, dtype):
         return gq.dequantize(codes, scales, biases, self.qbits, math.gcd(dim, self.group), dtype)
 
-    # ---- the ring (RotatingKVCache._update_concat / _update_in_place over every code array)
     def _arrays(self) -> list:
         return [getattr(self, n) for n in self.array_fields]
 
@@ -96,7 +89,7 @@ class RotatingQuantKVCache(CompressedKVCache):
         self._check_input(keys, values)
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         rows, S, ring = self._encode(keys, values), keys.shape[2], self._arrays()
-        if S > 1:  # _update_concat
+        if S > 1:  # RotatingKVCache._update_concat, over every code array
             if ring[0] is not None:
                 ring = [self._temporal_order(a) for a in ring]
                 self._idx = ring[0].shape[2]
@@ -156,8 +149,7 @@ class RotatingQuantKVCache(CompressedKVCache):
 
 def ring_rows(cache) -> int:
     """Slots of the ring buffer (0 before the first call)."""
-    a = getattr(cache, cache.array_fields[0])
-    return 0 if a is None else a.shape[2]
+    return 0 if (a := cache._arrays()[0]) is None else a.shape[2]
 
 
 @register_with_mlx_lm

@@ -1,21 +1,15 @@
 """Saved caches: a prefilled prompt cache written to disk and read back bit-identical.
 
-The file is mlx_lm's prompt-cache layout (``save_prompt_cache``: safetensors of the caches' ``state``, which
-carries their config), so mlx_lm's ``load_prompt_cache`` rebuilds a ``*.safetensors`` one too once
-``veloxquant_mlx.cache`` is imported; mlx_lm's ``KVCache`` (``method="none"``) is saved alike, to compare
-sizes. Its metadata adds ``0.veloxquant`` (JSON: format and library versions, method, non-default config
-fields, model id, per layer the cache class and head shape ``[H_kv, D_key, D_value]``, prompt token ids,
-offset, ``kv_bytes`` (``nbytes`` when saved), ``state_bytes`` (the ``state`` arrays stored; spare rows are
-not)) and ``0.veloxquant_checksum`` (SHA-256 of the canonical header and every data byte).
+The file is mlx_lm's ``save_prompt_cache`` layout (safetensors of the caches' ``state``, which carries the
+config), so mlx_lm's ``load_prompt_cache`` reads it too; ``method="none"`` saves mlx_lm's ``KVCache`` alike.
+Its metadata adds ``0.veloxquant`` (JSON: versions, method, config, model id, per layer the class and head
+shape ``[H_kv, D_key, D_value]``, token ids, offset, ``kv_bytes``, ``state_bytes``) and
+``0.veloxquant_checksum`` (SHA-256 of the canonical header and every data byte).
 
-``load_cache`` checks the file (exists, well-formed safetensors whose tensors fill it exactly, checksum,
-format version), the method and the model (layer count and types, KV heads, head dims). A checksum only
-catches accidents, so every field is also validated against the class that will hold it: metadata keys and
-types, token ids, one offset equal to the token count, layer classes from a fixed list (the method's class
-and mlx_lm's plain caches, never a name looked up freely), each layer's config, scalars (only the class's
-``scalar_fields``), arrays (only its ``array_fields``) and, once rebuilt, rows and shapes against the
-recorded head shape. Nothing in a file names code to run; every failure is a :class:`SavedCacheError`
-naming the file and the problem.
+``load_cache`` checks the file (well-formed safetensors filled exactly, checksum, version), the method and
+the model; since a checksum only catches accidents, every field is also validated against the class that
+will hold it (layer classes from a fixed list, never looked up freely; only declared scalars and arrays;
+rows and shapes once rebuilt). Nothing in a file names code to run; failures are :class:`SavedCacheError`.
 """
 
 from __future__ import annotations
@@ -55,13 +49,11 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 
                 "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
 _MAX_HEADER = 1 << 30
 _CHUNK = 1 << 22
-#: mlx_lm's cache classes a saved file may name (their ``state`` is arrays and integers only).
 _PLAIN_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "ArraysCache", "MambaCache")
 _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache")  # (keys, values, offset, ...) states
 _MAX_LAYERS = 4096
 _MAX_HEAD = 1 << 16  # bound of H_kv and head dimensions
 _MAX_TOKEN_ID = (1 << 31) - 1
-#: How mlx_lm's ``save_prompt_cache`` stores a non-array state entry, decoded.
 _SCALAR_KINDS = {"scalar": lambda a: a.item(), "string": lambda a: "".join(map(chr, a.tolist())),
                  "none": lambda a: None}
 
@@ -72,8 +64,7 @@ def _library_version() -> str:
 
 
 def normalize_model_id(model_id: Optional[str]) -> str:
-    """The recorded model id: the embedded model's name for ``None`` or its aliases, the real path of a local
-    directory, else the string as given (an HF repo id)."""
+    """The embedded model's name for ``None`` or its aliases, a local directory's real path, else as given."""
     from ..model import DEFAULT_MODEL, EMBEDDED_MODELS
     if model_id is None or str(model_id).strip().lower() in EMBEDDED_MODELS:
         return DEFAULT_MODEL
@@ -82,7 +73,7 @@ def normalize_model_id(model_id: Optional[str]) -> str:
 
 
 def _head_shape(cache) -> Optional[list[int]]:
-    """``[H_kv, D_key, D_value]`` of what a layer's cache holds, or None (empty / no KV)."""
+    """``[H_kv, D_key, D_value]`` of a layer's cache, or None (empty / no KV)."""
     if isinstance(cache, CompressedKVCache):
         shape = getattr(cache, "_shape", None)
         return [int(s) for s in shape] if shape else None
@@ -93,12 +84,12 @@ def _head_shape(cache) -> Optional[list[int]]:
 
 
 def _state_bytes(caches) -> int:
-    """Bytes of the arrays in the caches' ``state`` (what the file stores)."""
+    """Bytes of the arrays in the caches' ``state``."""
     return int(sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if hasattr(v, "nbytes")))
 
 
 def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
-    """The model's default cache class per layer and ``(H_kv, head_dim)`` of its attention (or None)."""
+    """The model's default cache class per layer and ``(H_kv, head_dim)`` of its attention or None."""
     from ..measure import _kv_heads
 
     def shape(layer):
@@ -163,9 +154,8 @@ def _read_header(path: str) -> tuple[dict, int, int]:
             raise SavedCacheError(f"{path}: corrupt safetensors header: tensor {name!r} of shape {shape} "
                                   f"{dtype} spans {end - begin} bytes")
         spans.append((begin, end, name))
-    spans.sort()
     pos = 0
-    for begin, end, name in spans:
+    for begin, end, name in sorted(spans):
         if begin != pos:
             raise SavedCacheError(f"{path}: corrupt safetensors header: tensor {name!r} starts at data byte "
                                   f"{begin}, expected {pos}")
@@ -190,7 +180,6 @@ def _digest(path: str, header: dict, data_start: int) -> str:
 
 
 def _copy_data(path: str, data_start: int, write) -> None:
-    """``write`` every data byte of ``path`` (from ``data_start``), in chunks."""
     with open(path, "rb") as f:
         f.seek(data_start)
         while chunk := f.read(_CHUNK):
@@ -236,9 +225,8 @@ def _check_caches(caches, method: str) -> None:
 
 
 def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Sequence[int], method: str) -> dict:
-    """Write ``caches`` (one per layer) to the safetensors file ``path``, atomically, and return the recorded
-    metadata plus ``path`` and ``file_bytes``. ``model_id``: ``None`` = the embedded SmolLM2-135M; ``tokens``:
-    the prompt ids the caches have seen (as many as their offset); ``method``: theirs, or ``"none"``."""
+    """Write ``caches`` (one per layer) to ``path`` atomically; returns the metadata plus ``path`` and
+    ``file_bytes``. ``model_id`` None: the embedded SmolLM2-135M; ``tokens``: the ids the caches have seen."""
     from ..measure import cache_tokens, kv_bytes
     path = os.fspath(path)
     _check_caches(caches, method)
@@ -259,8 +247,8 @@ def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Seque
         raise SavedCacheError(f"{path}: directory {parent} does not exist")
     first = next((c for c in caches if isinstance(c, CompressedKVCache)), None)
     config = json.loads(config_to_json(first.config)) if first is not None else {}
-    config.pop("method", None)  # recorded on its own
-    config.pop("head_dim", None)  # set per layer by for_model: recorded in head_shapes
+    config.pop("method", None)
+    config.pop("head_dim", None)  # per layer: in head_shapes
     info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": _library_version(),
             "method": method, "config": config, "model_id": normalize_model_id(model_id), "n_layers": len(caches),
             "layer_classes": [type(c).__name__ for c in caches], "head_shapes": [_head_shape(c) for c in caches],
@@ -284,8 +272,7 @@ def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Seque
 
 
 def read_cache_info(path) -> dict:
-    """The metadata of the saved cache ``path`` (plus ``path`` and ``file_bytes``), after checking its
-    structure, checksum, format version and fields; no array is loaded."""
+    """The checked metadata of the saved cache ``path`` (plus ``path`` and ``file_bytes``); loads no array."""
     path = os.fspath(path)
     header, data_start, size = _read_header(path)
     meta = header.get("__metadata__", {})
@@ -397,11 +384,10 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
     if len(classes) != info["n_layers"]:
         raise SavedCacheError(f"{path}: model mismatch: the cache has {info['n_layers']} layers (model "
                               f"{saved_id!r}), the given model has {len(classes)}")
-    for i, (cls, shape) in enumerate(zip(classes, shapes)):
+    for i, (cls, shape, saved) in enumerate(zip(classes, shapes, info["head_shapes"])):
         saved_name = info["layer_classes"][i]
         saved_cls = getattr(mlx_cache, saved_name, None)
-        # a plain-KVCache layer may hold mlx_lm's KVCache or one of ours; any other layer type its own class
-        if cls is mlx_cache.KVCache:
+        if cls is mlx_cache.KVCache:  # mlx_lm's KVCache or one of ours
             fits = saved_cls is cls or (isinstance(saved_cls, type) and issubclass(saved_cls, CompressedKVCache)
                                         and saved_cls not in RING_CLASSES.values())
         else:  # a sliding-window layer may hold a compressed ring (rotating.py)
@@ -410,10 +396,7 @@ def _check_model(path: str, info: dict, model, expect_model_id: Optional[str]) -
         if not fits:
             raise SavedCacheError(f"{path}: model mismatch: layer {i} of the cache holds a {saved_name}, the "
                                   f"given model's layer {i} uses a {cls.__name__}")
-        saved = info["head_shapes"][i]
-        if shape is None or saved is None:
-            continue
-        if (saved[0], saved[1]) != shape:
+        if shape is not None and saved is not None and (saved[0], saved[1]) != shape:
             raise SavedCacheError(
                 f"{path}: model mismatch: layer {i} of the cache holds {saved[0]} KV heads of dimension "
                 f"{saved[1]} (model {saved_id!r}); the given model's layer {i} has {shape[0]} KV heads of "
@@ -446,8 +429,8 @@ def _rebuild(path: str, info: dict) -> list:
 
 
 def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
-    """A compressed layer's ``state``: its meta (config of the file's method, offset, only declared scalars,
-    the recorded head shape) and only the arrays its class declares."""
+    """A compressed layer's ``state``: config of the file's method, offset, declared scalars and arrays only,
+    the recorded head shape."""
 
     def bad(why):
         raise SavedCacheError(f"{path}: corrupt or forged: layer {i} ({cls.__name__}): {why}")
@@ -485,9 +468,10 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
         bad(f"scalars {str(foreign)[:200]} are not attributes {cls.__name__} declares "
             f"(its scalar_fields: {', '.join(cls.scalar_fields) or 'none'})")
     for k, v in scalars.items():
-        if not _plain_value(v, objects=k in getattr(cls, "object_scalar_fields", ())):
+        objects = k in cls.object_scalar_fields
+        if not _plain_value(v, objects):
             bad(f"scalar {k!r} must be a number, string, boolean, null or a list of them"
-                + (" (or an object of them)" if k in getattr(cls, "object_scalar_fields", ()) else ""))
+                + (" (or an object of them)" if objects else ""))
     recorded = info["head_shapes"][i]
     if meta["shape"] != (recorded or []):
         bad(f"head shape {str(meta['shape'])[:80]} differs from the recorded {recorded}")
@@ -498,8 +482,8 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
             raise ValueError("not a JSON object")
         if fields.get("dtype", "float16") not in DTYPE_NAMES:
             raise ValueError(f"dtype {str(fields['dtype'])[:40]!r} is not one of {', '.join(DTYPE_NAMES)}")
-        if set(fields) & {"store", "observers", "options"}:
-            raise ValueError(f"fields {sorted(set(fields) & {'store', 'observers', 'options'})} are never saved")
+        if never := sorted(set(fields) & {"store", "observers", "options"}):
+            raise ValueError(f"fields {never} are never saved")
         parsed = config_from_json(config)
     except Exception as exc:  # noqa: BLE001 - whatever the config's own validation raises
         bad(f"its config does not parse: {type(exc).__name__}: {str(exc)[:200]}")
@@ -509,8 +493,7 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
 
 
 def _plain_value(v, objects: bool = False) -> bool:
-    """A number, string, boolean, null or a list of them; with ``objects`` (a class's
-    ``object_scalar_fields``, e.g. a RoPE spec) also string-keyed objects of them. Data, never callables."""
+    """A number, string, boolean, null or a list of them (with ``objects`` also string-keyed objects)."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return True
     if objects and isinstance(v, dict):
@@ -519,8 +502,8 @@ def _plain_value(v, objects: bool = False) -> bool:
 
 
 def _check_rebuilt(path: str, caches: list, info: dict) -> None:
-    """After ``from_state``: offsets, stored rows and array shapes agree with the recorded head shapes (MLX
-    infers shapes without computing anything)."""
+    """After ``from_state``: offsets, rows and shapes agree with the recorded head shapes (MLX infers shapes
+    without computing)."""
     for i, (c, recorded) in enumerate(zip(caches, info["head_shapes"])):
         name = type(c).__name__
         try:
@@ -555,10 +538,9 @@ def _check_rebuilt(path: str, caches: list, info: dict) -> None:
 
 def load_cache(path, *, model=None, expect_method: Optional[str] = None,
                expect_model_id: Optional[str] = None, install_dispatch: bool = True) -> tuple[list, dict]:
-    """Read a cache written by :func:`save_cache`: ``(caches, info)``, the caches bit-identical to the saved
-    ones (pass as ``prompt_cache=`` after ``info["tokens"]``), ``info`` the metadata plus ``path`` and
-    ``file_bytes``. ``model``, ``expect_method`` and ``expect_model_id`` are checked when given; the
-    attention dispatch point is installed for compressed caches unless ``install_dispatch=False``."""
+    """``(caches, info)`` of a file :func:`save_cache` wrote, the caches bit-identical (pass as
+    ``prompt_cache=`` after ``info["tokens"]``); ``model``, ``expect_method`` and ``expect_model_id`` are
+    checked when given; the dispatch point is installed for compressed caches unless ``install_dispatch=False``."""
     from ..measure import cache_tokens
     path = os.fspath(path)
     info = read_cache_info(path)

@@ -1,7 +1,6 @@
-"""Cache settings from strings (the CLI, a server request's ``kv_cache``, ``veloxquant eval``'s method specs):
-``FIELD=VALUE`` items into a checked ``KVCacheConfig``, with one set of rules and messages. A setting is an
-option name (``budget``) or its flat field (``snap_budget``); one the method does not read is refused,
-listing its settings. ``"none"`` (:data:`NONE`) is mlx_lm's plain ``KVCache``: it takes no settings.
+"""Cache settings from strings (CLI, server requests, ``veloxquant eval``): ``FIELD=VALUE`` items into a checked
+``KVCacheConfig``. A setting is an option name (``budget``) or its flat field (``snap_budget``); one the method
+does not read is refused. ``"none"`` (:data:`NONE`) is mlx_lm's plain ``KVCache``: it takes no settings.
 """
 
 from __future__ import annotations
@@ -18,10 +17,7 @@ from .options import COMMON_FIELDS, DERIVED_FIELDS, OPTIONS_BY_METHOD, method_fi
 __all__ = ["NONE", "UsageError", "parse_set", "parse_sets", "build_config", "method_config", "method_settings",
            "settings_summary", "check_method_name", "check_buildable"]
 
-#: mlx_lm's own uncompressed ``KVCache``, accepted wherever a method name is.
-NONE = "none"
-
-#: Fields that cannot come from a string (objects, not values) or come from elsewhere.
+NONE = "none"  # mlx_lm's own uncompressed ``KVCache``, accepted wherever a method name is
 _NOT_SETTABLE = {"method": "use --method", "options": "set the flat fields instead",
                  "store": "an ArtifactStore object", "observers": "observer objects",
                  **{f: "an array: pass it through the Python API" for f in (
@@ -33,8 +29,8 @@ class UsageError(Exception):
 
 
 def parse_set(item: str) -> tuple[str, Any]:
-    """``FIELD=VALUE`` -> ``(FIELD, value)``; VALUE is JSON when it parses (ints, floats, bools, lists,
-    null), ``true``/``false``/``none`` in any case, else the string itself."""
+    """``FIELD=VALUE`` -> ``(FIELD, value)``: JSON if it parses, ``true``/``false``/``none`` in any case, else
+    the string."""
     field, sep, raw = item.partition("=")
     field = field.strip()
     if not sep or not field:
@@ -50,8 +46,8 @@ def parse_set(item: str) -> tuple[str, Any]:
 
 
 def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> dict[str, Any]:
-    """``FIELD=VALUE`` items -> ``{flat KVCacheConfig field: value}``; unknown or unsettable fields are a
-    ``UsageError``. With ``method`` its option names are accepted too, and fields it does not read refused."""
+    """``FIELD=VALUE`` items -> ``{flat field: value}`` (``UsageError`` for unknown or unsettable ones); with
+    ``method`` also its option names, and fields it does not read refused."""
     known = {f.name for f in dataclasses.fields(KVCacheConfig)}
     accepted = method_fields(method) if method is not None and method != NONE else None
     out: dict[str, Any] = {}
@@ -90,12 +86,12 @@ def _quantizer_field(field: str) -> bool:
 
 
 def _split_quantizer(method: str, flat: dict, own_fields) -> None:
-    """Move the quantizer's settings out of ``flat`` (an eviction method's) into ``flat["quantize"]``: its
-    options object (its own fields) and the shared flat fields it reads (left in ``flat``)."""
+    """Move the quantizer's own settings out of an eviction method's ``flat`` into ``flat["quantize"]`` (its
+    options object); the shared flat fields it reads stay in ``flat``."""
     q = flat.get("quantize")
     extra = [k for k in flat if k not in own_fields]
     if q is None:
-        extra = [k for k in extra if ":" in k]  # (other flat fields go to KVCacheConfig as they are)
+        extra = [k for k in extra if ":" in k]  # other flat fields go to KVCacheConfig as they are
         if extra:
             raise UsageError(f"{extra[0]!r} is a setting of a quantizer, not of {method!r}: add quantize=METHOD "
                              f"({', '.join(quantizer_methods()[:4])}, ...) to store the kept rows quantized")
@@ -114,7 +110,7 @@ def _split_quantizer(method: str, flat: dict, own_fields) -> None:
 
 
 def _pop_options(method: str, flat: dict):
-    """The options object of ``method`` from the fields of ``flat`` it owns (popped), or None if none."""
+    """``method``'s options object from the fields of ``flat`` it owns (popped), or None."""
     cls = OPTIONS_BY_METHOD.get(method)
     by_flat = {f: o for o, f in cls.FIELDS.items()} | {o: o for o in cls.OPTION_ONLY} if cls else {}
     picked = {by_flat[k]: flat.pop(k) for k in list(flat) if k in by_flat}
@@ -131,8 +127,8 @@ def _owner_hint(field: str) -> str:
 
 
 def method_settings(method: str) -> list[dict]:
-    """One row per settable name of ``method``: name, flat alias, kind (its option or a shared field), type,
-    default, allowed values."""
+    """One row per settable name of ``method``: name, flat alias, kind (option or shared), type, default,
+    allowed."""
     opts = OPTIONS_BY_METHOD.get(method)
     names = method_fields(method)
     rows = []
@@ -163,8 +159,8 @@ def settings_summary(method: str) -> str:
 
 
 def build_config(method: str, sets: dict[str, Any]):
-    """``KVCacheConfig(method=method, **sets)``, ``sets`` keyed by flat fields or option names: the options go
-    through the options dataclass, shared fields as flat fields; a ``dtype`` string names an mlx dtype."""
+    """``KVCacheConfig(method=method, **sets)``, ``sets`` by flat field or option name (the options through the
+    options dataclass); a ``dtype`` string names an mlx dtype."""
     aliases = method_fields(method)
     flat = {aliases.get(k, k): v for k, v in sets.items()}
     if "quantize" in aliases:  # an eviction method: its kept rows may be stored by a quantizer
@@ -176,7 +172,7 @@ def build_config(method: str, sets: dict[str, Any]):
             raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
         flat["dtype"] = getattr(mx, name)
     options = _pop_options(method, flat)
-    with _quiet_flat_fields():  # a shared field another method's options also own (vecinfer's key_sub_dim)
+    with _quiet_flat_fields():  # a shared field other options own (vecinfer's key_sub_dim) does not warn
         return KVCacheConfig(method=method, options=options, **flat)
 
 
@@ -204,5 +200,5 @@ def check_method_name(method: str) -> None:
 
 
 def check_buildable(method: str) -> None:
-    """Raise ``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
+    """``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
     _implemented_class(method)

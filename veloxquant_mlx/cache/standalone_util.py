@@ -1,6 +1,5 @@
-"""What the standalone (single-head, per-vector) caches share: checks of the config fields they read (their
-config may be any object with the fields), input checks, the ``StandaloneCache`` base and the int8 value
-rows of polar and turboquant."""
+"""What the standalone (single-head, per-vector) caches share: checks of the config fields they read (any
+object with the fields), input checks, the ``StandaloneCache`` base and polar's and turboquant's int8 values."""
 
 from __future__ import annotations
 
@@ -43,13 +42,11 @@ def derive_seed(seed: int, stream: int) -> int:
 
 def as_block(x, d: int, what: str) -> tuple[mx.array, bool]:
     """Validate a ``(d,)`` / ``(n, d)`` floating, finite input: ``(float32 (n, d), was it one vector)``."""
-    if isinstance(x, np.ndarray):
-        if not np.issubdtype(x.dtype, np.floating):
-            raise CacheInputError(f"{what} must have a floating dtype, got {x.dtype}")
+    if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
         x = mx.array(x)
-    if not isinstance(x, mx.array):
+    if not isinstance(x, (mx.array, np.ndarray)):
         raise CacheInputError(f"{what} must be an mlx array, got {type(x).__name__}")
-    if not mx.issubdtype(x.dtype, mx.floating):
+    if isinstance(x, np.ndarray) or not mx.issubdtype(x.dtype, mx.floating):
         raise CacheInputError(f"{what} must have a floating dtype, got {x.dtype}")
     if x.ndim not in (1, 2):
         raise CacheInputError(f"{what} must have shape (d,) or (n, d), got {tuple(x.shape)}")
@@ -88,12 +85,11 @@ def qjl_signs(store: RowStore, name: str, n: int, m: int) -> mx.array:
 
 
 class StandaloneCache(KVCache):
-    """Base of the standalone caches: inputs are ``(d,)`` or ``(n, d)`` finite floating arrays (MLX or
-    NumPy), else ``CacheInputError``; ``attend`` covers the ``len(cache)`` complete (key, value) pairs with
-    scale ``1/sqrt(head_dim)``; ``config.capacity`` rows are preallocated (doubling when full). A subclass
-    calls :meth:`_setup`, keeps its rows in ``_keys``/``_values`` (``RowStore``-like) and implements
-    ``append_key``, ``append_value``, ``_scores(q, n)`` (``(m, n)`` scores against the ``n`` oldest keys),
-    ``_attend_values(w, n)`` (``w @ values``) and ``_state_arrays()`` (its token-independent arrays)."""
+    """Base of the standalone caches: inputs ``(d,)`` or ``(n, d)`` finite floating arrays (MLX or NumPy);
+    ``attend`` covers the complete (key, value) pairs at scale ``1/sqrt(head_dim)``; ``config.capacity`` rows
+    preallocated. A subclass calls :meth:`_setup`, keeps rows in ``_keys``/``_values`` (``RowStore``-like)
+    and implements ``append_key``, ``append_value``, ``_scores(q, n)`` (against the ``n`` oldest keys),
+    ``_attend_values(w, n)`` and ``_state_arrays()`` (its token-independent arrays)."""
 
     def _setup(self, config) -> int:
         """Validate and keep the fields every standalone cache reads; return the initial capacity."""
@@ -133,7 +129,7 @@ class StandaloneCache(KVCache):
         self._values.drop_oldest(int(n))
 
     def reset(self) -> None:
-        """Drop all tokens and their storage; the token-independent state is kept."""
+        """Drop all tokens; the token-independent state is kept."""
         self._keys.clear()
         self._values.clear()
 
@@ -158,8 +154,8 @@ class StandaloneCache(KVCache):
 
 
 class Int8Values:
-    """Values stored per token as symmetric int8 codes with a float16 absmax scale (``max|v| / 127``; polar
-    and the TurboQuant caches): ~0.2% relative error, well below their key error."""
+    """Values as symmetric int8 codes with a float16 absmax scale per token (~0.2% error, well below the key
+    error of polar and TurboQuant)."""
 
     @staticmethod
     def _value_store(d: int, capacity: int) -> RowStore:
@@ -177,7 +173,6 @@ class Int8Values:
         return (self._values.view("v")[:n].astype(mx.float32), self._values.view("vscale")[:n].astype(mx.float32))
 
     def reconstruct_values(self) -> mx.array:
-        """``(n_values, d)`` float32 decoded values."""
         v, scale = self._value_parts(self._values.n)
         return v * scale[:, None]
 

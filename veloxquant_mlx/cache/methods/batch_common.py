@@ -1,8 +1,7 @@
-"""What the batch forms of compressed caches (kivi_batch, turboquant_rvq_batch, streaming_llm_batch)
-share: mlx_lm's batch-cache protocol (right-padded ``prepare``/``finalize``, ``offset`` as an array,
-``filter``/``extend``) and ragged layouts: regions *left-aligned* per sequence (slots ``[0, n_i)``) or
-*right-aligned* (the newest tokens' float16 rows, the last ``n_i`` columns), with the mask that shows
-each sequence its own rows. Counts are host-side ints (one per sequence): no decode step syncs.
+"""What the batch forms of compressed caches share: mlx_lm's batch-cache protocol (right-padded
+``prepare``/``finalize``, ``offset`` as an array, ``filter``/``extend``) and ragged layouts: regions
+*left-aligned* per sequence (slots ``[0, n_i)``) or *right-aligned* (the newest float16 rows, the last ``n_i``
+columns), with the mask showing each sequence its rows. Counts are host-side ints: no decode step syncs.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from ..contract import BatchingNotSupported, CompressedKVCache
 
 
 def borrows(src, *names):
-    """Class decorator: the batch form takes ``src``'s attributes ``names`` as they are (they work
-    unchanged on the batch buffers: same names and layout, a leading batch axis)."""
+    """Class decorator: take ``src``'s attributes ``names`` as they are (same buffers, a leading batch axis)."""
     def decorate(cls):
         for name in names:
             setattr(cls, name, inspect.getattr_static(src, name))
@@ -33,9 +31,7 @@ def grow_slots(cap: int, need: int) -> int:
 def pad_left(a: mx.array, width: int) -> mx.array:
     """``a`` [B, H, W, D] left-padded with zero columns on axis 2 up to ``width``."""
     pad = width - a.shape[2]
-    if pad <= 0:
-        return a
-    return mx.concatenate([mx.zeros((*a.shape[:2], pad, a.shape[3]), dtype=a.dtype), a], axis=2)
+    return a if pad <= 0 else mx.pad(a, [(0, 0), (0, 0), (pad, 0), (0, 0)])
 
 
 def keep_right(a: mx.array, width: int) -> mx.array:
@@ -45,7 +41,7 @@ def keep_right(a: mx.array, width: int) -> mx.array:
 
 def rows_ending_at(a: mx.array, ends: Sequence[int], width: int, view: bool = True) -> mx.array:
     """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] ending at column ``ends[i]`` (exclusive):
-    a view when all end at the same column and ``view``, else one gather (columns before 0 clipped)."""
+    a view when all end alike and ``view``, else one gather (columns before 0 clipped)."""
     if view and all(e == ends[0] for e in ends):
         return a[:, :, ends[0] - width: ends[0]]
     idx = mx.clip(mx.array(ends, dtype=mx.int32)[:, None] - width + mx.arange(width, dtype=mx.int32)[None],
@@ -54,8 +50,8 @@ def rows_ending_at(a: mx.array, ends: Sequence[int], width: int, view: bool = Tr
 
 
 def rows_from(a: mx.array, starts: Sequence[int], width: int) -> mx.array:
-    """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] from column ``starts[i]`` on (one
-    gather; columns past the end are clipped to the last one)."""
+    """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] from column ``starts[i]`` (one gather;
+    columns past the end clipped)."""
     idx = mx.minimum(mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None],
                      a.shape[2] - 1)
     return mx.take_along_axis(a, idx[:, None, :, None], axis=2)
@@ -82,12 +78,11 @@ def visible_mask(N: int, B: int, regions) -> mx.array:
 
 
 class RaggedBatchCache(CompressedKVCache):
-    """Base of the batch forms: host-side counts (``count_fields``: ``lens`` tokens held, ``nq`` used
-    slots of the left-aligned buffers; ``cap`` allocated), an optional right-aligned float16 region
-    (``right_fields``, rows per sequence in ``right_count``), the batch protocol and the state.
-    Subclasses give ``_settings()`` (what must match to share a batch), ``_region_dtype(compute_dtype)``,
-    ``_alloc(B, dtype, cap=0)`` (a dict of empty arrays for B sequences) and ``_slot_fields()`` (``{array
-    name: (slot axis, rows per slot)}`` of the slot-indexed buffers ``_set_capacity`` resizes)."""
+    """Base of the batch forms: host-side counts (``count_fields``: ``lens`` tokens held, ``nq`` used slots
+    of the left-aligned buffers; ``cap`` allocated), an optional right-aligned float16 region
+    (``right_fields``, rows per sequence in ``right_count``), the batch protocol and the state. Subclasses
+    give ``_settings()`` (what must match to share a batch), ``_region_dtype(compute_dtype)``, ``_alloc(B,
+    dtype, cap=0)`` (empty arrays) and ``_slot_fields()`` (``{name: (slot axis, rows per slot)}``)."""
 
     count_fields: tuple[str, ...] = ("nq", "lens")
     right_fields: tuple[str, ...] = ()
@@ -101,7 +96,6 @@ class RaggedBatchCache(CompressedKVCache):
         self._pending = self._call = None  # _pending: prepare(lengths=)'s valid rows still to come per sequence
         self._sync_offset()
 
-    # ---------------------------------------------------------------- merge helpers
     @staticmethod
     def _check_mergeable(caches, settings, what: str) -> None:
         """Refuse caches with different ``settings(cache)`` (``what`` names them) or offset != stored rows."""
@@ -121,8 +115,8 @@ class RaggedBatchCache(CompressedKVCache):
         return self
 
     def _set_capacity(self, cap: int) -> None:
-        """Reallocate the slot-indexed buffers to ``cap`` slots, keeping the used ones (a shrunk buffer is
-        made contiguous so it does not keep the larger one alive)."""
+        """Reallocate the slot-indexed buffers to ``cap`` slots, keeping the used ones (a shrunk one made
+        contiguous so it frees the larger one)."""
         if cap == self.cap:
             return
         keep = min(cap, self.cap)
@@ -138,7 +132,6 @@ class RaggedBatchCache(CompressedKVCache):
             setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
         self.cap = cap
 
-    # ---------------------------------------------------------------- bookkeeping
     @property
     def batch_size(self) -> int:
         return len(self.lens)
@@ -156,7 +149,7 @@ class RaggedBatchCache(CompressedKVCache):
 
     def _sync_offset(self):
         self.offset = mx.array(self.lens, dtype=mx.int32)
-        self.left_padding = mx.zeros((len(self.lens),), dtype=mx.int32)  # never left-padded
+        self.left_padding = mx.zeros((len(self.lens),), dtype=mx.int32)
 
     def stored_rows(self) -> int:
         return max(self.lens, default=0)
@@ -164,10 +157,6 @@ class RaggedBatchCache(CompressedKVCache):
     def empty(self) -> bool:
         return not self._held() and not any(self.lens)
 
-    def is_trimmable(self) -> bool:
-        return True
-
-    # ---------------------------------------------------------------- mlx_lm batch protocol
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None and max(left_padding, default=0) > 0:
             raise ValueError(f"{type(self).__name__} takes right-padded prompts (prepare(lengths=...)), "
@@ -175,8 +164,7 @@ class RaggedBatchCache(CompressedKVCache):
         if lengths is not None:
             self._pending = [int(n) for n in lengths]
 
-    def finalize(self):
-        # Padded rows were never stored: each sequence already holds exactly its own tokens.
+    def finalize(self):  # padded rows were never stored
         self._pending = None
 
     def _begin_call(self, keys, values) -> list[int]:
@@ -187,9 +175,7 @@ class RaggedBatchCache(CompressedKVCache):
             raise ValueError(f"{type(self).__name__} holds {self.batch_size} sequences, "
                              f"got a batch of {keys.shape[0]}")
         if not self._held():
-            for name, a in self._alloc(self.batch_size, self._region_dtype(keys.dtype)).items():
-                setattr(self, name, a)
-            self.cap = 0
+            self.__dict__.update(self._alloc(self.batch_size, self._region_dtype(keys.dtype)), cap=0)
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         if self._pending is None:
             return [N] * self.batch_size
@@ -200,8 +186,7 @@ class RaggedBatchCache(CompressedKVCache):
     def filter(self, batch_indices):
         idx = [int(i) for i in batch_indices]
         for name in self.count_fields:
-            values = getattr(self, name)
-            setattr(self, name, [values[i] for i in idx])
+            setattr(self, name, [getattr(self, name)[i] for i in idx])
         if self._pending is not None:
             self._pending = [self._pending[i] for i in idx]
         self._call = None
@@ -231,9 +216,7 @@ class RaggedBatchCache(CompressedKVCache):
             for c in (self, other):
                 if not c._held():
                     c._shape, c.dtype_name = ref._shape, ref.dtype_name
-                    for name, a in c._alloc(c.batch_size, ref._lead().dtype).items():
-                        setattr(c, name, a)
-                    c.cap = 0
+                    c.__dict__.update(c._alloc(c.batch_size, ref._lead().dtype), cap=0)
                 c._set_capacity(cap)
                 for name in c.right_fields:  # right-aligned: pad on the left
                     setattr(c, name, pad_left(getattr(c, name), width))
@@ -247,10 +230,9 @@ class RaggedBatchCache(CompressedKVCache):
         self._call = None
         self._sync_offset()
 
-    # ---------------------------------------------------------------- accounting and state
     @property
     def full_seq_bytes(self) -> int:
-        """What float16 rows of every sequence's tokens would take (no padding, no slack)."""
+        """What float16 rows of every sequence's tokens would take."""
         if getattr(self, "_shape", None) is None:
             return 0
         H, D, Dv = self._shape

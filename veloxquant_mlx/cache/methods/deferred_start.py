@@ -1,9 +1,6 @@
-"""``DeferredStart``: a grouped-layout cache whose compressed form carries a large per-layer fixed part (a
-fitted basis, factors of the weights) keeps its rows in float16 until compressing pays (a short chat holds at
-most its float16 rows plus ``contract.SHORT_PROMPT_SLACK_ROWS``): every row waits in the float16 residual
-(``GroupedQuantCache._holds_back``) until the stored rows reach ``start_rows``, the smallest multiple of the
-group G at which fixed part + per-token codes undercut the float16 rows they replace (from the layer's shapes
-and settings alone); from then on the cache is plain KIVI.
+"""``DeferredStart``: a grouped cache whose compressed form has a large per-layer fixed part (a fitted basis)
+keeps every row in its float16 residual until ``start_rows``, the smallest multiple of G at which fixed part +
+codes undercut the float16 rows they replace (so a short chat stays within ``SHORT_PROMPT_SLACK_ROWS``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """What the cross-layer groups (chunkkv, minicache, xkv, xquant) share: relinking a group after
-``load_prompt_cache`` and (minicache, xkv) the float16 window that waits for the group's other layers.
-
-mlx_lm loads a prompt cache's layers in order, so a group's first layer (the owner of what the group
-shares) is loaded before the layers that read it; ``_LOADED`` keeps the shared objects loaded most
-recently (weak values, by group id: a fresh uuid per group, so methods never collide).
+``load_prompt_cache`` (layers load in order, so a group's owner comes before its readers; ``_LOADED`` keeps
+the shared objects by group uuid, weakly) and (minicache, xkv) the float16 window waiting for the group.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ _LOADED = weakref.WeakValueDictionary()
 
 
 def relink(key: str, owner: bool, make, what: str):
-    """The owner registers ``make()`` (fresh: never the originals' links) under ``key``; a reader gets
-    it, or a ``ValueError`` naming ``what`` must be loaded first."""
+    """The owner registers a fresh ``make()`` under ``key``; a reader gets it, else ``ValueError``."""
     if owner:
         shared = _LOADED[key] = make()
         return shared
@@ -32,7 +28,7 @@ def relink(key: str, owner: bool, make, what: str):
 
 
 def relinking_state():
-    """The contract's ``state`` property, with the cache's ``_relink_loaded()`` run after a state is set."""
+    """The contract's ``state`` property, then ``_relink_loaded()`` when set."""
 
     def fset(self, v):
         CompressedKVCache.state.fset(self, v)
@@ -41,9 +37,8 @@ def relinking_state():
 
 
 class GroupWindow:
-    """Mixin before ``KIVIKVCache``: a layer keeps a call's rows in a float16 window (``res_k``/``res_v``,
-    ``n_res`` rows after ``n_quant`` compressed ones) until its group compresses whole blocks of
-    ``group`` rows; the subclass gives ``_part_bytes(kind)``, the filled bytes of one side."""
+    """Mixin before ``KIVIKVCache``: a call's rows wait in a float16 window (``res_k``/``res_v``, ``n_res``
+    rows after ``n_quant`` compressed) until the group compresses whole blocks; subclasses give ``_part_bytes``."""
 
     def _append_window(self, keys, values) -> int:
         """Append this call's rows to the window; returns the rows that fill whole blocks."""
