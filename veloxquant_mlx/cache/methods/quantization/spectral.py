@@ -7,24 +7,23 @@ variance in a few principal directions (participation ratio ~3-4% of ``head_dim`
 Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``: from ``config.store`` under
 ``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until then,
 then stored). A row keeps its top ``r = min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates
-``z = U_r^T (x - mu) / sqrt(l_r)``, coded as a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the
-direction (sphere codebook in R^r; signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv
-2406.03482) of the key residual (``jl_dim`` signs + float16 norm): unbiased scores. Values mix as
-``mu_V + (w @ c_hat) U_V^T``. At d = 128, 2 bits, m = 128: 24 bytes of keys, 18 of values per token (fp16: 512).
+``z = U_r^T (x - mu) / sqrt(l_r)``: a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the direction
+(signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv 2406.03482) of the key residual
+(unbiased scores). Values mix as ``mu_V + (w @ c_hat) U_V^T``. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
 
 Deviations from SpectralQuant:
 
 1. Directions beyond ``d_eff`` are dropped (0 bits), not coded coarser; ``d_eff`` is configured, not the
    measured participation ratio (:meth:`participation_ratio` reports that).
 2. QJL sketches the whole key residual (dropped directions included), not the signal coordinates only.
-3. All kept coordinates get the same bits (no water-filling); coefficients are whitened (eigenvalues floored
-   at 1e-4 of the largest) and coded as norm + direction; the norm is clamped to the float16 range.
-4. Calibration is per cache (one head), from its first rows or the store entry
+3. All kept coordinates get the same bits (no water-filling), whitened (eigenvalues floored at 1e-4 of the
+   largest) and coded as norm + direction; the norm is clamped to the float16 range.
+4. Calibration is per cache (one head), from its first rows or the store entries
    ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` escaped as ``_<hex>_`` outside
-   ``[A-Za-z0-9.-]``); a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
+   ``[A-Za-z0-9.-]``): a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
 
-Shared behaviour: ``standalone_util.StandaloneCache``. A centred norm or key residual norm beyond the float16
-range raises ``CacheInputError``; ``reset()`` keeps the bases; ``state_bytes()`` counts the bases and sketch.
+Shared behaviour: ``standalone_util.StandaloneCache``. A centred norm or key residual norm beyond float16
+raises ``CacheInputError``; ``reset()`` keeps the bases; ``state_bytes()`` counts the bases and sketch.
 """
 
 from __future__ import annotations
@@ -58,11 +57,6 @@ def _options(config) -> dict:
     if isinstance(o, SpectralOptions):
         return {f: getattr(o, f) for f in SpectralOptions.FIELDS}
     return {f: getattr(config, flat, getattr(SpectralOptions, f)) for f, flat in SpectralOptions.FIELDS.items()}
-
-
-def _store_prefix(name: str) -> str:
-    """Injective mapping of a model name onto the ArtifactStore key alphabet."""
-    return re.sub(r"[^A-Za-z0-9.\-]", lambda m: f"_{ord(m.group()):x}_", name)
 
 
 def _eigen(rows: mx.array):
@@ -178,7 +172,9 @@ class SpectralQuantKVCache(StandaloneCache):
             self._load(side)
 
     def _store_key(self, side: _Side, part: str) -> str:
-        return f"{_store_prefix(self.model_name)}.spectral.{side.kind}.d{self.head_dim}.{part}"
+        """The model name mapped injectively onto the ArtifactStore key alphabet, then side, dim and part."""
+        name = re.sub(r"[^A-Za-z0-9.\-]", lambda m: f"_{ord(m.group()):x}_", self.model_name)
+        return f"{name}.spectral.{side.kind}.d{self.head_dim}.{part}"
 
     def _load(self, side: _Side) -> None:
         if self.store is None:
@@ -274,15 +270,17 @@ class SpectralQuantKVCache(StandaloneCache):
 
     def participation_ratio(self, kind: str = "key") -> Optional[float]:
         """``(sum l)^2 / sum l^2`` of the calibrated spectrum (SpectralQuant's ``d_eff``)."""
-        lam = self._side(kind).eigenvalues
-        lam = None if lam is None else np.asarray(lam, dtype=np.float64)
+        lam = self._spectrum(kind)
         return None if lam is None else float(lam.sum() ** 2 / max((lam * lam).sum(), 1e-300))
 
     def captured_energy(self, kind: str = "key") -> Optional[float]:
         """Fraction of the calibration variance on the kept directions: ``sum_{j<r} l_j / sum_j l_j``."""
-        side = self._side(kind)
-        lam = None if side.eigenvalues is None else np.asarray(side.eigenvalues, dtype=np.float64)
-        return None if lam is None else float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
+        lam = self._spectrum(kind)
+        return None if lam is None else float(lam[: self._side(kind).r].sum() / max(lam.sum(), 1e-300))
+
+    def _spectrum(self, kind: str) -> Optional[np.ndarray]:
+        lam = self._side(kind).eigenvalues
+        return None if lam is None else np.asarray(lam, dtype=np.float64)
 
     def _state_arrays(self) -> list:
         out = self._keys.state_arrays() + self._values.state_arrays()
