@@ -1,9 +1,9 @@
 """A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via Windowed
-Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665): each
-decode step attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a
-per-query lookup table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
+Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665): each decode
+step attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a per-query
+lookup table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
 
-Here every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
+Every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
 ``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` rows
 with some outside the window, or given as ``a2ats_codebook``). ``a2ats_use_query_aware``: k-means in the
 per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or the
@@ -19,9 +19,8 @@ Deviations from the paper:
 * No windowed RoPE: keys arrive post-RoPE of an unknown variant, so codes and scores use rotated keys
   (``a2ats_rope_base`` / ``a2ats_rope_scaling`` are validated and recorded only).
 * The query metric is per sub-vector block (diagonal blocks of E[q q^T]) blended with the identity by
-  ``a2ats_beta``; the codebook is fitted online per layer.
-* No CPU offload and no heterogeneous pipeline.
-* Trim is exact; a trim below the rows the codebook was fitted on drops it, refitted at the next attention.
+  ``a2ats_beta``; the codebook is fitted online per layer. No CPU offload, no heterogeneous pipeline.
+* Trim is exact; a trim below the rows the codebook was fitted on drops it (refitted at the next attention).
 """
 
 from __future__ import annotations
