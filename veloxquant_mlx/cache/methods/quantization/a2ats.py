@@ -133,10 +133,6 @@ class A2ATSKVCache(CompressedKVCache):
         kb = k32.reshape(B, H, n, D // self.sub, self.sub)
         return (kb[..., None, :] @ self.metric_l).squeeze(-2)  # k^T L = (L^T k)^T
 
-    def _fit_due(self) -> bool:
-        """Enough rows to fit a codebook, and some outside the window (else no step would retrieve)."""
-        return self.n_rows >= max(FIT_MIN, self.window + 2)
-
     def _fit(self, queries):
         H, n, D = self.keys.shape[1], self.n_rows, self.keys.shape[-1]
         if D % self.sub:
@@ -182,7 +178,8 @@ class A2ATSKVCache(CompressedKVCache):
         call, self._call = self._call, None
         B, Hq, N, D = queries.shape
         step = call is not None and N == 1 and keys.shape[2] == self.n_rows and (mask is None or isinstance(mask, str))
-        if call is not None and self.codebook is None and (N > 1 or step) and self._fit_due():
+        due = self.n_rows >= max(FIT_MIN, self.window + 2)  # some rows outside the window, else none retrieved
+        if call is not None and self.codebook is None and (N > 1 or step) and due:
             self._fit(queries)  # on the prefill or a decode step: their queries give the query-aware metric
         if call is not None and self.codebook is not None:
             self._encode_pending()

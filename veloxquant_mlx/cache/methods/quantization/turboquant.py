@@ -133,12 +133,6 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
             x = mx.take(x, self._perm, axis=1)
         return mx.split(x, [self.groups[0].dim], axis=1) if len(self.groups) > 1 else [x]
 
-    def _merge(self, parts: list) -> mx.array:
-        x = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        if self._inv_perm is not None:
-            x = mx.take(x, self._inv_perm, axis=1)
-        return x
-
     def append_key(self, k) -> None:
         k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0] == 0:
@@ -196,7 +190,8 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         if self._prod:
             qjl = qjl_dequantize(self._qjl_signs(n), self._keys.view("rnorm")[:n], self.sketch)
             parts = [p + q for p, q in zip(parts, self._split(qjl, permute=False))]
-        return self._merge([p @ g.rotation for p, g in zip(parts, self.groups)])
+        x = mx.concatenate([p @ g.rotation for p, g in zip(parts, self.groups)], axis=1)
+        return x if self._inv_perm is None else mx.take(x, self._inv_perm, axis=1)
 
 
 @register("turboquant_mse")
