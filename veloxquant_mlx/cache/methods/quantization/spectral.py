@@ -82,7 +82,7 @@ class _Side:
         self.codebook = mx.array([-1.0, 1.0]) if r == 1 else lloyd_max_codebook(bits, r)
         specs = {"codes": ((packed_words(r, bits),), mx.uint32), "rho": ((), mx.float16), **extra_specs}
         self.rows = RowStore(specs, initial)
-        self.pending: Optional[mx.array] = None  # exact rows held until calibration
+        self.pending = mx.zeros((0, d))  # the exact (float32) rows held until calibration
 
     @property
     def calibrated(self) -> bool:
@@ -90,7 +90,7 @@ class _Side:
 
     @property
     def n(self) -> int:
-        return self.rows.n if self.calibrated else (0 if self.pending is None else self.pending.shape[0])
+        return self.rows.n if self.calibrated else self.pending.shape[0]
 
     def set_basis(self, mean, vectors, eigenvalues) -> None:
         self.mean = mx.array(mean, dtype=mx.float32)
@@ -104,7 +104,7 @@ class _Side:
         return [a for a in (self.mean, self.basis, self.eigenvalues, self.sqrt_lam, self.codebook) if a is not None]
 
     def nbytes(self) -> int:
-        return self.rows.nbytes() + (0 if self.pending is None else self.pending.nbytes)
+        return self.rows.nbytes() + self.pending.nbytes
 
     def encode(self, x: mx.array):
         """``(n, d)`` rows -> (rows dict of codes and rho, decoded coefficients ``c_hat`` (n, r))."""
@@ -128,19 +128,15 @@ class _Side:
     def decode(self, n: int) -> mx.array:
         return self.mean + self.coefficients(n) @ self.basis.T
 
-    def exact(self, n: int) -> mx.array:
-        """The ``n`` oldest rows held before calibration (float32)."""
-        return self.pending[:n] if self.pending is not None else mx.zeros((0, self.d))
-
     def drop_oldest(self, n: int) -> None:
         if self.calibrated:
             self.rows.drop_oldest(n)
-        elif self.pending is not None:
-            self.pending = self.pending[min(n, self.pending.shape[0]):]
+        else:
+            self.pending = self.pending[n:]
 
     def clear(self) -> None:
         self.rows.clear()
-        self.pending = None
+        self.pending = self.pending[:0]
 
 
 @register("spectral")
@@ -189,7 +185,7 @@ class SpectralQuantKVCache(StandaloneCache):
                                            f"an artifact of shape {shape}, got {tuple(p.shape)}")
         side.set_basis(*(np.asarray(p, dtype=np.float32) for p in parts))
 
-    def _calibrate_side(self, side: _Side, rows: mx.array, held: Optional[mx.array]) -> None:
+    def _calibrate_side(self, side: _Side, rows: mx.array, held: mx.array) -> None:
         """Calibrate ``side`` on ``rows`` and encode the ``held`` rows; no change if anything raises."""
         if side.rows.n:
             raise CacheInputError(f"the {side.kind} side already holds encoded rows; build a new cache to recalibrate")
@@ -197,14 +193,14 @@ class SpectralQuantKVCache(StandaloneCache):
         old = (side.mean, side.basis, side.eigenvalues, side.sqrt_lam)
         side.set_basis(mean, vectors, lam)
         try:
-            encoded = self._encode_rows(side, held) if held is not None and held.shape[0] else None
+            encoded = self._encode_rows(side, held) if held.shape[0] else None
         except CacheInputError:
             side.mean, side.basis, side.eigenvalues, side.sqrt_lam = old
             raise
         if self.store is not None:
             for part, arr in zip(_PARTS, (mean, vectors, lam)):
                 self.store.put(self._store_key(side, part), mx.array(arr))
-        side.pending = None
+        side.pending = side.pending[:0]
         if encoded is not None:
             side.rows.append(encoded)
 
@@ -226,7 +222,7 @@ class SpectralQuantKVCache(StandaloneCache):
             side.rows.append(self._encode_rows(side, x))
             return
         check_norm16(x, side.kind)
-        held = x if side.pending is None else mx.concatenate([side.pending, x], axis=0)
+        held = mx.concatenate([side.pending, x], axis=0)
         need = self.n_calib_tokens if self.n_calib_tokens is not None else self.head_dim
         if held.shape[0] >= max(need, 2):
             calib = held if self.n_calib_tokens is None else held[: self.n_calib_tokens]
@@ -298,7 +294,7 @@ class SpectralQuantKVCache(StandaloneCache):
     def _scores(self, q: mx.array, n: int) -> mx.array:
         side = self._keys
         if not side.calibrated:
-            return q @ side.exact(n).T
+            return q @ side.pending[:n].T
         s = (q @ side.mean)[:, None] + (q @ side.basis) @ side.coefficients(n).T
         if self.apply_qjl:
             s = s + self._qjl_term(n, lambda *a: qjl_inner_product(q, *a))
@@ -310,14 +306,14 @@ class SpectralQuantKVCache(StandaloneCache):
         before calibration are returned exactly."""
         side, n = self._keys, self._keys.n
         if not side.calibrated:
-            return side.exact(n)
+            return side.pending[:n]
         out = side.decode(n)
         return out + self._qjl_term(n, qjl_dequantize) if self.apply_qjl and with_qjl else out
 
     def reconstruct_values(self) -> mx.array:
         """``(n_values, d)`` float32 decoded values (exact for rows held before calibration)."""
         side = self._values
-        return side.decode(side.n) if side.calibrated else side.exact(side.n)
+        return side.decode(side.n) if side.calibrated else side.pending
 
     def _attend_values(self, w: mx.array, n: int) -> mx.array:
         side = self._values  # calibrated: mu_V + (w @ c_hat) U_V^T, no value decoded to d dimensions
