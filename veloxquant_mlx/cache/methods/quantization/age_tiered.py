@@ -135,14 +135,11 @@ class AgeTieredKVCache(KIVIKVCache):
         return bits + [16] * self.n_res
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
-        if n <= self.n_res:
-            self.n_res -= n
-            return n
-        raise ValueError(
-            f"AgeTieredKVCache: trimming {n} tokens would reach quantized groups (only the {self.n_res} "
-            "float16 residual tokens can be dropped exactly: older groups were re-quantized as they aged)"
-        )
+        if n > self.n_res:
+            raise ValueError(
+                f"AgeTieredKVCache: trimming {n} tokens would reach quantized groups (only the {self.n_res} "
+                "float16 residual tokens can be dropped exactly: older groups were re-quantized as they aged)")
+        return super()._trim_rows(n)
 
     def tier_bytes_per_token(self, t: int, d: int, dv: int) -> float:
         """Bytes per token per KV head of tier ``t`` (codes at its width + float16 scales/biases)."""

@@ -168,15 +168,12 @@ class ZipCacheKVCache(KIVIKVCache):
         return out
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
-        if n <= self.n_res:
-            self.n_res -= n
-            self.n_scored = min(self.n_scored, self.n_res)
-            return n
-        raise ValueError(
-            f"ZipCacheKVCache: trimming {n} tokens would reach compressed tokens (only the {self.n_res} "
-            "float16 pending rows can be dropped exactly: their saliency chose the widths of the others)"
-        )
+        if n > self.n_res:
+            raise ValueError(
+                f"ZipCacheKVCache: trimming {n} tokens would reach compressed tokens (only the {self.n_res} "
+                "float16 pending rows can be dropped exactly: their saliency chose the widths of the others)")
+        self.n_scored = min(self.n_scored, self.n_res - n)
+        return super()._trim_rows(n)
 
     def _used(self, *stores) -> int:
         """Bytes of the filled rows of the hi/lo stores ``stores`` (codes, scales, biases)."""
