@@ -46,8 +46,7 @@ def substitute(monkeypatch, owner, name: str, old: str, new: str) -> None:
 def zipcache_accumulated(mp):
     """Saliency = accumulated attention (no division by the number of queries that saw the token)."""
     substitute(mp, zipcache.ZipCacheKVCache, "_saliency",
-               'self._saliency_view("sal_sum", f) / mx.maximum(self._saliency_view("sal_cnt", f), 1.0)',
-               'self._saliency_view("sal_sum", f)')
+               "self.sal_sum[:, :, :f, 0] / mx.maximum(self.sal_cnt[:, :, :f, 0], 1.0)", "self.sal_sum[:, :, :f, 0]")
 
 
 def kvzip_sum(mp):

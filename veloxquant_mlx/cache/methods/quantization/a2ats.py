@@ -1,9 +1,9 @@
 """A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via Windowed
-Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665): each
-decode step attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a
-per-query lookup table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
+Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665): each decode
+step attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a per-query
+lookup table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
 
-Here every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
+Every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
 ``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` rows
 with some outside the window, or given as ``a2ats_codebook``). ``a2ats_use_query_aware``: k-means in the
 per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or the
@@ -19,9 +19,8 @@ Deviations from the paper:
 * No windowed RoPE: keys arrive post-RoPE of an unknown variant, so codes and scores use rotated keys
   (``a2ats_rope_base`` / ``a2ats_rope_scaling`` are validated and recorded only).
 * The query metric is per sub-vector block (diagonal blocks of E[q q^T]) blended with the identity by
-  ``a2ats_beta``; the codebook is fitted online per layer.
-* No CPU offload and no heterogeneous pipeline.
-* Trim is exact; a trim below the rows the codebook was fitted on drops it, refitted at the next attention.
+  ``a2ats_beta``; the codebook is fitted online per layer. No CPU offload, no heterogeneous pipeline.
+* Trim is exact; a trim below the rows the codebook was fitted on drops it (refitted at the next attention).
 """
 
 from __future__ import annotations
@@ -134,10 +133,6 @@ class A2ATSKVCache(CompressedKVCache):
         kb = k32.reshape(B, H, n, D // self.sub, self.sub)
         return (kb[..., None, :] @ self.metric_l).squeeze(-2)  # k^T L = (L^T k)^T
 
-    def _fit_due(self) -> bool:
-        """Enough rows to fit a codebook, and some outside the window (else no step would retrieve)."""
-        return self.n_rows >= max(FIT_MIN, self.window + 2)
-
     def _fit(self, queries):
         H, n, D = self.keys.shape[1], self.n_rows, self.keys.shape[-1]
         if D % self.sub:
@@ -183,7 +178,8 @@ class A2ATSKVCache(CompressedKVCache):
         call, self._call = self._call, None
         B, Hq, N, D = queries.shape
         step = call is not None and N == 1 and keys.shape[2] == self.n_rows and (mask is None or isinstance(mask, str))
-        if call is not None and self.codebook is None and (N > 1 or step) and self._fit_due():
+        due = self.n_rows >= max(FIT_MIN, self.window + 2)  # some rows outside the window, else none retrieved
+        if call is not None and self.codebook is None and (N > 1 or step) and due:
             self._fit(queries)  # on the prefill or a decode step: their queries give the query-aware metric
         if call is not None and self.codebook is not None:
             self._encode_pending()

@@ -3,8 +3,8 @@ importance at a target average width, on KIVI's layout.
 
 Paper: MiKV (Yang, Kim, Bae, Kwon, Park, Yang, Kwon, Lee, "No Token Left Behind: Reliable KV Cache Compression
 via Importance-Aware Mixed Precision Quantization", arXiv 2402.18096): keep every token, the important ones at
-high precision, instead of evicting the low-ranked ones. (The name is historical: Ada-KV, arXiv 2407.11550, is
-per-head budget allocation for eviction.)
+high precision, instead of evicting the others. (The name is historical: Ada-KV, arXiv 2407.11550, is per-head
+budget allocation for eviction.)
 
 On KIVI's residual (G = ``adakv_group_size``) a group's tokens are ranked by importance; fixed counts per group
 (``nonuniform.tier_counts``: the target average up to whole tokens) get ``adakv_hi_bit``, ``adakv_mid_bit`` and
@@ -12,8 +12,8 @@ On KIVI's residual (G = ``adakv_group_size``) a group's tokens are ranked by imp
 gcd(Dv, 32)), each token at its tier's width; ``order`` (uint8) restores token order. ``adakv_importance``:
 ``"attention"`` (MiKV's signal: attention from the dispatch point's real queries, the last ``adakv_obs_window``
 of each call, summed over the KV head's query heads, averaged over a token's observations; without the dispatch
-point the ``"norm_variance"`` ranking stays), ``"norm"`` (‖k‖₂) or ``"norm_variance"`` (var(k) · (1 + var(v))).
-Measured against the importance-blind control (``allocation = "uniform"``): docs/RESULTS.md, "adakv and xquant".
+point ``"norm_variance"`` ranks), ``"norm"`` (‖k‖₂) or ``"norm_variance"`` (var(k) · (1 + var(v))). Against the
+importance-blind control (``allocation = "uniform"``): docs/RESULTS.md, "adakv and xquant".
 
 Deviations from MiKV: MiKV keeps an H2O-style accumulated attention over the whole generation and rebalances
 query/key outlier channels; here a token's tier is fixed when its group is quantized (``adakv_update_interval``
@@ -34,16 +34,8 @@ from ...errors import QuantizerConfigError
 from ...primitives import nonuniform as sal
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.buffers import grow_rows
-from .amc import TIERS, RankTiers, range_decode
+from .amc import TIERS, RankTiers, range_code, range_decode
 from .kivi import RES_DTYPE, KIVIKVCache
-
-
-def _range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
-    """Codes of ``x`` on ``[mn, mn + rng]`` at ``bits`` bits (``mn``/``rng`` broadcast, float16-rounded)."""
-    levels = float((1 << bits) - 1)
-    step = rng.astype(mx.float32) / levels
-    q = mx.round((x.astype(mx.float32) - mn.astype(mx.float32)) / mx.where(step > 0, step, 1.0))
-    return mx.clip(q, 0.0, levels).astype(mx.uint32)
 
 
 @register_with_mlx_lm
@@ -114,8 +106,8 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
         v_rng = (vs.max(axis=-1) - v_mn.astype(mx.float32)).astype(RES_DTYPE)
         for t, c, b, start in self._tiers():
             sl = slice(start, start + c)
-            kc = _range_code(ks[:, :, :, sl], k_mn[:, :, :, None], k_rng[:, :, :, None], b)
-            vc = _range_code(vs[:, :, :, sl], v_mn[:, :, :, sl, :, None], v_rng[:, :, :, sl, :, None], b)
+            kc = range_code(ks[:, :, :, sl], k_mn[:, :, :, None], k_rng[:, :, :, None], b)
+            vc = range_code(vs[:, :, :, sl], v_mn[:, :, :, sl, :, None], v_rng[:, :, :, sl, :, None], b)
             for side, codes, d in (("k", kc, D), ("v", vc, Dv)):
                 packed = pack_bits(codes.reshape(B, H, g * c, d), b)
                 setattr(self, f"{side}_codes_{t}", grow_rows(getattr(self, f"{side}_codes_{t}"), (t0 // G) * c, packed))

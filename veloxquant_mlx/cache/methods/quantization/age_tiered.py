@@ -4,18 +4,16 @@ No single paper (library design): KIVI's layout (Liu et al., arXiv 2402.02750) w
 behind sliding-window schemes (e.g. SKVQ's full-precision window, arXiv 2405.06219): attention concentrates on
 recent tokens, so older tokens can take coarser codes.
 
-R = ``age_recent_boundary``, M = ``age_mid_boundary`` >= R, G = ``age_group_size``; a token's age is T - 1 - p.
-Tokens that do not fill a key group stay in a float16 residual; a quantized group is *recent*
-(``age_bits_recent``) while its newest token's age is < R, *mid* (``age_bits_mid``) while < M, then *old*
-(``age_bits_old``). A group crossing a boundary is re-quantized from its stored codes at the next tier's width;
-a new group goes straight to its tier. The tiers are three KIVI-layout stores (``k{t}_*`` transposed, ``v{t}_*``
-per token; t = 0 old, 1 mid, 2 recent) of contiguous groups in position order (``tier_bytes_per_token``).
+R = ``age_recent_boundary``, M = ``age_mid_boundary`` >= R, G = ``age_group_size``; a token's age is T - 1 - p. A
+quantized group is *recent* (``age_bits_recent``) while its newest token's age is < R, *mid* (``age_bits_mid``)
+while < M, then *old* (``age_bits_old``); crossing a boundary re-quantizes it from its stored codes at the next
+tier's width, a new group goes straight to its tier. Three KIVI-layout stores (``k{t}_*`` transposed, ``v{t}_*``
+per token; t = 0 old, 1 mid, 2 recent) hold contiguous groups in position order.
 
-Deviations / choices: the residual of < G tokens is float16 (as in KIVI); tiers are per group by its newest
-token, so up to G - 1 tokens past a boundary keep the finer width; moving groups copies the bounded recent
-and mid stores once per crossing group, never per token; attention dequantizes and multiplies (three
-widths); trim is exact for residual rows only, deeper trims raise ``ValueError`` (re-quantized groups cannot
-be restored).
+Deviations / choices: KIVI's float16 residual of < G tokens; tiers are per group by its newest token (up to G - 1
+tokens past a boundary keep the finer width); moving groups copies the bounded recent and mid stores once per
+crossing group, never per token; attention dequantizes (three widths); trim is exact for residual rows only,
+deeper trims raise ``ValueError`` (re-quantized groups cannot be restored).
 """
 
 from __future__ import annotations
@@ -137,14 +135,11 @@ class AgeTieredKVCache(KIVIKVCache):
         return bits + [16] * self.n_res
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
-        if n <= self.n_res:
-            self.n_res -= n
-            return n
-        raise ValueError(
-            f"AgeTieredKVCache: trimming {n} tokens would reach quantized groups (only the {self.n_res} "
-            "float16 residual tokens can be dropped exactly: older groups were re-quantized as they aged)"
-        )
+        if n > self.n_res:
+            raise ValueError(
+                f"AgeTieredKVCache: trimming {n} tokens would reach quantized groups (only the {self.n_res} "
+                "float16 residual tokens can be dropped exactly: older groups were re-quantized as they aged)")
+        return super()._trim_rows(n)
 
     def tier_bytes_per_token(self, t: int, d: int, dv: int) -> float:
         """Bytes per token per KV head of tier ``t`` (codes at its width + float16 scales/biases)."""

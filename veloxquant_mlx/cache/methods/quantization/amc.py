@@ -1,21 +1,18 @@
-"""AMC: saliency-tiered mixed precision for the KV cache (the library's "AMC: saliency-tiered precision" entry;
-no paper text was available to check against, so this follows the method's description: a few salient tokens
-at high precision, more at medium, the rest at low precision).
+"""AMC: saliency-tiered mixed precision for the KV cache (the library's "AMC: saliency-tiered precision" entry; no
+paper text was available to check against, so this follows the method's description: a few salient tokens at high
+precision, more at medium, the rest at low precision).
 
 On KIVI's residual (G = ``amc_group_size``) a quantized group's tokens are ranked by key L2 norm (large-norm keys
 make the logits that dominate attention): the top ``round(amc_k_high * G)`` get 8 bits, the next
 ``round((amc_k_high + amc_k_mid) * G) - n_hi`` 4 bits, the rest 2 (defaults 6 / 10 / 16: 3.75 bits per element).
-Keys share KIVI's per-channel group ranges, coded at each token's width (per-token 2-bit keys measured KL 0.30 vs
-0.085 with shared ranges); values per token in channel groups of gcd(Dv, 32); ``order`` (uint8) restores token
-order. ``RankTiers`` (the tier bookkeeping) is shared with adakv.
+Keys share KIVI's per-channel group ranges, coded at each token's width (per-token 2-bit keys: KL 0.30 vs 0.085
+with shared ranges); values per token in channel groups of gcd(Dv, 32); ``order`` (uint8) restores token order.
+``RankTiers`` (the tier bookkeeping) is shared with adakv.
 
-Deviations / not implemented (rejected with ``QuantizerConfigError``):
-
-* ``amc_use_query_saliency=True``: groups are quantized in ``update_and_fetch`` (no queries), and blending in
-  the dispatch point's queries would make the codes depend on whether it is installed.
-* ``amc_adaptive_thresholds=True`` (``amc_threshold_window``, ``amc_gamma``) and ``amc_calib_variance``: not
-  implemented; tier sizes are fixed per group.
-* Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
+Not implemented (rejected with ``QuantizerConfigError``): ``amc_use_query_saliency=True`` (groups are quantized in
+``update_and_fetch``, without queries, and codes must not depend on whether the dispatch point is installed);
+``amc_adaptive_thresholds=True`` (``amc_threshold_window``, ``amc_gamma``) and ``amc_calib_variance`` (tier sizes
+are fixed per group). Keys are quantized after RoPE.
 """
 
 from __future__ import annotations
@@ -36,6 +33,14 @@ from .kivi import KIVIKVCache
 TIERS = ("hi", "mid", "lo")
 TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
 CG = 32  # channel group of the per-token quantization (gcd with the head dim)
+
+
+def range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
+    """``bits``-bit codes of ``x`` on ``[mn, mn + rng]`` (``mn``/``rng`` broadcast, float16-rounded)."""
+    levels = float((1 << bits) - 1)
+    step = rng.astype(mx.float32) / levels
+    q = mx.round((x.astype(mx.float32) - mn.astype(mx.float32)) / mx.where(step > 0, step, 1.0))
+    return mx.clip(q, 0.0, levels).astype(mx.uint32)
 
 
 def range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
@@ -89,13 +94,6 @@ class RankTiers:
         return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
 
 
-def tier_sizes(k_high: float, k_mid: float, group: int) -> dict:
-    """Tokens per G-token group in each tier (cumulative rounding: the counts sum to G)."""
-    n_hi = int(round(k_high * group))
-    n_mid = int(round((k_high + k_mid) * group)) - n_hi
-    return {"hi": n_hi, "mid": n_mid, "lo": group - n_hi - n_mid}
-
-
 @register_with_mlx_lm
 @register("amc")
 class AMCKVCache(RankTiers, KIVIKVCache):
@@ -124,7 +122,9 @@ class AMCKVCache(RankTiers, KIVIKVCache):
                 raise QuantizerConfigError(f"amc_{f}", getattr(o, f), why)
         self.group = o.group_size
         self.tier_bits = dict(TIER_BITS)
-        self.counts = tier_sizes(float(o.k_high), float(o.k_mid), o.group_size)
+        n_hi = round(o.k_high * self.group)  # cumulative rounding: the counts sum to G
+        n_mid = round((o.k_high + o.k_mid) * self.group) - n_hi
+        self.counts = {"hi": n_hi, "mid": n_mid, "lo": self.group - n_hi - n_mid}
         self.qbits = TIER_BITS["hi"]
         self._call = None
 
@@ -142,13 +142,10 @@ class AMCKVCache(RankTiers, KIVIKVCache):
         cap = self.order.shape[2] // G  # per-group arrays follow the token arrays' capacity
         self.k_mins = grow_columns(self.k_mins, t0 // G, kmin.swapaxes(-1, -2), cap)  # [B, H, D, groups]
         self.k_ranges = grow_columns(self.k_ranges, t0 // G, krange.swapaxes(-1, -2), cap)
-        r32 = krange.astype(mx.float32)[:, :, :, None]
-        u = (mx.take_along_axis(kf, order[..., None], axis=3) - kmin.astype(mx.float32)[:, :, :, None]) \
-            / mx.where(r32 > 0, r32, 1.0)  # [B, H, g, G, D] in [0, 1], rank order
+        ks = mx.take_along_axis(kf, order[..., None], axis=3)  # rank order
         vs = mx.take_along_axis(vb.reshape(B, H, g, G, Dv), order[..., None], axis=3)
         for t, c, b, start in self._tiers():
-            lv = float((1 << b) - 1)
-            kq = mx.clip(mx.round(u[:, :, :, start : start + c] * lv), 0.0, lv).astype(mx.uint32)
+            kq = range_code(ks[:, :, :, start : start + c], kmin[:, :, :, None], krange[:, :, :, None], b)
             vq = gq.quantize(vs[:, :, :, start : start + c].reshape(B, H, g * c, Dv), b, self._cg(Dv))
             for name, arr in zip(("k_codes", "v_codes", "v_scales", "v_biases"),
                                  (bitpack.pack_bits(kq, b).reshape(B, H, g * c, -1), *vq)):

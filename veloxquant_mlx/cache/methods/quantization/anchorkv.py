@@ -2,24 +2,20 @@
 
 Paper: none titled "AnchorKV" was found; the closest is AnTKV (Li, Xiao, Wang, Liu, Tang, Lu, Yang, Chen, Chu,
 "AnTKV: Anchor Token-Aware Sub-Bit Vector Quantization for KV Cache in Large Language Models", arXiv
-2506.19505): ~1% of the most quantization-sensitive tokens stay float16. This module implements what the
+2506.19505): ~1% of the most quantization-sensitive tokens stay float16. This implements what the
 ``anchorkv_*`` fields describe, one step further: the anchors are also references for delta coding.
 
 Per (batch, head, G-token group; G = ``anchorkv_window``), keys and values alike: the A =
 min(G, max(1, round(``anchorkv_anchor_frac`` * G))) tokens with the best ``rho * centrality + (1 - rho) * norm``
 (each min-max normalized, seeded 1e-6 tie jitter) are stored exactly (central tokens make good references,
-high-norm ones are the most damaging to quantize); each other token codes its residual against its nearest
-anchor when that narrows its summed per-channel-group range by more than ``anchorkv_theta`` (else itself), at
+high-norm ones are the most damaging to quantize); each other token codes its residual against its nearest anchor
+when that narrows its summed per-channel-group range by more than ``anchorkv_theta`` (else itself), at
 ``anchorkv_residual_bits`` bits per token (``groupquant``), with ceil(log2(A + 1)) bits naming its reference.
 
-Deviations / choices:
-
-* At least one anchor per group (effective fraction max(anchor_frac, 1/G)): anchors must be near the tokens
-  coded against them.
-* Keys are quantized after RoPE; residuals per token (a per-channel min/max code is invariant to a
-  per-channel offset and would gain nothing from an anchor).
-* KIVI's window deviations apply (a group completed by a decode step is coded after its attention).
-* Attention dequantizes and multiplies (not MLX's affine layout). Trim: KIVI's rule.
+Deviations / choices: at least one anchor per group (effective fraction max(anchor_frac, 1/G)), since anchors
+must be near the tokens coded against them; keys quantized after RoPE, residuals per token (a per-channel min/max
+code is invariant to a per-channel offset, so it would gain nothing from an anchor); KIVI's window deviations (a
+group completed by a decode step is coded after its attention); attention dequantizes; trim: KIVI's rule.
 """
 
 from __future__ import annotations

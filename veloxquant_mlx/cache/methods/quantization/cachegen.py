@@ -1,30 +1,29 @@
 """CacheGen (Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann, Holtzman, Jiang,
 "CacheGen: KV Cache Compression and Streaming for Fast Large Language Model Serving", SIGCOMM 2024,
-arXiv 2310.07240). Ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the
-others deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the
-codes with tables grouped by channel and layer.
+arXiv 2310.07240). Ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the others
+deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes
+with tables grouped by channel and layer.
 
-Here (KIVI's layout and float16 residual; G = ``cachegen_group_size``): ``build_layers`` gives the j-th of
-``cachegen_layer_groups`` = n contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (``qbits``; a
-cache built alone: ``cachegen_resolved_bits`` or ``cachegen_bits``). With ``cachegen_use_delta`` each group's
-anchor is coded per token at 8 bits and the deltas against the *dequantized* anchor at the layer's bits
-(closed loop); without, this is KIVI. Attention dequantizes the fixed-width codes. The saved form (``state``)
-entropy-codes key and value codes (``primitives.entropy``: static ANS, tables per (batch, head, channel) with
-``cachegen_per_channel``, else per (batch, head)), bit-exact on load; groups added since the last read form one
-new block, a trim drops the blocks past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``,
-``entropy_savings`` and ``assigned_avg_bits`` measure that form.
+On KIVI's layout (G = ``cachegen_group_size``): ``build_layers`` gives the j-th of ``cachegen_layer_groups`` = n
+contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (``qbits``; alone: ``cachegen_resolved_bits``
+or ``cachegen_bits``). With ``cachegen_use_delta`` each group's anchor is coded per token at 8 bits and the
+deltas against the *dequantized* anchor at the layer's bits (closed loop); without, this is KIVI. Attention
+dequantizes the fixed-width codes. ``state`` (the saved form) entropy-codes the key and value codes
+(``primitives.entropy``, static ANS; tables per (batch, head, channel) with ``cachegen_per_channel``, else per
+(batch, head)), bit-exact on load; groups added since the last read form one new block, a trim drops the blocks
+past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``, ``entropy_savings`` and
+``assigned_avg_bits`` measure that form.
 
 Deviations from the paper:
 
-* Group min/max affine codes (KIVI's grouping) replace the per-layer delta levels, 8-bit per-token codes
-  its anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay
-  tokens: 0-6% below fixed width; ``veloxquant cache save``).
-* On SmolLM2-135M value deltas do not help (2-bit KL 0.157 with, 0.119 without: weak token locality); they
-  stay the default (the paper's design).
+* Group min/max affine codes (KIVI's grouping) replace the per-layer delta levels, 8-bit per-token codes its
+  anchors; such codes spread over all levels, so the coder saves little (SmolLM2-135M, 512 essay tokens: 0-6%
+  below fixed width; ``veloxquant cache save``).
+* Value deltas do not help on SmolLM2-135M (2-bit KL 0.157 with, 0.119 without: weak token locality); they stay
+  the default (the paper's design).
 * Keys are quantized after RoPE; the newest < G tokens stay float16 (the paper codes whole chunks offline).
-* rANS with static per-table frequencies instead of adaptive arithmetic coding; a table whose streams do not
-  get shorter than fixed width is stored raw.
-* The entropy-coded form is what is saved, not what attention reads (the paper streams it and decodes).
+* rANS with static per-table frequencies, not adaptive arithmetic coding; a table whose streams are not shorter
+  than fixed width is stored raw. The entropy-coded form is what is saved, not what attention reads.
 * Trim: KIVI's rule (residual tokens + whole groups), else ``ValueError``.
 """
 

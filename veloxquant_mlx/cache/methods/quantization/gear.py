@@ -1,20 +1,19 @@
 """GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, "GEAR: An Efficient KV Cache Compression Recipe for
-Near-Lossless Generative Inference of LLM", arXiv 2403.05527): base quantization + error feedback. For a KV
-block X the ``s`` fraction of largest-magnitude entries S is kept exactly, D̂ = Quant_b(X − S), and the rest
+Near-Lossless Generative Inference of LLM", arXiv 2403.05527): base quantization + error feedback. For a KV block
+X the ``s`` fraction of largest-magnitude entries S is kept exactly, D̂ = Quant_b(X − S), and the rest
 R = X − S − D̂ is approximated by its best rank-r matrix L = A·Bᵀ: X ≈ D̂ + L + S.
 
-Here (on KIVI's full-precision residual; G = ``gear_group_size``, b = ``gear_bits``), per (batch, head, G-token
-group): S = the ``ceil(gear_sparse_fraction·G·D)`` largest |x| (uint16 index + float16 value); D̂ = KIVI's layout
-(keys per channel, values per token); L = rank-r SVD of the G×D residual (A [G, r] per token, Bᵀ [r, D] per
-group, float16). Values take the same path with ``gear_quantize_values`` (else plain KIVI). The rank is
-``gear_rank``, or chosen once on the first block as the largest per-(head, group) rank keeping
-``gear_energy_threshold`` of the residual energy, capped at min(G, D) // 8 (a b-bit quantizer's residual is
-noise-like: 0.9 of its energy would cost more bytes than the codes). ``error_recovery_ratio`` = 1 −
-‖X − GEAR(X)‖² / ‖X − base(X)‖² over the stored key groups (base: plain b-bit KIVI).
+On KIVI's residual (G = ``gear_group_size``, b = ``gear_bits``), per (batch, head, G-token group): S = the
+``ceil(gear_sparse_fraction·G·D)`` largest |x| (uint16 index + float16 value); D̂ = KIVI's layout; L = rank-r
+SVD of the G×D residual (A [G, r] per token, Bᵀ [r, D] per group, float16). Values take the same path with
+``gear_quantize_values`` (else plain KIVI). The rank is ``gear_rank``, or chosen once on the first block as the
+largest per-(head, group) rank keeping ``gear_energy_threshold`` of the residual energy, capped at
+min(G, D) // 8 (a b-bit quantizer's residual is noise-like: 0.9 of its energy would cost more than the codes).
+``error_recovery_ratio`` = 1 − ‖X − GEAR(X)‖² / ‖X − base(X)‖² over the stored key groups (base: b-bit KIVI).
 
-Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the prefill,
-then per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (the paper's GEAR-KIVI
-variant); the newest < G tokens stay float16 (the paper's streaming buffer).
+Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the prefill, then
+per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (the paper's GEAR-KIVI variant);
+the newest < G tokens stay float16 (the paper's streaming buffer).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Kitty: mixed channel precision for KIVI-style keys (Xia et al., "Kitty: Accurate and Efficient 2-bit KV Cache
 Quantization with Dynamic Channel-wise Precision Boost", arXiv 2511.18643): a few key channels carry most of the
-magnitude, so boosting a small fraction of them to 4 bits recovers near-4-bit accuracy at close to 2-bit memory,
-each page stored as two uniform tensors (boosted channels and the rest).
+magnitude, so boosting a small fraction of them to 4 bits recovers near-4-bit accuracy at close to 2-bit memory.
 
-Here (KIVI's residual and one-softmax attention): on the first quantized block each KV head ranks its key
-channels by mean |k|; the ``round(kitty_hi_fraction * D)`` largest (at least 1 for a fraction > 0) are its *hi*
-channels for the cache's lifetime (``k_perm`` [H, D]: hi first, then lo, each ascending; ``k_inv`` its inverse).
-Keys per channel over G = ``kitty_group_size`` tokens: hi rows of K^T at ``kitty_hi_bit`` bits (``kh_*``), the
-rest at ``kitty_lo_bit`` (``kl_*``); values per token at ``kitty_lo_bit`` (``theoretical_bytes_per_token``).
+On KIVI's layout: on the first quantized block each KV head ranks its key channels by mean |k|; the
+``round(kitty_hi_fraction * D)`` largest (at least 1 for a fraction > 0) are its *hi* channels for the cache's
+lifetime (``k_perm`` [H, D]: hi first, then lo, each ascending; ``k_inv`` its inverse). Keys per channel over
+G = ``kitty_group_size`` tokens: hi rows of K^T at ``kitty_hi_bit`` bits (``kh_*``), the rest at
+``kitty_lo_bit`` (``kl_*``), two uniform tensors as the paper's pages; values per token at ``kitty_lo_bit``.
 
-Deviations from the paper: static channel selection by magnitude from the first block (the paper ranks per
-page by sensitivity); no full-precision initial tokens (``kivi_sink`` does that for KIVI); attention
-dequantizes and multiplies (the hi/lo split is not one ``quantized_matmul`` layout); KIVI's own deviations.
+Deviations from the paper: static channel selection by magnitude from the first block (the paper ranks per page
+by sensitivity); no full-precision initial tokens (``kivi_sink`` does that for KIVI); attention dequantizes
+(the hi/lo split is not one ``quantized_matmul`` layout); KIVI's own deviations.
 """
 
 from __future__ import annotations

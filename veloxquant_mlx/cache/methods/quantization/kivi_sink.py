@@ -1,13 +1,11 @@
-"""KIVI with attention sinks: KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
-Cache", ICML 2024, arXiv 2402.02750) whose first S = ``n_sink_tokens`` tokens go to a float16 sink buffer ahead
-of KIVI's groups (which start at position S). The first tokens receive a large share of the attention whatever
-their content (StreamingLLM, arXiv 2309.17453), so an error in their keys moves every softmax; IntactKV (arXiv
-2403.01241) and SKVQ (arXiv 2405.06219) keep them exact. Bytes: KIVI's plus 2*S*D*2 per KV head.
+"""KIVI with attention sinks: KIVI (Liu et al., ICML 2024, arXiv 2402.02750) whose first S = ``n_sink_tokens``
+tokens stay in a float16 sink buffer ahead of KIVI's groups. The first tokens draw a large share of attention
+whatever their content (StreamingLLM, arXiv 2309.17453), so an error in their keys moves every softmax; IntactKV
+(arXiv 2403.01241) and SKVQ (arXiv 2405.06219) keep them exact. Bytes: KIVI's plus 2*S*D*2 per KV head.
 
-Deviations (besides KIVI's, see ``kivi.py``): attention dequantizes and multiplies on every backend
-(``mx.quantized_matmul`` over the code buffer would not cover the sink rows ahead of it);
-``n_sink_tokens = 0`` is plain KIVI; trim drops the residual, whole groups and (once no group is left)
-sink rows, and raises ``ValueError`` on a cut into a group.
+Deviations (besides KIVI's): attention dequantizes on every backend (``quantized_matmul`` over the codes would not
+cover the sinks ahead of them); ``n_sink_tokens = 0`` is KIVI; trim drops the residual, whole groups and then sink
+rows, and raises ``ValueError`` on a cut into a group.
 """
 
 from __future__ import annotations

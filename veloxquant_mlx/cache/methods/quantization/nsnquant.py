@@ -3,20 +3,17 @@ Vector Quantization of KV Cache", arXiv 2505.18231): Normalize-Shift-Normalize (
 the channel mean, normalization again) and a Hadamard rotation make every token look like a random point on the
 sphere, so one data-independent codebook serves every model and layer without calibration data.
 
-Here (on KIVI's float16 window of ``nsn_residual_length`` tokens), keys and values alike: ``y = sqrt(D) w H^T`` with
-``w`` the NSN of ``x`` (channel mean ``mu`` from the first coded block, float16; the two norms float16 per token)
-and ``H`` a seeded randomized Hadamard; ``y`` is cut into ``nsn_subvector_dim``-dim sub-vectors, each coded by
-residual VQ stages of ``nsn_codebook_size`` codewords (``nsn_bits`` bits per coordinate; defaults two 8-bit stages
-per 8 dims) from k-means on sqrt(D)-scaled random unit vectors (the NSN output law), seeded and cached.
+On KIVI's float16 window of ``nsn_residual_length`` tokens, keys and values alike: ``y = sqrt(D) w H^T`` with
+``w`` the NSN of ``x`` (channel mean ``mu`` from the first coded block, float16; both norms float16 per token) and
+``H`` a seeded randomized Hadamard; ``y`` is cut into ``nsn_subvector_dim``-dim sub-vectors, each coded by
+residual VQ stages of ``nsn_codebook_size`` codewords (``nsn_bits`` bits per coordinate; defaults: two 8-bit
+stages per 8 dims) from k-means on sqrt(D)-scaled random unit vectors (the NSN output law), seeded and cached.
 
-Deviations from the paper:
-
-* The channel mean comes from the cache's own first coded block and is reused by later tokens.
-* The codebook is trained on synthetic sphere samples (the paper: NSN outputs of one model's real data);
-  the 2-bit rate uses residual VQ stages of the same codebook size.
-* No codebook fine-tuning; the full-precision window is KIVI's; keys are coded after RoPE.
-* Attention dequantizes and multiplies (no lookup-table kernel). Trim: exact for window tokens + whole
-  groups; a trim into the block the mean came from (other than all of it) raises ``ValueError``.
+Deviations from the paper: the channel mean comes from the cache's own first coded block, reused by later tokens;
+the codebook is trained on synthetic sphere samples (the paper: NSN outputs of one model's real data), the 2-bit
+rate by residual VQ stages of the same codebook size; no codebook fine-tuning; KIVI's full-precision window;
+keys coded after RoPE; attention dequantizes (no lookup-table kernel); trim exact for window tokens + whole
+groups, and a trim into the block the mean came from (other than all of it) raises ``ValueError``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,25 @@
 """PolarQuant standalone single-head cache ("polar"; Han, Kacham, Karbasi, Mirrokni, Zandieh; arXiv 2502.02617).
 
-A key is rotated by a seeded Haar-random orthogonal ``Pi`` (kept in ``config.store`` under
-``polar.rotation.d<d>.seed<seed>``; its direction is then uniform on the sphere, so its angles follow known
-laws) and turned by a recursive polar transform over ``L`` levels (``primitives.polar``) into float16 block radii
-and angles; each angle is coded with its level's MSE-optimal codebook for that exact density (no per-block scale
-or zero point, the paper's point), bit-packed. ``attend`` scores ``<Pi q, y_hat>`` from cos/sin tables, never
-de-rotating keys. Bits (``b = bit_width_inlier``): ``b`` for level 1 (range ``2*pi``), ``max(1, b - 2)`` above
-(range ``pi/2``): ``b = 4`` is the paper's 4/2/2/2, 64 bytes per key at d = 128.
+A key is rotated by a seeded Haar-random orthogonal ``Pi`` (``config.store`` key ``polar.rotation.d<d>.seed<seed>``;
+its direction is then uniform, so its angles follow known laws) and turned by a recursive polar transform over
+``L`` levels (``primitives.polar``) into float16 block radii and angles, each coded with its level's MSE-optimal
+codebook for that density (no per-block scale or zero point, the paper's point), bit-packed. ``attend`` scores
+``<Pi q, y_hat>`` from cos/sin tables, never de-rotating keys. Bits (``b = bit_width_inlier``): ``b`` for level 1
+(range ``2*pi``), ``max(1, b - 2)`` above (range ``pi/2``): ``b = 4`` is the paper's 4/2/2/2, 64 bytes a key at
+d = 128.
 
 Deviations from the paper:
 
-1. Preconditioning by a Haar orthogonal matrix, not a Gaussian one: the direction is uniform on the
-   sphere either way (same angle laws), and the orthogonal matrix keeps the norm and inverts by transpose.
-2. Depth ``L = min(4, v)`` with ``2**v`` the largest power of two dividing ``head_dim`` (the paper: 4);
-   ``head_dim`` must be even.
+1. A Haar orthogonal preconditioner, not a Gaussian one: same angle laws, keeps the norm, inverts by transpose.
+2. Depth ``L = min(4, v)``, ``2**v`` the largest power of two dividing ``head_dim`` (the paper: 4); even
+   ``head_dim`` only.
 3. Offline codebooks only, from the analytic densities (Lloyd–Max on a 2^16-cell grid, cached); no online
-   k-means++ variant. Widths other than 4/2/2/2 follow the ``b, max(1, b-2)`` rule.
-4. Values are int8 with an absmax scale (the project's API reference), not polar-coded, so
-   ``bit_width_inlier`` sets key precision only (value error ~0.2%, below the key error).
+   k-means++. Widths other than 4/2/2/2 follow the ``b, max(1, b-2)`` rule.
+4. Values are int8 with an absmax scale (the project's API reference), so ``bit_width_inlier`` sets key
+   precision only (value error ~0.2%, below the key error).
 5. Attention rebuilds the rotated keys (float32 gathers + matmul); no fused kernel.
 
-Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond the float16 range raises
-``CacheInputError``.
+Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond float16 raises ``CacheInputError``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 arXiv 2405.06219): channels of similar range are reordered into one group, each group quantized per token over
 its range shrunk by a searched clip ratio; a sliding window of recent tokens plus a few sinks stay exact.
 
-Here the first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g rows
+The first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g rows
 (W = ``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized (keys at
 ``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in g-channel groups after a per-head permutation,
 each group clipped by its alpha about its centre). The first quantized block calibrates: the permutation sorts
@@ -10,16 +10,12 @@ channels by range, alpha is searched among ``skvq_clip_alpha`` * (1, 0.95, ..., 
 (``skvq_clip_search``). Measured (RESULTS.md's command): reordering + clip search remove a quarter of the KL at
 the same bytes (window 32: 0.243 vs 0.321).
 
-Deviations from the paper:
-
-* Reordering sorts by range and cuts equal groups (the paper clusters ranges: same intent).
-* Calibration is online on each layer's first quantized block, not offline; alpha per head and group.
-* ``skvq_max_ctx`` is accepted and unused (buffers grow on demand).
-* The window is flushed g tokens at a time (W..W+g-1 exact tokens, the paper exactly W); window tokens
-  leave it after the step's attention.
-* Attention dequantizes and multiplies (permuted channels).
-* Trim drops window rows only, deeper trims raise ``ValueError``; not exact when the trimmed tokens pushed
-  older ones out of the window (those stay quantized).
+Deviations from the paper: reordering sorts by range and cuts equal groups (the paper clusters ranges: same
+intent); calibration is online on each layer's first quantized block, alpha per head and group; ``skvq_max_ctx``
+is accepted and unused (buffers grow on demand); the window is flushed g tokens at a time (W..W+g-1 exact tokens,
+the paper exactly W), its tokens leave after the step's attention; attention dequantizes (permuted channels);
+trim drops window rows only, deeper trims raise ``ValueError``, and it is not exact when the trimmed tokens
+pushed older ones out of the window (those stay quantized).
 """
 
 from __future__ import annotations

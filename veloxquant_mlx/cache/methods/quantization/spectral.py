@@ -7,24 +7,23 @@ variance in a few principal directions (participation ratio ~3-4% of ``head_dim`
 Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``: from ``config.store`` under
 ``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until then,
 then stored). A row keeps its top ``r = min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates
-``z = U_r^T (x - mu) / sqrt(l_r)``, coded as a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the
-direction (sphere codebook in R^r; signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv
-2406.03482) of the key residual (``jl_dim`` signs + float16 norm): unbiased scores. Values mix as
-``mu_V + (w @ c_hat) U_V^T``. At d = 128, 2 bits, m = 128: 24 bytes of keys, 18 of values per token (fp16: 512).
+``z = U_r^T (x - mu) / sqrt(l_r)``: a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the direction
+(signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv 2406.03482) of the key residual
+(unbiased scores). Values mix as ``mu_V + (w @ c_hat) U_V^T``. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
 
 Deviations from SpectralQuant:
 
 1. Directions beyond ``d_eff`` are dropped (0 bits), not coded coarser; ``d_eff`` is configured, not the
    measured participation ratio (:meth:`participation_ratio` reports that).
 2. QJL sketches the whole key residual (dropped directions included), not the signal coordinates only.
-3. All kept coordinates get the same bits (no water-filling); coefficients are whitened (eigenvalues floored
-   at 1e-4 of the largest) and coded as norm + direction; the norm is clamped to the float16 range.
-4. Calibration is per cache (one head), from its first rows or the store entry
+3. All kept coordinates get the same bits (no water-filling), whitened (eigenvalues floored at 1e-4 of the
+   largest) and coded as norm + direction; the norm is clamped to the float16 range.
+4. Calibration is per cache (one head), from its first rows or the store entries
    ``<model>.spectral.<key|value>.d<d>.{mean,basis,eigenvalues}`` (``<model>`` escaped as ``_<hex>_`` outside
-   ``[A-Za-z0-9.-]``); a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
+   ``[A-Za-z0-9.-]``): a per-layer/head basis needs a distinct ``spectral_model_name`` per cache.
 
-Shared behaviour: ``standalone_util.StandaloneCache``. A centred norm or key residual norm beyond the float16
-range raises ``CacheInputError``; ``reset()`` keeps the bases; ``state_bytes()`` counts the bases and sketch.
+Shared behaviour: ``standalone_util.StandaloneCache``. A centred norm or key residual norm beyond float16
+raises ``CacheInputError``; ``reset()`` keeps the bases; ``state_bytes()`` counts the bases and sketch.
 """
 
 from __future__ import annotations
@@ -60,11 +59,6 @@ def _options(config) -> dict:
     return {f: getattr(config, flat, getattr(SpectralOptions, f)) for f, flat in SpectralOptions.FIELDS.items()}
 
 
-def _store_prefix(name: str) -> str:
-    """Injective mapping of a model name onto the ArtifactStore key alphabet."""
-    return re.sub(r"[^A-Za-z0-9.\-]", lambda m: f"_{ord(m.group()):x}_", name)
-
-
 def _eigen(rows: mx.array):
     """Mean, eigenvectors (columns, descending, largest entry positive) and eigenvalues of the rows'
     covariance, as float32 NumPy arrays."""
@@ -88,7 +82,7 @@ class _Side:
         self.codebook = mx.array([-1.0, 1.0]) if r == 1 else lloyd_max_codebook(bits, r)
         specs = {"codes": ((packed_words(r, bits),), mx.uint32), "rho": ((), mx.float16), **extra_specs}
         self.rows = RowStore(specs, initial)
-        self.pending: Optional[mx.array] = None  # exact rows held until calibration
+        self.pending = mx.zeros((0, d))  # the exact (float32) rows held until calibration
 
     @property
     def calibrated(self) -> bool:
@@ -96,7 +90,7 @@ class _Side:
 
     @property
     def n(self) -> int:
-        return self.rows.n if self.calibrated else (0 if self.pending is None else self.pending.shape[0])
+        return self.rows.n if self.calibrated else self.pending.shape[0]
 
     def set_basis(self, mean, vectors, eigenvalues) -> None:
         self.mean = mx.array(mean, dtype=mx.float32)
@@ -110,7 +104,7 @@ class _Side:
         return [a for a in (self.mean, self.basis, self.eigenvalues, self.sqrt_lam, self.codebook) if a is not None]
 
     def nbytes(self) -> int:
-        return self.rows.nbytes() + (0 if self.pending is None else self.pending.nbytes)
+        return self.rows.nbytes() + self.pending.nbytes
 
     def encode(self, x: mx.array):
         """``(n, d)`` rows -> (rows dict of codes and rho, decoded coefficients ``c_hat`` (n, r))."""
@@ -134,19 +128,15 @@ class _Side:
     def decode(self, n: int) -> mx.array:
         return self.mean + self.coefficients(n) @ self.basis.T
 
-    def exact(self, n: int) -> mx.array:
-        """The ``n`` oldest rows held before calibration (float32)."""
-        return self.pending[:n] if self.pending is not None else mx.zeros((0, self.d))
-
     def drop_oldest(self, n: int) -> None:
         if self.calibrated:
             self.rows.drop_oldest(n)
-        elif self.pending is not None:
-            self.pending = self.pending[min(n, self.pending.shape[0]):]
+        else:
+            self.pending = self.pending[n:]
 
     def clear(self) -> None:
         self.rows.clear()
-        self.pending = None
+        self.pending = self.pending[:0]
 
 
 @register("spectral")
@@ -178,7 +168,9 @@ class SpectralQuantKVCache(StandaloneCache):
             self._load(side)
 
     def _store_key(self, side: _Side, part: str) -> str:
-        return f"{_store_prefix(self.model_name)}.spectral.{side.kind}.d{self.head_dim}.{part}"
+        """The model name mapped injectively onto the ArtifactStore key alphabet, then side, dim and part."""
+        name = re.sub(r"[^A-Za-z0-9.\-]", lambda m: f"_{ord(m.group()):x}_", self.model_name)
+        return f"{name}.spectral.{side.kind}.d{self.head_dim}.{part}"
 
     def _load(self, side: _Side) -> None:
         if self.store is None:
@@ -193,7 +185,7 @@ class SpectralQuantKVCache(StandaloneCache):
                                            f"an artifact of shape {shape}, got {tuple(p.shape)}")
         side.set_basis(*(np.asarray(p, dtype=np.float32) for p in parts))
 
-    def _calibrate_side(self, side: _Side, rows: mx.array, held: Optional[mx.array]) -> None:
+    def _calibrate_side(self, side: _Side, rows: mx.array, held: mx.array) -> None:
         """Calibrate ``side`` on ``rows`` and encode the ``held`` rows; no change if anything raises."""
         if side.rows.n:
             raise CacheInputError(f"the {side.kind} side already holds encoded rows; build a new cache to recalibrate")
@@ -201,14 +193,14 @@ class SpectralQuantKVCache(StandaloneCache):
         old = (side.mean, side.basis, side.eigenvalues, side.sqrt_lam)
         side.set_basis(mean, vectors, lam)
         try:
-            encoded = self._encode_rows(side, held) if held is not None and held.shape[0] else None
+            encoded = self._encode_rows(side, held) if held.shape[0] else None
         except CacheInputError:
             side.mean, side.basis, side.eigenvalues, side.sqrt_lam = old
             raise
         if self.store is not None:
             for part, arr in zip(_PARTS, (mean, vectors, lam)):
                 self.store.put(self._store_key(side, part), mx.array(arr))
-        side.pending = None
+        side.pending = side.pending[:0]
         if encoded is not None:
             side.rows.append(encoded)
 
@@ -230,7 +222,7 @@ class SpectralQuantKVCache(StandaloneCache):
             side.rows.append(self._encode_rows(side, x))
             return
         check_norm16(x, side.kind)
-        held = x if side.pending is None else mx.concatenate([side.pending, x], axis=0)
+        held = mx.concatenate([side.pending, x], axis=0)
         need = self.n_calib_tokens if self.n_calib_tokens is not None else self.head_dim
         if held.shape[0] >= max(need, 2):
             calib = held if self.n_calib_tokens is None else held[: self.n_calib_tokens]
@@ -274,15 +266,17 @@ class SpectralQuantKVCache(StandaloneCache):
 
     def participation_ratio(self, kind: str = "key") -> Optional[float]:
         """``(sum l)^2 / sum l^2`` of the calibrated spectrum (SpectralQuant's ``d_eff``)."""
-        lam = self._side(kind).eigenvalues
-        lam = None if lam is None else np.asarray(lam, dtype=np.float64)
+        lam = self._spectrum(kind)
         return None if lam is None else float(lam.sum() ** 2 / max((lam * lam).sum(), 1e-300))
 
     def captured_energy(self, kind: str = "key") -> Optional[float]:
         """Fraction of the calibration variance on the kept directions: ``sum_{j<r} l_j / sum_j l_j``."""
-        side = self._side(kind)
-        lam = None if side.eigenvalues is None else np.asarray(side.eigenvalues, dtype=np.float64)
-        return None if lam is None else float(lam[: side.r].sum() / max(lam.sum(), 1e-300))
+        lam = self._spectrum(kind)
+        return None if lam is None else float(lam[: self._side(kind).r].sum() / max(lam.sum(), 1e-300))
+
+    def _spectrum(self, kind: str) -> Optional[np.ndarray]:
+        lam = self._side(kind).eigenvalues
+        return None if lam is None else np.asarray(lam, dtype=np.float64)
 
     def _state_arrays(self) -> list:
         out = self._keys.state_arrays() + self._values.state_arrays()
@@ -300,7 +294,7 @@ class SpectralQuantKVCache(StandaloneCache):
     def _scores(self, q: mx.array, n: int) -> mx.array:
         side = self._keys
         if not side.calibrated:
-            return q @ side.exact(n).T
+            return q @ side.pending[:n].T
         s = (q @ side.mean)[:, None] + (q @ side.basis) @ side.coefficients(n).T
         if self.apply_qjl:
             s = s + self._qjl_term(n, lambda *a: qjl_inner_product(q, *a))
@@ -312,14 +306,14 @@ class SpectralQuantKVCache(StandaloneCache):
         before calibration are returned exactly."""
         side, n = self._keys, self._keys.n
         if not side.calibrated:
-            return side.exact(n)
+            return side.pending[:n]
         out = side.decode(n)
         return out + self._qjl_term(n, qjl_dequantize) if self.apply_qjl and with_qjl else out
 
     def reconstruct_values(self) -> mx.array:
         """``(n_values, d)`` float32 decoded values (exact for rows held before calibration)."""
         side = self._values
-        return side.decode(side.n) if side.calibrated else side.exact(side.n)
+        return side.decode(side.n) if side.calibrated else side.pending
 
     def _attend_values(self, w: mx.array, n: int) -> mx.array:
         side = self._values  # calibrated: mu_V + (w @ c_hat) U_V^T, no value decoded to d dimensions

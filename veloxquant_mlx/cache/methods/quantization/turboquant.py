@@ -1,8 +1,8 @@
 """TurboQuant standalone single-head caches (Zandieh, Daliri, Hadian, Mirrokni; arXiv 2504.19874).
 
-``TurboQuantMSEKVCache`` ("turboquant_mse", Algorithm 1): a key is its norm and its direction rotated by a
-seeded Haar-random orthogonal ``Pi``, each rotated coordinate coded as its nearest ``b``-bit Lloyd–Max centroid
-for the coordinate law of a random unit vector (``b = bit_width_inlier``); ``attend`` rotates the query once.
+``TurboQuantMSEKVCache`` ("turboquant_mse", Algorithm 1): a key is its norm and its direction rotated by a seeded
+Haar-random orthogonal ``Pi``, each rotated coordinate coded as its nearest ``b``-bit Lloyd–Max centroid for the
+coordinate law of a random unit vector (``b = bit_width_inlier``); ``attend`` rotates the query once.
 ``TurboQuantProdKVCache`` ("turboquant_prod", Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
 2406.03482) of the residual (``jl_dim`` signs + its norm): unbiased scores; ``b = 1`` is pure QJL. Codes are
 bit-packed, norms float16, values int8 with an absmax scale. Outlier split (the paper's KV-cache experiments):
@@ -11,17 +11,17 @@ block get ``bit_width_outlier`` bits and their own rotation, codebook and norm, 
 
 Deviations from the paper:
 
-1. Key (and Prod residual) norms are float16; the Prod residual is taken against the fp16-rounded MSE
-   reconstruction, so the QJL term carries a relative error of at most 2^-11.
-2. The Prod sketch acts on the residual in the rotated domain (``sign(S Pi r)``, query ``S Pi q``): ``S Pi``
-   is again i.i.d. Gaussian, so the estimator is the same in distribution, with nothing de-rotated.
+1. Norms are float16; the Prod residual is taken against the fp16-rounded MSE reconstruction (QJL term
+   relative error at most 2^-11).
+2. The Prod sketch acts on the rotated residual (``sign(S Pi r)``, query ``S Pi q``): ``S Pi`` is again i.i.d.
+   Gaussian, so the estimator has the same distribution, and nothing is de-rotated.
 3. The sketch size ``m = jl_dim`` is configurable (the paper: ``m = d``).
-4. Outlier channels are chosen once, from the first key block, until ``reset()``; in Prod each group has
-   its own ``(b_g - 1)``-bit MSE stage but one QJL sketch covers both groups' residual (still unbiased).
+4. Outlier channels are chosen once, from the first key block, until ``reset()``; in Prod each group has its
+   own ``(b_g - 1)``-bit MSE stage but one QJL sketch covers both groups' residual (still unbiased); a 1-bit
+   Prod group is pure QJL on that group.
 5. Values are int8 with an absmax scale (the project spec), not TurboQuant-coded: ~0.2% error.
-6. Codebooks are numerical (Lloyd–Max on a 2^18-cell grid of the exact density, cached), the rotation a
-   dense QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
-7. A 1-bit Prod group is pure QJL on that group (no MSE stage).
+6. Codebooks are numerical (Lloyd–Max on a 2^18-cell grid of the exact density, cached), the rotation a dense
+   QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
 
 Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond the float16 range raises
 ``CacheInputError``; value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only
@@ -133,12 +133,6 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
             x = mx.take(x, self._perm, axis=1)
         return mx.split(x, [self.groups[0].dim], axis=1) if len(self.groups) > 1 else [x]
 
-    def _merge(self, parts: list) -> mx.array:
-        x = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        if self._inv_perm is not None:
-            x = mx.take(x, self._inv_perm, axis=1)
-        return x
-
     def append_key(self, k) -> None:
         k, _ = as_block(k, self.head_dim, "key")
         if k.shape[0] == 0:
@@ -196,7 +190,8 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         if self._prod:
             qjl = qjl_dequantize(self._qjl_signs(n), self._keys.view("rnorm")[:n], self.sketch)
             parts = [p + q for p, q in zip(parts, self._split(qjl, permute=False))]
-        return self._merge([p @ g.rotation for p, g in zip(parts, self.groups)])
+        x = mx.concatenate([p @ g.rotation for p, g in zip(parts, self.groups)], axis=1)
+        return x if self._inv_perm is None else mx.take(x, self._inv_perm, axis=1)
 
 
 @register("turboquant_mse")

@@ -3,25 +3,24 @@ via Outlier-Suppressed Vector Quantization", arXiv 2510.06175): key outlier chan
 smoothing + Hadamard rotation), the result product-quantized, attention computed from per-query lookup tables.
 
 Here (on KIVI's float16 residual, whole 32-token blocks encoded): keys ``k' = (k / s) @ R`` (``R`` a seeded
-randomized Hadamard, Haar-random orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim sub-vectors,
-each coded as its nearest of ``2**key_codebook_bits`` codewords (defaults 4 dims, 12 bits: 3 bits per coordinate);
-values the same with ``value_sub_dim``/``value_codebook_bits`` (8 dims, 8 bits) and no transform. ``s = sqrt(max
-|k|)`` per head and channel and one codebook per layer are fitted on the first encoded block, unless
-``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Attention on the codes: ``q' = (q * s) @ R``
-gives ``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c`` (dequantized keys when the table would
-exceed ``LUT_MAX``); residual and new rows share the softmax. ``fused_sdpa`` sends prefill chunks (and, with
-``fused_sdpa_memory_bound``, decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over the decoded
-rows; ``use_metal_kernels`` has no effect.
+randomized Hadamard, Haar-random orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim
+sub-vectors, each coded as its nearest of ``2**key_codebook_bits`` codewords (defaults: 4 dims, 12 bits);
+values alike with ``value_sub_dim``/``value_codebook_bits`` (8 dims, 8 bits), untransformed. ``s = sqrt(max
+|k|)`` per head and channel and one codebook per layer are fitted on the first encoded block unless
+``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Scores on the codes: ``q' = (q * s) @ R``,
+``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c`` (decoded keys when the table would exceed
+``LUT_MAX``), one softmax with the residual and new rows. ``fused_sdpa`` sends prefill chunks (and, with
+``fused_sdpa_memory_bound``, decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over the
+decoded rows; ``use_metal_kernels`` has no effect.
 
 Deviations from the paper:
 
 * Calibration is online, on each layer's first encoded block (the paper: offline); config arrays replace it.
-  That block waits in the float16 residual until its codes plus the codebooks to be fitted are smaller than its
-  rows (``_holds_back``), so a short chat holds only its float16 rows.
+  That block waits in the float16 residual until its codes plus the codebooks to fit are smaller than its rows
+  (``_holds_back``), so a short chat holds only its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the transforms target key outliers).
 * Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in full
-  precision (the paper quantizes every token).
-* No fused CUDA/Metal kernel: the LUT gather is plain MLX ops.
+  precision (the paper quantizes every token). No fused kernel: the LUT gather is plain MLX ops.
 * Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises ``ValueError``
   unless it removes every encoded token (then calibration is redone).
 """

@@ -1,26 +1,23 @@
 """ZipCache (He, Zhang, Wu, Liu, Zhou, Zhuang, "ZipCache: Accurate and Efficient KV Cache Quantization with
 Salient Token Identification", NeurIPS 2024, arXiv 2405.14256): channel-separable tokenwise quantization (key
 channels divided by sqrt(max |K[:, i]|), then a scale and zero point per token); saliency = *normalized*
-attention (received attention / the number of queries that can see the token, undoing the causal mask's bias
-to early tokens); the most salient tokens at high bits, the rest at low bits.
+attention (received attention / the number of queries that can see the token, undoing the causal mask's bias to
+early tokens); the most salient tokens at high bits, the rest at low bits.
 
-Here new rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point,
-real queries) adds each query's probability of each pending row to ``sal_sum`` and the number of queries that
-could see it to ``sal_cnt``. At the next call the oldest whole multiples of ``zipcache_group_size`` pending rows
-(a prompt as one block, decode rows a group at a time) are compressed by saliency ``sal_sum / sal_cnt`` (key
-L2 norm without the dispatch point; ``saliency_source`` says which): per KV head the ``zipcache_hi_fraction``
-most salient at ``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, keys divided by ``k_chan`` (from the
-first block), tokenwise codes in a hi and a lo store routed by ``is_hi``; values alike with
+New rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point, real
+queries) adds each query's probability of each pending row to ``sal_sum`` and the number of queries that could
+see it to ``sal_cnt``. At the next call the oldest whole multiples of ``zipcache_group_size`` pending rows (a
+prompt as one block, decode rows a group at a time) are compressed by saliency ``sal_sum / sal_cnt`` (key L2 norm
+without the dispatch point; ``saliency_source`` says which): per KV head the ``zipcache_hi_fraction`` most
+salient at ``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, keys divided by ``k_chan`` (from the first
+block), tokenwise codes in a hi and a lo store routed by ``is_hi``; values alike with
 ``zipcache_quantize_values``, else float16. Attention is KIVI's one softmax over the two parts.
 
-Deviations:
-
-* Saliency from all real queries that attended a token while it was pending (the paper: probe queries at
-  prefill, re-compression every 100 decode tokens); a compressed token's width is fixed.
-* Top-f selection per compressed block (the whole prompt is one block), per KV head.
-* Values follow the keys' saliency routing (the system this replaces kept values at hi bits).
-* Trim is exact for pending rows only; deeper trims raise ``ValueError``.
-* Bits 1..8 (``groupquant``); dequantize + matmul on every backend.
+Deviations: saliency comes from all real queries that attended a token while it was pending (the paper: probe
+queries at prefill, re-compression every 100 decode tokens) and a compressed token's width is fixed; top-f
+selection per compressed block (the whole prompt is one block), per KV head; values follow the keys' routing (the
+system this replaces kept values at hi bits); trim is exact for pending rows only, deeper trims raise
+``ValueError``; bits 1..8 (``groupquant``), dequantize + matmul on every backend.
 """
 
 from __future__ import annotations
@@ -67,15 +64,11 @@ class ZipCacheKVCache(KIVIKVCache):
         return self.n_quant - self.n_hi
 
     def _saliency(self, kb, f):
-        if self.n_scored >= f:
+        if self.n_scored >= f:  # ``sal_*`` are [B, H, cap, 1], so that ``grow_rows`` applies
             self.saliency_source = "attention"
-            return self._saliency_view("sal_sum", f) / mx.maximum(self._saliency_view("sal_cnt", f), 1.0)
+            return self.sal_sum[:, :, :f, 0] / mx.maximum(self.sal_cnt[:, :, :f, 0], 1.0)
         self.saliency_source = "key_norm"
         return mx.sqrt((kb.astype(mx.float32) ** 2).sum(-1))
-
-    def _saliency_view(self, name, n):
-        """``sal_*`` are stored [B, H, cap, 1] (so that ``grow_rows`` applies); views [B, H, n]."""
-        return getattr(self, name)[:, :, :n, 0]
 
     def _compress(self, f):
         """Compress the ``f`` oldest pending rows (f a multiple of G)."""
@@ -175,15 +168,12 @@ class ZipCacheKVCache(KIVIKVCache):
         return out
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
-        if n <= self.n_res:
-            self.n_res -= n
-            self.n_scored = min(self.n_scored, self.n_res)
-            return n
-        raise ValueError(
-            f"ZipCacheKVCache: trimming {n} tokens would reach compressed tokens (only the {self.n_res} "
-            "float16 pending rows can be dropped exactly: their saliency chose the widths of the others)"
-        )
+        if n > self.n_res:
+            raise ValueError(
+                f"ZipCacheKVCache: trimming {n} tokens would reach compressed tokens (only the {self.n_res} "
+                "float16 pending rows can be dropped exactly: their saliency chose the widths of the others)")
+        self.n_scored = min(self.n_scored, self.n_res - n)
+        return super()._trim_rows(n)
 
     def _used(self, *stores) -> int:
         """Bytes of the filled rows of the hi/lo stores ``stores`` (codes, scales, biases)."""
