@@ -1,13 +1,12 @@
 """CurDKV (Sengupta, Chaudhary & Chakraborty, "Value-Guided KV Compression for LLMs via Approximated CUR
-Decomposition", NeurIPS 2025, arXiv 2509.15038). Tokens are picked as CUR picks rows, by leverage (squared row
-norms of the top-r left singular vectors): each KV head keeps the ``curdkv_budget`` rows with the highest key-side
-x value-side leverage (the paper's "kv product"), plus the first ``curdkv_n_sink``. Key side: the leverage of the
-attention columns the call's last 32 real queries give each row, else (no dispatch point) the keys' own leverage
-(the paper's query-agnostic score).
+Decomposition", NeurIPS 2025, arXiv 2509.15038): tokens are picked as CUR picks rows, by leverage (squared row
+norms of the top-r left singular vectors). Each KV head keeps the ``curdkv_budget`` rows of highest key-side x
+value-side leverage (the paper's "kv product") plus the first ``curdkv_n_sink``; the key side is the leverage of
+the attention columns the call's last 32 real queries give each row, else (no dispatch point) the keys' own.
 
-Deviations from the paper: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X instead of a
-Gaussian sketch, no local-window normalisation; the real-query key side is an addition; decoding evicts too (grow
-to ``budget + slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
+Deviations: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X (the paper: a Gaussian sketch),
+no local-window normalisation; the real-query key side is an addition; decoding evicts too (grow to ``budget +
+slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
 """
 
 from __future__ import annotations

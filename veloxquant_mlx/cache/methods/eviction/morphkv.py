@@ -1,14 +1,12 @@
 """MorphKV (Ghadia et al., "Dialogue Without Limits: Constant-Sized KV Caches for Extended Responses in LLMs",
 ICML 2025, arXiv 2503.00979). Each KV head holds the ``morphkv_window`` newest tokens plus the older ones their
-queries attend to most, cut back to exactly ``morphkv_budget`` rows after every call (an argmin per decode step). A
-row's score is the window queries' attention, fused by sum (``sum_fused``; ``fusion = "max"``: ``max_fused``) over
-the window and the group's query heads. The window's real queries are kept (``queries``, ``query_positions``,
-16-bit, in ``nbytes``); without the dispatch point its keys stand in.
+queries attend to most, cut back to exactly ``morphkv_budget`` rows after every call (an argmin per decode step);
+a row's score is the window queries' attention summed (``fusion = "max"``: maxed) over the window and the query
+heads. The window's real queries are kept (16-bit, in ``nbytes``); without the dispatch point its keys stand in.
 
-Deviations from the paper: the first ``morphkv_n_sink`` tokens are kept (0 reproduces it); the window's attention
-is recomputed from the kept queries at each eviction (the paper keeps attention profiles), so the softmax covers
-only the rows held now; a trim drops its tokens' queries too (the window votes with fewer queries until new
-tokens arrive).
+Deviations: the first ``morphkv_n_sink`` tokens are kept (0 reproduces it); the window's attention is recomputed
+from the kept queries at each eviction (the paper keeps attention profiles), so the softmax covers only the rows
+held now; a trim drops its tokens' queries too.
 """
 
 from __future__ import annotations
