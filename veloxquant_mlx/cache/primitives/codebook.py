@@ -1,8 +1,7 @@
-"""Scalar codebooks (Lloyd–Max) and a vectorized k-means, for rotation-based quantizers.
-
-``lloyd_max_codebook(bits, d)`` is the MSE-optimal ``2**bits``-level quantizer for one coordinate of a
-uniformly random unit vector in ``R^d``, of density ``∝ (1 - x^2)^((d-3)/2)`` on [-1, 1] (TurboQuant,
-arXiv 2504.19874; tends to N(0, 1/d)): Lloyd's iteration on a fine NumPy grid, once per ``(bits, d)``.
+"""Scalar codebooks (Lloyd–Max) and a vectorized k-means, for rotation-based quantizers. ``lloyd_max_codebook(bits,
+d)`` is the MSE-optimal ``2**bits``-level quantizer for one coordinate of a uniformly random unit vector in ``R^d``
+(density ``∝ (1 - x^2)^((d-3)/2)`` on [-1, 1], TurboQuant, arXiv 2504.19874; tends to N(0, 1/d)): Lloyd's iteration
+on a fine NumPy grid, once per ``(bits, d)``.
 """
 
 from __future__ import annotations

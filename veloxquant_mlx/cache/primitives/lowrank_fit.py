@@ -1,10 +1,9 @@
-"""Low-rank fitting and latent-channel coding, shared by the low-rank caches (``svdq``, ``palu``, ``kvtc``).
-
-``fit_basis`` finds principal directions per (batch, head group) (one CPU ``eigh`` per prompt); ``energy_rank``
-/ ``dp_allocate`` choose the rank and each latent channel's width (0 = dropped, 16 = float16);
-``encode_latents`` / ``decode_latents_t`` code the channels. Channels sort by decreasing width, so equal widths
-form segments, each quantized along tokens in groups of ``G`` (``groupquant``); a token group's words of all
-segments form one row, so whole groups append by rows (axis 2).
+"""Low-rank fitting and latent-channel coding of the low-rank caches (``svdq``, ``palu``, ``kvtc``): ``fit_basis``
+finds principal directions per (batch, head group) (one CPU ``eigh`` per prompt), ``energy_rank`` / ``dp_allocate``
+choose the rank and each latent channel's width (0: dropped, 16: float16), ``encode_latents`` /
+``decode_latents_t`` code the channels. Channels sort by decreasing width; each run of equal widths is quantized
+along tokens in groups of ``G`` (``groupquant``), and a token group's words of all runs form one row, so whole
+groups append by rows (axis 2).
 """
 
 from __future__ import annotations

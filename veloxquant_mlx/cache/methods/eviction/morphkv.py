@@ -27,7 +27,6 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("queries", "query_positions")
     evict_slack = 0
     fusion = "sum"
-    _live = False  # True while ``attend`` (real queries) is evicting
 
     def _init_layout(self):
         o = self.config.options
@@ -43,11 +42,7 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
             q = mx.contiguous(mx.concatenate([self.queries, q], axis=2)[:, :, -keep:])
         self.queries = q
         self.query_positions = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)  # in order
-        self._live = True
-        try:
-            return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        finally:
-            self._live = False
+        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)
@@ -60,13 +55,14 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
                 self.query_positions = mx.array(self.query_positions[:left])
         return dropped
 
-    def score(self, obs_queries, obs_positions, scale):
-        rows = self.rows
-        if self._live:  # the newest ``window`` real queries
-            q, q_pos = self.queries[:, :, -self.window :], self.query_positions[-self.window :]
-        else:  # fallback: the window's keys stand in for its queries
-            w = min(self.window, rows)
-            q, q_pos = self.keys[:, :, rows - w : rows], mx.arange(self.offset - w, self.offset, dtype=mx.int32)
-            scale = q.shape[-1] ** -0.5
-        weights = causal_weights(q, self.keys[:, :, :rows], scale, q_pos, self.positions[:, :, :rows])
+    def score(self, obs_queries, obs_positions, scale):  # (from ``attend``) the newest ``window`` real queries
+        return self._fused(self.queries[:, :, -self.window :], self.query_positions[-self.window :], scale)
+
+    def _evict_with_proxy(self):  # the window's keys stand in for its queries
+        w = min(self.window, self.rows)
+        q = self.keys[:, :, self.rows - w : self.rows]
+        self.evict(self._fused(q, mx.arange(self.offset - w, self.offset, dtype=mx.int32), q.shape[-1] ** -0.5))
+
+    def _fused(self, q, q_pos, scale):
+        weights = causal_weights(q, self.keys[:, :, : self.rows], scale, q_pos, self.positions[:, :, : self.rows])
         return weights.max(axis=(2, 3)) if self.fusion == "max" else weights.sum(axis=(2, 3))

@@ -1,12 +1,10 @@
 """The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the rows it
-would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype); ``extract(i)`` gives back
-a single cache with the same rows, order, positions and ring slot.
-
-Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in ``[0,
-nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode step writes each
-sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its last row: one
-``put_along_axis``); any other call appends the valid rows (right-padded prefill: ``prepare(lengths=)``) and keeps
-each sequence's sinks and window newest rows in position order (one argsort, one gather).
+would keep alone; ``StreamingLLMKVCache.merge`` builds one, ``extract(i)`` gives back the single cache (same rows,
+order, positions and ring slot). The single cache's arrays get a batch axis, rows left-aligned (sequence i's
+``nq[i]`` rows in ``[0, nq[i])``, later slots masked), ``cap <= sinks + window``. A decode step writes each
+sequence's row into one slot (a full sequence's ring slot, else after its last row: one ``put_along_axis``); any
+other call appends the valid rows (right-padded prefill: ``prepare(lengths=)``) and keeps each sequence's sinks and
+window in position order (one argsort, one gather).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     method_name = "streaming_llm"
     array_fields = _FIELDS
     count_fields = ("nq", "ring", "lens")  # rows held (left-aligned), ring slot (-1: position order), tokens seen
-    right_fields = ()  # no right-aligned region: every row is in the left-aligned buffers
     chunk_invariant, exact_trim = True, False  # as the single cache
     dtype_name = "float16"
     _init_layout = StreamingLLMKVCache._init_layout
