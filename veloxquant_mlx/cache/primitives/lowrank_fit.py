@@ -51,8 +51,7 @@ def captured_energy(energy: mx.array, rank: int) -> mx.array:
 
 
 def energy_rank(energy: mx.array, threshold: float) -> int:
-    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group). One
-    host sync (fit time only)."""
+    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group)."""
     e = np.asarray(energy.astype(mx.float32)).reshape(-1, energy.shape[-1]).astype(np.float64)
     frac = np.cumsum(e, axis=-1) / np.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
     r = (frac < threshold - 1e-9).sum(axis=-1) + 1  # the 1e-9: round-off at threshold 1.0

@@ -172,8 +172,7 @@ _CODEBOOKS: dict[tuple, RVQCodebook] = {}
 
 
 def rvq_codebook(dim: int, sub_dim: int, bits: int, seed: int, store=None) -> RVQCodebook:
-    """The codebook for ``(dim, sub_dim, bits, seed)``: from this process's cache, else from
-    ``store`` (an ``ArtifactStore``), else trained (and put in ``store``)."""
+    """The codebook for ``(dim, sub_dim, bits, seed)``: cached, else from ``store``, else trained (into ``store``)."""
     key = (int(dim), int(sub_dim), int(bits), int(seed))
     name = f"tqrvq.d{dim}.s{sub_dim}.b{bits}.seed{seed}"
     stored = store.get(name) if store is not None else None

@@ -39,8 +39,7 @@ def _pm(signs: mx.array) -> mx.array:
 
 
 def qjl_inner_product(q: mx.array, signs: mx.array, norms: mx.array, S: mx.array) -> mx.array:
-    """Estimates of ``<q, k_i>`` from 0/1 sign bits ``(n, m)`` and norms ``(n,)``: ``(n,)`` for a
-    query ``(d,)``, ``(nq, n)`` for ``(nq, d)``."""
+    """Estimates of ``<q, k_i>`` from 0/1 sign bits ``(n, m)`` and norms ``(n,)``, for ``q`` ``(d,)`` or ``(nq, d)``."""
     return (QJL_SCALE / S.shape[0]) * ((q.astype(mx.float32) @ S.T) @ _pm(signs).T) * norms.astype(mx.float32)
 
 

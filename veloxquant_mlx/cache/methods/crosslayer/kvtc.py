@@ -49,8 +49,7 @@ class KVTCKVCache(DeferredStart, LowRankKVCache):
         return 1
 
     def _compressed_cost(self, H, D, Dv):
-        """At most: float16 bases (F x r, r <= budget / cheapest rate) and means of both sides, and the
-        budget's bits per token per side."""
+        """At most: float16 bases (r <= budget / cheapest rate) and means of both sides; R bits per token."""
         R = self.config.options.bit_budget
         r_max = R // min(self.rate(b) for b in self.choices if b)
         fixed = sum((F * min(F, r_max) + F) * 2 for F in (H * D, H * Dv))

@@ -212,8 +212,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         return n
 
     def _part_bytes(self, kind: str) -> int:
-        """Filled bytes of one side, window included: magnitudes + retained rows (merge) or the shared
-        direction + magnitudes (primary)."""
+        """Filled bytes of one side, window included."""
         res = getattr(self, f"res_{kind}")
         if res is None:
             return 0

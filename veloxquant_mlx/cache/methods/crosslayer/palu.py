@@ -111,8 +111,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         return [o.hi_bit] * n_hi + [o.lo_bit] * (r - n_hi)
 
     def bind_attention(self, attn) -> None:
-        """Read the layer's RoPE and the factors' ranks and widths; the factors are made at the first
-        compression (``factor``)."""
+        """Read the layer's RoPE and the factors' ranks and widths (the factors come at the first compression)."""
         if attn is None or "k_proj" not in attn or "v_proj" not in attn:
             raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
                              f"{type(attn).__name__}")
@@ -129,8 +128,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         self.factor(keep=False)
 
     def factor(self, keep: bool = True) -> None:
-        """Factor the bound layer's ``k_proj`` / ``v_proj``: ranks, widths, head groups and, with ``keep``,
-        the factors ``U_r`` (and bias offsets) held from then on."""
+        """Factor ``k_proj`` / ``v_proj``: ranks, widths, head groups and, with ``keep``, the held ``U_r``, offsets."""
         o, attn = self.config.options, (self._attn.obj if self._attn is not None else None)
         if attn is None:
             raise ValueError(NEEDS_BINDING + "before its first compressed group")
@@ -178,8 +176,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1 (the
-        frequency table is made per call, not held)."""
+        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1."""
         k = self._reconstruct("k", n)
         if self.rope is not None:
             k = rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)

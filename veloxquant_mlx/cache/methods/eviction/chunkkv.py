@@ -139,8 +139,7 @@ class ChunkKVCache(VotingEviction):
         self.keep_rows(idx)
 
     def select_chunks(self, scores: mx.array) -> mx.array:
-        """Row indices [B, H, K] (ascending, the same for every head) of the protected rows and the
-        ``k`` best whole chunks by head-summed ``scores`` [B, H, rows]."""
+        """Row indices [B, H, K] (ascending, the same for every head): protected rows and the best chunks."""
         B, H = scores.shape[:2]
         ns, C, off = self.n_sink, self.chunk_size, self.offset
         r0 = self._recent_start()

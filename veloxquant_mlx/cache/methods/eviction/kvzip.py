@@ -61,8 +61,7 @@ class KVzipKVCache(EvictionKVCache):
         return self.importance[:, :, : self.rows]
 
     def begin_reconstruction(self, reset: bool) -> None:
-        """Rows appended from now on are temporary and not scored; ``reset`` (first chunk) clears the
-        importance first."""
+        """Rows appended from now on are temporary, not scored; ``reset`` clears the importance first."""
         if reset and self.importance is not None:
             self.importance = mx.zeros_like(self.importance)
         self._probe_rows, self._probe_offset = self.rows, self.offset

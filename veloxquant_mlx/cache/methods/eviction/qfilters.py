@@ -113,8 +113,7 @@ class QFiltersKVCache(EvictionKVCache):
         return self.filter_scores(self.keys[:, :, : self.rows])
 
     def retention_of(self, queries: mx.array, q_positions: mx.array, scale: float) -> mx.array:
-        """Mean fraction of the attention mass of ``queries`` [B, Hq, n, D] (ascending ``q_positions``)
-        on the rows the filter keeps at the ratio budget / rows (sinks protected)."""
+        """Mean share of the attention mass of ``queries`` on the rows the filter keeps at budget / rows."""
         rows = self.rows
         keys, pos = self.keys[:, :, :rows], self.positions[:, :, :rows]
         visible = pos <= q_positions[-1]  # [B, H, rows]

@@ -119,17 +119,10 @@ class RocketKVKVCache(EvictionKVCache):
         return mx.minimum(idx, self.rows - 1).astype(mx.int32), valid
 
     def select_indices(self, query: mx.array, b: int, h: int, keep_recent: int = 0) -> mx.array:
-        """Stage-2 selection for one (batch, KV head) and ``query`` [D] or the group's [rep, D]: the row
-        indices [n_selected] (int32, ascending). A host-side diagnostic; ``attend`` uses ``_select_rows``."""
+        """Stage-2 row indices (int32, ascending) of KV head (b, h) for ``query`` [D] or [rep, D] (a diagnostic)."""
         q = query.reshape(1, 1, -1, query.shape[-1])
-        saved = (self.page_max, self.page_min)
-        self.page_max, self.page_min = self.page_max[b : b + 1, h : h + 1], self.page_min[b : b + 1, h : h + 1]
-        try:
-            idx, valid = self._select_rows(q, keep_recent)
-        finally:
-            self.page_max, self.page_min = saved
-        rows = [i for i, v in zip(idx[0, 0].tolist(), valid[0, 0].tolist()) if v]
-        return mx.array(rows, dtype=mx.int32)
+        idx, valid = self._select_rows(mx.broadcast_to(q, self.page_max.shape[:2] + q.shape[2:]), keep_recent)
+        return mx.array([i for i, v in zip(idx[b, h].tolist(), valid[b, h].tolist()) if v], dtype=mx.int32)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         B, Hq, N, D = queries.shape

@@ -148,8 +148,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         self._sync_offset()
 
     def _store(self, past_k, past_v, nk, nv, valid):
-        """Append each sequence's valid rows, then keep its sinks and window newest rows in position order
-        (a sequence without valid rows keeps its rows as they are)."""
+        """Append each sequence's valid rows, then keep its sinks and window newest rows in position order."""
         (B, H, N, _), P = nk.shape, past_k.shape[2]
         M = P + N
         new_pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
