@@ -167,12 +167,15 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         j = mx.arange(cap, dtype=mx.int32)[None]
         src = j + mx.where(j >= mx.array(sink, dtype=mx.int32)[:, None], mx.array(drop, dtype=mx.int32)[:, None], 0)
         sel = mx.take_along_axis(order, mx.minimum(src, M - 1), axis=1)  # [B, cap] columns kept, in order
-        self.keys = mx.take_along_axis(ck, sel[:, None, :, None], axis=2)
-        self.values = mx.take_along_axis(cv, sel[:, None, :, None], axis=2)
-        self.positions = mx.take_along_axis(cpos, sel[:, None, :], axis=2)
+        self._gather(sel, ck, cv, cpos)
         self.cap, self.nq, self.ring = cap, keep, [-1 if v else r for v, r in zip(valid, self.ring)]
         self.lens = [x + v for x, v in zip(self.lens, valid)]
         self._sync_offset()
+
+    def _gather(self, sel, k, v, pos) -> None:
+        """Hold the columns ``sel`` [B, cols] of ``k``, ``v``, ``pos`` (the same in every head)."""
+        self.keys, self.values = (mx.take_along_axis(a, sel[:, None, :, None], axis=2) for a in (k, v))
+        self.positions = mx.take_along_axis(pos, sel[:, None, :], axis=2)
 
     def _dense(self):
         P = self.stored_rows()
@@ -209,9 +212,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         if not bool(mx.all(tail == mx.array(self.lens, dtype=mx.int32)[:, None] - n + j)):
             raise ValueError("StreamingLLMBatchKVCache: the last tokens of a sequence were evicted, "
                              "so they cannot be trimmed exactly")
-        self.keys = mx.take_along_axis(self.keys[:, :, :P], order[:, None, :, None], axis=2)
-        self.values = mx.take_along_axis(self.values[:, :, :P], order[:, None, :, None], axis=2)
-        self.positions = mx.take_along_axis(self.positions[:, :, :P], order[:, None, :], axis=2)
+        self._gather(order, *(getattr(self, name)[:, :, :P] for name in _FIELDS))
         self.cap, self.ring = P, [-1] * len(self.nq)
         self.nq, self.lens = [x - n for x in self.nq], [x - n for x in self.lens]
         self._sync_offset()
