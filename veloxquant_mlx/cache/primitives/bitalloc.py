@@ -1,8 +1,5 @@
-"""Waterfill's per-channel key widths by reverse water-filling, and the channel pairs RoPE rotates together.
-
-Channel ``c`` at ``b_c`` bits over range ``r_c`` adds logit error of variance ``~ E[q_c^2] r_c^2 4^-b_c / 12``;
-at a fixed total the minimum gives each further bit where that is largest (rate-distortion theory).
-"""
+"""Waterfill's per-channel key widths by reverse water-filling (channel ``c`` at ``b_c`` bits over range ``r_c`` adds
+logit error ``~ E[q_c^2] r_c^2 4^-b_c / 12``: each further bit goes where that is largest), and RoPE channel pairs."""
 
 from __future__ import annotations
 

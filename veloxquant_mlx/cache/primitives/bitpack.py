@@ -1,8 +1,6 @@
-"""Dense bit packing of small integer codes into ``uint32`` words, along the last axis.
-
-Each row of ``n`` codes is one little-endian bit stream: code ``j`` at stream bits ``[j*bits, (j+1)*bits)``,
-stream bit ``p`` = bit ``p % 32`` of word ``p // 32`` (codes straddle words when ``32 % bits != 0``),
-zero-padded to ``ceil(n * bits / 32)`` words, so rows never share a word.
+"""Dense bit packing of small integer codes into ``uint32`` words along the last axis: each row of ``n`` codes is one
+little-endian bit stream (code ``j`` at stream bits ``[j*bits, (j+1)*bits)``, stream bit ``p`` = bit ``p % 32`` of
+word ``p // 32``, codes may straddle words), zero-padded to ``ceil(n * bits / 32)`` words.
 """
 
 from __future__ import annotations

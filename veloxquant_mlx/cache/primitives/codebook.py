@@ -1,8 +1,7 @@
-"""Scalar codebooks (Lloyd–Max) and a vectorized k-means, for rotation-based quantizers.
-
-``lloyd_max_codebook(bits, d)`` is the MSE-optimal ``2**bits``-level quantizer for one coordinate of a
-uniformly random unit vector in ``R^d``, of density ``∝ (1 - x^2)^((d-3)/2)`` on [-1, 1] (TurboQuant,
-arXiv 2504.19874; tends to N(0, 1/d)): Lloyd's iteration on a fine NumPy grid, once per ``(bits, d)``.
+"""Scalar codebooks (Lloyd–Max) and a vectorized k-means, for rotation-based quantizers. ``lloyd_max_codebook(bits,
+d)`` is the MSE-optimal ``2**bits``-level quantizer for one coordinate of a uniformly random unit vector in ``R^d``
+(density ``∝ (1 - x^2)^((d-3)/2)`` on [-1, 1], TurboQuant, arXiv 2504.19874; tends to N(0, 1/d)): Lloyd's iteration
+on a fine NumPy grid, once per ``(bits, d)``.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ def density_grid(lo: float, hi: float, log_density, cells: int = _GRID):
 
 
 def lloyd(edges, x, w, k: int, center: float = 0.0, max_iter: int = 20000, tol: float = 1e-9):
-    """Lloyd–Max on a discretized density symmetric about ``center``: ``(centroids, mse)``, float64. Cell
-    moments come from cumulative sums interpolated at the exact boundaries (the iteration moves
-    continuously); it starts at the high-resolution optimum (density ∝ f^(1/3), Panter–Dite), which matters
-    for 128/256 levels."""
+    """Lloyd–Max on a discretized density symmetric about ``center``: ``(centroids, mse)``, float64. Cell moments
+    are cumulative sums interpolated at the exact boundaries; the start is the high-resolution optimum (density ∝
+    f^(1/3), Panter–Dite), which matters for 128/256 levels."""
     cums = [np.concatenate([[0.0], np.cumsum(w * x**p)]) for p in range(3)]
 
     def cells(c):
@@ -170,10 +168,9 @@ def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
 
 
 def smallest_k(d: mx.array, k: int, group: int = 16) -> mx.array:
-    """Column indices ``[m, k]`` of the ``k`` smallest entries of each row of ``d [m, n]`` (unordered), for
-    small ``k``, exact. MLX's CPU ``argpartition`` costs ~10x an ``argmin``, so repeated argmins over the
-    minima of column groups of ``group`` pick ``k`` groups (holding the ``k`` smallest), then the ``k``
-    smallest of those ``k * group`` entries."""
+    """Column indices ``[m, k]`` of the ``k`` smallest entries of each row of ``d [m, n]`` (unordered, exact). MLX's
+    CPU ``argpartition`` costs ~10x an ``argmin``, so repeated argmins pick the ``k`` column groups holding them,
+    then the ``k`` smallest of those ``k * group`` entries."""
     m, n = d.shape
     if n % group or n <= k * group:
         return _argmin_k(d, k)

@@ -1,12 +1,10 @@
-"""Entropy coding of b-bit code streams for the saved form of CacheGen (arXiv 2310.07240, 5.1.3: codes
-arithmetic-coded with tables grouped by channel and layer), with ``constriction``'s compiled ANS coder.
-
-``symbols [T, n]``: T streams of n codes; stream ``i`` uses static table ``table_of[i]`` (the symbol counts
-of its streams scaled to ``P = min(12, bits + 4)`` bits, stored in the output). The leaky categorical model
-gives every symbol a nonzero probability, so any code round-trips. Output (format 2, little-endian): one
-byte ``FORMAT_ANS`` (0xC2) then the bit-packed tables and the uint32 ANS words (table 0's streams first),
-or ``FORMAT_RAW`` (0xC3) then the streams packed at ``bits`` bits when coding would not be shorter. Format 1
-(the numpy rANS coder, first byte 2 or 4) is refused with an error naming it.
+"""Entropy coding of b-bit code streams for CacheGen's saved form (arXiv 2310.07240, 5.1.3: codes arithmetic-coded
+with tables grouped by channel and layer), with ``constriction``'s ANS coder. ``symbols [T, n]``: T streams of n
+codes, stream ``i`` under static table ``table_of[i]`` (its streams' symbol counts scaled to ``P = min(12, bits +
+4)`` bits, stored in the output; the leaky model gives every symbol a nonzero probability, so any code
+round-trips). Output (format 2): byte ``FORMAT_ANS`` (0xC2), the bit-packed tables, the little-endian uint32 ANS
+words (table 0's streams first); or ``FORMAT_RAW`` (0xC3) and the streams packed at ``bits`` bits when coding is not
+shorter. Format 1 (the numpy rANS coder, first byte 2 or 4) is refused with an error naming it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Group-affine (asymmetric min/max) scalar quantization: the shared primitive of the scalar quantizers.
-
-Along the last axis every ``group`` elements share a float16 scale ``s = (max - min) / (2^bits - 1)`` and bias
-``z = min``; an element is the code ``round((x - z) / s)``, read back as ``c * s + z``. ``codes`` are ``uint32``
-words, each group owning whole words, so blocks of whole groups append (quantizing a block after earlier ones
-equals quantizing the concatenation). The kernel follows from ``(bits, group)`` alone: MLX's ``mx.quantize``
-for bits in ``MX_BITS`` and groups in ``MX_GROUPS`` (input cast to float16; the layout ``mx.quantized_matmul``
-takes), else the same rule in MLX ops on ``bitpack`` rows. Per-channel quantization (KIVI keys) quantizes the
-transposed block ``[..., D, T]`` along ``T``, which ``quantized_matmul(q, codes, transpose=False)`` reads as
-``q @ K^T``.
+"""Group-affine (min/max) scalar quantization, the shared primitive of the scalar quantizers: along the last axis
+every ``group`` elements share a float16 scale ``s = (max - min) / (2^bits - 1)`` and bias ``z = min``; an element
+is the code ``round((x - z) / s)``, read back as ``c * s + z``. Codes are ``uint32`` words, each group owning whole
+words, so blocks of whole groups append. ``(bits, group)`` alone picks the kernel: MLX's ``mx.quantize`` (input cast
+to float16; the layout ``mx.quantized_matmul`` reads) for bits in ``MX_BITS`` and groups in ``MX_GROUPS``, else the
+same rule on ``bitpack`` rows. Per-channel quantization (KIVI keys) quantizes the transposed block ``[..., D, T]``
+along ``T``, which ``quantized_matmul(q, codes, transpose=False)`` reads as ``q @ K^T``.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import check_int
-from .bitpack import pack_bits, unpack_bits
+from .bitpack import pack_bits, packed_words, unpack_bits
 
 MX_BITS = (2, 3, 4, 5, 6, 8)
 MX_GROUPS = (32, 64, 128)
@@ -37,7 +34,7 @@ def uses_mx_kernels(bits: int, group: int) -> bool:
 
 def words_per_group(bits: int, group: int) -> int:
     """uint32 words holding the codes of one group."""
-    return (check_int("group", group, 1) * check_int("bits", bits, 1, 8) + 31) // 32
+    return packed_words(check_int("group", group, 1), bits)
 
 
 def group_bytes_per_element(bits: int, group: int) -> float:

@@ -1,10 +1,9 @@
-"""Low-rank fitting and latent-channel coding, shared by the low-rank caches (``svdq``, ``palu``, ``kvtc``).
-
-``fit_basis`` finds principal directions per (batch, head group) (one CPU ``eigh`` per prompt); ``energy_rank``
-/ ``dp_allocate`` choose the rank and each latent channel's width (0 = dropped, 16 = float16);
-``encode_latents`` / ``decode_latents_t`` code the channels. Channels sort by decreasing width, so equal widths
-form segments, each quantized along tokens in groups of ``G`` (``groupquant``); a token group's words of all
-segments form one row, so whole groups append by rows (axis 2).
+"""Low-rank fitting and latent-channel coding of the low-rank caches (``svdq``, ``palu``, ``kvtc``): ``fit_basis``
+finds principal directions per (batch, head group) (one CPU ``eigh`` per prompt), ``energy_rank`` / ``dp_allocate``
+choose the rank and each latent channel's width (0: dropped, 16: float16), ``encode_latents`` /
+``decode_latents_t`` code the channels. Channels sort by decreasing width; each run of equal widths is quantized
+along tokens in groups of ``G`` (``groupquant``), and a token group's words of all runs form one row, so whole
+groups append by rows (axis 2).
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def captured_energy(energy: mx.array, rank: int) -> mx.array:
 
 
 def energy_rank(energy: mx.array, threshold: float) -> int:
-    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group). One
-    host sync (fit time only)."""
+    """Smallest r whose first r components hold >= ``threshold`` of the energy in every (batch, group)."""
     e = np.asarray(energy.astype(mx.float32)).reshape(-1, energy.shape[-1]).astype(np.float64)
     frac = np.cumsum(e, axis=-1) / np.maximum(e.sum(axis=-1, keepdims=True), 1e-30)
     r = (frac < threshold - 1e-9).sum(axis=-1) + 1  # the 1e-9: round-off at threshold 1.0

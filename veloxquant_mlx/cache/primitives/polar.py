@@ -1,11 +1,8 @@
-"""Recursive polar transform and angle codebooks (PolarQuant, arXiv 2502.02617).
-
-A vector in R^d (``2**L`` dividing ``d``) becomes, level by level, radii and angles: level 1 pairs
-``(x[2j], x[2j+1])`` into radii and ``atan2`` angles in ``[0, 2*pi)``; level ``l >= 2`` pairs the previous radii
-the same way (angles in ``[0, pi/2]``). After ``L`` levels: ``d / 2**L`` radii (norms of blocks of ``2**L``
-coordinates) and ``d/2 + ... + d/2**L`` angles. For a rotation-invariant vector the angles are independent
-(Lemma 2): uniform at level 1, density ``c_l sin(2 psi)^(2^(l-1) - 1)`` on ``[0, pi/2]`` at level ``l``;
-``angle_codebook`` is the MSE-optimal quantizer for it (uniform circular at level 1, else Lloyd–Max).
+"""Recursive polar transform and angle codebooks (PolarQuant, arXiv 2502.02617). A vector in R^d (``2**L`` dividing
+``d``) becomes, level by level, radii and angles: level 1 pairs ``(x[2j], x[2j+1])`` into radii and ``atan2`` angles
+in ``[0, 2*pi)``, level ``l >= 2`` pairs the previous radii the same way (angles in ``[0, pi/2]``). For a
+rotation-invariant vector the angles are independent (Lemma 2): uniform at level 1, density ``c_l sin(2
+psi)^(2^(l-1) - 1)`` on ``[0, pi/2]`` at level ``l``; ``angle_codebook`` is the MSE-optimal quantizer for it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Seeded random rotations (d x d orthogonal, float32 MLX arrays). Draws use NumPy's ``default_rng`` seeded
-with ``(stream tag, seed)``: a matrix depends only on ``(d, seed)``, and primitives sharing a seed (a rotation
-and a JL sketch) draw independently. Factorisations run in float64."""
+"""Seeded random rotations (d x d orthogonal, float32). NumPy's ``default_rng`` is seeded with ``(stream tag,
+seed)``: a matrix depends only on ``(d, seed)``, and primitives sharing a seed draw independently."""
 
 from __future__ import annotations
 

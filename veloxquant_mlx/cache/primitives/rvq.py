@@ -1,8 +1,8 @@
 """Two-stage residual VQ codebooks for sub-vectors of rotated unit vectors (TurboQuant-RVQ's data-oblivious
-codebooks). A ``bits``-bit code of an ``s``-dim piece is a stage-1 centroid ``c1[i]`` (``min(bits, 8)`` bits)
-plus a cell-scaled stage-2 centroid ``sigma[i] * c2[j]`` (the other bits). Training: seeded k-means on pieces
-of random unit vectors, then ``REFINE_ITERS`` rounds of joint least-squares refinement of ``c1``, ``c2`` and
-``sigma``. Encoding is a beam search over the ``BEAM`` nearest stage-1 centroids.
+codebooks): a ``bits``-bit code of an ``s``-dim piece is a stage-1 centroid ``c1[i]`` (``min(bits, 8)`` bits) plus a
+cell-scaled stage-2 centroid ``sigma[i] * c2[j]`` (the other bits). Trained by seeded k-means on pieces of random
+unit vectors, then ``REFINE_ITERS`` rounds of joint least squares on ``c1``, ``c2`` and ``sigma``; encoded by a beam
+search over the ``BEAM`` nearest stage-1 centroids.
 """
 
 from __future__ import annotations
@@ -172,8 +172,7 @@ _CODEBOOKS: dict[tuple, RVQCodebook] = {}
 
 
 def rvq_codebook(dim: int, sub_dim: int, bits: int, seed: int, store=None) -> RVQCodebook:
-    """The codebook for ``(dim, sub_dim, bits, seed)``: from this process's cache, else from
-    ``store`` (an ``ArtifactStore``), else trained (and put in ``store``)."""
+    """The codebook for ``(dim, sub_dim, bits, seed)``: cached, else from ``store``, else trained (into ``store``)."""
     key = (int(dim), int(sub_dim), int(bits), int(seed))
     name = f"tqrvq.d{dim}.s{sub_dim}.b{bits}.seed{seed}"
     stored = store.get(name) if store is not None else None

@@ -1,9 +1,7 @@
-"""Gaussian JL sketches and the 1-bit QJL inner-product estimator (QJL, arXiv 2406.03482).
-
-A key ``k`` is stored as the signs of ``S k`` (``S`` ``m x d``, i.i.d. N(0, 1)) and ``||k||``; for a query
-``q``, ``<q, k> ~ sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased with variance at most
-``pi / (2 m) ||q||^2 ||k||^2`` (TurboQuant, arXiv 2504.19874, uses ``m = d``). ``sign(0) = +1``; sign bits are
-``uint8`` (1 for +1), ready for ``bitpack.pack_bits`` at 1 bit.
+"""Gaussian JL sketches and the 1-bit QJL inner-product estimator (QJL, arXiv 2406.03482): a key ``k`` is stored
+as the signs of ``S k`` (``S`` ``m x d``, i.i.d. N(0, 1); ``sign(0) = +1``, bit 1) and ``||k||``; for a query ``q``,
+``<q, k> ~ sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>`` is unbiased with variance at most ``pi / (2 m) ||q||^2
+||k||^2`` (TurboQuant, arXiv 2504.19874, uses ``m = d``).
 """
 
 from __future__ import annotations
@@ -36,15 +34,12 @@ def qjl_signs(S: mx.array, k: mx.array) -> mx.array:
 
 
 def _pm(signs: mx.array) -> mx.array:
-    """0/1 sign bits (or already +-1 values) -> float32 +-1."""
-    if signs.dtype in (mx.uint8, mx.uint16, mx.uint32, mx.bool_):
-        return 2.0 * signs.astype(mx.float32) - 1.0
-    return mx.where(signs.astype(mx.float32) >= 0, 1.0, -1.0)
+    """0/1 sign bits -> float32 +-1."""
+    return 2.0 * signs.astype(mx.float32) - 1.0
 
 
 def qjl_inner_product(q: mx.array, signs: mx.array, norms: mx.array, S: mx.array) -> mx.array:
-    """Estimates of ``<q, k_i>`` from sign bits ``(n, m)`` (0/1 or +-1) and norms ``(n,)``: ``(n,)`` for a
-    query ``(d,)``, ``(nq, n)`` for ``(nq, d)``."""
+    """Estimates of ``<q, k_i>`` from 0/1 sign bits ``(n, m)`` and norms ``(n,)``, for ``q`` ``(d,)`` or ``(nq, d)``."""
     return (QJL_SCALE / S.shape[0]) * ((q.astype(mx.float32) @ S.T) @ _pm(signs).T) * norms.astype(mx.float32)
 
 

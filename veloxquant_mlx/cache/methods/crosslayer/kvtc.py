@@ -1,24 +1,18 @@
 """KV cache transform coding (KVTC; Staniszewski, Łańcucki, "KV Cache Transform Coding for Compact Storage in LLM
-Inference", arXiv 2511.01815): PCA decorrelation, a quantizer whose bits per component come from a
-dynamic-programming rate allocation, and entropy coding.
-
-Here a token vector is one token's keys (resp. values) of all KV heads (F = H·D), each side under
+Inference", arXiv 2511.01815): PCA decorrelation, bits per component from a dynamic-programming rate allocation,
+entropy coding. Here a token vector is one token's keys (resp. values) of all KV heads (F = H·D), each side under
 ``kvtc_bit_budget`` R bits. PCA is fitted once per prompt on the first block of whole G-token groups (G =
-``kivi_group_size``); on that block each component's error at each of ``kvtc_bit_choices`` is *measured* with the
-real quantizer and ``dp_allocate`` solves min Σ D_c(b_c) + λ Σ R(b_c) s.t. Σ R(b_c) <= R exactly, with R(b) = b +
-32/G (float16 scale and bias per G tokens), R(0) = 0 and λ = 10^-``kvtc_beta`` / F of the block energy: a bit is
-spent only if it removes that share of an average component's energy (β = 3.5 spends nearly all of R; normalising
-by the total energy left 10-45% unspent on SmolLM2 and cost quality). Rows stay float16 (``DeferredStart``) until
-bases plus R bits per token and side are smaller (256 rows on SmolLM2 at the defaults; never when R >= 16 bits per
-component). The inverse transform is folded into attention (``LowRankKVCache``).
+``kivi_group_size``); each component's error at each of ``kvtc_bit_choices`` is measured there with the real
+quantizer and ``dp_allocate`` solves min Σ D_c(b_c) + λ Σ R(b_c) s.t. Σ R(b_c) <= R, with R(b) = b + 32/G (float16
+scale and bias per G tokens), R(0) = 0 and λ = 10^-``kvtc_beta`` / F of the block energy (β = 3.5 spends nearly
+all of R; normalising by the total energy left 10-45% unspent on SmolLM2 and cost quality). Rows stay float16
+(``DeferredStart``) until bases plus R bits per token are smaller (256 rows on SmolLM2 at the defaults).
 
-Deviations: the paper calibrates the PCA offline over all layers and heads (rotation removed), keeps 4 sink and
-128 recent tokens uncompressed and entropy-codes (DEFLATE); here the transform is per layer on post-RoPE rows,
-fitted on the first block, with fixed-width codes (the budget is met by the stored bytes), per-component min/max
-over G tokens and only the newest < G tokens uncompressed. The float16 bases are counted in ``nbytes`` (most of
-the bytes at 543 tokens on SmolLM2, F = 192; they amortise). Directions a short first block does not span get a
-prior distortion (the weakest observed component's energy), so later tokens' energy there is still coded when the
-budget allows.
+Deviations: the paper calibrates the PCA offline over all layers and heads (rotation removed), keeps 4 sink and 128
+recent tokens uncompressed and entropy-codes (DEFLATE); here the transform is per layer on post-RoPE rows, fitted
+on the first block, with fixed-width codes, per-component min/max over G tokens and only the newest < G tokens
+uncompressed. The float16 bases are counted in ``nbytes``. Directions a short first block does not span get a
+prior distortion (the weakest observed component's energy), so later tokens' energy there is still coded.
 """
 
 from __future__ import annotations
@@ -55,8 +49,7 @@ class KVTCKVCache(DeferredStart, LowRankKVCache):
         return 1
 
     def _compressed_cost(self, H, D, Dv):
-        """At most: float16 bases (F x r, r <= budget / cheapest rate) and means of both sides, and the
-        budget's bits per token per side."""
+        """At most: float16 bases (r <= budget / cheapest rate) and means of both sides; R bits per token."""
         R = self.config.options.bit_budget
         r_max = R // min(self.rate(b) for b in self.choices if b)
         fixed = sum((F * min(F, r_max) + F) * 2 for F in (H * D, H * Dv))

@@ -1,25 +1,22 @@
 """MiniCache (Liu, Liu, Pan, He, Haffari, Zhuang, "MiniCache: KV Cache Compression in Depth Dimension for
-Large Language Models", arXiv 2405.14366).
-
-Paper: from mid-depth on adjacent layers' KV states point alike, so each pair (l-1, l) keeps per-token
-magnitudes ``||x||`` per layer and one SLERP of the two directions, restoring ``||x|| · e``; token pairs too far
-apart are *retained* exactly. Here the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one
-are lossless primaries, then (*primary*, *merge*) pairs keep rows in a float16 window (``GroupWindow``) until the
-merge layer has ``BLOCK`` rows and merges both windows (keys and values apart; cosine <
-``minicache_retention_threshold`` θ: retained). The primary holds the shared direction (its own row where
-retained) and magnitudes ``pn`` (1 where retained), the merge layer ``mn`` and its retained rows (``ret``
-float16, token-major ``idx``): 2·D + 4 + retained fraction · (2·D + 4) bytes per token and KV head for the pair,
-vs 4·D. One host sync per merge step.
+Large Language Models", arXiv 2405.14366): from mid-depth on adjacent layers' KV states point alike, so a pair of
+layers keeps per-token magnitudes per layer and one SLERP of the two directions; token pairs too far apart are
+retained exactly. Here the first ``floor(minicache_start_frac · L)`` layers and an unpaired last one are lossless
+primaries, then (primary, merge) pairs keep rows in a float16 window (``GroupWindow``) until the merge layer holds
+``BLOCK`` rows and merges both windows (keys and values apart; cosine < ``minicache_retention_threshold``:
+retained). The primary holds the shared direction (its own row where retained) and magnitudes ``pn`` (1 where
+retained), the merge layer ``mn`` and its retained rows (``ret`` float16, token-major ``idx``): 2·D + 4 + retained
+fraction · (2·D + 4) bytes per token and KV head for the pair, vs 4·D. One host sync per merge step.
 
 Deviations: a fixed cosine threshold (the paper: relative angular distance); the primary restores merged tokens
-from the shared direction, its retained rows sitting there with magnitude 1 (a lossless primary plus a direction
-would exceed two float16 layers); ``minicache_group_size`` must be 2; ``minicache_max_ctx`` unused; the newest <
+from the shared direction, its retained rows there with magnitude 1 (a lossless primary plus a direction would
+exceed two float16 layers); ``minicache_group_size`` must be 2; ``minicache_max_ctx`` unused; the newest <
 ``BLOCK`` tokens stay float16; tokens merged with trimmed ones stay merged, and trims must hit every layer alike;
 a cache built alone is a lossless primary.
 
-Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, t =
-0.5): 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) and 0.99 retain all (KL
-0, kv/fp16 1.064); θ = 0: KL 0.444, 0.962; θ = -1: 0.845, 0.837. The paper's premise fails on this model.
+Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, t = 0.5):
+55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) and 0.99 retain all (KL 0,
+kv/fp16 1.064); θ = 0: KL 0.444, 0.962; θ = -1: 0.845, 0.837. The paper's premise fails on this model.
 """
 
 from __future__ import annotations
@@ -43,9 +40,6 @@ class MiniCacheCoordinator:
 
     def __init__(self, uid: str | None = None):
         self.uid, self.primaries = uid or uuid.uuid4().hex, {}
-
-    def publish(self, group_id: int, primary: "MiniCacheKVCache") -> None:
-        self.primaries[group_id] = primary
 
     def fetch(self, group_id: int) -> "MiniCacheKVCache":
         if group_id not in self.primaries:
@@ -98,7 +92,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
             raise QuantizerConfigError("coordinator", None, "a MiniCacheCoordinator for role='merge'")
         if coordinator is not None and role == "primary":
             self.mc_readers = int(n_readers)
-            coordinator.publish(self.mc_group, self)
+            coordinator.primaries[self.mc_group] = self
 
     def _init_layout(self):
         g = self.config.options.group_size
@@ -127,7 +121,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         self.coordinator = relink(f"{self.mc_uid}:{self.mc_group}", primary,
                                   lambda: MiniCacheCoordinator(self.mc_uid), "MiniCacheKVCache: the primary")
         if primary:
-            self.coordinator.publish(self.mc_group, self)
+            self.coordinator.primaries[self.mc_group] = self
 
     state = relinking_state()
 
@@ -218,8 +212,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         return n
 
     def _part_bytes(self, kind: str) -> int:
-        """Filled bytes of one side, window included: magnitudes + retained rows (merge) or the shared
-        direction + magnitudes (primary)."""
+        """Filled bytes of one side, window included."""
         res = getattr(self, f"res_{kind}")
         if res is None:
             return 0

@@ -1,25 +1,23 @@
 """Palu (Chang, Lin, Lin, Chen, Huang, Hsu, Wu, Wu, Wang, Chen, Chiang, "Palu: Compressing KV-Cache with Low-Rank
-Projection", arXiv 2407.21118).
+Projection", arXiv 2407.21118): the K/V projection weights are factored offline, ``W ≈ A B``; the cache stores the
+(quantized) latent ``h = x A`` and rebuilds ``K = h B`` (G-LRD: a group of heads factored together).
 
-Paper: the K/V projection *weights* are factored offline, ``W ≈ A B``; the cache stores the latent ``h = x A`` and
-``K = h B`` is rebuilt on the fly (group-head decomposition, G-LRD, factors a group of heads together); latents are
-quantized. Here ``bind_attention`` (from ``KVCacheBuilder.for_model``) splits the (dequantized) ``k_proj`` /
-``v_proj`` rows into Hg groups (Hg the largest divisor of H <= ``palu_n_head_groups``); a float64 SVD ``W_g = U S
-Vᵀ`` per group gives ``h = k U_r`` (mlx_lm hands the cache ``k``, not ``x``), exact for the rank-r projection, with
-r = ``palu_rank`` or the smallest holding ``palu_energy_threshold`` of ``Σσ²`` in every group; the cache holds
-``U_r`` float16, made at the first compression (``DeferredStart``; a saved short chat needs ``bind_attention``
-again, and without it the first ``update_and_fetch`` raises ``ValueError`` naming the fix). Completed token groups
-are un-rotated with the layer's RoPE before projecting and rebuilt keys rotated at attention; a ``k_proj`` bias
-(Qwen2) is the latent's offset; a per-head ``k_norm`` / ``v_norm`` (Gemma 3) is folded in as its gain (its
-per-token RMS scale: exact for one-head groups, approximate for larger). Latents are quantized per channel over
-``palu_group_size`` tokens, the first ``ceil(palu_hi_fraction · r)`` at ``palu_hi_bit``, the rest ``palu_lo_bit``
-(``palu_quantize_values=False``: value latents float16). ``attend`` rebuilds keys (``h U_rᵀ + b``) and fuses
-values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
+Here ``bind_attention`` (from ``KVCacheBuilder.for_model``) splits the dequantized ``k_proj`` / ``v_proj`` rows
+into Hg groups (the largest divisor of H <= ``palu_n_head_groups``); a float64 SVD ``W_g = U S Vᵀ`` per group gives
+``h = k U_r`` (mlx_lm hands the cache ``k``, not ``x``), r = ``palu_rank`` or the smallest holding
+``palu_energy_threshold`` of ``Σσ²`` in every group; ``U_r`` (float16) is made at the first compression
+(``DeferredStart``; a saved short chat needs ``bind_attention`` again, else the first ``update_and_fetch`` raises a
+``ValueError`` naming the fix). Completed token groups are un-rotated with the layer's RoPE before projecting,
+rebuilt keys rotated at attention; a ``k_proj`` bias (Qwen2) is the latent's offset; a per-head ``k_norm`` /
+``v_norm`` (Gemma 3) is folded in as its gain (exact for one-head groups, approximate for larger). Latents are
+quantized per channel over ``palu_group_size`` tokens, the first ``ceil(palu_hi_fraction · r)`` at
+``palu_hi_bit``, the rest at ``palu_lo_bit`` (``palu_quantize_values=False``: value latents float16); ``attend``
+fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
 
 Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks per layer
-by Fisher information); per-channel min/max over token groups with the hi/lo split by singular value (Palu:
-per-token after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused; ``U_r`` is stored float16 and
-counted in ``nbytes`` (the model keeps its own ``W_k``/``W_v``).
+by Fisher information); per-channel min/max over token groups, the hi/lo split by singular value (Palu: per-token
+after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused; ``U_r`` is stored float16 and counted in
+``nbytes`` (the model keeps its own ``W_k``/``W_v``).
 """
 
 from __future__ import annotations
@@ -113,8 +111,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         return [o.hi_bit] * n_hi + [o.lo_bit] * (r - n_hi)
 
     def bind_attention(self, attn) -> None:
-        """Read the layer's RoPE and the factors' ranks and widths; the factors are made at the first
-        compression (``factor``)."""
+        """Read the layer's RoPE and the factors' ranks and widths (the factors come at the first compression)."""
         if attn is None or "k_proj" not in attn or "v_proj" not in attn:
             raise ValueError(f"palu needs the layer's attention module with k_proj and v_proj; got "
                              f"{type(attn).__name__}")
@@ -131,8 +128,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         self.factor(keep=False)
 
     def factor(self, keep: bool = True) -> None:
-        """Factor the bound layer's ``k_proj`` / ``v_proj``: ranks, widths, head groups and, with ``keep``,
-        the factors ``U_r`` (and bias offsets) held from then on."""
+        """Factor ``k_proj`` / ``v_proj``: ranks, widths, head groups and, with ``keep``, the held ``U_r``, offsets."""
         o, attn = self.config.options, (self._attn.obj if self._attn is not None else None)
         if attn is None:
             raise ValueError(NEEDS_BINDING + "before its first compressed group")
@@ -180,8 +176,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1 (the
-        frequency table is made per call, not held)."""
+        """Kᵀ [B, H, D, n]: keys rebuilt from the latents (``h U_rᵀ + b``), rotated to positions 0..n-1."""
         k = self._reconstruct("k", n)
         if self.rope is not None:
             k = rotate_rows(k, self.rope, rope_frequencies(self.rope), 0)

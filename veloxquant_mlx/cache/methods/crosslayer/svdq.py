@@ -1,14 +1,10 @@
 """SVDq (Hong, Li, Zhen, Yu, Liu, Yuan, "SVDq: 1.25-bit and 410x Key Cache Compression for LLM Attention", arXiv
-2502.15304), on ``LowRankKVCache`` (``cache/lowrank.py``, shared with palu and kvtc).
-
-Keys are written in their SVD basis, ``K = (K V) Vᵀ``; the latent channels decay with the singular values and get
-a **decreasing bit schedule** (the tail dropped); attention uses ``(q V)·(K V)ᵀ``. ``V`` is fitted once per (batch,
-head) on the first block of whole ``svdq_group_size`` (G) token groups (eigendecomposition of ``KᵀK``; rank
-``svdq_rank``, or the smallest holding ``svdq_energy_threshold`` of the energy in every head); with S entries of
-``svdq_bit_schedule`` channel c gets ``b[c*S // D]``, channels past the rank none; each channel of G tokens has a
-float16 scale and bias. Values are KIVI's; the newest < G tokens stay float16. Bytes per token per head: ``Σ_c
-(b_c/8 + 4/G)`` over kept key channels, KIVI's for values, plus the float16 basis ``D·r`` per prompt; a 40-token
-chat holds at most its float16 rows plus ``contract.SHORT_PROMPT_SLACK_ROWS``.
+2502.15304), on ``LowRankKVCache`` (``cache/lowrank.py``). Keys are stored in their SVD basis, ``K = (K V) Vᵀ``,
+the latent channels with a decreasing bit schedule (the tail dropped); attention uses ``(q V)·(K V)ᵀ``. ``V`` is
+fitted once per (batch, head) on the first block of whole ``svdq_group_size`` (G) token groups (rank ``svdq_rank``
+or the smallest holding ``svdq_energy_threshold`` of the energy in every head); with S entries of
+``svdq_bit_schedule`` channel c gets ``b[c*S // D]``, channels past the rank none. Values are KIVI's; the newest <
+G tokens stay float16.
 
 Deviations: the basis is fitted on the prompt's first block of post-RoPE keys (the paper: the whole prefill per
 sequence); the schedule is spread in S equal segments over D (the paper: explicit per-block widths); per-channel

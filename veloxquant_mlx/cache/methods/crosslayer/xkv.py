@@ -1,20 +1,17 @@
 """xKV (Chang, Lin, Akhauri, Lin, Wu, Ceze, Abdelfattah, "xKV: Cross-Layer SVD for KV-Cache Compression", arXiv
-2503.18893).
-
-Paper: adjacent layers' dominant singular vectors align even when the caches differ token by token, so a group of
-g layers is concatenated along the features, ``[X_1 … X_g] ≈ U·[V_1 … V_g]`` (one truncated SVD), U stored once
-and layer l restoring ``U·V_l``. Here, per KV head, keys and values apart, each layer of a group of
-``xkv_group_size`` keeps its newest rows in a float16 window (``GroupWindow``); the last concatenates the windows'
-whole ``xkv_group_quant_size`` (G) blocks, fits the projection ``P [B, H, g·D, r]`` once (r = ``xkv_rank``, else
-the smallest keeping ``xkv_energy_threshold`` of the energy in every head) and quantizes the latents ``Z = X_group
-· P`` per channel over G tokens (``xkv_latent_bits`` b) into the first layer (the *owner*); layer l restores ``Z ·
-P_lᵀ``. Bytes per token per KV head: ``r·b/8 + 4·r/G`` vs ``2·g·D`` for g float16 layers, plus ``2·g·D·r`` for P.
+2503.18893): adjacent layers' dominant singular vectors align even when their caches differ token by token, so a
+group of g layers is concatenated along the features, ``[X_1 … X_g] ≈ U·[V_1 … V_g]`` (one truncated SVD), U
+stored once. Here, per KV head, keys and values apart, each layer of a group of ``xkv_group_size`` keeps its newest
+rows in a float16 window (``GroupWindow``); the last concatenates the windows' whole ``xkv_group_quant_size`` (G)
+blocks, fits the projection ``P [B, H, g·D, r]`` once (r = ``xkv_rank``, else the smallest keeping
+``xkv_energy_threshold`` of the energy in every head) and quantizes the latents ``Z = X_group · P`` per channel over
+G tokens (``xkv_latent_bits`` b) into the first layer (the owner); layer l restores ``Z · P_lᵀ``. Bytes per token
+per KV head: ``r·b/8 + 4·r/G`` vs ``2·g·D`` for g float16 layers, plus ``2·g·D·r`` for P.
 
 Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, 4-bit
 latents; KL, kv/fp16 with projections): pairs at energy 0.95 (default) 0.191, 0.342; pairs rank 64: 0.173, 0.333;
-groups of 4 rank 96: 0.259, 0.361; per-layer SVD rank 40 / 32 / 24: 0.246, 0.328 / 0.344, 0.274 / 0.472, 0.221:
-sharing wins at about the same bytes although adjacent layers differ token by token (minicache.py); on synthetic
-layers sharing a 12-dim subspace, rank 16 shared has relative error 5e-5 vs 0.17 for per-layer rank 8
+groups of 4 rank 96: 0.259, 0.361; per-layer SVD rank 40 / 32 / 24: 0.246, 0.328 / 0.344, 0.274 / 0.472, 0.221;
+on synthetic layers sharing a 12-dim subspace, rank 16 shared has relative error 5e-5 vs 0.17 for per-layer rank 8
 (tests/test_crosslayer.py).
 
 Deviations: P is fitted on the group's first complete block and later tokens (decode too) are projected onto it

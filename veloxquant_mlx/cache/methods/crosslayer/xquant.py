@@ -1,22 +1,18 @@
 """XQuant (Yang, Yao, Li, Qi, Liu, Zhao, "XQuant: Achieving Ultra-Low Bit KV Cache Quantization with Cross-Layer
-Compression", EMNLP 2025, arXiv 2510.11236): adjacent layers share one set of quantized codes.
-
-Paper: adjacent layers are similar, so in a pair the lower layer is quantized as usual and the higher stores only
-its scales and zero points, dequantizing the lower layer's integer codes with them. Here (``xquant_group_size`` g,
-``xquant_base_bits`` b, ``xquant_group_quant_size`` G): in each group of g layers the *base* is a KIVI cache at b
-bits; the others (``"shared"``) hold **no codes**, only float16 ``s``, ``z`` per KIVI group, reading back ``s * c
-+ z`` from the base's codes ``c``, plus their own float16 residual: a pair holds one KIVI layer's codes less than
-two (``used_nbytes``). Groups are linked per ``for_model`` call by a fresh id, relinked by ``load_prompt_cache``
-(the base loads first); ``deepcopy`` keeps links within the copy. Attention: KIVI's on the dequantized rows.
+Compression", EMNLP 2025, arXiv 2510.11236): in a pair of adjacent layers the lower is quantized as usual and the
+higher stores only scales and zero points that it applies to the lower layer's codes. Here, in each group of
+``xquant_group_size`` layers, the base is a KIVI cache at ``xquant_base_bits``; the others hold no codes, only
+float16 ``s``, ``z`` per KIVI group (``s * c + z`` of the base's codes ``c``) and their own float16 residual. Groups
+are linked per ``for_model`` call by a fresh id, relinked by ``load_prompt_cache`` (the base loads first).
 
 Quality needs similar adjacent layers (tests/test_xquant.py: a pair at b bits beats two KIVI layers at b/2 on
 near-identical synthetic layers, loses on unrelated ones); SmolLM2's are not (docs/RESULTS.md: KLD 2.0 at KIVI
 2-bit's bytes, where KIVI has 0.193).
 
 Deviations: no data-free end-point calibration; ``s, z`` are the least-squares fit on ``c`` (the paper: the
-layer's own min / max; never worse for the given codes, independent of the base's sign convention);
-``xquant_residual_bits`` is validated, unused; ``xquant_max_ctx`` unused (buffers grow); a cache built alone is a
-base (KIVI at b bits); trims are KIVI's and must hit every layer alike (mlx_lm does).
+layer's own min / max; never worse for the given codes); ``xquant_residual_bits`` is validated, unused;
+``xquant_max_ctx`` unused (buffers grow); a cache built alone is a base; trims are KIVI's and must hit every layer
+alike (mlx_lm does).
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
-"""CaM (Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference", ICML 2024, PMLR 235). H2O chooses
-the kept rows (``VotingEviction.h2o_votes``); CaM merges each evicted value into kept ones (``merge="drop"``:
-plain H2O). Evicted row ``i`` goes to kept rows ``j`` with weights ``s_ij`` (rows sum to 1): ``"mean"`` (the
-paper's) over the ``MERGE_SPAN`` kept rows after it, ``"sim_weighted"`` over all by ``softmax_j(cos(k_i - c, k_j -
-c) / SIM_TEMPERATURE)`` (``c`` the mean kept key). With ``a`` the observation attention, ``abar_i = sum_j s_ij
-a_j`` and ``o = sum a v``, the paper's Bernoulli gate (``cam_merge_gate``) merges with probability ``p_i = min(1,
-a_i / abar_i)``, ``v_j += s_ij (v_i - o)`` (gate off: the expectation, ``s_ij p_i``), which keeps the observation
-queries' normalised output exact when ``a_i <= abar_i`` (gated: in expectation). Draws are seeded by
-``config.seed``, layer and position; ``cam_merge_keys`` also moves each target key to the merge-weighted mean of
-its keys.
+"""CaM (Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference", ICML 2024, PMLR 235): H2O chooses
+the kept rows (``VotingEviction.h2o_votes``) and each evicted value is merged into kept ones (``merge="drop"``:
+plain H2O). Evicted row i goes to kept rows j with weights ``s_ij`` (summing to 1): ``"mean"`` (the paper's) over
+the ``MERGE_SPAN`` kept rows after it, ``"sim_weighted"`` by ``softmax_j(cos(k_i - c, k_j - c) / SIM_TEMPERATURE)``
+(c: the mean kept key). With ``a`` the observation attention, ``abar_i = sum_j s_ij a_j`` and ``o = sum a v``, the
+paper's Bernoulli gate (``cam_merge_gate``; off: its expectation ``s_ij p_i``) merges with probability ``p_i =
+min(1, a_i / abar_i)``: ``v_j += s_ij (v_i - o)``, exact for the observation queries' output when ``a_i <= abar_i``.
+Draws are seeded by ``config.seed``, layer and position; ``cam_merge_keys`` also moves each target key to the
+merge-weighted mean of its keys.
 
-Deviations from the paper:
-* The paper adds ``v_i / m``, counting the evicted mass twice once the softmax renormalises (output x ~``1 / (1 -
-  A)``): KL 4.3 nats on SmolLM2-135M at a 25% budget vs 0.051 dropping; merging ``v_i - o``: 0.050 ("mean"),
-  0.044 ("sim_weighted").
+Deviations:
+* The paper adds ``v_i / m``, counting the evicted mass twice after the softmax renormalises: KL 4.3 nats on
+  SmolLM2-135M at a 25% budget vs 0.051 dropping; merging ``v_i - o``: 0.050 ("mean"), 0.044 ("sim_weighted").
 * Evictions are batched (prefill chunks, slack) and merge at once, per KV head; ``"sim_weighted"`` and
-  ``cam_merge_keys`` are additions (temperature on the same measurement: 0.1: 0.081, 0.3: 0.046, 1.0: 0.044);
-  sinks (an addition) are never targets; ``a`` is the last ``OBS_WINDOW`` queries' attention of the latest call
-  (keys without dispatch).
+  ``cam_merge_keys`` are additions (temperature 0.1: 0.081, 0.3: 0.046, 1.0: 0.044); sinks (an addition) are
+  never targets; ``a`` is the last ``OBS_WINDOW`` queries' attention of the latest call (keys without dispatch).
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """ChunkKV (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM
-Inference", arXiv 2502.00299). Tokens are kept or evicted in chunks of ``chunkkv_chunk_size``, so kept context
-stays contiguous: a chunk scores the sum of its tokens' SnapKV votes (``"attn_mass"``) or minus their key norms
+Inference", arXiv 2502.00299): tokens are kept or evicted in chunks of ``chunkkv_chunk_size``, so kept context
+stays contiguous. A chunk scores the sum of its tokens' SnapKV votes (``"attn_mass"``) or minus their key norms
 (``"key_norm"``); the top chunks are kept with the window and the first ``chunkkv_n_sink`` tokens. In each group of
-``chunkkv_reuse_layers`` layers the leader selects and the followers reuse its indices through the
-``ChunkKVIndexReuseCoordinator`` of ``build_layers`` (one per prompt cache), scoring nothing.
+``chunkkv_reuse_layers`` layers the leader selects and the followers reuse its indices (the
+``ChunkKVIndexReuseCoordinator`` of ``build_layers``, one per prompt cache), scoring nothing.
 
-Deviations from the paper:
-* Chunks sit on absolute positions (chunk ``j``: ``n_sink + j*C`` to ``n_sink + (j+1)*C - 1``) and the
-  window starts on a chunk boundary (``OBS_WINDOW`` to ``OBS_WINDOW + C - 1`` tokens), so a layer keeps
-  ``protected + k*C`` rows, ``k = (budget - protected) // C`` (up to ``C - 1`` below the budget); after
-  a trim into an evicted range one partial chunk may be kept.
+Deviations:
+* Chunks sit on absolute positions (chunk ``j``: ``n_sink + j*C`` to ``n_sink + (j+1)*C - 1``) and the window
+  starts on a chunk boundary (``OBS_WINDOW`` to ``OBS_WINDOW + C - 1`` tokens), so a layer keeps ``protected +
+  k*C`` rows, ``k = (budget - protected) // C``; after a trim into an evicted range one partial chunk may be kept.
 * One selection per layer for all KV heads (votes summed), as index reuse needs.
 * Decoding is compressed too; sinks are an addition; the default chunk size is 8 (the paper's: 10).
-* A follower whose leader did not evict at the same step from the same rows selects by key norm; a
-  reloaded prompt cache relinks each group (the leader, loaded first, brings a fresh coordinator).
+* A follower whose leader did not evict at the same step from the same rows selects by key norm; a reloaded
+  prompt cache relinks each group (the leader, loaded first, brings a fresh coordinator).
 """
 
 from __future__ import annotations
@@ -36,9 +35,6 @@ class ChunkKVIndexReuseCoordinator:
 
     def leader_of(self, layer_id: int) -> int:
         return layer_id - layer_id % self.reuse_layers
-
-    def publish(self, layer_id: int, offset: int, rows: int, idx: mx.array) -> None:
-        self.records[layer_id] = (offset, rows, idx)
 
     def published(self, layer_id: int):
         """The indices ``layer_id`` last published (held here until it publishes again), or None."""
@@ -139,12 +135,11 @@ class ChunkKVCache(VotingEviction):
             scores = key_norm_scores(self.keys[:, :, : self.rows])
         idx = self.select_chunks(scores)
         if self.coordinator is not None:
-            self.coordinator.publish(self.layer_id, self.offset, self.rows, idx)
+            self.coordinator.records[self.layer_id] = (self.offset, self.rows, idx)
         self.keep_rows(idx)
 
     def select_chunks(self, scores: mx.array) -> mx.array:
-        """Row indices [B, H, K] (ascending, the same for every head) of the protected rows and the
-        ``k`` best whole chunks by head-summed ``scores`` [B, H, rows]."""
+        """Row indices [B, H, K] (ascending, the same for every head): protected rows and the best chunks."""
         B, H = scores.shape[:2]
         ns, C, off = self.n_sink, self.chunk_size, self.offset
         r0 = self._recent_start()

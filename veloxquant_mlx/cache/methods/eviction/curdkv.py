@@ -1,13 +1,12 @@
 """CurDKV (Sengupta, Chaudhary & Chakraborty, "Value-Guided KV Compression for LLMs via Approximated CUR
-Decomposition", NeurIPS 2025, arXiv 2509.15038). Tokens are picked as CUR picks rows, by leverage (squared row
-norms of the top-r left singular vectors): each KV head keeps the ``curdkv_budget`` rows with the highest key-side
-x value-side leverage (the paper's "kv product"), plus the first ``curdkv_n_sink``. Key side: the leverage of the
-attention columns the call's last 32 real queries give each row, else (no dispatch point) the keys' own leverage
-(the paper's query-agnostic score).
+Decomposition", NeurIPS 2025, arXiv 2509.15038): tokens are picked as CUR picks rows, by leverage (squared row
+norms of the top-r left singular vectors). Each KV head keeps the ``curdkv_budget`` rows of highest key-side x
+value-side leverage (the paper's "kv product") plus the first ``curdkv_n_sink``; the key side is the leverage of
+the attention columns the call's last 32 real queries give each row, else (no dispatch point) the keys' own.
 
-Deviations from the paper: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X instead of a
-Gaussian sketch, no local-window normalisation; the real-query key side is an addition; decoding evicts too (grow
-to ``budget + slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
+Deviations: exact rank-``curdkv_rank_cap`` leverage from the eigenpairs of X^T X (the paper: a Gaussian sketch),
+no local-window normalisation; the real-query key side is an addition; decoding evicts too (grow to ``budget +
+slack``, rescore, cut back); ``curdkv_rope_base`` is unused.
 """
 
 from __future__ import annotations
@@ -41,19 +40,11 @@ def causal_weights(queries, keys, scale, q_positions, key_positions):
     return mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
 
 
-def attention_columns(obs_queries, keys, scale, obs_positions, key_positions):
-    """[B, H, M, rep * W]: attention probabilities the observation queries give each key row (causal)."""
-    w = causal_weights(obs_queries, keys, scale, obs_positions, key_positions)
-    B, H, R, W, M = w.shape
-    return w.transpose(0, 1, 4, 2, 3).reshape(B, H, M, R * W)
-
-
 @register_with_mlx_lm
 @register("curdkv")
 class CurDKVKVCache(EvictionKVCache):
     """Eviction by CUR leverage: key-side (real attention) leverage x value leverage, per KV head."""
     chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode steps evict (slack)
-    _proxy_scoring = False
 
     def _init_layout(self):
         o = self.config.options
@@ -64,16 +55,14 @@ class CurDKVKVCache(EvictionKVCache):
 
     wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
-    def _evict_with_proxy(self):
-        self._proxy_scoring = True  # no real queries: the paper's query-agnostic key leverage
-        try:
-            super()._evict_with_proxy()
-        finally:
-            self._proxy_scoring = False
+    def _leverage(self, key_side: mx.array) -> mx.array:
+        return leverage_scores(key_side, self.rank_cap) * leverage_scores(self.values[:, :, : self.rows], self.rank_cap)
+
+    def _evict_with_proxy(self):  # no real queries: the paper's query-agnostic key leverage
+        self.evict(self._leverage(self.keys[:, :, : self.rows]))
 
     def score(self, obs_queries, obs_positions, scale):
         rows = self.rows
-        keys, values = self.keys[:, :, :rows], self.values[:, :, :rows]
-        if not self._proxy_scoring:
-            keys = attention_columns(obs_queries, keys, scale, obs_positions, self.positions[:, :, :rows])
-        return leverage_scores(keys, self.rank_cap) * leverage_scores(values, self.rank_cap)
+        w = causal_weights(obs_queries, self.keys[:, :, :rows], scale, obs_positions, self.positions[:, :, :rows])
+        B, H, R, W, M = w.shape  # key side: the attention columns [B, H, M, rep * W] of the observation queries
+        return self._leverage(w.transpose(0, 1, 4, 2, 3).reshape(B, H, M, R * W))

@@ -2,10 +2,10 @@
 arXiv 2306.14048): each row accumulates the attention mass every query gives it (summed over the KV head's query
 heads); over budget, each KV head keeps its heavy hitters plus the newest tokens (shared behaviour: ``eviction``).
 
-Deviations from the paper: the newest ``h2o_grace`` tokens are protected (the paper: half the budget) and the
-first ``h2o_n_sink`` too (an addition); ``h2o_decay`` scales every score once per query before its mass is added
-(1.0: the paper's none); ``decode_evict=False`` keeps every decode row, decoding evicts once per ``evict_slack``
-steps; ``h2o_rope_base`` is unused (keys are cached after RoPE); trim keeps the trimmed queries' mass.
+Deviations: the newest ``h2o_grace`` tokens are protected (the paper: half the budget), the first ``h2o_n_sink``
+too (an addition); ``h2o_decay`` scales every score once per query (1.0: the paper's none); ``decode_evict=False``
+keeps decode rows, decoding evicts once per ``evict_slack`` steps; ``h2o_rope_base`` is unused (keys are cached
+after RoPE); trim keeps the trimmed queries' mass.
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+
+
+def decayed_add(acc: mx.array, weights: mx.array, decay: float) -> mx.array:
+    """``acc`` [B, H, rows] decayed once per query of ``weights`` [B, H, rep, N, rows], plus their mass (query
+    j of N decayed ``N - 1 - j`` times)."""
+    n = weights.shape[3]
+    return acc * decay**n + (weights * (decay ** mx.arange(n - 1, -1, -1, dtype=mx.float32))[:, None]).sum(axis=(2, 3))
 
 
 @register_with_mlx_lm
@@ -34,13 +41,8 @@ class H2OKVCache(BatchedEviction, EvictionKVCache):
         self.evict_slack = default_slack(self.budget)
 
     def observe(self, weights):
-        """Add this call's attention mass (weights [B, H, rep, N, rows]), query by query with decay."""
-        rows, n = self.rows, weights.shape[3]
-        if self.decay == 1.0:
-            self.acc[:, :, :rows] = self.acc[:, :, :rows] + weights.sum(axis=(2, 3))
-        else:  # query i of N is followed by N-1-i more decay steps within this call
-            w = mx.power(mx.array(self.decay, mx.float32), mx.arange(n - 1, -1, -1, dtype=mx.float32))
-            self.acc[:, :, :rows] = self.acc[:, :, :rows] * (self.decay**n) + (w[:, None] * weights).sum(axis=(2, 3))
+        rows = self.rows
+        self.acc[:, :, :rows] = decayed_add(self.acc[:, :, :rows], weights, self.decay)
         self.settle()
 
     def score(self, obs_queries, obs_positions, scale):

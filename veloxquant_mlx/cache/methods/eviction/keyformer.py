@@ -1,16 +1,14 @@
 """Keyformer (Adnan et al., "Keyformer: KV Cache Reduction through Key Tokens Selection for Efficient Generative
-Inference", arXiv 2403.09054). Each row accumulates softmax((x + z) / tau) of every query's logits x (recovered as
-log p, a per-query constant off) with Gumbel noise z, summed over the KV head's query heads; over budget a KV head
-keeps its ``keyformer_recent`` newest tokens plus the highest-scoring rows. tau is ``keyformer_tau``, else it rises
-linearly from ``keyformer_tau_init`` to ``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. The
-noise key derives from ``keyformer_seed``, the layer and a call counter in ``state``; ``gumbel_noise = False``
-with tau = 1 is H2O without decay.
+Inference", arXiv 2403.09054). Each row accumulates softmax((x + z) / tau) of every query's logits x (as log p, a
+per-query constant off) with Gumbel noise z, summed over the KV head's query heads; over budget a KV head keeps its
+``keyformer_recent`` newest tokens plus the highest-scoring rows. tau is ``keyformer_tau``, else linear from
+``keyformer_tau_init`` to ``keyformer_tau_end`` over ``keyformer_anneal_steps`` decode steps. The noise key derives
+from ``keyformer_seed``, the layer and a call counter in ``state``; ``gumbel_noise = False`` with tau = 1 is H2O.
 
-Deviations from the paper: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal length is
+Deviations: the first ``keyformer_n_sink`` tokens are kept (0 reproduces it); the anneal length is
 ``keyformer_anneal_steps`` (a cache does not know the generation length; 0: constant ``tau_init``, which
 ``tau_end`` must equal); decoding evicts once per ``evict_slack`` steps; ``keyformer_rope_base`` is unused (keys
-cached after RoPE at original positions, the paper's variant); trim rewinds the decode-step count but keeps the
-trimmed queries' scores.
+cached after RoPE, the paper's variant); trim rewinds the decode-step count, keeps the trimmed queries' scores.
 """
 
 from __future__ import annotations

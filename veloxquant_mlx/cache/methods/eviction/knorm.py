@@ -1,11 +1,10 @@
 """K-norm eviction (Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", arXiv
 2406.11430): low-norm keys tend to draw high attention, so each KV head keeps the ``knorm_budget`` rows of lowest
-(post-RoPE) key norm (``knorm_keep='high'``: highest, the paper's contrast). Query-free: eviction runs in
+post-RoPE key norm (``knorm_keep='high'``: highest, the paper's contrast). Query-free: it evicts in
 ``update_and_fetch`` and attention stays on MLX's fused kernel.
 
-Deviations from the paper: the first ``knorm_n_sink`` and newest ``knorm_recent`` tokens are kept (0 and 0
-reproduce the paper); all layers are compressed (the paper skips the first two); decoding evicts in batches of
-``evict_slack`` rows (exactly the lowest-norm rows, since scores never change).
+Deviations: the first ``knorm_n_sink`` and newest ``knorm_recent`` tokens are kept (0 and 0 reproduce the paper);
+all layers are compressed (the paper skips two); decoding evicts in batches of ``evict_slack`` rows.
 """
 
 from __future__ import annotations

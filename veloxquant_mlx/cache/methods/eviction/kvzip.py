@@ -1,8 +1,8 @@
-"""KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416). A
-KV pair matters if the model needs it to reproduce the context: after the prefill the model reruns, with the
+"""KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv 2505.23416): a
+KV pair matters if the model needs it to reproduce the context. After the prefill the model reruns, with the
 cache, on "Repeat the previous context:" plus the context; a pair's importance is the largest attention any
-reconstruction query (and GQA head) gives it, and each KV head keeps its ``kvzip_budget`` most important pairs
-plus the first ``kvzip_n_sink`` tokens. The pass needs the model::
+reconstruction query (and GQA head) gives it, and each KV head keeps its ``kvzip_budget`` most important pairs plus
+the first ``kvzip_n_sink`` tokens. The pass needs the model::
 
     caches = KVCacheBuilder.for_model(model, KVCacheConfig(method="kvzip", options=KVzipOptions(...)))
     model(context_ids[None], cache=caches)                       # prefill: nothing is evicted yet
@@ -12,11 +12,10 @@ The reconstruction's rows are dropped after each chunk (other layer types run on
 point its keys stand in for its queries. ``kvzip_probe="repeat"`` feeds only the instruction (else the last
 ``chunk_size`` tokens): much cheaper, much less informed.
 
-Deviations from the paper: per-layer budgets, equal for a layer's heads (the paper ranks all heads globally;
-mlx_lm shares one mask); chunks of ``chunk_size`` without the previous chunk's repeated tokens; without a
-reconstruction the importance is the max attention from the real queries so far; prefill never evicts, decoding
-grows to ``budget + slack`` rows and cuts back, decode queries raising the running max; trim keeps the trimmed
-queries' contributions and does not restore evicted rows.
+Deviations: per-layer budgets, equal for a layer's heads (the paper ranks all heads globally; mlx_lm shares one
+mask); chunks of ``chunk_size`` without the previous chunk's repeated tokens; without a reconstruction the
+importance is the max attention from the real queries so far; prefill never evicts, decoding grows to ``budget +
+slack`` rows and cuts back, decode queries raising the running max; trim keeps the trimmed queries' contributions.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ class KVzipKVCache(EvictionKVCache):
         return self.importance[:, :, : self.rows]
 
     def begin_reconstruction(self, reset: bool) -> None:
-        """Rows appended from now on are temporary and not scored; ``reset`` (first chunk) clears the
-        importance first."""
+        """Rows appended from now on are temporary, not scored; ``reset`` clears the importance first."""
         if reset and self.importance is not None:
             self.importance = mx.zeros_like(self.importance)
         self._probe_rows, self._probe_offset = self.rows, self.offset

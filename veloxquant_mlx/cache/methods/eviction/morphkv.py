@@ -1,14 +1,12 @@
 """MorphKV (Ghadia et al., "Dialogue Without Limits: Constant-Sized KV Caches for Extended Responses in LLMs",
 ICML 2025, arXiv 2503.00979). Each KV head holds the ``morphkv_window`` newest tokens plus the older ones their
-queries attend to most, cut back to exactly ``morphkv_budget`` rows after every call (an argmin per decode step). A
-row's score is the window queries' attention, fused by sum (``sum_fused``; ``fusion = "max"``: ``max_fused``) over
-the window and the group's query heads. The window's real queries are kept (``queries``, ``query_positions``,
-16-bit, in ``nbytes``); without the dispatch point its keys stand in.
+queries attend to most, cut back to exactly ``morphkv_budget`` rows after every call (an argmin per decode step);
+a row's score is the window queries' attention summed (``fusion = "max"``: maxed) over the window and the query
+heads. The window's real queries are kept (16-bit, in ``nbytes``); without the dispatch point its keys stand in.
 
-Deviations from the paper: the first ``morphkv_n_sink`` tokens are kept (0 reproduces it); the window's attention
-is recomputed from the kept queries at each eviction (the paper keeps attention profiles), so the softmax covers
-only the rows held now; a trim drops its tokens' queries too (the window votes with fewer queries until new
-tokens arrive).
+Deviations: the first ``morphkv_n_sink`` tokens are kept (0 reproduces it); the window's attention is recomputed
+from the kept queries at each eviction (the paper keeps attention profiles), so the softmax covers only the rows
+held now; a trim drops its tokens' queries too.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("queries", "query_positions")
     evict_slack = 0
     fusion = "sum"
-    _live = False  # True while ``attend`` (real queries) is evicting
 
     def _init_layout(self):
         o = self.config.options
@@ -45,11 +42,7 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
             q = mx.contiguous(mx.concatenate([self.queries, q], axis=2)[:, :, -keep:])
         self.queries = q
         self.query_positions = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)  # in order
-        self._live = True
-        try:
-            return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        finally:
-            self._live = False
+        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)
@@ -62,13 +55,14 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
                 self.query_positions = mx.array(self.query_positions[:left])
         return dropped
 
-    def score(self, obs_queries, obs_positions, scale):
-        rows = self.rows
-        if self._live:  # the newest ``window`` real queries
-            q, q_pos = self.queries[:, :, -self.window :], self.query_positions[-self.window :]
-        else:  # fallback: the window's keys stand in for its queries
-            w = min(self.window, rows)
-            q, q_pos = self.keys[:, :, rows - w : rows], mx.arange(self.offset - w, self.offset, dtype=mx.int32)
-            scale = q.shape[-1] ** -0.5
-        weights = causal_weights(q, self.keys[:, :, :rows], scale, q_pos, self.positions[:, :, :rows])
+    def score(self, obs_queries, obs_positions, scale):  # (from ``attend``) the newest ``window`` real queries
+        return self._fused(self.queries[:, :, -self.window :], self.query_positions[-self.window :], scale)
+
+    def _evict_with_proxy(self):  # the window's keys stand in for its queries
+        w = min(self.window, self.rows)
+        q = self.keys[:, :, self.rows - w : self.rows]
+        self.evict(self._fused(q, mx.arange(self.offset - w, self.offset, dtype=mx.int32), q.shape[-1] ** -0.5))
+
+    def _fused(self, q, q_pos, scale):
+        weights = causal_weights(q, self.keys[:, :, : self.rows], scale, q_pos, self.positions[:, :, : self.rows])
         return weights.max(axis=(2, 3)) if self.fusion == "max" else weights.sum(axis=(2, 3))

@@ -1,15 +1,13 @@
-"""NestedKV ("NestedKV: Nested Memory Routing for Long-Context KV Cache Compression", arXiv 2605.26678).
-
-Only the abstract was accessible (global, block-level and sliding-window key memories with routing, after the
-Continuum Memory System of Nested Learning): the formulas below are **our own design**. Three memories score each
-held row of a KV head, each signal as a rank in [0, 1]: current, ``cur``, the attention mass from recent queries,
-decayed by 1 - 1/``nestedkv_window`` per query (the newest ``window`` tokens are kept verbatim); block, 1 - cos(k,
-mean key of its ``window``-position block); global, 1 - cos(k, mean held key). A surprise gate g = sigmoid(``kappa``
-(r_block - ``tau``)) and a per-head blend lambda = sigmoid(``beta`` (1 - 2 H_norm)) (H_norm: normalised entropy of
-``cur``) give ``score = lambda r_cur + (1 - lambda) (g max(r_global, r_block) + (1 - g) r_cur)``. The
-ceil(``safeguard_alpha`` (budget - n_sink - window)) old rows of highest ``cur`` and the first ``nestedkv_n_sink``
-tokens are always kept. Eviction runs after every prefill chunk and, decoding, at ``budget + slack`` rows (also
-ours); trim keeps the trimmed queries' contributions.
+"""NestedKV ("NestedKV: Nested Memory Routing for Long-Context KV Cache Compression", arXiv 2605.26678). Only the
+abstract was accessible (global, block-level and sliding-window key memories with routing, after Nested Learning's
+Continuum Memory System): the formulas are **our own design**. Three memories score each held row of a KV head,
+each as a rank in [0, 1]: current, ``cur``, the attention mass of recent queries decayed by 1 - 1/``nestedkv_window``
+per query (the newest ``window`` tokens are kept verbatim); block, 1 - cos(k, mean key of its ``window``-position
+block); global, 1 - cos(k, mean held key). A surprise gate g = sigmoid(``kappa`` (r_block - ``tau``)) and a per-head
+blend lambda = sigmoid(``beta`` (1 - 2 H_norm)) (H_norm: normalised entropy of ``cur``) give ``score = lambda r_cur
++ (1 - lambda) (g max(r_global, r_block) + (1 - g) r_cur)``. The ceil(``safeguard_alpha`` (budget - n_sink -
+window)) old rows of highest ``cur`` and the first ``nestedkv_n_sink`` tokens are always kept. Eviction runs after
+every prefill chunk and, decoding, at ``budget + slack`` rows (also ours); trim keeps the trimmed queries' mass.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from .h2o import decayed_add
 
 
 def rank01(x: mx.array) -> mx.array:
@@ -53,11 +52,8 @@ class NestedKVKVCache(EvictionKVCache):
     wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     def observe(self, weights):
-        """cur <- cur * decay^N + sum_j decay^(N-1-j) * (attention of query j, summed over the group)."""
-        n, rows = weights.shape[3], weights.shape[4]
-        w = self.decay ** mx.arange(n - 1, -1, -1, dtype=mx.float32)
-        mass = (weights.sum(axis=2) * w[:, None]).sum(axis=2)  # [B, H, rows]
-        self.cur[:, :, :rows] = self.cur[:, :, :rows] * (self.decay**n) + mass
+        rows = weights.shape[4]
+        self.cur[:, :, :rows] = decayed_add(self.cur[:, :, :rows], weights, self.decay)
 
     def score(self, obs_queries, obs_positions, scale):
         rows = self.rows

@@ -1,14 +1,12 @@
 """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", arXiv
-2406.02069). Lower layers attend broadly, upper ones narrowly, so budgets shrink with depth: with ``m`` layers,
-average budget ``b`` and ``s = b - (n_sink + window)`` selectable rows, the top layer gets ``s / beta``, the bottom
-``2s - s / beta``, the others the arithmetic sequence (``pyramid_budgets``; a single cache uses
-``pyramid_resolved_budget``, else ``budget``). Within a layer SnapKV's pooled votes choose (``VotingEviction``).
-Layers of different sizes share mlx_lm's one ``"causal"`` mask (past rows, then the new ones).
+2406.02069): budgets shrink with depth. With ``m`` layers, average budget ``b`` and ``s = b - (n_sink + window)``
+selectable rows, the top layer gets ``s / beta``, the bottom ``2s - s / beta``, the others the arithmetic sequence
+(``pyramid_budgets``); within a layer SnapKV's pooled votes choose (``VotingEviction``).
 
-Deviations from the paper: the schedule applies to the selectable rows (as the release), rounded to sum to ``m *
-b`` and never increase with depth; ``beta >= 1`` (default 2, the paper's 20); no shrinking for prompts shorter than
-``2 b``; decoding is compressed too (``decode_evict=False``: prompt only) and long prompts chunk by chunk; sinks
-are an addition; pooling kernel 7 (the release: 5); ``backend`` is unused.
+Deviations: the schedule applies to the selectable rows (as the release), rounded to sum to ``m * b``, never
+increasing with depth; ``beta >= 1`` (default 2, the paper's 20); no shrinking for prompts shorter than ``2 b``;
+decoding is compressed too (``decode_evict=False``: prompt only), long prompts chunk by chunk; sinks are an
+addition; pooling kernel 7 (the release: 5); ``backend`` is unused.
 """
 
 from __future__ import annotations

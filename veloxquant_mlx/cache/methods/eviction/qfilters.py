@@ -1,16 +1,15 @@
 """Q-Filters (Godey et al., "Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression", arXiv
-2503.02812). A head's queries share a dominant direction ``u`` (principal right singular vector, signed so E<q, u>
-> 0), so <k, u> (the *filter*) estimates a key's attention without computing any. Each KV head keeps the
-``qfilters_budget`` keys projecting highest on its query heads' mean filter, plus the first ``qfilters_n_sink``
-and last ``qfilters_recent`` tokens (``qfilters_sign=-1`` reverses it, an ablation). The filters are the top
+2503.02812): a head's queries share a dominant direction ``u`` (top right singular vector, signed so E<q, u> > 0),
+so <k, u> (the filter) estimates a key's attention without computing any. Each KV head keeps the
+``qfilters_budget`` keys projecting highest on its query heads' mean filter plus the first ``qfilters_n_sink`` and
+last ``qfilters_recent`` tokens (``qfilters_sign=-1`` reverses it, an ablation). The filters are the top
 eigenvector of the Gram matrix of ``qfilters_calib_tokens`` real queries (keys without the dispatch point),
-accumulated from the call that brings a cache within ``calib_tokens`` rows of its budget. Then the attention mass
-the queries put on the rows the filter would keep (``retention``) is measured; below ``qfilters_min_retention``
+gathered from the call that brings a cache within ``calib_tokens`` rows of its budget; then the attention mass the
+queries put on the rows the filter would keep (``retention``) is measured, and below ``qfilters_min_retention``
 the cache warns, raises ``QFiltersRetentionError`` or ignores it (``qfilters_on_low_retention``).
 
-Deviations from the paper: each layer cache calibrates online on its own queries (the paper: offline, once per
-model; the filters are in ``state``); the retention check is an addition; decoding evicts in batches of ``slack``
-rows.
+Deviations: each layer cache calibrates online on its own queries (the paper: offline, once per model; the filters
+are in ``state``); the retention check is an addition; decoding evicts in batches of ``slack`` rows.
 """
 
 from __future__ import annotations
@@ -114,8 +113,7 @@ class QFiltersKVCache(EvictionKVCache):
         return self.filter_scores(self.keys[:, :, : self.rows])
 
     def retention_of(self, queries: mx.array, q_positions: mx.array, scale: float) -> mx.array:
-        """Mean fraction of the attention mass of ``queries`` [B, Hq, n, D] (ascending ``q_positions``)
-        on the rows the filter keeps at the ratio budget / rows (sinks protected)."""
+        """Mean share of the attention mass of ``queries`` on the rows the filter keeps at budget / rows."""
         rows = self.rows
         keys, pos = self.keys[:, :, :rows], self.positions[:, :, :rows]
         visible = pos <= q_positions[-1]  # [B, H, rows]

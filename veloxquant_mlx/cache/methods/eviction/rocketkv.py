@@ -1,16 +1,16 @@
 """RocketKV (Behnam et al., "RocketKV: Accelerating Long-Context LLM Inference via Two-Stage KV Cache Compression",
-arXiv 2502.14051). The ratio c = ``rocketkv_compression_ratio`` is split c1 = sqrt(c) (stage 1), c2 = c / c1
-(stage 2). Stage 1 (SnapKV++): after each prefill chunk the last ``rocketkv_obs_window`` queries vote (GQA-summed,
-pooled) and each KV head keeps ceil(offset / c1) rows, sinks and window included; decode rows are all kept. Stage
-2 (hybrid sparse attention): keys form pages of ``page_size`` rows with element-wise max / min summaries; a decode
-query's ``head_topk1`` largest |q| channels (group-summed) bound each page's logits, and the top ceil(n_pages /
-c2) pages (softmax of the bounds, group-summed) plus sink and recent pages are attended. Defaults: with s =
-sqrt(c2), ``head_topk1 = round(head_dim / s)``, ``page_size`` the power of two >= 2 s, so the summaries read stay
-below 1/c2 of the keys.
+arXiv 2502.14051): the ratio c = ``rocketkv_compression_ratio`` splits into c1 = sqrt(c) and c2 = c / c1. Stage 1
+(SnapKV++): after each prefill chunk the last ``rocketkv_obs_window`` queries vote (GQA-summed, pooled) and each KV
+head keeps ceil(offset / c1) rows, sinks and window included; decode rows are all kept. Stage 2 (hybrid sparse
+attention): keys form pages of ``page_size`` rows with element-wise max / min summaries; a decode query's
+``head_topk1`` largest |q| channels (group-summed) bound each page's logits, and the top ceil(n_pages / c2) pages
+(softmax of the bounds, group-summed) plus sink and recent pages are attended. Defaults (s = sqrt(c2)):
+``head_topk1 = round(head_dim / s)``, ``page_size`` the power of two >= 2 s, so the summaries read stay below 1/c2
+of the keys.
 
-Deviations from the paper: fixed pooling kernel 7 and an even sqrt split (the paper adapts / tunes them); no
-second token ranking inside the selected pages; stage 2 needs the dispatch point (else dense, stage 1 scoring with
-keys); ``select_indices`` returns stored-row indices.
+Deviations: fixed pooling kernel 7 and an even sqrt split (the paper adapts / tunes them); no second token ranking
+inside the selected pages; stage 2 needs the dispatch point (else dense, stage 1 scoring with keys);
+``select_indices`` returns stored-row indices.
 """
 
 from __future__ import annotations
@@ -119,17 +119,10 @@ class RocketKVKVCache(EvictionKVCache):
         return mx.minimum(idx, self.rows - 1).astype(mx.int32), valid
 
     def select_indices(self, query: mx.array, b: int, h: int, keep_recent: int = 0) -> mx.array:
-        """Stage-2 selection for one (batch, KV head) and ``query`` [D] or the group's [rep, D]: the row
-        indices [n_selected] (int32, ascending). A host-side diagnostic; ``attend`` uses ``_select_rows``."""
+        """Stage-2 row indices (int32, ascending) of KV head (b, h) for ``query`` [D] or [rep, D] (a diagnostic)."""
         q = query.reshape(1, 1, -1, query.shape[-1])
-        saved = (self.page_max, self.page_min)
-        self.page_max, self.page_min = self.page_max[b : b + 1, h : h + 1], self.page_min[b : b + 1, h : h + 1]
-        try:
-            idx, valid = self._select_rows(q, keep_recent)
-        finally:
-            self.page_max, self.page_min = saved
-        rows = [i for i, v in zip(idx[0, 0].tolist(), valid[0, 0].tolist()) if v]
-        return mx.array(rows, dtype=mx.int32)
+        idx, valid = self._select_rows(mx.broadcast_to(q, self.page_max.shape[:2] + q.shape[2:]), keep_recent)
+        return mx.array([i for i, v in zip(idx[b, h].tolist(), valid[b, h].tolist()) if v], dtype=mx.int32)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         B, Hq, N, D = queries.shape

@@ -1,13 +1,13 @@
 """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469). After each
-prefill chunk the last ``snap_obs_window`` queries vote: their softmax weights, summed over the window and each KV
-head's query heads, pooled (kernel 7, the paper's clustering); each KV head keeps its top tokens, the window and
-the first ``snap_n_sink`` included (``snap_budget`` rows). Decode tokens are kept (the paper compresses the prompt
-only). ``decode_evict=True`` (an extension) keeps a ring of the last ``snap_obs_window`` real queries (16-bit, in
+prefill chunk the last ``snap_obs_window`` queries vote (softmax weights summed over the window and each KV head's
+query heads, pooled with kernel 7, the paper's clustering); each KV head keeps ``snap_budget`` rows: its top
+tokens, the window and the first ``snap_n_sink``. Decode tokens are kept (the paper compresses the prompt only);
+``decode_evict=True`` (an extension) keeps a ring of the last ``snap_obs_window`` real queries (16-bit, in
 ``nbytes``) that votes whenever decoding passes ``budget + slack`` rows; such a cache no longer trims exactly.
 
-Deviations from the paper: average pooling (the release also has max); sinks are an addition (0 reproduces it);
-long prompts are compressed chunk by chunk; ``snap_dtype`` / ``snap_backend`` / ``snap_batched_scoring`` are
-accepted, scoring always runs batched in float32.
+Deviations: average pooling (the release also has max); sinks are an addition (0 reproduces it); long prompts are
+compressed chunk by chunk; ``snap_dtype`` / ``snap_backend`` / ``snap_batched_scoring`` are accepted, scoring
+always runs batched in float32.
 """
 
 from __future__ import annotations

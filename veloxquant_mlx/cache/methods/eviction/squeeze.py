@@ -1,18 +1,18 @@
 """SqueezeAttention (Wang, Cui, Gan, "SqueezeAttention: 2D Management of KV-Cache in LLM Inference via Layer-wise
-Optimal Budget", arXiv 2404.04793). Layers are clustered by how little attention changes the hidden states (mean
+Optimal Budget", arXiv 2404.04793): layers are clustered by how little attention changes the hidden states (mean
 cos of a token's state before and after attention; exact 1-D k-means, 3 clusters); the most similar cluster is
-squeezed to a fraction ``p`` of the budget and the savings spread over the others; each layer then runs H2O with
-its budget (``VotingEviction.h2o_votes``). ``for_model`` installs the ``io_hooks`` reports: the attention output
-``a`` and the layer input ``h`` give ``mean_t cos(h_t, h_t + a_t)`` (lazy) on the first forward pass; the
+squeezed to a fraction ``p`` of the budget, the savings spread over the others, and each layer runs H2O with its
+budget (``VotingEviction.h2o_votes``). ``for_model`` installs the ``io_hooks`` reports: the attention output ``a``
+and the layer input ``h`` give ``mean_t cos(h_t, h_t + a_t)`` on the first forward pass; the
 ``SqueezeCoordinator`` (one per prompt cache) reads them once, resolves the budgets and evicts every layer.
 
-Deviations from the paper:
+Deviations:
 * ``h + a`` is the post-attention state of pre-norm blocks (Gemma's post-attention norm: approximated).
-* ``strength`` t >= 0 squeezes to ``p = 1 / (1 + t)`` of the selectable rows (0 uniform, default 1; the
-  paper tunes p ~0.3 - 0.7); sinks and the window are never squeezed; budgets sum to ``n * budget``.
+* ``strength`` t >= 0 squeezes to ``p = 1 / (1 + t)`` of the selectable rows (0 uniform, default 1; the paper
+  tunes p ~0.3 - 0.7); sinks and the window are never squeezed; budgets sum to ``n * budget``.
 * The similarity is the first forward pass's (the first prefill chunk), and no layer evicts before it.
-* Without reports the coordinator resolves at the second call (a silent layer counts as the mean; none:
-  uniform); without a coordinator (single or reloaded caches) a layer keeps its state's budget, else
+* Without reports the coordinator resolves at the second call (a silent layer counts as the mean; none: uniform);
+  without a coordinator (single or reloaded caches) a layer keeps its state's budget, else
   ``squeeze_resolved_budget``, else ``budget``.
 """
 

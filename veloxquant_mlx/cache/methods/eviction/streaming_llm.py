@@ -1,11 +1,10 @@
-"""StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453). Every
-query sees the first ``stream_n_sink`` tokens (sinks) and the ``stream_window_size`` newest, itself included;
-between calls the cache holds exactly those. A decode step on a full cache overwrites the oldest window row in
-place (a ring, as mlx_lm's ``RotatingKVCache``); a multi-token call appends, attends under a position mask
-(``make_mask``, from the stored positions: rows are not always in position order) and keeps sinks + window.
+"""StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453): every
+query sees the first ``stream_n_sink`` tokens and the ``stream_window_size`` newest, itself included, and the cache
+holds exactly those between calls. A decode step on a full cache overwrites the oldest window row (a ring, as
+mlx_lm's ``RotatingKVCache``); a multi-token call appends, attends under a position mask and keeps sinks + window.
 
-Deviations from the paper: keys are cached after RoPE at their original positions (the paper re-assigns positions
-in the cache), as ``RotatingKVCache``; the window counts the current token.
+Deviations: keys are cached after RoPE at their original positions (the paper re-assigns positions in the cache),
+as ``RotatingKVCache``; the window counts the current token.
 """
 
 from __future__ import annotations

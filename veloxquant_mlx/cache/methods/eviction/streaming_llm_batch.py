@@ -1,12 +1,10 @@
 """The batch form of the StreamingLLM cache (mlx_lm's ``BatchGenerator``): each request keeps exactly the rows it
-would keep alone. ``StreamingLLMKVCache.merge`` builds one (same sinks / window / dtype); ``extract(i)`` gives back
-a single cache with the same rows, order, positions and ring slot.
-
-Layout: the single cache's arrays with a batch axis, rows left-aligned (sequence i's ``nq[i]`` rows in ``[0,
-nq[i])``, in the single cache's order; later slots masked), ``cap <= sinks + window``. A decode step writes each
-sequence's row into one slot (a full sequence's ring slot ``ring[i]``, else after its last row: one
-``put_along_axis``); any other call appends the valid rows (right-padded prefill: ``prepare(lengths=)``) and keeps
-each sequence's sinks and window newest rows in position order (one argsort, one gather).
+would keep alone; ``StreamingLLMKVCache.merge`` builds one, ``extract(i)`` gives back the single cache (same rows,
+order, positions and ring slot). The single cache's arrays get a batch axis, rows left-aligned (sequence i's
+``nq[i]`` rows in ``[0, nq[i])``, later slots masked), ``cap <= sinks + window``. A decode step writes each
+sequence's row into one slot (a full sequence's ring slot, else after its last row: one ``put_along_axis``); any
+other call appends the valid rows (right-padded prefill: ``prepare(lengths=)``) and keeps each sequence's sinks and
+window in position order (one argsort, one gather).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     method_name = "streaming_llm"
     array_fields = _FIELDS
     count_fields = ("nq", "ring", "lens")  # rows held (left-aligned), ring slot (-1: position order), tokens seen
-    right_fields = ()  # no right-aligned region: every row is in the left-aligned buffers
     chunk_invariant, exact_trim = True, False  # as the single cache
     dtype_name = "float16"
     _init_layout = StreamingLLMKVCache._init_layout
@@ -151,8 +148,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         self._sync_offset()
 
     def _store(self, past_k, past_v, nk, nv, valid):
-        """Append each sequence's valid rows, then keep its sinks and window newest rows in position order
-        (a sequence without valid rows keeps its rows as they are)."""
+        """Append each sequence's valid rows, then keep its sinks and window newest rows in position order."""
         (B, H, N, _), P = nk.shape, past_k.shape[2]
         M = P + N
         new_pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(N, dtype=mx.int32)[None]  # [B, N]
@@ -171,12 +167,15 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         j = mx.arange(cap, dtype=mx.int32)[None]
         src = j + mx.where(j >= mx.array(sink, dtype=mx.int32)[:, None], mx.array(drop, dtype=mx.int32)[:, None], 0)
         sel = mx.take_along_axis(order, mx.minimum(src, M - 1), axis=1)  # [B, cap] columns kept, in order
-        self.keys = mx.take_along_axis(ck, sel[:, None, :, None], axis=2)
-        self.values = mx.take_along_axis(cv, sel[:, None, :, None], axis=2)
-        self.positions = mx.take_along_axis(cpos, sel[:, None, :], axis=2)
+        self._gather(sel, ck, cv, cpos)
         self.cap, self.nq, self.ring = cap, keep, [-1 if v else r for v, r in zip(valid, self.ring)]
         self.lens = [x + v for x, v in zip(self.lens, valid)]
         self._sync_offset()
+
+    def _gather(self, sel, k, v, pos) -> None:
+        """Hold the columns ``sel`` [B, cols] of ``k``, ``v``, ``pos`` (the same in every head)."""
+        self.keys, self.values = (mx.take_along_axis(a, sel[:, None, :, None], axis=2) for a in (k, v))
+        self.positions = mx.take_along_axis(pos, sel[:, None, :], axis=2)
 
     def _dense(self):
         P = self.stored_rows()
@@ -213,9 +212,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         if not bool(mx.all(tail == mx.array(self.lens, dtype=mx.int32)[:, None] - n + j)):
             raise ValueError("StreamingLLMBatchKVCache: the last tokens of a sequence were evicted, "
                              "so they cannot be trimmed exactly")
-        self.keys = mx.take_along_axis(self.keys[:, :, :P], order[:, None, :, None], axis=2)
-        self.values = mx.take_along_axis(self.values[:, :, :P], order[:, None, :, None], axis=2)
-        self.positions = mx.take_along_axis(self.positions[:, :, :P], order[:, None, :], axis=2)
+        self._gather(order, *(getattr(self, name)[:, :, :P] for name in _FIELDS))
         self.cap, self.ring = P, [-1] * len(self.nq)
         self.nq, self.lens = [x - n for x in self.nq], [x - n for x in self.lens]
         self._sync_offset()

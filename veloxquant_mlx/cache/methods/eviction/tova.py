@@ -1,10 +1,10 @@
 """TOVA (Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104): Token Omission Via Attention. Over
-``tova_budget`` rows the row the *current* query attends to least is dropped, one per decode step (an argmin,
-``evict_slack = 0``); a KV head's attention is the mean over its query heads (the paper's GQA rule).
+``tova_budget`` rows the row the current query attends to least (mean over the KV head's query heads, the paper's
+GQA rule) is dropped, one per decode step (an argmin, ``evict_slack = 0``).
 
-Deviations from the paper: the first ``tova_n_sink`` tokens are kept (0 reproduces the paper); a prefill chunk is
-cut at once by its last query (the paper feeds one token at a time); ``decode_evict=False`` keeps decode rows;
-``tova_backend`` is ignored (MLX, batched over heads).
+Deviations: the first ``tova_n_sink`` tokens are kept (0 reproduces the paper); a prefill chunk is cut at once by
+its last query (the paper feeds one token at a time); ``decode_evict=False`` keeps decode rows; ``tova_backend``
+is ignored (MLX, batched over heads).
 """
 
 from __future__ import annotations
