@@ -279,22 +279,21 @@ class ResidualWindowCache(CompressedKVCache):
             # decoded rows stay in the CPU's caches (``_attend_chunk``)
             return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks,
                                       tile=None if n > 1 else DECODE_TILE)
+        sink = (self.sink_k[:, :, :call.s0], self.sink_v[:, :, :call.s0]) if call.s0 else (None, None)
+        return self._joint_attend(queries, call, sink, scale=scale, mask=mask, sinks=sinks, n_keys=keys.shape[2])
+
+    def _joint_attend(self, queries, call: WindowCall, sink, *, scale, mask, sinks, n_keys: int):
+        """One softmax over the sink rows ``sink`` (K, V), ``call.q0`` quantized rows (``_quantized_part``),
+        the window before the call and the call's rows (exact rows scored as one group, in key order)."""
         B, Hq, N, D = queries.shape
         H = call.new_k.shape[1]
-        rep = Hq // H
         q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
-        qf = q.reshape(B, H, rep * N, D)
-
-        # exact rows (float16 sinks + window, and the call's own rows) as one group, in key order
+        qf = q.reshape(B, H, -1, D)
         s0, q0 = call.s0, call.q0
-        sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
         ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
-        parts = []
-        if q0:
-            scores, value_fn = self._quantized_part(qf, q0)
-            parts.append((scores, value_fn, ((s0, s0 + q0),)))
-        parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, keys.shape[2]))))
-        return joint_attention(q, parts, mask, sinks, keys.shape[2], queries.dtype)
+        parts = [(*self._quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
+        parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, n_keys))))
+        return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype)
 
     def _attend_chunk(self, queries, keys, values, call: WindowCall, *, scale, mask, sinks, tile=None):
         """Attention of a multi-row call (prefill chunk) over the stored past and its own rows, without

@@ -131,9 +131,12 @@ class WaterfillKVCache(ResidualWindowCache):
             self._omega_cache = rope_frequencies(self.rope)
         return self._omega_cache
 
-    def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
+    def _pre_rope(self, k: mx.array, offset) -> mx.array:
         k = k.astype(mx.float32)
         return rotate_rows(k, self.rope, self._omega(), offset, inverse=True) if self.rope is not None else k
+
+    def _post_rope(self, k: mx.array, offset) -> mx.array:
+        return rotate_rows(k, self.rope, self._omega(), offset) if self.rope is not None else k
 
     # ---- calibration
     @property
@@ -247,15 +250,7 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _keys(self, a: int, b: int) -> mx.array:
         """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
-        parts = self._rotated_keys(a, b)
-        if len(parts) == 1:
-            return parts[0]
-        u, v, tail = parts
-        if self.rope["traditional"]:
-            rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1)
-        else:
-            rot = mx.concatenate([u, v], axis=-1)
-        return mx.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+        return self._post_rope(self._pre_keys(a, b), self.n_sink + a)
 
     def _key_scores(self, q: mx.array, a: int, b: int) -> mx.array:
         """``q [B, H, R, D] @ K^T`` over quantized rows ``a .. b`` from the key parts (a matmul each)."""
