@@ -20,13 +20,12 @@ import math
 import mlx.core as mx
 
 from . import kernels
-from .attention import dense_blocks, group_queries, online_softmax_attention, tile_ranges, tile_rows
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel
 from .primitives import groupquant as gq
 from .primitives.buffers import fp16_row_bytes, grow_columns, grow_rows
-from .window import concat_rows, joint_attention, rows_part
+from .window import WindowCall, attend_joint, attend_tiled, concat_rows
 
 KIVI_BITS = (2, 3, 4, 8)
 RES_DTYPE = mx.float16
@@ -241,16 +240,10 @@ class GroupedQuantCache(CompressedKVCache):
         and the call's rows]; ``call`` = (q0, r0, past_k, past_v, new_k, new_v), ``weights`` as in
         ``joint_attention``."""
         q0, _, past_k, past_v, new_k, new_v = call
-        B, Hq, N, D = queries.shape
-        H = new_k.shape[1]
-        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
-        qf = q.reshape(B, H, -1, D)
-        fk, fv = concat_rows(((past_k, past_v), (new_k, new_v)), new_k.dtype)
-        M = q0 + fk.shape[2]
-        parts = [rows_part(qf, fk, fv, ((q0, M),))]
-        if q0:
-            parts.insert(0, (self._key_scores(qf, q0), lambda p: self._value_out(p, q0), ((0, q0),)))
-        return joint_attention(q, parts, mask, sinks, M, queries.dtype, weights=weights)
+        n_keys = q0 + (0 if past_k is None else past_k.shape[2]) + new_k.shape[2]
+        part = lambda qf, n: (self._key_scores(qf, n), lambda p: self._value_out(p, n))  # noqa: E731
+        return attend_joint(queries, WindowCall(0, *call), None, part, scale=scale, mask=mask, sinks=sinks,
+                            n_keys=n_keys, weights=weights)
 
     def _key_scores(self, q, n: int) -> mx.array:
         """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens."""
@@ -286,19 +279,8 @@ class GroupedQuantCache(CompressedKVCache):
     def _attend_chunk(self, queries, call, *, scale, mask, sinks):
         """A multi-row call as an online softmax over tiles of whole groups (``attention.online_softmax_attention``):
         tiles of 1/16 of the [N, M] scores, so a prefill chunk's transients stay below the plain cache's."""
-        q0, r0, past_k, past_v, new_k, new_v = call
-        B, Hq, N, D = queries.shape
-        H = new_k.shape[1]
-        rep, M = Hq // H, q0 + r0 + N
-        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        tile = tile_rows(B * Hq * N, M, self.group)
-        blocks = []
-        if q0:
-            ranges = tile_ranges(0, q0, tile)
-            blocks += [(a, b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(q, ranges))]
-        fk, fv = concat_rows(((past_k, past_v), (new_k, new_v)), new_k.dtype)
-        blocks += dense_blocks(q, fk, fv, q0, tile)
-        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+        return attend_tiled(queries, WindowCall(0, *call), None, self._quantized_tiles, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=call[0] + call[1] + queries.shape[2], block=self.group)
 
     def _quantized_tiles(self, q, ranges):
         """(scores_fn, values_fn) per range of quantized rows (whole groups), on the codes; variants with their

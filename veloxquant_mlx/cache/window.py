@@ -23,13 +23,12 @@ DECODE_TILE = 2048  # quantized rows per tile of a long decode step on the CPU (
 
 
 def concat_rows(pairs, dtype):
-    """(K, V) of the ``(keys, values)`` pairs (None entries skipped) concatenated along the rows, in ``dtype``."""
-    ks = [k for k, _ in pairs if k is not None]
-    vs = [v for k, v in pairs if k is not None]
-    if len(ks) == 1:
-        return ks[0].astype(dtype), vs[0].astype(dtype)
-    return (mx.concatenate([k.astype(dtype) for k in ks], axis=2),
-            mx.concatenate([v.astype(dtype) for v in vs], axis=2))
+    """(K, V) of the ``(keys, values)`` pairs (None and (None, None) skipped) concatenated along the rows, in
+    ``dtype``."""
+    pairs = [p for p in pairs if p is not None and p[0] is not None]
+    if len(pairs) == 1:
+        return pairs[0][0].astype(dtype), pairs[0][1].astype(dtype)
+    return tuple(mx.concatenate([p[i].astype(dtype) for p in pairs], axis=2) for i in (0, 1))
 
 
 class WindowCall(NamedTuple):
@@ -43,6 +42,40 @@ class WindowCall(NamedTuple):
     past_v: Optional[mx.array]
     new_k: mx.array
     new_v: mx.array
+
+
+def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask, sinks, n_keys: int, weights=False):
+    """One softmax (``joint_attention``) over ``call``'s keys: the sink rows ``sink`` (K, V or None), ``call.q0``
+    quantized rows (``quantized_part(q, n)`` -> (scores, value_fn)), then the window before the call and the
+    call's rows (exact rows scored as one group)."""
+    B, Hq, N, D = queries.shape
+    H = call.new_k.shape[1]
+    q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
+    qf = q.reshape(B, H, -1, D)
+    s0, q0 = call.s0, call.q0
+    ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
+    parts = [(*quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
+    parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, n_keys))))
+    return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
+
+
+def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mask, sinks, n_keys: int, block: int,
+                 tile=None):
+    """``call``'s attention as an online softmax over tiles of rows (``attention.online_softmax_attention``):
+    the sinks, the quantized rows (``quantized_tiles(q, ranges)``), the window and the call's rows; tiles of
+    ``tile`` rows (default ``tile_rows``), so no [N, M] float32 array exists."""
+    B, Hq, N, D = queries.shape
+    H = call.new_k.shape[1]
+    qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
+    tile = tile or tile_rows(B * Hq * N, n_keys, block)
+    s0, q0 = call.s0, call.q0
+    blocks = dense_blocks(qf, *sink, 0, tile) if s0 else []
+    if q0:
+        ranges = tile_ranges(0, q0, tile)
+        blocks += [(s0 + a, s0 + b, sf, vf) for (a, b), (sf, vf) in zip(ranges, quantized_tiles(qf, ranges))]
+    ek, ev = concat_rows(((call.past_k, call.past_v), (call.new_k, call.new_v)), call.new_k.dtype)
+    blocks += dense_blocks(qf, ek, ev, s0 + q0, tile)
+    return online_softmax_attention((B, H, Hq // H, N), blocks, n_keys, mask, sinks, queries.dtype)
 
 
 _EXP_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(8))  # e^r to 5e-9 on |r| <= ln(2) / 2
@@ -207,8 +240,7 @@ class ResidualWindowCache(CompressedKVCache):
         return buf
 
     def _rows(self, s0, q0, past_k, past_v, new_k=None, new_v=None, dtype=mx.float32):
-        sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
-        return concat_rows((sink, self._quantized_dense(q0) if q0 else (None, None), (past_k, past_v),
+        return concat_rows((self._sinks(s0), self._quantized_dense(q0) if q0 else None, (past_k, past_v),
                             (new_k, new_v)), dtype)
 
     def _dense(self):
@@ -237,24 +269,14 @@ class ResidualWindowCache(CompressedKVCache):
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
                                                         mask=mask, sinks=sinks)
         if n > 1 or (call.q0 > 2 * DECODE_TILE and mx.default_device() == mx.cpu):
-            # a long CPU decode step: tiles whose decoded rows stay in the CPU's caches
+            # a prefill chunk, or a long CPU decode step (tiles whose decoded rows stay in the CPU's caches)
             return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks,
                                       tile=None if n > 1 else DECODE_TILE)
-        sink = (self.sink_k[:, :, :call.s0], self.sink_v[:, :, :call.s0]) if call.s0 else (None, None)
-        return self._joint_attend(queries, call, sink, scale=scale, mask=mask, sinks=sinks, n_keys=keys.shape[2])
+        return attend_joint(queries, call, self._sinks(call.s0), self._quantized_part, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=keys.shape[2])
 
-    def _joint_attend(self, queries, call: WindowCall, sink, *, scale, mask, sinks, n_keys: int):
-        """One softmax over the sink rows ``sink`` (K, V), ``call.q0`` quantized rows (``_quantized_part``),
-        the window before the call and the call's rows (exact rows scored as one group, in key order)."""
-        B, Hq, N, D = queries.shape
-        H = call.new_k.shape[1]
-        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
-        qf = q.reshape(B, H, -1, D)
-        s0, q0 = call.s0, call.q0
-        ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
-        parts = [(*self._quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
-        parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, n_keys))))
-        return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype)
+    def _sinks(self, s0: int):
+        return (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else None
 
     def _attend_chunk(self, queries, keys, values, call: WindowCall, *, scale, mask, sinks, tile=None):
         """A prefill chunk without any prompt-sized float32 array: on a GPU MLX's fused attention over the rows
@@ -264,21 +286,8 @@ class ResidualWindowCache(CompressedKVCache):
         if mx.default_device().type == mx.DeviceType.gpu:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                         sinks=sinks)
-        B, Hq, N, D = queries.shape
-        H = call.new_k.shape[1]
-        rep, M = Hq // H, keys.shape[2]
-        qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        tile = tile or tile_rows(B * Hq * N, M, self.quant_block)
-        s0, q0 = call.s0, call.q0
-        blocks = []
-        if s0:
-            blocks += dense_blocks(qf, self.sink_k[:, :, :s0], self.sink_v[:, :, :s0], 0, tile)
-        if q0:
-            ranges = tile_ranges(0, q0, tile)
-            blocks += [(s0 + a, s0 + b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(qf, ranges))]
-        ek, ev = concat_rows(((call.past_k, call.past_v), (call.new_k, call.new_v)), call.new_k.dtype)
-        blocks += dense_blocks(qf, ek, ev, s0 + q0, tile)
-        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+        return attend_tiled(queries, call, self._sinks(call.s0), self._quantized_tiles, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=keys.shape[2], block=self.quant_block, tile=tile)
 
     # ---- trim
     def _trim_rows(self, n: int) -> int:

@@ -21,7 +21,7 @@ from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitpack import packed_words
 from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from ...primitives.rvq import split_bits
-from ...window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache, WindowCall, concat_rows
+from ...window import QUANT_BLOCK, SINK_ROWS, WindowCall, attend_joint, concat_rows
 from .turboquant_rvq import TurboQuantRVQKVCache
 
 
@@ -39,7 +39,6 @@ class _BatchCall(NamedTuple):
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
          "_quantized_tiles", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
-@borrows(ResidualWindowCache, "_joint_attend")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol); also the
     parent of waterfill's, which stores other codes in the same layout."""
@@ -264,8 +263,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         if keys.shape[2] == N:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, w.new_k, w.new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
-        return self._joint_attend(queries, w, call.sink, scale=scale, mask=self._call_mask(call, mask, N),
-                                  sinks=sinks, n_keys=keys.shape[2])
+        return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
+                            mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
     # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:

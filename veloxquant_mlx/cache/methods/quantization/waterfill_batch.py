@@ -36,7 +36,7 @@ _CALIB = ("k_lo", "k_step", "k_bits", "q_energy")
 
 
 @register_with_mlx_lm
-@borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk")
+@borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk", "_sinks")
 @borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_encode_values",
          "_value_codes", "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
