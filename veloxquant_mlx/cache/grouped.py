@@ -51,7 +51,6 @@ class GroupedQuantCache(CompressedKVCache):
     _call = None  # (quantized, residual, past res_k, past res_v, new keys, new values) of the last call
     _kernel_off = False  # set while the op path runs as the decode kernel's reference
 
-    # ---- layout
     def _init_layout(self):
         b = self.config.bit_width_inlier
         if isinstance(b, bool) or b not in KIVI_BITS:
@@ -87,7 +86,6 @@ class GroupedQuantCache(CompressedKVCache):
         cuda = mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
         return ok and not cuda
 
-    # ---- storage
     def _store(self, keys, values):
         B, H, N, D = keys.shape
         G = self.group
@@ -141,7 +139,6 @@ class GroupedQuantCache(CompressedKVCache):
         for a, x, per in zip(("codes", "scales", "biases"), kq, (w, 1, 1)):
             setattr(self, f"k_{a}", grow_columns(getattr(self, f"k_{a}"), g0 * per, x, cap * per))
 
-    # ---- decoding the stored form
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens."""
         g = n // self.group
@@ -202,7 +199,6 @@ class GroupedQuantCache(CompressedKVCache):
     def stored_rows(self) -> int:
         return self.n_quant + self.n_res
 
-    # ---- attention on the codes
     def _take_call(self, queries, keys):
         """This call's record (``_store``) when ``keys`` are the rows ``update_and_fetch`` returned, else None."""
         call, self._call = self._call, None
@@ -292,7 +288,6 @@ class GroupedQuantCache(CompressedKVCache):
         return [(lambda a=a, c=c: self._scores_on_codes(q, a, c), lambda p, a=a, c=c: self._values_on_codes(p, a, c))
                 for a, c in ranges]
 
-    # ---- decode: the fused GPU kernel
     def _decode_kernel_ready(self, mask, d: int, dv: int, rep: int = 1) -> bool:
         """One query row over KIVI's own layout, a string/None mask, a layout the kernel reads, CUDA."""
         return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
@@ -327,7 +322,6 @@ class GroupedQuantCache(CompressedKVCache):
         finally:
             self._kernel_off = False
 
-    # ---- trim
     def _trim_rows(self, n: int) -> int:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
         self._call = None
@@ -350,7 +344,6 @@ class GroupedQuantCache(CompressedKVCache):
         self.n_res = 0
         return n
 
-    # ---- accounting
     @property
     def used_nbytes(self) -> int:
         """Bytes of the quantized tokens (``_code_nbytes``) and the residual buffers (no spare capacity)."""

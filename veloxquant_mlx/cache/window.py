@@ -181,7 +181,6 @@ class ResidualWindowCache(CompressedKVCache):
         scores_fn, value_fn = self._quantized_tiles(q, [(0, n)])[0]
         return scores_fn(), value_fn
 
-    # ---- storage
     def storage_dtype(self, compute_dtype):
         """Window/sink rows: ``config.dtype``, else float16 for float32 inputs, else the inputs' dtype."""
         if self.config.dtype is not None:
@@ -258,7 +257,6 @@ class ResidualWindowCache(CompressedKVCache):
     def stored_rows(self) -> int:
         return self.n_sink + self.n_quant + self.n_win
 
-    # ---- attention
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         n = queries.shape[2]
@@ -289,7 +287,6 @@ class ResidualWindowCache(CompressedKVCache):
         return attend_tiled(queries, call, self._sinks(call.s0), self._quantized_tiles, scale=scale, mask=mask,
                             sinks=sinks, n_keys=keys.shape[2], block=self.quant_block, tile=tile)
 
-    # ---- trim
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
         self._call = None
@@ -302,7 +299,6 @@ class ResidualWindowCache(CompressedKVCache):
         self.n_sink -= n - w - q
         return n
 
-    # ---- per-model constants
     counts_constants = True  # this cache's nbytes includes the process-wide constants it uses
 
     @staticmethod
@@ -346,7 +342,6 @@ class ResidualWindowCache(CompressedKVCache):
     def full_seq_bytes(self) -> int:
         return fp16_row_bytes(self.win_k, self.win_v, self.offset)
 
-    # ---- state: only the used rows are saved
     def _used(self, name: str) -> int:
         if name in self.window_fields:
             return self.n_win

@@ -63,7 +63,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def _settings(self) -> tuple:
         return (self.qbits, self.group, self.attend_path)
 
-    # ---------------------------------------------------------------- allocation
     def _region_dtype(self, compute_dtype):
         return RES_DTYPE
 
@@ -85,7 +84,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
         return {"k_codes": (3, w), "k_scales": (3, 1), "k_biases": (3, 1),
                 "v_codes": (2, G), "v_scales": (2, G), "v_biases": (2, G)}
 
-    # ---------------------------------------------------------------- batch protocol
     @classmethod
     def from_caches(cls, caches) -> "KIVIBatchKVCache":
         """Batch of single ``KIVIKVCache``s (empty or holding tokens: prompt-cache reuse)."""
@@ -129,7 +127,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
             setattr(c, name, mx.concatenate([rows, mx.zeros((*rows.shape[:2], G - r, rows.shape[3]), RES_DTYPE)], 2))
         return c
 
-    # ---------------------------------------------------------------- masks
     def _visible(self, N: int, nq, nr, qw: int, R: int) -> mx.array:
         """Boolean [B, 1, N, qw*G + R + N]: per sequence its valid group slots and residual rows, the new rows
         causally."""
@@ -144,7 +141,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
             return None if N == 1 else "causal"
         return self._visible(N, self.nq, self.nr, qw, R)
 
-    # ---------------------------------------------------------------- storage
     def _rows(self, qw: int, res_k, res_v, dtype, new=(None, None)):
         """Dense (K, V): ``qw`` dequantized group slots, the residual rows, ``new`` (None, None: nothing)."""
         n = qw * self.group
@@ -207,7 +203,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
             out = mx.put_along_axis(buf.reshape(B, H, cap, G, last), vs, new.reshape(B, H, K, G, last), axis=2)
             setattr(self, name, out.reshape(B, H, cap * G, last))
 
-    # ---------------------------------------------------------------- attention on the codes
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         N, G = queries.shape[2], self.group

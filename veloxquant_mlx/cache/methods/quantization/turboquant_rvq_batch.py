@@ -72,7 +72,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def _settings(self) -> tuple:
         return (self.residual_length, self.key_sub_dim, self.value_sub_dim, self.key_bits, self.value_bits, self.seed)
 
-    # ---------------------------------------------------------------- allocation
     def _code_widths(self) -> dict:
         """Trailing shape of each code field (packed words per token; norms have none)."""
         out = {}
@@ -99,7 +98,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def _slot_fields(self) -> dict:
         return {name: (2, 1) for name in self._code_widths()}  # one code row per slot
 
-    # ---------------------------------------------------------------- batch protocol
     @classmethod
     def from_caches(cls, caches):
         """Batch of ``single`` caches (empty or holding tokens: prompt-cache reuse)."""
@@ -156,7 +154,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         c._kq, c._vq = self._kq, self._vq
         return c
 
-    # ---------------------------------------------------------------- masks
     @staticmethod
     def _visible(N: int, ns, nq, nw, W: int) -> mx.array:
         """Boolean [B, 1, N, M]: per sequence its sink rows, code slots and window rows, the new rows causally."""
@@ -177,7 +174,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
             return None if N == 1 else "causal"
         return self._visible(N, self.ns, self.nq, self.nw, self.W)
 
-    # ---------------------------------------------------------------- storage
     def _rows(self, S0, qw, sink_k, sink_v, win_k, win_v, dtype, new_k=None, new_v=None):
         """Dense rows in key order: sink rows, dequantized code slots, window, the call's rows."""
         parts = [(sink_k[:, :, :S0], sink_v[:, :, :S0]) if S0 else (None, None),
@@ -254,7 +250,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
                 idx = slots[:, None, :] if a.ndim == 3 else slots[:, None, :, None]
                 setattr(self, name, mx.put_along_axis(getattr(self, name), idx, a, axis=2))
 
-    # ---------------------------------------------------------------- attention on the codes
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         N, w = queries.shape[2], call.window if call is not None else None
@@ -266,7 +261,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
                             mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
-    # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence as the single cache does (window, codes, sinks)."""
         n = int(n)

@@ -62,7 +62,7 @@ from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ...primitives.codebook import nearest_code, odd_poly_gaussian
-from ...primitives.rope import _turn, angle_tables, rope_frequencies, rope_spec, rotate_rows
+from ...primitives.rope import rope_frequencies, rope_halves, rope_spec, rotate_parts, rotate_rows
 from ...primitives.value_rotation import (nibble_centroids, odd_poly, poly_coefficients, power_of_two, rotate_values,
                                          value_rotation)
 from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
@@ -215,22 +215,11 @@ class WaterfillKVCache(ResidualWindowCache):
         """The byte-pair tables, held whenever the layout is (so copies and loaded caches count the same)."""
         return list(self._pair_table()[:2]) if self._layout is not None else []
 
-    def _pair_slices(self):
-        """The channels of the rotary pairs' first and second members, and the rotated dims."""
-        dims = self.rope["dims"]
-        if self.rope["traditional"]:
-            return slice(0, dims, 2), slice(1, dims, 2), dims
-        return slice(0, dims // 2), slice(dims // 2, dims), dims
-
     def _rotated_keys(self, a: int, b: int):
-        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts: ``(keys,)`` without RoPE, else
-        the rotated pairs' first and second members and the unrotated tail (no interleaving copy)."""
+        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts (``rope.rotate_parts``; ``(keys,)``
+        without RoPE)."""
         pre = self._pre_keys(a, b)
-        if self.rope is None:
-            return (pre,)
-        first, second, dims = self._pair_slices()
-        cos, sin = angle_tables(self._omega(), self.n_sink + a, b - a)
-        return (*_turn(pre[..., first], pre[..., second], cos, sin), pre[..., dims:])
+        return (pre,) if self.rope is None else rotate_parts(pre, self.rope, self._omega(), self.n_sink + a)
 
     def _keys(self, a: int, b: int) -> mx.array:
         """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
@@ -241,7 +230,7 @@ class WaterfillKVCache(ResidualWindowCache):
         parts = self._rotated_keys(a, b)
         if len(parts) == 1:
             return q @ parts[0].swapaxes(-1, -2)
-        first, second, dims = self._pair_slices()
+        first, second, dims = rope_halves(self.rope)
         u, v, tail = parts
         s = q[..., first] @ u.swapaxes(-1, -2) + q[..., second] @ v.swapaxes(-1, -2)
         return s + q[..., dims:] @ tail.swapaxes(-1, -2) if tail.shape[-1] else s

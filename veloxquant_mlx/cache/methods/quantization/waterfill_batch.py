@@ -64,7 +64,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     def _quantizers(self, dk, dv):
         return None  # no shared quantizer objects: each sequence's layout comes from its calibration
 
-    # ---------------------------------------------------------------- allocation
     def _code_widths(self) -> dict:
         _, D, Dv = self._shape
         return {"k_words": (packed_words(D, self.bit_width),), "v_words": (packed_words(Dv, self.bit_width),),
@@ -84,7 +83,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             self._layout = VarLayout(np.array(self.k_bits).reshape(-1, self._shape[1]))
         return self._layout
 
-    # ---------------------------------------------------------------- batch protocol
     @classmethod
     def from_caches(cls, caches):
         out = super().from_caches(caches)
@@ -111,7 +109,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         super().extend(other)
         self._layout = None
 
-    # ---------------------------------------------------------------- calibration
     def _due(self) -> list:
         """Sequences to calibrate now: uncalibrated, holding ``n_calib_tokens`` rows or more."""
         if all(self.src):
@@ -160,7 +157,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     def _flush_counts(self, nw) -> list:
         return [f if s else 0 for f, s in zip(super()._flush_counts(nw), self.src)]  # uncalibrated: no flush
 
-    # ---------------------------------------------------------------- storage
     def _store(self, keys, values, valid):
         self._valid = valid
         due = self._due()
@@ -206,7 +202,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         return [(lambda a=a, b=b: q @ self._keys(a, b).swapaxes(-1, -2), lambda p, a=a, b=b: values(p, a, b))
                 for a, b in ranges]
 
-    # ---------------------------------------------------------------- attention
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self._held() and not all(self.src):
             self._observe(queries)
