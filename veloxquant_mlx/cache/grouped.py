@@ -88,32 +88,26 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _store(self, keys, values):
         B, H, N, D = keys.shape
-        G = self.group
+        G, Dv = self.group, values.shape[-1]
+        fresh = lambda: (mx.zeros((B, H, G, D), RES_DTYPE), mx.zeros((B, H, G, Dv), RES_DTYPE))  # noqa: E731
         if self.res_k is None:
-            self.res_k = mx.zeros((B, H, G, D), dtype=RES_DTYPE)
-            self.res_v = mx.zeros((B, H, G, values.shape[-1]), dtype=RES_DTYPE)
+            self.res_k, self.res_v = fresh()
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         q0, r0 = self.n_quant, self.n_res
         past_k, past_v = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)
         k16, v16 = (x if x.dtype == RES_DTYPE else x.astype(RES_DTYPE) for x in (keys, values))
-        total = r0 + N
-        nq = 0 if self._holds_back(total, D, values.shape[-1]) else total // G * G  # tokens quantized now
-        rem = total - nq
-        if nq == 0:  # grows past G rows only while ``_holds_back``
-            self.res_k = grow_rows(self.res_k, r0, k16)
-            self.res_v = grow_rows(self.res_v, r0, v16)
-        else:
+        nq = 0 if self._holds_back(r0 + N, D, Dv) else (r0 + N) // G * G  # tokens quantized now
+        if nq:
             kb = k16 if r0 == 0 else mx.concatenate([past_k, k16], axis=2)
             vb = v16 if r0 == 0 else mx.concatenate([past_v, v16], axis=2)
             self._append_groups(kb[:, :, :nq], vb[:, :, :nq])
+            k16, v16, r0 = kb[:, :, nq:], vb[:, :, nq:], 0
             if self.res_k.shape[2] != G:  # held-back rows flushed: back to a G-row residual
-                self.res_k = mx.zeros((B, H, G, D), dtype=RES_DTYPE)
-                self.res_v = mx.zeros((B, H, G, values.shape[-1]), dtype=RES_DTYPE)
-            if rem:
-                self.res_k[:, :, :rem] = kb[:, :, nq:]
-                self.res_v[:, :, :rem] = vb[:, :, nq:]
-        self.n_res = rem
+                self.res_k, self.res_v = fresh()
+        self.res_k = grow_rows(self.res_k, r0, k16)  # past G rows only while ``_holds_back``
+        self.res_v = grow_rows(self.res_v, r0, v16)
+        self.n_res = r0 + k16.shape[2]
 
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
         """Whether ``total`` residual rows stay float16 instead of completing groups (variants with
@@ -225,7 +219,8 @@ class GroupedQuantCache(CompressedKVCache):
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu):
+        gpu = mx.default_device().type == mx.DeviceType.gpu
+        if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and gpu):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if N > 1:
             return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
@@ -299,10 +294,8 @@ class GroupedQuantCache(CompressedKVCache):
         float16 residual and the call's own row, then the merge kernel (one softmax)."""
         call, self._call = self._call, None
         q0, r0, past_k, past_v, new_k, new_v = call
-        if self.n_quant == q0:  # the residual buffer still holds the past rows first
-            res_k, res_v = self.res_k, self.res_v
-        else:  # this call completed a group: the past rows are the record's
-            res_k, res_v = (past_k, past_v) if r0 else (self.res_k, self.res_v)
+        # the residual buffer holds the past rows first, unless this call completed a group: then the record's
+        res_k, res_v = (past_k, past_v) if self.n_quant != q0 and r0 else (self.res_k, self.res_v)
         exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
         m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
                                               self.v_codes, self.v_scales, self.v_biases, q0, self.qbits,

@@ -226,8 +226,7 @@ class ResidualWindowCache(CompressedKVCache):
             self._append_quantized(k[:, :, s:], v[:, :, s:])
             self.n_quant += n - s
         cap = self.residual_length + self.quant_block
-        self.win_k = self._fresh(self.win_k, cap, self.win_k[:, :, n:w])
-        self.win_v = self._fresh(self.win_v, cap, self.win_v[:, :, n:w])
+        self.win_k, self.win_v = (self._fresh(a, cap, a[:, :, n:w]) for a in (self.win_k, self.win_v))
         self.n_win = w - n
 
     @staticmethod
