@@ -7,16 +7,12 @@ full-precision residual. Algorithm 1: prefill attends in full precision, then st
 groups quantized and the rest in the residual; a decode step appends to the residual, quantizes it when it
 reaches its length, and attends with one softmax ``softmax([q·Q(K_g)ᵀ, q·K_rᵀ]) · [Q(V_g); V_r]``.
 
-Here (``bit_width_inlier`` = b in {2, 3, 4, 8}, ``KIVIOptions.group_size`` = G) the cache is the grouped layout
-of ``cache/grouped.py``, codes from ``primitives.groupquant`` (``mx.quantize`` where (b, G) allows, its
-reference kernel otherwise). A call's own rows are attended in full precision and only stored compressed.
-Attention uses ``mx.quantized_matmul`` on the codes on the CPU and Metal when both layouts are MLX's (faster
-than dequantize + matmul on the CPU) and dequantizes on CUDA (no quantized_matmul for these shapes;
-``attend_path`` overrides; both paths tested on the CPU); CUDA decode steps (one query row, ``"auto"``, b in
-{2, 4, 8}) take the fused kernel ``cache.kernels.kivi``, checked against the op path at first use. Measured on
-an H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
-docs/data/h200_decode_kernels_2026-12-01.json): 0.67x the plain cache's decode speed at 8k and 0.58x at 32k
-(0.38x / 0.34x dequantizing). ``nbytes``: the arrays held, spare capacity included (``used_nbytes``: without).
+Here (``bit_width_inlier`` = b in {2, 3, 4, 8}, ``KIVIOptions.group_size`` = G) the cache is ``cache/grouped.py``'s
+layout (storage, attention on the codes, the CUDA decode kernel ``cache.kernels.kivi``, trim, bytes), codes from
+``primitives.groupquant``; a call's own rows are attended in full precision and only stored compressed. Decode
+on an H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
+docs/data/h200_decode_kernels_2026-12-01.json): 0.67x the plain cache's speed at 8k, 0.58x at 32k (0.38x /
+0.34x dequantizing). ``nbytes``: the arrays held, spare capacity included (``used_nbytes``: without).
 
 Deviations from the paper (all deliberate):
 

@@ -39,6 +39,7 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -100,26 +101,23 @@ class _Quantizer:
 
 
 _QUANTIZERS: dict[tuple, _Quantizer] = {}
-_ROTATIONS: dict[tuple, mx.array] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _rotation(dim: int, seed: int) -> mx.array:
     """``Pi^T`` for ``(dim, seed)``: one array per process, shared by keys, values and all layers."""
-    r = _ROTATIONS.get((dim, seed))
-    if r is None:
-        r = _ROTATIONS[(dim, seed)] = mx.contiguous(random_orthogonal(dim, seed).T)
-        mx.eval(r)
+    r = mx.contiguous(random_orthogonal(dim, seed).T)
+    mx.eval(r)
     return r
 
 
 def _quantizer(dim, sub_dim, bits, seed, store) -> _Quantizer:
     key = (dim, sub_dim, bits, seed)
-    q = _QUANTIZERS.get(key)
-    if q is None:
-        q = _QUANTIZERS[key] = _Quantizer(dim, sub_dim, bits, seed, store)
+    if key not in _QUANTIZERS:
+        _QUANTIZERS[key] = _Quantizer(dim, sub_dim, bits, seed, store)
     elif store is not None:
         rvq_codebook(dim, sub_dim, bits, seed, store)  # make sure the store holds it too
-    return q
+    return _QUANTIZERS[key]
 
 
 @register_with_mlx_lm
