@@ -52,7 +52,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
-        self.cap = 0  # group slots allocated
         self._init_counts(batch_size)
 
     R = property(lambda self: self.right_width)  # the residual's columns

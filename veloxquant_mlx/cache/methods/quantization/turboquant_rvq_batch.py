@@ -61,7 +61,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
-        self.cap = 0  # code slots allocated
         self._init_counts(batch_size)
 
     W = property(lambda self: self.right_width)  # the window's columns
