@@ -133,23 +133,11 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
             pieces = [full[..., a:b] for a, b in cols if b > a]
             m = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
             scores[i] = mx.where(m, scores[i], -mx.inf)
-    peak = scores[0].max(axis=-1, keepdims=True)
-    for s in scores[1:]:
-        peak = mx.maximum(peak, s.max(axis=-1, keepdims=True))
-    sink = None
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, H, rep, 1, 1)
-        peak = mx.maximum(peak, sink)
+    sink = [] if sinks is None else [sinks.astype(mx.float32).reshape(1, H, rep, 1, 1)]
+    peak = functools.reduce(mx.maximum, [s.max(axis=-1, keepdims=True) for s in scores] + sink)
     probs = [softmax_exp(s - peak) for s in scores]
-    denom = probs[0].sum(axis=-1, keepdims=True)
-    for p in probs[1:]:
-        denom = denom + p.sum(axis=-1, keepdims=True)
-    if sink is not None:
-        denom = denom + mx.exp(sink - peak)
-    out = None
-    for p, (_, value_fn, _) in zip(probs, parts):
-        o = value_fn(p.reshape(B, H, rep * N, p.shape[-1]))
-        out = o if out is None else out + o
+    denom = functools.reduce(mx.add, [p.sum(axis=-1, keepdims=True) for p in probs] + [mx.exp(t - peak) for t in sink])
+    out = functools.reduce(mx.add, [fn(p.reshape(B, H, rep * N, p.shape[-1])) for p, (_, fn, _) in zip(probs, parts)])
     out = ungroup(out.reshape(B, H, rep, N, out.shape[-1]) / denom).astype(out_dtype)
     return (out, [p / denom for p in probs]) if weights else out
 
