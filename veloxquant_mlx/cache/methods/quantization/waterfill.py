@@ -78,6 +78,15 @@ BLOCK = 16  # rows leave the window in whole blocks of this many
 _TINY = 1e-30
 
 
+def key_grid(lo: mx.array, hi: mx.array, widths: np.ndarray):
+    """Float16 ``(k_lo, k_step)`` of uniform levels at ``widths`` ([.., D] ints, broadcast over ``lo``/``hi``
+    [.., 1, D]) over ``[lo, hi]``; a 0-bit channel decodes to the range's midpoint."""
+    levels = mx.array((2 ** widths - 1).astype(np.float32))[..., None, :]
+    zero = levels == 0
+    return (mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16),
+            mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16))
+
+
 @register_with_mlx_lm
 @register("waterfill")
 class WaterfillKVCache(ResidualWindowCache):
@@ -152,10 +161,7 @@ class WaterfillKVCache(ResidualWindowCache):
             w = rope_pair_mean(w, self.rope)
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
         widths = allocate_bits(np.array(sens), self.bit_width * keys.shape[3])
-        levels = mx.array((2 ** widths - 1).astype(np.float32))[None, :, None, :]
-        zero = levels == 0
-        self.k_step = mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16)
-        self.k_lo = mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16)
+        self.k_lo, self.k_step = key_grid(lo, hi, widths)
         self.k_bits = mx.array(widths.astype(np.uint8))[None, :, None, :]
         self._layout = VarLayout(widths)
         self.q_energy = None  # only needed to calibrate
@@ -177,17 +183,19 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _append_quantized(self, keys, values):
         self._rows_memo().clear()
-        t0 = self.n_quant
-        pos = self.n_sink + t0  # positions of these rows (sinks first, no rows ever evicted)
-        lay = self._layout_of()
-        step, lo = self.k_step.astype(mx.float32), self.k_lo.astype(mx.float32)
-        codes = mx.round((self._pre_rope(keys, pos) - lo) / mx.where(step > 0, step, 1.0))
-        codes = mx.clip(codes, 0, mx.array(lay.mask[None, :, None, :]).astype(mx.float32))
-        kw = lay.pack(codes.astype(mx.uint32))
+        t0, lay = self.n_quant, self._layout_of()
+        # positions n_sink + t0 ..: sinks first, no rows ever evicted
+        kw = lay.pack(self._key_codes(keys, self.n_sink + t0, lay.mask[None, :, None, :]))
         vw, vs = self._encode_values(values)
         for name, rows in (("k_words", kw), ("v_words", vw), ("v_scales", vs)):
             buf = reserve_rows(getattr(self, name), t0, rows, BLOCK)
             setattr(self, name, grow_rows(buf, t0, rows))
+
+    def _key_codes(self, keys, pos, mask) -> mx.array:
+        """``round((k - lo) / step)`` of the pre-RoPE keys at positions ``pos ..``, clipped to the widths' ``mask``."""
+        step, lo = self.k_step.astype(mx.float32), self.k_lo.astype(mx.float32)
+        codes = mx.round((self._pre_rope(keys, pos) - lo) / mx.where(step > 0, step, 1.0))
+        return mx.clip(codes, 0, mask.astype(mx.float32)).astype(mx.uint32)
 
     def _encode_values(self, values):
         """Rotated rows ``y = v M``, their RMS ``s`` (float16) and the Lloyd-Max codes of ``y / s``."""

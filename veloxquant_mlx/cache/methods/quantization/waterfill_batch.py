@@ -30,15 +30,15 @@ from ...primitives.varpack import VarLayout, extract_codes
 from ...window import SINK_ROWS, ResidualWindowCache
 from ..batch_common import borrows, rows_from
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
-from .waterfill import BLOCK, WaterfillKVCache
+from .waterfill import BLOCK, WaterfillKVCache, key_grid
 
 _CALIB = ("k_lo", "k_step", "k_bits", "q_energy")
 
 
 @register_with_mlx_lm
 @borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk", "_sinks")
-@borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_encode_values",
-         "_value_codes", "constant_nbytes")
+@borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_key_codes",
+         "_encode_values", "_value_codes", "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     """Waterfill's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -144,11 +144,9 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         sens = np.array(w * ((hi - lo) ** 2)[:, :, 0])[todo]
         widths = np.array(self.k_bits)[:, :, 0].astype(np.int64)
         widths[todo] = allocate_bits(sens.reshape(-1, D), self.bit_width * D).reshape(sens.shape)
-        levels = mx.array((2 ** widths - 1).astype(np.float32))[:, :, None, :]
-        zero, now = levels == 0, mx.array([i in todo for i in range(self.batch_size)])[:, None, None, None]
-        step = mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16)
-        self.k_step = mx.where(now, step, self.k_step)
-        self.k_lo = mx.where(now, mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16), self.k_lo)
+        k_lo, k_step = key_grid(lo, hi, widths)
+        now = mx.array([i in todo for i in range(self.batch_size)])[:, None, None, None]
+        self.k_lo, self.k_step = mx.where(now, k_lo, self.k_lo), mx.where(now, k_step, self.k_step)
         self.k_bits = mx.array(widths.astype(np.uint8))[:, :, None, :]
         self.src = [("attention" if self.q_count[i] else "uniform") if i in todo else s for i, s in enumerate(self.src)]
         self._layout = None
@@ -169,10 +167,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         ``WaterfillKVCache._append_quantized`` (a sequence that writes codes holds its SINK_ROWS sinks)."""
         B, H, _, D = kb.shape
         lay = self._layout_of()
-        step, lo = self.k_step.astype(mx.float32), self.k_lo.astype(mx.float32)
-        codes = mx.round((self._pre_rope(kb, [SINK_ROWS + q for q in self.nq]) - lo) / mx.where(step > 0, step, 1.0))
-        codes = mx.clip(codes, 0, lay.mask.reshape(B, H, 1, D).astype(mx.float32))
-        kw = lay.pack(codes.astype(mx.uint32).reshape(1, B * H, K, D)).reshape(B, H, K, -1)
+        codes = self._key_codes(kb, [SINK_ROWS + q for q in self.nq], lay.mask.reshape(B, H, 1, D))
+        kw = lay.pack(codes.reshape(1, B * H, K, D)).reshape(B, H, K, -1)
         vw, vs = self._encode_values(vb)
         self._scatter(K, {"k_words": kw, "v_words": vw, "v_scales": vs})
 
