@@ -1,26 +1,16 @@
-"""The grouped-quantization layout (KIVI's): the family base of KIVI and its variants, beside
-``contract.py`` and ``window.py``.
+"""The grouped-quantization layout (KIVI's): the family base of KIVI and its variants, beside ``contract.py``.
 
-Keys are quantized per channel over groups of G tokens, values per token in channel groups; tokens
-that do not yet complete a key group stay in a float16 residual (``methods/quantization/kivi.py`` gives the paper
-and its deviations). Layout (B batch, H kv heads, D/Dv head dims; buffers preallocated and grown by
-``primitives.buffers``'s policy, never concatenated per token):
-
-* keys stored **transposed**: ``k_codes [B, H, D, groups*words]`` (uint32 codes of ``K^T`` along the
-  token axis) with ``k_scales``/``k_biases [B, H, D, groups]`` (float16), so
-  ``mx.quantized_matmul(q, k_codes, ..., transpose=False)`` is ``q @ Q(K)^T``;
-* values per token: ``v_codes [B, H, tokens, Dv*b/32]``, ``v_scales``/``v_biases [B, H, tokens, Dv/Gv]``,
-  channel groups ``Gv = gcd(Dv, G)``;
-* residual ``res_k [B, H, G, D]``, ``res_v [B, H, G, Dv]`` float16, rows ``[0, n_res)`` used.
-
-``update_and_fetch`` returns the rows stored before the call in their stored form, then the call's
-rows as given. ``attend`` (dispatch point) computes the same attention on the stored form: decode
-steps through ``_attend_codes`` (one softmax over the quantized part and the full-precision part,
-``window.joint_attention``) or, on CUDA, the fused kernel of ``kernels.kivi``; prefill chunks through
-an online softmax over tiles of whole groups (``_attend_chunk``), or MLX's fused attention on a GPU.
-Variants change what the codes mean by overriding ``_append_groups`` / ``_keys_t`` / ``_values``
-(and, for attention on their own codes, ``_key_scores`` / ``_value_out``); a variant whose codes are not
-MLX's affine layout sets ``dequant_only`` to the reason.
+Keys per channel over groups of G tokens, values per token in channel groups ``Gv = gcd(Dv, G)``, a float16
+residual of the tokens not yet completing a group (the paper and deviations: ``methods/quantization/kivi.py``).
+Buffers grow by ``primitives.buffers``'s policy: keys **transposed**, ``k_codes [B, H, D, groups*words]`` with
+float16 ``k_scales``/``k_biases [B, H, D, groups]`` (so ``mx.quantized_matmul(q, k_codes, ..., transpose=False)``
+is ``q @ Q(K)^T``); ``v_codes [B, H, tokens, Dv*b/32]``, ``v_scales``/``v_biases [B, H, tokens, Dv/Gv]``;
+``res_k [B, H, G, D]``/``res_v``, rows ``[0, n_res)`` used. ``update_and_fetch`` returns the stored rows
+(stored form) then the call's; ``attend`` computes the same attention on the codes: decode steps by
+``_attend_codes`` (one softmax, ``window.joint_attention``) or the CUDA kernel ``kernels.kivi``, prefill chunks
+by tiles of whole groups (``_attend_chunk``) or MLX's fused attention on a GPU. Variants change what the codes
+mean by overriding ``_append_groups`` / ``_keys_t`` / ``_values`` (and ``_key_scores`` / ``_value_out`` to
+attend on their own codes); one whose codes are not MLX's affine layout sets ``dequant_only`` to the reason.
 """
 
 from __future__ import annotations
@@ -30,13 +20,12 @@ import math
 import mlx.core as mx
 
 from . import kernels
-from .attention import dense_blocks, group_queries, online_softmax_attention, tile_ranges, tile_rows
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel
 from .primitives import groupquant as gq
-from .primitives.buffers import grow_columns, grow_rows
-from .window import concat_rows, fp16_row_bytes, joint_attention, rows_part
+from .primitives.buffers import fp16_row_bytes, grow_columns, grow_rows
+from .window import WindowCall, attend_joint, attend_tiled, concat_rows
 
 KIVI_BITS = (2, 3, 4, 8)
 RES_DTYPE = mx.float16
@@ -51,22 +40,17 @@ class GroupedQuantCache(CompressedKVCache):
     #: "auto" (quantized_matmul on the CPU and Metal, dequantize + float32 matmul on CUDA), "dequant" or
     #: "quantized_matmul" (needs MLX layouts: b and G, Gv in groupquant.MX_GROUPS).
     attend_path = "auto"
-
-    #: Why a variant's codes cannot go through ``mx.quantized_matmul`` ("" for KIVI's own codes): its
-    #: attention then always dequantizes, and ``attend_path="quantized_matmul"`` raises naming it.
+    #: Why a variant's codes cannot go through ``mx.quantized_matmul`` ("" for KIVI's own): its attention
+    #: then dequantizes, and ``attend_path="quantized_matmul"`` raises naming it.
     dequant_only = ""
-
-    #: the layout's trim rule: raises ValueError when the trimmed rows completed a quantized group, and is
-    #: exact when it does not raise (variants that break it set False)
+    #: trim raises ValueError when the trimmed rows completed a quantized group, else is exact (False: broken)
     trim_exact_or_raises = True
-
     n_quant = 0  # quantized tokens (a multiple of G)
     n_res = 0  # float16 residual tokens (< G, or more while ``_holds_back``)
     dtype_name = "float16"  # dtype of the rows last handed to the cache (dense outputs use it)
     _call = None  # (quantized, residual, past res_k, past res_v, new keys, new values) of the last call
     _kernel_off = False  # set while the op path runs as the decode kernel's reference
 
-    # ---------------------------------------------------------------- layout
     def _init_layout(self):
         b = self.config.bit_width_inlier
         if isinstance(b, bool) or b not in KIVI_BITS:
@@ -85,57 +69,45 @@ class GroupedQuantCache(CompressedKVCache):
     def _uses_qmm(self) -> bool:
         """Whether attention reads the codes with ``mx.quantized_matmul`` (``attend_path``)."""
         path = self.attend_path
-        if path == "dequant":
-            return False
-        if self.dequant_only:
-            if path == "quantized_matmul":
-                raise ValueError(f"{self.method_name} attends through dequantize + matmul ({self.dequant_only})")
+        if self.dequant_only and path == "quantized_matmul":
+            raise ValueError(f"{self.method_name} attends through dequantize + matmul ({self.dequant_only})")
+        if path == "dequant" or self.dequant_only:
             return False
         dv = self.res_v.shape[-1]
         ok = gq.uses_mx_kernels(self.qbits, self.group) and gq.uses_mx_kernels(self.qbits, self.value_group(dv))
         if path == "quantized_matmul":
             if not ok:
-                raise ValueError(
-                    f"attend_path='quantized_matmul' needs MLX layouts (bits in {gq.MX_BITS}, groups in "
-                    f"{gq.MX_GROUPS}); got bits={self.qbits}, key group={self.group}, "
-                    f"value group={self.value_group(dv)}"
-                )
+                raise ValueError(f"attend_path='quantized_matmul' needs MLX layouts (bits in {gq.MX_BITS}, groups in "
+                                 f"{gq.MX_GROUPS}); got bits={self.qbits}, key group={self.group}, "
+                                 f"value group={self.value_group(dv)}")
             return True
         # auto: measured on the CPU (SmolLM2 shape, 1k context) 0.89x the plain cache's decode speed vs
         # 0.74x dequantized (docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul for these shapes.
         cuda = mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
         return ok and not cuda
 
-    # ---------------------------------------------------------------- storage
     def _store(self, keys, values):
         B, H, N, D = keys.shape
-        G = self.group
+        G, Dv = self.group, values.shape[-1]
+        fresh = lambda: (mx.zeros((B, H, G, D), RES_DTYPE), mx.zeros((B, H, G, Dv), RES_DTYPE))  # noqa: E731
         if self.res_k is None:
-            self.res_k = mx.zeros((B, H, G, D), dtype=RES_DTYPE)
-            self.res_v = mx.zeros((B, H, G, values.shape[-1]), dtype=RES_DTYPE)
+            self.res_k, self.res_v = fresh()
         self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
         q0, r0 = self.n_quant, self.n_res
-        past_k = self.res_k[:, :, :r0] if r0 else None
-        past_v = self.res_v[:, :, :r0] if r0 else None
+        past_k, past_v = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)
         k16, v16 = (x if x.dtype == RES_DTYPE else x.astype(RES_DTYPE) for x in (keys, values))
-        total = r0 + N
-        nq = 0 if self._holds_back(total, D, values.shape[-1]) else total // G * G  # tokens quantized now
-        rem = total - nq
-        if nq == 0:  # grows past G rows only while ``_holds_back``
-            self.res_k = grow_rows(self.res_k, r0, k16)
-            self.res_v = grow_rows(self.res_v, r0, v16)
-        else:
+        nq = 0 if self._holds_back(r0 + N, D, Dv) else (r0 + N) // G * G  # tokens quantized now
+        if nq:
             kb = k16 if r0 == 0 else mx.concatenate([past_k, k16], axis=2)
             vb = v16 if r0 == 0 else mx.concatenate([past_v, v16], axis=2)
             self._append_groups(kb[:, :, :nq], vb[:, :, :nq])
+            k16, v16, r0 = kb[:, :, nq:], vb[:, :, nq:], 0
             if self.res_k.shape[2] != G:  # held-back rows flushed: back to a G-row residual
-                self.res_k = mx.zeros((B, H, G, D), dtype=RES_DTYPE)
-                self.res_v = mx.zeros((B, H, G, values.shape[-1]), dtype=RES_DTYPE)
-            if rem:
-                self.res_k[:, :, :rem] = kb[:, :, nq:]
-                self.res_v[:, :, :rem] = vb[:, :, nq:]
-        self.n_res = rem
+                self.res_k, self.res_v = fresh()
+        self.res_k = grow_rows(self.res_k, r0, k16)  # past G rows only while ``_holds_back``
+        self.res_v = grow_rows(self.res_v, r0, v16)
+        self.n_res = r0 + k16.shape[2]
 
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
         """Whether ``total`` residual rows stay float16 instead of completing groups (variants with
@@ -153,15 +125,14 @@ class GroupedQuantCache(CompressedKVCache):
         self.n_quant = t0 + n
 
     def _append_codes(self, t0: int, kq, vq) -> None:
-        """Write (codes, scales, biases) of keys (transposed, one column per group) and of values (per token)
-        for the tokens from ``t0``; the key columns follow the values' capacity."""
+        """Write the keys' (codes, scales, biases) (transposed, one column per group; capacity follows the
+        values') and the values' (per token) for the tokens from ``t0``."""
         for a, x in zip(("codes", "scales", "biases"), vq):
             setattr(self, f"v_{a}", grow_rows(getattr(self, f"v_{a}"), t0, x))
         cap, g0, w = self.v_codes.shape[2] // self.group, t0 // self.group, self._key_words()
         for a, x, per in zip(("codes", "scales", "biases"), kq, (w, 1, 1)):
             setattr(self, f"k_{a}", grow_columns(getattr(self, f"k_{a}"), g0 * per, x, cap * per))
 
-    # ---------------------------------------------------------------- decoding the stored form
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens."""
         g = n // self.group
@@ -171,9 +142,8 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
         """Dequantized V [B, H, n, Dv] of the first ``n`` quantized tokens."""
-        dv_group = self.value_group(self.res_v.shape[-1])
         return gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
-                             self.qbits, dv_group, dtype)
+                             self.qbits, self.value_group(self.res_v.shape[-1]), dtype)
 
     def _rows(self, n_quant: int, res_k, res_v, new_k=None, new_v=None, dtype=None):
         """Dense (K, V) of: ``n_quant`` quantized tokens, residual rows, new rows (in order)."""
@@ -181,9 +151,8 @@ class GroupedQuantCache(CompressedKVCache):
         return concat_rows((quant, (res_k, res_v), (new_k, new_v)), dtype)
 
     def _quantized_rows(self, n: int):
-        """Dense (K, V) of the first ``n`` quantized tokens; on the decode kernels' backend their lazy
-        graph is reused between group completions on decode steps that go to a kernel (the model's attention
-        then never evaluates them: ``kernels.keeps_rows``, ``kernels._common.RowsMemo``)."""
+        """Dense (K, V) of the first ``n`` quantized tokens; their lazy graph is reused between group completions
+        on decode steps that go to a kernel (``kernels.keeps_rows``, ``kernels._common.RowsMemo``)."""
         if not self._own_layout():  # a variant storing other arrays: no memo
             return self._keys_t(n).swapaxes(-1, -2), self._values(n)
         memo = self.__dict__.get("_dense_memo")
@@ -196,14 +165,13 @@ class GroupedQuantCache(CompressedKVCache):
         return out
 
     def _own_layout(self) -> bool:
-        """Whether this cache stores and reads KIVI's own codes (variants that change what the codes
-        mean, or store other arrays, override these); answered once per class (a decode-step check)."""
+        """Whether this cache stores and reads KIVI's own codes (none of ``_keys_t``/``_values``/``_append_groups``
+        overridden); answered once per class (a decode-step check)."""
         cls = type(self)
-        own = cls.__dict__.get("_own_layout_answer")
-        if own is None:
-            own = all(getattr(cls, f) is getattr(GroupedQuantCache, f) for f in ("_keys_t", "_values", "_append_groups"))
-            cls._own_layout_answer = own
-        return own
+        if "_own_layout_answer" not in cls.__dict__:
+            cls._own_layout_answer = all(getattr(cls, f) is getattr(GroupedQuantCache, f)
+                                         for f in ("_keys_t", "_values", "_append_groups"))
+        return cls._own_layout_answer
 
     def _forget_rows(self) -> None:
         memo = self.__dict__.get("_dense_memo")
@@ -211,13 +179,11 @@ class GroupedQuantCache(CompressedKVCache):
             memo.clear()
 
     def _dense(self):
-        dtype = getattr(mx, self.dtype_name)
         r = self.n_res
         res = (self.res_k[:, :, :r], self.res_v[:, :, :r]) if r else (None, None)
-        return self._rows(self.n_quant, *res, dtype=dtype)
+        return self._rows(self.n_quant, *res, dtype=getattr(mx, self.dtype_name))
 
     def update_and_fetch(self, keys, values):
-        """Store the new rows; return the rows stored before this call (stored form) + the new rows."""
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
@@ -227,10 +193,8 @@ class GroupedQuantCache(CompressedKVCache):
     def stored_rows(self) -> int:
         return self.n_quant + self.n_res
 
-    # ---------------------------------------------------------------- attention on the codes
     def _take_call(self, queries, keys):
-        """This call's record (``_store``) when ``keys`` are the rows ``update_and_fetch`` returned for
-        ``queries``, else None (then attention runs on the dense rows)."""
+        """This call's record (``_store``) when ``keys`` are the rows ``update_and_fetch`` returned, else None."""
         call, self._call = self._call, None
         N = queries.shape[2]
         if call is None or call[4].shape[2] != N or keys.shape[2] != call[0] + call[1] + N:
@@ -248,38 +212,29 @@ class GroupedQuantCache(CompressedKVCache):
         return self._attend_stored(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """Attention over a stored past: the decode kernel (CUDA), MLX's fused attention for GPU prefill
-        chunks, tiles for CPU prefill chunks (``_attend_chunk``), else ``_attend_codes``. Variants
-        that attend on their own codes for every call size override this."""
+        """Attention over a stored past: the CUDA decode kernel, MLX's fused attention for GPU prefill chunks
+        (faster, no [N, M] scores), tiles for CPU prefill chunks, else ``_attend_codes``."""
         N, (q0, _, _, _, new_k, new_v) = queries.shape[2], call
         if N == 1 and q0 and not self._kernel_off and self._decode_kernel_ready(
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and mx.default_device().type == mx.DeviceType.gpu):
-            # GPU prefill chunk: the fused sdpa kernel over the (lazily dequantized) rows is faster and
-            # never holds the [N, M] score matrix; decode steps stay on the codes.
+        gpu = mx.default_device().type == mx.DeviceType.gpu
+        if self.attend_path == "sdpa" or (N > 1 and self.attend_path == "auto" and gpu):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if N > 1:  # a prefill chunk over a stored past: online softmax over tiles (``_attend_chunk``)
+        if N > 1:
             return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
     def _attend_codes(self, queries, call, *, scale, mask, sinks, weights=False):
-        """The paper's attention on the stored form: scores over [quantized part (``_key_scores``),
-        full-precision part (past residual rows, then the call's rows)], one softmax
-        (``window.joint_attention``), ``P_q·Q(V)`` (``_value_out``) + ``P_f·V_f``. ``call`` = (q0, r0,
-        past_k, past_v, new_k, new_v); ``weights`` as in ``joint_attention``."""
+        """The paper's one softmax over [quantized part (``_key_scores``/``_value_out``), the past residual rows
+        and the call's rows]; ``call`` = (q0, r0, past_k, past_v, new_k, new_v), ``weights`` as in
+        ``joint_attention``."""
         q0, _, past_k, past_v, new_k, new_v = call
-        B, Hq, N, D = queries.shape
-        H = new_k.shape[1]
-        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
-        qf = q.reshape(B, H, -1, D)
-        fk, fv = concat_rows(((past_k, past_v), (new_k, new_v)), new_k.dtype)
-        M = q0 + fk.shape[2]
-        parts = [rows_part(qf, fk, fv, ((q0, M),))]
-        if q0:
-            parts.insert(0, (self._key_scores(qf, q0), lambda p: self._value_out(p, q0), ((0, q0),)))
-        return joint_attention(q, parts, mask, sinks, M, queries.dtype, weights=weights)
+        n_keys = q0 + (0 if past_k is None else past_k.shape[2]) + new_k.shape[2]
+        part = lambda qf, n: (self._key_scores(qf, n), lambda p: self._value_out(p, n))  # noqa: E731
+        return attend_joint(queries, WindowCall(0, *call), None, part, scale=scale, mask=mask, sinks=sinks,
+                            n_keys=n_keys, weights=weights)
 
     def _key_scores(self, q, n: int) -> mx.array:
         """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens."""
@@ -313,28 +268,14 @@ class GroupedQuantCache(CompressedKVCache):
         return p @ gq.dequantize(codes, sc, bi, b, gv, mx.float32)
 
     def _attend_chunk(self, queries, call, *, scale, mask, sinks):
-        """Attention of a multi-row call over the quantized groups, the residual and its own rows as an
-        online softmax over tiles of whole groups (``attention.online_softmax_attention``): no [N, M]
-        score matrix, only tiles of 1/16 of it, so a prefill chunk's transients stay below the plain
-        cache's dense attention."""
-        q0, r0, past_k, past_v, new_k, new_v = call
-        B, Hq, N, D = queries.shape
-        H = new_k.shape[1]
-        rep, M = Hq // H, q0 + r0 + N
-        q = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        tile = tile_rows(B * Hq * N, M, self.group)
-        blocks = []
-        if q0:
-            ranges = tile_ranges(0, q0, tile)
-            blocks += [(a, b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(q, ranges))]
-        fk, fv = concat_rows(((past_k, past_v), (new_k, new_v)), new_k.dtype)
-        blocks += dense_blocks(q, fk, fv, q0, tile)
-        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+        """A multi-row call as an online softmax over tiles of whole groups (``attention.online_softmax_attention``):
+        tiles of 1/16 of the [N, M] scores, so a prefill chunk's transients stay below the plain cache's."""
+        return attend_tiled(queries, WindowCall(0, *call), None, self._quantized_tiles, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=call[0] + call[1] + queries.shape[2], block=self.group)
 
     def _quantized_tiles(self, q, ranges):
-        """(scores_fn, values_fn) per range of quantized rows (whole groups), on the codes. Variants with
-        their own storage (``_keys_t`` / ``_values`` overridden) decode their rows once and are tiled
-        from those."""
+        """(scores_fn, values_fn) per range of quantized rows (whole groups), on the codes; variants with their
+        own ``_keys_t`` / ``_values`` decode their rows once and are tiled from those."""
         if not self._codes_own():
             n = ranges[-1][1]
             kt, vv = self._keys_t(n), self._values(n)
@@ -342,10 +283,8 @@ class GroupedQuantCache(CompressedKVCache):
         return [(lambda a=a, c=c: self._scores_on_codes(q, a, c), lambda p, a=a, c=c: self._values_on_codes(p, a, c))
                 for a, c in ranges]
 
-    # ---------------------------------------------------------------- decode: the fused GPU kernel
     def _decode_kernel_ready(self, mask, d: int, dv: int, rep: int = 1) -> bool:
-        """One query row over KIVI's own layout (subclasses that change what the codes mean keep the op
-        path), a string/None mask, a layout the kernel reads, and the CUDA backend."""
+        """One query row over KIVI's own layout, a string/None mask, a layout the kernel reads, CUDA."""
         return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
                 and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
                 and kernels.kernels_enabled())
@@ -355,10 +294,8 @@ class GroupedQuantCache(CompressedKVCache):
         float16 residual and the call's own row, then the merge kernel (one softmax)."""
         call, self._call = self._call, None
         q0, r0, past_k, past_v, new_k, new_v = call
-        if self.n_quant == q0:  # the residual buffer still holds the past rows first
-            res_k, res_v = self.res_k, self.res_v
-        else:  # this call completed a group: the past rows are the record's
-            res_k, res_v = (past_k, past_v) if r0 else (self.res_k, self.res_v)
+        # the residual buffer holds the past rows first, unless this call completed a group: then the record's
+        res_k, res_v = (past_k, past_v) if self.n_quant != q0 and r0 else (self.res_k, self.res_v)
         exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
         m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
                                               self.v_codes, self.v_scales, self.v_biases, q0, self.qbits,
@@ -378,7 +315,6 @@ class GroupedQuantCache(CompressedKVCache):
         finally:
             self._kernel_off = False
 
-    # ---------------------------------------------------------------- trim
     def _trim_rows(self, n: int) -> int:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
         self._call = None
@@ -401,11 +337,9 @@ class GroupedQuantCache(CompressedKVCache):
         self.n_res = 0
         return n
 
-    # ---------------------------------------------------------------- accounting
     @property
     def used_nbytes(self) -> int:
-        """Bytes of the filled part: the quantized tokens (``_code_nbytes``) and the residual buffers
-        (the code buffers' spare capacity left out)."""
+        """Bytes of the quantized tokens (``_code_nbytes``) and the residual buffers (no spare capacity)."""
         if self.res_k is None:
             return 0
         B, H, _, D = self.res_k.shape
@@ -423,7 +357,6 @@ class GroupedQuantCache(CompressedKVCache):
 
     @property
     def full_seq_bytes(self) -> int:
-        """What a float16 cache would hold for the same tokens (no spare capacity)."""
         return fp16_row_bytes(self.res_k, self.res_v, self.offset)
 
     @property

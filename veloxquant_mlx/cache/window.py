@@ -1,13 +1,7 @@
-"""The residual-window layout and the one-softmax attention over stored parts (family bases of the
-quantizers, beside ``contract.py``).
-
-* ``joint_attention``: one softmax over several groups of keys (float16 sink rows, quantized rows
-  scored on their codes, a float16 window, the call's own rows), each group giving its scores and a
-  function for its probability-weighted values. Every quantizer that attends on its compressed form
-  with the paper's one softmax (KIVI and its variants through ``grouped.GroupedQuantCache``,
-  TurboQuant-RVQ, Waterfill and their batch forms) computes it here.
-* ``ResidualWindowCache``: float16 sink rows + quantized blocks + a float16 window of the newest
-  rows; subclasses (turboquant_rvq, waterfill) supply the quantized storage and its scores.
+"""The residual-window layout and the one-softmax attention over stored parts (family bases beside
+``contract.py``): ``joint_attention`` (one softmax over groups of keys -- float16 sinks, quantized rows scored
+on their codes, a float16 window, the call's rows -- used by every quantizer that attends on its compressed
+form: the grouped layout, TurboQuant-RVQ, Waterfill and their batch forms) and ``ResidualWindowCache``.
 """
 
 from __future__ import annotations
@@ -21,36 +15,25 @@ import mlx.core as mx
 from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
                         tile_rows, ungroup)
 from .contract import CompressedKVCache
-from .primitives.buffers import grow_rows
+from .primitives.buffers import fp16_row_bytes, grow_rows  # noqa: F401 (fp16_row_bytes re-exported)
 
 QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
 SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
 DECODE_TILE = 2048  # quantized rows per tile of a long decode step on the CPU (4096: the same speed)
 
 
-def fp16_row_bytes(keys, values, tokens: int) -> int:
-    """Bytes of ``tokens`` float16 key and value rows shaped like ``keys`` / ``values`` [B, H, rows, D]
-    (0 when nothing is held): what mlx_lm's plain cache would hold for them, without spare rows."""
-    if keys is None:
-        return 0
-    B, H, _, D = keys.shape
-    return B * H * tokens * (D + values.shape[-1]) * 2
-
-
 def concat_rows(pairs, dtype):
-    """(K, V) of the ``(keys, values)`` pairs (None entries skipped) concatenated along the rows, in ``dtype``."""
-    ks = [k for k, _ in pairs if k is not None]
-    vs = [v for k, v in pairs if k is not None]
-    if len(ks) == 1:
-        return ks[0].astype(dtype), vs[0].astype(dtype)
-    return (mx.concatenate([k.astype(dtype) for k in ks], axis=2),
-            mx.concatenate([v.astype(dtype) for v in vs], axis=2))
+    """(K, V) of the ``(keys, values)`` pairs (None and (None, None) skipped) concatenated along the rows, in
+    ``dtype``."""
+    pairs = [p for p in pairs if p is not None and p[0] is not None]
+    if len(pairs) == 1:
+        return pairs[0][0].astype(dtype), pairs[0][1].astype(dtype)
+    return tuple(mx.concatenate([p[i].astype(dtype) for p in pairs], axis=2) for i in (0, 1))
 
 
 class WindowCall(NamedTuple):
-    """What one ``update_and_fetch`` call attends over, in key order: ``s0`` float16 sink rows,
-    ``q0`` quantized rows, the ``r0`` window rows stored before the call (``past_k``/``past_v``) and
-    the call's own rows."""
+    """One call's keys in order: ``s0`` sink rows, ``q0`` quantized rows, the ``r0`` window rows stored before it
+    (``past_k``/``past_v``) and its own rows."""
 
     s0: int
     q0: int
@@ -59,6 +42,40 @@ class WindowCall(NamedTuple):
     past_v: Optional[mx.array]
     new_k: mx.array
     new_v: mx.array
+
+
+def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask, sinks, n_keys: int, weights=False):
+    """One softmax (``joint_attention``) over ``call``'s keys: the sink rows ``sink`` (K, V or None), ``call.q0``
+    quantized rows (``quantized_part(q, n)`` -> (scores, value_fn)), then the window before the call and the
+    call's rows (exact rows scored as one group)."""
+    B, Hq, N, D = queries.shape
+    H = call.new_k.shape[1]
+    q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
+    qf = q.reshape(B, H, -1, D)
+    s0, q0 = call.s0, call.q0
+    ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
+    parts = [(*quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
+    parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, n_keys))))
+    return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
+
+
+def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mask, sinks, n_keys: int, block: int,
+                 tile=None):
+    """``call``'s attention as an online softmax over tiles of rows (``attention.online_softmax_attention``):
+    the sinks, the quantized rows (``quantized_tiles(q, ranges)``), the window and the call's rows; tiles of
+    ``tile`` rows (default ``tile_rows``), so no [N, M] float32 array exists."""
+    B, Hq, N, D = queries.shape
+    H = call.new_k.shape[1]
+    qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
+    tile = tile or tile_rows(B * Hq * N, n_keys, block)
+    s0, q0 = call.s0, call.q0
+    blocks = dense_blocks(qf, *sink, 0, tile) if s0 else []
+    if q0:
+        ranges = tile_ranges(0, q0, tile)
+        blocks += [(s0 + a, s0 + b, sf, vf) for (a, b), (sf, vf) in zip(ranges, quantized_tiles(qf, ranges))]
+    ek, ev = concat_rows(((call.past_k, call.past_v), (call.new_k, call.new_v)), call.new_k.dtype)
+    blocks += dense_blocks(qf, ek, ev, s0 + q0, tile)
+    return online_softmax_attention((B, H, Hq // H, N), blocks, n_keys, mask, sinks, queries.dtype)
 
 
 _EXP_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(8))  # e^r to 5e-9 on |r| <= ln(2) / 2
@@ -83,31 +100,26 @@ def _exp_poly(r, scale):
 
 
 def softmax_exp(x: mx.array) -> mx.array:
-    """``exp(x)`` for float32 softmax arguments ``x <= 0`` (``-inf`` gives 0, below ``-87.3`` gives 0 or a
-    denormal): ``2^k e^r`` with ``|r| <= ln(2) / 2``, a degree-7 polynomial and the exponent written into
-    the float's bits; relative error ~2e-7. Two fused elementwise kernels: MLX's CPU ``exp`` evaluates
-    one libm call per element, about 6x slower, and the softmax of a long decode step is dominated by it."""
+    """``exp(x)`` for float32 softmax arguments ``x <= 0`` (``-inf`` -> 0, below ``-87.3`` 0 or a denormal):
+    ``2^k e^r``, ``|r| <= ln(2) / 2``, a degree-7 polynomial, the exponent written into the float's bits; relative
+    error ~2e-7. Two fused kernels: MLX's CPU ``exp`` (one libm call per element) is ~6x slower, and dominates
+    the softmax of a long decode step."""
     r, bits = _exp_scale(x)
     return _exp_poly(r, mx.view(bits, mx.float32))
 
 
 def rows_part(q, keys, values, cols):
-    """A ``joint_attention`` part of float rows ``keys``/``values`` [B, H, m, D] for scaled float32
-    queries ``q`` [B, H, R, D]; ``cols`` as in ``joint_attention``."""
+    """A ``joint_attention`` part of rows ``keys``/``values`` [B, H, m, D] for scaled float32 queries ``q``."""
     vf = values.astype(mx.float32)
     return q @ keys.astype(mx.float32).swapaxes(-1, -2), lambda p: p @ vf, cols
 
 
 def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool = False):
-    """One softmax over several groups of keys.
-
-    ``q`` [B, H, rep, N, D] (scaled, float32). ``parts``: list of ``(scores [B, H, rep*N, M_i],
-    value_fn, cols)``: ``value_fn(p [B, H, rep*N, M_i])`` -> ``[B, H, rep*N, Dv]`` and ``cols`` the
-    (start, stop) column ranges of the full key axis (``n_keys`` keys, mlx_lm order) that the part's
-    ``M_i`` keys are, in order. The *last* part ends with the call's own ``N`` rows, the only keys a
-    "causal" mask hides. ``mask``: mlx_lm's (None, "causal", boolean or additive array); ``sinks``
-    [Hq] attention-sink logits or None. Returns [B, Hq, N, Dv]; with ``weights`` also each part's
-    softmax probabilities [B, H, rep, N, M_i] (zipcache's saliency reads them)."""
+    """One softmax over several groups of keys. ``q`` [B, H, rep, N, D] (scaled, float32); ``parts``:
+    ``(scores [B, H, rep*N, M_i], value_fn, cols)``, ``value_fn(p)`` -> [B, H, rep*N, Dv], ``cols`` the (start,
+    stop) ranges of the ``n_keys`` key axis that the part's keys are; the last part ends with the call's ``N``
+    rows (the only keys "causal" hides). ``mask``: mlx_lm's; ``sinks``: [Hq] logits or None. Returns [B, Hq, N,
+    Dv]; with ``weights`` also each part's probabilities [B, H, rep, N, M_i] (zipcache's saliency)."""
     B, H, rep, N, _ = q.shape
     scores = [s.reshape(B, H, rep, N, s.shape[-1]) for s, _, _ in parts]
     if isinstance(mask, str):
@@ -121,41 +133,26 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
             pieces = [full[..., a:b] for a, b in cols if b > a]
             m = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
             scores[i] = mx.where(m, scores[i], -mx.inf)
-    peak = scores[0].max(axis=-1, keepdims=True)
-    for s in scores[1:]:
-        peak = mx.maximum(peak, s.max(axis=-1, keepdims=True))
-    sink = None
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, H, rep, 1, 1)
-        peak = mx.maximum(peak, sink)
+    sink = [] if sinks is None else [sinks.astype(mx.float32).reshape(1, H, rep, 1, 1)]
+    peak = functools.reduce(mx.maximum, [s.max(axis=-1, keepdims=True) for s in scores] + sink)
     probs = [softmax_exp(s - peak) for s in scores]
-    denom = probs[0].sum(axis=-1, keepdims=True)
-    for p in probs[1:]:
-        denom = denom + p.sum(axis=-1, keepdims=True)
-    if sink is not None:
-        denom = denom + mx.exp(sink - peak)
-    out = None
-    for p, (_, value_fn, _) in zip(probs, parts):
-        o = value_fn(p.reshape(B, H, rep * N, p.shape[-1]))
-        out = o if out is None else out + o
+    denom = functools.reduce(mx.add, [p.sum(axis=-1, keepdims=True) for p in probs] + [mx.exp(t - peak) for t in sink])
+    out = functools.reduce(mx.add, [fn(p.reshape(B, H, rep * N, p.shape[-1])) for p, (_, fn, _) in zip(probs, parts)])
     out = ungroup(out.reshape(B, H, rep, N, out.shape[-1]) / denom).astype(out_dtype)
     return (out, [p / denom for p in probs]) if weights else out
 
 
 class ResidualWindowCache(CompressedKVCache):
-    """Quantized blocks + a float16 window of the newest rows (+ float16 sink rows) + one softmax.
+    """Float16 sink rows + quantized blocks + a float16 window of the newest rows, attended with one softmax.
 
-    Row order (= position order): ``n_sink`` float16 *sink* rows (the first ``SINK_ROWS`` tokens,
-    never quantized), ``n_quant`` quantized rows, ``n_win`` float16 window rows. New rows enter the
-    window; when it holds ``residual_length + quant_block`` rows, its oldest whole ``quant_block``s
-    beyond ``residual_length`` leave it: the first ``SINK_ROWS`` tokens of the stream to the sink buffer,
-    the others to the subclass's quantized storage (``_append_quantized``). ``update_and_fetch``
-    returns the rows stored before the call in their stored form, then the call's rows as given;
-    ``attend`` computes the same attention from the subclass's scores and values on the quantized
-    form (``_quantized_part``), the exact float16 rows and the call's rows, with one softmax. A
-    multi-row call (prefill chunk) over a stored past attends in tiles (``_attend_chunk``): transients
-    bounded by a fraction of the dense score matrix. Subclasses implement ``_append_quantized``,
-    ``_quantized_dense``, ``_quantized_part`` (decode-sized calls) and ``_quantized_tiles`` (chunks)."""
+    Rows in position order: ``n_sink`` sinks (the stream's first ``SINK_ROWS`` tokens), ``n_quant`` quantized,
+    ``n_win`` window rows. When the window holds ``residual_length + quant_block`` rows its oldest whole blocks
+    beyond ``residual_length`` leave it (sinks first). ``update_and_fetch`` returns the stored rows (stored form)
+    then the call's; ``attend`` computes the same attention on the quantized form, in tiles for a prefill chunk
+    (``_attend_chunk``: transients a fraction of the dense scores). Subclasses implement
+    ``_append_quantized(keys, values)`` (store rows after the ``n_quant`` ones), ``_quantized_dense(n)`` (float32
+    (K, V) of the first n) and ``_quantized_tiles(q, ranges)`` (``(scores_fn, values_fn)`` per row range, the
+    ``online_softmax_attention`` blocks); ``_quantized_part`` (decode-sized calls) defaults to one tile."""
 
     window_fields = ("win_k", "win_v")
     sink_fields = ("sink_k", "sink_v")
@@ -167,26 +164,13 @@ class ResidualWindowCache(CompressedKVCache):
     dtype_name = "float32"  # dtype of the rows last handed to the cache (dense outputs use it)
     _call: Optional[WindowCall] = None
 
-    # ---- subclass hooks
-    def _append_quantized(self, keys: mx.array, values: mx.array) -> None:
-        """Quantize and store rows [B, H, n, D] after the ``n_quant`` stored ones."""
-        raise NotImplementedError
-
-    def _quantized_dense(self, n: int) -> tuple[mx.array, mx.array]:
-        """Dense float32 (K, V) of the first ``n`` quantized rows."""
-        raise NotImplementedError
-
     def _quantized_part(self, q: mx.array, n: int):
-        """(scores [B, H, R, n], value_fn) of the first ``n`` quantized rows for scaled float32
-        queries ``q`` [B, H, R, D] (R = rep * N); ``value_fn(p [B, H, R, n])`` -> [B, H, R, Dv]. By
-        default the one tile ``(0, n)`` of ``_quantized_tiles``."""
+        """(scores [B, H, R, n], value_fn) of the first ``n`` quantized rows for scaled float32 queries ``q``."""
         scores_fn, value_fn = self._quantized_tiles(q, [(0, n)])[0]
         return scores_fn(), value_fn
 
-    # ---- storage
     def storage_dtype(self, compute_dtype):
-        """Window/sink rows: float16 when computing in float32 (else the model's 16-bit dtype);
-        ``config.dtype`` overrides."""
+        """Window/sink rows: ``config.dtype``, else float16 for float32 inputs, else the inputs' dtype."""
         if self.config.dtype is not None:
             return self.config.dtype
         return mx.float16 if compute_dtype == mx.float32 else compute_dtype
@@ -204,16 +188,15 @@ class ResidualWindowCache(CompressedKVCache):
         self._compact_blocks()
 
     def _compact_blocks(self) -> None:
-        """Compact the window's oldest whole blocks beyond the newest ``residual_length`` rows once it
-        holds ``residual_length + quant_block``: whole blocks only, so which rows are compacted depends
-        on the positions stored, not on how the rows were split into calls (``chunk_invariant``)."""
+        """Compact the window's oldest whole blocks beyond the newest ``residual_length`` rows: whole blocks, so
+        which rows leave depends on positions, not on how rows were split into calls (``chunk_invariant``)."""
         block, R = self.quant_block, self.residual_length
         if self.n_win >= R + block:
             self._compact((self.n_win - R) // block * block)
 
     def _compact(self, n: int) -> None:
-        """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window
-        buffer of exactly ``residual_length + quant_block`` rows (it never holds more between calls)."""
+        """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window buffer of
+        ``residual_length + quant_block`` rows (never more between calls)."""
         w = self.n_win
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         s = min(SINK_ROWS - self.n_sink, n) if self.n_quant == 0 else 0
@@ -231,8 +214,7 @@ class ResidualWindowCache(CompressedKVCache):
             self._append_quantized(k[:, :, s:], v[:, :, s:])
             self.n_quant += n - s
         cap = self.residual_length + self.quant_block
-        self.win_k = self._fresh(self.win_k, cap, self.win_k[:, :, n:w])
-        self.win_v = self._fresh(self.win_v, cap, self.win_v[:, :, n:w])
+        self.win_k, self.win_v = (self._fresh(a, cap, a[:, :, n:w]) for a in (self.win_k, self.win_v))
         self.n_win = w - n
 
     @staticmethod
@@ -244,8 +226,7 @@ class ResidualWindowCache(CompressedKVCache):
         return buf
 
     def _rows(self, s0, q0, past_k, past_v, new_k=None, new_v=None, dtype=mx.float32):
-        sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
-        return concat_rows((sink, self._quantized_dense(q0) if q0 else (None, None), (past_k, past_v),
+        return concat_rows((self._sinks(s0), self._quantized_dense(q0) if q0 else None, (past_k, past_v),
                             (new_k, new_v)), dtype)
 
     def _dense(self):
@@ -254,7 +235,6 @@ class ResidualWindowCache(CompressedKVCache):
         return self._rows(self.n_sink, self.n_quant, *win, dtype=getattr(mx, self.dtype_name))
 
     def update_and_fetch(self, keys, values):
-        """Store the new rows; return the rows stored before this call (stored form) + the new rows."""
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
@@ -264,7 +244,6 @@ class ResidualWindowCache(CompressedKVCache):
     def stored_rows(self) -> int:
         return self.n_sink + self.n_quant + self.n_win
 
-    # ---- attention
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
         n = queries.shape[2]
@@ -275,59 +254,26 @@ class ResidualWindowCache(CompressedKVCache):
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
                                                         mask=mask, sinks=sinks)
         if n > 1 or (call.q0 > 2 * DECODE_TILE and mx.default_device() == mx.cpu):
-            # a prefill chunk over a stored past: bounded transients; a long CPU decode step: tiles whose
-            # decoded rows stay in the CPU's caches (``_attend_chunk``)
+            # a prefill chunk, or a long CPU decode step (tiles whose decoded rows stay in the CPU's caches)
             return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks,
                                       tile=None if n > 1 else DECODE_TILE)
-        B, Hq, N, D = queries.shape
-        H = call.new_k.shape[1]
-        rep = Hq // H
-        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
-        qf = q.reshape(B, H, rep * N, D)
+        return attend_joint(queries, call, self._sinks(call.s0), self._quantized_part, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=keys.shape[2])
 
-        # exact rows (float16 sinks + window, and the call's own rows) as one group, in key order
-        s0, q0 = call.s0, call.q0
-        sink = (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else (None, None)
-        ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
-        parts = []
-        if q0:
-            scores, value_fn = self._quantized_part(qf, q0)
-            parts.append((scores, value_fn, ((s0, s0 + q0),)))
-        parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, keys.shape[2]))))
-        return joint_attention(q, parts, mask, sinks, keys.shape[2], queries.dtype)
+    def _sinks(self, s0: int):
+        return (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else None
 
     def _attend_chunk(self, queries, keys, values, call: WindowCall, *, scale, mask, sinks, tile=None):
-        """Attention of a multi-row call (prefill chunk) over the stored past and its own rows, without
-        any prompt-sized float32 array (also a long CPU decode step, in tiles of ``tile`` rows: 0.25x ->
-        0.38x the plain cache's per-layer step at 16k tokens, SmolLM2's shape): on a GPU MLX's fused attention over the dense rows that
-        ``update_and_fetch`` returned (one layer's past, decoded lazily in the model's dtype; no score
-        matrix); elsewhere an online softmax over tiles of rows (``attention.online_softmax_attention``):
-        the sinks, the quantized rows (``_quantized_tiles``) and the window plus the call's rows."""
+        """A prefill chunk without any prompt-sized float32 array: on a GPU MLX's fused attention over the rows
+        ``update_and_fetch`` returned (decoded lazily); elsewhere an online softmax over tiles of the sinks, the
+        quantized rows (``_quantized_tiles``), the window and the call's rows. Also a long CPU decode step, in
+        tiles of ``tile`` rows (0.25x -> 0.38x the plain cache's per-layer step at 16k tokens, SmolLM2's shape)."""
         if mx.default_device().type == mx.DeviceType.gpu:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                         sinks=sinks)
-        B, Hq, N, D = queries.shape
-        H = call.new_k.shape[1]
-        rep, M = Hq // H, keys.shape[2]
-        qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, rep * N, D)
-        tile = tile or tile_rows(B * Hq * N, M, self.quant_block)
-        s0, q0 = call.s0, call.q0
-        blocks = []
-        if s0:
-            blocks += dense_blocks(qf, self.sink_k[:, :, :s0], self.sink_v[:, :, :s0], 0, tile)
-        if q0:
-            ranges = tile_ranges(0, q0, tile)
-            blocks += [(s0 + a, s0 + b, sf, vf) for (a, b), (sf, vf) in zip(ranges, self._quantized_tiles(qf, ranges))]
-        ek, ev = concat_rows(((call.past_k, call.past_v), (call.new_k, call.new_v)), call.new_k.dtype)
-        blocks += dense_blocks(qf, ek, ev, s0 + q0, tile)
-        return online_softmax_attention((B, H, rep, N), blocks, M, mask, sinks, queries.dtype)
+        return attend_tiled(queries, call, self._sinks(call.s0), self._quantized_tiles, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=keys.shape[2], block=self.quant_block, tile=tile)
 
-    def _quantized_tiles(self, q: mx.array, ranges):
-        """For scaled float32 queries ``q`` [B, H, R, D] and row ranges ``(a, b)`` of the quantized rows:
-        one ``(scores_fn, values_fn)`` per range (``online_softmax_attention``'s block functions)."""
-        raise NotImplementedError
-
-    # ---- trim
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
         self._call = None
@@ -340,18 +286,16 @@ class ResidualWindowCache(CompressedKVCache):
         self.n_sink -= n - w - q
         return n
 
-    # ---- per-model constants
     counts_constants = True  # this cache's nbytes includes the process-wide constants it uses
 
     @staticmethod
     def constants_key(c):
-        """The config fields a subclass's shared constants (rotations, codebooks) depend on; None: none."""
+        """The config fields the shared constants (rotations, codebooks) depend on."""
         return None
 
     @classmethod
     def build_layers(cls, configs):
-        """One cache per layer config; the first cache of each distinct ``constants_key`` counts the
-        shared constants in its ``nbytes``, the others do not (``KVCacheBuilder.for_model`` calls this)."""
+        """One cache per layer; the first of each ``constants_key`` counts the shared constants in ``nbytes``."""
         caches, seen = [], set()
         for c in configs:
             cache = cls(c)
@@ -361,7 +305,6 @@ class ResidualWindowCache(CompressedKVCache):
             caches.append(cache)
         return caches
 
-    # ---- copies share the per-model constants
     _shared: tuple = ()  # attributes a deepcopy shares (rotations, codebooks, tables), not copies
 
     def __deepcopy__(self, memo):
@@ -379,16 +322,13 @@ class ResidualWindowCache(CompressedKVCache):
 
     @property
     def used_nbytes(self) -> int:
-        """Bytes of the used rows of every array (``_used`` None: all of it; spare capacity and
-        constants left out)."""
+        """Bytes of the used rows of every array (``_used`` None: all of it; no spare capacity, no constants)."""
         return sum(a[:, :, : self._used(n)].nbytes for n in self.array_fields if (a := getattr(self, n)) is not None)
 
     @property
     def full_seq_bytes(self) -> int:
-        """What a float16 cache would hold for the same tokens (no spare capacity)."""
         return fp16_row_bytes(self.win_k, self.win_v, self.offset)
 
-    # ---- state: only the used rows are saved
     def _used(self, name: str) -> int:
         if name in self.window_fields:
             return self.n_win

@@ -1,10 +1,7 @@
-"""Undo and redo a model's rotary position embedding (RoPE) on cached keys.
-
-mlx_lm hands caches RoPE-rotated keys; a quantizer that wants pre-RoPE keys (KVQuant: their channels have
-stable ranges) undoes the rotation exactly, RoPE being a rotation by ``position * scale * frequency`` per
-channel pair (the inverse negates the scale). ``rope_spec(module)`` reads an attention module's ``rope``
-(``mlx.nn.RoPE``, or mlx_lm's variants with a ``_freqs`` table) and checks it numerically against the
-module; anything else (YaRN's ``mscale``, custom positions) gives None and the caller keeps post-RoPE keys.
+"""Undo and redo a model's rotary position embedding (RoPE) on cached keys: mlx_lm hands caches rotated keys,
+and a quantizer that wants pre-RoPE keys (KVQuant: stable channel ranges) undoes the rotation by ``position *
+scale * frequency`` per channel pair exactly. ``rope_spec`` reads ``mlx.nn.RoPE`` or mlx_lm's variants with a
+``_freqs`` table, checked numerically; anything else (YaRN's ``mscale``, custom positions) gives None.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows", "angle_tables"]
+__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows", "rotate_parts", "rope_halves", "angle_tables"]
 
 _BLOCK = 64  # positions per block of the angle-addition tables in rotate_rows
 
@@ -25,31 +22,24 @@ def rope_spec(module) -> Optional[dict]:
     or None), if rotating a random probe with it matches ``module(probe, offset=...)``; else None."""
     if module is None or getattr(module, "mscale", 1.0) != 1.0:
         return None
-    dims, traditional = getattr(module, "dims", None), getattr(module, "traditional", None)
-    scale = getattr(module, "scale", 1.0)
-    base = getattr(module, "base", None)
-    freqs = getattr(module, "_freqs", None)
-    if not isinstance(dims, int) or not isinstance(traditional, bool) or not isinstance(scale, (int, float)):
+    dims, traditional, freqs = getattr(module, "dims", None), getattr(module, "traditional", None), \
+        getattr(module, "_freqs", None)
+    if not isinstance(dims, int) or not isinstance(traditional, bool):
         return None
-    if freqs is None and not isinstance(base, (int, float)):
+    try:  # any mismatch in attributes or calling convention means "unknown RoPE"
+        spec = {"dims": dims, "traditional": traditional, "base": None if freqs is not None else float(module.base),
+                "scale": float(getattr(module, "scale", 1.0)),
+                "freqs": None if freqs is None else [float(f) for f in freqs.tolist()]}
+        probe = mx.random.normal((1, 1, 3, max(dims + dims % 2, 2)), key=mx.random.key(7))
+        want, got = module(probe, offset=11), apply_rope(probe, spec, 11)
+    except Exception:  # noqa: BLE001
         return None
-    spec = {"dims": dims, "traditional": traditional, "base": None if freqs is not None else float(base),
-            "scale": float(scale), "freqs": None if freqs is None else [float(f) for f in freqs.tolist()]}
-    d = dims + (dims % 2)
-    probe = mx.random.normal((1, 1, 3, max(d, 2)), key=mx.random.key(7))
-    try:
-        want = module(probe, offset=11)
-        got = apply_rope(probe, spec, 11)
-    except Exception:  # noqa: BLE001 -- any mismatch in calling convention means "unknown RoPE"
-        return None
-    if want.shape != got.shape or not bool(mx.allclose(want, got, atol=1e-5, rtol=1e-4)):
-        return None
-    return spec
+    return spec if want.shape == got.shape and bool(mx.allclose(want, got, atol=1e-5, rtol=1e-4)) else None
 
 
 def apply_rope(x: mx.array, spec: dict, offset: int, inverse: bool = False) -> mx.array:
-    """RoPE of rows ``x [B, H, n, D]`` at positions ``offset .. offset + n - 1`` (or its inverse).
-    ``spec["freqs"]`` may be a list (as stored) or an ``mx.array`` (converted once by the caller)."""
+    """RoPE of rows ``x [B, H, n, D]`` at positions ``offset ..`` (or its inverse); ``spec["freqs"]`` a list or
+    an ``mx.array``."""
     scale = -spec["scale"] if inverse else spec["scale"]
     freqs = spec.get("freqs")
     if freqs is not None and not isinstance(freqs, mx.array):
@@ -88,20 +78,26 @@ def angle_tables(omega: mx.array, offset, n: int) -> tuple[mx.array, mx.array]:
     return cos.reshape(*lead, nb * _BLOCK, P)[..., :n, :], sin.reshape(*lead, nb * _BLOCK, P)[..., :n, :]
 
 
-def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset, inverse: bool = False) -> mx.array:
-    """``apply_rope`` for rows ``x [B, H, n, D]`` at positions ``offset ..`` (an int, or one per batch row)
-    without a sine/cosine per element (:func:`angle_tables`; MLX's CPU ``fast.rope`` evaluates one per
-    element: ~5x slower for long rows). ``omega`` is :func:`rope_frequencies` of ``spec``."""
-    cos, sin = angle_tables(omega, offset, x.shape[2])
-    P = omega.shape[0]
-    if inverse:
-        sin = -sin
+def rope_halves(spec: dict):
+    """The channels of the rotary pairs' first and second members, and the rotated dims."""
     dims = spec["dims"]
     if spec["traditional"]:
-        pairs = x[..., :dims].reshape(*x.shape[:3], P, 2)
-        u, v = _turn(pairs[..., 0], pairs[..., 1], cos, sin)
-        rot = mx.stack([u, v], axis=-1).reshape(*x.shape[:3], dims)
-    else:
-        u, v = _turn(x[..., :P], x[..., P:dims], cos, sin)
-        rot = mx.concatenate([u, v], axis=-1)
-    return rot if dims == x.shape[-1] else mx.concatenate([rot, x[..., dims:]], axis=-1)
+        return slice(0, dims, 2), slice(1, dims, 2), dims
+    return slice(0, dims // 2), slice(dims // 2, dims), dims
+
+
+def rotate_parts(x: mx.array, spec: dict, omega: mx.array, offset, inverse: bool = False):
+    """:func:`rotate_rows` in parts (no interleaving copy): the rotated pairs' first and second members and the
+    unrotated tail."""
+    cos, sin = angle_tables(omega, offset, x.shape[2])
+    first, second, dims = rope_halves(spec)
+    return (*_turn(x[..., first], x[..., second], cos, -sin if inverse else sin), x[..., dims:])
+
+
+def rotate_rows(x: mx.array, spec: dict, omega: mx.array, offset, inverse: bool = False) -> mx.array:
+    """``apply_rope`` for rows ``x [B, H, n, D]`` at positions ``offset ..`` (an int, or one per batch row)
+    without a sine/cosine per element (:func:`angle_tables`; MLX's CPU ``fast.rope`` evaluates one per element:
+    ~5x slower for long rows). ``omega`` is :func:`rope_frequencies` of ``spec``."""
+    u, v, tail = rotate_parts(x, spec, omega, offset, inverse)
+    rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1) if spec["traditional"] else mx.concatenate([u, v], -1)
+    return mx.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot

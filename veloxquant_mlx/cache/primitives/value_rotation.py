@@ -10,9 +10,6 @@ import mlx.core as mx
 from .codebook import odd_poly_gaussian
 from .rotation import hadamard, random_orthogonal
 
-_ROTATIONS: dict[tuple, mx.array] = {}
-
-
 def power_of_two(d: int) -> bool:
     return d > 0 and d & (d - 1) == 0
 
@@ -27,14 +24,11 @@ def rotate_values(y: mx.array, seed: int, inverse: bool = False) -> mx.array:
     return y @ (m.T if inverse else m)
 
 
+@functools.lru_cache(maxsize=None)
 def value_rotation(dim: int, seed: int) -> mx.array:
     """The values' rotation as a matrix ``[Dv, Dv]`` (``v @ M``), one array per process per key."""
-    key = (int(dim), int(seed))
-    m = _ROTATIONS.get(key)
-    if m is None:
-        m = hadamard(dim) if power_of_two(dim) else random_orthogonal(dim, seed)
-        _ROTATIONS[key] = m = mx.contiguous(m)
-        mx.eval(m)
+    m = mx.contiguous(hadamard(dim) if power_of_two(dim) else random_orthogonal(dim, seed))
+    mx.eval(m)
     return m
 
 

@@ -1,9 +1,7 @@
-"""Variable-width bit packing: every channel has its own code width (0..8 bits).
-
-A ``VarLayout`` is built once from a width table ``bits [G, D]`` (one row per KV head, say; equal row sums
-``P``). A row of ``D`` codes is one little-endian bit stream as in ``bitpack`` (its equal-width special
-case), channel ``c`` at bits ``[off_c, off_c + bits_c)``, padded to ``ceil(P / 32)`` words; a 0-bit channel
-unpacks to 0. Packing is one gather of stream bits; unpacking two gathers per code. All vectorized.
+"""Variable-width bit packing: every channel has its own code width (0..8 bits). A ``VarLayout`` is built once
+from a width table ``bits [G, D]`` (equal row sums ``P``); a row of ``D`` codes is one little-endian bit stream as
+in ``bitpack``, channel ``c`` at bits ``[off_c, off_c + bits_c)``, padded to ``ceil(P / 32)`` words (a 0-bit
+channel unpacks to 0). Packing is one gather of stream bits; unpacking two gathers per code.
 """
 
 from __future__ import annotations
@@ -35,20 +33,15 @@ class VarLayout:
         self.words = (self.total_bits + 31) // 32
         off = np.cumsum(b, axis=1) - b  # exclusive cumulative sum
         self.bits = mx.array(b.astype(np.uint8))
-        P = max(self.total_bits, 1)
         idx_t = np.uint8 if self.dim <= 256 and self.words <= 256 else np.int32  # small tables: they are held
-        ch = np.zeros((self.groups, P), idx_t)
-        bi = np.zeros((self.groups, P), np.uint8)
-        for g in range(self.groups):  # layout construction (once per calibration), not a hot path
-            c = np.repeat(np.arange(self.dim), b[g])
-            ch[g, : c.size] = c
-            bi[g, : c.size] = np.arange(c.size) - off[g, c]
-        self.src_channel = mx.array(ch)
-        self.src_bit = mx.array(bi)
-        shift = off % 32
+        ch = np.repeat(np.tile(np.arange(self.dim), self.groups), b.ravel()).reshape(self.groups, self.total_bits)
+        pad = ((0, 0), (0, int(self.total_bits == 0)))  # a 0-bit layout keeps one (unused) column
+        self.src_channel = mx.array(np.pad(ch, pad).astype(idx_t))
+        bit = np.arange(self.total_bits) - np.take_along_axis(off, ch, 1)  # the bit within its channel's code
+        self.src_bit = mx.array(np.pad(bit, pad).astype(np.uint8))
         self.word = mx.array((off // 32).astype(idx_t))
         self.next_word = mx.array(np.minimum(off // 32 + 1, max(self.words - 1, 0)).astype(idx_t))
-        self.shift = mx.array(shift.astype(np.uint8))
+        self.shift = mx.array((off % 32).astype(np.uint8))
         self.mask = mx.array(((1 << b) - 1).astype(np.uint8))
 
     def arrays(self) -> list[mx.array]:

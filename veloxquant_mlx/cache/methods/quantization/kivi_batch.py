@@ -1,43 +1,17 @@
-"""The batch form of the KIVI cache: several requests decoded together by mlx_lm's ``BatchGenerator``
-(continuous batching), each keeping exactly the compressed state it would hold alone.
+"""The batch form of the KIVI cache for mlx_lm's ``BatchGenerator``: B requests decoded together, each keeping
+exactly the codes, scales and residual rows it would hold alone (``KIVIKVCache.merge`` builds it only when every
+cache is exactly a ``KIVIKVCache``: the variants keep raising ``BatchingNotSupported``; ``extract(i)`` gives the
+single cache back).
 
-``KIVIKVCache.merge(caches)`` builds a ``KIVIBatchKVCache`` (only when every cache is exactly a
-``KIVIKVCache``: the KIVI variants keep raising ``BatchingNotSupported``); ``extract(i)`` gives back an
-ordinary ``KIVIKVCache`` with the same codes, scales and residual rows as an unbatched run.
-
-Layout (B sequences, H kv heads, D / Dv head dims, G = ``kivi_group_size``, b bits). Every sequence
-keeps its own groups of G tokens at its own absolute positions 0, G, 2G, ... (as the single cache),
-so a request's codes do not depend on the batch it runs in:
-
-* quantized region, groups left-aligned per sequence: sequence i's groups fill slots
-  ``[0, nq[i])`` of ``k_codes [B, H, D, cap*w]``, ``k_scales``/``k_biases [B, H, D, cap]`` (KIVI's
-  transposed per-channel layout) and ``v_codes [B, H, cap*G, Wv]``, ``v_scales``/``v_biases
-  [B, H, cap*G, Dv/Gv]``; slots ``>= nq[i]`` are invalid for it (masked out of the scores; they may
-  hold leftovers, always finite). ``cap`` grows in steps.
-* float16 residual region, right-aligned: ``res_k [B, H, R, D]``, ``res_v [B, H, R, Dv]`` with
-  ``R = max(nr)``; sequence i's ``nr[i] < G`` rows are the last ``nr[i]`` columns. A decode step
-  appends one shared column; a sequence whose residual completes a group flushes its G rows into
-  its slot ``nq[i]`` (one gather over the batch, ``groupquant``, one ``put_along_axis`` scatter; the
-  sequences that flush nothing write a throw-away group into their own first invalid slot), and the
-  region's common invalid prefix is sliced off, so ``R < G`` after every call.
-
-All per-sequence counts (``nq``, ``nr``, ``lens``) are host-side Python ints derived from the call
-sizes and ``prepare``'s lengths: the decode path never syncs with the device, and nothing loops over
-tokens, heads or sequences per step (``merge``/``extract``/``extend``/``filter`` loop over the
-sequences once per request).
-
-``update_and_fetch`` returns [dequantized quantized region (max(nq)*G rows), residual region (R rows),
-new rows (N)] and ``make_mask`` the boolean mask [B, 1, N, M] that hides each sequence's invalid
-slots and keeps the new rows causal; ``attend`` (dispatch point) computes the same attention on the
-codes (KIVI's one-softmax form over [quantized part, residual + new rows], ``mx.quantized_matmul``
-where KIVI's ``_uses_qmm`` says so). Right-padded batched prefill (``prepare(lengths=,
-right_padding=)``): only each sequence's first ``lengths[i]`` rows of the call are stored; padded rows
-come after every valid row of their sequence, so the causal structure already hides them from valid
-queries; ``finalize`` has nothing to move. ``offset`` is an ``mx.array`` of the sequences' positions
-(RoPE of a valid row j of sequence i is ``lens[i] + j``).
-
-``nbytes`` = the arrays held: codes, float16 scales/biases (with the buffers' spare group slots) and the
-float16 residual region; no dense copy of the quantized rows is kept.
+Layout (G = group size): sequence i's groups, at its own absolute positions 0, G, 2G, ..., fill slots
+``[0, nq[i])`` of the grouped layout's buffers with a leading batch axis (``k_codes [B, H, D, cap*w]`` and its
+scales/biases along the last axis, transposed; values along the rows); later slots are masked and may hold
+finite leftovers. The float16 residual ``res_k [B, H, R, D]`` is right-aligned (``nr[i] < G`` rows); a
+sequence whose residual completes a group flushes it into slot ``nq[i]`` (one gather, ``groupquant``, one
+``put_along_axis`` for the batch), and the residual's common invalid prefix is dropped. Counts are host-side
+ints (``batch_common``): no per-step sync, no loop over tokens, heads or sequences. ``attend`` is the grouped
+layout's one softmax on the codes with the batch mask. Right-padded prefill stores only each sequence's first
+``lengths[i]`` rows. ``nbytes``: the arrays held (codes, float16 scales/biases with spare slots, residual).
 """
 
 from __future__ import annotations
@@ -47,43 +21,40 @@ import mlx.core as mx
 from ...attention import bool_mask
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives import groupquant as gq
-from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
+from ..batch_common import (RaggedBatchCache, borrows, grow_slots, keep_right, pad_left, rows_ending_at, rows_from,
+                            visible_mask)
 from ...grouped import RES_DTYPE, GroupedQuantCache
+from ...window import concat_rows
 from .kivi import KIVIKVCache
 
-_Q_FIELDS = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
+
+def _head(axis: int, n: int) -> tuple:
+    """The index of the first ``n`` entries along ``axis``."""
+    return (slice(None),) * axis + (slice(0, n),)
 
 
 @register_with_mlx_lm
-@borrows(GroupedQuantCache, "value_group", "_key_words", "_uses_qmm", "_keys_t", "_values", "_key_scores", "_value_out",
-         "_codes_own", "_scores_on_codes", "_values_on_codes", "_attend_codes", "dequant_only")
+@borrows(GroupedQuantCache, "_init_layout", "value_group", "_key_words", "_uses_qmm", "_keys_t", "_values",
+         "_key_scores", "_value_out", "_codes_own", "_scores_on_codes", "_values_on_codes", "_attend_codes",
+         "dequant_only")
 class KIVIBatchKVCache(RaggedBatchCache):
     """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
     method_name = "kivi"
-    array_fields = _Q_FIELDS + ("res_k", "res_v")
+    array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases", "res_k", "res_v")
     count_fields = ("nq", "nr", "lens")  # quantized groups, residual rows (< G), tokens held (= nq*G + nr)
     right_fields, right_count = ("res_k", "res_v"), "nr"  # the float16 residual region, right-aligned
     chunk_invariant = True
     exact_trim = False
     trim_exact_or_raises = True
-
     attend_path = "auto"
     dtype_name = "float16"
 
-
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
-        self.cap = 0  # group slots allocated
         self._init_counts(batch_size)
 
-    def _init_layout(self):
-        GroupedQuantCache._init_layout(self)
-
-    # ---------------------------------------------------------------- bookkeeping
-    @property
-    def R(self) -> int:
-        return 0 if self.res_k is None else self.res_k.shape[2]
+    R = property(lambda self: self.right_width)  # the residual's columns
 
     def size(self) -> int:
         return max(self.nq, default=0) * self.group + self.R
@@ -91,27 +62,20 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def _settings(self) -> tuple:
         return (self.qbits, self.group, self.attend_path)
 
-    # ---------------------------------------------------------------- allocation
     def _region_dtype(self, compute_dtype):
         return RES_DTYPE
 
     def _alloc(self, B, dtype=RES_DTYPE, cap=0):
         """Zero buffers for B sequences with ``cap`` group slots and an empty residual region."""
         H, D, Dv = self._shape
-        G, w = self.group, self._key_words()
-        gv = self.value_group(Dv)
-        wv = gq.words_per_group(self.qbits, gv) * (Dv // gv)
-        f16 = gq.SCALE_DTYPE
-        return {
-            "k_codes": mx.zeros((B, H, D, cap * w), dtype=mx.uint32),
-            "k_scales": mx.zeros((B, H, D, cap), dtype=f16),
-            "k_biases": mx.zeros((B, H, D, cap), dtype=f16),
-            "v_codes": mx.zeros((B, H, cap * G, wv), dtype=mx.uint32),
-            "v_scales": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
-            "v_biases": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
-            "res_k": mx.zeros((B, H, 0, D), dtype=dtype),
-            "res_v": mx.zeros((B, H, 0, Dv), dtype=dtype),
-        }
+        G, w, gv = self.group, self._key_words(), self.value_group(Dv)
+        wv, f16 = gq.words_per_group(self.qbits, gv) * (Dv // gv), gq.SCALE_DTYPE
+        return {"k_codes": mx.zeros((B, H, D, cap * w), dtype=mx.uint32),
+                "k_scales": mx.zeros((B, H, D, cap), dtype=f16), "k_biases": mx.zeros((B, H, D, cap), dtype=f16),
+                "v_codes": mx.zeros((B, H, cap * G, wv), dtype=mx.uint32),
+                "v_scales": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
+                "v_biases": mx.zeros((B, H, cap * G, Dv // gv), dtype=f16),
+                "res_k": mx.zeros((B, H, 0, D), dtype=dtype), "res_v": mx.zeros((B, H, 0, Dv), dtype=dtype)}
 
     def _slot_fields(self) -> dict:
         """Group slots: keys' codes/scales along their last axis (transposed layout), values' along rows."""
@@ -119,41 +83,28 @@ class KIVIBatchKVCache(RaggedBatchCache):
         return {"k_codes": (3, w), "k_scales": (3, 1), "k_biases": (3, 1),
                 "v_codes": (2, G), "v_scales": (2, G), "v_biases": (2, G)}
 
-    # ---------------------------------------------------------------- batch protocol
     @classmethod
     def from_caches(cls, caches) -> "KIVIBatchKVCache":
         """Batch of single ``KIVIKVCache``s (empty or holding tokens: prompt-cache reuse)."""
-        first = caches[0]
         cls._check_mergeable(caches, lambda c: (c.qbits, c.group, c.attend_path), "bits / group size / attend path")
-        shapes = {tuple(c._shape) for c in caches if getattr(c, "_shape", None) and c.res_k is not None}
+        held = [c for c in caches if getattr(c, "_shape", None) and c.res_k is not None]
+        shapes = {tuple(c._shape) for c in held}
         if len(shapes) > 1:
             raise BatchingNotSupported(f"KIVI caches with different head shapes cannot share a batch: {shapes}")
-        out = cls(first.config, len(caches))
-        out.attend_path = first.attend_path
+        out = cls(caches[0].config, len(caches))
+        out.attend_path = caches[0].attend_path
         if not shapes:
             return out  # nothing stored yet: buffers are allocated by the first update
-        H, D, Dv = shapes.pop()
-        G, w = out.group, out._key_words()
-        held = [c for c in caches if c.res_k is not None]
-        out.dtype_name = held[0].dtype_name
-        out._shape = (H, D, Dv)
-        out.nq = [c.n_quant // G for c in caches]
-        out.nr = [c.n_res for c in caches]
-        out.lens = [c.offset for c in caches]
-        R = max(out.nr)
-        out.cap = max(out.nq)
+        out._shape, out.dtype_name = shapes.pop(), held[0].dtype_name
+        out.nq, out.nr = [c.n_quant // out.group for c in caches], [c.n_res for c in caches]
+        out.lens, out.cap, R = [c.offset for c in caches], max(out.nq), max(out.nr)
         ones = []
         for c, g, r in zip(caches, out.nq, out.nr):  # once per request, not per step
             one = out._alloc(1, cap=out.cap)
-            if g:
-                one["k_codes"][..., : g * w] = c.k_codes[..., : g * w]
-                for name in ("k_scales", "k_biases"):
-                    one[name][..., :g] = getattr(c, name)[..., :g]
-                for name in ("v_codes", "v_scales", "v_biases"):
-                    one[name][:, :, : g * G] = getattr(c, name)[:, :, : g * G]
-            for name, src, d in (("res_k", c.res_k, D), ("res_v", c.res_v, Dv)):
-                pad = mx.zeros((1, H, R - r, d), dtype=RES_DTYPE)
-                one[name] = mx.concatenate([pad, src[:, :, :r].astype(RES_DTYPE)], axis=2) if r else pad
+            for name, (axis, per) in out._slot_fields().items() if g else ():
+                one[name][_head(axis, g * per)] = getattr(c, name)[_head(axis, g * per)]
+            for name in ("res_k", "res_v"):
+                one[name] = pad_left(getattr(c, name)[:, :, :r].astype(RES_DTYPE) if r else one[name], R)
             ones.append(one)
         return out._stack(ones)
 
@@ -166,29 +117,18 @@ class KIVIBatchKVCache(RaggedBatchCache):
         c.offset = self.lens[idx]
         if self.res_k is None:
             return c
-        G, w = self.group, self._key_words()
-        g, r = self.nq[idx], self.nr[idx]
-        H, D, Dv = self._shape
-        c._shape = self._shape
-        c.dtype_name = self.dtype_name
-        c.n_quant, c.n_res = g * G, r
-        one = slice(idx, idx + 1)
-        if g:
-            c.k_codes = mx.contiguous(self.k_codes[one, ..., : g * w])
-            c.k_scales = mx.contiguous(self.k_scales[one, ..., :g])
-            c.k_biases = mx.contiguous(self.k_biases[one, ..., :g])
-            c.v_codes = mx.contiguous(self.v_codes[one, :, : g * G])
-            c.v_scales = mx.contiguous(self.v_scales[one, :, : g * G])
-            c.v_biases = mx.contiguous(self.v_biases[one, :, : g * G])
-        R = self.R
-        c.res_k = mx.concatenate([self.res_k[one, :, R - r:], mx.zeros((1, H, G - r, D), RES_DTYPE)], axis=2)
-        c.res_v = mx.concatenate([self.res_v[one, :, R - r:], mx.zeros((1, H, G - r, Dv), RES_DTYPE)], axis=2)
+        G, g, r, one = self.group, self.nq[idx], self.nr[idx], slice(idx, idx + 1)
+        c._shape, c.dtype_name, c.n_quant, c.n_res = self._shape, self.dtype_name, g * G, r
+        for name, (axis, per) in self._slot_fields().items() if g else ():
+            setattr(c, name, mx.contiguous(getattr(self, name)[(one, *_head(axis, g * per)[1:])]))
+        for name in ("res_k", "res_v"):  # the single cache's G-row residual buffer
+            rows = getattr(self, name)[one, :, self.R - r:]
+            setattr(c, name, mx.concatenate([rows, mx.zeros((*rows.shape[:2], G - r, rows.shape[3]), RES_DTYPE)], 2))
         return c
 
-    # ---------------------------------------------------------------- masks
     def _visible(self, N: int, nq, nr, qw: int, R: int) -> mx.array:
-        """Boolean [B, 1, N, qw*G + R + N]: per sequence, its valid group slots, its residual rows,
-        and the new rows causally."""
+        """Boolean [B, 1, N, qw*G + R + N]: per sequence its valid group slots and residual rows, the new rows
+        causally."""
         G = self.group
         return visible_mask(N, len(nq), [(qw * G, [q * G for q in nq], "left"), (R, nr, "right")])
 
@@ -200,26 +140,22 @@ class KIVIBatchKVCache(RaggedBatchCache):
             return None if N == 1 else "causal"
         return self._visible(N, self.nq, self.nr, qw, R)
 
-    # ---------------------------------------------------------------- storage
-    def _dense_past(self, qw: int, res_k, res_v, dtype):
-        ks, vs = [], []
-        if qw:
-            ks.append(self._keys_t(qw * self.group).swapaxes(-1, -2).astype(dtype))
-            vs.append(self._values(qw * self.group).astype(dtype))
-        if res_k is not None and res_k.shape[2]:
-            ks.append(res_k.astype(dtype))
-            vs.append(res_v.astype(dtype))
-        return ks, vs
+    def _rows(self, qw: int, res_k, res_v, dtype, new=(None, None)):
+        """Dense (K, V): ``qw`` dequantized group slots, the residual rows, ``new`` (None, None: nothing)."""
+        n = qw * self.group
+        parts = ((self._keys_t(n).swapaxes(-1, -2), self._values(n)) if qw else (None, None),
+                 (res_k, res_v) if res_k is not None and res_k.shape[2] else (None, None), new)
+        return concat_rows(parts, dtype) if any(k is not None for k, _ in parts) else (None, None)
+
+    def _dense(self):
+        return self._rows(max(self.nq, default=0), self.res_k, self.res_v, getattr(mx, self.dtype_name))
 
     def update_and_fetch(self, keys, values):
         valid = self._begin_call(keys, values)
         qw = max(self.nq, default=0)
         self._call = (qw, self.R, list(self.nq), list(self.nr), self.res_k, self.res_v, keys, values)
         self._store(keys, values, valid)
-        ks, vs = self._dense_past(qw, self._call[4], self._call[5], keys.dtype)
-        if not ks:
-            return keys, values
-        return mx.concatenate(ks + [keys], axis=2), mx.concatenate(vs + [values], axis=2)
+        return self._rows(qw, self._call[4], self._call[5], keys.dtype, (keys, values))
 
     def _store(self, keys, values, valid):
         B, H, N, D = keys.shape
@@ -266,24 +202,13 @@ class KIVIBatchKVCache(RaggedBatchCache):
             out = mx.put_along_axis(buf.reshape(B, H, cap, G, last), vs, new.reshape(B, H, K, G, last), axis=2)
             setattr(self, name, out.reshape(B, H, cap * G, last))
 
-    def _dense(self):
-        dtype = getattr(mx, self.dtype_name)
-        ks, vs = self._dense_past(max(self.nq, default=0), self.res_k, self.res_v, dtype)
-        if not ks:
-            return None, None
-        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
-
-    # ---------------------------------------------------------------- attention on the codes
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
-        N = queries.shape[2]
-        if call is None or call[6].shape[2] != N:
+        N, G = queries.shape[2], self.group
+        if call is None or call[6].shape[2] != N or keys.shape[2] != call[0] * G + call[1] + N:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         qw, R, nq, nr, past_k, past_v, new_k, new_v = call
-        G = self.group
         P = qw * G + R
-        if keys.shape[2] != P + N:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
@@ -293,7 +218,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
         return self._attend_codes(queries, (qw * G, R, past_k if R else None, past_v if R else None, new_k, new_v),
                                   scale=scale, mask=m, sinks=sinks)
 
-    # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""
         n = int(n)
@@ -303,13 +227,10 @@ class KIVIBatchKVCache(RaggedBatchCache):
             raise ValueError(
                 f"KIVIBatchKVCache: trimming {n} tokens would cut into a quantized group of some sequence "
                 f"(residual rows per sequence: {self.nr}); extract the sequences and trim them one by one")
-        self._call = None
-        R = self.R
-        self.res_k, self.res_v = self.res_k[:, :, : R - n], self.res_v[:, :, : R - n]
+        self._call, R = None, self.R
         self.nr = [r - n for r in self.nr]
-        # the region stays right-aligned: shift by dropping the now common invalid prefix
-        R2 = max(self.nr)
-        self.res_k, self.res_v = keep_right(self.res_k, R2), keep_right(self.res_v, R2)
+        R2 = max(self.nr)  # the region stays right-aligned: drop the now common invalid prefix
+        self.res_k, self.res_v = keep_right(self.res_k[:, :, : R - n], R2), keep_right(self.res_v[:, :, : R - n], R2)
         self.lens = [x - n for x in self.lens]
         self._sync_offset()
         return n

@@ -1,47 +1,45 @@
-"""TurboQuant-RVQ (the library's default method): random rotation + two-stage residual vector
-quantization of keys *and* values, float16 sink rows and a float16 window of the newest tokens.
+"""TurboQuant-RVQ (the library's default method): random rotation + two-stage residual vector quantization of
+keys and values, float16 sink rows and a float16 window of the newest tokens.
 
-Paper: Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal
-Distortion Rate", arXiv 2504.19874: a normalised vector times a random rotation ``Pi`` has coordinates
-of one known law whatever the input, so a *data-oblivious* codebook computed once for that law codes it
-within a small constant (<= sqrt(3)*pi/2) of the ``4^-b`` MSE bound. This method keeps the rotation and
-the data-oblivious codebooks and replaces the scalar quantizer by a residual VQ on sub-vectors.
+Paper: Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal Distortion
+Rate", arXiv 2504.19874: a normalised vector times a random rotation ``Pi`` has coordinates of one known law, so
+a data-oblivious codebook computed once codes it within a small constant (<= sqrt(3)*pi/2) of the ``4^-b`` MSE
+bound. This method keeps the rotation and the data-oblivious codebooks, with a residual VQ on sub-vectors.
 
-Per KV head (keys: ``s, B = key_sub_dim, key_codebook_bits``; values: ``value_sub_dim,
-value_codebook_bits``): ``g = ||x||`` (float16) and ``y = Pi x / g`` (``Pi`` a seeded Haar-random
-orthogonal matrix per head dim, shared by keys, values, heads and layers); each of the ``d / s``
-sub-vectors of ``y`` gets a stage-1 centroid (``B1 = min(B, 8)`` bits) plus a cell-scaled stage-2
-centroid (``B - B1`` bits), beam-encoded over the 4 nearest stage-1 centroids (``primitives.rvq``:
-seeded k-means on random unit vectors' sub-vectors, jointly refined; cached per process and in
-``config.store`` as ``tqrvq.d{d}.s{s}.b{B}.seed{seed}``), codes bit-packed at their width. Rows enter
-``window.ResidualWindowCache``'s float16 window and leave it in whole blocks (the first ``SINK_ROWS``
-tokens to float16 sinks). Defaults at d = 64: 3.25 key + 1.25 value bits per coordinate, 36 bytes per
-token per KV head (0.141x fp16); the window's 16-bit rows lift a whole cache above that on short contexts
-(``bytes_per_token``, ``bits_per_coordinate``; measured KL and bytes: docs/RESULTS.md "TurboQuant-RVQ",
-``scripts/bench_turboquant_rvq.py``). Choices measured there: the second stage (``STAGE2_STUDY``: a QJL
-stage was worse than none), ``B1 = min(B, 8)``, the sink rows (KL 0.128 without them at the defaults).
+Per KV head (keys: ``s, B = key_sub_dim, key_codebook_bits``; values: ``value_sub_dim, value_codebook_bits``):
+``g = ||x||`` (float16), ``y = Pi x / g`` (``Pi`` a seeded Haar-random orthogonal matrix per head dim, shared by
+keys, values, heads and layers); each of the ``d / s`` sub-vectors gets a stage-1 centroid (``B1 = min(B, 8)``
+bits) plus a cell-scaled stage-2 centroid (``B - B1`` bits), beam-encoded over the 4 nearest stage-1 centroids
+(``primitives.rvq``: seeded k-means on random unit vectors' sub-vectors, jointly refined; cached per process
+and in ``config.store`` as ``tqrvq.d{d}.s{s}.b{B}.seed{seed}``), codes bit-packed. Rows leave
+``window.ResidualWindowCache``'s float16 window in whole blocks. Defaults at d = 64: 3.25 key + 1.25 value bits
+per coordinate, 36 bytes per token per KV head (0.141x fp16), more on short contexts where the window's 16-bit
+rows weigh (``bytes_per_token``, ``bits_per_coordinate``; measured KL and bytes: docs/RESULTS.md
+"TurboQuant-RVQ", ``scripts/bench_turboquant_rvq.py``). Choices measured there: the second stage
+(``STAGE2_STUDY``: a QJL stage was worse than none), ``B1 = min(B, 8)``, the sinks (KL 0.128 without them).
 
 Deviations from the paper:
 
-1. Vector instead of scalar quantization (two residual k-means stages on ``s``-dim sub-vectors,
-   ``B / s`` bits per coordinate), with a beam-search encoder and cell-scaled second stage.
+1. Vector instead of scalar quantization (two residual k-means stages on ``s``-dim sub-vectors, ``B / s`` bits
+   per coordinate), with a beam-search encoder and cell-scaled second stage.
 2. No QJL stage; the score estimate is biased like the paper's MSE variant (``STAGE2_STUDY``).
 3. Norms are stored in float16 (the paper assumes exact norms); norms above 65504 saturate.
 4. Keys and values are both quantized this way, with no outlier-channel split.
-5. A float16 window of the newest ``R`` .. ``R + QUANT_BLOCK - 1`` tokens (``R = residual_length``) and
-   the stream's first 4 tokens in float16 (attention sinks: StreamingLLM arXiv 2309.17453); a call's own
-   rows, and rows leaving the window during it, are attended in full precision; later prefill chunks see
-   earlier ones compressed.
-6. Codebooks come from k-means on samples (not the exact density), refined jointly; a saved cache is
-   decoded with the loading process's codebooks (the same for the same seed and platform; an
+5. A float16 window of the newest ``R`` .. ``R + QUANT_BLOCK - 1`` tokens (``R = residual_length``) and the
+   stream's first 4 tokens in float16 (attention sinks: StreamingLLM arXiv 2309.17453); a call's own rows, and
+   rows leaving the window during it, are attended in full precision; later prefill chunks see earlier ones
+   compressed.
+6. Codebooks come from k-means on samples (not the exact density), refined jointly; a saved cache is decoded
+   with the loading process's codebooks (the same for the same seed and platform; an
    ``NpyDirectoryArtifactStore`` pins them across machines).
 
 ``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``) on the first cache of each set
-(``counts_constants``); trim follows ``ResidualWindowCache``; ``merge`` builds ``turboquant_rvq_batch.py``'s form.
+(``counts_constants``); ``merge`` builds ``turboquant_rvq_batch.py``'s form.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -90,47 +88,43 @@ class _Quantizer:
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
         y = (xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t
         i, j = self.cb.encode(y)
-        p1 = pack_bits(i, self.cb.bits1)
         p2 = pack_bits(j, self.cb.bits2) if j is not None else None
-        return p1, p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
+        return pack_bits(i, self.cb.bits1), p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
 
     def codes(self, p1, p2):
         """Unpacked codes (uint8 ``[.., S]``) from packed planes."""
-        return unpack_bits(p1, self.cb.bits1, self.cb.n_sub), (
-            unpack_bits(p2, self.cb.bits2, self.cb.n_sub) if p2 is not None else None)
+        return tuple(unpack_bits(p, b, self.cb.n_sub) if p is not None else None
+                     for p, b in ((p1, self.cb.bits1), (p2, self.cb.bits2)))
 
     def decode_rotated(self, p1, p2) -> mx.array:
         return self.cb.decode(*self.codes(p1, p2))
 
 
 _QUANTIZERS: dict[tuple, _Quantizer] = {}
-_ROTATIONS: dict[tuple, mx.array] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _rotation(dim: int, seed: int) -> mx.array:
     """``Pi^T`` for ``(dim, seed)``: one array per process, shared by keys, values and all layers."""
-    r = _ROTATIONS.get((dim, seed))
-    if r is None:
-        r = _ROTATIONS[(dim, seed)] = mx.contiguous(random_orthogonal(dim, seed).T)
-        mx.eval(r)
+    r = mx.contiguous(random_orthogonal(dim, seed).T)
+    mx.eval(r)
     return r
 
 
 def _quantizer(dim, sub_dim, bits, seed, store) -> _Quantizer:
     key = (dim, sub_dim, bits, seed)
-    q = _QUANTIZERS.get(key)
-    if q is None:
-        q = _QUANTIZERS[key] = _Quantizer(dim, sub_dim, bits, seed, store)
+    if key not in _QUANTIZERS:
+        _QUANTIZERS[key] = _Quantizer(dim, sub_dim, bits, seed, store)
     elif store is not None:
         rvq_codebook(dim, sub_dim, bits, seed, store)  # make sure the store holds it too
-    return q
+    return _QUANTIZERS[key]
 
 
-# ---------------------------------------------------------------------------------------- the cache
 @register_with_mlx_lm
 @register("turboquant_rvq")
 class TurboQuantRVQKVCache(ResidualWindowCache):
     """TurboQuant rotation + two-stage residual VQ of keys and values, float16 window, attention on the codes."""
+
     chunk_invariant = True  # data-oblivious codebooks, per-token codes, window compacted in whole blocks
     exact_trim = False  # returns n, but rows the trimmed rows pushed out of the float16 window stay quantized
     batchable = True  # merge -> TurboQuantRVQBatchKVCache (turboquant_rvq_batch.py); subclasses keep raising
@@ -154,8 +148,8 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         self.array_fields = tuple(n for n in TurboQuantRVQKVCache.array_fields  # no stage-2 plane when B <= 8
                                   if not n.endswith("codes2") or stage2[n[0]])
 
-    # ---- constants (lazily, from the dims actually seen)
     def _quantizers(self, dk: int, dv: int):
+        """The (key, value) quantizers for the dims seen (built lazily)."""
         if self._kq is None or self._kq.dim != dk or self._vq.dim != dv:
             for field, sub, d in (("key", self.key_sub_dim, dk), ("value", self.value_sub_dim, dv)):
                 if d % sub:
@@ -169,7 +163,6 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         _, dk, dv = self._shape
         return self._quantizers(dk, dv)
 
-    # ---- quantized storage
     def _store(self, keys, values):
         self._quantizers(keys.shape[-1], values.shape[-1])  # constants (and dim checks) up front
         super()._store(keys, values)
@@ -208,19 +201,16 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         kq, vq = self._qs()
         qr = q @ kq.rot_t
 
-        def rows(prefix, qz, a, b):
-            return qz.decode_rotated(*self._planes(prefix, b, a))
-
         def norms(prefix, a, b):
             return getattr(self, prefix + "norms")[:, :, a:b].astype(mx.float32)[:, :, None, :]
 
         def scores(a, b):
-            s = self._lut_scores(kq, qr, *kq.codes(*self._planes("k_", b, a))) if lut else \
-                qr @ rows("k_", kq, a, b).swapaxes(-1, -2)
+            codes = kq.codes(*self._planes("k_", b, a))
+            s = self._lut_scores(kq, qr, *codes) if lut else qr @ kq.cb.decode(*codes).swapaxes(-1, -2)
             return s * norms("k_", a, b)
 
         def values(p, a, b):
-            return ((p * norms("v_", a, b)) @ rows("v_", vq, a, b)) @ vq.rot_t.T
+            return ((p * norms("v_", a, b)) @ vq.decode_rotated(*self._planes("v_", b, a))) @ vq.rot_t.T
 
         return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
 
@@ -244,7 +234,6 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         sig = mx.take(cb.sigma, i.astype(mx.int32))[:, :, None]  # [B, H, 1, T, S]
         return (gather(t1, i, cb.k1) + sig * gather(t2, j, cb.k2)).sum(axis=-1)
 
-    # ---- accounting
     @staticmethod
     def constants_key(c):
         """What the shared rotation and codebooks depend on: head dim, sub-vector dims, bits, seed."""

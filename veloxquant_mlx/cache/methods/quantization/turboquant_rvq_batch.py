@@ -1,19 +1,13 @@
-"""The batch form of TurboQuant-RVQ (the default method) for mlx_lm's ``BatchGenerator``: several
-requests decoded together, each keeping exactly the compressed state it would hold alone
-(``TurboQuantRVQKVCache.merge`` builds it when every cache is exactly a ``TurboQuantRVQKVCache`` with the
-same settings; ``extract(i)`` gives the single cache back).
+"""The batch form of TurboQuant-RVQ for mlx_lm's ``BatchGenerator``: B requests decoded together, each
+keeping exactly the compressed state it would hold alone (``TurboQuantRVQKVCache.merge`` builds it when every
+cache is exactly a ``TurboQuantRVQKVCache`` with the same settings; ``extract(i)`` gives the single cache back).
 
-Layout per sequence, in position order: float16 sink rows (``sink_k [B, H, SINK_ROWS, D]``, left-aligned,
-``ns[i]`` used), codes and norms (``k_codes1``/``k_codes2``/``k_norms`` and the values', ``[B, H, cap, .]``,
-left-aligned, ``nq[i]`` used; later slots are masked and may hold finite leftovers) and the float16 window
-(``win_k [B, H, W, D]``, right-aligned, ``nw[i]`` used). A window that reaches ``R + QUANT_BLOCK`` rows
-flushes its oldest whole blocks beyond the newest R as the single cache does (the stream's first
-``SINK_ROWS`` tokens to the sinks): one gather, one ``_Quantizer.encode`` and one ``put_along_axis`` into
-slots ``nq[i] ..`` for the whole batch. The counts (``ns``, ``nq``, ``nw``, ``lens``) are host-side ints
-from the call sizes (``batch_common.RaggedBatchCache``): no per-step device sync, no loop over tokens,
-heads or sequences per step. ``make_mask`` shows each sequence its own rows; ``attend`` runs the single
-cache's ``_quantized_part`` and ``joint_attention`` with that mask. ``nbytes``: the arrays held plus,
-as the single caches, the shared constants where ``counts_constants``.
+Layout per sequence, in position order: float16 sink rows (``sink_k [B, H, SINK_ROWS, D]``, ``ns[i]`` used),
+codes and norms (``[B, H, cap, .]``, ``nq[i]`` used; later slots are masked and may hold finite leftovers),
+both left-aligned, and the float16 window (``win_k [B, H, W, D]``, right-aligned, ``nw[i]`` used). A window
+flushes as the single cache's (the stream's first ``SINK_ROWS`` tokens to the sinks), for the whole batch in
+one gather, one encode and one ``put_along_axis``. Counts are host-side ints (``batch_common``): no per-step
+sync, no loop over tokens, heads or sequences. ``attend`` is the single cache's one softmax with the batch mask.
 """
 
 from __future__ import annotations
@@ -22,39 +16,38 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ...attention import bool_mask, group_queries
+from ...attention import bool_mask
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitpack import packed_words
 from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from ...primitives.rvq import split_bits
-from ...window import QUANT_BLOCK, SINK_ROWS, concat_rows, joint_attention, rows_part
+from ...window import QUANT_BLOCK, SINK_ROWS, WindowCall, attend_joint, concat_rows
 from .turboquant_rvq import TurboQuantRVQKVCache
 
+
 class _BatchCall(NamedTuple):
-    """What one ``update_and_fetch`` call attends over: the counts and regions stored before it."""
+    """One ``update_and_fetch`` call: the counts before it, the sink rows and ``window`` (the single cache's
+    record: widths ``max(ns)``, ``max(nq)``, W, the window before the call and the call's rows)."""
 
     ns: list
     nq: list
     nw: list
-    sink_k: mx.array  # [B, H, max(ns), D]
-    sink_v: mx.array
-    past_k: mx.array  # window before the call, [B, H, W0, D]
-    past_v: mx.array
-    new_k: mx.array
-    new_v: mx.array
-
-    @property
-    def widths(self):
-        return max(self.ns, default=0), max(self.nq, default=0), self.past_k.shape[2]
+    sink: tuple  # (sink_k, sink_v) [B, H, max(ns), D]
+    window: WindowCall
 
 
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
          "_quantized_tiles", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
-    """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
+    """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol); also the
+    parent of waterfill's, which stores other codes in the same layout."""
 
     method_name = "turboquant_rvq"
+    single = TurboQuantRVQKVCache  # what ``from_caches`` takes and ``extract`` gives
+    merge_what = "settings (residual length, sub-vector dims, bits, seed)"
+    per_seq = {"ns": "n_sink", "nq": "n_quant", "nw": "n_win", "lens": "offset"}  # count: the single cache's int
+    shared_scalars = ("counts_constants",)  # equal in the batch and its single caches
     array_fields = TurboQuantRVQKVCache.array_fields  # narrowed by _init_layout (no stage-2 planes if B <= 8)
     count_fields = ("ns", "nq", "nw", "lens")  # sink rows, quantized tokens, window rows, tokens held
     right_fields, right_count = ("win_k", "win_v"), "nw"  # the float16 window, right-aligned
@@ -62,17 +55,14 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     quant_block = QUANT_BLOCK  # rows leave a window in whole blocks of this many
     chunk_invariant = True  # as the single cache: per-sequence blocks at the same positions
     exact_trim = False  # as the single cache
-
     dtype_name = "float32"
     counts_constants = True
     _shared = TurboQuantRVQKVCache._shared
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
-        self.cap = 0  # code slots allocated
         self._init_counts(batch_size)
 
-    # ---------------------------------------------------------------- bookkeeping
     W = property(lambda self: self.right_width)  # the window's columns
 
     def size(self) -> int:
@@ -81,12 +71,10 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def _settings(self) -> tuple:
         return (self.residual_length, self.key_sub_dim, self.value_sub_dim, self.key_bits, self.value_bits, self.seed)
 
-    # ---------------------------------------------------------------- allocation
     def _code_widths(self) -> dict:
         """Trailing shape of each code field (packed words per token; norms have none)."""
-        kq, vq = self._qs()
         out = {}
-        for prefix, qz in (("k_", kq), ("v_", vq)):
+        for prefix, qz in zip(("k_", "v_"), self._qs()):
             b1, b2 = split_bits(qz.bits)
             out[prefix + "codes1"] = (packed_words(qz.cb.n_sub, b1),)
             if b2:
@@ -109,64 +97,74 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     def _slot_fields(self) -> dict:
         return {name: (2, 1) for name in self._code_widths()}  # one code row per slot
 
-    # ---------------------------------------------------------------- batch protocol
     @classmethod
-    def from_caches(cls, caches) -> "TurboQuantRVQBatchKVCache":
-        """Batch of single ``TurboQuantRVQKVCache``s (empty or holding tokens: prompt-cache reuse)."""
-        first = caches[0]
-        cls._check_mergeable(caches, cls._settings, "settings (residual length, sub-vector dims, bits, seed)")
+    def from_caches(cls, caches):
+        """Batch of ``single`` caches (empty or holding tokens: prompt-cache reuse)."""
+        cls._check_mergeable(caches, cls._settings, cls.merge_what)
         held = [c for c in caches if c.win_k is not None]
         shapes, dtypes = {tuple(c._shape) for c in held}, {c.win_k.dtype for c in held}
         if len(shapes) > 1 or len(dtypes) > 1:
-            raise BatchingNotSupported(
-                f"turboquant_rvq caches with different head shapes / storage dtypes cannot share a batch: "
-                f"{shapes}, {dtypes}")
-        out = cls(first.config, len(caches))
-        out.counts_constants = first.counts_constants
+            raise BatchingNotSupported(f"{cls.method_name} caches with different head shapes / storage dtypes "
+                                       f"cannot share a batch: {shapes}, {dtypes}")
+        out = cls(caches[0].config, len(caches))
+        for name in cls.shared_scalars:
+            setattr(out, name, getattr(caches[0], name))
+        for name, attr in cls.per_seq.items():
+            setattr(out, name, [getattr(c, attr) for c in caches])
         if not held:
             return out  # nothing stored yet: buffers are allocated by the first update
-        out._shape, out.dtype_name = shapes.pop(), held[0].dtype_name
+        out._shape, out.dtype_name, dtype = shapes.pop(), held[0].dtype_name, dtypes.pop()
         out._quantizers(out._shape[1], out._shape[2])
-        out.ns, out.nq, out.nw = [c.n_sink for c in caches], [c.n_quant for c in caches], [c.n_win for c in caches]
-        out.lens = [c.offset for c in caches]
         out.cap, W = max(out.nq), max(out.nw)
-        dtype = dtypes.pop()
         ones = []
         for c, s, q, w in zip(caches, out.ns, out.nq, out.nw):  # once per request, not per step
             one = out._alloc(1, dtype, out.cap, W)
-            for names, n, dst in ((list(out._code_widths()), q, slice(0, q)), (("sink_k", "sink_v"), s, slice(0, s)),
+            for names, n, dst in ((out._code_widths(), q, slice(0, q)), (("sink_k", "sink_v"), s, slice(0, s)),
                                   (("win_k", "win_v"), w, slice(W - w, W))):
                 for name in names if n else ():
                     one[name][:, :, dst] = getattr(c, name)[:, :, :n]
-            ones.append(one)
+            ones.append(out._merge_one(c, one))
         return out._stack(ones)
 
-    def extract(self, idx: int) -> TurboQuantRVQKVCache:
-        """Sequence ``idx`` as an ordinary ``TurboQuantRVQKVCache`` (the same state it would hold alone)."""
-        idx = int(idx)
-        c = TurboQuantRVQKVCache(self.config)
-        c.counts_constants, c.offset = self.counts_constants, self.lens[idx]
+    def _merge_one(self, c, one: dict) -> dict:
+        """``one``'s arrays (a single cache ``c`` in the batch layout) plus what the subclass keeps whole."""
+        return one
+
+    def extract(self, idx: int):
+        """Sequence ``idx`` as an ordinary ``single`` cache (the same state it would hold alone)."""
+        idx, c = int(idx), self.single(self.config)
+        for name in self.shared_scalars:
+            setattr(c, name, getattr(self, name))
+        for name, attr in self.per_seq.items():
+            setattr(c, attr, getattr(self, name)[idx])
         if self.win_k is None:
             return c
-        c.n_sink, c.n_quant, c.n_win = s, q, w = self.ns[idx], self.nq[idx], self.nw[idx]
-        c._shape, c.dtype_name, c._kq, c._vq = self._shape, self.dtype_name, self._kq, self._vq
-        one = slice(idx, idx + 1)
-        if q:
-            for name in self._code_widths():
-                setattr(c, name, mx.contiguous(getattr(self, name)[one, :, :q]))
-        if s:
-            c.sink_k, c.sink_v = mx.contiguous(self.sink_k[one]), mx.contiguous(self.sink_v[one])
-        for name in ("win_k", "win_v"):  # a copy of the window's rows only: the single cache grows it when rows arrive
-            rows = getattr(self, name)[one, :, self.W - w:]
-            setattr(c, name, mx.concatenate([rows, mx.zeros((*rows.shape[:2], 0, rows.shape[3]), dtype=rows.dtype)], 2))
+        c._shape, c.dtype_name, one = self._shape, self.dtype_name, slice(idx, idx + 1)
+        for names, n, cols in ((self._code_widths(), c.n_quant, slice(0, c.n_quant)),
+                               (("sink_k", "sink_v"), c.n_sink, slice(None))):
+            for name in names if n else ():
+                setattr(c, name, mx.contiguous(getattr(self, name)[one, :, cols]))
+        for name in ("win_k", "win_v"):  # a copy of the window's rows only: the single cache grows it
+            rows = getattr(self, name)[one, :, self.W - c.n_win:]
+            setattr(c, name, mx.concatenate([rows, rows[:, :, :0]], axis=2))
+        return self._extract_one(c, idx, one)
+
+    def _extract_one(self, c, idx: int, one: slice):
+        c._kq, c._vq = self._kq, self._vq
         return c
 
-    # ---------------------------------------------------------------- masks
     @staticmethod
     def _visible(N: int, ns, nq, nw, W: int) -> mx.array:
         """Boolean [B, 1, N, M]: per sequence its sink rows, code slots and window rows, the new rows causally."""
         return visible_mask(N, len(ns), [(max(ns, default=0), ns, "left"), (max(nq, default=0), nq, "left"),
                                          (W, nw, "right")])
+
+    def _call_mask(self, call: _BatchCall, mask, N: int) -> mx.array:
+        """The batch mask of ``call``, and-ed with a caller's extra array mask."""
+        m = self._visible(N, call.ns, call.nq, call.nw, call.window.r0)
+        if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == m.shape[-2:]:
+            m = m & bool_mask(mask, N, m.shape[-1])[:, :, 0]
+        return m
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if window_size is not None:
@@ -175,7 +173,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
             return None if N == 1 else "causal"
         return self._visible(N, self.ns, self.nq, self.nw, self.W)
 
-    # ---------------------------------------------------------------- storage
     def _rows(self, S0, qw, sink_k, sink_v, win_k, win_v, dtype, new_k=None, new_v=None):
         """Dense rows in key order: sink rows, dequantized code slots, window, the call's rows."""
         parts = [(sink_k[:, :, :S0], sink_v[:, :, :S0]) if S0 else (None, None),
@@ -188,16 +185,14 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
                           self.win_k, self.win_v, getattr(mx, self.dtype_name))
 
     def update_and_fetch(self, keys, values):
-        self._check_input(keys, values)
-        self._quantizers(keys.shape[-1], values.shape[-1])  # constants (and dim checks) up front
-        valid = self._begin_call(keys, values)
-        S0 = max(self.ns, default=0)
-        self._call = call = _BatchCall(list(self.ns), list(self.nq), list(self.nw), self.sink_k[:, :, :S0],
-                                       self.sink_v[:, :, :S0], self.win_k, self.win_v, keys, values)
+        valid = self._begin_call(keys, values)  # (the first call builds the constants: dim checks up front)
+        S0, qw = max(self.ns, default=0), max(self.nq, default=0)
+        w = WindowCall(S0, qw, self.W, self.win_k, self.win_v, keys, values)
+        self._call = _BatchCall(list(self.ns), list(self.nq), list(self.nw), (self.sink_k[:, :, :S0],
+                                                                              self.sink_v[:, :, :S0]), w)
         self._store(keys, values, valid)
         # stored slots < the pre-call counts are unchanged by _store; the others are masked
-        return self._rows(S0, max(call.nq, default=0), call.sink_k, call.sink_v, call.past_k, call.past_v,
-                          keys.dtype, keys, values)
+        return self._rows(S0, qw, *self._call.sink, w.past_k, w.past_v, keys.dtype, keys, values)
 
     def _store(self, keys, values, valid):
         N = keys.shape[2]
@@ -241,42 +236,30 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     def _put_codes(self, kb, vb, K):
         """Encode K rows per sequence (kb/vb [B, H, K, D]) into slots nq[i] .. nq[i] + K - 1."""
-        kq, vq = self._qs()
-        slots = mx.array(self.nq, dtype=mx.int32)[:, None] + mx.arange(K, dtype=mx.int32)[None]  # [B, K]
-        for prefix, qz, x in (("k_", kq, kb), ("v_", vq, vb)):
-            p1, p2, norms = qz.encode(x)
-            for name, rows in (("codes1", p1), ("codes2", p2), ("norms", norms)):
-                if rows is None:
-                    continue
-                idx = slots[:, None, :] if rows.ndim == 3 else slots[:, None, :, None]
-                setattr(self, prefix + name, mx.put_along_axis(getattr(self, prefix + name), idx, rows, axis=2))
+        rows = {}
+        for prefix, qz, x in zip(("k_", "v_"), self._qs(), (kb, vb)):
+            rows.update({prefix + name: a for name, a in zip(("codes1", "codes2", "norms"), qz.encode(x))})
+        self._scatter(K, rows)
 
-    # ---------------------------------------------------------------- attention on the codes
+    def _scatter(self, K, rows: dict) -> None:
+        """Write ``rows`` ({field: [B, H, K(, w)]}, None skipped) into each sequence's slots nq[i] .. + K - 1."""
+        slots = mx.array(self.nq, dtype=mx.int32)[:, None] + mx.arange(K, dtype=mx.int32)[None]  # [B, K]
+        for name, a in rows.items():
+            if a is not None:
+                idx = slots[:, None, :] if a.ndim == 3 else slots[:, None, :, None]
+                setattr(self, name, mx.put_along_axis(getattr(self, name), idx, a, axis=2))
+
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
-        N = queries.shape[2]
-        S0, qw, W0 = call.widths if call is not None else (0, 0, 0)
-        n_keys = S0 + qw + W0 + N
-        if call is None or call.new_k.shape[2] != N or keys.shape[2] != n_keys:
+        N, w = queries.shape[2], call.window if call is not None else None
+        if w is None or w.new_k.shape[2] != N or keys.shape[2] != w.s0 + w.q0 + w.r0 + N:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if n_keys == N:  # nothing stored before this call: plain (causal) attention over the new rows
-            return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
+        if keys.shape[2] == N:  # nothing stored before this call: plain (causal) attention over the new rows
+            return mx.fast.scaled_dot_product_attention(queries, w.new_k, w.new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
-        B, Hq, _, D = queries.shape
-        H = call.new_k.shape[1]
-        q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
-        qf = q.reshape(B, H, -1, D)
-        # exact rows (float16 sink rows and window, the call's own rows) as one group, in key order
-        ek, ev = concat_rows(((call.sink_k, call.sink_v), (call.past_k, call.past_v), (call.new_k, call.new_v)),
-                             mx.float32)
-        parts = [(*self._quantized_part(qf, qw), ((S0, S0 + qw),))] if qw else []
-        parts.append(rows_part(qf, ek, ev, ((0, S0), (S0 + qw, n_keys))))
-        m = bool_mask(self._visible(N, call.ns, call.nq, call.nw, W0), N, n_keys, H)  # [B, 1, 1, N, M]
-        if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == (N, n_keys):
-            m = m & bool_mask(mask, N, n_keys, H)  # a caller's extra array mask (ours is already in m)
-        return joint_attention(q, parts, m, sinks, n_keys, queries.dtype)
+        return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
+                            mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
-    # ---------------------------------------------------------------- trim
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence as the single cache does (window, codes, sinks)."""
         n = int(n)
@@ -300,7 +283,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         self._sync_offset()
         return n
 
-    # ---------------------------------------------------------------- accounting and state
     @property
     def nbytes(self) -> int:
         return (sum(a.nbytes for a in self.held_arrays())

@@ -1,55 +1,52 @@
-"""Waterfill: per-channel key bits allocated by reverse water-filling on the model's own queries,
-pre-RoPE calibrated key ranges, rotated per-token values; float16 sinks and window. The library's
-4-bit-class method (a VeloxQuant composition, not one paper).
+"""Waterfill: per-channel key bits allocated by reverse water-filling on the model's own queries, pre-RoPE
+calibrated key ranges, rotated per-token values, float16 sinks and window. The library's 4-bit-class method (a
+VeloxQuant composition, not one paper).
 
-Why: on SmolLM2 the keys carry the 4-bit error (docs/RESULTS.md, "4-bit class target"): a few key channels
-have wide ranges *and* meet large query components, so each extra bit goes where ``E[q_c^2] r_c^2 4^-b_c``
-(channel c's logit error) is largest (``primitives.bitalloc``), with the real queries the dispatch point shows.
+Why: on SmolLM2 the keys carry the 4-bit error (docs/RESULTS.md, "4-bit class target"): a few key channels have
+wide ranges and meet large query components, so each extra bit goes where ``E[q_c^2] r_c^2 4^-b_c`` (channel c's
+logit error) is largest (``primitives.bitalloc``), with the real queries the dispatch point shows.
 
-Sources: per-channel key quantization with calibrated ranges, pre-RoPE keys and float16 sink tokens: KVQuant
-(arXiv 2401.18079, sections 3.1, 3.2, 3.6); a width per key channel: Kitty (arXiv 2511.18643, which boosts a
-fixed fraction of channels); values Hadamard-rotated before per-token quantization: QuaRot (arXiv 2404.00456),
-coded with a Gaussian Lloyd-Max codebook scaled per row: TurboQuant-MSE (arXiv 2504.19874); a float16 window of
-the newest tokens: KIVI's residual (arXiv 2402.02750).
+Sources: per-channel key quantization with calibrated ranges, pre-RoPE keys, float16 sinks: KVQuant (arXiv
+2401.18079, sections 3.1, 3.2, 3.6); a width per key channel: Kitty (arXiv 2511.18643, which boosts a fixed
+fraction of channels); Hadamard-rotated values quantized per token: QuaRot (arXiv 2404.00456), with a Gaussian
+Lloyd-Max codebook scaled per row: TurboQuant-MSE (arXiv 2504.19874); a float16 window: KIVI (arXiv 2402.02750).
 
 Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
 
-1. Rows enter a float16 window (``ResidualWindowCache``); until calibration nothing leaves it, and every
-   call's queries add ``sum q^2`` per KV head and channel (pre-RoPE: a rotary pair's channels share their mean).
-2. Calibration, once, after ``n_calib_tokens`` (default 64) rows: keys un-rotated by the layer's RoPE
-   (``rope.rotate_rows``; unknown RoPE: keys stay post-RoPE), ``[lo, hi]`` per (batch row, head, channel)
-   over the rows but the 4 sinks, and each head's ``b * D`` key bits to the top gains
-   ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (widths 0..8, ``allocate_bits``).
-3. Rows leave the window in blocks of 16 (the newest R..R+15 stay; the first 4 tokens are float16 sinks).
-   Keys: ``round((k - lo) / step)`` at their channel's width, packed per row (``primitives.varpack``);
-   0-bit channels decode to the range's midpoint. Values: ``y = v H`` (Hadamard; a seeded rotation for a
-   non-power-of-two ``Dv``), the row RMS ``s`` in float16, ``y / s`` coded with a ``b``-bit N(0, 1) codebook
-   fitted as an odd polynomial of the centred code (``codebook.odd_poly_gaussian``: within 0.2% of
-   Lloyd-Max's distortion at 4 bits, decoded arithmetically).
-4. Attention: one softmax over sinks, quantized rows, window and the call's rows (``window.joint_attention``);
-   keys decoded one gather per code (``varpack.dequantize_pairs``), RoPE re-applied to the rotary pairs'
-   halves (two matmuls); values ``((p * s) @ centroid[codes]) H^T``. On MLX's CUDA backend a decode step
-   takes ``kernels.waterfill`` (codes read once, RoPE on the query), checked against the op path at first use.
+1. Rows enter the float16 window (``ResidualWindowCache``); until calibration nothing leaves it, and every call's
+   queries add ``sum q^2`` per KV head and channel (pre-RoPE: a rotary pair's channels share their mean).
+2. Calibration, once, after ``n_calib_tokens`` (default 64) rows: keys un-rotated by the layer's RoPE (unknown
+   RoPE: post-RoPE keys), ``[lo, hi]`` per (batch row, head, channel) over the rows but the 4 sinks, and each
+   head's ``b * D`` key bits to the top gains ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (widths 0..8).
+3. Rows leave the window in blocks of 16 (the newest R..R+15 stay; the first 4 tokens are sinks). Keys:
+   ``round((k - lo) / step)`` at their channel's width, packed per row (``primitives.varpack``); a 0-bit channel
+   decodes to its range's midpoint. Values: ``y = v H`` (Hadamard; a seeded rotation for a non-power-of-two
+   ``Dv``), the row RMS ``s`` in float16, ``y / s`` coded with a ``b``-bit N(0, 1) codebook fitted as an odd
+   polynomial of the centred code (``codebook.odd_poly_gaussian``: within 0.2% of Lloyd-Max's distortion at 4
+   bits, decoded arithmetically).
+4. Attention: one softmax over sinks, quantized rows, window and the call's rows; keys decoded one gather per
+   code (``varpack.dequantize_pairs``), RoPE re-applied to the rotary pairs' halves; values ``((p * s) @
+   centroid[codes]) H^T``. On CUDA a decode step takes ``kernels.waterfill`` (codes read once, RoPE on the
+   query), checked against the op path at first use.
 
-Bytes per quantized token and KV head: ``b * D / 8`` + ``b * Dv / 8 + 2``; b = 4, D = 64: 66 vs 256 at
-float16 (0.258x), plus per cache the float16 ranges, the width tables, window and sinks. Quality and speed:
-docs/RESULTS.md ("Quality targets": KLD 0.0009 at 0.296x at 1024 tokens, 4 bits, ``residual_length=16``;
-"Speed and memory": below the plain cache's decode speed on the CPU and the H200).
+Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2``; b = 4, D = 64: 66 vs 256 at float16
+(0.258x), plus the float16 ranges, width tables, window and sinks. Quality and speed: docs/RESULTS.md ("Quality
+targets": KLD 0.0009 at 0.296x at 1024 tokens, 4 bits, ``residual_length=16``; "Speed and memory": below the
+plain cache's decode speed on the CPU and the H200).
 
 Deviations and limits (all of them):
 
-* KVQuant calibrates per-channel scales offline and uses non-uniform (sensitivity-weighted k-means) levels
-  with dense-and-sparse outliers; here ranges come from the cache's own first ``n_calib_tokens``, levels are
-  uniform and sensitivity enters through the widths. Later keys outside the range are clamped (not refitted).
-* Calibration happens once, on the first calls (prompt): not chunk-invariant. Without the dispatch point
-  (no queries) the widths use equal channel weights.
-* Values are quantized per token (KIVI) at the uniform width b with the Gaussian codebook (TurboQuant: the
-  exact Beta-type law and a random rotation), scaled by the row's RMS instead of its norm.
-* ``bit_width_inlier`` sets both the keys' average and the values' width; ``n_sink_tokens`` is not used
-  (4 sink rows, as turboquant_rvq).
+* KVQuant calibrates per-channel scales offline with non-uniform (sensitivity-weighted k-means) levels and
+  dense-and-sparse outliers; here ranges come from the cache's first ``n_calib_tokens``, levels are uniform and
+  sensitivity enters through the widths. Later keys outside the range are clamped (not refitted).
+* Calibration happens once, on the first calls (prompt): not chunk-invariant. Without the dispatch point (no
+  queries) the widths use equal channel weights.
+* Values are quantized per token (KIVI) at the uniform width b with the Gaussian codebook (TurboQuant: the exact
+  Beta-type law and a random rotation), scaled by the row's RMS instead of its norm.
+* ``bit_width_inlier`` sets both the keys' average and the values' width; ``n_sink_tokens`` is not used (4 sink
+  rows, as turboquant_rvq).
 
-mlx_lm protocol: as turboquant_rvq (``ResidualWindowCache``), plus the calibration in ``state``; ``merge``
-builds the batch form (``waterfill_batch.py``).
+mlx_lm protocol: as turboquant_rvq, plus the calibration in ``state``; ``merge`` builds ``waterfill_batch.py``'s.
 """
 from __future__ import annotations
 
@@ -61,11 +58,11 @@ import numpy as np
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...primitives.bitpack import pack_bits, unpack_bits
+from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ...primitives.codebook import nearest_code, odd_poly_gaussian
-from ...primitives.rope import _turn, angle_tables, rope_frequencies, rope_spec, rotate_rows
+from ...primitives.rope import rope_frequencies, rope_halves, rope_spec, rotate_parts, rotate_rows
 from ...primitives.value_rotation import (nibble_centroids, odd_poly, poly_coefficients, power_of_two, rotate_values,
                                          value_rotation)
 from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
@@ -81,11 +78,19 @@ BLOCK = 16  # rows leave the window in whole blocks of this many
 _TINY = 1e-30
 
 
+def key_grid(lo: mx.array, hi: mx.array, widths: np.ndarray):
+    """Float16 ``(k_lo, k_step)`` of uniform levels at ``widths`` ([.., D] ints, broadcast over ``lo``/``hi``
+    [.., 1, D]) over ``[lo, hi]``; a 0-bit channel decodes to the range's midpoint."""
+    levels = mx.array((2 ** widths - 1).astype(np.float32))[..., None, :]
+    zero = levels == 0
+    return (mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16),
+            mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16))
+
+
 @register_with_mlx_lm
 @register("waterfill")
 class WaterfillKVCache(ResidualWindowCache):
-    """Query-weighted per-channel key widths, pre-RoPE calibrated key ranges, rotated per-token
-    values, float16 sinks + window. See the module docstring."""
+    """Query-weighted per-channel key widths, pre-RoPE calibrated key ranges, rotated per-token values."""
 
     chunk_invariant = False  # widths and ranges are calibrated once, on the first calls' rows and queries
     exact_trim = False  # rows the trimmed rows pushed out of the window stay quantized (as turboquant_rvq)
@@ -111,18 +116,12 @@ class WaterfillKVCache(ResidualWindowCache):
                                        "an int in 1..8 (waterfill: keys' average and values' width)")
         self.bit_width = bits
         self.residual_length = int(c.options.residual_length)
-        n_calib = c.n_calib_tokens
-        if n_calib is not None and (isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1):
-            raise QuantizerConfigError("n_calib_tokens", n_calib, "an int >= 1 or None (waterfill: 64)")
-        self.n_calib = DEFAULT_CALIB_TOKENS if n_calib is None else n_calib
+        self.n_calib = DEFAULT_CALIB_TOKENS if c.n_calib_tokens is None else c.n_calib_tokens  # (config-checked)
         self.seed = int(c.seed)
-        self._call = None
-        self._layout = None
-        self._omega_cache = None
+        self._call = self._layout = self._omega_cache = None
 
-    # ---- the layer's RoPE (KVCacheBuilder.for_model calls this)
     def bind_attention(self, attn) -> None:
-        """Read the layer's RoPE so keys are quantized before it (None: post-RoPE keys)."""
+        """Read the layer's RoPE (``KVCacheBuilder.for_model`` calls this) so keys are quantized before it."""
         self.rope = rope_spec(getattr(attn, "rope", None)) if attn is not None else None
         self._omega_cache = None
 
@@ -131,11 +130,13 @@ class WaterfillKVCache(ResidualWindowCache):
             self._omega_cache = rope_frequencies(self.rope)
         return self._omega_cache
 
-    def _pre_rope(self, k: mx.array, offset: int) -> mx.array:
+    def _pre_rope(self, k: mx.array, offset) -> mx.array:
         k = k.astype(mx.float32)
         return rotate_rows(k, self.rope, self._omega(), offset, inverse=True) if self.rope is not None else k
 
-    # ---- calibration
+    def _post_rope(self, k: mx.array, offset) -> mx.array:
+        return rotate_rows(k, self.rope, self._omega(), offset) if self.rope is not None else k
+
     @property
     def calibrated(self) -> bool:
         return self.k_bits is not None
@@ -154,20 +155,13 @@ class WaterfillKVCache(ResidualWindowCache):
         keys = self._pre_rope(self.win_k[:, :, :n], 0)
         body = keys[:, :, SINK_ROWS:] if n > SINK_ROWS else keys
         lo, hi = body.min(axis=2, keepdims=True), body.max(axis=2, keepdims=True)  # [B, H, 1, D]
-        H, D = keys.shape[1], keys.shape[3]
         self.saliency_source = "attention" if self.q_energy is not None else "uniform"
-        if self.q_energy is not None:
-            w = self.q_energy[0, :, 0]
-            if self.rope is not None:  # a pre-RoPE channel meets both channels of its rotary pair
-                w = rope_pair_mean(w, self.rope)
-        else:
-            w = mx.ones((H, D))
+        w = mx.ones(keys.shape[1::2]) if self.q_energy is None else self.q_energy[0, :, 0]
+        if self.q_energy is not None and self.rope is not None:  # a pre-RoPE channel meets its rotary pair
+            w = rope_pair_mean(w, self.rope)
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
-        widths = allocate_bits(np.array(sens), self.bit_width * D)
-        levels = mx.array((2 ** widths - 1).astype(np.float32))[None, :, None, :]
-        zero = levels == 0
-        self.k_step = mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16)
-        self.k_lo = mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16)
+        widths = allocate_bits(np.array(sens), self.bit_width * keys.shape[3])
+        self.k_lo, self.k_step = key_grid(lo, hi, widths)
         self.k_bits = mx.array(widths.astype(np.uint8))[None, :, None, :]
         self._layout = VarLayout(widths)
         self.q_energy = None  # only needed to calibrate
@@ -178,7 +172,6 @@ class WaterfillKVCache(ResidualWindowCache):
             self._layout = VarLayout(np.array(self.k_bits[0, :, 0]))
         return self._layout
 
-    # ---- storage hooks
     def _store(self, keys, values):
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()  # the previous call was never attended (no dispatch point): no query weights
@@ -190,17 +183,19 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _append_quantized(self, keys, values):
         self._rows_memo().clear()
-        t0 = self.n_quant
-        pos = self.n_sink + t0  # positions of these rows (sinks first, no rows ever evicted)
-        lay = self._layout_of()
-        step, lo = self.k_step.astype(mx.float32), self.k_lo.astype(mx.float32)
-        codes = mx.round((self._pre_rope(keys, pos) - lo) / mx.where(step > 0, step, 1.0))
-        codes = mx.clip(codes, 0, mx.array(lay.mask[None, :, None, :]).astype(mx.float32))
-        kw = lay.pack(codes.astype(mx.uint32))
+        t0, lay = self.n_quant, self._layout_of()
+        # positions n_sink + t0 ..: sinks first, no rows ever evicted
+        kw = lay.pack(self._key_codes(keys, self.n_sink + t0, lay.mask[None, :, None, :]))
         vw, vs = self._encode_values(values)
         for name, rows in (("k_words", kw), ("v_words", vw), ("v_scales", vs)):
             buf = reserve_rows(getattr(self, name), t0, rows, BLOCK)
             setattr(self, name, grow_rows(buf, t0, rows))
+
+    def _key_codes(self, keys, pos, mask) -> mx.array:
+        """``round((k - lo) / step)`` of the pre-RoPE keys at positions ``pos ..``, clipped to the widths' ``mask``."""
+        step, lo = self.k_step.astype(mx.float32), self.k_lo.astype(mx.float32)
+        codes = mx.round((self._pre_rope(keys, pos) - lo) / mx.where(step > 0, step, 1.0))
+        return mx.clip(codes, 0, mask.astype(mx.float32)).astype(mx.uint32)
 
     def _encode_values(self, values):
         """Rotated rows ``y = v M``, their RMS ``s`` (float16) and the Lloyd-Max codes of ``y / s``."""
@@ -228,41 +223,22 @@ class WaterfillKVCache(ResidualWindowCache):
         """The byte-pair tables, held whenever the layout is (so copies and loaded caches count the same)."""
         return list(self._pair_table()[:2]) if self._layout is not None else []
 
-    def _pair_slices(self):
-        """The channels of the rotary pairs' first and second members, and the rotated dims."""
-        dims = self.rope["dims"]
-        if self.rope["traditional"]:
-            return slice(0, dims, 2), slice(1, dims, 2), dims
-        return slice(0, dims // 2), slice(dims // 2, dims), dims
-
     def _rotated_keys(self, a: int, b: int):
-        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts: ``(keys,)`` without RoPE, else
-        the rotated pairs' first and second members and the unrotated tail (no interleaving copy)."""
+        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts (``rope.rotate_parts``; ``(keys,)``
+        without RoPE)."""
         pre = self._pre_keys(a, b)
-        if self.rope is None:
-            return (pre,)
-        first, second, dims = self._pair_slices()
-        cos, sin = angle_tables(self._omega(), self.n_sink + a, b - a)
-        return (*_turn(pre[..., first], pre[..., second], cos, sin), pre[..., dims:])
+        return (pre,) if self.rope is None else rotate_parts(pre, self.rope, self._omega(), self.n_sink + a)
 
     def _keys(self, a: int, b: int) -> mx.array:
         """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
-        parts = self._rotated_keys(a, b)
-        if len(parts) == 1:
-            return parts[0]
-        u, v, tail = parts
-        if self.rope["traditional"]:
-            rot = mx.stack([u, v], axis=-1).reshape(*u.shape[:3], -1)
-        else:
-            rot = mx.concatenate([u, v], axis=-1)
-        return mx.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+        return self._post_rope(self._pre_keys(a, b), self.n_sink + a)
 
     def _key_scores(self, q: mx.array, a: int, b: int) -> mx.array:
         """``q [B, H, R, D] @ K^T`` over quantized rows ``a .. b`` from the key parts (a matmul each)."""
         parts = self._rotated_keys(a, b)
         if len(parts) == 1:
             return q @ parts[0].swapaxes(-1, -2)
-        first, second, dims = self._pair_slices()
+        first, second, dims = rope_halves(self.rope)
         u, v, tail = parts
         s = q[..., first] @ u.swapaxes(-1, -2) + q[..., second] @ v.swapaxes(-1, -2)
         return s + q[..., dims:] @ tail.swapaxes(-1, -2) if tail.shape[-1] else s
@@ -312,13 +288,11 @@ class WaterfillKVCache(ResidualWindowCache):
                  lambda p, a=a, b=b: rotate_values(self._weighted_values(p, a, b), self.seed, inverse=True))
                 for a, b in ranges]
 
-    # ---- decode (one query row): the fused kernel on the GPU
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, kernel shapes, the CUDA backend."""
         call = self._call
-        if queries.shape[2] != 1 or call is None or call.q0 == 0 or call.new_k.shape[2] != 1:
-            return False
-        if not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1:
+        if (queries.shape[2] != 1 or call is None or call.q0 == 0 or call.new_k.shape[2] != 1
+                or not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1):
             return False
         H, D, DV = self._shape
         ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and power_of_two(DV)
@@ -327,7 +301,6 @@ class WaterfillKVCache(ResidualWindowCache):
     def _decode_attend(self, queries, *, scale, sinks=None):
         return wf_kernel.decode_attend(self, queries, scale, sinks)
 
-    # ---- attention: observe the queries until calibrated
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if not self.calibrated and getattr(self, "_shape", None):
             self._observe(queries)
@@ -341,16 +314,14 @@ class WaterfillKVCache(ResidualWindowCache):
             self._compact_blocks()
         return out
 
-    # ---- accounting and state
     @staticmethod
     def constants_key(c):
         """The value rotation depends on the head dim and the seed (``build_layers`` counts it once)."""
         return (c.head_dim, c.seed)
 
     def held_arrays(self):
-        """``array_fields``, the width layout's tables (and its byte-pair tables), the RoPE angles, the decode
-        kernel's tables (once built) and, for the cache that counts it, a non-power-of-two dim's value
-        rotation matrix."""
+        """``array_fields``, the width layout's (and byte-pair) tables, the RoPE angles, the decode kernel's tables
+        (once built) and, where counted, a non-power-of-two dim's value rotation."""
         out = super().held_arrays()
         if self._layout is not None:
             out += self._layout.arrays() + self._ptab_arrays()
@@ -372,7 +343,7 @@ class WaterfillKVCache(ResidualWindowCache):
     def bytes_per_token(self, head_dim: Optional[int] = None, value_dim: Optional[int] = None) -> int:
         """Bytes of one quantized token per KV head: key words + value words + the value scale."""
         d, dv = self._dims(head_dim, value_dim)
-        return 4 * ((self.bit_width * d + 31) // 32) + 4 * ((self.bit_width * dv + 31) // 32) + 2
+        return 4 * (packed_words(d, self.bit_width) + packed_words(dv, self.bit_width)) + 2
 
     def _used(self, name: str):
         return None if name in self.calib_fields else super()._used(name)
@@ -380,8 +351,7 @@ class WaterfillKVCache(ResidualWindowCache):
     def _set_state(self, v):
         ResidualWindowCache.state.fset(self, v)
         self._rows_memo().clear()
-        self._layout = None
-        self._omega_cache = None
+        self._layout = self._omega_cache = None
         if self.k_bits is not None:
             self._layout_of()  # held from the start, as in the cache that was saved
 
@@ -396,5 +366,4 @@ class WaterfillKVCache(ResidualWindowCache):
     @classmethod
     def _merge_batch(cls, caches):
         from .waterfill_batch import WaterfillBatchKVCache
-
         return WaterfillBatchKVCache.from_caches(caches)
