@@ -8,11 +8,11 @@ own row); :func:`merge_kernel` (reference: :func:`merge_partials`) joins them in
 decode step is two launches per layer. GQA-aware: one block reads a KV head's codes once for all its query heads.
 fp16/bf16/fp32 in, fp32 accumulation.
 
-Backends: CUDA only (``mx.fast.cuda_kernel``, MLX's CUDA backend), chosen when
-:func:`kernels_enabled` (the default device is the GPU and ``mx.cuda.is_available()``); everywhere
+Backends: CUDA only (compiled with NVRTC, launched with ``mx.fast.precompiled_cuda_kernel``: ``_compile.py``),
+chosen when :func:`kernels_enabled` (the default device is the GPU and ``mx.cuda.is_available()``); everywhere
 else the caches keep their op path, which stays the reference every kernel is tested against
 (``tests/test_decode_kernels.py``). The kernel bodies are written against the small macro prelude
-in ``_common.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelude could compile the
+in ``_compile.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelude could compile the
 same body through ``mx.fast.metal_kernel``; that Metal build is not provided: it could not be built
 or measured here (no Apple GPU), so Metal keeps the op path.
 

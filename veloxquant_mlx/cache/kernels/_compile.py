@@ -1,9 +1,9 @@
 """Build and launch the decode kernels: each body is compiled once per variant (its constants and its
 arrays' dtypes) with NVRTC, the CUDA runtime compiler that MLX's CUDA backend already links, and run with
 ``mx.fast.precompiled_cuda_kernel``: the step's counts and scale travel as scalar arguments, not as a small
-array built and copied to the device each step, and the sources need no header. On the H200 this made the
-kernels alone 6-30% faster (``scripts/decode_kernel_time.py``); the host time to build a call stayed ~25-60 us
-per layer (MLX's binding, not the kernel source: passing one byte instead of the cubin changed nothing)."""
+array built and copied to the device each step, and the sources need no header. On the H200 KIVI's kernel
+alone became 5-24% faster (``scripts/decode_kernel_time.py``, docs/RESULTS.md); the host time to build a call
+stayed ~25-60 us per layer (MLX's binding, not the source: passing one byte instead of the cubin changed nothing)."""
 
 from __future__ import annotations
 

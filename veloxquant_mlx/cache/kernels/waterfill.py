@@ -4,8 +4,8 @@ polynomial codebook).
 
 One warp walks its tokens in order, loading the words of the next PREFETCH rows together (independent
 loads in flight: a warp's chain of dependent loads is its rows / PREFETCH); for each token, lanes
-0..WK-1 hold the key row's words and lanes 0..WV-1 the value row's (each word read once, coalesced), every lane decodes its D/32 key
-channels (two shuffles: the channel's word and the next, then shift and mask, ``lo + code * step``)
+0..WK-1 hold the key row's words and lanes 0..WV-1 the value row's (each word read once, coalesced), every
+lane decodes its D/32 key channels (two shuffles: the channel's word and the next, then shift and mask, ``lo + code * step``)
 and its Dv/32 value channels (the polynomial centroid times the row scale). RoPE is applied to the
 query, not the key: ``q . R(t) k = sum_c k_c (q_c cos(t w_c) + s_c q_p(c) sin(t w_c))`` with ``p(c)`` the
 channel's rotary partner and ``s_c`` its sign, the (cos, sin) of each lane's channels advanced by one
