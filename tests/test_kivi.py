@@ -404,3 +404,27 @@ def test_variants_with_their_own_codes_refuse_quantized_matmul_naming_why(method
     plain.update_and_fetch(rand(1, 2, 40, 64), rand(1, 2, 40, 64))
     plain.attend_path = "quantized_matmul"
     assert plain.dequant_only == "" and plain._uses_qmm()
+
+
+def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(monkeypatch):
+    """On the CPU ``attend_path="auto"`` sends a decode step (a few query rows per head) through
+    ``mx.quantized_matmul`` and a prefill chunk's tiles through dequantize + matmul (qmm's cost grows with the
+    rows); both give the attention of the stored rows. A forced "quantized_matmul" path keeps qmm for any rows."""
+    from veloxquant_mlx.cache.grouped import QMM_MAX_ROWS
+
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **k: calls.append(x.shape[-2]) or real(x, *a, **k))
+    c = make_cache()
+    K, V = c.update_and_fetch(rand(1, 2, 256, 64), rand(1, 2, 256, 64))
+    q = rand(1, 4, 40, 64)  # a 40-row chunk over 256 stored rows, GQA 2
+    K, V = c.update_and_fetch(rand(1, 2, 40, 64), rand(1, 2, 40, 64))
+    got = c.attend(q, K, V, scale=0.125, mask="causal")
+    assert calls == [] and not c._uses_qmm(QMM_MAX_ROWS + 1) and c._uses_qmm(QMM_MAX_ROWS)
+    want = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.125, mask="causal")
+    assert float(mx.abs(got - want).max()) <= 1e-4 * float(mx.abs(want).max()) + 1e-5
+    K, V = c.update_and_fetch(rand(1, 2, 1, 64), rand(1, 2, 1, 64))
+    c.attend(rand(1, 4, 1, 64), K, V, scale=0.125, mask=None)
+    assert calls and max(calls) <= QMM_MAX_ROWS  # the decode step: codes read by quantized_matmul
+    c.attend_path = "quantized_matmul"
+    assert c._uses_qmm(10 * QMM_MAX_ROWS)

@@ -28,6 +28,7 @@ from .primitives.buffers import fp16_row_bytes, grow_columns, grow_rows
 from .window import WindowCall, attend_joint, attend_tiled, concat_rows
 
 KIVI_BITS = (2, 3, 4, 8)
+QMM_MAX_ROWS = 8  # query rows per head up to which "auto" attends with quantized_matmul (see _uses_qmm)
 RES_DTYPE = mx.float16
 
 
@@ -66,8 +67,9 @@ class GroupedQuantCache(CompressedKVCache):
     def _key_words(self) -> int:
         return gq.words_per_group(self.qbits, self.group)
 
-    def _uses_qmm(self) -> bool:
-        """Whether attention reads the codes with ``mx.quantized_matmul`` (``attend_path``)."""
+    def _uses_qmm(self, rows: int = 1) -> bool:
+        """Whether attention of ``rows`` query rows per head reads the codes with ``mx.quantized_matmul``
+        (``attend_path``)."""
         path = self.attend_path
         if self.dequant_only and path == "quantized_matmul":
             raise ValueError(f"{self.method_name} attends through dequantize + matmul ({self.dequant_only})")
@@ -83,8 +85,10 @@ class GroupedQuantCache(CompressedKVCache):
             return True
         # auto: measured on the CPU (SmolLM2 shape, 1k context) 0.89x the plain cache's decode speed vs
         # 0.74x dequantized (docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul for these shapes.
+        # Its cost grows with the rows (no reuse of a decoded code across rows): past QMM_MAX_ROWS per head
+        # (prefill chunks) dequantize + BLAS is faster -- 4-17x at 512-2048 rows on the CPU (RESULTS.md).
         cuda = mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
-        return ok and not cuda
+        return ok and not cuda and rows <= QMM_MAX_ROWS
 
     def _store(self, keys, values):
         B, H, N, D = keys.shape
@@ -255,7 +259,7 @@ class GroupedQuantCache(CompressedKVCache):
         G, b, w = self.group, self.qbits, self._key_words()
         g0, g1 = t0 // G, t1 // G
         codes, sc, bi = self.k_codes[..., g0 * w : g1 * w], self.k_scales[..., g0:g1], self.k_biases[..., g0:g1]
-        if self._uses_qmm():
+        if self._uses_qmm(q.shape[-2]):
             return mx.quantized_matmul(q, codes, sc, bi, transpose=False, group_size=G, bits=b)
         return q @ gq.dequantize(codes, sc, bi, b, G, mx.float32)
 
@@ -263,7 +267,7 @@ class GroupedQuantCache(CompressedKVCache):
         """``p · Q(V)`` for quantized tokens ``t0 .. t1``."""
         gv, b = self.value_group(self.res_v.shape[-1]), self.qbits
         codes, sc, bi = self.v_codes[:, :, t0:t1], self.v_scales[:, :, t0:t1], self.v_biases[:, :, t0:t1]
-        if self._uses_qmm():
+        if self._uses_qmm(p.shape[-2]):
             return mx.quantized_matmul(p, codes, sc, bi, transpose=False, group_size=gv, bits=b)
         return p @ gq.dequantize(codes, sc, bi, b, gv, mx.float32)
 
