@@ -85,10 +85,10 @@ class GroupedQuantCache(CompressedKVCache):
             return True
         # auto: measured on the CPU (SmolLM2 shape, 1k context) 0.89x the plain cache's decode speed vs
         # 0.74x dequantized (docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul for these shapes.
-        # Its cost grows with the rows (no reuse of a decoded code across rows): past QMM_MAX_ROWS per head
-        # (prefill chunks) dequantize + BLAS is faster -- 4-17x at 512-2048 rows on the CPU (RESULTS.md).
-        cuda = mx.default_device().type == mx.DeviceType.gpu and not mx.metal.is_available()
-        return ok and not cuda and rows <= QMM_MAX_ROWS
+        # On the CPU its cost grows with the rows (a scalar loop decoding the codes again per row): past
+        # QMM_MAX_ROWS per head (prefill chunks) dequantize + BLAS is 4-17x faster (RESULTS.md). Metal unmeasured.
+        gpu = mx.default_device().type == mx.DeviceType.gpu
+        return ok and (mx.metal.is_available() if gpu else rows <= QMM_MAX_ROWS)
 
     def _store(self, keys, values):
         B, H, N, D = keys.shape
