@@ -3,8 +3,8 @@
 For every context length and repeat, each candidate cache runs once (methods alternate within a
 repeat, starting one place later on each repeat): a random prompt of ``context`` tokens is prefilled
 in chunks of 2048 (mlx_lm's default) with the last token run on its own, its greedy next token
-evaluated (``prefill_s`` = time to that first token), then ``decode_tokens`` greedy decode steps are
-timed one by one (``decode_tps``, ``step_s``). Memory comes from MLX's allocator: ``kv_resident_bytes``
+evaluated (``prefill_s`` = time to that first token), then ``decode_tokens`` greedy decode steps run
+pipelined as mlx_lm's ``generate_step`` runs them (:func:`pipelined_decode`; ``decode_tps``, ``step_s``). Memory comes from MLX's allocator: ``kv_resident_bytes``
 = ``mx.get_active_memory()`` after the run minus before it (what the caches really keep alive,
 including views pinning larger buffers and allocation slack), beside ``kv_nbytes`` (the caches' own
 ``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()`` (reset before the run; weights included) and
@@ -55,7 +55,7 @@ from .measure import kv_fraction_of_fp16  # noqa: E402
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
            "candidates", "has_batch_form", "batch_methods", "batch_caches", "run_once", "bench", "add_ratios",
-           "add_slopes", "fit_slope", "stats", "bench_isolated"]
+           "add_slopes", "fit_slope", "stats", "bench_isolated", "pipelined_decode"]
 
 #: Random-weight Llama shapes: mlx_lm ``llama.ModelArgs`` fields.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -273,23 +273,9 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     mx.eval(tok)
     prefill_s = time.perf_counter() - t0
     mx.clear_cache()  # as mlx_lm's generate_step after the prompt: decode does not reuse prefill-sized buffers
-    tokens, steps = [tok], []
-    ts = time.perf_counter()
-    nxt = step(tok) if decode_tokens else None
-    if nxt is not None:
-        mx.async_eval(nxt)
-    for i in range(decode_tokens):
-        tok = nxt
-        if i + 1 < decode_tokens:
-            nxt = step(tok)
-            mx.async_eval(nxt)
-        mx.eval(tok)
-        now = time.perf_counter()
-        steps.append(now - ts)
-        ts = now
-        tokens.append(tok)
-    tokens = mx.stack(tokens, axis=1).tolist()  # held as Python ints: not in the resident figure below
-    del tok, nxt
+    out, steps = pipelined_decode(step, tok, decode_tokens)
+    tokens = mx.stack([tok] + out, axis=1).tolist()  # held as Python ints: not in the resident figure below
+    del tok, out
     mx.eval([c.state for c in caches])
     mx.synchronize()
     resident = mx.get_active_memory() - base
@@ -306,6 +292,27 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
         "peak_delta_bytes": int(peak - base),
         "tokens": tokens,
     }
+
+
+def pipelined_decode(step: Callable[[mx.array], mx.array], tok: mx.array, n: int) -> tuple[list, list]:
+    """``n`` greedy steps from ``tok`` as mlx_lm's ``generate_step`` runs them (step i + 1 built and queued with
+    ``mx.async_eval`` while step i evaluates): the tokens and the seconds between successive completions."""
+    tokens, steps = [], []
+    ts = time.perf_counter()
+    nxt = step(tok) if n else None
+    if nxt is not None:
+        mx.async_eval(nxt)
+    for i in range(n):
+        tok = nxt
+        if i + 1 < n:
+            nxt = step(tok)
+            mx.async_eval(nxt)
+        mx.eval(tok)
+        now = time.perf_counter()
+        steps.append(now - ts)
+        ts = now
+        tokens.append(tok)
+    return tokens, steps
 
 
 def stats(values: Sequence[Optional[float]]) -> Optional[dict]:
