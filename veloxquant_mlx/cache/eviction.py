@@ -38,13 +38,21 @@ from .primitives.buffers import fp16_row_bytes, grow_rows
 _check_decode_evict = SnapKVOptions.RULES["decode_evict"].check
 
 
+def causal_weights(queries: mx.array, keys: mx.array, scale: float, q_positions: mx.array,
+                   key_positions: mx.array) -> mx.array:
+    """[B, H, rep, W, M] attention probabilities of ``queries`` [B, Hq, W, D] over ``keys`` [B, H, M, D], causal
+    by positions [W] and [B, H, M] (NaN for a query that sees no row)."""
+    logits = attention_logits(queries, keys, scale)
+    visible = key_positions[:, :, None, None, :] <= q_positions[None, None, None, :, None]
+    return mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+
+
 def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_positions: mx.array,
                        key_positions: mx.array) -> mx.array:
     """[B, H, M] float32 attention mass each key row gets from the queries [B, Hq, W, D] (summed over them
     and each KV head's query heads), causal by the positions [W] and [B, H, M]."""
-    logits = attention_logits(obs_queries, keys, scale)  # [B, H, rep, W, M]
+    weights = causal_weights(obs_queries, keys, scale, obs_positions, key_positions)
     visible = key_positions[:, :, None, None, :] <= obs_positions[None, None, None, :, None]
-    weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
     # a query that sees no stored row (an empty slot of a query ring, position -1) votes nothing
     return mx.where(visible, weights, 0.0).sum(axis=(2, 3))
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ...attention import attention_logits
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget, default_slack
 
 EIG_EPS = 1e-6  # singular directions below this fraction of the largest carry no leverage
 
@@ -30,14 +29,6 @@ def leverage_scores(x: mx.array, rank: int) -> mx.array:
     inv = mx.where(evals > EIG_EPS * evals[..., -1:], 1.0 / mx.maximum(evals, 1e-30), 0.0)
     proj = x @ evecs  # [..., M, r] = U_r * sigma_r
     return (proj * proj * inv[..., None, :]).sum(-1)
-
-
-def causal_weights(queries, keys, scale, q_positions, key_positions):
-    """[B, H, rep, W, M] attention probabilities of ``queries`` [B, Hq, W, D] over ``keys`` [B, H, M, D], causal
-    by positions [W] and [B, H, M]."""
-    logits = attention_logits(queries, keys, scale)
-    visible = key_positions[:, :, None, None, :] <= q_positions[None, None, None, :, None]
-    return mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
 
 
 @register_with_mlx_lm

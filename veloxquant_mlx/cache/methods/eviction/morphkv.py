@@ -15,8 +15,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget
-from .curdkv import causal_weights
+from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget
 
 
 @register_with_mlx_lm

@@ -22,9 +22,8 @@ from ... import dispatch
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget, default_slack
 from ...observers import notify
-from .curdkv import causal_weights
 
 
 class QFiltersRetentionError(RuntimeError):
