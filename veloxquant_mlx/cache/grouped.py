@@ -128,14 +128,16 @@ class GroupedQuantCache(CompressedKVCache):
         self._append_codes(t0, kq, vq)
         self.n_quant = t0 + n
 
-    def _append_codes(self, t0: int, kq, vq) -> None:
-        """Write the keys' (codes, scales, biases) (transposed, one column per group; capacity follows the
-        values') and the values' (per token) for the tokens from ``t0``."""
+    def _append_codes(self, t0: int, kq, vq, vp: str = "v", keys=None) -> None:
+        """Write the values' (codes, scales, biases) per token at attribute prefix ``vp`` and the keys' (transposed,
+        one column per group; capacity follows the values') for the tokens from ``t0``: ``kq`` at prefix "k", or
+        ``keys`` = [(prefix, (codes, scales, biases), words per group)] (variants with several key widths)."""
         for a, x in zip(("codes", "scales", "biases"), vq):
-            setattr(self, f"v_{a}", grow_rows(getattr(self, f"v_{a}"), t0, x))
-        cap, g0, w = self.v_codes.shape[2] // self.group, t0 // self.group, self._key_words()
-        for a, x, per in zip(("codes", "scales", "biases"), kq, (w, 1, 1)):
-            setattr(self, f"k_{a}", grow_columns(getattr(self, f"k_{a}"), g0 * per, x, cap * per))
+            setattr(self, f"{vp}_{a}", grow_rows(getattr(self, f"{vp}_{a}"), t0, x))
+        cap, g0 = getattr(self, f"{vp}_codes").shape[2] // self.group, t0 // self.group
+        for kp, q, w in keys if keys is not None else [("k", kq, self._key_words())]:
+            for a, x, per in zip(("codes", "scales", "biases"), q, (w, 1, 1)):
+                setattr(self, f"{kp}_{a}", grow_columns(getattr(self, f"{kp}_{a}"), g0 * per, x, cap * per))
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
         """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens."""

@@ -24,7 +24,6 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
-from ...primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
 
 TIERS = ("old", "mid", "recent")
@@ -71,11 +70,8 @@ class AgeTieredKVCache(KIVIKVCache):
         G, b = self.group, self.tier_bits[t]
         m = kt.shape[-1] // G
         n0 = self._counts()[t]
-        for a, x in zip(_ARR, gq.quantize(v, b, self.value_group(v.shape[-1]))):
-            setattr(self, f"v{t}_{a}", grow_rows(getattr(self, f"v{t}_{a}"), n0 * G, x))
-        cap, w = getattr(self, f"v{t}_codes").shape[2] // G, gq.words_per_group(b, G)
-        for a, x, per in zip(_ARR, gq.quantize(kt, b, G), (w, 1, 1)):
-            setattr(self, f"k{t}_{a}", grow_columns(getattr(self, f"k{t}_{a}"), n0 * per, x, cap * per))
+        self._append_codes(n0 * G, None, gq.quantize(v, b, self.value_group(v.shape[-1])), vp=f"v{t}",
+                           keys=[(f"k{t}", gq.quantize(kt, b, G), gq.words_per_group(b, G))])
         self._set_count(t, n0 + m)
 
     def _pop_front(self, t, m):

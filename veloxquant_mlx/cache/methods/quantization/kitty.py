@@ -21,7 +21,6 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
-from ...primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
 
 
@@ -65,15 +64,10 @@ class KittyKVCache(KIVIKVCache):
         kt = kb.swapaxes(-1, -2)  # [B, H, D, n]
         perm = mx.broadcast_to(self.k_perm[None, :, :, None], kt.shape)
         kt = mx.take_along_axis(kt, perm, axis=2)  # hi rows first
-        vq = gq.quantize(vb, self.lo_bit, self.value_group(vb.shape[-1]))
-        for a, x in zip(("codes", "scales", "biases"), vq):
-            setattr(self, f"v_{a}", grow_rows(getattr(self, f"v_{a}"), t0, x))
-        cap, g0 = self.v_codes.shape[2] // G, t0 // G  # key columns follow the values' capacity
-        for pre, rows, bits in (("kh", kt[:, :, :nh], self.hi_bit), ("kl", kt[:, :, nh:], self.lo_bit)):
-            if rows.shape[2]:
-                w = gq.words_per_group(bits, G)
-                for a, x, per in zip(("codes", "scales", "biases"), gq.quantize(rows, bits, G), (w, 1, 1)):
-                    setattr(self, f"{pre}_{a}", grow_columns(getattr(self, f"{pre}_{a}"), g0 * per, x, cap * per))
+        keys = [(pre, gq.quantize(rows, bits, G), gq.words_per_group(bits, G))
+                for pre, rows, bits in (("kh", kt[:, :, :nh], self.hi_bit), ("kl", kt[:, :, nh:], self.lo_bit))
+                if rows.shape[2]]
+        self._append_codes(t0, None, gq.quantize(vb, self.lo_bit, self.value_group(vb.shape[-1])), keys=keys)
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
