@@ -8,6 +8,7 @@ stayed ~25-60 us per layer (MLX's binding, not the source: passing one byte inst
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import struct
 
@@ -98,8 +99,9 @@ def _lib(names):
     return _LIBS[key]
 
 
+@functools.cache
 def _arch() -> str:
-    """``sm_XY`` of the default CUDA device (the driver API MLX has initialised)."""
+    """``sm_XY`` of CUDA device 0 (through the driver API MLX has initialised; asked once per process)."""
     cuda = _lib(["libcuda.so.1", "libcuda.so"])
     dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0):
