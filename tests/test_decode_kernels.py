@@ -252,6 +252,20 @@ def _rows(rng, H, n, D, dtype=mx.float32, scale=1.0):
     return mx.array((rng.normal(size=(1, H, n, D)) * scale).astype(np.float32)).astype(dtype)
 
 
+def _kivi_batch(D, H, lengths, bits=4, group=32, dtype=mx.float32, seed=0):
+    """A KIVI batch cache merged from single caches holding ``lengths`` random rows (ragged), and the rng."""
+    rng = np.random.default_rng(seed)
+    singles = [_kivi(D, bits, group) for _ in lengths]
+    for c, n in zip(singles, lengths):
+        if n:
+            c.update_and_fetch(_rows(rng, H, n, D, dtype), _rows(rng, H, n, D, dtype))
+    return KIVIKVCache.merge(singles), rng
+
+
+def _batch_rows(rng, B, H, D, dtype=mx.float32):
+    return mx.array(rng.normal(size=(B, H, 1, D)).astype(np.float32)).astype(dtype)
+
+
 def _feed_waterfill(c, H, R, D, n, rng, dtype=mx.float32):
     k, v = _rows(rng, H, n, D, dtype), _rows(rng, H, n, D, dtype)
     q = _rows(rng, H * R, n, D, dtype)
@@ -464,6 +478,29 @@ def test_kivi_kernel_equals_the_op_path(H, R, D, bits, group, prompt, dtype, max
 
 
 @GPU
+@pytest.mark.parametrize("H,R,D,bits,group,lengths,dtype,with_sinks", [
+    (2, 1, 64, 4, 32, (66, 130, 5, 0), mx.float16, False),
+    (8, 4, 128, 4, 32, (4100, 31, 2500), mx.bfloat16, True),
+    (4, 2, 128, 2, 64, (700, 64, 1300, 129), mx.float16, False)])
+def test_kivi_batch_kernel_equals_the_op_path(H, R, D, bits, group, lengths, dtype, with_sinks):
+    """The batch form's kernel (per-sequence counts: groups, right-aligned residual rows) equals its op path over
+    ragged sequences, through steps where residuals complete groups at different steps (and one sequence with
+    no group yet)."""
+    c, rng = _kivi_batch(D, H, lengths, bits, group, dtype)
+    B, scale = len(lengths), D**-0.5
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    for i in range(2 * group + 3):
+        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D, dtype), _batch_rows(rng, B, H, D, dtype))
+        q, call = _batch_rows(rng, B, H * R, D, dtype), c._call
+        assert c._kernel_ready(q, call[6], call[7])
+        got = c._kernel_attend(q, call, scale=scale, sinks=sinks)
+        want = c._attend_call(q, call, scale=scale, mask=None, sinks=sinks)
+        c._call = None
+        assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol, i
+
+
+@GPU
 def test_decode_steps_take_the_kernels_on_the_gpu():
     """Through the dispatch point, a decode step on the GPU runs the checked kernel (no fallback)."""
     for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64)):
@@ -505,6 +542,25 @@ def _exact_partial(q, exact):
     return _split_partials(q @ ek.swapaxes(-1, -2), ev, 1)
 
 
+def _batch_partials(q, kt, vals, exact, counts):
+    """(m, l, acc) of a batch step with per-sequence ``counts`` [B, 3]: sequence b's first counts[b, 0] quantized
+    rows (one split), then rows counts[b, 1] .. counts[b, 1] + counts[b, 2] - 1 of the exact buffer and the new row."""
+    k0, v0, _, _, _, _, nk, nv = exact
+    f = lambda a: a.astype(mx.float32)  # noqa: E731
+    t, e = np.arange(kt.shape[-1])[None], np.arange(k0.shape[2])[None]
+    in_res = (e >= counts[:, 1:2]) & (e < counts[:, 1:2] + counts[:, 2:3])
+    parts = []
+    for scores, rows, seen in ((q @ kt, vals, t < counts[:, :1]),
+                               (q @ mx.concatenate([f(k0), f(nk)], 2).swapaxes(-1, -2), mx.concatenate([f(v0), f(nv)], 2),
+                                np.concatenate([in_res, np.ones((len(counts), 1), bool)], 1))):
+        sc = mx.where(mx.array(seen)[:, None, None], scores, -mx.inf)
+        m = sc.max(axis=-1)
+        p = mx.exp(sc - mx.where(mx.isinf(m), 0.0, m)[..., None])
+        parts.append((m, p.sum(axis=-1), p @ rows))
+    (m0, l0, a0), (m1, l1, a1) = parts
+    return mx.stack([m0, m1], -1), mx.stack([l0, l1], -1), mx.stack([a0, a1], -2)
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Stand-ins for the CUDA kernels computed from the op path's decoded rows (4 splits + the exact
@@ -531,9 +587,12 @@ def reference_kernels(monkeypatch):
         vals = c._value_codes(0, n) * c.v_scales[:, :, :n, None].astype(mx.float32)
         return joined(q, q @ c._keys(0, n).swapaxes(-1, -2), vals, exact)
 
-    def kv(queries, scale, k_codes, *args):
+    def kv(queries, scale, k_codes, *args, counts=None):
         c, n, exact = caches["kivi"], args[-5], args[-1]
         q = grouped(queries, scale, k_codes.shape[1])
+        if counts is not None:
+            caches["kivi_batch_launches"] = caches.get("kivi_batch_launches", 0) + 1
+            return _batch_partials(q, c._keys_t(n), c._values(n), exact, np.array(counts))
         return joined(q, q @ c._keys_t(n), c._values(n), exact)
 
     def merge(m, l, acc, sinks, hadamard, out_dtype):
@@ -583,6 +642,29 @@ def test_kivi_kernel_path_plumbing_equals_float64_attention(reference_kernels, R
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
         assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, i
     assert "kivi" in _common._checked and not _common._disabled
+
+
+def test_kivi_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels):
+    """With reference partials, the batch form's kernel path (per-sequence counts, right-aligned residual, merge)
+    equals its op path over ragged sequences, and is taken only with the mask ``make_mask`` made from the step's
+    counts: another array mask (a caller's) sends the step to the op path."""
+    H, R, D = 2, 3, 64
+    c, rng = _kivi_batch(D, H, (66, 130, 5, 0))
+    reference_kernels["kivi"] = c
+    B, scale = 4, D**-0.5
+    for i in range(40):
+        mask = c.make_mask(1)  # as the model makes it from the first layer's cache, before the store
+        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
+        q, call = _batch_rows(rng, B, H * R, D), c._call
+        want = c._attend_call(q, call, scale=scale, mask=mask, sinks=None)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=mask)
+        assert _rel(out, want) < TOL_ATTN, i
+    assert reference_kernels["kivi_batch_launches"] == 40
+    assert "kivi_batch" in _common._checked and not _common._disabled
+    foreign = c.make_mask(1) | mx.zeros((1,), dtype=mx.bool_)  # equal values, not the mask this cache made
+    K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
+    dispatch.dispatched_sdpa(_batch_rows(rng, B, H * R, D), K, V, cache=c, scale=scale, mask=foreign)
+    assert reference_kernels["kivi_batch_launches"] == 40
 
 
 def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, monkeypatch):

@@ -186,8 +186,8 @@ def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.arr
     return out
 
 
-# The exact rows of a decode step (float rows any dtype: e0 rows of x0, e1 rows of x1, then the new
-# row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
+# The exact rows of a decode step (float rows any dtype: e0 rows of x0 from row o0, e1 rows of x1, then the
+# new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
 # domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
 EXACT_ROWS = r"""
     const int E = e0 + e1 + 1;
@@ -198,7 +198,7 @@ EXACT_ROWS = r"""
 #pragma unroll
       for (int j = 0; j < D / 32; ++j) {
         const int c = lane + 32 * j;
-        const float kval = e < e0 ? VQ_F(ek0[((size_t)bh * T0 + e) * D + c])
+        const float kval = e < e0 ? VQ_F(ek0[((size_t)bh * T0 + o0 + e) * D + c])
                          : e < e0 + e1 ? VQ_F(ek1[((size_t)bh * T1 + (e - e0)) * D + c])
                          : VQ_F(nk[(size_t)bh * D + c]);
 #pragma unroll
@@ -213,7 +213,7 @@ EXACT_ROWS = r"""
 #pragma unroll
       for (int j = 0; j < DV / 32; ++j) {
         const int c = lane + 32 * j;
-        v[j] = e < e0 ? VQ_F(ev0[((size_t)bh * T0 + e) * DV + c])
+        v[j] = e < e0 ? VQ_F(ev0[((size_t)bh * T0 + o0 + e) * DV + c])
              : e < e0 + e1 ? VQ_F(ev1[((size_t)bh * T1 + (e - e0)) * DV + c])
              : VQ_F(nv[(size_t)bh * DV + c]);
       }

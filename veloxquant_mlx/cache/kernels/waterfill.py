@@ -76,6 +76,7 @@ _SOURCE = r"""
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
   if (s == S) {
+    constexpr int o0 = 0;
 #define QV(r, j) qa[r][j]
 """ + EXACT_ROWS + r"""
 #undef QV

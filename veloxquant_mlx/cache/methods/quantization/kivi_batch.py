@@ -10,7 +10,9 @@ finite leftovers. The float16 residual ``res_k [B, H, R, D]`` is right-aligned (
 sequence whose residual completes a group flushes it into slot ``nq[i]`` (one gather, ``groupquant``, one
 ``put_along_axis`` for the batch), and the residual's common invalid prefix is dropped. Counts are host-side
 ints (``batch_common``): no per-step sync, no loop over tokens, heads or sequences. ``attend`` is the grouped
-layout's one softmax on the codes with the batch mask. Right-padded prefill stores only each sequence's first
+layout's one softmax on the codes with the batch mask; on CUDA a decode step goes to KIVI's decode kernel with
+per-sequence counts (groups, first residual row, residual rows) when the mask is the one ``make_mask`` made
+from the step's counts (or none). Right-padded prefill stores only each sequence's first
 ``lengths[i]`` rows. ``nbytes``: the arrays held (codes, float16 scales/biases with spare slots, residual).
 """
 
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ... import kernels
 from ...attention import bool_mask
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ..batch_common import (RaggedBatchCache, borrows, grow_slots, keep_right, pad_left, rows_ending_at, rows_from,
                             visible_mask)
 from ...grouped import RES_DTYPE, GroupedQuantCache
+from ...kernels import kivi as kivi_kernel
 from ...window import concat_rows
 from .kivi import KIVIKVCache
 
@@ -138,7 +142,20 @@ class KIVIBatchKVCache(RaggedBatchCache):
         qw, R = max(self.nq, default=0), self.R
         if qw == 0 and R == 0 and not return_array:
             return None if N == 1 else "causal"
-        return self._visible(N, self.nq, self.nr, qw, R)
+        mask = self._visible(N, self.nq, self.nr, qw, R)
+        # the model hands this mask to every layer: a decode step may leave it to the kernel (``_mask_is_own``)
+        KIVIBatchKVCache._made_mask = (mask, tuple(self.nq), tuple(self.nr)) if N == 1 else None
+        return mask
+
+    _made_mask = None  # (the latest decode mask made, the counts it was made from)
+
+    @classmethod
+    def _mask_is_own(cls, mask, nq, nr) -> bool:
+        """Whether ``mask`` restricts nothing beyond the counts' own visibility: none, a string, or the mask
+        ``make_mask`` made from counts equal to ``nq``/``nr`` (host-side lists: no sync)."""
+        made = cls._made_mask
+        return mask is None or isinstance(mask, str) or (
+            made is not None and mask is made[0] and made[1] == tuple(nq) and made[2] == tuple(nr))
 
     def _rows(self, qw: int, res_k, res_v, dtype, new=(None, None)):
         """Dense (K, V): ``qw`` dequantized group slots, the residual rows, ``new`` (None, None: nothing)."""
@@ -212,11 +229,48 @@ class KIVIBatchKVCache(RaggedBatchCache):
         if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
+        if N == 1 and qw and self._mask_is_own(mask, nq, nr) and self._kernel_ready(queries, new_k, new_v):
+            return kernels.checked_call(
+                "kivi_batch", self, lambda: self._kernel_attend(queries, call, scale=scale, sinks=sinks),
+                lambda: self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks))
+        return self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _attend_call(self, queries, call, *, scale, mask, sinks):
+        """The op path over a call record with a stored past: the grouped layout's one softmax, batch mask."""
+        qw, R, nq, nr, past_k, past_v, new_k, new_v = call
+        N, G = queries.shape[2], self.group
+        P = qw * G + R
         m = self._visible(N, nq, nr, qw, R)[:, :, None]  # [B, 1, 1, N, P + N]
         if mask is not None and not isinstance(mask, str) and mask.shape[-2:] == (N, P + N):
             m = m & bool_mask(mask, N, P + N, new_k.shape[1])  # a caller's extra array mask (ours is already in m)
         return self._attend_codes(queries, (qw * G, R, past_k if R else None, past_v if R else None, new_k, new_v),
                                   scale=scale, mask=m, sinks=sinks)
+
+    def _kernel_ready(self, queries, new_k, new_v) -> bool:
+        """KIVI's own layout read by the CUDA decode kernel (as the single cache's ``_decode_kernel_ready``)."""
+        d, dv = new_k.shape[-1], new_v.shape[-1]
+        return (self.attend_path == "auto" and kernels.kernels_enabled()
+                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv,
+                                          queries.shape[1] // new_k.shape[1]))
+
+    _counts_memo = (None, None)  # the latest per-sequence counts array, shared by the layers of one step
+
+    def _kernel_attend(self, queries, call, *, scale, sinks):
+        """One query row per sequence in two launches (the kernel's partials with per-sequence counts: its
+        groups, its right-aligned residual rows; then the merge)."""
+        qw, R, nq, nr, past_k, past_v, new_k, new_v = call
+        G = self.group
+        key = (tuple(nq), tuple(nr), R)
+        if KIVIBatchKVCache._counts_memo[0] != key:
+            counts = mx.array([[q * G, R - r, r] for q, r in zip(nq, nr)], dtype=mx.int32)
+            KIVIBatchKVCache._counts_memo = (key, counts)
+        counts = KIVIBatchKVCache._counts_memo[1]
+        k0, v0 = (past_k, past_v) if R else (new_k, new_v)
+        m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
+                                              self.v_codes, self.v_scales, self.v_biases, qw * G, self.qbits,
+                                              G, self.value_group(new_v.shape[-1]),
+                                              (k0, v0, 0, k0, v0, 0, new_k, new_v), counts=counts)
+        return kernels.merge_kernel(m, l, acc, sinks, hadamard=False, out_dtype=queries.dtype)
 
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""
