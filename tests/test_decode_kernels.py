@@ -22,6 +22,8 @@ from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
+from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
 from veloxquant_mlx.cache.options import KIVIOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
@@ -501,6 +503,28 @@ def test_kivi_batch_kernel_equals_the_op_path(H, R, D, bits, group, lengths, dty
 
 
 @GPU
+@pytest.mark.parametrize("H,R,D,lengths,rope,dtype,with_sinks", [
+    (2, 1, 64, (77, 300, 40, 5), None, mx.float16, False),
+    (8, 4, 128, (5000, 301, 40, 1100), "rope", mx.bfloat16, True)])
+def test_waterfill_batch_kernel_equals_the_op_path(H, R, D, lengths, rope, dtype, with_sinks):
+    """Waterfill's batch kernel (per-sequence counts and key tables) equals its op path over ragged sequences,
+    through steps where windows flush at different steps."""
+    rng = np.random.default_rng(len(lengths) + H)
+    c = _waterfill_batch(H, R, D, None if rope is None else nn.RoPE(D, base=10000.0), lengths, rng, dtype)
+    B, scale = len(lengths), D**-0.5
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    tol = 1e-2 if dtype == mx.bfloat16 else 3e-3
+    for i in range(40):
+        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D, dtype), _batch_rows(rng, B, H, D, dtype))
+        q, call = _batch_rows(rng, B, H * R, D, dtype), c._call
+        assert c._kernel_ready(q, K, None, call)
+        got = c._kernel_attend(q, call, scale=scale, sinks=sinks)
+        c._call = call
+        want = TurboQuantRVQBatchKVCache.attend(c, q, K, V, scale=scale, mask=None, sinks=sinks)
+        assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol, i
+
+
+@GPU
 def test_decode_steps_take_the_kernels_on_the_gpu():
     """Through the dispatch point, a decode step on the GPU runs the checked kernel (no fallback)."""
     for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64)):
@@ -543,17 +567,19 @@ def _exact_partial(q, exact):
 
 
 def _batch_partials(q, kt, vals, exact, counts):
-    """(m, l, acc) of a batch step with per-sequence ``counts`` [B, 3]: sequence b's first counts[b, 0] quantized
-    rows (one split), then rows counts[b, 1] .. counts[b, 1] + counts[b, 2] - 1 of the exact buffer and the new row."""
-    k0, v0, _, _, _, _, nk, nv = exact
+    """(m, l, acc) of a batch step with per-sequence ``counts`` [B, 5] (``_common.COUNTS``): sequence b's first
+    counts[b, 0] quantized rows (one split), then rows counts[b, 1] .. + counts[b, 2] - 1 of the first exact
+    buffer, rows counts[b, 3] .. + counts[b, 4] - 1 of the second, and the new row."""
+    k0, v0, _, k1, v1, _, nk, nv = exact
     f = lambda a: a.astype(mx.float32)  # noqa: E731
-    t, e = np.arange(kt.shape[-1])[None], np.arange(k0.shape[2])[None]
-    in_res = (e >= counts[:, 1:2]) & (e < counts[:, 1:2] + counts[:, 2:3])
+    t, e0, e1 = (np.arange(n)[None] for n in (kt.shape[-1], k0.shape[2], k1.shape[2]))
+    seen = np.concatenate([(e0 >= counts[:, 1:2]) & (e0 < counts[:, 1:2] + counts[:, 2:3]),
+                           (e1 >= counts[:, 3:4]) & (e1 < counts[:, 3:4] + counts[:, 4:5]),
+                           np.ones((len(counts), 1), bool)], 1)
+    ek, ev = (mx.concatenate([f(a), f(b), f(c)], 2) for a, b, c in ((k0, k1, nk), (v0, v1, nv)))
     parts = []
-    for scores, rows, seen in ((q @ kt, vals, t < counts[:, :1]),
-                               (q @ mx.concatenate([f(k0), f(nk)], 2).swapaxes(-1, -2), mx.concatenate([f(v0), f(nv)], 2),
-                                np.concatenate([in_res, np.ones((len(counts), 1), bool)], 1))):
-        sc = mx.where(mx.array(seen)[:, None, None], scores, -mx.inf)
+    for scores, rows, vis in ((q @ kt, vals, t < counts[:, :1]), (q @ ek.swapaxes(-1, -2), ev, seen)):
+        sc = mx.where(mx.array(vis)[:, None, None], scores, -mx.inf)
         m = sc.max(axis=-1)
         p = mx.exp(sc - mx.where(mx.isinf(m), 0.0, m)[..., None])
         parts.append((m, p.sum(axis=-1), p @ rows))
@@ -581,10 +607,13 @@ def reference_kernels(monkeypatch):
         return (mx.concatenate([qm, em], axis=-1), mx.concatenate([ql, el], axis=-1),
                 mx.concatenate([qa, ea], axis=-2))
 
-    def wf(queries, scale, k_words, *args):
+    def wf(queries, scale, k_words, *args, counts=None):
         c, n, exact = caches["waterfill"], args[-5], args[-1]
         q = grouped(queries, scale, k_words.shape[1])
         vals = c._value_codes(0, n) * c.v_scales[:, :, :n, None].astype(mx.float32)
+        if counts is not None:
+            caches["waterfill_batch_launches"] = caches.get("waterfill_batch_launches", 0) + 1
+            return _batch_partials(q, c._keys(0, n).swapaxes(-1, -2), vals, exact, np.array(counts))
         return joined(q, q @ c._keys(0, n).swapaxes(-1, -2), vals, exact)
 
     def kv(queries, scale, k_codes, *args, counts=None):
@@ -665,6 +694,38 @@ def test_kivi_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels):
     K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
     dispatch.dispatched_sdpa(_batch_rows(rng, B, H * R, D), K, V, cache=c, scale=scale, mask=foreign)
     assert reference_kernels["kivi_batch_launches"] == 40
+
+
+def _waterfill_batch(H, R, D, rope, lengths, rng, dtype=mx.float32):
+    """A waterfill batch cache merged from single caches fed ``lengths`` rows (with their queries: calibrated
+    from ``n_calib_tokens`` rows; shorter ones stay uncalibrated and calibrate during the steps)."""
+    singles = [_waterfill(D, rope) for _ in lengths]
+    for c, n in zip(singles, lengths):
+        _feed_waterfill(c, H, R, D, n, rng, dtype)
+    return WaterfillKVCache.merge(singles)
+
+
+@pytest.mark.parametrize("R,rope,with_sinks", [(1, None, False), (3, "rope", True)])
+def test_waterfill_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels, R, rope, with_sinks):
+    """With reference partials, waterfill's batch kernel path (per-sequence code slots, sinks, right-aligned
+    window; key tables per sequence and head; merge with the rotation back) equals its op path over ragged
+    sequences (one calibrating during the steps, windows flushing at different steps), and is checked once."""
+    H, D, B, scale = 2, 64, 4, 64**-0.5
+    rng = np.random.default_rng(R)
+    c = _waterfill_batch(H, R, D, None if rope is None else nn.RoPE(D, base=10000.0), (77, 300, 40, 5), rng)
+    reference_kernels["waterfill"] = c
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    for i in range(40):
+        mask = c.make_mask(1)
+        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
+        q, call = _batch_rows(rng, B, H * R, D), c._call
+        want = TurboQuantRVQBatchKVCache.attend(c, q, K, V, scale=scale, mask=mask, sinks=sinks)
+        c._call = call
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=mask, sinks=sinks)
+        assert _rel(out, want) < TOL_ATTN, i
+    assert reference_kernels["waterfill_batch_launches"] == 40 and all(c.src) and len(set(c.nq)) == B
+    assert "waterfill_batch" in _common._checked and not _common._disabled
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
 
 
 def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, monkeypatch):

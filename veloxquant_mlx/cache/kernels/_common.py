@@ -186,8 +186,19 @@ def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.arr
     return out
 
 
-# The exact rows of a decode step (float rows any dtype: e0 rows of x0 from row o0, e1 rows of x1, then the
-# new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
+# The counts of a decode step: the scalars, or a batch form's per sequence (``cnt`` int32 [B, 5]: quantized rows,
+# then first row and rows taken of each exact buffer; HK KV heads per sequence). After ``bh`` is set.
+COUNTS = r"""
+  const int* vq_cnt = cnt + 5 * (bh / HK);
+  const int n = BATCHED ? vq_cnt[0] : n_all;
+  const int o0 = BATCHED ? vq_cnt[1] : 0;
+  const int e0 = BATCHED ? vq_cnt[2] : e0_all;
+  const int o1 = BATCHED ? vq_cnt[3] : 0;
+  const int e1 = BATCHED ? vq_cnt[4] : e1_all;
+"""
+
+# The exact rows of a decode step (float rows any dtype: e0 rows of x0 from row o0, e1 rows of x1 from row o1,
+# then the new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
 # domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
 EXACT_ROWS = r"""
     const int E = e0 + e1 + 1;
@@ -199,7 +210,7 @@ EXACT_ROWS = r"""
       for (int j = 0; j < D / 32; ++j) {
         const int c = lane + 32 * j;
         const float kval = e < e0 ? VQ_F(ek0[((size_t)bh * T0 + o0 + e) * D + c])
-                         : e < e0 + e1 ? VQ_F(ek1[((size_t)bh * T1 + (e - e0)) * D + c])
+                         : e < e0 + e1 ? VQ_F(ek1[((size_t)bh * T1 + o1 + (e - e0)) * D + c])
                          : VQ_F(nk[(size_t)bh * D + c]);
 #pragma unroll
         for (int r = 0; r < REP; ++r) part[r] += QV(r, j) * kval;
@@ -214,7 +225,7 @@ EXACT_ROWS = r"""
       for (int j = 0; j < DV / 32; ++j) {
         const int c = lane + 32 * j;
         v[j] = e < e0 ? VQ_F(ev0[((size_t)bh * T0 + o0 + e) * DV + c])
-             : e < e0 + e1 ? VQ_F(ev1[((size_t)bh * T1 + (e - e0)) * DV + c])
+             : e < e0 + e1 ? VQ_F(ev1[((size_t)bh * T1 + o1 + (e - e0)) * DV + c])
              : VQ_F(nv[(size_t)bh * DV + c]);
       }
 #pragma unroll
@@ -230,14 +241,20 @@ EXACT_ROWS = r"""
     }
 """
 
-EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
-EXACT_SCALARS = [("e0", "int"), ("e1", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
+EXACT_INPUTS = ["cnt", "ek0", "ev0", "ek1", "ev1", "nk", "nv"]
+EXACT_SCALARS = [("e0_all", "int"), ("e1_all", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
+_NO_COUNTS: list = []  # the placeholder ``cnt`` of single caches (not read: BATCHED = 0), one per process
 
 
-def exact_args(exact) -> tuple[list, list]:
-    """The arrays and scalars of ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v) for EXACT_ROWS."""
+def exact_args(exact, counts=None, heads: int = 1) -> tuple[list, list, tuple]:
+    """The arrays, scalars and constants of ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v) for COUNTS and
+    EXACT_ROWS; a batch form passes ``counts`` (int32 [B, 5], e0/e1 then unused) and its KV ``heads``."""
     k0, v0, e0, k1, v1, e1, nk, nv = exact
-    return [k0, v0, k1, v1, nk, nv], [int(e0), int(e1), k0.shape[2], k1.shape[2]]
+    if counts is None and not _NO_COUNTS:
+        _NO_COUNTS.append(mx.zeros((5,), dtype=mx.int32))
+    cnt = _NO_COUNTS[0] if counts is None else counts
+    return ([cnt, k0, v0, k1, v1, nk, nv], [int(e0), int(e1), k0.shape[2], k1.shape[2]],
+            (("BATCHED", counts is not None), ("HK", heads if counts is not None else 1)))
 
 
 # The end of every decode kernel: each warp puts (m, l, acc) of its tokens into shared memory (``sm_m``,

@@ -22,22 +22,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, LANE_STORE, MAX_SPLITS,
-                      OUTPUTS, WARPS, exact_args, launch)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, COUNTS, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, LANE_STORE,
+                      MAX_SPLITS, OUTPUTS, WARPS, exact_args, launch)
 from ._compile import Kernel
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS"]
 
 TILE_WORDS = 8  # key words per channel in a warp's tile; 32 / TILE_WORDS channel quarters per warp
-_NO_COUNTS: list = []
 BLOCKS = 1024  # grid size past which splits take several tiles (a few blocks per SM on an H200)
 
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
-  // a batch form's counts per sequence (quantized rows, first residual row, residual rows), else the scalars
-  const int n = BATCHED ? cnt[3 * (bh / HK)] : n_all;
-  const int o0 = BATCHED ? cnt[3 * (bh / HK) + 1] : 0;
-  const int e0 = BATCHED ? cnt[3 * (bh / HK) + 2] : e0_all;
+""" + COUNTS + r"""
   const int s = VQ_BLOCK_Y;
   const int S1 = VQ_GRID_Y;
   const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
@@ -180,9 +176,9 @@ _SOURCE = r"""
 """ + BLOCK_JOIN
 
 # CK / GK: key words / groups per channel row; TV: value rows; NG: value groups per row (buffer capacities)
-_KERNEL = Kernel("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi", "cnt"] + EXACT_INPUTS, OUTPUTS,
-                 [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int"),
-                  ("e0_all", "int")] + EXACT_SCALARS[1:], _SOURCE)
+_KERNEL = Kernel("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"] + EXACT_INPUTS, OUTPUTS,
+                 [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int")]
+                 + EXACT_SCALARS, _SOURCE)
 
 
 def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int = 1) -> bool:
@@ -203,22 +199,18 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
     ``n`` quantized tokens (a multiple of 32), then the exact rows (``exact`` as for
     ``waterfill_partials``). ``queries`` [B, H * R, 1, D] as the model gives them; the arrays are the
-    cache's buffers at full capacity. A batch form passes ``counts`` (int32 [B, 3]: quantized tokens, first
-    exact row of ``exact``'s first buffer, exact rows taken from it, per sequence), ``n`` their maximum."""
+    cache's buffers at full capacity. A batch form passes ``counts`` (int32 [B, 5]: quantized tokens, then
+    first row and rows taken of each exact buffer, per sequence; ``_common.COUNTS``), ``n`` their maximum."""
     B, Hq, _, D = queries.shape
     H = k_codes.shape[1]
     dv = v_codes.shape[-1] * 32 // bits
     tiles = -(-n // (TILE_WORDS * (32 // bits)))
     # one tile per warp while the grid stays under ~BLOCKS blocks; past that, warps take several tiles
     S = max(1, min(MAX_SPLITS, -(-tiles // WARPS), -(-BLOCKS // (B * H))))
-    arrays, scalars = exact_args(exact)
-    batched = counts is not None
-    if not batched and not _NO_COUNTS:  # a placeholder input, not read (BATCHED = 0): one per process
-        _NO_COUNTS.append(mx.zeros((3,), dtype=mx.int32))
-    cnt = counts if batched else _NO_COUNTS[0]
-    return launch(_KERNEL, [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, cnt, *arrays],
+    arrays, scalars, consts = exact_args(exact, counts, H)
+    return launch(_KERNEL, [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
                   [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
                    *scalars],
                   (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
-                   ("TW", TILE_WORDS), ("BATCHED", batched), ("HK", H if batched else 1)), B, H, Hq // H, S, dv)
+                   ("TW", TILE_WORDS)) + consts, B, H, Hq // H, S, dv)
 

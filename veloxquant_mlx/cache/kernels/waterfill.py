@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import BLOCK_MERGE, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, OUTPUTS, exact_args, launch, split_count
+from ._common import (BLOCK_MERGE, COUNTS, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, OUTPUTS, exact_args, launch,
+                      split_count)
 from ._compile import Kernel
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
@@ -28,7 +29,8 @@ __all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache
 
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
-  const int h = bh % H;
+""" + COUNTS + r"""
+  const int h = bh % H;  // the key table's row (H: its rows; a batch form's tables are per sequence and head)
   const int s = VQ_BLOCK_Y;
   const int S1 = VQ_GRID_Y;
   const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
@@ -76,7 +78,6 @@ _SOURCE = r"""
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
   if (s == S) {
-    constexpr int o0 = 0;
 #define QV(r, j) qa[r][j]
 """ + EXACT_ROWS + r"""
 #undef QV
@@ -145,7 +146,7 @@ _SOURCE = r"""
 
 # H: KV heads; TK / TV / TS: rows of the key words, value words and value scales buffers (capacities)
 _KERNEL = Kernel("vq_waterfill_decode", ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly"]
-                 + EXACT_INPUTS, OUTPUTS, [("n", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"),
+                 + EXACT_INPUTS, OUTPUTS, [("n_all", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"),
                                            ("TK", "int"), ("TV", "int"), ("TS", "int")] + EXACT_SCALARS, _SOURCE)
 
 
@@ -184,7 +185,7 @@ def rope_tables(spec, omega, d: int):
 
 
 def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly,
-                       n: int, pos0: int, value_bits: int, dv: int, exact):
+                       n: int, pos0: int, value_bits: int, dv: int, exact, counts=None):
     """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
     ``n`` quantized rows (``acc`` in the rotated value domain), then the exact rows.
 
@@ -193,16 +194,19 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     ``ktab`` from :func:`key_table`; ``k_lo``/``k_step`` float32 ``[B, H, D]``; ``rope`` from
     :func:`rope_tables`; ``vpoly`` float32 ``[a, b, c, (2^b - 1) / 2]``; ``pos0`` the position of
     quantized row 0; ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v): the first ``e0`` rows of the
-    buffers k0/v0 [B, H, T0, D], the first ``e1`` of k1/v1, then the step's own row."""
+    buffers k0/v0 [B, H, T0, D], the first ``e1`` of k1/v1, then the step's own row. A batch form passes
+    ``counts`` as for ``kivi_partials`` (``n`` their maximum) and ``ktab`` [B * H, D]."""
     B, Hq, _, D = queries.shape
     H = k_words.shape[1]
     WK, WV = k_words.shape[-1], v_words.shape[-1]
     S = split_count(n)
     rw, rp, rs = rope
-    arrays, scalars = exact_args(exact)
+    arrays, scalars, consts = exact_args(exact, counts, H)
     return launch(_KERNEL, [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
-                  [int(n), int(pos0), float(scale), H, k_words.shape[2], v_words.shape[2], v_scales.shape[2], *scalars],
-                  (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)), B, H, Hq // H, S, dv)
+                  [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
+                   v_scales.shape[2], *scalars],
+                  (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)) + consts, B, H, Hq // H,
+                  S, dv)
 
 
 def cache_constants(c):

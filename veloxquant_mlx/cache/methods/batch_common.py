@@ -77,6 +77,17 @@ def visible_mask(N: int, B: int, regions) -> mx.array:
     return mx.concatenate([past, new], axis=-1)
 
 
+_COUNTS_MEMO: list = [None, None]
+
+
+def step_counts(rows: list) -> mx.array:
+    """A decode kernel's per-sequence counts (int32 [B, 5], ``kernels._common.COUNTS``) from host-side tuples;
+    the layers of one step share one array (the latest is kept: one small copy to the device per step)."""
+    if _COUNTS_MEMO[0] != rows:
+        _COUNTS_MEMO[:] = rows, mx.array(rows, dtype=mx.int32)
+    return _COUNTS_MEMO[1]
+
+
 class RaggedBatchCache(CompressedKVCache):
     """Base of the batch forms: host-side counts (``count_fields``: ``lens`` tokens held, ``nq`` used slots
     of the left-aligned buffers; ``cap`` allocated), an optional right-aligned float16 region
@@ -89,6 +100,22 @@ class RaggedBatchCache(CompressedKVCache):
     right_count: str = ""
     state_scalars: tuple[str, ...] = ("cap", "dtype_name")
     cap = 0
+
+    _made_mask = None  # (the latest decode mask a batch form made, the counts it was made from)
+
+    @staticmethod
+    def _made(mask, counts: tuple):
+        """Remember ``mask``, made by ``make_mask`` for one decode row from ``counts``: the model hands that object
+        to every layer, so a layer whose step has the same counts may leave the mask to a kernel."""
+        RaggedBatchCache._made_mask = (mask, counts)
+        return mask
+
+    @staticmethod
+    def _mask_is_own(mask, counts: tuple) -> bool:
+        """Whether ``mask`` restricts nothing beyond the visibility of ``counts`` (host-side: no sync): none, a
+        string, or the mask ``_made`` remembered from equal counts."""
+        made = RaggedBatchCache._made_mask
+        return mask is None or isinstance(mask, str) or (made is not None and mask is made[0] and made[1] == counts)
 
     def _init_counts(self, batch_size: int) -> None:
         for name in self.count_fields:

@@ -25,7 +25,7 @@ from ...attention import bool_mask
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ..batch_common import (RaggedBatchCache, borrows, grow_slots, keep_right, pad_left, rows_ending_at, rows_from,
-                            visible_mask)
+                            step_counts, visible_mask)
 from ...grouped import RES_DTYPE, GroupedQuantCache
 from ...kernels import kivi as kivi_kernel
 from ...window import concat_rows
@@ -143,19 +143,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         if qw == 0 and R == 0 and not return_array:
             return None if N == 1 else "causal"
         mask = self._visible(N, self.nq, self.nr, qw, R)
-        # the model hands this mask to every layer: a decode step may leave it to the kernel (``_mask_is_own``)
-        KIVIBatchKVCache._made_mask = (mask, tuple(self.nq), tuple(self.nr)) if N == 1 else None
-        return mask
-
-    _made_mask = None  # (the latest decode mask made, the counts it was made from)
-
-    @classmethod
-    def _mask_is_own(cls, mask, nq, nr) -> bool:
-        """Whether ``mask`` restricts nothing beyond the counts' own visibility: none, a string, or the mask
-        ``make_mask`` made from counts equal to ``nq``/``nr`` (host-side lists: no sync)."""
-        made = cls._made_mask
-        return mask is None or isinstance(mask, str) or (
-            made is not None and mask is made[0] and made[1] == tuple(nq) and made[2] == tuple(nr))
+        return self._made(mask, (tuple(self.nq), tuple(self.nr))) if N == 1 else mask
 
     def _rows(self, qw: int, res_k, res_v, dtype, new=(None, None)):
         """Dense (K, V): ``qw`` dequantized group slots, the residual rows, ``new`` (None, None: nothing)."""
@@ -229,7 +217,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
-        if N == 1 and qw and self._mask_is_own(mask, nq, nr) and self._kernel_ready(queries, new_k, new_v):
+        if N == 1 and qw and self._mask_is_own(mask, (tuple(nq), tuple(nr))) and self._kernel_ready(queries, new_k, new_v):
             return kernels.checked_call(
                 "kivi_batch", self, lambda: self._kernel_attend(queries, call, scale=scale, sinks=sinks),
                 lambda: self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks))
@@ -253,18 +241,12 @@ class KIVIBatchKVCache(RaggedBatchCache):
                 and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv,
                                           queries.shape[1] // new_k.shape[1]))
 
-    _counts_memo = (None, None)  # the latest per-sequence counts array, shared by the layers of one step
-
     def _kernel_attend(self, queries, call, *, scale, sinks):
         """One query row per sequence in two launches (the kernel's partials with per-sequence counts: its
         groups, its right-aligned residual rows; then the merge)."""
         qw, R, nq, nr, past_k, past_v, new_k, new_v = call
         G = self.group
-        key = (tuple(nq), tuple(nr), R)
-        if KIVIBatchKVCache._counts_memo[0] != key:
-            counts = mx.array([[q * G, R - r, r] for q, r in zip(nq, nr)], dtype=mx.int32)
-            KIVIBatchKVCache._counts_memo = (key, counts)
-        counts = KIVIBatchKVCache._counts_memo[1]
+        counts = step_counts([(q * G, R - r, r, 0, 0) for q, r in zip(nq, nr)])
         k0, v0 = (past_k, past_v) if R else (new_k, new_v)
         m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
                                               self.v_codes, self.v_scales, self.v_biases, qw * G, self.qbits,

@@ -171,7 +171,8 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
             raise ValueError("TurboQuantRVQBatchKVCache has no sliding-window mask")
         if self.size() == 0 and not return_array:
             return None if N == 1 else "causal"
-        return self._visible(N, self.ns, self.nq, self.nw, self.W)
+        mask = self._visible(N, self.ns, self.nq, self.nw, self.W)
+        return self._made(mask, (tuple(self.ns), tuple(self.nq), tuple(self.nw))) if N == 1 else mask
 
     def _rows(self, S0, qw, sink_k, sink_v, win_k, win_v, dtype, new_k=None, new_v=None):
         """Dense rows in key order: sink rows, dequantized code slots, window, the call's rows."""

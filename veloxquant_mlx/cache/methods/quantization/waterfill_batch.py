@@ -10,8 +10,10 @@ it calibrates). A sequence calibrates when it would alone (end of the first atte
 rows; until then its window never flushes. The key layout is one ``VarLayout`` over the B * H width tables,
 rebuilt (one host sync) when a sequence calibrates or the batch changes; RoPE is undone at each sequence's own
 positions, so the codes are the single cache's bit for bit. A prefill chunk over a stored past attends as the
-single cache's ``_attend_chunk``. Limit: decode attends on the op path (the CUDA kernel reads one layout).
-``nbytes`` also counts ``q_energy`` (kept for later joiners; the single cache drops it once calibrated).
+single cache's ``_attend_chunk``. On CUDA a decode step goes to waterfill's decode kernel with per-sequence
+counts (code slots, sink rows, window rows) and key tables per sequence and head, when the mask is the one
+``make_mask`` made from the step's counts (or none). ``nbytes`` also counts ``q_energy`` (kept for later joiners;
+the single cache drops it once calibrated) and the kernel's tables once built.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from ...attention import group_queries
 from ...contract import register_with_mlx_lm
 from ...primitives.bitalloc import allocate_bits, rope_pair_mean
 from ...primitives.bitpack import packed_words
-from ...primitives.value_rotation import rotate_values
+from ...primitives.value_rotation import power_of_two, rotate_values
 from ...primitives.varpack import VarLayout, extract_codes
 from ...window import SINK_ROWS, ResidualWindowCache
-from ..batch_common import borrows, rows_from
+from ... import kernels
+from ...kernels import waterfill as wf_kernel
+from ..batch_common import borrows, rows_from, step_counts
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from .waterfill import BLOCK, WaterfillKVCache, key_grid
 
@@ -208,6 +212,11 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             self._call = None
             out = self._attend_chunk(queries, keys, values, w, scale=scale, mask=self._call_mask(call, mask, N),
                                      sinks=sinks)
+        elif N == 1 and self._kernel_ready(queries, keys, mask, call):  # checked once against the op path
+            out = kernels.checked_call(
+                "waterfill_batch", self, lambda: self._kernel_attend(queries, call, scale=scale, sinks=sinks),
+                lambda: TurboQuantRVQBatchKVCache.attend(self, queries, keys, values, scale=scale, mask=mask,
+                                                         sinks=sinks))
         else:
             out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         due = self._due()
@@ -218,8 +227,36 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             super()._store(self.win_k[:, :, :0], self.win_v[:, :, :0], [0] * self.batch_size)
         return out
 
+    def _kernel_ready(self, queries, keys, mask, call) -> bool:
+        """One query row per sequence over stored codes, the mask ``make_mask`` made (or none), kernel shapes, CUDA."""
+        w = call.window if call is not None else None
+        if w is None or w.q0 == 0 or w.new_k.shape[2] != 1 or keys.shape[2] != w.s0 + w.q0 + w.r0 + 1:
+            return False
+        _, D, DV = self._shape
+        return (self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))) and power_of_two(DV)
+                and wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1])
+                and kernels.kernels_enabled())
+
+    def _kernel_attend(self, queries, call, *, scale, sinks):
+        """The single cache's two launches with per-sequence counts: its code slots, its sink rows (left-aligned),
+        its window rows (right-aligned in the record's window), the key tables per sequence and head."""
+        self._call = None
+        ktab, lo, step, rope, vpoly = wf_kernel.cache_constants(self)
+        w = call.window
+        W = w.r0
+        win_k, win_v = (w.past_k, w.past_v) if W else (self.sink_k, self.sink_v)  # no window: 0 rows read
+        counts = step_counts([(q, 0, s, W - r, r) for s, q, r in zip(call.ns, call.nq, call.nw)])
+        exact = (self.sink_k, self.sink_v, 0, win_k, win_v, 0, w.new_k, w.new_v)  # sink slots < ns never change
+        m, l, acc = wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
+                                                 self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width,
+                                                 self._shape[2], exact, counts=counts)
+        return kernels.merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
+
     def held_arrays(self):
         out = super().held_arrays()
+        kc = getattr(self, "_kconst", None)
+        if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
+            out += [*kc[1:4], *kc[4], kc[5]]
         if self._layout is not None:
             out += self._layout.arrays()
         return out + ([self._omega_cache] if getattr(self, "_omega_cache", None) is not None else [])
