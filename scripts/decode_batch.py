@@ -53,14 +53,22 @@ def run(model, make, T: int, B: int, steps: int, one=None) -> dict:
     def step(tok):
         return mx.argmax(model(tok[:, None], cache=caches)[:, -1, :], axis=-1)
 
-    tok = step(mx.zeros((B,), dtype=mx.int32))
-    mx.eval(tok)
-    _, times = bench.pipelined_decode(step, tok, steps)
-    mx.synchronize()
+    try:
+        tok = step(mx.zeros((B,), dtype=mx.int32))
+        mx.eval(tok)
+        _, times = bench.pipelined_decode(step, tok, steps)
+        mx.synchronize()
+    except RuntimeError as err:  # the device's memory ran out: over budget, whatever the budget
+        if "out of memory" not in str(err):
+            raise
+        times = None
     out = {"batch": B, "held_bytes": int(held), "held_per_seq": held / B, "peak_bytes": int(mx.get_peak_memory()),
-           "step_s": sorted(times)[len(times) // 2], "decode_tps": B * len(times) / sum(times),
-           "active_before_merge": int(base)}
-    del caches, tok
+           "step_s": times and sorted(times)[len(times) // 2], "decode_tps": times and B * len(times) / sum(times),
+           "active_before_merge": int(base), "out_of_memory": times is None}
+    print(f"    B={B:4d} " + ("out of device memory" if times is None else
+                               f"peak {out['peak_bytes'] / 1e9:7.2f} GB  held/seq {held / B / 1e9:.3f} GB  "
+                               f"{out['decode_tps']:8.1f} tok/s  step {out['step_s'] * 1e3:.1f} ms"), flush=True)
+    del caches
     _settle()
     return out
 
@@ -69,6 +77,8 @@ def fit(model, make, T: int, steps: int, budget: float, probes: tuple[int, int])
     """The probes, the linear fit of the peak and the runs at the predicted largest batch."""
     one = filled(model, make, T, chunk=4096)
     mx.eval([c.state for c in one])
+    run(model, make, T, probes[0], 2, one)  # warm-up: kernels built and checked once against the op path, whose
+    # transient would otherwise inflate the first probe's peak (and flatten the fit)
     runs = [run(model, make, T, b, steps, one) for b in probes]
     (b1, p1), (b2, p2) = ((r["batch"], r["peak_bytes"]) for r in runs)
     slope = (p2 - p1) / (b2 - b1)
@@ -76,10 +86,11 @@ def fit(model, make, T: int, steps: int, budget: float, probes: tuple[int, int])
     for _ in range(4):
         r = run(model, make, T, B, steps, one)
         runs.append(r)
-        if r["peak_bytes"] <= budget:
+        if r["peak_bytes"] <= budget and not r["out_of_memory"]:
             break
-        B -= max(1, int(-(-(r["peak_bytes"] - budget) // slope)))
-    best = runs[-1] if runs[-1]["peak_bytes"] <= budget else None
+        over = B // 10 if r["out_of_memory"] else -(-(r["peak_bytes"] - budget) // slope)
+        B -= max(1, int(over))
+    best = runs[-1] if runs[-1]["peak_bytes"] <= budget and not runs[-1]["out_of_memory"] else None
     return {"per_seq_peak_bytes": slope, "fixed_bytes": p1 - slope * b1, "largest_batch": best and best["batch"],
             "decode_tps": best and best["decode_tps"], "runs": runs}
 
@@ -106,12 +117,10 @@ def main(argv=None):
     res = {"shape": a.shape, "context": a.context, "budget_bytes": a.budget_gb * 1e9, "steps": a.steps,
            "device": str(mx.default_device()), "weights_bytes": int(mx.get_active_memory()), "candidates": {}}
     for name, make in makers.items():
+        print(name, flush=True)
         r = res["candidates"][name] = fit(model, make, a.context, a.steps, a.budget_gb * 1e9, probes)
         print(f"{name:44s} largest batch {r['largest_batch']}  {r['decode_tps'] or 0:8.1f} tok/s  "
               f"({r['per_seq_peak_bytes'] / 1e9:.2f} GB per sequence at peak)", flush=True)
-        for x in r["runs"]:
-            print(f"    B={x['batch']:4d} peak {x['peak_bytes'] / 1e9:7.2f} GB  held/seq {x['held_per_seq'] / 1e9:.3f} GB"
-                  f"  {x['decode_tps']:8.1f} tok/s  step {x['step_s'] * 1e3:.1f} ms", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
     base = res["candidates"].get("none")
