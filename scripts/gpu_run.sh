@@ -29,7 +29,7 @@ for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ra
 import json,sys; rows=json.load(open(sys.argv[1]))
 for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, r['decode_tps'], r['prefill_s'])" $OUT/h200_bench_128k.json ;;
   batch) timeout 400 python3 scripts/decode_batch.py --shape llama-8b --context 32768 --budget-gb 120 --steps 16 --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16 --json $OUT/h200_batch_32k.json > $OUT/batch.txt 2>&1; cat $OUT/batch.txt ;;
-  batchw) timeout 300 python3 scripts/decode_batch.py --shape llama-8b --context 32768 --budget-gb 120 --steps 4 --no-plain --method waterfill:bit_width_inlier=4,residual_length=16 --json $OUT/h200_batch_32k_waterfill.json > $OUT/batchw.txt 2>&1; cat $OUT/batchw.txt ;;
+  batchw) timeout 300 python3 scripts/decode_batch.py --shape llama-8b --context 32768 --budget-gb 120 --steps 16 --no-plain --method waterfill:bit_width_inlier=4,residual_length=16 --json $OUT/h200_batch_32k_waterfill.json > $OUT/batchw.txt 2>&1; cat $OUT/batchw.txt ;;
   bench128w) timeout 400 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 131072 --repeats 1 --decode-tokens 8 --baselines none --isolate --timeout 280 --json > $OUT/h200_bench_128k_waterfill.json 2> $OUT/bench128w.err; tail -5 $OUT/bench128w.err; python3 -c "
 import json,sys; rows=json.load(open(sys.argv[1]))
 for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, r['decode_tps'], r['prefill_s'])" $OUT/h200_bench_128k_waterfill.json ;;
