@@ -21,28 +21,27 @@ import mlx.core as mx  # noqa: E402
 from veloxquant_mlx.cache.kernels import _common, _compile, kivi, waterfill  # noqa: E402
 
 F32, F16, BF16, U32, I32 = mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int32
-EXACT = [I32, F16, F16, BF16, BF16, F32, F32]
+EXACT = [F16, F16, BF16, BF16, F32, F32]
 PARTIALS = [F32] * 3
-ONE, BATCH = (("BATCHED", 0), ("HK", 1)), (("BATCHED", 1), ("HK", 8))  # single cache / batch form
 CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
-    ("waterfill_d128_r4", waterfill._KERNEL, [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
-     PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), *ONE, ("NW", 4), ("REP", 4), ("DV", 128))),
-    ("waterfill_batch_d128_r4", waterfill._KERNEL, [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
-     PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), *BATCH, ("NW", 4), ("REP", 4), ("DV", 128))),
-    ("waterfill_d64_r3", waterfill._KERNEL, [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
-     PARTIALS, (("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("PF", 4), *ONE, ("NW", 4), ("REP", 3), ("DV", 64))),
-    ("kivi_d128_r4", kivi._KERNEL, [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), *ONE, ("NW", 4),
+    ("waterfill_d128_r4", waterfill._KERNELS[False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
+     PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 4), ("DV", 128))),
+    ("waterfill_batch_d128_r4", waterfill._KERNELS[True], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32, I32]
+     + EXACT, PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("HK", 8), ("NW", 4), ("REP", 4), ("DV", 128))),
+    ("waterfill_d64_r3", waterfill._KERNELS[False], [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
+     PARTIALS, (("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 3), ("DV", 64))),
+    ("kivi_d128_r4", kivi._KERNELS[False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+     (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("NW", 4),
       ("REP", 4), ("DV", 128))),
-    ("kivi_batch_d128_r4", kivi._KERNEL, [BF16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), *BATCH, ("NW", 4),
+    ("kivi_batch_d128_r4", kivi._KERNELS[True], [BF16, U32, F16, F16, U32, F16, F16, I32] + EXACT, PARTIALS,
+     (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("HK", 8), ("NW", 4),
       ("REP", 4), ("DV", 128))),
-    ("kivi_d128_b2_r3", kivi._KERNEL, [BF16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 128), ("KB", 2), ("G", 64), ("GV", 32), ("WV", 8), ("TW", 8), *ONE, ("NW", 4), ("REP", 3), ("DV", 128))),
-    ("kivi_d128_b8_r8", kivi._KERNEL, [F32, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 128), ("KB", 8), ("G", 128), ("GV", 32), ("WV", 32), ("TW", 8), *ONE, ("NW", 4), ("REP", 8), ("DV", 128))),
-    ("kivi_d64_b2", kivi._KERNEL, [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("TW", 8), *ONE, ("NW", 4), ("REP", 3), ("DV", 64))),
+    ("kivi_d128_b2_r3", kivi._KERNELS[False], [BF16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+     (("D", 128), ("KB", 2), ("G", 64), ("GV", 32), ("WV", 8), ("TW", 8), ("NW", 4), ("REP", 3), ("DV", 128))),
+    ("kivi_d128_b8_r8", kivi._KERNELS[False], [F32, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+     (("D", 128), ("KB", 8), ("G", 128), ("GV", 32), ("WV", 32), ("TW", 8), ("NW", 4), ("REP", 8), ("DV", 128))),
+    ("kivi_d64_b2", kivi._KERNELS[False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+     (("D", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("TW", 8), ("NW", 4), ("REP", 3), ("DV", 64))),
     ("merge_rot_bf16", _common._MERGE, [F32, F32, F32, BF16], [BF16], (("DV", 128), ("HAS_SINK", 1), ("ROT", 1))),
     ("merge_f16", _common._MERGE, [F32, F32, F32, F32], [F16], (("DV", 64), ("HAS_SINK", 0), ("ROT", 0))),
 ]

@@ -186,16 +186,12 @@ def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.arr
     return out
 
 
-# The counts of a decode step: the scalars, or a batch form's per sequence (``cnt`` int32 [B, 5]: quantized rows,
-# then first row and rows taken of each exact buffer; HK KV heads per sequence). After ``bh`` is set.
-COUNTS = r"""
-  const int* vq_cnt = cnt + 5 * (bh / HK);
-  const int n = BATCHED ? vq_cnt[0] : n_all;
-  const int o0 = BATCHED ? vq_cnt[1] : 0;
-  const int e0 = BATCHED ? vq_cnt[2] : e0_all;
-  const int o1 = BATCHED ? vq_cnt[3] : 0;
-  const int e1 = BATCHED ? vq_cnt[4] : e1_all;
-"""
+# The counts of a decode step (quantized rows n; first row o and rows e taken of each exact buffer): a single
+# cache's scalars, or a batch form's per sequence (``cnt`` int32 [B, 5]; HK KV heads per sequence). The kernel
+# bodies hold the marker VQ_COUNTS after ``bh`` is set; :func:`kernel_pair` builds both forms.
+_COUNTS = {False: "  const int n = n_all, o0 = 0, e0 = e0_all, o1 = 0, e1 = e1_all;",
+           True: "  const int* vq_cnt = cnt + 5 * (bh / HK);\n"
+                 "  const int n = vq_cnt[0], o0 = vq_cnt[1], e0 = vq_cnt[2], o1 = vq_cnt[3], e1 = vq_cnt[4];"}
 
 # The exact rows of a decode step (float rows any dtype: e0 rows of x0 from row o0, e1 rows of x1 from row o1,
 # then the new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
@@ -241,20 +237,23 @@ EXACT_ROWS = r"""
     }
 """
 
-EXACT_INPUTS = ["cnt", "ek0", "ev0", "ek1", "ev1", "nk", "nv"]
+EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
 EXACT_SCALARS = [("e0_all", "int"), ("e1_all", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
-_NO_COUNTS: list = []  # the placeholder ``cnt`` of single caches (not read: BATCHED = 0), one per process
+
+
+def kernel_pair(name: str, inputs: list, scalars: list, body: str) -> dict:
+    """{batched: Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt`` input)."""
+    return {b: Kernel(name + ("_batch" if b else ""), inputs + ["cnt"] * b + EXACT_INPUTS, OUTPUTS,
+                      scalars + EXACT_SCALARS, body.replace("VQ_COUNTS", _COUNTS[b])) for b in (False, True)}
 
 
 def exact_args(exact, counts=None, heads: int = 1) -> tuple[list, list, tuple]:
-    """The arrays, scalars and constants of ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v) for COUNTS and
-    EXACT_ROWS; a batch form passes ``counts`` (int32 [B, 5], e0/e1 then unused) and its KV ``heads``."""
+    """The arrays, scalars and constants of ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v) for EXACT_ROWS; a
+    batch form passes ``counts`` (int32 [B, 5], first: e0/e1 then unused) and its KV ``heads``."""
     k0, v0, e0, k1, v1, e1, nk, nv = exact
-    if counts is None and not _NO_COUNTS:
-        _NO_COUNTS.append(mx.zeros((5,), dtype=mx.int32))
-    cnt = _NO_COUNTS[0] if counts is None else counts
-    return ([cnt, k0, v0, k1, v1, nk, nv], [int(e0), int(e1), k0.shape[2], k1.shape[2]],
-            (("BATCHED", counts is not None), ("HK", heads if counts is not None else 1)))
+    batched = [counts] if counts is not None else []
+    return ([*batched, k0, v0, k1, v1, nk, nv], [int(e0), int(e1), k0.shape[2], k1.shape[2]],
+            (("HK", heads),) if batched else ())
 
 
 # The end of every decode kernel: each warp puts (m, l, acc) of its tokens into shared memory (``sm_m``,

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, COUNTS, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, LANE_STORE,
-                      MAX_SPLITS, OUTPUTS, WARPS, exact_args, launch)
-from ._compile import Kernel
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLITS, WARPS, exact_args, kernel_pair,
+                      launch)
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS"]
 
@@ -33,7 +32,7 @@ BLOCKS = 1024  # grid size past which splits take several tiles (a few blocks pe
 
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
-""" + COUNTS + r"""
+VQ_COUNTS
   const int s = VQ_BLOCK_Y;
   const int S1 = VQ_GRID_Y;
   const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
@@ -176,9 +175,9 @@ _SOURCE = r"""
 """ + BLOCK_JOIN
 
 # CK / GK: key words / groups per channel row; TV: value rows; NG: value groups per row (buffer capacities)
-_KERNEL = Kernel("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"] + EXACT_INPUTS, OUTPUTS,
-                 [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int")]
-                 + EXACT_SCALARS, _SOURCE)
+_KERNELS = kernel_pair("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"],
+                       [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"),
+                        ("NG", "int")], _SOURCE)
 
 
 def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int = 1) -> bool:
@@ -200,7 +199,7 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     ``n`` quantized tokens (a multiple of 32), then the exact rows (``exact`` as for
     ``waterfill_partials``). ``queries`` [B, H * R, 1, D] as the model gives them; the arrays are the
     cache's buffers at full capacity. A batch form passes ``counts`` (int32 [B, 5]: quantized tokens, then
-    first row and rows taken of each exact buffer, per sequence; ``_common.COUNTS``), ``n`` their maximum."""
+    first row and rows taken of each exact buffer, per sequence; ``_common.kernel_pair``), ``n`` their maximum."""
     B, Hq, _, D = queries.shape
     H = k_codes.shape[1]
     dv = v_codes.shape[-1] * 32 // bits
@@ -208,7 +207,7 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     # one tile per warp while the grid stays under ~BLOCKS blocks; past that, warps take several tiles
     S = max(1, min(MAX_SPLITS, -(-tiles // WARPS), -(-BLOCKS // (B * H))))
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNEL, [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
+    return launch(_KERNELS[counts is not None], [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
                   [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
                    *scalars],
                   (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),

@@ -19,9 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import (BLOCK_MERGE, COUNTS, EXACT_INPUTS, EXACT_ROWS, EXACT_SCALARS, OUTPUTS, exact_args, launch,
-                      split_count)
-from ._compile import Kernel
+from ._common import BLOCK_MERGE, EXACT_ROWS, exact_args, kernel_pair, launch, split_count
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -29,7 +27,7 @@ __all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache
 
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
-""" + COUNTS + r"""
+VQ_COUNTS
   const int h = bh % H;  // the key table's row (H: its rows; a batch form's tables are per sequence and head)
   const int s = VQ_BLOCK_Y;
   const int S1 = VQ_GRID_Y;
@@ -145,9 +143,9 @@ _SOURCE = r"""
 """ + BLOCK_MERGE
 
 # H: KV heads; TK / TV / TS: rows of the key words, value words and value scales buffers (capacities)
-_KERNEL = Kernel("vq_waterfill_decode", ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly"]
-                 + EXACT_INPUTS, OUTPUTS, [("n_all", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"),
-                                           ("TK", "int"), ("TV", "int"), ("TS", "int")] + EXACT_SCALARS, _SOURCE)
+_KERNELS = kernel_pair("vq_waterfill_decode", ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly"],
+                       [("n_all", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"), ("TK", "int"),
+                        ("TV", "int"), ("TS", "int")], _SOURCE)
 
 
 def supported(d: int, dv: int, key_words: int, value_words: int) -> bool:
@@ -202,7 +200,7 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     S = split_count(n)
     rw, rp, rs = rope
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNEL, [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
+    return launch(_KERNELS[counts is not None], [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                    v_scales.shape[2], *scalars],
                   (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)) + consts, B, H, Hq // H,
