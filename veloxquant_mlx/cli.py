@@ -18,7 +18,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
 from .cli_output import (GENERATION_KEYS, POSITIVE, Progress, add_command, at_least, fmt_bytes, fmt_tps, format_table,
-                         method_label, print_generation, short_prompt_note, truncate)
+                         print_generation, short_prompt_note, truncate)
+from .eval.specs import MethodSpec
 from .generate import encode_prompt, encode_turn, make_caches, run_generation  # noqa: F401
 
 __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "encode_prompt", "encode_turn",
@@ -91,7 +92,7 @@ def _cmd_generate(args) -> int:
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
            **{k: result[k] for k in GENERATION_KEYS}, **kv_summary(model, caches)}
-    head = [("method", method_label(method, sets)), ("prompt tokens", out["prompt_tokens"])]
+    head = [("method", MethodSpec(method, sets).label), ("prompt tokens", out["prompt_tokens"])]
     if group.size() > 1:
         out["ranks"] = group.size()  # the byte figures are rank 0's: its own KV heads
         head.append(("ranks", f"{group.size()} (mx.distributed; kv bytes below are rank 0's share)"))

@@ -9,8 +9,9 @@ from collections import Counter
 from itertools import groupby
 
 from .cache.settings import NONE, UsageError, check_method_name, method_config
-from .cli_output import (GENERATION_KEYS, Progress, add_command, fmt_bytes, kv_rows, method_label, print_generation,
-                         print_rows, short_prompt_note)
+from .cli_output import (GENERATION_KEYS, Progress, add_command, fmt_bytes, kv_rows, print_generation, print_rows,
+                         short_prompt_note)
+from .eval.specs import MethodSpec
 from .generate import encode_turn, make_caches, run_generation
 
 __all__ = ["add_parsers", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -49,7 +50,7 @@ def cmd_cache_save(args) -> int:
         print(json.dumps(out))
         return 0
     measured, *reference = kv_rows(kv)
-    print_rows([("saved", args.out), ("method", method_label(method, sets)), ("model", info["model_id"]),
+    print_rows([("saved", args.out), ("method", MethodSpec(method, sets).label), ("model", info["model_id"]),
                 ("tokens", len(tokens)), measured,
                 ("file_bytes", f"{info['file_bytes']} ({fmt_bytes(info['file_bytes'])})"), *reference])
     short_prompt_note([out])
@@ -116,7 +117,7 @@ def generate_from_saved(args) -> int:
            "cached_tokens": info["n_tokens"], "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
-        ("method", method_label(info["method"], info["config"])),
+        ("method", MethodSpec(info["method"], info["config"]).label),
         ("prompt tokens", f"{out['prompt_tokens']} (after the cached ones)"),
     ], args.json)
 

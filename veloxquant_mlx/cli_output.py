@@ -155,10 +155,6 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows])
 
 
-def method_label(method: str, settings: dict) -> str:
-    return " ".join([method] + [f"{k}={v}" for k, v in settings.items()])
-
-
 def print_rows(rows: list[tuple], width: int = 19) -> None:
     for label, value in rows:
         print(f"{label:>{width}}: {value}")
