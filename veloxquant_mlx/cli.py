@@ -17,8 +17,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
-from .cli_output import (GENERATION_KEYS, MODEL_HELP, POSITIVE, Progress, at_least, fmt_bytes, fmt_tps, format_table,
-                         method_label, print_generation, short_prompt_note, truncate)
+from .cli_output import (GENERATION_KEYS, POSITIVE, Progress, add_command, at_least, fmt_bytes, fmt_tps, format_table,
+                         print_generation, short_prompt_note, truncate)
+from .eval.specs import MethodSpec
 from .generate import encode_prompt, encode_turn, make_caches, run_generation  # noqa: F401
 
 __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "encode_prompt", "encode_turn",
@@ -38,7 +39,8 @@ def _cmd_methods(args) -> int:
         return 0
     print(format_table(["method", "family", "protocol", "implemented", "paper"],
                        [[*{**r, "implemented": "yes" if r["implemented"] else "no"}.values()] for r in rows]))
-    print(f"\n{sum(r['implemented'] for r in rows)} of {len(rows)} methods implemented. `veloxquant methods NAME` lists a method's settings.")
+    print(f"\n{sum(r['implemented'] for r in rows)} of {len(rows)} methods implemented. "
+          "`veloxquant methods NAME` lists a method's settings.")
     return 0
 
 
@@ -90,7 +92,7 @@ def _cmd_generate(args) -> int:
     result = run_generation(model, tokenizer, prompt_ids, caches, args.max_tokens, on_prefill=progress.chunk)
     out = {"method": method, "settings": sets, "model": args.model or "smollm2-135m", "text": result["text"],
            **{k: result[k] for k in GENERATION_KEYS}, **kv_summary(model, caches)}
-    head = [("method", method_label(method, sets)), ("prompt tokens", out["prompt_tokens"])]
+    head = [("method", MethodSpec(method, sets).label), ("prompt tokens", out["prompt_tokens"])]
     if group.size() > 1:
         out["ranks"] = group.size()  # the byte figures are rank 0's: its own KV heads
         head.append(("ranks", f"{group.size()} (mx.distributed; kv bytes below are rank 0's share)"))
@@ -181,32 +183,26 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
-    m = sub.add_parser("methods", help="list the 44 methods (the spec's 43 + waterfill), or one method's settings")
+    m = add_command(sub, "methods", _cmd_methods, model=False, json="print JSON (a list of methods, or one method's "
+                    "settings)", help="list the 44 methods (the spec's 43 + waterfill), or one method's settings")
     m.add_argument("name", nargs="?", default=None,
                    help="a method name: list its --set settings (type, default, allowed values, flat alias)")
-    m.add_argument("--json", action="store_true", help="print JSON (a list of methods, or one method's settings)")
-    m.set_defaults(func=_cmd_methods)
-    g = sub.add_parser("generate", help="generate with a compressed KV cache and report its bytes")
+    g = add_command(sub, "generate", _cmd_generate, help="generate with a compressed KV cache and report its bytes")
     g.add_argument("--method", default=None,
                    help=f"a method name from `veloxquant methods`, or {NONE!r} (required unless --prompt-cache)")
     g.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a setting of --method (repeatable): option name (budget=256) or flat field (snap_budget=256) "
                         "as `veloxquant methods NAME` lists them; VALUE is parsed as JSON when possible")
-    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--prompt", required=True, help="the user message (in the model's chat template, if any)")
     g.add_argument("--max-tokens", type=POSITIVE, default=64,
                    help="most new tokens to generate, greedily (default 64)")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.set_defaults(func=_cmd_generate)
-    d = sub.add_parser("demo", help="needle-in-a-haystack answers: uncompressed vs compressed caches")
+    d = add_command(sub, "demo", _cmd_demo, json="print the results as one JSON object",
+                    help="needle-in-a-haystack answers: uncompressed vs compressed caches")
     d.add_argument("--methods", default=None,
                    help=f"comma-separated methods (default: {','.join(DEMO_METHODS)}; unimplemented ones are skipped)")
     d.add_argument("--context", type=at_least(64), default=2000,
                    help="approximate prompt length in tokens (default 2000)")
-    d.add_argument("--model", default=None, help=MODEL_HELP)
     d.add_argument("--max-tokens", type=POSITIVE, default=24, help="new tokens at most (24)")
-    d.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    d.set_defaults(func=_cmd_demo)
     from . import cli_cache, cli_measure, cli_serve
     cli_measure.add_subcommands(sub)
     cli_cache.add_parsers(sub, g)
@@ -220,6 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .model import UnsupportedModelError
     try:
         args = _parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for the outputs that record it
     except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:

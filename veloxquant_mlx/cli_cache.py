@@ -9,8 +9,9 @@ from collections import Counter
 from itertools import groupby
 
 from .cache.settings import NONE, UsageError, check_method_name, method_config
-from .cli_output import (GENERATION_KEYS, MODEL_HELP, Progress, fmt_bytes, kv_rows, method_label, print_generation,
-                         print_rows, short_prompt_note)
+from .cli_output import (GENERATION_KEYS, Progress, add_command, fmt_bytes, kv_rows, print_generation, print_rows,
+                         short_prompt_note)
+from .eval.specs import MethodSpec
 from .generate import encode_turn, make_caches, run_generation
 
 __all__ = ["add_parsers", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
@@ -49,7 +50,7 @@ def cmd_cache_save(args) -> int:
         print(json.dumps(out))
         return 0
     measured, *reference = kv_rows(kv)
-    print_rows([("saved", args.out), ("method", method_label(method, sets)), ("model", info["model_id"]),
+    print_rows([("saved", args.out), ("method", MethodSpec(method, sets).label), ("model", info["model_id"]),
                 ("tokens", len(tokens)), measured,
                 ("file_bytes", f"{info['file_bytes']} ({fmt_bytes(info['file_bytes'])})"), *reference])
     short_prompt_note([out])
@@ -116,7 +117,7 @@ def generate_from_saved(args) -> int:
            "cached_tokens": info["n_tokens"], "tokens": result["tokens"], **kv_summary(model, caches)}
     return print_generation(out, [
         ("prompt cache", f"{args.prompt_cache} ({info['n_tokens']} cached tokens)"),
-        ("method", method_label(info["method"], info["config"])),
+        ("method", MethodSpec(info["method"], info["config"]).label),
         ("prompt tokens", f"{out['prompt_tokens']} (after the cached ones)"),
     ], args.json)
 
@@ -130,20 +131,16 @@ def add_parsers(sub, g) -> None:
                    help=f"with --prompt-cache: append the prompt {_PLAIN_TEXT} (to continue the text itself)")
     c = sub.add_parser("cache", help="save a prefilled compressed cache to a file, or show a saved one")
     csub = c.add_subparsers(dest="cache_command", required=True, metavar="{save,info}")
-    s = csub.add_parser(
-        "save", help="prefill a text file into compressed caches and save them",
+    s = add_command(
+        csub, "save", cmd_cache_save, help="prefill a text file into compressed caches and save them",
         description="Prefill the text of --prompt-file into caches made as `generate` makes them and save "
                     f"them to --out (a safetensors file). The text is {_PLAIN_TEXT}. Continue after it with "
                     "`veloxquant generate --prompt-cache PATH --prompt TEXT`.")
     s.add_argument("--method", required=True, help=f"a method name from `veloxquant methods`, or {NONE!r}")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
                    help="a setting of --method (repeatable), as for generate")
-    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--prompt-file", required=True, metavar="F", help=f"UTF-8 text to prefill, {_PLAIN_TEXT}")
     s.add_argument("--out", required=True, metavar="PATH", help="the file to write (e.g. doc.safetensors)")
-    s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.set_defaults(func=cmd_cache_save)
-    i = csub.add_parser("info", help="print the metadata of a saved cache (no model is loaded)")
+    i = add_command(csub, "info", cmd_cache_info, model=False, help="print the metadata of a saved cache (no model "
+                    "is loaded)", json="print the metadata as one JSON object (with token ids)")
     i.add_argument("path", metavar="PATH", help="a file written by `veloxquant cache save`")
-    i.add_argument("--json", action="store_true", help="print the metadata as one JSON object (with token ids)")
-    i.set_defaults(func=cmd_cache_info)

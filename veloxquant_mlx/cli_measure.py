@@ -5,12 +5,14 @@ side, :mod:`.bench`)."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Optional
 
 from .cache.settings import NONE, UsageError
-from .cli_output import MODEL_HELP, POSITIVE, Progress, fmt_bytes, format_table
+from .cli_output import POSITIVE, Progress, add_command, at_least, fmt_bytes, format_table, numbers
+from .eval.recall import CUE_TOKENS
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
@@ -19,27 +21,12 @@ TASK_NAMES = ("ppl", "kld", "niah", "recall")
 SHAPE_NAMES = ("tiny", "smollm2", "llama-1b", "llama-8b")
 
 
-def _numbers(items, what: str, kind=int) -> list:
-    """The numbers of comma-separated ``items`` (repeated flags give several)."""
-    try:
-        return [kind(x) for item in items for x in str(item).split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{what} expects comma-separated {'integers' if kind is int else 'numbers'}, got "
-                         f"{','.join(map(str, items))!r}") from None
-
-
 def _fmt(v, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
 
-def eval_table(rows: list[dict]) -> str:
-    from .eval.plot import HEADERS, row_cells
-    return format_table([*HEADERS, "time"], [row_cells(r) + [f"{r['seconds']:.0f}s"] for r in rows])
-
-
 def cmd_eval(args) -> int:
     from .eval.specs import implemented_mlx_lm_methods, resolve_methods
-    from .eval.recall import CUE_TOKENS
     from .eval.tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, count_units, run_eval
     names = list(args.method or [])
     if args.all:
@@ -47,18 +34,8 @@ def cmd_eval(args) -> int:
     if not names:
         raise UsageError("give at least one --method (or --all)")
     tasks = list(dict.fromkeys(args.task or DEFAULT_TASKS))
-    contexts = list(dict.fromkeys(_numbers(args.context or ["1024"], "--context")))
-    if not contexts or min(contexts) < 16:
-        raise UsageError("--context values must be >= 16")
-    depths = _numbers([args.depths], "--depths", float) if args.depths else list(DEFAULT_DEPTHS)
-    if not depths or any(not 0 <= d <= 1 for d in depths):
-        raise UsageError("--depths must be numbers in [0, 1]")
-    distances = _numbers([args.distances], "--distances", float) if args.distances else []
-    if any(d < 0 or d != int(d) for d in distances):
-        raise UsageError("--distances must be token counts >= 0")
-    distances = [int(d) for d in distances]
-    if args.passage <= CUE_TOKENS:
-        raise UsageError(f"--passage must be > {CUE_TOKENS} (its first {CUE_TOKENS} tokens cue the repeat)")
+    contexts = list(dict.fromkeys(args.context or [1024]))
+    depths, distances = args.depths or list(DEFAULT_DEPTHS), args.distances or []
     specs = resolve_methods(names, args.set, sweeps=args.sweep)
     text = None
     if args.text_file:
@@ -89,28 +66,15 @@ def cmd_eval(args) -> int:
             **({"recall": f"{args.passage}-token passage, distances {distances}" if distances else
                 f"{args.passage}-token passage at depths {', '.join(f'{d:g}' for d in depths)}"}
                if "recall" in tasks else {}),
-            "command": f"`{_eval_command(args, tasks, contexts)}`",
+            "command": f"`{shlex.join(['veloxquant', *args.argv])}`",
         }, note=bar.note)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        from .eval.plot import DEFINITIONS
-        print(eval_table(rows), *DEFINITIONS, sep="\n")
+        from .eval.plot import DEFINITIONS, HEADERS, row_cells
+        table = format_table([*HEADERS, "time"], [row_cells(r) + [f"{r['seconds']:.0f}s"] for r in rows])
+        print(table, *DEFINITIONS, sep="\n")
     return 1 if any(r.get("error") for r in rows) else 0
-
-
-def _eval_command(args, tasks, contexts) -> str:
-    import shlex
-    repeated = (("--method", args.method), ("--set", args.set), ("--sweep", args.sweep), ("--task", tasks))
-    parts = ["veloxquant", "eval", *(["--all"] if args.all else [])]
-    parts += [x for flag, items in repeated for item in items for x in (flag, item)]
-    parts += ["--context", ",".join(map(str, contexts)), "--n-score", str(args.n_score)]
-    parts += ["--reconstruct"] if args.reconstruct else []
-    for flag, value in (("--model", args.model), ("--text-file", args.text_file), ("--depths", args.depths),
-                        ("--distances", args.distances), ("--out", args.out)):
-        if value:
-            parts += [flag, str(value)]
-    return shlex.join(parts)
 
 
 def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) -> None:
@@ -211,9 +175,7 @@ def bench_tables(rows: list[dict]) -> str:
 def cmd_bench(args) -> int:
     from . import bench
     from .eval.specs import resolve_methods
-    args.contexts = _numbers(args.context or ["1024"], "--context")
-    if not args.contexts or min(args.contexts) < 2:
-        raise UsageError("--context values must be >= 2")
+    args.contexts = args.context or [1024]
     default = NONE if args.batch > 1 else ",".join(bench.BASELINES)  # mlx_lm's quantized cache has no batch form
     baselines = [b.strip() for b in (args.baselines if args.baselines is not None else default).split(",")
                  if b.strip()]
@@ -270,7 +232,8 @@ def cmd_bench(args) -> int:
 
 def add_subcommands(sub) -> None:
     """Add ``eval`` and ``bench`` to the ``veloxquant`` subparsers."""
-    e = sub.add_parser("eval", help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
+    e = add_command(sub, "eval", cmd_eval, json="print the rows as a JSON list",
+                    help="quality vs the uncompressed cache: perplexity, KL divergence, NIAH")
     e.add_argument("--method", action="append", default=[], metavar='"METHOD [FIELD=VALUE ...]"',
                    help=f"a method, or one configuration with its own settings (repeatable); {NONE!r} always runs")
     e.add_argument("--all", action="store_true", help="every implemented mlx_lm-protocol method at defaults")
@@ -279,31 +242,30 @@ def add_subcommands(sub) -> None:
     e.add_argument("--sweep", action="append", metavar="[METHOD:]FIELD=V1,V2", default=[],
                    help="run every configuration that reads FIELD once per value (repeatable: a grid)")
     e.add_argument("--reconstruct", action="store_true", help="run the caches' context-reconstruction pass (KVzip)")
-    e.add_argument("--model", default=None, help=MODEL_HELP)
     e.add_argument("--task", action="append", choices=TASK_NAMES, default=None,
                    help="ppl, kld, niah, recall (repeatable; default: ppl, kld, niah)")
     e.add_argument("--text-file", default=None, help="text for ppl/kld and the haystack (default: the essays)")
-    e.add_argument("--context", action="append", default=None, metavar="N[,N...]",
-                   help="context tokens, one run each (comma-separated or repeated; default 1024)")
+    e.add_argument("--context", action="extend", type=numbers(16), default=None, metavar="N[,N...]",
+                   help="context tokens (>= 16), one run each (comma-separated or repeated; default 1024)")
     e.add_argument("--n-score", type=POSITIVE, default=64, help="scored tokens after the context for ppl/kld (64)")
-    e.add_argument("--depths", default=None, help="NIAH and recall depths, comma-separated (default 0.1,0.5,0.9)")
-    e.add_argument("--distances", default=None, metavar="N[,N...]",
+    e.add_argument("--depths", type=numbers(0, float, 1), default=None,
+                   help="NIAH and recall depths in [0, 1], comma-separated (default 0.1,0.5,0.9)")
+    e.add_argument("--distances", type=numbers(0), default=None, metavar="N[,N...]",
                    help="recall: tokens between the passage and its repeat (instead of --depths)")
-    e.add_argument("--passage", type=int, default=128, help="recall: passage tokens (default 128; 16 cue the repeat)")
+    e.add_argument("--passage", type=at_least(CUE_TOKENS + 1), default=128,
+                   help=f"recall: passage tokens (default 128; its first {CUE_TOKENS} cue the repeat)")
     e.add_argument("--seed", type=int, default=0, help="NIAH passcode seed")
-    e.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     e.add_argument("--out", default=None, metavar="DIR", help="also write results.md, results.json, pareto.png")
-    e.set_defaults(func=cmd_eval)
-    b = sub.add_parser("bench", help="prefill, decode speed and memory side by side with mlx_lm's caches")
+    b = add_command(sub, "bench", cmd_bench, json="print the rows as a JSON list",
+                    help="prefill, decode speed and memory side by side with mlx_lm's caches")
     b.add_argument("--method", action="append", default=[], help="a method (repeatable)")
     b.add_argument("--set", action="append", metavar="[METHOD:]FIELD=VALUE", default=[],
                    help="a setting, as for eval: [METHOD:]FIELD=VALUE (repeatable)")
-    b.add_argument("--context", action="append", default=None, metavar="N[,N...]",
-                   help="context lengths (comma-separated or repeated; default 1024)")
+    b.add_argument("--context", action="extend", type=numbers(2), default=None, metavar="N[,N...]",
+                   help="context lengths >= 2 (comma-separated or repeated; default 1024)")
     b.add_argument("--repeats", type=POSITIVE, default=3,
                    help="runs of every candidate and context (medians; default 3)")
     b.add_argument("--decode-tokens", type=POSITIVE, default=32, help="greedy decode steps timed per run (default 32)")
-    b.add_argument("--model", default=None, help=MODEL_HELP)
     b.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="a random-weight Llama shape")
     b.add_argument("--random-weights", action="store_true", help="random weights (with --shape)")
     b.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
@@ -317,5 +279,3 @@ def add_subcommands(sub) -> None:
     b.add_argument("--batch", type=POSITIVE, default=1, metavar="N",
                    help="N sequences decoded together through the batch form; decode tok/s is their total (default 1)")
     b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run (kernel compilation then counts)")
-    b.add_argument("--json", action="store_true", help="print the rows as a JSON list")
-    b.set_defaults(func=cmd_bench)

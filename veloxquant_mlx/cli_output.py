@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation", "at_least", "POSITIVE",
-           "MODEL_HELP", "SHORT_PROMPT_NOTE", "GENERATION_KEYS"]
+__all__ = ["Progress", "format_table", "fmt_bytes", "fmt_tps", "truncate", "print_generation", "at_least", "numbers",
+           "POSITIVE", "MODEL_HELP", "SHORT_PROMPT_NOTE", "GENERATION_KEYS"]
 
 GENERATION_KEYS = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_tps")
 MODEL_HELP = ("an mlx_lm model directory, a Hugging Face repo id, or a llama-architecture .gguf file "
@@ -92,6 +92,17 @@ class Progress:
             self._chunks = None
 
 
+def add_command(sub, name: str, func, *, model: bool = True, json: Optional[str] = "print one JSON object", **kw):
+    """A subcommand calling ``func(args)``, with ``--model`` and ``--json`` (help ``json``) unless turned off."""
+    p = sub.add_parser(name, **kw)
+    if model:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
+    if json:
+        p.add_argument("--json", action="store_true", help=json)
+    p.set_defaults(func=func)
+    return p
+
+
 def at_least(low, kind=int):
     """An argparse ``type``: a ``kind`` number >= ``low`` (else exit 2 naming the flag, the value and the bound)."""
     def parse(text: str):
@@ -104,6 +115,19 @@ def at_least(low, kind=int):
 
 
 POSITIVE = at_least(1)
+
+
+def numbers(low, kind=int, high=None):
+    """An argparse ``type``: comma-separated ``kind`` numbers in ``[low, high]``, as a list."""
+    one = at_least(low, kind)
+
+    def parse(text: str) -> list:
+        values = [one(x) for x in text.split(",") if x.strip()]
+        if not values or (high is not None and max(values) > high):
+            raise argparse.ArgumentTypeError(f"expects comma-separated numbers in [{low}, {high}], got {text!r}")
+        return values
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def fmt_bytes(n: Optional[int]) -> str:
@@ -129,10 +153,6 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     return "\n".join(lines + ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows])
-
-
-def method_label(method: str, settings: dict) -> str:
-    return " ".join([method] + [f"{k}={v}" for k, v in settings.items()])
 
 
 def print_rows(rows: list[tuple], width: int = 19) -> None:

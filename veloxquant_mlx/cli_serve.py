@@ -7,15 +7,14 @@ import logging
 import math
 import os
 
-from .cli_output import MODEL_HELP, POSITIVE, at_least
+from .cli_output import POSITIVE, add_command, at_least
 
 
 def add_subcommand(sub) -> None:
-    s = sub.add_parser(
-        "serve", help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches",
+    s = add_command(
+        sub, "serve", _cmd_serve, json=None, help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models and GET /v1/kv/stats; a request may "
                     'pick its own cache with "kv_cache": {"method": M, "settings": {FIELD: VALUE}}.')
-    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--method", default=None,
                    help="default method (default: kivi with bit_width_inlier=4; 'none' = mlx_lm's plain cache)")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE", default=[],
@@ -44,7 +43,6 @@ def add_subcommand(sub) -> None:
                    help="prompt tokens per prefill chunk (default 2048)")
     s.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="server log verbosity (default WARNING)")
-    s.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -142,9 +142,8 @@ def load_gguf_tokenizer(path: str | Path):
            if f"tokenizer.ggml.{g}_token_id" in metadata}
     kwargs = dict(tokenizer_object=tok, clean_up_tokenization_spaces=False,
                   chat_template=metadata.get("tokenizer.chat_template") or None,
-                  **{f"{n}_token": tokens[i] for n, i in ids.items()})
-    if "llama.context_length" in metadata:
-        kwargs["model_max_length"] = int(_scalar(metadata["llama.context_length"]))
+                  model_max_length=int(_scalar(metadata["llama.context_length"])) if "llama.context_length" in
+                  metadata else None, **{f"{n}_token": tokens[i] for n, i in ids.items()})
     hf_tok = PreTrainedTokenizerFast(**{k: v for k, v in kwargs.items() if v is not None})
     return TokenizerWrapper(hf_tok, BPEStreamingDetokenizer, eos_token_ids=[ids["eos"]] if "eos" in ids else [])
 

@@ -1,8 +1,7 @@
-"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (HTTP API, queue, generation thread and continuous
-batching reused as they are) with this library's caches: per-request ``"kv_cache"`` (:mod:`.server_requests`),
-batchable methods in mlx_lm's batch (one batch per KV settings, carried by the model key) and the others one at a
-time, prefix reuse (:mod:`.server_store`), ``/v1/kv/stats``, access checks and cancellation of requests whose client
-has gone (README.md, "Serving")."""
+"""``veloxquant serve``: mlx_lm's OpenAI-compatible server (HTTP API, queue, generation thread, continuous batching)
+with this library's caches: per-request ``"kv_cache"`` (:mod:`.server_requests`), batchable methods in mlx_lm's batch
+(one per KV settings, carried by the model key), the others one at a time, prefix reuse (:mod:`.server_store`),
+``/v1/kv/stats``, access checks and cancellation when the client is gone (README.md, "Serving")."""
 
 from __future__ import annotations
 
@@ -214,22 +213,15 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
         self.count(requests=1)
         gone = getattr(_pending, "client_gone", None) or (lambda: False)
 
-        def progress(done, total):
+        def check(*report):
             if gone():
                 ctx.stop()
                 raise ClientGone()
-            if progress_callback is not None:
-                progress_callback(done, total)
+            if report and progress_callback is not None:
+                progress_callback(*report)
         with _status_kept(Exception):
-            ctx, responses = super().generate(request, generation_args, progress)
-
-        def watched():
-            for response in responses:
-                if gone():
-                    ctx.stop()
-                    raise ClientGone()
-                yield response
-        return ctx, watched()
+            ctx, responses = super().generate(request, generation_args, check)
+        return ctx, (check() or response for response in responses)
 
     def _is_batchable(self, args):  # per request, before its model is loaded: the provider learns its settings
         kv = getattr(args, "kv", self.default_kv)

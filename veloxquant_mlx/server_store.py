@@ -1,10 +1,9 @@
-"""The server's two prompt-cache stores under one prefix-reuse policy: :class:`PromptCacheStore` keeps the caches
-of compressed requests served one at a time, :class:`SafePromptCache` is mlx_lm's store (its batch path), keyed
-per KV settings by the model key. The policy (docs/ARCHITECTURE.md, "Prefix reuse"): keep only ``chunk_invariant``
-caches (mlx_lm's ``KVCache`` is); trim a longer kept sequence back to the shared prefix only where every layer's
-trim is exact (``exact_trim``, or ``trim_exact_or_raises`` where a raise means recompute) and complete; else a
-shorter prefix or recompute.
-"""
+"""The server's two prompt-cache stores under one prefix-reuse policy (docs/ARCHITECTURE.md, "Prefix reuse"):
+:class:`PromptCacheStore` for compressed requests served one at a time, :class:`SafePromptCache` (mlx_lm's store,
+its batch path, keyed per KV settings by the model key). Only ``chunk_invariant`` caches are kept (mlx_lm's
+``KVCache`` is); a longer kept sequence is trimmed to the shared prefix only where every layer's trim is exact
+(``exact_trim``, or ``trim_exact_or_raises``: a raise means recompute) and complete; else a shorter prefix or
+recompute."""
 
 from __future__ import annotations
 
@@ -76,12 +75,11 @@ class PromptCacheStore:
             candidates.sort(reverse=True)
             picked = [(use, -neg, k, copy.deepcopy(self._entries[k])) for use, neg, k in candidates[:2]]
         for use, trim, entry_key, caches in picked:
-            if trim and not _trim(caches, trim):
-                continue
-            with self._lock:
-                if entry_key in self._entries:
-                    self._entries.move_to_end(entry_key)
-            return caches, use, ("trimmed" if trim else "prefix") + skipped
+            if not trim or _trim(caches, trim):
+                with self._lock:
+                    if entry_key in self._entries:
+                        self._entries.move_to_end(entry_key)
+                return caches, use, ("trimmed" if trim else "prefix") + skipped
         return None, 0, "no reusable cached prefix: recomputed" + skipped
 
     def insert(self, kv_key, tokens: list[int], caches: list) -> None:
@@ -110,7 +108,7 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
 
     def __init__(self, max_size: int, counters: dict):
         super().__init__(max_size)
-        self.counters = counters
+        self.counters = counters  # the server's; reused_tokens counts here
 
     def fetch_nearest_cache(self, model, tokens):
         if self.skip_fetch:
@@ -122,11 +120,9 @@ class SafePromptCache(mlx_cache.LRUPromptCache):
         if found.longer is not None and found.common_prefix > short:
             longer = self._trie.get(found.model, found.longer).prompt_cache
             if _trimmable(longer):
-                caches = copy.deepcopy(longer)
-                prefix = min(len(tokens) - 1, found.common_prefix)
-                if not _trim(caches, len(found.longer) - prefix):
-                    return None, tokens
-                return self._reused(caches, tokens, prefix, copied=True)
+                caches, prefix = copy.deepcopy(longer), min(len(tokens) - 1, found.common_prefix)
+                ok = _trim(caches, len(found.longer) - prefix)
+                return self._reused(caches, tokens, prefix, copied=True) if ok else (None, tokens)
         if short > 0:
             return self._reused(self._trie.get(found.model, found.shorter).prompt_cache, tokens, short)
         return None, tokens

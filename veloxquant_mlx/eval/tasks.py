@@ -1,13 +1,7 @@
-"""Quality tasks on a real model: each returns one row (:data:`ROW_KEYS`, None where a value does not apply) per
-method, the uncompressed ``none`` first.
-
-* ``ppl`` / ``kld`` (:mod:`.fidelity`): perplexity (and ``ppl_delta`` against the uncompressed model), mean
-  KL(P_uncompressed || P_compressed) in nats and top-1 agreement; one run per cache serves both (``memo``).
-* ``niah``: kvpress's query-agnostic needle in a haystack -- a passcode sentence at each depth
-  (:func:`build_niah_prompt`), compressed without the question, which is fed after it; exact-match answers.
-* ``recall`` (:mod:`.recall`): how much of a passage read early the model still copies at the end
-  (``copy_acc``; the uncompressed model's ``copy_acc_ref`` is its ceiling).
-"""
+"""Quality tasks on a real model (what each figure means: :data:`.plot.DEFINITIONS`): each returns one row
+(:data:`ROW_KEYS`, None where a value does not apply) per method, the uncompressed ``none`` first. ``ppl`` and ``kld``
+share one run per cache (``memo``, :mod:`.fidelity`); ``niah`` is kvpress's query-agnostic needle in a haystack
+(:func:`build_niah_prompt`: the question is fed after the compressed context); ``recall``: :mod:`.recall`."""
 
 from __future__ import annotations
 
