@@ -1,14 +1,13 @@
-"""SKVQ (Duanmu et al., "SKVQ: Sliding-window Key and Value Cache Quantization for Large Language Models",
-arXiv 2405.06219): channels of similar range are reordered into one group, each group quantized per token over
-its range shrunk by a searched clip ratio; a sliding window of recent tokens plus a few sinks stay exact.
+"""SKVQ (Duanmu et al., arXiv 2405.06219): channels of similar range reordered into one group, each group quantized
+per token over its range shrunk by a searched clip ratio; a sliding window of recent tokens plus a few sinks
+stay exact.
 
-The first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g rows
-(W = ``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized (keys at
+The first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window of up to W + g rows (W =
+``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized (keys at
 ``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in g-channel groups after a per-head permutation,
-each group clipped by its alpha about its centre). The first quantized block calibrates: the permutation sorts
-channels by range, alpha is searched among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head and group
-(``skvq_clip_search``). Measured (RESULTS.md's command): reordering + clip search remove a quarter of the KL at
-the same bytes (window 32: 0.243 vs 0.321).
+each group clipped by its alpha). The first quantized block calibrates: channels sorted by range, alpha searched
+among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head and group (``skvq_clip_search``). Measured (RESULTS.md's
+command): reordering + clip search remove a quarter of the KL at the same bytes (window 32: 0.243 vs 0.321).
 
 Deviations from the paper: reordering sorts by range and cuts equal groups (the paper clusters ranges: same
 intent); calibration is online on each layer's first quantized block, alpha per head and group; ``skvq_max_ctx``

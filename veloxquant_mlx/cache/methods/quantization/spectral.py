@@ -1,15 +1,14 @@
 """SpectralQuant standalone single-head cache ("spectral"): calibrated principal subspaces + residual QJL.
 
 Source: no arXiv paper; Dynamis Labs' SpectralQuant ("3% Is All You Need: Breaking TurboQuant's Compression
-Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): a head's keys concentrate their
-variance in a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
+Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): keys concentrate their variance in
+a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
 
-Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``: from ``config.store`` under
-``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until then,
-then stored). A row keeps its top ``r = min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates
-``z = U_r^T (x - mu) / sqrt(l_r)``: a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the direction
-(signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv 2406.03482) of the key residual
-(unbiased scores). Values mix as ``mu_V + (w @ c_hat) U_V^T``. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
+Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``) from ``config.store`` or its first
+``n_calib_tokens`` (or ``head_dim``) rows, held exactly until then. A row keeps its top ``r =
+min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates ``U_r^T (x - mu) / sqrt(l_r)`` as a float16 norm
++ ``bit_width_inlier``-bit Lloyd–Max direction codes (signs for r = 1); ``spectral_apply_qjl`` adds 1-bit QJL
+(arXiv 2406.03482) of the key residual. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
 
 Deviations from SpectralQuant:
 

@@ -1,13 +1,11 @@
 """TurboQuant standalone single-head caches (Zandieh, Daliri, Hadian, Mirrokni; arXiv 2504.19874).
 
-``TurboQuantMSEKVCache`` ("turboquant_mse", Algorithm 1): a key is its norm and its direction rotated by a seeded
-Haar-random orthogonal ``Pi``, each rotated coordinate coded as its nearest ``b``-bit Lloyd–Max centroid for the
-coordinate law of a random unit vector (``b = bit_width_inlier``); ``attend`` rotates the query once.
-``TurboQuantProdKVCache`` ("turboquant_prod", Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
-2406.03482) of the residual (``jl_dim`` signs + its norm): unbiased scores; ``b = 1`` is pure QJL. Codes are
-bit-packed, norms float16, values int8 with an absmax scale. Outlier split (the paper's KV-cache experiments):
-with ``n_outlier_channels``, the channels of largest RMS over the first ``n_calib_tokens`` keys of the first
-block get ``bit_width_outlier`` bits and their own rotation, codebook and norm, the rest ``bit_width_inlier``.
+``turboquant_mse`` (Algorithm 1): a key's norm and its direction rotated by a seeded Haar-random ``Pi``, each
+coordinate coded as its nearest ``b``-bit Lloyd–Max centroid for a random unit vector's coordinate law (``b =
+bit_width_inlier``). ``turboquant_prod`` (Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
+2406.03482) of the residual: unbiased scores; ``b = 1`` is pure QJL. With ``n_outlier_channels`` (the paper's
+KV-cache split) the channels of largest RMS over the first ``n_calib_tokens`` keys get ``bit_width_outlier`` bits
+and their own rotation, codebook and norm.
 
 Deviations from the paper:
 
@@ -23,9 +21,9 @@ Deviations from the paper:
 6. Codebooks are numerical (Lloyd–Max on a 2^18-cell grid of the exact density, cached), the rotation a dense
    QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
 
-Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond the float16 range raises
-``CacheInputError``; value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only
-range-checked without a split; ``observers`` and ``store`` are kept but unused.
+Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond float16 raises ``CacheInputError``;
+value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only range-checked without a split;
+``observers`` and ``store`` are kept but unused.
 """
 
 from __future__ import annotations
