@@ -22,9 +22,9 @@ import mlx.core as mx
 from ...base import register
 from ...errors import CacheInputError
 from ...primitives import groupquant as gq
-from ...primitives.bitpack import pack_bits, packed_words
+from ...primitives.bitpack import packed_words
 from ...primitives.rowstore import RowStore
-from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, jl_width, qjl_signs
 
 __all__ = ["QJLKVCache"]
@@ -52,7 +52,7 @@ class QJLKVCache(StandaloneCache):
         if k.shape[0] == 0:
             return
         check_norm16(k, "key")
-        self._keys.append({"signs": pack_bits((k @ self.sketch.T) >= 0, 1),
+        self._keys.append({"signs": qjl_pack(self.sketch, k),
                            "norm": mx.sqrt(mx.sum(k * k, axis=1)).astype(mx.float16)})
 
     def _signs(self, n: int) -> mx.array:

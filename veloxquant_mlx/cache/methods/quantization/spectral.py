@@ -39,7 +39,7 @@ from ...options import SpectralOptions
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
 from ...primitives.rowstore import RowStore
-from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import (FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, int_field, is_int,
                                jl_width, qjl_signs)
 
@@ -240,7 +240,7 @@ class SpectralQuantKVCache(StandaloneCache):
             rnorm = mx.sqrt(mx.sum(resid * resid, axis=1))
             if mx.max(rnorm).item() > FP16_MAX:
                 raise CacheInputError(f"key residual norm exceeds the float16 range ({FP16_MAX})")
-            rows["signs"] = pack_bits((resid @ self.sketch.T) >= 0, 1)
+            rows["signs"] = qjl_pack(self.sketch, resid)
             rows["rnorm"] = rnorm.astype(mx.float16)
         return rows
 

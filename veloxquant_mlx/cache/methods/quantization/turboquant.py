@@ -39,7 +39,7 @@ from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
 from ...primitives.rotation import random_orthogonal
 from ...primitives.rowstore import RowStore
-from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import (Int8Values, StandaloneCache, as_block, check_norm16, derive_seed, int_field, jl_width,
                                qjl_signs)
 
@@ -69,26 +69,18 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         initial = self._setup(config)
         d, b_in = self.head_dim, self.bit_width_inlier
         n_out = getattr(config, "n_outlier_channels", None)
-        if n_out is not None and n_out != 0:
-            if d < 4:
-                raise QuantizerConfigError("n_outlier_channels", n_out,
-                                           "None or 0 (an outlier split needs head_dim >= 4)")
-            n_out = int_field(config, "n_outlier_channels", 2, d - 2)
-            if getattr(config, "bit_width_outlier", None) is None:
-                raise QuantizerConfigError("bit_width_outlier", None, "an int in 1..8 when n_outlier_channels is set")
-            b_out = int_field(config, "bit_width_outlier", 1, 8)
-        else:
-            n_out, b_out = 0, None
-            int_field(config, "bit_width_outlier", 1, 8, optional=True)  # validated, unused
+        split = n_out is not None and n_out != 0
+        if split and d < 4:
+            raise QuantizerConfigError("n_outlier_channels", n_out, "None or 0 (an outlier split needs head_dim >= 4)")
+        n_out = int_field(config, "n_outlier_channels", 2, d - 2) if split else 0
+        b_out = int_field(config, "bit_width_outlier", 1, 8, optional=not split)  # checked even when unused
         self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
         self.jl_dim = jl_width(config, d) if self._prod else None
-        self.bit_width_outlier, self.n_outlier_channels = b_out, n_out
+        self.bit_width_outlier, self.n_outlier_channels = b_out if split else None, n_out
         stage = 1 if self._prod else 0  # Prod spends one bit per coordinate-equivalent on QJL
-        if n_out:
-            split = [(n_out, b_out, derive_seed(self.seed, 1)), (d - n_out, b_in, derive_seed(self.seed, 2))]
-        else:
-            split = [(d, b_in, self.seed)]
-        self.groups = [_Group(i, size, b - stage, sd) for i, (size, b, sd) in enumerate(split)]
+        parts = [(n_out, b_out, derive_seed(self.seed, 1)), (d - n_out, b_in, derive_seed(self.seed, 2))] if split \
+            else [(d, b_in, self.seed)]
+        self.groups = [_Group(i, size, b - stage, sd) for i, (size, b, sd) in enumerate(parts)]
         self.sketch = gaussian_jl(self.jl_dim, d, self.seed) if self._prod else None
         self._perm = self._inv_perm = None  # channel permutation (outliers first); None: identity / not calibrated
         key_specs = {k: v for g in self.groups if g.mse_bits > 0
@@ -154,7 +146,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
                 residuals.append(norm[:, None] * y - recon)
         if self._prod:
             r = mx.concatenate(residuals, axis=1) if len(residuals) > 1 else residuals[0]
-            rows["qjl"] = pack_bits((r @ self.sketch.T) >= 0, 1)
+            rows["qjl"] = qjl_pack(self.sketch, r)
             rows["rnorm"] = mx.sqrt(mx.sum(r * r, axis=1)).astype(mx.float16)
         self._keys.append(rows)
 
