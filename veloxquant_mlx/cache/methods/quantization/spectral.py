@@ -38,6 +38,7 @@ from ...errors import CacheInputError, QuantizerConfigError
 from ...options import SpectralOptions
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
+from ...primitives.lowrank_fit import fit_basis
 from ...primitives.rowstore import RowStore
 from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import (FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, int_field, is_int,
@@ -60,16 +61,11 @@ def _options(config) -> dict:
 
 def _eigen(rows: mx.array):
     """Mean, eigenvectors (columns, descending, largest entry positive) and eigenvalues of the rows'
-    covariance, as float32 NumPy arrays."""
-    x = rows.astype(mx.float32)
-    mu = mx.mean(x, axis=0)
-    xc = x - mu
-    lam, vec = mx.linalg.eigh((xc.T @ xc) / x.shape[0], stream=mx.cpu)
-    lam = np.clip(np.asarray(lam)[::-1], 0.0, None)
-    vec = np.ascontiguousarray(np.asarray(vec)[:, ::-1])
+    covariance (``lowrank_fit.fit_basis`` on one block), as float32 NumPy arrays."""
+    vec, lam, mu = (np.array(a[0, 0], dtype=np.float64) for a in fit_basis(rows[None, None], center=True))
     sign = np.sign(vec[np.argmax(np.abs(vec), axis=0), np.arange(vec.shape[1])])
     vec = vec * np.where(sign == 0, 1.0, sign)[None, :]
-    return np.asarray(mu, dtype=np.float32), vec.astype(np.float32), lam.astype(np.float32)
+    return mu[0].astype(np.float32), vec.astype(np.float32), (lam / rows.shape[0]).astype(np.float32)
 
 
 class _Side:
@@ -172,16 +168,13 @@ class SpectralQuantKVCache(StandaloneCache):
         return f"{name}.spectral.{side.kind}.d{self.head_dim}.{part}"
 
     def _load(self, side: _Side) -> None:
-        if self.store is None:
-            return
-        parts = [self.store.get(self._store_key(side, p)) for p in _PARTS]
+        keys, d = [self._store_key(side, p) for p in _PARTS], self.head_dim
+        parts = [None] if self.store is None else [self.store.get(k) for k in keys]
         if any(p is None for p in parts):
             return
-        d = self.head_dim
-        for p, part, shape in zip(parts, _PARTS, ((d,), (d, d), (d,))):
+        for p, key, shape in zip(parts, keys, ((d,), (d, d), (d,))):
             if tuple(p.shape) != shape:
-                raise QuantizerConfigError("store", self._store_key(side, part),
-                                           f"an artifact of shape {shape}, got {tuple(p.shape)}")
+                raise QuantizerConfigError("store", key, f"an artifact of shape {shape}, got {tuple(p.shape)}")
         side.set_basis(*(np.asarray(p, dtype=np.float32) for p in parts))
 
     def _calibrate_side(self, side: _Side, rows: mx.array, held: mx.array) -> None:
