@@ -174,27 +174,22 @@ class ZipCacheKVCache(KIVIKVCache):
 
     def _used(self, *stores) -> int:
         """Bytes of the filled rows of the hi/lo stores ``stores`` (codes, scales, biases)."""
-        arrays = [(getattr(self, f"{p}_{x}"), self.n_hi if p[1] == "h" else self.n_lo) for p in stores for x in _ARR]
-        return sum(a[:, :, :n].nbytes for a, n in arrays if a is not None)
+        return sum(self._rows_bytes(f"{p}_{x}", self.n_hi if p[1] == "h" else self.n_lo) for p in stores for x in _ARR)
 
-    def _pending_bytes(self, name) -> int:
+    def _rows_bytes(self, name, n) -> int:
         a = getattr(self, name)
-        return 0 if a is None else a[:, :, : self.n_res].nbytes
+        return 0 if a is None else a[:, :, :n].nbytes
 
     @property
     def compressed_key_bytes(self) -> int:
         """Key-side bytes held: hi/lo key codes + scales/biases, channel factors, routing flags, pending rows."""
-        extra = 0 if self.k_chan is None else self.k_chan.nbytes
-        flags = 0 if self.is_hi is None else self.is_hi[:, :, : self.n_quant].nbytes
-        return self._used("kh", "kl") + extra + flags + self._pending_bytes("res_k")
+        extra = (0 if self.k_chan is None else self.k_chan.nbytes) + self._rows_bytes("is_hi", self.n_quant)
+        return self._used("kh", "kl") + extra + self._rows_bytes("res_k", self.n_res)
 
     @property
     def compressed_value_bytes(self) -> int:
-        if self.quantize_values:
-            q = self._used("vh", "vl")
-        else:
-            q = 0 if self.v_fp is None else self.v_fp[:, :, : self.n_quant].nbytes
-        return q + self._pending_bytes("res_v")
+        q = self._used("vh", "vl") if self.quantize_values else self._rows_bytes("v_fp", self.n_quant)
+        return q + self._rows_bytes("res_v", self.n_res)
 
     def _baseline(self, res) -> int:
         """Uniform lo-bit tokenwise codes for the compressed tokens (no routing) + the same pending rows."""
