@@ -36,10 +36,8 @@ CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 
 def range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
     """``bits``-bit codes of ``x`` on ``[mn, mn + rng]`` (``mn``/``rng`` broadcast, float16-rounded)."""
-    levels = float((1 << bits) - 1)
-    step = rng.astype(mx.float32) / levels
-    q = mx.round((x.astype(mx.float32) - mn.astype(mx.float32)) / mx.where(step > 0, step, 1.0))
-    return mx.clip(q, 0.0, levels).astype(mx.uint32)
+    f32 = mx.float32
+    return gq.affine_codes(x.astype(f32), mn.astype(f32), rng.astype(f32) / float((1 << bits) - 1), bits)
 
 
 def range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:

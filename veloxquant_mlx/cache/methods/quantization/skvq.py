@@ -65,10 +65,8 @@ def search_clip(x: mx.array, bits: int, group: int, candidates) -> mx.array:
     a = mx.array(list(candidates), dtype=mx.float32)
     xg = x.astype(mx.float32).reshape(1, B, H, T, D // group, group)
     lo, hi = _bounds(xg, a.reshape(-1, 1, 1, 1, 1, 1))
-    levels = float(2**bits - 1)
-    s = (hi - lo) / levels
-    s = mx.where(s > 0, s, 1.0)
-    fake = mx.clip(mx.round((xg - lo) / s), 0.0, levels) * s + lo
+    s = (hi - lo) / float(2**bits - 1)
+    fake = gq.affine_codes(xg, lo, s, bits).astype(mx.float32) * s + lo  # s = 0: the group is constant, code 0
     return a[mx.argmin(((fake - xg) ** 2).sum(axis=(1, 3, 5)), axis=0)]  # err [A, H, ng]
 
 
