@@ -34,8 +34,6 @@ from ...primitives.rotation import random_orthogonal
 from ...primitives.rowstore import RowStore
 from ...standalone_util import Int8Values, StandaloneCache, as_block, check_norm16, from_store
 
-__all__ = ["PolarQuantKVCache"]
-
 _MAX_LEVELS = 4
 
 

@@ -27,8 +27,6 @@ from ...primitives.rowstore import RowStore
 from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, jl_width, qjl_signs
 
-__all__ = ["QJLKVCache"]
-
 
 @register("qjl")
 class QJLKVCache(StandaloneCache):

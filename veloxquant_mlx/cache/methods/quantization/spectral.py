@@ -44,8 +44,6 @@ from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product,
 from ...standalone_util import (FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, int_field, is_int,
                                jl_width, qjl_signs)
 
-__all__ = ["SpectralQuantKVCache"]
-
 _TINY = 1e-30
 _EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
 _PARTS = ("mean", "basis", "eigenvalues")  # a calibration's store entries

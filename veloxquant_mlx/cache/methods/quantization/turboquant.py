@@ -43,8 +43,6 @@ from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product,
 from ...standalone_util import (Int8Values, StandaloneCache, as_block, check_norm16, derive_seed, int_field, jl_width,
                                qjl_signs)
 
-__all__ = ["TurboQuantMSEKVCache", "TurboQuantProdKVCache"]
-
 _TINY = 1e-30
 
 
