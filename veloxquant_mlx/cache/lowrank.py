@@ -6,26 +6,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .errors import QuantizerConfigError
 from .grouped import GroupedQuantCache
-from .options import _is_int
 from .primitives import groupquant as gq
 from .primitives import lowrank_fit as lr
 from .primitives.buffers import grow_rows, reserve_rows
 
 BASIS_DTYPE = mx.float16  # fitted bases and means as stored
-
-
-def check_rank_energy(prefix: str, rank, energy) -> None:
-    if rank is not None and (not _is_int(rank) or rank < 1):
-        raise QuantizerConfigError(f"{prefix}_rank", rank, "None or a positive int")
-    if isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0.0 < energy <= 1.0:
-        raise QuantizerConfigError(f"{prefix}_energy_threshold", energy, "a float in (0, 1]")
-
-
-def check_group(field: str, g) -> None:
-    if not _is_int(g) or g < 1:
-        raise QuantizerConfigError(field, g, "a positive int (tokens per quantization group)")
 
 
 class LowRankKVCache(GroupedQuantCache):

@@ -53,12 +53,18 @@ def quantize(x: mx.array, bits: int, group: int, reference: bool = False) -> Gro
         codes, scales, biases = mx.quantize(x.astype(SCALE_DTYPE), group_size=group, bits=bits)
         return GroupQuantized(codes, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE))
     xg = x.astype(mx.float32).reshape(*lead, n // group, group)
-    lo, levels = xg.min(axis=-1, keepdims=True), float(2**bits - 1)
-    scales = ((xg.max(axis=-1, keepdims=True) - lo) / levels).astype(SCALE_DTYPE)
+    lo = xg.min(axis=-1, keepdims=True)
+    scales = ((xg.max(axis=-1, keepdims=True) - lo) / float(2**bits - 1)).astype(SCALE_DTYPE)
     biases = lo.astype(SCALE_DTYPE)
-    s = scales.astype(mx.float32)
-    q = mx.clip(mx.round((xg - biases.astype(mx.float32)) / mx.where(s > 0, s, 1.0)), 0.0, levels)
-    return GroupQuantized(pack_bits(q.astype(mx.uint32), bits).reshape(*lead, -1), scales[..., 0], biases[..., 0])
+    q = affine_codes(xg, biases.astype(mx.float32), scales.astype(mx.float32), bits)
+    return GroupQuantized(pack_bits(q, bits).reshape(*lead, -1), scales[..., 0], biases[..., 0])
+
+
+def affine_codes(x: mx.array, lo: mx.array, step: mx.array, bits: int) -> mx.array:
+    """The min/max rule's ``uint32`` codes ``round((x - lo) / step)`` in ``[0, 2^bits - 1]`` (float32 operands,
+    broadcast; a zero step reads as 1), shared by the quantizers that keep their own ranges."""
+    q = mx.round((x - lo) / mx.where(step > 0, step, 1.0))
+    return mx.clip(q, 0.0, float(2**bits - 1)).astype(mx.uint32)
 
 
 def dequantize(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int,

@@ -12,6 +12,7 @@ import math
 import mlx.core as mx
 
 from . import check_int
+from .bitpack import pack_bits
 from .rotation import frozen, seeded_rng
 
 QJL_SCALE = math.sqrt(math.pi / 2.0)
@@ -31,6 +32,11 @@ def gaussian_jl(m: int, d: int, seed: int) -> mx.array:
 def qjl_signs(S: mx.array, k: mx.array) -> mx.array:
     """Sign bits ``uint8 (..., m)`` of ``S k`` for ``k (..., d)``: 1 where ``S k >= 0``."""
     return (k.astype(mx.float32) @ S.T >= 0).astype(mx.uint8)
+
+
+def qjl_pack(S: mx.array, k: mx.array) -> mx.array:
+    """The sign bits of ``S k`` packed into ``uint32`` words ``(..., ceil(m / 32))`` (how the caches store them)."""
+    return pack_bits(qjl_signs(S, k), 1)
 
 
 def _pm(signs: mx.array) -> mx.array:

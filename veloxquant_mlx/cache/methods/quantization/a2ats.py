@@ -1,18 +1,16 @@
-"""A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, "A2ATS: Retrieval-Based KV Cache Reduction via Windowed
-Rotary Position Embedding and Query-Aware Vector Quantization", ACL Findings 2025, arXiv 2502.12665): each decode
-step attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a per-query
-lookup table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
+"""A2ATS (He, Xing, Wang, Xu, Wu, Zhou, Liu, Xue, Li, ACL Findings 2025, arXiv 2502.12665): each decode step
+attends only to the top-K tokens (plus a recent window), scored from vector-quantized keys with a per-query lookup
+table; the codebook is trained query-aware (metric weighted by ``E[q q^T]``).
 
-Every row is held in float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors, each one of
-``2**a2ats_codebook_bits`` codewords of a per-layer k-means codebook, fitted once attention sees ``FIT_MIN`` rows
-with some outside the window, or given as ``a2ats_codebook``). ``a2ats_use_query_aware``: k-means in the
-per-block metric ``M_j = (1 - beta) I tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or the
-fitting call's query second moment); keys map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step
-(dispatch point) scores the coded tokens outside ``a2ats_window`` from the LUT, sums the softmax over the GQA
-group, keeps the top ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` per KV head and attends
-exactly over them, the window and the uncoded rows; other calls attend densely. ``nbytes`` counts the float16
-rows, so this holds *more* than a float16 cache (it saves attended rows, not memory); ``resident_nbytes`` is
-what the paper keeps on the accelerator.
+Every row is held float16 plus its key codes (``D / a2ats_sub_dim`` sub-vectors of a per-layer k-means codebook
+of ``2**a2ats_codebook_bits`` codewords, fitted once attention sees ``FIT_MIN`` rows, some outside the window, or
+given as ``a2ats_codebook``). ``a2ats_use_query_aware``: k-means in the per-block metric ``M_j = (1 - beta) I
+tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or the fitting call's query second moment); keys
+map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step (dispatch point) keeps, per KV head, the top
+``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` coded tokens outside ``a2ats_window`` by LUT softmax
+summed over the GQA group, and attends exactly over them, the window and the uncoded rows; other calls attend
+densely. ``nbytes`` counts the float16 rows (this saves attended rows, not memory); ``resident_nbytes`` is what
+the paper keeps on the accelerator.
 
 Deviations from the paper:
 

@@ -1,18 +1,15 @@
-"""Importance-aware mixed-precision KV quantization ("adakv"): per-token hi / mid / lo bit widths by token
-importance at a target average width, on KIVI's layout.
+"""Importance-aware mixed-precision KV quantization ("adakv"): per-token hi / mid / lo widths by importance at a
+target average width, on KIVI's layout.
 
 Paper: MiKV (Yang, Kim, Bae, Kwon, Park, Yang, Kwon, Lee, "No Token Left Behind: Reliable KV Cache Compression
 via Importance-Aware Mixed Precision Quantization", arXiv 2402.18096): keep every token, the important ones at
-high precision, instead of evicting the others. (The name is historical: Ada-KV, arXiv 2407.11550, is per-head
-budget allocation for eviction.)
+high precision. (The name is historical: Ada-KV, arXiv 2407.11550, is per-head budget allocation for eviction.)
 
-On KIVI's residual (G = ``adakv_group_size``) a group's tokens are ranked by importance; fixed counts per group
-(``nonuniform.tier_counts``: the target average up to whole tokens) get ``adakv_hi_bit``, ``adakv_mid_bit`` and
-``adakv_lo_bit``. Keys are coded on KIVI's per-channel group ranges, values per token (channel groups of
-gcd(Dv, 32)), each token at its tier's width; ``order`` (uint8) restores token order. ``adakv_importance``:
-``"attention"`` (MiKV's signal: attention from the dispatch point's real queries, the last ``adakv_obs_window``
-of each call, summed over the KV head's query heads, averaged over a token's observations; without the dispatch
-point ``"norm_variance"`` ranks), ``"norm"`` (‖k‖₂) or ``"norm_variance"`` (var(k) · (1 + var(v))). Against the
+A quantized group's tokens are ranked by importance; fixed counts per group (``nonuniform.tier_counts``) get
+``adakv_hi_bit``, ``adakv_mid_bit`` and ``adakv_lo_bit`` (coding: ``amc.RankTiers``). ``adakv_importance``:
+``"attention"`` (MiKV's signal: the dispatch point's real queries, the last ``adakv_obs_window`` of each call,
+summed over the KV head's query heads, averaged over a token's observations; without the dispatch point
+``"norm_variance"`` ranks), ``"norm"`` (‖k‖₂) or ``"norm_variance"`` (var(k) · (1 + var(v))). Against the
 importance-blind control (``allocation = "uniform"``): docs/RESULTS.md, "adakv and xquant".
 
 Deviations from MiKV: MiKV keeps an H2O-style accumulated attention over the whole generation and rebalances

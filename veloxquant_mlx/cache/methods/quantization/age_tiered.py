@@ -4,11 +4,10 @@ No single paper (library design): KIVI's layout (Liu et al., arXiv 2402.02750) w
 behind sliding-window schemes (e.g. SKVQ's full-precision window, arXiv 2405.06219): attention concentrates on
 recent tokens, so older tokens can take coarser codes.
 
-R = ``age_recent_boundary``, M = ``age_mid_boundary`` >= R, G = ``age_group_size``; a token's age is T - 1 - p. A
-quantized group is *recent* (``age_bits_recent``) while its newest token's age is < R, *mid* (``age_bits_mid``)
-while < M, then *old* (``age_bits_old``); crossing a boundary re-quantizes it from its stored codes at the next
-tier's width, a new group goes straight to its tier. Three KIVI-layout stores (``k{t}_*`` transposed, ``v{t}_*``
-per token; t = 0 old, 1 mid, 2 recent) hold contiguous groups in position order.
+A quantized group is *recent* (``age_bits_recent``) while its newest token's age (T - 1 - p) is below
+``age_recent_boundary``, *mid* (``age_bits_mid``) while below ``age_mid_boundary``, then *old*
+(``age_bits_old``); crossing a boundary re-quantizes it from its stored codes at the next tier's width. Three
+KIVI-layout stores (``k{t}_*`` / ``v{t}_*``; t = 0 old, 1 mid, 2 recent) hold contiguous groups in position order.
 
 Deviations / choices: KIVI's float16 residual of < G tokens; tiers are per group by its newest token (up to G - 1
 tokens past a boundary keep the finer width); moving groups copies the bounded recent and mid stores once per

@@ -1,13 +1,12 @@
-"""AMC: saliency-tiered mixed precision for the KV cache (the library's "AMC: saliency-tiered precision" entry; no
-paper text was available to check against, so this follows the method's description: a few salient tokens at high
-precision, more at medium, the rest at low precision).
+"""AMC: saliency-tiered mixed precision (the library's "AMC: saliency-tiered precision" entry; no paper text was
+available to check against, so this follows the method's description: a few salient tokens at high precision,
+more at medium, the rest at low).
 
-On KIVI's residual (G = ``amc_group_size``) a quantized group's tokens are ranked by key L2 norm (large-norm keys
-make the logits that dominate attention): the top ``round(amc_k_high * G)`` get 8 bits, the next
-``round((amc_k_high + amc_k_mid) * G) - n_hi`` 4 bits, the rest 2 (defaults 6 / 10 / 16: 3.75 bits per element).
-Keys share KIVI's per-channel group ranges, coded at each token's width (per-token 2-bit keys: KL 0.30 vs 0.085
-with shared ranges); values per token in channel groups of gcd(Dv, 32); ``order`` (uint8) restores token order.
-``RankTiers`` (the tier bookkeeping) is shared with adakv.
+On KIVI's residual (G = ``amc_group_size``) a group's tokens are ranked by key L2 norm (large-norm keys dominate
+the logits): the top ``round(amc_k_high * G)`` get 8 bits, the next ``round((amc_k_high + amc_k_mid) * G) - n_hi``
+4 bits, the rest 2 (defaults: 3.75 bits per element). Keys share KIVI's per-channel group ranges, coded at each
+token's width (per-token 2-bit keys: KL 0.30 vs 0.085 shared); values per token in channel groups of gcd(Dv, 32);
+``order`` (uint8) restores token order (``RankTiers``, shared with adakv).
 
 Not implemented (rejected with ``QuantizerConfigError``): ``amc_use_query_saliency=True`` (groups are quantized in
 ``update_and_fetch``, without queries, and codes must not depend on whether the dispatch point is installed);
@@ -37,10 +36,8 @@ CG = 32  # channel group of the per-token quantization (gcd with the head dim)
 
 def range_code(x: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:
     """``bits``-bit codes of ``x`` on ``[mn, mn + rng]`` (``mn``/``rng`` broadcast, float16-rounded)."""
-    levels = float((1 << bits) - 1)
-    step = rng.astype(mx.float32) / levels
-    q = mx.round((x.astype(mx.float32) - mn.astype(mx.float32)) / mx.where(step > 0, step, 1.0))
-    return mx.clip(q, 0.0, levels).astype(mx.uint32)
+    f32 = mx.float32
+    return gq.affine_codes(x.astype(f32), mn.astype(f32), rng.astype(f32) / float((1 << bits) - 1), bits)
 
 
 def range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.array:

@@ -5,12 +5,12 @@ Paper: none titled "AnchorKV" was found; the closest is AnTKV (Li, Xiao, Wang, L
 2506.19505): ~1% of the most quantization-sensitive tokens stay float16. This implements what the
 ``anchorkv_*`` fields describe, one step further: the anchors are also references for delta coding.
 
-Per (batch, head, G-token group; G = ``anchorkv_window``), keys and values alike: the A =
-min(G, max(1, round(``anchorkv_anchor_frac`` * G))) tokens with the best ``rho * centrality + (1 - rho) * norm``
-(each min-max normalized, seeded 1e-6 tie jitter) are stored exactly (central tokens make good references,
-high-norm ones are the most damaging to quantize); each other token codes its residual against its nearest anchor
-when that narrows its summed per-channel-group range by more than ``anchorkv_theta`` (else itself), at
-``anchorkv_residual_bits`` bits per token (``groupquant``), with ceil(log2(A + 1)) bits naming its reference.
+Per (batch, head, G-token group; G = ``anchorkv_window``), keys and values alike: the A = min(G, max(1,
+round(``anchorkv_anchor_frac`` * G))) tokens with the best ``rho * centrality + (1 - rho) * norm`` (each min-max
+normalized, seeded 1e-6 tie jitter) are stored exactly (central tokens make good references, high-norm ones are
+the most damaging to quantize); any other token codes its residual against its nearest anchor when that narrows
+its summed per-channel-group range by more than ``anchorkv_theta``, at ``anchorkv_residual_bits`` bits per token,
+with ceil(log2(A + 1)) bits naming its reference.
 
 Deviations / choices: at least one anchor per group (effective fraction max(anchor_frac, 1/G)), since anchors
 must be near the tokens coded against them; keys quantized after RoPE, residuals per token (a per-channel min/max

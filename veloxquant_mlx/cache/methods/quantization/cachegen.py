@@ -1,18 +1,14 @@
 """CacheGen (Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann, Holtzman, Jiang,
-"CacheGen: KV Cache Compression and Streaming for Fast Large Language Model Serving", SIGCOMM 2024,
-arXiv 2310.07240). Ideas used (section 5.1): token-wise locality (a group's first token is an anchor, the others
-deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes
-with tables grouped by channel and layer.
+SIGCOMM 2024, arXiv 2310.07240), section 5.1: token-wise locality (a group's first token is an anchor, the others
+deltas against it), layer-wise sensitivity (shallower layers get more bits), arithmetic coding of the codes with
+tables grouped by channel and layer.
 
-On KIVI's layout (G = ``cachegen_group_size``): ``build_layers`` gives the j-th of ``cachegen_layer_groups`` = n
-contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits (``qbits``; alone: ``cachegen_resolved_bits``
-or ``cachegen_bits``). With ``cachegen_use_delta`` each group's anchor is coded per token at 8 bits and the
-deltas against the *dequantized* anchor at the layer's bits (closed loop); without, this is KIVI. Attention
-dequantizes the fixed-width codes. ``state`` (the saved form) entropy-codes the key and value codes
+On KIVI's layout (G = ``cachegen_group_size``): ``build_layers`` gives the j-th of n = ``cachegen_layer_groups``
+contiguous layer groups ``min(8, cachegen_bits + n - 1 - j)`` bits. With ``cachegen_use_delta`` a group's anchor
+is coded per token at 8 bits and the deltas against the *dequantized* anchor at the layer's bits (closed loop);
+without, this is KIVI. Attention dequantizes the fixed-width codes; ``state`` (the saved form) entropy-codes them
 (``primitives.entropy``, static ANS; tables per (batch, head, channel) with ``cachegen_per_channel``, else per
-(batch, head)), bit-exact on load; groups added since the last read form one new block, a trim drops the blocks
-past the kept groups. ``compressed_*_bytes``, ``fixed_width_*_bytes``, ``entropy_savings`` and
-``assigned_avg_bits`` measure that form.
+(batch, head)), bit-exact on load; groups added since the last read form one new block.
 
 Deviations from the paper:
 

@@ -1,19 +1,14 @@
-"""GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, "GEAR: An Efficient KV Cache Compression Recipe for
-Near-Lossless Generative Inference of LLM", arXiv 2403.05527): base quantization + error feedback. For a KV block
-X the ``s`` fraction of largest-magnitude entries S is kept exactly, D̂ = Quant_b(X − S), and the rest
-R = X − S − D̂ is approximated by its best rank-r matrix L = A·Bᵀ: X ≈ D̂ + L + S.
+"""GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, arXiv 2403.05527): X ≈ D̂ + L + S, with S the largest-|x|
+entries kept exactly, D̂ = Quant_b(X − S) and L = A·Bᵀ the best rank-r fit of the rest.
 
-On KIVI's residual (G = ``gear_group_size``, b = ``gear_bits``), per (batch, head, G-token group): S = the
-``ceil(gear_sparse_fraction·G·D)`` largest |x| (uint16 index + float16 value); D̂ = KIVI's layout; L = rank-r
-SVD of the G×D residual (A [G, r] per token, Bᵀ [r, D] per group, float16). Values take the same path with
-``gear_quantize_values`` (else plain KIVI). The rank is ``gear_rank``, or chosen once on the first block as the
-largest per-(head, group) rank keeping ``gear_energy_threshold`` of the residual energy, capped at
-min(G, D) // 8 (a b-bit quantizer's residual is noise-like: 0.9 of its energy would cost more than the codes).
-``error_recovery_ratio`` = 1 − ‖X − GEAR(X)‖² / ‖X − base(X)‖² over the stored key groups (base: b-bit KIVI).
+Per (batch, head, G-token group) on KIVI's residual: S = ``ceil(gear_sparse_fraction·G·D)`` entries (uint16 index
++ float16 value), D̂ = KIVI's codes, L = rank-r SVD (A per token, Bᵀ per group, float16); values alike with
+``gear_quantize_values``. r = ``gear_rank`` or, from the first block, the largest rank keeping
+``gear_energy_threshold`` of a group's residual energy, capped at min(G, D) // 8 (a b-bit residual is noise-like).
 
 Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the prefill, then
-per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (the paper's GEAR-KIVI variant);
-the newest < G tokens stay float16 (the paper's streaming buffer).
+per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (GEAR-KIVI); the newest < G
+tokens stay float16 (the paper's streaming buffer).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
-from ...primitives import lowrank as lr
+from ...primitives import lowrank_fit as lr
 from ...primitives import nonuniform as nu
 from ...primitives.buffers import grow_columns, grow_rows
 from .kivi import KIVIKVCache
@@ -97,11 +92,13 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         approx = (nu.scatter_outliers(approx, idx, vals) if ko else approx).reshape(B, H, g, G, D)
         resid = x - approx
         if self.rank < 0:  # resolve once, from the energy threshold on the first block
-            need = int(lr.energy_rank(resid, self.config.options.energy_threshold).max().item())
-            self.rank = max(1, min(need, min(G, D) // 8))
+            s = mx.linalg.svd(resid, compute_uv=False, stream=mx.cpu)
+            self.rank = max(1, min(lr.energy_rank(s * s, self.config.options.energy_threshold), min(G, D) // 8))
         if not self.rank:
             return q, idx, vals, None, None, approx
-        a, bt = (f.astype(mx.float16) for f in lr.lowrank_factors(resid, self.rank))
+        u, s, vt = mx.linalg.svd(resid, stream=mx.cpu)  # Eckart–Young: the best rank-r fit (CPU-only in MLX)
+        r = self.rank
+        a, bt = (u[..., :r] * s[..., None, :r]).astype(mx.float16), vt[..., :r, :].astype(mx.float16)
         return q, idx, vals, a, bt, approx + a.astype(mx.float32) @ bt.astype(mx.float32)
 
     def _append_groups(self, kb, vb):
@@ -134,9 +131,8 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
     def _decode(self, side: str, n: int, base: mx.array) -> mx.array:
         """base [B, H, n, d] float32 (dequantized codes) + sparse outliers + low-rank part."""
         B, H, _, d = base.shape
-        G, g, r = self.group, n // self.group, self.rank
+        G, g, r, a = self.group, n // self.group, self.rank, getattr(self, f"{side}_a")
         x = self._with_outliers(side, base.reshape(B, H, g, G * d), d).reshape(B, H, g, G, d)
-        a = getattr(self, f"{side}_a")
         if r > 0 and a is not None:
             af = a[:, :, :n].astype(mx.float32).reshape(B, H, g, G, r)
             bt = getattr(self, f"{side}_bt")[..., : g * r * d].astype(mx.float32).reshape(B, H, g, r, d)
@@ -149,25 +145,20 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
 
     def _values(self, n, dtype=mx.float32):
         base = super()._values(n, mx.float32)
-        if not self.config.options.quantize_values:
-            return base.astype(dtype)
-        return self._decode("v", n, base).astype(dtype)
+        return (self._decode("v", n, base) if self.config.options.quantize_values else base).astype(dtype)
 
     def _side_bytes(self, side: str, error_feedback: bool) -> int:
         if self.res_k is None:
             return 0
-        B, H = self.res_k.shape[:2]
-        d = (self.res_k if side == "k" else self.res_v).shape[-1]
-        n = self.n_quant
-        g = n // self.group
+        B, H, n = *self.res_k.shape[:2], self.n_quant
+        d, g = (self.res_k if side == "k" else self.res_v).shape[-1], n // self.group
         base = B * H * d * g * (4 * self._key_words() + 4) if side == "k" else self._value_code_nbytes(B, H, d)
         if not error_feedback or (side == "v" and not self.config.options.quantize_values):
             return base
         r = max(self.rank, 0)
         return base + B * H * (g * self._n_out(d) * 4 + n * r * 2 + g * r * d * 2)
 
-    # stored bytes of the quantized part: codes + scales/biases (+ low-rank factors and sparse outliers; the
-    # base_only ones without that error feedback)
+    # codes + scales/biases (+ low-rank factors and outliers; base_only: without that error feedback)
     compressed_key_bytes = property(lambda self: self._side_bytes("k", True))
     compressed_value_bytes = property(lambda self: self._side_bytes("v", True))
     base_only_key_bytes = property(lambda self: self._side_bytes("k", False))

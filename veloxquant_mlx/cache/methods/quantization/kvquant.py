@@ -1,31 +1,28 @@
-"""KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million Context
-Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079). Ideas used: per-channel key
-quantization *before* RoPE; non-uniform per-channel levels (nuq); dense-and-sparse outliers kept exactly so the
-codes cover the inlier range; attention-sink tokens in full precision.
+"""KVQuant (Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, NeurIPS 2024, arXiv 2401.18079):
+per-channel key quantization *before* RoPE, non-uniform per-channel levels (nuq), dense-and-sparse outliers kept
+exactly, attention-sink tokens in full precision.
 
-On KIVI's float16 residual (b = ``kvquant_bits``, G = ``kvquant_group_size``): ``bind_attention`` (called by
-``KVCacheBuilder.for_model``) reads the layer's RoPE (``primitives.rope.rope_spec``); keys are rotated back to
-pre-RoPE before coding and forward again when decoded (alone, or with a RoPE it cannot reproduce such as YaRN's,
-keys are coded post-RoPE). Per (batch, head, group) the ``ceil(f*G*D)`` largest |x| (f =
-``kvquant_outlier_fraction``) go to a sparse store (``gear.SparseOutliers``); the rest of each channel is
-normalized by its group min/max and coded as the nearest of 2^b per-channel levels, fitted by
-``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first block (refitted after ``kvquant_refit_interval`` groups
-when > 0; each group records its fit). Values: the same sparse split, then KIVI's per-token codes. The first
-``kvquant_n_sink`` tokens are also kept float16. Measured (``veloxquant eval --task kld --context 512 --n-score
-32``, SmolLM2-135M, CPU): pre-RoPE KL 0.0114 at 3 bits, 0.0703 at 2; post-RoPE 0.0137 and 0.0673 (within the
-~20% noise of one text); on keys that are one RoPE-rotated vector per head the pre-RoPE error is >100x smaller
+On KIVI's residual (b = ``kvquant_bits``, G = ``kvquant_group_size``): ``bind_attention`` reads the layer's RoPE
+(``primitives.rope``); keys are rotated back to pre-RoPE before coding and forward when decoded (post-RoPE when
+unbound or the RoPE cannot be reproduced, e.g. YaRN). Per (batch, head, group) the ``ceil(f*G*D)`` largest |x|
+(f = ``kvquant_outlier_fraction``) are kept sparse (``gear.SparseOutliers``); the rest of a channel, min/max
+normalized per group, is the nearest of 2^b levels from ``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first
+block (refitted every ``kvquant_refit_interval`` groups when > 0). Values: the same split, then KIVI's per-token
+codes. The first ``kvquant_n_sink`` tokens are also kept float16. Measured (``veloxquant eval --task kld
+--context 512 --n-score 32``, SmolLM2-135M, CPU): pre-RoPE KL 0.0114 at 3 bits, 0.0703 at 2; post-RoPE 0.0137
+and 0.0673 (within one text's ~20% noise); on one RoPE-rotated vector per head the pre-RoPE error is >100x smaller
 (tests/test_defining_properties.py).
 
 Deviations from the paper:
 
 * Pre-RoPE keys come from undoing the layer's RoPE on the keys mlx_lm hands over (exact up to float32 rounding
-  of the angles, far below the quantization error); sinks and the residual stay post-RoPE.
+  of the angles); sinks and the residual stay post-RoPE.
 * Levels are fitted online per layer/head/channel on the cache's own prefill (plain Lloyd on min/max-normalized
   values), not offline with Fisher-information weighting.
 * Outliers are a fixed count per G-token block (a dense store), not per-channel calibrated thresholds.
 * Values use uniform per-token levels (plus the sparse outliers), not nuq.
-* Sink tokens are stored float16 *in addition to* their codes (they also sit in group 0); the newest < G tokens
-  stay float16 (the paper quantizes every token on arrival).
+* Sink tokens are stored float16 *in addition to* their codes; the newest < G tokens stay float16 (the paper
+  quantizes every token on arrival).
 * Trim: KIVI's rule; a trim into the block a level fit was made from raises ``ValueError``.
 """
 

@@ -1,13 +1,12 @@
-"""NSNQuant (Son, Choi, Kim, et al., "NSNQuant: A Double Normalization Approach for Calibration-Free Low-Bit
-Vector Quantization of KV Cache", arXiv 2505.18231): Normalize-Shift-Normalize (per-token L2 normalization, minus
-the channel mean, normalization again) and a Hadamard rotation make every token look like a random point on the
-sphere, so one data-independent codebook serves every model and layer without calibration data.
+"""NSNQuant (Son, Choi, Kim, et al., arXiv 2505.18231): Normalize-Shift-Normalize (per-token L2 normalization,
+minus the channel mean, normalization again) and a Hadamard rotation make every token look like a random point on
+the sphere, so one data-independent codebook serves every model and layer without calibration data.
 
-On KIVI's float16 window of ``nsn_residual_length`` tokens, keys and values alike: ``y = sqrt(D) w H^T`` with
-``w`` the NSN of ``x`` (channel mean ``mu`` from the first coded block, float16; both norms float16 per token) and
-``H`` a seeded randomized Hadamard; ``y`` is cut into ``nsn_subvector_dim``-dim sub-vectors, each coded by
-residual VQ stages of ``nsn_codebook_size`` codewords (``nsn_bits`` bits per coordinate; defaults: two 8-bit
-stages per 8 dims) from k-means on sqrt(D)-scaled random unit vectors (the NSN output law), seeded and cached.
+On KIVI's float16 window of ``nsn_residual_length`` tokens, keys and values alike: ``y = sqrt(D) w H^T`` (``w``
+the NSN of ``x``; channel mean ``mu`` from the first coded block and both norms float16; ``H`` a seeded
+randomized Hadamard), cut into ``nsn_subvector_dim``-dim sub-vectors coded by residual VQ stages of
+``nsn_codebook_size`` codewords (``nsn_bits`` bits per coordinate) from seeded k-means on sqrt(D)-scaled random
+unit vectors (the NSN output law).
 
 Deviations from the paper: the channel mean comes from the cache's own first coded block, reused by later tokens;
 the codebook is trained on synthetic sphere samples (the paper: NSN outputs of one model's real data), the 2-bit

@@ -1,12 +1,10 @@
 """PolarQuant standalone single-head cache ("polar"; Han, Kacham, Karbasi, Mirrokni, Zandieh; arXiv 2502.02617).
 
-A key is rotated by a seeded Haar-random orthogonal ``Pi`` (``config.store`` key ``polar.rotation.d<d>.seed<seed>``;
-its direction is then uniform, so its angles follow known laws) and turned by a recursive polar transform over
-``L`` levels (``primitives.polar``) into float16 block radii and angles, each coded with its level's MSE-optimal
-codebook for that density (no per-block scale or zero point, the paper's point), bit-packed. ``attend`` scores
-``<Pi q, y_hat>`` from cos/sin tables, never de-rotating keys. Bits (``b = bit_width_inlier``): ``b`` for level 1
-(range ``2*pi``), ``max(1, b - 2)`` above (range ``pi/2``): ``b = 4`` is the paper's 4/2/2/2, 64 bytes a key at
-d = 128.
+A key is rotated by a seeded Haar-random ``Pi`` (``config.store`` key ``polar.rotation.d<d>.seed<seed>``; its
+angles then follow known laws) and turned by a recursive polar transform over ``L`` levels (``primitives.polar``)
+into float16 radii and angles, coded with each level's MSE-optimal codebook (no per-block scale or zero point, the
+paper's point). Scores ``<Pi q, y_hat>`` come from cos/sin tables. Bits: ``b = bit_width_inlier`` at level 1
+(range ``2*pi``), ``max(1, b - 2)`` above: ``b = 4`` is the paper's 4/2/2/2, 64 bytes a key at d = 128.
 
 Deviations from the paper:
 
@@ -35,8 +33,6 @@ from ...primitives.polar import angle_codebook, polar_levels, polar_transform, q
 from ...primitives.rotation import random_orthogonal
 from ...primitives.rowstore import RowStore
 from ...standalone_util import Int8Values, StandaloneCache, as_block, check_norm16, from_store
-
-__all__ = ["PolarQuantKVCache"]
 
 _MAX_LEVELS = 4
 

@@ -1,12 +1,10 @@
 """QJL standalone single-head cache ("qjl"; Zandieh, Daliri, Han; arXiv 2406.03482): keys as 1-bit quantized
 Johnson–Lindenstrauss sketches.
 
-A seeded ``m x d`` Gaussian ``S`` (``m = jl_dim``, default ``head_dim``; ``config.store`` key
-``qjl.sketch.m<m>.d<d>.seed<seed>``) is drawn once; a key is stored as the bit-packed signs of ``S k`` and
-``||k||`` (float16). Queries are not quantized: scores are the paper's asymmetric estimator
-``sqrt(pi/2) / m * ||k|| * <S q, sign(S k)>``, unbiased, variance ``(pi/2 ||q||^2 ||k||^2 - <q, k>^2) / m`` (for
-Gaussian ``q, k`` a correlation with ``q·k`` of ``sqrt(1 / (1 + pi/2 * d/m))``: ~0.62 at ``m = d``, ~0.85 at
-``m = 4d``). Values: one ``groupquant`` min/max group per token at ``bit_width_inlier`` bits. d = m = 128, b = 2:
+A key is the bit-packed signs of ``S k`` (``S`` a seeded ``m x d`` Gaussian, ``m = jl_dim`` or ``head_dim``;
+``config.store`` key ``qjl.sketch.m<m>.d<d>.seed<seed>``) and ``||k||``; queries stay exact: the paper's unbiased
+estimator (``primitives.sketch``; for Gaussian ``q, k`` its correlation with ``q·k`` is ``sqrt(1 / (1 + pi/2 *
+d/m))``: ~0.62 at ``m = d``). Values: one min/max group per token at ``bit_width_inlier`` bits. d = m = 128, b = 2:
 54 bytes a token (fp16 K+V: 512).
 
 Deviations from the paper: (1) no outlier-channel split; (2) the key norm is float16 (relative score error at
@@ -14,7 +12,7 @@ most 2^-11); (3) values use one min/max group per token, not group-wise quantiza
 float32 matmul, scores come from the unpacked signs (no fused kernel).
 
 Shared behaviour: ``standalone_util.StandaloneCache``. A key norm, value entries or a value row's range beyond
-the float16 range raise ``CacheInputError``.
+float16 raise ``CacheInputError``.
 """
 
 from __future__ import annotations
@@ -24,12 +22,10 @@ import mlx.core as mx
 from ...base import register
 from ...errors import CacheInputError
 from ...primitives import groupquant as gq
-from ...primitives.bitpack import pack_bits, packed_words
+from ...primitives.bitpack import packed_words
 from ...primitives.rowstore import RowStore
-from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, jl_width, qjl_signs
-
-__all__ = ["QJLKVCache"]
 
 
 @register("qjl")
@@ -54,7 +50,7 @@ class QJLKVCache(StandaloneCache):
         if k.shape[0] == 0:
             return
         check_norm16(k, "key")
-        self._keys.append({"signs": pack_bits((k @ self.sketch.T) >= 0, 1),
+        self._keys.append({"signs": qjl_pack(self.sketch, k),
                            "norm": mx.sqrt(mx.sum(k * k, axis=1)).astype(mx.float16)})
 
     def _signs(self, n: int) -> mx.array:

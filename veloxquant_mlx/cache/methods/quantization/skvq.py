@@ -1,14 +1,13 @@
-"""SKVQ (Duanmu et al., "SKVQ: Sliding-window Key and Value Cache Quantization for Large Language Models",
-arXiv 2405.06219): channels of similar range are reordered into one group, each group quantized per token over
-its range shrunk by a searched clip ratio; a sliding window of recent tokens plus a few sinks stay exact.
+"""SKVQ (Duanmu et al., arXiv 2405.06219): channels of similar range reordered into one group, each group quantized
+per token over its range shrunk by a searched clip ratio; a sliding window of recent tokens plus a few sinks
+stay exact.
 
-The first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window grown up to W + g rows
-(W = ``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized (keys at
+The first ``skvq_n_sink`` tokens are float16 sinks; the newest sit in a float16 window of up to W + g rows (W =
+``skvq_window``, g = gcd(D, ``skvq_group_size``)); when full, all but the newest W are quantized (keys at
 ``skvq_bits_key``, values at ``skvq_bits_value`` bits, per token in g-channel groups after a per-head permutation,
-each group clipped by its alpha about its centre). The first quantized block calibrates: the permutation sorts
-channels by range, alpha is searched among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head and group
-(``skvq_clip_search``). Measured (RESULTS.md's command): reordering + clip search remove a quarter of the KL at
-the same bytes (window 32: 0.243 vs 0.321).
+each group clipped by its alpha). The first quantized block calibrates: channels sorted by range, alpha searched
+among ``skvq_clip_alpha`` * (1, 0.95, ..., 0.5) per head and group (``skvq_clip_search``). Measured (RESULTS.md's
+command): reordering + clip search remove a quarter of the KL at the same bytes (window 32: 0.243 vs 0.321).
 
 Deviations from the paper: reordering sorts by range and cuts equal groups (the paper clusters ranges: same
 intent); calibration is online on each layer's first quantized block, alpha per head and group; ``skvq_max_ctx``
@@ -26,12 +25,49 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
-from ...primitives import mixedquant as mq
 from ...primitives.buffers import MIN_GROW, grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
 from .kivi_sink import SinkRows
 
 CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
+
+
+def range_permutation(x: mx.array) -> tuple[mx.array, mx.array]:
+    """``x [B, H, T, D]`` -> (perm, inv) int32 [H, D]: channels by ascending range over (B, T)."""
+    xf = x.astype(mx.float32)
+    perm = mx.argsort(xf.max(axis=(0, 2)) - xf.min(axis=(0, 2)), axis=-1).astype(mx.int32)
+    return perm, mx.argsort(perm, axis=-1).astype(mx.int32)
+
+
+def permute_channels(x: mx.array, perm: mx.array) -> mx.array:
+    """``x [B, H, T, D]`` with its last axis gathered by ``perm [H, D]`` (per head)."""
+    return mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
+
+
+def _bounds(xg: mx.array, alpha: mx.array):
+    lo, hi = xg.min(axis=-1, keepdims=True), xg.max(axis=-1, keepdims=True)
+    c, h = (hi + lo) * 0.5, (hi - lo) * 0.5 * alpha
+    return c - h, c + h
+
+
+def clip_to_alpha(x: mx.array, group: int, alpha: mx.array) -> mx.array:
+    """``x [B, H, T, D]`` clipped per (token, channel group) to its range shrunk by ``alpha [H, D/group]``
+    about the centre (``alpha`` = 1: unchanged)."""
+    B, H, T, D = x.shape
+    xg = x.astype(mx.float32).reshape(B, H, T, D // group, group)
+    return mx.clip(xg, *_bounds(xg, alpha[None, :, None, :, None])).reshape(B, H, T, D)
+
+
+def search_clip(x: mx.array, bits: int, group: int, candidates) -> mx.array:
+    """``alpha [H, D/group]`` (float32): per head and channel group, the candidate minimising the squared
+    error of the clipped min/max quantize-dequantize (float32) over the block ``x [B, H, T, D]``."""
+    B, H, T, D = x.shape
+    a = mx.array(list(candidates), dtype=mx.float32)
+    xg = x.astype(mx.float32).reshape(1, B, H, T, D // group, group)
+    lo, hi = _bounds(xg, a.reshape(-1, 1, 1, 1, 1, 1))
+    s = (hi - lo) / float(2**bits - 1)
+    fake = gq.affine_codes(xg, lo, s, bits).astype(mx.float32) * s + lo  # s = 0: the group is constant, code 0
+    return a[mx.argmin(((fake - xg) ** 2).sum(axis=(1, 3, 5)), axis=0)]  # err [A, H, ng]
 
 
 @register_with_mlx_lm
@@ -62,24 +98,24 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         B, H, T, D = x.shape
         g = self.value_group(D)
         if self.reorder:
-            perm, inv = mq.range_permutation(x)
+            perm, inv = range_permutation(x)
         else:
             perm = inv = mx.broadcast_to(mx.arange(D, dtype=mx.int32)[None], (H, D))
         if self.clip_search:
-            alpha = mq.search_clip(mq.permute_channels(x, perm), bits, g, [self.alpha * r for r in CLIP_GRID])
+            alpha = search_clip(permute_channels(x, perm), bits, g, [self.alpha * r for r in CLIP_GRID])
         else:
             alpha = mx.full((H, D // g), self.alpha, dtype=mx.float32)
         return perm, inv, alpha
 
     def _encode(self, x, bits, perm, alpha):
         g = self.value_group(x.shape[-1])
-        return gq.quantize(mq.clip_to_alpha(mq.permute_channels(x, perm), g, alpha), bits, g)
+        return gq.quantize(clip_to_alpha(permute_channels(x, perm), g, alpha), bits, g)
 
     def _decode(self, side: str, m: int, dtype) -> mx.array:
         bits, inv = (self.kbits, self.k_inv) if side == "k" else (self.vbits, self.v_inv)
         codes, scales, biases = (getattr(self, f"{side}_{a}")[:, :, :m] for a in ("codes", "scales", "biases"))
         x = gq.dequantize(codes, scales, biases, bits, self.value_group(inv.shape[-1]), dtype)
-        return mq.permute_channels(x, inv)
+        return permute_channels(x, inv)
 
     def _append_groups(self, kb, vb):
         """Quantize a block of tokens leaving the window (any count) and append them."""

@@ -1,15 +1,14 @@
 """SpectralQuant standalone single-head cache ("spectral"): calibrated principal subspaces + residual QJL.
 
 Source: no arXiv paper; Dynamis Labs' SpectralQuant ("3% Is All You Need: Breaking TurboQuant's Compression
-Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): a head's keys concentrate their
-variance in a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
+Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): keys concentrate their variance in
+a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
 
-Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``: from ``config.store`` under
-``spectral_model_name``, else from the first ``n_calib_tokens`` or ``head_dim`` rows, held exactly until then,
-then stored). A row keeps its top ``r = min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates
-``z = U_r^T (x - mu) / sqrt(l_r)``: a float16 norm + ``bit_width_inlier``-bit Lloyd–Max codes of the direction
-(signs for r = 1). ``spectral_apply_qjl`` adds a 1-bit QJL sketch (arXiv 2406.03482) of the key residual
-(unbiased scores). Values mix as ``mu_V + (w @ c_hat) U_V^T``. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
+Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``) from ``config.store`` or its first
+``n_calib_tokens`` (or ``head_dim``) rows, held exactly until then. A row keeps its top ``r =
+min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates ``U_r^T (x - mu) / sqrt(l_r)`` as a float16 norm
++ ``bit_width_inlier``-bit Lloyd–Max direction codes (signs for r = 1); ``spectral_apply_qjl`` adds 1-bit QJL
+(arXiv 2406.03482) of the key residual. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
 
 Deviations from SpectralQuant:
 
@@ -39,12 +38,11 @@ from ...errors import CacheInputError, QuantizerConfigError
 from ...options import SpectralOptions
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
+from ...primitives.lowrank_fit import fit_basis
 from ...primitives.rowstore import RowStore
-from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import (FP16_MAX, StandaloneCache, as_block, check_norm16, from_store, int_field, is_int,
                                jl_width, qjl_signs)
-
-__all__ = ["SpectralQuantKVCache"]
 
 _TINY = 1e-30
 _EIG_FLOOR = 1e-4  # whitening floor, relative to the largest eigenvalue
@@ -61,16 +59,11 @@ def _options(config) -> dict:
 
 def _eigen(rows: mx.array):
     """Mean, eigenvectors (columns, descending, largest entry positive) and eigenvalues of the rows'
-    covariance, as float32 NumPy arrays."""
-    x = rows.astype(mx.float32)
-    mu = mx.mean(x, axis=0)
-    xc = x - mu
-    lam, vec = mx.linalg.eigh((xc.T @ xc) / x.shape[0], stream=mx.cpu)
-    lam = np.clip(np.asarray(lam)[::-1], 0.0, None)
-    vec = np.ascontiguousarray(np.asarray(vec)[:, ::-1])
+    covariance (``lowrank_fit.fit_basis`` on one block), as float32 NumPy arrays."""
+    vec, lam, mu = (np.array(a[0, 0], dtype=np.float64) for a in fit_basis(rows[None, None], center=True))
     sign = np.sign(vec[np.argmax(np.abs(vec), axis=0), np.arange(vec.shape[1])])
     vec = vec * np.where(sign == 0, 1.0, sign)[None, :]
-    return np.asarray(mu, dtype=np.float32), vec.astype(np.float32), lam.astype(np.float32)
+    return mu[0].astype(np.float32), vec.astype(np.float32), (lam / rows.shape[0]).astype(np.float32)
 
 
 class _Side:
@@ -173,16 +166,13 @@ class SpectralQuantKVCache(StandaloneCache):
         return f"{name}.spectral.{side.kind}.d{self.head_dim}.{part}"
 
     def _load(self, side: _Side) -> None:
-        if self.store is None:
-            return
-        parts = [self.store.get(self._store_key(side, p)) for p in _PARTS]
+        keys, d = [self._store_key(side, p) for p in _PARTS], self.head_dim
+        parts = [None] if self.store is None else [self.store.get(k) for k in keys]
         if any(p is None for p in parts):
             return
-        d = self.head_dim
-        for p, part, shape in zip(parts, _PARTS, ((d,), (d, d), (d,))):
+        for p, key, shape in zip(parts, keys, ((d,), (d, d), (d,))):
             if tuple(p.shape) != shape:
-                raise QuantizerConfigError("store", self._store_key(side, part),
-                                           f"an artifact of shape {shape}, got {tuple(p.shape)}")
+                raise QuantizerConfigError("store", key, f"an artifact of shape {shape}, got {tuple(p.shape)}")
         side.set_basis(*(np.asarray(p, dtype=np.float32) for p in parts))
 
     def _calibrate_side(self, side: _Side, rows: mx.array, held: mx.array) -> None:
@@ -241,7 +231,7 @@ class SpectralQuantKVCache(StandaloneCache):
             rnorm = mx.sqrt(mx.sum(resid * resid, axis=1))
             if mx.max(rnorm).item() > FP16_MAX:
                 raise CacheInputError(f"key residual norm exceeds the float16 range ({FP16_MAX})")
-            rows["signs"] = pack_bits((resid @ self.sketch.T) >= 0, 1)
+            rows["signs"] = qjl_pack(self.sketch, resid)
             rows["rnorm"] = rnorm.astype(mx.float16)
         return rows
 

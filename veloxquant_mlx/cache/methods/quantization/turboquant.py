@@ -1,13 +1,11 @@
 """TurboQuant standalone single-head caches (Zandieh, Daliri, Hadian, Mirrokni; arXiv 2504.19874).
 
-``TurboQuantMSEKVCache`` ("turboquant_mse", Algorithm 1): a key is its norm and its direction rotated by a seeded
-Haar-random orthogonal ``Pi``, each rotated coordinate coded as its nearest ``b``-bit Lloyd–Max centroid for the
-coordinate law of a random unit vector (``b = bit_width_inlier``); ``attend`` rotates the query once.
-``TurboQuantProdKVCache`` ("turboquant_prod", Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
-2406.03482) of the residual (``jl_dim`` signs + its norm): unbiased scores; ``b = 1`` is pure QJL. Codes are
-bit-packed, norms float16, values int8 with an absmax scale. Outlier split (the paper's KV-cache experiments):
-with ``n_outlier_channels``, the channels of largest RMS over the first ``n_calib_tokens`` keys of the first
-block get ``bit_width_outlier`` bits and their own rotation, codebook and norm, the rest ``bit_width_inlier``.
+``turboquant_mse`` (Algorithm 1): a key's norm and its direction rotated by a seeded Haar-random ``Pi``, each
+coordinate coded as its nearest ``b``-bit Lloyd–Max centroid for a random unit vector's coordinate law (``b =
+bit_width_inlier``). ``turboquant_prod`` (Algorithm 2): a ``(b-1)``-bit MSE stage, then 1-bit QJL (arXiv
+2406.03482) of the residual: unbiased scores; ``b = 1`` is pure QJL. With ``n_outlier_channels`` (the paper's
+KV-cache split) the channels of largest RMS over the first ``n_calib_tokens`` keys get ``bit_width_outlier`` bits
+and their own rotation, codebook and norm.
 
 Deviations from the paper:
 
@@ -23,9 +21,9 @@ Deviations from the paper:
 6. Codebooks are numerical (Lloyd–Max on a 2^18-cell grid of the exact density, cached), the rotation a dense
    QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
 
-Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond the float16 range raises
-``CacheInputError``; value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only
-range-checked without a split; ``observers`` and ``store`` are kept but unused.
+Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond float16 raises ``CacheInputError``;
+value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only range-checked without a split;
+``observers`` and ``store`` are kept but unused.
 """
 
 from __future__ import annotations
@@ -41,11 +39,9 @@ from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
 from ...primitives.rotation import random_orthogonal
 from ...primitives.rowstore import RowStore
-from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product
+from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
 from ...standalone_util import (Int8Values, StandaloneCache, as_block, check_norm16, derive_seed, int_field, jl_width,
                                qjl_signs)
-
-__all__ = ["TurboQuantMSEKVCache", "TurboQuantProdKVCache"]
 
 _TINY = 1e-30
 
@@ -71,26 +67,18 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         initial = self._setup(config)
         d, b_in = self.head_dim, self.bit_width_inlier
         n_out = getattr(config, "n_outlier_channels", None)
-        if n_out is not None and n_out != 0:
-            if d < 4:
-                raise QuantizerConfigError("n_outlier_channels", n_out,
-                                           "None or 0 (an outlier split needs head_dim >= 4)")
-            n_out = int_field(config, "n_outlier_channels", 2, d - 2)
-            if getattr(config, "bit_width_outlier", None) is None:
-                raise QuantizerConfigError("bit_width_outlier", None, "an int in 1..8 when n_outlier_channels is set")
-            b_out = int_field(config, "bit_width_outlier", 1, 8)
-        else:
-            n_out, b_out = 0, None
-            int_field(config, "bit_width_outlier", 1, 8, optional=True)  # validated, unused
+        split = n_out is not None and n_out != 0
+        if split and d < 4:
+            raise QuantizerConfigError("n_outlier_channels", n_out, "None or 0 (an outlier split needs head_dim >= 4)")
+        n_out = int_field(config, "n_outlier_channels", 2, d - 2) if split else 0
+        b_out = int_field(config, "bit_width_outlier", 1, 8, optional=not split)  # checked even when unused
         self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
         self.jl_dim = jl_width(config, d) if self._prod else None
-        self.bit_width_outlier, self.n_outlier_channels = b_out, n_out
+        self.bit_width_outlier, self.n_outlier_channels = b_out if split else None, n_out
         stage = 1 if self._prod else 0  # Prod spends one bit per coordinate-equivalent on QJL
-        if n_out:
-            split = [(n_out, b_out, derive_seed(self.seed, 1)), (d - n_out, b_in, derive_seed(self.seed, 2))]
-        else:
-            split = [(d, b_in, self.seed)]
-        self.groups = [_Group(i, size, b - stage, sd) for i, (size, b, sd) in enumerate(split)]
+        parts = [(n_out, b_out, derive_seed(self.seed, 1)), (d - n_out, b_in, derive_seed(self.seed, 2))] if split \
+            else [(d, b_in, self.seed)]
+        self.groups = [_Group(i, size, b - stage, sd) for i, (size, b, sd) in enumerate(parts)]
         self.sketch = gaussian_jl(self.jl_dim, d, self.seed) if self._prod else None
         self._perm = self._inv_perm = None  # channel permutation (outliers first); None: identity / not calibrated
         key_specs = {k: v for g in self.groups if g.mse_bits > 0
@@ -156,7 +144,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
                 residuals.append(norm[:, None] * y - recon)
         if self._prod:
             r = mx.concatenate(residuals, axis=1) if len(residuals) > 1 else residuals[0]
-            rows["qjl"] = pack_bits((r @ self.sketch.T) >= 0, 1)
+            rows["qjl"] = qjl_pack(self.sketch, r)
             rows["rnorm"] = mx.sqrt(mx.sum(r * r, axis=1)).astype(mx.float16)
         self._keys.append(rows)
 

@@ -1,17 +1,14 @@
-"""VecInfer (Yao, Yang, Tong, Lin, Liu, Luan, Wang, "VecInfer: Efficient LLM Inference with Low-Bit KV Cache
-via Outlier-Suppressed Vector Quantization", arXiv 2510.06175): key outlier channels are suppressed (per-channel
-smoothing + Hadamard rotation), the result product-quantized, attention computed from per-query lookup tables.
+"""VecInfer (Yao, Yang, Tong, Lin, Liu, Luan, Wang, arXiv 2510.06175): key outlier channels suppressed (per-channel
+smoothing + Hadamard rotation), the result product-quantized, attention from per-query lookup tables.
 
-Here (on KIVI's float16 residual, whole 32-token blocks encoded): keys ``k' = (k / s) @ R`` (``R`` a seeded
-randomized Hadamard, Haar-random orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim
-sub-vectors, each coded as its nearest of ``2**key_codebook_bits`` codewords (defaults: 4 dims, 12 bits);
-values alike with ``value_sub_dim``/``value_codebook_bits`` (8 dims, 8 bits), untransformed. ``s = sqrt(max
-|k|)`` per head and channel and one codebook per layer are fitted on the first encoded block unless
-``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Scores on the codes: ``q' = (q * s) @ R``,
-``q . k_hat = sum_j LUT[j, code_j]`` with ``LUT[j, c] = q'_j . C_c`` (decoded keys when the table would exceed
-``LUT_MAX``), one softmax with the residual and new rows. ``fused_sdpa`` sends prefill chunks (and, with
-``fused_sdpa_memory_bound``, decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over the
-decoded rows; ``use_metal_kernels`` has no effect.
+On KIVI's residual (32-token blocks): keys ``k' = (k / s) @ R`` (``R`` a seeded randomized Hadamard, Haar-random
+orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim sub-vectors, each the nearest of
+``2**key_codebook_bits`` codewords; values alike (``value_sub_dim`` / ``value_codebook_bits``), untransformed.
+``s = sqrt(max |k|)`` per head and channel and one codebook per layer are fitted on the first block unless
+``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Scores: ``q . k_hat = sum_j LUT[j, code_j]``
+with ``LUT[j, c] = ((q * s) @ R)_j . C_c`` (decoded keys above ``LUT_MAX``). ``fused_sdpa`` sends prefill chunks
+(and with ``fused_sdpa_memory_bound`` decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over
+the decoded rows; ``use_metal_kernels`` has no effect.
 
 Deviations from the paper:
 

@@ -1,17 +1,14 @@
-"""ZipCache (He, Zhang, Wu, Liu, Zhou, Zhuang, "ZipCache: Accurate and Efficient KV Cache Quantization with
-Salient Token Identification", NeurIPS 2024, arXiv 2405.14256): channel-separable tokenwise quantization (key
-channels divided by sqrt(max |K[:, i]|), then a scale and zero point per token); saliency = *normalized*
-attention (received attention / the number of queries that can see the token, undoing the causal mask's bias to
-early tokens); the most salient tokens at high bits, the rest at low bits.
+"""ZipCache (He, Zhang, Wu, Liu, Zhou, Zhuang, NeurIPS 2024, arXiv 2405.14256): channel-separable tokenwise
+quantization (key channels divided by sqrt(max |K[:, i]|), then a scale and zero point per token); saliency =
+*normalized* attention (received attention / the number of queries that can see the token, undoing the causal
+bias to early tokens); the most salient tokens at high bits, the rest at low bits.
 
-New rows are attended in full precision and held float16 as *pending* rows; ``attend`` (dispatch point, real
-queries) adds each query's probability of each pending row to ``sal_sum`` and the number of queries that could
-see it to ``sal_cnt``. At the next call the oldest whole multiples of ``zipcache_group_size`` pending rows (a
-prompt as one block, decode rows a group at a time) are compressed by saliency ``sal_sum / sal_cnt`` (key L2 norm
-without the dispatch point; ``saliency_source`` says which): per KV head the ``zipcache_hi_fraction`` most
-salient at ``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, keys divided by ``k_chan`` (from the first
-block), tokenwise codes in a hi and a lo store routed by ``is_hi``; values alike with
-``zipcache_quantize_values``, else float16. Attention is KIVI's one softmax over the two parts.
+New rows are held float16 as *pending* rows; ``attend`` (dispatch point) adds each real query's probability of
+each pending row to ``sal_sum`` and the viewer count to ``sal_cnt``. At the next call the oldest whole multiples
+of ``zipcache_group_size`` pending rows are compressed by saliency ``sal_sum / sal_cnt`` (key L2 norm without the
+dispatch point; ``saliency_source`` says which): per KV head the ``zipcache_hi_fraction`` most salient at
+``zipcache_hi_bits``, the rest at ``zipcache_lo_bits``, in a hi and a lo store routed by ``is_hi``; values alike
+with ``zipcache_quantize_values``, else float16.
 
 Deviations: saliency comes from all real queries that attended a token while it was pending (the paper: probe
 queries at prefill, re-compression every 100 decode tokens) and a compressed token's width is fixed; top-f
@@ -177,27 +174,22 @@ class ZipCacheKVCache(KIVIKVCache):
 
     def _used(self, *stores) -> int:
         """Bytes of the filled rows of the hi/lo stores ``stores`` (codes, scales, biases)."""
-        arrays = [(getattr(self, f"{p}_{x}"), self.n_hi if p[1] == "h" else self.n_lo) for p in stores for x in _ARR]
-        return sum(a[:, :, :n].nbytes for a, n in arrays if a is not None)
+        return sum(self._rows_bytes(f"{p}_{x}", self.n_hi if p[1] == "h" else self.n_lo) for p in stores for x in _ARR)
 
-    def _pending_bytes(self, name) -> int:
+    def _rows_bytes(self, name, n) -> int:
         a = getattr(self, name)
-        return 0 if a is None else a[:, :, : self.n_res].nbytes
+        return 0 if a is None else a[:, :, :n].nbytes
 
     @property
     def compressed_key_bytes(self) -> int:
         """Key-side bytes held: hi/lo key codes + scales/biases, channel factors, routing flags, pending rows."""
-        extra = 0 if self.k_chan is None else self.k_chan.nbytes
-        flags = 0 if self.is_hi is None else self.is_hi[:, :, : self.n_quant].nbytes
-        return self._used("kh", "kl") + extra + flags + self._pending_bytes("res_k")
+        extra = (0 if self.k_chan is None else self.k_chan.nbytes) + self._rows_bytes("is_hi", self.n_quant)
+        return self._used("kh", "kl") + extra + self._rows_bytes("res_k", self.n_res)
 
     @property
     def compressed_value_bytes(self) -> int:
-        if self.quantize_values:
-            q = self._used("vh", "vl")
-        else:
-            q = 0 if self.v_fp is None else self.v_fp[:, :, : self.n_quant].nbytes
-        return q + self._pending_bytes("res_v")
+        q = self._used("vh", "vl") if self.quantize_values else self._rows_bytes("v_fp", self.n_quant)
+        return q + self._rows_bytes("res_v", self.n_res)
 
     def _baseline(self, res) -> int:
         """Uniform lo-bit tokenwise codes for the compressed tokens (no routing) + the same pending rows."""
