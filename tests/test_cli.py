@@ -464,7 +464,7 @@ def test_every_option_of_every_subcommand_has_help():
 def test_decode_concurrency_help_names_the_batched_methods_as_the_readme_does():
     import re
 
-    from veloxquant_mlx.cache.factory import _implemented_class
+    from veloxquant_mlx.cache.base import implemented_class as _implemented_class
 
     serve = cli._parser()._subparsers._group_actions[0].choices["serve"]
     text = next(a.help for a in serve._actions if "--decode-concurrency" in a.option_strings)

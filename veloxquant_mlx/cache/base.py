@@ -124,3 +124,12 @@ def method_info(name: str) -> MethodInfo:
 
 def all_methods() -> list[MethodInfo]:
     return [method_info(n) for n in METHOD_NAMES]
+
+
+def implemented_class(method: str) -> type:
+    """The class of ``method``; ``NotImplementedError`` for a registered but unbuilt one."""
+    info = method_info(method)
+    if not info.implemented:
+        raise NotImplementedError(f"method {method!r} ({info.paper}) is registered but not implemented yet; "
+                                  "`veloxquant methods` lists the implemented ones")
+    return info.cls

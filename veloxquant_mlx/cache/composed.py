@@ -1,30 +1,22 @@
 """Evict *and* quantize: an eviction method whose kept rows are stored as a quantizer's codes.
 
-``KVCacheConfig(method="snapkv", bit_width_inlier=4, options=SnapKVOptions(budget=1024, quantize="waterfill"))``
-(or ``quantize=WaterfillOptions(...)``): any eviction method chooses the rows, any mlx_lm-protocol
-quantization method stores them (shared fields from the config, its own from its options).
-``QuantizedEviction`` (one subclass per eviction class) holds ``evict`` and ``quant``:
-
-* **A prefill call** decodes the stored rows into the eviction cache ("thaw"), appends, attends and scores
-  with the call's real queries as the plain method does and evicts to the budget; the kept rows then go to
-  a fresh quantizer as one prefill ("freeze"), shown the call's queries (waterfill weighs its key widths by
-  them; that output is never computed). The eviction cache keeps only its per-row bookkeeping.
-* **A decode call** is appended to the quantizer and attended on its codes (``quant.attend``).
-
-The kept positions are the plain method's and ``nbytes`` sums both parts. The quantizer sees the kept rows
-as its rows ``0 .. K-1``; one that undoes RoPE (waterfill) does so at those indices, so keys are quantized
-rotated by ``position - row``, not fully pre-RoPE (exact up to its error).
+``options=SnapKVOptions(budget=1024, quantize="waterfill")`` (or ``quantize=WaterfillOptions(...)``): any eviction
+method chooses the rows, any mlx_lm-protocol quantization method stores them (shared fields from the config).
+``QuantizedEviction`` (one subclass per eviction class) holds ``evict`` and ``quant``. A prefill call decodes the
+stored rows into ``evict`` ("thaw"), which appends, attends, scores with the call's real queries and evicts as
+the plain method does; the kept rows then go to a fresh quantizer as one prefill, shown those queries ("freeze";
+waterfill weighs its key widths by them). A decode call is appended to the quantizer and attended on its codes.
+The kept positions are the plain method's; ``nbytes`` sums both parts. The quantizer sees the kept rows as its
+rows ``0 .. K-1``: one that undoes RoPE (waterfill) quantizes keys rotated by ``position - row``.
 
 Deviations from the plain methods:
 
-* Decode calls do not evict (``decode_evict=True`` is refused): methods that evict while decoding (h2o,
-  tova, pyramidkv, ...) keep every decoded row, and decode queries do not update per-row scores.
+* Decode calls do not evict (``decode_evict=True`` is refused) and do not update per-row scores.
 * A later prefill call (chunked prompt, second turn) re-quantizes the rows it keeps from their decoded
   values with a fresh, newly calibrated quantizer: errors compound; not chunk-invariant, ``trim`` not exact.
 * That fresh quantizer is a copy of the layer's (its RoPE bound); after loading from a file it is built from
   the config alone (waterfill then codes keys post-RoPE: exact up to its error, less compact).
-* Without the dispatch point rows are frozen in ``update_and_fetch`` (key-proxy scores), the quantizer sees
-  no queries.
+* Without the dispatch point rows are frozen in ``update_and_fetch`` (key-proxy scores), unseen by queries.
 * Not batchable.
 """
 
@@ -37,6 +29,7 @@ import json
 import mlx.core as mx
 
 from . import dispatch
+from .base import implemented_class
 from .contract import CompressedKVCache, config_from_json, register_with_mlx_lm
 from .errors import QuantizerConfigError
 from .eviction import EvictionKVCache
@@ -53,11 +46,6 @@ def quant_config(config):
     return config.replace(method=method, options=opts)
 
 
-def _implemented(method: str) -> type:
-    from .factory import _implemented_class  # (factory imports this module)
-    return _implemented_class(method)
-
-
 class QuantizedEviction(CompressedKVCache):
     """Base of the composed caches; ``composed_class`` makes one subclass per eviction class."""
 
@@ -71,14 +59,15 @@ class QuantizedEviction(CompressedKVCache):
         super().__init__(config)
         self.evict = evict if evict is not None else self.evict_class(config)
         self.evict.decode_evict = False
-        self.quant = quant if quant is not None else _implemented(quant_config(config).method)(quant_config(config))
+        q = quant_config(config)
+        self.quant = quant if quant is not None else implemented_class(q.method)(q)
         self._blank = None  # an empty copy of the quantizer as built (bound to its layer), taken before use
 
     @classmethod
     def build_layers(cls, configs):
         """The eviction class's and the quantizer class's own per-layer construction, paired."""
         ev, qconfigs = cls.evict_class, [quant_config(c) for c in configs]
-        qcls = _implemented(qconfigs[0].method) if qconfigs else None
+        qcls = implemented_class(qconfigs[0].method) if qconfigs else None
         evs = ev.build_layers(configs) if hasattr(ev, "build_layers") else [ev(c) for c in configs]
         qs = qcls.build_layers(qconfigs) if hasattr(qcls, "build_layers") else [qcls(c) for c in qconfigs]
         return [cls(c, e, q) for c, e, q in zip(configs, evs, qs)]
@@ -180,7 +169,7 @@ class QuantizedEviction(CompressedKVCache):
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
         self.evict = self.evict_class.from_state(v["evict"])
-        self.quant = _implemented(self.part_method(v["quant"])).from_state(v["quant"])
+        self.quant = implemented_class(self.part_method(v["quant"])).from_state(v["quant"])
         q = self.quant.config.options if self.quant.config.options is not None else self.quant.config.method
         self.config = self.config.replace(options=dataclasses.replace(self.config.options, quantize=q))
         self._blank = None
@@ -197,7 +186,7 @@ class QuantizedEviction(CompressedKVCache):
         name = cls.part_method(state["quant"])
         if name not in quantizer_methods():
             raise ValueError(f"its quantizer {name!r} is not an mlx_lm-protocol quantization method")
-        return {"evict": (cls.evict_class, cls.method_name), "quant": (_implemented(name), name)}
+        return {"evict": (cls.evict_class, cls.method_name), "quant": (implemented_class(name), name)}
 
 
 _CLASSES: dict[type, type] = {}

@@ -7,7 +7,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from . import dispatch
 from .artifacts import ArtifactStore
-from .base import METHOD_NAMES, STANDALONE_METHODS, method_info
+from .base import METHOD_NAMES, STANDALONE_METHODS, implemented_class
 from .composed import composed_class, quant_config
 from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
@@ -17,17 +17,9 @@ from .rotating import RING_CLASSES
 from .standalone import SlidingWindowKVCache
 
 
-def _implemented_class(method: str):
-    info = method_info(method)
-    if not info.implemented:
-        raise NotImplementedError(f"method {method!r} ({info.paper}) is registered but not implemented yet; "
-                                  "`veloxquant methods` lists the implemented ones")
-    return info.cls
-
-
 def _cache_class(config):
     """The method's class, or its quantized-eviction form when its options set ``quantize``."""
-    cls = _implemented_class(config.method)
+    cls = implemented_class(config.method)
     return cls if config.option("quantize") is None else composed_class(cls)
 
 

@@ -9,9 +9,8 @@ import dataclasses
 import json
 from typing import Any, Optional, Sequence
 
-from .base import METHOD_NAMES, STANDALONE_METHODS
+from .base import METHOD_NAMES, STANDALONE_METHODS, implemented_class
 from .config import _DEFAULTS, _FIELD_TYPES, DTYPE_NAMES, KVCacheConfig, _quiet_flat_fields, allowed_values
-from .factory import _implemented_class
 from .options import COMMON_FIELDS, DERIVED_FIELDS, OPTIONS_BY_METHOD, method_fields, quantizer_methods
 
 __all__ = ["NONE", "UsageError", "parse_set", "parse_sets", "build_config", "method_config", "method_settings",
@@ -201,4 +200,4 @@ def check_method_name(method: str) -> None:
 
 def check_buildable(method: str) -> None:
     """``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
-    _implemented_class(method)
+    implemented_class(method)
