@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from mlx_lm.models import cache as mlx_cache
 
 from . import dispatch
@@ -51,11 +53,8 @@ def language_model(model):
 def _layers(model):
     lm = language_model(model)
     for path in ("layers", "model.layers", "transformer.h", "transformer.layers"):
-        obj = lm
         try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return list(obj)
+            return list(functools.reduce(getattr, path.split("."), lm))
         except AttributeError:
             continue
     raise QuantizerConfigError("model", type(model).__name__, "an mlx_lm model with a .layers list")
@@ -156,14 +155,12 @@ class KVCacheBuilder:
 
     @staticmethod
     def for_model(model, config: KVCacheConfig, install_dispatch: bool = True) -> list:
-        """One cache per layer of ``model`` (its ``language_model`` for VLM wrappers).
-
-        ``KVCache`` layers get ``config.method``'s cache (``head_dim`` from the layer, one ``bit_width_inlier``
-        entry each when a list); sliding-window layers the method's ring (``rotating.RING_CLASSES``) or mlx_lm's;
-        others (state-space, ``CacheList``) the model's cache. MLA and K/V-less models are refused. Cross-layer
-        methods build through ``build_layers``; ``bind_attention`` gets the layer's attention; the dispatch
-        point and ``io_hooks`` reports are installed unless ``install_dispatch=False``.
-        """
+        """One cache per layer of ``model`` (its ``language_model`` for VLM wrappers): ``KVCache`` layers get
+        ``config.method``'s cache (``head_dim`` from the layer, one ``bit_width_inlier`` entry each when a list),
+        sliding-window layers the method's ring (``rotating.RING_CLASSES``) or mlx_lm's, others (state-space,
+        ``CacheList``) the model's cache; MLA and K/V-less models are refused. Cross-layer methods build through
+        ``build_layers``; ``bind_attention`` gets the layer's attention; the dispatch point and ``io_hooks``
+        reports are installed unless ``install_dispatch=False``."""
         if not isinstance(config, KVCacheConfig):
             raise QuantizerConfigError("config", type(config).__name__, "a KVCacheConfig")
         if config.method in STANDALONE_METHODS:
@@ -181,17 +178,14 @@ class KVCacheBuilder:
         ring_config = (lambda c: c) if config.option("quantize") is None else quant_config  # a quantizer's ring
         ring_cls = RING_CLASSES.get(ring_config(config).method)
         rings = [i for i, c in enumerate(defaults) if ring_cls and type(c) is mlx_cache.RotatingKVCache]
-        bits = config.bit_width_inlier
-        n = len(slots) + len(rings)
-        if isinstance(bits, (list, tuple)) and len(bits) != n:
+        bits, n = config.bit_width_inlier, len(slots) + len(rings)
+        per_layer = isinstance(bits, (list, tuple))
+        if per_layer and len(bits) != n:
             raise QuantizerConfigError("bit_width_inlier", list(bits), f"a list of {n} ints (one per compressed "
                                        "attention layer: full KV caches" + (" and sliding windows)" if rings else ")"))
-        configs = {}
-        for j, i in enumerate(sorted(slots + rings)):
-            changes = {"head_dim": _head_dim(_attention(layers[i]), config.head_dim)}
-            if isinstance(bits, (list, tuple)):
-                changes["bit_width_inlier"] = int(bits[j])
-            configs[i] = config.replace(**changes)
+        configs = {i: config.replace(head_dim=_head_dim(_attention(layers[i]), config.head_dim),
+                                     **({"bit_width_inlier": int(bits[j])} if per_layer else {}))
+                   for j, i in enumerate(sorted(slots + rings))}
         layer_configs = [configs[i] for i in slots]
         if layer_configs:
             validate_for_model(config, min(c.head_dim for c in configs.values()), len(layer_configs))

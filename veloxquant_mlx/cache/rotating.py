@@ -38,8 +38,9 @@ _RING = mlx_cache.RotatingKVCache
 
 
 class RotatingQuantKVCache(CompressedKVCache):
-    """A ``RotatingKVCache`` ring of per-token codes (module docstring). Subclasses name their code
-    arrays (``array_fields``: rows on axis 2, 4-D) and implement ``_encode`` / ``_decode``."""
+    """A ``RotatingKVCache`` ring of per-token codes (module docstring). Subclasses name their code arrays
+    (``array_fields``: rows on axis 2, 4-D) and implement ``_encode(keys, values) -> [code arrays]`` and
+    ``_decode(code arrays, dtype) -> (keys, values)``."""
 
     chunk_invariant = False  # as RotatingKVCache (a multi-row call keeps max_size + S - 1 rows)
     exact_trim = False  # as RotatingKVCache: only while offset < max_size; rotated rows are gone
@@ -66,12 +67,6 @@ class RotatingQuantKVCache(CompressedKVCache):
                                        f"an int in 1..8 for a sliding-window layer of {self.config.method!r}")
         # ``qbits``, not ``bits``: mlx_lm routes caches with ``bits`` to its own kernel
         self.qbits, self.group = b, getattr(self.config.options, "group_size", 32)
-
-    def _encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
-        raise NotImplementedError
-
-    def _decode(self, arrays: list[mx.array], dtype) -> tuple[mx.array, mx.array]:
-        raise NotImplementedError
 
     def _affine(self, x):
         return list(gq.quantize(x, self.qbits, math.gcd(x.shape[-1], self.group)))

@@ -128,26 +128,20 @@ def _owner_hint(field: str) -> str:
 def method_settings(method: str) -> list[dict]:
     """One row per settable name of ``method``: name, flat alias, kind (option or shared), type, default,
     allowed."""
-    opts = OPTIONS_BY_METHOD.get(method)
-    names = method_fields(method)
+    opts, names = OPTIONS_BY_METHOD.get(method), method_fields(method)
+    by_flat = {f: o for o, f in opts.FIELDS.items()} if opts else {}
     rows = []
     for name, flat in names.items():
-        if flat in _NOT_SETTABLE:
-            continue
+        opt = by_flat.get(flat)
+        if flat in _NOT_SETTABLE or (name == flat != opt and names.get(opt) == flat):
+            continue  # the flat alias of an option: shown on the option's row
         if opts is not None and name in opts.OPTION_ONLY:  # no flat field: described by the options class
             f = next(f for f in dataclasses.fields(opts) if f.name == name)
-            rows.append({"name": name, "flat": name, "kind": "option", "type": str(f.type).replace("typing.", ""),
-                         "default": f.default, "allowed": opts.RULES[name].allowed})
-            continue
-        option = opts is not None and opts.FIELDS.get(name) == flat
-        if not option and name == flat and opts is not None and flat in opts.FIELDS.values():
-            opt_name = next(o for o, f in opts.FIELDS.items() if f == flat)
-            if names.get(opt_name) == flat:
-                continue  # the flat alias of an option: shown on the option's row
-            option = True  # the option's own name is taken by a shared field (snapkv's dtype): use the flat one
-        rows.append({"name": name, "flat": flat, "kind": "option" if option else "shared",
-                     "type": str(_FIELD_TYPES[flat]).replace("typing.", ""),
-                     "default": _DEFAULTS[flat], "allowed": allowed_values(flat)})
+            typ, default, allowed, opt = f.type, f.default, opts.RULES[name].allowed, name
+        else:  # an option's flat field (its own name if a shared field took that: snapkv's dtype) or a shared one
+            typ, default, allowed = _FIELD_TYPES[flat], _DEFAULTS[flat], allowed_values(flat)
+        rows.append({"name": name, "flat": flat, "kind": "option" if opt else "shared",
+                     "type": str(typ).replace("typing.", ""), "default": default, "allowed": allowed})
     return rows
 
 

@@ -145,10 +145,7 @@ class StandaloneCache(KVCache):
         odt = out_dtype(self.dtype, q)
         qf, single = as_block(q, self.head_dim, "query")
         n = self.n_tokens
-        if n == 0:
-            out = mx.zeros(qf.shape, dtype=mx.float32)
-        else:
-            out = self._attend_values(mx.softmax(self._scores(qf, n) * self.scale, axis=-1), n)
+        out = self._attend_values(mx.softmax(self._scores(qf, n) * self.scale, axis=-1), n) if n else mx.zeros(qf.shape)
         out = out.astype(odt)
         return out[0] if single else out
 
