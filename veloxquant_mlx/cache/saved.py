@@ -276,14 +276,13 @@ def read_cache_info(path) -> dict:
     path = os.fspath(path)
     header, data_start, size = _read_header(path)
     meta = header.get("__metadata__", {})
-    if _INFO_KEY not in meta and _SUM_KEY in meta:
-        raise SavedCacheError(f"{path}: corrupt veloxquant saved cache: its metadata entry is missing")
-    if _INFO_KEY not in meta:
+    if _INFO_KEY not in meta and _SUM_KEY not in meta:
         raise SavedCacheError(
             f"{path}: not a veloxquant saved cache (no 'veloxquant' metadata); a file from mlx_lm's "
             "save_prompt_cache loads with mlx_lm.models.cache.load_prompt_cache")
-    if _SUM_KEY not in meta:
-        raise SavedCacheError(f"{path}: corrupt veloxquant saved cache: its checksum entry is missing")
+    if _INFO_KEY not in meta or _SUM_KEY not in meta:
+        entry = "metadata" if _SUM_KEY in meta else "checksum"
+        raise SavedCacheError(f"{path}: corrupt veloxquant saved cache: its {entry} entry is missing")
     if _digest(path, header, data_start) != meta[_SUM_KEY]:
         raise SavedCacheError(f"{path}: corrupt: checksum mismatch (the file was damaged or edited after it "
                               "was saved)")
