@@ -181,7 +181,7 @@ def method_config(method: str, set_items, *, standalone_ok: bool = True):
         raise UsageError(f"method {method!r} has the standalone protocol (append_key/append_value): it makes no "
                          "mlx_lm prompt cache; `veloxquant methods` lists the mlx_lm-protocol ones")
     config = build_config(method, sets)
-    check_buildable(method)
+    implemented_class(method)
     return sets, config
 
 
@@ -192,6 +192,4 @@ def check_method_name(method: str) -> None:
                          f"methods (or use {NONE!r} for mlx_lm's uncompressed cache)")
 
 
-def check_buildable(method: str) -> None:
-    """``NotImplementedError`` for a registered but unbuilt method, before any model is loaded."""
-    implemented_class(method)
+check_buildable = implemented_class  # ``NotImplementedError`` for a registered but unbuilt method, before a model loads
