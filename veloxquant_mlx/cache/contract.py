@@ -99,6 +99,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self.offset = 0
         for name in self.array_fields:
             setattr(self, name, None)
+        self._call = None  # a subclass's record of the last call, for its attend
         self._init_layout()
 
     def _init_layout(self) -> None:
@@ -183,6 +184,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         n = min(int(n), self.offset)
         if n <= 0:
             return 0
+        self._call = None
         dropped = self._trim_rows(n)
         self.offset -= dropped
         return dropped
@@ -220,6 +222,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def state(self, v):
         meta = json.loads(v["meta"])
         self.config = config_from_json(meta["config"])
+        self._call = None
         self._init_layout()
         self.offset = meta["offset"]
         for k, val in meta["scalars"].items():

@@ -58,7 +58,6 @@ class GroupedQuantCache(CompressedKVCache):
             raise QuantizerConfigError("bit_width_inlier", b, f"one of 2, 3, 4, 8 for method={self.config.method!r}")
         self.qbits = int(b)  # not ``bits``: mlx_lm routes any cache with ``bits`` to its own kernel
         self.group = int(self.config.options.group_size)
-        self._call = None
 
     def value_group(self, dv: int) -> int:
         """Channel-group width of the per-token value quantization for head dim ``dv``."""
@@ -323,7 +322,6 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _trim_rows(self, n: int) -> int:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
-        self._call = None
         self._forget_rows()
         if n <= self.n_res:
             self.n_res -= n

@@ -193,7 +193,6 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         return self._restore("v", n, dtype)
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
         if n > self.stored_rows():
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
         if n <= self.n_res:

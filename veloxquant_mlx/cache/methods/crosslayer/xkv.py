@@ -136,7 +136,6 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
         return (self._proj("v", dtype) @ self._latents_t("v", n, dtype)).swapaxes(-1, -2)
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
         if n <= self.n_res:
             self.n_res -= n
             return n

@@ -201,8 +201,7 @@ class A2ATSKVCache(CompressedKVCache):
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
     def _trim_rows(self, n):
-        self._call = None  # trim() caps n at the offset, which is n_rows
-        self.n_rows -= n
+        self.n_rows -= n  # trim() caps n at the offset, which is n_rows
         self.n_coded = min(self.n_coded, self.n_rows)
         if self.codebook is not None and self.n_rows < self.fit_rows:
             self.codebook = self.codes = self.metric_l = self.metric_linv = None

@@ -49,7 +49,6 @@ class AgeTieredKVCache(KIVIKVCache):
         self.tier_bits = (o.bits_old, o.bits_mid, o.bits_recent)
         self.recent_boundary, self.mid_boundary, self.group = o.recent_boundary, o.mid_boundary, o.group_size
         self.qbits = self.tier_bits[2]
-        self._call = None
 
     def _counts(self):
         return [self.n_old, self.n_mid, self.n_recent]

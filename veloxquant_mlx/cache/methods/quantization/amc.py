@@ -123,7 +123,6 @@ class AMCKVCache(RankTiers, KIVIKVCache):
         n_mid = round((o.k_high + o.k_mid) * self.group) - n_hi
         self.counts = {"hi": n_hi, "mid": n_mid, "lo": self.group - n_hi - n_mid}
         self.qbits = TIER_BITS["hi"]
-        self._call = None
 
     assigned_avg_bits = RankTiers.code_bits
 

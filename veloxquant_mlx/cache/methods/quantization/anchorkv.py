@@ -121,7 +121,6 @@ class AnchorKVCache(KIVIKVCache):
         self.group, self.qbits = o.window, o.residual_bits
         self.n_anchors = min(self.group, max(1, round(float(o.anchor_frac) * self.group)))
         self.rho, self.theta, self.seed = float(o.rho), float(o.theta), o.seed
-        self._call = None
 
     def _append_groups(self, kb, vb):
         G, A, b = self.group, self.n_anchors, self.qbits

@@ -76,7 +76,6 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
             raise QuantizerConfigError("gear_sparse_fraction", o.sparse_fraction, "a float in [0, 0.5)")
         self.qbits, self.group, self.frac = o.bits, o.group_size, float(o.sparse_fraction)
         self.rank = -1 if o.rank is None else o.rank
-        self._call = None
 
     def _gear_block(self, x, per_channel: bool):
         """x [B, H, g, G, D] float32 -> (base codes, outlier indices, outlier values, A, Bt, reconstruction)."""

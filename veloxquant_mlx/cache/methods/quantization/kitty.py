@@ -40,7 +40,6 @@ class KittyKVCache(KIVIKVCache):
             raise QuantizerConfigError("kitty_hi_bit", o.hi_bit, f"an int >= kitty_lo_bit={o.lo_bit}")
         self.hi_bit, self.lo_bit, self.hi_fraction, self.group = o.hi_bit, o.lo_bit, float(o.hi_fraction), o.group_size
         self.qbits = self.lo_bit  # values (KIVI's per-token path) use the low width
-        self._call = None
 
     def n_hi(self, d: int) -> int:
         """Hi channels for head dim ``d``: round(fraction * d), at least 1 if the fraction is > 0."""

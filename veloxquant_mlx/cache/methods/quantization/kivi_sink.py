@@ -95,7 +95,6 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
         beyond = n - self.n_res - self.n_quant  # sink rows to drop, if > 0
         if beyond <= 0:
             return super()._trim_rows(n)
-        self._call = None
         self.n_res = self.n_quant = 0
         self.n_sink -= beyond
         return n

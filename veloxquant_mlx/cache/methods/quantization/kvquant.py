@@ -71,7 +71,6 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
             raise QuantizerConfigError("kvquant_n_sink", o.n_sink, f"an int in 0..kvquant_group_size ({G})")
         self.qbits, self.group, self.frac, self.n_sink = o.bits, G, float(o.outlier_fraction), o.n_sink
         self.fit_starts, self.fit_ends = [], []
-        self._call = None
         self.rope, self._omega = None, None
 
     def bind_attention(self, attn) -> None:

@@ -119,7 +119,6 @@ class NSNQuantKVCache(KIVIKVCache):
         self.group, self.qbits, self.seed = o.residual_length, o.bits, o.seed
         self.C, self.lc, self.sub = C, lc, d
         self.stages = self.qbits * self.sub // lc
-        self._call = None
 
     def _tools(self, D: int):
         if D & (D - 1) or D % self.sub:

@@ -92,7 +92,6 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         self.window, self.n_sink_cap = o.window, o.n_sink
         self.alpha, self.reorder, self.clip_search = float(o.clip_alpha), o.reorder, o.clip_search
         self.qbits = self.kbits
-        self._call = None
 
     def _calibrate(self, x: mx.array, bits: int):
         B, H, T, D = x.shape
@@ -180,7 +179,6 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         return self._after_sinks(self.sink_v, n, lambda m: self._decode("v", m, dtype), dtype)
 
     def _trim_rows(self, n: int) -> int:
-        self._call = None
         if n <= self.n_res:
             self.n_res -= n
             return n

@@ -143,7 +143,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         for field, sub in (("key", self.key_sub_dim), ("value", self.value_sub_dim)):
             if c.head_dim % sub:
                 raise QuantizerConfigError(f"{field}_sub_dim", sub, f"a divisor of head_dim={c.head_dim}")
-        self._kq = self._vq = self._call = None
+        self._kq = self._vq = None
         stage2 = {"k": split_bits(self.key_bits)[1], "v": split_bits(self.value_bits)[1]}
         self.array_fields = tuple(n for n in TurboQuantRVQKVCache.array_fields  # no stage-2 plane when B <= 8
                                   if not n.endswith("codes2") or stage2[n[0]])

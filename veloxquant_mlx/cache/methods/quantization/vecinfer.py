@@ -99,7 +99,6 @@ class VecInferKVCache(KIVIKVCache):
                 elif bool(mx.any(a <= 0)):
                     raise QuantizerConfigError(field, "non-positive entries", "positive factors")
                 self._given[name] = a
-        self._call = None
 
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
         """Before calibration, rows wait in the float16 residual until their codes plus the codebooks and

@@ -54,7 +54,6 @@ class ZipCacheKVCache(KIVIKVCache):
         self.hi_bits, self.lo_bits, self.hi_fraction = o.hi_bits, o.lo_bits, float(o.hi_fraction)
         self.group, self.quantize_values = o.group_size, o.quantize_values
         self.qbits = self.lo_bits
-        self._call = None
 
     @property
     def n_lo(self) -> int:
