@@ -288,20 +288,29 @@ def test_every_int_field_refuses_huge_values_and_names_the_field(name, value):
     assert exc.value.field == name and str(value) in str(exc.value)
 
 
+# fields that another field bounds too (the options' check_relations): tried at their bound beside these values
+_BOUND_WITH = {"kitty_lo_bit": {"kitty_hi_bit": 8}, "zipcache_lo_bits": {"zipcache_hi_bits": 8},
+               "palu_lo_bit": {"palu_hi_bit": 8}, "age_bits_old": {"age_bits_mid": 8},
+               "adakv_lo_bit": {"adakv_mid_bit": 7, "adakv_hi_bit": 8, "adakv_target_avg_bits": 7},
+               "adakv_mid_bit": {"adakv_hi_bit": 8, "adakv_target_avg_bits": 7},
+               "kvquant_n_sink": {"kvquant_group_size": 1024}, "gear_rank": {"gear_group_size": 1024}}
+
+
 @pytest.mark.parametrize("name", _INT_FIELDS)
 def test_every_int_field_accepts_its_default_and_upper_bound(name):
     from veloxquant_mlx.cache.config import FIELD_RULES
 
     KVCacheConfig(**{name: _DEFAULTS[name]})
     if name not in ("bit_width_inlier", "n_outlier_channels"):
-        hi = FIELD_RULES[name].hi
+        rule, with_ = FIELD_RULES[name], _BOUND_WITH.get(name, {})
+        hi = max(rule.choices) if rule.kind == "choice" else rule.hi  # int choices: nsn_codebook_size, ...
         if name == "age_recent_boundary":
             hi = _DEFAULTS["age_mid_boundary"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            KVCacheConfig(**{name: hi})
+            KVCacheConfig(**{name: hi}, **with_)
             with pytest.raises(QuantizerConfigError):
-                KVCacheConfig(**{name: hi + 1})
+                KVCacheConfig(**{name: hi + 1}, **with_)
 
 
 def test_float_fields_refuse_huge_values():

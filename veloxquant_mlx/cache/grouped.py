@@ -63,6 +63,10 @@ class GroupedQuantCache(CompressedKVCache):
         """Channel-group width of the per-token value quantization for head dim ``dv``."""
         return math.gcd(dv, self.group)
 
+    def kivi_bytes_per_token(self, d: int, dv: int) -> float:
+        """KIVI's bytes per token per head, both sides: b-bit codes plus a float16 scale and bias per group."""
+        return self.qbits * (d + dv) / 8 + 4 * d / self.group + 4 * dv / self.value_group(dv)
+
     def _key_words(self) -> int:
         return gq.words_per_group(self.qbits, self.group)
 
@@ -319,6 +323,15 @@ class GroupedQuantCache(CompressedKVCache):
             return self.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         finally:
             self._kernel_off = False
+
+    def _refuse_calibration_trim(self, n: int, calib_end: int) -> None:
+        """Raise ValueError if trimming ``n`` tokens removes part, not all, of the first ``calib_end`` coded
+        tokens (variants whose fitted statistics made the remaining codes)."""
+        extra = n - self.n_res
+        if extra > 0 and extra % self.group == 0 and 0 < self.n_quant - extra < calib_end:
+            raise ValueError(f"{type(self).__name__}: trimming {n} tokens would remove part of the first {calib_end} "
+                             "coded tokens, whose statistics made the remaining codes; the result would differ from "
+                             "never having seen them")
 
     def _trim_rows(self, n: int) -> int:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""

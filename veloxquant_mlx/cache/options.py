@@ -42,6 +42,7 @@ class Rule:
     lo: float = 0
     hi: float = 0
     lo_open: bool = False
+    hi_open: bool = False
     choices: tuple = ()
     words: str = ""  # ``allowed`` in other words than the range's
     bound: str = ""  # "head_dim" or "layers": ``validate_for_model`` also bounds it by the model's
@@ -49,10 +50,11 @@ class Rule:
     @property
     def allowed(self) -> str:
         lo, hi, k = self.lo, self.hi, self.kind
+        ends = ("(" if self.lo_open else "[", ")" if self.hi_open else "]")
         text = self.words or {
             "choice": "one of " + ", ".join(map(repr, self.choices)), "bool": "True or False",
             "int": f"an int in {lo}..{hi}", "ints": f"a non-empty tuple of ints in {lo}..{hi}",
-            "float": f"a number in {'(' if self.lo_open else '['}{lo:g}, {hi:g}]"}.get(k, "any value")
+            "float": f"a number in {ends[0]}{lo:g}, {hi:g}{ends[1]}"}.get(k, "any value")
         return text + (" or None" if self.optional and "None" not in text and k != "any" else "")
 
     def accepts(self, v) -> bool:
@@ -60,14 +62,15 @@ class Rule:
         if v is None and self.optional:
             return True
         if k == "choice":
-            return isinstance(v, str) and v in self.choices
+            c = self.choices[0]  # strings, ints (not bools) or bools
+            return isinstance(v, type(c)) and isinstance(v, bool) == isinstance(c, bool) and v in self.choices
         if k == "bool":
             return isinstance(v, bool)
         if k == "int":
             return _is_int(v) and lo <= v <= hi
         if k == "float":
             ok = _is_int(v) or isinstance(v, float) and math.isfinite(v)  # an int too large for a float is out of range
-            return ok and (v > lo if self.lo_open else v >= lo) and v <= hi
+            return ok and (v > lo if self.lo_open else v >= lo) and (v < hi if self.hi_open else v <= hi)
         if k == "ints":
             return isinstance(v, (tuple, list)) and 0 < len(v) <= 64 and all(_is_int(b) and lo <= b <= hi for b in v)
         return True
@@ -98,7 +101,7 @@ def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_on
 
 
 def one_of(*choices, **kw) -> Any:
-    """A string among ``choices``; the first is the default."""
+    """A value among ``choices`` (strings, or ints); the first is the default."""
     return setting(choices[0], choices=choices, **kw)
 
 
@@ -214,7 +217,7 @@ class PyramidKVOptions(MethodOptions, method="pyramidkv", flat_prefix="pyramid",
     budget: int = tokens(512)
     backend: str = one_of("reference", "mlx", "auto")
     n_sink: int = tokens(4, lo=0)
-    beta: float = nonneg(2.0)
+    beta: float = setting(2.0, 1.0, MAX_FLOAT, words="a number >= 1 (budgets decrease with depth; 1 is uniform)")
 
 
 class SqueezeOptions(EvictionOptions, method="squeeze", flat_prefix="squeeze", evicts=True):
@@ -238,7 +241,7 @@ class CaMOptions(EvictionOptions, method="cam", flat_prefix="cam", evicts=True):
 class XKVOptions(MethodOptions, method="xkv", flat_prefix="xkv"):
     group_size: int = layers(2, bound="layers")
     rank: Optional[int] = dims(None)
-    energy_threshold: float = unit(0.95)
+    energy_threshold: float = unit(0.95, lo_open=True)
     latent_bits: int = bitwidth(4)
     group_quant_size: int = groups(32)
     max_ctx: int = tokens(8192)
@@ -247,10 +250,18 @@ class XKVOptions(MethodOptions, method="xkv", flat_prefix="xkv"):
 class NSNQuantOptions(MethodOptions, method="nsnquant", flat_prefix="nsn"):
     bits: int = bitwidth(2)
     residual_length: int = tokens(64)
-    codebook_size: int = setting(256, 2, 1 << 16)
-    subvector_dim: int = dims(8, bound="head_dim")
+    codebook_size: int = one_of(256, *(1 << i for i in range(1, 8)), words="a power of two in 2..256")
+    subvector_dim: int = setting(8, choices=tuple(1 << i for i in range(13)), bound="head_dim",
+                                 words="a power of two >= 1 (dividing the head dim)")
     seed: int = rng_seed(1234)
     max_ctx: int = tokens(8192)
+
+    @classmethod
+    def check_relations(cls, get):
+        lc = get("codebook_size").bit_length() - 1
+        if get("bits") * get("subvector_dim") % lc:
+            raise QuantizerConfigError("nsn_bits", get("bits"), "an int in 1..8 with nsn_bits * nsn_subvector_dim a "
+                                       f"multiple of log2(codebook)={lc}")
 
 
 class KNormOptions(EvictionOptions, method="knorm", flat_prefix="knorm", evicts=True):
@@ -266,26 +277,32 @@ class SKVQOptions(MethodOptions, method="skvq", flat_prefix="skvq"):
     n_sink: int = tokens(5, lo=0)
     reorder: bool = True
     clip_search: bool = True
-    clip_alpha: float = nonneg(1.0)
+    clip_alpha: float = unit(1.0, lo_open=True)
     max_ctx: Optional[int] = tokens(None)
 
 
 class QFiltersOptions(EvictionOptions, method="qfilters", flat_prefix="qfilters", evicts=True):
     recent: int = tokens(0, lo=0)
     calib_tokens: int = tokens(128)
-    sign: int = setting(1, -1, 1)
+    sign: int = one_of(1, -1, words="1 or -1")
     min_retention: Optional[float] = unit(0.9)
     on_low_retention: Literal['warn', 'raise', 'ignore'] = one_of("warn", "raise", "ignore")
 
 
 class KeyformerOptions(EvictionOptions, method="keyformer", flat_prefix="keyformer", evicts=True):
     recent: int = tokens(0, lo=0)
-    tau: Optional[float] = nonneg(None)
-    tau_init: float = nonneg(1.0)
-    tau_end: float = nonneg(1.0)
+    tau: Optional[float] = nonneg(None, lo_open=True)  # tau -> 0 is a limit, not a value
+    tau_init: float = nonneg(1.0, lo_open=True)
+    tau_end: float = nonneg(1.0, lo_open=True)
     anneal_steps: int = tokens(0, lo=0)
     rope_base: float = rope(10000.0)
     seed: int = rng_seed(0)
+
+    @classmethod
+    def check_relations(cls, get):
+        if get("tau") is None and get("anneal_steps") == 0 and get("tau_end") != get("tau_init"):
+            raise QuantizerConfigError("keyformer_anneal_steps", 0,
+                                       "an int > 0 when keyformer_tau_end differs from keyformer_tau_init")
 
 
 class MorphKVOptions(EvictionOptions, method="morphkv", flat_prefix="morphkv", evicts=True):
@@ -298,8 +315,14 @@ class KVzipOptions(EvictionOptions, method="kvzip", flat_prefix="kvzip", evicts=
 
 class KVTCOptions(MethodOptions, method="kvtc", flat_prefix="kvtc"):
     bit_budget: int = tokens(512)
-    bit_choices: tuple = setting((0, 1, 2, 3, 4, 6, 8), 0, 16)
-    beta: float = nonneg(3.5)
+    bit_choices: tuple = setting((0, 1, 2, 3, 4, 6, 8), 0, 8)
+    beta: float = nonneg(3.5, lo_open=True)  # lambda = 10**-beta; a large beta is the pure budget DP
+
+    @classmethod
+    def check_relations(cls, get):
+        ch = get("bit_choices")
+        if 0 not in ch or len(set(ch)) != len(ch) or len(ch) < 2:
+            raise QuantizerConfigError("kvtc_bit_choices", ch, "distinct ints in 0..8 including 0 and one > 0")
 
 
 class CurDKVOptions(EvictionOptions, method="curdkv", flat_prefix="curdkv", evicts=True):
@@ -316,15 +339,17 @@ class NestedKVOptions(EvictionOptions, method="nestedkv", flat_prefix="nestedkv"
 
 
 class AMCOptions(MethodOptions, method="amc", flat_prefix="amc"):
-    k_high: float = nonneg(0.2)
-    k_mid: float = nonneg(0.3)
-    use_query_saliency: bool = False
-    query_alpha: float = nonneg(0.5)
-    adaptive_thresholds: bool = False
+    k_high: float = unit(0.2)
+    k_mid: float = unit(0.3)
+    use_query_saliency: bool = one_of(False, words="False (query-blended saliency is not implemented: groups are "
+                                                   "quantized in update_and_fetch, which sees no queries)")
+    query_alpha: float = unit(0.5)
+    adaptive_thresholds: bool = one_of(False, words="False (adaptive thresholds are not implemented; tiers are "
+                                                    "fixed fractions)")
     threshold_window: int = tokens(64)
     gamma: float = nonneg(0.1)
-    calib_variance: Optional[float] = setting(None, -MAX_FLOAT, MAX_FLOAT, words="a finite number")
-    group_size: int = groups(32)
+    calib_variance: Optional[float] = one_of(None, words="None (not implemented)")
+    group_size: int = groups(32, lo=2, hi=256)
 
     @classmethod
     def check_relations(cls, get):
@@ -334,24 +359,29 @@ class AMCOptions(MethodOptions, method="amc", flat_prefix="amc"):
 
 
 class A2ATSOptions(MethodOptions, method="a2ats", flat_prefix="a2ats"):
-    codebook_bits: int = bitwidth(8, hi=16)
+    codebook_bits: int = bitwidth(8)
     sub_dim: int = dims(8, bound="head_dim")
     window: int = tokens(128)
     b: int = tokens(2048)
     use_query_aware: bool = True
-    beta: float = nonneg(0.5)
-    retrieval_fraction: float = unit(0.2)
+    beta: float = unit(0.5)
+    retrieval_fraction: float = unit(0.2, lo_open=True)
     rope_base: float = rope(10000.0)
     rope_scaling: Any = None
     query_h: Any = None
     codebook: Any = None
 
+    @classmethod
+    def check_relations(cls, get):
+        if get("rope_scaling") is not None and not isinstance(get("rope_scaling"), (dict, int, float)):
+            raise QuantizerConfigError("a2ats_rope_scaling", get("rope_scaling"), "None, a number or a dict")
+
 
 class AnchorKVOptions(MethodOptions, method="anchorkv", flat_prefix="anchorkv"):
-    theta: float = nonneg(0.05)
-    window: int = tokens(32)
+    theta: float = unit(0.05, hi_open=True)
+    window: int = tokens(32, hi=255)  # anchor positions are stored as uint8
     rho: float = unit(0.7)
-    anchor_frac: float = unit(0.0078125)
+    anchor_frac: float = unit(0.0078125, lo_open=True)
     residual_bits: int = bitwidth(2)
     seed: int = rng_seed(42)
 
@@ -377,6 +407,10 @@ class AgeTieredOptions(MethodOptions, method="age_tiered", flat_prefix="age"):
         if get("mid_boundary") < get("recent_boundary"):
             raise QuantizerConfigError("age_mid_boundary", get("mid_boundary"),
                                        f"an int >= age_recent_boundary={get('recent_boundary')}")
+        old, mid, recent = get("bits_old"), get("bits_mid"), get("bits_recent")
+        if not old <= mid <= recent:
+            raise QuantizerConfigError("age_bits_mid", mid, f"age_bits_old={old} <= age_bits_mid <= "
+                                                            f"age_bits_recent={recent}")
 
 
 class KIVIOptions(MethodOptions, method="kivi", flat_prefix="kivi"):
@@ -385,9 +419,16 @@ class KIVIOptions(MethodOptions, method="kivi", flat_prefix="kivi"):
 
 class SVDqOptions(MethodOptions, method="svdq", flat_prefix="svdq"):
     rank: Optional[int] = dims(None)
-    energy_threshold: float = unit(0.95)
-    bit_schedule: tuple[int, ...] = setting((8, 4, 2, 1, 1, 0, 0, 0), 0, 16)
+    energy_threshold: float = unit(0.95, lo_open=True)
+    bit_schedule: tuple[int, ...] = setting((8, 4, 2, 1, 1, 0, 0, 0), 0, 8)
     group_size: int = groups(32)
+
+    @classmethod
+    def check_relations(cls, get):
+        s = get("bit_schedule")
+        if list(s) != sorted(s, reverse=True) or s[0] == 0:
+            raise QuantizerConfigError("svdq_bit_schedule", s,
+                                       "a non-empty, non-increasing sequence of ints in 0..8 starting above 0")
 
 
 class KittyOptions(MethodOptions, method="kitty", flat_prefix="kitty"):
@@ -396,38 +437,60 @@ class KittyOptions(MethodOptions, method="kitty", flat_prefix="kitty"):
     lo_bit: int = bitwidth(2)
     group_size: int = groups(32)
 
+    @classmethod
+    def check_relations(cls, get):
+        if get("hi_bit") < get("lo_bit"):
+            raise QuantizerConfigError("kitty_hi_bit", get("hi_bit"), f"an int >= kitty_lo_bit={get('lo_bit')}")
+
 
 class AdaKVOptions(MethodOptions, method="adakv", flat_prefix="adakv"):
     target_avg_bits: float = nonneg(2.5)
-    lo_bit: int = bitwidth(2)
-    mid_bit: int = bitwidth(3)
-    hi_bit: int = bitwidth(4)
-    group_size: int = groups(32)
+    lo_bit: int = bitwidth(2, hi=6)  # lo_bit < mid_bit < hi_bit
+    mid_bit: int = bitwidth(3, lo=2, hi=7)
+    hi_bit: int = bitwidth(4, lo=3)
+    group_size: int = groups(32, lo=2, hi=256)
     update_interval: int = tokens(1)
     importance: str = one_of("norm_variance", "attention", "norm")
     obs_window: int = tokens(32)
 
+    @classmethod
+    def check_relations(cls, get):
+        lo, mid, hi, t = get("lo_bit"), get("mid_bit"), get("hi_bit"), get("target_avg_bits")
+        if not lo < mid < hi:
+            raise QuantizerConfigError("adakv_mid_bit", mid,
+                                       f"strictly between adakv_lo_bit={lo} and adakv_hi_bit={hi}")
+        if not lo <= t <= hi:
+            raise QuantizerConfigError("adakv_target_avg_bits", t, f"a number in [{lo}, {hi}]")
+
 
 class XQuantOptions(MethodOptions, method="xquant", flat_prefix="xquant"):
     group_size: int = layers(2, bound="layers")
-    base_bits: int = bitwidth(2)
-    residual_bits: int = bitwidth(4)
+    base_bits: int = one_of(2, 3, 4, 8)  # the codes are KIVI's
+    residual_bits: int = setting(4, choices=(2, 3, 4, 8))
     group_quant_size: int = groups(32)
     max_ctx: int = tokens(8192)
 
 
 class KVQuantOptions(MethodOptions, method="kvquant", flat_prefix="kvquant"):
     bits: int = bitwidth(3)
-    outlier_fraction: float = unit(0.01)
-    group_size: int = groups(32)
-    lloyd_iters: int = setting(8, 1, MAX_ITERS)
+    outlier_fraction: float = unit(0.01, hi=0.5, hi_open=True)
+    group_size: int = groups(32, lo=2)
+    lloyd_iters: int = setting(8, 1, 100)
     refit_interval: int = tokens(0, lo=0)
-    n_sink: int = tokens(1, lo=0)
+    n_sink: int = tokens(1, lo=0, hi=MAX_GROUP)  # at most group_size
+
+    @classmethod
+    def check_relations(cls, get):
+        G = get("group_size")
+        if G % 2:
+            raise QuantizerConfigError("kvquant_group_size", G, "an even int >= 2")
+        if get("n_sink") > G:
+            raise QuantizerConfigError("kvquant_n_sink", get("n_sink"), f"an int in 0..kvquant_group_size ({G})")
 
 
 class PaluOptions(MethodOptions, method="palu", flat_prefix="palu"):
     rank: Optional[int] = dims(None)
-    energy_threshold: float = unit(0.9)
+    energy_threshold: float = unit(0.9, lo_open=True)
     n_head_groups: int = layers(4)
     hi_bit: int = bitwidth(4)
     lo_bit: int = bitwidth(2)
@@ -435,10 +498,15 @@ class PaluOptions(MethodOptions, method="palu", flat_prefix="palu"):
     group_size: int = groups(32)
     quantize_values: bool = True
 
+    @classmethod
+    def check_relations(cls, get):
+        if get("lo_bit") > get("hi_bit"):
+            raise QuantizerConfigError("palu_lo_bit", get("lo_bit"), f"<= palu_hi_bit ({get('hi_bit')})")
+
 
 class CacheGenOptions(MethodOptions, method="cachegen", flat_prefix="cachegen"):
     bits: int = bitwidth(4)
-    group_size: int = groups(32)
+    group_size: int = groups(32, lo=2)
     use_delta: bool = True
     per_channel: bool = True
     layer_groups: int = layers(3, bound="layers")
@@ -446,7 +514,7 @@ class CacheGenOptions(MethodOptions, method="cachegen", flat_prefix="cachegen"):
 
 class MiniCacheOptions(MethodOptions, method="minicache", flat_prefix="minicache"):
     start_frac: float = unit(0.5)
-    group_size: int = layers(2, bound="layers")
+    group_size: int = setting(2, 2, 2, words="2 (pairs of adjacent layers)")
     retention_threshold: float = setting(0.9, -1.0, 1.0, words="a cosine in [-1, 1]")
     slerp_t: float = unit(0.5)
     max_ctx: int = tokens(8192)
@@ -454,11 +522,16 @@ class MiniCacheOptions(MethodOptions, method="minicache", flat_prefix="minicache
 
 class GEAROptions(MethodOptions, method="gear", flat_prefix="gear"):
     bits: int = bitwidth(2)
-    rank: Optional[int] = dims(None)
-    energy_threshold: float = unit(0.9)
-    sparse_fraction: float = unit(0.01)
-    group_size: int = groups(32)
+    rank: Optional[int] = dims(None, hi=MAX_GROUP)  # at most group_size
+    energy_threshold: float = unit(0.9, lo_open=True)
+    sparse_fraction: float = unit(0.01, hi=0.5, hi_open=True)
+    group_size: int = groups(32, lo=2)
     quantize_values: bool = True
+
+    @classmethod
+    def check_relations(cls, get):
+        if get("rank") is not None and get("rank") > get("group_size"):
+            raise QuantizerConfigError("gear_rank", get("rank"), "None or an int in 0..gear_group_size")
 
 
 class ZipCacheOptions(MethodOptions, method="zipcache", flat_prefix="zipcache"):
@@ -467,6 +540,12 @@ class ZipCacheOptions(MethodOptions, method="zipcache", flat_prefix="zipcache"):
     hi_fraction: float = unit(0.2)
     group_size: int = groups(32)
     quantize_values: bool = True
+
+    @classmethod
+    def check_relations(cls, get):
+        if get("hi_bits") < get("lo_bits"):
+            raise QuantizerConfigError("zipcache_hi_bits", get("hi_bits"),
+                                       f"an int >= zipcache_lo_bits={get('lo_bits')}")
 
 
 class SpectralOptions(MethodOptions, method="spectral", flat_prefix="spectral"):

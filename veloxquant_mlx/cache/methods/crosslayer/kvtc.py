@@ -21,7 +21,6 @@ import numpy as np
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...lowrank import LowRankKVCache
 from ...primitives import lowrank_fit as lr
 from ..deferred_start import DeferredStart
@@ -36,13 +35,8 @@ class KVTCKVCache(DeferredStart, LowRankKVCache):
     latent_values = True
 
     def _init_layout(self):
-        o, ch = self.config.options, self.config.options.bit_choices
-        if any(not 0 <= b <= 8 for b in ch) or 0 not in ch or len(set(ch)) != len(ch) or len(ch) < 2:
-            raise QuantizerConfigError("kvtc_bit_choices", ch, "distinct ints in 0..8 including 0 and one > 0")
-        if not o.beta > 0:
-            raise QuantizerConfigError("kvtc_beta", o.beta,
-                                       "a positive finite float (lambda = 10**-beta; large beta = pure budget DP)")
-        self.group, self.choices, self._call = self.config.kivi_group_size, tuple(sorted(int(b) for b in ch)), None
+        ch = self.config.options.bit_choices
+        self.group, self.choices = self.config.kivi_group_size, tuple(sorted(int(b) for b in ch))
         self.qbits = max(self.choices)
 
     def _n_groups(self, n_heads: int) -> int:

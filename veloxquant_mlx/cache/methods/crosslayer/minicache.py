@@ -95,10 +95,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
             coordinator.primaries[self.mc_group] = self
 
     def _init_layout(self):
-        g = self.config.options.group_size
-        if g != 2:
-            raise QuantizerConfigError("minicache_group_size", g, "2 (pairs of adjacent layers)")
-        self.group, self.qbits, self._call = BLOCK, 16, None
+        self.group, self.qbits = BLOCK, 16  # options: group_size is 2 (pairs of adjacent layers)
 
     dequant_only = "merged cross-layer codes"
     _key_words = staticmethod(lambda: 0)  # KIVI's attend reads it; no codes here

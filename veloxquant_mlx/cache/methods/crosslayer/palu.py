@@ -28,7 +28,6 @@ import numpy as np
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...lowrank import BASIS_DTYPE, LowRankKVCache
 from ...primitives import lowrank_fit as lr
 from ...primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
@@ -92,12 +91,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     _attn = None  # the bound attention module until its weights are factored (``_Shared``: never deep-copied)
 
     def _init_layout(self):
-        o = self.config.options
-        if not o.energy_threshold > 0.0:
-            raise QuantizerConfigError("palu_energy_threshold", o.energy_threshold, "a float in (0, 1]")
-        if o.lo_bit > o.hi_bit:
-            raise QuantizerConfigError("palu_lo_bit", o.lo_bit, f"<= palu_hi_bit ({o.hi_bit})")
-        self.group, self.qbits, self._call = o.group_size, o.hi_bit, None
+        self.group, self.qbits = self.config.options.group_size, self.config.options.hi_bit
 
     def _n_groups(self, n_heads: int) -> int:
         want = min(self.config.options.n_head_groups, n_heads)

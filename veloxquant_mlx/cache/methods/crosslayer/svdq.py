@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...lowrank import LowRankKVCache
-from ...options import _is_int
 from ...primitives import lowrank_fit as lr
 
 
@@ -38,15 +36,8 @@ class SVDqKVCache(LowRankKVCache):
     def _init_layout(self):
         super()._init_layout()  # KIVI: bit_width_inlier (values) and the residual
         o = self.config.options
-        if not o.energy_threshold > 0.0:  # the options admit [0, 1]; rank and group size they check
-            raise QuantizerConfigError("svdq_energy_threshold", o.energy_threshold, "a float in (0, 1]")
-        sched = o.bit_schedule
-        if (not isinstance(sched, (tuple, list)) or not sched or any(not _is_int(b) or not 0 <= b <= 8 for b in sched)
-                or list(sched) != sorted(sched, reverse=True) or sched[0] == 0):
-            raise QuantizerConfigError("svdq_bit_schedule", sched,
-                                       "a non-empty, non-increasing sequence of ints in 0..8 starting above 0")
         self.group = int(o.group_size)
-        self.schedule = tuple(int(b) for b in sched)
+        self.schedule = tuple(int(b) for b in o.bit_schedule)
 
     def _choose_bits(self, which, z, energy):
         F, o, S = energy.shape[-1], self.config.options, len(self.schedule)

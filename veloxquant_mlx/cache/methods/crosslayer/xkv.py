@@ -29,7 +29,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from ...primitives import lowrank_fit as lr
 from ...primitives.buffers import grow_columns
@@ -64,9 +63,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        if not o.energy_threshold > 0.0:
-            raise QuantizerConfigError("xkv_energy_threshold", o.energy_threshold, "a number in (0, 1]")
-        self.group, self.qbits, self._call = o.group_quant_size, o.latent_bits, None  # G: the window length
+        self.group, self.qbits = o.group_quant_size, o.latent_bits  # G: the window length
 
     dequant_only = "cross-layer latent codes"
 

@@ -23,11 +23,10 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_columns, grow_rows
 from ..layer_links import relink, relinking_state
-from ..quantization.kivi import KIVI_BITS, RES_DTYPE, KIVIKVCache
+from ..quantization.kivi import RES_DTYPE, KIVIKVCache
 
 
 def _fit_scale_zero(c: mx.array, x: mx.array):
@@ -53,11 +52,8 @@ class XQuantKVCache(KIVIKVCache):
     base = None  # the group's base cache (shared role)
 
     def _init_layout(self):
-        o = self.config.options  # the codes are KIVI's
-        for f in ("base_bits", "residual_bits"):
-            if getattr(o, f) not in KIVI_BITS:
-                raise QuantizerConfigError(f"xquant_{f}", getattr(o, f), "one of 2, 3, 4, 8")
-        self.group, self.qbits, self._call = o.group_quant_size, o.base_bits, None  # qbits: every role's width
+        o = self.config.options
+        self.group, self.qbits = o.group_quant_size, o.base_bits  # qbits: every role's width
 
     dequant_only = "its codes are not MLX's affine layout"
 

@@ -17,7 +17,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...eviction import check_budget, default_slack
 from .h2o import H2OKVCache
 
@@ -46,13 +45,6 @@ class KeyformerKVCache(H2OKVCache):
         self.anneal_steps, self.seed, self.rope_base = o.anneal_steps, o.seed, o.rope_base
         check_budget("keyformer_budget", self.budget, self.n_sink + self.recent,
                      "keyformer_n_sink + keyformer_recent")
-        for field, v in (("keyformer_tau", o.tau), ("keyformer_tau_init", o.tau_init),
-                         ("keyformer_tau_end", o.tau_end)):
-            if v is not None and not v > 0:
-                raise QuantizerConfigError(field, v, "a number > 0 (tau -> 0 is a limit, not a value)")
-        if o.tau is None and o.anneal_steps == 0 and o.tau_end != o.tau_init:
-            raise QuantizerConfigError("keyformer_anneal_steps", 0,
-                                       "an int > 0 when keyformer_tau_end differs from keyformer_tau_init")
         self.evict_slack = default_slack(self.budget)
 
     def tau(self, step: int | None = None) -> float:

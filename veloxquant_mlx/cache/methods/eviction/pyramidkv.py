@@ -15,7 +15,6 @@ import math
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...eviction import OBS_WINDOW, VotingEviction, check_min
 from .snapkv import POOL_KERNEL, avg_pool_last
 
@@ -42,9 +41,6 @@ class PyramidKVCache(VotingEviction):
         self.n_sink = o.n_sink
         protected = self.n_sink + self.obs_window
         check_min("pyramid_budget", o.budget, protected + 1, f"pyramid_n_sink + {self.obs_window} + 1")
-        if o.beta < 1:
-            raise QuantizerConfigError("pyramid_beta", o.beta,
-                                       "a number >= 1 (budgets decrease with depth; 1 is uniform)")
         if resolved is not None:
             check_min("pyramid_resolved_budget", resolved, protected, f"pyramid_n_sink + {self.obs_window}")
         self.budget = o.budget if resolved is None else resolved

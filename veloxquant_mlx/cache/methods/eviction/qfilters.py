@@ -21,7 +21,6 @@ import mlx.core as mx
 from ... import dispatch
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget, default_slack
 from ...observers import notify
 
@@ -52,8 +51,6 @@ class QFiltersKVCache(EvictionKVCache):
         self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
         self.calib_tokens, self.sign = o.calib_tokens, o.sign
         self.min_retention, self.on_low_retention = o.min_retention, o.on_low_retention
-        if self.sign not in (1, -1):
-            raise QuantizerConfigError("qfilters_sign", self.sign, "1 or -1")
         check_budget("qfilters_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
         self.slack = self.evict_slack = default_slack(self.budget)
 

@@ -62,15 +62,7 @@ class A2ATSKVCache(CompressedKVCache):
         return out + [self.last_selected] if self.last_selected is not None else out
 
     def _init_layout(self):
-        o = self.config.options  # options validated types and plain ranges; these are the method's own limits
-        if o.codebook_bits > 8:
-            raise QuantizerConfigError("a2ats_codebook_bits", o.codebook_bits, "an int in 1..8")
-        if o.beta > 1.0:
-            raise QuantizerConfigError("a2ats_beta", o.beta, "a float in [0, 1]")
-        if o.retrieval_fraction <= 0.0:
-            raise QuantizerConfigError("a2ats_retrieval_fraction", o.retrieval_fraction, "a float in (0, 1]")
-        if o.rope_scaling is not None and not isinstance(o.rope_scaling, (dict, int, float)):
-            raise QuantizerConfigError("a2ats_rope_scaling", o.rope_scaling, "None, a number or a dict")
+        o = self.config.options
         self.sub, self.cbits = o.sub_dim, o.codebook_bits  # sub_dim must divide the head dim: checked at the fit
         self.window, self.cap, self.frac = o.window, o.b, float(o.retrieval_fraction)
         self.query_aware, self.beta = o.use_query_aware, float(o.beta)
@@ -80,7 +72,7 @@ class A2ATSKVCache(CompressedKVCache):
             raise QuantizerConfigError("a2ats_codebook", tuple(self._given_cb.shape),
                                        f"[K, {self.sub}] with K <= 2**{self.cbits}")
         self._given_h = None if o.query_h is None else _as_array(o.query_h, "a2ats_query_h", (2, 3))
-        self._call = self.last_selected = None
+        self.last_selected = None
 
     def _store(self, keys, values):
         t0 = self.n_rows

@@ -21,7 +21,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from .kivi import KIVIKVCache
 
@@ -42,10 +41,7 @@ class AgeTieredKVCache(KIVIKVCache):
     dequant_only = "three code widths"
 
     def _init_layout(self):
-        o = self.config.options  # options checked the ranges and recent_boundary <= mid_boundary
-        if not o.bits_old <= o.bits_mid <= o.bits_recent:
-            raise QuantizerConfigError("age_bits_mid", o.bits_mid, f"age_bits_old={o.bits_old} <= age_bits_mid <= "
-                                                                   f"age_bits_recent={o.bits_recent}")
+        o = self.config.options
         self.tier_bits = (o.bits_old, o.bits_mid, o.bits_recent)
         self.recent_boundary, self.mid_boundary, self.group = o.recent_boundary, o.mid_boundary, o.group_size
         self.qbits = self.tier_bits[2]

@@ -28,7 +28,6 @@ import numpy as np
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_rows
@@ -111,13 +110,7 @@ class AnchorKVCache(KIVIKVCache):
     dequant_only = "anchors + residual codes"
 
     def _init_layout(self):
-        o = self.config.options  # options validated types and plain ranges; these are the method's own limits
-        if o.window > 255:  # anchor positions are stored as uint8
-            raise QuantizerConfigError("anchorkv_window", o.window, "an int in 1..255 (tokens per group)")
-        if o.anchor_frac <= 0:
-            raise QuantizerConfigError("anchorkv_anchor_frac", o.anchor_frac, "a number in (0, 1]")
-        if o.theta >= 1:
-            raise QuantizerConfigError("anchorkv_theta", o.theta, "a number in [0, 1)")
+        o = self.config.options
         self.group, self.qbits = o.window, o.residual_bits
         self.n_anchors = min(self.group, max(1, round(float(o.anchor_frac) * self.group)))
         self.rho, self.theta, self.seed = float(o.rho), float(o.theta), o.seed

@@ -33,7 +33,6 @@ import numpy as np
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import bitpack, entropy
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_rows
@@ -68,11 +67,9 @@ class CacheGenKVCache(KIVIKVCache):
 
     def _init_layout(self):
         c, o = self.config, self.config.options
-        if o.group_size < 2:
-            raise QuantizerConfigError("cachegen_group_size", o.group_size, "an int in 2..1024")
         self.qbits = int(self.__dict__.get("_layer_bits") or c.cachegen_resolved_bits or o.bits)
         self.group, self.use_delta = o.group_size, o.use_delta
-        self._call, self._blocks = None, []
+        self._blocks = []
 
     @classmethod
     def build_layers(cls, layer_configs):
@@ -263,6 +260,5 @@ class CacheGenKVCache(KIVIKVCache):
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Fixed-width bytes per token per head: codes + float16 scale/bias per group, + the 8-bit anchors / G."""
-        G, b = self.group, self.qbits
-        per = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
-        return per + (sum((x + 4 * x / self._acg(x)) / G for x in (d, dv)) if self.use_delta else 0)
+        anchors = sum((x + 4 * x / self._acg(x)) / self.group for x in (d, dv)) if self.use_delta else 0
+        return self.kivi_bytes_per_token(d, dv) + anchors

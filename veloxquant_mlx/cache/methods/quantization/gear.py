@@ -19,7 +19,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from ...primitives import lowrank_fit as lr
 from ...primitives import nonuniform as nu
@@ -66,14 +65,6 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        if o.group_size < 2:
-            raise QuantizerConfigError("gear_group_size", o.group_size, "an int >= 2")
-        if o.rank is not None and o.rank > o.group_size:
-            raise QuantizerConfigError("gear_rank", o.rank, "None or an int in 0..gear_group_size")
-        if not o.energy_threshold > 0.0:
-            raise QuantizerConfigError("gear_energy_threshold", o.energy_threshold, "a float in (0, 1]")
-        if not o.sparse_fraction < 0.5:
-            raise QuantizerConfigError("gear_sparse_fraction", o.sparse_fraction, "a float in [0, 0.5)")
         self.qbits, self.group, self.frac = o.bits, o.group_size, float(o.sparse_fraction)
         self.rank = -1 if o.rank is None else o.rank
 
@@ -186,12 +177,9 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (both sides, rank and sparse overhead included)."""
-        G, b, r = self.group, self.qbits, max(self.rank, 0)
-        kb = b * d / 8 + 4 * d / G + 4 * self._n_out(d) / G + 2 * r + 2 * r * d / G
-        vb = b * dv / 8 + 4 * dv / self.value_group(dv)
-        if self.config.options.quantize_values:
-            vb += 4 * self._n_out(dv) / G + 2 * r + 2 * r * dv / G
-        return kb + vb
+        G, r = self.group, max(self.rank, 0)
+        sides = (d, dv) if self.config.options.quantize_values else (d,)  # sparse outliers + rank-r factors
+        return self.kivi_bytes_per_token(d, dv) + sum(4 * self._n_out(x) / G + 2 * r + 2 * r * x / G for x in sides)
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)

@@ -19,7 +19,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from .kivi import KIVIKVCache
 
@@ -36,8 +35,6 @@ class KittyKVCache(KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        if o.hi_bit < o.lo_bit:
-            raise QuantizerConfigError("kitty_hi_bit", o.hi_bit, f"an int >= kitty_lo_bit={o.lo_bit}")
         self.hi_bit, self.lo_bit, self.hi_fraction, self.group = o.hi_bit, o.lo_bit, float(o.hi_fraction), o.group_size
         self.qbits = self.lo_bit  # values (KIVI's per-token path) use the low width
 

@@ -32,7 +32,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives import nonuniform as nu
@@ -60,16 +59,7 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        G = o.group_size
-        if G < 2 or G % 2:
-            raise QuantizerConfigError("kvquant_group_size", G, "an even int >= 2")
-        if not o.outlier_fraction < 0.5:
-            raise QuantizerConfigError("kvquant_outlier_fraction", o.outlier_fraction, "a float in [0, 0.5)")
-        if o.lloyd_iters > 100:
-            raise QuantizerConfigError("kvquant_lloyd_iters", o.lloyd_iters, "an int in 0..100")
-        if o.n_sink > G:
-            raise QuantizerConfigError("kvquant_n_sink", o.n_sink, f"an int in 0..kvquant_group_size ({G})")
-        self.qbits, self.group, self.frac, self.n_sink = o.bits, G, float(o.outlier_fraction), o.n_sink
+        self.qbits, self.group, self.frac, self.n_sink = o.bits, o.group_size, float(o.outlier_fraction), o.n_sink
         self.fit_starts, self.fit_ends = [], []
         self.rope, self._omega = None, None
 
@@ -184,6 +174,4 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
-        G, b = self.group, self.qbits
-        codes = (b * d / 8 + 4 * d / G) + (b * dv / 8 + 4 * dv / self.value_group(dv))
-        return codes + 4 * (self._n_out(d) + self._n_out(dv)) / G
+        return self.kivi_bytes_per_token(d, dv) + 4 * (self._n_out(d) + self._n_out(dv)) / self.group

@@ -107,18 +107,9 @@ class NSNQuantKVCache(KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        C, d = o.codebook_size, o.subvector_dim
-        if not 2 <= C <= 256 or C & (C - 1):
-            raise QuantizerConfigError("nsn_codebook_size", C, "a power of two in 2..256")
-        if d & (d - 1):
-            raise QuantizerConfigError("nsn_subvector_dim", d, "a power of two >= 1 (dividing the head dim)")
-        lc = int(math.log2(C))
-        if (o.bits * d) % lc:
-            raise QuantizerConfigError("nsn_bits", o.bits, "an int in 1..8 with nsn_bits * nsn_subvector_dim a "
-                                       f"multiple of log2(codebook)={lc}")
         self.group, self.qbits, self.seed = o.residual_length, o.bits, o.seed
-        self.C, self.lc, self.sub = C, lc, d
-        self.stages = self.qbits * self.sub // lc
+        self.C, self.lc, self.sub = o.codebook_size, int(math.log2(o.codebook_size)), o.subvector_dim
+        self.stages = self.qbits * self.sub // self.lc
 
     def _tools(self, D: int):
         if D & (D - 1) or D % self.sub:
@@ -154,11 +145,7 @@ class NSNQuantKVCache(KIVIKVCache):
         return self._decode("v", n, dtype)
 
     def _trim_rows(self, n: int) -> int:
-        extra = n - self.n_res
-        if extra > 0 and extra % self.group == 0 and 0 < self.n_quant - extra < self.calib_end:
-            raise ValueError(
-                f"NSNQuantKVCache: trimming {n} tokens would remove part of the first {self.calib_end} coded "
-                "tokens the channel mean was taken from; the result would differ from never having seen them")
+        self._refuse_calibration_trim(n, self.calib_end)  # the channel mean's tokens
         dropped = super()._trim_rows(n)
         if self.n_quant == 0:
             self.k_mu = self.v_mu = None

@@ -23,7 +23,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from ...primitives.buffers import MIN_GROW, grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
@@ -86,8 +85,6 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        if not 0.0 < o.clip_alpha <= 1.0:
-            raise QuantizerConfigError("skvq_clip_alpha", o.clip_alpha, "a number in (0, 1] for method='skvq'")
         self.kbits, self.vbits, self.group = o.bits_key, o.bits_value, o.group_size
         self.window, self.n_sink_cap = o.window, o.n_sink
         self.alpha, self.reorder, self.clip_search = float(o.clip_alpha), o.reorder, o.clip_search

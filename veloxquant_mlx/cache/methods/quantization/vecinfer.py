@@ -207,11 +207,7 @@ class VecInferKVCache(KIVIKVCache):
         return self.lut_scores(q, n) if R * (D // self.ks) * n <= LUT_MAX else q @ self._keys_t(n)
 
     def _trim_rows(self, n):
-        extra = n - self.n_res
-        if extra > 0 and extra % BLOCK == 0 and 0 < self.n_quant - extra < self.calib_tokens:
-            raise ValueError(
-                f"VecInferKVCache: trimming {n} tokens would remove part of the calibration block "
-                f"(the first {self.calib_tokens} encoded tokens) whose statistics made the remaining codes")
+        self._refuse_calibration_trim(n, self.calib_tokens)
         dropped = super()._trim_rows(n)
         if self.n_quant == 0:  # nothing encoded is left: calibrate again, as a fresh cache would
             self.key_cb = self.val_cb = self.smooth = None

@@ -24,7 +24,6 @@ import mlx.core as mx
 from ...attention import bool_mask
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
@@ -49,8 +48,6 @@ class ZipCacheKVCache(KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        if o.hi_bits < o.lo_bits:
-            raise QuantizerConfigError("zipcache_hi_bits", o.hi_bits, f"an int >= zipcache_lo_bits={o.lo_bits}")
         self.hi_bits, self.lo_bits, self.hi_fraction = o.hi_bits, o.lo_bits, float(o.hi_fraction)
         self.group, self.quantize_values = o.group_size, o.quantize_values
         self.qbits = self.lo_bits
