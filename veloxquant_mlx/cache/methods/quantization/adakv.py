@@ -27,7 +27,6 @@ from ... import dispatch
 from ...attention import group_queries
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...errors import QuantizerConfigError
 from ...primitives import nonuniform as sal
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.buffers import grow_rows
@@ -53,18 +52,11 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
     def _init_layout(self):
         o = self.config.options
         lo, mid, hi, t = o.lo_bit, o.mid_bit, o.hi_bit, o.target_avg_bits
-        if not lo < mid < hi:
-            raise QuantizerConfigError("adakv_mid_bit", mid,
-                                       f"strictly between adakv_lo_bit={lo} and adakv_hi_bit={hi}")
-        if not lo <= t <= hi:
-            raise QuantizerConfigError("adakv_target_avg_bits", t, f"a number in [{lo}, {hi}]")
-        if not 2 <= o.group_size <= 256:
-            raise QuantizerConfigError("adakv_group_size", o.group_size, "an int in 2..256")
         self.group = o.group_size
         self.tier_bits = {"hi": hi, "mid": mid, "lo": lo}
         self.counts = dict(zip(("hi", "mid", "lo"), sal.tier_counts(float(t), lo, mid, hi, o.group_size)))
         self.qbits = hi
-        self._call = self._pending = None
+        self._pending = None
 
     @property
     def uses_attention(self) -> bool:

@@ -118,7 +118,7 @@ class WaterfillKVCache(ResidualWindowCache):
         self.residual_length = int(c.options.residual_length)
         self.n_calib = DEFAULT_CALIB_TOKENS if c.n_calib_tokens is None else c.n_calib_tokens  # (config-checked)
         self.seed = int(c.seed)
-        self._call = self._layout = self._omega_cache = None
+        self._layout = self._omega_cache = None
 
     def bind_attention(self, attn) -> None:
         """Read the layer's RoPE (``KVCacheBuilder.for_model`` calls this) so keys are quantized before it."""
