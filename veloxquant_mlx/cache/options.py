@@ -25,7 +25,6 @@ MAX_DIM = 4096  # channel counts: head dims, ranks, sub-vector and sketch widths
 MAX_GROUP = 1024  # quantization groups (channels or tokens per scale)
 MAX_LAYERS = 1024  # layer groups and layer counts
 MAX_SEED = 2**31 - 1
-MAX_ITERS = 10_000
 MAX_FLOAT = 1e6  # rope bases, temperatures, strengths: far above any real value, below float16's overflow
 
 
@@ -101,7 +100,7 @@ def setting(default, lo=None, hi=None, *, alias: Optional[str] = None, option_on
 
 
 def one_of(*choices, **kw) -> Any:
-    """A value among ``choices`` (strings, or ints); the first is the default."""
+    """A value among ``choices`` (all of one type: strings, ints or bools); the first is the default."""
     return setting(choices[0], choices=choices, **kw)
 
 
