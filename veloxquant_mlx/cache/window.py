@@ -276,7 +276,6 @@ class ResidualWindowCache(CompressedKVCache):
 
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
-        self._call = None
         if n > self.stored_rows():
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
         w = min(n, self.n_win)
@@ -346,4 +345,3 @@ class ResidualWindowCache(CompressedKVCache):
     @state.setter
     def state(self, v):
         CompressedKVCache.state.fset(self, v)
-        self._call = None
