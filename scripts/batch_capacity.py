@@ -8,7 +8,7 @@ at two probe batches the script measures the bytes held per sequence and the dec
 ``peak(B) = a + b * B`` (weights, held bytes, per-step transients), takes the largest B with ``a + b * B`` within
 the budget, runs it and checks the measured peak (one step smaller per overshoot, up to three times).
 
-    python scripts/decode_batch.py --shape llama-8b --context 32768 --budget-gb 120 \
+    python scripts/batch_capacity.py --shape llama-8b --context 32768 --budget-gb 120 \
         --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16
 """
 
