@@ -27,7 +27,8 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
     ("waterfill_d128_r4", waterfill._KERNELS[False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
      PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 4), ("DV", 128))),
     ("waterfill_batch_d128_r4", waterfill._KERNELS[True], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32, I32]
-     + EXACT, PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("HK", 8), ("NW", 4), ("REP", 4), ("DV", 128))),
+     + EXACT, PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("HK", 8), ("NW", 4), ("REP", 4),
+                         ("DV", 128))),
     ("waterfill_d64_r3", waterfill._KERNELS[False], [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
      PARTIALS, (("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 3), ("DV", 64))),
     ("kivi_d128_r4", kivi._KERNELS[False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,

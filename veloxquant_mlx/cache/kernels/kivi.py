@@ -207,9 +207,9 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     # one tile per warp while the grid stays under ~BLOCKS blocks; past that, warps take several tiles
     S = max(1, min(MAX_SPLITS, -(-tiles // WARPS), -(-BLOCKS // (B * H))))
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNELS[counts is not None], [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
+    return launch(_KERNELS[counts is not None],
+                  [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
                   [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
                    *scalars],
                   (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
                    ("TW", TILE_WORDS)) + consts, B, H, Hq // H, S, dv)
-

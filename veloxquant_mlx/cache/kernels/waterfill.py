@@ -200,7 +200,8 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     S = split_count(n)
     rw, rp, rs = rope
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNELS[counts is not None], [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
+    return launch(_KERNELS[counts is not None],
+                  [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                    v_scales.shape[2], *scalars],
                   (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)) + consts, B, H, Hq // H,

@@ -81,7 +81,7 @@ _COUNTS_MEMO: list = [None, None]
 
 
 def step_counts(rows: list) -> mx.array:
-    """A decode kernel's per-sequence counts (int32 [B, 5], ``kernels._common.COUNTS``) from host-side tuples;
+    """A decode kernel's per-sequence counts (int32 [B, 5], ``kernels._common.kernel_pair``) from host tuples;
     the layers of one step share one array (the latest is kept: one small copy to the device per step)."""
     if _COUNTS_MEMO[0] != rows:
         _COUNTS_MEMO[:] = rows, mx.array(rows, dtype=mx.int32)

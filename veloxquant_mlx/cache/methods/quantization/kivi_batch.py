@@ -217,7 +217,8 @@ class KIVIBatchKVCache(RaggedBatchCache):
         if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
             return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
                                                         mask="causal" if N > 1 else None, sinks=sinks)
-        if N == 1 and qw and self._mask_is_own(mask, (tuple(nq), tuple(nr))) and self._kernel_ready(queries, new_k, new_v):
+        own = self._mask_is_own(mask, (tuple(nq), tuple(nr)))
+        if N == 1 and qw and own and self._kernel_ready(queries, new_k, new_v):
             return kernels.checked_call(
                 "kivi_batch", self, lambda: self._kernel_attend(queries, call, scale=scale, sinks=sinks),
                 lambda: self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks))
