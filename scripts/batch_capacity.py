@@ -23,14 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_model_cpu import filled  # noqa: E402
+from decode_model_cpu import cache_makers, filled  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from veloxquant_mlx import bench  # noqa: E402
-from veloxquant_mlx.cache import KVCacheBuilder  # noqa: E402
-from veloxquant_mlx.cache.settings import build_config, parse_sets  # noqa: E402
 
 
 def _settle():
@@ -108,11 +105,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     model = bench.random_model(a.shape)
     mx.eval(model.parameters())
-    makers = {} if a.no_plain else {"none": lambda m: make_prompt_cache(m)}
-    for spec in a.method or []:
-        name, _, sets = spec.partition(":")
-        cfg = build_config(name, parse_sets([s for s in sets.split(",") if s], name))
-        makers[spec] = lambda m, cfg=cfg: KVCacheBuilder.for_model(m, cfg)
+    makers = cache_makers(a.method or [], plain=not a.no_plain)
     probes = tuple(int(x) for x in a.probes.split(","))
     res = {"shape": a.shape, "context": a.context, "budget_bytes": a.budget_gb * 1e9, "steps": a.steps,
            "device": str(mx.default_device()), "weights_bytes": int(mx.get_active_memory()), "candidates": {}}

@@ -49,6 +49,16 @@ def decode_rate(model, caches, steps: int) -> float:
     return steps / sum(times)
 
 
+def cache_makers(specs, plain: bool = True) -> dict:
+    """{label: model -> caches}: mlx_lm's plain cache (``plain``) and each ``method[:field=value,...]`` spec."""
+    makers = {"none": lambda m: make_prompt_cache(m)} if plain else {}
+    for spec in specs:
+        name, _, sets = spec.partition(":")
+        cfg = build_config(name, parse_sets([s for s in sets.split(",") if s], name))
+        makers[spec] = lambda m, cfg=cfg: KVCacheBuilder.for_model(m, cfg)
+    return makers
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2")
@@ -58,11 +68,7 @@ def main(argv=None):
     ap.add_argument("--method", action="append", default=None, help="method[:field=value,...] (repeatable)")
     a = ap.parse_args(argv)
     model = bench.random_model(a.shape)
-    makers = {"none": lambda m: make_prompt_cache(m)}
-    for spec in a.method or ["kivi:bit_width_inlier=4"]:
-        name, _, sets = spec.partition(":")
-        cfg = build_config(name, parse_sets([s for s in sets.split(",") if s], name))
-        makers[spec] = lambda m, cfg=cfg: KVCacheBuilder.for_model(m, cfg)
+    makers = cache_makers(a.method or ["kivi:bit_width_inlier=4"])
     rates = {k: [] for k in makers}
     for r in range(a.rounds):
         for name, make in makers.items():

@@ -23,7 +23,8 @@ from ._common import BLOCK_MERGE, EXACT_ROWS, exact_args, kernel_pair, launch, s
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
-__all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "decode_attend"]
+__all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "held_constants",
+           "decode_attend"]
 
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
@@ -221,6 +222,13 @@ def cache_constants(c):
         mx.eval(*kc[1:4], *kc[4], kc[5])
         c._kconst = kc
     return kc[1:]
+
+
+def held_constants(c) -> list:
+    """The kernel tables ``cache_constants`` keeps on cache ``c`` (for its ``held_arrays``): none until built, and
+    none once its calibration has moved on (they are rebuilt at the next decode step)."""
+    kc = getattr(c, "_kconst", None)
+    return [*kc[1:4], *kc[4], kc[5]] if kc is not None and kc[0] is c.k_lo else []
 
 
 def decode_attend(c, queries, scale: float, sinks=None):

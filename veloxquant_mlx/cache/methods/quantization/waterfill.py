@@ -327,9 +327,7 @@ class WaterfillKVCache(ResidualWindowCache):
             out += self._layout.arrays() + self._ptab_arrays()
         if self._omega_cache is not None:  # the RoPE angles per position, once used
             out.append(self._omega_cache)
-        kc = getattr(self, "_kconst", None)
-        if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
-            out += [*kc[1:4], *kc[4], kc[5]]
+        out += wf_kernel.held_constants(self)  # the decode kernel's tables, once built
         if self.counts_constants and getattr(self, "_shape", None) and not power_of_two(self._shape[2]):
             out.append(value_rotation(self._shape[2], self.seed))
         return out

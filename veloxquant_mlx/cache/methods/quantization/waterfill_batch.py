@@ -254,9 +254,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
 
     def held_arrays(self):
         out = super().held_arrays()
-        kc = getattr(self, "_kconst", None)
-        if kc is not None and kc[0] is self.k_lo:  # the decode kernel's tables, once built
-            out += [*kc[1:4], *kc[4], kc[5]]
+        out += wf_kernel.held_constants(self)  # the decode kernel's tables, once built
         if self._layout is not None:
             out += self._layout.arrays()
         return out + ([self._omega_cache] if getattr(self, "_omega_cache", None) is not None else [])
