@@ -20,6 +20,7 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
+from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
 from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
@@ -450,6 +451,37 @@ def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_
 
 
 @GPU
+@pytest.mark.parametrize("H,D,bits,prompt,rope,dtype", [
+    (2, 64, 4, 45, None, mx.float16),
+    (8, 128, 4, 3000, "rope", mx.bfloat16),
+    (3, 64, 3, 1037, "traditional", mx.float32),
+    (4, 128, 2, 777, "rope", mx.float16)])
+def test_waterfill_prefill_kernels_equal_the_op_path(H, D, bits, prompt, rope, dtype):
+    """The rows kernels against waterfill's op path on the same cache: the dense rows a GPU prefill chunk
+    attends over (float32 out: to float32 rounding; the model's dtype: to its rounding) and the codes of new
+    rows (the same but for float32 rounding ties: at most 1 in 1000 codes differ, each by one level)."""
+    r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
+    c = _waterfill(D, r, bits=bits)
+    rng = np.random.default_rng(prompt)
+    _feed_waterfill(c, H, 2, D, prompt, rng, dtype)
+    n = c.n_quant
+    assert n > 0 and wf_rows.supported(c)
+    want = c._decoded(n)
+    for out_dtype, tol in ((mx.float32, 1e-4), (dtype, 1e-2 if dtype == mx.bfloat16 else 2e-3)):
+        got = wf_rows.decode_rows(c, n, out_dtype)
+        for g, w in zip(got, want):
+            assert g.dtype == out_dtype and g.shape == w.shape
+            assert _rel(g.astype(mx.float32), w) < tol
+    k, v = _rows(rng, H, 50, D, dtype), _rows(rng, H, 50, D, dtype)
+    got, want = wf_rows.encode_rows(c, k, v, c.n_sink + n), c._encoded(k, v, c.n_sink + n)
+    lay = c._layout_of()
+    for g, w in ((lay.unpack(got[0]), lay.unpack(want[0])), (unpack_bits(got[1], bits, D), unpack_bits(want[1], bits, D))):
+        g, w = np.array(g).astype(np.int64), np.array(w).astype(np.int64)
+        assert np.mean(g != w) <= 1e-3 and np.abs(g - w).max() <= 1
+    assert got[2].dtype == mx.float16 and _rel(got[2].astype(mx.float32), want[2].astype(mx.float32)) < 1e-3
+
+
+@GPU
 @pytest.mark.parametrize("H,R,D,bits,group,prompt,dtype", [
     (2, 1, 64, 4, 32, 45, mx.float16), (8, 4, 128, 4, 32, 4100, mx.bfloat16),
     (3, 3, 64, 2, 64, 700, mx.float16), (4, 2, 128, 8, 128, 999, mx.float16),
@@ -629,7 +661,17 @@ def reference_kernels(monkeypatch):
         B, H, R, dv = out.shape
         return out.reshape(B, H * R, 1, dv).astype(out_dtype)
 
+    def wf_decode(c, n, dtype):  # waterfill's prefill kernels: the op path, counted
+        caches["waterfill_rows_launches"] = caches.get("waterfill_rows_launches", 0) + 1
+        return tuple(x.astype(dtype) for x in c._decoded(n))
+
+    def wf_encode(c, keys, values, pos0):
+        caches["waterfill_encode_launches"] = caches.get("waterfill_encode_launches", 0) + 1
+        return c._encoded(keys, values, pos0)
+
     monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
+    monkeypatch.setattr(wf_rows, "decode_rows", wf_decode)
+    monkeypatch.setattr(wf_rows, "encode_rows", wf_encode)
     monkeypatch.setattr(kivi_kernel, "kivi_partials", kv)
     monkeypatch.setattr(kpkg, "merge_kernel", merge)
     monkeypatch.setattr(_common, "_checked", set())
@@ -783,6 +825,36 @@ def test_memoized_dense_rows_stay_the_stored_rows_across_appends_and_trims(refer
         assert bool(mx.array_equal(K[:, :, :n], Kf[:, :, :n].astype(K.dtype))), i
         assert bool(mx.array_equal(V[:, :, :n], Vf[:, :, :n].astype(V.dtype))), i
     assert reused > 20
+
+
+def test_waterfill_prefill_plumbing_of_the_rows_kernels_equals_the_op_path(reference_kernels, monkeypatch):
+    """With the kernels on, quantized rows are encoded and the past decoded through the rows kernels' entry
+    points (stand-ins computing the op path from what they are handed: positions, rows, dtype); the rows
+    ``update_and_fetch`` returns, the stored codes and each chunk's attention equal those of a cache with the
+    kernels off (the final decode step's attention, through the decode kernel's stand-in, to rounding)."""
+    from veloxquant_mlx.cache import kernels as kpkg
+
+    H, D, R = 2, 64, 2
+    dispatch.install()
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
+        c = reference_kernels["waterfill"] = _waterfill(D, nn.RoPE(D, base=10000.0))
+        rng = np.random.default_rng(9)
+        got = []
+        for n in (40, 97, 64, 1):
+            K, V = c.update_and_fetch(_rows(rng, H, n, D, mx.float16), _rows(rng, H, n, D, mx.float16))
+            out = dispatch.dispatched_sdpa(_rows(rng, H * R, n, D, mx.float16), K, V, cache=c, scale=D**-0.5,
+                                           mask="causal" if n > 1 else None)
+            got += [K, V, out]
+        runs.append(got + [c.k_words[:, :, : c.n_quant], c.v_words[:, :, : c.n_quant], c.v_scales[:, :, : c.n_quant]])
+    assert reference_kernels["waterfill_encode_launches"] >= 2 and reference_kernels["waterfill_rows_launches"] >= 2
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert a.dtype == b.dtype, i
+        if i == 11:  # the decode step: the decode kernel's stand-in against the op path, to rounding
+            assert _rel(a.astype(mx.float32), b.astype(mx.float32)) < 2e-3
+        else:
+            assert bool(mx.array_equal(a, b)), i
 
 
 @pytest.mark.parametrize("method", ["waterfill", "kivi"])

@@ -150,8 +150,8 @@ class ResidualWindowCache(CompressedKVCache):
     beyond ``residual_length`` leave it (sinks first). ``update_and_fetch`` returns the stored rows (stored form)
     then the call's; ``attend`` computes the same attention on the quantized form, in tiles for a prefill chunk
     (``_attend_chunk``: transients a fraction of the dense scores). Subclasses implement
-    ``_append_quantized(keys, values)`` (store rows after the ``n_quant`` ones), ``_quantized_dense(n)`` (float32
-    (K, V) of the first n) and ``_quantized_tiles(q, ranges)`` (``(scores_fn, values_fn)`` per row range, the
+    ``_append_quantized(keys, values)`` (store rows after the ``n_quant`` ones), ``_quantized_dense(n, dtype)``
+    (float32 (K, V) of the first n; a kernel may give them in ``dtype``) and ``_quantized_tiles(q, ranges)`` (``(scores_fn, values_fn)`` per row range, the
     ``online_softmax_attention`` blocks); ``_quantized_part`` (decode-sized calls) defaults to one tile."""
 
     window_fields = ("win_k", "win_v")
@@ -226,7 +226,7 @@ class ResidualWindowCache(CompressedKVCache):
         return buf
 
     def _rows(self, s0, q0, past_k, past_v, new_k=None, new_v=None, dtype=mx.float32):
-        return concat_rows((self._sinks(s0), self._quantized_dense(q0) if q0 else None, (past_k, past_v),
+        return concat_rows((self._sinks(s0), self._quantized_dense(q0, dtype) if q0 else None, (past_k, past_v),
                             (new_k, new_v)), dtype)
 
     def _dense(self):

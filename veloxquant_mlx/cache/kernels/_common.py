@@ -47,11 +47,12 @@ def disable(name: str, err: Exception) -> None:
                       "using the op path", RuntimeWarning, stacklevel=3)
 
 
-def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable):
+def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable, error: Optional[Callable] = None):
     """``kernel_fn()``, the first time in a process evaluated next to ``op_fn()`` (the op path) and
-    compared (relative L2 error < ``SELF_CHECK_TOL``): on a build/launch error or a mismatch the
-    kernel is turned off with one warning line and the op path's result is used from then on. Both
-    functions consume ``cache._call`` (the cache's record of the step), which is restored between."""
+    compared (``error(got, want)``, default the relative L2 error, < ``SELF_CHECK_TOL``): on a build/launch
+    error or a mismatch the kernel is turned off with one warning line and the op path's result is used from
+    then on. Both functions consume ``cache._call`` (the cache's record of the step), which is restored between;
+    their results are arrays or tuples of arrays."""
     if name in _disabled:
         return op_fn()
     if name in _checked:
@@ -66,13 +67,20 @@ def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable):
         disable(name, err)
         cache._call = call
         return op_fn()
-    g, w = got.astype(mx.float32), want.astype(mx.float32)
-    rel = float(mx.linalg.norm((g - w).reshape(-1)) / mx.maximum(mx.linalg.norm(w.reshape(-1)), 1e-30))
+    rel = (error or relative_error)(got, want)
     if not rel < SELF_CHECK_TOL:
         disable(name, ValueError(f"relative error {rel:.2e} against the op path"))
         return want
     _checked.add(name)
     return got
+
+
+def relative_error(got, want) -> float:
+    """Relative L2 error of ``got`` against ``want`` (the largest over the arrays of a tuple)."""
+    if isinstance(got, (tuple, list)):
+        return max(relative_error(g, w) for g, w in zip(got, want))
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    return float(mx.linalg.norm((g - w).reshape(-1)) / mx.maximum(mx.linalg.norm(w.reshape(-1)), 1e-30))
 
 
 def split_count(n_tokens: int) -> int:

@@ -33,6 +33,7 @@ PRELUDE = r"""
 #define VQ_SHARED __shared__
 #define VQ_SYNC() __syncthreads()
 #define VQ_SYNCWARP() __syncwarp()
+#define VQ_ATOMIC_OR(p, x) atomicOr((p), (x))
 #define VQ_EXP(x) __expf(x)
 #define VQ_F(x) vq_f(x)
 typedef unsigned int vq_u32;

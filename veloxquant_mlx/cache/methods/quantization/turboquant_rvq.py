@@ -182,7 +182,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         p2 = getattr(self, prefix + "codes2", None)
         return getattr(self, prefix + "codes1")[:, :, a:n], (p2[:, :, a:n] if p2 is not None else None)
 
-    def _quantized_dense(self, n):
+    def _quantized_dense(self, n, dtype=None):
         kq, vq = self._qs()
         out = []
         for prefix, qz in (("k_", kq), ("v_", vq)):

@@ -68,7 +68,7 @@ from ...primitives.value_rotation import (nibble_centroids, odd_poly, poly_coeff
 from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
 from ...attention import group_queries
 from ... import kernels
-from ...kernels import waterfill as wf_kernel
+from ...kernels import waterfill as wf_kernel, waterfill_rows as wf_rows
 from ...window import SINK_ROWS, ResidualWindowCache
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
@@ -184,12 +184,17 @@ class WaterfillKVCache(ResidualWindowCache):
     def _append_quantized(self, keys, values):
         self._rows_memo().clear()
         t0, lay = self.n_quant, self._layout_of()
-        # positions n_sink + t0 ..: sinks first, no rows ever evicted
-        kw = lay.pack(self._key_codes(keys, self.n_sink + t0, lay.mask[None, :, None, :]))
-        vw, vs = self._encode_values(values)
+        pos = self.n_sink + t0  # positions n_sink + t0 ..: sinks first, no rows ever evicted
+        op = lambda: self._encoded(keys, values, pos)  # noqa: E731
+        kw, vw, vs = wf_rows.checked_encode(self, keys, values, pos, op) if self._rows_kernel() else op()
         for name, rows in (("k_words", kw), ("v_words", vw), ("v_scales", vs)):
             buf = reserve_rows(getattr(self, name), t0, rows, BLOCK)
             setattr(self, name, grow_rows(buf, t0, rows))
+
+    def _encoded(self, keys, values, pos: int):
+        """(key words, value words, value scales) of rows at positions ``pos ..`` (the op path)."""
+        lay = self._layout_of()
+        return (lay.pack(self._key_codes(keys, pos, lay.mask[None, :, None, :])), *self._encode_values(values))
 
     def _key_codes(self, keys, pos, mask) -> mx.array:
         """``round((k - lo) / step)`` of the pre-RoPE keys at positions ``pos ..``, clipped to the widths' ``mask``."""
@@ -261,14 +266,24 @@ class WaterfillKVCache(ResidualWindowCache):
         codes = unpack_bits(self.v_words[:, :, a:b], self.bit_width, self._shape[2])
         return odd_poly(codes, (1 << self.bit_width) - 1, *poly_coefficients(self.bit_width))
 
-    def _quantized_dense(self, n):
+    def _quantized_dense(self, n, dtype=mx.float32):
         memo = self._rows_memo()
         out = memo.get(n, self.k_words)
         if out is None:
-            v = self._value_codes(0, n) * self.v_scales[:, :, :n, None].astype(mx.float32)
-            out = memo.put(n, self.k_words, (self._keys(0, n), rotate_values(v, self.seed, inverse=True)),
+            op = lambda: self._decoded(n)  # noqa: E731
+            rows = wf_rows.checked_decode(self, n, dtype, op) if self._rows_kernel() else op()
+            out = memo.put(n, self.k_words, rows,
                            keep=kernels.keeps_rows(self, self._call.new_k.shape[2] if self._call else 0))
         return out
+
+    def _decoded(self, n: int):
+        """Float32 (keys with RoPE, values) of the first ``n`` quantized rows (the op path)."""
+        v = self._value_codes(0, n) * self.v_scales[:, :, :n, None].astype(mx.float32)
+        return self._keys(0, n), rotate_values(v, self.seed, inverse=True)
+
+    def _rows_kernel(self) -> bool:
+        """Whether rows are encoded and decoded by ``kernels.waterfill_rows`` (CUDA, supported shapes)."""
+        return kernels.kernels_enabled() and wf_rows.supported(self)
 
     def _rows_memo(self) -> "kernels._common.RowsMemo":
         """The dense quantized rows' lazy graph, kept between compactions (``kernels._common.RowsMemo``)."""
