@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from veloxquant_mlx.cache.kernels import _common, _compile, kivi, waterfill, waterfill_rows  # noqa: E402
+from veloxquant_mlx.cache.kernels import _common, _compile, kivi, kivi_rows, waterfill, waterfill_rows  # noqa: E402
 
 F32, F16, BF16, U32, I32 = mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int32
 EXACT = [F16, F16, BF16, BF16, F32, F32]
@@ -49,6 +49,10 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
      [U32, U32, F16], (("D", 64), ("DV", 64), ("WK", 6), ("WV", 6), ("VB", 3), ("LEVELS", 3), ("NW", 4))),
     ("waterfill_rows_d128_b4", waterfill_rows._DECODE_K, [U32, U32, F32, F32, F32, I32, F32, U32, F16, F32],
      [BF16, BF16], (("D", 128), ("DV", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("NW", 4))),
+    ("kivi_rows_d128_b4", kivi_rows._KERNEL, [U32, F16, F16, U32, F16, F16], [BF16, BF16],
+     (("D", 128), ("DV", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TT", 64))),
+    ("kivi_rows_d64_b2", kivi_rows._KERNEL, [U32, F16, F16, U32, F16, F16], [F32, F32],
+     (("D", 64), ("DV", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("TT", 64))),
     ("merge_rot_bf16", _common._MERGE, [F32, F32, F32, BF16], [BF16], (("DV", 128), ("HAS_SINK", 1), ("ROT", 1))),
     ("merge_f16", _common._MERGE, [F32, F32, F32, F32], [F16], (("DV", 64), ("HAS_SINK", 0), ("ROT", 0))),
 ]

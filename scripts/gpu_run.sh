@@ -34,7 +34,8 @@ for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ra
 import json,sys; rows=json.load(open(sys.argv[1]))
 for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ratios'].get('none') or {}).items()}, r['decode_tps'], r['prefill_s'])" $OUT/h200_bench_128k_waterfill.json ;;
   pcost) (for m in "kivi" "waterfill --set residual_length=16"; do timeout 150 python3 scripts/prefill_chunk_cost.py --method $m --context 8192,30720 --profile; done) > $OUT/pcost.txt 2>&1; grep -v "^ *[0-9].*{built-in\|^$" $OUT/pcost.txt | head -150 ;;
-  rtest) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "prefill_kernels or waterfill_kernel_equals or waterfill_batch_kernel or rows_kernels" > $OUT/rtest.txt 2>&1; tail -15 $OUT/rtest.txt ;;
+  rtest) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "prefill_kernels or waterfill_kernel_equals or rows_kernel or kivi_kernel_equals" > $OUT/rtest.txt 2>&1; tail -15 $OUT/rtest.txt ;;
   pcostw) timeout 150 python3 scripts/prefill_chunk_cost.py --method waterfill --set residual_length=16 --context 8192,30720 > $OUT/pcostw.txt 2>&1; cat $OUT/pcostw.txt ;;
+  pcostk) timeout 150 python3 scripts/prefill_chunk_cost.py --method kivi --context 8192,30720 > $OUT/pcostk.txt 2>&1; cat $OUT/pcostk.txt ;;
   esac
 done

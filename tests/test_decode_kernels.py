@@ -19,6 +19,7 @@ import pytest
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
+from veloxquant_mlx.cache.kernels import kivi_rows
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
 from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
@@ -669,6 +670,11 @@ def reference_kernels(monkeypatch):
         caches["waterfill_encode_launches"] = caches.get("waterfill_encode_launches", 0) + 1
         return c._encoded(keys, values, pos0)
 
+    def kv_decode(c, n, dtype):
+        caches["kivi_rows_launches"] = caches.get("kivi_rows_launches", 0) + 1
+        return c._keys_t(n).swapaxes(-1, -2).astype(dtype), c._values(n).astype(dtype)
+
+    monkeypatch.setattr(kivi_rows, "decode_rows", kv_decode)
     monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
     monkeypatch.setattr(wf_rows, "decode_rows", wf_decode)
     monkeypatch.setattr(wf_rows, "encode_rows", wf_encode)
@@ -855,6 +861,48 @@ def test_waterfill_prefill_plumbing_of_the_rows_kernels_equals_the_op_path(refer
             assert _rel(a.astype(mx.float32), b.astype(mx.float32)) < 2e-3
         else:
             assert bool(mx.array_equal(a, b)), i
+
+
+def test_kivi_prefill_plumbing_of_the_rows_kernel_equals_the_op_path(reference_kernels, monkeypatch):
+    """With the kernels on, a chunk's dense past comes from the rows kernel's entry point (a stand-in computing
+    the op path from the cache it is handed, in the dtype it is asked for): the rows ``update_and_fetch``
+    returns equal those of a cache with the kernels off, and a decode step's rows are never asked of it in
+    float32."""
+    from veloxquant_mlx.cache import kernels as kpkg
+
+    H, D = 2, 64
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
+        c = reference_kernels["kivi"] = _kivi(D, 4, 32)
+        rng = np.random.default_rng(4)
+        got = []
+        for n in (40, 97, 64, 1):
+            got += c.update_and_fetch(_rows(rng, H, n, D, mx.bfloat16), _rows(rng, H, n, D, mx.bfloat16))
+        runs.append(got)
+    assert reference_kernels["kivi_rows_launches"] >= 3
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert a.dtype == b.dtype == mx.bfloat16 and bool(mx.array_equal(a, b)), i
+
+
+@GPU
+@pytest.mark.parametrize("H,D,bits,group,prompt,dtype", [
+    (2, 64, 4, 32, 45, mx.float16), (8, 128, 4, 32, 3000, mx.bfloat16), (3, 64, 2, 64, 1037, mx.float32),
+    (4, 128, 8, 128, 777, mx.float16)])
+def test_kivi_rows_kernel_equals_the_op_path(H, D, bits, group, prompt, dtype):
+    """The dense rows a GPU prefill chunk attends over, from the kernel and from the op path (float32 out: to
+    float32 rounding; the model's dtype: to its rounding)."""
+    c = _kivi(D, bits, group)
+    rng = np.random.default_rng(prompt)
+    c.update_and_fetch(_rows(rng, H, prompt, D, dtype), _rows(rng, H, prompt, D, dtype))
+    n = c.n_quant
+    assert n > 0 and kivi_rows.supported(bits, group, c.value_group(D), D, D)
+    want = (c._keys_t(n).swapaxes(-1, -2), c._values(n))
+    for out_dtype, tol in ((mx.float32, 1e-6), (dtype, 1e-2 if dtype == mx.bfloat16 else 2e-3)):
+        got = kivi_rows.decode_rows(c, n, out_dtype)
+        for g, w in zip(got, want):
+            assert g.dtype == out_dtype and g.shape == w.shape
+            assert _rel(g.astype(mx.float32), w) < tol
 
 
 @pytest.mark.parametrize("method", ["waterfill", "kivi"])

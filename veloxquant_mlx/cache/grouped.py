@@ -22,7 +22,7 @@ import mlx.core as mx
 from . import kernels
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
-from .kernels import kivi as kivi_kernel
+from .kernels import kivi as kivi_kernel, kivi_rows
 from .primitives import groupquant as gq
 from .primitives.buffers import fp16_row_bytes, grow_columns, grow_rows
 from .window import WindowCall, attend_joint, attend_tiled, concat_rows
@@ -156,20 +156,25 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _rows(self, n_quant: int, res_k, res_v, new_k=None, new_v=None, dtype=None):
         """Dense (K, V) of: ``n_quant`` quantized tokens, residual rows, new rows (in order)."""
-        quant = self._quantized_rows(n_quant) if n_quant else (None, None)
+        quant = self._quantized_rows(n_quant, dtype) if n_quant else (None, None)
         return concat_rows((quant, (res_k, res_v), (new_k, new_v)), dtype)
 
-    def _quantized_rows(self, n: int):
-        """Dense (K, V) of the first ``n`` quantized tokens; their lazy graph is reused between group completions
-        on decode steps that go to a kernel (``kernels.keeps_rows``, ``kernels._common.RowsMemo``)."""
+    def _quantized_rows(self, n: int, dtype=None):
+        """Dense (K, V) of the first ``n`` quantized tokens (float32; in ``dtype`` from the CUDA rows kernel);
+        their lazy graph is reused between group completions on decode steps that go to a kernel
+        (``kernels.keeps_rows``, ``kernels._common.RowsMemo``)."""
+        op = lambda: (self._keys_t(n).swapaxes(-1, -2), self._values(n))  # noqa: E731
         if not self._own_layout():  # a variant storing other arrays: no memo
-            return self._keys_t(n).swapaxes(-1, -2), self._values(n)
+            return op()
         memo = self.__dict__.get("_dense_memo")
         if memo is None:
             memo = self._dense_memo = kernels._common.RowsMemo()
         out = memo.get(n, self.k_codes)
         if out is None:
-            out = memo.put(n, self.k_codes, (self._keys_t(n).swapaxes(-1, -2), self._values(n)),
+            dv = self.res_v.shape[-1]
+            kernel = (dtype is not None and kernels.kernels_enabled() and self.attend_path == "auto"
+                      and kivi_rows.supported(self.qbits, self.group, self.value_group(dv), self.res_k.shape[-1], dv))
+            out = memo.put(n, self.k_codes, kivi_rows.checked_decode(self, n, dtype, op) if kernel else op(),
                            keep=kernels.keeps_rows(self, self._call[4].shape[2] if self._call else 0))
         return out
 
