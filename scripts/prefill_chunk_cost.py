@@ -7,6 +7,7 @@ fused attention at the same length.
 Parts (each evaluated alone on a copy of the filled cache; min over ``--repeats``):
 * ``store``: ``_store`` (the chunk enters the window / residual, whole blocks or groups quantized);
 * ``fetch``: ``update_and_fetch`` (store + the stored rows decoded to the dense form the fused attention reads);
+* ``rows``: the quantized past alone decoded to dense rows (``_quantized_dense`` / ``_quantized_rows``);
 * ``chunk``: ``update_and_fetch`` + attention, the whole layer-chunk;
 * ``plain``: the same for mlx_lm's ``KVCache``.
 ``--profile`` prints the Python functions of one whole chunk call by cumulative time (host syncs show as
@@ -34,6 +35,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
+from veloxquant_mlx.cache.kernels import kernels_enabled  # noqa: E402
+from veloxquant_mlx.cache.kernels.waterfill import cache_constants  # noqa: E402
+from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache  # noqa: E402
 from veloxquant_mlx.cache.settings import parse_sets  # noqa: E402
 
 
@@ -100,6 +104,8 @@ def main(argv=None):
 
         def fresh(c=cache):
             c2 = copy.deepcopy(c)
+            if kernels_enabled() and isinstance(c2, WaterfillKVCache) and c2.calibrated:
+                cache_constants(c2)  # a copy rebuilds the kernel tables once (a host sync): not a chunk's cost
             mx.eval(c2.state)
             return c2
 
@@ -118,10 +124,16 @@ def main(argv=None):
             K, V = c.update_and_fetch(nk, nv)
             return [mx.fast.scaled_dot_product_attention(nq, K, V, scale=scale, mask="causal"), c.state]
 
+        def rows(c):  # the stored past as dense rows alone (the rows kernel on CUDA)
+            dense = getattr(c, "_quantized_dense", None) or c._quantized_rows
+            return list(dense(c.n_quant, dt))
+
         parts = {"plain": _Step(plain_chunk, lambda: fresh(plain)), "chunk": _Step(chunk, fresh),
                  "fetch": _Step(fetch, fresh)}
         if hasattr(cache, "_store"):
             parts["store"] = _Step(store, fresh)
+        if hasattr(cache, "_quantized_dense") or hasattr(cache, "_quantized_rows"):
+            parts["rows"] = _Step(rows, fresh)
         times = {name: _timed(f, a.repeats) for name, f in parts.items()}
         times["plain"] = min(times["plain"], _timed(parts["plain"], a.repeats))
         base = times["plain"]
