@@ -476,7 +476,8 @@ def test_waterfill_prefill_kernels_equal_the_op_path(H, D, bits, prompt, rope, d
     k, v = _rows(rng, H, 50, D, dtype), _rows(rng, H, 50, D, dtype)
     got, want = wf_rows.encode_rows(c, k, v, c.n_sink + n), c._encoded(k, v, c.n_sink + n)
     lay = c._layout_of()
-    for g, w in ((lay.unpack(got[0]), lay.unpack(want[0])), (unpack_bits(got[1], bits, D), unpack_bits(want[1], bits, D))):
+    pairs = ((lay.unpack(got[0]), lay.unpack(want[0])), (unpack_bits(got[1], bits, D), unpack_bits(want[1], bits, D)))
+    for g, w in pairs:
         g, w = np.array(g).astype(np.int64), np.array(w).astype(np.int64)
         assert np.mean(g != w) <= 1e-3 and np.abs(g - w).max() <= 1
     assert got[2].dtype == mx.float16 and _rel(got[2].astype(mx.float32), want[2].astype(mx.float32)) < 1e-3

@@ -26,6 +26,22 @@ PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level
 __all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "held_constants",
            "decode_attend"]
 
+# A value row's channels lane + 32 j (j < VJ) decoded from the row's words (``vword``: word ``lane`` of the row,
+# spread over the warp) into VQ_OUT[j]: the odd-polynomial centroid of the VB-bit code times the row scale ``vscale``.
+VALUE_DECODE = r"""
+#pragma unroll
+  for (int j = 0; j < VJ; ++j) {
+    const int bit = (lane + 32 * j) * VB;
+    const vq_u32 a = VQ_SHFL(vword, bit >> 5);
+    const vq_u32 b = VQ_SHFL(vword, min((bit >> 5) + 1, WV - 1));
+    const vq_u32 sft = (vq_u32)(bit & 31);
+    const vq_u32 code = ((a >> sft) | ((b << (31u - sft)) << 1)) & VMASK;
+    const float u = (float)code - half_top;
+    const float u2 = u * u;
+    VQ_OUT[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
+  }
+"""
+
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
 VQ_COUNTS
@@ -118,17 +134,7 @@ VQ_COUNTS
         for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
       }
       float v[VJ];
-#pragma unroll
-      for (int j = 0; j < VJ; ++j) {
-        const int bit = (lane + 32 * j) * VB;
-        const vq_u32 a = VQ_SHFL(vword, bit >> 5);
-        const vq_u32 b = VQ_SHFL(vword, min((bit >> 5) + 1, WV - 1));
-        const vq_u32 sft = (vq_u32)(bit & 31);
-        const vq_u32 code = ((a >> sft) | ((b << (31u - sft)) << 1)) & VMASK;
-        const float u = (float)code - half_top;
-        const float u2 = u * u;
-        v[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
-      }
+""" + VALUE_DECODE.replace("VQ_OUT", "v") + r"""
 #pragma unroll
       for (int r = 0; r < REP; ++r) {
         const float mn = fmaxf(m[r], part[r]);

@@ -24,7 +24,7 @@ from ..primitives.codebook import code_boundaries, odd_poly_gaussian
 from ..primitives.bitpack import unpack_bits
 from ._common import checked_call, relative_error
 from ._compile import Kernel
-from .waterfill import cache_constants
+from .waterfill import VALUE_DECODE, cache_constants
 
 __all__ = ["encode_rows", "decode_rows", "supported"]
 
@@ -159,18 +159,7 @@ _DECODE = _HEAD + r"""
   const float pa = vpoly[0], pb = vpoly[1], pc = vpoly[2], half_top = vpoly[3];
   constexpr vq_u32 VMASK = (1u << VB) - 1u;
   float x[VJ];
-#pragma unroll
-  for (int j = 0; j < VJ; ++j) {
-    const int bit = (lane + 32 * j) * VB;
-    const vq_u32 a = VQ_SHFL(vword, bit >> 5);
-    const vq_u32 b = VQ_SHFL(vword, min((bit >> 5) + 1, WV - 1));
-    const vq_u32 sft = (vq_u32)(bit & 31);
-    const vq_u32 code = ((a >> sft) | ((b << (31u - sft)) << 1)) & VMASK;
-    const float u = (float)code - half_top;
-    const float u2 = u * u;
-    x[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
-  }
-""" + _FWHT + r"""
+""" + VALUE_DECODE.replace("VQ_OUT", "x") + _FWHT + r"""
 #pragma unroll
   for (int j = 0; j < VJ; ++j) vq_store(ov + r * DV + lane + 32 * j, x[j]);
 """
