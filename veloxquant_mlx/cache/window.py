@@ -151,8 +151,9 @@ class ResidualWindowCache(CompressedKVCache):
     then the call's; ``attend`` computes the same attention on the quantized form, in tiles for a prefill chunk
     (``_attend_chunk``: transients a fraction of the dense scores). Subclasses implement
     ``_append_quantized(keys, values)`` (store rows after the ``n_quant`` ones), ``_quantized_dense(n, dtype)``
-    (float32 (K, V) of the first n; a kernel may give them in ``dtype``) and ``_quantized_tiles(q, ranges)`` (``(scores_fn, values_fn)`` per row range, the
-    ``online_softmax_attention`` blocks); ``_quantized_part`` (decode-sized calls) defaults to one tile."""
+    (float32 (K, V) of the first n; a kernel may give them in ``dtype``) and ``_quantized_tiles(q, ranges)``
+    (``(scores_fn, values_fn)`` per row range, the ``online_softmax_attention`` blocks); ``_quantized_part``
+    (decode-sized calls) defaults to one tile."""
 
     window_fields = ("win_k", "win_v")
     sink_fields = ("sink_k", "sink_v")

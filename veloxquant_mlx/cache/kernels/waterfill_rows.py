@@ -18,10 +18,12 @@ path (``tests/test_decode_kernels.py``) and checked once per process at first us
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..primitives.codebook import code_boundaries, odd_poly_gaussian
-from ..primitives.bitpack import unpack_bits
+from ..primitives.bitpack import packed_words, unpack_bits
 from ._common import checked_call, relative_error
 from ._compile import Kernel
 from .waterfill import VALUE_DECODE, cache_constants
@@ -66,7 +68,7 @@ _FWHT = r"""
   for (int j = 0; j < VJ; ++j) x[j] *= vnorm;
 """
 
-# cos/sin of channel c at position pos (0 angle where RoPE does not rotate), its partner and sign.
+# cos/sin of channel c's angle at row t's position (angle 0 where RoPE does not rotate).
 _ROPE = r"""
     const float ang = (float)(pos0 + t) * rw[c];
     float sn, cs;
@@ -178,7 +180,7 @@ def supported(c) -> bool:
         return False
     _, d, dv = shape
     lay = c._layout_of()
-    vwords = -(-dv * c.bit_width // 32)
+    vwords = packed_words(dv, c.bit_width)
     return d % 32 == 0 and dv % 32 == 0 and dv & (dv - 1) == 0 and 0 < lay.words <= 32 and vwords <= 32
 
 
@@ -186,6 +188,7 @@ def _grid(n: int, B: int, H: int) -> dict:
     return {"grid": (32 * WARPS * -(-n // WARPS), B * H, 1), "threads": (32 * WARPS, 1, 1)}
 
 
+@functools.lru_cache(maxsize=8)
 def _boundaries(bits: int) -> tuple[mx.array, int]:
     """The codebook's decision boundaries padded with +inf to a power of two, and the search depth."""
     levels = max(1, ((1 << bits) - 1).bit_length())
@@ -201,7 +204,7 @@ def encode_rows(c, keys: mx.array, values: mx.array, pos0: int):
     dv = values.shape[-1]
     ktab, lo, step, (rw, rp, rs), _ = cache_constants(c)
     bnd, levels = _boundaries(c.bit_width)
-    wk, wv = c._layout_of().words, -(-dv * c.bit_width // 32)
+    wk, wv = c._layout_of().words, packed_words(dv, c.bit_width)
     consts = (("D", D), ("DV", dv), ("WK", wk), ("WV", wv), ("VB", c.bit_width), ("LEVELS", levels), ("NW", WARPS))
     return _ENCODE_K([keys, values, ktab, lo, step, rw, rp, rs, bnd], [n, pos0, H], consts,
                      [(B, H, n, wk), (B, H, n, wv), (B, H, n)], [mx.uint32, mx.uint32, mx.float16], **_grid(n, B, H))

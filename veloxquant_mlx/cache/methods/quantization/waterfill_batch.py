@@ -188,9 +188,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         pre = _dequantize(lo, hi, lay.shift[:, None].astype(mx.uint32), lay.mask[:, None].astype(mx.uint32), *flat)
         return self._post_rope(pre.reshape(B, H, n, D), SINK_ROWS + a)
 
-    def _quantized_dense(self, n):
-        v = self._value_codes(0, n) * self.v_scales[:, :, :n, None].astype(mx.float32)
-        return self._keys(0, n), rotate_values(v, self.seed, inverse=True)
+    _quantized_dense = WaterfillKVCache._decoded  # the single cache's op path, on this form's own ``_keys``
 
     def _quantized_tiles(self, q, ranges):
         """Per range of code slots: scores on the keys decoded there and ``sum_t p_t s_t centroid[code_t]``,
