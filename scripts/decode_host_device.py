@@ -1,8 +1,10 @@
 """Where a model's decode step goes: host time building the step's graph (the model call) against the
 time its evaluation then takes, per step, for a compressed cache and for mlx_lm's plain cache; with
-``--profile`` the host side's top Python functions (cProfile) for the compressed cache.
+``--profile`` the host side's top Python functions (cProfile) for the compressed cache. ``--prefill``: the
+same split for each 2048-token prefill chunk (summed over the chunks; the second pass is the warm one).
 
     python scripts/decode_host_device.py --shape llama-8b --context 8192 --method kivi
+    python scripts/decode_host_device.py --context 32768 --method waterfill --set residual_length=16 --prefill
 """
 
 from __future__ import annotations
@@ -36,13 +38,21 @@ def main(argv=None):
     ap.add_argument("--method", default="kivi")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field (int)")
+    ap.add_argument("--prefill", action="store_true", help="split the prefill's chunks instead of decode steps")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
+    fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     model = random_model(a.shape)
     prompt = mx.random.randint(0, 1000, (a.context,))
     for name in ("plain", a.method, "plain", a.method):
         caches = make_prompt_cache(model) if name == "plain" else KVCacheBuilder.for_model(
-            model, KVCacheConfig(method=name, bit_width_inlier=a.bits))
+            model, KVCacheConfig(method=name, bit_width_inlier=a.bits, **fields))
+        if a.prefill:
+            prefill_split(model, prompt, caches, name, a.profile and name != "plain")
+            del caches
+            mx.clear_cache()
+            continue
         prefill(model, prompt[:-1], caches, 2048, None)
         tok = mx.array([[1]])
         build, run = [], []
@@ -67,6 +77,29 @@ def main(argv=None):
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         del caches
         mx.clear_cache()
+
+
+def prefill_split(model, prompt, caches, name, profile, step=2048):
+    """Host build and evaluation time of each prefill chunk (mlx_lm's loop: model call, eval of the states)."""
+    build, run = [], []
+    prof = cProfile.Profile() if profile else None
+    mx.synchronize()
+    for start in range(0, prompt.shape[0], step):
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        model(prompt[None, start:start + step], cache=caches)
+        states = [c.state for c in caches]
+        if prof:
+            prof.disable()
+        t1 = time.perf_counter()
+        mx.eval(states)
+        t2 = time.perf_counter()
+        build.append(t1 - t0), run.append(t2 - t1)
+    print(f"{name:10s} prefill T={prompt.shape[0]}: host build {sum(build) * 1e3:7.1f} ms, eval {sum(run) * 1e3:7.1f} ms "
+          f"({len(build)} chunks; last chunk {build[-1] * 1e3:.1f} + {run[-1] * 1e3:.1f} ms)", flush=True)
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from contract_table import (COMPOSED, CONFIGS, CONTRACT_METHODS, D, LOAD_BUGS, TABLE, base_method, layer_rows,
                             method_class, with_known_bugs)
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
-from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, dispatch
+from veloxquant_mlx.cache import BatchingNotSupported, CacheInputError, KVCacheBuilder, KVCacheConfig, dispatch
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.base import method_info
 
@@ -191,6 +191,19 @@ def test_trim_of_the_newest_rows(method):
         else:
             assert not evicts, f"{method}: evicted rows cannot be trimmed back"
             assert deep == 60 and (c.offset, c.size()) == (before[0] - 60, before[1] - 60)
+
+
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
+def test_a_chunk_holding_nan_makes_the_next_calls_raise(method):
+    """A prefill chunk with NaN keys is found without a host sync inside the graph: its flag is evaluated with
+    the state and read at the cache's next call, which raises naming the chunk's positions, as do the later ones."""
+    c = prefilled(method, decode=())[0]
+    n, (H, Dk, Dv) = c.offset, c._shape
+    c.update_and_fetch(mx.full((1, H, 4, Dk), mx.nan), mx.zeros((1, H, 4, Dv)))
+    mx.eval(c.state)
+    for _ in range(2):
+        with pytest.raises(CacheInputError, match=rf"NaN or Inf .*positions {n}\.\.{n + 3}\)"):
+            c.update_and_fetch(mx.zeros((1, H, 1, Dk)), mx.zeros((1, H, 1, Dv)))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

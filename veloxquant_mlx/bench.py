@@ -11,7 +11,8 @@ including views pinning larger buffers and allocation slack), beside ``kv_nbytes
 ``peak_delta_bytes`` = that peak minus the memory in use before the run. ``kv_fraction_of_fp16`` = the
 median ``kv_nbytes`` / ``kv_bytes_fp16`` (the same tokens in mlx_lm's plain cache at fp16, without slack).
 
-Each statistic is the median with min and max over the repeats, and each median is also given as a
+Each statistic is the median with min and max over the repeats (``samples``: the per-repeat values of
+prefill, decode and peak, in run order), and each median is also given as a
 ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's
 ``QuantizedKVCache`` at 4 and 8 bits (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads)
 measured in the same run, with a bound on its spread (``ratio_spread``: both medians' relative
@@ -80,7 +81,13 @@ _MLX_QUANT_BITS = {"mlx_q4": 4, "mlx_q8": 8}
 STATS = ("prefill_s", "decode_tps", "step_s", "kv_resident_bytes", "kv_nbytes", "peak_bytes", "peak_delta_bytes")
 RATIO_STATS = ("prefill_s", "decode_tps", "kv_resident_bytes", "kv_nbytes", "peak_bytes", "peak_delta_bytes")
 
+#: Per-run values also kept as the list over the repeats (``row["samples"]``, in run order).
+SAMPLED = ("prefill_s", "decode_tps", "peak_delta_bytes")
+
 PREFILL_STEP = 2048
+
+#: ``bench(warmup=...)``: no warm-up, one short run per candidate, or one run per candidate and context.
+WARMUPS = (False, True, "none", "short", "full")
 
 
 # --------------------------------------------------------------------------- #
@@ -342,11 +349,13 @@ def _error(exc: BaseException) -> str:
 
 def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repeats: int = 3,
           decode_tokens: int = 32, baselines: Sequence[str] = BASELINES, seed: int = 0,
-          prefill_step: int = PREFILL_STEP, warmup: bool = True,
+          prefill_step: int = PREFILL_STEP, warmup=True,
           progress: Optional[Callable[[str], None]] = None, model_name: Optional[str] = None,
           batch: int = 1) -> list[dict]:
     """Rows, one per candidate and context (baselines first), with ratios and slopes filled in; ``batch``
-    sequences per run (``batch > 1``: every candidate needs a batch form, else ``ValueError``)."""
+    sequences per run (``batch > 1``: every candidate needs a batch form, else ``ValueError``). ``warmup``
+    (:data:`WARMUPS`): untimed runs first, True/"short" one 256-token run per candidate, "full" one per candidate
+    and context (a GPU builds attention plans per shape: the first run at a new length is slower)."""
     if repeats < 1 or decode_tokens < 1 or not contexts or min(contexts) < 2 or batch < 1:
         raise ValueError("need repeats >= 1, decode_tokens >= 1, contexts >= 2 and batch >= 1")
     cands = candidates(methods, baselines)
@@ -363,14 +372,23 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     errors: dict[str, str] = {}
     say = progress or (lambda msg: None)
     on_chunk = getattr(progress, "chunk", None)
-    if warmup:  # first calls compile kernels and grow the allocator's pool: keep them out of the timings
-        wp = _prompt(vocab, min(min(contexts), 256), seed + 1, batch)
+    if warmup not in WARMUPS:
+        raise ValueError(f"warmup={warmup!r}; allowed: {', '.join(map(repr, WARMUPS))}")
+    # First calls compile kernels, build per-shape attention plans and grow the allocator's pool: keep them out
+    # of the timings ("short": one 256-token run per candidate; "full": one untimed run per candidate and context).
+    warm_lengths = [] if warmup in (False, "none") else (
+        list(contexts) if warmup == "full" else [min(min(contexts), 256)])
+    for n in warm_lengths:
+        wp = _prompt(vocab, n, seed + 1, batch)
         for c in cands:
-            say(f"warm-up: {c.label}")
+            if c.label in errors:
+                continue
+            say(f"warm-up ({n} tokens): {c.label}")
             try:
                 run_once(model, make(c), wp, 2, prefill_step)
             except Exception as exc:
                 errors[c.label] = _error(exc)
+            _settle()
     samples: dict[tuple[str, int], list[dict]] = {(c.label, n): [] for c in cands for n in contexts}
     prompts = {n: _prompt(vocab, n, seed + n, batch) for n in contexts}
     for rep in range(repeats):
@@ -395,6 +413,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                 row.update(available=False, error=errors[c.label])
             else:
                 row.update(repeats=len(runs), **{k: stats([r[k] for r in runs]) for k in STATS})
+                row["samples"] = {k: [r[k] for r in runs] for k in SAMPLED}
                 if runs:
                     fp16 = runs[0]["kv_bytes_fp16"]
                     row.update(kv_bytes_fp16=fp16, kv_fraction_of_fp16=kv_fraction_of_fp16(

@@ -1,0 +1,24 @@
+"""Print a ``veloxquant bench --json`` file's rows: ratios vs the plain cache and each repeat's values in run order.
+
+    python scripts/bench_samples.py bench.json [more.json ...]
+"""
+import json
+import sys
+
+
+def main(paths):
+    for path in paths:
+        print(path)
+        for r in json.load(open(path)):
+            ratios = {k: round(v, 3) for k, v in (r.get("ratios", {}).get("none") or {}).items()}
+            s = r.get("samples") or {}
+            pre = [round(v, 3) for v in s.get("prefill_s", [])]
+            dec = [round(v, 1) for v in s.get("decode_tps", []) if v]
+            peak = [round(v / 2**30, 2) for v in s.get("peak_delta_bytes", [])]
+            print(f"  {r['label']:<45} {r['context']:>6}  prefill_s {pre}  decode_tps {dec}  peak_GB {peak}")
+            if ratios:
+                print(f"  {'':<45} {'':>6}  ratios {ratios}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
