@@ -22,7 +22,7 @@ cfgs = {"kivi": dict(method="kivi", bit_width_inlier=4),
 for T in map(int, sys.argv[1].split(",")):
     prompt = mx.random.randint(0, 1000, (T,))
     for rep in range(2):
-        for name in ("plain", "kivi", "kivi-nocheck", "waterfill", "waterfill-nocheck"):
+        for name in ("plain", "kivi", "waterfill"):
             CompressedKVCache._check_input = no_sync if name.endswith("nocheck") else orig
             base = name.split("-")[0]
             caches = make_prompt_cache(model) if base == "plain" else KVCacheBuilder.for_model(model, KVCacheConfig(**cfgs[base]))

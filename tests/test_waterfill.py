@@ -62,7 +62,7 @@ def test_varpack_refuses_unequal_rows_and_wide_codes():
 def test_allocation_meets_the_budget_and_is_optimal():
     rng = np.random.default_rng(0)
     sens = np.exp(rng.normal(0, 3, (4, D)))
-    w = allocate_bits(sens, 4 * D)
+    w = np.array(allocate_bits(sens, 4 * D))
     assert w.shape == (4, D) and (w.sum(axis=1) == 4 * D).all() and w.min() >= 0 and w.max() <= 8
     # monotone: a more sensitive channel never gets fewer bits
     for g in range(4):
@@ -81,8 +81,36 @@ def test_allocation_meets_the_budget_and_is_optimal():
 
 
 def test_allocation_equal_sensitivities_spread_evenly():
-    w = allocate_bits(np.ones((1, D)), 3 * D)
+    w = np.array(allocate_bits(np.ones((1, D)), 3 * D))
     assert (w == 3).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_allocation_on_the_device_is_the_greedy_one_ties_to_the_lower_channel(seed):
+    """``allocate_bits`` (top gains by one sort, on the device) against the greedy rule written out on the host:
+    each bit in turn to the largest ``log2 s_c - 2 b_c``, ties to the lower channel, on the same float32 gains."""
+    rng = np.random.default_rng(seed)
+    G, total = 3, int(rng.integers(0, 8 * D + 1))
+    sens = np.exp(rng.normal(0, 3, (G, D))).astype(np.float32)
+    sens[:, : D // 2] = np.round(sens[:, : D // 2])  # ties (and zeros) in half the channels
+    got = np.array(allocate_bits(mx.array(sens), total))
+    gain = np.array(mx.log2(mx.maximum(mx.array(sens), 1e-30)))  # the same float32 rounding as the device's
+    want = np.zeros((G, D), int)
+    for g in range(G):
+        for _ in range(total):
+            c = int(np.argmax(np.where(want[g] < 8, gain[g] - 2.0 * want[g], -np.inf)))  # first max: lowest channel
+            want[g, c] += 1
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_layout_from_a_device_width_table_equals_the_host_one():
+    rng = np.random.default_rng(7)
+    widths = np.array(allocate_bits(np.exp(rng.normal(0, 2, (2, D))), 3 * D))
+    host, device = VarLayout(widths), VarLayout(mx.array(widths), 3 * D)
+    for a, b in zip(host.arrays(), device.arrays()):
+        assert a.dtype == b.dtype and bool(mx.array_equal(a, b))
+    with pytest.raises(ValueError, match="total_bits"):
+        VarLayout(mx.array(widths))
 
 
 def test_odd_poly_codebook_is_within_a_fraction_of_lloyd_max():

@@ -160,6 +160,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self._raise_if_nonfinite()
         if keys.shape[2] > 1:  # prefill chunks only (a decode step's rows are not checked)
             finite = mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))
+            mx.async_eval(finite)  # queued now, no host wait; evaluated, it holds none of the chunk's rows
             self._finite_check = (finite, self.offset, self.offset + keys.shape[2])
         self._shape = (keys.shape[1], keys.shape[3], values.shape[3])
 
@@ -167,9 +168,9 @@ class CompressedKVCache(mlx_cache._BaseCache):
         """Raise if an earlier prefill chunk held NaN or Inf and its rows are still here.
 
         Reading a chunk's finiteness right away would be a host sync inside the model's graph (every layer of
-        every chunk waiting for the device: +90% of KIVI's prefill on the H200). So the flag is computed
-        lazily, evaluated together with ``state`` (mlx_lm evaluates the caches' states after each chunk) and
-        read at the next call; every call after raises too, until ``trim`` has removed the chunk's rows.
+        every chunk waiting for the device: +90% of KIVI's prefill on the H200). So the flag is queued with
+        ``mx.async_eval`` and read at the next call; every call after raises too, until ``trim`` has removed
+        the chunk's rows.
         """
         check = getattr(self, "_finite_check", None)
         if check is not None:
@@ -236,11 +237,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         """``{"meta": json(config, offset, scalars, shape), <array name>: array, ...}``."""
         meta = {"config": config_to_json(self.config), "offset": offset,
                 "scalars": {n: getattr(self, n) for n in scalars}, "shape": list(getattr(self, "_shape", None) or [])}
-        arrays = {name: getattr(self, name) for name in self.array_fields}
-        check, held = getattr(self, "_finite_check", None), [n for n, a in arrays.items() if a is not None]
-        if check is not None and held:  # evaluating the state evaluates the pending finiteness flag too
-            arrays[held[0]] = mx.depends([arrays[held[0]]], [check[0]])[0]
-        return {"meta": json.dumps(meta), **arrays}
+        return {"meta": json.dumps(meta), **{name: getattr(self, name) for name in self.array_fields}}
 
     @state.setter
     def state(self, v):

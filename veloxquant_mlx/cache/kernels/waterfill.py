@@ -225,7 +225,6 @@ def cache_constants(c):
         omega = c._omega() if c.rope is not None else None
         kc = (c.k_lo, key_table(c._layout_of()), mx.contiguous(c.k_lo[:, :, 0].astype(mx.float32)),
               mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, omega, c._shape[1]), vpoly)
-        mx.eval(*kc[1:4], *kc[4], kc[5])
         c._kconst = kc
     return kc[1:]
 

@@ -4,25 +4,31 @@ logit error ``~ E[q_c^2] r_c^2 4^-b_c / 12``: each further bit goes where that i
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 MAX_BITS = 8
 _TINY = 1e-30
 
 
-def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> np.ndarray:
-    """Int widths ``[G, D]`` in ``0..max_bits``, each row summing to ``total``: every bit goes to the channel
-    whose ``log2(sensitivity) - 2 * (bits it has)`` is largest."""
-    s = np.asarray(sensitivity, dtype=np.float64)
+def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> mx.array:
+    """Int32 widths ``[G, D]`` in ``0..max_bits``, each row summing to ``total``: every bit goes to the channel
+    whose ``log2(sensitivity) - 2 * (bits it has)`` is largest (ties: lower channel first).
+
+    Computed on the device, with no host sync (calibration runs inside a prefill's graph): greedy water-filling
+    takes the ``total`` largest gains of the ``[D, max_bits]`` table per row (a channel's gains fall with its
+    bits, so they are its first bits), the ``total``-th largest found by one sort and its ties given out in index
+    order."""
+    s = mx.array(sensitivity).astype(mx.float32)
     G, D = s.shape
     if not 0 <= total <= max_bits * D:
         raise ValueError(f"total={total} bits cannot be spread over {D} channels of at most {max_bits} bits")
-    gain = np.log2(np.maximum(s, _TINY))[:, :, None] - 2.0 * np.arange(max_bits)[None, None, :]
-    flat = gain.reshape(G, D * max_bits)
-    order = np.argsort(-flat, axis=1, kind="stable")[:, :total]  # ties: lower channel / bit first
-    widths = np.zeros(G * D, dtype=np.int64)
-    np.add.at(widths, (np.arange(G)[:, None] * D + order // max_bits).reshape(-1), 1)
-    return widths.reshape(G, D)
+    if total == 0:
+        return mx.zeros((G, D), dtype=mx.int32)
+    gain = (mx.log2(mx.maximum(s, _TINY))[:, :, None] - 2.0 * mx.arange(max_bits)).reshape(G, D * max_bits)
+    last = mx.sort(gain, axis=1)[:, D * max_bits - total, None]  # the total-th largest gain of each row
+    above, tie = gain > last, gain == last
+    need = total - above.sum(axis=1, keepdims=True)
+    take = above | (tie & (mx.cumsum(tie.astype(mx.int32), axis=1) <= need))
+    return take.reshape(G, D, max_bits).sum(axis=2).astype(mx.int32)
 
 
 def rope_pair_mean(w: mx.array, spec: dict) -> mx.array:

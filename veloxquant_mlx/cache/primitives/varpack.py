@@ -19,30 +19,38 @@ class VarLayout:
     and bit (``src_channel``/``src_bit`` [G, P]); per channel its first word, the next, its bit offset and
     width mask (``word``/``next_word``/``shift``/``mask`` [G, D])."""
 
-    def __init__(self, bits):
-        b = np.asarray(bits, dtype=np.int64)
-        if b.ndim != 2 or b.size == 0:
-            raise ValueError(f"bits must be a non-empty [G, D] table, got shape {b.shape}")
-        if b.min() < 0 or b.max() > 8:
-            raise ValueError(f"code widths must be in 0..8, got {b.min()}..{b.max()}")
-        totals = b.sum(axis=1)
-        if not (totals == totals[0]).all():
-            raise ValueError(f"every row of bits must sum to the same total, got {sorted(set(totals.tolist()))}")
+    def __init__(self, bits, total_bits: int | None = None):
+        """``bits``: a host table (checked), or a device one (``mx.array``, e.g. from ``allocate_bits``) with its
+        row total ``total_bits`` (trusted: checking it would wait for the device); the tables stay lazy."""
+        if isinstance(bits, mx.array):
+            if total_bits is None or bits.ndim != 2:
+                raise ValueError("a device width table must be [G, D] and come with its total_bits")
+            b = bits.astype(mx.int32)
+        else:
+            h = np.asarray(bits, dtype=np.int64)
+            if h.ndim != 2 or h.size == 0:
+                raise ValueError(f"bits must be a non-empty [G, D] table, got shape {h.shape}")
+            if h.min() < 0 or h.max() > 8:
+                raise ValueError(f"code widths must be in 0..8, got {h.min()}..{h.max()}")
+            totals = h.sum(axis=1)
+            if not (totals == totals[0]).all():
+                raise ValueError(f"every row of bits must sum to the same total, got {sorted(set(totals.tolist()))}")
+            b, total_bits = mx.array(h.astype(np.int32)), int(totals[0])
         self.groups, self.dim = b.shape
-        self.total_bits = int(totals[0])
-        self.words = (self.total_bits + 31) // 32
-        off = np.cumsum(b, axis=1) - b  # exclusive cumulative sum
-        self.bits = mx.array(b.astype(np.uint8))
-        idx_t = np.uint8 if self.dim <= 256 and self.words <= 256 else np.int32  # small tables: they are held
-        ch = np.repeat(np.tile(np.arange(self.dim), self.groups), b.ravel()).reshape(self.groups, self.total_bits)
-        pad = ((0, 0), (0, int(self.total_bits == 0)))  # a 0-bit layout keeps one (unused) column
-        self.src_channel = mx.array(np.pad(ch, pad).astype(idx_t))
-        bit = np.arange(self.total_bits) - np.take_along_axis(off, ch, 1)  # the bit within its channel's code
-        self.src_bit = mx.array(np.pad(bit, pad).astype(np.uint8))
-        self.word = mx.array((off // 32).astype(idx_t))
-        self.next_word = mx.array(np.minimum(off // 32 + 1, max(self.words - 1, 0)).astype(idx_t))
-        self.shift = mx.array((off % 32).astype(np.uint8))
-        self.mask = mx.array(((1 << b) - 1).astype(np.uint8))
+        self.total_bits = P = int(total_bits)
+        self.words = (P + 31) // 32
+        idx_t = mx.uint8 if self.dim <= 256 and self.words <= 256 else mx.int32  # small tables: they are held
+        off = mx.cumsum(b, axis=1) - b  # exclusive cumulative sum: each channel's first stream bit
+        stream_bit = mx.arange(max(P, 1))  # a 0-bit layout keeps one (unused) column
+        ch = ((off + b)[:, None, :] <= stream_bit[None, :, None]).sum(axis=-1)  # channels ending at or before it
+        ch = mx.minimum(ch, self.dim - 1) if P == 0 else ch
+        self.bits = b.astype(mx.uint8)
+        self.src_channel = ch.astype(idx_t)
+        self.src_bit = (stream_bit - mx.take_along_axis(off, ch, axis=1)).astype(mx.uint8)  # bit within its code
+        self.word = (off // 32).astype(idx_t)
+        self.next_word = mx.minimum(off // 32 + 1, max(self.words - 1, 0)).astype(idx_t)
+        self.shift = (off % 32).astype(mx.uint8)
+        self.mask = (mx.left_shift(1, b) - 1).astype(mx.uint8)
 
     def arrays(self) -> list[mx.array]:
         return [self.bits, self.src_channel, self.src_bit, self.word, self.next_word, self.shift, self.mask]

@@ -78,10 +78,10 @@ BLOCK = 16  # rows leave the window in whole blocks of this many
 _TINY = 1e-30
 
 
-def key_grid(lo: mx.array, hi: mx.array, widths: np.ndarray):
-    """Float16 ``(k_lo, k_step)`` of uniform levels at ``widths`` ([.., D] ints, broadcast over ``lo``/``hi``
-    [.., 1, D]) over ``[lo, hi]``; a 0-bit channel decodes to the range's midpoint."""
-    levels = mx.array((2 ** widths - 1).astype(np.float32))[..., None, :]
+def key_grid(lo: mx.array, hi: mx.array, widths):
+    """Float16 ``(k_lo, k_step)`` of uniform levels at ``widths`` ([.., D] ints, host or device, broadcast over
+    ``lo``/``hi`` [.., 1, D]) over ``[lo, hi]``; a 0-bit channel decodes to the range's midpoint."""
+    levels = (mx.left_shift(1, mx.array(widths).astype(mx.int32)) - 1).astype(mx.float32)[..., None, :]
     zero = levels == 0
     return (mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16),
             mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16))
@@ -160,16 +160,16 @@ class WaterfillKVCache(ResidualWindowCache):
         if self.q_energy is not None and self.rope is not None:  # a pre-RoPE channel meets its rotary pair
             w = rope_pair_mean(w, self.rope)
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
-        widths = allocate_bits(np.array(sens), self.bit_width * keys.shape[3])
+        total = self.bit_width * keys.shape[3]
+        widths = allocate_bits(sens, total)  # on the device: calibrating every layer costs no host sync
         self.k_lo, self.k_step = key_grid(lo, hi, widths)
-        self.k_bits = mx.array(widths.astype(np.uint8))[None, :, None, :]
-        self._layout = VarLayout(widths)
-        self.q_energy = None  # only needed to calibrate
-        mx.eval(self.k_step, self.k_lo)
+        self.k_bits = widths.astype(mx.uint8)[None, :, None, :]
+        self._layout = VarLayout(widths, total)
+        self.q_energy = None  # only needed to calibrate (the grid stays lazy: no host sync)
 
     def _layout_of(self) -> VarLayout:
         if self._layout is None:  # restored from a state
-            self._layout = VarLayout(np.array(self.k_bits[0, :, 0]))
+            self._layout = VarLayout(np.array(self.k_bits[0, :, 0]))  # checked on the host, once
         return self._layout
 
     def _store(self, keys, values):
@@ -221,7 +221,6 @@ class WaterfillKVCache(ResidualWindowCache):
         pt = self.__dict__.get("_ptab")
         if pt is None or pt[0] is not lay:
             pt = self._ptab = (lay, *pair_table(lay))
-            mx.eval(pt[1:])
         return pt[1], pt[2], lay.mask[:, None]
 
     def _ptab_arrays(self) -> list:

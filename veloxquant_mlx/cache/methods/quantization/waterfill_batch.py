@@ -147,7 +147,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         w = mx.where(mx.array([c > 0 for c in self.q_count])[:, None, None], w, 1.0)  # none seen: uniform
         sens = np.array(w * ((hi - lo) ** 2)[:, :, 0])[todo]
         widths = np.array(self.k_bits)[:, :, 0].astype(np.int64)
-        widths[todo] = allocate_bits(sens.reshape(-1, D), self.bit_width * D).reshape(sens.shape)
+        widths[todo] = np.array(allocate_bits(sens.reshape(-1, D), self.bit_width * D)).reshape(sens.shape)
         k_lo, k_step = key_grid(lo, hi, widths)
         now = mx.array([i in todo for i in range(self.batch_size)])[:, None, None, None]
         self.k_lo, self.k_step = mx.where(now, k_lo, self.k_lo), mx.where(now, k_step, self.k_step)
