@@ -38,6 +38,7 @@ for r in rows: print(r['method'], r['context'], {k: round(v,3) for k,v in (r['ra
   pcostw) timeout 150 python3 scripts/prefill_chunk_cost.py --method waterfill --set residual_length=16 --context 8192,30720 > $OUT/pcostw.txt 2>&1; cat $OUT/pcostw.txt ;;
   pcostk) timeout 150 python3 scripts/prefill_chunk_cost.py --method kivi --context 8192,30720 > $OUT/pcostk.txt 2>&1; cat $OUT/pcostk.txt ;;
   noise) timeout 570 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats ${REPEATS:-3} --decode-tokens ${DECODE:-16} --baselines none --isolate --json $BENCH_ARGS > $OUT/h200_bench_noise.json 2> $OUT/noise.err; tail -3 $OUT/noise.err; python3 scripts/bench_samples.py $OUT/h200_bench_noise.json ;;
-  sync) timeout 300 python3 scripts/_probe_sync.py 8192,32768 > $OUT/sync.txt 2>&1; cat $OUT/sync.txt ;;
+  sync) timeout 300 python3 scripts/prefill_host_device.py --context 8192,32768 > $OUT/sync.txt 2>&1; cat $OUT/sync.txt ;;
+  b128) timeout 420 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 131072 --repeats 1 --decode-tokens 8 --baselines none --isolate --timeout 200 --json > $OUT/h200_bench_128k.json 2> $OUT/b128.err; tail -3 $OUT/b128.err; python3 scripts/bench_samples.py $OUT/h200_bench_128k.json ;;
   esac
 done
