@@ -300,6 +300,8 @@ def test_bench_cli_tiny_shape_json(capsys):
             assert set(r[k]) == {"median", "min", "max"} and r[k]["min"] <= r[k]["median"] <= r[k]["max"]
         assert set(r["ratios"]) == set(bench.BASELINES)
         assert r["decode_s_per_1k"] is not None
+        for k in bench.SAMPLED:  # each repeat's value, in run order: their median is the row's
+            assert len(r["samples"][k]) == 2 and sorted(r["samples"][k]) == [r[k]["min"], r[k]["max"]]
     kivi = rows[-1]
     assert kivi["ratios"]["none"]["kv_nbytes"] == pytest.approx(
         kivi["kv_nbytes"]["median"] / rows[1]["kv_nbytes"]["median"])
@@ -390,6 +392,24 @@ def test_bench_failing_baseline_reported_unavailable(monkeypatch):
     for b in ("mlx_q4", "mlx_q8"):
         assert not by[b]["available"] and "No implementation" in by[b]["error"]
     assert by["streaming_llm"]["ratios"]["mlx_q4"] is None and by["streaming_llm"]["ratios"]["none"] is not None
+
+
+def test_bench_warmup_modes(monkeypatch):
+    """``warmup``: "full" runs every candidate once per context before the timed repeats, "short" once at 256
+    tokens at most, "none" never; anything else is refused naming the allowed values."""
+    seen = []
+    real = bench.run_once
+    monkeypatch.setattr(bench, "run_once", lambda model, caches, prompt, *a, **k: (
+        seen.append(prompt.shape[-1]), real(model, caches, prompt, *a, **k))[1])
+    model = bench.random_model("tiny")
+    timed = [16, 16, 40, 40]  # per context, each of the two candidates
+    for mode, warm in (("full", [16, 16, 40, 40]), ("short", [16, 16]), ("none", [])):
+        seen.clear()
+        bench.bench(model, ["streaming_llm"], contexts=[16, 40], repeats=1, decode_tokens=1, baselines=["none"],
+                    warmup=mode)
+        assert seen == warm + timed, mode
+    with pytest.raises(ValueError, match="warmup='long'; allowed"):
+        bench.bench(model, [], contexts=[16], warmup="long")
 
 
 def test_bench_isolated_subprocess_failure_is_contained():
