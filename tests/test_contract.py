@@ -26,6 +26,7 @@ memory honesty against MLX's allocator: test_memory_honesty.py.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
@@ -38,7 +39,8 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from contract_table import (COMPOSED, CONFIGS, CONTRACT_METHODS, D, LOAD_BUGS, TABLE, base_method, layer_rows,
                             method_class, with_known_bugs)
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
-from veloxquant_mlx.cache import BatchingNotSupported, CacheInputError, KVCacheBuilder, KVCacheConfig, dispatch
+from veloxquant_mlx.cache import (BatchingNotSupported, CacheInputError, KVCacheBuilder, KVCacheConfig, contract,
+                                  dispatch)
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.base import method_info
 
@@ -204,6 +206,17 @@ def test_a_chunk_holding_nan_makes_the_next_calls_raise(method):
     for _ in range(2):
         with pytest.raises(CacheInputError, match=rf"NaN or Inf .*positions {n}\.\.{n + 3}\)"):
             c.update_and_fetch(mx.zeros((1, H, 1, Dk)), mx.zeros((1, H, 1, Dv)))
+
+
+def test_prefill_checks_keep_at_most_layers_in_flight_queued(monkeypatch):
+    """Each prefill chunk's check is queued, and the one queued LAYERS_IN_FLIGHT calls before is waited for:
+    the device runs at most that many layers behind the graph being built."""
+    monkeypatch.setattr(contract, "LAYERS_IN_FLIGHT", 3)
+    monkeypatch.setattr(contract, "_in_flight", collections.deque())
+    caches = build("kivi")
+    mx.eval(model()(mx.array([PROMPT[:40]]), cache=caches))
+    assert len(contract._in_flight) == 3 and len(caches) == 4  # 4 layers' checks queued, the first waited for
+    assert all(c._finite_check is not None for c in caches)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -22,6 +22,7 @@ import collections
 import copy
 import dataclasses
 import json
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -30,8 +31,9 @@ from mlx_lm.models.base import create_causal_mask
 
 from .errors import CacheInputError
 
-#: Prefill layers a compressed cache lets the device run behind the graph being built (see ``queue_chunk_check``).
-LAYERS_IN_FLIGHT = 2
+#: Prefill layers a compressed cache lets the device run behind the graph being built (see ``queue_chunk_check``;
+#: environment ``VELOXQUANT_PREFILL_LAYERS_IN_FLIGHT``: more trades memory for time).
+LAYERS_IN_FLIGHT = max(1, int(os.environ.get("VELOXQUANT_PREFILL_LAYERS_IN_FLIGHT", "2")))
 _in_flight: collections.deque = collections.deque()
 
 
