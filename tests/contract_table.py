@@ -220,6 +220,20 @@ def with_known_bugs(items, bugs, name=lambda m: m):
 # retrieved rows; rocketkv: the selected pages), so only multi-row calls equal dense attention over them
 SPARSE_DECODE = {"a2ats", "rocketkv"}
 
+# Host syncs inside a prefill chunk (test_contract.py::test_prefill_chunks_build_their_graph_without_a_host_sync):
+# a value the host needs before it can build the rest of the graph, a data-dependent choice of shape. Every other
+# method's chunk is sync-free apart from the contract's bounded wait (contract.queue_chunk_check).
+PREFILL_SYNCS = {  # method -> (the chunks of the test that sync, why)
+    "vecinfer": (("first",), "fits its codebooks on the first rows (k-means with a convergence test)"),
+    "svdq": (("first",), "chooses its rank from the first rows' energy spectrum"),
+    "gear": (("first",), "chooses its low-rank size from the first rows' spectrum"),
+    "xkv": (("first",), "chooses the shared rank from the first rows' spectrum"),
+    "a2ats": (("first",), "builds its metric from the first chunk's queries on the host"),
+    "squeeze": (("first",), "reads every layer's attention report once to split the budget"),
+    "minicache": (("first", "second"), "the size of each merged block (rows kept apart) is a host count"),
+    "kvtc": (("second",), "chooses its bit allocation from measured distortion when it first compresses"),
+}
+
 # per-step eviction: a row the trimmed steps evicted does not come back (the trim drops exactly the newest)
 NEWEST_TRIM_DROPS_ONLY = {"streaming_llm", "tova", "morphkv"}
 TABLE = {m: Case(cfg, unit=UNIT.get(m), merges=m in MERGES, prepare=PREPARE.get(m),
