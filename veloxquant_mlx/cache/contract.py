@@ -12,6 +12,8 @@ contract for caches that store fewer or encoded rows:
   mlx_lm's ``load_prompt_cache``) rebuild an identical cache.
 * ``nbytes`` is the sum of the held arrays' ``.nbytes`` (``held_arrays``), never an estimate.
 * ``merge`` raises ``BatchingNotSupported`` unless the class batches its compressed form (``batchable``).
+* A prefill chunk holding NaN or Inf makes the cache's next calls raise ``CacheInputError`` (checked without a
+  host sync: ``queue_chunk_check``).
 
 A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``stored_rows`` and may override ``attend``.
 """
