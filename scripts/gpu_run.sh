@@ -1,6 +1,8 @@
 #!/bin/bash
-# The H200 runs of sessions 6-8 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
-# `bash scripts/gpu_run.sh install ktest bench2` (stages below) with `.gpu/b` carried; outputs land in $OUT.
+# The H200 runs of sessions 6-11 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
+# `bash scripts/gpu_run.sh install ktest bench2` (stages below) with `.gpu/b` carried; outputs land in $OUT. On a
+# machine still warm from an install, pass `-` instead of `install` (e.g. `REPEATS=3 BENCH_ARGS="--warmup full"
+# bash scripts/gpu_run.sh - noise`; PYTHONPATH=/root/site:$PWD is set below).
 set -x
 export PYTHONPATH=/root/site:$PWD
 case "$1" in
