@@ -412,6 +412,16 @@ def test_bench_warmup_modes(monkeypatch):
         bench.bench(model, [], contexts=[16], warmup="long")
 
 
+@pytest.mark.parametrize("flags,mode", [([], "short"), (["--warmup", "full"], "full"), (["--no-warmup"], "none")])
+def test_isolated_children_get_the_warmup_mode(flags, mode):
+    from veloxquant_mlx import cli, cli_measure
+
+    args = cli._parser().parse_args(["bench", "--shape", "tiny", "--random-weights", "--context", "16", *flags])
+    args.contexts = args.context  # as cmd_bench sets it
+    argv = cli_measure._child_args(args)("none", None)
+    assert argv[argv.index("--warmup") + 1] == mode and "--no-warmup" not in argv
+
+
 def test_bench_isolated_subprocess_failure_is_contained():
     shared = ["--shape", "tiny", "--random-weights", "--context", "16", "--repeats", "1", "--decode-tokens", "1",
               "--no-warmup"]
