@@ -18,7 +18,7 @@ On a 4-layer tiny llama (head_dim 32) with each method's ``CONFIGS`` settings (c
 - mlx_lm's own generation with a chunked prefill runs on llama, qwen2 and gemma3 (sliding-window layers
   keep their own caches) and every cache of the method ends at the logical offset;
 - a prefill chunk's graph is built with no host sync (``contract_table.PREFILL_SYNCS``: the data-dependent
-  exceptions), and a chunk holding NaN makes the cache's next calls raise.
+  exceptions), a decode step's with none at all, and a chunk holding NaN makes the cache's next calls raise.
 
 Each method's defining property and its own edge cases stay in its own test module (every mask kind and
 sinks: test_quant_contract.py; eviction against a reference that knows the kept positions:
@@ -228,6 +228,18 @@ def test_prefill_chunks_build_their_graph_without_a_host_sync(method, monkeypatc
             synced.append(stage)
         mx.eval(m(mx.array([tokens]), cache=caches))
     assert tuple(synced) == PREFILL_SYNCS.get(method, ((),))[0]
+
+
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
+def test_decode_steps_build_their_graph_without_a_host_sync(method, monkeypatch):
+    """No method reads a value back during a decode step (mlx_lm pipelines the steps: a read would stall it);
+    traced with ``mx.compile`` as in the prefill test, over the steps after the prompt and three decoded tokens."""
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)
+    m, caches = model(), prefilled(method)
+    for t in NEXT:
+        traced = copy.deepcopy(caches)
+        mx.compile(lambda x: m(x, cache=traced))(mx.array([[t]]))  # raises on a read-back
+        mx.eval(m(mx.array([[t]]), cache=caches))
 
 
 def test_prefill_checks_keep_at_most_layers_in_flight_queued(monkeypatch):
