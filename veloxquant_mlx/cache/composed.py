@@ -90,6 +90,7 @@ class QuantizedEviction(CompressedKVCache):
     def update_and_fetch(self, keys, values):
         ev, n = self.evict, keys.shape[2]
         if self.frozen and n == 1:  # decode: the quantizer stores and attends
+            ev._raise_if_nonfinite()  # the last prefill chunk's check (the eviction cache sees no more calls)
             out = self.quant.update_and_fetch(keys, values)
             pos = mx.full((keys.shape[0], keys.shape[1], 1), self.offset, mx.int32)
             ev.positions = grow_rows(ev.positions, ev.rows, pos)
