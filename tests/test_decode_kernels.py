@@ -113,6 +113,28 @@ def test_merge_partials_is_one_softmax_over_all_rows(seed, B, H, R, splits, E, w
     assert _rel(got, want) < TOL32
 
 
+@GPU
+@pytest.mark.parametrize("S1,B,H,R,DV,sinks,hadamard", [
+    (2, 1, 2, 1, 128, False, False), (9, 2, 2, 4, 64, True, True), (33, 1, 8, 4, 128, False, True),
+    (129, 1, 3, 2, 128, True, False), (513, 2, 1, 3, 32, False, True), (260, 1, 2, 1, 256, True, True)])
+def test_merge_kernel_equals_merge_partials(S1, B, H, R, DV, sinks, hadamard):
+    """The merge kernel (its threads summing the splits in parallel parts, the Walsh-Hadamard rotation in shared
+    memory) equals the op-path merge on random partials with empty splits, from 2 to 513 splits."""
+    rng = np.random.default_rng(S1)
+    m = rng.normal(size=(B, H, R, S1)) * 4
+    m[..., rng.random(S1) < 0.2] = -np.inf  # empty splits
+    m[..., -1] = rng.normal(size=(B, H, R))  # the exact rows' partial is never empty
+    l = np.where(np.isfinite(m), rng.uniform(0.5, 30, size=m.shape), 0.0)
+    acc = rng.normal(size=(B, H, R, S1, DV)) * l[..., None]
+    f32 = lambda x: mx.array(np.asarray(x, np.float32))  # noqa: E731
+    sk = f32(rng.normal(size=(H * R,)) * 3) if sinks else None
+    got = _common.merge_kernel(f32(m), f32(l), f32(acc), sk, hadamard, mx.float32)
+    want = merge_partials(f32(m), f32(l), f32(acc), sk,
+                          rotate=(lambda y: rotate_values(y, 0, inverse=True)) if hadamard else None)
+    assert got.shape == (B, H * R, 1, DV)
+    assert _rel(got.reshape(B, H, R, DV), want) < 1e-5
+
+
 def test_split_count_grows_with_the_context_and_is_bounded():
     assert split_count(1) == 1 and split_count(256) == 1 and split_count(257) == 2
     assert split_count(32768) == 128 and split_count(10**7) == _common.MAX_SPLITS

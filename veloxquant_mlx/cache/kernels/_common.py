@@ -148,49 +148,86 @@ def merge_partials(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.a
 
 
 _MERGE_SOURCE = r"""
+  // one block per query head: NT = MP * DV threads; thread (part, c) sums the splits s = part (mod MP) of channel c
   const int qh = VQ_BLOCK_X;
-  const int c = VQ_TID;
+  const int tid = VQ_TID;
+  constexpr int NT = MP * DV;
+  const int c = tid % DV, part = tid / DV;
+  const int lane = VQ_LANE, warp = VQ_WARP;
   const float* m = pm + (size_t)qh * S1;
   const float* l = pl + (size_t)qh * S1;
+  VQ_SHARED float w[MAX_S1];       // exp(m_s - M) of each split
+  VQ_SHARED float red[NT / 32];    // one value per warp
+  VQ_SHARED float buf[MP * DV];    // the parts' sums, then the rotation's buffer
   float M = -VQ_INF;
-  for (int s = 0; s < S1; ++s) M = fmaxf(M, m[s]);
+  for (int s = tid; s < S1; s += NT) M = fmaxf(M, m[s]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, VQ_SHFL_XOR(M, o));
+  if (lane == 0) red[warp] = M;
+  VQ_SYNC();
+  M = -VQ_INF;
+  for (int i = 0; i < NT / 32; ++i) M = fmaxf(M, red[i]);
   float sinkv = 0.f;
   if (HAS_SINK) { sinkv = VQ_F(sk[qh % HQ]); M = fmaxf(M, sinkv); }
-  float L = 0.f, Aq = 0.f, Ae = 0.f;
-  for (int s = 0; s < S1; ++s) {
+  VQ_SYNC();
+  float L = 0.f;
+  for (int s = tid; s < S1; s += NT) {
     const float e = VQ_EXP(m[s] - M);
+    w[s] = e;
     L += e * l[s];
-    const float a = e * pa[((size_t)qh * S1 + s) * DV + c];
-    if (s < S1 - 1) Aq += a; else Ae = a;
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) L += VQ_SHFL_XOR(L, o);
+  if (lane == 0) red[warp] = L;
+  VQ_SYNC();
+  L = 0.f;
+  for (int i = 0; i < NT / 32; ++i) L += red[i];
   if (HAS_SINK) L += VQ_EXP(sinkv - M);
-  if (ROT) {
-    VQ_SHARED float buf[DV];
-    buf[c] = Aq;
+  const float* a = pa + (size_t)qh * S1 * DV + c;
+  float Aq = 0.f;
+#pragma unroll 4
+  for (int s = part; s < S1 - 1; s += MP) Aq += w[s] * a[(size_t)s * DV];
+  buf[part * DV + c] = Aq;
+  VQ_SYNC();
+  if (part == 0) {
+    for (int p = 1; p < MP; ++p) Aq += buf[p * DV + c];
+  }
+  if (ROT) {  // fast Walsh-Hadamard transform of the quantized splits' sum (the first DV threads)
+    VQ_SYNC();
+    if (part == 0) buf[c] = Aq;
     VQ_SYNC();
     for (int h = 1; h < DV; h <<= 1) {
-      const float a = buf[c], b = buf[c ^ h];
+      float x = 0.f, y = 0.f;
+      if (part == 0) { x = buf[c]; y = buf[c ^ h]; }
       VQ_SYNC();
-      buf[c] = (c & h) ? (b - a) : (a + b);
+      if (part == 0) buf[c] = (c & h) ? (y - x) : (x + y);
       VQ_SYNC();
     }
     Aq = buf[c] * rsqrtf((float)DV);
   }
-  vq_store(out + (size_t)qh * DV + c, (Aq + Ae) / L);
+  if (part == 0) vq_store(out + (size_t)qh * DV + c, (Aq + w[S1 - 1] * a[(size_t)(S1 - 1) * DV]) / L);
 """
 
 
 _MERGE = Kernel("vq_decode_merge", ["pm", "pl", "pa", "sk"], ["out"], [("S1", "int"), ("HQ", "int")], _MERGE_SOURCE)
+MERGE_THREADS = 1024  # at most this many threads per query head in the merge (parts of the splits in parallel)
 
 
 def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array], hadamard: bool,
                  out_dtype) -> mx.array:
-    """:func:`merge_partials` in one CUDA launch, the rotation (when ``hadamard``) a fast Walsh-Hadamard
-    transform in shared memory; returns [B, H * R, 1, Dv] in ``out_dtype`` (mlx_lm's layout)."""
+    """:func:`merge_partials` in one CUDA launch: a block per query head, its threads summing the splits in
+    ``MERGE_THREADS // Dv`` parts (loads in flight, not a loop over every split per thread), the rotation (when
+    ``hadamard``) a fast Walsh-Hadamard transform in shared memory; returns [B, H * R, 1, Dv] in ``out_dtype``
+    (mlx_lm's layout)."""
     B, H, R, S1, dv = acc.shape
+    parts = 1  # a power of two up to MERGE_THREADS // Dv, about four splits per part
+    while parts * 2 * dv <= MERGE_THREADS and parts * 4 < S1 - 1:
+        parts *= 2
     sk = sinks if sinks is not None else m  # any array: not read without sinks
-    (out,) = _MERGE([m, l, acc, sk], [S1, H * R], (("DV", dv), ("HAS_SINK", sinks is not None), ("ROT", hadamard)),
-                    [(B, H * R, 1, dv)], [out_dtype], grid=(dv * B * H * R, 1, 1), threads=(dv, 1, 1))
+    (out,) = _MERGE([m, l, acc, sk], [S1, H * R],
+                    (("DV", dv), ("MP", parts), ("MAX_S1", MAX_SPLITS + 1), ("HAS_SINK", sinks is not None),
+                     ("ROT", hadamard)),
+                    [(B, H * R, 1, dv)], [out_dtype], grid=(parts * dv * B * H * R, 1, 1), threads=(parts * dv, 1, 1))
     return out
 
 
