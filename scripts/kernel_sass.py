@@ -1,0 +1,78 @@
+"""Compile the decode kernels here, with no GPU, and print each one's registers, shared memory and instruction mix
+(SASS): a quick check of a kernel edit before spending device time. Needs NVIDIA's wheels, unpacked into one
+folder (``--tools``)::
+
+    pip download --no-deps -d /tmp/cuda nvidia-cuda-nvrtc-cu12 nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+    for w in /tmp/cuda/*.whl; do unzip -qo $w -d /tmp/cuda/x; done
+    python scripts/kernel_sass.py --tools /tmp/cuda/x [--arch sm_90] [--out DIR]
+
+Shapes: 8 KV heads x 4 query heads, d 128, 4-bit, float16 rows (the H200 measurements' shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import glob
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def tool(root: str, name: str) -> str:
+    found = glob.glob(f"{root}/nvidia/**/bin/{name}", recursive=True)
+    if not found:
+        sys.exit(f"{name} not found under {root}")
+    return found[0]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tools", required=True, help="folder holding the unpacked NVIDIA wheels")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--out", default=None, help="also write each kernel's .cu and .sass here")
+    a = ap.parse_args(argv)
+    lib = glob.glob(f"{a.tools}/nvidia/cuda_nvrtc/lib/libnvrtc.so.*")
+    builtins = glob.glob(f"{a.tools}/nvidia/cuda_nvrtc/lib/libnvrtc-builtins.so.*")
+    if not lib or not builtins:
+        sys.exit("libnvrtc not found under --tools")
+    ctypes.CDLL(sorted(builtins)[0], mode=ctypes.RTLD_GLOBAL)
+    import mlx.core as mx
+
+    from veloxquant_mlx.cache.kernels import _common, _compile, kivi, waterfill
+
+    _compile._LIBS["libnvrtc.so.13"] = ctypes.CDLL(sorted(lib)[0])
+    f16, u32, f32, i32 = mx.float16, mx.uint32, mx.float32, mx.int32
+    block = (("NW", _common.WARPS), ("REP", 4), ("DV", 128))
+    kivi_consts = (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", kivi.TILE_WORDS)) + block
+    wf_consts = (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", waterfill.PREFETCH)) + block
+    kernels = {
+        "kivi": (kivi._KERNELS[False], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 6, [f32] * 3, kivi_consts),
+        "waterfill": (waterfill._KERNELS[False], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32] + [f16] * 6,
+                      [f32] * 3, wf_consts),
+        "merge": (_common._MERGE, [f32] * 4, [f16], (("DV", 128), ("MP", 8), ("MAX_S1", _common.MAX_SPLITS + 1),
+                                                      ("HAS_SINK", 0), ("ROT", 1))),
+    }
+    out = Path(a.out) if a.out else Path("/tmp")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (kern, dtypes, out_dtypes, consts) in kernels.items():
+        symbol, text = kern.source(dtypes, out_dtypes, consts)
+        cubin = out / f"{name}.cubin"
+        cubin.write_bytes(_compile.compile_binary(text, symbol, a.arch))
+        res = subprocess.run([tool(a.tools, "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True)
+        usage = " ".join(line.strip() for line in res.stdout.splitlines() if "REG" in line)
+        sass = subprocess.run([tool(a.tools, "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+        ops = collections.Counter(m.split(".")[0] for m in re.findall(
+            r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M))
+        print(f"{name}: {usage}\n  {sum(ops.values())} instructions; {dict(ops.most_common(12))}")
+        if a.out:
+            (out / f"{name}.cu").write_text(text)
+            (out / f"{name}.sass").write_text(sass)
+
+
+if __name__ == "__main__":
+    main()
