@@ -24,7 +24,7 @@ from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
 from .primitives import groupquant as gq
-from .primitives.buffers import fp16_row_bytes, grow_columns, grow_rows
+from .primitives.buffers import dtype_name, fp16_row_bytes, grow_columns, grow_rows
 from .window import WindowCall, attend_joint, attend_tiled, concat_rows
 
 KIVI_BITS = (2, 3, 4, 8)
@@ -99,7 +99,7 @@ class GroupedQuantCache(CompressedKVCache):
         fresh = lambda: (mx.zeros((B, H, G, D), RES_DTYPE), mx.zeros((B, H, G, Dv), RES_DTYPE))  # noqa: E731
         if self.res_k is None:
             self.res_k, self.res_v = fresh()
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         q0, r0 = self.n_quant, self.n_res
         past_k, past_v = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)

@@ -31,6 +31,7 @@ from .errors import QuantizerConfigError
 from .options import _is_int
 from .primitives import groupquant as gq
 from .primitives.bitpack import pack_bits, unpack_bits
+from .primitives.buffers import dtype_name
 from .primitives.codebook import nearest_code, odd_poly_gaussian
 from .primitives.value_rotation import odd_poly, poly_coefficients, rotate_values
 
@@ -82,7 +83,7 @@ class RotatingQuantKVCache(CompressedKVCache):
 
     def update_and_fetch(self, keys, values):
         self._check_input(keys, values)
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         rows, S, ring = self._encode(keys, values), keys.shape[2], self._arrays()
         if S > 1:  # RotatingKVCache._update_concat, over every code array
             if ring[0] is not None:

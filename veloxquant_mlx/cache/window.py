@@ -15,7 +15,7 @@ import mlx.core as mx
 from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
                         tile_rows, ungroup)
 from .contract import CompressedKVCache
-from .primitives.buffers import fp16_row_bytes, grow_rows  # noqa: F401 (fp16_row_bytes re-exported)
+from .primitives.buffers import dtype_name, fp16_row_bytes, grow_rows  # noqa: F401 (fp16_row_bytes re-exported)
 
 QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
 SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
@@ -25,10 +25,11 @@ DECODE_TILE = 2048  # quantized rows per tile of a long decode step on the CPU (
 def concat_rows(pairs, dtype):
     """(K, V) of the ``(keys, values)`` pairs (None and (None, None) skipped) concatenated along the rows, in
     ``dtype``."""
+    cast = lambda x: x if x.dtype == dtype else x.astype(dtype)  # noqa: E731
     pairs = [p for p in pairs if p is not None and p[0] is not None]
     if len(pairs) == 1:
-        return pairs[0][0].astype(dtype), pairs[0][1].astype(dtype)
-    return tuple(mx.concatenate([p[i].astype(dtype) for p in pairs], axis=2) for i in (0, 1))
+        return cast(pairs[0][0]), cast(pairs[0][1])
+    return tuple(mx.concatenate([cast(p[i]) for p in pairs], axis=2) for i in (0, 1))
 
 
 class WindowCall(NamedTuple):
@@ -178,7 +179,7 @@ class ResidualWindowCache(CompressedKVCache):
 
     def _store(self, keys, values):
         n = keys.shape[2]
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         r0 = self.n_win
         past = (self.win_k[:, :, :r0], self.win_v[:, :, :r0]) if r0 else (None, None)
         self._call = WindowCall(self.n_sink, self.n_quant, r0, *past, keys, values)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import operator
 import struct
 
 import mlx.core as mx
@@ -134,6 +135,7 @@ class Kernel:
 
     def __init__(self, name: str, inputs: list[str], outputs: list[str], scalars: list[tuple[str, str]], body: str):
         self.name, self.inputs, self.outputs, self.scalars, self.body = name, inputs, outputs, scalars, body
+        self._float_at = [i for i, (_, t) in enumerate(scalars) if t == "float"]
         self._built: dict = {}  # variant -> (symbol, cubin)
 
     def source(self, dtypes, out_dtypes, consts) -> tuple[str, str]:
@@ -146,10 +148,11 @@ class Kernel:
 
     def __call__(self, arrays: list, scalars: list, consts: tuple, out_shapes: list, out_dtypes: list,
                  grid: tuple, threads: tuple) -> list:
-        key = (consts, *(a.dtype for a in arrays), *out_dtypes)
+        dtypes = tuple(map(_DTYPE, arrays))
+        key = (consts, dtypes, *out_dtypes)
         built = self._built.get(key)
         if built is None:
-            symbol, text = self.source([a.dtype for a in arrays], out_dtypes, consts)
+            symbol, text = self.source(dtypes, out_dtypes, consts)
             built = self._built[key] = (symbol, compile_binary(text, symbol))
         return mx.fast.precompiled_cuda_kernel(
             name=built[0], compiled_source=built[1], inputs=arrays, output_shapes=out_shapes, output_dtypes=out_dtypes,
@@ -157,7 +160,11 @@ class Kernel:
 
     def scalar_args(self, values: list) -> list[int]:
         """The scalars as the kernel takes them: ints, a float as its float32 bits."""
-        return [int(v) if t == "int" else _F32_BITS.unpack(_F32.pack(v))[0] for v, (_, t) in zip(values, self.scalars)]
+        values = list(values)
+        for i in self._float_at:
+            values[i] = _F32_BITS.unpack(_F32.pack(values[i]))[0]
+        return values
 
 
 _F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<i")
+_DTYPE = operator.attrgetter("dtype")

@@ -20,6 +20,8 @@ warp per 32 words, D dependent loads per lane); still latency-bound at 8k (docs/
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLITS, WARPS, exact_args, kernel_pair,
@@ -180,6 +182,7 @@ _KERNELS = kernel_pair("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "v
                         ("NG", "int")], _SOURCE)
 
 
+@functools.cache
 def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int = 1) -> bool:
     """Layouts the kernel reads: b in {2, 4, 8} (codes never straddle words), G a multiple of 32, a
     value word inside one value group, a value row of at most 32 words dividing the warp, head dims

@@ -11,6 +11,8 @@ layouts as ``kernels.kivi`` (b in {2, 4, 8}: codes never straddle words). Tested
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ._common import checked_call
@@ -59,6 +61,7 @@ _KERNEL = Kernel("vq_kivi_rows", ["kc", "ks", "kb", "vc", "vsc", "vbi"], ["ok", 
                  [("n", "int"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int")], _SOURCE)
 
 
+@functools.cache
 def supported(bits: int, group: int, value_group: int, d: int, dv: int) -> bool:
     """b in {2, 4, 8}, key groups of whole tiles' words (G a multiple of 32/b), value groups of whole words, and
     the shared tile within 48 KB."""

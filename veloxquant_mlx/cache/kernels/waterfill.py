@@ -15,6 +15,8 @@ the KV head's group. The value sum stays in the rotated domain (``merge_partials
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -155,6 +157,7 @@ _KERNELS = kernel_pair("vq_waterfill_decode", ["q", "kw", "ktab", "klo", "kst", 
                         ("TV", "int"), ("TS", "int")], _SOURCE)
 
 
+@functools.cache
 def supported(d: int, dv: int, key_words: int, value_words: int) -> bool:
     """Shapes the kernel handles: head dims multiples of 32, rows of at most 32 words."""
     return d % 32 == 0 and dv % 32 == 0 and 0 < key_words <= 32 and 0 < value_words <= 32

@@ -12,6 +12,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..contract import BatchingNotSupported, CompressedKVCache
+from ..primitives.buffers import dtype_name
 
 
 def borrows(src, *names):
@@ -203,7 +204,7 @@ class RaggedBatchCache(CompressedKVCache):
                              f"got a batch of {keys.shape[0]}")
         if not self._held():
             self.__dict__.update(self._alloc(self.batch_size, self._region_dtype(keys.dtype)), cap=0)
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         if self._pending is None:
             return [N] * self.batch_size
         valid = [min(N, p) for p in self._pending]

@@ -10,7 +10,7 @@ import weakref
 import mlx.core as mx
 
 from ..contract import CompressedKVCache
-from ..primitives.buffers import grow_rows
+from ..primitives.buffers import dtype_name, grow_rows
 from .quantization.kivi import RES_DTYPE
 
 _LOADED = weakref.WeakValueDictionary()
@@ -42,7 +42,7 @@ class GroupWindow:
 
     def _append_window(self, keys, values) -> int:
         """Append this call's rows to the window; returns the rows that fill whole blocks."""
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         r0 = self.n_res
         past = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
         self._call = (self.n_quant, r0, *past, keys, values)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 MIN_GROW = 16
+
+
+@functools.cache
+def dtype_name(dtype) -> str:
+    """``"float16"`` for ``mx.float16``: the name a cache keeps of the rows' dtype (asked every call)."""
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def grow_rows(buf, rows: int, new: mx.array) -> mx.array:

@@ -33,7 +33,7 @@ from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import bitpack
-from ...primitives.buffers import grow_rows
+from ...primitives.buffers import dtype_name, grow_rows
 from ...window import concat_rows, fp16_row_bytes
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
@@ -76,7 +76,7 @@ class A2ATSKVCache(CompressedKVCache):
 
     def _store(self, keys, values):
         t0 = self.n_rows
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         self.keys = grow_rows(self.keys, t0, keys.astype(ROW_DTYPE))
         self.values = grow_rows(self.values, t0, values.astype(ROW_DTYPE))
         self.n_rows = t0 + keys.shape[2]

@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
+from ...primitives.buffers import dtype_name
 from .kivi import RES_DTYPE, KIVIKVCache
 
 
@@ -79,7 +80,7 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
             super()._store(keys[:, :, take:], values[:, :, take:])
             _, r0, past_k, past_v, _, _ = self._call
         else:
-            self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+            self.dtype_name = dtype_name(keys.dtype)
             r0, past_k, past_v = 0, None, None  # no residual while the sinks are filling
         self._call = (q0, r0, past_k, past_v, keys, values)
 

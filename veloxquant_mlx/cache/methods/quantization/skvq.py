@@ -24,7 +24,7 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
-from ...primitives.buffers import MIN_GROW, grow_rows
+from ...primitives.buffers import MIN_GROW, dtype_name, grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
 from .kivi_sink import SinkRows
 
@@ -128,7 +128,7 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
     def _store(self, keys, values):
         B, H, N, D = keys.shape
         dv = values.shape[-1]
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         cap = self.window + self.value_group(D)
         q0 = self.n_sink + self.n_quant
         take = self._take_sinks(keys, values)

@@ -25,7 +25,7 @@ from ...attention import bool_mask
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...primitives import groupquant as gq
-from ...primitives.buffers import grow_rows
+from ...primitives.buffers import dtype_name, grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _ARR = ("codes", "scales", "biases")
@@ -92,7 +92,7 @@ class ZipCacheKVCache(KIVIKVCache):
 
     def _store(self, keys, values):
         B, H, N, D = keys.shape
-        self.dtype_name = str(keys.dtype).rsplit(".", 1)[-1]
+        self.dtype_name = dtype_name(keys.dtype)
         r = self.n_res
         f = (r // self.group) * self.group
         if f:
