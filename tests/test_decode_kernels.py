@@ -231,6 +231,7 @@ def test_kernel_variants_are_named_by_their_source_and_take_their_counts_as_scal
     assert "const float s = __int_as_float(s_bits);" in src1
     n, bits = k.scalar_args([7, 0.1])
     assert n == 7 and np.array([bits], np.int32).view(np.float32)[0] == np.float32(0.1)
+    assert [type(x) for x in k.scalar_args([np.int64(7), np.float32(0.1)])] == [int, int]  # what the binding takes
 
 
 def test_kivi_kernel_takes_only_the_layouts_it_reads():

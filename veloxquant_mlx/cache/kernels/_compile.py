@@ -135,7 +135,7 @@ class Kernel:
 
     def __init__(self, name: str, inputs: list[str], outputs: list[str], scalars: list[tuple[str, str]], body: str):
         self.name, self.inputs, self.outputs, self.scalars, self.body = name, inputs, outputs, scalars, body
-        self._float_at = [i for i, (_, t) in enumerate(scalars) if t == "float"]
+        self._convert = [int if t == "int" else _float_bits for _, t in scalars]
         self._built: dict = {}  # variant -> (symbol, cubin)
 
     def source(self, dtypes, out_dtypes, consts) -> tuple[str, str]:
@@ -160,11 +160,12 @@ class Kernel:
 
     def scalar_args(self, values: list) -> list[int]:
         """The scalars as the kernel takes them: ints, a float as its float32 bits."""
-        values = list(values)
-        for i in self._float_at:
-            values[i] = _F32_BITS.unpack(_F32.pack(values[i]))[0]
-        return values
+        return [f(v) for f, v in zip(self._convert, values)]
 
 
 _F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<i")
 _DTYPE = operator.attrgetter("dtype")
+
+
+def _float_bits(x) -> int:
+    return _F32_BITS.unpack(_F32.pack(x))[0]
