@@ -1,8 +1,10 @@
 #!/bin/bash
-# The H200 runs of sessions 6-11 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
+# The H200 runs of sessions 6-12 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
 # `bash scripts/gpu_run.sh install ktest bench2` (stages below) with `.gpu/b` carried; outputs land in $OUT. On a
 # machine still warm from an install, pass `-` instead of `install` (e.g. `REPEATS=3 BENCH_ARGS="--warmup full"
-# bash scripts/gpu_run.sh - noise`; PYTHONPATH=/root/site:$PWD is set below).
+# bash scripts/gpu_run.sh - noise`; PYTHONPATH=/root/site:$PWD is set below). Kernel variants: copies of
+# veloxquant_mlx/cache/kernels/ in untracked folders, `VARIANTS="kvar/A kvar/B" bash scripts/gpu_run.sh - variants ncu`.
+# The machine is handed back after ~30 s idle: chain the runs (prepare everything first).
 set -x
 export PYTHONPATH=/root/site:$PWD
 case "$1" in
@@ -35,5 +37,7 @@ for cmd in "$@"; do
   sync) timeout 300 python3 scripts/prefill_host_device.py --context 8192,32768 > $OUT/sync.txt 2>&1; cat $OUT/sync.txt ;;
   b128) timeout 420 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 131072 --repeats 1 --decode-tokens 8 --baselines none --isolate --timeout 200 --json > $OUT/h200_bench_128k.json 2> $OUT/b128.err; tail -3 $OUT/b128.err; python3 scripts/bench_samples.py $OUT/h200_bench_128k.json ;;
   inflight) VELOXQUANT_PREFILL_LAYERS_IN_FLIGHT=${INFLIGHT:-4} timeout 200 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 8192,32768 --repeats 2 --decode-tokens 8 --baselines none --isolate --warmup full --json > $OUT/h200_bench_inflight.json 2> $OUT/inflight.err; tail -3 $OUT/inflight.err; python3 scripts/bench_samples.py $OUT/h200_bench_inflight.json ;;
+  variants) timeout 300 python3 scripts/decode_kernel_variants.py --context ${CONTEXTS:-8192,32768,131072} $VARIANTS > $OUT/variants.txt 2>&1; cat $OUT/variants.txt ;;
+  ncu) NCU=1 timeout 400 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats -k regex:decode python3 scripts/decode_kernel_variants.py --context ${CONTEXTS:-8192,32768} --extra 0 $VARIANTS > $OUT/ncu.txt 2>&1; grep -E "^  vq_|Duration|Compute \(SM\)|Warp Cycles Per Issued|Registers Per|Achieved Occ|^T=|relative L2" $OUT/ncu.txt ;;
   esac
 done
