@@ -39,5 +39,6 @@ for cmd in "$@"; do
   inflight) VELOXQUANT_PREFILL_LAYERS_IN_FLIGHT=${INFLIGHT:-4} timeout 200 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 8192,32768 --repeats 2 --decode-tokens 8 --baselines none --isolate --warmup full --json > $OUT/h200_bench_inflight.json 2> $OUT/inflight.err; tail -3 $OUT/inflight.err; python3 scripts/bench_samples.py $OUT/h200_bench_inflight.json ;;
   variants) timeout 300 python3 scripts/decode_kernel_variants.py --context ${CONTEXTS:-8192,32768,131072} $VARIANTS > $OUT/variants.txt 2>&1; cat $OUT/variants.txt ;;
   ncu) NCU=1 timeout 400 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats -k regex:decode python3 scripts/decode_kernel_variants.py --context ${CONTEXTS:-8192,32768} --extra 0 $VARIANTS > $OUT/ncu.txt 2>&1; grep -E "^  vq_|Duration|Compute \(SM\)|Warp Cycles Per Issued|Registers Per|Achieved Occ|^T=|relative L2" $OUT/ncu.txt ;;
+  paired) for T in ${CONTEXTS:-8192 32768}; do timeout 280 python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds ${ROUNDS:-5} --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16; done > $OUT/paired.txt 2>&1; cat $OUT/paired.txt ;;
   esac
 done
