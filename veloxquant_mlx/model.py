@@ -150,10 +150,13 @@ def load_gguf_tokenizer(path: str | Path):
 
 def _dtype_key(dtype) -> str:
     import mlx.core as mx
+
+    from .cache.primitives.buffers import dtype_name
+
     dtype = getattr(mx, dtype) if isinstance(dtype, str) else _blas.compute_dtype() if dtype is None else dtype
     if not isinstance(dtype, mx.Dtype):
         raise TypeError(f"dtype must be an mlx dtype or its name, got {dtype!r}")
-    return str(dtype).rsplit(".", 1)[-1]
+    return dtype_name(dtype)
 
 
 def _load_gguf(path, dtype_name: str):

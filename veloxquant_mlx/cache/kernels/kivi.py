@@ -13,9 +13,9 @@ Dv*b/32 lanes (coalesced), each lane owning one word's 32/b channels; rows past 
 with weight 0 (no branch, so the loads can be issued together). Splits take tiles round-robin, one tile
 per warp up to ~BLOCKS blocks; the block's warps join in shared memory.
 
-Kernel alone on the H200 (``scripts/decode_kernel_time.py``, 8 KV heads x 4, d 128, 4-bit, partials + merge):
-0.96 / 1.50 / 2.45 ms per 10 layers at 8k / 32k / 128k, against 1.04 / 1.47 / 3.16 for the previous form (a
-warp per 32 words, D dependent loads per lane); still latency-bound at 8k (docs/RESULTS.md).
+On the H200 (Nsight Compute, 8 KV heads x 4, d 128, 4-bit, SM at 1.48 GHz): 21 us at 8k, 59 us at 32k, bound by
+instruction issue -- the 32 FMAs per code word are half the key loop's instructions, the rest unpacking and
+addressing; batching the loads or halving the tiles did not help (docs/RESULTS.md "Decode: what bounds a step").
 """
 
 from __future__ import annotations
