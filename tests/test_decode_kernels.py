@@ -135,6 +135,13 @@ def test_merge_kernel_equals_merge_partials(S1, B, H, R, DV, sinks, hadamard):
     assert _rel(got.reshape(B, H, R, DV), want) < 1e-5
 
 
+def test_merge_kernel_refuses_more_partials_than_its_shared_table_holds():
+    S1 = _common.MAX_SPLITS + 2
+    m, l = mx.zeros((1, 1, 1, S1)), mx.ones((1, 1, 1, S1))
+    with pytest.raises(ValueError, match="MAX_SPLITS"):
+        _common.merge_kernel(m, l, mx.zeros((1, 1, 1, S1, 32)), None, False, mx.float32)
+
+
 def test_split_count_grows_with_the_context_and_is_bounded():
     assert split_count(1) == 1 and split_count(256) == 1 and split_count(257) == 2
     assert split_count(32768) == 128 and split_count(10**7) == _common.MAX_SPLITS

@@ -216,10 +216,12 @@ MERGE_THREADS = 1024  # at most this many threads per query head in the merge (p
 def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.array], hadamard: bool,
                  out_dtype) -> mx.array:
     """:func:`merge_partials` in one CUDA launch: a block per query head, its threads summing the splits in
-    ``MERGE_THREADS // Dv`` parts (loads in flight, not a loop over every split per thread), the rotation (when
+    up to ``MERGE_THREADS // Dv`` parts (loads in flight, not a loop over every split per thread), the rotation (when
     ``hadamard``) a fast Walsh-Hadamard transform in shared memory; returns [B, H * R, 1, Dv] in ``out_dtype``
     (mlx_lm's layout)."""
     B, H, R, S1, dv = acc.shape
+    if S1 > MAX_SPLITS + 1:  # the kernel's shared table holds MAX_SPLITS + 1 split weights
+        raise ValueError(f"merge_kernel: {S1} partials, at most MAX_SPLITS + 1 = {MAX_SPLITS + 1}")
     parts = 1  # a power of two up to MERGE_THREADS // Dv, about four splits per part
     while parts * 2 * dv <= MERGE_THREADS and parts * 4 < S1 - 1:
         parts *= 2
