@@ -24,24 +24,24 @@ F32, F16, BF16, U32, I32 = mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.in
 EXACT = [F16, F16, BF16, BF16, F32, F32]
 PARTIALS = [F32] * 3
 CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
-    ("waterfill_d128_r4", waterfill._KERNELS[False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
+    ("waterfill_d128_r4", waterfill._KERNELS[False, False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
      PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 4), ("DV", 128))),
-    ("waterfill_batch_d128_r4", waterfill._KERNELS[True], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32, I32]
+    ("waterfill_batch_d128_r4", waterfill._KERNELS[True, False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32, I32]
      + EXACT, PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("HK", 8), ("NW", 4), ("REP", 4),
                          ("DV", 128))),
-    ("waterfill_d64_r3", waterfill._KERNELS[False], [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
+    ("waterfill_d64_r3", waterfill._KERNELS[False, False], [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
      PARTIALS, (("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 3), ("DV", 64))),
-    ("kivi_d128_r4", kivi._KERNELS[False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+    ("kivi_d128_r4", kivi._KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("NW", 4),
       ("REP", 4), ("DV", 128))),
-    ("kivi_batch_d128_r4", kivi._KERNELS[True], [BF16, U32, F16, F16, U32, F16, F16, I32] + EXACT, PARTIALS,
+    ("kivi_batch_d128_r4", kivi._KERNELS[True, False], [BF16, U32, F16, F16, U32, F16, F16, I32] + EXACT, PARTIALS,
      (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("HK", 8), ("NW", 4),
       ("REP", 4), ("DV", 128))),
-    ("kivi_d128_b2_r3", kivi._KERNELS[False], [BF16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+    ("kivi_d128_b2_r3", kivi._KERNELS[False, False], [BF16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 128), ("KB", 2), ("G", 64), ("GV", 32), ("WV", 8), ("TW", 8), ("NW", 4), ("REP", 3), ("DV", 128))),
-    ("kivi_d128_b8_r8", kivi._KERNELS[False], [F32, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+    ("kivi_d128_b8_r8", kivi._KERNELS[False, False], [F32, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 128), ("KB", 8), ("G", 128), ("GV", 32), ("WV", 32), ("TW", 8), ("NW", 4), ("REP", 8), ("DV", 128))),
-    ("kivi_d64_b2", kivi._KERNELS[False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
+    ("kivi_d64_b2", kivi._KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("TW", 8), ("NW", 4), ("REP", 3), ("DV", 64))),
     ("waterfill_encode_d128_b4", waterfill_rows._ENCODE_K, [BF16, BF16, U32, F32, F32, F32, I32, F32, F32],
      [U32, U32, F16], (("D", 128), ("DV", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("LEVELS", 4), ("NW", 4))),

@@ -1,6 +1,6 @@
 """Where a model's decode step goes: host time building the step's graph (the model call) against the
-time its evaluation then takes, per step, for a compressed cache and for mlx_lm's plain cache; with
-``--profile`` the host side's top Python functions (cProfile) for the compressed cache. ``--prefill``: the
+time its evaluation then takes (and the host's part of that: queueing the kernels, ``mx.async_eval``), per
+step, for a compressed cache and for mlx_lm's plain cache; with ``--profile`` the host side's top Python functions (cProfile) for the compressed cache. ``--prefill``: the
 same split for each 2048-token prefill chunk (summed over the chunks; the second pass is the warm one).
 
     python scripts/decode_host_device.py --shape llama-8b --context 8192 --method kivi
@@ -41,6 +41,8 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field (int)")
     ap.add_argument("--prefill", action="store_true", help="split the prefill's chunks instead of decode steps")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="steps as the bench runs them (step i + 1 built and queued while step i evaluates)")
     a = ap.parse_args(argv)
     fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     model = random_model(a.shape)
@@ -54,8 +56,13 @@ def main(argv=None):
             mx.clear_cache()
             continue
         prefill(model, prompt[:-1], caches, 2048, None)
+        if a.pipelined:
+            pipelined_split(model, caches, name, a.context, a.steps)
+            del caches
+            mx.clear_cache()
+            continue
         tok = mx.array([[1]])
-        build, run = [], []
+        build, queue, run = [], [], []
         prof = cProfile.Profile() if a.profile and name != "plain" else None
         for i in range(a.steps):
             t0 = time.perf_counter()
@@ -66,17 +73,44 @@ def main(argv=None):
             if prof:
                 prof.disable()
             t1 = time.perf_counter()
-            mx.eval(nxt)
+            mx.async_eval(nxt)  # returns once the step's kernels are queued: the host's share of the evaluation
             t2 = time.perf_counter()
+            mx.eval(nxt)
+            t3 = time.perf_counter()
             tok = nxt[:, None]
             if i >= 4:
-                build.append(t1 - t0), run.append(t2 - t1)
-        print(f"{name:10s} T={a.context}: host build {statistics.median(build) * 1e3:6.2f} ms, "
-              f"eval {statistics.median(run) * 1e3:6.2f} ms per step (medians)", flush=True)
+                build.append(t1 - t0), queue.append(t2 - t1), run.append(t3 - t1)
+        med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+        print(f"{name:10s} T={a.context}: host build {med(build):6.2f} ms, eval {med(run):6.2f} ms per step, of which "
+              f"queueing the kernels {med(queue):6.2f} ms (medians)", flush=True)
         if prof:
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         del caches
         mx.clear_cache()
+
+
+def pipelined_split(model, caches, name, context, steps):
+    """Per step of a pipelined decode (as ``bench.pipelined_decode``): the host's build of step i + 1, its queueing
+    (``mx.async_eval``; long if the host waits there for the device) and the wait for step i; medians."""
+    tok = mx.array([1])
+    step = lambda t: mx.argmax(model(t[:, None], cache=caches)[:, -1, :], axis=-1)  # noqa: E731
+    nxt = step(tok)
+    mx.async_eval(nxt)
+    build, queue, wait, total = [], [], [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        cur, nxt = nxt, step(nxt)
+        t1 = time.perf_counter()
+        mx.async_eval(nxt)
+        t2 = time.perf_counter()
+        mx.eval(cur)
+        t3 = time.perf_counter()
+        if i >= 4:
+            build.append(t1 - t0), queue.append(t2 - t1), wait.append(t3 - t2), total.append(t3 - t0)
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    print(f"{name:10s} T={context} pipelined: build {med(build):5.2f} ms + queue {med(queue):5.2f} ms + wait for the "
+          f"previous step {med(wait):5.2f} ms = step {med(total):5.2f} ms (medians)", flush=True)
+    mx.eval(nxt)
 
 
 def prefill_split(model, prompt, caches, name, profile, step=2048):

@@ -1,6 +1,6 @@
 """Compare variants of the decode kernels package on MLX's CUDA backend: each folder given holds a copy of
 ``veloxquant_mlx/cache/kernels/`` with a change (e.g. ``git show REV:...`` or an edited constant); every variant's
-KIVI and waterfill partials + merge run on the same caches (8 KV heads x 4 query heads, d 128, 4-bit), timed
+KIVI and waterfill decode steps (partials + merge, or one fused launch) run on the same caches (8 KV heads x 4 query heads, d 128, 4-bit), timed
 (ms per 10 layers, host build included) and checked against the first variant. ``NCU=1``: one call each, no
 timing, for ``ncu -k regex:decode`` (the kernels' own GPU time).
 
@@ -64,18 +64,23 @@ def main(argv=None):
             kex = (kv.res_k, kv.res_v, kv.n_res, kv.res_k, kv.res_v, 0, k[:, :, :1], v[:, :, :1])
             wex = (wf.sink_k, wf.sink_v, wf.n_sink, wf.win_k, wf.win_v, wf.n_win, k[:, :, :1], v[:, :, :1])
 
+            def attend(M, partials, args, hadamard):
+                """A variant's one step: fused (its ``_common`` has ``Merge``) or partials + merge kernel."""
+                C = M["_common"]
+                if hasattr(C, "Merge"):
+                    return partials(*args, merge=C.Merge(None, hadamard, one_q.dtype))
+                return C.merge_kernel(*partials(*args), None, hadamard=hadamard, out_dtype=one_q.dtype)
+
             def kivi(M):
-                m, l, acc = M["kivi"].kivi_partials(one_q, D**-0.5, kv.k_codes, kv.k_scales, kv.k_biases, kv.v_codes,
-                                                    kv.v_scales, kv.v_biases, kv.n_quant, kv.qbits, kv.group,
-                                                    kv.value_group(D), kex)
-                return M["_common"].merge_kernel(m, l, acc, None, hadamard=False, out_dtype=one_q.dtype)
+                return attend(M, M["kivi"].kivi_partials, (one_q, D**-0.5, kv.k_codes, kv.k_scales, kv.k_biases,
+                                                           kv.v_codes, kv.v_scales, kv.v_biases, kv.n_quant, kv.qbits,
+                                                           kv.group, kv.value_group(D), kex), False)
 
             def waterfill(M):
                 ktab, lo, st, rope, vpoly = M["waterfill"].cache_constants(wf)
-                m, l, acc = M["waterfill"].waterfill_partials(one_q, D**-0.5, wf.k_words, ktab, lo, st, rope, wf.v_words,
-                                                              wf.v_scales, vpoly, wf.n_quant, wf.n_sink, wf.bit_width,
-                                                              D, wex)
-                return M["_common"].merge_kernel(m, l, acc, None, hadamard=True, out_dtype=one_q.dtype)
+                return attend(M, M["waterfill"].waterfill_partials,
+                              (one_q, D**-0.5, wf.k_words, ktab, lo, st, rope, wf.v_words, wf.v_scales, vpoly,
+                               wf.n_quant, wf.n_sink, wf.bit_width, D, wex), True)
 
             print(f"T={T}+{extra} (kivi residual {kv.n_res}, waterfill window {wf.n_win}); ms per 10 layers", flush=True)
             if not ncu:

@@ -589,6 +589,53 @@ def test_waterfill_batch_kernel_equals_the_op_path(H, R, D, lengths, rope, dtype
 
 
 @GPU
+@pytest.mark.parametrize("method,H,R,D,prompt,dtype,with_sinks,max_splits,fused_max", [
+    ("kivi", 2, 1, 64, 45, mx.float16, False, None, None), ("kivi", 8, 4, 128, 20011, mx.bfloat16, True, None, None),
+    ("kivi", 3, 3, 64, 700, mx.float16, True, 1, None), ("waterfill", 2, 3, 64, 101, mx.float16, True, None, None),
+    ("waterfill", 8, 4, 128, 5000, mx.bfloat16, False, None, None),
+    ("waterfill", 2, 2, 64, 3000, mx.float16, True, None, 2), ("kivi", 2, 4, 128, 3000, mx.float16, True, None, 2)])
+def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype, with_sinks, max_splits, fused_max,
+                                                 monkeypatch):
+    """One launch per layer: the decode kernel's last block per KV head merging the splits (sink logits,
+    waterfill's rotation back from the Hadamard domain) gives what the same kernel's partials merged by the op
+    path give, from one split to dozens; past ``FUSED_MAX_S1`` partials (lowered here) the merge kernel does."""
+    mod, name = (kivi_kernel, "kivi_partials") if method == "kivi" else (wf_kernel, "waterfill_partials")
+    if max_splits:
+        monkeypatch.setattr(kivi_kernel, "MAX_SPLITS", max_splits)
+    if fused_max:
+        monkeypatch.setattr(_common, "FUSED_MAX_S1", fused_max)
+    real, seen = getattr(mod, name), []
+
+    def spy(*args, merge=None, **kw):
+        out = real(*args, merge=merge, **kw)
+        seen.append((out, real(*args, **kw), merge))
+        return out
+
+    monkeypatch.setattr(mod, name, spy)
+    rng = np.random.default_rng(prompt)
+    c = _kivi(D) if method == "kivi" else _waterfill(D, nn.RoPE(D, base=10000.0))
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D, dtype), _rows(rng, H, prompt, D, dtype))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D, dtype), K, V, cache=c, scale=D**-0.5, mask="causal")
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    for _ in range(3):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
+        mx.eval(dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D, dtype), K, V, cache=c, scale=D**-0.5, mask=None,
+                                         sinks=sinks))
+    assert len(seen) >= 3
+    splits = set()
+    for out, (m, l, acc), how in seen:
+        assert how is not None and how.hadamard == (method == "waterfill") and how.out_dtype == dtype
+        want = merge_partials(m, l, acc, how.sinks,
+                              rotate=(lambda y: rotate_values(y, 0, inverse=True)) if how.hadamard else None)
+        B, Hk, Rk, dv = want.shape
+        assert out.shape == (B, Hk * Rk, 1, dv) and out.dtype == dtype
+        assert _rel(out.astype(mx.float32).reshape(B, Hk, Rk, dv), want) < (1e-2 if dtype == mx.bfloat16 else 2e-3)
+        splits.add(m.shape[-1])
+    assert (max_splits is None) or splits == {max_splits + 1}
+    assert fused_max is None or min(splits) > fused_max
+
+
+@GPU
 def test_decode_steps_take_the_kernels_on_the_gpu():
     """Through the dispatch point, a decode step on the GPU runs the checked kernel (no fallback)."""
     for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64)):
@@ -671,22 +718,25 @@ def reference_kernels(monkeypatch):
         return (mx.concatenate([qm, em], axis=-1), mx.concatenate([ql, el], axis=-1),
                 mx.concatenate([qa, ea], axis=-2))
 
-    def wf(queries, scale, k_words, *args, counts=None):
+    def merged(partials, how):  # a fused launch (``merge``) returns the output, else the partials
+        return partials if how is None else merge(*partials, *how)
+
+    def wf(queries, scale, k_words, *args, counts=None, merge=None):
         c, n, exact = caches["waterfill"], args[-5], args[-1]
         q = grouped(queries, scale, k_words.shape[1])
         vals = c._value_codes(0, n) * c.v_scales[:, :, :n, None].astype(mx.float32)
         if counts is not None:
             caches["waterfill_batch_launches"] = caches.get("waterfill_batch_launches", 0) + 1
-            return _batch_partials(q, c._keys(0, n).swapaxes(-1, -2), vals, exact, np.array(counts))
-        return joined(q, q @ c._keys(0, n).swapaxes(-1, -2), vals, exact)
+            return merged(_batch_partials(q, c._keys(0, n).swapaxes(-1, -2), vals, exact, np.array(counts)), merge)
+        return merged(joined(q, q @ c._keys(0, n).swapaxes(-1, -2), vals, exact), merge)
 
-    def kv(queries, scale, k_codes, *args, counts=None):
+    def kv(queries, scale, k_codes, *args, counts=None, merge=None):
         c, n, exact = caches["kivi"], args[-5], args[-1]
         q = grouped(queries, scale, k_codes.shape[1])
         if counts is not None:
             caches["kivi_batch_launches"] = caches.get("kivi_batch_launches", 0) + 1
-            return _batch_partials(q, c._keys_t(n), c._values(n), exact, np.array(counts))
-        return joined(q, q @ c._keys_t(n), c._values(n), exact)
+            return merged(_batch_partials(q, c._keys_t(n), c._values(n), exact, np.array(counts)), merge)
+        return merged(joined(q, q @ c._keys_t(n), c._values(n), exact), merge)
 
     def merge(m, l, acc, sinks, hadamard, out_dtype):
         out = merge_partials(m, l, acc, sinks, rotate=(lambda y: rotate_values(y, 0, inverse=True)) if hadamard else None)

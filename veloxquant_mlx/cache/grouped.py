@@ -304,17 +304,17 @@ class GroupedQuantCache(CompressedKVCache):
                 and kernels.kernels_enabled())
 
     def _decode_attend(self, queries, *, scale, sinks=None):
-        """One query row in two launches: the decode kernel's split-K partials over the codes plus the
-        float16 residual and the call's own row, then the merge kernel (one softmax)."""
+        """One query row in one launch: the decode kernel's split-K partials over the codes plus the float16
+        residual and the call's own row, merged by its last block per head (one softmax)."""
         call, self._call = self._call, None
         q0, r0, past_k, past_v, new_k, new_v = call
         # the residual buffer holds the past rows first, unless this call completed a group: then the record's
         res_k, res_v = (past_k, past_v) if self.n_quant != q0 and r0 else (self.res_k, self.res_v)
         exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
-        m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
-                                              self.v_codes, self.v_scales, self.v_biases, q0, self.qbits,
-                                              self.group, self.value_group(new_v.shape[-1]), exact)
-        return kernels.merge_kernel(m, l, acc, sinks, hadamard=False, out_dtype=queries.dtype)
+        return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
+                                         self.v_scales, self.v_biases, q0, self.qbits, self.group,
+                                         self.value_group(new_v.shape[-1]), exact,
+                                         merge=kernels.Merge(sinks, False, queries.dtype))
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""

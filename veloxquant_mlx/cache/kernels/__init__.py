@@ -25,9 +25,9 @@ prefill chunk's fused attention reads, in one launch each instead of dozens of s
 """
 
 from .. import dispatch
-from ._common import checked_call, kernels_enabled, merge_kernel, merge_partials, split_count
+from ._common import Merge, checked_call, kernels_enabled, merge_kernel, merge_partials, split_count
 
-__all__ = ["checked_call", "kernels_enabled", "keeps_rows", "merge_kernel", "merge_partials", "split_count"]
+__all__ = ["Merge", "checked_call", "kernels_enabled", "keeps_rows", "merge_kernel", "merge_partials", "split_count"]
 
 
 def keeps_rows(cache, rows: int) -> bool:

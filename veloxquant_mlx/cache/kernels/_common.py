@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
 from ._compile import Kernel
 
-__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "WARPS", "disable", "checked_call"]
+__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "WARPS", "disable", "checked_call",
+           "Merge"]
 
 WARPS = 4  # warps per block
 TOKENS_PER_WARP = 64  # the split count aims at about this many tokens per warp
 MAX_SPLITS = 512
+# Partials per head up to which a decode step merges in its own launch (H200, Nsight: at 33 partials the fused
+# launch took what the two launches took, 27 us for KIVI at 8k; at 513 waterfill's took 60 us more)
+FUSED_MAX_S1 = 65
 
 SELF_CHECK_TOL = 2e-2  # first-use check of a kernel against the op path: relative L2 error
 _disabled: set[str] = set()  # kernels turned off in this process (failed to build/run, or mismatched)
@@ -288,10 +292,19 @@ EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
 EXACT_SCALARS = [("e0_all", "int"), ("e1_all", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
 
 
-def kernel_pair(name: str, inputs: list, scalars: list, body: str) -> dict:
-    """{batched: Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt`` input)."""
-    return {b: Kernel(name + ("_batch" if b else ""), inputs + ["cnt"] * b + EXACT_INPUTS, OUTPUTS,
-                      scalars + EXACT_SCALARS, body.replace("VQ_COUNTS", _COUNTS[b])) for b in (False, True)}
+def kernel_pair(name: str, inputs: list, scalars: list, body: str, bounds=None) -> dict:
+    """{(batched, fused): Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt``
+    input), each returning its partials or, ``fused``, also merging them (``FUSED_TAIL``: the sink logits ``sk`` an
+    input, ``HQ`` a scalar) into the attention output: one launch per layer. ``bounds``: ``Kernel``'s launch
+    bounds."""
+    table = {}
+    for b in (False, True):
+        src = body.replace("VQ_COUNTS", _COUNTS[b])
+        ins, sc, nm = inputs + ["cnt"] * b + EXACT_INPUTS, scalars + EXACT_SCALARS, name + ("_batch" if b else "")
+        table[b, False] = Kernel(nm, ins, OUTPUTS, sc, src, bounds)
+        table[b, True] = Kernel(nm + "_fused", ins + ["sk"], FUSED_OUTPUTS, sc + [("HQ", "int")],
+                                FUSED_HEAD + src + FUSED_TAIL, bounds)
+    return table
 
 
 def exact_args(exact, counts=None, heads: int = 1) -> tuple[list, list, tuple]:
@@ -348,13 +361,126 @@ BLOCK_JOIN = r"""
 BLOCK_MERGE = BLOCK_SHARED + LANE_STORE + BLOCK_JOIN
 
 OUTPUTS = ["out_m", "out_l", "out_acc"]
+FUSED_OUTPUTS = ["vq_scratch", "out"]
+
+# A fused kernel's partials live in one float32 scratch output (acc, m, l, then one int counter per batch row and
+# KV head), zeroed by MLX before the launch.
+FUSED_HEAD = r"""
+#define VQ_PARTIALS (VQ_GRID_X * REP * VQ_GRID_Y)  // (batch row, KV head, query head, split) partials
+#define out_acc vq_scratch
+#define out_m (vq_scratch + (size_t)VQ_PARTIALS * DV)
+#define out_l (out_m + VQ_PARTIALS)
+#define vq_done ((int*)(out_l + VQ_PARTIALS))
+"""
+
+# The end of a fused kernel: each block, its partial written, counts itself in its (batch row, KV head)'s counter;
+# the block that counts last merges that head's S1 partials in one softmax (as merge_partials: sink logits,
+# waterfill's rotation of the quantized splits' sum by a Walsh-Hadamard transform in shared memory) and writes the
+# output [B, H * REP, 1, DV]. The partials are read through L2 (``vq_ldcg``), four channels per load.
+FUSED_TAIL = r"""
+  VQ_SHARED int vq_last;
+  VQ_SHARED float vq_w[REP * 32];
+  VQ_FENCE();
+  VQ_SYNC();
+  if (VQ_TID == 0) vq_last = VQ_ATOMIC_ADD(vq_done + bh, 1) == S1 - 1;
+  VQ_SYNC();
+  if (vq_last) {
+    VQ_FENCE();
+    const size_t row0 = (size_t)bh * REP * S1;
+    for (int r = warp; r < REP; r += NW) {
+      const float* pm = out_m + row0 + (size_t)r * S1;
+      const float* pl = out_l + row0 + (size_t)r * S1;
+      float M = -VQ_INF;
+      for (int i = lane; i < S1; i += 32) M = fmaxf(M, vq_ldcg(pm + i));
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, VQ_SHFL_XOR(M, o));
+      float sinkv = 0.f;
+      if (HAS_SINK) { sinkv = VQ_F(sk[(bh * REP + r) % HQ]); M = fmaxf(M, sinkv); }
+      float L = 0.f;
+      for (int i = lane; i < S1; i += 32) L += VQ_EXP(vq_ldcg(pm + i) - M) * vq_ldcg(pl + i);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) L += VQ_SHFL_XOR(L, o);
+      if (HAS_SINK) L += VQ_EXP(sinkv - M);
+      if (lane == 0) { sm_m[r] = M; sm_l[r] = L; }
+    }
+    VQ_SYNC();
+    for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) sm_a[i] = 0.f;
+    constexpr int C4 = DV / 4;
+    for (int t0 = 0; t0 < S1 - 1; t0 += 32) {  // the quantized splits' weighted sum, 32 splits at a time
+      const int nt = min(32, S1 - 1 - t0);
+      VQ_SYNC();
+      for (int i = VQ_TID; i < REP * 32; i += VQ_NTHREADS) {
+        const int r = i / 32, j = i % 32;
+        vq_w[i] = j < nt ? VQ_EXP(vq_ldcg(out_m + row0 + (size_t)r * S1 + t0 + j) - sm_m[r]) : 0.f;
+      }
+      VQ_SYNC();
+      for (int i = VQ_TID; i < REP * C4; i += VQ_NTHREADS) {  // 4 channels a thread, 8 loads in flight
+        const int r = i / C4, c = 4 * (i % C4);
+        const float* pa = out_acc + (row0 + (size_t)r * S1 + t0) * DV + c;
+        const float* w = vq_w + r * 32;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 8
+        for (int j = 0; j < nt; ++j) {
+          const vq_f4 a = vq_ldcg4(pa + (size_t)j * DV);
+          a0 += w[j] * a.x; a1 += w[j] * a.y; a2 += w[j] * a.z; a3 += w[j] * a.w;
+        }
+        float* dst = sm_a + r * DV + c;
+        dst[0] += a0; dst[1] += a1; dst[2] += a2; dst[3] += a3;
+      }
+    }
+    if (ROT) {
+      for (int hs = 1; hs < DV; hs <<= 1) {
+        VQ_SYNC();
+        for (int i = VQ_TID; i < REP * DV / 2; i += VQ_NTHREADS) {
+          const int r = i / (DV / 2), p = i % (DV / 2);
+          float* x = sm_a + r * DV + (p / hs) * 2 * hs + p % hs;
+          const float a = x[0], b = x[hs];
+          x[0] = a + b;
+          x[hs] = a - b;
+        }
+      }
+    }
+    VQ_SYNC();
+    const float rot = ROT ? rsqrtf((float)DV) : 1.f;
+    for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) {
+      const int r = i / DV, c = i % DV;
+      const size_t e = row0 + (size_t)r * S1 + S1 - 1;  // the exact rows' partial
+      const float we = VQ_EXP(vq_ldcg(out_m + e) - sm_m[r]);
+      const float y = sm_a[r * DV + c] * rot + we * vq_ldcg(out_acc + e * DV + c);
+      vq_store(out + ((size_t)bh * REP + r) * DV + c, y / sm_l[r]);
+    }
+  }
+"""
 
 
-def launch(kernel: Kernel, arrays: list, scalars: list, consts: tuple, B: int, H: int, R: int, S: int, dv: int,
-           warps: int = WARPS):
-    """Run a decode kernel: one block of ``WARPS`` warps per (batch row, KV head) and split, plus one
-    block per (batch row, KV head) for the exact rows; partials [B, H, R, S + 1] (and ``acc`` [.., Dv])."""
+class Merge(NamedTuple):
+    """What a fused decode kernel needs to finish the step: the sink logits [H * R] (or None), whether the quantized
+    splits' value sum is rotated back (waterfill's Walsh-Hadamard domain) and the output's dtype."""
+
+    sinks: Optional[mx.array]
+    hadamard: bool
+    out_dtype: mx.Dtype
+
+
+def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tuple, B: int, H: int, R: int, S: int,
+           dv: int, merge: Optional[Merge] = None, warps: int = WARPS):
+    """Run a decode kernel (``kernels`` from :func:`kernel_pair`): one block of ``WARPS`` warps per (batch row, KV
+    head) and split, plus one block per (batch row, KV head) for the exact rows. Returns the partials (m, l
+    [B, H, R, S + 1], acc [.., Dv]); with ``merge`` the attention output [B, H * R, 1, Dv]: up to ``FUSED_MAX_S1``
+    partials per head in the same launch (the partials live in a scratch output that MLX zeroes, ``init_value``:
+    it holds the blocks' counters), past that by :func:`merge_kernel` (the fused tail is one block per head,
+    slower than the merge's many when it reads hundreds of partials)."""
     S1 = S + 1
-    return kernel(arrays, scalars, consts + (("NW", warps), ("REP", R), ("DV", dv)),
-                  [(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)], [mx.float32] * 3,
-                  grid=(32 * warps * B * H, S1, 1), threads=(32 * warps, 1, 1))
+    grid, threads = (32 * warps * B * H, S1, 1), (32 * warps, 1, 1)
+    consts = consts + (("NW", warps), ("REP", R), ("DV", dv))
+    if merge is None or S1 > FUSED_MAX_S1:
+        m, l, acc = kernels[batched, False](arrays, scalars, consts, [(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
+                                           [mx.float32] * 3, grid=grid, threads=threads)
+        return (m, l, acc) if merge is None else merge_kernel(m, l, acc, *merge)
+    rows = B * H * R * S1
+    sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
+    _, out = kernels[batched, True](arrays + [sk], scalars + [H * R],
+                                    consts + (("HAS_SINK", merge.sinks is not None), ("ROT", merge.hadamard)),
+                                    [(rows * (dv + 2) + B * H,), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
+                                    grid=grid, threads=threads, init_value=0.0)
+    return out

@@ -28,6 +28,7 @@ PRELUDE = r"""
 #define VQ_TID ((int)threadIdx.x)
 #define VQ_BLOCK_X ((int)blockIdx.x)
 #define VQ_BLOCK_Y ((int)blockIdx.y)
+#define VQ_GRID_X ((int)gridDim.x)
 #define VQ_GRID_Y ((int)gridDim.y)
 #define VQ_SHFL(v, src) __shfl_sync(VQ_FULL, (v), (src))
 #define VQ_SHFL_XOR(v, m) __shfl_xor_sync(VQ_FULL, (v), (m))
@@ -35,6 +36,8 @@ PRELUDE = r"""
 #define VQ_SYNC() __syncthreads()
 #define VQ_SYNCWARP() __syncwarp()
 #define VQ_ATOMIC_OR(p, x) atomicOr((p), (x))
+#define VQ_ATOMIC_ADD(p, x) atomicAdd((p), (x))
+#define VQ_FENCE() __threadfence()
 #define VQ_EXP(x) __expf(x)
 #define VQ_F(x) vq_f(x)
 typedef unsigned int vq_u32;
@@ -44,6 +47,18 @@ __device__ __forceinline__ float vq_f(float x) { return x; }
 __device__ __forceinline__ float vq_f(vq_f16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.b)); return f; }
 __device__ __forceinline__ float vq_f(vq_bf16 x) { return __uint_as_float((unsigned int)x.b << 16); }
 __device__ __forceinline__ void vq_store(float* p, float x) { *p = x; }
+struct vq_f4 { float x, y, z, w; };
+// loads through L2 (not L1): data other blocks of the same launch wrote before a fence
+__device__ __forceinline__ float vq_ldcg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ vq_f4 vq_ldcg4(const float* p) {
+  vq_f4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ void vq_store(vq_f16* p, float x) {
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -59,16 +74,18 @@ __device__ __forceinline__ void vq_store(vq_bf16* p, float x) {  // round to nea
 CTYPES = {mx.float32: "float", mx.float16: "vq_f16", mx.bfloat16: "vq_bf16", mx.uint32: "vq_u32", mx.int32: "int"}
 
 
-def render(symbol: str, body: str, inputs, outputs, scalars, consts) -> str:
+def render(symbol: str, body: str, inputs, outputs, scalars, consts, bounds=None) -> str:
     """The kernel's CUDA source: ``inputs``/``outputs`` (name, C type) pointers, ``scalars`` (name, "int" or
     "float") by value, ``consts`` (name, int) compile-time constants, then the body. A float scalar travels as
     its bits in an int (MLX 0.32.4's binding refuses Python floats: "Received float but must be one of bool,
-    int or float", seen on the H200)."""
+    int or float", seen on the H200). ``bounds`` = (threads per block, blocks per SM): ``__launch_bounds__``, which
+    caps the registers so that many blocks fit."""
     sig = ([f"const {t}* __restrict__ {n}" for n, t in inputs] + [f"{t}* __restrict__ {n}" for n, t in outputs]
            + [f"const int {n}" + ("_bits" if t == "float" else "") for n, t in scalars])
     head = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in consts)
     head += "".join(f"  const float {n} = __int_as_float({n}_bits);\n" for n, t in scalars if t == "float")
-    return f'{PRELUDE}\nextern "C" __global__ void {symbol}(\n    ' + ",\n    ".join(sig) + f") {{\n{head}{body}\n}}\n"
+    lb = f"__launch_bounds__({bounds[0]}, {bounds[1]}) " if bounds else ""
+    return f'{PRELUDE}\nextern "C" __global__ void {lb}{symbol}(\n    ' + ",\n    ".join(sig) + f") {{\n{head}{body}\n}}\n"
 
 
 def _check(lib, res: int, prog=None) -> None:
@@ -133,8 +150,10 @@ def compile_binary(source: str, name: str, arch: str | None = None) -> bytes:
 class Kernel:
     """A kernel body with named inputs, outputs (pointers) and scalars (``"int"``/``"float"`` by value)."""
 
-    def __init__(self, name: str, inputs: list[str], outputs: list[str], scalars: list[tuple[str, str]], body: str):
+    def __init__(self, name: str, inputs: list[str], outputs: list[str], scalars: list[tuple[str, str]], body: str,
+                 bounds=None):
         self.name, self.inputs, self.outputs, self.scalars, self.body = name, inputs, outputs, scalars, body
+        self.bounds = bounds
         self._convert = [int if t == "int" else _float_bits for _, t in scalars]
         self._built: dict = {}  # variant -> (symbol, cubin)
 
@@ -142,12 +161,12 @@ class Kernel:
         """(symbol, CUDA source) of the variant for these input/output dtypes and constants."""
         ins = [(n, CTYPES[d]) for n, d in zip(self.inputs, dtypes)]
         outs = [(n, CTYPES[d]) for n, d in zip(self.outputs, out_dtypes)]
-        text = render("VQ_SYMBOL", self.body, ins, outs, self.scalars, consts)
+        text = render("VQ_SYMBOL", self.body, ins, outs, self.scalars, consts, self.bounds)
         symbol = f"{self.name}_{hashlib.sha1(text.encode()).hexdigest()[:16]}"
         return symbol, text.replace("VQ_SYMBOL", symbol)
 
     def __call__(self, arrays: list, scalars: list, consts: tuple, out_shapes: list, out_dtypes: list,
-                 grid: tuple, threads: tuple) -> list:
+                 grid: tuple, threads: tuple, init_value=None) -> list:
         dtypes = tuple(map(_DTYPE, arrays))
         key = (consts, dtypes, *out_dtypes)
         built = self._built.get(key)
@@ -156,7 +175,8 @@ class Kernel:
             built = self._built[key] = (symbol, compile_binary(text, symbol))
         return mx.fast.precompiled_cuda_kernel(
             name=built[0], compiled_source=built[1], inputs=arrays, output_shapes=out_shapes, output_dtypes=out_dtypes,
-            scalars=self.scalar_args(scalars), grid=grid, threadgroup=threads, ensure_row_contiguous=True)
+            scalars=self.scalar_args(scalars), grid=grid, threadgroup=threads, init_value=init_value,
+            ensure_row_contiguous=True)
 
     def scalar_args(self, values: list) -> list[int]:
         """The scalars as the kernel takes them: ints, a float as its float32 bits."""

@@ -30,7 +30,7 @@ from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLI
 __all__ = ["kivi_partials", "supported", "TILE_WORDS"]
 
 TILE_WORDS = 8  # key words per channel in a warp's tile; 32 / TILE_WORDS channel quarters per warp
-BLOCKS = 1024  # grid size past which splits take several tiles (a few blocks per SM on an H200)
+BLOCKS = 512  # grid size past which splits take several tiles (~4 blocks per SM on an H200: one wave)
 
 _SOURCE = r"""
   const int bh = VQ_BLOCK_X;
@@ -177,9 +177,10 @@ VQ_COUNTS
 """ + BLOCK_JOIN
 
 # CK / GK: key words / groups per channel row; TV: value rows; NG: value groups per row (buffer capacities)
+# four blocks an SM (the fused tail would otherwise take a few more registers than the 128 that allows)
 _KERNELS = kernel_pair("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"],
                        [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"),
-                        ("NG", "int")], _SOURCE)
+                        ("NG", "int")], _SOURCE, bounds=(32 * WARPS, 4))
 
 
 @functools.cache
@@ -190,19 +191,20 @@ def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int
     block's shared memory (query, tile weights, warp partials) within 48 KB."""
     tpw = 32 // bits if bits in (2, 4, 8) else 0
     wv = dv * bits // 32
-    smem = 4 * rep * (d + WARPS * (TILE_WORDS * tpw + dv + 2))
+    smem = 4 * rep * (d + WARPS * (TILE_WORDS * tpw + dv + 2) + 32)  # + the fused merge's split weights
     return (tpw > 0 and group % 32 == 0 and d % 32 == 0 and dv % 32 == 0 and dv % value_group == 0
             and value_group % tpw == 0 and 0 < wv <= 32 and 32 % wv == 0 and rep * tpw <= 64
             and smem <= 48 * 1024)
 
 
 def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, n: int,
-                  bits: int, group: int, value_group: int, exact, counts=None):
+                  bits: int, group: int, value_group: int, exact, counts=None, merge=None):
     """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
     ``n`` quantized tokens (a multiple of 32), then the exact rows (``exact`` as for
     ``waterfill_partials``). ``queries`` [B, H * R, 1, D] as the model gives them; the arrays are the
     cache's buffers at full capacity. A batch form passes ``counts`` (int32 [B, 5]: quantized tokens, then
-    first row and rows taken of each exact buffer, per sequence; ``_common.kernel_pair``), ``n`` their maximum."""
+    first row and rows taken of each exact buffer, per sequence; ``_common.kernel_pair``), ``n`` their maximum.
+    With ``merge`` (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``)."""
     B, Hq, _, D = queries.shape
     H = k_codes.shape[1]
     dv = v_codes.shape[-1] * 32 // bits
@@ -210,9 +212,9 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     # one tile per warp while the grid stays under ~BLOCKS blocks; past that, warps take several tiles
     S = max(1, min(MAX_SPLITS, -(-tiles // WARPS), -(-BLOCKS // (B * H))))
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNELS[counts is not None],
+    return launch(_KERNELS, counts is not None,
                   [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
                   [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
                    *scalars],
                   (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
-                   ("TW", TILE_WORDS)) + consts, B, H, Hq // H, S, dv)
+                   ("TW", TILE_WORDS)) + consts, B, H, Hq // H, S, dv, merge)

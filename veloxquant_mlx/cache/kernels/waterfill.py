@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import BLOCK_MERGE, EXACT_ROWS, exact_args, kernel_pair, launch, split_count
+from ._common import BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_pair, launch, split_count
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -193,7 +193,7 @@ def rope_tables(spec, omega, d: int):
 
 
 def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly,
-                       n: int, pos0: int, value_bits: int, dv: int, exact, counts=None):
+                       n: int, pos0: int, value_bits: int, dv: int, exact, counts=None, merge=None):
     """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
     ``n`` quantized rows (``acc`` in the rotated value domain), then the exact rows.
 
@@ -203,19 +203,20 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     :func:`rope_tables`; ``vpoly`` float32 ``[a, b, c, (2^b - 1) / 2]``; ``pos0`` the position of
     quantized row 0; ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v): the first ``e0`` rows of the
     buffers k0/v0 [B, H, T0, D], the first ``e1`` of k1/v1, then the step's own row. A batch form passes
-    ``counts`` as for ``kivi_partials`` (``n`` their maximum) and ``ktab`` [B * H, D]."""
+    ``counts`` as for ``kivi_partials`` (``n`` their maximum) and ``ktab`` [B * H, D]. With ``merge``
+    (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``)."""
     B, Hq, _, D = queries.shape
     H = k_words.shape[1]
     WK, WV = k_words.shape[-1], v_words.shape[-1]
     S = split_count(n)
     rw, rp, rs = rope
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNELS[counts is not None],
+    return launch(_KERNELS, counts is not None,
                   [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                    v_scales.shape[2], *scalars],
                   (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)) + consts, B, H, Hq // H,
-                  S, dv)
+                  S, dv, merge)
 
 
 def cache_constants(c):
@@ -240,11 +241,9 @@ def held_constants(c) -> list:
 
 
 def decode_attend(c, queries, scale: float, sinks=None):
-    """One query row of waterfill cache ``c`` in two launches: the split-K partials over the codes plus the
-    float16 sinks, the window and the call's own row, then the merge (one softmax; the values' Hadamard
-    rotation undone once)."""
-    from . import merge_kernel
-
+    """One query row of waterfill cache ``c`` in one launch: the split-K partials over the codes plus the
+    float16 sinks, the window and the call's own row, merged by the launch's last block per head (one softmax;
+    the values' Hadamard rotation undone once)."""
     call, c._call = c._call, None
     ktab, lo, step, rope, vpoly = cache_constants(c)
     if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)
@@ -254,6 +253,5 @@ def decode_attend(c, queries, scale: float, sinks=None):
     else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
         win_k, win_v = call.past_k, call.past_v
     exact = (c.sink_k, c.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
-    m, l, acc = waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly,
-                                   call.q0, call.s0, c.bit_width, c._shape[2], exact)
-    return merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
+    return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
+                              call.s0, c.bit_width, c._shape[2], exact, merge=Merge(sinks, True, queries.dtype))

@@ -243,17 +243,16 @@ class KIVIBatchKVCache(RaggedBatchCache):
                                           queries.shape[1] // new_k.shape[1]))
 
     def _kernel_attend(self, queries, call, *, scale, sinks):
-        """One query row per sequence in two launches (the kernel's partials with per-sequence counts: its
-        groups, its right-aligned residual rows; then the merge)."""
+        """One query row per sequence in one launch (the kernel with per-sequence counts: its groups, its
+        right-aligned residual rows; merged by its last block per head)."""
         qw, R, nq, nr, past_k, past_v, new_k, new_v = call
         G = self.group
         counts = step_counts([(q * G, R - r, r, 0, 0) for q, r in zip(nq, nr)])
         k0, v0 = (past_k, past_v) if R else (new_k, new_v)
-        m, l, acc = kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases,
-                                              self.v_codes, self.v_scales, self.v_biases, qw * G, self.qbits,
-                                              G, self.value_group(new_v.shape[-1]),
-                                              (k0, v0, 0, k0, v0, 0, new_k, new_v), counts=counts)
-        return kernels.merge_kernel(m, l, acc, sinks, hadamard=False, out_dtype=queries.dtype)
+        return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
+                                         self.v_scales, self.v_biases, qw * G, self.qbits, G,
+                                         self.value_group(new_v.shape[-1]), (k0, v0, 0, k0, v0, 0, new_k, new_v),
+                                         counts=counts, merge=kernels.Merge(sinks, False, queries.dtype))
 
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""

@@ -236,7 +236,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
                 and kernels.kernels_enabled())
 
     def _kernel_attend(self, queries, call, *, scale, sinks):
-        """The single cache's two launches with per-sequence counts: its code slots, its sink rows (left-aligned),
+        """The single cache's launch with per-sequence counts: its code slots, its sink rows (left-aligned),
         its window rows (right-aligned in the record's window), the key tables per sequence and head."""
         self._call = None
         ktab, lo, step, rope, vpoly = wf_kernel.cache_constants(self)
@@ -245,10 +245,9 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         win_k, win_v = (w.past_k, w.past_v) if W else (self.sink_k, self.sink_v)  # no window: 0 rows read
         counts = step_counts([(q, 0, s, W - r, r) for s, q, r in zip(call.ns, call.nq, call.nw)])
         exact = (self.sink_k, self.sink_v, 0, win_k, win_v, 0, w.new_k, w.new_v)  # sink slots < ns never change
-        m, l, acc = wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
-                                                 self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width,
-                                                 self._shape[2], exact, counts=counts)
-        return kernels.merge_kernel(m, l, acc, sinks, hadamard=True, out_dtype=queries.dtype)
+        return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
+                                            self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width, self._shape[2],
+                                            exact, counts=counts, merge=kernels.Merge(sinks, True, queries.dtype))
 
     def held_arrays(self):
         out = super().held_arrays()
