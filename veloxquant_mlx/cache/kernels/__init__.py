@@ -4,10 +4,11 @@ Each kernel reads every quantized token's packed codes once, dequantizes them in
 produces split-K partial results of an online softmax (running max ``m``, sum ``l`` and the
 weighted value sum ``acc`` per query head and split of the context); one more block per KV head
 takes the exact float rows the caches keep beside their codes (sinks, window or residual, the step's
-own row); :func:`merge_kernel` (reference: :func:`merge_partials`) joins them in one softmax. A
-decode step is two launches per layer. GQA-aware: one block reads a KV head's codes once for all its query heads.
-fp16/bf16/fp32 in, fp32 accumulation. Each kernel comes in two variants (``_common.kernel_pair``): a single
-cache's, counts as scalars, and a batch form's, per-sequence counts as an input (ragged sequences).
+own row); the launch's last block per KV head joins them in one softmax (reference: :func:`merge_partials`), or,
+past ``_common.FUSED_MAX_S1`` partials, a second launch (:func:`merge_kernel`) does. GQA-aware: one block reads a
+KV head's codes once for all its query heads. fp16/bf16/fp32 in, fp32 accumulation. Each kernel comes in four
+variants (``_common.kernel_pair``): a single cache's, counts as scalars, or a batch form's, per-sequence counts as
+an input (ragged sequences); each returning its partials or merged.
 
 Backends: CUDA only (compiled with NVRTC, launched with ``mx.fast.precompiled_cuda_kernel``: ``_compile.py``),
 chosen when :func:`kernels_enabled` (the default device is the GPU and ``mx.cuda.is_available()``); everywhere
