@@ -133,6 +133,26 @@ def test_residual_rows_exact_and_groups_quantized(dtype):
     assert 0 < err < 3.0  # 2-bit codes: lossy but bounded
 
 
+def test_bfloat16_rows_stay_bfloat16_in_kivis_residual_only():
+    """KIVI keeps a bfloat16 model's residual rows as given (no cast each step, and rows past float16's range stay
+    finite); a variant reading the residual as float16 keeps float16; the codes are the same either way."""
+    k, v = rand(1, 2, 45, 64, dtype=mx.bfloat16), rand(1, 2, 45, 64, dtype=mx.bfloat16)
+    k = mx.concatenate([k[:, :, :44], mx.full((1, 2, 1, 64), 1e5, mx.bfloat16)], axis=2)  # past float16's max
+    cache = make_cache(bits=4)
+    cache.update_and_fetch(k, v)
+    assert cache.res_k.dtype == mx.bfloat16 and cache.n_res == 13
+    dk, dv = cache._dense()
+    assert bool(mx.array_equal(dk[:, :, 32:], k[:, :, 32:])) and bool(mx.array_equal(dv[:, :, 32:], v[:, :, 32:]))
+    assert abs(float(dk[0, 0, 44, 0]) - 1e5) < 1e3  # bfloat16's 1e5, not float16's inf
+    as_f16 = make_cache(bits=4)
+    as_f16.update_and_fetch(k[:, :, :32].astype(mx.float16), v[:, :, :32].astype(mx.float16))
+    assert bool(mx.array_equal(as_f16.k_codes[..., :4], cache.k_codes[..., :4]))
+    for variant in ("kivi_sink", "age_tiered"):
+        c = KVCacheFactory.create(KVCacheConfig(method=variant, bit_width_inlier=4, head_dim=64))
+        c.update_and_fetch(k[:, :, :40], v[:, :, :40])
+        assert c.res_k.dtype == mx.float16
+
+
 def _attend_cases():
     # (n_new, mask kind)
     return [(70, "causal"), (1, None), (1, None), (20, "array"), (1, None), (9, "additive"), (1, None)]

@@ -1,7 +1,8 @@
 """The grouped-quantization layout (KIVI's): the family base of KIVI and its variants, beside ``contract.py``.
 
-Keys per channel over groups of G tokens, values per token in channel groups ``Gv = gcd(Dv, G)``, a float16
-residual of the tokens not yet completing a group (the paper and deviations: ``methods/quantization/kivi.py``).
+Keys per channel over groups of G tokens, values per token in channel groups ``Gv = gcd(Dv, G)``, a 2-byte
+residual (float16; the rows' own dtype for KIVI itself: ``_residual_dtype``) of the tokens not yet completing a
+group (the paper and deviations: ``methods/quantization/kivi.py``).
 Buffers grow by ``primitives.buffers``'s policy: keys **transposed**, ``k_codes [B, H, D, groups*words]`` with
 float16 ``k_scales``/``k_biases [B, H, D, groups]`` (so ``mx.quantized_matmul(q, k_codes, ..., transpose=False)``
 is ``q @ Q(K)^T``); ``v_codes [B, H, tokens, Dv*b/32]``, ``v_scales``/``v_biases [B, H, tokens, Dv/Gv]``;
@@ -96,14 +97,15 @@ class GroupedQuantCache(CompressedKVCache):
     def _store(self, keys, values):
         B, H, N, D = keys.shape
         G, Dv = self.group, values.shape[-1]
-        fresh = lambda: (mx.zeros((B, H, G, D), RES_DTYPE), mx.zeros((B, H, G, Dv), RES_DTYPE))  # noqa: E731
+        rd = self.res_k.dtype if self.res_k is not None else self._residual_dtype(keys.dtype)
+        fresh = lambda: (mx.zeros((B, H, G, D), rd), mx.zeros((B, H, G, Dv), rd))  # noqa: E731
         if self.res_k is None:
             self.res_k, self.res_v = fresh()
         self.dtype_name = dtype_name(keys.dtype)
         q0, r0 = self.n_quant, self.n_res
         past_k, past_v = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)
-        k16, v16 = (x if x.dtype == RES_DTYPE else x.astype(RES_DTYPE) for x in (keys, values))
+        k16, v16 = (x if x.dtype == rd else x.astype(rd) for x in (keys, values))
         nq = 0 if self._holds_back(r0 + N, D, Dv) else (r0 + N) // G * G  # tokens quantized now
         if nq:
             kb = k16 if r0 == 0 else mx.concatenate([past_k, k16], axis=2)
@@ -115,6 +117,14 @@ class GroupedQuantCache(CompressedKVCache):
         self.res_k = grow_rows(self.res_k, r0, k16)  # past G rows only while ``_holds_back``
         self.res_v = grow_rows(self.res_v, r0, v16)
         self.n_res = r0 + k16.shape[2]
+
+    def _residual_dtype(self, dtype):
+        """The residual's dtype for rows of ``dtype``: float16, or the rows' own 2-byte dtype for a class that
+        declares ``residual_in_row_dtype`` itself (KIVI: no cast of the rows on every decode step, and bfloat16
+        rows keep their range; its variants, which do not declare it, read the residual as float16). The codes
+        are the same either way: ``groupquant.quantize`` rounds its input to float16."""
+        own = type(self).__dict__.get("residual_in_row_dtype", False)
+        return dtype if own and dtype in (mx.float16, mx.bfloat16) else RES_DTYPE
 
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
         """Whether ``total`` residual rows stay float16 instead of completing groups (variants with

@@ -49,8 +49,10 @@ __all__ = ["KIVIKVCache", "KIVI_BITS", "RES_DTYPE"]
 @register_with_mlx_lm
 @register("kivi")
 class KIVIKVCache(GroupedQuantCache):
-    """KIVI: keys per-channel, values per-token, b-bit groups of G, float16 residual of < G tokens."""
+    """KIVI: keys per-channel, values per-token, b-bit groups of G, a residual of < G tokens in the rows' 2-byte
+    dtype (float16 for float32 rows)."""
 
+    residual_in_row_dtype = True  # this class only (``GroupedQuantCache._residual_dtype``)
     chunk_invariant = True  # groups of G at absolute positions, the rest in the residual
     exact_trim = False  # raises ValueError when the trimmed rows completed a quantized group
     batchable = True  # merge -> KIVIBatchKVCache (kivi_batch.py); variants keep raising BatchingNotSupported
