@@ -1,6 +1,6 @@
 #!/bin/bash
-# The H200 runs of sessions 6-12 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
-# `bash scripts/gpu_run.sh install ktest bench2` (stages below) with `.gpu/b` carried; outputs land in $OUT. On a
+# The H200 runs of sessions 6-13 (see ../shared/docs/GPU.md): after `cp .gpu/a/* /root/stash/` in a first run, run
+# `bash scripts/gpu_run.sh install ktest bench2` (stages below) with `.gpu/b` and `.gpu/c` carried; outputs land in $OUT. On a
 # machine still warm from an install, pass `-` instead of `install` (e.g. `REPEATS=3 BENCH_ARGS="--warmup full"
 # bash scripts/gpu_run.sh - noise`; PYTHONPATH=/root/site:$PWD is set below). Kernel variants: copies of
 # veloxquant_mlx/cache/kernels/ in untracked folders, `VARIANTS="kvar/A kvar/B" bash scripts/gpu_run.sh - variants ncu`.
@@ -11,6 +11,9 @@ case "$1" in
 install)
   cat /root/stash/part_aa .gpu/b/part_ab > /root/stash/$(cat .gpu/b/WHEEL_NAME) && rm /root/stash/part_aa
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site /root/stash/*.whl
+  # constriction (CacheGen's entropy coder; the package imports it): `pip download --no-deps --only-binary=:all:
+  # --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu/c constriction` here, `.gpu/c` carried
+  if ls .gpu/c/*.whl > /dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .gpu/c/*.whl; fi
   python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
   ;;
 esac
