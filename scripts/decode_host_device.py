@@ -1,7 +1,8 @@
 """Where a model's decode step goes: host time building the step's graph (the model call) against the
 time its evaluation then takes (and the host's part of that: queueing the kernels, ``mx.async_eval``), per
-step, for a compressed cache and for mlx_lm's plain cache; with ``--profile`` the host side's top Python functions (cProfile) for the compressed cache. ``--prefill``: the
-same split for each 2048-token prefill chunk (summed over the chunks; the second pass is the warm one).
+step, for a compressed cache and for mlx_lm's plain cache; with ``--profile`` the host side's top Python
+functions (cProfile) for the compressed cache. ``--prefill``: the same split for each 2048-token prefill chunk
+(summed over the chunks; the second pass is the warm one). ``--pipelined``: steps as the bench runs them.
 
     python scripts/decode_host_device.py --shape llama-8b --context 8192 --method kivi
     python scripts/decode_host_device.py --context 32768 --method waterfill --set residual_length=16 --prefill

@@ -678,7 +678,7 @@ def _exact_partial(q, exact):
 
 
 def _batch_partials(q, kt, vals, exact, counts):
-    """(m, l, acc) of a batch step with per-sequence ``counts`` [B, 5] (``_common.kernel_pair``): sequence b's first
+    """(m, l, acc) of a batch step with per-sequence ``counts`` [B, 5] (``_common.kernel_variants``): sequence b's first
     counts[b, 0] quantized rows (one split), then rows counts[b, 1] .. + counts[b, 2] - 1 of the first exact
     buffer, rows counts[b, 3] .. + counts[b, 4] - 1 of the second, and the new row."""
     k0, v0, _, k1, v1, _, nk, nv = exact

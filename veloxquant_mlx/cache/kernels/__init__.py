@@ -7,8 +7,8 @@ takes the exact float rows the caches keep beside their codes (sinks, window or 
 own row); the launch's last block per KV head joins them in one softmax (reference: :func:`merge_partials`), or,
 past ``_common.FUSED_MAX_S1`` partials, a second launch (:func:`merge_kernel`) does. GQA-aware: one block reads a
 KV head's codes once for all its query heads. fp16/bf16/fp32 in, fp32 accumulation. Each kernel comes in four
-variants (``_common.kernel_pair``): a single cache's, counts as scalars, or a batch form's, per-sequence counts as
-an input (ragged sequences); each returning its partials or merged.
+variants (``_common.kernel_variants``): a single cache's, counts as scalars, or a batch form's, per-sequence
+counts as an input (ragged sequences); each returning its partials or merged.
 
 Backends: CUDA only (compiled with NVRTC, launched with ``mx.fast.precompiled_cuda_kernel``: ``_compile.py``),
 chosen when :func:`kernels_enabled` (the default device is the GPU and ``mx.cuda.is_available()``); everywhere

@@ -239,7 +239,8 @@ def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.arr
 
 # The counts of a decode step (quantized rows n; first row o and rows e taken of each exact buffer): a single
 # cache's scalars, or a batch form's per sequence (``cnt`` int32 [B, 5]; HK KV heads per sequence). The kernel
-# bodies hold the marker VQ_COUNTS after ``bh`` is set; :func:`kernel_pair` builds both forms.
+# bodies hold the marker VQ_COUNTS after ``bh`` is set; :func:`kernel_variants` builds both forms, each returning
+# partials or fused.
 _COUNTS = {False: "  const int n = n_all, o0 = 0, e0 = e0_all, o1 = 0, e1 = e1_all;",
            True: "  const int* vq_cnt = cnt + 5 * (bh / HK);\n"
                  "  const int n = vq_cnt[0], o0 = vq_cnt[1], e0 = vq_cnt[2], o1 = vq_cnt[3], e1 = vq_cnt[4];"}
@@ -292,7 +293,7 @@ EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
 EXACT_SCALARS = [("e0_all", "int"), ("e1_all", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
 
 
-def kernel_pair(name: str, inputs: list, scalars: list, body: str, bounds=None) -> dict:
+def kernel_variants(name: str, inputs: list, scalars: list, body: str, bounds=None) -> dict:
     """{(batched, fused): Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt``
     input), each returning its partials or, ``fused``, also merging them (``FUSED_TAIL``: the sink logits ``sk`` an
     input, ``HQ`` a scalar) into the attention output: one launch per layer. ``bounds``: ``Kernel``'s launch
@@ -464,8 +465,8 @@ class Merge(NamedTuple):
 
 def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tuple, B: int, H: int, R: int, S: int,
            dv: int, merge: Optional[Merge] = None, warps: int = WARPS):
-    """Run a decode kernel (``kernels`` from :func:`kernel_pair`): one block of ``WARPS`` warps per (batch row, KV
-    head) and split, plus one block per (batch row, KV head) for the exact rows. Returns the partials (m, l
+    """Run a decode kernel (``kernels`` from :func:`kernel_variants`): one block of ``WARPS`` warps per (batch row,
+    KV head) and split, plus one block per (batch row, KV head) for the exact rows. Returns the partials (m, l
     [B, H, R, S + 1], acc [.., Dv]); with ``merge`` the attention output [B, H * R, 1, Dv]: up to ``FUSED_MAX_S1``
     partials per head in the same launch (the partials live in a scratch output that MLX zeroes, ``init_value``:
     it holds the blocks' counters), past that by :func:`merge_kernel` (the fused tail is one block per head,

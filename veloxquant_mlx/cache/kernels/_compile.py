@@ -85,7 +85,8 @@ def render(symbol: str, body: str, inputs, outputs, scalars, consts, bounds=None
     head = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in consts)
     head += "".join(f"  const float {n} = __int_as_float({n}_bits);\n" for n, t in scalars if t == "float")
     lb = f"__launch_bounds__({bounds[0]}, {bounds[1]}) " if bounds else ""
-    return f'{PRELUDE}\nextern "C" __global__ void {lb}{symbol}(\n    ' + ",\n    ".join(sig) + f") {{\n{head}{body}\n}}\n"
+    args = ",\n    ".join(sig)
+    return f'{PRELUDE}\nextern "C" __global__ void {lb}{symbol}(\n    {args}) {{\n{head}{body}\n}}\n'
 
 
 def _check(lib, res: int, prog=None) -> None:

@@ -24,8 +24,8 @@ import functools
 
 import mlx.core as mx
 
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLITS, WARPS, exact_args, kernel_pair,
-                      launch)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLITS, WARPS, exact_args,
+                      kernel_variants, launch)
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS"]
 
@@ -178,9 +178,9 @@ VQ_COUNTS
 
 # CK / GK: key words / groups per channel row; TV: value rows; NG: value groups per row (buffer capacities)
 # four blocks an SM (the fused tail would otherwise take a few more registers than the 128 that allows)
-_KERNELS = kernel_pair("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"],
-                       [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"),
-                        ("NG", "int")], _SOURCE, bounds=(32 * WARPS, 4))
+_KERNELS = kernel_variants("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"],
+                           [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"),
+                            ("NG", "int")], _SOURCE, bounds=(32 * WARPS, 4))
 
 
 @functools.cache
@@ -203,7 +203,8 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     ``n`` quantized tokens (a multiple of 32), then the exact rows (``exact`` as for
     ``waterfill_partials``). ``queries`` [B, H * R, 1, D] as the model gives them; the arrays are the
     cache's buffers at full capacity. A batch form passes ``counts`` (int32 [B, 5]: quantized tokens, then
-    first row and rows taken of each exact buffer, per sequence; ``_common.kernel_pair``), ``n`` their maximum.
+    first row and rows taken of each exact buffer, per sequence; ``_common.kernel_variants``), ``n`` their
+    maximum.
     With ``merge`` (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``)."""
     B, Hq, _, D = queries.shape
     H = k_codes.shape[1]

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_pair, launch, split_count
+from ._common import BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_variants, launch, split_count
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -152,9 +152,10 @@ VQ_COUNTS
 """ + BLOCK_MERGE
 
 # H: KV heads; TK / TV / TS: rows of the key words, value words and value scales buffers (capacities)
-_KERNELS = kernel_pair("vq_waterfill_decode", ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly"],
-                       [("n_all", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"), ("TK", "int"),
-                        ("TV", "int"), ("TS", "int")], _SOURCE)
+_KERNELS = kernel_variants("vq_waterfill_decode",
+                           ["q", "kw", "ktab", "klo", "kst", "rw", "rp", "rs", "vw", "vs", "vpoly"],
+                           [("n_all", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"), ("TK", "int"),
+                            ("TV", "int"), ("TS", "int")], _SOURCE)
 
 
 @functools.cache
