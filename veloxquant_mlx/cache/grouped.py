@@ -314,8 +314,9 @@ class GroupedQuantCache(CompressedKVCache):
                 and kernels.kernels_enabled())
 
     def _decode_attend(self, queries, *, scale, sinks=None):
-        """One query row in one launch: the decode kernel's split-K partials over the codes plus the float16
-        residual and the call's own row, merged by its last block per head (one softmax)."""
+        """One query row: the decode kernel's split-K partials over the codes plus the residual and the call's own
+        row, merged in one softmax by the launch's last block per head (past ``FUSED_MAX_S1`` partials by a
+        second launch: ``kernels._common.launch``)."""
         call, self._call = self._call, None
         q0, r0, past_k, past_v, new_k, new_v = call
         # the residual buffer holds the past rows first, unless this call completed a group: then the record's

@@ -242,9 +242,9 @@ def held_constants(c) -> list:
 
 
 def decode_attend(c, queries, scale: float, sinks=None):
-    """One query row of waterfill cache ``c`` in one launch: the split-K partials over the codes plus the
-    float16 sinks, the window and the call's own row, merged by the launch's last block per head (one softmax;
-    the values' Hadamard rotation undone once)."""
+    """One query row of waterfill cache ``c``: the split-K partials over the codes plus the float16 sinks, the
+    window and the call's own row, merged in one softmax (the values' Hadamard rotation undone once) by the
+    launch's last block per head, or past ``_common.FUSED_MAX_S1`` partials by a second launch."""
     call, c._call = c._call, None
     ktab, lo, step, rope, vpoly = cache_constants(c)
     if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)

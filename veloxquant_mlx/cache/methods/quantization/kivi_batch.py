@@ -243,8 +243,8 @@ class KIVIBatchKVCache(RaggedBatchCache):
                                           queries.shape[1] // new_k.shape[1]))
 
     def _kernel_attend(self, queries, call, *, scale, sinks):
-        """One query row per sequence in one launch (the kernel with per-sequence counts: its groups, its
-        right-aligned residual rows; merged by its last block per head)."""
+        """One query row per sequence (the kernel with per-sequence counts: its groups, its right-aligned residual
+        rows; merged by its last block per head up to ``FUSED_MAX_S1`` partials, ``kernels._common.launch``)."""
         qw, R, nq, nr, past_k, past_v, new_k, new_v = call
         G = self.group
         counts = step_counts([(q * G, R - r, r, 0, 0) for q, r in zip(nq, nr)])

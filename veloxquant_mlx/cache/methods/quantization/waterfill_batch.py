@@ -236,7 +236,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
                 and kernels.kernels_enabled())
 
     def _kernel_attend(self, queries, call, *, scale, sinks):
-        """The single cache's launch with per-sequence counts: its code slots, its sink rows (left-aligned),
+        """The single cache's kernel with per-sequence counts: its code slots, its sink rows (left-aligned),
         its window rows (right-aligned in the record's window), the key tables per sequence and head."""
         self._call = None
         ktab, lo, step, rope, vpoly = wf_kernel.cache_constants(self)
