@@ -44,9 +44,12 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--pipelined", action="store_true",
                     help="steps as the bench runs them (step i + 1 built and queued while step i evaluates)")
+    ap.add_argument("--stub-kernels", action="store_true",
+                    help="any machine: the decode kernels' Python path with a stand-in for MLX's kernel call, and the "
+                         "model's layers and heads with small matrices (host build time only; outputs meaningless)")
     a = ap.parse_args(argv)
     fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
-    model = random_model(a.shape)
+    model = stub_kernels(a.shape) if a.stub_kernels else random_model(a.shape)
     prompt = mx.random.randint(0, 1000, (a.context,))
     for name in ("plain", a.method, "plain", a.method):
         caches = make_prompt_cache(model) if name == "plain" else KVCacheBuilder.for_model(
@@ -88,6 +91,21 @@ def main(argv=None):
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         del caches
         mx.clear_cache()
+
+
+def stub_kernels(shape):
+    """Switch the kernel path on with ``Kernel.__call__`` returning zeros (no compile, no launch), and return the
+    ``shape``'s model with its layer and head counts but small hidden, MLP and vocabulary sizes."""
+    from veloxquant_mlx import bench
+    from veloxquant_mlx.cache import kernels
+    from veloxquant_mlx.cache.kernels import _common, _compile
+
+    kernels.kernels_enabled = _common.kernels_enabled = lambda: True
+    _common._checked.update(("kivi", "waterfill", "kivi_rows", "waterfill_rows", "waterfill_encode", "kivi_batch", "waterfill_batch"))
+    _compile.Kernel.__call__ = lambda self, arrays, scalars, consts, shapes, dtypes, **kw: [
+        mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+    bench.SHAPES["stub"] = dict(bench.SHAPES[shape], hidden_size=256, intermediate_size=512, vocab_size=1024)
+    return random_model("stub")
 
 
 def pipelined_split(model, caches, name, context, steps):

@@ -54,10 +54,10 @@ def main(argv=None):
         "kivi": (kivi._KERNELS[False, False], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 6, [f32] * 3, kivi_consts),
         "waterfill": (waterfill._KERNELS[False, False], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32] + [f16] * 6,
                       [f32] * 3, wf_consts),
-        "kivi_fused": (kivi._KERNELS[False, True], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 7, [f32, f16],
+        "kivi_fused": (kivi._KERNELS[False, True], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 7 + [i32], [f32, f16],
                        kivi_consts + (("HAS_SINK", 0), ("ROT", 0))),
         "waterfill_fused": (waterfill._KERNELS[True, True], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32, i32]
-                            + [f16] * 6 + [f32], [f32, f16], wf_consts + (("HK", 8), ("HAS_SINK", 1), ("ROT", 1))),
+                            + [f16] * 6 + [f32, i32], [f32, f16], wf_consts + (("HK", 8), ("HAS_SINK", 1), ("ROT", 1))),
         "merge": (_common._MERGE, [f32] * 4, [f16], (("DV", 128), ("MP", 8), ("MAX_S1", _common.MAX_SPLITS + 1),
                                                       ("HAS_SINK", 0), ("ROT", 1))),
     }

@@ -598,7 +598,8 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
                                                  monkeypatch):
     """One launch per layer: the decode kernel's last block per KV head merging the splits (sink logits,
     waterfill's rotation back from the Hadamard domain) gives what the same kernel's partials merged by the op
-    path give, from one split to dozens; past ``FUSED_MAX_S1`` partials (lowered here) the merge kernel does."""
+    path give, from one split to dozens; past ``FUSED_MAX_S1`` partials (lowered here) the merge kernel does.
+    Every step counts its blocks in the cache's same counters, which each launch leaves at zero."""
     mod, name = (kivi_kernel, "kivi_partials") if method == "kivi" else (wf_kernel, "waterfill_partials")
     if max_splits:
         monkeypatch.setattr(kivi_kernel, "MAX_SPLITS", max_splits)
@@ -633,6 +634,9 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
         splits.add(m.shape[-1])
     assert (max_splits is None) or splits == {max_splits + 1}
     assert fused_max is None or min(splits) > fused_max
+    counters = seen[0][2].counters
+    assert all(how.counters is counters for *_, how in seen) and counters.dtype == mx.int32
+    assert counters.shape[0] >= H and not np.array(counters).any()
 
 
 @GPU
@@ -738,9 +742,11 @@ def reference_kernels(monkeypatch):
             return merged(_batch_partials(q, c._keys_t(n), c._values(n), exact, np.array(counts)), merge)
         return merged(joined(q, q @ c._keys_t(n), c._values(n), exact), merge)
 
-    def merge(m, l, acc, sinks, hadamard, out_dtype):
+    def merge(m, l, acc, sinks, hadamard, out_dtype, counters):
         out = merge_partials(m, l, acc, sinks, rotate=(lambda y: rotate_values(y, 0, inverse=True)) if hadamard else None)
         B, H, R, dv = out.shape
+        # the cache's own block counters (zero between launches): int32, one per (batch row, KV head)
+        assert counters is not None and counters.dtype == mx.int32 and counters.shape[0] >= B * H
         return out.reshape(B, H * R, 1, dv).astype(out_dtype)
 
     def wf_decode(c, n, dtype):  # waterfill's prefill kernels: the op path, counted

@@ -249,7 +249,8 @@ class CompressedKVCache(mlx_cache._BaseCache):
         (coordinators) stay shared within one deepcopy call."""
         new = memo[id(self)] = type(self).__new__(type(self))
         for k, v in self.__dict__.items():
-            setattr(new, k, v if k == "config" or isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
+            if k != "_kernel_counters":  # the decode kernels' block counters: each copy makes its own
+                setattr(new, k, v if k == "config" or isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
         return new
 
     @property

@@ -325,7 +325,7 @@ class GroupedQuantCache(CompressedKVCache):
         return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
                                          self.v_scales, self.v_biases, q0, self.qbits, self.group,
                                          self.value_group(new_v.shape[-1]), exact,
-                                         merge=kernels.Merge(sinks, False, queries.dtype))
+                                         merge=kernels.Merge(sinks, False, queries.dtype, kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])))
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""

@@ -26,9 +26,10 @@ prefill chunk's fused attention reads, in one launch each instead of dozens of s
 """
 
 from .. import dispatch
-from ._common import Merge, checked_call, kernels_enabled, merge_kernel, merge_partials, split_count
+from ._common import Merge, checked_call, kernels_enabled, merge_kernel, merge_partials, split_count, step_counters
 
-__all__ = ["Merge", "checked_call", "kernels_enabled", "keeps_rows", "merge_kernel", "merge_partials", "split_count"]
+__all__ = ["Merge", "checked_call", "kernels_enabled", "keeps_rows", "merge_kernel", "merge_partials", "split_count",
+           "step_counters"]
 
 
 def keeps_rows(cache, rows: int) -> bool:

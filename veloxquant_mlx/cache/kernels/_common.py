@@ -303,7 +303,7 @@ def kernel_variants(name: str, inputs: list, scalars: list, body: str, bounds=No
         src = body.replace("VQ_COUNTS", _COUNTS[b])
         ins, sc, nm = inputs + ["cnt"] * b + EXACT_INPUTS, scalars + EXACT_SCALARS, name + ("_batch" if b else "")
         table[b, False] = Kernel(nm, ins, OUTPUTS, sc, src, bounds)
-        table[b, True] = Kernel(nm + "_fused", ins + ["sk"], FUSED_OUTPUTS, sc + [("HQ", "int")],
+        table[b, True] = Kernel(nm + "_fused", ins + ["sk", "vq_blocks"], FUSED_OUTPUTS, sc + [("HQ", "int")],
                                 FUSED_HEAD + src + FUSED_TAIL, bounds)
     return table
 
@@ -364,14 +364,14 @@ BLOCK_MERGE = BLOCK_SHARED + LANE_STORE + BLOCK_JOIN
 OUTPUTS = ["out_m", "out_l", "out_acc"]
 FUSED_OUTPUTS = ["vq_scratch", "out"]
 
-# A fused kernel's partials live in one float32 scratch output (acc, m, l, then one int counter per batch row and
-# KV head), zeroed by MLX before the launch.
+# A fused kernel's partials live in one float32 scratch output (acc, m, l); its blocks count themselves in
+# ``vq_blocks`` (one int per batch row and KV head: ``step_counters``), which each head's last block sets back to zero.
 FUSED_HEAD = r"""
 #define VQ_PARTIALS (VQ_GRID_X * REP * VQ_GRID_Y)  // (batch row, KV head, query head, split) partials
 #define out_acc vq_scratch
 #define out_m (vq_scratch + (size_t)VQ_PARTIALS * DV)
 #define out_l (out_m + VQ_PARTIALS)
-#define vq_done ((int*)(out_l + VQ_PARTIALS))
+#define vq_done ((int*)vq_blocks)
 """
 
 # The end of a fused kernel: each block, its partial written, counts itself in its (batch row, KV head)'s counter;
@@ -383,7 +383,10 @@ FUSED_TAIL = r"""
   VQ_SHARED float vq_w[REP * 32];
   VQ_FENCE();
   VQ_SYNC();
-  if (VQ_TID == 0) vq_last = VQ_ATOMIC_ADD(vq_done + bh, 1) == S1 - 1;
+  if (VQ_TID == 0) {
+    vq_last = VQ_ATOMIC_ADD(vq_done + bh, 1) == S1 - 1;
+    if (vq_last) vq_done[bh] = 0;  // every block of this head has counted: zero for the next launch
+  }
   VQ_SYNC();
   if (vq_last) {
     VQ_FENCE();
@@ -456,11 +459,24 @@ FUSED_TAIL = r"""
 
 class Merge(NamedTuple):
     """What a fused decode kernel needs to finish the step: the sink logits [H * R] (or None), whether the quantized
-    splits' value sum is rotated back (waterfill's Walsh-Hadamard domain) and the output's dtype."""
+    splits' value sum is rotated back (waterfill's Walsh-Hadamard domain), the output's dtype, and the calling
+    cache's block counters (``step_counters``; None: fresh zeroed ones, one more queued fill per launch)."""
 
     sinks: Optional[mx.array]
     hadamard: bool
     out_dtype: mx.Dtype
+    counters: Optional[mx.array] = None
+
+
+def step_counters(cache, n: int) -> mx.array:
+    """``cache``'s int32 counters [>= n] for its fused decode launches, zero between launches (each head's last block
+    sets its counter back), so a step queues no fill for them. Held per cache: successive launches of one cache are
+    ordered by the step's data (step t + 1 reads step t's token), so two launches never share counters at once. Not
+    state: a deepcopy or a reload makes its own."""
+    c = cache.__dict__.get("_kernel_counters")
+    if c is None or c.shape[0] < n:
+        c = cache._kernel_counters = mx.zeros((n,), mx.int32)
+    return c
 
 
 def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tuple, B: int, H: int, R: int, S: int,
@@ -468,9 +484,9 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
     """Run a decode kernel (``kernels`` from :func:`kernel_variants`): one block of ``WARPS`` warps per (batch row,
     KV head) and split, plus one block per (batch row, KV head) for the exact rows. Returns the partials (m, l
     [B, H, R, S + 1], acc [.., Dv]); with ``merge`` the attention output [B, H * R, 1, Dv]: up to ``FUSED_MAX_S1``
-    partials per head in the same launch (the partials live in a scratch output that MLX zeroes, ``init_value``:
-    it holds the blocks' counters), past that by :func:`merge_kernel` (the fused tail is one block per head,
-    slower than the merge's many when it reads hundreds of partials)."""
+    partials per head in the same launch (the partials in a scratch output, the blocks counted in
+    ``merge.counters``), past that by :func:`merge_kernel` (the fused tail is one block per head, slower than the
+    merge's many when it reads hundreds of partials)."""
     S1 = S + 1
     grid, threads = (32 * warps * B * H, S1, 1), (32 * warps, 1, 1)
     consts = consts + (("NW", warps), ("REP", R), ("DV", dv))
@@ -480,8 +496,9 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
         return (m, l, acc) if merge is None else merge_kernel(m, l, acc, *merge)
     rows = B * H * R * S1
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
-    _, out = kernels[batched, True](arrays + [sk], scalars + [H * R],
+    cnt = merge.counters if merge.counters is not None else mx.zeros((B * H,), mx.int32)
+    _, out = kernels[batched, True](arrays + [sk, cnt], scalars + [H * R],
                                     consts + (("HAS_SINK", merge.sinks is not None), ("ROT", merge.hadamard)),
-                                    [(rows * (dv + 2) + B * H,), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
-                                    grid=grid, threads=threads, init_value=0.0)
+                                    [(rows * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
+                                    grid=grid, threads=threads)
     return out

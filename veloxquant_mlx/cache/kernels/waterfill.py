@@ -21,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_variants, launch, split_count
+from ._common import (BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_variants, launch, split_count,
+                      step_counters)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -255,4 +256,5 @@ def decode_attend(c, queries, scale: float, sinks=None):
         win_k, win_v = call.past_k, call.past_v
     exact = (c.sink_k, c.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
     return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
-                              call.s0, c.bit_width, c._shape[2], exact, merge=Merge(sinks, True, queries.dtype))
+                              call.s0, c.bit_width, c._shape[2], exact,
+                              merge=Merge(sinks, True, queries.dtype, step_counters(c, queries.shape[0] * c.k_words.shape[1])))

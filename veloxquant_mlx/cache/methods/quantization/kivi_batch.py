@@ -252,7 +252,8 @@ class KIVIBatchKVCache(RaggedBatchCache):
         return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
                                          self.v_scales, self.v_biases, qw * G, self.qbits, G,
                                          self.value_group(new_v.shape[-1]), (k0, v0, 0, k0, v0, 0, new_k, new_v),
-                                         counts=counts, merge=kernels.Merge(sinks, False, queries.dtype))
+                                         counts=counts, merge=kernels.Merge(sinks, False, queries.dtype,
+                                                                          kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])))
 
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""

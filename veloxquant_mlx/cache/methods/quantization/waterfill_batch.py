@@ -247,7 +247,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         exact = (self.sink_k, self.sink_v, 0, win_k, win_v, 0, w.new_k, w.new_v)  # sink slots < ns never change
         return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
                                             self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width, self._shape[2],
-                                            exact, counts=counts, merge=kernels.Merge(sinks, True, queries.dtype))
+                                            exact, counts=counts,
+                                            merge=kernels.Merge(sinks, True, queries.dtype, kernels.step_counters(self, queries.shape[0] * self.k_words.shape[1])))
 
     def held_arrays(self):
         out = super().held_arrays()

@@ -1,0 +1,85 @@
+"""Host time of one layer's decode call, in isolation: ``update_and_fetch`` + attention for mlx_lm's plain
+cache against a compressed cache whose decode kernel call is a stand-in (``decode_host_device.stub_kernels``:
+runs on any machine; no evaluation is timed). The Python and MLX graph-building cost a cache adds per layer.
+
+    python scripts/decode_host_layer.py --method kivi --context 1024 --calls 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from veloxquant_mlx import _blas  # noqa: E402
+
+_blas.preload()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from decode_host_device import stub_kernels  # noqa: E402
+from veloxquant_mlx.cache import KVCacheConfig, dispatch  # noqa: E402
+from veloxquant_mlx.cache.factory import KVCacheFactory  # noqa: E402
+
+
+def time_calls(cache, attend, q, k, v, calls: int, prof=None, every: int = 16) -> float:
+    """Median microseconds of ``update_and_fetch`` + ``attend`` (graphs evaluated, untimed, every ``every`` calls)."""
+    out, times = [], []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        keys, values = cache.update_and_fetch(k, v)
+        o = attend(q, keys, values, cache)
+        if prof:
+            prof.disable()
+        times.append(time.perf_counter() - t0)
+        out.append(o)
+        if i % every == every - 1:
+            mx.eval(out, cache.state)
+            out = []
+    return statistics.median(times) * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="kivi")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field (int)")
+    ap.add_argument("--real", action="store_true", help="the real kernels (CUDA), not the stand-in")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the compressed cache's last round")
+    a = ap.parse_args(argv)
+    if not a.real:
+        stub_kernels("tiny")
+    B, Hq, H, D, dt = 1, 32, 8, 128, mx.bfloat16
+    fields = {kk: int(vv) for kk, vv in (kv.split("=", 1) for kv in a.set)}
+    mx.random.seed(0)
+    q, k, v = (mx.random.normal((B, n, 1, D)).astype(dt) for n in (Hq, H, H))
+    past = [mx.random.normal((B, H, a.context, D)).astype(dt) for _ in range(2)]
+    sdpa = lambda q, keys, values, cache: dispatch.dispatched_sdpa(q, keys, values, cache, D ** -0.5, None)  # noqa: E731
+    dispatch.install()
+    for r in range(a.rounds):
+        for name in ("plain", a.method):
+            cache = KVCache() if name == "plain" else KVCacheFactory.create(
+                KVCacheConfig(method=name, bit_width_inlier=4, **fields))
+            cache.update_and_fetch(*past)
+            mx.eval(cache.state)
+            prof = cProfile.Profile() if a.profile and name != "plain" and r == a.rounds - 1 else None
+            us = time_calls(cache, sdpa, q, k, v, a.calls, prof)
+            print(f"round {r} {name:10s} T={a.context}: {us:6.1f} us per layer call (median of {a.calls})", flush=True)
+            if prof:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
