@@ -1020,3 +1020,35 @@ def test_prefill_chunks_leave_no_dense_rows_behind(reference_kernels, method):
     K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
     mx.eval(dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D), K, V, cache=c, scale=D**-0.5, mask=None))
     assert c._dense_memo.value is not None  # a decode step's lazy rows are kept (never evaluated)
+
+
+@pytest.mark.parametrize("S,counters", [(3, True), (3, False), (_common.FUSED_MAX_S1, True)])
+def test_launch_routes_fused_and_fallback_calls(S, counters, monkeypatch):
+    """``launch`` with ``merge`` (any machine, kernels stood in): up to ``FUSED_MAX_S1`` partials one fused call
+    taking the sink logits and the cache's block counters (fresh zeroed ones without), past that the partials
+    kernel then ``merge_kernel`` with the sinks, rotation flag and output dtype; no zero fill requested."""
+    calls = []
+
+    def fake(fused):
+        def run(arrays, scalars, consts, shapes, dtypes, grid, threads, **kw):
+            calls.append((fused, arrays, shapes, dtypes, kw))
+            return [mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
+        return run
+
+    kernels = {(False, False): fake(False), (False, True): fake(True)}
+    merged = []
+    monkeypatch.setattr(_common, "merge_kernel", lambda *a: merged.append(a) or "merged")
+    B, H, R, dv = 2, 3, 4, 64
+    sinks, cnt = mx.ones((H * R,)), mx.zeros((B * H + 5,), mx.int32)
+    merge = _common.Merge(sinks, True, mx.bfloat16, cnt if counters else None)
+    out = _common.launch(kernels, False, [mx.zeros((1,))], [1], (), B, H, R, S, dv, merge)
+    (fused, arrays, shapes, dtypes, kw), = calls
+    assert "init_value" not in kw
+    if S + 1 > _common.FUSED_MAX_S1:
+        assert not fused and out == "merged" and len(arrays) == 1 and dtypes == [mx.float32] * 3
+        (m, l, acc, *how), = merged
+        assert m.shape == (B, H, R, S + 1) and acc.shape == (B, H, R, S + 1, dv) and how == [sinks, True, mx.bfloat16]
+        return
+    assert fused and not merged and arrays[1] is sinks and dtypes == [mx.float32, mx.bfloat16]
+    assert shapes == [(B * H * R * (S + 1) * (dv + 2),), (B, H * R, 1, dv)] and out.shape == (B, H * R, 1, dv)
+    assert arrays[2] is cnt if counters else (arrays[2].shape == (B * H,) and arrays[2].dtype == mx.int32)

@@ -493,7 +493,7 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
     if merge is None or S1 > FUSED_MAX_S1:
         m, l, acc = kernels[batched, False](arrays, scalars, consts, [(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
                                            [mx.float32] * 3, grid=grid, threads=threads)
-        return (m, l, acc) if merge is None else merge_kernel(m, l, acc, *merge)
+        return (m, l, acc) if merge is None else merge_kernel(m, l, acc, *merge[:3])
     rows = B * H * R * S1
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
     cnt = merge.counters if merge.counters is not None else mx.zeros((B * H,), mx.int32)
