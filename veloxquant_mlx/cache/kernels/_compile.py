@@ -47,6 +47,15 @@ __device__ __forceinline__ float vq_f(float x) { return x; }
 __device__ __forceinline__ float vq_f(vq_f16 x) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.b)); return f; }
 __device__ __forceinline__ float vq_f(vq_bf16 x) { return __uint_as_float((unsigned int)x.b << 16); }
 __device__ __forceinline__ void vq_store(float* p, float x) { *p = x; }
+// code i (KB bits from bit i * KB) of word w as the float 1 + code / 2^KB: the code shifted into the top of the
+// mantissa of 1.0 (a shift and a mask, no int-to-float conversion; i unrolled, so the shift is a constant)
+__device__ __forceinline__ float vq_code(unsigned int w, int sh, unsigned int mask) {
+  const unsigned int x = sh >= 0 ? w << sh : w >> -sh;
+  unsigned int r;  // (x & mask) | 1.0f's bits in one lop3 (C's two operators compile to two)
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(x), "r"(mask), "r"(0x3f800000u));
+  return __uint_as_float(r);
+}
+#define VQ_CODE(w, i) vq_code((w), 23 - KB * ((i) + 1), ((1u << KB) - 1u) << (23 - KB))
 struct vq_f4 { float x, y, z, w; };
 // loads through L2 (not L1): data other blocks of the same launch wrote before a fence
 __device__ __forceinline__ float vq_ldcg(const float* p) {

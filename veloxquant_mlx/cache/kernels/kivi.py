@@ -13,9 +13,13 @@ Dv*b/32 lanes (coalesced), each lane owning one word's 32/b channels; rows past 
 with weight 0 (no branch, so the loads can be issued together). Splits take tiles round-robin, one tile
 per warp up to ~BLOCKS blocks; the block's warps join in shared memory.
 
-On the H200 (Nsight Compute, 8 KV heads x 4, d 128, 4-bit, SM at 1.48 GHz): 21 us at 8k, 59 us at 32k, bound by
-instruction issue -- the 32 FMAs per code word are half the key loop's instructions, the rest unpacking and
-addressing; batching the loads or halving the tiles did not help (docs/RESULTS.md "Decode: what bounds a step").
+A code becomes a float without an int-to-float conversion (``VQ_CODE``: shifted into the mantissa of 1.0, it
+reads 1 + c / 2^b), the offset folded into the bias: s c + z = (s 2^b)(1 + c / 2^b) + (z - s 2^b), once per word.
+
+On the H200 (Nsight Compute, 8 KV heads x 4, d 128, 4-bit, SM at 1.48 GHz): bound by instruction issue -- the 32
+FMAs per code word are half the key loop's instructions, the rest unpacking and addressing; batching the loads or
+halving the tiles did not help (docs/RESULTS.md "Decode: what bounds a step"). The fused kernel: 27.9 us at 8k,
+62.6 us at 32k, 205 us at 128k (28.1 / 66.4 / 219.6 with int-to-float conversions; session 14).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ VQ_COUNTS
   constexpr int LPR = WV;             // lanes per value row (one word each)
   constexpr int RPW = 32 / LPR;       // value rows per warp load
   constexpr vq_u32 MASK = (1u << KB) - 1u;
+  constexpr float TOP = (float)(1u << KB);  // code c of a word reads as 1 + c / TOP (VQ_CODE), so x = s c + z
+                                            // = (s TOP) (1 + c / TOP) + (z - s TOP): no int-to-float conversion
   VQ_SHARED float sq[REP * D];
   VQ_SHARED float sp[NW * REP * TOK];
 """ + BLOCK_SHARED + r"""
@@ -93,14 +99,14 @@ VQ_COUNTS
           const int c = j * CQ + kq;
           const vq_u32 w = kc[(cbase + c) * CK + col];
           const size_t gi = (cbase + c) * GK + g;
-          const float ksc = VQ_F(ks[gi]), kbi = VQ_F(kb[gi]);
+          const float ksc = VQ_F(ks[gi]) * TOP, kbi = VQ_F(kb[gi]) - ksc;
 #pragma unroll
           for (int r = 0; r < REP; ++r) {
             const float qv = sq[r * D + c];
             const float qs = qv * ksc;
             bs[r] += qv * kbi;
 #pragma unroll
-            for (int i = 0; i < TPW; ++i) sc[r][i] += qs * (float)((w >> (i * KB)) & MASK);
+            for (int i = 0; i < TPW; ++i) sc[r][i] += qs * VQ_CODE(w, i);
           }
         }
       }
@@ -141,14 +147,14 @@ VQ_COUNTS
         const size_t vrow = (size_t)bh * TV + (size_t)min(tt0 + row, n - 1);  // weight 0 past n
         const vq_u32 w = vc[vrow * WV + vw];
         const size_t gi = vrow * NG + (vw * TPW) / GV;
-        const float vsc_ = VQ_F(vsc[gi]), vbi_ = VQ_F(vbi[gi]);
+        const float vsc_ = VQ_F(vsc[gi]) * TOP, vbi_ = VQ_F(vbi[gi]) - vsc_;
 #pragma unroll
         for (int r = 0; r < REP; ++r) {
           const float p = wp[r * TOK + row];
           const float pw = p * vsc_;
           vb[r] += p * vbi_;
 #pragma unroll
-          for (int i = 0; i < TPW; ++i) acc[r][i] += pw * (float)((w >> (i * KB)) & MASK);
+          for (int i = 0; i < TPW; ++i) acc[r][i] += pw * VQ_CODE(w, i);
         }
       }
       VQ_SYNCWARP();
