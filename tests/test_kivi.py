@@ -448,3 +448,40 @@ def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(mon
     assert calls and max(calls) <= QMM_MAX_ROWS  # the decode step: codes read by quantized_matmul
     c.attend_path = "quantized_matmul"
     assert c._uses_qmm(10 * QMM_MAX_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_decode_rows_take_the_short_path_and_store_what_the_full_one_does(dtype, monkeypatch):
+    """One-row calls that complete no group skip ``_check_input``/``_store`` (``_decode_step``); across group
+    completions, a trim and a wrong-shaped row they return, store and attend exactly as the full path does."""
+    from veloxquant_mlx.cache import dispatch
+    from veloxquant_mlx.cache.grouped import GroupedQuantCache
+
+    stores = []
+    full_store = GroupedQuantCache._store
+    monkeypatch.setattr(GroupedQuantCache, "_store", lambda self, k, v: (stores.append(id(self)), full_store(self, k, v)))
+    mx.random.seed(3)
+    H, D, n = 2, 64, 3 * G + 5
+    rows = [mx.random.normal((1, H, 1, D)).astype(dtype) for _ in range(2 * n)]
+    queries = [mx.random.normal((1, 2 * H, 1, D)).astype(dtype) for _ in range(2 * n)]
+    short, full = make_cache(head_dim=D), make_cache(head_dim=D)
+    full._step_fits = lambda step: False
+    prompt = mx.random.normal((1, H, G + 7, D)).astype(dtype)
+    for c in (short, full):
+        c.update_and_fetch(prompt, prompt * 0.5)
+    for i in range(2 * n):
+        if i == n:
+            assert short.trim(3) == full.trim(3) == 3
+        got = []
+        for c in (short, full):
+            K, V = c.update_and_fetch(rows[i], rows[i] * 0.5)
+            got.append((K, V, dispatch.dispatched_sdpa(queries[i], K, V, cache=c, scale=D**-0.5, mask=None)))
+        for a, b in zip(*got):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+    for a, b in zip(short.state, full.state):
+        assert mx.array_equal(a, b).item() if isinstance(a, mx.array) else a == b
+    assert short.offset == full.offset and short.n_quant == full.n_quant and short.n_res == full.n_res
+    took_full = stores.count(id(short))
+    assert 0 < took_full <= 2 * n // G + 3 < stores.count(id(full))  # the short path took all but a few rows
+    with pytest.raises(Exception, match="head_dim|holds"):
+        short.update_and_fetch(mx.zeros((1, H, 1, D // 2), dtype), mx.zeros((1, H, 1, D // 2), dtype))

@@ -249,7 +249,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         (coordinators) stay shared within one deepcopy call."""
         new = memo[id(self)] = type(self).__new__(type(self))
         for k, v in self.__dict__.items():
-            if k != "_kernel_counters":  # the decode kernels' block counters: each copy makes its own
+            if k not in ("_kernel_counters", "_step_sig"):  # per-object caches of the decode path: rebuilt
                 setattr(new, k, v if k == "config" or isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
         return new
 
