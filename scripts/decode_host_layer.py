@@ -8,6 +8,7 @@ runs on any machine; no evaluation is timed). The Python and MLX graph-building 
 from __future__ import annotations
 
 import argparse
+import gc
 import cProfile
 import pstats
 import statistics
@@ -31,21 +32,23 @@ from veloxquant_mlx.cache.factory import KVCacheFactory  # noqa: E402
 
 
 def time_calls(cache, attend, q, k, v, calls: int, prof=None, every: int = 16) -> float:
-    """Median microseconds of ``update_and_fetch`` + ``attend`` (graphs evaluated, untimed, every ``every`` calls)."""
-    out, times = [], []
-    for i in range(calls):
-        t0 = time.perf_counter()
+    """Median over blocks of ``every`` calls of the microseconds per ``update_and_fetch`` + ``attend`` (each
+    block's graphs evaluated untimed after it; the garbage collector off while timing)."""
+    times = []
+    for _ in range(max(1, calls // every)):
+        out = []
+        gc.disable()
         if prof:
             prof.enable()
-        keys, values = cache.update_and_fetch(k, v)
-        o = attend(q, keys, values, cache)
+        t0 = time.perf_counter()
+        for _ in range(every):
+            keys, values = cache.update_and_fetch(k, v)
+            out.append(attend(q, keys, values, cache))
+        times.append((time.perf_counter() - t0) / every)
         if prof:
             prof.disable()
-        times.append(time.perf_counter() - t0)
-        out.append(o)
-        if i % every == every - 1:
-            mx.eval(out, cache.state)
-            out = []
+        gc.enable()
+        mx.eval(out, cache.state)
     return statistics.median(times) * 1e6
 
 
@@ -76,7 +79,8 @@ def main(argv=None):
             mx.eval(cache.state)
             prof = cProfile.Profile() if a.profile and name != "plain" and r == a.rounds - 1 else None
             us = time_calls(cache, sdpa, q, k, v, a.calls, prof)
-            print(f"round {r} {name:10s} T={a.context}: {us:6.1f} us per layer call (median of {a.calls})", flush=True)
+            print(f"round {r} {name:10s} T={a.context}: {us:6.1f} us per layer call (median of {a.calls // 16} blocks of "
+                  "16)", flush=True)
             if prof:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
