@@ -69,7 +69,9 @@ def main(argv=None):
     mx.random.seed(0)
     q, k, v = (mx.random.normal((B, n, 1, D)).astype(dt) for n in (Hq, H, H))
     past = [mx.random.normal((B, H, a.context, D)).astype(dt) for _ in range(2)]
-    sdpa = lambda q, keys, values, cache: dispatch.dispatched_sdpa(q, keys, values, cache, D ** -0.5, None)  # noqa: E731
+    def sdpa(q, keys, values, cache):
+        return dispatch.dispatched_sdpa(q, keys, values, cache, D**-0.5, None)
+
     dispatch.install()
     for r in range(a.rounds):
         for name in ("plain", a.method):
@@ -79,8 +81,8 @@ def main(argv=None):
             mx.eval(cache.state)
             prof = cProfile.Profile() if a.profile and name != "plain" and r == a.rounds - 1 else None
             us = time_calls(cache, sdpa, q, k, v, a.calls, prof)
-            print(f"round {r} {name:10s} T={a.context}: {us:6.1f} us per layer call (median of {a.calls // 16} blocks of "
-                  "16)", flush=True)
+            print(f"round {r} {name:10s} T={a.context}: {us:6.1f} us per layer call (median of {a.calls // 16} "
+                  "blocks of 16)", flush=True)
             if prof:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

@@ -459,7 +459,8 @@ def test_decode_rows_take_the_short_path_and_store_what_the_full_one_does(dtype,
 
     stores = []
     full_store = GroupedQuantCache._store
-    monkeypatch.setattr(GroupedQuantCache, "_store", lambda self, k, v: (stores.append(id(self)), full_store(self, k, v)))
+    monkeypatch.setattr(GroupedQuantCache, "_store",
+                        lambda self, k, v: (stores.append(id(self)), full_store(self, k, v)))
     mx.random.seed(3)
     H, D, n = 2, 64, 3 * G + 5
     rows = [mx.random.normal((1, H, 1, D)).astype(dtype) for _ in range(2 * n)]
@@ -485,3 +486,23 @@ def test_decode_rows_take_the_short_path_and_store_what_the_full_one_does(dtype,
     assert 0 < took_full <= 2 * n // G + 3 < stores.count(id(full))  # the short path took all but a few rows
     with pytest.raises(Exception, match="head_dim|holds"):
         short.update_and_fetch(mx.zeros((1, H, 1, D // 2), dtype), mx.zeros((1, H, 1, D // 2), dtype))
+
+
+def test_short_decode_path_still_refuses_rows_after_a_nonfinite_chunk():
+    """A chunk holding NaN makes every later call raise until it is trimmed, the short decode path's too."""
+    from veloxquant_mlx.cache.errors import CacheInputError
+
+    H, D = 2, 64
+    c = make_cache(head_dim=D)
+    row = mx.ones((1, H, 1, D))
+    c.update_and_fetch(mx.ones((1, H, 8, D)), mx.ones((1, H, 8, D)))
+    for _ in range(2):
+        c.update_and_fetch(row, row)  # checked one-row calls: the next ones may take the short path
+    bad = mx.ones((1, H, 4, D)).at[0, 0, 1, 3].add(mx.array(float("nan")))
+    c.update_and_fetch(bad, bad)
+    for _ in range(2):
+        with pytest.raises(CacheInputError, match="NaN or Inf"):
+            c.update_and_fetch(row, row)
+    c.trim(c.offset - 10)
+    K, _ = c.update_and_fetch(row, row)
+    assert K.shape[2] == 11 and mx.all(mx.isfinite(K)).item()

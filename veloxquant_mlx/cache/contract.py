@@ -206,6 +206,22 @@ class CompressedKVCache(mlx_cache._BaseCache):
                                   f"{bad[0]}..{bad[1] - 1}); trim({self.offset - bad[0]}) removes them")
         self._nonfinite_rows = None
 
+    @staticmethod
+    def _step_key(keys, values) -> tuple:
+        return keys.shape, values.shape, keys.dtype, values.dtype
+
+    def _repeats_checked_step(self, step) -> bool:
+        """Whether a one-row call of ``step`` (``_step_key``) repeats one that passed ``_check_input``
+        (``_note_step``), with no prefill chunk's finiteness pending or found bad: a short decode path (which
+        skips the checks) may take it."""
+        sig = self.__dict__.get("_step_sig")
+        return (sig is not None and sig[:4] == step and sig[4] == getattr(self, "_shape", None)
+                and getattr(self, "_finite_check", None) is None and getattr(self, "_nonfinite_rows", None) is None)
+
+    def _note_step(self, step) -> None:
+        """Remember a checked one-row call's shapes and dtypes (``_repeats_checked_step``)."""
+        self._step_sig = step + (self._shape,)
+
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None or return_array:
             return create_causal_mask(N, self.stored_rows(), window_size=window_size)

@@ -208,25 +208,23 @@ class GroupedQuantCache(CompressedKVCache):
         return self._rows(self.n_quant, *res, dtype=getattr(mx, self.dtype_name))
 
     def update_and_fetch(self, keys, values):
-        step = (keys.shape, values.shape, keys.dtype, values.dtype)
+        step = self._step_key(keys, values)
         if self._step_fits(step):
             return self._decode_step(keys, values)
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
         if keys.shape[2] == 1 and type(self)._store is GroupedQuantCache._store:  # variants store their own way
-            self._step_sig = step + (self._shape,)
+            self._note_step(step)
         q0, _, past_k, past_v, new_k, new_v = self._call
         return self._rows(q0, past_k, past_v, new_k, new_v, dtype=keys.dtype)
 
     def _step_fits(self, step) -> bool:
-        """One row of the shapes and dtypes a checked call last had (``_step_sig``) that completes no group and
-        fits the residual buffer, with no prefill chunk's finiteness pending: ``_decode_step`` takes it."""
+        """A repeated checked one-row call (``_repeats_checked_step``) that completes no group and fits the residual
+        buffer: ``_decode_step`` takes it."""
         r = self.n_res + 1
-        sig = self.__dict__.get("_step_sig")
-        return (sig is not None and sig[:4] == step and r < self.group and self.res_k is not None
-                and r <= self.res_k.shape[2] and sig[4] == getattr(self, "_shape", None)
-                and getattr(self, "_finite_check", None) is None)
+        return (r < self.group and self.res_k is not None and r <= self.res_k.shape[2]
+                and self._repeats_checked_step(step))
 
     def _decode_step(self, keys, values):
         """``update_and_fetch`` of a decode row that completes no group: what ``_check_input`` and ``_store`` do
@@ -349,10 +347,11 @@ class GroupedQuantCache(CompressedKVCache):
         # the residual buffer holds the past rows first, unless this call completed a group: then the record's
         res_k, res_v = (past_k, past_v) if self.n_quant != q0 and r0 else (self.res_k, self.res_v)
         exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
+        counters = kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])
         return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
                                          self.v_scales, self.v_biases, q0, self.qbits, self.group,
                                          self.value_group(new_v.shape[-1]), exact,
-                                         merge=kernels.Merge(sinks, False, queries.dtype, kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])))
+                                         merge=kernels.Merge(sinks, False, queries.dtype, counters))
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""

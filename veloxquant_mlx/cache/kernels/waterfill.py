@@ -255,6 +255,6 @@ def decode_attend(c, queries, scale: float, sinks=None):
     else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
         win_k, win_v = call.past_k, call.past_v
     exact = (c.sink_k, c.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
+    counters = step_counters(c, queries.shape[0] * c.k_words.shape[1])
     return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
-                              call.s0, c.bit_width, c._shape[2], exact,
-                              merge=Merge(sinks, True, queries.dtype, step_counters(c, queries.shape[0] * c.k_words.shape[1])))
+                              call.s0, c.bit_width, c._shape[2], exact, merge=Merge(sinks, True, queries.dtype, counters))

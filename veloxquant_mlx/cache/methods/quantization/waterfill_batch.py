@@ -245,10 +245,10 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         win_k, win_v = (w.past_k, w.past_v) if W else (self.sink_k, self.sink_v)  # no window: 0 rows read
         counts = step_counts([(q, 0, s, W - r, r) for s, q, r in zip(call.ns, call.nq, call.nw)])
         exact = (self.sink_k, self.sink_v, 0, win_k, win_v, 0, w.new_k, w.new_v)  # sink slots < ns never change
+        counters = kernels.step_counters(self, queries.shape[0] * self.k_words.shape[1])
         return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
                                             self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width, self._shape[2],
-                                            exact, counts=counts,
-                                            merge=kernels.Merge(sinks, True, queries.dtype, kernels.step_counters(self, queries.shape[0] * self.k_words.shape[1])))
+                                            exact, counts=counts, merge=kernels.Merge(sinks, True, queries.dtype, counters))
 
     def held_arrays(self):
         out = super().held_arrays()
