@@ -207,3 +207,73 @@ def test_bytes_per_token_budget(method):
     assert abs(measured / budget - 1) < 0.10, (measured, budget)
     assert budget == pytest.approx(SPECS[method].budget)
     assert {a: getattr(cache, a) for a in SPECS[method].resolved} == SPECS[method].resolved
+
+
+def _short_path_cache(method, D):
+    from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory
+    from veloxquant_mlx.cache.options import WaterfillOptions
+
+    options = {"waterfill": WaterfillOptions(residual_length=16)}.get(method)
+    return KVCacheFactory.create(KVCacheConfig(method=method, bit_width_inlier=4, head_dim=D, n_calib_tokens=32,
+                                               options=options))
+
+
+@pytest.mark.parametrize("method", ["kivi", "waterfill", "turboquant_rvq"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_decode_rows_take_the_short_path_and_store_what_the_full_one_does(method, dtype, monkeypatch):
+    """One-row calls that complete no group / compact nothing skip ``_check_input`` and ``_store``
+    (``_decode_step`` of the KIVI and residual-window layouts); across group completions or compactions, a trim
+    and a wrong-shaped row they return, store and attend exactly as the full path does."""
+    from veloxquant_mlx.cache.grouped import GroupedQuantCache
+    from veloxquant_mlx.cache.window import ResidualWindowCache
+
+    H, D, n = 2, 64, 101
+    short, full = _short_path_cache(method, D), _short_path_cache(method, D)
+    layout = GroupedQuantCache if isinstance(short, GroupedQuantCache) else ResidualWindowCache
+    stores = []
+    base_store = layout._store
+    monkeypatch.setattr(layout, "_store", lambda self, k, v: (stores.append(id(self)), base_store(self, k, v)))
+    full._step_fits = lambda step: False
+    mx.random.seed(3)
+    rows = [mx.random.normal((1, H, 1, D)).astype(dtype) for _ in range(2 * n)]
+    queries = [mx.random.normal((1, 2 * H, 1, D)).astype(dtype) for _ in range(2 * n)]
+    prompt = mx.random.normal((1, H, 39, D)).astype(dtype)
+    for c in (short, full):
+        c.update_and_fetch(prompt, prompt * 0.5)
+    for i in range(2 * n):
+        if i == n:
+            assert short.trim(3) == full.trim(3) == 3
+        got = []
+        for c in (short, full):
+            K, V = c.update_and_fetch(rows[i], rows[i] * 0.5)
+            got.append((K, V, dispatch.dispatched_sdpa(queries[i], K, V, cache=c, scale=D**-0.5, mask=None)))
+        for a, b in zip(*got):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+    for a, b in zip(short.state, full.state):
+        assert mx.array_equal(a, b).item() if isinstance(a, mx.array) else a == b
+    assert short.offset == full.offset == 39 + 2 * n - 3
+    took_full = stores.count(id(short))
+    assert 0 < took_full <= 2 * n // 16 + 4 < stores.count(id(full))  # the short path took most rows
+    with pytest.raises(Exception, match="head_dim|holds|dim"):
+        short.update_and_fetch(mx.zeros((1, H, 1, D // 2), dtype), mx.zeros((1, H, 1, D // 2), dtype))
+
+
+@pytest.mark.parametrize("method", ["kivi", "waterfill", "turboquant_rvq"])
+def test_short_decode_path_still_refuses_rows_after_a_nonfinite_chunk(method):
+    """A chunk holding NaN makes every later call raise until it is trimmed, the short decode path's too."""
+    from veloxquant_mlx.cache.errors import CacheInputError
+
+    H, D = 2, 64
+    c = _short_path_cache(method, D)
+    row = mx.ones((1, H, 1, D))
+    c.update_and_fetch(mx.random.normal((1, H, 40, D)), mx.random.normal((1, H, 40, D)))
+    for _ in range(2):
+        c.update_and_fetch(row, row)  # checked one-row calls: the next ones may take the short path
+    bad = mx.ones((1, H, 4, D)).at[0, 0, 1, 3].add(mx.array(float("nan")))
+    c.update_and_fetch(bad, bad)
+    for _ in range(2):
+        with pytest.raises(CacheInputError, match="NaN or Inf"):
+            c.update_and_fetch(row, row)
+    c.trim(c.offset - 42)
+    K, _ = c.update_and_fetch(row, row)
+    assert K.shape[2] == 43 and mx.all(mx.isfinite(K)).item()

@@ -237,11 +237,41 @@ class ResidualWindowCache(CompressedKVCache):
         return self._rows(self.n_sink, self.n_quant, *win, dtype=getattr(mx, self.dtype_name))
 
     def update_and_fetch(self, keys, values):
+        step = self._step_key(keys, values)
+        if self._step_fits(step):
+            return self._decode_step(keys, values)
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
+        if keys.shape[2] == 1 and self._short_steps():
+            self._note_step(step)
         c = self._call
         return self._rows(c.s0, c.q0, c.past_k, c.past_v, c.new_k, c.new_v, dtype=keys.dtype)
+
+    def _short_steps(self) -> bool:
+        """Whether a decode row that compacts nothing may skip ``_store`` (a subclass adding to ``_store`` answers
+        for its addition)."""
+        return type(self)._store is ResidualWindowCache._store
+
+    def _step_fits(self, step) -> bool:
+        """A repeated checked one-row call (``_repeats_checked_step``) that compacts nothing and fits the window
+        buffer: ``_decode_step`` takes it."""
+        r = self.n_win + 1
+        return (r < self.residual_length + self.quant_block and self.win_k is not None and r <= self.win_k.shape[2]
+                and self._repeats_checked_step(step))
+
+    def _decode_step(self, keys, values):
+        """``update_and_fetch`` of a decode row that compacts nothing: what ``_check_input`` and ``_store`` do for
+        it without their general cases."""
+        r0, wk, wv = self.n_win, self.win_k, self.win_v
+        past_k, past_v = (wk[:, :, :r0], wv[:, :, :r0]) if r0 else (None, None)
+        c = self._call = WindowCall(self.n_sink, self.n_quant, r0, past_k, past_v, keys, values)
+        sd = wk.dtype
+        wk[:, :, r0 : r0 + 1] = keys if keys.dtype == sd else keys.astype(sd)
+        wv[:, :, r0 : r0 + 1] = values if values.dtype == sd else values.astype(sd)
+        self.n_win = r0 + 1
+        self.offset += 1
+        return self._rows(c.s0, c.q0, past_k, past_v, keys, values, dtype=keys.dtype)
 
     def stored_rows(self) -> int:
         return self.n_sink + self.n_quant + self.n_win

@@ -167,6 +167,9 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         self._quantizers(keys.shape[-1], values.shape[-1])  # constants (and dim checks) up front
         super()._store(keys, values)
 
+    def _short_steps(self) -> bool:
+        return True  # a repeated step's quantizers exist (the checked call built them)
+
     def _append_quantized(self, keys, values):
         kq, vq = self._quantizers(keys.shape[-1], values.shape[-1])
         t0 = self.n_quant

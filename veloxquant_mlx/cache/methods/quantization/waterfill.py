@@ -177,6 +177,9 @@ class WaterfillKVCache(ResidualWindowCache):
             self._calibrate()  # the previous call was never attended (no dispatch point): no query weights
         super()._store(keys, values)
 
+    def _short_steps(self) -> bool:
+        return self.calibrated  # then ``_store`` adds nothing to the window's
+
     def _compact(self, n: int) -> None:
         if self.calibrated:  # before calibration every row stays in the float16 window
             super()._compact(n)
