@@ -214,21 +214,26 @@ class GroupedQuantCache(CompressedKVCache):
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
-        if keys.shape[2] == 1 and type(self)._store is GroupedQuantCache._store:  # variants store their own way
+        if keys.shape[2] == 1:
             self._note_step(step)
         q0, _, past_k, past_v, new_k, new_v = self._call
         return self._rows(q0, past_k, past_v, new_k, new_v, dtype=keys.dtype)
+
+    def _short_steps(self) -> bool:
+        """Whether a decode row that completes no group may skip ``_store``: not for variants storing their own
+        way."""
+        return type(self)._store is GroupedQuantCache._store
 
     def _step_fits(self, step) -> bool:
         """A repeated checked one-row call (``_repeats_checked_step``) that completes no group and fits the residual
         buffer: ``_decode_step`` takes it."""
         r = self.n_res + 1
         return (r < self.group and self.res_k is not None and r <= self.res_k.shape[2]
-                and self._repeats_checked_step(step))
+                and self._repeats_checked_step(step) and self._short_steps())
 
     def _decode_step(self, keys, values):
         """``update_and_fetch`` of a decode row that completes no group: what ``_check_input`` and ``_store`` do
-        for it without their general cases (~1/3 of a layer's host time on the decode path)."""
+        for it without their general cases (~5 of a layer call's ~50 us on the 2-core CPU, docs/RESULTS.md)."""
         r0, q0, rk, rv = self.n_res, self.n_quant, self.res_k, self.res_v
         past_k, past_v = (rk[:, :, :r0], rv[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)

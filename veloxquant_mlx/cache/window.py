@@ -243,7 +243,7 @@ class ResidualWindowCache(CompressedKVCache):
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
-        if keys.shape[2] == 1 and self._short_steps():
+        if keys.shape[2] == 1:
             self._note_step(step)
         c = self._call
         return self._rows(c.s0, c.q0, c.past_k, c.past_v, c.new_k, c.new_v, dtype=keys.dtype)
@@ -258,7 +258,7 @@ class ResidualWindowCache(CompressedKVCache):
         buffer: ``_decode_step`` takes it."""
         r = self.n_win + 1
         return (r < self.residual_length + self.quant_block and self.win_k is not None and r <= self.win_k.shape[2]
-                and self._repeats_checked_step(step))
+                and self._repeats_checked_step(step) and self._short_steps())
 
     def _decode_step(self, keys, values):
         """``update_and_fetch`` of a decode row that compacts nothing: what ``_check_input`` and ``_store`` do for
