@@ -1052,3 +1052,17 @@ def test_launch_routes_fused_and_fallback_calls(S, counters, monkeypatch):
     assert fused and not merged and arrays[1] is sinks and dtypes == [mx.float32, mx.bfloat16]
     assert shapes == [(B * H * R * (S + 1) * (dv + 2),), (B, H * R, 1, dv)] and out.shape == (B, H * R, 1, dv)
     assert arrays[2] is cnt if counters else (arrays[2].shape == (B * H,) and arrays[2].dtype == mx.int32)
+
+
+def test_block_counters_are_held_counted_and_not_copied():
+    """The fused kernels' counters are one int32 per (batch row, KV head), made once per cache (a larger batch
+    makes larger ones), counted in ``nbytes`` while held, and not carried into a deepcopy."""
+    import copy
+
+    c = _kivi(64)
+    before = c.nbytes
+    cnt = _common.step_counters(c, 6)
+    assert cnt.dtype == mx.int32 and cnt.shape == (6,) and _common.step_counters(c, 4) is cnt
+    assert c.nbytes == before + 6 * 4
+    assert _common.step_counters(c, 9).shape == (9,)
+    assert "_kernel_counters" not in copy.deepcopy(c).__dict__

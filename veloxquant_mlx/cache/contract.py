@@ -145,7 +145,11 @@ class CompressedKVCache(mlx_cache._BaseCache):
         raise NotImplementedError
 
     def held_arrays(self) -> list[mx.array]:
-        return [a for a in (getattr(self, n) for n in self.array_fields) if a is not None]
+        """``array_fields``, and the decode kernels' block counters once a fused launch made them
+        (``kernels.step_counters``: held between steps, so counted)."""
+        out = [a for a in (getattr(self, n) for n in self.array_fields) if a is not None]
+        counters = self.__dict__.get("_kernel_counters")
+        return out if counters is None else out + [counters]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_input(keys, values)

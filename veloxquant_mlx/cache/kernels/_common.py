@@ -472,7 +472,7 @@ def step_counters(cache, n: int) -> mx.array:
     """``cache``'s int32 counters [>= n] for its fused decode launches, zero between launches (each head's last block
     sets its counter back), so a step queues no fill for them. Held per cache: successive launches of one cache are
     ordered by the step's data (step t + 1 reads step t's token), so two launches never share counters at once. Not
-    state: a deepcopy or a reload makes its own."""
+    state: a deepcopy or a reload makes its own; counted in ``nbytes`` (``held_arrays``) while held."""
     c = cache.__dict__.get("_kernel_counters")
     if c is None or c.shape[0] < n:
         c = cache._kernel_counters = mx.zeros((n,), mx.int32)
