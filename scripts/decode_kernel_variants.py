@@ -23,7 +23,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory  # noqa: E402
-from veloxquant_mlx.cache.options import KIVIOptions, WaterfillOptions  # noqa: E402
+from veloxquant_mlx.cache.options import KIVIOptions, TurboQuantRVQOptions, WaterfillOptions  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_kernel_time import fill, timed  # noqa: E402
@@ -38,7 +38,8 @@ def load(folder: str) -> dict:
     pkg = importlib.util.module_from_spec(spec)
     sys.modules[name] = pkg
     spec.loader.exec_module(pkg)
-    return {n: importlib.import_module(f"{name}.{n}") for n in ("kivi", "waterfill", "_common")}
+    mods = [n for n in ("kivi", "waterfill", "turboquant_rvq", "_common") if (Path(folder) / f"{n}.py").exists()]
+    return {n: importlib.import_module(f"{name}.{n}") for n in mods}
 
 
 def main(argv=None):
@@ -59,14 +60,20 @@ def main(argv=None):
             wf = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=4, head_dim=D,
                                                      options=WaterfillOptions(residual_length=16)))
             wf.bind_attention(type("Attn", (), {"rope": nn.RoPE(D, traditional=False, base=1e4)})())
+            tq = KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D,
+                                                     options=TurboQuantRVQOptions(residual_length=16)))
             fill(kv, k, v, q)
             fill(wf, k, v, q)
+            fill(tq, k, v, q)
+            tex = (tq.sink_k, tq.sink_v, tq.n_sink, tq.win_k, tq.win_v, tq.n_win, k[:, :, :1], v[:, :, :1])
             kex = (kv.res_k, kv.res_v, kv.n_res, kv.res_k, kv.res_v, 0, k[:, :, :1], v[:, :, :1])
             wex = (wf.sink_k, wf.sink_v, wf.n_sink, wf.win_k, wf.win_v, wf.n_win, k[:, :, :1], v[:, :, :1])
 
-            def attend(M, partials, args, hadamard):
+            def attend(M, partials, args, hadamard, rotation=None):
                 """A variant's one step: fused (its ``_common`` has ``Merge``) or partials + merge kernel."""
                 C = M["_common"]
+                if rotation is not None:
+                    return partials(*args, merge=C.Merge(None, False, one_q.dtype, None, rotation))
                 if hasattr(C, "Merge"):
                     return partials(*args, merge=C.Merge(None, hadamard, one_q.dtype))
                 return C.merge_kernel(*partials(*args), None, hadamard=hadamard, out_dtype=one_q.dtype)
@@ -82,20 +89,29 @@ def main(argv=None):
                               (one_q, D**-0.5, wf.k_words, ktab, lo, st, rope, wf.v_words, wf.v_scales, vpoly,
                                wf.n_quant, wf.n_sink, wf.bit_width, D, wex), True)
 
+            def turboquant_rvq(M):
+                kq, vq = tq._qs()
+                return attend(M, M["turboquant_rvq"].tq_partials,
+                              (one_q, one_q @ kq.rot_t, D**-0.5, (tq.k_codes1, tq.k_codes2), tq.k_norms,
+                               (tq.v_codes1, None), tq.v_norms, kq.cb, vq.cb, vq.rotation_back(), tq.n_quant, tex),
+                              False, vq.rotation_back())
+
             print(f"T={T}+{extra} (kivi residual {kv.n_res}, waterfill window {wf.n_win}); ms per 10 layers", flush=True)
             if not ncu:
                 sdpa = lambda: [mx.fast.scaled_dot_product_attention(one_q, k, v, scale=D**-0.5) for _ in range(10)]  # noqa: E731
                 print(f"  fused sdpa, float16 rows {timed(sdpa):8.3f}")
-            for name, f in (("kivi", kivi), ("waterfill", waterfill)):
+            for name, f in (("kivi", kivi), ("waterfill", waterfill), ("turboquant_rvq", turboquant_rvq)):
                 ref = None
                 for vn, M in variants.items():
+                    if name not in M:
+                        continue
                     out = f(M)
                     mx.eval(out)
                     ref = out if ref is None else ref
                     rel = (mx.linalg.norm((out - ref).astype(mx.float32)) / mx.linalg.norm(ref.astype(mx.float32))).item()
                     t = "" if ncu else f"{timed(lambda: [f(M) for _ in range(10)]):8.3f} ms  "
                     print(f"  {name:10s} {vn:12s} {t}relative L2 vs {next(iter(variants))}: {rel:.1e}", flush=True)
-            del kv, wf
+            del kv, wf, tq
             mx.clear_cache()
 
 

@@ -45,6 +45,9 @@ for cmd in "$@"; do
   layer) (timeout 200 python3 scripts/decode_host_layer.py --real --context 8192 --calls 3000 --profile; timeout 100 python3 scripts/decode_host_layer.py --context 8192 --calls 3000) > $OUT/layer.txt 2>&1; grep -v "^$" $OUT/layer.txt | head -80 ;;
   hdp) (for T in 8192 32768; do timeout 200 python3 scripts/decode_host_device.py --context $T --method kivi --pipelined; done; timeout 200 python3 scripts/decode_host_device.py --context 8192 --method waterfill --set residual_length=16 --pipelined) > $OUT/hdp.txt 2>&1; grep -v "^$" $OUT/hdp.txt | grep -v Warn | head -70 ;;
   ftest) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "fused or kernel_equals or take_the_kernels or batch" > $OUT/ftest.txt 2>&1; tail -8 $OUT/ftest.txt ;;
+  tqtest) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "turboquant or fused or take_the_kernels" > $OUT/tqtest.txt 2>&1; tail -12 $OUT/tqtest.txt ;;
+  tqbench) timeout 570 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method turboquant_rvq --context ${CONTEXTS:-8192,32768} --repeats ${REPEATS:-2} --decode-tokens ${DECODE:-16} --baselines none --isolate --warmup full --json $BENCH_ARGS > $OUT/h200_bench_tq.json 2> $OUT/tqbench.err; tail -3 $OUT/tqbench.err; python3 scripts/bench_samples.py $OUT/h200_bench_tq.json ;;
+  tqhd) (for T in ${CONTEXTS:-8192 32768}; do timeout 250 python3 scripts/decode_host_device.py --context $T --method turboquant_rvq --pipelined; done) > $OUT/tqhd.txt 2>&1; grep -v "^$" $OUT/tqhd.txt | grep -v Warn | head -60 ;;
   paired) for T in ${CONTEXTS:-8192 32768}; do timeout 280 python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds ${ROUNDS:-5} --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16; done > $OUT/paired.txt 2>&1; cat $OUT/paired.txt ;;
   esac
 done

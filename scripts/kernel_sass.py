@@ -43,13 +43,15 @@ def main(argv=None):
     ctypes.CDLL(sorted(builtins)[0], mode=ctypes.RTLD_GLOBAL)
     import mlx.core as mx
 
-    from veloxquant_mlx.cache.kernels import _common, _compile, kivi, waterfill
+    from veloxquant_mlx.cache.kernels import _common, _compile, kivi, turboquant_rvq, waterfill
 
     _compile._LIBS["libnvrtc.so.13"] = ctypes.CDLL(sorted(lib)[0])
     f16, u32, f32, i32 = mx.float16, mx.uint32, mx.float32, mx.int32
     block = (("NW", _common.WARPS), ("REP", 4), ("DV", 128))
     kivi_consts = (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", kivi.TILE_WORDS)) + block
     wf_consts = (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", waterfill.PREFETCH)) + block
+    tq_consts = (("D", 128), ("SK", 4), ("B1", 8), ("B2", 4), ("W1", 8), ("W2", 4), ("VS", 8), ("VB1", 8), ("VB2", 0),
+                 ("WV1", 4), ("WV2", 4)) + block
     kernels = {
         "kivi": (kivi._KERNELS[False, False], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 6, [f32] * 3, kivi_consts),
         "waterfill": (waterfill._KERNELS[False, False], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32] + [f16] * 6,
@@ -58,6 +60,9 @@ def main(argv=None):
                        kivi_consts + (("HAS_SINK", 0), ("ROT", 0))),
         "waterfill_fused": (waterfill._KERNELS[True, True], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32, i32]
                             + [f16] * 6 + [f32, i32], [f32, f16], wf_consts + (("HK", 8), ("HAS_SINK", 1), ("ROT", 1))),
+        # TurboQuant-RVQ defaults at d 128: keys 32 sub-vectors x (8 + 4) bits, values 16 x 8 bits
+        "turboquant_rvq_fused": (turboquant_rvq._KERNELS[False, True], [f16, f32, u32, u32, f16, u32, u32, f16]
+                                 + [f32] * 7 + [f16] * 7 + [i32], [f32, f16], tq_consts + (("HAS_SINK", 1), ("ROT", 2))),
         "merge": (_common._MERGE, [f32] * 4, [f16], (("DV", 128), ("MP", 8), ("MAX_S1", _common.MAX_SPLITS + 1),
                                                       ("HAS_SINK", 0), ("ROT", 1))),
     }

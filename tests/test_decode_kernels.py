@@ -20,14 +20,15 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import kivi_rows
+from veloxquant_mlx.cache.kernels import turboquant_rvq as tq_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
 from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
-from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache, TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
-from veloxquant_mlx.cache.options import KIVIOptions
+from veloxquant_mlx.cache.options import KIVIOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
@@ -282,6 +283,14 @@ def _kivi(D, bits=4, group=32):
     return c
 
 
+def _tq(D, residual_length=16, **opts):
+    """A TurboQuant-RVQ cache of head dim ``D`` with a short float16 window (rows reach the codes early)."""
+    c = KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D,
+                                            options=TurboQuantRVQOptions(residual_length=residual_length, **opts)))
+    assert isinstance(c, TurboQuantRVQKVCache)
+    return c
+
+
 def _rows(rng, H, n, D, dtype=mx.float32, scale=1.0):
     return mx.array((rng.normal(size=(1, H, n, D)) * scale).astype(np.float32)).astype(dtype)
 
@@ -447,10 +456,10 @@ def test_waterfill_scores_and_value_sums_equal_a_float64_decoding_of_the_codes(b
 
 
 # ---------------------------------------------------------------------------------------- kernels (CUDA only)
-def _kernel_vs_op(c, q, scale, sinks, op):
+def _kernel_vs_op(c, q, scale, sinks, op, tq=False):
     """The kernel path and the op path on the same recorded step: (kernel output, op output)."""
     call = c._call
-    got = c._decode_attend(q, scale=scale, sinks=sinks)
+    got = tq_kernel.decode_attend(c, q, scale, sinks) if tq else c._decode_attend(q, scale=scale, sinks=sinks)
     c._call = call
     want = op()
     mx.eval(got, want)
@@ -477,6 +486,35 @@ def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_
         assert c._decode_kernel_ready(q, K, None)
         got, want = _kernel_vs_op(c, q, D**-0.5, sinks, lambda: ResidualWindowCache.attend(
             c, q, K, V, scale=D**-0.5, mask=None, sinks=sinks))
+        assert got.dtype == dtype and bool(mx.isfinite(got.astype(mx.float32)).all())
+        assert _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
+
+
+@GPU
+@pytest.mark.parametrize("H,R,D,prompt,dtype,with_sinks,opts", [
+    (2, 1, 64, 61, mx.float16, False, {}),
+    (8, 4, 128, 301, mx.float16, True, {}),
+    (3, 3, 64, 1037, mx.bfloat16, False, {}),
+    (8, 4, 128, 5000, mx.bfloat16, True, {}),
+    (4, 2, 128, 777, mx.float32, False, {}),
+    (2, 2, 64, 300, mx.float16, True, {"key_codebook_bits": 8, "value_codebook_bits": 12, "value_sub_dim": 4}),
+    (2, 4, 64, 200, mx.float16, False, {"key_codebook_bits": 10, "key_sub_dim": 2}),
+    (2, 2, 128, 150, mx.float16, True, {"key_codebook_bits": 7, "value_codebook_bits": 6})])
+def test_turboquant_rvq_kernel_equals_the_op_path(H, R, D, prompt, dtype, with_sinks, opts):
+    """The kernel (lane-per-token scores on the codes, the dense rotation back in the fused tail) against the op
+    path on the same steps: default codebooks, one-stage keys, two-stage values, 2-bit sub-vectors, codes straddling
+    words (7 and 6 bits)."""
+    c = _tq(D, **opts)
+    rng = np.random.default_rng(prompt)
+    _feed_waterfill(c, H, R, D, prompt, rng, dtype)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    for _ in range(3):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
+        q = _rows(rng, H * R, 1, D, dtype)
+        assert c._decode_kernel_ready(q, K, None)
+        got, want = _kernel_vs_op(c, q, D**-0.5, sinks, lambda: ResidualWindowCache.attend(
+            c, q, K, V, scale=D**-0.5, mask=None, sinks=sinks), tq=True)
         assert got.dtype == dtype and bool(mx.isfinite(got.astype(mx.float32)).all())
         assert _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
 
@@ -593,14 +631,18 @@ def test_waterfill_batch_kernel_equals_the_op_path(H, R, D, lengths, rope, dtype
     ("kivi", 2, 1, 64, 45, mx.float16, False, None, None), ("kivi", 8, 4, 128, 20011, mx.bfloat16, True, None, None),
     ("kivi", 3, 3, 64, 700, mx.float16, True, 1, None), ("waterfill", 2, 3, 64, 101, mx.float16, True, None, None),
     ("waterfill", 8, 4, 128, 5000, mx.bfloat16, False, None, None),
-    ("waterfill", 2, 2, 64, 3000, mx.float16, True, None, 2), ("kivi", 2, 4, 128, 3000, mx.float16, True, None, 2)])
+    ("waterfill", 2, 2, 64, 3000, mx.float16, True, None, 2), ("kivi", 2, 4, 128, 3000, mx.float16, True, None, 2),
+    ("turboquant_rvq", 8, 4, 128, 5000, mx.bfloat16, True, None, None),
+    ("turboquant_rvq", 2, 3, 64, 101, mx.float16, False, None, None),
+    ("turboquant_rvq", 2, 2, 64, 3000, mx.float16, True, None, 2)])
 def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype, with_sinks, max_splits, fused_max,
                                                  monkeypatch):
     """One launch per layer: the decode kernel's last block per KV head merging the splits (sink logits,
     waterfill's rotation back from the Hadamard domain) gives what the same kernel's partials merged by the op
     path give, from one split to dozens; past ``FUSED_MAX_S1`` partials (lowered here) the merge kernel does.
     Every step counts its blocks in the cache's same counters, which each launch leaves at zero."""
-    mod, name = (kivi_kernel, "kivi_partials") if method == "kivi" else (wf_kernel, "waterfill_partials")
+    mod, name = {"kivi": (kivi_kernel, "kivi_partials"), "waterfill": (wf_kernel, "waterfill_partials"),
+                 "turboquant_rvq": (tq_kernel, "tq_partials")}[method]
     if max_splits:
         monkeypatch.setattr(kivi_kernel, "MAX_SPLITS", max_splits)
     if fused_max:
@@ -614,7 +656,8 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
 
     monkeypatch.setattr(mod, name, spy)
     rng = np.random.default_rng(prompt)
-    c = _kivi(D) if method == "kivi" else _waterfill(D, nn.RoPE(D, base=10000.0))
+    c = {"kivi": lambda: _kivi(D), "turboquant_rvq": lambda: _tq(D),
+         "waterfill": lambda: _waterfill(D, nn.RoPE(D, base=10000.0))}[method]()
     K, V = c.update_and_fetch(_rows(rng, H, prompt, D, dtype), _rows(rng, H, prompt, D, dtype))
     dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D, dtype), K, V, cache=c, scale=D**-0.5, mask="causal")
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
@@ -626,13 +669,16 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
     splits = set()
     for out, (m, l, acc), how in seen:
         assert how is not None and how.hadamard == (method == "waterfill") and how.out_dtype == dtype
-        want = merge_partials(m, l, acc, how.sinks,
-                              rotate=(lambda y: rotate_values(y, 0, inverse=True)) if how.hadamard else None)
+        assert (how.rotation is not None) == (method == "turboquant_rvq")
+        rotate = ((lambda y: rotate_values(y, 0, inverse=True)) if how.hadamard
+                  else (lambda y: y @ how.rotation) if how.rotation is not None else None)
+        want = merge_partials(m, l, acc, how.sinks, rotate=rotate)
         B, Hk, Rk, dv = want.shape
         assert out.shape == (B, Hk * Rk, 1, dv) and out.dtype == dtype
         assert _rel(out.astype(mx.float32).reshape(B, Hk, Rk, dv), want) < (1e-2 if dtype == mx.bfloat16 else 2e-3)
         splits.add(m.shape[-1])
     assert (max_splits is None) or splits == {max_splits + 1}
+    # past FUSED_MAX_S1 partials: the merge kernel (or, for a dense rotation back, the op path's merge)
     assert fused_max is None or min(splits) > fused_max
     counters = seen[0][2].counters
     assert all(how.counters is counters for *_, how in seen) and counters.dtype == mx.int32
@@ -642,7 +688,8 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
 @GPU
 def test_decode_steps_take_the_kernels_on_the_gpu():
     """Through the dispatch point, a decode step on the GPU runs the checked kernel (no fallback)."""
-    for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64)):
+    for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64),
+                       ("turboquant_rvq", _tq(64), 64)):
         rng = np.random.default_rng(1)
         K, V = c.update_and_fetch(_rows(rng, 2, 200, D, mx.float16), _rows(rng, 2, 200, D, mx.float16))
         dispatch.dispatched_sdpa(_rows(rng, 4, 200, D, mx.float16), K, V, cache=c, scale=D**-0.5, mask="causal")
@@ -742,8 +789,27 @@ def reference_kernels(monkeypatch):
             return merged(_batch_partials(q, c._keys_t(n), c._values(n), exact, np.array(counts)), merge)
         return merged(joined(q, q @ c._keys_t(n), c._values(n), exact), merge)
 
-    def merge(m, l, acc, sinks, hadamard, out_dtype, counters):
-        out = merge_partials(m, l, acc, sinks, rotate=(lambda y: rotate_values(y, 0, inverse=True)) if hadamard else None)
+    def tq(queries, rotated, scale, k_planes, k_norms, v_planes, v_norms, key_book, value_book, rotation, n, exact,
+           counts=None, merge=None):
+        """Scores from the rotated queries and the codes decoded in the rotated domain; the value sums left there."""
+        c = caches["turboquant_rvq"]
+        H = k_planes[0].shape[1]
+        caches["turboquant_rvq_launches"] = caches.get("turboquant_rvq_launches", 0) + 1
+        f = lambda a: a.astype(mx.float32)  # noqa: E731
+        keys = key_book.decode(*c._kq.codes(k_planes[0][:, :, :n], None if k_planes[1] is None
+                                            else k_planes[1][:, :, :n])) * f(k_norms[:, :, :n])[..., None]
+        vals = value_book.decode(*c._vq.codes(v_planes[0][:, :, :n], None if v_planes[1] is None
+                                              else v_planes[1][:, :, :n])) * f(v_norms[:, :, :n])[..., None]
+        qr = grouped(rotated, scale, H)
+        qm, ql, qa = _split_partials(qr @ keys.swapaxes(-1, -2), vals, 4)
+        em, el, ea = _exact_partial(grouped(queries, scale, H), exact)
+        partials = (mx.concatenate([qm, em], -1), mx.concatenate([ql, el], -1), mx.concatenate([qa, ea], -2))
+        return merged(partials, merge)
+
+    def merge(m, l, acc, sinks, hadamard, out_dtype, counters, rotation=None):
+        rotate = ((lambda y: rotate_values(y, 0, inverse=True)) if hadamard
+                  else (lambda y: y @ rotation) if rotation is not None else None)
+        out = merge_partials(m, l, acc, sinks, rotate=rotate)
         B, H, R, dv = out.shape
         # the cache's own block counters (zero between launches): int32, one per (batch row, KV head)
         assert counters is not None and counters.dtype == mx.int32 and counters.shape[0] >= B * H
@@ -766,6 +832,7 @@ def reference_kernels(monkeypatch):
     monkeypatch.setattr(wf_rows, "decode_rows", wf_decode)
     monkeypatch.setattr(wf_rows, "encode_rows", wf_encode)
     monkeypatch.setattr(kivi_kernel, "kivi_partials", kv)
+    monkeypatch.setattr(tq_kernel, "tq_partials", tq)
     monkeypatch.setattr(kpkg, "merge_kernel", merge)
     monkeypatch.setattr(_common, "_checked", set())
     monkeypatch.setattr(_common, "_disabled", set())
@@ -791,6 +858,42 @@ def test_waterfill_kernel_path_plumbing_equals_float64_attention(reference_kerne
         assert _rel(out, want) < TOL_ATTN, i
     assert "waterfill" in _common._checked and not _common._disabled
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
+
+
+@pytest.mark.parametrize("R,with_sinks,opts", [(1, False, {}), (3, True, {}),
+                                                (2, True, {"value_codebook_bits": 12, "value_sub_dim": 4})])
+def test_turboquant_rvq_kernel_path_plumbing_equals_float64_attention(reference_kernels, R, with_sinks, opts):
+    """With reference partials (the codes decoded in the rotated domain, scored with the rotated queries), the kernel
+    path -- the rotated queries, the buffers and norms handed over, the exact rows across window compactions, the
+    dense rotation back in the merge -- gives float64 attention over the stored rows and passes its first-use check;
+    the rotation matrix it builds is counted once among the shared constants."""
+    H, D = 2, 64
+    c = reference_kernels["turboquant_rvq"] = _tq(D, **opts)
+    rng = np.random.default_rng(R)
+    _feed_waterfill(c, H, R, D, 77, rng)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    for i in range(40):  # 16 + 32 window rows: compactions every 32 steps
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        assert c._decode_kernel_ready(q, K, None)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
+        assert _rel(out, want) < TOL_ATTN, i
+    assert reference_kernels["turboquant_rvq_launches"] >= 40
+    assert "turboquant_rvq" in _common._checked and not _common._disabled
+    back = c._vq.back  # the matrix back, built by the kernel path, shared by keys and values (one head dim)
+    assert back is c._kq.rotation_back() and np.array_equal(np.array(back), np.array(c._vq.rot_t).T)
+    shared = {id(a): a for a in c._kq.arrays() + c._vq.arrays()}
+    assert id(back) in shared and c.constant_nbytes == sum(a.nbytes for a in shared.values())
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays()) + c.constant_nbytes
+
+
+def test_turboquant_rvq_kernel_takes_only_the_layouts_it_reads():
+    assert tq_kernel.supported(128, 128, 4, 4, 12, 8, 8)  # the defaults at d 128, 4 query heads per KV head
+    assert tq_kernel.supported(64, 64, 8, 4, 12, 8, 8)
+    assert not tq_kernel.supported(80, 80, 4, 4, 12, 8, 8)  # head dims multiples of 32
+    assert not tq_kernel.supported(128, 128, 4, 4, 12, 2, 8)  # a lane's 4 value channels span two sub-vectors
+    assert not tq_kernel.supported(128, 128, 64, 4, 12, 8, 8)  # shared memory past 48 KB
 
 
 @pytest.mark.parametrize("R,bits", [(1, 4), (4, 2)])

@@ -146,7 +146,8 @@ def test_codes_are_packed_at_their_real_width_and_bytes_match_the_budget():
     # 4096 x 4 table of joint reconstructions, the value codebook: ~96 KB, once per model
     kcb, vcb = c._kq.cb, c._vq.cb
     assert c._kq.rot_t is c._vq.rot_t
-    assert c.constant_nbytes == 64 * 64 * 4 + kcb.nbytes + vcb.nbytes < 100 * 1024
+    back = 64 * 64 * 4 if c._kq.back is not None else 0  # its transpose, once a decode kernel made it (on CUDA)
+    assert c.constant_nbytes == 64 * 64 * 4 + back + kcb.nbytes + vcb.nbytes < 120 * 1024
 
 
 def test_constants_are_counted_once_per_model():

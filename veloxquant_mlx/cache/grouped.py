@@ -176,9 +176,7 @@ class GroupedQuantCache(CompressedKVCache):
         op = lambda: (self._keys_t(n).swapaxes(-1, -2), self._values(n))  # noqa: E731
         if not self._own_layout():  # a variant storing other arrays: no memo
             return op()
-        memo = self.__dict__.get("_dense_memo")
-        if memo is None:
-            memo = self._dense_memo = kernels._common.RowsMemo()
+        memo = kernels._common.RowsMemo.of(self)
         out = memo.get(n, self.k_codes)
         if out is None:
             dv = self.res_v.shape[-1]

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
+from . import kernels
 from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
                         tile_rows, ungroup)
 from .contract import CompressedKVCache
@@ -199,6 +200,7 @@ class ResidualWindowCache(CompressedKVCache):
     def _compact(self, n: int) -> None:
         """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window buffer of
         ``residual_length + quant_block`` rows (never more between calls)."""
+        self._forget_rows()
         w = self.n_win
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         s = min(SINK_ROWS - self.n_sink, n) if self.n_quant == 0 else 0
@@ -306,8 +308,28 @@ class ResidualWindowCache(CompressedKVCache):
         return attend_tiled(queries, call, self._sinks(call.s0), self._quantized_tiles, scale=scale, mask=mask,
                             sinks=sinks, n_keys=keys.shape[2], block=self.quant_block, tile=tile)
 
+    def _one_row_over_codes(self, queries, keys, mask) -> bool:
+        """A call the decode kernels take: one query row and one new row over quantized rows and the float16 sinks,
+        the keys ``update_and_fetch`` returned, a string or no mask."""
+        call = self._call
+        return (queries.shape[2] == 1 and call is not None and call.q0 > 0 and call.s0 > 0 and call.new_k.shape[2] == 1
+                and isinstance(mask, (str, type(None))) and keys.shape[2] == call.s0 + call.q0 + call.r0 + 1)
+
+    def _memo_rows(self, n: int, buf, build):
+        """``build()``, the first ``n`` quantized rows' dense lazy graph, reused between decode steps that go to a
+        kernel (their attention never evaluates it: rebuilding it is host time; ``kernels._common.RowsMemo``); cleared
+        whenever the quantized rows change (compaction, trim, state)."""
+        keep = kernels.keeps_rows(self, self._call.new_k.shape[2] if self._call else 0)
+        return kernels._common.RowsMemo.of(self).fetch(n, buf, build, keep)
+
+    def _forget_rows(self) -> None:
+        memo = self.__dict__.get("_dense_memo")
+        if memo is not None:
+            memo.clear()
+
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
+        self._forget_rows()
         if n > self.stored_rows():
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
         w = min(n, self.n_win)
@@ -376,4 +398,5 @@ class ResidualWindowCache(CompressedKVCache):
 
     @state.setter
     def state(self, v):
+        self._forget_rows()
         CompressedKVCache.state.fset(self, v)

@@ -1,4 +1,5 @@
-"""Fused single-query (decode) attention kernels on the compressed forms, one module per storage layout.
+"""Fused single-query (decode) attention kernels on the compressed forms, one module per storage layout: ``kivi``
+(KIVI's groups and its family), ``waterfill``, ``turboquant_rvq``.
 
 Each kernel reads every quantized token's packed codes once, dequantizes them in registers and
 produces split-K partial results of an online softmax (running max ``m``, sum ``l`` and the

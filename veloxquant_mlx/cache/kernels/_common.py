@@ -119,6 +119,20 @@ class RowsMemo:
     def clear(self) -> None:
         self.key, self.value = None, None
 
+    @staticmethod
+    def of(cache) -> "RowsMemo":
+        """``cache``'s memo (made on first use, kept in ``cache._dense_memo``)."""
+        memo = cache.__dict__.get("_dense_memo")
+        if memo is None:
+            memo = cache._dense_memo = RowsMemo()
+        return memo
+
+    def fetch(self, n: int, buf, build: Callable, keep: bool):
+        """The memoised rows of ``(n, buf)``, else ``build()``; kept only when ``keep`` (a decode step that goes to
+        a kernel): any other call leaves the memo empty, so rows a prefill chunk evaluates are never held."""
+        out = self.get(n, buf)
+        return self.put(n, buf, build() if out is None else out, keep)
+
     def __deepcopy__(self, memo):
         return RowsMemo()
 
@@ -293,19 +307,31 @@ EXACT_INPUTS = ["ek0", "ev0", "ek1", "ev1", "nk", "nv"]
 EXACT_SCALARS = [("e0_all", "int"), ("e1_all", "int"), ("T0", "int"), ("T1", "int")]  # rows taken, buffer rows
 
 
-def kernel_variants(name: str, inputs: list, scalars: list, body: str, bounds=None) -> dict:
+def kernel_variants(name: str, inputs: list, scalars: list, body: str, bounds=None, prelude: str = "") -> dict:
     """{(batched, fused): Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt``
     input), each returning its partials or, ``fused``, also merging them (``FUSED_TAIL``: the sink logits ``sk`` an
-    input, ``HQ`` a scalar) into the attention output: one launch per layer. ``bounds``: ``Kernel``'s launch
-    bounds."""
+    input, ``HQ`` a scalar) into the attention output: one launch per layer. ``bounds``, ``prelude``: ``Kernel``'s."""
     table = {}
     for b in (False, True):
         src = body.replace("VQ_COUNTS", _COUNTS[b])
         ins, sc, nm = inputs + ["cnt"] * b + EXACT_INPUTS, scalars + EXACT_SCALARS, name + ("_batch" if b else "")
-        table[b, False] = Kernel(nm, ins, OUTPUTS, sc, src, bounds)
+        table[b, False] = Kernel(nm, ins, OUTPUTS, sc, src, bounds, prelude)
         table[b, True] = Kernel(nm + "_fused", ins + ["sk", "vq_blocks"], FUSED_OUTPUTS, sc + [("HQ", "int")],
-                                FUSED_HEAD + src + FUSED_TAIL, bounds)
+                                FUSED_HEAD + src + FUSED_TAIL, bounds, prelude)
     return table
+
+
+def window_exact(c, call) -> tuple:
+    """``exact`` for a residual-window cache's decode step (``window.WindowCall``): its float16 sinks, the window rows
+    stored before the call (the window buffer itself while it still holds them first, else the call's record: a
+    compacting call copied them) and the call's own row; with no past window rows any buffer stands in (0 read)."""
+    if call.r0 == 0:
+        win_k, win_v = c.sink_k, c.sink_v
+    elif c.n_quant == call.q0 and c.n_sink == call.s0:
+        win_k, win_v = c.win_k, c.win_v
+    else:
+        win_k, win_v = call.past_k, call.past_v
+    return (c.sink_k, c.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
 
 
 def exact_args(exact, counts=None, heads: int = 1) -> tuple[list, list, tuple]:
@@ -375,8 +401,9 @@ FUSED_HEAD = r"""
 """
 
 # The end of a fused kernel: each block, its partial written, counts itself in its (batch row, KV head)'s counter;
-# the block that counts last merges that head's S1 partials in one softmax (as merge_partials: sink logits,
-# waterfill's rotation of the quantized splits' sum by a Walsh-Hadamard transform in shared memory) and writes the
+# the block that counts last merges that head's S1 partials in one softmax (as merge_partials: sink logits, the
+# quantized splits' sum rotated back: ROT 1 a Walsh-Hadamard transform in shared memory (waterfill), ROT 2 times the
+# dense matrix a kernel names VQ_VROT (TurboQuant-RVQ)) and writes the
 # output [B, H * REP, 1, DV]. The partials are read through L2 (``vq_ldcg``), four channels per load.
 FUSED_TAIL = r"""
   VQ_SHARED int vq_last;
@@ -432,7 +459,7 @@ FUSED_TAIL = r"""
         dst[0] += a0; dst[1] += a1; dst[2] += a2; dst[3] += a3;
       }
     }
-    if (ROT) {
+    if (ROT == 1) {
       for (int hs = 1; hs < DV; hs <<= 1) {
         VQ_SYNC();
         for (int i = VQ_TID; i < REP * DV / 2; i += VQ_NTHREADS) {
@@ -444,8 +471,38 @@ FUSED_TAIL = r"""
         }
       }
     }
+#ifdef VQ_VROT
+    if (ROT == 2) {  // times a dense matrix (the kernel's VQ_VROT, row-major [DV, DV]): y_c = sum_k a_k M[k][c]
+      constexpr int NT = 32 * NW, CPT = (DV + NT - 1) / NT;  // columns per thread; one matrix load serves REP rows
+      float y[CPT][REP];
+      VQ_SYNC();
+#pragma unroll
+      for (int u = 0; u < CPT; ++u) {
+        const int c = VQ_TID + u * NT;
+#pragma unroll
+        for (int r = 0; r < REP; ++r) y[u][r] = 0.f;
+        if (c < DV) {
+#pragma unroll 16
+          for (int k = 0; k < DV; ++k) {
+            const float mk = VQ_F(VQ_VROT[(size_t)k * DV + c]);
+#pragma unroll
+            for (int r = 0; r < REP; ++r) y[u][r] += sm_a[r * DV + k] * mk;
+          }
+        }
+      }
+      VQ_SYNC();
+#pragma unroll
+      for (int u = 0; u < CPT; ++u) {
+        const int c = VQ_TID + u * NT;
+        if (c < DV) {
+#pragma unroll
+          for (int r = 0; r < REP; ++r) sm_a[r * DV + c] = y[u][r];
+        }
+      }
+    }
+#endif
     VQ_SYNC();
-    const float rot = ROT ? rsqrtf((float)DV) : 1.f;
+    const float rot = ROT == 1 ? rsqrtf((float)DV) : 1.f;
     for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) {
       const int r = i / DV, c = i % DV;
       const size_t e = row0 + (size_t)r * S1 + S1 - 1;  // the exact rows' partial
@@ -459,13 +516,15 @@ FUSED_TAIL = r"""
 
 class Merge(NamedTuple):
     """What a fused decode kernel needs to finish the step: the sink logits [H * R] (or None), whether the quantized
-    splits' value sum is rotated back (waterfill's Walsh-Hadamard domain), the output's dtype, and the calling
-    cache's block counters (``step_counters``; None: fresh zeroed ones, one more queued fill per launch)."""
+    splits' value sum is rotated back from waterfill's Walsh-Hadamard domain, the output's dtype, the calling
+    cache's block counters (``step_counters``; None: fresh zeroed ones, one more queued fill per launch), and a dense
+    matrix that sum is multiplied by instead (``rotation`` [Dv, Dv], also the kernel's own ``VQ_VROT`` input)."""
 
     sinks: Optional[mx.array]
     hadamard: bool
     out_dtype: mx.Dtype
     counters: Optional[mx.array] = None
+    rotation: Optional[mx.array] = None
 
 
 def step_counters(cache, n: int) -> mx.array:
@@ -493,12 +552,18 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
     if merge is None or S1 > FUSED_MAX_S1:
         m, l, acc = kernels[batched, False](arrays, scalars, consts, [(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
                                            [mx.float32] * 3, grid=grid, threads=threads)
-        return (m, l, acc) if merge is None else merge_kernel(m, l, acc, *merge[:3])
+        if merge is None:
+            return m, l, acc
+        if merge.rotation is None:
+            return merge_kernel(m, l, acc, *merge[:3])
+        out = merge_partials(m, l, acc, merge.sinks, rotate=lambda y: y @ merge.rotation)  # no dense rotation there
+        return out.reshape(B, H * R, 1, dv).astype(merge.out_dtype)
     rows = B * H * R * S1
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
     cnt = merge.counters if merge.counters is not None else mx.zeros((B * H,), mx.int32)
     _, out = kernels[batched, True](arrays + [sk, cnt], scalars + [H * R],
-                                    consts + (("HAS_SINK", merge.sinks is not None), ("ROT", merge.hadamard)),
+                                    consts + (("HAS_SINK", merge.sinks is not None),
+                                              ("ROT", 2 if merge.rotation is not None else int(merge.hadamard))),
                                     [(rows * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
                                     grid=grid, threads=threads)
     return out

@@ -83,19 +83,19 @@ __device__ __forceinline__ void vq_store(vq_bf16* p, float x) {  // round to nea
 CTYPES = {mx.float32: "float", mx.float16: "vq_f16", mx.bfloat16: "vq_bf16", mx.uint32: "vq_u32", mx.int32: "int"}
 
 
-def render(symbol: str, body: str, inputs, outputs, scalars, consts, bounds=None) -> str:
+def render(symbol: str, body: str, inputs, outputs, scalars, consts, bounds=None, prelude: str = "") -> str:
     """The kernel's CUDA source: ``inputs``/``outputs`` (name, C type) pointers, ``scalars`` (name, "int" or
     "float") by value, ``consts`` (name, int) compile-time constants, then the body. A float scalar travels as
     its bits in an int (MLX 0.32.4's binding refuses Python floats: "Received float but must be one of bool,
     int or float", seen on the H200). ``bounds`` = (threads per block, blocks per SM): ``__launch_bounds__``, which
-    caps the registers so that many blocks fit."""
+    caps the registers so that many blocks fit. ``prelude``: the kernel's own device functions, after ``PRELUDE``."""
     sig = ([f"const {t}* __restrict__ {n}" for n, t in inputs] + [f"{t}* __restrict__ {n}" for n, t in outputs]
            + [f"const int {n}" + ("_bits" if t == "float" else "") for n, t in scalars])
     head = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in consts)
     head += "".join(f"  const float {n} = __int_as_float({n}_bits);\n" for n, t in scalars if t == "float")
     lb = f"__launch_bounds__({bounds[0]}, {bounds[1]}) " if bounds else ""
     args = ",\n    ".join(sig)
-    return f'{PRELUDE}\nextern "C" __global__ void {lb}{symbol}(\n    {args}) {{\n{head}{body}\n}}\n'
+    return f'{PRELUDE}{prelude}\nextern "C" __global__ void {lb}{symbol}(\n    {args}) {{\n{head}{body}\n}}\n'
 
 
 def _check(lib, res: int, prog=None) -> None:
@@ -161,9 +161,9 @@ class Kernel:
     """A kernel body with named inputs, outputs (pointers) and scalars (``"int"``/``"float"`` by value)."""
 
     def __init__(self, name: str, inputs: list[str], outputs: list[str], scalars: list[tuple[str, str]], body: str,
-                 bounds=None):
+                 bounds=None, prelude: str = ""):
         self.name, self.inputs, self.outputs, self.scalars, self.body = name, inputs, outputs, scalars, body
-        self.bounds = bounds
+        self.bounds, self.prelude = bounds, prelude
         self._convert = [int if t == "int" else _float_bits for _, t in scalars]
         self._built: dict = {}  # variant -> (symbol, cubin)
 
@@ -171,7 +171,7 @@ class Kernel:
         """(symbol, CUDA source) of the variant for these input/output dtypes and constants."""
         ins = [(n, CTYPES[d]) for n, d in zip(self.inputs, dtypes)]
         outs = [(n, CTYPES[d]) for n, d in zip(self.outputs, out_dtypes)]
-        text = render("VQ_SYMBOL", self.body, ins, outs, self.scalars, consts, self.bounds)
+        text = render("VQ_SYMBOL", self.body, ins, outs, self.scalars, consts, self.bounds, self.prelude)
         symbol = f"{self.name}_{hashlib.sha1(text.encode()).hexdigest()[:16]}"
         return symbol, text.replace("VQ_SYMBOL", symbol)
 

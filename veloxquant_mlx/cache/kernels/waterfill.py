@@ -22,7 +22,7 @@ import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
 from ._common import (BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_variants, launch, split_count,
-                      step_counters)
+                      step_counters, window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -248,13 +248,7 @@ def decode_attend(c, queries, scale: float, sinks=None):
     launch's last block per head, or past ``_common.FUSED_MAX_S1`` partials by a second launch."""
     call, c._call = c._call, None
     ktab, lo, step, rope, vpoly = cache_constants(c)
-    if call.r0 == 0:  # no past window rows: any buffer stands in (0 rows read)
-        win_k, win_v = c.sink_k, c.sink_v
-    elif c.n_quant == call.q0 and c.n_sink == call.s0:
-        win_k, win_v = c.win_k, c.win_v  # the window buffer still holds the past rows first
-    else:  # this call compacted the window: its past rows are the record's (a copy of <= 32 rows)
-        win_k, win_v = call.past_k, call.past_v
-    exact = (c.sink_k, c.sink_v, call.s0, win_k, win_v, call.r0, call.new_k, call.new_v)
+    exact = window_exact(c, call)
     counters = step_counters(c, queries.shape[0] * c.k_words.shape[1])
     return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
                               call.s0, c.bit_width, c._shape[2], exact, merge=Merge(sinks, True, queries.dtype, counters))

@@ -33,8 +33,13 @@ Deviations from the paper:
    with the loading process's codebooks (the same for the same seed and platform; an
    ``NpyDirectoryArtifactStore`` pins them across machines).
 
-``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``) on the first cache of each set
-(``counts_constants``); ``merge`` builds ``turboquant_rvq_batch.py``'s form.
+Decode attention reads the codes: the op path scores keys by lookup tables; on CUDA a one-row step goes to
+``kernels.turboquant_rvq`` (one launch per layer, checked once against the op path), while the dense rows
+``update_and_fetch`` returns are built lazily and kept between compactions (never evaluated there).
+
+``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``, with the decode kernel's transposed
+rotation once built) on the first cache of each set (``counts_constants``); ``merge`` builds
+``turboquant_rvq_batch.py``'s form (op path at decode).
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ... import kernels
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
+from ...kernels import turboquant_rvq as tq_kernel
 from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
@@ -75,12 +82,20 @@ class _Quantizer:
     """Rotation + codebook for one head dimension (shared by every cache with the same parameters)."""
 
     def __init__(self, dim, sub_dim, bits, seed, store):
-        self.dim, self.sub_dim, self.bits = dim, sub_dim, bits
+        self.dim, self.sub_dim, self.bits, self.seed = dim, sub_dim, bits, seed
         self.rot_t = _rotation(dim, seed)  # y = x @ rot_t (= Pi x); x = y @ rot_t.T
+        self.back = None  # rot_t.T contiguous, once the decode kernel asks (``rotation_back``)
         self.cb = rvq_codebook(dim, sub_dim, bits, seed, store)
 
     def arrays(self) -> list[mx.array]:
-        return [self.rot_t, *self.cb.arrays()]
+        return [self.rot_t, *([self.back] if self.back is not None else []), *self.cb.arrays()]
+
+    def rotation_back(self) -> mx.array:
+        """``rot_t.T`` contiguous: the decode kernel's matrix from the rotated value domain back (built on first use,
+        one per (dim, seed), then counted with the other constants)."""
+        if self.back is None:
+            self.back = _rotation_back(self.dim, self.seed)
+        return self.back
 
     def encode(self, x: mx.array):
         """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms)."""
@@ -109,6 +124,13 @@ def _rotation(dim: int, seed: int) -> mx.array:
     r = mx.contiguous(random_orthogonal(dim, seed).T)
     mx.eval(r)
     return r
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_back(dim: int, seed: int) -> mx.array:
+    back = mx.contiguous(_rotation(dim, seed).T)
+    mx.eval(back)
+    return back
 
 
 def _quantizer(dim, sub_dim, bits, seed, store) -> _Quantizer:
@@ -186,12 +208,32 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return getattr(self, prefix + "codes1")[:, :, a:n], (p2[:, :, a:n] if p2 is not None else None)
 
     def _quantized_dense(self, n, dtype=None):
+        """The first ``n`` quantized rows, dense (in ``dtype`` when given: the cast memoised with them)."""
+        cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))  # noqa: E731
+        return self._memo_rows(n, self.k_codes1, lambda: tuple(map(cast, self._decoded(n))))
+
+    def _decoded(self, n):
         kq, vq = self._qs()
         out = []
         for prefix, qz in (("k_", kq), ("v_", vq)):
             rows = qz.decode_rotated(*self._planes(prefix, n)) @ qz.rot_t.T
             out.append(rows * getattr(self, prefix + "norms")[:, :, :n].astype(mx.float32)[..., None])
         return out[0], out[1]
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        if self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
+            return kernels.checked_call(
+                "turboquant_rvq", self, lambda: tq_kernel.decode_attend(self, queries, scale, sinks),
+                lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
+        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    def _decode_kernel_ready(self, queries, keys, mask) -> bool:
+        """One query row over quantized rows, a string/None mask, shapes the kernel reads, the CUDA backend."""
+        if not (self._one_row_over_codes(queries, keys, mask) and kernels.kernels_enabled()):
+            return False
+        H, D, DV = self._shape
+        return tq_kernel.supported(D, DV, queries.shape[1] // H, self.key_sub_dim, self.key_bits, self.value_sub_dim,
+                                   self.value_bits)
 
     def _quantized_part(self, q, n):
         """The one tile ``(0, n)``, its keys scored by LUT on the codes for decode-sized calls."""

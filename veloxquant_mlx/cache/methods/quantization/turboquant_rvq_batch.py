@@ -37,7 +37,7 @@ class _BatchCall(NamedTuple):
 
 
 @register_with_mlx_lm
-@borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_quantized_dense", "_quantized_part",
+@borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_decoded", "_quantized_part",
          "_quantized_tiles", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol); also the
@@ -173,6 +173,9 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
             return None if N == 1 else "causal"
         mask = self._visible(N, self.ns, self.nq, self.nw, self.W)
         return self._made(mask, (tuple(self.ns), tuple(self.nq), tuple(self.nw))) if N == 1 else mask
+
+    def _quantized_dense(self, n, dtype=None):
+        return self._decoded(n)  # (the batch form keeps no memo of the dense rows)
 
     def _rows(self, S0, qw, sink_k, sink_v, win_k, win_v, dtype, new_k=None, new_v=None):
         """Dense rows in key order: sink rows, dequantized code slots, window, the call's rows."""

@@ -185,7 +185,6 @@ class WaterfillKVCache(ResidualWindowCache):
             super()._compact(n)
 
     def _append_quantized(self, keys, values):
-        self._rows_memo().clear()
         t0, lay = self.n_quant, self._layout_of()
         pos = self.n_sink + t0  # positions n_sink + t0 ..: sinks first, no rows ever evicted
         op = lambda: self._encoded(keys, values, pos)  # noqa: E731
@@ -269,14 +268,9 @@ class WaterfillKVCache(ResidualWindowCache):
         return odd_poly(codes, (1 << self.bit_width) - 1, *poly_coefficients(self.bit_width))
 
     def _quantized_dense(self, n, dtype=mx.float32):
-        memo = self._rows_memo()
-        out = memo.get(n, self.k_words)
-        if out is None:
-            op = lambda: self._decoded(n)  # noqa: E731
-            rows = wf_rows.checked_decode(self, n, dtype, op) if self._rows_kernel() else op()
-            out = memo.put(n, self.k_words, rows,
-                           keep=kernels.keeps_rows(self, self._call.new_k.shape[2] if self._call else 0))
-        return out
+        op = lambda: self._decoded(n)  # noqa: E731
+        return self._memo_rows(n, self.k_words,
+                               lambda: wf_rows.checked_decode(self, n, dtype, op) if self._rows_kernel() else op())
 
     def _decoded(self, n: int):
         """Float32 (keys with RoPE, values) of the first ``n`` quantized rows (the op path)."""
@@ -287,17 +281,6 @@ class WaterfillKVCache(ResidualWindowCache):
         """Whether rows are encoded and decoded by ``kernels.waterfill_rows`` (CUDA, supported shapes)."""
         return kernels.kernels_enabled() and wf_rows.supported(self)
 
-    def _rows_memo(self) -> "kernels._common.RowsMemo":
-        """The dense quantized rows' lazy graph, kept between compactions (``kernels._common.RowsMemo``)."""
-        memo = self.__dict__.get("_dense_memo")
-        if memo is None:
-            memo = self._dense_memo = kernels._common.RowsMemo()
-        return memo
-
-    def _trim_rows(self, n: int) -> int:
-        self._rows_memo().clear()
-        return super()._trim_rows(n)
-
     def _quantized_tiles(self, q, ranges):
         """Per range of quantized rows: scores on the keys decoded there (RoPE re-applied at their
         positions) and ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
@@ -307,13 +290,11 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, kernel shapes, the CUDA backend."""
-        call = self._call
-        if (queries.shape[2] != 1 or call is None or call.q0 == 0 or call.new_k.shape[2] != 1
-                or not isinstance(mask, (str, type(None))) or keys.shape[2] != call.s0 + call.q0 + call.r0 + 1):
+        if not self._one_row_over_codes(queries, keys, mask):
             return False
         H, D, DV = self._shape
         ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and power_of_two(DV)
-        return ok and call.s0 > 0 and kernels.kernels_enabled()
+        return ok and kernels.kernels_enabled()
 
     def _decode_attend(self, queries, *, scale, sinks=None):
         return wf_kernel.decode_attend(self, queries, scale, sinks)
@@ -365,7 +346,6 @@ class WaterfillKVCache(ResidualWindowCache):
 
     def _set_state(self, v):
         ResidualWindowCache.state.fset(self, v)
-        self._rows_memo().clear()
         self._layout = self._omega_cache = None
         if self.k_bits is not None:
             self._layout_of()  # held from the start, as in the cache that was saved
