@@ -1,36 +1,29 @@
 """Side-by-side speed and memory of KV caches in one process: prefill, decode, resident bytes, peak.
 
-For every context length and repeat, each candidate cache runs once (methods alternate within a
-repeat, starting one place later on each repeat): a random prompt of ``context`` tokens is prefilled
-in chunks of 2048 (mlx_lm's default) with the last token run on its own, its greedy next token
-evaluated (``prefill_s`` = time to that first token), then ``decode_tokens`` greedy decode steps run
-pipelined as mlx_lm's ``generate_step`` runs them (:func:`pipelined_decode`; ``decode_tps``, ``step_s``). Memory comes from MLX's allocator: ``kv_resident_bytes``
-= ``mx.get_active_memory()`` after the run minus before it (what the caches really keep alive,
-including views pinning larger buffers and allocation slack), beside ``kv_nbytes`` (the caches' own
-``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()`` (reset before the run; weights included) and
-``peak_delta_bytes`` = that peak minus the memory in use before the run. ``kv_fraction_of_fp16`` = the
-median ``kv_nbytes`` / ``kv_bytes_fp16`` (the same tokens in mlx_lm's plain cache at fp16, without slack).
+For every context length and repeat, each candidate cache runs once (the order rotates by one each repeat): a
+random prompt of ``context`` tokens is prefilled in chunks of 2048 (mlx_lm's default), its greedy next token
+evaluated (``prefill_s`` = time to that first token), then ``decode_tokens`` greedy steps run pipelined as
+mlx_lm's ``generate_step`` runs them (:func:`pipelined_decode`; ``decode_tps``, ``step_s``). Memory, from MLX's
+allocator: ``kv_resident_bytes`` = active memory after the run minus before it (what the caches keep alive,
+slack included), beside ``kv_nbytes`` (the caches' own ``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()``
+(weights included), ``peak_delta_bytes`` = that peak minus the memory in use before the run;
+``kv_fraction_of_fp16`` = median ``kv_nbytes`` / ``kv_bytes_fp16`` (mlx_lm's plain fp16 cache, no slack).
 
-Each statistic is the median with min and max over the repeats (``samples``: the per-repeat values of
-prefill, decode and peak, in run order), and each median is also given as a
-ratio (this row's median / the baseline's) against ``none`` (mlx_lm's ``KVCache``) and mlx_lm's
-``QuantizedKVCache`` at 4 and 8 bits (``mlx_q4``, ``mlx_q8``, group size 64, or 32 for small heads)
-measured in the same run, with a bound on its spread (``ratio_spread``: both medians' relative
-half-ranges added). A candidate that raises is reported as unavailable (``available: false`` with the
-error); ``isolate=True`` (CLI ``--isolate``) runs each candidate in its own subprocess, so even a hard
-crash only loses that one.
+Each statistic is the median with min and max over the repeats (``samples``: per-repeat prefill, decode and
+peak, in run order), also given as a ratio to each baseline measured in the same run: ``none`` (mlx_lm's
+``KVCache``), ``mlx_q4`` and ``mlx_q8`` (its ``QuantizedKVCache``, group 64, or 32 for small heads), with a
+bound on its spread (``ratio_spread``: both medians' relative half-ranges added). A candidate that raises is
+reported unavailable (``available: false`` with the error); ``isolate=True`` (CLI ``--isolate``) runs each
+candidate in its own subprocess, so even a hard crash only loses that one.
 
-``batch=N`` (CLI ``--batch N``): N random prompts of the context length prefilled and decoded together
-through one batch cache per layer, the N per-request caches merged (``merge``: mlx_lm's ``BatchKVCache``
-for the plain cache, a method's batch form); ``decode_tps`` is then the total over the N sequences. A
-candidate without a batch form (:func:`has_batch_form`: mlx_lm's ``QuantizedKVCache`` has none) is refused.
+``batch=N`` (CLI ``--batch N``): N random prompts decoded together through one batch cache per layer (the N
+per-request caches merged); ``decode_tps`` is then the total over the N sequences. A candidate without a batch
+form (:func:`has_batch_form`: mlx_lm's ``QuantizedKVCache`` has none) is refused.
 
-``decode_s_per_1k`` is the least-squares slope of the median decode-step time against the context
-length (seconds per 1000 tokens of context, two or more contexts): a cache whose decode step is
-O(context) with a large constant, or O(context²), shows up as a slope far above ``none``'s.
-
-Shapes (random weights, :data:`SHAPES`): ``llama-1b``, ``llama-8b``, ``smollm2`` (the embedded model's
-architecture) and ``tiny`` (tests). Speed does not depend on weight values.
+``decode_s_per_1k`` is the least-squares slope of the median decode-step time against the context length
+(seconds per 1000 context tokens, two or more contexts): an O(context) step with a large constant, or
+O(context²), shows up as a slope far above ``none``'s. Shapes (:data:`SHAPES`, random weights: speed does not
+depend on weight values): ``llama-1b``, ``llama-8b``, ``smollm2`` (the embedded model's) and ``tiny`` (tests).
 """
 
 from __future__ import annotations
@@ -41,7 +34,6 @@ _blas.preload()
 
 import gc  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -90,25 +82,9 @@ PREFILL_STEP = 2048
 WARMUPS = (False, True, "none", "short", "full")
 
 
-# --------------------------------------------------------------------------- #
-# models
-# --------------------------------------------------------------------------- #
-
-
 def default_dtype():
     """float32 on the CPU backend (fast BLAS path), float16 on a GPU."""
     return _blas.compute_dtype()
-
-
-def _dtype(dtype) -> "mx.Dtype":
-    if dtype is None:
-        return default_dtype()
-    if isinstance(dtype, str):
-        value = getattr(mx, dtype, None)
-        if not isinstance(value, mx.Dtype):
-            raise ValueError(f"{dtype!r} is not an mlx dtype (float16, bfloat16, float32)")
-        return value
-    return dtype
 
 
 def random_model(shape: str, dtype=None, seed: int = 0):
@@ -116,9 +92,11 @@ def random_model(shape: str, dtype=None, seed: int = 0):
     import mlx.utils
     from mlx_lm.models import llama
 
+    from .model import mlx_dtype
+
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}")
-    dt = _dtype(dtype)
+    dt = mlx_dtype(dtype)
     args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SHAPES[shape])
     model = llama.Model(args)
     mx.random.seed(seed)
@@ -145,11 +123,6 @@ def _vocab_size(model) -> int:
     return int(emb.weight.shape[0]) if emb is not None else 32000
 
 
-# --------------------------------------------------------------------------- #
-# candidates
-# --------------------------------------------------------------------------- #
-
-
 @dataclass
 class Candidate:
     """A cache to benchmark: a name (method or baseline), its settings and a per-run cache factory."""
@@ -163,66 +136,44 @@ class Candidate:
         return MethodSpec(self.name, self.settings).label
 
 
-def _head_dim(model) -> int:
-    from .cache.factory import _attention, _head_dim as hd, _layers
-
-    attn = _attention(_layers(model)[0])
-    return hd(attn, 64) if attn is not None else 64
-
-
 def _mlx_quant_factory(bits: int) -> Callable[[Any], list]:
     def make(model):
         from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-        d = _head_dim(model)
-        group = 64 if d % 64 == 0 else 32
+        from .cache.factory import _attention, _head_dim, _layers
+
+        group = 64 if _head_dim(_attention(_layers(model)[0]), 64) % 64 == 0 else 32
         return [QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
                 for c in make_prompt_cache(model)]
 
     return make
 
 
+def _check_baseline(b: str) -> str:
+    if b not in BASELINES:
+        raise ValueError(f"unknown baseline {b!r}; baselines: {', '.join(BASELINES)}")
+    return b
+
+
 def candidates(methods: Sequence, baselines: Sequence[str] = BASELINES) -> list[Candidate]:
     """Baselines first (``none``, ``mlx_q4``, ``mlx_q8``), then ``methods`` (names / specs), deduplicated."""
     from .eval.fidelity import make_caches
 
-    out: list[Candidate] = []
-    seen = set()
-    for b in baselines:
-        if b in seen:
-            continue
-        seen.add(b)
-        if b == NONE:
-            out.append(Candidate(NONE, {}, lambda model: make_caches(model, None)))
-        elif b in _MLX_QUANT_BITS:
-            out.append(Candidate(b, {}, _mlx_quant_factory(_MLX_QUANT_BITS[b])))
-        else:
-            raise ValueError(f"unknown baseline {b!r}; baselines: {', '.join(BASELINES)}")
-    for m in methods:
-        spec = MethodSpec.coerce(m)
-        key = spec.label
-        if key in seen:
-            continue
-        seen.add(key)
-        if spec.method == NONE:
-            out.append(Candidate(NONE, {}, lambda model: make_caches(model, None)))
-            continue
-        config = spec.config()
-        out.append(Candidate(spec.method, dict(spec.settings), lambda model, c=config: make_caches(model, c)))
-    return out
+    out = {b: Candidate(b, {}, _mlx_quant_factory(_MLX_QUANT_BITS[b]) if b in _MLX_QUANT_BITS
+                        else lambda model: make_caches(model, None)) for b in map(_check_baseline, baselines)}
+    for spec in map(MethodSpec.coerce, methods):
+        if spec.label not in out:  # none's config is None: mlx_lm's plain cache
+            out[spec.label] = Candidate(spec.method, {} if spec.method == NONE else dict(spec.settings),
+                                        lambda model, c=spec.config(): make_caches(model, c))
+    return list(out.values())
 
 
 def has_batch_form(name: str) -> bool:
-    """Whether candidate ``name`` decodes batches: the plain cache (mlx_lm's ``BatchKVCache``) and the
-    methods whose class declares a batch form (``batchable``); mlx_lm's quantized cache has no ``merge``."""
-    if name == NONE:
-        return True
-    if name in _MLX_QUANT_BITS:
-        return False
-    from .cache.base import method_info
+    """Whether candidate ``name`` decodes batches (:func:`.generate.has_batch_form`; mlx_lm's quantized cache
+    has no ``merge``)."""
+    from .generate import has_batch_form as method_has_batch_form
 
-    cls = method_info(name).cls
-    return cls is not None and bool(cls.__dict__.get("batchable", False))
+    return name not in _MLX_QUANT_BITS and method_has_batch_form(name)
 
 
 def batch_methods() -> list[str]:
@@ -238,11 +189,6 @@ def batch_caches(make: Callable[[Any], list], model, n: int) -> list:
     return [type(layer[0]).merge(list(layer)) for layer in zip(*per_request)]
 
 
-# --------------------------------------------------------------------------- #
-# one run
-# --------------------------------------------------------------------------- #
-
-
 def _settle() -> None:
     gc.collect()
     mx.synchronize()
@@ -253,14 +199,9 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
              prefill_step: int = PREFILL_STEP, on_chunk: Optional[Callable[[int, int], None]] = None) -> dict:
     """Prefill ``prompt`` ([T] ids, or [B, T]: B sequences through batch caches) into ``caches``, decode
     ``decode_tokens`` greedily; the measurements (``decode_tps``: tokens of all B sequences per second) and
-    the greedy ``tokens`` (B lists of decode_tokens + 1 ids: the prefill's, then each step's).
-
-    Decode steps are pipelined as mlx_lm's ``generate_step`` runs them: step i + 1's graph is built (and
-    queued with ``mx.async_eval``) while step i evaluates, so a cache's host time counts only where it
-    exceeds the evaluation's (tables before 2026-12-01 session 7 timed synchronous steps). ``step_s`` is
-    the median time between successive steps' completions. Memory baselines are taken right before the
-    prefill, so ``caches`` should be fresh (empty). ``on_chunk(done, total)`` reports the prefill's chunks.
-    """
+    the greedy ``tokens`` (B lists of decode_tokens + 1 ids: the prefill's, then each step's). Decode steps are
+    pipelined (:func:`pipelined_decode`; ``step_s``: their median). Memory baselines are taken right before the
+    prefill, so ``caches`` should be fresh (empty). ``on_chunk(done, total)`` reports the prefill's chunks."""
     from .eval.fidelity import prefill
     from .measure import fp16_kv_bytes, kv_bytes
 
@@ -330,11 +271,6 @@ def stats(values: Sequence[Optional[float]]) -> Optional[dict]:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
 
 
-# --------------------------------------------------------------------------- #
-# the benchmark
-# --------------------------------------------------------------------------- #
-
-
 def _prompt(vocab: int, n: int, seed: int, batch: int = 1) -> mx.array:
     key = mx.random.key(seed)
     p = mx.random.randint(0, vocab, (batch, n) if batch > 1 else (n,), key=key).astype(mx.int32)
@@ -370,40 +306,34 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
 
     vocab = _vocab_size(model)
     errors: dict[str, str] = {}
-    say = progress or (lambda msg: None)
-    on_chunk = getattr(progress, "chunk", None)
+    samples: dict[tuple[str, int], list[dict]] = {(c.label, n): [] for c in cands for n in contexts}
     if warmup not in WARMUPS:
         raise ValueError(f"warmup={warmup!r}; allowed: {', '.join(map(repr, WARMUPS))}")
-    # First calls compile kernels, build per-shape attention plans and grow the allocator's pool: keep them out
-    # of the timings ("short": one 256-token run per candidate; "full": one untimed run per candidate and context).
-    warm_lengths = [] if warmup in (False, "none") else (
-        list(contexts) if warmup == "full" else [min(min(contexts), 256)])
-    for n in warm_lengths:
+
+    def attempt(c, msg, prompt, n_decode, out=None, on_chunk=None):  # a raise marks the candidate unavailable
+        if c.label in errors:
+            return
+        if progress:
+            progress(f"{msg}: {c.label}")
+        try:
+            r = run_once(model, make(c), prompt, n_decode, prefill_step, on_chunk)
+            if out is not None:
+                out.append(r)
+        except Exception as exc:
+            errors[c.label] = _error(exc)
+        _settle()
+    # First calls compile kernels, build per-shape attention plans and grow the allocator's pool: untimed.
+    for n in [] if warmup in (False, "none") else contexts if warmup == "full" else [min(min(contexts), 256)]:
         wp = _prompt(vocab, n, seed + 1, batch)
         for c in cands:
-            if c.label in errors:
-                continue
-            say(f"warm-up ({n} tokens): {c.label}")
-            try:
-                run_once(model, make(c), wp, 2, prefill_step)
-            except Exception as exc:
-                errors[c.label] = _error(exc)
-            _settle()
-    samples: dict[tuple[str, int], list[dict]] = {(c.label, n): [] for c in cands for n in contexts}
+            attempt(c, f"warm-up ({n} tokens)", wp, 2)
     prompts = {n: _prompt(vocab, n, seed + n, batch) for n in contexts}
     for rep in range(repeats):
         order = cands[rep % len(cands):] + cands[: rep % len(cands)]
         for n in contexts:
             for c in order:
-                if c.label in errors:
-                    continue
-                say(f"repeat {rep + 1}/{repeats}, context {n}: {c.label}")
-                try:
-                    samples[(c.label, n)].append(run_once(model, make(c), prompts[n], decode_tokens,
-                                                          prefill_step, on_chunk))
-                except Exception as exc:
-                    errors[c.label] = _error(exc)
-                _settle()
+                attempt(c, f"repeat {rep + 1}/{repeats}, context {n}", prompts[n], decode_tokens,
+                        samples[(c.label, n)], getattr(progress, "chunk", None))
     rows = []
     for c in cands:
         for n in contexts:
@@ -419,17 +349,16 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                     row.update(kv_bytes_fp16=fp16, kv_fraction_of_fp16=kv_fraction_of_fp16(
                         _median(row, "kv_nbytes"), fp16))
             rows.append(row)
-    add_ratios(rows)
-    add_slopes(rows)
-    return rows
+    return add_slopes(add_ratios(rows))
 
 
-def _bench_row(name, settings, label, context, decode_tokens, model_name, batch: int = 1) -> dict:
+def _bench_row(name, settings, label, context, decode_tokens, model_name, batch: int = 1, **fields) -> dict:
     row = {"method": name, "settings": dict(settings), "label": label, "model": model_name, "context": context,
            "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True,
            "error": None, "repeats": 0}
     row.update(dict.fromkeys(STATS))
-    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None)
+    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None,
+               **fields)
     return row
 
 
@@ -471,60 +400,38 @@ def add_ratios(rows: list[dict], baselines: Sequence[str] = BASELINES) -> list[d
 def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
     """Least-squares slope dy/dx (None with fewer than two distinct x)."""
     pts = [(float(x), float(y)) for x, y in zip(xs, ys) if y is not None]
-    if len({x for x, _ in pts}) < 2:
-        return None
-    mx_ = sum(x for x, _ in pts) / len(pts)
-    my = sum(y for _, y in pts) / len(pts)
-    sxx = sum((x - mx_) ** 2 for x, _ in pts)
-    return sum((x - mx_) * (y - my) for x, y in pts) / sxx
+    return statistics.linear_regression(*zip(*pts)).slope if len({x for x, _ in pts}) >= 2 else None
 
 
 def add_slopes(rows: list[dict]) -> list[dict]:
     """``decode_s_per_1k``: slope of the median decode-step time vs context (the step at context n sees
     n + decode_tokens/2 tokens on average), per candidate; ``slope_vs_none`` its ratio to ``none``'s."""
-    by_label: dict[str, list[dict]] = {}
-    for r in rows:
-        by_label.setdefault(r["label"], []).append(r)
     slopes = {}
-    for label, rs in by_label.items():
-        ok = [r for r in rs if r["available"] and _median(r, "step_s") is not None]
+    for label in dict.fromkeys(r["label"] for r in rows):
+        ok = [r for r in rows if r["label"] == label and r["available"]]
         s = fit_slope([r["context"] + r["decode_tokens"] / 2 for r in ok], [_median(r, "step_s") for r in ok])
         slopes[label] = None if s is None else s * 1000.0
     ref = slopes.get(NONE)
     for r in rows:
-        r["decode_s_per_1k"] = slopes.get(r["label"])
-        s = r["decode_s_per_1k"]
+        s = r["decode_s_per_1k"] = slopes.get(r["label"])
         r["slope_vs_none"] = (s / ref) if (s is not None and ref and ref > 0) else None
     return rows
-
-
-# --------------------------------------------------------------------------- #
-# one subprocess per candidate
-# --------------------------------------------------------------------------- #
 
 
 def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]], names: Sequence,
                    contexts: Sequence[int], decode_tokens: int, baselines: Sequence[str] = BASELINES,
                    timeout_s: Optional[float] = None, progress: Optional[Callable[[str], None]] = None,
                    model_name: Optional[str] = None, batch: int = 1) -> list[dict]:
-    """Each candidate in its own ``python -m veloxquant_mlx bench ... --json`` subprocess.
-
-    ``child_args(baseline_or_None, spec_or_None)`` returns the CLI arguments for one candidate (the
-    caller keeps the shared options: model, contexts, repeats, ...). A child that fails, crashes or
-    times out makes its rows unavailable with the reason; the others are unaffected.
-    """
-    jobs: list[tuple[str, dict, list[str]]] = []
-    for b in dict.fromkeys(baselines):
-        if b != NONE and b not in _MLX_QUANT_BITS:
-            raise ValueError(f"unknown baseline {b!r}; baselines: {', '.join(BASELINES)}")
-        jobs.append((b, {}, child_args(b, None)))
+    """Each candidate in its own ``python -m veloxquant_mlx bench ... --json`` subprocess, whose CLI arguments are
+    ``child_args(baseline_or_None, spec_or_None)``. A child that fails, crashes or times out makes its rows
+    unavailable with the reason; the others are unaffected."""
+    jobs = [(b, {}, child_args(b, None)) for b in map(_check_baseline, dict.fromkeys(baselines))]
     for m in names:
         spec = MethodSpec.coerce(m)
         if spec.method == NONE and NONE in baselines:
             continue
         jobs.append((spec.method, dict(spec.settings), child_args(None, spec)))
     rows: list[dict] = []
-    env = dict(os.environ)
     for i, (name, settings, argv) in enumerate(jobs, 1):
         label = MethodSpec(name, settings).label
         if progress:
@@ -532,13 +439,9 @@ def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]],
         cmd = [sys.executable, "-m", "veloxquant_mlx", "bench", *argv, "--json"]
         error = None
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
             if proc.returncode == 0:
-                child = json.loads(proc.stdout)
-                for r in child:
-                    if r["method"] == name:
-                        r["label"] = label
-                        rows.append(r)
+                rows += [dict(r, label=label) for r in json.loads(proc.stdout) if r["method"] == name]
                 continue
             tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
             error = f"subprocess exit code {proc.returncode}" + (f": {tail[-1][:300]}" if tail else "")
@@ -546,10 +449,6 @@ def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]],
             error = f"subprocess timed out after {timeout_s:.0f} s"
         except ValueError as exc:  # bad JSON
             error = f"subprocess output unreadable: {exc}"
-        for n in contexts:
-            row = _bench_row(name, settings, label, n, decode_tokens, model_name, batch)
-            row.update(available=False, error=error)
-            rows.append(row)
-    add_ratios(rows)
-    add_slopes(rows)
-    return rows
+        rows += [_bench_row(name, settings, label, n, decode_tokens, model_name, batch, available=False, error=error)
+                 for n in contexts]
+    return add_slopes(add_ratios(rows))

@@ -91,15 +91,10 @@ def write_eval_outputs(rows: list[dict], out_dir: Path, meta: dict, note=print) 
     note(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}" + (" and pareto.png" if plotted else ""))
 
 
-def _warmup(args) -> str:
-    return "none" if args.no_warmup else args.warmup
-
-
 def _child_args(args):
     """CLI arguments of one isolated candidate run (shared options + its own method or baseline)."""
-    shared = ["--context", ",".join(map(str, args.contexts))] + (["--random-weights"] if args.shape else []) + [
-        "--warmup", _warmup(args)]
-    for name in ("repeats", "decode_tokens", "seed", "prefill_step", "batch", "shape", "model", "dtype"):
+    shared = ["--context", ",".join(map(str, args.contexts))] + (["--random-weights"] if args.shape else [])
+    for name in ("warmup", "repeats", "decode_tokens", "seed", "prefill_step", "batch", "shape", "model", "dtype"):
         if getattr(args, name) is not None:
             shared += ["--" + name.replace("_", "-"), str(getattr(args, name))]
 
@@ -213,10 +208,10 @@ def cmd_bench(args) -> int:
             model = load_model(args.model, dtype=args.dtype)[0]
         say.stage(f"model ready in {time.perf_counter() - t0:.1f}s")
         n = len(bench.candidates(specs, baselines))
-        warm = {"none": 0, "short": 1, "full": len(args.contexts)}[_warmup(args)]
+        warm = {"none": 0, "short": 1, "full": len(args.contexts)}[args.warmup]
         bar = Progress((args.repeats * len(args.contexts) + warm) * n, enabled=not args.json)
         rows = bench.bench(model, specs, args.contexts, args.repeats, args.decode_tokens, baselines=baselines,
-                           seed=args.seed, prefill_step=args.prefill_step, warmup=_warmup(args),
+                           seed=args.seed, prefill_step=args.prefill_step, warmup=args.warmup,
                            progress=bar, model_name=name, batch=args.batch)
         bar.close()
     if args.json:
@@ -285,4 +280,4 @@ def add_subcommands(sub) -> None:
     b.add_argument("--warmup", default="short", choices=("none", "short", "full"),
                    help="untimed runs first: none, one 256-token run per candidate (default), or one per candidate "
                         "and context (GPU: attention plans are built per shape)")
-    b.add_argument("--no-warmup", action="store_true", help="same as --warmup none")
+    b.add_argument("--no-warmup", action="store_const", dest="warmup", const="none", help="same as --warmup none")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-__all__ = ["make_caches", "encode_prompt", "encode_turn", "run_generation"]
+__all__ = ["make_caches", "method_class", "has_batch_form", "encode_prompt", "encode_turn", "run_generation"]
 
 
 def make_caches(model, method: str, config=None) -> list:
@@ -15,6 +15,19 @@ def make_caches(model, method: str, config=None) -> list:
         return make_prompt_cache(model)
     from .cache import KVCacheBuilder
     return KVCacheBuilder.for_model(model, config)
+
+
+def method_class(method: str):
+    """The cache class of ``method`` (None for ``"none"``, mlx_lm's plain cache, or one not implemented)."""
+    from .cache.base import method_info
+    return None if method == "none" else method_info(method).cls
+
+
+def has_batch_form(method: str) -> bool:
+    """Whether ``method``'s caches merge into one batch cache: ``none`` (mlx_lm's ``BatchKVCache``) and the
+    methods whose class declares a batch form (``batchable``)."""
+    cls = method_class(method)
+    return method == "none" or bool(cls is not None and cls.__dict__.get("batchable", False))
 
 
 def _has_template(tokenizer) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 from . import _blas
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "load_model", "gguf_model_args", "gguf_to_mlx_weights",
-           "load_gguf_llama", "load_gguf_tokenizer", "UnsupportedModelError"]
+           "load_gguf_llama", "load_gguf_tokenizer", "mlx_dtype", "UnsupportedModelError"]
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_MODELS = frozenset({"smollm2-135m", "smollm2-135m-instruct"})  # case-insensitive
@@ -148,28 +148,25 @@ def load_gguf_tokenizer(path: str | Path):
     return TokenizerWrapper(hf_tok, BPEStreamingDetokenizer, eos_token_ids=[ids["eos"]] if "eos" in ids else [])
 
 
-def _dtype_key(dtype) -> str:
+def mlx_dtype(dtype):
+    """``dtype`` (an mlx dtype, its name, or None: :func:`._blas.compute_dtype`) as an ``mx.Dtype``."""
     import mlx.core as mx
-
-    from .cache.primitives.buffers import dtype_name
-
-    dtype = getattr(mx, dtype) if isinstance(dtype, str) else _blas.compute_dtype() if dtype is None else dtype
-    if not isinstance(dtype, mx.Dtype):
-        raise TypeError(f"dtype must be an mlx dtype or its name, got {dtype!r}")
-    return dtype_name(dtype)
+    value = getattr(mx, dtype, None) if isinstance(dtype, str) else _blas.compute_dtype() if dtype is None else dtype
+    if not isinstance(value, mx.Dtype):
+        raise ValueError(f"{dtype!r} is not an mlx dtype (float16, bfloat16, float32)")
+    return value
 
 
-def _load_gguf(path, dtype_name: str):
-    import mlx.core as mx
-    loaded = load_gguf_llama(path, dtype=getattr(mx, dtype_name)), load_gguf_tokenizer(path)
+def _load_gguf(path, dtype):
+    loaded = load_gguf_llama(path, dtype=dtype), load_gguf_tokenizer(path)
     _read_gguf.cache_clear()  # the raw quantized tensors are no longer needed
     return loaded
 
 
 @functools.lru_cache(maxsize=2)
-def _load_embedded(dtype_name: str):
+def _load_embedded(dtype):
     from .assets import smollm2_gguf_path
-    return _load_gguf(smollm2_gguf_path(), dtype_name)
+    return _load_gguf(smollm2_gguf_path(), dtype)
 
 
 def load_model(model: str | None = None, dtype=None):
@@ -177,7 +174,7 @@ def load_model(model: str | None = None, dtype=None):
     :func:`._blas.compute_dtype`), one shared instance per process and dtype (do not modify its weights); a
     ``.gguf`` path is loaded the same way (llama only); any other string goes to ``mlx_lm.load``."""
     if model is None or model.strip().lower() in EMBEDDED_MODELS:
-        return _load_embedded(_dtype_key(dtype))
+        return _load_embedded(mlx_dtype(dtype))
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" or path.is_file():
         if not path.is_file():
@@ -189,10 +186,9 @@ def load_model(model: str | None = None, dtype=None):
         except Exception as exc:  # not a GGUF at all, or damaged
             raise UnsupportedModelError(f"--model {str(path)!r} is not a readable GGUF file ({exc})") from None
         gguf_model_args(metadata)  # refuses other architectures before any weight is converted
-        return _load_gguf(path, _dtype_key(dtype))
+        return _load_gguf(path, mlx_dtype(dtype))
     import mlx_lm
     loaded_model, tokenizer = mlx_lm.load(model)[:2]
     if dtype is not None:
-        import mlx.core as mx
-        loaded_model.set_dtype(getattr(mx, _dtype_key(dtype)))
+        loaded_model.set_dtype(mlx_dtype(dtype))
     return loaded_model, tokenizer

@@ -30,10 +30,10 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .cache.rotating import RING_CLASSES
 from .cache.settings import NONE
-from .generate import make_caches
+from .generate import make_caches, method_class  # noqa: F401
 from .measure import batch_figures, cache_figures, process_memory
-from .server_requests import (KVSettings, RequestError, _method_class, check_generation_fields,  # noqa: F401
-                              check_messages, check_number_types, parse_kv_settings, prompt_tokens, request_kv)
+from .server_requests import (KVSettings, RequestError, check_generation_fields, check_messages,  # noqa: F401
+                              check_number_types, parse_kv_settings, prompt_tokens, request_kv)
 from .server_store import PromptCacheStore, SafePromptCache, reuse_mode  # noqa: F401
 
 EMBEDDED_ID = "smollm2-135m"

@@ -13,6 +13,7 @@ from mlx_lm import server as mlx_server
 
 from .cache.errors import QuantizerConfigError
 from .cache.settings import NONE, UsageError, method_config
+from .generate import has_batch_form, make_caches, method_class
 from .server_store import reuse_mode
 
 __all__ = ["RequestError", "KVSettings", "parse_kv_settings", "request_kv", "check_messages",
@@ -42,11 +43,10 @@ class KVSettings:
 
     @property
     def batchable(self) -> bool:
-        cls = _method_class(self.method)
-        return cls is None or bool(cls.__dict__.get("batchable", False))
+        return has_batch_form(self.method)
 
     def describe(self) -> dict:
-        cls = _method_class(self.method)
+        cls = method_class(self.method)
         out = {"method": self.method, "settings": dict(self.settings)}
         if cls is None:
             return dict(out, batching="batched", batching_reason="mlx_lm's batch path (uncompressed KVCache)",
@@ -56,11 +56,6 @@ class KVSettings:
                   "raises BatchingNotSupported): requests are served one at a time, compressed")
         return dict(out, batching="batched" if self.batchable else "sequential", batching_reason=reason,
                     prompt_reuse=reuse_mode(cls))
-
-
-def _method_class(method: str):
-    from .cache.base import method_info
-    return None if method == NONE else method_info(method).cls
 
 
 def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
@@ -76,7 +71,6 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
         if method == NONE:
             return KVSettings(NONE, ())
         if model is not None:
-            from .generate import make_caches
             make_caches(model, method, config)
     except (UsageError, QuantizerConfigError, NotImplementedError, TypeError, ValueError, OverflowError) as e:
         raise RequestError(400, str(e)) from None

@@ -62,6 +62,14 @@ def _tick(progress: Progress, msg: str) -> None:
         progress(msg)
 
 
+def _fidelity_values(rs: list, kv_tokens: int) -> dict:
+    """Row values of :func:`.fidelity.next_token_fidelity` results: their means (``kv_bytes`` rounded)."""
+    mean = lambda k: sum(getattr(r, k) for r in rs) / len(rs)  # noqa: E731
+    return dict(n_scored=sum(r.n_scored for r in rs), ppl=mean("ppl"), ppl_ref=mean("ppl_ref"),
+                ppl_delta=mean("ppl") - mean("ppl_ref"), kld=mean("kld"), top1_agree=mean("top1_agree"),
+                kv_tokens=kv_tokens, kv_bytes=int(round(mean("kv_bytes"))), kv_bytes_fp16=rs[0].kv_bytes_fp16)
+
+
 def _memo(memo: dict, key, compute: Callable[[], Any]):
     if key not in memo:
         memo[key] = compute()
@@ -109,9 +117,7 @@ def _fidelity_rows(task, model, tokenizer, methods, *, context=1024, n_score=64,
 
     def run(spec):
         r = next_token_fidelity(model, ids, context, n_score, spec.config(), ref_logp=ref, **hooks)
-        return dict(n_scored=r.n_scored, ppl=r.ppl, ppl_ref=r.ppl_ref, ppl_delta=r.ppl - r.ppl_ref, kld=r.kld,
-                    top1_agree=r.top1_agree, kv_tokens=context + n_score - 1, kv_bytes=r.kv_bytes,
-                    kv_bytes_fp16=r.kv_bytes_fp16)
+        return _fidelity_values([r], context + n_score - 1)
     rows = []
     for spec in _specs(methods, include_none):
         _tick(progress, f"{task}: {spec.label}")
@@ -291,15 +297,11 @@ def eval_recall(model, tokenizer, methods: Sequence, *, context: int = 1024,
         for p, ref in zip(prompts, refs):
             _tick(progress, f"recall: {spec.label} distance {p.distance}")
             rs.append(next_token_fidelity(model, p.ids, p.n_context, p.n_score, config, ref_logp=ref, **hooks))
-        mean = {k: sum(getattr(r, k) for r in rs) / len(rs)
-                for k in ("top1_target", "top1_target_ref", "kld", "top1_agree", "ppl", "ppl_ref", "kv_bytes")}
         detail = [{"depth": round(p.depth, 4), "distance": p.distance, "copy_acc": r.top1_target,
                    "copy_acc_ref": r.top1_target_ref, "kld": r.kld} for p, r in zip(prompts, rs)]
-        return dict(n_scored=sum(r.n_scored for r in rs), copy_acc=mean["top1_target"],
-                    copy_acc_ref=mean["top1_target_ref"], recall_detail=detail, kld=mean["kld"],
-                    top1_agree=mean["top1_agree"], ppl=mean["ppl"], ppl_ref=mean["ppl_ref"],
-                    ppl_delta=mean["ppl"] - mean["ppl_ref"], kv_tokens=prompts[0].n_context + prompts[0].n_score - 1,
-                    kv_bytes=int(round(mean["kv_bytes"])), kv_bytes_fp16=rs[0].kv_bytes_fp16)
+        return dict(_fidelity_values(rs, prompts[0].n_context + prompts[0].n_score - 1), recall_detail=detail,
+                    copy_acc=sum(r.top1_target for r in rs) / len(rs),
+                    copy_acc_ref=sum(r.top1_target_ref for r in rs) / len(rs))
     return [_measured(spec, "recall", context, model_name, lambda: run(spec)) for spec in _specs(methods, include_none)]
 
 
