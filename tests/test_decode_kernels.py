@@ -456,10 +456,10 @@ def test_waterfill_scores_and_value_sums_equal_a_float64_decoding_of_the_codes(b
 
 
 # ---------------------------------------------------------------------------------------- kernels (CUDA only)
-def _kernel_vs_op(c, q, scale, sinks, op, tq=False):
+def _kernel_vs_op(c, q, scale, sinks, op):
     """The kernel path and the op path on the same recorded step: (kernel output, op output)."""
     call = c._call
-    got = tq_kernel.decode_attend(c, q, scale, sinks) if tq else c._decode_attend(q, scale=scale, sinks=sinks)
+    got = c._decode_attend(q, scale=scale, sinks=sinks)
     c._call = call
     want = op()
     mx.eval(got, want)
@@ -467,15 +467,30 @@ def _kernel_vs_op(c, q, scale, sinks, op, tq=False):
 
 
 @GPU
-@pytest.mark.parametrize("H,R,D,prompt,rope,dtype,with_sinks", [
-    (2, 1, 64, 45, None, mx.float16, False),
-    (8, 4, 128, 301, "rope", mx.float16, True),
-    (3, 3, 64, 1037, "traditional", mx.bfloat16, False),
-    (8, 4, 128, 5000, "rope", mx.bfloat16, True),
-    (4, 2, 128, 777, "rope", mx.float32, False)])
-def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_sinks):
-    r = None if rope is None else nn.RoPE(D, traditional=rope == "traditional", base=10000.0)
-    c = _waterfill(D, r)
+@pytest.mark.parametrize("method,H,R,D,prompt,dtype,with_sinks,kw", [
+    ("waterfill", 2, 1, 64, 45, mx.float16, False, {"rope": None}),
+    ("waterfill", 8, 4, 128, 301, mx.float16, True, {"rope": "rope"}),
+    ("waterfill", 3, 3, 64, 1037, mx.bfloat16, False, {"rope": "traditional"}),
+    ("waterfill", 8, 4, 128, 5000, mx.bfloat16, True, {"rope": "rope"}),
+    ("waterfill", 4, 2, 128, 777, mx.float32, False, {"rope": "rope"}),
+    ("turboquant_rvq", 2, 1, 64, 61, mx.float16, False, {}),
+    ("turboquant_rvq", 8, 4, 128, 301, mx.float16, True, {}),
+    ("turboquant_rvq", 3, 3, 64, 1037, mx.bfloat16, False, {}),
+    ("turboquant_rvq", 8, 4, 128, 5000, mx.bfloat16, True, {}),
+    ("turboquant_rvq", 4, 2, 128, 777, mx.float32, False, {}),
+    ("turboquant_rvq", 2, 2, 64, 300, mx.float16, True,
+     {"key_codebook_bits": 8, "value_codebook_bits": 12, "value_sub_dim": 4}),
+    ("turboquant_rvq", 2, 4, 64, 200, mx.float16, False, {"key_codebook_bits": 10, "key_sub_dim": 2}),
+    ("turboquant_rvq", 2, 2, 128, 150, mx.float16, True, {"key_codebook_bits": 7, "value_codebook_bits": 6})])
+def test_window_kernels_equal_the_op_path(method, H, R, D, prompt, dtype, with_sinks, kw):
+    """The residual-window caches' decode kernels against their op path on the same steps: waterfill (RoPE on the
+    query side, with or without), TurboQuant-RVQ (lane-per-token scores on the codes, the dense rotation back in the
+    fused tail; default codebooks, one-stage keys, two-stage values, 2-bit sub-vectors, codes straddling words)."""
+    if method == "waterfill":
+        c = _waterfill(D, None if kw["rope"] is None else nn.RoPE(D, traditional=kw["rope"] == "traditional",
+                                                                  base=10000.0))
+    else:
+        c = _tq(D, **kw)
     rng = np.random.default_rng(prompt)
     _feed_waterfill(c, H, R, D, prompt, rng, dtype)
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
@@ -486,35 +501,6 @@ def test_waterfill_kernel_equals_the_op_path(H, R, D, prompt, rope, dtype, with_
         assert c._decode_kernel_ready(q, K, None)
         got, want = _kernel_vs_op(c, q, D**-0.5, sinks, lambda: ResidualWindowCache.attend(
             c, q, K, V, scale=D**-0.5, mask=None, sinks=sinks))
-        assert got.dtype == dtype and bool(mx.isfinite(got.astype(mx.float32)).all())
-        assert _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
-
-
-@GPU
-@pytest.mark.parametrize("H,R,D,prompt,dtype,with_sinks,opts", [
-    (2, 1, 64, 61, mx.float16, False, {}),
-    (8, 4, 128, 301, mx.float16, True, {}),
-    (3, 3, 64, 1037, mx.bfloat16, False, {}),
-    (8, 4, 128, 5000, mx.bfloat16, True, {}),
-    (4, 2, 128, 777, mx.float32, False, {}),
-    (2, 2, 64, 300, mx.float16, True, {"key_codebook_bits": 8, "value_codebook_bits": 12, "value_sub_dim": 4}),
-    (2, 4, 64, 200, mx.float16, False, {"key_codebook_bits": 10, "key_sub_dim": 2}),
-    (2, 2, 128, 150, mx.float16, True, {"key_codebook_bits": 7, "value_codebook_bits": 6})])
-def test_turboquant_rvq_kernel_equals_the_op_path(H, R, D, prompt, dtype, with_sinks, opts):
-    """The kernel (lane-per-token scores on the codes, the dense rotation back in the fused tail) against the op
-    path on the same steps: default codebooks, one-stage keys, two-stage values, 2-bit sub-vectors, codes straddling
-    words (7 and 6 bits)."""
-    c = _tq(D, **opts)
-    rng = np.random.default_rng(prompt)
-    _feed_waterfill(c, H, R, D, prompt, rng, dtype)
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
-    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
-    for _ in range(3):
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
-        q = _rows(rng, H * R, 1, D, dtype)
-        assert c._decode_kernel_ready(q, K, None)
-        got, want = _kernel_vs_op(c, q, D**-0.5, sinks, lambda: ResidualWindowCache.attend(
-            c, q, K, V, scale=D**-0.5, mask=None, sinks=sinks), tq=True)
         assert got.dtype == dtype and bool(mx.isfinite(got.astype(mx.float32)).all())
         assert _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
 
@@ -839,6 +825,18 @@ def reference_kernels(monkeypatch):
     return caches
 
 
+def _window_steps_match_float64(c, H, R, D, rng, sinks, steps):
+    """``steps`` one-row decode steps of a residual-window cache through the dispatch point, each taking the kernel
+    path and matching float64 attention over the rows ``update_and_fetch`` returned."""
+    for i in range(steps):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        assert c._decode_kernel_ready(q, K, None)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
+        assert _rel(out, want) < TOL_ATTN, i
+
+
 @pytest.mark.parametrize("R,rope,with_sinks", [(1, None, False), (3, "rope", True), (4, "traditional", True)])
 def test_waterfill_kernel_path_plumbing_equals_float64_attention(reference_kernels, R, rope, with_sinks):
     """With reference partials, the kernel path (tables, merge with sinks + window + own row, rotation
@@ -849,13 +847,7 @@ def test_waterfill_kernel_path_plumbing_equals_float64_attention(reference_kerne
     rng = np.random.default_rng(R)
     _feed_waterfill(c, H, R, D, 77, rng)
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
-    for i in range(20):
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
-        q = _rows(rng, H * R, 1, D)
-        assert c._decode_kernel_ready(q, K, None)
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
-        want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
-        assert _rel(out, want) < TOL_ATTN, i
+    _window_steps_match_float64(c, H, R, D, rng, sinks, 20)
     assert "waterfill" in _common._checked and not _common._disabled
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
 
@@ -872,13 +864,7 @@ def test_turboquant_rvq_kernel_path_plumbing_equals_float64_attention(reference_
     rng = np.random.default_rng(R)
     _feed_waterfill(c, H, R, D, 77, rng)
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
-    for i in range(40):  # 16 + 32 window rows: compactions every 32 steps
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
-        q = _rows(rng, H * R, 1, D)
-        assert c._decode_kernel_ready(q, K, None)
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
-        want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
-        assert _rel(out, want) < TOL_ATTN, i
+    _window_steps_match_float64(c, H, R, D, rng, sinks, 40)  # 16 + 32 window rows: compactions every 32 steps
     assert reference_kernels["turboquant_rvq_launches"] >= 40
     assert "turboquant_rvq" in _common._checked and not _common._disabled
     back = c._vq.back  # the matrix back, built by the kernel path, shared by keys and values (one head dim)

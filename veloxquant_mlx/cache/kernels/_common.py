@@ -259,6 +259,17 @@ _COUNTS = {False: "  const int n = n_all, o0 = 0, e0 = e0_all, o1 = 0, e1 = e1_a
            True: "  const int* vq_cnt = cnt + 5 * (bh / HK);\n"
                  "  const int n = vq_cnt[0], o0 = vq_cnt[1], e0 = vq_cnt[2], o1 = vq_cnt[3], e1 = vq_cnt[4];"}
 
+# The start of a decode kernel: its (batch row, KV head) ``bh``, its counts (VQ_COUNTS), its split ``s`` of ``S`` (block
+# row S takes the exact rows), the lane and warp.
+KERNEL_HEAD = r"""
+  const int bh = VQ_BLOCK_X;
+VQ_COUNTS
+  const int s = VQ_BLOCK_Y;
+  const int S1 = VQ_GRID_Y;
+  const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
+  const int lane = VQ_LANE, warp = VQ_WARP;
+"""
+
 # The exact rows of a decode step (float rows any dtype: e0 rows of x0 from row o0, e1 rows of x1 from row o1,
 # then the new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
 # domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.

@@ -28,22 +28,15 @@ import functools
 
 import mlx.core as mx
 
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLITS, WARPS, exact_args,
-                      kernel_variants, launch)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS,
+                      exact_args, kernel_variants, launch)
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS"]
 
 TILE_WORDS = 8  # key words per channel in a warp's tile; 32 / TILE_WORDS channel quarters per warp
 BLOCKS = 512  # grid size past which splits take several tiles (~4 blocks per SM on an H200: one wave)
 
-_SOURCE = r"""
-  const int bh = VQ_BLOCK_X;
-VQ_COUNTS
-  const int s = VQ_BLOCK_Y;
-  const int S1 = VQ_GRID_Y;
-  const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
-  const int lane = VQ_LANE, warp = VQ_WARP;
-  constexpr int VJ = DV / 32;
+_SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
   constexpr int TPW = 32 / KB;        // tokens (or value channels) per code word
   constexpr int CQ = 32 / TW;         // channel quarters per warp
   constexpr int TOK = TW * TPW;       // tokens per warp tile

@@ -20,22 +20,15 @@ import functools
 import mlx.core as mx
 
 from . import _common
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, LANE_STORE, MAX_SPLITS, WARPS, Merge, exact_args,
-                      kernel_variants, launch, step_counters, window_exact)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS, Merge,
+                      exact_args, kernel_variants, launch, step_counters, window_exact)
 
 __all__ = ["tq_partials", "supported", "decode_attend", "kernel_constants"]
 
 BLOCKS = 512  # grid size past which a split's warps take several tiles (as KIVI's kernel)
 SMEM_MAX = 48 * 1024
 
-_SOURCE = r"""
-  const int bh = VQ_BLOCK_X;
-VQ_COUNTS
-  const int s = VQ_BLOCK_Y;
-  const int S1 = VQ_GRID_Y;
-  const int S = S1 - 1;  // splits of the quantized rows; block row S takes the exact rows
-  const int lane = VQ_LANE, warp = VQ_WARP;
-  constexpr int VJ = DV / 32;             // value channels per lane (one sub-vector's slice)
+_SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;             // value channels per lane (one sub-vector's slice)
   constexpr int NS = D / SK, NVS = DV / VS;
   constexpr int K1 = 1 << B1, K2 = B2 ? 1 << B2 : 1, VK1 = 1 << VB1, VK2 = VB2 ? 1 << VB2 : 1;
   constexpr int WVR = WV1 + (VB2 ? WV2 : 0);  // value words per token kept in shared memory

@@ -223,9 +223,12 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
             return kernels.checked_call(
-                "turboquant_rvq", self, lambda: tq_kernel.decode_attend(self, queries, scale, sinks),
+                "turboquant_rvq", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
                 lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
         return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+    def _decode_attend(self, queries, *, scale, sinks=None):
+        return tq_kernel.decode_attend(self, queries, scale, sinks)
 
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, shapes the kernel reads, the CUDA backend."""
