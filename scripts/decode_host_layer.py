@@ -2,7 +2,7 @@
 cache against a compressed cache whose decode kernel call is a stand-in (``decode_host_device.stub_kernels``:
 runs on any machine; no evaluation is timed). The Python and MLX graph-building cost a cache adds per layer.
 
-    python scripts/decode_host_layer.py --method kivi --context 1024 --calls 2000
+    python scripts/decode_host_layer.py --method kivi --context 1024 --calls 2000 [--split] [--profile]
 """
 
 from __future__ import annotations
@@ -52,6 +52,27 @@ def time_calls(cache, attend, q, k, v, calls: int, prof=None, every: int = 16) -
     return statistics.median(times) * 1e6
 
 
+def split_calls(cache, attend, q, k, v, calls: int, every: int = 16) -> str:
+    """Each call's ``update_and_fetch`` and attention timed apart: medians, means and the mean of the slowest 1/32
+    (a window cache's compaction every 32 rows shows there)."""
+    upd, att = [], []
+    for _ in range(max(1, calls // every)):
+        out = []
+        gc.disable()
+        for _ in range(every):
+            t0 = time.perf_counter()
+            keys, values = cache.update_and_fetch(k, v)
+            t1 = time.perf_counter()
+            out.append(attend(q, keys, values, cache))
+            upd.append(t1 - t0)
+            att.append(time.perf_counter() - t1)
+        gc.enable()
+        mx.eval(out, cache.state)
+    us = lambda x: f"median {statistics.median(x) * 1e6:6.1f} mean {statistics.mean(x) * 1e6:6.1f} slowest " \
+        f"{statistics.mean(sorted(x)[-max(1, len(x) // 32):]) * 1e6:7.1f} us"  # noqa: E731
+    return f"update_and_fetch {us(upd)}; attention {us(att)}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--method", default="kivi")
@@ -61,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a config field (int)")
     ap.add_argument("--real", action="store_true", help="the real kernels (CUDA), not the stand-in")
     ap.add_argument("--profile", action="store_true", help="cProfile of the compressed cache's last round")
+    ap.add_argument("--split", action="store_true", help="also time update_and_fetch and the attention apart")
     a = ap.parse_args(argv)
     if not a.real:
         stub_kernels("tiny")
@@ -83,6 +105,8 @@ def main(argv=None):
             us = time_calls(cache, sdpa, q, k, v, a.calls, prof)
             print(f"round {r} {name:10s} T={a.context}: {us:6.1f} us per layer call (median of {a.calls // 16} "
                   "blocks of 16)", flush=True)
+            if a.split:
+                print(f"round {r} {name:10s} {split_calls(cache, sdpa, q, k, v, a.calls)}", flush=True)
             if prof:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
