@@ -28,8 +28,7 @@ def bool_mask(mask, n_queries: int, n_keys: int, n_kv_heads: int | None = None):
     if mask.dtype != mx.bool_:
         mask = mask > -1e30  # additive mask: -inf (or dtype min) marks hidden keys
     if mask.ndim == 4 and n_kv_heads is not None and mask.shape[1] > 1:
-        b = mask.shape[0]
-        mask = mask.reshape(b, n_kv_heads, mask.shape[1] // n_kv_heads, n_queries, n_keys)
+        mask = mask.reshape(mask.shape[0], n_kv_heads, mask.shape[1] // n_kv_heads, n_queries, n_keys)
     elif mask.ndim == 4:
         mask = mask[:, :, None]
     return mask

@@ -111,11 +111,6 @@ def add_method(name: str, family: str, options: Optional[type] = None, paper: st
     return remove
 
 
-def is_method(name) -> bool:
-    """Whether ``name`` is a method (built-in or :func:`add_method`'s)."""
-    return isinstance(name, str) and name in _METHOD_TABLE
-
-
 def method_info(name: str) -> MethodInfo:
     from . import methods  # noqa: F401  (importing registers every built method)
     family, protocol, paper = _METHOD_TABLE[name]

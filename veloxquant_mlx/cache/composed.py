@@ -39,6 +39,11 @@ from .primitives.buffers import grow_rows
 __all__ = ["QuantizedEviction", "composed_class", "quant_config", "register_composed"]
 
 
+def layers_of(cls, configs) -> list:
+    """``cls``'s caches for ``configs`` (one per layer), through its own ``build_layers`` where it has one."""
+    return cls.build_layers(configs) if hasattr(cls, "build_layers") else [cls(c) for c in configs]
+
+
 def quant_config(config):
     """The quantizer's config: ``config`` with the quantizer's method and options (``options.quantize``)."""
     q = config.options.quantize
@@ -66,11 +71,9 @@ class QuantizedEviction(CompressedKVCache):
     @classmethod
     def build_layers(cls, configs):
         """The eviction class's and the quantizer class's own per-layer construction, paired."""
-        ev, qconfigs = cls.evict_class, [quant_config(c) for c in configs]
-        qcls = implemented_class(qconfigs[0].method) if qconfigs else None
-        evs = ev.build_layers(configs) if hasattr(ev, "build_layers") else [ev(c) for c in configs]
-        qs = qcls.build_layers(qconfigs) if hasattr(qcls, "build_layers") else [qcls(c) for c in qconfigs]
-        return [cls(c, e, q) for c, e, q in zip(configs, evs, qs)]
+        qconfigs = [quant_config(c) for c in configs]
+        qs = layers_of(implemented_class(qconfigs[0].method), qconfigs) if qconfigs else []
+        return [cls(c, e, q) for c, e, q in zip(configs, layers_of(cls.evict_class, configs), qs)]
 
     def bind_attention(self, attn) -> None:
         for part in (self.evict, self.quant):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from .artifacts import ArtifactStore
-from .base import METHOD_NAMES, is_method
+from .base import _METHOD_TABLE, METHOD_NAMES
 from .errors import QuantizerConfigError
 from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth,
                       dims, rng_seed, rule_of, tokens)
@@ -130,7 +130,7 @@ class KVCacheConfig:
 
     def option(self, name: str, default=None):
         """An option-only setting (``decode_evict``) from ``options``, else ``default``."""
-        return getattr(self.options, name, default) if self.options is not None else default
+        return getattr(self.options, name, default)  # getattr(None, name, default) is default
 
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with ``changes`` applied (per-layer configs; no deprecation warnings)."""
@@ -178,7 +178,8 @@ def allowed_values(name: str) -> str:
 
 def validate_config(cfg: KVCacheConfig) -> None:
     """Raise ``QuantizerConfigError`` for the first invalid field of ``cfg``."""
-    _check(is_method(cfg.method), "method", cfg.method, f"one of {', '.join(METHOD_NAMES)}")
+    _check(isinstance(cfg.method, str) and cfg.method in _METHOD_TABLE, "method", cfg.method,
+           f"one of {', '.join(METHOD_NAMES)}")
     bw, width = cfg.bit_width_inlier, Rule("int", lo=1, hi=8).accepts  # one width, or one per layer
     _check(0 < len(bw) <= MAX_LAYERS and all(map(width, bw)) if isinstance(bw, (list, tuple)) else width(bw),
            "bit_width_inlier", bw, allowed_values("bit_width_inlier"))

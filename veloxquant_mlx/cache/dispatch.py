@@ -28,9 +28,10 @@ def dispatched_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def _modules():
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and (name == "mlx_lm.models.base" or name.startswith("mlx_lm.models."))]
+def _swap(old, new) -> None:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is old:
+            module.scaled_dot_product_attention = new
 
 
 def _disabled() -> bool:
@@ -41,16 +42,12 @@ def install() -> bool:
     """Route mlx_lm attention through caches' ``attend``. Returns False if disabled by the env."""
     if _disabled():
         return False
-    for module in _modules():
-        if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
-            module.scaled_dot_product_attention = dispatched_sdpa
+    _swap(_ORIGINAL, dispatched_sdpa)
     return True
 
 
 def uninstall() -> None:
-    for module in _modules():
-        if getattr(module, "scaled_dot_product_attention", None) is dispatched_sdpa:
-            module.scaled_dot_product_attention = _ORIGINAL
+    _swap(dispatched_sdpa, _ORIGINAL)
 
 
 def installed() -> bool:

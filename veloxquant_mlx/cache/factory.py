@@ -10,7 +10,7 @@ from mlx_lm.models import cache as mlx_cache
 from . import dispatch
 from .artifacts import ArtifactStore
 from .base import METHOD_NAMES, STANDALONE_METHODS, implemented_class
-from .composed import composed_class, quant_config
+from .composed import composed_class, layers_of, quant_config
 from .config import KVCacheConfig, validate_for_model
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver, notify
@@ -189,7 +189,7 @@ class KVCacheBuilder:
         layer_configs = [configs[i] for i in slots]
         if layer_configs:
             validate_for_model(config, min(c.head_dim for c in configs.values()), len(layer_configs))
-        built = cls.build_layers(layer_configs) if hasattr(cls, "build_layers") else [cls(c) for c in layer_configs]
+        built = layers_of(cls, layer_configs)
         built += [ring_cls(ring_config(configs[i]), defaults[i].max_size, defaults[i].keep) for i in rings]
         caches = list(defaults)
         for i, cache in zip(slots + rings, built):

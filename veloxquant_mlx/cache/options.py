@@ -10,6 +10,7 @@ method="foo")`` listed in ``ALL_OPTIONS``.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, Callable, ClassVar, Literal, Optional, dataclass_transform
@@ -124,6 +125,7 @@ class MethodOptions:
     FIELDS: ClassVar[dict[str, str]] = {}  # option -> its flat KVCacheConfig field
     OPTION_ONLY: ClassVar[tuple[str, ...]] = ()  # options without a flat field
     RULES: ClassVar[dict[str, Rule]] = {}
+    ORDER: ClassVar[tuple[tuple[str, str, str], ...]] = ()  # (a, op, b): field a (unless None) op field b
 
     def __init_subclass__(cls, method: str = "", flat_prefix: Optional[str] = None, evicts: bool = False, **kw):
         super().__init_subclass__(**kw)
@@ -142,8 +144,12 @@ class MethodOptions:
     def __post_init__(self):
         for name in self.OPTION_ONLY:
             self.RULES[name].check(name, getattr(self, name))
-        if getattr(self, "quantize", None) is not None:
-            check_quantize(self.quantize, self.decode_evict)
+        q = getattr(self, "quantize", None)  # an mlx_lm-protocol quantization method, or its options
+        if q is not None and (q.METHOD if isinstance(q, MethodOptions) else q) not in quantizer_methods():
+            raise QuantizerConfigError("quantize", q, QUANTIZE_WORDS)
+        if q is not None and self.decode_evict:
+            raise QuantizerConfigError("decode_evict", self.decode_evict,
+                                       "None or False with quantize (the quantized cache evicts at prefill calls only)")
 
     def validate(self) -> None:
         """Raise ``QuantizerConfigError`` for the first invalid field (named by its flat alias if any)."""
@@ -153,13 +159,19 @@ class MethodOptions:
 
     @classmethod
     def check_relations(cls, get: Callable[[str], Any]) -> None:
-        """Checks between fields (``get(name)`` gives a field's value), after each field's own check."""
+        """Checks between fields (``get(name)`` gives a field's value), after each field's own check: ``ORDER``
+        here, others in a subclass."""
+        for a, op, b in cls.ORDER:
+            x, y = get(a), get(b)
+            if x is not None and not _COMPARE[op](x, y):
+                raise QuantizerConfigError(cls.FIELDS.get(a, a), x, f"a value {op} {cls.FIELDS.get(b, b)}={y}")
 
     def flat_items(self):
         """(flat field, value) pairs this options object sets."""
         return [(flat, getattr(self, name)) for name, flat in self.FIELDS.items()]
 
 
+_COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 QUANTIZE_WORDS = ("None (rows kept at 16 bits), or the quantization method that stores the kept rows: its name "
                   "('waterfill', 'kivi', ...) or its options object (WaterfillOptions(residual_length=16))")
 
@@ -168,16 +180,6 @@ def quantizer_methods() -> list[str]:
     """The methods ``quantize`` accepts: the mlx_lm-protocol quantization methods."""
     from .base import _METHOD_TABLE, MLX_LM, QUANTIZATION
     return [m for m, (fam, proto, _) in _METHOD_TABLE.items() if (fam, proto) == (QUANTIZATION, MLX_LM)]
-
-
-def check_quantize(value, decode_evict) -> None:
-    """``quantize`` names an mlx_lm-protocol quantization method (or is its options), without decode_evict."""
-    name = value.METHOD if isinstance(value, MethodOptions) else value
-    if name not in quantizer_methods():
-        raise QuantizerConfigError("quantize", value, QUANTIZE_WORDS)
-    if decode_evict:
-        raise QuantizerConfigError("decode_evict", decode_evict,
-                                   "None or False with quantize (the quantized cache evicts at prefill calls only)")
 
 
 class EvictionOptions(MethodOptions):
@@ -394,22 +396,14 @@ class RocketKVOptions(MethodOptions, method="rocketkv", flat_prefix="rocketkv", 
 
 
 class AgeTieredOptions(MethodOptions, method="age_tiered", flat_prefix="age"):
+    ORDER = (("mid_boundary", ">=", "recent_boundary"), ("bits_mid", ">=", "bits_old"),
+             ("bits_mid", "<=", "bits_recent"))
     recent_boundary: int = tokens(128)
     mid_boundary: int = tokens(1024)
     bits_recent: int = bitwidth(8)
     bits_mid: int = bitwidth(4)
     bits_old: int = bitwidth(2)
     group_size: int = groups(32)
-
-    @classmethod
-    def check_relations(cls, get):
-        if get("mid_boundary") < get("recent_boundary"):
-            raise QuantizerConfigError("age_mid_boundary", get("mid_boundary"),
-                                       f"an int >= age_recent_boundary={get('recent_boundary')}")
-        old, mid, recent = get("bits_old"), get("bits_mid"), get("bits_recent")
-        if not old <= mid <= recent:
-            raise QuantizerConfigError("age_bits_mid", mid, f"age_bits_old={old} <= age_bits_mid <= "
-                                                            f"age_bits_recent={recent}")
 
 
 class KIVIOptions(MethodOptions, method="kivi", flat_prefix="kivi"):
@@ -431,18 +425,16 @@ class SVDqOptions(MethodOptions, method="svdq", flat_prefix="svdq"):
 
 
 class KittyOptions(MethodOptions, method="kitty", flat_prefix="kitty"):
+    ORDER = (("hi_bit", ">=", "lo_bit"),)
     hi_fraction: float = unit(0.25)
     hi_bit: int = bitwidth(4)
     lo_bit: int = bitwidth(2)
     group_size: int = groups(32)
 
-    @classmethod
-    def check_relations(cls, get):
-        if get("hi_bit") < get("lo_bit"):
-            raise QuantizerConfigError("kitty_hi_bit", get("hi_bit"), f"an int >= kitty_lo_bit={get('lo_bit')}")
-
 
 class AdaKVOptions(MethodOptions, method="adakv", flat_prefix="adakv"):
+    ORDER = (("mid_bit", ">", "lo_bit"), ("mid_bit", "<", "hi_bit"), ("target_avg_bits", ">=", "lo_bit"),
+             ("target_avg_bits", "<=", "hi_bit"))
     target_avg_bits: float = nonneg(2.5)
     lo_bit: int = bitwidth(2, hi=6)  # lo_bit < mid_bit < hi_bit
     mid_bit: int = bitwidth(3, lo=2, hi=7)
@@ -451,15 +443,6 @@ class AdaKVOptions(MethodOptions, method="adakv", flat_prefix="adakv"):
     update_interval: int = tokens(1)
     importance: str = one_of("norm_variance", "attention", "norm")
     obs_window: int = tokens(32)
-
-    @classmethod
-    def check_relations(cls, get):
-        lo, mid, hi, t = get("lo_bit"), get("mid_bit"), get("hi_bit"), get("target_avg_bits")
-        if not lo < mid < hi:
-            raise QuantizerConfigError("adakv_mid_bit", mid,
-                                       f"strictly between adakv_lo_bit={lo} and adakv_hi_bit={hi}")
-        if not lo <= t <= hi:
-            raise QuantizerConfigError("adakv_target_avg_bits", t, f"a number in [{lo}, {hi}]")
 
 
 class XQuantOptions(MethodOptions, method="xquant", flat_prefix="xquant"):
@@ -471,6 +454,7 @@ class XQuantOptions(MethodOptions, method="xquant", flat_prefix="xquant"):
 
 
 class KVQuantOptions(MethodOptions, method="kvquant", flat_prefix="kvquant"):
+    ORDER = (("n_sink", "<=", "group_size"),)
     bits: int = bitwidth(3)
     outlier_fraction: float = unit(0.01, hi=0.5, hi_open=True)
     group_size: int = groups(32, lo=2)
@@ -480,14 +464,13 @@ class KVQuantOptions(MethodOptions, method="kvquant", flat_prefix="kvquant"):
 
     @classmethod
     def check_relations(cls, get):
-        G = get("group_size")
-        if G % 2:
-            raise QuantizerConfigError("kvquant_group_size", G, "an even int >= 2")
-        if get("n_sink") > G:
-            raise QuantizerConfigError("kvquant_n_sink", get("n_sink"), f"an int in 0..kvquant_group_size ({G})")
+        if get("group_size") % 2:
+            raise QuantizerConfigError("kvquant_group_size", get("group_size"), "an even int >= 2")
+        super().check_relations(get)
 
 
 class PaluOptions(MethodOptions, method="palu", flat_prefix="palu"):
+    ORDER = (("lo_bit", "<=", "hi_bit"),)
     rank: Optional[int] = dims(None)
     energy_threshold: float = unit(0.9, lo_open=True)
     n_head_groups: int = layers(4)
@@ -496,11 +479,6 @@ class PaluOptions(MethodOptions, method="palu", flat_prefix="palu"):
     hi_fraction: float = unit(0.25)
     group_size: int = groups(32)
     quantize_values: bool = True
-
-    @classmethod
-    def check_relations(cls, get):
-        if get("lo_bit") > get("hi_bit"):
-            raise QuantizerConfigError("palu_lo_bit", get("lo_bit"), f"<= palu_hi_bit ({get('hi_bit')})")
 
 
 class CacheGenOptions(MethodOptions, method="cachegen", flat_prefix="cachegen"):
@@ -520,6 +498,7 @@ class MiniCacheOptions(MethodOptions, method="minicache", flat_prefix="minicache
 
 
 class GEAROptions(MethodOptions, method="gear", flat_prefix="gear"):
+    ORDER = (("rank", "<=", "group_size"),)
     bits: int = bitwidth(2)
     rank: Optional[int] = dims(None, hi=MAX_GROUP)  # at most group_size
     energy_threshold: float = unit(0.9, lo_open=True)
@@ -527,24 +506,14 @@ class GEAROptions(MethodOptions, method="gear", flat_prefix="gear"):
     group_size: int = groups(32, lo=2)
     quantize_values: bool = True
 
-    @classmethod
-    def check_relations(cls, get):
-        if get("rank") is not None and get("rank") > get("group_size"):
-            raise QuantizerConfigError("gear_rank", get("rank"), "None or an int in 0..gear_group_size")
-
 
 class ZipCacheOptions(MethodOptions, method="zipcache", flat_prefix="zipcache"):
+    ORDER = (("hi_bits", ">=", "lo_bits"),)
     hi_bits: int = bitwidth(4)
     lo_bits: int = bitwidth(2)
     hi_fraction: float = unit(0.2)
     group_size: int = groups(32)
     quantize_values: bool = True
-
-    @classmethod
-    def check_relations(cls, get):
-        if get("hi_bits") < get("lo_bits"):
-            raise QuantizerConfigError("zipcache_hi_bits", get("hi_bits"),
-                                       f"an int >= zipcache_lo_bits={get('lo_bits')}")
 
 
 class SpectralOptions(MethodOptions, method="spectral", flat_prefix="spectral"):

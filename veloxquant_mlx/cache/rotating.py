@@ -40,8 +40,8 @@ _RING = mlx_cache.RotatingKVCache
 
 class RotatingQuantKVCache(CompressedKVCache):
     """A ``RotatingKVCache`` ring of per-token codes (module docstring). Subclasses name their code arrays
-    (``array_fields``: rows on axis 2, 4-D) and implement ``_encode(keys, values) -> [code arrays]`` and
-    ``_decode(code arrays, dtype) -> (keys, values)``."""
+    (``array_fields``: rows on axis 2, 4-D): the keys' affine codes, scales and biases, then the values' (affine
+    too unless ``_encode_values(values) -> [arrays]`` and ``_decode_values(arrays, Dv, dtype)`` say otherwise)."""
 
     chunk_invariant = False  # as RotatingKVCache (a multi-row call keeps max_size + S - 1 rows)
     exact_trim = False  # as RotatingKVCache: only while offset < max_size; rotated rows are gone
@@ -72,8 +72,17 @@ class RotatingQuantKVCache(CompressedKVCache):
     def _affine(self, x):
         return list(gq.quantize(x, self.qbits, math.gcd(x.shape[-1], self.group)))
 
-    def _unaffine(self, codes, scales, biases, dim, dtype):
-        return gq.dequantize(codes, scales, biases, self.qbits, math.gcd(dim, self.group), dtype)
+    def _unaffine(self, arrays, dim, dtype):
+        return gq.dequantize(*arrays, self.qbits, math.gcd(dim, self.group), dtype)
+
+    _encode_values, _decode_values = _affine, _unaffine
+
+    def _encode(self, keys, values):
+        return self._affine(keys) + self._encode_values(values)
+
+    def _decode(self, a, dtype):
+        _, D, Dv = self._shape
+        return self._unaffine(a[:3], D, dtype), self._decode_values(a[3:], Dv, dtype)
 
     def _arrays(self) -> list:
         return [getattr(self, n) for n in self.array_fields]
@@ -155,13 +164,6 @@ class RotatingKIVICache(RotatingQuantKVCache):
     method_name = "kivi"
     array_fields = ("k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases")
 
-    def _encode(self, keys, values):
-        return self._affine(keys) + self._affine(values)
-
-    def _decode(self, a, dtype):
-        _, D, Dv = self._shape
-        return self._unaffine(*a[:3], D, dtype), self._unaffine(*a[3:], Dv, dtype)
-
 
 @register_with_mlx_lm
 class RotatingWaterfillCache(RotatingQuantKVCache):
@@ -170,17 +172,15 @@ class RotatingWaterfillCache(RotatingQuantKVCache):
     method_name = "waterfill"
     array_fields = ("k_codes", "k_scales", "k_biases", "v_words", "v_scales")
 
-    def _encode(self, keys, values):
+    def _encode_values(self, values):
         y = rotate_values(values.astype(mx.float32), int(self.config.seed))
         s = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True)).astype(mx.float16)  # [B, H, n, 1]
         codes = nearest_code(y / mx.maximum(s.astype(mx.float32), 1e-30), odd_poly_gaussian(self.qbits)[0])
-        return self._affine(keys) + [pack_bits(codes, self.qbits), s]
+        return [pack_bits(codes, self.qbits), s]
 
-    def _decode(self, a, dtype):
-        _, D, Dv = self._shape
-        u = odd_poly(unpack_bits(a[3], self.qbits, Dv), (1 << self.qbits) - 1, *poly_coefficients(self.qbits))
-        v = rotate_values(u * a[4].astype(mx.float32), int(self.config.seed), inverse=True)
-        return self._unaffine(*a[:3], D, dtype), v.astype(dtype)
+    def _decode_values(self, a, Dv, dtype):
+        u = odd_poly(unpack_bits(a[0], self.qbits, Dv), (1 << self.qbits) - 1, *poly_coefficients(self.qbits))
+        return rotate_values(u * a[1].astype(mx.float32), int(self.config.seed), inverse=True).astype(dtype)
 
 
 #: method -> its ring class; a quantizer not listed keeps mlx_lm's RotatingKVCache on sliding layers

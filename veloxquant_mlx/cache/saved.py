@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from .. import __version__
 from . import dispatch
 from .base import EVICTION, METHOD_NAMES, method_info
 from .composed import composed_class
@@ -56,11 +57,6 @@ _MAX_HEAD = 1 << 16  # bound of H_kv and head dimensions
 _MAX_TOKEN_ID = (1 << 31) - 1
 _SCALAR_KINDS = {"scalar": lambda a: a.item(), "string": lambda a: "".join(map(chr, a.tolist())),
                  "none": lambda a: None}
-
-
-def _library_version() -> str:
-    from .. import __version__
-    return __version__
 
 
 def normalize_model_id(model_id: Optional[str]) -> str:
@@ -112,10 +108,8 @@ def _model_layout(model) -> tuple[list[type], list[Optional[tuple[int, int]]]]:
 
 def _read_header(path: str) -> tuple[dict, int, int]:
     """Parse and check the safetensors header: ``(header, data_start, file_size)``."""
-    if not os.path.exists(path):
-        raise SavedCacheError(f"{path}: no such file")
     if not os.path.isfile(path):
-        raise SavedCacheError(f"{path}: not a regular file")
+        raise SavedCacheError(f"{path}: {'not a regular file' if os.path.exists(path) else 'no such file'}")
     size = os.path.getsize(path)
     if size < 8:
         raise SavedCacheError(f"{path}: not a safetensors file ({size} bytes; a safetensors file starts "
@@ -249,7 +243,7 @@ def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Seque
     config = json.loads(config_to_json(first.config)) if first is not None else {}
     config.pop("method", None)
     config.pop("head_dim", None)  # per layer: in head_shapes
-    info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": _library_version(),
+    info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": __version__,
             "method": method, "config": config, "model_id": normalize_model_id(model_id), "n_layers": len(caches),
             "layer_classes": [type(c).__name__ for c in caches], "head_shapes": [_head_shape(c) for c in caches],
             "offset": offset, "n_tokens": len(token_ids), "tokens": token_ids, "kv_bytes": kv_bytes(caches),
@@ -299,7 +293,7 @@ def read_cache_info(path) -> dict:
     if version not in SUPPORTED_VERSIONS:
         raise SavedCacheError(
             f"{path}: unknown saved-cache format version {version!r} (written by veloxquant_mlx "
-            f"{info.get('library_version', '?')}); veloxquant_mlx {_library_version()} reads version(s) "
+            f"{info.get('library_version', '?')}); veloxquant_mlx {__version__} reads version(s) "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
     _check_info(path, info, size)
     return {**info, "path": path, "file_bytes": size}
@@ -317,9 +311,8 @@ def _check_info(path: str, info: dict, file_bytes: int) -> None:
     for field, kind in required.items():
         if field not in info:
             bad(f"'{field}'", "is missing")
-        value = info[field]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            bad(f"'{field}'", f"must be {kind.__name__}, got {type(value).__name__}")
+        if not isinstance(info[field], kind) or isinstance(info[field], bool):
+            bad(f"'{field}'", f"must be {kind.__name__}, got {type(info[field]).__name__}")
     method, n = info["method"], info["n_layers"]
     if method != NONE and method not in METHOD_NAMES:
         bad("'method'", f"{method[:80]!r} is not a method name")
@@ -446,8 +439,7 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
             offset = info["offset"] if name == "evict" else rows  # the quantizer counts the rows it holds
             _check_layer_state(path, i, part_cls, state[name], {**info, "method": method, "offset": offset})
         state = {k: v for k, v in state.items() if k not in parts}
-    extra = set(state) - {"meta", *cls.array_fields}
-    if extra:
+    if extra := set(state) - {"meta", *cls.array_fields}:
         bad(f"arrays {sorted(extra)} are not among the class's {list(cls.array_fields)}")
     if not all(state[k] is None or isinstance(state[k], mx.array) for k in cls.array_fields if k in state):
         bad("an array field holds a non-array value")
@@ -462,8 +454,7 @@ def _check_layer_state(path: str, i: int, cls: type, state, info: dict) -> None:
     scalars = meta["scalars"]
     if not isinstance(scalars, dict):
         bad("its scalars are not an object")
-    foreign = sorted(set(scalars) - set(cls.scalar_fields))
-    if foreign:
+    if foreign := sorted(set(scalars) - set(cls.scalar_fields)):
         bad(f"scalars {str(foreign)[:200]} are not attributes {cls.__name__} declares "
             f"(its scalar_fields: {', '.join(cls.scalar_fields) or 'none'})")
     for k, v in scalars.items():
