@@ -10,8 +10,8 @@ same count, so one mask fits). What every method shares, documented once here:
 * **Decode-time budget** (``decode_evict``): whether one-row calls evict too: the cache's own setting (from
   the options, in ``state``), else ``config.decode_evict``, else ``decode_evict_default`` (the paper's).
   Prefill calls always cut to the budget.
-* **Slack** (``BatchedEviction``): decoding grows the cache by ``evict_slack`` rows (``default_slack``:
-  ``max(8, budget // 8)``; 0: one row per step, by an argmin) before one top-k cuts it back; at most
+* **Slack** (``evict_slack``): decoding grows the cache by that many rows (``default_slack``:
+  ``max(8, budget // 8)``; 0: one row per step, by ``BatchedEviction``'s argmin) before one top-k cuts it back; at most
   ``budget + slack`` rows are held; a decode-time observation window is the queries since the last eviction.
 * **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along so decode rows append in
   place; ``nbytes`` counts them.
@@ -59,7 +59,8 @@ def observation_scores(obs_queries: mx.array, keys: mx.array, scale: float, obs_
 
 class EvictionKVCache(CompressedKVCache):
     """Base of eviction methods. Subclasses set ``budget``/``n_sink``/``recent``/``obs_window`` in
-    ``_init_layout`` and implement ``score`` (optionally ``observe`` and ``wants_eviction``)."""
+    ``_init_layout`` (or let the base's read them) and implement ``score`` or name a ``score_field`` (optionally
+    ``observe`` and ``wants_eviction``)."""
 
     array_fields = ("keys", "values", "positions")
     scalar_fields = ("rows", "_decode_evict")
@@ -71,6 +72,10 @@ class EvictionKVCache(CompressedKVCache):
     # per-row float32 arrays [B, H, capacity] (scores, counters): grown with zeros, gathered on eviction;
     # a subclass lists them here *and* in ``array_fields``
     row_fields: tuple[str, ...] = ()
+    score_field = ""  # the row field ``score`` returns (when not overridden)
+    recent_option = ""  # the option ``_init_layout`` reads ``recent`` from ("": the class's ``recent``)
+    evict_slack = 0  # decode rows allowed over ``budget`` before an eviction
+    slack = property(lambda self: self.evict_slack)
     uses_attention_weights = False  # hand every call's attention probabilities to ``observe`` (H2O, TOVA)
     decode_evict_default = True  # the paper's: does the budget hold while decoding
     _decode_evict = None  # the cache's own setting (None: the config's, then the default)
@@ -83,13 +88,23 @@ class EvictionKVCache(CompressedKVCache):
         _check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
         self._decode_evict = getattr(config.options, "decode_evict", None)  # checked by the options
 
+    def _init_layout(self):
+        """``budget``, ``n_sink`` and ``recent`` from the options (checked) and the default slack."""
+        o, f = self.config.options, type(self.config.options).FIELDS
+        self.budget, self.n_sink = o.budget, o.n_sink
+        if self.recent_option:
+            self.recent = getattr(o, self.recent_option)
+        what = " + ".join(f[name] for name in ("n_sink", self.recent_option) if name)
+        check_min(f["budget"], self.budget, self.n_sink + self.recent + 1, what + " + 1")  # one evictable row
+        self.evict_slack = default_slack(self.budget)
+
     def wants_eviction(self, n_new: int) -> bool:
-        """Whether to evict after a call that added ``n_new`` rows."""
-        return self.rows > self.budget
+        """Whether to evict after a call that added ``n_new`` rows (decoding: past the slack)."""
+        return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
 
     def score(self, obs_queries: mx.array, obs_positions: mx.array, scale: float) -> mx.array:
-        """[B, H, rows] importance of each stored row (higher = keep)."""
-        raise NotImplementedError
+        """[B, H, rows] importance of each stored row (higher = keep); by default the row field ``score_field``."""
+        return getattr(self, self.score_field)[:, :, : self.rows]
 
     def observe(self, weights: mx.array) -> None:
         """Called with this call's attention probabilities [B, H, rep, N, rows] (float32) when
@@ -168,11 +183,15 @@ class EvictionKVCache(CompressedKVCache):
             raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed "
                              "exactly")
         self.rows -= n
+        self._trimmed(n)
         return n
 
+    def _trimmed(self, n: int) -> None:
+        """Hook: the ``n`` newest rows were just trimmed."""
+
     def _evict_with_proxy(self):
-        """Score with the newest keys standing in for queries (no dispatch)."""
-        w = max(1, min(self.obs_window, self._n_new))
+        """Score with the newest keys (a decode step: the window's) standing in for queries (no dispatch)."""
+        w = min(self.obs_window, self._n_new if self._n_new > 1 else self.rows)
         obs = self.keys[:, :, self.rows - w : self.rows]
         obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
         self.evict(self.score(obs, obs_pos, obs.shape[-1] ** -0.5))
@@ -199,11 +218,17 @@ class EvictionKVCache(CompressedKVCache):
         """Keep the ``keep`` (default ``budget``) best rows of each head, in position order."""
         self._pending = False
         keep = self.budget if keep is None else keep
-        if self.rows <= keep:
-            return
-        scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
-        idx = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
+        if self.rows > keep:
+            self._drop(scores, keep)
+
+    def _drop(self, scores: mx.array, keep: int) -> None:
+        """``evict`` past its checks: keep the top ``keep`` of ``scores`` (protected rows first)."""
+        idx = mx.argpartition(-self._guarded(scores), kth=keep - 1, axis=-1)[..., :keep]
         self.keep_rows(mx.sort(idx, axis=-1))
+
+    def _guarded(self, scores: mx.array) -> mx.array:
+        """``scores`` in float32 with the protected rows at +inf."""
+        return mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
 
     def keep_rows(self, idx: mx.array) -> None:
         """Keep the rows ``idx`` [B, H, K] (ascending per head) and drop the rest."""
@@ -239,34 +264,21 @@ def default_slack(budget: int) -> int:
     return max(8, budget // 8)
 
 
-def check_budget(field: str, budget: int, protected: int, what: str) -> None:
-    """Every head must keep at least one evictable row beyond the protected ones."""
-    if budget <= protected:
-        raise QuantizerConfigError(field, budget, f"an int > {what} = {protected}")
-
-
 def check_min(field: str, value: int, minimum: int, what: str) -> None:
     if value < minimum:
         raise QuantizerConfigError(field, value, f"an int >= {what} = {minimum}")
 
 
 class BatchedEviction:
-    """Mixin before ``EvictionKVCache``: the slack (0 unless set), spare rows and ``settle`` of the module
-    docstring; evicting one row is an argmin."""
+    """Mixin before ``EvictionKVCache``: the spare rows and ``settle`` of the module docstring; evicting one
+    row is an argmin."""
 
-    evict_slack = 0
     _unsettled = 0
 
-    def wants_eviction(self, n_new: int) -> bool:
-        return self.rows > self.budget + (self.evict_slack if n_new == 1 else 0)
-
-    def evict(self, scores, keep=None):
-        keep = self.budget if keep is None else keep
+    def _drop(self, scores, keep):
         if self.rows != keep + 1:
-            return super().evict(scores, keep)
-        self._pending = False
-        scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
-        j = mx.argmin(scores, axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
+            return super()._drop(scores, keep)
+        j = mx.argmin(self._guarded(scores), axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
         r = mx.arange(keep, dtype=mx.int32)
         self.keep_rows(r + (r >= j).astype(mx.int32))
 
@@ -294,15 +306,29 @@ class VotingEviction(BatchedEviction, EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("votes",)
     scalar_fields = EvictionKVCache.scalar_fields + ("budget",)
     row_fields = ("votes",)
+    score_field = "votes"
     uses_attention_weights = True
     obs_window = OBS_WINDOW
     h2o_votes = False
+    resolved_margin = 1  # rows a resolved budget must hold beyond the sinks and the window
 
     def __init__(self, config, budget: int | None = None):
         super().__init__(config)
         if budget is not None:
             check_min("budget", budget, self.n_sink + self.obs_window, "n_sink + the observation window")
             self.budget = int(budget)
+
+    def _init_layout(self):
+        """``n_sink`` and ``budget`` (the config's ``<prefix>_resolved_budget`` when set) from the options: above
+        the sinks and the window."""
+        o, f = self.config.options, type(self.config.options).FIELDS
+        self.n_sink, protected, what = o.n_sink, o.n_sink + self.obs_window, f"{f['n_sink']} + {self.obs_window}"
+        check_min(f["budget"], o.budget, protected + 1, what + " + 1")
+        field = f["budget"].replace("budget", "resolved_budget")
+        resolved = getattr(self.config, field, None)
+        if resolved is not None:
+            check_min(field, resolved, protected + self.resolved_margin, what + " + 1" * self.resolved_margin)
+        self.budget = o.budget if resolved is None else resolved
 
     @property
     def recent(self) -> int:
@@ -321,9 +347,6 @@ class VotingEviction(BatchedEviction, EvictionKVCache):
         n = self.rows
         self.votes[:, :, :n] = self.votes[:, :, :n] + w.sum(axis=(2, 3))
         self.settle()
-
-    def score(self, obs_queries, obs_positions, scale):
-        return self.votes[:, :, : self.rows]
 
     def keep_rows(self, idx):
         super().keep_rows(idx)

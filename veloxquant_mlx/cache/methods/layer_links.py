@@ -38,7 +38,8 @@ def relinking_state():
 
 class GroupWindow:
     """Mixin before ``KIVIKVCache``: a call's rows wait in a float16 window (``res_k``/``res_v``, ``n_res``
-    rows after ``n_quant`` compressed) until the group compresses whole blocks; subclasses give ``_part_bytes``."""
+    rows after ``n_quant`` compressed) until the group compresses whole blocks; subclasses give
+    ``_compressed_bytes``."""
 
     def _append_window(self, keys, values) -> int:
         """Append this call's rows to the window; returns the rows that fill whole blocks."""
@@ -60,6 +61,14 @@ class GroupWindow:
                     mx.zeros((*buf.shape[:2], self.group, buf.shape[-1]), RES_DTYPE))
         self.n_quant += m
         self.n_res = rest
+
+    def _part_bytes(self, kind: str) -> int:
+        """Filled bytes of one side: the window and ``_compressed_bytes``."""
+        res = getattr(self, f"res_{kind}")
+        if res is None:
+            return 0
+        B, H, _, D = res.shape
+        return B * H * self.n_res * D * 2 + self._compressed_bytes(kind, B, H, D)
 
     used_nbytes = property(lambda self: self._part_bytes("k") + self._part_bytes("v"),
                            doc="Bytes of the filled parts of the arrays held (spare capacity left out).")

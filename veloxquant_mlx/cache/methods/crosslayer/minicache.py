@@ -207,16 +207,10 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
                         setattr(self, f"{name}_{kind}", getattr(self, f"{name}_{kind}")[:keep])
         return n
 
-    def _part_bytes(self, kind: str) -> int:
-        """Filled bytes of one side, window included."""
-        res = getattr(self, f"res_{kind}")
-        if res is None:
-            return 0
-        B, H, _, D = res.shape
-        win = B * H * self.n_res * D * 2
+    def _compressed_bytes(self, kind, B, H, D):
         if self.mc_role == "primary":
-            return win + B * H * self.n_quant * (D + 1) * 2  # shared direction + magnitudes
-        return win + B * H * self.n_quant * 2 + getattr(self, f"n_retained_{kind}") * (D * 2 + 4)
+            return B * H * self.n_quant * (D + 1) * 2  # shared direction + magnitudes
+        return B * H * self.n_quant * 2 + getattr(self, f"n_retained_{kind}") * (D * 2 + 4)
 
     n_retained = property(lambda self: self.n_retained_k + self.n_retained_v,
                           doc="Rows (batch, head, token; keys and values apart) a merge layer keeps exactly.")

@@ -146,14 +146,10 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
         self.n_quant, self.n_res = self.n_quant - extra, 0
         return n
 
-    def _part_bytes(self, kind: str) -> int:
-        res = getattr(self, f"res_{kind}")
-        if res is None:
+    def _compressed_bytes(self, kind, B, H, D):
+        p = getattr(self, f"proj_{kind}")
+        if self.xk_index or p is None:
             return 0
-        B, H, _, D = res.shape
-        out, p = B * H * self.n_res * D * 2, getattr(self, f"proj_{kind}")
-        if self.xk_index == 0 and p is not None:
-            out += p.nbytes + B * H * p.shape[-1] * (self.n_quant // self.group) * (4 * self._key_words() + 2 * 2)
-        return out
+        return p.nbytes + B * H * p.shape[-1] * (self.n_quant // self.group) * (4 * self._key_words() + 2 * 2)
 
     rank = property(lambda self: self.owner.rank_k)

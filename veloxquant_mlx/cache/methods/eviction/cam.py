@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import VotingEviction, check_min
+from ...eviction import VotingEviction
 
 MERGE_SPAN = 32  # "mean": an evicted value is spread over this many following kept rows (paper: 32)
 SIM_TEMPERATURE = 1.0  # "sim_weighted": softmax temperature on the cosine of centred keys
@@ -59,10 +59,9 @@ class CaMKVCache(VotingEviction):
         self.layer_id = layer_id
 
     def _init_layout(self):
+        super()._init_layout()
         o = self.config.options
-        self.budget, self.n_sink, self.merge_mode, self.merge_keys, self.merge_gate = (
-            o.budget, o.n_sink, o.merge, o.merge_keys, o.merge_gate)
-        check_min("cam_budget", self.budget, self.n_sink + self.obs_window + 1, f"cam_n_sink + {self.obs_window} + 1")
+        self.merge_mode, self.merge_keys, self.merge_gate = o.merge, o.merge_keys, o.merge_gate
 
     @classmethod
     def build_layers(cls, layer_configs):
@@ -72,14 +71,9 @@ class CaMKVCache(VotingEviction):
         super().observe(weights)
         self.attn[:, :, : self.rows] = weights[..., -self.obs_window :, :].mean(axis=(2, 3))
 
-    def evict(self, scores, keep=None):
-        self._pending = False
-        keep = self.budget if keep is None else keep
-        if self.rows <= keep:
-            return
+    def _drop(self, scores, keep):
         rows = self.rows
-        scores = mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
-        order = mx.argsort(-scores, axis=-1)
+        order = mx.argsort(-self._guarded(scores), axis=-1)
         kept, gone = mx.sort(order[..., :keep], axis=-1), order[..., keep:]
         if self.merge_mode == "drop":
             self.keep_rows(kept)

@@ -123,10 +123,7 @@ class ChunkKVCache(VotingEviction):
             return key_norm_scores(self.keys[:, :, : self.rows])
         return self.votes[:, :, : self.rows]
 
-    def evict(self, scores, keep=None):
-        self._pending = False
-        if self.rows <= self.budget:
-            return
+    def _drop(self, scores, keep):
         if not self.is_index_reuse_leader:
             idx = self.coordinator.lookup(self.layer_id, self.offset, self.rows)
             if idx is not None:

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget, default_slack
+from ...eviction import EvictionKVCache, causal_weights
 
 EIG_EPS = 1e-6  # singular directions below this fraction of the largest carry no leverage
 
@@ -37,17 +37,9 @@ class CurDKVKVCache(EvictionKVCache):
     """Eviction by CUR leverage: key-side (real attention) leverage x value leverage, per KV head."""
     chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode steps evict (slack)
 
-    def _init_layout(self):
-        o = self.config.options
-        self.budget, self.n_sink, self.rank_cap = o.budget, o.n_sink, o.rank_cap
-        self.recent, self.obs_window = 0, 32
-        check_budget("curdkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = self.evict_slack = default_slack(self.budget)
-
-    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
-
     def _leverage(self, key_side: mx.array) -> mx.array:
-        return leverage_scores(key_side, self.rank_cap) * leverage_scores(self.values[:, :, : self.rows], self.rank_cap)
+        r = self.config.options.rank_cap
+        return leverage_scores(key_side, r) * leverage_scores(self.values[:, :, : self.rows], r)
 
     def _evict_with_proxy(self):  # no real queries: the paper's query-agnostic key leverage
         self.evict(self._leverage(self.keys[:, :, : self.rows]))

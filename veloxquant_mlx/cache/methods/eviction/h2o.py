@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache
 
 
 def decayed_add(acc: mx.array, weights: mx.array, decay: float) -> mx.array:
@@ -31,21 +31,13 @@ class H2OKVCache(BatchedEviction, EvictionKVCache):
     chunk_invariant, exact_trim = False, False  # evicts per prefill chunk; decode rows add mass, evict
     array_fields = EvictionKVCache.array_fields + ("acc",)
     row_fields = ("acc",)
+    score_field = "acc"
     uses_attention_weights = True
-
-    def _init_layout(self):
-        o = self.config.options
-        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.grace
-        self.decay, self.rope_base = float(o.decay), o.rope_base
-        check_budget("h2o_budget", self.budget, self.n_sink + self.recent, "h2o_n_sink + h2o_grace")
-        self.evict_slack = default_slack(self.budget)
+    recent_option = "grace"
 
     def observe(self, weights):
         rows = self.rows
-        self.acc[:, :, :rows] = decayed_add(self.acc[:, :, :rows], weights, self.decay)
+        self.acc[:, :, :rows] = decayed_add(self.acc[:, :, :rows], weights, float(self.config.options.decay))
         self.settle()
-
-    def score(self, obs_queries, obs_positions, scale):
-        return self.acc[:, :, : self.rows]
 
     h2o_kept_bytes = EvictionKVCache.kept_bytes  # spec telemetry name

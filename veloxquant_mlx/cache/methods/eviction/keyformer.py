@@ -17,7 +17,6 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import check_budget, default_slack
 from .h2o import H2OKVCache
 
 
@@ -30,6 +29,7 @@ class KeyformerKVCache(H2OKVCache):
     gumbel_noise = True  # set False (e.g. on an instance) to drop the noise term
     decode_steps = noise_calls = 0
     noise_stream = 0  # the layer index under ``for_model``: layers draw independent noise
+    recent_option = "recent"
 
     @classmethod
     def build_layers(cls, layer_configs):
@@ -39,13 +39,10 @@ class KeyformerKVCache(H2OKVCache):
         return caches
 
     def _init_layout(self):
+        super()._init_layout()
         o = self.config.options
-        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
         self.tau_fixed, self.tau_init, self.tau_end = o.tau, o.tau_init, o.tau_end
-        self.anneal_steps, self.seed, self.rope_base = o.anneal_steps, o.seed, o.rope_base
-        check_budget("keyformer_budget", self.budget, self.n_sink + self.recent,
-                     "keyformer_n_sink + keyformer_recent")
-        self.evict_slack = default_slack(self.budget)
+        self.anneal_steps, self.seed = o.anneal_steps, o.seed
 
     def tau(self, step: int | None = None) -> float:
         """The temperature at decode step ``step`` (default: the next one)."""
@@ -66,7 +63,5 @@ class KeyformerKVCache(H2OKVCache):
         self.decode_steps += int(weights.shape[3] == 1)
         self.settle()
 
-    def _trim_rows(self, n):
-        dropped = super()._trim_rows(n)
-        self.decode_steps = max(0, self.decode_steps - dropped)
-        return dropped
+    def _trimmed(self, n):
+        self.decode_steps = max(0, self.decode_steps - n)

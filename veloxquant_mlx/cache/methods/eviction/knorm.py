@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import BatchedEviction, EvictionKVCache
 from .chunkkv import key_norm_scores
 
 
@@ -20,12 +20,7 @@ from .chunkkv import key_norm_scores
 class KNormKVCache(BatchedEviction, EvictionKVCache):
     """Keep the lowest-L2-norm keys of each KV head (query-free)."""
     chunk_invariant, exact_trim = False, False  # slack decode eviction; decode steps evict
-
-    def _init_layout(self):
-        o = self.config.options
-        self.budget, self.n_sink, self.recent, self.keep_which = o.budget, o.n_sink, o.recent, o.keep
-        check_budget("knorm_budget", self.budget, self.n_sink + self.recent, "knorm_n_sink + knorm_recent")
-        self.evict_slack = default_slack(self.budget)
+    recent_option = "recent"
 
     def update_and_fetch(self, keys, values):
         out = CompressedKVCache.update_and_fetch(self, keys, values)
@@ -35,4 +30,4 @@ class KNormKVCache(BatchedEviction, EvictionKVCache):
 
     def score(self, obs_queries, obs_positions, scale):
         s = key_norm_scores(self.keys[:, :, : self.rows])  # minus the norm
-        return s if self.keep_which == "low" else -s
+        return s if self.config.options.keep == "low" else -s

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, check_budget, default_slack
+from ...eviction import EvictionKVCache
 
 REPEAT_PROMPT = "\n\nRepeat the previous context:"
 
@@ -38,26 +38,22 @@ class KVzipKVCache(EvictionKVCache):
     chunk_invariant, exact_trim = False, False  # only decode evicts (slack); it raises importance too
     uses_attention_weights = True
     row_fields = ("importance",)
+    score_field = "importance"
     array_fields = EvictionKVCache.array_fields + ("importance",)
     scalar_fields = EvictionKVCache.scalar_fields + ("compressed",)
     compressed = False
     _probe_rows = None  # rows held before a reconstruction chunk started (None: not probing)
 
     def _init_layout(self):
-        o = self.config.options
-        self.budget, self.n_sink, self.probe, self.recent = o.budget, o.n_sink, o.probe, 0
-        check_budget("kvzip_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = default_slack(self.budget)
+        super()._init_layout()
+        self.probe = self.config.options.probe
 
     def wants_eviction(self, n_new):
-        return self._probe_rows is None and n_new == 1 and self.rows > self.budget + self.slack
+        return self._probe_rows is None and n_new == 1 and super().wants_eviction(n_new)
 
     def observe(self, weights):
         rows = self.rows if self._probe_rows is None else self._probe_rows
         self.importance[:, :, :rows] = mx.maximum(self.importance[:, :, :rows], weights[..., :rows].max(axis=(2, 3)))
-
-    def score(self, obs_queries, obs_positions, scale):
-        return self.importance[:, :, : self.rows]
 
     def begin_reconstruction(self, reset: bool) -> None:
         """Rows appended from now on are temporary, not scored; ``reset`` clears the importance first."""

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget
+from ...eviction import BatchedEviction, EvictionKVCache, causal_weights
 
 
 @register_with_mlx_lm
@@ -24,14 +24,13 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     """Constant-size cache: recent window + the older rows the window attends to most."""
     chunk_invariant, exact_trim = False, False  # evicts after every call; decode steps evict
     array_fields = EvictionKVCache.array_fields + ("queries", "query_positions")
-    evict_slack = 0
     fusion = "sum"
+    recent_option = "window"
 
     def _init_layout(self):
-        o = self.config.options
-        self.budget, self.n_sink, self.window = o.budget, o.n_sink, o.window
-        self.recent = self.obs_window = self.window
-        check_budget("morphkv_budget", self.budget, self.n_sink + self.window, "morphkv_n_sink + morphkv_window")
+        super()._init_layout()
+        self.window = self.obs_window = self.recent
+        self.evict_slack = 0
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         keep = self.window
@@ -43,16 +42,14 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
         self.query_positions = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)  # in order
         return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    def _trim_rows(self, n):
-        dropped = super()._trim_rows(n)
+    def _trimmed(self, n):
         if self.queries is not None:
-            left = max(0, int(self.query_positions.shape[0]) - dropped)  # the trimmed queries are the newest
+            left = max(0, int(self.query_positions.shape[0]) - n)  # the trimmed queries are the newest
             if left == 0:
                 self.queries = self.query_positions = None
             else:
                 self.queries = mx.contiguous(self.queries[:, :, :left])
                 self.query_positions = mx.array(self.query_positions[:left])
-        return dropped
 
     def score(self, obs_queries, obs_positions, scale):  # (from ``attend``) the newest ``window`` real queries
         return self._fused(self.queries[:, :, -self.window :], self.query_positions[-self.window :], scale)

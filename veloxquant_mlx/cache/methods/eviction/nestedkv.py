@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, default_slack
+from ...eviction import EvictionKVCache
 from .h2o import decayed_add
 
 
@@ -39,17 +39,14 @@ class NestedKVKVCache(EvictionKVCache):
     uses_attention_weights = True
     row_fields = ("cur",)
     array_fields = EvictionKVCache.array_fields + ("cur",)
+    recent_option = "window"  # the sliding-window memory is kept verbatim
 
     def _init_layout(self):
+        super()._init_layout()
         o = self.config.options
-        self.budget, self.n_sink, self.window = o.budget, o.n_sink, o.window
         self.beta, self.tau, self.kappa, self.alpha = o.beta, o.tau, o.kappa, o.safeguard_alpha
-        self.recent = self.window  # the sliding-window memory is kept verbatim
-        check_budget("nestedkv_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
+        self.window = self.recent
         self.decay = 1.0 - 1.0 / self.window
-        self.slack = self.evict_slack = default_slack(self.budget)
-
-    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     def observe(self, weights):
         rows = weights.shape[4]

@@ -15,7 +15,7 @@ import math
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import OBS_WINDOW, VotingEviction, check_min
+from ...eviction import OBS_WINDOW, VotingEviction
 from .snapkv import POOL_KERNEL, avg_pool_last
 
 
@@ -35,15 +35,7 @@ def pyramid_budgets(n_layers: int, budget: int, beta: float, protected: int) -> 
 class PyramidKVCache(VotingEviction):
     """SnapKV-style observation-window eviction with a per-layer budget from the pyramid schedule."""
     chunk_invariant, exact_trim = False, False  # votes per prefill chunk; decode rows vote, evict
-
-    def _init_layout(self):
-        o, resolved = self.config.options, self.config.pyramid_resolved_budget
-        self.n_sink = o.n_sink
-        protected = self.n_sink + self.obs_window
-        check_min("pyramid_budget", o.budget, protected + 1, f"pyramid_n_sink + {self.obs_window} + 1")
-        if resolved is not None:
-            check_min("pyramid_resolved_budget", resolved, protected, f"pyramid_n_sink + {self.obs_window}")
-        self.budget = o.budget if resolved is None else resolved
+    resolved_margin = 0  # a layer may keep only the sinks and the window
 
     @classmethod
     def build_layers(cls, layer_configs):

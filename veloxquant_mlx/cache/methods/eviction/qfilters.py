@@ -21,7 +21,7 @@ import mlx.core as mx
 from ... import dispatch
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, causal_weights, check_budget, default_slack
+from ...eviction import EvictionKVCache, causal_weights
 from ...observers import notify
 
 
@@ -45,16 +45,13 @@ class QFiltersKVCache(EvictionKVCache):
     qf_count = 0
     qf_source = ""  # "queries" (dispatch) or "keys" (fallback)
     retention = None  # measured retention (real-query calibration only)
+    recent_option = "recent"
 
     def _init_layout(self):
+        super()._init_layout()
         o = self.config.options
-        self.budget, self.n_sink, self.recent = o.budget, o.n_sink, o.recent
         self.calib_tokens, self.sign = o.calib_tokens, o.sign
         self.min_retention, self.on_low_retention = o.min_retention, o.on_low_retention
-        check_budget("qfilters_budget", self.budget, self.n_sink + self.recent, "n_sink + recent")
-        self.slack = self.evict_slack = default_slack(self.budget)
-
-    wants_eviction = BatchedEviction.wants_eviction  # (its slack rule, without the spare rows)
 
     calibrated = property(lambda self: self.qf_filter is not None)
 

@@ -82,10 +82,8 @@ class RocketKVKVCache(EvictionKVCache):
         self.page_max = self.page_min = None
         self._refresh_pages(0)
 
-    def _trim_rows(self, n):
-        n = super()._trim_rows(n)
+    def _trimmed(self, n):
         self._refresh_pages(self.rows)  # the last page is partial again
-        return n
 
     def n_selected_pages(self, keep_recent: int | None = None) -> int:
         """Pages attended per decode step: the top ceil(n_pages / c2) plus sink and recent pages."""

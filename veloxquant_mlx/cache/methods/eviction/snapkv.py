@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, default_slack, observation_scores
+from ...eviction import EvictionKVCache, default_slack, observation_scores
 
 POOL_KERNEL = 7
 
@@ -46,8 +46,6 @@ class SnapKVKVCache(EvictionKVCache):
         self.recent = self.obs_window  # the observation window is always kept
         self.evict_slack = default_slack(self.budget)
 
-    wants_eviction = BatchedEviction.wants_eviction  # prefill: over budget; decode: over budget + slack
-
     def _remember_queries(self, queries):
         """Write this call's newest queries into the ring (slot = position mod W)."""
         W = self.obs_window
@@ -67,13 +65,6 @@ class SnapKVKVCache(EvictionKVCache):
             self._remember_queries(queries)
         return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    def _evict_with_proxy(self):
-        if self._n_new > 1:
-            return super()._evict_with_proxy()
-        w = min(self.obs_window, self.rows)  # a decode step without dispatch: the newest keys stand in
-        obs = self.keys[:, :, self.rows - w : self.rows]
-        self.evict(self.score(obs, mx.arange(self.offset - w, self.offset, dtype=mx.int32), obs.shape[-1] ** -0.5))
-
     def keep_rows(self, idx):
         if not self.decode_evict:
             return super().keep_rows(idx)
@@ -82,11 +73,9 @@ class SnapKVKVCache(EvictionKVCache):
         super().keep_rows(mx.concatenate([idx, pad], axis=-1))
         self.rows = idx.shape[-1]
 
-    def _trim_rows(self, n):
-        dropped = super()._trim_rows(n)
+    def _trimmed(self, n):
         if self.qring_pos is not None:  # trimmed queries no longer vote
-            self.qring_pos = mx.where(self.qring_pos >= self.offset - dropped, -1, self.qring_pos)
-        return dropped
+            self.qring_pos = mx.where(self.qring_pos >= self.offset - n, -1, self.qring_pos)
 
     def score(self, obs_queries, obs_positions, scale):
         if obs_queries.shape[2] == 1 and self.qring is not None:  # decode: the ring is the window

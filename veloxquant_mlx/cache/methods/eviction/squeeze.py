@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import OBS_WINDOW, VotingEviction, check_min
+from ...eviction import OBS_WINDOW, VotingEviction
 
 N_CLUSTERS = 3
 
@@ -119,15 +119,6 @@ class SqueezeAttentionCache(VotingEviction):
         self.layer_id, self.coordinator = layer_id, coordinator
         if coordinator is not None:
             coordinator.layers[layer_id] = self
-
-    def _init_layout(self):
-        o, resolved = self.config.options, self.config.squeeze_resolved_budget
-        self.n_sink = o.n_sink
-        protected = self.n_sink + self.obs_window
-        check_min("squeeze_budget", o.budget, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
-        if resolved is not None:
-            check_min("squeeze_resolved_budget", resolved, protected + 1, f"squeeze_n_sink + {self.obs_window} + 1")
-        self.budget = o.budget if resolved is None else resolved
 
     @classmethod
     def build_layers(cls, layer_configs):

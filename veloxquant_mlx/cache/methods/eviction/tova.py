@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import BatchedEviction, EvictionKVCache, check_budget, observation_scores
+from ...eviction import BatchedEviction, EvictionKVCache, observation_scores
 
 
 @register_with_mlx_lm
@@ -20,14 +20,12 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
     """Drop the row the current query attends to least (mean over each KV head's query heads)."""
     chunk_invariant, exact_trim = False, False  # a chunk is cut by its last query; decode steps evict
     uses_attention_weights = True
-    evict_slack = 0
     obs_window = 1
     _current = None  # [B, H, rows] attention of this call's last query (transient)
 
     def _init_layout(self):
-        o = self.config.options
-        self.budget, self.n_sink, self.recent, self.backend = o.budget, o.n_sink, 0, o.backend
-        check_budget("tova_budget", self.budget, self.n_sink, "tova_n_sink")
+        super()._init_layout()
+        self.evict_slack = 0
 
     def _store(self, keys, values):
         self._current = None  # never score with a previous call's attention
