@@ -23,7 +23,7 @@ from . import _common
 from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS, Merge,
                       exact_args, kernel_variants, launch, step_counters, window_exact)
 
-__all__ = ["tq_partials", "supported", "decode_attend", "kernel_constants"]
+__all__ = ["tq_partials", "supported", "decode_attend"]
 
 BLOCKS = 512  # grid size past which a split's warps take several tiles (as KIVI's kernel)
 SMEM_MAX = 48 * 1024
@@ -270,27 +270,21 @@ def tq_partials(queries, rotated, scale: float, k_planes, k_norms, v_planes, v_n
         S = min(S, _common.FUSED_MAX_S1 - 1)  # the dense rotation is in the fused tail: always one launch
     arrays, scalars, consts = exact_args(exact, counts, H)
     (k1, k2), (v1, v2) = k_planes, v_planes
-    any_ = key_book.c1  # a stand-in for absent stage-2 arrays (never read)
-    ins = [queries, rotated, k1, k2 if k2 is not None else k1, k_norms, v1, v2 if v2 is not None else v1, v_norms,
-           key_book.c1, key_book.sigma if key_book.c2 is not None else any_,
-           key_book.c2 if key_book.c2 is not None else any_, value_book.c1,
-           value_book.sigma if value_book.c2 is not None else any_,
-           value_book.c2 if value_book.c2 is not None else any_, rotation]
-    caps = [a.shape[2] for a in (ins[2], ins[3], k_norms, ins[5], ins[6], v_norms)]
-    b2 = key_book.bits2 if key_book.c2 is not None else 0
-    vb2 = value_book.bits2 if value_book.c2 is not None else 0
+    k2, v2 = (k1 if k2 is None else k2), (v1 if v2 is None else v2)  # stand-ins when one stage (never read)
+
+    def book(cb):  # (c1, sigma, c2, stage-2 bits); c1 stands in for a one-stage codebook's absent arrays
+        two = cb.c2 is not None
+        return cb.c1, cb.sigma if two else cb.c1, cb.c2 if two else cb.c1, cb.bits2 if two else 0
+
+    *kbook, b2 = book(key_book)
+    *vbook, vb2 = book(value_book)
+    ins = [queries, rotated, k1, k2, k_norms, v1, v2, v_norms, *kbook, *vbook, rotation]
+    caps = [a.shape[2] for a in (k1, k2, k_norms, v1, v2, v_norms)]
     consts = (("D", D), ("SK", key_book.sub_dim), ("B1", key_book.bits1), ("B2", b2), ("W1", k1.shape[-1]),
-              ("W2", ins[3].shape[-1]), ("VS", value_book.sub_dim), ("VB1", value_book.bits1), ("VB2", vb2),
-              ("WV1", v1.shape[-1]), ("WV2", ins[6].shape[-1])) + consts
+              ("W2", k2.shape[-1]), ("VS", value_book.sub_dim), ("VB1", value_book.bits1), ("VB2", vb2),
+              ("WV1", v1.shape[-1]), ("WV2", v2.shape[-1])) + consts
     return launch(_KERNELS, counts is not None, ins + arrays, [int(n), float(scale), *caps, *scalars], consts, B, H,
                   Hq // H, S, dv, merge)
-
-
-def kernel_constants(c):
-    """The value rotation's matrix back (``rot_t.T``, contiguous), built once per quantizer and kept on it (counted
-    by the cache's ``constant_nbytes`` with the other shared constants)."""
-    _, vq = c._qs()
-    return vq.rotation_back()
 
 
 def decode_attend(c, queries, scale: float, sinks=None):
@@ -300,8 +294,7 @@ def decode_attend(c, queries, scale: float, sinks=None):
     kq, vq = c._qs()
     rotated = queries @ kq.rot_t
     counters = step_counters(c, queries.shape[0] * c.k_codes1.shape[1])
-    rot = kernel_constants(c)
-    n = call.q0
+    rot = vq.rotation_back()  # kept on the shared quantizer, counted in the cache's constant_nbytes
     return tq_partials(queries, rotated, scale, (c.k_codes1, getattr(c, "k_codes2", None)), c.k_norms,
-                       (c.v_codes1, getattr(c, "v_codes2", None)), c.v_norms, kq.cb, vq.cb, rot, n,
+                       (c.v_codes1, getattr(c, "v_codes2", None)), c.v_norms, kq.cb, vq.cb, rot, call.q0,
                        window_exact(c, call), merge=Merge(sinks, False, queries.dtype, counters, rot))
