@@ -9,8 +9,8 @@ tr(H_j)/sub + beta H_j = L_j L_j^T`` (``H``: ``a2ats_query_h`` or the fitting ca
 map to ``L_j^T k_j``, queries to ``L_j^{-1} q_j``. A decode step (dispatch point) keeps, per KV head, the top
 ``min(a2ats_b, ceil(a2ats_retrieval_fraction * candidates))`` coded tokens outside ``a2ats_window`` by LUT softmax
 summed over the GQA group, and attends exactly over them, the window and the uncoded rows; other calls attend
-densely. ``nbytes`` counts the float16 rows (this saves attended rows, not memory); ``resident_nbytes`` is what
-the paper keeps on the accelerator.
+densely. ``nbytes`` counts the float16 rows (this saves attended rows, not memory), ``resident_nbytes`` what the
+paper keeps on the accelerator.
 
 Deviations from the paper:
 
@@ -56,8 +56,7 @@ class A2ATSKVCache(CompressedKVCache):
     dtype_name = "float16"
     last_selected = None  # [B, H, k] retrieved token indices of the last sparse step (diagnostic)
 
-    def held_arrays(self):
-        """The state's arrays and the last step's retrieved indices (held too, so counted)."""
+    def held_arrays(self):  # the last step's retrieved indices are held too, so counted
         out = super().held_arrays()
         return out + [self.last_selected] if self.last_selected is not None else out
 
@@ -99,7 +98,7 @@ class A2ATSKVCache(CompressedKVCache):
         return concat_rows((past, (keys, values)), keys.dtype)
 
     def _metric(self, queries, H):
-        """Cholesky factors L_j [m, s, s] of the per-block metric (identity without query awareness)."""
+        """Cholesky factors L_j [m, s, s] of the per-block metric."""
         D, s = self.keys.shape[-1], self.sub
         m = D // s
         eye = np.broadcast_to(np.eye(s), (m, s, s))
@@ -201,7 +200,6 @@ class A2ATSKVCache(CompressedKVCache):
         return n
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Bytes per token per KV head: float16 K and V rows + the packed key codes."""
         return 2 * (d + dv) + bitpack.packed_nbytes(d // self.sub, self.cbits)
 
     @property
@@ -215,8 +213,7 @@ class A2ATSKVCache(CompressedKVCache):
 
     @property
     def resident_nbytes(self) -> int:
-        """Bytes the paper keeps on the accelerator: codes, codebook, metric and the window rows (the
-        float16 rows outside the window would be offloaded to host memory)."""
+        """``used_nbytes`` less the float16 rows outside the window (the paper offloads them to host memory)."""
         offloaded = self.n_rows - min(self.n_rows, self.window + 1)
         return self.used_nbytes - fp16_row_bytes(self.keys, self.values, offloaded)
 

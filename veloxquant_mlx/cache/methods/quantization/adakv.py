@@ -180,8 +180,8 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
             if side == "k":
                 x = range_decode(codes, self.k_mins[:, :, :g, None], self.k_rngs[:, :, :g, None], b)
             else:
-                mn = self.v_mins[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
-                rg = self.v_rngs[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
+                mn, rg = (a[:, :, :n].reshape(B, H, g, G, d // cg)[:, :, :, start : start + c, :, None]
+                          for a in (self.v_mins, self.v_rngs))
                 x = range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
             parts.append(x)
         return self._in_token_order(parts, n, d)

@@ -138,6 +138,5 @@ class AgeTieredKVCache(KIVIKVCache):
         return (d * (4 * gq.words_per_group(b, G) + 4)) / G + (dv // gv) * (4 * gq.words_per_group(b, gv) + 4)
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """Bytes of the quantized groups, each at its tier's width (the base adds the residual)."""
         return int(sum(B * H * m * self.group * self.tier_bytes_per_token(t, D, dv)
                        for t, m in enumerate(self._counts())))

@@ -146,12 +146,10 @@ class AnchorKVCache(KIVIKVCache):
         return (mx.arange(G)[:, None] == pos[..., None, :]).any(-1).reshape(B, H, g * G)
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Theoretical bytes per token per KV head of the coded part (K + V)."""
         G, A, b = self.group, self.n_anchors, self.qbits
         return sum(b * x / 8 + 4 * x / self.value_group(x) + ref_bits(A) / 8 + A * (2 * x + 1) / G for x in (d, dv))
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """Per side: per-token codes + scale/bias, and per group the reference words, anchor positions and rows."""
         G, A, n, g = self.group, self.n_anchors, self.n_quant, self.n_quant // self.group
         vg = {d: self.value_group(d) for d in (D, dv)}
         return sum(B * H * (n * (d // vg[d]) * (4 * gq.words_per_group(self.qbits, vg[d]) + 4)

@@ -255,7 +255,6 @@ class CacheGenKVCache(KIVIKVCache):
         self._blocks = blocks
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """The fixed-width codes and side info (anchors included) of both sides; the base adds the residual."""
         return self.fixed_width_key_bytes + self.fixed_width_value_bytes
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:

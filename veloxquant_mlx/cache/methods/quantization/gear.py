@@ -172,11 +172,9 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         return 1.0 - float(self.k_err_gear[:g].sum()) / eb if eb > 0 else 0.0
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """Both sides' stored bytes and the per-group error records; the base adds the residual."""
         return self.compressed_key_bytes + self.compressed_value_bytes + self.n_quant // self.group * 8
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Theoretical bytes per token per head (both sides, rank and sparse overhead included)."""
         G, r = self.group, max(self.rank, 0)
         sides = (d, dv) if self.config.options.quantize_values else (d,)  # sparse outliers + rank-r factors
         return self.kivi_bytes_per_token(d, dv) + sum(4 * self._n_out(x) / G + 2 * r + 2 * r * x / G for x in sides)

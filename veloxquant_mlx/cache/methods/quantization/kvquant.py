@@ -8,10 +8,9 @@ unbound or the RoPE cannot be reproduced, e.g. YaRN). Per (batch, head, group) t
 (f = ``kvquant_outlier_fraction``) are kept sparse (``gear.SparseOutliers``); the rest of a channel, min/max
 normalized per group, is the nearest of 2^b levels from ``kvquant_lloyd_iters`` rounds of 1-D Lloyd on the first
 block (refitted every ``kvquant_refit_interval`` groups when > 0). Values: the same split, then KIVI's per-token
-codes. The first ``kvquant_n_sink`` tokens are also kept float16. Measured (``veloxquant eval --task kld
---context 512 --n-score 32``, SmolLM2-135M, CPU): pre-RoPE KL 0.0114 at 3 bits, 0.0703 at 2; post-RoPE 0.0137
-and 0.0673 (within one text's ~20% noise); on one RoPE-rotated vector per head the pre-RoPE error is >100x smaller
-(tests/test_defining_properties.py).
+codes. The first ``kvquant_n_sink`` tokens are also kept float16. Pre-RoPE KL: docs/RESULTS.md; post-RoPE
+0.0137 at 3 bits, 0.0673 at 2 (within one text's ~20% noise); on one RoPE-rotated vector per head the pre-RoPE
+error is >100x smaller (tests/test_defining_properties.py).
 
 Deviations from the paper:
 
@@ -70,7 +69,6 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         self._omega = None
 
     def _rope_omega(self) -> mx.array:
-        """The bound RoPE's angle per position of each rotary pair (float32 [dims / 2], made once)."""
         if self._omega is None:
             self._omega = rope_frequencies(self.rope)
         return self._omega
@@ -81,8 +79,7 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
             return k
         return rotate_rows(k, self.rope, self._rope_omega(), offset, inverse=inverse)
 
-    def held_arrays(self):
-        """The stored arrays and, with a RoPE bound, its angle table (so ``nbytes`` counts it)."""
+    def held_arrays(self):  # with a RoPE bound, its angle table too (so ``nbytes`` counts it)
         return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
 
     def _append_groups(self, kb, vb):
@@ -137,8 +134,7 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         x = u * self.k_scales[..., :g, None].astype(mx.float32) + self.k_biases[..., :g, None].astype(mx.float32)
         blk = self._with_outliers("k", x.transpose(0, 1, 3, 2, 4).reshape(B, H, g, D * G), D)
         x = blk.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4).reshape(B, H, D, g * G)
-        if self.rope is not None:  # back to the keys the model attends with
-            x = self._rope(x.swapaxes(-1, -2), 0, inverse=False).swapaxes(-1, -2)
+        x = self._rope(x.swapaxes(-1, -2), 0, inverse=False).swapaxes(-1, -2)  # the keys the model attends with
         if self.n_sink and self.sink_k is not None:
             x = mx.concatenate([self.sink_k.swapaxes(-1, -2).astype(mx.float32), x[..., self.n_sink :]], axis=-1)
         return x.astype(dtype)
@@ -165,7 +161,6 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         return super()._trim_rows(n)
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """KIVI's codes, plus the sparse outliers, the fitted levels and the sink rows."""
         g = self.n_quant // self.group
         sparse = B * H * g * (self._n_out(D) + self._n_out(dv)) * (2 + 2)  # uint16 + float16
         levels = B * H * D * len(self.fit_starts) * (1 << self.qbits) * 2 + g * 4
@@ -173,5 +168,4 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         return super()._code_nbytes(B, H, D, dv) + sparse + levels + sinks
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Theoretical bytes per token per head (codes + scales/biases + sparse store)."""
         return self.kivi_bytes_per_token(d, dv) + 4 * (self._n_out(d) + self._n_out(dv)) / self.group

@@ -153,10 +153,8 @@ class NSNQuantKVCache(KIVIKVCache):
         return dropped
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Theoretical bytes per token per KV head (codes at ``nsn_bits`` bits/coord + 2 float16 norms, K + V)."""
         return self.qbits * (d + dv) / 8 + 8
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """Per side: the codes and two float16 norms per token, and the float16 channel mean."""
         return sum(B * H * (self.n_quant * (bitpack.packed_nbytes(self.stages * d // self.sub, self.lc) + 4)
                             + (0 if self.k_mu is None else d * 2)) for d in (D, dv))

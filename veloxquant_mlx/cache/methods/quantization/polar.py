@@ -107,7 +107,7 @@ class PolarQuantKVCache(Int8Values, StandaloneCache):
         return r
 
     def reconstruct_keys(self) -> mx.array:
-        """``(n_keys, d)`` float32 decoded keys in the original basis (for tests and analysis)."""
+        """``(n_keys, d)`` float32 decoded keys in the original basis."""
         return self._rotated_keys(self._keys.n) @ self.rotation
 
     def _scores(self, q: mx.array, n: int) -> mx.array:

@@ -196,7 +196,6 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
             (dv // gv) * (4 * gq.words_per_group(self.vbits, gv) + 4)
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
-        """The codes, and the sinks, channel orders and clip ratios; the base adds the window."""
         held = (self.sink_k, self.sink_v, self.k_perm, self.k_inv, self.v_perm, self.v_inv, self.k_alpha, self.v_alpha)
         return B * H * self.n_quant * int(self.theoretical_bytes_per_token(D, dv)) + sum(
             a.nbytes for a in held if a is not None)

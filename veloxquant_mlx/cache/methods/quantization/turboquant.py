@@ -88,10 +88,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         self._keys = RowStore(key_specs, initial)
         self._values = self._value_store(d, initial)
 
-    @property
-    def rotation(self) -> mx.array:
-        """The rotation of the first (or only) channel group."""
-        return self.groups[0].rotation
+    rotation = property(lambda self: self.groups[0].rotation)  # of the first (or only) channel group
 
     @property
     def outlier_channels(self) -> Optional[mx.array]:

@@ -101,9 +101,8 @@ class VecInferKVCache(KIVIKVCache):
                 self._given[name] = a
 
     def _holds_back(self, total: int, d: int, dv: int) -> bool:
-        """Before calibration, rows wait in the float16 residual until their codes plus the codebooks and
-        smoothing factors to fit take fewer bytes than the rows (a 40-token chat holds its rows, not 36 KiB of
-        codebooks per layer). Checks the sub-vector dims against the real head dims."""
+        """Checks the sub-vector dims against the head dims; before calibration, rows wait in the float16 residual
+        until their codes plus the codebooks and smoothing factors to fit take fewer bytes than the rows."""
         for field, sub, dim in (("key_sub_dim", self.ks, d), ("value_sub_dim", self.vs, dv)):
             if dim % sub:
                 raise QuantizerConfigError(field, sub, f"a divisor of the {field[:-8]} head dim {dim}")
@@ -215,11 +214,9 @@ class VecInferKVCache(KIVIKVCache):
         return dropped
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
-        """Theoretical code bytes per token per KV head."""
         return (d // self.ks) * self.kbits / 8 + (dv // self.vs) * self.vbits / 8
 
     def _code_nbytes(self, B, H, D, Dv) -> int:
-        """Codes of the encoded tokens (whole packed words), codebooks and smoothing factors."""
         per = sum(bitpack.packed_nbytes(m, min(bits, 8)) + (bitpack.packed_nbytes(m, bits - 8) if bits > 8 else 0)
                   for lo, m, bits in ((self.k_lo, D // self.ks, self.kbits), (self.v_lo, Dv // self.vs, self.vbits))
                   if lo is not None)

@@ -12,9 +12,9 @@ with ``zipcache_quantize_values``, else float16.
 
 Deviations: saliency comes from all real queries that attended a token while it was pending (the paper: probe
 queries at prefill, re-compression every 100 decode tokens) and a compressed token's width is fixed; top-f
-selection per compressed block (the whole prompt is one block), per KV head; values follow the keys' routing (the
-system this replaces kept values at hi bits); trim is exact for pending rows only, deeper trims raise
-``ValueError``; bits 1..8 (``groupquant``), dequantize + matmul on every backend.
+selection per compressed block (the whole prompt is one block), per KV head; values follow the keys' routing;
+trim is exact for pending rows only, deeper trims raise ``ValueError``; bits 1..8 (``groupquant``), dequantize +
+matmul on every backend.
 """
 
 from __future__ import annotations
@@ -198,8 +198,7 @@ class ZipCacheKVCache(KIVIKVCache):
     baseline_value_bytes = property(lambda self: self._baseline(self.res_v))
 
     @property
-    def compression_ratio(self) -> float:
-        """fp16 key bytes / compressed key bytes (> 1 = savings)."""
+    def compression_ratio(self) -> float:  # keys only
         c = self.compressed_key_bytes
         return self.fp16_key_bytes / c if c else 1.0
 
