@@ -11,12 +11,9 @@ _TINY = 1e-30
 
 def allocate_bits(sensitivity, total: int, max_bits: int = MAX_BITS) -> mx.array:
     """Int32 widths ``[G, D]`` in ``0..max_bits``, each row summing to ``total``: every bit goes to the channel
-    whose ``log2(sensitivity) - 2 * (bits it has)`` is largest (ties: lower channel first).
-
-    Computed on the device, with no host sync (calibration runs inside a prefill's graph): greedy water-filling
-    takes the ``total`` largest gains of the ``[D, max_bits]`` table per row (a channel's gains fall with its
-    bits, so they are its first bits), the ``total``-th largest found by one sort and its ties given out in index
-    order."""
+    whose ``log2(sensitivity) - 2 * (bits it has)`` is largest (ties: lower channel first). No host sync
+    (calibration runs inside a prefill's graph): a channel's gains fall with its bits, so the ``total`` largest
+    gains of the ``[D, max_bits]`` table per row are its first bits."""
     s = mx.array(sensitivity).astype(mx.float32)
     G, D = s.shape
     if not 0 <= total <= max_bits * D:

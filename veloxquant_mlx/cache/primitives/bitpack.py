@@ -5,6 +5,8 @@ word ``p // 32``, codes may straddle words), zero-padded to ``ceil(n * bits / 32
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from . import check_int
@@ -20,6 +22,16 @@ def packed_nbytes(n: int, bits: int) -> int:
     return 4 * packed_words(n, bits)
 
 
+def stream_words(stream: mx.array, n_words: int) -> mx.array:
+    """A ``uint32`` stream of 0/1 bits ``(..., p)`` as ``n_words`` words ``(..., n_words)``, zero-padded."""
+    lead, pad = stream.shape[:-1], n_words * 32 - stream.shape[-1]
+    if pad:
+        stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
+    # bits are disjoint, so the sum of the shifted bits is their OR
+    stream = mx.left_shift(stream.reshape(*lead, n_words, 32), mx.arange(32, dtype=mx.uint32))
+    return mx.sum(stream, axis=-1).astype(mx.uint32)
+
+
 def pack_bits(codes: mx.array, bits: int) -> mx.array:
     """Codes ``(..., n)`` in ``[0, 2**bits)`` -> ``uint32`` words ``(..., ceil(n * bits / 32))``; bits of a
     code above ``bits`` are discarded (masked, not checked)."""
@@ -29,17 +41,20 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
     lead, n = codes.shape[:-1], codes.shape[-1]
     n_words = packed_words(n, bits)
     stream = mx.bitwise_and(mx.right_shift(codes.astype(mx.uint32)[..., None], mx.arange(bits, dtype=mx.uint32)), 1)
-    stream, pad = stream.reshape(*lead, n * bits), n_words * 32 - n * bits
-    if pad:
-        stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
-    # bits are disjoint, so the sum of the shifted bits is their OR
-    stream = mx.left_shift(stream.reshape(*lead, n_words, 32), mx.arange(32, dtype=mx.uint32))
-    return mx.sum(stream, axis=-1).astype(mx.uint32)
+    return stream_words(stream.reshape(*lead, n * bits), n_words)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -> mx.array:
+    """Codes from their first word ``lo`` and the next ``hi`` (one fused kernel); ``(hi << (31 - s)) << 1``
+    is ``hi << (32 - s)`` without a shift by 32; bits above a non-straddling code's width are masked off."""
+    s = shift.astype(mx.uint32)
+    return ((lo >> s) | ((hi << (31 - s)) << 1)) & mask.astype(mx.uint32)
 
 
 def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
-    """Inverse of :func:`pack_bits`: ``(..., words)`` ``uint32`` -> ``(..., n)`` ``uint8`` codes: a gather of
-    each code's word and of the next; 8- and 4-bit codes read the words as bytes, without gathers."""
+    """Inverse of :func:`pack_bits`: ``(..., words)`` ``uint32`` -> ``(..., n)`` ``uint8`` codes (8- and 4-bit
+    codes read the words as bytes)."""
     if packed.dtype != mx.uint32:
         raise ValueError(f"packed must be uint32, got {packed.dtype}")
     n_words = packed_words(n, bits)
@@ -54,7 +69,5 @@ def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
     offsets = mx.arange(n, dtype=mx.uint32) * bits
     word, shift = (offsets // 32).astype(mx.int32), offsets % 32
     ext = mx.concatenate([packed[..., :n_words], mx.zeros((*lead, 1), dtype=mx.uint32)], axis=-1)  # a next word
-    lo = mx.right_shift(mx.take(ext, word, axis=-1), shift)
-    # (w << (32 - s)) as ((w << (31 - s)) << 1), so no shift is ever by 32
-    hi = mx.left_shift(mx.left_shift(mx.take(ext, word + 1, axis=-1), 31 - shift), 1)
-    return mx.bitwise_and(mx.bitwise_or(lo, hi), (1 << bits) - 1).astype(mx.uint8)
+    lo, hi = mx.take(ext, word, axis=-1), mx.take(ext, word + 1, axis=-1)
+    return extract_codes(lo, hi, shift, mx.array((1 << bits) - 1)).astype(mx.uint8)

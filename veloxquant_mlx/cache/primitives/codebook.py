@@ -54,25 +54,23 @@ def lloyd(edges, x, w, k: int, center: float = 0.0, max_iter: int = 20000, tol: 
     return frozen(c), float(np.sum(m2 - 2 * c * m1 + c * c * m0))  # sum over cells of E[(x - c)^2]
 
 
-@functools.lru_cache(maxsize=128)
-def _beta_codebook(bits: int, d: int):
+@functools.lru_cache(maxsize=144)
+def _lloyd_max(bits: int, d: int | None):
+    """``lloyd`` for a coordinate of a random unit vector in R^d, or for N(0, 1) when ``d`` is None."""
+    if d is None:
+        return lloyd(*density_grid(-14.0, 14.0, lambda x: -0.5 * x * x), 1 << bits)
     half = min(1.0, 14.0 / math.sqrt(d))  # beyond ~14 standard deviations the mass is < 1e-40
     return lloyd(*density_grid(-half, half, lambda x: 0.5 * (d - 3) * np.log1p(-x * x)), 1 << bits)
 
 
-@functools.lru_cache(maxsize=16)
-def _gauss_codebook(bits: int):
-    return lloyd(*density_grid(-14.0, 14.0, lambda x: -0.5 * x * x), 1 << bits)
-
-
 def lloyd_max_codebook(bits: int, d: int) -> mx.array:
     """``2**bits`` sorted float32 Lloyd–Max centroids for a coordinate of a random unit vector in R^d."""
-    return mx.array(_beta_codebook(check_int("bits", bits, 1, 8), check_int("d", d, 2))[0])
+    return mx.array(_lloyd_max(check_int("bits", bits, 1, 8), check_int("d", d, 2))[0])
 
 
 def lloyd_max_gaussian(bits: int) -> mx.array:
     """``2**bits`` sorted float32 Lloyd–Max centroids for the standard normal N(0, 1)."""
-    return mx.array(_gauss_codebook(check_int("bits", bits, 1, 8))[0])
+    return mx.array(_lloyd_max(check_int("bits", bits, 1, 8), None)[0])
 
 
 def lloyd_max_distortion(bits: int, d: int | None = None) -> float:
@@ -80,13 +78,13 @@ def lloyd_max_distortion(bits: int, d: int | None = None) -> float:
     distortion); without: the per-sample MSE of :func:`lloyd_max_gaussian` on N(0, 1)."""
     bits = check_int("bits", bits, 1, 8)
     if d is None:
-        return _gauss_codebook(bits)[1]
-    return d * _beta_codebook(bits, check_int("d", d, 2))[1]
+        return _lloyd_max(bits, None)[1]
+    return d * _lloyd_max(bits, check_int("d", d, 2))[1]
 
 
 @functools.lru_cache(maxsize=16)
 def _odd_poly_np(bits: int):
-    c = _gauss_codebook(bits)[0].astype(np.float64)
+    c = _lloyd_max(bits, None)[0].astype(np.float64)
     u = np.arange(c.size) - (c.size - 1) / 2
     return tuple(float(x) for x in np.linalg.lstsq(np.stack([u, u**3, u**5], axis=1), c, rcond=None)[0])
 
@@ -108,9 +106,8 @@ def code_boundaries(centroids: mx.array) -> mx.array:
 
 
 def nearest_code(x: mx.array, centroids: mx.array) -> mx.array:
-    """``uint8`` index of the nearest of the sorted ``centroids`` (at most 256) for every entry of ``x``: a
-    branch-free binary search over the boundaries (``ceil(log2 K)`` gathers, memory ``O(x.size)``); ties go
-    to the lower code."""
+    """``uint8`` index of the nearest of the sorted ``centroids`` (at most 256) for every entry of ``x`` (ties: the
+    lower code), by a binary search over the boundaries."""
     k = int(centroids.size)
     if not 1 <= k <= 256:
         raise ValueError(f"centroids has {k} entries; expected 1..256")
@@ -125,10 +122,15 @@ def nearest_code(x: mx.array, centroids: mx.array) -> mx.array:
     return idx.astype(mx.uint8)
 
 
+def cell_sums(labels: mx.array, vals: mx.array, k: int):
+    """Per-cell sums ``[k, ...]`` of the rows of ``vals`` (by a one-hot matmul) and the cells' row counts ``[k]``."""
+    onehot = (labels[:, None] == mx.arange(k)[None]).astype(mx.float32)
+    return onehot.T @ vals, onehot.sum(axis=0)
+
+
 def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
-    """Lloyd's k-means on the rows of ``x (n, D)`` from a seeded k-means++ start: ``(centroids (k, D),
-    labels (n,))``, float32. Each iteration assigns all rows with one matmul and averages with a one-hot
-    matmul; an empty cluster keeps its centroid; stops when the labels no longer change."""
+    """Lloyd's k-means on the rows of ``x (n, D)`` from a seeded k-means++ start: ``(centroids (k, D), labels
+    (n,))``, float32; an empty cluster keeps its centroid; stops when the labels no longer change."""
     if not isinstance(x, mx.array) or x.ndim != 2:
         raise ValueError(f"x must be an (n, D) mlx array, got {getattr(x, 'shape', type(x))}")
     n = x.shape[0]
@@ -149,16 +151,14 @@ def kmeans(x: mx.array, k: int, iters: int = 25, seed: int = 0):
         chosen.append(nxt)
         d2 = mx.minimum(d2, mx.maximum(x2 - 2.0 * (xf @ xf[nxt]) + x2[nxt], 0.0))
     cent = xf[mx.array(np.array(chosen, dtype=np.int32))]
-    ar = mx.arange(k)
 
     def assign(c):
         return mx.argmin(x2[:, None] - 2.0 * (xf @ c.T) + mx.sum(c * c, axis=1)[None, :], axis=1)
 
     labels = assign(cent)
     for _ in range(iters):
-        onehot = (labels[:, None] == ar[None, :]).astype(mx.float32)
-        counts = mx.sum(onehot, axis=0)
-        cent = mx.where(counts[:, None] > 0, (onehot.T @ xf) / mx.maximum(counts, 1.0)[:, None], cent)
+        sums, counts = cell_sums(labels, xf, k)
+        cent = mx.where(counts[:, None] > 0, sums / mx.maximum(counts, 1.0)[:, None], cent)
         new = assign(cent)
         same = mx.all(new == labels).item()
         labels = new
@@ -181,7 +181,6 @@ def smallest_k(d: mx.array, k: int, group: int = 16) -> mx.array:
 
 
 def _argmin_k(d: mx.array, k: int) -> mx.array:
-    """``k`` repeated row argmins of ``d [m, n]``, each found entry masked with +inf: ``[m, k]``."""
     out = []
     for _ in range(k):
         out.append(mx.argmin(d, axis=1, keepdims=True))

@@ -1,9 +1,7 @@
-"""Low-rank fitting and latent-channel coding of the low-rank caches (``svdq``, ``palu``, ``kvtc``): ``fit_basis``
-finds principal directions per (batch, head group) (one CPU ``eigh`` per prompt), ``energy_rank`` / ``dp_allocate``
-choose the rank and each latent channel's width (0: dropped, 16: float16), ``encode_latents`` /
-``decode_latents_t`` code the channels. Channels sort by decreasing width; each run of equal widths is quantized
-along tokens in groups of ``G`` (``groupquant``), and a token group's words of all runs form one row, so whole
-groups append by rows (axis 2).
+"""Low-rank fitting and latent-channel coding of the low-rank caches (``svdq``, ``palu``, ``kvtc``). A latent
+channel's width is 0 (dropped), 16 (float16) or a ``groupquant`` width; channels sort by decreasing width, each run
+of equal widths is quantized along tokens in groups of ``G``, and a token group's words of all runs form one row, so
+whole groups append by rows (axis 2).
 """
 
 from __future__ import annotations
@@ -121,8 +119,8 @@ class LatentLayout:
         return (4 * self.words + 4 * self.n_quant) / self.group + 2 * self.n_float
 
 
-def _cat(xs):
-    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1)
+def _cat(xs, axis=-1):
+    return xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=axis)
 
 
 def encode_latents(z: mx.array, layout: LatentLayout):
@@ -154,7 +152,7 @@ def decode_latents_t(codes, scales, biases, raw, n: int, layout: LatentLayout, d
         cw = codes[:, :, :g, w0:w1].reshape(B, Hg, g, nc, w).transpose(0, 1, 3, 2, 4).reshape(B, Hg, nc, g * w)
         parts.append(gq.dequantize(cw, scales[:, :, :g, c0 - nf : c1 - nf].swapaxes(-1, -2),
                                    biases[:, :, :g, c0 - nf : c1 - nf].swapaxes(-1, -2), b, G, dtype))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    return _cat(parts, axis=2)
 
 
 def measure_distortion(z: mx.array, choices, group: int) -> mx.array:

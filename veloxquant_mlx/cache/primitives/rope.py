@@ -12,8 +12,6 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["rope_spec", "apply_rope", "rope_frequencies", "rotate_rows", "rotate_parts", "rope_halves", "angle_tables"]
-
 _BLOCK = 64  # positions per block of the angle-addition tables in rotate_rows
 
 

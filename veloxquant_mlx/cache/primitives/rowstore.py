@@ -13,20 +13,17 @@ class RowStore:
         self.specs, self.initial_capacity = specs, initial_capacity  # specs: name -> (row shape, dtype)
         self.clear()
 
-    def _allocate(self, capacity: int) -> None:
-        new = {name: mx.zeros((capacity, *shape), dtype=dtype) for name, (shape, dtype) in self.specs.items()}
-        for name, buf in new.items():
-            if self.n:
-                buf[: self.n] = self.arrays[name][: self.n]
-        self.arrays, self.capacity = new, capacity
-
     def append(self, rows: dict) -> None:
         k = next(iter(rows.values())).shape[0]
         if k == 0:
             return
         need = self.n + k
         if need > self.capacity:
-            self._allocate(max(self.initial_capacity, 2 * self.capacity, need))
+            self.capacity = max(self.initial_capacity, 2 * self.capacity, need)
+            old, self.arrays = self.arrays, {name: mx.zeros((self.capacity, *shape), dtype=dtype)
+                                             for name, (shape, dtype) in self.specs.items()}
+            for name, buf in old.items():
+                self.arrays[name][: self.n] = buf[: self.n]
         for name, val in rows.items():
             self.arrays[name][self.n : need] = val
         self.n = need

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from .bitpack import packed_words
-from .codebook import kmeans, smallest_k
+from .codebook import cell_sums, kmeans, smallest_k
 from .rotation import seeded_rng
 
 STAGE1_MAX_BITS = 8  # stage-1 codebooks have at most 256 centroids (and codes fit bitpack's 8 bits)
@@ -47,7 +47,7 @@ class RVQCodebook:
         self.bits1, self.bits2 = split_bits(bits)
         self.n_sub = self.dim // self.sub_dim
         self.c1, self.sigma, self.c2 = c1, sigma, c2
-        self.k1, self.k2 = 1 << self.bits1, (1 << self.bits2) if self.bits2 else 1
+        self.k1, self.k2 = 1 << self.bits1, 1 << self.bits2
         self.c1_sq = mx.sum(c1 * c1, axis=1)
         self.c2_sq = mx.sum(c2 * c2, axis=1) if c2 is not None else None
         # every reconstruction c1[i] + sigma[i] c2[j] at row i*K2 + j, when small enough: one gather
@@ -129,17 +129,13 @@ def _train(dim: int, sub_dim: int, bits: int, seed: int) -> RVQCodebook:
     b1, b2 = split_bits(bits)
     k1, k2 = 1 << b1, 1 << b2
     n_sub = dim // sub_dim
-    n_vec = -(-SAMPLES_PER_CENTROID * max(k1, k2 if b2 else 1) // n_sub)
+    n_vec = -(-SAMPLES_PER_CENTROID * max(k1, k2) // n_sub)
     g = seeded_rng(_TAG_SAMPLES, seed).standard_normal((n_vec, dim))
     g /= np.linalg.norm(g, axis=1, keepdims=True)
     x = mx.array(g.reshape(-1, sub_dim).astype(np.float32))
     c1, labels = kmeans(x, k1, iters=KMEANS_ITERS, seed=seed)
     if not b2:
         return RVQCodebook(dim, sub_dim, bits, c1, mx.ones((k1,)), None)
-
-    def cell_sums(lab, vals, k):  # per-cell sums of rows of vals (one-hot matmul), and counts
-        oh = (lab[:, None] == mx.arange(k)[None]).astype(mx.float32)
-        return oh.T @ vals, oh.sum(axis=0)
 
     r = x - c1[labels]
     ssum, cnt = cell_sums(labels, mx.sum(r * r, axis=1, keepdims=True), k1)

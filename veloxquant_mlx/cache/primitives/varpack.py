@@ -11,6 +11,8 @@ import functools
 import mlx.core as mx
 import numpy as np
 
+from .bitpack import extract_codes, stream_words
+
 __all__ = ["VarLayout", "extract_codes"]
 
 
@@ -55,9 +57,7 @@ class VarLayout:
     def arrays(self) -> list[mx.array]:
         return [self.bits, self.src_channel, self.src_bit, self.word, self.next_word, self.shift, self.mask]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+    nbytes = property(lambda self: sum(a.nbytes for a in self.arrays()))
 
     def pack(self, codes: mx.array) -> mx.array:
         """``codes [.., G, n, D]`` (integers, each below ``2**bits``) -> ``uint32`` words ``[.., G, n, W]``."""
@@ -66,15 +66,10 @@ class VarLayout:
             raise ValueError(f"codes {codes.shape} do not match the layout [.., {self.groups}, n, {self.dim}]")
         if self.total_bits == 0:
             return mx.zeros((*lead, 0), dtype=mx.uint32)
-        c = codes.astype(mx.uint32)
         P = self.total_bits
         idx = mx.broadcast_to(self.src_channel[:, None, :P], (*lead, P))
-        stream = (mx.take_along_axis(c, idx, axis=-1) >> self.src_bit[:, None, :P]) & 1
-        pad = self.words * 32 - P
-        if pad:
-            stream = mx.concatenate([stream, mx.zeros((*lead, pad), dtype=mx.uint32)], axis=-1)
-        stream = stream.reshape(*lead, self.words, 32)
-        return mx.sum(stream << mx.arange(32, dtype=mx.uint32), axis=-1).astype(mx.uint32)
+        stream = (mx.take_along_axis(codes.astype(mx.uint32), idx, axis=-1) >> self.src_bit[:, None, :P]) & 1
+        return stream_words(stream, self.words)
 
     def gather(self, words: mx.array) -> tuple[mx.array, mx.array]:
         """Each channel's first word and the next one, ``[.., G, n, D]`` each (two gathers)."""
@@ -89,14 +84,6 @@ class VarLayout:
             return mx.zeros((*words.shape[:-1], self.dim), dtype=mx.uint32)
         lo, hi = self.gather(words)
         return extract_codes(lo, hi, self.shift[:, None], self.mask[:, None])
-
-
-@functools.partial(mx.compile, shapeless=True)
-def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -> mx.array:
-    """Codes from their first word ``lo`` and the next ``hi`` (one fused kernel); ``(hi << (31 - s)) << 1``
-    is ``hi << (32 - s)`` without a shift by 32; bits above a non-straddling code's width are masked off."""
-    s = shift.astype(mx.uint32)
-    return ((lo >> s) | ((hi << (31 - s)) << 1)) & mask.astype(mx.uint32)
 
 
 def pair_table(layout: VarLayout):
