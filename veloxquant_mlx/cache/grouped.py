@@ -133,7 +133,7 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _append_groups(self, kb: mx.array, vb: mx.array) -> None:
         """Quantize ``kb``/``vb`` [B, H, n, D] (n a multiple of G) and append them."""
-        self._forget_rows()
+        kernels._common.RowsMemo.forget(self)
         G, b = self.group, self.qbits
         t0, n = self.n_quant, kb.shape[2]
         kq = gq.quantize_per_channel(kb, b, G)  # codes [B, H, D, (n/G)*w], scales [B, H, D, n/G]
@@ -194,11 +194,6 @@ class GroupedQuantCache(CompressedKVCache):
             cls._own_layout_answer = all(getattr(cls, f) is getattr(GroupedQuantCache, f)
                                          for f in ("_keys_t", "_values", "_append_groups"))
         return cls._own_layout_answer
-
-    def _forget_rows(self) -> None:
-        memo = self.__dict__.get("_dense_memo")
-        if memo is not None:
-            memo.clear()
 
     def _dense(self):
         r = self.n_res
@@ -380,7 +375,7 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _trim_rows(self, n: int) -> int:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
-        self._forget_rows()
+        kernels._common.RowsMemo.forget(self)
         if n <= self.n_res:
             self.n_res -= n
             return n

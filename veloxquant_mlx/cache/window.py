@@ -200,7 +200,7 @@ class ResidualWindowCache(CompressedKVCache):
     def _compact(self, n: int) -> None:
         """Move the ``n`` oldest window rows out (sinks first, then codes); the rest start a window buffer of
         ``residual_length + quant_block`` rows (never more between calls)."""
-        self._forget_rows()
+        kernels._common.RowsMemo.forget(self)
         w = self.n_win
         k, v = self.win_k[:, :, :n], self.win_v[:, :, :n]
         s = min(SINK_ROWS - self.n_sink, n) if self.n_quant == 0 else 0
@@ -322,14 +322,9 @@ class ResidualWindowCache(CompressedKVCache):
         keep = kernels.keeps_rows(self, self._call.new_k.shape[2] if self._call else 0)
         return kernels._common.RowsMemo.of(self).fetch(n, buf, build, keep)
 
-    def _forget_rows(self) -> None:
-        memo = self.__dict__.get("_dense_memo")
-        if memo is not None:
-            memo.clear()
-
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
-        self._forget_rows()
+        kernels._common.RowsMemo.forget(self)
         if n > self.stored_rows():
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
         w = min(n, self.n_win)
@@ -398,5 +393,5 @@ class ResidualWindowCache(CompressedKVCache):
 
     @state.setter
     def state(self, v):
-        self._forget_rows()
+        kernels._common.RowsMemo.forget(self)
         CompressedKVCache.state.fset(self, v)

@@ -127,6 +127,13 @@ class RowsMemo:
             memo = cache._dense_memo = RowsMemo()
         return memo
 
+    @staticmethod
+    def forget(cache) -> None:
+        """Empty ``cache``'s memo, if it has one (its quantized rows changed)."""
+        memo = cache.__dict__.get("_dense_memo")
+        if memo is not None:
+            memo.clear()
+
     def fetch(self, n: int, buf, build: Callable, keep: bool):
         """The memoised rows of ``(n, buf)``, else ``build()``; kept only when ``keep`` (a decode step that goes to
         a kernel): any other call leaves the memo empty, so rows a prefill chunk evaluates are never held."""
