@@ -19,7 +19,7 @@ import pytest
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
-from veloxquant_mlx.cache.kernels import kivi_rows
+from veloxquant_mlx.cache.kernels import kivi_rows, rvq_encode
 from veloxquant_mlx.cache.kernels import turboquant_rvq as tq_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
@@ -30,9 +30,10 @@ from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
 from veloxquant_mlx.cache.options import KIVIOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
-from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
+from veloxquant_mlx.cache.primitives.bitpack import pack_bits, unpack_bits
 from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec
+from veloxquant_mlx.cache.primitives.rvq import rvq_codebook
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
 from veloxquant_mlx.cache.window import softmax_exp
 
@@ -538,6 +539,35 @@ def test_waterfill_prefill_kernels_equal_the_op_path(H, D, bits, prompt, rope, d
 
 
 @GPU
+@pytest.mark.parametrize("dim,sub_dim,bits,rows", [
+    (128, 4, 12, 3000),  # TurboQuant-RVQ's keys at the defaults: 32 sub-vectors, 8 + 4 bits
+    (128, 8, 8, 2049),  # its values: one stage
+    (64, 2, 10, 777),  # 2-coordinate pieces, a 2-bit second stage
+    (96, 8, 16, 300),  # 256 x 256 centroids, 12 sub-vectors
+    (64, 4, 6, 1001),  # one stage of 6 bits: codes straddle words
+    (80, 4, 7, 65)])  # 20 sub-vectors of 7 bits
+def test_rvq_encode_kernel_equals_the_op_path(dim, sub_dim, bits, rows):
+    """TurboQuant-RVQ's encode kernel against the codebook's op path on rotated unit vectors: the same codes but
+    for float32 rounding ties (at most 1 in 1000 differ) and the same total distortion (to 1e-4 relative), in
+    ``bitpack``'s layout (unpacked by the op path's ``unpack_bits``)."""
+    cb = rvq_codebook(dim, sub_dim, bits, 0)
+    assert rvq_encode.supported(cb)
+    rng = np.random.default_rng(rows)
+    x = rng.normal(size=(2, 3, rows, dim)).astype(np.float32)
+    y = mx.array(x / np.linalg.norm(x, axis=-1, keepdims=True))
+    i, j = cb.encode(y)
+    w1, w2 = rvq_encode.encode_words(cb, y)
+    gi = unpack_bits(w1, cb.bits1, cb.n_sub)
+    gj = unpack_bits(w2, cb.bits2, cb.n_sub) if j is not None else None
+    assert (w2 is None) == (j is None) and gi.shape == i.shape
+    for g, w in ((gi, i), (gj, j)):
+        if w is not None:
+            assert np.mean(np.array(g) != np.array(w)) <= 1e-3
+    err = [float(mx.sum((cb.decode(a, b) - y) ** 2)) for a, b in ((gi, gj), (i, j))]
+    assert abs(err[0] - err[1]) <= 1e-4 * err[1]
+
+
+@GPU
 @pytest.mark.parametrize("H,R,D,bits,group,prompt,dtype", [
     (2, 1, 64, 4, 32, 45, mx.float16), (8, 4, 128, 4, 32, 4100, mx.bfloat16),
     (3, 3, 64, 2, 64, 700, mx.float16), (4, 2, 128, 8, 128, 999, mx.float16),
@@ -684,6 +714,7 @@ def test_decode_steps_take_the_kernels_on_the_gpu():
             mx.eval(dispatch.dispatched_sdpa(_rows(rng, 4, 1, D, mx.float16), K, V, cache=c, scale=D**-0.5,
                                              mask=None))
         assert name in _common._checked and name not in _common._disabled
+    assert "rvq_encode" in _common._checked and "rvq_encode" not in _common._disabled  # the prefill's codes
 
 
 # ---------------------------------------------------------------------------------------- the kernel path's plumbing
@@ -813,7 +844,13 @@ def reference_kernels(monkeypatch):
         caches["kivi_rows_launches"] = caches.get("kivi_rows_launches", 0) + 1
         return c._keys_t(n).swapaxes(-1, -2).astype(dtype), c._values(n).astype(dtype)
 
+    def rvq_words(cb, y):  # TurboQuant-RVQ's encode kernel: the op path's codes packed, counted
+        caches["rvq_encode_launches"] = caches.get("rvq_encode_launches", 0) + 1
+        i, j = cb.encode(y)
+        return pack_bits(i, cb.bits1), (pack_bits(j, cb.bits2) if j is not None else None)
+
     monkeypatch.setattr(kivi_rows, "decode_rows", kv_decode)
+    monkeypatch.setattr(rvq_encode, "encode_words", rvq_words)
     monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
     monkeypatch.setattr(wf_rows, "decode_rows", wf_decode)
     monkeypatch.setattr(wf_rows, "encode_rows", wf_encode)
@@ -866,7 +903,8 @@ def test_turboquant_rvq_kernel_path_plumbing_equals_float64_attention(reference_
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
     _window_steps_match_float64(c, H, R, D, rng, sinks, 40)  # 16 + 32 window rows: compactions every 32 steps
     assert reference_kernels["turboquant_rvq_launches"] >= 40
-    assert "turboquant_rvq" in _common._checked and not _common._disabled
+    assert reference_kernels["rvq_encode_launches"] >= 4  # keys and values of the prompt and of two compactions
+    assert {"turboquant_rvq", "rvq_encode"} <= _common._checked and not _common._disabled
     back = c._vq.back  # the matrix back, built by the kernel path, shared by keys and values (one head dim)
     assert back is c._kq.rotation_back() and np.array_equal(np.array(back), np.array(c._vq.rot_t).T)
     shared = {id(a): a for a in c._kq.arrays() + c._vq.arrays()}
@@ -880,6 +918,9 @@ def test_turboquant_rvq_kernel_takes_only_the_layouts_it_reads():
     assert not tq_kernel.supported(80, 80, 4, 4, 12, 8, 8)  # head dims multiples of 32
     assert not tq_kernel.supported(128, 128, 4, 4, 12, 2, 8)  # a lane's 4 value channels span two sub-vectors
     assert not tq_kernel.supported(128, 128, 64, 4, 12, 8, 8)  # shared memory past 48 KB
+    # the encode kernel: sub-vectors held in registers (<= 32 coordinates), both codebooks in 48 KB
+    assert rvq_encode.supported(rvq_codebook(128, 4, 12, 0)) and rvq_encode.supported(rvq_codebook(64, 32, 8, 0))
+    assert not rvq_encode.supported(rvq_codebook(128, 64, 8, 0))
 
 
 @pytest.mark.parametrize("R,bits", [(1, 4), (4, 2)])

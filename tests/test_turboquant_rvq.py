@@ -165,11 +165,16 @@ def test_constants_are_counted_once_per_model():
                                          ({"key_codebook_bits": 16, "value_sub_dim": 4, "value_codebook_bits": 16}, False),
                                          ({"key_codebook_bits": 6, "value_codebook_bits": 3}, True)])
 @pytest.mark.parametrize("chunks", [[70, 1, 1, 1, 40, 1, 30, 1], [1] * 5 + [45] + [1] * 3])
-def test_attend_on_codes_equals_dense_attention_over_the_dequantized_cache(opts, joint, chunks, monkeypatch):
+@pytest.mark.parametrize("gpu_chunks", [False, True])
+def test_attend_on_codes_equals_dense_attention_over_the_dequantized_cache(opts, joint, chunks, gpu_chunks,
+                                                                           monkeypatch):
     """Decode steps use the LUT path (one joint table, or per-stage tables), prefill chunks after
-    quantized rows the rotated-domain matmul; all equal mx.fast sdpa over what update_and_fetch
-    returned (dequantized codes + float16 rows + the call's rows)."""
+    quantized rows the rotated-domain matmul (or, ``gpu_chunks``, the GPU's fused attention in the rotated
+    domain: ``_rotated_chunk``); all equal mx.fast sdpa over what update_and_fetch returned (dequantized codes
+    + float16 rows + the call's rows)."""
     monkeypatch.setattr(rvq, "JOINT_LUT_PER_TOKEN", 10**6 if joint else 0)
+    if gpu_chunks:
+        _rotated_chunks(monkeypatch)
     dispatch.install()
     B, Hq, H, D = 2, 6, 2, 16
     c = make(D, residual_length=8, **opts)
@@ -186,7 +191,17 @@ def test_attend_on_codes_equals_dense_attention_over_the_dequantized_cache(opts,
     assert seen_quant and seen_lut and c.n_quant > 0
 
 
-def test_attend_honours_array_masks_and_sinks():
+def _rotated_chunks(monkeypatch):
+    """Every chunk a GPU would send to ``_rotated_chunk`` goes there on this machine too."""
+    monkeypatch.setattr(tq.TurboQuantRVQKVCache, "_attend_chunk",
+                        lambda self, q, k, v, call, *, scale, mask, sinks, tile=None:
+                        self._rotated_chunk(q, call, scale=scale, mask=mask, sinks=sinks))
+
+
+@pytest.mark.parametrize("gpu_chunks", [False, True])
+def test_attend_honours_array_masks_and_sinks(gpu_chunks, monkeypatch):
+    if gpu_chunks:
+        _rotated_chunks(monkeypatch)
     dispatch.install()
     B, Hq, H, D = 1, 4, 2, 16
     sinks = mx.random.normal((Hq,))

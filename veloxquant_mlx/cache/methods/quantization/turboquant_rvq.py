@@ -53,7 +53,7 @@ from ... import kernels
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...kernels import turboquant_rvq as tq_kernel
+from ...kernels import rvq_encode, turboquant_rvq as tq_kernel
 from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
@@ -97,14 +97,23 @@ class _Quantizer:
             self.back = _rotation_back(self.dim, self.seed)
         return self.back
 
-    def encode(self, x: mx.array):
-        """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms)."""
+    def encode(self, x: mx.array, owner=None):
+        """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms). With an
+        ``owner`` cache on the kernels' backend the codes come from ``kernels.rvq_encode`` (one launch; checked once
+        per process against this op path)."""
         xf = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
         y = (xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t
+        if owner is not None and kernels.kernels_enabled() and rvq_encode.supported(self.cb):
+            p1, p2 = rvq_encode.checked_words(owner, self.cb, y, lambda: self._words(y))
+        else:
+            p1, p2 = self._words(y)
+        return p1, p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
+
+    def _words(self, y: mx.array):
+        """Packed codes of rotated unit vectors ``y`` (the op path)."""
         i, j = self.cb.encode(y)
-        p2 = pack_bits(j, self.cb.bits2) if j is not None else None
-        return pack_bits(i, self.cb.bits1), p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
+        return pack_bits(i, self.cb.bits1), (pack_bits(j, self.cb.bits2) if j is not None else None)
 
     def codes(self, p1, p2):
         """Unpacked codes (uint8 ``[.., S]``) from packed planes."""
@@ -196,7 +205,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         kq, vq = self._quantizers(keys.shape[-1], values.shape[-1])
         t0 = self.n_quant
         for prefix, qz, x in (("k_", kq, keys), ("v_", vq, values)):
-            p1, p2, norms = qz.encode(x)
+            p1, p2, norms = qz.encode(x, self)
             for name, rows in (("codes1", p1), ("codes2", p2), ("norms", norms)):
                 if rows is not None:
                     buf = reserve_rows(getattr(self, prefix + name), t0, rows, QUANT_BLOCK)
@@ -229,6 +238,35 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
 
     def _decode_attend(self, queries, *, scale, sinks=None):
         return tq_kernel.decode_attend(self, queries, scale, sinks)
+
+    def _attend_chunk(self, queries, keys, values, call, *, scale, mask, sinks, tile=None):
+        if mx.default_device().type == mx.DeviceType.gpu:
+            return self._rotated_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
+        return super()._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks, tile=tile)
+
+    def _rotated_chunk(self, queries, call, *, scale, mask, sinks):
+        """A prefill chunk on a GPU: MLX's fused attention in the rotated domain (``q.k = (Pi q).(Pi k)``), where the
+        past is its codebook rows times its norms: no dense rotation back over the whole past per chunk (the rows
+        ``update_and_fetch`` returned are never evaluated); the sinks, window and chunk rows and the queries are
+        rotated instead (float32, then the model's dtype), and the output is rotated back once."""
+        kq, vq = self._qs()
+        dt = queries.dtype
+
+        def rotated(x, qz):
+            return None if x is None else (x.astype(mx.float32) @ qz.rot_t).astype(dt)
+
+        def codes(prefix, qz):
+            if not call.q0:
+                return None
+            norms = getattr(self, prefix + "norms")[:, :, :call.q0].astype(mx.float32)[..., None]
+            return (qz.decode_rotated(*self._planes(prefix, call.q0)) * norms).astype(dt)
+
+        sk, sv = self._sinks(call.s0) or (None, None)
+        rows = [[rotated(sink, qz), codes(prefix, qz), rotated(past, qz), rotated(new, qz)] for prefix, qz, sink, past, new
+                in (("k_", kq, sk, call.past_k, call.new_k), ("v_", vq, sv, call.past_v, call.new_v))]
+        k, v = (mx.concatenate([x for x in r if x is not None], axis=2) for r in rows)
+        out = mx.fast.scaled_dot_product_attention(rotated(queries, kq), k, v, scale=scale, mask=mask, sinks=sinks)
+        return (out.astype(mx.float32) @ vq.rot_t.T).astype(dt)
 
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, shapes the kernel reads, the CUDA backend."""

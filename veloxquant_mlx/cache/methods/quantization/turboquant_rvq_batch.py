@@ -242,7 +242,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         """Encode K rows per sequence (kb/vb [B, H, K, D]) into slots nq[i] .. nq[i] + K - 1."""
         rows = {}
         for prefix, qz, x in zip(("k_", "v_"), self._qs(), (kb, vb)):
-            rows.update({prefix + name: a for name, a in zip(("codes1", "codes2", "norms"), qz.encode(x))})
+            rows.update({prefix + name: a for name, a in zip(("codes1", "codes2", "norms"), qz.encode(x, self))})
         self._scatter(K, rows)
 
     def _scatter(self, K, rows: dict) -> None:

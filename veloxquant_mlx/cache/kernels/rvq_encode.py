@@ -1,0 +1,171 @@
+"""Prefill kernel for TurboQuant-RVQ's codes: rotated unit vectors to packed stage-1 (and stage-2) code words in one
+launch. The op path (``primitives.rvq.RVQCodebook.encode`` + ``bitpack.pack_bits``) splits a 2048-token chunk into
+~40 blocks of ~12 ops each (a ``[rows, K1]`` distance matrix, the beam's partial selection, gathers) to bound its
+memory; on the H200 that encoder was most of a prefill 9-13x the plain cache's time (docs/RESULTS.md).
+
+One thread per sub-vector: it scans the stage-1 codebook (in shared memory, read by every lane at once) keeping the
+``BEAM`` smallest ``|c1|^2 - 2 x.c1`` in registers, then completes each candidate with its nearest cell-scaled
+stage-2 centroid, ``(|r|^2 + |c2|^2 - 2 r.c2) sigma^2`` with ``r = (x - c1) / sigma``: the op path's formulas, so
+the codes are the same but for a float32 rounding tie (a dot product summed in another order can swap two near-equal
+distances). The block's codes go to shared memory and are packed as ``bitpack`` lays them out (code ``k`` of a row
+at bit ``k * bits``, straddling words where it must). Checked once per process against the op path
+(``kernels.checked_call``); tested in ``tests/test_decode_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..primitives.bitpack import packed_words, unpack_bits
+from ._common import checked_call
+from ._compile import Kernel
+
+__all__ = ["encode_words", "checked_words", "supported"]
+
+THREADS = 256
+SUBS_PER_BLOCK = 1024  # sub-vectors a block encodes (whole rows: its codes are packed in shared memory)
+SMEM_MAX = 48 * 1024
+MAX_SUB_DIM = 32  # a thread holds its sub-vector and its residual in registers
+
+_PRELUDE = r"""
+// word w of a row of n codes of b bits (bitpack's layout: code k from bit k * b of the row's bit stream)
+__device__ __forceinline__ vq_u32 vq_pack_word(const unsigned char* c, int w, int b, int n) {
+  vq_u32 out = 0u;
+  const int k1 = min(n - 1, (32 * w + 31) / b);
+  for (int k = (32 * w) / b; k <= k1; ++k) {
+    const int sh = k * b - 32 * w;  // -b < sh < 32
+    const vq_u32 v = c[k];
+    out |= sh >= 0 ? v << sh : v >> -sh;
+  }
+  return out;
+}
+"""
+
+_SOURCE = r"""
+  constexpr int S = D / SD, K1 = 1 << B1, K2 = TWO ? 1 << B2 : 1;
+  VQ_SHARED float sc1[K1 * SD];
+  VQ_SHARED float sq1[K1];
+  VQ_SHARED float ssg[TWO ? K1 : 1];
+  VQ_SHARED float sc2[K2 * SD];
+  VQ_SHARED float sq2[K2];
+  VQ_SHARED unsigned char code1[V * S];
+  VQ_SHARED unsigned char code2[TWO ? V * S : 1];
+  for (int u = VQ_TID; u < K1 * SD; u += VQ_NTHREADS) sc1[u] = c1[u];
+  for (int u = VQ_TID; u < K1; u += VQ_NTHREADS) {
+    sq1[u] = c1q[u];
+    if (TWO) ssg[u] = sig[u];
+  }
+  if (TWO) {
+    for (int u = VQ_TID; u < K2 * SD; u += VQ_NTHREADS) sc2[u] = c2[u];
+    for (int u = VQ_TID; u < K2; u += VQ_NTHREADS) sq2[u] = c2q[u];
+  }
+  VQ_SYNC();
+  const int v0 = VQ_BLOCK_X * V;
+  const int nv = min(V, M - v0);
+  for (int u = VQ_TID; u < nv * S; u += VQ_NTHREADS) {
+    const float* yp = y + ((size_t)v0 * S + u) * SD;
+    float x[SD];
+#pragma unroll
+    for (int k = 0; k < SD; ++k) x[k] = yp[k];
+    float bd[BEAM];
+    int bi[BEAM];
+#pragma unroll
+    for (int b = 0; b < BEAM; ++b) { bd[b] = VQ_INF; bi[b] = 0; }
+    for (int i = 0; i < K1; ++i) {
+      float dot = 0.f;
+#pragma unroll
+      for (int k = 0; k < SD; ++k) dot = fmaf(x[k], sc1[i * SD + k], dot);
+      float d = sq1[i] - 2.f * dot;
+      int ii = i;
+#pragma unroll
+      for (int b = 0; b < BEAM; ++b) {  // insertion into the sorted beam (ties keep the earlier centroid)
+        if (d < bd[b]) {
+          const float td = bd[b]; const int ti = bi[b];
+          bd[b] = d; bi[b] = ii; d = td; ii = ti;
+        }
+      }
+    }
+    int best1 = bi[0], best2 = 0;
+    if (TWO) {
+      float best = VQ_INF;
+#pragma unroll
+      for (int b = 0; b < BEAM; ++b) {
+        const int c = bi[b];
+        const float sg = ssg[c];
+        float r[SD], rr = 0.f;
+#pragma unroll
+        for (int k = 0; k < SD; ++k) { r[k] = (x[k] - sc1[c * SD + k]) / sg; rr = fmaf(r[k], r[k], rr); }
+        for (int j = 0; j < K2; ++j) {
+          float dot = 0.f;
+#pragma unroll
+          for (int k = 0; k < SD; ++k) dot = fmaf(r[k], sc2[j * SD + k], dot);
+          const float d = (rr + sq2[j] - 2.f * dot) * (sg * sg);
+          if (d < best) { best = d; best1 = c; best2 = j; }
+        }
+      }
+    }
+    code1[u] = (unsigned char)best1;
+    if (TWO) code2[u] = (unsigned char)best2;
+  }
+  VQ_SYNC();
+  for (int u = VQ_TID; u < nv * W1; u += VQ_NTHREADS)
+    o1[(size_t)v0 * W1 + u] = vq_pack_word(code1 + (u / W1) * S, u % W1, B1, S);
+  if (TWO)
+    for (int u = VQ_TID; u < nv * W2; u += VQ_NTHREADS)
+      o2[(size_t)v0 * W2 + u] = vq_pack_word(code2 + (u / W2) * S, u % W2, B2, S);
+"""
+
+_ENCODE = Kernel("vq_rvq_encode", ["y", "c1", "c1q", "sig", "c2", "c2q"], ["o1", "o2"], [("M", "int")], _SOURCE,
+                 prelude=_PRELUDE)
+
+
+def _rows_per_block(n_sub: int) -> int:
+    return max(1, SUBS_PER_BLOCK // n_sub)
+
+
+def _smem(cb) -> int:
+    two = cb.c2 is not None
+    floats = cb.k1 * (cb.sub_dim + 1 + two) + (cb.k2 * (cb.sub_dim + 1) if two else 1 + cb.sub_dim)
+    return 4 * floats + _rows_per_block(cb.n_sub) * cb.n_sub * (1 + two)
+
+
+def supported(cb) -> bool:
+    """Codebooks the kernel takes: sub-vectors of at most ``MAX_SUB_DIM`` coordinates, codes of at most 8 bits
+    per stage (``bitpack``'s range), both stages' codebooks and a block's codes within 48 KB of shared memory."""
+    return cb.sub_dim <= MAX_SUB_DIM and cb.bits1 <= 8 and cb.bits2 <= 8 and _smem(cb) <= SMEM_MAX
+
+
+def encode_words(cb, y: mx.array) -> tuple[mx.array, mx.array | None]:
+    """Packed code words ``(stage 1 [.., W1], stage 2 [.., W2] or None)`` of rotated unit vectors ``y [.., dim]``:
+    ``pack_bits`` of :meth:`RVQCodebook.encode`, in one launch."""
+    lead = y.shape[:-1]
+    y2 = y.astype(mx.float32).reshape(-1, cb.dim)
+    m, two = y2.shape[0], cb.c2 is not None
+    w1 = packed_words(cb.n_sub, cb.bits1)
+    w2 = packed_words(cb.n_sub, cb.bits2) if two else 1
+    v = _rows_per_block(cb.n_sub)
+    beam = min(4, cb.k1) if two else 1
+    consts = (("D", cb.dim), ("SD", cb.sub_dim), ("B1", cb.bits1), ("B2", cb.bits2), ("TWO", int(two)),
+              ("W1", w1), ("W2", w2), ("BEAM", beam), ("V", v))
+    c2, c2q = (cb.c2, cb.c2_sq) if two else (cb.sigma[:1], cb.sigma[:1])
+    blocks = max(1, -(-m // v))
+    o1, o2 = _ENCODE([y2, cb.c1, cb.c1_sq, cb.sigma, c2, c2q], [m], consts,
+                     [(max(m, 1), w1), (max(m, 1), w2) if two else (1,)], [mx.uint32, mx.uint32],
+                     grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
+    return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None)
+
+
+def checked_words(cache, cb, y: mx.array, op_fn):
+    """:func:`encode_words`, checked once per process against ``op_fn()`` (the op path's words): the fraction of
+    differing codes must stay below the check's tolerance (a rounding tie changes a code now and then; a layout
+    or selection error changes most)."""
+
+    def error(got, want):
+        off = 0.0
+        for g, w, b in zip(got, want, (cb.bits1, cb.bits2)):
+            if w is not None:
+                off += float((unpack_bits(g, b, cb.n_sub) != unpack_bits(w, b, cb.n_sub)).astype(mx.float32).mean())
+        return off
+
+    return checked_call("rvq_encode", cache, lambda: encode_words(cb, y), op_fn, error)
+
