@@ -102,7 +102,7 @@ def stub_kernels(shape):
 
     kernels.kernels_enabled = _common.kernels_enabled = lambda: True
     _common._checked.update(("kivi", "waterfill", "kivi_rows", "waterfill_rows", "waterfill_encode", "kivi_batch",
-                            "waterfill_batch", "turboquant_rvq", "rvq_encode"))
+                            "waterfill_batch", "turboquant_rvq", "turboquant_rvq_encode", "turboquant_rvq_rows"))
     _compile.Kernel.__call__ = lambda self, arrays, scalars, consts, shapes, dtypes, **kw: [
         mx.zeros(s, d) for s, d in zip(shapes, dtypes)]
     bench.SHAPES["stub"] = dict(bench.SHAPES[shape], hidden_size=256, intermediate_size=512, vocab_size=1024)

@@ -61,7 +61,7 @@ def main(argv=None):
                                                      options=WaterfillOptions(residual_length=16)))
             wf.bind_attention(type("Attn", (), {"rope": nn.RoPE(D, traditional=False, base=1e4)})())
             tq = KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D,
-                                                     options=TurboQuantRVQOptions(residual_length=16)))
+                                                     options=TurboQuantRVQOptions()))  # default window: 128-160 exact rows
             fill(kv, k, v, q)
             fill(wf, k, v, q)
             fill(tq, k, v, q)

@@ -43,7 +43,7 @@ def main(argv=None):
     ctypes.CDLL(sorted(builtins)[0], mode=ctypes.RTLD_GLOBAL)
     import mlx.core as mx
 
-    from veloxquant_mlx.cache.kernels import _common, _compile, kivi, rvq_encode, turboquant_rvq, waterfill
+    from veloxquant_mlx.cache.kernels import _common, _compile, kivi, turboquant_rvq, turboquant_rvq_rows, waterfill
 
     _compile._LIBS["libnvrtc.so.13"] = ctypes.CDLL(sorted(lib)[0])
     f16, u32, f32, i32 = mx.float16, mx.uint32, mx.float32, mx.int32
@@ -64,10 +64,12 @@ def main(argv=None):
         "turboquant_rvq_fused": (turboquant_rvq._KERNELS[False, True], [f16, f32, u32, u32, f16, u32, u32, f16]
                                  + [f32] * 7 + [f16] * 7 + [i32], [f32, f16], tq_consts + (("HAS_SINK", 1), ("ROT", 2))),
         # TurboQuant-RVQ's prefill encoder at the defaults: keys (4 coordinates, 8 + 4 bits), values (8, 8)
-        "rvq_encode_keys": (rvq_encode._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4),
+        "rvq_encode_keys": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4),
                             ("TWO", 1), ("W1", 8), ("W2", 4), ("BEAM", 4), ("V", 32))),
-        "rvq_encode_values": (rvq_encode._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 8), ("B1", 8), ("B2", 0),
+        "rvq_encode_values": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 8), ("B1", 8), ("B2", 0),
                               ("TWO", 0), ("W1", 4), ("W2", 1), ("BEAM", 1), ("V", 64))),
+        "rvq_rows_keys": (turboquant_rvq_rows._ROWS, [u32, u32, f16, f32, f32, f32], [f16],
+                          (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4), ("TWO", 1), ("W1", 8), ("W2", 4))),
         "merge": (_common._MERGE, [f32] * 4, [f16], (("DV", 128), ("MP", 8), ("MAX_S1", _common.MAX_SPLITS + 1),
                                                       ("HAS_SINK", 0), ("ROT", 1))),
     }

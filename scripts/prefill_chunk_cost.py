@@ -8,6 +8,7 @@ Parts (each evaluated alone on a copy of the filled cache; min over ``--repeats`
 * ``store``: ``_store`` (the chunk enters the window / residual, whole blocks or groups quantized);
 * ``fetch``: ``update_and_fetch`` (store + the stored rows decoded to the dense form the fused attention reads);
 * ``rows``: the quantized past alone decoded to dense rows (``_quantized_dense`` / ``_quantized_rows``);
+* ``encode``: TurboQuant-RVQ's codes of the chunk's rows alone;
 * ``chunk``: ``update_and_fetch`` + attention, the whole layer-chunk;
 * ``plain``: the same for mlx_lm's ``KVCache``.
 ``--profile`` prints the Python functions of one whole chunk call by cumulative time (host syncs show as
@@ -128,10 +129,15 @@ def main(argv=None):
             dense = getattr(c, "_quantized_dense", None) or c._quantized_rows
             return list(dense(c.n_quant, dt))
 
+        def encode(c):  # TurboQuant-RVQ: the chunk's keys and values to codes alone (the encode kernel on CUDA)
+            return [x for qz, rows in zip(c._qs(), (nk, nv)) for x in qz.encode(rows, c) if x is not None]
+
         parts = {"plain": _Step(plain_chunk, lambda: fresh(plain)), "chunk": _Step(chunk, fresh),
                  "fetch": _Step(fetch, fresh)}
         if hasattr(cache, "_store"):
             parts["store"] = _Step(store, fresh)
+        if hasattr(cache, "_qs"):
+            parts["encode"] = _Step(encode, fresh)
         if hasattr(cache, "_quantized_dense") or hasattr(cache, "_quantized_rows"):
             parts["rows"] = _Step(rows, fresh)
         times = {name: _timed(f, a.repeats) for name, f in parts.items()}

@@ -21,6 +21,10 @@ MAX_SPLITS = 512
 # launch took what the two launches took, 27 us for KIVI at 8k; at 513 waterfill's took 60 us more)
 FUSED_MAX_S1 = 65
 
+# Exact rows a warp loads at once in a decode kernel (their loads in flight together, then XP softmax updates): the
+# exact-rows block walked ~40 rows per warp one dependent load after another (TurboQuant-RVQ's 128-160 window rows)
+EXACT_PREFETCH = 4
+
 SELF_CHECK_TOL = 2e-2  # first-use check of a kernel against the op path: relative L2 error
 _disabled: set[str] = set()  # kernels turned off in this process (failed to build/run, or mismatched)
 _checked: set[str] = set()  # kernels that passed their first-use check in this process
@@ -281,42 +285,46 @@ VQ_COUNTS
 # then the new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
 # domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
 EXACT_ROWS = r"""
+#define VQ_EXACT_LOAD(K, V, ROW) {                                                  \
+      const size_t vq_row = (ROW);                                                   \
+      _Pragma("unroll") for (int j = 0; j < D / 32; ++j)                             \
+        kx[x][j] = VQ_F(K[vq_row * D + lane + 32 * j]);                              \
+      _Pragma("unroll") for (int j = 0; j < DV / 32; ++j)                            \
+        vx[x][j] = VQ_F(V[vq_row * DV + lane + 32 * j]);                             \
+    }
     const int E = e0 + e1 + 1;
-    for (int e = warp; e < E; e += NW) {
-      float part[REP];
+    constexpr int XP = """ + str(EXACT_PREFETCH) + r""";
+    for (int e0w = warp * XP; e0w < E; e0w += NW * XP) {  // XP rows per warp at a time: their loads all in flight
+      float kx[XP][D / 32], vx[XP][DV / 32];
 #pragma unroll
-      for (int r = 0; r < REP; ++r) part[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < D / 32; ++j) {
-        const int c = lane + 32 * j;
-        const float kval = e < e0 ? VQ_F(ek0[((size_t)bh * T0 + o0 + e) * D + c])
-                         : e < e0 + e1 ? VQ_F(ek1[((size_t)bh * T1 + o1 + (e - e0)) * D + c])
-                         : VQ_F(nk[(size_t)bh * D + c]);
-#pragma unroll
-        for (int r = 0; r < REP; ++r) part[r] += QV(r, j) * kval;
+      for (int x = 0; x < XP; ++x) {
+        const int e = min(e0w + x, E - 1);  // past the end: the last row again (loaded, never used)
+        if (e < e0) VQ_EXACT_LOAD(ek0, ev0, (size_t)bh * T0 + o0 + e)
+        else if (e < e0 + e1) VQ_EXACT_LOAD(ek1, ev1, (size_t)bh * T1 + o1 + (e - e0))
+        else VQ_EXACT_LOAD(nk, nv, (size_t)bh)
       }
 #pragma unroll
-      for (int r = 0; r < REP; ++r) {
+      for (int x = 0; x < XP; ++x) {
+        if (e0w + x >= E) continue;
+        float part[REP];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
-      }
-      float v[DV / 32];
+        for (int r = 0; r < REP; ++r) {
+          part[r] = 0.f;
 #pragma unroll
-      for (int j = 0; j < DV / 32; ++j) {
-        const int c = lane + 32 * j;
-        v[j] = e < e0 ? VQ_F(ev0[((size_t)bh * T0 + o0 + e) * DV + c])
-             : e < e0 + e1 ? VQ_F(ev1[((size_t)bh * T1 + o1 + (e - e0)) * DV + c])
-             : VQ_F(nv[(size_t)bh * DV + c]);
-      }
+          for (int j = 0; j < D / 32; ++j) part[r] += QV(r, j) * kx[x][j];
 #pragma unroll
-      for (int r = 0; r < REP; ++r) {
-        const float mn = fmaxf(m[r], part[r]);
-        const float corr = VQ_EXP(m[r] - mn);
-        const float p = VQ_EXP(part[r] - mn);
-        l[r] = l[r] * corr + p;
+          for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
+        }
 #pragma unroll
-        for (int j = 0; j < DV / 32; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
-        m[r] = mn;
+        for (int r = 0; r < REP; ++r) {
+          const float mn = fmaxf(m[r], part[r]);
+          const float corr = VQ_EXP(m[r] - mn);
+          const float p = VQ_EXP(part[r] - mn);
+          l[r] = l[r] * corr + p;
+#pragma unroll
+          for (int j = 0; j < DV / 32; ++j) acc[r][j] = acc[r][j] * corr + p * vx[x][j];
+          m[r] = mn;
+        }
       }
     }
 """

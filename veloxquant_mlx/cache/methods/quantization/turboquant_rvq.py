@@ -53,7 +53,7 @@ from ... import kernels
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
-from ...kernels import rvq_encode, turboquant_rvq as tq_kernel
+from ...kernels import turboquant_rvq as tq_kernel, turboquant_rvq_rows as tq_rows
 from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
@@ -99,13 +99,13 @@ class _Quantizer:
 
     def encode(self, x: mx.array, owner=None):
         """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms). With an
-        ``owner`` cache on the kernels' backend the codes come from ``kernels.rvq_encode`` (one launch; checked once
+        ``owner`` cache on the kernels' backend the codes come from ``kernels.turboquant_rvq_rows`` (one launch; checked once
         per process against this op path)."""
         xf = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
         y = (xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t
-        if owner is not None and kernels.kernels_enabled() and rvq_encode.supported(self.cb):
-            p1, p2 = rvq_encode.checked_words(owner, self.cb, y, lambda: self._words(y))
+        if owner is not None and kernels.kernels_enabled() and tq_rows.supported(self.cb):
+            p1, p2 = tq_rows.checked_words(owner, self.cb, y, lambda: self._words(y))
         else:
             p1, p2 = self._words(y)
         return p1, p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
@@ -258,8 +258,16 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         def codes(prefix, qz):
             if not call.q0:
                 return None
-            norms = getattr(self, prefix + "norms")[:, :, :call.q0].astype(mx.float32)[..., None]
-            return (qz.decode_rotated(*self._planes(prefix, call.q0)) * norms).astype(dt)
+            n, norms = call.q0, getattr(self, prefix + "norms")
+
+            def op():
+                return (qz.decode_rotated(*self._planes(prefix, n)) * norms[:, :, :n].astype(mx.float32)[..., None]
+                        ).astype(dt)
+
+            if not (kernels.kernels_enabled() and tq_rows.supported(qz.cb)):
+                return op()
+            planes = (getattr(self, prefix + "codes1"), getattr(self, prefix + "codes2", None))
+            return tq_rows.checked_rows(self, qz.cb, planes, norms, n, dt, op)
 
         sk, sv = self._sinks(call.s0) or (None, None)
         rows = [[rotated(sink, qz), codes(prefix, qz), rotated(past, qz), rotated(new, qz)] for prefix, qz, sink, past, new

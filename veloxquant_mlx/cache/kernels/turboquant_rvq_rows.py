@@ -1,15 +1,21 @@
-"""Prefill kernel for TurboQuant-RVQ's codes: rotated unit vectors to packed stage-1 (and stage-2) code words in one
-launch. The op path (``primitives.rvq.RVQCodebook.encode`` + ``bitpack.pack_bits``) splits a 2048-token chunk into
-~40 blocks of ~12 ops each (a ``[rows, K1]`` distance matrix, the beam's partial selection, gathers) to bound its
-memory; on the H200 that encoder was most of a prefill 9-13x the plain cache's time (docs/RESULTS.md).
+"""Prefill kernels for TurboQuant-RVQ's codes, one launch each where the op path takes dozens of small ops:
 
-One thread per sub-vector: it scans the stage-1 codebook (in shared memory, read by every lane at once) keeping the
-``BEAM`` smallest ``|c1|^2 - 2 x.c1`` in registers, then completes each candidate with its nearest cell-scaled
-stage-2 centroid, ``(|r|^2 + |c2|^2 - 2 r.c2) sigma^2`` with ``r = (x - c1) / sigma``: the op path's formulas, so
-the codes are the same but for a float32 rounding tie (a dot product summed in another order can swap two near-equal
-distances). The block's codes go to shared memory and are packed as ``bitpack`` lays them out (code ``k`` of a row
-at bit ``k * bits``, straddling words where it must). Checked once per process against the op path
-(``kernels.checked_call``); tested in ``tests/test_decode_kernels.py``.
+* :func:`encode_words`: rotated unit vectors to packed stage-1 (and stage-2) code words. The op path
+  (``primitives.rvq.RVQCodebook.encode`` + ``bitpack.pack_bits``) splits a 2048-token chunk into ~40 blocks of ~12
+  ops each (a ``[rows, K1]`` distance matrix, the beam's partial selection, gathers) to bound its memory; on the
+  H200 that encoder was most of a prefill 9-13x the plain cache's time (docs/RESULTS.md). One thread per
+  sub-vector scans the stage-1 codebook (in shared memory, read by every lane at once) keeping the ``BEAM``
+  smallest ``|c1|^2 - 2 x.c1`` in registers, then completes each candidate with its nearest cell-scaled stage-2
+  centroid, ``(|r|^2 + |c2|^2 - 2 r.c2) sigma^2`` with ``r = (x - c1) / sigma``: the op path's formulas, so the
+  codes are the same but for rounding ties (a dot product summed in another order can swap two near-equal
+  distances). The block's codes go to shared memory and are packed as ``bitpack`` lays them out (code ``k`` of a
+  row at bit ``k * bits``, straddling words where it must).
+* :func:`rotated_rows`: the first ``n`` stored rows in the rotated domain, ``|x| (c1[i] + sigma[i] c2[j])`` per
+  sub-vector, in the model's dtype: what a GPU prefill chunk's fused attention reads (``_rotated_chunk``). One
+  thread per sub-vector of a row.
+
+Each is checked once per process against the op path (``kernels.checked_call``) and tested in
+``tests/test_decode_kernels.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from ..primitives.bitpack import packed_words, unpack_bits
 from ._common import checked_call
 from ._compile import Kernel
 
-__all__ = ["encode_words", "checked_words", "supported"]
+__all__ = ["encode_words", "checked_words", "rotated_rows", "checked_rows", "supported"]
 
 THREADS = 256
 SUBS_PER_BLOCK = 1024  # sub-vectors a block encodes (whole rows: its codes are packed in shared memory)
@@ -28,6 +34,13 @@ SMEM_MAX = 48 * 1024
 MAX_SUB_DIM = 32  # a thread holds its sub-vector and its residual in registers
 
 _PRELUDE = r"""
+// code k (b bits) of a row's words w, straddling into the next word where it must
+__device__ __forceinline__ unsigned int vq_field(const vq_u32* w, int k, int b) {
+  const int bit = k * b, wi = bit >> 5, sh = bit & 31;
+  unsigned int x = w[wi] >> sh;
+  if (sh + b > 32) x |= w[wi + 1] << (32 - sh);
+  return x & ((1u << b) - 1u);
+}
 // word w of a row of n codes of b bits (bitpack's layout: code k from bit k * b of the row's bit stream)
 __device__ __forceinline__ vq_u32 vq_pack_word(const unsigned char* c, int w, int b, int n) {
   vq_u32 out = 0u;
@@ -115,8 +128,34 @@ _SOURCE = r"""
       o2[(size_t)v0 * W2 + u] = vq_pack_word(code2 + (u / W2) * S, u % W2, B2, S);
 """
 
+_ROWS_SOURCE = r"""
+  constexpr int S = D / SD;
+  const size_t g = (size_t)VQ_BLOCK_X * VQ_NTHREADS + VQ_TID;
+  if (g >= (size_t)BH * n * S) return;
+  const int sub = (int)(g % S);
+  const size_t row = g / S;  // (batch row, head, token) of the output
+  const size_t bh = row / n, t = row % n;
+  const unsigned int i = vq_field(w1 + (bh * T1 + t) * W1, sub, B1);
+  const float norm = VQ_F(nrm[bh * TN + t]);
+  float x[SD];
+#pragma unroll
+  for (int k = 0; k < SD; ++k) x[k] = c1[i * SD + k];
+  if (TWO) {
+    const unsigned int j = vq_field(w2 + (bh * T2 + t) * W2, sub, B2);
+    const float sg = sig[i];
+#pragma unroll
+    for (int k = 0; k < SD; ++k) x[k] += sg * c2[j * SD + k];
+  }
+#pragma unroll
+  for (int k = 0; k < SD; ++k) vq_store(out + row * D + sub * SD + k, x[k] * norm);
+"""
+
 _ENCODE = Kernel("vq_rvq_encode", ["y", "c1", "c1q", "sig", "c2", "c2q"], ["o1", "o2"], [("M", "int")], _SOURCE,
                  prelude=_PRELUDE)
+
+
+_ROWS = Kernel("vq_rvq_rows", ["w1", "w2", "nrm", "c1", "sig", "c2"], ["out"],
+               [("n", "int"), ("BH", "int"), ("T1", "int"), ("T2", "int"), ("TN", "int")], _ROWS_SOURCE, prelude=_PRELUDE)
 
 
 def _rows_per_block(n_sub: int) -> int:
@@ -155,6 +194,30 @@ def encode_words(cb, y: mx.array) -> tuple[mx.array, mx.array | None]:
     return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None)
 
 
+def rotated_rows(cb, planes, norms: mx.array, n: int, dtype) -> mx.array:
+    """``|x| * decode(codes)`` [B, H, n, dim] of the first ``n`` rows of the packed ``planes`` (stage-1 words
+    [B, H, T, W1], stage-2 words or None; buffers of any capacity ``T >= n``) and float16 ``norms`` [B, H, T'], in
+    ``dtype``: the rotated-domain rows (``RVQCodebook.decode`` times the norms), in one launch."""
+    p1, p2 = planes
+    B, H, t1, w1 = p1.shape
+    two = p2 is not None
+    w2 = p2.shape[-1] if two else 1
+    consts = (("D", cb.dim), ("SD", cb.sub_dim), ("B1", cb.bits1), ("B2", cb.bits2), ("TWO", int(two)),
+              ("W1", w1), ("W2", w2))
+    total = B * H * n * cb.n_sub
+    blocks = max(1, -(-total // THREADS))
+    c2 = cb.c2 if two else cb.c1
+    (out,) = _ROWS([p1, p2 if two else p1, norms, cb.c1, cb.sigma, c2],
+                   [n, B * H, t1, p2.shape[2] if two else t1, norms.shape[2]], consts, [(B, H, n, cb.dim)], [dtype],
+                   grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
+    return out
+
+
+def checked_rows(cache, cb, planes, norms, n: int, dtype, op_fn):
+    """:func:`rotated_rows`, checked once per process against ``op_fn()`` (relative L2 error)."""
+    return checked_call("turboquant_rvq_rows", cache, lambda: rotated_rows(cb, planes, norms, n, dtype), op_fn)
+
+
 def checked_words(cache, cb, y: mx.array, op_fn):
     """:func:`encode_words`, checked once per process against ``op_fn()`` (the op path's words): the fraction of
     differing codes must stay below the check's tolerance (a rounding tie changes a code now and then; a layout
@@ -167,5 +230,5 @@ def checked_words(cache, cb, y: mx.array, op_fn):
                 off += float((unpack_bits(g, b, cb.n_sub) != unpack_bits(w, b, cb.n_sub)).astype(mx.float32).mean())
         return off
 
-    return checked_call("rvq_encode", cache, lambda: encode_words(cb, y), op_fn, error)
+    return checked_call("turboquant_rvq_encode", cache, lambda: encode_words(cb, y), op_fn, error)
 
