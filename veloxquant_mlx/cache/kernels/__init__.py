@@ -19,9 +19,10 @@ in ``_compile.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelu
 same body through ``mx.fast.metal_kernel``; that Metal build is not provided: it could not be built
 or measured here (no Apple GPU), so Metal keeps the op path.
 
-Two prefill kernels share the layouts: ``waterfill_rows`` (a chunk's rows to waterfill's codes, and the stored
-past back to dense rows in the model's dtype) and ``kivi_rows`` (KIVI's past to dense rows): the rows a GPU
-prefill chunk's fused attention reads, in one launch each instead of dozens of small ops.
+Prefill kernels share the layouts: ``waterfill_rows`` (a chunk's rows to waterfill's codes, and the stored
+past back to dense rows in the model's dtype), ``kivi_rows`` (KIVI's past to dense rows) and ``turboquant_rvq_rows``
+(a chunk's rows to TurboQuant-RVQ's codes, and its past to rotated-domain rows): the rows a GPU prefill chunk's
+fused attention reads, in one launch each instead of dozens of small ops.
 
 ``VELOXQUANT_DECODE_KERNELS=0`` in the environment (read at import) turns the kernels off (op path everywhere).
 """

@@ -21,9 +21,11 @@ MAX_SPLITS = 512
 # launch took what the two launches took, 27 us for KIVI at 8k; at 513 waterfill's took 60 us more)
 FUSED_MAX_S1 = 65
 
-# Exact rows a warp loads at once in a decode kernel (their loads in flight together, then XP softmax updates): the
-# exact-rows block walked ~40 rows per warp one dependent load after another (TurboQuant-RVQ's 128-160 window rows)
-EXACT_PREFETCH = 4
+# Exact rows a warp loads at once in a decode kernel (their loads in flight together, then XP softmax updates) when a
+# step has more than EXACT_PREFETCH_ROWS exact rows: one at a time, TurboQuant-RVQ's 128-160 window rows made the
+# exact-rows block the launch's tail (H200, Nsight, 8k: 141 -> 58.5 us); with a few dozen rows (KIVI's residual,
+# waterfill's window of 16) prefetching cost 4-9% (more registers), so they keep one
+EXACT_PREFETCH, EXACT_PREFETCH_ROWS = 4, 64
 
 SELF_CHECK_TOL = 2e-2  # first-use check of a kernel against the op path: relative L2 error
 _disabled: set[str] = set()  # kernels turned off in this process (failed to build/run, or mismatched)
@@ -283,7 +285,8 @@ VQ_COUNTS
 
 # The exact rows of a decode step (float rows any dtype: e0 rows of x0 from row o0, e1 rows of x1 from row o1,
 # then the new row), taken by the blocks of the last split (s == S): their softmax partial, in the original value
-# domain. QV(r, j) is the scaled query of head r at the lane's channel lane + 32 j.
+# domain, XP rows per warp at a time (``exact_args``). QV(r, j) is the scaled query of head r at the lane's channel
+# lane + 32 j.
 EXACT_ROWS = r"""
 #define VQ_EXACT_LOAD(K, V, ROW) {                                                  \
       const size_t vq_row = (ROW);                                                   \
@@ -293,7 +296,6 @@ EXACT_ROWS = r"""
         vx[x][j] = VQ_F(V[vq_row * DV + lane + 32 * j]);                             \
     }
     const int E = e0 + e1 + 1;
-    constexpr int XP = """ + str(EXACT_PREFETCH) + r""";
     for (int e0w = warp * XP; e0w < E; e0w += NW * XP) {  // XP rows per warp at a time: their loads all in flight
       float kx[XP][D / 32], vx[XP][DV / 32];
 #pragma unroll
@@ -365,8 +367,9 @@ def exact_args(exact, counts=None, heads: int = 1) -> tuple[list, list, tuple]:
     batch form passes ``counts`` (int32 [B, 5], first: e0/e1 then unused) and its KV ``heads``."""
     k0, v0, e0, k1, v1, e1, nk, nv = exact
     batched = [counts] if counts is not None else []
+    xp = EXACT_PREFETCH if int(e0) + int(e1) > EXACT_PREFETCH_ROWS else 1
     return ([*batched, k0, v0, k1, v1, nk, nv], [int(e0), int(e1), k0.shape[2], k1.shape[2]],
-            (("HK", heads),) if batched else ())
+            (("XP", xp),) + ((("HK", heads),) if batched else ()))
 
 
 # The end of every decode kernel: each warp puts (m, l, acc) of its tokens into shared memory (``sm_m``,

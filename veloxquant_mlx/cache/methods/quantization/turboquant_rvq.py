@@ -35,7 +35,9 @@ Deviations from the paper:
 
 Decode attention reads the codes: the op path scores keys by lookup tables; on CUDA a one-row step goes to
 ``kernels.turboquant_rvq`` (one launch per layer, checked once against the op path), while the dense rows
-``update_and_fetch`` returns are built lazily and kept between compactions (never evaluated there).
+``update_and_fetch`` returns are built lazily and kept between compactions (never evaluated there). A GPU prefill
+chunk attends in the rotated domain (``_rotated_chunk``: the past is its codebook rows times its norms, no dense
+rotation back over it); on CUDA its codes and those rows come from ``kernels.turboquant_rvq_rows`` (one launch each).
 
 ``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``, with the decode kernel's transposed
 rotation once built) on the first cache of each set (``counts_constants``); ``merge`` builds
