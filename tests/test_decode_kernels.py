@@ -539,8 +539,9 @@ def test_waterfill_prefill_kernels_equal_the_op_path(H, D, bits, prompt, rope, d
 
 
 @GPU
-@pytest.mark.parametrize("opts,dtype", [({}, mx.bfloat16), ({"key_codebook_bits": 7, "value_codebook_bits": 16}, mx.float16),
-                                        ({"key_sub_dim": 2, "value_sub_dim": 16, "value_codebook_bits": 10}, mx.float32)])
+@pytest.mark.parametrize("opts,dtype", [
+    ({}, mx.bfloat16), ({"key_codebook_bits": 7, "value_codebook_bits": 16}, mx.float16),
+    ({"key_sub_dim": 2, "value_sub_dim": 16, "value_codebook_bits": 10}, mx.float32)])
 def test_turboquant_rvq_rows_kernel_equals_the_op_path(opts, dtype):
     """The rotated-domain rows a GPU prefill chunk attends over, from the kernel and from the op path (the codebook's
     decode times the norms): equal to the output dtype's rounding; and a whole chunk through ``_rotated_chunk`` with
@@ -748,7 +749,8 @@ def test_decode_steps_take_the_kernels_on_the_gpu():
             mx.eval(dispatch.dispatched_sdpa(_rows(rng, 4, 1, D, mx.float16), K, V, cache=c, scale=D**-0.5,
                                              mask=None))
         assert name in _common._checked and name not in _common._disabled
-    assert {"turboquant_rvq_encode", "turboquant_rvq_rows"} <= _common._checked and not _common._disabled  # the prefill's codes
+    # TurboQuant-RVQ's prefill kernels: the chunks' codes and the second chunk's rotated-domain past
+    assert {"turboquant_rvq_encode", "turboquant_rvq_rows"} <= _common._checked and not _common._disabled
 
 
 # ---------------------------------------------------------------------------------------- the kernel path's plumbing

@@ -155,7 +155,8 @@ _ENCODE = Kernel("vq_rvq_encode", ["y", "c1", "c1q", "sig", "c2", "c2q"], ["o1",
 
 
 _ROWS = Kernel("vq_rvq_rows", ["w1", "w2", "nrm", "c1", "sig", "c2"], ["out"],
-               [("n", "int"), ("BH", "int"), ("T1", "int"), ("T2", "int"), ("TN", "int")], _ROWS_SOURCE, prelude=_PRELUDE)
+               [("n", "int"), ("BH", "int"), ("T1", "int"), ("T2", "int"), ("TN", "int")], _ROWS_SOURCE,
+               prelude=_PRELUDE)
 
 
 def _rows_per_block(n_sub: int) -> int:

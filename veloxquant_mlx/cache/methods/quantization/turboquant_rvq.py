@@ -101,8 +101,8 @@ class _Quantizer:
 
     def encode(self, x: mx.array, owner=None):
         """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms). With an
-        ``owner`` cache on the kernels' backend the codes come from ``kernels.turboquant_rvq_rows`` (one launch; checked once
-        per process against this op path)."""
+        ``owner`` cache on the kernels' backend the codes come from ``kernels.turboquant_rvq_rows`` (one launch;
+        checked once per process against this op path)."""
         xf = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
         y = (xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t
@@ -272,8 +272,9 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             return tq_rows.checked_rows(self, qz.cb, planes, norms, n, dt, op)
 
         sk, sv = self._sinks(call.s0) or (None, None)
-        rows = [[rotated(sink, qz), codes(prefix, qz), rotated(past, qz), rotated(new, qz)] for prefix, qz, sink, past, new
-                in (("k_", kq, sk, call.past_k, call.new_k), ("v_", vq, sv, call.past_v, call.new_v))]
+        parts = (("k_", kq, sk, call.past_k, call.new_k), ("v_", vq, sv, call.past_v, call.new_v))
+        rows = [[rotated(sink, qz), codes(prefix, qz), rotated(past, qz), rotated(new, qz)]
+                for prefix, qz, sink, past, new in parts]
         k, v = (mx.concatenate([x for x in r if x is not None], axis=2) for r in rows)
         out = mx.fast.scaled_dot_product_attention(rotated(queries, kq), k, v, scale=scale, mask=mask, sinks=sinks)
         return (out.astype(mx.float32) @ vq.rot_t.T).astype(dt)
