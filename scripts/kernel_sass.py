@@ -47,9 +47,10 @@ def main(argv=None):
 
     _compile._LIBS["libnvrtc.so.13"] = ctypes.CDLL(sorted(lib)[0])
     f16, u32, f32, i32 = mx.float16, mx.uint32, mx.float32, mx.int32
-    block = (("NW", _common.WARPS), ("REP", 4), ("DV", 128), ("XP", 1))
-    kivi_consts = (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", kivi.TILE_WORDS)) + block
-    wf_consts = (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", waterfill.PREFETCH)) + block
+    block = (("NW", _common.WARPS), ("REP", 4), ("DV", 128))
+    # exact rows one at a time (KIVI's residual, waterfill's window: a few dozen), TurboQuant-RVQ's four (its window)
+    kivi_consts = (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", kivi.TILE_WORDS), ("XP", 1)) + block
+    wf_consts = (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", waterfill.PREFETCH), ("XP", 1)) + block
     tq_consts = (("D", 128), ("SK", 4), ("B1", 8), ("B2", 4), ("W1", 8), ("W2", 4), ("VS", 8), ("VB1", 8), ("VB2", 0),
                  ("WV1", 4), ("WV2", 4)) + block
     kernels = {
@@ -62,7 +63,7 @@ def main(argv=None):
                             + [f16] * 6 + [f32, i32], [f32, f16], wf_consts + (("HK", 8), ("HAS_SINK", 1), ("ROT", 1))),
         # TurboQuant-RVQ defaults at d 128: keys 32 sub-vectors x (8 + 4) bits, values 16 x 8 bits
         "turboquant_rvq_fused": (turboquant_rvq._KERNELS[False, True], [f16, f32, u32, u32, f16, u32, u32, f16]
-                                 + [f32] * 7 + [f16] * 7 + [i32], [f32, f16], tuple(c for c in tq_consts if c[0] != "XP") + (("XP", 4), ("HAS_SINK", 1), ("ROT", 2))),
+                                 + [f32] * 7 + [f16] * 7 + [i32], [f32, f16], tq_consts + (("XP", 4), ("HAS_SINK", 1), ("ROT", 2))),
         # TurboQuant-RVQ's prefill encoder at the defaults: keys (4 coordinates, 8 + 4 bits), values (8, 8)
         "rvq_encode_keys": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4),
                             ("TWO", 1), ("W1", 8), ("W2", 4), ("BEAM", 4), ("V", 32))),

@@ -197,8 +197,8 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;             // value c
 
 # Row loads and bit fields (device functions ahead of the kernel): a row of W words (vector loads when W is a
 # multiple of 4: the rows are 16-byte aligned then), code ``nb`` bits from stream bit ``pos`` of a row (constant
-# ``pos`` when unrolled; codes may straddle two words).
-_HELPERS = r"""
+# ``pos`` when unrolled; codes may straddle two words). Also the prefill kernels' (``turboquant_rvq_rows``).
+ROW_HELPERS = r"""
 struct alignas(16) vq_u4 { unsigned int x, y, z, w; };
 template <int W> __device__ __forceinline__ void vq_row(const unsigned int* p, unsigned int* w) {
   if (W % 4 == 0) {
@@ -225,7 +225,7 @@ _INPUTS = ["q", "qr", "k1", "k2", "kn_", "v1", "v2", "vn_", "kc1", "ksg", "kc2",
 # TK1 / TK2 / TKN / TV1 / TV2 / TVN: rows (capacities) of the key planes, key norms, value planes, value norms
 _KERNELS = kernel_variants("vq_tqrvq_decode", _INPUTS,
                            [("n_all", "int"), ("scale", "float"), ("TK1", "int"), ("TK2", "int"), ("TKN", "int"),
-                            ("TV1", "int"), ("TV2", "int"), ("TVN", "int")], _SOURCE, prelude=_HELPERS)
+                            ("TV1", "int"), ("TV2", "int"), ("TVN", "int")], _SOURCE, prelude=ROW_HELPERS)
 
 
 def _smem(d, dv, rep, sk, b1, b2, vs, vb1, vb2, wvr) -> int:

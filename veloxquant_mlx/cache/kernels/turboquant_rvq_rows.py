@@ -25,6 +25,7 @@ import mlx.core as mx
 from ..primitives.bitpack import packed_words, unpack_bits
 from ._common import checked_call
 from ._compile import Kernel
+from .turboquant_rvq import ROW_HELPERS
 
 __all__ = ["encode_words", "checked_words", "rotated_rows", "checked_rows", "supported"]
 
@@ -33,14 +34,7 @@ SUBS_PER_BLOCK = 1024  # sub-vectors a block encodes (whole rows: its codes are 
 SMEM_MAX = 48 * 1024
 MAX_SUB_DIM = 32  # a thread holds its sub-vector and its residual in registers
 
-_PRELUDE = r"""
-// code k (b bits) of a row's words w, straddling into the next word where it must
-__device__ __forceinline__ unsigned int vq_field(const vq_u32* w, int k, int b) {
-  const int bit = k * b, wi = bit >> 5, sh = bit & 31;
-  unsigned int x = w[wi] >> sh;
-  if (sh + b > 32) x |= w[wi + 1] << (32 - sh);
-  return x & ((1u << b) - 1u);
-}
+_PRELUDE = ROW_HELPERS + r"""
 // word w of a row of n codes of b bits (bitpack's layout: code k from bit k * b of the row's bit stream)
 __device__ __forceinline__ vq_u32 vq_pack_word(const unsigned char* c, int w, int b, int n) {
   vq_u32 out = 0u;
@@ -135,13 +129,13 @@ _ROWS_SOURCE = r"""
   const int sub = (int)(g % S);
   const size_t row = g / S;  // (batch row, head, token) of the output
   const size_t bh = row / n, t = row % n;
-  const unsigned int i = vq_field(w1 + (bh * T1 + t) * W1, sub, B1);
+  const unsigned int i = vq_bits<B1>(w1 + (bh * T1 + t) * W1, sub * B1);
   const float norm = VQ_F(nrm[bh * TN + t]);
   float x[SD];
 #pragma unroll
   for (int k = 0; k < SD; ++k) x[k] = c1[i * SD + k];
   if (TWO) {
-    const unsigned int j = vq_field(w2 + (bh * T2 + t) * W2, sub, B2);
+    const unsigned int j = vq_bits<B2>(w2 + (bh * T2 + t) * W2, sub * B2);
     const float sg = sig[i];
 #pragma unroll
     for (int k = 0; k < SD; ++k) x[k] += sg * c2[j * SD + k];
