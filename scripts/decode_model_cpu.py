@@ -5,6 +5,7 @@ round's rate is also read against the plain cache's in the same round (paired ra
 device (the H200 too: ``--shape llama-8b --context 8192 --rounds 5``).
 
     python scripts/decode_model_cpu.py --shape smollm2 --context 4096 --steps 24 --rounds 3 --method kivi
+    python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 8 --burst --method kivi:bit_width_inlier=4
 """
 
 from __future__ import annotations
@@ -68,14 +69,23 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--method", action="append", default=None, help="method[:field=value,...] (repeatable)")
+    ap.add_argument("--burst", action="store_true",
+                    help="fill every candidate's caches once, then per round decode --steps from the same context for "
+                         "each in turn, trimming the rows back (short interleaved bursts: a shared machine's slow "
+                         "spells hit the candidates alike; --steps + 1 must stay below a method's group)")
     a = ap.parse_args(argv)
     model = bench.random_model(a.shape)
     makers = cache_makers(a.method or ["kivi:bit_width_inlier=4"])
     rates = {k: [] for k in makers}
+    held = {name: filled(model, make, a.context) for name, make in makers.items()} if a.burst else {}
     for r in range(a.rounds):
         for name, make in makers.items():
-            caches = filled(model, make, a.context)
+            caches = held.get(name) or filled(model, make, a.context)
             rates[name].append(decode_rate(model, caches, a.steps))
+            if a.burst:
+                for c in caches:
+                    c.trim(a.steps + 1)
+                continue
             del caches
             mx.clear_cache()
     base = statistics.median(rates["none"])

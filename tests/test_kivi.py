@@ -449,3 +449,36 @@ def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(mon
     c.attend_path = "quantized_matmul"
     assert c._uses_qmm(10 * QMM_MAX_ROWS)
 
+
+
+def test_long_cpu_decode_step_splits_its_contraction_over_cpu_streams(monkeypatch):
+    """Past ``CPU_SPLIT_MIN_ROWS`` stored rows a CPU decode step reads the codes in ``CPU_STREAMS`` parts (keys by
+    channel halves, values by token halves; MLX runs each CPU stream on its own thread) and gets the attention of
+    the stored rows, as the one-part step does."""
+    from veloxquant_mlx.cache import attention
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("the split is the CPU backend's")
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, w, *a, **k: calls.append(w.shape) or real(x, w, *a, **k))
+    monkeypatch.setattr(attention, "CPU_SPLIT_MIN_ROWS", 128)
+    c = make_cache()
+    K, V = c.update_and_fetch(rand(1, 2, 96, 64), rand(1, 2, 96, 64))
+    q, k1, v1 = rand(1, 4, 1, 64), rand(1, 2, 1, 64), rand(1, 2, 1, 64)
+    outs = {}
+    for streams, rows in [(2, 96), (2, 160), (1, 160)]:  # below the threshold, split, one part
+        monkeypatch.setattr(attention, "CPU_STREAMS", streams)
+        if c.n_quant < rows:
+            K, V = c.update_and_fetch(rand(1, 2, rows - c.n_quant, 64), rand(1, 2, rows - c.n_quant, 64))
+        calls.clear()
+        Ks, Vs = c.update_and_fetch(k1, v1)
+        got = c.attend(q, Ks, Vs, scale=0.125, mask=None)
+        c.trim(1)
+        want = mx.fast.scaled_dot_product_attention(q, Ks, Vs, scale=0.125, mask=None)
+        assert float(mx.abs(got - want).max()) <= 1e-4 * float(mx.abs(want).max()) + 1e-5, (streams, rows)
+        parts = 2 if (streams, rows) == (2, 160) else 1
+        assert calls == [(1, 2, 64 // parts, rows // G * 4)] * parts + [(1, 2, rows // parts, 8)] * parts, calls
+        outs[streams, rows] = got
+    assert float(mx.abs(outs[2, 160] - outs[1, 160]).max()) <= 1e-5 * float(mx.abs(outs[1, 160]).max())
+

@@ -4,6 +4,8 @@ keys/values [B, H, M, D], masks None, "causal" (bottom-right aligned) or a boole
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 
@@ -49,6 +51,41 @@ def attention_with_weights(queries, keys, values, *, scale, mask):
     weights = mx.softmax(logits, axis=-1, precise=True)
     out = weights @ values.astype(mx.float32)[:, :, None]
     return ungroup(out).astype(queries.dtype), weights
+
+
+# MLX's CPU backend runs each stream's ops on one thread, and its ``quantized_matmul`` for KIVI's orientation is a
+# scalar loop: a long decode step's contraction split in CPU_STREAMS parts on as many streams runs on as many cores
+# (SmolLM2's shape, 16k rows, 2 cores: scores + values 5.6 -> 3.9 ms; docs/RESULTS.md).
+CPU_STREAMS = max(1, min(2, os.cpu_count() or 1))
+CPU_SPLIT_MIN_ROWS = 2048  # stored rows from which a CPU decode step splits its contraction
+_helper_streams: list = []
+
+
+def split_on_cpu_streams(terms):
+    """``sum(t() for t in terms)``, each term built on its own CPU stream (the current one first) so that MLX runs
+    them on as many threads; the terms of a split contraction. On a GPU device, all on the current stream."""
+    if mx.default_device().type != mx.DeviceType.cpu or len(terms) == 1:
+        return sum((t() for t in terms[1:]), terms[0]())
+    while len(_helper_streams) < len(terms) - 1:
+        _helper_streams.append(mx.new_stream(mx.cpu))
+    out = terms[0]()
+    for t, s in zip(terms[1:], _helper_streams):
+        with mx.stream(s):
+            part = t()
+        out = out + part
+    return out
+
+
+def cpu_parts(rows: int, size: int, fn, *args) -> list:
+    """Terms for ``split_on_cpu_streams``: ``fn`` of the ``(array, axis)`` pairs ``args`` each cut along its axis
+    into CPU_STREAMS contiguous parts of ``[0, size)`` when ``rows`` stored rows are worth a split on the CPU,
+    else one term of the whole arrays."""
+    parts = CPU_STREAMS if rows >= CPU_SPLIT_MIN_ROWS and mx.default_device().type == mx.DeviceType.cpu else 1
+    if parts == 1:
+        return [lambda: fn(*(x for x, _ in args))]
+    cuts = [size * i // parts for i in range(parts + 1)]
+    cut = lambda x, axis, a, c: x[(slice(None),) * (axis % x.ndim) + (slice(a, c),)]  # noqa: E731
+    return [lambda a=a, c=c: fn(*(cut(x, axis, a, c) for x, axis in args)) for a, c in zip(cuts, cuts[1:])]
 
 
 # Tiled attention: a prefill chunk's dense scores [B, Hq, N, M] peak well above mlx_lm's plain cache, so

@@ -21,6 +21,7 @@ import math
 import mlx.core as mx
 
 from . import kernels
+from .attention import cpu_parts, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
@@ -303,7 +304,8 @@ class GroupedQuantCache(CompressedKVCache):
         g0, g1 = t0 // G, t1 // G
         codes, sc, bi = self.k_codes[..., g0 * w : g1 * w], self.k_scales[..., g0:g1], self.k_biases[..., g0:g1]
         if self._uses_qmm(q.shape[-2]):
-            return mx.quantized_matmul(q, codes, sc, bi, transpose=False, group_size=G, bits=b)
+            qmm = lambda x, c, s, z: mx.quantized_matmul(x, c, s, z, transpose=False, group_size=G, bits=b)  # noqa
+            return split_on_cpu_streams(cpu_parts(t1 - t0, q.shape[-1], qmm, (q, -1), (codes, 2), (sc, 2), (bi, 2)))
         return q @ gq.dequantize(codes, sc, bi, b, G, mx.float32)
 
     def _values_on_codes(self, p, t0: int, t1: int) -> mx.array:
@@ -311,8 +313,10 @@ class GroupedQuantCache(CompressedKVCache):
         gv, b = self.value_group(self.res_v.shape[-1]), self.qbits
         codes, sc, bi = self.v_codes[:, :, t0:t1], self.v_scales[:, :, t0:t1], self.v_biases[:, :, t0:t1]
         if self._uses_qmm(p.shape[-2]):
-            return mx.quantized_matmul(p, codes, sc, bi, transpose=False, group_size=gv, bits=b)
+            qmm = lambda x, c, s, z: mx.quantized_matmul(x, c, s, z, transpose=False, group_size=gv, bits=b)  # noqa
+            return split_on_cpu_streams(cpu_parts(t1 - t0, t1 - t0, qmm, (p, -1), (codes, 2), (sc, 2), (bi, 2)))
         return p @ gq.dequantize(codes, sc, bi, b, gv, mx.float32)
+
 
     def _attend_chunk(self, queries, call, *, scale, mask, sinks):
         """A multi-row call as an online softmax over tiles of whole groups (``attention.online_softmax_attention``):
