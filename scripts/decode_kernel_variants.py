@@ -38,7 +38,8 @@ def load(folder: str) -> dict:
     pkg = importlib.util.module_from_spec(spec)
     sys.modules[name] = pkg
     spec.loader.exec_module(pkg)
-    mods = [n for n in ("kivi", "waterfill", "turboquant_rvq", "_common") if (Path(folder) / f"{n}.py").exists()]
+    names = ("kivi", "waterfill", "turboquant_rvq", "turboquant_rvq_rows", "_common")
+    mods = [n for n in names if (Path(folder) / f"{n}.py").exists()]
     return {n: importlib.import_module(f"{name}.{n}") for n in mods}
 
 

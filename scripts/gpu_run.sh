@@ -49,6 +49,9 @@ for cmd in "$@"; do
   tqbench) timeout 570 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method turboquant_rvq --context ${CONTEXTS:-8192,32768} --repeats ${REPEATS:-2} --decode-tokens ${DECODE:-16} --baselines none --isolate --warmup full --json $BENCH_ARGS > $OUT/h200_bench_tq.json 2> $OUT/tqbench.err; tail -3 $OUT/tqbench.err; python3 scripts/bench_samples.py $OUT/h200_bench_tq.json ;;
   pcostq) (timeout 200 python3 scripts/prefill_chunk_cost.py --method turboquant_rvq --context ${CONTEXTS:-8192,30720} --repeats 3; VELOXQUANT_DECODE_KERNELS=0 timeout 200 python3 scripts/prefill_chunk_cost.py --method turboquant_rvq --context ${CONTEXTS:-8192,30720} --repeats 3) > $OUT/pcostq.txt 2>&1; grep -v Warn $OUT/pcostq.txt ;;
   tqhd) (for T in ${CONTEXTS:-8192 32768}; do timeout 250 python3 scripts/decode_host_device.py --context $T --method turboquant_rvq --pipelined; done) > $OUT/tqhd.txt 2>&1; grep -v "^$" $OUT/tqhd.txt | grep -v Warn | head -60 ;;
+  evar) timeout 200 python3 scripts/encode_kernel_variants.py $VARIANTS > $OUT/evar.txt 2>&1; cat $OUT/evar.txt ;;
+  encncu) NCU=1 timeout 300 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats -k regex:encode python3 scripts/encode_kernel_variants.py $VARIANTS > $OUT/encncu.txt 2>&1; grep -E "^  vq_|Duration|Compute \(SM\)|Warp Cycles Per Issued|Registers Per|Achieved Occ|Issue Slots Busy" $OUT/encncu.txt ;;
+  chunkncu) timeout 300 ncu --csv --metrics gpu__time_duration.sum python3 kvar/chunk_kernels.py > $OUT/chunkncu.csv 2> $OUT/chunkncu.err; python3 kvar/chunk_kernels.py sum $OUT/chunkncu.csv; tail -3 $OUT/chunkncu.err ;;
   paired) for T in ${CONTEXTS:-8192 32768}; do timeout 280 python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds ${ROUNDS:-5} --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16; done > $OUT/paired.txt 2>&1; cat $OUT/paired.txt ;;
   esac
 done

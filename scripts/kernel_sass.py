@@ -65,10 +65,10 @@ def main(argv=None):
         "turboquant_rvq_fused": (turboquant_rvq._KERNELS[False, True], [f16, f32, u32, u32, f16, u32, u32, f16]
                                  + [f32] * 7 + [f16] * 7 + [i32], [f32, f16], tq_consts + (("XP", 4), ("HAS_SINK", 1), ("ROT", 2))),
         # TurboQuant-RVQ's prefill encoder at the defaults: keys (4 coordinates, 8 + 4 bits), values (8, 8)
-        "rvq_encode_keys": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4),
-                            ("TWO", 1), ("W1", 8), ("W2", 4), ("BEAM", 4), ("V", 32))),
-        "rvq_encode_values": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32], (("D", 128), ("SD", 8), ("B1", 8), ("B2", 0),
-                              ("TWO", 0), ("W1", 4), ("W2", 1), ("BEAM", 1), ("V", 64))),
+        "rvq_encode_keys": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32, f16], (("D", 128), ("SD", 4), ("B1", 8),
+                            ("B2", 4), ("TWO", 1), ("W1", 8), ("W2", 4), ("BEAM", 4), ("V", 32), ("NORM", 1))),
+        "rvq_encode_values": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32, f16], (("D", 128), ("SD", 8), ("B1", 8),
+                              ("B2", 0), ("TWO", 0), ("W1", 4), ("W2", 1), ("BEAM", 1), ("V", 64), ("NORM", 1))),
         "rvq_rows_keys": (turboquant_rvq_rows._ROWS, [u32, u32, f16, f32, f32, f32], [f16],
                           (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4), ("TWO", 1), ("W1", 8), ("W2", 4))),
         "merge": (_common._MERGE, [f32] * 4, [f16], (("DV", 128), ("MP", 8), ("MAX_S1", _common.MAX_SPLITS + 1),

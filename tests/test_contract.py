@@ -210,6 +210,21 @@ def test_a_chunk_holding_nan_makes_the_next_calls_raise(method):
             c.update_and_fetch(mx.zeros((1, H, 1, Dk)), mx.zeros((1, H, 1, Dv)))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_finiteness_flag_tells_nan_and_inf_from_any_finite_value(dtype):
+    """``contract.all_finite`` (``sum(x * 0) == 0``): False for a NaN, +Inf or -Inf anywhere in either array, True for
+    finite arrays however large their elements or sums (the dtype's largest value in every element)."""
+    big = float(mx.finfo(dtype).max)
+    x = mx.full((2, 3, 257, 16), big, dtype)
+    y = mx.full((2, 3, 257, 8), -big, dtype)
+    assert bool(contract.all_finite(x, y)) and bool(contract.all_finite(mx.zeros((1, 1, 0, 4), dtype), y))
+    for bad in (mx.nan, mx.inf, -mx.inf):
+        for which in (0, 1):
+            arrays = [x, y]
+            arrays[which] = arrays[which].at[1, 2, 200, 3].add(mx.array(bad, dtype) - arrays[which][1, 2, 200, 3])
+            assert not bool(contract.all_finite(*arrays)), (bad, which)
+
+
 @pytest.mark.parametrize("method", CONTRACT_METHODS)
 def test_prefill_chunks_build_their_graph_without_a_host_sync(method, monkeypatch):
     """A prefill chunk's graph is built without waiting for the device (a wait in every layer cost KIVI +90% of

@@ -601,6 +601,31 @@ def test_rvq_encode_kernel_equals_the_op_path(dim, sub_dim, bits, rows):
 
 
 @GPU
+@pytest.mark.parametrize("sub_dim,bits", [(4, 12), (8, 8)])  # the defaults' keys and values
+def test_rvq_encode_rows_kernel_scales_rows_by_their_norm_as_the_op_path(sub_dim, bits):
+    """``encode_rows`` takes the rotated rows ``Pi x`` and writes the norms with the codes: the op path's norms (to
+    float16's rounding; a zero row 0, a row past float16's range clamped to 65504) and its codes but for rounding
+    ties (<= 1%), on rows of very different norms."""
+    from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import _quantizer
+
+    qz = _quantizer(128, sub_dim, bits, 0, None)
+    rng = np.random.default_rng(sub_dim)
+    x = rng.normal(size=(2, 3, 700, 128)) * np.exp(rng.uniform(-4, 4, size=(2, 3, 700, 1)))
+    x[0, 0, 5] = 0.0
+    x[1, 2, 9] *= 1e5 / np.linalg.norm(x[1, 2, 9])
+    x = mx.array(x.astype(np.float32))
+    got = tq_rows.encode_rows(qz.cb, x @ qz.rot_t)
+    want = qz._encoded(x)
+    assert got[2].dtype == mx.float16 and got[2].shape == (2, 3, 700)
+    assert _rel(got[2].astype(mx.float32), want[2].astype(mx.float32)) < 2e-3
+    assert float(got[2][0, 0, 5]) == 0.0 and float(got[2][1, 2, 9]) == 65504.0
+    for g, w, b in zip(got[:2], want[:2], (qz.cb.bits1, qz.cb.bits2)):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert np.mean(np.array(unpack_bits(g, b, qz.cb.n_sub)) != np.array(unpack_bits(w, b, qz.cb.n_sub))) <= 1e-2
+
+
+@GPU
 @pytest.mark.parametrize("H,R,D,bits,group,prompt,dtype", [
     (2, 1, 64, 4, 32, 45, mx.float16), (8, 4, 128, 4, 32, 4100, mx.bfloat16),
     (3, 3, 64, 2, 64, 700, mx.float16), (4, 2, 128, 8, 128, 999, mx.float16),
@@ -880,13 +905,15 @@ def reference_kernels(monkeypatch):
         caches["kivi_rows_launches"] = caches.get("kivi_rows_launches", 0) + 1
         return c._keys_t(n).swapaxes(-1, -2).astype(dtype), c._values(n).astype(dtype)
 
-    def rvq_words(cb, y):  # TurboQuant-RVQ's encode kernel: the op path's codes packed, counted
+    def rvq_rows(cb, z):  # TurboQuant-RVQ's encode kernel: the op path's codes and norms of the rotated rows, counted
         caches["tq_encode_launches"] = caches.get("tq_encode_launches", 0) + 1
-        i, j = cb.encode(y)
-        return pack_bits(i, cb.bits1), (pack_bits(j, cb.bits2) if j is not None else None)
+        norm = mx.sqrt(mx.sum(z * z, axis=-1))
+        i, j = cb.encode(z / mx.maximum(norm, 1e-30)[..., None])
+        return (pack_bits(i, cb.bits1), (pack_bits(j, cb.bits2) if j is not None else None),
+                mx.minimum(norm, 65504.0).astype(mx.float16))
 
     monkeypatch.setattr(kivi_rows, "decode_rows", kv_decode)
-    monkeypatch.setattr(tq_rows, "encode_words", rvq_words)
+    monkeypatch.setattr(tq_rows, "encode_rows", rvq_rows)
     monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
     monkeypatch.setattr(wf_rows, "decode_rows", wf_decode)
     monkeypatch.setattr(wf_rows, "encode_rows", wf_encode)
@@ -957,6 +984,10 @@ def test_turboquant_rvq_kernel_takes_only_the_layouts_it_reads():
     # the encode kernel: sub-vectors held in registers (<= 32 coordinates), both codebooks in 48 KB
     assert tq_rows.supported(rvq_codebook(128, 4, 12, 0)) and tq_rows.supported(rvq_codebook(64, 32, 8, 0))
     assert not tq_rows.supported(rvq_codebook(128, 64, 8, 0))
+    # the rows kernel reads the codebooks from global memory: 256 x 256 centroids of 32 coordinates (69 KB) too
+    big = rvq_codebook(64, 32, 16, 0)
+    assert not tq_rows.supported(big) and tq_rows.supported(big, rows=True)
+    assert not tq_rows.supported(rvq_codebook(128, 64, 8, 0), rows=True)
 
 
 @pytest.mark.parametrize("R,bits", [(1, 4), (4, 2)])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import os
 from typing import Optional
@@ -51,6 +52,13 @@ def queue_chunk_check(flag: mx.array) -> None:
     _in_flight.append(flag)
     while len(_in_flight) > LAYERS_IN_FLIGHT:
         _in_flight.popleft().item()
+
+
+def all_finite(*arrays: mx.array) -> mx.array:
+    """A scalar: True when no element of ``arrays`` is NaN or +-Inf. ``sum(x * 0)`` is 0 for finite ``x`` (any
+    magnitude) and NaN otherwise: two kernels per array, where ``mx.all(mx.isfinite(x))`` launched ~8 per array
+    (~140 us of a TurboQuant-RVQ prefill chunk's kernels on the H200)."""
+    return functools.reduce(mx.add, [mx.sum(x * 0) for x in arrays]) == 0
 
 
 class BatchingNotSupported(NotImplementedError):
@@ -186,7 +194,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
                                   f"D={expected[2]}; got keys {keys.shape}, values {values.shape} (head_dim mismatch?)")
         self._raise_if_nonfinite()
         if keys.shape[2] > 1:  # prefill chunks only (a decode step's rows are not checked)
-            finite = mx.all(mx.isfinite(keys)) & mx.all(mx.isfinite(values))
+            finite = all_finite(keys, values)
             queue_chunk_check(finite)  # evaluated, it holds none of the chunk's rows
             self._finite_check = (finite, self.offset, self.offset + keys.shape[2])
         self._shape = (keys.shape[1], keys.shape[3], values.shape[3])

@@ -23,11 +23,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..primitives.bitpack import packed_words, unpack_bits
-from ._common import checked_call
+from ._common import checked_call, relative_error
 from ._compile import Kernel
 from .turboquant_rvq import ROW_HELPERS
 
-__all__ = ["encode_words", "checked_words", "rotated_rows", "checked_rows", "supported"]
+__all__ = ["encode_words", "encode_rows", "checked_encode", "rotated_rows", "checked_rows", "supported"]
 
 THREADS = 256
 SUBS_PER_BLOCK = 1024  # sub-vectors a block encodes (whole rows: its codes are packed in shared memory)
@@ -57,6 +57,7 @@ _SOURCE = r"""
   VQ_SHARED float sq2[K2];
   VQ_SHARED unsigned char code1[V * S];
   VQ_SHARED unsigned char code2[TWO ? V * S : 1];
+  VQ_SHARED float part[NORM ? V * S : 1];
   for (int u = VQ_TID; u < K1 * SD; u += VQ_NTHREADS) sc1[u] = c1[u];
   for (int u = VQ_TID; u < K1; u += VQ_NTHREADS) {
     sq1[u] = c1q[u];
@@ -69,29 +70,53 @@ _SOURCE = r"""
   VQ_SYNC();
   const int v0 = VQ_BLOCK_X * V;
   const int nv = min(V, M - v0);
+  if (NORM) {  // each sub-vector's squared norm, summed per row below
+    for (int u = VQ_TID; u < nv * S; u += VQ_NTHREADS) {
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < SD; ++k) {
+        const float t = VQ_F(y[((size_t)v0 * S + u) * SD + k]);
+        acc = fmaf(t, t, acc);
+      }
+      part[u] = acc;
+    }
+    VQ_SYNC();
+  }
   for (int u = VQ_TID; u < nv * S; u += VQ_NTHREADS) {
-    const float* yp = y + ((size_t)v0 * S + u) * SD;
     float x[SD];
 #pragma unroll
-    for (int k = 0; k < SD; ++k) x[k] = yp[k];
-    float bd[BEAM];
-    int bi[BEAM];
+    for (int k = 0; k < SD; ++k) x[k] = VQ_F(y[((size_t)v0 * S + u) * SD + k]);
+    if (NORM) {  // the row's norm; the row scaled to a unit vector (the op path's x / max(|x|, 1e-30))
+      const int r = u / S;
+      float ss = 0.f;
+      for (int t = 0; t < S; ++t) ss += part[r * S + t];
+      const float nrm = sqrtf(ss), inv = 1.f / fmaxf(nrm, 1e-30f);
 #pragma unroll
-    for (int b = 0; b < BEAM; ++b) { bd[b] = VQ_INF; bi[b] = 0; }
+      for (int k = 0; k < SD; ++k) x[k] *= inv;
+      if (u == r * S) vq_store(on + v0 + r, fminf(nrm, 65504.f));
+    }
+    // the beam holds keys: a distance's bits in unsigned order (the float order) with the centroid's index in its
+    // low B1 bits, so an insertion is a min and a max per place; ties to 2^-(23 - B1) of the distance keep the
+    // earlier centroid (the op path's distances, a GPU matmul, may round to 2^-11).
+    vq_u32 bk[BEAM];
+#pragma unroll
+    for (int b = 0; b < BEAM; ++b) bk[b] = 0xffffffffu;
     for (int i = 0; i < K1; ++i) {
       float dot = 0.f;
 #pragma unroll
       for (int k = 0; k < SD; ++k) dot = fmaf(x[k], sc1[i * SD + k], dot);
-      float d = sq1[i] - 2.f * dot;
-      int ii = i;
+      const vq_u32 u = __float_as_uint(sq1[i] - 2.f * dot);
+      vq_u32 key = ((u ^ ((vq_u32)((int)u >> 31) | 0x80000000u)) & ~(vq_u32)(K1 - 1)) | (vq_u32)i;
 #pragma unroll
-      for (int b = 0; b < BEAM; ++b) {  // insertion into the sorted beam (ties keep the earlier centroid)
-        if (d < bd[b]) {
-          const float td = bd[b]; const int ti = bi[b];
-          bd[b] = d; bi[b] = ii; d = td; ii = ti;
-        }
+      for (int b = 0; b < BEAM; ++b) {  // insertion into the sorted beam
+        const vq_u32 lo = min(bk[b], key);
+        key = max(bk[b], key);
+        bk[b] = lo;
       }
     }
+    int bi[BEAM];
+#pragma unroll
+    for (int b = 0; b < BEAM; ++b) bi[b] = (int)(bk[b] & (vq_u32)(K1 - 1));
     int best1 = bi[0], best2 = 0;
     if (TWO) {
       float best = VQ_INF;
@@ -102,6 +127,7 @@ _SOURCE = r"""
         float r[SD], rr = 0.f;
 #pragma unroll
         for (int k = 0; k < SD; ++k) { r[k] = (x[k] - sc1[c * SD + k]) / sg; rr = fmaf(r[k], r[k], rr); }
+#pragma unroll 2
         for (int j = 0; j < K2; ++j) {
           float dot = 0.f;
 #pragma unroll
@@ -144,7 +170,7 @@ _ROWS_SOURCE = r"""
   for (int k = 0; k < SD; ++k) vq_store(out + row * D + sub * SD + k, x[k] * norm);
 """
 
-_ENCODE = Kernel("vq_rvq_encode", ["y", "c1", "c1q", "sig", "c2", "c2q"], ["o1", "o2"], [("M", "int")], _SOURCE,
+_ENCODE = Kernel("vq_rvq_encode", ["y", "c1", "c1q", "sig", "c2", "c2q"], ["o1", "o2", "on"], [("M", "int")], _SOURCE,
                  prelude=_PRELUDE)
 
 
@@ -160,33 +186,46 @@ def _rows_per_block(n_sub: int) -> int:
 def _smem(cb) -> int:
     two = cb.c2 is not None
     floats = cb.k1 * (cb.sub_dim + 1 + two) + (cb.k2 * (cb.sub_dim + 1) if two else 1 + cb.sub_dim)
-    return 4 * floats + _rows_per_block(cb.n_sub) * cb.n_sub * (1 + two)
+    return 4 * floats + _rows_per_block(cb.n_sub) * cb.n_sub * (1 + two + 4)  # codes, squared norms
 
 
-def supported(cb) -> bool:
-    """Codebooks the kernel takes: sub-vectors of at most ``MAX_SUB_DIM`` coordinates, codes of at most 8 bits
-    per stage (``bitpack``'s range), both stages' codebooks and a block's codes within 48 KB of shared memory."""
-    return cb.sub_dim <= MAX_SUB_DIM and cb.bits1 <= 8 and cb.bits2 <= 8 and _smem(cb) <= SMEM_MAX
+def supported(cb, rows: bool = False) -> bool:
+    """Codebooks the encode kernel takes (``rows``: the rows kernel): sub-vectors of at most ``MAX_SUB_DIM``
+    coordinates, codes of at most 8 bits per stage (``bitpack``'s range); for the encoder also both stages' codebooks
+    and a block's codes within 48 KB of shared memory (the rows kernel reads the codebooks from global memory)."""
+    return cb.sub_dim <= MAX_SUB_DIM and cb.bits1 <= 8 and cb.bits2 <= 8 and (rows or _smem(cb) <= SMEM_MAX)
 
 
 def encode_words(cb, y: mx.array) -> tuple[mx.array, mx.array | None]:
     """Packed code words ``(stage 1 [.., W1], stage 2 [.., W2] or None)`` of rotated unit vectors ``y [.., dim]``:
     ``pack_bits`` of :meth:`RVQCodebook.encode`, in one launch."""
+    return _encode(cb, y.astype(mx.float32), False)[:2]
+
+
+def encode_rows(cb, z: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
+    """``(stage-1 words, stage-2 words or None, float16 norms [..])`` of rotated rows ``z = Pi x [.., dim]`` (any
+    float dtype; the norm is ``|x|``): each row scaled to a unit vector and encoded as :func:`encode_words` does, its
+    norm (clamped to float16's range) written beside, in one launch -- where the op path's norm and scaling took ~10
+    small launches per keys or values of a chunk."""
+    return _encode(cb, z, True)
+
+
+def _encode(cb, y: mx.array, norm: bool):
     lead = y.shape[:-1]
-    y2 = y.astype(mx.float32).reshape(-1, cb.dim)
+    y2 = y.reshape(-1, cb.dim)
     m, two = y2.shape[0], cb.c2 is not None
     w1 = packed_words(cb.n_sub, cb.bits1)
     w2 = packed_words(cb.n_sub, cb.bits2) if two else 1
     v = _rows_per_block(cb.n_sub)
     beam = min(4, cb.k1) if two else 1
     consts = (("D", cb.dim), ("SD", cb.sub_dim), ("B1", cb.bits1), ("B2", cb.bits2), ("TWO", int(two)),
-              ("W1", w1), ("W2", w2), ("BEAM", beam), ("V", v))
+              ("W1", w1), ("W2", w2), ("BEAM", beam), ("V", v), ("NORM", int(norm)))
     c2, c2q = (cb.c2, cb.c2_sq) if two else (cb.sigma[:1], cb.sigma[:1])
     blocks = max(1, -(-m // v))
-    o1, o2 = _ENCODE([y2, cb.c1, cb.c1_sq, cb.sigma, c2, c2q], [m], consts,
-                     [(max(m, 1), w1), (max(m, 1), w2) if two else (1,)], [mx.uint32, mx.uint32],
-                     grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
-    return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None)
+    o1, o2, on = _ENCODE([y2, cb.c1, cb.c1_sq, cb.sigma, c2, c2q], [m], consts,
+                         [(max(m, 1), w1), (max(m, 1), w2) if two else (1,), (max(m, 1),) if norm else (1,)],
+                         [mx.uint32, mx.uint32, mx.float16], grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
+    return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None), on[:m].reshape(lead)
 
 
 def rotated_rows(cb, planes, norms: mx.array, n: int, dtype) -> mx.array:
@@ -213,17 +252,17 @@ def checked_rows(cache, cb, planes, norms, n: int, dtype, op_fn):
     return checked_call("turboquant_rvq_rows", cache, lambda: rotated_rows(cb, planes, norms, n, dtype), op_fn)
 
 
-def checked_words(cache, cb, y: mx.array, op_fn):
-    """:func:`encode_words`, checked once per process against ``op_fn()`` (the op path's words): the fraction of
-    differing codes must stay below the check's tolerance (a rounding tie changes a code now and then; a layout
-    or selection error changes most)."""
+def checked_encode(cache, cb, z: mx.array, op_fn):
+    """:func:`encode_rows`, checked once per process against ``op_fn()`` (the op path's words and norms): the fraction
+    of differing codes plus the norms' relative error must stay below the check's tolerance (a rounding tie changes
+    a code now and then; a layout or selection error changes most)."""
 
     def error(got, want):
-        off = 0.0
-        for g, w, b in zip(got, want, (cb.bits1, cb.bits2)):
+        off = relative_error(got[2], want[2])
+        for g, w, b in zip(got[:2], want[:2], (cb.bits1, cb.bits2)):
             if w is not None:
                 off += float((unpack_bits(g, b, cb.n_sub) != unpack_bits(w, b, cb.n_sub)).astype(mx.float32).mean())
         return off
 
-    return checked_call("turboquant_rvq_encode", cache, lambda: encode_words(cb, y), op_fn, error)
+    return checked_call("turboquant_rvq_encode", cache, lambda: encode_rows(cb, z), op_fn, error)
 

@@ -87,10 +87,23 @@ class _Quantizer:
         self.dim, self.sub_dim, self.bits, self.seed = dim, sub_dim, bits, seed
         self.rot_t = _rotation(dim, seed)  # y = x @ rot_t (= Pi x); x = y @ rot_t.T
         self.back = None  # rot_t.T contiguous, once the decode kernel asks (``rotation_back``)
+        self.in_dtype: dict = {}  # (dtype, back) -> rot_t or its transpose in a 16-bit dtype (``rotation_in``)
         self.cb = rvq_codebook(dim, sub_dim, bits, seed, store)
 
     def arrays(self) -> list[mx.array]:
-        return [self.rot_t, *([self.back] if self.back is not None else []), *self.cb.arrays()]
+        return [self.rot_t, *([self.back] if self.back is not None else []), *self.in_dtype.values(),
+                *self.cb.arrays()]
+
+    def rotation_in(self, dtype, back: bool = False) -> mx.array:
+        """``rot_t`` (``back``: its transpose) in ``dtype``: a GPU prefill chunk's rotations as one matmul in the model's
+        dtype (built on first use per dtype, then counted with the other constants)."""
+        if dtype == mx.float32:
+            return self.rot_t.T if back else self.rot_t
+        if (dtype, back) not in self.in_dtype:
+            r = mx.contiguous((self.rot_t.T if back else self.rot_t).astype(dtype))
+            mx.eval(r)
+            self.in_dtype[dtype, back] = r
+        return self.in_dtype[dtype, back]
 
     def rotation_back(self) -> mx.array:
         """``rot_t.T`` contiguous: the decode kernel's matrix from the rotated value domain back (built on first use,
@@ -101,15 +114,18 @@ class _Quantizer:
 
     def encode(self, x: mx.array, owner=None):
         """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms). With an
-        ``owner`` cache on the kernels' backend the codes come from ``kernels.turboquant_rvq_rows`` (one launch;
-        checked once per process against this op path)."""
+        ``owner`` cache on the kernels' backend the rotated rows ``Pi x`` go to ``kernels.turboquant_rvq_rows``, which
+        scales them by their norm (``|Pi x| = |x|``) and encodes them in one launch (checked once per process against
+        this op path)."""
+        if owner is not None and kernels.kernels_enabled() and tq_rows.supported(self.cb):
+            return tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x))
+        return self._encoded(x)
+
+    def _encoded(self, x: mx.array):
+        """``encode``'s op path: norms, rotated unit vectors, their codes packed."""
         xf = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
-        y = (xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t
-        if owner is not None and kernels.kernels_enabled() and tq_rows.supported(self.cb):
-            p1, p2 = tq_rows.checked_words(owner, self.cb, y, lambda: self._words(y))
-        else:
-            p1, p2 = self._words(y)
+        p1, p2 = self._words((xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t)
         return p1, p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
 
     def _words(self, y: mx.array):
@@ -249,13 +265,13 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     def _rotated_chunk(self, queries, call, *, scale, mask, sinks):
         """A prefill chunk on a GPU: MLX's fused attention in the rotated domain (``q.k = (Pi q).(Pi k)``), where the
         past is its codebook rows times its norms: no dense rotation back over the whole past per chunk (the rows
-        ``update_and_fetch`` returned are never evaluated); the sinks, window and chunk rows and the queries are
-        rotated instead (float32, then the model's dtype), and the output is rotated back once."""
+        ``update_and_fetch`` returned are never evaluated); the sinks, window and chunk rows (one matmul) and the
+        queries are rotated instead, and the output is rotated back once, each a matmul in the model's dtype (16-bit
+        rows: the rotation rounded to it, an error of the rows' own rounding; float32 rotations took ~30 of the
+        chunk's ~100 launches on the H200)."""
         kq, vq = self._qs()
         dt = queries.dtype
-
-        def rotated(x, qz):
-            return None if x is None else (x.astype(mx.float32) @ qz.rot_t).astype(dt)
+        s0 = call.s0
 
         def codes(prefix, qz):
             if not call.q0:
@@ -266,18 +282,25 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                 return (qz.decode_rotated(*self._planes(prefix, n)) * norms[:, :, :n].astype(mx.float32)[..., None]
                         ).astype(dt)
 
-            if not (kernels.kernels_enabled() and tq_rows.supported(qz.cb)):
+            if not (kernels.kernels_enabled() and tq_rows.supported(qz.cb, rows=True)):
                 return op()
             planes = (getattr(self, prefix + "codes1"), getattr(self, prefix + "codes2", None))
             return tq_rows.checked_rows(self, qz.cb, planes, norms, n, dt, op)
 
-        sk, sv = self._sinks(call.s0) or (None, None)
-        parts = (("k_", kq, sk, call.past_k, call.new_k), ("v_", vq, sv, call.past_v, call.new_v))
-        rows = [[rotated(sink, qz), codes(prefix, qz), rotated(past, qz), rotated(new, qz)]
-                for prefix, qz, sink, past, new in parts]
-        k, v = (mx.concatenate([x for x in r if x is not None], axis=2) for r in rows)
-        out = mx.fast.scaled_dot_product_attention(rotated(queries, kq), k, v, scale=scale, mask=mask, sinks=sinks)
-        return (out.astype(mx.float32) @ vq.rot_t.T).astype(dt)
+        def rows(prefix, qz, sink, past, new):
+            exact = [x.astype(dt) for x in (sink, past, new) if x is not None]
+            exact = (exact[0] if len(exact) == 1 else mx.concatenate(exact, axis=2)) @ qz.rotation_in(dt)
+            quant = codes(prefix, qz)
+            if quant is None:
+                return exact
+            return mx.concatenate([exact[:, :, :s0], quant, exact[:, :, s0:]] if s0 else [quant, exact], axis=2)
+
+        sk, sv = self._sinks(s0) or (None, None)
+        k = rows("k_", kq, sk, call.past_k, call.new_k)
+        v = rows("v_", vq, sv, call.past_v, call.new_v)
+        out = mx.fast.scaled_dot_product_attention(queries @ kq.rotation_in(dt), k, v, scale=scale, mask=mask,
+                                                   sinks=sinks)
+        return out @ vq.rotation_in(dt, back=True)
 
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, shapes the kernel reads, the CUDA backend."""
