@@ -51,7 +51,7 @@ for cmd in "$@"; do
   tqhd) (for T in ${CONTEXTS:-8192 32768}; do timeout 250 python3 scripts/decode_host_device.py --context $T --method turboquant_rvq --pipelined; done) > $OUT/tqhd.txt 2>&1; grep -v "^$" $OUT/tqhd.txt | grep -v Warn | head -60 ;;
   evar) timeout 200 python3 scripts/encode_kernel_variants.py $VARIANTS > $OUT/evar.txt 2>&1; cat $OUT/evar.txt ;;
   encncu) NCU=1 timeout 300 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats -k regex:encode python3 scripts/encode_kernel_variants.py $VARIANTS > $OUT/encncu.txt 2>&1; grep -E "^  vq_|Duration|Compute \(SM\)|Warp Cycles Per Issued|Registers Per|Achieved Occ|Issue Slots Busy" $OUT/encncu.txt ;;
-  chunkncu) timeout 300 ncu --csv --metrics gpu__time_duration.sum python3 kvar/chunk_kernels.py > $OUT/chunkncu.csv 2> $OUT/chunkncu.err; python3 kvar/chunk_kernels.py sum $OUT/chunkncu.csv; tail -3 $OUT/chunkncu.err ;;
+  chunkncu) timeout 300 ncu --csv --metrics gpu__time_duration.sum python3 scripts/prefill_chunk_kernels.py --method ${METHOD:-turboquant_rvq} > $OUT/chunkncu.csv 2> $OUT/chunkncu.err; python3 scripts/prefill_chunk_kernels.py sum $OUT/chunkncu.csv; tail -3 $OUT/chunkncu.err ;;
   paired) for T in ${CONTEXTS:-8192 32768}; do timeout 280 python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds ${ROUNDS:-5} --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16; done > $OUT/paired.txt 2>&1; cat $OUT/paired.txt ;;
   esac
 done
