@@ -225,7 +225,7 @@ def _encode(cb, y: mx.array, norm: bool):
     o1, o2, on = _ENCODE([y2, cb.c1, cb.c1_sq, cb.sigma, c2, c2q], [m], consts,
                          [(max(m, 1), w1), (max(m, 1), w2) if two else (1,), (max(m, 1),) if norm else (1,)],
                          [mx.uint32, mx.uint32, mx.float16], grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
-    return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None), on[:m].reshape(lead)
+    return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None), (on.reshape(lead) if norm else None)
 
 
 def rotated_rows(cb, planes, norms: mx.array, n: int, dtype) -> mx.array:
