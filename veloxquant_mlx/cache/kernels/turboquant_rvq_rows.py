@@ -1,15 +1,18 @@
 """Prefill kernels for TurboQuant-RVQ's codes, one launch each where the op path takes dozens of small ops:
 
-* :func:`encode_words`: rotated unit vectors to packed stage-1 (and stage-2) code words. The op path
-  (``primitives.rvq.RVQCodebook.encode`` + ``bitpack.pack_bits``) splits a 2048-token chunk into ~40 blocks of ~12
-  ops each (a ``[rows, K1]`` distance matrix, the beam's partial selection, gathers) to bound its memory; on the
-  H200 that encoder was most of a prefill 9-13x the plain cache's time (docs/RESULTS.md). One thread per
-  sub-vector scans the stage-1 codebook (in shared memory, read by every lane at once) keeping the ``BEAM``
-  smallest ``|c1|^2 - 2 x.c1`` in registers, then completes each candidate with its nearest cell-scaled stage-2
+* :func:`encode_rows` (and :func:`encode_words` for unit vectors): rotated rows to packed stage-1 (and stage-2)
+  code words and float16 norms. The op path (``primitives.rvq.RVQCodebook.encode`` + ``bitpack.pack_bits``) splits
+  a 2048-token chunk into ~40 blocks of ~12 ops each (a ``[rows, K1]`` distance matrix, the beam's partial
+  selection, gathers) to bound its memory; on the H200 that encoder was most of a prefill 9-13x the plain cache's
+  time (docs/RESULTS.md). The block first sums each row's squared sub-vector norms in shared memory (``NORM``: the
+  row is scaled to a unit vector, its norm written beside the codes). One thread per sub-vector scans the stage-1
+  codebook (in shared memory, read by every lane at once) keeping the ``BEAM`` smallest ``|c1|^2 - 2 x.c1`` in
+  registers as packed keys (the distance's bits in unsigned order, the centroid's index in the low ``B1`` bits: an
+  insertion is a min and a max per place), then completes each candidate with its nearest cell-scaled stage-2
   centroid, ``(|r|^2 + |c2|^2 - 2 r.c2) sigma^2`` with ``r = (x - c1) / sigma``: the op path's formulas, so the
-  codes are the same but for rounding ties (a dot product summed in another order can swap two near-equal
-  distances). The block's codes go to shared memory and are packed as ``bitpack`` lays them out (code ``k`` of a
-  row at bit ``k * bits``, straddling words where it must).
+  codes are the same but for rounding ties (distances within ``2^-(23 - B1)`` relative, or summed in another
+  order). The block's codes go to shared memory and are packed as ``bitpack`` lays them out (code ``k`` of a row at
+  bit ``k * bits``, straddling words where it must).
 * :func:`rotated_rows`: the first ``n`` stored rows in the rotated domain, ``|x| (c1[i] + sigma[i] c2[j])`` per
   sub-vector, in the model's dtype: what a GPU prefill chunk's fused attention reads (``_rotated_chunk``). One
   thread per sub-vector of a row.

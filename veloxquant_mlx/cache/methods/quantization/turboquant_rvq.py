@@ -95,8 +95,8 @@ class _Quantizer:
                 *self.cb.arrays()]
 
     def rotation_in(self, dtype, back: bool = False) -> mx.array:
-        """``rot_t`` (``back``: its transpose) in ``dtype``: a GPU prefill chunk's rotations as one matmul in the model's
-        dtype (built on first use per dtype, then counted with the other constants)."""
+        """``rot_t`` (``back``: its transpose) in ``dtype``: a GPU prefill chunk's rotations as one matmul in the
+        model's dtype (built on first use per dtype, then counted with the other constants)."""
         if dtype == mx.float32:
             return self.rot_t.T if back else self.rot_t
         if (dtype, back) not in self.in_dtype:
