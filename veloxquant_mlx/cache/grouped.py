@@ -317,7 +317,6 @@ class GroupedQuantCache(CompressedKVCache):
             return split_on_cpu_streams(cpu_parts(t1 - t0, t1 - t0, qmm, (p, -1), (codes, 2), (sc, 2), (bi, 2)))
         return p @ gq.dequantize(codes, sc, bi, b, gv, mx.float32)
 
-
     def _attend_chunk(self, queries, call, *, scale, mask, sinks):
         """A multi-row call as an online softmax over tiles of whole groups (``attention.online_softmax_attention``):
         tiles of 1/16 of the [N, M] scores, so a prefill chunk's transients stay below the plain cache's."""
