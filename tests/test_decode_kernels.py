@@ -600,6 +600,30 @@ def test_rvq_encode_kernel_equals_the_op_path(dim, sub_dim, bits, rows):
             assert np.mean(np.array(g) != np.array(w)) <= 1e-2
 
 
+def test_rotated_chunk_plumbing_of_the_rows_kernel_equals_float64_attention(reference_kernels):
+    """With the rows kernel stood in by the op path's decoded rows, GPU-style prefill chunks (``_rotated_chunk``) over
+    quantized rows, sinks and a window give float64 attention over the rows ``update_and_fetch`` returned, and the
+    kernel path passes its first-use check (on the CPU no test reached the kernel branch of ``_rotated_chunk``)."""
+    H, R, D = 2, 2, 64
+    c = reference_kernels["turboquant_rvq"] = _tq(D, residual_length=16)
+    c._attend_chunk = lambda q, k, v, call, *, scale, mask, sinks, tile=None: c._rotated_chunk(
+        q, call, scale=scale, mask=mask, sinks=sinks)
+    rng = np.random.default_rng(3)
+    dispatch.install()
+    for n in (70, 45, 33):
+        K, V = c.update_and_fetch(_rows(rng, H, n, D), _rows(rng, H, n, D))
+        q = _rows(rng, H * R, n, D)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+        qf, kf, vf = (np.asarray(x, np.float64) for x in (q, K, V))
+        s = np.einsum("bhrnd,bhmd->bhrnm", qf.reshape(1, H, R, n, D), kf) * D**-0.5
+        s = np.where(np.arange(K.shape[2])[None] <= np.arange(n)[:, None] + K.shape[2] - n, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = (np.einsum("bhrnm,bhmd->bhrnd", p, vf) / p.sum(-1, keepdims=True)).reshape(1, H * R, n, D)
+        assert _rel(out, want) < TOL_ATTN, n
+    assert c.n_sink == 4 and c.n_quant > 0 and reference_kernels["tq_rows_launches"] >= 4
+    assert "turboquant_rvq_rows" in _common._checked and not _common._disabled
+
+
 @GPU
 @pytest.mark.parametrize("sub_dim,bits", [(4, 12), (8, 8)])  # the defaults' keys and values
 def test_rvq_encode_rows_kernel_scales_rows_by_their_norm_as_the_op_path(sub_dim, bits):
@@ -912,8 +936,16 @@ def reference_kernels(monkeypatch):
         return (pack_bits(i, cb.bits1), (pack_bits(j, cb.bits2) if j is not None else None),
                 mx.minimum(norm, 65504.0).astype(mx.float16))
 
+    def rvq_rotated(cb, planes, norms, n, dtype, exact=None, at=0):  # the rows kernel (``exact``: rows around them)
+        caches["tq_rows_launches"] = caches.get("tq_rows_launches", 0) + 1
+        codes = [unpack_bits(p[:, :, :n], b, cb.n_sub) if p is not None else None
+                 for p, b in zip(planes, (cb.bits1, cb.bits2))]
+        rows = (cb.decode(*codes) * norms[:, :, :n].astype(mx.float32)[..., None]).astype(dtype)
+        return rows if exact is None else mx.concatenate([exact[:, :, :at], rows, exact[:, :, at:]], axis=2)
+
     monkeypatch.setattr(kivi_rows, "decode_rows", kv_decode)
     monkeypatch.setattr(tq_rows, "encode_rows", rvq_rows)
+    monkeypatch.setattr(tq_rows, "rotated_rows", rvq_rotated)
     monkeypatch.setattr(wf_kernel, "waterfill_partials", wf)
     monkeypatch.setattr(wf_rows, "decode_rows", wf_decode)
     monkeypatch.setattr(wf_rows, "encode_rows", wf_encode)
