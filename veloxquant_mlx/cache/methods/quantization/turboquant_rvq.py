@@ -98,7 +98,7 @@ class _Quantizer:
         """``rot_t`` (``back``: its transpose) in ``dtype``: a GPU prefill chunk's rotations as one matmul in the
         model's dtype (built on first use per dtype, then counted with the other constants)."""
         if dtype == mx.float32:
-            return self.rot_t.T if back else self.rot_t
+            return self.rotation_back() if back else self.rot_t
         if (dtype, back) not in self.in_dtype:
             r = mx.contiguous((self.rot_t.T if back else self.rot_t).astype(dtype))
             mx.eval(r)
