@@ -69,7 +69,7 @@ def main(argv=None):
                             ("B2", 4), ("TWO", 1), ("W1", 8), ("W2", 4), ("BEAM", 4), ("V", 32), ("NORM", 1))),
         "rvq_encode_values": (turboquant_rvq_rows._ENCODE, [f32] * 6, [u32, u32, f16], (("D", 128), ("SD", 8), ("B1", 8),
                               ("B2", 0), ("TWO", 0), ("W1", 4), ("W2", 1), ("BEAM", 1), ("V", 64), ("NORM", 1))),
-        "rvq_rows_keys": (turboquant_rvq_rows._ROWS, [u32, u32, f16, f32, f32, f32], [f16],
+        "rvq_rows_keys": (turboquant_rvq_rows._ROWS, [u32, u32, f16, f32, f32, f32, f16], [f16],
                           (("D", 128), ("SD", 4), ("B1", 8), ("B2", 4), ("TWO", 1), ("W1", 8), ("W2", 4))),
         "merge": (_common._MERGE, [f32] * 4, [f16], (("DV", 128), ("MP", 8), ("MAX_S1", _common.MAX_SPLITS + 1),
                                                       ("HAS_SINK", 0), ("ROT", 1))),

@@ -559,6 +559,11 @@ def test_turboquant_rvq_rows_kernel_equals_the_op_path(opts, dtype):
         want = qz.decode_rotated(*c._planes(prefix, n)) * norms[:, :, :n].astype(mx.float32)[..., None]
         assert got.dtype == dtype and got.shape == want.shape
         assert _rel(got.astype(mx.float32), want) < (1e-5 if dtype == mx.float32 else 1e-2)
+        exact = _rows(rng, H, 9, D, dtype)  # the attention's whole keys or values: exact rows around the decoded
+        full = tq_rows.rotated_rows(qz.cb, planes, norms, n, dtype, exact, 4)
+        assert full.shape == (1, H, n + 9, D) and bool(mx.array_equal(full[:, :, :4], exact[:, :, :4]))
+        assert bool(mx.array_equal(full[:, :, 4 + n:], exact[:, :, 4:]))
+        assert _rel(full[:, :, 4 : 4 + n].astype(mx.float32), want) < (1e-5 if dtype == mx.float32 else 1e-2)
     K, V = c.update_and_fetch(_rows(rng, H, 33, D, dtype), _rows(rng, H, 33, D, dtype))
     q = _rows(rng, H * R, 33, D, dtype)
     out = c._rotated_chunk(q, c._call, scale=D**-0.5, mask="causal", sinks=None)

@@ -154,10 +154,17 @@ _SOURCE = r"""
 _ROWS_SOURCE = r"""
   constexpr int S = D / SD;
   const size_t g = (size_t)VQ_BLOCK_X * VQ_NTHREADS + VQ_TID;
-  if (g >= (size_t)BH * n * S) return;
+  if (g >= (size_t)BH * TOT * S) return;
   const int sub = (int)(g % S);
-  const size_t row = g / S;  // (batch row, head, token) of the output
-  const size_t bh = row / n, t = row % n;
+  const size_t row = g / S;  // (batch row, head, output row) of the output
+  const size_t bh = row / TOT, r = row % TOT;
+  if (r < (size_t)AT || r >= (size_t)(AT + n)) {  // an exact row: copied from ``ex`` (rows before AT, then after)
+    const size_t e = bh * (TOT - n) + (r < (size_t)AT ? r : r - n);
+#pragma unroll
+    for (int k = 0; k < SD; ++k) out[row * D + sub * SD + k] = ex[e * D + sub * SD + k];
+    return;
+  }
+  const size_t t = r - AT;
   const unsigned int i = vq_bits<B1>(w1 + (bh * T1 + t) * W1, sub * B1);
   const float norm = VQ_F(nrm[bh * TN + t]);
   float x[SD];
@@ -177,9 +184,9 @@ _ENCODE = Kernel("vq_rvq_encode", ["y", "c1", "c1q", "sig", "c2", "c2q"], ["o1",
                  prelude=_PRELUDE)
 
 
-_ROWS = Kernel("vq_rvq_rows", ["w1", "w2", "nrm", "c1", "sig", "c2"], ["out"],
-               [("n", "int"), ("BH", "int"), ("T1", "int"), ("T2", "int"), ("TN", "int")], _ROWS_SOURCE,
-               prelude=_PRELUDE)
+_ROWS = Kernel("vq_rvq_rows", ["w1", "w2", "nrm", "c1", "sig", "c2", "ex"], ["out"],
+               [("n", "int"), ("BH", "int"), ("T1", "int"), ("T2", "int"), ("TN", "int"), ("TOT", "int"),
+                ("AT", "int")], _ROWS_SOURCE, prelude=_PRELUDE)
 
 
 def _rows_per_block(n_sub: int) -> int:
@@ -231,28 +238,33 @@ def _encode(cb, y: mx.array, norm: bool):
     return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None), (on.reshape(lead) if norm else None)
 
 
-def rotated_rows(cb, planes, norms: mx.array, n: int, dtype) -> mx.array:
+def rotated_rows(cb, planes, norms: mx.array, n: int, dtype, exact: mx.array | None = None, at: int = 0) -> mx.array:
     """``|x| * decode(codes)`` [B, H, n, dim] of the first ``n`` rows of the packed ``planes`` (stage-1 words
     [B, H, T, W1], stage-2 words or None; buffers of any capacity ``T >= n``) and float16 ``norms`` [B, H, T'], in
-    ``dtype``: the rotated-domain rows (``RVQCodebook.decode`` times the norms), in one launch."""
+    ``dtype``: the rotated-domain rows (``RVQCodebook.decode`` times the norms), in one launch. With ``exact`` rows
+    [B, H, E, dim] (in ``dtype``): the [B, H, E + n, dim] keys or values a chunk's attention reads, ``exact[:at]``,
+    the decoded rows, ``exact[at:]``, written by the same launch (no concatenation copying the decoded past)."""
     p1, p2 = planes
     B, H, t1, w1 = p1.shape
     two = p2 is not None
     w2 = p2.shape[-1] if two else 1
+    tot = n + (exact.shape[2] if exact is not None else 0)
     consts = (("D", cb.dim), ("SD", cb.sub_dim), ("B1", cb.bits1), ("B2", cb.bits2), ("TWO", int(two)),
               ("W1", w1), ("W2", w2))
-    total = B * H * n * cb.n_sub
-    blocks = max(1, -(-total // THREADS))
+    blocks = max(1, -(-(B * H * tot * cb.n_sub) // THREADS))
     c2 = cb.c2 if two else cb.c1
-    (out,) = _ROWS([p1, p2 if two else p1, norms, cb.c1, cb.sigma, c2],
-                   [n, B * H, t1, p2.shape[2] if two else t1, norms.shape[2]], consts, [(B, H, n, cb.dim)], [dtype],
-                   grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
+    ex = exact if exact is not None else mx.zeros((1,), dtype)
+    (out,) = _ROWS([p1, p2 if two else p1, norms, cb.c1, cb.sigma, c2, ex],
+                   [n, B * H, t1, p2.shape[2] if two else t1, norms.shape[2], tot, at], consts,
+                   [(B, H, tot, cb.dim)], [dtype], grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
     return out
 
 
-def checked_rows(cache, cb, planes, norms, n: int, dtype, op_fn):
-    """:func:`rotated_rows`, checked once per process against ``op_fn()`` (relative L2 error)."""
-    return checked_call("turboquant_rvq_rows", cache, lambda: rotated_rows(cb, planes, norms, n, dtype), op_fn)
+def checked_rows(cache, cb, planes, norms, n: int, exact: mx.array, at: int, op_fn):
+    """:func:`rotated_rows` with the ``exact`` rows around the decoded ones, checked once per process against
+    ``op_fn()`` (relative L2 error)."""
+    return checked_call("turboquant_rvq_rows", cache,
+                        lambda: rotated_rows(cb, planes, norms, n, exact.dtype, exact, at), op_fn)
 
 
 def checked_encode(cache, cb, z: mx.array, op_fn):

@@ -273,27 +273,23 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         dt = queries.dtype
         s0 = call.s0
 
-        def codes(prefix, qz):
-            if not call.q0:
-                return None
+        def rows(prefix, qz, sink, past, new):
+            """Rotated keys or values in order: sinks, the quantized rows (codebook rows times norms), the rest."""
+            exact = [x.astype(dt) for x in (sink, past, new) if x is not None]
+            exact = (exact[0] if len(exact) == 1 else mx.concatenate(exact, axis=2)) @ qz.rotation_in(dt)
             n, norms = call.q0, getattr(self, prefix + "norms")
+            if not n:
+                return exact
 
             def op():
-                return (qz.decode_rotated(*self._planes(prefix, n)) * norms[:, :, :n].astype(mx.float32)[..., None]
-                        ).astype(dt)
+                quant = (qz.decode_rotated(*self._planes(prefix, n)) * norms[:, :, :n].astype(mx.float32)[..., None]
+                         ).astype(dt)
+                return mx.concatenate([exact[:, :, :s0], quant, exact[:, :, s0:]] if s0 else [quant, exact], axis=2)
 
             if not (kernels.kernels_enabled() and tq_rows.supported(qz.cb, rows=True)):
                 return op()
             planes = (getattr(self, prefix + "codes1"), getattr(self, prefix + "codes2", None))
-            return tq_rows.checked_rows(self, qz.cb, planes, norms, n, dt, op)
-
-        def rows(prefix, qz, sink, past, new):
-            exact = [x.astype(dt) for x in (sink, past, new) if x is not None]
-            exact = (exact[0] if len(exact) == 1 else mx.concatenate(exact, axis=2)) @ qz.rotation_in(dt)
-            quant = codes(prefix, qz)
-            if quant is None:
-                return exact
-            return mx.concatenate([exact[:, :, :s0], quant, exact[:, :, s0:]] if s0 else [quant, exact], axis=2)
+            return tq_rows.checked_rows(self, qz.cb, planes, norms, n, exact, s0, op)
 
         sk, sv = self._sinks(s0) or (None, None)
         k = rows("k_", kq, sk, call.past_k, call.new_k)
