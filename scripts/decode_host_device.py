@@ -89,6 +89,7 @@ def main(argv=None):
               f"queueing the kernels {med(queue):6.2f} ms (medians)", flush=True)
         if prof:
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats("veloxquant", 30)
         del caches
         mx.clear_cache()
 
