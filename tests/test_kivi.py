@@ -482,3 +482,48 @@ def test_long_cpu_decode_step_splits_its_contraction_over_cpu_streams(monkeypatc
         outs[streams, rows] = got
     assert float(mx.abs(outs[2, 160] - outs[1, 160]).max()) <= 1e-5 * float(mx.abs(outs[1, 160]).max())
 
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (2, 32), (8, 64), (4, 16), (2, 12)])
+def test_byte_dequantize_equals_dequantize_and_allocates_nothing(bits, group):
+    """``dequantize_bytes`` reads either layout (MLX's for its groups, ``bitpack``'s else; a 2-bit group of 12 pads
+    its word) exactly as ``dequantize``, and building it allocates no array (its constants are process-wide)."""
+    q = gq.quantize(rand(2, 3, 5, group * 4), bits, group)
+    want = gq.dequantize(*q, bits, group)
+    assert bool(mx.array_equal(gq.dequantize_bytes(*q, bits, group), want))
+    mx.eval(q)
+    base, kept = mx.get_active_memory(), [gq.dequantize_bytes(*q, bits, group) for _ in range(8)]
+    assert mx.get_active_memory() - base == 0 and len(kept) == 8
+    with pytest.raises(ValueError, match="bits must be one of"):
+        gq.dequantize_bytes(*gq.quantize(rand(1, 64), 3, 32), 3, 32)
+
+
+@pytest.mark.parametrize("path", ["auto", "sdpa"])
+def test_decode_steps_off_the_kernels_reuse_the_dense_rows_they_return(dispatch_installed, monkeypatch, path):
+    """Off the CUDA kernels a decode step's attention reads the codes (``_attend_codes``): the dense rows that
+    ``update_and_fetch`` returns are built once per group completion (``dequantize_bytes``: no array of their own)
+    and reused by the next steps; still the stored rows' values. With ``attend_path="sdpa"`` the attention reads
+    those rows: nothing kept."""
+    from veloxquant_mlx.cache import kernels
+
+    monkeypatch.setattr(kernels, "kernels_enabled", lambda: False)
+    c = make_cache()
+    c.attend_path = path
+    c.update_and_fetch(rand(1, 2, 100, 64), rand(1, 2, 100, 64))  # 96 quantized rows, 4 residual
+    builds = []
+    real = c._byte_rows
+    monkeypatch.setattr(c, "_byte_rows", lambda n, dv: builds.append(n) or real(n, dv))
+    q = rand(1, 4, 1, 64)
+    for step in range(3):
+        K, V = c.update_and_fetch(rand(1, 2, 1, 64), rand(1, 2, 1, 64))
+        n = c.n_quant
+        memo = c.__dict__["_dense_memo"]
+        if path == "auto":
+            assert builds == [96] and memo.key == (n, c.k_codes) and memo.value[0].shape == (1, 2, 96, 64)
+        else:
+            assert builds == [] and memo.key is None
+        assert bool(mx.array_equal(K[:, :, :n], c._keys_t(n).swapaxes(-1, -2)))
+        assert bool(mx.array_equal(V[:, :, :n], c._values(n)))
+        got = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=0.125, mask=None)
+        want = sdpa(q, K, V, None, 0.125)
+        assert float(mx.abs(got - want).max()) <= 1e-5 * float(mx.abs(want).max()) + 1e-6

@@ -105,9 +105,10 @@ class RowsMemo:
     while nothing is appended (``update_and_fetch`` must return them, but with the dispatch point the
     model's attention never evaluates them: rebuilding their graph of ~20 ops every step and layer is
     host time that the GPU waits for). Cleared by the owner whenever the rows can change (append,
-    trim, state load); a deep copy starts empty. Used only on the kernels' backend: the graph keeps
-    its small constant leaves (codebook scalars, index tables: a few hundred bytes per layer,
-    measured on the CPU by tests/test_memory_honesty.py) alive between appends, outside ``nbytes``."""
+    trim, state load); a deep copy starts empty. On the kernels' backend the graph keeps its small constant
+    leaves (codebook scalars, index tables: a few hundred bytes per layer, measured on the CPU by
+    tests/test_memory_honesty.py) alive between appends, outside ``nbytes``; elsewhere only the grouped layout keeps
+    one, built so that it holds no array of its own (``GroupedQuantCache._byte_rows``)."""
 
     __slots__ = ("key", "value")
 

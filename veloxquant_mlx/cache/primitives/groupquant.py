@@ -78,6 +78,28 @@ def dequantize(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, g
     return (q * s[..., None] + b[..., None]).reshape(*lead, ng * group)
 
 
+BYTE_BITS = (2, 4, 8)  # widths whose codes never straddle a byte: read with a byte view, shifts and a mask
+_BYTE_SHIFTS: dict = {}
+
+
+def dequantize_bytes(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int,
+                     dtype=mx.float32) -> mx.array:
+    """:func:`dequantize` for ``bits`` in ``BYTE_BITS`` (either layout: both put code ``j`` of a group at its words'
+    stream bits ``j * bits ..``), built without allocating anything: its shifts and mask are process-wide arrays
+    (MLX's ``dequantize`` allocates 64 bytes of its own at each call). For a lazy graph kept between decode steps
+    (``kernels._common.RowsMemo``), which then holds nothing beyond the cache's own arrays."""
+    if bits not in BYTE_BITS:
+        raise ValueError(f"bits must be one of {BYTE_BITS}, got {bits}")
+    if bits not in _BYTE_SHIFTS:
+        _BYTE_SHIFTS[bits] = (mx.arange(0, 8, bits, dtype=mx.uint8), mx.array((1 << bits) - 1, mx.uint8))
+        mx.eval(_BYTE_SHIFTS[bits])
+    shifts, mask = _BYTE_SHIFTS[bits]
+    lead, ng = codes.shape[:-1], scales.shape[-1]
+    b = mx.view(codes.reshape(*lead, ng, -1), mx.uint8)  # [.., groups, bytes of a group's words]
+    q = (mx.right_shift(b[..., None], shifts) & mask).reshape(*lead, ng, -1)[..., :group].astype(dtype)
+    return (q * scales.astype(dtype)[..., None] + biases.astype(dtype)[..., None]).reshape(*lead, ng * group)
+
+
 def quantize_per_channel(x: mx.array, bits: int, group: int) -> GroupQuantized:
     """Each channel of ``x [..., T, D]`` in groups of ``group`` tokens: codes ``[..., D, (T/group)*words]``,
     scales and biases ``[..., D, T/group]``."""
