@@ -188,12 +188,12 @@ class GroupedQuantCache(CompressedKVCache):
             kernel = (dtype is not None and kernels.kernels_enabled() and self.attend_path == "auto"
                       and kivi_rows.supported(self.qbits, self.group, self.value_group(dv), self.res_k.shape[-1], dv))
             if kernel:
-                out = memo.put(n, self.k_codes, kivi_rows.checked_decode(self, n, dtype, op),
-                               keep=kernels.keeps_rows(self, rows))
+                value, keep = kivi_rows.checked_decode(self, n, dtype, op), kernels.keeps_rows(self, rows)
             elif self._keeps_rows_on_codes(rows):
-                out = memo.put(n, self.k_codes, self._byte_rows(n, dv), keep=True)
+                value, keep = self._byte_rows(n, dv), True
             else:
-                out = memo.put(n, self.k_codes, op(), keep=kernels.keeps_rows(self, rows))
+                value, keep = op(), kernels.keeps_rows(self, rows)
+            out = memo.put(n, self.k_codes, value, keep)
         return out
 
     def _keeps_rows_on_codes(self, rows: int) -> bool:
