@@ -153,17 +153,18 @@ class GroupedQuantCache(CompressedKVCache):
             for a, x, per in zip(("codes", "scales", "biases"), q, (w, 1, 1)):
                 setattr(self, f"{kp}_{a}", grow_columns(getattr(self, f"{kp}_{a}"), g0 * per, x, cap * per))
 
-    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens."""
+    def _keys_t(self, n: int, dtype=mx.float32, dequantize=gq.dequantize) -> mx.array:
+        """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens (by ``dequantize``, a ``groupquant``
+        reader)."""
         g = n // self.group
         w = self._key_words()
-        return gq.dequantize(self.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g],
-                             self.qbits, self.group, dtype)
+        return dequantize(self.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g],
+                          self.qbits, self.group, dtype)
 
-    def _values(self, n: int, dtype=mx.float32) -> mx.array:
+    def _values(self, n: int, dtype=mx.float32, dequantize=gq.dequantize) -> mx.array:
         """Dequantized V [B, H, n, Dv] of the first ``n`` quantized tokens."""
-        return gq.dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
-                             self.qbits, self.value_group(self.res_v.shape[-1]), dtype)
+        return dequantize(self.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
+                          self.qbits, self.value_group(self.res_v.shape[-1]), dtype)
 
     def _rows(self, n_quant: int, res_k, res_v, new_k=None, new_v=None, dtype=None):
         """Dense (K, V) of: ``n_quant`` quantized tokens, residual rows, new rows (in order)."""
@@ -190,7 +191,7 @@ class GroupedQuantCache(CompressedKVCache):
             if kernel:
                 value, keep = kivi_rows.checked_decode(self, n, dtype, op), kernels.keeps_rows(self, rows)
             elif self._keeps_rows_on_codes(rows):
-                value, keep = self._byte_rows(n, dv), True
+                value, keep = self._byte_rows(n), True
             else:
                 value, keep = op(), kernels.keeps_rows(self, rows)
             out = memo.put(n, self.k_codes, value, keep)
@@ -202,13 +203,10 @@ class GroupedQuantCache(CompressedKVCache):
         return (rows == 1 and self.qbits in gq.BYTE_BITS and self.attend_path == "auto" and dispatch.installed()
                 and not kernels.kernels_enabled())
 
-    def _byte_rows(self, n: int, dv: int):
+    def _byte_rows(self, n: int):
         """``op``'s (K, V) of the first ``n`` quantized tokens as a graph that allocates nothing of its own."""
-        g, w, b = n // self.group, self._key_words(), self.qbits
-        kt = gq.dequantize_bytes(self.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g], b,
-                                 self.group)
-        return kt.swapaxes(-1, -2), gq.dequantize_bytes(self.v_codes[:, :, :n], self.v_scales[:, :, :n],
-                                                        self.v_biases[:, :, :n], b, self.value_group(dv))
+        return (self._keys_t(n, dequantize=gq.dequantize_bytes).swapaxes(-1, -2),
+                self._values(n, dequantize=gq.dequantize_bytes))
 
     def _own_layout(self) -> bool:
         """Whether this cache stores and reads KIVI's own codes (none of ``_keys_t``/``_values``/``_append_groups``
