@@ -47,7 +47,10 @@ def main(argv=None):
     ap.add_argument("--stub-kernels", action="store_true",
                     help="any machine: the decode kernels' Python path with a stand-in for MLX's kernel call, and the "
                          "model's layers and heads with small matrices (host build time only; outputs meaningless)")
+    ap.add_argument("--pragma", action="append", default=[], metavar="OLD=>NEW",
+                    help="rewrite the kernels' sources before compiling (e.g. 'unroll 8=>unroll 2': smaller cubins)")
     a = ap.parse_args(argv)
+    rewrite_sources(a.pragma)
     fields = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     model = stub_kernels(a.shape) if a.stub_kernels else random_model(a.shape)
     prompt = mx.random.randint(0, 1000, (a.context,))
@@ -62,6 +65,8 @@ def main(argv=None):
         prefill(model, prompt[:-1], caches, 2048, None)
         if a.pipelined:
             pipelined_split(model, caches, name, a.context, a.steps)
+            if name != "plain":
+                print_cubins()
             del caches
             mx.clear_cache()
             continue
@@ -92,6 +97,35 @@ def main(argv=None):
             pstats.Stats(prof).sort_stats("cumulative").print_stats("veloxquant", 30)
         del caches
         mx.clear_cache()
+
+
+def rewrite_sources(pairs):
+    """Apply each ``OLD=>NEW`` text replacement to every kernel variant's CUDA source before it is compiled."""
+    from veloxquant_mlx.cache.kernels import _compile
+
+    if not pairs:
+        return
+    subs = [p.split("=>", 1) for p in pairs]
+    source = _compile.Kernel.source
+
+    def rewritten(self, dtypes, out_dtypes, consts):
+        symbol, text = source(self, dtypes, out_dtypes, consts)
+        for old, new in subs:
+            text = text.replace(f"#pragma {old}\n", f"#pragma {new}\n")
+        return symbol, text
+
+    _compile.Kernel.source = rewritten
+
+
+def print_cubins():
+    """The bytes of every kernel variant compiled so far."""
+    import gc
+
+    from veloxquant_mlx.cache.kernels import _compile
+
+    for k in (o for o in gc.get_objects() if isinstance(o, _compile.Kernel)):
+        for built in k._built.values():
+            print(f"  cubin {built[0][:40]:40s} {len(built[1]) / 1e3:7.1f} KB", flush=True)
 
 
 def stub_kernels(shape):

@@ -81,18 +81,19 @@ def main(argv=None):
     jit_call = lambda y=x: jit(inputs=[y], output_shapes=[(1024,)], output_dtypes=[mx.float32],  # noqa: E731
                                grid=(1024, 1, 1), threadgroup=(256, 1, 1))[0]
     print(f"cuda_kernel (source text): {per_call(jit_call, a.calls):7.2f} us per call (build)")
-    mx.eval(launch(cubin))  # loaded under its name: a call may now hand over only the name
-    by_name = launch(b"x")
-    assert mx.array_equal(by_name, 2 * x).item(), "a call by name did not run the loaded kernel"
-    print(f"precompiled_cuda_kernel by name (1-byte source): {per_call(lambda: launch(b'x'), a.calls):7.2f} us per "
-          "call (build)")
+    mx.eval(launch(cubin))  # loaded under its name: can a call now hand over only the name?
+    try:
+        mx.eval(launch(b"x"))
+        by_name = True
+    except RuntimeError as e:  # MLX 0.32.4 on the H200: "Binary format ... is not recognized"
+        by_name = False
+        print(f"a call by name (1-byte source) fails: {str(e).splitlines()[0][:120]}")
     for chain in (32, 128):
+        name_part = f"; by name {queued(lambda y: launch(b'x', y), chain):6.2f}" if by_name else ""
         print(f"queue, chain of {chain}: x * 2 {queued(lambda y: y * 2, chain):6.2f} us/launch; precompiled "
               f"{queued(lambda y: launch(cubin, y), chain):6.2f}; padded +100000 "
-              f"{queued(lambda y: launch(cubin + bytes(100_000), y), chain):6.2f}; by name "
-              f"{queued(lambda y: launch(b'x', y), chain):6.2f}; cuda_kernel "
+              f"{queued(lambda y: launch(cubin + bytes(100_000), y), chain):6.2f}{name_part}; cuda_kernel "
               f"{queued(lambda y: jit_call(y), chain):6.2f}")
-
 
 if __name__ == "__main__":
     main()

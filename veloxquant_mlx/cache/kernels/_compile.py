@@ -4,13 +4,10 @@ arrays' dtypes) with NVRTC, the CUDA runtime compiler that MLX's CUDA backend al
 array built and copied to the device each step, and the sources need no header. On the H200 KIVI's kernel
 alone became 5-24% faster (``scripts/decode_kernel_time.py``, docs/RESULTS.md).
 
-MLX keeps a loaded module under its kernel name and carries the compiled source with every call: on the H200 a
-100 KB cubin (a fused decode kernel's size) costs ~7 us more to build a call and ~25 us more to queue it than a
-4 KB one (``scripts/kernel_call_host.py``), ~1 ms of a llama-8b decode step's host time with one such kernel per
-layer. With ``VELOXQUANT_KERNEL_BY_NAME=1`` (opt-in until a whole decode step is measured on the H200) a variant's
-first call hands over its cubin and is evaluated at once (the module is then loaded under its unique symbol);
-later calls hand over only ``BY_NAME``, the first of them evaluated at once too, and should that fail (an MLX that
-does not reuse modules by name) every call hands over the cubin again."""
+MLX carries the compiled source with every call: on the H200 a 100 KB cubin (a fused decode kernel's size)
+costs ~7 us more to build a call and ~25 us more to queue it than a 4 KB one (``scripts/kernel_call_host.py``),
+~1 ms of a llama-8b decode step's host time with one such kernel per layer. MLX 0.32 cannot reuse a loaded module
+by name (handing over a placeholder source fails: "Binary format ... is not recognized"), so every call carries it."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ import ctypes
 import functools
 import hashlib
 import operator
-import os
 import struct
 
 import mlx.core as mx
@@ -173,7 +169,7 @@ class Kernel:
         self.name, self.inputs, self.outputs, self.scalars, self.body = name, inputs, outputs, scalars, body
         self.bounds, self.prelude = bounds, prelude
         self._convert = [int if t == "int" else _float_bits for _, t in scalars]
-        self._built: dict = {}  # variant -> [symbol, cubin, calls evaluated at once so far (0, 1, then 2: done)]
+        self._built: dict = {}  # variant -> (symbol, cubin)
 
     def source(self, dtypes, out_dtypes, consts) -> tuple[str, str]:
         """(symbol, CUDA source) of the variant for these input/output dtypes and constants."""
@@ -190,38 +186,17 @@ class Kernel:
         built = self._built.get(key)
         if built is None:
             symbol, text = self.source(dtypes, out_dtypes, consts)
-            built = self._built[key] = [symbol, compile_binary(text, symbol), 0]
-        call = functools.partial(
-            mx.fast.precompiled_cuda_kernel, name=built[0], inputs=arrays, output_shapes=out_shapes,
+            built = self._built[key] = (symbol, compile_binary(text, symbol))
+        return mx.fast.precompiled_cuda_kernel(
+            name=built[0], compiled_source=built[1], inputs=arrays, output_shapes=out_shapes,
             output_dtypes=out_dtypes, scalars=self.scalar_args(scalars), grid=grid, threadgroup=threads,
             init_value=init_value, ensure_row_contiguous=True)
-        if built[2] == 2 and _BY_NAME_OK:
-            return call(compiled_source=BY_NAME)
-        if built[2] == 0 or not _BY_NAME_OK:
-            out = call(compiled_source=built[1])
-            if _BY_NAME_OK:
-                try:
-                    mx.eval(out)  # loads the module under its symbol: later calls may name it
-                    built[2] = 1
-                except Exception:  # noqa: BLE001 -- e.g. inside a function transformation: stays lazy, as before
-                    pass
-            return out
-        try:  # the first call by name, evaluated at once
-            out = call(compiled_source=BY_NAME)
-            mx.eval(out)
-        except Exception:  # noqa: BLE001 -- this MLX does not reuse the module: hand over the cubin from now on
-            _BY_NAME_OK.clear()
-            return call(compiled_source=built[1])
-        built[2] = 2
-        return out
 
     def scalar_args(self, values: list) -> list[int]:
         """The scalars as the kernel takes them: ints, a float as its float32 bits."""
         return [f(v) for f, v in zip(self._convert, values)]
 
 
-BY_NAME = b"veloxquant: loaded by name"  # the compiled source handed over once a variant's module is loaded
-_BY_NAME_OK = [True] if os.environ.get("VELOXQUANT_KERNEL_BY_NAME", "0") == "1" else []
 _F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<i")
 _DTYPE = operator.attrgetter("dtype")
 
