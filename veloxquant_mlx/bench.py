@@ -113,8 +113,7 @@ def random_model(shape: str, dtype=None, seed: int = 0):
 
 
 def _vocab_size(model) -> int:
-    args = getattr(model, "args", None)
-    v = getattr(args, "vocab_size", None)
+    v = getattr(getattr(model, "args", None), "vocab_size", None)
     if isinstance(v, int):
         return v
     from .cache.factory import language_model
@@ -177,7 +176,6 @@ def has_batch_form(name: str) -> bool:
 
 
 def batch_methods() -> list[str]:
-    """The methods with a batch form."""
     from .cache.base import METHOD_NAMES
 
     return [m for m in METHOD_NAMES if has_batch_form(m)]
@@ -217,7 +215,7 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     def step(tok):
         return mx.argmax(model(tok[:, None], cache=caches)[:, -1, :], axis=-1)
 
-    tok = mx.argmax(model(prompt[:, -1:], cache=caches)[:, -1, :], axis=-1)
+    tok = step(prompt[:, -1])
     mx.eval(tok)
     prefill_s = time.perf_counter() - t0
     mx.clear_cache()  # as mlx_lm's generate_step after the prompt: decode does not reuse prefill-sized buffers
@@ -266,9 +264,7 @@ def pipelined_decode(step: Callable[[mx.array], mx.array], tok: mx.array, n: int
 def stats(values: Sequence[Optional[float]]) -> Optional[dict]:
     """``{"median", "min", "max"}`` of the non-None ``values`` (None if there are none)."""
     vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals)} if vals else None
 
 
 def _prompt(vocab: int, n: int, seed: int, batch: int = 1) -> mx.array:
@@ -294,12 +290,13 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     and context (a GPU builds attention plans per shape: the first run at a new length is slower)."""
     if repeats < 1 or decode_tokens < 1 or not contexts or min(contexts) < 2 or batch < 1:
         raise ValueError("need repeats >= 1, decode_tokens >= 1, contexts >= 2 and batch >= 1")
+    if warmup not in WARMUPS:
+        raise ValueError(f"warmup={warmup!r}; allowed: {', '.join(map(repr, WARMUPS))}")
     cands = candidates(methods, baselines)
-    if batch > 1:
-        refused = [c.label for c in cands if not has_batch_form(c.name)]
-        if refused:
-            raise ValueError(f"batch {batch}: no batch form for {', '.join(refused)} (their caches cannot merge "
-                             "into one batch cache); drop them, e.g. --baselines none")
+    refused = [c.label for c in cands if batch > 1 and not has_batch_form(c.name)]
+    if refused:
+        raise ValueError(f"batch {batch}: no batch form for {', '.join(refused)} (their caches cannot merge "
+                         "into one batch cache); drop them, e.g. --baselines none")
 
     def make(c):
         return c.make(model) if batch == 1 else batch_caches(c.make, model, batch)
@@ -307,8 +304,6 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
     vocab = _vocab_size(model)
     errors: dict[str, str] = {}
     samples: dict[tuple[str, int], list[dict]] = {(c.label, n): [] for c in cands for n in contexts}
-    if warmup not in WARMUPS:
-        raise ValueError(f"warmup={warmup!r}; allowed: {', '.join(map(repr, WARMUPS))}")
 
     def attempt(c, msg, prompt, n_decode, out=None, on_chunk=None):  # a raise marks the candidate unavailable
         if c.label in errors:
@@ -426,11 +421,8 @@ def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]],
     ``child_args(baseline_or_None, spec_or_None)``. A child that fails, crashes or times out makes its rows
     unavailable with the reason; the others are unaffected."""
     jobs = [(b, {}, child_args(b, None)) for b in map(_check_baseline, dict.fromkeys(baselines))]
-    for m in names:
-        spec = MethodSpec.coerce(m)
-        if spec.method == NONE and NONE in baselines:
-            continue
-        jobs.append((spec.method, dict(spec.settings), child_args(None, spec)))
+    jobs += [(s.method, dict(s.settings), child_args(None, s)) for s in map(MethodSpec.coerce, names)
+             if not (s.method == NONE and NONE in baselines)]
     rows: list[dict] = []
     for i, (name, settings, argv) in enumerate(jobs, 1):
         label = MethodSpec(name, settings).label

@@ -157,10 +157,7 @@ def bench_tables(rows: list[dict]) -> str:
                      "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
                      + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "peak over start",
                                       "KV resident", "KV nbytes"], ratio_rows))
-    slopes: dict = {}  # the first row of each label that has a slope
-    for r in ok:
-        if r["decode_s_per_1k"] is not None:
-            slopes.setdefault(r["label"], r)
+    slopes = {r["label"]: r for r in ok if r["decode_s_per_1k"] is not None}  # a slope is per label: any row
     slope_rows = [[_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}", _fmt(r["slope_vs_none"], ".2f")]
                   for r in slopes.values()]
     if slope_rows:

@@ -307,14 +307,16 @@ class CompressedResponseGenerator(mlx_server.ResponseGenerator):
                 "last_one_at_a_time_reuse": self.last_reuse, "process": process_memory(), "time": time.time()}
 
 
-def _guarded(handler):
-    """A ``do_*`` handler that a client gone or stalled past the socket timeout ends quietly."""
+def _guarded(handler, access: bool = True):
+    """A ``do_*`` handler behind the access checks (unless ``access=False``) that a client gone or stalled past
+    the socket timeout ends quietly."""
     @functools.wraps(handler)
     def run(self) -> None:
         _pending.status = None
         _pending.client_gone = self._client_gone
         try:
-            handler(self)
+            if not (access and self._access_refused()):
+                handler(self)
         except (ClientGone, BrokenPipeError, ConnectionResetError, TimeoutError) as e:
             self.close_connection = True
             if isinstance(e, ClientGone):
@@ -396,12 +398,10 @@ class CompressedAPIHandler(mlx_server.APIHandler):
                 return True
         return False
 
-    do_OPTIONS = _guarded(mlx_server.APIHandler.do_OPTIONS)
+    do_OPTIONS = _guarded(mlx_server.APIHandler.do_OPTIONS, access=False)
 
     @_guarded
     def do_GET(self):
-        if self._access_refused():
-            return
         if self.path.rstrip("/") == "/v1/kv/stats":
             return self._send_json(200, self.response_generator.stats())
         if self.path.startswith("/v1/models"):
@@ -412,9 +412,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 
     @_guarded
     def do_POST(self):
-        """Access, path, Content-Length and UTF-8 checks, then mlx_lm's ``do_POST`` on the body read here."""
-        if self._access_refused():
-            return
+        """Path, Content-Length and UTF-8 checks, then mlx_lm's ``do_POST`` on the body read here."""
         if self.path not in _POST_PATHS:
             return self._error(404, f"no such endpoint: POST {self.path[:200]}")
         limit = self.response_generator.limits["max_body_bytes"]

@@ -16,7 +16,8 @@ _METHOD_TABLE = {
     "polar": (QUANTIZATION, STANDALONE, "PolarQuant (arXiv 2502.02617)"),
     "qjl": (QUANTIZATION, STANDALONE, "QJL (arXiv 2406.03482)"),
     "vecinfer": (QUANTIZATION, MLX_LM, "VecInfer (arXiv 2510.06175)"),
-    "spectral": (QUANTIZATION, STANDALONE, "SpectralQuant (Dynamis Labs; no canonical paper, no arXiv id) + QJL (arXiv 2406.03482)"),
+    "spectral": (QUANTIZATION, STANDALONE,
+                 "SpectralQuant (Dynamis Labs; no canonical paper, no arXiv id) + QJL (arXiv 2406.03482)"),
     "kivi": (QUANTIZATION, MLX_LM, "KIVI (arXiv 2402.02750)"),
     "kivi_sink": (QUANTIZATION, MLX_LM, "KIVI (arXiv 2402.02750) + attention sinks (StreamingLLM, arXiv 2309.17453)"),
     "svdq": (CROSS_LAYER, MLX_LM, "SVDq (arXiv 2502.15304)"),
@@ -52,8 +53,10 @@ _METHOD_TABLE = {
     "a2ats": (QUANTIZATION, MLX_LM, "A2ATS (arXiv 2502.12665)"),
     "anchorkv": (QUANTIZATION, MLX_LM, "AnchorKV (no canonical paper: library design after AnTKV, arXiv 2506.19505)"),
     "rocketkv": (EVICTION, MLX_LM, "RocketKV (arXiv 2502.14051)"),
-    "age_tiered": (QUANTIZATION, MLX_LM, "age-tiered re-quantization (no canonical paper: library design on KIVI, arXiv 2402.02750)"),
-    "waterfill": (QUANTIZATION, MLX_LM, "query-weighted key channel bits (no canonical paper: library design from KVQuant arXiv 2401.18079, Kitty arXiv 2511.18643, QuaRot arXiv 2404.00456)"),
+    "age_tiered": (QUANTIZATION, MLX_LM,
+                   "age-tiered re-quantization (no canonical paper: library design on KIVI, arXiv 2402.02750)"),
+    "waterfill": (QUANTIZATION, MLX_LM, "query-weighted key channel bits (no canonical paper: library design from "
+                                        "KVQuant arXiv 2401.18079, Kitty arXiv 2511.18643, QuaRot arXiv 2404.00456)"),
 }
 
 METHOD_NAMES = tuple(_METHOD_TABLE)

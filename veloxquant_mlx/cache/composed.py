@@ -40,7 +40,6 @@ __all__ = ["QuantizedEviction", "composed_class", "quant_config", "register_comp
 
 
 def layers_of(cls, configs) -> list:
-    """``cls``'s caches for ``configs`` (one per layer), through its own ``build_layers`` where it has one."""
     return cls.build_layers(configs) if hasattr(cls, "build_layers") else [cls(c) for c in configs]
 
 

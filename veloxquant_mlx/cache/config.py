@@ -137,10 +137,9 @@ class KVCacheConfig:
         if changes.get("method", self.method) != self.method and "options" not in changes:
             changes["options"] = None  # rebuilt for the new method from the flat fields
         opts = changes.get("options", self.options)
-        if opts is not None:  # a changed flat alias changes the options too
-            own = {o: changes[f] for o, f in type(opts).FIELDS.items() if f in changes}
-            if own:
-                changes["options"] = dataclasses.replace(opts, **own)
+        own = {o: changes[f] for o, f in type(opts).FIELDS.items() if f in changes} if opts is not None else {}
+        if own:  # a changed flat alias changes the options too
+            changes["options"] = dataclasses.replace(opts, **own)
         with _quiet_flat_fields():
             return dataclasses.replace(self, **changes)
 

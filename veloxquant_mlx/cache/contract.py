@@ -98,10 +98,9 @@ def config_from_json(text: str):
 SHORT_PROMPT_SLACK_ROWS = 32
 
 
-def short_prompt_bound(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int,
-                       batch: int = 1) -> int:
-    """Most bytes a cache may hold for ``n_tokens`` tokens before it compresses (see above)."""
-    return 2 * batch * n_layers * n_kv_heads * (head_dim + value_dim) * (n_tokens + SHORT_PROMPT_SLACK_ROWS)
+def short_prompt_bound(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, value_dim: int) -> int:
+    """Most bytes a cache (batch 1) may hold for ``n_tokens`` tokens before it compresses (see above)."""
+    return 2 * n_layers * n_kv_heads * (head_dim + value_dim) * (n_tokens + SHORT_PROMPT_SLACK_ROWS)
 
 
 class CompressedKVCache(mlx_cache._BaseCache):
@@ -173,10 +172,8 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def _own_mask(self, mask, queries, keys):
         """mlx_lm's shared mask comes from layer 0, whose row count may differ: a string/None mask fits any
         count, an array one is rebuilt if it does not fit."""
-        if mask is None or isinstance(mask, str):
-            return mask
         n, k = queries.shape[-2], keys.shape[-2]
-        if mask.shape[-1] == k and mask.shape[-2] == n:
+        if mask is None or isinstance(mask, str) or mask.shape[-2:] == (n, k):
             return mask
         return create_causal_mask(n, k - n)
 

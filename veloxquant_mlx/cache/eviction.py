@@ -75,6 +75,7 @@ class EvictionKVCache(CompressedKVCache):
     score_field = ""  # the row field ``score`` returns (when not overridden)
     recent_option = ""  # the option ``_init_layout`` reads ``recent`` from ("": the class's ``recent``)
     evict_slack = 0  # decode rows allowed over ``budget`` before an eviction
+    argmin_decode = False  # ``_init_layout``: evict_slack 0 (one row per decode step, ``BatchedEviction``'s argmin)
     slack = property(lambda self: self.evict_slack)
     uses_attention_weights = False  # hand every call's attention probabilities to ``observe`` (H2O, TOVA)
     decode_evict_default = True  # the paper's: does the budget hold while decoding
@@ -82,11 +83,19 @@ class EvictionKVCache(CompressedKVCache):
     rows = 0
     _pending = False  # eviction deferred to this call's ``attend`` (real queries)
     _n_new = 0
+    layer_field = ""  # a scalar field ``build_layers`` sets to each layer's index (per-layer seeds)
 
     def __init__(self, config):
         super().__init__(config)
         _check_decode_evict("decode_evict", getattr(config, "decode_evict", None))  # fail at construction
         self._decode_evict = getattr(config.options, "decode_evict", None)  # checked by the options
+
+    @classmethod
+    def build_layers(cls, layer_configs):
+        caches = [cls(c) for c in layer_configs]
+        for i, c in enumerate(caches if cls.layer_field else ()):
+            setattr(c, cls.layer_field, i)
+        return caches
 
     def _init_layout(self):
         """``budget``, ``n_sink`` and ``recent`` from the options (checked) and the default slack."""
@@ -96,7 +105,7 @@ class EvictionKVCache(CompressedKVCache):
             self.recent = getattr(o, self.recent_option)
         what = " + ".join(f[name] for name in ("n_sink", self.recent_option) if name)
         check_min(f["budget"], self.budget, self.n_sink + self.recent + 1, what + " + 1")  # one evictable row
-        self.evict_slack = default_slack(self.budget)
+        self.evict_slack = 0 if self.argmin_decode else default_slack(self.budget)
 
     def wants_eviction(self, n_new: int) -> bool:
         """Whether to evict after a call that added ``n_new`` rows (decoding: past the slack)."""
@@ -174,7 +183,6 @@ class EvictionKVCache(CompressedKVCache):
         return self.rows
 
     def _trim_rows(self, n: int) -> int:
-        """Exact when the ``n`` newest positions are all still stored (every head): drop them."""
         if n > self.rows:
             raise ValueError(f"cannot trim {n} tokens: only {self.rows} rows are stored")
         tail = self.positions[:, :, self.rows - n : self.rows]
@@ -193,8 +201,11 @@ class EvictionKVCache(CompressedKVCache):
         """Score with the newest keys (a decode step: the window's) standing in for queries (no dispatch)."""
         w = min(self.obs_window, self._n_new if self._n_new > 1 else self.rows)
         obs = self.keys[:, :, self.rows - w : self.rows]
-        obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
-        self.evict(self.score(obs, obs_pos, obs.shape[-1] ** -0.5))
+        self._evict_observed(obs, obs.shape[-1] ** -0.5)
+
+    def _evict_observed(self, obs: mx.array, scale: float) -> None:
+        """Evict by ``score`` with ``obs`` [B, Hq, w, D] as the queries of the ``w`` newest positions."""
+        self.evict(self.score(obs, mx.arange(self.offset - obs.shape[2], self.offset, dtype=mx.int32), scale))
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self.uses_attention_weights and sinks is None and dispatch.installed():
@@ -204,15 +215,17 @@ class EvictionKVCache(CompressedKVCache):
         else:
             out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self._pending:
-            w = min(self.obs_window, queries.shape[2])
-            obs_pos = mx.arange(self.offset - w, self.offset, dtype=mx.int32)
-            self.evict(self.score(queries[:, :, -w:], obs_pos, scale))
+            self._evict_observed(queries[:, :, -min(self.obs_window, queries.shape[2]) :], scale)
         return out
+
+    def _recent_start(self) -> int:
+        """First position of the protected recent window."""
+        return self.offset - self.recent
 
     def protected(self) -> mx.array:
         """[B, H, rows] rows that are never evicted: sinks and the recent window."""
         pos = self.positions[:, :, : self.rows]
-        return (pos < self.n_sink) | (pos >= self.offset - self.recent)
+        return (pos < self.n_sink) | (pos >= self._recent_start())
 
     def evict(self, scores: mx.array, keep: int | None = None) -> None:
         """Keep the ``keep`` (default ``budget``) best rows of each head, in position order."""
@@ -230,14 +243,17 @@ class EvictionKVCache(CompressedKVCache):
         """``scores`` in float32 with the protected rows at +inf."""
         return mx.where(self.protected(), mx.inf, scores.astype(mx.float32))
 
-    def keep_rows(self, idx: mx.array) -> None:
-        """Keep the rows ``idx`` [B, H, K] (ascending per head) and drop the rest."""
+    def keep_rows(self, idx: mx.array, spare: int = 0) -> None:
+        """Keep the rows ``idx`` [B, H, K] (ascending per head) and drop the rest, gathering ``spare`` rows (never
+        read) along so decode rows append in place."""
+        if spare:
+            idx = mx.concatenate([idx, mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)], axis=-1)
         self.keys = mx.take_along_axis(self.keys[:, :, : self.rows], idx[..., None], axis=2)
         self.values = mx.take_along_axis(self.values[:, :, : self.rows], idx[..., None], axis=2)
         self.positions = mx.take_along_axis(self.positions[:, :, : self.rows], idx, axis=2)
         for name in self.row_fields:
             setattr(self, name, mx.take_along_axis(getattr(self, name)[:, :, : self.rows], idx, axis=2))
-        self.rows = idx.shape[-1]
+        self.rows = idx.shape[-1] - spare
         mx.async_eval(self.positions)  # so a cache that never reads them (chunkkv follower) stacks no gathers
 
     # telemetry (the spec's names)
@@ -283,11 +299,7 @@ class BatchedEviction:
         self.keep_rows(r + (r >= j).astype(mx.int32))
 
     def keep_rows(self, idx):
-        """The base's gather, with spare rows up to ``budget + evict_slack + 1`` gathered along."""
-        spare = max(self.budget - idx.shape[-1], 0) + self.evict_slack + 1
-        pad = mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)
-        super().keep_rows(mx.concatenate([idx, pad], axis=-1))
-        self.rows = idx.shape[-1]
+        super().keep_rows(idx, max(self.budget - idx.shape[-1], 0) + self.evict_slack + 1)
         self._unsettled = 0
 
     def settle(self) -> None:
@@ -298,10 +310,9 @@ class BatchedEviction:
 
 
 class VotingEviction(BatchedEviction, EvictionKVCache):
-    """Eviction by accumulated attention ``votes`` (a row field) with the default slack; ``_init_layout``
-    sets ``budget`` and ``n_sink``. ``h2o_votes``: every query votes, never reset, the newest half of the
-    budget protected (else SnapKV's windows, the window protected). ``budget`` (argument): this layer's own,
-    derived by ``build_layers`` (the pyramid schedule), kept in ``state``."""
+    """Eviction by ``votes`` (module docstring) with the default slack. ``h2o_votes``: H2O-style, the newest half
+    of the budget protected (else the window). ``budget`` (argument): this layer's own (``build_layers``'
+    schedule), kept in ``state``."""
 
     array_fields = EvictionKVCache.array_fields + ("votes",)
     scalar_fields = EvictionKVCache.scalar_fields + ("budget",)
@@ -330,17 +341,9 @@ class VotingEviction(BatchedEviction, EvictionKVCache):
             check_min(field, resolved, protected + self.resolved_margin, what + " + 1" * self.resolved_margin)
         self.budget = o.budget if resolved is None else resolved
 
-    @property
-    def recent(self) -> int:
-        return max(self.obs_window, self.budget // 2) if self.h2o_votes else self.obs_window
-
-    @property
-    def evict_slack(self) -> int:
-        return default_slack(self.budget)
-
-    @property
-    def layer_budget(self) -> int:
-        return self.budget
+    recent = property(lambda self: max(self.obs_window, self.budget // 2) if self.h2o_votes else self.obs_window)
+    evict_slack = property(lambda self: default_slack(self.budget))
+    layer_budget = property(lambda self: self.budget)
 
     def observe(self, weights):
         w = weights if self.h2o_votes else weights[..., -self.obs_window :, :]

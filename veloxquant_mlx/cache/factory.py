@@ -61,10 +61,7 @@ def _layers(model):
 
 
 def _attention(layer):
-    for name in ("self_attn", "attention", "attn"):
-        if hasattr(layer, name):
-            return getattr(layer, name)
-    return None
+    return next((getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(layer, n)), None)
 
 
 def _head_dim(attn, fallback: int) -> int:

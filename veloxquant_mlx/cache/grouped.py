@@ -7,11 +7,10 @@ Buffers grow by ``primitives.buffers``'s policy: keys **transposed**, ``k_codes 
 float16 ``k_scales``/``k_biases [B, H, D, groups]`` (so ``mx.quantized_matmul(q, k_codes, ..., transpose=False)``
 is ``q @ Q(K)^T``); ``v_codes [B, H, tokens, Dv*b/32]``, ``v_scales``/``v_biases [B, H, tokens, Dv/Gv]``;
 ``res_k [B, H, G, D]``/``res_v``, rows ``[0, n_res)`` used. ``update_and_fetch`` returns the stored rows
-(stored form) then the call's; ``attend`` computes the same attention on the codes: decode steps by
-``_attend_codes`` (one softmax, ``window.joint_attention``) or the CUDA kernel ``kernels.kivi``, prefill chunks
-by tiles of whole groups (``_attend_chunk``) or MLX's fused attention on a GPU. Variants change what the codes
-mean by overriding ``_append_groups`` / ``_keys_t`` / ``_values`` (and ``_key_scores`` / ``_value_out`` to
-attend on their own codes); one whose codes are not MLX's affine layout sets ``dequant_only`` to the reason.
+(stored form) then the call's; ``attend`` computes the same attention on the codes (``_attend_stored``).
+Variants change what the codes mean by overriding ``_append_groups`` / ``_keys_t`` / ``_values`` (and
+``_key_scores`` / ``_value_out`` to attend on their own codes); one whose codes are not MLX's affine layout
+sets ``dequant_only`` to the reason.
 """
 
 from __future__ import annotations
@@ -73,8 +72,7 @@ class GroupedQuantCache(CompressedKVCache):
         return gq.words_per_group(self.qbits, self.group)
 
     def _uses_qmm(self, rows: int = 1) -> bool:
-        """Whether attention of ``rows`` query rows per head reads the codes with ``mx.quantized_matmul``
-        (``attend_path``)."""
+        """Whether ``rows`` query rows per head read the codes with ``mx.quantized_matmul`` (``attend_path``)."""
         path = self.attend_path
         if self.dequant_only and path == "quantized_matmul":
             raise ValueError(f"{self.method_name} attends through dequantize + matmul ({self.dequant_only})")
@@ -154,8 +152,7 @@ class GroupedQuantCache(CompressedKVCache):
                 setattr(self, f"{kp}_{a}", grow_columns(getattr(self, f"{kp}_{a}"), g0 * per, x, cap * per))
 
     def _keys_t(self, n: int, dtype=mx.float32, dequantize=gq.dequantize) -> mx.array:
-        """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens (by ``dequantize``, a ``groupquant``
-        reader)."""
+        """Dequantized K^T [B, H, D, n] of the first ``n`` quantized tokens (``dequantize``: a groupquant reader)."""
         g = n // self.group
         w = self._key_words()
         return dequantize(self.k_codes[..., : g * w], self.k_scales[..., :g], self.k_biases[..., :g],
@@ -235,8 +232,7 @@ class GroupedQuantCache(CompressedKVCache):
         return self._rows(q0, past_k, past_v, new_k, new_v, dtype=keys.dtype)
 
     def _short_steps(self) -> bool:
-        """Whether a decode row that completes no group may skip ``_store``: not for variants storing their own
-        way."""
+        """Whether a decode row completing no group may skip ``_store``: not for variants storing their own way."""
         return type(self)._store is GroupedQuantCache._store
 
     def _step_fits(self, step) -> bool:
@@ -406,12 +402,10 @@ class GroupedQuantCache(CompressedKVCache):
         extra = n - self.n_res
         if extra % self.group:
             keep = self.n_quant - (extra // self.group + 1) * self.group
-            raise ValueError(
-                f"{type(self).__name__}: trimming {n} tokens would cut into a quantized group of {self.group} tokens "
-                f"(positions {keep}..{keep + self.group - 1} exist only as {self.qbits}-bit codes); exact "
-                f"trims drop at most the {self.n_res} residual tokens plus whole groups "
-                f"(n - {self.n_res} a multiple of {self.group})"
-            )
+            raise ValueError(f"{type(self).__name__}: trimming {n} tokens would cut into a quantized group of "
+                             f"{self.group} tokens (positions {keep}..{keep + self.group - 1} exist only as "
+                             f"{self.qbits}-bit codes); exact trims drop at most the {self.n_res} residual tokens "
+                             f"plus whole groups (n - {self.n_res} a multiple of {self.group})")
         if extra > self.n_quant:
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
         self.n_quant -= extra
@@ -436,9 +430,7 @@ class GroupedQuantCache(CompressedKVCache):
         gv = self.value_group(dv)
         return B * H * self.n_quant * (dv // gv) * (4 * gq.words_per_group(self.qbits, gv) + 2 * 2)
 
-    @property
-    def full_seq_bytes(self) -> int:
-        return fp16_row_bytes(self.res_k, self.res_v, self.offset)
+    full_seq_bytes = property(lambda self: fp16_row_bytes(self.res_k, self.res_v, self.offset))
 
     @property
     def fp16_key_bytes(self) -> int:
@@ -448,10 +440,5 @@ class GroupedQuantCache(CompressedKVCache):
         B, H, _, D = self.res_k.shape
         return B * H * self.offset * D * 2
 
-    @property
-    def fp16_value_bytes(self) -> int:
-        return self.full_seq_bytes - self.fp16_key_bytes
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
+    fp16_value_bytes = property(lambda self: self.full_seq_bytes - self.fp16_key_bytes)
+    compression_ratio = property(lambda self: self.full_seq_bytes / self.nbytes if self.nbytes else 1.0)

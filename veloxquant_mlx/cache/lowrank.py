@@ -91,9 +91,8 @@ class LowRankKVCache(GroupedQuantCache):
             self._encode(which, x, t0)
         if not self.latent_values:  # KIVI per-token value codes
             vq = gq.quantize(vb, self.qbits, self.value_group(vb.shape[-1]))
-            self.v_codes = grow_rows(self.v_codes, t0, vq.codes)
-            self.v_scales = grow_rows(self.v_scales, t0, vq.scales)
-            self.v_biases = grow_rows(self.v_biases, t0, vq.biases)
+            for name, x in zip(("v_codes", "v_scales", "v_biases"), vq):
+                setattr(self, name, grow_rows(getattr(self, name), t0, x))
         self.n_quant = t0 + n
 
     def _latents_t(self, which: str, n: int, dtype=mx.float32) -> mx.array:

@@ -564,10 +564,8 @@ __all__ += [c.__name__ for c in ALL_OPTIONS]
 OPTIONS_BY_METHOD: dict[str, type] = {o.METHOD: o for o in ALL_OPTIONS}
 
 #: flat field -> options classes that set it (kivi_group_size: KIVI and KIVI-sink)
-FLAT_FIELD_OPTIONS: dict[str, list[type]] = {}
-for _cls in ALL_OPTIONS:
-    for _flat in _cls.FIELDS.values():
-        FLAT_FIELD_OPTIONS.setdefault(_flat, []).append(_cls)
+FLAT_FIELD_OPTIONS: dict[str, list[type]] = {f: [c for c in ALL_OPTIONS if f in c.FIELDS.values()]
+                                             for o in ALL_OPTIONS for f in o.FIELDS.values()}
 
 #: Config fields the builder applies to every method (a wrapper, hooks), whatever the method.
 COMMON_FIELDS: tuple[str, ...] = ("sliding_window", "store", "observers")

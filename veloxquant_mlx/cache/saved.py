@@ -80,7 +80,6 @@ def _head_shape(cache) -> Optional[list[int]]:
 
 
 def _state_bytes(caches) -> int:
-    """Bytes of the arrays in the caches' ``state``."""
     return int(sum(v.nbytes for c in caches for _, v in tree_flatten(c.state) if hasattr(v, "nbytes")))
 
 
@@ -241,8 +240,7 @@ def save_cache(path, caches: Sequence, *, model_id: Optional[str], tokens: Seque
         raise SavedCacheError(f"{path}: directory {parent} does not exist")
     first = next((c for c in caches if isinstance(c, CompressedKVCache)), None)
     config = json.loads(config_to_json(first.config)) if first is not None else {}
-    config.pop("method", None)
-    config.pop("head_dim", None)  # per layer: in head_shapes
+    config = {k: v for k, v in config.items() if k not in ("method", "head_dim")}  # head_dim: in head_shapes
     info = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "library_version": __version__,
             "method": method, "config": config, "model_id": normalize_model_id(model_id), "n_layers": len(caches),
             "layer_classes": [type(c).__name__ for c in caches], "head_shapes": [_head_shape(c) for c in caches],

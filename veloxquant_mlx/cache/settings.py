@@ -66,8 +66,8 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
                 pass  # a setting of the quantizer that stores the kept rows: resolved by build_config
             elif field not in accepted:
                 also = " (with quantize=METHOD, a quantizer's setting)" if quantizer else ""
-                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}{also}: it does "
-                                 f"not read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
+                raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}{also}: it does not "
+                                 f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")
             field = accepted.get(field, field)
         elif field not in known:
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]

@@ -16,6 +16,7 @@ from . import kernels
 from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
                         tile_rows, ungroup)
 from .contract import CompressedKVCache
+from .eviction import EvictionKVCache
 from .primitives.buffers import dtype_name, fp16_row_bytes, grow_rows  # noqa: F401 (fp16_row_bytes re-exported)
 
 QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
@@ -24,8 +25,7 @@ DECODE_TILE = 2048  # quantized rows per tile of a long decode step on the CPU (
 
 
 def concat_rows(pairs, dtype):
-    """(K, V) of the ``(keys, values)`` pairs (None and (None, None) skipped) concatenated along the rows, in
-    ``dtype``."""
+    """(K, V) of the ``(keys, values)`` pairs (None, (None, None) skipped) concatenated on the rows, in ``dtype``."""
     cast = lambda x: x if x.dtype == dtype else x.astype(dtype)  # noqa: E731
     pairs = [p for p in pairs if p is not None and p[0] is not None]
     if len(pairs) == 1:
@@ -172,14 +172,9 @@ class ResidualWindowCache(CompressedKVCache):
         scores_fn, value_fn = self._quantized_tiles(q, [(0, n)])[0]
         return scores_fn(), value_fn
 
-    def storage_dtype(self, compute_dtype):
-        """Window/sink rows: ``config.dtype``, else float16 for float32 inputs, else the inputs' dtype."""
-        if self.config.dtype is not None:
-            return self.config.dtype
-        return mx.float16 if compute_dtype == mx.float32 else compute_dtype
+    storage_dtype = EvictionKVCache.storage_dtype  # window/sink rows: the eviction caches' 16-bit rule
 
     def _store(self, keys, values):
-        n = keys.shape[2]
         self.dtype_name = dtype_name(keys.dtype)
         r0 = self.n_win
         past = (self.win_k[:, :, :r0], self.win_v[:, :, :r0]) if r0 else (None, None)
@@ -187,7 +182,7 @@ class ResidualWindowCache(CompressedKVCache):
         sd = self.storage_dtype(keys.dtype)
         self.win_k = grow_rows(self.win_k, r0, keys.astype(sd))
         self.win_v = grow_rows(self.win_v, r0, values.astype(sd))
-        self.n_win = r0 + n
+        self.n_win = r0 + keys.shape[2]
         self._compact_blocks()
 
     def _compact_blocks(self) -> None:
@@ -251,8 +246,7 @@ class ResidualWindowCache(CompressedKVCache):
         return self._rows(c.s0, c.q0, c.past_k, c.past_v, c.new_k, c.new_v, dtype=keys.dtype)
 
     def _short_steps(self) -> bool:
-        """Whether a decode row that compacts nothing may skip ``_store`` (a subclass adding to ``_store`` answers
-        for its addition)."""
+        """Whether a decode row compacting nothing may skip ``_store`` (a subclass adding to it answers for that)."""
         return type(self)._store is ResidualWindowCache._store
 
     def _step_fits(self, step) -> bool:
@@ -344,13 +338,9 @@ class ResidualWindowCache(CompressedKVCache):
     @classmethod
     def build_layers(cls, configs):
         """One cache per layer; the first of each ``constants_key`` counts the shared constants in ``nbytes``."""
-        caches, seen = [], set()
-        for c in configs:
-            cache = cls(c)
-            key = cls.constants_key(c)
-            cache.counts_constants = key not in seen
-            seen.add(key)
-            caches.append(cache)
+        caches, keys = [cls(c) for c in configs], [cls.constants_key(c) for c in configs]
+        for i, cache in enumerate(caches):
+            cache.counts_constants = keys[i] not in keys[:i]
         return caches
 
     _shared: tuple = ()  # attributes a deepcopy shares (rotations, codebooks, tables), not copies
@@ -373,9 +363,7 @@ class ResidualWindowCache(CompressedKVCache):
         """Bytes of the used rows of every array (``_used`` None: all of it; no spare capacity, no constants)."""
         return sum(a[:, :, : self._used(n)].nbytes for n in self.array_fields if (a := getattr(self, n)) is not None)
 
-    @property
-    def full_seq_bytes(self) -> int:
-        return fp16_row_bytes(self.win_k, self.win_v, self.offset)
+    full_seq_bytes = property(lambda self: fp16_row_bytes(self.win_k, self.win_v, self.offset))
 
     def _used(self, name: str) -> int:
         if name in self.window_fields:
@@ -385,10 +373,7 @@ class ResidualWindowCache(CompressedKVCache):
     @property
     def state(self):
         out = CompressedKVCache.state.fget(self)
-        for name in self.array_fields:
-            a = out.get(name)
-            if a is not None:
-                out[name] = a[:, :, : self._used(name)]
+        out.update({n: a[:, :, : self._used(n)] for n in self.array_fields if (a := out.get(n)) is not None})
         return out
 
     @state.setter

@@ -107,11 +107,9 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
     for scope, item in split_sets(sets):
         for m in targets(scope, item, "--set"):
             per_method[m].update(parse_sets([item], method=m))
-    specs = []
-    for m, own in entries:
-        if own and m == NONE:
-            raise UsageError(f"--method {NONE!r} takes no settings")
-        specs.append(MethodSpec(m, {**per_method[m], **parse_sets(own, method=m if m != NONE else None)}))
+    if any(own for m, own in entries if m == NONE):
+        raise UsageError(f"--method {NONE!r} takes no settings")
+    specs = [MethodSpec(m, {**per_method[m], **parse_sets(own, method=m if m != NONE else None)}) for m, own in entries]
     for scope, item in split_sets(sweeps):
         hit = targets(scope, item, "--sweep")
         fname, _ = parse_set(item)

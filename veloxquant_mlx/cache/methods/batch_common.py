@@ -53,9 +53,7 @@ def rows_ending_at(a: mx.array, ends: Sequence[int], width: int, view: bool = Tr
 def rows_from(a: mx.array, starts: Sequence[int], width: int) -> mx.array:
     """Per sequence i, the ``width`` columns of ``a`` [B, H, W, D] from column ``starts[i]`` (one gather;
     columns past the end clipped)."""
-    idx = mx.minimum(mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None],
-                     a.shape[2] - 1)
-    return mx.take_along_axis(a, idx[:, None, :, None], axis=2)
+    return rows_ending_at(a, [s + width for s in starts], width, view=False)
 
 
 def visible_mask(N: int, B: int, regions) -> mx.array:
@@ -149,20 +147,15 @@ class RaggedBatchCache(CompressedKVCache):
             return
         keep = min(cap, self.cap)
         for name, (axis, width) in self._slot_fields().items():
-            a = getattr(self, name)
-            idx = [slice(None)] * a.ndim
-            idx[axis] = slice(0, keep * width)
-            a = a[tuple(idx)]
+            a = getattr(self, name)[(slice(None),) * axis + (slice(0, keep * width),)]
             if cap > keep:
-                shape = list(a.shape)
-                shape[axis] = (cap - keep) * width
-                a = mx.concatenate([a, mx.zeros(shape, dtype=a.dtype)], axis=axis)
+                pad = [(0, 0)] * a.ndim
+                pad[axis] = (0, (cap - keep) * width)
+                a = mx.pad(a, pad)
             setattr(self, name, mx.contiguous(a) if cap < self.cap else a)
         self.cap = cap
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.lens)
+    batch_size = property(lambda self: len(self.lens))
 
     def _lead(self):
         """The array that tells whether buffers are held, and their dtype."""

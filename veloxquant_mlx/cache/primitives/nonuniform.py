@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+
 def fit_levels(u: mx.array, bits: int, iters: int) -> mx.array:
     """Sorted float32 levels ``[..., 2**bits]`` per row of ``u [..., T]`` (normalized to [0, 1]): ``iters``
     rounds of 1-D Lloyd from the row's quantiles (a level with no samples keeps its place), all rows at once."""

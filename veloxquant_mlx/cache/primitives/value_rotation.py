@@ -10,6 +10,7 @@ import mlx.core as mx
 from .codebook import odd_poly_gaussian
 from .rotation import hadamard, random_orthogonal
 
+
 def power_of_two(d: int) -> bool:
     return d > 0 and d & (d - 1) == 0
 

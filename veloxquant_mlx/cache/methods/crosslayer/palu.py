@@ -181,5 +181,3 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
 
     def _trim_rows(self, n: int) -> int:
         return KIVIKVCache._trim_rows(self, n)  # the factors are the weights': never refitted
-
-    head_groups = property(lambda self: self.hg)

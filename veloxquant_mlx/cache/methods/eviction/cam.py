@@ -53,19 +53,12 @@ class CaMKVCache(VotingEviction):
     scalar_fields = VotingEviction.scalar_fields + ("layer_id",)
     h2o_votes = True
     layer_id = 0  # decorrelates the layers' gate draws
-
-    def __init__(self, config, layer_id: int = 0):
-        super().__init__(config)
-        self.layer_id = layer_id
+    layer_field = "layer_id"
 
     def _init_layout(self):
         super()._init_layout()
         o = self.config.options
         self.merge_mode, self.merge_keys, self.merge_gate = o.merge, o.merge_keys, o.merge_gate
-
-    @classmethod
-    def build_layers(cls, layer_configs):
-        return [cls(c, layer_id=i) for i, c in enumerate(layer_configs)]
 
     def observe(self, weights):
         super().observe(weights)
@@ -76,8 +69,7 @@ class CaMKVCache(VotingEviction):
         order = mx.argsort(-self._guarded(scores), axis=-1)
         kept, gone = mx.sort(order[..., :keep], axis=-1), order[..., keep:]
         if self.merge_mode == "drop":
-            self.keep_rows(kept)
-            return
+            return self.keep_rows(kept)
         take = lambda a, idx: mx.take_along_axis(a[:, :, :rows], idx[..., None] if a.ndim == 4 else idx, axis=2)
         keys_k, keys_g = take(self.keys, kept), take(self.keys, gone)
         vals_k, vals_g = take(self.values, kept).astype(mx.float32), take(self.values, gone).astype(mx.float32)

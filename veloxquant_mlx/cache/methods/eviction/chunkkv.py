@@ -112,10 +112,6 @@ class ChunkKVCache(VotingEviction):
         ns, start = self.n_sink, self.offset - self.obs_window
         return ns if start <= ns else ns + (start - ns) // self.chunk_size * self.chunk_size
 
-    def protected(self):
-        pos = self.positions[:, :, : self.rows]
-        return (pos < self.n_sink) | (pos >= self._recent_start())
-
     def score(self, obs_queries, obs_positions, scale):
         if not self.is_index_reuse_leader:
             return None  # followers reuse the leader's selection

@@ -29,14 +29,8 @@ class KeyformerKVCache(H2OKVCache):
     gumbel_noise = True  # set False (e.g. on an instance) to drop the noise term
     decode_steps = noise_calls = 0
     noise_stream = 0  # the layer index under ``for_model``: layers draw independent noise
+    layer_field = "noise_stream"
     recent_option = "recent"
-
-    @classmethod
-    def build_layers(cls, layer_configs):
-        caches = [cls(c) for c in layer_configs]
-        for i, c in enumerate(caches):
-            c.noise_stream = i
-        return caches
 
     def _init_layout(self):
         super()._init_layout()

@@ -26,11 +26,11 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("queries", "query_positions")
     fusion = "sum"
     recent_option = "window"
+    argmin_decode = True
 
     def _init_layout(self):
         super()._init_layout()
         self.window = self.obs_window = self.recent
-        self.evict_slack = 0
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         keep = self.window

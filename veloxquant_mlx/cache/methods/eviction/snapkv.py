@@ -66,12 +66,7 @@ class SnapKVKVCache(EvictionKVCache):
         return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def keep_rows(self, idx):
-        if not self.decode_evict:
-            return super().keep_rows(idx)
-        # gather ``evict_slack + 1`` spare rows along (never read) so decode rows append in place
-        pad = mx.zeros(idx.shape[:2] + (self.evict_slack + 1,), dtype=idx.dtype)
-        super().keep_rows(mx.concatenate([idx, pad], axis=-1))
-        self.rows = idx.shape[-1]
+        super().keep_rows(idx, self.evict_slack + 1 if self.decode_evict else 0)  # decode rows append in place
 
     def _trimmed(self, n):
         if self.qring_pos is not None:  # trimmed queries no longer vote

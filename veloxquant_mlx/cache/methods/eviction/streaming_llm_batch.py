@@ -92,8 +92,11 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
             setattr(c, name, mx.contiguous(getattr(self, name)[idx : idx + 1, :, :n]))
         return c
 
-    def _visible(self, N: int, nq, lens, past_pos) -> mx.array:
-        """Boolean [B, 1, N, P + N]: each sequence's valid stored rows and new rows under the position rule."""
+    def _visible(self, N: int, nq, lens, past_pos, return_array: bool = False):
+        """Boolean [B, 1, N, P + N]: each sequence's valid stored rows and new rows under the position rule (None /
+        "causal" for a first call that sees every row, unless ``return_array``)."""
+        if past_pos is None and N <= self.window and not return_array:
+            return None if N == 1 else "causal"
         B = len(nq)
         P = 0 if past_pos is None else past_pos.shape[1]
         m = visible_mask(N, B, [(P, nq, "left")])
@@ -108,10 +111,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if window_size is not None:
             raise ValueError("StreamingLLMBatchKVCache has no sliding-window mask (its window is its own)")
-        P = self.stored_rows()
-        if P == 0 and N <= self.window and not return_array:
-            return None if N == 1 else "causal"
-        return self._visible(N, self.nq, self.lens, self._past_pos(P))
+        return self._visible(N, self.nq, self.lens, self._past_pos(self.stored_rows()), return_array)
 
     def update_and_fetch(self, keys, values):
         valid = self._begin_call(keys, values)
@@ -188,11 +188,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
         call, self._call = self._call, None
         N = queries.shape[2]
         if call is not None and call[0] == N and keys.shape[2] == max(call[1], default=0) + N:
-            _, nq, lens, past_pos = call
-            if past_pos is None and N <= self.window:
-                mask = None if N == 1 else "causal"
-            else:
-                mask = self._visible(N, nq, lens, past_pos)
+            mask = self._visible(*call)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def trim(self, n: int) -> int:

@@ -21,11 +21,8 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
     chunk_invariant, exact_trim = False, False  # a chunk is cut by its last query; decode steps evict
     uses_attention_weights = True
     obs_window = 1
+    argmin_decode = True
     _current = None  # [B, H, rows] attention of this call's last query (transient)
-
-    def _init_layout(self):
-        super()._init_layout()
-        self.evict_slack = 0
 
     def _store(self, keys, values):
         self._current = None  # never score with a previous call's attention

@@ -178,17 +178,14 @@ class A2ATSKVCache(CompressedKVCache):
         if not step or self.codebook is None or cand == 0 or k >= cand:
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         H = self.keys.shape[1]
-        rep = Hq // H
-        qg = group_queries(queries, H).reshape(B, H, rep, D)
-        s = self.approx_scores(qg * scale, cand)  # [B, H, rep, cand]
+        qg = group_queries(queries, H).reshape(B, H, Hq // H, D)
+        s = self.approx_scores(qg * scale, cand)  # [B, H, Hq // H, cand]
         w = mx.softmax(s, axis=-1, precise=True).sum(axis=2)  # GQA group vote
         sel = mx.sort(mx.argpartition(-w, k - 1, axis=-1)[..., :k], axis=-1)  # [B, H, k] in token order
         self.last_selected = sel
         rest = mx.broadcast_to(mx.arange(cand, T, dtype=sel.dtype)[None, None], (B, H, T - cand))
         idx = mx.concatenate([sel, rest], axis=-1)
-        dt = queries.dtype
-        kk = mx.take_along_axis(keys, idx[..., None], axis=2).astype(dt)
-        vv = mx.take_along_axis(values, idx[..., None], axis=2).astype(dt)
+        kk, vv = (mx.take_along_axis(x, idx[..., None], axis=2).astype(queries.dtype) for x in (keys, values))
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
     def _trim_rows(self, n):

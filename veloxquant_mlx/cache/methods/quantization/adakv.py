@@ -51,12 +51,10 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
 
     def _init_layout(self):
         o = self.config.options
-        lo, mid, hi, t = o.lo_bit, o.mid_bit, o.hi_bit, o.target_avg_bits
-        self.group = o.group_size
-        self.tier_bits = {"hi": hi, "mid": mid, "lo": lo}
-        self.counts = dict(zip(("hi", "mid", "lo"), sal.tier_counts(float(t), lo, mid, hi, o.group_size)))
-        self.qbits = hi
-        self._pending = None
+        self.group, self.qbits, self._pending = o.group_size, o.hi_bit, None
+        self.tier_bits = dict(zip(TIERS, (o.hi_bit, o.mid_bit, o.lo_bit)))
+        counts = sal.tier_counts(float(o.target_avg_bits), o.lo_bit, o.mid_bit, o.hi_bit, self.group)
+        self.counts = dict(zip(TIERS, counts))
 
     @property
     def uses_attention(self) -> bool:
@@ -117,10 +115,9 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
             self.res_score = mx.zeros((B, H, G), dtype=mx.float32)
             self.res_cnt = mx.zeros((G,), dtype=mx.float32)
         r0 = self.n_res
-        prev = (self.res_score[:, :, :r0], self.res_cnt[:r0])
+        self._prev_scores = (self.res_score[:, :, :r0], self.res_cnt[:r0])
         super()._store(keys, values)
         # the call's rows start unobserved (attend adds the observations); kept residual rows keep theirs
-        self._prev_scores = prev
         if r0 + N < G:
             self.res_score[:, :, r0 : r0 + N] = 0.0
             self.res_cnt[r0 : r0 + N] = 0.0
@@ -147,9 +144,8 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
         total = r0 + N
         q = group_queries(queries[:, :, N - W :], H).astype(mx.float32) * scale  # [B, H, rep, W, D]
         s = q @ fk.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # [B, H, rep, W, total]
-        col = mx.arange(total)
         qpos = r0 + N - W + mx.arange(W)  # position of each observing query among the columns
-        seen = col[None, :] <= qpos[:, None]  # [W, total] causal
+        seen = mx.arange(total)[None, :] <= qpos[:, None]  # [W, total] causal
         p = mx.softmax(mx.where(seen, s, -mx.inf), axis=-1, precise=True)
         score = p.sum(axis=(2, 3))  # [B, H, total]
         cnt = seen.astype(mx.float32).sum(axis=0)  # observations per column

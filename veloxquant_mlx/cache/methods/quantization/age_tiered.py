@@ -24,8 +24,8 @@ from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
 from .kivi import KIVIKVCache
 
-TIERS = ("old", "mid", "recent")
 _ARR = ("codes", "scales", "biases")
+_COUNTS = ("n_old", "n_mid", "n_recent")  # groups per tier, t = 0 old, 1 mid, 2 recent
 
 
 @register_with_mlx_lm
@@ -35,8 +35,8 @@ class AgeTieredKVCache(KIVIKVCache):
     chunk_invariant = False  # a prompt group is coded once at its tier's width, a decoded one re-coded tier by tier
     exact_trim = False  # raises ValueError once the trimmed rows completed a group
     array_fields = tuple(f"{kv}{t}_{a}" for t in range(3) for kv in "kv" for a in _ARR) + ("res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name", "n_old", "n_mid", "n_recent")
-    n_old = n_mid = n_recent = 0  # groups per tier
+    scalar_fields = ("n_quant", "n_res", "dtype_name") + _COUNTS
+    n_old = n_mid = n_recent = 0
     _T_after = None
     dequant_only = "three code widths"
 
@@ -47,10 +47,7 @@ class AgeTieredKVCache(KIVIKVCache):
         self.qbits = self.tier_bits[2]
 
     def _counts(self):
-        return [self.n_old, self.n_mid, self.n_recent]
-
-    def _set_count(self, t, n):
-        setattr(self, ("n_old", "n_mid", "n_recent")[t], n)
+        return [getattr(self, c) for c in _COUNTS]
 
     def _tier_dense(self, t, m, dtype=mx.float32):
         """(K^T [B, H, D, m*G], V [B, H, m*G, Dv]) of the first ``m`` groups of tier ``t``."""
@@ -66,7 +63,7 @@ class AgeTieredKVCache(KIVIKVCache):
         n0 = self._counts()[t]
         self._append_codes(n0 * G, None, gq.quantize(v, b, self.value_group(v.shape[-1])), vp=f"v{t}",
                            keys=[(f"k{t}", gq.quantize(kt, b, G), gq.words_per_group(b, G))])
-        self._set_count(t, n0 + m)
+        setattr(self, _COUNTS[t], n0 + m)
 
     def _pop_front(self, t, m):
         """Drop the first ``m`` groups of tier ``t`` (the remaining ones are copied, exact size)."""
@@ -75,7 +72,7 @@ class AgeTieredKVCache(KIVIKVCache):
             # copies: a slice would stay a view of (and keep alive) the whole old buffer
             setattr(self, f"k{t}_{a}", mx.contiguous(getattr(self, f"k{t}_{a}")[..., m * per : n * per]))
             setattr(self, f"v{t}_{a}", mx.contiguous(getattr(self, f"v{t}_{a}")[:, :, m * G : n * G]))
-        self._set_count(t, n - m)
+        setattr(self, _COUNTS[t], n - m)
 
     def _targets(self, T, n_groups):
         """(groups in the old tier, groups not in the recent tier) for T stored tokens."""

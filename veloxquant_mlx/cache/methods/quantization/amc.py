@@ -59,7 +59,6 @@ class RankTiers:
             start += self.counts[t]
 
     def _cg(self, d: int) -> int:
-        """Channel group of the per-token value codes."""
         return math.gcd(d, CG)
 
     @property

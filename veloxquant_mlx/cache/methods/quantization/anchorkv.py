@@ -80,9 +80,8 @@ def anchor_encode(x: mx.array, G: int, A: int, bits: int, vg: int, rho: float, t
 def anchor_decode(codes, scales, biases, ref_words, apos, anc, G: int, A: int, bits: int, vg: int,
                   dtype=mx.float32) -> mx.array:
     """Inverse of :func:`anchor_encode` for ``n = codes.shape[2]`` tokens ([B, H, n, D])."""
-    B, H, n = codes.shape[:3]
+    (B, H, n), D = codes.shape[:3], anc.shape[-1]
     g = n // G
-    D = anc.shape[-1]
     x = gq.dequantize(codes, scales, biases, bits, vg, mx.float32).reshape(B, H, g, G, D)
     ref = bitpack.unpack_bits(ref_words, ref_bits(A), G).astype(mx.int32)  # [B, H, g, G]
     a = anc.astype(mx.float32).reshape(B, H, g, A, D)

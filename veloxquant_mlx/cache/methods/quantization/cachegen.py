@@ -88,15 +88,13 @@ class CacheGenKVCache(KIVIKVCache):
         (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
-        kf = kb.astype(mx.float32).reshape(B, H, g, G, D)
-        vf = vb.astype(mx.float32).reshape(B, H, g, G, Dv)
+        kf, vf = (x.astype(mx.float32).reshape(B, H, g, G, x.shape[-1]) for x in (kb, vb))
         if self.use_delta:
             for side, x in (("k", kf), ("v", vf)):
                 aq = gq.quantize(x[:, :, :, 0], ANCHOR_BITS, self._acg(x.shape[-1]), reference=True)
                 for name, arr in zip(("codes", "scales", "biases"), aq):
                     setattr(self, f"{side}a_{name}", grow_rows(getattr(self, f"{side}a_{name}"), g0, arr))
-            kf = kf - self._anchors("k", g0, g0 + g, D)
-            vf = vf - self._anchors("v", g0, g0 + g, Dv)
+            kf, vf = (x - self._anchors(side, g0, g0 + g, x.shape[-1]) for side, x in (("k", kf), ("v", vf)))
         kq = gq.quantize(kf.transpose(0, 1, 4, 2, 3).reshape(B, H, D, n), bits, G, reference=True)
         vq = gq.quantize(vf.reshape(B, H, n, Dv), bits, self.value_group(Dv), reference=True)
         self._append_codes(t0, kq, vq)

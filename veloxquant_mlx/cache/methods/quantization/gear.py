@@ -99,16 +99,14 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         xk = kb.astype(mx.float32).reshape(B, H, g, G, D)
         kq, kidx, kval, ka, kbt, krec = self._gear_block(xk, per_channel=True)
         base = gq.dequantize_per_channel(*gq.quantize_per_channel(kb, b, G), b, G).reshape(B, H, g, G, D)
-        err_base = ((xk - base) ** 2).sum(axis=(0, 1, 3, 4))
-        err_gear = ((xk - krec) ** 2).sum(axis=(0, 1, 3, 4))
         if self.config.options.quantize_values:
             vq, vidx, vval, va, vbt, _ = self._gear_block(vb.astype(mx.float32).reshape(B, H, g, G, Dv), False)
         else:
             vq, vidx, vval, va, vbt = gq.quantize(vb, b, self.value_group(Dv)), None, None, None, None
         self._append_codes(t0, kq, vq)  # per-group arrays below follow the values' capacity too
         cap, r = self.v_codes.shape[2] // G, self.rank
-        self.k_err_base = grow_columns(self.k_err_base, g0, err_base, cap)
-        self.k_err_gear = grow_columns(self.k_err_gear, g0, err_gear, cap)
+        for name, rec in (("k_err_base", base), ("k_err_gear", krec)):  # squared key error per group
+            setattr(self, name, grow_columns(getattr(self, name), g0, ((xk - rec) ** 2).sum(axis=(0, 1, 3, 4)), cap))
         for side, idx, val, a, bt, d in (("k", kidx, kval, ka, kbt, D), ("v", vidx, vval, va, vbt, Dv)):
             if idx is not None and self._n_out(d):
                 self._put_outliers(side, g0, idx, val, cap)

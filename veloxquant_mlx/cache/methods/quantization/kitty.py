@@ -67,15 +67,13 @@ class KittyKVCache(KIVIKVCache):
         self.n_quant = t0 + n
 
     def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        g = n // self.group
+        G, g = self.group, n // self.group
         parts = []
-        for pre, bits in (("kh", self.hi_bit), ("kl", self.lo_bit)):
-            codes = getattr(self, f"{pre}_codes")
-            if codes is None:
-                continue
-            w = gq.words_per_group(bits, self.group)
-            parts.append(gq.dequantize(codes[..., : g * w], getattr(self, f"{pre}_scales")[..., :g],
-                                       getattr(self, f"{pre}_biases")[..., :g], bits, self.group, dtype))
+        for p, b in (("kh", self.hi_bit), ("kl", self.lo_bit)):
+            if getattr(self, f"{p}_codes") is not None:  # None: no channel at that width
+                per = (gq.words_per_group(b, G), 1, 1)
+                q = (getattr(self, f"{p}_{a}")[..., : g * w] for a, w in zip(("codes", "scales", "biases"), per))
+                parts.append(gq.dequantize(*q, b, G, dtype))
         kt = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # permuted rows
         inv = mx.broadcast_to(self.k_inv[None, :, :, None], kt.shape)
         return mx.take_along_axis(kt, inv, axis=2)

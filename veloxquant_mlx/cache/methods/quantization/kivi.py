@@ -10,9 +10,8 @@ reaches its length, and attends with one softmax ``softmax([q·Q(K_g)ᵀ, q·K_r
 Here (``bit_width_inlier`` = b in {2, 3, 4, 8}, ``KIVIOptions.group_size`` = G) the cache is ``cache/grouped.py``'s
 layout (storage, attention on the codes, the CUDA decode kernel ``cache.kernels.kivi``, trim, bytes), codes from
 ``primitives.groupquant``; a call's own rows are attended in full precision and only stored compressed. Decode
-on an H200 (``veloxquant bench --shape llama-8b --random-weights``, 2026-12-01,
-docs/data/h200_decode_kernels_2026-12-01.json): 0.67x the plain cache's speed at 8k, 0.58x at 32k (0.38x /
-0.34x dequantizing). ``nbytes``: the arrays held, spare capacity included (``used_nbytes``: without).
+speed: docs/RESULTS.md ("Speed and memory"). ``nbytes``: the arrays held, spare capacity included
+(``used_nbytes``: without).
 
 Deviations from the paper (all deliberate):
 
@@ -60,5 +59,4 @@ class KIVIKVCache(GroupedQuantCache):
     @classmethod
     def _merge_batch(cls, caches):
         from .kivi_batch import KIVIBatchKVCache
-
         return KIVIBatchKVCache.from_caches(caches)

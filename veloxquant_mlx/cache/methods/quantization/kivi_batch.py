@@ -3,17 +3,14 @@ exactly the codes, scales and residual rows it would hold alone (``KIVIKVCache.m
 cache is exactly a ``KIVIKVCache``: the variants keep raising ``BatchingNotSupported``; ``extract(i)`` gives the
 single cache back).
 
-Layout (G = group size): sequence i's groups, at its own absolute positions 0, G, 2G, ..., fill slots
-``[0, nq[i])`` of the grouped layout's buffers with a leading batch axis (``k_codes [B, H, D, cap*w]`` and its
-scales/biases along the last axis, transposed; values along the rows); later slots are masked and may hold
-finite leftovers. The float16 residual ``res_k [B, H, R, D]`` is right-aligned (``nr[i] < G`` rows); a
-sequence whose residual completes a group flushes it into slot ``nq[i]`` (one gather, ``groupquant``, one
-``put_along_axis`` for the batch), and the residual's common invalid prefix is dropped. Counts are host-side
-ints (``batch_common``): no per-step sync, no loop over tokens, heads or sequences. ``attend`` is the grouped
-layout's one softmax on the codes with the batch mask; on CUDA a decode step goes to KIVI's decode kernel with
-per-sequence counts (groups, first residual row, residual rows) when the mask is the one ``make_mask`` made
-from the step's counts (or none). Right-padded prefill stores only each sequence's first
-``lengths[i]`` rows. ``nbytes``: the arrays held (codes, float16 scales/biases with spare slots, residual).
+Layout (G = group size): sequence i's groups, at its own absolute positions, fill slots ``[0, nq[i])`` of the
+grouped layout's buffers with a leading batch axis (``k_codes [B, H, D, cap*w]``, its scales/biases along the last
+axis; values along the rows); later slots are masked and may hold finite leftovers. The float16 residual
+``res_k [B, H, R, D]`` is right-aligned (``nr[i] < G`` rows); a residual that completes a group flushes it into
+slot ``nq[i]`` (one gather, ``groupquant``, one ``put_along_axis`` for the batch). Counts are host-side ints
+(``batch_common``): no per-step sync. ``attend``: the grouped layout's one softmax on the codes with the batch
+mask; on CUDA a decode step goes to KIVI's decode kernel with per-sequence counts when the mask is the one
+``make_mask`` made (or none). Right-padded prefill stores only each sequence's first ``lengths[i]`` rows.
 """
 
 from __future__ import annotations
@@ -169,8 +166,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         fv = mx.concatenate([self.res_v, values.astype(RES_DTYPE)], axis=2)
         start = [R - r for r in self.nr]  # first valid column of each sequence in fk
         total = [r + v for r, v in zip(self.nr, valid)]
-        ng = [t // G for t in total]
-        rem = [t - g * G for t, g in zip(total, ng)]
+        ng, rem = [t // G for t in total], [t % G for t in total]
         K = max(ng)
         if K:  # complete groups: quantize them and write each sequence's into its next slots
             kb, vb = rows_from(fk, start, K * G), rows_from(fv, start, K * G)  # [B, H, K*G, D]

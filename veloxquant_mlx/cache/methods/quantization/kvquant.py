@@ -89,10 +89,8 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         g0 = t0 // G
         if t0 == 0 and self.n_sink:
             # copies: ``astype`` to the same dtype is a view that would keep the whole block alive
-            self.sink_k = mx.contiguous(kb[:, :, : self.n_sink].astype(RES_DTYPE))
-            self.sink_v = mx.contiguous(vb[:, :, : self.n_sink].astype(RES_DTYPE))
-        # ---- keys (pre-RoPE when the layer's RoPE is bound; rows t0.. are positions t0..):
-        # [B, H, g, D, G] blocks, dense-and-sparse split per block
+            self.sink_k, self.sink_v = (mx.contiguous(x[:, :, : self.n_sink].astype(RES_DTYPE)) for x in (kb, vb))
+        # keys (pre-RoPE if a RoPE is bound; rows t0.. are positions t0..): [B, H, g, D, G] blocks, outliers split
         kpre = self._rope(kb.astype(mx.float32), t0, inverse=True)
         kblk = kpre.reshape(B, H, g, G, D).swapaxes(-1, -2)
         ko = self._n_out(D)

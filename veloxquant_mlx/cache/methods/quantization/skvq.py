@@ -134,14 +134,12 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         take = self._take_sinks(keys, values)
         self._reserve_window(min(cap, max(1, self.n_res + N - take)), cap, B, H, D, dv)
         r0 = self.n_res
-        past_k = self.res_k[:, :, :r0] if r0 else None
-        past_v = self.res_v[:, :, :r0] if r0 else None
+        past_k, past_v = (self.res_k[:, :, :r0], self.res_v[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)
         n = N - take
         if n == 0:
             return
-        k16 = keys[:, :, take:].astype(RES_DTYPE)
-        v16 = values[:, :, take:].astype(RES_DTYPE)
+        k16, v16 = (x[:, :, take:].astype(RES_DTYPE) for x in (keys, values))
         total = r0 + n
         if total < cap:
             self.res_k[:, :, r0:total] = k16
@@ -191,9 +189,8 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
 
     def theoretical_bytes_per_token(self, d: int, dv: int) -> float:
         """Bytes per quantized token per KV head (codes + float16 scale/bias per channel group)."""
-        gk, gv = self.value_group(d), self.value_group(dv)
-        return (d // gk) * (4 * gq.words_per_group(self.kbits, gk) + 4) + \
-            (dv // gv) * (4 * gq.words_per_group(self.vbits, gv) + 4)
+        return sum((x // self.value_group(x)) * (4 * gq.words_per_group(b, self.value_group(x)) + 4)
+                   for x, b in ((d, self.kbits), (dv, self.vbits)))
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
         held = (self.sink_k, self.sink_v, self.k_perm, self.k_inv, self.v_perm, self.v_inv, self.k_alpha, self.v_alpha)

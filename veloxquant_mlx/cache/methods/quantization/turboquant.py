@@ -107,9 +107,8 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
     def _calibrate(self, k: mx.array) -> None:
         rows = k if self.n_calib_tokens is None else k[: self.n_calib_tokens]
         order = np.argsort(-np.asarray(mx.sum(rows * rows, axis=0)), kind="stable")
-        outl = np.sort(order[: self.n_outlier_channels])
-        rest = np.setdiff1d(np.arange(self.head_dim), outl)
-        perm = np.concatenate([outl, rest]).astype(np.int32)
+        n = self.n_outlier_channels  # outliers first, each part in channel order
+        perm = np.concatenate([np.sort(order[:n]), np.sort(order[n:])]).astype(np.int32)
         self._perm, self._inv_perm = mx.array(perm), mx.array(np.argsort(perm).astype(np.int32))
 
     def _split(self, x: mx.array, permute: bool = True) -> list:

@@ -36,8 +36,8 @@ Deviations from the paper:
 Decode attention reads the codes: the op path scores keys by lookup tables; on CUDA a one-row step goes to
 ``kernels.turboquant_rvq`` (one launch per layer, checked once against the op path), while the dense rows
 ``update_and_fetch`` returns are built lazily and kept between compactions (never evaluated there). A GPU prefill
-chunk attends in the rotated domain (``_rotated_chunk``: the past is its codebook rows times its norms, no dense
-rotation back over it); on CUDA its codes and those rows come from ``kernels.turboquant_rvq_rows`` (one launch each).
+chunk attends in the rotated domain (``_rotated_chunk``); on CUDA its codes and rows come from
+``kernels.turboquant_rvq_rows`` (one launch each).
 
 ``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``, with the decode kernel's transposed
 rotation once built) on the first cache of each set (``counts_constants``); ``merge`` builds
@@ -114,9 +114,8 @@ class _Quantizer:
 
     def encode(self, x: mx.array, owner=None):
         """``x [B, H, n, d]`` -> (packed stage-1 codes, packed stage-2 codes or None, float16 norms). With an
-        ``owner`` cache on the kernels' backend the rotated rows ``Pi x`` go to ``kernels.turboquant_rvq_rows``, which
-        scales them by their norm (``|Pi x| = |x|``) and encodes them in one launch (checked once per process against
-        this op path)."""
+        ``owner`` cache on the kernels' backend ``kernels.turboquant_rvq_rows`` scales the rotated rows ``Pi x`` by
+        their norm (``|Pi x| = |x|``) and encodes them in one launch (checked once per process against the op path)."""
         if owner is not None and kernels.kernels_enabled() and tq_rows.supported(self.cb):
             return tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x))
         return self._encoded(x)
@@ -236,8 +235,8 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
 
     def _quantized_dense(self, n, dtype=None):
         """The first ``n`` quantized rows, dense (in ``dtype`` when given: the cast memoised with them)."""
-        cast = (lambda x: x) if dtype is None else (lambda x: x.astype(dtype))  # noqa: E731
-        return self._memo_rows(n, self.k_codes1, lambda: tuple(map(cast, self._decoded(n))))
+        return self._memo_rows(n, self.k_codes1, lambda: tuple(x if dtype is None else x.astype(dtype)
+                                                               for x in self._decoded(n)))
 
     def _decoded(self, n):
         kq, vq = self._qs()

@@ -45,12 +45,6 @@ def _to_head_rows(x: mx.array, hc: int, sub: int) -> mx.array:
     return x.reshape(1, -1, sub) if hc == 1 else x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, sub)
 
 
-def _from_head_rows(codes: mx.array, shape) -> mx.array:
-    """Inverse of ``_to_head_rows`` for codes: [Hc, rows] -> [B, H, n, D/sub]."""
-    B, H, n, m = shape
-    return codes.reshape(B, H, n, m) if codes.shape[0] == 1 else codes.reshape(H, B, n, m).transpose(1, 0, 2, 3)
-
-
 def _lookup(codes: mx.array, cb: mx.array) -> mx.array:
     """Codewords of ``codes [B, H, n, m]`` from ``cb [Hc, K, d]`` -> [B, H, n, m*d] float32."""
     Hc, K, d = cb.shape
@@ -149,7 +143,10 @@ class VecInferKVCache(KIVIKVCache):
         return (k32 / self.smooth[None, :, None, :]) @ self._rot(k32.shape[-1])
 
     def _encode(self, x: mx.array, cb: mx.array, sub: int) -> mx.array:
-        return _from_head_rows(vq_assign(_to_head_rows(x, cb.shape[0], sub), cb), (*x.shape[:3], x.shape[3] // sub))
+        """Codes [B, H, n, D/sub] of ``x`` (``_to_head_rows`` undone)."""
+        B, H, n, D = x.shape
+        codes = vq_assign(_to_head_rows(x, cb.shape[0], sub), cb)
+        return codes.reshape(B, H, n, D // sub) if cb.shape[0] == 1 else codes.reshape(H, B, n, -1).swapaxes(0, 1)
 
     def _append_groups(self, kb, vb):
         if self.key_cb is None:

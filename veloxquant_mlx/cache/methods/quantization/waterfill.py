@@ -13,8 +13,8 @@ Lloyd-Max codebook scaled per row: TurboQuant-MSE (arXiv 2504.19874); a float16 
 
 Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
 
-1. Rows enter the float16 window (``ResidualWindowCache``); until calibration nothing leaves it, and every call's
-   queries add ``sum q^2`` per KV head and channel (pre-RoPE: a rotary pair's channels share their mean).
+1. Rows enter the float16 window; until calibration nothing leaves it, and every call's queries add ``sum q^2``
+   per KV head and channel (pre-RoPE: a rotary pair's channels share their mean).
 2. Calibration, once, after ``n_calib_tokens`` (default 64) rows: keys un-rotated by the layer's RoPE (unknown
    RoPE: post-RoPE keys), ``[lo, hi]`` per (batch row, head, channel) over the rows but the 4 sinks, and each
    head's ``b * D`` key bits to the top gains ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (widths 0..8).
@@ -25,14 +25,12 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    polynomial of the centred code (``codebook.odd_poly_gaussian``: within 0.2% of Lloyd-Max's distortion at 4
    bits, decoded arithmetically).
 4. Attention: one softmax over sinks, quantized rows, window and the call's rows; keys decoded one gather per
-   code (``varpack.dequantize_pairs``), RoPE re-applied to the rotary pairs' halves; values ``((p * s) @
-   centroid[codes]) H^T``. On CUDA a decode step takes ``kernels.waterfill`` (codes read once, RoPE on the
-   query), checked against the op path at first use.
+   code, RoPE re-applied; values ``((p * s) @ centroid[codes]) H^T``. On CUDA a decode step takes
+   ``kernels.waterfill`` (codes read once, RoPE on the query), checked against the op path at first use.
 
-Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2``; b = 4, D = 64: 66 vs 256 at float16
-(0.258x), plus the float16 ranges, width tables, window and sinks. Quality and speed: docs/RESULTS.md ("Quality
-targets": KLD 0.0009 at 0.296x at 1024 tokens, 4 bits, ``residual_length=16``; "Speed and memory": below the
-plain cache's decode speed on the CPU and the H200).
+Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2`` (b = 4, D = 64: 66 vs 256 at float16),
+plus the float16 ranges, width tables, window and sinks. Quality and speed: docs/RESULTS.md ("Quality targets":
+KLD 0.0009 at 0.296x at 1024 tokens; "Speed and memory").
 
 Deviations and limits (all of them):
 
@@ -229,23 +227,18 @@ class WaterfillKVCache(ResidualWindowCache):
         """The byte-pair tables, held whenever the layout is (so copies and loaded caches count the same)."""
         return list(self._pair_table()[:2]) if self._layout is not None else []
 
-    def _rotated_keys(self, a: int, b: int):
-        """Keys of quantized rows ``a .. b`` with RoPE re-applied, in parts (``rope.rotate_parts``; ``(keys,)``
-        without RoPE)."""
-        pre = self._pre_keys(a, b)
-        return (pre,) if self.rope is None else rotate_parts(pre, self.rope, self._omega(), self.n_sink + a)
-
     def _keys(self, a: int, b: int) -> mx.array:
         """Decoded keys of quantized rows ``a .. b``, RoPE re-applied: [B, H, b - a, D] float32."""
         return self._post_rope(self._pre_keys(a, b), self.n_sink + a)
 
     def _key_scores(self, q: mx.array, a: int, b: int) -> mx.array:
-        """``q [B, H, R, D] @ K^T`` over quantized rows ``a .. b`` from the key parts (a matmul each)."""
-        parts = self._rotated_keys(a, b)
-        if len(parts) == 1:
-            return q @ parts[0].swapaxes(-1, -2)
+        """``q [B, H, R, D] @ K^T`` over quantized rows ``a .. b``, RoPE re-applied in parts (``rope.rotate_parts``:
+        a matmul each, no interleaving copy)."""
+        pre = self._pre_keys(a, b)
+        if self.rope is None:
+            return q @ pre.swapaxes(-1, -2)
         first, second, dims = rope_halves(self.rope)
-        u, v, tail = parts
+        u, v, tail = rotate_parts(pre, self.rope, self._omega(), self.n_sink + a)
         s = q[..., first] @ u.swapaxes(-1, -2) + q[..., second] @ v.swapaxes(-1, -2)
         return s + q[..., dims:] @ tail.swapaxes(-1, -2) if tail.shape[-1] else s
 

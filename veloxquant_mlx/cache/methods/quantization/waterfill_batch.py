@@ -5,15 +5,13 @@ exactly a ``WaterfillKVCache`` with the same settings; ``extract(i)`` gives the 
 Layout, mask, flushes, ``trim``, ``filter``/``extend`` and the decode ``attend``: turboquant_rvq's batch form,
 with waterfill's storage (``k_words``/``v_words``/``v_scales`` [B, H, cap, .]) and each sequence's calibration
 ``k_lo``/``k_step``/``k_bits`` and query energies ``q_energy`` [B, H, 1, D] (uniform placeholder widths until
-it calibrates). A sequence calibrates when it would alone (end of the first attended call after which it holds
-``n_calib_tokens`` rows; without the dispatch point, at the next call), from its own rows and valid query
-rows; until then its window never flushes. The key layout is one ``VarLayout`` over the B * H width tables,
-rebuilt (one host sync) when a sequence calibrates or the batch changes; RoPE is undone at each sequence's own
-positions, so the codes are the single cache's bit for bit. A prefill chunk over a stored past attends as the
-single cache's ``_attend_chunk``. On CUDA a decode step goes to waterfill's decode kernel with per-sequence
-counts (code slots, sink rows, window rows) and key tables per sequence and head, when the mask is the one
-``make_mask`` made from the step's counts (or none). ``nbytes`` also counts ``q_energy`` (kept for later joiners;
-the single cache drops it once calibrated) and the kernel's tables once built.
+it calibrates). A sequence calibrates when it would alone, from its own rows and valid query rows; until then
+its window never flushes. The key layout is one ``VarLayout`` over the B * H width tables, rebuilt (one host
+sync) when a sequence calibrates or the batch changes; RoPE is undone at each sequence's own positions, so the
+codes are the single cache's bit for bit. A prefill chunk over a stored past attends as the single cache's
+``_attend_chunk``; on CUDA a decode step goes to waterfill's decode kernel with per-sequence counts and key
+tables when the mask is the one ``make_mask`` made (or none). ``nbytes`` also counts ``q_energy`` (kept for
+later joiners; the single cache drops it once calibrated) and the kernel's tables once built.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from ...attention import group_queries
 from ...contract import register_with_mlx_lm
 from ...primitives.bitalloc import allocate_bits, rope_pair_mean
 from ...primitives.bitpack import packed_words
-from ...primitives.value_rotation import power_of_two, rotate_values
+from ...primitives.value_rotation import power_of_two
 from ...primitives.varpack import VarLayout, extract_codes
 from ...window import SINK_ROWS, ResidualWindowCache
 from ... import kernels
@@ -36,13 +34,11 @@ from ..batch_common import borrows, rows_from, step_counts
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from .waterfill import BLOCK, WaterfillKVCache, key_grid
 
-_CALIB = ("k_lo", "k_step", "k_bits", "q_energy")
-
 
 @register_with_mlx_lm
 @borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk", "_sinks")
 @borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_key_codes",
-         "_encode_values", "_value_codes", "constant_nbytes")
+         "_encode_values", "_value_codes", "_weighted_values", "_quantized_tiles", "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     """Waterfill's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -51,7 +47,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     merge_what = "settings (bits, residual length, calibration tokens, seed, RoPE)"
     per_seq = {**TurboQuantRVQBatchKVCache.per_seq, "q_count": "q_count"}
     shared_scalars = ("counts_constants", "rope")
-    array_fields = ("k_words", "v_words", "v_scales") + _CALIB + ("win_k", "win_v", "sink_k", "sink_v")
+    calib_fields = WaterfillKVCache.calib_fields  # each sequence's calibration, [B, H, 1, D]
+    array_fields = ("k_words", "v_words", "v_scales") + calib_fields + ("win_k", "win_v", "sink_k", "sink_v")
     # sink rows, code slots, window rows, tokens held, query rows seen, saliency source ("" = uncalibrated)
     count_fields = ("ns", "nq", "nw", "lens", "q_count", "src")
     state_scalars = ("cap", "dtype_name", "counts_constants", "rope")
@@ -94,7 +91,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         return out
 
     def _merge_one(self, c, one: dict) -> dict:
-        one.update({name: getattr(c, name) for name in _CALIB if getattr(c, name) is not None})
+        one.update({name: getattr(c, name) for name in self.calib_fields if getattr(c, name) is not None})
         return one
 
     def _extract_one(self, c, idx: int, one: slice):
@@ -190,15 +187,9 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
 
     _quantized_dense = WaterfillKVCache._decoded  # the single cache's op path, on this form's own ``_keys``
 
-    def _quantized_tiles(self, q, ranges):
-        """Per range of code slots: scores on the keys decoded there and ``sum_t p_t s_t centroid[code_t]``,
-        rotated back once (the single cache's tiles, on the batched key unpacking)."""
-        def values(p, a, b):
-            vs = self.v_scales[:, :, a:b].astype(mx.float32)[:, :, None, :]
-            return rotate_values((p * vs) @ self._value_codes(a, b), self.seed, inverse=True)
-
-        return [(lambda a=a, b=b: q @ self._keys(a, b).swapaxes(-1, -2), lambda p, a=a, b=b: values(p, a, b))
-                for a, b in ranges]
+    def _key_scores(self, q, a: int, b: int) -> mx.array:
+        """The single cache's ``_quantized_tiles`` scores on the batched key unpacking (``_keys``)."""
+        return q @ self._keys(a, b).swapaxes(-1, -2)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self._held() and not all(self.src):
@@ -248,7 +239,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         counters = kernels.step_counters(self, queries.shape[0] * self.k_words.shape[1])
         return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
                                             self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width, self._shape[2],
-                                            exact, counts=counts, merge=kernels.Merge(sinks, True, queries.dtype, counters))
+                                            exact, counts=counts,
+                                            merge=kernels.Merge(sinks, True, queries.dtype, counters))
 
     def held_arrays(self):
         out = super().held_arrays()

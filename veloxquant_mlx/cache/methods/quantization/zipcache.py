@@ -137,8 +137,7 @@ class ZipCacheKVCache(KIVIKVCache):
         return self._route("v", n, dtype) if self.quantize_values else self.v_fp[:, :, :n].astype(dtype)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        """KIVI's one softmax on the stored form (``_attend_codes``), which also adds each query's
-        probability of every pending row (and how many queries saw it) to the saliency accumulators."""
+        """KIVI's one softmax on the stored form (``_attend_codes``), then the saliency accumulators' update."""
         call = self._take_call(queries, keys)
         if call is None:
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
