@@ -49,6 +49,7 @@ for cmd in "$@"; do
   tqbench) timeout 570 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method turboquant_rvq --context ${CONTEXTS:-8192,32768} --repeats ${REPEATS:-2} --decode-tokens ${DECODE:-16} --baselines none --isolate --warmup full --json $BENCH_ARGS > $OUT/h200_bench_tq.json 2> $OUT/tqbench.err; tail -3 $OUT/tqbench.err; python3 scripts/bench_samples.py $OUT/h200_bench_tq.json ;;
   pcostq) (timeout 200 python3 scripts/prefill_chunk_cost.py --method turboquant_rvq --context ${CONTEXTS:-8192,30720} --repeats 3; VELOXQUANT_DECODE_KERNELS=0 timeout 200 python3 scripts/prefill_chunk_cost.py --method turboquant_rvq --context ${CONTEXTS:-8192,30720} --repeats 3) > $OUT/pcostq.txt 2>&1; grep -v Warn $OUT/pcostq.txt ;;
   tqhd) (for T in ${CONTEXTS:-8192 32768}; do timeout 250 python3 scripts/decode_host_device.py --context $T --method turboquant_rvq --pipelined; done) > $OUT/tqhd.txt 2>&1; grep -v "^$" $OUT/tqhd.txt | grep -v Warn | head -60 ;;
+  batchtests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_waterfill_batch.py tests/test_kivi_batch.py tests/test_turboquant_rvq_batch.py tests/test_streaming_llm_batch.py > $OUT/batchtests.txt 2>&1; grep -E "^FAILED|passed|failed" $OUT/batchtests.txt ;;
   callhost) timeout 60 python3 scripts/kernel_call_host.py > $OUT/callhost.txt 2>&1; cat $OUT/callhost.txt ;;
   unroll) (for m in ${METHODS:-turboquant_rvq kivi}; do D="scripts/decode_host_device.py --context ${CONTEXT:-8192} --method $m --pipelined";
     echo "== $m as is"; timeout 100 python3 $D;
