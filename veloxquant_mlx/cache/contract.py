@@ -159,9 +159,22 @@ class CompressedKVCache(mlx_cache._BaseCache):
         return out if counters is None else out + [counters]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        step = self._step_key(keys, values)
+        if self._step_fits(step):  # a repeated decode row the layout stores by its short path
+            return self._decode_step(keys, values)
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
+        if keys.shape[2] == 1:
+            self._note_step(step)
+        return self._fetched(keys.dtype)
+
+    def _step_fits(self, step) -> bool:
+        """Whether ``_decode_step`` may store this one-row call (layouts with a short decode path say when)."""
+        return False
+
+    def _fetched(self, dtype):
+        """What ``update_and_fetch`` returns once ``_store`` holds the call: by default every stored row."""
         return self._dense()
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -229,7 +242,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
 
     def _note_step(self, step) -> None:
         """Remember a checked one-row call's shapes and dtypes (``_repeats_checked_step``)."""
-        self._step_sig = step + (self._shape,)
+        self._step_sig = step + (getattr(self, "_shape", None),)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None or return_array:

@@ -219,17 +219,9 @@ class GroupedQuantCache(CompressedKVCache):
         res = (self.res_k[:, :, :r], self.res_v[:, :, :r]) if r else (None, None)
         return self._rows(self.n_quant, *res, dtype=getattr(mx, self.dtype_name))
 
-    def update_and_fetch(self, keys, values):
-        step = self._step_key(keys, values)
-        if self._step_fits(step):
-            return self._decode_step(keys, values)
-        self._check_input(keys, values)
-        self._store(keys, values)
-        self.offset += keys.shape[2]
-        if keys.shape[2] == 1:
-            self._note_step(step)
+    def _fetched(self, dtype):
         q0, _, past_k, past_v, new_k, new_v = self._call
-        return self._rows(q0, past_k, past_v, new_k, new_v, dtype=keys.dtype)
+        return self._rows(q0, past_k, past_v, new_k, new_v, dtype=dtype)
 
     def _short_steps(self) -> bool:
         """Whether a decode row completing no group may skip ``_store``: not for variants storing their own way."""

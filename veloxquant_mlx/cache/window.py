@@ -233,17 +233,9 @@ class ResidualWindowCache(CompressedKVCache):
         win = (self.win_k[:, :, :r], self.win_v[:, :, :r]) if r else (None, None)
         return self._rows(self.n_sink, self.n_quant, *win, dtype=getattr(mx, self.dtype_name))
 
-    def update_and_fetch(self, keys, values):
-        step = self._step_key(keys, values)
-        if self._step_fits(step):
-            return self._decode_step(keys, values)
-        self._check_input(keys, values)
-        self._store(keys, values)
-        self.offset += keys.shape[2]
-        if keys.shape[2] == 1:
-            self._note_step(step)
+    def _fetched(self, dtype):
         c = self._call
-        return self._rows(c.s0, c.q0, c.past_k, c.past_v, c.new_k, c.new_v, dtype=keys.dtype)
+        return self._rows(c.s0, c.q0, c.past_k, c.past_v, c.new_k, c.new_v, dtype=dtype)
 
     def _short_steps(self) -> bool:
         """Whether a decode row compacting nothing may skip ``_store`` (a subclass adding to it answers for that)."""
