@@ -116,6 +116,22 @@ class RaggedBatchCache(CompressedKVCache):
         made = RaggedBatchCache._made_mask
         return mask is None or isinstance(mask, str) or (made is not None and mask is made[0] and made[1] == counts)
 
+    def __init__(self, config, batch_size: int = 0):
+        super().__init__(config)
+        self._init_counts(batch_size)
+
+    def trim(self, n: int) -> int:
+        """Drop the ``n`` newest tokens of every sequence (``_trim_rows``: the rows, as each single cache would; it
+        raises before changing anything when it cannot)."""
+        n = int(n)
+        if n <= 0 or not self.lens:
+            return 0
+        self._trim_rows(n)
+        self._call = None
+        self.lens = [x - n for x in self.lens]
+        self._sync_offset()
+        return n
+
     def _init_counts(self, batch_size: int) -> None:
         for name in self.count_fields:
             setattr(self, name, [0] * batch_size)

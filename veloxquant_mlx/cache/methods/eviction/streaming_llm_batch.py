@@ -191,15 +191,11 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
             mask = self._visible(*call)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence (rows back in position order), as the single cache."""
-        n = int(n)
-        if n <= 0 or not self.lens:
-            return 0
+    def _trim_rows(self, n: int) -> None:
+        """As the single cache; rows back in position order."""
         if n > min(self.nq):
             raise ValueError(f"cannot trim {n} tokens: a sequence holds only {min(self.nq)} rows "
                              f"(rows per sequence: {self.nq})")
-        self._call = None
         P = self.stored_rows()
         pos, nq = self.positions[:, 0, :P], mx.array(self.nq, dtype=mx.int32)[:, None]
         order = mx.argsort(mx.where(mx.arange(P, dtype=mx.int32)[None] < nq, pos, _BIG), axis=1).astype(mx.int32)
@@ -210,6 +206,4 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
                              "so they cannot be trimmed exactly")
         self._gather(order, *(getattr(self, name)[:, :, :P] for name in _FIELDS))
         self.cap, self.ring = P, [-1] * len(self.nq)
-        self.nq, self.lens = [x - n for x in self.nq], [x - n for x in self.lens]
-        self._sync_offset()
-        return n
+        self.nq = [x - n for x in self.nq]

@@ -51,10 +51,6 @@ class KIVIBatchKVCache(RaggedBatchCache):
     attend_path = "auto"
     dtype_name = "float16"
 
-    def __init__(self, config, batch_size: int = 0):
-        super().__init__(config)
-        self._init_counts(batch_size)
-
     R = property(lambda self: self.right_width)  # the residual's columns
 
     def size(self) -> int:
@@ -251,19 +247,13 @@ class KIVIBatchKVCache(RaggedBatchCache):
                                          self.value_group(new_v.shape[-1]), (k0, v0, 0, k0, v0, 0, new_k, new_v),
                                          counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, counters))
 
-    def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence: exact while they are all residual rows."""
-        n = int(n)
-        if n <= 0 or not self.lens:
-            return 0
+    def _trim_rows(self, n: int) -> None:
+        """Exact while the ``n`` newest tokens are all residual rows."""
         if n > min(self.nr):
             raise ValueError(
                 f"KIVIBatchKVCache: trimming {n} tokens would cut into a quantized group of some sequence "
                 f"(residual rows per sequence: {self.nr}); extract the sequences and trim them one by one")
-        self._call, R = None, self.R
+        R = self.R
         self.nr = [r - n for r in self.nr]
         R2 = max(self.nr)  # the region stays right-aligned: drop the now common invalid prefix
         self.res_k, self.res_v = keep_right(self.res_k[:, :, : R - n], R2), keep_right(self.res_v[:, :, : R - n], R2)
-        self.lens = [x - n for x in self.lens]
-        self._sync_offset()
-        return n

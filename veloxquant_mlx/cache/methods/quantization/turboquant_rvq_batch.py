@@ -59,10 +59,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     counts_constants = True
     _shared = TurboQuantRVQKVCache._shared
 
-    def __init__(self, config, batch_size: int = 0):
-        super().__init__(config)
-        self._init_counts(batch_size)
-
     W = property(lambda self: self.right_width)  # the window's columns
 
     def size(self) -> int:
@@ -264,15 +260,11 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
                             mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
-    def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence as the single cache does (window, codes, sinks)."""
-        n = int(n)
-        if n <= 0 or not self.lens:
-            return 0
+    def _trim_rows(self, n: int) -> None:
+        """As the single cache: the window's newest rows, then codes, then sinks."""
         if n > min(self.lens):
             raise ValueError(f"cannot trim {n} tokens: a sequence holds only {min(self.lens)} "
                              f"(tokens per sequence: {self.lens})")
-        self._call = None
         w = [min(n, x) for x in self.nw]
         q = [min(n - a, x) for a, x in zip(w, self.nq)]
         self.ns = [s - (n - a - b) for s, a, b in zip(self.ns, w, q)]
@@ -283,9 +275,6 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
             cut, W = max(self.W - n, 0), max(self.nw, default=0)
             self.win_k = keep_right(self.win_k[:, :, :cut], W)
             self.win_v = keep_right(self.win_v[:, :, :cut], W)
-        self.lens = [x - n for x in self.lens]
-        self._sync_offset()
-        return n
 
     @property
     def nbytes(self) -> int:
