@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from veloxquant_mlx.cache import BatchingNotSupported, KVCacheBuilder, KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.methods.quantization.waterfill import BLOCK, SINK_ROWS, WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill_batch import WaterfillBatchKVCache
 from veloxquant_mlx.cache.options import WaterfillOptions
@@ -225,7 +226,8 @@ def test_nbytes_compressed_and_no_float_copy():
     for c in batch:
         assert type(c) is WaterfillBatchKVCache and all(c.src)
         arrays = sum(getattr(c, n).nbytes for n in c.array_fields) + c._layout.nbytes + c._omega_cache.nbytes
-        assert c.nbytes == arrays  # head dim 64: a fast Hadamard, no rotation matrix
+        kernel_tables = sum(a.nbytes for a in wf_kernel.held_constants(c))  # built on CUDA only (its decode kernel)
+        assert c.nbytes == arrays + kernel_tables  # head dim 64: a fast Hadamard, no rotation matrix
         assert c.full_seq_bytes == sum(c.lens) * 2 * (64 + 64) * 2
         # 66 / 256 for the codes, plus windows, sinks, the slots of shorter sequences up to the longest one's
         # and decode's growth slack (measured 0.36)
