@@ -273,10 +273,11 @@ class ResidualWindowCache(CompressedKVCache):
         if call.s0 + call.q0 + call.r0 == 0:  # nothing stored before this call: exact attention
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
                                                         mask=mask, sinks=sinks)
-        if n > 1 or (call.q0 > 2 * DECODE_TILE and mx.default_device() == mx.cpu):
+        tile = self.decode_tile
+        if n > 1 or (tile and call.q0 > 2 * tile and mx.default_device() == mx.cpu):
             # a prefill chunk, or a long CPU decode step (tiles whose decoded rows stay in the CPU's caches)
             return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks,
-                                      tile=None if n > 1 else DECODE_TILE)
+                                      tile=None if n > 1 else tile)
         return attend_joint(queries, call, self._sinks(call.s0), self._quantized_part, scale=scale, mask=mask,
                             sinks=sinks, n_keys=keys.shape[2])
 
@@ -335,6 +336,7 @@ class ResidualWindowCache(CompressedKVCache):
             cache.counts_constants = keys[i] not in keys[:i]
         return caches
 
+    decode_tile = DECODE_TILE  # quantized rows per tile of a long CPU decode step (0: one tile)
     _shared: tuple = ()  # attributes a deepcopy shares (rotations, codebooks, tables), not copies
 
     def __deepcopy__(self, memo):

@@ -181,6 +181,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                     "sink_k", "sink_v")
     scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "counts_constants")
     _shared = ("_kq", "_vq")
+    decode_tile = 0  # a CPU decode step scores all its codes by LUT in one tile (2x faster than 2048-row tiles)
 
     def _init_layout(self):
         c, o = self.config, self.config.options
@@ -305,16 +306,13 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return tq_kernel.supported(D, DV, queries.shape[1] // H, self.key_sub_dim, self.key_bits, self.value_sub_dim,
                                    self.value_bits)
 
-    def _quantized_part(self, q, n):
-        """The one tile ``(0, n)``, its keys scored by LUT on the codes for decode-sized calls."""
-        scores_fn, value_fn = self._quantized_tiles(q, [(0, n)], lut=q.shape[2] <= LUT_MAX_ROWS)[0]
-        return scores_fn(), value_fn
-
-    def _quantized_tiles(self, q, ranges, lut: bool = False):
-        """Per tile: scores from its codes decoded to rotated-domain rows (or by LUT), values as
-        ``sum_t p_t g_t centroid[code_t]`` rotated back once; the queries are rotated once per call."""
+    def _quantized_tiles(self, q, ranges):
+        """Per tile: scores by LUT on the codes for decode-sized calls (``LUT_MAX_ROWS`` query rows per KV head),
+        else from the codes decoded to rotated-domain rows; values as ``sum_t p_t g_t centroid[code_t]`` rotated back
+        once; the queries are rotated once per call."""
         kq, vq = self._qs()
         qr = q @ kq.rot_t
+        lut = q.shape[2] <= LUT_MAX_ROWS
 
         def norms(prefix, a, b):
             return getattr(self, prefix + "norms")[:, :, a:b].astype(mx.float32)[:, :, None, :]
