@@ -362,29 +362,6 @@ def test_waterfill_decode_op_path_equals_float64_attention_over_the_stored_rows(
     assert c.n_sink == 4 and c.n_quant > 0
 
 
-@pytest.mark.parametrize("method", ["waterfill", "turboquant_rvq"])
-def test_tiled_long_decode_steps_equal_float64_attention(monkeypatch, method):
-    """A CPU decode step over more than two tiles of quantized rows (here tiles of 16 rows) is an online
-    softmax over the sinks, the tiles and the exact rows: the same attention over the stored rows."""
-    from veloxquant_mlx.cache import window
-
-    monkeypatch.setattr(window, "DECODE_TILE", 16)
-    H, R, D = 2, 3, 64
-    r = nn.RoPE(D, traditional=True, base=10000.0)
-    c = _waterfill(D, r) if method == "waterfill" else KVCacheFactory.create(
-        KVCacheConfig(method=method, bit_width_inlier=4, head_dim=D))
-    rng = np.random.default_rng(5)
-    _feed_waterfill(c, H, R, D, 257, rng)  # (turboquant_rvq: a 128-row window)
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
-    for i in range(20):
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
-        q, sk = _rows(rng, H * R, 1, D), sinks if i % 2 else None
-        assert c._call.q0 > 2 * 16
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
-        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
-        assert _rel(out, want) < TOL_ATTN, i
-
-
 @pytest.mark.parametrize("H,R,D,bits,group,prompt,steps", [
     (1, 1, 64, 4, 32, 33, 40), (2, 3, 64, 2, 32, 95, 36), (2, 4, 128, 8, 64, 64, 70)])
 def test_kivi_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R, D, bits, group, prompt, steps):

@@ -21,7 +21,6 @@ from .primitives.buffers import dtype_name, fp16_row_bytes, grow_rows  # noqa: F
 
 QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
 SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
-DECODE_TILE = 2048  # quantized rows per tile of a long decode step on the CPU (4096: the same speed)
 
 
 def concat_rows(pairs, dtype):
@@ -61,15 +60,14 @@ def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask
     return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
 
 
-def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mask, sinks, n_keys: int, block: int,
-                 tile=None):
+def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mask, sinks, n_keys: int, block: int):
     """``call``'s attention as an online softmax over tiles of rows (``attention.online_softmax_attention``):
     the sinks, the quantized rows (``quantized_tiles(q, ranges)``), the window and the call's rows; tiles of
     ``tile`` rows (default ``tile_rows``), so no [N, M] float32 array exists."""
     B, Hq, N, D = queries.shape
     H = call.new_k.shape[1]
     qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
-    tile = tile or tile_rows(B * Hq * N, n_keys, block)
+    tile = tile_rows(B * Hq * N, n_keys, block)
     s0, q0 = call.s0, call.q0
     blocks = dense_blocks(qf, *sink, 0, tile) if s0 else []
     if q0:
@@ -273,27 +271,23 @@ class ResidualWindowCache(CompressedKVCache):
         if call.s0 + call.q0 + call.r0 == 0:  # nothing stored before this call: exact attention
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
                                                         mask=mask, sinks=sinks)
-        tile = self.decode_tile
-        if n > 1 or (tile and call.q0 > 2 * tile and mx.default_device() == mx.cpu):
-            # a prefill chunk, or a long CPU decode step (tiles whose decoded rows stay in the CPU's caches)
-            return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks,
-                                      tile=None if n > 1 else tile)
+        if n > 1:  # a prefill chunk (a decode step, however long, is one tile: faster on the CPU, RESULTS session 19)
+            return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
         return attend_joint(queries, call, self._sinks(call.s0), self._quantized_part, scale=scale, mask=mask,
                             sinks=sinks, n_keys=keys.shape[2])
 
     def _sinks(self, s0: int):
         return (self.sink_k[:, :, :s0], self.sink_v[:, :, :s0]) if s0 else None
 
-    def _attend_chunk(self, queries, keys, values, call: WindowCall, *, scale, mask, sinks, tile=None):
+    def _attend_chunk(self, queries, keys, values, call: WindowCall, *, scale, mask, sinks):
         """A prefill chunk without any prompt-sized float32 array: on a GPU MLX's fused attention over the rows
         ``update_and_fetch`` returned (decoded lazily); elsewhere an online softmax over tiles of the sinks, the
-        quantized rows (``_quantized_tiles``), the window and the call's rows. Also a long CPU decode step, in
-        tiles of ``tile`` rows (0.25x -> 0.38x the plain cache's per-layer step at 16k tokens, SmolLM2's shape)."""
+        quantized rows (``_quantized_tiles``), the window and the call's rows."""
         if mx.default_device().type == mx.DeviceType.gpu:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                         sinks=sinks)
         return attend_tiled(queries, call, self._sinks(call.s0), self._quantized_tiles, scale=scale, mask=mask,
-                            sinks=sinks, n_keys=keys.shape[2], block=self.quant_block, tile=tile)
+                            sinks=sinks, n_keys=keys.shape[2], block=self.quant_block)
 
     def _one_row_over_codes(self, queries, keys, mask) -> bool:
         """A call the decode kernels take: one query row and one new row over quantized rows and the float16 sinks,
@@ -336,7 +330,6 @@ class ResidualWindowCache(CompressedKVCache):
             cache.counts_constants = keys[i] not in keys[:i]
         return caches
 
-    decode_tile = DECODE_TILE  # quantized rows per tile of a long CPU decode step (0: one tile)
     _shared: tuple = ()  # attributes a deepcopy shares (rotations, codebooks, tables), not copies
 
     def __deepcopy__(self, memo):

@@ -181,7 +181,6 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                     "sink_k", "sink_v")
     scalar_fields = ("n_sink", "n_quant", "n_win", "dtype_name", "counts_constants")
     _shared = ("_kq", "_vq")
-    decode_tile = 0  # a CPU decode step scores all its codes by LUT in one tile (2x faster than 2048-row tiles)
 
     def _init_layout(self):
         c, o = self.config, self.config.options
@@ -257,10 +256,10 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     def _decode_attend(self, queries, *, scale, sinks=None):
         return tq_kernel.decode_attend(self, queries, scale, sinks)
 
-    def _attend_chunk(self, queries, keys, values, call, *, scale, mask, sinks, tile=None):
+    def _attend_chunk(self, queries, keys, values, call, *, scale, mask, sinks):
         if mx.default_device().type == mx.DeviceType.gpu:
             return self._rotated_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
-        return super()._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks, tile=tile)
+        return super()._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
 
     def _rotated_chunk(self, queries, call, *, scale, mask, sinks):
         """A prefill chunk on a GPU: MLX's fused attention in the rotated domain (``q.k = (Pi q).(Pi k)``), where the
