@@ -63,7 +63,7 @@ def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask
 def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mask, sinks, n_keys: int, block: int):
     """``call``'s attention as an online softmax over tiles of rows (``attention.online_softmax_attention``):
     the sinks, the quantized rows (``quantized_tiles(q, ranges)``), the window and the call's rows; tiles of
-    ``tile`` rows (default ``tile_rows``), so no [N, M] float32 array exists."""
+    ``tile_rows`` rows, so no [N, M] float32 array exists."""
     B, Hq, N, D = queries.shape
     H = call.new_k.shape[1]
     qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
@@ -325,9 +325,11 @@ class ResidualWindowCache(CompressedKVCache):
     @classmethod
     def build_layers(cls, configs):
         """One cache per layer; the first of each ``constants_key`` counts the shared constants in ``nbytes``."""
-        caches, keys = [cls(c) for c in configs], [cls.constants_key(c) for c in configs]
-        for i, cache in enumerate(caches):
-            cache.counts_constants = keys[i] not in keys[:i]
+        caches, seen = [cls(c) for c in configs], set()
+        for cache, c in zip(caches, configs):
+            key = cls.constants_key(c)
+            cache.counts_constants = key not in seen
+            seen.add(key)
         return caches
 
     _shared: tuple = ()  # attributes a deepcopy shares (rotations, codebooks, tables), not copies
