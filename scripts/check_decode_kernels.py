@@ -25,12 +25,17 @@ EXACT = [F16, F16, BF16, BF16, F32, F32]
 PARTIALS = [F32] * 3
 CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
     ("waterfill_d128_r4", waterfill._KERNELS[False, False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
-     PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 4), ("DV", 128))),
+     PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PAIR", True)) + waterfill.group_constants(4, 4, 128)
+     + (("NW", 4), ("REP", 4), ("DV", 128))),
     ("waterfill_batch_d128_r4", waterfill._KERNELS[True, False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32, I32]
-     + EXACT, PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", 4), ("HK", 8), ("NW", 4), ("REP", 4),
-                         ("DV", 128))),
+     + EXACT, PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PAIR", True))
+     + waterfill.group_constants(4, 4, 128) + (("HK", 8), ("NW", 4), ("REP", 4), ("DV", 128))),
     ("waterfill_d64_r3", waterfill._KERNELS[False, False], [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
-     PARTIALS, (("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("PF", 4), ("NW", 4), ("REP", 3), ("DV", 64))),
+     PARTIALS, (("D", 64), ("WK", 8), ("WV", 8), ("VB", 4), ("PAIR", False)) + waterfill.group_constants(3, 4, 64)
+     + (("NW", 4), ("REP", 3), ("DV", 64))),
+    ("waterfill_d64_r8_b3", waterfill._KERNELS[False, False], [F16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32]
+     + EXACT, PARTIALS, (("D", 64), ("WK", 8), ("WV", 6), ("VB", 3), ("PAIR", True)) + waterfill.group_constants(8, 3, 64)
+     + (("NW", 4), ("REP", 8), ("DV", 64))),
     ("kivi_d128_r4", kivi._KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("NW", 4),
       ("REP", 4), ("DV", 128))),
@@ -53,8 +58,10 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
      (("D", 128), ("DV", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TT", 64))),
     ("kivi_rows_d64_b2", kivi_rows._KERNEL, [U32, F16, F16, U32, F16, F16], [F32, F32],
      (("D", 64), ("DV", 64), ("KB", 2), ("G", 64), ("GV", 64), ("WV", 4), ("TT", 64))),
-    ("merge_rot_bf16", _common._MERGE, [F32, F32, F32, BF16], [BF16], (("DV", 128), ("HAS_SINK", 1), ("ROT", 1))),
-    ("merge_f16", _common._MERGE, [F32, F32, F32, F32], [F16], (("DV", 64), ("HAS_SINK", 0), ("ROT", 0))),
+    ("merge_rot_bf16", _common._MERGE, [F32, F32, F32, BF16], [BF16], (("DV", 128), ("MP", 4), ("MAX_S1", 513), ("HAS_SINK", 1),
+                                                                           ("ROT", 1))),
+    ("merge_f16", _common._MERGE, [F32, F32, F32, F32], [F16], (("DV", 64), ("MP", 8), ("MAX_S1", 513), ("HAS_SINK", 0),
+                                                                       ("ROT", 0))),
 ]
 
 
@@ -71,6 +78,8 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     ok = True
     for label, kernel, dtypes, out_dtypes, consts in CASES:
+        if "ek0" in kernel.inputs:  # a decode kernel's exact rows: one at a time (EXACT_PREFETCH past a few dozen)
+            consts = consts + (("XP", 1),)
         symbol, text = kernel.source(dtypes, out_dtypes, consts)
         src = out / f"{label}.cu"
         src.write_text(text)

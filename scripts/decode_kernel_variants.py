@@ -11,6 +11,8 @@ timing, for ``ncu -k regex:decode`` (the kernels' own GPU time).
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import importlib
 import importlib.util
 import os
@@ -86,7 +88,10 @@ def main(argv=None):
 
             def waterfill(M):
                 ktab, lo, st, rope, vpoly = M["waterfill"].cache_constants(wf)
-                return attend(M, M["waterfill"].waterfill_partials,
+                fn = M["waterfill"].waterfill_partials  # RoPE pairs in a lane where the variant knows them
+                if "paired" in inspect.signature(fn).parameters:
+                    fn = functools.partial(fn, paired=M["waterfill"].paired_rope(wf.rope, D))
+                return attend(M, fn,
                               (one_q, D**-0.5, wf.k_words, ktab, lo, st, rope, wf.v_words, wf.v_scales, vpoly,
                                wf.n_quant, wf.n_sink, wf.bit_width, D, wex), True)
 

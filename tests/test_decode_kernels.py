@@ -173,6 +173,28 @@ def test_rope_tables_without_rope_leave_the_query_alone():
     assert not w.any() and not sign.any() and (partner == np.arange(32)).all()
 
 
+def test_waterfill_kernel_groups_rows_and_heads_within_a_warp():
+    """Each group reduces PF rows x RP2 query heads (RP2: the heads rounded up to a power of two) over 32 lanes, so
+    their product is a power of two of at most 32 and PF as large as that allows (at most PREFETCH rows); value codes
+    are decoded without shuffles only when they never straddle a word; RoPE pairs meet in a lane only for the
+    half-split rotation over every channel, with d/2 a multiple of 32."""
+    for rep in range(1, 33):
+        g = dict(wf_kernel.group_constants(rep, 4, 128))
+        nv = g["PF"] * g["RP2"]
+        assert g["RP2"] >= rep and g["RP2"] < 2 * rep and nv <= 32 and nv == 1 << g["LNV"]
+        assert g["RP2"] == 1 << g["LRP"] and g["PF"] == min(wf_kernel.PREFETCH, 32 // g["RP2"])
+    assert [dict(wf_kernel.group_constants(4, b, 128))["VMAP"] for b in (1, 2, 3, 4, 5, 8)] == [
+        True, True, False, True, False, True]
+    assert not dict(wf_kernel.group_constants(4, 8, 256))["VMAP"]  # a lane's 8 channels would span two words
+    spec = {"dims": 128, "traditional": False}
+    assert wf_kernel.paired_rope(spec, 128) and wf_kernel.paired_rope(None, 64)
+    assert not wf_kernel.paired_rope({**spec, "traditional": True}, 128)
+    assert not wf_kernel.paired_rope({**spec, "dims": 64}, 128) and not wf_kernel.paired_rope(None, 32)
+    # shared memory: 16 query heads per KV head at d 128, 32 at d 64; never more than 32 (one warp's lanes)
+    assert wf_kernel.supported(128, 128, 16, 16, 16) and not wf_kernel.supported(128, 128, 16, 16, 32)
+    assert wf_kernel.supported(64, 64, 8, 8, 32) and not wf_kernel.supported(64, 64, 8, 8, 33)
+
+
 # ---------------------------------------------------------------------------------------- the bits the kernels read
 @pytest.mark.parametrize("seed", range(4))
 def test_waterfill_key_table_addresses_every_code(seed):
@@ -471,6 +493,10 @@ def _kernel_vs_op(c, q, scale, sinks, op):
     ("waterfill", 3, 3, 64, 1037, mx.bfloat16, False, {"rope": "traditional"}),
     ("waterfill", 8, 4, 128, 5000, mx.bfloat16, True, {"rope": "rope"}),
     ("waterfill", 4, 2, 128, 777, mx.float32, False, {"rope": "rope"}),
+    ("waterfill", 2, 8, 128, 700, mx.float16, True, {"rope": "rope", "bits": 2}),
+    ("waterfill", 3, 3, 64, 500, mx.float32, False, {"rope": "rope", "bits": 3}),
+    ("waterfill", 2, 16, 64, 400, mx.bfloat16, False, {"rope": "rope", "dims": 32}),
+    ("waterfill", 1, 32, 64, 300, mx.float16, True, {"rope": "traditional", "bits": 8}),
     ("turboquant_rvq", 2, 1, 64, 61, mx.float16, False, {}),
     ("turboquant_rvq", 8, 4, 128, 301, mx.float16, True, {}),
     ("turboquant_rvq", 3, 3, 64, 1037, mx.bfloat16, False, {}),
@@ -482,11 +508,14 @@ def _kernel_vs_op(c, q, scale, sinks, op):
     ("turboquant_rvq", 2, 2, 128, 150, mx.float16, True, {"key_codebook_bits": 7, "value_codebook_bits": 6})])
 def test_window_kernels_equal_the_op_path(method, H, R, D, prompt, dtype, with_sinks, kw):
     """The residual-window caches' decode kernels against their op path on the same steps: waterfill (RoPE on the
-    query side, with or without), TurboQuant-RVQ (lane-per-token scores on the codes, the dense rotation back in the
-    fused tail; default codebooks, one-stage keys, two-stage values, 2-bit sub-vectors, codes straddling words)."""
+    key pairs within a lane or on the query side (traditional, partial), none; 1 to 32 query heads per KV head; value
+    codes in whole words or straddling them), TurboQuant-RVQ (lane-per-token scores on the codes, the dense rotation
+    back in the fused tail; default codebooks, one-stage keys, two-stage values, 2-bit sub-vectors, codes straddling
+    words)."""
     if method == "waterfill":
-        c = _waterfill(D, None if kw["rope"] is None else nn.RoPE(D, traditional=kw["rope"] == "traditional",
-                                                                  base=10000.0))
+        c = _waterfill(D, None if kw["rope"] is None else nn.RoPE(kw.get("dims", D), base=10000.0,
+                                                                  traditional=kw["rope"] == "traditional"),
+                       bits=kw.get("bits", 4))
     else:
         c = _tq(D, **kw)
     rng = np.random.default_rng(prompt)
@@ -876,7 +905,7 @@ def reference_kernels(monkeypatch):
     def merged(partials, how):  # a fused launch (``merge``) returns the output, else the partials
         return partials if how is None else merge(*partials, *how)
 
-    def wf(queries, scale, k_words, *args, counts=None, merge=None):
+    def wf(queries, scale, k_words, *args, counts=None, merge=None, paired=False):  # paired: how, not what
         c, n, exact = caches["waterfill"], args[-5], args[-1]
         q = grouped(queries, scale, k_words.shape[1])
         vals = c._value_codes(0, n) * c.v_scales[:, :, :n, None].astype(mx.float32)

@@ -227,6 +227,8 @@ def test_nbytes_compressed_and_no_float_copy():
         assert type(c) is WaterfillBatchKVCache and all(c.src)
         arrays = sum(getattr(c, n).nbytes for n in c.array_fields) + c._layout.nbytes + c._omega_cache.nbytes
         kernel_tables = sum(a.nbytes for a in wf_kernel.held_constants(c))  # built on CUDA only (its decode kernel)
+        counters = c.__dict__.get("_kernel_counters")  # the fused launches' block counters (CUDA only)
+        kernel_tables += counters.nbytes if counters is not None else 0
         assert c.nbytes == arrays + kernel_tables  # head dim 64: a fast Hadamard, no rotation matrix
         assert c.full_seq_bytes == sum(c.lens) * 2 * (64 + 64) * 2
         # 66 / 256 for the codes, plus windows, sinks, the slots of shorter sequences up to the longest one's

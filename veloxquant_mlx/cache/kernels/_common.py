@@ -289,12 +289,15 @@ VQ_COUNTS
 # domain, XP rows per warp at a time (``exact_args``). QV(r, j) is the scaled query of head r at the lane's channel
 # lane + 32 j.
 EXACT_ROWS = r"""
+#ifndef VQ_VCH
+#define VQ_VCH(l, j) ((l) + 32 * (j))  // the value channel of a lane's acc[r][j] (a kernel may map its own)
+#endif
 #define VQ_EXACT_LOAD(K, V, ROW) {                                                  \
       const size_t vq_row = (ROW);                                                   \
       _Pragma("unroll") for (int j = 0; j < D / 32; ++j)                             \
         kx[x][j] = VQ_F(K[vq_row * D + lane + 32 * j]);                              \
       _Pragma("unroll") for (int j = 0; j < DV / 32; ++j)                            \
-        vx[x][j] = VQ_F(V[vq_row * DV + lane + 32 * j]);                             \
+        vx[x][j] = VQ_F(V[vq_row * DV + VQ_VCH(lane, j)]);                           \
     }
     const int E = e0 + e1 + 1;
     for (int e0w = warp * XP; e0w < E; e0w += NW * XP) {  // XP rows per warp at a time: their loads all in flight
@@ -382,8 +385,11 @@ BLOCK_SHARED = r"""
   VQ_SHARED float sm_a[NW * REP * DV];
 """
 
-# The store for warps holding acc[REP][VJ] at channels lane + 32 j.
+# The store for warps holding acc[REP][VJ] at channels VQ_VCH(lane, j) (default lane + 32 j).
 LANE_STORE = r"""
+#ifndef VQ_VCH
+#define VQ_VCH(l, j) ((l) + 32 * (j))
+#endif
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
@@ -391,7 +397,7 @@ LANE_STORE = r"""
 #pragma unroll
   for (int r = 0; r < REP; ++r) {
 #pragma unroll
-    for (int j = 0; j < VJ; ++j) sm_a[(warp * REP + r) * DV + lane + 32 * j] = acc[r][j];
+    for (int j = 0; j < VJ; ++j) sm_a[(warp * REP + r) * DV + VQ_VCH(lane, j)] = acc[r][j];
   }
 """
 

@@ -2,15 +2,22 @@
 rotated-domain value codes of one width with a per-row scale (``primitives.bitpack`` + the odd
 polynomial codebook).
 
-One warp walks its tokens in order, loading the words of the next PREFETCH rows together (independent
-loads in flight: a warp's chain of dependent loads is its rows / PREFETCH); for each token, lanes
-0..WK-1 hold the key row's words and lanes 0..WV-1 the value row's (each word read once, coalesced), every
-lane decodes its D/32 key channels (two shuffles: the channel's word and the next, then shift and mask, ``lo + code * step``)
-and its Dv/32 value channels (the polynomial centroid times the row scale). RoPE is applied to the
-query, not the key: ``q . R(t) k = sum_c k_c (q_c cos(t w_c) + s_c q_p(c) sin(t w_c))`` with ``p(c)`` the
-channel's rotary partner and ``s_c`` its sign, the (cos, sin) of each lane's channels advanced by one
-rotation per token. The score is a warp sum; an online softmax keeps (m, l, acc) per query head of
-the KV head's group. The value sum stays in the rotated domain (``merge_partials`` rotates back once).
+One warp walks its tokens in order, PF rows at a time (their words loaded together: independent loads in flight).
+Lanes 0..WK-1 hold a key row's words (each word read once, coalesced); every lane decodes its D/32 key channels
+``lane + 32 j`` (two shuffles, a funnel shift and a mask: ``lo + code * step``). RoPE: ``q . R(t) k``. Where a rotary
+pair lies in one lane (the half-split rotation over all channels with d/2 a multiple of 32: ``paired_rope``) the lane
+rotates its key pair once per row and every query head reads it unrotated; otherwise the query side carries the
+rotation, ``sum_c k_c (q_c cos(t w_c) + s_c q_p(c) sin(t w_c))`` with ``p(c)`` the channel's partner and ``s_c`` its
+sign. Either way each lane's (cos, sin) advance by one rotation per row. A group's PF rows x RP2 query heads of lane
+partial scores are summed over the warp by one reduce-scatter (each step halves what a lane holds: NV - 1 shuffles
+for NV scores instead of 5 per score), leaving one score per lane; the online softmax then rescales once per group
+and head and takes one exp per lane, and each weight is broadcast to the lanes for the value sum. Value codes that
+never straddle a word (``VMAP``) are decoded without shuffles, each lane taking VJ consecutive channels of one word
+(``VQ_VCH`` maps them back). The value sum stays in the rotated domain (the merge rotates back once).
+
+H200 (Nsight Compute, llama-8b shape, 131072 rows, 4-bit): 599 us per layer before the grouping (issue-bound: 166
+registers, 3.85 cycles per issued instruction); ``scripts/decode_kernel_variants.py``: 6.2 -> 5.1 ms per 10 layers at
+128k, 3.0 -> 2.4 at 32k (docs/RESULTS.md "Waterfill's decode kernel: rows and heads grouped").
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import (BLOCK_MERGE, EXACT_ROWS, Merge, exact_args, kernel_variants, launch, split_count,
+from ._common import (BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch, split_count,
                       step_counters, window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
-__all__ = ["waterfill_partials", "key_table", "rope_tables", "supported", "cache_constants", "held_constants",
+__all__ = ["waterfill_partials", "key_table", "rope_tables", "paired_rope", "supported", "cache_constants",
+           "held_constants",
            "decode_attend"]
 
 # A value row's channels lane + 32 j (j < VJ) decoded from the row's words (``vword``: word ``lane`` of the row,
@@ -56,6 +64,10 @@ VQ_COUNTS
   constexpr int CJ = D / 32;
   constexpr int VJ = DV / 32;
   constexpr vq_u32 VMASK = (1u << VB) - 1u;
+  constexpr int NV = PF * RP2;      // scores a group of PF rows reduces at once: PF rows x RP2 query heads
+  constexpr int LSH = 5 - LNV;      // after the reduce-scatter lane holds score (lane >> LSH) = row * RP2 + head
+  constexpr int CPW = 32 / VB;      // value channels per word (VMAP: each lane decodes VJ of one word's)
+#define VQ_VCH(l, j) (VMAP ? (((l) % WV) * CPW + ((l) / WV) * VJ + (j)) : ((l) + 32 * (j)))
   const int per = (n + S - 1) / S;
   const int t_begin = min(n, s * per);
   const int t_end = min(n, t_begin + per);
@@ -95,61 +107,119 @@ VQ_COUNTS
 #pragma unroll
     for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
   }
+// key channel lane + 32 j of the row whose words lane i holds in ``kword``: two shuffles, a funnel shift, a mask
+#define WF_KEY(j) (lo[j] + (float)(VQ_FUNNEL(VQ_SHFL(kword, (int)wi[j]), VQ_SHFL(kword, (int)wi1[j]), sh[j]) & mk[j]) \
+                   * st[j])
+#define WF_TURN(j) {                                                                      \
+    const float c2 = cs[j] * cw[j] - sn[j] * sw[j];                                        \
+    sn[j] = sn[j] * cw[j] + cs[j] * sw[j];                                                 \
+    cs[j] = c2;                                                                            \
+  }
   if (s == S) {
 #define QV(r, j) qa[r][j]
 """ + EXACT_ROWS + r"""
 #undef QV
   } else for (int t0 = w0; t0 < w1; t0 += PF) {
-    // the next PF rows' words are loaded together (independent loads in flight), then decoded in order
+    // the next PF rows' words are loaded together (independent loads in flight)
     vq_u32 kwd[PF], vwd[PF];
     float vsf[PF];
+    const int vlane = VMAP ? lane % WV : lane;
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
       const int t = min(t0 + i, w1 - 1);
       kwd[i] = lane < WK ? kw[((size_t)bh * TK + t) * WK + lane] : 0u;
-      vwd[i] = lane < WV ? vw[((size_t)bh * TV + t) * WV + lane] : 0u;
+      vwd[i] = vlane < WV ? vw[((size_t)bh * TV + t) * WV + vlane] : 0u;
       vsf[i] = VQ_F(vs[(size_t)bh * TS + t]);
     }
+    // each lane's share of the PF rows' scores for every query head: sv[row * RP2 + head]
+    float sv[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) sv[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < PF; ++i) {
+      const vq_u32 kword = kwd[i];
+      if (PAIR) {  // channel j's rotary partner is the lane's j + CJ/2: rotate the key pair, not the query
+#pragma unroll
+        for (int j = 0; j < CJ / 2; ++j) {
+          const float k1 = WF_KEY(j), k2 = WF_KEY(j + CJ / 2);
+          const float r1 = k1 * cs[j] - k2 * sn[j], r2 = k1 * sn[j] + k2 * cs[j];
+#pragma unroll
+          for (int r = 0; r < REP; ++r) sv[i * RP2 + r] += qa[r][j] * r1 + qa[r][j + CJ / 2] * r2;
+          WF_TURN(j)
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) {
+          const float k = WF_KEY(j);
+#pragma unroll
+          for (int r = 0; r < REP; ++r) sv[i * RP2 + r] += k * (qa[r][j] * cs[j] + qb[r][j] * sn[j]);
+          WF_TURN(j)
+        }
+      }
+    }
+    // reduce-scatter: each step halves the values a lane holds, so NV scores take NV - 1 shuffles, not 5 NV
+#pragma unroll
+    for (int k = 0; k < LNV; ++k) {
+      const int o = 16 >> k;
+      const bool up = (lane & o) != 0;
+#pragma unroll
+      for (int i = 0; i < (NV >> (k + 1)); ++i) {
+        const float send = up ? sv[i] : sv[i + (NV >> (k + 1))];
+        const float keep = up ? sv[i + (NV >> (k + 1))] : sv[i];
+        sv[i] = keep + VQ_SHFL_XOR(send, o);
+      }
+    }
+    float sc = sv[0];
+#pragma unroll
+    for (int o = 16 >> LNV; o > 0; o >>= 1) sc += VQ_SHFL_XOR(sc, o);
+    const int idx = lane >> LSH, rl = idx & (RP2 - 1);
+    const bool ok = rl < REP && t0 + (idx >> LRP) < w1;
+    sc = ok ? sc : -VQ_INF;
+    float g = sc;  // the group's max for head rl
+#pragma unroll
+    for (int o = RP2 << LSH; o < 32; o <<= 1) g = fmaxf(g, VQ_SHFL_XOR(g, o));
+    // one online-softmax rescale per group and head; one exp per lane for its own score
+    float mo = 0.f;
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      const float mn = fmaxf(m[r], VQ_SHFL(g, r << LSH));
+      const float corr = VQ_EXP(m[r] - mn);
+      m[r] = mn;
+      l[r] *= corr;
+#pragma unroll
+      for (int j = 0; j < VJ; ++j) acc[r][j] *= corr;
+      mo = rl == r ? mn : mo;
+    }
+    const float p = ok ? VQ_EXP(sc - mo) : 0.f;
 #pragma unroll
     for (int i = 0; i < PF; ++i) {
       if (t0 + i >= w1) break;
-      const vq_u32 kword = kwd[i];
       const vq_u32 vword = vwd[i];
       const float vscale = vsf[i];
-      float part[REP];
-#pragma unroll
-      for (int r = 0; r < REP; ++r) part[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < CJ; ++j) {
-        const vq_u32 a = VQ_SHFL(kword, (int)wi[j]);
-        const vq_u32 b = VQ_SHFL(kword, (int)wi1[j]);
-        const vq_u32 code = ((a >> sh[j]) | ((b << (31u - sh[j])) << 1)) & mk[j];
-        const float k = lo[j] + (float)code * st[j];
-#pragma unroll
-        for (int r = 0; r < REP; ++r) part[r] += k * (qa[r][j] * cs[j] + qb[r][j] * sn[j]);
-        const float c2 = cs[j] * cw[j] - sn[j] * sw[j];
-        sn[j] = sn[j] * cw[j] + cs[j] * sw[j];
-        cs[j] = c2;
-      }
-#pragma unroll
-      for (int r = 0; r < REP; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) part[r] += VQ_SHFL_XOR(part[r], o);
-      }
       float v[VJ];
+      if (VMAP) {  // this lane's VJ channels are consecutive codes of its word: no shuffle
+        const vq_u32 vl = vword >> ((lane / WV) * VJ * VB);
+#pragma unroll
+        for (int j = 0; j < VJ; ++j) {
+          const float u = vq_code(vl, 23 - VB * (j + 1), VMASK << (23 - VB)) * (float)(1 << VB)
+                          - ((float)(1 << VB) + half_top);
+          const float u2 = u * u;
+          v[j] = vscale * (u * (pa + u2 * (pb + pc * u2)));
+        }
+      } else {
 """ + VALUE_DECODE.replace("VQ_OUT", "v") + r"""
+      }
 #pragma unroll
       for (int r = 0; r < REP; ++r) {
-        const float mn = fmaxf(m[r], part[r]);
-        const float corr = VQ_EXP(m[r] - mn);
-        const float p = VQ_EXP(part[r] - mn);
-        l[r] = l[r] * corr + p;
+        const float pr = VQ_SHFL(p, (i * RP2 + r) << LSH);
+        l[r] += pr;
 #pragma unroll
-        for (int j = 0; j < VJ; ++j) acc[r][j] = acc[r][j] * corr + p * v[j];
-        m[r] = mn;
+        for (int j = 0; j < VJ; ++j) acc[r][j] += pr * v[j];
       }
     }
   }
+#undef WF_KEY
+#undef WF_TURN
 """ + BLOCK_MERGE
 
 # H: KV heads; TK / TV / TS: rows of the key words, value words and value scales buffers (capacities)
@@ -160,9 +230,31 @@ _KERNELS = kernel_variants("vq_waterfill_decode",
 
 
 @functools.cache
-def supported(d: int, dv: int, key_words: int, value_words: int) -> bool:
-    """Shapes the kernel handles: head dims multiples of 32, rows of at most 32 words."""
-    return d % 32 == 0 and dv % 32 == 0 and 0 < key_words <= 32 and 0 < value_words <= 32
+def supported(d: int, dv: int, key_words: int, value_words: int, rep: int = 1) -> bool:
+    """Shapes the kernel handles: head dims multiples of 32, rows of at most 32 words, at most 32 query heads per
+    KV head (a group's scores are reduced together over the warp's 32 lanes) whose block partials fit the 48 KB of
+    static shared memory (``_common.BLOCK_SHARED`` and the fused tail's weights: at d 128, 16 query heads)."""
+    shared = 4 * rep * (WARPS * (dv + 2) + 32) + 4
+    return (d % 32 == 0 and dv % 32 == 0 and 0 < key_words <= 32 and 0 < value_words <= 32 and 0 < rep <= 32
+            and shared <= 48 * 1024)
+
+
+def paired_rope(spec, d: int) -> bool:
+    """True when every rotary pair of a ``d``-channel key sits in one lane of the kernel (channels c and c + d/2,
+    lane c mod 32: mlx_lm's default rotation over all ``d`` channels, or none), so the kernel rotates each key pair
+    once per row instead of rotating the query for every head."""
+    return (d // 2) % 32 == 0 and (spec is None or (not spec["traditional"] and spec["dims"] == d))
+
+
+def group_constants(rep: int, value_bits: int, dv: int) -> tuple:
+    """The kernel's grouping: PF rows per group (at most PREFETCH, PF x RP2 <= 32 scores), RP2 the query heads
+    rounded up to a power of two, LNV / LRP their log2s, and VMAP (value codes that never straddle a word: each lane
+    decodes VJ consecutive channels of one word)."""
+    rp2 = 1 << (rep - 1).bit_length()
+    pf = max(1, min(PREFETCH, 32 // rp2))
+    vmap = 32 % value_bits == 0 and value_bits * (dv // 32) <= 32
+    return (("PF", pf), ("RP2", rp2), ("LNV", (pf * rp2).bit_length() - 1), ("LRP", rp2.bit_length() - 1),
+            ("VMAP", vmap))
 
 
 def key_table(layout) -> mx.array:
@@ -195,7 +287,8 @@ def rope_tables(spec, omega, d: int):
 
 
 def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly,
-                       n: int, pos0: int, value_bits: int, dv: int, exact, counts=None, merge=None):
+                       n: int, pos0: int, value_bits: int, dv: int, exact, counts=None, merge=None,
+                       paired: bool = False):
     """Split-K partials (m, l, acc) [B, H, R, S + 1(, Dv)] of one decode step: S splits of the first
     ``n`` quantized rows (``acc`` in the rotated value domain), then the exact rows.
 
@@ -206,7 +299,8 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     quantized row 0; ``exact`` = (k0, v0, e0, k1, v1, e1, new_k, new_v): the first ``e0`` rows of the
     buffers k0/v0 [B, H, T0, D], the first ``e1`` of k1/v1, then the step's own row. A batch form passes
     ``counts`` as for ``kivi_partials`` (``n`` their maximum) and ``ktab`` [B * H, D]. With ``merge``
-    (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``)."""
+    (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``). ``paired``: from
+    :func:`paired_rope` (False is right for any rotation, only slower)."""
     B, Hq, _, D = queries.shape
     H = k_words.shape[1]
     WK, WV = k_words.shape[-1], v_words.shape[-1]
@@ -217,7 +311,8 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
                   [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                    v_scales.shape[2], *scalars],
-                  (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PF", PREFETCH)) + consts, B, H, Hq // H,
+                  (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PAIR", paired))
+                  + group_constants(Hq // H, value_bits, dv) + consts, B, H, Hq // H,
                   S, dv, merge)
 
 
@@ -251,4 +346,5 @@ def decode_attend(c, queries, scale: float, sinks=None):
     exact = window_exact(c, call)
     counters = step_counters(c, queries.shape[0] * c.k_words.shape[1])
     return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
-                              call.s0, c.bit_width, c._shape[2], exact, merge=Merge(sinks, True, queries.dtype, counters))
+                              call.s0, c.bit_width, c._shape[2], exact, paired=paired_rope(c.rope, c._shape[1]),
+                              merge=Merge(sinks, True, queries.dtype, counters))

@@ -286,7 +286,8 @@ class WaterfillKVCache(ResidualWindowCache):
         if not self._one_row_over_codes(queries, keys, mask):
             return False
         H, D, DV = self._shape
-        ok = wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1]) and power_of_two(DV)
+        ok = (wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1], queries.shape[1] // H)
+              and power_of_two(DV))
         return ok and kernels.kernels_enabled()
 
     def _decode_attend(self, queries, *, scale, sinks=None):

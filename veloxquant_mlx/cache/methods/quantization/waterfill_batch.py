@@ -223,7 +223,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             return False
         _, D, DV = self._shape
         return (self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))) and power_of_two(DV)
-                and wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1])
+                and wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1],
+                                        queries.shape[1] // self.k_words.shape[1])
                 and kernels.kernels_enabled())
 
     def _kernel_attend(self, queries, call, *, scale, sinks):
@@ -240,7 +241,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
                                             self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width, self._shape[2],
                                             exact, counts=counts,
-                                            merge=kernels.Merge(sinks, True, queries.dtype, counters))
+                                            merge=kernels.Merge(sinks, True, queries.dtype, counters),
+                                            paired=wf_kernel.paired_rope(self.rope, self._shape[1]))
 
     def held_arrays(self):
         out = super().held_arrays()
