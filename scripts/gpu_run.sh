@@ -7,6 +7,7 @@
 # The machine is handed back after ~30 s idle: chain the runs (prepare everything first).
 set -x
 export PYTHONPATH=/root/site:$PWD
+export VELOXQUANT_OFFLINE=1  # no PyPI there: tests needing SmolLM2 or the essays skip (tests/conftest.py)
 case "$1" in
 install)
   cat /root/stash/part_aa .gpu/b/part_ab > /root/stash/$(cat .gpu/b/WHEEL_NAME) && rm /root/stash/part_aa

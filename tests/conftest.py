@@ -24,3 +24,22 @@ def _restore_dispatch():
     was = dispatch.installed()
     yield
     (dispatch.install if was else dispatch.uninstall)()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With ``VELOXQUANT_OFFLINE=1`` (a machine that cannot reach PyPI, e.g. the H200 runs of scripts/gpu_run.sh), a
+    test that needs a third-party asset it cannot fetch is reported as skipped, naming the asset; everywhere else
+    (CI included) it fails, so a broken download never hides."""
+    outcome = yield
+    report = outcome.get_result()
+    if (os.environ.get("VELOXQUANT_OFFLINE") == "1" and call.excinfo is not None and report.failed
+            and call.excinfo.errisinstance(_asset_unavailable())):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"offline: {str(call.excinfo.value)[:160]}")
+
+
+def _asset_unavailable():
+    from veloxquant_mlx.assets import AssetUnavailable
+
+    return AssetUnavailable

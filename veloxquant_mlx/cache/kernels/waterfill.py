@@ -246,6 +246,7 @@ def paired_rope(spec, d: int) -> bool:
     return (d // 2) % 32 == 0 and (spec is None or (not spec["traditional"] and spec["dims"] == d))
 
 
+@functools.cache
 def group_constants(rep: int, value_bits: int, dv: int) -> tuple:
     """The kernel's grouping: PF rows per group (at most PREFETCH, PF x RP2 <= 32 scores), RP2 the query heads
     rounded up to a power of two, LNV / LRP their log2s, and VMAP (value codes that never straddle a word: each lane
