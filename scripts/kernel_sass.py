@@ -50,7 +50,8 @@ def main(argv=None):
     block = (("NW", _common.WARPS), ("REP", 4), ("DV", 128))
     # exact rows one at a time (KIVI's residual, waterfill's window: a few dozen), TurboQuant-RVQ's four (its window)
     kivi_consts = (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", kivi.TILE_WORDS), ("XP", 1)) + block
-    wf_consts = (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PF", waterfill.PREFETCH), ("XP", 1)) + block
+    wf_consts = ((("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PAIR", True)) + waterfill.group_constants(4, 4, 128)
+                 + (("XP", 1),) + block)
     tq_consts = (("D", 128), ("SK", 4), ("B1", 8), ("B2", 4), ("W1", 8), ("W2", 4), ("VS", 8), ("VB1", 8), ("VB2", 0),
                  ("WV1", 4), ("WV2", 4)) + block
     kernels = {

@@ -17,7 +17,10 @@ never straddle a word (``VMAP``) are decoded without shuffles, each lane taking 
 
 H200 (Nsight Compute, llama-8b shape, 131072 rows, 4-bit): 599 us per layer before the grouping (issue-bound: 166
 registers, 3.85 cycles per issued instruction); ``scripts/decode_kernel_variants.py``: 6.2 -> 5.1 ms per 10 layers at
-128k, 3.0 -> 2.4 at 32k (docs/RESULTS.md "Waterfill's decode kernel: rows and heads grouped").
+128k, 3.0 -> 2.4 at 32k (docs/RESULTS.md "Waterfill's decode kernel: rows and heads grouped"). That build held the
+reduce-scatter's scores in local memory (a loop nest nvcc did not unroll: 28 local loads per group); written out
+step by step they stay in registers (``tests/test_kernel_compile.py``; SASS main loop 800 -> 750 instructions per
+group), not yet measured on the H200.
 """
 
 from __future__ import annotations
@@ -157,18 +160,20 @@ VQ_COUNTS
         }
       }
     }
-    // reduce-scatter: each step halves the values a lane holds, so NV scores take NV - 1 shuffles, not 5 NV
-#pragma unroll
-    for (int k = 0; k < LNV; ++k) {
-      const int o = 16 >> k;
-      const bool up = (lane & o) != 0;
-#pragma unroll
-      for (int i = 0; i < (NV >> (k + 1)); ++i) {
-        const float send = up ? sv[i] : sv[i + (NV >> (k + 1))];
-        const float keep = up ? sv[i + (NV >> (k + 1))] : sv[i];
-        sv[i] = keep + VQ_SHFL_XOR(send, o);
-      }
+    // reduce-scatter: each step halves the values a lane holds, so NV scores take NV - 1 shuffles, not 5 NV (steps
+    // written out so that every index is a constant: sv stays in registers)
+#define WF_HALVE(k)                                                                        \
+    if ((k) < LNV) {                                                                       \
+      constexpr int hf = NV >> ((k) + 1);                                                  \
+      const bool up = (lane & (16 >> (k))) != 0;                                           \
+      _Pragma("unroll") for (int i = 0; i < hf; ++i) {                                     \
+        const float send = up ? sv[i] : sv[i + hf];                                        \
+        const float keep = up ? sv[i + hf] : sv[i];                                        \
+        sv[i] = keep + VQ_SHFL_XOR(send, 16 >> (k));                                       \
+      }                                                                                    \
     }
+    WF_HALVE(0) WF_HALVE(1) WF_HALVE(2) WF_HALVE(3) WF_HALVE(4)
+#undef WF_HALVE
     float sc = sv[0];
 #pragma unroll
     for (int o = 16 >> LNV; o > 0; o >>= 1) sc += VQ_SHFL_XOR(sc, o);
