@@ -289,9 +289,6 @@ VQ_COUNTS
 # domain, XP rows per warp at a time (``exact_args``). QV(r, j) is the scaled query of head r at the lane's channel
 # lane + 32 j.
 EXACT_ROWS = r"""
-#ifndef VQ_VCH
-#define VQ_VCH(l, j) ((l) + 32 * (j))  // the value channel of a lane's acc[r][j] (a kernel may map its own)
-#endif
 #define VQ_EXACT_LOAD(K, V, ROW) {                                                  \
       const size_t vq_row = (ROW);                                                   \
       _Pragma("unroll") for (int j = 0; j < D / 32; ++j)                             \
@@ -387,9 +384,6 @@ BLOCK_SHARED = r"""
 
 # The store for warps holding acc[REP][VJ] at channels VQ_VCH(lane, j) (default lane + 32 j).
 LANE_STORE = r"""
-#ifndef VQ_VCH
-#define VQ_VCH(l, j) ((l) + 32 * (j))
-#endif
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }

@@ -37,6 +37,7 @@ PRELUDE = r"""
 #define VQ_SHFL(v, src) __shfl_sync(VQ_FULL, (v), (src))
 #define VQ_SHFL_XOR(v, m) __shfl_xor_sync(VQ_FULL, (v), (m))
 #define VQ_FUNNEL(lo, hi, s) __funnelshift_r((lo), (hi), (s))  // bits s.. of the 64-bit hi:lo
+#define VQ_VCH(l, j) ((l) + 32 * (j))  // value channel of a lane's acc[r][j] (a kernel may #undef, map its own)
 #define VQ_SHARED __shared__
 #define VQ_SYNC() __syncthreads()
 #define VQ_SYNCWARP() __syncwarp()

@@ -70,6 +70,7 @@ VQ_COUNTS
   constexpr int NV = PF * RP2;      // scores a group of PF rows reduces at once: PF rows x RP2 query heads
   constexpr int LSH = 5 - LNV;      // after the reduce-scatter lane holds score (lane >> LSH) = row * RP2 + head
   constexpr int CPW = 32 / VB;      // value channels per word (VMAP: each lane decodes VJ of one word's)
+#undef VQ_VCH
 #define VQ_VCH(l, j) (VMAP ? (((l) % WV) * CPW + ((l) / WV) * VJ + (j)) : ((l) + 32 * (j)))
   const int per = (n + S - 1) / S;
   const int t_begin = min(n, s * per);
