@@ -13,7 +13,8 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache.options import WaterfillOptions
-from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache, allocate_bits, value_rotation
+from veloxquant_mlx.cache.methods.quantization.waterfill import (WaterfillKVCache, allocate_bits, range_margin,
+                                                              value_rotation)
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion, nearest_code, odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
@@ -189,6 +190,29 @@ def test_window_until_calibrated_then_sinks_codes_window():
     assert (c.n_sink, c.n_quant, c.n_win) == (4, 44, 22)
     K, V = c._dense()
     assert bool(mx.array_equal(K[:, :, :4], k[:, :, :4].astype(mx.float16).astype(mx.float32)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_key_levels_span_the_calibration_rows_widened_at_8_bits(bits):
+    """Each channel's levels run from its calibration rows' minimum to their maximum (sinks excluded); at 8 bits
+    widened by ``range_margin`` (a quarter of the span on each side), so that later keys a little past the first
+    call's range are coded, not clamped (docs/RESULTS.md "Quality targets": KLD 3.9e-4 -> 3.7e-5 at 4096)."""
+    c = make(bits=bits, n_calib=32)
+    k = rows(64, seed=4)
+    feed(c, k, rows(64, seed=1))
+    body = np.array(k[0, :, 4:64], np.float64)  # no RoPE bound: the pre-RoPE keys are the keys
+    lo, hi = body.min(axis=1), body.max(axis=1)
+    m = 0.25 if bits == 8 else 0.0
+    assert range_margin(bits) == m
+    w = np.array(c.k_bits[0, :, 0]).astype(np.int64)
+    k_lo, k_step = (np.array(a[0, :, 0].astype(mx.float32), np.float64) for a in (c.k_lo, c.k_step))
+    span = hi - lo
+    coded = w > 0
+    tol = 2e-3 * np.abs(np.concatenate([lo, hi])).max() + 1e-3 * span.max()  # float16 storage of lo and step
+    assert np.abs(k_lo - (lo - m * span))[coded].max() <= tol
+    top = k_lo + k_step * ((1 << w) - 1)  # the step's float16 rounding, times the levels
+    assert np.abs(top - (hi + m * span))[coded].max() <= tol + (1 + 2 * m) * span.max() * 2.0**-10
+    assert (w[coded] > 0).all() and coded.sum() > D  # most channels coded
 
 
 def test_bits_follow_query_energy_times_key_range():

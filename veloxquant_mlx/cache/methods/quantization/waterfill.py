@@ -36,7 +36,8 @@ Deviations and limits (all of them):
 
 * KVQuant calibrates per-channel scales offline with non-uniform (sensitivity-weighted k-means) levels and
   dense-and-sparse outliers; here ranges come from the cache's first ``n_calib_tokens``, levels are uniform and
-  sensitivity enters through the widths. Later keys outside the range are clamped (not refitted).
+  sensitivity enters through the widths. Later keys outside the range are clamped (not refitted); at 8 bits the
+  range is first widened by a quarter of its span on each side (``range_margin``).
 * Calibration happens once, on the first calls (prompt): not chunk-invariant. Without the dispatch point (no
   queries) the widths use equal channel weights.
 * Values are quantized per token (KIVI) at the uniform width b with the Gaussian codebook (TurboQuant: the exact
@@ -76,9 +77,20 @@ BLOCK = 16  # rows leave the window in whole blocks of this many
 _TINY = 1e-30
 
 
-def key_grid(lo: mx.array, hi: mx.array, widths):
+def range_margin(bits: int) -> float:
+    """The share of each calibrated key range added on both sides before the levels are set. At 8 bits keys beyond
+    the first call's range, clamped, are most of the error (SmolLM2, 4096 tokens, the second prompt chunk: KLD
+    3.9e-4 -> 3.7e-5 with 0.25); at 4 bits the coarser levels cost more than clamping does (0.0016 -> 0.0023), so
+    none below 8 (docs/RESULTS.md "Quality targets")."""
+    return 0.25 if bits >= 8 else 0.0
+
+
+def key_grid(lo: mx.array, hi: mx.array, widths, margin: float = 0.0):
     """Float16 ``(k_lo, k_step)`` of uniform levels at ``widths`` ([.., D] ints, host or device, broadcast over
-    ``lo``/``hi`` [.., 1, D]) over ``[lo, hi]``; a 0-bit channel decodes to the range's midpoint."""
+    ``lo``/``hi`` [.., 1, D]) over ``[lo, hi]`` widened by ``margin`` times its span on each side; a 0-bit channel
+    decodes to the range's midpoint."""
+    if margin:
+        lo, hi = lo - margin * (hi - lo), hi + margin * (hi - lo)
     levels = (mx.left_shift(1, mx.array(widths).astype(mx.int32)) - 1).astype(mx.float32)[..., None, :]
     zero = levels == 0
     return (mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16),
@@ -160,7 +172,7 @@ class WaterfillKVCache(ResidualWindowCache):
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
         total = self.bit_width * keys.shape[3]
         widths = allocate_bits(sens, total)  # on the device: calibrating every layer costs no host sync
-        self.k_lo, self.k_step = key_grid(lo, hi, widths)
+        self.k_lo, self.k_step = key_grid(lo, hi, widths, range_margin(self.bit_width))
         self.k_bits = widths.astype(mx.uint8)[None, :, None, :]
         self._layout = VarLayout(widths, total)
         self.q_energy = None  # only needed to calibrate (the grid stays lazy: no host sync)

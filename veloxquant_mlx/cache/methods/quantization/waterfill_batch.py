@@ -32,7 +32,7 @@ from ... import kernels
 from ...kernels import waterfill as wf_kernel
 from ..batch_common import borrows, rows_from, step_counts
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
-from .waterfill import BLOCK, WaterfillKVCache, key_grid
+from .waterfill import BLOCK, WaterfillKVCache, key_grid, range_margin
 
 
 @register_with_mlx_lm
@@ -145,7 +145,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         sens = np.array(w * ((hi - lo) ** 2)[:, :, 0])[todo]
         widths = np.array(self.k_bits)[:, :, 0].astype(np.int64)
         widths[todo] = np.array(allocate_bits(sens.reshape(-1, D), self.bit_width * D)).reshape(sens.shape)
-        k_lo, k_step = key_grid(lo, hi, widths)
+        k_lo, k_step = key_grid(lo, hi, widths, range_margin(self.bit_width))
         now = mx.array([i in todo for i in range(self.batch_size)])[:, None, None, None]
         self.k_lo, self.k_step = mx.where(now, k_lo, self.k_lo), mx.where(now, k_step, self.k_step)
         self.k_bits = mx.array(widths.astype(np.uint8))[:, :, None, :]
