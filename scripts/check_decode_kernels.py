@@ -65,6 +65,19 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
 ]
 
 
+def compile_case(label: str, kernel, dtypes, out_dtypes, consts, out: Path, arch: str = "sm_90"):
+    """(symbol, CUDA source, nvcc's completed process with ptxas's resource report on stderr) of one case, its source
+    and cubin written to ``out``; a decode kernel's exact rows taken one at a time (EXACT_PREFETCH past a few dozen)."""
+    if "ek0" in kernel.inputs:
+        consts = consts + (("XP", 1),)
+    symbol, text = kernel.source(dtypes, out_dtypes, consts)
+    src = out / f"{label}.cu"
+    src.write_text(text)
+    r = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(out / f"{label}.cubin"), "-Xptxas", "-v",
+                        str(src)], capture_output=True, text=True, timeout=600)
+    return symbol, text, r
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -77,14 +90,8 @@ def main(argv=None):
     out = Path(a.keep or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     ok = True
-    for label, kernel, dtypes, out_dtypes, consts in CASES:
-        if "ek0" in kernel.inputs:  # a decode kernel's exact rows: one at a time (EXACT_PREFETCH past a few dozen)
-            consts = consts + (("XP", 1),)
-        symbol, text = kernel.source(dtypes, out_dtypes, consts)
-        src = out / f"{label}.cu"
-        src.write_text(text)
-        r = subprocess.run(["nvcc", f"-arch={a.arch}", "-cubin", "-o", str(out / f"{label}.cubin"), "-Xptxas", "-v",
-                            str(src)], capture_output=True, text=True)
+    for label, *case in CASES:
+        symbol, text, r = compile_case(label, *case, out, a.arch)
         report = [ln for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln or "error" in ln]
         print(f"{label}: nvcc {'ok' if r.returncode == 0 else 'FAILED'}")
         for ln in report if r.returncode == 0 else r.stderr.splitlines()[:30]:

@@ -63,6 +63,12 @@ def main(argv=None):
             wf = KVCacheFactory.create(KVCacheConfig(method="waterfill", bit_width_inlier=4, head_dim=D,
                                                      options=WaterfillOptions(residual_length=16)))
             wf.bind_attention(type("Attn", (), {"rope": nn.RoPE(D, traditional=False, base=1e4)})())
+            wf_partials = {}  # per variant, outside the timed calls: RoPE pairs in a lane where the variant knows them
+            for M in variants.values():
+                fn = M.get("waterfill") and M["waterfill"].waterfill_partials
+                if fn and "paired" in inspect.signature(fn).parameters:
+                    fn = functools.partial(fn, paired=M["waterfill"].paired_rope(wf.rope, D))
+                wf_partials[id(M)] = fn
             tq = KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D,
                                                      options=TurboQuantRVQOptions()))  # default window: 128-160 exact rows
             fill(kv, k, v, q)
@@ -88,10 +94,7 @@ def main(argv=None):
 
             def waterfill(M):
                 ktab, lo, st, rope, vpoly = M["waterfill"].cache_constants(wf)
-                fn = M["waterfill"].waterfill_partials  # RoPE pairs in a lane where the variant knows them
-                if "paired" in inspect.signature(fn).parameters:
-                    fn = functools.partial(fn, paired=M["waterfill"].paired_rope(wf.rope, D))
-                return attend(M, fn,
+                return attend(M, wf_partials[id(M)],
                               (one_q, D**-0.5, wf.k_words, ktab, lo, st, rope, wf.v_words, wf.v_scales, vpoly,
                                wf.n_quant, wf.n_sink, wf.bit_width, D, wex), True)
 

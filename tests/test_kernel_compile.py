@@ -8,35 +8,28 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="no CUDA compiler (nvcc) on this machine")
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_decode_kernels.py"
 
 
-def _cases():
+def _script():
     spec = importlib.util.spec_from_file_location("check_decode_kernels", _SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return {label: rest for label, *rest in mod.CASES}
+    return mod
 
 
 @pytest.mark.parametrize("label", ["waterfill_d128_r4", "waterfill_batch_d128_r4", "waterfill_d64_r3",
                                    "waterfill_d64_r8_b3", "kivi_d128_r4", "kivi_batch_d128_r4"])
 def test_decode_kernels_compile_without_a_stack_frame(label, tmp_path):
-    kernel, dtypes, out_dtypes, consts = _cases()[label]
-    if "ek0" in kernel.inputs:
-        consts = consts + (("XP", 1),)
-    _, text = kernel.source(dtypes, out_dtypes, consts)
-    src = tmp_path / f"{label}.cu"
-    src.write_text(text)
-    r = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), "-Xptxas", "-v", str(src)],
-                       capture_output=True, text=True, timeout=300)
+    mod = _script()
+    case = next(rest for name, *rest in mod.CASES if name == label)
+    _, _, r = mod.compile_case(label, *case, tmp_path)  # the script's own compile: the same source and flags
     assert r.returncode == 0, r.stderr[-3000:]
     frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", r.stderr)]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
