@@ -14,8 +14,10 @@ def main(paths):
             s = r.get("samples") or {}
             pre = [round(v, 3) for v in s.get("prefill_s", [])]
             dec = [round(v, 1) for v in s.get("decode_tps", []) if v]
+            steady = [round(v, 1) for v in s.get("steady_tps", []) if v]
             peak = [round(v / 2**30, 2) for v in s.get("peak_delta_bytes", [])]
-            print(f"  {r['label']:<45} {r['context']:>6}  prefill_s {pre}  decode_tps {dec}  peak_GB {peak}")
+            print(f"  {r['label']:<45} {r['context']:>6}  prefill_s {pre}  decode_tps {dec}  steady_tps {steady}  "
+                  f"peak_GB {peak}")
             if ratios:
                 print(f"  {'':<45} {'':>6}  ratios {ratios}")
 

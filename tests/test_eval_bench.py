@@ -253,6 +253,21 @@ def test_slope_fit():
 # --------------------------------------------------------------------------- memory
 
 
+def test_steady_rate_is_one_over_the_median_step(monkeypatch):
+    """One slow step (a buffer's growth) weighs on decode_tps by its share of the run, not on steady_tps."""
+    model = tiny_llama(seed=0, head_dim=16, n_layers=1)
+    steps = [0.5, 0.1, 0.1, 0.1]
+    monkeypatch.setattr(bench, "pipelined_decode", lambda step, tok, n: ([tok] * n, steps[:n]))
+    r = bench.run_once(model, make_prompt_cache(model), mx.arange(1, 9).astype(mx.int32), decode_tokens=4)
+    assert r["decode_tps"] == pytest.approx(4 / 0.8) and r["steady_tps"] == pytest.approx(10.0)
+    assert r["step_s"] == pytest.approx(0.1) and r["first_step_s"] == 0.5
+    rows = [_row("none", 100, decode_tps=20.0, steady_tps=100.0), _row("kivi", 100, decode_tps=30.0, steady_tps=80.0)]
+    bench.add_ratios(rows)
+    assert rows[1]["ratios"]["none"]["decode_tps"] == 1.5 and rows[1]["ratios"]["none"]["steady_tps"] == 0.8
+    table = cli_measure.bench_tables(rows)
+    assert "steady" in table and "1.50" in table and "0.80" in table
+
+
 def test_resident_memory_of_a_known_cache():
     model = tiny_llama(seed=0, head_dim=16, n_layers=3)  # float32, 2 KV heads
     prompt = mx.arange(1, 41).astype(mx.int32)

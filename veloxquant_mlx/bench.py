@@ -3,7 +3,13 @@
 For every context length and repeat, each candidate cache runs once (the order rotates by one each repeat): a
 random prompt of ``context`` tokens is prefilled in chunks of 2048 (mlx_lm's default), its greedy next token
 evaluated (``prefill_s`` = time to that first token), then ``decode_tokens`` greedy steps run pipelined as
-mlx_lm's ``generate_step`` runs them (:func:`pipelined_decode`; ``decode_tps``, ``step_s``). Memory, from MLX's
+mlx_lm's ``generate_step`` runs them (:func:`pipelined_decode`): ``decode_tps`` counts every step, ``steady_tps``
+= one over the median step (``step_s``), the rate of a long generation, and ``first_step_s`` the first step alone.
+They differ because some steps are slow -- above all the first after the prompt, where buffers are allocated again
+(after ``mx.clear_cache()``, as in mlx_lm's generation) and mlx_lm's plain ``KVCache``, filled exactly by a
+power-of-two prompt, copies its whole buffer into a larger one -- and a run of a few decode tokens weighs that step
+far above its share of a long generation (H200, 128k tokens, 8 steps: decode_tps 42 tok/s, steady_tps 123).
+Memory, from MLX's
 allocator: ``kv_resident_bytes`` = active memory after the run minus before it (what the caches keep alive,
 slack included), beside ``kv_nbytes`` (the caches' own ``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()``
 (weights included), ``peak_delta_bytes`` = that peak minus the memory in use before the run;
@@ -70,11 +76,13 @@ BASELINES = (NONE, "mlx_q4", "mlx_q8")
 _MLX_QUANT_BITS = {"mlx_q4": 4, "mlx_q8": 8}
 
 #: Per-run measurements summarized as median/min/max; the ones also given as ratios.
-STATS = ("prefill_s", "decode_tps", "step_s", "kv_resident_bytes", "kv_nbytes", "peak_bytes", "peak_delta_bytes")
-RATIO_STATS = ("prefill_s", "decode_tps", "kv_resident_bytes", "kv_nbytes", "peak_bytes", "peak_delta_bytes")
+STATS = ("prefill_s", "decode_tps", "steady_tps", "step_s", "first_step_s", "kv_resident_bytes", "kv_nbytes",
+         "peak_bytes", "peak_delta_bytes")
+RATIO_STATS = ("prefill_s", "decode_tps", "steady_tps", "kv_resident_bytes", "kv_nbytes", "peak_bytes",
+               "peak_delta_bytes")
 
 #: Per-run values also kept as the list over the repeats (``row["samples"]``, in run order).
-SAMPLED = ("prefill_s", "decode_tps", "peak_delta_bytes")
+SAMPLED = ("prefill_s", "decode_tps", "steady_tps", "peak_delta_bytes")
 
 PREFILL_STEP = 2048
 
@@ -230,7 +238,9 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     return {
         "prefill_s": prefill_s,
         "decode_tps": (B * len(steps) / decode_s) if decode_s > 0 else None,
+        "steady_tps": B / statistics.median(steps) if steps else None,
         "step_s": statistics.median(steps) if steps else None,
+        "first_step_s": steps[0] if steps else None,
         "kv_resident_bytes": int(resident),
         "kv_nbytes": kv_bytes(caches),
         "kv_bytes_fp16": fp16_kv_bytes(model, T + len(steps), batch_size=B),

@@ -140,23 +140,24 @@ def bench_tables(rows: list[dict]) -> str:
     mib = lambda v: fmt_bytes(int(v))  # noqa: E731
     main = [[_short_label(r), str(r["context"]), _stat(r["prefill_s"], lambda v: f"{v:.3f}", spread),
              _stat(r["decode_tps"], lambda v: f"{v:.1f}", spread),
+             _stat(r.get("steady_tps"), lambda v: f"{v:.1f}", spread),
              _stat(r["kv_nbytes"], mib, False), _fmt(r.get("kv_fraction_of_fp16"), ".3f"),
              _stat(r["kv_resident_bytes"], mib, False), _stat(r["peak_delta_bytes"], mib, False)] for r in ok]
-    parts = [format_table(["method", "context", "prefill s", "decode tok/s", "KV nbytes",
-                            "kv_fraction_of_fp16", "KV resident", "peak over start"], main)]
+    parts = [format_table(["method", "context", "prefill s", "decode tok/s", "steady", "KV nbytes",
+                            "kv/fp16", "KV resident", "peak over start"], main)]
     ratio_rows = []
     for r in ok:  # one row per baseline it was compared with; the method and context on the first only
         bs = [b for b in BASELINES if (r.get("ratios") or {}).get(b) is not None
               and not (r["method"] == b and not r["settings"])]
         ratio_rows += [[*((_short_label(r), str(r["context"])) if i == 0 else ("", "")), b, *(
-            _ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "peak_delta_bytes", "kv_resident_bytes",
-                                              "kv_nbytes"))] for i, b in enumerate(bs)]
+            _ratio(r, b, k, spread) for k in ("prefill_s", "decode_tps", "steady_tps", "peak_delta_bytes",
+                                              "kv_resident_bytes", "kv_nbytes"))] for i, b in enumerate(bs)]
     if ratio_rows:
         parts.append("Ratios to each baseline measured in this run (this row's median / the baseline's"
                      + ("; ±N% adds both medians' spreads" if spread else "") + "):\n"
-                     "below 1 = less time or fewer bytes; on decode tok/s above 1 = faster.\n"
-                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "peak over start",
-                                      "KV resident", "KV nbytes"], ratio_rows))
+                     "below 1 = less time or fewer bytes; on decode tok/s and steady above 1 = faster.\n"
+                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "steady",
+                                     "peak over start", "KV resident", "KV nbytes"], ratio_rows))
     slopes = {r["label"]: r for r in ok if r["decode_s_per_1k"] is not None}  # a slope is per label: any row
     slope_rows = [[_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}", _fmt(r["slope_vs_none"], ".2f")]
                   for r in slopes.values()]
@@ -220,7 +221,9 @@ def cmd_bench(args) -> int:
           + (f"batches of {args.batch} sequences (decode tok/s: all of them), " if args.batch > 1 else "") +
           f"{args.decode_tokens} decode tokens; medians" + (" ±half the min-max range" if args.repeats > 1 else ""))
     print(bench_tables(rows))
-    print("KV nbytes = the caches' own count; kv_fraction_of_fp16 = KV nbytes / the same tokens in mlx_lm's\n"
+    print("decode tok/s = decoded tokens / the decode's time; steady = one over the median decode step (the rate of a\n"
+          "long generation: a step where a buffer grows, e.g. the plain cache's every 256 tokens, counts once);\n"
+          "KV nbytes = the caches' own count; kv/fp16 = kv_fraction_of_fp16: KV nbytes / the same tokens in mlx_lm's\n"
           "plain fp16 cache (lower = smaller); KV resident = active-memory growth over the run\n"
           "(mx.get_active_memory); peak over start = mx.get_peak_memory() minus the memory in use before the run.")
     return 0
