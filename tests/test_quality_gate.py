@@ -103,3 +103,35 @@ def test_target4_waterfill_meets_the_4bit_class_target():
     assert r.kld <= TARGET4_MAX_KLD, f"4-bit target, KLD half: {summary}"
     assert r.compression <= TARGET4_MAX_BYTES, f"4-bit target, bytes half: {summary}"
     assert r.top1_agree >= TARGET4_MIN_TOP1, f"top-1 regression: {summary} (gate {TARGET4_MIN_TOP1})"
+
+
+# ------------------------------------------------------------------------------------------------
+# 2-bit class (the developers' guide: whole-cache bytes <= 0.15x fp16 with next-token KLD <= 0.05 nats from 1024
+# tokens). Waterfill at 2 bits with a 16-row window and fitted key ranges meets both halves at 4096 tokens (at
+# 2048 the float16 window and sinks keep the bytes at 0.152x; docs/RESULTS.md "Quality targets"); this test holds
+# it there. Measured when set (mlx 0.32.4 CPU, float32 compute): KLD 0.031, kv/fp16 0.144 (before the fitted
+# ranges: KLD 0.083).
+TARGET2_CONTEXT = 4096
+TARGET2_MAX_KLD = 0.05
+TARGET2_MAX_BYTES = 0.15
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_target2_waterfill_meets_the_2bit_class_at_4096():
+    from veloxquant_mlx.assets import essays_text
+    from veloxquant_mlx.cache import KVCacheConfig
+    from veloxquant_mlx.cache.options import WaterfillOptions
+    from veloxquant_mlx.eval.fidelity import next_token_fidelity
+    from veloxquant_mlx.model import load_model
+
+    model, tok = load_model()
+    n = TARGET2_CONTEXT + N_SCORE
+    ids = tok.encode(essays_text(max_chars=8 * n), add_special_tokens=False)[:n]
+    cfg = KVCacheConfig(method="waterfill", bit_width_inlier=2, options=WaterfillOptions(residual_length=16))
+    r = next_token_fidelity(model, ids, TARGET2_CONTEXT, N_SCORE, cfg)
+    summary = f"KLD {r.kld:.4f}, top-1 {r.top1_agree:.3f}, kv/fp16 {r.compression:.3f}"
+    print(summary)
+    assert r.n_scored == N_SCORE
+    assert r.kld <= TARGET2_MAX_KLD, f"2-bit class, KLD half: {summary}"
+    assert r.compression <= TARGET2_MAX_BYTES, f"2-bit class, bytes half: {summary}"

@@ -13,8 +13,8 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
 from veloxquant_mlx.cache.options import WaterfillOptions
-from veloxquant_mlx.cache.methods.quantization.waterfill import (WaterfillKVCache, allocate_bits, range_margin,
-                                                              value_rotation)
+from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache, allocate_bits, value_rotation
+from veloxquant_mlx.cache.primitives.keygrid import FIT_ROWS, fit_rows, fits_ranges, fitted_range, range_margin
 from veloxquant_mlx.cache.primitives.codebook import lloyd_max_distortion, nearest_code, odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
@@ -213,6 +213,72 @@ def test_key_levels_span_the_calibration_rows_widened_at_8_bits(bits):
     top = k_lo + k_step * ((1 << w) - 1)  # the step's float16 rounding, times the levels
     assert np.abs(top - (hi + m * span))[coded].max() <= tol + (1 + 2 * m) * span.max() * 2.0**-10
     assert (w[coded] > 0).all() and coded.sum() > D  # most channels coded
+
+
+def _grid_sq_error(x, lo, hi, w):
+    """float64 squared error per channel of uniform levels at widths ``w`` over [lo, hi] (0 bits: midpoint)."""
+    L = (1 << w) - 1
+    step = np.where(L > 0, (hi - lo) / np.maximum(L, 1), 0.0)
+    codes = np.clip(np.round((x - lo) / np.where(step > 0, step, 1.0)), 0, L)
+    q = np.where(L > 0, lo + step * codes, (lo + hi) / 2)
+    return ((x - q) ** 2).sum(axis=-2)
+
+
+def test_fitted_ranges_lower_the_squared_error_and_skip_unused_rows():
+    """Heavy-tailed keys: per channel the fitted range codes the used rows with no more squared error than the
+    min/max range (much less at 1-2 bits), sits inside it about the same midpoint, leaves 0-bit channels alone,
+    and rows outside ``use`` (the sinks here, set to huge outliers) change nothing."""
+    rng = np.random.default_rng(0)
+    n, Hh, Dd = 300, 3, 16
+    x = rng.standard_t(3, size=(1, Hh, n, Dd))
+    widths = rng.integers(0, 5, size=(Hh, Dd))
+    body = x[:, :, 4:]
+    lo, hi = body.min(axis=2, keepdims=True), body.max(axis=2, keepdims=True)
+    use = fit_rows([n], n, 4)
+    assert int(use.sum()) == n - 4
+    args = (mx.array(lo, dtype=mx.float32), mx.array(hi, dtype=mx.float32), mx.array(widths), use)
+    fl, fh = (np.array(a, np.float64) for a in fitted_range(mx.array(x, dtype=mx.float32), *args))
+    x2 = x.copy()
+    x2[:, :, :4] = 1e3
+    fl2, fh2 = (np.array(a, np.float64) for a in fitted_range(mx.array(x2, dtype=mx.float32), *args))
+    assert np.array_equal(fl, fl2) and np.array_equal(fh, fh2)
+    tol = 1e-6 * np.abs(np.concatenate([lo, hi])).max()
+    assert (fl >= lo - tol).all() and (fh <= hi + tol).all() and np.allclose(fl + fh, lo + hi, atol=2 * tol)
+    zero = widths[None, :, None, :] == 0
+    assert np.allclose(fl[zero], lo[zero], atol=tol) and np.allclose(fh[zero], hi[zero], atol=tol)
+    e_fit = _grid_sq_error(body, fl, fh, widths[None, :, None, :])
+    e_minmax = _grid_sq_error(body, lo, hi, widths[None, :, None, :])
+    assert (e_fit <= e_minmax * (1 + 1e-4) + 1e-9).all()
+    low = (widths >= 1) & (widths <= 2)
+    assert e_fit[0][low].sum() < 0.7 * e_minmax[0][low].sum()
+
+
+def test_fit_rows_sample_each_sequence_past_its_sinks():
+    m = np.array(fit_rows([10, 3, 3000], 3000, 4))[:, 0, :, 0]
+    assert m[0].nonzero()[0].tolist() == list(range(4, 10))
+    assert m[1].nonzero()[0].tolist() == [0, 1, 2]  # no rows past the sinks: all of them
+    stride = -(-3000 // FIT_ROWS)
+    assert m[2].nonzero()[0].tolist() == list(range(4, 3000, stride))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_key_ranges_fitted_at_three_bits_or_fewer(bits):
+    """At <= 3 bits the calibrated key levels sit inside the calibration rows' range (the squared-error fit);
+    at 4 bits they span it (``test_key_levels_span_the_calibration_rows_widened_at_8_bits``)."""
+    assert fits_ranges(bits) == (bits <= 3)
+    c = make(bits=bits, n_calib=32)
+    k = mx.array(np.random.default_rng(1).standard_t(3, size=(1, H, 200, D)), dtype=mx.float32)
+    feed(c, k, rows(200, seed=1))
+    body = np.array(k[0, :, 4:200], np.float64)
+    lo, hi = body.min(axis=1), body.max(axis=1)
+    w = np.array(c.k_bits[0, :, 0]).astype(np.int64)
+    k_lo, k_step = (np.array(a[0, :, 0].astype(mx.float32), np.float64) for a in (c.k_lo, c.k_step))
+    top = k_lo + k_step * ((1 << w) - 1)
+    coded = w > 0
+    tol = 2e-3 * np.abs(np.concatenate([lo, hi])).max()
+    assert (k_lo[coded] >= lo[coded] - tol).all() and (top[coded] <= hi[coded] + tol).all()
+    narrowed = (top - k_lo)[coded] < 0.9 * (hi - lo)[coded]
+    assert narrowed.any() if bits <= 3 else not narrowed.any()
 
 
 def test_bits_follow_query_energy_times_key_range():

@@ -120,12 +120,12 @@ def _rope_attn(D):
     return types.SimpleNamespace(rope=nn.RoPE(D, base=10000.0))
 
 
-def _singles(H, D, held, Hq, n_calib=None, residual_length=R_TINY):
+def _singles(H, D, held, Hq, n_calib=None, residual_length=R_TINY, bits=4):
     """Single caches (the layer's RoPE bound) holding ``held`` random rows, fed with queries through
     ``attend`` as the dispatch point does."""
     out = []
     for n in held:
-        c = KVCacheFactory.create(KVCacheConfig(method="waterfill", head_dim=D, bit_width_inlier=4,
+        c = KVCacheFactory.create(KVCacheConfig(method="waterfill", head_dim=D, bit_width_inlier=bits,
                                                 n_calib_tokens=n_calib,
                                                 options=WaterfillOptions(residual_length=residual_length)))
         c.bind_attention(_rope_attn(D))
@@ -136,19 +136,20 @@ def _singles(H, D, held, Hq, n_calib=None, residual_length=R_TINY):
     return out
 
 
-def test_attend_on_ragged_batch_equals_each_single(monkeypatch):
+@pytest.mark.parametrize("bits", [4, 2])
+def test_attend_on_ragged_batch_equals_each_single(monkeypatch, bits):
     """Random rows with the layer's RoPE, ragged states (held history of 90 calibrated / 40 not / 3 / 0),
     right-padded prefill chunks (through the single cache's tiled chunk path), decode steps crossing
     flushes and calibrations, a full chunk: the batch's attention (on the codes, and through the dense
     rows + mask) equals each single cache's, and the extracted states equal theirs bit for bit (codes,
-    calibration, rows)."""
+    calibration, rows). At 2 bits the key ranges are fitted (``fitted_range``), per sequence as alone."""
     chunks = []
     tiled = WaterfillBatchKVCache._attend_chunk
     monkeypatch.setattr(WaterfillBatchKVCache, "_attend_chunk", lambda self, q, *a, **k: chunks.append(
         (type(self), q.shape[2])) or tiled(self, q, *a, **k))
     mx.random.seed(0)
     D, H, Hq = 64, 2, 6
-    singles = _singles(H, D, (90, 40, 3, 0), Hq)
+    singles = _singles(H, D, (90, 40, 3, 0), Hq, bits=bits)
     assert [c.calibrated for c in singles] == [True, False, False, False]
     batch = WaterfillKVCache.merge([copy.deepcopy(c) for c in singles])
     assert type(batch) is WaterfillBatchKVCache and batch.src == ["attention", "", "", ""]

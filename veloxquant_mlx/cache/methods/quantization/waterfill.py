@@ -17,7 +17,9 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    per KV head and channel (pre-RoPE: a rotary pair's channels share their mean).
 2. Calibration, once, after ``n_calib_tokens`` (default 64) rows: keys un-rotated by the layer's RoPE (unknown
    RoPE: post-RoPE keys), ``[lo, hi]`` per (batch row, head, channel) over the rows but the 4 sinks, and each
-   head's ``b * D`` key bits to the top gains ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (widths 0..8).
+   head's ``b * D`` key bits to the top gains ``log2(E[q_c^2] (hi - lo)^2) - 2 j`` (widths 0..8). At ``b <= 3``
+   each range is then shrunk about its midpoint to the fraction (1.0 .. 0.4) whose levels code the calibration
+   rows with the least squared error (``fitted_range``): with 4-8 levels the outliers would take most of them.
 3. Rows leave the window in blocks of 16 (the newest R..R+15 stay; the first 4 tokens are sinks). Keys:
    ``round((k - lo) / step)`` at their channel's width, packed per row (``primitives.varpack``); a 0-bit channel
    decodes to its range's midpoint. Values: ``y = v H`` (Hadamard; a seeded rotation for a non-power-of-two
@@ -37,7 +39,9 @@ Deviations and limits (all of them):
 * KVQuant calibrates per-channel scales offline with non-uniform (sensitivity-weighted k-means) levels and
   dense-and-sparse outliers; here ranges come from the cache's first ``n_calib_tokens``, levels are uniform and
   sensitivity enters through the widths. Later keys outside the range are clamped (not refitted); at 8 bits the
-  range is first widened by a quarter of its span on each side (``range_margin``).
+  range is first widened by a quarter of its span on each side (``range_margin``), at <= 3 bits narrowed to the
+  squared-error optimum (``fitted_range``, a clipping search instead of KVQuant's non-uniform levels; at 4 bits
+  the same fit raised the KLD, so it is not used there).
 * Calibration happens once, on the first calls (prompt): not chunk-invariant. Without the dispatch point (no
   queries) the widths use equal channel weights.
 * Values are quantized per token (KIVI) at the uniform width b with the Gaussian codebook (TurboQuant: the exact
@@ -58,6 +62,7 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
+from ...primitives.keygrid import calibrated_grid, fit_rows
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.bitalloc import MAX_BITS, allocate_bits, rope_pair_mean
 from ...primitives.codebook import nearest_code, odd_poly_gaussian
@@ -75,26 +80,6 @@ __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
 DEFAULT_CALIB_TOKENS = 64
 BLOCK = 16  # rows leave the window in whole blocks of this many
 _TINY = 1e-30
-
-
-def range_margin(bits: int) -> float:
-    """The share of each calibrated key range added on both sides before the levels are set. At 8 bits keys beyond
-    the first call's range, clamped, are most of the error (SmolLM2, 4096 tokens, the second prompt chunk: KLD
-    3.9e-4 -> 3.7e-5 with 0.25); at 4 bits the coarser levels cost more than clamping does (0.0016 -> 0.0023), so
-    none below 8 (docs/RESULTS.md "Quality targets")."""
-    return 0.25 if bits >= 8 else 0.0
-
-
-def key_grid(lo: mx.array, hi: mx.array, widths, margin: float = 0.0):
-    """Float16 ``(k_lo, k_step)`` of uniform levels at ``widths`` ([.., D] ints, host or device, broadcast over
-    ``lo``/``hi`` [.., 1, D]) over ``[lo, hi]`` widened by ``margin`` times its span on each side; a 0-bit channel
-    decodes to the range's midpoint."""
-    if margin:
-        lo, hi = lo - margin * (hi - lo), hi + margin * (hi - lo)
-    levels = (mx.left_shift(1, mx.array(widths).astype(mx.int32)) - 1).astype(mx.float32)[..., None, :]
-    zero = levels == 0
-    return (mx.where(zero, (lo + hi) / 2, lo).astype(mx.float16),
-            mx.where(zero, 0.0, (hi - lo) / mx.maximum(levels, 1.0)).astype(mx.float16))
 
 
 @register_with_mlx_lm
@@ -172,7 +157,7 @@ class WaterfillKVCache(ResidualWindowCache):
         sens = w * ((hi - lo) ** 2).mean(axis=0)[:, 0]
         total = self.bit_width * keys.shape[3]
         widths = allocate_bits(sens, total)  # on the device: calibrating every layer costs no host sync
-        self.k_lo, self.k_step = key_grid(lo, hi, widths, range_margin(self.bit_width))
+        self.k_lo, self.k_step = calibrated_grid(keys, lo, hi, widths, self.bit_width, fit_rows([n], n, SINK_ROWS))
         self.k_bits = widths.astype(mx.uint8)[None, :, None, :]
         self._layout = VarLayout(widths, total)
         self.q_energy = None  # only needed to calibrate (the grid stays lazy: no host sync)

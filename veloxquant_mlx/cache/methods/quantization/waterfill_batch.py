@@ -25,6 +25,7 @@ from ...attention import group_queries
 from ...contract import register_with_mlx_lm
 from ...primitives.bitalloc import allocate_bits, rope_pair_mean
 from ...primitives.bitpack import packed_words
+from ...primitives.keygrid import calibrated_grid, fit_rows
 from ...primitives.value_rotation import power_of_two
 from ...primitives.varpack import VarLayout, extract_codes
 from ...window import SINK_ROWS, ResidualWindowCache
@@ -32,7 +33,7 @@ from ... import kernels
 from ...kernels import waterfill as wf_kernel
 from ..batch_common import borrows, rows_from, step_counts
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
-from .waterfill import BLOCK, WaterfillKVCache, key_grid, range_margin
+from .waterfill import BLOCK, WaterfillKVCache
 
 
 @register_with_mlx_lm
@@ -145,7 +146,8 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         sens = np.array(w * ((hi - lo) ** 2)[:, :, 0])[todo]
         widths = np.array(self.k_bits)[:, :, 0].astype(np.int64)
         widths[todo] = np.array(allocate_bits(sens.reshape(-1, D), self.bit_width * D)).reshape(sens.shape)
-        k_lo, k_step = key_grid(lo, hi, widths, range_margin(self.bit_width))
+        use = fit_rows(list(self.nw), n, SINK_ROWS)
+        k_lo, k_step = calibrated_grid(rows, lo, hi, widths, self.bit_width, use)
         now = mx.array([i in todo for i in range(self.batch_size)])[:, None, None, None]
         self.k_lo, self.k_step = mx.where(now, k_lo, self.k_lo), mx.where(now, k_step, self.k_step)
         self.k_bits = mx.array(widths.astype(np.uint8))[:, :, None, :]
