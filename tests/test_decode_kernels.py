@@ -296,6 +296,54 @@ def test_kivi_kernel_takes_only_the_layouts_it_reads():
     assert not kivi_kernel.supported(8, 32, 32, 128, 128, rep=16)  # the block's shared memory over 48 KB
 
 
+
+def test_kivi_tensor_core_kernel_takes_4bit_layouts_of_up_to_8_query_heads():
+    """The mma form: 4-bit codes, key dims multiples of 16 and value dims of 64 (up to 128: its registers), at most
+    8 query heads per KV head (the mma's n); everything else keeps the other kernel."""
+    tc = kivi_kernel.tensor_core_layout
+    assert tc(4, 32, 32, 128, 128, 4) and tc(4, 64, 32, 64, 64, 8) and tc(4, 32, 128, 128, 64, 1)
+    assert not tc(2, 32, 32, 128, 128, 4) and not tc(8, 32, 32, 128, 128, 4)  # other widths
+    assert not tc(4, 32, 32, 128, 128, 9)  # more heads than the mma's n
+    assert not tc(4, 32, 32, 256, 256, 4) and not tc(4, 32, 32, 128, 96, 4) and not tc(4, 32, 32, 72, 128, 4)
+
+
+@GPU
+@pytest.mark.parametrize("H,R,D,group,prompt,dtype", [
+    (8, 4, 128, 32, 4100, mx.bfloat16), (2, 8, 128, 64, 999, mx.float16), (3, 3, 64, 32, 45, mx.float16),
+    (1, 1, 64, 128, 161, mx.float16), (2, 5, 128, 32, 20011, mx.float16), (4, 2, 128, 32, 96, mx.float16)])
+@pytest.mark.parametrize("max_splits", [None, 2])
+def test_kivi_tensor_core_kernel_equals_the_other_kernel_and_the_op_path(H, R, D, group, prompt, dtype, max_splits,
+                                                                         monkeypatch):
+    """The tensor-core kernel (float16 dequantized codes and weights, float32 sums) against the op path and the
+    float32 kernel, over half-full last tiles, GQA ratios up to 8 and splits that take several tiles."""
+    if max_splits:
+        monkeypatch.setattr(kivi_kernel, "MAX_SPLITS", max_splits)
+    c = _kivi(D, 4, group)
+    rng = np.random.default_rng(prompt + R)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D, dtype), _rows(rng, H, prompt, D, dtype))
+    tol = 1e-2 if dtype == mx.bfloat16 else 2e-3
+    for _ in range(2):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
+        q = _rows(rng, H * R, 1, D, dtype)
+        assert kivi_kernel.uses_tensor_cores(4, group, c.value_group(D), D, D, R, dtype)
+        assert not kivi_kernel.uses_tensor_cores(4, group, c.value_group(D), D, D, R, mx.float32)
+
+        def op():
+            c.attend_path = "dequant"
+            try:
+                return c.attend(q, K, V, scale=D**-0.5, mask=None)
+            finally:
+                c.attend_path = "auto"
+
+        call = c._call
+        got, want = _kernel_vs_op(c, q, D**-0.5, None, op)
+        monkeypatch.setattr(kivi_kernel, "TENSOR_CORES", False)
+        c._call = call
+        other = c._decode_attend(q, scale=D**-0.5)
+        monkeypatch.setattr(kivi_kernel, "TENSOR_CORES", True)
+        assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
+        assert _rel(got.astype(mx.float32), other.astype(mx.float32)) < tol
+
 # ---------------------------------------------------------------------------------------- waterfill's rotation
 @pytest.mark.parametrize("dv", [16, 64, 128])
 def test_value_rotation_is_a_transform_equal_to_the_hadamard_matrix(dv):

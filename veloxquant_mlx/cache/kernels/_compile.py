@@ -19,7 +19,7 @@ import struct
 
 import mlx.core as mx
 
-__all__ = ["PRELUDE", "CTYPES", "Kernel", "render", "compile_binary"]
+__all__ = ["PRELUDE", "TENSOR_PRELUDE", "CTYPES", "Kernel", "render", "compile_binary"]
 
 # The thin macro layer: kernel bodies use only these names for the backend's primitives (CUDA here), and
 # no header: half and bfloat16 are read and written through their bits.
@@ -83,6 +83,41 @@ __device__ __forceinline__ void vq_store(vq_bf16* p, float x) {  // round to nea
   const unsigned int u = __float_as_uint(x);
   p->b = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 64u)
                                          : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+"""
+
+# Device functions of the tensor-core kernels: float16 pairs without a header (PTX), a code pair to a float16 pair
+# (the nibble ORed into the mantissa of 1024 or 64, which is then subtracted exactly), one mma.m16n8k16
+TENSOR_PRELUDE = r"""
+__device__ __forceinline__ vq_u32 vq_h2(float lo, float hi) {  // {lo, hi} as float16, lo in the low half
+  vq_u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ unsigned int vq_hbits(vq_f16 x) { return x.b; }
+__device__ __forceinline__ unsigned int vq_hbits(float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+__device__ __forceinline__ unsigned int vq_hbits(vq_bf16 x) { return vq_hbits(vq_f(x)); }
+template <typename T> __device__ __forceinline__ vq_u32 vq_hpair(T lo, T hi) {
+  return vq_hbits(lo) | (vq_hbits(hi) << 16);
+}
+// s * c + z for the codes c in nibbles 0 and 4 (lo) or 1 and 5 (hi) of p, as a float16 pair
+__device__ __forceinline__ vq_u32 vq_deq(vq_u32 p, vq_u32 mask, vq_u32 magic, vq_u32 s, vq_u32 z) {
+  vq_u32 x, r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(x) : "r"(p), "r"(mask), "r"(magic));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(x) : "r"(x), "r"(magic));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(s), "r"(z));
+  return r;
+}
+#define vq_deq_lo(p, s, z) vq_deq((p), 0x000f000fu, 0x64006400u, (s), (z))  // 1024 + c
+#define vq_deq_hi(p, s, z) vq_deq((p), 0x00f000f0u, 0x54005400u, (s), (z))  // 64 + c (the mantissa's unit is 1/16)
+__device__ __forceinline__ void vq_mma(float* c, vq_u32 a0, vq_u32 a1, vq_u32 a2, vq_u32 a3, vq_u32 b0, vq_u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 """
 

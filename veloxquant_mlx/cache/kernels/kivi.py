@@ -20,6 +20,19 @@ On the H200 (Nsight Compute, 8 KV heads x 4, d 128, 4-bit, SM at 1.48 GHz): boun
 FMAs per code word are half the key loop's instructions, the rest unpacking and addressing; batching the loads or
 halving the tiles did not help (docs/RESULTS.md "Decode: what bounds a step"). The fused kernel: 27.9 us at 8k,
 62.6 us at 32k, 205 us at 128k (28.1 / 66.4 / 219.6 with int-to-float conversions; session 14).
+
+Tensor cores (4-bit codes, float16/bfloat16 queries, sm_80+: ``uses_tensor_cores``): the same tiles of 64 tokens,
+but both products are ``mma.m16n8k16`` (float16 in, float32 sums) with the query heads as the mma's n (up to 8).
+A lane forms each float16 pair of two codes at once: ``prmt`` puts byte j of two words side by side, one ``lop3``
+ORs a nibble of each into the mantissa of 1024 (low nibble) or 64 (high: its unit is 1/16), an exact ``sub``
+leaves the codes and one ``fma`` applies the pair's scales and biases. Keys: a lane's four words are channels
+2t, 2t + 1, 2t + 8, 2t + 9 of a 16-channel slice at the tile's word column g, so mma j's rows are the tokens of
+byte j; values alike with two tokens' words per pair. The weights go through shared memory as float16 pairs.
+Deviation from the float32 kernel: dequantized keys and values, the scaled query and the softmax weights are
+rounded to float16 (relative 2^-11 each; the model's own rows are 2-byte floats), sums stay float32; float32
+models keep the float32 kernel. H200 (``scripts/decode_kernel_variants.py``, ms per 10 layers, host build included,
+8 KV heads x 4, d 128): 1.37 -> 0.77 at 8k, 1.56 -> 1.31 at 32k, 2.72 -> 1.70 at 128k (MLX's fused sdpa on float16
+rows: 0.39 / 0.83 / 1.53); outputs 4.5e-4 (relative L2) from the float32 kernel's.
 """
 
 from __future__ import annotations
@@ -28,15 +41,16 @@ import functools
 
 import mlx.core as mx
 
+from ._compile import TENSOR_PRELUDE, _arch
 from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS,
                       exact_args, kernel_variants, launch)
 
-__all__ = ["kivi_partials", "supported", "TILE_WORDS"]
+__all__ = ["kivi_partials", "supported", "TILE_WORDS", "tensor_core_layout", "uses_tensor_cores"]
 
 TILE_WORDS = 8  # key words per channel in a warp's tile; 32 / TILE_WORDS channel quarters per warp
 BLOCKS = 512  # grid size past which splits take several tiles (~4 blocks per SM on an H200: one wave)
 
-_SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
+_HEAD = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
   constexpr int TPW = 32 / KB;        // tokens (or value channels) per code word
   constexpr int CQ = 32 / TW;         // channel quarters per warp
   constexpr int TOK = TW * TPW;       // tokens per warp tile
@@ -46,7 +60,6 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
   constexpr float TOP = (float)(1u << KB);  // code c of a word reads as 1 + c / TOP (VQ_CODE), so x = s c + z
                                             // = (s TOP) (1 + c / TOP) + (z - s TOP): no int-to-float conversion
   VQ_SHARED float sq[REP * D];
-  VQ_SHARED float sp[NW * REP * TOK];
 """ + BLOCK_SHARED + r"""
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   VQ_SYNC();
@@ -61,7 +74,10 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
 #define QV(r, j) sq[(r) * D + lane + 32 * (j)]
 """ + EXACT_ROWS + LANE_STORE + r"""
 #undef QV
-  } else {
+"""
+
+_FFMA = r"""  } else {
+    VQ_SHARED float sp[NW * REP * TOK];
     const int ntiles = (n + TOK - 1) / TOK;
     const int kq = lane / TW, kw = lane % TW;     // key lanes: channel quarter, word in the tile
     const int vw = lane % LPR, ro = lane / LPR;   // value lanes: word in the row, row offset
@@ -175,11 +191,163 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
   }
 """ + BLOCK_JOIN
 
+_MMA = r"""  } else {
+    // tensor cores (4-bit codes): thread (g, t) = (lane / 4, lane % 4) of mma.m16n8k16; n = the query heads (REP <= 8)
+    VQ_SHARED vq_u32 sp2[NW * 8 * PRS];  // a warp's tile weights as float16 pairs: [head][token / 2], rows PRS words
+    constexpr int KS = D / 16, VS = DV / 64;  // key k-slices of 16 channels; value sets of 64 channels
+    const int g = lane >> 2, t = lane & 3;
+    vq_u32 bq[KS][2];  // the query fragments (float16, scale folded in): head g, channels 16 k + 2 t (+1, +8, +9)
+#pragma unroll
+    for (int k = 0; k < KS; ++k) {
+      const float* qg = sq + (g < REP ? g : 0) * D + 16 * k + 2 * t;
+      bq[k][0] = g < REP ? vq_h2(qg[0], qg[1]) : 0u;
+      bq[k][1] = g < REP ? vq_h2(qg[8], qg[9]) : 0u;
+    }
+    float m2[2] = {-VQ_INF, -VQ_INF}, l2[2] = {0.f, 0.f};  // heads 2 t + u
+    float acc[VS][4][4];  // channel 64 v + 8 g + 2 j (+1 for [2], [3]), heads 2 t, 2 t + 1
+#pragma unroll
+    for (int v = 0; v < VS; ++v)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[v][j][e] = 0.f;
+    vq_u32* wp = sp2 + warp * 8 * PRS;
+    const int ntiles = (n + 63) / 64;
+    const int nw = n / 8;  // key words per channel holding quantized tokens (n is a multiple of 32)
+    const size_t cbase = (size_t)bh * D;
+    for (int ti = s * NW + warp; ti < ntiles; ti += S * NW) {
+      const int tt0 = ti * 64;
+      // keys: the thread's word column holds tokens 8 g .. 8 g + 7 of the tile; mma j has rows g <-> token
+      // 8 g + 2 j and g + 8 <-> token 8 g + 2 j + 1 (the low and high nibbles of byte j of each word)
+      const int col = min(ti * 8 + g, nw - 1);
+      const int grp = (col * 8) / G;
+      float sc[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] = 0.f;
+#pragma unroll
+      for (int k = 0; k < KS; ++k) {
+        const size_t c0 = cbase + 16 * k + 2 * t;
+        const vq_u32 wa = kc[c0 * CK + col], wb = kc[(c0 + 1) * CK + col];
+        const vq_u32 wc = kc[(c0 + 8) * CK + col], wd = kc[(c0 + 9) * CK + col];
+        const vq_u32 sab = vq_hpair(ks[c0 * GK + grp], ks[(c0 + 1) * GK + grp]);
+        const vq_u32 zab = vq_hpair(kb[c0 * GK + grp], kb[(c0 + 1) * GK + grp]);
+        const vq_u32 scd = vq_hpair(ks[(c0 + 8) * GK + grp], ks[(c0 + 9) * GK + grp]);
+        const vq_u32 zcd = vq_hpair(kb[(c0 + 8) * GK + grp], kb[(c0 + 9) * GK + grp]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const vq_u32 pab = __byte_perm(wa, wb, 0x4400u + 0x1111u * j);
+          const vq_u32 pcd = __byte_perm(wc, wd, 0x4400u + 0x1111u * j);
+          vq_mma(sc[j], vq_deq_lo(pab, sab, zab), vq_deq_hi(pab, sab, zab), vq_deq_lo(pcd, scd, zcd),
+                 vq_deq_hi(pcd, scd, zcd), bq[k][0], bq[k][1]);
+        }
+      }
+      // online softmax of the tile for heads 2 t + u: sc[j][2 v + u] is token 8 g + 2 j + v
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        float mt = -VQ_INF;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            if (tt0 + 8 * g + 2 * j + v >= n) sc[j][2 * v + u] = -VQ_INF;
+            mt = fmaxf(mt, sc[j][2 * v + u]);
+          }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));
+        const float mn = fmaxf(m2[u], mt);  // finite: the tile's first token is < n
+        const float corr = VQ_EXP(m2[u] - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float p0 = VQ_EXP(sc[j][u] - mn), p1 = VQ_EXP(sc[j][2 + u] - mn);
+          ps += p0 + p1;
+          wp[(2 * t + u) * PRS + 4 * g + j] = vq_h2(p0, p1);
+        }
+        l2[u] = l2[u] * corr + ps;  // this lane's tokens; summed over the lanes at the end
+#pragma unroll
+        for (int v = 0; v < VS; ++v)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) { acc[v][j][u] *= corr; acc[v][j][2 + u] *= corr; }
+        m2[u] = mn;
+      }
+      VQ_SYNCWARP();
+      // values: mma over 16 tokens (k) at a time; rows g <-> channel 64 v + 8 g + 2 j, g + 8 <-> the next channel
+      // (nibbles 2 j, 2 j + 1 of word 8 v + g of a row); k 2 t, 2 t + 1, 2 t + 8, 2 t + 9 <-> the tokens
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int tk = tt0 + 16 * kk + 2 * t;
+        const size_t ra = (size_t)bh * TV + min(tk, n - 1), rb = (size_t)bh * TV + min(tk + 1, n - 1);
+        const size_t rc = (size_t)bh * TV + min(tk + 8, n - 1), rd = (size_t)bh * TV + min(tk + 9, n - 1);
+        const vq_u32 b0 = g < REP ? wp[g * PRS + 8 * kk + t] : 0u, b1 = g < REP ? wp[g * PRS + 8 * kk + t + 4] : 0u;
+#pragma unroll
+        for (int v = 0; v < VS; ++v) {
+          const int wi = 8 * v + g, gv = (wi * 8) / GV;
+          const vq_u32 wa = vc[ra * WV + wi], wb = vc[rb * WV + wi], wc = vc[rc * WV + wi], wd = vc[rd * WV + wi];
+          const vq_u32 sab = vq_hpair(vsc[ra * NG + gv], vsc[rb * NG + gv]);
+          const vq_u32 zab = vq_hpair(vbi[ra * NG + gv], vbi[rb * NG + gv]);
+          const vq_u32 scd = vq_hpair(vsc[rc * NG + gv], vsc[rd * NG + gv]);
+          const vq_u32 zcd = vq_hpair(vbi[rc * NG + gv], vbi[rd * NG + gv]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const vq_u32 pab = __byte_perm(wa, wb, 0x4400u + 0x1111u * j);
+            const vq_u32 pcd = __byte_perm(wc, wd, 0x4400u + 0x1111u * j);
+            vq_mma(acc[v][j], vq_deq_lo(pab, sab, zab), vq_deq_hi(pab, sab, zab), vq_deq_lo(pcd, scd, zcd),
+                   vq_deq_hi(pcd, scd, zcd), b0, b1);
+          }
+        }
+      }
+      VQ_SYNCWARP();
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l2[u] += VQ_SHFL_XOR(l2[u], o);
+      const int h = 2 * t + u;
+      if (h < REP) {
+        if (g == 0) { sm_m[warp * REP + h] = m2[u]; sm_l[warp * REP + h] = l2[u]; }
+#pragma unroll
+        for (int v = 0; v < VS; ++v)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float* a = sm_a + (warp * REP + h) * DV + 64 * v + 8 * g + 2 * j;
+            a[0] = acc[v][j][u];
+            a[1] = acc[v][j][2 + u];
+          }
+      }
+    }
+  }
+""" + BLOCK_JOIN
+
 # CK / GK: key words / groups per channel row; TV: value rows; NG: value groups per row (buffer capacities)
 # four blocks an SM (the fused tail would otherwise take a few more registers than the 128 that allows)
-_KERNELS = kernel_variants("vq_kivi_decode", ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"],
-                           [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"),
-                            ("NG", "int")], _SOURCE, bounds=(32 * WARPS, 4))
+_INPUTS = ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"]
+_SCALARS = [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int")]
+_KERNELS = kernel_variants("vq_kivi_decode", _INPUTS, _SCALARS, _HEAD + _FFMA, bounds=(32 * WARPS, 4))
+
+_MMA_KERNELS = kernel_variants("vq_kivi_decode_mma", _INPUTS, _SCALARS, _HEAD + _MMA, bounds=(32 * WARPS, 4),
+                               prelude=TENSOR_PRELUDE)
+TENSOR_CORES = True  # 4-bit layouts on sm_80+ take the tensor-core kernel (tests switch it off to test the other)
+
+
+@functools.cache
+def tensor_core_layout(bits: int, group: int, value_group: int, d: int, dv: int, rep: int) -> bool:
+    """Layouts the tensor-core kernel reads: 4-bit codes, head dims multiples of 16 (keys) and 64 (values) up to
+    128 (its registers), at most 8 query heads per KV head (the mma's n), whole bytes per value group."""
+    return (bits == 4 and d % 16 == 0 and d <= 128 and dv % 64 == 0 and dv <= 128 and rep <= 8
+            and value_group % 8 == 0 and group % 8 == 0)
+
+
+def uses_tensor_cores(bits: int, group: int, value_group: int, d: int, dv: int, rep: int, dtype) -> bool:
+    """Whether a decode step of this layout runs the tensor-core kernel: ``TENSOR_CORES``, the layout, queries in a
+    2-byte float (its float16 rounding is then no coarser than the model's own: float32 models keep the float32
+    kernel), an sm_80+ device."""
+    return (TENSOR_CORES and dtype in _HALF and tensor_core_layout(bits, group, value_group, d, dv, rep)
+            and int(_arch()[3:]) >= 80)
+
+
+_HALF = (mx.float16, mx.bfloat16)
 
 
 @functools.cache
@@ -212,9 +380,10 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     # one tile per warp while the grid stays under ~BLOCKS blocks; past that, warps take several tiles
     S = max(1, min(MAX_SPLITS, -(-tiles // WARPS), -(-BLOCKS // (B * H))))
     arrays, scalars, consts = exact_args(exact, counts, H)
-    return launch(_KERNELS, counts is not None,
+    mma = uses_tensor_cores(bits, group, value_group, D, dv, Hq // H, queries.dtype)
+    return launch(_MMA_KERNELS if mma else _KERNELS, counts is not None,
                   [queries, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, *arrays],
                   [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
                    *scalars],
                   (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
-                   ("TW", TILE_WORDS)) + consts, B, H, Hq // H, S, dv, merge)
+                   ("TW", TILE_WORDS), ("PRS", 36)) + consts, B, H, Hq // H, S, dv, merge)

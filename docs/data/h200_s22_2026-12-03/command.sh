@@ -1,0 +1,9 @@
+# H200 runs of session 22 (kvar/old = the kernels of d30a584; kvar/b3 = this commit's with the tensor-core kernel's
+# __launch_bounds__ at 3 blocks per SM instead of 4). After `cp .gpu/a/* /root/stash/` in a first call:
+CONTEXTS=8192,32768,131072 VARIANTS="kvar/old veloxquant_mlx/cache/kernels" bash scripts/gpu_run.sh install kivitest variants
+#   -> variants_kivi_mma.txt, kivitest_first.txt (before float32 queries kept the float32 kernel)
+bash scripts/gpu_run.sh install; python3 -m pytest -q tests/test_decode_kernels.py tests/test_kivi_batch.py \
+  -k "tensor_core or ragged or kivi_kernel_equals or kivi_batch_kernel"   # -> kivitest_after_dtype_rule.txt
+bash scripts/gpu_run.sh - steadyk                                         # -> h200_bench_steady_kivi_r1.json
+CONTEXTS=32768,131072 VARIANTS="kvar/old veloxquant_mlx/cache/kernels kvar/b3" bash scripts/gpu_run.sh install variants
+REPEATS=3 bash scripts/gpu_run.sh - steadyk                               # -> variants_kivi_mma_bounds3.txt, h200_bench_steady_kivi_r3.json
