@@ -66,5 +66,7 @@ for cmd in "$@"; do
   paired) for T in ${CONTEXTS:-8192 32768}; do timeout 280 python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds ${ROUNDS:-5} --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16; done > $OUT/paired.txt 2>&1; cat $OUT/paired.txt ;;
   kivitest) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_kivi_batch.py -k "kivi or tensor_core or take_the_kernels or fused" > $OUT/kivitest.txt 2>&1; grep -E "^FAILED|passed|failed|Error" $OUT/kivitest.txt | head -30 ;;
   steadyk) timeout 560 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context ${CONTEXTS:-8192,32768,131072} --repeats ${REPEATS:-1} --decode-tokens 128 --baselines none --isolate --timeout 250 --json > $OUT/h200_bench_steady_kivi.json 2> $OUT/steadyk.err; tail -3 $OUT/steadyk.err; python3 scripts/bench_samples.py $OUT/h200_bench_steady_kivi.json ;;
+  pin) lscpu | grep -iE "numa|socket|model name" > $OUT/pin.txt; nvidia-smi topo -m >> $OUT/pin.txt 2>&1; cat $OUT/pin.txt
+    for cpus in ${PIN_SETS:-0-7 8-15}; do echo "== taskset -c $cpus"; CONTEXTS=${CONTEXTS:-32768} REPEATS=${REPEATS:-2} taskset -c $cpus bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json $OUT/pin_$cpus.json; done ;;
   esac
 done

@@ -7,3 +7,7 @@ bash scripts/gpu_run.sh install; python3 -m pytest -q tests/test_decode_kernels.
 bash scripts/gpu_run.sh - steadyk                                         # -> h200_bench_steady_kivi_r1.json
 CONTEXTS=32768,131072 VARIANTS="kvar/old veloxquant_mlx/cache/kernels kvar/b3" bash scripts/gpu_run.sh install variants
 REPEATS=3 bash scripts/gpu_run.sh - steadyk                               # -> variants_kivi_mma_bounds3.txt, h200_bench_steady_kivi_r3.json
+bash scripts/gpu_run.sh install; CONTEXTS=8192,32768 REPEATS=2 bash scripts/gpu_run.sh - pin
+#   -> pin.txt (one socket, one NUMA node), h200_bench_steady_kivi_pinned_{0-7,8-15}.json
+bash scripts/gpu_run.sh install; CONTEXTS=131072 REPEATS=3 bash scripts/gpu_run.sh - steadyk   # -> h200_bench_steady_kivi_128k_r3.json
+# (an ncu run of both KIVI kernels at 32k/128k ran past its 230 s limit before Nsight printed: no data)
