@@ -83,9 +83,9 @@ TARGET4_MIN_TOP1 = 0.87
 TARGET4_MAX_BYTES = 0.30
 
 
-@pytest.mark.real_model
-@pytest.mark.slow
-def test_target4_waterfill_meets_the_4bit_class_target():
+def _waterfill_point(bits: int, context: int, residual_length: int = 16):
+    """Waterfill at ``bits`` with a float16 window of ``residual_length`` rows on the embedded model: ``context``
+    essay tokens prefilled, N_SCORE scored decode steps (``next_token_fidelity``); (result, one-line summary)."""
     from veloxquant_mlx.assets import essays_text
     from veloxquant_mlx.cache import KVCacheConfig
     from veloxquant_mlx.cache.options import WaterfillOptions
@@ -93,13 +93,21 @@ def test_target4_waterfill_meets_the_4bit_class_target():
     from veloxquant_mlx.model import load_model
 
     model, tok = load_model()
-    n = TARGET4_CONTEXT + N_SCORE
+    n = context + N_SCORE
     ids = tok.encode(essays_text(max_chars=8 * n), add_special_tokens=False)[:n]
-    cfg = KVCacheConfig(method="waterfill", bit_width_inlier=4, options=WaterfillOptions(residual_length=16))
-    r = next_token_fidelity(model, ids, TARGET4_CONTEXT, N_SCORE, cfg)
+    cfg = KVCacheConfig(method="waterfill", bit_width_inlier=bits,
+                        options=WaterfillOptions(residual_length=residual_length))
+    r = next_token_fidelity(model, ids, context, N_SCORE, cfg)
     summary = f"KLD {r.kld:.4f}, top-1 {r.top1_agree:.3f}, kv/fp16 {r.compression:.3f}"
     print(summary)
     assert r.n_scored == N_SCORE
+    return r, summary
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_target4_waterfill_meets_the_4bit_class_target():
+    r, summary = _waterfill_point(4, TARGET4_CONTEXT)
     assert r.kld <= TARGET4_MAX_KLD, f"4-bit target, KLD half: {summary}"
     assert r.compression <= TARGET4_MAX_BYTES, f"4-bit target, bytes half: {summary}"
     assert r.top1_agree >= TARGET4_MIN_TOP1, f"top-1 regression: {summary} (gate {TARGET4_MIN_TOP1})"
@@ -119,19 +127,6 @@ TARGET2_MAX_BYTES = 0.15
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_target2_waterfill_meets_the_2bit_class_at_4096():
-    from veloxquant_mlx.assets import essays_text
-    from veloxquant_mlx.cache import KVCacheConfig
-    from veloxquant_mlx.cache.options import WaterfillOptions
-    from veloxquant_mlx.eval.fidelity import next_token_fidelity
-    from veloxquant_mlx.model import load_model
-
-    model, tok = load_model()
-    n = TARGET2_CONTEXT + N_SCORE
-    ids = tok.encode(essays_text(max_chars=8 * n), add_special_tokens=False)[:n]
-    cfg = KVCacheConfig(method="waterfill", bit_width_inlier=2, options=WaterfillOptions(residual_length=16))
-    r = next_token_fidelity(model, ids, TARGET2_CONTEXT, N_SCORE, cfg)
-    summary = f"KLD {r.kld:.4f}, top-1 {r.top1_agree:.3f}, kv/fp16 {r.compression:.3f}"
-    print(summary)
-    assert r.n_scored == N_SCORE
+    r, summary = _waterfill_point(2, TARGET2_CONTEXT)
     assert r.kld <= TARGET2_MAX_KLD, f"2-bit class, KLD half: {summary}"
     assert r.compression <= TARGET2_MAX_BYTES, f"2-bit class, bytes half: {summary}"
