@@ -68,6 +68,6 @@ for cmd in "$@"; do
   steadyk) timeout 560 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context ${CONTEXTS:-8192,32768,131072} --repeats ${REPEATS:-1} --decode-tokens 128 --baselines none --isolate --timeout 250 --json > $OUT/h200_bench_steady_kivi.json 2> $OUT/steadyk.err; tail -3 $OUT/steadyk.err; python3 scripts/bench_samples.py $OUT/h200_bench_steady_kivi.json ;;
   pin) lscpu | grep -iE "numa|socket|model name" > $OUT/pin.txt; nvidia-smi topo -m >> $OUT/pin.txt 2>&1; cat $OUT/pin.txt
     for cpus in ${PIN_SETS:-0-7 8-15}; do echo "== taskset -c $cpus"; CONTEXTS=${CONTEXTS:-32768} REPEATS=${REPEATS:-2} taskset -c $cpus bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json $OUT/pin_$cpus.json; done ;;
-  graphs) for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" ${GRAPH_ENVS}; do echo "== $env"; env $env CONTEXTS=${CONTEXTS:-8192,32768} REPEATS=${REPEATS:-3} bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json "$OUT/graphs_${env%%=*}.json"; done ;;
+  graphs) for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_MAX_OPS_PER_BUFFER=240" ${GRAPH_ENVS}; do echo "== $env"; env $env CONTEXTS=${CONTEXTS:-8192,32768} REPEATS=${REPEATS:-3} bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json "$OUT/graphs_${env%%=*}.json"; done ;;
   esac
 done
