@@ -11,3 +11,11 @@ bash scripts/gpu_run.sh install; CONTEXTS=8192,32768 REPEATS=2 bash scripts/gpu_
 #   -> pin.txt (one socket, one NUMA node), h200_bench_steady_kivi_pinned_{0-7,8-15}.json
 bash scripts/gpu_run.sh install; CONTEXTS=131072 REPEATS=3 bash scripts/gpu_run.sh - steadyk   # -> h200_bench_steady_kivi_128k_r3.json
 # (an ncu run of both KIVI kernels at 32k/128k ran past its 230 s limit before Nsight printed: no data)
+# Next H200 run (prepared, not run): the two unmeasured variants of the tensor-core KIVI kernel against this commit's
+#   for v in nospill prefetch; do cp -r veloxquant_mlx/cache/kernels kvar/$v; (cd kvar/$v && patch -p4 < \
+#     ../../docs/data/h200_s22_2026-12-03/kivi_mma_$v.patch); done
+#   CONTEXTS=8192,32768,131072 VARIANTS="veloxquant_mlx/cache/kernels kvar/nospill kvar/prefetch" bash scripts/gpu_run.sh install variants
+# nospill: query fragments in shared memory, key slices and value k-slices unrolled by two (no spill at d 128);
+# prefetch: each tile's value words fetched into shared memory with cp.async while its keys are read (no spill at
+# d 128 r 4; 31 KB of shared memory a block). Both compile here (scripts/check_decode_kernels.py).
+# And the host-spread experiment: bash scripts/gpu_run.sh install graphs
