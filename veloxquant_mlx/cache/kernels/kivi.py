@@ -343,8 +343,12 @@ def uses_tensor_cores(bits: int, group: int, value_group: int, d: int, dv: int, 
     """Whether a decode step of this layout runs the tensor-core kernel: ``TENSOR_CORES``, the layout, queries in a
     2-byte float (its float16 rounding is then no coarser than the model's own: float32 models keep the float32
     kernel), an sm_80+ device."""
-    return (TENSOR_CORES and dtype in _HALF and tensor_core_layout(bits, group, value_group, d, dv, rep)
-            and int(_arch()[3:]) >= 80)
+    return TENSOR_CORES and dtype in _HALF and _on_this_device(bits, group, value_group, d, dv, rep)
+
+
+@functools.cache
+def _on_this_device(*layout) -> bool:  # asked every decode step and layer: the arch parsed once
+    return tensor_core_layout(*layout) and int(_arch()[3:]) >= 80
 
 
 _HALF = (mx.float16, mx.bfloat16)
