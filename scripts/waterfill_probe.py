@@ -1,9 +1,13 @@
-"""Probe (patches ``WaterfillKVCache`` in this process only): waterfill's pre-RoPE key ranges per prefill chunk
-instead of once. Each chunk of >= 256 rows stored after calibration gets its own lo/step (same widths); decode rows
-take the last chunk's. Op path (CPU). Prints next-token KLD on the embedded model, as the quality gate measures it.
+"""Probes of waterfill's quantizers (each patches ``WaterfillKVCache`` in this process only; op path, CPU); prints
+next-token KLD on the embedded model as the quality gate measures it (16-row window, 32 scored tokens).
 
-    python scripts/waterfill_chunk_ranges_probe.py stock 4096 4   # the cache as it is
-    python scripts/waterfill_chunk_ranges_probe.py seg 4096 4     # ranges per chunk
+- ``seg``: pre-RoPE key ranges per prefill chunk instead of once: each chunk of >= 256 rows stored after calibration
+  gets its own lo/step (same widths); decode rows take the last chunk's.
+- ``lsscale``: each value row's scale refitted by least squares to the codes chosen at its RMS scale.
+
+    python scripts/waterfill_probe.py stock 4096 4   # the cache as it is
+    python scripts/waterfill_probe.py seg 4096 4
+    python scripts/waterfill_probe.py lsscale 4096 4
 """
 import sys
 from pathlib import Path
@@ -19,7 +23,7 @@ from veloxquant_mlx.model import load_model
 from veloxquant_mlx.cache.methods.quantization import waterfill as W
 from veloxquant_mlx.cache.primitives.keygrid import key_grid, range_margin
 
-MODE = sys.argv[1]  # stock | seg
+MODE = sys.argv[1]  # stock | seg | lsscale
 CTX = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
 BITS = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 MIN_ROWS = 256
@@ -58,6 +62,18 @@ if MODE == "seg":
 
     C._key_codes = _key_codes
     C._pre_keys = _pre_keys
+
+if MODE == "lsscale":
+    def _encode_values(self, values):
+        y = W.rotate_values(values.astype(mx.float32), self.seed)
+        rms = mx.sqrt(mx.mean(y * y, axis=-1, keepdims=True))
+        cb = W.odd_poly_gaussian(self.bit_width)[0]
+        codes = W.nearest_code(y / mx.maximum(rms, W._TINY), cb)
+        c = cb[codes.astype(mx.int32)]
+        s = (y * c).sum(-1, keepdims=True) / mx.maximum((c * c).sum(-1, keepdims=True), 1e-30)
+        return W.pack_bits(codes, self.bit_width), mx.where(s > 0, s, rms).astype(mx.float16)[..., 0]
+
+    W.WaterfillKVCache._encode_values = _encode_values
 
 model, tok = load_model()
 n = CTX + 32
