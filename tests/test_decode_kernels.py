@@ -307,6 +307,21 @@ def test_kivi_tensor_core_kernel_takes_4bit_layouts_of_up_to_8_query_heads():
     assert not tc(4, 32, 32, 256, 256, 4) and not tc(4, 32, 32, 128, 96, 4) and not tc(4, 32, 32, 72, 128, 4)
 
 
+def test_kivi_tensor_cores_need_a_cuda_driver_and_a_2_byte_query(monkeypatch):
+    """Without a CUDA driver (a launch stood in on another machine) or with float32 queries the float32 kernel runs;
+    an sm_80+ device with float16/bfloat16 queries takes the tensor cores, an older one does not."""
+    def no_driver():
+        raise RuntimeError("none of ['libcuda.so.1', 'libcuda.so'] could be loaded")
+
+    for arch, dtype, want in ((no_driver, mx.float16, False), (lambda: "sm_90", mx.float16, True),
+                              (lambda: "sm_90", mx.bfloat16, True), (lambda: "sm_90", mx.float32, False),
+                              (lambda: "sm_75", mx.float16, False), (lambda: "sm_100", mx.float16, True)):
+        monkeypatch.setattr(kivi_kernel, "_arch", arch)
+        kivi_kernel._on_this_device.cache_clear()
+        assert kivi_kernel.uses_tensor_cores(4, 32, 32, 128, 128, 4, dtype) is want, (arch, dtype)
+    kivi_kernel._on_this_device.cache_clear()
+
+
 @GPU
 @pytest.mark.parametrize("H,R,D,group,prompt,dtype", [
     (8, 4, 128, 32, 4100, mx.bfloat16), (2, 8, 128, 64, 999, mx.float16), (3, 3, 64, 32, 45, mx.float16),

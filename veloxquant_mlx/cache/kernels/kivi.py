@@ -348,7 +348,12 @@ def uses_tensor_cores(bits: int, group: int, value_group: int, d: int, dv: int, 
 
 @functools.cache
 def _on_this_device(*layout) -> bool:  # asked every decode step and layer: the arch parsed once
-    return tensor_core_layout(*layout) and int(_arch()[3:]) >= 80
+    if not tensor_core_layout(*layout):
+        return False
+    try:
+        return int(_arch()[3:]) >= 80
+    except RuntimeError:  # no CUDA driver (a launch stood in on another machine: scripts/decode_host_layer.py)
+        return False
 
 
 _HALF = (mx.float16, mx.bfloat16)
