@@ -53,6 +53,17 @@ def timed(f, reps: int = 20) -> float:
     return (time.perf_counter() - t) / reps * 1e3
 
 
+def eval_only(f, reps: int = 20) -> float:
+    """Milliseconds per call of ``f`` with its graph built before the clock starts: the evaluation alone (the launches'
+    queueing and the device's work), after three warm-up calls."""
+    for _ in range(3):
+        mx.eval(f())
+    outs = [f() for _ in range(reps)]
+    t = time.perf_counter()
+    mx.eval(outs)
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def host_build(f, reps: int = 50) -> float:
     """Microseconds per layer to build ``f``'s graph (ten layers per call), without evaluating it."""
     f()

@@ -1,7 +1,8 @@
 """Compare variants of the decode kernels package on MLX's CUDA backend: each folder given holds a copy of
 ``veloxquant_mlx/cache/kernels/`` with a change (e.g. ``git show REV:...`` or an edited constant); every variant's
 KIVI and waterfill decode steps (partials + merge, or one fused launch) run on the same caches (8 KV heads x 4 query heads, d 128, 4-bit), timed
-(ms per 10 layers, host build included) and checked against the first variant. ``NCU=1``: one call each, no
+(ms per 10 layers, host build included; and the evaluation alone, the graphs built before the clock starts) and
+checked against the first variant. ``NCU=1``: one call each, no
 timing, for ``ncu -k regex:decode`` (the kernels' own GPU time).
 
     python scripts/decode_kernel_variants.py --context 8192,32768 kvar/A kvar/B
@@ -28,7 +29,7 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory  # noqa: E402
 from veloxquant_mlx.cache.options import KIVIOptions, TurboQuantRVQOptions, WaterfillOptions  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_kernel_time import fill, timed  # noqa: E402
+from decode_kernel_time import eval_only, fill, timed  # noqa: E402
 
 H, R, D = 8, 4, 128
 
@@ -108,7 +109,7 @@ def main(argv=None):
             print(f"T={T}+{extra} (kivi residual {kv.n_res}, waterfill window {wf.n_win}); ms per 10 layers", flush=True)
             if not ncu:
                 sdpa = lambda: [mx.fast.scaled_dot_product_attention(one_q, k, v, scale=D**-0.5) for _ in range(10)]  # noqa: E731
-                print(f"  fused sdpa, float16 rows {timed(sdpa):8.3f}")
+                print(f"  fused sdpa, float16 rows {timed(sdpa):8.3f} (evaluation alone {eval_only(sdpa):6.3f})")
             for name, f in (("kivi", kivi), ("waterfill", waterfill), ("turboquant_rvq", turboquant_rvq)):
                 ref = None
                 for vn, M in variants.items():
@@ -118,7 +119,8 @@ def main(argv=None):
                     mx.eval(out)
                     ref = out if ref is None else ref
                     rel = (mx.linalg.norm((out - ref).astype(mx.float32)) / mx.linalg.norm(ref.astype(mx.float32))).item()
-                    t = "" if ncu else f"{timed(lambda: [f(M) for _ in range(10)]):8.3f} ms  "
+                    t = "" if ncu else (f"{timed(lambda: [f(M) for _ in range(10)]):8.3f} ms (evaluation alone "
+                                        f"{eval_only(lambda: [f(M) for _ in range(10)]):6.3f})  ")
                     print(f"  {name:10s} {vn:12s} {t}relative L2 vs {next(iter(variants))}: {rel:.1e}", flush=True)
             del kv, wf, tq
             mx.clear_cache()
