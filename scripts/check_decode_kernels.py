@@ -22,6 +22,7 @@ from veloxquant_mlx.cache.kernels import _common, _compile, kivi, kivi_rows, wat
 
 F32, F16, BF16, U32, I32 = mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int32
 EXACT = [F16, F16, BF16, BF16, F32, F32]
+PRS = ("PRS", kivi.PAIR_ROW_WORDS)  # the tensor-core kernel's constant
 PARTIALS = [F32] * 3
 CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
     ("waterfill_d128_r4", waterfill._KERNELS[False, False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
@@ -43,13 +44,13 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
      (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("HK", 8), ("NW", 4),
       ("REP", 4), ("DV", 128))),
     ("kivi_mma_d128_r4", kivi._MMA_KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("PRS", 36), ("NW", 4),
+     (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS, ("NW", 4),
       ("REP", 4), ("DV", 128))),
     ("kivi_mma_fused_batch_d128_r8", kivi._MMA_KERNELS[True, True], [BF16, U32, F16, F16, U32, F16, F16, I32] + EXACT
-     + [F32, I32], [F32, BF16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), ("PRS", 36),
+     + [F32, I32], [F32, BF16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
                                  ("HK", 8), ("HAS_SINK", 1), ("ROT", 0), ("NW", 4), ("REP", 8), ("DV", 128))),
     ("kivi_mma_d64_r3", kivi._MMA_KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
-     (("D", 64), ("KB", 4), ("G", 64), ("GV", 64), ("WV", 8), ("TW", 8), ("PRS", 36), ("NW", 4), ("REP", 3),
+     (("D", 64), ("KB", 4), ("G", 64), ("GV", 64), ("WV", 8), ("TW", 8), PRS, ("NW", 4), ("REP", 3),
       ("DV", 64))),
     ("kivi_d128_b2_r3", kivi._KERNELS[False, False], [BF16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 128), ("KB", 2), ("G", 64), ("GV", 32), ("WV", 8), ("TW", 8), ("NW", 4), ("REP", 3), ("DV", 128))),

@@ -30,7 +30,6 @@ MIN_ROWS = 256
 
 if MODE == "seg":
     C = W.WaterfillKVCache
-    orig_codes = C._key_codes
 
     def _key_codes(self, keys, pos, mask):
         pre = self._pre_rope(keys, pos).astype(mx.float32)
@@ -55,7 +54,7 @@ if MODE == "seg":
             los.append(mx.broadcast_to(lo, (*lo.shape[:2], n, lo.shape[3])))
             sts.append(mx.broadcast_to(st, (*st.shape[:2], n, st.shape[3])))
         LO, ST = mx.concatenate(los, axis=2)[:, :, a:b], mx.concatenate(sts, axis=2)[:, :, a:b]
-        # decode with unit grid, then apply per-row lo/step: code = (x - lo0)/st0 under the stock grid
+        # the codes themselves (a unit grid), then each row's own lo/step
         x = W.dequantize_pairs(self.k_words[:, :, a:b], *self._pair_table(), mx.zeros(self.k_lo.shape, mx.float32),
                                mx.ones(self.k_step.shape, mx.float32))
         return LO + x * ST

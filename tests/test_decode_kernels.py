@@ -296,7 +296,6 @@ def test_kivi_kernel_takes_only_the_layouts_it_reads():
     assert not kivi_kernel.supported(8, 32, 32, 128, 128, rep=16)  # the block's shared memory over 48 KB
 
 
-
 def test_kivi_tensor_core_kernel_takes_4bit_layouts_of_up_to_8_query_heads():
     """The mma form: 4-bit codes, key dims multiples of 16 and value dims of 64 (up to 128: its registers), at most
     8 query heads per KV head (the mma's n); everything else keeps the other kernel."""

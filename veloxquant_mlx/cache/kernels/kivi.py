@@ -329,6 +329,7 @@ _KERNELS = kernel_variants("vq_kivi_decode", _INPUTS, _SCALARS, _HEAD + _FFMA, b
 _MMA_KERNELS = kernel_variants("vq_kivi_decode_mma", _INPUTS, _SCALARS, _HEAD + _MMA, bounds=(32 * WARPS, 4),
                                prelude=TENSOR_PRELUDE)
 TENSOR_CORES = True  # 4-bit layouts on sm_80+ take the tensor-core kernel (tests switch it off to test the other)
+PAIR_ROW_WORDS = 36  # a head's row of tile weights in shared memory: 32 float16 pairs + 4 (no bank conflicts)
 
 
 @functools.cache
@@ -395,4 +396,5 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
                   [int(n), float(scale), k_codes.shape[3], k_scales.shape[3], v_codes.shape[2], v_scales.shape[3],
                    *scalars],
                   (("D", D), ("KB", bits), ("G", group), ("GV", value_group), ("WV", v_codes.shape[-1]),
-                   ("TW", TILE_WORDS), ("PRS", 36)) + consts, B, H, Hq // H, S, dv, merge)
+                   ("TW", TILE_WORDS)) + ((("PRS", PAIR_ROW_WORDS),) if mma else ()) + consts, B, H, Hq // H, S, dv,
+                  merge)
