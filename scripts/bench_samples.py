@@ -1,4 +1,5 @@
-"""Print a ``veloxquant bench --json`` file's rows: ratios vs the plain cache and each repeat's values in run order.
+"""Print a ``veloxquant bench --json`` file's rows: ratios vs the plain cache, each repeat's values in run order and
+(candidates interleaved in one process) the per-repeat ratios.
 
     python scripts/bench_samples.py bench.json [more.json ...]
 """
@@ -20,6 +21,10 @@ def main(paths):
                   f"peak_GB {peak}")
             if ratios:
                 print(f"  {'':<45} {'':>6}  ratios {ratios}")
+            paired = (r.get("paired_ratios") or {}).get("none") or {}
+            if paired and r.get("repeats", 0) > 1:
+                print(f"  {'':<45} {'':>6}  per repeat " + "  ".join(
+                    f"{k} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]" for k, v in paired.items() if v))
 
 
 if __name__ == "__main__":

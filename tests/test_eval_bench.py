@@ -376,8 +376,34 @@ def test_bench_batch_decodes_sequences_together_through_batch_forms(capsys):
         assert all(type(c) is cls for c in caches)
         r = bench.run_once(model, caches, bench._prompt(512, 80, 0, batch=3), decode_tokens=3)
         assert r["decode_tps"] > 0 and caches[0].offset.tolist() == [83] * 3
+    for k in bench.SAMPLED:  # interleaved in this process: each repeat against the plain cache's same repeat
+        per_repeat = [a / b for a, b in zip(w["samples"][k], none["samples"][k])]
+        assert w["paired_ratios"]["none"][k] == bench.stats(per_repeat)
     text = cli_measure.bench_tables(rows)
     assert f"{w['ratios']['none']['decode_tps']:.2f} ±" in text
+    p = w["paired_ratios"]["none"]["steady_tps"]
+    assert "Per-repeat ratios" in text and f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}]" in text
+
+
+def test_paired_ratios_pair_repeats_only_of_interleaved_runs():
+    """Per-repeat ratios: repeat i of the candidate over repeat i of the baseline (not the ratio of medians); none
+    for rows whose runs were not interleaved in one process (``--isolate``) or whose repeat counts differ."""
+    rows = [_row("none", 100, decode_tps=10.0), _row("kivi", 100, decode_tps=6.0)]
+    rows[0]["samples"] = {"decode_tps": [10.0, 5.0, 12.0], "prefill_s": [1.0, 1.0, 1.0]}
+    rows[1]["samples"] = {"decode_tps": [9.0, 4.0, 6.0], "prefill_s": [2.0, 1.5, None]}
+    for r in rows:
+        r["repeats"], r["interleaved"] = 3, True
+    bench.add_ratios(rows)
+    pr = rows[1]["paired_ratios"]["none"]
+    assert pr["decode_tps"] == {"median": 0.8, "min": 0.5, "max": 0.9}  # the medians' ratio is 0.6
+    assert pr["prefill_s"] == {"median": 1.75, "min": 1.5, "max": 2.0}  # a missing run drops its pair only
+    assert rows[1]["ratios"]["none"]["decode_tps"] == 0.6 and rows[1]["paired_ratios"]["mlx_q4"] is None
+    assert "0.80 [0.50-0.90]" in cli_measure.bench_tables(rows)
+    rows[1]["samples"]["decode_tps"] = [9.0, 4.0]  # repeat counts differ: no pairing
+    assert "decode_tps" not in bench.add_ratios(rows)[1]["paired_ratios"]["none"]
+    rows[1]["interleaved"] = False  # e.g. a row from an --isolate child process
+    assert bench.add_ratios(rows)[1]["paired_ratios"]["none"] is None
+    assert "Per-repeat ratios" not in cli_measure.bench_tables(rows)
 
 
 def test_bench_batch_refuses_caches_without_batch_form(capsys):
@@ -449,6 +475,7 @@ def test_bench_isolated_subprocess_failure_is_contained():
     rows = bench.bench_isolated(child_args, [MethodSpec("kivi")], [16], 1, baselines=["none"], timeout_s=120)
     by = {r["method"]: r for r in rows}
     assert by["none"]["available"] and by["none"]["prefill_s"]["median"] > 0
+    assert not by["none"]["interleaved"]  # its child process ran apart from the others: no per-repeat pairing
     assert not by["kivi"]["available"] and "exit code 2" in by["kivi"]["error"]
 
 

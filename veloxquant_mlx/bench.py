@@ -18,9 +18,13 @@ slack included), beside ``kv_nbytes`` (the caches' own ``nbytes``); ``peak_bytes
 Each statistic is the median with min and max over the repeats (``samples``: per-repeat prefill, decode and
 peak, in run order), also given as a ratio to each baseline measured in the same run: ``none`` (mlx_lm's
 ``KVCache``), ``mlx_q4`` and ``mlx_q8`` (its ``QuantizedKVCache``, group 64, or 32 for small heads), with a
-bound on its spread (``ratio_spread``: both medians' relative half-ranges added). A candidate that raises is
-reported unavailable (``available: false`` with the error); ``isolate=True`` (CLI ``--isolate``) runs each
-candidate in its own subprocess, so even a hard crash only loses that one.
+bound on its spread (``ratio_spread``: both medians' relative half-ranges added). Where the candidates ran
+interleaved in one process (not ``--isolate``), ``paired_ratios`` also gives the median, min and max of the
+per-repeat ratios (each repeat against the baseline's run of the same repeat, seconds apart): a machine's slow
+spell then hits both sides of a ratio alike, where the ratio of medians can pair a fast spell with a slow one
+(the H200's decode rates moved 2x between processes, docs/RESULTS.md). A candidate that raises is reported
+unavailable (``available: false`` with the error); ``isolate=True`` (CLI ``--isolate``) runs each candidate in
+its own subprocess, so even a hard crash only loses that one.
 
 ``batch=N`` (CLI ``--batch N``): N random prompts decoded together through one batch cache per layer (the N
 per-request caches merged); ``decode_tps`` is then the total over the N sequences. A candidate without a batch
@@ -54,7 +58,7 @@ from .measure import kv_fraction_of_fp16  # noqa: E402
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
            "candidates", "has_batch_form", "batch_methods", "batch_caches", "run_once", "bench", "add_ratios",
-           "add_slopes", "fit_slope", "stats", "bench_isolated", "pipelined_decode"]
+           "paired_ratios", "add_slopes", "fit_slope", "stats", "bench_isolated", "pipelined_decode"]
 
 #: Random-weight Llama shapes: mlx_lm ``llama.ModelArgs`` fields.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -353,6 +357,7 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
                     fp16 = runs[0]["kv_bytes_fp16"]
                     row.update(kv_bytes_fp16=fp16, kv_fraction_of_fp16=kv_fraction_of_fp16(
                         _median(row, "kv_nbytes"), fp16))
+            row["interleaved"] = True  # the repeats of every candidate ran in turn, in this process
             rows.append(row)
     return add_slopes(add_ratios(rows))
 
@@ -362,8 +367,8 @@ def _bench_row(name, settings, label, context, decode_tokens, model_name, batch:
            "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True,
            "error": None, "repeats": 0}
     row.update(dict.fromkeys(STATS))
-    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, decode_s_per_1k=None, slope_vs_none=None,
-               **fields)
+    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, paired_ratios={}, decode_s_per_1k=None,
+               slope_vs_none=None, interleaved=False, **fields)
     return row
 
 
@@ -378,20 +383,36 @@ def _spread(row, key) -> Optional[float]:
     return (s["max"] - s["min"]) / 2 / abs(s["median"]) if isinstance(s, dict) and s["median"] else None
 
 
+def paired_ratios(row: dict, ref: dict) -> dict:
+    """``{stat: stats of row's sample / ref's sample, repeat by repeat}`` for the :data:`SAMPLED` stats, where
+    both rows ran interleaved in one process (``row["interleaved"]``) with the same number of samples; else {}."""
+    if not (row.get("interleaved") and ref.get("interleaved")):
+        return {}
+    a, z = row.get("samples") or {}, ref.get("samples") or {}
+    out = {}
+    for k in SAMPLED:
+        xs, ys = a.get(k) or [], z.get(k) or []
+        if xs and len(xs) == len(ys):
+            out[k] = stats([x / y if (x is not None and y) else None for x, y in zip(xs, ys)])
+    return out
+
+
 def add_ratios(rows: list[dict], baselines: Sequence[str] = BASELINES) -> list[dict]:
     """``row["ratios"][baseline][stat]`` = row's median / the baseline's median at the same context
     (None where either is missing or the baseline's is 0) and ``row["ratio_spread"][baseline][stat]`` its
     spread: the two medians' spreads (:func:`_spread`) added, a bound on the ratio's relative half-range;
-    rows are modified in place and returned."""
+    ``row["paired_ratios"][baseline]`` the per-repeat ratios' stats (:func:`paired_ratios`); rows are modified in
+    place and returned."""
     base = {(r["method"], r["context"]): r for r in rows
             if r["method"] in baselines and not r["settings"] and r["available"]}
     for r in rows:
-        r["ratios"], r["ratio_spread"] = {}, {}
+        r["ratios"], r["ratio_spread"], r["paired_ratios"] = {}, {}, {}
         for b in baselines:
             ref = base.get((b, r["context"]))
             if ref is None:
-                r["ratios"][b] = r["ratio_spread"][b] = None
+                r["ratios"][b] = r["ratio_spread"][b] = r["paired_ratios"][b] = None
                 continue
+            r["paired_ratios"][b] = paired_ratios(r, ref) or None
             ratios, spreads = {}, {}
             for k in RATIO_STATS:
                 a, z = _median(r, k), _median(ref, k)
@@ -443,7 +464,8 @@ def bench_isolated(child_args: Callable[[str, Optional[MethodSpec]], list[str]],
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
             if proc.returncode == 0:
-                rows += [dict(r, label=label) for r in json.loads(proc.stdout) if r["method"] == name]
+                rows += [dict(r, label=label, interleaved=False)  # its process ran apart from the baselines'
+                         for r in json.loads(proc.stdout) if r["method"] == name]
                 continue
             tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
             error = f"subprocess exit code {proc.returncode}" + (f": {tail[-1][:300]}" if tail else "")

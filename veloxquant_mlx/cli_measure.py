@@ -131,6 +131,20 @@ def _short_label(r: dict) -> str:
     return " ".join([r["method"]] + [f"{short.get(k, k)}={v}" for k, v in (r.get("settings") or {}).items()])
 
 
+def _paired_rows(ok: list[dict], baselines) -> list[list[str]]:
+    """Table rows of ``bench.paired_ratios`` (rows of two or more repeats against the other baselines)."""
+    out = []
+    for r in ok:
+        pr = {b: p for b, p in (r.get("paired_ratios") or {}).items() if p and b in baselines
+              and not (r["method"] == b and not r["settings"])}
+        cells = lambda p: [f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]" if s else "-"  # noqa: E731
+                           for s in (p.get(k) for k in ("prefill_s", "decode_tps", "steady_tps", "peak_delta_bytes"))]
+        if r.get("repeats", 0) > 1:
+            out += [[*((_short_label(r), str(r["context"])) if i == 0 else ("", "")), b, *cells(p)]
+                    for i, (b, p) in enumerate(pr.items())]
+    return out
+
+
 def bench_tables(rows: list[dict]) -> str:
     """The bench report: medians per method and context (``±N%``: half the min-max range over the repeats),
     ratios to the baselines, decode-step slopes."""
@@ -158,6 +172,12 @@ def bench_tables(rows: list[dict]) -> str:
                      "below 1 = less time or fewer bytes; on decode tok/s and steady above 1 = faster.\n"
                      + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "steady",
                                      "peak over start", "KV resident", "KV nbytes"], ratio_rows))
+    paired = _paired_rows(ok, BASELINES)
+    if paired:
+        parts.append("Per-repeat ratios, median [min-max] (the candidates ran interleaved in this process: each "
+                     "repeat\nagainst the baseline's run of the same repeat, so a slow spell of the machine hits both):\n"
+                     + format_table(["method", "context", "baseline", "prefill s", "decode tok/s", "steady",
+                                     "peak over start"], paired))
     slopes = {r["label"]: r for r in ok if r["decode_s_per_1k"] is not None}  # a slope is per label: any row
     slope_rows = [[_short_label(r), f"{r['decode_s_per_1k'] * 1e3:.3f}", _fmt(r["slope_vs_none"], ".2f")]
                   for r in slopes.values()]
