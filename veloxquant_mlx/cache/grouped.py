@@ -346,7 +346,7 @@ class GroupedQuantCache(CompressedKVCache):
         """One query row over KIVI's own layout, a string/None mask, a layout the kernel reads, CUDA."""
         return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
                 and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
-                and kernels.kernels_enabled())
+                and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
     def _decode_attend(self, queries, *, scale, sinks=None):
         """One query row: the decode kernel's split-K partials over the codes plus the residual and the call's own

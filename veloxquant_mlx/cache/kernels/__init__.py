@@ -16,8 +16,12 @@ chosen when :func:`kernels_enabled` (the default device is the GPU and ``mx.cuda
 else the caches keep their op path, which stays the reference every kernel is tested against
 (``tests/test_decode_kernels.py``). The kernel bodies are written against the small macro prelude
 in ``_compile.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelude could compile the
-same body through ``mx.fast.metal_kernel``; that Metal build is not provided: it could not be built
-or measured here (no Apple GPU), so Metal keeps the op path.
+same body through ``mx.fast.metal_kernel``. That Metal build exists for KIVI's float32-sum kernel and waterfill's
+(``_compile.METAL_MACROS``; partials only, merged by the op path) but is opt-in, ``VELOXQUANT_METAL_KERNELS=1``
+(``_common.metal_enabled``): it has never run on an Apple GPU. Here its source is only parsed, with libclang and a
+stand-in for Metal's types and address spaces (``tests/test_metal_source.py``); on a Mac each kernel is checked
+against the op path at first use and turned off with one warning if it fails to build or differs. Without the
+variable Metal keeps the op path.
 
 Prefill kernels share the layouts: ``waterfill_rows`` (a chunk's rows to waterfill's codes, and the stored
 past back to dense rows in the model's dtype), ``kivi_rows`` (KIVI's past to dense rows) and ``turboquant_rvq_rows``
@@ -28,10 +32,11 @@ fused attention reads, in one launch each instead of dozens of small ops.
 """
 
 from .. import dispatch
-from ._common import Merge, checked_call, kernels_enabled, merge_kernel, merge_partials, split_count, step_counters
+from ._common import (Merge, checked_call, kernels_enabled, merge_kernel, merge_partials, metal_enabled, split_count,
+                      step_counters)
 
-__all__ = ["Merge", "checked_call", "kernels_enabled", "keeps_rows", "merge_kernel", "merge_partials", "split_count",
-           "step_counters"]
+__all__ = ["Merge", "checked_call", "kernels_enabled", "keeps_rows", "merge_kernel", "merge_partials", "metal_enabled",
+           "split_count", "step_counters"]
 
 
 def keeps_rows(cache, rows: int) -> bool:

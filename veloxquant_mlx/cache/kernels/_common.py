@@ -9,10 +9,10 @@ from typing import Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
-from ._compile import Kernel
+from ._compile import Kernel, on_metal
 
-__all__ = ["kernels_enabled", "merge_partials", "merge_kernel", "split_count", "WARPS", "disable", "checked_call",
-           "Merge"]
+__all__ = ["kernels_enabled", "metal_enabled", "shared_limit", "merge_partials", "merge_kernel", "split_count", "WARPS",
+           "disable", "checked_call", "Merge"]
 
 WARPS = 4  # warps per block
 TOKENS_PER_WARP = 64  # the split count aims at about this many tokens per warp
@@ -44,7 +44,22 @@ def kernels_enabled() -> bool:
     return _CUDA[0]
 
 
+def shared_limit() -> int:
+    """Bytes of shared (threadgroup) memory a block may declare: 48 KB of static shared memory on CUDA, 32 KB on
+    Metal."""
+    return 32 * 1024 if on_metal() else 48 * 1024
+
+
+def metal_enabled() -> bool:
+    """True on MLX's Metal backend when ``VELOXQUANT_METAL_KERNELS=1`` was in the environment at import (and the
+    kernels are not off): KIVI's float32-sum and waterfill's decode kernels then run through ``mx.fast.metal_kernel``,
+    each checked once against the op path (``checked_call``). Opt-in because it has never run on an Apple GPU: the
+    Metal source is only parsed here (``tests/test_metal_source.py``), not compiled or measured."""
+    return _ENV_ON and _METAL_ON and on_metal()
+
+
 _ENV_ON = os.environ.get("VELOXQUANT_DECODE_KERNELS", "1") != "0"
+_METAL_ON = os.environ.get("VELOXQUANT_METAL_KERNELS", "0") == "1"
 _CPU = mx.Device(mx.cpu)
 _CUDA: list = []
 
@@ -270,7 +285,7 @@ def merge_kernel(m: mx.array, l: mx.array, acc: mx.array, sinks: Optional[mx.arr
 # bodies hold the marker VQ_COUNTS after ``bh`` is set; :func:`kernel_variants` builds both forms, each returning
 # partials or fused.
 _COUNTS = {False: "  const int n = n_all, o0 = 0, e0 = e0_all, o1 = 0, e1 = e1_all;",
-           True: "  const int* vq_cnt = cnt + 5 * (bh / HK);\n"
+           True: "  const VQ_DEV int* vq_cnt = cnt + 5 * (bh / HK);\n"
                  "  const int n = vq_cnt[0], o0 = vq_cnt[1], e0 = vq_cnt[2], o1 = vq_cnt[3], e1 = vq_cnt[4];"}
 
 # The start of a decode kernel: its (batch row, KV head) ``bh``, its counts (VQ_COUNTS), its split ``s`` of ``S`` (block
@@ -579,14 +594,17 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
     S1 = S + 1
     grid, threads = (32 * warps * B * H, S1, 1), (32 * warps, 1, 1)
     consts = consts + (("NW", warps), ("REP", R), ("DV", dv))
-    if merge is None or S1 > FUSED_MAX_S1:
+    metal = on_metal()  # Metal: the partials' kernel only, merged by the op path (no cross-block counting there)
+    if merge is None or S1 > FUSED_MAX_S1 or metal:
         m, l, acc = kernels[batched, False](arrays, scalars, consts, [(B, H, R, S1), (B, H, R, S1), (B, H, R, S1, dv)],
                                            [mx.float32] * 3, grid=grid, threads=threads)
         if merge is None:
             return m, l, acc
-        if merge.rotation is None:
+        if merge.rotation is None and not metal:
             return merge_kernel(m, l, acc, *merge[:3])
-        out = merge_partials(m, l, acc, merge.sinks, rotate=lambda y: y @ merge.rotation)  # no dense rotation there
+        rotate = ((lambda y: y @ merge.rotation) if merge.rotation is not None  # no dense rotation in the kernel
+                  else (lambda y: mx.hadamard_transform(y, scale=dv ** -0.5)) if merge.hadamard else None)
+        out = merge_partials(m, l, acc, merge.sinks, rotate=rotate)
         return out.reshape(B, H * R, 1, dv).astype(merge.out_dtype)
     rows = B * H * R * S1
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks

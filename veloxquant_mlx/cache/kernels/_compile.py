@@ -19,7 +19,8 @@ import struct
 
 import mlx.core as mx
 
-__all__ = ["PRELUDE", "TENSOR_PRELUDE", "CTYPES", "Kernel", "render", "compile_binary"]
+__all__ = ["PRELUDE", "TENSOR_PRELUDE", "METAL_MACROS", "METAL_HEADER", "CTYPES", "Kernel", "render", "render_metal",
+           "compile_binary", "on_metal"]
 
 # The thin macro layer: kernel bodies use only these names for the backend's primitives (CUDA here), and
 # no header: half and bfloat16 are read and written through their bits.
@@ -39,6 +40,8 @@ PRELUDE = r"""
 #define VQ_FUNNEL(lo, hi, s) __funnelshift_r((lo), (hi), (s))  // bits s.. of the 64-bit hi:lo
 #define VQ_VCH(l, j) ((l) + 32 * (j))  // value channel of a lane's acc[r][j] (a kernel may #undef, map its own)
 #define VQ_SHARED __shared__
+#define VQ_DEV   // a body's pointer into device memory (Metal: ``device``)
+#define VQ_TG    // a body's pointer into shared memory (Metal: ``threadgroup``)
 #define VQ_SYNC() __syncthreads()
 #define VQ_SYNCWARP() __syncwarp()
 #define VQ_ATOMIC_OR(p, x) atomicOr((p), (x))
@@ -122,6 +125,64 @@ __device__ __forceinline__ void vq_mma(float* c, vq_u32 a0, vq_u32 a1, vq_u32 a2
 """
 
 CTYPES = {mx.float32: "float", mx.float16: "vq_f16", mx.bfloat16: "vq_bf16", mx.uint32: "vq_u32", mx.int32: "int"}
+
+# The same macro layer for Metal (``mx.fast.metal_kernel``; opt-in, see ``_common.metal_enabled``). The macros go at the
+# start of the body, not in the header: MLX declares a thread attribute (``thread_index_in_simdgroup`` ...) only when
+# its name appears in the body's text. MLX names the arrays' types (float16_t, bfloat16_t, uint32_t, int32_t).
+METAL_MACROS = r"""
+#define VQ_FULL 0xffffffffu
+#define VQ_INF INFINITY
+#define VQ_LANE ((int)thread_index_in_simdgroup)
+#define VQ_WARP ((int)simdgroup_index_in_threadgroup)
+#define VQ_NTHREADS ((int)threads_per_threadgroup.x)
+#define VQ_TID ((int)thread_position_in_threadgroup.x)
+#define VQ_BLOCK_X ((int)threadgroup_position_in_grid.x)
+#define VQ_BLOCK_Y ((int)threadgroup_position_in_grid.y)
+#define VQ_GRID_X ((int)threadgroups_per_grid.x)
+#define VQ_GRID_Y ((int)threadgroups_per_grid.y)
+#define VQ_SHFL(v, src) simd_shuffle((v), (ushort)(src))
+#define VQ_SHFL_XOR(v, m) simd_shuffle_xor((v), (ushort)(m))
+#define VQ_FUNNEL(lo, hi, s) ((uint)(((((ulong)(hi)) << 32) | (ulong)(lo)) >> ((s) & 31u)))
+#define VQ_VCH(l, j) ((l) + 32 * (j))
+#define VQ_SHARED threadgroup
+#define VQ_DEV device
+#define VQ_TG threadgroup
+#define VQ_SYNC() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define VQ_SYNCWARP() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define VQ_EXP(x) metal::exp(x)
+#define VQ_F(x) vq_f(x)
+#define VQ_CODE(w, i) vq_code((w), 23 - KB * ((i) + 1), ((1u << KB) - 1u) << (23 - KB))
+#define fmaxf(a, b) metal::fmax((a), (b))
+#define rsqrtf(x) metal::rsqrt(x)
+#define sincosf(x, s, c) vq_sincos((x), (s), (c))
+"""
+METAL_HEADER = r"""
+typedef uint vq_u32;
+inline float vq_f(float x) { return x; }
+inline float vq_f(half x) { return float(x); }
+inline float vq_f(bfloat16_t x) { return float(x); }
+inline void vq_store(device float* p, float x) { *p = x; }
+inline void vq_store(device half* p, float x) { *p = half(x); }
+inline void vq_store(device bfloat16_t* p, float x) { *p = bfloat16_t(x); }
+inline float vq_code(uint w, int sh, uint mask) {  // as the CUDA prelude's: the code in the mantissa of 1.0
+  const uint x = sh >= 0 ? w << sh : w >> -sh;
+  return as_type<float>((x & mask) | 0x3f800000u);
+}
+inline void vq_sincos(float x, thread float* s, thread float* c) {
+  float co;
+  *s = metal::precise::sincos(x, co);
+  *c = co;
+}
+"""
+
+
+def render_metal(body: str, scalars, consts) -> str:
+    """The body of a kernel for ``mx.fast.metal_kernel``: the macro layer, the constants, the scalars read from the
+    int32 input ``vq_scalars`` (a float as its bits, as on CUDA), then the body."""
+    head = "".join(f"  constexpr int {k} = {int(v)};\n" for k, v in consts)
+    head += "".join(f"  const int {n} = vq_scalars[{i}];\n" if t == "int" else
+                    f"  const float {n} = as_type<float>(vq_scalars[{i}]);\n" for i, (n, t) in enumerate(scalars))
+    return f"{METAL_MACROS}{head}{body}\n"
 
 
 def render(symbol: str, body: str, inputs, outputs, scalars, consts, bounds=None, prelude: str = "") -> str:
@@ -218,6 +279,8 @@ class Kernel:
 
     def __call__(self, arrays: list, scalars: list, consts: tuple, out_shapes: list, out_dtypes: list,
                  grid: tuple, threads: tuple, init_value=None) -> list:
+        if on_metal():
+            return self._metal_call(arrays, scalars, consts, out_shapes, out_dtypes, grid, threads, init_value)
         dtypes = tuple(map(_DTYPE, arrays))
         key = (consts, dtypes, *out_dtypes)
         built = self._built.get(key)
@@ -229,6 +292,24 @@ class Kernel:
             output_dtypes=out_dtypes, scalars=self.scalar_args(scalars), grid=grid, threadgroup=threads,
             init_value=init_value, ensure_row_contiguous=True)
 
+    def metal_source(self, consts) -> tuple[str, str]:
+        """(symbol, body) of the variant for ``mx.fast.metal_kernel`` (inputs typed by MLX, so one per constants)."""
+        body = render_metal(self.body, self.scalars, consts)
+        return f"{self.name}_{hashlib.sha1(body.encode()).hexdigest()[:16]}", body
+
+    def _metal_call(self, arrays, scalars, consts, out_shapes, out_dtypes, grid, threads, init_value):
+        """The call on Metal: the kernel built once per constants; grid and threadgroup in threads, as on CUDA."""
+        key = ("metal", consts)
+        kernel = self._built.get(key)
+        if kernel is None:
+            symbol, body = self.metal_source(consts)
+            kernel = self._built[key] = mx.fast.metal_kernel(
+                name=symbol, input_names=[*self.inputs, "vq_scalars"], output_names=list(self.outputs), source=body,
+                header=METAL_HEADER)
+        values = mx.array(self.scalar_args(scalars), dtype=mx.int32)
+        return kernel(inputs=[*arrays, values], output_shapes=out_shapes, output_dtypes=out_dtypes, grid=grid,
+                      threadgroup=threads, init_value=init_value)
+
     def scalar_args(self, values: list) -> list[int]:
         """The scalars as the kernel takes them: ints, a float as its float32 bits."""
         return [f(v) for f, v in zip(self._convert, values)]
@@ -236,6 +317,17 @@ class Kernel:
 
 _F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<i")
 _DTYPE = operator.attrgetter("dtype")
+
+
+def on_metal() -> bool:
+    """Whether the default device is a GPU of MLX's Metal backend (asked once per call of a kernel: cheap)."""
+    return mx.default_device().type == mx.DeviceType.gpu and _metal_available()
+
+
+@functools.cache
+def _metal_available() -> bool:
+    metal = getattr(mx, "metal", None)
+    return bool(metal is not None and metal.is_available())
 
 
 def _float_bits(x) -> int:

@@ -42,8 +42,8 @@ import functools
 import mlx.core as mx
 
 from ._compile import TENSOR_PRELUDE, _arch
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS,
-                      exact_args, kernel_variants, launch)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS, exact_args,
+                      kernel_variants, launch, shared_limit)
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS", "tensor_core_layout", "uses_tensor_cores"]
 
@@ -60,6 +60,7 @@ _HEAD = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
   constexpr float TOP = (float)(1u << KB);  // code c of a word reads as 1 + c / TOP (VQ_CODE), so x = s c + z
                                             // = (s TOP) (1 + c / TOP) + (z - s TOP): no int-to-float conversion
   VQ_SHARED float sq[REP * D];
+VQ_KERNEL_SHARED
 """ + BLOCK_SHARED + r"""
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   VQ_SYNC();
@@ -77,11 +78,10 @@ _HEAD = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;
 """
 
 _FFMA = r"""  } else {
-    VQ_SHARED float sp[NW * REP * TOK];
     const int ntiles = (n + TOK - 1) / TOK;
     const int kq = lane / TW, kw = lane % TW;     // key lanes: channel quarter, word in the tile
     const int vw = lane % LPR, ro = lane / LPR;   // value lanes: word in the row, row offset
-    float* wp = sp + warp * REP * TOK;
+    VQ_TG float* wp = sp + warp * REP * TOK;
     float m[REP], l[REP], acc[REP][TPW], vb[REP];
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
@@ -324,9 +324,12 @@ _MMA = r"""  } else {
 # four blocks an SM (the fused tail would otherwise take a few more registers than the 128 that allows)
 _INPUTS = ["q", "kc", "ks", "kb", "vc", "vsc", "vbi"]
 _SCALARS = [("n_all", "int"), ("scale", "float"), ("CK", "int"), ("GK", "int"), ("TV", "int"), ("NG", "int")]
-_KERNELS = kernel_variants("vq_kivi_decode", _INPUTS, _SCALARS, _HEAD + _FFMA, bounds=(32 * WARPS, 4))
+# each kernel's own shared arrays, declared at the kernel's outer scope (as Metal wants threadgroup arrays)
+_KERNELS = kernel_variants("vq_kivi_decode", _INPUTS, _SCALARS, (_HEAD + _FFMA).replace(
+    "VQ_KERNEL_SHARED", "  VQ_SHARED float sp[NW * REP * TOK];  // the warps' tile weights"), bounds=(32 * WARPS, 4))
 
-_MMA_KERNELS = kernel_variants("vq_kivi_decode_mma", _INPUTS, _SCALARS, _HEAD + _MMA, bounds=(32 * WARPS, 4),
+_MMA_KERNELS = kernel_variants("vq_kivi_decode_mma", _INPUTS, _SCALARS,
+                               (_HEAD + _MMA).replace("VQ_KERNEL_SHARED\n", ""), bounds=(32 * WARPS, 4),
                                prelude=TENSOR_PRELUDE)
 TENSOR_CORES = True  # 4-bit layouts on sm_80+ take the tensor-core kernel (tests switch it off to test the other)
 PAIR_ROW_WORDS = 36  # a head's row of tile weights in shared memory: 32 float16 pairs + 4 (no bank conflicts)
@@ -365,13 +368,13 @@ def supported(bits: int, group: int, value_group: int, d: int, dv: int, rep: int
     """Layouts the kernel reads: b in {2, 4, 8} (codes never straddle words), G a multiple of 32, a
     value word inside one value group, a value row of at most 32 words dividing the warp, head dims
     multiples of 32, per-lane registers for ``rep`` query heads x 32/b tokens (at most 64), and the
-    block's shared memory (query, tile weights, warp partials) within 48 KB."""
+    block's shared memory (query, tile weights, warp partials) within ``_common.shared_limit``."""
     tpw = 32 // bits if bits in (2, 4, 8) else 0
     wv = dv * bits // 32
     smem = 4 * rep * (d + WARPS * (TILE_WORDS * tpw + dv + 2) + 32)  # + the fused merge's split weights
     return (tpw > 0 and group % 32 == 0 and d % 32 == 0 and dv % 32 == 0 and dv % value_group == 0
             and value_group % tpw == 0 and 0 < wv <= 32 and 32 % wv == 0 and rep * tpw <= 64
-            and smem <= 48 * 1024)
+            and smem <= shared_limit())
 
 
 def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v_scales, v_biases, n: int,

@@ -31,8 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..primitives.value_rotation import poly_coefficients
-from ._common import (BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch, split_count,
-                      step_counters, window_exact)
+from ._common import (BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch, shared_limit,
+                      split_count, step_counters, window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -242,7 +242,7 @@ def supported(d: int, dv: int, key_words: int, value_words: int, rep: int = 1) -
     static shared memory (``_common.BLOCK_SHARED`` and the fused tail's weights: at d 128, 16 query heads)."""
     shared = 4 * rep * (WARPS * (dv + 2) + 32) + 4
     return (d % 32 == 0 and dv % 32 == 0 and 0 < key_words <= 32 and 0 < value_words <= 32 and 0 < rep <= 32
-            and shared <= 48 * 1024)
+            and shared <= shared_limit())
 
 
 def paired_rope(spec, d: int) -> bool:

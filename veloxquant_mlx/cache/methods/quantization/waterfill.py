@@ -285,7 +285,7 @@ class WaterfillKVCache(ResidualWindowCache):
         H, D, DV = self._shape
         ok = (wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1], queries.shape[1] // H)
               and power_of_two(DV))
-        return ok and kernels.kernels_enabled()
+        return ok and (kernels.kernels_enabled() or kernels.metal_enabled())
 
     def _decode_attend(self, queries, *, scale, sinks=None):
         return wf_kernel.decode_attend(self, queries, scale, sinks)
