@@ -230,7 +230,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def _kernel_ready(self, queries, new_k, new_v) -> bool:
         """KIVI's own layout read by the CUDA decode kernel (as the single cache's ``_decode_kernel_ready``)."""
         d, dv = new_k.shape[-1], new_v.shape[-1]
-        return (self.attend_path == "auto" and kernels.kernels_enabled()
+        return (self.attend_path == "auto" and (kernels.kernels_enabled() or kernels.metal_enabled())
                 and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv,
                                           queries.shape[1] // new_k.shape[1]))
 

@@ -227,7 +227,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         return (self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))) and power_of_two(DV)
                 and wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1],
                                         queries.shape[1] // self.k_words.shape[1])
-                and kernels.kernels_enabled())
+                and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
     def _kernel_attend(self, queries, call, *, scale, sinks):
         """The single cache's kernel with per-sequence counts: its code slots, its sink rows (left-aligned),
