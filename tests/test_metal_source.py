@@ -9,6 +9,7 @@ fast there -- on a Mac ``checked_call`` compares it with the op path at first us
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -148,3 +149,38 @@ def test_metal_kernels_are_opt_in_and_metal_only(monkeypatch):
     assert _common.metal_enabled() and _common.shared_limit() == 32 * 1024  # Metal's threadgroup memory
     monkeypatch.setattr(_common, "_ENV_ON", False)  # VELOXQUANT_DECODE_KERNELS=0 turns these off too
     assert not _common.metal_enabled()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to run the macros' arithmetic")
+def test_metal_macros_compute_what_the_cuda_intrinsics_do(tmp_path):
+    """The two macros that replace CUDA intrinsics, run on this CPU (g++, the stand-in's types): ``VQ_FUNNEL`` is
+    ``__funnelshift_r`` (bits s.. of the 64-bit hi:lo, s taken mod 32) and ``VQ_CODE(w, i)`` reads code i of a word
+    as 1 + code / 2^KB, for every shift and every code position of 2-, 4- and 8-bit words."""
+    import random
+    import subprocess
+
+    rng = random.Random(0)
+    cases = [(rng.getrandbits(32), rng.getrandbits(32), rng.randrange(64)) for _ in range(200)]
+    words = [rng.getrandbits(32) for _ in range(20)]
+    src = ("#include <cmath>\n#include <cstdio>\n#include <cstring>\n"
+           "typedef unsigned int uint; typedef unsigned long ulong; typedef _Float16 half;\n"
+           "struct bfloat16_t { float v; bfloat16_t(float x) : v(x) {} explicit operator float() const { return v; } };\n"
+           "template <typename T, typename U> T as_type(U u) { T t; std::memcpy(&t, &u, sizeof t); return t; }\n"
+           "namespace metal { namespace precise { float sincos(float x, float& c) { c = std::cos(x); "
+           "return std::sin(x); } } }\n#define device\n#define thread\n"
+           + _compile.METAL_HEADER
+           + "\n".join(line for line in _compile.METAL_MACROS.splitlines() if "FUNNEL" in line or "VQ_CODE" in line)
+           + "\nint main() {\n"
+           + "".join(f"  printf(\"%u\\n\", VQ_FUNNEL({lo}u, {hi}u, {s}u));\n" for lo, hi, s in cases)
+           + "".join(f"  {{ const int KB = {kb}; printf(\"%.9g\\n\", (double)VQ_CODE({w}u, {i})); }}\n"
+                     for kb in (2, 4, 8) for w in words for i in range(32 // kb))
+           + "}\n")
+    (tmp_path / "m.cpp").write_text(src)
+    subprocess.run(["g++", "-std=c++17", "-o", str(tmp_path / "m"), str(tmp_path / "m.cpp")], check=True,
+                   capture_output=True, timeout=120)
+    out = subprocess.run([str(tmp_path / "m")], check=True, capture_output=True, text=True).stdout.split()
+    funnel = [int(x) for x in out[:len(cases)]]
+    assert funnel == [((hi << 32 | lo) >> (s % 32)) & 0xFFFFFFFF for lo, hi, s in cases]
+    codes = [float(x) for x in out[len(cases):]]
+    want = [1 + ((w >> (kb * i)) & ((1 << kb) - 1)) / 2 ** kb for kb in (2, 4, 8) for w in words for i in range(32 // kb)]
+    assert codes == want
