@@ -164,7 +164,8 @@ def test_metal_macros_compute_what_the_cuda_intrinsics_do(tmp_path):
     words = [rng.getrandbits(32) for _ in range(20)]
     src = ("#include <cmath>\n#include <cstdio>\n#include <cstring>\n"
            "typedef unsigned int uint; typedef unsigned long ulong; typedef _Float16 half;\n"
-           "struct bfloat16_t { float v; bfloat16_t(float x) : v(x) {} explicit operator float() const { return v; } };\n"
+           "struct bfloat16_t { float v; bfloat16_t(float x) : v(x) {} "
+           "explicit operator float() const { return v; } };\n"
            "template <typename T, typename U> T as_type(U u) { T t; std::memcpy(&t, &u, sizeof t); return t; }\n"
            "namespace metal { namespace precise { float sincos(float x, float& c) { c = std::cos(x); "
            "return std::sin(x); } } }\n#define device\n#define thread\n"
@@ -182,5 +183,6 @@ def test_metal_macros_compute_what_the_cuda_intrinsics_do(tmp_path):
     funnel = [int(x) for x in out[:len(cases)]]
     assert funnel == [((hi << 32 | lo) >> (s % 32)) & 0xFFFFFFFF for lo, hi, s in cases]
     codes = [float(x) for x in out[len(cases):]]
-    want = [1 + ((w >> (kb * i)) & ((1 << kb) - 1)) / 2 ** kb for kb in (2, 4, 8) for w in words for i in range(32 // kb)]
+    want = [1 + ((w >> (kb * i)) & ((1 << kb) - 1)) / 2 ** kb
+            for kb in (2, 4, 8) for w in words for i in range(32 // kb)]
     assert codes == want
