@@ -320,8 +320,9 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def on_metal() -> bool:
-    """Whether the default device is a GPU of MLX's Metal backend (asked once per call of a kernel: cheap)."""
-    return mx.default_device().type == mx.DeviceType.gpu and _metal_available()
+    """Whether the default device is a GPU of MLX's Metal backend (asked at every kernel launch: on a machine without
+    Metal one cached answer, no device query)."""
+    return _metal_available() and mx.default_device().type == mx.DeviceType.gpu
 
 
 @functools.cache
