@@ -46,6 +46,9 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
     ("kivi_mma_d128_r4", kivi._MMA_KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS, ("NW", 4),
       ("REP", 4), ("DV", 128))),
+    ("kivi_mma_fused_d128_r4", kivi._MMA_KERNELS[False, True], [F16, U32, F16, F16, U32, F16, F16] + EXACT
+     + [F32, I32], [F32, F16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
+                                ("HAS_SINK", 0), ("ROT", 0), ("NW", 4), ("REP", 4), ("DV", 128))),
     ("kivi_mma_fused_batch_d128_r8", kivi._MMA_KERNELS[True, True], [BF16, U32, F16, F16, U32, F16, F16, I32] + EXACT
      + [F32, I32], [F32, BF16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
                                  ("HK", 8), ("HAS_SINK", 1), ("ROT", 0), ("NW", 4), ("REP", 8), ("DV", 128))),

@@ -6,6 +6,10 @@ device (the H200 too: ``--shape llama-8b --context 8192 --rounds 5``).
 
     python scripts/decode_model_cpu.py --shape smollm2 --context 4096 --steps 24 --rounds 3 --method kivi
     python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 8 --burst --method kivi:bit_width_inlier=4
+
+A spec ending ``@FOLDER`` runs that method with the decode kernels of a copy of ``veloxquant_mlx/cache/kernels/`` in
+FOLDER (``scripts/decode_kernel_variants.py``'s variants), so two kernel builds are compared in one process, round by
+round: ``--method kivi:bit_width_inlier=4 --method kivi:bit_width_inlier=4@kvar/rolled``.
 """
 
 from __future__ import annotations
@@ -52,11 +56,35 @@ def decode_rate(model, caches, steps: int) -> float:
     return steps / sum(times)
 
 
+_KERNEL_USERS = (("veloxquant_mlx.cache.grouped", "kivi_kernel", "kivi"),
+                 ("veloxquant_mlx.cache.methods.quantization.kivi_batch", "kivi_kernel", "kivi"),
+                 ("veloxquant_mlx.cache.methods.quantization.waterfill", "wf_kernel", "waterfill"),
+                 ("veloxquant_mlx.cache.methods.quantization.waterfill_batch", "wf_kernel", "waterfill"),
+                 ("veloxquant_mlx.cache.methods.quantization.turboquant_rvq", "tq_kernel", "turboquant_rvq"))
+
+
+def use_kernels(spec: str, _loaded: dict = {}) -> None:
+    """Point the caches' decode-kernel modules at the copy named by ``spec``'s ``@FOLDER`` (the package's own
+    modules when it has none)."""
+    import importlib
+
+    folder = spec.partition("@")[2]
+    if folder and folder not in _loaded:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from decode_kernel_variants import load
+
+        _loaded[folder] = load(folder)
+    for module, attr, kernel in _KERNEL_USERS:
+        own = importlib.import_module(f"veloxquant_mlx.cache.kernels.{kernel}")
+        setattr(importlib.import_module(module), attr, _loaded[folder].get(kernel, own) if folder else own)
+
+
 def cache_makers(specs, plain: bool = True) -> dict:
-    """{label: model -> caches}: mlx_lm's plain cache (``plain``) and each ``method[:field=value,...]`` spec."""
+    """{label: model -> caches}: mlx_lm's plain cache (``plain``) and each ``method[:field=value,...][@FOLDER]``
+    spec."""
     makers = {"none": lambda m: make_prompt_cache(m)} if plain else {}
     for spec in specs:
-        name, _, sets = spec.partition(":")
+        name, _, sets = spec.partition("@")[0].partition(":")
         cfg = build_config(name, parse_sets([s for s in sets.split(",") if s], name))
         makers[spec] = lambda m, cfg=cfg: KVCacheBuilder.for_model(m, cfg)
     return makers
@@ -77,9 +105,13 @@ def main(argv=None):
     model = bench.random_model(a.shape)
     makers = cache_makers(a.method or ["kivi:bit_width_inlier=4"])
     rates = {k: [] for k in makers}
-    held = {name: filled(model, make, a.context) for name, make in makers.items()} if a.burst else {}
+    held = {}
+    for name, make in makers.items() if a.burst else ():
+        use_kernels(name)
+        held[name] = filled(model, make, a.context)
     for r in range(a.rounds):
         for name, make in makers.items():
+            use_kernels(name)
             caches = held.get(name) or filled(model, make, a.context)
             rates[name].append(decode_rate(model, caches, a.steps))
             if a.burst:
@@ -95,6 +127,7 @@ def main(argv=None):
         paired = sorted(x / y for x, y in zip(v, rates["none"]))  # each round against the plain cache's same round
         print(f"  {name:40s} {med:7.2f} tok/s [{min(v):.2f}-{max(v):.2f}]  {med / base:5.2f}x  "
               f"(per round: median {statistics.median(paired):.2f}x [{paired[0]:.2f}-{paired[-1]:.2f}])")
+        print(f"  {'':40s} rounds: {' '.join(f'{x:.1f}' for x in v)} tok/s")
 
 
 if __name__ == "__main__":

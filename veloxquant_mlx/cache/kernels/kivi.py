@@ -196,13 +196,16 @@ _MMA = r"""  } else {
     VQ_SHARED vq_u32 sp2[NW * 8 * PRS];  // a warp's tile weights as float16 pairs: [head][token / 2], rows PRS words
     constexpr int KS = D / 16, VS = DV / 64;  // key k-slices of 16 channels; value sets of 64 channels
     const int g = lane >> 2, t = lane & 3;
-    vq_u32 bq[KS][2];  // the query fragments (float16, scale folded in): head g, channels 16 k + 2 t (+1, +8, +9)
-#pragma unroll
-    for (int k = 0; k < KS; ++k) {
-      const float* qg = sq + (g < REP ? g : 0) * D + 16 * k + 2 * t;
-      bq[k][0] = g < REP ? vq_h2(qg[0], qg[1]) : 0u;
-      bq[k][1] = g < REP ? vq_h2(qg[8], qg[9]) : 0u;
+    // the query fragments (float16, scale folded in) of lane (g, t) and slice k: head g, channels 16 k + 2 t (+1, +8,
+    // +9); in shared memory, read once per slice (in registers they pushed the kernel past its 128)
+    VQ_SHARED vq_u32 sbq[KS * 32 * 2];
+    for (int i = VQ_TID; i < KS * 32; i += VQ_NTHREADS) {
+      const int k = i / 32, gi = (i % 32) >> 2, ti = i & 3;
+      const float* qg = sq + (gi < REP ? gi : 0) * D + 16 * k + 2 * ti;
+      sbq[2 * i] = gi < REP ? vq_h2(qg[0], qg[1]) : 0u;
+      sbq[2 * i + 1] = gi < REP ? vq_h2(qg[8], qg[9]) : 0u;
     }
+    VQ_SYNC();
     float m2[2] = {-VQ_INF, -VQ_INF}, l2[2] = {0.f, 0.f};  // heads 2 t + u
     float acc[VS][4][4];  // channel 64 v + 8 g + 2 j (+1 for [2], [3]), heads 2 t, 2 t + 1
 #pragma unroll
@@ -226,7 +229,7 @@ _MMA = r"""  } else {
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[j][e] = 0.f;
-#pragma unroll
+#pragma unroll 2
       for (int k = 0; k < KS; ++k) {
         const size_t c0 = cbase + 16 * k + 2 * t;
         const vq_u32 wa = kc[c0 * CK + col], wb = kc[(c0 + 1) * CK + col];
@@ -240,7 +243,7 @@ _MMA = r"""  } else {
           const vq_u32 pab = __byte_perm(wa, wb, 0x4400u + 0x1111u * j);
           const vq_u32 pcd = __byte_perm(wc, wd, 0x4400u + 0x1111u * j);
           vq_mma(sc[j], vq_deq_lo(pab, sab, zab), vq_deq_hi(pab, sab, zab), vq_deq_lo(pcd, scd, zcd),
-                 vq_deq_hi(pcd, scd, zcd), bq[k][0], bq[k][1]);
+                 vq_deq_hi(pcd, scd, zcd), sbq[(k * 32 + lane) * 2], sbq[(k * 32 + lane) * 2 + 1]);
         }
       }
       // online softmax of the tile for heads 2 t + u: sc[j][2 v + u] is token 8 g + 2 j + v
@@ -275,7 +278,7 @@ _MMA = r"""  } else {
       VQ_SYNCWARP();
       // values: mma over 16 tokens (k) at a time; rows g <-> channel 64 v + 8 g + 2 j, g + 8 <-> the next channel
       // (nibbles 2 j, 2 j + 1 of word 8 v + g of a row); k 2 t, 2 t + 1, 2 t + 8, 2 t + 9 <-> the tokens
-#pragma unroll
+#pragma unroll 2
       for (int kk = 0; kk < 4; ++kk) {
         const int tk = tt0 + 16 * kk + 2 * t;
         const size_t ra = (size_t)bh * TV + min(tk, n - 1), rb = (size_t)bh * TV + min(tk + 1, n - 1);
