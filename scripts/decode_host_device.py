@@ -187,6 +187,7 @@ def prefill_split(model, prompt, caches, name, profile, step=2048):
         build.append(t1 - t0), run.append(t2 - t1)
     print(f"{name:10s} prefill T={prompt.shape[0]}: host build {sum(build) * 1e3:7.1f} ms, eval {sum(run) * 1e3:7.1f} ms "
           f"({len(build)} chunks; last chunk {build[-1] * 1e3:.1f} + {run[-1] * 1e3:.1f} ms)", flush=True)
+    print("    chunks (build + eval, ms): " + ", ".join(f"{b * 1e3:.1f} + {r * 1e3:.1f}" for b, r in zip(build, run)))
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 

@@ -41,15 +41,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-8b")
     ap.add_argument("--context", default="8192,32768", help="comma-separated prompt lengths")
+    ap.add_argument("--method", action="append", choices=sorted(CONFIGS), help="compressed caches (default: all)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the second pass's host build")
     a = ap.parse_args(argv)
     model = random_model(a.shape)
     for T in map(int, a.context.split(",")):
         prompt = mx.random.randint(0, 1000, (T,))
-        for _ in range(2):
-            for name in ("plain", *CONFIGS):
+        for rep in range(2):
+            for name in ("plain", *(a.method or CONFIGS)):
                 caches = make_prompt_cache(model) if name == "plain" else KVCacheBuilder.for_model(model, CONFIGS[name])
                 t0 = time.perf_counter()
-                prefill_split(model, prompt, caches, name, False)
+                prefill_split(model, prompt, caches, name, a.profile and rep == 1)
                 print(f"   total {time.perf_counter() - t0:.3f} s", flush=True)
                 del caches
                 mx.clear_cache()

@@ -231,7 +231,7 @@ def test_prefill_chunks_build_their_graph_without_a_host_sync(method, monkeypatc
     its prefill on the H200), apart from the contract's bounded wait and the data-dependent shapes of
     ``PREFILL_SYNCS``. Detector: a model call traced by ``mx.compile`` raises on any host read of its arrays
     (eval, item, numpy); queued evaluations (``mx.async_eval``) are not waits and are stubbed out."""
-    monkeypatch.setattr(contract, "queue_chunk_check", lambda flag: None)
+    monkeypatch.setattr(contract, "queue_chunk_check", lambda flag, wait=True: None)
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)
     m, caches, synced = model(), build(method), []
     for stage, tokens in (("first", PROMPT[:60]), ("second", PROMPT[60:])):
@@ -266,6 +266,19 @@ def test_prefill_checks_keep_at_most_layers_in_flight_queued(monkeypatch):
     mx.eval(model()(mx.array([PROMPT[:40]]), cache=caches))
     assert len(contract._in_flight) == 3 and len(caches) == 4  # 4 layers' checks queued, the first waited for
     assert all(c._finite_check is not None for c in caches)
+
+
+def test_a_first_chunk_attended_exactly_waits_for_no_layer(monkeypatch):
+    """A residual-window cache attends its first chunk on the chunk's own rows (nothing decoded), so that chunk's
+    checks are queued without a wait; from its second chunk on each layer waits as above."""
+    monkeypatch.setattr(contract, "LAYERS_IN_FLIGHT", 3)
+    monkeypatch.setattr(contract, "_in_flight", collections.deque())
+    caches, m = build("waterfill"), model()
+    assert not type(caches[0]).first_chunk_waits and build("kivi")[0].first_chunk_waits
+    mx.eval(m(mx.array([PROMPT[:40]]), cache=caches))
+    assert len(contract._in_flight) == 0 and all(c._finite_check[1:] == (0, 40) for c in caches)
+    mx.eval(m(mx.array([PROMPT[40:60]]), cache=caches))
+    assert len(contract._in_flight) == 3 and all(c._finite_check[1:] == (40, 60) for c in caches)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

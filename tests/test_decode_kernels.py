@@ -32,7 +32,7 @@ from veloxquant_mlx.cache.options import KIVIOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
 from veloxquant_mlx.cache.primitives.bitpack import pack_bits, unpack_bits
 from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
-from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_frequencies, rope_spec
+from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_spec
 from veloxquant_mlx.cache.primitives.rvq import rvq_codebook
 from veloxquant_mlx.cache.primitives.varpack import VarLayout
 from veloxquant_mlx.cache.window import softmax_exp
@@ -157,7 +157,7 @@ def test_query_side_rope_identity_matches_the_layer(traditional, dims):
     D = 64
     spec = rope_spec(nn.RoPE(dims, traditional=traditional, base=10000.0))
     assert spec is not None
-    w, partner, sign = (np.array(a) for a in wf_kernel.rope_tables(spec, rope_frequencies(spec), D))
+    w, partner, sign = (np.array(a) for a in wf_kernel.rope_tables(spec, D))
     rng = np.random.default_rng(dims + traditional)
     q, k = rng.normal(size=D), rng.normal(size=(1, 1, 1, D)).astype(np.float32)
     for t in (0, 1, 37, 1000):
@@ -169,7 +169,7 @@ def test_query_side_rope_identity_matches_the_layer(traditional, dims):
 
 
 def test_rope_tables_without_rope_leave_the_query_alone():
-    w, partner, sign = (np.array(a) for a in wf_kernel.rope_tables(None, None, 32))
+    w, partner, sign = (np.array(a) for a in wf_kernel.rope_tables(None, 32))
     assert not w.any() and not sign.any() and (partner == np.arange(32)).all()
 
 

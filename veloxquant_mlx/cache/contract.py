@@ -40,15 +40,18 @@ LAYERS_IN_FLIGHT = max(1, int(os.environ.get("VELOXQUANT_PREFILL_LAYERS_IN_FLIGH
 _in_flight: collections.deque = collections.deque()
 
 
-def queue_chunk_check(flag: mx.array) -> None:
-    """Queue a prefill chunk's check ``flag`` (``mx.async_eval``: no host wait) and wait for the one queued
-    ``LAYERS_IN_FLIGHT`` calls before.
+def queue_chunk_check(flag: mx.array, wait: bool = True) -> None:
+    """Queue a prefill chunk's check ``flag`` (``mx.async_eval``: no host wait) and, ``wait``, wait for the one
+    queued ``LAYERS_IN_FLIGHT`` calls before.
 
     Without a wait a whole chunk's graph (every layer's decoded past) is queued at once and its transients pile up
     (the H200, 32k: peak over the weights 0.2x -> ~1.0x the plain cache's); waiting for each layer (a host sync)
     leaves the device idle while the host builds the next (+90% prefill time). Waiting ``LAYERS_IN_FLIGHT`` layers
-    back keeps the device busy and the transients to that many layers."""
+    back keeps the device busy and the transients to that many layers. A cache whose first chunk attends its own
+    rows exactly (nothing decoded: ``first_chunk_waits = False``) queues that chunk without a wait."""
     mx.async_eval(flag)
+    if not wait:
+        return
     _in_flight.append(flag)
     while len(_in_flight) > LAYERS_IN_FLIGHT:
         _in_flight.popleft().item()
@@ -118,6 +121,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
     # such a trim is exact unless it raises ValueError (KIVI: rows still in the residual); a server retries
     trim_exact_or_raises: bool = False
     batchable: bool = False  # ``_merge_batch`` builds a batch form (a server batches only these); not inherited
+    first_chunk_waits: bool = True  # a first prefill chunk waits for the layers in flight (``queue_chunk_check``)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -205,7 +209,8 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self._raise_if_nonfinite()
         if keys.shape[2] > 1:  # prefill chunks only (a decode step's rows are not checked)
             finite = all_finite(keys, values)
-            queue_chunk_check(finite)  # evaluated, it holds none of the chunk's rows
+            first = isinstance(self.offset, int) and self.offset == 0  # (batch caches: per-row offsets, always wait)
+            queue_chunk_check(finite, wait=self.first_chunk_waits or not first)  # evaluated: holds none of the rows
             self._finite_check = (finite, self.offset, self.offset + keys.shape[2])
         self._shape = (keys.shape[1], keys.shape[3], values.shape[3])
 

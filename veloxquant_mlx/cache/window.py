@@ -164,6 +164,9 @@ class ResidualWindowCache(CompressedKVCache):
     n_win = 0  # rows in the float16 window
     dtype_name = "float32"  # dtype of the rows last handed to the cache (dense outputs use it)
     _call: Optional[WindowCall] = None
+    # a first chunk is attended exactly on its own rows (``attend``), so it decodes nothing and need not wait for the
+    # layers in flight (H200, 8k: waterfill's first chunk 161 -> 110 ms; docs/RESULTS.md, session 24)
+    first_chunk_waits = False
 
     def _quantized_part(self, q: mx.array, n: int):
         """(scores [B, H, R, n], value_fn) of the first ``n`` quantized rows for scaled float32 queries ``q``."""

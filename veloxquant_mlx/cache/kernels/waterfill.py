@@ -30,6 +30,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
+from ..primitives.rope import rope_frequencies_np, spec_key
 from ..primitives.value_rotation import poly_coefficients
 from ._common import (BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch, shared_limit,
                       split_count, step_counters, window_exact)
@@ -270,18 +271,25 @@ def key_table(layout) -> mx.array:
     return mx.contiguous(layout.word.astype(u) | (layout.shift.astype(u) << 8) | (layout.bits.astype(u) << 16))
 
 
-def rope_tables(spec, omega, d: int):
+def rope_tables(spec, d: int):
     """Per channel: angle per position ``w`` (0 where RoPE does not rotate), rotary partner and sign
     (``q . R(t) k = sum_c k_c (q_c cos(t w_c) + sign_c q_partner(c) sin(t w_c))``), as float32 /
-    int32 / float32 ``[d]``. ``spec`` None: no rotation."""
+    int32 / float32 ``[d]``. ``spec`` None: no rotation. Built on the host once per (spec, d): shared by the
+    layers."""
+    return _rope_tables(None if spec is None else (spec_key(spec), spec["traditional"]), d)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_tables(key, d: int):
     w = np.zeros(d, np.float32)
     partner = np.arange(d, dtype=np.int32)
     sign = np.zeros(d, np.float32)
-    if spec is not None:
-        om = np.array(omega, dtype=np.float32)
-        dims, half = spec["dims"], spec["dims"] // 2
+    if key is not None:
+        (dims, scale, base, freqs), traditional = key
+        om = rope_frequencies_np({"dims": dims, "scale": scale, "base": base, "freqs": freqs})
+        half = dims // 2
         c = np.arange(dims)
-        if spec["traditional"]:
+        if traditional:
             w[:dims] = om[c // 2]
             first = c % 2 == 0
             partner[:dims] = np.where(first, c + 1, c - 1)
@@ -330,9 +338,8 @@ def cache_constants(c):
     if kc is None or kc[0] is not c.k_lo:
         a, b, cc = poly_coefficients(c.bit_width)
         vpoly = mx.array([a, b, cc, ((1 << c.bit_width) - 1) / 2], dtype=mx.float32)
-        omega = c._omega() if c.rope is not None else None
         kc = (c.k_lo, key_table(c._layout_of()), mx.contiguous(c.k_lo[:, :, 0].astype(mx.float32)),
-              mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, omega, c._shape[1]), vpoly)
+              mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, c._shape[1]), vpoly)
         c._kconst = kc
     return kc[1:]
 

@@ -89,6 +89,7 @@ def _odd_poly_np(bits: int):
     return tuple(float(x) for x in np.linalg.lstsq(np.stack([u, u**3, u**5], axis=1), c, rcond=None)[0])
 
 
+@functools.lru_cache(maxsize=16)  # one array per width, shared (layers build no host constants of their own)
 def odd_poly_gaussian(bits: int) -> tuple[mx.array, tuple[float, float, float]]:
     """A ``2**bits``-level N(0, 1) codebook that is an odd polynomial ``a u + b u^3 + c u^5`` of the centred
     code index ``u = k - (2**bits - 1) / 2``, least-squares fitted to Lloyd-Max's centroids: decoding is

@@ -48,13 +48,33 @@ def apply_rope(x: mx.array, spec: dict, offset: int, inverse: bool = False) -> m
 
 def rope_frequencies(spec: dict) -> mx.array:
     """Angle per position of every rotary pair ``[dims // 2]`` (float32, computed in float64):
-    ``scale * base^(-2i / dims)``, or ``scale / freqs_i`` with a frequency table (as ``mx.fast.rope``)."""
-    half = spec["dims"] // 2
-    if spec.get("freqs") is not None:
-        w = spec["scale"] / np.asarray(spec["freqs"], dtype=np.float64)[:half]
+    ``scale * base^(-2i / dims)``, or ``scale / freqs_i`` with a frequency table (as ``mx.fast.rope``). One array
+    per distinct spec, shared by the layers (a model's layers share their RoPE: no host work per layer)."""
+    return _frequencies(*spec_key(spec))[1]
+
+
+def rope_frequencies_np(spec: dict) -> np.ndarray:
+    """:func:`rope_frequencies` as a host array (read-only)."""
+    return _frequencies(*spec_key(spec))[0]
+
+
+def spec_key(spec: dict) -> tuple:
+    """A hashable form of ``spec`` (its frequency table as a tuple)."""
+    freqs = spec.get("freqs")
+    freqs = None if freqs is None else tuple(float(f) for f in (freqs.tolist() if isinstance(freqs, mx.array) else freqs))
+    return spec["dims"], spec["scale"], spec.get("base"), freqs
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies(dims: int, scale: float, base, freqs):
+    half = dims // 2
+    if freqs is not None:
+        w = scale / np.asarray(freqs, dtype=np.float64)[:half]
     else:
-        w = spec["scale"] * float(spec["base"]) ** (-2.0 * np.arange(half) / spec["dims"])
-    return mx.array(w.astype(np.float32))
+        w = scale * float(base) ** (-2.0 * np.arange(half) / dims)
+    w = w.astype(np.float32)
+    w.setflags(write=False)
+    return w, mx.array(w)
 
 
 @functools.partial(mx.compile, shapeless=True)
