@@ -151,6 +151,21 @@ def test_rotate_rows_matches_fast_rope_and_inverts_exactly(rope):
         assert float(mx.abs(rotate_rows(y, spec, omega, offset, inverse=True) - x).max()) < 1e-5
 
 
+def test_rope_constants_are_built_once_per_spec_and_shared():
+    """A model's layers share one RoPE: the frequencies and the decode kernel's tables come back as the same arrays
+    for equal specs (no host work per layer in a prefill's first chunk), and differ where the spec does."""
+    from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
+
+    a, b = rope_spec(nn.RoPE(D, base=1e4)), rope_spec(nn.RoPE(D, base=1e4))
+    assert a is not b and rope_frequencies(a) is rope_frequencies(b)
+    assert all(x is y for x, y in zip(wf_kernel.rope_tables(a, D), wf_kernel.rope_tables(dict(b), D)))
+    other = rope_spec(nn.RoPE(D, base=1e5))
+    assert rope_frequencies(other) is not rope_frequencies(a)
+    assert not np.allclose(np.array(rope_frequencies(other)), np.array(rope_frequencies(a)))
+    w, partner, sign = (np.array(t) for t in wf_kernel.rope_tables(other, D))
+    np.testing.assert_allclose(w, np.tile(np.array(rope_frequencies(other)), 2))  # non-traditional: c mod D/2
+
+
 def test_rope_spec_unknown_layers_give_none():
     assert rope_spec(None) is None
     assert rope_spec(nn.Linear(4, 4)) is None
