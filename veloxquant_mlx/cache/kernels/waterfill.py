@@ -30,7 +30,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ..primitives.rope import rope_frequencies_np, spec_key
+from ..primitives.rope import frequencies_of, spec_key
 from ..primitives.value_rotation import poly_coefficients
 from ._common import (BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch, shared_limit,
                       split_count, step_counters, window_exact)
@@ -285,8 +285,8 @@ def _rope_tables(key, d: int):
     partner = np.arange(d, dtype=np.int32)
     sign = np.zeros(d, np.float32)
     if key is not None:
-        (dims, scale, base, freqs), traditional = key
-        om = rope_frequencies_np({"dims": dims, "scale": scale, "base": base, "freqs": freqs})
+        spec, traditional = key
+        om, dims = frequencies_of(spec)[0], spec[0]
         half = dims // 2
         c = np.arange(dims)
         if traditional:

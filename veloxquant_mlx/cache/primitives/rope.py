@@ -50,28 +50,25 @@ def rope_frequencies(spec: dict) -> mx.array:
     """Angle per position of every rotary pair ``[dims // 2]`` (float32, computed in float64):
     ``scale * base^(-2i / dims)``, or ``scale / freqs_i`` with a frequency table (as ``mx.fast.rope``). One array
     per distinct spec, shared by the layers (a model's layers share their RoPE: no host work per layer)."""
-    return _frequencies(*spec_key(spec))[1]
-
-
-def rope_frequencies_np(spec: dict) -> np.ndarray:
-    """:func:`rope_frequencies` as a host array (read-only)."""
-    return _frequencies(*spec_key(spec))[0]
+    return frequencies_of(spec_key(spec))[1]
 
 
 def spec_key(spec: dict) -> tuple:
-    """A hashable form of ``spec`` (its frequency table as a tuple)."""
+    """``(dims, scale, base, freqs)`` of ``spec``, hashable (its frequency table as a tuple)."""
     freqs = spec.get("freqs")
-    freqs = None if freqs is None else tuple(float(f) for f in (freqs.tolist() if isinstance(freqs, mx.array) else freqs))
+    if freqs is not None:
+        freqs = tuple(float(f) for f in (freqs.tolist() if isinstance(freqs, mx.array) else freqs))
     return spec["dims"], spec["scale"], spec.get("base"), freqs
 
 
 @functools.lru_cache(maxsize=64)
-def _frequencies(dims: int, scale: float, base, freqs):
-    half = dims // 2
+def frequencies_of(key: tuple) -> tuple[np.ndarray, mx.array]:
+    """:func:`rope_frequencies` of a :func:`spec_key`, as a read-only host array and as an ``mx.array``."""
+    dims, scale, base, freqs = key
     if freqs is not None:
-        w = scale / np.asarray(freqs, dtype=np.float64)[:half]
+        w = scale / np.asarray(freqs, dtype=np.float64)[: dims // 2]
     else:
-        w = scale * float(base) ** (-2.0 * np.arange(half) / dims)
+        w = scale * float(base) ** (-2.0 * np.arange(dims // 2) / dims)
     w = w.astype(np.float32)
     w.setflags(write=False)
     return w, mx.array(w)
