@@ -15,6 +15,7 @@ round: ``--method kivi:bit_width_inlier=4 --method kivi:bit_width_inlier=4@kvar/
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 from pathlib import Path
@@ -63,20 +64,21 @@ _KERNEL_USERS = (("veloxquant_mlx.cache.grouped", "kivi_kernel", "kivi"),
                  ("veloxquant_mlx.cache.methods.quantization.turboquant_rvq", "tq_kernel", "turboquant_rvq"))
 
 
-def use_kernels(spec: str, _loaded: dict = {}) -> None:
+_VARIANTS: dict = {}  # FOLDER -> its kernel modules (decode_kernel_variants.load), loaded once
+
+
+def use_kernels(spec: str) -> None:
     """Point the caches' decode-kernel modules at the copy named by ``spec``'s ``@FOLDER`` (the package's own
     modules when it has none)."""
-    import importlib
-
     folder = spec.partition("@")[2]
-    if folder and folder not in _loaded:
+    if folder and folder not in _VARIANTS:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from decode_kernel_variants import load
 
-        _loaded[folder] = load(folder)
+        _VARIANTS[folder] = load(folder)
     for module, attr, kernel in _KERNEL_USERS:
         own = importlib.import_module(f"veloxquant_mlx.cache.kernels.{kernel}")
-        setattr(importlib.import_module(module), attr, _loaded[folder].get(kernel, own) if folder else own)
+        setattr(importlib.import_module(module), attr, _VARIANTS[folder].get(kernel, own) if folder else own)
 
 
 def cache_makers(specs, plain: bool = True) -> dict:
@@ -106,9 +108,10 @@ def main(argv=None):
     makers = cache_makers(a.method or ["kivi:bit_width_inlier=4"])
     rates = {k: [] for k in makers}
     held = {}
-    for name, make in makers.items() if a.burst else ():
-        use_kernels(name)
-        held[name] = filled(model, make, a.context)
+    if a.burst:
+        for name, make in makers.items():
+            use_kernels(name)
+            held[name] = filled(model, make, a.context)
     for r in range(a.rounds):
         for name, make in makers.items():
             use_kernels(name)
