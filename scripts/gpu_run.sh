@@ -75,5 +75,6 @@ for cmd in "$@"; do
   pin) lscpu | grep -iE "numa|socket|model name" > $OUT/pin.txt; nvidia-smi topo -m >> $OUT/pin.txt 2>&1; cat $OUT/pin.txt
     for cpus in ${PIN_SETS:-0-7 8-15}; do echo "== taskset -c $cpus"; CONTEXTS=${CONTEXTS:-32768} REPEATS=${REPEATS:-2} taskset -c $cpus bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json $OUT/pin_$cpus.json; done ;;
   graphs) for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_MAX_OPS_PER_BUFFER=240" ${GRAPH_ENVS}; do echo "== $env"; env $env CONTEXTS=${CONTEXTS:-8192,32768} REPEATS=${REPEATS:-3} bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json "$OUT/graphs_${env%%=*}.json"; done ;;
+  cstep) (for T in ${CONTEXTS:-8192 32768}; do timeout 200 python3 scripts/compiled_step_host.py --context $T --rounds ${ROUNDS:-3}; done) > $OUT/cstep.txt 2>&1; grep -v Warn $OUT/cstep.txt ;;
   esac
 done
