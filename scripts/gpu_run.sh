@@ -76,5 +76,6 @@ for cmd in "$@"; do
     for cpus in ${PIN_SETS:-0-7 8-15}; do echo "== taskset -c $cpus"; CONTEXTS=${CONTEXTS:-32768} REPEATS=${REPEATS:-2} taskset -c $cpus bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json $OUT/pin_$cpus.json; done ;;
   graphs) for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_MAX_OPS_PER_BUFFER=240" ${GRAPH_ENVS}; do echo "== $env"; env $env CONTEXTS=${CONTEXTS:-8192,32768} REPEATS=${REPEATS:-3} bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json "$OUT/graphs_${env%%=*}.json"; done ;;
   cstep) (for T in ${CONTEXTS:-8192 32768}; do timeout 200 python3 scripts/compiled_step_host.py --context $T --rounds ${ROUNDS:-3}; done) > $OUT/cstep.txt 2>&1; grep -v Warn $OUT/cstep.txt ;;
+  tqsplit) (timeout 200 python3 scripts/prefill_host_device.py --context ${CONTEXTS:-8192} --method turboquant_rvq --profile; timeout 250 python3 scripts/prefill_layer_split.py --context ${CONTEXT:-8192} --method turboquant_rvq --passes 3 --profile 0) > $OUT/tqsplit.txt 2>&1; grep -v "^ *[0-9].*{built-in\|^$\|Warn" $OUT/tqsplit.txt | head -150 ;;
   esac
 done

@@ -1,5 +1,6 @@
-"""Whole-model prefill of the plain cache, KIVI-4 and waterfill-4 (window 16) at several contexts, each
-chunk split into host time (building the model call's graph) and evaluation, two passes (the second warm).
+"""Whole-model prefill of the plain cache, KIVI-4, waterfill-4 (window 16) and TurboQuant-RVQ (defaults) at several
+contexts, each chunk split into host time (building the model call's graph) and evaluation, two passes (the second
+warm).
 
     python scripts/prefill_host_device.py --context 8192,32768
 
@@ -34,7 +35,8 @@ from veloxquant_mlx.cache.options import KIVIOptions, WaterfillOptions  # noqa: 
 
 CONFIGS = {"kivi": KVCacheConfig(method="kivi", bit_width_inlier=4, options=KIVIOptions()),
            "waterfill": KVCacheConfig(method="waterfill", bit_width_inlier=4,
-                                      options=WaterfillOptions(residual_length=16))}
+                                      options=WaterfillOptions(residual_length=16)),
+           "turboquant_rvq": KVCacheConfig(method="turboquant_rvq")}
 
 
 def main(argv=None):
