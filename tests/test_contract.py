@@ -44,6 +44,7 @@ from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import (BatchingNotSupported, CacheInputError, KVCacheBuilder, KVCacheConfig, contract,
                                   dispatch)
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
+from veloxquant_mlx.cache.factory import KVCacheFactory
 from veloxquant_mlx.cache.base import method_info
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
@@ -291,3 +292,21 @@ def test_generate_with_chunked_prefill(method, arch):
     ours = [c for c in caches if isinstance(c, method_class(method))]
     assert ours and all(c.offset == 75 + 6 for c in ours)
     assert all(c.nbytes == held_nbytes(c) for c in ours)
+
+
+def test_state_meta_is_built_once_per_config_and_follows_a_new_one(monkeypatch):
+    """mlx_lm reads ``state`` after every prefill chunk, per layer: the config's JSON is made once per config
+    object, and a cache given another config (a loaded state) writes that one."""
+    import json
+
+    calls = []
+    real = contract.config_to_json
+    monkeypatch.setattr(contract, "config_to_json", lambda c: calls.append(c) or real(c))
+    c = KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=3))
+    c.update_and_fetch(mx.zeros((1, 2, 40, 32)), mx.zeros((1, 2, 40, 32)))
+    first = [json.loads(json.loads(c.state["meta"])["config"]) for _ in range(3)]
+    assert len(calls) == 1 and all(m["bit_width_inlier"] == 3 for m in first)
+    c.config = KVCacheConfig(method="kivi", bit_width_inlier=4)
+    assert json.loads(json.loads(c.state["meta"])["config"])["bit_width_inlier"] == 4 and len(calls) == 2
+    twin = copy.deepcopy(c)
+    assert json.loads(json.loads(twin.state["meta"])["config"])["bit_width_inlier"] == 4

@@ -292,7 +292,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         (coordinators) stay shared within one deepcopy call."""
         new = memo[id(self)] = type(self).__new__(type(self))
         for k, v in self.__dict__.items():
-            if k not in ("_kernel_counters", "_step_sig"):  # per-object caches of the decode path: rebuilt
+            if k not in ("_kernel_counters", "_step_sig", "_config_json"):  # per-object memos: rebuilt
                 setattr(new, k, v if k == "config" or isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
         return new
 
@@ -302,7 +302,10 @@ class CompressedKVCache(mlx_cache._BaseCache):
 
     def _state_of(self, offset: int, scalars) -> dict:
         """``{"meta": json(config, offset, scalars, shape), <array name>: array, ...}``."""
-        meta = {"config": config_to_json(self.config), "offset": offset,
+        memo = self.__dict__.get("_config_json")  # mlx_lm reads ``state`` after every prefill chunk, per layer
+        if memo is None or memo[0] is not self.config:  # (the config is never mutated: a new one is a new object)
+            memo = self._config_json = (self.config, config_to_json(self.config))
+        meta = {"config": memo[1], "offset": offset,
                 "scalars": {n: getattr(self, n) for n in scalars}, "shape": list(getattr(self, "_shape", None) or [])}
         return {"meta": json.dumps(meta), **{name: getattr(self, name) for name in self.array_fields}}
 
