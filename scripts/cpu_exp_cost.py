@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,16 +25,10 @@ import mlx.core as mx  # noqa: E402
 
 from veloxquant_mlx.cache.window import softmax_exp  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from waterfill_cpu_profile import timed  # noqa: E402  (median ms of mx.eval(fn()))
+
 KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
-
-
-def ms(fn, reps: int = 7) -> float:
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e3
 
 
 def main(argv=None):
@@ -49,7 +41,7 @@ def main(argv=None):
     for n in map(int, a.sizes.split(",")):
         x = mx.random.normal((n,)) - 3
         mx.eval(x)
-        e, s = ms(lambda: mx.exp(x)), ms(lambda: softmax_exp(x))
+        e, s = timed(lambda: mx.exp(x), 7), timed(lambda: softmax_exp(x), 7)
         print(f"  {n:9d} elements: mx.exp {e:8.2f} ms ({e * 1e6 / n:5.1f} ns/element), softmax_exp {s:8.2f} ms "
               f"({s * 1e6 / n:5.1f} ns/element)", flush=True)
     if not a.no_child and label == "default allocator":
