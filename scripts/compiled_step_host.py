@@ -1,11 +1,10 @@
-"""Could ``mx.compile`` take a KIVI decode layer's host cost down to the plain cache's? One layer's call timed five
-ways on MLX's CUDA backend (build: graph building per call; queue: ``mx.async_eval`` of a block of calls, per call):
+"""Could ``mx.compile`` take a KIVI decode layer's host cost down to the plain cache's? One layer's call timed five ways
+on MLX's CUDA backend (build: graph building per call; queue: ``mx.async_eval`` of a block of calls, per call):
 mlx_lm's plain cache (``update_and_fetch`` + fused attention), KIVI as the cache makes the call, KIVI's kernel alone
-with the arguments the cache passed (recorded), and the same step's
-work -- the new row written into the residual at a position held in an array, then the fused decode kernel with the
-arguments the cache passed (recorded) -- as a plain Python function and inside ``mx.compile``. The recorded call's
-counts are frozen, so the compiled outputs are not a decode step's (host time only; a real compiled step would read
-its counts from an array).
+with the arguments the cache passed (recorded), and the same step's work -- the new row written into the residual at
+a position held in an array, then the fused decode kernel with the arguments the cache passed (recorded) -- as a
+plain Python function and inside ``mx.compile``. The recorded call's counts are frozen, so the compiled outputs are
+not a decode step's (host time only; a real compiled step would read its counts from an array).
 
     python scripts/compiled_step_host.py --context 8192 --calls 32 --blocks 60 --rounds 3
 """
