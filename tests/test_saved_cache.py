@@ -458,6 +458,8 @@ def _scalars(**extra):
     (dict(classes=lambda i, n: "__builtins__"), "layer 0 is '__builtins__'"),
     (dict(classes=lambda i, n: "_BaseCache"), "layer 0 is '_BaseCache'"),
     (dict(classes=lambda i, n: "CacheList"), "layer 0 is 'CacheList'"),
+    (dict(info=_set("layer_classes", [["KIVIKVCache"]] * 4)), """layer 0 is "['KIVIKVCache']"; a 'kivi' file"""),
+    (dict(info=_set("layer_classes", [{"a": 1}] * 4)), "layer 0 is \"{'a': 1}\"; a 'kivi' file"),
     (dict(classes=lambda i, n: "SnapKVKVCache"), "layer 0 holds a 'snapkv' cache but the file says method 'kivi'"),
     (dict(arrays_edit=lambda a: a.update({"0.evil": mx.zeros((1,))})), "arrays ['evil'] are not among the class's"),
 ])

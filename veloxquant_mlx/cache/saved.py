@@ -337,7 +337,7 @@ def _check_info(path: str, info: dict, file_bytes: int) -> None:
                                        f"got {json.dumps(shape)[:80]}")
     allowed = _allowed_classes(method)
     for i, name in enumerate(info["layer_classes"]):
-        if name not in allowed:
+        if not isinstance(name, str) or name not in allowed:  # a list or object is unhashable
             held = getattr(getattr(mlx_cache, name, None), "method_name", None) if isinstance(name, str) else None
             why = (f"holds a {held!r} cache but the file says method {method!r}" if held and held != method
                    else f"is {str(name)[:80]!r}; a {method!r} file may hold only {', '.join(sorted(allowed))}")
