@@ -11,17 +11,14 @@ KV head's codes once for all its query heads. fp16/bf16/fp32 in, fp32 accumulati
 variants (``_common.kernel_variants``): a single cache's, counts as scalars, or a batch form's, per-sequence
 counts as an input (ragged sequences); each returning its partials or merged.
 
-Backends: CUDA only (compiled with NVRTC, launched with ``mx.fast.precompiled_cuda_kernel``: ``_compile.py``),
-chosen when :func:`kernels_enabled` (the default device is the GPU and ``mx.cuda.is_available()``); everywhere
-else the caches keep their op path, which stays the reference every kernel is tested against
-(``tests/test_decode_kernels.py``). The kernel bodies are written against the small macro prelude
-in ``_compile.py`` (lane id, shuffles, shared memory, exp) so that a Metal prelude could compile the
-same body through ``mx.fast.metal_kernel``. That Metal build exists for KIVI's float32-sum kernel and waterfill's
-(``_compile.METAL_MACROS``; partials only, merged by the op path) but is opt-in, ``VELOXQUANT_METAL_KERNELS=1``
-(``_common.metal_enabled``): it has never run on an Apple GPU. Here its source is only parsed, with libclang and a
-stand-in for Metal's types and address spaces (``tests/test_metal_source.py``); on a Mac each kernel is checked
-against the op path at first use and turned off with one warning if it fails to build or differs. Without the
-variable Metal keeps the op path.
+Backends: CUDA (NVRTC, ``mx.fast.precompiled_cuda_kernel``: ``_compile.py``), chosen when :func:`kernels_enabled`;
+everywhere else the caches keep their op path, the reference every kernel is tested against
+(``tests/test_decode_kernels.py``). The bodies are written against a small macro prelude (``_compile.py``: lane id,
+shuffles, shared memory, exp), so that KIVI's float32-sum kernel and waterfill's also build for Metal through
+``mx.fast.metal_kernel`` (``_compile.METAL_MACROS``; partials only, merged by the op path). That build is opt-in,
+``VELOXQUANT_METAL_KERNELS=1`` (``_common.metal_enabled``): it has never run on an Apple GPU, only been parsed here
+with libclang against a stand-in for Metal (``tests/test_metal_source.py``); on a Mac each kernel is checked against
+the op path at first use and turned off with one warning if it fails to build or differs.
 
 Prefill kernels share the layouts: ``waterfill_rows`` (a chunk's rows to waterfill's codes, and the stored
 past back to dense rows in the model's dtype), ``kivi_rows`` (KIVI's past to dense rows) and ``turboquant_rvq_rows``
@@ -43,7 +40,6 @@ def keeps_rows(cache, rows: int) -> bool:
     """Whether a :class:`RowsMemo` keeps the dense rows built for a call of ``rows`` new rows: decode steps
     (one row) that go to a kernel (dispatch point installed, kernels on, ``attend_path`` "auto"), whose
     attention never evaluates them. A prefill chunk's dense rows are evaluated by its attention: kept,
-    every layer would hold its dense past until its next append (the likely cause of KIVI's 128k prefill
-    peak of 1.5x the plain cache's over the weights on the H200; not re-measured since)."""
+    every layer would hold its dense past until its next append."""
     return (rows == 1 and getattr(cache, "attend_path", "auto") == "auto" and dispatch.installed()
             and kernels_enabled())

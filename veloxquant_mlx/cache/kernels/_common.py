@@ -17,14 +17,13 @@ __all__ = ["kernels_enabled", "metal_enabled", "shared_limit", "merge_partials",
 WARPS = 4  # warps per block
 TOKENS_PER_WARP = 64  # the split count aims at about this many tokens per warp
 MAX_SPLITS = 512
-# Partials per head up to which a decode step merges in its own launch (H200, Nsight: at 33 partials the fused
-# launch took what the two launches took, 27 us for KIVI at 8k; at 513 waterfill's took 60 us more)
+# Partials per head up to which a decode step merges in its own launch (past it the one merging block per head is
+# slower than merge_kernel's many: docs/RESULTS.md)
 FUSED_MAX_S1 = 65
 
 # Exact rows a warp loads at once in a decode kernel (their loads in flight together, then XP softmax updates) when a
-# step has more than EXACT_PREFETCH_ROWS exact rows: one at a time, TurboQuant-RVQ's 128-160 window rows made the
-# exact-rows block the launch's tail (H200, Nsight, 8k: 141 -> 58.5 us); with a few dozen rows (KIVI's residual,
-# waterfill's window of 16) prefetching cost 4-9% (more registers), so they keep one
+# step has more than EXACT_PREFETCH_ROWS exact rows (TurboQuant-RVQ's window); a few dozen rows (KIVI's residual,
+# waterfill's window) keep one: prefetching cost them more registers than it saved (docs/RESULTS.md)
 EXACT_PREFETCH, EXACT_PREFETCH_ROWS = 4, 64
 
 SELF_CHECK_TOL = 2e-2  # first-use check of a kernel against the op path: relative L2 error
@@ -45,16 +44,15 @@ def kernels_enabled() -> bool:
 
 
 def shared_limit() -> int:
-    """Bytes of shared (threadgroup) memory a block may declare: 48 KB of static shared memory on CUDA, 32 KB on
-    Metal."""
+    """Bytes of static shared (threadgroup) memory a block may declare: 48 KB on CUDA, 32 KB on Metal."""
     return 32 * 1024 if on_metal() else 48 * 1024
 
 
 def metal_enabled() -> bool:
     """True on MLX's Metal backend when ``VELOXQUANT_METAL_KERNELS=1`` was in the environment at import (and the
     kernels are not off): KIVI's float32-sum and waterfill's decode kernels then run through ``mx.fast.metal_kernel``,
-    each checked once against the op path (``checked_call``). Opt-in because it has never run on an Apple GPU: the
-    Metal source is only parsed here (``tests/test_metal_source.py``), not compiled or measured."""
+    each checked once against the op path (``checked_call``). Opt-in: it has never run on an Apple GPU, only been
+    parsed (``tests/test_metal_source.py``)."""
     return _ENV_ON and _METAL_ON and on_metal()
 
 
@@ -111,8 +109,7 @@ def relative_error(got, want) -> float:
 def split_count(n_tokens: int) -> int:
     """Splits of the context for split-K: about ``TOKENS_PER_WARP`` tokens per warp (enough blocks to
     fill the GPU at long contexts, few partials at short ones), at most ``MAX_SPLITS``."""
-    per_block = WARPS * TOKENS_PER_WARP
-    return max(1, min(MAX_SPLITS, -(-n_tokens // per_block)))
+    return max(1, min(MAX_SPLITS, -(-n_tokens // (WARPS * TOKENS_PER_WARP))))
 
 
 class RowsMemo:
@@ -121,9 +118,8 @@ class RowsMemo:
     model's attention never evaluates them: rebuilding their graph of ~20 ops every step and layer is
     host time that the GPU waits for). Cleared by the owner whenever the rows can change (append,
     trim, state load); a deep copy starts empty. On the kernels' backend the graph keeps its small constant
-    leaves (codebook scalars, index tables: a few hundred bytes per layer, measured on the CPU by
-    tests/test_memory_honesty.py) alive between appends, outside ``nbytes``; elsewhere only the grouped layout keeps
-    one, built so that it holds no array of its own (``GroupedQuantCache._byte_rows``)."""
+    leaves (a few hundred bytes per layer: tests/test_memory_honesty.py) alive between appends, outside ``nbytes``;
+    elsewhere only the grouped layout keeps one, holding no array of its own (``GroupedQuantCache._byte_rows``)."""
 
     __slots__ = ("key", "value")
 
@@ -397,13 +393,16 @@ BLOCK_SHARED = r"""
   VQ_SHARED float sm_a[NW * REP * DV];
 """
 
+# A warp's (m, l) of each query head into shared memory (l already summed over the warp)
+ML_STORE = r"""
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
+    }
+"""
+
 # The store for warps holding acc[REP][VJ] at channels VQ_VCH(lane, j) (default lane + 32 j).
-LANE_STORE = r"""
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
-  }
-#pragma unroll
+LANE_STORE = ML_STORE + r"""#pragma unroll
   for (int r = 0; r < REP; ++r) {
 #pragma unroll
     for (int j = 0; j < VJ; ++j) sm_a[(warp * REP + r) * DV + VQ_VCH(lane, j)] = acc[r][j];
@@ -431,6 +430,20 @@ BLOCK_JOIN = r"""
 """
 
 BLOCK_MERGE = BLOCK_SHARED + LANE_STORE + BLOCK_JOIN
+
+# A warp's running softmax (m, l, acc [REP][VJ]) started empty, inside a block's branch.
+ACC_INIT = r"""    float m[REP], l[REP], acc[REP][VJ];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+      m[r] = -VQ_INF; l[r] = 0.f;
+#pragma unroll
+      for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
+    }
+"""
+
+# The exact rows' branch of a kernel holding its scaled queries in shared memory (``sq`` [REP, D]: KIVI's and
+# TurboQuant-RVQ's): EXACT_ROWS from a fresh softmax, then LANE_STORE.
+SQ_EXACT = ACC_INIT + "#define QV(r, j) sq[(r) * D + lane + 32 * (j)]\n" + EXACT_ROWS + LANE_STORE + "\n#undef QV\n"
 
 OUTPUTS = ["out_m", "out_l", "out_acc"]
 FUSED_OUTPUTS = ["vq_scratch", "out"]
@@ -604,14 +617,12 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
             return merge_kernel(m, l, acc, *merge[:3])
         rotate = ((lambda y: y @ merge.rotation) if merge.rotation is not None  # no dense rotation in the kernel
                   else (lambda y: mx.hadamard_transform(y, scale=dv ** -0.5)) if merge.hadamard else None)
-        out = merge_partials(m, l, acc, merge.sinks, rotate=rotate)
-        return out.reshape(B, H * R, 1, dv).astype(merge.out_dtype)
-    rows = B * H * R * S1
+        return merge_partials(m, l, acc, merge.sinks, rotate=rotate).reshape(B, H * R, 1, dv).astype(merge.out_dtype)
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
     cnt = merge.counters if merge.counters is not None else mx.zeros((B * H,), mx.int32)
     _, out = kernels[batched, True](arrays + [sk, cnt], scalars + [H * R],
                                     consts + (("HAS_SINK", merge.sinks is not None),
                                               ("ROT", 2 if merge.rotation is not None else int(merge.hadamard))),
-                                    [(rows * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
+                                    [(B * H * R * S1 * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
                                     grid=grid, threads=threads)
     return out

@@ -1,16 +1,15 @@
 """Build and launch the decode kernels: each body is compiled once per variant (its constants and its
 arrays' dtypes) with NVRTC, the CUDA runtime compiler that MLX's CUDA backend already links, and run with
 ``mx.fast.precompiled_cuda_kernel``: the step's counts and scale travel as scalar arguments, not as a small
-array built and copied to the device each step, and the sources need no header. On the H200 KIVI's kernel
-alone became 5-24% faster (``scripts/decode_kernel_time.py``, docs/RESULTS.md).
+array built and copied to the device each step, and the sources need no header.
 
-MLX carries the compiled source with every call: on the H200 a 100 KB cubin (a fused decode kernel's size)
-costs ~7 us more to build a call and ~25 us more to queue it than a 4 KB one (``scripts/kernel_call_host.py``),
-~1 ms of a llama-8b decode step's host time with one such kernel per layer. MLX 0.32 cannot reuse a loaded module
-by name (handing over a placeholder source fails: "Binary format ... is not recognized"), so every call carries it."""
+MLX carries the compiled source with every call, which costs host time per byte of cubin (docs/RESULTS.md,
+``scripts/kernel_call_host.py``); MLX 0.32 cannot reuse a loaded module by name (handing over a placeholder source
+fails: "Binary format ... is not recognized"), so every call carries it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -217,17 +216,14 @@ _LIBS: dict = {}
 
 
 def _lib(names):
-    key = names[0]
-    if key not in _LIBS:
+    if names[0] not in _LIBS:
         for name in names:
-            try:
-                _LIBS[key] = ctypes.CDLL(name)
+            with contextlib.suppress(OSError):
+                _LIBS[names[0]] = ctypes.CDLL(name)
                 break
-            except OSError:
-                continue
         else:
             raise RuntimeError(f"none of {names} could be loaded")
-    return _LIBS[key]
+    return _LIBS[names[0]]
 
 
 @functools.cache

@@ -13,13 +13,8 @@ Dv*b/32 lanes (coalesced), each lane owning one word's 32/b channels; rows past 
 with weight 0 (no branch, so the loads can be issued together). Splits take tiles round-robin, one tile
 per warp up to ~BLOCKS blocks; the block's warps join in shared memory.
 
-A code becomes a float without an int-to-float conversion (``VQ_CODE``: shifted into the mantissa of 1.0, it
-reads 1 + c / 2^b), the offset folded into the bias: s c + z = (s 2^b)(1 + c / 2^b) + (z - s 2^b), once per word.
-
-On the H200 (Nsight Compute, 8 KV heads x 4, d 128, 4-bit, SM at 1.48 GHz): bound by instruction issue -- the 32
-FMAs per code word are half the key loop's instructions, the rest unpacking and addressing; batching the loads or
-halving the tiles did not help (docs/RESULTS.md "Decode: what bounds a step"). The fused kernel: 27.9 us at 8k,
-62.6 us at 32k, 205 us at 128k (28.1 / 66.4 / 219.6 with int-to-float conversions; session 14).
+A code becomes a float without an int-to-float conversion (``VQ_CODE``, the offset folded into the bias: ``TOP``):
+the kernel is bound by instruction issue (docs/RESULTS.md "Decode: what bounds a step").
 
 Tensor cores (4-bit codes, float16/bfloat16 queries, sm_80+: ``uses_tensor_cores``): the same tiles of 64 tokens,
 but both products are ``mma.m16n8k16`` (float16 in, float32 sums) with the query heads as the mma's n (up to 8).
@@ -30,9 +25,7 @@ leaves the codes and one ``fma`` applies the pair's scales and biases. Keys: a l
 byte j; values alike with two tokens' words per pair. The weights go through shared memory as float16 pairs.
 Deviation from the float32 kernel: dequantized keys and values, the scaled query and the softmax weights are
 rounded to float16 (relative 2^-11 each; the model's own rows are 2-byte floats), sums stay float32; float32
-models keep the float32 kernel. H200 (``scripts/decode_kernel_variants.py``, ms per 10 layers, host build included,
-8 KV heads x 4, d 128): 1.37 -> 0.77 at 8k, 1.56 -> 1.31 at 32k, 2.72 -> 1.70 at 128k (MLX's fused sdpa on float16
-rows: 0.39 / 0.83 / 1.53); outputs 4.5e-4 (relative L2) from the float32 kernel's.
+models keep the float32 kernel (H200 timings and its error against that kernel: docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ import functools
 import mlx.core as mx
 
 from ._compile import TENSOR_PRELUDE, _arch
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS, exact_args,
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, KERNEL_HEAD, MAX_SPLITS, ML_STORE, SQ_EXACT, WARPS, exact_args,
                       kernel_variants, launch, shared_limit)
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS", "tensor_core_layout", "uses_tensor_cores"]
@@ -65,17 +58,7 @@ VQ_KERNEL_SHARED
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   VQ_SYNC();
   if (s == S) {
-    float m[REP], l[REP], acc[REP][VJ];
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      m[r] = -VQ_INF; l[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
-    }
-#define QV(r, j) sq[(r) * D + lane + 32 * (j)]
-""" + EXACT_ROWS + LANE_STORE + r"""
-#undef QV
-"""
+""" + SQ_EXACT
 
 _FFMA = r"""  } else {
     const int ntiles = (n + TOK - 1) / TOK;
@@ -177,11 +160,7 @@ _FFMA = r"""  } else {
         for (int i = 0; i < TPW; ++i) acc[r][i] += VQ_SHFL_XOR(acc[r][i], o);
       }
     }
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
-    }
-    if (ro == 0) {
+""" + ML_STORE + r"""    if (ro == 0) {
 #pragma unroll
       for (int r = 0; r < REP; ++r) {
 #pragma unroll
@@ -387,8 +366,7 @@ def kivi_partials(queries, scale: float, k_codes, k_scales, k_biases, v_codes, v
     ``waterfill_partials``). ``queries`` [B, H * R, 1, D] as the model gives them; the arrays are the
     cache's buffers at full capacity. A batch form passes ``counts`` (int32 [B, 5]: quantized tokens, then
     first row and rows taken of each exact buffer, per sequence; ``_common.kernel_variants``), ``n`` their
-    maximum.
-    With ``merge`` (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``)."""
+    maximum. With ``merge`` (``_common.Merge``): the attention output [B, H * R, 1, Dv] (``_common.launch``)."""
     B, Hq, _, D = queries.shape
     H = k_codes.shape[1]
     dv = v_codes.shape[-1] * 32 // bits

@@ -76,11 +76,10 @@ def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
     dv = c.res_v.shape[-1]
     consts = (("D", D), ("DV", dv), ("KB", c.qbits), ("G", c.group), ("GV", c.value_group(dv)),
               ("WV", c.v_codes.shape[-1]), ("TT", TILE))
-    ok, ov = _KERNEL([c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases],
-                     [n, CK, c.k_scales.shape[-1], c.v_codes.shape[2], c.v_scales.shape[-1]], consts,
-                     [(B, H, n, D), (B, H, n, dv)], [dtype, dtype],
-                     grid=(THREADS * -(-n // TILE), B * H, 1), threads=(THREADS, 1, 1))
-    return ok, ov
+    return tuple(_KERNEL([c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases],
+                         [n, CK, c.k_scales.shape[-1], c.v_codes.shape[2], c.v_scales.shape[-1]], consts,
+                         [(B, H, n, D), (B, H, n, dv)], [dtype, dtype],
+                         grid=(THREADS * -(-n // TILE), B * H, 1), threads=(THREADS, 1, 1)))
 
 
 def checked_decode(c, n: int, dtype, op_fn):

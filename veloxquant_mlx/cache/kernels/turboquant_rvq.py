@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import functools
 
-import mlx.core as mx
-
+from ..primitives.bitpack import packed_words
+from ..primitives.rvq import split_bits
 from . import _common
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, LANE_STORE, MAX_SPLITS, WARPS, Merge,
+from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_SHARED, KERNEL_HEAD, MAX_SPLITS, ML_STORE, SQ_EXACT, WARPS, Merge,
                       exact_args, kernel_variants, launch, step_counters, window_exact)
 
 __all__ = ["tq_partials", "supported", "decode_attend"]
@@ -28,7 +28,7 @@ __all__ = ["tq_partials", "supported", "decode_attend"]
 BLOCKS = 512  # grid size past which a split's warps take several tiles (as KIVI's kernel)
 SMEM_MAX = 48 * 1024
 
-_SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;             // value channels per lane (one sub-vector's slice)
+_SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;  // value channels per lane (one sub-vector's slice)
   constexpr int NS = D / SK, NVS = DV / VS;
   constexpr int K1 = 1 << B1, K2 = B2 ? 1 << B2 : 1, VK1 = 1 << VB1, VK2 = VB2 ? 1 << VB2 : 1;
   constexpr int WVR = WV1 + (VB2 ? WV2 : 0);  // value words per token kept in shared memory
@@ -46,17 +46,7 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;             // value c
   if (s == S) {
     for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
     VQ_SYNC();
-    float m[REP], l[REP], acc[REP][VJ];
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      m[r] = -VQ_INF; l[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
-    }
-#define QV(r, j) sq[(r) * D + lane + 32 * (j)]
-""" + EXACT_ROWS + LANE_STORE + r"""
-#undef QV
-  } else {
+""" + SQ_EXACT + r"""  } else {
     // the tables, with the thread count a constant: unrolled copies whose loads are all in flight at once
     constexpr int NT = 32 * NW;
     VQ_SHARED float c2s[B2 ? K2 * SK : 1];
@@ -91,14 +81,7 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;             // value c
       }
       VQ_SYNC();
     }
-    float m[REP], l[REP], acc[REP][VJ];
-#pragma unroll
-    for (int r = 0; r < REP; ++r) {
-      m[r] = -VQ_INF; l[r] = 0.f;
-#pragma unroll
-      for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
-    }
-    const int ntiles = (n + 31) / 32;
+""" + ACC_INIT + r"""    const int ntiles = (n + 31) / 32;
     const int vsub = lane * VJ / VS, voff = lane * VJ % VS;  // this lane's value sub-vector and first channel in it
     float* wts = sw + warp * 32 * REP;
     vq_u32* codes = scode + warp * 32 * WVR;
@@ -183,11 +166,7 @@ _SOURCE = KERNEL_HEAD + r"""  constexpr int VJ = DV / 32;             // value c
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) l[r] += VQ_SHFL_XOR(l[r], o);
     }
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < REP; ++r) { sm_m[warp * REP + r] = m[r]; sm_l[warp * REP + r] = l[r]; }
-    }
-#pragma unroll
+""" + ML_STORE + r"""#pragma unroll
     for (int r = 0; r < REP; ++r) {
 #pragma unroll
       for (int j = 0; j < VJ; ++j) sm_a[(warp * REP + r) * DV + lane * VJ + j] = acc[r][j];
@@ -228,28 +207,21 @@ _KERNELS = kernel_variants("vq_tqrvq_decode", _INPUTS,
                             ("TV1", "int"), ("TV2", "int"), ("TVN", "int")], _SOURCE, prelude=ROW_HELPERS)
 
 
-def _smem(d, dv, rep, sk, b1, b2, vs, vb1, vb2, wvr) -> int:
-    """Bytes of the block's shared memory (the kernel's tables, the warps' tiles and partials, the fused tail's)."""
-    ns = d // sk
-    floats = (rep * d + (1 << b1) * sk + ((1 << b1) + (rep * ns + sk) * (1 << b2) if b2 else 3) + (1 << vb1) * vs
-              + ((1 << vb1) + (1 << vb2) * vs if vb2 else 2) + WARPS * 32 * (rep + wvr) + WARPS * rep * (dv + 2)
-              + rep * 32 + 1)
-    return 4 * floats
-
-
 @functools.cache
 def supported(d: int, dv: int, rep: int, key_sub: int, key_bits: int, value_sub: int, value_bits: int) -> bool:
     """Shapes the kernel reads: head dims multiples of 32, a lane's DV/32 value channels inside one value
     sub-vector, at most 8 stage-1 bits (bit-packed planes as ``primitives.rvq``), and shared memory within 48 KB."""
-    from ..primitives.bitpack import packed_words
-    from ..primitives.rvq import split_bits
-
     (b1, b2), (vb1, vb2) = split_bits(key_bits), split_bits(value_bits)
     vj = dv // 32 if dv % 32 == 0 else 0
     if d % 32 or not vj or d % key_sub or dv % value_sub or value_sub % vj or b1 > 8 or vb1 > 8:
         return False
-    wvr = packed_words(dv // value_sub, vb1) + (packed_words(dv // value_sub, vb2) if vb2 else 0)
-    return _smem(d, dv, rep, key_sub, b1, b2, value_sub, vb1, vb2, wvr) <= SMEM_MAX
+    sk, vs = key_sub, value_sub
+    wvr = packed_words(dv // vs, vb1) + (packed_words(dv // vs, vb2) if vb2 else 0)
+    # the block's shared floats: the kernel's tables, the warps' tiles and partials, the fused tail's
+    floats = (rep * d + (1 << b1) * sk + ((1 << b1) + (rep * (d // sk) + sk) * (1 << b2) if b2 else 3) + (1 << vb1) * vs
+              + ((1 << vb1) + (1 << vb2) * vs if vb2 else 2) + WARPS * 32 * (rep + wvr) + WARPS * rep * (dv + 2)
+              + rep * 32 + 1)
+    return 4 * floats <= SMEM_MAX
 
 
 def tq_partials(queries, rotated, scale: float, k_planes, k_norms, v_planes, v_norms, key_book, value_book, rotation,
@@ -292,9 +264,8 @@ def decode_attend(c, queries, scale: float, sinks=None):
     the call's own row, merged in one softmax (the values rotated back once) by the launch's last block per head."""
     call, c._call = c._call, None
     kq, vq = c._qs()
-    rotated = queries @ kq.rot_t
     counters = step_counters(c, queries.shape[0] * c.k_codes1.shape[1])
     rot = vq.rotation_back()  # kept on the shared quantizer, counted in the cache's constant_nbytes
-    return tq_partials(queries, rotated, scale, (c.k_codes1, getattr(c, "k_codes2", None)), c.k_norms,
+    return tq_partials(queries, queries @ kq.rot_t, scale, (c.k_codes1, getattr(c, "k_codes2", None)), c.k_norms,
                        (c.v_codes1, getattr(c, "v_codes2", None)), c.v_norms, kq.cb, vq.cb, rot, call.q0,
                        window_exact(c, call), merge=Merge(sinks, False, queries.dtype, counters, rot))

@@ -7,12 +7,10 @@
   time (docs/RESULTS.md). The block first sums each row's squared sub-vector norms in shared memory (``NORM``: the
   row is scaled to a unit vector, its norm written beside the codes). One thread per sub-vector scans the stage-1
   codebook (in shared memory, read by every lane at once) keeping the ``BEAM`` smallest ``|c1|^2 - 2 x.c1`` in
-  registers as packed keys (the distance's bits in unsigned order, the centroid's index in the low ``B1`` bits: an
-  insertion is a min and a max per place), then completes each candidate with its nearest cell-scaled stage-2
+  registers (as packed keys: see the kernel), then completes each candidate with its nearest cell-scaled stage-2
   centroid, ``(|r|^2 + |c2|^2 - 2 r.c2) sigma^2`` with ``r = (x - c1) / sigma``: the op path's formulas, so the
   codes are the same but for rounding ties (distances within ``2^-(23 - B1)`` relative, or summed in another
-  order). The block's codes go to shared memory and are packed as ``bitpack`` lays them out (code ``k`` of a row at
-  bit ``k * bits``, straddling words where it must).
+  order). The block's codes are packed in shared memory as ``bitpack`` lays them out.
 * :func:`rotated_rows`: the first ``n`` stored rows in the rotated domain, ``|x| (c1[i] + sigma[i] c2[j])`` per
   sub-vector, in the model's dtype: what a GPU prefill chunk's fused attention reads (``_rotated_chunk``). One
   thread per sub-vector of a row.
@@ -227,14 +225,13 @@ def _encode(cb, y: mx.array, norm: bool):
     w1 = packed_words(cb.n_sub, cb.bits1)
     w2 = packed_words(cb.n_sub, cb.bits2) if two else 1
     v = _rows_per_block(cb.n_sub)
-    beam = min(4, cb.k1) if two else 1
     consts = (("D", cb.dim), ("SD", cb.sub_dim), ("B1", cb.bits1), ("B2", cb.bits2), ("TWO", int(two)),
-              ("W1", w1), ("W2", w2), ("BEAM", beam), ("V", v), ("NORM", int(norm)))
+              ("W1", w1), ("W2", w2), ("BEAM", min(4, cb.k1) if two else 1), ("V", v), ("NORM", int(norm)))
     c2, c2q = (cb.c2, cb.c2_sq) if two else (cb.sigma[:1], cb.sigma[:1])
-    blocks = max(1, -(-m // v))
     o1, o2, on = _ENCODE([y2, cb.c1, cb.c1_sq, cb.sigma, c2, c2q], [m], consts,
                          [(max(m, 1), w1), (max(m, 1), w2) if two else (1,), (max(m, 1),) if norm else (1,)],
-                         [mx.uint32, mx.uint32, mx.float16], grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
+                         [mx.uint32, mx.uint32, mx.float16], grid=(THREADS * max(1, -(-m // v)), 1, 1),
+                         threads=(THREADS, 1, 1))
     return o1[:m].reshape(*lead, w1), (o2[:m].reshape(*lead, w2) if two else None), (on.reshape(lead) if norm else None)
 
 
@@ -252,9 +249,8 @@ def rotated_rows(cb, planes, norms: mx.array, n: int, dtype, exact: mx.array | N
     consts = (("D", cb.dim), ("SD", cb.sub_dim), ("B1", cb.bits1), ("B2", cb.bits2), ("TWO", int(two)),
               ("W1", w1), ("W2", w2))
     blocks = max(1, -(-(B * H * tot * cb.n_sub) // THREADS))
-    c2 = cb.c2 if two else cb.c1
     ex = exact if exact is not None else mx.zeros((1,), dtype)
-    (out,) = _ROWS([p1, p2 if two else p1, norms, cb.c1, cb.sigma, c2, ex],
+    (out,) = _ROWS([p1, p2 if two else p1, norms, cb.c1, cb.sigma, cb.c2 if two else cb.c1, ex],
                    [n, B * H, t1, p2.shape[2] if two else t1, norms.shape[2], tot, at], consts,
                    [(B, H, tot, cb.dim)], [dtype], grid=(THREADS * blocks, 1, 1), threads=(THREADS, 1, 1))
     return out

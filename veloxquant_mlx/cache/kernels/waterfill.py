@@ -15,12 +15,9 @@ and head and takes one exp per lane, and each weight is broadcast to the lanes f
 never straddle a word (``VMAP``) are decoded without shuffles, each lane taking VJ consecutive channels of one word
 (``VQ_VCH`` maps them back). The value sum stays in the rotated domain (the merge rotates back once).
 
-H200 (Nsight Compute, llama-8b shape, 131072 rows, 4-bit): 599 us per layer before the grouping (issue-bound: 166
-registers, 3.85 cycles per issued instruction); ``scripts/decode_kernel_variants.py``: 6.2 -> 5.1 ms per 10 layers at
-128k, 3.0 -> 2.4 at 32k (docs/RESULTS.md "Waterfill's decode kernel: rows and heads grouped"). That build held the
-reduce-scatter's scores in local memory (a loop nest nvcc did not unroll: 28 local loads per group); written out
-step by step they stay in registers (``tests/test_kernel_compile.py``; SASS main loop 800 -> 750 instructions per
-group), not yet measured on the H200.
+The grouping exists because the kernel is bound by instruction issue (docs/RESULTS.md "Waterfill's decode kernel:
+rows and heads grouped"). The reduce-scatter's steps are written out so that its scores stay in registers (as a loop
+nest nvcc did not unroll them: local memory; ``tests/test_kernel_compile.py``).
 """
 
 from __future__ import annotations
@@ -32,14 +29,13 @@ import numpy as np
 
 from ..primitives.rope import frequencies_of, spec_key
 from ..primitives.value_rotation import poly_coefficients
-from ._common import (BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch, shared_limit,
-                      split_count, step_counters, window_exact)
+from ._common import (ACC_INIT, BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch,
+                      shared_limit, split_count, step_counters, window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
 __all__ = ["waterfill_partials", "key_table", "rope_tables", "paired_rope", "supported", "cache_constants",
-           "held_constants",
-           "decode_attend"]
+           "held_constants", "decode_attend"]
 
 # A value row's channels lane + 32 j (j < VJ) decoded from the row's words (``vword``: word ``lane`` of the row,
 # spread over the warp) into VQ_OUT[j]: the odd-polynomial centroid of the VB-bit code times the row scale ``vscale``.
@@ -105,13 +101,7 @@ VQ_COUNTS
     }
   }
   const float pa = vpoly[0], pb = vpoly[1], pc = vpoly[2], half_top = vpoly[3];
-  float m[REP], l[REP], acc[REP][VJ];
-#pragma unroll
-  for (int r = 0; r < REP; ++r) {
-    m[r] = -VQ_INF; l[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < VJ; ++j) acc[r][j] = 0.f;
-  }
+""" + ACC_INIT + r"""
 // key channel lane + 32 j of the row whose words lane i holds in ``kword``: two shuffles, a funnel shift, a mask
 #define WF_KEY(j) (lo[j] + (float)(VQ_FUNNEL(VQ_SHFL(kword, (int)wi[j]), VQ_SHFL(kword, (int)wi1[j]), sh[j]) & mk[j]) \
                    * st[j])
@@ -287,16 +277,11 @@ def _rope_tables(key, d: int):
     if key is not None:
         spec, traditional = key
         om, dims = frequencies_of(spec)[0], spec[0]
-        half = dims // 2
         c = np.arange(dims)
-        if traditional:
-            w[:dims] = om[c // 2]
-            first = c % 2 == 0
-            partner[:dims] = np.where(first, c + 1, c - 1)
-        else:
-            w[:dims] = om[c % half]
-            first = c < half
-            partner[:dims] = np.where(first, c + half, c - half)
+        off = 1 if traditional else dims // 2  # a channel's distance to its rotary partner
+        first = c % 2 == 0 if traditional else c < off
+        w[:dims] = om[c // 2] if traditional else om[c % off]
+        partner[:dims] = np.where(first, c + off, c - off)
         sign[:dims] = np.where(first, 1.0, -1.0)
     return mx.array(w), mx.array(partner), mx.array(sign)
 
@@ -318,17 +303,13 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     :func:`paired_rope` (False is right for any rotation, only slower)."""
     B, Hq, _, D = queries.shape
     H = k_words.shape[1]
-    WK, WV = k_words.shape[-1], v_words.shape[-1]
-    S = split_count(n)
-    rw, rp, rs = rope
     arrays, scalars, consts = exact_args(exact, counts, H)
     return launch(_KERNELS, counts is not None,
-                  [queries, k_words, ktab, k_lo, k_step, rw, rp, rs, v_words, v_scales, vpoly, *arrays],
+                  [queries, k_words, ktab, k_lo, k_step, *rope, v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                    v_scales.shape[2], *scalars],
-                  (("D", D), ("WK", WK), ("WV", WV), ("VB", value_bits), ("PAIR", paired))
-                  + group_constants(Hq // H, value_bits, dv) + consts, B, H, Hq // H,
-                  S, dv, merge)
+                  (("D", D), ("WK", k_words.shape[-1]), ("WV", v_words.shape[-1]), ("VB", value_bits), ("PAIR", paired))
+                  + group_constants(Hq // H, value_bits, dv) + consts, B, H, Hq // H, split_count(n), dv, merge)
 
 
 def cache_constants(c):
@@ -336,8 +317,7 @@ def cache_constants(c):
     calibration and kept on the cache (``_kconst``: held, counted by its ``held_arrays``)."""
     kc = getattr(c, "_kconst", None)
     if kc is None or kc[0] is not c.k_lo:
-        a, b, cc = poly_coefficients(c.bit_width)
-        vpoly = mx.array([a, b, cc, ((1 << c.bit_width) - 1) / 2], dtype=mx.float32)
+        vpoly = mx.array([*poly_coefficients(c.bit_width), ((1 << c.bit_width) - 1) / 2], dtype=mx.float32)
         kc = (c.k_lo, key_table(c._layout_of()), mx.contiguous(c.k_lo[:, :, 0].astype(mx.float32)),
               mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, c._shape[1]), vpoly)
         c._kconst = kc
@@ -357,8 +337,7 @@ def decode_attend(c, queries, scale: float, sinks=None):
     launch's last block per head, or past ``_common.FUSED_MAX_S1`` partials by a second launch."""
     call, c._call = c._call, None
     ktab, lo, step, rope, vpoly = cache_constants(c)
-    exact = window_exact(c, call)
-    counters = step_counters(c, queries.shape[0] * c.k_words.shape[1])
+    merge = Merge(sinks, True, queries.dtype, step_counters(c, queries.shape[0] * c.k_words.shape[1]))
     return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
-                              call.s0, c.bit_width, c._shape[2], exact, paired=paired_rope(c.rope, c._shape[1]),
-                              merge=Merge(sinks, True, queries.dtype, counters))
+                              call.s0, c.bit_width, c._shape[2], window_exact(c, call),
+                              paired=paired_rope(c.rope, c._shape[1]), merge=merge)

@@ -179,9 +179,8 @@ def supported(c) -> bool:
     if not shape or c.k_bits is None:
         return False
     _, d, dv = shape
-    lay = c._layout_of()
-    vwords = packed_words(dv, c.bit_width)
-    return d % 32 == 0 and dv % 32 == 0 and dv & (dv - 1) == 0 and 0 < lay.words <= 32 and vwords <= 32
+    return (d % 32 == 0 and dv % 32 == 0 and dv & (dv - 1) == 0 and 0 < c._layout_of().words <= 32
+            and packed_words(dv, c.bit_width) <= 32)
 
 
 def _grid(n: int, B: int, H: int) -> dict:
@@ -216,10 +215,9 @@ def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
     B, H, TK, WK = c.k_words.shape
     _, D, dv = c._shape
     consts = (("D", D), ("DV", dv), ("WK", WK), ("WV", c.v_words.shape[-1]), ("VB", c.bit_width), ("NW", WARPS))
-    ok, ov = _DECODE_K([c.k_words, ktab, lo, step, rw, rp, rs, c.v_words, c.v_scales, vpoly],
-                       [n, c.n_sink, H, TK, c.v_words.shape[2], c.v_scales.shape[2]], consts,
-                       [(B, H, n, D), (B, H, n, dv)], [dtype, dtype], **_grid(n, B, H))
-    return ok, ov
+    return tuple(_DECODE_K([c.k_words, ktab, lo, step, rw, rp, rs, c.v_words, c.v_scales, vpoly],
+                           [n, c.n_sink, H, TK, c.v_words.shape[2], c.v_scales.shape[2]], consts,
+                           [(B, H, n, D), (B, H, n, dv)], [dtype, dtype], **_grid(n, B, H)))
 
 
 def checked_decode(c, n: int, dtype, op_fn):
