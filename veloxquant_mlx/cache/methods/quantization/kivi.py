@@ -29,11 +29,9 @@ Deviations from the paper (all deliberate):
   result, no [N, M] scores held); elsewhere a chunk over a stored past is one online softmax over tiles of
   whole groups (``attention.online_softmax_attention``), so a chunked prefill peaks below the plain cache.
 
-Measured (SmolLM2-135M float32, CPU, 480 essay tokens in one chunk + 32 teacher-forced decode steps, G = 32,
-vs mlx_lm's KVCache): mean next-token KL 0.012 at 4 bits, 0.21 at 2 bits (mlx_lm's QuantizedKVCache, group 32,
-same full-precision prefill: 0.065 / 1.27). Quantizing a call's own rows before its attention raises the 2-bit
-decode KL to 0.49 (the prompt's last-token KL from 0 to 2.1). Bytes per token per KV head at D = 64: 80 (4
-bits), 48 (2 bits) plus the 32-row float16 residual, vs 256 for float16.
+Quality: docs/RESULTS.md (mlx_lm's QuantizedKVCache as reference). A call's own rows stay full precision: quantized
+before its attention they raised the 2-bit decode KL from 0.21 to 0.49 (SmolLM2-135M, 480 tokens). Bytes per token
+per KV head at D = 64: 80 (4 bits), 48 (2 bits) plus the G-row float16 residual, vs 256 for float16.
 """
 
 from __future__ import annotations

@@ -119,8 +119,7 @@ class KIVIBatchKVCache(RaggedBatchCache):
         for name, (axis, per) in self._slot_fields().items() if g else ():
             setattr(c, name, mx.contiguous(getattr(self, name)[(one, *_head(axis, g * per)[1:])]))
         for name in ("res_k", "res_v"):  # the single cache's G-row residual buffer
-            rows = getattr(self, name)[one, :, self.R - r:]
-            setattr(c, name, mx.concatenate([rows, mx.zeros((*rows.shape[:2], G - r, rows.shape[3]), RES_DTYPE)], 2))
+            setattr(c, name, mx.pad(getattr(self, name)[one, :, self.R - r:], [(0, 0), (0, 0), (0, G - r), (0, 0)]))
         return c
 
     def _visible(self, N: int, nq, nr, qw: int, R: int) -> mx.array:
@@ -132,10 +131,9 @@ class KIVIBatchKVCache(RaggedBatchCache):
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if window_size is not None:
             raise ValueError("KIVIBatchKVCache has no sliding-window mask")
-        qw, R = max(self.nq, default=0), self.R
-        if qw == 0 and R == 0 and not return_array:
+        if self.size() == 0 and not return_array:
             return None if N == 1 else "causal"
-        mask = self._visible(N, self.nq, self.nr, qw, R)
+        mask = self._visible(N, self.nq, self.nr, max(self.nq, default=0), self.R)
         return self._made(mask, (tuple(self.nq), tuple(self.nr))) if N == 1 else mask
 
     def _rows(self, qw: int, res_k, res_v, dtype, new=(None, None)):

@@ -108,8 +108,7 @@ class _Quantizer:
     def rotation_back(self) -> mx.array:
         """``rot_t.T`` contiguous: the decode kernel's matrix from the rotated value domain back (built on first use,
         one per (dim, seed), then counted with the other constants)."""
-        if self.back is None:
-            self.back = _rotation_back(self.dim, self.seed)
+        self.back = _rotation_back(self.dim, self.seed)  # (cached per process)
         return self.back
 
     def encode(self, x: mx.array, owner=None):
@@ -124,13 +123,9 @@ class _Quantizer:
         """``encode``'s op path: norms, rotated unit vectors, their codes packed."""
         xf = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(xf * xf, axis=-1))
-        p1, p2 = self._words((xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t)
-        return p1, p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
-
-    def _words(self, y: mx.array):
-        """Packed codes of rotated unit vectors ``y`` (the op path)."""
-        i, j = self.cb.encode(y)
-        return pack_bits(i, self.cb.bits1), (pack_bits(j, self.cb.bits2) if j is not None else None)
+        i, j = self.cb.encode((xf / mx.maximum(norm, 1e-30)[..., None]) @ self.rot_t)
+        p2 = pack_bits(j, self.cb.bits2) if j is not None else None
+        return pack_bits(i, self.cb.bits1), p2, mx.minimum(norm, _FP16_MAX).astype(mx.float16)
 
     def codes(self, p1, p2):
         """Unpacked codes (uint8 ``[.., S]``) from packed planes."""
@@ -202,14 +197,12 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             for field, sub, d in (("key", self.key_sub_dim, dk), ("value", self.value_sub_dim, dv)):
                 if d % sub:
                     raise QuantizerConfigError(f"{field}_sub_dim", sub, f"a divisor of the head dimension {d}")
-            store = self.config.store
-            self._kq = _quantizer(dk, self.key_sub_dim, self.key_bits, self.seed, store)
-            self._vq = _quantizer(dv, self.value_sub_dim, self.value_bits, self.seed, store)
+            self._kq = _quantizer(dk, self.key_sub_dim, self.key_bits, self.seed, self.config.store)
+            self._vq = _quantizer(dv, self.value_sub_dim, self.value_bits, self.seed, self.config.store)
         return self._kq, self._vq
 
     def _qs(self):
-        _, dk, dv = self._shape
-        return self._quantizers(dk, dv)
+        return self._quantizers(*self._shape[1:])
 
     def _store(self, keys, values):
         self._quantizers(keys.shape[-1], values.shape[-1])  # constants (and dim checks) up front
@@ -219,14 +212,12 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return True  # a repeated step's quantizers exist (the checked call built them)
 
     def _append_quantized(self, keys, values):
-        kq, vq = self._quantizers(keys.shape[-1], values.shape[-1])
         t0 = self.n_quant
-        for prefix, qz, x in (("k_", kq, keys), ("v_", vq, values)):
-            p1, p2, norms = qz.encode(x, self)
-            for name, rows in (("codes1", p1), ("codes2", p2), ("norms", norms)):
+        for prefix, qz, x in zip(("k_", "v_"), self._quantizers(keys.shape[-1], values.shape[-1]), (keys, values)):
+            for name, rows in zip(("codes1", "codes2", "norms"), qz.encode(x, self)):
                 if rows is not None:
-                    buf = reserve_rows(getattr(self, prefix + name), t0, rows, QUANT_BLOCK)
-                    setattr(self, prefix + name, grow_rows(buf, t0, rows))
+                    name = prefix + name
+                    setattr(self, name, grow_rows(reserve_rows(getattr(self, name), t0, rows, QUANT_BLOCK), t0, rows))
 
     def _planes(self, prefix: str, n: int, a: int = 0):
         """Packed code planes of quantized rows ``a .. n`` (stage 2 None when there is none)."""
@@ -239,12 +230,9 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                                                                for x in self._decoded(n)))
 
     def _decoded(self, n):
-        kq, vq = self._qs()
-        out = []
-        for prefix, qz in (("k_", kq), ("v_", vq)):
-            rows = qz.decode_rotated(*self._planes(prefix, n)) @ qz.rot_t.T
-            out.append(rows * getattr(self, prefix + "norms")[:, :, :n].astype(mx.float32)[..., None])
-        return out[0], out[1]
+        return tuple((qz.decode_rotated(*self._planes(prefix, n)) @ qz.rot_t.T)
+                     * getattr(self, prefix + "norms")[:, :, :n].astype(mx.float32)[..., None]
+                     for prefix, qz in zip(("k_", "v_"), self._qs()))
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
@@ -265,9 +253,8 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         """A prefill chunk on a GPU: MLX's fused attention in the rotated domain (``q.k = (Pi q).(Pi k)``), where the
         past is its codebook rows times its norms: no dense rotation back over the whole past per chunk (the rows
         ``update_and_fetch`` returned are never evaluated); the sinks, window and chunk rows (one matmul) and the
-        queries are rotated instead, and the output is rotated back once, each a matmul in the model's dtype (16-bit
-        rows: the rotation rounded to it, an error of the rows' own rounding; float32 rotations took ~30 of the
-        chunk's ~100 launches on the H200)."""
+        queries are rotated instead, and the output back once, each a matmul in the model's dtype (16-bit rows: the
+        rotation rounded to it, an error of the rows' own rounding; float32 rotations would add launches)."""
         kq, vq = self._qs()
         dt = queries.dtype
         s0 = call.s0

@@ -110,7 +110,7 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         if not held:
             return out  # nothing stored yet: buffers are allocated by the first update
         out._shape, out.dtype_name, dtype = shapes.pop(), held[0].dtype_name, dtypes.pop()
-        out._quantizers(out._shape[1], out._shape[2])
+        out._qs()
         out.cap, W = max(out.nq), max(out.nw)
         ones = []
         for c, s, q, w in zip(caches, out.ns, out.nq, out.nw):  # once per request, not per step
@@ -278,5 +278,4 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     @property
     def nbytes(self) -> int:
-        return (sum(a.nbytes for a in self.held_arrays())
-                + (self.constant_nbytes if self.counts_constants else 0))
+        return super().nbytes + (self.constant_nbytes if self.counts_constants else 0)

@@ -30,9 +30,8 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    code, RoPE re-applied; values ``((p * s) @ centroid[codes]) H^T``. On CUDA a decode step takes
    ``kernels.waterfill`` (codes read once, RoPE on the query), checked against the op path at first use.
 
-Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2`` (b = 4, D = 64: 66 vs 256 at float16),
-plus the float16 ranges, width tables, window and sinks. Quality and speed: docs/RESULTS.md ("Quality targets":
-KLD 0.0009 at 0.296x at 1024 tokens; "Speed and memory").
+Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2`` (b = 4, D = 64: 66 vs 256 at float16), plus
+the float16 ranges, width tables, window and sinks. Results: docs/RESULTS.md ("Quality targets", "Speed and memory").
 
 Deviations and limits (all of them):
 
@@ -180,13 +179,12 @@ class WaterfillKVCache(ResidualWindowCache):
             super()._compact(n)
 
     def _append_quantized(self, keys, values):
-        t0, lay = self.n_quant, self._layout_of()
+        t0 = self.n_quant
         pos = self.n_sink + t0  # positions n_sink + t0 ..: sinks first, no rows ever evicted
         op = lambda: self._encoded(keys, values, pos)  # noqa: E731
         kw, vw, vs = wf_rows.checked_encode(self, keys, values, pos, op) if self._rows_kernel() else op()
         for name, rows in (("k_words", kw), ("v_words", vw), ("v_scales", vs)):
-            buf = reserve_rows(getattr(self, name), t0, rows, BLOCK)
-            setattr(self, name, grow_rows(buf, t0, rows))
+            setattr(self, name, grow_rows(reserve_rows(getattr(self, name), t0, rows, BLOCK), t0, rows))
 
     def _encoded(self, keys, values, pos: int):
         """(key words, value words, value scales) of rows at positions ``pos ..`` (the op path)."""

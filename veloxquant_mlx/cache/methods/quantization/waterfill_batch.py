@@ -113,8 +113,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
 
     def _due(self) -> list:
         """Sequences to calibrate now: uncalibrated, holding ``n_calib_tokens`` rows or more."""
-        if all(self.src):
-            return []
         return [i for i, (s, n) in enumerate(zip(self.src, self.lens)) if not s and n >= self.n_calib]
 
     def _observe(self, queries) -> None:
