@@ -45,8 +45,7 @@ ROW_DTYPE = mx.float16
 @register("a2ats")
 class A2ATSKVCache(CompressedKVCache):
     """A2ATS: float16 K/V store + VQ key codes for query-aware top-k retrieval at decode."""
-    # codebook and query metric fitted on the first call with >= 32 rows, with that call's queries
-    chunk_invariant = False
+    chunk_invariant = False  # codebook and query metric fitted on the first call of >= 32 rows, with its queries
     exact_trim = True  # float16 rows + per-token codes; trimming below the fit drops the codebook
 
     array_fields = ("keys", "values", "codes", "codebook", "metric_l", "metric_linv")
@@ -85,17 +84,13 @@ class A2ATSKVCache(CompressedKVCache):
         return self.n_rows
 
     def _dense(self):
-        dt = getattr(mx, self.dtype_name)
-        n = self.n_rows
+        n, dt = self.n_rows, getattr(mx, self.dtype_name)
         return self.keys[:, :, :n].astype(dt), self.values[:, :, :n].astype(dt)
 
-    def update_and_fetch(self, keys, values):
-        self._check_input(keys, values)
-        self._store(keys, values)
-        self.offset += keys.shape[2]
-        t0 = self._call[0]
+    def _fetched(self, dtype):
+        t0, keys, values = self._call
         past = (self.keys[:, :, :t0], self.values[:, :, :t0]) if t0 else (None, None)
-        return concat_rows((past, (keys, values)), keys.dtype)
+        return concat_rows((past, (keys, values)), dtype)
 
     def _metric(self, queries, H):
         """Cholesky factors L_j [m, s, s] of the per-block metric."""
@@ -135,8 +130,7 @@ class A2ATSKVCache(CompressedKVCache):
             x = self._to_code_space(self.keys[:, :, :n].astype(mx.float32)).reshape(1, -1, self.sub)
             self.codebook = fit_codebook(x, 1 << self.cbits, int(self.config.seed)).astype(mx.float16)
         self.fit_rows = n
-        self.n_coded = 0
-        self._encode_pending()
+        self.n_coded = 0  # every row is encoded next, by attend
 
     def _encode_pending(self):
         t0, t1 = self.n_coded, self.n_rows

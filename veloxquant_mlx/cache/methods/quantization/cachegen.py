@@ -152,8 +152,7 @@ class CacheGenKVCache(KIVIKVCache):
         end = self._blocks[-1][1] if self._blocks else 0
         if end < g:
             kc, vc = self._symbols(end, g)
-            B, H, D = self.k_codes.shape[:3]
-            Dv = self.res_v.shape[-1]
+            (B, H, D), Dv = self.k_codes.shape[:3], self.res_v.shape[-1]
             self._blocks = self._blocks + [(end, g, entropy.encode(kc, self.qbits, *self._tables(B, H, D)),
                                             entropy.encode(vc, self.qbits, *self._tables(B, H, Dv)))]
         return self._blocks
@@ -232,8 +231,7 @@ class CacheGenKVCache(KIVIKVCache):
         if "entropy" not in meta:
             return
         B, H, D = meta["entropy"]
-        Dv = self.res_v.shape[-1]
-        G, b = self.group, self.qbits
+        Dv, G, b = self.res_v.shape[-1], self.group, self.qbits
         gv = self.value_group(Dv)
         index = np.array(v["stream_index"]).astype(np.int64)
         kbs = np.split(np.array(v["k_stream"]), np.cumsum(index[:-1, 1]))

@@ -39,7 +39,6 @@ class KittyKVCache(KIVIKVCache):
         self.qbits = self.lo_bit  # values (KIVI's per-token path) use the low width
 
     def n_hi(self, d: int) -> int:
-        """Hi channels for head dim ``d``: round(fraction * d), at least 1 if the fraction is > 0."""
         return 0 if self.hi_fraction <= 0 else min(d, max(1, round(self.hi_fraction * d)))
 
     def _calibrate(self, kb: mx.array) -> None:

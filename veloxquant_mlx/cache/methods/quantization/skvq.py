@@ -126,8 +126,7 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
         self.n_quant = t0 + kb.shape[2]
 
     def _store(self, keys, values):
-        B, H, N, D = keys.shape
-        dv = values.shape[-1]
+        (B, H, N, D), dv = keys.shape, values.shape[-1]
         self.dtype_name = dtype_name(keys.dtype)
         cap = self.window + self.value_group(D)
         q0 = self.n_sink + self.n_quant

@@ -76,8 +76,7 @@ class VecInferKVCache(KIVIKVCache):
         c, o = self.config, self.config.options
         self.ks, self.vs = int(c.key_sub_dim), int(c.value_sub_dim)
         self.kbits, self.vbits = int(c.key_codebook_bits), int(c.value_codebook_bits)
-        self.group = BLOCK
-        self.qbits = self.kbits  # informational (KIVI's attribute name)
+        self.group, self.qbits = BLOCK, self.kbits  # qbits: informational (KIVI's attribute name)
         self._given = {}
         for name, field, dims in (("smooth", "smooth_factors", (1, 2)), ("key_cb", "key_codebook", (2, 3)),
                                   ("val_cb", "value_codebook", (2, 3))):
@@ -125,7 +124,6 @@ class VecInferKVCache(KIVIKVCache):
         else:
             s = mx.sqrt(mx.maximum(mx.abs(k32).max(axis=(0, 2)), 1e-4))  # [H, D]
         self.smooth = s.astype(mx.float32)
-        seed = int(self.config.seed)
         for name, x, sub, bits in (("key_cb", self._transform(k32), self.ks, self.kbits),
                                    ("val_cb", vb.astype(mx.float32), self.vs, self.vbits)):
             if name in self._given:
@@ -134,7 +132,7 @@ class VecInferKVCache(KIVIKVCache):
                     raise QuantizerConfigError("key_codebook" if name == "key_cb" else "value_codebook",
                                                tuple(cb.shape), f"[K, {sub}] or [{H}, K, {sub}]")
             else:
-                cb = fit_codebook(_to_head_rows(x, 1, sub), 1 << bits, seed + (name == "val_cb"))
+                cb = fit_codebook(_to_head_rows(x, 1, sub), 1 << bits, int(self.config.seed) + (name == "val_cb"))
             setattr(self, name, cb.astype(mx.float16))
         self.calib_tokens = n
 

@@ -104,8 +104,7 @@ class ZipCacheKVCache(KIVIKVCache):
                 setattr(self, name, grow_rows(None, 0, getattr(self, name)[:, :, f:r]) if rem else None)
             self.n_res = r = rem
             self.n_scored = max(self.n_scored - f, 0)
-        past_k = self.res_k[:, :, :r] if r else None
-        past_v = self.res_v[:, :, :r] if r else None
+        past_k, past_v = (self.res_k[:, :, :r], self.res_v[:, :, :r]) if r else (None, None)
         self._call = (self.n_quant, r, past_k, past_v, keys, values)
         self.res_k = grow_rows(self.res_k, r, keys.astype(RES_DTYPE))
         self.res_v = grow_rows(self.res_v, r, values.astype(RES_DTYPE))
