@@ -10,6 +10,5 @@ import sys
 
 for _info in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
     _module = importlib.import_module(_info.name)
-    _short = f"{__name__}.{_info.name.rsplit('.', 1)[-1]}"
     if not _info.ispkg and _info.name.count(".") > __name__.count(".") + 1:
-        sys.modules.setdefault(_short, _module)
+        sys.modules.setdefault(f"{__name__}.{_info.name.rsplit('.', 1)[-1]}", _module)

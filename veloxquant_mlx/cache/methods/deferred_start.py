@@ -11,11 +11,8 @@ NEVER = 1 << 62  # start when the compressed form is never smaller
 
 
 class DeferredStart:
-    """Mixin before a ``GroupedQuantCache`` subclass; the subclass gives ``_compressed_cost``."""
-
-    def _compressed_cost(self, H: int, D: int, Dv: int) -> tuple[float, float]:
-        """(fixed bytes, bytes per token) of the compressed form, per batch row, at most."""
-        raise NotImplementedError
+    """Mixin before a ``GroupedQuantCache`` subclass; the subclass gives ``_compressed_cost(H, D, Dv)``: (fixed
+    bytes, bytes per token) of the compressed form, per batch row, at most."""
 
     def start_rows(self, H: int, D: int, Dv: int) -> int:
         """Stored rows at which the first block is compressed (a multiple of G)."""

@@ -55,30 +55,24 @@ class CaMKVCache(VotingEviction):
     layer_id = 0  # decorrelates the layers' gate draws
     layer_field = "layer_id"
 
-    def _init_layout(self):
-        super()._init_layout()
-        o = self.config.options
-        self.merge_mode, self.merge_keys, self.merge_gate = o.merge, o.merge_keys, o.merge_gate
-
     def observe(self, weights):
         super().observe(weights)
         self.attn[:, :, : self.rows] = weights[..., -self.obs_window :, :].mean(axis=(2, 3))
 
     def _drop(self, scores, keep):
-        rows = self.rows
+        rows, o = self.rows, self.config.options
         order = mx.argsort(-self._guarded(scores), axis=-1)
         kept, gone = mx.sort(order[..., :keep], axis=-1), order[..., keep:]
-        if self.merge_mode == "drop":
+        if o.merge == "drop":
             return self.keep_rows(kept)
         take = lambda a, idx: mx.take_along_axis(a[:, :, :rows], idx[..., None] if a.ndim == 4 else idx, axis=2)
         keys_k, keys_g = take(self.keys, kept), take(self.keys, gone)
         vals_k, vals_g = take(self.values, kept).astype(mx.float32), take(self.values, gone).astype(mx.float32)
         n_sink_rows = min(self.n_sink, self.offset)  # sinks are protected: the first kept rows
-        s = merge_weights(self.merge_mode, take(self.positions, kept), take(self.positions, gone), keys_k, keys_g,
-                          n_sink_rows)
+        s = merge_weights(o.merge, take(self.positions, kept), take(self.positions, gone), keys_k, keys_g, n_sink_rows)
         abar = (s * take(self.attn, kept)[..., None, :]).sum(axis=-1)
         p = mx.minimum(take(self.attn, gone) / mx.maximum(abar, 1e-30), 1.0)  # the paper's merge probability
-        if self.merge_gate:  # seeded by the config, the layer and the position
+        if o.merge_gate:  # seeded by the config, the layer and the position
             key = mx.random.key((self.config.seed * 1_000_003 + self.layer_id * 10_007 + self.offset) % (1 << 63))
             s = s * mx.random.bernoulli(p, key=key)[..., None].astype(mx.float32)
         else:
@@ -88,7 +82,7 @@ class CaMKVCache(VotingEviction):
         w = s.swapaxes(-1, -2)  # [B, H, K, E]
         self.keep_rows(kept)  # (the gathers above read the arrays held before)
         self.values[:, :, :keep] = (vals_k + w @ (vals_g - out)).astype(self.values.dtype)
-        if self.merge_keys:
+        if o.merge_keys:
             new_keys = keys_k.astype(mx.float32) + w @ keys_g.astype(mx.float32)
             self.keys[:, :, :keep] = (new_keys / (1.0 + w.sum(axis=-1, keepdims=True))).astype(self.keys.dtype)
 

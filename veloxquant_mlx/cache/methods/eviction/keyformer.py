@@ -32,24 +32,20 @@ class KeyformerKVCache(H2OKVCache):
     layer_field = "noise_stream"
     recent_option = "recent"
 
-    def _init_layout(self):
-        super()._init_layout()
-        o = self.config.options
-        self.tau_fixed, self.tau_init, self.tau_end = o.tau, o.tau_init, o.tau_end
-        self.anneal_steps, self.seed = o.anneal_steps, o.seed
-
     def tau(self, step: int | None = None) -> float:
         """The temperature at decode step ``step`` (default: the next one)."""
-        if self.tau_fixed is not None or self.anneal_steps == 0:
-            return float(self.tau_init if self.tau_fixed is None else self.tau_fixed)
-        t = min(self.decode_steps if step is None else step, self.anneal_steps)
-        return self.tau_init + (self.tau_end - self.tau_init) * t / self.anneal_steps
+        o = self.config.options
+        if o.tau is not None or o.anneal_steps == 0:
+            return float(o.tau_init if o.tau is None else o.tau)
+        t = min(self.decode_steps if step is None else step, o.anneal_steps)
+        return o.tau_init + (o.tau_end - o.tau_init) * t / o.anneal_steps
 
     def observe(self, weights):
         """Accumulate softmax((log p + Gumbel) / tau) of weights [B, H, rep, N, rows]."""
         logits = mx.log(weights)  # = x - logsumexp(x): hidden keys stay -inf
         if self.gumbel_noise:
-            key = mx.random.key(((self.seed * 1_000_003 + self.noise_stream) * 1_000_003 + self.noise_calls) % 2**63)
+            seed = self.config.options.seed
+            key = mx.random.key(((seed * 1_000_003 + self.noise_stream) * 1_000_003 + self.noise_calls) % 2**63)
             logits = logits + mx.random.gumbel(weights.shape, key=key)
             self.noise_calls += 1
         f = mx.softmax(logits / self.tau(), axis=-1, precise=True)

@@ -44,10 +44,6 @@ class KVzipKVCache(EvictionKVCache):
     compressed = False
     _probe_rows = None  # rows held before a reconstruction chunk started (None: not probing)
 
-    def _init_layout(self):
-        super()._init_layout()
-        self.probe = self.config.options.probe
-
     def wants_eviction(self, n_new):
         return self._probe_rows is None and n_new == 1 and super().wants_eviction(n_new)
 
@@ -83,7 +79,7 @@ class KVzipKVCache(EvictionKVCache):
         ours = [c for c in caches if isinstance(c, cls)]
         if not ours:
             return
-        if ours[0].probe == "repeat":
+        if ours[0].config.options.probe == "repeat":
             chunks = [prompt_tokens] if prompt_tokens else [ctx[-chunk_size:]]
         else:
             chunks = [prompt_tokens + ctx[i : i + chunk_size] for i in range(0, len(ctx), chunk_size)]

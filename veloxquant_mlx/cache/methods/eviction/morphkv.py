@@ -44,12 +44,9 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
 
     def _trimmed(self, n):
         if self.queries is not None:
-            left = max(0, int(self.query_positions.shape[0]) - n)  # the trimmed queries are the newest
-            if left == 0:
-                self.queries = self.query_positions = None
-            else:
-                self.queries = mx.contiguous(self.queries[:, :, :left])
-                self.query_positions = mx.array(self.query_positions[:left])
+            left = max(0, self.query_positions.shape[0] - n)  # the trimmed queries are the newest
+            self.queries = mx.contiguous(self.queries[:, :, :left]) if left else None
+            self.query_positions = mx.array(self.query_positions[:left]) if left else None
 
     def score(self, obs_queries, obs_positions, scale):  # (from ``attend``) the newest ``window`` real queries
         return self._fused(self.queries[:, :, -self.window :], self.query_positions[-self.window :], scale)

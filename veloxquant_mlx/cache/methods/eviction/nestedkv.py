@@ -41,33 +41,26 @@ class NestedKVKVCache(EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("cur",)
     recent_option = "window"  # the sliding-window memory is kept verbatim
 
-    def _init_layout(self):
-        super()._init_layout()
-        o = self.config.options
-        self.beta, self.tau, self.kappa, self.alpha = o.beta, o.tau, o.kappa, o.safeguard_alpha
-        self.window = self.recent
-        self.decay = 1.0 - 1.0 / self.window
-
     def observe(self, weights):
         rows = weights.shape[4]
-        self.cur[:, :, :rows] = decayed_add(self.cur[:, :, :rows], weights, self.decay)
+        self.cur[:, :, :rows] = decayed_add(self.cur[:, :, :rows], weights, 1.0 - 1.0 / self.recent)
 
     def score(self, obs_queries, obs_positions, scale):
-        rows = self.rows
+        rows, o = self.rows, self.config.options
         k = self.keys[:, :, :rows].astype(mx.float32)
         pos, cur = self.positions[:, :, :rows], self.cur[:, :, :rows]
-        block = pos // self.window
+        block = pos // self.recent
         same = (block[..., :, None] == block[..., None, :]).astype(mx.float32)  # [B, H, rows, rows]
         r_block = rank01(_cos_distance(k, same @ k))
         r_global = rank01(_cos_distance(k, k.mean(axis=2, keepdims=True)))
         r_cur = rank01(cur)
         p = cur / mx.maximum(cur.sum(-1, keepdims=True), 1e-30)
         entropy = -(p * mx.log(mx.maximum(p, 1e-30))).sum(-1, keepdims=True) / math.log(max(rows, 2))
-        lam = mx.sigmoid(self.beta * (1.0 - 2.0 * entropy))  # [B, H, 1]
-        gate = mx.sigmoid(self.kappa * (r_block - self.tau))
+        lam = mx.sigmoid(o.beta * (1.0 - 2.0 * entropy))  # [B, H, 1]
+        gate = mx.sigmoid(o.kappa * (r_block - o.tau))
         routed = gate * mx.maximum(r_global, r_block) + (1.0 - gate) * r_cur
         score = lam * r_cur + (1.0 - lam) * routed
-        n_safe = math.ceil(self.alpha * (self.budget - self.n_sink - self.recent))
+        n_safe = math.ceil(o.safeguard_alpha * (self.budget - self.n_sink - self.recent))
         if n_safe > 0:  # safeguard: the highest-attention old rows are always kept
             old = mx.where(self.protected(), -mx.inf, cur)
             safe = rank01(old) * max(rows - 1, 1) >= rows - n_safe - 0.5

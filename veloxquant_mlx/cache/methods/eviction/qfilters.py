@@ -47,30 +47,25 @@ class QFiltersKVCache(EvictionKVCache):
     retention = None  # measured retention (real-query calibration only)
     recent_option = "recent"
 
-    def _init_layout(self):
-        super()._init_layout()
-        o = self.config.options
-        self.calib_tokens, self.sign = o.calib_tokens, o.sign
-        self.min_retention, self.on_low_retention = o.min_retention, o.on_low_retention
-
     calibrated = property(lambda self: self.qf_filter is not None)
 
     def _calibration_due(self, rows: int) -> bool:
         """Whether a call that leaves ``rows`` rows feeds the Gram accumulator (see the module doc)."""
-        return self.qf_gram is not None or rows + self.calib_tokens > self.budget
+        return self.qf_gram is not None or rows + self.config.options.calib_tokens > self.budget
 
     def _accumulate(self, x: mx.array, source: str) -> int:
         """Add the first still-needed vectors of ``x`` [B, Hx, N, D] to the Gram sums; returns how many."""
         if source != self.qf_source:  # (re)start: the source changed (dispatch installed midway)
             self.qf_gram = self.qf_sum = None
             self.qf_count, self.qf_source = 0, source
-        used = min(self.calib_tokens - self.qf_count, x.shape[2])
+        need = self.config.options.calib_tokens
+        used = min(need - self.qf_count, x.shape[2])
         xs = x[:, :, :used].astype(mx.float32)
         gram, total = mx.einsum("bhnd,bhne->hde", xs, xs), xs.sum(axis=(0, 2))
         self.qf_gram = gram if self.qf_gram is None else self.qf_gram + gram
         self.qf_sum = total if self.qf_sum is None else self.qf_sum + total
         self.qf_count += used
-        if self.qf_count >= self.calib_tokens:
+        if self.qf_count >= need:
             self._finalize()
         return used
 
@@ -83,7 +78,7 @@ class QFiltersKVCache(EvictionKVCache):
         """[B, H, M] sign * <k, filter> for keys [B, H, M, D]; a KV head's filter is its query heads' mean."""
         H, f = keys.shape[1], self.qf_filter
         f = f.reshape(H, f.shape[0] // H, f.shape[-1]).mean(axis=1)
-        return self.sign * (keys.astype(mx.float32) * f[None, :, None, :]).sum(-1)
+        return self.config.options.sign * (keys.astype(mx.float32) * f[None, :, None, :]).sum(-1)
 
     def update_and_fetch(self, keys, values):
         if not self.calibrated and not dispatch.installed() and self._calibration_due(self.rows + keys.shape[2]):
@@ -120,16 +115,17 @@ class QFiltersKVCache(EvictionKVCache):
         return (w * kept[:, :, None, None, :]).sum(-1).mean()
 
     def _check_retention(self, calib_queries, scale):
-        if self.min_retention is None or self.on_low_retention == "ignore":
+        o = self.config.options
+        if o.min_retention is None or o.on_low_retention == "ignore":
             return
         first = self.offset - self._n_new  # position of this call's first query
         q_pos = mx.arange(first, first + calib_queries.shape[2], dtype=mx.int32)
         self.retention = float(self.retention_of(calib_queries, q_pos, scale))  # once per cache
         notify(self.config.observers, "retention", self.method_name, retention=self.retention)
-        if self.retention < self.min_retention:
+        if self.retention < o.min_retention:
             msg = (f"Q-Filters: the calibrated filter keeps only {self.retention:.3f} of the calibration "
-                   f"queries' attention mass (qfilters_min_retention={self.min_retention}); the queries of "
+                   f"queries' attention mass (qfilters_min_retention={o.min_retention}); the queries of "
                    "this layer may not share a dominant direction")
-            if self.on_low_retention == "raise":
+            if o.on_low_retention == "raise":
                 raise QFiltersRetentionError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)

@@ -54,8 +54,6 @@ def squeeze_budgets(similarity: list[float], budget: int, protected: int, streng
     means = {l: sum(c for c, m in zip(similarity, labels) if m == l) / labels.count(l) for l in set(labels)}
     squeezed = max(means, key=means.get)
     low, high = [i for i in range(n) if labels[i] == squeezed], [i for i in range(n) if labels[i] != squeezed]
-    if not high:
-        return [budget] * n
     s_low = s / (1.0 + strength)
     s_high = s + (s - s_low) * len(low) / len(high)
     vals = [int(s_low) if i in low else int(s_high) for i in range(n)]

@@ -30,6 +30,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     dtype_name = "float16"
     _init_layout = StreamingLLMKVCache._init_layout
     storage_dtype = EvictionKVCache.storage_dtype
+    _region_dtype = storage_dtype
 
     def __init__(self, config, batch_size: int = 0):
         super().__init__(config)
@@ -41,9 +42,6 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
 
     def _settings(self) -> tuple:  # also called on single caches (``from_caches``)
         return (self.n_sink, self.window, self.config.dtype)
-
-    def _region_dtype(self, compute_dtype):
-        return self.storage_dtype(compute_dtype)
 
     def _alloc(self, B, dtype, cap=0) -> dict:
         H, D, Dv = self._shape
