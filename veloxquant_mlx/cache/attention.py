@@ -54,8 +54,7 @@ def attention_with_weights(queries, keys, values, *, scale, mask):
 
 
 # MLX's CPU backend runs each stream's ops on one thread, and its ``quantized_matmul`` for KIVI's orientation is a
-# scalar loop: a long decode step's contraction split in CPU_STREAMS parts on as many streams runs on as many cores
-# (SmolLM2's shape, 16k rows, 2 cores: scores + values 5.6 -> 3.9 ms; docs/RESULTS.md).
+# scalar loop: a long decode step's contraction split in CPU_STREAMS parts on as many streams runs on as many cores.
 CPU_STREAMS = max(1, min(2, os.cpu_count() or 1))
 CPU_SPLIT_MIN_ROWS = 2048  # stored rows from which a CPU decode step splits its contraction
 _helper_streams: list = []

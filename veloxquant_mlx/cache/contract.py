@@ -44,11 +44,10 @@ def queue_chunk_check(flag: mx.array, wait: bool = True) -> None:
     """Queue a prefill chunk's check ``flag`` (``mx.async_eval``: no host wait) and, ``wait``, wait for the one
     queued ``LAYERS_IN_FLIGHT`` calls before.
 
-    Without a wait a whole chunk's graph (every layer's decoded past) is queued at once and its transients pile up
-    (the H200, 32k: peak over the weights 0.2x -> ~1.0x the plain cache's); waiting for each layer (a host sync)
-    leaves the device idle while the host builds the next (+90% prefill time). Waiting ``LAYERS_IN_FLIGHT`` layers
-    back keeps the device busy and the transients to that many layers. A cache whose first chunk attends its own
-    rows exactly (nothing decoded: ``first_chunk_waits = False``) queues that chunk without a wait."""
+    Without a wait a whole chunk's graph (every layer's decoded past) is queued at once and its transients pile up;
+    waiting for each layer (a host sync) leaves the device idle while the host builds the next. Waiting
+    ``LAYERS_IN_FLIGHT`` layers back keeps the device busy and the transients to that many layers. A cache whose
+    first chunk attends its own rows exactly (``first_chunk_waits = False``) queues that chunk without a wait."""
     mx.async_eval(flag)
     if not wait:
         return
@@ -59,8 +58,7 @@ def queue_chunk_check(flag: mx.array, wait: bool = True) -> None:
 
 def all_finite(*arrays: mx.array) -> mx.array:
     """A scalar: True when no element of ``arrays`` is NaN or +-Inf. ``sum(x * 0)`` is 0 for finite ``x`` (any
-    magnitude) and NaN otherwise: two kernels per array, where ``mx.all(mx.isfinite(x))`` launched ~8 per array
-    (~140 us of a TurboQuant-RVQ prefill chunk's kernels on the H200)."""
+    magnitude) and NaN otherwise: two kernels per array, where ``mx.all(mx.isfinite(x))`` launched ~8 per array."""
     return functools.reduce(mx.add, [mx.sum(x * 0) for x in arrays]) == 0
 
 
@@ -158,19 +156,18 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def held_arrays(self) -> list[mx.array]:
         """``array_fields``, and the decode kernels' block counters once a fused launch made them
         (``kernels.step_counters``: held between steps, so counted)."""
-        out = [a for a in (getattr(self, n) for n in self.array_fields) if a is not None]
-        counters = self.__dict__.get("_kernel_counters")
-        return out if counters is None else out + [counters]
+        arrays = [getattr(self, n) for n in self.array_fields] + [self.__dict__.get("_kernel_counters")]
+        return [a for a in arrays if a is not None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        step = self._step_key(keys, values)
+        step = keys.shape, values.shape, keys.dtype, values.dtype
         if self._step_fits(step):  # a repeated decode row the layout stores by its short path
             return self._decode_step(keys, values)
         self._check_input(keys, values)
         self._store(keys, values)
         self.offset += keys.shape[2]
-        if keys.shape[2] == 1:
-            self._note_step(step)
+        if keys.shape[2] == 1:  # remembered for ``_repeats_checked_step``
+            self._step_sig = step + (self._shape,)
         return self._fetched(keys.dtype)
 
     def _step_fits(self, step) -> bool:
@@ -215,13 +212,9 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self._shape = (keys.shape[1], keys.shape[3], values.shape[3])
 
     def _raise_if_nonfinite(self) -> None:
-        """Raise if an earlier prefill chunk held NaN or Inf and its rows are still here.
-
-        Reading a chunk's finiteness right away would be a host sync inside the model's graph (every layer of
-        every chunk waiting for the device: +90% of KIVI's prefill on the H200). So the flag is queued
-        (``queue_chunk_check``) and read at the next call; every call after raises too, until ``trim`` has removed
-        the chunk's rows.
-        """
+        """Raise if an earlier prefill chunk held NaN or Inf and its rows are still here. The flag is queued
+        (``queue_chunk_check``: reading it at once would be a host sync inside the model's graph) and read at the
+        next call; every call after raises too, until ``trim`` has removed the chunk's rows."""
         check = getattr(self, "_finite_check", None)
         if check is not None:
             self._finite_check = None
@@ -233,21 +226,13 @@ class CompressedKVCache(mlx_cache._BaseCache):
                                   f"{bad[0]}..{bad[1] - 1}); trim({self.offset - bad[0]}) removes them")
         self._nonfinite_rows = None
 
-    @staticmethod
-    def _step_key(keys, values) -> tuple:
-        return keys.shape, values.shape, keys.dtype, values.dtype
-
     def _repeats_checked_step(self, step) -> bool:
-        """Whether a one-row call of ``step`` (``_step_key``) repeats one that passed ``_check_input``
-        (``_note_step``), with no prefill chunk's finiteness pending or found bad: a short decode path (which
+        """Whether a one-row call of ``step`` (shapes and dtypes of keys and values) repeats one that passed
+        ``_check_input``, with no prefill chunk's finiteness pending or found bad: a short decode path (which
         skips the checks) may take it."""
         sig = self.__dict__.get("_step_sig")
         return (sig is not None and sig[:4] == step and sig[4] == getattr(self, "_shape", None)
                 and getattr(self, "_finite_check", None) is None and getattr(self, "_nonfinite_rows", None) is None)
-
-    def _note_step(self, step) -> None:
-        """Remember a checked one-row call's shapes and dtypes (``_repeats_checked_step``)."""
-        self._step_sig = step + (getattr(self, "_shape", None),)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None or return_array:

@@ -248,11 +248,9 @@ class EvictionKVCache(CompressedKVCache):
         read) along so decode rows append in place."""
         if spare:
             idx = mx.concatenate([idx, mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)], axis=-1)
-        self.keys = mx.take_along_axis(self.keys[:, :, : self.rows], idx[..., None], axis=2)
-        self.values = mx.take_along_axis(self.values[:, :, : self.rows], idx[..., None], axis=2)
-        self.positions = mx.take_along_axis(self.positions[:, :, : self.rows], idx, axis=2)
-        for name in self.row_fields:
-            setattr(self, name, mx.take_along_axis(getattr(self, name)[:, :, : self.rows], idx, axis=2))
+        for name in ("keys", "values", "positions", *self.row_fields):  # rows [B, H, rows, D] or [B, H, rows]
+            a = getattr(self, name)[:, :, : self.rows]
+            setattr(self, name, mx.take_along_axis(a, idx[..., None] if a.ndim == 4 else idx, axis=2))
         self.rows = idx.shape[-1] - spare
         mx.async_eval(self.positions)  # so a cache that never reads them (chunkkv follower) stacks no gathers
 

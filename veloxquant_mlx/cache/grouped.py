@@ -86,10 +86,9 @@ class GroupedQuantCache(CompressedKVCache):
                                  f"{gq.MX_GROUPS}); got bits={self.qbits}, key group={self.group}, "
                                  f"value group={self.value_group(dv)}")
             return True
-        # auto: measured on the CPU (SmolLM2 shape, 1k context) 0.89x the plain cache's decode speed vs
-        # 0.74x dequantized (docs/RESULTS.md); MLX's CUDA backend has no quantized_matmul for these shapes.
-        # On the CPU its cost grows with the rows (a scalar loop decoding the codes again per row): past
-        # QMM_MAX_ROWS per head (prefill chunks) dequantize + BLAS is 4-17x faster (RESULTS.md). Metal unmeasured.
+        # auto (docs/RESULTS.md): MLX's CUDA backend has no quantized_matmul for these shapes; on the CPU it beats
+        # dequantizing for decode, but its cost grows with the rows (a scalar loop decoding the codes again per
+        # row: dequantize + BLAS past QMM_MAX_ROWS). Metal unmeasured.
         gpu = mx.default_device().type == mx.DeviceType.gpu
         return ok and (mx.metal.is_available() if gpu else rows <= QMM_MAX_ROWS)
 
@@ -173,8 +172,7 @@ class GroupedQuantCache(CompressedKVCache):
         their lazy graph is reused between group completions on decode steps whose attention reads the codes:
         the decode kernel's (``kernels.keeps_rows``, ``kernels._common.RowsMemo``) or, elsewhere, ``_attend_codes``
         (``_keeps_rows_on_codes``; a graph built by ``groupquant.dequantize_bytes``, which holds no array of its
-        own). On this 2-core CPU, SmolLM2 at 4k: a layer's ``update_and_fetch`` builds in ~60 us instead of ~140-240,
-        decode ~3% faster in four paired runs (docs/RESULTS.md, "CPU decode of KIVI on two streams")."""
+        own): rebuilding it is host time (docs/RESULTS.md, "CPU decode of KIVI on two streams")."""
         op = lambda: (self._keys_t(n).swapaxes(-1, -2), self._values(n))  # noqa: E731
         if not self._own_layout():  # a variant storing other arrays: no memo
             return op()
@@ -236,7 +234,7 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _decode_step(self, keys, values):
         """``update_and_fetch`` of a decode row that completes no group: what ``_check_input`` and ``_store`` do
-        for it without their general cases (~5 of a layer call's ~50 us on the 2-core CPU, docs/RESULTS.md)."""
+        for it without their general cases."""
         r0, q0, rk, rv = self.n_res, self.n_quant, self.res_k, self.res_v
         past_k, past_v = (rk[:, :, :r0], rv[:, :, :r0]) if r0 else (None, None)
         self._call = (q0, r0, past_k, past_v, keys, values)
@@ -365,16 +363,14 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""
-        return kernels.checked_call(
-            "kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
-            lambda: self._op_attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks))
-
-    def _op_attend(self, queries, keys, values, *, scale, mask, sinks):
-        self._kernel_off = True
-        try:
-            return self.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        finally:
-            self._kernel_off = False
+        def op_attend():
+            self._kernel_off = True
+            try:
+                return self.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            finally:
+                self._kernel_off = False
+        return kernels.checked_call("kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+                                    op_attend)
 
     def _refuse_calibration_trim(self, n: int, calib_end: int) -> None:
         """Raise ValueError if trimming ``n`` tokens removes part, not all, of the first ``calib_end`` coded

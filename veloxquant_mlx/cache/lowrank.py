@@ -103,10 +103,8 @@ class LowRankKVCache(GroupedQuantCache):
     def _head_proj(self, which: str):
         """Per-head reconstruction: W [B, H, D, r] (each head's rows of the group basis), mean [B, H, 1, D]."""
         basis, mean = self._basis(which)
-        B, Hg, F, r = basis.shape
-        H = self.res_k.shape[1]
-        D = F // (H // Hg)
-        return basis.reshape(B, H, D, r), None if mean is None else mean.reshape(B, H, 1, D)
+        B, H = basis.shape[0], self.res_k.shape[1]
+        return basis.reshape(B, H, -1, basis.shape[-1]), None if mean is None else mean.reshape(B, H, 1, -1)
 
     def _reconstruct(self, which: str, n: int) -> mx.array:
         """[B, H, n, D] rows rebuilt from the latents."""

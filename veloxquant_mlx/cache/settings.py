@@ -62,9 +62,8 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
             raise UsageError(f"field {field!r} cannot be set with --set: the library derives it per layer")
         if accepted is not None:
             quantizer = "quantize" in accepted and _quantizer_field(field)
-            if field not in accepted and quantizer and (composing or ":" in field):
-                pass  # a setting of the quantizer that stores the kept rows: resolved by build_config
-            elif field not in accepted:
+            # a setting of the quantizer that stores the kept rows passes: build_config resolves it
+            if field not in accepted and not (quantizer and (composing or ":" in field)):
                 also = " (with quantize=METHOD, a quantizer's setting)" if quantizer else ""
                 raise UsageError(f"method {method!r} has no setting {field!r}{_owner_hint(field)}{also}: it does not "
                                  f"read it; its settings: {settings_summary(method)} (`veloxquant methods {method}`)")

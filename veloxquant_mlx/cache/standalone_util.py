@@ -69,11 +69,6 @@ def from_store(store, key: str, make, shape: tuple) -> mx.array:
     return value.astype(mx.float32)
 
 
-def out_dtype(dtype, q):
-    out = dtype if dtype is not None else (q.dtype if isinstance(q, mx.array) else None)
-    return out if out is not None and mx.issubdtype(out, mx.floating) else mx.float32
-
-
 def check_norm16(x: mx.array, what: str) -> None:
     if x.shape[0] and mx.max(mx.sum(x * x, axis=1)).item() > FP16_MAX**2:
         raise CacheInputError(f"{what} norm exceeds the float16 range ({FP16_MAX}) of the stored norms")
@@ -95,10 +90,9 @@ class StandaloneCache(KVCache):
         """Validate and keep the fields every standalone cache reads; return the initial capacity."""
         self.config = config
         self.head_dim = d = int_field(config, "head_dim", 2)
-        self.seed = getattr(config, "seed", 0)
-        if not is_int(self.seed):
-            raise QuantizerConfigError("seed", self.seed, "an int")
-        self.seed = int(self.seed)
+        if not is_int(seed := getattr(config, "seed", 0)):
+            raise QuantizerConfigError("seed", seed, "an int")
+        self.seed = int(seed)
         capacity = int_field(config, "capacity", 1, optional=True)
         self.dtype = getattr(config, "dtype", None)
         if self.dtype is not None and not (isinstance(self.dtype, mx.Dtype) and mx.issubdtype(self.dtype, mx.floating)):
@@ -142,12 +136,11 @@ class StandaloneCache(KVCache):
     def attend(self, q) -> mx.array:
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the complete pairs, shaped like ``q``, in ``config.dtype``
         or else the query's dtype; zeros when nothing is stored."""
-        odt = out_dtype(self.dtype, q)
-        qf, single = as_block(q, self.head_dim, "query")
+        qf, single = as_block(q, self.head_dim, "query")  # an mlx query passing it is floating
+        odt = self.dtype if self.dtype is not None else q.dtype if isinstance(q, mx.array) else mx.float32
         n = self.n_tokens
         out = self._attend_values(mx.softmax(self._scores(qf, n) * self.scale, axis=-1), n) if n else mx.zeros(qf.shape)
-        out = out.astype(odt)
-        return out[0] if single else out
+        return (out[0] if single else out).astype(odt)
 
 
 class Int8Values:

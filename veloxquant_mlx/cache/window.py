@@ -56,7 +56,7 @@ def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask
     s0, q0 = call.s0, call.q0
     ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
     parts = [(*quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
-    parts.append(rows_part(qf, ek, ev, ((0, s0), (s0 + q0, n_keys))))
+    parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, s0), (s0 + q0, n_keys))))
     return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
 
 
@@ -106,12 +106,6 @@ def softmax_exp(x: mx.array) -> mx.array:
     the softmax of a long decode step."""
     r, bits = _exp_scale(x)
     return _exp_poly(r, mx.view(bits, mx.float32))
-
-
-def rows_part(q, keys, values, cols):
-    """A ``joint_attention`` part of rows ``keys``/``values`` [B, H, m, D] for scaled float32 queries ``q``."""
-    vf = values.astype(mx.float32)
-    return q @ keys.astype(mx.float32).swapaxes(-1, -2), lambda p: p @ vf, cols
 
 
 def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool = False):
@@ -164,8 +158,7 @@ class ResidualWindowCache(CompressedKVCache):
     n_win = 0  # rows in the float16 window
     dtype_name = "float32"  # dtype of the rows last handed to the cache (dense outputs use it)
     _call: Optional[WindowCall] = None
-    # a first chunk is attended exactly on its own rows (``attend``), so it decodes nothing and need not wait for the
-    # layers in flight (H200, 8k: waterfill's first chunk 161 -> 110 ms; docs/RESULTS.md, session 24)
+    # a first chunk is attended exactly on its own rows (``attend``): it decodes nothing, need not wait (RESULTS.md)
     first_chunk_waits = False
 
     def _quantized_part(self, q: mx.array, n: int):
@@ -274,7 +267,7 @@ class ResidualWindowCache(CompressedKVCache):
         if call.s0 + call.q0 + call.r0 == 0:  # nothing stored before this call: exact attention
             return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
                                                         mask=mask, sinks=sinks)
-        if n > 1:  # a prefill chunk (a decode step, however long, is one tile: faster on the CPU, RESULTS session 19)
+        if n > 1:  # a prefill chunk (a decode step, however long, is one tile: faster on the CPU, RESULTS.md)
             return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
         return attend_joint(queries, call, self._sinks(call.s0), self._quantized_part, scale=scale, mask=mask,
                             sinks=sinks, n_keys=keys.shape[2])
