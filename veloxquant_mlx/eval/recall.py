@@ -46,14 +46,11 @@ def build_recall_prompt(text_ids: Sequence[int], context: int, *, depth: Optiona
         raise ValueError(f"context={context} is too small for a {passage}-token passage and a {cue}-token cue")
     if len(text_ids) < context + passage:
         raise ValueError(f"the text has {len(text_ids)} tokens; {context + passage} are needed")
-    if depth is not None:
-        if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
-        before = int(round(depth * room))
-    else:
-        if not 0 <= distance <= room:
-            raise ValueError(f"distance must be in 0..{room} for context={context}, got {distance}")
-        before = room - distance
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    if distance is not None and not 0 <= distance <= room:
+        raise ValueError(f"distance must be in 0..{room} for context={context}, got {distance}")
+    before = int(round(depth * room)) if depth is not None else room - distance
     filler = [int(t) for t in text_ids[:room]]
     copy = [int(t) for t in text_ids[len(text_ids) - passage:]]
     prompt = filler[:before] + copy + filler[before:] + copy[:cue]

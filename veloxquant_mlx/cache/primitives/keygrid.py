@@ -8,10 +8,9 @@ import mlx.core as mx
 
 
 def range_margin(bits: int) -> float:
-    """The share of each calibrated key range added on both sides before the levels are set. At 8 bits keys beyond
-    the first call's range, clamped, are most of the error (SmolLM2, 4096 tokens, the second prompt chunk: KLD
-    3.9e-4 -> 3.7e-5 with 0.25); at 4 bits the coarser levels cost more than clamping does (0.0016 -> 0.0023), so
-    none below 8 (docs/RESULTS.md "Quality targets")."""
+    """The share of each calibrated key range added on both sides before the levels are set: at 8 bits keys beyond
+    the first call's range, clamped, are most of the error; below 8 the coarser levels cost more than clamping
+    does (docs/RESULTS.md "Quality targets")."""
     return 0.25 if bits >= 8 else 0.0
 
 
@@ -21,9 +20,8 @@ FIT_ROWS = 1024  # about this many calibration rows (strided) enter the fit: its
 
 def fits_ranges(bits: int) -> bool:
     """Whether calibrated key ranges are shrunk to their squared-error optimum (:func:`fitted_range`): at <= 3
-    bits the few levels lose more resolution to the outliers than clamping them costs (SmolLM2, 2048 tokens:
-    KLD 0.065 -> 0.018 at 2 bits, 0.0048 -> 0.0036 at 3); at 4 bits the clamped outliers are keys attention needs
-    (0.0008 -> 0.0011; docs/RESULTS.md "Quality targets")."""
+    bits the few levels lose more resolution to the outliers than clamping them costs; at 4 bits the clamped
+    outliers are keys attention needs (docs/RESULTS.md "Quality targets")."""
     return bits <= 3
 
 
@@ -46,16 +44,13 @@ def fitted_range(rows: mx.array, lo: mx.array, hi: mx.array, widths, use: mx.arr
     levels = (mx.left_shift(1, mx.array(widths).astype(mx.int32)) - 1).astype(mx.float32)[..., None, :]
     weight = use.astype(mx.float32)
     mid, half = (lo + hi) / 2, (hi - lo) / 2
-    best = best_err = None
+    best, best_err = mx.array(SHRINKS[0]), mx.array(mx.inf)
     for a in SHRINKS:
         low, step = mid - a * half, 2 * a * half / mx.maximum(levels, 1.0)
         codes = mx.clip(mx.round((rows - low) / mx.where(step > 0, step, 1.0)), 0, levels)
         err = (weight * (rows - low - step * codes) ** 2).sum(axis=2, keepdims=True)
-        if best is None:
-            best, best_err = mx.full(err.shape, a), err
-        else:
-            better = err < best_err
-            best, best_err = mx.where(better, a, best), mx.where(better, err, best_err)
+        better = err < best_err
+        best, best_err = mx.where(better, a, best), mx.where(better, err, best_err)
     best = mx.where(levels > 0, best, 1.0)
     return mid - best * half, mid + best * half
 

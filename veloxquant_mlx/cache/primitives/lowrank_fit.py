@@ -37,8 +37,7 @@ def fit_basis(x: mx.array, center: bool = False):
     F]`` or None)."""
     x = x.astype(mx.float32)
     mean = x.mean(axis=2, keepdims=True) if center else None
-    if center:
-        x = x - mean
+    x = x - mean if center else x
     w, v = mx.linalg.eigh(x.swapaxes(-1, -2) @ x, stream=mx.cpu)  # ascending; MLX's eigh is CPU-only
     return v[..., ::-1], mx.maximum(w[..., ::-1], 0.0), mean
 

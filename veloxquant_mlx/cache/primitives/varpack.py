@@ -74,9 +74,8 @@ class VarLayout:
     def gather(self, words: mx.array) -> tuple[mx.array, mx.array]:
         """Each channel's first word and the next one, ``[.., G, n, D]`` each (two gathers)."""
         lead = (1,) * (words.ndim - 3) + (self.groups, 1, self.dim)
-        lo = mx.take_along_axis(words, self.word.reshape(lead), axis=-1)
-        hi = mx.take_along_axis(words, self.next_word.reshape(lead), axis=-1)
-        return lo, hi
+        return (mx.take_along_axis(words, self.word.reshape(lead), axis=-1),
+                mx.take_along_axis(words, self.next_word.reshape(lead), axis=-1))
 
     def unpack(self, words: mx.array) -> mx.array:
         """Inverse of :meth:`pack`: ``[.., G, n, W]`` words -> ``uint32`` codes ``[.., G, n, D]``."""
