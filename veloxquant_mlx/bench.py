@@ -8,12 +8,11 @@ mlx_lm's ``generate_step`` runs them (:func:`pipelined_decode`): ``decode_tps`` 
 They differ because some steps are slow -- above all the first after the prompt, where buffers are allocated again
 (after ``mx.clear_cache()``, as in mlx_lm's generation) and mlx_lm's plain ``KVCache``, filled exactly by a
 power-of-two prompt, copies its whole buffer into a larger one -- and a run of a few decode tokens weighs that step
-far above its share of a long generation (H200, 128k tokens, 8 steps: decode_tps 42 tok/s, steady_tps 123).
-Memory, from MLX's
-allocator: ``kv_resident_bytes`` = active memory after the run minus before it (what the caches keep alive,
-slack included), beside ``kv_nbytes`` (the caches' own ``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()``
-(weights included), ``peak_delta_bytes`` = that peak minus the memory in use before the run;
-``kv_fraction_of_fp16`` = median ``kv_nbytes`` / ``kv_bytes_fp16`` (mlx_lm's plain fp16 cache, no slack).
+far above its share of a long generation. Memory, from MLX's allocator: ``kv_resident_bytes`` = active memory
+after the run minus before it (what the caches keep alive, slack included), beside ``kv_nbytes`` (the caches' own
+``nbytes``); ``peak_bytes`` = ``mx.get_peak_memory()`` (weights included), ``peak_delta_bytes`` = that peak minus
+the memory in use before the run; ``kv_fraction_of_fp16`` = median ``kv_nbytes`` / ``kv_bytes_fp16`` (mlx_lm's
+plain fp16 cache, no slack).
 
 Each statistic is the median with min and max over the repeats (``samples``: per-repeat prefill, decode and
 peak, in run order), also given as a ratio to each baseline measured in the same run: ``none`` (mlx_lm's
@@ -22,9 +21,8 @@ bound on its spread (``ratio_spread``: both medians' relative half-ranges added)
 interleaved in one process (not ``--isolate``), ``paired_ratios`` also gives the median, min and max of the
 per-repeat ratios (each repeat against the baseline's run of the same repeat, seconds apart): a machine's slow
 spell then hits both sides of a ratio alike, where the ratio of medians can pair a fast spell with a slow one
-(the H200's decode rates moved 2x between processes, docs/RESULTS.md). A candidate that raises is reported
-unavailable (``available: false`` with the error); ``isolate=True`` (CLI ``--isolate``) runs each candidate in
-its own subprocess, so even a hard crash only loses that one.
+(docs/RESULTS.md). A candidate that raises is reported unavailable (``available: false`` with the error);
+``isolate=True`` (CLI ``--isolate``) runs each candidate in its own subprocess, so even a hard crash only loses it.
 
 ``batch=N`` (CLI ``--batch N``): N random prompts decoded together through one batch cache per layer (the N
 per-request caches merged); ``decode_tps`` is then the total over the N sequences. A candidate without a batch
@@ -38,23 +36,28 @@ depend on weight values): ``llama-1b``, ``llama-8b``, ``smollm2`` (the embedded 
 
 from __future__ import annotations
 
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.utils
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
 from . import _blas
-
-_blas.preload()
-
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any, Callable, Optional, Sequence  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-
-from .eval.specs import NONE, MethodSpec  # noqa: E402
-from .measure import kv_fraction_of_fp16  # noqa: E402
+from .cache.base import METHOD_NAMES
+from .cache.factory import _attention, _head_dim, _layers, language_model
+from .eval.fidelity import make_caches, prefill
+from .eval.specs import NONE, MethodSpec
+from .generate import has_batch_form as method_has_batch_form
+from .measure import fp16_kv_bytes, kv_bytes, kv_fraction_of_fp16
+from .model import mlx_dtype
 
 __all__ = ["SHAPES", "BASELINES", "STATS", "RATIO_STATS", "random_model", "default_dtype", "Candidate",
            "candidates", "has_batch_form", "batch_methods", "batch_caches", "run_once", "bench", "add_ratios",
@@ -101,11 +104,6 @@ def default_dtype():
 
 def random_model(shape: str, dtype=None, seed: int = 0):
     """An mlx_lm Llama of the named :data:`SHAPES` entry with random N(0, 0.02) matrices, in ``dtype``."""
-    import mlx.utils
-    from mlx_lm.models import llama
-
-    from .model import mlx_dtype
-
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}")
     dt = mlx_dtype(dtype)
@@ -128,8 +126,6 @@ def _vocab_size(model) -> int:
     v = getattr(getattr(model, "args", None), "vocab_size", None)
     if isinstance(v, int):
         return v
-    from .cache.factory import language_model
-
     emb = getattr(getattr(language_model(model), "model", None), "embed_tokens", None)
     return int(emb.weight.shape[0]) if emb is not None else 32000
 
@@ -149,10 +145,6 @@ class Candidate:
 
 def _mlx_quant_factory(bits: int) -> Callable[[Any], list]:
     def make(model):
-        from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
-        from .cache.factory import _attention, _head_dim, _layers
-
         group = 64 if _head_dim(_attention(_layers(model)[0]), 64) % 64 == 0 else 32
         return [QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
                 for c in make_prompt_cache(model)]
@@ -168,8 +160,6 @@ def _check_baseline(b: str) -> str:
 
 def candidates(methods: Sequence, baselines: Sequence[str] = BASELINES) -> list[Candidate]:
     """Baselines first (``none``, ``mlx_q4``, ``mlx_q8``), then ``methods`` (names / specs), deduplicated."""
-    from .eval.fidelity import make_caches
-
     out = {b: Candidate(b, {}, _mlx_quant_factory(_MLX_QUANT_BITS[b]) if b in _MLX_QUANT_BITS
                         else lambda model: make_caches(model, None)) for b in map(_check_baseline, baselines)}
     for spec in map(MethodSpec.coerce, methods):
@@ -182,14 +172,10 @@ def candidates(methods: Sequence, baselines: Sequence[str] = BASELINES) -> list[
 def has_batch_form(name: str) -> bool:
     """Whether candidate ``name`` decodes batches (:func:`.generate.has_batch_form`; mlx_lm's quantized cache
     has no ``merge``)."""
-    from .generate import has_batch_form as method_has_batch_form
-
     return name not in _MLX_QUANT_BITS and method_has_batch_form(name)
 
 
 def batch_methods() -> list[str]:
-    from .cache.base import METHOD_NAMES
-
     return [m for m in METHOD_NAMES if has_batch_form(m)]
 
 
@@ -212,9 +198,6 @@ def run_once(model, caches: list, prompt: mx.array, decode_tokens: int,
     the greedy ``tokens`` (B lists of decode_tokens + 1 ids: the prefill's, then each step's). Decode steps are
     pipelined (:func:`pipelined_decode`; ``step_s``: their median). Memory baselines are taken right before the
     prefill, so ``caches`` should be fresh (empty). ``on_chunk(done, total)`` reports the prefill's chunks."""
-    from .eval.fidelity import prefill
-    from .measure import fp16_kv_bytes, kv_bytes
-
     prompt = prompt.reshape(-1, prompt.shape[-1])  # [B, T]
     B, T = prompt.shape
     _settle()
@@ -259,8 +242,8 @@ def pipelined_decode(step: Callable[[mx.array], mx.array], tok: mx.array, n: int
     ``mx.async_eval`` while step i evaluates): the tokens and the seconds between successive completions."""
     tokens, steps = [], []
     ts = time.perf_counter()
-    nxt = step(tok) if n else None
-    if nxt is not None:
+    if n:
+        nxt = step(tok)
         mx.async_eval(nxt)
     for i in range(n):
         tok = nxt
@@ -289,8 +272,7 @@ def _prompt(vocab: int, n: int, seed: int, batch: int = 1) -> mx.array:
 
 
 def _error(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
 
 
 def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repeats: int = 3,
@@ -363,13 +345,11 @@ def bench(model, methods: Sequence = (), contexts: Sequence[int] = (1024,), repe
 
 
 def _bench_row(name, settings, label, context, decode_tokens, model_name, batch: int = 1, **fields) -> dict:
-    row = {"method": name, "settings": dict(settings), "label": label, "model": model_name, "context": context,
-           "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True,
-           "error": None, "repeats": 0}
-    row.update(dict.fromkeys(STATS))
-    row.update(kv_bytes_fp16=None, kv_fraction_of_fp16=None, ratios={}, paired_ratios={}, decode_s_per_1k=None,
-               slope_vs_none=None, interleaved=False, **fields)
-    return row
+    return {"method": name, "settings": dict(settings), "label": label, "model": model_name, "context": context,
+            "batch": batch, "decode_tokens": decode_tokens, "device": str(mx.default_device()), "available": True,
+            "error": None, "repeats": 0, **dict.fromkeys(STATS), "kv_bytes_fp16": None, "kv_fraction_of_fp16": None,
+            "ratios": {}, "paired_ratios": {}, "decode_s_per_1k": None, "slope_vs_none": None, "interleaved": False,
+            **fields}
 
 
 def _median(row, key) -> Optional[float]:

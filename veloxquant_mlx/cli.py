@@ -15,12 +15,17 @@ from typing import Any, Optional, Sequence
 # transformers (mlx_lm's tokenizer wrapper) warns that PyTorch is missing: never needed here
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from . import __version__, cli_cache, cli_measure, cli_serve
+from .cache import QuantizerConfigError, SavedCacheError, all_methods, method_info
+from .cache.base import STANDALONE_METHODS
+from .cache.options import OPTIONS_BY_METHOD
 from .cache.settings import NONE, UsageError, build_config, method_config, method_settings, parse_set, parse_sets
 from .cache.settings import check_method_name as _check_method_name
 from .cli_output import (GENERATION_KEYS, POSITIVE, Progress, add_command, at_least, fmt_bytes, fmt_tps, format_table,
                          print_generation, short_prompt_note, truncate)
 from .eval.specs import MethodSpec
 from .generate import encode_prompt, encode_turn, make_caches, run_generation  # noqa: F401
+from .measure import fraction_text, kv_summary
 
 __all__ = ["main", "parse_set", "parse_sets", "build_config", "method_config", "encode_prompt", "encode_turn",
            "run_generation", "DEMO_METHODS", "NONE", "UsageError"]
@@ -30,7 +35,6 @@ DEMO_PRESETS: dict[str, dict[str, Any]] = {"kivi": {"bit_width_inlier": 4}}
 
 
 def _cmd_methods(args) -> int:
-    from .cache import all_methods
     if args.name is not None:
         return _cmd_method_settings(args)
     rows = [{k: getattr(i, k) for k in ("name", "family", "protocol", "implemented", "paper")} for i in all_methods()]
@@ -45,7 +49,6 @@ def _cmd_methods(args) -> int:
 
 
 def _cmd_method_settings(args) -> int:
-    from .cache import method_info
     _check_method_name(args.name)
     if args.name == NONE:
         raise UsageError(f"{NONE!r} (mlx_lm's plain KVCache) has no settings")
@@ -69,15 +72,13 @@ def _cmd_generate(args) -> int:
     if args.raw_prompt and args.prompt_cache is None:
         raise UsageError("--raw-prompt applies only with --prompt-cache")
     if args.prompt_cache is not None:
-        from .cli_cache import generate_from_saved
-        return generate_from_saved(args)
+        return cli_cache.generate_from_saved(args)
     method = args.method
     if method is None:
         raise UsageError("the following argument is required: --method (it may be left out only with "
                          "--prompt-cache, whose file records it)")
     sets, config = method_config(method, args.set)
     from .distributed import init_group, shard_model
-    from .measure import kv_summary
     from .model import load_model
     group = init_group()  # size 1 unless started by ``mlx.launch``
     rank0 = group.rank() == 0
@@ -107,7 +108,6 @@ ANSWER = "4817"  # the demo's passcode, planted at half depth
 def _demo_settings(method: str, config) -> str:
     if config is None:
         return "uncompressed"
-    from .cache.options import OPTIONS_BY_METHOD
     fields = getattr(OPTIONS_BY_METHOD.get(method), "FIELDS", {})
     shown = {**DEMO_PRESETS.get(method, {}), **{opt: getattr(config, flat) for opt, flat in fields.items() if opt
                                                  in ("budget", "window_size", "n_sink", "bits", "residual_length")}}
@@ -115,8 +115,6 @@ def _demo_settings(method: str, config) -> str:
 
 
 def _cmd_demo(args) -> int:
-    from .cache import method_info
-    from .cache.base import STANDALONE_METHODS
     wanted = [m.strip() for m in (args.methods.split(",") if args.methods else DEMO_METHODS) if m.strip()]
     for m in wanted:
         _check_method_name(m)
@@ -133,7 +131,6 @@ def _cmd_demo(args) -> int:
     for note in skipped:
         progress.note(f"note: skipping {note}")
     from .eval.tasks import build_niah_prompt
-    from .measure import fraction_text, kv_summary
     from .model import load_model
     progress.stage("loading model (first use downloads it)")
     model, tokenizer = load_model(args.model)
@@ -179,7 +176,6 @@ def _cmd_demo(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
     p = argparse.ArgumentParser(prog="veloxquant", description="Compressed KV caches for mlx_lm.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{methods,generate,demo,eval,bench,cache,serve}")
@@ -203,7 +199,6 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--context", type=at_least(64), default=2000,
                    help="approximate prompt length in tokens (default 2000)")
     d.add_argument("--max-tokens", type=POSITIVE, default=24, help="new tokens at most (24)")
-    from . import cli_cache, cli_measure, cli_serve
     cli_measure.add_subcommands(sub)
     cli_cache.add_parsers(sub, g)
     cli_serve.add_subcommand(sub)
@@ -212,7 +207,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    from .cache import QuantizerConfigError, SavedCacheError
     from .model import UnsupportedModelError
     try:
         args = _parser().parse_args(argv)

@@ -8,11 +8,14 @@ import os
 from collections import Counter
 from itertools import groupby
 
+from .cache import SavedCacheError, load_cache, read_cache_info, save_cache
+from .cache.saved import normalize_model_id
 from .cache.settings import NONE, UsageError, check_method_name, method_config
 from .cli_output import (GENERATION_KEYS, Progress, add_command, fmt_bytes, kv_rows, print_generation, print_rows,
                          short_prompt_note)
 from .eval.specs import MethodSpec
 from .generate import encode_turn, make_caches, run_generation
+from .measure import kv_summary
 
 __all__ = ["add_parsers", "cmd_cache_save", "cmd_cache_info", "generate_from_saved"]
 
@@ -20,7 +23,6 @@ _PLAIN_TEXT = "tokenized as plain text with tokenizer.encode: no chat template i
 
 
 def cmd_cache_save(args) -> int:
-    from .cache import save_cache
     method = args.method
     sets, config = method_config(method, args.set, standalone_ok=False)
     if not os.path.isfile(args.prompt_file):
@@ -33,7 +35,6 @@ def cmd_cache_save(args) -> int:
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out!r}: directory {out_dir} does not exist")
     from .eval.fidelity import prefill
-    from .measure import kv_summary
     from .model import load_model
     progress = Progress(enabled=not args.json)
     progress.stage("loading model")
@@ -58,7 +59,6 @@ def cmd_cache_save(args) -> int:
 
 
 def cmd_cache_info(args) -> int:
-    from .cache import read_cache_info
     info = read_cache_info(args.path)
     if args.json:
         print(json.dumps(info))
@@ -83,8 +83,6 @@ def cmd_cache_info(args) -> int:
 def generate_from_saved(args) -> int:
     """``generate --prompt-cache PATH``: load the saved cache (checked against ``--model`` and ``--method`` when
     given), append the prompt's tokens after the cached ones, generate."""
-    from .cache import SavedCacheError, load_cache, read_cache_info
-    from .measure import kv_summary
     if args.method is not None:
         check_method_name(args.method)
     if args.set:
@@ -96,7 +94,6 @@ def generate_from_saved(args) -> int:
     if args.method is not None and args.method != info["method"]:
         raise SavedCacheError(f"{args.prompt_cache}: method mismatch: the file holds a {info['method']!r} "
                               f"cache, --method is {args.method!r}")
-    from .cache.saved import normalize_model_id
     if args.model is not None and normalize_model_id(args.model) != info["model_id"]:
         raise SavedCacheError(f"{args.prompt_cache}: model mismatch: the cache was saved with model "
                               f"{info['model_id']!r}, --model is {args.model!r}")

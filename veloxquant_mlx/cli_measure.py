@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .cache.options import OPTIONS_BY_METHOD
 from .cache.settings import NONE, UsageError
 from .cli_output import POSITIVE, Progress, add_command, at_least, fmt_bytes, format_table, numbers
 from .eval.recall import CUE_TOKENS
+from .eval.specs import implemented_mlx_lm_methods, resolve_methods
 
 __all__ = ["add_subcommands", "cmd_eval", "cmd_bench"]
 
@@ -26,7 +28,6 @@ def _fmt(v, fmt: str, none: str = "-") -> str:
 
 
 def cmd_eval(args) -> int:
-    from .eval.specs import implemented_mlx_lm_methods, resolve_methods
     from .eval.tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, count_units, run_eval
     names = list(args.method or [])
     if args.all:
@@ -125,7 +126,6 @@ def _ratio(r: dict, b: str, k: str, spread: bool) -> str:
 
 def _short_label(r: dict) -> str:
     """``streaming_llm window_size=8``: the settings under their options' own (shorter) names."""
-    from .cache.options import OPTIONS_BY_METHOD
     opts = OPTIONS_BY_METHOD.get(r["method"])
     short = {flat: name for name, flat in (opts.FIELDS.items() if opts is not None else ())}
     return " ".join([r["method"]] + [f"{short.get(k, k)}={v}" for k, v in (r.get("settings") or {}).items()])
@@ -191,7 +191,6 @@ def bench_tables(rows: list[dict]) -> str:
 
 def cmd_bench(args) -> int:
     from . import bench
-    from .eval.specs import resolve_methods
     args.contexts = args.context or [1024]
     default = NONE if args.batch > 1 else ",".join(bench.BASELINES)  # mlx_lm's quantized cache has no batch form
     baselines = [b.strip() for b in (args.baselines if args.baselines is not None else default).split(",")

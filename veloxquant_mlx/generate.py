@@ -5,21 +5,24 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache
+
+from .cache import KVCacheBuilder
+from .cache.base import method_info
+
 __all__ = ["make_caches", "method_class", "has_batch_form", "encode_prompt", "encode_turn", "run_generation"]
 
 
 def make_caches(model, method: str, config=None) -> list:
     """One cache per layer: mlx_lm's plain caches for ``"none"``, else ``KVCacheBuilder.for_model``."""
     if method == "none":
-        from mlx_lm.models.cache import make_prompt_cache
         return make_prompt_cache(model)
-    from .cache import KVCacheBuilder
     return KVCacheBuilder.for_model(model, config)
 
 
 def method_class(method: str):
     """The cache class of ``method`` (None for ``"none"``, mlx_lm's plain cache, or one not implemented)."""
-    from .cache.base import method_info
     return None if method == "none" else method_info(method).cls
 
 
@@ -66,7 +69,6 @@ def run_generation(model, tokenizer, prompt_ids: list[int], caches: list, max_to
                    on_prefill: Optional[Callable[[int, int], None]] = None) -> dict:
     """Greedy ``mlx_lm.stream_generate`` into ``caches``: tokens, text and timings (EOS excluded);
     ``on_prefill(done, total)`` after each prefill chunk."""
-    import mlx_lm
     tokens, text = [], []
     t0 = time.perf_counter()
     t_first = t_last = None

@@ -9,6 +9,11 @@ import os
 import sys
 from typing import Iterable, Optional
 
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from .cache.factory import _attention, _head_dim, _layers
+
 __all__ = ["kv_bytes", "fp16_kv_bytes", "cache_tokens", "kv_fraction_of_fp16", "compression_text",
            "fraction_text", "kv_summary", "cache_figures", "batch_figures", "process_memory", "FP16_BYTES"]
 
@@ -36,8 +41,6 @@ def _kv_heads(attn, head_dim: int) -> int:
 
 
 def fp16_kv_bytes(model, n_tokens: int, batch_size: int = 1) -> int:
-    from mlx_lm.models import cache as mlx_cache
-    from .cache.factory import _attention, _head_dim, _layers
     if n_tokens < 0 or batch_size < 1:
         raise ValueError(f"need n_tokens >= 0 and batch_size >= 1, got {n_tokens}, {batch_size}")
     defaults = mlx_cache.make_prompt_cache(model)
@@ -108,7 +111,6 @@ def batch_figures(model, caches) -> dict:
 
 def process_memory() -> dict:
     """MLX's active, peak and cache memory, and the process's resident bytes (peak where /proc is absent)."""
-    import mlx.core as mx
     out = {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_peak_bytes": int(mx.get_peak_memory()),
            "mlx_cache_bytes": int(mx.get_cache_memory())}
     try:

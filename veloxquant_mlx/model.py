@@ -13,7 +13,11 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.models import llama
+
 from . import _blas
+from .assets import smollm2_gguf_path
 
 __all__ = ["DEFAULT_MODEL", "EMBEDDED_MODELS", "load_model", "gguf_model_args", "gguf_to_mlx_weights",
            "load_gguf_llama", "load_gguf_tokenizer", "mlx_dtype", "UnsupportedModelError"]
@@ -39,13 +43,11 @@ def _scalar(value: Any) -> Any:  # GGUF metadata scalars come back as 0-d ``mx.a
 
 @functools.lru_cache(maxsize=4)
 def _read_gguf(path: str):
-    import mlx.core as mx
     return mx.load(path, return_metadata=True)
 
 
 def gguf_model_args(metadata: dict, rope_traditional: bool = True):
     """``mlx_lm.models.llama.ModelArgs`` from the ``llama.*`` GGUF metadata keys."""
-    from mlx_lm.models import llama
     arch = _scalar(metadata.get("general.architecture", "llama"))
     if arch != "llama":
         raise UnsupportedModelError(
@@ -79,7 +81,6 @@ def _map_name(gguf_base: str) -> str:
 
 def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
     """GGUF tensors under mlx_lm llama names in ``dtype``, quantized ones dequantized (bits from the packed shape)."""
-    import mlx.core as mx
     out = {}
     for name, w in weights.items():
         base, _, suffix = name.rpartition(".")
@@ -99,8 +100,6 @@ def gguf_to_mlx_weights(weights: dict, dtype) -> dict:
 
 def load_gguf_llama(path: str | Path, dtype=None, rope_traditional: bool = True):
     """A dense ``mlx_lm.models.llama.Model`` from a llama GGUF file (``rope_traditional``: see the module)."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
     raw, metadata = _read_gguf(str(path))
     args = gguf_model_args(metadata, rope_traditional=rope_traditional)
     weights = gguf_to_mlx_weights(raw, _blas.compute_dtype() if dtype is None else dtype)
@@ -150,7 +149,6 @@ def load_gguf_tokenizer(path: str | Path):
 
 def mlx_dtype(dtype):
     """``dtype`` (an mlx dtype, its name, or None: :func:`._blas.compute_dtype`) as an ``mx.Dtype``."""
-    import mlx.core as mx
     value = getattr(mx, dtype, None) if isinstance(dtype, str) else _blas.compute_dtype() if dtype is None else dtype
     if not isinstance(value, mx.Dtype):
         raise ValueError(f"{dtype!r} is not an mlx dtype (float16, bfloat16, float32)")
@@ -165,7 +163,6 @@ def _load_gguf(path, dtype):
 
 @functools.lru_cache(maxsize=2)
 def _load_embedded(dtype):
-    from .assets import smollm2_gguf_path
     return _load_gguf(smollm2_gguf_path(), dtype)
 
 
