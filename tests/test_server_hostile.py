@@ -513,3 +513,93 @@ def test_serve_cli_refuses_bad_access_options_before_loading(capsys):
     assert cli_main(["serve", "--socket-timeout", "nan"]) == 2
     assert cli_main(["serve", "--api-key", " "]) == 2
     assert "--api-key must not be empty" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- refused before generation, not a 500
+
+
+@pytest.mark.parametrize("options, needle", [
+    (5, "stream_options must be an object"),
+    ([1], "stream_options must be an object"),
+    ({"include_usage": "x"}, "stream_options.include_usage must be true or false"),
+])
+def test_malformed_stream_options_get_a_400_not_a_failed_stream(srv, options, needle):
+    httpd, _ = srv
+    status, _, text = chat(httpd, stream=True, stream_options=options, kv_cache={"reuse": False})
+    assert status == 400, text
+    assert needle in error_of(text)
+
+
+@pytest.mark.parametrize("options", [{}, {"include_usage": None}])
+def test_empty_stream_options_stream_without_usage_and_without_error(srv, options):
+    httpd, _ = srv
+    status, _, text = chat(httpd, stream=True, stream_options=options, kv_cache={"reuse": False})
+    assert status == 200, text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert events and not any("error" in e for e in events), text
+    assert not any("usage" in e for e in events)
+
+
+@pytest.mark.parametrize("field", ["repetition_context_size", "presence_context_size", "frequency_context_size"])
+def test_huge_context_sizes_are_refused_before_they_fail_the_generation_loop(srv, field):
+    httpd, gen = srv
+    failures = counters(httpd)["generation_failures"]
+    status, _, text = chat(httpd, **{field: 10 ** 15}, kv_cache={"reuse": False})
+    assert status == 400, text
+    assert field in error_of(text)
+    assert counters(httpd)["generation_failures"] == failures
+    assert ok_chat(httpd, **{field: 2 ** 20}, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                   kv_cache={"reuse": False})
+
+
+@pytest.mark.parametrize("name", ["tokenize", "tools", "add_generation_prompt"])
+def test_chat_template_kwargs_that_the_server_sets_get_a_400(srv, name):
+    httpd, _ = srv
+    status, _, text = chat(httpd, chat_template_kwargs={name: False}, kv_cache={"reuse": False})
+    assert status == 400, text
+    assert name in error_of(text)
+
+
+def test_a_per_layer_bit_list_in_kv_cache_settings_is_served(srv):
+    httpd, _ = srv
+    spec = {"method": "kivi", "settings": {"bit_width_inlier": [2, 4]}}
+    for _ in range(2):  # the second one may reuse the first one's prefix
+        assert ok_chat(httpd, kv_cache=spec)["choices"][0]["message"]["content"]
+    status, _, text = call(httpd, "/v1/kv/stats")
+    assert status == 200
+    assert any(e["settings"] == {"bit_width_inlier": [2, 4]} for e in json.loads(text)["cached"]), text
+    hash(S.parse_kv_settings("kivi", {"bit_width_inlier": [2, 4]}).key)
+    scaling = {"type": "linear", "factor": [2.0]}  # a dict setting: hashable too, still an object in JSON
+    kv = S.parse_kv_settings("a2ats", {"a2ats_rope_scaling": scaling})
+    reordered = S.parse_kv_settings("a2ats", {"a2ats_rope_scaling": dict(reversed(scaling.items()))})
+    assert hash(kv.key) == hash(reordered.key)
+    assert json.loads(json.dumps(kv.describe()["settings"])) == {"a2ats_rope_scaling": scaling}
+
+
+@pytest.mark.parametrize("settings", [[], "", 0, False])
+def test_kv_cache_settings_that_are_not_an_object_are_refused_even_when_empty(srv, settings):
+    httpd, _ = srv
+    status, _, text = chat(httpd, kv_cache={"method": "kivi", "settings": settings})
+    assert status == 400, text
+    assert "kv_cache.settings must be an object" in error_of(text)
+
+
+@pytest.mark.parametrize("method", ["kivi", "snapkv", "none"])
+def test_an_empty_prompt_gets_a_400_and_fails_no_generation_loop(srv, method):
+    httpd, _ = srv
+    failures = counters(httpd)["generation_failures"]
+    for stream in (False, True):
+        status, _, text = call(httpd, "/v1/completions", {"prompt": "", "max_tokens": 2, "stream": stream,
+                                                          "kv_cache": {"method": method, "reuse": False}})
+        assert status == 400, text
+        assert "prompt" in error_of(text) and "no tokens" in error_of(text)
+    assert counters(httpd)["generation_failures"] == failures
+    status, _, text = call(httpd, "/v1/completions", {"prompt": "a", "max_tokens": 2, "kv_cache": {"method": method}})
+    assert status == 200, text
+
+
+def test_stats_answer_with_a_query_string(srv):
+    httpd, _ = srv
+    status, _, text = call(httpd, "/v1/kv/stats?t=123")
+    assert status == 200, text
+    assert "counters" in json.loads(text)

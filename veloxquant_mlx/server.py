@@ -402,7 +402,7 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 
     @_guarded
     def do_GET(self):
-        if self.path.rstrip("/") == "/v1/kv/stats":
+        if self.path.split("?", 1)[0].rstrip("/") == "/v1/kv/stats":
             return self._send_json(200, self.response_generator.stats())
         if self.path.startswith("/v1/models"):
             served = self.response_generator.model_provider.served_id
@@ -447,6 +447,8 @@ class CompressedAPIHandler(mlx_server.APIHandler):
         check_number_types(self)
         super().validate_model_parameters()
         check_generation_fields(self, self.response_generator.vocab_size)
+        if (options := self.stream_options) is not None:  # mlx_lm reads include_usage, optional in OpenAI's API
+            self.stream_options = {**options, "include_usage": options.get("include_usage") or False}
         provider = self.response_generator.model_provider
         with _status_kept():
             provider.check_served(self.requested_model)
@@ -464,6 +466,8 @@ class CompressedAPIHandler(mlx_server.APIHandler):
                                         f"{gen.limits['max_tokens']}")
             template_args = {**gen.cli_args.chat_template_args, **(self.chat_template_kwargs or {})}
             n = len(prompt_tokens(request, gen.model_provider.tokenizer, template_args))
+            if n == 0:  # mlx_lm's generation would fail on it (in the batch loop, with the batch's other requests)
+                raise RequestError(400, "prompt has no tokens: send a non-empty prompt")
             cap = gen.limits["max_prompt_tokens"]
             if n > cap:
                 raise RequestError(413, f"prompt of {n} tokens is over the limit of {cap} tokens "

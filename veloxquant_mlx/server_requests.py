@@ -77,7 +77,22 @@ def parse_kv_settings(method: str, sets: dict, model=None) -> KVSettings:
     except Exception as e:  # noqa: BLE001 - whatever else a config or cache constructor raises is the request's
         raise RequestError(400, f"kv_cache settings {sets!r} for method {method!r} were refused: "
                                 f"{type(e).__name__}: {e}") from None
-    return KVSettings(method, tuple(sorted(parsed.items(), key=lambda kv: kv[0])), config)
+    return KVSettings(method, tuple(sorted(((k, _frozen(v)) for k, v in parsed.items()), key=lambda kv: kv[0])), config)
+
+
+class _FrozenDict(dict):
+    """A dict setting (e.g. ``a2ats_rope_scaling``) that can be part of a key; JSON still writes an object."""
+
+    def __hash__(self):
+        return hash(tuple(sorted(self.items())))
+
+
+def _frozen(value):
+    """A settings value made hashable (the settings are a dict key and part of the model key): lists become
+    tuples, dicts :class:`_FrozenDict`."""
+    if isinstance(value, dict):
+        return _FrozenDict((k, _frozen(v)) for k, v in value.items())
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def request_kv(spec, default: KVSettings, model) -> Optional[KVSettings]:
@@ -92,7 +107,8 @@ def request_kv(spec, default: KVSettings, model) -> Optional[KVSettings]:
         raise RequestError(400, f"kv_cache.reuse must be true or false, got {reuse!r}")
     kv = default
     if "method" in spec or "settings" in spec:
-        kv = parse_kv_settings(spec.get("method", kv.method), spec.get("settings") or {}, model=model)
+        sets = spec.get("settings")
+        kv = parse_kv_settings(spec.get("method", kv.method), {} if sets is None else sets, model=model)
     return dataclasses.replace(kv, reuse=reuse)
 
 
@@ -102,6 +118,8 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
                  "xtc_probability", "xtc_threshold")
 _ROLES = ("system", "user", "assistant", "tool")  # examples for the message; the chat template decides
 _IMAGE_TYPES = ("image_url", "input_image", "image")
+_CONTEXT_FIELDS = ("repetition_context_size", "presence_context_size", "frequency_context_size")
+_TEMPLATE_SET = ("tokenize", "tools", "add_generation_prompt")  # template arguments the server passes itself
 
 
 def check_messages(messages) -> None:
@@ -145,6 +163,16 @@ def check_generation_fields(req, vocab: int) -> None:
             raise ValueError(f"{name} must be a finite number, got {getattr(req, name)}")
     if req.seed is not None and not 0 <= req.seed < 2 ** 64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {req.seed}")
+    for name in _CONTEXT_FIELDS:  # mlx_lm slices the generated tokens with it: 32-bit indices
+        if getattr(req, name) >= 2 ** 31:
+            raise ValueError(f"{name} must be an integer in [0, 2**31), got {getattr(req, name)}")
+    options = req.stream_options
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"stream_options must be an object such as {{\"include_usage\": true}}, got "
+                         f"{json.dumps(options)[:200]}")
+    usage = None if options is None else options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ValueError(f"stream_options.include_usage must be true or false, got {json.dumps(usage)[:200]}")
     if req.top_k >= vocab:
         raise ValueError(f"top_k={req.top_k} is not below the vocabulary of {vocab} tokens (allowed: 0 "
                          f"= off, or 1..{vocab - 1})")
@@ -174,6 +202,9 @@ def prompt_tokens(request, tokenizer, template_args: dict) -> list:
         if not isinstance(request.prompt, str):
             raise RequestError(400, f"prompt must be a string, got {type(request.prompt).__name__}")
         return tokenizer.encode(request.prompt)
+    if tokenizer.has_chat_template and (set_here := [name for name in _TEMPLATE_SET if name in template_args]):
+        raise RequestError(400, f"chat_template_kwargs must not set {', '.join(set_here)}: the server sets "
+                                f"{', '.join(_TEMPLATE_SET)} itself")
     try:
         messages = copy.deepcopy(request.messages)
         mlx_server.process_message_content(messages)
