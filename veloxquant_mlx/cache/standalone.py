@@ -22,9 +22,13 @@ class SlidingWindowKVCache(KVCache):
 
     def append_key(self, k):
         self.inner.append_key(k)
+        self._evict()  # a key may complete pairs too (its value appended first)
 
     def append_value(self, v):
         self.inner.append_value(v)
+        self._evict()
+
+    def _evict(self) -> None:
         n = len(self.inner)
         if n > self.window_size:
             self.inner.drop_oldest(n - self.window_size)

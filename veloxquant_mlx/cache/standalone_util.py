@@ -136,8 +136,10 @@ class StandaloneCache(KVCache):
     def attend(self, q) -> mx.array:
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the complete pairs, shaped like ``q``, in ``config.dtype``
         or else the query's dtype; zeros when nothing is stored."""
+        if isinstance(q, np.ndarray) and np.issubdtype(q.dtype, np.floating):
+            q = mx.array(q)  # its MLX dtype is the answer's (float64 NumPy reads as float32)
         qf, single = as_block(q, self.head_dim, "query")  # an mlx query passing it is floating
-        odt = self.dtype if self.dtype is not None else q.dtype if isinstance(q, mx.array) else mx.float32
+        odt = self.dtype if self.dtype is not None else q.dtype
         n = self.n_tokens
         out = self._attend_values(mx.softmax(self._scores(qf, n) * self.scale, axis=-1), n) if n else mx.zeros(qf.shape)
         return (out[0] if single else out).astype(odt)
