@@ -444,3 +444,71 @@ def test_shared_field_table_matches_what_each_method_reads():
         problems += [f"{m} accepts shared {f} but never reads it" for f in opts.SHARED_FIELDS.get(m, ())
                      if f not in reads]
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- probes: replace, settings strings
+
+
+def test_replace_with_new_options_replaces_the_old_options_values():
+    c = KVCacheConfig(method="snapkv", options=opts.SnapKVOptions(budget=100, n_sink=2))
+    d = c.replace(options=opts.SnapKVOptions(budget=200))
+    assert (d.snap_budget, d.snap_n_sink, d.options.budget, d.options.n_sink) == (200, 4, 200, 4)
+    assert c.replace(options=opts.SnapKVOptions()).snap_budget == 512
+    r = KVCacheConfig(options=opts.TurboQuantRVQOptions(key_sub_dim=2)).replace(
+        options=opts.TurboQuantRVQOptions(key_sub_dim=16))
+    assert r.key_sub_dim == r.options.key_sub_dim == 16
+    # a flat field changed with new options still changes them both
+    e = c.replace(options=opts.SnapKVOptions(budget=200), snap_n_sink=8)
+    assert (e.snap_budget, e.snap_n_sink, e.options.n_sink) == (200, 8, 8)
+    with pytest.raises(QuantizerConfigError, match="options"):  # not an AttributeError
+        c.replace(options={"budget": 3})
+
+
+def test_for_model_refuses_a_sliding_window_it_would_ignore():
+    from tiny_models import tiny_llama
+
+    from veloxquant_mlx.cache.settings import method_config
+
+    _, cfg = method_config("kivi", ["sliding_window=4"])
+    with pytest.raises(QuantizerConfigError, match=r"sliding_window=4.*streaming_llm"):
+        KVCacheBuilder.for_model(tiny_llama(), cfg, install_dispatch=False)
+
+
+def test_build_config_refuses_unknown_settings_with_a_usage_error():
+    from veloxquant_mlx.cache.settings import UsageError, build_config
+
+    with pytest.raises(UsageError, match=r"snapkv.*'bugdet'"):
+        build_config("snapkv", {"bugdet": 3})
+    assert build_config("snapkv", {"budget": 64}).snap_budget == 64
+
+
+def test_quantize_options_are_checked_with_the_config():
+    with pytest.raises(QuantizerConfigError, match="kivi_group_size=0"):
+        KVCacheConfig(method="snapkv", options=opts.SnapKVOptions(quantize=opts.KIVIOptions(group_size=0)))
+    with pytest.raises(QuantizerConfigError, match="age_bits_mid=1"):
+        KVCacheConfig(method="h2o", options=opts.H2OOptions(quantize=opts.AgeTieredOptions(bits_mid=1)))
+
+
+def test_for_model_bounds_only_the_fields_the_method_reads():
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(head_dim=4, n_layers=2)  # under turboquant_rvq's default value_sub_dim=8
+    assert len(KVCacheBuilder.for_model(model, KVCacheConfig(method="kivi"), install_dispatch=False)) == 2
+    with pytest.raises(QuantizerConfigError, match=r"value_sub_dim=8.*1\.\.4.*head_dim"):
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="turboquant_rvq"), install_dispatch=False)
+    with pytest.raises(QuantizerConfigError, match=r"value_sub_dim=8.*1\.\.4.*head_dim"):  # the quantizer's
+        KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=opts.SnapKVOptions(
+            quantize="turboquant_rvq")), install_dispatch=False)
+    rvq = opts.TurboQuantRVQOptions(value_sub_dim=4)  # the quantizer's own value, not the flat default
+    assert len(KVCacheBuilder.for_model(model, KVCacheConfig(method="snapkv", options=opts.SnapKVOptions(
+        quantize=rvq)), install_dispatch=False)) == 2
+
+
+def test_parse_sets_refuses_one_setting_given_two_values():
+    from veloxquant_mlx.cache.settings import UsageError, method_config, parse_sets
+
+    with pytest.raises(UsageError, match=r"snap_budget.*twice.*64.*128"):
+        method_config("snapkv", ["budget=64", "snap_budget=128"])
+    with pytest.raises(UsageError, match=r"snap_budget.*twice"):
+        parse_sets(["snap_budget=64", "snap_budget=32"])
+    assert parse_sets(["budget=64", "snap_budget=64"], method="snapkv") == {"snap_budget": 64}  # the same value

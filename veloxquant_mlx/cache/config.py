@@ -19,7 +19,7 @@ from .artifacts import ArtifactStore
 from .base import _METHOD_TABLE, METHOD_NAMES
 from .errors import QuantizerConfigError
 from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth,
-                      dims, rng_seed, rule_of, tokens)
+                      dims, method_fields, rng_seed, rule_of, tokens)
 
 MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
@@ -137,9 +137,13 @@ class KVCacheConfig:
         if changes.get("method", self.method) != self.method and "options" not in changes:
             changes["options"] = None  # rebuilt for the new method from the flat fields
         opts = changes.get("options", self.options)
+        opts = opts if isinstance(opts, MethodOptions) else None  # __post_init__ reports any other value
         own = {o: changes[f] for o, f in type(opts).FIELDS.items() if f in changes} if opts is not None else {}
         if own:  # a changed flat alias changes the options too
             changes["options"] = dataclasses.replace(opts, **own)
+        if opts is not None and "options" in changes:  # new options replace the old ones' flat values
+            for flat, value in changes["options"].flat_items():
+                changes.setdefault(flat, value)
         with _quiet_flat_fields():
             return dataclasses.replace(self, **changes)
 
@@ -201,9 +205,14 @@ def validate_config(cfg: KVCacheConfig) -> None:
 
 def validate_for_model(cfg: KVCacheConfig, head_dim: int, n_layers: int) -> None:
     """Refuse a sub-vector width over the head dim or a layer group set over the layer count (defaults pass:
-    the methods shorten their last group)."""
+    the methods shorten their last group); only the fields the method (and its ``quantize``) reads."""
+    q = cfg.option("quantize")
+    read = {f for m in (cfg.method, getattr(q, "METHOD", q)) if m for f in method_fields(m).values()}
+    own = dict(q.flat_items()) if isinstance(q, MethodOptions) else {}  # the quantizer's options win
     for name, rule in FIELD_RULES.items():
-        v = getattr(cfg, name)
+        if name not in read:
+            continue
+        v = own.get(name, getattr(cfg, name))
         if rule.bound == "head_dim" and v is not None and v > head_dim:
             raise QuantizerConfigError(name, v, f"an int in 1..{head_dim} (the model's head_dim)")
         if rule.bound == "layers" and v > n_layers and v != _DEFAULTS[name]:

@@ -37,12 +37,17 @@ class KVCacheFactory:
                                        "KVCacheFactory.create (a per-layer list needs KVCacheBuilder.for_model)")
         cache = _cache_class(config)(config)
         if config.sliding_window is not None:
-            if config.method not in STANDALONE_METHODS:
-                raise QuantizerConfigError("sliding_window", config.sliding_window, "None for mlx_lm-protocol methods "
-                                           "(use method='streaming_llm' for a windowed cache)")
+            _check_no_window(config)
             cache = SlidingWindowKVCache(cache, config.sliding_window)
         notify(config.observers, "created", config.method, cache=type(cache).__name__)
         return cache
+
+
+def _check_no_window(config) -> None:
+    """Refuse ``sliding_window`` for an mlx_lm-protocol method (only the standalone caches wrap in a window)."""
+    if config.sliding_window is not None and config.method not in STANDALONE_METHODS:
+        raise QuantizerConfigError("sliding_window", config.sliding_window, "None for mlx_lm-protocol methods "
+                                   "(use method='streaming_llm' for a windowed cache)")
 
 
 def language_model(model):
@@ -164,6 +169,7 @@ class KVCacheBuilder:
             raise QuantizerConfigError("method", config.method, "an mlx_lm-protocol method: standalone methods "
                                        f"({', '.join(sorted(STANDALONE_METHODS))}) have no mlx_lm KVCache "
                                        "serving contract")
+        _check_no_window(config)  # for_model builds no window: refused, not ignored
         cls = _cache_class(config)
         defaults = mlx_cache.make_prompt_cache(model)
         layers = _layers(model)

@@ -156,6 +156,9 @@ class MethodOptions:
         for name, rule in self.RULES.items():
             rule.check(self.FIELDS.get(name, name), getattr(self, name))
         self.check_relations(lambda n: getattr(self, n))
+        q = getattr(self, "quantize", None)
+        if isinstance(q, MethodOptions):  # the quantizer's options, checked with the config, not at its build
+            q.validate()
 
     @classmethod
     def check_relations(cls, get: Callable[[str], Any]) -> None:

@@ -72,6 +72,8 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
             hint = f" (similar: {', '.join(close)})" if close else ""
             raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
+        if field in out and out[field] != value:  # an option and its flat alias, or a repeated name
+            raise UsageError(f"{field!r} is set twice ({out[field]!r} and {value!r}): give it once")
         out[field] = value
     return out
 
@@ -164,6 +166,9 @@ def build_config(method: str, sets: dict[str, Any]):
             raise UsageError(f"dtype={name!r} is not allowed; allowed: {', '.join(DTYPE_NAMES)}")
         flat["dtype"] = getattr(mx, name)
     options = _pop_options(method, flat)
+    unknown = next((k for k in flat if k not in _FIELD_TYPES), None)  # a KVCacheConfig TypeError otherwise
+    if unknown is not None:
+        raise UsageError(f"method {method!r} has no setting {unknown!r}; its settings: {settings_summary(method)}")
     with _quiet_flat_fields():  # a shared field other options own (vecinfer's key_sub_dim) does not warn
         return KVCacheConfig(method=method, options=options, **flat)
 
