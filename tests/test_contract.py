@@ -310,3 +310,59 @@ def test_state_meta_is_built_once_per_config_and_follows_a_new_one(monkeypatch):
     assert json.loads(json.loads(c.state["meta"])["config"])["bit_width_inlier"] == 4 and len(calls) == 2
     twin = copy.deepcopy(c)
     assert json.loads(json.loads(twin.state["meta"])["config"])["bit_width_inlier"] == 4
+
+
+@pytest.mark.parametrize("method", CONTRACT_METHODS)
+def test_a_cache_trimmed_to_empty_takes_a_new_prompt(method):
+    """``trim(offset)`` of a short prompt (nothing compressed or evicted yet) leaves an empty cache that takes a
+    new prompt as a fresh one does (mlx_lm's prefix reuse with no shared prefix)."""
+    m, caches, short = model(), build(method), PROMPT[:10]
+    mx.eval(m(mx.array([short]), cache=caches))
+    assert [c.trim(c.offset) for c in caches] == [len(short)] * len(caches)
+    assert all(c.empty() and c.size() == 0 and c.offset == 0 for c in caches)
+    out = m(mx.array([PROMPT[20:30]]), cache=caches)
+    assert all(c.offset == 10 for c in caches)
+    if all(type(c).exact_trim for c in caches):
+        assert bool(mx.array_equal(out, m(mx.array([PROMPT[20:30]]), cache=build(method))))
+
+
+EXACT_OR_RAISING = [m for m in CONTRACT_METHODS if method_class(m).trim_exact_or_raises]
+
+
+@pytest.mark.parametrize("keep", [0, 32])
+@pytest.mark.parametrize("method", EXACT_OR_RAISING)
+def test_a_trim_into_fitted_groups_raises_or_is_exact(method, keep):
+    """``trim_exact_or_raises``: a trim back to ``keep`` tokens of a 64-token prompt (whole quantized groups,
+    some or all of those a basis, a channel ranking or a codebook was fitted on) raises ValueError, or leaves
+    caches that continue as caches fed only those ``keep`` tokens (a fit on the trimmed rows does not survive; up to
+    summation order: the buffers' capacities differ)."""
+    m, caches = model(), build(method)
+    mx.eval(m(mx.array([PROMPT[:64]]), cache=caches))
+    step(caches, DECODE[:2])
+    try:
+        assert [c.trim(c.offset - keep) for c in caches] == [66 - keep] * len(caches)
+    except ValueError:
+        return
+    fresh = build(method)
+    if keep:
+        mx.eval(m(mx.array([PROMPT[:keep]]), cache=fresh))
+    for cs in (caches, fresh):
+        mx.eval(m(mx.array([PROMPT[70:90]]), cache=cs))
+    for a, b in zip(step(caches, NEXT), step(fresh, NEXT)):
+        assert float(mx.abs(a - b).max()) <= 0.05  # a stale fit differs by ~1 or more
+
+
+@pytest.mark.parametrize("method", ["kivi", "turboquant_rvq", "snapkv"])
+def test_a_float16_additive_mask_at_the_dtype_minimum_hides_its_keys(method):
+    """An additive float16 mask marks hidden keys with -inf or float16's minimum (-65504, what
+    ``mx.finfo(mx.float16).min`` gives): both hide them, as in MLX's own attention."""
+    c = KVCacheFactory.create(KVCacheConfig(method=method, head_dim=32, **CONFIGS[method]))
+    k, v, q = (mx.random.normal((1, 2, 40, 32)).astype(mx.float16) for _ in range(3))
+    c.update_and_fetch(k, v)
+    k, v, q = (mx.random.normal(s).astype(mx.float16) for s in ((1, 2, 6, 32), (1, 2, 6, 32), (1, 4, 6, 32)))
+    visible = c.make_mask(6, return_array=True) & (mx.random.uniform(shape=(6, 46)) > 0.5) | (mx.eye(6, 46, 40) > 0)
+    mask = mx.where(visible, 0.0, mx.finfo(mx.float16).min).astype(mx.float16)
+    K, V = c.update_and_fetch(k, v)
+    out = dispatched_sdpa(q, K, V, cache=c, scale=32 ** -0.5, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=32 ** -0.5, mask=visible)
+    assert float(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max()) < 1e-2

@@ -28,7 +28,9 @@ def bool_mask(mask, n_queries: int, n_keys: int, n_kv_heads: int | None = None):
     if isinstance(mask, str):  # "causal": query i sees keys 0 .. M - N + i
         return mx.arange(n_keys - n_queries, n_keys)[:, None] >= mx.arange(n_keys)[None]
     if mask.dtype != mx.bool_:
-        mask = mask > -1e30  # additive mask: -inf (or dtype min) marks hidden keys
+        # additive mask: -inf (or the dtype's minimum: float16's is -65504) marks hidden keys
+        low = float(mx.finfo(mask.dtype).min) / 2 if mx.issubdtype(mask.dtype, mx.floating) else -1e30
+        mask = mask > max(-1e30, low)
     if mask.ndim == 4 and n_kv_heads is not None and mask.shape[1] > 1:
         mask = mask.reshape(mask.shape[0], n_kv_heads, mask.shape[1] // n_kv_heads, n_queries, n_keys)
     elif mask.ndim == 4:

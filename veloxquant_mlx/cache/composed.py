@@ -112,9 +112,10 @@ class QuantizedEviction(CompressedKVCache):
     def _thaw(self) -> None:
         """Decode the frozen rows back into the eviction cache (a prefill call scores them)."""
         if self.frozen:
-            k, v = self.quant._dense()
-            dt = self.evict.storage_dtype(k.dtype)
-            self.evict.keys, self.evict.values = k.astype(dt), v.astype(dt)
+            if self.evict.rows:  # (none after a trim of every row: the eviction cache starts afresh)
+                k, v = self.quant._dense()
+                dt = self.evict.storage_dtype(k.dtype)
+                self.evict.keys, self.evict.values = k.astype(dt), v.astype(dt)
             self.frozen = False
 
     def _freeze(self, queries, scale) -> None:

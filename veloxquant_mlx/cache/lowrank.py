@@ -27,7 +27,7 @@ class LowRankKVCache(GroupedQuantCache):
 
     array_fields = ("k_basis", "k_mean", "k_codes", "k_scales", "k_biases", "k_raw",
                     "v_basis", "v_mean", "v_codes", "v_scales", "v_biases", "v_raw", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name", "k_bits", "v_bits", "hg")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "k_bits", "v_bits", "hg", "calib_end")
 
     latent_values = True  # values stored as latents too (else KIVI per-token codes)
     center = False  # subtract the block mean before projecting (PCA) or not (SVD)
@@ -35,6 +35,7 @@ class LowRankKVCache(GroupedQuantCache):
     k_bits = None  # per kept latent channel (non-increasing), set at fit
     v_bits = None
     hg = 0  # head groups, set at fit
+    calib_end = 0  # encoded tokens the basis was fitted on (0: none fitted)
 
     def _n_groups(self, n_heads: int) -> int:
         return n_heads
@@ -84,6 +85,7 @@ class LowRankKVCache(GroupedQuantCache):
         t0, n = self.n_quant, kb.shape[2]
         if self.k_basis is None:
             self.hg = self._n_groups(kb.shape[1])
+            self.calib_end = t0 + n
         for which, rows in (("k", kb), ("v", vb)) if self.latent_values else (("k", kb),):
             x = lr.group_heads(rows.astype(mx.float32), self.hg)
             if getattr(self, f"{which}_basis") is None:
@@ -153,12 +155,14 @@ class LowRankKVCache(GroupedQuantCache):
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
     def _trim_rows(self, n: int) -> int:
+        self._refuse_calibration_trim(n, self.calib_end)  # the basis's tokens
         dropped = super()._trim_rows(n)
         if self.n_quant == 0:  # nothing encoded is left: the next block refits (as if never seen)
             for name in self.array_fields:
                 if name not in ("res_k", "res_v"):
                     setattr(self, name, None)
             self.k_bits = self.v_bits = None
+            self.calib_end = 0
         return dropped
 
     def _part_bytes(self, which: str) -> int:

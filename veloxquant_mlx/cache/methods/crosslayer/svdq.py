@@ -27,7 +27,7 @@ class SVDqKVCache(LowRankKVCache):
     chunk_invariant, exact_trim = False, False  # basis fit on the first block; raises past a group
     array_fields = ("k_basis", "k_codes", "k_scales", "k_biases", "v_codes", "v_scales", "v_biases",
                     "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name", "k_bits", "hg", "fit_rank")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "k_bits", "hg", "fit_rank", "calib_end")
     latent_values = False
     fit_rank = 0  # rank picked at the fit (svdq_rank or the energy threshold), before the schedule
     center = False

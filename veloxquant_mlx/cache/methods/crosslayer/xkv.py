@@ -17,8 +17,9 @@ on synthetic layers sharing a 12-dim subspace, rank 16 shared has relative error
 Deviations: P is fitted on the group's first complete block and later tokens (decode too) are projected onto it
 (the paper: the whole prefill, decode uncompressed); latents are quantized (the paper: float16 factors); per KV
 head, not over a layer's heads; attention is KIVI's on the restored rows (not ``(q·P_l)·Zᵀ``); ``xkv_max_ctx``
-unused; trims are exact only for window rows plus whole latent groups (else ``ValueError``) and must hit every
-layer alike; a cache built alone is a group of one; a group's layers need equal head dims.
+unused; trims are exact only for window rows plus whole latent groups, not into the block P was fitted on (else
+``ValueError``; emptying the latents refits P) and must hit every layer alike; a cache built alone is a group of
+one; a group's layers need equal head dims.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
     chunk_invariant, exact_trim = False, False  # basis fit on the first block; raises past a group
     array_fields = ("res_k", "res_v", "proj_k", "proj_v", "zk_codes", "zk_scales", "zk_biases",
                     "zv_codes", "zv_scales", "zv_biases")
-    scalar_fields = ("n_quant", "n_res", "dtype_name", "xk_uid", "xk_index", "xk_size", "rank_k", "rank_v")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "xk_uid", "xk_index", "xk_size", "rank_k", "rank_v",
+                     "calib_end")
     attend_path = "dequant"
     xk_uid, xk_index, xk_size = "", 0, 1
     rank_k = rank_v = 0
+    calib_end = 0  # (the owner's) encoded tokens the projection was fitted on (0: none fitted)
 
     def __init__(self, config, group: XKVGroup | None = None, index: int = 0):
         super().__init__(config)
@@ -105,6 +108,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                 r = min(int(o.rank if o.rank is not None else lr.energy_rank(energy, o.energy_threshold)), x.shape[-1])
                 setattr(own, f"proj_{kind}", basis[..., :r].astype(RES_DTYPE))
                 setattr(own, f"rank_{kind}", r)
+                own.calib_end = own.n_quant + m
             z = x @ getattr(own, f"proj_{kind}").astype(mx.float32)  # [B, H, m, r]
             q = gq.quantize_per_channel(z, self.qbits, self.group)  # codes [B, H, r, (m/G)*w]
             g0, w = own.n_quant // self.group, self._key_words()
@@ -143,7 +147,12 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                 f"drop the {self.n_res} window tokens plus whole groups (n - {self.n_res} a multiple of {self.group})")
         if extra > self.n_quant:
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+        self._refuse_calibration_trim(n, self.owner.calib_end)  # the projection's tokens
         self.n_quant, self.n_res = self.n_quant - extra, 0
+        if self.n_quant == 0 and self.xk_index == 0:  # nothing encoded is left: the group refits its projection
+            for name in self.array_fields[2:]:  # the projections and the latents (their rank goes with them)
+                setattr(self, name, None)
+            self.rank_k = self.rank_v = self.calib_end = 0
         return n
 
     def _compressed_bytes(self, kind, B, H, D):

@@ -31,6 +31,8 @@ class KittyKVCache(KIVIKVCache):
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
     array_fields = ("kh_codes", "kh_scales", "kh_biases", "kl_codes", "kl_scales", "kl_biases",
                     "v_codes", "v_scales", "v_biases", "res_k", "res_v", "k_perm", "k_inv")
+    scalar_fields = KIVIKVCache.scalar_fields + ("calib_end",)
+    calib_end = 0  # encoded tokens the channel ranking was made from (0: none ranked)
     dequant_only = "two key widths"
 
     def _init_layout(self):
@@ -55,6 +57,7 @@ class KittyKVCache(KIVIKVCache):
         G, t0, n = self.group, self.n_quant, kb.shape[2]
         if self.k_perm is None:
             self._calibrate(kb)
+            self.calib_end = t0 + n
         nh = self.n_hi(kb.shape[-1])
         kt = kb.swapaxes(-1, -2)  # [B, H, D, n]
         perm = mx.broadcast_to(self.k_perm[None, :, :, None], kt.shape)
@@ -76,6 +79,14 @@ class KittyKVCache(KIVIKVCache):
         kt = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # permuted rows
         inv = mx.broadcast_to(self.k_inv[None, :, :, None], kt.shape)
         return mx.take_along_axis(kt, inv, axis=2)
+
+    def _trim_rows(self, n: int) -> int:
+        self._refuse_calibration_trim(n, self.calib_end)  # the ranking's tokens
+        dropped = super()._trim_rows(n)
+        if self.n_quant == 0:  # nothing encoded is left: rank again, as a fresh cache would
+            self.k_perm = self.k_inv = None
+            self.calib_end = 0
+        return dropped
 
     def key_channel_bits(self) -> mx.array:
         """[H, D] bits of every key channel (in the original channel order)."""
