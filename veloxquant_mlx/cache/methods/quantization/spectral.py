@@ -5,7 +5,9 @@ Limit via Spectral Structure", github.com/Dynamis-Labs/spectralquant, 2026): key
 a few principal directions (participation ratio ~3-4% of ``head_dim``), values less (~40-55).
 
 Each side is calibrated once (mean ``mu``, covariance eigenbasis ``U``) from ``config.store`` or its first
-``n_calib_tokens`` (or ``head_dim``) rows, held exactly until then. A row keeps its top ``r =
+``n_calib_tokens`` rows; with ``n_calib_tokens=None``, from every row held once ``head_dim`` have arrived (a first
+block longer than ``head_dim`` calibrates on the whole block, rows fed one at a time on the first ``head_dim``).
+Rows are held exactly until then. A row keeps its top ``r =
 min(spectral_{key,val}_d_eff, head_dim)`` whitened coordinates ``U_r^T (x - mu) / sqrt(l_r)`` as a float16 norm
 + ``bit_width_inlier``-bit Lloyd–Max direction codes (signs for r = 1); ``spectral_apply_qjl`` adds 1-bit QJL
 (arXiv 2406.03482) of the key residual. d = 128, 2 bits, m = 128: 24 + 18 bytes a token.
