@@ -322,8 +322,9 @@ def test_a_cache_trimmed_to_empty_takes_a_new_prompt(method):
     assert all(c.empty() and c.size() == 0 and c.offset == 0 for c in caches)
     out = m(mx.array([PROMPT[20:30]]), cache=caches)
     assert all(c.offset == 10 for c in caches)
-    if all(type(c).exact_trim for c in caches):
-        assert bool(mx.array_equal(out, m(mx.array([PROMPT[20:30]]), cache=build(method))))
+    if all(type(c).exact_trim for c in caches):  # as a fresh cache, up to summation order (buffer capacities differ)
+        ref = m(mx.array([PROMPT[20:30]]), cache=build(method))
+        assert float(mx.abs(out - ref).max()) <= 1e-4 * float(mx.abs(ref).max())
 
 
 EXACT_OR_RAISING = [m for m in CONTRACT_METHODS if method_class(m).trim_exact_or_raises]
