@@ -88,6 +88,23 @@ def test_no_command_and_help_exit_codes(capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["eval", "--method", "kivi", "--distances", "100"], "--distances applies only with --task recall"),
+    (["eval", "--method", "kivi", "--task", "ppl", "--depths", "0.5"], "--depths applies only with --task niah"),
+    (["eval", "--method", "kivi", "--task", "recall", "--distances", "10", "--depths", "0.5"],
+     "--depths applies only with --task niah"),
+    (["bench", "--method", "kivi", "--timeout", "5"], "--timeout applies only with --isolate"),
+])
+def test_a_flag_that_would_be_ignored_exits_2(capsys, monkeypatch, argv, needle):
+    import veloxquant_mlx.model as model_mod
+
+    def no_model(*a, **k):
+        raise AssertionError("refused before a model loads")
+    monkeypatch.setattr(model_mod, "load_model", no_model)
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and needle in err, err
+
+
 # --------------------------------------------------------------------------- --set parsing
 
 

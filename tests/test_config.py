@@ -153,7 +153,7 @@ def test_builder_validates_inputs():
 def test_builder_assembles_config_fields():
     obs = QuantizationObserver()
     b = (KVCacheBuilder().with_method("snapkv").with_head_dim(64).with_seed(7).with_capacity(100)
-         .with_observer(obs).with_options(opts.SnapKVOptions(budget=32)))
+         .with_observer(obs).with_options(opts.SnapKVOptions(budget=32, obs_window=8)))
     c = b.config()
     assert (c.method, c.head_dim, c.seed, c.capacity, c.snap_budget, c.observers) == ("snapkv", 64, 7, 100, 32, [obs])
     cache = b.build()
@@ -512,3 +512,19 @@ def test_parse_sets_refuses_one_setting_given_two_values():
     with pytest.raises(UsageError, match=r"snap_budget.*twice"):
         parse_sets(["snap_budget=64", "snap_budget=32"])
     assert parse_sets(["budget=64", "snap_budget=64"], method="snapkv") == {"snap_budget": 64}  # the same value
+
+
+def test_build_config_refuses_one_setting_given_two_values():
+    """An option and its flat alias, or a quantizer's setting bare and scoped (``QUANTIZER:NAME``), with two
+    values: a ``UsageError`` naming it and both values, not the last one kept."""
+    from veloxquant_mlx.cache.settings import UsageError, build_config, method_config
+
+    with pytest.raises(UsageError, match=r"'snap_budget' is set twice \(64 and 128\)"):
+        build_config("snapkv", {"budget": 64, "snap_budget": 128})
+    with pytest.raises(UsageError, match=r"'residual_length' is set twice \(16 and 32\)"):
+        build_config("snapkv", {"quantize": "waterfill", "residual_length": 16, "waterfill:residual_length": 32})
+    with pytest.raises(UsageError, match=r"'residual_length' is set twice \(16 and 32\)"):
+        method_config("snapkv", ["quantize=waterfill", "residual_length=16", "waterfill:residual_length=32"])
+    assert build_config("snapkv", {"budget": 64, "snap_budget": 64}).options.budget == 64
+    c = build_config("snapkv", {"quantize": "waterfill", "residual_length": 16, "waterfill:residual_length": 16})
+    assert c.options.quantize.residual_length == 16

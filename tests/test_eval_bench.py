@@ -656,6 +656,37 @@ def test_method_settings_and_sweeps_resolve():
         resolve_methods(["kivi budget=3"])
 
 
+def test_resolve_methods_refuses_one_setting_given_two_values(capsys):
+    """--set (scoped or not, option name or flat alias) and a method string refuse two values of one setting,
+    as ``settings.parse_sets`` does; the same value twice passes."""
+    for sets in (["waterfill:bit_width_inlier=4", "waterfill:bit_width_inlier=8"],
+                 ["bit_width_inlier=4", "bit_width_inlier=8"], ["bit_width_inlier=4", "waterfill:bit_width_inlier=8"]):
+        with pytest.raises(cli.UsageError, match=r"'bit_width_inlier' is set twice \(4 and 8\)"):
+            resolve_methods(["waterfill"], sets)
+    with pytest.raises(cli.UsageError, match=r"'bit_width_inlier' is set twice \(4 and 8\)"):
+        resolve_methods(["waterfill bit_width_inlier=4 bit_width_inlier=8"])
+    with pytest.raises(cli.UsageError, match=r"'snap_budget' is set twice \(64 and 128\)"):
+        resolve_methods(["snapkv", "h2o"], ["budget=64", "snapkv:snap_budget=128"])
+    with pytest.raises(cli.UsageError, match=r"'residual_length' is set twice \(16 and 32\)"):  # the quantizer's
+        resolve_methods(["snapkv quantize=waterfill residual_length=16 waterfill:residual_length=32"])
+    specs = resolve_methods(["waterfill"], ["bit_width_inlier=4", "waterfill:bit_width_inlier=4"], include_none=False)
+    assert [s.settings for s in specs] == [{"bit_width_inlier": 4}]
+    specs = resolve_methods(["snapkv"], ["snapkv:quantize=kivi", "snapkv:group_size=16"], include_none=False)
+    assert specs[0].config().options.quantize.group_size == 16  # the quantizer's name, --set beside quantize=
+    code, _, err = run_cli(capsys, "eval", "--method", "kivi", "--set", "kivi:bit_width_inlier=2", "--set",
+                           "kivi:bit_width_inlier=4", "--task", "kld")  # before any model loads
+    assert code == 2 and "'bit_width_inlier' is set twice (2 and 4)" in err
+
+
+def test_sweeps_of_one_setting_twice_are_refused():
+    with pytest.raises(cli.UsageError, match=r"--sweep h2o:budget=64: 'h2o_budget' of h2o is swept twice"):
+        resolve_methods(["h2o"], sweeps=["budget=16,32", "h2o:budget=64"])
+    with pytest.raises(cli.UsageError, match="swept twice"):
+        resolve_methods(["h2o"], sweeps=["budget=16", "h2o_budget=32"])
+    specs = resolve_methods(["h2o", "kivi"], sweeps=["budget=16,32", "kivi:bit_width_inlier=2,4"], include_none=False)
+    assert len(specs) == 4
+
+
 @pytest.mark.parametrize("method", ["none", "kivi"])
 def test_bench_pipelined_decode_generates_what_mlx_lm_generates(method):
     """``run_once`` pipelines decode steps as mlx_lm's ``generate_step`` does (step i + 1 built while step i

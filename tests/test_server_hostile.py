@@ -603,3 +603,40 @@ def test_stats_answer_with_a_query_string(srv):
     status, _, text = call(httpd, "/v1/kv/stats?t=123")
     assert status == 200, text
     assert "counters" in json.loads(text)
+
+
+# --------------------------------------------------------------------------- /v1/models/ID, repeated keys
+
+
+def test_models_endpoint_lists_or_retrieves_one_model_and_404s_an_unknown_id(srv, loaded):
+    """OpenAI's ``GET /v1/models/{model}``: the model object of a served id (or a name a request may use for it),
+    a 404 with an OpenAI error object for any other id; ``/v1/models`` (a query, a trailing slash) lists."""
+    httpd, _ = srv
+    for path in ("/v1/models", "/v1/models/", "/v1/models?x=1"):
+        status, _, text = call(httpd, path)
+        assert status == 200 and json.loads(text)["object"] == "list", (path, text)
+        assert [m["id"] for m in json.loads(text)["data"]] == [SERVED_ID]
+    listed = json.loads(text)["data"][0]
+    for path in (f"/v1/models/{SERVED_ID}", f"/v1/models/{SERVED_ID}/", f"/v1/models/{SERVED_ID}?x=1",
+                 "/v1/models/default_model"):
+        status, _, text = call(httpd, path)
+        assert status == 200 and json.loads(text) == listed, (path, text)
+    for path, name in (("/v1/models/gpt-4o", "gpt-4o"), (f"/v1/models/{SERVED_ID}x", f"{SERVED_ID}x"),
+                       (f"/v1/models/{SERVED_ID}/extra", f"{SERVED_ID}/extra")):
+        status, _, text = call(httpd, path)
+        assert status == 404, (path, text)
+        assert json.loads(text) == {"error": {"message": f"The model {name!r} does not exist; this server serves "
+                                                         f"{SERVED_ID!r}", "type": "invalid_request_error",
+                                              "param": "model", "code": "model_not_found"}}
+    status, _, text = call(httpd, "/v1/modelsx")
+    assert status == 404 and "data" not in text
+    other, gen = S.make_server(S.parse_kv_settings("kivi", {}), S.server_args("org/tiny-model", port=0),
+                               loaded=loaded)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:  # a Hugging Face id holds a slash, sent as is or percent-encoded
+        for path in ("/v1/models/org/tiny-model", "/v1/models/org%2Ftiny-model"):
+            status, _, text = call(other, path)
+            assert status == 200 and json.loads(text)["id"] == "org/tiny-model", (path, text)
+    finally:
+        S.shutdown(other, gen)

@@ -35,6 +35,10 @@ def cmd_eval(args) -> int:
     if not names:
         raise UsageError("give at least one --method (or --all)")
     tasks = list(dict.fromkeys(args.task or DEFAULT_TASKS))
+    if args.distances and "recall" not in tasks:
+        raise UsageError("--distances applies only with --task recall (tokens between its passage and the repeat)")
+    if args.depths is not None and "niah" not in tasks and ("recall" not in tasks or args.distances):
+        raise UsageError("--depths applies only with --task niah, or --task recall without --distances")
     contexts = list(dict.fromkeys(args.context or [1024]))
     depths, distances = args.depths or list(DEFAULT_DEPTHS), args.distances or []
     specs = resolve_methods(names, args.set, sweeps=args.sweep)
@@ -205,6 +209,8 @@ def cmd_bench(args) -> int:
     if refused:
         raise UsageError(f"--batch {args.batch}: {', '.join(refused)} has no batch form (its caches cannot merge "
                          "into one batch cache); methods with one: " + ", ".join(bench.batch_methods()))
+    if args.timeout is not None and not args.isolate:
+        raise UsageError("--timeout applies only with --isolate (the time limit of each subprocess)")
     if args.random_weights and not args.shape:
         raise UsageError("--random-weights needs --shape NAME (" + ", ".join(bench.SHAPES) + ")")
     if args.shape and args.model:

@@ -19,6 +19,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 import weakref
 from http.server import ThreadingHTTPServer
 from typing import Optional
@@ -402,13 +403,27 @@ class CompressedAPIHandler(mlx_server.APIHandler):
 
     @_guarded
     def do_GET(self):
-        if self.path.split("?", 1)[0].rstrip("/") == "/v1/kv/stats":
+        route = self.path.split("?", 1)[0]
+        if route.rstrip("/") == "/v1/kv/stats":
             return self._send_json(200, self.response_generator.stats())
-        if self.path.startswith("/v1/models"):
-            served = self.response_generator.model_provider.served_id
-            data = [{"id": served, "object": "model", "created": self.created, "owned_by": "veloxquant"}]
-            return self._send_json(200, {"object": "list", "data": data})
+        if route.rstrip("/") == "/v1/models":
+            return self._send_json(200, {"object": "list", "data": [self._model_object()]})
+        if route.startswith("/v1/models/"):  # OpenAI's retrieve; an id may hold a slash (org/name), or %2F
+            name = urllib.parse.unquote(route[len("/v1/models/"):].rstrip("/"))
+            provider = self.response_generator.model_provider
+            if name in provider.aliases:
+                return self._send_json(200, self._model_object())
+            return self._send_json(404, {"error": {
+                "message": f"The model {name[:200]!r} does not exist; this server serves {provider.served_id!r}",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
+        if route.startswith("/v1/models"):  # mlx_lm's handler would list its Hugging Face cache
+            return self._error(404, f"no such endpoint: GET {self.path[:200]}")
         return super().do_GET()
+
+    def _model_object(self) -> dict:
+        """The served model as OpenAI's API describes one."""
+        served = self.response_generator.model_provider.served_id
+        return {"id": served, "object": "model", "created": self.created, "owned_by": "veloxquant"}
 
     @_guarded
     def do_POST(self):

@@ -72,10 +72,15 @@ def parse_sets(items: Optional[Sequence[str]], method: Optional[str] = None) -> 
             close = sorted(n for n in known if field.lower() in n or n in field.lower())[:5]
             hint = f" (similar: {', '.join(close)})" if close else ""
             raise UsageError(f"unknown KVCacheConfig field {field!r}{hint}")
-        if field in out and out[field] != value:  # an option and its flat alias, or a repeated name
-            raise UsageError(f"{field!r} is set twice ({out[field]!r} and {value!r}): give it once")
-        out[field] = value
+        _put(out, field, value)  # an option and its flat alias, or a repeated name
     return out
+
+
+def _put(out: dict, field: str, value: Any) -> None:
+    """``out[field] = value``, or ``UsageError`` naming both values when ``field`` already holds another one."""
+    if field in out and out[field] is not value and out[field] != value:
+        raise UsageError(f"{field!r} is set twice ({out[field]!r} and {value!r}): give it once")
+    out[field] = value
 
 
 def _quantizer_field(field: str) -> bool:
@@ -103,9 +108,10 @@ def _split_quantizer(method: str, flat: dict, own_fields) -> None:
         scope, _, name = k.rpartition(":")
         if scope not in ("", q) or name not in qfields:
             raise UsageError(f"quantizer {q!r} has no setting {name!r}; its settings: {settings_summary(q)}")
-        picked[qfields[name]] = flat.pop(k)
+        _put(picked, qfields[name], flat.pop(k))  # bare and ``QUANTIZER:NAME`` may both be given
     opts = _pop_options(q, picked)
-    flat.update(picked)
+    for k, v in picked.items():
+        _put(flat, k, v)
     flat["quantize"] = q if opts is None else opts
 
 
@@ -155,8 +161,9 @@ def settings_summary(method: str) -> str:
 def build_config(method: str, sets: dict[str, Any]):
     """``KVCacheConfig(method=method, **sets)``, ``sets`` by flat field or option name (the options through the
     options dataclass); a ``dtype`` string names an mlx dtype."""
-    aliases = method_fields(method)
-    flat = {aliases.get(k, k): v for k, v in sets.items()}
+    aliases, flat = method_fields(method), {}
+    for k, v in sets.items():
+        _put(flat, aliases.get(k, k), v)  # an option and its flat alias: one value
     if "quantize" in aliases:  # an eviction method: its kept rows may be stored by a quantizer
         _split_quantizer(method, flat, set(aliases.values()))
     if isinstance(flat.get("dtype"), str):

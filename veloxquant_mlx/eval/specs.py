@@ -4,7 +4,9 @@
 ``snap_budget`` to snapkv, ``budget`` to every method with that option); a field no listed method reads is an
 error. ``--set METHOD:FIELD=VALUE`` applies to that method only. ``--method "METHOD FIELD=VALUE ..."`` is one
 configuration with its own settings (a run may hold several of a method); ``--sweep [METHOD:]FIELD=V1,V2``
-runs each configuration it applies to once per value.
+runs each configuration it applies to once per value. A method string's settings and a sweep's values replace
+``--set``'s; otherwise one setting given two values (``--set`` twice, an option and its flat alias, two sweeps of
+it) is a ``UsageError`` (``cache.settings.parse_sets``), never the last one kept.
 """
 
 from __future__ import annotations
@@ -103,17 +105,28 @@ def resolve_methods(methods: Iterable[str], sets: Optional[Sequence[str]] = None
             raise UsageError(f"{flag} {item}: {fname!r} applies to none of the methods measured "
                              f"({', '.join(names)}); `veloxquant methods NAME` lists a method's settings")
         return found
-    per_method: dict[str, dict] = {m: {} for m in names}
+    items: dict[str, list] = {m: [] for m in names}
     for scope, item in split_sets(sets):
         for m in targets(scope, item, "--set"):
-            per_method[m].update(parse_sets([item], method=m))
+            items[m].append(item)
+    # each method's items parsed together: one setting given two values (a repeat, an alias) is refused
+    per_method = {m: parse_sets(items[m], method=m) for m in names if m != NONE}
     if any(own for m, own in entries if m == NONE):
         raise UsageError(f"--method {NONE!r} takes no settings")
-    specs = [MethodSpec(m, {**per_method[m], **parse_sets(own, method=m if m != NONE else None)}) for m, own in entries]
+    specs = [MethodSpec(m, {**per_method.get(m, {}), **parse_sets(own, method=m if m != NONE else None)})
+             for m, own in entries]
+    swept: dict[tuple, str] = {}  # (method, field) -> the --sweep that set it
     for scope, item in split_sets(sweeps):
         hit = targets(scope, item, "--sweep")
         fname, _ = parse_set(item)
         values = sweep_values(item.partition("=")[2])
+        given = f"{scope}:{item}" if scope is not None else item
+        for m in hit:
+            flat = next(iter(parse_sets([f"{fname}={json.dumps(values[0])}"], method=m)))
+            if (m, flat) in swept:
+                raise UsageError(f"--sweep {given}: {flat!r} of {m} is swept twice (also by --sweep "
+                                 f"{swept[m, flat]}): give its values in one --sweep")
+            swept[m, flat] = given
         specs = [MethodSpec(s.method, {**s.settings, **parse_sets([f"{fname}={json.dumps(v)}"], method=s.method)})
                  if s.method in hit else s for s in specs for v in (values if s.method in hit else [None])]
     specs = list({s.key: s for s in specs}.values())
