@@ -39,7 +39,7 @@ def quant(method, bits):
 
 
 def snap(budget):
-    return KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=budget))
+    return KVCacheConfig(method="snapkv", options=SnapKVOptions(budget=budget, obs_window=8))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,8 @@ def test_evict_and_quantize_compresses_every_layer(arch, store, tokens, tmp_path
 
     def composed(budget, bits):
         q = WaterfillOptions(residual_length=16) if store == "waterfill" else store
-        return KVCacheConfig(method="snapkv", bit_width_inlier=bits, options=SnapKVOptions(budget=budget, quantize=q))
+        return KVCacheConfig(method="snapkv", bit_width_inlier=bits,
+                             options=SnapKVOptions(budget=budget, obs_window=8, quantize=q))
 
     caches = KVCacheBuilder.for_model(model, composed(16, 4))
     greedy(model, tokens[:N_CTX], caches, max_tokens=4, prefill_step_size=STEP)

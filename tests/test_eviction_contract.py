@@ -9,10 +9,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import ARCHS, VOCAB, greedy, tiny_llama
 from veloxquant_mlx.cache import (
     CacheInputError,
+    CaMOptions,
     KVCacheBuilder,
     KVCacheConfig,
     KVCacheFactory,
+    QuantizerConfigError,
     SnapKVOptions,
+    SqueezeOptions,
     StreamingLLMOptions,
     dispatch,
 )
@@ -119,6 +122,31 @@ def test_snapkv_real_queries_keep_what_real_attention_concentrates_on():
 
     assert set(needles) <= kept(True)
     assert not set(needles) <= kept(False)
+
+
+def test_snapkv_refuses_a_budget_that_cannot_hold_its_always_kept_rows():
+    """Sinks and the observation window are always kept: a budget below them plus one evictable row is refused
+    at construction (it used to keep an arbitrary subset of the protected rows)."""
+    with pytest.raises(QuantizerConfigError, match=r"snap_budget=36 .*snap_n_sink \+ snap_obs_window \+ 1 = 37"):
+        snap(budget=36, obs=32, n_sink=4)
+    with pytest.raises(QuantizerConfigError, match="snap_budget=16"):
+        snap(budget=16, obs=32, n_sink=0)
+    c = snap(budget=37, obs=32, n_sink=4)  # the smallest budget accepted
+    c.update_and_fetch(*(mx.random.normal((1, H, 60, D)),) * 2)
+    kept = c.positions[0, 0, : c.size()].tolist()
+    assert c.size() == 37 and kept[:4] == [0, 1, 2, 3] and kept[-32:] == list(range(28, 60))
+
+
+@pytest.mark.parametrize("method, options", [("cam", CaMOptions), ("squeeze", SqueezeOptions)])
+def test_h2o_style_votes_refuse_sinks_that_leave_no_row_to_choose(method, options):
+    """H2O-style votes keep the sinks and the newest half of the budget: sinks filling the other half are refused
+    (they used to keep an arbitrary part of the newest half)."""
+    with pytest.raises(QuantizerConfigError, match=rf"{method}_n_sink=100 .*_budget - {method}_budget // 2 = 75"):
+        KVCacheFactory.create(KVCacheConfig(method=method, options=options(budget=150, n_sink=100)))
+    c = KVCacheFactory.create(KVCacheConfig(method=method, options=options(budget=150, n_sink=74), dtype=F32))
+    c.update_and_fetch(*(mx.random.normal((1, H, 300, D)),) * 2)
+    kept = sorted(c.positions[0, 0, : c.size()].tolist())
+    assert c.size() == 150 and kept[:74] == list(range(74)) and kept[-75:] == list(range(225, 300))
 
 
 def test_layers_with_different_budgets_share_one_mask_in_a_model():

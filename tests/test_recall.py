@@ -76,8 +76,8 @@ def test_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(model_mod, "load_model", lambda *a, **k: tiny)
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    base = ["eval", "--task", "recall", "--method", "snapkv", "--set", "budget=32", "--text-file", str(text),
-            "--context", "160", "--passage", "32"]
+    base = ["eval", "--task", "recall", "--method", "snapkv", "--set", "budget=32", "--set", "obs_window=8",
+            "--text-file", str(text), "--context", "160", "--passage", "32"]
     assert cli.main(base + ["--distances", "10,60", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["none", "snapkv"]

@@ -138,7 +138,7 @@ def test_follow_up_turn_reuses_the_compressed_prefix_and_matches_a_fresh_run(srv
 
 def test_eviction_method_recomputes_instead_of_reusing(srv):
     base, _ = srv
-    spec = {"method": "snapkv", "settings": {"snap_budget": 32}}
+    spec = {"method": "snapkv", "settings": {"snap_budget": 32, "snap_obs_window": 8}}
     first, _ = chat(base, QUESTION, kv_cache=spec)
     turn2 = QUESTION + [{"role": "assistant", "content": first}, {"role": "user", "content": "Thanks."}]
     _, usage = chat(base, turn2, kv_cache=spec)
@@ -248,7 +248,7 @@ def test_other_batch_forms_batch_through_the_server(srv, spec):
     assert max(widest, default=0) >= 2
 
 
-@pytest.mark.parametrize("spec", [{"method": "snapkv", "settings": {"snap_budget": 24}},
+@pytest.mark.parametrize("spec", [{"method": "snapkv", "settings": {"snap_budget": 24, "snap_obs_window": 8}},
                                   {"method": "kivi_sink", "settings": {"bit_width_inlier": 4}}])
 def test_methods_without_batch_form_are_served_one_at_a_time(srv, spec):
     base, _ = srv

@@ -145,10 +145,17 @@ class QuantizedEviction(CompressedKVCache):
     def stored_rows(self) -> int:
         return self.evict.rows
 
+    def _check_trim_rows(self, n: int) -> None:
+        """Refused unless every head still holds the ``n`` newest rows (the eviction part) and, rows frozen, the
+        quantizer that holds them can trim them."""
+        self.evict._check_trim_rows(n)  # (ev.offset is ours)
+        if self.frozen:
+            self.quant.check_trim(n)
+
     def _trim_rows(self, n: int) -> int:
-        """The newest ``n`` rows from both parts, when every head still holds them (else ``ValueError``)."""
+        """The newest ``n`` rows from both parts."""
         ev = self.evict
-        dropped = ev._trim_rows(n)  # raises unless every head holds them (ev.offset is ours)
+        dropped = ev._trim_rows(n)
         if self.frozen:
             ev.rows += n  # the quantizer may drop fewer, or raise
             dropped = self.quant.trim(n)

@@ -15,7 +15,9 @@ contract for caches that store fewer or encoded rows:
 * A prefill chunk holding NaN or Inf makes the cache's next calls raise ``CacheInputError`` (checked without a
   host sync: ``queue_chunk_check``).
 
-A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``stored_rows`` and may override ``attend``.
+A subclass implements ``_store`` / ``_dense`` / ``_trim_rows`` / ``stored_rows`` and may override ``attend``; one
+whose trim can refuse (``ValueError``) decides that in ``_check_trim_rows``, which ``trim`` runs before
+``_trim_rows`` and ``check_trim`` runs alone, so ``trim_caches`` can ask every layer of a model before it trims any.
 """
 
 from __future__ import annotations
@@ -146,8 +148,12 @@ class CompressedKVCache(mlx_cache._BaseCache):
         raise NotImplementedError
 
     def _trim_rows(self, n: int) -> int:
-        """Drop the ``n`` newest stored rows exactly; return how many were dropped."""
+        """Drop the ``n`` newest stored rows exactly (``_check_trim_rows(n)`` passed); return how many were dropped."""
         raise NotImplementedError
+
+    def _check_trim_rows(self, n: int) -> None:
+        """Raise ``ValueError``, changing nothing, where ``_trim_rows(n)`` (0 < n <= offset) cannot trim exactly: the
+        one place of a cache's refusal (``trim`` and ``check_trim`` run it); by default none."""
 
     def stored_rows(self) -> int:
         """Rows currently stored (may be fewer than ``offset``)."""
@@ -252,10 +258,17 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def is_trimmable(self) -> bool:
         return True
 
+    def check_trim(self, n: int) -> None:
+        """Raise ``ValueError`` where ``trim(n)`` would, changing nothing (``trim_caches`` asks every layer first)."""
+        n = int(n) if not isinstance(self.offset, int) else min(int(n), self.offset)  # (batch: per-row offsets)
+        if n > 0:
+            self._check_trim_rows(n)
+
     def trim(self, n: int) -> int:
         n = min(int(n), self.offset)
         if n <= 0:
             return 0
+        self._check_trim_rows(n)
         self._call = None
         dropped = self._trim_rows(n)
         self.offset -= dropped
@@ -306,6 +319,24 @@ class CompressedKVCache(mlx_cache._BaseCache):
         self._shape = tuple(meta["shape"]) or None
         for name in self.array_fields:
             setattr(self, name, v.get(name))
+
+
+def trim_caches(caches, n: int) -> int:
+    """Trim the ``n`` newest tokens off every layer of a model's cache list, or off none: ``ValueError`` (naming the
+    layer) before any layer changes when one is not trimmable or its ``check_trim`` refuses. mlx_lm's
+    ``trim_prompt_cache`` trims layer by layer, so a later layer's refusal leaves the earlier ones trimmed and the
+    layers out of step. Caches without ``check_trim`` (mlx_lm's) never refuse a trimmable trim. Returns the tokens
+    trimmed off the first layer (each layer trims ``min(n, its offset)``), as ``trim_prompt_cache`` does."""
+    caches = list(caches)
+    for i, c in enumerate(caches):
+        if not c.is_trimmable():
+            raise ValueError(f"layer {i} ({type(c).__name__}) cannot be trimmed: no layer was trimmed")
+        for part in c.caches if isinstance(c, mlx_cache.CacheList) else (c,):
+            try:
+                getattr(part, "check_trim", lambda n: None)(n)
+            except ValueError as e:
+                raise ValueError(f"layer {i}: {e}; no layer was trimmed") from e
+    return [c.trim(n) for c in caches][0] if caches else 0
 
 
 def register_with_mlx_lm(cls):

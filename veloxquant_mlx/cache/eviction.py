@@ -15,8 +15,9 @@ same count, so one mask fits). What every method shares, documented once here:
   ``budget + slack`` rows are held; a decode-time observation window is the queries since the last eviction.
 * **Spare rows.** An eviction gathers ``budget - kept + slack + 1`` spare rows along so decode rows append in
   place; ``nbytes`` counts them.
-* **Trim.** ``trim(n)`` drops the ``n`` newest rows if every head still holds them, else ``ValueError``;
-  what their queries added to other rows stays (most methods: ``exact_trim = False``).
+* **Trim.** ``trim(n)`` drops the ``n`` newest rows if every head still holds them, else ``ValueError``
+  (``_check_trim_rows``, which ``check_trim`` runs alone); what their queries added to other rows stays (most
+  methods: ``exact_trim = False``).
 * **Settle.** Lazily accumulated per-row state (``row_fields``) is scheduled (``mx.async_eval``, no host
   sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
 * **Votes** (``VotingEviction``: PyramidKV, SqueezeAttention, ChunkKV, CaM): rows accumulate the attention
@@ -182,14 +183,20 @@ class EvictionKVCache(CompressedKVCache):
     def stored_rows(self) -> int:
         return self.rows
 
-    def _trim_rows(self, n: int) -> int:
+    def _check_trim_rows(self, n: int) -> None:
+        """Refuse unless every head's last ``n`` rows (``_trim_order``) are the ``n`` newest tokens."""
         if n > self.rows:
             raise ValueError(f"cannot trim {n} tokens: only {self.rows} rows are stored")
-        tail = self.positions[:, :, self.rows - n : self.rows]
         want = mx.arange(self.offset - n, self.offset, dtype=mx.int32)
-        if not bool(mx.all(tail == want)):
+        if not bool(mx.all(self._trim_order()[:, :, -n:] == want)):
             raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed "
                              "exactly")
+
+    def _trim_order(self) -> mx.array:
+        """[B, H, rows] positions in the order ``_trim_rows`` drops rows from the end (as stored)."""
+        return self.positions[:, :, : self.rows]
+
+    def _trim_rows(self, n: int) -> int:
         self.rows -= n
         self._trimmed(n)
         return n
@@ -329,7 +336,7 @@ class VotingEviction(BatchedEviction, EvictionKVCache):
 
     def _init_layout(self):
         """``n_sink`` and ``budget`` (the config's ``<prefix>_resolved_budget`` when set) from the options: above
-        the sinks and the window."""
+        the rows always kept (the sinks and the window; ``h2o_votes``: the sinks and the newest half)."""
         o, f = self.config.options, type(self.config.options).FIELDS
         self.n_sink, protected, what = o.n_sink, o.n_sink + self.obs_window, f"{f['n_sink']} + {self.obs_window}"
         check_min(f["budget"], o.budget, protected + 1, what + " + 1")
@@ -338,6 +345,11 @@ class VotingEviction(BatchedEviction, EvictionKVCache):
         if resolved is not None:
             check_min(field, resolved, protected + self.resolved_margin, what + " + 1" * self.resolved_margin)
         self.budget = o.budget if resolved is None else resolved
+        if self.h2o_votes and self.n_sink + self.recent >= self.budget:  # the newest half is kept too
+            b = f["budget"] if resolved is None else field
+            raise QuantizerConfigError(f["n_sink"], self.n_sink, f"an int < {b} - {b} // 2 = "
+                                       f"{self.budget - self.recent} (the sinks and the newest half of the budget "
+                                       "are always kept)")
 
     recent = property(lambda self: max(self.obs_window, self.budget // 2) if self.h2o_votes else self.obs_window)
     evict_slack = property(lambda self: default_slack(self.budget))

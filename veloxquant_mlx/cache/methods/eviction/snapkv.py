@@ -1,9 +1,10 @@
 """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469). After each
 prefill chunk the last ``snap_obs_window`` queries vote (softmax weights summed over the window and each KV head's
 query heads, pooled with kernel 7, the paper's clustering); each KV head keeps ``snap_budget`` rows: its top
-tokens, the window and the first ``snap_n_sink``. Decode tokens are kept (the paper compresses the prompt only);
-``decode_evict=True`` (an extension) keeps a ring of the last ``snap_obs_window`` real queries (16-bit, in
-``nbytes``) that votes whenever decoding passes ``budget + slack`` rows; such a cache no longer trims exactly.
+tokens, the window and the first ``snap_n_sink`` (so ``snap_budget > snap_n_sink + snap_obs_window``). Decode
+tokens are kept (the paper compresses the prompt only); ``decode_evict=True`` (an extension) keeps a ring of the
+last ``snap_obs_window`` real queries (16-bit, in ``nbytes``) that votes whenever decoding passes ``budget +
+slack`` rows; such a cache no longer trims exactly.
 
 Deviations: average pooling (the release also has max); sinks are an addition (0 reproduces it); long prompts are
 compressed chunk by chunk; ``snap_dtype`` / ``snap_backend`` / ``snap_batched_scoring`` are accepted, scoring
@@ -16,7 +17,7 @@ import mlx.core as mx
 
 from ...base import register
 from ...contract import register_with_mlx_lm
-from ...eviction import EvictionKVCache, default_slack, observation_scores
+from ...eviction import EvictionKVCache, check_min, default_slack, observation_scores
 
 POOL_KERNEL = 7
 
@@ -41,9 +42,12 @@ class SnapKVKVCache(EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("qring", "qring_pos")
 
     def _init_layout(self):
-        o = self.config.options
+        """The options' budget, window and sinks; the budget must hold the sinks, the window (both always kept)
+        and one row to choose, else ``QuantizerConfigError`` (it would keep an arbitrary part of the kept rows)."""
+        o, f = self.config.options, type(self.config.options).FIELDS
         self.budget, self.obs_window, self.n_sink = o.budget, o.obs_window, o.n_sink
         self.recent = self.obs_window  # the observation window is always kept
+        check_min(f["budget"], self.budget, self.n_sink + self.recent + 1, f"{f['n_sink']} + {f['obs_window']} + 1")
         self.evict_slack = default_slack(self.budget)
 
     def _remember_queries(self, queries):

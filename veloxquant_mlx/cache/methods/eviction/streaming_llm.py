@@ -66,6 +66,10 @@ class StreamingLLMKVCache(EvictionKVCache):
         sink = min(self.n_sink, self.rows - self.window)
         self._keep_in_order(mx.concatenate([order[:sink], order[self.rows - self.window :]]))
 
+    def _trim_order(self):
+        pos = super()._trim_order()
+        return mx.sort(pos, axis=-1) if self.ring >= 0 else pos  # the order ``_trim_rows`` restores first
+
     def _trim_rows(self, n):
         if self.ring >= 0:  # restore position order first, so the newest rows are the last ones
             self._keep_in_order(mx.argsort(self.positions[0, 0, : self.rows]).astype(mx.int32))
