@@ -47,6 +47,15 @@ class GroupedQuantCache(CompressedKVCache):
     dequant_only = ""
     #: trim raises ValueError when the trimmed rows completed a quantized group, else is exact (False: broken)
     trim_exact_or_raises = True
+    #: ``_trim_rows``' text for a cut into a group (fields: cls, n, G, first, last, bits, res)
+    cut_group_text = ("{cls}: trimming {n} tokens would cut into a quantized group of {G} tokens (positions "
+                      "{first}..{last} exist only as {bits}-bit codes); exact trims drop at most the {res} residual "
+                      "tokens plus whole groups (n - {res} a multiple of {G})")
+    #: Variants fitting statistics on their first encoded block: the scalar field of its end (encoded tokens, 0: none
+    #: fitted) and the fields the fit set; ``_trim_rows`` refuses to cut into the block and resets them when emptied.
+    calib_field = ""
+    refit_fields: tuple[str, ...] = ()
+    _fit_holder = property(lambda self: self, doc="The cache holding the fit (xKV: the group's first layer).")
     n_quant = 0  # quantized tokens (a multiple of G)
     n_res = 0  # float16 residual tokens (< G, or more while ``_holds_back``)
     dtype_name = "float16"  # dtype of the rows last handed to the cache (dense outputs use it)
@@ -372,32 +381,31 @@ class GroupedQuantCache(CompressedKVCache):
         return kernels.checked_call("kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
                                     op_attend)
 
-    def _refuse_calibration_trim(self, n: int, calib_end: int) -> None:
-        """Raise ValueError if trimming ``n`` tokens removes part, not all, of the first ``calib_end`` coded
-        tokens (variants whose fitted statistics made the remaining codes)."""
-        extra = n - self.n_res
-        if extra > 0 and extra % self.group == 0 and 0 < self.n_quant - extra < calib_end:
-            raise ValueError(f"{type(self).__name__}: trimming {n} tokens would remove part of the first {calib_end} "
-                             "coded tokens, whose statistics made the remaining codes; the result would differ from "
-                             "never having seen them")
-
     def _trim_rows(self, n: int) -> int:
-        """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups."""
+        """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups, and not part (all
+        of it or none) of a variant's fitted block (``calib_field``); emptying the codes resets the fit."""
         kernels._common.RowsMemo.forget(self)
         if n <= self.n_res:
             self.n_res -= n
             return n
-        extra = n - self.n_res
-        if extra % self.group:
-            keep = self.n_quant - (extra // self.group + 1) * self.group
-            raise ValueError(f"{type(self).__name__}: trimming {n} tokens would cut into a quantized group of "
-                             f"{self.group} tokens (positions {keep}..{keep + self.group - 1} exist only as "
-                             f"{self.qbits}-bit codes); exact trims drop at most the {self.n_res} residual tokens "
-                             f"plus whole groups (n - {self.n_res} a multiple of {self.group})")
+        extra, G = n - self.n_res, self.group
+        if extra % G:
+            keep = self.n_quant - (extra // G + 1) * G
+            raise ValueError(self.cut_group_text.format(cls=type(self).__name__, n=n, G=G, first=keep,
+                                                        last=keep + G - 1, bits=self.qbits, res=self.n_res))
         if extra > self.n_quant:
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+        holder = self._fit_holder
+        calib_end = getattr(holder, self.calib_field) if self.calib_field else 0
+        if 0 < self.n_quant - extra < calib_end:
+            raise ValueError(f"{type(self).__name__}: trimming {n} tokens would remove part of the first {calib_end} "
+                             "coded tokens, whose statistics made the remaining codes; the result would differ from "
+                             "never having seen them")
         self.n_quant -= extra
         self.n_res = 0
+        if self.n_quant == 0 and self.calib_field and holder is self:  # fit again, as a fresh cache would
+            for name in (self.calib_field, *self.refit_fields):
+                setattr(self, name, getattr(type(self), name, None))  # the class default (None: an array)
         return n
 
     @property

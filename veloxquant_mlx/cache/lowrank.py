@@ -36,6 +36,9 @@ class LowRankKVCache(GroupedQuantCache):
     v_bits = None
     hg = 0  # head groups, set at fit
     calib_end = 0  # encoded tokens the basis was fitted on (0: none fitted)
+    calib_field = "calib_end"  # a trim emptying the latents resets all but the residual: the next block refits
+    refit_fields = ("k_basis", "k_mean", "k_codes", "k_scales", "k_biases", "k_raw", "k_bits",
+                    "v_basis", "v_mean", "v_codes", "v_scales", "v_biases", "v_raw", "v_bits")
 
     def _n_groups(self, n_heads: int) -> int:
         return n_heads
@@ -153,17 +156,6 @@ class LowRankKVCache(GroupedQuantCache):
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
         """Every call size on the latents (``_attend_codes`` with ``_key_scores`` / ``_value_out``)."""
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
-
-    def _trim_rows(self, n: int) -> int:
-        self._refuse_calibration_trim(n, self.calib_end)  # the basis's tokens
-        dropped = super()._trim_rows(n)
-        if self.n_quant == 0:  # nothing encoded is left: the next block refits (as if never seen)
-            for name in self.array_fields:
-                if name not in ("res_k", "res_v"):
-                    setattr(self, name, None)
-            self.k_bits = self.v_bits = None
-            self.calib_end = 0
-        return dropped
 
     def _part_bytes(self, which: str) -> int:
         """Bytes of ``which``'s latents: basis, mean and the filled rows."""

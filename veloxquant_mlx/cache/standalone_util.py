@@ -40,8 +40,9 @@ def derive_seed(seed: int, stream: int) -> int:
     return int(np.random.SeedSequence([seed % (1 << 64), stream]).generate_state(1)[0])
 
 
-def as_block(x, d: int, what: str) -> tuple[mx.array, bool]:
-    """Validate a ``(d,)`` / ``(n, d)`` floating, finite input: ``(float32 (n, d), was it one vector)``."""
+def as_block(x, d: int, what: str) -> tuple[mx.array, bool, mx.Dtype]:
+    """Validate a ``(d,)`` / ``(n, d)`` floating, finite input: ``(float32 (n, d), was it one vector, its MLX
+    dtype)`` (float64 NumPy reads as float32)."""
     if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
         x = mx.array(x)
     if not isinstance(x, (mx.array, np.ndarray)):
@@ -52,11 +53,11 @@ def as_block(x, d: int, what: str) -> tuple[mx.array, bool]:
         raise CacheInputError(f"{what} must have shape (d,) or (n, d), got {tuple(x.shape)}")
     if x.shape[-1] != d:
         raise CacheInputError(f"{what} last dimension is {x.shape[-1]}, expected head_dim={d}")
-    single = x.ndim == 1
+    single, dtype = x.ndim == 1, x.dtype
     x = x.astype(mx.float32).reshape(-1, d)
     if x.shape[0] and not mx.all(mx.isfinite(x)).item():
         raise CacheInputError(f"{what} contains NaN or Inf")
-    return x, single
+    return x, single, dtype
 
 
 def from_store(store, key: str, make, shape: tuple) -> mx.array:
@@ -129,17 +130,15 @@ class StandaloneCache(KVCache):
 
     def key_scores(self, q) -> mx.array:
         """Estimated ``<q, k_i>`` for every stored key: ``(n,)`` for ``q (d,)``, ``(m, n)`` for ``(m, d)``."""
-        q, single = as_block(q, self.head_dim, "query")
+        q, single, _ = as_block(q, self.head_dim, "query")
         s = self._scores(q, self.n_keys)
         return s[0] if single else s
 
     def attend(self, q) -> mx.array:
         """``softmax(<q, k_i> / sqrt(d)) @ v`` over the complete pairs, shaped like ``q``, in ``config.dtype``
         or else the query's dtype; zeros when nothing is stored."""
-        if isinstance(q, np.ndarray) and np.issubdtype(q.dtype, np.floating):
-            q = mx.array(q)  # its MLX dtype is the answer's (float64 NumPy reads as float32)
-        qf, single = as_block(q, self.head_dim, "query")  # an mlx query passing it is floating
-        odt = self.dtype if self.dtype is not None else q.dtype
+        qf, single, qdt = as_block(q, self.head_dim, "query")
+        odt = self.dtype if self.dtype is not None else qdt
         n = self.n_tokens
         out = self._attend_values(mx.softmax(self._scores(qf, n) * self.scale, axis=-1), n) if n else mx.zeros(qf.shape)
         return (out[0] if single else out).astype(odt)
@@ -154,7 +153,7 @@ class Int8Values:
         return RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, capacity)
 
     def append_value(self, v) -> None:
-        v, _ = as_block(v, self.head_dim, "value")
+        v = as_block(v, self.head_dim, "value")[0]
         if v.shape[0]:
             scale16 = mx.minimum(mx.max(mx.abs(v), axis=1) / 127.0, FP16_MAX).astype(mx.float16)
             scale = scale16.astype(mx.float32)

@@ -29,7 +29,7 @@ from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives.buffers import grow_rows
 from ..layer_links import GroupWindow, relink, relinking_state
-from ..quantization.kivi import RES_DTYPE, KIVIKVCache
+from ..quantization.kivi import RES_DTYPE, KIVIKVCache, SideRows
 
 BLOCK = 32  # window rows merged at once (one host sync per merge step)
 _EPS = 1e-6
@@ -70,7 +70,7 @@ def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
 
 @register_with_mlx_lm
 @register("minicache")
-class MiniCacheKVCache(GroupWindow, KIVIKVCache):
+class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
     """MiniCache cross-layer merging for one layer (role "primary" or "merge"; see the module doc)."""
     chunk_invariant, exact_trim = True, False  # whole blocks; rows merged with trimmed ones stay
     trim_exact_or_raises = False
@@ -166,7 +166,7 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
         p._advance(m)
         self._advance(m)
 
-    def _restore(self, kind: str, n: int, dtype=mx.float32) -> mx.array:
+    def _decode(self, kind: str, n: int, dtype=mx.float32) -> mx.array:
         """Restored rows [B, H, n, D] of the first ``n`` merged tokens."""
         if self.mc_role == "primary":
             return (getattr(self, f"pn_{kind}")[:, :, :n].astype(dtype)
@@ -182,12 +182,6 @@ class MiniCacheKVCache(GroupWindow, KIVIKVCache):
             flat[idx] = getattr(self, f"ret_{kind}")[:r].astype(dtype)
             x = flat[:-1].reshape(n, B, H, D).transpose(1, 2, 0, 3)
         return x
-
-    def _keys_t(self, n, dtype=mx.float32):
-        return self._restore("k", n, dtype).swapaxes(-1, -2)
-
-    def _values(self, n, dtype=mx.float32):
-        return self._restore("v", n, dtype)
 
     def _trim_rows(self, n: int) -> int:
         if n > self.stored_rows():

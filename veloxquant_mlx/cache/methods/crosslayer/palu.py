@@ -32,7 +32,6 @@ from ...lowrank import BASIS_DTYPE, LowRankKVCache
 from ...primitives import lowrank_fit as lr
 from ...primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
 from ..deferred_start import DeferredStart
-from ..quantization.kivi import KIVIKVCache
 
 NEEDS_BINDING = ("palu factors the layer's k_proj/v_proj weights: build its caches with KVCacheBuilder.for_model("
                  "model, config) (or call cache.bind_attention(layer.self_attn)) ")
@@ -88,6 +87,7 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
     rope = None  # the layer's RoPE (``rope_spec``), None when its keys are not rotated
     center = True  # the projection bias is the latent's offset (``k_mean``)
     latent_values = True
+    calib_field = ""  # the factors are the weights': a trim never refits them
     _attn = None  # the bound attention module until its weights are factored (``_Shared``: never deep-copied)
 
     def _init_layout(self):
@@ -115,9 +115,8 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
             raise ValueError(f"palu: the layer's RoPE ({type(rope).__name__}) is not one primitives.rope can "
                              "invert, so its keys cannot be un-rotated onto the factored weights")
         self._attn = _Shared(attn)
-        for name in self.array_fields:  # drop anything encoded against other factors
-            if name not in ("res_k", "res_v"):
-                setattr(self, name, None)
+        for name in self.refit_fields:  # drop anything encoded against other factors (the bits: set below)
+            setattr(self, name, None)
         self.n_quant = 0
         self.factor(keep=False)
 
@@ -178,6 +177,3 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
 
     def _key_scores(self, q: mx.array, n: int) -> mx.array:
         return q @ self._keys_t(n)
-
-    def _trim_rows(self, n: int) -> int:
-        return KIVIKVCache._trim_rows(self, n)  # the factors are the weights': never refitted

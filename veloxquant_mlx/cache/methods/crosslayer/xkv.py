@@ -57,6 +57,11 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
     xk_uid, xk_index, xk_size = "", 0, 1
     rank_k = rank_v = 0
     calib_end = 0  # (the owner's) encoded tokens the projection was fitted on (0: none fitted)
+    calib_field = "calib_end"  # emptied latents: the group refits its projections (their rank goes with them)
+    refit_fields = ("proj_k", "proj_v", "zk_codes", "zk_scales", "zk_biases", "zv_codes", "zv_scales", "zv_biases",
+                    "rank_k", "rank_v")
+    cut_group_text = ("{cls}: trimming {n} tokens would cut into a {G}-token latent group; exact trims drop the {res} "
+                      "window tokens plus whole groups (n - {res} a multiple of {G})")
 
     def __init__(self, config, group: XKVGroup | None = None, index: int = 0):
         super().__init__(config)
@@ -81,6 +86,7 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
         return out
 
     owner = property(lambda self: self.group_obj.members[0], doc="The layer holding the group's shared arrays.")
+    _fit_holder = owner
 
     def _relink_loaded(self):
         self.group_obj = relink(self.xk_uid, self.xk_index == 0,
@@ -135,25 +141,6 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
 
     def _values(self, n, dtype=mx.float32):
         return (self._proj("v", dtype) @ self._latents_t("v", n, dtype)).swapaxes(-1, -2)
-
-    def _trim_rows(self, n: int) -> int:
-        if n <= self.n_res:
-            self.n_res -= n
-            return n
-        extra = n - self.n_res
-        if extra % self.group:
-            raise ValueError(
-                f"XKVKVCache: trimming {n} tokens would cut into a {self.group}-token latent group; exact trims "
-                f"drop the {self.n_res} window tokens plus whole groups (n - {self.n_res} a multiple of {self.group})")
-        if extra > self.n_quant:
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
-        self._refuse_calibration_trim(n, self.owner.calib_end)  # the projection's tokens
-        self.n_quant, self.n_res = self.n_quant - extra, 0
-        if self.n_quant == 0 and self.xk_index == 0:  # nothing encoded is left: the group refits its projection
-            for name in self.array_fields[2:]:  # the projections and the latents (their rank goes with them)
-                setattr(self, name, None)
-            self.rank_k = self.rank_v = self.calib_end = 0
-        return n
 
     def _compressed_bytes(self, kind, B, H, D):
         p = getattr(self, f"proj_{kind}")

@@ -33,8 +33,7 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
     _region_dtype = storage_dtype
 
     def __init__(self, config, batch_size: int = 0):
-        super().__init__(config)
-        self._init_counts(batch_size)  # ``cap``: slots allocated (<= budget between calls)
+        super().__init__(config, batch_size)  # ``cap``: slots allocated (<= budget between calls)
         self.ring = [-1] * batch_size  # rows in position order, as a fresh single cache
 
     def stored_rows(self) -> int:

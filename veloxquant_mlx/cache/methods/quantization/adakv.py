@@ -165,8 +165,8 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
             self.res_score[:, :, :rem] = score[:, :, nq:]
             self.res_cnt[:rem] = cnt[nq:]
 
-    def _rows_of(self, side: str, n: int, d: int) -> mx.array:
-        G = self.group
+    def _decode(self, side: str, n: int, dtype) -> mx.array:
+        G, d = self.group, getattr(self, f"res_{side}").shape[-1]
         g = n // G
         B, H = self.res_k.shape[:2]
         cg = self._cg(d)
@@ -180,7 +180,7 @@ class AdaKVKVCache(RankTiers, KIVIKVCache):
                           for a in (self.v_mins, self.v_rngs))
                 x = range_decode(codes.reshape(B, H, g, c, d // cg, cg), mn, rg, b).reshape(B, H, g, c, d)
             parts.append(x)
-        return self._in_token_order(parts, n, d)
+        return self._in_token_order(parts, n, d).astype(dtype)
 
     def _trim_rows(self, n: int) -> int:
         self._pending = None

@@ -27,7 +27,7 @@ from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives import nonuniform as sal
 from ...primitives.buffers import grow_columns, grow_rows
-from .kivi import KIVIKVCache
+from .kivi import KIVIKVCache, SideRows
 
 TIERS = ("hi", "mid", "lo")
 TIER_BITS = {"hi": 8, "mid": 4, "lo": 2}
@@ -45,10 +45,10 @@ def range_decode(codes: mx.array, mn: mx.array, rng: mx.array, bits: int) -> mx.
     return codes.astype(mx.float32) * (rng.astype(mx.float32) / float((1 << bits) - 1)) + mn.astype(mx.float32)
 
 
-class RankTiers:
+class RankTiers(SideRows):
     """Per-token tiers by within-group rank (amc, adakv): ``counts`` rows of each G-token group per tier
     at ``tier_bits``, stored in rank order with the rank order of every row (``order``, uint8), which
-    ``_rows_of`` undoes (its subclasses decode each tier's rows, ``_in_token_order`` reorders them)."""
+    ``_decode`` undoes (its subclasses decode each tier's rows, ``_in_token_order`` reorders them)."""
 
     def _tiers(self):
         """(tier, rows per group, bits, first rank) of each non-empty tier: three tiers, not a loop over tokens."""
@@ -82,12 +82,6 @@ class RankTiers:
         g = self.n_quant // self.group
         codes = sum(self._tier_nbytes(B * H * g * c, b, D, dv) for _, c, b, _ in self._tiers())
         return B * H * (self.n_quant + g * D * 4) + codes
-
-    def _keys_t(self, n, dtype=mx.float32):
-        return self._rows_of("k", n, self.res_k.shape[-1]).swapaxes(-1, -2).astype(dtype)
-
-    def _values(self, n, dtype=mx.float32):
-        return self._rows_of("v", n, self.res_v.shape[-1]).astype(dtype)
 
 
 @register_with_mlx_lm
@@ -134,8 +128,8 @@ class AMCKVCache(RankTiers, KIVIKVCache):
                 setattr(self, f"{name}_{t}", grow_rows(getattr(self, f"{name}_{t}"), (t0 // G) * c, arr))
         self.n_quant = t0 + n
 
-    def _rows_of(self, side: str, n: int, d: int) -> mx.array:
-        g = n // self.group
+    def _decode(self, side: str, n: int, dtype) -> mx.array:
+        g, d = n // self.group, getattr(self, f"res_{side}").shape[-1]
         parts = []
         for t, c, b, _ in self._tiers():
             if side == "k":
@@ -148,7 +142,7 @@ class AMCKVCache(RankTiers, KIVIKVCache):
                 a = [getattr(self, f"v_{x}_{t}")[:, :, : g * c] for x in ("codes", "scales", "biases")]
                 x = gq.dequantize(*a, b, self._cg(d), mx.float32)
             parts.append(x.reshape(x.shape[0], x.shape[1], g, c, d))
-        return self._in_token_order(parts, n, d)
+        return self._in_token_order(parts, n, d).astype(dtype)
 
     def tier_of_tokens(self) -> mx.array:
         """Tier index (0 = 8 bits, 1 = 4 bits, 2 = 2 bits) of every quantized token [B, H, n_quant]."""

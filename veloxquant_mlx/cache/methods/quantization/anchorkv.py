@@ -32,7 +32,7 @@ from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_rows
 from ...primitives.rotation import seeded_rng
-from .kivi import KIVIKVCache
+from .kivi import KIVIKVCache, SideRows
 
 _TAG_ANCHOR = 0x0A7E_0A01
 _PARTS = ("codes", "scales", "biases", "ref", "apos", "anc")  # what anchor_encode returns, per side
@@ -100,7 +100,7 @@ def ref_bits(A: int) -> int:
 
 @register_with_mlx_lm
 @register("anchorkv")
-class AnchorKVCache(KIVIKVCache):
+class AnchorKVCache(SideRows, KIVIKVCache):
     """Exact float16 anchors per G-token group; other tokens b-bit residuals against their nearest anchor."""
     chunk_invariant = True  # per-group anchors, groups at absolute positions
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
@@ -129,12 +129,6 @@ class AnchorKVCache(KIVIKVCache):
         g = n // G
         parts = [getattr(self, f"{p}_{name}")[:, :, :m] for name, m in zip(_PARTS, (n, n, n, g, g * A, g * A))]
         return anchor_decode(*parts, G, A, self.qbits, self.value_group(parts[-1].shape[-1]), dtype)
-
-    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        return self._decode("k", n, dtype).swapaxes(-1, -2)
-
-    def _values(self, n: int, dtype=mx.float32) -> mx.array:
-        return self._decode("v", n, dtype)
 
     def anchor_mask(self) -> mx.array:
         """[B, H, n_quant] bool for keys: True where the token is a (float16-exact) key anchor."""

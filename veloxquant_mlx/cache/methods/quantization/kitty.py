@@ -33,6 +33,7 @@ class KittyKVCache(KIVIKVCache):
                     "v_codes", "v_scales", "v_biases", "res_k", "res_v", "k_perm", "k_inv")
     scalar_fields = KIVIKVCache.scalar_fields + ("calib_end",)
     calib_end = 0  # encoded tokens the channel ranking was made from (0: none ranked)
+    calib_field, refit_fields = "calib_end", ("k_perm", "k_inv")  # emptied codes: rank again, as a fresh cache
     dequant_only = "two key widths"
 
     def _init_layout(self):
@@ -79,14 +80,6 @@ class KittyKVCache(KIVIKVCache):
         kt = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # permuted rows
         inv = mx.broadcast_to(self.k_inv[None, :, :, None], kt.shape)
         return mx.take_along_axis(kt, inv, axis=2)
-
-    def _trim_rows(self, n: int) -> int:
-        self._refuse_calibration_trim(n, self.calib_end)  # the ranking's tokens
-        dropped = super()._trim_rows(n)
-        if self.n_quant == 0:  # nothing encoded is left: rank again, as a fresh cache would
-            self.k_perm = self.k_inv = None
-            self.calib_end = 0
-        return dropped
 
     def key_channel_bits(self) -> mx.array:
         """[H, D] bits of every key channel (in the original channel order)."""

@@ -36,11 +36,13 @@ per KV head at D = 64: 80 (4 bits), 48 (2 bits) plus the G-row float16 residual,
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...grouped import KIVI_BITS, RES_DTYPE, GroupedQuantCache
 
-__all__ = ["KIVIKVCache", "KIVI_BITS", "RES_DTYPE"]
+__all__ = ["KIVIKVCache", "KIVI_BITS", "RES_DTYPE", "SideRows"]
 
 
 @register_with_mlx_lm
@@ -58,3 +60,14 @@ class KIVIKVCache(GroupedQuantCache):
     def _merge_batch(cls, caches):
         from .kivi_batch import KIVIBatchKVCache
         return KIVIBatchKVCache.from_caches(caches)
+
+
+class SideRows:
+    """Mixin before ``KIVIKVCache``: ``_keys_t`` / ``_values`` of a variant whose ``_decode(side, n, dtype)``
+    rebuilds side "k" or "v"'s first ``n`` quantized rows [B, H, n, D]."""
+
+    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
+        return self._decode("k", n, dtype).swapaxes(-1, -2)
+
+    def _values(self, n: int, dtype=mx.float32) -> mx.array:
+        return self._decode("v", n, dtype)

@@ -31,7 +31,7 @@ from ...primitives.buffers import grow_rows
 from ...primitives.codebook import kmeans
 from ...primitives.rotation import randomized_hadamard, seeded_rng
 from ...primitives.vq import vq_assign
-from .kivi import RES_DTYPE, KIVIKVCache
+from .kivi import RES_DTYPE, KIVIKVCache, SideRows
 
 _TAG_NSN = 0x0A7E_0B01
 _N_SAMPLES = 16384
@@ -96,13 +96,14 @@ def nsn_inverse(y, n1, n2, mu, rot):
 
 @register_with_mlx_lm
 @register("nsnquant")
-class NSNQuantKVCache(KIVIKVCache):
+class NSNQuantKVCache(SideRows, KIVIKVCache):
     """NSN-normalized, Hadamard-rotated tokens, residual VQ of d-dim sub-vectors with a fixed codebook."""
     chunk_invariant = False  # channel mean taken from the first coded block
     exact_trim = False  # KIVI's rule: raises ValueError when the trimmed rows completed a group
     array_fields = ("k_codes", "k_norms", "k_mu", "v_codes", "v_norms", "v_mu", "res_k", "res_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("calib_end",)
-    calib_end = 0
+    calib_end = 0  # encoded tokens the channel means were taken from (0: none taken)
+    calib_field, refit_fields = "calib_end", ("k_mu", "v_mu")
     dequant_only = "vector-quantized codes"
 
     def _init_layout(self):
@@ -137,20 +138,6 @@ class NSNQuantKVCache(KIVIKVCache):
         codes = bitpack.unpack_bits(getattr(self, f"{p}_codes")[:, :, :n], self.lc, self.stages * D // self.sub)
         norms = getattr(self, f"{p}_norms")[:, :, :n].astype(mx.float32)
         return nsn_inverse(vq_decode(codes, books, D), norms[..., 0], norms[..., 1], mu, rot).astype(dtype)
-
-    def _keys_t(self, n: int, dtype=mx.float32) -> mx.array:
-        return self._decode("k", n, dtype).swapaxes(-1, -2)
-
-    def _values(self, n: int, dtype=mx.float32) -> mx.array:
-        return self._decode("v", n, dtype)
-
-    def _trim_rows(self, n: int) -> int:
-        self._refuse_calibration_trim(n, self.calib_end)  # the channel mean's tokens
-        dropped = super()._trim_rows(n)
-        if self.n_quant == 0:
-            self.k_mu = self.v_mu = None
-            self.calib_end = 0
-        return dropped
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         return self.qbits * (d + dv) / 8 + 8

@@ -72,7 +72,7 @@ class PolarQuantKVCache(Int8Values, StandaloneCache):
         return [self.rotation, *self.codebooks, *self._cos, *self._sin]
 
     def append_key(self, k) -> None:
-        k, _ = as_block(k, self.head_dim, "key")
+        k = as_block(k, self.head_dim, "key")[0]
         if k.shape[0] == 0:
             return
         check_norm16(k, "key")

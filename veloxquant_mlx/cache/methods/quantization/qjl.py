@@ -46,7 +46,7 @@ class QJLKVCache(StandaloneCache):
         return [self.sketch]  # the m x d float32 JL matrix
 
     def append_key(self, k) -> None:
-        k, _ = as_block(k, self.head_dim, "key")
+        k = as_block(k, self.head_dim, "key")[0]
         if k.shape[0] == 0:
             return
         check_norm16(k, "key")
@@ -67,7 +67,7 @@ class QJLKVCache(StandaloneCache):
         return qjl_dequantize(self._signs(n), self._keys.view("norm")[:n], self.sketch)
 
     def append_value(self, v) -> None:
-        v, _ = as_block(v, self.head_dim, "value")
+        v = as_block(v, self.head_dim, "value")[0]
         if v.shape[0] == 0:
             return
         # one group = the whole row, its scale and minimum kept in float16

@@ -202,7 +202,7 @@ class SpectralQuantKVCache(StandaloneCache):
         for side, x, what in ((self._keys, keys, "keys"), (self._values, values, "values")):
             if x is None:
                 continue
-            x, _ = as_block(x, self.head_dim, what)
+            x = as_block(x, self.head_dim, what)[0]
             if x.shape[0] < 2:
                 raise CacheInputError(f"calibration {what} need at least 2 rows, got {x.shape[0]}")
             self._calibrate_side(side, x, side.pending)

@@ -118,7 +118,7 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         return mx.split(x, [self.groups[0].dim], axis=1) if len(self.groups) > 1 else [x]
 
     def append_key(self, k) -> None:
-        k, _ = as_block(k, self.head_dim, "key")
+        k = as_block(k, self.head_dim, "key")[0]
         if k.shape[0] == 0:
             return
         check_norm16(k, "key")

@@ -71,6 +71,7 @@ class VecInferKVCache(KIVIKVCache):
     scalar_fields = ("n_quant", "n_res", "dtype_name", "calib_tokens")
     dequant_only = "vector-quantized codes"
     calib_tokens = 0  # encoded tokens the fitted statistics were computed from (0: none fitted)
+    calib_field, refit_fields = "calib_tokens", ("key_cb", "val_cb", "smooth")  # emptied codes: calibrate again
 
     def _init_layout(self):
         c, o = self.config, self.config.options
@@ -199,14 +200,6 @@ class VecInferKVCache(KIVIKVCache):
         """LUT scores on the codes while the table stays small (``LUT_MAX``), else the decoded keys."""
         B, H, R, D = q.shape
         return self.lut_scores(q, n) if R * (D // self.ks) * n <= LUT_MAX else q @ self._keys_t(n)
-
-    def _trim_rows(self, n):
-        self._refuse_calibration_trim(n, self.calib_tokens)
-        dropped = super()._trim_rows(n)
-        if self.n_quant == 0:  # nothing encoded is left: calibrate again, as a fresh cache would
-            self.key_cb = self.val_cb = self.smooth = None
-            self.calib_tokens = 0
-        return dropped
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         return (d // self.ks) * self.kbits / 8 + (dv // self.vs) * self.vbits / 8
