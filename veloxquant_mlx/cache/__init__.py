@@ -19,6 +19,7 @@ from .composed import register_composed as _register_composed
 
 _register_composed()  # Quantized<EvictionClass>: loadable by mlx_lm's load_prompt_cache
 from .saved import load_cache, read_cache_info, save_cache
+from .methods.quantization.turboquant import TurboQuantKVCache  # the API reference's class of both TurboQuants
 
 
 def __getattr__(name):

@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 from .artifacts import ArtifactStore
 from .base import _METHOD_TABLE, METHOD_NAMES
 from .errors import QuantizerConfigError
+from .observers import QuantizationObserver
 from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth,
                       dims, method_fields, rng_seed, rule_of, tokens)
 
@@ -192,7 +193,8 @@ def validate_config(cfg: KVCacheConfig) -> None:
                cfg.dtype, allowed_values("dtype"))
     for name, rule in FIELD_RULES.items():
         rule.check(name, getattr(cfg, name))
-    _check(isinstance(cfg.observers, list), "observers", cfg.observers, "a list of QuantizationObserver")
+    _check(isinstance(cfg.observers, list) and all(isinstance(o, QuantizationObserver) for o in cfg.observers),
+           "observers", cfg.observers, "a list of QuantizationObserver")
     if cfg.n_outlier_channels is not None:
         _check(0 <= cfg.n_outlier_channels < cfg.head_dim, "n_outlier_channels", cfg.n_outlier_channels,
                f"an int in [0, head_dim={cfg.head_dim})")

@@ -19,6 +19,7 @@ class SlidingWindowKVCache(KVCache):
         if not callable(getattr(inner, "drop_oldest", None)):
             raise QuantizerConfigError("inner", type(inner).__name__, "a standalone cache with drop_oldest(n)")
         self.inner, self.window_size = inner, window_size
+        self._evict()  # an inner cache handed over already filled keeps only its window too
 
     def append_key(self, k):
         self.inner.append_key(k)

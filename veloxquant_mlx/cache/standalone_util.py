@@ -42,9 +42,9 @@ def derive_seed(seed: int, stream: int) -> int:
 
 def as_block(x, d: int, what: str) -> tuple[mx.array, bool, mx.Dtype]:
     """Validate a ``(d,)`` / ``(n, d)`` floating, finite input: ``(float32 (n, d), was it one vector, its MLX
-    dtype)`` (float64 NumPy reads as float32)."""
+    dtype)`` (float64 and long double NumPy read as float32)."""
     if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
-        x = mx.array(x)
+        x = mx.array(x if x.dtype.itemsize <= 8 else x.astype(np.float64))  # MLX has no long double
     if not isinstance(x, (mx.array, np.ndarray)):
         raise CacheInputError(f"{what} must be an mlx array, got {type(x).__name__}")
     if isinstance(x, np.ndarray) or not mx.issubdtype(x.dtype, mx.floating):

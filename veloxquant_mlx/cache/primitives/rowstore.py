@@ -30,6 +30,10 @@ class RowStore:
         mx.eval(list(self.arrays.values()))
 
     def view(self, name: str) -> mx.array:
+        """Rows ``[0, n)`` of ``name``; an empty ``(0, *row)`` array before its first write (an empty cache)."""
+        if name not in self.arrays:
+            shape, dtype = self.specs[name]
+            return mx.zeros((0, *shape), dtype=dtype)
         return self.arrays[name][: self.n]
 
     def nbytes(self) -> int:

@@ -4,7 +4,8 @@ A key is rotated by a seeded Haar-random ``Pi`` (``config.store`` key ``polar.ro
 angles then follow known laws) and turned by a recursive polar transform over ``L`` levels (``primitives.polar``)
 into float16 radii and angles, coded with each level's MSE-optimal codebook (no per-block scale or zero point, the
 paper's point). Scores ``<Pi q, y_hat>`` come from cos/sin tables. Bits: ``b = bit_width_inlier`` at level 1
-(range ``2*pi``), ``max(1, b - 2)`` above: ``b = 4`` is the paper's 4/2/2/2, 64 bytes a key at d = 128.
+(range ``2*pi``), ``max(1, b - 2)`` above: ``b = 4`` is the paper's 4/2/2/2, 64 bytes a key at d = 128. Angle
+codes are bit-packed at their width (the API reference's PolarQuantKVCache held one uint8 per angle).
 
 Deviations from the paper:
 
@@ -103,7 +104,7 @@ class PolarQuantKVCache(Int8Values, StandaloneCache):
         for lv in reversed(range(self.levels)):
             idx = codes[lv].astype(mx.int32)
             c, s = mx.take(self._cos[lv], idx), mx.take(self._sin[lv], idx)
-            r = mx.stack([r * c, r * s], axis=-1).reshape(n, -1)
+            r = mx.stack([r * c, r * s], axis=-1).reshape(n, 2 * r.shape[1])
         return r
 
     def reconstruct_keys(self) -> mx.array:

@@ -5,7 +5,8 @@ A key is the bit-packed signs of ``S k`` (``S`` a seeded ``m x d`` Gaussian, ``m
 ``config.store`` key ``qjl.sketch.m<m>.d<d>.seed<seed>``) and ``||k||``; queries stay exact: the paper's unbiased
 estimator (``primitives.sketch``; for Gaussian ``q, k`` its correlation with ``q·k`` is ``sqrt(1 / (1 + pi/2 *
 d/m))``: ~0.62 at ``m = d``). Values: one min/max group per token at ``bit_width_inlier`` bits. d = m = 128, b = 2:
-54 bytes a token (fp16 K+V: 512).
+54 bytes a token (fp16 K+V: 512). The signs take 1 bit each (the API reference's QJLKVCache held one int8 per sign,
+8x the key bytes).
 
 Deviations from the paper: (1) no outlier-channel split; (2) the key norm is float16 (relative score error at
 most 2^-11); (3) values use one min/max group per token, not group-wise quantization; (4) the sketch is a dense
@@ -77,6 +78,8 @@ class QJLKVCache(StandaloneCache):
         self._values.append({"vcodes": codes, "vscale": scale[:, 0], "vmin": lo[:, 0]})
 
     def _decoded_values(self, n: int) -> mx.array:
+        if not n:
+            return mx.zeros((0, self.head_dim))
         scale, lo = self._values.view("vscale")[:n, None], self._values.view("vmin")[:n, None]
         return gq.dequantize(self._values.view("vcodes")[:n], scale, lo, self.bit_width_inlier, self.head_dim)
 

@@ -22,8 +22,8 @@ Deviations from the paper:
    QR-based Haar matrix, attention a float32 gather + matmul (no fused kernel).
 
 Shared behaviour: ``standalone_util.StandaloneCache``. A key norm beyond float16 raises ``CacheInputError``;
-value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` is only range-checked without a split;
-``observers`` and ``store`` are kept but unused.
+value entries beyond ``127 * 65504`` are clipped; ``bit_width_outlier`` (None: ``bit_width_inlier``, as the API
+reference documents) is only range-checked without a split; ``observers`` and ``store`` are kept but unused.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from ...errors import QuantizerConfigError
 from ...primitives.bitpack import pack_bits, packed_words, unpack_bits
 from ...primitives.codebook import lloyd_max_codebook, nearest_code
 from ...primitives.rotation import random_orthogonal
-from ...primitives.rowstore import RowStore
 from ...primitives.sketch import gaussian_jl, qjl_dequantize, qjl_inner_product, qjl_pack
-from ...standalone_util import (Int8Values, StandaloneCache, as_block, check_norm16, derive_seed, int_field, jl_width,
-                               qjl_signs)
+from ...primitives.rowstore import RowStore
+from ...standalone_util import (Int8Values, StandaloneCache, as_block, check_norm16, derive_seed, int_field,
+                               jl_width, qjl_signs)
 
 _TINY = 1e-30
 
@@ -59,9 +59,20 @@ class _Group:
         return [a for a in (self.rotation, self.centroids) if a is not None]
 
 
-class _TurboQuantBase(Int8Values, StandaloneCache):
-    """Shared machinery of both caches: outlier-split channel groups, key storage, scores."""
+class TurboQuantKVCache(Int8Values, StandaloneCache):
+    """The API reference's ``TurboQuantKVCache(config)``: built as ``TurboQuantProdKVCache``, or as
+    ``TurboQuantMSEKVCache`` for ``config.method == "turboquant_mse"`` (both are instances of this class, which
+    holds their shared machinery: outlier-split channel groups, key storage, scores)."""
     _prod = False
+
+    def __new__(cls, config=None):  # None: copy.copy re-creating an instance
+        if cls is TurboQuantKVCache:
+            method = getattr(config, "method", "turboquant_prod")
+            if method not in ("turboquant_prod", "turboquant_mse"):
+                raise QuantizerConfigError("method", method, "'turboquant_prod' or 'turboquant_mse' for "
+                                                             "TurboQuantKVCache (KVCacheFactory.create builds any)")
+            cls = TurboQuantMSEKVCache if method == "turboquant_mse" else TurboQuantProdKVCache
+        return super().__new__(cls)
 
     def __init__(self, config):
         initial = self._setup(config)
@@ -71,7 +82,8 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
         if split and d < 4:
             raise QuantizerConfigError("n_outlier_channels", n_out, "None or 0 (an outlier split needs head_dim >= 4)")
         n_out = int_field(config, "n_outlier_channels", 2, d - 2) if split else 0
-        b_out = int_field(config, "bit_width_outlier", 1, 8, optional=not split)  # checked even when unused
+        b_out = int_field(config, "bit_width_outlier", 1, 8, optional=True)  # checked even when unused
+        b_out = b_in if b_out is None else b_out  # the API reference: None -> same as inlier
         self.n_calib_tokens = int_field(config, "n_calib_tokens", 1, optional=True)
         self.jl_dim = jl_width(config, d) if self._prod else None
         self.bit_width_outlier, self.n_outlier_channels = b_out if split else None, n_out
@@ -179,11 +191,11 @@ class _TurboQuantBase(Int8Values, StandaloneCache):
 
 
 @register("turboquant_mse")
-class TurboQuantMSEKVCache(_TurboQuantBase):
+class TurboQuantMSEKVCache(TurboQuantKVCache):
     """TurboQuant-MSE (Algorithm 1): rotation + ``bit_width_inlier``-bit Lloyd–Max codes per coordinate."""
 
 
 @register("turboquant_prod")
-class TurboQuantProdKVCache(_TurboQuantBase):
+class TurboQuantProdKVCache(TurboQuantKVCache):
     """TurboQuant-Prod (Algorithm 2): (b-1)-bit TurboQuant-MSE + 1-bit QJL of the residual: unbiased scores."""
     _prod = True
