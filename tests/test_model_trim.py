@@ -1,14 +1,23 @@
 """A model-wide trim (``contract.trim_caches``) is all or nothing: a later layer that refuses leaves every layer as
-it was, where mlx_lm's ``trim_prompt_cache`` trims the earlier layers first; ``check_trim`` agrees with ``trim``."""
+it was, where mlx_lm's ``trim_prompt_cache`` trims the earlier layers first; ``check_trim`` agrees with ``trim``
+(eviction, every quantizing and cross-layer method, the batch forms) and neither changes a cache it refuses."""
 
 import copy
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, trim_prompt_cache
 
-from veloxquant_mlx.cache import KIVIOptions, KVCacheConfig, KVCacheFactory, SnapKVOptions, StreamingLLMOptions
+from contract_table import COMPOSED, CONFIGS, CONTRACT_METHODS, MERGES, base_method
+from tiny_models import VOCAB, tiny_llama
+from veloxquant_mlx.cache import (KIVIOptions, KVCacheBuilder, KVCacheConfig, KVCacheFactory, SnapKVOptions,
+                                  StreamingLLMOptions)
+from veloxquant_mlx.cache.base import method_info
 from veloxquant_mlx.cache.contract import trim_caches
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the contract table's shared flat fields
 
 H, D = 2, 16
 
@@ -86,3 +95,80 @@ def test_evict_and_quantize_refuses_in_check_trim_what_its_eviction_part_refuses
     with pytest.raises(ValueError, match=r"layer 1: .*evicted"):
         trim_caches(caches, 12)
     assert [c.offset for c in caches] == [40, 40] and cache.stored_rows() == 12
+
+
+def snapshot(cache):
+    """What a refused trim must leave as it was: the offset, the bytes held and every state array (bit for bit)."""
+    flat = tree_flatten(cache.state)
+    return (int(cache.offset) if isinstance(cache.offset, int) else cache.offset.tolist(), cache.nbytes,
+            [(k, v.dtype, v.shape, np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v).tobytes())
+             if isinstance(v, mx.array) else (k, v) for k, v in flat])
+
+
+def refusal(call):
+    """The ``ValueError`` text ``call()`` raised, else None."""
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_agrees_with_trim(caches, i, ns):
+    """For every ``n`` of ``ns``: ``caches[i].check_trim(n)`` raises iff ``trim(n)`` (on a copy of the whole list:
+    cross-layer caches share state) raises, with the same text; neither changes the cache when it refuses."""
+    for n in ns:
+        before = snapshot(caches[i])
+        checked = refusal(lambda: caches[i].check_trim(n))
+        assert snapshot(caches[i]) == before, n
+        twin = copy.deepcopy(caches)
+        trimmed = refusal(lambda: twin[i].trim(n))
+        assert checked == trimmed, (type(caches[i]).__name__, i, n)
+        if trimmed is not None:
+            assert snapshot(twin[i]) == before, n
+
+
+QUANTIZED = [m for m in CONTRACT_METHODS if m in COMPOSED or method_info(m).family in ("quantization", "cross_layer")]
+
+
+@pytest.mark.parametrize("method", QUANTIZED)
+def test_check_trim_refuses_exactly_where_trim_does_for_every_quantizing_method(method):
+    """A 100-token prompt (compressed groups) and 3 decode steps on a 4-layer tiny llama; n = 1, the residual,
+    one past it (a cut into a group), the residual plus 16 or 32 (a group), 50, the offset."""
+    m = tiny_llama(head_dim=32, n_layers=4)
+    caches = KVCacheBuilder.for_model(m, KVCacheConfig(method=base_method(method), **{**CONFIGS, **COMPOSED}[method]))
+    mx.eval(m(mx.array([[(i * 29 + 5) % VOCAB for i in range(100)]]), cache=caches))
+    for t in (3, 17, 42):
+        mx.eval(m(mx.array([[t]]), cache=caches))
+    for i, c in enumerate(caches):
+        r = getattr(c, "n_res", None) or getattr(getattr(c, "quant", None), "n_res", None) or 5
+        check_agrees_with_trim(caches, i, sorted({1, r, r + 1, r + 16, r + 32, 50, c.offset}))
+
+
+def kivi(group, n):
+    return fed(KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=2, dtype=mx.float32,
+                                                   options=KIVIOptions(group_size=group))), n)
+
+
+def test_a_later_kivi_layer_cut_into_a_group_leaves_every_layer_unchanged():
+    """40 tokens: groups of 16 hold 32 + 8 residual, groups of 32 hold 32 + 8. Trimming 24 drops a whole 16-group
+    from layer 0 but cuts into layer 1's 32-group: mlx_lm trims layer 0 first, ``trim_caches`` trims none."""
+    caches = [kivi(16, 40), kivi(32, 40)]
+    before = [snapshot(c) for c in caches]
+    naive = copy.deepcopy(caches)
+    with pytest.raises(ValueError, match="cut into a quantized group"):
+        trim_prompt_cache(naive, 24)
+    assert [c.offset for c in naive] == [16, 40]
+    with pytest.raises(ValueError, match=r"layer 1: .*cut into a quantized group.*no layer was trimmed"):
+        trim_caches(caches, 24)
+    assert [snapshot(c) for c in caches] == before
+    assert trim_caches(caches, 8) == 8 and [c.offset for c in caches] == [32, 32]
+
+
+@pytest.mark.parametrize("method", sorted(MERGES))
+def test_a_batch_form_refuses_in_check_trim_what_its_trim_refuses(method):
+    """Two sequences of 30 and 37 tokens merged (``RaggedBatchCache.trim`` runs the check first)."""
+    singles = [fed(KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32, **CONFIGS[method])), n)
+               for n in (30, 37)]
+    batch = type(singles[0]).merge(singles)
+    check_agrees_with_trim([batch], 0, [0, 1, 2, 5, 6, 14, 15, 30, 31])

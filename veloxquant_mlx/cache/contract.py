@@ -255,12 +255,18 @@ class CompressedKVCache(mlx_cache._BaseCache):
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.held_arrays())
 
+    @property
+    def compression_ratio(self) -> float:
+        """fp16 bytes of every token seen / bytes held (> 1 means memory saved); needs the class's
+        ``full_seq_bytes`` (what mlx_lm's plain cache would hold for the same tokens)."""
+        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
+
     def is_trimmable(self) -> bool:
         return True
 
     def check_trim(self, n: int) -> None:
         """Raise ``ValueError`` where ``trim(n)`` would, changing nothing (``trim_caches`` asks every layer first)."""
-        n = int(n) if not isinstance(self.offset, int) else min(int(n), self.offset)  # (batch: per-row offsets)
+        n = min(int(n), self.offset)
         if n > 0:
             self._check_trim_rows(n)
 

@@ -261,7 +261,7 @@ class EvictionKVCache(CompressedKVCache):
         self.rows = idx.shape[-1] - spare
         mx.async_eval(self.positions)  # so a cache that never reads them (chunkkv follower) stacks no gathers
 
-    # telemetry (the spec's names)
+    # telemetry (the spec's names; compression_ratio: CompressedKVCache's)
     tokens_kept = property(lambda self: self.rows, doc="Rows held per head.")
     tokens_seen = property(lambda self: self.offset, doc="Tokens seen (the logical position).")
     keep_rate = property(lambda self: self.rows / self.offset if self.offset else 1.0,
@@ -269,11 +269,6 @@ class EvictionKVCache(CompressedKVCache):
     kept_bytes = property(lambda self: self.nbytes, doc="Bytes held (``nbytes``).")
     full_seq_bytes = property(lambda self: fp16_row_bytes(self.keys, self.values, self.offset),
                               doc="What mlx_lm's plain cache would hold for the same tokens (fp16, no spare rows).")
-
-    @property
-    def compression_ratio(self) -> float:
-        """fp16 bytes of every token seen / bytes held (> 1 means memory saved)."""
-        return self.full_seq_bytes / self.nbytes if self.nbytes else 1.0
 
 
 SETTLE_EVERY = 32

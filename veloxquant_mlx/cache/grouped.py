@@ -47,12 +47,12 @@ class GroupedQuantCache(CompressedKVCache):
     dequant_only = ""
     #: trim raises ValueError when the trimmed rows completed a quantized group, else is exact (False: broken)
     trim_exact_or_raises = True
-    #: ``_trim_rows``' text for a cut into a group (fields: cls, n, G, first, last, bits, res)
+    #: ``_check_trim_rows``' text for a cut into a group (fields: cls, n, G, first, last, bits, res)
     cut_group_text = ("{cls}: trimming {n} tokens would cut into a quantized group of {G} tokens (positions "
                       "{first}..{last} exist only as {bits}-bit codes); exact trims drop at most the {res} residual "
                       "tokens plus whole groups (n - {res} a multiple of {G})")
     #: Variants fitting statistics on their first encoded block: the scalar field of its end (encoded tokens, 0: none
-    #: fitted) and the fields the fit set; ``_trim_rows`` refuses to cut into the block and resets them when emptied.
+    #: fitted) and the fields the fit set; a trim may not cut into the block and resets them when it empties the codes.
     calib_field = ""
     refit_fields: tuple[str, ...] = ()
     _fit_holder = property(lambda self: self, doc="The cache holding the fit (xKV: the group's first layer).")
@@ -381,29 +381,33 @@ class GroupedQuantCache(CompressedKVCache):
         return kernels.checked_call("kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
                                     op_attend)
 
-    def _trim_rows(self, n: int) -> int:
+    def _check_trim_rows(self, n: int) -> None:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups, and not part (all
-        of it or none) of a variant's fitted block (``calib_field``); emptying the codes resets the fit."""
-        kernels._common.RowsMemo.forget(self)
-        if n <= self.n_res:
-            self.n_res -= n
-            return n
+        of it or none) of a variant's fitted block (``calib_field``)."""
         extra, G = n - self.n_res, self.group
+        if extra <= 0:
+            return
         if extra % G:
             keep = self.n_quant - (extra // G + 1) * G
             raise ValueError(self.cut_group_text.format(cls=type(self).__name__, n=n, G=G, first=keep,
                                                         last=keep + G - 1, bits=self.qbits, res=self.n_res))
         if extra > self.n_quant:
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
-        holder = self._fit_holder
-        calib_end = getattr(holder, self.calib_field) if self.calib_field else 0
+        calib_end = getattr(self._fit_holder, self.calib_field) if self.calib_field else 0
         if 0 < self.n_quant - extra < calib_end:
             raise ValueError(f"{type(self).__name__}: trimming {n} tokens would remove part of the first {calib_end} "
                              "coded tokens, whose statistics made the remaining codes; the result would differ from "
                              "never having seen them")
-        self.n_quant -= extra
+
+    def _trim_rows(self, n: int) -> int:
+        """The residual's newest rows, then whole groups; emptying the codes resets the fit (as a fresh cache)."""
+        kernels._common.RowsMemo.forget(self)
+        if n <= self.n_res:
+            self.n_res -= n
+            return n
+        self.n_quant -= n - self.n_res
         self.n_res = 0
-        if self.n_quant == 0 and self.calib_field and holder is self:  # fit again, as a fresh cache would
+        if self.n_quant == 0 and self.calib_field and self._fit_holder is self:  # fit again, as a fresh cache would
             for name in (self.calib_field, *self.refit_fields):
                 setattr(self, name, getattr(type(self), name, None))  # the class default (None: an array)
         return n
@@ -437,4 +441,3 @@ class GroupedQuantCache(CompressedKVCache):
         return B * H * self.offset * D * 2
 
     fp16_value_bytes = property(lambda self: self.full_seq_bytes - self.fp16_key_bytes)
-    compression_ratio = property(lambda self: self.full_seq_bytes / self.nbytes if self.nbytes else 1.0)

@@ -299,11 +299,14 @@ class ResidualWindowCache(CompressedKVCache):
         keep = kernels.keeps_rows(self, self._call.new_k.shape[2] if self._call else 0)
         return kernels._common.RowsMemo.of(self).fetch(n, buf, build, keep)
 
+    def _check_trim_rows(self, n: int) -> None:
+        """No more than the stored rows."""
+        if n > self.stored_rows():
+            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
+
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""
         kernels._common.RowsMemo.forget(self)
-        if n > self.stored_rows():
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
         w = min(n, self.n_win)
         q = min(n - w, self.n_quant)
         self.n_win -= w

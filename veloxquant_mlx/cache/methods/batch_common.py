@@ -120,12 +120,18 @@ class RaggedBatchCache(CompressedKVCache):
         super().__init__(config)
         self._init_counts(batch_size)
 
+    def check_trim(self, n: int) -> None:
+        """Raise ``ValueError`` where ``trim(n)`` would, changing nothing."""
+        if int(n) > 0 and self.lens:
+            self._check_trim_rows(int(n))
+
     def trim(self, n: int) -> int:
-        """Drop the ``n`` newest tokens of every sequence (``_trim_rows``: the rows, as each single cache would; it
-        raises before changing anything when it cannot)."""
+        """Drop the ``n`` newest tokens of every sequence (``_trim_rows``: the rows, as each single cache would,
+        once ``_check_trim_rows`` passed)."""
         n = int(n)
         if n <= 0 or not self.lens:
             return 0
+        self._check_trim_rows(n)
         self._trim_rows(n)
         self._call = None
         self.lens = [x - n for x in self.lens]

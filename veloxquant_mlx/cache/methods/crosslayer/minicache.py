@@ -183,9 +183,12 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
             x = flat[:-1].reshape(n, B, H, D).transpose(1, 2, 0, 3)
         return x
 
-    def _trim_rows(self, n: int) -> int:
+    def _check_trim_rows(self, n: int) -> None:
+        """Only past the stored rows: not KIVI's rule (a trim may cut a block; rows merged with trimmed ones stay)."""
         if n > self.stored_rows():
             raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+
+    def _trim_rows(self, n: int) -> int:
         if n <= self.n_res:
             self.n_res -= n
             return n

@@ -188,19 +188,28 @@ class StreamingLLMBatchKVCache(RaggedBatchCache):
             mask = self._visible(*call)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    def _trim_rows(self, n: int) -> None:
-        """As the single cache; rows back in position order."""
+    def _position_order(self) -> mx.array:
+        """[B, P] column indices putting each sequence's valid rows in position order (invalid columns last)."""
+        P = self.stored_rows()
+        valid = mx.arange(P, dtype=mx.int32)[None] < mx.array(self.nq, dtype=mx.int32)[:, None]
+        return mx.argsort(mx.where(valid, self.positions[:, 0, :P], _BIG), axis=1).astype(mx.int32)
+
+    def _check_trim_rows(self, n: int) -> None:
+        """As the single cache: every sequence's ``n`` newest rows must be its ``n`` newest tokens."""
         if n > min(self.nq):
             raise ValueError(f"cannot trim {n} tokens: a sequence holds only {min(self.nq)} rows "
                              f"(rows per sequence: {self.nq})")
-        P = self.stored_rows()
-        pos, nq = self.positions[:, 0, :P], mx.array(self.nq, dtype=mx.int32)[:, None]
-        order = mx.argsort(mx.where(mx.arange(P, dtype=mx.int32)[None] < nq, pos, _BIG), axis=1).astype(mx.int32)
+        P, nq = self.stored_rows(), mx.array(self.nq, dtype=mx.int32)[:, None]
         j = mx.arange(n, dtype=mx.int32)[None]
-        tail = mx.take_along_axis(mx.take_along_axis(pos, order, axis=1), nq - n + j, axis=1)
+        in_order = mx.take_along_axis(self.positions[:, 0, :P], self._position_order(), axis=1)
+        tail = mx.take_along_axis(in_order, nq - n + j, axis=1)
         if not bool(mx.all(tail == mx.array(self.lens, dtype=mx.int32)[:, None] - n + j)):
             raise ValueError("StreamingLLMBatchKVCache: the last tokens of a sequence were evicted, "
                              "so they cannot be trimmed exactly")
-        self._gather(order, *(getattr(self, name)[:, :, :P] for name in _FIELDS))
+
+    def _trim_rows(self, n: int) -> None:
+        """As the single cache; rows back in position order."""
+        P = self.stored_rows()
+        self._gather(self._position_order(), *(getattr(self, name)[:, :, :P] for name in _FIELDS))
         self.cap, self.ring = P, [-1] * len(self.nq)
         self.nq = [x - n for x in self.nq]

@@ -121,12 +121,13 @@ class AgeTieredKVCache(KIVIKVCache):
         bits = [b for t, m in enumerate(self._counts()) for b in [self.tier_bits[t]] * (m * self.group)]
         return bits + [16] * self.n_res
 
-    def _trim_rows(self, n: int) -> int:
+    def _check_trim_rows(self, n: int) -> None:
+        """Residual rows only: a trim into the groups cannot restore the widths they aged from."""
         if n > self.n_res:
             raise ValueError(
                 f"AgeTieredKVCache: trimming {n} tokens would reach quantized groups (only the {self.n_res} "
                 "float16 residual tokens can be dropped exactly: older groups were re-quantized as they aged)")
-        return super()._trim_rows(n)
+        super()._check_trim_rows(n)
 
     def tier_bytes_per_token(self, t: int, d: int, dv: int) -> float:
         """Bytes per token per KV head of tier ``t`` (codes at its width + float16 scales/biases)."""

@@ -245,12 +245,14 @@ class KIVIBatchKVCache(RaggedBatchCache):
                                          self.value_group(new_v.shape[-1]), (k0, v0, 0, k0, v0, 0, new_k, new_v),
                                          counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, counters))
 
-    def _trim_rows(self, n: int) -> None:
+    def _check_trim_rows(self, n: int) -> None:
         """Exact while the ``n`` newest tokens are all residual rows."""
         if n > min(self.nr):
             raise ValueError(
                 f"KIVIBatchKVCache: trimming {n} tokens would cut into a quantized group of some sequence "
                 f"(residual rows per sequence: {self.nr}); extract the sequences and trim them one by one")
+
+    def _trim_rows(self, n: int) -> None:
         R = self.R
         self.nr = [r - n for r in self.nr]
         R2 = max(self.nr)  # the region stays right-aligned: drop the now common invalid prefix

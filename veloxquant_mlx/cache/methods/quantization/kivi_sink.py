@@ -92,6 +92,11 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
         values = super()._values
         return self._after_sinks(self.sink_v, n, lambda m: values(m, dtype), dtype)
 
+    def _check_trim_rows(self, n: int) -> None:
+        """KIVI's rule while the trim stays within the groups; past them it drops them all, then sink rows."""
+        if n <= self.n_res + self.n_quant:
+            super()._check_trim_rows(n)
+
     def _trim_rows(self, n: int) -> int:  # n <= the offset, which is stored_rows()
         beyond = n - self.n_res - self.n_quant  # sink rows to drop, if > 0
         if beyond <= 0:

@@ -145,17 +145,24 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
             v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
         return v.astype(dtype)
 
+    def _fits_kept(self, n: int) -> tuple[int, int]:
+        """(fits starting below the groups a trim of ``n`` tokens keeps, those groups): KIVI's rule passed."""
+        new_g = (self.n_quant - max(n - self.n_res, 0)) // self.group
+        return sum(s < new_g for s in self.fit_starts), new_g
+
+    def _check_trim_rows(self, n: int) -> None:
+        """KIVI's rule, and no cut into a block the kept codes' levels were fitted on."""
+        super()._check_trim_rows(n)
+        kept, new_g = self._fits_kept(n)
+        if kept and self.fit_ends[kept - 1] > new_g:
+            raise ValueError(
+                f"KVQuantKVCache: trimming {n} tokens would remove part of the block (groups "
+                f"{self.fit_starts[kept - 1]}..{self.fit_ends[kept - 1] - 1}) the non-uniform levels of the "
+                "remaining codes were fitted on; the result would differ from never having seen them")
+
     def _trim_rows(self, n):
-        extra = n - self.n_res
-        if extra > 0 and extra % self.group == 0 and extra <= self.n_quant:
-            new_g = (self.n_quant - extra) // self.group
-            keep = [i for i, s in enumerate(self.fit_starts) if s < new_g]
-            if keep and self.fit_ends[keep[-1]] > new_g:
-                raise ValueError(
-                    f"KVQuantKVCache: trimming {n} tokens would remove part of the block (groups "
-                    f"{self.fit_starts[keep[-1]]}..{self.fit_ends[keep[-1]] - 1}) the non-uniform levels of the "
-                    "remaining codes were fitted on; the result would differ from never having seen them")
-            self.fit_starts, self.fit_ends = self.fit_starts[: len(keep)], self.fit_ends[: len(keep)]
+        kept = self._fits_kept(n)[0]  # the fits made on trimmed groups go with them
+        self.fit_starts, self.fit_ends = self.fit_starts[:kept], self.fit_ends[:kept]
         return super()._trim_rows(n)
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:

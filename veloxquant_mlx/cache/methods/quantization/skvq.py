@@ -172,19 +172,23 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
         return self._after_sinks(self.sink_v, n, lambda m: self._decode("v", m, dtype), dtype)
 
+    def _check_trim_rows(self, n: int) -> None:
+        """Window rows only (sink rows too while nothing is quantized): not KIVI's rule, whole groups are refused
+        as well."""
+        if n > self.n_res and not (self.n_quant == 0 and n <= self.n_res + self.n_sink):
+            raise ValueError(
+                f"SKVQKVCache: trimming {n} tokens would reach quantized tokens (only the {self.n_res} "
+                f"full-precision window tokens can be dropped exactly: a cache that never saw the trimmed "
+                f"tokens would hold some of the remaining ones in its full-precision window)"
+            )
+
     def _trim_rows(self, n: int) -> int:
         if n <= self.n_res:
             self.n_res -= n
             return n
-        if self.n_quant == 0 and n <= self.n_res + self.n_sink:
-            self.n_sink -= n - self.n_res
-            self.n_res = 0
-            return n
-        raise ValueError(
-            f"SKVQKVCache: trimming {n} tokens would reach quantized tokens (only the {self.n_res} "
-            f"full-precision window tokens can be dropped exactly: a cache that never saw the trimmed "
-            f"tokens would hold some of the remaining ones in its full-precision window)"
-        )
+        self.n_sink -= n - self.n_res  # nothing quantized (``_check_trim_rows``)
+        self.n_res = 0
+        return n
 
     def theoretical_bytes_per_token(self, d: int, dv: int) -> float:
         """Bytes per quantized token per KV head (codes + float16 scale/bias per channel group)."""

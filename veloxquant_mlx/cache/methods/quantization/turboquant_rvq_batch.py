@@ -260,11 +260,14 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
                             mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
-    def _trim_rows(self, n: int) -> None:
-        """As the single cache: the window's newest rows, then codes, then sinks."""
+    def _check_trim_rows(self, n: int) -> None:
+        """No more than the shortest sequence's tokens."""
         if n > min(self.lens):
             raise ValueError(f"cannot trim {n} tokens: a sequence holds only {min(self.lens)} "
                              f"(tokens per sequence: {self.lens})")
+
+    def _trim_rows(self, n: int) -> None:
+        """As the single cache: the window's newest rows, then codes, then sinks."""
         w = [min(n, x) for x in self.nw]
         q = [min(n - a, x) for a, x in zip(w, self.nq)]
         self.ns = [s - (n - a - b) for s, a, b in zip(self.ns, w, q)]

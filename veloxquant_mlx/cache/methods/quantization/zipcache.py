@@ -158,11 +158,15 @@ class ZipCacheKVCache(KIVIKVCache):
         self.n_scored = P
         return out
 
-    def _trim_rows(self, n: int) -> int:
+    def _check_trim_rows(self, n: int) -> None:
+        """Pending rows only: the saliency of the trimmed rows chose the widths of the compressed ones."""
         if n > self.n_res:
             raise ValueError(
                 f"ZipCacheKVCache: trimming {n} tokens would reach compressed tokens (only the {self.n_res} "
                 "float16 pending rows can be dropped exactly: their saliency chose the widths of the others)")
+        super()._check_trim_rows(n)
+
+    def _trim_rows(self, n: int) -> int:
         self.n_scored = min(self.n_scored, self.n_res - n)
         return super()._trim_rows(n)
 
