@@ -50,7 +50,9 @@ def quantize(x: mx.array, bits: int, group: int, reference: bool = False) -> Gro
     if n % group:
         raise ValueError(f"last axis {n} is not a multiple of group={group}")
     if uses_mx_kernels(bits, group) and not reference:
-        codes, scales, biases = mx.quantize(x.astype(SCALE_DTYPE), group_size=group, bits=bits)
+        # row-major first: MLX 0.32.4's CUDA quantize reads a transposed lone matrix (leading dims all 1, e.g. one
+        # KV head's per-channel keys) as if it were row-major (tests/test_primitives.py, seen on an H200)
+        codes, scales, biases = mx.quantize(mx.contiguous(x.astype(SCALE_DTYPE)), group_size=group, bits=bits)
         return GroupQuantized(codes, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE))
     xg = x.astype(mx.float32).reshape(*lead, n // group, group)
     lo = xg.min(axis=-1, keepdims=True)
