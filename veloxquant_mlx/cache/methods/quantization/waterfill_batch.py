@@ -105,11 +105,17 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
 
     def filter(self, batch_indices):
         super().filter(batch_indices)
-        self._layout = None
+        self._drop_tables()
 
     def extend(self, other):
         super().extend(other)
+        self._drop_tables()
+
+    def _drop_tables(self) -> None:
+        """The batch changed: drop what was built for the old one (the key layout, the decode kernel's tables;
+        rebuilt on use), so no array of the old batch stays held uncounted."""
         self._layout = None
+        self.__dict__.pop("_kconst", None)
 
     def _due(self) -> list:
         """Sequences to calibrate now: uncalibrated, holding ``n_calib_tokens`` rows or more."""
