@@ -323,3 +323,20 @@ def test_group_quantize_reads_a_transposed_view_as_its_values(shape, bits):
     step = (xf.max(-1) - xf.min(-1)) / (2**bits - 1)
     err = np.abs(np.array(got).reshape(xf.shape) - xf).max(-1)
     assert (err <= step + np.abs(xf).max(-1) * 2e-3).all()  # + the float16 scale/bias rounding
+
+
+@pytest.mark.parametrize("bits", [1, 3, 5, 7])
+@pytest.mark.parametrize("lead", [(), (2,), (0, 3)])
+def test_unpack_of_no_codes_is_an_empty_array(bits, lead):
+    """Zero codes (an empty cache's rows) unpack to an empty ``(..., 0)`` array: ``extract_codes`` is an
+    ``elementwise`` function, which runs an empty call uncompiled (MLX 0.32.4's CUDA backend dies with SIGFPE
+    launching a compiled kernel over no elements, seen on an H200)."""
+    from veloxquant_mlx.cache.primitives.fused import elementwise
+
+    out = unpack_bits(pack_bits(mx.zeros((*lead, 0), mx.uint8), bits), bits, 0)
+    assert out.shape == (*lead, 0) and out.dtype == mx.uint8
+    calls = []
+    twice = elementwise(lambda x: calls.append(x.shape) or x * 2)
+    assert twice(mx.zeros((0, 4))).shape == (0, 4) and calls == [(0, 4)]  # run as plain ops
+    assert mx.array_equal(twice(mx.ones((3,))), mx.full((3,), 2.0)) and len(calls) == 2  # traced once
+    assert mx.array_equal(twice(mx.ones((5,))), mx.full((5,), 2.0)) and len(calls) == 2  # any length

@@ -18,6 +18,7 @@ from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_a
 from .contract import CompressedKVCache
 from .eviction import EvictionKVCache
 from .primitives.buffers import dtype_name, fp16_row_bytes, grow_rows  # noqa: F401 (fp16_row_bytes re-exported)
+from .primitives.fused import elementwise
 
 QUANT_BLOCK = 32  # the window is compacted when it holds R + QUANT_BLOCK rows
 SINK_ROWS = 4  # the stream's first tokens stay in float16 (attention sinks)
@@ -82,7 +83,7 @@ _EXP_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(8))  # e^r to 5e-9 on
 _LN2_HI, _LN2_LO = 0.693145751953125, 1.42860682030941723212e-6  # ln 2 = HI + LO, HI exact in 16 bits
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def _exp_scale(x):
     """``x`` clamped at the smallest exponent, ``k = round(x / ln 2)`` and ``r = x - k ln 2`` (Cody-Waite)."""
     x = mx.maximum(x, -127 * _LN2_HI)
@@ -91,7 +92,7 @@ def _exp_scale(x):
     return (x - kf * _LN2_HI) - kf * _LN2_LO, (k + 127) << 23
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def _exp_poly(r, scale):
     p = _EXP_TAYLOR[-1]
     for c in _EXP_TAYLOR[-2::-1]:

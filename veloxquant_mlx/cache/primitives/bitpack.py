@@ -5,11 +5,11 @@ word ``p // 32``, codes may straddle words), zero-padded to ``ceil(n * bits / 32
 
 from __future__ import annotations
 
-import functools
 
 import mlx.core as mx
 
 from . import check_int
+from .fused import elementwise
 
 
 def packed_words(n: int, bits: int) -> int:
@@ -44,7 +44,7 @@ def pack_bits(codes: mx.array, bits: int) -> mx.array:
     return stream_words(stream.reshape(*lead, n * bits), n_words)
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -> mx.array:
     """Codes from their first word ``lo`` and the next ``hi`` (one fused kernel); ``(hi << (31 - s)) << 1``
     is ``hi << (32 - s)`` without a shift by 32; bits above a non-straddling code's width are masked off."""

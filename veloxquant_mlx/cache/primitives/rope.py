@@ -12,6 +12,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .fused import elementwise
+
 _BLOCK = 64  # positions per block of the angle-addition tables in rotate_rows
 
 
@@ -74,7 +76,7 @@ def frequencies_of(key: tuple) -> tuple[np.ndarray, mx.array]:
     return w, mx.array(w)
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def _turn(a, b, c, s):
     return a * c - b * s, a * s + b * c
 

@@ -8,6 +8,7 @@ import functools
 import mlx.core as mx
 
 from .codebook import odd_poly_gaussian
+from .fused import elementwise
 from .rotation import hadamard, random_orthogonal
 
 
@@ -39,7 +40,7 @@ def poly_coefficients(bits: int) -> tuple[float, float, float]:
     return tuple(odd_poly_gaussian(bits)[1])
 
 
-@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
+@elementwise  # elementwise only: one fused kernel for any row count
 def odd_poly(codes, top, a, b, c):
     """Decoded values ``u (a + u^2 (b + c u^2))`` of codes centred at ``top / 2``."""
     u = codes.astype(mx.float32) - top / 2
@@ -47,7 +48,7 @@ def odd_poly(codes, top, a, b, c):
     return u * (a + u2 * (b + c * u2))
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def nibble_centroids(b, pa, pb, pc):
     """Codebook values (:func:`odd_poly`) of the low and high 4-bit codes of bytes ``b``: channels 2j and 2j + 1."""
     return odd_poly(b & 15, 15, pa, pb, pc), odd_poly(b >> 4, 15, pa, pb, pc)

@@ -6,12 +6,12 @@ channel unpacks to 0). Packing is one gather of stream bits; unpacking two gathe
 
 from __future__ import annotations
 
-import functools
 
 import mlx.core as mx
 import numpy as np
 
 from .bitpack import extract_codes, stream_words
+from .fused import elementwise
 
 __all__ = ["VarLayout", "extract_codes"]
 
@@ -102,11 +102,11 @@ def dequantize_pairs(words, byte, shift, mask, lo, step):
     return _pair_dequantize(mx.take_along_axis(pairs, byte, axis=-1), shift, mask, lo, step)
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def _byte_pairs(b, following):
     return b.astype(mx.uint16) | (following.astype(mx.uint16) << 8)
 
 
-@functools.partial(mx.compile, shapeless=True)
+@elementwise
 def _pair_dequantize(pairs, shift, mask, lo, step):
     return lo + ((pairs >> shift) & mask).astype(mx.float32) * step  # (float16 -> 32 per element: 3x slower)

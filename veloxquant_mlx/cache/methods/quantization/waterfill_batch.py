@@ -16,7 +16,6 @@ later joiners; the single cache drops it once calibrated) and the kernel's table
 
 from __future__ import annotations
 
-import functools
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +24,7 @@ from ...attention import group_queries
 from ...contract import register_with_mlx_lm
 from ...primitives.bitalloc import allocate_bits, rope_pair_mean
 from ...primitives.bitpack import packed_words
+from ...primitives.fused import elementwise
 from ...primitives.keygrid import calibrated_grid, fit_rows
 from ...primitives.value_rotation import power_of_two
 from ...primitives.varpack import VarLayout, extract_codes
@@ -258,7 +258,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         return out + ([self._omega_cache] if getattr(self, "_omega_cache", None) is not None else [])
 
 
-@functools.partial(mx.compile, shapeless=True)  # elementwise only: one fused kernel for any row count
+@elementwise  # elementwise only: one fused kernel for any row count
 def _dequantize(lo, hi, shift, mask, k_lo, k_step):
     """``k_lo + code * k_step`` from the words gathered for each channel (``VarLayout.gather``)."""
     return k_lo + extract_codes(lo, hi, shift, mask).astype(mx.float32) * k_step
