@@ -77,5 +77,12 @@ for cmd in "$@"; do
   graphs) for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_MAX_OPS_PER_BUFFER=240" ${GRAPH_ENVS}; do echo "== $env"; env $env CONTEXTS=${CONTEXTS:-8192,32768} REPEATS=${REPEATS:-3} bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json "$OUT/graphs_${env%%=*}.json"; done ;;
   cstep) (for T in ${CONTEXTS:-8192 32768}; do timeout 200 python3 scripts/compiled_step_host.py --context $T --rounds ${ROUNDS:-3}; done) > $OUT/cstep.txt 2>&1; grep -v Warn $OUT/cstep.txt ;;
   tqsplit) (timeout 200 python3 scripts/prefill_host_device.py --context ${CONTEXTS:-8192} --method turboquant_rvq --profile; timeout 250 python3 scripts/prefill_layer_split.py --context ${CONTEXT:-8192} --method turboquant_rvq --passes 3 --profile 0) > $OUT/tqsplit.txt 2>&1; grep -v "^ *[0-9].*{built-in\|^$\|Warn" $OUT/tqsplit.txt | head -150 ;;
+  suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
+    files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
+    for k in $(seq 0 $((n - 1))); do
+      sel=(); for i in "${!files[@]}"; do [ $((i % n)) -eq $k ] && sel+=("${files[$i]}"); done
+      timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE "${sel[@]}" > $OUT/suite_$k.txt 2>&1 &
+    done; wait
+    grep -hE "^(FAILED|ERROR)|passed|failed|Timeout|Fatal|core dumped" $OUT/suite_*.txt | head -80 ;;
   esac
 done

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,9 +36,10 @@ CONFIGS = {
 
 
 def run(model, config, tokens):
-    """Prefill ``tokens[:PROMPT]``, then feed ``tokens[PROMPT:]`` one at a time (teacher forcing).
-    Returns (logits [STEPS + 1, vocab] float32 numpy, argmaxes, total cache nbytes, constant bytes)."""
-    caches = KVCacheBuilder.for_model(model, config)
+    """Prefill ``tokens[:PROMPT]``, then feed ``tokens[PROMPT:]`` one at a time (teacher forcing), with caches for
+    ``config`` (None: mlx_lm's plain caches). Returns (logits [STEPS + 1, vocab] float32 numpy, argmaxes, total
+    cache nbytes, constant bytes)."""
+    caches = make_prompt_cache(model) if config is None else KVCacheBuilder.for_model(model, config)
     out = [model(mx.array(tokens[None, :PROMPT]), cache=caches)[0, -1]]
     for t in tokens[PROMPT:]:
         out.append(model(mx.array([[int(t)]]), cache=caches)[0, -1])
@@ -80,6 +82,7 @@ def main(out_dir: str) -> None:
         arrays[f"{name}_tokens"] = tokens
         arrays[f"{name}_ref_logits"] = ref_logits
         arrays[f"{name}_logits"] = logits
+        arrays[f"{name}_plain_logits"] = run(full, None, tokens)[0]  # the same tokens, nothing compressed
         arrays[f"{name}_argmax"] = argmax
         result[name] = {"ref_nbytes": int(ref_bytes), "rank_nbytes": int(rank_bytes),
                         "ref_constant_nbytes": ref_const, "rank_constant_nbytes": rank_const}

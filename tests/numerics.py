@@ -13,6 +13,7 @@ float32 noise, so it does not depend on the last bits either.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 
@@ -64,3 +65,46 @@ def rounding_bounds(model, tokens, chunks, quantized) -> list[float]:
     plain = _chunk_end_logits(model, KVCache, tokens, chunks)
     flips = [float(mx.abs(q - p).max()) for q, p in zip(quantized, plain)]
     return [max(f16, flip) for f16, flip in zip(float16_rounding_effect(model, tokens, chunks, plain), flips)]
+
+
+_ALLOCATED: dict = {}
+
+
+def allocation_bytes(nbytes: int) -> int:
+    """The active memory MLX's allocator charges for one buffer of ``nbytes`` bytes on the default device, measured
+    once per size (with the buffer cache off): the bytes themselves on the CPU; on CUDA, MLX 0.32 rounds a buffer up
+    to its size classes (powers of two below 16 KB, whole 16 KB pages above), so a cache's ``nbytes`` (the bytes of
+    the arrays it holds) sits below the active memory they occupy there."""
+    if nbytes not in _ALLOCATED:
+        previous = mx.set_cache_limit(0)
+        mx.synchronize()
+        before = mx.get_active_memory()
+        probe = mx.zeros((nbytes,), mx.uint8)
+        mx.eval(probe)
+        _ALLOCATED[nbytes] = max(nbytes, mx.get_active_memory() - before)
+        del probe
+        mx.synchronize()
+        mx.set_cache_limit(previous)
+    return _ALLOCATED[nbytes]
+
+
+def allocator_slack(arrays) -> int:
+    """What the allocator charges for ``arrays`` beyond their ``nbytes`` (0 where it charges the bytes)."""
+    return sum(allocation_bytes(a.nbytes) - a.nbytes for a in arrays if a is not None)
+
+
+_MATMUL_ERROR: list = []
+
+
+def float32_matmul_error() -> float:
+    """The default device's float32 matmul error relative to the product's norm, measured once against float64:
+    ~1e-7 on a CPU; on a GPU that rounds float32 inputs to TF32 (MLX's CUDA backend on an H200 does in places
+    despite ``MLX_ENABLE_TF32=0``) ~1e-4. Tolerances for "the same up to summation order" scale with it."""
+    if not _MATMUL_ERROR:
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((64, 64)), rng.standard_normal((64, 256))
+        a32, b32 = a.astype(np.float32), b.astype(np.float32)
+        got = np.asarray(mx.array(a32) @ mx.array(b32), np.float64)
+        want = a32.astype(np.float64) @ b32.astype(np.float64)
+        _MATMUL_ERROR.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+    return _MATMUL_ERROR[0]

@@ -216,7 +216,7 @@ def test_methods_name_lists_settings_with_type_default_allowed_and_alias(capsys)
 
 
 def test_methods_json_into_a_closed_pipe_ends_without_traceback():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for reader in ("head -n 2", "true"):  # `true` exits before the CLI writes: every write hits a closed pipe
         proc = subprocess.run(f"{sys.executable} -m veloxquant_mlx methods --json | {reader}", shell=True, env=env,
                               capture_output=True, text=True, timeout=120)

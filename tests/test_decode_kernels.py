@@ -144,6 +144,32 @@ def test_merge_kernel_refuses_more_partials_than_its_shared_table_holds():
         _common.merge_kernel(m, l, mx.zeros((1, 1, 1, S1, 32)), None, False, mx.float32)
 
 
+def test_checked_call_raises_the_op_paths_error_and_keeps_the_kernel(monkeypatch):
+    """A first-use check whose op path raises (arrays inconsistent with each other: a corrupt or forged saved cache)
+    raises that error and leaves the kernel on; a kernel that fails to build is turned off with one warning and the
+    op path's result returned. The cache's record of the step is restored for the second function either way."""
+    monkeypatch.setattr(_common, "_checked", set())
+    monkeypatch.setattr(_common, "_disabled", set())
+    owner = type("Owner", (), {"_call": "record"})()
+    seen = []
+
+    def corrupt():
+        seen.append(owner._call)
+        raise ValueError("shapes disagree")
+
+    with pytest.raises(ValueError, match="shapes disagree"):
+        _common.checked_call("probe", owner, lambda: mx.ones(3), corrupt)
+    assert seen == ["record"] and "probe" not in _common._disabled | _common._checked
+
+    def no_build():
+        owner._call = None
+        raise RuntimeError("no launch")
+
+    with pytest.warns(RuntimeWarning, match="'probe' failed"):
+        out = _common.checked_call("probe", owner, no_build, lambda: mx.full(3, owner._call == "record", mx.float32))
+    assert "probe" in _common._disabled and out.tolist() == [1.0] * 3
+
+
 def test_split_count_grows_with_the_context_and_is_bounded():
     assert split_count(1) == 1 and split_count(256) == 1 and split_count(257) == 2
     assert split_count(32768) == 128 and split_count(10**7) == _common.MAX_SPLITS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import textwrap
 import time
 from pathlib import Path
 from typing import Optional
@@ -189,7 +190,8 @@ def bench_tables(rows: list[dict]) -> str:
         parts.append(format_table(["method", "decode-step ms per 1k context tokens", "slope / none's"], slope_rows))
     bad = {r["label"]: r["error"] for r in rows if not r["available"]}
     if bad:
-        parts.append("\n".join(f"unavailable: {k}: {v}" for k, v in bad.items()))
+        parts.append("\n".join(textwrap.fill(f"unavailable: {k}: {v}", 120, subsequent_indent="  ",
+                                             break_long_words=False) for k, v in bad.items()))
     return "\n\n".join(parts)
 
 

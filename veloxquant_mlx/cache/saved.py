@@ -542,7 +542,8 @@ def load_cache(path, *, model=None, expect_method: Optional[str] = None,
         raise
     except Exception as exc:  # noqa: BLE001 - anything mlx or a cache's from_state raises
         raise SavedCacheError(f"{path}: could not rebuild the caches: {type(exc).__name__}: {exc}") from None
-    _check_rebuilt(path, caches, info)
+    with mx.stream(mx.cpu):  # the op path's shape checks: a GPU kernel would read inconsistent arrays unchecked
+        _check_rebuilt(path, caches, info)
     held, seen = _state_bytes(caches), cache_tokens(caches)
     if (held, seen) != (info["state_bytes"], info["offset"]):
         raise SavedCacheError(f"{path}: corrupt: the loaded caches' state holds {held} bytes at offset {seen}, "

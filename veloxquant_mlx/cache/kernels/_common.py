@@ -74,8 +74,9 @@ def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable, error: 
     """``kernel_fn()``, the first time in a process evaluated next to ``op_fn()`` (the op path) and
     compared (``error(got, want)``, default the relative L2 error, < ``SELF_CHECK_TOL``): on a build/launch
     error or a mismatch the kernel is turned off with one warning line and the op path's result is used from
-    then on. Both functions consume ``cache._call`` (the cache's record of the step), which is restored between;
-    their results are arrays or tuples of arrays."""
+    then on; an error of the op path itself (inconsistent arrays) is raised and leaves the kernel on. Both
+    functions consume ``cache._call`` (the cache's record of the step), which is restored between; their results
+    are arrays or tuples of arrays."""
     if name in _disabled:
         return op_fn()
     if name in _checked:
@@ -83,13 +84,18 @@ def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable, error: 
     call = cache._call
     try:
         got = kernel_fn()
-        cache._call = call
-        want = op_fn()
-        mx.eval(got, want)
-    except Exception as err:  # noqa: BLE001 -- JIT compile/launch failures surface here: op path from now on
+    except Exception as err:  # noqa: BLE001 -- JIT compile failures surface here: op path from now on
         disable(name, err)
         cache._call = call
         return op_fn()
+    cache._call = call
+    want = op_fn()
+    mx.eval(want)  # the reference: what it raises is the input's fault (a corrupt state), not the kernel's
+    try:
+        mx.eval(got)
+    except Exception as err:  # noqa: BLE001 -- launch failures
+        disable(name, err)
+        return want
     rel = (error or relative_error)(got, want)
     if not rel < SELF_CHECK_TOL:
         disable(name, ValueError(f"relative error {rel:.2e} against the op path"))
