@@ -27,6 +27,7 @@ than the 120-token prompt (the settings: ``CONFIGS`` of tests/contract_table.py)
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import mlx.core as mx
@@ -50,7 +51,7 @@ SPLITS = {  # ways to feed the same T rows
 }
 PROBE = [5, 1, 1]  # calls after the prompt whose outputs are compared
 # float32 rows: a chunk-invariant cache differs at most by summation order (and, on a GPU that rounds float32
-# matmul inputs to TF32, by that rounding: vecinfer's trim differed by 1.2e-4 on an H200)
+# matmul inputs to TF32, by that rounding)
 TOL = max(1e-5, 5 * float32_matmul_error())
 DIFFERS = 1e-3  # a False flag must show a difference at least this large
 
@@ -202,10 +203,13 @@ def test_the_trims_documented_as_raising_are_listed():
 def test_trims_documented_as_raising_are_exact_when_they_do_not_raise(method):
     """Where the docs say the trim "raises if the trimmed rows completed a group", a trim of rows that
     are all still in the float16 residual returns n and is exact: the ValueError (seen in
-    ``test_exact_trim_flag``) is the only way such a trim is not exact."""
+    ``test_exact_trim_flag``) is the only way such a trim is not exact. The reference is a copy of the same caches
+    before the trimmed steps: a fit on the GPU (vecinfer's k-means sums by atomic scatter-add) varies between runs in
+    its last bits, which two separately built caches would show (1.2e-4 on an H200)."""
     caches = build(method)
     feed(caches, PROMPT, [T])
+    untouched = copy.deepcopy(caches)
     for i in range(N_SMALL_TRIM):
         forward(caches, DISCARDED, i, 1)
     assert [c.trim(N_SMALL_TRIM) for c in caches] == [N_SMALL_TRIM] * N_LAYERS
-    assert max_diff(reference(method), probe(caches)) <= TOL
+    assert max_diff(probe(untouched), probe(caches)) <= TOL
