@@ -458,6 +458,34 @@ def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(mon
 
 
 
+def test_metal_auto_path_dequantizes_where_mlx_quantized_matmul_is_wrong(monkeypatch):
+    """On Metal "auto" reads the codes with ``quantized_matmul`` only where a once-per-shape check finds it computes
+    what dequantize + matmul does (``groupquant.qmm_agrees``; mlx#4250 left a head dim 96's last 32 value channels
+    unwritten past 1024 tokens). Simulated here: a GPU device that is Metal, and that bug in the kernel."""
+    from veloxquant_mlx.cache.primitives import groupquant as gq
+
+    real = mx.quantized_matmul
+
+    def unwritten_tail(x, w, *a, **k):
+        out = real(x, w, *a, **k)
+        keep = mx.arange(out.shape[-1]) < out.shape[-1] // 64 * 64
+        return out if x.shape[-1] < 1024 or out.shape[-1] % 64 == 0 else mx.where(keep, out, 0.0)
+
+    c64, c96 = make_cache(head_dim=64), make_cache(head_dim=96)
+    for c, d in ((c64, 64), (c96, 96)):
+        c.update_and_fetch(rand(1, 2, 64, d), rand(1, 2, 64, d))
+    monkeypatch.setattr(mx, "quantized_matmul", unwritten_tail)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 0))
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    gq.qmm_agrees.cache_clear()
+    try:
+        assert c64._uses_qmm()
+        with pytest.warns(RuntimeWarning, match="mlx#4250"):
+            assert not c96._uses_qmm()
+    finally:
+        gq.qmm_agrees.cache_clear()
+
+
 def test_long_cpu_decode_step_splits_its_contraction_over_cpu_streams(monkeypatch):
     """Past ``CPU_SPLIT_MIN_ROWS`` stored rows a CPU decode step reads the codes in ``CPU_STREAMS`` parts (keys by
     channel halves, values by token halves; MLX runs each CPU stream on its own thread) and gets the attention of

@@ -325,6 +325,41 @@ def test_group_quantize_reads_a_transposed_view_as_its_values(shape, bits):
     assert (err <= step + np.abs(xf).max(-1) * 2e-3).all()  # + the float16 scale/bias rounding
 
 
+@pytest.mark.parametrize("bits,group,value_group,d,dv", [(4, 32, 32, 64, 64), (2, 64, 32, 96, 96),
+                                                        (8, 128, 64, 128, 128), (4, 32, 32, 80, 32)])
+def test_quantized_matmul_check_passes_where_mlx_computes_right(bits, group, value_group, d, dv):
+    from veloxquant_mlx.cache.primitives import groupquant as gq
+
+    gq.qmm_agrees.cache_clear()
+    assert gq.qmm_agrees(bits, group, value_group, d, dv)
+
+
+def test_quantized_matmul_check_catches_mlx_4250_and_warns_once(monkeypatch):
+    """KIVI's decode on Metal reads its codes with ``quantized_matmul(transpose=False)``; MLX's Metal kernel left the
+    output columns past the last multiple of 64 unwritten once the contraction had >= 1024 rows (mlx#4250: a head
+    dim of 96 lost its last 32 value channels). Simulated here: the check sees it, warns once, and is remembered."""
+    from veloxquant_mlx.cache.primitives import groupquant as gq
+
+    real = mx.quantized_matmul
+
+    def unwritten_tail(x, w, *a, **k):
+        out = real(x, w, *a, **k)
+        if x.shape[-1] < 1024 or out.shape[-1] % 64 == 0:
+            return out
+        keep = mx.arange(out.shape[-1]) < out.shape[-1] // 64 * 64
+        return mx.where(keep, out, 0.0)
+
+    monkeypatch.setattr(mx, "quantized_matmul", unwritten_tail)
+    gq.qmm_agrees.cache_clear()
+    try:
+        assert gq.qmm_agrees(4, 32, 32, 64, 64)  # 64 value channels: every column written
+        with pytest.warns(RuntimeWarning, match="disagrees with dequantize.*mlx#4250"):
+            assert not gq.qmm_agrees(4, 32, 32, 96, 96)
+        assert not gq.qmm_agrees(4, 32, 32, 96, 96)  # remembered: no second check, no second warning
+    finally:
+        gq.qmm_agrees.cache_clear()
+
+
 @pytest.mark.parametrize("bits", [1, 3, 5, 7])
 @pytest.mark.parametrize("lead", [(), (2,), (0, 3)])
 def test_unpack_of_no_codes_is_an_empty_array(bits, lead):

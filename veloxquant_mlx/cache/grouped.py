@@ -97,9 +97,12 @@ class GroupedQuantCache(CompressedKVCache):
             return True
         # auto (docs/RESULTS.md): MLX's CUDA backend has no quantized_matmul for these shapes; on the CPU it beats
         # dequantizing for decode, but its cost grows with the rows (a scalar loop decoding the codes again per
-        # row: dequantize + BLAS past QMM_MAX_ROWS). Metal unmeasured.
-        gpu = mx.default_device().type == mx.DeviceType.gpu
-        return ok and (mx.metal.is_available() if gpu else rows <= QMM_MAX_ROWS)
+        # row: dequantize + BLAS past QMM_MAX_ROWS). Metal unmeasured, and checked once (``gq.qmm_agrees``: MLX's
+        # Metal kernel for this orientation has had bugs).
+        if mx.default_device().type != mx.DeviceType.gpu:
+            return ok and rows <= QMM_MAX_ROWS
+        return (ok and mx.metal.is_available()
+                and gq.qmm_agrees(self.qbits, self.group, self.value_group(dv), self.res_k.shape[-1], dv))
 
     def _store(self, keys, values):
         B, H, N, D = keys.shape

@@ -9,6 +9,8 @@ along ``T``, which ``quantized_matmul(q, codes, transpose=False)`` reads as ``q 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -113,3 +115,31 @@ def dequantize_per_channel(codes: mx.array, scales: mx.array, biases: mx.array, 
     """``[..., T, D]`` (or ``[..., D, T]`` with ``transposed=True``) from ``quantize_per_channel``."""
     kt = dequantize(codes, scales, biases, bits, group, dtype)
     return kt if transposed else kt.swapaxes(-1, -2)
+
+
+QMM_CHECK_TOKENS = 2048  # past 1024 contraction rows MLX's Metal kernel takes its split-K path (mlx#4250)
+QMM_CHECK_TOL = 1e-2  # relative L2: the same sums in another order are ~1e-6 off, the known bugs ~1
+
+
+@functools.cache
+def qmm_agrees(bits: int, group: int, value_group: int, d: int, dv: int) -> bool:
+    """Whether ``mx.quantized_matmul(transpose=False)`` on the default device computes what dequantize + matmul
+    computes for KIVI's two contractions (scores ``q [3, d] @ K^T`` over per-channel key codes, the weighted sum ``p
+    [3, T] @ V`` over per-token value codes), checked once per process and shape on random rows. MLX's Metal
+    kernels have returned zeros or garbage on exactly this path (ml-explore/mlx#4250: split-K with an output not a
+    multiple of 64 columns, e.g. a head dim of 80 or 96; #4201), which the MLX a user has installed may carry; on
+    a mismatch one warning names it and the caller dequantizes instead."""
+    T = QMM_CHECK_TOKENS
+    keys, values, q, p = (mx.random.normal(s, key=mx.random.key(i))
+                          for i, s in enumerate([(d, T), (T, dv), (3, d), (3, T)]))
+    kq, vq = quantize(keys, bits, group), quantize(values, bits, value_group)
+    pairs = [(mx.quantized_matmul(x, *c, transpose=False, group_size=g, bits=bits), x @ dequantize(*c, bits, g))
+             for x, c, g in ((q, kq, group), (p, vq, value_group))]
+    err = max(float(mx.linalg.norm(got - want) / mx.linalg.norm(want)) for got, want in pairs)
+    if err < QMM_CHECK_TOL:
+        return True
+    warnings.warn(f"veloxquant: mx.quantized_matmul(transpose=False) on {mx.default_device()} disagrees with dequantize "
+                  f"+ matmul (relative error {err:.2g} at bits={bits}, groups {group}/{value_group}, head dims "
+                  f"{d}/{dv}; known MLX bugs ml-explore/mlx#4250 and #4201): KIVI-layout caches dequantize instead "
+                  "(slower; a newer MLX may fix it)", RuntimeWarning, stacklevel=2)
+    return False
