@@ -432,19 +432,43 @@ def test_single_vectors_equal_block(cls):
 
 @pytest.mark.parametrize("cls", CLASSES)
 def test_memory_bytes_is_held_arrays_and_grows_by_doubling(cls):
-    c = make(cls, capacity=64)
+    from veloxquant_mlx.cache.standalone_util import INITIAL_ROWS as R
+
+    c = make(cls)
     assert c.memory_bytes() == 0
-    k, v = kv(129, 2, lowrank=True)
+    k, v = kv(R + 1, 2, lowrank=True)
     c.append_key(mx.array(k[:1]))
     c.append_value(mx.array(v[:1]))
     one = c.memory_bytes()
-    c.append_key(mx.array(k[1:64]))
-    c.append_value(mx.array(v[1:64]))
+    c.append_key(mx.array(k[1:R]))
+    c.append_value(mx.array(v[1:R]))
     assert c.memory_bytes() == one
-    c.append_key(mx.array(k[64:65]))
-    c.append_value(mx.array(v[64:65]))
+    c.append_key(mx.array(k[R : R + 1]))
+    c.append_value(mx.array(v[R : R + 1]))
     assert c.memory_bytes() == 2 * one
     assert sum(a.nbytes for a in held_arrays(c)) == c.memory_bytes() + c.state_bytes()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_capacity_is_the_most_tokens_stored(cls):
+    """``capacity`` is the spec's "maximum tokens to store": the rows held grow to it and no further (100 rows,
+    not the doubling's 128), and an append past it raises naming it, storing nothing of that append."""
+    c = make(cls, capacity=100)
+    k, v = kv(101, 3, lowrank=True)
+    c.append_key(mx.array(k[:1]))
+    c.append_value(mx.array(v[:1]))
+    one = c.memory_bytes()  # 100 rows' worth at once: min(capacity, INITIAL_ROWS)
+    c.append_key(mx.array(k[1:100]))
+    c.append_value(mx.array(v[1:100]))
+    assert len(c) == 100 and c.memory_bytes() == one
+    keys = np.array(c.reconstruct_keys())
+    for append, rows in ((c.append_key, k), (c.append_value, v)):
+        with pytest.raises(ValueError, match="capacity=100 tokens: 100 stored, 1 more refused"):
+            append(mx.array(rows[100:101]))
+    with pytest.raises(ValueError, match="capacity=100"):
+        c.append_key(mx.array(k[95:101]))  # a block that would cross it: none of it is stored
+    assert len(c) == 100 and c.memory_bytes() == one
+    np.testing.assert_array_equal(np.array(c.reconstruct_keys()), keys)
 
 
 @pytest.mark.parametrize("cls", with_known_bugs(CLASSES, DROP_OLDEST_BUGS, lambda c: c.method_name))

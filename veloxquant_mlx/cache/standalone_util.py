@@ -13,6 +13,8 @@ from .errors import CacheInputError, QuantizerConfigError
 from .primitives.bitpack import unpack_bits
 from .primitives.rowstore import RowStore
 
+INITIAL_ROWS = 256  # rows a standalone cache preallocates (fewer when ``config.capacity`` is smaller)
+
 FP16_MAX = 65504.0
 
 
@@ -82,19 +84,20 @@ def qjl_signs(store: RowStore, name: str, n: int, m: int) -> mx.array:
 
 class StandaloneCache(KVCache):
     """Base of the standalone caches: inputs ``(d,)`` or ``(n, d)`` finite floating arrays (MLX or NumPy);
-    ``attend`` covers the complete (key, value) pairs at scale ``1/sqrt(head_dim)``; ``config.capacity`` rows
-    preallocated. A subclass calls :meth:`_setup`, keeps rows in ``_keys``/``_values`` (``RowStore``-like)
-    and implements ``append_key``, ``append_value``, ``_scores(q, n)`` (against the ``n`` oldest keys),
-    ``_attend_values(w, n)`` and ``_state_arrays()`` (its token-independent arrays)."""
+    ``attend`` covers the complete (key, value) pairs at scale ``1/sqrt(head_dim)``; ``config.capacity`` (the spec's
+    "maximum tokens to store") bounds the rows: an append past it raises ``ValueError`` and stores nothing. A
+    subclass calls :meth:`_setup`, keeps rows in ``_keys``/``_values`` (``RowStore``-like) and implements
+    ``append_key``, ``append_value``, ``_scores(q, n)`` (against the ``n`` oldest keys), ``_attend_values(w, n)``
+    and ``_state_arrays()`` (its token-independent arrays)."""
 
     def _setup(self, config) -> int:
-        """Validate and keep the fields every standalone cache reads; return the initial capacity."""
+        """Validate and keep the fields every standalone cache reads; return the rows to preallocate."""
         self.config = config
         self.head_dim = d = int_field(config, "head_dim", 2)
         if not is_int(seed := getattr(config, "seed", 0)):
             raise QuantizerConfigError("seed", seed, "an int")
         self.seed = int(seed)
-        capacity = int_field(config, "capacity", 1, optional=True)
+        self.capacity = capacity = int_field(config, "capacity", 1, optional=True)  # at most this many tokens
         self.dtype = getattr(config, "dtype", None)
         if self.dtype is not None and not (isinstance(self.dtype, mx.Dtype) and mx.issubdtype(self.dtype, mx.floating)):
             raise QuantizerConfigError("dtype", self.dtype, "None or a floating mlx dtype")
@@ -102,7 +105,7 @@ class StandaloneCache(KVCache):
         self.observers = list(getattr(config, "observers", None) or [])
         self.store = getattr(config, "store", None)
         self.scale = 1.0 / math.sqrt(d)
-        return capacity if capacity is not None else 256
+        return min(capacity or INITIAL_ROWS, INITIAL_ROWS)
 
     n_keys = property(lambda self: self._keys.n)
     n_values = property(lambda self: self._values.n)
@@ -148,9 +151,8 @@ class Int8Values:
     """Values as symmetric int8 codes with a float16 absmax scale per token (~0.2% error, well below the key
     error of polar and TurboQuant)."""
 
-    @staticmethod
-    def _value_store(d: int, capacity: int) -> RowStore:
-        return RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, capacity)
+    def _value_store(self, d: int, initial: int) -> RowStore:
+        return RowStore({"v": ((d,), mx.int8), "vscale": ((), mx.float16)}, initial, self.capacity)
 
     def append_value(self, v) -> None:
         v = as_block(v, self.head_dim, "value")[0]

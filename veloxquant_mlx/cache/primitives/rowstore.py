@@ -6,11 +6,12 @@ import mlx.core as mx
 
 
 class RowStore:
-    """Named per-token arrays ``(capacity, *row_shape)``, created on the first write, grown by doubling;
-    rows ``[0, n)`` are valid, the rest is held capacity (counted in ``nbytes``)."""
+    """Named per-token arrays ``(capacity, *row_shape)``, created on the first write, grown by doubling up to
+    ``limit`` rows (None: unbounded; an append past it raises ``ValueError`` and stores nothing); rows ``[0, n)``
+    are valid, the rest is held capacity (counted in ``nbytes``)."""
 
-    def __init__(self, specs: dict, initial_capacity: int):
-        self.specs, self.initial_capacity = specs, initial_capacity  # specs: name -> (row shape, dtype)
+    def __init__(self, specs: dict, initial_capacity: int, limit: int | None = None):
+        self.specs, self.initial_capacity, self.limit = specs, initial_capacity, limit  # specs: name -> (shape, dtype)
         self.clear()
 
     def append(self, rows: dict) -> None:
@@ -18,8 +19,12 @@ class RowStore:
         if k == 0:
             return
         need = self.n + k
+        if self.limit is not None and need > self.limit:
+            raise ValueError(f"capacity={self.limit} tokens: {self.n} stored, {k} more refused (nothing was stored)")
         if need > self.capacity:
             self.capacity = max(self.initial_capacity, 2 * self.capacity, need)
+            if self.limit is not None:
+                self.capacity = min(self.capacity, self.limit)
             old, self.arrays = self.arrays, {name: mx.zeros((self.capacity, *shape), dtype=dtype)
                                              for name, (shape, dtype) in self.specs.items()}
             for name, buf in old.items():

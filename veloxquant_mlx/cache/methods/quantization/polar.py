@@ -61,7 +61,7 @@ class PolarQuantKVCache(Int8Values, StandaloneCache):
         key_specs = {"a1": ((packed_words(self.level_sizes[0], b),), mx.uint32), "radii": ((self.n_radii,), mx.float16)}
         if self.levels > 1:
             key_specs["ah"] = ((packed_words(self._high_count, self._high_bits),), mx.uint32)
-        self._keys = RowStore(key_specs, initial)
+        self._keys = RowStore(key_specs, initial, self.capacity)
         self._values = self._value_store(d, initial)
 
     @property

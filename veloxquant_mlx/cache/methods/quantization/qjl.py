@@ -39,9 +39,10 @@ class QJLKVCache(StandaloneCache):
         self.jl_dim = m = jl_width(config, d)
         self.sketch = from_store(self.store, f"qjl.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed),
                                  (m, d))
-        self._keys = RowStore({"signs": ((packed_words(m, 1),), mx.uint32), "norm": ((), mx.float16)}, initial)
+        self._keys = RowStore({"signs": ((packed_words(m, 1),), mx.uint32), "norm": ((), mx.float16)}, initial,
+                              self.capacity)
         self._values = RowStore({"vcodes": ((gq.words_per_group(b, d),), mx.uint32), "vscale": ((), mx.float16),
-                                 "vmin": ((), mx.float16)}, initial)
+                                 "vmin": ((), mx.float16)}, initial, self.capacity)
 
     def _state_arrays(self) -> list:
         return [self.sketch]  # the m x d float32 JL matrix

@@ -71,12 +71,12 @@ def _eigen(rows: mx.array):
 class _Side:
     """One stream (keys or values): its basis once calibrated, its coded rows, or the exact rows held before."""
 
-    def __init__(self, kind: str, d: int, r: int, bits: int, extra_specs: dict, initial: int):
+    def __init__(self, kind: str, d: int, r: int, bits: int, extra_specs: dict, initial: int, limit):
         self.kind, self.d, self.r, self.bits = kind, d, r, bits
         self.mean = self.basis = self.eigenvalues = self.sqrt_lam = None
         self.codebook = mx.array([-1.0, 1.0]) if r == 1 else lloyd_max_codebook(bits, r)
         specs = {"codes": ((packed_words(r, bits),), mx.uint32), "rho": ((), mx.float16), **extra_specs}
-        self.rows = RowStore(specs, initial)
+        self.rows = RowStore(specs, initial, limit)
         self.pending = mx.zeros((0, d))  # the exact (float32) rows held until calibration
 
     @property
@@ -155,8 +155,8 @@ class SpectralQuantKVCache(StandaloneCache):
         self.jl_dim = m if self.apply_qjl else None
         self.key_d_eff, self.val_d_eff = min(int(o["key_d_eff"]), d), min(int(o["val_d_eff"]), d)
         qjl_specs = {"signs": ((packed_words(m, 1),), mx.uint32), "rnorm": ((), mx.float16)} if self.apply_qjl else {}
-        self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial)
-        self._values = _Side("value", d, self.val_d_eff, b, {}, initial)
+        self._keys = _Side("key", d, self.key_d_eff, b, qjl_specs, initial, self.capacity)
+        self._values = _Side("value", d, self.val_d_eff, b, {}, initial, self.capacity)
         self.sketch = from_store(self.store, f"spectral.sketch.m{m}.d{d}.seed{seed}", lambda: gaussian_jl(m, d, seed),
                                  (m, d)) if self.apply_qjl else None
         for side in (self._keys, self._values):

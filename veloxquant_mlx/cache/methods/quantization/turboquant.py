@@ -97,7 +97,7 @@ class TurboQuantKVCache(Int8Values, StandaloneCache):
                      for k, v in ((f"codes{g.index}", ((g.words,), mx.uint32)), (f"norm{g.index}", ((), mx.float16)))}
         if self._prod:
             key_specs.update(qjl=((packed_words(self.jl_dim, 1),), mx.uint32), rnorm=((), mx.float16))
-        self._keys = RowStore(key_specs, initial)
+        self._keys = RowStore(key_specs, initial, self.capacity)
         self._values = self._value_store(d, initial)
 
     rotation = property(lambda self: self.groups[0].rotation)  # of the first (or only) channel group
