@@ -312,6 +312,28 @@ def test_squeeze_gives_layers_whose_hidden_states_change_little_the_smaller_budg
     assert layers[0]._attn_out is None and coord.similarities[0] == layers[0].similarity
 
 
+def test_squeezed_budgets_keep_a_row_beside_the_sinks_and_the_newest_half():
+    """With many sinks a squeezed layer's share (``1 / (1 + strength)`` of the selectable rows) could fall below
+    what an H2O layer must keep (the sinks and the newest half of its budget): it gets the least valid budget
+    instead, the others share the rest (the sum stays n * budget), and every resolved budget is one the method
+    accepts. n_sink 40, budget 100, strength 4: the squeezed share gave 77 where 81 is the least."""
+    from veloxquant_mlx.cache.methods.eviction.squeeze import least_h2o_budget
+
+    n_sink, budget, sims = 40, 100, [0.2, 0.95, 0.3, 0.96]
+    least = least_h2o_budget(n_sink, W)
+    assert least == 81 and n_sink + least // 2 < least and n_sink + (least - 1) // 2 >= least - 1
+    assert min(squeeze_budgets(sims, budget, n_sink + W, 4.0)) == 77  # without the floor
+    b = squeeze_budgets(sims, budget, n_sink + W, 4.0, least)
+    assert b[1] == b[3] == least and b[0] > budget and sum(b) == 4 * budget
+    for resolved in b:
+        cfg = KVCacheConfig(method="squeeze", squeeze_resolved_budget=resolved,
+                            options=SqueezeOptions(budget=budget, n_sink=n_sink, strength=4.0))
+        assert SqueezeAttentionCache(cfg).budget == resolved
+    with pytest.raises(QuantizerConfigError, match="newest half"):
+        SqueezeAttentionCache(KVCacheConfig(method="squeeze", squeeze_resolved_budget=77,
+                                            options=SqueezeOptions(budget=budget, n_sink=n_sink, strength=4.0)))
+
+
 def test_squeeze_groups_layers_by_kmeans_and_squeezes_only_the_most_similar_cluster():
     """The paper's grouping: k-means (3 clusters) on the similarities; only the cluster of highest
     similarity is squeezed, every other layer gets the same larger budget (two groups in the end),

@@ -44,9 +44,20 @@ def kmeans_1d(values: list[float], k: int) -> list[int]:
     return [run[order.index(i)] for i in range(n)]
 
 
-def squeeze_budgets(similarity: list[float], budget: int, protected: int, strength: float) -> list[int]:
+def least_h2o_budget(n_sink: int, window: int) -> int:
+    """The smallest budget an H2O-voting layer accepts (``VotingEviction._init_layout``): a row beyond the sinks and
+    the window, and beyond the sinks and the newest half of the budget."""
+    b = n_sink + window + 1
+    while n_sink + max(window, b // 2) >= b:
+        b += 1
+    return b
+
+
+def squeeze_budgets(similarity: list[float], budget: int, protected: int, strength: float,
+                    least: int | None = None) -> list[int]:
     """Per-layer budgets: the most similar k-means cluster keeps ``1 / (1 + strength)`` of its selectable
-    rows, the rest go evenly to the other layers; the sum is ``n * budget``."""
+    rows (but a budget no smaller than ``least``, default ``protected + 1``), the rest go evenly to the other
+    layers; the sum is ``n * budget``."""
     n, s = len(similarity), budget - protected
     if n < 2 or strength == 0 or max(similarity) - min(similarity) < 1e-6:
         return [budget] * n
@@ -54,7 +65,7 @@ def squeeze_budgets(similarity: list[float], budget: int, protected: int, streng
     means = {l: sum(c for c, m in zip(similarity, labels) if m == l) / labels.count(l) for l in set(labels)}
     squeezed = max(means, key=means.get)
     low, high = [i for i in range(n) if labels[i] == squeezed], [i for i in range(n) if labels[i] != squeezed]
-    s_low = s / (1.0 + strength)
+    s_low = max(s / (1.0 + strength), (least or protected + 1) - protected)
     s_high = s + (s - s_low) * len(low) / len(high)
     vals = [int(s_low) if i in low else int(s_high) for i in range(n)]
     rest = n * s - sum(vals)  # rounding remainder, < n: to the least similar layers first
@@ -74,8 +85,9 @@ def hidden_similarity(h: mx.array, attn_out: mx.array) -> mx.array:
 class SqueezeCoordinator:
     """Collects the layers' similarities of the first forward pass, then resolves and applies the budgets."""
 
-    def __init__(self, n_layers: int, budget: int, protected: int, strength: float):
-        self.budget, self.protected, self.strength = budget, protected, strength
+    def __init__(self, n_layers: int, budget: int, n_sink: int, strength: float):
+        self.budget, self.protected, self.strength = budget, n_sink + OBS_WINDOW, strength
+        self.least = least_h2o_budget(n_sink, OBS_WINDOW)  # a squeezed layer keeps a row beside what it must keep
         self.layers: list = [None] * n_layers
         self._reports: dict[int, mx.array] = {}
         self.similarities = self.budgets = None
@@ -92,7 +104,7 @@ class SqueezeCoordinator:
         got = dict(zip(ids, mx.stack([self._reports[i] for i in ids]).tolist() if ids else []))  # one host read
         mean = sum(got.values()) / len(got) if got else 0.0  # a layer that never reported counts as average
         self.similarities = [float(got.get(i, mean)) for i in range(len(self.layers))]
-        self.budgets = squeeze_budgets(self.similarities, self.budget, self.protected, self.strength)
+        self.budgets = squeeze_budgets(self.similarities, self.budget, self.protected, self.strength, self.least)
         self._reports = {}
         for layer, b, c in zip(self.layers, self.budgets, self.similarities):
             layer.adopt(b, c)
@@ -123,7 +135,7 @@ class SqueezeAttentionCache(VotingEviction):
         coord = None
         if len(layer_configs) > 1 and layer_configs[0].squeeze_resolved_budget is None:
             o = layer_configs[0].options
-            coord = SqueezeCoordinator(len(layer_configs), o.budget, o.n_sink + OBS_WINDOW, float(o.strength))
+            coord = SqueezeCoordinator(len(layer_configs), o.budget, o.n_sink, float(o.strength))
         return [cls(cfg, layer_id=i, coordinator=coord) for i, cfg in enumerate(layer_configs)]
 
     _waiting = property(lambda self: self.coordinator is not None and not self.squeezed)
