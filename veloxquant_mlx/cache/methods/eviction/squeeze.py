@@ -9,7 +9,8 @@ and the layer input ``h`` give ``mean_t cos(h_t, h_t + a_t)`` on the first forwa
 Deviations:
 * ``h + a`` is the post-attention state of pre-norm blocks (Gemma's post-attention norm: approximated).
 * ``strength`` t >= 0 squeezes to ``p = 1 / (1 + t)`` of the selectable rows (0 uniform, default 1; the paper
-  tunes p ~0.3 - 0.7); sinks and the window are never squeezed; budgets sum to ``n * budget``.
+  tunes p ~0.3 - 0.7); sinks and the window are never squeezed, nor a layer below the least budget H2O accepts
+  (``least_h2o_budget``: the sinks and the newest half plus a row); budgets sum to ``n * budget``.
 * The similarity is the first forward pass's (the first prefill chunk), and no layer evicts before it.
 * Without reports the coordinator resolves at the second call (a silent layer counts as the mean; none: uniform);
   without a coordinator (single or reloaded caches) a layer keeps its state's budget, else
