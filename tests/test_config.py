@@ -150,6 +150,15 @@ def test_builder_validates_inputs():
         KVCacheBuilder().with_artifact_store("x")
 
 
+def test_builder_takes_a_jl_dim_wider_than_the_head():
+    """The spec's ``with_jl_dim`` says "<= head_dim" but advises m = 4 * head_dim (QJL's variance falls as 1/m):
+    a wider sketch is built as asked; a non-positive one is refused naming the field."""
+    cache = KVCacheBuilder().with_method("qjl").with_head_dim(64).with_jl_dim(256).build()
+    assert cache.sketch.shape == (256, 64)
+    with pytest.raises(QuantizerConfigError, match="jl_dim"):
+        KVCacheBuilder().with_method("qjl").with_head_dim(64).with_jl_dim(0).build()
+
+
 def test_builder_assembles_config_fields():
     obs = QuantizationObserver()
     b = (KVCacheBuilder().with_method("snapkv").with_head_dim(64).with_seed(7).with_capacity(100)

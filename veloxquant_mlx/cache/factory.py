@@ -105,6 +105,9 @@ class KVCacheBuilder:
         return self._set(bit_width_inlier=inlier, bit_width_outlier=outlier)
 
     def with_jl_dim(self, m: int):
+        """The JL sketch width m (QJL, TurboQuant-prod): any int >= 1. The spec's "must be <= head_dim" is not
+        enforced: it contradicts its own advice (the estimator's variance falls as 1/m; m = 4 * head_dim for quality),
+        and QJL's paper uses m > d."""
         return self._set(jl_dim=m)
 
     def with_n_outlier_channels(self, n: int):
