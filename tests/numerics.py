@@ -13,7 +13,6 @@ float32 noise, so it does not depend on the last bits either.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache
 
 
@@ -92,19 +91,3 @@ def allocator_slack(arrays) -> int:
     """What the allocator charges for ``arrays`` beyond their ``nbytes`` (0 where it charges the bytes)."""
     return sum(allocation_bytes(a.nbytes) - a.nbytes for a in arrays if a is not None)
 
-
-_MATMUL_ERROR: list = []
-
-
-def float32_matmul_error() -> float:
-    """The default device's float32 matmul error relative to the product's norm, measured once against float64:
-    ~1e-7 on a CPU; on a GPU that rounds float32 inputs to TF32 (MLX's CUDA backend on an H200 does in places
-    despite ``MLX_ENABLE_TF32=0``) ~1e-4. Tolerances for "the same up to summation order" scale with it."""
-    if not _MATMUL_ERROR:
-        rng = np.random.default_rng(0)
-        a, b = rng.standard_normal((64, 64)), rng.standard_normal((64, 256))
-        a32, b32 = a.astype(np.float32), b.astype(np.float32)
-        got = np.asarray(mx.array(a32) @ mx.array(b32), np.float64)
-        want = a32.astype(np.float64) @ b32.astype(np.float64)
-        _MATMUL_ERROR.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
-    return _MATMUL_ERROR[0]
