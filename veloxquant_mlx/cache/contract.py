@@ -155,6 +155,12 @@ class CompressedKVCache(mlx_cache._BaseCache):
         """Raise ``ValueError``, changing nothing, where ``_trim_rows(n)`` (0 < n <= offset) cannot trim exactly: the
         one place of a cache's refusal (``trim`` and ``check_trim`` run it); by default none."""
 
+    @staticmethod
+    def _check_stored(n: int, stored: int) -> None:
+        """Refuse a trim of more tokens than the ``stored`` rows (for ``_check_trim_rows``)."""
+        if n > stored:
+            raise ValueError(f"cannot trim {n} tokens: only {stored} rows are stored")
+
     def stored_rows(self) -> int:
         """Rows currently stored (may be fewer than ``offset``)."""
         raise NotImplementedError

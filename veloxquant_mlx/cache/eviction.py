@@ -185,8 +185,7 @@ class EvictionKVCache(CompressedKVCache):
 
     def _check_trim_rows(self, n: int) -> None:
         """Refuse unless every head's last ``n`` rows (``_trim_order``) are the ``n`` newest tokens."""
-        if n > self.rows:
-            raise ValueError(f"cannot trim {n} tokens: only {self.rows} rows are stored")
+        self._check_stored(n, self.rows)
         want = mx.arange(self.offset - n, self.offset, dtype=mx.int32)
         if not bool(mx.all(self._trim_order()[:, :, -n:] == want)):
             raise ValueError(f"{type(self).__name__}: the last {n} tokens were evicted, so they cannot be trimmed "

@@ -387,6 +387,7 @@ class GroupedQuantCache(CompressedKVCache):
     def _check_trim_rows(self, n: int) -> None:
         """Exact trims only: the ``n`` newest tokens must be residual tokens plus whole groups, and not part (all
         of it or none) of a variant's fitted block (``calib_field``)."""
+        self._check_stored(n, self.stored_rows())
         extra, G = n - self.n_res, self.group
         if extra <= 0:
             return
@@ -394,8 +395,6 @@ class GroupedQuantCache(CompressedKVCache):
             keep = self.n_quant - (extra // G + 1) * G
             raise ValueError(self.cut_group_text.format(cls=type(self).__name__, n=n, G=G, first=keep,
                                                         last=keep + G - 1, bits=self.qbits, res=self.n_res))
-        if extra > self.n_quant:
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
         calib_end = getattr(self._fit_holder, self.calib_field) if self.calib_field else 0
         if 0 < self.n_quant - extra < calib_end:
             raise ValueError(f"{type(self).__name__}: trimming {n} tokens would remove part of the first {calib_end} "

@@ -302,8 +302,7 @@ class ResidualWindowCache(CompressedKVCache):
 
     def _check_trim_rows(self, n: int) -> None:
         """No more than the stored rows."""
-        if n > self.stored_rows():
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} rows are stored")
+        self._check_stored(n, self.stored_rows())
 
     def _trim_rows(self, n: int) -> int:
         """Window rows are dropped exactly; beyond the window the newest codes, then sink rows."""

@@ -185,8 +185,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
 
     def _check_trim_rows(self, n: int) -> None:
         """Only past the stored rows: not KIVI's rule (a trim may cut a block; rows merged with trimmed ones stay)."""
-        if n > self.stored_rows():
-            raise ValueError(f"cannot trim {n} tokens: only {self.stored_rows()} are stored")
+        self._check_stored(n, self.stored_rows())
 
     def _trim_rows(self, n: int) -> int:
         if n <= self.n_res:
