@@ -5,7 +5,6 @@ word ``p // 32``, codes may straddle words), zero-padded to ``ceil(n * bits / 32
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 
 from . import check_int

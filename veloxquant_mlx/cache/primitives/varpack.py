@@ -6,7 +6,6 @@ channel unpacks to 0). Packing is one gather of stream bits; unpacking two gathe
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 
