@@ -139,15 +139,15 @@ PEAK_METHODS = ["kivi", "kivi_sink", "kitty", "adakv", "kvquant", "cachegen", "g
                 "anchorkv", "age_tiered", "nsnquant", "turboquant_rvq", "waterfill"]
 
 
-def _prefill_peak(model, caches, prompt) -> int:
-    """MLX's peak memory during a chunked prefill (as mlx_lm's generate_step does it), above what was
-    live before it (weights, the prompt, the empty caches)."""
+def _prefill_peak(model, caches, prompt, step: int = None) -> int:
+    """MLX's peak memory during a chunked prefill (as mlx_lm's generate_step does it; chunks of ``step``, default
+    ``CHUNK``), above what was live before it (weights, the prompt, the empty caches)."""
     gc.collect()
     mx.synchronize()
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    prefill(model, prompt, caches, CHUNK)
+    prefill(model, prompt, caches, step or CHUNK)
     mx.synchronize()
     return mx.get_peak_memory() - base
 
@@ -250,3 +250,47 @@ def test_smallest_k_finds_the_k_smallest_of_every_row():
         want = np.sort(np.argsort(np.array(x), axis=1, kind="stable")[:, :k], axis=1)
         assert got.shape == (x.shape[0], k)
         assert (got == want).all()
+
+
+# ---------------------------------------------------------------------------------- a prompt in one chunk
+ONE_CHUNK, ONE_CHUNK_LAYERS = 512, 6
+# Known to peak above the plain cache when a whole prompt is one chunk (strict: fixing one fails here); here (6
+# layers, 512 tokens, session 29): vecinfer 10.6x, zipcache 4.9x, tova 3.2x, turboquant_rvq 2.0x, keyformer 2.0x,
+# h2o 1.46x, nestedkv 1.46x, a2ats 1.32x, squeeze 1.22x, gear 1.10x, morphkv 1.04x, svdq 1.01x, minicache 1.01x,
+# waterfill ~1.1x. What is behind them: encoding temporaries larger than one layer's scores (vecinfer's k-means
+# and code search, turboquant_rvq's beam search, waterfill's bit streams), and scoring that builds [N, N]
+# probabilities beside the attention (h2o, tova, keyformer, nestedkv). Fixed: the per-layer statistics that kept
+# every layer's [N, N] probabilities or queries alive to the chunk's end (CaM and KVzip 9.2x -> 0.8x, ZipCache
+# 11x -> 3x, waterfill 1.55x -> 1.04x on SmolLM2 at 1023 tokens).
+ONE_CHUNK_OVER = {"vecinfer", "zipcache", "tova", "turboquant_rvq", "keyformer", "h2o", "nestedkv", "a2ats", "squeeze",
+                  "gear", "morphkv"}
+ONE_CHUNK_BORDERLINE = {"svdq", "minicache", "waterfill"}  # within ~1% of the plain cache's peak, either side by run
+
+
+def _one_chunk_param(m):
+    if m in ONE_CHUNK_OVER:
+        return pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known: peaks above the plain cache"))
+    if m in ONE_CHUNK_BORDERLINE:
+        return pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="known: at the plain cache's peak"))
+    return m
+
+
+@pytest.fixture(scope="module")
+def one_chunk_setup():
+    model = tiny_llama(head_dim=16, n_layers=ONE_CHUNK_LAYERS)
+    prompt = mx.array([(i * 37 + 11) % VOCAB for i in range(ONE_CHUNK)])
+    peak = lambda: _prefill_peak(model, make_prompt_cache(model), prompt, step=ONE_CHUNK)  # noqa: E731
+    return model, prompt, min(peak() for _ in range(2))
+
+
+@pytest.mark.parametrize("method", [_one_chunk_param(m) for m in MLX_LM_METHODS])
+def test_a_prompt_in_one_chunk_peaks_no_higher_than_the_plain_cache(method, one_chunk_setup):
+    """A 512-token prompt in one chunk (mlx_lm prefills prompts up to 2048 tokens so) on a 6-layer tiny llama: the
+    plain cache's peak is one layer's [Hq, N, N] scores; a compressed cache must not keep a layer's probabilities,
+    queries or encoding temporaries alive past that layer, nor build larger ones."""
+    model, prompt, plain = one_chunk_setup
+    config = KVCacheConfig(method=method)
+    _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=ONE_CHUNK)
+    peak = _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=ONE_CHUNK)
+    assert plain >= 4 * ONE_CHUNK * ONE_CHUNK * 4  # the regime the test claims: one layer's scores at least
+    assert peak <= plain, f"{method}: one-chunk prefill peak {peak} B, {peak / plain:.2f}x the plain cache's {plain} B"

@@ -13,13 +13,23 @@ KMEANS_ITERS = 6
 KMEANS_ROWS_PER_CODE = 4  # fit sample: at most 4 rows per codeword (and 64K rows)
 KMEANS_MAX_ROWS = 1 << 16
 _CHUNK = 1024
+_BLOCK_ENTRIES = 1 << 21  # distances [Hc, rows, codewords] per block of vq_assign (8 MB)
 _TAG_VQ = 0x0A7E_0B01
 
 
 def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
     """Nearest codeword index for rows ``x [Hc, n, d]`` in codebooks ``cb [Hc, K, d]`` -> int32 [Hc, n].
-    Chunked over the codebook (running minimum), so memory is O(n * 1024)."""
+    In blocks of rows and of ``_CHUNK`` codewords (a running minimum): at most ``_BLOCK_ENTRIES`` distances
+    exist at once (a prompt's 49K key pieces against 4096 codewords were 200 MB per matrix)."""
     x, cb = x.astype(mx.float32), cb.astype(mx.float32)
+    Hc, n = x.shape[:2]
+    rows = max(1, _BLOCK_ENTRIES // (Hc * min(cb.shape[1], _CHUNK)))
+    if n > rows:
+        return mx.concatenate([_assign_block(x[:, a : a + rows], cb) for a in range(0, n, rows)], axis=1)
+    return _assign_block(x, cb)
+
+
+def _assign_block(x: mx.array, cb: mx.array) -> mx.array:
     best_d, best_i = mx.array(mx.inf), mx.array(0, mx.int32)
     for s in range(0, cb.shape[1], _CHUNK):
         c = cb[:, s : s + _CHUNK]

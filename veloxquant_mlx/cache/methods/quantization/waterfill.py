@@ -135,13 +135,17 @@ class WaterfillKVCache(ResidualWindowCache):
     def calibrated(self) -> bool:
         return self.k_bits is not None
 
-    def _observe(self, queries: mx.array) -> None:
-        """Add the call's ``sum q^2`` per KV head and channel (lazy: no host sync)."""
+    def _observe(self, queries: mx.array) -> mx.array:
+        """Add the call's ``sum q^2`` per KV head and channel (lazy: no host sync); returns the call's sum, which
+        ``attend`` ties to its output (``mx.depends``) so the sum is taken with the layer's attention: left to the
+        state's evaluation it kept every layer's queries alive to the end of a prefill chunk (a 2047-token
+        chunk of SmolLM2 peaked 1.4x the plain cache's memory)."""
         H = self._shape[0]
         q = group_queries(queries, H).astype(mx.float32)  # [B, H, rep, N, D]
         e = (q * q).sum(axis=(0, 2, 3))[None, :, None, :]  # [1, H, 1, D]
         self.q_energy = e if self.q_energy is None else self.q_energy + e
         self.q_count += queries.shape[0] * queries.shape[1] // H * queries.shape[2]
+        return e
 
     def _calibrate(self) -> None:
         """Key ranges over the stored rows (sinks excluded) and per-head widths (one host sync, once)."""
@@ -289,8 +293,7 @@ class WaterfillKVCache(ResidualWindowCache):
         return wf_kernel.decode_attend(self, queries, scale, sinks)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        if not self.calibrated and getattr(self, "_shape", None):
-            self._observe(queries)
+        seen = self._observe(queries) if not self.calibrated and getattr(self, "_shape", None) else None
         if self.calibrated and self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
             return kernels.checked_call(
                 "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
@@ -299,7 +302,7 @@ class WaterfillKVCache(ResidualWindowCache):
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()
             self._compact_blocks()
-        return out
+        return out if seen is None else mx.depends(out, seen)
 
     @staticmethod
     def constants_key(c):

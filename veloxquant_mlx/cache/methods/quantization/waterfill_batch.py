@@ -123,14 +123,17 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
 
     def _observe(self, queries) -> None:
         """Add each sequence's ``sum q^2`` over its valid query rows of the call (lazy: no host sync;
-        calibrated sequences' sums are never read again)."""
+        calibrated sequences' sums are never read again); returns the call's sum (``attend`` ties it to its
+        output, as the single cache does)."""
         H, N = self._shape[0], queries.shape[2]
         valid = self._valid if len(self._valid) == self.batch_size else [N] * self.batch_size
         q = group_queries(queries, H).astype(mx.float32)  # [B, H, rep, N, D]
         if min(valid) < N:  # right-padded rows are not the sequence's queries
             q = mx.where((mx.arange(N)[None] < mx.array(valid)[:, None])[:, None, None, :, None], q, 0.0)
-        self.q_energy = self.q_energy + (q * q).sum(axis=(2, 3))[:, :, None, :]
+        e = (q * q).sum(axis=(2, 3))[:, :, None, :]
+        self.q_energy = self.q_energy + e
         self.q_count = [c if s else c + q.shape[2] * v for c, v, s in zip(self.q_count, valid, self.src)]
+        return e
 
     def _calibrate(self, todo) -> None:
         """``WaterfillKVCache._calibrate`` for the sequences ``todo`` (their windows hold all their rows):
@@ -198,8 +201,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         return q @ self._keys(a, b).swapaxes(-1, -2)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        if self._held() and not all(self.src):
-            self._observe(queries)
+        seen = self._observe(queries) if self._held() and not all(self.src) else None
         call, N = self._call, queries.shape[2]
         w = call.window if call is not None else None
         if N > 1 and w is not None and w.new_k.shape[2] == N and keys.shape[2] == w.s0 + w.q0 + w.r0 + N > N:
@@ -220,7 +222,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             need = max(q + f for q, f in zip(self.nq, self._flush_counts(self.nw)))
             self._set_capacity(max(self.cap, need))  # exact slots for the prompt's codes
             super()._store(self.win_k[:, :, :0], self.win_v[:, :, :0], [0] * self.batch_size)
-        return out
+        return out if seen is None else mx.depends(out, seen)
 
     def _kernel_ready(self, queries, keys, mask, call) -> bool:
         """One query row per sequence over stored codes, the mask ``make_mask`` made (or none), kernel shapes, CUDA."""

@@ -152,11 +152,14 @@ class ZipCacheKVCache(KIVIKVCache):
             visible = None if mask is None else bool_mask(mask, N, q0 + P, H)[..., q0:]
         contrib = p_f.sum(axis=(2, 3))  # [B, H, P]: probability mass, divided later by the viewer count
         cnt = mx.full((1, 1, P), float(Hq // H * N)) if visible is None else \
-            mx.broadcast_to(visible, p_f.shape).astype(mx.float32).sum(axis=(2, 3))
+            mx.broadcast_to(visible.astype(mx.float32).sum(axis=-2, keepdims=True), (*p_f.shape[:3], 1, P)).sum(
+                axis=(2, 3))  # viewers per column, summed over the rows first: no [N, P] float32 copy
         self.sal_sum[:, :, :P] = self.sal_sum[:, :, :P] + contrib[..., None]
         self.sal_cnt[:, :, :P] = self.sal_cnt[:, :, :P] + mx.broadcast_to(cnt, contrib.shape)[..., None]
         self.n_scored = P
-        return out
+        # the sums are taken with the layer's attention: left to the state's evaluation they kept every layer's
+        # [N, P] probabilities alive to the end of a prefill chunk (11x the plain cache's peak at 1023 tokens)
+        return mx.depends(out, contrib)
 
     def _check_trim_rows(self, n: int) -> None:
         """Pending rows only: the saliency of the trimmed rows chose the widths of the compressed ones."""
