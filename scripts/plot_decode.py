@@ -5,7 +5,8 @@ the highest max. The rate is ``steady_tps`` (one over the median step: a long ge
 has it, else ``decode_tps`` (tokens over the decode's time, which the first step after the prompt dominates in
 short runs).
 
-    python scripts/plot_decode.py docs/data/h200_s29_2026-12-04/h200_bench_paired_*.json --out docs/speed_decode_h200.png
+    python scripts/plot_decode.py docs/data/h200_s29_2026-12-04/h200_bench_paired_*.json \
+        --out docs/speed_decode_h200.png
 """
 
 from __future__ import annotations

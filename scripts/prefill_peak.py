@@ -6,7 +6,11 @@
 Each (method, context, step) runs in this process after ``mx.clear_cache``: the prompt is prefilled
 as mlx_lm's ``generate_step`` does (chunks of ``step`` rows, every cache's state evaluated after each
 chunk), and ``mx.get_peak_memory()`` after ``mx.reset_peak_memory()`` minus the memory live before
-is printed with the caches' ``nbytes`` and the prefill time.
+is printed with the caches' ``nbytes`` and the prefill time. ``--methods all``: the plain cache, then every built
+mlx_lm-protocol method at its defaults; ``--warm``: each measured after a first, unmeasured run (process-wide
+constants, e.g. codebooks, are then not counted). A prompt in one chunk, every method:
+
+    python scripts/prefill_peak.py --contexts 1023 --steps 2048 --methods all --warm
 """
 
 from __future__ import annotations
@@ -65,19 +69,28 @@ def main() -> None:
     ap.add_argument("--steps", default="512,2048")
     ap.add_argument("--methods", default="none,kivi:bit_width_inlier=4,turboquant_rvq,"
                                         "waterfill:bit_width_inlier=4:residual_length=16")
+    ap.add_argument("--warm", action="store_true", help="measure each after a first, unmeasured run")
     args = ap.parse_args()
     from veloxquant_mlx import bench
 
     if args.layers:
         bench.SHAPES[args.shape] = dict(bench.SHAPES[args.shape], num_hidden_layers=args.layers)
     model = random_model(args.shape)
+    if args.methods == "all":
+        from veloxquant_mlx.cache import all_methods
+        from veloxquant_mlx.cache.base import MLX_LM
+
+        args.methods = ",".join(["none"] + [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM])
     methods = [parse_method(m) for m in args.methods.split(",")]
     print(f"shape={args.shape} layers={len(model.layers)} dtype={bench.default_dtype()}")
-    print(f"{'method':48s} {'ctx':>6s} {'step':>5s} {'peak MB':>9s} {'x plain':>8s} {'nbytes MB':>9s} {'s':>7s} {'x plain':>8s}")
+    print(f"{'method':48s} {'ctx':>6s} {'step':>5s} {'peak MB':>9s} {'x plain':>8s} {'nbytes MB':>9s} {'s':>7s} "
+          f"{'x plain':>8s}")
     for n in [int(x) for x in args.contexts.split(",")]:
         for step in [int(x) for x in args.steps.split(",")]:
             plain = None
             for label, config in methods:
+                if args.warm:
+                    measure(model, config, n, step)
                 r = measure(model, config, n, step)
                 if plain is None:
                     plain = r

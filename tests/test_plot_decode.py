@@ -47,7 +47,8 @@ def test_steady_rates_pooled_over_runs_with_the_paired_ratios(tmp_path):
 
 
 def test_decode_rate_when_a_row_lacks_the_steady_rate(tmp_path):
-    a = _write(tmp_path, "a.json", [_row("none", 4096, None, (80, 70, 90)), _row("kivi", 4096, (1, 1, 1), (40, 30, 50))])
+    a = _write(tmp_path, "a.json", [_row("none", 4096, None, (80, 70, 90)),
+                                    _row("kivi", 4096, (1, 1, 1), (40, 30, 50))])
     rate, tps, ratio = _module().collect([a])
     assert rate == "decode_tps" and tps[("kivi", 4096)]["median"] == 40 and not ratio
 

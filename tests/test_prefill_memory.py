@@ -254,24 +254,26 @@ def test_smallest_k_finds_the_k_smallest_of_every_row():
 
 # ---------------------------------------------------------------------------------- a prompt in one chunk
 ONE_CHUNK, ONE_CHUNK_LAYERS = 512, 6
-# Known to peak above the plain cache when a whole prompt is one chunk (strict: fixing one fails here); here (6
-# layers, 512 tokens, session 29): vecinfer 10.6x, zipcache 4.9x, tova 3.2x, turboquant_rvq 2.0x, keyformer 2.0x,
-# h2o 1.46x, nestedkv 1.46x, a2ats 1.32x, squeeze 1.22x, gear 1.10x, morphkv 1.04x, svdq 1.01x, minicache 1.01x,
-# waterfill ~1.1x. What is behind them: encoding temporaries larger than one layer's scores (vecinfer's k-means
-# and code search, turboquant_rvq's beam search, waterfill's bit streams), and scoring that builds [N, N]
-# probabilities beside the attention (h2o, tova, keyformer, nestedkv). Fixed: the per-layer statistics that kept
-# every layer's [N, N] probabilities or queries alive to the chunk's end (CaM and KVzip 9.2x -> 0.8x, ZipCache
-# 11x -> 3x, waterfill 1.55x -> 1.04x on SmolLM2 at 1023 tokens).
-ONE_CHUNK_OVER = {"vecinfer", "zipcache", "tova", "turboquant_rvq", "keyformer", "h2o", "nestedkv", "a2ats", "squeeze",
-                  "gear", "morphkv"}
-ONE_CHUNK_BORDERLINE = {"svdq", "minicache", "waterfill"}  # within ~1% of the plain cache's peak, either side by run
+ONE_CHUNK_SLACK = 1.10  # the compressed caches' own arrays (codes, windows, tables) are a few % of this peak
+# Known to peak more than ONE_CHUNK_SLACK above the plain cache when a whole prompt is one chunk (strict: fixing one
+# fails here); here (6 layers, 512 tokens, session 29): vecinfer 11x, zipcache 4.6x, keyformer 2.1x, turboquant_rvq
+# 2.0x, a2ats 1.33x, squeeze 1.25x. Behind them: encoding temporaries larger than one layer's scores (vecinfer's and
+# a2ats's k-means and code search, turboquant_rvq's beam search in blocks of 2^20 distances) and several [N, N]
+# float32 arrays at once where probabilities are needed beside the output (zipcache's ``joint_attention`` for its
+# saliency, ~7 of them; keyformer's Gumbel softmax). Fixed this session: per-layer statistics that kept every layer's
+# [N, N] probabilities or queries alive to the chunk's end (``mx.depends``: CaM and KVzip 9.2x -> 0.8x on SmolLM2
+# at 1023 tokens, waterfill 1.55x -> 1.04x), H2O's and NestedKV's decayed sums as a matmul, TOVA's last-row
+# attention tied to the layer (here 1.46x / 1.46x / 3.2x -> 0.94-1.0x).
+ONE_CHUNK_OVER = {"vecinfer", "zipcache", "keyformer", "turboquant_rvq", "a2ats", "squeeze"}
+# near the slack, either side from one run or machine to the next: gear 1.14-1.16x, morphkv 1.05-1.09x
+ONE_CHUNK_BORDERLINE = {"gear", "morphkv"}
 
 
 def _one_chunk_param(m):
     if m in ONE_CHUNK_OVER:
-        return pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known: peaks above the plain cache"))
+        return pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known: peaks above the bound"))
     if m in ONE_CHUNK_BORDERLINE:
-        return pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="known: at the plain cache's peak"))
+        return pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="known: near the bound"))
     return m
 
 
@@ -284,13 +286,16 @@ def one_chunk_setup():
 
 
 @pytest.mark.parametrize("method", [_one_chunk_param(m) for m in MLX_LM_METHODS])
-def test_a_prompt_in_one_chunk_peaks_no_higher_than_the_plain_cache(method, one_chunk_setup):
+def test_a_prompt_in_one_chunk_peaks_within_a_tenth_of_the_plain_cache(method, one_chunk_setup):
     """A 512-token prompt in one chunk (mlx_lm prefills prompts up to 2048 tokens so) on a 6-layer tiny llama: the
     plain cache's peak is one layer's [Hq, N, N] scores; a compressed cache must not keep a layer's probabilities,
-    queries or encoding temporaries alive past that layer, nor build larger ones."""
+    queries or encoding temporaries alive past that layer, nor build larger ones (1.5-11x when they do). Most
+    quantizers sit 0-4% above the plain cache here, by run (their codes and windows beside the same scores): the
+    bound allows ONE_CHUNK_SLACK; SmolLM2's figures are in docs/RESULTS.md."""
     model, prompt, plain = one_chunk_setup
     config = KVCacheConfig(method=method)
     _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=ONE_CHUNK)
     peak = _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=ONE_CHUNK)
     assert plain >= 4 * ONE_CHUNK * ONE_CHUNK * 4  # the regime the test claims: one layer's scores at least
-    assert peak <= plain, f"{method}: one-chunk prefill peak {peak} B, {peak / plain:.2f}x the plain cache's {plain} B"
+    assert peak <= ONE_CHUNK_SLACK * plain, \
+        f"{method}: one-chunk prefill peak {peak} B, {peak / plain:.2f}x the plain cache's {plain} B"

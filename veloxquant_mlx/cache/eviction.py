@@ -73,6 +73,7 @@ class EvictionKVCache(CompressedKVCache):
     # per-row float32 arrays [B, H, capacity] (scores, counters): grown with zeros, gathered on eviction;
     # a subclass lists them here *and* in ``array_fields``
     row_fields: tuple[str, ...] = ()
+    observed_fields: tuple[str, ...] = ()  # what ``observe`` sets besides ``row_fields`` (``_observed_with``)
     score_field = ""  # the row field ``score`` returns (when not overridden)
     recent_option = ""  # the option ``_init_layout`` reads ``recent`` from ("": the class's ``recent``)
     evict_slack = 0  # decode rows allowed over ``budget`` before an eviction
@@ -229,7 +230,7 @@ class EvictionKVCache(CompressedKVCache):
         """``out`` tied (``mx.depends``) to the row state ``observe`` just updated, so the observation is reduced
         with the layer's attention: left to the state's evaluation it kept every layer's [N, rows] probabilities
         alive to the end of a prefill chunk (CaM, KVzip: 9x the plain cache's peak at 1023 tokens of SmolLM2)."""
-        held = [a for a in (getattr(self, n, None) for n in self.row_fields) if a is not None]
+        held = [a for a in (getattr(self, n, None) for n in self.row_fields + self.observed_fields) if a is not None]
         return mx.depends(out, held) if held else out
 
     def _recent_start(self) -> int:

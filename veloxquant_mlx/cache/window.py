@@ -114,7 +114,8 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
     ``(scores [B, H, rep*N, M_i], value_fn, cols)``, ``value_fn(p)`` -> [B, H, rep*N, Dv], ``cols`` the (start,
     stop) ranges of the ``n_keys`` key axis that the part's keys are; the last part ends with the call's ``N``
     rows (the only keys "causal" hides). ``mask``: mlx_lm's; ``sinks``: [Hq] logits or None. Returns [B, Hq, N,
-    Dv]; with ``weights`` also each part's probabilities [B, H, rep, N, M_i] (zipcache's saliency)."""
+    Dv]; with ``weights`` also each part's probability mass per key summed over the queries, [B, H, M_i]
+    (zipcache's saliency; ``(1 / denom) @ p``: no normalized [N, M_i] copy)."""
     B, H, rep, N, _ = q.shape
     scores = [s.reshape(B, H, rep, N, s.shape[-1]) for s, _, _ in parts]
     if isinstance(mask, str):
@@ -134,7 +135,10 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
     denom = functools.reduce(mx.add, [p.sum(axis=-1, keepdims=True) for p in probs] + [mx.exp(t - peak) for t in sink])
     out = functools.reduce(mx.add, [fn(p.reshape(B, H, rep * N, p.shape[-1])) for p, (_, fn, _) in zip(probs, parts)])
     out = ungroup(out.reshape(B, H, rep, N, out.shape[-1]) / denom).astype(out_dtype)
-    return (out, [p / denom for p in probs]) if weights else out
+    if not weights:
+        return out
+    inv = (1.0 / denom).swapaxes(-1, -2)  # [B, H, rep, 1, N]
+    return out, [(inv @ p).sum(axis=(2, 3)) for p in probs]
 
 
 class ResidualWindowCache(CompressedKVCache):

@@ -140,6 +140,6 @@ def qmm_agrees(bits: int, group: int, value_group: int, d: int, dv: int) -> bool
         return True
     warnings.warn(f"veloxquant: mx.quantized_matmul(transpose=False) on {mx.default_device()} disagrees with "
                   f"dequantize + matmul (relative error {err:.2g} at bits={bits}, groups {group}/{value_group}, "
-                  f"head dims {d}/{dv}; known MLX bugs ml-explore/mlx#4250 and #4201): KIVI-layout caches dequantize instead "
-                  "(slower; a newer MLX may fix it)", RuntimeWarning, stacklevel=2)
+                  f"head dims {d}/{dv}; known MLX bugs ml-explore/mlx#4250 and #4201): KIVI-layout caches "
+                  "dequantize instead (slower; a newer MLX may fix it)", RuntimeWarning, stacklevel=2)
     return False

@@ -21,7 +21,7 @@ REFINE_ITERS = 4  # joint refinement rounds of the two stages
 SAMPLES_PER_CENTROID = 48  # training sub-vectors per stage-1 centroid
 JOINT_LUT_MAX = 4096  # largest 2^B for which one joint table [S, 2^B] is built per query row
 JOINT_LUT_PER_TOKEN = 16  # ... and only when 2^B <= this * the number of quantized tokens
-_ENCODE_CHUNK = 1 << 22  # distance-matrix entries per encoding block
+_ENCODE_CHUNK = 1 << 20  # distance-matrix entries per encoding block (4 MB of float32 each)
 _TAG_SAMPLES = 0x0A7E_0010
 
 

@@ -23,6 +23,7 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
     obs_window = 1
     argmin_decode = True
     _current = None  # [B, H, rows] attention of this call's last query (transient)
+    observed_fields = ("_current",)
 
     def _store(self, keys, values):
         self._current = None  # never score with a previous call's attention

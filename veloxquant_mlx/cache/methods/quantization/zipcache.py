@@ -142,17 +142,16 @@ class ZipCacheKVCache(KIVIKVCache):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         q0, r0, _, _, new_k, _ = call
         mask = self._own_mask(mask, queries, keys)
-        out, probs = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True)
+        out, mass = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True)
         B, Hq, N, _ = queries.shape
         H, P = new_k.shape[1], r0 + N
-        p_f = probs[-1]  # [B, H, rep, N, P]: the pending rows, then the call's own
         if isinstance(mask, str):  # [.., N, P] visibility of the full-precision columns
             visible = (mx.arange(P)[None] - r0) <= mx.arange(N)[:, None] if N > 1 else None
         else:
             visible = None if mask is None else bool_mask(mask, N, q0 + P, H)[..., q0:]
-        contrib = p_f.sum(axis=(2, 3))  # [B, H, P]: probability mass, divided later by the viewer count
+        contrib = mass[-1]  # [B, H, P]: the pending and the call's rows' probability mass, later / the viewers
         cnt = mx.full((1, 1, P), float(Hq // H * N)) if visible is None else \
-            mx.broadcast_to(visible.astype(mx.float32).sum(axis=-2, keepdims=True), (*p_f.shape[:3], 1, P)).sum(
+            mx.broadcast_to(visible.astype(mx.float32).sum(axis=-2, keepdims=True), (B, H, Hq // H, 1, P)).sum(
                 axis=(2, 3))  # viewers per column, summed over the rows first: no [N, P] float32 copy
         self.sal_sum[:, :, :P] = self.sal_sum[:, :, :P] + contrib[..., None]
         self.sal_cnt[:, :, :P] = self.sal_cnt[:, :, :P] + mx.broadcast_to(cnt, contrib.shape)[..., None]
