@@ -121,7 +121,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         """Sequences to calibrate now: uncalibrated, holding ``n_calib_tokens`` rows or more."""
         return [i for i, (s, n) in enumerate(zip(self.src, self.lens)) if not s and n >= self.n_calib]
 
-    def _observe(self, queries) -> None:
+    def _observe(self, queries) -> mx.array:
         """Add each sequence's ``sum q^2`` over its valid query rows of the call (lazy: no host sync;
         calibrated sequences' sums are never read again); returns the call's sum (``attend`` ties it to its
         output, as the single cache does)."""
