@@ -29,6 +29,7 @@ from ...primitives.buffers import dtype_name, grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _ARR = ("codes", "scales", "biases")
+SALIENCY_TILE = 64  # query rows per pass of a long first chunk (``_attend_scored``)
 
 
 @register_with_mlx_lm
@@ -142,14 +143,13 @@ class ZipCacheKVCache(KIVIKVCache):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         q0, r0, _, _, new_k, _ = call
         mask = self._own_mask(mask, queries, keys)
-        out, mass = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True)
+        out, contrib = self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks)
         B, Hq, N, _ = queries.shape
         H, P = new_k.shape[1], r0 + N
         if isinstance(mask, str):  # [.., N, P] visibility of the full-precision columns
             visible = (mx.arange(P)[None] - r0) <= mx.arange(N)[:, None] if N > 1 else None
         else:
             visible = None if mask is None else bool_mask(mask, N, q0 + P, H)[..., q0:]
-        contrib = mass[-1]  # [B, H, P]: the pending and the call's rows' probability mass, later / the viewers
         cnt = mx.full((1, 1, P), float(Hq // H * N)) if visible is None else \
             mx.broadcast_to(visible.astype(mx.float32).sum(axis=-2, keepdims=True), (B, H, Hq // H, 1, P)).sum(
                 axis=(2, 3))  # viewers per column, summed over the rows first: no [N, P] float32 copy
@@ -159,6 +159,28 @@ class ZipCacheKVCache(KIVIKVCache):
         # the sums are taken with the layer's attention: left to the state's evaluation they kept every layer's
         # [N, P] probabilities alive to the end of a prefill chunk (11x the plain cache's peak at 1023 tokens)
         return mx.depends(out, contrib)
+
+    def _attend_scored(self, queries, call, *, scale, mask, sinks):
+        """(output, probability mass [B, H, r0 + N] of the pending and the call's rows, summed over the queries).
+        A long first chunk (nothing quantized yet, a causal mask) goes in tiles of ``SALIENCY_TILE`` query rows,
+        each tile's output tied to its mass (``mx.depends``) so one tile's [rows, P] probabilities are alive at a
+        time: in one pass ``joint_attention`` holds several [N, P] float32 arrays (SmolLM2, 1023 tokens in one
+        chunk: 2.67x the plain cache's peak in one pass, 0.81x in tiles, and the prefill 1.20x -> 0.64x its time).
+        Later chunks take one pass (a tile would decode the quantized past again)."""
+        N = queries.shape[2]
+        if N <= SALIENCY_TILE or call[0] or not isinstance(mask, str):
+            out, mass = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True)
+            return out, mass[-1]
+        q0, r0, past_k, past_v, new_k, new_v = call
+        outs, total = [], None
+        for a in range(0, N, SALIENCY_TILE):  # causal: rows a..b see the pending rows and the call's first b
+            b = min(a + SALIENCY_TILE, N)
+            sub = (q0, r0, past_k, past_v, new_k[:, :, :b], new_v[:, :, :b])
+            out, mass = self._attend_codes(queries[:, :, a:b], sub, scale=scale, mask=mask, sinks=sinks, weights=True)
+            mass = mx.pad(mass[-1], [(0, 0), (0, 0), (0, N - b)])
+            outs.append(mx.depends(out, mass))
+            total = mass if total is None else total + mass
+        return mx.concatenate(outs, axis=2), total
 
     def _check_trim_rows(self, n: int) -> None:
         """Pending rows only: the saliency of the trimmed rows chose the widths of the compressed ones."""
