@@ -5,23 +5,18 @@ local loads per group of rows, found this way)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
+from scripts_util import load_script
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_decode_kernels.py"
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA compiler (nvcc) on this machine")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("check_decode_kernels", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("check_decode_kernels")
 
 
 @pytest.mark.parametrize("label", ["waterfill_d128_r4", "waterfill_batch_d128_r4", "waterfill_d64_r3",

@@ -8,18 +8,16 @@ fast there -- on a Mac ``checked_call`` compares it with the op path at first us
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
+from scripts_util import load_script
 from veloxquant_mlx.cache.kernels import _common, _compile
 
 cindex = pytest.importorskip("clang.cindex", reason="libclang (the test extra's) parses the Metal source")
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_decode_kernels.py"
 # the decode kernels with a Metal build (the partials' kernels; the fused and tensor-core ones are CUDA's)
 METAL_CASES = ["kivi_d128_r4", "kivi_batch_d128_r4", "kivi_d128_b2_r3", "kivi_d128_b8_r8", "kivi_d64_b2",
                "waterfill_d128_r4", "waterfill_batch_d128_r4", "waterfill_d64_r3", "waterfill_d64_r8_b3"]
@@ -67,9 +65,7 @@ _ATTRIBUTES = [("simdgroup_index_in_threadgroup", "uint"), ("thread_index_in_sim
 def _case(label):
     """(kernel, input dtypes, output dtypes, constants) of ``scripts/check_decode_kernels.py``'s case, one exact row
     a warp at a time (``XP``, as that script compiles it)."""
-    spec = importlib.util.spec_from_file_location("check_decode_kernels", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("check_decode_kernels")
     kernel, dtypes, out_dtypes, consts = next(rest for name, *rest in mod.CASES if name == label)
     return kernel, dtypes, out_dtypes, consts + (("XP", 1),)
 

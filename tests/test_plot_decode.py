@@ -1,20 +1,15 @@
 """scripts/plot_decode.py: the pooling of bench rows (rate chosen, runs pooled, per-repeat ratios to plain) and the
 figure it writes."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_decode.py"
+from scripts_util import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("plot_decode", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("plot_decode")
 
 
 def _row(label, context, steady, decode, ratio=None):
