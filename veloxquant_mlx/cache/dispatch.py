@@ -7,7 +7,8 @@ are never evaluated), eviction caches score with the real queries. Without it ev
 (dense K/V, key proxies). ``KVCacheBuilder.for_model`` installs it; ``VELOXQUANT_DISPATCH=0`` leaves mlx_lm
 untouched. ``report_io(module, method)`` does the same one level up, for caches that need the hidden states
 around attention (SqueezeAttention): after each call of ``module`` the cache's ``method(x, out)`` gets its
-input and output.
+input and output, and what it returns (not None: the same values, e.g. ``out`` tied with ``mx.depends`` to a
+statistic of them) replaces the output.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def _io_class(cls, method: str):
                 cache = args[at]
             hook = getattr(cache, method, None)
             if hook is not None and args:
-                hook(args[0], out)
+                tied = hook(args[0], out)
+                out = out if tied is None else tied
             return out
 
         _IO_CLASSES[key] = type(cls.__name__, (cls,), {
