@@ -227,3 +227,40 @@ def test_vecinfer_holds_float16_rows_until_codes_and_codebooks_are_smaller():
     for _ in range(64):  # decode: codes grow by 32 B per token against 256 B of float16 rows
         c.update_and_fetch(rand(1, H, 1, D), rand(1, H, 1, D))
     assert c.n_quant == 224 and c.nbytes <= short_prompt_bound(242, 1, H, D, D) - 10 * H * 2 * D * 2
+
+
+# ------------------------------------------------------------------------------------- the shared search
+def test_vq_assign_finds_the_nearest_codeword_in_blocks_without_holding_the_distances():
+    """``vq_assign`` over more rows than one block: every row's codeword is the nearest (float64 check; a float32
+    near-tie may pick either, so the chosen distance must be within rounding of the least), and the search peaks at
+    a small fraction of the [rows, K] distances (47K pieces x 4096 codewords: 780 MB as one matrix; 202 MB with the
+    blocks left to one evaluation, before session 30; ~12 MB queued block by block)."""
+    import gc
+
+    import numpy as np
+
+    from veloxquant_mlx.cache.primitives.vq import vq_assign
+
+    x = mx.random.normal((1, 47616, 4), key=mx.random.key(1))
+    cb = mx.random.normal((1, 4096, 4), key=mx.random.key(2))
+    mx.eval(x, cb)
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    got = vq_assign(x, cb)
+    mx.eval(got)
+    peak = mx.get_peak_memory() - base
+    assert got.shape == (1, 47616) and got.dtype == mx.int32
+    assert peak <= 48e6, f"vq_assign peaked at {peak / 1e6:.1f} MB"
+    xs, cs = np.array(x[0], dtype=np.float64), np.array(cb[0], dtype=np.float64)
+    idx = np.array(got[0])
+    best = np.full(len(xs), np.inf)
+    for a in range(0, len(xs), 4096):  # float64 reference, in blocks to bound the test's own memory
+        d = ((xs[a : a + 4096, None, :] - cs[None]) ** 2).sum(-1)
+        best[a : a + 4096] = d.min(axis=1)
+    chosen = ((xs - cs[idx]) ** 2).sum(-1)
+    scale = (xs ** 2).sum(-1) + (cs[idx] ** 2).sum(-1)  # magnitude of the float32 terms |c|^2 - 2 x.c
+    assert np.all(chosen <= best + 1e-5 * scale + 1e-6)
+    assert np.mean(chosen == best) > 0.99

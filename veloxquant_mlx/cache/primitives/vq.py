@@ -1,4 +1,4 @@
-"""Product VQ helpers (VecInfer, A2ATS): chunked nearest-codeword search, seeded k-means codebooks batched
+"""Product VQ helpers (VecInfer, A2ATS): blocked nearest-codeword search, seeded k-means codebooks batched
 over heads, and packing of codes wider than 8 bits."""
 
 from __future__ import annotations
@@ -12,31 +12,36 @@ from .rotation import seeded_rng
 KMEANS_ITERS = 6
 KMEANS_ROWS_PER_CODE = 4  # fit sample: at most 4 rows per codeword (and 64K rows)
 KMEANS_MAX_ROWS = 1 << 16
-_CHUNK = 1024
-_BLOCK_ENTRIES = 1 << 21  # distances [Hc, rows, codewords] per block of vq_assign (8 MB)
+# distances [Hc, rows, K] float32 per block of vq_assign: on the CPU 1 MB blocks (the host queues blocks ahead of
+# the worker, and each queued block holds its distances: ~11 in flight), on a GPU 64 MB (few launches)
+BLOCK_ENTRIES_CPU, BLOCK_ENTRIES_GPU = 1 << 18, 1 << 24
 _TAG_VQ = 0x0A7E_0B01
 
 
 def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
     """Nearest codeword index for rows ``x [Hc, n, d]`` in codebooks ``cb [Hc, K, d]`` -> int32 [Hc, n].
-    In blocks of rows and of ``_CHUNK`` codewords (a running minimum): at most ``_BLOCK_ENTRIES`` distances
-    exist at once (a prompt's 49K key pieces against 4096 codewords were 200 MB per matrix)."""
+
+    In blocks of rows, each queued as it is built (``mx.async_eval``, no wait): a prompt's 47K key pieces against
+    4096 codewords are 780 MB of distances, and blocks left to one evaluation were computed far ahead of their
+    reduction (202 MB at once with 8 MB blocks; now ~12 MB, and 2x faster on the CPU)."""
     x, cb = x.astype(mx.float32), cb.astype(mx.float32)
     Hc, n = x.shape[:2]
-    rows = max(1, _BLOCK_ENTRIES // (Hc * min(cb.shape[1], _CHUNK)))
-    if n > rows:
-        return mx.concatenate([_assign_block(x[:, a : a + rows], cb) for a in range(0, n, rows)], axis=1)
-    return _assign_block(x, cb)
+    entries = BLOCK_ENTRIES_CPU if mx.default_device() == mx.cpu else BLOCK_ENTRIES_GPU
+    rows = max(1, entries // (Hc * cb.shape[1]))
+    sq_norms = mx.sum(cb * cb, axis=-1)[:, None, :]  # [Hc, 1, K]
+    cb_t = cb.swapaxes(-1, -2)
+    if n <= rows:
+        return _nearest(x, sq_norms, cb_t)
+    blocks = []
+    for a in range(0, n, rows):
+        blocks.append(_nearest(x[:, a : a + rows], sq_norms, cb_t))
+        mx.async_eval(blocks[-1])
+    return mx.concatenate(blocks, axis=1)
 
 
-def _assign_block(x: mx.array, cb: mx.array) -> mx.array:
-    best_d, best_i = mx.array(mx.inf), mx.array(0, mx.int32)
-    for s in range(0, cb.shape[1], _CHUNK):
-        c = cb[:, s : s + _CHUNK]
-        d = mx.sum(c * c, axis=-1)[:, None, :] - 2.0 * (x @ c.swapaxes(-1, -2))
-        i, m = mx.argmin(d, axis=-1).astype(mx.int32) + s, mx.min(d, axis=-1)
-        best_i, best_d = mx.where(m < best_d, i, best_i), mx.minimum(m, best_d)
-    return best_i
+def _nearest(x: mx.array, sq_norms: mx.array, cb_t: mx.array) -> mx.array:
+    """argmin over codewords of ``|c|^2 - 2 x.c`` (one [Hc, rows, K] temporary)."""
+    return mx.argmin(mx.addmm(sq_norms, x, cb_t, alpha=-2.0), axis=-1).astype(mx.int32)
 
 
 def fit_codebook(x: mx.array, k: int, seed: int, iters: int = KMEANS_ITERS) -> mx.array:
