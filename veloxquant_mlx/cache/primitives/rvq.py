@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from .bitpack import packed_words
+from .blocks import block_entries, queued_row_blocks
 from .codebook import cell_sums, kmeans, smallest_k
 from .rotation import seeded_rng
 
@@ -21,7 +22,6 @@ REFINE_ITERS = 4  # joint refinement rounds of the two stages
 SAMPLES_PER_CENTROID = 48  # training sub-vectors per stage-1 centroid
 JOINT_LUT_MAX = 4096  # largest 2^B for which one joint table [S, 2^B] is built per query row
 JOINT_LUT_PER_TOKEN = 16  # ... and only when 2^B <= this * the number of quantized tokens
-_ENCODE_CHUNK = 1 << 20  # distance-matrix entries per encoding block (4 MB of float32 each)
 _TAG_SAMPLES = 0x0A7E_0010
 
 
@@ -79,9 +79,8 @@ class RVQCodebook:
         """Codes ``(i [.., S], j [.., S] or None)`` (uint8) of rotated unit vectors ``y [.., dim]``."""
         x = y.astype(mx.float32).reshape(-1, self.sub_dim)
         per_row = self.k1 + (min(BEAM, self.k1) * self.k2 if self.c2 is not None else 0)
-        step = max(1, _ENCODE_CHUNK // per_row)
-        # bounded memory for long prefill blocks: a few blocks of rows, not a loop over tokens
-        outs = [self._encode_rows(x[a : a + step]) for a in range(0, max(x.shape[0], 1), step)]
+        # bounded memory for long prefill blocks: blocks of rows queued one by one, not a loop over tokens
+        outs = queued_row_blocks(lambda a, b: self._encode_rows(x[a:b]), x.shape[0], block_entries() // per_row)
         cat = lambda k: (outs[0][k] if len(outs) == 1 else mx.concatenate([o[k] for o in outs])).reshape(  # noqa: E731
             *y.shape[:-1], self.n_sub)
         return cat(0), (cat(1) if self.c2 is not None else None)
