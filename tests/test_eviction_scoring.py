@@ -328,6 +328,38 @@ def test_keyformer_noise_is_seeded():
     assert [c.noise_stream for c in caches] == [0, 1, 2]
 
 
+def test_keyformer_gumbel_softmax_at_tau_1_is_the_log_domain_softmax():
+    """At tau = 1 the score is p / E normalised (E = -log u): the same as softmax(log p - log(-log u)) (float64)."""
+    from veloxquant_mlx.cache.methods.eviction.keyformer import _over_exponential
+
+    w = mx.softmax(mx.random.normal((1, 2, 2, 8, 16), key=mx.random.key(3)) * 3, axis=-1)
+    u = mx.random.uniform(shape=w.shape, key=mx.random.key(4))
+    r = np.array(_over_exponential(w, u), dtype=np.float64)
+    got = r / r.sum(-1, keepdims=True)
+    z = np.log(np.array(w, dtype=np.float64)) - np.log(-np.log(np.array(u, dtype=np.float64)))
+    want = np.exp(z - z.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_keyformer_scores_a_long_call_in_tiles_of_queries_exactly(tau, monkeypatch):
+    """A 300-query call scored in many tiles of query rows (the tile budget made tiny) adds exactly the summed
+    softmax(log p / tau) of every query (noise off), as one pass would."""
+    from veloxquant_mlx.cache.methods.eviction import keyformer
+
+    monkeypatch.setattr(keyformer, "block_entries", lambda: 4096)  # tiles of a few query rows
+    c = make("keyformer", 512, tau=tau)
+    c.gumbel_noise = False
+    c.update_and_fetch(mx.zeros((1, 1, 64, D)), mx.zeros((1, 1, 64, D)))
+    c.acc = mx.zeros_like(c.acc)  # drop what the key-proxy observation of this call added
+    w = mx.softmax(mx.random.normal((1, 1, 2, 300, 64), key=mx.random.key(5)) * 2, axis=-1)
+    c.observe(w)
+    p = np.array(w, dtype=np.float64) ** (1 / tau)
+    want = (p / p.sum(-1, keepdims=True)).sum(axis=(2, 3))
+    assert np.allclose(np.array(c.acc[:, :, :64]), want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("use_dispatch", [True, False])
 def test_morphkv_keeps_what_the_recent_window_attends_to_at_constant_size(use_dispatch):
     (dispatch.install if use_dispatch else dispatch.uninstall)()
