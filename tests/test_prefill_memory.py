@@ -256,16 +256,16 @@ def test_smallest_k_finds_the_k_smallest_of_every_row():
 ONE_CHUNK, ONE_CHUNK_LAYERS = 512, 6
 ONE_CHUNK_SLACK = 1.10  # the compressed caches' own arrays (codes, windows, tables) are a few % of this peak
 # Known to peak more than ONE_CHUNK_SLACK above the plain cache when a whole prompt is one chunk (strict: fixing one
-# fails here); here (6 layers, 512 tokens): zipcache 1.88x (tiles of 64 query rows are large against this model's
-# scores; SmolLM2 0.81x). Fixed in session 29: ZipCache's first-chunk saliency pass in tiles (4.6x -> 1.83x
-# here, 2.67x -> 0.81x on SmolLM2), and per-layer statistics that kept every layer's [N, N] probabilities or queries
-# alive to the chunk's end (``mx.depends``: CaM and KVzip 9.2x -> 0.8x on SmolLM2 at 1023 tokens, waterfill 1.55x ->
-# 1.04x), H2O's and NestedKV's decayed sums as a matmul, TOVA's last-row attention tied to the layer (here 1.46x /
-# 1.46x / 3.2x -> 0.94-1.0x). In session 30: SqueezeAttention's hidden-state similarity tied to each layer's output
-# (1.25x: it kept every layer's input and attention output to the last layer's report), and the code searches in
-# blocks queued one by one (``primitives.blocks``): vecinfer 11x, turboquant_rvq 2.0x, a2ats 1.33x -> 0.94-0.99x,
-# and Keyformer's Gumbel softmax in tiles of query rows (2.0x -> 0.86x; several [N, N] float32 arrays at once).
-ONE_CHUNK_OVER = {"zipcache"}
+# fails here): none since session 30. Fixed in session 29: ZipCache's first-chunk saliency pass in tiles (4.6x ->
+# 1.83x here, 2.67x -> 0.81x on SmolLM2), and per-layer statistics that kept every layer's [N, N] probabilities or
+# queries alive to the chunk's end (``mx.depends``: CaM and KVzip 9.2x -> 0.8x on SmolLM2 at 1023 tokens, waterfill
+# 1.55x -> 1.04x), H2O's and NestedKV's decayed sums as a matmul, TOVA's last-row attention tied to the layer (here
+# 1.46x / 1.46x / 3.2x -> 0.94-1.0x). In session 30: SqueezeAttention's hidden-state similarity tied to each layer's
+# output (1.25x: it kept every layer's input and attention output to the last layer's report); work over many rows
+# in blocks queued one by one with waits (``primitives.blocks``; MLX allocates at dispatch, ahead of the worker):
+# the code searches (vecinfer 11x, turboquant_rvq 2.0x, a2ats 1.33x -> 0.94-0.99x), Keyformer's Gumbel softmax in
+# tiles of query rows (2.0x -> 0.86x) and ZipCache's tiles (1.88x -> 0.71x; SmolLM2 0.63x).
+ONE_CHUNK_OVER: set[str] = set()
 # near the slack, either side from one run or machine to the next: gear 1.14-1.16x, morphkv 1.05-1.09x
 ONE_CHUNK_BORDERLINE = {"gear", "morphkv"}
 

@@ -241,6 +241,29 @@ def test_zipcache_salient_tokens_at_hi_bits(with_queries):
     assert e_hi < 0.5 * e_lo, (e_hi, e_lo)
 
 
+def test_zipcache_long_first_chunk_in_tiles_equals_one_pass(monkeypatch):
+    """A 200-query first chunk goes in 32 tiles of 7 query rows (``_attend_scored``): the attention output and the
+    saliency sums equal one pass over the whole chunk (the tiling only bounds the memory)."""
+    from veloxquant_mlx.cache.methods.quantization import zipcache
+
+    dispatch.install()
+    B, H, T, D = 1, 2, 200, 64
+    k, v = rand(B, H, T, D), rand(B, H, T, D)
+    q = 2.0 * rand(B, 2 * H, T, D)
+    got = []
+    for tile in (zipcache.SALIENCY_TILE, 1 << 20):  # tiles, then one pass
+        monkeypatch.setattr(zipcache, "SALIENCY_TILE", tile)
+        c = make("zipcache", group_size=32)
+        K, V = c.update_and_fetch(k, v)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+        got.append((out, c.sal_sum[:, :, :T, 0]))
+    (o_tiles, s_tiles), (o_one, s_one) = got
+    assert o_tiles.shape == (B, 2 * H, T, D)
+    assert mx.allclose(o_tiles, o_one, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(s_tiles, s_one, atol=1e-4, rtol=1e-5)
+    assert float(s_one.sum()) == pytest.approx(2 * H * T, rel=1e-4)  # each query's probabilities sum to one
+
+
 def test_zipcache_spec_properties_from_arrays():
     B, H, T, D = 1, 2, 4096, 64
     c = make("zipcache")  # 20% at 4 bits, 80% at 2 bits, values routed the same way
