@@ -266,8 +266,9 @@ ONE_CHUNK_SLACK = 1.10  # the compressed caches' own arrays (codes, windows, tab
 # the code searches (vecinfer 11x, turboquant_rvq 2.0x, a2ats 1.33x -> 0.94-0.99x), Keyformer's Gumbel softmax in
 # tiles of query rows (2.0x -> 0.86x) and ZipCache's tiles (1.88x -> 0.71x; SmolLM2 0.63x).
 ONE_CHUNK_OVER: set[str] = set()
-# near the slack, either side from one run or machine to the next: gear 1.14-1.16x, morphkv 1.05-1.09x
-ONE_CHUNK_BORDERLINE = {"gear", "morphkv"}
+# near the slack, either side from one run or machine to the next: gear 1.14-1.16x (morphkv 1.04-1.09x until session
+# 30: its kept window of queries, a lazy slice, held each layer's queries to the chunk's end)
+ONE_CHUNK_BORDERLINE = {"gear"}
 
 
 def _one_chunk_param(m):

@@ -40,7 +40,8 @@ class MorphKVKVCache(BatchedEviction, EvictionKVCache):
             q = mx.contiguous(mx.concatenate([self.queries, q], axis=2)[:, :, -keep:])
         self.queries = q
         self.query_positions = mx.arange(self.offset - q.shape[2], self.offset, dtype=mx.int32)  # in order
-        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        return mx.depends(out, q)  # the kept window is copied with the layer: left lazy it held all the queries
 
     def _trimmed(self, n):
         if self.queries is not None:
