@@ -46,6 +46,7 @@ from veloxquant_mlx.cache import (BatchingNotSupported, CacheInputError, KVCache
 from veloxquant_mlx.cache.dispatch import dispatched_sdpa
 from veloxquant_mlx.cache.factory import KVCacheFactory
 from veloxquant_mlx.cache.base import method_info
+from veloxquant_mlx.cache.primitives import blocks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # shared flat fields (vecinfer)
 
@@ -229,10 +230,11 @@ def test_the_finiteness_flag_tells_nan_and_inf_from_any_finite_value(dtype):
 @pytest.mark.parametrize("method", CONTRACT_METHODS)
 def test_prefill_chunks_build_their_graph_without_a_host_sync(method, monkeypatch):
     """A prefill chunk's graph is built without waiting for the device (a wait in every layer cost KIVI +90% of
-    its prefill on the H200), apart from the contract's bounded wait and the data-dependent shapes of
-    ``PREFILL_SYNCS``. Detector: a model call traced by ``mx.compile`` raises on any host read of its arrays
+    its prefill on the H200), apart from the bounded waits (the contract's, and ``primitives.blocks``' on the CPU)
+    and the data-dependent shapes of ``PREFILL_SYNCS``. Detector: a model call traced by ``mx.compile`` raises on any host read of its arrays
     (eval, item, numpy); queued evaluations (``mx.async_eval``) are not waits and are stubbed out."""
     monkeypatch.setattr(contract, "queue_chunk_check", lambda flag, wait=True: None)
+    monkeypatch.setattr(blocks, "wait_for", lambda arrays: None)
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)
     m, caches, synced = model(), build(method), []
     for stage, tokens in (("first", PROMPT[:60]), ("second", PROMPT[60:])):

@@ -301,3 +301,35 @@ def test_a_prompt_in_one_chunk_peaks_within_a_tenth_of_the_plain_cache(method, o
     assert plain >= 4 * ONE_CHUNK * ONE_CHUNK * 4  # the regime the test claims: one layer's scores at least
     assert peak <= ONE_CHUNK_SLACK * plain, \
         f"{method}: one-chunk prefill peak {peak} B, {peak / plain:.2f}x the plain cache's {plain} B"
+
+
+@pytest.mark.parametrize("mask, extra, sinks", [("causal", 0, False), ("causal", 300, False), (None, 0, False),
+                                                ("causal", 0, True)])
+def test_a_long_call_is_attended_in_tiles_on_the_cpu_exactly_and_within_a_fraction_of_the_scores(mask, extra, sinks):
+    """``attention.dense_attention``: a 700-row call over 700 + ``extra`` keys (a causal mask bottom-right aligned,
+    or none; with attention sinks) equals MLX's sdpa, and on the CPU peaks at most half what MLX's sdpa does (it
+    builds the call's [Hq, N, M] float32 scores and probabilities at once; the tiles ~1/4-1/5 of that)."""
+    from veloxquant_mlx.cache.attention import dense_attention
+
+    N, M, Hq, H, D = 700, 700 + extra, 8, 2, 32
+    q = mx.random.normal((1, Hq, N, D), key=mx.random.key(1))
+    k, v = (mx.random.normal((1, H, M, D), key=mx.random.key(i)) for i in (2, 3))
+    s = mx.random.normal((Hq,), key=mx.random.key(4)) if sinks else None
+    mx.eval(q, k, v, s)
+
+    def peak_of(fn):
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out = fn(q, k, v, scale=D**-0.5, mask=mask, sinks=s)
+        mx.eval(out)
+        return out, mx.get_peak_memory() - base
+
+    want, sdpa_peak = peak_of(mx.fast.scaled_dot_product_attention)
+    got, peak = peak_of(dense_attention)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-4)
+    if mx.default_device() == mx.cpu:
+        assert sdpa_peak >= Hq * N * M * 4 and peak <= 0.5 * sdpa_peak, (peak, sdpa_peak)

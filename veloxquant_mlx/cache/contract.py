@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 
+from .attention import dense_attention
 from .errors import CacheInputError
 
 #: Prefill layers a compressed cache lets the device run behind the graph being built (see ``queue_chunk_check``;
@@ -192,8 +193,8 @@ class CompressedKVCache(mlx_cache._BaseCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         """Attention for this call (dispatch point); by default dense over what ``update_and_fetch`` returned."""
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                    mask=self._own_mask(mask, queries, keys), sinks=sinks)
+        return dense_attention(queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys),
+                               sinks=sinks)
 
     def _own_mask(self, mask, queries, keys):
         """mlx_lm's shared mask comes from layer 0, whose row count may differ: a string/None mask fits any

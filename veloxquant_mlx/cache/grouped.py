@@ -20,7 +20,7 @@ import math
 import mlx.core as mx
 
 from . import dispatch, kernels
-from .attention import cpu_parts, split_on_cpu_streams
+from .attention import cpu_parts, dense_attention, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
@@ -274,8 +274,7 @@ class GroupedQuantCache(CompressedKVCache):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         mask = self._own_mask(mask, queries, keys)
         if call[0] + call[1] == 0:  # nothing stored before this call: plain attention over the new rows
-            return mx.fast.scaled_dot_product_attention(queries, call[4], call[5], scale=scale, mask=mask,
-                                                        sinks=sinks)
+            return dense_attention(queries, call[4], call[5], scale=scale, mask=mask, sinks=sinks)
         return self._attend_stored(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):

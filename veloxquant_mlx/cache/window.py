@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from . import kernels
-from .attention import (bool_mask, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
+from .attention import (bool_mask, dense_attention, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
                         tile_rows, ungroup)
 from .contract import CompressedKVCache
 from .eviction import EvictionKVCache
@@ -270,8 +270,7 @@ class ResidualWindowCache(CompressedKVCache):
             return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         mask = self._own_mask(mask, queries, keys)
         if call.s0 + call.q0 + call.r0 == 0:  # nothing stored before this call: exact attention
-            return mx.fast.scaled_dot_product_attention(queries, call.new_k, call.new_v, scale=scale,
-                                                        mask=mask, sinks=sinks)
+            return dense_attention(queries, call.new_k, call.new_v, scale=scale, mask=mask, sinks=sinks)
         if n > 1:  # a prefill chunk (a decode step, however long, is one tile: faster on the CPU, RESULTS.md)
             return self._attend_chunk(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
         return attend_joint(queries, call, self._sinks(call.s0), self._quantized_part, scale=scale, mask=mask,

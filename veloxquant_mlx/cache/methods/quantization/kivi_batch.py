@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ... import kernels
-from ...attention import bool_mask
+from ...attention import bool_mask, dense_attention
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ..batch_common import (RaggedBatchCache, borrows, grow_slots, keep_right, pad_left, rows_ending_at, rows_from,
@@ -201,12 +201,12 @@ class KIVIBatchKVCache(RaggedBatchCache):
         call, self._call = self._call, None
         N, G = queries.shape[2], self.group
         if call is None or call[6].shape[2] != N or keys.shape[2] != call[0] * G + call[1] + N:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            return dense_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         qw, R, nq, nr, past_k, past_v, new_k, new_v = call
         P = qw * G + R
         if P == 0:  # nothing stored before this call: plain (causal) attention over the new rows
-            return mx.fast.scaled_dot_product_attention(queries, new_k, new_v, scale=scale,
-                                                        mask="causal" if N > 1 else None, sinks=sinks)
+            return dense_attention(queries, new_k, new_v, scale=scale, mask="causal" if N > 1 else None,
+                                   sinks=sinks)
         own = self._mask_is_own(mask, (tuple(nq), tuple(nr)))
         if N == 1 and qw and own and self._kernel_ready(queries, new_k, new_v):
             return kernels.checked_call(

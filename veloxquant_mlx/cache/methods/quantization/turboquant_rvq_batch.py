@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ...attention import bool_mask
+from ...attention import bool_mask, dense_attention
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitpack import packed_words
 from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
@@ -253,10 +253,10 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         call, self._call = self._call, None
         N, w = queries.shape[2], call.window if call is not None else None
         if w is None or w.new_k.shape[2] != N or keys.shape[2] != w.s0 + w.q0 + w.r0 + N:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            return dense_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if keys.shape[2] == N:  # nothing stored before this call: plain (causal) attention over the new rows
-            return mx.fast.scaled_dot_product_attention(queries, w.new_k, w.new_v, scale=scale,
-                                                        mask="causal" if N > 1 else None, sinks=sinks)
+            return dense_attention(queries, w.new_k, w.new_v, scale=scale, mask="causal" if N > 1 else None,
+                                   sinks=sinks)
         return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
                             mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
