@@ -231,8 +231,9 @@ def test_the_finiteness_flag_tells_nan_and_inf_from_any_finite_value(dtype):
 def test_prefill_chunks_build_their_graph_without_a_host_sync(method, monkeypatch):
     """A prefill chunk's graph is built without waiting for the device (a wait in every layer cost KIVI +90% of
     its prefill on the H200), apart from the bounded waits (the contract's, and ``primitives.blocks``' on the CPU)
-    and the data-dependent shapes of ``PREFILL_SYNCS``. Detector: a model call traced by ``mx.compile`` raises on any host read of its arrays
-    (eval, item, numpy); queued evaluations (``mx.async_eval``) are not waits and are stubbed out."""
+    and the data-dependent shapes of ``PREFILL_SYNCS``. Detector: a model call traced by ``mx.compile`` raises on
+    any host read of its arrays (eval, item, numpy); queued evaluations (``mx.async_eval``) are not waits and are
+    stubbed out."""
     monkeypatch.setattr(contract, "queue_chunk_check", lambda flag, wait=True: None)
     monkeypatch.setattr(blocks, "wait_for", lambda arrays: None)
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)
