@@ -304,10 +304,10 @@ def test_a_prompt_in_one_chunk_peaks_within_a_tenth_of_the_plain_cache(method, o
 
 
 @pytest.mark.parametrize("mask, extra, sinks", [("causal", 0, False), ("causal", 300, False), (None, 0, False),
-                                                ("causal", 0, True)])
+                                                ("causal", 0, True), ("window", 300, False)])
 def test_a_long_call_is_attended_in_tiles_on_the_cpu_exactly_and_within_a_fraction_of_the_scores(mask, extra, sinks):
     """``attention.dense_attention``: a 700-row call over 700 + ``extra`` keys (a causal mask bottom-right aligned,
-    or none; with attention sinks) equals MLX's sdpa, and on the CPU peaks at most half what MLX's sdpa does (it
+    none, or an array cut to each tile's rows; with attention sinks) equals MLX's sdpa, and on the CPU peaks at most half what MLX's sdpa does (it
     builds the call's [Hq, N, M] float32 scores and probabilities at once; the tiles ~1/4-1/5 of that)."""
     from veloxquant_mlx.cache.attention import dense_attention
 
@@ -315,6 +315,9 @@ def test_a_long_call_is_attended_in_tiles_on_the_cpu_exactly_and_within_a_fracti
     q = mx.random.normal((1, Hq, N, D), key=mx.random.key(1))
     k, v = (mx.random.normal((1, H, M, D), key=mx.random.key(i)) for i in (2, 3))
     s = mx.random.normal((Hq,), key=mx.random.key(4)) if sinks else None
+    if mask == "window":  # an array mask (StreamingLLM's kind): causal, the 256 newest keys of each row
+        i, j = mx.arange(extra, M)[:, None], mx.arange(M)[None]
+        mask = (j <= i) & (i - j < 256)
     mx.eval(q, k, v, s)
 
     def peak_of(fn):

@@ -40,23 +40,25 @@ def bool_mask(mask, n_queries: int, n_keys: int, n_kv_heads: int | None = None):
     return mask
 
 
-#: a CPU call with at least this many query rows (and a string or no mask) is attended in tiles of query rows
+#: a CPU call with at least this many query rows is attended in tiles of query rows (``dense_attention``)
 CPU_TILE_MIN_ROWS = 128
 
 
 def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
-    """MLX's ``scaled_dot_product_attention``; on the CPU a long call with a string or no mask goes in tiles of query
-    rows queued one by one (``queued_row_blocks``; causal: a tile sees the keys up to its last row). MLX's CPU
-    attention builds the call's [Hq, N, M] float32 scores and probabilities: a prompt in one chunk peaked there, and
-    the tiles are no slower (smaller working sets). Exact: each query row's attention is computed alone."""
+    """MLX's ``scaled_dot_product_attention``; on the CPU a long call goes in tiles of query rows queued one by one
+    (``queued_row_blocks``): a causal tile sees the keys up to its last row, an array mask is cut to the tile's rows.
+    MLX's CPU attention builds the call's [Hq, N, M] float32 scores and probabilities at once: a prompt in one chunk
+    peaked there, and the tiles are no slower (smaller working sets). Exact: each query row is attended alone."""
     N, M = queries.shape[2], keys.shape[2]
-    if N < CPU_TILE_MIN_ROWS or mx.default_device() != mx.cpu or not (mask is None or isinstance(mask, str)):
+    if N < CPU_TILE_MIN_ROWS or mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    by_rows = isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == N
 
     def tile(a, b):
-        seen = M - N + b if mask is not None else M  # bottom-right aligned causal mask: rows a..b see keys < seen
+        seen = M - N + b if isinstance(mask, str) else M  # bottom-right aligned causal mask: keys < seen
+        m = mask[..., a:b, :] if by_rows else mask
         return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen],
-                                                    scale=scale, mask=mask, sinks=sinks)
+                                                    scale=scale, mask=m, sinks=sinks)
 
     rows = max(1, min(block_entries() // (queries.shape[0] * queries.shape[1] * M), -(-N // 8)))
     return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
