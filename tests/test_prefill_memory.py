@@ -268,7 +268,7 @@ ONE_CHUNK_SLACK = 1.10  # the compressed caches' own arrays (codes, windows, tab
 ONE_CHUNK_OVER: set[str] = set()
 # near the slack, either side from one run or machine to the next: gear 1.14-1.16x (morphkv 1.04-1.09x until session
 # 30: its kept window of queries, a lazy slice, held each layer's queries to the chunk's end)
-ONE_CHUNK_BORDERLINE = {"gear"}
+ONE_CHUNK_BORDERLINE: set[str] = set()
 
 
 def _one_chunk_param(m):

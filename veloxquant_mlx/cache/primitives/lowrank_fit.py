@@ -58,13 +58,17 @@ def energy_rank(energy: mx.array, threshold: float) -> int:
 def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit: float = 1.0):
     """The C widths (of the K ``choices``) minimising ``sum_c distortion[c, k_c] + lam * sum_c cost[k_c]``
     subject to ``sum_c cost[k_c] <= budget`` (costs in bits, multiples of ``unit``): a multiple-choice knapsack
-    by dynamic programming over (component, budget used), vectorised over the budget axis."""
+    by dynamic programming over (component, budget used), vectorised over the budget axis. That axis steps by the
+    costs' greatest common divisor in units (kvtc at G = 32: rates b + 1 bits in units of 1/32, all multiples of 32),
+    a table equal to the unit-step one at every point a choice reaches, so the same widths, 32x faster there."""
     d = np.asarray(distortion, dtype=np.float64)
     C, K = d.shape
     w = np.rint(np.asarray(cost, dtype=np.float64) / unit).astype(np.int64)
     cap = int(np.floor(budget / unit + 1e-9))
     if cap < 0:
         raise ValueError(f"budget {budget} < 0")
+    step = int(np.gcd.reduce(w[w > 0])) if (w > 0).any() else 1
+    w, cap = w // step, cap // step
     d = d + lam * np.asarray(cost, dtype=np.float64)[None]
     best = np.zeros(cap + 1)  # best[u] = min distortion of components processed so far using <= u units
     choice = np.zeros((C, cap + 1), dtype=np.int16)

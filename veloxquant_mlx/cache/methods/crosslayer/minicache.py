@@ -27,6 +27,7 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
+from ...primitives import blocks
 from ...primitives.buffers import grow_rows
 from ..layer_links import GroupWindow, relink, relinking_state
 from ..quantization.kivi import RES_DTYPE, KIVIKVCache, SideRows
@@ -124,8 +125,13 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
 
     def _store(self, keys, values):
         m = self._append_window(keys, values)
-        if not m:
-            return
+        if m:
+            self._compress_block(m)
+        if keys.shape[2] > 1 and mx.default_device() == mx.cpu:  # a prefill call (no wait on a GPU, as ``blocks``)
+            self._settle()
+
+    def _compress_block(self, m: int) -> None:
+        """The window's first ``m`` rows (whole blocks): merged by a merge layer, kept by a lone primary."""
         if self.mc_role == "merge":
             p = self.primary
             if (p.n_quant, p.n_res) != (self.n_quant, self.n_res):
@@ -138,6 +144,13 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
                 self._append_primary(kind, rows, mx.ones((*rows.shape[:3], 1), RES_DTYPE))
             self._advance(m)
         # a paired primary waits for its merge layer, which merges both windows
+
+    def _settle(self) -> None:
+        """Wait for this layer's arrays (and a merge layer's primary's, which it wrote) before its attention is
+        queued: left to the chunk's end, every layer's rows were alive together (SmolLM2, 1023 tokens in one chunk:
+        1.19x the plain cache's peak)."""
+        held = self.held_arrays()
+        blocks.wait_for(held + self.primary.held_arrays() if self.mc_role == "merge" else held)
 
     def _append_primary(self, kind, d, pn):
         for name, new in ((f"dir_{kind}", d), (f"pn_{kind}", pn)):
