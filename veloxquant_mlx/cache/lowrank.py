@@ -86,13 +86,12 @@ class LowRankKVCache(GroupedQuantCache):
                 setattr(self, f, grow_rows(buf, row, arr))
 
     def _store(self, keys, values):
-        """KIVI's ``_store``; on the CPU a prefill call (N > 1) then waits for the cache's arrays (``blocks.wait_for``),
-        so the fit and encode are done before the layer's attention is queued: left to the chunk's end, every layer's
-        rows and encode temporaries were alive together (SmolLM2, 1023 tokens in one chunk: kvtc 1.25x, svdq 1.07x
-        the plain cache's peak). No wait on a GPU (as ``blocks``) nor in a decode step."""
+        """KIVI's ``_store``, then ``blocks.settle_prefill``: on the CPU a prefill call waits for the cache's arrays,
+        so the fit and encode are done before the layer's attention is queued (left to the chunk's end, every
+        layer's rows and encode temporaries were alive together: SmolLM2, 1023 tokens in one chunk, kvtc 1.25x, svdq
+        1.07x the plain cache's peak)."""
         super()._store(keys, values)
-        if keys.shape[2] > 1 and mx.default_device() == mx.cpu:
-            blocks.wait_for(self.held_arrays())
+        blocks.settle_prefill(keys.shape[2], self.held_arrays)
 
     def _short_steps(self) -> bool:
         """As KIVI's: this ``_store`` adds only a prefill wait (a subclass storing its own way does not skip it)."""

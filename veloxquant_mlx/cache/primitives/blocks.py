@@ -32,6 +32,14 @@ def wait_for(arrays: list) -> None:
     mx.eval(arrays)
 
 
+def settle_prefill(n_rows: int, held: Callable[[], list]) -> None:
+    """A cache's ``_store`` of ``n_rows`` rows: on the CPU a prefill call (``n_rows > 1``) waits for ``held()`` (the
+    layer's codes and fits) before the layer's attention is queued, so no layer's rows and fit temporaries live to
+    the chunk's end; a decode step and a GPU never wait (nor build the list)."""
+    if n_rows > 1 and mx.default_device() == mx.cpu:
+        wait_for(held())
+
+
 def queued_row_blocks(fn: Callable[[int, int], object], n: int, rows: int) -> list:
     """``[fn(a, b) for each block [a, b) of range(n)]``, ``rows`` at a time; with more than one block each result
     (an array or a tuple of arrays and None) is queued as it is built and, on the CPU, waited for as the module

@@ -127,8 +127,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
         m = self._append_window(keys, values)
         if m:
             self._compress_block(m)
-        if keys.shape[2] > 1 and mx.default_device() == mx.cpu:  # a prefill call (no wait on a GPU, as ``blocks``)
-            self._settle()
+        blocks.settle_prefill(keys.shape[2], self._held_with_primary)
 
     def _compress_block(self, m: int) -> None:
         """The window's first ``m`` rows (whole blocks): merged by a merge layer, kept by a lone primary."""
@@ -145,12 +144,12 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
             self._advance(m)
         # a paired primary waits for its merge layer, which merges both windows
 
-    def _settle(self) -> None:
-        """Wait for this layer's arrays (and a merge layer's primary's, which it wrote) before its attention is
-        queued: left to the chunk's end, every layer's rows were alive together (SmolLM2, 1023 tokens in one chunk:
-        1.19x the plain cache's peak)."""
+    def _held_with_primary(self) -> list:
+        """This layer's arrays and a merge layer's primary's (which it wrote): what a prefill call waits for before
+        the layer's attention is queued (``blocks.settle_prefill``; left to the chunk's end, every layer's rows were
+        alive together: SmolLM2, 1023 tokens in one chunk, 1.19x the plain cache's peak)."""
         held = self.held_arrays()
-        blocks.wait_for(held + self.primary.held_arrays() if self.mc_role == "merge" else held)
+        return held + self.primary.held_arrays() if self.mc_role == "merge" else held
 
     def _append_primary(self, kind, d, pn):
         for name, new in ((f"dir_{kind}", d), (f"pn_{kind}", pn)):

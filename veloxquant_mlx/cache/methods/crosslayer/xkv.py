@@ -105,14 +105,13 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                     raise RuntimeError("XKVKVCache: the layers of a group must be fed the same tokens in "
                                        "order (first layer first)")
             self._compress(members, m)
-        if keys.shape[2] > 1 and mx.default_device() == mx.cpu:  # a prefill call (no wait on a GPU, as ``blocks``)
-            self._settle()
+        blocks.settle_prefill(keys.shape[2], self._group_arrays)
 
-    def _settle(self) -> None:
-        """Wait for the group's arrays (the owner's latents, every member's window) before this layer's attention is
-        queued: left to the chunk's end, every layer's rows and fit temporaries were alive together (SmolLM2, 1023
-        tokens in one chunk: 1.23x the plain cache's peak)."""
-        blocks.wait_for([a for c in self.group_obj.members if c is not None for a in c.held_arrays()])
+    def _group_arrays(self) -> list:
+        """The group's arrays (the owner's latents, every member's window): what a prefill call waits for before this
+        layer's attention is queued (``blocks.settle_prefill``; left to the chunk's end, every layer's rows and fit
+        temporaries were alive together: SmolLM2, 1023 tokens in one chunk, 1.23x the plain cache's peak)."""
+        return [a for c in self.group_obj.members if c is not None for a in c.held_arrays()]
 
     def _compress(self, members, m):
         own, o = members[0], self.config.options

@@ -93,13 +93,11 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         return q, idx, vals, a, bt, approx + a.astype(mx.float32) @ bt.astype(mx.float32)
 
     def _store(self, keys, values):
-        """KIVI's; on the CPU a prefill call (N > 1) then waits for the cache's arrays (``blocks.wait_for``), so the
-        SVDs are done before the layer's attention is queued: left to the chunk's end, every layer's rows and SVD
-        temporaries were alive together (SmolLM2, 1023 tokens in one chunk: 1.44x the plain cache's peak). No wait
-        on a GPU (as ``blocks``) nor in a decode step."""
+        """KIVI's, then ``blocks.settle_prefill``: on the CPU a prefill call waits for the cache's arrays, so the SVDs
+        are done before the layer's attention is queued (left to the chunk's end, every layer's rows and SVD
+        temporaries were alive together: SmolLM2, 1023 tokens in one chunk, 1.44x the plain cache's peak)."""
         super()._store(keys, values)
-        if keys.shape[2] > 1 and mx.default_device() == mx.cpu:
-            blocks.wait_for(self.held_arrays())
+        blocks.settle_prefill(keys.shape[2], self.held_arrays)
 
     def _short_steps(self) -> bool:
         return True  # ``_store`` adds only a prefill wait: a decode row completing no group may skip it
