@@ -266,8 +266,8 @@ ONE_CHUNK_SLACK = 1.10  # the compressed caches' own arrays (codes, windows, tab
 # the code searches (vecinfer 11x, turboquant_rvq 2.0x, a2ats 1.33x -> 0.94-0.99x), Keyformer's Gumbel softmax in
 # tiles of query rows (2.0x -> 0.86x) and ZipCache's tiles (1.88x -> 0.71x; SmolLM2 0.63x).
 ONE_CHUNK_OVER: set[str] = set()
-# near the slack, either side from one run or machine to the next: gear 1.14-1.16x (morphkv 1.04-1.09x until session
-# 30: its kept window of queries, a lazy slice, held each layer's queries to the chunk's end)
+# near the slack, either side from one run or machine to the next: none since session 30 (were gear 1.14-1.16x, now
+# 0.36-0.41x with the low-rank prefill wait; morphkv 1.04-1.09x, its kept window of queries held each layer's queries)
 ONE_CHUNK_BORDERLINE: set[str] = set()
 
 
