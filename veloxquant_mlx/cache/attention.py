@@ -52,16 +52,53 @@ def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     N, M = queries.shape[2], keys.shape[2]
     if N < CPU_TILE_MIN_ROWS or mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    by_rows = isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == N
 
     def tile(a, b):
-        seen = M - N + b if isinstance(mask, str) else M  # bottom-right aligned causal mask: keys < seen
-        m = mask[..., a:b, :] if by_rows else mask
+        seen, m = query_rows_view(mask, N, M, a, b)
         return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen],
                                                     scale=scale, mask=m, sinks=sinks)
 
     rows = max(1, min(block_entries() // (queries.shape[0] * queries.shape[1] * M), -(-N // 8)))
     return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
+
+
+def query_rows_view(mask, n_queries: int, n_keys: int, a: int, b: int):
+    """``(seen, mask)`` for the query rows [a, b) of a call attended alone: they need the keys [0, seen) only (a
+    bottom-right aligned causal mask: keys up to the last row's) and the mask's rows [a, b) (an array mask)."""
+    if isinstance(mask, str):
+        return n_keys - n_queries + b, mask
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == n_queries:
+        return n_keys, mask[..., a:b, :]
+    return n_keys, mask
+
+
+def observed_attention(queries, keys, values, *, scale, mask, observe, held, first_observed: int = 0):
+    """Dense attention (queries' dtype) of a call whose query rows from ``first_observed`` on hand their float32
+    probabilities [B, H, rep, n, M] to ``observe(weights, first, total)`` (rows [first, first + n) of a call of
+    ``total``), in tiles of query rows queued one by one with ``held()`` (the state ``observe`` updates): the whole
+    call's [N, M] probabilities at once held H2O, TOVA, CaM and KVzip at 0.78x the plain cache's peak with a prompt in
+    one chunk (the plain cache's CPU attention builds them once; here logits, probabilities and their mask beside
+    it). Rows before ``first_observed`` (a window voter's: all but its window) take ``dense_attention``."""
+    B, Hq, N, _ = queries.shape
+    M, first = keys.shape[2], min(max(int(first_observed), 0), N - 1)
+    outs = []
+    if first:
+        seen, m = query_rows_view(mask, N, M, 0, first)
+        outs.append(dense_attention(queries[:, :, :first], keys[:, :, :seen], values[:, :, :seen], scale=scale,
+                                    mask=m))
+
+    def tile(a, b):
+        seen, m = query_rows_view(mask, N, M, first + a, first + b)
+        out, w = attention_with_weights(queries[:, :, first + a : first + b], keys[:, :, :seen],
+                                        values[:, :, :seen], scale=scale, mask=m)
+        if seen < M:  # the keys no row of the tile sees: probability 0
+            w = mx.pad(w, [(0, 0)] * 4 + [(0, M - seen)])
+        observe(w, first + a, N)
+        return (out, *held())
+
+    rows = max(1, block_entries() // (B * Hq * M))
+    outs += [t[0] for t in queued_row_blocks(tile, N - first, rows)]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def attention_logits(queries: mx.array, keys: mx.array, scale: float) -> mx.array:

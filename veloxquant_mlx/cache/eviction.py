@@ -30,7 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import dispatch
-from .attention import attention_logits, attention_with_weights
+from .attention import attention_logits, attention_with_weights, observed_attention
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .options import SnapKVOptions
@@ -117,9 +117,14 @@ class EvictionKVCache(CompressedKVCache):
         """[B, H, rows] importance of each stored row (higher = keep); by default the row field ``score_field``."""
         return getattr(self, self.score_field)[:, :, : self.rows]
 
-    def observe(self, weights: mx.array) -> None:
-        """Called with this call's attention probabilities [B, H, rep, N, rows] (float32) when
-        ``uses_attention_weights``; real queries with the dispatch point, key proxies without."""
+    def observe(self, weights: mx.array, first: int = 0, total: int | None = None) -> None:
+        """Called with attention probabilities [B, H, rep, n, rows] (float32) when ``uses_attention_weights``: the
+        query rows [first, first + n) of a call of ``total`` (default n) rows, in order, from ``observed_from`` on
+        (a long call comes in tiles); real queries with the dispatch point, key proxies without."""
+
+    def observed_from(self, total: int) -> int:
+        """The first query row of a ``total``-row call whose probabilities ``observe`` reads (0: every row)."""
+        return 0
 
     @property
     def decode_evict(self) -> bool:
@@ -216,9 +221,9 @@ class EvictionKVCache(CompressedKVCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self.uses_attention_weights and sinks is None and dispatch.installed():
-            out, weights = attention_with_weights(queries, keys, values, scale=scale,
-                                                  mask=self._own_mask(mask, queries, keys))
-            self.observe(weights)
+            out = observed_attention(queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys),
+                                     observe=self.observe, held=self._observed_state,
+                                     first_observed=self.observed_from(queries.shape[2]))
             out = self._observed_with(out)
         else:
             out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -230,8 +235,12 @@ class EvictionKVCache(CompressedKVCache):
         """``out`` tied (``mx.depends``) to the row state ``observe`` just updated, so the observation is reduced
         with the layer's attention: left to the state's evaluation it kept every layer's [N, rows] probabilities
         alive to the end of a prefill chunk (CaM, KVzip: 9x the plain cache's peak at 1023 tokens of SmolLM2)."""
-        held = [a for a in (getattr(self, n, None) for n in self.row_fields + self.observed_fields) if a is not None]
+        held = self._observed_state()
         return mx.depends(out, held) if held else out
+
+    def _observed_state(self) -> list:
+        """The arrays ``observe`` updates (``row_fields`` and ``observed_fields``)."""
+        return [a for a in (getattr(self, n, None) for n in self.row_fields + self.observed_fields) if a is not None]
 
     def _recent_start(self) -> int:
         """First position of the protected recent window."""
@@ -358,8 +367,11 @@ class VotingEviction(BatchedEviction, EvictionKVCache):
     evict_slack = property(lambda self: default_slack(self.budget))
     layer_budget = property(lambda self: self.budget)
 
-    def observe(self, weights):
-        w = weights if self.h2o_votes else weights[..., -self.obs_window :, :]
+    def observed_from(self, total):
+        return 0 if self.h2o_votes else max(0, total - self.obs_window)
+
+    def observe(self, weights, first=0, total=None):
+        w = weights if self.h2o_votes else weights[..., -self.obs_window :, :]  # (tiles: from observed_from only)
         n = self.rows
         self.votes[:, :, :n] = self.votes[:, :, :n] + w.sum(axis=(2, 3))
         self.settle()

@@ -55,9 +55,17 @@ class CaMKVCache(VotingEviction):
     layer_id = 0  # decorrelates the layers' gate draws
     layer_field = "layer_id"
 
-    def observe(self, weights):
-        super().observe(weights)
-        self.attn[:, :, : self.rows] = weights[..., -self.obs_window :, :].mean(axis=(2, 3))
+    def observe(self, weights, first=0, total=None):
+        """Votes from every row; ``attn``: the mean over the call's last ``obs_window`` rows (tiles add to it)."""
+        super().observe(weights, first, total)
+        n = weights.shape[3]
+        window = min(self.obs_window, total or n)
+        start = (total or n) - window - first  # the window's first row in this tile (< 0: before it)
+        if start >= n:
+            return
+        part = weights[..., max(start, 0) :, :].sum(axis=(2, 3)) / (weights.shape[2] * window)
+        rows = self.rows
+        self.attn[:, :, :rows] = part if start >= 0 else self.attn[:, :, :rows] + part
 
     def _drop(self, scores, keep):
         rows, o = self.rows, self.config.options

@@ -36,7 +36,7 @@ class H2OKVCache(BatchedEviction, EvictionKVCache):
     uses_attention_weights = True
     recent_option = "grace"
 
-    def observe(self, weights):
+    def observe(self, weights, first=0, total=None):  # tiles in order: the decay carries over
         rows = self.rows
         self.acc[:, :, :rows] = decayed_add(self.acc[:, :, :rows], weights, float(self.config.options.decay))
         self.settle()

@@ -68,17 +68,20 @@ class KeyformerKVCache(H2OKVCache):
         t = min(self.decode_steps if step is None else step, o.anneal_steps)
         return o.tau_init + (o.tau_end - o.tau_init) * t / o.anneal_steps
 
-    def observe(self, weights):
-        """Accumulate softmax((log p + Gumbel) / tau) of weights [B, H, rep, N, rows], over the queries in tiles of
-        query rows (``queued_row_blocks``): at once, the log, the noise and the softmax were several [N, rows]
-        float32 arrays beside the attention (2x the plain cache's peak with a 512-token prompt in one chunk)."""
+    def observe(self, weights, first=0, total=None):
+        """Accumulate softmax((log p + Gumbel) / tau) of weights [B, H, rep, n, rows] (rows [first, first + n) of a
+        call of ``total``), over the queries in tiles of query rows (``queued_row_blocks``): at once, the log, the
+        noise and the softmax were several [N, rows] float32 arrays beside the attention (2x the plain cache's peak
+        with a 512-token prompt in one chunk). The noise is keyed by the call and each tile's first row."""
         B, H, rep, N, rows = weights.shape
-        tau, call = self.tau(), self.noise_calls
-        self.noise_calls += int(self.gumbel_noise)
-        tile = min(block_entries() // max(1, B * H * rep * rows), -(-N // TILES))  # >= TILES tiles of a long call
-        parts = queued_row_blocks(lambda a, b: self._tile_mass(weights[:, :, :, a:b], tau, call, a), N, tile)
+        total = total or N
+        if first == 0:
+            self.noise_calls += int(self.gumbel_noise)
+        tau, call = self.tau(), self.noise_calls - int(self.gumbel_noise)
+        tile = min(block_entries() // max(1, B * H * rep * rows), -(-total // TILES))  # >= TILES tiles of a call
+        parts = queued_row_blocks(lambda a, b: self._tile_mass(weights[:, :, :, a:b], tau, call, first + a), N, tile)
         self.acc[:, :, :rows] = self.acc[:, :, :rows] + sum(parts[1:], parts[0])
-        self.decode_steps += int(N == 1)
+        self.decode_steps += int(total == 1)
         self.settle()
 
     def _tile_mass(self, w: mx.array, tau: float, call: int, first: int) -> mx.array:

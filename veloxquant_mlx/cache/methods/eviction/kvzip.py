@@ -47,7 +47,7 @@ class KVzipKVCache(EvictionKVCache):
     def wants_eviction(self, n_new):
         return self._probe_rows is None and n_new == 1 and super().wants_eviction(n_new)
 
-    def observe(self, weights):
+    def observe(self, weights, first=0, total=None):  # a max: tiles in any order
         rows = self.rows if self._probe_rows is None else self._probe_rows
         self.importance[:, :, :rows] = mx.maximum(self.importance[:, :, :rows], weights[..., :rows].max(axis=(2, 3)))
 

@@ -41,7 +41,7 @@ class NestedKVKVCache(EvictionKVCache):
     array_fields = EvictionKVCache.array_fields + ("cur",)
     recent_option = "window"  # the sliding-window memory is kept verbatim
 
-    def observe(self, weights):
+    def observe(self, weights, first=0, total=None):  # tiles in order: the decay carries over
         rows = weights.shape[4]
         self.cur[:, :, :rows] = decayed_add(self.cur[:, :, :rows], weights, 1.0 - 1.0 / self.recent)
 

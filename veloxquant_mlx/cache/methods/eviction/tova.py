@@ -29,7 +29,10 @@ class TOVAKVCache(BatchedEviction, EvictionKVCache):
         self._current = None  # never score with a previous call's attention
         super()._store(keys, values)
 
-    def observe(self, weights):
+    def observed_from(self, total):
+        return total - 1
+
+    def observe(self, weights, first=0, total=None):
         self._current = weights[:, :, :, -1, :].mean(axis=2)  # the last query, averaged over the group
 
     def score(self, obs_queries, obs_positions, scale):
