@@ -89,9 +89,13 @@ def main() -> None:
         for step in [int(x) for x in args.steps.split(",")]:
             plain = None
             for label, config in methods:
-                if args.warm:
-                    measure(model, config, n, step)
-                r = measure(model, config, n, step)
+                try:
+                    if args.warm:
+                        measure(model, config, n, step)
+                    r = measure(model, config, n, step)
+                except Exception as e:  # one method's failure does not end the table
+                    print(f"{label:48s} {n:6d} {step:5d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
                 if plain is None:
                     plain = r
                 print(f"{label:48s} {n:6d} {step:5d} {r['peak'] / 1e6:9.1f} {r['peak'] / plain['peak']:8.2f} "
