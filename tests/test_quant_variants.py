@@ -264,6 +264,32 @@ def test_zipcache_long_first_chunk_in_tiles_equals_one_pass(monkeypatch):
     assert float(s_one.sum()) == pytest.approx(2 * H * T, rel=1e-4)  # each query's probabilities sum to one
 
 
+def test_zipcache_long_later_chunk_in_tiles_equals_one_pass(monkeypatch):
+    """A 200-query chunk after 100 tokens (96 of them compressed at its ``_store``) goes in tiles over the compressed
+    past decoded once: the output and the saliency sums of the pending and new rows equal one pass (which held
+    several [N, M] float32 arrays: 2.73x the plain cache's peak on SmolLM2, 2048 tokens in chunks of 1024)."""
+    from veloxquant_mlx.cache.methods.quantization import zipcache
+
+    dispatch.install()
+    B, H, T0, T, D = 1, 2, 100, 200, 64
+    k, v = rand(B, H, T0 + T, D), rand(B, H, T0 + T, D)
+    q = 2.0 * rand(B, 2 * H, T0 + T, D)
+    got = []
+    for tile in (zipcache.SALIENCY_TILE, 1 << 20):  # tiles, then one pass
+        monkeypatch.setattr(zipcache, "SALIENCY_TILE", tile)
+        c = make("zipcache", group_size=32)
+        K, V = c.update_and_fetch(k[:, :, :T0], v[:, :, :T0])
+        dispatch.dispatched_sdpa(q[:, :, :T0], K, V, cache=c, scale=D**-0.5, mask="causal")
+        K, V = c.update_and_fetch(k[:, :, T0:], v[:, :, T0:])
+        assert c.n_quant == 96
+        out = dispatch.dispatched_sdpa(q[:, :, T0:], K, V, cache=c, scale=D**-0.5, mask="causal")
+        got.append((out, c.sal_sum[:, :, : c.n_res, 0]))
+    (o_tiles, s_tiles), (o_one, s_one) = got
+    assert o_tiles.shape == (B, 2 * H, T, D)
+    assert mx.allclose(o_tiles, o_one, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(s_tiles, s_one, atol=1e-4, rtol=1e-5)
+
+
 def test_zipcache_spec_properties_from_arrays():
     B, H, T, D = 1, 2, 4096, 64
     c = make("zipcache")  # 20% at 4 bits, 80% at 2 bits, values routed the same way

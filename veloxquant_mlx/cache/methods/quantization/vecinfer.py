@@ -17,7 +17,8 @@ Deviations from the paper:
   (``_holds_back``), so a short chat holds only its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the transforms target key outliers).
 * Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in full
-  precision (the paper quantizes every token). No fused kernel: the LUT gather is plain MLX ops.
+  precision (the paper quantizes every token). No fused kernel: the LUT gather is plain MLX ops, for decode steps;
+  a prefill chunk attends the decoded rows in tiles (KIVI's ``_attend_chunk``).
 * Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises ``ValueError``
   unless it removes every encoded token (then calibration is redone).
 """
@@ -191,9 +192,14 @@ class VecInferKVCache(KIVIKVCache):
         return bool(o.fused_sdpa) and within and (N > 1 or bool(o.fused_sdpa_memory_bound))
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """Every call size on the codes, unless nothing is encoded yet or the fused sdpa path is chosen."""
+        """A decode step on the codes (LUT scores), a prefill chunk as KIVI's online softmax over tiles of the rows
+        decoded once (``_attend_chunk``: the LUT gather of a chunk, [B, H, N, D/sub, M] float32 up to ``LUT_MAX``,
+        held 13x the plain cache's peak, 2048 tokens in chunks of 256), unless nothing is encoded yet or the fused
+        sdpa path is chosen."""
         if call[0] == 0 or self._fused(queries.shape[2], keys.shape[2]):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if queries.shape[2] > 1:
+            return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
     def _key_scores(self, q, n):
