@@ -109,10 +109,11 @@ CHUNK_CONFIGS = {
 def test_tiled_prefill_chunk_equals_dense_softmax_over_stored_rows(method, monkeypatch):
     """Chunks of odd lengths after a stored past (sinks, quantized rows, window rows, the chunk's own
     rows; GQA 3:1; model sink logits): ``attend`` equals a float64 softmax over the rows that
-    ``update_and_fetch`` returned in their stored form, with tiles forced small (many tile boundaries,
-    none aligned with the window or the sinks)."""
+    ``update_and_fetch`` returned in their stored form, with tiles forced small: KIVI's key tiles (many tile
+    boundaries, none aligned with the groups), the window caches' tiles of query rows (``dense_attention``)."""
     monkeypatch.setattr(att, "TILE_FRACTION", 1 << 20)
     monkeypatch.setattr(att, "TILE_MIN_ROWS", 24)
+    monkeypatch.setattr(att, "CPU_TILE_MIN_ROWS", 24)
     B, H, rep, D = 1, 2, 3, 16
     cache = KVCacheFactory.create(KVCacheConfig(method=method, head_dim=D, **CHUNK_CONFIGS[method]))
     key = mx.random.key(7)

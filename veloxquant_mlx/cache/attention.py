@@ -75,10 +75,8 @@ def query_rows_view(mask, n_queries: int, n_keys: int, a: int, b: int):
 def observed_attention(queries, keys, values, *, scale, mask, observe, held, first_observed: int = 0):
     """Dense attention (queries' dtype) of a call whose query rows from ``first_observed`` on hand their float32
     probabilities [B, H, rep, n, M] to ``observe(weights, first, total)`` (rows [first, first + n) of a call of
-    ``total``), in tiles of query rows queued one by one with ``held()`` (the state ``observe`` updates): the whole
-    call's [N, M] probabilities at once held H2O, TOVA, CaM and KVzip at 0.78x the plain cache's peak with a prompt in
-    one chunk (the plain cache's CPU attention builds them once; here logits, probabilities and their mask beside
-    it). Rows before ``first_observed`` (a window voter's: all but its window) take ``dense_attention``."""
+    ``total``), in tiles of query rows queued one by one with ``held()`` (the state ``observe`` updates), so no
+    [N, M] float32 array of the whole call exists. Rows before ``first_observed`` take ``dense_attention``."""
     B, Hq, N, _ = queries.shape
     M, first = keys.shape[2], min(max(int(first_observed), 0), N - 1)
     outs = []

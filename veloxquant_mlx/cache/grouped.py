@@ -292,13 +292,13 @@ class GroupedQuantCache(CompressedKVCache):
             return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
-    def _attend_codes(self, queries, call, *, scale, mask, sinks, weights=False):
-        """The paper's one softmax over [quantized part (``_key_scores``/``_value_out``), the past residual rows
-        and the call's rows]; ``call`` = (q0, r0, past_k, past_v, new_k, new_v), ``weights`` as in
-        ``joint_attention``."""
+    def _attend_codes(self, queries, call, *, scale, mask, sinks, weights=False, part=None):
+        """The paper's one softmax over [quantized part (``_key_scores``/``_value_out``, or ``part(qf, n)`` ->
+        (scores, value_fn)), the past residual rows and the call's rows]; ``call`` = (q0, r0, past_k, past_v, new_k,
+        new_v), ``weights`` as in ``joint_attention``."""
         q0, _, past_k, past_v, new_k, new_v = call
         n_keys = q0 + (0 if past_k is None else past_k.shape[2]) + new_k.shape[2]
-        part = lambda qf, n: (self._key_scores(qf, n), lambda p: self._value_out(p, n))  # noqa: E731
+        part = part or (lambda qf, n: (self._key_scores(qf, n), lambda p: self._value_out(p, n)))
         return attend_joint(queries, WindowCall(0, *call), None, part, scale=scale, mask=mask, sinks=sinks,
                             n_keys=n_keys, weights=weights)
 

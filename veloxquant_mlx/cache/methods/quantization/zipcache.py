@@ -27,7 +27,6 @@ from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ...primitives.blocks import queued_row_blocks
 from ...primitives.buffers import dtype_name, grow_rows
-from ...window import WindowCall, attend_joint
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _ARR = ("codes", "scales", "biases")
@@ -180,9 +179,9 @@ class ZipCacheKVCache(KIVIKVCache):
         past = lambda qf, n: (qf @ kt, lambda p: p @ vv)  # noqa: E731
 
         def tile(a, b):  # causal: rows a..b see the compressed past, the pending rows and the call's first b
-            sub = WindowCall(0, q0, r0, past_k, past_v, new_k[:, :, :b], new_v[:, :, :b])
-            out, mass = attend_joint(queries[:, :, a:b], sub, None, past, scale=scale, mask=mask, sinks=sinks,
-                                     n_keys=q0 + r0 + b, weights=True)
+            sub = (q0, r0, past_k, past_v, new_k[:, :, :b], new_v[:, :, :b])
+            out, mass = self._attend_codes(queries[:, :, a:b], sub, scale=scale, mask=mask, sinks=sinks, weights=True,
+                                           part=past)
             return out, mx.pad(mass[-1], [(0, 0), (0, 0), (0, N - b)])
 
         tiles = queued_row_blocks(tile, N, min(SALIENCY_TILE, -(-N // MIN_TILES)))
