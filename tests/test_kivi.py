@@ -433,8 +433,8 @@ def test_variants_with_their_own_codes_refuse_quantized_matmul_naming_why(method
 
 def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(monkeypatch):
     """On the CPU ``attend_path="auto"`` sends a decode step (a few query rows per head) through
-    ``mx.quantized_matmul`` and a prefill chunk's tiles through dequantize + matmul (qmm's cost grows with the
-    rows); both give the attention of the stored rows. A forced "quantized_matmul" path keeps qmm for any rows."""
+    ``mx.quantized_matmul`` and a prefill chunk through the rows dequantized (qmm's cost grows with the rows); both
+    give the attention of the stored rows. A forced "quantized_matmul" path keeps qmm for any rows."""
     if ON_CUDA:
         pytest.skip("on CUDA 'auto' dequantizes (or runs the decode kernel): no quantized_matmul there")
     from veloxquant_mlx.cache.grouped import QMM_MAX_ROWS

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .contract import CompressedKVCache
 from .grouped import GroupedQuantCache
 from .primitives import blocks
 from .primitives import groupquant as gq
@@ -169,11 +170,11 @@ class LowRankKVCache(GroupedQuantCache):
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
         """A decode step on the latents in one softmax (``_attend_codes`` with ``_key_scores`` / ``_value_out``); a
-        prefill chunk as KIVI's, an online softmax over tiles of the rows rebuilt once (``_attend_chunk``): one
-        softmax built the chunk's [N, M] scores several times (4.3-5.2x the plain cache's peak, 2048 tokens in
-        chunks of 256)."""
+        prefill chunk as KIVI's, ``dense_attention`` over the rows rebuilt once per layer: one softmax on the latents
+        built the chunk's [N, M] scores several times (4.3-5.2x the plain cache's peak, 2048 tokens in chunks of
+        256)."""
         if queries.shape[2] > 1:
-            return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
+            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
     def _part_bytes(self, which: str) -> int:

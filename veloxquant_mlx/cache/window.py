@@ -150,9 +150,8 @@ class ResidualWindowCache(CompressedKVCache):
     then the call's; ``attend`` computes the same attention on the quantized form (a prefill chunk: over the decoded
     rows in tiles of query rows, ``_attend_chunk``). Subclasses implement
     ``_append_quantized(keys, values)`` (store rows after the ``n_quant`` ones), ``_quantized_dense(n, dtype)``
-    (float32 (K, V) of the first n; a kernel may give them in ``dtype``) and ``_quantized_tiles(q, ranges)``
-    (``(scores_fn, values_fn)`` per row range, the ``online_softmax_attention`` blocks); ``_quantized_part``
-    (decode-sized calls) defaults to one tile."""
+    (float32 (K, V) of the first n; a kernel may give them in ``dtype``) and ``_quantized_part(q, n)``
+    ((scores [B, H, R, n], value_fn) of the first n quantized rows, for a decode step's one softmax)."""
 
     window_fields = ("win_k", "win_v")
     sink_fields = ("sink_k", "sink_v")
@@ -168,8 +167,7 @@ class ResidualWindowCache(CompressedKVCache):
 
     def _quantized_part(self, q: mx.array, n: int):
         """(scores [B, H, R, n], value_fn) of the first ``n`` quantized rows for scaled float32 queries ``q``."""
-        scores_fn, value_fn = self._quantized_tiles(q, [(0, n)])[0]
-        return scores_fn(), value_fn
+        raise NotImplementedError
 
     storage_dtype = EvictionKVCache.storage_dtype  # window/sink rows: the eviction caches' 16-bit rule
 

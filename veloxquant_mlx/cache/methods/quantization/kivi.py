@@ -25,9 +25,9 @@ Deviations from the paper (all deliberate):
 * Trim is exact only for residual tokens and/or whole groups; one that would cut into a group raises
   ``ValueError`` instead of silently keeping lossy rows.
 * Keys are quantized after RoPE (mlx_lm hands the cache rotated keys).
-* GPU prefill chunks (``attend_path="auto"``) use the fused sdpa kernel over the lazily dequantized rows (same
-  result, no [N, M] scores held); elsewhere a chunk over a stored past is one online softmax over tiles of
-  whole groups (``attention.online_softmax_attention``), so a chunked prefill peaks below the plain cache.
+* Prefill chunks over a stored past attend the rows dequantized once per layer (MLX's fused attention; on the CPU
+  in tiles of query rows, ``attention.dense_attention``), so a chunked prefill peaks below the plain cache; with
+  ``attend_path="quantized_matmul"`` they are an online softmax over tiles of whole groups of codes.
 
 Quality: docs/RESULTS.md (mlx_lm's QuantizedKVCache as reference). A call's own rows stay full precision: quantized
 before its attention they raised the 2-bit decode KL from 0.21 to 0.49 (SmolLM2-135M, 480 tokens). Bytes per token

@@ -292,10 +292,10 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         return tq_kernel.supported(D, DV, queries.shape[1] // H, self.key_sub_dim, self.key_bits, self.value_sub_dim,
                                    self.value_bits)
 
-    def _quantized_tiles(self, q, ranges):
-        """Per tile: scores by LUT on the codes for decode-sized calls (``LUT_MAX_ROWS`` query rows per KV head),
-        else from the codes decoded to rotated-domain rows; values as ``sum_t p_t g_t centroid[code_t]`` rotated back
-        once; the queries are rotated once per call."""
+    def _quantized_part(self, q, n: int):
+        """Scores over the first ``n`` quantized rows by LUT on the codes for decode-sized calls (``LUT_MAX_ROWS``
+        query rows per KV head), else from the codes decoded to rotated-domain rows; values as ``sum_t p_t g_t
+        centroid[code_t]`` rotated back once; the queries are rotated once per call."""
         kq, vq = self._qs()
         qr = q @ kq.rot_t
         lut = q.shape[2] <= LUT_MAX_ROWS
@@ -311,7 +311,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         def values(p, a, b):
             return ((p * norms("v_", a, b)) @ vq.decode_rotated(*self._planes("v_", b, a))) @ vq.rot_t.T
 
-        return [(lambda a=a, b=b: scores(a, b), lambda p, a=a, b=b: values(p, a, b)) for a, b in ranges]
+        return scores(0, n), lambda p: values(p, 0, n)
 
     @staticmethod
     def _lut_scores(qz: _Quantizer, qr: mx.array, i: mx.array, j: Optional[mx.array]) -> mx.array:

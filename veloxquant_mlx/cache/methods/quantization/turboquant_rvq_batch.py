@@ -38,7 +38,7 @@ class _BatchCall(NamedTuple):
 
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_decoded", "_quantized_part",
-         "_quantized_tiles", "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
+         "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol); also the
     parent of waterfill's, which stores other codes in the same layout."""

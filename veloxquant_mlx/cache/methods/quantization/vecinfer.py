@@ -6,9 +6,9 @@ orthogonal when D is not a power of two) cut into ``key_sub_dim``-dim sub-vector
 ``2**key_codebook_bits`` codewords; values alike (``value_sub_dim`` / ``value_codebook_bits``), untransformed.
 ``s = sqrt(max |k|)`` per head and channel and one codebook per layer are fitted on the first block unless
 ``smooth_factors`` / ``key_codebook`` / ``value_codebook`` are given. Scores: ``q . k_hat = sum_j LUT[j, code_j]``
-with ``LUT[j, c] = ((q * s) @ R)_j . C_c`` (decoded keys above ``LUT_MAX``). ``fused_sdpa`` sends prefill chunks
-(and with ``fused_sdpa_memory_bound`` decode steps) up to ``fused_sdpa_max_ctx`` through MLX's fused sdpa over
-the decoded rows; ``use_metal_kernels`` has no effect.
+with ``LUT[j, c] = ((q * s) @ R)_j . C_c`` (decoded keys above ``LUT_MAX``). Prefill chunks attend the decoded
+rows (``dense_attention``; ``fused_sdpa`` no longer changes them); ``fused_sdpa`` with ``fused_sdpa_memory_bound``
+sends decode steps up to ``fused_sdpa_max_ctx`` there too; ``use_metal_kernels`` has no effect.
 
 Deviations from the paper:
 
@@ -18,7 +18,7 @@ Deviations from the paper:
 * Values are vector-quantized without smoothing/rotation (the transforms target key outliers).
 * Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in full
   precision (the paper quantizes every token). No fused kernel: the LUT gather is plain MLX ops, for decode steps;
-  a prefill chunk attends the decoded rows in tiles (KIVI's ``_attend_chunk``).
+  a prefill chunk attends the decoded rows (``attention.dense_attention``).
 * Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises ``ValueError``
   unless it removes every encoded token (then calibration is redone).
 """
@@ -192,14 +192,11 @@ class VecInferKVCache(KIVIKVCache):
         return bool(o.fused_sdpa) and within and (N > 1 or bool(o.fused_sdpa_memory_bound))
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """A decode step on the codes (LUT scores), a prefill chunk as KIVI's online softmax over tiles of the rows
-        decoded once (``_attend_chunk``: the LUT gather of a chunk, [B, H, N, D/sub, M] float32 up to ``LUT_MAX``,
-        held 13x the plain cache's peak, 2048 tokens in chunks of 256), unless nothing is encoded yet or the fused
-        sdpa path is chosen."""
-        if call[0] == 0 or self._fused(queries.shape[2], keys.shape[2]):
+        """A decode step on the codes (LUT scores) unless the fused sdpa path is chosen; a prefill chunk as KIVI's,
+        ``dense_attention`` over the rows decoded once per layer (the LUT gather of a chunk, [B, H, N, D/sub, M]
+        float32 up to ``LUT_MAX``, held 13x the plain cache's peak, 2048 tokens in chunks of 256)."""
+        if call[0] == 0 or queries.shape[2] > 1 or self._fused(1, keys.shape[2]):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if queries.shape[2] > 1:
-            return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
     def _key_scores(self, q, n):

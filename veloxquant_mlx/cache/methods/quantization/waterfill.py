@@ -273,12 +273,11 @@ class WaterfillKVCache(ResidualWindowCache):
         """Whether rows are encoded and decoded by ``kernels.waterfill_rows`` (CUDA, supported shapes)."""
         return kernels.kernels_enabled() and wf_rows.supported(self)
 
-    def _quantized_tiles(self, q, ranges):
-        """Per range of quantized rows: scores on the keys decoded there (RoPE re-applied at their
-        positions) and ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
-        return [(lambda a=a, b=b: self._key_scores(q, a, b),
-                 lambda p, a=a, b=b: rotate_values(self._weighted_values(p, a, b), self.seed, inverse=True))
-                for a, b in ranges]
+    def _quantized_part(self, q, n: int):
+        """Scores on the first ``n`` quantized keys decoded (RoPE re-applied at their positions) and
+        ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
+        return self._key_scores(q, 0, n), lambda p: rotate_values(self._weighted_values(p, 0, n), self.seed,
+                                                                  inverse=True)
 
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, kernel shapes, the CUDA backend."""

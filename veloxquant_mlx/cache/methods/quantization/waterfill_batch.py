@@ -37,9 +37,9 @@ from .waterfill import BLOCK, WaterfillKVCache
 
 
 @register_with_mlx_lm
-@borrows(ResidualWindowCache, "_quantized_part", "_attend_chunk", "_sinks")
+@borrows(ResidualWindowCache, "_attend_chunk", "_sinks")
 @borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_key_codes",
-         "_encode_values", "_value_codes", "_weighted_values", "_quantized_tiles", "constant_nbytes")
+         "_encode_values", "_value_codes", "_weighted_values", "_quantized_part", "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     """Waterfill's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -197,7 +197,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     _quantized_dense = WaterfillKVCache._decoded  # the single cache's op path, on this form's own ``_keys``
 
     def _key_scores(self, q, a: int, b: int) -> mx.array:
-        """The single cache's ``_quantized_tiles`` scores on the batched key unpacking (``_keys``)."""
+        """The single cache's ``_quantized_part`` scores on the batched key unpacking (``_keys``)."""
         return q @ self._keys(a, b).swapaxes(-1, -2)
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
