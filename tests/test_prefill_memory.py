@@ -102,6 +102,8 @@ CHUNK_CONFIGS = {
     "kivi_sink": dict(bit_width_inlier=4),  # a KIVI variant with its own storage hooks
     "turboquant_rvq": dict(residual_length=16),
     "waterfill": dict(bit_width_inlier=4, residual_length=16),
+    "svdq": dict(),  # the low-rank caches: rows rebuilt from latents
+    "vecinfer": dict(),  # rows decoded from product-quantized codes
 }
 
 
