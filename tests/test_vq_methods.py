@@ -264,3 +264,22 @@ def test_vq_assign_finds_the_nearest_codeword_in_blocks_without_holding_the_dist
     scale = (xs ** 2).sum(-1) + (cs[idx] ** 2).sum(-1)  # magnitude of the float32 terms |c|^2 - 2 x.c
     assert np.all(chosen <= best + 1e-5 * scale + 1e-6)
     assert np.mean(chosen == best) > 0.99
+
+
+@pytest.mark.parametrize("K", [256, 4096, 96])
+def test_vq_assign_picks_the_first_of_tied_codewords_as_argmin_does(K):
+    """Integer codewords and rows (every distance exact in float32, whatever the summation order), each codeword
+    repeated: the grouped CPU search (``_nearest_grouped``, K a multiple of its groups) and the plain one (K = 96)
+    return numpy's argmin, the first of the tied least codewords, for every row."""
+    import numpy as np
+
+    from veloxquant_mlx.cache.primitives.vq import vq_assign
+
+    rng = np.random.default_rng(K)
+    half = rng.integers(-6, 7, size=(K // 2, 4)).astype(np.float32)
+    cb = np.concatenate([half, half])[rng.permutation(K)]  # every codeword twice, at unrelated positions
+    x = rng.integers(-7, 8, size=(2, 3000, 4)).astype(np.float32)
+    got = np.array(vq_assign(mx.array(x), mx.array(np.stack([cb, cb[::-1]]))))
+    for h, book in enumerate((cb, cb[::-1])):
+        d = ((x[h, :, None, :].astype(np.float64) - book[None]) ** 2).sum(-1)
+        assert np.array_equal(got[h], d.argmin(axis=1))

@@ -13,6 +13,7 @@ from .rotation import seeded_rng
 KMEANS_ITERS = 6
 KMEANS_ROWS_PER_CODE = 4  # fit sample: at most 4 rows per codeword (and 64K rows)
 KMEANS_MAX_ROWS = 1 << 16
+NEAREST_GROUP = 32  # codewords per group of the CPU's two-level nearest search (``_nearest_grouped``)
 _TAG_VQ = 0x0A7E_0B01
 
 
@@ -24,16 +25,35 @@ def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
     2x faster)."""
     x, cb = x.astype(mx.float32), cb.astype(mx.float32)
     Hc, n = x.shape[:2]
+    K = cb.shape[1]
     sq_norms = mx.sum(cb * cb, axis=-1)[:, None, :]  # [Hc, 1, K]
-    cb_t = cb.swapaxes(-1, -2)
-    blocks = queued_row_blocks(lambda a, b: _nearest(x[:, a:b], sq_norms, cb_t), n,
-                               block_entries() // (Hc * cb.shape[1]))
+    if mx.default_device() == mx.cpu and K % NEAREST_GROUP == 0 and K >= 8 * NEAREST_GROUP:
+        sq_t = sq_norms.swapaxes(-1, -2)
+        nearest = lambda a, b: _nearest_grouped(x[:, a:b], sq_t, cb)  # noqa: E731
+    else:
+        cb_t = cb.swapaxes(-1, -2)
+        nearest = lambda a, b: _nearest(x[:, a:b], sq_norms, cb_t)  # noqa: E731
+    blocks = queued_row_blocks(nearest, n, block_entries() // (Hc * K))
     return mx.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
 
 
 def _nearest(x: mx.array, sq_norms: mx.array, cb_t: mx.array) -> mx.array:
     """argmin over codewords of ``|c|^2 - 2 x.c`` (one [Hc, rows, K] temporary)."""
     return mx.argmin(mx.addmm(sq_norms, x, cb_t, alpha=-2.0), axis=-1).astype(mx.int32)
+
+
+def _nearest_grouped(x: mx.array, sq_t: mx.array, cb: mx.array) -> mx.array:
+    """``_nearest`` for the CPU: the distances laid out [Hc, K, rows], the minimum of each group of
+    ``NEAREST_GROUP`` codewords (a reduction across rows, which MLX's CPU backend runs ~3x faster than ``argmin``
+    along a row), the first group holding the least, then the first codeword of that group holding it: the same
+    index as one ``argmin`` (its first least entry). SmolLM2's key pieces (4096 codewords, d 4): 5.7 ms per 1024
+    rows against 11.7 (session 32)."""
+    d = mx.addmm(sq_t, cb, x.swapaxes(-1, -2), alpha=-2.0)  # [Hc, K, rows]
+    Hc, K, m = d.shape
+    g = d.reshape(Hc, K // NEAREST_GROUP, NEAREST_GROUP, m)
+    top = mx.argmin(g.min(axis=2), axis=1)  # [Hc, rows]
+    within = mx.argmin(mx.take_along_axis(g, top[:, None, None, :], axis=1)[:, 0], axis=1)
+    return (top * NEAREST_GROUP + within).astype(mx.int32)
 
 
 def fit_codebook(x: mx.array, k: int, seed: int, iters: int = KMEANS_ITERS) -> mx.array:
