@@ -42,13 +42,17 @@ def bool_mask(mask, n_queries: int, n_keys: int, n_kv_heads: int | None = None):
 
 #: a CPU call with at least this many query rows is attended in tiles of query rows (``dense_attention``)
 CPU_TILE_MIN_ROWS = 128
+#: query rows a CPU tile keeps however many keys it sees (at most 1/8 of the call): a tile of one row over 16K keys
+#: made a 1024-row chunk 2.5x MLX's sdpa's time (matrix-vector products re-reading the keys); 32 rows: 1.0x
+CPU_TILE_FLOOR_ROWS = 32
 
 
 def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     """MLX's ``scaled_dot_product_attention``; on the CPU a long call goes in tiles of query rows queued one by one
     (``queued_row_blocks``): a causal tile sees the keys up to its last row, an array mask is cut to the tile's rows.
     MLX's CPU attention builds the call's [Hq, N, M] float32 scores and probabilities at once: a prompt in one chunk
-    peaked there, and the tiles are no slower (smaller working sets). Exact: each query row is attended alone."""
+    peaked there, and the tiles are no slower (smaller working sets; ``CPU_TILE_FLOOR_ROWS``). Exact: each query row
+    is attended alone."""
     N, M = queries.shape[2], keys.shape[2]
     if N < CPU_TILE_MIN_ROWS or mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -58,7 +62,7 @@ def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
         return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen],
                                                     scale=scale, mask=m, sinks=sinks)
 
-    rows = max(1, min(block_entries() // (queries.shape[0] * queries.shape[1] * M), -(-N // 8)))
+    rows = min(max(CPU_TILE_FLOOR_ROWS, block_entries() // (queries.shape[0] * queries.shape[1] * M)), -(-N // 8))
     return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
 
 
