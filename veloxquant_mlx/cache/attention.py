@@ -47,6 +47,15 @@ CPU_TILE_MIN_ROWS = 128
 CPU_TILE_FLOOR_ROWS = 32
 
 
+def query_tile_rows(queries: mx.array, n_rows: int, n_keys: int) -> int:
+    """Query rows per tile of ``n_rows`` rows over ``n_keys`` keys: ``block_entries()`` scores; on the CPU at least
+    ``CPU_TILE_FLOOR_ROWS`` and at most 1/8 of the rows."""
+    rows = max(1, block_entries() // (queries.shape[0] * queries.shape[1] * n_keys))
+    if mx.default_device() != mx.cpu:
+        return rows
+    return min(max(CPU_TILE_FLOOR_ROWS, rows), -(-n_rows // 8))
+
+
 def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     """MLX's ``scaled_dot_product_attention``; on the CPU a long call goes in tiles of query rows queued one by one
     (``queued_row_blocks``): a causal tile sees the keys up to its last row, an array mask is cut to the tile's rows.
@@ -62,8 +71,7 @@ def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
         return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen],
                                                     scale=scale, mask=m, sinks=sinks)
 
-    rows = min(max(CPU_TILE_FLOOR_ROWS, block_entries() // (queries.shape[0] * queries.shape[1] * M)), -(-N // 8))
-    return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
+    return mx.concatenate(queued_row_blocks(tile, N, query_tile_rows(queries, N, M)), axis=2)
 
 
 def query_rows_view(mask, n_queries: int, n_keys: int, a: int, b: int):
@@ -81,8 +89,8 @@ def observed_attention(queries, keys, values, *, scale, mask, observe, held, fir
     probabilities [B, H, rep, n, M] to ``observe(weights, first, total)`` (rows [first, first + n) of a call of
     ``total``), in tiles of query rows queued one by one with ``held()`` (the state ``observe`` updates), so no
     [N, M] float32 array of the whole call exists. Rows before ``first_observed`` take ``dense_attention``."""
-    B, Hq, N, _ = queries.shape
-    M, first = keys.shape[2], min(max(int(first_observed), 0), N - 1)
+    N, M = queries.shape[2], keys.shape[2]
+    first = min(max(int(first_observed), 0), N - 1)
     outs = []
     if first:
         seen, m = query_rows_view(mask, N, M, 0, first)
@@ -98,8 +106,7 @@ def observed_attention(queries, keys, values, *, scale, mask, observe, held, fir
         observe(w, first + a, N)
         return (out, *held())
 
-    rows = max(1, block_entries() // (B * Hq * M))
-    outs += [t[0] for t in queued_row_blocks(tile, N - first, rows)]
+    outs += [t[0] for t in queued_row_blocks(tile, N - first, query_tile_rows(queries, N - first, M))]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
