@@ -100,13 +100,15 @@ def test_tile_rows_bounds_the_score_tile():
 def test_query_tiles_keep_a_floor_of_rows_on_the_cpu(monkeypatch):
     """Query tiles (``dense_attention``, ``observed_attention``): ``block_entries()`` scores each, but on the CPU
     never fewer than ``CPU_TILE_FLOOR_ROWS`` rows (one-row tiles over 16K keys re-read the keys per row: an H2O
-    chunk of 1024 rows 7.9 s against 3.4 s with the floor) and never more than 1/8 of the call."""
+    chunk of 1024 rows 7.9 s against 3.4 s with the floor) and, to keep the floor's tiles several, never more than
+    1/8 of the call; a call whose scores fit one block is one tile."""
     q = mx.zeros((1, 9, 1, 64))
     monkeypatch.setattr(att, "block_entries", lambda: 1 << 18)
     with mx.stream(mx.cpu):
         assert att.query_tile_rows(q, 1024, 16384) == att.CPU_TILE_FLOOR_ROWS  # 2^18 scores: 1 row
         assert att.query_tile_rows(q, 100, 16384) == 13  # 1/8 of a short call
         assert att.query_tile_rows(q, 4096, 512) == (1 << 18) // (9 * 512)  # above the floor: the scores decide
+        assert att.query_tile_rows(q, 16, 64) >= 16  # fits: one tile (KVzip's reconstruction queries)
 
 
 CHUNK_CONFIGS = {

@@ -48,12 +48,12 @@ CPU_TILE_FLOOR_ROWS = 32
 
 
 def query_tile_rows(queries: mx.array, n_rows: int, n_keys: int) -> int:
-    """Query rows per tile of ``n_rows`` rows over ``n_keys`` keys: ``block_entries()`` scores; on the CPU at least
-    ``CPU_TILE_FLOOR_ROWS`` and at most 1/8 of the rows."""
+    """Query rows per tile of ``n_rows`` rows over ``n_keys`` keys: ``block_entries()`` scores (a call that fits is
+    one tile); on the CPU, where that is under ``CPU_TILE_FLOOR_ROWS`` rows, the floor or 1/8 of the call if less."""
     rows = max(1, block_entries() // (queries.shape[0] * queries.shape[1] * n_keys))
-    if mx.default_device() != mx.cpu:
+    if rows >= CPU_TILE_FLOOR_ROWS or mx.default_device() != mx.cpu:
         return rows
-    return min(max(CPU_TILE_FLOOR_ROWS, rows), -(-n_rows // 8))
+    return max(rows, min(CPU_TILE_FLOOR_ROWS, -(-n_rows // 8)))
 
 
 def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
