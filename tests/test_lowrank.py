@@ -129,15 +129,18 @@ def test_dp_on_the_costs_common_step_gives_the_widths_of_every_unit():
 def one_chunk_depth_excess(method: str, shallow: int = 2, deep: int = 12, n: int = 512):
     """(extra peak beyond the caches' own extra bytes, the float32 key and value rows of the extra layers) of
     ``n`` tokens prefilled in one chunk on tiny llamas of ``shallow`` and ``deep`` layers: what each extra layer
-    keeps alive at the peak besides its cache (test_crosslayer.py and test_quant_mixed.py use it too)."""
+    keeps alive at the peak besides its cache (test_crosslayer.py and test_quant_mixed.py use it too). On the CPU
+    device whatever the machine's default: the wait it measures is the CPU's (``blocks.settle_prefill``; a GPU does
+    not wait per layer, which cost KIVI +90% of its H200 prefill)."""
     from test_prefill_memory import _prefill_peak
 
     config, prompt, out = KVCacheConfig(method=method), mx.array([(i * 37 + 11) % VOCAB for i in range(n)]), []
     for layers in (shallow, deep):
-        model = tiny_llama(head_dim=16, n_layers=layers)
-        _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=n)  # process-wide constants
-        caches = KVCacheBuilder.for_model(model, config)
-        out.append((_prefill_peak(model, caches, prompt, step=n), sum(c.nbytes for c in caches)))
+        with mx.stream(mx.cpu):
+            model = tiny_llama(head_dim=16, n_layers=layers)
+            _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=n)  # process-wide constants
+            caches = KVCacheBuilder.for_model(model, config)
+            out.append((_prefill_peak(model, caches, prompt, step=n), sum(c.nbytes for c in caches)))
     (p0, b0), (p1, b1) = out
     return (p1 - p0) - (b1 - b0), (deep - shallow) * 2 * model.args.num_key_value_heads * n * 16 * 4
 
