@@ -42,6 +42,41 @@ def fit_basis(x: mx.array, center: bool = False):
     return v[..., ::-1], mx.maximum(w[..., ::-1], 0.0), mean
 
 
+#: subspace iterations of ``power_lowrank``: at rank 4 of [32, 64] blocks they capture 0.98 (a noise-like residual)
+#: to 0.995 (one with structure) of the energy an exact SVD captures (3: 0.92 to 0.98; 16: 0.99 to 0.997). GEAR's
+#: KLD on SmolLM2 (``veloxquant eval --task kld --context 512,2048 --n-score 32 --method gear``): exact SVD 0.0853 /
+#: 0.0543, 8 iterations 0.0903 / 0.0552, 3 iterations 0.1067 / 0.0644
+POWER_ITERS = 8
+
+
+def orthonormal_columns(y: mx.array) -> mx.array:
+    """Columns of ``y [..., m, r]`` made orthonormal, one at a time (classical Gram-Schmidt, twice per column for
+    round-off: "CGS2"); a column in the span of the previous ones becomes 0. A loop over the r columns, not rows."""
+    q = None
+    for j in range(y.shape[-1]):
+        v = y[..., j : j + 1]
+        if q is not None:
+            for _ in range(2):
+                v = v - q @ (q.swapaxes(-1, -2) @ v)
+        v = v / mx.maximum(mx.sqrt((v * v).sum(axis=-2, keepdims=True)), 1e-30)
+        q = v if q is None else mx.concatenate([q, v], axis=-1)
+    return q
+
+
+def power_lowrank(x: mx.array, rank: int, iters: int | None = None, seed: int = 0):
+    """A rank-``rank`` fit ``a @ bt`` of each matrix of ``x [..., m, n]`` (float32) by subspace iteration from a
+    fixed Gaussian start (Halko, Martinsson & Tropp, arXiv 0909.4061, Alg. 4.4; GEAR's power-iteration solver):
+    ``a [..., m, r]`` orthonormal columns spanning ``(x xᵀ)^iters x Ω``, ``bt = aᵀ x [..., r, n]``. Matrix products
+    only (MLX's SVD is CPU-only): on a GPU no host sync, on the CPU ~5x faster than ``mx.linalg.svd`` on GEAR's
+    blocks. Not the exact best fit (Eckart–Young): see ``POWER_ITERS``."""
+    omega = mx.random.normal((x.shape[-1], rank), key=mx.random.key(seed))
+    y = x @ omega
+    for _ in range(POWER_ITERS if iters is None else iters):
+        y = x @ (x.swapaxes(-1, -2) @ orthonormal_columns(y))
+    a = orthonormal_columns(y)
+    return a, a.swapaxes(-1, -2) @ x
+
+
 def captured_energy(energy: mx.array, rank: int) -> mx.array:
     """Fraction of the energy in the first ``rank`` components, per (batch, group)."""
     return energy[..., :rank].sum(axis=-1) / mx.maximum(energy.sum(axis=-1), 1e-30)

@@ -1,14 +1,17 @@
 """GEAR (Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao, arXiv 2403.05527): X ≈ D̂ + L + S, with S the largest-|x|
-entries kept exactly, D̂ = Quant_b(X − S) and L = A·Bᵀ the best rank-r fit of the rest.
+entries kept exactly, D̂ = Quant_b(X − S) and L = A·Bᵀ a rank-r fit of the rest.
 
 Per (batch, head, G-token group) on KIVI's residual: S = ``ceil(gear_sparse_fraction·G·D)`` entries (uint16 index
-+ float16 value), D̂ = KIVI's codes, L = rank-r SVD (A per token, Bᵀ per group, float16); values alike with
++ float16 value), D̂ = KIVI's codes, L = a rank-r fit by power (subspace) iteration, as the paper's solver (A per
+token, Bᵀ per group, float16; ``lowrank_fit.power_lowrank``); values alike with
 ``gear_quantize_values``. r = ``gear_rank`` or, from the first block, the largest rank keeping
 ``gear_energy_threshold`` of a group's residual energy, capped at min(G, D) // 8 (a b-bit residual is noise-like).
 
 Deviations from the paper: the residual is fitted per G-token group (the paper: per head over the prefill, then
 per decode buffer); keys are quantized after RoPE; the base quantizer is KIVI's (GEAR-KIVI); the newest < G
-tokens stay float16 (the paper's streaming buffer).
+tokens stay float16 (the paper's streaming buffer); ``lowrank_fit.POWER_ITERS`` subspace iterations from a fixed
+Gaussian start (the paper: power iteration, its count unstated) capture 0.98-0.995 of the exact SVD's energy; the rank
+from the energy threshold still comes from one exact SVD of the first block (MLX's, on the CPU).
 """
 
 from __future__ import annotations
@@ -87,9 +90,7 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
             self.rank = max(1, min(lr.energy_rank(s * s, self.config.options.energy_threshold), min(G, D) // 8))
         if not self.rank:
             return q, idx, vals, None, None, approx
-        u, s, vt = mx.linalg.svd(resid, stream=mx.cpu)  # Eckart–Young: the best rank-r fit (CPU-only in MLX)
-        r = self.rank
-        a, bt = (u[..., :r] * s[..., None, :r]).astype(mx.float16), vt[..., :r, :].astype(mx.float16)
+        a, bt = (m.astype(mx.float16) for m in lr.power_lowrank(resid, self.rank))
         return q, idx, vals, a, bt, approx + a.astype(mx.float32) @ bt.astype(mx.float32)
 
     def _store(self, keys, values):
