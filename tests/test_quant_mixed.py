@@ -6,6 +6,7 @@ test_quant_contract.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import mlx.core as mx
@@ -65,6 +66,56 @@ def test_kvquant_nonuniform_beats_uniform_on_skewed_data_and_outliers_exact():
     blk = k16[0, 0, :32].T.reshape(-1)  # block 0 in [D, G] order
     assert bool(mx.array_equal(blk[idx], vals.astype(mx.float32)))
     assert float(mx.abs(vals).min()) >= float(mx.sort(mx.abs(blk))[-21])
+
+
+def _lloyd_float64(u, bits, iters):
+    """1-D Lloyd from the row quantiles, entry by entry, in float64 (the reference of ``fit_levels``)."""
+    u = np.asarray(u, dtype=np.float64)
+    L, T = 1 << bits, u.shape[-1]
+    lv = np.sort(u, axis=-1)[..., np.minimum(((np.arange(L) + 0.5) / L * T).astype(np.int64), T - 1)]
+    for _ in range(iters):
+        code = (u[..., None] > 0.5 * (lv[..., 1:] + lv[..., :-1])[..., None, :]).sum(-1)
+        onehot = code[..., None] == np.arange(L)
+        cnt = onehot.sum(-2)
+        lv = np.sort(np.where(cnt > 0, (onehot * u[..., None]).sum(-2) / np.maximum(cnt, 1), lv), axis=-1)
+    return lv
+
+
+def test_fit_levels_is_lloyd_on_sorted_runs():
+    """``fit_levels`` (cells as runs of the sorted row: counts from the boundaries, sums from prefix sums) equals
+    entry-by-entry Lloyd in float64, on rows whose cells are clear (clusters far apart, so round-off moves no entry
+    across a boundary), with an empty cell (a level keeps its place) and rows of 7 to 2047 entries."""
+    rng = np.random.default_rng(3)
+    for T, bits in ((2047, 3), (300, 2), (7, 2)):
+        centres = rng.uniform(0, 1, size=(2, 5, 1, 1 << bits))
+        pick = rng.integers(0, 1 << bits, size=(2, 5, T))
+        u = np.clip(np.take_along_axis(centres[..., 0, :], pick, -1) + rng.normal(0, 1e-3, (2, 5, T)), 0, 1)
+        got = np.asarray(nu.fit_levels(mx.array(u.astype(np.float32)), bits, 8))
+        want = _lloyd_float64(u.astype(np.float32), bits, 8)
+        assert np.abs(got - want).max() <= 1e-5, (T, bits, np.abs(got - want).max())
+    lv = nu.fit_levels(mx.array([[0.0, 0.0, 0.0, 1.0]]), 2, 4)  # fewer distinct values than levels
+    assert np.allclose(np.asarray(lv)[0, [0, -1]], [0.0, 1.0])
+
+
+def test_power_lowrank_fits_rank_r_exactly_and_nears_the_svd_otherwise():
+    """GEAR's solver (``lowrank_fit.power_lowrank``): a rank-r matrix is fitted exactly; on a rank-2 signal in noise
+    it captures >= 0.99 of the energy the exact SVD's rank-4 fit captures (subspace iteration converges there); its
+    ``a`` has orthonormal columns; a zero matrix gives a zero fit (no NaN)."""
+    from veloxquant_mlx.cache.primitives import lowrank_fit as lr
+
+    rng = np.random.default_rng(5)
+    low = rng.normal(size=(3, 6, 32, 4)) @ rng.normal(size=(3, 6, 4, 64))
+    a, bt = lr.power_lowrank(mx.array(low.astype(np.float32)), 4)
+    assert np.abs(np.asarray(a @ bt) - low).max() <= 1e-4 * np.abs(low).max()
+    eye = np.asarray(a.swapaxes(-1, -2) @ a)
+    assert np.abs(eye - np.eye(4)).max() <= 1e-5
+    x = rng.normal(size=(4, 8, 32, 64)) + 0.5 * rng.normal(size=(4, 8, 32, 2)) @ rng.normal(size=(4, 8, 2, 64))
+    a, bt = lr.power_lowrank(mx.array(x.astype(np.float32)), 4)
+    s = np.linalg.svd(x, compute_uv=False)
+    captured = (x**2).sum() - ((x - np.asarray(a @ bt).astype(np.float64)) ** 2).sum()
+    assert captured >= 0.99 * (s[..., :4] ** 2).sum(), captured / (s[..., :4] ** 2).sum()
+    a, bt = lr.power_lowrank(mx.zeros((2, 8, 16)), 3)
+    assert float(mx.abs(a @ bt).max()) == 0.0
 
 
 def test_gear_recovery_positive_and_growing_with_rank():
