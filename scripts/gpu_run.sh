@@ -81,6 +81,11 @@ for cmd in "$@"; do
     (timeout 300 python3 scripts/prefill_peak.py --contexts ${CONTEXTS:-2047} --steps 2048 --methods all --warm;
      timeout 200 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 2047 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,gear
     ) > $OUT/onechunk.txt 2>&1; grep -v Warn $OUT/onechunk.txt ;;
+  policies) # one-chunk peaks under other device policies (scripts/device_policy_variants.py), SmolLM2 every method
+    for p in ${POLICIES:-asis cpu wait24 wait22t}; do
+      timeout 300 python3 scripts/device_policy_variants.py $p --contexts ${CONTEXTS:-2047} --steps 2048 --methods ${METHODS:-all} --warm > $OUT/policy_$p.txt 2>&1
+      timeout 200 python3 scripts/device_policy_variants.py $p --shape llama-8b --layers 8 --contexts 2047,8192 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,kvquant,streaming_llm,gear >> $OUT/policy_$p.txt 2>&1
+      grep -v Warn $OUT/policy_$p.txt; done ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do

@@ -8,6 +8,7 @@ import os
 
 import mlx.core as mx
 
+from .primitives import blocks
 from .primitives.blocks import block_entries, queued_row_blocks
 
 
@@ -45,25 +46,37 @@ CPU_TILE_MIN_ROWS = 128
 #: query rows a CPU tile keeps however many keys it sees (at most 1/8 of the call): a tile of one row over 16K keys
 #: made a 1024-row chunk 2.5x MLX's sdpa's time (matrix-vector products re-reading the keys); 32 rows: 1.0x
 CPU_TILE_FLOOR_ROWS = 32
+#: on a GPU a tile's scores may reach this many times the call's query entries (a larger model's chunk: fewer,
+#: larger tiles), between ``block_entries()`` and ``GPU_TILE_MAX_ENTRIES``
+GPU_TILE_QUERY_MULTIPLE, GPU_TILE_MAX_ENTRIES = 2, 1 << 24
 
 
 def query_tile_rows(queries: mx.array, n_rows: int, n_keys: int) -> int:
     """Query rows per tile of ``n_rows`` rows over ``n_keys`` keys: ``block_entries()`` scores (a call that fits is
-    one tile); on the CPU, where that is under ``CPU_TILE_FLOOR_ROWS`` rows, the floor or 1/8 of the call if less."""
-    rows = max(1, block_entries() // (queries.shape[0] * queries.shape[1] * n_keys))
-    if rows >= CPU_TILE_FLOOR_ROWS or mx.default_device() != mx.cpu:
+    one tile); on the CPU, where that is under ``CPU_TILE_FLOOR_ROWS`` rows, the floor or 1/8 of the call if less;
+    on a GPU up to ``GPU_TILE_QUERY_MULTIPLE`` times the query entries (H2O at llama-8b's width, 2^22-entry tiles:
+    twice the time of 2^24 on an H100)."""
+    entries = block_entries()
+    on_cpu = blocks.on_cpu()
+    if not on_cpu:
+        entries = min(GPU_TILE_MAX_ENTRIES, max(entries, GPU_TILE_QUERY_MULTIPLE * queries.size))
+    rows = max(1, entries // (queries.shape[0] * queries.shape[1] * n_keys))
+    if rows >= CPU_TILE_FLOOR_ROWS or not on_cpu:
         return rows
     return max(rows, min(CPU_TILE_FLOOR_ROWS, -(-n_rows // 8)))
 
 
 def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
-    """MLX's ``scaled_dot_product_attention``; on the CPU a long call goes in tiles of query rows queued one by one
-    (``queued_row_blocks``): a causal tile sees the keys up to its last row, an array mask is cut to the tile's rows.
-    MLX's CPU attention builds the call's [Hq, N, M] float32 scores and probabilities at once: a prompt in one chunk
-    peaked there, and the tiles are no slower (smaller working sets; ``CPU_TILE_FLOOR_ROWS``). Exact: each query row
-    is attended alone."""
+    """MLX's ``scaled_dot_product_attention``, in tiles of query rows queued one by one (``queued_row_blocks``) for
+    a long call on the CPU and for one with an array mask on a GPU: a causal tile sees the keys up to its last row,
+    an array mask is cut to the tile's rows. MLX's CPU attention builds the call's [Hq, N, M] float32 scores and
+    probabilities at once (a prompt in one chunk peaked there; the tiles are no slower: ``CPU_TILE_FLOOR_ROWS``); on
+    a GPU a causal or no mask takes the fused kernel, an array mask materialized the scores (StreamingLLM's window
+    mask, a prompt in one chunk on an H100: 1.6-1.7x the plain cache's peak). Exact: each query row is attended
+    alone."""
     N, M = queries.shape[2], keys.shape[2]
-    if N < CPU_TILE_MIN_ROWS or mx.default_device() != mx.cpu:
+    rows = query_tile_rows(queries, N, M)
+    if (N < CPU_TILE_MIN_ROWS if blocks.on_cpu() else not isinstance(mask, mx.array) or rows >= N):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def tile(a, b):
@@ -71,7 +84,7 @@ def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
         return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen],
                                                     scale=scale, mask=m, sinks=sinks)
 
-    return mx.concatenate(queued_row_blocks(tile, N, query_tile_rows(queries, N, M)), axis=2)
+    return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
 
 
 def query_rows_view(mask, n_queries: int, n_keys: int, a: int, b: int):

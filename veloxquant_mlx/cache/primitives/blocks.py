@@ -3,11 +3,11 @@
 MLX allocates an op's output when the host dispatches it, ahead of the device (the CPU's worker thread, a GPU's
 stream), and frees it when the op is done; blocks left to one evaluation are dispatched together, so their
 temporaries (a [rows, K] distance matrix each) live at once (and ~ten ahead even when queued one by one). Each block
-is queued as it is built (``mx.async_eval``); on the CPU the host also waits (``wait_for``) for the block
-``IN_FLIGHT`` back and for the last one: a prefill's encoding then holds at most ``IN_FLIGHT + 1`` blocks'
-temporaries, and none beside the layer's attention that follows. On a GPU there is no wait (a host wait per layer
-cost KIVI +90% of its H200 prefill, RESULTS.md) and the blocks are large. A call of one block (a decode step) is left
-lazy.
+is queued as it is built (``mx.async_eval``) and the host waits (``wait_for``) for the block ``IN_FLIGHT`` back
+(``GPU_IN_FLIGHT`` on a GPU): a call's blocks then hold at most that many blocks' temporaries plus one. On the CPU the
+host also waits for the last block, so none is left beside the layer's attention that follows; a GPU does not (a
+host wait per layer cost KIVI +90% of its H200 prefill, RESULTS.md), it only keeps a long call from running ahead.
+A call of one block (a decode step) is left lazy.
 """
 
 from __future__ import annotations
@@ -16,19 +16,28 @@ from typing import Callable
 
 import mlx.core as mx
 
-#: float32 temporary entries per block: small on the CPU (blocks in flight hold theirs), large on a GPU (launches)
-BLOCK_ENTRIES_CPU, BLOCK_ENTRIES_GPU = 1 << 18, 1 << 24
-IN_FLIGHT = 2
+#: float32 temporary entries per block: small on the CPU, larger on a GPU (fewer launches). On an H100, SmolLM2's
+#: prompt in one chunk peaked at 1.2-6.9x the plain cache's with 2^24-entry blocks never waited for (vecinfer,
+#: a2ats, nsnquant, the attention-weight eviction methods), at 0.4-0.9x with 2^22 waited for two back
+#: (``scripts/device_policy_variants.py``, RESULTS.md)
+BLOCK_ENTRIES_CPU, BLOCK_ENTRIES_GPU = 1 << 18, 1 << 22
+#: blocks a multi-block call keeps queued beyond the one the host waits for, on the CPU and on a GPU
+IN_FLIGHT, GPU_IN_FLIGHT = 2, 2
+
+
+def on_cpu() -> bool:
+    """Whether the default device is the CPU (the policy here and in ``attention`` differs on a GPU)."""
+    return mx.default_device() == mx.cpu
 
 
 def block_entries() -> int:
     """Temporary entries one block may make on the default device."""
-    return BLOCK_ENTRIES_CPU if mx.default_device() == mx.cpu else BLOCK_ENTRIES_GPU
+    return BLOCK_ENTRIES_CPU if on_cpu() else BLOCK_ENTRIES_GPU
 
 
 def wait_for(arrays: list) -> None:
-    """The bounded host wait of ``queued_row_blocks`` (CPU only; the prefill sync test stubs it, as it does the
-    contract's ``queue_chunk_check``)."""
+    """The bounded host wait of ``queued_row_blocks`` and ``settle_prefill`` (the prefill sync test stubs it, as it
+    does the contract's ``queue_chunk_check``)."""
     mx.eval(arrays)
 
 
@@ -36,26 +45,26 @@ def settle_prefill(n_rows: int, held: Callable[[], list]) -> None:
     """A cache's ``_store`` of ``n_rows`` rows: on the CPU a prefill call (``n_rows > 1``) waits for ``held()`` (the
     layer's codes and fits) before the layer's attention is queued, so no layer's rows and fit temporaries live to
     the chunk's end; a decode step and a GPU never wait (nor build the list)."""
-    if n_rows > 1 and mx.default_device() == mx.cpu:
+    if n_rows > 1 and on_cpu():
         wait_for(held())
 
 
 def queued_row_blocks(fn: Callable[[int, int], object], n: int, rows: int) -> list:
     """``[fn(a, b) for each block [a, b) of range(n)]``, ``rows`` at a time; with more than one block each result
-    (an array or a tuple of arrays and None) is queued as it is built and, on the CPU, waited for as the module
-    says."""
+    (an array or a tuple of arrays and None) is queued as it is built and waited for as the module says."""
     rows = max(1, int(rows))
     if n <= rows:
         return [fn(0, n)]
-    waits = mx.default_device() == mx.cpu
+    cpu = on_cpu()
+    ahead = IN_FLIGHT if cpu else GPU_IN_FLIGHT
     outs, arrays = [], []
     for a in range(0, n, rows):
         out = fn(a, min(a + rows, n))
         arrays.append([o for o in (out if isinstance(out, tuple) else (out,)) if o is not None])
         mx.async_eval(arrays[-1])
-        if waits and len(arrays) > IN_FLIGHT:
-            wait_for(arrays[-1 - IN_FLIGHT])
+        if len(arrays) > ahead:
+            wait_for(arrays[-1 - ahead])
         outs.append(out)
-    if waits:
+    if cpu:
         wait_for(arrays[-1])  # the last blocks' temporaries are gone before what follows (the layer's attention)
     return outs
