@@ -4,12 +4,13 @@
 
 The first argument names the policy; the rest go to ``scripts/prefill_peak.py``. Policies:
   asis     the library as it is
-  cpu      the CPU's whole policy on any device (``primitives.blocks.on_cpu``): small blocks, waited for, the last
-           one too, and prefill attention in tiles of query rows (``attention.dense_attention``)
+  cpu      the CPU's policy on any device (``primitives.blocks.on_cpu``): 2^18-entry blocks, and prefill attention
+           in tiles of query rows (``attention.dense_attention``) with a floor of rows
   gpu      the GPU's policy on any device (on the CPU: to study a GPU's transients there)
-  gpuN_E   the GPU's policy with blocks waited for N back (``blocks.GPU_IN_FLIGHT``; 0 for none: never waited for)
-           and of 2^E entries (``blocks.BLOCK_ENTRIES_GPU``; E optional); session 33's library was ``gpu0_24`` but
-           for its array-mask tiles
+  gpuN_E   the GPU's policy with blocks waited for N back (``blocks.IN_FLIGHT``) and of 2^E entries
+           (``blocks.BLOCK_ENTRIES_GPU``; E optional)
+Since session 34 the waits are the same on every device; the runs of docs/data/h100_policies_s34_2026-12-05 were
+made before (their README says what each policy was then).
 Prefill only: the CPU policy's decode-step stream split is not exercised by ``prefill_peak.py``.
 """
 
@@ -36,7 +37,7 @@ def apply(policy: str) -> None:
     blocks.on_cpu = lambda: False
     ahead, _, entries = policy[3:].partition("_")
     if ahead:
-        blocks.GPU_IN_FLIGHT = int(ahead) or 1 << 30
+        blocks.IN_FLIGHT = int(ahead)
     if entries:
         blocks.BLOCK_ENTRIES_GPU = 1 << int(entries)
 

@@ -338,7 +338,7 @@ def test_xkv_energy_threshold_picks_rank():
 
 @pytest.mark.parametrize("method", ["xkv", "minicache"])
 def test_a_prompt_in_one_chunk_keeps_no_layer_s_rows_alive_past_the_layer(method):
-    """A one-chunk prefill waits (CPU) for each layer's window and its group's codes (the owner's or the primary's,
+    """A one-chunk prefill waits for each layer's window and its group's codes (the owner's or the primary's,
     written by a later layer) before the layer's attention is queued: left to the chunk's end, every layer's float32
     rows and fit temporaries were alive together (ten more layers: 1.1-1.3 MB more peak than bytes held, here under
     0.05 MB; SmolLM2 at 1023 tokens: xkv 1.23x, minicache 1.19x -> 0.33x, 0.47x the plain cache's peak)."""

@@ -130,8 +130,8 @@ def one_chunk_depth_excess(method: str, shallow: int = 2, deep: int = 12, n: int
     """(extra peak beyond the caches' own extra bytes, the float32 key and value rows of the extra layers) of
     ``n`` tokens prefilled in one chunk on tiny llamas of ``shallow`` and ``deep`` layers: what each extra layer
     keeps alive at the peak besides its cache (test_crosslayer.py and test_quant_mixed.py use it too). On the CPU
-    device whatever the machine's default: the wait it measures is the CPU's (``blocks.settle_prefill``; a GPU does
-    not wait per layer, which cost KIVI +90% of its H200 prefill)."""
+    device whatever the machine's default (``blocks.settle_prefill`` waits on any device; the peak it bounds is
+    measured on the CPU's allocator)."""
     from test_prefill_memory import _prefill_peak
 
     config, prompt, out = KVCacheConfig(method=method), mx.array([(i * 37 + 11) % VOCAB for i in range(n)]), []

@@ -142,7 +142,7 @@ def test_gear_recovery_positive_and_growing_with_rank():
 
 
 def test_gear_prompt_in_one_chunk_keeps_no_layer_s_rows_alive_past_the_layer():
-    """A one-chunk prefill waits (CPU) for each layer's codes, outliers and SVD factors before the layer's attention
+    """A one-chunk prefill waits for each layer's codes, outliers and SVD factors before the layer's attention
     is queued: left to the chunk's end, every layer's float32 rows and SVD temporaries were alive together (ten more
     layers: 2.6 MB more peak than bytes held, here 0.12 MB; SmolLM2 at 1023 tokens: 1.44x -> 0.36x the plain
     cache's peak)."""

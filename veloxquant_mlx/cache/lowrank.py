@@ -88,8 +88,8 @@ class LowRankKVCache(GroupedQuantCache):
                 setattr(self, f, grow_rows(buf, row, arr))
 
     def _store(self, keys, values):
-        """KIVI's ``_store``, then ``blocks.settle_prefill``: on the CPU a prefill call waits for the cache's arrays,
-        so the fit and encode are done before the layer's attention is queued (left to the chunk's end, every
+        """KIVI's ``_store``, then ``blocks.settle_prefill``: a prefill call waits for the cache's arrays, so the
+        fit and encode are done before the layer's attention is queued (left to the chunk's end, every
         layer's rows and encode temporaries were alive together: SmolLM2, 1023 tokens in one chunk, kvtc 1.25x, svdq
         1.07x the plain cache's peak)."""
         super()._store(keys, values)

@@ -3,11 +3,11 @@
 MLX allocates an op's output when the host dispatches it, ahead of the device (the CPU's worker thread, a GPU's
 stream), and frees it when the op is done; blocks left to one evaluation are dispatched together, so their
 temporaries (a [rows, K] distance matrix each) live at once (and ~ten ahead even when queued one by one). Each block
-is queued as it is built (``mx.async_eval``) and the host waits (``wait_for``) for the block ``IN_FLIGHT`` back
-(``GPU_IN_FLIGHT`` on a GPU): a call's blocks then hold at most that many blocks' temporaries plus one. On the CPU the
-host also waits for the last block, so none is left beside the layer's attention that follows; a GPU does not (a
-host wait per layer cost KIVI +90% of its H200 prefill, RESULTS.md), it only keeps a long call from running ahead.
-A call of one block (a decode step) is left lazy.
+is queued as it is built (``mx.async_eval``); the host waits (``wait_for``) for the block ``IN_FLIGHT`` back and
+for the last one: a call's blocks then hold at most ``IN_FLIGHT + 1`` blocks' temporaries, and none beside the
+layer's attention that follows. A call of one block (a decode step) is left lazy. The same on a GPU, with larger
+blocks (fewer launches): there, left unwaited, 2^24-entry blocks held 1.2-6.9x the plain cache's prefill peak
+(RESULTS.md, session 34).
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ import mlx.core as mx
 
 #: float32 temporary entries per block: small on the CPU, larger on a GPU (fewer launches). On an H100, SmolLM2's
 #: prompt in one chunk peaked at 1.2-6.9x the plain cache's with 2^24-entry blocks never waited for (vecinfer,
-#: a2ats, nsnquant, the attention-weight eviction methods), at 0.4-0.9x with 2^22 waited for two back
+#: a2ats, nsnquant, the attention-weight eviction methods), at 0.4-0.9x with 2^22 waited for as on the CPU
 #: (``scripts/device_policy_variants.py``, RESULTS.md)
 BLOCK_ENTRIES_CPU, BLOCK_ENTRIES_GPU = 1 << 18, 1 << 22
-#: blocks a multi-block call keeps queued beyond the one the host waits for, on the CPU and on a GPU
-IN_FLIGHT, GPU_IN_FLIGHT = 2, 2
+IN_FLIGHT = 2  # blocks a multi-block call keeps queued beyond the one the host waits for
 
 
 def on_cpu() -> bool:
-    """Whether the default device is the CPU (the policy here and in ``attention`` differs on a GPU)."""
+    """Whether the default device is the CPU (block sizes here and query tiles in ``attention`` differ on a GPU)."""
     return mx.default_device() == mx.cpu
 
 
@@ -42,10 +41,10 @@ def wait_for(arrays: list) -> None:
 
 
 def settle_prefill(n_rows: int, held: Callable[[], list]) -> None:
-    """A cache's ``_store`` of ``n_rows`` rows: on the CPU a prefill call (``n_rows > 1``) waits for ``held()`` (the
-    layer's codes and fits) before the layer's attention is queued, so no layer's rows and fit temporaries live to
-    the chunk's end; a decode step and a GPU never wait (nor build the list)."""
-    if n_rows > 1 and on_cpu():
+    """A cache's ``_store`` of ``n_rows`` rows: a prefill call (``n_rows > 1``) waits for ``held()`` (the layer's
+    codes and fits) before the layer's attention is queued, so no layer's rows and fit temporaries live to the
+    chunk's end; a decode step never waits (nor builds the list)."""
+    if n_rows > 1:
         wait_for(held())
 
 
@@ -55,16 +54,13 @@ def queued_row_blocks(fn: Callable[[int, int], object], n: int, rows: int) -> li
     rows = max(1, int(rows))
     if n <= rows:
         return [fn(0, n)]
-    cpu = on_cpu()
-    ahead = IN_FLIGHT if cpu else GPU_IN_FLIGHT
     outs, arrays = [], []
     for a in range(0, n, rows):
         out = fn(a, min(a + rows, n))
         arrays.append([o for o in (out if isinstance(out, tuple) else (out,)) if o is not None])
         mx.async_eval(arrays[-1])
-        if len(arrays) > ahead:
-            wait_for(arrays[-1 - ahead])
+        if len(arrays) > IN_FLIGHT:
+            wait_for(arrays[-1 - IN_FLIGHT])
         outs.append(out)
-    if cpu:
-        wait_for(arrays[-1])  # the last blocks' temporaries are gone before what follows (the layer's attention)
+    wait_for(arrays[-1])  # the last blocks' temporaries are gone before what follows (the layer's attention)
     return outs

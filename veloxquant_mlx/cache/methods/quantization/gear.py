@@ -94,8 +94,8 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         return q, idx, vals, a, bt, approx + a.astype(mx.float32) @ bt.astype(mx.float32)
 
     def _store(self, keys, values):
-        """KIVI's, then ``blocks.settle_prefill``: on the CPU a prefill call waits for the cache's arrays, so the SVDs
-        are done before the layer's attention is queued (left to the chunk's end, every layer's rows and SVD
+        """KIVI's, then ``blocks.settle_prefill``: a prefill call waits for the cache's arrays, so the fits are
+        done before the layer's attention is queued (left to the chunk's end, every layer's rows and SVD
         temporaries were alive together: SmolLM2, 1023 tokens in one chunk, 1.44x the plain cache's peak)."""
         super()._store(keys, values)
         blocks.settle_prefill(keys.shape[2], self.held_arrays)
