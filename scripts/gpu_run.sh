@@ -82,7 +82,7 @@ for cmd in "$@"; do
      timeout 200 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 2047 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,gear
     ) > $OUT/onechunk.txt 2>&1; grep -v Warn $OUT/onechunk.txt ;;
   policies) # one-chunk peaks under other device policies (scripts/device_policy_variants.py), SmolLM2 every method
-    for p in ${POLICIES:-asis cpu wait24 wait22t}; do
+    for p in ${POLICIES:-asis cpu}; do
       timeout 300 python3 scripts/device_policy_variants.py $p --contexts ${CONTEXTS:-2047} --steps 2048 --methods ${METHODS:-all} --warm > $OUT/policy_$p.txt 2>&1
       timeout 200 python3 scripts/device_policy_variants.py $p --shape llama-8b --layers 8 --contexts 2047,8192 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,kvquant,streaming_llm,gear >> $OUT/policy_$p.txt 2>&1
       grep -v Warn $OUT/policy_$p.txt; done ;;

@@ -235,7 +235,8 @@ def test_vq_assign_finds_the_nearest_codeword_in_blocks_without_holding_the_dist
     near-tie may pick either, so the chosen distance must be within rounding of the least), and the search peaks at
     a small fraction of the [rows, K] distances (47K pieces x 4096 codewords: 780 MB as one matrix; 202 MB with the
     blocks left to one evaluation, before session 30; ~3.4 MB queued block by block). On the CPU device whatever the
-    machine's default: a GPU does not wait for its blocks (2^24 entries each; 201 MB on an H100, session 33)."""
+    machine's default: the bound is the CPU's block size (a GPU's blocks are 2^22 entries; 201 MB on an H100 in
+    session 33, when they were 2^24 and not waited for)."""
     with mx.stream(mx.cpu):
         _vq_assign_in_blocks()
 
