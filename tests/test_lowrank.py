@@ -126,6 +126,16 @@ def test_dp_on_the_costs_common_step_gives_the_widths_of_every_unit():
             assert got == _dp_every_unit(d, choices, cost, budget, lam, 1.0 / G), (trial, lam)
 
 
+def test_dp_says_when_the_budget_cannot_cover_the_components():
+    """No width within the budget, or too little budget for all components: a clear error, not a wrong table."""
+    d = np.ones((3, 2))
+    with pytest.raises(ValueError, match="cannot cover 3 components"):
+        lr.dp_allocate(d, (2, 4), (3.0, 5.0), 2.0)  # no width fits at all
+    with pytest.raises(ValueError, match="cannot cover 3 components"):
+        lr.dp_allocate(d, (2, 4), (3.0, 5.0), 8.0)  # one fits, three do not
+    assert lr.dp_allocate(d, (2, 4), (3.0, 5.0), 9.0) == [2, 2, 2]
+
+
 def one_chunk_depth_excess(method: str, shallow: int = 2, deep: int = 12, n: int = 512):
     """(extra peak beyond the caches' own extra bytes, the float32 key and value rows of the extra layers) of
     ``n`` tokens prefilled in one chunk on tiny llamas of ``shallow`` and ``deep`` layers: what each extra layer

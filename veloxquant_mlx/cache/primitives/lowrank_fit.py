@@ -107,16 +107,18 @@ def dp_allocate(distortion, choices, cost, budget: float, lam: float = 0.0, unit
     d = d + lam * np.asarray(cost, dtype=np.float64)[None]
     best = np.zeros(cap + 1)  # best[u] = min distortion of components processed so far using <= u units
     choice = np.zeros((C, cap + 1), dtype=np.int16)
-    for c in range(C):  # fit time only
-        new, arg = np.full(cap + 1, np.inf), np.zeros(cap + 1, dtype=np.int16)
-        for k in np.nonzero(w <= cap)[0]:
-            cand = np.full(cap + 1, np.inf)
-            cand[w[k]:] = best[: cap + 1 - w[k]] + d[c, k]
-            better = cand < new
-            new, arg = np.where(better, cand, new), np.where(better, k, arg)
+    fits = np.nonzero(w <= cap)[0]
+    if not len(fits):
+        raise ValueError(f"budget {budget} cannot cover {C} components with costs {list(cost)}")
+    cand = np.full((len(fits), cap + 1), np.inf)  # cand[j, u]: component c at width fits[j], the rest before it
+    for c in range(C):  # fit time only; vectorised over the widths and the budget axis
+        for j, k in enumerate(fits):
+            cand[j, w[k]:] = best[: cap + 1 - w[k]] + d[c, k]
+        arg = cand.argmin(axis=0)  # ties: the first width listed, as a strict `<` scan
+        new = cand[arg, np.arange(cap + 1)]
         if not np.isfinite(new[cap]):
             raise ValueError(f"budget {budget} cannot cover {C} components with costs {list(cost)}")
-        best, choice[c] = new, arg
+        best, choice[c] = new, fits[arg]
     out, u = [0] * C, cap
     for c in range(C - 1, -1, -1):
         k = int(choice[c, u])
