@@ -212,7 +212,10 @@ def test_nbytes_compressed_and_no_float_copy():
         assert c.nbytes == sum(a.nbytes for a in c.held_arrays()) + const
         fp16 = c.full_seq_bytes
         assert fp16 == sum(c.lens) * 2 * (64 + 64) * 2
-        assert c.nbytes < 0.4 * fp16, c.nbytes / fp16
+        # the requests' arrays (0.31x here); the shared constants apart: they grow with what the process built
+        # before (a GPU's decode kernel adds the rotation's transpose and 16-bit copies: 0.07x -> 0.11x here)
+        assert c.nbytes - const < 0.35 * fp16, (c.nbytes - const) / fp16
+        assert const < 0.15 * fp16, const / fp16
         for name in ("k_codes1", "k_codes2", "v_codes1"):
             assert getattr(c, name).dtype == mx.uint32
         assert c.k_norms.dtype == mx.float16 and c.k_norms.shape[2] == c.cap
