@@ -203,9 +203,9 @@ PROMPT, CHUNK = 2048, 256
 PEAK_METHODS = [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM]
 # Known above the bound on a GPU only. vecinfer's code search held several 2^24-entry blocks of distances at once
 # (H100, session 33: 212 MB against the plain cache's 26 MB here). Session 34 made a GPU's blocks 2^22 entries,
-# waited for as on the CPU (SmolLM2 in one chunk: 6.9x -> 0.6x); an intermediate policy (no wait for the last block
-# nor per layer) still failed both vecinfer tests here, measured beside another process on the same GPU; the policy
-# kept is unverified by this file on a GPU: not strict.
+# waited for as on the CPU (SmolLM2 in one chunk: 6.9x -> 0.6x). Session 35 (H100, alone): both vecinfer tests still
+# fail here (2.2-3.0x: three 16 MB blocks of distances against a 23 MB plain peak; 2^20-entry blocks 0.6x but 4.5-8x
+# vecinfer's prefill time), and SmolLM2's one-chunk peak varies run to run (0.8x-2.8x): not strict.
 ON_GPU = mx.default_device().type == mx.DeviceType.gpu
 GPU_OVER: set[str] = {"vecinfer"} if ON_GPU else set()
 
