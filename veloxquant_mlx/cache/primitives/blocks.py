@@ -7,7 +7,8 @@ is queued as it is built (``mx.async_eval``); the host waits (``wait_for``) for 
 for the last one: a call's blocks then hold at most ``IN_FLIGHT + 1`` blocks' temporaries, and none beside the
 layer's attention that follows. A call of one block (a decode step) is left lazy. The same on a GPU, with larger
 blocks (fewer launches): there, left unwaited, 2^24-entry blocks held 1.2-6.9x the plain cache's prefill peak
-(RESULTS.md, session 34).
+(RESULTS.md, session 34); a GPU's block is also a bounded share of its call (``block_entries(total)``), so a small
+model's blocks stay small.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import mlx.core as mx
 #: a2ats, nsnquant, the attention-weight eviction methods), at 0.4-0.9x with 2^22 waited for as on the CPU
 #: (``scripts/device_policy_variants.py``, RESULTS.md)
 BLOCK_ENTRIES_CPU, BLOCK_ENTRIES_GPU = 1 << 18, 1 << 22
+#: on a GPU a block also holds at most 1/GPU_BLOCK_SHARE of its call's whole temporaries (never under the CPU's
+#: size): a small model's call made three 2^22-entry blocks of distances, above the plain cache's whole prefill peak
+#: (vecinfer on a tiny llama, an H100: 2.2-3.0x), while a large call keeps 2^22 (fewer host waits)
+GPU_BLOCK_SHARE = 16
 IN_FLIGHT = 2  # blocks a multi-block call keeps queued beyond the one the host waits for
 
 
@@ -29,9 +34,14 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def block_entries() -> int:
-    """Temporary entries one block may make on the default device."""
-    return BLOCK_ENTRIES_CPU if on_cpu() else BLOCK_ENTRIES_GPU
+def block_entries(total: int | None = None) -> int:
+    """Temporary entries one block may make on the default device, for a call of ``total`` entries in all (if
+    known: on a GPU a block is at most ``1 / GPU_BLOCK_SHARE`` of them, and at least the CPU's block)."""
+    if on_cpu():
+        return BLOCK_ENTRIES_CPU
+    if total is None:
+        return BLOCK_ENTRIES_GPU
+    return min(BLOCK_ENTRIES_GPU, max(BLOCK_ENTRIES_CPU, int(total) // GPU_BLOCK_SHARE))
 
 
 def wait_for(arrays: list) -> None:

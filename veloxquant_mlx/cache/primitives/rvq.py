@@ -80,7 +80,8 @@ class RVQCodebook:
         x = y.astype(mx.float32).reshape(-1, self.sub_dim)
         per_row = self.k1 + (min(BEAM, self.k1) * self.k2 if self.c2 is not None else 0)
         # bounded memory for long prefill blocks: blocks of rows queued one by one, not a loop over tokens
-        outs = queued_row_blocks(lambda a, b: self._encode_rows(x[a:b]), x.shape[0], block_entries() // per_row)
+        outs = queued_row_blocks(lambda a, b: self._encode_rows(x[a:b]), x.shape[0],
+                                 block_entries(x.shape[0] * per_row) // per_row)
         cat = lambda k: (outs[0][k] if len(outs) == 1 else mx.concatenate([o[k] for o in outs])).reshape(  # noqa: E731
             *y.shape[:-1], self.n_sub)
         return cat(0), (cat(1) if self.c2 is not None else None)

@@ -33,7 +33,7 @@ def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
     else:
         cb_t = cb.swapaxes(-1, -2)
         nearest = lambda a, b: _nearest(x[:, a:b], sq_norms, cb_t)  # noqa: E731
-    blocks = queued_row_blocks(nearest, n, block_entries() // (Hc * K))
+    blocks = queued_row_blocks(nearest, n, block_entries(Hc * n * K) // (Hc * K))
     return mx.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
 
 
