@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from contract_table import layer_call
+from peak_memory import peak_of
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, attention, dispatch
 from veloxquant_mlx.cache.attention import attention_with_weights, observed_attention
 
@@ -83,12 +84,7 @@ def test_a_long_call_in_tiles_keeps_what_one_pass_keeps(method, monkeypatch):
 
 
 def _peak(fn):
-    mx.eval(mx.zeros(1))
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    mx.eval(fn())
-    return mx.get_peak_memory() - base
+    return peak_of(fn)[1]
 
 
 def test_tiles_peak_at_a_fraction_of_one_pass(monkeypatch):

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import veloxquant_mlx.cache.attention as att
+from peak_memory import peak_of
 from tiny_models import VOCAB, tiny_llama
 from veloxquant_mlx.cache import KVCacheBuilder, KVCacheConfig, KVCacheFactory, all_methods
 from veloxquant_mlx.cache.base import MLX_LM
@@ -149,14 +150,7 @@ def test_a_gpu_block_is_a_share_of_its_call_so_a_small_models_search_stays_small
         x = mx.random.normal((1, 4096, 4), key=mx.random.key(3))
         cb = mx.random.normal((1, 4096, 4), key=mx.random.key(4))
         mx.eval(x, cb)
-        gc.collect()
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        got = vq_assign(x, cb)
-        mx.eval(got)
-        peak = mx.get_peak_memory() - base
+        got, peak = peak_of(vq_assign, x, cb)
     whole = 4096 * 4096 * 4  # float32 distances of the call
     assert peak <= (blocks.IN_FLIGHT + 1) * whole / share + (2 << 20), f"{peak / 1e6:.1f} MB"
     d = ((x[0, :, None, :] - cb[0][None]) ** 2).sum(-1)
@@ -430,18 +424,9 @@ def test_a_long_call_is_attended_in_tiles_on_the_cpu_exactly_and_within_a_fracti
         mask = (j <= i) & (i - j < 256)
     mx.eval(q, k, v, s)
 
-    def peak_of(fn):
-        gc.collect()
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        out = fn(q, k, v, scale=D**-0.5, mask=mask, sinks=s)
-        mx.eval(out)
-        return out, mx.get_peak_memory() - base
-
-    want, sdpa_peak = peak_of(mx.fast.scaled_dot_product_attention)
-    got, peak = peak_of(dense_attention)
+    args = dict(scale=D**-0.5, mask=mask, sinks=s)
+    want, sdpa_peak = peak_of(mx.fast.scaled_dot_product_attention, q, k, v, **args)
+    got, peak = peak_of(dense_attention, q, k, v, **args)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-5, rtol=1e-4)
     if mx.default_device() == mx.cpu:

@@ -242,23 +242,15 @@ def test_vq_assign_finds_the_nearest_codeword_in_blocks_without_holding_the_dist
 
 
 def _vq_assign_in_blocks():
-    import gc
-
     import numpy as np
 
+    from peak_memory import peak_of
     from veloxquant_mlx.cache.primitives.vq import vq_assign
 
     x = mx.random.normal((1, 47616, 4), key=mx.random.key(1))
     cb = mx.random.normal((1, 4096, 4), key=mx.random.key(2))
     mx.eval(x, cb)
-    gc.collect()
-    mx.synchronize()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    got = vq_assign(x, cb)
-    mx.eval(got)
-    peak = mx.get_peak_memory() - base
+    got, peak = peak_of(vq_assign, x, cb)
     assert got.shape == (1, 47616) and got.dtype == mx.int32
     assert peak <= 16e6, f"vq_assign peaked at {peak / 1e6:.1f} MB"
     xs, cs = np.array(x[0], dtype=np.float64), np.array(cb[0], dtype=np.float64)
