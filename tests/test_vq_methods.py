@@ -282,3 +282,48 @@ def test_vq_assign_picks_the_first_of_tied_codewords_as_argmin_does(K):
     for h, book in enumerate((cb, cb[::-1])):
         d = ((x[h, :, None, :].astype(np.float64) - book[None]) ** 2).sum(-1)
         assert np.array_equal(got[h], d.argmin(axis=1))
+
+
+@pytest.mark.skipif(not __import__("veloxquant_mlx.cache.kernels", fromlist=["x"]).kernels_enabled(),
+                    reason="the nearest-codeword kernel needs MLX's CUDA backend (none here)")
+@pytest.mark.parametrize("Hc,n,K,d", [(1, 47616, 4096, 4), (3, 1000, 256, 8), (2, 257, 5000, 16), (1, 33, 96, 64)])
+def test_vq_nearest_kernel_finds_the_nearest_codeword_without_the_distances(Hc, n, K, d):
+    """``kernels.vq_nearest`` (what ``vq_assign`` runs on CUDA): every row's codeword is the nearest (float64 check,
+    a float32 near-tie may pick either), the op path's code for all but rounding ties, over codebooks of several
+    shared-memory tiles (K = 4096 at d 4: three, the last partial) and rows that do not fill the last block; and it
+    peaks at its output, where the op path's one block of distances is 16 MB."""
+    import gc
+
+    import numpy as np
+
+    from veloxquant_mlx.cache.kernels import _common, vq_nearest
+    from veloxquant_mlx.cache.primitives import vq
+
+    x = mx.random.normal((Hc, n, d), key=mx.random.key(n))
+    cb = mx.random.normal((Hc, K, d), key=mx.random.key(K))
+    sq = mx.sum(cb * cb, axis=-1)
+    mx.eval(x, cb, sq)
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    got = vq_nearest.nearest(x, cb, sq)
+    mx.eval(got)
+    peak = mx.get_peak_memory() - base
+    assert got.shape == (Hc, n) and got.dtype == mx.int32
+    assert peak <= 2 * Hc * n * 4 + (1 << 20), f"the kernel peaked at {peak / 1e6:.1f} MB"
+    want = np.array(vq._assign_ops(x, cb, sq[:, None, :]))
+    idx = np.array(got)
+    assert np.mean(idx != want) <= 1e-3
+    xs, cs = np.array(x, dtype=np.float64), np.array(cb, dtype=np.float64)
+    for h in range(Hc):
+        c2 = (cs[h] ** 2).sum(-1)
+        for a in range(0, n, 2048):  # float64 distances, in blocks to bound the test's own memory
+            xa, ia = xs[h, a : a + 2048], idx[h, a : a + 2048]
+            x2 = (xa ** 2).sum(-1)
+            best = (x2[:, None] + c2[None] - 2 * xa @ cs[h].T).min(axis=1)
+            chosen = ((xa - cs[h][ia]) ** 2).sum(-1)
+            assert np.all(chosen <= best + 1e-5 * (x2 + c2[ia]) + 1e-6)
+    assert np.array_equal(np.array(vq.vq_assign(x, cb)), idx)  # vq_assign takes the kernel on this backend
+    assert "vq_nearest" in _common._checked and "vq_nearest" not in _common._disabled
