@@ -86,6 +86,10 @@ for cmd in "$@"; do
       timeout 300 python3 scripts/device_policy_variants.py $p --contexts ${CONTEXTS:-2047} --steps 2048 --methods ${METHODS:-all} --warm > $OUT/policy_$p.txt 2>&1
       timeout 200 python3 scripts/device_policy_variants.py $p --shape llama-8b --layers 8 --contexts 2047,8192 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,kvquant,streaming_llm,gear >> $OUT/policy_$p.txt 2>&1
       grep -v Warn $OUT/policy_$p.txt; done ;;
+  vqk) # the nearest-codeword kernel (branch wip/vq-nearest-kernel): its tests, vecinfer's memory tests, and its time
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rxXfE tests/test_vq_methods.py tests/test_prefill_memory.py -k "vq or vecinfer or a2ats" > $OUT/vqk.txt 2>&1; tail -12 $OUT/vqk.txt
+    for v in 1 0; do echo "== VELOXQUANT_DECODE_KERNELS=$v"; VELOXQUANT_DECODE_KERNELS=$v timeout 150 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --methods none,vecinfer,a2ats --warm 2>&1 | grep -v Warn;
+      VELOXQUANT_DECODE_KERNELS=$v timeout 150 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,vecinfer 2>&1 | grep -v Warn; done ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do
