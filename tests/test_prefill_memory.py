@@ -227,20 +227,11 @@ PROMPT, CHUNK = 2048, 256
 # every mlx_lm-protocol method (was 14 quantizers until session 31, when the rest were found above: vecinfer 13x,
 # its chunks' LUT gather; the low-rank caches 4.3-5.2x; ZipCache's later chunks 2.7x on SmolLM2)
 PEAK_METHODS = [i.name for i in all_methods() if i.implemented and i.protocol == MLX_LM]
-# Known above the bound on a GPU only. vecinfer's code search held several 2^24-entry blocks of distances at once
-# (H100, session 33: 212 MB against the plain cache's 26 MB here). Session 34 made a GPU's blocks 2^22 entries,
-# waited for as on the CPU (SmolLM2 in one chunk: 6.9x -> 0.6x). Session 35 (H100, alone): both vecinfer tests still
-# fail here (2.2-3.0x: three 16 MB blocks of distances against a 23 MB plain peak; 2^20-entry blocks 0.6x but 4.5-8x
-# vecinfer's prefill time), and SmolLM2's one-chunk peak varies run to run (0.8x-2.8x). A GPU block is now also at
-# most 1/16 of its call (``blocks.GPU_BLOCK_SHARE``: 2^18-2^20 here, 2^22 at SmolLM2's size and up), which took this
-# test's vecinfer from 4.5x to 1.2x under the GPU's policy on the CPU device; unmeasured on a GPU: not strict.
+# On a GPU, vecinfer's code search once held several 2^24-entry blocks of distances at once (H100, session 33: 212 MB
+# against the plain cache's 26 MB here; sessions 34-35: 2.2-3.0x in 2^22-entry blocks). Since session 36 a CUDA
+# search is one launch without the distances (``kernels.vq_nearest``; H200: both tests pass, SmolLM2 in one chunk
+# 0.38x the plain cache's peak against 1.02x on the op path in the same run).
 ON_GPU = mx.default_device().type == mx.DeviceType.gpu
-GPU_OVER: set[str] = {"vecinfer"} if ON_GPU else set()
-
-
-def _peak_param(m):
-    return pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="known on a GPU: above the bound")) \
-        if m in GPU_OVER else m
 
 
 def _prefill_peak(model, caches, prompt, step: int = None) -> int:
@@ -264,7 +255,7 @@ def peak_setup():
     return model, prompt, plain
 
 
-@pytest.mark.parametrize("method", [_peak_param(m) for m in PEAK_METHODS])
+@pytest.mark.parametrize("method", PEAK_METHODS)
 def test_chunked_prefill_peaks_no_higher_than_the_plain_cache(method, peak_setup):
     """A 2048-token prompt in chunks of 256 on a tiny llama: the plain cache's peak is dominated by its
     [Hq, 256, up to 2048] float32 score matrices (the weights and its own rows are small); a compressed
@@ -374,8 +365,6 @@ ONE_CHUNK_BORDERLINE: set[str] = {"kivi_sink"} if ON_GPU else set()  # H100, ses
 
 
 def _one_chunk_param(m):
-    if m in GPU_OVER:
-        return _peak_param(m)
     if m in ONE_CHUNK_OVER:
         return pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known: peaks above the bound"))
     if m in ONE_CHUNK_BORDERLINE:
