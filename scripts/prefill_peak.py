@@ -11,12 +11,18 @@ mlx_lm-protocol method at its defaults; ``--warm``: each measured after a first,
 constants, e.g. codebooks, are then not counted). A prompt in one chunk, every method:
 
     python scripts/prefill_peak.py --contexts 1023 --steps 2048 --methods all --warm
+
+``--profile N``: after each measured run, one more prefill under ``cProfile``; its N functions of most own time
+are printed (host work; on a GPU ``eval``/``synchronize``/``item`` are the host waiting for the device).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import time
 
 import veloxquant_mlx  # noqa: F401  (OpenBLAS before mlx)
@@ -61,6 +67,22 @@ def measure(model, config, n: int, step: int, seed: int = 0) -> dict:
     return {"peak": peak, "nbytes": kv_bytes(caches), "s": dt}
 
 
+def profile(model, config, n: int, step: int, top: int) -> str:
+    """One more prefill of ``n`` tokens under cProfile: the ``top`` functions by own time."""
+    caches = make_caches(model, config)
+    prompt = mx.random.randint(0, model.args.vocab_size, (n,), key=mx.random.key(0))
+    mx.eval(prompt)
+    mx.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    prefill(model, prompt, caches, step)
+    mx.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip() and "Ordered by" not in line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2")
@@ -70,6 +92,8 @@ def main() -> None:
     ap.add_argument("--methods", default="none,kivi:bit_width_inlier=4,turboquant_rvq,"
                                         "waterfill:bit_width_inlier=4:residual_length=16")
     ap.add_argument("--warm", action="store_true", help="measure each after a first, unmeasured run")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then profile one more prefill per method: its N functions of most own time")
     args = ap.parse_args()
     from veloxquant_mlx import bench
 
@@ -100,6 +124,8 @@ def main() -> None:
                     plain = r
                 print(f"{label:48s} {n:6d} {step:5d} {r['peak'] / 1e6:9.1f} {r['peak'] / plain['peak']:8.2f} "
                       f"{r['nbytes'] / 1e6:9.2f} {r['s']:7.2f} {r['s'] / plain['s']:8.2f}", flush=True)
+                if args.profile:
+                    print(profile(model, config, n, step, args.profile), flush=True)
 
 
 if __name__ == "__main__":
