@@ -191,3 +191,33 @@ def test_adakv_realized_average_and_important_tokens_get_more_bits(target):
     if 0 < c.counts["hi"] + c.counts["mid"] < 32 and c.counts["lo"]:
         assert float(mx.mean(mx.where(big, err, 0)).item()) / float(mx.mean(big)) < \
             float(mx.mean(mx.where(big, 0, err))) / float(mx.mean(~big))
+
+
+def test_gear_rank_from_the_threshold_comes_from_its_fit_without_an_svd(monkeypatch):
+    """Without ``gear_rank`` the first block's rank is read off the subspace iteration's own fit (``fit_energies``),
+    not an SVD (MLX's is CPU-only: 0.78 of 1.19 s of a GPU prefill): a low threshold takes rank 1, one no fit under
+    the cap meets takes the cap (min(G, D) // 8 = 4), and the factors kept are that wide. On its own the fit's rank
+    is never below the exact SVD's for the same matrix (its first r columns hold at most the top r's energy)."""
+    from veloxquant_mlx.cache.primitives import lowrank_fit as lr
+
+    def no_svd(*a, **k):
+        raise AssertionError("an SVD was taken")
+
+    monkeypatch.setattr(mx.linalg, "svd", no_svd)
+    rng = np.random.default_rng(3)
+    shape = (1, 2, 64, 64)
+    for thr, want in ((0.01, 1), (0.999, 4)):
+        c = make("gear", energy_threshold=thr)
+        c.update_and_fetch(*(mx.array(rng.normal(size=shape).astype(np.float32)) for _ in range(2)))
+        assert c.rank == want
+        assert c.k_a.shape[-1] == want and c.k_bt.shape[-1] >= 2 * want * 64  # two groups' factors
+    x = mx.array(rng.normal(size=(2, 3, 32, 64)).astype(np.float32))
+    x = x + 4.0 * mx.array(rng.normal(size=(2, 3, 32, 1)) @ rng.normal(size=(2, 3, 1, 64)), dtype=mx.float32)
+    s = np.linalg.svd(np.asarray(x, dtype=np.float64), compute_uv=False)
+    _, bt = lr.power_lowrank(x, 8)
+    fitted = lr.fit_energies(x, bt)
+    assert fitted.shape == (2, 3, 9)
+    assert np.allclose(np.asarray(fitted.sum(-1)), (np.asarray(x, dtype=np.float64) ** 2).sum((-2, -1)), rtol=1e-4)
+    for thr in (0.1, 0.3, 0.5, 0.7, 0.9):
+        exact = lr.energy_rank(mx.array((s * s).astype(np.float32)), thr)
+        assert lr.energy_rank(fitted, thr) >= min(exact, 9), thr

@@ -77,6 +77,14 @@ def power_lowrank(x: mx.array, rank: int, iters: int | None = None, seed: int = 
     return a, a.swapaxes(-1, -2) @ x
 
 
+def fit_energies(x: mx.array, bt: mx.array) -> mx.array:
+    """Energy of each component of a fit ``a @ bt`` of ``x [..., m, n]`` with orthonormal ``a`` (``|bt_j|^2``, in
+    the fit's order), then the rest of ``|x|^2``: ``[..., r + 1]``, for ``energy_rank`` without a decomposition."""
+    parts = (bt * bt).sum(axis=-1)
+    rest = mx.maximum((x * x).sum(axis=(-2, -1)) - parts.sum(axis=-1), 0.0)
+    return mx.concatenate([parts, rest[..., None]], axis=-1)
+
+
 def captured_energy(energy: mx.array, rank: int) -> mx.array:
     """Fraction of the energy in the first ``rank`` components, per (batch, group)."""
     return energy[..., :rank].sum(axis=-1) / mx.maximum(energy.sum(axis=-1), 1e-30)
