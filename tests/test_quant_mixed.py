@@ -221,3 +221,62 @@ def test_gear_rank_from_the_threshold_comes_from_its_fit_without_an_svd(monkeypa
     for thr in (0.1, 0.3, 0.5, 0.7, 0.9):
         exact = lr.energy_rank(mx.array((s * s).astype(np.float32)), thr)
         assert lr.energy_rank(fitted, thr) >= min(exact, 9), thr
+
+
+def test_power_lowrank_routes_to_its_kernel_checked_against_the_op_path(monkeypatch):
+    """Where the fit kernel applies (CUDA), ``power_lowrank`` hands it the start ``omega`` and the iteration count
+    and checks it once against the op path (``kernels.checked_call``); a kernel that differs is turned off and the
+    op path's fit returned. The plumbing, with stand-in kernels (the real one is tested on CUDA below)."""
+    from veloxquant_mlx.cache.kernels import _common, power_fit
+    from veloxquant_mlx.cache.primitives import lowrank_fit as lr
+
+    x = mx.random.normal((2, 3, 32, 48), key=mx.random.key(4))
+    want = lr._power_ops(x, mx.random.normal((48, 4), key=mx.random.key(0)), lr.POWER_ITERS)
+    seen = []
+
+    def stand_in(xx, omega, iters):
+        seen.append((omega.shape, iters))
+        return lr._power_ops(xx, omega, iters)
+
+    monkeypatch.setattr(lr, "_fit_kernel_applies", lambda x, rank: True)
+    monkeypatch.setattr(power_fit, "fit", stand_in)
+    monkeypatch.setattr(_common, "_checked", set())
+    monkeypatch.setattr(_common, "_disabled", set())
+    a, bt = lr.power_lowrank(x, 4)
+    assert seen == [((48, 4), lr.POWER_ITERS)] and "power_fit" in _common._checked
+    assert np.array_equal(np.asarray(a @ bt), np.asarray(want[0] @ want[1]))
+    monkeypatch.setattr(_common, "_checked", set())
+    monkeypatch.setattr(power_fit, "fit", lambda xx, omega, iters: (want[0], 2.0 * want[1]))
+    with pytest.warns(RuntimeWarning, match="power_fit"):
+        a, bt = lr.power_lowrank(x, 4)
+    assert "power_fit" in _common._disabled and np.array_equal(np.asarray(bt), np.asarray(want[1]))
+
+
+@pytest.mark.skipif(not __import__("veloxquant_mlx.cache.kernels", fromlist=["x"]).kernels_enabled(),
+                    reason="the fit kernel needs MLX's CUDA backend (none here)")
+@pytest.mark.parametrize("lead,m,n,r", [((1, 8, 64), 32, 128, 4), ((3, 5), 16, 64, 3), ((7,), 20, 50, 5),
+                                        ((2,), 64, 96, 16)])
+def test_power_fit_kernel_equals_the_op_path(lead, m, n, r):
+    """``kernels.power_fit`` (what ``power_lowrank`` runs on CUDA): the fit ``a @ bt`` equals the op path's to float32
+    rounding (relative to the matrices' own size), ``a`` has orthonormal columns, an exact rank-2 matrix is fitted
+    exactly at rank r >= 2, and a zero matrix gives a zero fit (no NaN)."""
+    from veloxquant_mlx.cache.kernels import _common, power_fit
+    from veloxquant_mlx.cache.primitives import lowrank_fit as lr
+
+    rng = np.random.default_rng(m * n + r)
+    x = rng.normal(size=(*lead, m, n)) + 3.0 * rng.normal(size=(*lead, m, 1)) @ rng.normal(size=(*lead, 1, n))
+    x = mx.array(x.astype(np.float32))
+    omega = mx.random.normal((n, r), key=mx.random.key(0))
+    a, bt = power_fit.fit(x, omega, lr.POWER_ITERS)
+    wa, wbt = lr._power_ops(x, omega, lr.POWER_ITERS)
+    got, want = np.asarray(a @ bt, dtype=np.float64), np.asarray(wa @ wbt, dtype=np.float64)
+    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+    eye = np.asarray(a.swapaxes(-1, -2) @ a)
+    assert np.abs(eye - np.eye(r)).max() <= 1e-4
+    low = rng.normal(size=(*lead, m, 2)) @ rng.normal(size=(*lead, 2, n))
+    a, bt = power_fit.fit(mx.array(low.astype(np.float32)), omega, lr.POWER_ITERS)
+    assert np.abs(np.asarray(a @ bt) - low).max() <= 1e-4 * np.abs(low).max()
+    a, bt = power_fit.fit(mx.zeros((*lead, m, n)), omega, lr.POWER_ITERS)
+    assert float(mx.abs(a @ bt).max()) == 0.0 and not np.isnan(np.asarray(a)).any()
+    a, bt = lr.power_lowrank(x, r)  # takes the kernel on this backend, checked once
+    assert "power_fit" in _common._checked and "power_fit" not in _common._disabled

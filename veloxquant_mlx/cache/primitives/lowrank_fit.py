@@ -68,10 +68,25 @@ def power_lowrank(x: mx.array, rank: int, iters: int | None = None, seed: int = 
     fixed Gaussian start (Halko, Martinsson & Tropp, arXiv 0909.4061, Alg. 4.4; GEAR's power-iteration solver):
     ``a [..., m, r]`` orthonormal columns spanning ``(x xᵀ)^iters x Ω``, ``bt = aᵀ x [..., r, n]``. Matrix products
     only (MLX's SVD is CPU-only): on a GPU no host sync, on the CPU ~5x faster than ``mx.linalg.svd`` on GEAR's
-    blocks. Not the exact best fit (Eckart–Young): see ``POWER_ITERS``."""
+    blocks; on CUDA one launch for all the matrices (``kernels.power_fit``). Not the exact best fit (Eckart–Young):
+    see ``POWER_ITERS``."""
     omega = mx.random.normal((x.shape[-1], rank), key=mx.random.key(seed))
+    iters = POWER_ITERS if iters is None else iters
+    if _fit_kernel_applies(x, rank):  # CUDA: one launch for all the matrices (kernels.power_fit)
+        from ..kernels import power_fit
+        return power_fit.checked_fit(x, omega, iters, lambda: _power_ops(x, omega, iters))
+    return _power_ops(x, omega, iters)
+
+
+def _fit_kernel_applies(x: mx.array, rank: int) -> bool:
+    from ..kernels import kernels_enabled, power_fit
+    return kernels_enabled() and power_fit.supported(x.shape[-2], x.shape[-1], rank)
+
+
+def _power_ops(x: mx.array, omega: mx.array, iters: int):
+    """``power_lowrank`` with MLX ops: the kernel's reference, and the path wherever it does not run."""
     y = x @ omega
-    for _ in range(POWER_ITERS if iters is None else iters):
+    for _ in range(iters):
         y = x @ (x.swapaxes(-1, -2) @ orthonormal_columns(y))
     a = orthonormal_columns(y)
     return a, a.swapaxes(-1, -2) @ x
