@@ -94,6 +94,8 @@ for cmd in "$@"; do
     timeout 280 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --profile ${TOP:-14} --methods ${METHODS:-none,gear,h2o,kvquant,streaming_llm} > $OUT/pprof.txt 2>&1; grep -v Warn $OUT/pprof.txt | cut -c1-160 ;;
   gearfit) # GEAR's fit piece by piece, and whole chunk calls (scripts/gear_fit_cost.py)
     timeout 200 python3 scripts/gear_fit_cost.py > $OUT/gearfit.txt 2>&1; grep -v Warn $OUT/gearfit.txt ;;
+  gtest) # GEAR's fit kernel and GEAR's tests
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rxXfE tests/test_quant_mixed.py tests/test_lowrank.py > $OUT/gtest.txt 2>&1; tail -12 $OUT/gtest.txt ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do
