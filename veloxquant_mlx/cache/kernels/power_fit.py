@@ -7,7 +7,7 @@ one fit took 4.8 ms, launch-bound, and GEAR's prefill 0.4 s against the plain ca
 (``scripts/gear_fit_cost.py``, docs/RESULTS.md). Here a block loads its matrix once, and its threads compute the
 products from shared memory; the Gram-Schmidt of the short columns (G rows) runs in one warp, with the op path's
 order: the coefficients of every earlier column from the same vector, then subtracted, twice; then the division by
-max(norm, 1e-30). Same function up to float32 rounding (the sums in another order). Checked once per process
+max(norm, 1e-30), or 0 for a column in the span of the earlier ones (``lowrank_fit.DEPENDENT_TOL``). Same function up to float32 rounding (the sums in another order). Checked once per process
 against the op path (``kernels.checked_call``: relative L2 error of the fit ``a @ bt``) and tested in
 ``tests/test_quant_mixed.py`` (on CUDA). CUDA only (``kernels_enabled``); elsewhere, and for matrices beyond
 ``MAX_SHARED_FLOATS``, the op path.
@@ -20,6 +20,7 @@ import types
 import mlx.core as mx
 
 from ._common import checked_call
+from ..primitives.lowrank_fit import DEPENDENT_TOL
 from ._compile import Kernel
 
 __all__ = ["fit", "checked_fit", "supported"]
@@ -29,6 +30,7 @@ MAX_SHARED_FLOATS = 12288  # 48 KB: the matrix (m * n) and the three [m or n, r]
 MAX_RANK = 32  # the Gram-Schmidt coefficients live in registers
 
 _SOURCE = r"""
+  constexpr float TOL = TOL_E8 * 1e-8f;
   VQ_SHARED float xs[M * N];
   VQ_SHARED float ys[M * R];
   VQ_SHARED float qs[M * R];
@@ -47,7 +49,13 @@ _SOURCE = r"""
   for (int it = 0; it <= ITERS; ++it) {
     if (VQ_WARP == 0) {  // q = orthonormal columns of y, one column at a time
       for (int j = 0; j < R; ++j) {
-        for (int g = VQ_LANE; g < M; g += 32) qs[g * R + j] = ys[g * R + j];
+        float len = 0.0f;
+        for (int g = VQ_LANE; g < M; g += 32) {
+          const float v = ys[g * R + j];
+          qs[g * R + j] = v;
+          len = fmaf(v, v, len);
+        }
+        for (int s = 16; s > 0; s >>= 1) len += VQ_SHFL_XOR(len, s);
         VQ_SYNCWARP();
         for (int pass = 0; pass < (j > 0 ? 2 : 0); ++pass) {
           float c[R];
@@ -67,7 +75,7 @@ _SOURCE = r"""
         float p = 0.0f;
         for (int g = VQ_LANE; g < M; g += 32) p = fmaf(qs[g * R + j], qs[g * R + j], p);
         for (int s = 16; s > 0; s >>= 1) p += VQ_SHFL_XOR(p, s);
-        const float inv = 1.0f / fmaxf(sqrtf(p), 1e-30f);
+        const float inv = sqrtf(p) > TOL * sqrtf(len) ? 1.0f / fmaxf(sqrtf(p), 1e-30f) : 0.0f;  // in the span: 0
         for (int g = VQ_LANE; g < M; g += 32) qs[g * R + j] *= inv;
         VQ_SYNCWARP();
       }
@@ -115,7 +123,7 @@ def fit(x: mx.array, omega: mx.array, iters: int):
     for s in lead:
         count *= s
     a, bt = _KERNEL([x.astype(mx.float32), omega.astype(mx.float32)], [],
-                    (("M", m), ("N", n), ("R", r), ("ITERS", iters)), [(max(count, 1), m, r), (max(count, 1), r, n)],
+                    (("M", m), ("N", n), ("R", r), ("ITERS", iters), ("TOL_E8", round(DEPENDENT_TOL * 1e8))), [(max(count, 1), m, r), (max(count, 1), r, n)],
                     [mx.float32, mx.float32], grid=(THREADS * max(count, 1), 1, 1), threads=(THREADS, 1, 1))
     return a[:count].reshape(*lead, m, r), bt[:count].reshape(*lead, r, n)
 
