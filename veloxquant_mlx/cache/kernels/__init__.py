@@ -23,7 +23,9 @@ the op path at first use and turned off with one warning if it fails to build or
 Prefill kernels share the layouts: ``waterfill_rows`` (a chunk's rows to waterfill's codes, and the stored
 past back to dense rows in the model's dtype), ``kivi_rows`` (KIVI's past to dense rows) and ``turboquant_rvq_rows``
 (a chunk's rows to TurboQuant-RVQ's codes, and its past to rotated-domain rows): the rows a GPU prefill chunk's
-fused attention reads, in one launch each instead of dozens of small ops.
+fused attention reads, in one launch each instead of dozens of small ops. Two encoding kernels serve methods without
+a decode kernel: ``vq_nearest`` (VecInfer's and A2ATS's nearest-codeword search, no distance matrix) and
+``power_fit`` (GEAR's subspace-iteration fit, a thread block per matrix).
 
 ``VELOXQUANT_DECODE_KERNELS=0`` in the environment (read at import) turns the kernels off (op path everywhere).
 """
