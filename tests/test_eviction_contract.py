@@ -72,6 +72,49 @@ def test_streaming_llm_is_exactly_sinks_plus_window(use_dispatch, chunks):
     assert pos == list(range(n_sink)) + list(range(total - window, total))
 
 
+@pytest.mark.parametrize("tile", [1, 2, 3, 7])
+@pytest.mark.parametrize("chunks", [[9, 1, 1, 1, 5, 1], [20, 3, 1], [9] + [1] * 20 + [7] + [1] * 5, [3, 4, 13, 11]])
+def test_streaming_llm_window_tiles_see_only_their_band_and_stay_exact(tile, chunks, monkeypatch):
+    """A multi-row call with its rows in position order goes to ``attention.window_attention``: tiles of query rows
+    (forced small here) each over the sinks and its band of the window. Exact against the reference mask over all
+    keys, and no tile sees more than sinks + window + tile - 1 keys; after decode steps on a full cache (a ring)
+    a call takes the path over all its rows."""
+    from veloxquant_mlx.cache import attention
+
+    dispatch.install()
+    n_sink, window = 2, 6
+    cache = streaming(n_sink, window)
+    seen, sdpa = [], mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "query_tile_rows", lambda *a: tile)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    mx.random.seed(3)
+    total = sum(chunks)
+    K, V = mx.random.normal((B, H, total, D)), mx.random.normal((B, H, total, D))
+    Q = mx.random.normal((B, HQ, total, D))
+    allowed = lambda qp, kp: (kp <= qp) & ((kp < n_sink) | (kp > qp - window))
+    start, banded = 0, 0
+    for n in chunks:
+        sl = slice(start, start + n)
+        in_order = cache.ring < 0
+        seen.clear()
+        out = layer_call(cache, Q[:, :, sl], K[:, :, sl], V[:, :, sl])
+        calls = list(seen)
+        ref = reference_attention(Q[:, :, sl], K[:, :, : start + n], V[:, :, : start + n], mx.arange(start, start + n),
+                                  allowed)
+        assert mx.allclose(out, ref, atol=1e-5), (n, start)
+        if n > 1 and start + n > window and in_order:  # an array mask: the band's tiles
+            banded += 1
+            assert sum(r for r, _ in calls) == n and all(r <= min(tile, window) for r, _ in calls)
+            assert all(m <= n_sink + window + r - 1 for r, m in calls), calls
+        start += n
+    assert banded >= 1
+
+
 def test_eviction_keeps_original_rows_with_their_positions_per_head():
     dispatch.install()
     mx.random.seed(1)

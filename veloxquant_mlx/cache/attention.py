@@ -87,6 +87,32 @@ def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
 
 
+def window_attention(queries, keys, values, *, scale, mask, sinks=None, n_sink: int, first: int, window: int,
+                     rows: int | None = None):
+    """Attention of a call whose query row i sees the first ``n_sink`` keys and the ``window`` keys ending at key
+    row ``first + i`` (StreamingLLM's sinks and window, rows in position order; ``mask`` the [.., N, M] array that
+    says so): in tiles of ``rows`` query rows (default ``query_tile_rows``, at most the window) queued one by one,
+    each over the sinks and its own band of ``window + rows - 1`` keys, with ``mask`` cut to them. The keys a tile
+    leaves out are those its mask hides, so the result is ``dense_attention``'s; a prompt chunk's work is then
+    N x (sinks + window + rows) scores instead of N x M (llama-8b's shape, an H100, 8192 tokens in chunks of 2048:
+    StreamingLLM's prefill 2.35x the plain cache's time over all M keys)."""
+    N = queries.shape[2]
+    rows = rows or min(max(1, window), query_tile_rows(queries, N, n_sink + 2 * window))
+
+    def tile(a, b):
+        lo, hi = max(n_sink, first + a - window + 1), first + b
+        if lo <= n_sink:
+            k, v, m = keys[:, :, :hi], values[:, :, :hi], mask[..., a:b, :hi]
+        else:
+            k, v = (mx.concatenate([x[:, :, :n_sink], x[:, :, lo:hi]], axis=2) for x in (keys, values))
+            m = mx.concatenate([mask[..., a:b, :n_sink], mask[..., a:b, lo:hi]], axis=-1)
+        return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], k, v, scale=scale, mask=m, sinks=sinks)
+
+    if N <= rows:
+        return tile(0, N)
+    return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
+
+
 def query_rows_view(mask, n_queries: int, n_keys: int, a: int, b: int):
     """``(seen, mask)`` for the query rows [a, b) of a call attended alone: they need the keys [0, seen) only (a
     bottom-right aligned causal mask: keys up to the last row's) and the mask's rows [a, b) (an array mask)."""

@@ -1,7 +1,9 @@
 """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453): every
 query sees the first ``stream_n_sink`` tokens and the ``stream_window_size`` newest, itself included, and the cache
 holds exactly those between calls. A decode step on a full cache overwrites the oldest window row (a ring, as
-mlx_lm's ``RotatingKVCache``); a multi-token call appends, attends under a position mask and keeps sinks + window.
+mlx_lm's ``RotatingKVCache``); a multi-token call appends, attends under a position mask and keeps sinks + window;
+with its rows in position order each tile of query rows attends the sinks and its own band of the window only
+(``attention.window_attention``), not every row the call returned.
 
 Deviations: keys are cached after RoPE at their original positions (the paper re-assigns positions in the cache),
 as ``RotatingKVCache``; the window counts the current token.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ...attention import window_attention
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...eviction import EvictionKVCache
@@ -24,6 +27,7 @@ class StreamingLLMKVCache(EvictionKVCache):
     batchable = True  # merge -> StreamingLLMBatchKVCache (streaming_llm_batch.py)
     scalar_fields = EvictionKVCache.scalar_fields + ("ring",)
     ring = -1  # next row a full cache's decode step overwrites (-1: rows are in position order)
+    _band = None  # rows before this call, when they are in position order (``attend``); else None
 
     def _init_layout(self):
         o = self.config.options
@@ -35,11 +39,24 @@ class StreamingLLMKVCache(EvictionKVCache):
 
     def update_and_fetch(self, keys, values):
         if self._full_decode(keys.shape[2]):
+            self._band = None
             return self._overwrite_oldest(keys, values)
+        self._band = self.rows if self.ring < 0 else None
         out = super(EvictionKVCache, self).update_and_fetch(keys, values)
         if self.rows > self.budget:
             self.evict(None)  # position-only rule: no scores, no deferral needed
         return out
+
+    def attend(self, queries, keys, values, *, scale, mask, sinks=None):
+        """A multi-row call under the window's mask array, its rows returned in position order: each tile of query
+        rows over the sinks and its band of the window only (``attention.window_attention``); else as any cache."""
+        band, self._band = self._band, None
+        N, M = queries.shape[2], keys.shape[2]
+        if band is None or N == 1 or not isinstance(mask, mx.array) or mask.shape[-2:] != (N, M) or band + N != M:
+            return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        # rows 0 .. n_sink - 1 are the sinks (positions 0 ..), every later row r position offset - M + r
+        return window_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, n_sink=min(self.n_sink, M),
+                                first=band, window=self.window)
 
     def _overwrite_oldest(self, keys, values):
         """Decode step on a full cache: the new row replaces the oldest window row, in place."""
