@@ -100,6 +100,9 @@ for cmd in "$@"; do
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_eviction_contract.py -k streaming > $OUT/stream.txt 2>&1; tail -3 $OUT/stream.txt
     timeout 150 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,streaming_llm,gear 2>&1 | grep -v Warn
     timeout 100 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --warm --methods none,streaming_llm 2>&1 | grep -v Warn ;;
+  vqfit) # vecinfer / A2ATS prefill after the k-means without per-iteration host waits
+    timeout 100 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --warm --methods none,vecinfer,a2ats 2>&1 | grep -v Warn
+    timeout 100 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,vecinfer 2>&1 | grep -v Warn ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do
