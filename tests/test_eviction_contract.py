@@ -72,13 +72,13 @@ def test_streaming_llm_is_exactly_sinks_plus_window(use_dispatch, chunks):
     assert pos == list(range(n_sink)) + list(range(total - window, total))
 
 
-@pytest.mark.parametrize("tile", [1, 2, 3, 7])
+@pytest.mark.parametrize("tile,logit_sinks", [(1, False), (2, False), (3, True), (7, False)])
 @pytest.mark.parametrize("chunks", [[9, 1, 1, 1, 5, 1], [20, 3, 1], [9] + [1] * 20 + [7] + [1] * 5, [3, 4, 13, 11]])
-def test_streaming_llm_window_tiles_see_only_their_band_and_stay_exact(tile, chunks, monkeypatch):
+def test_streaming_llm_window_tiles_see_only_their_band_and_stay_exact(tile, logit_sinks, chunks, monkeypatch):
     """A multi-row call with its rows in position order goes to ``attention.window_attention``: tiles of query rows
     (forced small here) each over the sinks and its band of the window. Exact against the reference mask over all
-    keys, and no tile sees more than sinks + window + tile - 1 keys; after decode steps on a full cache (a ring)
-    a call takes the path over all its rows."""
+    keys (with a model's attention-sink logits too), and no tile sees more than sinks + window + tile - 1 keys;
+    after decode steps on a full cache (a ring) a call takes the path over all its rows."""
     from veloxquant_mlx.cache import attention
 
     dispatch.install()
@@ -97,15 +97,19 @@ def test_streaming_llm_window_tiles_see_only_their_band_and_stay_exact(tile, chu
     K, V = mx.random.normal((B, H, total, D)), mx.random.normal((B, H, total, D))
     Q = mx.random.normal((B, HQ, total, D))
     allowed = lambda qp, kp: (kp <= qp) & ((kp < n_sink) | (kp > qp - window))
+    logits = mx.array([0.5, -1.0, 2.0, 0.0]) if logit_sinks else None  # per query head (gpt-oss's sinks)
     start, banded = 0, 0
     for n in chunks:
         sl = slice(start, start + n)
         in_order = cache.ring < 0
         seen.clear()
-        out = layer_call(cache, Q[:, :, sl], K[:, :, sl], V[:, :, sl])
+        mask = cache.make_mask(n)
+        keys, values = cache.update_and_fetch(K[:, :, sl], V[:, :, sl])
+        out = dispatched_sdpa(Q[:, :, sl], keys, values, cache=cache, scale=D**-0.5, mask=mask, sinks=logits)
         calls = list(seen)
-        ref = reference_attention(Q[:, :, sl], K[:, :, : start + n], V[:, :, : start + n], mx.arange(start, start + n),
-                                  allowed)
+        allowed_now = allowed(mx.arange(start, start + n)[:, None], mx.arange(start + n)[None])
+        ref = sdpa(Q[:, :, sl], K[:, :, : start + n], V[:, :, : start + n], scale=D**-0.5, mask=allowed_now,
+                   sinks=logits)
         assert mx.allclose(out, ref, atol=1e-5), (n, start)
         if n > 1 and start + n > window and in_order:  # an array mask: the band's tiles
             banded += 1
