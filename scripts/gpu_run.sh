@@ -103,6 +103,8 @@ for cmd in "$@"; do
   vqfit) # vecinfer / A2ATS prefill after the k-means without per-iteration host waits
     timeout 100 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --warm --methods none,vecinfer,a2ats 2>&1 | grep -v Warn
     timeout 100 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,vecinfer 2>&1 | grep -v Warn ;;
+  kvqcost) # where KVQuant's later prefill chunks go (store / fetch / past rows / whole chunk vs plain), llama-8b's layer
+    timeout 200 python3 scripts/prefill_chunk_cost.py --method kvquant --context 2048,6144 > $OUT/kvqcost.txt 2>&1; grep -v Warn $OUT/kvqcost.txt ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do
