@@ -47,6 +47,8 @@ namespace metal {
 float exp(float);
 float fmax(float, float);
 float rsqrt(float);
+float fma(float, float, float);
+float sqrt(float);
 template <typename T> T min(T, T);
 template <typename T> T max(T, T);
 namespace precise { float sincos(float, thread float&); }
@@ -98,6 +100,20 @@ def test_metal_build_of_the_decode_kernels_parses(label):
     kernel, in_dtypes, out_dtypes, consts = _case(label)
     source = metal_translation_unit(kernel, in_dtypes, out_dtypes, consts)
     assert "thread_index_in_simdgroup [[thread_index_in_simdgroup]]" in source  # the macros named the attributes
+    assert _errors(source) == []
+
+
+@pytest.mark.parametrize("name,consts", [
+    ("power_fit", (("M", 32), ("N", 128), ("R", 4), ("ITERS", 8), ("TOL_E8", 10000))),
+    ("vq_nearest", (("D", 4), ("TILE_FLOATS", 7936)))])
+def test_metal_build_of_the_encoding_kernels_parses(name, consts):
+    """GEAR's fit and the nearest-codeword search (opt-in on Metal with the decode kernels), parsed as above."""
+    import importlib
+
+    kernel = importlib.import_module(f"veloxquant_mlx.cache.kernels.{name}")._KERNEL
+    outs = [mx.float32] * len(kernel.outputs) if name == "power_fit" else [mx.int32]
+    source = metal_translation_unit(kernel, [mx.float32] * len(kernel.inputs), outs, consts)
+    assert "thread_index_in_simdgroup [[thread_index_in_simdgroup]]" in source or name == "vq_nearest"
     assert _errors(source) == []
 
 

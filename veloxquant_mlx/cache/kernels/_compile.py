@@ -152,6 +152,8 @@ METAL_MACROS = r"""
 #define VQ_F(x) vq_f(x)
 #define VQ_CODE(w, i) vq_code((w), 23 - KB * ((i) + 1), ((1u << KB) - 1u) << (23 - KB))
 #define fmaxf(a, b) metal::fmax((a), (b))
+#define fmaf(a, b, c) metal::fma((a), (b), (c))
+#define sqrtf(x) metal::sqrt(x)
 #define rsqrtf(x) metal::rsqrt(x)
 #define sincosf(x, s, c) vq_sincos((x), (s), (c))
 """

@@ -9,8 +9,10 @@ products from shared memory; the Gram-Schmidt of the short columns (G rows) runs
 order: the coefficients of every earlier column from the same vector, then subtracted, twice; then the division by
 max(norm, 1e-30), or 0 for a column in the span of the earlier ones (``lowrank_fit.DEPENDENT_TOL``). Same function up to float32 rounding (the sums in another order). Checked once per process
 against the op path (``kernels.checked_call``: relative L2 error of the fit ``a @ bt``) and tested in
-``tests/test_quant_mixed.py`` (on CUDA). CUDA only (``kernels_enabled``); elsewhere, and for matrices beyond
-``MAX_SHARED_FLOATS``, the op path.
+``tests/test_quant_mixed.py`` (on CUDA). On CUDA (``kernels_enabled``); on Metal opt-in with the decode kernels
+(``metal_enabled``, ``VELOXQUANT_METAL_KERNELS=1``: the same body behind the macro layer, parsed here against a
+stand-in for Metal by ``tests/test_metal_source.py``, never run on an Apple GPU); elsewhere, and for matrices beyond
+the backend's shared memory, the op path.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ import types
 
 import mlx.core as mx
 
-from ._common import checked_call
+from ._common import checked_call, shared_limit
 from ..primitives.lowrank_fit import DEPENDENT_TOL
 from ._compile import Kernel
 
 __all__ = ["fit", "checked_fit", "supported"]
 
 THREADS = 256
-MAX_SHARED_FLOATS = 12288  # 48 KB: the matrix (m * n) and the three [m or n, r] panels
 MAX_RANK = 32  # the Gram-Schmidt coefficients live in registers
 
 _SOURCE = r"""
@@ -36,6 +37,7 @@ _SOURCE = r"""
   VQ_SHARED float qs[M * R];
   VQ_SHARED float zs[N * R];
   const size_t b = VQ_BLOCK_X;
+  if ((int)b >= count) return;  // the whole block: no barrier is left waiting
   const int t = VQ_TID;
   for (int i = t; i < M * N; i += VQ_NTHREADS) xs[i] = x[b * (M * N) + i];
   VQ_SYNC();
@@ -106,12 +108,13 @@ _SOURCE = r"""
   }
 """
 
-_KERNEL = Kernel("power_fit", ["x", "om"], ["a", "bt"], [], _SOURCE)
+_KERNEL = Kernel("power_fit", ["x", "om"], ["a", "bt"], [("count", "int")], _SOURCE)
 
 
 def supported(m: int, n: int, rank: int) -> bool:
-    """Matrices ``[m, n]`` whose block and panels fit ``MAX_SHARED_FLOATS``, at a rank of at most ``MAX_RANK``."""
-    return 1 <= rank <= MAX_RANK and m * n + (2 * m + n) * rank <= MAX_SHARED_FLOATS
+    """Matrices ``[m, n]`` whose block and its three [m or n, r] panels fit the backend's shared memory (48 KB on
+    CUDA, 32 KB on Metal), at a rank of at most ``MAX_RANK``."""
+    return 1 <= rank <= MAX_RANK and 4 * (m * n + (2 * m + n) * rank) <= shared_limit()
 
 
 def fit(x: mx.array, omega: mx.array, iters: int):
@@ -122,7 +125,7 @@ def fit(x: mx.array, omega: mx.array, iters: int):
     count = 1
     for s in lead:
         count *= s
-    a, bt = _KERNEL([x.astype(mx.float32), omega.astype(mx.float32)], [],
+    a, bt = _KERNEL([x.astype(mx.float32), omega.astype(mx.float32)], [count],
                     (("M", m), ("N", n), ("R", r), ("ITERS", iters), ("TOL_E8", round(DEPENDENT_TOL * 1e8))), [(max(count, 1), m, r), (max(count, 1), r, n)],
                     [mx.float32, mx.float32], grid=(THREADS * max(count, 1), 1, 1), threads=(THREADS, 1, 1))
     return a[:count].reshape(*lead, m, r), bt[:count].reshape(*lead, r, n)

@@ -8,8 +8,9 @@ while prefilling varied run to run from 0.8x to 2.8x the plain cache's (docs/RES
 thread holds one row in registers and scans the codebook in shared-memory tiles (every lane reads the same codeword:
 a broadcast), keeping the first least distance -- the op path's formula and tie rule, so the codes are the same but
 for rounding ties (the dot product summed in another order). Checked once per process against the op path
-(``kernels.checked_call``: the fraction of differing codes) and tested in ``tests/test_vq_methods.py`` (on CUDA). CUDA
-only (``kernels_enabled``); elsewhere the op path. H200 (session 36, ``bash scripts/gpu_run.sh install vqk``): SmolLM2,
+(``kernels.checked_call``: the fraction of differing codes) and tested in ``tests/test_vq_methods.py`` (on CUDA). On
+CUDA (``kernels_enabled``); on Metal opt-in with the decode kernels (``metal_enabled``: parsed here against a stand-in
+for Metal, never run on an Apple GPU); elsewhere the op path. H200 (session 36, ``bash scripts/gpu_run.sh install vqk``): SmolLM2,
 2047 tokens in one chunk, vecinfer peaks at 0.38x the plain cache (1.02x on the op path) in a third of the op path's
 time; llama-8b x 8 layers, 8192 tokens in chunks of 2048: 0.50x (0.29x) in 0.16x the op path's time.
 """
@@ -21,12 +22,13 @@ import types
 import mlx.core as mx
 
 from ._common import checked_call
-from ._compile import Kernel
+from ._compile import Kernel, on_metal
 
 __all__ = ["nearest", "checked_nearest", "supported"]
 
 THREADS = 256
 TILE_FLOATS = 8192  # shared floats per codebook tile (32 KB): TK = TILE_FLOATS // (D + 1) codewords and their norms
+METAL_TILE_FLOATS = 7936  # Metal's threadgroup memory is 32 KB in all
 MAX_DIM = 64  # a thread's row lives in registers
 
 _SOURCE = r"""
@@ -71,7 +73,8 @@ def nearest(x: mx.array, cb: mx.array, sq_norms: mx.array) -> mx.array:
     ``cb [Hc, K, d]`` and their squared norms ``sq_norms [Hc, K]``."""
     Hc, n, d = x.shape
     K = cb.shape[1]
-    return _KERNEL([x, cb, sq_norms], [n, K], (("D", d), ("TILE_FLOATS", TILE_FLOATS)), [(Hc, max(n, 1))],
+    tile = METAL_TILE_FLOATS if on_metal() else TILE_FLOATS
+    return _KERNEL([x, cb, sq_norms], [n, K], (("D", d), ("TILE_FLOATS", tile)), [(Hc, max(n, 1))],
                    [mx.int32], grid=(THREADS * max(1, -(-n // THREADS)), Hc, 1), threads=(THREADS, 1, 1))[0][:, :n]
 
 

@@ -81,15 +81,15 @@ def power_lowrank(x: mx.array, rank: int, iters: int | None = None, seed: int = 
     see ``POWER_ITERS``."""
     omega = mx.random.normal((x.shape[-1], rank), key=mx.random.key(seed))
     iters = POWER_ITERS if iters is None else iters
-    if _fit_kernel_applies(x, rank):  # CUDA: one launch for all the matrices (kernels.power_fit)
+    if _fit_kernel_applies(x, rank):  # one launch for all the matrices (kernels.power_fit; CUDA, Metal opt-in)
         from ..kernels import power_fit
         return power_fit.checked_fit(x, omega, iters, lambda: _power_ops(x, omega, iters))
     return _power_ops(x, omega, iters)
 
 
 def _fit_kernel_applies(x: mx.array, rank: int) -> bool:
-    from ..kernels import kernels_enabled, power_fit
-    return kernels_enabled() and power_fit.supported(x.shape[-2], x.shape[-1], rank)
+    from ..kernels import kernels_enabled, metal_enabled, power_fit
+    return (kernels_enabled() or metal_enabled()) and power_fit.supported(x.shape[-2], x.shape[-1], rank)
 
 
 def _power_ops(x: mx.array, omega: mx.array, iters: int):

@@ -35,8 +35,8 @@ def vq_assign(x: mx.array, cb: mx.array) -> mx.array:
 
 
 def _kernel_applies(d: int) -> bool:
-    from ..kernels import kernels_enabled, vq_nearest
-    return kernels_enabled() and vq_nearest.supported(d)
+    from ..kernels import kernels_enabled, metal_enabled, vq_nearest
+    return (kernels_enabled() or metal_enabled()) and vq_nearest.supported(d)
 
 
 def _assign_ops(x: mx.array, cb: mx.array, sq_norms: mx.array) -> mx.array:
