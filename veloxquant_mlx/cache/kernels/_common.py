@@ -50,8 +50,9 @@ def shared_limit() -> int:
 
 def metal_enabled() -> bool:
     """True on MLX's Metal backend when ``VELOXQUANT_METAL_KERNELS=1`` was in the environment at import (and the
-    kernels are not off): KIVI's float32-sum and waterfill's decode kernels then run through ``mx.fast.metal_kernel``,
-    each checked once against the op path (``checked_call``). Opt-in: it has never run on an Apple GPU, only been
+    kernels are not off): KIVI's float32-sum and waterfill's decode kernels, and the encoding kernels ``power_fit``
+    and ``vq_nearest``, then run through ``mx.fast.metal_kernel``, each checked once against the op path
+    (``checked_call``). Opt-in: it has never run on an Apple GPU, only been
     parsed (``tests/test_metal_source.py``)."""
     return _ENV_ON and _METAL_ON and on_metal()
 
