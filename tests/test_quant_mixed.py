@@ -289,3 +289,19 @@ def test_power_fit_kernel_equals_the_op_path(lead, m, n, r):
     assert float(mx.abs(a @ bt).max()) == 0.0 and not np.isnan(np.asarray(a)).any()
     a, bt = lr.power_lowrank(x, r)  # takes the kernel on this backend, checked once
     assert "power_fit" in _common._checked and "power_fit" not in _common._disabled
+
+
+def test_gear_trim_into_the_block_its_rank_was_read_from_raises():
+    """The threshold's rank is read from the whole first block: a trim keeping part of it would leave groups whose
+    factors have a rank a cache fed only those tokens might not take, so it raises (the server then recomputes); a
+    trim of all of it starts afresh; with a given ``gear_rank`` there is nothing to go stale."""
+    k, v = rand(1, 2, 64, 64), rand(1, 2, 64, 64)
+    c = make("gear")
+    c.update_and_fetch(k, v)
+    assert c.calib_end == 64 and c.rank > 0
+    with pytest.raises(ValueError, match="first 64 coded tokens"):
+        c.trim(32)
+    assert c.trim(64) == 64 and (c.calib_end, c.rank) == (0, -1)
+    g = make("gear", rank=2)
+    g.update_and_fetch(k, v)
+    assert g.calib_end == 0 and g.trim(32) == 32 and g.rank == 2

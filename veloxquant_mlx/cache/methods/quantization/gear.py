@@ -15,7 +15,8 @@ from the energy threshold is read off the first block's fit at the cap (``lowran
 whose first r fitted components hold the threshold in every group), not an SVD: subspace iteration finds at most the
 SVD's energy in its first r columns, so the rank is never below the SVD's and it is what the kept columns capture.
 Until session 36 it came from an exact SVD of the first block on the CPU (MLX's SVD is CPU-only): 0.78 of GEAR's
-1.19 s prefill on an H100 (llama-8b x 8 layers, 8192 tokens), against the plain cache's 0.06 s.
+1.19 s prefill on an H100 (llama-8b x 8 layers, 8192 tokens), against the plain cache's 0.06 s. A trim keeping part of
+that first block raises ValueError (``calib_end``: the kept groups' factors have the rank the whole block gave).
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
 
     array_fields = ("k_codes", "k_scales", "k_biases", "k_oidx", "k_oval", "k_a", "k_bt", "k_err_base", "k_err_gear",
                     "v_codes", "v_scales", "v_biases", "v_oidx", "v_oval", "v_a", "v_bt", "res_k", "res_v")
-    scalar_fields = ("n_quant", "n_res", "dtype_name", "rank")
+    scalar_fields = ("n_quant", "n_res", "dtype_name", "rank", "calib_end")
     dequant_only = "low-rank and sparse corrections on top of the codes"
     rank = -1  # resolved low-rank width (-1: not yet, from the energy threshold at the first block)
+    # tokens of the first block the threshold's rank was read from (0: a given rank): a trim into them raises, as
+    # the kept groups' factors have that rank (a cache fed only the kept tokens could take another)
+    calib_end, calib_field = 0, "calib_end"
 
     def _init_layout(self):
         o = self.config.options
@@ -117,6 +121,8 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         xk = kb.astype(mx.float32).reshape(B, H, g, G, D)
+        if self.rank < 0:
+            self.calib_end = t0 + n
         kq, kidx, kval, ka, kbt, krec = self._gear_block(xk, per_channel=True)
         base = gq.dequantize_per_channel(*gq.quantize_per_channel(kb, b, G), b, G).reshape(B, H, g, G, D)
         if self.config.options.quantize_values:
