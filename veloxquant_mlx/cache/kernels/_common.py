@@ -105,6 +105,17 @@ def checked_call(name: str, cache, kernel_fn: Callable, op_fn: Callable, error: 
     return got
 
 
+class _NoRecord:
+    """The ``cache`` of a :func:`checked_call` whose functions read no step record (the encoding kernels)."""
+
+    _call = None
+
+
+def checked_encode(name: str, kernel_fn: Callable, op_fn: Callable, error: Optional[Callable] = None):
+    """:func:`checked_call` for a kernel outside a cache's step (``vq_nearest``, ``power_fit``): no record to restore."""
+    return checked_call(name, _NoRecord(), kernel_fn, op_fn, error)
+
+
 def relative_error(got, want) -> float:
     """Relative L2 error of ``got`` against ``want`` (the largest over the arrays of a tuple)."""
     if isinstance(got, (tuple, list)):

@@ -17,12 +17,10 @@ the backend's shared memory, the op path.
 
 from __future__ import annotations
 
-import types
-
 import mlx.core as mx
 
-from ._common import checked_call, shared_limit
 from ..primitives.lowrank_fit import DEPENDENT_TOL
+from ._common import checked_encode, shared_limit
 from ._compile import Kernel
 
 __all__ = ["fit", "checked_fit", "supported"]
@@ -139,4 +137,4 @@ def checked_fit(x: mx.array, omega: mx.array, iters: int, op_fn):
         g, w = got[0] @ got[1], want[0] @ want[1]
         return float(mx.linalg.norm((g - w).reshape(-1)) / mx.maximum(mx.linalg.norm(w.reshape(-1)), 1e-30))
 
-    return checked_call("power_fit", types.SimpleNamespace(_call=None), lambda: fit(x, omega, iters), op_fn, error)
+    return checked_encode("power_fit", lambda: fit(x, omega, iters), op_fn, error)

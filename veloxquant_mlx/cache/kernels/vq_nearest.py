@@ -17,11 +17,9 @@ time; llama-8b x 8 layers, 8192 tokens in chunks of 2048: 0.50x (0.29x) in 0.16x
 
 from __future__ import annotations
 
-import types
-
 import mlx.core as mx
 
-from ._common import checked_call
+from ._common import checked_encode
 from ._compile import Kernel, on_metal
 
 __all__ = ["nearest", "checked_nearest", "supported"]
@@ -85,5 +83,4 @@ def checked_nearest(x: mx.array, cb: mx.array, sq_norms: mx.array, op_fn):
     def error(got, want):
         return float((got != want).astype(mx.float32).mean())
 
-    return checked_call("vq_nearest", types.SimpleNamespace(_call=None), lambda: nearest(x, cb, sq_norms), op_fn,
-                        error)
+    return checked_encode("vq_nearest", lambda: nearest(x, cb, sq_norms), op_fn, error)
