@@ -1,7 +1,8 @@
 """What one GEAR layer-chunk's fit costs, piece by piece, on the default device: the blocks of a prefill chunk
 (``[B, H, g, G, D]`` float32, llama-8b's shape by default) through the dense-and-sparse split, the per-channel
 codes, the rank-r subspace iteration (as it runs, and inside ``mx.compile``), the energy-rank SVD on the CPU, and
-a fresh cache's whole ``update_and_fetch`` of the chunk (``--methods``). Each piece evaluated alone, best of ``--repeats``, milliseconds.
+a fresh cache's whole ``update_and_fetch`` of the chunk (``--methods``). Each piece evaluated alone, best of
+``--repeats``, milliseconds.
 
     python scripts/gear_fit_cost.py --chunk 2048 --heads 8 --dim 128
 """

@@ -112,7 +112,8 @@ class _NoRecord:
 
 
 def checked_encode(name: str, kernel_fn: Callable, op_fn: Callable, error: Optional[Callable] = None):
-    """:func:`checked_call` for a kernel outside a cache's step (``vq_nearest``, ``power_fit``): no record to restore."""
+    """:func:`checked_call` for a kernel outside a cache's step (``vq_nearest``, ``power_fit``): no record to
+    restore."""
     return checked_call(name, _NoRecord(), kernel_fn, op_fn, error)
 
 

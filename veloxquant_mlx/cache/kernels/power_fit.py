@@ -7,8 +7,9 @@ one fit took 4.8 ms, launch-bound, and GEAR's prefill 0.4 s against the plain ca
 (``scripts/gear_fit_cost.py``, docs/RESULTS.md). Here a block loads its matrix once, and its threads compute the
 products from shared memory; the Gram-Schmidt of the short columns (G rows) runs in one warp, with the op path's
 order: the coefficients of every earlier column from the same vector, then subtracted, twice; then the division by
-max(norm, 1e-30), or 0 for a column in the span of the earlier ones (``lowrank_fit.DEPENDENT_TOL``). Same function up to float32 rounding (the sums in another order). Checked once per process
-against the op path (``kernels.checked_call``: relative L2 error of the fit ``a @ bt``) and tested in
+max(norm, 1e-30), or 0 for a column in the span of the earlier ones (``lowrank_fit.DEPENDENT_TOL``). Same function
+up to float32 rounding (the sums in another order). Checked once per process against the op path
+(``kernels._common.checked_encode``: relative L2 error of the fit ``a @ bt``) and tested in
 ``tests/test_quant_mixed.py`` (on CUDA). On CUDA (``kernels_enabled``); on Metal opt-in with the decode kernels
 (``metal_enabled``, ``VELOXQUANT_METAL_KERNELS=1``: the same body behind the macro layer, parsed here against a
 stand-in for Metal by ``tests/test_metal_source.py``, never run on an Apple GPU); elsewhere, and for matrices beyond
@@ -17,10 +18,12 @@ the backend's shared memory, the op path.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ..primitives.lowrank_fit import DEPENDENT_TOL
-from ._common import checked_encode, shared_limit
+from ._common import checked_encode, relative_error, shared_limit
 from ._compile import Kernel
 
 __all__ = ["fit", "checked_fit", "supported"]
@@ -119,13 +122,12 @@ def fit(x: mx.array, omega: mx.array, iters: int):
     """``(a [..., m, r], bt [..., r, n])`` float32 of every matrix of ``x [..., m, n]`` from the start ``omega
     [n, r]`` after ``iters`` iterations (``power_lowrank``'s)."""
     *lead, m, n = x.shape
-    r = omega.shape[-1]
-    count = 1
-    for s in lead:
-        count *= s
-    a, bt = _KERNEL([x.astype(mx.float32), omega.astype(mx.float32)], [count],
-                    (("M", m), ("N", n), ("R", r), ("ITERS", iters), ("TOL_E8", round(DEPENDENT_TOL * 1e8))), [(max(count, 1), m, r), (max(count, 1), r, n)],
-                    [mx.float32, mx.float32], grid=(THREADS * max(count, 1), 1, 1), threads=(THREADS, 1, 1))
+    r, count = omega.shape[-1], math.prod(lead)
+    blocks = max(count, 1)
+    consts = (("M", m), ("N", n), ("R", r), ("ITERS", iters), ("TOL_E8", round(DEPENDENT_TOL * 1e8)))
+    a, bt = _KERNEL([x.astype(mx.float32), omega.astype(mx.float32)], [count], consts,
+                    [(blocks, m, r), (blocks, r, n)], [mx.float32, mx.float32], grid=(THREADS * blocks, 1, 1),
+                    threads=(THREADS, 1, 1))
     return a[:count].reshape(*lead, m, r), bt[:count].reshape(*lead, r, n)
 
 
@@ -134,7 +136,6 @@ def checked_fit(x: mx.array, omega: mx.array, iters: int, op_fn):
     of the fit ``a @ bt`` (its basis may differ in sign where a column is ill-defined, its product may not)."""
 
     def error(got, want):
-        g, w = got[0] @ got[1], want[0] @ want[1]
-        return float(mx.linalg.norm((g - w).reshape(-1)) / mx.maximum(mx.linalg.norm(w.reshape(-1)), 1e-30))
+        return relative_error(got[0] @ got[1], want[0] @ want[1])
 
     return checked_encode("power_fit", lambda: fit(x, omega, iters), op_fn, error)

@@ -8,11 +8,12 @@ while prefilling varied run to run from 0.8x to 2.8x the plain cache's (docs/RES
 thread holds one row in registers and scans the codebook in shared-memory tiles (every lane reads the same codeword:
 a broadcast), keeping the first least distance -- the op path's formula and tie rule, so the codes are the same but
 for rounding ties (the dot product summed in another order). Checked once per process against the op path
-(``kernels.checked_call``: the fraction of differing codes) and tested in ``tests/test_vq_methods.py`` (on CUDA). On
-CUDA (``kernels_enabled``); on Metal opt-in with the decode kernels (``metal_enabled``: parsed here against a stand-in
-for Metal, never run on an Apple GPU); elsewhere the op path. H200 (session 36, ``bash scripts/gpu_run.sh install vqk``): SmolLM2,
-2047 tokens in one chunk, vecinfer peaks at 0.38x the plain cache (1.02x on the op path) in a third of the op path's
-time; llama-8b x 8 layers, 8192 tokens in chunks of 2048: 0.50x (0.29x) in 0.16x the op path's time.
+(``kernels._common.checked_encode``: the fraction of differing codes) and tested in ``tests/test_vq_methods.py`` (on
+CUDA). On CUDA (``kernels_enabled``); on Metal opt-in with the decode kernels (``metal_enabled``: parsed here against
+a stand-in for Metal, never run on an Apple GPU); elsewhere the op path. H200 (session 36, ``bash scripts/gpu_run.sh
+install vqk``): SmolLM2, 2047 tokens in one chunk, vecinfer peaks at 0.38x the plain cache (1.02x on the op path)
+in a third of the op path's time; llama-8b x 8 layers, 8192 tokens in chunks of 2048: 0.50x (0.29x) in 0.16x the op
+path's time.
 """
 
 from __future__ import annotations
