@@ -19,7 +19,7 @@ import pytest
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
-from veloxquant_mlx.cache.kernels import kivi_rows, turboquant_rvq_rows as tq_rows
+from veloxquant_mlx.cache.kernels import kivi_rows, kvquant_rows, turboquant_rvq_rows as tq_rows
 from veloxquant_mlx.cache.kernels import turboquant_rvq as tq_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
@@ -28,7 +28,7 @@ from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWin
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
-from veloxquant_mlx.cache.options import KIVIOptions, TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import KIVIOptions, KVQuantOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives import groupquant as gq
 from veloxquant_mlx.cache.primitives.bitpack import pack_bits, unpack_bits
 from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
@@ -1338,6 +1338,70 @@ def test_kivi_rows_kernel_equals_the_op_path(H, D, bits, group, prompt, dtype):
         for g, w in zip(got, want):
             assert g.dtype == out_dtype and g.shape == w.shape
             assert _rel(g.astype(mx.float32), w) < tol
+
+
+def _kvquant(D, rope=None, **opts):
+    """A KVQuant cache of head dim ``D`` (``KVQuantOptions`` fields), keys pre-RoPE when ``rope`` is given."""
+    c = KVCacheFactory.create(KVCacheConfig(method="kvquant", head_dim=D, options=KVQuantOptions(**opts)))
+    c.bind_attention(type("Attention", (), {"rope": rope})() if rope is not None else None)
+    assert (c.rope is None) == (rope is None)
+    return c
+
+
+def test_kvquant_prefill_plumbing_of_the_rows_kernel(monkeypatch):
+    """With the kernels on, a chunk's dense past comes from ``kvquant_rows.decode_rows`` (a stand-in computing the
+    op path from the cache it is handed, in the dtype it is asked for): the rows ``update_and_fetch`` returns equal
+    those of a cache with the kernels off (the chunks' pasts and a decode step's, each asked in the rows' dtype)."""
+    from veloxquant_mlx.cache import kernels as kpkg
+
+    asked = []
+
+    def stand_in(c, n, dtype):
+        asked.append((n, dtype))
+        return c._keys_t(n).swapaxes(-1, -2).astype(dtype), c._values(n).astype(dtype)
+
+    monkeypatch.setattr(kvquant_rows, "decode_rows", stand_in)
+    monkeypatch.setattr(_common, "_checked", set())
+    monkeypatch.setattr(_common, "_disabled", set())
+    H, D = 2, 64
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
+        c = _kvquant(D, nn.RoPE(D, base=10000.0), bits=3, group_size=32, n_sink=2)
+        rng = np.random.default_rng(4)
+        got = []
+        for n in (40, 97, 64, 1):
+            got += c.update_and_fetch(_rows(rng, H, n, D, mx.bfloat16), _rows(rng, H, n, D, mx.bfloat16))
+        runs.append(got)
+    assert [n for n, _ in asked] == [32, 128, 192] and {d for _, d in asked} == {mx.bfloat16}
+    assert "kvquant_rows" in _common._checked  # the first-use check passed against the op path
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert a.dtype == b.dtype == mx.bfloat16 and bool(mx.array_equal(a, b)), i
+
+
+@GPU
+@pytest.mark.parametrize("H,D,bits,group,frac,sinks,rope,prompt,dtype", [
+    (2, 64, 3, 32, 0.01, 1, "rope", 45, mx.float16), (8, 128, 3, 32, 0.01, 1, "rope", 3000, mx.bfloat16),
+    (3, 64, 2, 64, 0.02, 4, "traditional", 1037, mx.float32), (4, 128, 4, 16, 0.0, 0, None, 777, mx.float16),
+    (2, 96, 5, 32, 0.05, 3, "partial", 300, mx.bfloat16)])
+def test_kvquant_rows_kernel_equals_the_op_path(H, D, bits, group, frac, sinks, rope, prompt, dtype):
+    """KVQuant's dense past from the kernel and from the op path: codes straddling words (3 and 5 bits), outliers
+    or none, sink rows, RoPE full / traditional / on part of the channels / none. The values to float32 rounding;
+    the keys' RoPE angle ``t * omega`` is rounded differently by the op path's tables: to ``n * 2^-22``."""
+    ropes = {"rope": nn.RoPE(D, base=10000.0), "traditional": nn.RoPE(D, traditional=True, base=500000.0),
+             "partial": nn.RoPE(D // 2, base=10000.0), None: None}
+    c = _kvquant(D, ropes[rope], bits=bits, group_size=group, outlier_fraction=frac, n_sink=sinks)
+    rng = np.random.default_rng(prompt)
+    c.update_and_fetch(_rows(rng, H, prompt, D, dtype, 3.0), _rows(rng, H, prompt, D, dtype))
+    n = c.n_quant
+    assert n > 0 and kvquant_rows.supported(D, D, c.value_group(D))
+    want = (c._keys_t(n).swapaxes(-1, -2), c._values(n))
+    angle = n * 2.0**-22 if rope else 0.0
+    for out_dtype, tol in ((mx.float32, 1e-6), (dtype, 1e-2 if dtype == mx.bfloat16 else 2e-3)):
+        got = kvquant_rows.decode_rows(c, n, out_dtype)
+        for g, w, extra in zip(got, want, (angle, 0.0)):
+            assert g.dtype == out_dtype and g.shape == w.shape
+            assert _rel(g.astype(mx.float32), w) < tol + extra
 
 
 @pytest.mark.parametrize("method", ["waterfill", "kivi"])

@@ -123,7 +123,8 @@ __device__ __forceinline__ void vq_mma(float* c, vq_u32 a0, vq_u32 a1, vq_u32 a2
 }
 """
 
-CTYPES = {mx.float32: "float", mx.float16: "vq_f16", mx.bfloat16: "vq_bf16", mx.uint32: "vq_u32", mx.int32: "int"}
+CTYPES = {mx.float32: "float", mx.float16: "vq_f16", mx.bfloat16: "vq_bf16", mx.uint32: "vq_u32", mx.int32: "int",
+          mx.uint16: "unsigned short"}
 
 # The same macro layer for Metal (``mx.fast.metal_kernel``; opt-in, see ``_common.metal_enabled``). The macros go at the
 # start of the body, not in the header: MLX declares a thread attribute (``thread_index_in_simdgroup`` ...) only when

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ... import kernels
 from ...base import register
 from ...contract import register_with_mlx_lm
+from ...kernels import kvquant_rows
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives import nonuniform as nu
@@ -144,6 +146,15 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         if self.n_sink and self.sink_v is not None:
             v = mx.concatenate([self.sink_v.astype(mx.float32), v[:, :, self.n_sink :]], axis=2)
         return v.astype(dtype)
+
+    def _quantized_rows(self, n, dtype=None):
+        """Dense (K, V) of the first ``n`` quantized tokens: the op path (float32), or on CUDA, asked for the model's
+        ``dtype`` (a GPU prefill chunk's past), one launch of ``kernels.kvquant_rows``."""
+        op = lambda: (self._keys_t(n).swapaxes(-1, -2), self._values(n))  # noqa: E731
+        if dtype is None or not kernels.kernels_enabled() or not kvquant_rows.supported(
+                self.k_codes.shape[2], self.res_v.shape[-1], self.value_group(self.res_v.shape[-1])):
+            return op()
+        return kvquant_rows.checked_decode(self, n, dtype, op)
 
     def _fits_kept(self, n: int) -> tuple[int, int]:
         """(fits starting below the groups a trim of ``n`` tokens keeps, those groups): KIVI's rule passed."""
