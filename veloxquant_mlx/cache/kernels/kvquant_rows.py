@@ -22,10 +22,10 @@ import functools
 
 import mlx.core as mx
 
-from ._common import checked_call
+from ._common import checked_call, checked_encode, relative_error
 from ._compile import Kernel
 
-__all__ = ["decode_rows", "supported"]
+__all__ = ["decode_rows", "encode_keys", "supported", "encode_supported"]
 
 TILE = 32  # tokens per block
 THREADS = 128
@@ -140,6 +140,159 @@ def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
                c.v_codes.shape[-1], c.v_scales.shape[-1], voi.shape[-1]]
     return tuple(_KERNEL(arrays, scalars, consts, [(B, H, n, D), (B, H, n, dv)], [dtype, dtype],
                          grid=(THREADS * -(-n // TILE), B * H, 1), threads=(THREADS, 1, 1)))
+
+
+_ENCODE_SOURCE = r"""
+  // one block per (group g of the chunk, bh): G tokens x D channels, a thread per channel
+  const int g = VQ_BLOCK_X, bh = VQ_BLOCK_Y, ng = VQ_GRID_X, c = VQ_TID;
+  constexpr int L = 1 << KB, NW = D / 32;
+  VQ_SHARED float xs[G][D + 1];
+  VQ_SHARED int si[D], sj[D];
+  VQ_SHARED float rf[2 * NW];
+  for (int t = 0; t < G; ++t) xs[t][c] = VQ_F(x[((size_t)bh * n + (size_t)g * G + t) * D + c]);
+  if (ROPE > 0) {  // back to pre-RoPE: rotation by -t * omega
+    VQ_SYNC();
+    for (int i = c; i < G * (RD / 2); i += D) {
+      const int t = i / (RD / 2), p = i % (RD / 2);
+      const int c1 = ROPE == 1 ? p : 2 * p, c2 = ROPE == 1 ? p + RD / 2 : 2 * p + 1;
+      float sn, cs;
+      sincosf((float)(t0 + g * G + t) * om[p], &sn, &cs);
+      const float a = xs[t][c1], b = xs[t][c2];
+      xs[t][c1] = a * cs + b * sn;
+      xs[t][c2] = b * cs - a * sn;
+    }
+  }
+  VQ_SYNC();
+  // the O largest |x| of the block (entry c * G + t): the O-th largest's bits by a bitwise search, then those above
+  // it and, in entry order, as many equal to it as make O
+  unsigned int thr = 0xffffffffu;
+  int take = 0, before = 0;
+  if (O > 0) {
+    thr = 0;
+    for (int bit = 30; bit >= 0; --bit) {
+      const unsigned int cand = thr | (1u << bit);
+      int cnt = 0;
+      for (int t = 0; t < G; ++t) cnt += __float_as_uint(fabsf(xs[t][c])) >= cand;
+      for (int o = 16; o > 0; o >>= 1) cnt += VQ_SHFL_XOR(cnt, o);
+      if (VQ_LANE == 0) si[VQ_WARP] = cnt;
+      VQ_SYNC();
+      int total = 0;
+      for (int w = 0; w < NW; ++w) total += si[w];
+      VQ_SYNC();
+      if (total >= O) thr = cand;
+    }
+    int gt = 0, eq = 0;
+    for (int t = 0; t < G; ++t) {
+      const unsigned int u = __float_as_uint(fabsf(xs[t][c]));
+      gt += u > thr;
+      eq += u == thr;
+    }
+    si[c] = gt;
+    sj[c] = eq;
+    VQ_SYNC();
+    int gt_all = 0, eq_before = 0;
+    for (int k = 0; k < D; ++k) { gt_all += si[k]; eq_before += k < c ? sj[k] : 0; }
+    const int ties = O - gt_all;  // equal entries taken, the first in entry order
+    take = gt + min(max(ties - eq_before, 0), eq);
+    VQ_SYNC();
+    si[c] = take;
+    VQ_SYNC();
+    for (int k = 0; k < c; ++k) before += si[k];
+    // entries taken: write them out in entry order, marked by a NaN in the tile
+    int k = before, e_seen = eq_before;
+    for (int t = 0; t < G; ++t) {
+      const float v = xs[t][c];
+      const unsigned int u = __float_as_uint(fabsf(v));
+      const bool tie = u == thr;
+      if (u > thr || (tie && e_seen < ties)) {
+        const size_t o = ((size_t)bh * ng + g) * O + k++;
+        oi[o] = (unsigned short)(c * G + t);
+        vq_store(ovl + o, v);
+        xs[t][c] = __int_as_float(0x7fc00000);
+      }
+      e_seen += tie;
+    }
+    // the inliers' range over the block: outliers become its midrange
+    float hi = -VQ_INF, lo = VQ_INF;
+    for (int t = 0; t < G; ++t) {
+      const float v = xs[t][c];
+      if (v == v) { hi = fmaxf(hi, v); lo = fminf(lo, v); }
+    }
+    for (int o = 16; o > 0; o >>= 1) { hi = fmaxf(hi, VQ_SHFL_XOR(hi, o)); lo = fminf(lo, VQ_SHFL_XOR(lo, o)); }
+    if (VQ_LANE == 0) { rf[VQ_WARP] = hi; rf[NW + VQ_WARP] = lo; }
+    VQ_SYNC();
+    for (int w = 0; w < NW; ++w) { hi = fmaxf(hi, rf[w]); lo = fminf(lo, rf[NW + w]); }
+    const float mid = 0.5f * (hi + lo);
+    for (int t = 0; t < G; ++t) if (xs[t][c] != xs[t][c]) xs[t][c] = mid;
+  }
+  // the channel's range over the group, its codes: the nearest of the fit's levels, packed as a bit stream
+  float hi = -VQ_INF, lo = VQ_INF;
+  for (int t = 0; t < G; ++t) { hi = fmaxf(hi, xs[t][c]); lo = fminf(lo, xs[t][c]); }
+  const size_t row = (size_t)bh * D + c, gi = row * ng + g;
+  vq_store(osc + gi, hi - lo);
+  vq_store(obi + gi, lo);
+  const float s32 = VQ_F(osc[gi]), b32 = VQ_F(obi[gi]);
+  const float div = s32 > 0.0f ? s32 : 1.0f;
+  float bnd[L - 1];
+  for (int l = 0; l < L - 1; ++l)
+    bnd[l] = 0.5f * (VQ_F(lv[row * LC + fit * L + l + 1]) + VQ_F(lv[row * LC + fit * L + l]));
+  vq_u32 words[WK];
+  for (int w = 0; w < WK; ++w) words[w] = 0u;
+  for (int t = 0; t < G; ++t) {
+    const float u = fminf(fmaxf((xs[t][c] - b32) / div, 0.0f), 1.0f);
+    vq_u32 code = 0u;
+    for (int l = 0; l < L - 1; ++l) code += u > bnd[l];
+    const int bit = t * KB, w = bit >> 5, sh = bit & 31;
+    words[w] |= code << sh;
+    if (sh + KB > 32) words[w + 1] |= code >> (32 - sh);
+  }
+  for (int w = 0; w < WK; ++w) oc[gi * WK + w] = words[w];
+"""
+
+_ENCODE = Kernel("vq_kvquant_encode_keys", ["x", "lv", "om"], ["oc", "osc", "obi", "oi", "ovl"],
+                 [("n", "int"), ("t0", "int"), ("fit", "int"), ("LC", "int")], _ENCODE_SOURCE)
+
+
+@functools.cache
+def encode_supported(d: int, group: int, bits: int) -> bool:
+    """A thread per channel in whole warps, the group's tile within 40 KB of shared memory, outlier indices of the
+    block in 16 bits."""
+    return d % 32 == 0 and 32 <= d <= 1024 and 4 * group * (d + 1) <= 40 * 1024 and d * group <= 65536 and bits <= 8
+
+
+def encode_keys(c, kb: mx.array, t0: int):
+    """KVQuant cache ``c``'s key codes of the rows ``kb [B, H, n, D]`` (n a multiple of G) at positions ``t0 ..``
+    with its current fit's levels: ``(codes [B, H, D, g * w], scales, biases [B, H, D, g] float16, outlier indices
+    [B, H, g, o] uint16, values [B, H, g, o] float16)`` -- what the op path of ``_append_groups`` makes (its outliers
+    in entry order; the op path's in ``argpartition``'s)."""
+    B, H, n, D = kb.shape
+    G, b = c.group, c.qbits
+    g, o, wk = n // G, c._n_out(D), (G * b + 31) // 32
+    spec = c.rope
+    rope = 0 if spec is None else (2 if spec["traditional"] else 1)
+    om = c._rope_omega() if rope else mx.zeros((1,), dtype=mx.float32)
+    consts = (("D", D), ("G", G), ("KB", b), ("WK", wk), ("O", o), ("ROPE", rope), ("RD", spec["dims"] if rope else 0))
+    codes, sc, bi, idx, val = _ENCODE(
+        [kb, c.k_levels, om], [n, t0, len(c.fit_starts) - 1, c.k_levels.shape[-1]], consts,
+        [(B, H, D, g * wk), (B, H, D, g), (B, H, D, g), (B, H, g, max(o, 1)), (B, H, g, max(o, 1))],
+        [mx.uint32, mx.float16, mx.float16, mx.uint16, mx.float16], grid=(D * g, B * H, 1), threads=(D, 1, 1))
+    return codes, sc, bi, (idx if o else None), (val if o else None)
+
+
+def checked_encode_keys(c, kb: mx.array, t0: int, op_fn):
+    """:func:`encode_keys`, checked once per process against ``op_fn()`` (the op path's arrays, outliers sorted by
+    entry): the largest of the codes' fraction differing (a rounding at a level's boundary now and then) and the
+    other arrays' relative errors."""
+
+    def error(got, want):
+        got, want = list(got), list(want)
+        if want[3] is not None:
+            order = mx.argsort(want[3].astype(mx.int32), axis=-1)
+            want[3], want[4] = (mx.take_along_axis(a, order, axis=-1) for a in want[3:])
+        codes = float((got[0] != want[0]).astype(mx.float32).mean())
+        return max([codes] + [relative_error(a, w) for a, w in zip(got[1:], want[1:]) if w is not None])
+
+    return checked_encode("kvquant_encode_keys", lambda: encode_keys(c, kb, t0), op_fn, error)
 
 
 def checked_decode(c, n: int, dtype, op_fn):

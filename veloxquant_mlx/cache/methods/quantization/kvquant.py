@@ -85,25 +85,47 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
         return super().held_arrays() + ([self._rope_omega()] if self.rope is not None else [])
 
     def _append_groups(self, kb, vb):
-        G, b, L = self.group, self.qbits, 1 << self.qbits
+        G, b = self.group, self.qbits
         (B, H, n, D), Dv = kb.shape, vb.shape[-1]
         g, t0 = n // G, self.n_quant
         g0 = t0 // G
         if t0 == 0 and self.n_sink:
             # copies: ``astype`` to the same dtype is a view that would keep the whole block alive
             self.sink_k, self.sink_v = (mx.contiguous(x[:, :, : self.n_sink].astype(RES_DTYPE)) for x in (kb, vb))
-        # keys (pre-RoPE if a RoPE is bound; rows t0.. are positions t0..): [B, H, g, D, G] blocks, outliers split
+        ri = self.config.options.refit_interval
+        refit = not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri)  # first block, or a refit is due
+        if refit or not kernels.kernels_enabled() or not kvquant_rows.encode_supported(D, G, b):
+            kcodes, kscale, kbias, kidx, kval = self._encode_keys(kb, t0, g0, refit)
+        else:  # on CUDA, one launch (``kernels.kvquant_rows``)
+            kcodes, kscale, kbias, kidx, kval = kvquant_rows.checked_encode_keys(
+                self, kb, t0, lambda: self._encode_keys(kb, t0, g0, False))
+        fit = len(self.fit_starts) - 1
+        vo = self._n_out(Dv)  # values: the same split per block, then per-token uniform groups
+        vidx, vval, vd = nu.split_outliers(vb.astype(mx.float32).reshape(B, H, g, G * Dv), vo)
+        self._append_codes(t0, (kcodes, kscale, kbias), gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv)))
+        cap = self.v_codes.shape[2] // G  # per-group arrays follow the values' capacity
+        self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
+        for side, o, idx, val in (("k", self._n_out(D), kidx, kval), ("v", vo, vidx, vval)):
+            if o:
+                self._put_outliers(side, g0, idx, val, cap)
+        self.n_quant = t0 + n
+
+    def _encode_keys(self, kb, t0: int, g0: int, refit: bool):
+        """(codes [B, H, D, g * w], scales, biases [B, H, D, g], outlier indices, values [B, H, g, o]) of the key
+        rows ``kb`` at positions ``t0 ..`` (pre-RoPE if a RoPE is bound): per G-token block the outliers split off,
+        then per channel the group's range and the nearest non-uniform level, fitted first when ``refit``."""
+        G, b, L = self.group, self.qbits, 1 << self.qbits
+        B, H, n, D = kb.shape
+        g = n // G
         kpre = self._rope(kb.astype(mx.float32), t0, inverse=True)
-        kblk = kpre.reshape(B, H, g, G, D).swapaxes(-1, -2)
-        ko = self._n_out(D)
-        kidx, kval, kd = nu.split_outliers(kblk.reshape(B, H, g, D * G), ko)
+        kblk = kpre.reshape(B, H, g, G, D).swapaxes(-1, -2)  # [B, H, g, D, G]
+        kidx, kval, kd = nu.split_outliers(kblk.reshape(B, H, g, D * G), self._n_out(D))
         kd = kd.reshape(B, H, g, D, G).transpose(0, 1, 3, 2, 4)  # [B, H, D, g, G]
         lo = kd.min(axis=-1, keepdims=True)
         scale, bias = (kd.max(axis=-1, keepdims=True) - lo).astype(mx.float16), lo.astype(mx.float16)
         s32 = scale.astype(mx.float32)
         u = mx.clip((kd - bias.astype(mx.float32)) / mx.where(s32 > 0, s32, 1.0), 0.0, 1.0)
-        ri = self.config.options.refit_interval
-        if not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri):  # first block, or a refit is due
+        if refit:
             lv = nu.fit_levels(u.reshape(B, H, D, g * G), b, self.config.options.lloyd_iters).astype(mx.float16)
             nf = len(self.fit_starts)
             self.k_levels = grow_columns(self.k_levels, nf * L, lv, (nf + 1) * L)
@@ -111,16 +133,8 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
             self.fit_ends = self.fit_ends + [g0 + g]
         fit = len(self.fit_starts) - 1
         codes = nu.encode_levels(u, self.k_levels[..., fit * L : (fit + 1) * L][:, :, :, None, :])  # [B, H, D, g, G]
-        kq = (bitpack.pack_bits(codes, b).reshape(B, H, D, -1), scale.reshape(B, H, D, g), bias.reshape(B, H, D, g))
-        vo = self._n_out(Dv)  # values: the same split per block, then per-token uniform groups
-        vidx, vval, vd = nu.split_outliers(vb.astype(mx.float32).reshape(B, H, g, G * Dv), vo)
-        self._append_codes(t0, kq, gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv)))
-        cap = self.v_codes.shape[2] // G  # per-group arrays follow the values' capacity
-        self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
-        for side, o, idx, val in (("k", ko, kidx, kval), ("v", vo, vidx, vval)):
-            if o:
-                self._put_outliers(side, g0, idx, val, cap)
-        self.n_quant = t0 + n
+        return (bitpack.pack_bits(codes, b).reshape(B, H, D, -1), scale.reshape(B, H, D, g), bias.reshape(B, H, D, g),
+                kidx, kval)
 
     def _keys_t(self, n, dtype=mx.float32):
         G, b, w, L = self.group, self.qbits, self._key_words(), 1 << self.qbits
