@@ -1348,6 +1348,15 @@ def _kvquant(D, rope=None, **opts):
     return c
 
 
+def _by_entry(idx, val):
+    """Outlier indices and values ``[..., o]`` sorted by entry (the kernel's order; the op path's is
+    ``argpartition``'s)."""
+    if idx is None:
+        return idx, val
+    order = mx.argsort(idx.astype(mx.int32), axis=-1)
+    return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(val, order, axis=-1)
+
+
 def _kvquant_stand_ins(monkeypatch):
     """KVQuant's two prefill kernels stood in by the op path (counted: the rows asked, the chunks encoded), the
     encoding's outliers in entry order as the kernel writes them; first-use checks reset."""
@@ -1357,16 +1366,13 @@ def _kvquant_stand_ins(monkeypatch):
         asked.append((n, dtype))
         return c._keys_t(n).swapaxes(-1, -2).astype(dtype), c._values(n).astype(dtype)
 
-    def encode(c, kb, t0):
+    def encode(c, kb, vb, t0):
         encoded.append((t0, kb.shape[2]))
-        out = list(c._encode_keys(kb, t0, t0 // c.group, False))
-        if out[3] is not None:
-            order = mx.argsort(out[3].astype(mx.int32), axis=-1)
-            out[3], out[4] = (mx.take_along_axis(a, order, axis=-1) for a in out[3:])
-        return tuple(out)
+        keys, (vidx, vval, vd) = c._encode_keys(kb, t0, t0 // c.group, False), c._split_values(vb)
+        return (*keys[:3], *_by_entry(*keys[3:])), (*_by_entry(vidx, vval), vd)
 
     monkeypatch.setattr(kvquant_rows, "decode_rows", rows)
-    monkeypatch.setattr(kvquant_rows, "encode_keys", encode)
+    monkeypatch.setattr(kvquant_rows, "encode", encode)
     monkeypatch.setattr(_common, "_checked", set())
     monkeypatch.setattr(_common, "_disabled", set())
     return asked, encoded
@@ -1395,10 +1401,10 @@ def test_kvquant_prefill_plumbing_of_the_rows_kernel(monkeypatch):
         assert a.dtype == b.dtype == mx.bfloat16 and bool(mx.array_equal(a, b)), i
 
 
-def test_kvquant_plumbing_of_the_key_encode_kernel(monkeypatch):
-    """With the kernels on, a chunk's keys are coded by ``kvquant_rows.encode_keys`` (a stand-in computing the op
-    path from the cache and rows it is handed) except on the chunks that fit levels (the first; a refit): the
-    cache's arrays and the rows it returns equal those of a cache with the kernels off."""
+def test_kvquant_plumbing_of_the_encode_kernel(monkeypatch):
+    """With the kernels on, a chunk's rows are coded by ``kvquant_rows.encode`` (a stand-in computing the op path
+    from the cache and rows it is handed) except on the chunks that fit levels (the first; a refit): the cache's
+    arrays (outliers sorted by entry) and the rows it returns equal those of a cache with the kernels off."""
     from veloxquant_mlx.cache import kernels as kpkg
 
     _, encoded = _kvquant_stand_ins(monkeypatch)
@@ -1411,15 +1417,14 @@ def test_kvquant_plumbing_of_the_key_encode_kernel(monkeypatch):
         got = []
         for n in (40, 97, 64, 1, 50):
             got += c.update_and_fetch(_rows(rng, H, n, D, mx.float16), _rows(rng, H, n, D, mx.float16))
-        o = c._n_out(D)  # the keys' outliers of a group, sorted by entry (the op path's come in argpartition's order)
-        by_entry = mx.argsort(c.k_oidx.reshape(1, H, -1, o).astype(mx.int32), axis=-1)
-        c.k_oidx, c.k_oval = (mx.take_along_axis(a.reshape(1, H, -1, o), by_entry, axis=-1) for a in (c.k_oidx,
-                                                                                                       c.k_oval))
+        o = c._n_out(D)  # a group's outliers sorted by entry (the op path's come in argpartition's order)
+        c.k_oidx, c.k_oval = _by_entry(c.k_oidx.reshape(1, H, -1, o), c.k_oval.reshape(1, H, -1, o))
+        c.v_oidx, c.v_oval = _by_entry(c.v_oidx.reshape(1, H, -1, o), c.v_oval.reshape(1, H, -1, o))
         runs.append((got, [getattr(c, f) for f in c.array_fields], list(c.fit_starts)))
     # G = 16: fits at group 0 (the first chunk's 2 groups) and group 8 (the third chunk's 4, 8 groups on); the
     # second chunk's 6 groups (from token 32) and the last one's 3 (from token 192) by the kernel
     assert encoded == [(32, 96), (192, 48)] and runs[0][2] == runs[1][2] == [0, 8]
-    assert "kvquant_encode_keys" in _common._checked
+    assert "kvquant_encode" in _common._checked
     for i, (a, b) in enumerate(zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1])):
         assert (a is None) == (b is None) and (a is None or bool(mx.array_equal(a, b))), i
 
@@ -1429,31 +1434,28 @@ def test_kvquant_plumbing_of_the_key_encode_kernel(monkeypatch):
     (2, 64, 3, 32, 0.01, "rope", 64, 96, mx.float16), (8, 128, 3, 32, 0.01, "rope", 2048, 2048, mx.bfloat16),
     (3, 64, 2, 64, 0.02, "traditional", 128, 640, mx.float32), (4, 128, 4, 16, 0.0, None, 32, 160, mx.float16),
     (2, 96, 5, 32, 0.05, "partial", 4000, 256, mx.bfloat16), (1, 32, 8, 8, 0.1, "rope", 8, 64, mx.float16)])
-def test_kvquant_key_encode_kernel_equals_the_op_path(H, D, bits, group, frac, rope, t0, n, dtype):
-    """KVQuant's key codes of a chunk from the kernel and from the op path (levels fitted on a first chunk): the
-    outliers (the op path's sorted by entry) and their values equal, ranges equal, and codes equal but for an
-    entry at a level's boundary that the RoPE angle's float32 rounding moves (the op path sums the angle from
-    per-64-position tables) -- at most a thousandth of them."""
+def test_kvquant_encode_kernel_equals_the_op_path(H, D, bits, group, frac, rope, t0, n, dtype):
+    """KVQuant's codes of a chunk from the kernel and from the op path (levels fitted on a first chunk): keys' and
+    values' outliers (the op path's sorted by entry) and their values equal, ranges and the values' dense rows equal,
+    and key codes equal but for an entry at a level's boundary that the RoPE angle's float32 rounding moves (the op
+    path sums the angle from per-64-position tables) -- at most a thousandth of them."""
     ropes = {"rope": nn.RoPE(D, base=10000.0), "traditional": nn.RoPE(D, traditional=True, base=500000.0),
              "partial": nn.RoPE(D // 2, base=10000.0), None: None}
     c = _kvquant(D, ropes[rope], bits=bits, group_size=group, outlier_fraction=frac)
     rng = np.random.default_rng(n)
     c.update_and_fetch(_rows(rng, H, t0, D, dtype, 3.0), _rows(rng, H, t0, D, dtype))
-    assert c.n_quant == t0 and c.fit_starts == [0] and kvquant_rows.encode_supported(D, group, bits)
-    kb = _rows(rng, H, n, D, dtype, 3.0)
-    kb = mx.where(mx.abs(kb) > 8.0, 40.0 * kb, kb)  # a few large outliers
-    got = kvquant_rows.encode_keys(c, kb, t0)
-    want = list(c._encode_keys(kb, t0, t0 // group, False))
-    if frac:
-        order = mx.argsort(want[3].astype(mx.int32), axis=-1)
-        want[3], want[4] = (mx.take_along_axis(a, order, axis=-1) for a in want[3:])
-    else:
-        assert got[3] is None and want[3] is None
-    assert got[0].shape == want[0].shape and got[0].dtype == mx.uint32
+    assert c.n_quant == t0 and c.fit_starts == [0] and kvquant_rows.encode_supported(D, D, group, bits)
+    kb, vb = (_rows(rng, H, n, D, dtype, 3.0) for _ in range(2))
+    kb, vb = (mx.where(mx.abs(x) > 8.0, 40.0 * x, x) for x in (kb, vb))  # a few large outliers
+    (gk, gv) = kvquant_rows.encode(c, kb, vb, t0)
+    wk, wv = c._encode_keys(kb, t0, t0 // group, False), c._split_values(vb)
+    wk, wv = (*wk[:3], *_by_entry(*wk[3:])), (*_by_entry(*wv[:2]), wv[2])
+    assert (gk[3] is None) == (gv[0] is None) == (not frac)
+    assert gk[0].shape == wk[0].shape and gk[0].dtype == mx.uint32
     unpack = lambda w: unpack_bits(w.reshape(H, D, n // group, -1), bits, group)  # noqa: E731
-    assert float((unpack(got[0]) != unpack(want[0])).astype(mx.float32).mean()) <= 1e-3
+    assert float((unpack(gk[0]) != unpack(wk[0])).astype(mx.float32).mean()) <= 1e-3
     tol = 4 * (t0 + n) * 2.0**-23  # the angle's rounding, relative
-    for a, w in zip(got[1:], want[1:]):
+    for a, w in zip((*gk[1:], *gv), (*wk[1:], *wv)):
         if w is not None:
             assert a.shape == w.shape and a.dtype == w.dtype
             assert _rel(a.astype(mx.float32), w.astype(mx.float32)) <= tol

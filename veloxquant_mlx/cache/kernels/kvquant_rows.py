@@ -1,19 +1,28 @@
-"""Prefill kernel for KVQuant's layout: the first ``n`` quantized tokens as the dense keys and values a GPU prefill
-chunk's fused attention reads, in the model's dtype, one launch. The op path (``KVQuantKVCache._keys_t`` /
-``_values``) takes ~20 ops a layer and chunk over float32 copies of the past -- unpack, level gather, scale, outlier
-scatter, transposes, RoPE, sink rows, cast -- and on an H100 (llama-8b's layer, a 6144-token past) held 160 MB of
-transients per layer against the plain cache's 8 MB, which three layers in flight took above the plain cache's
-whole prefill peak (docs/RESULTS.md, session 37).
+"""Prefill kernels for KVQuant's layout (CUDA): a chunk's rows to codes, and the stored past back to the dense rows
+the chunk's fused attention reads, one launch each. The op path (``KVQuantKVCache._encode_keys`` / ``_split_values``
+and ``_keys_t`` / ``_values``) takes ~60 ops a layer and chunk over float32 copies -- RoPE undone and redone,
+``argpartition`` outlier splits, ranges, level compares, bit streams, gathers, scatters, transposes, casts. H100,
+llama-8b's layer, a 2048-row chunk over a 6144-row past (session 37): the op path held 572 MB of transients a
+layer-chunk against the plain cache's 8 MB, which the layers in flight took to 1.15x the plain cache's whole
+prefill peak (docs/RESULTS.md).
 
-A block takes ``TT`` tokens of one (batch row, KV head) into a shared ``[TT, D]`` tile: keys are decoded channel by
-channel (a channel's codes are one bit stream per group: ``bitpack`` order, codes may straddle words), each code
-read as its channel's non-uniform level of the group's fit, times the group's range plus its minimum; then the
-outliers of the tile's groups are written into the tile (the block's own list, ``D*G`` entries a group, index
-``d*G + t``), then every row is RoPE-rotated at its position (the angle ``t * omega`` in float32, as
-``mx.fast.rope``; the op path sums it from per-64-position tables: they differ by float32 rounding of the angle)
-and written out, sink rows replaced by their stored rows. Values: each token's codes (KIVI's per-token groups),
-their outliers (index ``t*Dv + c``), the sinks. Tested against the op path (``tests/test_decode_kernels.py``) and
-checked once per process at first use (``kernels.checked_call``).
+``decode_rows``: a block takes ``TT`` tokens of one (batch row, KV head) into a shared ``[TT, D]`` tile: keys are
+decoded channel by channel (a channel's codes are one bit stream per group: ``bitpack`` order, codes may straddle
+words), each code read as its channel's non-uniform level of the group's fit, times the group's range plus its
+minimum; then the outliers of the tile's groups are written into the tile (index ``d*G + t`` of their block), then
+every row is RoPE-rotated at its position (the angle ``t * omega`` in float32, as ``mx.fast.rope``; the op path sums
+it from per-64-position tables: they differ by the angle's float32 rounding) and written out, sink rows replaced by
+their stored rows. Values: each token's codes (KIVI's per-token groups), their outliers (index ``t*Dv + c``), sinks.
+
+``encode``: a block per (G-token group, batch row, KV head), a thread per key channel: the keys' RoPE undone, the
+block's outliers split (``vq_split``: the O-th largest |x| found by a bitwise search over its float bits, ties taken
+in entry order; written in entry order, where ``argpartition``'s order is arbitrary), each channel's range and its
+codes against the current fit's levels, packed; then the values' block split the same way (a thread per token),
+their dense rows out to the per-token quantizer (``groupquant.quantize``, as on the op path). A chunk that fits
+levels (the first; a refit) stays on the op path. CUDA only (``kernels_enabled``): no Metal build.
+
+Both are tested against the op path (``tests/test_decode_kernels.py``) and checked once per process at first use
+(``kernels.checked_call`` / ``checked_encode``).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import mlx.core as mx
 from ._common import checked_call, checked_encode, relative_error
 from ._compile import Kernel
 
-__all__ = ["decode_rows", "encode_keys", "supported", "encode_supported"]
+__all__ = ["decode_rows", "encode", "supported", "encode_supported"]
 
 TILE = 32  # tokens per block
 THREADS = 128
@@ -142,14 +151,89 @@ def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
                          grid=(THREADS * -(-n // TILE), B * H, 1), threads=(THREADS, 1, 1)))
 
 
+# The dense-and-sparse split of one block of a shared tile, in a device function: the O largest |x| of the block
+# (the O-th largest's bits found by a bitwise search, then those above it and, in entry order, as many equal to it
+# as make O) written out in entry order and replaced in the tile by the inliers' midrange. Each thread owns the
+# NE entries x(j) = tile[j * SE + own * SO] (j = 0 .. NE-1) of entry index own * NE + j, or none (``owns``
+# false): keys own a channel's G tokens, values a token's Dv channels.
+_SPLIT_PRELUDE = r"""
+template <int O>
+__device__ void vq_split(float* tile, bool owns, int own, int NE, int SE, int SO, int* si, int* sj, float* rf,
+                         unsigned short* oi, vq_f16* ov) {
+  const int nt = blockDim.x, nw = nt / 32, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* x = tile + own * SO;
+  const int ne = owns ? NE : 0;
+  unsigned int thr = 0;
+  for (int bit = 30; bit >= 0; --bit) {
+    const unsigned int cand = thr | (1u << bit);
+    int cnt = 0;
+    for (int j = 0; j < ne; ++j) cnt += __float_as_uint(fabsf(x[j * SE])) >= cand;
+    for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+    if (lane == 0) si[warp] = cnt;
+    __syncthreads();
+    int total = 0;
+    for (int w = 0; w < nw; ++w) total += si[w];
+    __syncthreads();
+    if (total >= O) thr = cand;
+  }
+  int gt = 0, eq = 0;
+  for (int j = 0; j < ne; ++j) {
+    const unsigned int u = __float_as_uint(fabsf(x[j * SE]));
+    gt += u > thr;
+    eq += u == thr;
+  }
+  si[tid] = gt;
+  sj[tid] = eq;
+  __syncthreads();
+  int gt_all = 0, eq_before = 0;
+  for (int k = 0; k < nt; ++k) { gt_all += si[k]; eq_before += k < tid ? sj[k] : 0; }
+  const int ties = O - gt_all;  // entries equal to the O-th largest that are taken, the first in entry order
+  const int take = gt + min(max(ties - eq_before, 0), eq);
+  __syncthreads();
+  si[tid] = take;
+  __syncthreads();
+  int k = 0;
+  for (int i = 0; i < tid; ++i) k += si[i];
+  int seen = eq_before;
+  for (int j = 0; j < ne; ++j) {  // taken entries out, marked in the tile by a NaN
+    const float v = x[j * SE];
+    const unsigned int u = __float_as_uint(fabsf(v));
+    const bool tie = u == thr;
+    if (u > thr || (tie && seen < ties)) {
+      oi[k] = (unsigned short)(own * NE + j);
+      vq_store(ov + k++, v);
+      x[j * SE] = __int_as_float(0x7fc00000);
+    }
+    seen += tie;
+  }
+  float hi = -VQ_INF, lo = VQ_INF;
+  for (int j = 0; j < ne; ++j) {
+    const float v = x[j * SE];
+    if (v == v) { hi = fmaxf(hi, v); lo = fminf(lo, v); }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+  }
+  if (lane == 0) { rf[warp] = hi; rf[nw + warp] = lo; }
+  __syncthreads();
+  for (int w = 0; w < nw; ++w) { hi = fmaxf(hi, rf[w]); lo = fminf(lo, rf[nw + w]); }
+  __syncthreads();
+  const float mid = 0.5f * (hi + lo);
+  for (int j = 0; j < ne; ++j) if (x[j * SE] != x[j * SE]) x[j * SE] = mid;
+  __syncthreads();
+}
+"""
+
 _ENCODE_SOURCE = r"""
-  // one block per (group g of the chunk, bh): G tokens x D channels, a thread per channel
+  // one block per (group g of the chunk, bh): its G rows of keys, then of values; a thread per key channel
   const int g = VQ_BLOCK_X, bh = VQ_BLOCK_Y, ng = VQ_GRID_X, c = VQ_TID;
-  constexpr int L = 1 << KB, NW = D / 32;
-  VQ_SHARED float xs[G][D + 1];
+  constexpr int L = 1 << KB;
+  VQ_SHARED float xs[G][DM + 1];
   VQ_SHARED int si[D], sj[D];
-  VQ_SHARED float rf[2 * NW];
-  for (int t = 0; t < G; ++t) xs[t][c] = VQ_F(x[((size_t)bh * n + (size_t)g * G + t) * D + c]);
+  VQ_SHARED float rf[D / 16];
+  const size_t r0 = (size_t)bh * n + (size_t)g * G;  // the group's first row
+  for (int t = 0; t < G; ++t) xs[t][c] = VQ_F(x[(r0 + t) * D + c]);
   if (ROPE > 0) {  // back to pre-RoPE: rotation by -t * omega
     VQ_SYNC();
     for (int i = c; i < G * (RD / 2); i += D) {
@@ -163,75 +247,15 @@ _ENCODE_SOURCE = r"""
     }
   }
   VQ_SYNC();
-  // the O largest |x| of the block (entry c * G + t): the O-th largest's bits by a bitwise search, then those above
-  // it and, in entry order, as many equal to it as make O
-  unsigned int thr = 0xffffffffu;
-  int take = 0, before = 0;
-  if (O > 0) {
-    thr = 0;
-    for (int bit = 30; bit >= 0; --bit) {
-      const unsigned int cand = thr | (1u << bit);
-      int cnt = 0;
-      for (int t = 0; t < G; ++t) cnt += __float_as_uint(fabsf(xs[t][c])) >= cand;
-      for (int o = 16; o > 0; o >>= 1) cnt += VQ_SHFL_XOR(cnt, o);
-      if (VQ_LANE == 0) si[VQ_WARP] = cnt;
-      VQ_SYNC();
-      int total = 0;
-      for (int w = 0; w < NW; ++w) total += si[w];
-      VQ_SYNC();
-      if (total >= O) thr = cand;
-    }
-    int gt = 0, eq = 0;
-    for (int t = 0; t < G; ++t) {
-      const unsigned int u = __float_as_uint(fabsf(xs[t][c]));
-      gt += u > thr;
-      eq += u == thr;
-    }
-    si[c] = gt;
-    sj[c] = eq;
-    VQ_SYNC();
-    int gt_all = 0, eq_before = 0;
-    for (int k = 0; k < D; ++k) { gt_all += si[k]; eq_before += k < c ? sj[k] : 0; }
-    const int ties = O - gt_all;  // equal entries taken, the first in entry order
-    take = gt + min(max(ties - eq_before, 0), eq);
-    VQ_SYNC();
-    si[c] = take;
-    VQ_SYNC();
-    for (int k = 0; k < c; ++k) before += si[k];
-    // entries taken: write them out in entry order, marked by a NaN in the tile
-    int k = before, e_seen = eq_before;
-    for (int t = 0; t < G; ++t) {
-      const float v = xs[t][c];
-      const unsigned int u = __float_as_uint(fabsf(v));
-      const bool tie = u == thr;
-      if (u > thr || (tie && e_seen < ties)) {
-        const size_t o = ((size_t)bh * ng + g) * O + k++;
-        oi[o] = (unsigned short)(c * G + t);
-        vq_store(ovl + o, v);
-        xs[t][c] = __int_as_float(0x7fc00000);
-      }
-      e_seen += tie;
-    }
-    // the inliers' range over the block: outliers become its midrange
-    float hi = -VQ_INF, lo = VQ_INF;
-    for (int t = 0; t < G; ++t) {
-      const float v = xs[t][c];
-      if (v == v) { hi = fmaxf(hi, v); lo = fminf(lo, v); }
-    }
-    for (int o = 16; o > 0; o >>= 1) { hi = fmaxf(hi, VQ_SHFL_XOR(hi, o)); lo = fminf(lo, VQ_SHFL_XOR(lo, o)); }
-    if (VQ_LANE == 0) { rf[VQ_WARP] = hi; rf[NW + VQ_WARP] = lo; }
-    VQ_SYNC();
-    for (int w = 0; w < NW; ++w) { hi = fmaxf(hi, rf[w]); lo = fminf(lo, rf[NW + w]); }
-    const float mid = 0.5f * (hi + lo);
-    for (int t = 0; t < G; ++t) if (xs[t][c] != xs[t][c]) xs[t][c] = mid;
-  }
+  const size_t ko = ((size_t)bh * ng + g) * (OK > 0 ? OK : 1);
+  if (OK > 0) vq_split<OK>(&xs[0][0], true, c, G, DM + 1, 1, si, sj, rf, koi + ko, kov + ko);
   // the channel's range over the group, its codes: the nearest of the fit's levels, packed as a bit stream
   float hi = -VQ_INF, lo = VQ_INF;
   for (int t = 0; t < G; ++t) { hi = fmaxf(hi, xs[t][c]); lo = fminf(lo, xs[t][c]); }
   const size_t row = (size_t)bh * D + c, gi = row * ng + g;
-  vq_store(osc + gi, hi - lo);
-  vq_store(obi + gi, lo);
-  const float s32 = VQ_F(osc[gi]), b32 = VQ_F(obi[gi]);
+  vq_store(ksc + gi, hi - lo);
+  vq_store(kbi + gi, lo);
+  const float s32 = VQ_F(ksc[gi]), b32 = VQ_F(kbi[gi]);
   const float div = s32 > 0.0f ? s32 : 1.0f;
   float bnd[L - 1];
   for (int l = 0; l < L - 1; ++l)
@@ -246,53 +270,75 @@ _ENCODE_SOURCE = r"""
     words[w] |= code << sh;
     if (sh + KB > 32) words[w + 1] |= code >> (32 - sh);
   }
-  for (int w = 0; w < WK; ++w) oc[gi * WK + w] = words[w];
+  for (int w = 0; w < WK; ++w) kc[gi * WK + w] = words[w];
+  // values: the block's split (a thread per token row), then the dense rows out for the per-token quantizer
+  VQ_SYNC();
+  for (int i = c; i < G * DV; i += D) xs[i / DV][i % DV] = VQ_F(v[(r0 + i / DV) * DV + i % DV]);
+  VQ_SYNC();
+  const size_t vo = ((size_t)bh * ng + g) * (OV > 0 ? OV : 1);
+  if (OV > 0) vq_split<OV>(&xs[0][0], c < G, c, DV, 1, DM + 1, si, sj, rf, voi + vo, vov + vo);
+  for (int i = c; i < G * DV; i += D) vd[(r0 + i / DV) * DV + i % DV] = xs[i / DV][i % DV];
 """
 
-_ENCODE = Kernel("vq_kvquant_encode_keys", ["x", "lv", "om"], ["oc", "osc", "obi", "oi", "ovl"],
-                 [("n", "int"), ("t0", "int"), ("fit", "int"), ("LC", "int")], _ENCODE_SOURCE)
+_ENCODE = Kernel("vq_kvquant_encode", ["x", "v", "lv", "om"], ["kc", "ksc", "kbi", "koi", "kov", "voi", "vov", "vd"],
+                 [("n", "int"), ("t0", "int"), ("fit", "int"), ("LC", "int")], _ENCODE_SOURCE,
+                 prelude=_SPLIT_PRELUDE)
 
 
 @functools.cache
-def encode_supported(d: int, group: int, bits: int) -> bool:
-    """A thread per channel in whole warps, the group's tile within 40 KB of shared memory, outlier indices of the
-    block in 16 bits."""
-    return d % 32 == 0 and 32 <= d <= 1024 and 4 * group * (d + 1) <= 40 * 1024 and d * group <= 65536 and bits <= 8
+def encode_supported(d: int, dv: int, group: int, bits: int) -> bool:
+    """A thread per key channel in whole warps and at least one per token of a group, the group's tile within 40 KB
+    of shared memory, outlier indices of a block in 16 bits."""
+    return (d % 32 == 0 and 32 <= d <= 1024 and group <= d and 4 * group * (max(d, dv) + 1) <= 40 * 1024
+            and max(d, dv) * group <= 65536 and bits <= 8)
 
 
-def encode_keys(c, kb: mx.array, t0: int):
-    """KVQuant cache ``c``'s key codes of the rows ``kb [B, H, n, D]`` (n a multiple of G) at positions ``t0 ..``
-    with its current fit's levels: ``(codes [B, H, D, g * w], scales, biases [B, H, D, g] float16, outlier indices
-    [B, H, g, o] uint16, values [B, H, g, o] float16)`` -- what the op path of ``_append_groups`` makes (its outliers
-    in entry order; the op path's in ``argpartition``'s)."""
+def encode(c, kb: mx.array, vb: mx.array, t0: int):
+    """KVQuant cache ``c``'s codes of the rows ``kb``/``vb [B, H, n, D]`` (n a multiple of G) at positions
+    ``t0 ..`` with its current fit's levels: the keys' ``(codes [B, H, D, g * w], scales, biases [B, H, D, g]
+    float16, outlier indices, values [B, H, g, o])``, the values' outlier ``(indices, values)`` and their dense rows
+    (float32, outliers at the block's midrange) for the per-token quantizer -- the op path's arrays, outliers in
+    entry order (the op path's in ``argpartition``'s); ``None`` for outliers of a side with none."""
     B, H, n, D = kb.shape
-    G, b = c.group, c.qbits
-    g, o, wk = n // G, c._n_out(D), (G * b + 31) // 32
+    dv, G, b = vb.shape[-1], c.group, c.qbits
+    g, ok_, ov_, wk = n // G, c._n_out(D), c._n_out(dv), (G * b + 31) // 32
     spec = c.rope
     rope = 0 if spec is None else (2 if spec["traditional"] else 1)
     om = c._rope_omega() if rope else mx.zeros((1,), dtype=mx.float32)
-    consts = (("D", D), ("G", G), ("KB", b), ("WK", wk), ("O", o), ("ROPE", rope), ("RD", spec["dims"] if rope else 0))
-    codes, sc, bi, idx, val = _ENCODE(
-        [kb, c.k_levels, om], [n, t0, len(c.fit_starts) - 1, c.k_levels.shape[-1]], consts,
-        [(B, H, D, g * wk), (B, H, D, g), (B, H, D, g), (B, H, g, max(o, 1)), (B, H, g, max(o, 1))],
-        [mx.uint32, mx.float16, mx.float16, mx.uint16, mx.float16], grid=(D * g, B * H, 1), threads=(D, 1, 1))
-    return codes, sc, bi, (idx if o else None), (val if o else None)
+    consts = (("D", D), ("DV", dv), ("DM", max(D, dv)), ("G", G), ("KB", b), ("WK", wk), ("OK", ok_), ("OV", ov_),
+              ("ROPE", rope), ("RD", spec["dims"] if rope else 0))
+    out = _ENCODE([kb, vb, c.k_levels, om], [n, t0, len(c.fit_starts) - 1, c.k_levels.shape[-1]], consts,
+                  [(B, H, D, g * wk), (B, H, D, g), (B, H, D, g), (B, H, g, max(ok_, 1)), (B, H, g, max(ok_, 1)),
+                   (B, H, g, max(ov_, 1)), (B, H, g, max(ov_, 1)), (B, H, n, dv)],
+                  [mx.uint32, mx.float16, mx.float16, mx.uint16, mx.float16, mx.uint16, mx.float16, mx.float32],
+                  grid=(D * g, B * H, 1), threads=(D, 1, 1))
+    keys, values = list(out[:5]), list(out[5:])
+    if not ok_:
+        keys[3] = keys[4] = None
+    if not ov_:
+        values[0] = values[1] = None
+    return tuple(keys), tuple(values)
 
 
-def checked_encode_keys(c, kb: mx.array, t0: int, op_fn):
-    """:func:`encode_keys`, checked once per process against ``op_fn()`` (the op path's arrays, outliers sorted by
-    entry): the largest of the codes' fraction differing (a rounding at a level's boundary now and then) and the
+def checked_encode_rows(c, kb: mx.array, vb: mx.array, t0: int, op_fn):
+    """:func:`encode`, checked once per process against ``op_fn()`` (the op path's arrays, outliers sorted by entry
+    here): the largest of the key codes' fraction differing (a rounding at a level's boundary now and then) and the
     other arrays' relative errors."""
 
-    def error(got, want):
-        got, want = list(got), list(want)
-        if want[3] is not None:
-            order = mx.argsort(want[3].astype(mx.int32), axis=-1)
-            want[3], want[4] = (mx.take_along_axis(a, order, axis=-1) for a in want[3:])
-        codes = float((got[0] != want[0]).astype(mx.float32).mean())
-        return max([codes] + [relative_error(a, w) for a, w in zip(got[1:], want[1:]) if w is not None])
+    def by_entry(idx, val):
+        if idx is None:
+            return idx, val
+        order = mx.argsort(idx.astype(mx.int32), axis=-1)
+        return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(val, order, axis=-1)
 
-    return checked_encode("kvquant_encode_keys", lambda: encode_keys(c, kb, t0), op_fn, error)
+    def error(got, want):
+        (gk, gv), (wk, wv) = got, want
+        wk, wv = (*wk[:3], *by_entry(*wk[3:])), (*by_entry(*wv[:2]), wv[2])
+        codes = float((gk[0] != wk[0]).astype(mx.float32).mean())
+        pairs = [(a, w) for a, w in zip((*gk[1:], *gv), (*wk[1:], *wv)) if w is not None]
+        return max([codes] + [relative_error(a, w) for a, w in pairs])
+
+    return checked_encode("kvquant_encode", lambda: encode(c, kb, vb, t0), op_fn, error)
 
 
 def checked_decode(c, n: int, dtype, op_fn):

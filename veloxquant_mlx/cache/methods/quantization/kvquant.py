@@ -23,6 +23,9 @@ Deviations from the paper:
 * Sink tokens are stored float16 *in addition to* their codes; the newest < G tokens stay float16 (the paper
   quantizes every token on arrival).
 * Trim: KIVI's rule; a trim into the block a level fit was made from raises ``ValueError``.
+
+On CUDA a chunk's codes (but a fitting chunk's) and the stored past's dense rows come from one launch each
+(``kernels.kvquant_rows``; the stored outliers then in entry order, the same set).
 """
 
 from __future__ import annotations
@@ -94,21 +97,28 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
             self.sink_k, self.sink_v = (mx.contiguous(x[:, :, : self.n_sink].astype(RES_DTYPE)) for x in (kb, vb))
         ri = self.config.options.refit_interval
         refit = not self.fit_starts or (ri and g0 - self.fit_starts[-1] >= ri)  # first block, or a refit is due
-        if refit or not kernels.kernels_enabled() or not kvquant_rows.encode_supported(D, G, b):
-            kcodes, kscale, kbias, kidx, kval = self._encode_keys(kb, t0, g0, refit)
+        if refit or not kernels.kernels_enabled() or not kvquant_rows.encode_supported(D, Dv, G, b):
+            keys, (vidx, vval, vd) = self._encode_keys(kb, t0, g0, refit), self._split_values(vb)
         else:  # on CUDA, one launch (``kernels.kvquant_rows``)
-            kcodes, kscale, kbias, kidx, kval = kvquant_rows.checked_encode_keys(
-                self, kb, t0, lambda: self._encode_keys(kb, t0, g0, False))
+            keys, (vidx, vval, vd) = kvquant_rows.checked_encode_rows(
+                self, kb, vb, t0, lambda: (self._encode_keys(kb, t0, g0, False), self._split_values(vb)))
+        kcodes, kscale, kbias, kidx, kval = keys
         fit = len(self.fit_starts) - 1
-        vo = self._n_out(Dv)  # values: the same split per block, then per-token uniform groups
-        vidx, vval, vd = nu.split_outliers(vb.astype(mx.float32).reshape(B, H, g, G * Dv), vo)
-        self._append_codes(t0, (kcodes, kscale, kbias), gq.quantize(vd.reshape(B, H, n, Dv), b, self.value_group(Dv)))
+        self._append_codes(t0, (kcodes, kscale, kbias), gq.quantize(vd, b, self.value_group(Dv)))
         cap = self.v_codes.shape[2] // G  # per-group arrays follow the values' capacity
         self.k_fit = grow_columns(self.k_fit, g0, mx.full((g,), fit, dtype=mx.int32), cap)
-        for side, o, idx, val in (("k", self._n_out(D), kidx, kval), ("v", vo, vidx, vval)):
+        for side, o, idx, val in (("k", self._n_out(D), kidx, kval), ("v", self._n_out(Dv), vidx, vval)):
             if o:
                 self._put_outliers(side, g0, idx, val, cap)
         self.n_quant = t0 + n
+
+    def _split_values(self, vb):
+        """(outlier indices, values [B, H, g, o], dense rows [B, H, n, Dv] float32) of the value rows ``vb``: per
+        G-token block the outliers split off, the per-token quantizer's input."""
+        B, H, n, Dv = vb.shape
+        vidx, vval, vd = nu.split_outliers(vb.astype(mx.float32).reshape(B, H, n // self.group, self.group * Dv),
+                                           self._n_out(Dv))
+        return vidx, vval, vd.reshape(B, H, n, Dv)
 
     def _encode_keys(self, kb, t0: int, g0: int, refit: bool):
         """(codes [B, H, D, g * w], scales, biases [B, H, D, g], outlier indices, values [B, H, g, o]) of the key
