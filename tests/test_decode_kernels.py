@@ -1401,6 +1401,39 @@ def test_kvquant_prefill_plumbing_of_the_rows_kernel(monkeypatch):
         assert a.dtype == b.dtype == mx.bfloat16 and bool(mx.array_equal(a, b)), i
 
 
+def test_kvquant_decode_step_on_cuda_attends_over_the_returned_rows(monkeypatch):
+    """With the kernels on, a decode step attends over the dense rows ``update_and_fetch`` returned (the rows
+    kernel's, stood in by the op path): the same attention as the op path's over the codes, to float32 rounding."""
+    from veloxquant_mlx.cache import kernels as kpkg
+
+    from veloxquant_mlx.cache.methods.quantization.kvquant import KVQuantKVCache
+
+    asked, _ = _kvquant_stand_ins(monkeypatch)
+    decoded = []  # the steps' key decodings, whoever asks
+    keys_t = KVQuantKVCache._keys_t
+    monkeypatch.setattr(KVQuantKVCache, "_keys_t", lambda c, n, *a: decoded.append(n) or keys_t(c, n, *a))
+    H, R, D = 2, 3, 64
+    dispatch.install()
+    outs, counts = [], []
+    for on in (True, False):
+        decoded.clear()
+        monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
+        c = _kvquant(D, nn.RoPE(D, base=10000.0), bits=3, group_size=32, n_sink=1)
+        rng = np.random.default_rng(8)
+        c.update_and_fetch(_rows(rng, H, 100, D), _rows(rng, H, 100, D))
+        got = []
+        for _ in range(3):
+            K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+            got.append(dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D), K, V, cache=c, scale=D**-0.5, mask=None))
+        outs.append(got)
+        counts.append(len(decoded))
+    # the three steps' rows came from the rows kernel's entry point (plus the op path once: its first-use check),
+    # and the attention decoded no keys again (the op path decodes them for the returned rows and for its attention)
+    assert len(asked) == 3 and counts == [4, 6]
+    for a, b in zip(*outs):
+        assert a.shape == (1, H * R, 1, D) and _rel(a, b) < 1e-5
+
+
 def test_kvquant_plumbing_of_the_encode_kernel(monkeypatch):
     """With the kernels on, a chunk's rows are coded by ``kvquant_rows.encode`` (a stand-in computing the op path
     from the cache and rows it is handed) except on the chunks that fit levels (the first; a refit): the cache's
