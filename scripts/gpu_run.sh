@@ -105,11 +105,11 @@ for cmd in "$@"; do
     timeout 100 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,vecinfer 2>&1 | grep -v Warn ;;
   kvqcost) # where KVQuant's later prefill chunks go (store / fetch / past rows / whole chunk vs plain), llama-8b's layer
     timeout 200 python3 scripts/prefill_chunk_cost.py --method kvquant --context 2048,6144 > $OUT/kvqcost.txt 2>&1; grep -v Warn $OUT/kvqcost.txt ;;
-  kvqk) # KVQuant's rows kernel: its tests, a layer-chunk's parts, and its prefill time and peak with the kernel and without
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode_kernels.py tests/test_prefill_memory.py -k "kvquant" > $OUT/kvqk.txt 2>&1; tail -4 $OUT/kvqk.txt
-    timeout 200 python3 scripts/prefill_chunk_cost.py --method kvquant --context 2048,6144 2>&1 | grep -v Warn
-    for v in 1 0; do echo "== VELOXQUANT_DECODE_KERNELS=$v"; VELOXQUANT_DECODE_KERNELS=$v timeout 150 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,kvquant 2>&1 | grep -v Warn
-      VELOXQUANT_DECODE_KERNELS=$v timeout 100 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --warm --methods none,kvquant 2>&1 | grep -v Warn; done ;;
+  kvqk) # KVQuant's prefill kernels: their tests, a layer-chunk's parts, and its prefill time and peak with the kernels and without
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode_kernels.py -k "kvquant" > $OUT/kvqk.txt 2>&1; grep -E "^E |passed|failed" $OUT/kvqk.txt | head -20
+    timeout 60 python3 scripts/prefill_chunk_cost.py --method kvquant --context 2048,6144 2>&1 | grep -v Warn
+    for v in 1 0; do echo "== VELOXQUANT_DECODE_KERNELS=$v"; VELOXQUANT_DECODE_KERNELS=$v timeout 80 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,kvquant,none,kvquant 2>&1 | grep -v Warn
+      VELOXQUANT_DECODE_KERNELS=$v timeout 60 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --warm --methods none,kvquant 2>&1 | grep -v Warn; done ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under 540 s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do

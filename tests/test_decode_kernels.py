@@ -1378,29 +1378,6 @@ def _kvquant_stand_ins(monkeypatch):
     return asked, encoded
 
 
-def test_kvquant_prefill_plumbing_of_the_rows_kernel(monkeypatch):
-    """With the kernels on, a chunk's dense past comes from ``kvquant_rows.decode_rows`` (a stand-in computing the
-    op path from the cache it is handed, in the dtype it is asked for): the rows ``update_and_fetch`` returns equal
-    those of a cache with the kernels off (the chunks' pasts and a decode step's, each asked in the rows' dtype)."""
-    from veloxquant_mlx.cache import kernels as kpkg
-
-    asked, _ = _kvquant_stand_ins(monkeypatch)
-    H, D = 2, 64
-    runs = []
-    for on in (True, False):
-        monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
-        c = _kvquant(D, nn.RoPE(D, base=10000.0), bits=3, group_size=32, n_sink=2)
-        rng = np.random.default_rng(4)
-        got = []
-        for n in (40, 97, 64, 1):
-            got += c.update_and_fetch(_rows(rng, H, n, D, mx.bfloat16), _rows(rng, H, n, D, mx.bfloat16))
-        runs.append(got)
-    assert [n for n, _ in asked] == [32, 128, 192] and {d for _, d in asked} == {mx.bfloat16}
-    assert "kvquant_rows" in _common._checked  # the first-use check passed against the op path
-    for i, (a, b) in enumerate(zip(*runs)):
-        assert a.dtype == b.dtype == mx.bfloat16 and bool(mx.array_equal(a, b)), i
-
-
 def test_kvquant_decode_step_on_cuda_attends_over_the_returned_rows(monkeypatch):
     """With the kernels on, a decode step attends over the dense rows ``update_and_fetch`` returned (the rows
     kernel's, stood in by the op path): the same attention as the op path's over the codes, to float32 rounding."""
@@ -1434,22 +1411,23 @@ def test_kvquant_decode_step_on_cuda_attends_over_the_returned_rows(monkeypatch)
         assert a.shape == (1, H * R, 1, D) and _rel(a, b) < 1e-5
 
 
-def test_kvquant_plumbing_of_the_encode_kernel(monkeypatch):
-    """With the kernels on, a chunk's rows are coded by ``kvquant_rows.encode`` (a stand-in computing the op path
-    from the cache and rows it is handed) except on the chunks that fit levels (the first; a refit): the cache's
-    arrays (outliers sorted by entry) and the rows it returns equal those of a cache with the kernels off."""
+def test_kvquant_prefill_plumbing_of_the_kernels(monkeypatch):
+    """With the kernels on, a chunk's rows are coded by ``kvquant_rows.encode`` except on the chunks that fit levels
+    (the first; a refit), and its dense past comes from ``kvquant_rows.decode_rows`` in the rows' dtype (stand-ins
+    computing the op path from the cache they are handed): the cache's arrays (outliers sorted by entry) and the rows
+    it returns equal those of a cache with the kernels off."""
     from veloxquant_mlx.cache import kernels as kpkg
 
-    _, encoded = _kvquant_stand_ins(monkeypatch)
+    asked, encoded = _kvquant_stand_ins(monkeypatch)
     H, D = 2, 64
     runs = []
     for on in (True, False):
         monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
-        c = _kvquant(D, nn.RoPE(D, base=10000.0), bits=3, group_size=16, refit_interval=8)
+        c = _kvquant(D, nn.RoPE(D, base=10000.0), bits=3, group_size=16, refit_interval=8, n_sink=2)
         rng = np.random.default_rng(6)
         got = []
         for n in (40, 97, 64, 1, 50):
-            got += c.update_and_fetch(_rows(rng, H, n, D, mx.float16), _rows(rng, H, n, D, mx.float16))
+            got += c.update_and_fetch(_rows(rng, H, n, D, mx.bfloat16), _rows(rng, H, n, D, mx.bfloat16))
         o = c._n_out(D)  # a group's outliers sorted by entry (the op path's come in argpartition's order)
         c.k_oidx, c.k_oval = _by_entry(c.k_oidx.reshape(1, H, -1, o), c.k_oval.reshape(1, H, -1, o))
         c.v_oidx, c.v_oval = _by_entry(c.v_oidx.reshape(1, H, -1, o), c.v_oval.reshape(1, H, -1, o))
@@ -1457,7 +1435,8 @@ def test_kvquant_plumbing_of_the_encode_kernel(monkeypatch):
     # G = 16: fits at group 0 (the first chunk's 2 groups) and group 8 (the third chunk's 4, 8 groups on); the
     # second chunk's 6 groups (from token 32) and the last one's 3 (from token 192) by the kernel
     assert encoded == [(32, 96), (192, 48)] and runs[0][2] == runs[1][2] == [0, 8]
-    assert "kvquant_encode" in _common._checked
+    assert [n for n, _ in asked] == [32, 128, 192, 192] and {d for _, d in asked} == {mx.bfloat16}
+    assert {"kvquant_encode", "kvquant_rows"} <= _common._checked  # first-use checks passed against the op path
     for i, (a, b) in enumerate(zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1])):
         assert (a is None) == (b is None) and (a is None or bool(mx.array_equal(a, b))), i
 
