@@ -124,6 +124,15 @@ def supported(d: int, dv: int, value_group: int) -> bool:
     return max(d, dv) + 1 <= SHARED_FLOATS // TILE and dv % value_group == 0
 
 
+def _rope_args(c):
+    """(kind: 0 none, 1 halves, 2 interleaved pairs; rotated dims; angle per position of each pair) of the RoPE the
+    cache ``c`` undoes on its keys."""
+    spec = c.rope
+    if spec is None:
+        return 0, 0, mx.zeros((1,), dtype=mx.float32)
+    return (2 if spec["traditional"] else 1), spec["dims"], c._rope_omega()
+
+
 def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
     """Dense (keys, values) ``[B, H, n, D]`` of KVQuant cache ``c``'s first ``n`` quantized tokens in ``dtype``:
     post-RoPE keys (if a RoPE is bound), outliers and sink rows in place -- the op path's rows."""
@@ -137,12 +146,10 @@ def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
     voi, vov = (c.v_oidx, c.v_oval) if ov_ else (no_idx, none)
     ns = c.n_sink if c.n_sink and c.sink_k is not None else 0
     sk, sv = (c.sink_k, c.sink_v) if ns else (none, none)
-    spec = c.rope
-    rope = 0 if spec is None else (2 if spec["traditional"] else 1)
-    om = c._rope_omega() if rope else mx.zeros((1,), dtype=mx.float32)
+    rope, rd, om = _rope_args(c)
     consts = (("D", D), ("DV", dv), ("DM", max(D, dv)), ("KB", b), ("G", G), ("WK", (G * b + 31) // 32),
               ("GV", gv), ("WV", (gv * b + 31) // 32), ("OK", ok_), ("OV", ov_), ("NS", ns), ("ROPE", rope),
-              ("RD", spec["dims"] if rope else 0), ("TT", TILE))
+              ("RD", rd), ("TT", TILE))
     arrays = [c.k_codes, c.k_scales, c.k_biases, c.k_levels, c.k_fit, koi, kov, c.v_codes, c.v_scales, c.v_biases,
               voi, vov, om, sk, sv]
     scalars = [n, CK, c.k_scales.shape[-1], c.k_levels.shape[-1], koi.shape[-1], c.v_codes.shape[2],
@@ -302,11 +309,9 @@ def encode(c, kb: mx.array, vb: mx.array, t0: int):
     B, H, n, D = kb.shape
     dv, G, b = vb.shape[-1], c.group, c.qbits
     g, ok_, ov_, wk = n // G, c._n_out(D), c._n_out(dv), (G * b + 31) // 32
-    spec = c.rope
-    rope = 0 if spec is None else (2 if spec["traditional"] else 1)
-    om = c._rope_omega() if rope else mx.zeros((1,), dtype=mx.float32)
+    rope, rd, om = _rope_args(c)
     consts = (("D", D), ("DV", dv), ("DM", max(D, dv)), ("G", G), ("KB", b), ("WK", wk), ("OK", ok_), ("OV", ov_),
-              ("ROPE", rope), ("RD", spec["dims"] if rope else 0))
+              ("ROPE", rope), ("RD", rd))
     out = _ENCODE([kb, vb, c.k_levels, om], [n, t0, len(c.fit_starts) - 1, c.k_levels.shape[-1]], consts,
                   [(B, H, D, g * wk), (B, H, D, g), (B, H, D, g), (B, H, g, max(ok_, 1)), (B, H, g, max(ok_, 1)),
                    (B, H, g, max(ov_, 1)), (B, H, g, max(ov_, 1)), (B, H, n, dv)],
