@@ -8,7 +8,7 @@ Parts (each evaluated alone on a copy of the filled cache; min over ``--repeats`
 * ``store``: ``_store`` (the chunk enters the window / residual, whole blocks or groups quantized);
 * ``fetch``: ``update_and_fetch`` (store + the stored rows decoded to the dense form the fused attention reads);
 * ``rows``: the quantized past alone decoded to dense rows (``_quantized_dense`` / ``_quantized_rows``);
-* ``encode``: TurboQuant-RVQ's codes of the chunk's rows alone;
+* ``encode``: TurboQuant-RVQ's codes of the chunk's rows alone (KVQuant on CUDA: its encode kernel's launch alone);
 * ``chunk``: ``update_and_fetch`` + attention, the whole layer-chunk;
 * ``plain``: the same for mlx_lm's ``KVCache``.
 ``--profile`` prints the Python functions of one whole chunk call by cumulative time (host syncs show as
@@ -36,8 +36,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch  # noqa: E402
-from veloxquant_mlx.cache.kernels import kernels_enabled  # noqa: E402
+from veloxquant_mlx.cache.kernels import kernels_enabled, kvquant_rows  # noqa: E402
 from veloxquant_mlx.cache.kernels.waterfill import cache_constants  # noqa: E402
+from veloxquant_mlx.cache.methods.quantization.kvquant import KVQuantKVCache  # noqa: E402
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache  # noqa: E402
 from veloxquant_mlx.cache.settings import parse_sets  # noqa: E402
 
@@ -138,6 +139,9 @@ def main(argv=None):
             parts["store"] = _Step(store, fresh)
         if hasattr(cache, "_qs"):
             parts["encode"] = _Step(encode, fresh)
+        if isinstance(cache, KVQuantKVCache) and kernels_enabled():
+            parts["encode"] = _Step(lambda c: [x for side in kvquant_rows.encode(c, nk, nv, c.n_quant) for x in side
+                                               if x is not None], fresh)
         if hasattr(cache, "_quantized_dense") or hasattr(cache, "_quantized_rows"):
             parts["rows"] = _Step(rows, fresh)
         times = {name: _timed(f, a.repeats) for name, f in parts.items()}
