@@ -60,15 +60,21 @@ def test_pack_unpack_round_trip_property(bits, lead, n, seed):
     np.testing.assert_array_equal(np.array(out), codes)
 
 
+@pytest.mark.parametrize("n", [77, 80])
 @pytest.mark.parametrize("bits", range(1, 9))
-def test_pack_matches_documented_layout(bits):
+def test_pack_matches_documented_layout(bits, n):
+    """77 * bits is not a multiple of 32 for any bits (padding, straddling; unpacked with a gather per code); 80 is
+    a multiple of 8 (unpacked by ``bits``-byte periods of 8 codes); trailing words beyond the codes are ignored."""
     rng = np.random.default_rng(bits)
-    n = 77  # 77 * bits is not a multiple of 32 for any bits: exercises padding and straddling
     codes = rng.integers(0, 1 << bits, size=(3, n))
     packed = np.array(pack_bits(mx.array(codes.astype(np.uint8)), bits))
     for r in range(3):
         assert packed[r].tolist() == _reference_pack(codes[r], bits)
     np.testing.assert_array_equal(np.array(unpack_bits(mx.array(packed), bits, n)), codes)
+    buffer = mx.array(np.concatenate([packed, np.full((3, 2), 0xFFFFFFFF, dtype=np.uint32)], axis=1))  # capacity
+    np.testing.assert_array_equal(np.array(unpack_bits(buffer, bits, n)), codes)
+    view = buffer[:, : packed.shape[1]]  # a strided view of the buffer's used words
+    np.testing.assert_array_equal(np.array(unpack_bits(view, bits, n)), codes)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

