@@ -20,6 +20,7 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import kivi_rows, kvquant_rows, turboquant_rvq_rows as tq_rows
+from veloxquant_mlx.cache.kernels.kvquant_rows import outliers_by_entry as _by_entry
 from veloxquant_mlx.cache.kernels import turboquant_rvq as tq_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
@@ -1346,15 +1347,6 @@ def _kvquant(D, rope=None, **opts):
     c.bind_attention(type("Attention", (), {"rope": rope})() if rope is not None else None)
     assert (c.rope is None) == (rope is None)
     return c
-
-
-def _by_entry(idx, val):
-    """Outlier indices and values ``[..., o]`` sorted by entry (the kernel's order; the op path's is
-    ``argpartition``'s)."""
-    if idx is None:
-        return idx, val
-    order = mx.argsort(idx.astype(mx.int32), axis=-1)
-    return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(val, order, axis=-1)
 
 
 def _kvquant_stand_ins(monkeypatch):

@@ -34,7 +34,7 @@ import mlx.core as mx
 from ._common import checked_call, checked_encode, relative_error
 from ._compile import Kernel
 
-__all__ = ["decode_rows", "encode", "supported", "encode_supported"]
+__all__ = ["decode_rows", "encode", "outliers_by_entry", "supported", "encode_supported"]
 
 TILE = 32  # tokens per block
 THREADS = 128
@@ -124,12 +124,21 @@ def supported(d: int, dv: int, value_group: int) -> bool:
     return max(d, dv) + 1 <= SHARED_FLOATS // TILE and dv % value_group == 0
 
 
+@functools.cache
+def _placeholder(dtype) -> mx.array:
+    """A one-element array for an input the body skips (no outliers, sinks or RoPE), made once per dtype rather
+    than on every call (a decode step's rows come from ``decode_rows``)."""
+    a = mx.zeros((1,), dtype=dtype)
+    mx.eval(a)
+    return a
+
+
 def _rope_args(c):
     """(kind: 0 none, 1 halves, 2 interleaved pairs; rotated dims; angle per position of each pair) of the RoPE the
     cache ``c`` undoes on its keys."""
     spec = c.rope
     if spec is None:
-        return 0, 0, mx.zeros((1,), dtype=mx.float32)
+        return 0, 0, _placeholder(mx.float32)
     return (2 if spec["traditional"] else 1), spec["dims"], c._rope_omega()
 
 
@@ -139,7 +148,7 @@ def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
     B, H, D, CK = c.k_codes.shape
     dv, G, b = c.res_v.shape[-1], c.group, c.qbits
     gv = c.value_group(dv)
-    none, no_idx = mx.zeros((1,), dtype=mx.float16), mx.zeros((1,), dtype=mx.uint16)  # arrays the body skips
+    none, no_idx = _placeholder(mx.float16), _placeholder(mx.uint16)  # arrays the body skips
     ok_ = c._n_out(D) if c.k_oidx is not None else 0
     ov_ = c._n_out(dv) if c.v_oidx is not None else 0
     koi, kov = (c.k_oidx, c.k_oval) if ok_ else (no_idx, none)
@@ -325,20 +334,23 @@ def encode(c, kb: mx.array, vb: mx.array, t0: int):
     return tuple(keys), tuple(values)
 
 
+def outliers_by_entry(idx, val):
+    """Outlier indices and values ``[..., o]`` sorted by entry, the order :func:`encode` writes (the op path's is
+    ``argpartition``'s); ``(None, None)`` stays."""
+    if idx is None:
+        return idx, val
+    order = mx.argsort(idx.astype(mx.int32), axis=-1)
+    return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(val, order, axis=-1)
+
+
 def checked_encode_rows(c, kb: mx.array, vb: mx.array, t0: int, op_fn):
     """:func:`encode`, checked once per process against ``op_fn()`` (the op path's arrays, outliers sorted by entry
     here): the largest of the key codes' fraction differing (a rounding at a level's boundary now and then) and the
     other arrays' relative errors."""
 
-    def by_entry(idx, val):
-        if idx is None:
-            return idx, val
-        order = mx.argsort(idx.astype(mx.int32), axis=-1)
-        return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(val, order, axis=-1)
-
     def error(got, want):
         (gk, gv), (wk, wv) = got, want
-        wk, wv = (*wk[:3], *by_entry(*wk[3:])), (*by_entry(*wv[:2]), wv[2])
+        wk, wv = (*wk[:3], *outliers_by_entry(*wk[3:])), (*outliers_by_entry(*wv[:2]), wv[2])
         codes = float((gk[0] != wk[0]).astype(mx.float32).mean())
         pairs = [(a, w) for a, w in zip((*gk[1:], *gv), (*wk[1:], *wv)) if w is not None]
         return max([codes] + [relative_error(a, w) for a, w in pairs])
