@@ -30,7 +30,7 @@ from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import Turbo
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
 from veloxquant_mlx.cache.options import KIVIOptions, KVQuantOptions, TurboQuantRVQOptions
-from veloxquant_mlx.cache.primitives import groupquant as gq
+from veloxquant_mlx.cache.primitives import blocks, groupquant as gq
 from veloxquant_mlx.cache.primitives.bitpack import pack_bits, unpack_bits
 from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
 from veloxquant_mlx.cache.primitives.rope import apply_rope, rope_spec
@@ -1387,6 +1387,7 @@ def test_kvquant_decode_step_on_cuda_attends_over_the_returned_rows(monkeypatch)
     for on in (True, False):
         decoded.clear()
         monkeypatch.setattr(kpkg, "kernels_enabled", lambda on=on: on)
+        monkeypatch.setattr(blocks, "on_cpu", lambda on=on: not on)  # the kernels run on a GPU
         c = _kvquant(D, nn.RoPE(D, base=10000.0), bits=3, group_size=32, n_sink=1)
         rng = np.random.default_rng(8)
         c.update_and_fetch(_rows(rng, H, 100, D), _rows(rng, H, 100, D))

@@ -20,7 +20,8 @@ import pytest
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import QuantizerConfigError, dispatch
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
+from veloxquant_mlx.cache.primitives import blocks
 
 from contract_table import (KIVI_LAYOUT, SPECS, TOKENS, caches_for, fill, make, method_class, model_of, rand,
                             run_chunks, sdpa)
@@ -91,6 +92,61 @@ def test_attend_through_dispatch_equals_dense_attention(method, use_sinks):
     _kivi_layout(cache, cache.offset)
     dk, dv = cache._dense()  # the stored form, in position order
     assert dk.shape == (B, H, cache.offset, D) and dv.shape == dk.shape
+
+
+def _rows_on_gpu(method) -> bool:
+    """Whether ``method``'s decode steps attend over the returned rows on a GPU (``_attends_returned_rows``)."""
+    cls = method_class(method)
+    return hasattr(cls, "_attends_returned_rows") and cls._attends_returned_rows(make(method))
+
+
+def test_which_variants_attend_over_the_returned_rows_on_a_gpu(monkeypatch):
+    """The variants whose codes only ``_keys_t``/``_values`` read take the rows on a GPU (measured: GEAR, SKVQ,
+    KIVI-sink, Kitty, KVQuant); KIVI's own codes (its kernels, ``quantized_matmul``), the methods attending on
+    their own codes (vecinfer's LUT scores) and ZipCache (its saliency needs the joint softmax's weights) do not;
+    on the CPU none does."""
+    monkeypatch.setattr(blocks, "on_cpu", lambda: False)
+    taken = {m for m in METHODS if _rows_on_gpu(m)}
+    assert {"gear", "skvq", "kivi_sink", "kitty", "kvquant"} <= taken
+    assert not taken & {"vecinfer", "waterfill", "a2ats", "zipcache"}  # zipcache: the weights of its pending rows
+    kivi = KVCacheFactory.create(KVCacheConfig(method="kivi", head_dim=64))
+    assert not kivi._attends_returned_rows()
+    monkeypatch.setattr(blocks, "on_cpu", lambda: True)
+    assert not any(_rows_on_gpu(m) for m in METHODS)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if hasattr(method_class(m), "_attends_returned_rows")])
+def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
+    """With ``blocks.on_cpu`` patched to say GPU, a decode step of a variant attending over the returned rows
+    decodes its keys once (for those rows) where the CPU path decodes them twice (rows, then its joint softmax),
+    and both give the same attention (float32 throughout: rounding only)."""
+    monkeypatch.setattr(blocks, "on_cpu", lambda: False)
+    if not _rows_on_gpu(method):
+        pytest.skip("attends on its own codes (checked above)")
+    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
+    cls = method_class(method)
+    keys_t, decoded = cls._keys_t, []
+    monkeypatch.setattr(cls, "_keys_t", lambda c, n, *a, **k: decoded.append(n) or keys_t(c, n, *a, **k))
+    outs, counts = [], []
+    for gpu in (True, False):
+        monkeypatch.setattr(blocks, "on_cpu", lambda gpu=gpu: not gpu)
+        mx.random.seed(3)
+        cache = make(method)
+        K, V = cache.update_and_fetch(rand(B, H, 300, D), rand(B, H, 300, D))
+        mx.eval(dispatch.dispatched_sdpa(rand(B, Hq, 300, D), K, V, cache=cache, scale=scale, mask="causal"))
+        cache.update_and_fetch(rand(B, H, 40, D), rand(B, H, 40, D))  # a chunk after the queries were seen
+        assert cache.n_quant > 0
+        decoded.clear()
+        got = []
+        for _ in range(3):
+            K, V = cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
+            got.append(dispatch.dispatched_sdpa(rand(B, Hq, 1, D), K, V, cache=cache, scale=scale, mask=None))
+        mx.eval(got)
+        outs.append(got)
+        counts.append(len(decoded))
+    assert counts[0] == 3 and counts[1] == 6, counts
+    for a, b in zip(*outs):
+        assert a.shape == (B, Hq, 1, D) and float(mx.abs(a - b).max()) < 1e-4
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -24,7 +24,7 @@ from .attention import cpu_parts, dense_attention, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
-from .primitives import groupquant as gq
+from .primitives import blocks, groupquant as gq
 from .primitives.buffers import dtype_name, fp16_row_bytes, grow_columns, grow_rows
 from .window import WindowCall, attend_joint, attend_tiled, concat_rows
 
@@ -290,11 +290,24 @@ class GroupedQuantCache(CompressedKVCache):
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if N == 1 and self._attends_returned_rows():
+            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self.attend_path == "sdpa" or (N > 1 and self.attend_path != "quantized_matmul"):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if N > 1:
             return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _attends_returned_rows(self) -> bool:
+        """Whether a decode step on a GPU attends over the rows ``update_and_fetch`` returned, with MLX's fused
+        attention: a variant whose codes are read only through its ``_keys_t`` / ``_values`` (no attention of its
+        own on them), where ``_attend_codes`` would build the same decoding a second time. A GPU step is bound by
+        the host's graph building (H100, SmolLM2 at 8k: GEAR 0.11x -> 0.36x the plain cache, SKVQ 0.13x -> 0.48x;
+        docs/RESULTS.md, "The KIVI-layout variants' decode on a GPU"). Not on the CPU, where the one joint softmax
+        over the float32 decoding is faster than MLX's CPU sdpa over the concatenated rows (GEAR 0.34x vs 0.24x)."""
+        cls = type(self)
+        return (not self._codes_own() and cls._key_scores is GroupedQuantCache._key_scores
+                and cls._value_out is GroupedQuantCache._value_out and not blocks.on_cpu())
 
     def _attend_codes(self, queries, call, *, scale, mask, sinks, weights=False, part=None):
         """The paper's one softmax over [quantized part (``_key_scores``/``_value_out``, or ``part(qf, n)`` ->

@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from ... import kernels
 from ...base import register
-from ...contract import CompressedKVCache, register_with_mlx_lm
+from ...contract import register_with_mlx_lm
 from ...kernels import kvquant_rows
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
@@ -179,13 +179,6 @@ class KVQuantKVCache(SparseOutliers, KIVIKVCache):
                 self.k_codes.shape[2], self.res_v.shape[-1], self.value_group(self.res_v.shape[-1])):
             return op()
         return kvquant_rows.checked_decode(self, n, dtype, op)
-
-    def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """On CUDA a decode step attends over the rows ``update_and_fetch`` returned (the rows kernel's, one launch)
-        with MLX's fused attention, where the op path decodes the codes again in dozens of small ops."""
-        if queries.shape[2] == 1 and kernels.kernels_enabled():
-            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        return super()._attend_stored(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
 
     def _fits_kept(self, n: int) -> tuple[int, int]:
         """(fits starting below the groups a trim of ``n`` tokens keeps, those groups): KIVI's rule passed."""

@@ -162,6 +162,9 @@ class ZipCacheKVCache(KIVIKVCache):
         # [N, P] probabilities alive to the end of a prefill chunk (11x the plain cache's peak at 1023 tokens)
         return mx.depends(out, contrib)
 
+    def _attends_returned_rows(self) -> bool:
+        return False  # every step needs the joint softmax's weights of the pending rows (``_attend_scored``)
+
     def _attend_scored(self, queries, call, *, scale, mask, sinks):
         """(output, probability mass [B, H, r0 + N] of the pending and the call's rows, summed over the queries).
         A long chunk with a causal mask goes in tiles of at most ``SALIENCY_TILE`` query rows and at least
