@@ -290,9 +290,8 @@ class GroupedQuantCache(CompressedKVCache):
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if N == 1 and self._attends_returned_rows():
-            return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if self.attend_path == "sdpa" or (N > 1 and self.attend_path != "quantized_matmul"):
+        if (self.attend_path == "sdpa" or (N > 1 and self.attend_path != "quantized_matmul")
+                or (N == 1 and self._attends_returned_rows())):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if N > 1:
             return self._attend_chunk(queries, call, scale=scale, mask=mask, sinks=sinks)
