@@ -2,7 +2,7 @@
 cache against a compressed cache whose decode kernel call is a stand-in (``decode_host_device.stub_kernels``:
 runs on any machine; no evaluation is timed). The Python and MLX graph-building cost a cache adds per layer.
 
-    python scripts/decode_host_layer.py --method kivi --context 1024 --calls 2000 [--split] [--profile]
+    python scripts/decode_host_layer.py --method kivi --context 1024 --calls 2000 [--split] [--profile] [--gpu-rules]
 """
 
 from __future__ import annotations
@@ -83,7 +83,13 @@ def main(argv=None):
     ap.add_argument("--real", action="store_true", help="the real kernels (CUDA), not the stand-in")
     ap.add_argument("--profile", action="store_true", help="cProfile of the compressed cache's last round")
     ap.add_argument("--split", action="store_true", help="also time update_and_fetch and the attention apart")
+    ap.add_argument("--gpu-rules", action="store_true",
+                    help="take the paths a GPU takes (``blocks.on_cpu`` patched to False): their host time, here")
     a = ap.parse_args(argv)
+    if a.gpu_rules:
+        from veloxquant_mlx.cache.primitives import blocks
+
+        blocks.on_cpu = lambda: False
     if not a.real:
         stub_kernels("tiny")
     B, Hq, H, D, dt = 1, 32, 8, 128, mx.bfloat16

@@ -116,8 +116,8 @@ def _gpu_rows_methods() -> list:
 def test_which_variants_attend_over_the_returned_rows_on_a_gpu(monkeypatch):
     """The variants whose codes only ``_keys_t``/``_values`` read take the rows on a GPU (measured: GEAR, SKVQ,
     KIVI-sink, Kitty, KVQuant); KIVI's own codes (its kernels, ``quantized_matmul``), the methods attending on
-    their own codes (vecinfer's LUT scores) and ZipCache (its saliency needs the joint softmax's weights) do not;
-    on the CPU none does."""
+    their own codes (vecinfer's LUT scores) and ZipCache (its saliency needs the joint softmax's weights; it scores
+    the returned rows in its own attention) do not; on the CPU none does."""
     monkeypatch.setattr(blocks, "on_cpu", lambda: False)
     taken = {m for m in METHODS if _rows_on_gpu(m)}
     assert {"gear", "skvq", "kivi_sink", "kitty", "kvquant"} <= taken
@@ -157,6 +157,37 @@ def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
     assert counts[0] == 3 and counts[1] == 6, counts
     for a, b in zip(*outs):
         assert a.shape == (B, Hq, 1, D) and float(mx.abs(a - b).max()) < 1e-4
+
+
+def test_zipcache_gpu_steps_score_the_returned_rows(monkeypatch):
+    """ZipCache keeps its own attention (its saliency needs each step's weights of the pending rows), but on a GPU
+    its compressed past is scored on the rows ``update_and_fetch`` returned: one decoding of the keys a step instead
+    of two, the same outputs and the same saliency sums as the CPU path (float32: rounding only)."""
+    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
+    cls = method_class("zipcache")
+    keys_t, decoded = cls._keys_t, []
+    monkeypatch.setattr(cls, "_keys_t", lambda c, n, *a, **k: decoded.append(n) or keys_t(c, n, *a, **k))
+    outs, counts, sal = [], [], []
+    for gpu in (True, False):
+        monkeypatch.setattr(blocks, "on_cpu", lambda gpu=gpu: not gpu)
+        mx.random.seed(3)
+        cache = make("zipcache")
+        K, V = cache.update_and_fetch(rand(B, H, 300, D), rand(B, H, 300, D))
+        mx.eval(dispatch.dispatched_sdpa(rand(B, Hq, 300, D), K, V, cache=cache, scale=scale, mask="causal"))
+        decoded.clear()
+        got = []
+        for _ in range(3):
+            K, V = cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
+            got.append(dispatch.dispatched_sdpa(rand(B, Hq, 1, D), K, V, cache=cache, scale=scale, mask=None))
+        mx.eval(got)
+        assert cache.n_quant > 0 and cache.saliency_source == "attention"
+        outs.append(got)
+        counts.append(len(decoded))
+        sal.append(cache.sal_sum[:, :, : cache.n_res])
+    assert counts == [3, 6], counts
+    for a, b in zip(*outs):
+        assert a.shape == (B, Hq, 1, D) and float(mx.abs(a - b).max()) < 1e-4
+    assert sal[0].shape == sal[1].shape and float(mx.abs(sal[0] - sal[1]).max()) < 1e-4
 
 
 @pytest.mark.parametrize("method", METHODS)

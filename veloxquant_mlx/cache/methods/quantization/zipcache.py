@@ -24,7 +24,7 @@ import mlx.core as mx
 from ...attention import bool_mask
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
-from ...primitives import groupquant as gq
+from ...primitives import blocks, groupquant as gq
 from ...primitives.blocks import queued_row_blocks
 from ...primitives.buffers import dtype_name, grow_rows
 from .kivi import RES_DTYPE, KIVIKVCache
@@ -145,7 +145,8 @@ class ZipCacheKVCache(KIVIKVCache):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         q0, r0, _, _, new_k, _ = call
         mask = self._own_mask(mask, queries, keys)
-        out, contrib = self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks)
+        out, contrib = self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks,
+                                           past=self._returned_past(q0, keys, values))
         B, Hq, N, _ = queries.shape
         H, P = new_k.shape[1], r0 + N
         if isinstance(mask, str):  # [.., N, P] visibility of the full-precision columns
@@ -163,23 +164,35 @@ class ZipCacheKVCache(KIVIKVCache):
         return mx.depends(out, contrib)
 
     def _attends_returned_rows(self) -> bool:
-        return False  # every step needs the joint softmax's weights of the pending rows (``_attend_scored``)
+        return False  # each step needs its pending rows' weights: its own attention, on the rows (``_returned_past``)
 
-    def _attend_scored(self, queries, call, *, scale, mask, sinks):
+    def _returned_past(self, q0, keys, values):
+        """On a GPU, the compressed past scored on the rows ``update_and_fetch`` returned (``part`` of
+        ``_attend_codes``): they hold its decoding already, and decoding it again doubled a step's host time (the
+        other variants' rule, ``GroupedQuantCache._attends_returned_rows``). ``None`` on the CPU, where those rows
+        are never evaluated and attention reads the float32 decoding."""
+        if not q0 or blocks.on_cpu():
+            return None
+        kt, vv = keys[:, :, :q0].swapaxes(-1, -2), values[:, :, :q0]
+        return lambda qf, n: (qf @ kt, lambda p: p @ vv)  # noqa: E731
+
+    def _attend_scored(self, queries, call, *, scale, mask, sinks, past=None):
         """(output, probability mass [B, H, r0 + N] of the pending and the call's rows, summed over the queries).
         A long chunk with a causal mask goes in tiles of at most ``SALIENCY_TILE`` query rows and at least
         ``MIN_TILES`` tiles, queued one by one (``queued_row_blocks``) over the compressed past decoded once, so a
         few tiles' [rows, M] probabilities are alive at a time: in one pass ``joint_attention`` holds several
         [N, M] float32 arrays (SmolLM2, 1023 tokens in one chunk: 2.67x the plain cache's peak in one pass, 0.81x
         in tiles, the prefill 1.20x -> 0.64x its time; 2048 tokens in chunks of 1024, the second chunk in one pass:
-        2.73x)."""
+        2.73x). ``past``: the compressed past's ``part`` (``_returned_past``), else decoded here."""
         N = queries.shape[2]
         if N <= SALIENCY_TILE or not isinstance(mask, str):
-            out, mass = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True)
+            out, mass = self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks, weights=True,
+                                           part=past)
             return out, mass[-1]
         q0, r0, past_k, past_v, new_k, new_v = call
-        kt, vv = (self._keys_t(q0), self._values(q0)) if q0 else (None, None)  # the compressed past, decoded once
-        past = lambda qf, n: (qf @ kt, lambda p: p @ vv)  # noqa: E731
+        if past is None:
+            kt, vv = (self._keys_t(q0), self._values(q0)) if q0 else (None, None)  # the compressed past, decoded once
+            past = lambda qf, n: (qf @ kt, lambda p: p @ vv)  # noqa: E731
 
         def tile(a, b):  # causal: rows a..b see the compressed past, the pending rows and the call's first b
             sub = (q0, r0, past_k, past_v, new_k[:, :, :b], new_v[:, :, :b])
