@@ -1,11 +1,12 @@
 """Whole-model decode speed of compressed caches against mlx_lm's plain cache with the prompt's K/V written
-straight into the caches (no prefill through the model: minutes saved on a CPU), steps pipelined as mlx_lm's
-``generate_step`` runs them, candidates interleaved over several rounds so machine noise hits them alike; each
-round's rate is also read against the plain cache's in the same round (paired ratios). Runs on the default
-device (the H200 too: ``--shape llama-8b --context 8192 --rounds 5``).
+straight into the caches (no prefill through the model: minutes saved on a CPU; ``--prefill`` runs one), steps
+pipelined as mlx_lm's ``generate_step`` runs them, candidates interleaved over several rounds so machine noise hits
+them alike; each round's rate is also read against the plain cache's in the same round (paired ratios). Runs on the
+default device (the H200 too: ``--shape llama-8b --context 8192 --rounds 5``).
 
     python scripts/decode_model_cpu.py --shape smollm2 --context 4096 --steps 24 --rounds 3 --method kivi
     python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 8 --burst --method kivi:bit_width_inlier=4
+    python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 2 --prefill --all   # every mlx_lm method
 
 A spec ending ``@FOLDER`` runs that method with the decode kernels of a copy of ``veloxquant_mlx/cache/kernels/`` in
 FOLDER (``scripts/decode_kernel_variants.py``'s variants), so two kernel builds are compared in one process, round by
@@ -30,19 +31,26 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from veloxquant_mlx import bench  # noqa: E402
-from veloxquant_mlx.cache import KVCacheBuilder  # noqa: E402
+from veloxquant_mlx.cache import METHOD_NAMES, KVCacheBuilder, method_info  # noqa: E402
 from veloxquant_mlx.cache.settings import build_config, parse_sets  # noqa: E402
+from veloxquant_mlx.eval.fidelity import prefill  # noqa: E402
 
 
-def filled(model, make, T: int, chunk: int = 1024):
-    """Caches from ``make(model)`` holding T random rows per layer (written chunk by chunk)."""
+def filled(model, make, T: int, chunk: int = 1024, through_model: bool = False):
+    """Caches from ``make(model)`` holding T rows per layer: random K/V written chunk by chunk, every layer's chunk
+    before the next chunk (the cross-layer caches, xKV and MiniCache, pair layers in that order), or with
+    ``through_model`` a random prompt prefilled through the model (the eviction methods score with its queries)."""
     caches = make(model)
+    if through_model:
+        prompt = mx.random.randint(0, model.args.vocab_size, (1, T))
+        prefill(model, prompt, caches, chunk)
+        return caches
     args = model.args
     H, D = args.num_key_value_heads, args.hidden_size // args.num_attention_heads
     dt = bench.default_dtype()
-    for c in caches:
-        for a in range(0, T, chunk):
-            n = min(chunk, T - a)
+    for a in range(0, T, chunk):
+        n = min(chunk, T - a)
+        for c in caches:
             k = mx.random.normal((1, H, n, D)).astype(dt)
             v = mx.random.normal((1, H, n, D)).astype(dt)
             mx.eval(c.update_and_fetch(k, v))
@@ -103,20 +111,28 @@ def main(argv=None):
                     help="fill every candidate's caches once, then per round decode --steps from the same context for "
                          "each in turn, trimming the rows back (short interleaved bursts: a shared machine's slow "
                          "spells hit the candidates alike; --steps + 1 must stay below a method's group)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="fill the caches by prefilling a random prompt through the model (chunks of 1024) instead of "
+                         "writing random K/V: what the eviction methods need (they score with the model's queries)")
+    ap.add_argument("--all", action="store_true", help="every method speaking mlx_lm's cache protocol, at its defaults")
     a = ap.parse_args(argv)
     model = bench.random_model(a.shape)
-    makers = cache_makers(a.method or ["kivi:bit_width_inlier=4"])
+    specs = list(a.method or [])
+    if a.all:
+        specs += [m for m in METHOD_NAMES if method_info(m).protocol == "mlx_lm" and m not in specs]
+    makers = cache_makers(specs or ["kivi:bit_width_inlier=4"])
     rates = {k: [] for k in makers}
     held = {}
     if a.burst:
         for name, make in makers.items():
             use_kernels(name)
-            held[name] = filled(model, make, a.context)
+            held[name] = filled(model, make, a.context, through_model=a.prefill)
     for r in range(a.rounds):
         for name, make in makers.items():
             use_kernels(name)
-            caches = held.get(name) or filled(model, make, a.context)
+            caches = held.get(name) or filled(model, make, a.context, through_model=a.prefill)
             rates[name].append(decode_rate(model, caches, a.steps))
+            print(f"  .. round {r + 1} {name} {rates[name][-1]:.2f} tok/s", file=sys.stderr, flush=True)
             if a.burst:
                 for c in caches:
                     c.trim(a.steps + 1)

@@ -110,6 +110,8 @@ for cmd in "$@"; do
     timeout 60 python3 scripts/prefill_chunk_cost.py --method kvquant --context 2048,6144 2>&1 | grep -v Warn
     for v in 1 0; do echo "== VELOXQUANT_DECODE_KERNELS=$v"; VELOXQUANT_DECODE_KERNELS=$v timeout 80 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 8192 --steps 2048 --warm --methods none,kvquant,none,kvquant 2>&1 | grep -v Warn
       VELOXQUANT_DECODE_KERNELS=$v timeout 60 python3 scripts/prefill_peak.py --contexts 2047 --steps 2048 --warm --methods none,kvquant 2>&1 | grep -v Warn; done ;;
+  alldec) # every mlx_lm method at its defaults, caches filled by a prefill through the model (decode_model_cpu.py --all)
+    timeout ${ALLDEC_TIMEOUT:-400} python3 scripts/decode_model_cpu.py --shape ${SHAPE:-smollm2} --context ${CONTEXT:-8192} --steps ${STEPS:-16} --rounds ${ROUNDS:-2} --prefill --all > $OUT/alldec.txt 2>&1; grep -v "Warn\|rounds:\|warn\|self._check\|^  \.\." $OUT/alldec.txt ;;
   vdec) # GPU decode of the quantizers beside KIVI (each cache filled directly, then --steps pipelined steps; per-round ratio)
     timeout ${VDEC_TIMEOUT:-250} python3 scripts/decode_model_cpu.py --shape ${SHAPE:-smollm2} --context ${CONTEXT:-8192} --steps ${STEPS:-16} --rounds ${ROUNDS:-2} $(for m in ${METHODS:-kivi:bit_width_inlier=4 gear kivi_sink skvq kitty age_tiered cachegen zipcache kvquant vecinfer palu xkv xquant}; do echo "--method $m"; done) > $OUT/vdec.txt 2>&1; grep -v Warn $OUT/vdec.txt ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under SHARD_TIMEOUT (540) s; FILES narrows it
