@@ -128,66 +128,56 @@ def test_which_variants_attend_over_the_returned_rows_on_a_gpu(monkeypatch):
     assert not any(_rows_on_gpu(m) for m in METHODS)
 
 
-@pytest.mark.parametrize("method", _gpu_rows_methods())
-def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
-    """With ``blocks.on_cpu`` patched to say GPU, a decode step of a variant attending over the returned rows
-    decodes its keys once (for those rows) where the CPU path decodes them twice (rows, then its joint softmax),
-    and both give the same attention (float32 throughout: rounding only)."""
+def _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk: bool):
+    """A cache given 300 attended rows (and a 40-row chunk after them), then three decode steps, first with
+    ``blocks.on_cpu`` patched to say GPU, then CPU; the steps' outputs agree to float32 rounding (float32
+    throughout). Returns each way's number of key decodings during the steps and its cache."""
     B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
     cls = method_class(method)
     keys_t, decoded = cls._keys_t, []
     monkeypatch.setattr(cls, "_keys_t", lambda c, n, *a, **k: decoded.append(n) or keys_t(c, n, *a, **k))
-    outs, counts = [], []
+    outs, counts, caches = [], [], []
     for gpu in (True, False):
         monkeypatch.setattr(blocks, "on_cpu", lambda gpu=gpu: not gpu)
         mx.random.seed(3)
         cache = make(method)
         K, V = cache.update_and_fetch(rand(B, H, 300, D), rand(B, H, 300, D))
         mx.eval(dispatch.dispatched_sdpa(rand(B, Hq, 300, D), K, V, cache=cache, scale=scale, mask="causal"))
-        cache.update_and_fetch(rand(B, H, 40, D), rand(B, H, 40, D))  # a chunk after the queries were seen
-        assert cache.n_quant > 0
+        if second_chunk:
+            cache.update_and_fetch(rand(B, H, 40, D), rand(B, H, 40, D))  # a chunk after the queries were seen
         decoded.clear()
         got = []
         for _ in range(3):
             K, V = cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
             got.append(dispatch.dispatched_sdpa(rand(B, Hq, 1, D), K, V, cache=cache, scale=scale, mask=None))
         mx.eval(got)
+        assert cache.n_quant > 0  # the steps attended a compressed past
         outs.append(got)
         counts.append(len(decoded))
-    assert counts[0] == 3 and counts[1] == 6, counts
+        caches.append(cache)
     for a, b in zip(*outs):
         assert a.shape == (B, Hq, 1, D) and float(mx.abs(a - b).max()) < 1e-4
+    return counts, caches
+
+
+@pytest.mark.parametrize("method", _gpu_rows_methods())
+def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
+    """With ``blocks.on_cpu`` patched to say GPU, a decode step of a variant attending over the returned rows
+    decodes its keys once (for those rows) where the CPU path decodes them twice (rows, then its joint softmax),
+    and both give the same attention (float32 throughout: rounding only)."""
+    counts, _ = _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk=True)
+    assert counts == [3, 6], counts
 
 
 def test_zipcache_gpu_steps_score_the_returned_rows(monkeypatch):
     """ZipCache keeps its own attention (its saliency needs each step's weights of the pending rows), but on a GPU
     its compressed past is scored on the rows ``update_and_fetch`` returned: one decoding of the keys a step instead
     of two, the same outputs and the same saliency sums as the CPU path (float32: rounding only)."""
-    B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
-    cls = method_class("zipcache")
-    keys_t, decoded = cls._keys_t, []
-    monkeypatch.setattr(cls, "_keys_t", lambda c, n, *a, **k: decoded.append(n) or keys_t(c, n, *a, **k))
-    outs, counts, sal = [], [], []
-    for gpu in (True, False):
-        monkeypatch.setattr(blocks, "on_cpu", lambda gpu=gpu: not gpu)
-        mx.random.seed(3)
-        cache = make("zipcache")
-        K, V = cache.update_and_fetch(rand(B, H, 300, D), rand(B, H, 300, D))
-        mx.eval(dispatch.dispatched_sdpa(rand(B, Hq, 300, D), K, V, cache=cache, scale=scale, mask="causal"))
-        decoded.clear()
-        got = []
-        for _ in range(3):
-            K, V = cache.update_and_fetch(rand(B, H, 1, D), rand(B, H, 1, D))
-            got.append(dispatch.dispatched_sdpa(rand(B, Hq, 1, D), K, V, cache=cache, scale=scale, mask=None))
-        mx.eval(got)
-        assert cache.n_quant > 0 and cache.saliency_source == "attention"
-        outs.append(got)
-        counts.append(len(decoded))
-        sal.append(cache.sal_sum[:, :, : cache.n_res])
+    counts, caches = _steps_on_gpu_and_cpu("zipcache", monkeypatch, second_chunk=False)
     assert counts == [3, 6], counts
-    for a, b in zip(*outs):
-        assert a.shape == (B, Hq, 1, D) and float(mx.abs(a - b).max()) < 1e-4
-    assert sal[0].shape == sal[1].shape and float(mx.abs(sal[0] - sal[1]).max()) < 1e-4
+    assert all(c.saliency_source == "attention" for c in caches)
+    gpu, cpu = (c.sal_sum[:, :, : c.n_res] for c in caches)
+    assert gpu.shape == cpu.shape and float(mx.abs(gpu - cpu).max()) < 1e-4
 
 
 @pytest.mark.parametrize("method", METHODS)
