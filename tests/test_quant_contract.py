@@ -128,19 +128,20 @@ def test_which_variants_attend_over_the_returned_rows_on_a_gpu(monkeypatch):
     assert not any(_rows_on_gpu(m) for m in METHODS)
 
 
-def _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk: bool):
-    """A cache given 300 attended rows (and a 40-row chunk after them), then three decode steps, first with
-    ``blocks.on_cpu`` patched to say GPU, then CPU; the steps' outputs agree to float32 rounding (float32
-    throughout). Returns each way's number of key decodings during the steps and its cache."""
+def _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk: bool, counted: str = "_keys_t", new=None):
+    """A cache (``new()``, else the table's ``make(method)``) given 300 attended rows (and a 40-row chunk after
+    them), then three decode steps, first with ``blocks.on_cpu`` patched to say GPU, then CPU; the steps' outputs
+    agree to float32 rounding (float32 throughout). Returns each way's number of calls of the method ``counted``
+    (the key decoding) during the steps and its cache."""
     B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
     cls = method_class(method)
-    keys_t, decoded = cls._keys_t, []
-    monkeypatch.setattr(cls, "_keys_t", lambda c, n, *a, **k: decoded.append(n) or keys_t(c, n, *a, **k))
+    own, decoded = getattr(cls, counted), []
+    monkeypatch.setattr(cls, counted, lambda c, *a, **k: decoded.append(1) or own(c, *a, **k))
     outs, counts, caches = [], [], []
     for gpu in (True, False):
         monkeypatch.setattr(blocks, "on_cpu", lambda gpu=gpu: not gpu)
         mx.random.seed(3)
-        cache = make(method)
+        cache = new() if new else make(method)
         K, V = cache.update_and_fetch(rand(B, H, 300, D), rand(B, H, 300, D))
         mx.eval(dispatch.dispatched_sdpa(rand(B, Hq, 300, D), K, V, cache=cache, scale=scale, mask="causal"))
         if second_chunk:
@@ -163,10 +164,24 @@ def _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk: bool):
 @pytest.mark.parametrize("method", _gpu_rows_methods())
 def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
     """With ``blocks.on_cpu`` patched to say GPU, a decode step of a variant attending over the returned rows
-    decodes its keys once (for those rows) where the CPU path decodes them twice (rows, then its joint softmax),
-    and both give the same attention (float32 throughout: rounding only)."""
+    decodes its keys once fewer than the CPU path (rows, then its joint softmax: [3, 6] over three steps; on CUDA
+    KVQuant's rows kernel decodes the rows without ``_keys_t``: [0, 3]), and both give the same attention (float32
+    throughout: rounding only)."""
     counts, _ = _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk=True)
-    assert counts == [3, 6], counts
+    assert counts[1] - counts[0] == 3 and counts[1] in (3, 6), counts
+
+
+@pytest.mark.parametrize("method", ["svdq", "kvtc", "vecinfer"])
+def test_gpu_decode_steps_of_own_code_attentions_take_the_returned_rows(method, monkeypatch):
+    """The low-rank caches (latents; Palu, which needs a model's layer, in tests/test_contract.py) and VecInfer (LUT
+    scores) attend on their own codes on the CPU; on a GPU a decode step attends over the returned rows with the
+    fused sdpa (H200: Palu 22 -> 44 tok/s, VecInfer 18 -> 58): no ``_attend_codes`` call there, the same outputs."""
+    from veloxquant_mlx.cache import options as O
+
+    opts = {"svdq": O.SVDqOptions(group_size=16), "kvtc": O.KVTCOptions(bit_budget=64)}.get(method)
+    new = (lambda: KVCacheFactory.create(KVCacheConfig(method=method, head_dim=64, options=opts))) if opts else None
+    counts, _ = _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk=True, counted="_attend_codes", new=new)
+    assert counts == [0, 3], counts
 
 
 def test_zipcache_gpu_steps_score_the_returned_rows(monkeypatch):
