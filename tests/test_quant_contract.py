@@ -23,6 +23,7 @@ import pytest
 import mlx.core as mx
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
+from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.primitives import blocks
 
 from contract_table import (KIVI_LAYOUT, SPECS, TOKENS, caches_for, fill, make, method_class, model_of, rand,
@@ -113,15 +114,21 @@ def _gpu_rows_methods() -> list:
         blocks.on_cpu = on_cpu
 
 
+def _own_code_attention(method) -> bool:
+    """Whether ``method`` scores its codes with attention of its own on the CPU (VecInfer's LUT scores), so that a
+    GPU step over the returned rows saves that attention rather than a second decoding."""
+    return method_class(method)._key_scores is not GroupedQuantCache._key_scores
+
+
 def test_which_variants_attend_over_the_returned_rows_on_a_gpu(monkeypatch):
     """The variants whose codes only ``_keys_t``/``_values`` read take the rows on a GPU (measured: GEAR, SKVQ,
-    KIVI-sink, Kitty, KVQuant); KIVI's own codes (its kernels, ``quantized_matmul``), the methods attending on
-    their own codes (vecinfer's LUT scores) and ZipCache (its saliency needs the joint softmax's weights; it scores
-    the returned rows in its own attention) do not; on the CPU none does."""
+    KIVI-sink, Kitty, KVQuant), and VecInfer instead of its LUT scores; KIVI's own codes (its kernels,
+    ``quantized_matmul``), waterfill's and A2ATS's, and ZipCache (its saliency needs the joint softmax's weights; it
+    scores the returned rows in its own attention) do not; on the CPU none does."""
     monkeypatch.setattr(blocks, "on_cpu", lambda: False)
     taken = {m for m in METHODS if _rows_on_gpu(m)}
-    assert {"gear", "skvq", "kivi_sink", "kitty", "kvquant"} <= taken
-    assert not taken & {"vecinfer", "waterfill", "a2ats", "zipcache"}  # zipcache: the weights of its pending rows
+    assert {"gear", "skvq", "kivi_sink", "kitty", "kvquant", "vecinfer"} <= taken
+    assert not taken & {"waterfill", "a2ats", "zipcache"}  # zipcache: the weights of its pending rows
     kivi = KVCacheFactory.create(KVCacheConfig(method="kivi", head_dim=64))
     assert not kivi._attends_returned_rows()
     monkeypatch.setattr(blocks, "on_cpu", lambda: True)
@@ -161,7 +168,7 @@ def _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk: bool, counted: str 
     return counts, caches
 
 
-@pytest.mark.parametrize("method", _gpu_rows_methods())
+@pytest.mark.parametrize("method", [m for m in _gpu_rows_methods() if not _own_code_attention(m)])
 def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
     """With ``blocks.on_cpu`` patched to say GPU, a decode step of a variant attending over the returned rows
     decodes its keys once fewer than the CPU path (rows, then its joint softmax: [3, 6] over three steps; on CUDA
@@ -171,7 +178,7 @@ def test_gpu_decode_step_decodes_the_codes_once(method, monkeypatch):
     assert counts[1] - counts[0] == 3 and counts[1] in (3, 6), counts
 
 
-@pytest.mark.parametrize("method", ["svdq", "kvtc", "vecinfer"])
+@pytest.mark.parametrize("method", ["svdq", "kvtc"] + [m for m in _gpu_rows_methods() if _own_code_attention(m)])
 def test_gpu_decode_steps_of_own_code_attentions_take_the_returned_rows(method, monkeypatch):
     """The low-rank caches (latents; Palu, which needs a model's layer, in tests/test_contract.py) and VecInfer (LUT
     scores) attend on their own codes on the CPU; on a GPU a decode step attends over the returned rows with the

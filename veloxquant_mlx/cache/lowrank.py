@@ -168,14 +168,18 @@ class LowRankKVCache(GroupedQuantCache):
             out = out + p.sum(axis=-1, keepdims=True) * mu
         return out
 
+    def _attends_returned_rows(self) -> bool:
+        """On a GPU, over the returned rows (the step is bound by the host's graph building, and the latents' own
+        attention built a second one: Palu 22.1 -> 44.3 tok/s on an H200, SmolLM2 at 8k, the plain cache ~175)."""
+        return not blocks.on_cpu()
+
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """A decode step on the latents in one softmax (``_attend_codes`` with ``_key_scores`` / ``_value_out``) on
-        the CPU; on a GPU, over the rows ``update_and_fetch`` returned with the fused sdpa (the step is bound by the
-        host's graph building, and the latents' own attention built a second one: Palu 22.1 -> 44.3 tok/s on an
-        H200, SmolLM2 at 8k, the plain cache ~175); a prefill chunk as KIVI's, ``dense_attention`` over the rows
-        rebuilt once per layer: one softmax on the latents built the chunk's [N, M] scores several times (4.3-5.2x
-        the plain cache's peak, 2048 tokens in chunks of 256)."""
-        if queries.shape[2] > 1 or not blocks.on_cpu():
+        """A decode step on the latents in one softmax (``_attend_codes`` with ``_key_scores`` / ``_value_out``), or
+        on a GPU over the rows ``update_and_fetch`` returned with the fused sdpa (``_attends_returned_rows``); a
+        prefill chunk as KIVI's, ``dense_attention`` over the rows rebuilt once per layer: one softmax on the latents
+        built the chunk's [N, M] scores several times (4.3-5.2x the plain cache's peak, 2048 tokens in chunks of
+        256)."""
+        if queries.shape[2] > 1 or self._attends_returned_rows():
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 

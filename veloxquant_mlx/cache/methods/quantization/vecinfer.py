@@ -191,13 +191,17 @@ class VecInferKVCache(KIVIKVCache):
         within = o.fused_sdpa_max_ctx is None or M <= o.fused_sdpa_max_ctx
         return bool(o.fused_sdpa) and within and (N > 1 or bool(o.fused_sdpa_memory_bound))
 
+    def _attends_returned_rows(self) -> bool:
+        """On a GPU, over the returned rows (the LUT step built a second decoding graph on a host-bound step: 18.4 ->
+        57.8 tok/s on an H200, SmolLM2 at 8k, the plain cache ~175)."""
+        return not blocks.on_cpu()
+
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """A decode step on the codes (LUT scores) on the CPU unless the fused sdpa path is chosen; on a GPU always
-        over the rows ``update_and_fetch`` returned, with the fused sdpa (the LUT step built a second decoding graph
-        on a host-bound step: 18.4 -> 57.8 tok/s on an H200, SmolLM2 at 8k, the plain cache ~175); a prefill chunk
-        as KIVI's, ``dense_attention`` over the rows decoded once per layer (the LUT gather of a chunk, [B, H, N,
-        D/sub, M] float32 up to ``LUT_MAX``, held 13x the plain cache's peak, 2048 tokens in chunks of 256)."""
-        if call[0] == 0 or queries.shape[2] > 1 or self._fused(1, keys.shape[2]) or not blocks.on_cpu():
+        """A decode step on the codes (LUT scores) unless the fused sdpa path is chosen or, on a GPU, the rows
+        ``update_and_fetch`` returned are attended (``_attends_returned_rows``); a prefill chunk as KIVI's,
+        ``dense_attention`` over the rows decoded once per layer (the LUT gather of a chunk, [B, H, N, D/sub, M]
+        float32 up to ``LUT_MAX``, held 13x the plain cache's peak, 2048 tokens in chunks of 256)."""
+        if call[0] == 0 or queries.shape[2] > 1 or self._fused(1, keys.shape[2]) or self._attends_returned_rows():
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
 
