@@ -525,3 +525,43 @@ def test_real_model_smoke_at_half_budget():
         r = next_token_fidelity(model, ids, 192, 8, cfg)
         assert r.kld < 0.6 and r.top1_agree >= 0.6, (method, r)  # K-norm (query-free) is the weakest
         assert r.kv_bytes / r.kv_bytes_fp16 < 0.6
+
+
+@pytest.mark.parametrize("decay,n", [(1.0, 1), (1.0, 5), (0.9, 1), (0.9, 5)])
+def test_h2o_decayed_add_equals_query_by_query_decay(decay, n):
+    """``decayed_add``'s shortcuts (no decay, one query) equal decaying the sum query by query, in float64."""
+    from veloxquant_mlx.cache.methods.eviction.h2o import decayed_add
+
+    acc = mx.random.uniform(shape=(1, H, 9), key=mx.random.key(1))
+    w = mx.random.uniform(shape=(1, H, HQ // H, n, 9), key=mx.random.key(2))
+    want = np.array(acc).astype(np.float64)
+    for j in range(n):
+        want = want * decay + np.array(w[:, :, :, j]).astype(np.float64).sum(axis=2)
+    assert np.allclose(np.array(decayed_add(acc, w, decay)), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova", "morphkv", "keyformer"])
+def test_a_decode_step_builds_no_constant_kernels(method, monkeypatch):
+    """On a GPU a decode step is bound by the host's kernel launches: a step's graph (the layer's attention, the
+    observation, TOVA's / MorphKV's one-row eviction) rebuilds no index ramps, zero fills or decay powers; its
+    positions and zero rows come from the host and the index constants are shared (``index_constant``)."""
+    import io
+    import re
+
+    dispatch.install()
+    c = make(method, 24)
+    mx.random.seed(4)
+    for n in (40, 1, 1):  # a prompt over budget, then decode steps (the first builds the shared constants)
+        q, k, v = mx.random.normal((B, HQ, n, D)), mx.random.normal((B, H, n, D)), mx.random.normal((B, H, n, D))
+        mx.eval(q, k, v)
+        if c.offset == 41:  # the last step's graph stays whole (eviction schedules its positions)
+            monkeypatch.setattr(mx, "async_eval", lambda *a: None)
+        out = layer_call(c, q, k, v)
+        if c.offset < 42:
+            mx.eval(out, c.state)
+    assert c.offset == 42 and (method not in ("tova", "morphkv") or c.size() == 24)
+    dot = io.StringIO()
+    mx.export_to_dot(dot, out, c.keys, c.values, c.positions, *(getattr(c, f) for f in c.row_fields))
+    ops = set(re.findall(r'label ="([A-Za-z]+)"', dot.getvalue()))
+    assert "SliceUpdate" in ops and ("GatherAxis" in ops) == (method in ("tova", "morphkv")), ops
+    assert not ops & {"Arange", "Full", "Power"}, ops

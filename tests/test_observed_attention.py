@@ -110,3 +110,29 @@ def test_tiles_peak_at_a_fraction_of_one_pass(monkeypatch):
     assert whole >= heads * n * n * 4  # one [8, 1024, 1024] float32 array at least
     assert tiled <= whole / 3, (tiled, whole)  # ~0.2 here
     assert np.allclose(np.array(acc[0]), np.array(one_pass()[1]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "array", "additive"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_one_query_row_attends_as_the_fused_attention_and_weighs_in_float32(mask_kind, dtype):
+    """A decode step's row: the output is MLX's fused attention itself (what the plain cache computes), the
+    probabilities float32 and those of a float64 softmax over the same (rounded) inputs."""
+    m = 37
+    q, k, v = (x.astype(dtype) for x in _inputs(1, m, seed=7))
+    mask = _masks(1, m)[mask_kind]
+    out, w = attention_with_weights(q, k, v, scale=D**-0.5, mask=mask)
+    assert w.dtype == mx.float32 and w.shape == (B, H, HQ // H, 1, m) and out.dtype == dtype
+    fused_mask = mask if isinstance(mask, mx.array) and mask.dtype == mx.bool_ else None
+    if mask_kind != "additive":
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=fused_mask)
+        assert np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    q64, k64, v64 = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (q, k, v))
+    logits = np.einsum("bhrd,bhmd->bhrm", q64.reshape(B, H, HQ // H, D), k64) * D**-0.5
+    if isinstance(mask, mx.array):
+        logits = np.where(np.array(mask[0] if mask.dtype == mx.bool_ else mask[0] == 0), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert np.allclose(np.array(w[:, :, :, 0]), p, atol=1e-6)
+    want_out = np.einsum("bhrm,bhmd->bhrd", p, v64).reshape(B, HQ, 1, D)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2  # bfloat16 output: 8 bits of mantissa
+    assert np.allclose(np.array(out.astype(mx.float32)), want_out, atol=tol * float(np.abs(v64).max()))

@@ -27,6 +27,8 @@ same count, so one mask fits). What every method shares, documented once here:
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from . import dispatch
@@ -147,12 +149,14 @@ class EvictionKVCache(CompressedKVCache):
             self._evict_with_proxy()
         self.compute_dtype = keys.dtype
         keys, values = keys.astype(self.storage_dtype(keys.dtype)), values.astype(self.storage_dtype(keys.dtype))
-        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + N, dtype=mx.int32), (B, H, N))
+        # a decode row's position and zero row fields come from the host: no kernels (a GPU's step is the host's)
+        pos = mx.arange(self.offset, self.offset + N, dtype=mx.int32) if N > 1 else mx.array([self.offset], mx.int32)
         self.keys = grow_rows(self.keys, self.rows, keys)
         self.values = grow_rows(self.values, self.rows, values)
-        self.positions = grow_rows(self.positions, self.rows, pos)
+        self.positions = grow_rows(self.positions, self.rows, mx.broadcast_to(pos, (B, H, N)))
+        zeros = mx.zeros((B, H, N), mx.float32) if N > 1 else mx.array(0.0, mx.float32)
         for name in self.row_fields:
-            setattr(self, name, grow_rows(getattr(self, name), self.rows, mx.zeros((B, H, N), mx.float32)))
+            setattr(self, name, grow_rows(getattr(self, name), self.rows, mx.broadcast_to(zeros, (B, H, N))))
         self.rows += N
         self._n_new = N
 
@@ -249,7 +253,8 @@ class EvictionKVCache(CompressedKVCache):
     def protected(self) -> mx.array:
         """[B, H, rows] rows that are never evicted: sinks and the recent window."""
         pos = self.positions[:, :, : self.rows]
-        return (pos < self.n_sink) | (pos >= self._recent_start())
+        start = self._recent_start()
+        return pos < self.n_sink if start >= self.offset else (pos < self.n_sink) | (pos >= start)
 
     def evict(self, scores: mx.array, keep: int | None = None) -> None:
         """Keep the ``keep`` (default ``budget``) best rows of each head, in position order."""
@@ -271,7 +276,7 @@ class EvictionKVCache(CompressedKVCache):
         """Keep the rows ``idx`` [B, H, K] (ascending per head) and drop the rest, gathering ``spare`` rows (never
         read) along so decode rows append in place."""
         if spare:
-            idx = mx.concatenate([idx, mx.zeros(idx.shape[:2] + (spare,), dtype=idx.dtype)], axis=-1)
+            idx = mx.concatenate([idx, index_constant("zeros", idx.shape[:2] + (spare,), idx.dtype)], axis=-1)
         for name in ("keys", "values", "positions", *self.row_fields):  # rows [B, H, rows, D] or [B, H, rows]
             a = getattr(self, name)[:, :, : self.rows]
             setattr(self, name, mx.take_along_axis(a, idx[..., None] if a.ndim == 4 else idx, axis=2))
@@ -290,6 +295,19 @@ class EvictionKVCache(CompressedKVCache):
 
 SETTLE_EVERY = 32
 OBS_WINDOW = 32  # VotingEviction: queries that vote after each call, and the protected recent window
+
+
+@functools.lru_cache(maxsize=64)
+def index_constant(kind: str, shape: tuple, dtype) -> mx.array:
+    """An evaluated index array shared by every cache (``"zeros"``, ``"arange"``, ``"arange+1"`` along the last
+    axis): built once, not per eviction (TOVA and MorphKV evict a row every decode step; on a GPU each kernel a
+    step builds costs host time)."""
+    if kind == "zeros":
+        a = mx.zeros(shape, dtype=dtype)
+    else:
+        a = mx.broadcast_to(mx.arange(shape[-1], dtype=dtype) + (kind == "arange+1"), shape)
+    mx.eval(a)
+    return a
 
 
 def default_slack(budget: int) -> int:
@@ -312,8 +330,8 @@ class BatchedEviction:
         if self.rows != keep + 1:
             return super()._drop(scores, keep)
         j = mx.argmin(self._guarded(scores), axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
-        r = mx.arange(keep, dtype=mx.int32)
-        self.keep_rows(r + (r >= j).astype(mx.int32))
+        r, r1 = (index_constant(kind, (keep,), j.dtype) for kind in ("arange", "arange+1"))
+        self.keep_rows(mx.where(r >= j, r1, r))  # rows past j shift down one (TOVA, MorphKV: every decode step)
 
     def keep_rows(self, idx):
         super().keep_rows(idx, max(self.budget - idx.shape[-1], 0) + self.evict_slack + 1)

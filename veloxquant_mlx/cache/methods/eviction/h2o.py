@@ -21,6 +21,8 @@ def decayed_add(acc: mx.array, weights: mx.array, decay: float) -> mx.array:
     """``acc`` [B, H, rows] decayed once per query of ``weights`` [B, H, rep, N, rows], plus their mass (query
     j of N decayed ``N - 1 - j`` times)."""
     n = weights.shape[3]
+    if decay == 1.0 or n == 1:  # (the paper's H2O; a decode step): no per-query factors
+        return (acc if decay == 1.0 else acc * decay) + weights.sum(axis=(2, 3))
     per_query = (decay ** mx.arange(n - 1, -1, -1, dtype=mx.float32))[None]  # [1, N]: a matmul, no [N, rows] copy
     return acc * decay**n + (per_query @ weights).sum(axis=(2, 3))
 
