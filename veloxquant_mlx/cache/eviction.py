@@ -35,6 +35,7 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights, observed_attention
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
+from .kernels import observed_decode
 from .options import SnapKVOptions
 from .primitives.buffers import fp16_row_bytes, grow_rows
 
@@ -225,14 +226,29 @@ class EvictionKVCache(CompressedKVCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         if self.uses_attention_weights and sinks is None and dispatch.installed():
-            out = observed_attention(queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys),
-                                     observe=self.observe, held=self._observed_state,
-                                     first_observed=self.observed_from(queries.shape[2]))
+            out = self._observed_decode(queries, mask, scale)
+            if out is None:
+                out = observed_attention(queries, keys, values, scale=scale, mask=self._own_mask(mask, queries, keys),
+                                         observe=self.observe, held=self._observed_state,
+                                         first_observed=self.observed_from(queries.shape[2]))
             out = self._observed_with(out)
         else:
             out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if self._pending:
             self._evict_observed(queries[:, :, -min(self.obs_window, queries.shape[2]) :], scale)
+        return out
+
+    def _observed_decode(self, queries, mask, scale):
+        """A decode step's output, its probabilities handed to ``observe``, from one kernel launch over the held
+        buffers (``kernels.observed_decode``: CUDA); None where it does not apply (the op path then)."""
+        if (mask is not None and not isinstance(mask, str)) or not observed_decode.supported(
+                queries, self.keys, self.values, self.rows):
+            return None
+        rows, dt = self.rows, queries.dtype
+        op = lambda: attention_with_weights(queries, self.keys[:, :, :rows].astype(dt),  # noqa: E731
+                                            self.values[:, :, :rows].astype(dt), scale=scale, mask=None)
+        out, w = observed_decode.attend(queries, self.keys, self.values, rows, scale, op)
+        self.observe(w, 0, 1)
         return out
 
     def _observed_with(self, out: mx.array) -> mx.array:

@@ -1,0 +1,78 @@
+"""``kernels.observed_decode``: an observing eviction cache's decode step (output and float32 probabilities) in one
+CUDA launch over the held buffers. The op path (``attention_with_weights`` over the held rows) is the reference:
+same output and probabilities to float32-summation tolerance on GQA ratios, odd row counts, buffers with spare rows
+and every float dtype; a decode of H2O and TOVA through the kernel keeps what the op path keeps. Runs where the
+kernels do (MLX's CUDA backend); elsewhere the step takes the op path, which the eviction tests cover."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from contract_table import layer_call
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache.attention import attention_with_weights
+from veloxquant_mlx.cache.kernels import _common, kernels_enabled
+from veloxquant_mlx.cache.kernels import observed_decode
+
+GPU = pytest.mark.skipif(not kernels_enabled(), reason="the decode kernels need MLX's CUDA backend (none here)")
+
+
+def test_the_kernel_is_off_where_the_decode_kernels_are():
+    """Off the CUDA backend ``supported`` is False, so the caches keep the op path; on it, one query row only."""
+    q, k = mx.zeros((1, 4, 1, 64)), mx.zeros((1, 2, 40, 64))
+    assert observed_decode.supported(q, k, k, 33) == kernels_enabled()
+    assert not observed_decode.supported(mx.zeros((1, 4, 2, 64)), k, k, 33)
+    assert not observed_decode.supported(q, k, k, 41)  # more rows than the buffer holds
+    wide = mx.zeros((1, 32, 1, 64))  # 16 query heads x 64 channels a group: over MAX_GROUP_CHANNELS
+    assert not observed_decode.supported(wide, k, k, 33)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("B,H,rep,D,DV,rows,cap", [(1, 3, 3, 64, 64, 577, 640), (2, 8, 4, 128, 128, 1, 9),
+                                                  (1, 2, 1, 32, 48, 33, 33), (1, 4, 5, 96, 64, 1000, 1100),
+                                                  (1, 8, 4, 128, 128, 640, 704)])
+def test_kernel_equals_the_op_path(dtype, B, H, rep, D, DV, rows, cap):
+    key = mx.random.key(rows + D)
+    q = mx.random.normal((B, H * rep, 1, D), key=key).astype(dtype)
+    k = (2 * mx.random.normal((B, H, cap, D), key=mx.random.key(1))).astype(dtype)
+    v = mx.random.normal((B, H, cap, DV), key=mx.random.key(2)).astype(dtype)
+    assert observed_decode.supported(q, k, v, rows)
+    out, w = observed_decode._launch(q, k, v, rows, D**-0.5)
+    want_out, want_w = attention_with_weights(q, k[:, :, :rows], v[:, :, :rows], scale=D**-0.5, mask=None)
+    assert out.shape == (B, H * rep, 1, DV) and out.dtype == dtype and w.shape == (B, H, rep, 1, rows)
+    assert np.allclose(np.array(w), np.array(want_w), atol=1e-5, rtol=1e-4)
+    tol = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}[dtype]  # the output's rounding
+    assert np.allclose(np.array(out.astype(mx.float32)), np.array(want_out.astype(mx.float32)), atol=tol * 4)
+
+
+@GPU
+@pytest.mark.parametrize("method", ["h2o", "tova", "pyramidkv"])
+def test_a_decode_through_the_kernel_keeps_what_the_op_path_keeps(method, monkeypatch):
+    """40 decode steps of a cache over budget, with and without the kernel: the same rows kept, the same output."""
+    dispatch.install()
+    B, HQ, H, D = 1, 6, 2, 64
+
+    real = observed_decode.supported
+
+    def run(kernel):
+        monkeypatch.setattr(observed_decode, "supported", lambda *a: kernel and real(*a))
+        c = KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32))
+        mx.random.seed(11)
+        outs = []
+        for n in [700] + [1] * 40:
+            q, k, v = (mx.random.normal((B, h, n, D)) for h in (HQ, H, H))
+            outs.append(layer_call(c, q * 2, k, v)[:, :, -1])
+            mx.eval(outs[-1], c.state)
+        return c, mx.stack(outs)
+
+    assert "observed_decode" not in _common._disabled
+    op, out_op = run(False)
+    ker, out_ker = run(True)
+    assert "observed_decode" in _common._checked
+    n = op.size()
+    assert ker.size() == n
+    assert np.array_equal(np.array(ker.positions[:, :, :n]), np.array(op.positions[:, :, :n]))
+    assert np.allclose(np.array(out_ker), np.array(out_op), atol=1e-4, rtol=1e-4)
