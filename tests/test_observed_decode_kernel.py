@@ -25,7 +25,7 @@ def test_the_kernel_is_off_where_the_decode_kernels_are():
     assert observed_decode.supported(q, k, k, 33) == kernels_enabled()
     assert not observed_decode.supported(mx.zeros((1, 4, 2, 64)), k, k, 33)
     assert not observed_decode.supported(q, k, k, 41)  # more rows than the buffer holds
-    wide = mx.zeros((1, 32, 1, 64))  # 16 query heads x 64 channels a group: over MAX_GROUP_CHANNELS
+    wide = mx.zeros((1, 64, 1, 64))  # 32 query heads x 64 channels a group: over MAX_GROUP_CHANNELS (1024)
     assert not observed_decode.supported(wide, k, k, 33)
 
 
