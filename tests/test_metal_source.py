@@ -105,14 +105,19 @@ def test_metal_build_of_the_decode_kernels_parses(label):
 
 @pytest.mark.parametrize("name,consts", [
     ("power_fit", (("M", 32), ("N", 128), ("R", 4), ("ITERS", 8), ("TOL_E8", 10000))),
-    ("vq_nearest", (("D", 4), ("TILE_FLOATS", 7936)))])
+    ("vq_nearest", (("D", 4), ("TILE_FLOATS", 7936))),
+    ("observed_decode", (("D", 128), ("DV", 128), ("REP", 4), ("CAP", 640), ("THREADS", 128))),
+    ("observed_decode", (("D", 64), ("DV", 48), ("REP", 3), ("CAP", 577), ("THREADS", 128)))])
 def test_metal_build_of_the_encoding_kernels_parses(name, consts):
-    """GEAR's fit and the nearest-codeword search (opt-in on Metal with the decode kernels), parsed as above."""
+    """GEAR's fit, the nearest-codeword search and the observing eviction caches' decode step (opt-in on Metal with
+    the decode kernels), parsed as above."""
     import importlib
 
     kernel = importlib.import_module(f"veloxquant_mlx.cache.kernels.{name}")._KERNEL
-    outs = [mx.float32] * len(kernel.outputs) if name == "power_fit" else [mx.int32]
-    source = metal_translation_unit(kernel, [mx.float32] * len(kernel.inputs), outs, consts)
+    ins = [mx.bfloat16, mx.float16, mx.float16] if name == "observed_decode" else [mx.float32] * len(kernel.inputs)
+    outs = {"power_fit": [mx.float32] * len(kernel.outputs), "vq_nearest": [mx.int32],
+            "observed_decode": [mx.bfloat16, mx.float32]}[name]
+    source = metal_translation_unit(kernel, ins, outs, consts)
     assert "thread_index_in_simdgroup [[thread_index_in_simdgroup]]" in source or name == "vq_nearest"
     assert _errors(source) == []
 

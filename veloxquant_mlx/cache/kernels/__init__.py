@@ -26,7 +26,8 @@ past back to dense rows in the model's dtype), ``kivi_rows`` (KIVI's past to den
 fused attention reads, in one launch each instead of dozens of small ops. Two encoding kernels serve methods without
 a decode kernel: ``vq_nearest`` (VecInfer's and A2ATS's nearest-codeword search, no distance matrix) and
 ``power_fit`` (GEAR's subspace-iteration fit, a thread block per matrix). ``observed_decode`` serves the eviction
-caches that observe their attention: a decode step's output and float32 probabilities in one launch (CUDA only).
+caches that observe their attention: a decode step's output and float32 probabilities in one launch (on Metal
+opt-in like the others).
 
 ``VELOXQUANT_DECODE_KERNELS=0`` in the environment (read at import) turns the kernels off (op path everywhere).
 """

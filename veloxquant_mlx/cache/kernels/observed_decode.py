@@ -10,21 +10,23 @@ each query's maximum, the exponentials and their sum, normalises in place, then 
 thread per (query, value channel) pair looping over every row was latency-bound: llama-8b's shape on an H100, H2O
 decoded at 76 tok/s with it against 103 without.) The rows are read from the cache's own buffers ([B, H, capacity, D],
 the first ``n`` held): no copy of a slice. Float16 / bfloat16 / float32 in, float32 sums. One block per KV head
-suits an eviction budget (hundreds of rows); past ``MAX_WORK`` products a call keeps the op path. CUDA only (Metal
-keeps the op path; this body uses the macro layer but was not checked for Metal); checked once per process at first
-use against the op path (``_common.checked_encode``), which stays the reference (``tests/test_decode_kernels.py``).
+suits an eviction budget (hundreds of rows); past ``MAX_WORK`` products a call keeps the op path. On CUDA (measured on
+an H100: docs/RESULTS.md, "Eviction decode steps on a GPU"); on Metal opt-in with the decode kernels
+(``metal_enabled``: the same body behind the macro layer, four warps a block, parsed here against a stand-in for Metal
+in ``tests/test_metal_source.py``, never run on an Apple GPU). Checked once per process at first use against the op
+path (``_common.checked_encode``), which stays the reference (``tests/test_observed_decode_kernel.py``).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ._common import checked_encode, kernels_enabled
-from ._compile import Kernel
+from ._common import checked_encode, kernels_enabled, metal_enabled
+from ._compile import Kernel, on_metal
 
 __all__ = ["attend", "supported"]
 
-THREADS = 256
+THREADS, METAL_THREADS = 256, 128  # Metal: 32 KB of threadgroup memory, so four warps' output sums
 MAX_GROUP_CHANNELS = 1024  # query heads x channels of a KV head's group: the shared query rows and output sums
 MAX_WORK = 1 << 21  # rows x query heads x value channels of one block past which a step keeps the op path
 
@@ -37,7 +39,7 @@ _SOURCE = r"""
   VQ_SHARED float stat[REP];
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) qs[i / D][i % D] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   VQ_SYNC();
-  float* wb = w + (size_t)bh * REP * n;
+  VQ_DEV float* wb = w + (size_t)bh * REP * n;
   float part[REP];
 #pragma unroll
   for (int r = 0; r < REP; ++r) part[r] = -VQ_INF;
@@ -145,7 +147,7 @@ def supported(queries: mx.array, keys: mx.array, values: mx.array, rows: int) ->
     B, Hq, N, D = queries.shape
     H, DV = keys.shape[1], values.shape[-1]
     rep = Hq // H if Hq % H == 0 else 0
-    return (kernels_enabled() and N == 1 and 0 < rep and rep * max(D, DV) <= MAX_GROUP_CHANNELS and D % 32 == 0
+    return ((kernels_enabled() or metal_enabled()) and N == 1 and 0 < rep and rep * max(D, DV) <= MAX_GROUP_CHANNELS and D % 32 == 0
             and keys.shape[-1] == D and 0 < rows <= keys.shape[2] and rows * rep * DV <= MAX_WORK
             and queries.dtype in _DTYPES and keys.dtype in _DTYPES and values.dtype in _DTYPES)
 
@@ -154,9 +156,10 @@ def _launch(queries, keys, values, rows, scale):
     B, Hq, _, D = queries.shape
     H, cap, DV = keys.shape[1], keys.shape[2], values.shape[-1]
     rep = Hq // H
-    consts = (("D", D), ("DV", DV), ("REP", rep), ("CAP", cap), ("THREADS", THREADS))
+    threads = METAL_THREADS if on_metal() else THREADS
+    consts = (("D", D), ("DV", DV), ("REP", rep), ("CAP", cap), ("THREADS", threads))
     out, w = _KERNEL([queries, keys, values], [rows, float(scale)], consts, [(B, Hq, 1, DV), (B, H, rep, 1, rows)],
-                     [queries.dtype, mx.float32], grid=(THREADS * B * H, 1, 1), threads=(THREADS, 1, 1))
+                     [queries.dtype, mx.float32], grid=(threads * B * H, 1, 1), threads=(threads, 1, 1))
     return out, w
 
 
