@@ -34,6 +34,12 @@ SALIENCY_TILE = 64  # query rows per pass of a long first chunk (``_attend_score
 MIN_TILES = 32  # ... and at least this many passes
 
 
+def _dense_part(kt, vv):
+    """``_attend_codes``' ``part`` over dense rows of the compressed past: scores ``qf @ kt`` ([.., D, n] keys),
+    values ``p @ vv``."""
+    return lambda qf, n: (qf @ kt, lambda p: p @ vv)
+
+
 @register_with_mlx_lm
 @register("zipcache")
 class ZipCacheKVCache(KIVIKVCache):
@@ -173,8 +179,7 @@ class ZipCacheKVCache(KIVIKVCache):
         are never evaluated and attention reads the float32 decoding."""
         if not q0 or blocks.on_cpu():
             return None
-        kt, vv = keys[:, :, :q0].swapaxes(-1, -2), values[:, :, :q0]
-        return lambda qf, n: (qf @ kt, lambda p: p @ vv)  # noqa: E731
+        return _dense_part(keys[:, :, :q0].swapaxes(-1, -2), values[:, :, :q0])
 
     def _attend_scored(self, queries, call, *, scale, mask, sinks, past=None):
         """(output, probability mass [B, H, r0 + N] of the pending and the call's rows, summed over the queries).
@@ -190,9 +195,8 @@ class ZipCacheKVCache(KIVIKVCache):
                                            part=past)
             return out, mass[-1]
         q0, r0, past_k, past_v, new_k, new_v = call
-        if past is None:
-            kt, vv = (self._keys_t(q0), self._values(q0)) if q0 else (None, None)  # the compressed past, decoded once
-            past = lambda qf, n: (qf @ kt, lambda p: p @ vv)  # noqa: E731
+        if past is None:  # the compressed past, decoded once
+            past = _dense_part(self._keys_t(q0), self._values(q0)) if q0 else _dense_part(None, None)
 
         def tile(a, b):  # causal: rows a..b see the compressed past, the pending rows and the call's first b
             sub = (q0, r0, past_k, past_v, new_k[:, :, :b], new_v[:, :, :b])
