@@ -1,5 +1,5 @@
 """``kernels.observed_decode``: an observing eviction cache's decode step (output and float32 probabilities) in one
-CUDA launch over the held buffers. The op path (``attention_with_weights`` over the held rows) is the reference:
+CUDA launch over the held buffers; ``kernels.drop_row``: the one-row drop of TOVA / MorphKV in one launch. The op path (``attention_with_weights`` over the held rows) is the reference:
 same output and probabilities to float32-summation tolerance on GQA ratios, odd row counts, buffers with spare rows
 and every float dtype; a decode of H2O and TOVA through the kernel keeps what the op path keeps. Runs where the
 kernels do (MLX's CUDA backend); elsewhere the step takes the op path, which the eviction tests cover."""
@@ -14,7 +14,7 @@ from contract_table import layer_call
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
 from veloxquant_mlx.cache.attention import attention_with_weights
 from veloxquant_mlx.cache.kernels import _common, kernels_enabled
-from veloxquant_mlx.cache.kernels import observed_decode
+from veloxquant_mlx.cache.kernels import drop_row, observed_decode
 
 GPU = pytest.mark.skipif(not kernels_enabled(), reason="the decode kernels need MLX's CUDA backend (none here)")
 
@@ -27,6 +27,9 @@ def test_the_kernel_is_off_where_the_decode_kernels_are():
     assert not observed_decode.supported(q, k, k, 41)  # more rows than the buffer holds
     wide = mx.zeros((1, 64, 1, 64))  # 32 query heads x 64 channels a group: over MAX_GROUP_CHANNELS (1024)
     assert not observed_decode.supported(wide, k, k, 33)
+    pos = mx.zeros((1, 2, 40), mx.int32)
+    assert drop_row.supported(k, k, pos, 33) == kernels_enabled()
+    assert not drop_row.supported(k, k, pos.astype(mx.float32), 33)
 
 
 @GPU
@@ -49,16 +52,39 @@ def test_kernel_equals_the_op_path(dtype, B, H, rep, D, DV, rows, cap):
 
 
 @GPU
-@pytest.mark.parametrize("method", ["h2o", "tova", "pyramidkv"])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_drop_row_kernel_equals_the_op_path(dtype):
+    """Each head drops its least unprotected row (ties to the lowest; protected: sinks and the recent window by
+    position), the rest shift down in order, the spare rows repeat the last; as the op path's argmin and gathers."""
+    B, H, cap, D, rows, spare, n_sink, start = 2, 3, 70, 64, 65, 4, 2, 60
+    k = mx.random.normal((B, H, cap, D), key=mx.random.key(3)).astype(dtype)
+    v = mx.random.normal((B, H, cap, 32), key=mx.random.key(4)).astype(dtype)
+    pos = mx.broadcast_to(mx.arange(cap, dtype=mx.int32) * 2 % 71, (B, H, cap))  # out of order, some protected
+    s = mx.round(mx.random.uniform(shape=(B, H, rows), key=mx.random.key(5)) * 8)  # ties
+    s = mx.where(pos[:, :, :rows] < n_sink, -1.0, s)  # a protected row scores least: never the one dropped
+    ok, ov, opos = drop_row._launch(k, v, pos, s, rows, spare, n_sink, start)
+    p = pos[:, :, :rows]
+    guarded = mx.where((p < n_sink) | (p >= start), mx.inf, s)
+    j = np.array(mx.argmin(guarded, axis=-1))
+    for b in range(B):
+        for h in range(H):
+            src = [i + (i >= j[b, h]) for i in range(rows - 1)] + [rows - 1] * spare
+            assert np.array_equal(np.array(opos[b, h]), np.array(pos[b, h])[src])
+            assert np.array_equal(np.array(ok[b, h].astype(mx.float32)), np.array(k[b, h].astype(mx.float32))[src])
+            assert np.array_equal(np.array(ov[b, h].astype(mx.float32)), np.array(v[b, h].astype(mx.float32))[src])
+
+
+@GPU
+@pytest.mark.parametrize("method", ["h2o", "tova", "pyramidkv", "morphkv"])
 def test_a_decode_through_the_kernel_keeps_what_the_op_path_keeps(method, monkeypatch):
-    """40 decode steps of a cache over budget, with and without the kernel: the same rows kept, the same output."""
+    """40 decode steps of a cache over budget, with and without the kernels: the same rows kept, the same output."""
     dispatch.install()
     B, HQ, H, D = 1, 6, 2, 64
-
-    real = observed_decode.supported
+    real, real_drop = observed_decode.supported, drop_row.supported
 
     def run(kernel):
         monkeypatch.setattr(observed_decode, "supported", lambda *a: kernel and real(*a))
+        monkeypatch.setattr(drop_row, "supported", lambda *a: kernel and real_drop(*a))
         c = KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32))
         mx.random.seed(11)
         outs = []
@@ -71,7 +97,8 @@ def test_a_decode_through_the_kernel_keeps_what_the_op_path_keeps(method, monkey
     assert "observed_decode" not in _common._disabled
     op, out_op = run(False)
     ker, out_ker = run(True)
-    assert "observed_decode" in _common._checked
+    assert "observed_decode" in _common._checked or method == "morphkv"
+    assert "drop_row" in _common._checked or method not in ("tova", "morphkv")
     n = op.size()
     assert ker.size() == n
     assert np.array_equal(np.array(ker.positions[:, :, :n]), np.array(op.positions[:, :, :n]))

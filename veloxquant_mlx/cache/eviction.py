@@ -39,7 +39,7 @@ from . import dispatch
 from .attention import attention_logits, attention_with_weights, observed_attention
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
-from .kernels import observed_decode
+from .kernels import drop_row, observed_decode
 from .options import SnapKVOptions
 from .primitives.buffers import fp16_row_bytes, grow_rows
 
@@ -349,9 +349,34 @@ class BatchedEviction:
     def _drop(self, scores, keep):
         if self.rows != keep + 1:
             return super()._drop(scores, keep)
+        if self._drops_in_one_launch():
+            return self._drop_one_row(scores, keep)
         j = mx.argmin(self._guarded(scores), axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
         r, r1 = (index_constant(kind, (keep,), j.dtype) for kind in ("arange", "arange+1"))
         self.keep_rows(mx.where(r >= j, r1, r))  # rows past j shift down one (TOVA, MorphKV: every decode step)
+
+    def _drops_in_one_launch(self) -> bool:
+        """The one-row drop as one CUDA launch (``kernels.drop_row``): for caches with no per-row state of their own
+        to carry and the shared ``keep_rows`` (TOVA, MorphKV)."""
+        return (not self.row_fields and type(self).keep_rows is BatchedEviction.keep_rows
+                and drop_row.supported(self.keys, self.values, self.positions, self.rows))
+
+    def _drop_one_row(self, scores, keep):
+        rows, spare = self.rows, max(self.budget - keep, 0) + self.evict_slack + 1
+        n, start = self.n_sink, self._recent_start()
+
+        def op():  # the op path's drop, on copies of the fields
+            j = mx.argmin(self._guarded(scores), axis=-1, keepdims=True)
+            r, r1 = (index_constant(kind, (keep,), j.dtype) for kind in ("arange", "arange+1"))
+            idx = mx.concatenate([mx.where(r >= j, r1, r), index_constant("zeros", j.shape[:2] + (spare,), j.dtype)
+                                  + (rows - 1)], axis=-1)
+            return tuple(mx.take_along_axis(a[:, :, :rows], idx[..., None] if a.ndim == 4 else idx, axis=2)
+                         for a in (self.keys, self.values, self.positions))
+
+        self.keys, self.values, self.positions = drop_row.drop(self.keys, self.values, self.positions, scores, rows,
+                                                               spare, n, start, op)
+        self.rows, self._unsettled = keep, 0
+        mx.async_eval(self.positions)
 
     def keep_rows(self, idx):
         super().keep_rows(idx, max(self.budget - idx.shape[-1], 0) + self.evict_slack + 1)
