@@ -22,8 +22,8 @@ same count, so one mask fits). What every method shares, documented once here:
   sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
 * **Decode steps on a GPU** are bound by the host's kernel launches: one query row's output is MLX's fused
   attention (``attention.attention_with_weights``), an observing cache's step is one CUDA launch
-  (``kernels.observed_decode``, checked once against the op path), and the one-row drop (TOVA, MorphKV) reads
-  shared index constants (``index_constant``).
+  (``kernels.observed_decode``, checked once against the op path), and the one-row drop (TOVA, MorphKV) is one
+  launch too (``kernels.drop_row``; the op path reads shared index constants, ``index_constant``).
 * **Votes** (``VotingEviction``: PyramidKV, SqueezeAttention, ChunkKV, CaM): rows accumulate the attention
   mass from each call's last ``obs_window`` queries (SnapKV-style, reset after each eviction) or from every
   query (H2O-style, never reset).

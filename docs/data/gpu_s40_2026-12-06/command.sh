@@ -41,3 +41,10 @@ timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_observed_de
 M="h2o tova pyramidkv kvzip"
 dec() { timeout $1 python3 $2/scripts/decode_model_cpu.py --shape $3 --context 8192 --steps 16 --rounds 3 --prefill $(for m in $M; do echo "--method $m"; done) 2>&1 | grep -v "Warn\|warn\|rounds:\|self._check\|^  \.\."; }
 for v in old_s40 . old_s40 .; do echo "== llama-8b $v"; dec 150 $v llama-8b | tee -a $OUT/llama8b_before_after.txt; done
+
+# --- run6.sh (old_s40/prev: veloxquant_mlx/ and scripts/ at cdf15ba, before kernels.drop_row)
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_observed_decode_kernel.py > $OUT/t_kernel4.txt 2>&1; tail -15 $OUT/t_kernel4.txt
+M="tova morphkv"
+dec() { timeout $1 python3 $2/scripts/decode_model_cpu.py --shape $3 --context 8192 --steps 16 --rounds 3 --prefill $(for m in $M; do echo "--method $m"; done) 2>&1 | grep -v "Warn\|warn\|rounds:\|self._check\|^  \.\."; }
+for v in old_s40/prev . old_s40/prev .; do echo "== llama-8b $v"; dec 100 $v llama-8b | tee -a $OUT/drop_llama8b.txt; done
+for v in old_s40/prev . ; do echo "== smollm2 $v"; dec 80 $v smollm2 | tee -a $OUT/drop_smollm2.txt; done

@@ -27,7 +27,7 @@ fused attention reads, in one launch each instead of dozens of small ops. Two en
 a decode kernel: ``vq_nearest`` (VecInfer's and A2ATS's nearest-codeword search, no distance matrix) and
 ``power_fit`` (GEAR's subspace-iteration fit, a thread block per matrix). ``observed_decode`` serves the eviction
 caches that observe their attention: a decode step's output and float32 probabilities in one launch (on Metal
-opt-in like the others).
+opt-in like the others); ``drop_row`` the one-row drop of TOVA and MorphKV (CUDA).
 
 ``VELOXQUANT_DECODE_KERNELS=0`` in the environment (read at import) turns the kernels off (op path everywhere).
 """
