@@ -48,3 +48,7 @@ M="tova morphkv"
 dec() { timeout $1 python3 $2/scripts/decode_model_cpu.py --shape $3 --context 8192 --steps 16 --rounds 3 --prefill $(for m in $M; do echo "--method $m"; done) 2>&1 | grep -v "Warn\|warn\|rounds:\|self._check\|^  \.\."; }
 for v in old_s40/prev . old_s40/prev .; do echo "== llama-8b $v"; dec 100 $v llama-8b | tee -a $OUT/drop_llama8b.txt; done
 for v in old_s40/prev . ; do echo "== smollm2 $v"; dec 80 $v smollm2 | tee -a $OUT/drop_smollm2.txt; done
+
+# --- run7.sh (the eviction, memory and kernel test files on the GPU, 8 shards)
+FILES="tests/test_eviction_layers.py tests/test_eviction_contract.py tests/test_eviction_query.py tests/test_eviction_scoring.py tests/test_observed_attention.py tests/test_memory_honesty.py tests/test_observed_decode_kernel.py tests/test_prefill_memory.py" SHARDS=8 SHARD_TIMEOUT=240 bash scripts/gpu_run.sh - suite 2>/dev/null
+grep -h "passed\|failed" $OUT/suite_*.txt
