@@ -351,9 +351,14 @@ class BatchedEviction:
             return super()._drop(scores, keep)
         if self._drops_in_one_launch():
             return self._drop_one_row(scores, keep)
+        self.keep_rows(self._one_row_kept(scores, keep))
+
+    def _one_row_kept(self, scores, keep):
+        """[B, H, keep] rows kept when each head drops its least unprotected row (the rows past it shift down one;
+        TOVA, MorphKV: every decode step)."""
         j = mx.argmin(self._guarded(scores), axis=-1, keepdims=True)  # [B, H, 1]: the one row to drop
         r, r1 = (index_constant(kind, (keep,), j.dtype) for kind in ("arange", "arange+1"))
-        self.keep_rows(mx.where(r >= j, r1, r))  # rows past j shift down one (TOVA, MorphKV: every decode step)
+        return mx.where(r >= j, r1, r)
 
     def _drops_in_one_launch(self) -> bool:
         """The one-row drop as one CUDA launch (``kernels.drop_row``): for caches with no per-row state of their own
@@ -362,14 +367,13 @@ class BatchedEviction:
                 and drop_row.supported(self.keys, self.values, self.positions, self.rows))
 
     def _drop_one_row(self, scores, keep):
-        rows, spare = self.rows, max(self.budget - keep, 0) + self.evict_slack + 1
+        rows, spare = self.rows, self._spare(keep)
         n, start = self.n_sink, self._recent_start()
 
-        def op():  # the op path's drop, on copies of the fields
-            j = mx.argmin(self._guarded(scores), axis=-1, keepdims=True)
-            r, r1 = (index_constant(kind, (keep,), j.dtype) for kind in ("arange", "arange+1"))
-            idx = mx.concatenate([mx.where(r >= j, r1, r), index_constant("zeros", j.shape[:2] + (spare,), j.dtype)
-                                  + (rows - 1)], axis=-1)
+        def op():  # the op path's drop, the spare rows repeating the last held row (as the kernel's)
+            kept = self._one_row_kept(scores, keep)
+            idx = mx.concatenate([kept, index_constant("zeros", kept.shape[:2] + (spare,), kept.dtype) + (rows - 1)],
+                                 axis=-1)
             return tuple(mx.take_along_axis(a[:, :, :rows], idx[..., None] if a.ndim == 4 else idx, axis=2)
                          for a in (self.keys, self.values, self.positions))
 
@@ -378,8 +382,12 @@ class BatchedEviction:
         self.rows, self._unsettled = keep, 0
         mx.async_eval(self.positions)
 
+    def _spare(self, kept: int) -> int:
+        """Rows gathered beyond ``kept`` kept ones: room for the decode rows until the next eviction."""
+        return max(self.budget - kept, 0) + self.evict_slack + 1
+
     def keep_rows(self, idx):
-        super().keep_rows(idx, max(self.budget - idx.shape[-1], 0) + self.evict_slack + 1)
+        super().keep_rows(idx, self._spare(idx.shape[-1]))
         self._unsettled = 0
 
     def settle(self) -> None:
