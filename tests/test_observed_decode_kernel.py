@@ -103,3 +103,35 @@ def test_a_decode_through_the_kernel_keeps_what_the_op_path_keeps(method, monkey
     assert ker.size() == n
     assert np.array_equal(np.array(ker.positions[:, :, :n]), np.array(op.positions[:, :, :n]))
     assert np.allclose(np.array(out_ker), np.array(out_op), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["tova", "morphkv"])
+def test_the_one_launch_drop_path_keeps_what_the_gathers_keep(method, monkeypatch):
+    """Off CUDA too: ``_drop_one_row`` with ``drop_row`` answering by its reference (``op_fn``, what the kernel is
+    checked against and falls back to) keeps each step the rows the regular one-row drop keeps, in order."""
+    dispatch.install()
+    B, HQ, H, D = 1, 6, 2, 32
+    real, calls = drop_row.supported, []
+
+    def run(one_launch):
+        monkeypatch.setattr(drop_row, "supported", lambda *a: one_launch)
+        monkeypatch.setattr(drop_row, "drop", lambda *a: calls.append(a[4]) or a[-1]())  # (a[4]: the rows held)
+        c = KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32))
+        mx.random.seed(12)
+        outs = []
+        for n in [600] + [1] * 12:
+            q, k, v = (mx.random.normal((B, h, n, D)) for h in (HQ, H, H))
+            outs.append(layer_call(c, q * 2, k, v)[:, :, -1])
+            mx.eval(outs[-1], c.state)
+        return c, mx.stack(outs)
+
+    regular, out_regular = run(False)
+    assert not calls
+    one, out_one = run(True)
+    assert calls == [one.budget + 1] * 12  # every decode step dropped its one row through drop_row
+    monkeypatch.setattr(drop_row, "supported", real)
+    n = regular.size()
+    assert one.size() == n and n == regular.budget
+    assert np.array_equal(np.array(one.positions[:, :, :n]), np.array(regular.positions[:, :, :n]))
+    assert np.array_equal(np.array(one.keys[:, :, :n]), np.array(regular.keys[:, :, :n]))
+    assert np.array_equal(np.array(out_one), np.array(out_regular))
