@@ -74,25 +74,32 @@ def test_drop_row_kernel_equals_the_op_path(dtype):
             assert np.array_equal(np.array(ov[b, h].astype(mx.float32)), np.array(v[b, h].astype(mx.float32))[src])
 
 
+def prompt_then_steps(method: str, prompt: int, steps: int, D: int, seed: int):
+    """A fresh ``method`` cache (float32, the dispatch point installed) after a ``prompt``-row call over its budget
+    and ``steps`` decode steps of one layer (6 query heads, 2 KV heads); with each call's last output row, stacked."""
+    dispatch.install()
+    B, HQ, H = 1, 6, 2
+    c = KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32))
+    mx.random.seed(seed)
+    outs = []
+    for n in [prompt] + [1] * steps:
+        q, k, v = (mx.random.normal((B, h, n, D)) for h in (HQ, H, H))
+        outs.append(layer_call(c, q * 2, k, v)[:, :, -1])
+        mx.eval(outs[-1], c.state)
+    return c, mx.stack(outs)
+
+
 @GPU
 @pytest.mark.parametrize("method", ["h2o", "tova", "pyramidkv", "morphkv"])
 def test_a_decode_through_the_kernel_keeps_what_the_op_path_keeps(method, monkeypatch):
     """40 decode steps of a cache over budget, with and without the kernels: the same rows kept, the same output."""
-    dispatch.install()
-    B, HQ, H, D = 1, 6, 2, 64
+    D = 64
     real, real_drop = observed_decode.supported, drop_row.supported
 
     def run(kernel):
         monkeypatch.setattr(observed_decode, "supported", lambda *a: kernel and real(*a))
         monkeypatch.setattr(drop_row, "supported", lambda *a: kernel and real_drop(*a))
-        c = KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32))
-        mx.random.seed(11)
-        outs = []
-        for n in [700] + [1] * 40:
-            q, k, v = (mx.random.normal((B, h, n, D)) for h in (HQ, H, H))
-            outs.append(layer_call(c, q * 2, k, v)[:, :, -1])
-            mx.eval(outs[-1], c.state)
-        return c, mx.stack(outs)
+        return prompt_then_steps(method, 700, 40, D, seed=11)
 
     assert "observed_decode" not in _common._disabled
     op, out_op = run(False)
@@ -109,21 +116,13 @@ def test_a_decode_through_the_kernel_keeps_what_the_op_path_keeps(method, monkey
 def test_the_one_launch_drop_path_keeps_what_the_gathers_keep(method, monkeypatch):
     """Off CUDA too: ``_drop_one_row`` with ``drop_row`` answering by its reference (``op_fn``, what the kernel is
     checked against and falls back to) keeps each step the rows the regular one-row drop keeps, in order."""
-    dispatch.install()
-    B, HQ, H, D = 1, 6, 2, 32
+    D = 32
     real, calls = drop_row.supported, []
 
     def run(one_launch):
         monkeypatch.setattr(drop_row, "supported", lambda *a: one_launch)
         monkeypatch.setattr(drop_row, "drop", lambda *a: calls.append(a[4]) or a[-1]())  # (a[4]: the rows held)
-        c = KVCacheFactory.create(KVCacheConfig(method=method, dtype=mx.float32))
-        mx.random.seed(12)
-        outs = []
-        for n in [600] + [1] * 12:
-            q, k, v = (mx.random.normal((B, h, n, D)) for h in (HQ, H, H))
-            outs.append(layer_call(c, q * 2, k, v)[:, :, -1])
-            mx.eval(outs[-1], c.state)
-        return c, mx.stack(outs)
+        return prompt_then_steps(method, 600, 12, D, seed=12)
 
     regular, out_regular = run(False)
     assert not calls
