@@ -1,5 +1,6 @@
 """``kernels.observed_decode``: an observing eviction cache's decode step (output and float32 probabilities) in one
-CUDA launch over the held buffers; ``kernels.drop_row``: the one-row drop of TOVA / MorphKV in one launch. The op path (``attention_with_weights`` over the held rows) is the reference:
+CUDA launch over the held buffers; ``kernels.drop_row``: the one-row drop of TOVA / MorphKV in one launch. The op
+path (``attention_with_weights`` over the held rows) is the reference:
 same output and probabilities to float32-summation tolerance on GQA ratios, odd row counts, buffers with spare rows
 and every float dtype; a decode of H2O and TOVA through the kernel keeps what the op path keeps. Runs where the
 kernels do (MLX's CUDA backend); elsewhere the step takes the op path, which the eviction tests cover."""

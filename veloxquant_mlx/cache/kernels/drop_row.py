@@ -69,7 +69,8 @@ _SOURCE = r"""
 """
 
 _KERNEL = Kernel("vq_drop_row", ["k", "v", "pos", "s"], ["ok", "ov", "opos"],
-                 [("n", "int"), ("CAP", "int"), ("out_rows", "int"), ("n_sink", "int"), ("recent_start", "int")], _SOURCE)
+                 [("n", "int"), ("CAP", "int"), ("out_rows", "int"), ("n_sink", "int"), ("recent_start", "int")],
+                 _SOURCE)
 _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 

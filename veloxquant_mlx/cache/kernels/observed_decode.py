@@ -147,8 +147,9 @@ def supported(queries: mx.array, keys: mx.array, values: mx.array, rows: int) ->
     B, Hq, N, D = queries.shape
     H, DV = keys.shape[1], values.shape[-1]
     rep = Hq // H if Hq % H == 0 else 0
-    return ((kernels_enabled() or metal_enabled()) and N == 1 and 0 < rep and rep * max(D, DV) <= MAX_GROUP_CHANNELS and D % 32 == 0
-            and keys.shape[-1] == D and 0 < rows <= keys.shape[2] and rows * rep * DV <= MAX_WORK
+    return ((kernels_enabled() or metal_enabled()) and N == 1 and 0 < rep and D % 32 == 0
+            and rep * max(D, DV) <= MAX_GROUP_CHANNELS and keys.shape[-1] == D and 0 < rows <= keys.shape[2]
+            and rows * rep * DV <= MAX_WORK
             and queries.dtype in _DTYPES and keys.dtype in _DTYPES and values.dtype in _DTYPES)
 
 
