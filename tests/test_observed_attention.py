@@ -11,6 +11,7 @@ from contract_table import layer_call
 from peak_memory import peak_of
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, attention, dispatch
 from veloxquant_mlx.cache.attention import attention_with_weights, observed_attention
+from veloxquant_mlx.cache.primitives import blocks
 
 B, HQ, H, D = 1, 4, 2, 16
 TINY_TILES, ONE_TILE = 4096, 1 << 40  # block entries: tiles of a few query rows / the whole call
@@ -114,16 +115,19 @@ def test_tiles_peak_at_a_fraction_of_one_pass(monkeypatch):
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "array", "additive"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_one_query_row_attends_as_the_fused_attention_and_weighs_in_float32(mask_kind, dtype):
-    """A decode step's row: the output is MLX's fused attention itself (what the plain cache computes), the
-    probabilities float32 and those of a float64 softmax over the same (rounded) inputs."""
+@pytest.mark.parametrize("gpu_rules", [True, False])
+def test_one_query_row_attends_as_the_fused_attention_and_weighs_in_float32(mask_kind, dtype, gpu_rules, monkeypatch):
+    """A decode step's row: under a GPU's rules the output is MLX's fused attention itself (what the plain cache
+    computes); either way the probabilities are float32 and those of a float64 softmax over the same (rounded)
+    inputs, and the output their product with the values."""
+    monkeypatch.setattr(blocks, "on_cpu", lambda: not gpu_rules)
     m = 37
     q, k, v = (x.astype(dtype) for x in _inputs(1, m, seed=7))
     mask = _masks(1, m)[mask_kind]
     out, w = attention_with_weights(q, k, v, scale=D**-0.5, mask=mask)
     assert w.dtype == mx.float32 and w.shape == (B, H, HQ // H, 1, m) and out.dtype == dtype
     fused_mask = mask if isinstance(mask, mx.array) and mask.dtype == mx.bool_ else None
-    if mask_kind != "additive":
+    if mask_kind != "additive" and gpu_rules:
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=fused_mask)
         assert np.array_equal(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)))
     q64, k64, v64 = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (q, k, v))
