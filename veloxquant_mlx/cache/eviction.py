@@ -20,7 +20,7 @@ same count, so one mask fits). What every method shares, documented once here:
   methods: ``exact_trim = False``).
 * **Settle.** Lazily accumulated per-row state (``row_fields``) is scheduled (``mx.async_eval``, no host
   sync) every ``SETTLE_EVERY`` calls, so its graph stays bounded.
-* **Decode steps on a GPU** are bound by the host's kernel launches: one query row's output is MLX's fused
+* **Decode steps on a GPU** are bound by the host's kernel launches: there one query row's output is MLX's fused
   attention (``attention.attention_with_weights``), an observing cache's step is one CUDA launch
   (``kernels.observed_decode``, checked once against the op path), and the one-row drop (TOVA, MorphKV) is one
   launch too (``kernels.drop_row``; the op path reads shared index constants, ``index_constant``).
