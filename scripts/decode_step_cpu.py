@@ -1,4 +1,4 @@
-"""Time single-query decode steps of waterfill, KIVI and SnapKV through mlx_lm's dispatch point (store +
+"""Time single-query decode steps of waterfill, KIVI, TurboQuant-RVQ and SnapKV through mlx_lm's dispatch point (store +
 attention, one layer, evaluated every step) at a SmolLM2-like shape, next to mlx_lm's plain KVCache
 with MLX's fused attention. For before/after comparisons of the decode path where a full
 ``veloxquant bench`` is too slow (a shared CPU); only public API, so it runs on older versions too.
@@ -51,6 +51,7 @@ def main(argv=None):
     caches["waterfill-4"] = wf
     caches["kivi-4"] = KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=4, head_dim=D,
                                                            options=KIVIOptions(group_size=32)))
+    caches["turboquant_rvq"] = KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D))
     caches["snapkv"] = KVCacheFactory.create(KVCacheConfig(method="snapkv", head_dim=D))
     print(f"device {mx.default_device()}, context {T}, H={H}, rep={R}, D={D}, {a.steps} steps", flush=True)
     for name, c in caches.items():

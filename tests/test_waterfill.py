@@ -372,6 +372,45 @@ def test_compressed_attention_equals_dense_attention_over_the_stored_rows():
         assert float(mx.abs(out - ref).max()) < (1e-4 if mx.default_device() == mx.cpu else 1e-3)
 
 
+def test_long_cpu_decode_step_decodes_its_rows_in_parts_on_cpu_streams(monkeypatch):
+    """Past ``CPU_SPLIT_MIN_ROWS`` quantized rows a CPU decode step decodes its keys and values in ``CPU_STREAMS``
+    contiguous row ranges (each on its own stream: MLX runs a CPU stream on one thread) and gets the stored rows'
+    attention, as the one-part step does; below the threshold it stays one part."""
+    from veloxquant_mlx.cache import attention
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("the split is the CPU backend's")
+    monkeypatch.setattr(attention, "CPU_SPLIT_MIN_ROWS", 128)
+    c = make(n_calib=32, rope=nn.RoPE(D, traditional=False, base=1e4))
+    feed(c, rows(100), rows(100, seed=1), queries=mx.random.normal((1, 2 * H, 100, D), key=mx.random.key(2)))
+    seen = {"keys": [], "values": []}
+    real_k, real_v = WaterfillKVCache._key_scores, WaterfillKVCache._weighted_values
+    monkeypatch.setattr(WaterfillKVCache, "_key_scores", lambda s, q, a, b: seen["keys"].append((a, b))
+                        or real_k(s, q, a, b))
+    monkeypatch.setattr(WaterfillKVCache, "_weighted_values", lambda s, p, a, b: seen["values"].append((a, b))
+                        or real_v(s, p, a, b))
+    q, k1, v1 = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
+                 enumerate([(1, 2 * H, 1, D), (1, H, 1, D), (1, H, 1, D)]))
+    outs = {}
+    for streams, total in [(2, 100), (2, 200), (1, 200)]:  # below the threshold, split, one part
+        monkeypatch.setattr(attention, "CPU_STREAMS", streams)
+        if c.stored_rows() < total:
+            feed(c, rows(total - c.stored_rows(), seed=3), rows(total - c.stored_rows(), seed=4))
+        for key in seen:
+            seen[key].clear()
+        K, V = c.update_and_fetch(k1, v1)
+        got = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        want = mx.fast.scaled_dot_product_attention(q, K, V, scale=D**-0.5, mask=None)
+        c.trim(1)
+        n = c.n_quant
+        cuts = [(0, n // 2), (n // 2, n)] if (streams, total) == (2, 200) else [(0, n)]
+        assert (n >= 128) == (len(cuts) == 2 or streams == 1), n
+        assert seen == {"keys": cuts, "values": cuts}, (streams, total, seen)
+        assert float(mx.abs(got - want).max()) <= 1e-4 * float(mx.abs(want).max()), (streams, total)
+        outs[streams, total] = got
+    assert float(mx.abs(outs[2, 200] - outs[1, 200]).max()) <= 1e-5 * float(mx.abs(outs[1, 200]).max())
+
+
 def test_without_queries_calibrates_with_equal_weights_at_the_next_call():
     c = make(n_calib=32)
     c.update_and_fetch(rows(40), rows(40, seed=1))  # no dispatch point: attend never runs

@@ -4,6 +4,7 @@ keys/values [B, H, M, D], masks None, "causal" (bottom-right aligned) or a boole
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
@@ -182,31 +183,42 @@ CPU_SPLIT_MIN_ROWS = 2048  # stored rows from which a CPU decode step splits its
 _helper_streams: list = []
 
 
-def split_on_cpu_streams(terms):
-    """``sum(t() for t in terms)``, each term built on its own CPU stream (the current one first) so that MLX runs
-    them on as many threads; the terms of a split contraction. On a GPU device, all on the current stream."""
-    if mx.default_device().type != mx.DeviceType.cpu or len(terms) == 1:
-        return sum((t() for t in terms[1:]), terms[0]())
-    while len(_helper_streams) < len(terms) - 1:
+def on_cpu_streams(builders) -> list:
+    """``[b() for b in builders]``, each built on its own CPU stream (the current one first) so that MLX runs them
+    on as many threads. On a GPU device, all on the current stream."""
+    if mx.default_device().type != mx.DeviceType.cpu or len(builders) == 1:
+        return [b() for b in builders]
+    while len(_helper_streams) < len(builders) - 1:
         _helper_streams.append(mx.new_stream(mx.cpu))
-    out = terms[0]()
-    for t, s in zip(terms[1:], _helper_streams):
+    out = [builders[0]()]
+    for b, s in zip(builders[1:], _helper_streams):
         with mx.stream(s):
-            part = t()
-        out = out + part
+            out.append(b())
     return out
+
+
+def split_on_cpu_streams(terms):
+    """``sum(t() for t in terms)``, each term built on its own CPU stream (``on_cpu_streams``); the terms of a
+    split contraction, added on the current stream."""
+    return functools.reduce(mx.add, on_cpu_streams(terms))
+
+
+def cpu_cuts(rows: int, size: int) -> list:
+    """``[(a, b)]``: ``[0, size)`` in CPU_STREAMS contiguous parts when ``rows`` stored rows are worth a split on
+    the CPU, else the one range."""
+    parts = CPU_STREAMS if rows >= CPU_SPLIT_MIN_ROWS and mx.default_device().type == mx.DeviceType.cpu else 1
+    cuts = [size * i // parts for i in range(parts + 1)]
+    return list(zip(cuts, cuts[1:]))
 
 
 def cpu_parts(rows: int, size: int, fn, *args) -> list:
     """Terms for ``split_on_cpu_streams``: ``fn`` of the ``(array, axis)`` pairs ``args`` each cut along its axis
-    into CPU_STREAMS contiguous parts of ``[0, size)`` when ``rows`` stored rows are worth a split on the CPU,
-    else one term of the whole arrays."""
-    parts = CPU_STREAMS if rows >= CPU_SPLIT_MIN_ROWS and mx.default_device().type == mx.DeviceType.cpu else 1
-    if parts == 1:
+    into the ``cpu_cuts(rows, size)`` ranges."""
+    cuts = cpu_cuts(rows, size)
+    if len(cuts) == 1:
         return [lambda: fn(*(x for x, _ in args))]
-    cuts = [size * i // parts for i in range(parts + 1)]
     cut = lambda x, axis, a, c: x[(slice(None),) * (axis % x.ndim) + (slice(a, c),)]  # noqa: E731
-    return [lambda a=a, c=c: fn(*(cut(x, axis, a, c) for x, axis in args)) for a, c in zip(cuts, cuts[1:])]
+    return [lambda a=a, c=c: fn(*(cut(x, axis, a, c) for x, axis in args)) for a, c in cuts]
 
 
 # Tiled attention: a prefill chunk's dense scores [B, Hq, N, M] peak well above mlx_lm's plain cache, so

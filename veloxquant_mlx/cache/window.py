@@ -13,8 +13,8 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from . import kernels
-from .attention import (bool_mask, dense_attention, dense_blocks, group_queries, online_softmax_attention, tile_ranges,
-                        tile_rows, ungroup)
+from .attention import (bool_mask, cpu_cuts, dense_attention, dense_blocks, group_queries, on_cpu_streams,
+                        online_softmax_attention, split_on_cpu_streams, tile_ranges, tile_rows, ungroup)
 from .contract import CompressedKVCache
 from .eviction import EvictionKVCache
 from .primitives.buffers import dtype_name, fp16_row_bytes, grow_rows  # noqa: F401 (fp16_row_bytes re-exported)
@@ -59,6 +59,20 @@ def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask
     parts = [(*quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
     parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, s0), (s0 + q0, n_keys))))
     return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
+
+
+def split_rows_part(n: int, scores, values, finish=None):
+    """A ``_quantized_part``'s ``(scores [B, H, R, n], value_fn)`` over quantized rows ``0 .. n`` from its range
+    forms ``scores(a, b)`` and ``values(p, a, b)`` (``p`` the rows' probabilities), ``finish`` applied to the
+    values' sum (a rotation back). On the CPU a long step's rows are decoded in ``cpu_cuts`` parts, each on its own
+    stream: MLX runs a stream's ops on one thread, and these decodings (gathers, RoPE, codebooks) are elementwise
+    passes that BLAS does not spread over the cores as it does the plain cache's matmuls."""
+    fin = finish or (lambda x: x)
+    cuts = cpu_cuts(n, n)
+    if len(cuts) == 1:
+        return scores(0, n), lambda p: fin(values(p, 0, n))
+    s = mx.concatenate(on_cpu_streams([lambda a=a, b=b: scores(a, b) for a, b in cuts]), axis=-1)
+    return s, lambda p: fin(split_on_cpu_streams([lambda a=a, b=b: values(p[..., a:b], a, b) for a, b in cuts]))
 
 
 def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mask, sinks, n_keys: int, block: int):

@@ -52,6 +52,7 @@ mlx_lm protocol: as turboquant_rvq, plus the calibration in ``state``; ``merge``
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -72,7 +73,7 @@ from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
 from ...attention import group_queries
 from ... import kernels
 from ...kernels import waterfill as wf_kernel, waterfill_rows as wf_rows
-from ...window import SINK_ROWS, ResidualWindowCache
+from ...window import SINK_ROWS, ResidualWindowCache, split_rows_part
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
 
@@ -276,8 +277,8 @@ class WaterfillKVCache(ResidualWindowCache):
     def _quantized_part(self, q, n: int):
         """Scores on the first ``n`` quantized keys decoded (RoPE re-applied at their positions) and
         ``sum_t p_t s_t centroid[code_t]``, rotated back once (a fast transform)."""
-        return self._key_scores(q, 0, n), lambda p: rotate_values(self._weighted_values(p, 0, n), self.seed,
-                                                                  inverse=True)
+        return split_rows_part(n, functools.partial(self._key_scores, q), self._weighted_values,
+                               lambda x: rotate_values(x, self.seed, inverse=True))
 
     def _decode_kernel_ready(self, queries, keys, mask) -> bool:
         """One query row over quantized rows, a string/None mask, kernel shapes, the CUDA backend."""
