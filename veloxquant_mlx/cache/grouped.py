@@ -20,7 +20,7 @@ import math
 import mlx.core as mx
 
 from . import dispatch, kernels
-from .attention import cpu_parts, dense_attention, split_on_cpu_streams
+from .attention import cpu_cuts, cpu_parts, dense_attention, on_cpu_streams, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
@@ -314,9 +314,20 @@ class GroupedQuantCache(CompressedKVCache):
         new_v), ``weights`` as in ``joint_attention``."""
         q0, _, past_k, past_v, new_k, new_v = call
         n_keys = q0 + (0 if past_k is None else past_k.shape[2]) + new_k.shape[2]
-        part = part or (lambda qf, n: (self._key_scores(qf, n), lambda p: self._value_out(p, n)))
-        return attend_joint(queries, WindowCall(0, *call), None, part, scale=scale, mask=mask, sinks=sinks,
-                            n_keys=n_keys, weights=weights)
+        return attend_joint(queries, WindowCall(0, *call), None, part or self._codes_part, scale=scale, mask=mask,
+                            sinks=sinks, n_keys=n_keys, weights=weights)
+
+    def _codes_part(self, qf, n: int):
+        """``(scores, value_fn)`` of the first ``n`` quantized tokens. A variant that decodes its whole past
+        (``_keys_t`` / ``_values`` of its own) decodes the values on a second CPU stream while this one decodes the
+        keys, once the rows are worth it (``attention.cpu_cuts``): MLX runs a CPU stream on one thread, and the
+        values' decoding does not wait for the scores."""
+        cls = type(self)
+        if (self._codes_own() or len(cpu_cuts(n, n)) == 1 or cls._key_scores is not GroupedQuantCache._key_scores
+                or cls._value_out is not GroupedQuantCache._value_out):
+            return self._key_scores(qf, n), lambda p: self._value_out(p, n)
+        keys_t, values = on_cpu_streams([lambda: self._keys_t(n), lambda: self._values(n)])
+        return qf @ keys_t, lambda p: p @ values
 
     def _key_scores(self, q, n: int) -> mx.array:
         """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens."""
