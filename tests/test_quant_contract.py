@@ -193,16 +193,16 @@ def test_gpu_decode_steps_of_own_code_attentions_take_the_returned_rows(method, 
 
 @pytest.mark.parametrize("method", [m for m in _gpu_rows_methods() if not _own_code_attention(m)])
 def test_a_long_cpu_decode_step_decodes_a_variants_values_on_a_second_stream(method, monkeypatch):
-    """A variant decoding its whole past (``_keys_t`` / ``_values`` of its own) decodes, past ``CPU_SPLIT_MIN_ROWS``
-    quantized rows and with two CPU streams, its values on a second stream (MLX runs each CPU stream on one thread)
-    while the current one decodes the keys; below the threshold both on the current one; the attention equals the
-    stored rows' either way."""
+    """A variant decoding its whole past (``_keys_t`` / ``_values`` of its own) decodes, past
+    ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows and with two CPU streams, its values on a second stream (MLX runs
+    each CPU stream on one thread) while the current one decodes the keys; below the threshold both on the current
+    one; the attention equals the stored rows' either way."""
     from veloxquant_mlx.cache import attention
 
     if mx.default_device().type != mx.DeviceType.cpu:
         pytest.skip("the split is the CPU backend's")
     monkeypatch.setattr(attention, "CPU_STREAMS", 2)
-    monkeypatch.setattr(attention, "CPU_SPLIT_MIN_ROWS", 128)
+    monkeypatch.setattr(attention, "CPU_SPLIT_DECODE_MIN_ROWS", 128)
     cls, seen = method_class(method), []
     for name in ("_keys_t", "_values"):
         real = getattr(cls, name)

@@ -19,7 +19,7 @@ import math
 
 import mlx.core as mx
 
-from . import dispatch, kernels
+from . import attention, dispatch, kernels
 from .attention import cpu_cuts, cpu_parts, dense_attention, on_cpu_streams, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
@@ -320,10 +320,10 @@ class GroupedQuantCache(CompressedKVCache):
     def _codes_part(self, qf, n: int):
         """``(scores, value_fn)`` of the first ``n`` quantized tokens. A variant that decodes its whole past
         (``_keys_t`` / ``_values`` of its own) decodes the values on a second CPU stream while this one decodes the
-        keys, once the rows are worth it (``attention.cpu_cuts``): MLX runs a CPU stream on one thread, and the
-        values' decoding does not wait for the scores."""
+        keys, from ``attention.CPU_SPLIT_DECODE_MIN_ROWS`` rows: MLX runs a CPU stream on one thread, and the values'
+        decoding does not wait for the scores."""
         cls = type(self)
-        if (self._codes_own() or len(cpu_cuts(n, n)) == 1 or cls._key_scores is not GroupedQuantCache._key_scores
+        if (self._codes_own() or len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) == 1 or cls._key_scores is not GroupedQuantCache._key_scores
                 or cls._value_out is not GroupedQuantCache._value_out):
             return self._key_scores(qf, n), lambda p: self._value_out(p, n)
         keys_t, values = on_cpu_streams([lambda: self._keys_t(n), lambda: self._values(n)])
