@@ -193,6 +193,34 @@ def test_attend_on_codes_equals_dense_attention_over_the_dequantized_cache(opts,
     assert seen_quant and seen_lut and c.n_quant > 0
 
 
+def test_long_cpu_decode_step_decodes_the_values_on_a_second_stream(monkeypatch):
+    """Past ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows (two CPU streams) a CPU decode step decodes the values'
+    codewords on a second stream while the current one scores the keys (MLX runs a CPU stream on one thread);
+    below it on the current one; the attention equals dense attention over the returned rows either way."""
+    from veloxquant_mlx.cache import attention
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("the split is the CPU backend's")
+    monkeypatch.setattr(attention, "CPU_STREAMS", 2)
+    monkeypatch.setattr(attention, "CPU_SPLIT_DECODE_MIN_ROWS", 128)
+    streams, real = [], tq._Quantizer.decode_rotated
+    monkeypatch.setattr(tq._Quantizer, "decode_rotated", lambda s, *a: streams.append(mx.default_stream(mx.cpu))
+                        or real(s, *a))
+    dispatch.install()
+    c, main = make(16, residual_length=8), mx.default_stream(mx.cpu)
+    for n in (100, 100):  # ~88 quantized rows, then ~188
+        layer_call(c, mx.random.normal((1, 4, n, 16)), mx.random.normal((1, 2, n, 16)),
+                   mx.random.normal((1, 2, n, 16)), scale=0.25)
+        q, k, v = (mx.random.normal((1, h, 1, 16)) for h in (4, 2, 2))
+        K, V = c.update_and_fetch(k, v)
+        streams.clear()  # the returned rows' decoding (lazy, never evaluated) is not the attention's
+        out = dispatched_sdpa(q, K, V, cache=c, scale=0.25, mask=None)
+        ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.25, mask=None)
+        assert streams == [main] if c.n_quant < 128 else (len(streams) == 1 and streams[0] != main), c.n_quant
+        assert float(mx.abs(out - ref).max()) <= 1e-4 * float(mx.abs(ref).max()), c.n_quant
+    assert c.n_quant >= 128
+
+
 def _rotated_chunks(monkeypatch):
     """Every chunk a GPU would send to ``_rotated_chunk`` goes there on this machine too."""
     monkeypatch.setattr(tq.TurboQuantRVQKVCache, "_attend_chunk",

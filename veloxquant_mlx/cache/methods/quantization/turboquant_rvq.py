@@ -51,7 +51,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ... import kernels
+from ... import attention, kernels
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
@@ -60,6 +60,7 @@ from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
 from ...primitives.rvq import RVQCodebook, row_bytes, rvq_codebook, split_bits
+from ...attention import cpu_cuts, on_cpu_streams
 from ...window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
 
 __all__ = ["TurboQuantRVQKVCache", "RVQCodebook", "rvq_codebook", "split_bits", "row_bytes", "QUANT_BLOCK",
@@ -308,10 +309,12 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             s = self._lut_scores(kq, qr, *codes) if lut else qr @ kq.cb.decode(*codes).swapaxes(-1, -2)
             return s * norms("k_", a, b)
 
-        def values(p, a, b):
-            return ((p * norms("v_", a, b)) @ vq.decode_rotated(*self._planes("v_", b, a))) @ vq.rot_t.T
-
-        return scores(0, n), lambda p: values(p, 0, n)
+        if len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) == 1:
+            return scores(0, n), lambda p: ((p * norms("v_", 0, n)) @ vq.decode_rotated(*self._planes("v_", n))
+                                            ) @ vq.rot_t.T
+        # the values' codewords on a second CPU stream while this one scores the keys (MLX: a thread per stream)
+        s, rows = on_cpu_streams([lambda: scores(0, n), lambda: vq.decode_rotated(*self._planes("v_", n))])
+        return s, lambda p: ((p * norms("v_", 0, n)) @ rows) @ vq.rot_t.T
 
     @staticmethod
     def _lut_scores(qz: _Quantizer, qr: mx.array, i: mx.array, j: Optional[mx.array]) -> mx.array:
