@@ -191,24 +191,26 @@ def test_gpu_decode_steps_of_own_code_attentions_take_the_returned_rows(method, 
     assert counts == [0, 3], counts
 
 
-@pytest.mark.parametrize("method", [m for m in _gpu_rows_methods() if not _own_code_attention(m)])
+@pytest.mark.parametrize("method", _gpu_rows_methods() + ["svdq", "kvtc"])
 def test_a_long_cpu_decode_step_decodes_a_variants_values_on_a_second_stream(method, monkeypatch):
-    """A variant decoding its whole past (``_keys_t`` / ``_values`` of its own) decodes, past
-    ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows and with two CPU streams, its values on a second stream (MLX runs
-    each CPU stream on one thread) while the current one decodes the keys; below the threshold both on the current
-    one; the attention equals the stored rows' either way."""
+    """A variant decoding its whole past (``_keys_t`` / ``_values`` of its own; the low-rank caches' latents)
+    builds, past ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows and with two CPU streams, its values' side on a second
+    stream (MLX runs each CPU stream on one thread) while the current one scores the keys; below the threshold both
+    on the current one; the attention equals the stored rows' either way."""
     from veloxquant_mlx.cache import attention
+    from veloxquant_mlx.cache import options as O
 
     if mx.default_device().type != mx.DeviceType.cpu:
         pytest.skip("the split is the CPU backend's")
     monkeypatch.setattr(attention, "CPU_STREAMS", 2)
     monkeypatch.setattr(attention, "CPU_SPLIT_DECODE_MIN_ROWS", 128)
     cls, seen = method_class(method), []
-    for name in ("_keys_t", "_values"):
+    for name in ("_key_scores", "_value_side"):
         real = getattr(cls, name)
-        monkeypatch.setattr(cls, name, lambda s, n, *a, _r=real, _n=name, **k:
-                            seen.append((_n, mx.default_stream(mx.cpu))) or _r(s, n, *a, **k))
-    c = make(method)
+        monkeypatch.setattr(cls, name, lambda s, q_or_n, *a, _r=real, _n=name, **k:
+                            seen.append((_n, mx.default_stream(mx.cpu))) or _r(s, q_or_n, *a, **k))
+    opts = {"svdq": O.SVDqOptions(group_size=16), "kvtc": O.KVTCOptions(bit_budget=64)}.get(method)
+    c = KVCacheFactory.create(KVCacheConfig(method=method, head_dim=64, options=opts)) if opts else make(method)
     main = mx.default_stream(mx.cpu)
     for rows in (96, 224):  # quantized rows below, then above the threshold
         c.update_and_fetch(rand(1, 2, rows - c.offset, 64), rand(1, 2, rows - c.offset, 64))
@@ -219,8 +221,8 @@ def test_a_long_cpu_decode_step_decodes_a_variants_values_on_a_second_stream(met
         want = sdpa(q, K, V, None, 0.125)
         split = c.n_quant >= 128
         assert split == (rows == 224), c.n_quant
-        assert seen == [("_keys_t", main), ("_values", main)] if not split else (
-            len(seen) == 2 and seen[0] == ("_keys_t", main) and seen[1][0] == "_values" and seen[1][1] != main), seen
+        assert seen[0] == ("_key_scores", main) and seen[-1][0] == "_value_side", seen
+        assert (seen[-1][1] != main) == split, seen
         assert float(mx.abs(got - want).max()) <= 1e-4 * float(mx.abs(want).max()), rows
         c.trim(1)
 

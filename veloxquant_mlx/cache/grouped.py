@@ -319,23 +319,27 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _codes_part(self, qf, n: int):
         """``(scores, value_fn)`` of the first ``n`` quantized tokens. A variant that decodes its whole past
-        (``_keys_t`` / ``_values`` of its own) decodes the values on a second CPU stream while this one decodes the
-        keys, from ``attention.CPU_SPLIT_DECODE_MIN_ROWS`` rows: MLX runs a CPU stream on one thread, and the values'
-        decoding does not wait for the scores."""
-        cls = type(self)
-        if (self._codes_own() or len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) == 1 or cls._key_scores is not GroupedQuantCache._key_scores
-                or cls._value_out is not GroupedQuantCache._value_out):
+        (``_keys_t`` / ``_values`` of its own) builds the values' side (``_value_side``: what does not wait for the
+        scores) on a second CPU stream while this one scores the keys, from ``attention.CPU_SPLIT_DECODE_MIN_ROWS``
+        rows: MLX runs a CPU stream on one thread."""
+        if self._codes_own() or len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) == 1:
             return self._key_scores(qf, n), lambda p: self._value_out(p, n)
-        keys_t, values = on_cpu_streams([lambda: self._keys_t(n), lambda: self._values(n)])
-        return qf @ keys_t, lambda p: p @ values
+        scores, side = on_cpu_streams([lambda: self._key_scores(qf, n), lambda: self._value_side(n)])
+        return scores, lambda p: self._value_out(p, n, side)
 
     def _key_scores(self, q, n: int) -> mx.array:
         """``q [B, H, R, D] · Q(K)ᵀ`` over the first ``n`` quantized tokens."""
         return self._scores_on_codes(q, 0, n) if self._codes_own() else q @ self._keys_t(n)
 
-    def _value_out(self, p, n: int) -> mx.array:
-        """``p [B, H, R, n] · Q(V)`` over the first ``n`` quantized tokens."""
-        return self._values_on_codes(p, 0, n) if self._codes_own() else p @ self._values(n)
+    def _value_side(self, n: int) -> mx.array:
+        """The values' decoding that ``_value_out`` contracts with the probabilities (a variant's rows)."""
+        return self._values(n)
+
+    def _value_out(self, p, n: int, side=None) -> mx.array:
+        """``p [B, H, R, n] · Q(V)`` over the first ``n`` quantized tokens (``side``: ``_value_side(n)``, built)."""
+        if side is None and self._codes_own():
+            return self._values_on_codes(p, 0, n)
+        return p @ (self._value_side(n) if side is None else side)
 
     def _codes_own(self) -> bool:
         """Whether the stored codes are KIVI's own (not redefined by a variant's ``_keys_t``/``_values``)."""

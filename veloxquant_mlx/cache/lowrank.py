@@ -154,13 +154,18 @@ class LowRankKVCache(GroupedQuantCache):
             s = s + q @ mu.swapaxes(-1, -2)
         return s
 
-    def _value_out(self, p: mx.array, n: int) -> mx.array:
-        """``p · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents."""
+    def _value_side(self, n: int) -> mx.array:
+        """The value latents ``Z_vᵀ`` [B, Hg, r, n] (or KIVI's per-token rows)."""
+        return self._latents_t("v", n) if self.latent_values else self._values(n)
+
+    def _value_out(self, p: mx.array, n: int, side=None) -> mx.array:
+        """``p · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents (``side``: ``_value_side``)."""
+        side = self._value_side(n) if side is None else side
         if not self.latent_values:
-            return p @ self._values(n)
+            return p @ side
         B, H, M, _ = p.shape
         W, mu = self._head_proj("v")
-        zt = self._latents_t("v", n)  # [B, Hg, r, n]
+        zt = side  # [B, Hg, r, n]
         Hg = zt.shape[1]
         pz = (p.reshape(B, Hg, (H // Hg) * M, n) @ zt.swapaxes(-1, -2)).reshape(B, H, M, -1)
         out = pz @ W.swapaxes(-1, -2)
