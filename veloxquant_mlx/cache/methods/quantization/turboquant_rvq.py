@@ -309,11 +309,11 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
             s = self._lut_scores(kq, qr, *codes) if lut else qr @ kq.cb.decode(*codes).swapaxes(-1, -2)
             return s * norms("k_", a, b)
 
-        if len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) == 1:
-            return scores(0, n), lambda p: ((p * norms("v_", 0, n)) @ vq.decode_rotated(*self._planes("v_", n))
-                                            ) @ vq.rot_t.T
-        # the values' codewords on a second CPU stream while this one scores the keys (MLX: a thread per stream)
-        s, rows = on_cpu_streams([lambda: scores(0, n), lambda: vq.decode_rotated(*self._planes("v_", n))])
+        # a long CPU step builds the values' codewords on a second stream while this one scores the keys (MLX runs a
+        # CPU stream on one thread); the rows in two ranges, as waterfill's, was slower here
+        parts = [lambda: scores(0, n), lambda: vq.decode_rotated(*self._planes("v_", n))]
+        split = len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) > 1
+        s, rows = on_cpu_streams(parts) if split else [b() for b in parts]
         return s, lambda p: ((p * norms("v_", 0, n)) @ rows) @ vq.rot_t.T
 
     @staticmethod
