@@ -112,10 +112,15 @@ def test_request_joins_running_batch_and_history_is_merged():
     joiners_with_history_equal_alone(model, lambda: _caches(model), reused, prefix, rest, _same_inexact)
 
 
-def test_attend_on_ragged_batch_equals_each_single():
+@pytest.mark.parametrize("split", [False, True])
+def test_attend_on_ragged_batch_equals_each_single(monkeypatch, split):
     """Random rows, ragged states (held history of 66 / 130 / 5 / 0 tokens), a right-padded prefill
     chunk, decode steps and a full chunk: the batch's attention (on the codes and through the dense
     rows + mask) equals each single cache's, and the codes equal."""
+    if split:  # every long CPU step in parts on two streams (attention.cpu_cuts), the batch's as each single's
+        from veloxquant_mlx.cache import attention
+        for name, value in (("CPU_STREAMS", 2), ("CPU_SPLIT_MIN_ROWS", 64), ("CPU_SPLIT_DECODE_MIN_ROWS", 64)):
+            monkeypatch.setattr(attention, name, value)
     mx.random.seed(0)
     D, H, Hq = 64, 2, 6
 

@@ -121,10 +121,15 @@ def _random_singles(H, D, held, residual_length=R_TINY):
     return out
 
 
-def test_attend_on_ragged_batch_equals_each_single():
+@pytest.mark.parametrize("split", [False, True])
+def test_attend_on_ragged_batch_equals_each_single(monkeypatch, split):
     """Random rows, ragged states (held history of 70 / 130 / 3 / 0 tokens), right-padded prefill
     chunks, decode steps crossing flushes and a full chunk: the batch's attention (on the codes and
     through the dense rows + mask) equals each single cache's, and the extracted states equal."""
+    if split:  # every long CPU step in parts on two streams (attention.cpu_cuts), the batch's as each single's
+        from veloxquant_mlx.cache import attention
+        for name, value in (("CPU_STREAMS", 2), ("CPU_SPLIT_MIN_ROWS", 64), ("CPU_SPLIT_DECODE_MIN_ROWS", 64)):
+            monkeypatch.setattr(attention, name, value)
     mx.random.seed(0)
     D, H, Hq = 64, 2, 6
     singles = _random_singles(H, D, (70, 130, 3, 0))

@@ -136,13 +136,17 @@ def _singles(H, D, held, Hq, n_calib=None, residual_length=R_TINY, bits=4):
     return out
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_attend_on_ragged_batch_equals_each_single(monkeypatch, bits):
+@pytest.mark.parametrize("bits, split", [(4, False), (2, False), (4, True)])
+def test_attend_on_ragged_batch_equals_each_single(monkeypatch, bits, split):
     """Random rows with the layer's RoPE, ragged states (held history of 90 calibrated / 40 not / 3 / 0),
     right-padded prefill chunks (through the single cache's tiled chunk path), decode steps crossing
     flushes and calibrations, a full chunk: the batch's attention (on the codes, and through the dense
     rows + mask) equals each single cache's, and the extracted states equal theirs bit for bit (codes,
     calibration, rows). At 2 bits the key ranges are fitted (``fitted_range``), per sequence as alone."""
+    if split:  # every long CPU step in parts on two streams (attention.cpu_cuts), the batch's as each single's
+        from veloxquant_mlx.cache import attention
+        for name, value in (("CPU_STREAMS", 2), ("CPU_SPLIT_MIN_ROWS", 64), ("CPU_SPLIT_DECODE_MIN_ROWS", 64)):
+            monkeypatch.setattr(attention, name, value)
     chunks = []
     tiled = WaterfillBatchKVCache._attend_chunk
     monkeypatch.setattr(WaterfillBatchKVCache, "_attend_chunk", lambda self, q, *a, **k: chunks.append(
