@@ -310,7 +310,9 @@ def test_a_request_waiting_behind_a_failed_batch_is_served(srv, model):
         a.sendall(post_head(str(len(body)).encode(), body))
         got = b""
         while got.count(b"data: ") < 2:
-            got += a.recv(4096)
+            chunk = a.recv(4096)
+            assert chunk, f"A's stream ended before two events: {got[-300:]!r}"  # (a closed socket: b"" forever)
+            got += chunk
         b = threading.Thread(target=lambda: result_b.append(chat(httpd, kv_cache={"method": "snapkv", "reuse": False})))
         b.start()
         wait_for(lambda: gen.counters["requests"] == before + 2 and gen.requests.qsize() == 0,
@@ -398,7 +400,9 @@ def test_a_streaming_client_that_disconnects_leaves_no_traceback(srv, model, mon
         s.sendall(post_head(str(len(body)).encode(), body))
         got = b""
         while got.count(b"data: ") < 3:
-            got += s.recv(4096)
+            chunk = s.recv(4096)
+            assert chunk, f"the stream ended before three events: {got[-300:]!r}"
+            got += chunk
     wait_for(lambda: not gen.stats()["live"], "the stream to stop")
     time.sleep(0.2)
     assert errors == [], [e[1] for e in errors]
