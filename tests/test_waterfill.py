@@ -411,6 +411,36 @@ def test_long_cpu_decode_step_decodes_its_rows_in_parts_on_cpu_streams(monkeypat
     assert float(mx.abs(outs[2, 200] - outs[1, 200]).max()) <= 1e-5 * float(mx.abs(outs[1, 200]).max())
 
 
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "gear"])
+def test_a_split_cpu_step_in_another_thread_equals_the_main_threads(monkeypatch, method):
+    """MLX 0.32's streams belong to the thread that made them: a split decode step in a server's generation thread
+    makes its own helper stream (it raised "There is no Stream(cpu, 1) in current thread" when the main thread's
+    was reused) and gives the main thread's outputs."""
+    import threading
+
+    from veloxquant_mlx.cache import attention
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("the split is the CPU backend's")
+    for name, value in (("CPU_STREAMS", 2), ("CPU_SPLIT_MIN_ROWS", 64), ("CPU_SPLIT_DECODE_MIN_ROWS", 64)):
+        monkeypatch.setattr(attention, name, value)
+    k, v = rows(300), rows(300, seed=1)
+    q = mx.random.normal((1, 2 * H, 300, D), key=mx.random.key(2))
+
+    def decode():
+        c = make(n_calib=32, rope=nn.RoPE(D, traditional=False, base=1e4)) if method == "waterfill" else \
+            KVCacheFactory.create(KVCacheConfig(method=method, bit_width_inlier=4, head_dim=D))
+        feed(c, k[:, :, :290], v[:, :, :290], queries=q[:, :, :290])
+        outs = [feed(c, k[:, :, i : i + 1], v[:, :, i : i + 1], queries=q[:, :, i : i + 1]) for i in range(290, 300)]
+        return np.array(mx.concatenate(outs, axis=2))  # evaluated here: a lazy array is its thread's
+
+    main, got = decode(), []
+    worker = threading.Thread(target=lambda: got.append(decode()))
+    worker.start()
+    worker.join()
+    assert len(got) == 1 and np.abs(got[0] - main).max() <= 1e-5 * np.abs(main).max()
+
+
 def test_without_queries_calibrates_with_equal_weights_at_the_next_call():
     c = make(n_calib=32)
     c.update_and_fetch(rows(40), rows(40, seed=1))  # no dispatch point: attend never runs

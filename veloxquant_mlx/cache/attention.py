@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import mlx.core as mx
 
@@ -183,7 +184,15 @@ CPU_SPLIT_MIN_ROWS = 2048  # stored rows from which a CPU decode step splits its
 # ... and from which a step that decodes its whole past decodes its keys and values on two streams (one layer of
 # SmolLM2's shape: GEAR 3.6 -> 2.6 ms at 2048 rows, 2.1 -> 1.8 at 1024, none saved at 512)
 CPU_SPLIT_DECODE_MIN_ROWS = 1024
-_helper_streams: list = []
+_thread = threading.local()  # MLX 0.32's streams belong to the thread that made them (a server generates in its own)
+
+
+def _helper_streams(n: int) -> list:
+    """``n`` extra CPU streams of the calling thread, made at its first need and kept."""
+    streams = _thread.__dict__.setdefault("streams", [])
+    while len(streams) < n:
+        streams.append(mx.new_stream(mx.cpu))
+    return streams
 
 
 def on_cpu_streams(builders) -> list:
@@ -191,10 +200,8 @@ def on_cpu_streams(builders) -> list:
     on as many threads. On a GPU device, all on the current stream."""
     if mx.default_device().type != mx.DeviceType.cpu or len(builders) == 1:
         return [b() for b in builders]
-    while len(_helper_streams) < len(builders) - 1:
-        _helper_streams.append(mx.new_stream(mx.cpu))
     out = [builders[0]()]
-    for b, s in zip(builders[1:], _helper_streams):
+    for b, s in zip(builders[1:], _helper_streams(len(builders) - 1)):
         with mx.stream(s):
             out.append(b())
     return out
