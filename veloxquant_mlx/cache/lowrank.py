@@ -159,7 +159,8 @@ class LowRankKVCache(GroupedQuantCache):
         return self._latents_t("v", n) if self.latent_values else self._values(n)
 
     def _value_out(self, p: mx.array, n: int, side=None) -> mx.array:
-        """``p · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents (``side``: ``_value_side``)."""
+        """``p · V`` over the first n tokens: ``(p Z_v) W_vᵀ (+ Σp μ_v)`` for latents (``side``: ``_value_side(n)``,
+        built)."""
         side = self._value_side(n) if side is None else side
         if not self.latent_values:
             return p @ side

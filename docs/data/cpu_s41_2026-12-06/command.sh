@@ -16,5 +16,6 @@ for tree in /tmp/old .; do
 done
 # one layer (printed only): python scripts/decode_step_cpu.py --context 4096 --steps 48 (and 16384)
 # the split on and off in one process (one layer, SmolLM2's attention shape): streams_ab_{4k,16k}.txt
-python scripts/cpu_streams_ab.py --context 4096 --rounds 4 --method waterfill --method turboquant_rvq --method gear --method skvq
+python scripts/cpu_streams_ab.py --context 4096 --rounds 4 --method waterfill --method turboquant_rvq --method gear \
+    --method skvq
 python scripts/cpu_streams_ab.py --context 16384 --rounds 3 --method waterfill --method turboquant_rvq --method gear
