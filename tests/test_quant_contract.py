@@ -191,12 +191,13 @@ def test_gpu_decode_steps_of_own_code_attentions_take_the_returned_rows(method, 
     assert counts == [0, 3], counts
 
 
-@pytest.mark.parametrize("method", _gpu_rows_methods() + ["svdq", "kvtc"])
+@pytest.mark.parametrize("method", _gpu_rows_methods() + ["svdq", "kvtc", "zipcache"])
 def test_a_long_cpu_decode_step_decodes_a_variants_values_on_a_second_stream(method, monkeypatch):
-    """A variant decoding its whole past (``_keys_t`` / ``_values`` of its own; the low-rank caches' latents)
-    builds, past ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows and with two CPU streams, its values' side on a second
-    stream (MLX runs each CPU stream on one thread) while the current one scores the keys; below the threshold both
-    on the current one; the attention equals the stored rows' either way."""
+    """A variant decoding its whole past (``_keys_t`` / ``_values`` of its own; the low-rank caches' latents; ZipCache,
+    whose own attention takes the same part on the CPU) builds, past ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows and
+    with two CPU streams, its values' side on a second stream (MLX runs each CPU stream on one thread) while the
+    current one scores the keys; below the threshold both on the current one; the attention equals the stored rows'
+    either way."""
     from veloxquant_mlx.cache import attention
     from veloxquant_mlx.cache import options as O
 
