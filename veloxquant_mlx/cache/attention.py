@@ -195,10 +195,12 @@ def _helper_streams(n: int) -> list:
     return streams
 
 
-def on_cpu_streams(builders) -> list:
+def on_cpu_streams(builders, rows: int | None = None, min_rows: int | None = None) -> list:
     """``[b() for b in builders]``, each built on its own CPU stream (the current one first) so that MLX runs them
-    on as many threads. On a GPU device, all on the current stream."""
-    if mx.default_device().type != mx.DeviceType.cpu or len(builders) == 1:
+    on as many threads; given ``rows``, only when ``cpu_cuts(rows, rows, min_rows)`` splits. On a GPU device, all
+    on the current stream."""
+    if (mx.default_device().type != mx.DeviceType.cpu or len(builders) == 1
+            or (rows is not None and len(cpu_cuts(rows, rows, min_rows)) == 1)):
         return [b() for b in builders]
     out = [builders[0]()]
     for b, s in zip(builders[1:], _helper_streams(len(builders) - 1)):

@@ -20,7 +20,7 @@ import math
 import mlx.core as mx
 
 from . import attention, dispatch, kernels
-from .attention import cpu_cuts, cpu_parts, dense_attention, on_cpu_streams, split_on_cpu_streams
+from .attention import cpu_parts, dense_attention, on_cpu_streams, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
@@ -322,9 +322,10 @@ class GroupedQuantCache(CompressedKVCache):
         (``_keys_t`` / ``_values`` of its own) builds the values' side (``_value_side``: what does not wait for the
         scores) on a second CPU stream while this one scores the keys, from ``attention.CPU_SPLIT_DECODE_MIN_ROWS``
         rows: MLX runs a CPU stream on one thread."""
-        if self._codes_own() or len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) == 1:
+        if self._codes_own():
             return self._key_scores(qf, n), lambda p: self._value_out(p, n)
-        scores, side = on_cpu_streams([lambda: self._key_scores(qf, n), lambda: self._value_side(n)])
+        scores, side = on_cpu_streams([lambda: self._key_scores(qf, n), lambda: self._value_side(n)], n,
+                                      attention.CPU_SPLIT_DECODE_MIN_ROWS)
         return scores, lambda p: self._value_out(p, n, side)
 
     def _key_scores(self, q, n: int) -> mx.array:

@@ -60,7 +60,7 @@ from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
 from ...primitives.rvq import RVQCodebook, row_bytes, rvq_codebook, split_bits
-from ...attention import cpu_cuts, on_cpu_streams
+from ...attention import on_cpu_streams
 from ...window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
 
 __all__ = ["TurboQuantRVQKVCache", "RVQCodebook", "rvq_codebook", "split_bits", "row_bytes", "QUANT_BLOCK",
@@ -311,9 +311,8 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
 
         # a long CPU step builds the values' codewords on a second stream while this one scores the keys (MLX runs a
         # CPU stream on one thread); the rows in two ranges, as waterfill's, was slower here
-        parts = [lambda: scores(0, n), lambda: vq.decode_rotated(*self._planes("v_", n))]
-        split = len(cpu_cuts(n, n, attention.CPU_SPLIT_DECODE_MIN_ROWS)) > 1
-        s, rows = on_cpu_streams(parts) if split else [b() for b in parts]
+        s, rows = on_cpu_streams([lambda: scores(0, n), lambda: vq.decode_rotated(*self._planes("v_", n))], n,
+                                 attention.CPU_SPLIT_DECODE_MIN_ROWS)
         return s, lambda p: ((p * norms("v_", 0, n)) @ rows) @ vq.rot_t.T
 
     @staticmethod
