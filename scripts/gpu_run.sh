@@ -114,6 +114,12 @@ for cmd in "$@"; do
     timeout ${ALLDEC_TIMEOUT:-400} python3 scripts/decode_model_cpu.py --shape ${SHAPE:-smollm2} --context ${CONTEXT:-8192} --steps ${STEPS:-16} --rounds ${ROUNDS:-2} --prefill --all > $OUT/alldec.txt 2>&1; grep -v "Warn\|rounds:\|warn\|self._check\|^  \.\." $OUT/alldec.txt ;;
   vdec) # GPU decode of the quantizers beside KIVI (each cache filled directly, then --steps pipelined steps; per-round ratio)
     timeout ${VDEC_TIMEOUT:-250} python3 scripts/decode_model_cpu.py --shape ${SHAPE:-smollm2} --context ${CONTEXT:-8192} --steps ${STEPS:-16} --rounds ${ROUNDS:-2} $(for m in ${METHODS:-kivi:bit_width_inlier=4 gear kivi_sink skvq kitty age_tiered cachegen zipcache kvquant vecinfer palu xkv xquant}; do echo "--method $m"; done) > $OUT/vdec.txt 2>&1; grep -v Warn $OUT/vdec.txt ;;
+  timeline) # a decode step's device time by kernel (Nsight Compute over STEPS_NCU pipelined steps; one cache a process), all in timeline.txt
+    for T in ${CONTEXTS:-131072}; do for m in ${METHODS:-none kivi:bit_width_inlier=4 waterfill:bit_width_inlier=4,residual_length=16}; do
+      M=""; [ "$m" != none ] && M="--method $m"; echo "== $m $T" >> $OUT/timeline.txt
+      timeout ${TL_TIMEOUT:-150} ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv python3 scripts/decode_timeline.py --context $T --steps ${STEPS_NCU:-2} $M > /tmp/tl.csv 2> /tmp/tl.err
+      python3 scripts/decode_timeline.py --ncu-csv /tmp/tl.csv --steps ${STEPS_NCU:-2} 2>&1 | head -${TL_ROWS:-16} >> $OUT/timeline.txt
+    done; done; cat $OUT/timeline.txt ;;
   suite) # the whole test suite in SHARDS parallel pytest processes (one GPU shared), each under SHARD_TIMEOUT (540) s; FILES narrows it
     files=(${FILES:-tests/test_*.py}); n=${SHARDS:-6}
     for k in $(seq 0 $((n - 1))); do
