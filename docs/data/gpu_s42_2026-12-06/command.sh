@@ -17,3 +17,7 @@ python3 scripts/decode_model_cpu.py --shape llama-8b --context 131072 --steps 32
 # The bench (h100_bench_paired.json, h100_bench_128k.json):
 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --method waterfill --set waterfill:bit_width_inlier=4 --set waterfill:residual_length=16 --context 8192,32768 --repeats 2 --decode-tokens 64 --baselines none --warmup full --json
 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context 131072 --repeats 1 --decode-tokens 64 --baselines none --json
+# The waterfill kernel variant (waterfill_lut_*.txt): kvar/orig = a copy of veloxquant_mlx/cache/kernels at HEAD,
+# the package = HEAD + waterfill_lut_mantissa.patch (before its shadowing fix)
+python3 scripts/decode_kernel_variants.py --context 32768,131072 --extra 0,17 kvar/orig veloxquant_mlx/cache/kernels
+NCU=1 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:waterfill python3 scripts/decode_kernel_variants.py --context 32768,131072 --extra 0 kvar/orig veloxquant_mlx/cache/kernels
