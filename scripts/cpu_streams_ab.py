@@ -6,6 +6,8 @@ cache is filled once (through the dispatch point, in chunks of 512), then each r
 
 Medians of each burst's median step, ms; the plain cache (mlx_lm's ``KVCache``, MLX's fused attention) beside them.
 ``--min-rows`` sets both split thresholds (``CPU_SPLIT_MIN_ROWS``, ``CPU_SPLIT_DECODE_MIN_ROWS``) for the split runs.
+Run it with ``OPENBLAS_THREAD_TIMEOUT=4``: OpenBLAS's worker otherwise spins ~0.1 s after each call on the core the
+second stream wants, and a layer's step moves between two levels from burst to burst (docs/RESULTS.md, session 42).
 """
 
 from __future__ import annotations

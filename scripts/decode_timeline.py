@@ -43,23 +43,27 @@ def cuda_runtime():
 _UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 
 
-def kernel_times(path: str, steps: int) -> None:
-    """Print Nsight Compute's kernel durations (CSV of ``gpu__time_duration.sum``) summed by kernel name, in us per
-    step, largest first."""
+def kernel_times(path: str, steps: int) -> dict:
+    """Nsight Compute's kernel durations (a CSV of ``gpu__time_duration.sum``) summed by kernel name (its template and
+    argument list cut): ``{name: (us per step, launches per step)}``, largest first."""
     with open(path) as f:
         lines = f.read().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith('"ID"'))
-    total = collections.Counter()
-    count = collections.Counter()
+    total, count = collections.Counter(), collections.Counter()
     for row in csv.DictReader(lines[start:]):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
         name = row["Kernel Name"].split("(")[0][:70]
         total[name] += float(row["Metric Value"].replace(",", "")) * _UNITS[row["Metric Unit"]] / steps
         count[name] += 1
-    print(f"device time per step: {sum(total.values()) / 1e3:.3f} ms in {sum(count.values()) / steps:.0f} kernels")
-    for name, us in total.most_common():
-        print(f"  {us:9.1f} us  {count[name] / steps:5.0f} x  {name}")
+    return {name: (us, count[name] / steps) for name, us in total.most_common()}
+
+
+def print_kernel_times(times: dict) -> None:
+    print(f"device time per step: {sum(us for us, _ in times.values()) / 1e3:.3f} ms in "
+          f"{sum(n for _, n in times.values()):.0f} kernels")
+    for name, (us, n) in times.items():
+        print(f"  {us:9.1f} us  {n:5.0f} x  {name}")
 
 
 def main(argv=None):
@@ -71,7 +75,7 @@ def main(argv=None):
     ap.add_argument("--ncu-csv", default=None, help="summarize this Nsight Compute CSV instead of running")
     a = ap.parse_args(argv)
     if a.ncu_csv:
-        return kernel_times(a.ncu_csv, a.steps)
+        return print_kernel_times(kernel_times(a.ncu_csv, a.steps))
     model = bench.random_model(a.shape)
     makers = cache_makers([a.method] if a.method else [], plain=not a.method)
     (name, make), = makers.items()
