@@ -15,3 +15,6 @@ OPENBLAS_THREAD_TIMEOUT=4 python ab_alone.py 4096 10 kivi
 git archive 3a9a0ec veloxquant_mlx scripts | tar -x -C /tmp/old35
 (cd /tmp/old35 && python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method kivi:bit_width_inlier=4)
 python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method kivi:bit_width_inlier=4
+# waterfill with rope.angle_tables memoized across layers and steps (a prototype, rope_memo.py; not kept):
+python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method waterfill:bit_width_inlier=4,residual_length=16
+python rope_memo.py --context 4096 --steps 6 --rounds 6 --burst --method waterfill:bit_width_inlier=4,residual_length=16
