@@ -7,8 +7,9 @@ clocks the run has), and ``--ncu-csv`` sums those times by kernel name, per step
         python scripts/decode_timeline.py --context 131072 --steps 2 --method kivi:bit_width_inlier=4 > kivi.csv
     python scripts/decode_timeline.py --ncu-csv kivi.csv --steps 2
 
-Without ncu it prints the steps' wall time (tok/s): the device's busy time per step against it says how much of
-a step the device waits for the host. With no CUDA runtime to call it only times the steps.
+It also prints the steps' wall time (tok/s; read it from a run without ncu, which serialises the kernels): the
+device's busy time per step against it says how much of a step the device waits for the host. With no CUDA runtime
+to call it only times the steps.
 """
 
 from __future__ import annotations
