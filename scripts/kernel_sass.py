@@ -58,6 +58,9 @@ def main(argv=None):
         "kivi": (kivi._KERNELS[False, False], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 6, [f32] * 3, kivi_consts),
         "waterfill": (waterfill._KERNELS[False, False], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32] + [f16] * 6,
                       [f32] * 3, wf_consts),
+        "waterfill_mma_fused": (waterfill._MMA_KERNELS[False, True], [f16, u32, u32, f32, f32, f32, u32, u32, f16, f32]
+                                + [f16] * 7 + [i32], [f32, f16], (("D", 128), ("WK", 16), ("WV", 16), ("XP", 1)) + block
+                                + (("HAS_SINK", 1), ("ROT", 1))),
         "kivi_fused": (kivi._KERNELS[False, True], [f16, u32, f16, f16, u32, f16, f16] + [f16] * 7 + [i32], [f32, f16],
                        kivi_consts + (("HAS_SINK", 0), ("ROT", 0))),
         "waterfill_fused": (waterfill._KERNELS[True, True], [f16, u32, u32, f32, f32, f32, i32, f32, u32, f16, f32, i32]

@@ -222,6 +222,33 @@ def test_waterfill_kernel_groups_rows_and_heads_within_a_warp():
     assert wf_kernel.supported(64, 64, 8, 8, 32) and not wf_kernel.supported(64, 64, 8, 8, 33)
 
 
+def test_waterfill_tensor_core_form_takes_paired_4bit_layouts_of_up_to_8_query_heads():
+    """The mma form: rotary pairs split in halves (or no RoPE), head dims 64 or 128, 4-bit values, at most 8 query
+    heads per KV head (the mma's n); everything else keeps the float32 kernel."""
+    tc = wf_kernel.tensor_core_layout
+    assert tc(128, 128, 4, 4, True) and tc(64, 64, 4, 8, True) and tc(128, 64, 4, 1, True)
+    assert not tc(128, 128, 4, 4, False)  # traditional or partial rotation
+    assert not tc(128, 128, 2, 4, True) and not tc(128, 128, 8, 4, True) and not tc(128, 128, 3, 4, True)
+    assert not tc(128, 128, 4, 9, True) and not tc(256, 256, 4, 4, True) and not tc(96, 128, 4, 4, True)
+    assert not wf_kernel.uses_tensor_cores(128, 128, 4, 4, True, mx.float32)  # float32 models: float32 kernel
+
+
+@pytest.mark.parametrize("dims,traditional,D", [(128, False, 128), (64, False, 64), (None, False, 64)])
+def test_rope_delta_table_holds_the_turn_of_each_row_offset(dims, traditional, D):
+    """Entry [t, r] holds (cos, sin)(t w_c) as float16 pairs for channels (4 r, 4 r + 1), (4 r + 2, 4 r + 3) of the
+    first rotary half, w_c the layer's angle per position (none without RoPE: cos 1, sin 0)."""
+    spec = None if dims is None else rope_spec(nn.RoPE(dims, traditional=traditional, base=10000.0))
+    tab = np.array(wf_kernel.rope_delta_table(spec, D))
+    assert tab.shape == (64, D // 8, 4) and tab.dtype == np.uint32
+    halves = np.stack([tab & 0xFFFF, tab >> 16], axis=-1).astype(np.uint16).view(np.float16).astype(np.float64)
+    w = np.array(wf_kernel.rope_tables(spec, D)[0], np.float64)[: D // 2].reshape(D // 8, 2, 2)
+    ang = np.arange(64)[:, None, None, None] * w[None]
+    np.testing.assert_allclose(halves[:, :, 0::2], np.cos(ang), atol=1e-3)  # cos01, cos23
+    np.testing.assert_allclose(halves[:, :, 1::2], np.sin(ang), atol=1e-3)  # sin01, sin23
+    if dims is None:
+        assert (halves[:, :, 0::2] == 1).all() and (halves[:, :, 1::2] == 0).all()
+
+
 # ---------------------------------------------------------------------------------------- the bits the kernels read
 @pytest.mark.parametrize("seed", range(4))
 def test_waterfill_key_table_addresses_every_code(seed):
@@ -384,6 +411,40 @@ def test_kivi_tensor_core_kernel_equals_the_other_kernel_and_the_op_path(H, R, D
         monkeypatch.setattr(kivi_kernel, "TENSOR_CORES", True)
         assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
         assert _rel(got.astype(mx.float32), other.astype(mx.float32)) < tol
+
+@GPU
+@pytest.mark.parametrize("H,R,D,prompt,dtype,rope", [
+    (8, 4, 128, 4100, mx.bfloat16, True), (2, 8, 128, 999, mx.float16, True), (3, 3, 64, 45, mx.float16, True),
+    (1, 1, 64, 161, mx.float16, False), (2, 5, 128, 20011, mx.float16, True), (4, 2, 128, 96, mx.float16, False)])
+@pytest.mark.parametrize("max_splits", [None, 2])
+def test_waterfill_tensor_core_form_equals_the_float32_kernel_and_the_op_path(H, R, D, prompt, dtype, rope, max_splits,
+                                                                              monkeypatch):
+    """The mma form (float16 keys turned within the tile, centroids, rotated query and weights; float32 sums) against
+    the op path and the float32 kernel: half-full last tiles, GQA ratios up to 8, splits taking several tiles, long
+    positions (the query turned to each tile's start)."""
+    if max_splits:
+        monkeypatch.setattr(_common, "MAX_SPLITS", max_splits)
+        monkeypatch.setattr(wf_kernel, "split_count", lambda n: min(max_splits, split_count(n)))
+    c = _waterfill(D, nn.RoPE(D, base=10000.0) if rope else None)
+    rng = np.random.default_rng(prompt + R)
+    _feed_waterfill(c, H, R, D, prompt, rng, dtype)
+    tol = 1e-2 if dtype == mx.bfloat16 else 3e-3
+    for _ in range(2):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, dtype), _rows(rng, H, 1, D, dtype))
+        q = _rows(rng, H * R, 1, D, dtype)
+        assert c._decode_kernel_ready(q, K, None)
+        assert wf_kernel.uses_tensor_cores(D, D, 4, R, True, dtype)
+        call = c._call
+        got, want = _kernel_vs_op(c, q, D**-0.5, None, lambda: ResidualWindowCache.attend(
+            c, q, K, V, scale=D**-0.5, mask=None, sinks=None))
+        monkeypatch.setattr(wf_kernel, "TENSOR_CORES", False)
+        c._call = call
+        other = c._decode_attend(q, scale=D**-0.5)
+        monkeypatch.setattr(wf_kernel, "TENSOR_CORES", True)
+        assert got.dtype == dtype and bool(mx.isfinite(got.astype(mx.float32)).all())
+        assert _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol
+        assert _rel(got.astype(mx.float32), other.astype(mx.float32)) < tol
+
 
 # ---------------------------------------------------------------------------------------- waterfill's rotation
 @pytest.mark.parametrize("dv", [16, 64, 128])

@@ -29,12 +29,14 @@ import numpy as np
 
 from ..primitives.rope import frequencies_of, spec_key
 from ..primitives.value_rotation import poly_coefficients
-from ._common import (ACC_INIT, BLOCK_MERGE, EXACT_ROWS, WARPS, Merge, exact_args, kernel_variants, launch,
-                      shared_limit, split_count, step_counters, window_exact)
+from ._compile import TENSOR_PRELUDE, _arch
+from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_MERGE, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, SQ_EXACT, WARPS, Merge,
+                      exact_args, kernel_variants, launch, shared_limit, split_count, step_counters, window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
-__all__ = ["waterfill_partials", "key_table", "rope_tables", "paired_rope", "supported", "cache_constants",
+__all__ = ["waterfill_partials", "key_table", "rope_tables", "rope_delta_table", "paired_rope", "supported",
+           "tensor_core_layout", "uses_tensor_cores", "cache_constants",
            "held_constants", "decode_attend"]
 
 # A value row's channels lane + 32 j (j < VJ) decoded from the row's words (``vword``: word ``lane`` of the row,
@@ -226,6 +228,279 @@ _KERNELS = kernel_variants("vq_waterfill_decode",
                             ("TV", "int"), ("TS", "int")], _SOURCE)
 
 
+# The tensor-core form (float16/bfloat16 queries, 4-bit values, rotary pairs split in halves or no RoPE, d and dv
+# 64 or 128, at most 8 query heads a KV head, sm_80+). A warp takes tiles of 64 quantized rows; both products are
+# ``mma.m16n8k16`` (float16 in, float32 sums), the query heads as the scores' n and as the value sum's n.
+# * Keys (A: 16 rows x 16 channels a slice). Scores are invariant to a channel permutation shared by queries and
+#   keys, so slice s, mma column 2 t + {0, 1, 8, 9} is channel hf * D/2 + (D/8) t + 4 s' + {0, 1, 2, 3} (hf, s' =
+#   s's half and index in it): each thread's four channels of a slice are consecutive in the row's bit stream (at
+#   most 32 bits: one funnel shift of two words), and their rotary partners (channel + D/2) sit in the same thread.
+#   Per run of 4 channels a shared descriptor (``wfd``, built once a block from the width table) holds the word,
+#   shift and the masks that put two codes into the mantissas of a float16 pair (1024 + code: ``prmt``, ``lop3``, an
+#   exact ``sub``), then one ``fma`` per pair applies the channel ranges (``lo + code * step``).
+# * RoPE: q . R(P0 + d) k = (R(P0)^T q) . (R(d) k). The warp rotates the query to each tile's first position P0
+#   (``sincosf`` of two frequencies a lane, into the tile's B fragments in shared memory); each key pair turns by
+#   the tile-relative d from a table of (cos, sin)(d w) as float16 pairs (``rope_delta_table``, read through L1).
+# * Values (A: 16 channels x 16 rows): m-block mb row g is rotated channel (DV/8) g + 2 mb (g + 8: the next one), so
+#   a thread reads one or two whole words of each of its four rows; the centroid (the odd polynomial of code - 7.5)
+#   is evaluated on float16 pairs and the row scale goes into the softmax weight, which reaches the B operand through
+#   shared memory (as KIVI's).
+# Deviation from the float32 kernel: dequantized and rotated keys, centroids, the rotated query and the weights are
+# rounded to float16 (relative 2^-11 each), sums stay float32 (as KIVI's tensor-core kernel).
+_MMA_SOURCE = KERNEL_HEAD + r"""
+  const int h = bh % H;  // the key table's row
+  constexpr int VJ = DV / 32;
+  constexpr int KS = D / 16, HS = KS / 2;  // key slices of 16 channels; slices in a rotary half
+  constexpr int RH = D / 8;                // channels a thread holds in each half
+  constexpr int VM = DV / 16, VPL = DV / 64;  // value m-blocks; value words a thread reads per row
+  constexpr int PRS = 36;                  // a head's row of tile weights: 32 float16 pairs + 4 (no bank conflicts)
+  VQ_SHARED float sq[REP * D];
+  VQ_SHARED vq_u32 wfd[(D / 4) * 12];       // per run of 4 channels: word, next word, shift, masks, ranges
+  VQ_SHARED vq_u32 sbq[NW * KS * 64];       // per warp: the rotated query's B fragments [slice][lane][2]
+  VQ_SHARED vq_u32 sp2[NW * 8 * PRS];       // per warp: the tile's weights x row scales, float16 [head][row]
+""" + BLOCK_SHARED + r"""
+  for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
+  for (int i = VQ_TID; i < NW * KS * 64; i += VQ_NTHREADS) sbq[i] = 0u;
+  for (int r = VQ_TID; r < D / 4; r += VQ_NTHREADS) {
+    vq_u32 off[4], wd[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const vq_u32 tb = ktab[h * D + 4 * r + e];
+      off[e] = (tb & 255u) * 32u + ((tb >> 8) & 31u);
+      wd[e] = (tb >> 16) & 15u;
+    }
+    const float* lo = klo + (size_t)bh * D + 4 * r;
+    const float* st = kst + (size_t)bh * D + 4 * r;
+    vq_u32* o = wfd + 12 * r;
+    o[0] = off[0] >> 5; o[1] = min((off[0] >> 5) + 1u, (vq_u32)(WK - 1)); o[2] = off[0] & 31u;
+    o[3] = ((1u << wd[0]) - 1u) | (((1u << wd[1]) - 1u) << 16);
+    o[4] = 16u - wd[0]; o[5] = off[2] - off[0]; o[6] = 16u - wd[2];
+    o[7] = ((1u << wd[2]) - 1u) | (((1u << wd[3]) - 1u) << 16);
+    o[8] = vq_h2(lo[0], lo[1]); o[9] = vq_h2(lo[2], lo[3]); o[10] = vq_h2(st[0], st[1]); o[11] = vq_h2(st[2], st[3]);
+  }
+  VQ_SYNC();
+  if (s == S) {
+""" + SQ_EXACT + r"""
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const vq_u32 PA = vq_h2(vpoly[0], vpoly[0]), PB = vq_h2(vpoly[1], vpoly[1]), PC = vq_h2(vpoly[2], vpoly[2]);
+    const vq_u32 UL = vq_h2(vpoly[3], vpoly[3]), UH = vq_h2(64.f + vpoly[3], 64.f + vpoly[3]);
+    float m2[2] = {-VQ_INF, -VQ_INF}, l2[2] = {0.f, 0.f};  // heads 2 t + u
+    float acc[VM][4];  // rotated channel (DV / 8) g + 2 mb (+1 for [2], [3]), heads 2 t, 2 t + 1
+#pragma unroll
+    for (int v = 0; v < VM; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[v][e] = 0.f;
+    vq_u32* wq = sbq + warp * KS * 64;
+    unsigned short* wq16 = (unsigned short*)wq;
+    vq_u32* wp = sp2 + warp * 8 * PRS;
+    unsigned short* wp16 = (unsigned short*)wp;
+    const int ntiles = (n + 63) / 64;
+    for (int ti = s * NW + warp; ti < ntiles; ti += S * NW) {
+      const int tt0 = ti * 64;
+      // the query rotated to the tile's first position, as the B fragments of its slices (heads g < REP)
+      const float P0 = (float)(pos0 + tt0);
+#pragma unroll
+      for (int f = lane; f < D / 2; f += 32) {
+        // the angle as the op path forms it (a float32 product), reduced modulo 2 pi in double: __sincosf's range
+        const float a = P0 * rw[f];
+        const double k = rint((double)a * 0.15915494309189535);
+        float sn, cs;
+        __sincosf((float)((double)a - k * 6.283185307179586), &sn, &cs);
+        const int tq = f / RH, sp = (f % RH) >> 2, e = f & 3;
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+          const float q1 = sq[r * D + f], q2 = sq[r * D + f + D / 2];
+          const int i0 = ((sp * 32 + 4 * r + tq) * 2 + (e >> 1)) * 2 + (e & 1);
+          wq16[i0] = (unsigned short)vq_hbits(q1 * cs + q2 * sn);
+          wq16[i0 + HS * 128] = (unsigned short)vq_hbits(q2 * cs - q1 * sn);
+        }
+      }
+      VQ_SYNCWARP();
+      float sc[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] = 0.f;
+#pragma unroll 1
+      for (int sp = 0; sp < HS; ++sp) {
+        const vq_u32* da = wfd + 12 * (t * (D / 32) + sp);           // this thread's run in the first half
+        const vq_u32* db = da + 12 * (D / 8);                           // its rotary partners
+        const vq_u32 awi = da[0], awj = da[1], ash = da[2], ak01 = da[3], as01 = da[4], ac2 = da[5], as23 = da[6];
+        const vq_u32 ak23 = da[7], alo01 = da[8], alo23 = da[9], ast01 = da[10], ast23 = da[11];
+        const vq_u32 bwi = db[0], bwj = db[1], bsh = db[2], bk01 = db[3], bs01 = db[4], bc2 = db[5], bs23 = db[6];
+        const vq_u32 bk23 = db[7], blo01 = db[8], blo23 = db[9], bst01 = db[10], bst23 = db[11];
+        const vq_u32 qa0 = wq[(sp * 32 + lane) * 2], qa1 = wq[(sp * 32 + lane) * 2 + 1];
+        const vq_u32 qb0 = wq[((sp + HS) * 32 + lane) * 2], qb1 = wq[((sp + HS) * 32 + lane) * 2 + 1];
+        const vq_u4* rt = (const vq_u4*)rtab + t * (D / 32) + sp;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          vq_u32 fa[4], fb[4];  // A fragments of slices sp and sp + HS: rows g, g + 8 x channel pairs 01, 23
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int d = 16 * j + g + 8 * x;
+            const size_t row = ((size_t)bh * TK + min(tt0 + d, n - 1)) * WK;
+            const vq_u32 xa = VQ_FUNNEL(kw[row + awi], kw[row + awj], ash);
+            const vq_u32 xb = VQ_FUNNEL(kw[row + bwi], kw[row + bwj], bsh);
+            const vq_u32 a01 = wf_deq(xa, as01, ak01, alo01, ast01), a23 = wf_deq(xa >> ac2, as23, ak23, alo23, ast23);
+            const vq_u32 b01 = wf_deq(xb, bs01, bk01, blo01, bst01), b23 = wf_deq(xb >> bc2, bs23, bk23, blo23, bst23);
+            const vq_u4 cs = rt[d * (D / 8)];  // (cos, sin) of d w for the run's channel pairs 01, 23
+            wf_turn(a01, b01, cs.x, cs.y, fa[x], fb[x]);
+            wf_turn(a23, b23, cs.z, cs.w, fa[2 + x], fb[2 + x]);
+          }
+          vq_mma(sc[j], fa[0], fa[1], fa[2], fa[3], qa0, qa1);
+          vq_mma(sc[j], fb[0], fb[1], fb[2], fb[3], qb0, qb1);
+        }
+      }
+      // online softmax for heads 2 t + u: sc[j][2 x + u] is row 16 j + g + 8 x; weights x row scale to shared memory
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        float mt = -VQ_INF;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            if (tt0 + 16 * j + g + 8 * x >= n) sc[j][2 * x + u] = -VQ_INF;
+            mt = fmaxf(mt, sc[j][2 * x + u]);
+          }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));
+        const float mn = fmaxf(m2[u], mt);  // finite: the tile's first row is < n
+        const float corr = VQ_EXP(m2[u] - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int d = 16 * j + g + 8 * x;
+            const float p = VQ_EXP(sc[j][2 * x + u] - mn);
+            ps += p;
+            wp16[(2 * t + u) * 2 * PRS + d] =
+                (unsigned short)vq_hbits(p * VQ_F(vs[(size_t)bh * TS + min(tt0 + d, n - 1)]));
+          }
+        l2[u] = l2[u] * corr + ps;  // this lane's rows; summed over the lanes at the end
+#pragma unroll
+        for (int v = 0; v < VM; ++v) { acc[v][u] *= corr; acc[v][2 + u] *= corr; }
+        m2[u] = mn;
+      }
+      VQ_SYNCWARP();
+      // values: k = rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16; m-block mb rows g, g + 8 = nibbles of byte mb % 4
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int tk = tt0 + 16 * kk + 2 * t;
+        const vq_u32 b0 = g < REP ? wp[g * PRS + 8 * kk + t] : 0u, b1 = g < REP ? wp[g * PRS + 8 * kk + t + 4] : 0u;
+        vq_u32 wa[VPL], wb[VPL], wc[VPL], wd[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+          wa[i] = vw[((size_t)bh * TV + min(tk, n - 1)) * WV + VPL * g + i];
+          wb[i] = vw[((size_t)bh * TV + min(tk + 1, n - 1)) * WV + VPL * g + i];
+          wc[i] = vw[((size_t)bh * TV + min(tk + 8, n - 1)) * WV + VPL * g + i];
+          wd[i] = vw[((size_t)bh * TV + min(tk + 9, n - 1)) * WV + VPL * g + i];
+        }
+#pragma unroll
+        for (int v = 0; v < VM; ++v) {
+          const vq_u32 pab = __byte_perm(wa[v / 4], wb[v / 4], 0x4400u + 0x1111u * (v % 4));
+          const vq_u32 pcd = __byte_perm(wc[v / 4], wd[v / 4], 0x4400u + 0x1111u * (v % 4));
+          vq_mma(acc[v], wf_cent<true>(pab, UL, PA, PB, PC), wf_cent<false>(pab, UH, PA, PB, PC),
+                 wf_cent<true>(pcd, UL, PA, PB, PC), wf_cent<false>(pcd, UH, PA, PB, PC), b0, b1);
+        }
+      }
+      VQ_SYNCWARP();
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l2[u] += VQ_SHFL_XOR(l2[u], o);
+      const int hh = 2 * t + u;
+      if (hh < REP) {
+        if (g == 0) { sm_m[warp * REP + hh] = m2[u]; sm_l[warp * REP + hh] = l2[u]; }
+#pragma unroll
+        for (int v = 0; v < VM; ++v) {
+          float* a = sm_a + (warp * REP + hh) * DV + (DV / 8) * g + 2 * v;
+          a[0] = acc[v][u];
+          a[1] = acc[v][2 + u];
+        }
+      }
+    }
+  }
+""" + BLOCK_JOIN
+
+# device functions of the tensor-core form
+_MMA_PRELUDE = TENSOR_PRELUDE + r"""
+struct __align__(16) vq_u4 { vq_u32 x, y, z, w; };
+// two key codes of a run (bits 0.. and w0.. of x; ``s01`` = 16 - w0, ``k`` their masks) dequantized as a float16 pair
+__device__ __forceinline__ vq_u32 wf_deq(vq_u32 x, vq_u32 s01, vq_u32 k, vq_u32 lo, vq_u32 st) {
+  vq_u32 p, r;
+  p = __byte_perm(x, x << s01, 0x7610u);
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(p), "r"(k), "r"(0x64006400u));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(0x64006400u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(st), "r"(lo));
+  return r;
+}
+// a key pair (a, b) of float16 pairs turned by (cos, sin) pairs: (a c - b s, a s + b c)
+__device__ __forceinline__ void wf_turn(vq_u32 a, vq_u32 b, vq_u32 c, vq_u32 s, vq_u32& ra, vq_u32& rb) {
+  vq_u32 x, y;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(x) : "r"(b), "r"(s));
+  asm("neg.f16x2 %0, %1;" : "=r"(x) : "r"(x));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(ra) : "r"(a), "r"(c), "r"(x));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(y) : "r"(b), "r"(c));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(rb) : "r"(a), "r"(s), "r"(y));
+}
+// centroids of two 4-bit value codes: u (pa + u^2 (pb + pc u^2)), u = code - (2^4 - 1) / 2 (``ut``). LO: the low
+// nibbles of each half of p read as 1024 + code (two exact subs: 1031.5 is no float16); else the high ones as
+// 64 + code (one sub of 71.5)
+template <bool LO>
+__device__ __forceinline__ vq_u32 wf_cent(vq_u32 p, vq_u32 ut, vq_u32 pa, vq_u32 pb, vq_u32 pc) {
+  vq_u32 x, u2, r;
+  if (LO) {
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(x) : "r"(p), "r"(0x000f000fu), "r"(0x64006400u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(x) : "r"(x), "r"(0x64006400u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(x) : "r"(x), "r"(ut));
+  } else {
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(x) : "r"(p), "r"(0x00f000f0u), "r"(0x54005400u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(x) : "r"(x), "r"(ut));
+  }
+  asm("mul.rn.f16x2 %0, %1, %1;" : "=r"(u2) : "r"(x));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(pc), "r"(u2), "r"(pb));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(u2), "r"(pa));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(x));
+  return r;
+}
+"""
+
+_MMA_KERNELS = kernel_variants("vq_waterfill_decode_mma",
+                               ["q", "kw", "ktab", "klo", "kst", "rw", "rtab", "vw", "vs", "vpoly"],
+                               [("n_all", "int"), ("pos0", "int"), ("scale", "float"), ("H", "int"), ("TK", "int"),
+                                ("TV", "int"), ("TS", "int")], _MMA_SOURCE, bounds=(32 * WARPS, 4),
+                               prelude=_MMA_PRELUDE)
+TENSOR_CORES = True  # layouts the mma form reads take it on sm_80+ (tests switch it off to compare the forms)
+
+
+def tensor_core_layout(d: int, dv: int, value_bits: int, rep: int, paired: bool) -> bool:
+    """Layouts the tensor-core form reads: rotary pairs split in halves (or no RoPE: ``paired``), head dims 64 or 128
+    (its registers and tables), 4-bit values, at most 8 query heads per KV head (the mma's n)."""
+    return paired and d in (64, 128) and dv in (64, 128) and value_bits == 4 and 0 < rep <= 8
+
+
+def uses_tensor_cores(d: int, dv: int, value_bits: int, rep: int, paired: bool, dtype) -> bool:
+    """Whether a decode step runs the tensor-core form: ``TENSOR_CORES``, the layout, queries in a 2-byte float
+    (float32 models keep the float32 kernel), an sm_80+ device."""
+    return TENSOR_CORES and dtype in _HALF and _on_this_device(d, dv, value_bits, rep, paired)
+
+
+@functools.cache
+def _on_this_device(*layout) -> bool:  # asked every decode step and layer: the arch parsed once
+    if not tensor_core_layout(*layout):
+        return False
+    try:
+        return int(_arch()[3:]) >= 80
+    except RuntimeError:  # no CUDA driver (a launch stood in on another machine)
+        return False
+
+
+_HALF = (mx.float16, mx.bfloat16)
+
+
 @functools.cache
 def supported(d: int, dv: int, key_words: int, value_words: int, rep: int = 1) -> bool:
     """Shapes the kernel handles: head dims multiples of 32, rows of at most 32 words, at most 32 query heads per
@@ -286,6 +561,21 @@ def _rope_tables(key, d: int):
     return mx.array(w), mx.array(partner), mx.array(sign)
 
 
+def rope_delta_table(spec, d: int) -> mx.array:
+    """The tensor-core form's key rotations within a tile: per row offset ``0 <= t < 64`` and run of 4 channels
+    ``c0 .. c0 + 3`` of the first rotary half, (cos, sin)(t w_c) as float16 pairs for channels (c0, c0 + 1) and
+    (c0 + 2, c0 + 3): uint32 ``[64, d / 8, 4]`` (cos01, sin01, cos23, sin23). Built on the host once per (spec, d)."""
+    return _rope_delta_table(None if spec is None else (spec_key(spec), spec["traditional"]), d)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_delta_table(key, d: int):
+    w = np.array(_rope_tables(key, d)[0], np.float64)[: d // 2].reshape(d // 8, 2, 2)  # [run, pair, channel]
+    ang = np.arange(64, dtype=np.float64)[:, None, None, None] * w[None]
+    bits = np.stack([np.cos(ang), np.sin(ang)], axis=3).astype(np.float16).view(np.uint16).astype(np.uint32)
+    return mx.array((bits[..., 0] | (bits[..., 1] << 16)).reshape(64, d // 8, 4))  # (cos01, sin01, cos23, sin23)
+
+
 def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope, v_words, v_scales, vpoly,
                        n: int, pos0: int, value_bits: int, dv: int, exact, counts=None, merge=None,
                        paired: bool = False):
@@ -304,8 +594,15 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
     B, Hq, _, D = queries.shape
     H = k_words.shape[1]
     arrays, scalars, consts = exact_args(exact, counts, H)
+    if uses_tensor_cores(D, dv, value_bits, Hq // H, paired, queries.dtype) and len(rope) > 3:
+        return launch(_MMA_KERNELS, counts is not None,
+                      [queries, k_words, ktab, k_lo, k_step, rope[0], rope[3], v_words, v_scales, vpoly, *arrays],
+                      [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
+                       v_scales.shape[2], *scalars],
+                      (("D", D), ("WK", k_words.shape[-1]), ("WV", v_words.shape[-1])) + consts, B, H, Hq // H,
+                      split_count(n), dv, merge)
     return launch(_KERNELS, counts is not None,
-                  [queries, k_words, ktab, k_lo, k_step, *rope, v_words, v_scales, vpoly, *arrays],
+                  [queries, k_words, ktab, k_lo, k_step, *rope[:3], v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                    v_scales.shape[2], *scalars],
                   (("D", D), ("WK", k_words.shape[-1]), ("WV", v_words.shape[-1]), ("VB", value_bits), ("PAIR", paired))
@@ -319,7 +616,8 @@ def cache_constants(c):
     if kc is None or kc[0] is not c.k_lo:
         vpoly = mx.array([*poly_coefficients(c.bit_width), ((1 << c.bit_width) - 1) / 2], dtype=mx.float32)
         kc = (c.k_lo, key_table(c._layout_of()), mx.contiguous(c.k_lo[:, :, 0].astype(mx.float32)),
-              mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, c._shape[1]), vpoly)
+              mx.contiguous(c.k_step[:, :, 0].astype(mx.float32)), rope_tables(c.rope, c._shape[1])
+              + ((rope_delta_table(c.rope, c._shape[1]),) if paired_rope(c.rope, c._shape[1]) else ()), vpoly)
         c._kconst = kc
     return kc[1:]
 

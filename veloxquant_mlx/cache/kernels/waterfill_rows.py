@@ -201,7 +201,7 @@ def encode_rows(c, keys: mx.array, values: mx.array, pos0: int):
     :meth:`WaterfillKVCache._key_codes` packed + :meth:`_encode_values` in one launch."""
     B, H, n, D = keys.shape
     dv = values.shape[-1]
-    ktab, lo, step, (rw, rp, rs), _ = cache_constants(c)
+    ktab, lo, step, (rw, rp, rs, *_), _ = cache_constants(c)
     bnd, levels = _boundaries(c.bit_width)
     wk, wv = c._layout_of().words, packed_words(dv, c.bit_width)
     consts = (("D", D), ("DV", dv), ("WK", wk), ("WV", wv), ("VB", c.bit_width), ("LEVELS", levels), ("NW", WARPS))
@@ -211,7 +211,7 @@ def encode_rows(c, keys: mx.array, values: mx.array, pos0: int):
 
 def decode_rows(c, n: int, dtype) -> tuple[mx.array, mx.array]:
     """Dense (keys with RoPE, values) [B, H, n, D] of cache ``c``'s first ``n`` quantized rows, in ``dtype``."""
-    ktab, lo, step, (rw, rp, rs), vpoly = cache_constants(c)
+    ktab, lo, step, (rw, rp, rs, *_), vpoly = cache_constants(c)
     B, H, TK, WK = c.k_words.shape
     _, D, dv = c._shape
     consts = (("D", D), ("DV", dv), ("WK", WK), ("WV", c.v_words.shape[-1]), ("VB", c.bit_width), ("NW", WARPS))
