@@ -247,6 +247,104 @@ _KERNELS = kernel_variants("vq_waterfill_decode",
 #   shared memory (as KIVI's).
 # Deviation from the float32 kernel: dequantized and rotated keys, centroids, the rotated query and the weights are
 # rounded to float16 (relative 2^-11 each), sums stay float32 (as KIVI's tensor-core kernel).
+# one 64-row tile of the mma form (FULL: every row below n; else the last tile, rows past n read as row n - 1)
+_TILE = r"""
+        const int r0 = tt0 + g, v0 = tt0 + 2 * t;  // the lane's first key row and first value row
+#define WF_ROW(d) (FULL ? (d) - g : min(tt0 + (d), n - 1) - r0)
+#define WF_VROW(d) (FULL ? (d) : min(v0 + (d), n - 1) - v0)
+        const vq_u32* kb = kw + ((size_t)bh * TK + r0) * WK;
+        const auto* sb = vs + (size_t)bh * TS + r0;
+        const vq_u32* vb = vw + ((size_t)bh * TV + v0) * WV + VPL * g;
+        float sc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[j][e] = 0.f;
+#pragma unroll 1
+        for (int sp = 0; sp < HS; ++sp) {
+          const vq_u32* da = wfd + 12 * (t * (D / 32) + sp);           // this thread's run in the first half
+          const vq_u32* db = da + 12 * (D / 8);                           // its rotary partners
+          const vq_u32 awi = da[0], awj = da[1], ash = da[2], ak01 = da[3], as01 = da[4], ac2 = da[5], as23 = da[6];
+          const vq_u32 ak23 = da[7], alo01 = da[8], alo23 = da[9], ast01 = da[10], ast23 = da[11];
+          const vq_u32 bwi = db[0], bwj = db[1], bsh = db[2], bk01 = db[3], bs01 = db[4], bc2 = db[5], bs23 = db[6];
+          const vq_u32 bk23 = db[7], blo01 = db[8], blo23 = db[9], bst01 = db[10], bst23 = db[11];
+          const vq_u32 qa0 = wq[(sp * 32 + lane) * 2], qa1 = wq[(sp * 32 + lane) * 2 + 1];
+          const vq_u32 qb0 = wq[((sp + HS) * 32 + lane) * 2], qb1 = wq[((sp + HS) * 32 + lane) * 2 + 1];
+          const vq_u4* rt = (const vq_u4*)rtab + t * (D / 32) + sp;
+          const vq_u32 *pa = kb + awi, *pj = kb + awj, *pb = kb + bwi, *pk = kb + bwj;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            vq_u32 fa[4], fb[4];  // A fragments of slices sp and sp + HS: rows g, g + 8 x channel pairs 01, 23
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const int d = 16 * j + g + 8 * x;
+              const int ro = WF_ROW(d) * WK;
+              const vq_u32 xa = VQ_FUNNEL(pa[ro], pj[ro], ash), xb = VQ_FUNNEL(pb[ro], pk[ro], bsh);
+              const vq_u32 a01 = wf_deq(xa, as01, ak01, alo01, ast01), a23 = wf_deq(xa >> ac2, as23, ak23, alo23, ast23);
+              const vq_u32 b01 = wf_deq(xb, bs01, bk01, blo01, bst01), b23 = wf_deq(xb >> bc2, bs23, bk23, blo23, bst23);
+              const vq_u4 cs = rt[d * (D / 8)];  // (cos, sin) of d w for the run's channel pairs 01, 23
+              wf_turn(a01, b01, cs.x, cs.y, fa[x], fb[x]);
+              wf_turn(a23, b23, cs.z, cs.w, fa[2 + x], fb[2 + x]);
+            }
+            vq_mma(sc[j], fa[0], fa[1], fa[2], fa[3], qa0, qa1);
+            vq_mma(sc[j], fb[0], fb[1], fb[2], fb[3], qb0, qb1);
+          }
+        }
+        // online softmax for heads 2 t + u: sc[j][2 x + u] is row 16 j + g + 8 x; weights x row scale to shared memory
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          float mt = -VQ_INF;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              if (!FULL && tt0 + 16 * j + g + 8 * x >= n) sc[j][2 * x + u] = -VQ_INF;
+              mt = fmaxf(mt, sc[j][2 * x + u]);
+            }
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));
+          const float mn = fmaxf(m2[u], mt);  // finite: the tile's first row is < n
+          const float corr = VQ_EXP(m2[u] - mn);
+          float ps = 0.f;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const int d = 16 * j + g + 8 * x;
+              const float p = VQ_EXP(sc[j][2 * x + u] - mn);
+              ps += p;
+              wp16[(2 * t + u) * 2 * PRS + d] = (unsigned short)vq_hbits(p * VQ_F(sb[WF_ROW(d)]));
+            }
+          l2[u] = l2[u] * corr + ps;  // this lane's rows; summed over the lanes at the end
+#pragma unroll
+          for (int v = 0; v < VM; ++v) { acc[v][u] *= corr; acc[v][2 + u] *= corr; }
+          m2[u] = mn;
+        }
+        VQ_SYNCWARP();
+        // values: k = rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16; m-block mb rows g, g + 8 = nibbles of byte mb % 4
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const vq_u32 b0 = g < REP ? wp[g * PRS + 8 * kk + t] : 0u, b1 = g < REP ? wp[g * PRS + 8 * kk + t + 4] : 0u;
+          vq_u32 wa[VPL], wb[VPL], wc[VPL], wd[VPL];
+#pragma unroll
+          for (int i = 0; i < VPL; ++i) {
+            wa[i] = vb[WF_VROW(16 * kk) * WV + i];
+            wb[i] = vb[WF_VROW(16 * kk + 1) * WV + i];
+            wc[i] = vb[WF_VROW(16 * kk + 8) * WV + i];
+            wd[i] = vb[WF_VROW(16 * kk + 9) * WV + i];
+          }
+#pragma unroll
+          for (int v = 0; v < VM; ++v) {
+            const vq_u32 pab = __byte_perm(wa[v / 4], wb[v / 4], 0x4400u + 0x1111u * (v % 4));
+            const vq_u32 pcd = __byte_perm(wc[v / 4], wd[v / 4], 0x4400u + 0x1111u * (v % 4));
+            vq_mma(acc[v], wf_cent<true>(pab, UL, PA, PB, PC), wf_cent<false>(pab, UH, PA, PB, PC),
+                   wf_cent<true>(pcd, UL, PA, PB, PC), wf_cent<false>(pcd, UH, PA, PB, PC), b0, b1);
+          }
+        }
+#undef WF_ROW
+#undef WF_VROW
+"""
+
 _MMA_SOURCE = KERNEL_HEAD + r"""
   const int h = bh % H;  // the key table's row
   constexpr int VJ = DV / 32;
@@ -317,93 +415,12 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
         }
       }
       VQ_SYNCWARP();
-      float sc[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[j][e] = 0.f;
-#pragma unroll 1
-      for (int sp = 0; sp < HS; ++sp) {
-        const vq_u32* da = wfd + 12 * (t * (D / 32) + sp);           // this thread's run in the first half
-        const vq_u32* db = da + 12 * (D / 8);                           // its rotary partners
-        const vq_u32 awi = da[0], awj = da[1], ash = da[2], ak01 = da[3], as01 = da[4], ac2 = da[5], as23 = da[6];
-        const vq_u32 ak23 = da[7], alo01 = da[8], alo23 = da[9], ast01 = da[10], ast23 = da[11];
-        const vq_u32 bwi = db[0], bwj = db[1], bsh = db[2], bk01 = db[3], bs01 = db[4], bc2 = db[5], bs23 = db[6];
-        const vq_u32 bk23 = db[7], blo01 = db[8], blo23 = db[9], bst01 = db[10], bst23 = db[11];
-        const vq_u32 qa0 = wq[(sp * 32 + lane) * 2], qa1 = wq[(sp * 32 + lane) * 2 + 1];
-        const vq_u32 qb0 = wq[((sp + HS) * 32 + lane) * 2], qb1 = wq[((sp + HS) * 32 + lane) * 2 + 1];
-        const vq_u4* rt = (const vq_u4*)rtab + t * (D / 32) + sp;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          vq_u32 fa[4], fb[4];  // A fragments of slices sp and sp + HS: rows g, g + 8 x channel pairs 01, 23
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            const int d = 16 * j + g + 8 * x;
-            const size_t row = ((size_t)bh * TK + min(tt0 + d, n - 1)) * WK;
-            const vq_u32 xa = VQ_FUNNEL(kw[row + awi], kw[row + awj], ash);
-            const vq_u32 xb = VQ_FUNNEL(kw[row + bwi], kw[row + bwj], bsh);
-            const vq_u32 a01 = wf_deq(xa, as01, ak01, alo01, ast01), a23 = wf_deq(xa >> ac2, as23, ak23, alo23, ast23);
-            const vq_u32 b01 = wf_deq(xb, bs01, bk01, blo01, bst01), b23 = wf_deq(xb >> bc2, bs23, bk23, blo23, bst23);
-            const vq_u4 cs = rt[d * (D / 8)];  // (cos, sin) of d w for the run's channel pairs 01, 23
-            wf_turn(a01, b01, cs.x, cs.y, fa[x], fb[x]);
-            wf_turn(a23, b23, cs.z, cs.w, fa[2 + x], fb[2 + x]);
-          }
-          vq_mma(sc[j], fa[0], fa[1], fa[2], fa[3], qa0, qa1);
-          vq_mma(sc[j], fb[0], fb[1], fb[2], fb[3], qb0, qb1);
-        }
-      }
-      // online softmax for heads 2 t + u: sc[j][2 x + u] is row 16 j + g + 8 x; weights x row scale to shared memory
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        float mt = -VQ_INF;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            if (tt0 + 16 * j + g + 8 * x >= n) sc[j][2 * x + u] = -VQ_INF;
-            mt = fmaxf(mt, sc[j][2 * x + u]);
-          }
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) mt = fmaxf(mt, VQ_SHFL_XOR(mt, o));
-        const float mn = fmaxf(m2[u], mt);  // finite: the tile's first row is < n
-        const float corr = VQ_EXP(m2[u] - mn);
-        float ps = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            const int d = 16 * j + g + 8 * x;
-            const float p = VQ_EXP(sc[j][2 * x + u] - mn);
-            ps += p;
-            wp16[(2 * t + u) * 2 * PRS + d] =
-                (unsigned short)vq_hbits(p * VQ_F(vs[(size_t)bh * TS + min(tt0 + d, n - 1)]));
-          }
-        l2[u] = l2[u] * corr + ps;  // this lane's rows; summed over the lanes at the end
-#pragma unroll
-        for (int v = 0; v < VM; ++v) { acc[v][u] *= corr; acc[v][2 + u] *= corr; }
-        m2[u] = mn;
-      }
-      VQ_SYNCWARP();
-      // values: k = rows 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16; m-block mb rows g, g + 8 = nibbles of byte mb % 4
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const int tk = tt0 + 16 * kk + 2 * t;
-        const vq_u32 b0 = g < REP ? wp[g * PRS + 8 * kk + t] : 0u, b1 = g < REP ? wp[g * PRS + 8 * kk + t + 4] : 0u;
-        vq_u32 wa[VPL], wb[VPL], wc[VPL], wd[VPL];
-#pragma unroll
-        for (int i = 0; i < VPL; ++i) {
-          wa[i] = vw[((size_t)bh * TV + min(tk, n - 1)) * WV + VPL * g + i];
-          wb[i] = vw[((size_t)bh * TV + min(tk + 1, n - 1)) * WV + VPL * g + i];
-          wc[i] = vw[((size_t)bh * TV + min(tk + 8, n - 1)) * WV + VPL * g + i];
-          wd[i] = vw[((size_t)bh * TV + min(tk + 9, n - 1)) * WV + VPL * g + i];
-        }
-#pragma unroll
-        for (int v = 0; v < VM; ++v) {
-          const vq_u32 pab = __byte_perm(wa[v / 4], wb[v / 4], 0x4400u + 0x1111u * (v % 4));
-          const vq_u32 pcd = __byte_perm(wc[v / 4], wd[v / 4], 0x4400u + 0x1111u * (v % 4));
-          vq_mma(acc[v], wf_cent<true>(pab, UL, PA, PB, PC), wf_cent<false>(pab, UH, PA, PB, PC),
-                 wf_cent<true>(pcd, UL, PA, PB, PC), wf_cent<false>(pcd, UH, PA, PB, PC), b0, b1);
-        }
+      // the tile's rows, each read from the lane's first row r0: FULL (all below n) at constant offsets, else (the last
+      // tile) rows past n read as row n - 1 with weight 0
+      if (tt0 + 64 <= n) {
+""" + _TILE.replace("FULL", "true") + r"""
+      } else {
+""" + _TILE.replace("FULL", "false") + r"""
       }
       VQ_SYNCWARP();
     }
