@@ -18,6 +18,10 @@ never straddle a word (``VMAP``) are decoded without shuffles, each lane taking 
 The grouping exists because the kernel is bound by instruction issue (docs/RESULTS.md "Waterfill's decode kernel:
 rows and heads grouped"). The reduce-scatter's steps are written out so that its scores stay in registers (as a loop
 nest nvcc did not unroll them: local memory; ``tests/test_kernel_compile.py``).
+
+Float16/bfloat16 models on sm_80+ with 4-bit values, half-split RoPE (or none), d and dv 64 or 128 and at most 8 query
+heads per KV head take the tensor-core form instead (``uses_tensor_cores``; ``_MMA_SOURCE`` says how): the same
+function with float16 operands, ~3x fewer instructions a row (docs/RESULTS.md "Waterfill's decode on tensor cores").
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    bits, decoded arithmetically).
 4. Attention: one softmax over sinks, quantized rows, window and the call's rows; keys decoded one gather per
    code, RoPE re-applied; values ``((p * s) @ centroid[codes]) H^T``. On CUDA a decode step takes
-   ``kernels.waterfill`` (codes read once, RoPE on the query), checked against the op path at first use.
+   ``kernels.waterfill`` (codes read once; float16 models on tensor cores), checked against the op path at first use.
 
 Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2`` (b = 4, D = 64: 66 vs 256 at float16), plus
 the float16 ranges, width tables, window and sinks. Results: docs/RESULTS.md ("Quality targets", "Speed and memory").
@@ -47,6 +47,8 @@ Deviations and limits (all of them):
   Beta-type law and a random rotation), scaled by the row's RMS instead of its norm.
 * ``bit_width_inlier`` sets both the keys' average and the values' width; ``n_sink_tokens`` is not used (4 sink
   rows, as turboquant_rvq).
+* On CUDA, float16/bfloat16 models at 4 bits decode on tensor cores: dequantized and rotated keys, centroids and
+  softmax weights rounded to float16 (relative 2^-11 each, sums in float32; ``kernels.waterfill``).
 
 mlx_lm protocol: as turboquant_rvq, plus the calibration in ``state``; ``merge`` builds ``waterfill_batch.py``'s.
 """
