@@ -284,8 +284,10 @@ _TILE = r"""
               const int d = 16 * j + g + 8 * x;
               const int ro = WF_ROW(d) * WK;
               const vq_u32 xa = VQ_FUNNEL(pa[ro], pj[ro], ash), xb = VQ_FUNNEL(pb[ro], pk[ro], bsh);
-              const vq_u32 a01 = wf_deq(xa, as01, ak01, alo01, ast01), a23 = wf_deq(xa >> ac2, as23, ak23, alo23, ast23);
-              const vq_u32 b01 = wf_deq(xb, bs01, bk01, blo01, bst01), b23 = wf_deq(xb >> bc2, bs23, bk23, blo23, bst23);
+              const vq_u32 a01 = wf_deq(xa, as01, ak01, alo01, ast01);
+              const vq_u32 a23 = wf_deq(xa >> ac2, as23, ak23, alo23, ast23);
+              const vq_u32 b01 = wf_deq(xb, bs01, bk01, blo01, bst01);
+              const vq_u32 b23 = wf_deq(xb >> bc2, bs23, bk23, blo23, bst23);
               const vq_u4 cs = rt[d * (D / 8)];  // (cos, sin) of d w for the run's channel pairs 01, 23
               wf_turn(a01, b01, cs.x, cs.y, fa[x], fb[x]);
               wf_turn(a23, b23, cs.z, cs.w, fa[2 + x], fb[2 + x]);
