@@ -369,10 +369,10 @@ def test_kivi_tensor_cores_need_a_cuda_driver_and_a_2_byte_query(monkeypatch):
     for arch, dtype, want in ((no_driver, mx.float16, False), (lambda: "sm_90", mx.float16, True),
                               (lambda: "sm_90", mx.bfloat16, True), (lambda: "sm_90", mx.float32, False),
                               (lambda: "sm_75", mx.float16, False), (lambda: "sm_100", mx.float16, True)):
-        monkeypatch.setattr(kivi_kernel, "_arch", arch)
-        kivi_kernel._on_this_device.cache_clear()
+        monkeypatch.setattr(_compile, "_arch", arch)
+        _compile.tensor_cores_here.cache_clear()
         assert kivi_kernel.uses_tensor_cores(4, 32, 32, 128, 128, 4, dtype) is want, (arch, dtype)
-    kivi_kernel._on_this_device.cache_clear()
+    _compile.tensor_cores_here.cache_clear()
 
 
 @GPU

@@ -229,6 +229,19 @@ def _lib(names):
     return _LIBS[names[0]]
 
 
+HALF_FLOATS = (mx.float16, mx.bfloat16)  # query dtypes the tensor-core kernels take (float16 operands lose nothing)
+
+
+@functools.cache
+def tensor_cores_here() -> bool:
+    """Whether CUDA device 0 is sm_80+ (the ``mma.m16n8k16`` the tensor-core kernels use); False without a CUDA
+    driver (a launch stood in on another machine: scripts/decode_host_layer.py). Asked once per process."""
+    try:
+        return int(_arch()[3:]) >= 80
+    except RuntimeError:
+        return False
+
+
 @functools.cache
 def _arch() -> str:
     """``sm_XY`` of CUDA device 0 (through the driver API MLX has initialised; asked once per process)."""

@@ -34,7 +34,7 @@ import functools
 
 import mlx.core as mx
 
-from ._compile import TENSOR_PRELUDE, _arch
+from ._compile import HALF_FLOATS, TENSOR_PRELUDE, tensor_cores_here
 from ._common import (BLOCK_JOIN, BLOCK_SHARED, KERNEL_HEAD, MAX_SPLITS, ML_STORE, SQ_EXACT, WARPS, exact_args,
                       kernel_variants, launch, shared_limit)
 
@@ -329,20 +329,8 @@ def uses_tensor_cores(bits: int, group: int, value_group: int, d: int, dv: int, 
     """Whether a decode step of this layout runs the tensor-core kernel: ``TENSOR_CORES``, the layout, queries in a
     2-byte float (its float16 rounding is then no coarser than the model's own: float32 models keep the float32
     kernel), an sm_80+ device."""
-    return TENSOR_CORES and dtype in _HALF and _on_this_device(bits, group, value_group, d, dv, rep)
-
-
-@functools.cache
-def _on_this_device(*layout) -> bool:  # asked every decode step and layer: the arch parsed once
-    if not tensor_core_layout(*layout):
-        return False
-    try:
-        return int(_arch()[3:]) >= 80
-    except RuntimeError:  # no CUDA driver (a launch stood in on another machine: scripts/decode_host_layer.py)
-        return False
-
-
-_HALF = (mx.float16, mx.bfloat16)
+    return (TENSOR_CORES and dtype in HALF_FLOATS and tensor_core_layout(bits, group, value_group, d, dv, rep)
+            and tensor_cores_here())
 
 
 @functools.cache

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..primitives.rope import frequencies_of, spec_key
 from ..primitives.value_rotation import poly_coefficients
-from ._compile import TENSOR_PRELUDE, _arch
+from ._compile import HALF_FLOATS, TENSOR_PRELUDE, tensor_cores_here
 from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_MERGE, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, SQ_EXACT, WARPS, Merge,
                       exact_args, kernel_variants, launch, shared_limit, split_count, step_counters, window_exact)
 
@@ -499,6 +499,7 @@ _MMA_KERNELS = kernel_variants("vq_waterfill_decode_mma",
 TENSOR_CORES = True  # layouts the mma form reads take it on sm_80+ (tests switch it off to compare the forms)
 
 
+@functools.cache
 def tensor_core_layout(d: int, dv: int, value_bits: int, rep: int, paired: bool) -> bool:
     """Layouts the tensor-core form reads: rotary pairs split in halves (or no RoPE: ``paired``), head dims 64 or 128
     (its registers and tables), 4-bit values, at most 8 query heads per KV head (the mma's n)."""
@@ -508,20 +509,8 @@ def tensor_core_layout(d: int, dv: int, value_bits: int, rep: int, paired: bool)
 def uses_tensor_cores(d: int, dv: int, value_bits: int, rep: int, paired: bool, dtype) -> bool:
     """Whether a decode step runs the tensor-core form: ``TENSOR_CORES``, the layout, queries in a 2-byte float
     (float32 models keep the float32 kernel), an sm_80+ device."""
-    return TENSOR_CORES and dtype in _HALF and _on_this_device(d, dv, value_bits, rep, paired)
-
-
-@functools.cache
-def _on_this_device(*layout) -> bool:  # asked every decode step and layer: the arch parsed once
-    if not tensor_core_layout(*layout):
-        return False
-    try:
-        return int(_arch()[3:]) >= 80
-    except RuntimeError:  # no CUDA driver (a launch stood in on another machine)
-        return False
-
-
-_HALF = (mx.float16, mx.bfloat16)
+    return (TENSOR_CORES and dtype in HALF_FLOATS and tensor_core_layout(d, dv, value_bits, rep, paired)
+            and tensor_cores_here())
 
 
 @functools.cache
