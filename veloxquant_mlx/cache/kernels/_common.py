@@ -428,6 +428,29 @@ LANE_STORE = ML_STORE + r"""#pragma unroll
   }
 """
 
+# The end of a tensor-core kernel's quantized branch (lane = 4 g + t): l summed over the lanes of one t, then each
+# query head 2 t + u's (m, l) and its sums acc[VS][4][4] (an mma's C fragment: row g -> channel VQ_MMA_CH(v, j), row
+# g + 8 -> the next one; columns 2 t + u -> heads) into shared memory.
+MMA_STORE = r"""
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l2[u] += VQ_SHFL_XOR(l2[u], o);
+      const int h = 2 * t + u;
+      if (h < REP) {
+        if (g == 0) { sm_m[warp * REP + h] = m2[u]; sm_l[warp * REP + h] = l2[u]; }
+#pragma unroll
+        for (int v = 0; v < VS; ++v)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float* a = sm_a + (warp * REP + h) * DV + VQ_MMA_CH(v, j);
+            a[0] = acc[v][j][u];
+            a[1] = acc[v][j][2 + u];
+          }
+      }
+    }
+"""
+
 BLOCK_JOIN = r"""
   VQ_SYNC();
   for (int i = VQ_TID; i < REP * DV; i += VQ_NTHREADS) {

@@ -35,8 +35,8 @@ import functools
 import mlx.core as mx
 
 from ._compile import HALF_FLOATS, TENSOR_PRELUDE, tensor_cores_here
-from ._common import (BLOCK_JOIN, BLOCK_SHARED, KERNEL_HEAD, MAX_SPLITS, ML_STORE, SQ_EXACT, WARPS, exact_args,
-                      kernel_variants, launch, shared_limit)
+from ._common import (BLOCK_JOIN, BLOCK_SHARED, KERNEL_HEAD, MAX_SPLITS, ML_STORE, MMA_STORE, SQ_EXACT, WARPS,
+                      exact_args, kernel_variants, launch, shared_limit)
 
 __all__ = ["kivi_partials", "supported", "TILE_WORDS", "tensor_core_layout", "uses_tensor_cores"]
 
@@ -282,23 +282,8 @@ _MMA = r"""  } else {
       }
       VQ_SYNCWARP();
     }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) l2[u] += VQ_SHFL_XOR(l2[u], o);
-      const int h = 2 * t + u;
-      if (h < REP) {
-        if (g == 0) { sm_m[warp * REP + h] = m2[u]; sm_l[warp * REP + h] = l2[u]; }
-#pragma unroll
-        for (int v = 0; v < VS; ++v)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float* a = sm_a + (warp * REP + h) * DV + 64 * v + 8 * g + 2 * j;
-            a[0] = acc[v][j][u];
-            a[1] = acc[v][j][2 + u];
-          }
-      }
-    }
+#define VQ_MMA_CH(v, j) (64 * (v) + 8 * g + 2 * (j))
+""" + MMA_STORE + r"""#undef VQ_MMA_CH
   }
 """ + BLOCK_JOIN
 

@@ -34,8 +34,9 @@ import numpy as np
 from ..primitives.rope import frequencies_of, spec_key
 from ..primitives.value_rotation import poly_coefficients
 from ._compile import HALF_FLOATS, TENSOR_PRELUDE, tensor_cores_here
-from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_MERGE, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, SQ_EXACT, WARPS, Merge,
-                      exact_args, kernel_variants, launch, shared_limit, split_count, step_counters, window_exact)
+from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_MERGE, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, MMA_STORE, SQ_EXACT,
+                      WARPS, Merge, exact_args, kernel_variants, launch, shared_limit, split_count, step_counters,
+                      window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -323,7 +324,7 @@ _TILE = r"""
             }
           l2[u] = l2[u] * corr + ps;  // this lane's rows; summed over the lanes at the end
 #pragma unroll
-          for (int v = 0; v < VM; ++v) { acc[v][u] *= corr; acc[v][2 + u] *= corr; }
+          for (int v = 0; v < VM; ++v) { acc[v / 4][v % 4][u] *= corr; acc[v / 4][v % 4][2 + u] *= corr; }
           m2[u] = mn;
         }
         VQ_SYNCWARP();
@@ -343,7 +344,7 @@ _TILE = r"""
           for (int v = 0; v < VM; ++v) {
             const vq_u32 pab = __byte_perm(wa[v / 4], wb[v / 4], 0x4400u + 0x1111u * (v % 4));
             const vq_u32 pcd = __byte_perm(wc[v / 4], wd[v / 4], 0x4400u + 0x1111u * (v % 4));
-            vq_mma(acc[v], wf_cent<true>(pab, UL, PA, PB, PC), wf_cent<false>(pab, UH, PA, PB, PC),
+            vq_mma(acc[v / 4][v % 4], wf_cent<true>(pab, UL, PA, PB, PC), wf_cent<false>(pab, UH, PA, PB, PC),
                    wf_cent<true>(pcd, UL, PA, PB, PC), wf_cent<false>(pcd, UH, PA, PB, PC), b0, b1);
           }
         }
@@ -356,7 +357,7 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
   constexpr int VJ = DV / 32;
   constexpr int KS = D / 16, HS = KS / 2;  // key slices of 16 channels; slices in a rotary half
   constexpr int RH = D / 8;                // channels a thread holds in each half
-  constexpr int VM = DV / 16, VPL = DV / 64;  // value m-blocks; value words a thread reads per row
+  constexpr int VM = DV / 16, VS = DV / 64, VPL = DV / 64;  // value m-blocks, sets of 4, words a thread reads a row
   constexpr int PRS = 36;                  // a head's row of tile weights: 32 float16 pairs + 4 (no bank conflicts)
   VQ_SHARED float sq[REP * D];
   VQ_SHARED vq_u32 wfd[(D / 4) * 12];       // per run of 4 channels: word, next word, shift, masks, ranges
@@ -390,11 +391,13 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
     const vq_u32 PA = vq_h2(vpoly[0], vpoly[0]), PB = vq_h2(vpoly[1], vpoly[1]), PC = vq_h2(vpoly[2], vpoly[2]);
     const vq_u32 UL = vq_h2(vpoly[3], vpoly[3]), UH = vq_h2(64.f + vpoly[3], 64.f + vpoly[3]);
     float m2[2] = {-VQ_INF, -VQ_INF}, l2[2] = {0.f, 0.f};  // heads 2 t + u
-    float acc[VM][4];  // rotated channel (DV / 8) g + 2 mb (+1 for [2], [3]), heads 2 t, 2 t + 1
+    float acc[VS][4][4];  // m-block 4 v + j: rotated channel (DV / 8) g + 8 v + 2 j (+1 for [2], [3]), heads 2 t (+1)
 #pragma unroll
-    for (int v = 0; v < VM; ++v)
+    for (int v = 0; v < VS; ++v)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[v][e] = 0.f;
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[v][j][e] = 0.f;
     vq_u32* wq = sbq + warp * KS * 64;
     unsigned short* wq16 = (unsigned short*)wq;
     vq_u32* wp = sp2 + warp * 8 * PRS;
@@ -430,21 +433,8 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
       }
       VQ_SYNCWARP();
     }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) l2[u] += VQ_SHFL_XOR(l2[u], o);
-      const int hh = 2 * t + u;
-      if (hh < REP) {
-        if (g == 0) { sm_m[warp * REP + hh] = m2[u]; sm_l[warp * REP + hh] = l2[u]; }
-#pragma unroll
-        for (int v = 0; v < VM; ++v) {
-          float* a = sm_a + (warp * REP + hh) * DV + (DV / 8) * g + 2 * v;
-          a[0] = acc[v][u];
-          a[1] = acc[v][2 + u];
-        }
-      }
-    }
+#define VQ_MMA_CH(v, j) ((DV / 8) * g + 8 * (v) + 2 * (j))
+""" + MMA_STORE + r"""#undef VQ_MMA_CH
   }
 """ + BLOCK_JOIN
 
