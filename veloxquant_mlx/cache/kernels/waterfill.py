@@ -233,25 +233,6 @@ _KERNELS = kernel_variants("vq_waterfill_decode",
                             ("TV", "int"), ("TS", "int")], _SOURCE)
 
 
-# The tensor-core form (float16/bfloat16 queries, 4-bit values, rotary pairs split in halves or no RoPE, d and dv
-# 64 or 128, at most 8 query heads a KV head, sm_80+). A warp takes tiles of 64 quantized rows; both products are
-# ``mma.m16n8k16`` (float16 in, float32 sums), the query heads as the scores' n and as the value sum's n.
-# * Keys (A: 16 rows x 16 channels a slice). Scores are invariant to a channel permutation shared by queries and
-#   keys, so slice s, mma column 2 t + {0, 1, 8, 9} is channel hf * D/2 + (D/8) t + 4 s' + {0, 1, 2, 3} (hf, s' =
-#   s's half and index in it): each thread's four channels of a slice are consecutive in the row's bit stream (at
-#   most 32 bits: one funnel shift of two words), and their rotary partners (channel + D/2) sit in the same thread.
-#   Per run of 4 channels a shared descriptor (``wfd``, built once a block from the width table) holds the word,
-#   shift and the masks that put two codes into the mantissas of a float16 pair (1024 + code: ``prmt``, ``lop3``, an
-#   exact ``sub``), then one ``fma`` per pair applies the channel ranges (``lo + code * step``).
-# * RoPE: q . R(P0 + d) k = (R(P0)^T q) . (R(d) k). The warp rotates the query to each tile's first position P0
-#   (``sincosf`` of two frequencies a lane, into the tile's B fragments in shared memory); each key pair turns by
-#   the tile-relative d from a table of (cos, sin)(d w) as float16 pairs (``rope_delta_table``, read through L1).
-# * Values (A: 16 channels x 16 rows): m-block mb row g is rotated channel (DV/8) g + 2 mb (g + 8: the next one), so
-#   a thread reads one or two whole words of each of its four rows; the centroid (the odd polynomial of code - 7.5)
-#   is evaluated on float16 pairs and the row scale goes into the softmax weight, which reaches the B operand through
-#   shared memory (as KIVI's).
-# Deviation from the float32 kernel: dequantized and rotated keys, centroids, the rotated query and the weights are
-# rounded to float16 (relative 2^-11 each), sums stay float32 (as KIVI's tensor-core kernel).
 # one 64-row tile of the mma form (FULL: every row below n; else the last tile, rows past n read as row n - 1)
 _TILE = r"""
         const int r0 = tt0 + g, v0 = tt0 + 2 * t;  // the lane's first key row and first value row
@@ -352,6 +333,26 @@ _TILE = r"""
 #undef WF_VROW
 """
 
+# The tensor-core form (float16/bfloat16 queries, 4-bit values, rotary pairs split in halves or no RoPE, d and dv
+# 64 or 128, at most 8 query heads a KV head, sm_80+). A warp takes tiles of 64 quantized rows; both products are
+# ``mma.m16n8k16`` (float16 in, float32 sums), the query heads as the scores' n and as the value sum's n.
+# * Keys (A: 16 rows x 16 channels a slice). Scores are invariant to a channel permutation shared by queries and
+#   keys, so slice s, mma column 2 t + {0, 1, 8, 9} is channel hf * D/2 + (D/8) t + 4 s' + {0, 1, 2, 3} (hf, s' =
+#   s's half and index in it): each thread's four channels of a slice are consecutive in the row's bit stream (at
+#   most 32 bits: one funnel shift of two words), and their rotary partners (channel + D/2) sit in the same thread.
+#   Per run of 4 channels a shared descriptor (``wfd``, built once a block from the width table) holds the word,
+#   shift and the masks that put two codes into the mantissas of a float16 pair (1024 + code: ``prmt``, ``lop3``, an
+#   exact ``sub``), then one ``fma`` per pair applies the channel ranges (``lo + code * step``).
+# * RoPE: q . R(P0 + d) k = (R(P0)^T q) . (R(d) k). The warp rotates the query to each tile's first position P0
+#   (``__sincosf`` of two frequencies a lane, the angle reduced modulo 2 pi in double, into the tile's B
+#   fragments in shared memory); each key pair turns by
+#   the tile-relative d from a table of (cos, sin)(d w) as float16 pairs (``rope_delta_table``, read through L1).
+# * Values (A: 16 channels x 16 rows): m-block mb row g is rotated channel (DV/8) g + 2 mb (g + 8: the next one), so
+#   a thread reads one or two whole words of each of its four rows; the centroid (the odd polynomial of code - 7.5)
+#   is evaluated on float16 pairs and the row scale goes into the softmax weight, which reaches the B operand through
+#   shared memory (as KIVI's). Full tiles (``_TILE`` with FULL) read every row at constant offsets.
+# Deviation from the float32 kernel: dequantized and rotated keys, centroids, the rotated query and the weights are
+# rounded to float16 (relative 2^-11 each), sums stay float32 (as KIVI's tensor-core kernel).
 _MMA_SOURCE = KERNEL_HEAD + r"""
   const int h = bh % H;  // the key table's row
   constexpr int VJ = DV / 32;
