@@ -344,9 +344,9 @@ _TILE = r"""
 #   shift and the masks that put two codes into the mantissas of a float16 pair (1024 + code: ``prmt``, ``lop3``, an
 #   exact ``sub``), then one ``fma`` per pair applies the channel ranges (``lo + code * step``).
 # * RoPE: q . R(P0 + d) k = (R(P0)^T q) . (R(d) k). The warp rotates the query to each tile's first position P0
-#   (``__sincosf`` of two frequencies a lane, the angle reduced modulo 2 pi in double, into the tile's B
-#   fragments in shared memory); each key pair turns by
-#   the tile-relative d from a table of (cos, sin)(d w) as float16 pairs (``rope_delta_table``, read through L1).
+#   (``__sincosf`` of two frequencies a lane, the angle reduced modulo 2 pi in double, into the tile's B fragments in
+#   shared memory); each key pair turns by the tile-relative d from a table of (cos, sin)(d w) as float16 pairs
+#   (``rope_delta_table``, read through L1).
 # * Values (A: 16 channels x 16 rows): m-block mb row g is rotated channel (DV/8) g + 2 mb (g + 8: the next one), so
 #   a thread reads one or two whole words of each of its four rows; the centroid (the odd polynomial of code - 7.5)
 #   is evaluated on float16 pairs and the row scale goes into the softmax weight, which reaches the B operand through
