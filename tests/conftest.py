@@ -26,6 +26,14 @@ def _restore_dispatch():
     (dispatch.install if was else dispatch.uninstall)()
 
 
+@pytest.fixture
+def op_path(monkeypatch):
+    """The CPU kernels off (``cache.native``): for a test of the op path itself, which they would replace."""
+    from veloxquant_mlx.cache import native
+
+    monkeypatch.setattr(native, "_ENV_ON", False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """With ``VELOXQUANT_OFFLINE=1`` (a machine that cannot reach PyPI, e.g. the H200 runs of scripts/gpu_run.sh), a

@@ -514,7 +514,7 @@ def _feed_waterfill(c, H, R, D, n, rng, dtype=mx.float32):
     (2, 3, 64, 101, 19, "rope"),
     (3, 4, 32, 64, 33, "traditional"),
     (2, 2, 64, 161, 18, "rope")])
-def test_waterfill_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R, D, prompt, steps, rope):
+def test_waterfill_decode_op_path_equals_float64_attention_over_the_stored_rows(H, R, D, prompt, steps, rope, op_path):
     """Each decode step (crossing window compactions: 16-row blocks leave a 16 + 16 row window; the
     first 4 rows are float16 sinks) attends over exactly the rows the cache stores: float64 attention
     over ``update_and_fetch``'s rows, with and without sink logits."""

@@ -372,10 +372,11 @@ def test_compressed_attention_equals_dense_attention_over_the_stored_rows():
         assert float(mx.abs(out - ref).max()) < (1e-4 if mx.default_device() == mx.cpu else 1e-3)
 
 
-def test_long_cpu_decode_step_decodes_its_rows_in_parts_on_cpu_streams(monkeypatch):
+def test_long_cpu_decode_step_decodes_its_rows_in_parts_on_cpu_streams(monkeypatch, op_path):
     """Past ``CPU_SPLIT_MIN_ROWS`` quantized rows a CPU decode step decodes its keys and values in ``CPU_STREAMS``
     contiguous row ranges (each on its own stream: MLX runs a CPU stream on one thread) and gets the stored rows'
-    attention, as the one-part step does; below the threshold it stays one part."""
+    attention, as the one-part step does; below the threshold it stays one part (the op path: the CPU kernel,
+    where built, takes these steps)."""
     from veloxquant_mlx.cache import attention
 
     if mx.default_device().type != mx.DeviceType.cpu:

@@ -46,17 +46,27 @@ class WindowCall(NamedTuple):
     new_v: mx.array
 
 
+class Partials(NamedTuple):
+    """A group of keys already reduced to an online softmax's partials (a CPU kernel's output): per query row the
+    scores' max ``m`` and ``l = sum exp(s - m)`` [B, H, R], and ``acc = sum exp(s - m) v`` [B, H, R, Dv]."""
+
+    m: mx.array
+    l: mx.array  # noqa: E741
+    acc: mx.array
+
+
 def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask, sinks, n_keys: int, weights=False):
     """One softmax (``joint_attention``) over ``call``'s keys: the sink rows ``sink`` (K, V or None), ``call.q0``
-    quantized rows (``quantized_part(q, n)`` -> (scores, value_fn)), then the window before the call and the
-    call's rows (exact rows scored as one group)."""
+    quantized rows (``quantized_part(q, n)`` -> (scores, value_fn), or :class:`Partials`: then ``mask`` must be None
+    or a string), then the window before the call and the call's rows (exact rows scored as one group)."""
     B, Hq, N, D = queries.shape
     H = call.new_k.shape[1]
     q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
     qf = q.reshape(B, H, -1, D)
     s0, q0 = call.s0, call.q0
     ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
-    parts = [(*quantized_part(qf, q0), ((s0, s0 + q0),))] if q0 else []
+    part = quantized_part(qf, q0) if q0 else None
+    parts = [(part, None, ((s0, s0 + q0),)) if isinstance(part, Partials) else (*part, ((s0, s0 + q0),))] if q0 else []
     parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, s0), (s0 + q0, n_keys))))
     return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
 
@@ -129,8 +139,13 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
     stop) ranges of the ``n_keys`` key axis that the part's keys are; the last part ends with the call's ``N``
     rows (the only keys "causal" hides). ``mask``: mlx_lm's; ``sinks``: [Hq] logits or None. Returns [B, Hq, N,
     Dv]; with ``weights`` also each part's probability mass per key summed over the queries, [B, H, M_i]
-    (zipcache's saliency; ``(1 / denom) @ p``: no normalized [N, M_i] copy)."""
+    (zipcache's saliency; ``(1 / denom) @ p``: no normalized [N, M_i] copy). A part whose scores are
+    :class:`Partials` joins through its partials (no ``weights``; a string or no ``mask`` only)."""
     B, H, rep, N, _ = q.shape
+    reduced = [p for p, _, _ in parts if isinstance(p, Partials)]
+    parts = [p for p in parts if not isinstance(p[0], Partials)]
+    if reduced and (weights or not isinstance(mask, (str, type(None)))):
+        raise ValueError("a Partials part takes no weights and no array mask")
     scores = [s.reshape(B, H, rep, N, s.shape[-1]) for s, _, _ in parts]
     if isinstance(mask, str):
         if N > 1:  # bottom-right aligned over the last part: its last N columns are the new rows
@@ -144,10 +159,14 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
             m = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
             scores[i] = mx.where(m, scores[i], -mx.inf)
     sink = [] if sinks is None else [sinks.astype(mx.float32).reshape(1, H, rep, 1, 1)]
-    peak = functools.reduce(mx.maximum, [s.max(axis=-1, keepdims=True) for s in scores] + sink)
+    ms = [r.m.reshape(B, H, rep, N, 1) for r in reduced]
+    peak = functools.reduce(mx.maximum, [s.max(axis=-1, keepdims=True) for s in scores] + sink + ms)
     probs = [softmax_exp(s - peak) for s in scores]
-    denom = functools.reduce(mx.add, [p.sum(axis=-1, keepdims=True) for p in probs] + [mx.exp(t - peak) for t in sink])
-    out = functools.reduce(mx.add, [fn(p.reshape(B, H, rep * N, p.shape[-1])) for p, (_, fn, _) in zip(probs, parts)])
+    scaled = [mx.exp(m - peak) for m in ms]  # each reduced part's exp(m - peak)
+    denom = functools.reduce(mx.add, [p.sum(axis=-1, keepdims=True) for p in probs] + [mx.exp(t - peak) for t in sink]
+                             + [w * r.l.reshape(w.shape) for w, r in zip(scaled, reduced)])
+    out = functools.reduce(mx.add, [fn(p.reshape(B, H, rep * N, p.shape[-1])) for p, (_, fn, _) in zip(probs, parts)]
+                           + [w.reshape(B, H, rep * N, 1) * r.acc for w, r in zip(scaled, reduced)])
     out = ungroup(out.reshape(B, H, rep, N, out.shape[-1]) / denom).astype(out_dtype)
     if not weights:
         return out

@@ -75,7 +75,8 @@ from ...primitives.varpack import VarLayout, dequantize_pairs, pair_table
 from ...attention import group_queries
 from ... import kernels
 from ...kernels import waterfill as wf_kernel, waterfill_rows as wf_rows
-from ...window import SINK_ROWS, ResidualWindowCache, split_rows_part
+from ... import native
+from ...window import SINK_ROWS, Partials, ResidualWindowCache, attend_joint, split_rows_part
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
 
@@ -100,7 +101,7 @@ class WaterfillKVCache(ResidualWindowCache):
                      "saliency_source")
     object_scalar_fields = ("rope",)  # the layer's RoPE spec (primitives.rope)
     calib_fields = ("k_lo", "k_step", "k_bits", "q_energy")  # not per-row: saved whole
-    _shared = ("_layout", "_omega_cache", "_kconst", "_ptab")
+    _shared = ("_layout", "_omega_cache", "_kconst", "_ptab", "_cpuconst")
     q_count = 0
     rope: Optional[dict] = None  # the layer's RoPE (primitives.rope spec), None = keys stay post-RoPE
     saliency_source: Optional[str] = None  # "attention" (real queries) or "uniform" (none seen), once calibrated
@@ -294,12 +295,46 @@ class WaterfillKVCache(ResidualWindowCache):
     def _decode_attend(self, queries, *, scale, sinks=None):
         return wf_kernel.decode_attend(self, queries, scale, sinks)
 
+    def _cpu_constants(self):
+        """The CPU kernel's tables: per (head, channel) ``first stream bit | width << 16`` of the codes, float32
+        ranges [B, H, D], RoPE's per-channel tables, the values' codebook polynomial; built once per calibration
+        (``_cpuconst``: held, counted by ``held_arrays``)."""
+        kc = self.__dict__.get("_cpuconst")
+        if kc is None or kc[0] is not self.k_lo:
+            lay = self._layout_of()
+            i32 = mx.int32
+            tab = (lay.word.astype(i32) * 32 + lay.shift.astype(i32)) | (lay.bits.astype(i32) << 16)
+            poly = mx.array(poly_coefficients(self.bit_width), dtype=mx.float32)
+            kc = self._cpuconst = (self.k_lo, mx.contiguous(tab), mx.contiguous(self.k_lo[:, :, 0].astype(mx.float32)),
+                                   mx.contiguous(self.k_step[:, :, 0].astype(mx.float32)),
+                                   *wf_kernel.rope_tables(self.rope, self._shape[1]), poly)
+        return kc[1:]
+
+    def _cpu_part(self, q, n: int) -> Partials:
+        """The first ``n`` quantized rows' partials for scaled float32 queries ``q`` [B, H, R, D], by the CPU
+        kernel (``native/waterfill_cpu.cpp``): codes read once, RoPE turned per block of rows, one pass."""
+        tab, lo, step, w, partner, sign, poly = self._cpu_constants()
+        m, l, acc = native.module().waterfill_decode(  # noqa: E741
+            q, self.k_words, tab, lo, step, w, partner, sign, self.v_words, self.v_scales, poly, n, self.n_sink,
+            self.bit_width, self._shape[2], self.rope is not None)
+        return Partials(m, l, rotate_values(acc, self.seed, inverse=True))
+
+    def _cpu_attend(self, queries, keys, *, scale, mask, sinks=None):
+        call, self._call = self._call, None
+        return attend_joint(queries, call, self._sinks(call.s0), self._cpu_part, scale=scale, mask=mask, sinks=sinks,
+                            n_keys=keys.shape[2])
+
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         seen = self._observe(queries) if not self.calibrated and getattr(self, "_shape", None) else None
-        if self.calibrated and self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
+        def op():
+            return ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+        if self.calibrated and self._decode_kernel_ready(queries, keys, mask):  # kernels: checked once against op()
+            return kernels.checked_call("waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+                                        op)
+        if self.calibrated and self._one_row_over_codes(queries, keys, mask) and native.available():
             return kernels.checked_call(
-                "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
-                lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
+                "waterfill_cpu", self, lambda: self._cpu_attend(queries, keys, scale=scale, mask=mask, sinks=sinks), op)
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()
@@ -320,6 +355,9 @@ class WaterfillKVCache(ResidualWindowCache):
         if self._omega_cache is not None:  # the RoPE angles per position, once used
             out.append(self._omega_cache)
         out += wf_kernel.held_constants(self)  # the decode kernel's tables, once built
+        kc = self.__dict__.get("_cpuconst")
+        if kc is not None and kc[0] is self.k_lo:  # the CPU kernel's, once built
+            out += list(kc[1:])
         if self.counts_constants and getattr(self, "_shape", None) and not power_of_two(self._shape[2]):
             out.append(value_rotation(self._shape[2], self.seed))
         return out

@@ -1,0 +1,269 @@
+"""The CPU kernels (``veloxquant_mlx/cache/native``): waterfill's decode step over its codes in one C++ pass,
+against float64 attention over the rows the cache stores, against the op path, and the partials' own arithmetic;
+the build's cache and failure handling; the joint softmax's partials form."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from veloxquant_mlx.cache import dispatch, native
+from veloxquant_mlx.cache.kernels import _common
+from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
+from veloxquant_mlx.cache.native import build
+from veloxquant_mlx.cache.window import Partials, joint_attention
+
+from test_decode_kernels import _rel, _rows, _softmax_attention64
+from test_waterfill import make as make_waterfill
+
+ON_CPU = mx.default_device() == mx.cpu
+HAS_NANOBIND = importlib.util.find_spec("nanobind") is not None
+# Where nanobind (the ``cpu`` extra) is installed the kernels must build: a failed build fails these tests
+KERNELS = pytest.mark.skipif(not (ON_CPU and HAS_NANOBIND),
+                             reason="the CPU kernels need the CPU device and nanobind (the 'cpu' extra)")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Built kernels (a failed build fails the test), and the number of decode steps that took them."""
+    assert native.module() is not None, "the CPU kernels did not build (see the warning)"
+    calls = []
+    real = WaterfillKVCache._cpu_part
+    monkeypatch.setattr(WaterfillKVCache, "_cpu_part", lambda c, q, n: calls.append(n) or real(c, q, n))
+    return calls
+
+
+def _rope(kind, D):
+    if kind is None:
+        return None
+    if kind == "partial":  # RoPE on the first half of the channels only
+        return nn.RoPE(D // 2, base=10000.0)
+    return nn.RoPE(D, traditional=kind == "traditional", base=10000.0)
+
+
+def _feed(c, H, R, D, n, rng):
+    k, v, q = _rows(rng, H, n, D), _rows(rng, H, n, D), _rows(rng, H * R, n, D)
+    K, V = c.update_and_fetch(k, v)
+    return dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,bits,prompt,steps,rope", [
+    (1, 1, 64, 4, 37, 20, None),
+    (2, 3, 64, 4, 101, 19, "rope"),
+    (3, 4, 32, 4, 64, 33, "traditional"),
+    (2, 2, 64, 4, 161, 18, "partial"),
+    (2, 8, 128, 4, 300, 6, "rope"),
+    (1, 2, 64, 2, 90, 8, "rope"),
+    (2, 1, 64, 3, 90, 8, "traditional"),
+    (1, 3, 64, 8, 90, 8, None)])
+def test_waterfill_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, bits, prompt, steps, rope,
+                                                                             kernel_calls):
+    """Decode steps taken by the CPU kernel (window compactions crossed, sink logits every other step) attend over
+    exactly the rows the cache stores: float64 attention over ``update_and_fetch``'s rows. RoPE split in halves,
+    interleaved, on part of the channels, or none; GQA 1-8; value widths 2, 3, 4 (nibble-major) and 8."""
+    c = make_waterfill(bits=bits, rope=_rope(rope, D), D=D)
+    rng = np.random.default_rng(H * 100 + prompt + bits)
+    _feed(c, H, R, D, prompt, rng)
+    assert c.calibrated
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        sk = sinks if i % 2 else None
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < 1e-4, (i, c.n_sink, c.n_quant, c.n_win)
+    assert len(kernel_calls) == steps and "waterfill_cpu" in _common._checked
+
+
+def _partials64(c, q, n):
+    """float64 (m, l, acc) of the first ``n`` quantized rows from the op path's own decoding (keys with RoPE,
+    rotated-domain values times their scales)."""
+    keys = np.asarray(c._keys(0, n), np.float64)  # [B, H, n, D]
+    vals = np.asarray(c._value_codes(0, n), np.float64) * np.asarray(c.v_scales[:, :, :n], np.float64)[..., None]
+    q = np.asarray(q, np.float64)
+    s = np.einsum("bhrd,bhnd->bhrn", q, keys)
+    m = s.max(axis=-1)
+    p = np.exp(s - m[..., None])
+    spread = np.einsum("bhrd,bhnd->bhrn", np.abs(q), np.abs(keys)).max()  # the scores' float32 rounding scales so
+    return m, p.sum(axis=-1), np.einsum("bhrn,bhnd->bhrd", p, vals), spread
+
+
+@KERNELS
+@pytest.mark.parametrize("n_rows", [4097, 1000, 63])
+def test_cpu_kernel_partials_over_blocks_and_threads_equal_float64(n_rows, kernel_calls):
+    """The kernel's partials (m, l, acc) of the first ``n`` rows -- blocks of 64 with a partial last one, parts
+    split over the threads and joined -- equal float64 sums over the op path's decoding of the same codes; n = 0
+    gives the empty partials (m = -inf, l = 0, acc = 0)."""
+    H, R, D = 1, 3, 64  # one KV head: long steps are split over the threads in row ranges
+    c = make_waterfill(rope=_rope("rope", D), D=D)
+    rng = np.random.default_rng(n_rows)
+    _feed(c, H, R, D, n_rows + 40, rng)
+    n = c.n_quant
+    q = _rows(rng, H, R, D) * 0.3
+    tab, lo, step, w, partner, sign, poly = c._cpu_constants()
+    args = (q, c.k_words, tab, lo, step, w, partner, sign, c.v_words, c.v_scales, poly)
+    m, l, acc = native.module().waterfill_decode(*args, n, c.n_sink, c.bit_width, D, True)  # noqa: E741
+    wm, wl, wacc, spread = _partials64(c, q, n)
+    # a score's float32 error: ~D roundings of terms up to spread (the keys' decoding and RoPE add a few more)
+    tol = 4 * D * float(np.finfo(np.float32).eps) * spread + 1e-6
+    np.testing.assert_allclose(np.array(m), wm, rtol=0, atol=tol)
+    assert _rel(l, wl) < tol and _rel(acc, wacc) < tol, tol
+    m0, l0, a0 = native.module().waterfill_decode(*args, 0, c.n_sink, c.bit_width, D, True)
+    assert np.isneginf(np.array(m0)).all() and not np.array(l0).any() and not np.array(a0).any()
+
+
+@KERNELS
+def test_cpu_kernel_rejects_inconsistent_inputs(kernel_calls):
+    """Shapes that do not fit each other are refused when the call is made (not read out of bounds)."""
+    H, R, D = 2, 2, 64
+    c = make_waterfill(rope=_rope("rope", D), D=D)
+    _feed(c, H, R, D, 120, np.random.default_rng(0))
+    tab, lo, step, w, partner, sign, poly = c._cpu_constants()
+    q = mx.zeros((1, H, R, D))
+    kw, vw, vs = c.k_words, c.v_words, c.v_scales
+    f = native.module().waterfill_decode
+    with pytest.raises(ValueError, match="rows beyond the buffers"):
+        f(q, kw, tab, lo, step, w, partner, sign, vw, vs, poly, kw.shape[2] + 1, 4, 4, D, True)
+    with pytest.raises(ValueError, match="batch or heads differ"):
+        f(mx.zeros((1, H + 1, R, D)), kw, tab, lo, step, w, partner, sign, vw, vs, poly, 8, 4, 4, D, True)
+    with pytest.raises(ValueError, match="value width or dim"):
+        f(q, kw, tab, lo, step, w, partner, sign, vw, vs, poly, 8, 4, 4, 4 * D, True)
+    with pytest.raises(ValueError, match="table shapes"):
+        f(q, kw, tab, lo, step, w[:-1], partner, sign, vw, vs, poly, 8, 4, 4, D, True)
+
+
+@KERNELS
+def test_cpu_kernel_and_op_path_give_the_same_steps(kernel_calls, monkeypatch):
+    """Two identical caches, one decoding through the kernel and one through the op path (``VELOXQUANT_CPU_KERNELS``
+    off), give the same outputs step after step, across compactions."""
+    H, R, D = 3, 3, 64
+    caches = [make_waterfill(rope=_rope("rope", D), D=D) for _ in range(2)]
+    rng = np.random.default_rng(5)
+    k, v, q = _rows(rng, H, 700, D), _rows(rng, H, 700, D), _rows(rng, H * R, 700, D)
+    for c in caches:
+        K, V = c.update_and_fetch(k, v)
+        dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(40):
+        k1, v1, q1 = _rows(rng, H, 1, D), _rows(rng, H, 1, D), _rows(rng, H * R, 1, D)
+        outs = []
+        for c, on in zip(caches, (True, False)):
+            monkeypatch.setattr(native, "_ENV_ON", on)
+            K, V = c.update_and_fetch(k1, v1)
+            outs.append(dispatch.dispatched_sdpa(q1, K, V, cache=c, scale=D**-0.5, mask=None))
+        assert _rel(outs[0], outs[1]) < 1e-5, i
+    assert len(kernel_calls) == 40
+
+
+@KERNELS
+def test_cpu_kernel_tables_are_counted_in_nbytes(kernel_calls):
+    """Once a step has built the kernel's tables, the cache's ``nbytes`` counts them (they are held)."""
+    H, R, D = 2, 2, 64
+    c = make_waterfill(rope=_rope("rope", D), D=D)
+    rng = np.random.default_rng(1)
+    _feed(c, H, R, D, 200, rng)
+    before = c.nbytes
+    K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 1, D), K, V, cache=c, scale=D**-0.5, mask=None)
+    assert kernel_calls
+    tables = c._cpu_constants()
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
+    assert all(any(a is t for a in c.held_arrays()) for t in tables)
+    assert c.nbytes - before >= sum(t.nbytes for t in tables[:3])  # the layout and range tables at least
+
+
+# ------------------------------------------------------------------------------------------- the build
+def test_a_failed_build_is_recorded_and_the_op_path_runs(tmp_path, monkeypatch):
+    """A build that fails leaves ``failed.txt`` (no retry in later processes), ``native.module()`` answers None
+    with one warning line, and a decode step runs the op path."""
+    if not HAS_NANOBIND:
+        pytest.skip("the build is only tried where nanobind is installed")
+    monkeypatch.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path))
+
+    def broken(out_dir):
+        raise build.BuildError("cmake --build failed: no compiler (simulated)")
+
+    monkeypatch.setattr(build, "_build", broken)
+    with pytest.raises(build.BuildError, match="simulated"):
+        build.built_module_path()
+    failed = list(tmp_path.glob("native/*/failed.txt"))
+    assert len(failed) == 1 and "simulated" in failed[0].read_text()
+    with pytest.raises(build.BuildError, match="an earlier build here failed"):
+        build.built_module_path()
+    native.module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="CPU kernels unavailable"):
+            assert native.module() is None
+        assert not native.available()
+        c = make_waterfill(D=64)
+        rng = np.random.default_rng(2)
+        _feed(c, 1, 2, 64, 100, rng)
+        K, V = c.update_and_fetch(_rows(rng, 1, 1, 64), _rows(rng, 1, 1, 64))
+        q = _rows(rng, 2, 1, 64)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=0.125, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, 0.125)) < 1e-4
+    finally:
+        native.module.cache_clear()  # the next test loads the real build again
+
+
+def test_without_nanobind_the_kernels_are_silently_off(monkeypatch):
+    """Without the ``cpu`` extra there is no warning: the op path is simply the path."""
+    def missing():
+        raise build.BuildError("nanobind is not installed (the 'cpu' extra: pip install 'veloxquant-mlx[cpu]')")
+
+    monkeypatch.setattr(native, "load", missing)
+    native.module.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert native.module() is None
+    finally:
+        native.module.cache_clear()
+
+
+def test_the_build_key_follows_the_sources(tmp_path, monkeypatch):
+    """A changed source gives another build directory (a stale binary is never loaded for new sources)."""
+    if not HAS_NANOBIND:
+        pytest.skip("the key includes nanobind's version")
+    key = build.build_key()
+    for name in build.SOURCES:
+        shutil.copy(build._HERE / name, tmp_path / name)
+    monkeypatch.setattr(build, "_HERE", tmp_path)
+    assert build.build_key() == key
+    (tmp_path / "waterfill_cpu.cpp").write_text((tmp_path / "waterfill_cpu.cpp").read_text() + "\n// changed\n")
+    assert build.build_key() != key
+
+
+# ------------------------------------------------------------------------------------------- the partials form
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_partials_part_joins_the_softmax_as_its_scores_would(with_sinks):
+    """``joint_attention`` with one group of keys given as its partials (m, l, acc) equals the same group given as
+    scores and values (float64 reference), beside an exact group; an array mask or ``weights`` is refused."""
+    rng = np.random.default_rng(3)
+    B, H, rep, N, D, M1, M2 = 1, 2, 3, 1, 16, 50, 7
+    q = mx.array(rng.normal(size=(B, H, rep, N, D)).astype(np.float32))
+    k1, v1 = (mx.array(rng.normal(size=(B, H, M1, D)).astype(np.float32)) for _ in range(2))
+    k2, v2 = (mx.array(rng.normal(size=(B, H, M2, D)).astype(np.float32)) for _ in range(2))
+    qf = q.reshape(B, H, rep * N, D)
+    s1 = qf @ k1.swapaxes(-1, -2)
+    m = s1.max(axis=-1)
+    p = mx.exp(s1 - m[..., None])
+    part = Partials(m, p.sum(axis=-1), p @ v1)
+    exact = (qf @ k2.swapaxes(-1, -2), lambda w: w @ v2, ((M1, M1 + M2),))
+    sinks = mx.array(rng.normal(size=(H * rep,)).astype(np.float32)) if with_sinks else None
+    got = joint_attention(q, [(part, None, ((0, M1),)), exact], None, sinks, M1 + M2, mx.float32)
+    want = joint_attention(q, [(s1, lambda w: w @ v1, ((0, M1),)), exact], None, sinks, M1 + M2, mx.float32)
+    k = mx.concatenate([k1, k2], axis=2)
+    v = mx.concatenate([v1, v2], axis=2)
+    ref = _softmax_attention64(q.reshape(B, H * rep, N, D), k, v, 1.0, None if sinks is None else np.array(sinks))
+    assert _rel(got, ref) < 1e-5 and _rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match="no weights and no array mask"):
+        joint_attention(q, [(part, None, ((0, M1),)), exact], mx.ones((N, M1 + M2), dtype=mx.bool_), sinks,
+                        M1 + M2, mx.float32)

@@ -1,0 +1,48 @@
+"""CPU kernels as MLX primitives (C++, ``waterfill_cpu.cpp``): what MLX's ops cannot do fast on a CPU -- read each
+code once and decode it in registers -- for the decode step of waterfill, whose op path is elementwise passes over
+every stored row (one gather per code, the RoPE turn: docs/RESULTS.md "CPU decode on two streams").
+
+Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
+then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not
+installed (the extra is optional), else with one warning line. Each kernel is checked against the op path at its
+first use in a process (``kernels.checked_call``). ``VELOXQUANT_CPU_KERNELS=0`` in the environment (read at
+import) turns them off. On a GPU device they are never used (the CUDA kernels are)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import mlx.core as mx
+
+from .build import BuildError, load
+
+__all__ = ["available", "module", "cpu_kernels_enabled", "BuildError"]
+
+_ENV_ON = os.environ.get("VELOXQUANT_CPU_KERNELS", "1") != "0"
+_CPU = mx.Device(mx.cpu)
+
+
+@functools.cache
+def module():
+    """The extension module, or None where it cannot be built or loaded (one warning line, unless nanobind is
+    simply not installed)."""
+    try:
+        return load()
+    except BuildError as err:
+        if "nanobind is not installed" not in str(err):
+            warnings.warn(f"veloxquant CPU kernels unavailable ({str(err).splitlines()[0]}); using the op path",
+                          RuntimeWarning, stacklevel=2)
+        return None
+
+
+def cpu_kernels_enabled() -> bool:
+    """True when the default device is the CPU and ``VELOXQUANT_CPU_KERNELS`` is not ``0`` (the build is tried at
+    the first :func:`available`)."""
+    return _ENV_ON and mx.default_device() == _CPU
+
+
+def available() -> bool:
+    """Whether a CPU decode step may take the kernels here: enabled, and the extension built and loaded."""
+    return cpu_kernels_enabled() and module() is not None

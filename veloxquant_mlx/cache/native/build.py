@@ -1,0 +1,124 @@
+"""Builds the CPU kernels' extension (``waterfill_cpu.cpp``, an MLX primitive bound with nanobind) on first use, into
+a per-user cache directory keyed by everything the binary depends on, and loads it.
+
+Needs a C++17 compiler, CMake >= 3.24 and nanobind (the ``cpu`` extra: ``pip install 'veloxquant-mlx[cpu]'``). The
+binary is built for the machine that builds it (``-march=native``), so the key includes the CPU's identity; builds
+by concurrent processes (test workers) are serialized by a file lock. A failed build leaves a ``failed.txt`` beside
+the key (no retry in later processes: remove the directory to try again)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+MODULE = "_veloxquant_cpu"
+SOURCES = ("waterfill_cpu.cpp", "CMakeLists.txt")
+_HERE = Path(__file__).resolve().parent
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built or loaded here (the message says why)."""
+
+
+def cache_root() -> Path:
+    """``$VELOXQUANT_CACHE_DIR`` or ``$XDG_CACHE_HOME/veloxquant_mlx`` (default ``~/.cache/veloxquant_mlx``)."""
+    env = os.environ.get("VELOXQUANT_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "veloxquant_mlx"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (Linux), else the platform's processor name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def build_key() -> str:
+    """Hash of the sources, MLX's and nanobind's versions, the Python ABI and the CPU."""
+    import mlx.core as mx
+    import nanobind
+
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((_HERE / name).read_bytes())
+    for part in (mx.__version__, nanobind.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "",
+                 sys.version, platform.machine(), _cpu_identity()):
+        h.update(str(part).encode())
+    return h.hexdigest()[:20]
+
+
+def _cmake() -> str:
+    found = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
+    if not found:
+        raise BuildError("no cmake found (pip install cmake, or the 'cpu' extra)")
+    return found
+
+
+def _build(out_dir: Path) -> Path:
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix="build-") as tmp:
+        cmd = [_cmake(), "-S", str(_HERE), "-B", tmp, f"-DPython_EXECUTABLE={sys.executable}",
+               "-DCMAKE_BUILD_TYPE=Release", "-DVELOXQUANT_NATIVE_ARCH=ON"]
+        if shutil.which("ninja"):
+            cmd += ["-G", "Ninja"]
+        for step in (cmd, [_cmake(), "--build", tmp, "--parallel", str(os.cpu_count() or 1)]):
+            run = subprocess.run(step, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise BuildError(f"{' '.join(step[:2])} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+        built = [p for p in Path(tmp).iterdir() if p.name.startswith(MODULE + ".") and p.suffix in (".so", ".pyd")]
+        if not built:
+            raise BuildError(f"the build made no {MODULE} module")
+        target = out_dir / built[0].name
+        shutil.copy2(built[0], str(target) + ".tmp")
+        os.replace(str(target) + ".tmp", target)
+        return target
+
+
+def built_module_path() -> Path:
+    """The extension's path for this machine, building it first if needed (raises :class:`BuildError`)."""
+    try:
+        import nanobind  # noqa: F401
+    except ImportError as err:
+        raise BuildError("nanobind is not installed (the 'cpu' extra: pip install 'veloxquant-mlx[cpu]')") from err
+    out_dir = cache_root() / "native" / build_key()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / (out_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; the others then find its result
+        failed = out_dir / "failed.txt"
+        if failed.exists():
+            raise BuildError(f"an earlier build here failed (see {failed}; remove {out_dir} to retry)")
+        for p in out_dir.iterdir():
+            if p.name.startswith(MODULE + ".") and not p.name.endswith(".tmp"):
+                return p
+        try:
+            return _build(out_dir)
+        except BuildError as err:
+            failed.write_text(str(err))
+            raise
+
+
+def load():
+    """The built extension module (raises :class:`BuildError`)."""
+    path = built_module_path()
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except ImportError as err:
+        raise BuildError(f"{path} does not load: {err}") from err
+    return module
