@@ -330,8 +330,8 @@ class WaterfillKVCache(ResidualWindowCache):
             return ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
         if self.calibrated and self._decode_kernel_ready(queries, keys, mask):  # kernels: checked once against op()
-            return kernels.checked_call("waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
-                                        op)
+            return kernels.checked_call(
+                "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks), op)
         if self.calibrated and self._one_row_over_codes(queries, keys, mask) and native.available():
             return kernels.checked_call(
                 "waterfill_cpu", self, lambda: self._cpu_attend(queries, keys, scale=scale, mask=mask, sinks=sinks), op)
