@@ -1,6 +1,7 @@
 """One layer's CPU decode step with the long-step stream split on and off, interleaved in one process: each method's
 cache is filled once (through the dispatch point, in chunks of 512), then each round decodes a burst of steps with
-``attention.CPU_STREAMS = 1`` and with 2, trimming back after each burst (SmolLM2's attention shape, float32).
+``attention.CPU_STREAMS = 1`` and with 2 (the op path: ``cache.native``'s kernels off), and, where a method has a CPU
+kernel and it is built, with the kernel, trimming back after each burst (SmolLM2's attention shape, float32).
 
     python scripts/cpu_streams_ab.py --context 4096 --rounds 4 --method waterfill --method gear
 
@@ -28,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, attention, dispatch  # noqa: E402
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, attention, dispatch, native  # noqa: E402
 from veloxquant_mlx.cache.options import WaterfillOptions  # noqa: E402
 
 
@@ -62,10 +63,12 @@ def main(argv=None):
             mx.eval(dispatch.dispatched_sdpa(q[:, :, s : s + 512], K, V, cache=c, scale=D**-0.5, mask="causal"))
     defaults = attention.CPU_SPLIT_MIN_ROWS, attention.CPU_SPLIT_DECODE_MIN_ROWS
     res: dict = {}
+    kernel = native.available()
     for _ in range(a.rounds):
         for name, c in caches.items():
-            for streams in (1,) if name == "plain" else (1, 2):
-                attention.CPU_STREAMS = streams
+            for streams in (1,) if name == "plain" else (1, 2, "kernel") if kernel else (1, 2):
+                native._ENV_ON = streams == "kernel"
+                attention.CPU_STREAMS = 2 if streams == "kernel" else streams
                 if a.min_rows is not None and streams == 2:
                     attention.CPU_SPLIT_MIN_ROWS = attention.CPU_SPLIT_DECODE_MIN_ROWS = a.min_rows
                 times = []
@@ -81,7 +84,8 @@ def main(argv=None):
                 res.setdefault((name, streams), []).append(statistics.median(times) * 1e3)
     print(f"context {T}, H={H}, rep={R}, D={D}, {S} steps x {a.rounds} rounds, {mx.default_device()}")
     for (name, streams), xs in res.items():
-        print(f"{name:16s} streams {streams}: {statistics.median(xs):7.3f} ms a step (rounds: "
+        how = "cpu kernel" if streams == "kernel" else f"streams {streams}"
+        print(f"{name:16s} {how:10s}: {statistics.median(xs):7.3f} ms a step (rounds: "
               + " ".join(f"{x:.2f}" for x in xs) + ")")
 
 

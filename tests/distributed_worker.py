@@ -49,9 +49,14 @@ def run(model, config, tokens):
 
 def constant_nbytes(caches) -> int:
     """Bytes the caches hold whatever the head count: waterfill's value rotation (per model, for a value dim
-    that is not a power of two) and its RoPE angle table (per layer, once used)."""
+    that is not a power of two), its RoPE angle table (per layer, once used) and its CPU kernel's RoPE tables and
+    codebook polynomial (per layer, once a decode step took the kernel: ``_cpu_constants``' last four)."""
     n = sum(c.constant_nbytes for c in caches if getattr(c, "counts_constants", False))
     n += sum(c._omega_cache.nbytes for c in caches if getattr(c, "_omega_cache", None) is not None)
+    for c in caches:
+        kc = c.__dict__.get("_cpuconst")
+        if kc is not None and kc[0] is c.k_lo:
+            n += sum(a.nbytes for a in kc[-4:])
     return int(n)
 
 

@@ -185,7 +185,7 @@ def test_a_failed_build_is_recorded_and_the_op_path_runs(tmp_path, monkeypatch):
     with one warning line, and a decode step runs the op path."""
     if not HAS_NANOBIND:
         pytest.skip("the build is only tried where nanobind is installed")
-    monkeypatch.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VELOXQUANT_CACHE", str(tmp_path))
 
     def broken(out_dir):
         raise build.BuildError("cmake --build failed: no compiler (simulated)")

@@ -1,5 +1,6 @@
 """Builds the CPU kernels' extension (``waterfill_cpu.cpp``, an MLX primitive bound with nanobind) on first use, into
-a per-user cache directory keyed by everything the binary depends on, and loads it.
+the package's cache (``$VELOXQUANT_CACHE/native/<key>``, default ``~/.cache/veloxquant_mlx``) keyed by everything the
+binary depends on, and loads it.
 
 Needs a C++17 compiler, CMake >= 3.24 and nanobind (the ``cpu`` extra: ``pip install 'veloxquant-mlx[cpu]'``). The
 binary is built for the machine that builds it (``-march=native``), so the key includes the CPU's identity; builds
@@ -28,14 +29,6 @@ _HERE = Path(__file__).resolve().parent
 
 class BuildError(RuntimeError):
     """The extension could not be built or loaded here (the message says why)."""
-
-
-def cache_root() -> Path:
-    """``$VELOXQUANT_CACHE_DIR`` or ``$XDG_CACHE_HOME/veloxquant_mlx`` (default ``~/.cache/veloxquant_mlx``)."""
-    env = os.environ.get("VELOXQUANT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "veloxquant_mlx"
 
 
 def _cpu_identity() -> str:
@@ -94,7 +87,9 @@ def built_module_path() -> Path:
         import nanobind  # noqa: F401
     except ImportError as err:
         raise BuildError("nanobind is not installed (the 'cpu' extra: pip install 'veloxquant-mlx[cpu]')") from err
-    out_dir = cache_root() / "native" / build_key()
+    from ...assets import cache_dir  # the package's per-user cache ($VELOXQUANT_CACHE)
+
+    out_dir = cache_dir() / "native" / build_key()
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir.parent / (out_dir.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; the others then find its result

@@ -406,14 +406,20 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
     }
     for (int r = 0; r < R; ++r) {  // one online-softmax update per block
       float* __restrict sr = sc + size_t(r) * BLOCK;
+      for (int j = rows; j < BLOCK; ++j) sr[j] = -INFINITY;  // rows past the block's end (the last block)
+      vf mv = load(sr);
+      for (int j = VL; j < BLOCK; j += VL) {
+        const vf x = load(sr + j);
+        mv = x > mv ? x : mv;
+      }
       float mb = m[r];
-      for (int j = 0; j < rows; ++j) mb = std::max(mb, sr[j]);
+      for (int k = 0; k < VL; ++k) mb = std::max(mb, mv[k]);
       const float alpha = exp_neg(m[r] - mb);  // the running max moved: rescale what was summed
       m[r] = mb;
       vf sum{};
       for (int j = 0; j < BLOCK; j += VL) {
         vf e = exp_neg(load(sr + j) - mb);
-        for (int k = std::max(0, rows - j); k < VL; ++k) e[k] = 0.f;  // rows past the block's end (the last block)
+        for (int k = std::max(0, rows - j); k < VL; ++k) e[k] = 0.f;  // (exp_neg(-inf) is e^-87, not 0)
         store(sr + j, e);
         sum += e;
       }

@@ -28,7 +28,9 @@ Algorithm (per layer; ``b = bit_width_inlier``, ``R = residual_length``):
    bits, decoded arithmetically).
 4. Attention: one softmax over sinks, quantized rows, window and the call's rows; keys decoded one gather per
    code, RoPE re-applied; values ``((p * s) @ centroid[codes]) H^T``. On CUDA a decode step takes
-   ``kernels.waterfill`` (codes read once; float16 models on tensor cores), checked against the op path at first use.
+   ``kernels.waterfill`` (codes read once; float16 models on tensor cores); on the CPU ``native/waterfill_cpu.cpp``
+   (where built: the codes read once per step, blocks of 64 rows, an online softmax; its partials join the sinks'
+   and window's softmax); each checked against the op path at first use.
 
 Bytes per quantized token and KV head: ``b * D / 8 + b * Dv / 8 + 2`` (b = 4, D = 64: 66 vs 256 at float16), plus
 the float16 ranges, width tables, window and sinks. Results: docs/RESULTS.md ("Quality targets", "Speed and memory").
@@ -49,6 +51,9 @@ Deviations and limits (all of them):
   rows, as turboquant_rvq).
 * On CUDA, float16/bfloat16 models at 4 bits decode on tensor cores: dequantized and rotated keys, centroids and
   softmax weights rounded to float16 (relative 2^-11 each, sums in float32; ``kernels.waterfill``).
+* The CPU kernel computes in float32 as the op path does, but turns the query to each 64-row block's first position
+  (angles in double) and each key by its offset in the block, and sums each block's exponentials (a degree-7
+  polynomial, relative ~2e-7) into an online softmax: equal to the op path to float32 rounding, not bit for bit.
 
 mlx_lm protocol: as turboquant_rvq, plus the calibration in ``state``; ``merge`` builds ``waterfill_batch.py``'s.
 """
