@@ -138,6 +138,10 @@ def test_cpu_kernel_rejects_inconsistent_inputs(kernel_calls):
         f(q, kw, tab, lo, step, w, partner, sign, vw, vs, poly, 8, 4, 4, 4 * D, True)
     with pytest.raises(ValueError, match="table shapes"):
         f(q, kw, tab, lo, step, w[:-1], partner, sign, vw, vs, poly, 8, 4, 4, D, True)
+    # RoPE tables that are not rotary pairs (seen only when evaluated): NaN, which the first-use check refuses
+    bad = mx.array(np.roll(np.array(partner), 1))
+    out = f(q, kw, tab, lo, step, w, bad, sign, vw, vs, poly, 8, 4, 4, D, True)
+    assert all(np.isnan(np.array(a)).all() for a in out)
 
 
 @KERNELS

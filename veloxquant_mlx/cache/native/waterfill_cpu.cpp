@@ -2,11 +2,12 @@
 // methods/quantization/waterfill.py is the reference this is checked against at first use).
 //
 // One call: every (batch row, KV head)'s quantized rows in blocks of 64, split over the CPU's threads. A block:
-// the keys decoded from their byte-pair codes (lo + step * code), turned by RoPE's angle of their offset in the
-// block (a table of 64 rows), scored against the query turned to the block's first position (so no angle is
-// computed per row), then one online-softmax update per block, and the values' codebook centroids (a 2^b-entry
-// table) summed with weights p * s. Returns the partials (m, l, acc) of the rows: the running max, sum of
-// exp(s - m) and sum of exp(s - m) s_t centroid(v_t) per query head (values in the rotated domain).
+// its key words transposed to [word][row], each channel's 64 codes decoded at once (lo + step * code), each rotary
+// pair turned by RoPE's angle of the row's offset in the block (a 64-row table), scored against the query turned to
+// the block's first position (so no angle is computed per row); one online-softmax update per block; the values'
+// centroids (the codebook's odd polynomial) summed with weights p * s. Returns the partials (m, l, acc): the running
+// max, sum of exp(s - m) and sum of exp(s - m) s_t centroid(v_t) per query head (values in the rotated domain).
+// Hot loops use GCC/Clang vector extensions (16 lanes), so the compiler emits the build machine's SIMD.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -103,25 +104,6 @@ Pool& pool() {
   return p;
 }
 
-// exp(x) for x <= 0 (-inf and below -87 give e^-87): 2^k e^r, |r| <= ln2/2, a degree-7 polynomial.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float k = float(int32_t(x * 1.44269504088896341f - 0.5f));  // rounded half up (x <= 0): vectorizes
-  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (int32_t(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
 // 16-lane vectors (GCC/Clang vector extensions: AVX-512, AVX2 or NEON, whatever the build machine has).
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
@@ -135,10 +117,10 @@ inline void store(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
 inline vu loadu(const uint32_t* p) { return *reinterpret_cast<const vu*>(p); }
 inline vf splat(float x) { return vf{} + x; }
 
-// exp_neg on 16 lanes.
+// exp(x) for x <= 0 on 16 lanes (-inf and below -87 give e^-87): 2^k e^r, |r| <= ln2/2, a degree-7 polynomial.
 inline vf exp_neg(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;
-  const vi ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);
+  const vi ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // k rounded half up (x <= 0)
   const vf k = __builtin_convertvector(ki, vf);
   const vf r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
   vf p = splat(1.0f / 5040);
@@ -151,6 +133,8 @@ inline vf exp_neg(vf x) {
   p = p * r + 1.0f;
   return p * reinterpret_cast<vf>((ki + 127) << 23);
 }
+
+inline float exp_neg(float x) { return exp_neg(splat(x))[0]; }
 
 struct Dims {
   int B, H, R, D, DV;
@@ -181,14 +165,17 @@ struct TurnTable {
   std::vector<int> first, second, alone;
   std::vector<float> c, s;  // [pairs, BLOCK]
   std::vector<double> bc, bs, w;
+  bool ok = true;
   TurnTable(const Inputs& in, int D, bool rotate) {
     for (int ch = 0; ch < D; ++ch) {
       const int p = in.partner[ch];
       if (!rotate || in.sign[ch] == 0.f) {
         alone.push_back(ch);
       } else if (in.sign[ch] > 0.f) {
-        if (p < 0 || p >= D || in.partner[p] != ch || !(in.sign[p] < 0.f) || in.w[p] != in.w[ch])
-          throw std::invalid_argument("veloxquant waterfill_decode: RoPE tables are not pairs");
+        if (p < 0 || p >= D || in.partner[p] != ch || !(in.sign[p] < 0.f) || in.w[p] != in.w[ch]) {
+          ok = false;  // not rotary pairs: the call returns NaN (its first-use check then turns the kernel off)
+          return;
+        }
         first.push_back(ch);
         second.push_back(p);
       }
@@ -471,6 +458,12 @@ class WaterfillDecode : public mx::Primitive {
   static void run(const Dims& d, const Inputs& in, float* m, float* l, float* acc) {
     const TurnTable tt(in, d.D, d.rotate);
     const int BH = d.B * d.H;
+    if (!tt.ok) {
+      std::fill(m, m + size_t(BH) * d.R, NAN);
+      std::fill(l, l + size_t(BH) * d.R, NAN);
+      std::fill(acc, acc + size_t(BH) * d.R * d.DV, NAN);
+      return;
+    }
     const int threads = pool().size();
     // parts per (batch row, head): enough that every thread has work, each at least MIN_ROWS_PER_PART rows
     int parts = std::max(1, std::min((threads + BH - 1) / BH, d.n / MIN_ROWS_PER_PART));
