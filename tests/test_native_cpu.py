@@ -83,6 +83,23 @@ def test_waterfill_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R
     assert len(kernel_calls) == steps and "waterfill_cpu" in _common._checked
 
 
+@KERNELS
+def test_cpu_kernel_takes_a_batch_of_two_sequences_in_one_cache(kernel_calls):
+    """A single cache holding two sequences (B = 2, same length): each attends over its own stored rows."""
+    B, H, R, D = 2, 2, 3, 64
+    c = make_waterfill(rope=_rope("rope", D), D=D)
+    rng = np.random.default_rng(11)
+    rows = lambda n, h: mx.array(rng.normal(size=(B, h, n, D)).astype(np.float32))  # noqa: E731
+    K, V = c.update_and_fetch(rows(300, H), rows(300, H))
+    dispatch.dispatched_sdpa(rows(300, H * R), K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(12):
+        K, V = c.update_and_fetch(rows(1, H), rows(1, H))
+        q = rows(1, H * R)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4, i
+    assert len(kernel_calls) == 12
+
+
 def _partials64(c, q, n):
     """float64 (m, l, acc) of the first ``n`` quantized rows from the op path's own decoding (keys with RoPE,
     rotated-domain values times their scales)."""
