@@ -431,10 +431,11 @@ def test_variants_with_their_own_codes_refuse_quantized_matmul_naming_why(method
     assert plain.dequant_only == "" and plain._uses_qmm()
 
 
-def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(monkeypatch):
+def test_auto_path_reads_codes_with_quantized_matmul_only_for_few_query_rows(monkeypatch, op_path):
     """On the CPU ``attend_path="auto"`` sends a decode step (a few query rows per head) through
     ``mx.quantized_matmul`` and a prefill chunk through the rows dequantized (qmm's cost grows with the rows); both
-    give the attention of the stored rows. A forced "quantized_matmul" path keeps qmm for any rows."""
+    give the attention of the stored rows. A forced "quantized_matmul" path keeps qmm for any rows. (The op path:
+    where the CPU kernel is built, it takes the decode steps.)"""
     if ON_CUDA:
         pytest.skip("on CUDA 'auto' dequantizes (or runs the decode kernel): no quantized_matmul there")
     from veloxquant_mlx.cache.grouped import QMM_MAX_ROWS
@@ -486,10 +487,10 @@ def test_metal_auto_path_dequantizes_where_mlx_quantized_matmul_is_wrong(monkeyp
         gq.qmm_agrees.cache_clear()
 
 
-def test_long_cpu_decode_step_splits_its_contraction_over_cpu_streams(monkeypatch):
+def test_long_cpu_decode_step_splits_its_contraction_over_cpu_streams(monkeypatch, op_path):
     """Past ``CPU_SPLIT_MIN_ROWS`` stored rows a CPU decode step reads the codes in ``CPU_STREAMS`` parts (keys by
     channel halves, values by token halves; MLX runs each CPU stream on its own thread) and gets the attention of
-    the stored rows, as the one-part step does."""
+    the stored rows, as the one-part step does (the op path: the CPU kernel, where built, takes these steps)."""
     from veloxquant_mlx.cache import attention
 
     if mx.default_device().type != mx.DeviceType.cpu:

@@ -13,13 +13,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from veloxquant_mlx.cache import dispatch, native
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
+from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
 from veloxquant_mlx.cache.window import Partials, joint_attention
 
-from test_decode_kernels import _rel, _rows, _softmax_attention64
+from test_decode_kernels import _kivi, _rel, _rows, _softmax_attention64
 from test_waterfill import make as make_waterfill
 
 ON_CPU = mx.default_device() == mx.cpu
@@ -198,6 +199,84 @@ def test_cpu_kernel_tables_are_counted_in_nbytes(kernel_calls):
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())
     assert all(any(a is t for a in c.held_arrays()) for t in tables)
     assert c.nbytes - before >= sum(t.nbytes for t in tables[:3])  # the layout and range tables at least
+
+
+# ------------------------------------------------------------------------------------------- KIVI
+@pytest.fixture
+def kivi_calls(monkeypatch):
+    """Built kernels, and the decode steps of KIVI-layout caches that took them."""
+    assert native.module() is not None, "the CPU kernels did not build (see the warning)"
+    calls = []
+    real = GroupedQuantCache._cpu_part
+    monkeypatch.setattr(GroupedQuantCache, "_cpu_part", lambda c, q, n: calls.append(n) or real(c, q, n))
+    return calls
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,bits,group,prompt,steps", [
+    (1, 1, 64, 4, 32, 33, 40), (2, 3, 64, 2, 32, 95, 36), (2, 4, 128, 8, 64, 64, 70), (3, 3, 64, 4, 32, 2100, 8),
+    (2, 2, 64, 4, 128, 700, 20)])
+def test_kivi_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, bits, group, prompt, steps,
+                                                                        kivi_calls):
+    """KIVI's decode steps through the CPU kernel (groups completed during the steps, half blocks of 32 tokens, a
+    long past split over the threads) attend over exactly the rows the cache stores, in float64."""
+    c = _kivi(D, bits, group)
+    rng = np.random.default_rng(bits * 10 + prompt)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        sk = sinks if i % 2 else None
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < 1e-4, (i, c.n_quant, c.n_res)
+    assert len(kivi_calls) == steps and "kivi_cpu" in _common._checked
+
+
+@KERNELS
+def test_kivi_cpu_kernel_and_op_path_give_the_same_steps(kivi_calls, monkeypatch):
+    """Two identical KIVI caches, one through the kernel and one through the op path, step for step."""
+    H, R, D = 3, 3, 64
+    caches = [_kivi(D) for _ in range(2)]
+    rng = np.random.default_rng(8)
+    k, v, q = _rows(rng, H, 1500, D), _rows(rng, H, 1500, D), _rows(rng, H * R, 1500, D)
+    for c in caches:
+        K, V = c.update_and_fetch(k, v)
+        dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(40):
+        k1, v1, q1 = _rows(rng, H, 1, D), _rows(rng, H, 1, D), _rows(rng, H * R, 1, D)
+        outs = []
+        for c, on in zip(caches, (True, False)):
+            monkeypatch.setattr(native, "_ENV_ON", on)
+            K, V = c.update_and_fetch(k1, v1)
+            outs.append(dispatch.dispatched_sdpa(q1, K, V, cache=c, scale=D**-0.5, mask=None))
+        assert _rel(outs[0], outs[1]) < 1e-5, i
+    assert len(kivi_calls) == 40
+
+
+@KERNELS
+def test_kivi_cpu_kernel_leaves_the_variants_and_odd_widths_to_the_op_path(kivi_calls):
+    """A variant with its own codes (GEAR) and KIVI at 3 bits decode on the op path; the kernel refuses what it
+    does not read (3-bit codes, a past that is not whole groups)."""
+    H, R, D = 2, 2, 64
+    rng = np.random.default_rng(4)
+    for c in (KVCacheFactory.create(KVCacheConfig(method="gear", head_dim=D)), _kivi(D, bits=3)):
+        K, V = c.update_and_fetch(_rows(rng, H, 200, D), _rows(rng, H, 200, D))
+        dispatch.dispatched_sdpa(_rows(rng, H * R, 200, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < 1e-4
+    assert kivi_calls == []
+    c = _kivi(D)
+    K, V = c.update_and_fetch(_rows(rng, H, 96, D), _rows(rng, H, 96, D))
+    args = (mx.zeros((1, H, R, D)), c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases)
+    with pytest.raises(ValueError, match="bits must be 2, 4 or 8"):
+        native.module().kivi_decode(*args, 64, 3, 32, 32, D)
+    with pytest.raises(ValueError, match="rows beyond the buffers"):
+        native.module().kivi_decode(*args, 48, 4, 32, 32, D)
 
 
 # ------------------------------------------------------------------------------------------- the build

@@ -19,14 +19,14 @@ import math
 
 import mlx.core as mx
 
-from . import attention, dispatch, kernels
+from . import attention, dispatch, kernels, native
 from .attention import cpu_parts, dense_attention, on_cpu_streams, split_on_cpu_streams
 from .contract import CompressedKVCache
 from .errors import QuantizerConfigError
 from .kernels import kivi as kivi_kernel, kivi_rows
 from .primitives import blocks, groupquant as gq
 from .primitives.buffers import dtype_name, fp16_row_bytes, grow_columns, grow_rows
-from .window import WindowCall, attend_joint, attend_tiled, concat_rows
+from .window import Partials, WindowCall, attend_joint, attend_tiled, concat_rows
 
 KIVI_BITS = (2, 3, 4, 8)
 QMM_MAX_ROWS = 8  # query rows per head up to which "auto" attends with quantized_matmul (see _uses_qmm)
@@ -290,6 +290,12 @@ class GroupedQuantCache(CompressedKVCache):
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if N == 1 and q0 and not self._kernel_off and self._cpu_kernel_ready(
+                mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
+            return kernels.checked_call(  # the CPU kernel, checked once against the op path
+                "kivi_cpu", self, lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks,
+                                                             part=self._cpu_part),
+                lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks))
         if (self.attend_path == "sdpa" or (N > 1 and self.attend_path != "quantized_matmul")
                 or (N == 1 and self._attends_returned_rows())):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -388,6 +394,22 @@ class GroupedQuantCache(CompressedKVCache):
         return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
                 and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
                 and (kernels.kernels_enabled() or kernels.metal_enabled()))
+
+    def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
+        """A decode step the CPU kernel (``native``, KIVI's own layout) takes: kernels built, a string/None mask,
+        ``attend_path`` "auto", 2/4/8-bit codes, groups of 32k tokens, value groups of at least 8 channels."""
+        return (native.available() and self._own_layout() and isinstance(mask, (str, type(None)))
+                and self.attend_path == "auto" and self.qbits in (2, 4, 8) and self.group % 32 == 0
+                and self.value_group(dv) % 8 == 0 and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int) -> Partials:
+        """The first ``n`` quantized tokens' partials by the CPU kernel (``native/waterfill_cpu.cpp``'s
+        ``kivi_decode``: each block of 64 tokens' codes read once, scored and summed in one pass)."""
+        dv = self.res_v.shape[-1]
+        m, l, acc = native.module().kivi_decode(  # noqa: E741
+            qf, self.k_codes, self.k_scales, self.k_biases, self.v_codes, self.v_scales, self.v_biases, n,
+            self.qbits, self.group, self.value_group(dv), dv)
+        return Partials(m, l, acc)
 
     def _decode_attend(self, queries, *, scale, sinks=None):
         """One query row: the decode kernel's split-K partials over the codes plus the residual and the call's own

@@ -306,6 +306,63 @@ inline void weighted_sum(const float* __restrict w, const float* __restrict u, i
   }
 }
 
+// sc[R, BLOCK] = q[R, D] @ keys[D, BLOCK] (keys channel-major), two query heads a pass (eight independent sums).
+inline void block_scores(const float* qt, const float* keys, int R, int D, float* sc) {
+  static_assert(BLOCK == 4 * VL, "a block's scores are four vectors");
+  for (int r = 0; r < R; r += 2) {
+    const bool two = r + 1 < R;
+    const float* q0 = qt + size_t(r) * D;
+    const float* q1 = two ? q0 + D : q0;
+    vf s0{}, s1{}, s2{}, s3{}, t0{}, t1{}, t2{}, t3{};
+    for (int c = 0; c < D; ++c) {
+      const float* kc = keys + size_t(c) * BLOCK;
+      const vf k0 = load(kc), k1 = load(kc + VL), k2 = load(kc + 2 * VL), k3 = load(kc + 3 * VL);
+      const float x = q0[c], y = q1[c];
+      s0 += x * k0, s1 += x * k1, s2 += x * k2, s3 += x * k3;
+      t0 += y * k0, t1 += y * k1, t2 += y * k2, t3 += y * k3;
+    }
+    float* s_0 = sc + size_t(r) * BLOCK;
+    store(s_0, s0), store(s_0 + VL, s1), store(s_0 + 2 * VL, s2), store(s_0 + 3 * VL, s3);
+    if (two) store(s_0 + BLOCK, t0), store(s_0 + BLOCK + VL, t1), store(s_0 + BLOCK + 2 * VL, t2),
+        store(s_0 + BLOCK + 3 * VL, t3);
+  }
+}
+
+// One online-softmax update per block: the scores sc[R, BLOCK] (slots where valid(j) is false left out) become
+// exp(s - m) with m the new running max; l and acc[R, dv] rescaled to it.
+template <class Valid>
+inline void softmax_update(float* sc, int R, int dv, Valid valid, float* m, float* l, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    float* __restrict sr = sc + size_t(r) * BLOCK;
+    for (int j = 0; j < BLOCK; ++j)
+      if (!valid(j)) sr[j] = -INFINITY;
+    vf mv = load(sr);
+    for (int j = VL; j < BLOCK; j += VL) {
+      const vf x = load(sr + j);
+      mv = x > mv ? x : mv;
+    }
+    float mb = m[r];
+    for (int k = 0; k < VL; ++k) mb = std::max(mb, mv[k]);
+    const float alpha = exp_neg(m[r] - mb);  // the running max moved: rescale what was summed
+    m[r] = mb;
+    vf sum{};
+    for (int j = 0; j < BLOCK; j += VL) {
+      vf e = exp_neg(load(sr + j) - mb);
+      for (int k = 0; k < VL; ++k)
+        if (!valid(j + k)) e[k] = 0.f;  // (exp_neg(-inf) is e^-87, not 0)
+      store(sr + j, e);
+      sum += e;
+    }
+    float total = 0.f;
+    for (int k = 0; k < VL; ++k) total += sum[k];
+    l[r] = l[r] * alpha + total;
+    if (alpha != 1.f) {
+      float* ar = acc + size_t(r) * dv;
+      for (int c = 0; c < dv; ++c) ar[c] *= alpha;
+    }
+  }
+}
+
 // The partials of rows [t0, t1) of one (batch row, KV head) into m[R], l[R], acc[R * DV] (acc: channel c at
 // value_slot(c)).
 void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, int t0, int t1, float* m, float* l,
@@ -373,51 +430,8 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
         store(ob + j, y * c + x * sn);
       }
     }
-    static_assert(BLOCK == 4 * VL, "a block's scores are four vectors");
-    for (int r = 0; r < R; r += 2) {  // scores, two query heads at a time (eight independent sums)
-      const bool two = r + 1 < R;
-      const float* q0 = qt + size_t(r) * D;
-      const float* q1 = two ? q0 + D : q0;
-      vf s0{}, s1{}, s2{}, s3{}, t0{}, t1{}, t2{}, t3{};
-      for (int c = 0; c < D; ++c) {
-        const float* kc = keys + size_t(c) * BLOCK;
-        const vf k0 = load(kc), k1 = load(kc + VL), k2 = load(kc + 2 * VL), k3 = load(kc + 3 * VL);
-        const float x = q0[c], y = q1[c];
-        s0 += x * k0, s1 += x * k1, s2 += x * k2, s3 += x * k3;
-        t0 += y * k0, t1 += y * k1, t2 += y * k2, t3 += y * k3;
-      }
-      float* s_0 = sc + size_t(r) * BLOCK;
-      store(s_0, s0), store(s_0 + VL, s1), store(s_0 + 2 * VL, s2), store(s_0 + 3 * VL, s3);
-      if (two) store(s_0 + BLOCK, t0), store(s_0 + BLOCK + VL, t1), store(s_0 + BLOCK + 2 * VL, t2),
-          store(s_0 + BLOCK + 3 * VL, t3);
-    }
-    for (int r = 0; r < R; ++r) {  // one online-softmax update per block
-      float* __restrict sr = sc + size_t(r) * BLOCK;
-      for (int j = rows; j < BLOCK; ++j) sr[j] = -INFINITY;  // rows past the block's end (the last block)
-      vf mv = load(sr);
-      for (int j = VL; j < BLOCK; j += VL) {
-        const vf x = load(sr + j);
-        mv = x > mv ? x : mv;
-      }
-      float mb = m[r];
-      for (int k = 0; k < VL; ++k) mb = std::max(mb, mv[k]);
-      const float alpha = exp_neg(m[r] - mb);  // the running max moved: rescale what was summed
-      m[r] = mb;
-      vf sum{};
-      for (int j = 0; j < BLOCK; j += VL) {
-        vf e = exp_neg(load(sr + j) - mb);
-        for (int k = std::max(0, rows - j); k < VL; ++k) e[k] = 0.f;  // (exp_neg(-inf) is e^-87, not 0)
-        store(sr + j, e);
-        sum += e;
-      }
-      float total = 0.f;
-      for (int k = 0; k < VL; ++k) total += sum[k];
-      l[r] = l[r] * alpha + total;
-      if (alpha != 1.f) {
-        float* ar = acc + size_t(r) * DV;
-        for (int c = 0; c < DV; ++c) ar[c] *= alpha;
-      }
-    }
+    block_scores(qt, keys, R, D, sc);
+    softmax_update(sc, R, DV, [rows](int j) { return j < rows; }, m, l, acc);
     for (int j = 0; j < rows; ++j) {  // values: each code's centroid; the weights p * s_t
       value_row(vw + size_t(b0 + j) * d.wv * 4, d.wv, DV, d.vbits, cent, cents + size_t(j) * DV);
       const float scale = float(vs[b0 + j]);
@@ -428,6 +442,44 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
       const double x = cb[i] * tt.bc[i] - sb[i] * tt.bs[i];
       sb[i] = sb[i] * tt.bc[i] + cb[i] * tt.bs[i];
       cb[i] = x;
+    }
+  }
+}
+
+// Each (batch row, KV head)'s rows [0, n) in at most as many ranges as threads (each >= MIN_ROWS_PER_PART rows),
+// rows(bh, t0, t1, m, l, acc) run over the pool, the ranges' partials joined into m, l [BH, R] and acc [BH, R, dv]
+// (acc's channel c read from slot(c) of the ranges' sums).
+template <class Rows, class Slot>
+void split_and_join(int BH, int R, int dv, int n, Rows rows, Slot slot, float* m, float* l, float* acc) {
+  const int threads = pool().size();
+  int parts = std::max(1, std::min((threads + BH - 1) / BH, n / MIN_ROWS_PER_PART));
+  const int per = std::max(BLOCK, ((n + parts - 1) / parts + BLOCK - 1) / BLOCK * BLOCK);
+  parts = std::max(1, (n + per - 1) / per);
+  const int items = BH * parts;
+  std::vector<float> pm(size_t(items) * R), pl(size_t(items) * R), pa(size_t(items) * R * dv);
+  auto work = [&](int tid) {
+    for (int it = tid; it < items; it += threads) {
+      const int t0 = (it % parts) * per, t1 = std::min(n, t0 + per);
+      rows(it / parts, t0, t1, &pm[size_t(it) * R], &pl[size_t(it) * R], &pa[size_t(it) * R * dv]);
+    }
+  };
+  pool().run(std::min(items, threads), work);
+  for (int bh = 0; bh < BH; ++bh) {
+    for (int r = 0; r < R; ++r) {
+      float mm = -INFINITY;
+      for (int p = 0; p < parts; ++p) mm = std::max(mm, pm[size_t(bh * parts + p) * R + r]);
+      float ll = 0.f;
+      float* a = acc + (size_t(bh) * R + r) * dv;
+      std::fill(a, a + dv, 0.f);
+      for (int p = 0; p < parts; ++p) {
+        const size_t it = size_t(bh * parts + p);
+        const float wgt = mm == -INFINITY ? 0.f : exp_neg(pm[it * R + r] - mm);  // (no rows: l = acc = 0)
+        ll += wgt * pl[it * R + r];
+        const float* src = &pa[(it * R + r) * dv];
+        for (int c = 0; c < dv; ++c) a[c] += wgt * src[slot(c)];
+      }
+      m[size_t(bh) * R + r] = mm;
+      l[size_t(bh) * R + r] = ll;
     }
   }
 }
@@ -464,39 +516,9 @@ class WaterfillDecode : public mx::Primitive {
       std::fill(acc, acc + size_t(BH) * d.R * d.DV, NAN);
       return;
     }
-    const int threads = pool().size();
-    // parts per (batch row, head): enough that every thread has work, each at least MIN_ROWS_PER_PART rows
-    int parts = std::max(1, std::min((threads + BH - 1) / BH, d.n / MIN_ROWS_PER_PART));
-    const int per = std::max(BLOCK, ((d.n + parts - 1) / parts + BLOCK - 1) / BLOCK * BLOCK);
-    parts = std::max(1, (d.n + per - 1) / per);
-    const int items = BH * parts, R = d.R, DV = d.DV;
-    std::vector<float> pm(size_t(items) * R), pl(size_t(items) * R), pa(size_t(items) * R * DV);
-    auto work = [&](int tid) {
-      for (int it = tid; it < items; it += threads) {
-        const int bh = it / parts, part = it % parts;
-        const int t0 = part * per, t1 = std::min(d.n, t0 + per);
-        attend_rows(d, in, tt, bh, t0, t1, &pm[size_t(it) * R], &pl[size_t(it) * R], &pa[size_t(it) * R * DV]);
-      }
-    };
-    pool().run(std::min(items, threads), work);
-    for (int bh = 0; bh < BH; ++bh) {  // the parts of each head joined
-      for (int r = 0; r < R; ++r) {
-        float mm = -INFINITY;
-        for (int p = 0; p < parts; ++p) mm = std::max(mm, pm[size_t(bh * parts + p) * R + r]);
-        float ll = 0.f;
-        float* a = acc + (size_t(bh) * R + r) * DV;
-        std::fill(a, a + DV, 0.f);
-        for (int p = 0; p < parts; ++p) {
-          const size_t it = size_t(bh * parts + p);
-          const float wgt = mm == -INFINITY ? 0.f : exp_neg(pm[it * R + r] - mm);  // (no rows: l = acc = 0)
-          ll += wgt * pl[it * R + r];
-          const float* src = &pa[(it * R + r) * DV];
-          for (int c = 0; c < DV; ++c) a[c] += wgt * src[value_slot(c, DV, d.vbits, d.wv)];
-        }
-        m[size_t(bh) * R + r] = mm;
-        l[size_t(bh) * R + r] = ll;
-      }
-    }
+    split_and_join(BH, d.R, d.DV, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
+      attend_rows(d, in, tt, bh, t0, t1, pm, pl, pa);
+    }, [&](int c) { return value_slot(c, d.DV, d.vbits, d.wv); }, m, l, acc);
   }
   Dims d_;
 };
@@ -537,6 +559,172 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
                                 std::make_shared<WaterfillDecode>(s, d), ins);
 }
 
+// ---------------------------------------------------------------------------------------------- KIVI
+// KIVI's layout (cache/grouped.py): keys per channel in groups of G tokens ([B, H, D, words] codes, each channel's
+// tokens one bit stream; [B, H, D, groups] float16 scales and biases), values per token in groups of gv channels
+// ([B, H, rows, words], [B, H, rows, dv / gv]); value = code * scale + bias.
+struct KiviDims {
+  int B, H, R, D, DV, kw, kg, vcap, vw, vg;  // kw / kg: words and groups a channel's buffer holds
+  int n, bits, G, gv;
+};
+
+struct KiviInputs {
+  const float* q;
+  const uint32_t* kc;
+  const mx::float16_t *ks, *kb;
+  const uint32_t* vc;
+  const mx::float16_t *vs, *vb;
+};
+
+// A block's keys of one channel in slot order (slot k * WB + w: token w * (32 / BITS) + k, word w's k-th code),
+// scale and bias per lane (the block's two halves may lie in two groups).
+template <int BITS>
+inline void kivi_key_channel(const uint32_t* words, int nwords, const float* sc, const float* bi,
+                             float* __restrict out) {
+  constexpr int WB = 2 * BITS, CPW = 32 / BITS;  // words a block of 64 tokens takes, codes a word
+  uint32_t w[WB] = {};
+  for (int i = 0; i < nwords; ++i) w[i] = words[i];
+  for (int k = 0; k < CPW; ++k)
+    for (int i = 0; i < WB; ++i)
+      out[k * WB + i] = float(int32_t((w[i] >> (k * BITS)) & ((1u << BITS) - 1))) * sc[i] + bi[i];
+}
+
+template <int BITS>
+void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, float* m, float* l, float* acc) {
+  constexpr int WB = 2 * BITS, CPW = 32 / BITS;
+  const int D = d.D, DV = d.DV, R = d.R;
+  const float* q = in.q + size_t(bh) * R * D;
+  std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV, 0.f);
+  float* keys = buf.data();
+  float* sc = keys + size_t(D) * BLOCK;
+  float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
+  float* vals = wt + size_t(R) * BLOCK;
+  const bool nibbles = BITS == 4 && DV == 8 * d.vw && d.vw % 8 == 0 && d.gv % 8 == 0;
+  const uint32_t vmask = (1u << BITS) - 1;
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + size_t(R) * DV, 0.f);
+  for (int b0 = t0; b0 < t1; b0 += BLOCK) {
+    const int rows = std::min(BLOCK, t1 - b0);
+    const int g0 = b0 / d.G, g1 = (b0 + BLOCK / 2) / d.G;  // the groups of the block's two halves
+    const int nwords = (rows * BITS + 31) / 32;
+    for (int c = 0; c < D; ++c) {
+      const size_t ch = size_t(bh) * D + c;
+      const float s0 = float(in.ks[ch * d.kg + g0]), z0 = float(in.kb[ch * d.kg + g0]);
+      const bool second = rows > BLOCK / 2 && g1 != g0;
+      const float s1 = second ? float(in.ks[ch * d.kg + g1]) : s0, z1 = second ? float(in.kb[ch * d.kg + g1]) : z0;
+      float scl[WB], bia[WB];
+      for (int i = 0; i < WB; ++i) {
+        scl[i] = i < WB / 2 ? s0 : s1;
+        bia[i] = i < WB / 2 ? z0 : z1;
+      }
+      kivi_key_channel<BITS>(in.kc + ch * d.kw + size_t(b0) * BITS / 32, nwords, scl, bia, keys + size_t(c) * BLOCK);
+    }
+    block_scores(q, keys, R, D, sc);
+    softmax_update(sc, R, DV, [rows](int slot) { return (slot % WB) * CPW + slot / WB < rows; }, m, l, acc);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < rows; ++j) wt[size_t(r) * BLOCK + j] = sc[size_t(r) * BLOCK + (j % CPW) * WB + j / CPW];
+    for (int j = 0; j < rows; ++j) {  // each row's values: code * scale + bias of its channel's group
+      const size_t row = size_t(bh) * d.vcap + b0 + j;
+      const uint32_t* v = in.vc + row * d.vw;
+      const mx::float16_t* vsr = in.vs + row * d.vg;
+      const mx::float16_t* vbr = in.vb + row * d.vg;
+      float* u = vals + size_t(j) * DV;
+      if (nibbles) {  // channel 8w + k at slot k * words + w (value_slot), as waterfill's
+        for (int w0 = 0; w0 < d.vw; w0 += 8) {
+          vu8 x;
+          std::memcpy(&x, v + w0, sizeof(x));
+          vf8 gs, gb;
+          for (int i = 0; i < 8; ++i) {
+            gs[i] = float(vsr[8 * (w0 + i) / d.gv]);
+            gb[i] = float(vbr[8 * (w0 + i) / d.gv]);
+          }
+          for (int k = 0; k < 8; ++k) {
+            const vf8 y = __builtin_convertvector(reinterpret_cast<vi8>((x >> (4 * k)) & 15u), vf8) * gs + gb;
+            std::memcpy(u + k * d.vw + w0, &y, sizeof(y));
+          }
+        }
+      } else {  // codes of BITS in {2, 4, 8} never straddle a word
+        for (int c = 0; c < DV; ++c) {
+          const int bit = c * BITS;
+          const float code = float(int32_t((v[bit >> 5] >> (bit & 31)) & vmask));
+          u[c] = code * float(vsr[c / d.gv]) + float(vbr[c / d.gv]);
+        }
+      }
+    }
+    weighted_sum(wt, vals, R, rows, DV, acc);
+  }
+}
+
+class KiviDecode : public mx::Primitive {
+ public:
+  KiviDecode(mx::Stream s, KiviDims d) : mx::Primitive(s), d_(d) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    for (auto& o : outputs) enc.set_output_array(o);
+    KiviInputs in{inputs[0].data<float>(),         inputs[1].data<uint32_t>(),      inputs[2].data<mx::float16_t>(),
+                  inputs[3].data<mx::float16_t>(), inputs[4].data<uint32_t>(),      inputs[5].data<mx::float16_t>(),
+                  inputs[6].data<mx::float16_t>()};
+    enc.dispatch([d = d_, in, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
+                  acc = outputs[2].data<float>()]() {
+      auto slot = [&](int c) { return value_slot(c, d.DV, d.gv % 8 == 0 ? d.bits : 0, d.vw); };
+      auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DV, d.n, rows, slot, m, l, acc); };
+      if (d.bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        kivi_rows<2>(d, in, bh, a, b, pm, pl, pa); });
+      else if (d.bits == 4) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        kivi_rows<4>(d, in, bh, a, b, pm, pl, pa); });
+      else go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        kivi_rows<8>(d, in, bh, a, b, pm, pl, pa); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant kivi_decode: CPU only");
+  }
+  const char* name() const override { return "VeloxquantKiviDecode"; }
+
+ private:
+  KiviDims d_;
+};
+
+std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
+                                   const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
+                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv) {
+  auto check = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("veloxquant kivi_decode: ") + what);
+  };
+  check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
+        "ranks");
+  KiviDims d{};
+  d.B = q.shape(0), d.H = q.shape(1), d.R = q.shape(2), d.D = q.shape(3), d.DV = dv;
+  d.kw = k_codes.shape(3), d.kg = k_scales.shape(3), d.vcap = v_codes.shape(2), d.vw = v_codes.shape(3);
+  d.vg = v_scales.shape(3), d.n = n, d.bits = bits, d.G = group, d.gv = value_group;
+  check(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  check(group > 0 && group % 32 == 0 && value_group > 0 && dv % value_group == 0 && (value_group * bits) % 32 == 0,
+        "groups");
+  check(d.D <= MAX_D && dv <= MAX_D && d.R <= MAX_R && d.vw * 32 == dv * bits && d.vg == dv / value_group,
+        "head dims, query heads or value words");
+  check(n >= 0 && n % group == 0 && size_t(n) * bits <= size_t(d.kw) * 32 && n / group <= d.kg && n <= d.vcap,
+        "rows beyond the buffers");
+  check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && k_codes.shape(2) == d.D && v_codes.shape(0) == d.B &&
+            v_codes.shape(1) == d.H && k_scales.shape(2) == d.D && k_biases.shape() == k_scales.shape() &&
+            v_biases.shape() == v_scales.shape() && v_scales.shape(2) == d.vcap,
+        "batch, heads or tables differ");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto c = [&](const mx::array& a, mx::Dtype t) { return mx::contiguous(mx::astype(a, t, s), false, s); };
+  std::vector<mx::array> ins{c(q, mx::float32),       c(k_codes, mx::uint32),  c(k_scales, mx::float16),
+                             c(k_biases, mx::float16), c(v_codes, mx::uint32), c(v_scales, mx::float16),
+                             c(v_biases, mx::float16)};
+  mx::Shape ml{d.B, d.H, d.R};
+  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<KiviDecode>(s, d), ins);
+}
+
 }  // namespace
 
 NB_MODULE(_veloxquant_cpu, m) {
@@ -545,5 +733,8 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("step"), nb::arg("w"), nb::arg("partner"), nb::arg("sign"), nb::arg("v_words"), nb::arg("v_scales"),
         nb::arg("poly"), nb::arg("n"), nb::arg("pos0"), nb::arg("vbits"), nb::arg("dv"), nb::arg("rotate"),
         "Partials (m, l, acc) of waterfill's decode attention over its first n quantized rows.");
+  m.def("kivi_decode", &kivi_decode, nb::arg("q"), nb::arg("k_codes"), nb::arg("k_scales"), nb::arg("k_biases"),
+        nb::arg("v_codes"), nb::arg("v_scales"), nb::arg("v_biases"), nb::arg("n"), nb::arg("bits"), nb::arg("group"),
+        nb::arg("value_group"), nb::arg("dv"), "Partials (m, l, acc) of KIVI's decode attention over its first n rows.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
