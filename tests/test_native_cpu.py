@@ -30,14 +30,19 @@ KERNELS = pytest.mark.skipif(not (ON_CPU and HAS_NANOBIND),
                              reason="the CPU kernels need the CPU device and nanobind (the 'cpu' extra)")
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Built kernels (a failed build fails the test), and the number of decode steps that took them."""
+def _spy_kernel(monkeypatch, cls) -> list:
+    """Built kernels (a failed build fails the test), and the decode steps of ``cls`` caches that took them."""
     assert native.module() is not None, "the CPU kernels did not build (see the warning)"
     calls = []
-    real = WaterfillKVCache._cpu_part
-    monkeypatch.setattr(WaterfillKVCache, "_cpu_part", lambda c, q, n: calls.append(n) or real(c, q, n))
+    real = cls._cpu_part
+    monkeypatch.setattr(cls, "_cpu_part", lambda c, q, n: calls.append(n) or real(c, q, n))
     return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Waterfill's decode steps that took the CPU kernel."""
+    return _spy_kernel(monkeypatch, WaterfillKVCache)
 
 
 def _rope(kind, D):
@@ -52,6 +57,19 @@ def _feed(c, H, R, D, n, rng):
     k, v, q = _rows(rng, H, n, D), _rows(rng, H, n, D), _rows(rng, H * R, n, D)
     K, V = c.update_and_fetch(k, v)
     return dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
+
+
+def _steps_equal_float64(c, H, R, D, steps, rng):
+    """``steps`` decode steps of cache ``c`` (sink logits every other step), each equal to float64 attention over the
+    rows ``update_and_fetch`` returned (the rows the cache stores)."""
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        sk = sinks if i % 2 else None
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < 1e-4, (i, c.offset)
 
 
 @KERNELS
@@ -73,14 +91,7 @@ def test_waterfill_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R
     rng = np.random.default_rng(H * 100 + prompt + bits)
     _feed(c, H, R, D, prompt, rng)
     assert c.calibrated
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
-    for i in range(steps):
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
-        q = _rows(rng, H * R, 1, D)
-        sk = sinks if i % 2 else None
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
-        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
-        assert _rel(out, want) < 1e-4, (i, c.n_sink, c.n_quant, c.n_win)
+    _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(kernel_calls) == steps and "waterfill_cpu" in _common._checked
 
 
@@ -162,18 +173,15 @@ def test_cpu_kernel_rejects_inconsistent_inputs(kernel_calls):
     assert all(np.isnan(np.array(a)).all() for a in out)
 
 
-@KERNELS
-def test_cpu_kernel_and_op_path_give_the_same_steps(kernel_calls, monkeypatch):
-    """Two identical caches, one decoding through the kernel and one through the op path (``VELOXQUANT_CPU_KERNELS``
-    off), give the same outputs step after step, across compactions."""
-    H, R, D = 3, 3, 64
-    caches = [make_waterfill(rope=_rope("rope", D), D=D) for _ in range(2)]
-    rng = np.random.default_rng(5)
-    k, v, q = _rows(rng, H, 700, D), _rows(rng, H, 700, D), _rows(rng, H * R, 700, D)
+def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
+    """Two identical caches fed the same prompt, then ``steps`` decode steps: the first with the CPU kernels on, the
+    second off (its op path); their outputs agree to float32 rounding at every step."""
+    rng = np.random.default_rng(seed)
+    k, v, q = _rows(rng, H, prompt, D), _rows(rng, H, prompt, D), _rows(rng, H * R, prompt, D)
     for c in caches:
         K, V = c.update_and_fetch(k, v)
         dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
-    for i in range(40):
+    for i in range(steps):
         k1, v1, q1 = _rows(rng, H, 1, D), _rows(rng, H, 1, D), _rows(rng, H * R, 1, D)
         outs = []
         for c, on in zip(caches, (True, False)):
@@ -181,6 +189,13 @@ def test_cpu_kernel_and_op_path_give_the_same_steps(kernel_calls, monkeypatch):
             K, V = c.update_and_fetch(k1, v1)
             outs.append(dispatch.dispatched_sdpa(q1, K, V, cache=c, scale=D**-0.5, mask=None))
         assert _rel(outs[0], outs[1]) < 1e-5, i
+
+
+@KERNELS
+def test_cpu_kernel_and_op_path_give_the_same_steps(kernel_calls, monkeypatch):
+    """Two identical caches, one decoding through the kernel and one through the op path (``VELOXQUANT_CPU_KERNELS``
+    off), give the same outputs step after step, across compactions."""
+    _same_steps([make_waterfill(rope=_rope("rope", 64), D=64) for _ in range(2)], 700, 5, monkeypatch)
     assert len(kernel_calls) == 40
 
 
@@ -204,12 +219,8 @@ def test_cpu_kernel_tables_are_counted_in_nbytes(kernel_calls):
 # ------------------------------------------------------------------------------------------- KIVI
 @pytest.fixture
 def kivi_calls(monkeypatch):
-    """Built kernels, and the decode steps of KIVI-layout caches that took them."""
-    assert native.module() is not None, "the CPU kernels did not build (see the warning)"
-    calls = []
-    real = GroupedQuantCache._cpu_part
-    monkeypatch.setattr(GroupedQuantCache, "_cpu_part", lambda c, q, n: calls.append(n) or real(c, q, n))
-    return calls
+    """KIVI-layout caches' decode steps that took the CPU kernel."""
+    return _spy_kernel(monkeypatch, GroupedQuantCache)
 
 
 @KERNELS
@@ -224,35 +235,14 @@ def test_kivi_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, 
     rng = np.random.default_rng(bits * 10 + prompt)
     K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
     dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
-    for i in range(steps):
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
-        q = _rows(rng, H * R, 1, D)
-        sk = sinks if i % 2 else None
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
-        want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
-        assert _rel(out, want) < 1e-4, (i, c.n_quant, c.n_res)
+    _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(kivi_calls) == steps and "kivi_cpu" in _common._checked
 
 
 @KERNELS
 def test_kivi_cpu_kernel_and_op_path_give_the_same_steps(kivi_calls, monkeypatch):
     """Two identical KIVI caches, one through the kernel and one through the op path, step for step."""
-    H, R, D = 3, 3, 64
-    caches = [_kivi(D) for _ in range(2)]
-    rng = np.random.default_rng(8)
-    k, v, q = _rows(rng, H, 1500, D), _rows(rng, H, 1500, D), _rows(rng, H * R, 1500, D)
-    for c in caches:
-        K, V = c.update_and_fetch(k, v)
-        dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask="causal")
-    for i in range(40):
-        k1, v1, q1 = _rows(rng, H, 1, D), _rows(rng, H, 1, D), _rows(rng, H * R, 1, D)
-        outs = []
-        for c, on in zip(caches, (True, False)):
-            monkeypatch.setattr(native, "_ENV_ON", on)
-            K, V = c.update_and_fetch(k1, v1)
-            outs.append(dispatch.dispatched_sdpa(q1, K, V, cache=c, scale=D**-0.5, mask=None))
-        assert _rel(outs[0], outs[1]) < 1e-5, i
+    _same_steps([_kivi(64), _kivi(64)], 1500, 8, monkeypatch)
     assert len(kivi_calls) == 40
 
 

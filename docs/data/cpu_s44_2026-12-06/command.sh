@@ -10,3 +10,8 @@ python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst -
 VELOXQUANT_CPU_KERNELS=0 python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method $W
 python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 4 --burst --method kivi:bit_width_inlier=4 --method $W
 VELOXQUANT_CPU_KERNELS=0 python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 4 --burst --method $W
+# After KIVI's kernel (decode_model_4k_kivi_kernel.txt, decode_model_16k_kivi_kernel.txt; decode_model_4k_kivi_op_path.txt
+# the kernels off):
+python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method kivi:bit_width_inlier=4 --method $W
+VELOXQUANT_CPU_KERNELS=0 python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method kivi:bit_width_inlier=4
+python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 4 --burst --method kivi:bit_width_inlier=4 --method $W

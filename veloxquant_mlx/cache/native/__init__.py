@@ -1,6 +1,7 @@
 """CPU kernels as MLX primitives (C++, ``waterfill_cpu.cpp``): what MLX's ops cannot do fast on a CPU -- read each
-code once and decode it in registers -- for the decode step of waterfill, whose op path is elementwise passes over
-every stored row (one gather per code, the RoPE turn: docs/RESULTS.md "CPU decode on two streams").
+code once and decode it in registers -- for the decode steps of waterfill, whose op path is elementwise passes over
+every stored row (one gather per code, the RoPE turn: docs/RESULTS.md "CPU decode on two streams"), and of KIVI
+(its own layout; the op path is MLX's ``quantized_matmul`` on two streams).
 
 Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
 then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not

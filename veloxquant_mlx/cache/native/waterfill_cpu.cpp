@@ -363,6 +363,13 @@ inline void softmax_update(float* sc, int R, int dv, Valid valid, float* m, floa
   }
 }
 
+// The partials of no rows: m = -inf, l = 0, acc = 0.
+inline void empty_partials(int R, int dv, float* m, float* l, float* acc) {
+  std::fill(m, m + R, -INFINITY);
+  std::fill(l, l + R, 0.f);
+  std::fill(acc, acc + size_t(R) * dv, 0.f);
+}
+
 // The partials of rows [t0, t1) of one (batch row, KV head) into m[R], l[R], acc[R * DV] (acc: channel c at
 // value_slot(c)).
 void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, int t0, int t1, float* m, float* l,
@@ -392,11 +399,7 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
     cb[i] = std::cos(a);
     sb[i] = std::sin(a);
   }
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + size_t(R) * DV, 0.f);
+  empty_partials(R, DV, m, l, acc);
 
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
@@ -484,15 +487,21 @@ void split_and_join(int BH, int R, int dv, int n, Rows rows, Slot slot, float* m
   }
 }
 
+// The stream's CPU encoder with the outputs allocated and the arrays registered (both primitives' first steps).
+mx::cpu::CommandEncoder& encoder(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  return enc;
+}
+
 class WaterfillDecode : public mx::Primitive {
  public:
   WaterfillDecode(mx::Stream s, Dims d) : mx::Primitive(s), d_(d) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    for (auto& o : outputs) enc.set_output_array(o);
+    auto& enc = encoder(stream(), inputs, outputs);
     Inputs in{inputs[0].data<float>(),   inputs[1].data<uint8_t>(), inputs[2].data<int32_t>(),
               inputs[3].data<float>(),   inputs[4].data<float>(),   inputs[5].data<float>(),
               inputs[6].data<int32_t>(), inputs[7].data<float>(),   inputs[8].data<uint8_t>(),
@@ -601,11 +610,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   float* vals = wt + size_t(R) * BLOCK;
   const bool nibbles = BITS == 4 && DV == 8 * d.vw && d.vw % 8 == 0 && d.gv % 8 == 0;
   const uint32_t vmask = (1u << BITS) - 1;
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.f;
-  }
-  std::fill(acc, acc + size_t(R) * DV, 0.f);
+  empty_partials(R, DV, m, l, acc);
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
     const int g0 = b0 / d.G, g1 = (b0 + BLOCK / 2) / d.G;  // the groups of the block's two halves
@@ -663,10 +668,7 @@ class KiviDecode : public mx::Primitive {
   KiviDecode(mx::Stream s, KiviDims d) : mx::Primitive(s), d_(d) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    for (auto& o : outputs) enc.set_output_array(o);
+    auto& enc = encoder(stream(), inputs, outputs);
     KiviInputs in{inputs[0].data<float>(),         inputs[1].data<uint32_t>(),      inputs[2].data<mx::float16_t>(),
                   inputs[3].data<mx::float16_t>(), inputs[4].data<uint32_t>(),      inputs[5].data<mx::float16_t>(),
                   inputs[6].data<mx::float16_t>()};
@@ -735,6 +737,7 @@ NB_MODULE(_veloxquant_cpu, m) {
         "Partials (m, l, acc) of waterfill's decode attention over its first n quantized rows.");
   m.def("kivi_decode", &kivi_decode, nb::arg("q"), nb::arg("k_codes"), nb::arg("k_scales"), nb::arg("k_biases"),
         nb::arg("v_codes"), nb::arg("v_scales"), nb::arg("v_biases"), nb::arg("n"), nb::arg("bits"), nb::arg("group"),
-        nb::arg("value_group"), nb::arg("dv"), "Partials (m, l, acc) of KIVI's decode attention over its first n rows.");
+        nb::arg("value_group"), nb::arg("dv"),
+        "Partials (m, l, acc) of KIVI's decode attention over its first n rows.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }

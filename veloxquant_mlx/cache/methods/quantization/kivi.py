@@ -8,7 +8,8 @@ groups quantized and the rest in the residual; a decode step appends to the resi
 reaches its length, and attends with one softmax ``softmax([q·Q(K_g)ᵀ, q·K_rᵀ]) · [Q(V_g); V_r]``.
 
 Here (``bit_width_inlier`` = b in {2, 3, 4, 8}, ``KIVIOptions.group_size`` = G) the cache is ``cache/grouped.py``'s
-layout (storage, attention on the codes, the CUDA decode kernel ``cache.kernels.kivi``, trim, bytes), codes from
+layout (storage, attention on the codes, the CUDA decode kernel ``cache.kernels.kivi``, the CPU one in
+``cache/native`` at 2, 4 and 8 bits, trim, bytes), codes from
 ``primitives.groupquant``; a call's own rows are attended in full precision and only stored compressed. Decode
 speed: docs/RESULTS.md ("Speed and memory"). ``nbytes``: the arrays held, spare capacity included
 (``used_nbytes``: without).
@@ -28,6 +29,8 @@ Deviations from the paper (all deliberate):
 * Prefill chunks over a stored past attend the rows dequantized once per layer (MLX's fused attention; on the CPU
   in tiles of query rows, ``attention.dense_attention``), so a chunked prefill peaks below the plain cache; with
   ``attend_path="quantized_matmul"`` they are an online softmax over tiles of whole groups of codes.
+* A CPU decode step through the CPU kernel (where built) sums each block of 64 tokens' exponentials (a degree-7
+  polynomial, relative ~2e-7) into an online softmax in float32: the op path's function to float32 rounding.
 
 Quality: docs/RESULTS.md (mlx_lm's QuantizedKVCache as reference). A call's own rows stay full precision: quantized
 before its attention they raised the 2-bit decode KL from 0.21 to 0.49 (SmolLM2-135M, 480 tokens). Bytes per token
