@@ -147,7 +147,7 @@ struct Dims {
 
 struct Inputs {
   const float* q;           // [B, H, R, D], scaled
-  const uint8_t* kw;        // [B, H, kcap, wk] words, read as bytes
+  const uint32_t* kw;       // [B, H, kcap, wk] words
   const int32_t* ktab;      // [H, D]: stream bit of the code | width << 16
   const float* lo;          // [B, H, D]
   const float* step;        // [B, H, D]
@@ -378,8 +378,8 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
   const float* q = in.q + size_t(bh) * R * D;
   const float* lo = in.lo + size_t(bh) * D;
   const float* st = in.step + size_t(bh) * D;
-  const uint32_t* tab = reinterpret_cast<const uint32_t*>(in.ktab) + size_t(h) * D;
-  const uint32_t* kw = reinterpret_cast<const uint32_t*>(in.kw) + size_t(bh) * d.kcap * d.wk;
+  const int32_t* tab = in.ktab + size_t(h) * D;
+  const uint32_t* kw = in.kw + size_t(bh) * d.kcap * d.wk;
   const uint8_t* vw = in.vw + size_t(bh) * d.vcap * d.wv * 4;
   const mx::float16_t* vs = in.vs + size_t(bh) * d.scap;
   const Centroids cent{float((1 << d.vbits) - 1) * 0.5f, in.poly[0], in.poly[1], in.poly[2]};
@@ -502,7 +502,7 @@ class WaterfillDecode : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
-    Inputs in{inputs[0].data<float>(),   inputs[1].data<uint8_t>(), inputs[2].data<int32_t>(),
+    Inputs in{inputs[0].data<float>(),   inputs[1].data<uint32_t>(), inputs[2].data<int32_t>(),
               inputs[3].data<float>(),   inputs[4].data<float>(),   inputs[5].data<float>(),
               inputs[6].data<int32_t>(), inputs[7].data<float>(),   inputs[8].data<uint8_t>(),
               inputs[9].data<mx::float16_t>(), inputs[10].data<float>()};
