@@ -193,7 +193,7 @@ def test_attend_on_codes_equals_dense_attention_over_the_dequantized_cache(opts,
     assert seen_quant and seen_lut and c.n_quant > 0
 
 
-def test_long_cpu_decode_step_decodes_the_values_on_a_second_stream(monkeypatch):
+def test_long_cpu_decode_step_decodes_the_values_on_a_second_stream(monkeypatch, op_path):
     """Past ``CPU_SPLIT_DECODE_MIN_ROWS`` quantized rows (two CPU streams) a CPU decode step decodes the values'
     codewords on a second stream while the current one scores the keys (MLX runs a CPU stream on one thread);
     below it on the current one; the attention equals dense attention over the returned rows either way."""

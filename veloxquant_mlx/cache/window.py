@@ -325,6 +325,13 @@ class ResidualWindowCache(CompressedKVCache):
         return (queries.shape[2] == 1 and call is not None and call.q0 > 0 and call.s0 > 0 and call.new_k.shape[2] == 1
                 and isinstance(mask, (str, type(None))) and keys.shape[2] == call.s0 + call.q0 + call.r0 + 1)
 
+    def _attend_part(self, queries, keys, part, *, scale, mask, sinks=None):
+        """A call ``_one_row_over_codes`` accepts, its quantized rows attended by ``part(q, n)`` (a CPU kernel's
+        :class:`Partials`), the rest as ``attend`` does."""
+        call, self._call = self._call, None
+        return attend_joint(queries, call, self._sinks(call.s0), part, scale=scale, mask=mask, sinks=sinks,
+                            n_keys=keys.shape[2])
+
     def _memo_rows(self, n: int, buf, build):
         """``build()``, the first ``n`` quantized rows' dense lazy graph, reused between decode steps that go to a
         kernel (their attention never evaluates it: rebuilding it is host time; ``kernels._common.RowsMemo``); cleared

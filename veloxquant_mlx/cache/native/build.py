@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 MODULE = "_veloxquant_cpu"
-SOURCES = ("waterfill_cpu.cpp", "CMakeLists.txt")
+SOURCES = ("common.h", "module.cpp", "waterfill_cpu.cpp", "kivi_cpu.cpp", "turboquant_rvq_cpu.cpp", "CMakeLists.txt")
 _HERE = Path(__file__).resolve().parent
 
 

@@ -51,7 +51,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ... import attention, kernels
+from ... import attention, kernels, native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
@@ -61,7 +61,7 @@ from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
 from ...primitives.rvq import RVQCodebook, row_bytes, rvq_codebook, split_bits
 from ...attention import on_cpu_streams
-from ...window import QUANT_BLOCK, SINK_ROWS, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
+from ...window import QUANT_BLOCK, SINK_ROWS, Partials, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
 
 __all__ = ["TurboQuantRVQKVCache", "RVQCodebook", "rvq_codebook", "split_bits", "row_bytes", "QUANT_BLOCK",
            "STAGE2_STUDY"]
@@ -236,11 +236,37 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
                      for prefix, qz in zip(("k_", "v_"), self._qs()))
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
-        if self._decode_kernel_ready(queries, keys, mask):  # checked once against the op path
+        def op():
+            return ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+
+        if self._decode_kernel_ready(queries, keys, mask):  # kernels: checked once against op()
             return kernels.checked_call(
-                "turboquant_rvq", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
-                lambda: ResidualWindowCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks))
-        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+                "turboquant_rvq", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks), op)
+        if self._cpu_kernel_ready(queries, keys, mask):
+            return kernels.checked_call("turboquant_rvq_cpu", self, lambda: self._attend_part(
+                queries, keys, self._cpu_part, scale=scale, mask=mask, sinks=sinks), op)
+        return op()
+
+    def _cpu_kernel_ready(self, queries, keys, mask) -> bool:
+        """A one-row step over codes the CPU kernel (``native/turboquant_rvq_cpu.cpp``) takes: built here, head dims
+        up to 256, up to 32 query heads per KV head."""
+        if not (self._one_row_over_codes(queries, keys, mask) and native.available()):
+            return False
+        H, D, DV = self._shape
+        return max(D, DV) <= 256 and queries.shape[1] // H <= 32
+
+    def _cpu_part(self, q, n: int) -> Partials:
+        """The first ``n`` quantized rows' partials for scaled float32 queries ``q`` [B, H, R, D] by the CPU kernel:
+        each row's codes read once, keys scored by lookup tables, values summed per (piece, centroid) and turned
+        back once."""
+        kq, vq = self._qs()
+        planes = [(getattr(self, p + "codes1"), getattr(self, p + "codes2", None), getattr(self, p + "norms"), qz.cb)
+                  for p, qz in (("k_", kq), ("v_", vq))]
+        (k1, k2, kn, kcb), (v1, v2, vn, vcb) = planes
+        m, l, acc = native.module().turboquant_rvq_decode(  # noqa: E741
+            q @ kq.rot_t, k1, k2, kn, kcb.c1, kcb.sigma, kcb.c2, v1, v2, vn, vcb.c1, vcb.sigma, vcb.c2, n,
+            self._shape[2])
+        return Partials(m, l, acc @ vq.rot_t.T)
 
     def _decode_attend(self, queries, *, scale, sinks=None):
         return tq_kernel.decode_attend(self, queries, scale, sinks)

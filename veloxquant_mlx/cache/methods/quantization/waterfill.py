@@ -81,7 +81,7 @@ from ...attention import group_queries
 from ... import kernels
 from ...kernels import waterfill as wf_kernel, waterfill_rows as wf_rows
 from ... import native
-from ...window import SINK_ROWS, Partials, ResidualWindowCache, attend_joint, split_rows_part
+from ...window import SINK_ROWS, Partials, ResidualWindowCache, split_rows_part
 
 __all__ = ["WaterfillKVCache", "allocate_bits", "value_rotation"]
 
@@ -324,11 +324,6 @@ class WaterfillKVCache(ResidualWindowCache):
             self.bit_width, self._shape[2], self.rope is not None)
         return Partials(m, l, rotate_values(acc, self.seed, inverse=True))
 
-    def _cpu_attend(self, queries, keys, *, scale, mask, sinks=None):
-        call, self._call = self._call, None
-        return attend_joint(queries, call, self._sinks(call.s0), self._cpu_part, scale=scale, mask=mask, sinks=sinks,
-                            n_keys=keys.shape[2])
-
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         seen = self._observe(queries) if not self.calibrated and getattr(self, "_shape", None) else None
         def op():
@@ -338,8 +333,8 @@ class WaterfillKVCache(ResidualWindowCache):
             return kernels.checked_call(
                 "waterfill", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks), op)
         if self.calibrated and self._one_row_over_codes(queries, keys, mask) and native.available():
-            return kernels.checked_call(
-                "waterfill_cpu", self, lambda: self._cpu_attend(queries, keys, scale=scale, mask=mask, sinks=sinks), op)
+            return kernels.checked_call("waterfill_cpu", self, lambda: self._attend_part(
+                queries, keys, self._cpu_part, scale=scale, mask=mask, sinks=sinks), op)
         out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if not self.calibrated and self.stored_rows() >= self.n_calib:
             self._calibrate()

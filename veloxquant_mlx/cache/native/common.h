@@ -1,0 +1,329 @@
+// What the CPU kernels share: the thread pool, 16-lane vectors, exp, the block scores / online-softmax update /
+// weighted value sums of a block of 64 rows, and the split of a step's rows over the threads with the join of their
+// partials (m, l, acc). Functions are inline in namespace veloxquant (one pool per process across the sources).
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace veloxquant {
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+
+constexpr int BLOCK = 64;    // rows per softmax update (and the turn table's rows)
+constexpr int MAX_D = 256;   // key and value head dims
+constexpr int MAX_R = 32;    // query heads per KV head
+constexpr int MIN_ROWS_PER_PART = 512;  // a thread's share of a step is at least this many rows
+
+// A persistent pool: run(n, f) calls f(0 .. n-1), f(0) on the caller, the rest on sleeping workers.
+class Pool {
+ public:
+  explicit Pool(int n) {
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return int(workers_.size()) + 1; }
+  void run(int n, const std::function<void(int)>& f) {
+    n = std::min(n, size());
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (n <= 1 || !busy.owns_lock()) {  // another stream's call holds the pool: this one runs alone
+      for (int i = 0; i < n; ++i) f(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &f;
+      active_ = n;
+      pending_ = n - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    f(0);
+    std::unique_lock<std::mutex> lk(mu_);
+    done_.wait(lk, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void loop(int idx) {
+    long seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (idx >= active_) continue;
+        job = job_;
+      }
+      (*job)(idx);
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  std::vector<std::thread> workers_;
+  std::mutex mu_, run_mu_;
+  std::condition_variable cv_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  long generation_ = 0;
+  int active_ = 0, pending_ = 0;
+  bool stop_ = false;
+};
+
+// The process's pool, made at first use (as MLX's own CPU streams, it does not survive a fork; one across sources).
+inline Pool& pool() {
+  static Pool p(int(std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
+  return p;
+}
+
+// 16-lane vectors (GCC/Clang vector extensions: AVX-512, AVX2 or NEON, whatever the build machine has).
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t vu8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+constexpr int VL = 16;
+inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
+inline vu loadu(const uint32_t* p) { return *reinterpret_cast<const vu*>(p); }
+inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0 on 16 lanes (-inf and below -87 give e^-87): 2^k e^r, |r| <= ln2/2, a degree-7 polynomial.
+inline vf exp_neg(vf x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const vi ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // k rounded half up (x <= 0)
+  const vf k = __builtin_convertvector(ki, vf);
+  const vf r = (x - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+  vf p = splat(1.0f / 5040);
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * reinterpret_cast<vf>((ki + 127) << 23);
+}
+
+inline float exp_neg(float x) { return exp_neg(splat(x))[0]; }
+
+// Where value_row puts channel c: 4-bit codes in whole 8-word groups go nibble-major (word w's nibble k, channel
+// 8w + k, at k * words + w: one shift and mask per nibble for 8 words at once); other widths in order.
+inline int value_slot(int c, int dv, int vbits, int words) {
+  return vbits == 4 && dv == 8 * words && words % 8 == 0 ? (c & 7) * words + (c >> 3) : c;
+}
+
+// acc[R, dv] += w[R, BLOCK] @ u[rows, dv]: two query heads and 4 x 16 channels at a time held in registers over
+// the rows (eight independent sums: the adds' latency hidden).
+inline void weighted_sum(const float* __restrict w, const float* __restrict u, int R, int rows, int dv,
+                         float* __restrict acc) {
+  int c0 = 0;
+  for (; c0 + 4 * VL <= dv; c0 += 4 * VL) {
+    int r = 0;
+    for (; r + 2 <= R; r += 2) {
+      const float *w0 = w + size_t(r) * BLOCK, *w1 = w0 + BLOCK;
+      float *a0p = acc + size_t(r) * dv + c0, *a1p = a0p + dv;
+      vf a00 = load(a0p), a01 = load(a0p + VL), a02 = load(a0p + 2 * VL), a03 = load(a0p + 3 * VL);
+      vf a10 = load(a1p), a11 = load(a1p + VL), a12 = load(a1p + 2 * VL), a13 = load(a1p + 3 * VL);
+      for (int j = 0; j < rows; ++j) {
+        const float* uj = u + size_t(j) * dv + c0;
+        const vf u0 = load(uj), u1 = load(uj + VL), u2 = load(uj + 2 * VL), u3 = load(uj + 3 * VL);
+        const float x = w0[j], y = w1[j];
+        a00 += x * u0, a01 += x * u1, a02 += x * u2, a03 += x * u3;
+        a10 += y * u0, a11 += y * u1, a12 += y * u2, a13 += y * u3;
+      }
+      store(a0p, a00), store(a0p + VL, a01), store(a0p + 2 * VL, a02), store(a0p + 3 * VL, a03);
+      store(a1p, a10), store(a1p + VL, a11), store(a1p + 2 * VL, a12), store(a1p + 3 * VL, a13);
+    }
+    for (; r < R; ++r) {
+      const float* w0 = w + size_t(r) * BLOCK;
+      float* a0p = acc + size_t(r) * dv + c0;
+      vf a00 = load(a0p), a01 = load(a0p + VL), a02 = load(a0p + 2 * VL), a03 = load(a0p + 3 * VL);
+      for (int j = 0; j < rows; ++j) {
+        const float* uj = u + size_t(j) * dv + c0;
+        const float x = w0[j];
+        a00 += x * load(uj), a01 += x * load(uj + VL), a02 += x * load(uj + 2 * VL), a03 += x * load(uj + 3 * VL);
+      }
+      store(a0p, a00), store(a0p + VL, a01), store(a0p + 2 * VL, a02), store(a0p + 3 * VL, a03);
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // the channels past the last 64
+    const float* wr = w + size_t(r) * BLOCK;
+    float* ar = acc + size_t(r) * dv;
+    for (int c = c0; c < dv; ++c) {
+      float a = ar[c];
+      for (int j = 0; j < rows; ++j) a += wr[j] * u[size_t(j) * dv + c];
+      ar[c] = a;
+    }
+  }
+}
+
+// sc[R, BLOCK] = q[R, D] @ keys[D, BLOCK] (keys channel-major), two query heads a pass (eight independent sums).
+inline void block_scores(const float* qt, const float* keys, int R, int D, float* sc) {
+  static_assert(BLOCK == 4 * VL, "a block's scores are four vectors");
+  for (int r = 0; r < R; r += 2) {
+    const bool two = r + 1 < R;
+    const float* q0 = qt + size_t(r) * D;
+    const float* q1 = two ? q0 + D : q0;
+    vf s0{}, s1{}, s2{}, s3{}, t0{}, t1{}, t2{}, t3{};
+    for (int c = 0; c < D; ++c) {
+      const float* kc = keys + size_t(c) * BLOCK;
+      const vf k0 = load(kc), k1 = load(kc + VL), k2 = load(kc + 2 * VL), k3 = load(kc + 3 * VL);
+      const float x = q0[c], y = q1[c];
+      s0 += x * k0, s1 += x * k1, s2 += x * k2, s3 += x * k3;
+      t0 += y * k0, t1 += y * k1, t2 += y * k2, t3 += y * k3;
+    }
+    float* s_0 = sc + size_t(r) * BLOCK;
+    store(s_0, s0), store(s_0 + VL, s1), store(s_0 + 2 * VL, s2), store(s_0 + 3 * VL, s3);
+    if (two) store(s_0 + BLOCK, t0), store(s_0 + BLOCK + VL, t1), store(s_0 + BLOCK + 2 * VL, t2),
+        store(s_0 + BLOCK + 3 * VL, t3);
+  }
+}
+
+// One online-softmax update per block: the scores sc[R, BLOCK] (slots where valid(j) is false left out) become
+// exp(s - m) with m the new running max; l and acc[R, dv] rescaled to it.
+template <class Valid>
+inline void softmax_update(float* sc, int R, int dv, Valid valid, float* m, float* l, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    float* __restrict sr = sc + size_t(r) * BLOCK;
+    for (int j = 0; j < BLOCK; ++j)
+      if (!valid(j)) sr[j] = -INFINITY;
+    vf mv = load(sr);
+    for (int j = VL; j < BLOCK; j += VL) {
+      const vf x = load(sr + j);
+      mv = x > mv ? x : mv;
+    }
+    float mb = m[r];
+    for (int k = 0; k < VL; ++k) mb = std::max(mb, mv[k]);
+    const float alpha = exp_neg(m[r] - mb);  // the running max moved: rescale what was summed
+    m[r] = mb;
+    vf sum{};
+    for (int j = 0; j < BLOCK; j += VL) {
+      vf e = exp_neg(load(sr + j) - mb);
+      for (int k = 0; k < VL; ++k)
+        if (!valid(j + k)) e[k] = 0.f;  // (exp_neg(-inf) is e^-87, not 0)
+      store(sr + j, e);
+      sum += e;
+    }
+    float total = 0.f;
+    for (int k = 0; k < VL; ++k) total += sum[k];
+    l[r] = l[r] * alpha + total;
+    if (alpha != 1.f) {
+      float* ar = acc + size_t(r) * dv;
+      for (int c = 0; c < dv; ++c) ar[c] *= alpha;
+    }
+  }
+}
+
+// The partials of no rows: m = -inf, l = 0, acc = 0.
+inline void empty_partials(int R, int dv, float* m, float* l, float* acc) {
+  std::fill(m, m + R, -INFINITY);
+  std::fill(l, l + R, 0.f);
+  std::fill(acc, acc + size_t(R) * dv, 0.f);
+}
+
+// Each (batch row, KV head)'s rows [0, n) in at most as many ranges as threads (each >= MIN_ROWS_PER_PART rows),
+// rows(bh, t0, t1, m, l, acc) run over the pool, the ranges' partials joined into m, l [BH, R] and acc [BH, R, dv]
+// (acc's channel c read from slot(c) of the ranges' sums).
+template <class Rows, class Slot>
+void split_and_join(int BH, int R, int dv, int n, Rows rows, Slot slot, float* m, float* l, float* acc) {
+  const int threads = pool().size();
+  // parts making BH * parts a multiple of the threads (3 heads on 2 threads: 6 ranges, not 3), each >= 512 rows
+  int parts = std::max(1, std::min(threads / std::gcd(BH, threads), n / MIN_ROWS_PER_PART));
+  const int per = std::max(BLOCK, ((n + parts - 1) / parts + BLOCK - 1) / BLOCK * BLOCK);
+  parts = std::max(1, (n + per - 1) / per);
+  const int items = BH * parts;
+  std::vector<float> pm(size_t(items) * R), pl(size_t(items) * R), pa(size_t(items) * R * dv);
+  auto work = [&](int tid) {
+    for (int it = tid; it < items; it += threads) {
+      const int t0 = (it % parts) * per, t1 = std::min(n, t0 + per);
+      rows(it / parts, t0, t1, &pm[size_t(it) * R], &pl[size_t(it) * R], &pa[size_t(it) * R * dv]);
+    }
+  };
+  pool().run(std::min(items, threads), work);
+  for (int bh = 0; bh < BH; ++bh) {
+    for (int r = 0; r < R; ++r) {
+      float mm = -INFINITY;
+      for (int p = 0; p < parts; ++p) mm = std::max(mm, pm[size_t(bh * parts + p) * R + r]);
+      float ll = 0.f;
+      float* a = acc + (size_t(bh) * R + r) * dv;
+      std::fill(a, a + dv, 0.f);
+      for (int p = 0; p < parts; ++p) {
+        const size_t it = size_t(bh * parts + p);
+        const float wgt = mm == -INFINITY ? 0.f : exp_neg(pm[it * R + r] - mm);  // (no rows: l = acc = 0)
+        ll += wgt * pl[it * R + r];
+        const float* src = &pa[(it * R + r) * dv];
+        for (int c = 0; c < dv; ++c) a[c] += wgt * src[slot(c)];
+      }
+      m[size_t(bh) * R + r] = mm;
+      l[size_t(bh) * R + r] = ll;
+    }
+  }
+}
+
+// The stream's CPU encoder with the outputs allocated and the arrays registered (both primitives' first steps).
+inline mx::cpu::CommandEncoder& encoder(mx::Stream s, const std::vector<mx::array>& inputs,
+                                         std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  return enc;
+}
+
+inline void check(bool ok, const char* kernel, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("veloxquant ") + kernel + ": " + what);
+}
+
+// The CPU stream's contiguous copy of a in dtype t (each primitive's inputs).
+inline mx::array contiguous_as(const mx::array& a, mx::Dtype t) {
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::contiguous(mx::astype(a, t, s), false, s);
+}
+
+// The kernels' entry points (each in its own source; bound in module.cpp).
+std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_words, const mx::array& ktab,
+                                        const mx::array& lo, const mx::array& step, const mx::array& w,
+                                        const mx::array& partner, const mx::array& sign, const mx::array& v_words,
+                                        const mx::array& v_scales, const mx::array& poly, int n, long pos0,
+                                        int vbits, int dv, bool rotate);
+std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
+                                   const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
+                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv);
+std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const std::optional<mx::array>& k2,
+                                             const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
+                                             const std::optional<mx::array>& k_cb2, const mx::array& v1,
+                                             const std::optional<mx::array>& v2, const mx::array& v_norms,
+                                             const mx::array& v_cb1, const mx::array& v_sigma,
+                                             const std::optional<mx::array>& v_cb2, int n, int dv);
+
+}  // namespace veloxquant

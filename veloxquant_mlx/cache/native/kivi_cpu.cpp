@@ -1,0 +1,166 @@
+// KIVI's decode attention over its own layout on the CPU, as an MLX primitive (the op path in cache/grouped.py is the
+// reference it is checked against at first use).
+#include "common.h"
+
+namespace veloxquant {
+namespace {
+
+// KIVI's layout (cache/grouped.py): keys per channel in groups of G tokens ([B, H, D, words] codes, each channel's
+// tokens one bit stream; [B, H, D, groups] float16 scales and biases), values per token in groups of gv channels
+// ([B, H, rows, words], [B, H, rows, dv / gv]); value = code * scale + bias.
+struct KiviDims {
+  int B, H, R, D, DV, kw, kg, vcap, vw, vg;  // kw / kg: words and groups a channel's buffer holds
+  int n, bits, G, gv;
+};
+
+struct KiviInputs {
+  const float* q;
+  const uint32_t* kc;
+  const mx::float16_t *ks, *kb;
+  const uint32_t* vc;
+  const mx::float16_t *vs, *vb;
+};
+
+// A block's keys of one channel in slot order (slot k * WB + w: token w * (32 / BITS) + k, word w's k-th code),
+// scale and bias per lane (the block's two halves may lie in two groups).
+template <int BITS>
+inline void kivi_key_channel(const uint32_t* words, int nwords, const float* sc, const float* bi,
+                             float* __restrict out) {
+  constexpr int WB = 2 * BITS, CPW = 32 / BITS;  // words a block of 64 tokens takes, codes a word
+  uint32_t w[WB] = {};
+  for (int i = 0; i < nwords; ++i) w[i] = words[i];
+  for (int k = 0; k < CPW; ++k)
+    for (int i = 0; i < WB; ++i)
+      out[k * WB + i] = float(int32_t((w[i] >> (k * BITS)) & ((1u << BITS) - 1))) * sc[i] + bi[i];
+}
+
+template <int BITS>
+void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, float* m, float* l, float* acc) {
+  constexpr int WB = 2 * BITS, CPW = 32 / BITS;
+  const int D = d.D, DV = d.DV, R = d.R;
+  const float* q = in.q + size_t(bh) * R * D;
+  std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV, 0.f);
+  float* keys = buf.data();
+  float* sc = keys + size_t(D) * BLOCK;
+  float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
+  float* vals = wt + size_t(R) * BLOCK;
+  const bool nibbles = BITS == 4 && DV == 8 * d.vw && d.vw % 8 == 0 && d.gv % 8 == 0;
+  const uint32_t vmask = (1u << BITS) - 1;
+  empty_partials(R, DV, m, l, acc);
+  for (int b0 = t0; b0 < t1; b0 += BLOCK) {
+    const int rows = std::min(BLOCK, t1 - b0);
+    const int g0 = b0 / d.G, g1 = (b0 + BLOCK / 2) / d.G;  // the groups of the block's two halves
+    const int nwords = (rows * BITS + 31) / 32;
+    for (int c = 0; c < D; ++c) {
+      const size_t ch = size_t(bh) * D + c;
+      const float s0 = float(in.ks[ch * d.kg + g0]), z0 = float(in.kb[ch * d.kg + g0]);
+      const bool second = rows > BLOCK / 2 && g1 != g0;
+      const float s1 = second ? float(in.ks[ch * d.kg + g1]) : s0, z1 = second ? float(in.kb[ch * d.kg + g1]) : z0;
+      float scl[WB], bia[WB];
+      for (int i = 0; i < WB; ++i) {
+        scl[i] = i < WB / 2 ? s0 : s1;
+        bia[i] = i < WB / 2 ? z0 : z1;
+      }
+      kivi_key_channel<BITS>(in.kc + ch * d.kw + size_t(b0) * BITS / 32, nwords, scl, bia, keys + size_t(c) * BLOCK);
+    }
+    block_scores(q, keys, R, D, sc);
+    softmax_update(sc, R, DV, [rows](int slot) { return (slot % WB) * CPW + slot / WB < rows; }, m, l, acc);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < rows; ++j) wt[size_t(r) * BLOCK + j] = sc[size_t(r) * BLOCK + (j % CPW) * WB + j / CPW];
+    for (int j = 0; j < rows; ++j) {  // each row's values: code * scale + bias of its channel's group
+      const size_t row = size_t(bh) * d.vcap + b0 + j;
+      const uint32_t* v = in.vc + row * d.vw;
+      const mx::float16_t* vsr = in.vs + row * d.vg;
+      const mx::float16_t* vbr = in.vb + row * d.vg;
+      float* u = vals + size_t(j) * DV;
+      if (nibbles) {  // channel 8w + k at slot k * words + w (value_slot), as waterfill's
+        for (int w0 = 0; w0 < d.vw; w0 += 8) {
+          vu8 x;
+          std::memcpy(&x, v + w0, sizeof(x));
+          vf8 gs, gb;
+          for (int i = 0; i < 8; ++i) {
+            gs[i] = float(vsr[8 * (w0 + i) / d.gv]);
+            gb[i] = float(vbr[8 * (w0 + i) / d.gv]);
+          }
+          for (int k = 0; k < 8; ++k) {
+            const vf8 y = __builtin_convertvector(reinterpret_cast<vi8>((x >> (4 * k)) & 15u), vf8) * gs + gb;
+            std::memcpy(u + k * d.vw + w0, &y, sizeof(y));
+          }
+        }
+      } else {  // codes of BITS in {2, 4, 8} never straddle a word
+        for (int c = 0; c < DV; ++c) {
+          const int bit = c * BITS;
+          const float code = float(int32_t((v[bit >> 5] >> (bit & 31)) & vmask));
+          u[c] = code * float(vsr[c / d.gv]) + float(vbr[c / d.gv]);
+        }
+      }
+    }
+    weighted_sum(wt, vals, R, rows, DV, acc);
+  }
+}
+
+class KiviDecode : public mx::Primitive {
+ public:
+  KiviDecode(mx::Stream s, KiviDims d) : mx::Primitive(s), d_(d) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(stream(), inputs, outputs);
+    KiviInputs in{inputs[0].data<float>(),         inputs[1].data<uint32_t>(),      inputs[2].data<mx::float16_t>(),
+                  inputs[3].data<mx::float16_t>(), inputs[4].data<uint32_t>(),      inputs[5].data<mx::float16_t>(),
+                  inputs[6].data<mx::float16_t>()};
+    enc.dispatch([d = d_, in, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
+                  acc = outputs[2].data<float>()]() {
+      auto slot = [&](int c) { return value_slot(c, d.DV, d.gv % 8 == 0 ? d.bits : 0, d.vw); };
+      auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DV, d.n, rows, slot, m, l, acc); };
+      if (d.bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        kivi_rows<2>(d, in, bh, a, b, pm, pl, pa); });
+      else if (d.bits == 4) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        kivi_rows<4>(d, in, bh, a, b, pm, pl, pa); });
+      else go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        kivi_rows<8>(d, in, bh, a, b, pm, pl, pa); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant kivi_decode: CPU only");
+  }
+  const char* name() const override { return "VeloxquantKiviDecode"; }
+
+ private:
+  KiviDims d_;
+};
+
+}  // namespace
+
+std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
+                                   const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
+                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv) {
+  auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
+  check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
+        "ranks");
+  KiviDims d{};
+  d.B = q.shape(0), d.H = q.shape(1), d.R = q.shape(2), d.D = q.shape(3), d.DV = dv;
+  d.kw = k_codes.shape(3), d.kg = k_scales.shape(3), d.vcap = v_codes.shape(2), d.vw = v_codes.shape(3);
+  d.vg = v_scales.shape(3), d.n = n, d.bits = bits, d.G = group, d.gv = value_group;
+  check(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  check(group > 0 && group % 32 == 0 && value_group > 0 && dv % value_group == 0 && (value_group * bits) % 32 == 0,
+        "groups");
+  check(d.D <= MAX_D && dv <= MAX_D && d.R <= MAX_R && d.vw * 32 == dv * bits && d.vg == dv / value_group,
+        "head dims, query heads or value words");
+  check(n >= 0 && n % group == 0 && size_t(n) * bits <= size_t(d.kw) * 32 && n / group <= d.kg && n <= d.vcap,
+        "rows beyond the buffers");
+  check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && k_codes.shape(2) == d.D && v_codes.shape(0) == d.B &&
+            v_codes.shape(1) == d.H && k_scales.shape(2) == d.D && k_biases.shape() == k_scales.shape() &&
+            v_biases.shape() == v_scales.shape() && v_scales.shape(2) == d.vcap,
+        "batch, heads or tables differ");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto c = contiguous_as;
+  std::vector<mx::array> ins{c(q, mx::float32),       c(k_codes, mx::uint32),  c(k_scales, mx::float16),
+                             c(k_biases, mx::float16), c(v_codes, mx::uint32), c(v_scales, mx::float16),
+                             c(v_biases, mx::float16)};
+  mx::Shape ml{d.B, d.H, d.R};
+  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<KiviDecode>(s, d), ins);
+}
+
+}  // namespace veloxquant

@@ -1,0 +1,26 @@
+// The CPU kernels' Python module: each kernel's entry point (defined in its own source) bound with nanobind.
+#include <nanobind/stl/optional.h>
+
+#include "common.h"
+
+using namespace veloxquant;
+
+NB_MODULE(_veloxquant_cpu, m) {
+  m.doc() = "VeloxQuant-MLX CPU kernels (MLX primitives)";
+  m.def("waterfill_decode", &waterfill_decode, nb::arg("q"), nb::arg("k_words"), nb::arg("ktab"), nb::arg("lo"),
+        nb::arg("step"), nb::arg("w"), nb::arg("partner"), nb::arg("sign"), nb::arg("v_words"), nb::arg("v_scales"),
+        nb::arg("poly"), nb::arg("n"), nb::arg("pos0"), nb::arg("vbits"), nb::arg("dv"), nb::arg("rotate"),
+        "Partials (m, l, acc) of waterfill's decode attention over its first n quantized rows.");
+  m.def("kivi_decode", &kivi_decode, nb::arg("q"), nb::arg("k_codes"), nb::arg("k_scales"), nb::arg("k_biases"),
+        nb::arg("v_codes"), nb::arg("v_scales"), nb::arg("v_biases"), nb::arg("n"), nb::arg("bits"), nb::arg("group"),
+        nb::arg("value_group"), nb::arg("dv"),
+        "Partials (m, l, acc) of KIVI's decode attention over its first n rows.");
+  m.def("turboquant_rvq_decode", &turboquant_rvq_decode, nb::arg("q"), nb::arg("k_codes1"), nb::arg("k_codes2").none(),
+        nb::arg("k_norms"), nb::arg("k_c1"), nb::arg("k_sigma"), nb::arg("k_c2").none(), nb::arg("v_codes1"),
+        nb::arg("v_codes2").none(), nb::arg("v_norms"), nb::arg("v_c1"), nb::arg("v_sigma"), nb::arg("v_c2").none(),
+        nb::arg("n"), nb::arg("dv"),
+        "Partials (m, l, acc) of TurboQuant-RVQ's decode attention over its first n quantized rows, for rotated "
+        "scaled queries q (acc in the rotated value domain).");
+  m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
+}
+

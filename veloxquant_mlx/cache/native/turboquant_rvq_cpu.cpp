@@ -1,0 +1,281 @@
+// TurboQuant-RVQ's decode attention over its codes on the CPU, as an MLX primitive (the op path in
+// methods/quantization/turboquant_rvq.py is the reference it is checked against at first use).
+//
+// Keys: a row's score is g_t * sum_s (T1[s, i_ts] + sigma[i_ts] T2[s, j_ts]), T1 and T2 the rotated query's pieces
+// against the stage-1 and stage-2 centroids (tables built per call, small enough for L1). Values: the weights
+// p_t g_t are summed per (piece, centroid) -- a histogram -- and multiplied by the codebooks once at the end, so a
+// stored row's values cost one add per piece and query head instead of a codeword's decoding. A thread's rows take
+// two passes (scores and their max; then exp and the histograms), so the histograms are never rescaled. Returns the
+// partials (m, l, acc) with acc in the rotated domain (the caller turns it back).
+#include "common.h"
+
+namespace veloxquant {
+namespace {
+
+// One side's (keys' or values') codes, norms and codebooks.
+struct Side {
+  const uint32_t* c1;           // [B, H, cap1, w1] packed stage-1 codes
+  const uint32_t* c2;           // [B, H, cap2, w2] packed stage-2 codes, null with one stage
+  const mx::float16_t* norms;   // [B, H, capn]
+  const float *cb1, *sigma, *cb2;  // [K1, sd], [K1], [K2, sd] (cb2 null with one stage)
+  int cap1, cap2, capn, w1, w2, bits1, bits2, sd, S;
+  int k1() const { return 1 << bits1; }
+  int k2() const { return c2 ? 1 << bits2 : 0; }
+};
+
+struct RvqDims {
+  int B, H, R, D, DV, n;
+};
+
+// A row's S codes of `bits` bits from its packed words (one little-endian bit stream; codes may straddle words).
+inline void unpack_row(const uint32_t* __restrict w, int S, int bits, uint8_t* __restrict out) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(w);
+  if (bits == 8) {
+    std::memcpy(out, b, size_t(S));
+  } else if (bits == 4) {  // two codes a byte, low nibble first
+    for (int i = 0; i < S / 2; ++i) {
+      out[2 * i] = b[i] & 15;
+      out[2 * i + 1] = b[i] >> 4;
+    }
+    if (S & 1) out[S - 1] = b[S / 2] & 15;
+  } else {
+    const uint32_t mask = (1u << bits) - 1;
+    for (int s = 0; s < S; ++s) {
+      const int bit = s * bits, sh = bit & 31;
+      uint64_t x = w[bit >> 5];
+      if (sh + bits > 32) x |= uint64_t(w[(bit >> 5) + 1]) << 32;
+      out[s] = uint8_t((x >> sh) & mask);
+    }
+  }
+}
+
+// A block's codes of one side, row-major: i1[j * S + s], i2 likewise; with a second stage sg[j * S + s] = sigma[i1]
+// (the stage-2 scale of the row's cell).
+struct BlockCodes {
+  std::vector<uint8_t> i1, i2;
+  std::vector<float> sg;
+  explicit BlockCodes(int S) : i1(size_t(S) * BLOCK), i2(size_t(S) * BLOCK), sg(size_t(S) * BLOCK) {}
+  void load(const Side& x, int bh, int t0, int rows) {
+    for (int j = 0; j < rows; ++j) {
+      unpack_row(x.c1 + (size_t(bh) * x.cap1 + t0 + j) * x.w1, x.S, x.bits1, &i1[size_t(j) * x.S]);
+      if (x.c2) unpack_row(x.c2 + (size_t(bh) * x.cap2 + t0 + j) * x.w2, x.S, x.bits2, &i2[size_t(j) * x.S]);
+    }
+    if (x.c2)
+      for (int e = 0; e < rows * x.S; ++e) sg[e] = x.sigma[i1[e]];
+  }
+};
+
+// Query heads go four to a vector through the tables and bins (lanes past R are zero).
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int QL = 4;
+
+// The four query heads' pieces s of group g as lanes: qv[e] = q[4g + lane, s * sd + e].
+inline void query_lanes(const float* q, int R, int D, int g, int s, int sd, vf4* qv) {
+  for (int e = 0; e < sd; ++e)
+    for (int lane = 0; lane < QL; ++lane) {
+      const int r = g * QL + lane;
+      qv[e][lane] = r < R ? q[size_t(r) * D + size_t(s) * sd + e] : 0.f;
+    }
+}
+
+// tab[(g * S + s) * K + c] = (q[4g + lane, piece s] . cb[c]) over the lanes, for a codebook cb [K, sd].
+void lookup_table(const float* q, int R, int D, const float* cb, int K, int sd, vf4* tab) {
+  const int S = D / sd, G = (R + QL - 1) / QL;
+  std::vector<vf4> qv(sd);
+  for (int g = 0; g < G; ++g)
+    for (int s = 0; s < S; ++s) {
+      query_lanes(q, R, D, g, s, sd, qv.data());
+      vf4* out = tab + (size_t(g) * S + s) * K;
+      for (int c = 0; c < K; ++c) {
+        vf4 a{};
+        for (int e = 0; e < sd; ++e) a += qv[e] * cb[size_t(c) * sd + e];
+        out[c] = a;
+      }
+    }
+}
+
+// sum_s tab[s * K + code[s]] (each term times scale[s] when SCALED), in four independent sums.
+template <bool SCALED>
+inline vf4 lookup_sum(const vf4* __restrict tab, int K, const uint8_t* __restrict code, const float* scale, int S) {
+  vf4 a0{}, a1{}, a2{}, a3{};
+  auto term = [&](int s) { return SCALED ? scale[s] * tab[s * K + code[s]] : tab[s * K + code[s]]; };
+  int s = 0;
+  for (; s + 4 <= S; s += 4) {
+    a0 += term(s);
+    a1 += term(s + 1);
+    a2 += term(s + 2);
+    a3 += term(s + 3);
+  }
+  for (; s < S; ++s) a0 += term(s);
+  return (a0 + a1) + (a2 + a3);
+}
+
+// The partials of rows [t0, t1) of one (batch row, KV head) into m[R], l[R], acc[R * DV] (rotated domain).
+void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, int bh, int t0, int t1, float* m,
+              float* l, float* acc) {
+  const int R = d.R, G = (R + QL - 1) / QL, len = t1 - t0, K1 = k.k1(), K2 = k.k2(), V1 = v.k1(), V2 = v.k2();
+  empty_partials(R, d.DV, m, l, acc);
+  if (len <= 0) return;
+  const float* qb = q + size_t(bh) * R * d.D;
+  std::vector<vf4> lut1(size_t(G) * k.S * K1), lut2(size_t(G) * k.S * K2);
+  std::vector<float> sc(size_t(G) * QL * len);  // [r, row]: scores, then exp(s - m)
+  lookup_table(qb, R, d.D, k.cb1, K1, k.sd, lut1.data());
+  if (K2) lookup_table(qb, R, d.D, k.cb2, K2, k.sd, lut2.data());
+  BlockCodes kc(k.S), vc(v.S);
+  for (int b0 = t0; b0 < t1; b0 += BLOCK) {  // pass 1: scores g_t sum_s (T1 + sigma T2)
+    const int rows = std::min(BLOCK, t1 - b0);
+    kc.load(k, bh, b0, rows);
+    for (int j = 0; j < rows; ++j) {
+      const size_t e = size_t(j) * k.S;
+      const float gt = float(k.norms[size_t(bh) * k.capn + b0 + j]);
+      for (int g = 0; g < G; ++g) {
+        vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, &kc.i1[e], nullptr, k.S);
+        if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, &kc.i2[e], &kc.sg[e], k.S);
+        a *= gt;
+        for (int lane = 0; lane < QL; ++lane) sc[size_t(g * QL + lane) * len + (b0 - t0 + j)] = a[lane];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // exp(s - m), l
+    float* sr = sc.data() + size_t(r) * len;
+    const float mr = *std::max_element(sr, sr + len);
+    vf sum{};
+    int j = 0;
+    for (; j + VL <= len; j += VL) {
+      const vf e = exp_neg(load(sr + j) - mr);
+      store(sr + j, e);
+      sum += e;
+    }
+    float total = 0.f;
+    for (int c = 0; c < VL; ++c) total += sum[c];
+    for (; j < len; ++j) total += sr[j] = exp_neg(sr[j] - mr);
+    m[r] = mr;
+    l[r] = total;
+  }
+  // pass 2: each row's weights p g_v added to its codes' bins (stage 2's times its cell's sigma)
+  std::vector<vf4> h1(size_t(G) * v.S * V1, vf4{}), h2(size_t(G) * v.S * V2, vf4{});
+  for (int b0 = t0; b0 < t1; b0 += BLOCK) {
+    const int rows = std::min(BLOCK, t1 - b0);
+    vc.load(v, bh, b0, rows);
+    for (int j = 0; j < rows; ++j) {
+      const size_t e = size_t(j) * v.S;
+      const float gt = float(v.norms[size_t(bh) * v.capn + b0 + j]);
+      for (int g = 0; g < G; ++g) {
+        vf4 w{};
+        for (int lane = 0; lane < QL && g * QL + lane < R; ++lane)
+          w[lane] = sc[size_t(g * QL + lane) * len + (b0 - t0 + j)] * gt;
+        vf4* __restrict b1 = h1.data() + size_t(g) * v.S * V1;
+        for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.i1[e + s]] += w;
+        if (!V2) continue;
+        vf4* __restrict b2 = h2.data() + size_t(g) * v.S * V2;
+        for (int s = 0; s < v.S; ++s) b2[s * V2 + vc.i2[e + s]] += w * vc.sg[e + s];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)  // acc[piece s] = bins1 @ cb1 + bins2 @ cb2
+    for (int s = 0; s < v.S; ++s) {
+      float* out = acc + size_t(r) * d.DV + size_t(s) * v.sd;
+      const size_t at = size_t(r / QL) * v.S + s;
+      for (int stage = 0; stage < (V2 ? 2 : 1); ++stage) {
+        const int K = stage ? V2 : V1;
+        const vf4* bins = (stage ? h2.data() : h1.data()) + at * K;
+        const float* cb = stage ? v.cb2 : v.cb1;
+        for (int c = 0; c < K; ++c) {
+          const float w = bins[c][r % QL];
+          for (int e = 0; e < v.sd; ++e) out[e] += w * cb[size_t(c) * v.sd + e];
+        }
+      }
+    }
+}
+
+class RvqDecode : public mx::Primitive {
+ public:
+  RvqDecode(mx::Stream s, RvqDims d, Side k, Side v) : mx::Primitive(s), d_(d), k_(k), v_(v) {}
+
+  // inputs: q, then per side (keys, values): codes1, codes2 (or codes1 again), norms, cb1, sigma, cb2 (or cb1 again)
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(stream(), inputs, outputs);
+    Side k = k_, v = v_;
+    for (int i = 0; i < 2; ++i) {
+      Side& x = i ? v : k;
+      const auto* in = &inputs[1 + 6 * i];
+      x.c1 = in[0].data<uint32_t>();
+      x.c2 = x.bits2 ? in[1].data<uint32_t>() : nullptr;
+      x.norms = in[2].data<mx::float16_t>();
+      x.cb1 = in[3].data<float>();
+      x.sigma = in[4].data<float>();
+      x.cb2 = x.bits2 ? in[5].data<float>() : nullptr;
+    }
+    enc.dispatch([d = d_, k, v, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
+                  l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() {
+      split_and_join(d.B * d.H, d.R, d.DV, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
+        rvq_rows(d, q, k, v, bh, t0, t1, pm, pl, pa);
+      }, [](int c) { return c; }, m, l, acc);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant turboquant_rvq_decode: CPU only");
+  }
+  const char* name() const override { return "VeloxquantTurboQuantRVQDecode"; }
+
+ private:
+  RvqDims d_;
+  Side k_, v_;
+};
+
+void check(bool ok, const char* what) { veloxquant::check(ok, "turboquant_rvq_decode", what); }
+
+// A side's shapes checked against the call's, its arrays appended to ins (stage 2 absent: stage 1's in its place).
+Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, const std::optional<mx::array>& c2,
+          const mx::array& norms, const mx::array& cb1, const mx::array& sigma, const std::optional<mx::array>& cb2,
+          std::vector<mx::array>& ins) {
+  const std::string what = std::string(name) + ": ";
+  auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
+  need(c1.ndim() == 4 && norms.ndim() == 3 && cb1.ndim() == 2 && sigma.ndim() == 1, "ranks");
+  need(c2.has_value() == cb2.has_value(), "stage-2 codes and codebook go together");
+  Side x{};
+  x.sd = cb1.shape(1), x.S = x.sd > 0 && dim % x.sd == 0 ? dim / x.sd : 0;
+  need(x.S > 0 && x.S <= MAX_D, "piece size must divide the head dim");
+  const int K1 = cb1.shape(0);
+  x.bits1 = 0;
+  while ((1 << x.bits1) < K1) ++x.bits1;
+  need((1 << x.bits1) == K1 && x.bits1 >= 1 && x.bits1 <= 8 && sigma.shape(0) == K1, "stage-1 codebook size");
+  x.cap1 = c1.shape(2), x.w1 = c1.shape(3), x.capn = norms.shape(2);
+  need(c1.shape(0) == B && c1.shape(1) == H && norms.shape(0) == B && norms.shape(1) == H, "batch or heads differ");
+  need(x.w1 * 32 >= x.S * x.bits1 && n <= x.cap1 && n <= x.capn, "stage-1 words or rows");
+  if (c2) {
+    const int K2 = cb2->shape(0);
+    while ((1 << x.bits2) < K2) ++x.bits2;
+    need(cb2->ndim() == 2 && (1 << x.bits2) == K2 && x.bits2 >= 1 && x.bits2 <= 8 && cb2->shape(1) == x.sd,
+         "stage-2 codebook");
+    need(c2->ndim() == 4 && c2->shape(0) == B && c2->shape(1) == H && c2->shape(3) * 32 >= x.S * x.bits2 &&
+             n <= c2->shape(2), "stage-2 codes");
+    x.cap2 = c2->shape(2), x.w2 = c2->shape(3);
+  }
+  for (auto [a, t] : {std::pair{c1, mx::uint32}, {c2.value_or(c1), mx::uint32}, {norms, mx::float16},
+                      {cb1, mx::float32}, {sigma, mx::float32}, {cb2.value_or(cb1), mx::float32}})
+    ins.push_back(contiguous_as(a, t));
+  return x;
+}
+
+}  // namespace
+
+std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const std::optional<mx::array>& k2,
+                                             const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
+                                             const std::optional<mx::array>& k_cb2, const mx::array& v1,
+                                             const std::optional<mx::array>& v2, const mx::array& v_norms,
+                                             const mx::array& v_cb1, const mx::array& v_sigma,
+                                             const std::optional<mx::array>& v_cb2, int n, int dv) {
+  check(q.ndim() == 4, "q must be [B, H, R, D]");
+  RvqDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), dv, n};
+  check(d.D <= MAX_D && dv > 0 && dv <= MAX_D && d.R <= MAX_R && n >= 0, "head dims, query heads or rows");
+  std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
+  const Side k = side("keys", d.B, d.H, d.D, n, k1, k2, k_norms, k_cb1, k_sigma, k_cb2, ins);
+  const Side v = side("values", d.B, d.H, dv, n, v1, v2, v_norms, v_cb1, v_sigma, v_cb2, ins);
+  mx::Shape ml{d.B, d.H, d.R};
+  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<RvqDecode>(mx::default_stream(mx::Device::cpu), d, k, v), ins);
+}
+
+}  // namespace veloxquant
