@@ -1,5 +1,6 @@
-"""The CPU kernels (``veloxquant_mlx/cache/native``): waterfill's decode step over its codes in one C++ pass,
-against float64 attention over the rows the cache stores, against the op path, and the partials' own arithmetic;
+"""The CPU kernels (``veloxquant_mlx/cache/native``): waterfill's, KIVI's and TurboQuant-RVQ's decode steps over
+their codes in one C++ pass, against float64 attention over the rows the cache stores, against the op path, and the
+partials' own arithmetic;
 the build's cache and failure handling; the joint softmax's partials form."""
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
+from veloxquant_mlx.cache.options import TurboQuantRVQOptions
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
+from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
 from veloxquant_mlx.cache.window import Partials, joint_attention
@@ -357,3 +360,91 @@ def test_a_partials_part_joins_the_softmax_as_its_scores_would(with_sinks):
     with pytest.raises(ValueError, match="no weights and no array mask"):
         joint_attention(q, [(part, None, ((0, M1),)), exact], mx.ones((N, M1 + M2), dtype=mx.bool_), sinks,
                         M1 + M2, mx.float32)
+
+
+# ------------------------------------------------------------------------------------------- TurboQuant-RVQ
+def _rvq(D, **opts):
+    return KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D, options=TurboQuantRVQOptions(**opts)))
+
+
+@pytest.fixture
+def rvq_calls(monkeypatch):
+    """TurboQuant-RVQ's decode steps that took the CPU kernel."""
+    return _spy_kernel(monkeypatch, TurboQuantRVQKVCache)
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: keys 8 + 4 bits a 4-dim piece, values 8 bits an 8-dim piece
+    (1, 1, 64, {"residual_length": 16}, 90, 30),
+    (2, 5, 32, {"key_sub_dim": 2, "key_codebook_bits": 6, "value_sub_dim": 4, "value_codebook_bits": 10,
+                "residual_length": 8}, 150, 24),  # 6-bit codes straddle words; values in two stages; R in two groups
+    (2, 8, 128, {"key_codebook_bits": 8, "residual_length": 32}, 200, 12),  # keys in one stage
+    (3, 3, 64, {"residual_length": 32}, 2100, 6)])  # a past split over the threads
+def test_rvq_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, opts, prompt, steps, rvq_calls):
+    """TurboQuant-RVQ's decode steps through the CPU kernel (window compactions crossed, sink logits every other
+    step) attend over exactly the rows the cache stores, in float64: one- and two-stage codebooks on either side,
+    codes of 4, 6, 8 bits (straddling words), pieces of 2-8 coordinates, GQA 1-8, head dims 32-128."""
+    c = _rvq(D, **opts)
+    rng = np.random.default_rng(prompt + R)
+    _feed(c, H, R, D, prompt, rng)
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    assert len(rvq_calls) == steps and "turboquant_rvq_cpu" in _common._checked
+
+
+@KERNELS
+def test_rvq_cpu_kernel_and_op_path_give_the_same_steps(rvq_calls, monkeypatch):
+    """Two identical TurboQuant-RVQ caches, one through the kernel and one through the op path, step for step."""
+    _same_steps([_rvq(64), _rvq(64)], 1500, 9, monkeypatch)
+    assert len(rvq_calls) == 40
+
+
+@KERNELS
+@pytest.mark.parametrize("n_rows", [4097, 1000, 63])
+def test_rvq_cpu_kernel_partials_equal_float64_sums_over_the_codes(n_rows, rvq_calls):
+    """The kernel's partials (m, l, acc) of the first ``n`` rows (rotated queries and values) equal float64 sums over
+    the codebooks' decoding of the same codes; n = 0 gives the empty partials."""
+    H, R, D = 1, 3, 64
+    c = _rvq(D, residual_length=16)
+    rng = np.random.default_rng(n_rows)
+    _feed(c, H, R, D, n_rows + 40, rng)
+    n, (kq, vq) = c.n_quant, c._qs()
+    qr = (_rows(rng, H, R, D) * 0.3) @ kq.rot_t
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    keys = f64(kq.decode_rotated(*c._planes("k_", n))) * f64(c.k_norms[:, :, :n])[..., None]
+    vals = f64(vq.decode_rotated(*c._planes("v_", n))) * f64(c.v_norms[:, :, :n])[..., None]
+    s = np.einsum("bhrd,bhnd->bhrn", f64(qr), keys)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    args = (qr, c.k_codes1, c.k_codes2, c.k_norms, kq.cb.c1, kq.cb.sigma, kq.cb.c2, c.v_codes1, None, c.v_norms,
+            vq.cb.c1, vq.cb.sigma, None)
+    m, l, acc = native.module().turboquant_rvq_decode(*args, n, D)  # noqa: E741
+    # a score is a sum of 2 * 16 table entries, each a 4-term dot product: its float32 error scales with
+    spread = np.einsum("bhrd,bhnd->bhrn", np.abs(f64(qr)), np.abs(keys)).max()
+    tol = 8 * D * float(np.finfo(np.float32).eps) * spread + 1e-6
+    np.testing.assert_allclose(np.array(m), s.max(axis=-1), rtol=0, atol=tol)
+    assert _rel(l, p.sum(axis=-1)) < tol and _rel(acc, np.einsum("bhrn,bhnd->bhrd", p, vals)) < tol, tol
+    m0, l0, a0 = native.module().turboquant_rvq_decode(*args, 0, D)
+    assert np.isneginf(np.array(m0)).all() and not np.array(l0).any() and not np.array(a0).any()
+
+
+@KERNELS
+def test_rvq_cpu_kernel_rejects_inconsistent_inputs(rvq_calls):
+    """Codes, codebooks and shapes that do not fit each other are refused when the call is made."""
+    H, R, D = 2, 2, 64
+    c = _rvq(D, residual_length=16)
+    _feed(c, H, R, D, 120, np.random.default_rng(0))
+    kq, vq = c._qs()
+    q = mx.zeros((1, H, R, D))
+    k = [c.k_codes1, c.k_codes2, c.k_norms, kq.cb.c1, kq.cb.sigma, kq.cb.c2]
+    v = [c.v_codes1, None, c.v_norms, vq.cb.c1, vq.cb.sigma, None]
+    f = native.module().turboquant_rvq_decode
+    with pytest.raises(ValueError, match="keys: stage-1 words or rows"):
+        f(q, *k, *v, c.k_codes1.shape[2] + 1, D)
+    with pytest.raises(ValueError, match="batch or heads differ"):
+        f(mx.zeros((1, H + 1, R, D)), *k, *v, 8, D)
+    with pytest.raises(ValueError, match="stage-2 codes and codebook go together"):
+        f(q, *k[:5], None, *v, 8, D)
+    with pytest.raises(ValueError, match="values: piece size must divide the head dim"):
+        f(q, *k, *v, 8, 60)
+    with pytest.raises(ValueError, match="keys: stage-1 codebook size"):
+        f(q, k[0], k[1], k[2], k[3][:200], k[4][:200], k[5], *v, 8, D)

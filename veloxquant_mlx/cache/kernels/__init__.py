@@ -32,7 +32,7 @@ opt-in like the others); ``drop_row`` the one-row drop of TOVA and MorphKV (CUDA
 ``VELOXQUANT_DECODE_KERNELS=0`` in the environment (read at import) turns the kernels off (op path everywhere).
 """
 
-from .. import dispatch
+from .. import dispatch, native
 from ._common import (Merge, checked_call, kernels_enabled, merge_kernel, merge_partials, metal_enabled, split_count,
                       step_counters)
 
@@ -42,8 +42,8 @@ __all__ = ["Merge", "checked_call", "kernels_enabled", "keeps_rows", "merge_kern
 
 def keeps_rows(cache, rows: int) -> bool:
     """Whether a :class:`RowsMemo` keeps the dense rows built for a call of ``rows`` new rows: decode steps
-    (one row) that go to a kernel (dispatch point installed, kernels on, ``attend_path`` "auto"), whose
-    attention never evaluates them. A prefill chunk's dense rows are evaluated by its attention: kept,
-    every layer would hold its dense past until its next append."""
+    (one row) that go to a kernel (dispatch point installed, the CUDA or the CPU kernels on, ``attend_path``
+    "auto"), whose attention never evaluates them. A prefill chunk's dense rows are evaluated by its attention:
+    kept, every layer would hold its dense past until its next append."""
     return (rows == 1 and getattr(cache, "attend_path", "auto") == "auto" and dispatch.installed()
-            and kernels_enabled())
+            and (kernels_enabled() or native.available()))
