@@ -32,12 +32,21 @@ inline void unpack_row(const uint32_t* __restrict w, int S, int bits, uint8_t* _
   const uint8_t* b = reinterpret_cast<const uint8_t*>(w);
   if (bits == 8) {
     std::memcpy(out, b, size_t(S));
-  } else if (bits == 4) {  // two codes a byte, low nibble first
-    for (int i = 0; i < S / 2; ++i) {
-      out[2 * i] = b[i] & 15;
-      out[2 * i + 1] = b[i] >> 4;
+  } else if (bits == 4) {  // two codes a byte, low nibble first: eight bytes at a time as one word
+    int i = 0;
+    for (; 2 * i + 16 <= S; i += 8) {
+      uint64_t x;
+      std::memcpy(&x, b + i, 8);
+      const uint64_t lo = x & 0x0f0f0f0f0f0f0f0full, hi = (x >> 4) & 0x0f0f0f0f0f0f0f0full;
+      for (int k = 0; k < 8; ++k) {
+        out[2 * (i + k)] = uint8_t(lo >> (8 * k));
+        out[2 * (i + k) + 1] = uint8_t(hi >> (8 * k));
+      }
     }
-    if (S & 1) out[S - 1] = b[S / 2] & 15;
+    for (; 2 * i < S; ++i) {
+      out[2 * i] = b[i] & 15;
+      if (2 * i + 1 < S) out[2 * i + 1] = b[i] >> 4;
+    }
   } else {
     const uint32_t mask = (1u << bits) - 1;
     for (int s = 0; s < S; ++s) {
@@ -138,9 +147,17 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
   }
   for (int r = 0; r < R; ++r) {  // exp(s - m), l
     float* sr = sc.data() + size_t(r) * len;
-    const float mr = *std::max_element(sr, sr + len);
-    vf sum{};
+    vf mv = splat(-INFINITY);
     int j = 0;
+    for (; j + VL <= len; j += VL) {
+      const vf x = load(sr + j);
+      mv = x > mv ? x : mv;
+    }
+    float mr = -INFINITY;
+    for (int c = 0; c < VL; ++c) mr = std::max(mr, mv[c]);
+    for (; j < len; ++j) mr = std::max(mr, sr[j]);
+    vf sum{};
+    j = 0;
     for (; j + VL <= len; j += VL) {
       const vf e = exp_neg(load(sr + j) - mr);
       store(sr + j, e);
