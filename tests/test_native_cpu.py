@@ -6,8 +6,13 @@ the build's cache and failure handling; the joint softmax's partials form."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import platform
 import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -334,6 +339,31 @@ def test_the_build_key_follows_the_sources(tmp_path, monkeypatch):
     assert build.build_key() != key
 
 
+@KERNELS
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the targets named are x86-64's")
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, tmp_path):
+    """The kernels' 16-lane vector code built for AVX2 (``x86-64-v3``) and for baseline x86-64 (SSE2: 128-bit vectors,
+    the width of arm64's NEON) -- not only for this machine's own -- passes the kernel-vs-op-path and partials tests
+    (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
+    env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals"], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert run.returncode == 0 and "\n14 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
+    assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
+
+
+def test_a_bad_target_name_is_refused_naming_the_variable(monkeypatch):
+    """``VELOXQUANT_CPU_ARCH`` that is not a compiler target name is refused before any build."""
+    monkeypatch.setenv("VELOXQUANT_CPU_ARCH", "native -fplugin=x")
+    with pytest.raises(build.BuildError, match="VELOXQUANT_CPU_ARCH='native -fplugin=x' is not a compiler target"):
+        build.target_arch()
+    monkeypatch.setenv("VELOXQUANT_CPU_ARCH", "x86-64-v3")
+    assert build.target_arch() == "x86-64-v3"
+
+
 # ------------------------------------------------------------------------------------------- the partials form
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_a_partials_part_joins_the_softmax_as_its_scores_would(with_sinks):
@@ -364,7 +394,8 @@ def test_a_partials_part_joins_the_softmax_as_its_scores_would(with_sinks):
 
 # ------------------------------------------------------------------------------------------- TurboQuant-RVQ
 def _rvq(D, **opts):
-    return KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D, options=TurboQuantRVQOptions(**opts)))
+    options = TurboQuantRVQOptions(**opts)
+    return KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D, options=options))
 
 
 @pytest.fixture

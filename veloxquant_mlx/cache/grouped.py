@@ -403,7 +403,7 @@ class GroupedQuantCache(CompressedKVCache):
                 and self.value_group(dv) % 8 == 0 and max(d, dv) <= 256 and rep <= 32)
 
     def _cpu_part(self, qf, n: int) -> Partials:
-        """The first ``n`` quantized tokens' partials by the CPU kernel (``native/waterfill_cpu.cpp``'s
+        """The first ``n`` quantized tokens' partials by the CPU kernel (``native/kivi_cpu.cpp``'s
         ``kivi_decode``: each block of 64 tokens' codes read once, scored and summed in one pass)."""
         dv = self.res_v.shape[-1]
         m, l, acc = native.module().kivi_decode(  # noqa: E741

@@ -1,7 +1,9 @@
-"""CPU kernels as MLX primitives (C++, ``waterfill_cpu.cpp``): what MLX's ops cannot do fast on a CPU -- read each
-code once and decode it in registers -- for the decode steps of waterfill, whose op path is elementwise passes over
-every stored row (one gather per code, the RoPE turn: docs/RESULTS.md "CPU decode on two streams"), and of KIVI
-(its own layout; the op path is MLX's ``quantized_matmul`` on two streams).
+"""CPU kernels as MLX primitives (C++, one source per kernel beside ``common.h``, bound in ``module.cpp``): what MLX's
+ops cannot do fast on a CPU -- read each code once and decode it in registers -- for the decode steps of waterfill
+(``waterfill_cpu.cpp``; its op path is elementwise passes over every stored row, one gather per code, the RoPE turn:
+docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout; the op path is MLX's
+``quantized_matmul`` on two streams) and TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``; the op path gathers from
+lookup tables and decodes every value codeword).
 
 Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
 then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not

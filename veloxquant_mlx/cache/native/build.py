@@ -1,9 +1,10 @@
-"""Builds the CPU kernels' extension (``waterfill_cpu.cpp``, an MLX primitive bound with nanobind) on first use, into
+"""Builds the CPU kernels' extension (``SOURCES``: MLX primitives bound with nanobind) on first use, into
 the package's cache (``$VELOXQUANT_CACHE/native/<key>``, default ``~/.cache/veloxquant_mlx``) keyed by everything the
 binary depends on, and loads it.
 
 Needs a C++17 compiler, CMake >= 3.24 and nanobind (the ``cpu`` extra: ``pip install 'veloxquant-mlx[cpu]'``). The
-binary is built for the machine that builds it (``-march=native``), so the key includes the CPU's identity; builds
+binary is built for the machine that builds it (``-march=native``; ``VELOXQUANT_CPU_ARCH`` names another target, e.g.
+``x86-64-v3`` for any AVX2 machine), so the key includes the CPU's identity and that setting; builds
 by concurrent processes (test workers) are serialized by a file lock. A failed build leaves a ``failed.txt`` beside
 the key (no retry in later processes: remove the directory to try again)."""
 
@@ -15,6 +16,7 @@ import importlib.machinery
 import importlib.util
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +26,14 @@ from pathlib import Path
 
 MODULE = "_veloxquant_cpu"
 SOURCES = ("common.h", "module.cpp", "waterfill_cpu.cpp", "kivi_cpu.cpp", "turboquant_rvq_cpu.cpp", "CMakeLists.txt")
+
+
+def target_arch() -> str:
+    """The ``-march`` / ``-mcpu`` target: ``VELOXQUANT_CPU_ARCH`` (read at each build), else ``native``."""
+    arch = os.environ.get("VELOXQUANT_CPU_ARCH", "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
+        raise BuildError(f"VELOXQUANT_CPU_ARCH={arch!r} is not a compiler target name (letters, digits, '._+-')")
+    return arch
 _HERE = Path(__file__).resolve().parent
 
 
@@ -50,7 +60,7 @@ def build_key() -> str:
     for name in SOURCES:
         h.update((_HERE / name).read_bytes())
     for part in (mx.__version__, nanobind.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "",
-                 sys.version, platform.machine(), _cpu_identity()):
+                 sys.version, platform.machine(), _cpu_identity(), target_arch()):
         h.update(str(part).encode())
     return h.hexdigest()[:20]
 
@@ -65,7 +75,7 @@ def _cmake() -> str:
 def _build(out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix="build-") as tmp:
         cmd = [_cmake(), "-S", str(_HERE), "-B", tmp, f"-DPython_EXECUTABLE={sys.executable}",
-               "-DCMAKE_BUILD_TYPE=Release", "-DVELOXQUANT_NATIVE_ARCH=ON"]
+               "-DCMAKE_BUILD_TYPE=Release", "-DVELOXQUANT_NATIVE_ARCH=ON", f"-DVELOXQUANT_ARCH={target_arch()}"]
         if shutil.which("ninja"):
             cmd += ["-G", "Ninja"]
         for step in (cmd, [_cmake(), "--build", tmp, "--parallel", str(os.cpu_count() or 1)]):

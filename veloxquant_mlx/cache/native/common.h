@@ -319,11 +319,11 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
 std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv);
-std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const std::optional<mx::array>& k2,
+using opt_array = std::optional<mx::array>;
+std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const opt_array& k2,
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
-                                             const std::optional<mx::array>& k_cb2, const mx::array& v1,
-                                             const std::optional<mx::array>& v2, const mx::array& v_norms,
-                                             const mx::array& v_cb1, const mx::array& v_sigma,
-                                             const std::optional<mx::array>& v_cb2, int n, int dv);
+                                             const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
+                                             const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
+                                             const opt_array& v_cb2, int n, int dv);
 
 }  // namespace veloxquant

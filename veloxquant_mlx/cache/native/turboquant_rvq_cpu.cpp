@@ -244,8 +244,8 @@ class RvqDecode : public mx::Primitive {
 void check(bool ok, const char* what) { veloxquant::check(ok, "turboquant_rvq_decode", what); }
 
 // A side's shapes checked against the call's, its arrays appended to ins (stage 2 absent: stage 1's in its place).
-Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, const std::optional<mx::array>& c2,
-          const mx::array& norms, const mx::array& cb1, const mx::array& sigma, const std::optional<mx::array>& cb2,
+Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, const opt_array& c2,
+          const mx::array& norms, const mx::array& cb1, const mx::array& sigma, const opt_array& cb2,
           std::vector<mx::array>& ins) {
   const std::string what = std::string(name) + ": ";
   auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
@@ -278,12 +278,11 @@ Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, c
 
 }  // namespace
 
-std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const std::optional<mx::array>& k2,
+std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const opt_array& k2,
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
-                                             const std::optional<mx::array>& k_cb2, const mx::array& v1,
-                                             const std::optional<mx::array>& v2, const mx::array& v_norms,
-                                             const mx::array& v_cb1, const mx::array& v_sigma,
-                                             const std::optional<mx::array>& v_cb2, int n, int dv) {
+                                             const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
+                                             const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
+                                             const opt_array& v_cb2, int n, int dv) {
   check(q.ndim() == 4, "q must be [B, H, R, D]");
   RvqDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), dv, n};
   check(d.D <= MAX_D && dv > 0 && dv <= MAX_D && d.R <= MAX_R && n >= 0, "head dims, query heads or rows");

@@ -34,7 +34,9 @@ Deviations from the paper:
    ``NpyDirectoryArtifactStore`` pins them across machines).
 
 Decode attention reads the codes: the op path scores keys by lookup tables; on CUDA a one-row step goes to
-``kernels.turboquant_rvq`` (one launch per layer, checked once against the op path), while the dense rows
+``kernels.turboquant_rvq`` (one launch per layer, checked once against the op path), on the CPU to
+``native/turboquant_rvq_cpu.cpp`` (each row's codes read once: keys by lookup tables, values summed per (piece,
+centroid) and multiplied by the codebooks once; checked likewise), while the dense rows
 ``update_and_fetch`` returns are built lazily and kept between compactions (never evaluated there). A GPU prefill
 chunk attends in the rotated domain (``_rotated_chunk``); on CUDA its codes and rows come from
 ``kernels.turboquant_rvq_rows`` (one launch each).
