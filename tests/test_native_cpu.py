@@ -21,8 +21,10 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.options import TurboQuantRVQOptions
+from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
+from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
@@ -479,3 +481,61 @@ def test_rvq_cpu_kernel_rejects_inconsistent_inputs(rvq_calls):
         f(q, *k, *v, 8, 60)
     with pytest.raises(ValueError, match="keys: stage-1 codebook size"):
         f(q, k[0], k[1], k[2], k[3][:200], k[4][:200], k[5], *v, 8, D)
+
+
+def _codes_of(words, bits, n_sub):
+    return np.array(unpack_bits(words, bits, n_sub))
+
+
+@KERNELS
+@pytest.mark.parametrize("D,sub,bits", [(64, 4, 12), (64, 8, 8), (32, 2, 6), (32, 4, 14), (16, 4, 4)])
+def test_rvq_cpu_encoder_gives_the_op_paths_codes(D, sub, bits):
+    """The CPU encoder's words and norms equal the op path's (``RVQCodebook.encode``, the norms, ``pack_bits``) for
+    one- and two-stage codebooks, codes of 4-8 bits (6-bit codes straddling words), pieces of 2-8 coordinates: the
+    same beam search, so a code may differ only at a rounding tie, where both choices are equally near."""
+    qz = tq._quantizer(D, sub, bits, 0, None)
+    x = mx.array(np.random.default_rng(bits).normal(size=(2, 3, 301, D)).astype(np.float32) * 3)
+    got, want = tq._cpu_encode(qz.cb, x @ qz.rot_t), qz._encoded(x)
+    assert (got[1] is None) == (want[1] is None) and got[0].shape == want[0].shape
+    for g, w, b in zip(got[:2], want[:2], (qz.cb.bits1, qz.cb.bits2)):
+        if w is not None:
+            assert g.dtype == mx.uint32 and (_codes_of(g, b, qz.cb.n_sub) != _codes_of(w, b, qz.cb.n_sub)).mean() < 1e-3
+    assert got[2].dtype == mx.float16
+    np.testing.assert_allclose(np.array(got[2], np.float32), np.array(want[2], np.float32), rtol=1e-3)
+
+
+@KERNELS
+def test_rvq_cache_encodes_through_the_cpu_kernel_and_stores_the_op_paths_codes(monkeypatch):
+    """A prompt and the decode steps' compactions go through the CPU encoder (checked once against the op path) and
+    the cache stores what the op path would: the same codes and norms as a cache with the kernels off."""
+    calls, real = [], tq._cpu_encode
+    monkeypatch.setattr(tq, "_cpu_encode", lambda cb, z: calls.append(z.shape[2]) or real(cb, z))
+    caches = [_rvq(64, residual_length=16), _rvq(64, residual_length=16)]
+    rng = np.random.default_rng(7)
+    rows = [(_rows(rng, 2, n, 64), _rows(rng, 2, n, 64)) for n in (500, *[1] * 40)]
+    for c, on in zip(caches, (True, False)):
+        monkeypatch.setattr(native, "_ENV_ON", on)
+        for k, v in rows:
+            c.update_and_fetch(k, v)
+    assert calls and calls[0] >= 400 and 32 in calls and "turboquant_rvq_encode_cpu" in _common._checked
+    a, b = caches
+    assert a.n_quant == b.n_quant > 500
+    for name in ("k_codes1", "k_codes2", "v_codes1"):
+        same = np.array(getattr(a, name)[:, :, : a.n_quant]) == np.array(getattr(b, name)[:, :, : b.n_quant])
+        assert same.mean() > 0.999, name
+    np.testing.assert_allclose(np.array(a.k_norms[:, :, : a.n_quant], np.float32),
+                               np.array(b.k_norms[:, :, : b.n_quant], np.float32), rtol=1e-3)
+
+
+@KERNELS
+def test_rvq_cpu_encoder_rejects_codebooks_that_do_not_fit():
+    """A piece size that does not divide the row's dim, a codebook that is not a power of two or a stage-2 codebook
+    of another piece size are refused when the call is made."""
+    qz = tq._quantizer(64, 4, 12, 0, None)
+    f, cb = native.module().turboquant_rvq_encode, qz.cb
+    with pytest.raises(ValueError, match="piece size must divide"):
+        f(mx.zeros((3, 62)), cb.c1, cb.sigma, cb.c2, 4)
+    with pytest.raises(ValueError, match="stage-1 codebook size"):
+        f(mx.zeros((3, 64)), cb.c1[:200], cb.sigma[:200], cb.c2, 4)
+    with pytest.raises(ValueError, match="stage-2 codebook"):
+        f(mx.zeros((3, 64)), cb.c1, cb.sigma, mx.zeros((16, 2)), 4)

@@ -263,10 +263,11 @@ def checked_rows(cache, cb, planes, norms, n: int, exact: mx.array, at: int, op_
                         lambda: rotated_rows(cb, planes, norms, n, exact.dtype, exact, at), op_fn)
 
 
-def checked_encode(cache, cb, z: mx.array, op_fn):
-    """:func:`encode_rows`, checked once per process against ``op_fn()`` (the op path's words and norms): the fraction
-    of differing codes plus the norms' relative error must stay below the check's tolerance (a rounding tie changes
-    a code now and then; a layout or selection error changes most)."""
+def checked_encode(cache, cb, z: mx.array, op_fn, kernel=None, name: str = "turboquant_rvq_encode"):
+    """``kernel(cb, z)`` (default :func:`encode_rows`; the CPU's: ``native``), checked once per process against
+    ``op_fn()`` (the op path's words and norms): the fraction of differing codes plus the norms' relative error must
+    stay below the check's tolerance (a rounding tie changes a code now and then; a layout or selection error changes
+    most)."""
 
     def error(got, want):
         off = relative_error(got[2], want[2])
@@ -275,5 +276,5 @@ def checked_encode(cache, cb, z: mx.array, op_fn):
                 off += float((unpack_bits(g, b, cb.n_sub) != unpack_bits(w, b, cb.n_sub)).astype(mx.float32).mean())
         return off
 
-    return checked_call("turboquant_rvq_encode", cache, lambda: encode_rows(cb, z), op_fn, error)
+    return checked_call(name, cache, lambda: (kernel or encode_rows)(cb, z), op_fn, error)
 

@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 MODULE = "_veloxquant_cpu"
-SOURCES = ("common.h", "module.cpp", "waterfill_cpu.cpp", "kivi_cpu.cpp", "turboquant_rvq_cpu.cpp", "CMakeLists.txt")
+SOURCES = ("common.h", "module.cpp", "waterfill_cpu.cpp", "kivi_cpu.cpp", "turboquant_rvq_cpu.cpp",
+           "turboquant_rvq_encode_cpu.cpp", "CMakeLists.txt")
 
 
 def target_arch() -> str:

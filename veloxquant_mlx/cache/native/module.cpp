@@ -21,6 +21,9 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("n"), nb::arg("dv"),
         "Partials (m, l, acc) of TurboQuant-RVQ's decode attention over its first n quantized rows, for rotated "
         "scaled queries q (acc in the rotated value domain).");
+  m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
+        nb::arg("c2").none(), nb::arg("beam"),
+        "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
 

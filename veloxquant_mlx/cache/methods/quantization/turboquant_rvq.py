@@ -61,7 +61,7 @@ from ...kernels import turboquant_rvq as tq_kernel, turboquant_rvq_rows as tq_ro
 from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
-from ...primitives.rvq import RVQCodebook, row_bytes, rvq_codebook, split_bits
+from ...primitives.rvq import BEAM, RVQCodebook, row_bytes, rvq_codebook, split_bits
 from ...attention import on_cpu_streams
 from ...window import QUANT_BLOCK, SINK_ROWS, Partials, ResidualWindowCache  # noqa: F401 (SINK_ROWS re-exported)
 
@@ -120,6 +120,9 @@ class _Quantizer:
         their norm (``|Pi x| = |x|``) and encodes them in one launch (checked once per process against the op path)."""
         if owner is not None and kernels.kernels_enabled() and tq_rows.supported(self.cb):
             return tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x))
+        if owner is not None and native.available():
+            return tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x),
+                                          kernel=_cpu_encode, name="turboquant_rvq_encode_cpu")
         return self._encoded(x)
 
     def _encoded(self, x: mx.array):
@@ -140,6 +143,13 @@ class _Quantizer:
 
 
 _QUANTIZERS: dict[tuple, _Quantizer] = {}
+
+
+def _cpu_encode(cb: RVQCodebook, z: mx.array):
+    """``encode``'s words and norms of rotated rows ``z`` by the CPU kernel (``native/turboquant_rvq_encode_cpu.cpp``:
+    the op path's beam search, 16 centroids a vector, rows over the cores)."""
+    out = native.module().turboquant_rvq_encode(z, cb.c1, cb.sigma, cb.c2, BEAM)
+    return (out[0], out[1], out[2]) if cb.c2 is not None else (out[0], None, out[1])
 
 
 @functools.lru_cache(maxsize=None)
