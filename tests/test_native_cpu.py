@@ -346,13 +346,13 @@ def test_the_build_key_follows_the_sources(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
 def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, tmp_path):
     """The kernels' 16-lane vector code built for AVX2 (``x86-64-v3``) and for baseline x86-64 (SSE2: 128-bit vectors,
-    the width of arm64's NEON) -- not only for this machine's own -- passes the kernel-vs-op-path and partials tests
-    (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
+    the width of arm64's NEON) -- not only for this machine's own -- passes the kernel-vs-op-path, partials and encoder
+    tests (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals"], env=env, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1], timeout=900)
-    assert run.returncode == 0 and "\n14 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    tests = "same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert run.returncode == 0 and "\n19 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 

@@ -40,6 +40,33 @@ struct Transposed {
   }
 };
 
+// The running argmin of values offered 16 lanes at a time (each lane keeps its first smallest; the lowest index of
+// the equal smallest wins at the end, as MLX's argmin): no branch per entry.
+struct ArgMin {
+  vf best = splat(INFINITY);
+  vi at{};
+  void add(vf x, int base) {
+    static_assert(VL == 16, "the lane numbers below");
+    const vi lane = vi{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
+    const vi lt = x < best;
+    best = lt ? x : best;
+    at = lt ? lane : at;
+  }
+  int index() const {  // 0 when nothing was smaller than +inf
+    float m = best[0];
+    for (int l = 1; l < VL; ++l) m = std::min(m, best[l]);
+    int first = INT32_MAX;
+    for (int l = 0; l < VL; ++l) first = best[l] == m && m < INFINITY ? std::min(first, int(at[l])) : first;
+    return first == INT32_MAX ? 0 : first;
+  }
+};
+
+inline int argmin(const float* d, int n) {
+  ArgMin a;
+  for (int k0 = 0; k0 < n; k0 += VL) a.add(load(d + k0), k0);
+  return a.index();
+}
+
 struct EncodeDims {
   int m, dim, sd, S, bits1, bits2, w1, w2, beam;
 };
@@ -55,7 +82,6 @@ void encode_rows(const EncodeDims& d, const float* z, const Transposed& cb1, con
                  const Transposed* cb2, int r0, int r1, uint32_t* p1, uint32_t* p2, mx::float16_t* norms) {
   std::vector<float> y(d.dim), d1(cb1.Kp), d2(cb2 ? cb2->Kp : 0), r(d.sd);
   std::vector<int> cand(d.beam);
-  std::vector<float> cval(d.beam);
   for (int row = r0; row < r1; ++row) {
     const float* zr = z + size_t(row) * d.dim;
     double ss = 0.0;
@@ -71,22 +97,14 @@ void encode_rows(const EncodeDims& d, const float* z, const Transposed& cb1, con
       const float* ys = y.data() + size_t(s) * d.sd;
       cb1.distances(ys, d1.data());
       if (!cb2) {
-        put_code(w1, s, d.bits1, uint32_t(std::min_element(d1.begin(), d1.end()) - d1.begin()));
+        put_code(w1, s, d.bits1, uint32_t(argmin(d1.data(), cb1.Kp)));
         continue;
       }
-      std::fill(cval.begin(), cval.end(), INFINITY);  // the beam nearest stage-1 centroids, in order
-      for (int k = 0; k < cb1.K; ++k) {
-        if (!(d1[k] < cval[d.beam - 1])) continue;
-        int at = d.beam - 1;
-        for (; at > 0 && d1[k] < cval[at - 1]; --at) {
-          cval[at] = cval[at - 1];
-          cand[at] = cand[at - 1];
-        }
-        cval[at] = d1[k];
-        cand[at] = k;
+      for (int b = 0; b < d.beam; ++b) {  // the beam nearest stage-1 centroids, nearest first
+        cand[b] = argmin(d1.data(), cb1.Kp);
+        d1[cand[b]] = INFINITY;
       }
-      float best = INFINITY;
-      int bi = cand[0], bj = 0;
+      ArgMin best;  // over (candidate, stage-2 centroid), flattened as b * Kp + j
       for (int b = 0; b < d.beam; ++b) {
         const int i = cand[b];
         const float sig = sigma[i];
@@ -96,11 +114,9 @@ void encode_rows(const EncodeDims& d, const float* z, const Transposed& cb1, con
           rr += r[e] * r[e];
         }
         cb2->distances(r.data(), d2.data());
-        for (int j = 0; j < cb2->K; ++j) {
-          const float dist = (rr + d2[j]) * (sig * sig);
-          if (dist < best) best = dist, bi = i, bj = j;
-        }
+        for (int k0 = 0; k0 < cb2->Kp; k0 += VL) best.add((rr + load(&d2[k0])) * (sig * sig), b * cb2->Kp + k0);
       }
+      const int flat = best.index(), bi = cand[flat / cb2->Kp], bj = flat % cb2->Kp;
       put_code(w1, s, d.bits1, uint32_t(bi));
       put_code(w2, s, d.bits2, uint32_t(bj));
     }
