@@ -13,3 +13,8 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/cpu_streams_ab.py --context 4096 --roun
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/cpu_streams_ab.py --context 16384 --rounds 4 --method turboquant_rvq
 # The kernels built for other targets (AVX2, baseline x86-64) and their tests run on each:
 python -m pytest -q tests/test_native_cpu.py -k avx2
+# After the CPU encoder (decode_model_4k_encoder.txt):
+python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst --method turboquant_rvq --method kivi:bit_width_inlier=4 --method $W
+# Prefill, 8 layers (prefill_4k.txt; prefill_4k_op_path.txt the kernels off):
+python scripts/prefill_peak.py --layers 8 --contexts 4096 --steps 1024 --methods none,turboquant_rvq --warm
+VELOXQUANT_CPU_KERNELS=0 python scripts/prefill_peak.py --layers 8 --contexts 4096 --steps 1024 --methods none,turboquant_rvq --warm

@@ -3,7 +3,8 @@ ops cannot do fast on a CPU -- read each code once and decode it in registers --
 (``waterfill_cpu.cpp``; its op path is elementwise passes over every stored row, one gather per code, the RoPE turn:
 docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout; the op path is MLX's
 ``quantized_matmul`` on two streams) and TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``; the op path gathers from
-lookup tables and decodes every value codeword).
+lookup tables and decodes every value codeword), and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the
+op path's beam search as vectors, where MLX's ops take ~10 small passes per chunk).
 
 Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
 then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not

@@ -39,7 +39,8 @@ Decode attention reads the codes: the op path scores keys by lookup tables; on C
 centroid) and multiplied by the codebooks once; checked likewise), while the dense rows
 ``update_and_fetch`` returns are built lazily and kept between compactions (never evaluated there). A GPU prefill
 chunk attends in the rotated domain (``_rotated_chunk``); on CUDA its codes and rows come from
-``kernels.turboquant_rvq_rows`` (one launch each).
+``kernels.turboquant_rvq_rows`` (one launch each). On the CPU rows are encoded by
+``native/turboquant_rvq_encode_cpu.cpp`` (the same beam search, checked once against the op path).
 
 ``nbytes`` also counts the shared rotation and codebooks (``constant_nbytes``, with the decode kernel's transposed
 rotation once built) on the first cache of each set (``counts_constants``); ``merge`` builds
