@@ -202,11 +202,16 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 
 @KERNELS
-def test_cpu_kernel_and_op_path_give_the_same_steps(kernel_calls, monkeypatch):
-    """Two identical caches, one decoding through the kernel and one through the op path (``VELOXQUANT_CPU_KERNELS``
-    off), give the same outputs step after step, across compactions."""
-    _same_steps([make_waterfill(rope=_rope("rope", 64), D=64) for _ in range(2)], 700, 5, monkeypatch)
-    assert len(kernel_calls) == 40
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "turboquant_rvq"])
+def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
+    """Two identical caches, one decoding through its CPU kernel and one through its op path
+    (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
+    cls, make, prompt = {"waterfill": (WaterfillKVCache, lambda: make_waterfill(rope=_rope("rope", 64), D=64), 700),
+                         "kivi": (GroupedQuantCache, lambda: _kivi(64), 1500),
+                         "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
+    calls = _spy_kernel(monkeypatch, cls)
+    _same_steps([make(), make()], prompt, len(method), monkeypatch)
+    assert len(calls) == 40
 
 
 @KERNELS
@@ -247,13 +252,6 @@ def test_kivi_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, 
     dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
     _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(kivi_calls) == steps and "kivi_cpu" in _common._checked
-
-
-@KERNELS
-def test_kivi_cpu_kernel_and_op_path_give_the_same_steps(kivi_calls, monkeypatch):
-    """Two identical KIVI caches, one through the kernel and one through the op path, step for step."""
-    _same_steps([_kivi(64), _kivi(64)], 1500, 8, monkeypatch)
-    assert len(kivi_calls) == 40
 
 
 @KERNELS
@@ -423,13 +421,6 @@ def test_rvq_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, o
     _feed(c, H, R, D, prompt, rng)
     _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(rvq_calls) == steps and "turboquant_rvq_cpu" in _common._checked
-
-
-@KERNELS
-def test_rvq_cpu_kernel_and_op_path_give_the_same_steps(rvq_calls, monkeypatch):
-    """Two identical TurboQuant-RVQ caches, one through the kernel and one through the op path, step for step."""
-    _same_steps([_rvq(64), _rvq(64)], 1500, 9, monkeypatch)
-    assert len(rvq_calls) == 40
 
 
 @KERNELS
