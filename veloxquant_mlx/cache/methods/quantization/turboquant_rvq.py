@@ -258,7 +258,7 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         if self._cpu_kernel_ready(queries, keys, mask):
             return kernels.checked_call("turboquant_rvq_cpu", self, lambda: self._attend_part(
                 queries, keys, self._cpu_part, scale=scale, mask=mask, sinks=sinks), op)
-        return op()
+        return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def _cpu_kernel_ready(self, queries, keys, mask) -> bool:
         """A one-row step over codes the CPU kernel (``native/turboquant_rvq_cpu.cpp``) takes: built here, head dims
