@@ -59,6 +59,7 @@ from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...kernels import turboquant_rvq as tq_kernel, turboquant_rvq_rows as tq_rows
+from ...primitives import blocks
 from ...primitives.bitpack import pack_bits, unpack_bits
 from ...primitives.buffers import grow_rows, reserve_rows
 from ...primitives.rotation import random_orthogonal
@@ -122,8 +123,11 @@ class _Quantizer:
         if owner is not None and kernels.kernels_enabled() and tq_rows.supported(self.cb):
             return tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x))
         if owner is not None and native.available():
-            return tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x),
-                                          kernel=_cpu_encode, name="turboquant_rvq_encode_cpu")
+            out = tq_rows.checked_encode(owner, self.cb, x.astype(mx.float32) @ self.rot_t, lambda: self._encoded(x),
+                                         kernel=_cpu_encode, name="turboquant_rvq_encode_cpu")
+            if x.shape[-2] > QUANT_BLOCK:  # a prompt's rows: coded before the layer's attention is queued, as the op
+                blocks.wait_for([a for a in out if a is not None])  # path's blocks are (none left to the chunk's end)
+            return out
         return self._encoded(x)
 
     def _encoded(self, x: mx.array):
