@@ -18,3 +18,9 @@ python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 6 --burst -
 # Prefill, 8 layers (prefill_4k.txt; prefill_4k_op_path.txt the kernels off):
 python scripts/prefill_peak.py --layers 8 --contexts 4096 --steps 1024 --methods none,turboquant_rvq --warm
 VELOXQUANT_CPU_KERNELS=0 python scripts/prefill_peak.py --layers 8 --contexts 4096 --steps 1024 --methods none,turboquant_rvq --warm
+# The bench (bench_2k.json; bench_2k_op_path.json the kernels off), before the encoder's prefill wait:
+veloxquant bench --method turboquant_rvq --context 2048 --repeats 2 --decode-tokens 32 --baselines none --json
+VELOXQUANT_CPU_KERNELS=0 veloxquant bench --method turboquant_rvq --context 2048 --repeats 2 --decode-tokens 32 --baselines none --json
+# One chunk's peak, before / after that wait and with the kernels off (figures in docs/RESULTS.md):
+python scripts/prefill_peak.py --contexts 2048 --steps 2048 --methods none,turboquant_rvq
+VELOXQUANT_CPU_KERNELS=0 python scripts/prefill_peak.py --contexts 2048 --steps 2048 --methods turboquant_rvq
