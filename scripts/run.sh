@@ -6,7 +6,8 @@
 #
 # Steps: (Linux) install OpenBLAS if it is missing (MLX's CPU wheel links a reference BLAS; OpenBLAS
 # makes it ~35x faster); create or reuse the virtualenv .venv (falling back to the current interpreter
-# if a virtualenv cannot be made); pip install -e ".[test]"; run the demo or the tests.
+# if a virtualenv cannot be made); pip install -e ".[test]"; (test, Linux x86_64) install the arm64 cross compiler
+# g++-aarch64-linux-gnu if apt-get can; run the demo or the tests.
 #
 # Environment: PYTHON (interpreter to build .venv from; default: the first python3 >= 3.10 found),
 # VELOXQUANT_VENV (default .venv), VELOXQUANT_REINSTALL=1 (re-run pip even if pyproject.toml is
@@ -152,6 +153,11 @@ demo)
     exec "$PY" -m veloxquant_mlx demo "$@"
     ;;
 test)
+    # The arm64 cross compiler (Linux x86_64 only): tests/test_native_cpu.py then compiles the CPU kernels' sources for
+    # arm64, most users' CPUs (skipped where it cannot be installed)
+    if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && can_apt; then
+        apt_install g++-aarch64-linux-gnu >&2 || note "could not install g++-aarch64-linux-gnu; the arm64 compile test skips"
+    fi
     # On several workers (pytest-xdist, in the test extra): the 2-core build machine ran the suite in 989 s
     # against 1897 s in one process (session 39). Arguments naming -n or -p no:xdist are left to pytest.
     workers=${VELOXQUANT_TEST_WORKERS:-$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)}

@@ -355,6 +355,32 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 
 
+ARM64_COMPILERS = [c for c in (["clang++", "--target=aarch64-linux-gnu", "-mcpu=apple-m1"],
+                                ["aarch64-linux-gnu-g++", "-mcpu=cortex-a76"]) if shutil.which(c[0])]
+
+
+@pytest.mark.skipif(not (HAS_NANOBIND and shutil.which("aarch64-linux-gnu-g++")),
+                    reason="no arm64 cross toolchain here (Debian: apt-get install g++-aarch64-linux-gnu [clang])")
+@pytest.mark.parametrize("compiler", ARM64_COMPILERS, ids=lambda c: c[0])
+@pytest.mark.parametrize("source", [s for s in build.SOURCES if s.endswith(".cpp")])
+def test_kernel_sources_compile_for_arm64_without_warnings(compiler, source, tmp_path):
+    """Most users' CPUs are arm64 (Apple silicon, Graviton): every source of the extension compiles for it (NEON's
+    128-bit vectors; clang as on a Mac, targeting the M1; GCC for Linux) with -Wall and no warning -- compiled only,
+    not run here (the baseline x86-64 build above runs the same vector code at the same width)."""
+    import nanobind
+    import sysconfig
+
+    native_dir = Path(build.__file__).resolve().parent
+    mlx_include = Path(mx.__file__).resolve().parent / "include"
+    includes = [mlx_include, Path(nanobind.include_dir()), Path(nanobind.include_dir()).parent / "ext/robin_map/include",
+                Path(sysconfig.get_paths()["include"])]
+    cmd = [*compiler, "-std=c++20", "-O3", "-fopenmp-simd", "-Wall", "-c", str(native_dir / source), "-o",
+           str(tmp_path / "x.o"), *(f"-I{p}" for p in includes)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "warning" not in run.stderr, run.stderr[-3000:]
+    assert (tmp_path / "x.o").stat().st_size > 0
+
+
 def test_a_bad_target_name_is_refused_naming_the_variable(monkeypatch):
     """``VELOXQUANT_CPU_ARCH`` that is not a compiler target name is refused before any build."""
     monkeypatch.setenv("VELOXQUANT_CPU_ARCH", "native -fplugin=x")
