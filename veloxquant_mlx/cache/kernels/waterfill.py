@@ -238,7 +238,7 @@ _TILE = r"""
         const int r0 = tt0 + g, v0 = tt0 + 2 * t;  // the lane's first key row and first value row
 #define WF_ROW(d) (FULL ? (d) - g : min(tt0 + (d), n - 1) - r0)
 #define WF_VROW(d) (FULL ? (d) : min(v0 + (d), n - 1) - v0)
-        const vq_u32* kb = kw + ((size_t)bh * TK + r0) * WK;
+        const vq_u32* kb = KSTAGE ? wk + g * KSTR : kw + ((size_t)bh * TK + r0) * WK;
         const auto* sb = vs + (size_t)bh * TS + r0;
         const vq_u32* vb = vw + ((size_t)bh * TV + v0) * WV + VPL * g;
         float sc[4][4];
@@ -264,7 +264,7 @@ _TILE = r"""
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
               const int d = 16 * j + g + 8 * x;
-              const int ro = WF_ROW(d) * WK;
+              const int ro = WF_ROW(d) * KROW;
               const vq_u32 xa = VQ_FUNNEL(pa[ro], pj[ro], ash), xb = VQ_FUNNEL(pb[ro], pk[ro], bsh);
               const vq_u32 a01 = wf_deq(xa, as01, ak01, alo01, ast01);
               const vq_u32 a23 = wf_deq(xa >> ac2, as23, ak23, alo23, ast23);
@@ -364,7 +364,19 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
   VQ_SHARED vq_u32 wfd[(D / 4) * 12];       // per run of 4 channels: word, next word, shift, masks, ranges
   VQ_SHARED vq_u32 sbq[NW * KS * 64];       // per warp: the rotated query's B fragments [slice][lane][2]
   VQ_SHARED vq_u32 sp2[NW * 8 * PRS];       // per warp: the tile's weights x row scales, float16 [head][row]
+  // the tile's key words staged in shared memory where the block's 48 KB hold them beside the rest (its arrays above
+  // and below, the fused tail's), rows KSTR words apart: the 8 rows a warp's lanes read at once fall in distinct
+  // banks (a stride that is a multiple of 8 words would put 2-4 rows in one)
+  constexpr int KSTR = WK % 8 == 0 ? WK + 4 : WK;
+  constexpr int REST = 4 * (REP * D + (D / 4) * 12 + NW * KS * 64 + NW * 8 * PRS + NW * REP * (DV + 2) + REP * 32 + 1);
+  constexpr bool KSTAGE = WK <= 16 && REST + 4 * NW * 64 * KSTR + 256 <= 48 * 1024;
+  constexpr int KROW = KSTAGE ? KSTR : WK;
+  VQ_SHARED __align__(16) vq_u32 skw[KSTAGE ? NW * 64 * KSTR : 4];  // per warp: its tile's key words
 """ + BLOCK_SHARED + r"""
+  const int ntiles = (n + 63) / 64;
+  vq_u32* wk = skw + (KSTAGE ? warp * 64 * KSTR : 0);
+  // the warp's first tile: its key words on their way to shared memory, its values into L2, while the block sets up
+  if (s < S && s * NW + warp < ntiles) wf_stage_tile<KSTAGE, WK, KSTR>(wk, kw, vw, vs, bh, TK, TV, TS, WV, s * NW + warp, n, lane);
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   for (int i = VQ_TID; i < NW * KS * 64; i += VQ_NTHREADS) sbq[i] = 0u;
   for (int r = VQ_TID; r < D / 4; r += VQ_NTHREADS) {
@@ -403,9 +415,11 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
     unsigned short* wq16 = (unsigned short*)wq;
     vq_u32* wp = sp2 + warp * 8 * PRS;
     unsigned short* wp16 = (unsigned short*)wp;
-    const int ntiles = (n + 63) / 64;
     for (int ti = s * NW + warp; ti < ntiles; ti += S * NW) {
       const int tt0 = ti * 64;
+      if (ti != s * NW + warp) {  // a later tile: the last one's key words read (the warp synced at its end)
+        wf_stage_tile<KSTAGE, WK, KSTR>(wk, kw, vw, vs, bh, TK, TV, TS, WV, ti, n, lane);
+      }
       // the query rotated to the tile's first position, as the B fragments of its slices (heads g < REP)
       const float P0 = (float)(pos0 + tt0);
 #pragma unroll
@@ -424,6 +438,7 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
           wq16[i0 + HS * 128] = (unsigned short)vq_hbits(q2 * cs - q1 * sn);
         }
       }
+      if (KSTAGE) asm volatile("cp.async.wait_all;\n" ::: "memory");
       VQ_SYNCWARP();
       // the tile's rows, each read from the lane's first row r0: FULL (all below n) at constant offsets, else (the last
       // tile) rows past n read as row n - 1 with weight 0
@@ -442,6 +457,38 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
 # device functions of the tensor-core form
 _MMA_PRELUDE = TENSOR_PRELUDE + r"""
 struct __align__(16) vq_u4 { vq_u32 x, y, z, w; };
+// the 128-byte lines of ``bytes`` bytes from ``p`` into L2, one line a lane
+__device__ __forceinline__ void wf_prefetch(const void* p, size_t bytes, int lane) {
+  const size_t a0 = (size_t)p & ~(size_t)127, end = (size_t)p + bytes;
+  for (size_t a = a0 + 128 * (size_t)lane; a < end; a += 32 * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
+}
+// tile ``ti``'s rows on their way before they are read: with KSTAGE its key words copied into the warp's buffer ``wk``
+// (``cp.async``, every load in flight at once; waited for before the keys are read), else into L2 as its value words
+// and scales. At one tile a warp (long contexts' many splits) the first tile's copies overlap the block's set-up.
+template <bool KSTAGE, int WK_, int KSTR_, typename TS_>
+__device__ __forceinline__ void wf_stage_tile(vq_u32* wk, const vq_u32* kw, const vq_u32* vw, const TS_* vs, int bh,
+                                              int TK, int TV, int TSN, int WV_, int ti, int n, int lane) {
+  const int r0 = ti * 64, rows = min(64, n - r0);
+  const vq_u32* src = kw + ((size_t)bh * TK + r0) * WK_;
+  if (KSTAGE) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(wk);
+    if (WK_ % 4 == 0) {  // 16 bytes a copy (aligned: a row is a multiple of 16 bytes)
+      constexpr int C = WK_ / 4;
+      for (int i = lane; i < rows * C; i += 32)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                     :: "r"(dst + 4 * ((i / C) * KSTR_ + 4 * (i % C))), "l"(src + 4 * i) : "memory");
+    } else {
+      for (int i = lane; i < rows * WK_; i += 32)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
+                     :: "r"(dst + 4 * ((i / WK_) * KSTR_ + i % WK_)), "l"(src + i) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  } else {
+    wf_prefetch(src, (size_t)rows * WK_ * 4, lane);
+  }
+  wf_prefetch(vw + ((size_t)bh * TV + r0) * WV_, (size_t)rows * WV_ * 4, lane);
+  wf_prefetch(vs + (size_t)bh * TSN + r0, (size_t)rows * sizeof(TS_), lane);
+}
 // two key codes of a run (bits 0.. and w0.. of x; ``s01`` = 16 - w0, ``k`` their masks) dequantized as a float16 pair
 __device__ __forceinline__ vq_u32 wf_deq(vq_u32 x, vq_u32 s01, vq_u32 k, vq_u32 lo, vq_u32 st) {
   vq_u32 p, r;
