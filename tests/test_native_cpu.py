@@ -183,6 +183,61 @@ def test_cpu_kernel_rejects_inconsistent_inputs(kernel_calls):
     assert all(np.isnan(np.array(a)).all() for a in out)
 
 
+@KERNELS
+@pytest.mark.parametrize("dtypes,sinks,out", [(("float16", "float16", "float32"), False, "float32"),
+                                              (("bfloat16", "float32", "float16"), True, "float16"),
+                                              (("float32", None, "bfloat16"), True, "bfloat16")])
+def test_joint_finish_equals_float64_attention(dtypes, sinks, out):
+    """A CPU decode step's end (``joint_finish``): the kernel's partials (m, l, acc) over quantized rows joined with
+    up to three groups of exact rows in their own dtypes -- slices of larger buffers read in place -- and the sinks'
+    logits, normalized, in the output dtype: equals one float64 softmax over all the rows, to the rounding of the
+    inputs' and the output's dtypes (bounds from the magnitudes)."""
+    assert native.module() is not None
+    rng = np.random.default_rng(3)
+    B, H, R, D, DV, nq = 2, 3, 3, 64, 48, 40
+    q = rng.standard_normal((B, H, R, D)) / 8
+    kq, vq = rng.standard_normal((B, H, nq, D)), rng.standard_normal((B, H, nq, DV))
+    sq = np.einsum("bhrd,bhtd->bhrt", q, kq)  # the quantized rows' partials, in float64 then float32
+    m = sq.max(-1)
+    p = np.exp(sq - m[..., None])
+    l, acc = p.sum(-1), np.einsum("bhrt,bhtv->bhrv", p, vq)
+    groups, keys, values = [], [kq], [vq]
+    for i, dt in enumerate(dtypes):
+        if dt is None:
+            continue
+        cap, n = 6 + 3 * i, 2 + 2 * i  # the first n rows of a buffer of cap rows: a strided view
+        kb, vb = rng.standard_normal((B, H, cap, D)), rng.standard_normal((B, H, cap, DV))
+        kx, vx = mx.array(kb).astype(getattr(mx, dt)), mx.array(vb).astype(getattr(mx, dt))
+        groups.append((kx[:, :, :n], vx[:, :, :n]))
+        keys.append(np.array(kx[:, :, :n].astype(mx.float32)))  # the reference reads the rounded rows
+        values.append(np.array(vx[:, :, :n].astype(mx.float32)))
+    K, V = np.concatenate(keys, axis=2), np.concatenate(values, axis=2)
+    logits = rng.standard_normal(H * R) if sinks else None
+    s = np.einsum("bhrd,bhtd->bhrt", q, K)
+    if sinks:
+        s = np.concatenate([s, np.broadcast_to(logits.reshape(1, H, R, 1), (B, H, R, 1))], axis=-1)
+        V = np.concatenate([V, np.zeros((B, H, 1, DV))], axis=2)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    ref = (np.einsum("bhrt,bhtv->bhrv", w, V) / w.sum(-1, keepdims=True)).reshape(B, H * R, 1, DV)
+    like = mx.zeros((1,), getattr(mx, out))
+    f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
+    got = native.module().joint_finish(f32(q), f32(m), f32(l), f32(acc), [k for k, _ in groups],
+                                       [v for _, v in groups], [k.shape[2] for k, _ in groups],
+                                       None if logits is None else mx.array(logits.astype(np.float32)), like)
+    assert got.dtype == like.dtype and got.shape == (B, H * R, 1, DV)
+    eps = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}[out]
+    err = np.abs(np.array(got.astype(mx.float32)) - ref)
+    assert err.max() <= (eps + 1e-5) * np.abs(ref).max(), err.max()
+    with pytest.raises(ValueError, match="joint_finish: more rows than a group holds"):
+        native.module().joint_finish(f32(q), f32(m), f32(l), f32(acc), [groups[0][0]], [groups[0][1]], [99], None, like)
+    with pytest.raises(ValueError, match="joint_finish: partials' shapes differ"):
+        native.module().joint_finish(f32(q), f32(m[:1]), f32(l), f32(acc), [groups[0][0]], [groups[0][1]], [1], None,
+                                     like)
+    with pytest.raises(ValueError, match="joint_finish: one sink logit per query head"):
+        native.module().joint_finish(f32(q), f32(m), f32(l), f32(acc), [groups[0][0]], [groups[0][1]], [1],
+                                     mx.zeros((H,)), like)
+
+
 def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
     """Two identical caches fed the same prompt, then ``steps`` decode steps: the first with the CPU kernels on, the
     second off (its op path); their outputs agree to float32 rounding at every step."""

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from . import kernels
+from . import kernels, native
 from .attention import (bool_mask, cpu_cuts, dense_attention, dense_blocks, group_queries, on_cpu_streams,
                         online_softmax_attention, split_on_cpu_streams, tile_ranges, tile_rows, ungroup)
 from .contract import CompressedKVCache
@@ -64,8 +64,13 @@ def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask
     q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]
     qf = q.reshape(B, H, -1, D)
     s0, q0 = call.s0, call.q0
-    ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
     part = quantized_part(qf, q0) if q0 else None
+    if isinstance(part, Partials) and N == 1 and not weights and isinstance(mask, (str, type(None))):
+        # a CPU kernel's step: its exact rows, sinks and normalization in one primitive too (native/joint_finish_cpu)
+        groups = [g for g in (sink, (call.past_k, call.past_v), (call.new_k, call.new_v)) if g and g[0] is not None]
+        return native.module().joint_finish(qf, part.m, part.l, part.acc, [k for k, _ in groups],
+                                            [v for _, v in groups], [k.shape[2] for k, _ in groups], sinks, queries)
+    ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
     parts = [(part, None, ((s0, s0 + q0),)) if isinstance(part, Partials) else (*part, ((s0, s0 + q0),))] if q0 else []
     parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, s0), (s0 + q0, n_keys))))
     return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)

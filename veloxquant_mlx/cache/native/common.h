@@ -325,6 +325,9 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
                                              const opt_array& v_cb2, int n, int dv);
+mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
+                       const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                       const std::vector<int>& rows, const opt_array& sinks, const mx::array& like);
 std::vector<mx::array> turboquant_rvq_encode(const mx::array& z, const mx::array& c1, const mx::array& sigma,
                                              const opt_array& c2, int beam);
 

@@ -24,6 +24,10 @@ NB_MODULE(_veloxquant_cpu, m) {
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");
+  m.def("joint_finish", &joint_finish, nb::arg("q"), nb::arg("m"), nb::arg("l"), nb::arg("acc"), nb::arg("keys"),
+        nb::arg("values"), nb::arg("rows"), nb::arg("sinks").none(), nb::arg("like"),
+        "A decode step's attention output [B, H * R, 1, DV] (like's dtype): the partials (m, l, acc) of scaled "
+        "queries q [B, H, R, D] joined with the first rows[i] of each exact group keys[i] / values[i] and the sinks.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
 

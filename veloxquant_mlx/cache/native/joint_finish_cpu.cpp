@@ -1,0 +1,163 @@
+// The end of a CPU decode step, as one MLX primitive: a kernel's partials over the quantized rows (m, l, acc, acc
+// already in the values' own domain) joined with the exact rows (the sink rows, the window before the call, the
+// call's own row: float16 / bfloat16 / float32 rows read in place, strided views included) and the sinks' logits in
+// one softmax, normalized: the attention output [B, H * R, 1, DV] in the queries' dtype. The op path
+// (window.joint_attention) builds the same from ~25 small MLX ops a layer, whose dispatch cost a 4k-token step about
+// as much as the kernel's own pass over the codes (docs/RESULTS.md).
+#include "common.h"
+
+namespace veloxquant {
+namespace {
+
+struct Rows {  // one group of exact rows: the first n of a [B, H, T, D] array (any strides)
+  const void* ptr;
+  mx::Dtype dtype;
+  int64_t s0, s1, s2, s3;
+  int n;
+};
+
+Rows rows_of(const mx::array& a, int n) {
+  return Rows{a.data<void>(), a.dtype(), a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3], n};
+}
+
+// row t of (b, h) as floats
+void read_row(const Rows& g, int b, int h, int t, int D, float* out) {
+  const int64_t o = b * g.s0 + h * g.s1 + t * g.s2;
+  if (g.dtype == mx::float32) {
+    const float* p = static_cast<const float*>(g.ptr) + o;
+    for (int c = 0; c < D; ++c) out[c] = p[c * g.s3];
+  } else if (g.dtype == mx::float16) {
+    const mx::float16_t* p = static_cast<const mx::float16_t*>(g.ptr) + o;
+    for (int c = 0; c < D; ++c) out[c] = float(p[c * g.s3]);
+  } else {
+    const mx::bfloat16_t* p = static_cast<const mx::bfloat16_t*>(g.ptr) + o;
+    for (int c = 0; c < D; ++c) out[c] = float(p[c * g.s3]);
+  }
+}
+
+void write_out(void* out, mx::Dtype t, size_t i, int DV, const float* v) {
+  if (t == mx::float32) {
+    std::copy(v, v + DV, static_cast<float*>(out) + i);
+  } else if (t == mx::float16) {
+    for (int c = 0; c < DV; ++c) static_cast<mx::float16_t*>(out)[i + c] = mx::float16_t(v[c]);
+  } else {
+    for (int c = 0; c < DV; ++c) static_cast<mx::bfloat16_t*>(out)[i + c] = mx::bfloat16_t(v[c]);
+  }
+}
+
+struct Dims {
+  int B, H, R, D, DV;
+  bool has_sinks;
+};
+
+class JointFinish : public mx::Primitive {
+ public:
+  JointFinish(mx::Stream s, Dims d, std::vector<int> rows) : mx::Primitive(s), d_(d), rows_(std::move(rows)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(stream(), inputs, outputs);
+    const int G = int(rows_.size());
+    std::vector<Rows> keys, values;
+    for (int g = 0; g < G; ++g) {
+      keys.push_back(rows_of(inputs[4 + g], rows_[g]));
+      values.push_back(rows_of(inputs[4 + G + g], rows_[g]));
+    }
+    const float* sinks = d_.has_sinks ? inputs.back().data<float>() : nullptr;
+    enc.dispatch([d = d_, q = inputs[0].data<float>(), m = inputs[1].data<float>(), l = inputs[2].data<float>(),
+                  acc = inputs[3].data<float>(), keys, values, sinks, out = outputs[0].data<void>(),
+                  t = outputs[0].dtype()]() { run(d, q, m, l, acc, keys, values, sinks, out, t); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant joint_finish: CPU only");
+  }
+  const char* name() const override { return "VeloxquantJointFinish"; }
+
+ private:
+  static void run(const Dims& d, const float* q, const float* m, const float* l, const float* acc,
+                  const std::vector<Rows>& keys, const std::vector<Rows>& values, const float* sinks, void* out,
+                  mx::Dtype t) {
+    int E = 0;
+    for (const auto& g : keys) E += g.n;
+    const int BH = d.B * d.H, threads = std::min(BH, pool().size());
+    pool().run(threads, [&](int tid) {
+      std::vector<float> k(size_t(E) * d.D), v(size_t(E) * d.DV), s(E), o(d.DV);
+      for (int bh = tid; bh < BH; bh += threads) {
+        const int b = bh / d.H, h = bh % d.H;
+        int e = 0;
+        for (size_t g = 0; g < keys.size(); ++g)
+          for (int j = 0; j < keys[g].n; ++j, ++e) {
+            read_row(keys[g], b, h, j, d.D, &k[size_t(e) * d.D]);
+            read_row(values[g], b, h, j, d.DV, &v[size_t(e) * d.DV]);
+          }
+        for (int r = 0; r < d.R; ++r) {
+          const size_t i = size_t(bh) * d.R + r;
+          const float* qr = q + i * d.D;
+          float top = m[i];
+          for (int j = 0; j < E; ++j) {
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int c = 0; c < d.D; ++c) dot += qr[c] * k[size_t(j) * d.D + c];
+            s[j] = dot;
+            top = std::max(top, dot);
+          }
+          const float sink = sinks ? sinks[h * d.R + r] : -INFINITY;
+          top = std::max(top, sink);
+          const float wq = m[i] == -INFINITY ? 0.f : std::exp(m[i] - top);
+          float den = wq * l[i] + (sinks ? std::exp(sink - top) : 0.f);
+          for (int c = 0; c < d.DV; ++c) o[c] = wq * acc[i * d.DV + c];
+          for (int j = 0; j < E; ++j) {
+            const float p = std::exp(s[j] - top);
+            den += p;
+#pragma omp simd
+            for (int c = 0; c < d.DV; ++c) o[c] += p * v[size_t(j) * d.DV + c];
+          }
+          for (int c = 0; c < d.DV; ++c) o[c] /= den;
+          write_out(out, t, i * d.DV, d.DV, o.data());  // [B, H * R, 1, DV]: row (b, h * R + r)
+        }
+      }
+    });
+  }
+  Dims d_;
+  std::vector<int> rows_;
+};
+
+void check(bool ok, const char* what) { veloxquant::check(ok, "joint_finish", what); }
+
+bool float_rows(const mx::array& a) {
+  return a.dtype() == mx::float32 || a.dtype() == mx::float16 || a.dtype() == mx::bfloat16;
+}
+
+}  // namespace
+
+mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
+                       const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                       const std::vector<int>& rows, const opt_array& sinks, const mx::array& like) {
+  check(q.ndim() == 4 && m.ndim() == 3 && l.ndim() == 3 && acc.ndim() == 4, "ranks");
+  Dims d{int(q.shape(0)), int(q.shape(1)), int(q.shape(2)), int(q.shape(3)), int(acc.shape(3)), sinks.has_value()};
+  check(m.shape() == mx::Shape({d.B, d.H, d.R}) && l.shape() == m.shape() && acc.shape(0) == d.B &&
+            acc.shape(1) == d.H && acc.shape(2) == d.R,
+        "partials' shapes differ from the queries'");
+  check(d.D <= MAX_D && d.DV <= MAX_D && d.R <= MAX_R, "head dims or query heads too large");
+  check(keys.size() == rows.size() && values.size() == rows.size() && !rows.empty() && rows.size() <= 4,
+        "one row count per group of keys and values (1 to 4 groups)");
+  for (size_t g = 0; g < rows.size(); ++g) {
+    const auto &k = keys[g], &v = values[g];
+    check(k.ndim() == 4 && v.ndim() == 4 && k.shape(0) == d.B && k.shape(1) == d.H && v.shape(0) == d.B &&
+              v.shape(1) == d.H && k.shape(3) == d.D && v.shape(3) == d.DV,
+          "exact rows' shapes differ from the queries'");
+    check(rows[g] >= 0 && rows[g] <= k.shape(2) && rows[g] <= v.shape(2), "more rows than a group holds");
+    check(float_rows(k) && float_rows(v), "exact rows must be float32, float16 or bfloat16");
+  }
+  check(!sinks || sinks->size() == size_t(d.H) * d.R, "one sink logit per query head");
+  check(float_rows(like), "the output dtype must be float32, float16 or bfloat16");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> ins{contiguous_as(q, mx::float32), contiguous_as(m, mx::float32),
+                             contiguous_as(l, mx::float32), contiguous_as(acc, mx::float32)};
+  ins.insert(ins.end(), keys.begin(), keys.end());
+  ins.insert(ins.end(), values.begin(), values.end());
+  if (sinks) ins.push_back(contiguous_as(*sinks, mx::float32));
+  return mx::array({d.B, d.H * d.R, 1, d.DV}, like.dtype(), std::make_shared<JointFinish>(s, d, rows), ins);
+}
+
+}  // namespace veloxquant
