@@ -5,3 +5,5 @@ veloxquant bench --method turboquant_rvq --context 2048 --repeats 2 --decode-tok
 # decode_model_4k.txt with joint_finish, the same minutes (OPENBLAS_THREAD_TIMEOUT=4):
 W="waterfill:bit_width_inlier=4,residual_length=16"
 python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 4 --burst --method turboquant_rvq --method kivi:bit_width_inlier=4 --method $W
+# decode_model_16k.txt (with joint_finish; no before run at 16k):
+python scripts/decode_model_cpu.py --context 16384 --steps 6 --rounds 3 --burst --method turboquant_rvq --method kivi:bit_width_inlier=4 --method $W

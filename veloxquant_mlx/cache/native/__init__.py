@@ -4,7 +4,9 @@ ops cannot do fast on a CPU -- read each code once and decode it in registers --
 docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout; the op path is MLX's
 ``quantized_matmul`` on two streams) and TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``; the op path gathers from
 lookup tables and decodes every value codeword), and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the
-op path's beam search as vectors, where MLX's ops take ~10 small passes per chunk).
+op path's beam search as vectors, where MLX's ops take ~10 small passes per chunk), and the end of those decode steps
+(``joint_finish_cpu.cpp``: the exact rows, the sinks and the normalization joined to a kernel's partials in one
+primitive, where ``window.joint_attention`` takes ~25 small ops a layer).
 
 Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
 then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not
