@@ -535,6 +535,10 @@ _MMA_KERNELS = kernel_variants("vq_waterfill_decode_mma",
                                 ("TV", "int"), ("TS", "int")], _MMA_SOURCE, bounds=(32 * WARPS, 4),
                                prelude=_MMA_PRELUDE)
 TENSOR_CORES = True  # layouts the mma form reads take it on sm_80+ (tests switch it off to compare the forms)
+# The mma form's splits of a long context: past 32k tokens its warps take several tiles each (128k: 4), each block's
+# set-up and partials spread over more rows, its next tiles' copies behind the current one's work (H100, 128k: 152 ->
+# 127 us a layer; at 32k, already 128 splits, no change; docs/RESULTS.md)
+MMA_MAX_SPLITS = 128
 
 
 @functools.cache
@@ -650,7 +654,7 @@ def waterfill_partials(queries, scale: float, k_words, ktab, k_lo, k_step, rope,
                       [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
                        v_scales.shape[2], *scalars],
                       (("D", D), ("WK", k_words.shape[-1]), ("WV", v_words.shape[-1])) + consts, B, H, Hq // H,
-                      split_count(n), dv, merge)
+                      min(split_count(n), MMA_MAX_SPLITS), dv, merge)
     return launch(_KERNELS, counts is not None,
                   [queries, k_words, ktab, k_lo, k_step, *rope[:3], v_words, v_scales, vpoly, *arrays],
                   [int(n), int(pos0), float(scale), ktab.shape[0], k_words.shape[2], v_words.shape[2],
