@@ -58,7 +58,8 @@ class Partials(NamedTuple):
 def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask, sinks, n_keys: int, weights=False):
     """One softmax (``joint_attention``) over ``call``'s keys: the sink rows ``sink`` (K, V or None), ``call.q0``
     quantized rows (``quantized_part(q, n)`` -> (scores, value_fn), or :class:`Partials`: then ``mask`` must be None
-    or a string), then the window before the call and the call's rows (exact rows scored as one group)."""
+    or a string), then the window before the call and the call's rows (exact rows scored as one group). A CPU kernel's
+    one-row step (``Partials``) ends in ``native``'s ``joint_finish``: the same softmax in one primitive."""
     B, Hq, N, D = queries.shape
     H = call.new_k.shape[1]
     q = group_queries(queries, H).astype(mx.float32) * scale  # [B, H, rep, N, D]

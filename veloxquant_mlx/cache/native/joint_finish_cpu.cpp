@@ -74,46 +74,46 @@ class JointFinish : public mx::Primitive {
   const char* name() const override { return "VeloxquantJointFinish"; }
 
  private:
+  // Per (batch row, KV head): the partials copied, each group's rows in blocks of BLOCK through the kernels' own
+  // block scores / online-softmax update / weighted sum (keys read channel-major into the block), the sinks' logits,
+  // the division.
   static void run(const Dims& d, const float* q, const float* m, const float* l, const float* acc,
                   const std::vector<Rows>& keys, const std::vector<Rows>& values, const float* sinks, void* out,
                   mx::Dtype t) {
-    int E = 0;
-    for (const auto& g : keys) E += g.n;
     const int BH = d.B * d.H, threads = std::min(BH, pool().size());
     pool().run(threads, [&](int tid) {
-      std::vector<float> k(size_t(E) * d.D), v(size_t(E) * d.DV), s(E), o(d.DV);
+      std::vector<float> kb(size_t(d.D) * BLOCK), vb(size_t(BLOCK) * d.DV), row(std::max(d.D, d.DV));
+      std::vector<float> sc(size_t(d.R) * BLOCK), pm(d.R), pl(d.R), pa(size_t(d.R) * d.DV);
       for (int bh = tid; bh < BH; bh += threads) {
         const int b = bh / d.H, h = bh % d.H;
-        int e = 0;
+        const size_t i0 = size_t(bh) * d.R;
+        std::copy(m + i0, m + i0 + d.R, pm.begin());
+        std::copy(l + i0, l + i0 + d.R, pl.begin());
+        std::copy(acc + i0 * d.DV, acc + (i0 + d.R) * d.DV, pa.begin());
         for (size_t g = 0; g < keys.size(); ++g)
-          for (int j = 0; j < keys[g].n; ++j, ++e) {
-            read_row(keys[g], b, h, j, d.D, &k[size_t(e) * d.D]);
-            read_row(values[g], b, h, j, d.DV, &v[size_t(e) * d.DV]);
+          for (int t0 = 0; t0 < keys[g].n; t0 += BLOCK) {
+            const int rows = std::min(BLOCK, keys[g].n - t0);
+            std::fill(kb.begin(), kb.end(), 0.f);
+            for (int j = 0; j < rows; ++j) {
+              read_row(keys[g], b, h, t0 + j, d.D, row.data());
+              for (int c = 0; c < d.D; ++c) kb[size_t(c) * BLOCK + j] = row[c];
+              read_row(values[g], b, h, t0 + j, d.DV, &vb[size_t(j) * d.DV]);
+            }
+            block_scores(q + i0 * d.D, kb.data(), d.R, d.D, sc.data());
+            softmax_update(sc.data(), d.R, d.DV, [rows](int j) { return j < rows; }, pm.data(), pl.data(),
+                           pa.data());
+            weighted_sum(sc.data(), vb.data(), d.R, rows, d.DV, pa.data());
           }
         for (int r = 0; r < d.R; ++r) {
-          const size_t i = size_t(bh) * d.R + r;
-          const float* qr = q + i * d.D;
-          float top = m[i];
-          for (int j = 0; j < E; ++j) {
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int c = 0; c < d.D; ++c) dot += qr[c] * k[size_t(j) * d.D + c];
-            s[j] = dot;
-            top = std::max(top, dot);
+          float* a = &pa[size_t(r) * d.DV];
+          float den = pl[r];
+          if (sinks) {  // a sink logit: mass in the denominator, no value
+            const float z = sinks[h * d.R + r], top = std::max(pm[r], z), w = exp_neg(pm[r] - top);
+            den = den * w + exp_neg(z - top);
+            for (int c = 0; c < d.DV; ++c) a[c] *= w;
           }
-          const float sink = sinks ? sinks[h * d.R + r] : -INFINITY;
-          top = std::max(top, sink);
-          const float wq = m[i] == -INFINITY ? 0.f : std::exp(m[i] - top);
-          float den = wq * l[i] + (sinks ? std::exp(sink - top) : 0.f);
-          for (int c = 0; c < d.DV; ++c) o[c] = wq * acc[i * d.DV + c];
-          for (int j = 0; j < E; ++j) {
-            const float p = std::exp(s[j] - top);
-            den += p;
-#pragma omp simd
-            for (int c = 0; c < d.DV; ++c) o[c] += p * v[size_t(j) * d.DV + c];
-          }
-          for (int c = 0; c < d.DV; ++c) o[c] /= den;
-          write_out(out, t, i * d.DV, d.DV, o.data());  // [B, H * R, 1, DV]: row (b, h * R + r)
+          for (int c = 0; c < d.DV; ++c) a[c] /= den;
+          write_out(out, t, (i0 + r) * d.DV, d.DV, a);  // [B, H * R, 1, DV]: row (b, h * R + r)
         }
       }
     });
