@@ -614,6 +614,25 @@ def test_rvq_cpu_encoder_rejects_codebooks_that_do_not_fit():
 
 
 @KERNELS
+def test_rvq_cpu_encoder_waits_for_a_prompts_codes_not_a_compactions(monkeypatch):
+    """The mechanism behind the peak test below, without its allocator timing: the CPU encoder's codes for a prompt
+    (more than a block of rows) are waited for inside ``encode``, those of a decode step's 32-row compaction are not."""
+    from veloxquant_mlx.cache.primitives import blocks
+
+    D = 64
+    c = _rvq(D)
+    waited = []
+    monkeypatch.setattr(blocks, "wait_for", lambda arrays: waited.append([a.shape for a in arrays]))
+    rng = np.random.default_rng(2)
+    kq = c._quantizers(D, D)[0]
+    rows_of = lambda: [w[0][:3] for w in waited if w and len(w[0]) == 4]  # noqa: E731 (codes: [B, H, n, words])
+    kq.encode(_rows(rng, 3, 200, D), owner=c)  # (the first use also runs its check: the op path's own waits)
+    assert rows_of() == [(1, 3, 200)], waited
+    kq.encode(_rows(rng, 3, 32, D), owner=c)
+    assert rows_of() == [(1, 3, 200)], waited
+
+
+@KERNELS
 def test_rvq_cpu_encoder_leaves_no_layer_rows_to_the_chunks_end(monkeypatch):
     """A prompt chunk through 8 layers, evaluated at the chunk's end as mlx_lm does: with the CPU encoder the peak
     memory is no higher than the op path's (each layer's rows are coded before its attention is queued, not held
@@ -637,5 +656,8 @@ def test_rvq_cpu_encoder_leaves_no_layer_rows_to_the_chunks_end(monkeypatch):
         return mx.get_peak_memory() - base
 
     peak(True), peak(False)  # codebooks, checks and the kernels' build out of the way
-    on, off = peak(True), peak(False)
-    assert on <= 1.05 * off, (on, off)
+    # the lowest of three each, alternated: MLX's CPU stream releases a task's inputs when the task ends, so a loaded
+    # machine (other test workers) can lift one chunk's peak by when, not what, it frees
+    runs = [(peak(True), peak(False)) for _ in range(3)]
+    on, off = min(r[0] for r in runs), min(r[1] for r in runs)
+    assert on <= 1.05 * off, runs
