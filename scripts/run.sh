@@ -155,8 +155,10 @@ demo)
 test)
     # The arm64 cross compiler (Linux x86_64 only): tests/test_native_cpu.py then compiles the CPU kernels' sources for
     # arm64, most users' CPUs (skipped where it cannot be installed)
-    if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && can_apt; then
-        apt_install g++-aarch64-linux-gnu >&2 || note "could not install g++-aarch64-linux-gnu; the arm64 compile test skips"
+    if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 &&
+        can_apt; then
+        apt_install g++-aarch64-linux-gnu >&2 ||
+            note "could not install g++-aarch64-linux-gnu; the arm64 compile test skips"
     fi
     # On several workers (pytest-xdist, in the test extra): the 2-core build machine ran the suite in 989 s
     # against 1897 s in one process (session 39). Arguments naming -n or -p no:xdist are left to pytest.

@@ -394,6 +394,29 @@ def test_the_build_key_follows_the_sources(tmp_path, monkeypatch):
     assert build.build_key() != key
 
 
+def test_build_directories_unused_for_30_days_are_pruned(tmp_path):
+    """After a new build, the build directories of other versions / CPUs / targets that no process has loaded for
+    ``STALE_DAYS`` go (with their lock files); recently loaded ones, the new one and a build in progress stay."""
+    import time
+
+    old = time.time() - (build.STALE_DAYS + 1) * 86400
+    dirs = {}
+    for name in ("stale", "recent", "new", "build-inprogress", "empty_stale"):
+        d = tmp_path / name
+        d.mkdir()
+        if name != "empty_stale":
+            (d / f"{build.MODULE}.so").write_bytes(b"x")
+        (tmp_path / f"{name}.lock").write_text("")
+        dirs[name] = d
+    for name in ("stale", "build-inprogress"):
+        os.utime(dirs[name] / f"{build.MODULE}.so", (old, old))
+    os.utime(dirs["empty_stale"], (old, old))
+    removed = build.prune_stale(tmp_path, dirs["new"])
+    assert sorted(p.name for p in removed) == ["empty_stale", "stale"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["build-inprogress", "new", "recent"]
+    assert not (tmp_path / "stale.lock").exists() and (tmp_path / "recent.lock").exists()
+
+
 @KERNELS
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the targets named are x86-64's")
 @pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])

@@ -6,7 +6,8 @@ Needs a C++17 compiler, CMake >= 3.24 and nanobind (the ``cpu`` extra: ``pip ins
 binary is built for the machine that builds it (``-march=native``; ``VELOXQUANT_CPU_ARCH`` names another target, e.g.
 ``x86-64-v3`` for any AVX2 machine), so the key includes the CPU's identity and that setting; builds
 by concurrent processes (test workers) are serialized by a file lock. A failed build leaves a ``failed.txt`` beside
-the key (no retry in later processes: remove the directory to try again)."""
+the key (no retry in later processes: remove the directory to try again). A new build removes the directories no
+process has loaded for ``STALE_DAYS`` (``prune_stale``: one per package version would pile up)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,27 @@ def _build(out_dir: Path) -> Path:
         return target
 
 
+STALE_DAYS = 30  # a build directory no process has loaded for this long is removed after the next new build
+
+
+def prune_stale(native_dir: Path, keep: Path, days: float = STALE_DAYS) -> list[Path]:
+    """Remove the build directories under ``native_dir`` (other package versions, CPUs, targets) whose module no
+    process has loaded for ``days`` (``load`` touches it; a directory without one, older than that), other than
+    ``keep``; returns those removed. Run after a new build, so an upgraded package does not leave one per version."""
+    import time
+
+    cutoff, removed = time.time() - days * 86400, []
+    for d in native_dir.iterdir():
+        if not d.is_dir() or d == keep or d.name.startswith("build-"):
+            continue
+        stamps = [p.stat().st_mtime for p in d.iterdir()] or [d.stat().st_mtime]
+        if max(stamps) < cutoff:
+            shutil.rmtree(d, ignore_errors=True)
+            Path(str(d) + ".lock").unlink(missing_ok=True)
+            removed.append(d)
+    return removed
+
+
 def built_module_path() -> Path:
     """The extension's path for this machine, building it first if needed (raises :class:`BuildError`)."""
     try:
@@ -109,12 +131,15 @@ def built_module_path() -> Path:
             raise BuildError(f"an earlier build here failed (see {failed}; remove {out_dir} to retry)")
         for p in out_dir.iterdir():
             if p.name.startswith(MODULE + ".") and not p.name.endswith(".tmp"):
+                os.utime(p)  # loaded now: not stale (prune_stale)
                 return p
         try:
-            return _build(out_dir)
+            built = _build(out_dir)
         except BuildError as err:
             failed.write_text(str(err))
             raise
+        prune_stale(out_dir.parent, out_dir)
+        return built
 
 
 def load():
