@@ -450,7 +450,8 @@ def test_kernel_sources_compile_for_arm64_without_warnings(compiler, source, tmp
 
     native_dir = Path(build.__file__).resolve().parent
     mlx_include = Path(mx.__file__).resolve().parent / "include"
-    includes = [mlx_include, Path(nanobind.include_dir()), Path(nanobind.include_dir()).parent / "ext/robin_map/include",
+    nb_include = Path(nanobind.include_dir())
+    includes = [mlx_include, nb_include, nb_include.parent / "ext/robin_map/include",
                 Path(sysconfig.get_paths()["include"])]
     cmd = [*compiler, "-std=c++20", "-O3", "-fopenmp-simd", "-Wall", "-c", str(native_dir / source), "-o",
            str(tmp_path / "x.o"), *(f"-I{p}" for p in includes)]

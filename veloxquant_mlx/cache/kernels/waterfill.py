@@ -376,7 +376,8 @@ _MMA_SOURCE = KERNEL_HEAD + r"""
   const int ntiles = (n + 63) / 64;
   vq_u32* wk = skw + (KSTAGE ? warp * 64 * KSTR : 0);
   // the warp's first tile: its key words on their way to shared memory, its values into L2, while the block sets up
-  if (s < S && s * NW + warp < ntiles) wf_stage_tile<KSTAGE, WK, KSTR>(wk, kw, vw, vs, bh, TK, TV, TS, WV, s * NW + warp, n, lane);
+  if (s < S && s * NW + warp < ntiles)
+    wf_stage_tile<KSTAGE, WK, KSTR>(wk, kw, vw, vs, bh, TK, TV, TS, WV, s * NW + warp, n, lane);
   for (int i = VQ_TID; i < REP * D; i += VQ_NTHREADS) sq[i] = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
   for (int i = VQ_TID; i < NW * KS * 64; i += VQ_NTHREADS) sbq[i] = 0u;
   for (int r = VQ_TID; r < D / 4; r += VQ_NTHREADS) {
@@ -462,9 +463,9 @@ __device__ __forceinline__ void wf_prefetch(const void* p, size_t bytes, int lan
   const size_t a0 = (size_t)p & ~(size_t)127, end = (size_t)p + bytes;
   for (size_t a = a0 + 128 * (size_t)lane; a < end; a += 32 * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(a));
 }
-// tile ``ti``'s rows on their way before they are read: with KSTAGE its key words copied into the warp's buffer ``wk``
-// (``cp.async``, every load in flight at once; waited for before the keys are read), else into L2 as its value words
-// and scales. At one tile a warp (long contexts' many splits) the first tile's copies overlap the block's set-up.
+// tile ``ti``'s rows on their way before they are read: its key words copied into the warp's buffer ``wk`` with
+// KSTAGE (``cp.async``, every load in flight at once; waited for before the keys are read), else prefetched into L2,
+// and its value words and scales prefetched into L2. The warp's first tile is staged before the block's set-up.
 template <bool KSTAGE, int WK_, int KSTR_, typename TS_>
 __device__ __forceinline__ void wf_stage_tile(vq_u32* wk, const vq_u32* kw, const vq_u32* vw, const TS_* vs, int bh,
                                               int TK, int TV, int TSN, int WV_, int ti, int n, int lane) {
@@ -535,9 +536,9 @@ _MMA_KERNELS = kernel_variants("vq_waterfill_decode_mma",
                                 ("TV", "int"), ("TS", "int")], _MMA_SOURCE, bounds=(32 * WARPS, 4),
                                prelude=_MMA_PRELUDE)
 TENSOR_CORES = True  # layouts the mma form reads take it on sm_80+ (tests switch it off to compare the forms)
-# The mma form's splits of a long context: past 32k tokens its warps take several tiles each (128k: 4), each block's
-# set-up and partials spread over more rows, its next tiles' copies behind the current one's work (H100, 128k: 152 ->
-# 127 us a layer; at 32k, already 128 splits, no change; docs/RESULTS.md)
+# The mma form's splits of a long context: past 32k tokens its warps take several tiles each (128k: 4), so each
+# block's set-up and partials are spread over more rows (H100, 128k: 152 -> 127 us a layer; at 32k, already 128
+# splits, no change; docs/RESULTS.md)
 MMA_MAX_SPLITS = 128
 
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 MODULE = "_veloxquant_cpu"
@@ -100,8 +101,6 @@ def prune_stale(native_dir: Path, keep: Path, days: float = STALE_DAYS) -> list[
     """Remove the build directories under ``native_dir`` (other package versions, CPUs, targets) whose module no
     process has loaded for ``days`` (``load`` touches it; a directory without one, older than that), other than
     ``keep``; returns those removed. Run after a new build, so an upgraded package does not leave one per version."""
-    import time
-
     cutoff, removed = time.time() - days * 86400, []
     for d in native_dir.iterdir():
         if not d.is_dir() or d == keep or d.name.startswith("build-"):
