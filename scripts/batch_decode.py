@@ -2,13 +2,14 @@
 
     python scripts/batch_decode.py [--shape llama-8b|llama-1b|smollm2] [--batch 8] [--context 4096]
                                    [--steps 32] [--repeats 3] [--methods none,kivi:bit_width_inlier=4]
-                                   [--out FILE.json]
+                                   [--method waterfill:bit_width_inlier=4,residual_length=16 ...] [--out FILE.json]
 
 Each request (lengths ``context - i * context // (4 * batch)``, so they differ) is prefilled alone into its
 own per-layer caches (``none``: mlx_lm's ``KVCache``; otherwise ``KVCacheBuilder.for_model``), the B caches
 of each layer are merged with the class's ``merge`` (``BatchKVCache`` for ``none``, ``KIVIBatchKVCache``
 for ``kivi``), then ``--steps`` greedy-shaped decode steps run on the batch (one ``mx.eval`` per step,
-as mlx_lm's batch generator does). Methods alternate within each repeat; reported: the median per-step
+as mlx_lm's batch generator does). Every batch is built once, then the methods alternate within each repeat
+(``--method`` takes one method with several settings; ``--methods`` a comma-separated list of one setting each); reported: the median per-step
 time over repeats (min..max of the repeat medians), batch tokens/s, its ratio to ``none`` in the same run,
 and the merged caches' measured bytes vs fp16 bytes of the same tokens. Random weights (speed does not
 depend on weight values).
@@ -76,35 +77,37 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default="none,kivi:bit_width_inlier=4")
+    ap.add_argument("--methods", default=None)
+    ap.add_argument("--method", action="append", default=[], help="name:key=value,key=value (repeatable)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     model = random_model(args.shape)
     vocab = model.args.vocab_size
     lengths = [args.context - i * (args.context // (4 * args.batch)) for i in range(args.batch)]
-    methods = [parse_method(m) for m in args.methods.split(",")]
-    medians = {m[0]: [] for m in methods}
-    figures = {}
+    listed = args.methods or ("" if args.method else "none,kivi:bit_width_inlier=4")
+    specs = [m for m in listed.split(",") if m] + args.method
+    if args.method and "none" not in specs:
+        specs.insert(0, "none")
+    methods = [(spec, *parse_method(spec)) for spec in specs]
+    batches = {spec: build_batch(model, name, sets, lengths, vocab) for spec, name, sets in methods}
+    medians = {spec: [] for spec in batches}
+    figures = {spec: {"kv_bytes": sum(c.nbytes for c in batch),
+                      "kv_bytes_fp16": sum(fp16_kv_bytes(model, n) for n in lengths),
+                      "cache": type(batch[0]).__name__} for spec, batch in batches.items()}
     for _ in range(args.repeats):
-        for name, sets in methods:
-            batch = build_batch(model, name, sets, lengths, vocab)
-            medians[name].append(time_steps(model, batch, args.steps, vocab))
-            kv = sum(c.nbytes for c in batch)
-            figures[name] = {"kv_bytes": kv, "kv_bytes_fp16": sum(fp16_kv_bytes(model, n + args.steps) for n in lengths),
-                             "cache": type(batch[0]).__name__}
-            del batch
-            mx.clear_cache()
+        for spec, batch in batches.items():
+            medians[spec].append(time_steps(model, batch, args.steps, vocab))
     base = statistics.median(medians["none"]) if "none" in medians else None
     rows = []
     print(f"{args.shape}, batch {args.batch}, lengths {lengths[-1]}..{lengths[0]}, device {mx.default_device()}")
     print("| method | batch cache | step ms (min..max) | batch tok/s | vs none | kv_bytes / fp16 |")
     print("|---|---|---|---|---|---|")
-    for name, sets in methods:
-        med = statistics.median(medians[name])
-        row = {"method": name, "settings": sets, "step_s": med, "step_s_min": min(medians[name]),
-               "step_s_max": max(medians[name]), "tokens_per_s": args.batch / med,
-               "vs_none": (base / med) if base else None, **figures[name]}
+    for spec, name, sets in methods:
+        med = statistics.median(medians[spec])
+        row = {"method": name, "settings": sets, "step_s": med, "step_s_min": min(medians[spec]),
+               "step_s_max": max(medians[spec]), "tokens_per_s": args.batch / med,
+               "vs_none": (base / med) if base else None, **figures[spec]}
         rows.append(row)
         label = name + "".join(f" {k}={v}" for k, v in sets.items())
         print(f"| {label} | {row['cache']} | {1e3 * med:.1f} ({1e3 * row['step_s_min']:.1f}..{1e3 * row['step_s_max']:.1f}) "

@@ -5,6 +5,7 @@ the build's cache and failure handling; the joint softmax's partials form."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import platform
@@ -267,6 +268,86 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
+
+
+def _batch_of(method):
+    """A ragged batch layer (sequences holding different sink / code / window counts, one with no codes: an
+    uncalibrated waterfill sequence, a short KIVI or turboquant_rvq one), its dims (H, Hq, D)."""
+    from test_turboquant_rvq_batch import _random_singles
+    from test_waterfill_batch import _singles
+
+    mx.random.seed(5)
+    H, Hq, D = 2, 6, 64
+    if method == "waterfill":
+        singles = _singles(H, D, (300, 40, 3, 170), Hq)
+    elif method == "kivi":
+        singles = [KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=4, head_dim=D))
+                   for _ in range(4)]
+        for c, n in zip(singles, (300, 70, 5, 130)):
+            c.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
+    else:
+        singles = _random_singles(H, D, (70, 130, 3, 300))
+    return type(singles[0]).merge(singles), (H, Hq, D)
+
+
+@KERNELS
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "turboquant_rvq"])
+def test_batch_cpu_steps_equal_the_op_path(method, monkeypatch):
+    """A batch form's decode step on the CPU kernels (each sequence's own code slots: ``counts``; its sink rows,
+    window columns and new row: ``joint_finish``'s ``spans``) equals its op path (the batch mask over the dense
+    rows) step after step, ragged counts, window flushes and a sequence without codes included; a mask that is not
+    the batch's own goes to the op path."""
+    assert native.module() is not None
+    on, (H, Hq, D) = _batch_of(method)
+    off = copy.deepcopy(on)
+    taken = []
+    real = type(on)._cpu_step
+    monkeypatch.setattr(type(on), "_cpu_step", lambda c, *a, **k: taken.append(tuple(c.nq)) or real(c, *a, **k))
+    rng = np.random.default_rng(7)
+    for i in range(40):
+        k, v, q = (mx.array(rng.standard_normal((4, h, 1, D)).astype(np.float32)) for h in (H, H, Hq))
+        outs = []
+        for c, kernels_on in ((on, True), (off, False)):
+            monkeypatch.setattr(native, "_ENV_ON", kernels_on)
+            mask = c.make_mask(1)
+            K, V = c.update_and_fetch(k, v)
+            outs.append(dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=mask))
+        assert _rel(outs[0], outs[1]) < 1e-5, i
+        assert on.nq == off.nq and on.lens == off.lens
+    assert len(taken) == 40 and 0 in taken[0] and len(set(taken)) > 1  # one sequence without codes; flushes
+    assert len(set(on.nw if method != "kivi" else on.nr)) > 1  # ragged windows (right-aligned: spans from each
+    # one's own first column)
+    monkeypatch.setattr(native, "_ENV_ON", True)
+    own = on.make_mask(1)
+    K, V = on.update_and_fetch(k, v)
+    extra = mx.array(rng.standard_normal(own.shape) > -1.0) & own  # a caller's mask: not the batch's own
+    dispatch.dispatched_sdpa(q, K, V, cache=on, scale=D**-0.5, mask=extra)
+    assert len(taken) == 40
+
+
+@KERNELS
+def test_kernels_refuse_counts_and_spans_that_do_not_fit():
+    """The batch arguments are checked at the call: a count per batch row within the rows attended (KIVI's a
+    multiple of its group), a span per group and batch row within the group's rows."""
+    mod = native.module()
+    B, H, R, D = 2, 1, 1, 32
+    q = mx.zeros((B, H, R, D))
+    m, l, acc = mx.zeros((B, H, R)), mx.ones((B, H, R)), mx.zeros((B, H, R, D))
+    rows = mx.zeros((B, H, 4, D), dtype=mx.float16)
+    with pytest.raises(ValueError, match="joint_finish: spans: "):
+        mod.joint_finish(q, m, l, acc, [rows], [rows], [4], None, q, spans=[0, 4])
+    with pytest.raises(ValueError, match="joint_finish: a span beyond its group's rows"):
+        mod.joint_finish(q, m, l, acc, [rows], [rows], [4], None, q, spans=[0, 4, 1, 4])
+    got = mod.joint_finish(q + 1, m, l, acc, [rows + 1], [mx.broadcast_to(mx.arange(4.0)[:, None], rows.shape)],
+                           [4], None, q, spans=[0, 4, 3, 1])
+    # batch row 0: the partials (l = 1, acc = 0, m = 0) and 4 rows valued 0..3, all logits 32; row 1: row 3 alone
+    want = np.stack([np.full(D, 6 * np.exp(32.0) / (1 + 4 * np.exp(32.0))), np.full(D, 3 * np.exp(32.0) / (1 + np.exp(32.0)))])
+    assert np.allclose(np.array(got).reshape(B, D), want, rtol=1e-5)
+    with pytest.raises(ValueError, match="kivi_decode: counts: "):
+        mod.kivi_decode(q, mx.zeros((B, H, D, 4), mx.uint32), mx.zeros((B, H, D, 1), mx.float16),
+                        mx.zeros((B, H, D, 1), mx.float16), mx.zeros((B, H, 32, 4), mx.uint32),
+                        mx.zeros((B, H, 32, 1), mx.float16), mx.zeros((B, H, 32, 1), mx.float16), 32, 4, 32, 32, D,
+                        counts=[32, 16])
 
 
 @KERNELS

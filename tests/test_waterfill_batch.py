@@ -234,6 +234,10 @@ def test_nbytes_compressed_and_no_float_copy():
         kernel_tables = sum(a.nbytes for a in wf_kernel.held_constants(c))  # built on CUDA only (its decode kernel)
         counters = c.__dict__.get("_kernel_counters")  # the fused launches' block counters (CUDA only)
         kernel_tables += counters.nbytes if counters is not None else 0
+        cpu_tables = c.__dict__.get("_cpuconst")  # the CPU kernel's (its decode steps here), memoised with k_lo
+        if cpu_tables is not None:
+            assert cpu_tables[0] is c.k_lo
+            kernel_tables += sum(a.nbytes for a in cpu_tables[1:])
         assert c.nbytes == arrays + kernel_tables  # head dim 64: a fast Hadamard, no rotation matrix
         assert c.full_seq_bytes == sum(c.lens) * 2 * (64 + 64) * 2
         # 66 / 256 for the codes, plus windows, sinks, the slots of shorter sequences up to the longest one's

@@ -396,19 +396,23 @@ class GroupedQuantCache(CompressedKVCache):
                 and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
     def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
-        """A decode step the CPU kernel (``native``, KIVI's own layout) takes: kernels built, a string/None mask,
-        ``attend_path`` "auto", 2/4/8-bit codes, groups of 32k tokens, value groups of at least 8 channels."""
-        return (native.available() and self._own_layout() and isinstance(mask, (str, type(None)))
-                and self.attend_path == "auto" and self.qbits in (2, 4, 8) and self.group % 32 == 0
+        """A decode step the CPU kernel (``native``, KIVI's own layout) takes: a string/None mask, ``_cpu_codes_fit``."""
+        return self._own_layout() and isinstance(mask, (str, type(None))) and self._cpu_codes_fit(d, dv, rep)
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Codes the CPU kernel reads: kernels built, ``attend_path`` "auto", 2/4/8-bit codes, groups of 32k tokens,
+        value groups of at least 8 channels, head dims up to 256, up to 32 query heads per KV head."""
+        return (native.available() and self.attend_path == "auto" and self.qbits in (2, 4, 8) and self.group % 32 == 0
                 and self.value_group(dv) % 8 == 0 and max(d, dv) <= 256 and rep <= 32)
 
-    def _cpu_part(self, qf, n: int) -> Partials:
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
         """The first ``n`` quantized tokens' partials by the CPU kernel (``native/kivi_cpu.cpp``'s
-        ``kivi_decode``: each block of 64 tokens' codes read once, scored and summed in one pass)."""
+        ``kivi_decode``: each block of 64 tokens' codes read once, scored and summed in one pass); a batch form's
+        ``counts``: sequence b's first ``counts[b]`` tokens."""
         dv = self.res_v.shape[-1]
         m, l, acc = native.module().kivi_decode(  # noqa: E741
             qf, self.k_codes, self.k_scales, self.k_biases, self.v_codes, self.v_scales, self.v_biases, n,
-            self.qbits, self.group, self.value_group(dv), dv)
+            self.qbits, self.group, self.value_group(dv), dv, counts=list(counts))
         return Partials(m, l, acc)
 
     def _decode_attend(self, queries, *, scale, sinks=None):

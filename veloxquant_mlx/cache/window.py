@@ -69,12 +69,31 @@ def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask
     if isinstance(part, Partials) and N == 1 and not weights and isinstance(mask, (str, type(None))):
         # a CPU kernel's step: its exact rows, sinks and normalization in one primitive too (native/joint_finish_cpu)
         groups = [g for g in (sink, (call.past_k, call.past_v), (call.new_k, call.new_v)) if g and g[0] is not None]
-        return native.module().joint_finish(qf, part.m, part.l, part.acc, [k for k, _ in groups],
-                                            [v for _, v in groups], [k.shape[2] for k, _ in groups], sinks, queries)
+        return finish_partials(queries, qf, part, groups, sinks)
     ek, ev = concat_rows((sink, (call.past_k, call.past_v), (call.new_k, call.new_v)), mx.float32)
     parts = [(part, None, ((s0, s0 + q0),)) if isinstance(part, Partials) else (*part, ((s0, s0 + q0),))] if q0 else []
     parts.append((qf @ ek.swapaxes(-1, -2), lambda p: p @ ev, ((0, s0), (s0 + q0, n_keys))))
     return joint_attention(q, parts, mask, sinks, n_keys, queries.dtype, weights=weights)
+
+
+def finish_partials(queries, qf, part: Partials, groups: list, sinks, spans=None) -> mx.array:
+    """A CPU kernel's one-row step ended in one primitive (``native``'s ``joint_finish``): its partials ``part`` for
+    the scaled grouped queries ``qf`` [B, H, R, D], joined with the exact ``groups`` [(keys, values)] and the sinks;
+    the output [B, Hq, 1, Dv] in ``queries``' dtype. ``spans`` (a batch form's): per group, per sequence, the (start,
+    count) of its rows (its own mask's visibility, so no mask is applied), else every row of each group."""
+    flat = [] if spans is None else [x for per_group in spans for pair in per_group for x in pair]
+    return native.module().joint_finish(qf, part.m, part.l, part.acc, [k for k, _ in groups], [v for _, v in groups],
+                                        [k.shape[2] for k, _ in groups], sinks, queries, spans=flat)
+
+
+def batch_finish(queries, H: int, scale, part, groups: list, sinks) -> mx.array:
+    """A batch form's one-row CPU step: ``part(qf)`` (a CPU kernel's :class:`Partials` over each sequence's own code
+    slots, for the scaled grouped queries ``qf``), then ``groups`` [((keys, values), [(start, count) per sequence])]
+    (groups without rows dropped), joined by ``finish_partials``."""
+    B, Hq, _, D = queries.shape
+    qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H, D)
+    groups = [(g, spans) for g, spans in groups if g[0] is not None and g[0].shape[2]]
+    return finish_partials(queries, qf, part(qf), [g for g, _ in groups], sinks, [spans for _, spans in groups])
 
 
 def split_rows_part(n: int, scores, values, finish=None):

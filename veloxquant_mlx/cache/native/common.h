@@ -253,9 +253,11 @@ inline void empty_partials(int R, int dv, float* m, float* l, float* acc) {
 
 // Each (batch row, KV head)'s rows [0, n) in at most as many ranges as threads (each >= MIN_ROWS_PER_PART rows),
 // rows(bh, t0, t1, m, l, acc) run over the pool, the ranges' partials joined into m, l [BH, R] and acc [BH, R, dv]
-// (acc's channel c read from slot(c) of the ranges' sums).
+// (acc's channel c read from slot(c) of the ranges' sums). With `counts` (a batch form's, one per batch row: bh / H)
+// batch row b's rows are [0, counts[b]) instead, counts[b] <= n; a range past them holds no rows.
 template <class Rows, class Slot>
-void split_and_join(int BH, int R, int dv, int n, Rows rows, Slot slot, float* m, float* l, float* acc) {
+void split_and_join(int BH, int R, int dv, int n, Rows rows, Slot slot, float* m, float* l, float* acc,
+                    const std::vector<int>& counts = {}, int H = 1) {
   const int threads = pool().size();
   // parts making BH * parts a multiple of the threads (3 heads on 2 threads: 6 ranges, not 3), each >= 512 rows
   int parts = std::max(1, std::min(threads / std::gcd(BH, threads), n / MIN_ROWS_PER_PART));
@@ -265,8 +267,12 @@ void split_and_join(int BH, int R, int dv, int n, Rows rows, Slot slot, float* m
   std::vector<float> pm(size_t(items) * R), pl(size_t(items) * R), pa(size_t(items) * R * dv);
   auto work = [&](int tid) {
     for (int it = tid; it < items; it += threads) {
-      const int t0 = (it % parts) * per, t1 = std::min(n, t0 + per);
-      rows(it / parts, t0, t1, &pm[size_t(it) * R], &pl[size_t(it) * R], &pa[size_t(it) * R * dv]);
+      const int bh = it / parts, t0 = (it % parts) * per;
+      const int t1 = std::min(counts.empty() ? n : counts[bh / H], t0 + per);
+      if (t0 < t1)
+        rows(bh, t0, t1, &pm[size_t(it) * R], &pl[size_t(it) * R], &pa[size_t(it) * R * dv]);
+      else
+        empty_partials(R, dv, &pm[size_t(it) * R], &pl[size_t(it) * R], &pa[size_t(it) * R * dv]);
     }
   };
   pool().run(std::min(items, threads), work);
@@ -315,19 +321,21 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
                                         const mx::array& lo, const mx::array& step, const mx::array& w,
                                         const mx::array& partner, const mx::array& sign, const mx::array& v_words,
                                         const mx::array& v_scales, const mx::array& poly, int n, long pos0,
-                                        int vbits, int dv, bool rotate);
+                                        int vbits, int dv, bool rotate, const std::vector<int>& counts);
 std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
-                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv);
+                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
+                                   const std::vector<int>& counts);
 using opt_array = std::optional<mx::array>;
 std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const opt_array& k2,
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
-                                             const opt_array& v_cb2, int n, int dv);
+                                             const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts);
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
-                       const std::vector<int>& rows, const opt_array& sinks, const mx::array& like);
+                       const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,
+                       const std::vector<int>& spans);
 std::vector<mx::array> turboquant_rvq_encode(const mx::array& z, const mx::array& c1, const mx::array& sigma,
                                              const opt_array& c2, int beam);
 

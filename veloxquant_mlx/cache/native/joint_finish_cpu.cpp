@@ -3,7 +3,8 @@
 // call's own row: float16 / bfloat16 / float32 rows read in place, strided views included) and the sinks' logits in
 // one softmax, normalized: the attention output [B, H * R, 1, DV] in the queries' dtype. The op path
 // (window.joint_attention) builds the same from ~25 small MLX ops a layer, whose dispatch cost a 4k-token step about
-// as much as the kernel's own pass over the codes (docs/RESULTS.md).
+// as much as the kernel's own pass over the codes (docs/RESULTS.md). A batch form's rows differ per batch row
+// (left-aligned sinks, a right-aligned window): `spans` gives each group's (start, count) per batch row.
 #include "common.h"
 
 namespace veloxquant {
@@ -52,7 +53,8 @@ struct Dims {
 
 class JointFinish : public mx::Primitive {
  public:
-  JointFinish(mx::Stream s, Dims d, std::vector<int> rows) : mx::Primitive(s), d_(d), rows_(std::move(rows)) {}
+  JointFinish(mx::Stream s, Dims d, std::vector<int> rows, std::vector<int> spans)
+      : mx::Primitive(s), d_(d), rows_(std::move(rows)), spans_(std::move(spans)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
@@ -64,8 +66,8 @@ class JointFinish : public mx::Primitive {
     }
     const float* sinks = d_.has_sinks ? inputs.back().data<float>() : nullptr;
     enc.dispatch([d = d_, q = inputs[0].data<float>(), m = inputs[1].data<float>(), l = inputs[2].data<float>(),
-                  acc = inputs[3].data<float>(), keys, values, sinks, out = outputs[0].data<void>(),
-                  t = outputs[0].dtype()]() { run(d, q, m, l, acc, keys, values, sinks, out, t); });
+                  acc = inputs[3].data<float>(), keys, values, spans = spans_, sinks, out = outputs[0].data<void>(),
+                  t = outputs[0].dtype()]() { run(d, q, m, l, acc, keys, values, spans, sinks, out, t); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -78,8 +80,8 @@ class JointFinish : public mx::Primitive {
   // block scores / online-softmax update / weighted sum (keys read channel-major into the block), the sinks' logits,
   // the division.
   static void run(const Dims& d, const float* q, const float* m, const float* l, const float* acc,
-                  const std::vector<Rows>& keys, const std::vector<Rows>& values, const float* sinks, void* out,
-                  mx::Dtype t) {
+                  const std::vector<Rows>& keys, const std::vector<Rows>& values, const std::vector<int>& spans,
+                  const float* sinks, void* out, mx::Dtype t) {
     const int BH = d.B * d.H, threads = std::min(BH, pool().size());
     pool().run(threads, [&](int tid) {
       std::vector<float> kb(size_t(d.D) * BLOCK), vb(size_t(BLOCK) * d.DV), row(std::max(d.D, d.DV));
@@ -90,20 +92,23 @@ class JointFinish : public mx::Primitive {
         std::copy(m + i0, m + i0 + d.R, pm.begin());
         std::copy(l + i0, l + i0 + d.R, pl.begin());
         std::copy(acc + i0 * d.DV, acc + (i0 + d.R) * d.DV, pa.begin());
-        for (size_t g = 0; g < keys.size(); ++g)
-          for (int t0 = 0; t0 < keys[g].n; t0 += BLOCK) {
-            const int rows = std::min(BLOCK, keys[g].n - t0);
+        for (size_t g = 0; g < keys.size(); ++g) {
+          const size_t sp = 2 * (g * d.B + b);
+          const int first = spans.empty() ? 0 : spans[sp], n = spans.empty() ? keys[g].n : spans[sp + 1];
+          for (int t0 = 0; t0 < n; t0 += BLOCK) {
+            const int rows = std::min(BLOCK, n - t0);
             std::fill(kb.begin(), kb.end(), 0.f);
             for (int j = 0; j < rows; ++j) {
-              read_row(keys[g], b, h, t0 + j, d.D, row.data());
+              read_row(keys[g], b, h, first + t0 + j, d.D, row.data());
               for (int c = 0; c < d.D; ++c) kb[size_t(c) * BLOCK + j] = row[c];
-              read_row(values[g], b, h, t0 + j, d.DV, &vb[size_t(j) * d.DV]);
+              read_row(values[g], b, h, first + t0 + j, d.DV, &vb[size_t(j) * d.DV]);
             }
             block_scores(q + i0 * d.D, kb.data(), d.R, d.D, sc.data());
             softmax_update(sc.data(), d.R, d.DV, [rows](int j) { return j < rows; }, pm.data(), pl.data(),
                            pa.data());
             weighted_sum(sc.data(), vb.data(), d.R, rows, d.DV, pa.data());
           }
+        }
         for (int r = 0; r < d.R; ++r) {
           float* a = &pa[size_t(r) * d.DV];
           float den = pl[r];
@@ -119,7 +124,7 @@ class JointFinish : public mx::Primitive {
     });
   }
   Dims d_;
-  std::vector<int> rows_;
+  std::vector<int> rows_, spans_;
 };
 
 void check(bool ok, const char* what) { veloxquant::check(ok, "joint_finish", what); }
@@ -132,7 +137,8 @@ bool float_rows(const mx::array& a) {
 
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
-                       const std::vector<int>& rows, const opt_array& sinks, const mx::array& like) {
+                       const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,
+                       const std::vector<int>& spans) {
   check(q.ndim() == 4 && m.ndim() == 3 && l.ndim() == 3 && acc.ndim() == 4, "ranks");
   Dims d{int(q.shape(0)), int(q.shape(1)), int(q.shape(2)), int(q.shape(3)), int(acc.shape(3)), sinks.has_value()};
   check(m.shape() == mx::Shape({d.B, d.H, d.R}) && l.shape() == m.shape() && acc.shape(0) == d.B &&
@@ -147,8 +153,14 @@ mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& 
               v.shape(1) == d.H && k.shape(3) == d.D && v.shape(3) == d.DV,
           "exact rows' shapes differ from the queries'");
     check(rows[g] >= 0 && rows[g] <= k.shape(2) && rows[g] <= v.shape(2), "more rows than a group holds");
+    for (int b = 0; b < d.B && !spans.empty() && spans.size() == 2 * rows.size() * d.B; ++b) {
+      const int first = spans[2 * (g * d.B + b)], n = spans[2 * (g * d.B + b) + 1];
+      check(first >= 0 && n >= 0 && first + n <= k.shape(2) && first + n <= v.shape(2),
+            "a span beyond its group's rows");
+    }
     check(float_rows(k) && float_rows(v), "exact rows must be float32, float16 or bfloat16");
   }
+  check(spans.empty() || spans.size() == 2 * rows.size() * d.B, "spans: (start, count) per group and batch row");
   check(!sinks || sinks->size() == size_t(d.H) * d.R, "one sink logit per query head");
   check(float_rows(like), "the output dtype must be float32, float16 or bfloat16");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -157,7 +169,7 @@ mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& 
   ins.insert(ins.end(), keys.begin(), keys.end());
   ins.insert(ins.end(), values.begin(), values.end());
   if (sinks) ins.push_back(contiguous_as(*sinks, mx::float32));
-  return mx::array({d.B, d.H * d.R, 1, d.DV}, like.dtype(), std::make_shared<JointFinish>(s, d, rows), ins);
+  return mx::array({d.B, d.H * d.R, 1, d.DV}, like.dtype(), std::make_shared<JointFinish>(s, d, rows, spans), ins);
 }
 
 }  // namespace veloxquant

@@ -101,17 +101,18 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
 
 class KiviDecode : public mx::Primitive {
  public:
-  KiviDecode(mx::Stream s, KiviDims d) : mx::Primitive(s), d_(d) {}
+  KiviDecode(mx::Stream s, KiviDims d, std::vector<int> counts)
+      : mx::Primitive(s), d_(d), counts_(std::move(counts)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
     KiviInputs in{inputs[0].data<float>(),         inputs[1].data<uint32_t>(),      inputs[2].data<mx::float16_t>(),
                   inputs[3].data<mx::float16_t>(), inputs[4].data<uint32_t>(),      inputs[5].data<mx::float16_t>(),
                   inputs[6].data<mx::float16_t>()};
-    enc.dispatch([d = d_, in, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
+    enc.dispatch([d = d_, in, counts = counts_, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
                   acc = outputs[2].data<float>()]() {
       auto slot = [&](int c) { return value_slot(c, d.DV, d.gv % 8 == 0 ? d.bits : 0, d.vw); };
-      auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DV, d.n, rows, slot, m, l, acc); };
+      auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DV, d.n, rows, slot, m, l, acc, counts, d.H); };
       if (d.bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
         kivi_rows<2>(d, in, bh, a, b, pm, pl, pa); });
       else if (d.bits == 4) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
@@ -128,13 +129,15 @@ class KiviDecode : public mx::Primitive {
 
  private:
   KiviDims d_;
+  std::vector<int> counts_;
 };
 
 }  // namespace
 
 std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
-                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv) {
+                                   const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
+                                   const std::vector<int>& counts) {
   auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
   check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
         "ranks");
@@ -149,6 +152,9 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
         "head dims, query heads or value words");
   check(n >= 0 && n % group == 0 && size_t(n) * bits <= size_t(d.kw) * 32 && n / group <= d.kg && n <= d.vcap,
         "rows beyond the buffers");
+  check(counts.empty() || (int(counts.size()) == d.B && std::all_of(counts.begin(), counts.end(), [&](int c) {
+          return c >= 0 && c <= n && c % group == 0;
+        })), "counts: one per batch row, each a multiple of the group in 0..n");
   check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && k_codes.shape(2) == d.D && v_codes.shape(0) == d.B &&
             v_codes.shape(1) == d.H && k_scales.shape(2) == d.D && k_biases.shape() == k_scales.shape() &&
             v_biases.shape() == v_scales.shape() && v_scales.shape(2) == d.vcap,
@@ -160,7 +166,7 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                              c(v_biases, mx::float16)};
   mx::Shape ml{d.B, d.H, d.R};
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<KiviDecode>(s, d), ins);
+                                std::make_shared<KiviDecode>(s, d, counts), ins);
 }
 
 }  // namespace veloxquant

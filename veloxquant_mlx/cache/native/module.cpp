@@ -10,24 +10,29 @@ NB_MODULE(_veloxquant_cpu, m) {
   m.def("waterfill_decode", &waterfill_decode, nb::arg("q"), nb::arg("k_words"), nb::arg("ktab"), nb::arg("lo"),
         nb::arg("step"), nb::arg("w"), nb::arg("partner"), nb::arg("sign"), nb::arg("v_words"), nb::arg("v_scales"),
         nb::arg("poly"), nb::arg("n"), nb::arg("pos0"), nb::arg("vbits"), nb::arg("dv"), nb::arg("rotate"),
-        "Partials (m, l, acc) of waterfill's decode attention over its first n quantized rows.");
+        nb::arg("counts") = std::vector<int>{},
+        "Partials (m, l, acc) of waterfill's decode attention over its first n quantized rows (counts: batch row "
+        "b's first counts[b] instead).");
   m.def("kivi_decode", &kivi_decode, nb::arg("q"), nb::arg("k_codes"), nb::arg("k_scales"), nb::arg("k_biases"),
         nb::arg("v_codes"), nb::arg("v_scales"), nb::arg("v_biases"), nb::arg("n"), nb::arg("bits"), nb::arg("group"),
-        nb::arg("value_group"), nb::arg("dv"),
-        "Partials (m, l, acc) of KIVI's decode attention over its first n rows.");
+        nb::arg("value_group"), nb::arg("dv"), nb::arg("counts") = std::vector<int>{},
+        "Partials (m, l, acc) of KIVI's decode attention over its first n rows (counts: batch row b's first "
+        "counts[b] instead).");
   m.def("turboquant_rvq_decode", &turboquant_rvq_decode, nb::arg("q"), nb::arg("k_codes1"), nb::arg("k_codes2").none(),
         nb::arg("k_norms"), nb::arg("k_c1"), nb::arg("k_sigma"), nb::arg("k_c2").none(), nb::arg("v_codes1"),
         nb::arg("v_codes2").none(), nb::arg("v_norms"), nb::arg("v_c1"), nb::arg("v_sigma"), nb::arg("v_c2").none(),
-        nb::arg("n"), nb::arg("dv"),
-        "Partials (m, l, acc) of TurboQuant-RVQ's decode attention over its first n quantized rows, for rotated "
-        "scaled queries q (acc in the rotated value domain).");
+        nb::arg("n"), nb::arg("dv"), nb::arg("counts") = std::vector<int>{},
+        "Partials (m, l, acc) of TurboQuant-RVQ's decode attention over its first n quantized rows (counts: batch "
+        "row b's first counts[b] instead), for rotated scaled queries q (acc in the rotated value domain).");
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");
   m.def("joint_finish", &joint_finish, nb::arg("q"), nb::arg("m"), nb::arg("l"), nb::arg("acc"), nb::arg("keys"),
         nb::arg("values"), nb::arg("rows"), nb::arg("sinks").none(), nb::arg("like"),
+        nb::arg("spans") = std::vector<int>{},
         "A decode step's attention output [B, H * R, 1, DV] (like's dtype): the partials (m, l, acc) of scaled "
-        "queries q [B, H, R, D] joined with the first rows[i] of each exact group keys[i] / values[i] and the sinks.");
+        "queries q [B, H, R, D] joined with the first rows[i] of each exact group keys[i] / values[i] and the sinks; "
+        "spans (a batch form's, [groups, B, 2] flat): group i's rows of batch row b are start .. start + count.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
 

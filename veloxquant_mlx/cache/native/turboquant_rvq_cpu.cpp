@@ -207,7 +207,8 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
 
 class RvqDecode : public mx::Primitive {
  public:
-  RvqDecode(mx::Stream s, RvqDims d, Side k, Side v) : mx::Primitive(s), d_(d), k_(k), v_(v) {}
+  RvqDecode(mx::Stream s, RvqDims d, Side k, Side v, std::vector<int> counts)
+      : mx::Primitive(s), d_(d), k_(k), v_(v), counts_(std::move(counts)) {}
 
   // inputs: q, then per side (keys, values): codes1, codes2 (or codes1 again), norms, cb1, sigma, cb2 (or cb1 again)
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -223,11 +224,11 @@ class RvqDecode : public mx::Primitive {
       x.sigma = in[4].data<float>();
       x.cb2 = x.bits2 ? in[5].data<float>() : nullptr;
     }
-    enc.dispatch([d = d_, k, v, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
+    enc.dispatch([d = d_, k, v, counts = counts_, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
                   l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() {
       split_and_join(d.B * d.H, d.R, d.DV, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
         rvq_rows(d, q, k, v, bh, t0, t1, pm, pl, pa);
-      }, [](int c) { return c; }, m, l, acc);
+      }, [](int c) { return c; }, m, l, acc, counts, d.H);
     });
   }
 
@@ -239,6 +240,7 @@ class RvqDecode : public mx::Primitive {
  private:
   RvqDims d_;
   Side k_, v_;
+  std::vector<int> counts_;
 };
 
 void check(bool ok, const char* what) { veloxquant::check(ok, "turboquant_rvq_decode", what); }
@@ -282,16 +284,19 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
-                                             const opt_array& v_cb2, int n, int dv) {
+                                             const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts) {
   check(q.ndim() == 4, "q must be [B, H, R, D]");
   RvqDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), dv, n};
   check(d.D <= MAX_D && dv > 0 && dv <= MAX_D && d.R <= MAX_R && n >= 0, "head dims, query heads or rows");
+  check(counts.empty() || (int(counts.size()) == d.B &&
+                           std::all_of(counts.begin(), counts.end(), [n](int c) { return c >= 0 && c <= n; })),
+        "counts: one per batch row, each in 0..n");
   std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
   const Side k = side("keys", d.B, d.H, d.D, n, k1, k2, k_norms, k_cb1, k_sigma, k_cb2, ins);
   const Side v = side("values", d.B, d.H, dv, n, v1, v2, v_norms, v_cb1, v_sigma, v_cb2, ins);
   mx::Shape ml{d.B, d.H, d.R};
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<RvqDecode>(mx::default_stream(mx::Device::cpu), d, k, v), ins);
+                                std::make_shared<RvqDecode>(mx::default_stream(mx::Device::cpu), d, k, v, counts), ins);
 }
 
 }  // namespace veloxquant

@@ -20,12 +20,13 @@ struct Dims {
   long pos0;                      // position of quantized row 0
   int vbits;
   bool rotate;
+  bool tab_per_row;  // the key table has a row per (batch row, KV head) (a batch form's), not per KV head
 };
 
 struct Inputs {
   const float* q;           // [B, H, R, D], scaled
   const uint32_t* kw;       // [B, H, kcap, wk] words
-  const int32_t* ktab;      // [H, D]: stream bit of the code | width << 16
+  const int32_t* ktab;      // [H, D] or [B * H, D]: stream bit of the code | width << 16
   const float* lo;          // [B, H, D]
   const float* step;        // [B, H, D]
   const float* w;           // [D] angle per position (0: not rotated)
@@ -140,7 +141,7 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
   const float* q = in.q + size_t(bh) * R * D;
   const float* lo = in.lo + size_t(bh) * D;
   const float* st = in.step + size_t(bh) * D;
-  const int32_t* tab = in.ktab + size_t(h) * D;
+  const int32_t* tab = in.ktab + size_t(d.tab_per_row ? bh : h) * D;
   const uint32_t* kw = in.kw + size_t(bh) * d.kcap * d.wk;
   const uint8_t* vw = in.vw + size_t(bh) * d.vcap * d.wv * 4;
   const mx::float16_t* vs = in.vs + size_t(bh) * d.scap;
@@ -213,7 +214,8 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
 
 class WaterfillDecode : public mx::Primitive {
  public:
-  WaterfillDecode(mx::Stream s, Dims d) : mx::Primitive(s), d_(d) {}
+  WaterfillDecode(mx::Stream s, Dims d, std::vector<int> counts)
+      : mx::Primitive(s), d_(d), counts_(std::move(counts)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
@@ -221,8 +223,8 @@ class WaterfillDecode : public mx::Primitive {
               inputs[3].data<float>(),   inputs[4].data<float>(),   inputs[5].data<float>(),
               inputs[6].data<int32_t>(), inputs[7].data<float>(),   inputs[8].data<uint8_t>(),
               inputs[9].data<mx::float16_t>(), inputs[10].data<float>()};
-    enc.dispatch([d = d_, in, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
-                  acc = outputs[2].data<float>()]() { run(d, in, m, l, acc); });
+    enc.dispatch([d = d_, in, counts = counts_, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
+                  acc = outputs[2].data<float>()]() { run(d, in, counts, m, l, acc); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -231,7 +233,7 @@ class WaterfillDecode : public mx::Primitive {
   const char* name() const override { return "VeloxquantWaterfillDecode"; }
 
  private:
-  static void run(const Dims& d, const Inputs& in, float* m, float* l, float* acc) {
+  static void run(const Dims& d, const Inputs& in, const std::vector<int>& counts, float* m, float* l, float* acc) {
     const TurnTable tt(in, d.D, d.rotate);
     const int BH = d.B * d.H;
     if (!tt.ok) {
@@ -242,9 +244,10 @@ class WaterfillDecode : public mx::Primitive {
     }
     split_and_join(BH, d.R, d.DV, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
       attend_rows(d, in, tt, bh, t0, t1, pm, pl, pa);
-    }, [&](int c) { return value_slot(c, d.DV, d.vbits, d.wv); }, m, l, acc);
+    }, [&](int c) { return value_slot(c, d.DV, d.vbits, d.wv); }, m, l, acc, counts, d.H);
   }
   Dims d_;
+  std::vector<int> counts_;
 };
 
 void check(bool ok, const char* what) { veloxquant::check(ok, "waterfill_decode", what); }
@@ -255,7 +258,7 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
                                         const mx::array& lo, const mx::array& step, const mx::array& w,
                                         const mx::array& partner, const mx::array& sign, const mx::array& v_words,
                                         const mx::array& v_scales, const mx::array& poly, int n, long pos0,
-                                        int vbits, int dv, bool rotate) {
+                                        int vbits, int dv, bool rotate, const std::vector<int>& counts) {
   check(q.ndim() == 4 && k_words.ndim() == 4 && v_words.ndim() == 4 && v_scales.ndim() == 3, "ranks");
   Dims d{};
   d.B = q.shape(0), d.H = q.shape(1), d.R = q.shape(2), d.D = q.shape(3);
@@ -266,9 +269,13 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
   check(vbits >= 1 && vbits <= 8 && dv > 0 && dv <= MAX_D && dv * vbits <= d.wv * 32 && (vbits != 4 || dv % 2 == 0),
         "value width or dim");
   check(n >= 0 && n <= d.kcap && n <= d.vcap && n <= d.scap, "rows beyond the buffers");
+  check(counts.empty() || (int(counts.size()) == d.B &&
+                           std::all_of(counts.begin(), counts.end(), [n](int c) { return c >= 0 && c <= n; })),
+        "counts: one per batch row, each in 0..n");
   check(k_words.shape(0) == d.B && k_words.shape(1) == d.H && v_words.shape(0) == d.B && v_words.shape(1) == d.H,
         "batch or heads differ");
-  check(ktab.shape(0) == d.H && ktab.shape(1) == d.D && lo.size() == size_t(d.B * d.H * d.D) &&
+  d.tab_per_row = ktab.ndim() == 2 && ktab.shape(0) == d.B * d.H && d.B > 1;
+  check(ktab.ndim() == 2 && (ktab.shape(0) == d.H || d.tab_per_row) && ktab.shape(1) == d.D && lo.size() == size_t(d.B * d.H * d.D) &&
             step.size() == lo.size() && w.size() == size_t(d.D) && partner.size() == w.size() &&
             sign.size() == w.size() && poly.size() == 3,
         "table shapes");
@@ -280,7 +287,7 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
                              c(v_scales, mx::float16), c(poly, mx::float32)};
   mx::Shape ml{d.B, d.H, d.R};
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DV}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<WaterfillDecode>(s, d), ins);
+                                std::make_shared<WaterfillDecode>(s, d, counts), ins);
 }
 
 }  // namespace veloxquant

@@ -10,7 +10,7 @@ axis; values along the rows); later slots are masked and may hold finite leftove
 slot ``nq[i]`` (one gather, ``groupquant``, one ``put_along_axis`` for the batch). Counts are host-side ints
 (``batch_common``): no per-step sync. ``attend``: the grouped layout's one softmax on the codes with the batch
 mask; on CUDA a decode step goes to KIVI's decode kernel with per-sequence counts when the mask is the one
-``make_mask`` made (or none). Right-padded prefill stores only each sequence's first ``lengths[i]`` rows.
+``make_mask`` made (or none), on the CPU to its CPU kernel likewise (``window.batch_finish``). Right-padded prefill stores only each sequence's first ``lengths[i]`` rows.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..batch_common import (RaggedBatchCache, borrows, grow_slots, keep_right, p
                             step_counts, visible_mask)
 from ...grouped import RES_DTYPE, GroupedQuantCache
 from ...kernels import kivi as kivi_kernel
-from ...window import concat_rows
+from ...window import batch_finish, concat_rows
 from .kivi import KIVIKVCache
 
 
@@ -37,7 +37,7 @@ def _head(axis: int, n: int) -> tuple:
 @register_with_mlx_lm
 @borrows(GroupedQuantCache, "_init_layout", "value_group", "_key_words", "_uses_qmm", "_keys_t", "_values",
          "_key_scores", "_value_side", "_value_out", "_codes_own", "_codes_part", "_scores_on_codes",
-         "_values_on_codes", "_attend_codes", "dequant_only")
+         "_values_on_codes", "_attend_codes", "_cpu_codes_fit", "_cpu_part", "dequant_only")
 class KIVIBatchKVCache(RaggedBatchCache):
     """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -212,7 +212,21 @@ class KIVIBatchKVCache(RaggedBatchCache):
             return kernels.checked_call(
                 "kivi_batch", self, lambda: self._kernel_attend(queries, call, scale=scale, sinks=sinks),
                 lambda: self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks))
+        if N == 1 and qw and own and self._cpu_codes_fit(new_k.shape[-1], new_v.shape[-1],
+                                                          queries.shape[1] // new_k.shape[1]):
+            return kernels.checked_call(  # the CPU kernel, checked once against the op path
+                "kivi_batch_cpu", self, lambda: self._cpu_step(queries, call, scale=scale, sinks=sinks),
+                lambda: self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks))
         return self._attend_call(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _cpu_step(self, queries, call, *, scale, sinks):
+        """One query row per sequence by the CPU kernel: its ``nq[i]`` groups (``counts``), then the last ``nr[i]``
+        of the residual's columns and its new row (``window.batch_finish``'s spans)."""
+        qw, R, nq, nr, past_k, past_v, new_k, new_v = call
+        G = self.group
+        groups = [((past_k, past_v), [(R - r, r) for r in nr]), ((new_k, new_v), [(0, 1)] * len(nq))]
+        return batch_finish(queries, new_k.shape[1], scale, lambda qf: self._cpu_part(qf, qw * G, [q * G for q in nq]),
+                            groups, sinks)
 
     def _attend_call(self, queries, call, *, scale, mask, sinks):
         """The op path over a call record with a stored past: the grouped layout's one softmax, batch mask."""

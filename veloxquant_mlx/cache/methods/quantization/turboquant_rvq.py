@@ -272,17 +272,17 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
         H, D, DV = self._shape
         return max(D, DV) <= 256 and queries.shape[1] // H <= 32
 
-    def _cpu_part(self, q, n: int) -> Partials:
+    def _cpu_part(self, q, n: int, counts=()) -> Partials:
         """The first ``n`` quantized rows' partials for scaled float32 queries ``q`` [B, H, R, D] by the CPU kernel:
         each row's codes read once, keys scored by lookup tables, values summed per (piece, centroid) and turned
-        back once."""
+        back once (a batch form's ``counts``: sequence b's first ``counts[b]`` rows)."""
         kq, vq = self._qs()
         planes = [(getattr(self, p + "codes1"), getattr(self, p + "codes2", None), getattr(self, p + "norms"), qz.cb)
                   for p, qz in (("k_", kq), ("v_", vq))]
         (k1, k2, kn, kcb), (v1, v2, vn, vcb) = planes
         m, l, acc = native.module().turboquant_rvq_decode(  # noqa: E741
             q @ kq.rot_t, k1, k2, kn, kcb.c1, kcb.sigma, kcb.c2, v1, v2, vn, vcb.c1, vcb.sigma, vcb.c2, n,
-            self._shape[2])
+            self._shape[2], counts=list(counts))
         return Partials(m, l, acc @ vq.rot_t.T)
 
     def _decode_attend(self, queries, *, scale, sinks=None):

@@ -7,7 +7,10 @@ codes and norms (``[B, H, cap, .]``, ``nq[i]`` used; later slots are masked and 
 both left-aligned, and the float16 window (``win_k [B, H, W, D]``, right-aligned, ``nw[i]`` used). A window
 flushes as the single cache's (the stream's first ``SINK_ROWS`` tokens to the sinks), for the whole batch in
 one gather, one encode and one ``put_along_axis``. Counts are host-side ints (``batch_common``): no per-step
-sync, no loop over tokens, heads or sequences. ``attend`` is the single cache's one softmax with the batch mask.
+sync, no loop over tokens, heads or sequences. ``attend`` is the single cache's one softmax with the batch mask;
+on the CPU a decode step whose mask is the one ``make_mask`` made (or none) takes the single cache's CPU kernel
+with per-sequence counts and ends in ``window.finish_partials`` with per-sequence spans of the sink, window and new
+rows (checked once against the op path).
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from ... import kernels, native
 from ...attention import bool_mask, dense_attention
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitpack import packed_words
 from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
 from ...primitives.rvq import split_bits
-from ...window import QUANT_BLOCK, SINK_ROWS, WindowCall, attend_joint, concat_rows
+from ...window import QUANT_BLOCK, SINK_ROWS, WindowCall, attend_joint, batch_finish, concat_rows
 from .turboquant_rvq import TurboQuantRVQKVCache
 
 
@@ -38,7 +42,7 @@ class _BatchCall(NamedTuple):
 
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_decoded", "_quantized_part",
-         "_lut_scores", "constant_nbytes", "storage_dtype", "__deepcopy__")
+         "_lut_scores", "_cpu_part", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol); also the
     parent of waterfill's, which stores other codes in the same layout."""
@@ -257,8 +261,38 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         if keys.shape[2] == N:  # nothing stored before this call: plain (causal) attention over the new rows
             return dense_attention(queries, w.new_k, w.new_v, scale=scale, mask="causal" if N > 1 else None,
                                    sinks=sinks)
-        return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
-                            mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
+
+        def op():
+            return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
+                                mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
+
+        if self._cpu_step_ready(queries, call, mask):  # checked once against the op path
+            return kernels.checked_call(f"{self.method_name}_batch_cpu", self,
+                                        lambda: self._cpu_step(queries, call, scale=scale, sinks=sinks), op)
+        return op()
+
+    def _cpu_step_ready(self, queries, call: _BatchCall, mask) -> bool:
+        """One query row per sequence over stored codes on the CPU kernels, the mask ``make_mask`` made (or none),
+        head dims up to 256, up to 32 query heads per KV head."""
+        w = call.window
+        if not (queries.shape[2] == 1 and w.q0 > 0 and w.new_k.shape[2] == 1 and native.available()):
+            return False
+        H, D, DV = self._shape
+        return (max(D, DV) <= 256 and queries.shape[1] // H <= 32
+                and self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))))
+
+    def _cpu_step(self, queries, call: _BatchCall, *, scale, sinks):
+        """The step by the CPU kernels: each sequence's first ``nq[i]`` code slots (``_batch_cpu_part``), then its
+        ``ns[i]`` sink rows, the last ``nw[i]`` of the window's columns and its new row, in one primitive."""
+        w = call.window
+        groups = [(call.sink, [(0, s) for s in call.ns]), ((w.past_k, w.past_v), [(w.r0 - r, r) for r in call.nw]),
+                  ((w.new_k, w.new_v), [(0, 1)] * len(call.ns))]
+        return batch_finish(queries, w.new_k.shape[1], scale, lambda qf: self._batch_cpu_part(qf, w.q0, call.nq),
+                            groups, sinks)
+
+    def _batch_cpu_part(self, q, n: int, counts: list):
+        """The CPU kernel's partials over each sequence's first ``counts[i]`` of ``n`` code slots."""
+        return self._cpu_part(q, n, counts)
 
     def _check_trim_rows(self, n: int) -> None:
         """No more than the shortest sequence's tokens."""

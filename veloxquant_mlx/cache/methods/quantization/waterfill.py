@@ -315,13 +315,15 @@ class WaterfillKVCache(ResidualWindowCache):
                                    *wf_kernel.rope_tables(self.rope, self._shape[1]), poly)
         return kc[1:]
 
-    def _cpu_part(self, q, n: int) -> Partials:
+    def _cpu_part(self, q, n: int, counts=(), pos0=None) -> Partials:
         """The first ``n`` quantized rows' partials for scaled float32 queries ``q`` [B, H, R, D], by the CPU
-        kernel (``native/waterfill_cpu.cpp``): codes read once, RoPE turned per block of rows, one pass."""
+        kernel (``native/waterfill_cpu.cpp``): codes read once, RoPE turned per block of rows, one pass. A batch
+        form's ``counts``: sequence b's first ``counts[b]`` rows; ``pos0``: quantized row 0's position."""
         tab, lo, step, w, partner, sign, poly = self._cpu_constants()
         m, l, acc = native.module().waterfill_decode(  # noqa: E741
-            q, self.k_words, tab, lo, step, w, partner, sign, self.v_words, self.v_scales, poly, n, self.n_sink,
-            self.bit_width, self._shape[2], self.rope is not None)
+            q, self.k_words, tab, lo, step, w, partner, sign, self.v_words, self.v_scales, poly, n,
+            self.n_sink if pos0 is None else pos0, self.bit_width, self._shape[2], self.rope is not None,
+            counts=list(counts))
         return Partials(m, l, rotate_values(acc, self.seed, inverse=True))
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):

@@ -10,7 +10,8 @@ its window never flushes. The key layout is one ``VarLayout`` over the B * H wid
 sync) when a sequence calibrates or the batch changes; RoPE is undone at each sequence's own positions, so the
 codes are the single cache's bit for bit. A prefill chunk over a stored past attends as the single cache's
 ``_attend_chunk``; on CUDA a decode step goes to waterfill's decode kernel with per-sequence counts and key
-tables when the mask is the one ``make_mask`` made (or none). ``nbytes`` also counts ``q_energy`` (kept for
+tables when the mask is the one ``make_mask`` made (or none), on the CPU to its CPU kernel likewise (the key table
+a row per sequence and head; turboquant_rvq's batch form's ``_cpu_step``). ``nbytes`` also counts ``q_energy`` (kept for
 later joiners; the single cache drops it once calibrated) and the kernel's tables once built.
 """
 
@@ -39,7 +40,8 @@ from .waterfill import BLOCK, WaterfillKVCache
 @register_with_mlx_lm
 @borrows(ResidualWindowCache, "_attend_chunk", "_sinks")
 @borrows(WaterfillKVCache, "_init_layout", "bind_attention", "_omega", "_pre_rope", "_post_rope", "_key_codes",
-         "_encode_values", "_value_codes", "_weighted_values", "_quantized_part", "constant_nbytes")
+         "_encode_values", "_value_codes", "_weighted_values", "_quantized_part", "_cpu_constants", "_cpu_part",
+         "constant_nbytes")
 class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
     """Waterfill's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
@@ -116,6 +118,7 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         rebuilt on use), so no array of the old batch stays held uncounted."""
         self._layout = None
         self.__dict__.pop("_kconst", None)
+        self.__dict__.pop("_cpuconst", None)
 
     def _due(self) -> list:
         """Sequences to calibrate now: uncalibrated, holding ``n_calib_tokens`` rows or more."""
@@ -252,9 +255,15 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
                                             merge=kernels.Merge(sinks, True, queries.dtype, counters),
                                             paired=wf_kernel.paired_rope(self.rope, self._shape[1]))
 
+    def _batch_cpu_part(self, q, n: int, counts: list):
+        return self._cpu_part(q, n, counts, pos0=SINK_ROWS)  # code slot t sits at position SINK_ROWS + t
+
     def held_arrays(self):
         out = super().held_arrays()
         out += wf_kernel.held_constants(self)  # the decode kernel's tables, once built
+        kc = self.__dict__.get("_cpuconst")
+        if kc is not None and kc[0] is self.k_lo:  # the CPU kernel's, once built
+            out += list(kc[1:])
         if self._layout is not None:
             out += self._layout.arrays()
         return out + ([self._omega_cache] if getattr(self, "_omega_cache", None) is not None else [])
