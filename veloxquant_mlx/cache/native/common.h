@@ -17,6 +17,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
@@ -34,6 +38,19 @@ constexpr int BLOCK = 64;    // rows per softmax update (and the turn table's ro
 constexpr int MAX_D = 256;   // key and value head dims
 constexpr int MAX_R = 32;    // query heads per KV head
 constexpr int MIN_ROWS_PER_PART = 512;  // a thread's share of a step is at least this many rows
+
+// A float16 as a float: one instruction where the CPU converts (x86's F16C; on arm64 MLX's float16_t is the native
+// __fp16 already), where MLX's x86 float16_t converts in ~15 integer instructions (AMD EPYC, session 47: KIVI's
+// kernel spent most of its value rows there).
+inline float f16(mx::float16_t x) {
+#if defined(__F16C__)
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return _cvtsh_ss(bits);
+#else
+  return float(x);
+#endif
+}
 
 // A persistent pool: run(n, f) calls f(0 .. n-1), f(0) on the caller, the rest on sleeping workers.
 class Pool {
@@ -142,41 +159,46 @@ inline int value_slot(int c, int dv, int vbits, int words) {
   return vbits == 4 && dv == 8 * words && words % 8 == 0 ? (c & 7) * words + (c >> 3) : c;
 }
 
-// acc[R, dv] += w[R, BLOCK] @ u[rows, dv]: two query heads and 4 x 16 channels at a time held in registers over
-// the rows (eight independent sums: the adds' latency hidden).
+// The hardware's own vector (NL lanes: 16 with AVX-512, 8 with AVX2, 4 on SSE-only x86 or NEON) for the two
+// register-blocked products below: each pass holds 2 query heads x 4 vectors of sums and 4 vectors of inputs, which
+// fit the registers of every ISA. (With the 16-lane vf an AVX2 machine split each sum in two and spilled them to the
+// stack: session 47, an AMD EPYC, where KIVI's kernel ran slower than its op path.)
+#if defined(__AVX512F__)
+constexpr int NL = 16;
+#elif defined(__AVX__)
+constexpr int NL = 8;
+#else
+constexpr int NL = 4;
+#endif
+typedef float vn __attribute__((vector_size(4 * NL), aligned(4)));
+constexpr int PASS = 4 * NL;  // rows (block_scores) or channels (weighted_sum) a pass takes
+inline vn loadn(const float* p) { return *reinterpret_cast<const vn*>(p); }
+inline void storen(float* p, vn x) { *reinterpret_cast<vn*>(p) = x; }
+
+// acc[R, dv] += w[R, BLOCK] @ u[rows, dv]: two query heads and PASS channels at a time held in registers over the
+// rows (eight independent sums: the adds' latency hidden).
 inline void weighted_sum(const float* __restrict w, const float* __restrict u, int R, int rows, int dv,
                          float* __restrict acc) {
   int c0 = 0;
-  for (; c0 + 4 * VL <= dv; c0 += 4 * VL) {
-    int r = 0;
-    for (; r + 2 <= R; r += 2) {
-      const float *w0 = w + size_t(r) * BLOCK, *w1 = w0 + BLOCK;
-      float *a0p = acc + size_t(r) * dv + c0, *a1p = a0p + dv;
-      vf a00 = load(a0p), a01 = load(a0p + VL), a02 = load(a0p + 2 * VL), a03 = load(a0p + 3 * VL);
-      vf a10 = load(a1p), a11 = load(a1p + VL), a12 = load(a1p + 2 * VL), a13 = load(a1p + 3 * VL);
-      for (int j = 0; j < rows; ++j) {
-        const float* uj = u + size_t(j) * dv + c0;
-        const vf u0 = load(uj), u1 = load(uj + VL), u2 = load(uj + 2 * VL), u3 = load(uj + 3 * VL);
-        const float x = w0[j], y = w1[j];
-        a00 += x * u0, a01 += x * u1, a02 += x * u2, a03 += x * u3;
-        a10 += y * u0, a11 += y * u1, a12 += y * u2, a13 += y * u3;
-      }
-      store(a0p, a00), store(a0p + VL, a01), store(a0p + 2 * VL, a02), store(a0p + 3 * VL, a03);
-      store(a1p, a10), store(a1p + VL, a11), store(a1p + 2 * VL, a12), store(a1p + 3 * VL, a13);
-    }
-    for (; r < R; ++r) {
-      const float* w0 = w + size_t(r) * BLOCK;
+  for (; c0 + PASS <= dv; c0 += PASS)
+    for (int r = 0; r < R; r += 2) {
+      const bool two = r + 1 < R;
+      const float *w0 = w + size_t(r) * BLOCK, *w1 = two ? w0 + BLOCK : w0;
       float* a0p = acc + size_t(r) * dv + c0;
-      vf a00 = load(a0p), a01 = load(a0p + VL), a02 = load(a0p + 2 * VL), a03 = load(a0p + 3 * VL);
+      float* a1p = two ? a0p + dv : a0p;
+      vn a0 = loadn(a0p), a1 = loadn(a0p + NL), a2 = loadn(a0p + 2 * NL), a3 = loadn(a0p + 3 * NL);
+      vn b0 = loadn(a1p), b1 = loadn(a1p + NL), b2 = loadn(a1p + 2 * NL), b3 = loadn(a1p + 3 * NL);
       for (int j = 0; j < rows; ++j) {
         const float* uj = u + size_t(j) * dv + c0;
-        const float x = w0[j];
-        a00 += x * load(uj), a01 += x * load(uj + VL), a02 += x * load(uj + 2 * VL), a03 += x * load(uj + 3 * VL);
+        const vn u0 = loadn(uj), u1 = loadn(uj + NL), u2 = loadn(uj + 2 * NL), u3 = loadn(uj + 3 * NL);
+        const float x = w0[j], y = w1[j];
+        a0 += x * u0, a1 += x * u1, a2 += x * u2, a3 += x * u3;
+        b0 += y * u0, b1 += y * u1, b2 += y * u2, b3 += y * u3;
       }
-      store(a0p, a00), store(a0p + VL, a01), store(a0p + 2 * VL, a02), store(a0p + 3 * VL, a03);
+      if (two) storen(a1p, b0), storen(a1p + NL, b1), storen(a1p + 2 * NL, b2), storen(a1p + 3 * NL, b3);
+      storen(a0p, a0), storen(a0p + NL, a1), storen(a0p + 2 * NL, a2), storen(a0p + 3 * NL, a3);
     }
-  }
-  for (int r = 0; r < R; ++r) {  // the channels past the last 64
+  for (int r = 0; r < R; ++r) {  // the channels past the last pass
     const float* wr = w + size_t(r) * BLOCK;
     float* ar = acc + size_t(r) * dv;
     for (int c = c0; c < dv; ++c) {
@@ -187,26 +209,28 @@ inline void weighted_sum(const float* __restrict w, const float* __restrict u, i
   }
 }
 
-// sc[R, BLOCK] = q[R, D] @ keys[D, BLOCK] (keys channel-major), two query heads a pass (eight independent sums).
+// sc[R, BLOCK] = q[R, D] @ keys[D, BLOCK] (keys channel-major), two query heads and PASS rows a pass (eight
+// independent sums).
 inline void block_scores(const float* qt, const float* keys, int R, int D, float* sc) {
-  static_assert(BLOCK == 4 * VL, "a block's scores are four vectors");
-  for (int r = 0; r < R; r += 2) {
-    const bool two = r + 1 < R;
-    const float* q0 = qt + size_t(r) * D;
-    const float* q1 = two ? q0 + D : q0;
-    vf s0{}, s1{}, s2{}, s3{}, t0{}, t1{}, t2{}, t3{};
-    for (int c = 0; c < D; ++c) {
-      const float* kc = keys + size_t(c) * BLOCK;
-      const vf k0 = load(kc), k1 = load(kc + VL), k2 = load(kc + 2 * VL), k3 = load(kc + 3 * VL);
-      const float x = q0[c], y = q1[c];
-      s0 += x * k0, s1 += x * k1, s2 += x * k2, s3 += x * k3;
-      t0 += y * k0, t1 += y * k1, t2 += y * k2, t3 += y * k3;
+  static_assert(BLOCK % PASS == 0, "a block's scores are whole passes");
+  for (int j0 = 0; j0 < BLOCK; j0 += PASS)
+    for (int r = 0; r < R; r += 2) {
+      const bool two = r + 1 < R;
+      const float* q0 = qt + size_t(r) * D;
+      const float* q1 = two ? q0 + D : q0;
+      vn s0{}, s1{}, s2{}, s3{}, t0{}, t1{}, t2{}, t3{};
+      for (int c = 0; c < D; ++c) {
+        const float* kc = keys + size_t(c) * BLOCK + j0;
+        const vn k0 = loadn(kc), k1 = loadn(kc + NL), k2 = loadn(kc + 2 * NL), k3 = loadn(kc + 3 * NL);
+        const float x = q0[c], y = q1[c];
+        s0 += x * k0, s1 += x * k1, s2 += x * k2, s3 += x * k3;
+        t0 += y * k0, t1 += y * k1, t2 += y * k2, t3 += y * k3;
+      }
+      float* s_0 = sc + size_t(r) * BLOCK + j0;
+      storen(s_0, s0), storen(s_0 + NL, s1), storen(s_0 + 2 * NL, s2), storen(s_0 + 3 * NL, s3);
+      if (two) storen(s_0 + BLOCK, t0), storen(s_0 + BLOCK + NL, t1), storen(s_0 + BLOCK + 2 * NL, t2),
+          storen(s_0 + BLOCK + 3 * NL, t3);
     }
-    float* s_0 = sc + size_t(r) * BLOCK;
-    store(s_0, s0), store(s_0 + VL, s1), store(s_0 + 2 * VL, s2), store(s_0 + 3 * VL, s3);
-    if (two) store(s_0 + BLOCK, t0), store(s_0 + BLOCK + VL, t1), store(s_0 + BLOCK + 2 * VL, t2),
-        store(s_0 + BLOCK + 3 * VL, t3);
-  }
 }
 
 // One online-softmax update per block: the scores sc[R, BLOCK] (slots where valid(j) is false left out) become

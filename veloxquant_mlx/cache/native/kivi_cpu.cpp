@@ -28,7 +28,10 @@ inline void kivi_key_channel(const uint32_t* words, int nwords, const float* sc,
                              float* __restrict out) {
   constexpr int WB = 2 * BITS, CPW = 32 / BITS;  // words a block of 64 tokens takes, codes a word
   uint32_t w[WB] = {};
-  for (int i = 0; i < nwords; ++i) w[i] = words[i];
+  if (nwords == WB)
+    std::memcpy(w, words, sizeof(w));  // a whole block: a fixed-size copy (a counted loop became `rep movs`, slow)
+  else
+    for (int i = 0; i < nwords; ++i) w[i] = words[i];
   for (int k = 0; k < CPW; ++k)
     for (int i = 0; i < WB; ++i)
       out[k * WB + i] = float(int32_t((w[i] >> (k * BITS)) & ((1u << BITS) - 1))) * sc[i] + bi[i];
@@ -53,9 +56,9 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
     const int nwords = (rows * BITS + 31) / 32;
     for (int c = 0; c < D; ++c) {
       const size_t ch = size_t(bh) * D + c;
-      const float s0 = float(in.ks[ch * d.kg + g0]), z0 = float(in.kb[ch * d.kg + g0]);
+      const float s0 = f16(in.ks[ch * d.kg + g0]), z0 = f16(in.kb[ch * d.kg + g0]);
       const bool second = rows > BLOCK / 2 && g1 != g0;
-      const float s1 = second ? float(in.ks[ch * d.kg + g1]) : s0, z1 = second ? float(in.kb[ch * d.kg + g1]) : z0;
+      const float s1 = second ? f16(in.ks[ch * d.kg + g1]) : s0, z1 = second ? f16(in.kb[ch * d.kg + g1]) : z0;
       float scl[WB], bia[WB];
       for (int i = 0; i < WB; ++i) {
         scl[i] = i < WB / 2 ? s0 : s1;
@@ -73,14 +76,19 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
       const mx::float16_t* vsr = in.vs + row * d.vg;
       const mx::float16_t* vbr = in.vb + row * d.vg;
       float* u = vals + size_t(j) * DV;
+      float rs[MAX_D], rb[MAX_D];  // the row's scales and biases, one per value group
+      for (int g = 0; g < d.vg; ++g) {
+        rs[g] = f16(vsr[g]);
+        rb[g] = f16(vbr[g]);
+      }
       if (nibbles) {  // channel 8w + k at slot k * words + w (value_slot), as waterfill's
         for (int w0 = 0; w0 < d.vw; w0 += 8) {
           vu8 x;
           std::memcpy(&x, v + w0, sizeof(x));
           vf8 gs, gb;
           for (int i = 0; i < 8; ++i) {
-            gs[i] = float(vsr[8 * (w0 + i) / d.gv]);
-            gb[i] = float(vbr[8 * (w0 + i) / d.gv]);
+            gs[i] = rs[8 * (w0 + i) / d.gv];
+            gb[i] = rb[8 * (w0 + i) / d.gv];
           }
           for (int k = 0; k < 8; ++k) {
             const vf8 y = __builtin_convertvector(reinterpret_cast<vi8>((x >> (4 * k)) & 15u), vf8) * gs + gb;
@@ -91,7 +99,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
         for (int c = 0; c < DV; ++c) {
           const int bit = c * BITS;
           const float code = float(int32_t((v[bit >> 5] >> (bit & 31)) & vmask));
-          u[c] = code * float(vsr[c / d.gv]) + float(vbr[c / d.gv]);
+          u[c] = code * rs[c / d.gv] + rb[c / d.gv];
         }
       }
     }
