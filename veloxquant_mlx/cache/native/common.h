@@ -171,9 +171,12 @@ constexpr int NL = 8;
 constexpr int NL = 4;
 #endif
 typedef float vn __attribute__((vector_size(4 * NL), aligned(4)));
+typedef int32_t vin __attribute__((vector_size(4 * NL), aligned(4)));
+typedef uint32_t vun __attribute__((vector_size(4 * NL), aligned(4)));
 constexpr int PASS = 4 * NL;  // rows (block_scores) or channels (weighted_sum) a pass takes
 inline vn loadn(const float* p) { return *reinterpret_cast<const vn*>(p); }
 inline void storen(float* p, vn x) { *reinterpret_cast<vn*>(p) = x; }
+inline vun loadun(const uint32_t* p) { return *reinterpret_cast<const vun*>(p); }
 
 // acc[R, dv] += w[R, BLOCK] @ u[rows, dv]: two query heads and PASS channels at a time held in registers over the
 // rows (eight independent sums: the adds' latency hidden).

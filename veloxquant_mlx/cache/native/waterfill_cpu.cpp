@@ -87,10 +87,10 @@ inline void decode_channel(const uint32_t* __restrict words, uint32_t entry, flo
   const int sh = off & 31;
   const uint32_t mask = (1u << width) - 1;
   const uint32_t* a = words + size_t(off >> 5) * BLOCK;
-  for (int j = 0; j < BLOCK; j += VL) {
-    vu x = loadu(a + j) >> sh;
-    if (sh + width > 32) x |= loadu(a + BLOCK + j) << (32 - sh);
-    store(out + j, lo + step * __builtin_convertvector(reinterpret_cast<vi>(x & mask), vf));
+  for (int j = 0; j < BLOCK; j += NL) {  // (the hardware's own vectors: 16-lane ones spill on AVX2)
+    vun x = loadun(a + j) >> sh;
+    if (sh + width > 32) x |= loadun(a + BLOCK + j) << (32 - sh);
+    storen(out + j, lo + step * __builtin_convertvector(reinterpret_cast<vin>(x & mask), vn));
   }
 }
 
@@ -190,10 +190,10 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
       const float* __restrict sj = tt.s.data() + size_t(i) * BLOCK;
       float* __restrict oa = keys + size_t(a) * BLOCK;
       float* __restrict ob = keys + size_t(b) * BLOCK;
-      for (int j = 0; j < BLOCK; j += VL) {
-        const vf x = load(ka + j), y = load(kb + j), c = load(cj + j), sn = load(sj + j);
-        store(oa + j, x * c - y * sn);
-        store(ob + j, y * c + x * sn);
+      for (int j = 0; j < BLOCK; j += NL) {
+        const vn x = loadn(ka + j), y = loadn(kb + j), c = loadn(cj + j), sn = loadn(sj + j);
+        storen(oa + j, x * c - y * sn);
+        storen(ob + j, y * c + x * sn);
       }
     }
     block_scores(qt, keys, R, D, sc);
