@@ -77,6 +77,11 @@ for cmd in "$@"; do
   graphs) for env in "X=0" "MLX_USE_CUDA_GRAPHS=0" "MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_MAX_OPS_PER_BUFFER=240" ${GRAPH_ENVS}; do echo "== $env"; env $env CONTEXTS=${CONTEXTS:-8192,32768} REPEATS=${REPEATS:-3} bash $0 - steadyk | grep -v "^+" | grep -E "none|kivi"; cp $OUT/h200_bench_steady_kivi.json "$OUT/graphs_${env%%=*}.json"; done ;;
   cstep) (for T in ${CONTEXTS:-8192 32768}; do timeout 200 python3 scripts/compiled_step_host.py --context $T --rounds ${ROUNDS:-3}; done) > $OUT/cstep.txt 2>&1; grep -v Warn $OUT/cstep.txt ;;
   tqsplit) (timeout 200 python3 scripts/prefill_host_device.py --context ${CONTEXTS:-8192} --method turboquant_rvq --profile; timeout 250 python3 scripts/prefill_layer_split.py --context ${CONTEXT:-8192} --method turboquant_rvq --passes 3 --profile 0) > $OUT/tqsplit.txt 2>&1; grep -v "^ *[0-9].*{built-in\|^$\|Warn" $OUT/tqsplit.txt | head -150 ;;
+  tripaired) # the three quantizers' decode against the plain cache, paired rounds, caches filled directly (session 47)
+    for T in ${CONTEXTS:-8192 32768 131072}; do R=${ROUNDS:-4}; [ $T -gt 65536 ] && R=${ROUNDS128:-3}
+      timeout ${TMO:-200} python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds $R --burst \
+        --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16 --method turboquant_rvq \
+        > $OUT/paired_$T.txt 2>&1; grep -v "^  \.\.\|Warn" $OUT/paired_$T.txt; done ;;
   onechunk) # a prompt in one chunk (mlx_lm prefills up to 2048 tokens so): every method, then the 4-bit caches at llama-8b's width
     (timeout 300 python3 scripts/prefill_peak.py --contexts ${CONTEXTS:-2047} --steps 2048 --methods all --warm;
      timeout 200 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 2047 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,gear
