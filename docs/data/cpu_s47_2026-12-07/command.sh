@@ -11,3 +11,6 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/batch_decode.py --shape smollm2 --batch
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 6 --rounds 4 --burst \
   --method turboquant_rvq --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16
 # decode_model_16k_after.txt: the same with --context 16384 --rounds 3
+# prefill_peak_4k.txt (after): chunks of 1024, each method after a first unmeasured run
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/prefill_peak.py --shape smollm2 --contexts 4096 --steps 1024 \
+  --methods none,waterfill:bit_width_inlier=4:residual_length=16,kivi:bit_width_inlier=4,turboquant_rvq --warm
