@@ -147,20 +147,20 @@ mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& 
   check(d.D <= MAX_D && d.DV <= MAX_D && d.R <= MAX_R, "head dims or query heads too large");
   check(keys.size() == rows.size() && values.size() == rows.size() && !rows.empty() && rows.size() <= 4,
         "one row count per group of keys and values (1 to 4 groups)");
+  check(spans.empty() || spans.size() == 2 * rows.size() * d.B, "spans: (start, count) per group and batch row");
   for (size_t g = 0; g < rows.size(); ++g) {
     const auto &k = keys[g], &v = values[g];
     check(k.ndim() == 4 && v.ndim() == 4 && k.shape(0) == d.B && k.shape(1) == d.H && v.shape(0) == d.B &&
               v.shape(1) == d.H && k.shape(3) == d.D && v.shape(3) == d.DV,
           "exact rows' shapes differ from the queries'");
     check(rows[g] >= 0 && rows[g] <= k.shape(2) && rows[g] <= v.shape(2), "more rows than a group holds");
-    for (int b = 0; b < d.B && !spans.empty() && spans.size() == 2 * rows.size() * d.B; ++b) {
+    for (int b = 0; b < (spans.empty() ? 0 : d.B); ++b) {
       const int first = spans[2 * (g * d.B + b)], n = spans[2 * (g * d.B + b) + 1];
       check(first >= 0 && n >= 0 && first + n <= k.shape(2) && first + n <= v.shape(2),
             "a span beyond its group's rows");
     }
     check(float_rows(k) && float_rows(v), "exact rows must be float32, float16 or bfloat16");
   }
-  check(spans.empty() || spans.size() == 2 * rows.size() * d.B, "spans: (start, count) per group and batch row");
   check(!sinks || sinks->size() == size_t(d.H) * d.R, "one sink logit per query head");
   check(float_rows(like), "the output dtype must be float32, float16 or bfloat16");
   auto s = mx::default_stream(mx::Device::cpu);
