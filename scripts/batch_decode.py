@@ -9,9 +9,10 @@ own per-layer caches (``none``: mlx_lm's ``KVCache``; otherwise ``KVCacheBuilder
 of each layer are merged with the class's ``merge`` (``BatchKVCache`` for ``none``, ``KIVIBatchKVCache``
 for ``kivi``), then ``--steps`` greedy-shaped decode steps run on the batch (one ``mx.eval`` per step,
 as mlx_lm's batch generator does). Every batch is built once, then the methods alternate within each repeat
-(``--method`` takes one method with several settings; ``--methods`` a comma-separated list of one setting each); reported: the median per-step
-time over repeats (min..max of the repeat medians), batch tokens/s, its ratio to ``none`` in the same run,
-and the merged caches' measured bytes vs fp16 bytes of the same tokens. Random weights (speed does not
+(``--method`` takes one method with several settings; ``--methods`` a comma-separated list of one setting
+each); reported: the median per-step time over repeats (min..max of the repeat medians), batch tokens/s, its
+ratio to ``none`` in the same run, and the merged caches' measured bytes (before the steps) vs fp16 bytes of
+the same tokens. Random weights (speed does not
 depend on weight values).
 """
 

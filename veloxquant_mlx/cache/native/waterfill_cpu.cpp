@@ -275,7 +275,8 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
   check(k_words.shape(0) == d.B && k_words.shape(1) == d.H && v_words.shape(0) == d.B && v_words.shape(1) == d.H,
         "batch or heads differ");
   d.tab_per_row = ktab.ndim() == 2 && ktab.shape(0) == d.B * d.H && d.B > 1;
-  check(ktab.ndim() == 2 && (ktab.shape(0) == d.H || d.tab_per_row) && ktab.shape(1) == d.D && lo.size() == size_t(d.B * d.H * d.D) &&
+  check(ktab.ndim() == 2 && (ktab.shape(0) == d.H || d.tab_per_row) && ktab.shape(1) == d.D &&
+            lo.size() == size_t(d.B * d.H * d.D) &&
             step.size() == lo.size() && w.size() == size_t(d.D) && partner.size() == w.size() &&
             sign.size() == w.size() && poly.size() == 3,
         "table shapes");

@@ -10,7 +10,8 @@ axis; values along the rows); later slots are masked and may hold finite leftove
 slot ``nq[i]`` (one gather, ``groupquant``, one ``put_along_axis`` for the batch). Counts are host-side ints
 (``batch_common``): no per-step sync. ``attend``: the grouped layout's one softmax on the codes with the batch
 mask; on CUDA a decode step goes to KIVI's decode kernel with per-sequence counts when the mask is the one
-``make_mask`` made (or none), on the CPU to its CPU kernel likewise (``window.batch_finish``). Right-padded prefill stores only each sequence's first ``lengths[i]`` rows.
+``make_mask`` made (or none), on the CPU to its CPU kernel likewise (``window.batch_finish``). Right-padded
+prefill stores only each sequence's first ``lengths[i]`` rows.
 """
 
 from __future__ import annotations
