@@ -267,10 +267,13 @@ class TurboQuantRVQKVCache(ResidualWindowCache):
     def _cpu_kernel_ready(self, queries, keys, mask) -> bool:
         """A one-row step over codes the CPU kernel (``native/turboquant_rvq_cpu.cpp``) takes: built here, head dims
         up to 256, up to 32 query heads per KV head."""
-        if not (self._one_row_over_codes(queries, keys, mask) and native.available()):
-            return False
+        return self._one_row_over_codes(queries, keys, mask) and native.available() and self._cpu_dims_fit(
+            queries.shape[1])
+
+    def _cpu_dims_fit(self, query_heads: int) -> bool:
+        """Head dims the CPU kernels hold (up to 256) and up to 32 query heads per KV head."""
         H, D, DV = self._shape
-        return max(D, DV) <= 256 and queries.shape[1] // H <= 32
+        return max(D, DV) <= 256 and query_heads // H <= 32
 
     def _cpu_part(self, q, n: int, counts=()) -> Partials:
         """The first ``n`` quantized rows' partials for scaled float32 queries ``q`` [B, H, R, D] by the CPU kernel:

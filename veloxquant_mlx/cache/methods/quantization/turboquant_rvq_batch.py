@@ -9,7 +9,7 @@ flushes as the single cache's (the stream's first ``SINK_ROWS`` tokens to the si
 one gather, one encode and one ``put_along_axis``. Counts are host-side ints (``batch_common``): no per-step
 sync, no loop over tokens, heads or sequences. ``attend`` is the single cache's one softmax with the batch mask;
 on the CPU a decode step whose mask is the one ``make_mask`` made (or none) takes the single cache's CPU kernel
-with per-sequence counts and ends in ``window.finish_partials`` with per-sequence spans of the sink, window and new
+with per-sequence counts and ends in ``window.batch_finish`` with per-sequence spans of the sink, window and new
 rows (checked once against the op path).
 """
 
@@ -42,7 +42,7 @@ class _BatchCall(NamedTuple):
 
 @register_with_mlx_lm
 @borrows(TurboQuantRVQKVCache, "_init_layout", "_quantizers", "_qs", "_planes", "_decoded", "_quantized_part",
-         "_lut_scores", "_cpu_part", "constant_nbytes", "storage_dtype", "__deepcopy__")
+         "_lut_scores", "_cpu_dims_fit", "_cpu_part", "constant_nbytes", "storage_dtype", "__deepcopy__")
 class TurboQuantRVQBatchKVCache(RaggedBatchCache):
     """TurboQuant-RVQ's compressed form for B sequences at once (mlx_lm batch-cache protocol); also the
     parent of waterfill's, which stores other codes in the same layout."""
@@ -272,13 +272,12 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         return op()
 
     def _cpu_step_ready(self, queries, call: _BatchCall, mask) -> bool:
-        """One query row per sequence over stored codes on the CPU kernels, the mask ``make_mask`` made (or none),
-        head dims up to 256, up to 32 query heads per KV head."""
+        """One query row per sequence over stored codes on the CPU kernels (``_cpu_dims_fit``), the mask
+        ``make_mask`` made (or none)."""
         w = call.window
         if not (queries.shape[2] == 1 and w.q0 > 0 and w.new_k.shape[2] == 1 and native.available()):
             return False
-        H, D, DV = self._shape
-        return (max(D, DV) <= 256 and queries.shape[1] // H <= 32
+        return (self._cpu_dims_fit(queries.shape[1])
                 and self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))))
 
     def _cpu_step(self, queries, call: _BatchCall, *, scale, sinks):

@@ -11,8 +11,8 @@ sync) when a sequence calibrates or the batch changes; RoPE is undone at each se
 codes are the single cache's bit for bit. A prefill chunk over a stored past attends as the single cache's
 ``_attend_chunk``; on CUDA a decode step goes to waterfill's decode kernel with per-sequence counts and key
 tables when the mask is the one ``make_mask`` made (or none), on the CPU to its CPU kernel likewise (the key table
-a row per sequence and head; turboquant_rvq's batch form's ``_cpu_step``). ``nbytes`` also counts ``q_energy`` (kept for
-later joiners; the single cache drops it once calibrated) and the kernel's tables once built.
+a row per sequence and head; turboquant_rvq's batch form's ``_cpu_step``). ``nbytes`` also counts ``q_energy``
+(kept for later joiners; the single cache drops it once calibrated) and the kernels' tables once built.
 """
 
 from __future__ import annotations
