@@ -29,7 +29,7 @@ void read_row(const Rows& g, int b, int h, int t, int D, float* out) {
     for (int c = 0; c < D; ++c) out[c] = p[c * g.s3];
   } else if (g.dtype == mx::float16) {
     const mx::float16_t* p = static_cast<const mx::float16_t*>(g.ptr) + o;
-    for (int c = 0; c < D; ++c) out[c] = float(p[c * g.s3]);
+    for (int c = 0; c < D; ++c) out[c] = f16(p[c * g.s3]);
   } else {
     const mx::bfloat16_t* p = static_cast<const mx::bfloat16_t*>(g.ptr) + o;
     for (int c = 0; c < D; ++c) out[c] = float(p[c * g.s3]);

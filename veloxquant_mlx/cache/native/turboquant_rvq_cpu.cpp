@@ -136,7 +136,7 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
     kc.load(k, bh, b0, rows);
     for (int j = 0; j < rows; ++j) {
       const size_t e = size_t(j) * k.S;
-      const float gt = float(k.norms[size_t(bh) * k.capn + b0 + j]);
+      const float gt = f16(k.norms[size_t(bh) * k.capn + b0 + j]);
       for (int g = 0; g < G; ++g) {
         vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, &kc.i1[e], nullptr, k.S);
         if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, &kc.i2[e], &kc.sg[e], k.S);
@@ -176,7 +176,7 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
     vc.load(v, bh, b0, rows);
     for (int j = 0; j < rows; ++j) {
       const size_t e = size_t(j) * v.S;
-      const float gt = float(v.norms[size_t(bh) * v.capn + b0 + j]);
+      const float gt = f16(v.norms[size_t(bh) * v.capn + b0 + j]);
       for (int g = 0; g < G; ++g) {
         vf4 w{};
         for (int lane = 0; lane < QL && g * QL + lane < R; ++lane)

@@ -200,7 +200,7 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
     softmax_update(sc, R, DV, [rows](int j) { return j < rows; }, m, l, acc);
     for (int j = 0; j < rows; ++j) {  // values: each code's centroid; the weights p * s_t
       value_row(vw + size_t(b0 + j) * d.wv * 4, d.wv, DV, d.vbits, cent, cents + size_t(j) * DV);
-      const float scale = float(vs[b0 + j]);
+      const float scale = f16(vs[b0 + j]);
       for (int r = 0; r < R; ++r) sc[size_t(r) * BLOCK + j] *= scale;
     }
     weighted_sum(sc, cents, R, rows, DV, acc);
