@@ -86,12 +86,17 @@ def finish_partials(queries, qf, part: Partials, groups: list, sinks, spans=None
                                         [k.shape[2] for k, _ in groups], sinks, queries, spans=flat)
 
 
+def scaled_rows(queries, H: int, scale) -> mx.array:
+    """Queries [B, Hq, N, D] as float32 times ``scale``, grouped by KV head: [B, H, Hq // H * N, D]."""
+    B, Hq, N, D = queries.shape
+    return (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
+
+
 def batch_finish(queries, H: int, scale, part, groups: list, sinks) -> mx.array:
     """A batch form's one-row CPU step: ``part(qf)`` (a CPU kernel's :class:`Partials` over each sequence's own code
     slots, for the scaled grouped queries ``qf``), then ``groups`` [((keys, values), [(start, count) per sequence])]
     (groups without rows dropped), joined by ``finish_partials``."""
-    B, Hq, _, D = queries.shape
-    qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H, D)
+    qf = scaled_rows(queries, H, scale)
     groups = [(g, spans) for g, spans in groups if g[0] is not None and g[0].shape[2]]
     return finish_partials(queries, qf, part(qf), [g for g, _ in groups], sinks, [spans for _, spans in groups])
 
@@ -116,7 +121,7 @@ def attend_tiled(queries, call: WindowCall, sink, quantized_tiles, *, scale, mas
     ``tile_rows`` rows, so no [N, M] float32 array exists."""
     B, Hq, N, D = queries.shape
     H = call.new_k.shape[1]
-    qf = (group_queries(queries, H).astype(mx.float32) * scale).reshape(B, H, Hq // H * N, D)
+    qf = scaled_rows(queries, H, scale)
     tile = tile_rows(B * Hq * N, n_keys, block)
     s0, q0 = call.s0, call.q0
     blocks = dense_blocks(qf, *sink, 0, tile) if s0 else []
