@@ -898,10 +898,33 @@ def test_waterfill_batch_kernel_equals_the_op_path(H, R, D, lengths, rope, dtype
     for i in range(40):
         K, V = c.update_and_fetch(_batch_rows(rng, B, H, D, dtype), _batch_rows(rng, B, H, D, dtype))
         q, call = _batch_rows(rng, B, H * R, D, dtype), c._call
-        assert c._kernel_ready(q, K, None, call)
-        got = c._kernel_attend(q, call, scale=scale, sinks=sinks)
-        c._call = call
-        want = TurboQuantRVQBatchKVCache.attend(c, q, K, V, scale=scale, mask=None, sinks=sinks)
+        assert c._one_row_step(q, K, call, None) and c._gpu_step_ready(q)
+        got = c._gpu_step(q, call, scale=scale, sinks=sinks)
+        want = c._attend_op(q, K, V, call, scale=scale, mask=None, sinks=sinks)
+        c._call = None
+        assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol, i
+
+
+@GPU
+@pytest.mark.parametrize("H,R,D,lengths,dtype,with_sinks,opts", [
+    (2, 1, 64, (77, 300, 40, 5), mx.float16, False, {}),
+    (8, 4, 128, (5000, 301, 40, 1100), mx.bfloat16, True, {}),
+    (2, 3, 64, (500, 33, 17), mx.float16, True, {"value_codebook_bits": 12, "value_sub_dim": 4})])
+def test_turboquant_rvq_batch_kernel_equals_the_op_path(H, R, D, lengths, dtype, with_sinks, opts):
+    """TurboQuant-RVQ's batch kernel (the single cache's, with per-sequence counts) equals its op path over ragged
+    sequences, through steps where windows flush at different steps."""
+    rng = np.random.default_rng(len(lengths) + H)
+    c = _tq_batch(H, R, D, lengths, rng, dtype, **opts)
+    B, scale = len(lengths), D**-0.5
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    tol = 1e-2 if dtype == mx.bfloat16 else 3e-3
+    for i in range(40):
+        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D, dtype), _batch_rows(rng, B, H, D, dtype))
+        q, call = _batch_rows(rng, B, H * R, D, dtype), c._call
+        assert c._one_row_step(q, K, call, None) and c._gpu_step_ready(q)
+        got = c._gpu_step(q, call, scale=scale, sinks=sinks)
+        want = c._attend_op(q, K, V, call, scale=scale, mask=None, sinks=sinks)
+        c._call = None
         assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol, i
 
 
@@ -1011,10 +1034,11 @@ def _exact_partial(q, exact):
     return _split_partials(q @ ek.swapaxes(-1, -2), ev, 1)
 
 
-def _batch_partials(q, kt, vals, exact, counts):
+def _batch_partials(q, kt, vals, exact, counts, q_exact=None):
     """(m, l, acc) of a batch step with per-sequence ``counts`` [B, 5] (``_common.kernel_variants``): sequence b's first
     counts[b, 0] quantized rows (one split), then rows counts[b, 1] .. + counts[b, 2] - 1 of the first exact
-    buffer, rows counts[b, 3] .. + counts[b, 4] - 1 of the second, and the new row."""
+    buffer, rows counts[b, 3] .. + counts[b, 4] - 1 of the second, and the new row (scored with ``q_exact`` where
+    the quantized rows take other queries: TurboQuant-RVQ's rotated ones)."""
     k0, v0, _, k1, v1, _, nk, nv = exact
     f = lambda a: a.astype(mx.float32)  # noqa: E731
     t, e0, e1 = (np.arange(n)[None] for n in (kt.shape[-1], k0.shape[2], k1.shape[2]))
@@ -1023,7 +1047,8 @@ def _batch_partials(q, kt, vals, exact, counts):
                            np.ones((len(counts), 1), bool)], 1)
     ek, ev = (mx.concatenate([f(a), f(b), f(c)], 2) for a, b, c in ((k0, k1, nk), (v0, v1, nv)))
     parts = []
-    for scores, rows, vis in ((q @ kt, vals, t < counts[:, :1]), (q @ ek.swapaxes(-1, -2), ev, seen)):
+    qe = q if q_exact is None else q_exact
+    for scores, rows, vis in ((q @ kt, vals, t < counts[:, :1]), (qe @ ek.swapaxes(-1, -2), ev, seen)):
         sc = mx.where(mx.array(vis)[:, None, None], scores, -mx.inf)
         m = sc.max(axis=-1)
         p = mx.exp(sc - mx.where(mx.isinf(m), 0.0, m)[..., None])
@@ -1084,6 +1109,10 @@ def reference_kernels(monkeypatch):
         vals = value_book.decode(*c._vq.codes(v_planes[0][:, :, :n], None if v_planes[1] is None
                                               else v_planes[1][:, :, :n])) * f(v_norms[:, :, :n])[..., None]
         qr = grouped(rotated, scale, H)
+        if counts is not None:
+            caches["turboquant_rvq_batch_launches"] = caches.get("turboquant_rvq_batch_launches", 0) + 1
+            return merged(_batch_partials(qr, keys.swapaxes(-1, -2), vals, exact, np.array(counts),
+                                          grouped(queries, scale, H)), merge)
         qm, ql, qa = _split_partials(qr @ keys.swapaxes(-1, -2), vals, 4)
         em, el, ea = _exact_partial(grouped(queries, scale, H), exact)
         partials = (mx.concatenate([qm, em], -1), mx.concatenate([ql, el], -1), mx.concatenate([qa, ea], -2))
@@ -1264,13 +1293,47 @@ def test_waterfill_batch_kernel_path_plumbing_equals_its_op_path(reference_kerne
         mask = c.make_mask(1)
         K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
         q, call = _batch_rows(rng, B, H * R, D), c._call
-        want = TurboQuantRVQBatchKVCache.attend(c, q, K, V, scale=scale, mask=mask, sinks=sinks)
-        c._call = call
+        want = c._attend_op(q, K, V, call, scale=scale, mask=mask, sinks=sinks)
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=mask, sinks=sinks)
         assert _rel(out, want) < TOL_ATTN, i
     assert reference_kernels["waterfill_batch_launches"] == 40 and all(c.src) and len(set(c.nq)) == B
     assert "waterfill_batch" in _common._checked and not _common._disabled
     assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
+
+
+def _tq_batch(H, R, D, lengths, rng, dtype=mx.float32, **opts):
+    """A TurboQuant-RVQ batch cache merged from single caches fed ``lengths`` rows (ragged; 0: empty)."""
+    singles = [_tq(D, **opts) for _ in lengths]
+    for c, n in zip(singles, lengths):
+        if n:
+            _feed_waterfill(c, H, R, D, n, rng, dtype)
+    out = TurboQuantRVQKVCache.merge(singles)
+    assert type(out) is TurboQuantRVQBatchKVCache
+    return out
+
+
+@pytest.mark.parametrize("R,with_sinks", [(1, False), (3, True)])
+def test_turboquant_rvq_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels, R, with_sinks):
+    """With reference partials, TurboQuant-RVQ's batch kernel path (per-sequence code slots, sinks, right-aligned
+    window, the rotated queries, the merge with the dense rotation back) equals its op path over ragged sequences
+    (windows flushing at different steps), is checked once, and is taken only with the mask ``make_mask`` made."""
+    H, D, B, scale = 2, 64, 4, 64**-0.5
+    rng = np.random.default_rng(R)
+    c = reference_kernels["turboquant_rvq"] = _tq_batch(H, R, D, (77, 300, 40, 0), rng)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    for i in range(40):
+        mask = c.make_mask(1)
+        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
+        q, call = _batch_rows(rng, B, H * R, D), c._call
+        want = c._attend_op(q, K, V, call, scale=scale, mask=mask, sinks=sinks)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=mask, sinks=sinks)
+        assert _rel(out, want) < TOL_ATTN, i
+    assert reference_kernels["turboquant_rvq_batch_launches"] == 40 and len(set(c.nq)) == B
+    assert "turboquant_rvq_batch" in _common._checked and not _common._disabled
+    foreign = c.make_mask(1) | mx.zeros((1,), dtype=mx.bool_)  # equal values, not the mask this cache made
+    K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
+    dispatch.dispatched_sdpa(_batch_rows(rng, B, H * R, D), K, V, cache=c, scale=scale, mask=foreign)
+    assert reference_kernels["turboquant_rvq_batch_launches"] == 40
 
 
 def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, monkeypatch):

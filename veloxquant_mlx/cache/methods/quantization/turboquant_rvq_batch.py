@@ -20,10 +20,12 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ... import kernels, native
+from ...kernels import turboquant_rvq as tq_kernel
 from ...attention import bool_mask, dense_attention
 from ...contract import BatchingNotSupported, register_with_mlx_lm
 from ...primitives.bitpack import packed_words
-from ..batch_common import RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, visible_mask
+from ..batch_common import (RaggedBatchCache, borrows, grow_slots, keep_right, rows_ending_at, rows_from, step_counts,
+                            visible_mask)
 from ...primitives.rvq import split_bits
 from ...window import QUANT_BLOCK, SINK_ROWS, WindowCall, attend_joint, batch_finish, concat_rows
 from .turboquant_rvq import TurboQuantRVQKVCache
@@ -255,30 +257,72 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
 
     def attend(self, queries, keys, values, *, scale, mask, sinks=None):
         call, self._call = self._call, None
+
+        def op():
+            return self._attend_op(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
+
+        if not self._one_row_step(queries, keys, call, mask):
+            return op()
+        if self._gpu_step_ready(queries):  # the CUDA kernel, checked once against the op path
+            return kernels.checked_call(f"{self.method_name}_batch", self,
+                                        lambda: self._gpu_step(queries, call, scale=scale, sinks=sinks), op)
+        if self._cpu_step_ready(queries):  # the CPU kernels, likewise
+            return kernels.checked_call(f"{self.method_name}_batch_cpu", self,
+                                        lambda: self._cpu_step(queries, call, scale=scale, sinks=sinks), op)
+        return op()
+
+    def _attend_op(self, queries, keys, values, call, *, scale, mask, sinks=None):
+        """The op path: the single cache's one softmax over the sinks, the codes (``_quantized_part``), the window
+        and the new rows with the batch mask; dense attention where the call is not a stored window's."""
         N, w = queries.shape[2], call.window if call is not None else None
         if w is None or w.new_k.shape[2] != N or keys.shape[2] != w.s0 + w.q0 + w.r0 + N:
             return dense_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         if keys.shape[2] == N:  # nothing stored before this call: plain (causal) attention over the new rows
             return dense_attention(queries, w.new_k, w.new_v, scale=scale, mask="causal" if N > 1 else None,
                                    sinks=sinks)
+        return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
+                            mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
 
-        def op():
-            return attend_joint(queries, w, call.sink, self._quantized_part, scale=scale,
-                                mask=self._call_mask(call, mask, N), sinks=sinks, n_keys=keys.shape[2])
-
-        if self._cpu_step_ready(queries, call, mask):  # checked once against the op path
-            return kernels.checked_call(f"{self.method_name}_batch_cpu", self,
-                                        lambda: self._cpu_step(queries, call, scale=scale, sinks=sinks), op)
-        return op()
-
-    def _cpu_step_ready(self, queries, call: _BatchCall, mask) -> bool:
-        """One query row per sequence over stored codes on the CPU kernels (``_cpu_dims_fit``), the mask
-        ``make_mask`` made (or none)."""
-        w = call.window
-        if not (queries.shape[2] == 1 and w.q0 > 0 and w.new_k.shape[2] == 1 and native.available()):
-            return False
-        return (self._cpu_dims_fit(queries.shape[1])
+    def _one_row_step(self, queries, keys, call, mask) -> bool:
+        """One query row per sequence over stored codes (the call's rows all returned), with the mask ``make_mask``
+        made (or none): what the decode kernels take, with per-sequence counts."""
+        w = call.window if call is not None else None
+        return (w is not None and queries.shape[2] == 1 and w.q0 > 0 and w.new_k.shape[2] == 1
+                and keys.shape[2] == w.s0 + w.q0 + w.r0 + 1
                 and self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))))
+
+    def _gpu_step_ready(self, queries) -> bool:
+        """CUDA and shapes ``kernels.turboquant_rvq`` reads."""
+        H, D, DV = self._shape
+        return kernels.kernels_enabled() and tq_kernel.supported(
+            D, DV, queries.shape[1] // H, self.key_sub_dim, self.key_bits, self.value_sub_dim, self.value_bits)
+
+    def _gpu_step(self, queries, call: _BatchCall, *, scale, sinks):
+        """The single cache's decode kernel with per-sequence counts: sequence i's first ``nq[i]`` code slots, its
+        ``ns[i]`` sink rows (left-aligned), its ``nw[i]`` window rows (right-aligned in the call's window), the new
+        row; merged by the launch's last block per head, the values rotated back once."""
+        kq, vq = self._qs()
+        w = call.window
+        counts, exact = self._step_exact(call)
+        counters = kernels.step_counters(self, queries.shape[0] * self.k_codes1.shape[1])
+        rot = vq.rotation_back()
+        return tq_kernel.tq_partials(
+            queries, queries @ kq.rot_t, scale, (self.k_codes1, getattr(self, "k_codes2", None)), self.k_norms,
+            (self.v_codes1, getattr(self, "v_codes2", None)), self.v_norms, kq.cb, vq.cb, rot, w.q0, exact,
+            counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, counters, rot))
+
+    def _step_exact(self, call: _BatchCall):
+        """The CUDA kernels' per-sequence counts and exact buffers of a one-row step: the sink slots (those below
+        ``ns[i]`` never change), the window before the call (right-aligned) and the new row."""
+        w = call.window
+        W = w.r0
+        win_k, win_v = (w.past_k, w.past_v) if W else (self.sink_k, self.sink_v)  # no window: 0 rows read
+        counts = step_counts([(q, 0, s, W - r, r) for s, q, r in zip(call.ns, call.nq, call.nw)])
+        return counts, (self.sink_k, self.sink_v, 0, win_k, win_v, 0, w.new_k, w.new_v)
+
+    def _cpu_step_ready(self, queries) -> bool:
+        """The CPU kernels built here (``native``) and head shapes they hold (``_cpu_dims_fit``)."""
+        return native.available() and self._cpu_dims_fit(queries.shape[1])
 
     def _cpu_step(self, queries, call: _BatchCall, *, scale, sinks):
         """The step by the CPU kernels: each sequence's first ``nq[i]`` code slots (``_batch_cpu_part``), then its

@@ -32,7 +32,7 @@ from ...primitives.varpack import VarLayout, extract_codes
 from ...window import SINK_ROWS, ResidualWindowCache
 from ... import kernels
 from ...kernels import waterfill as wf_kernel
-from ..batch_common import borrows, rows_from, step_counts
+from ..batch_common import borrows, rows_from
 from .turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from .waterfill import BLOCK, WaterfillKVCache
 
@@ -212,11 +212,6 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             self._call = None
             out = self._attend_chunk(queries, keys, values, w, scale=scale, mask=self._call_mask(call, mask, N),
                                      sinks=sinks)
-        elif N == 1 and self._kernel_ready(queries, keys, mask, call):  # checked once against the op path
-            out = kernels.checked_call(
-                "waterfill_batch", self, lambda: self._kernel_attend(queries, call, scale=scale, sinks=sinks),
-                lambda: TurboQuantRVQBatchKVCache.attend(self, queries, keys, values, scale=scale, mask=mask,
-                                                         sinks=sinks))
         else:
             out = super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         due = self._due()
@@ -227,31 +222,22 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
             super()._store(self.win_k[:, :, :0], self.win_v[:, :, :0], [0] * self.batch_size)
         return out if seen is None else mx.depends(out, seen)
 
-    def _kernel_ready(self, queries, keys, mask, call) -> bool:
-        """One query row per sequence over stored codes, the mask ``make_mask`` made (or none), kernel shapes, CUDA."""
-        w = call.window if call is not None else None
-        if w is None or w.q0 == 0 or w.new_k.shape[2] != 1 or keys.shape[2] != w.s0 + w.q0 + w.r0 + 1:
-            return False
+    def _gpu_step_ready(self, queries) -> bool:
+        """Shapes waterfill's decode kernel reads, on CUDA (or Metal)."""
         _, D, DV = self._shape
-        return (self._mask_is_own(mask, (tuple(call.ns), tuple(call.nq), tuple(call.nw))) and power_of_two(DV)
-                and wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1],
-                                        queries.shape[1] // self.k_words.shape[1])
+        return (power_of_two(DV) and wf_kernel.supported(D, DV, self.k_words.shape[-1], self.v_words.shape[-1],
+                                                         queries.shape[1] // self.k_words.shape[1])
                 and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
-    def _kernel_attend(self, queries, call, *, scale, sinks):
-        """The single cache's kernel with per-sequence counts: its code slots, its sink rows (left-aligned),
-        its window rows (right-aligned in the record's window), the key tables per sequence and head."""
-        self._call = None
+    def _gpu_step(self, queries, call, *, scale, sinks):
+        """The single cache's kernel with per-sequence counts (``_step_exact``: its code slots, its sink rows, its
+        window rows right-aligned) and the key tables per sequence and head."""
         ktab, lo, step, rope, vpoly = wf_kernel.cache_constants(self)
-        w = call.window
-        W = w.r0
-        win_k, win_v = (w.past_k, w.past_v) if W else (self.sink_k, self.sink_v)  # no window: 0 rows read
-        counts = step_counts([(q, 0, s, W - r, r) for s, q, r in zip(call.ns, call.nq, call.nw)])
-        exact = (self.sink_k, self.sink_v, 0, win_k, win_v, 0, w.new_k, w.new_v)  # sink slots < ns never change
+        counts, exact = self._step_exact(call)
         counters = kernels.step_counters(self, queries.shape[0] * self.k_words.shape[1])
         return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
-                                            self.v_scales, vpoly, w.q0, SINK_ROWS, self.bit_width, self._shape[2],
-                                            exact, counts=counts,
+                                            self.v_scales, vpoly, call.window.q0, SINK_ROWS, self.bit_width,
+                                            self._shape[2], exact, counts=counts,
                                             merge=kernels.Merge(sinks, True, queries.dtype, counters),
                                             paired=wf_kernel.paired_rope(self.rope, self._shape[1]))
 
