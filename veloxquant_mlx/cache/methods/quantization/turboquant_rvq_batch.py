@@ -7,10 +7,11 @@ codes and norms (``[B, H, cap, .]``, ``nq[i]`` used; later slots are masked and 
 both left-aligned, and the float16 window (``win_k [B, H, W, D]``, right-aligned, ``nw[i]`` used). A window
 flushes as the single cache's (the stream's first ``SINK_ROWS`` tokens to the sinks), for the whole batch in
 one gather, one encode and one ``put_along_axis``. Counts are host-side ints (``batch_common``): no per-step
-sync, no loop over tokens, heads or sequences. ``attend`` is the single cache's one softmax with the batch mask;
-on the CPU a decode step whose mask is the one ``make_mask`` made (or none) takes the single cache's CPU kernel
-with per-sequence counts and ends in ``window.batch_finish`` with per-sequence spans of the sink, window and new
-rows (checked once against the op path).
+sync, no loop over tokens, heads or sequences. ``attend`` is the single cache's one softmax with the batch mask
+(``_attend_op``); a decode step whose mask is the one ``make_mask`` made (or none) takes the single cache's decode
+kernel with per-sequence counts (``_step_exact``) on CUDA, or its CPU kernel ending in ``window.batch_finish``
+with per-sequence spans of the sink, window and new rows on the CPU (each checked once against the op path).
+Waterfill's batch form routes its own kernels through the same ``_gpu_step`` / ``_cpu_step``.
 """
 
 from __future__ import annotations
