@@ -82,6 +82,13 @@ for cmd in "$@"; do
       timeout ${TMO:-200} python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds $R --burst \
         --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16 --method turboquant_rvq \
         > $OUT/paired_$T.txt 2>&1; grep -v "^  \.\.\|Warn" $OUT/paired_$T.txt; done ;;
+  bktest) # the batch forms' CUDA kernels against their op paths (KIVI, waterfill, TurboQuant-RVQ; session 48)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode_kernels.py -k "batch" > $OUT/bktest.txt 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" $OUT/bktest.txt | head -20 ;;
+  gbatch) # batched decode of the three quantizers vs mlx_lm's BatchKVCache, llama-8b shape (scripts/batch_decode.py)
+    timeout ${TMO:-500} python3 scripts/batch_decode.py --shape llama-8b --batch ${BATCH:-8} --context ${CONTEXT:-8192} \
+      --steps 16 --repeats ${REPEATS:-3} --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16 \
+      --method turboquant_rvq --out $OUT/gbatch_${BATCH:-8}x${CONTEXT:-8192}.json > $OUT/gbatch.txt 2>&1; grep -v Warn $OUT/gbatch.txt ;;
   onechunk) # a prompt in one chunk (mlx_lm prefills up to 2048 tokens so): every method, then the 4-bit caches at llama-8b's width
     (timeout 300 python3 scripts/prefill_peak.py --contexts ${CONTEXTS:-2047} --steps 2048 --methods all --warm;
      timeout 200 python3 scripts/prefill_peak.py --shape llama-8b --layers 8 --contexts 2047 --steps 2048 --warm --methods none,kivi:bit_width_inlier=4,waterfill:bit_width_inlier=4:residual_length=16,turboquant_rvq,h2o,snapkv,gear
