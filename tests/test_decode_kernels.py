@@ -884,37 +884,21 @@ def test_kivi_batch_kernel_equals_the_op_path(H, R, D, bits, group, lengths, dty
 
 
 @GPU
-@pytest.mark.parametrize("H,R,D,lengths,rope,dtype,with_sinks", [
-    (2, 1, 64, (77, 300, 40, 5), None, mx.float16, False),
-    (8, 4, 128, (5000, 301, 40, 1100), "rope", mx.bfloat16, True)])
-def test_waterfill_batch_kernel_equals_the_op_path(H, R, D, lengths, rope, dtype, with_sinks):
-    """Waterfill's batch kernel (per-sequence counts and key tables) equals its op path over ragged sequences,
-    through steps where windows flush at different steps."""
+@pytest.mark.parametrize("method,H,R,D,lengths,dtype,with_sinks,how", [
+    ("waterfill", 2, 1, 64, (77, 300, 40, 5), mx.float16, False, None),
+    ("waterfill", 8, 4, 128, (5000, 301, 40, 1100), mx.bfloat16, True, "rope"),
+    ("turboquant_rvq", 2, 1, 64, (77, 300, 40, 5), mx.float16, False, {}),
+    ("turboquant_rvq", 8, 4, 128, (5000, 301, 40, 1100), mx.bfloat16, True, {}),
+    ("turboquant_rvq", 2, 3, 64, (500, 33, 17), mx.float16, True, {"value_codebook_bits": 12, "value_sub_dim": 4})])
+def test_batch_kernel_equals_the_op_path(method, H, R, D, lengths, dtype, with_sinks, how):
+    """Waterfill's and TurboQuant-RVQ's batch kernels (per-sequence counts; waterfill's key tables per sequence and
+    head) equal their op path over ragged sequences, through steps where windows flush at different steps. ``how``:
+    waterfill's RoPE, or TurboQuant-RVQ's options."""
     rng = np.random.default_rng(len(lengths) + H)
-    c = _waterfill_batch(H, R, D, None if rope is None else nn.RoPE(D, base=10000.0), lengths, rng, dtype)
-    B, scale = len(lengths), D**-0.5
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
-    tol = 1e-2 if dtype == mx.bfloat16 else 3e-3
-    for i in range(40):
-        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D, dtype), _batch_rows(rng, B, H, D, dtype))
-        q, call = _batch_rows(rng, B, H * R, D, dtype), c._call
-        assert c._one_row_step(q, K, call, None) and c._gpu_step_ready(q)
-        got = c._gpu_step(q, call, scale=scale, sinks=sinks)
-        want = c._attend_op(q, K, V, call, scale=scale, mask=None, sinks=sinks)
-        c._call = None
-        assert got.dtype == dtype and _rel(got.astype(mx.float32), want.astype(mx.float32)) < tol, i
-
-
-@GPU
-@pytest.mark.parametrize("H,R,D,lengths,dtype,with_sinks,opts", [
-    (2, 1, 64, (77, 300, 40, 5), mx.float16, False, {}),
-    (8, 4, 128, (5000, 301, 40, 1100), mx.bfloat16, True, {}),
-    (2, 3, 64, (500, 33, 17), mx.float16, True, {"value_codebook_bits": 12, "value_sub_dim": 4})])
-def test_turboquant_rvq_batch_kernel_equals_the_op_path(H, R, D, lengths, dtype, with_sinks, opts):
-    """TurboQuant-RVQ's batch kernel (the single cache's, with per-sequence counts) equals its op path over ragged
-    sequences, through steps where windows flush at different steps."""
-    rng = np.random.default_rng(len(lengths) + H)
-    c = _tq_batch(H, R, D, lengths, rng, dtype, **opts)
+    if method == "waterfill":
+        c = _waterfill_batch(H, R, D, None if how is None else nn.RoPE(D, base=10000.0), lengths, rng, dtype)
+    else:
+        c = _tq_batch(H, R, D, lengths, rng, dtype, **how)
     B, scale = len(lengths), D**-0.5
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
     tol = 1e-2 if dtype == mx.bfloat16 else 3e-3
@@ -1279,28 +1263,6 @@ def _waterfill_batch(H, R, D, rope, lengths, rng, dtype=mx.float32):
     return WaterfillKVCache.merge(singles)
 
 
-@pytest.mark.parametrize("R,rope,with_sinks", [(1, None, False), (3, "rope", True)])
-def test_waterfill_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels, R, rope, with_sinks):
-    """With reference partials, waterfill's batch kernel path (per-sequence code slots, sinks, right-aligned
-    window; key tables per sequence and head; merge with the rotation back) equals its op path over ragged
-    sequences (one calibrating during the steps, windows flushing at different steps), and is checked once."""
-    H, D, B, scale = 2, 64, 4, 64**-0.5
-    rng = np.random.default_rng(R)
-    c = _waterfill_batch(H, R, D, None if rope is None else nn.RoPE(D, base=10000.0), (77, 300, 40, 5), rng)
-    reference_kernels["waterfill"] = c
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
-    for i in range(40):
-        mask = c.make_mask(1)
-        K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
-        q, call = _batch_rows(rng, B, H * R, D), c._call
-        want = c._attend_op(q, K, V, call, scale=scale, mask=mask, sinks=sinks)
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=mask, sinks=sinks)
-        assert _rel(out, want) < TOL_ATTN, i
-    assert reference_kernels["waterfill_batch_launches"] == 40 and all(c.src) and len(set(c.nq)) == B
-    assert "waterfill_batch" in _common._checked and not _common._disabled
-    assert c.nbytes == sum(a.nbytes for a in c.held_arrays())  # the kernel's tables are counted
-
-
 def _tq_batch(H, R, D, lengths, rng, dtype=mx.float32, **opts):
     """A TurboQuant-RVQ batch cache merged from single caches fed ``lengths`` rows (ragged; 0: empty)."""
     singles = [_tq(D, **opts) for _ in lengths]
@@ -1312,14 +1274,22 @@ def _tq_batch(H, R, D, lengths, rng, dtype=mx.float32, **opts):
     return out
 
 
-@pytest.mark.parametrize("R,with_sinks", [(1, False), (3, True)])
-def test_turboquant_rvq_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels, R, with_sinks):
-    """With reference partials, TurboQuant-RVQ's batch kernel path (per-sequence code slots, sinks, right-aligned
-    window, the rotated queries, the merge with the dense rotation back) equals its op path over ragged sequences
-    (windows flushing at different steps), is checked once, and is taken only with the mask ``make_mask`` made."""
+@pytest.mark.parametrize("method,R,rope,with_sinks", [("waterfill", 1, None, False), ("waterfill", 3, "rope", True),
+                                                      ("turboquant_rvq", 1, None, False),
+                                                      ("turboquant_rvq", 3, None, True)])
+def test_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels, method, R, rope, with_sinks):
+    """With reference partials, waterfill's and TurboQuant-RVQ's batch kernel paths (per-sequence code slots, sinks,
+    right-aligned window; waterfill's key tables per sequence and head and rotation back, TurboQuant-RVQ's rotated
+    queries and dense rotation back) equal their op path over ragged sequences (waterfill's shortest calibrating
+    during the steps, windows flushing at different steps), are checked once, and are taken only with the mask
+    ``make_mask`` made."""
     H, D, B, scale = 2, 64, 4, 64**-0.5
     rng = np.random.default_rng(R)
-    c = reference_kernels["turboquant_rvq"] = _tq_batch(H, R, D, (77, 300, 40, 0), rng)
+    if method == "waterfill":
+        c = _waterfill_batch(H, R, D, None if rope is None else nn.RoPE(D, base=10000.0), (77, 300, 40, 5), rng)
+    else:
+        c = _tq_batch(H, R, D, (77, 300, 40, 0), rng)
+    reference_kernels[method] = c
     sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
     for i in range(40):
         mask = c.make_mask(1)
@@ -1328,12 +1298,14 @@ def test_turboquant_rvq_batch_kernel_path_plumbing_equals_its_op_path(reference_
         want = c._attend_op(q, K, V, call, scale=scale, mask=mask, sinks=sinks)
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=mask, sinks=sinks)
         assert _rel(out, want) < TOL_ATTN, i
-    assert reference_kernels["turboquant_rvq_batch_launches"] == 40 and len(set(c.nq)) == B
-    assert "turboquant_rvq_batch" in _common._checked and not _common._disabled
+    assert reference_kernels[f"{method}_batch_launches"] == 40 and len(set(c.nq)) == B
+    assert f"{method}_batch" in _common._checked and not _common._disabled
+    assert method != "waterfill" or all(c.src)
+    assert c.nbytes == sum(a.nbytes for a in c.held_arrays()) + (c.constant_nbytes if method != "waterfill" else 0)
     foreign = c.make_mask(1) | mx.zeros((1,), dtype=mx.bool_)  # equal values, not the mask this cache made
     K, V = c.update_and_fetch(_batch_rows(rng, B, H, D), _batch_rows(rng, B, H, D))
     dispatch.dispatched_sdpa(_batch_rows(rng, B, H * R, D), K, V, cache=c, scale=scale, mask=foreign)
-    assert reference_kernels["turboquant_rvq_batch_launches"] == 40
+    assert reference_kernels[f"{method}_batch_launches"] == 40
 
 
 def test_a_mismatching_kernel_is_turned_off_with_one_warning(reference_kernels, monkeypatch):
