@@ -58,19 +58,25 @@ inline void unpack_row(const uint32_t* __restrict w, int S, int bits, uint8_t* _
   }
 }
 
-// A block's codes of one side, row-major: i1[j * S + s], i2 likewise; with a second stage sg[j * S + s] = sigma[i1]
-// (the stage-2 scale of the row's cell).
+// A block's codes of one side, row-major: c1[j * S + s], c2 likewise (a stage-2 term's scale is sigma[c1], read
+// where it is used: a table of K1 floats in L1, cheaper than a block-sized copy of it). Byte-wide codes filling
+// their rows' words exactly (8-bit codes, S a multiple of 4: the defaults' stage 1) are read where they are stored.
 struct BlockCodes {
   std::vector<uint8_t> i1, i2;
-  std::vector<float> sg;
-  explicit BlockCodes(int S) : i1(size_t(S) * BLOCK), i2(size_t(S) * BLOCK), sg(size_t(S) * BLOCK) {}
+  const uint8_t *c1 = nullptr, *c2 = nullptr;
+  explicit BlockCodes(int S) : i1(size_t(S) * BLOCK), i2(size_t(S) * BLOCK) {}
   void load(const Side& x, int bh, int t0, int rows) {
-    for (int j = 0; j < rows; ++j) {
-      unpack_row(x.c1 + (size_t(bh) * x.cap1 + t0 + j) * x.w1, x.S, x.bits1, &i1[size_t(j) * x.S]);
-      if (x.c2) unpack_row(x.c2 + (size_t(bh) * x.cap2 + t0 + j) * x.w2, x.S, x.bits2, &i2[size_t(j) * x.S]);
-    }
-    if (x.c2)
-      for (int e = 0; e < rows * x.S; ++e) sg[e] = x.sigma[i1[e]];
+    c1 = stage(x.c1, x.cap1, x.w1, x.bits1, x.S, bh, t0, rows, i1);
+    if (x.c2) c2 = stage(x.c2, x.cap2, x.w2, x.bits2, x.S, bh, t0, rows, i2);
+  }
+
+ private:
+  static const uint8_t* stage(const uint32_t* w, int cap, int wpr, int bits, int S, int bh, int t0, int rows,
+                              std::vector<uint8_t>& buf) {
+    const uint32_t* first = w + (size_t(bh) * cap + t0) * wpr;
+    if (bits == 8 && 4 * wpr == S) return reinterpret_cast<const uint8_t*>(first);
+    for (int j = 0; j < rows; ++j) unpack_row(first + size_t(j) * wpr, S, bits, &buf[size_t(j) * S]);
+    return buf.data();
   }
 };
 
@@ -103,11 +109,13 @@ void lookup_table(const float* q, int R, int D, const float* cb, int K, int sd, 
     }
 }
 
-// sum_s tab[s * K + code[s]] (each term times scale[s] when SCALED), in four independent sums.
+// sum_s tab[s * K + code[s]] (each term times sigma[cell[s]] when SCALED: a stage-2 code's scale by its stage-1
+// cell), in four independent sums.
 template <bool SCALED>
-inline vf4 lookup_sum(const vf4* __restrict tab, int K, const uint8_t* __restrict code, const float* scale, int S) {
+inline vf4 lookup_sum(const vf4* __restrict tab, int K, const uint8_t* __restrict code, const float* sigma,
+                      const uint8_t* __restrict cell, int S) {
   vf4 a0{}, a1{}, a2{}, a3{};
-  auto term = [&](int s) { return SCALED ? scale[s] * tab[s * K + code[s]] : tab[s * K + code[s]]; };
+  auto term = [&](int s) { return SCALED ? sigma[cell[s]] * tab[s * K + code[s]] : tab[s * K + code[s]]; };
   int s = 0;
   for (; s + 4 <= S; s += 4) {
     a0 += term(s);
@@ -138,8 +146,8 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
       const size_t e = size_t(j) * k.S;
       const float gt = f16(k.norms[size_t(bh) * k.capn + b0 + j]);
       for (int g = 0; g < G; ++g) {
-        vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, &kc.i1[e], nullptr, k.S);
-        if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, &kc.i2[e], &kc.sg[e], k.S);
+        vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, kc.c1 + e, nullptr, nullptr, k.S);
+        if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, kc.c2 + e, k.sigma, kc.c1 + e, k.S);
         a *= gt;
         for (int lane = 0; lane < QL; ++lane) sc[size_t(g * QL + lane) * len + (b0 - t0 + j)] = a[lane];
       }
@@ -182,26 +190,26 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
         for (int lane = 0; lane < QL && g * QL + lane < R; ++lane)
           w[lane] = sc[size_t(g * QL + lane) * len + (b0 - t0 + j)] * gt;
         vf4* __restrict b1 = h1.data() + size_t(g) * v.S * V1;
-        for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.i1[e + s]] += w;
+        for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.c1[e + s]] += w;
         if (!V2) continue;
         vf4* __restrict b2 = h2.data() + size_t(g) * v.S * V2;
-        for (int s = 0; s < v.S; ++s) b2[s * V2 + vc.i2[e + s]] += w * vc.sg[e + s];
+        for (int s = 0; s < v.S; ++s) b2[s * V2 + vc.c2[e + s]] += w * v.sigma[vc.c1[e + s]];
       }
     }
   }
-  for (int r = 0; r < R; ++r)  // acc[piece s] = bins1 @ cb1 + bins2 @ cb2
+  std::vector<vf4> piece(v.sd);  // acc[piece s] = bins1 @ cb1 + bins2 @ cb2, four query heads a vector
+  for (int g = 0; g < G; ++g)
     for (int s = 0; s < v.S; ++s) {
-      float* out = acc + size_t(r) * d.DV + size_t(s) * v.sd;
-      const size_t at = size_t(r / QL) * v.S + s;
+      std::fill(piece.begin(), piece.end(), vf4{});
       for (int stage = 0; stage < (V2 ? 2 : 1); ++stage) {
         const int K = stage ? V2 : V1;
-        const vf4* bins = (stage ? h2.data() : h1.data()) + at * K;
+        const vf4* bins = (stage ? h2.data() : h1.data()) + (size_t(g) * v.S + s) * K;
         const float* cb = stage ? v.cb2 : v.cb1;
-        for (int c = 0; c < K; ++c) {
-          const float w = bins[c][r % QL];
-          for (int e = 0; e < v.sd; ++e) out[e] += w * cb[size_t(c) * v.sd + e];
-        }
+        for (int c = 0; c < K; ++c)
+          for (int e = 0; e < v.sd; ++e) piece[e] += bins[c] * cb[size_t(c) * v.sd + e];
       }
+      for (int lane = 0; lane < QL && g * QL + lane < R; ++lane)
+        for (int e = 0; e < v.sd; ++e) acc[size_t(g * QL + lane) * d.DV + size_t(s) * v.sd + e] = piece[e][lane];
     }
 }
 
