@@ -32,16 +32,17 @@ inline void unpack_row(const uint32_t* __restrict w, int S, int bits, uint8_t* _
   const uint8_t* b = reinterpret_cast<const uint8_t*>(w);
   if (bits == 8) {
     std::memcpy(out, b, size_t(S));
-  } else if (bits == 4) {  // two codes a byte, low nibble first: eight bytes at a time as one word
+  } else if (bits == 4) {  // two codes a byte, low nibble first: eight bytes at a time, the nibbles interleaved
+    typedef uint8_t vb16 __attribute__((vector_size(16)));
     int i = 0;
     for (; 2 * i + 16 <= S; i += 8) {
-      uint64_t x;
-      std::memcpy(&x, b + i, 8);
-      const uint64_t lo = x & 0x0f0f0f0f0f0f0f0full, hi = (x >> 4) & 0x0f0f0f0f0f0f0f0full;
-      for (int k = 0; k < 8; ++k) {
-        out[2 * (i + k)] = uint8_t(lo >> (8 * k));
-        out[2 * (i + k) + 1] = uint8_t(hi >> (8 * k));
-      }
+      uint64_t x[2];
+      std::memcpy(&x[0], b + i, 8);
+      x[1] = (x[0] >> 4) & 0x0f0f0f0f0f0f0f0full, x[0] &= 0x0f0f0f0f0f0f0f0full;
+      vb16 v;
+      std::memcpy(&v, x, 16);
+      const vb16 o = __builtin_shufflevector(v, v, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+      std::memcpy(out + 2 * i, &o, 16);
     }
     for (; 2 * i < S; ++i) {
       out[2 * i] = b[i] & 15;
@@ -135,7 +136,7 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
   if (len <= 0) return;
   const float* qb = q + size_t(bh) * R * d.D;
   std::vector<vf4> lut1(size_t(G) * k.S * K1), lut2(size_t(G) * k.S * K2);
-  std::vector<float> sc(size_t(G) * QL * len);  // [r, row]: scores, then exp(s - m)
+  std::vector<vf4> sc(size_t(G) * len);  // [group, row]: four query heads' scores, then exp(s - m)
   lookup_table(qb, R, d.D, k.cb1, K1, k.sd, lut1.data());
   if (K2) lookup_table(qb, R, d.D, k.cb2, K2, k.sd, lut2.data());
   BlockCodes kc(k.S), vc(v.S);
@@ -148,34 +149,28 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
       for (int g = 0; g < G; ++g) {
         vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, kc.c1 + e, nullptr, nullptr, k.S);
         if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, kc.c2 + e, k.sigma, kc.c1 + e, k.S);
-        a *= gt;
-        for (int lane = 0; lane < QL; ++lane) sc[size_t(g * QL + lane) * len + (b0 - t0 + j)] = a[lane];
+        sc[size_t(g) * len + (b0 - t0 + j)] = a * gt;
       }
     }
   }
-  for (int r = 0; r < R; ++r) {  // exp(s - m), l
-    float* sr = sc.data() + size_t(r) * len;
-    vf mv = splat(-INFINITY);
-    int j = 0;
-    for (; j + VL <= len; j += VL) {
-      const vf x = load(sr + j);
-      mv = x > mv ? x : mv;
-    }
-    float mr = -INFINITY;
-    for (int c = 0; c < VL; ++c) mr = std::max(mr, mv[c]);
-    for (; j < len; ++j) mr = std::max(mr, sr[j]);
+  for (int g = 0; g < G; ++g) {  // exp(s - m), l: a group's rows as one float stream, lane = position % 4
+    vf4* sg = sc.data() + size_t(g) * len;
+    vf4 m4 = sg[0];
+    for (int j = 1; j < len; ++j) m4 = sg[j] > m4 ? sg[j] : m4;
+    float* f = reinterpret_cast<float*>(sg);
+    vf mrep;
+    for (int c = 0; c < VL; ++c) mrep[c] = m4[c % QL];
     vf sum{};
-    j = 0;
-    for (; j + VL <= len; j += VL) {
-      const vf e = exp_neg(load(sr + j) - mr);
-      store(sr + j, e);
+    int i = 0;
+    for (; i + VL <= QL * len; i += VL) {
+      const vf e = exp_neg(load(f + i) - mrep);
+      store(f + i, e);
       sum += e;
     }
-    float total = 0.f;
-    for (int c = 0; c < VL; ++c) total += sum[c];
-    for (; j < len; ++j) total += sr[j] = exp_neg(sr[j] - mr);
-    m[r] = mr;
-    l[r] = total;
+    vf4 l4{};
+    for (int c = 0; c < VL; ++c) l4[c % QL] += sum[c];
+    for (; i < QL * len; ++i) l4[i % QL] += f[i] = exp_neg(f[i] - m4[i % QL]);
+    for (int lane = 0; lane < QL && g * QL + lane < R; ++lane) m[g * QL + lane] = m4[lane], l[g * QL + lane] = l4[lane];
   }
   // pass 2: each row's weights p g_v added to its codes' bins (stage 2's times its cell's sigma)
   std::vector<vf4> h1(size_t(G) * v.S * V1, vf4{}), h2(size_t(G) * v.S * V2, vf4{});
@@ -186,9 +181,7 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
       const size_t e = size_t(j) * v.S;
       const float gt = f16(v.norms[size_t(bh) * v.capn + b0 + j]);
       for (int g = 0; g < G; ++g) {
-        vf4 w{};
-        for (int lane = 0; lane < QL && g * QL + lane < R; ++lane)
-          w[lane] = sc[size_t(g * QL + lane) * len + (b0 - t0 + j)] * gt;
+        const vf4 w = sc[size_t(g) * len + (b0 - t0 + j)] * gt;  // lanes past R: never read back
         vf4* __restrict b1 = h1.data() + size_t(g) * v.S * V1;
         for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.c1[e + s]] += w;
         if (!V2) continue;
