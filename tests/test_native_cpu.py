@@ -769,3 +769,112 @@ def test_rvq_cpu_encoder_leaves_no_layer_rows_to_the_chunks_end(monkeypatch):
     runs = [(peak(True), peak(False)) for _ in range(5)]
     on, off = min(r[0] for r in runs), min(r[1] for r in runs)
     assert on <= 1.05 * off + 2 * H * n * D * 4, runs
+
+
+# ------------------------------------------------------------------------------ prefill softmax
+def _masked_attention64(q, k, v, scale, mask, sinks=None):
+    """float64 attention, q [B, Hq, N, D], k/v [B, H, M, D] (GQA), ``mask`` None / "causal" / a boolean array /
+    an additive one (MLX's sdpa's meanings), ``sinks`` [Hq] logits or None."""
+    q, k, v = (np.asarray(x.astype(mx.float32), np.float64) for x in (q, k, v))
+    B, Hq, N, D = q.shape
+    H, M = k.shape[1], k.shape[2]
+    s = np.einsum("bhrnd,bhmd->bhrnm", q.reshape(B, H, Hq // H, N, D), k).reshape(B, Hq, N, M) * scale
+    if isinstance(mask, str):
+        s = np.where(np.arange(M)[None] <= np.arange(M - N, M)[:, None], s, -np.inf)
+    elif mask is not None:
+        m = np.asarray(mask)
+        s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m.astype(np.float64)
+    peak = s.max(axis=-1, keepdims=True)
+    sk = None if sinks is None else np.asarray(sinks, np.float64).reshape(1, Hq, 1, 1)
+    if sk is not None:
+        peak = np.maximum(peak, sk)
+    p = np.exp(s - peak)
+    den = p.sum(axis=-1, keepdims=True) + (np.exp(sk - peak) if sk is not None else 0.0)
+    out = np.einsum("bhrnm,bhmd->bhrnd", p.reshape(B, H, Hq // H, N, M), v).reshape(B, Hq, N, -1)
+    return out / den
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,N,M,mask,with_sinks,dtype", [
+    (3, 3, 200, 700, "causal", False, mx.float32), (3, 3, 200, 700, "causal", True, mx.float32),
+    (2, 1, 37, 37, "causal", False, mx.float16), (1, 4, 129, 300, None, True, mx.float32),
+    (2, 2, 64, 181, "bool", False, mx.float32), (2, 3, 50, 90, "additive", True, mx.bfloat16)])
+def test_cpu_attention_equals_float64_attention(H, R, N, M, mask, with_sinks, dtype):
+    """``attention.cpu_attention`` (the products by BLAS, the softmax by ``softmax_rows``) is MLX's sdpa's function:
+    float64 attention under each mask mlx_lm passes (a causal string, a boolean array, an additive one with finite
+    biases and -inf), sink logits, GQA, 16-bit inputs (the output in their dtype)."""
+    from veloxquant_mlx.cache.attention import cpu_attention
+
+    rng = np.random.default_rng(N + M)
+    D, B = 64, 1
+    q, k, v = (mx.array(rng.normal(size=(B, h, n, D)).astype(np.float32)).astype(dtype)
+               for h, n in ((H * R, N), (H, M), (H, M)))
+    if mask == "bool":
+        mask = mx.array(rng.random((N, M)) > 0.4) | (mx.arange(M)[None] == 0)  # every row sees a key
+    elif mask == "additive":
+        bias = rng.normal(size=(B, H * R, N, M)).astype(np.float32)
+        mask = mx.array(np.where(rng.random((B, H * R, N, M)) > 0.3, bias, -np.inf).astype(np.float32))
+        mask[..., 0] = 0.0
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+    out = cpu_attention(q, k, v, scale=D**-0.5, mask=mask, sinks=sinks)
+    assert out.shape == (B, H * R, N, D) and out.dtype == dtype
+    want = _masked_attention64(q, k, v, D**-0.5, mask, sinks)
+    tol = TOL_SOFTMAX if dtype == mx.float32 else 1e-2  # 16-bit: the output's own rounding
+    assert _rel(out.astype(mx.float32), want) < tol
+
+
+TOL_SOFTMAX = 1e-5  # float32 sums of a few hundred terms and the exponential's ~1e-7 relative error
+
+
+@KERNELS
+def test_softmax_rows_masks_sinks_and_leaves_held_scores_unchanged():
+    """``softmax_rows``: row i of N sees columns up to ``offset + i`` (later ones and -inf scores exactly 0), a
+    row that sees nothing is all zeros, sinks join the normalizer (rows then sum to less than 1); scores that
+    Python still holds are not written over (the primitive writes in place only into a buffer MLX can donate);
+    bad inputs are refused with the field named."""
+    f = native.module().softmax_rows
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 3, 4, 40)).astype(np.float32) * 4
+    x[0, 0, 1, 5] = -np.inf
+    x[1, 2, 3] = -np.inf  # a row that sees nothing
+    s = mx.array(x)
+    y = np.asarray(f(s, 36, None, 3))
+    assert np.array_equal(np.asarray(s), x)  # held by Python: not donated
+    for i in range(4):
+        valid = 36 + i + 1
+        with np.errstate(invalid="ignore"):  # the row that sees nothing: nan here, zeros from the kernel
+            want = np.exp(x[..., i, :valid].astype(np.float64) - x[..., i, :valid].max(-1, keepdims=True))
+            want /= want.sum(-1, keepdims=True)
+        seen = np.isfinite(want)
+        assert np.allclose(y[..., i, :valid][seen], want[seen], rtol=TOL_SOFTMAX, atol=1e-7)
+        assert np.all(y[..., i, valid:] == 0)
+    assert y[0, 0, 1, 5] == 0 and np.all(y[1, 2, 3] == 0)
+    sk = rng.normal(size=3).astype(np.float32)
+    ys = np.asarray(f(s, -1, mx.array(sk), 3)).astype(np.float64)
+    xs = x.astype(np.float64)
+    peak = np.maximum(xs.max(-1, keepdims=True), sk[None, :, None, None])
+    e = np.exp(xs - peak)
+    want = e / (e.sum(-1, keepdims=True) + np.exp(sk[None, :, None, None] - peak))
+    assert np.allclose(ys, want, rtol=TOL_SOFTMAX, atol=1e-7) and np.all(ys.sum(-1) < 1)
+    with pytest.raises(ValueError, match="float32"):
+        f(s.astype(mx.float16), -1, None, 3)
+    with pytest.raises(ValueError, match="sinks"):
+        f(s, -1, mx.zeros((4,)), 3)
+    with pytest.raises(ValueError, match="heads"):
+        f(s, -1, None, 4)
+
+
+@KERNELS
+def test_dense_attention_tiles_take_the_native_softmax_on_the_cpu(monkeypatch):
+    """A long call's CPU tiles go through ``cpu_attention`` and give float64 attention over the call's rows."""
+    from veloxquant_mlx.cache import attention
+
+    calls = []
+    real = attention.cpu_attention
+    monkeypatch.setattr(attention, "cpu_attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    rng = np.random.default_rng(9)
+    N, M, D = 300, 1000, 64
+    q, k, v = (mx.array(rng.normal(size=(1, h, n, D)).astype(np.float32)) for h, n in ((6, N), (2, M), (2, M)))
+    out = attention.dense_attention(q, k, v, scale=D**-0.5, mask="causal")
+    assert sum(calls) == N and len(calls) >= 2
+    assert _rel(out, _masked_attention64(q, k, v, D**-0.5, "causal")) < TOL_SOFTMAX

@@ -10,6 +10,7 @@ import threading
 
 import mlx.core as mx
 
+from . import native
 from .primitives import blocks
 from .primitives.blocks import block_entries, queued_row_blocks
 
@@ -68,6 +69,28 @@ def query_tile_rows(queries: mx.array, n_rows: int, n_keys: int) -> int:
     return max(rows, min(CPU_TILE_FLOOR_ROWS, -(-n_rows // 8)))
 
 
+def cpu_attention(queries, keys, values, *, scale, mask, sinks=None):
+    """MLX's ``scaled_dot_product_attention`` on the CPU with the softmax of ``native``'s ``softmax_rows`` (vectorized
+    exponentials on the pool's threads, written over the scores) where MLX's takes one scalar libm exp per element
+    on one thread: the same products (BLAS), the same function. A causal mask is the kernel's own offset (no mask
+    array), a boolean one hides its False keys, another dtype's adds to the scores; ``sinks`` join each head's
+    normalizer. Float32 throughout, the output in the queries' dtype."""
+    B, Hq, N, _ = queries.shape
+    H, M = keys.shape[1], keys.shape[2]
+    q = (queries.astype(mx.float32) * scale).reshape(B, H, (Hq // H) * N, -1)
+    scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, Hq, N, M)
+    offset = -1
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask: {mask!r} is not a mask mlx_lm makes ('causal', an array or None)")
+        offset = M - N
+    elif mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask.astype(mx.float32)
+    weights = native.module().softmax_rows(scores, offset, sinks, Hq).reshape(B, H, -1, M)
+    out = weights @ values.astype(mx.float32)
+    return out.reshape(B, Hq, N, -1).astype(queries.dtype)
+
+
 def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     """MLX's ``scaled_dot_product_attention``, in tiles of query rows queued one by one (``queued_row_blocks``) for
     a long call on the CPU and for one with an array mask on a GPU: a causal tile sees the keys up to its last row,
@@ -80,11 +103,11 @@ def dense_attention(queries, keys, values, *, scale, mask, sinks=None):
     rows = query_tile_rows(queries, N, M)
     if (N < CPU_TILE_MIN_ROWS if blocks.on_cpu() else not isinstance(mask, mx.array) or rows >= N):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    sdpa = cpu_attention if blocks.on_cpu() and native.available() else mx.fast.scaled_dot_product_attention
 
     def tile(a, b):
         seen, m = query_rows_view(mask, N, M, a, b)
-        return mx.fast.scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen],
-                                                    scale=scale, mask=m, sinks=sinks)
+        return sdpa(queries[:, :, a:b], keys[:, :, :seen], values[:, :, :seen], scale=scale, mask=m, sinks=sinks)
 
     return mx.concatenate(queued_row_blocks(tile, N, rows), axis=2)
 

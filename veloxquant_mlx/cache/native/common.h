@@ -365,5 +365,6 @@ mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& 
                        const std::vector<int>& spans);
 std::vector<mx::array> turboquant_rvq_encode(const mx::array& z, const mx::array& c1, const mx::array& sigma,
                                              const opt_array& c2, int beam);
+mx::array softmax_rows(const mx::array& scores, int offset, const opt_array& sinks, int heads);
 
 }  // namespace veloxquant

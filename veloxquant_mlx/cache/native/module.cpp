@@ -33,6 +33,10 @@ NB_MODULE(_veloxquant_cpu, m) {
         "A decode step's attention output [B, H * R, 1, DV] (like's dtype): the partials (m, l, acc) of scaled "
         "queries q [B, H, R, D] joined with the first rows[i] of each exact group keys[i] / values[i] and the sinks; "
         "spans (a batch form's, [groups, B, 2] flat): group i's rows of batch row b are start .. start + count.");
+  m.def("softmax_rows", &softmax_rows, nb::arg("scores"), nb::arg("offset"), nb::arg("sinks").none(),
+        nb::arg("heads"),
+        "Softmax over the last axis of float32 scores [..., N, M]: row i's columns past offset + i (offset >= 0) "
+        "and -inf scores get 0; sinks [heads] join the normalizer of each of their head's rows.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
 
