@@ -410,7 +410,9 @@ def test_real_model_kl_and_compression(real, bits, dispatch_installed):
     fp16 = sum(c.full_seq_bytes for c in kivi)
     print(f"\nKIVI {bits}-bit: mean next-token KL {mean_kl:.5f} (max {float(kl.max()):.4f}), top-1 agreement "
           f"{top1:.3f}; fp16/used bytes {fp16 / used:.2f}x, fp16/held bytes {fp16 / held:.2f}x")
-    assert float(_mean_kl(ref[:1], test[:1])[0]) < 1e-6  # prefill attends in full precision
+    # prefill attends in full precision: float32 attention summed in another order (the CPU's native softmax, 30
+    # layers) moves the last prompt token's KL to ~1e-6; quantized rows would give the decode steps' ~1e-2
+    assert float(_mean_kl(ref[:1], test[:1])[0]) < 1e-5
     assert mean_kl < KL_LIMIT[bits], mean_kl
     assert fp16 / used > (3.3 if bits == 2 else 2.3)
 
