@@ -9,3 +9,8 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 16384 --s
 # batch_2k_ab.txt: 4 requests of 1664..2048 tokens, merged, against mlx_lm's BatchKVCache
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/batch_decode.py --shape smollm2 --batch 4 --context 2048 --steps 8 --repeats 3 \
   --method turboquant_rvq
+# prefill_4k_ab.txt: after (2a9863d, the native softmax in the CPU prefill tiles) then before (c4d4273), each method
+# after a first unmeasured run; chunks of 1024. s47's figures for the same command (0.92x / 0.94x / 1.19x) do not
+# repeat on this session's machine: s47's own end (8f542b8) gave waterfill 0.48x here today (69.6 s plain, 33.6 s).
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/prefill_peak.py --shape smollm2 --contexts 4096 --steps 1024 \
+  --methods none,waterfill:bit_width_inlier=4:residual_length=16,kivi:bit_width_inlier=4,turboquant_rvq --warm
