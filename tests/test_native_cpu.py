@@ -878,3 +878,15 @@ def test_dense_attention_tiles_take_the_native_softmax_on_the_cpu(monkeypatch):
     out = attention.dense_attention(q, k, v, scale=D**-0.5, mask="causal")
     assert sum(calls) == N and len(calls) >= 2
     assert _rel(out, _masked_attention64(q, k, v, D**-0.5, "causal")) < TOL_SOFTMAX
+
+
+@KERNELS
+def test_cpu_attention_refuses_a_causal_mask_with_fewer_keys_than_queries():
+    """The kernel reads a negative causal offset as no mask: such a call is refused, naming the mask and sizes."""
+    from veloxquant_mlx.cache.attention import cpu_attention
+
+    q, k = mx.zeros((1, 2, 8, 16)), mx.zeros((1, 2, 5, 16))
+    with pytest.raises(ValueError, match="'causal' over 8 query rows and 5 keys"):
+        cpu_attention(q, k, k, scale=0.25, mask="causal")
+    with pytest.raises(ValueError, match="'sliding'"):
+        cpu_attention(q, q, q, scale=0.25, mask="sliding")

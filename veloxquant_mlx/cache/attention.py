@@ -81,8 +81,9 @@ def cpu_attention(queries, keys, values, *, scale, mask, sinks=None):
     scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, Hq, N, M)
     offset = -1
     if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"mask: {mask!r} is not a mask mlx_lm makes ('causal', an array or None)")
+        if mask != "causal" or M < N:  # (the kernel reads a negative offset as no mask)
+            raise ValueError(f"mask: {mask!r} over {N} query rows and {M} keys; allowed: 'causal' with at least as "
+                             "many keys as query rows, an array, or None")
         offset = M - N
     elif mask is not None:
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask.astype(mx.float32)
