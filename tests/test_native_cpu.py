@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import KIVISinkOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.quantization.kivi_sink import KIVISinkKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
@@ -258,12 +259,13 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 
 @KERNELS
-@pytest.mark.parametrize("method", ["waterfill", "kivi", "turboquant_rvq"])
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "turboquant_rvq"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
     cls, make, prompt = {"waterfill": (WaterfillKVCache, lambda: make_waterfill(rope=_rope("rope", 64), D=64), 700),
                          "kivi": (GroupedQuantCache, lambda: _kivi(64), 1500),
+                         "kivi_sink": (GroupedQuantCache, lambda: _kivi_sink(64), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
@@ -389,6 +391,31 @@ def test_kivi_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, 
     dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
     _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(kivi_calls) == steps and "kivi_cpu" in _common._checked
+
+
+def _kivi_sink(D, bits=4, group=32, sinks=4):
+    c = KVCacheFactory.create(KVCacheConfig(method="kivi_sink", bit_width_inlier=bits, head_dim=D,
+                                            options=KIVISinkOptions(group_size=group, n_sink_tokens=sinks)))
+    assert isinstance(c, KIVISinkKVCache)
+    return c
+
+
+@KERNELS
+@pytest.mark.parametrize("sinks,bits,prompt,steps", [(4, 4, 2, 40), (5, 2, 100, 36), (4, 8, 1000, 8), (0, 4, 70, 8)])
+def test_kivi_sink_decodes_on_kivis_cpu_kernel_with_its_sinks_as_exact_rows(sinks, bits, prompt, steps, kivi_calls):
+    """KIVI-sink's decode steps read its codes in KIVI's CPU kernel (once codes exist: not while the sinks fill) and
+    join the float16 sinks as exact rows: each step equals float64 attention over the rows the cache stores, the
+    sinks included; the kernel reads the codes alone (the count past the sinks)."""
+    H, R, D = 2, 3, 64
+    c = _kivi_sink(D, bits, sinks=sinks)
+    rng = np.random.default_rng(sinks * 100 + prompt)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    assert kivi_calls and all(n % 32 == 0 and 0 < n <= c.n_quant for n in kivi_calls)
+    # a step takes the kernel once a group of 32 rows follows the sinks
+    assert len(kivi_calls) == steps - max(0, sinks + 32 - prompt) and c.n_sink == sinks
+    assert "kivi_sink_cpu" in _common._checked
 
 
 @KERNELS

@@ -45,6 +45,9 @@ class GroupedQuantCache(CompressedKVCache):
     #: Why a variant's codes cannot go through ``mx.quantized_matmul`` ("" for KIVI's own): its attention
     #: then dequantizes, and ``attend_path="quantized_matmul"`` raises naming it.
     dequant_only = ""
+    #: A variant storing KIVI's own codes behind exact lead rows (``_lead_rows``; kivi_sink's sinks), whose
+    #: ``_keys_t`` / ``_values`` only prepend those rows: the CPU decode kernel reads its codes as KIVI's.
+    own_codes_after_lead_rows = False
     #: trim raises ValueError when the trimmed rows completed a quantized group, else is exact (False: broken)
     trim_exact_or_raises = True
     #: ``_check_trim_rows``' text for a cut into a group (fields: cls, n, G, first, last, bits, res)
@@ -290,11 +293,10 @@ class GroupedQuantCache(CompressedKVCache):
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if N == 1 and q0 and not self._kernel_off and self._cpu_kernel_ready(
+        if N == 1 and q0 > self._lead_rows(q0)[0] and not self._kernel_off and self._cpu_kernel_ready(
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             return kernels.checked_call(  # the CPU kernel, checked once against the op path
-                "kivi_cpu", self, lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks,
-                                                             part=self._cpu_part),
+                f"{self.method_name}_cpu", self, lambda: self._attend_cpu(queries, call, scale=scale, sinks=sinks),
                 lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks))
         if (self.attend_path == "sdpa" or (N > 1 and self.attend_path != "quantized_matmul")
                 or (N == 1 and self._attends_returned_rows())):
@@ -322,6 +324,20 @@ class GroupedQuantCache(CompressedKVCache):
         n_keys = q0 + (0 if past_k is None else past_k.shape[2]) + new_k.shape[2]
         return attend_joint(queries, WindowCall(0, *call), None, part or self._codes_part, scale=scale, mask=mask,
                             sinks=sinks, n_keys=n_keys, weights=weights)
+
+    def _attend_cpu(self, queries, call, *, scale, sinks):
+        """A decode step by the CPU kernel (``_cpu_part``) over the codes, joined in ``attend_joint`` with the exact
+        rows: a variant's lead rows (``_lead_rows``), the residual and the call's row (a string/None mask)."""
+        q0, _, past_k, past_v, new_k, new_v = call
+        s, lead = self._lead_rows(q0)
+        n_keys = q0 + (0 if past_k is None else past_k.shape[2]) + new_k.shape[2]
+        return attend_joint(queries, WindowCall(s, q0 - s, *call[1:]), lead, self._cpu_part, scale=scale, mask=None,
+                            sinks=sinks, n_keys=n_keys)
+
+    def _lead_rows(self, q0: int):
+        """Exact rows stored ahead of the codes among a call's ``q0`` quantized-part rows: (count, (keys, values)
+        or None). KIVI has none; ``SinkRows`` (kivi_sink) its float16 sinks."""
+        return 0, None
 
     def _codes_part(self, qf, n: int):
         """``(scores, value_fn)`` of the first ``n`` quantized tokens. A variant that decodes its whole past
@@ -398,7 +414,8 @@ class GroupedQuantCache(CompressedKVCache):
     def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
         """A decode step the CPU kernel (``native``, KIVI's own layout) takes: a string/None mask and
         ``_cpu_codes_fit``."""
-        return self._own_layout() and isinstance(mask, (str, type(None))) and self._cpu_codes_fit(d, dv, rep)
+        return ((self._own_layout() or self.own_codes_after_lead_rows) and isinstance(mask, (str, type(None)))
+                and self._cpu_codes_fit(d, dv, rep))
 
     def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
         """Codes the CPU kernel reads: kernels built, ``attend_path`` "auto", 2/4/8-bit codes, groups of 32k tokens,

@@ -3,8 +3,9 @@ tokens stay in a float16 sink buffer ahead of KIVI's groups. The first tokens dr
 whatever their content (StreamingLLM, arXiv 2309.17453), so an error in their keys moves every softmax; IntactKV
 (arXiv 2403.01241) and SKVQ (arXiv 2405.06219) keep them exact. Bytes: KIVI's plus 2*S*D*2 per KV head.
 
-Deviations (besides KIVI's): attention dequantizes on every backend (``quantized_matmul`` over the codes would not
-cover the sinks ahead of them); ``n_sink_tokens = 0`` is KIVI; trim drops the residual, whole groups and then sink
+Deviations (besides KIVI's): attention dequantizes (``quantized_matmul`` over the codes would not cover the sinks
+ahead of them), except a CPU decode step, which reads the codes in KIVI's CPU kernel and joins the sinks, the
+residual and the new row as exact rows in the same softmax; ``n_sink_tokens = 0`` is KIVI; trim drops the residual, whole groups and then sink
 rows, and raises ``ValueError`` on a cut into a group.
 """
 
@@ -46,6 +47,11 @@ class SinkRows:
         parts = ([sink[:, :, :s].astype(dtype)] if s else []) + ([rest(n - s)] if n > s else [])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
+    def _lead_rows(self, q0: int):
+        """The sink rows among a call's ``q0`` quantized-part rows (sinks first), as (count, (keys, values))."""
+        s = min(q0, self.n_sink)
+        return s, ((self.sink_k[:, :, :s], self.sink_v[:, :, :s]) if s else None)
+
     def _dense(self):
         r = self.n_res
         res = (self.res_k[:, :, :r], self.res_v[:, :, :r]) if r else (None, None)
@@ -64,6 +70,7 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
     array_fields = KIVIKVCache.array_fields + ("sink_k", "sink_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("n_sink",)
     dequant_only = "sink rows precede the codes"
+    own_codes_after_lead_rows = True  # a CPU decode step: KIVI's kernel on the codes, the sinks as exact rows
 
     def _init_layout(self):
         super()._init_layout()
