@@ -82,8 +82,8 @@ for cmd in "$@"; do
       timeout ${TMO:-200} python3 scripts/decode_model_cpu.py --shape llama-8b --context $T --steps 32 --rounds $R --burst \
         --method kivi:bit_width_inlier=4 --method waterfill:bit_width_inlier=4,residual_length=16 --method turboquant_rvq \
         > $OUT/paired_$T.txt 2>&1; grep -v "^  \.\.\|Warn" $OUT/paired_$T.txt; done ;;
-  bktest) # the batch forms' CUDA kernels against their op paths (KIVI, waterfill, TurboQuant-RVQ; session 48)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode_kernels.py -k "batch" > $OUT/bktest.txt 2>&1
+  bktest) # the batch forms' CUDA kernels against their op paths (KIVI, waterfill, TurboQuant-RVQ; session 48), kivi_sink (s49)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_decode_kernels.py -k "batch or take_the_kernels or kivi_sink" > $OUT/bktest.txt 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" $OUT/bktest.txt | head -20 ;;
   gbatch) # batched decode of the three quantizers vs mlx_lm's BatchKVCache, llama-8b shape (scripts/batch_decode.py)
     timeout ${TMO:-500} python3 scripts/batch_decode.py --shape llama-8b --batch ${BATCH:-8} --context ${CONTEXT:-8192} \

@@ -25,11 +25,12 @@ from veloxquant_mlx.cache.kernels import turboquant_rvq as tq_kernel
 from veloxquant_mlx.cache.kernels import waterfill as wf_kernel
 from veloxquant_mlx.cache.kernels import waterfill_rows as wf_rows
 from veloxquant_mlx.cache.methods.quantization.kivi import KIVIKVCache
+from veloxquant_mlx.cache.methods.quantization.kivi_sink import KIVISinkKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import ResidualWindowCache, TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq_batch import TurboQuantRVQBatchKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import rotate_values, value_rotation
-from veloxquant_mlx.cache.options import KIVIOptions, KVQuantOptions, TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import KIVIOptions, KIVISinkOptions, KVQuantOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives import blocks, groupquant as gq
 from veloxquant_mlx.cache.primitives.bitpack import pack_bits, unpack_bits
 from veloxquant_mlx.cache.primitives.codebook import odd_poly_gaussian
@@ -473,6 +474,13 @@ def _kivi(D, bits=4, group=32):
     c = KVCacheFactory.create(KVCacheConfig(method="kivi", bit_width_inlier=bits, head_dim=D,
                                             options=KIVIOptions(group_size=group)))
     assert isinstance(c, KIVIKVCache)
+    return c
+
+
+def _kivi_sink(D, bits=4, group=32, sinks=4):
+    c = KVCacheFactory.create(KVCacheConfig(method="kivi_sink", bit_width_inlier=bits, head_dim=D,
+                                            options=KIVISinkOptions(group_size=group, n_sink_tokens=sinks)))
+    assert isinstance(c, KIVISinkKVCache)
     return c
 
 
@@ -975,7 +983,7 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
 def test_decode_steps_take_the_kernels_on_the_gpu():
     """Through the dispatch point, a decode step on the GPU runs the checked kernel (no fallback)."""
     for name, c, D in (("waterfill", _waterfill(64, nn.RoPE(64, base=10000.0)), 64), ("kivi", _kivi(64), 64),
-                       ("turboquant_rvq", _tq(64), 64)):
+                       ("kivi_sink", _kivi_sink(64), 64), ("turboquant_rvq", _tq(64), 64)):
         rng = np.random.default_rng(1)
         for n in (200, 40):  # a second chunk attends over stored codes (TurboQuant-RVQ: its rows kernel)
             K, V = c.update_and_fetch(_rows(rng, 2, n, D, mx.float16), _rows(rng, 2, n, D, mx.float16))
@@ -1076,10 +1084,12 @@ def reference_kernels(monkeypatch):
     def kv(queries, scale, k_codes, *args, counts=None, merge=None):
         c, n, exact = caches["kivi"], args[-5], args[-1]
         q = grouped(queries, scale, k_codes.shape[1])
+        kt, vals = KIVIKVCache._keys_t(c, n), KIVIKVCache._values(c, n)  # the codes' rows (no variant's lead rows)
         if counts is not None:
             caches["kivi_batch_launches"] = caches.get("kivi_batch_launches", 0) + 1
-            return merged(_batch_partials(q, c._keys_t(n), c._values(n), exact, np.array(counts)), merge)
-        return merged(joined(q, q @ c._keys_t(n), c._values(n), exact), merge)
+            return merged(_batch_partials(q, kt, vals, exact, np.array(counts)), merge)
+        caches["kivi_codes_read"] = caches.get("kivi_codes_read", []) + [n]
+        return merged(joined(q, q @ kt, vals, exact), merge)
 
     def tq(queries, rotated, scale, k_planes, k_norms, v_planes, v_norms, key_book, value_book, rotation, n, exact,
            counts=None, merge=None):
@@ -1229,6 +1239,27 @@ def test_kivi_kernel_path_plumbing_equals_float64_attention(reference_kernels, R
         out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
         assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, i
     assert "kivi" in _common._checked and not _common._disabled
+
+
+@pytest.mark.parametrize("sinks,prompt", [(4, 70), (5, 3)])
+def test_kivi_sink_kernel_path_plumbing_equals_float64_attention(reference_kernels, sinks, prompt):
+    """KIVI-sink's decode step on KIVI's decode kernel: the codes past the sinks (their count), the sinks and the
+    residual as the two exact buffers, the new row; each step equals float64 attention over the stored rows; while
+    the first group after the sinks fills, the op path."""
+    H, R, D = 2, 3, 64
+    c = reference_kernels["kivi"] = _kivi_sink(D, sinks=sinks)
+    rng = np.random.default_rng(sinks)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    for i in range(40):
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None)
+        assert _rel(out, _softmax_attention64(q, K, V, D**-0.5)) < TOL_ATTN, i
+    read = reference_kernels["kivi_codes_read"]
+    assert len(read) == 40 - max(0, sinks + 32 - prompt)  # a launch a step once codes exist
+    assert all(n % 32 == 0 and 0 < n <= c.n_quant for n in read) and c.n_sink == sinks
+    assert "kivi_sink" in _common._checked and not _common._disabled
 
 
 def test_kivi_batch_kernel_path_plumbing_equals_its_op_path(reference_kernels):

@@ -21,18 +21,17 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import KIVISinkOptions, TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
-from veloxquant_mlx.cache.methods.quantization.kivi_sink import KIVISinkKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
 from veloxquant_mlx.cache.window import Partials, joint_attention
 
-from test_decode_kernels import _kivi, _rel, _rows, _softmax_attention64
+from test_decode_kernels import _kivi, _kivi_sink, _rel, _rows, _softmax_attention64
 from test_waterfill import make as make_waterfill
 
 ON_CPU = mx.default_device() == mx.cpu
@@ -391,13 +390,6 @@ def test_kivi_cpu_kernel_equals_float64_attention_over_the_stored_rows(H, R, D, 
     dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
     _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(kivi_calls) == steps and "kivi_cpu" in _common._checked
-
-
-def _kivi_sink(D, bits=4, group=32, sinks=4):
-    c = KVCacheFactory.create(KVCacheConfig(method="kivi_sink", bit_width_inlier=bits, head_dim=D,
-                                            options=KIVISinkOptions(group_size=group, n_sink_tokens=sinks)))
-    assert isinstance(c, KIVISinkKVCache)
-    return c
 
 
 @KERNELS

@@ -46,7 +46,7 @@ class GroupedQuantCache(CompressedKVCache):
     #: then dequantizes, and ``attend_path="quantized_matmul"`` raises naming it.
     dequant_only = ""
     #: A variant storing KIVI's own codes behind exact lead rows (``_lead_rows``; kivi_sink's sinks), whose
-    #: ``_keys_t`` / ``_values`` only prepend those rows: the CPU decode kernel reads its codes as KIVI's.
+    #: ``_keys_t`` / ``_values`` only prepend those rows: the decode kernels (CPU, CUDA) read its codes as KIVI's.
     own_codes_after_lead_rows = False
     #: trim raises ValueError when the trimmed rows completed a quantized group, else is exact (False: broken)
     trim_exact_or_raises = True
@@ -289,11 +289,12 @@ class GroupedQuantCache(CompressedKVCache):
         tiles of the codes (tiles dequantize the codes again per tile; MLX's CPU ``quantized_matmul`` decodes them
         again per query row)."""
         N, (q0, _, _, _, new_k, new_v) = queries.shape[2], call
-        if N == 1 and q0 and not self._kernel_off and self._decode_kernel_ready(
+        codes = q0 > self._lead_rows(q0)[0]  # quantized rows before this call (past a variant's lead rows)
+        if N == 1 and codes and not self._kernel_off and self._decode_kernel_ready(
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if N == 1 and q0 > self._lead_rows(q0)[0] and not self._kernel_off and self._cpu_kernel_ready(
+        if N == 1 and codes and not self._kernel_off and self._cpu_kernel_ready(
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             return kernels.checked_call(  # the CPU kernel, checked once against the op path
                 f"{self.method_name}_cpu", self, lambda: self._attend_cpu(queries, call, scale=scale, sinks=sinks),
@@ -407,8 +408,8 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _decode_kernel_ready(self, mask, d: int, dv: int, rep: int = 1) -> bool:
         """One query row over KIVI's own layout, a string/None mask, a layout the kernel reads, CUDA."""
-        return (self._own_layout() and isinstance(mask, (str, type(None))) and self.attend_path == "auto"
-                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
+        return ((self._own_layout() or self.own_codes_after_lead_rows) and isinstance(mask, (str, type(None)))
+                and self.attend_path == "auto" and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
                 and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
     def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
@@ -439,12 +440,13 @@ class GroupedQuantCache(CompressedKVCache):
         second launch: ``kernels._common.launch``)."""
         call, self._call = self._call, None
         q0, r0, past_k, past_v, new_k, new_v = call
+        s, lead = self._lead_rows(q0)  # a variant's exact rows ahead of the codes (kivi_sink's sinks)
         # the residual buffer holds the past rows first, unless this call completed a group: then the record's
-        res_k, res_v = (past_k, past_v) if self.n_quant != q0 and r0 else (self.res_k, self.res_v)
-        exact = (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
+        res_k, res_v = (past_k, past_v) if self.n_quant + s != q0 and r0 else (self.res_k, self.res_v)
+        exact = (*lead, s, res_k, res_v, r0, new_k, new_v) if s else (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
         counters = kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])
         return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
-                                         self.v_scales, self.v_biases, q0, self.qbits, self.group,
+                                         self.v_scales, self.v_biases, q0 - s, self.qbits, self.group,
                                          self.value_group(new_v.shape[-1]), exact,
                                          merge=kernels.Merge(sinks, False, queries.dtype, counters))
 
@@ -456,7 +458,8 @@ class GroupedQuantCache(CompressedKVCache):
                 return self.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
             finally:
                 self._kernel_off = False
-        return kernels.checked_call("kivi", self, lambda: self._decode_attend(queries, scale=scale, sinks=sinks),
+        return kernels.checked_call(self.method_name, self, lambda: self._decode_attend(queries, scale=scale,
+                                                                                          sinks=sinks),
                                     op_attend)
 
     def _check_trim_rows(self, n: int) -> None:

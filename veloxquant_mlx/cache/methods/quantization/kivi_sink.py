@@ -4,8 +4,9 @@ whatever their content (StreamingLLM, arXiv 2309.17453), so an error in their ke
 (arXiv 2403.01241) and SKVQ (arXiv 2405.06219) keep them exact. Bytes: KIVI's plus 2*S*D*2 per KV head.
 
 Deviations (besides KIVI's): attention dequantizes (``quantized_matmul`` over the codes would not cover the sinks
-ahead of them), except a CPU decode step, which reads the codes in KIVI's CPU kernel and joins the sinks, the
-residual and the new row as exact rows in the same softmax; ``n_sink_tokens = 0`` is KIVI; trim drops the residual, whole groups and then sink
+ahead of them), except a decode step once codes exist, which reads them in KIVI's decode kernels (the CPU one; the
+CUDA one, not yet measured on a GPU) and joins the sinks, the residual and the new row as exact rows in the same
+softmax; ``n_sink_tokens = 0`` is KIVI; trim drops the residual, whole groups and then sink
 rows, and raises ``ValueError`` on a cut into a group.
 """
 
@@ -70,7 +71,7 @@ class KIVISinkKVCache(SinkRows, KIVIKVCache):
     array_fields = KIVIKVCache.array_fields + ("sink_k", "sink_v")
     scalar_fields = KIVIKVCache.scalar_fields + ("n_sink",)
     dequant_only = "sink rows precede the codes"
-    own_codes_after_lead_rows = True  # a CPU decode step: KIVI's kernel on the codes, the sinks as exact rows
+    own_codes_after_lead_rows = True  # a decode step: KIVI's kernels on the codes, the sinks as exact rows
 
     def _init_layout(self):
         super()._init_layout()
