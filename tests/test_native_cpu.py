@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import AgeTieredOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
@@ -258,13 +259,14 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 
 @KERNELS
-@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "turboquant_rvq"])
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "turboquant_rvq"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
     cls, make, prompt = {"waterfill": (WaterfillKVCache, lambda: make_waterfill(rope=_rope("rope", 64), D=64), 700),
                          "kivi": (GroupedQuantCache, lambda: _kivi(64), 1500),
                          "kivi_sink": (GroupedQuantCache, lambda: _kivi_sink(64), 1500),
+                         "age_tiered": (AgeTieredKVCache, lambda: _age_tiered(64), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
@@ -408,6 +410,36 @@ def test_kivi_sink_decodes_on_kivis_cpu_kernel_with_its_sinks_as_exact_rows(sink
     # a step takes the kernel once a group of 32 rows follows the sinks
     assert len(kivi_calls) == steps - max(0, sinks + 32 - prompt) and c.n_sink == sinks
     assert "kivi_sink_cpu" in _common._checked
+
+
+def _age_tiered(D, **opts):
+    c = KVCacheFactory.create(KVCacheConfig(method="age_tiered", head_dim=D, options=AgeTieredOptions(**opts)))
+    assert isinstance(c, AgeTieredKVCache)
+    return c
+
+
+@KERNELS
+@pytest.mark.parametrize("bits", [(2, 4, 8), (4, 4, 8), (2, 8, 8)])
+def test_age_tiered_decodes_on_kivis_cpu_kernel_a_call_per_tier(bits, monkeypatch):
+    """age_tiered's decode steps, while groups age from tier to tier (re-quantized), read each tier's codes in KIVI's
+    CPU kernel (at its width) and join the partials: each step equals float64 attention over the rows the cache
+    stores."""
+    assert native.module() is not None
+    H, R, D = 2, 3, 64
+    c = _age_tiered(D, recent_boundary=64, mid_boundary=160, bits_old=bits[0], bits_mid=bits[1], bits_recent=bits[2])
+    store_calls, steps = [], []
+    real_store, real_part = GroupedQuantCache._cpu_store_part, AgeTieredKVCache._cpu_part
+    monkeypatch.setattr(GroupedQuantCache, "_cpu_store_part",
+                        lambda c, q, tag, b, n, counts=(): store_calls.append((tag, b, n)) or real_store(c, q, tag, b, n))
+    monkeypatch.setattr(AgeTieredKVCache, "_cpu_part", lambda c, q, n: steps.append(n) or real_part(c, q, n))
+    rng = np.random.default_rng(sum(bits))
+    K, V = c.update_and_fetch(_rows(rng, H, 150, D), _rows(rng, H, 150, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 150, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    _steps_equal_float64(c, H, R, D, 60, rng)
+    assert len(steps) == 60 and c.n_old and c.n_mid and c.n_recent  # all three tiers in use by the end
+    assert {t for t, _, _ in store_calls} == {"0", "1", "2"}
+    assert all(b == bits[int(t)] for t, b, _ in store_calls)
+    assert "age_tiered_cpu" in _common._checked
 
 
 @KERNELS

@@ -22,7 +22,7 @@ import pytest
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, QuantizerConfigError, dispatch, native
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.primitives import blocks
 
@@ -141,6 +141,7 @@ def _steps_on_gpu_and_cpu(method, monkeypatch, second_chunk: bool, counted: str 
     agree to float32 rounding (float32 throughout). Returns each way's number of calls of the method ``counted``
     (the key decoding) during the steps and its cache."""
     B, H, Hq, D, scale = 1, 2, 6, 64, 0.125
+    monkeypatch.setattr(native, "_ENV_ON", False)  # the op paths (KIVI's CPU kernel takes kivi_sink's, age_tiered's)
     cls = method_class(method)
     own, decoded = getattr(cls, counted), []
     monkeypatch.setattr(cls, counted, lambda c, *a, **k: decoded.append(1) or own(c, *a, **k))
@@ -205,6 +206,7 @@ def test_a_long_cpu_decode_step_decodes_a_variants_values_on_a_second_stream(met
         pytest.skip("the split is the CPU backend's")
     monkeypatch.setattr(attention, "CPU_STREAMS", 2)
     monkeypatch.setattr(attention, "CPU_SPLIT_DECODE_MIN_ROWS", 128)
+    monkeypatch.setattr(native, "_ENV_ON", False)  # the op path (KIVI's CPU kernel takes kivi_sink's, age_tiered's)
     cls, seen = method_class(method), []
     for name in ("_key_scores", "_value_side"):
         real = getattr(cls, name)

@@ -415,8 +415,12 @@ class GroupedQuantCache(CompressedKVCache):
     def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
         """A decode step the CPU kernel (``native``, KIVI's own layout) takes: a string/None mask and
         ``_cpu_codes_fit``."""
-        return ((self._own_layout() or self.own_codes_after_lead_rows) and isinstance(mask, (str, type(None)))
-                and self._cpu_codes_fit(d, dv, rep))
+        return self._cpu_layout() and isinstance(mask, (str, type(None))) and self._cpu_codes_fit(d, dv, rep)
+
+    def _cpu_layout(self) -> bool:
+        """Whether ``_cpu_part`` reads this cache's codes: KIVI's own layout (after lead rows), or a variant's own
+        ``_cpu_part`` over several KIVI-layout stores (age_tiered)."""
+        return self._own_layout() or self.own_codes_after_lead_rows
 
     def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
         """Codes the CPU kernel reads: kernels built, ``attend_path`` "auto", 2/4/8-bit codes, groups of 32k tokens,
@@ -428,10 +432,15 @@ class GroupedQuantCache(CompressedKVCache):
         """The first ``n`` quantized tokens' partials by the CPU kernel (``native/kivi_cpu.cpp``'s
         ``kivi_decode``: each block of 64 tokens' codes read once, scored and summed in one pass); a batch form's
         ``counts``: sequence b's first ``counts[b]`` tokens."""
+        return self._cpu_store_part(qf, "", self.qbits, n, counts)
+
+    def _cpu_store_part(self, qf, tag: str, bits: int, n: int, counts=()) -> Partials:
+        """``kivi_decode`` over the first ``n`` tokens of the KIVI-layout store ``k{tag}_*`` / ``v{tag}_*`` (KIVI's
+        own: ``tag`` ""; age_tiered's tiers: "0" .. "2") holding ``bits``-bit codes."""
         dv = self.res_v.shape[-1]
+        arrays = [getattr(self, f"{kv}{tag}_{a}") for kv in "kv" for a in ("codes", "scales", "biases")]
         m, l, acc = native.module().kivi_decode(  # noqa: E741
-            qf, self.k_codes, self.k_scales, self.k_biases, self.v_codes, self.v_scales, self.v_biases, n,
-            self.qbits, self.group, self.value_group(dv), dv, counts=list(counts))
+            qf, *arrays, n, bits, self.group, self.value_group(dv), dv, counts=list(counts))
         return Partials(m, l, acc)
 
     def _decode_attend(self, queries, *, scale, sinks=None):

@@ -55,6 +55,16 @@ class Partials(NamedTuple):
     acc: mx.array
 
 
+def join_partials(parts: list) -> Partials:
+    """One :class:`Partials` from several over disjoint rows: each sum rescaled to the largest maximum."""
+    if len(parts) == 1:
+        return parts[0]
+    m = mx.stack([p.m for p in parts]).max(axis=0)
+    ref = mx.where(m == -mx.inf, 0.0, m)  # rows that no part saw keep l = 0, acc = 0
+    w = [mx.exp(p.m - ref) for p in parts]
+    return Partials(m, sum(wi * p.l for wi, p in zip(w, parts)), sum(wi[..., None] * p.acc for wi, p in zip(w, parts)))
+
+
 def attend_joint(queries, call: WindowCall, sink, quantized_part, *, scale, mask, sinks, n_keys: int, weights=False):
     """One softmax (``joint_attention``) over ``call``'s keys: the sink rows ``sink`` (K, V or None), ``call.q0``
     quantized rows (``quantized_part(q, n)`` -> (scores, value_fn), or :class:`Partials`: then ``mask`` must be None

@@ -11,7 +11,8 @@ KIVI-layout stores (``k{t}_*`` / ``v{t}_*``; t = 0 old, 1 mid, 2 recent) hold co
 
 Deviations / choices: KIVI's float16 residual of < G tokens; tiers are per group by its newest token (up to G - 1
 tokens past a boundary keep the finer width); moving groups copies the bounded recent and mid stores once per
-crossing group, never per token; attention dequantizes (three widths); trim is exact for residual rows only,
+crossing group, never per token; attention dequantizes (three widths), but a CPU decode step reads each tier's
+codes in KIVI's CPU kernel (widths of 2, 4 or 8 bits) and joins the three partials; trim is exact for residual rows only,
 deeper trims raise ``ValueError`` (re-quantized groups cannot be restored).
 """
 
@@ -22,6 +23,7 @@ import mlx.core as mx
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
+from ...window import join_partials
 from .kivi import KIVIKVCache
 
 _ARR = ("codes", "scales", "biases")
@@ -115,6 +117,23 @@ class AgeTieredKVCache(KIVIKVCache):
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
         return mx.concatenate([self._tier_dense(t, m, dtype)[1] for t, m in enumerate(self._counts()) if m],
                               axis=2)[:, :, :n]
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: KIVI's CPU kernel over each tier's store
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        return all(b in (2, 4, 8) for b in self.tier_bits) and super()._cpu_codes_fit(d, dv, rep)
+
+    def _cpu_part(self, qf, n: int, counts=()):
+        """The first ``n`` quantized tokens (old, mid, then recent tier: position order) by KIVI's CPU kernel, a
+        call per tier, joined."""
+        parts = []
+        for t, m in enumerate(self._counts()):
+            take = min(n, m * self.group)
+            if take:
+                parts.append(self._cpu_store_part(qf, str(t), self.tier_bits[t], take))
+            n -= take
+        return join_partials(parts)
 
     def token_bits(self) -> list[int]:
         """Bits of every stored token in position order (16 for the float16 residual)."""

@@ -38,7 +38,7 @@ def _head(axis: int, n: int) -> tuple:
 @register_with_mlx_lm
 @borrows(GroupedQuantCache, "_init_layout", "value_group", "_key_words", "_uses_qmm", "_keys_t", "_values",
          "_key_scores", "_value_side", "_value_out", "_codes_own", "_codes_part", "_scores_on_codes",
-         "_values_on_codes", "_attend_codes", "_cpu_codes_fit", "_cpu_part", "dequant_only")
+         "_values_on_codes", "_attend_codes", "_cpu_codes_fit", "_cpu_part", "_cpu_store_part", "dequant_only")
 class KIVIBatchKVCache(RaggedBatchCache):
     """KIVI's compressed form for B sequences at once (mlx_lm batch-cache protocol)."""
 
