@@ -35,6 +35,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=3)
     ap.add_argument("--rep", type=int, default=3)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--method", action="append", default=[],
+                    help="another method at its defaults (repeatable); with any, only the plain cache and these")
     a = ap.parse_args(argv)
     H, R, D, T = a.heads, a.rep, a.dim, a.context
     dispatch.install()
@@ -53,6 +55,9 @@ def main(argv=None):
                                                            options=KIVIOptions(group_size=32)))
     caches["turboquant_rvq"] = KVCacheFactory.create(KVCacheConfig(method="turboquant_rvq", head_dim=D))
     caches["snapkv"] = KVCacheFactory.create(KVCacheConfig(method="snapkv", head_dim=D))
+    if a.method:
+        caches = {"plain (mlx_lm KVCache)": KVCache()}
+        caches.update({m: KVCacheFactory.create(KVCacheConfig(method=m, head_dim=D)) for m in a.method})
     print(f"device {mx.default_device()}, context {T}, H={H}, rep={R}, D={D}, {a.steps} steps", flush=True)
     for name, c in caches.items():
         for s in range(0, T, 512):  # prefill in chunks through the dispatch point

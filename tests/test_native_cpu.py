@@ -558,10 +558,11 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     the width of arm64's NEON) -- not only for this machine's own -- passes the kernel-vs-op-path, partials and encoder
     tests (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
-    tests = "same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives"
+    tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
+             "kivi_sink_decodes or age_tiered_decodes")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
-    assert run.returncode == 0 and "\n19 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "\n28 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 
