@@ -153,10 +153,24 @@ inline vf exp_neg(vf x) {
 
 inline float exp_neg(float x) { return exp_neg(splat(x))[0]; }
 
-// Where value_row puts channel c: 4-bit codes in whole 8-word groups go nibble-major (word w's nibble k, channel
-// 8w + k, at k * words + w: one shift and mask per nibble for 8 words at once); other widths in order.
+typedef uint32_t vu4 __attribute__((vector_size(16), aligned(4)));
+typedef int32_t vi4 __attribute__((vector_size(16), aligned(4)));
+typedef float vf4u __attribute__((vector_size(16), aligned(4)));
+
+// The words a value row of vbits-bit codes is decoded by at once: 8 for 4-bit codes, 4 for 2- and 8-bit ones, when
+// the codes fill the row's words and the words make whole vectors; else 0 (a code at a time).
+inline int value_lanes(int dv, int vbits, int words) {
+  if (vbits != 2 && vbits != 4 && vbits != 8) return 0;
+  const int lanes = vbits == 4 ? 8 : 4;
+  return dv == 32 / vbits * words && words % lanes == 0 ? lanes : 0;
+}
+
+// Where a value row decoded by vectors of words puts channel c: channel-major (word w's k-th code, channel
+// CPW * w + k, at k * words + w: one shift and mask per code position for a vector of words); other rows in order.
 inline int value_slot(int c, int dv, int vbits, int words) {
-  return vbits == 4 && dv == 8 * words && words % 8 == 0 ? (c & 7) * words + (c >> 3) : c;
+  if (!value_lanes(dv, vbits, words)) return c;
+  const int cpw = 32 / vbits;
+  return (c % cpw) * words + c / cpw;
 }
 
 // The hardware's own vector (NL lanes: 16 with AVX-512, 8 with AVX2, 4 on SSE-only x86 or NEON) for the two

@@ -21,16 +21,9 @@ struct KiviInputs {
   const mx::float16_t *vs, *vb;
 };
 
-typedef uint32_t vu4 __attribute__((vector_size(16), aligned(4)));
-typedef int32_t vi4 __attribute__((vector_size(16), aligned(4)));
-typedef float vf4 __attribute__((vector_size(16), aligned(4)));
-
-// The words a value row's codes are decoded by at once (8 for 4-bit codes, 4 for 2- and 8-bit ones), or 0 (one code
-// at a time): each word's codes in one value group, whole vectors of words.
-inline int kivi_value_lanes(const KiviDims& d) {
-  const int cpw = 32 / d.bits, lanes = d.bits == 4 ? 8 : 4;
-  return d.DV == cpw * d.vw && d.vw % lanes == 0 && d.gv % cpw == 0 ? lanes : 0;
-}
+// The value rows' bits as value_lanes / value_slot read them: 0 (a code at a time) unless each word's codes lie in
+// one value group (one scale a lane).
+inline int kivi_vector_bits(const KiviDims& d) { return d.gv % (32 / d.bits) == 0 ? d.bits : 0; }
 
 // A block's keys of one channel in slot order (slot k * WB + w: token w * (32 / BITS) + k, word w's k-th code),
 // scale and bias per lane (the block's two halves may lie in two groups).
@@ -58,8 +51,8 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   float* sc = keys + size_t(D) * BLOCK;
   float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
   float* vals = wt + size_t(R) * BLOCK;
-  const bool nibbles = BITS == 4 && kivi_value_lanes(d) == 8;
-  const bool quads = BITS != 4 && kivi_value_lanes(d) == 4;
+  const int lanes = value_lanes(DV, kivi_vector_bits(d), d.vw);
+  const bool nibbles = lanes == 8, quads = lanes == 4;
   const uint32_t vmask = (1u << BITS) - 1;
   empty_partials(R, DV, m, l, acc);
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
@@ -111,13 +104,13 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
         for (int w0 = 0; w0 < d.vw; w0 += 4) {
           vu4 x;
           std::memcpy(&x, v + w0, sizeof(x));
-          vf4 gs, gb;
+          vf4u gs, gb;
           for (int i = 0; i < 4; ++i) {
             gs[i] = rs[CPW * (w0 + i) / d.gv];
             gb[i] = rb[CPW * (w0 + i) / d.gv];
           }
           for (int k = 0; k < CPW; ++k) {
-            const vf4 y = __builtin_convertvector(reinterpret_cast<vi4>((x >> (BITS * k)) & vmask), vf4) * gs + gb;
+            const vf4u y = __builtin_convertvector(reinterpret_cast<vi4>((x >> (BITS * k)) & vmask), vf4u) * gs + gb;
             std::memcpy(u + k * d.vw + w0, &y, sizeof(y));
           }
         }
@@ -145,8 +138,7 @@ class KiviDecode : public mx::Primitive {
                   inputs[6].data<mx::float16_t>()};
     enc.dispatch([d = d_, in, counts = counts_, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
                   acc = outputs[2].data<float>()]() {
-      const int cpw = 32 / d.bits;  // the value rows' slots (kivi_rows): channel-major when decoded by vectors
-      auto slot = [&](int c) { return kivi_value_lanes(d) ? (c % cpw) * d.vw + c / cpw : c; };
+      auto slot = [&](int c) { return value_slot(c, d.DV, kivi_vector_bits(d), d.vw); };
       auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DV, d.n, rows, slot, m, l, acc, counts, d.H); };
       if (d.bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
         kivi_rows<2>(d, in, bh, a, b, pm, pl, pa); });

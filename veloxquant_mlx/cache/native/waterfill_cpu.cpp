@@ -97,12 +97,9 @@ inline void decode_channel(const uint32_t* __restrict words, uint32_t entry, flo
 // The values' centroids: the odd polynomial u (a + u^2 (b + c u^2)) of the code centred at (2^bits - 1) / 2.
 struct Centroids {
   float half, a, b, c;
-  float operator()(float code) const {
-    const float u = code - half, u2 = u * u;
-    return u * (a + u2 * (b + c * u2));
-  }
-  vf8 operator()(vf8 code) const {
-    const vf8 u = code - half, u2 = u * u;
+  template <class V>  // float or a vector of floats
+  V operator()(V code) const {
+    const V u = code - half, u2 = u * u;
     return u * (a + u2 * (b + c * u2));
   }
 };
@@ -110,7 +107,21 @@ struct Centroids {
 // One row's centroids into u[dv], channel c at value_slot(c).
 inline void value_row(const uint8_t* __restrict src, int words, int dv, int vbits, const Centroids& cent,
                       float* __restrict u) {
-  if (vbits == 4 && dv == 8 * words && words % 8 == 0) {
+  const int lanes = value_lanes(dv, vbits, words);
+  if (lanes == 4) {  // 2- or 8-bit codes, 4 words at a time
+    const int cpw = 32 / vbits;
+    const uint32_t mask = (1u << vbits) - 1;
+    for (int w0 = 0; w0 < words; w0 += 4) {
+      vu4 x;
+      std::memcpy(&x, src + 4 * w0, sizeof(x));
+      for (int k = 0; k < cpw; ++k) {
+        const vf4u y = cent(__builtin_convertvector(reinterpret_cast<vi4>((x >> (vbits * k)) & mask), vf4u));
+        std::memcpy(u + k * words + w0, &y, sizeof(y));
+      }
+    }
+    return;
+  }
+  if (lanes == 8) {
     for (int w0 = 0; w0 < words; w0 += 8) {
       vu8 x;
       std::memcpy(&x, src + 4 * w0, sizeof(x));
