@@ -429,8 +429,8 @@ def test_age_tiered_decodes_on_kivis_cpu_kernel_a_call_per_tier(bits, monkeypatc
     c = _age_tiered(D, recent_boundary=64, mid_boundary=160, bits_old=bits[0], bits_mid=bits[1], bits_recent=bits[2])
     store_calls, steps = [], []
     real_store, real_part = GroupedQuantCache._cpu_store_part, AgeTieredKVCache._cpu_part
-    monkeypatch.setattr(GroupedQuantCache, "_cpu_store_part",
-                        lambda c, q, tag, b, n, counts=(): store_calls.append((tag, b, n)) or real_store(c, q, tag, b, n))
+    monkeypatch.setattr(GroupedQuantCache, "_cpu_store_part", lambda c, q, tag, b, n, counts=():
+                        store_calls.append((tag, b, n)) or real_store(c, q, tag, b, n))
     monkeypatch.setattr(AgeTieredKVCache, "_cpu_part", lambda c, q, n: steps.append(n) or real_part(c, q, n))
     rng = np.random.default_rng(sum(bits))
     K, V = c.update_and_fetch(_rows(rng, H, 150, D), _rows(rng, H, 150, D))

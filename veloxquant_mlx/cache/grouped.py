@@ -409,7 +409,8 @@ class GroupedQuantCache(CompressedKVCache):
     def _decode_kernel_ready(self, mask, d: int, dv: int, rep: int = 1) -> bool:
         """One query row over KIVI's own layout, a string/None mask, a layout the kernel reads, CUDA."""
         return ((self._own_layout() or self.own_codes_after_lead_rows) and isinstance(mask, (str, type(None)))
-                and self.attend_path == "auto" and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
+                and self.attend_path == "auto"
+                and kivi_kernel.supported(self.qbits, self.group, self.value_group(dv), d, dv, rep)
                 and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
     def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:

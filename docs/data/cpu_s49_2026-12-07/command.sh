@@ -14,3 +14,9 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --st
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --context 2048 --steps 8 --rounds 2 \
   --prefill --method snapkv --method streaming_llm --method h2o --method tova --method morphkv --method rocketkv \
   --method squeeze
+# waterfill_kernel_8k_ab.txt: waterfill's CPU kernel alone (its _cpu_part over 8172 quantized rows, one layer, 3 KV x 3
+# query heads, d 64, median of 200 calls) at 1dcf4cf (a worktree) and 6d7e199, alternated three times; a throwaway
+# script timing `c._cpu_part(q, c.n_quant)` after an 8192-row prefill in chunks of 1024 (not kept)
+# wf_4k_{before,after}.txt: 1dcf4cf, then 6d7e199
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method waterfill \
+  --method waterfill:bit_width_inlier=8,residual_length=16

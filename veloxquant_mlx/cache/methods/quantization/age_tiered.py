@@ -12,8 +12,8 @@ KIVI-layout stores (``k{t}_*`` / ``v{t}_*``; t = 0 old, 1 mid, 2 recent) hold co
 Deviations / choices: KIVI's float16 residual of < G tokens; tiers are per group by its newest token (up to G - 1
 tokens past a boundary keep the finer width); moving groups copies the bounded recent and mid stores once per
 crossing group, never per token; attention dequantizes (three widths), but a CPU decode step reads each tier's
-codes in KIVI's CPU kernel (widths of 2, 4 or 8 bits) and joins the three partials; trim is exact for residual rows only,
-deeper trims raise ``ValueError`` (re-quantized groups cannot be restored).
+codes in KIVI's CPU kernel (widths of 2, 4 or 8 bits) and joins the three partials; trim is exact for residual rows
+only, deeper trims raise ``ValueError`` (re-quantized groups cannot be restored).
 """
 
 from __future__ import annotations
