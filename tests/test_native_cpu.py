@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import AgeTieredOptions, TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import AgeTieredOptions, KittyOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
+from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
@@ -259,7 +260,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 
 @KERNELS
-@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "turboquant_rvq"])
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "turboquant_rvq"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -267,6 +268,7 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "kivi": (GroupedQuantCache, lambda: _kivi(64), 1500),
                          "kivi_sink": (GroupedQuantCache, lambda: _kivi_sink(64), 1500),
                          "age_tiered": (AgeTieredKVCache, lambda: _age_tiered(64), 1500),
+                         "kitty": (KittyKVCache, lambda: _kitty(64), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
@@ -442,6 +444,52 @@ def test_age_tiered_decodes_on_kivis_cpu_kernel_a_call_per_tier(bits, monkeypatc
     assert "age_tiered_cpu" in _common._checked
 
 
+def _kitty(D, **opts):
+    c = KVCacheFactory.create(KVCacheConfig(method="kitty", head_dim=D, options=KittyOptions(**opts)))
+    assert isinstance(c, KittyKVCache)
+    return c
+
+
+@KERNELS
+@pytest.mark.parametrize("hi_bit,lo_bit,frac,R", [(4, 2, 0.25, 3), (8, 2, 0.5, 1), (8, 4, 0.1, 4), (2, 2, 0.3, 2),
+                                                  (4, 2, 0.0, 3)])
+def test_kitty_decodes_on_kivis_cpu_kernel_with_its_hi_channels_as_a_second_key_store(hi_bit, lo_bit, frac, R,
+                                                                                       monkeypatch):
+    """Kitty's decode steps read its codes in KIVI's CPU kernel: the low-width key channels as the kernel's keys, the
+    hi channels (another width, re-slotted to the low width's token order) as its second key store, the queries
+    permuted to the same hi-then-lo channel order; each step equals float64 attention over the stored rows, groups
+    completing between steps. Without hi channels (fraction 0) no second store is passed."""
+    assert native.module() is not None
+    H, D = 2, 64
+    c = _kitty(D, hi_bit=hi_bit, lo_bit=lo_bit, hi_fraction=frac)
+    calls = _spy_kernel(monkeypatch, KittyKVCache)
+    rng = np.random.default_rng(hi_bit * 10 + lo_bit)
+    K, V = c.update_and_fetch(_rows(rng, H, 100, D), _rows(rng, H, 100, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 100, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    _steps_equal_float64(c, H, R, D, 40, rng)
+    assert len(calls) == 40 and "kitty_cpu" in _common._checked
+    assert (c.kh_codes is None) == (frac == 0) and (c.kl_codes is not None)
+
+
+@KERNELS
+def test_kivi_cpu_kernel_reads_a_second_key_store_only_as_it_fits():
+    """``kivi_decode``'s second key store is refused, naming ``hi``, unless it is (codes, scales, biases) of 2, 4 or 8
+    bits with the queries' batch and heads and the rows asked for; its channels and the main store's make D."""
+    c = _kitty(64)
+    rng = np.random.default_rng(2)
+    c.update_and_fetch(_rows(rng, 2, 128, 64), _rows(rng, 2, 128, 64))
+    q = mx.zeros((1, 2, 1, 64))
+    base = (q, c.kl_codes, c.kl_scales, c.kl_biases, c.v_codes, c.v_scales, c.v_biases, 96, 2, 32, 32, 64)
+    hi = [c.kh_codes, c.kh_scales, c.kh_biases]
+    m, _, _ = native.module().kivi_decode(*base, hi=hi, hi_bits=4)
+    assert m.shape == (1, 2, 1)
+    for bad, bits in (([c.kh_codes, c.kh_scales], 4), (hi, 3), ([c.kh_codes[:, :1], c.kh_scales, c.kh_biases], 4)):
+        with pytest.raises(ValueError, match="kivi_decode: hi: "):
+            native.module().kivi_decode(*base, hi=bad, hi_bits=bits)
+    with pytest.raises(ValueError, match="kivi_decode: batch, heads or tables differ"):
+        native.module().kivi_decode(*base)  # the main store alone holds only the low-width channels
+
+
 @KERNELS
 def test_kivi_cpu_kernel_leaves_the_variants_and_odd_widths_to_the_op_path(kivi_calls):
     """A variant with its own codes (GEAR) and KIVI at 3 bits decode on the op path; the kernel refuses what it
@@ -559,10 +607,10 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
-             "kivi_sink_decodes or age_tiered_decodes")
+             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
-    assert run.returncode == 0 and "\n28 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "\n34 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 

@@ -8,9 +8,12 @@ namespace {
 // KIVI's layout (cache/grouped.py): keys per channel in groups of G tokens ([B, H, D, words] codes, each channel's
 // tokens one bit stream; [B, H, D, groups] float16 scales and biases), values per token in groups of gv channels
 // ([B, H, rows, words], [B, H, rows, dv / gv]); value = code * scale + bias.
+// A second key store (Kitty's): the first nh channels of the queries' order at hbits bits ([B, H, nh, hkw] codes,
+// [B, H, nh, hkg] scales and biases); the main store then holds the other D - nh channels.
 struct KiviDims {
   int B, H, R, D, DV, kw, kg, vcap, vw, vg;  // kw / kg: words and groups a channel's buffer holds
   int n, bits, G, gv;
+  int nh, hbits, hkw, hkg;
 };
 
 struct KiviInputs {
@@ -19,6 +22,8 @@ struct KiviInputs {
   const mx::float16_t *ks, *kb;
   const uint32_t* vc;
   const mx::float16_t *vs, *vb;
+  const uint32_t* hc;
+  const mx::float16_t *hs, *hb;
 };
 
 // The value rows' bits as value_lanes / value_slot read them: 0 (a code at a time) unless each word's codes lie in
@@ -41,6 +46,37 @@ inline void kivi_key_channel(const uint32_t* words, int nwords, const float* sc,
       out[k * WB + i] = float(int32_t((w[i] >> (k * BITS)) & ((1u << BITS) - 1))) * sc[i] + bi[i];
 }
 
+// Slot s of a block decoded at `bits` holds token (s % WB) * CPW + s / WB (kivi_key_channel).
+inline int slot_token(int s, int bits) { return (s % (2 * bits)) * (32 / bits) + s / (2 * bits); }
+
+// One channel of a block from a store of `bits`-bit codes (channel ch of it, kw words and kg groups a channel), its
+// slots in the order of a block decoded at `order` bits (from[]: where each slot's token lies in the `bits` order).
+template <int BITS>
+inline void key_channel(const uint32_t* codes, const mx::float16_t* sc, const mx::float16_t* bi, size_t ch, int kw,
+                        int kg, int b0, int rows, int G, float* __restrict out) {
+  constexpr int WB = 2 * BITS;
+  const int g0 = b0 / G, g1 = (b0 + BLOCK / 2) / G;  // the groups of the block's two halves
+  const float s0 = f16(sc[ch * kg + g0]), z0 = f16(bi[ch * kg + g0]);
+  const bool second = rows > BLOCK / 2 && g1 != g0;
+  const float s1 = second ? f16(sc[ch * kg + g1]) : s0, z1 = second ? f16(bi[ch * kg + g1]) : z0;
+  float scl[WB], bia[WB];
+  for (int i = 0; i < WB; ++i) {
+    scl[i] = i < WB / 2 ? s0 : s1;
+    bia[i] = i < WB / 2 ? z0 : z1;
+  }
+  kivi_key_channel<BITS>(codes + ch * kw + size_t(b0) * BITS / 32, (rows * BITS + 31) / 32, scl, bia, out);
+}
+
+// A channel of the second key store (runtime width hbits), re-slotted to the main store's order.
+inline void hi_key_channel(const KiviDims& d, const KiviInputs& in, const int* from, size_t ch, int b0, int rows,
+                           float* __restrict out) {
+  float tmp[BLOCK];
+  if (d.hbits == 2) key_channel<2>(in.hc, in.hs, in.hb, ch, d.hkw, d.hkg, b0, rows, d.G, tmp);
+  else if (d.hbits == 4) key_channel<4>(in.hc, in.hs, in.hb, ch, d.hkw, d.hkg, b0, rows, d.G, tmp);
+  else key_channel<8>(in.hc, in.hs, in.hb, ch, d.hkw, d.hkg, b0, rows, d.G, tmp);
+  for (int s = 0; s < BLOCK; ++s) out[s] = tmp[from[s]];
+}
+
 template <int BITS>
 void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, float* m, float* l, float* acc) {
   constexpr int WB = 2 * BITS, CPW = 32 / BITS;
@@ -54,23 +90,19 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   const int lanes = value_lanes(DV, kivi_vector_bits(d), d.vw);
   const bool nibbles = lanes == 8, quads = lanes == 4;
   const uint32_t vmask = (1u << BITS) - 1;
+  int from[BLOCK] = {};  // main-order slot s: where its token lies in a second-store block (hbits order)
+  for (int s = 0; s < BLOCK && d.nh; ++s) {
+    const int t = slot_token(s, BITS), hcpw = 32 / d.hbits;
+    from[s] = (t % hcpw) * (2 * d.hbits) + t / hcpw;
+  }
   empty_partials(R, DV, m, l, acc);
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
-    const int g0 = b0 / d.G, g1 = (b0 + BLOCK / 2) / d.G;  // the groups of the block's two halves
-    const int nwords = (rows * BITS + 31) / 32;
-    for (int c = 0; c < D; ++c) {
-      const size_t ch = size_t(bh) * D + c;
-      const float s0 = f16(in.ks[ch * d.kg + g0]), z0 = f16(in.kb[ch * d.kg + g0]);
-      const bool second = rows > BLOCK / 2 && g1 != g0;
-      const float s1 = second ? f16(in.ks[ch * d.kg + g1]) : s0, z1 = second ? f16(in.kb[ch * d.kg + g1]) : z0;
-      float scl[WB], bia[WB];
-      for (int i = 0; i < WB; ++i) {
-        scl[i] = i < WB / 2 ? s0 : s1;
-        bia[i] = i < WB / 2 ? z0 : z1;
-      }
-      kivi_key_channel<BITS>(in.kc + ch * d.kw + size_t(b0) * BITS / 32, nwords, scl, bia, keys + size_t(c) * BLOCK);
-    }
+    for (int c = 0; c < d.nh; ++c)  // the second store's channels first (the queries' order), re-slotted
+      hi_key_channel(d, in, from, size_t(bh) * d.nh + c, b0, rows, keys + size_t(c) * BLOCK);
+    for (int c = d.nh; c < D; ++c)
+      key_channel<BITS>(in.kc, in.ks, in.kb, size_t(bh) * (D - d.nh) + (c - d.nh), d.kw, d.kg, b0, rows, d.G,
+                        keys + size_t(c) * BLOCK);
     block_scores(q, keys, R, D, sc);
     softmax_update(sc, R, DV, [rows](int slot) { return (slot % WB) * CPW + slot / WB < rows; }, m, l, acc);
     for (int r = 0; r < R; ++r)
@@ -133,9 +165,11 @@ class KiviDecode : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
+    const bool hi = inputs.size() > 7;
     KiviInputs in{inputs[0].data<float>(),         inputs[1].data<uint32_t>(),      inputs[2].data<mx::float16_t>(),
                   inputs[3].data<mx::float16_t>(), inputs[4].data<uint32_t>(),      inputs[5].data<mx::float16_t>(),
-                  inputs[6].data<mx::float16_t>()};
+                  inputs[6].data<mx::float16_t>(), hi ? inputs[7].data<uint32_t>() : nullptr,
+                  hi ? inputs[8].data<mx::float16_t>() : nullptr, hi ? inputs[9].data<mx::float16_t>() : nullptr};
     enc.dispatch([d = d_, in, counts = counts_, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
                   acc = outputs[2].data<float>()]() {
       auto slot = [&](int c) { return value_slot(c, d.DV, kivi_vector_bits(d), d.vw); };
@@ -164,7 +198,7 @@ class KiviDecode : public mx::Primitive {
 std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
-                                   const std::vector<int>& counts) {
+                                   const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits) {
   auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
   check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
         "ranks");
@@ -172,6 +206,14 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   d.B = q.shape(0), d.H = q.shape(1), d.R = q.shape(2), d.D = q.shape(3), d.DV = dv;
   d.kw = k_codes.shape(3), d.kg = k_scales.shape(3), d.vcap = v_codes.shape(2), d.vw = v_codes.shape(3);
   d.vg = v_scales.shape(3), d.n = n, d.bits = bits, d.G = group, d.gv = value_group;
+  check(hi.empty() || (hi.size() == 3 && (hi_bits == 2 || hi_bits == 4 || hi_bits == 8) && hi[0].ndim() == 4 &&
+                       hi[1].ndim() == 4 && hi[1].shape() == hi[2].shape() && hi[0].shape(2) == hi[1].shape(2) &&
+                       hi[0].shape(0) == d.B && hi[0].shape(1) == d.H && hi[1].shape(0) == d.B &&
+                       hi[1].shape(1) == d.H && size_t(n) * hi_bits <= size_t(hi[0].shape(3)) * 32 &&
+                       n / group <= hi[1].shape(3)),
+        "hi: (codes, scales, biases) of 2, 4 or 8 bits, batch and heads as the queries', rows within the buffers");
+  d.nh = hi.empty() ? 0 : hi[0].shape(2), d.hbits = hi_bits;
+  d.hkw = hi.empty() ? 0 : hi[0].shape(3), d.hkg = hi.empty() ? 0 : hi[1].shape(3);
   check(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
   check(group > 0 && group % 32 == 0 && value_group > 0 && dv % value_group == 0 && (value_group * bits) % 32 == 0,
         "groups");
@@ -182,8 +224,9 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   check(counts.empty() || (int(counts.size()) == d.B && std::all_of(counts.begin(), counts.end(), [&](int c) {
           return c >= 0 && c <= n && c % group == 0;
         })), "counts: one per batch row, each a multiple of the group in 0..n");
-  check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && k_codes.shape(2) == d.D && v_codes.shape(0) == d.B &&
-            v_codes.shape(1) == d.H && k_scales.shape(2) == d.D && k_biases.shape() == k_scales.shape() &&
+  check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && k_codes.shape(2) + d.nh == d.D &&
+            v_codes.shape(0) == d.B &&
+            v_codes.shape(1) == d.H && k_scales.shape(2) + d.nh == d.D && k_biases.shape() == k_scales.shape() &&
             v_biases.shape() == v_scales.shape() && v_scales.shape(2) == d.vcap,
         "batch, heads or tables differ");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -191,6 +234,8 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   std::vector<mx::array> ins{c(q, mx::float32),       c(k_codes, mx::uint32),  c(k_scales, mx::float16),
                              c(k_biases, mx::float16), c(v_codes, mx::uint32), c(v_scales, mx::float16),
                              c(v_biases, mx::float16)};
+  if (!hi.empty())
+    for (auto [a, t] : {std::pair{0, mx::uint32}, {1, mx::float16}, {2, mx::float16}}) ins.push_back(c(hi[a], t));
   mx::Shape ml{d.B, d.H, d.R};
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<KiviDecode>(s, d, counts), ins);

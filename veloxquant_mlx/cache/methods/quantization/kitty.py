@@ -10,16 +10,19 @@ G = ``kitty_group_size`` tokens: hi rows of K^T at ``kitty_hi_bit`` bits (``kh_*
 
 Deviations from the paper: static channel selection by magnitude from the first block (the paper ranks per page
 by sensitivity); no full-precision initial tokens (``kivi_sink`` does that for KIVI); attention dequantizes
-(the hi/lo split is not one ``quantized_matmul`` layout); KIVI's own deviations.
+(the hi/lo split is not one ``quantized_matmul`` layout), except a CPU decode step, which reads the codes in KIVI's CPU
+kernel (the hi channels as its second key store, at 2, 4 or 8 bits); KIVI's own deviations.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
+from ...window import Partials
 from .kivi import KIVIKVCache
 
 
@@ -80,6 +83,24 @@ class KittyKVCache(KIVIKVCache):
         kt = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)  # permuted rows
         inv = mx.broadcast_to(self.k_inv[None, :, :, None], kt.shape)
         return mx.take_along_axis(kt, inv, axis=2)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: KIVI's CPU kernel with the hi channels as a second key store
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        return self.hi_bit in (2, 4, 8) and self.n_hi(d) < d and super()._cpu_codes_fit(d, dv, rep)
+
+    def _cpu_part(self, qf, n: int, counts=()):
+        """The first ``n`` quantized tokens by KIVI's CPU kernel: the low-width key store as its keys, the hi store as
+        the kernel's second key store, the queries' channels in the same hi-then-lo order (``k_perm``: a channel
+        permutation shared by queries and keys leaves the scores unchanged)."""
+        qp = mx.take_along_axis(qf, mx.broadcast_to(self.k_perm[None, :, None, :], qf.shape), axis=-1)
+        dv = self.res_v.shape[-1]
+        hi = [] if self.kh_codes is None else [self.kh_codes, self.kh_scales, self.kh_biases]
+        m, l, acc = native.module().kivi_decode(  # noqa: E741
+            qp, self.kl_codes, self.kl_scales, self.kl_biases, self.v_codes, self.v_scales, self.v_biases, n,
+            self.lo_bit, self.group, self.value_group(dv), dv, hi=hi, hi_bits=self.hi_bit)
+        return Partials(m, l, acc)
 
     def key_channel_bits(self) -> mx.array:
         """[H, D] bits of every key channel (in the original channel order)."""
