@@ -420,7 +420,7 @@ class GroupedQuantCache(CompressedKVCache):
 
     def _cpu_layout(self) -> bool:
         """Whether ``_cpu_part`` reads this cache's codes: KIVI's own layout (after lead rows), or a variant's own
-        ``_cpu_part`` over several KIVI-layout stores (age_tiered)."""
+        ``_cpu_part`` over several KIVI-layout stores (age_tiered's tiers, Kitty's two key widths)."""
         return self._own_layout() or self.own_codes_after_lead_rows
 
     def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:

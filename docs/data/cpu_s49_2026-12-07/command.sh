@@ -20,3 +20,7 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --c
 # wf_4k_{before,after}.txt: 1dcf4cf, then 6d7e199
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method waterfill \
   --method waterfill:bit_width_inlier=8,residual_length=16
+# kitty_4k_{before,after}.txt: 8652c7f (a worktree: Kitty's op path), then 3f0196c
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method kitty
+# Kitty's one-layer step at 8k, kernels on and off (VELOXQUANT_CPU_KERNELS=1 / 0):
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_step_cpu.py --context 8192 --steps 100 --method kitty --method kivi
