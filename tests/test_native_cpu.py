@@ -414,10 +414,15 @@ def test_kivi_sink_decodes_on_kivis_cpu_kernel_with_its_sinks_as_exact_rows(sink
     assert "kivi_sink_cpu" in _common._checked
 
 
-def _age_tiered(D, **opts):
-    c = KVCacheFactory.create(KVCacheConfig(method="age_tiered", head_dim=D, options=AgeTieredOptions(**opts)))
-    assert isinstance(c, AgeTieredKVCache)
+def _variant(method, cls, D, options):
+    """A ``method`` cache of head dim ``D`` with ``options``, checked to be a ``cls``."""
+    c = KVCacheFactory.create(KVCacheConfig(method=method, head_dim=D, options=options))
+    assert isinstance(c, cls)
     return c
+
+
+def _age_tiered(D, **opts):
+    return _variant("age_tiered", AgeTieredKVCache, D, AgeTieredOptions(**opts))
 
 
 @KERNELS
@@ -445,9 +450,7 @@ def test_age_tiered_decodes_on_kivis_cpu_kernel_a_call_per_tier(bits, monkeypatc
 
 
 def _kitty(D, **opts):
-    c = KVCacheFactory.create(KVCacheConfig(method="kitty", head_dim=D, options=KittyOptions(**opts)))
-    assert isinstance(c, KittyKVCache)
-    return c
+    return _variant("kitty", KittyKVCache, D, KittyOptions(**opts))
 
 
 @KERNELS
