@@ -414,8 +414,8 @@ class GroupedQuantCache(CompressedKVCache):
                 and (kernels.kernels_enabled() or kernels.metal_enabled()))
 
     def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
-        """A decode step the CPU kernel (``native``, KIVI's own layout) takes: a string/None mask and
-        ``_cpu_codes_fit``."""
+        """A decode step the CPU kernel (``native``) takes: a layout ``_cpu_part`` reads (``_cpu_layout``), a
+        string/None mask and ``_cpu_codes_fit``."""
         return self._cpu_layout() and isinstance(mask, (str, type(None))) and self._cpu_codes_fit(d, dv, rep)
 
     def _cpu_layout(self) -> bool:

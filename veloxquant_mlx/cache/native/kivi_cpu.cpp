@@ -49,8 +49,8 @@ inline void kivi_key_channel(const uint32_t* words, int nwords, const float* sc,
 // Slot s of a block decoded at `bits` holds token (s % WB) * CPW + s / WB (kivi_key_channel).
 inline int slot_token(int s, int bits) { return (s % (2 * bits)) * (32 / bits) + s / (2 * bits); }
 
-// One channel of a block from a store of `bits`-bit codes (channel ch of it, kw words and kg groups a channel), its
-// slots in the order of a block decoded at `order` bits (from[]: where each slot's token lies in the `bits` order).
+// One channel of a block from a store of BITS-bit codes (its channel ch; kw words and kg groups a channel), in
+// kivi_key_channel's slot order for BITS, each half of the block with its own group's scale and bias.
 template <int BITS>
 inline void key_channel(const uint32_t* codes, const mx::float16_t* sc, const mx::float16_t* bi, size_t ch, int kw,
                         int kg, int b0, int rows, int G, float* __restrict out) {

@@ -4,10 +4,9 @@ whatever their content (StreamingLLM, arXiv 2309.17453), so an error in their ke
 (arXiv 2403.01241) and SKVQ (arXiv 2405.06219) keep them exact. Bytes: KIVI's plus 2*S*D*2 per KV head.
 
 Deviations (besides KIVI's): attention dequantizes (``quantized_matmul`` over the codes would not cover the sinks
-ahead of them), except a decode step once codes exist, which reads them in KIVI's decode kernels (the CPU one; the
-CUDA one, not yet measured on a GPU) and joins the sinks, the residual and the new row as exact rows in the same
-softmax; ``n_sink_tokens = 0`` is KIVI; trim drops the residual, whole groups and then sink
-rows, and raises ``ValueError`` on a cut into a group.
+ahead of them), except a decode step once codes exist, which reads them in KIVI's decode kernels (CPU, CUDA) and
+joins the sinks, the residual and the new row as exact rows in the same softmax; ``n_sink_tokens = 0`` is KIVI; trim
+drops the residual, whole groups and then sink rows, and raises ``ValueError`` on a cut into a group.
 """
 
 from __future__ import annotations
