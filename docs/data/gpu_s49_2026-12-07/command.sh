@@ -14,3 +14,6 @@ for T in 8192 32768; do for own in True False; do python3 -c "import sys; sys.ar
   from veloxquant_mlx.cache.methods.quantization.kivi_sink import KIVISinkKVCache as K; \
   K.own_codes_after_lead_rows=$own; import decode_model_cpu as d; d.main()"; done; done
 CONTEXTS=8192,32768 REPEATS=2 EXTRA="--method turboquant_rvq" bash scripts/gpu_run.sh - steadyp  # h100_bench_paired.json
+# paired2_{8192,32768,131072}.txt: the same `tripaired` again at 066ae7b, an hour later on a fresh H100 machine
+# (Intel Xeon host, 16 CPUs), 5 rounds at 8k / 32k, 3 at 128k:
+CONTEXTS="8192 32768 131072" ROUNDS=5 ROUNDS128=3 bash scripts/gpu_run.sh - tripaired
