@@ -3,7 +3,9 @@
 KIVI and waterfill decode steps (partials + merge, or one fused launch) run on the same caches (8 KV heads x 4 query heads, d 128, 4-bit), timed
 (ms per 10 layers, host build included; and the evaluation alone, the graphs built before the clock starts) and
 checked against the first variant. ``NCU=1``: one call each, no
-timing, for ``ncu -k regex:decode`` (the kernels' own GPU time).
+timing, for ``ncu -k regex:decode`` (the kernels' own GPU time). Not for grid sizes (split counts): the ten timed
+calls do not depend on each other, and a grid that leaves SMs idle looked 12-15% faster here while it was 38% slower
+in the model, where each layer waits for the last (session 50): judge those with ``decode_timeline.py``.
 
     python scripts/decode_kernel_variants.py --context 8192,32768 kvar/A kvar/B
     NCU=1 ncu --section SpeedOfLight -k regex:decode python scripts/decode_kernel_variants.py --context 8192 kvar/A kvar/B
