@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import AgeTieredOptions, KittyOptions, TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import AgeTieredOptions, KittyOptions, SKVQOptions, TurboQuantRVQOptions
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
+from veloxquant_mlx.cache.methods.quantization.skvq import SKVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.native import build
@@ -260,7 +261,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 
 @KERNELS
-@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "turboquant_rvq"])
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "turboquant_rvq"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -269,6 +270,7 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "kivi_sink": (GroupedQuantCache, lambda: _kivi_sink(64), 1500),
                          "age_tiered": (AgeTieredKVCache, lambda: _age_tiered(64), 1500),
                          "kitty": (KittyKVCache, lambda: _kitty(64), 1500),
+                         "skvq": (SKVQKVCache, lambda: _skvq(64, window=16), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
@@ -474,6 +476,62 @@ def test_kitty_decodes_on_kivis_cpu_kernel_with_its_hi_channels_as_a_second_key_
     assert (c.kh_codes is None) == (frac == 0) and (c.kl_codes is not None)
 
 
+def _skvq(D, **opts):
+    return _variant("skvq", SKVQKVCache, D, SKVQOptions(**opts))
+
+
+@KERNELS
+@pytest.mark.parametrize("bits,group,sinks,window,R,prompt", [(2, 32, 5, 16, 3, 100), (4, 32, 0, 1, 1, 40),
+                                                              (8, 16, 4, 24, 4, 300), (2, 32, 5, 128, 2, 2100),
+                                                              (4, 64, 0, 1, 2, 130)])
+def test_skvq_decodes_on_kivis_cpu_kernel_with_its_keys_as_rows(bits, group, sinks, window, R, prompt, monkeypatch):
+    """SKVQ's decode steps read its codes in KIVI's CPU kernel, the keys as rows (per token, in channel groups, as the
+    values): the queries permuted to the calibrated key order, the weighted value sum put back in the model's; the
+    sinks and the float16 window join as exact rows. Each step equals float64 attention over the rows the cache
+    stores, while the window flushes rows into the codes (any count of them: not whole groups)."""
+    H, D = 2, 64
+    c = _skvq(D, bits_key=bits, bits_value=bits, group_size=group, n_sink=sinks, window=window)
+    calls = _spy_kernel(monkeypatch, SKVQKVCache)
+    rng = np.random.default_rng(bits * 100 + group)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    n0 = c.n_quant
+    _steps_equal_float64(c, H, R, D, 40, rng)
+    assert len(calls) == 40 and "skvq_cpu" in _common._checked
+    assert all(0 < n <= c.n_quant for n in calls) and calls[0] == n0
+    assert (c.n_quant > n0) == (c.value_group(D) <= 40)  # the window flushed during the steps where it could fill
+    assert c.n_sink == sinks and not (c.k_perm == mx.arange(D)).all().item()  # calibrated order, not the identity
+
+
+@KERNELS
+def test_skvq_with_two_widths_decodes_on_its_op_path(monkeypatch):
+    """KIVI's kernel reads one width for keys and values: SKVQ at 2-bit keys and 4-bit values keeps its op path."""
+    c = _skvq(64, bits_key=2, bits_value=4, window=16)
+    calls = _spy_kernel(monkeypatch, SKVQKVCache)
+    rng = np.random.default_rng(3)
+    c.update_and_fetch(_rows(rng, 2, 200, 64), _rows(rng, 2, 200, 64))
+    _steps_equal_float64(c, 2, 2, 64, 4, rng)
+    assert calls == [] and c.n_quant > 0
+
+
+@KERNELS
+def test_kivi_cpu_kernel_reads_key_rows_only_as_they_fit():
+    """``kivi_decode(key_rows=True)`` refuses, naming ``key_rows``, key rows that are not D codes with a scale per
+    group, and a second key store beside them."""
+    c = _skvq(64, window=16)
+    rng = np.random.default_rng(4)
+    c.update_and_fetch(_rows(rng, 2, 200, 64), _rows(rng, 2, 200, 64))
+    q = mx.zeros((1, 2, 1, 64))
+    args = (c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases, c.n_quant, 2, 32, 32, 64)
+    m, _, acc = native.module().kivi_decode(q, *args, key_rows=True)
+    assert m.shape == (1, 2, 1) and acc.shape == (1, 2, 1, 64)
+    for bad in (dict(key_rows=True, hi=[c.k_codes, c.k_scales, c.k_biases], hi_bits=2),):
+        with pytest.raises(ValueError, match="kivi_decode: key_rows: "):
+            native.module().kivi_decode(q, *args, **bad)
+    with pytest.raises(ValueError, match="kivi_decode: key_rows: "):  # 16-channel groups: 4 scales a row, not 2
+        native.module().kivi_decode(q, *args[:7], 2, 16, 32, 64, key_rows=True)
+
+
 @KERNELS
 def test_kivi_cpu_kernel_reads_a_second_key_store_only_as_it_fits():
     """``kivi_decode``'s second key store is refused, naming ``hi``, unless it is (codes, scales, biases) of 2, 4 or 8
@@ -610,10 +668,10 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
-             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes")
+             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
-    assert run.returncode == 0 and "\n34 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "\n39 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 

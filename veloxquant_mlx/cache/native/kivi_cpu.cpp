@@ -10,10 +10,14 @@ namespace {
 // ([B, H, rows, words], [B, H, rows, dv / gv]); value = code * scale + bias.
 // A second key store (Kitty's): the first nh channels of the queries' order at hbits bits ([B, H, nh, hkw] codes,
 // [B, H, nh, hkg] scales and biases); the main store then holds the other D - nh channels.
+// Keys as rows (SKVQ's, key_rows): per token in groups of G channels, laid out as the values ([B, H, rows, kw] codes,
+// [B, H, rows, kg] scales and biases).
 struct KiviDims {
-  int B, H, R, D, DV, kw, kg, vcap, vw, vg;  // kw / kg: words and groups a channel's buffer holds
+  int B, H, R, D, DV, kw, kg, vcap, vw, vg;  // kw / kg: words and groups a channel's (a key row's) buffer holds
   int n, bits, G, gv;
   int nh, hbits, hkw, hkg;
+  bool key_rows;
+  int kcap;  // key rows a head's buffer holds (key_rows)
 };
 
 struct KiviInputs {
@@ -44,6 +48,54 @@ inline void kivi_key_channel(const uint32_t* words, int nwords, const float* sc,
   for (int k = 0; k < CPW; ++k)
     for (int i = 0; i < WB; ++i)
       out[k * WB + i] = float(int32_t((w[i] >> (k * BITS)) & ((1u << BITS) - 1))) * sc[i] + bi[i];
+}
+
+// A row of `width` BITS-bit codes (`words` words, one float16 scale and bias per `group` channels) decoded into u:
+// `lanes` words at a time in value_slot's order (value_lanes), else a code at a time in channel order.
+template <int BITS>
+inline void decode_row(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int words,
+                       int group, int lanes, float* __restrict u) {
+  constexpr int CPW = 32 / BITS;
+  constexpr uint32_t vmask = (1u << BITS) - 1;
+  float rs[MAX_D], rb[MAX_D];  // the row's scales and biases, one per group
+  for (int g = 0; g < width / group; ++g) {
+    rs[g] = f16(sc[g]);
+    rb[g] = f16(bi[g]);
+  }
+  if (lanes == 8) {  // 4-bit codes: channel 8w + k at slot k * words + w (value_slot), as waterfill's
+    for (int w0 = 0; w0 < words; w0 += 8) {
+      vu8 x;
+      std::memcpy(&x, v + w0, sizeof(x));
+      vf8 gs, gb;
+      for (int i = 0; i < 8; ++i) {
+        gs[i] = rs[8 * (w0 + i) / group];
+        gb[i] = rb[8 * (w0 + i) / group];
+      }
+      for (int k = 0; k < 8; ++k) {
+        const vf8 y = __builtin_convertvector(reinterpret_cast<vi8>((x >> (4 * k)) & 15u), vf8) * gs + gb;
+        std::memcpy(u + k * words + w0, &y, sizeof(y));
+      }
+    }
+  } else if (lanes == 4) {  // likewise 4 words at a time: channel CPW * w + k at slot k * words + w
+    for (int w0 = 0; w0 < words; w0 += 4) {
+      vu4 x;
+      std::memcpy(&x, v + w0, sizeof(x));
+      vf4u gs, gb;
+      for (int i = 0; i < 4; ++i) {
+        gs[i] = rs[CPW * (w0 + i) / group];
+        gb[i] = rb[CPW * (w0 + i) / group];
+      }
+      for (int k = 0; k < CPW; ++k) {
+        const vf4u y = __builtin_convertvector(reinterpret_cast<vi4>((x >> (BITS * k)) & vmask), vf4u) * gs + gb;
+        std::memcpy(u + k * words + w0, &y, sizeof(y));
+      }
+    }
+  } else {  // codes of BITS in {2, 4, 8} never straddle a word
+    for (int c = 0; c < width; ++c) {
+      const int bit = c * BITS;
+      u[c] = float(int32_t((v[bit >> 5] >> (bit & 31)) & vmask)) * rs[c / group] + rb[c / group];
+    }
+  }
 }
 
 // Slot s of a block decoded at `bits` holds token (s % WB) * CPW + s / WB (kivi_key_channel).
@@ -81,15 +133,22 @@ template <int BITS>
 void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, float* m, float* l, float* acc) {
   constexpr int WB = 2 * BITS, CPW = 32 / BITS;
   const int D = d.D, DV = d.DV, R = d.R;
-  const float* q = in.q + size_t(bh) * R * D;
-  std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV, 0.f);
+  std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV + size_t(R) * D, 0.f);
   float* keys = buf.data();
   float* sc = keys + size_t(D) * BLOCK;
   float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
   float* vals = wt + size_t(R) * BLOCK;
+  const float* q = in.q + size_t(bh) * R * D;
   const int lanes = value_lanes(DV, kivi_vector_bits(d), d.vw);
-  const bool nibbles = lanes == 8, quads = lanes == 4;
-  const uint32_t vmask = (1u << BITS) - 1;
+  const int key_lanes = d.key_rows ? value_lanes(D, d.G % CPW == 0 ? BITS : 0, d.kw) : 0;
+  if (d.key_rows) {  // key rows decode in value_slot's order: the queries' channels likewise
+    float* qs = vals + size_t(BLOCK) * DV;
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < D; ++c) qs[size_t(r) * D + value_slot(c, D, d.G % CPW == 0 ? BITS : 0, d.kw)] = q[r * D + c];
+    q = qs;
+  }
+  // slot s of a block's scores holds token token_at(s); the channel layout's order is kivi_key_channel's
+  auto token_at = [&d](int s) { return d.key_rows ? s : (s % WB) * CPW + s / WB; };
   int from[BLOCK] = {};  // main-order slot s: where its token lies in a second-store block (hbits order)
   for (int s = 0; s < BLOCK && d.nh; ++s) {
     const int t = slot_token(s, BITS), hcpw = 32 / d.hbits;
@@ -98,61 +157,29 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   empty_partials(R, DV, m, l, acc);
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
-    for (int c = 0; c < d.nh; ++c)  // the second store's channels first (the queries' order), re-slotted
-      hi_key_channel(d, in, from, size_t(bh) * d.nh + c, b0, rows, keys + size_t(c) * BLOCK);
-    for (int c = d.nh; c < D; ++c)
-      key_channel<BITS>(in.kc, in.ks, in.kb, size_t(bh) * (D - d.nh) + (c - d.nh), d.kw, d.kg, b0, rows, d.G,
-                        keys + size_t(c) * BLOCK);
+    if (d.key_rows) {
+      float u[MAX_D];
+      for (int j = 0; j < rows; ++j) {  // each row decoded, then written channel-major
+        const size_t row = size_t(bh) * d.kcap + b0 + j;
+        decode_row<BITS>(in.kc + row * d.kw, in.ks + row * d.kg, in.kb + row * d.kg, D, d.kw, d.G, key_lanes, u);
+        for (int c = 0; c < D; ++c) keys[size_t(c) * BLOCK + j] = u[c];
+      }
+    } else {
+      for (int c = 0; c < d.nh; ++c)  // the second store's channels first (the queries' order), re-slotted
+        hi_key_channel(d, in, from, size_t(bh) * d.nh + c, b0, rows, keys + size_t(c) * BLOCK);
+      for (int c = d.nh; c < D; ++c)
+        key_channel<BITS>(in.kc, in.ks, in.kb, size_t(bh) * (D - d.nh) + (c - d.nh), d.kw, d.kg, b0, rows, d.G,
+                          keys + size_t(c) * BLOCK);
+    }
     block_scores(q, keys, R, D, sc);
-    softmax_update(sc, R, DV, [rows](int slot) { return (slot % WB) * CPW + slot / WB < rows; }, m, l, acc);
+    softmax_update(sc, R, DV, [&](int slot) { return token_at(slot) < rows; }, m, l, acc);
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < rows; ++j) wt[size_t(r) * BLOCK + j] = sc[size_t(r) * BLOCK + (j % CPW) * WB + j / CPW];
+      for (int j = 0; j < rows; ++j)
+        wt[size_t(r) * BLOCK + j] = sc[size_t(r) * BLOCK + (d.key_rows ? j : (j % CPW) * WB + j / CPW)];
     for (int j = 0; j < rows; ++j) {  // each row's values: code * scale + bias of its channel's group
       const size_t row = size_t(bh) * d.vcap + b0 + j;
-      const uint32_t* v = in.vc + row * d.vw;
-      const mx::float16_t* vsr = in.vs + row * d.vg;
-      const mx::float16_t* vbr = in.vb + row * d.vg;
-      float* u = vals + size_t(j) * DV;
-      float rs[MAX_D], rb[MAX_D];  // the row's scales and biases, one per value group
-      for (int g = 0; g < d.vg; ++g) {
-        rs[g] = f16(vsr[g]);
-        rb[g] = f16(vbr[g]);
-      }
-      if (nibbles) {  // channel 8w + k at slot k * words + w (value_slot), as waterfill's
-        for (int w0 = 0; w0 < d.vw; w0 += 8) {
-          vu8 x;
-          std::memcpy(&x, v + w0, sizeof(x));
-          vf8 gs, gb;
-          for (int i = 0; i < 8; ++i) {
-            gs[i] = rs[8 * (w0 + i) / d.gv];
-            gb[i] = rb[8 * (w0 + i) / d.gv];
-          }
-          for (int k = 0; k < 8; ++k) {
-            const vf8 y = __builtin_convertvector(reinterpret_cast<vi8>((x >> (4 * k)) & 15u), vf8) * gs + gb;
-            std::memcpy(u + k * d.vw + w0, &y, sizeof(y));
-          }
-        }
-      } else if (quads) {  // likewise 4 words at a time: channel CPW * w + k at slot k * words + w
-        for (int w0 = 0; w0 < d.vw; w0 += 4) {
-          vu4 x;
-          std::memcpy(&x, v + w0, sizeof(x));
-          vf4u gs, gb;
-          for (int i = 0; i < 4; ++i) {
-            gs[i] = rs[CPW * (w0 + i) / d.gv];
-            gb[i] = rb[CPW * (w0 + i) / d.gv];
-          }
-          for (int k = 0; k < CPW; ++k) {
-            const vf4u y = __builtin_convertvector(reinterpret_cast<vi4>((x >> (BITS * k)) & vmask), vf4u) * gs + gb;
-            std::memcpy(u + k * d.vw + w0, &y, sizeof(y));
-          }
-        }
-      } else {  // codes of BITS in {2, 4, 8} never straddle a word
-        for (int c = 0; c < DV; ++c) {
-          const int bit = c * BITS;
-          const float code = float(int32_t((v[bit >> 5] >> (bit & 31)) & vmask));
-          u[c] = code * rs[c / d.gv] + rb[c / d.gv];
-        }
-      }
+      decode_row<BITS>(in.vc + row * d.vw, in.vs + row * d.vg, in.vb + row * d.vg, DV, d.vw, d.gv, lanes,
+                       vals + size_t(j) * DV);
     }
     weighted_sum(wt, vals, R, rows, DV, acc);
   }
@@ -198,7 +225,8 @@ class KiviDecode : public mx::Primitive {
 std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
-                                   const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits) {
+                                   const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits,
+                                   bool key_rows) {
   auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
   check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
         "ranks");
@@ -206,6 +234,9 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   d.B = q.shape(0), d.H = q.shape(1), d.R = q.shape(2), d.D = q.shape(3), d.DV = dv;
   d.kw = k_codes.shape(3), d.kg = k_scales.shape(3), d.vcap = v_codes.shape(2), d.vw = v_codes.shape(3);
   d.vg = v_scales.shape(3), d.n = n, d.bits = bits, d.G = group, d.gv = value_group;
+  d.key_rows = key_rows, d.kcap = k_codes.shape(2);
+  check(!key_rows || (hi.empty() && d.kw * 32 == d.D * bits && d.kg == d.D / std::max(group, 1) && n <= d.kcap),
+        "key_rows: no second store, key rows of D codes with a scale per group, n within the key buffer");
   check(hi.empty() || (hi.size() == 3 && (hi_bits == 2 || hi_bits == 4 || hi_bits == 8) && hi[0].ndim() == 4 &&
                        hi[1].ndim() == 4 && hi[1].shape() == hi[2].shape() && hi[0].shape(2) == hi[1].shape(2) &&
                        hi[0].shape(0) == d.B && hi[0].shape(1) == d.H && hi[1].shape(0) == d.B &&
@@ -215,19 +246,21 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   d.nh = hi.empty() ? 0 : hi[0].shape(2), d.hbits = hi_bits;
   d.hkw = hi.empty() ? 0 : hi[0].shape(3), d.hkg = hi.empty() ? 0 : hi[1].shape(3);
   check(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
-  check(group > 0 && group % 32 == 0 && value_group > 0 && dv % value_group == 0 && (value_group * bits) % 32 == 0,
+  check(group > 0 && (key_rows ? d.D % group == 0 : group % 32 == 0) && value_group > 0 && dv % value_group == 0 &&
+            (value_group * bits) % 32 == 0,
         "groups");
   check(d.D <= MAX_D && dv <= MAX_D && d.R <= MAX_R && d.vw * 32 == dv * bits && d.vg == dv / value_group,
         "head dims, query heads or value words");
-  check(n >= 0 && n % group == 0 && size_t(n) * bits <= size_t(d.kw) * 32 && n / group <= d.kg && n <= d.vcap,
+  check(n >= 0 && n <= d.vcap &&
+            (key_rows || (n % group == 0 && size_t(n) * bits <= size_t(d.kw) * 32 && n / group <= d.kg)),
         "rows beyond the buffers");
   check(counts.empty() || (int(counts.size()) == d.B && std::all_of(counts.begin(), counts.end(), [&](int c) {
-          return c >= 0 && c <= n && c % group == 0;
+          return c >= 0 && c <= n && (key_rows || c % group == 0);
         })), "counts: one per batch row, each a multiple of the group in 0..n");
-  check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && k_codes.shape(2) + d.nh == d.D &&
-            v_codes.shape(0) == d.B &&
-            v_codes.shape(1) == d.H && k_scales.shape(2) + d.nh == d.D && k_biases.shape() == k_scales.shape() &&
-            v_biases.shape() == v_scales.shape() && v_scales.shape(2) == d.vcap,
+  check(k_codes.shape(0) == d.B && k_codes.shape(1) == d.H && v_codes.shape(0) == d.B && v_codes.shape(1) == d.H &&
+            (key_rows ? k_scales.shape(2) == d.kcap
+                      : k_codes.shape(2) + d.nh == d.D && k_scales.shape(2) + d.nh == d.D) &&
+            k_biases.shape() == k_scales.shape() && v_biases.shape() == v_scales.shape() && v_scales.shape(2) == d.vcap,
         "batch, heads or tables differ");
   auto s = mx::default_stream(mx::Device::cpu);
   auto c = contiguous_as;

@@ -12,7 +12,8 @@ command): reordering + clip search remove a quarter of the KL at the same bytes 
 Deviations from the paper: reordering sorts by range and cuts equal groups (the paper clusters ranges: same
 intent); calibration is online on each layer's first quantized block, alpha per head and group; ``skvq_max_ctx``
 is accepted and unused (buffers grow on demand); the window is flushed g tokens at a time (W..W+g-1 exact tokens,
-the paper exactly W), its tokens leave after the step's attention; attention dequantizes (permuted channels);
+the paper exactly W), its tokens leave after the step's attention; attention dequantizes (permuted channels), but
+a CPU decode step reads the codes in KIVI's CPU kernel (keys as rows: ``_cpu_part``) where both widths agree;
 trim drops window rows only, deeper trims raise ``ValueError``, and it is not exact when the trimmed tokens
 pushed older ones out of the window (those stay quantized).
 """
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ...primitives.buffers import MIN_GROW, dtype_name, grow_rows
+from ...window import Partials
 from .kivi import RES_DTYPE, KIVIKVCache
 from .kivi_sink import SinkRows
 
@@ -171,6 +174,27 @@ class SKVQKVCache(SinkRows, KIVIKVCache):
 
     def _values(self, n: int, dtype=mx.float32) -> mx.array:
         return self._after_sinks(self.sink_v, n, lambda m: self._decode("v", m, dtype), dtype)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: KIVI's CPU kernel with the keys as rows, in the calibrated channel order
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Codes KIVI's CPU kernel reads as rows: keys and values of one width (2, 4 or 8 bits), each channel group
+        whole words, head dims up to 256, up to 32 query heads a KV head."""
+        b = self.kbits
+        return (native.available() and self.attend_path == "auto" and b == self.vbits and b in (2, 4, 8)
+                and (self.value_group(d) * b) % 32 == 0 and (self.value_group(dv) * b) % 32 == 0
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()):
+        """The first ``n`` quantized tokens by KIVI's CPU kernel, its keys read as rows (``key_rows``): the queries
+        in the keys' channel order (``k_perm``: a permutation shared by queries and keys leaves the scores as they
+        were), the weighted value sum put back in the model's channel order (``v_inv``)."""
+        d, dv = qf.shape[-1], self.res_v.shape[-1]
+        m, l, acc = native.module().kivi_decode(  # noqa: E741
+            permute_channels(qf, self.k_perm), self.k_codes, self.k_scales, self.k_biases, self.v_codes,
+            self.v_scales, self.v_biases, n, self.kbits, self.value_group(d), self.value_group(dv), dv, key_rows=True)
+        return Partials(m, l, permute_channels(acc, self.v_inv))
 
     def _check_trim_rows(self, n: int) -> None:
         """Window rows only (sink rows too while nothing is quantized): not KIVI's rule, whole groups are refused

@@ -1,0 +1,7 @@
+# Session 50 (2026-12-07), this 2-core machine (MLX CPU, float32, SmolLM2's shape with random weights).
+# SKVQ's decode on KIVI's CPU kernel (keys as rows): one layer at 8k, then the whole model at 4k, the tree before
+# (dc6e25c, a git worktree in /tmp/wt_before) and after alternated, two pairs:
+python scripts/decode_step_cpu.py --context 8192 --method skvq   # before 15.4 ms (min 9.1), after 1.9 (min 1.5)
+for r in 1 2; do for t in /tmp/wt_before .; do
+  OPENBLAS_THREAD_TIMEOUT=4 python $t/scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method skvq \
+    > skvq_4096_{before,after}_$r.txt; done; done
