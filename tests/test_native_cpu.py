@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import AgeTieredOptions, KittyOptions, SKVQOptions, TurboQuantRVQOptions
+from veloxquant_mlx.cache.options import (AgeTieredOptions, KittyOptions, SKVQOptions, TurboQuantRVQOptions,
+                                          ZipCacheOptions)
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
@@ -31,6 +32,7 @@ from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
 from veloxquant_mlx.cache.methods.quantization.skvq import SKVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
+from veloxquant_mlx.cache.methods.quantization.zipcache import ZipCacheKVCache
 from veloxquant_mlx.cache.native import build
 from veloxquant_mlx.cache.window import Partials, joint_attention
 
@@ -261,7 +263,8 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 
 @KERNELS
-@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "turboquant_rvq"])
+@pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
+                                    "turboquant_rvq"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -271,6 +274,8 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "age_tiered": (AgeTieredKVCache, lambda: _age_tiered(64), 1500),
                          "kitty": (KittyKVCache, lambda: _kitty(64), 1500),
                          "skvq": (SKVQKVCache, lambda: _skvq(64, window=16), 1500),
+                         "zipcache": (ZipCacheKVCache, lambda: _variant("zipcache", ZipCacheKVCache, 64,
+                                                                        ZipCacheOptions()), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
@@ -504,6 +509,29 @@ def test_skvq_decodes_on_kivis_cpu_kernel_with_its_keys_as_rows(bits, group, sin
 
 
 @KERNELS
+@pytest.mark.parametrize("hi_bits,lo_bits,frac,R,prompt", [(4, 2, 0.2, 3, 100), (8, 4, 0.5, 1, 64), (2, 2, 0.0, 4, 40),
+                                                          (8, 2, 1.0, 2, 300)])
+def test_zipcache_decodes_on_kivis_cpu_kernel_a_call_per_store(hi_bits, lo_bits, frac, R, prompt, monkeypatch):
+    """ZipCache's decode steps read its hi and lo stores in KIVI's CPU kernel (keys as rows, one group a token, the
+    channel factors folded into the queries), one call per store that holds rows: each step equals float64 attention
+    over the rows the cache stores, groups compressed between steps by the saliency the steps accumulate."""
+    H, D = 2, 64
+    c = _variant("zipcache", ZipCacheKVCache, D, ZipCacheOptions(hi_bits=hi_bits, lo_bits=lo_bits, hi_fraction=frac))
+    calls, stores = _spy_kernel(monkeypatch, ZipCacheKVCache), []
+    real = native.module().kivi_decode
+    monkeypatch.setattr(native, "module", lambda: type("M", (), {"kivi_decode": staticmethod(
+        lambda *a, **k: stores.append(a[8]) or real(*a, **k))})())
+    rng = np.random.default_rng(hi_bits * 10 + lo_bits)
+    K, V = c.update_and_fetch(_rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, prompt, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    n0 = c.n_quant
+    _steps_equal_float64(c, H, R, D, 40, rng)
+    assert len(calls) == 40 and "zipcache_cpu" in _common._checked and c.n_quant > n0
+    assert abs(c.n_hi - frac * c.n_quant) <= 1 and c.saliency_source == "attention"  # rounded per block
+    assert sorted(set(stores)) == sorted({b for b, m in ((hi_bits, c.n_hi), (lo_bits, c.n_lo)) if m})
+
+
+@KERNELS
 def test_skvq_with_two_widths_decodes_on_its_op_path(monkeypatch):
     """KIVI's kernel reads one width for keys and values: SKVQ at 2-bit keys and 4-bit values keeps its op path."""
     c = _skvq(64, bits_key=2, bits_value=4, window=16)
@@ -668,10 +696,10 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
-             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes")
+             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
-    assert run.returncode == 0 and "\n39 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "\n44 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 

@@ -180,12 +180,13 @@ def joint_attention(q, parts, mask, sinks, n_keys: int, out_dtype, weights: bool
     rows (the only keys "causal" hides). ``mask``: mlx_lm's; ``sinks``: [Hq] logits or None. Returns [B, Hq, N,
     Dv]; with ``weights`` also each part's probability mass per key summed over the queries, [B, H, M_i]
     (zipcache's saliency; ``(1 / denom) @ p``: no normalized [N, M_i] copy). A part whose scores are
-    :class:`Partials` joins through its partials (no ``weights``; a string or no ``mask`` only)."""
+    :class:`Partials` joins through its partials (a string or no ``mask`` only; ``weights`` then lists the other
+    parts' masses alone)."""
     B, H, rep, N, _ = q.shape
     reduced = [p for p, _, _ in parts if isinstance(p, Partials)]
     parts = [p for p in parts if not isinstance(p[0], Partials)]
-    if reduced and (weights or not isinstance(mask, (str, type(None)))):
-        raise ValueError("a Partials part takes no weights and no array mask")
+    if reduced and not isinstance(mask, (str, type(None))):
+        raise ValueError("a Partials part takes no array mask")
     scores = [s.reshape(B, H, rep, N, s.shape[-1]) for s, _, _ in parts]
     if isinstance(mask, str):
         if N > 1:  # bottom-right aligned over the last part: its last N columns are the new rows

@@ -14,19 +14,22 @@ Deviations: saliency comes from all real queries that attended a token while it 
 queries at prefill, re-compression every 100 decode tokens) and a compressed token's width is fixed; top-f
 selection per compressed block (the whole prompt is one block), per KV head; values follow the keys' routing;
 trim is exact for pending rows only, deeper trims raise ``ValueError``; bits 1..8 (``groupquant``), dequantize +
-matmul on every backend.
+matmul, except a CPU decode step with quantized values at 2, 4 or 8 bits: KIVI's CPU kernel reads the hi and lo
+stores (keys as rows, ``_cpu_part``).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from ... import kernels, native
 from ...attention import bool_mask
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...primitives import blocks, groupquant as gq
 from ...primitives.blocks import queued_row_blocks
 from ...primitives.buffers import dtype_name, grow_rows
+from ...window import Partials, join_partials
 from .kivi import RES_DTYPE, KIVIKVCache
 
 _ARR = ("codes", "scales", "biases")
@@ -151,8 +154,15 @@ class ZipCacheKVCache(KIVIKVCache):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         q0, r0, _, _, new_k, _ = call
         mask = self._own_mask(mask, queries, keys)
-        out, contrib = self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks,
-                                           past=self._returned_past(q0, keys, values))
+        past = self._returned_past(q0, keys, values)
+        if q0 and past is None and queries.shape[2] == 1 and self._cpu_kernel_ready(
+                mask, new_k.shape[-1], call[5].shape[-1], queries.shape[1] // new_k.shape[1]):
+            out, contrib = kernels.checked_call(  # the CPU kernel, checked once against the op path
+                "zipcache_cpu", self,
+                lambda: self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks, past=self._cpu_part),
+                lambda: self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks))
+        else:
+            out, contrib = self._attend_scored(queries, call, scale=scale, mask=mask, sinks=sinks, past=past)
         B, Hq, N, _ = queries.shape
         H, P = new_k.shape[1], r0 + N
         if isinstance(mask, str):  # [.., N, P] visibility of the full-precision columns
@@ -168,6 +178,25 @@ class ZipCacheKVCache(KIVIKVCache):
         # the sums are taken with the layer's attention: left to the state's evaluation they kept every layer's
         # [N, P] probabilities alive to the end of a prefill chunk (11x the plain cache's peak at 1023 tokens)
         return mx.depends(out, contrib)
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Codes KIVI's CPU kernel reads as rows: quantized values, both widths 2, 4 or 8 bits, head dims up to 256, up
+        to 32 query heads a KV head."""
+        return (native.available() and self.attend_path == "auto" and self.quantize_values
+                and {self.hi_bits, self.lo_bits} <= {2, 4, 8} and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: the hi and the lo store, each a call of KIVI's CPU kernel with keys as rows
+
+    def _cpu_part(self, qf, n: int):
+        """The ``n`` compressed rows by KIVI's CPU kernel, keys read as rows (one group a token): the hi and the lo
+        store a call each at its width, their partials joined (a softmax does not depend on the rows' order); the
+        channel factors ``k_chan`` folded into the queries (q . (k_chan * x) = (q * k_chan) . x)."""
+        qs, (d, dv) = qf * self.k_chan.astype(mx.float32), (qf.shape[-1], self.res_v.shape[-1])
+        parts = [Partials(*native.module().kivi_decode(qs, *(getattr(self, f"{s}{t}_{a}") for s in "kv" for a in _ARR),
+                                                       m, bits, d, dv, dv, key_rows=True))
+                 for t, bits, m in (("h", self.hi_bits, self.n_hi), ("l", self.lo_bits, self.n_lo)) if m]
+        return join_partials(parts)
 
     def _attends_returned_rows(self) -> bool:
         return False  # each step needs its pending rows' weights: its own attention, on the rows (``_returned_past``)
