@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -21,13 +22,14 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import (AgeTieredOptions, KittyOptions, SKVQOptions, TurboQuantRVQOptions,
-                                          ZipCacheOptions)
+from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, SKVQOptions,
+                                          TurboQuantRVQOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
+from veloxquant_mlx.cache.methods.quantization.gear import GEARKVCache
 from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
 from veloxquant_mlx.cache.methods.quantization.skvq import SKVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
@@ -264,7 +266,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "turboquant_rvq"])
+                                    "gear", "turboquant_rvq"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -274,6 +276,7 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "age_tiered": (AgeTieredKVCache, lambda: _age_tiered(64), 1500),
                          "kitty": (KittyKVCache, lambda: _kitty(64), 1500),
                          "skvq": (SKVQKVCache, lambda: _skvq(64, window=16), 1500),
+                         "gear": (GEARKVCache, lambda: _variant("gear", GEARKVCache, 64, GEAROptions()), 1500),
                          "zipcache": (ZipCacheKVCache, lambda: _variant("zipcache", ZipCacheKVCache, 64,
                                                                         ZipCacheOptions()), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
@@ -532,6 +535,33 @@ def test_zipcache_decodes_on_kivis_cpu_kernel_a_call_per_store(hi_bits, lo_bits,
 
 
 @KERNELS
+@pytest.mark.parametrize("bits,rank,frac,group,R", [(2, None, 0.01, 32, 3), (4, 2, 0.05, 32, 1), (2, None, 0.02, 64, 2),
+                                                    (8, 3, 0.0, 32, 4), (2, 1, 0.0, 32, 2), ("none", 0, 0.0, 32, 2)])
+def test_gear_decodes_on_kivis_cpu_kernel_with_its_corrections_beside_it(bits, rank, frac, group, R, monkeypatch):
+    """GEAR's decode steps read its codes in KIVI's CPU kernel, which applies the outlier and low-rank corrections to
+    each decoded block (none passed when GEAR keeps neither: the last case, its factors and outliers turned off after
+    the prompt): each step equals float64 attention over the rows the cache stores (codes, outliers written back, low
+    rank added), groups completing between steps."""
+    H, D = 2, 64
+    plain = bits == "none"
+    c = _variant("gear", GEARKVCache, D, GEAROptions(bits=2 if plain else bits, rank=rank or None,
+                                                     sparse_fraction=frac, group_size=group))
+    calls, fixed = _spy_kernel(monkeypatch, GEARKVCache), []
+    real = native.module()
+    spy = type("Spy", (), {"__getattr__": lambda self, name: getattr(real, name), "kivi_decode": staticmethod(
+        lambda *a, **k: fixed.append(bool(k.get("fixes"))) or real.kivi_decode(*a, **k))})()
+    monkeypatch.setattr(native, "module", lambda: spy)
+    rng = np.random.default_rng(group + R)
+    K, V = c.update_and_fetch(_rows(rng, H, 150, D), _rows(rng, H, 150, D))
+    dispatch.dispatched_sdpa(_rows(rng, H * R, 150, D), K, V, cache=c, scale=D**-0.5, mask="causal")
+    if plain:  # neither part: the rows the cache stores are its codes alone
+        c.rank, c.frac = 0, 0.0
+    _steps_equal_float64(c, H, R, D, 40, rng)
+    assert len(calls) == 40 and "gear_cpu" in _common._checked and c.n_quant >= 150 - group
+    assert fixed and all(f == (not plain) for f in fixed) and (c.rank > 0) == (not plain)
+
+
+@KERNELS
 def test_skvq_with_two_widths_decodes_on_its_op_path(monkeypatch):
     """KIVI's kernel reads one width for keys and values: SKVQ at 2-bit keys and 4-bit values keeps its op path."""
     c = _skvq(64, bits_key=2, bits_value=4, window=16)
@@ -558,6 +588,29 @@ def test_kivi_cpu_kernel_reads_key_rows_only_as_they_fit():
             native.module().kivi_decode(q, *args, **bad)
     with pytest.raises(ValueError, match="kivi_decode: key_rows: "):  # 16-channel groups: 4 scales a row, not 2
         native.module().kivi_decode(q, *args[:7], 2, 16, 32, 64, key_rows=True)
+
+
+@KERNELS
+def test_kivi_cpu_kernel_takes_gears_corrections_only_as_they_fit():
+    """``kivi_decode(fixes=, fix_sizes=)`` refuses, naming ``fixes``, corrections that do not cover the rows asked
+    for, a list that is not keys' and values' four arrays, and a second key store beside them."""
+    c = _variant("gear", GEARKVCache, 64, GEAROptions(rank=2, sparse_fraction=0.02))
+    rng = np.random.default_rng(6)
+    c.update_and_fetch(_rows(rng, 2, 200, 64), _rows(rng, 2, 200, 64))
+    q = mx.zeros((1, 2, 3, 64))
+    args = (c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases, c.n_quant, 2, 32, 32, 64)
+    fixes = [getattr(c, f"{s}_{a}") for s in "kv" for a in ("a", "bt", "oidx", "oval")]
+    sizes = [2, c._n_out(64), c._n_out(64)]
+    m, _, acc = native.module().kivi_decode(q, *args, fixes=fixes, fix_sizes=sizes)
+    assert m.shape == (1, 2, 3) and acc.shape == (1, 2, 3, 64)
+    bad = [(fixes, [3, *sizes[1:]]), (fixes[:4], sizes), ([c.k_a[:, :, :32], *fixes[1:]], sizes),
+           ([*fixes[:2], None, None, *fixes[4:]], sizes)]
+    for fx, sz in bad:
+        with pytest.raises(ValueError, match="kivi_decode: fixes: "):
+            native.module().kivi_decode(q, *args, fixes=fx, fix_sizes=sz)
+    with pytest.raises(ValueError, match="kivi_decode: fixes: "):
+        native.module().kivi_decode(q, *args, fixes=fixes, fix_sizes=sizes, hi=[c.k_codes, c.k_scales, c.k_biases],
+                                    hi_bits=2)
 
 
 @KERNELS
@@ -696,10 +749,14 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests (``VELOXQUANT_CPU_ARCH``, a fresh build cache, a pytest of its own)."""
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
-             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
-                         env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=900)
-    assert run.returncode == 0 and "\n44 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+             "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
+             "gear_decodes")
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
+    where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
+    run = subprocess.run(pytest, timeout=900, **where)
+    assert listed and int(listed[1]) >= 50, "the selection lost tests"
+    assert run.returncode == 0 and f"\n{listed[1]} passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     built = list(tmp_path.glob("native/*/_veloxquant_cpu*"))
     assert len(built) == 1 and built[0].parent.name != build.build_key()  # its own key: another binary
 
@@ -744,7 +801,8 @@ def test_a_bad_target_name_is_refused_naming_the_variable(monkeypatch):
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_a_partials_part_joins_the_softmax_as_its_scores_would(with_sinks):
     """``joint_attention`` with one group of keys given as its partials (m, l, acc) equals the same group given as
-    scores and values (float64 reference), beside an exact group; an array mask or ``weights`` is refused."""
+    scores and values (float64 reference), beside an exact group; with ``weights`` the exact group's masses are those
+    of the scores form's (ZipCache's saliency); an array mask is refused."""
     rng = np.random.default_rng(3)
     B, H, rep, N, D, M1, M2 = 1, 2, 3, 1, 16, 50, 7
     q = mx.array(rng.normal(size=(B, H, rep, N, D)).astype(np.float32))
@@ -763,7 +821,11 @@ def test_a_partials_part_joins_the_softmax_as_its_scores_would(with_sinks):
     v = mx.concatenate([v1, v2], axis=2)
     ref = _softmax_attention64(q.reshape(B, H * rep, N, D), k, v, 1.0, None if sinks is None else np.array(sinks))
     assert _rel(got, ref) < 1e-5 and _rel(got, want) < 1e-5
-    with pytest.raises(ValueError, match="no weights and no array mask"):
+    out, (mass,) = joint_attention(q, [(part, None, ((0, M1),)), exact], None, sinks, M1 + M2, mx.float32, weights=True)
+    _, (_, want_mass) = joint_attention(q, [(s1, lambda w: w @ v1, ((0, M1),)), exact], None, sinks, M1 + M2,
+                                        mx.float32, weights=True)
+    assert _rel(out, ref) < 1e-5 and mass.shape == (B, H, M2) and _rel(mass, want_mass) < 1e-5
+    with pytest.raises(ValueError, match="no array mask"):
         joint_attention(q, [(part, None, ((0, M1),)), exact], mx.ones((N, M1 + M2), dtype=mx.bool_), sinks,
                         M1 + M2, mx.float32)
 

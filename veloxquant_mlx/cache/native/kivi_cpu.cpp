@@ -20,6 +20,18 @@ struct KiviDims {
   int kcap;  // key rows a head's buffer holds (key_rows)
 };
 
+// GEAR's corrections of one side, applied to each decoded block before it is used (its reconstruction): per G-token
+// group `o` stored entries put back exactly (index t * width + c in the group's [G, width] block, then the value),
+// then the rank-r term A_t B_g^T added (A [B, H, acap, r] per token, B_g^T [r, width] per group).
+struct Fix {
+  const mx::float16_t* a = nullptr;
+  const mx::float16_t* bt = nullptr;
+  const uint32_t* oidx = nullptr;
+  const mx::float16_t* oval = nullptr;
+  int r = 0, o = 0;               // rank and entries per group (0: none)
+  size_t acap = 0, bcap = 0, ocap = 0;  // per head: A's rows, B^T's elements, the entries
+};
+
 struct KiviInputs {
   const float* q;
   const uint32_t* kc;
@@ -28,7 +40,61 @@ struct KiviInputs {
   const mx::float16_t *vs, *vb;
   const uint32_t* hc;
   const mx::float16_t *hs, *hb;
+  Fix kf, vf;  // GEAR's corrections (none: r = o = 0)
 };
+
+// The entries of groups g0..g1 that lie in block rows [0, rows) (block start b0): put(j, c, value) for each.
+template <class Put>
+inline void put_entries(const Fix& f, int bh, int g0, int g1, int b0, int rows, int G, int width, Put put) {
+  for (int g = g0; g <= g1; ++g)
+    for (int e = 0; e < f.o; ++e) {
+      const size_t at = size_t(bh) * f.ocap + size_t(g) * f.o + e;
+      const int j = g * G + int(f.oidx[at] / width) - b0;
+      if (j >= 0 && j < rows) put(j, int(f.oidx[at] % width), f16(f.oval[at]));
+    }
+}
+
+// A key block (channel-major, token j at slot slot_of(j)) corrected: its entries, then each group's rank-r term as
+// D axpys of the block's A column (zero at other groups' slots).
+template <class SlotOf>
+void fix_key_block(const Fix& f, int bh, int b0, int rows, int G, int D, SlotOf slot_of, float* keys) {
+  const int g0 = b0 / G, g1 = (b0 + rows - 1) / G;
+  put_entries(f, bh, g0, g1, b0, rows, G, D, [&](int j, int c, float x) { keys[size_t(c) * BLOCK + slot_of(j)] = x; });
+  float w[BLOCK];
+  for (int g = g0; g <= g1 && f.r; ++g) {
+    const mx::float16_t* bt = f.bt + size_t(bh) * f.bcap + size_t(g) * f.r * D;
+    const int j0 = std::max(0, g * G - b0), j1 = std::min(rows, (g + 1) * G - b0);
+    for (int k = 0; k < f.r; ++k) {
+      std::fill(w, w + BLOCK, 0.f);
+      for (int j = j0; j < j1; ++j) w[slot_of(j)] = f16(f.a[(size_t(bh) * f.acap + b0 + j) * f.r + k]);
+      for (int c = 0; c < D; ++c) {
+        const float b = f16(bt[size_t(k) * D + c]);
+        float* __restrict kc = keys + size_t(c) * BLOCK;
+        for (int s = 0; s < BLOCK; ++s) kc[s] += b * w[s];
+      }
+    }
+  }
+}
+
+// A block's value rows (row j, channel c at slot(c)) corrected likewise, each group's B_g^T re-slotted once.
+template <class Slot>
+void fix_value_rows(const Fix& f, int bh, int b0, int rows, int G, int DV, Slot slot, float* vals) {
+  const int g0 = b0 / G, g1 = (b0 + rows - 1) / G;
+  put_entries(f, bh, g0, g1, b0, rows, G, DV, [&](int j, int c, float x) { vals[size_t(j) * DV + slot(c)] = x; });
+  std::vector<float> bs(size_t(f.r) * DV);
+  for (int g = g0; g <= g1 && f.r; ++g) {
+    const mx::float16_t* bt = f.bt + size_t(bh) * f.bcap + size_t(g) * f.r * DV;
+    for (int k = 0; k < f.r; ++k)
+      for (int c = 0; c < DV; ++c) bs[size_t(k) * DV + slot(c)] = f16(bt[size_t(k) * DV + c]);
+    for (int j = std::max(0, g * G - b0); j < std::min(rows, (g + 1) * G - b0); ++j)
+      for (int k = 0; k < f.r; ++k) {
+        const float a = f16(f.a[(size_t(bh) * f.acap + b0 + j) * f.r + k]);
+        float* __restrict u = vals + size_t(j) * DV;
+        const float* __restrict b = bs.data() + size_t(k) * DV;
+        for (int s = 0; s < DV; ++s) u[s] += a * b[s];
+      }
+  }
+}
 
 // The value rows' bits as value_lanes / value_slot read them: 0 (a code at a time) unless each word's codes lie in
 // one value group (one scale a lane).
@@ -171,6 +237,8 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
         key_channel<BITS>(in.kc, in.ks, in.kb, size_t(bh) * (D - d.nh) + (c - d.nh), d.kw, d.kg, b0, rows, d.G,
                           keys + size_t(c) * BLOCK);
     }
+    if (in.kf.r || in.kf.o)
+      fix_key_block(in.kf, bh, b0, rows, d.G, D, [](int j) { return (j % CPW) * WB + j / CPW; }, keys);
     block_scores(q, keys, R, D, sc);
     softmax_update(sc, R, DV, [&](int slot) { return token_at(slot) < rows; }, m, l, acc);
     for (int r = 0; r < R; ++r)
@@ -181,22 +249,31 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
       decode_row<BITS>(in.vc + row * d.vw, in.vs + row * d.vg, in.vb + row * d.vg, DV, d.vw, d.gv, lanes,
                        vals + size_t(j) * DV);
     }
+    if (in.vf.r || in.vf.o)
+      fix_value_rows(in.vf, bh, b0, rows, d.G, DV, [&](int c) { return value_slot(c, DV, kivi_vector_bits(d), d.vw); },
+                     vals);
     weighted_sum(wt, vals, R, rows, DV, acc);
   }
 }
 
 class KiviDecode : public mx::Primitive {
  public:
-  KiviDecode(mx::Stream s, KiviDims d, std::vector<int> counts)
-      : mx::Primitive(s), d_(d), counts_(std::move(counts)) {}
+  KiviDecode(mx::Stream s, KiviDims d, std::vector<int> counts, Fix kf, Fix vf)
+      : mx::Primitive(s), d_(d), counts_(std::move(counts)), kf_(kf), vf_(vf) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
-    const bool hi = inputs.size() > 7;
+    const bool hi = d_.nh > 0;
     KiviInputs in{inputs[0].data<float>(),         inputs[1].data<uint32_t>(),      inputs[2].data<mx::float16_t>(),
                   inputs[3].data<mx::float16_t>(), inputs[4].data<uint32_t>(),      inputs[5].data<mx::float16_t>(),
                   inputs[6].data<mx::float16_t>(), hi ? inputs[7].data<uint32_t>() : nullptr,
-                  hi ? inputs[8].data<mx::float16_t>() : nullptr, hi ? inputs[9].data<mx::float16_t>() : nullptr};
+                  hi ? inputs[8].data<mx::float16_t>() : nullptr, hi ? inputs[9].data<mx::float16_t>() : nullptr,
+                  kf_, vf_};
+    size_t next = hi ? 10 : 7;  // the corrections' arrays follow, those present in order (a, bt, oidx, oval)
+    for (Fix* f : {&in.kf, &in.vf}) {
+      if (f->r) f->a = inputs[next++].data<mx::float16_t>(), f->bt = inputs[next++].data<mx::float16_t>();
+      if (f->o) f->oidx = inputs[next++].data<uint32_t>(), f->oval = inputs[next++].data<mx::float16_t>();
+    }
     enc.dispatch([d = d_, in, counts = counts_, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
                   acc = outputs[2].data<float>()]() {
       auto slot = [&](int c) { return value_slot(c, d.DV, kivi_vector_bits(d), d.vw); };
@@ -218,6 +295,7 @@ class KiviDecode : public mx::Primitive {
  private:
   KiviDims d_;
   std::vector<int> counts_;
+  Fix kf_, vf_;  // sizes only; the arrays' pointers are taken at evaluation
 };
 
 }  // namespace
@@ -226,7 +304,8 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
                                    const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits,
-                                   bool key_rows) {
+                                   bool key_rows, const std::vector<std::optional<mx::array>>& fixes,
+                                   const std::vector<int>& fix_sizes) {
   auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
   check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
         "ranks");
@@ -235,6 +314,31 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   d.kw = k_codes.shape(3), d.kg = k_scales.shape(3), d.vcap = v_codes.shape(2), d.vw = v_codes.shape(3);
   d.vg = v_scales.shape(3), d.n = n, d.bits = bits, d.G = group, d.gv = value_group;
   d.key_rows = key_rows, d.kcap = k_codes.shape(2);
+  Fix fx[2];  // keys', values'
+  std::vector<mx::array> fix_ins;
+  check(fixes.empty() || (fixes.size() == 8 && fix_sizes.size() == 3 && !key_rows && hi.empty() && counts.empty()),
+        "fixes: (a, bt, oidx, oval) of keys then values, fix_sizes (rank, key entries, value entries) a group; KIVI's "
+        "key layout alone, no second store, no counts");
+  for (int side = 0; side < 2 && !fixes.empty(); ++side) {
+    const int width = side ? dv : d.D, r = fix_sizes[0], o = fix_sizes[1 + side], g = n / std::max(group, 1);
+    const auto &a = fixes[4 * side], &bt = fixes[4 * side + 1], &oi = fixes[4 * side + 2], &ov = fixes[4 * side + 3];
+    auto lead = [&](const mx::array& x, int nd) { return x.ndim() == nd && x.shape(0) == d.B && x.shape(1) == d.H; };
+    check(r >= 0 && o >= 0 && (!r || (a && bt && lead(*a, 4) && a->shape(3) == r && a->shape(2) >= n &&
+                                      lead(*bt, 3) && size_t(bt->shape(2)) >= size_t(g) * r * width)) &&
+              (!o || (oi && ov && lead(*oi, 3) && oi->shape() == ov->shape() && size_t(oi->shape(2)) >= size_t(g) * o)),
+          "fixes: A [B, H, rows, rank] for the n rows, B^T [B, H, groups * rank * width], entries [B, H, groups * "
+          "count] (indices, values) for the n / group groups");
+    Fix& f = fx[side];
+    f.r = r, f.o = o;
+    if (r) {
+      f.acap = a->shape(2), f.bcap = bt->shape(2);
+      fix_ins.push_back(contiguous_as(*a, mx::float16)), fix_ins.push_back(contiguous_as(*bt, mx::float16));
+    }
+    if (o) {
+      f.ocap = oi->shape(2);
+      fix_ins.push_back(contiguous_as(*oi, mx::uint32)), fix_ins.push_back(contiguous_as(*ov, mx::float16));
+    }
+  }
   check(!key_rows || (hi.empty() && d.kw * 32 == d.D * bits && d.kg == d.D / std::max(group, 1) && n <= d.kcap),
         "key_rows: no second store, key rows of D codes with a scale per group, n within the key buffer");
   check(hi.empty() || (hi.size() == 3 && (hi_bits == 2 || hi_bits == 4 || hi_bits == 8) && hi[0].ndim() == 4 &&
@@ -269,9 +373,10 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                              c(v_biases, mx::float16)};
   if (!hi.empty())
     for (auto [a, t] : {std::pair{0, mx::uint32}, {1, mx::float16}, {2, mx::float16}}) ins.push_back(c(hi[a], t));
+  ins.insert(ins.end(), fix_ins.begin(), fix_ins.end());
   mx::Shape ml{d.B, d.H, d.R};
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<KiviDecode>(s, d, counts), ins);
+                                std::make_shared<KiviDecode>(s, d, counts, fx[0], fx[1]), ins);
 }
 
 }  // namespace veloxquant

@@ -17,6 +17,8 @@ SVD's energy in its first r columns, so the rank is never below the SVD's and it
 Until session 36 it came from an exact SVD of the first block on the CPU (MLX's SVD is CPU-only): 0.78 of GEAR's
 1.19 s prefill on an H100 (llama-8b x 8 layers, 8192 tokens), against the plain cache's 0.06 s. A trim keeping part of
 that first block raises ValueError (``calib_end``: the kept groups' factors have the rank the whole block gave).
+A CPU decode step (quantized values, 2/4/8-bit codes) reads the codes in KIVI's CPU kernel, which applies the
+corrections to each decoded block (``_cpu_part``), where other steps reconstruct every row first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import blocks
@@ -32,6 +35,7 @@ from ...primitives import groupquant as gq
 from ...primitives import lowrank_fit as lr
 from ...primitives import nonuniform as nu
 from ...primitives.buffers import grow_columns, grow_rows
+from ...window import Partials
 from .kivi import KIVIKVCache
 
 
@@ -160,6 +164,27 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
     def _values(self, n, dtype=mx.float32):
         base = super()._values(n, mx.float32)
         return (self._decode("v", n, base) if self.config.options.quantize_values else base).astype(dtype)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: KIVI's CPU kernel on the codes, the corrections applied in it
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        return self.config.options.quantize_values and super()._cpu_codes_fit(d, dv, rep)
+
+    def _cpu_part(self, qf, n: int, counts=()):
+        """The first ``n`` quantized tokens by KIVI's CPU kernel, GEAR's corrections applied to each decoded block
+        (``fixes``: the outliers put back, then the low-rank term added, as ``_decode`` does to the whole past)."""
+        d, dv = qf.shape[-1], self.res_v.shape[-1]
+        r = max(self.rank, 0) if self.k_a is not None else 0
+        sizes = [r, self._n_out(d) if self.k_oidx is not None else 0, self._n_out(dv) if self.v_oidx is not None else 0]
+        if not any(sizes):
+            return super()._cpu_part(qf, n)
+        fixes = [getattr(self, f"{s}_{a}") if (sizes[0] if a in ("a", "bt") else sizes[1 + (s == "v")]) else None
+                 for s in "kv" for a in ("a", "bt", "oidx", "oval")]
+        arrays = [getattr(self, f"{s}_{a}") for s in "kv" for a in ("codes", "scales", "biases")]
+        m, l, acc = native.module().kivi_decode(  # noqa: E741
+            qf, *arrays, n, self.qbits, self.group, self.value_group(dv), dv, fixes=fixes, fix_sizes=sizes)
+        return Partials(m, l, acc)
 
     def _side_bytes(self, side: str, error_feedback: bool) -> int:
         if self.res_k is None:
