@@ -13,3 +13,5 @@ for t in /tmp/wt_before .; do OPENBLAS_THREAD_TIMEOUT=4 python $t/scripts/decode
 python scripts/decode_step_cpu.py --context 8192 --method gear   # before 14.8 ms (min 11.0), after 3.1 (min 2.9)
 for t in /tmp/wt_before .; do OPENBLAS_THREAD_TIMEOUT=4 python $t/scripts/decode_model_cpu.py --context 4096 --steps 8 \
   --rounds 3 --method gear > gear_4096_{before,after}_1.txt; done
+# alldec_2048_after.txt (at 278ab82, one round: a single plain-cache round is the reference of every ratio):
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --context 2048 --steps 8 --rounds 1 --prefill --all

@@ -2,17 +2,17 @@
 ops cannot do fast on a CPU -- read each code once and decode it in registers -- for the decode steps of waterfill
 (``waterfill_cpu.cpp``; its op path is elementwise passes over every stored row, one gather per code, the RoPE turn:
 docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout, also behind KIVI-sink's sinks,
-with Kitty's second key store, in age-tiered's three stores and with keys read as rows for SKVQ and ZipCache; the op
-path is MLX's ``quantized_matmul`` on two streams) and TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``; the op path
-gathers from lookup tables and decodes every value codeword), and TurboQuant-RVQ's encoder
-(``turboquant_rvq_encode_cpu.cpp``: the op path's beam search as vectors, where MLX's ops take ~10 small passes per
-chunk), and the end of those decode steps (``joint_finish_cpu.cpp``: the exact rows, the sinks and the normalization
-joined to a kernel's partials in one primitive, where ``window.joint_attention`` takes ~25 small ops a layer), and a
-CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``: MLX's CPU softmax is one libm
-exponential per element on one thread). The batch forms' decode steps take the same kernels with per-sequence row
-counts and spans (``window.batch_finish``). Vector code uses GCC/Clang vector extensions; the register-blocked
-products use the hardware's own width (``common.h``'s ``vn``); value rows of 2-, 4- and 8-bit codes are decoded a
-vector of words at a time (``value_lanes``).
+with Kitty's second key store, in age-tiered's three stores and with keys read as rows for SKVQ and ZipCache, with
+GEAR's corrections applied to each decoded block; the op path is MLX's ``quantized_matmul`` on two streams) and
+TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``; the op path gathers from lookup tables and decodes every value codeword),
+and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the op path's beam search as vectors, where MLX's
+ops take ~10 small passes per chunk), and the end of those decode steps (``joint_finish_cpu.cpp``: the exact rows,
+the sinks and the normalization joined to a kernel's partials in one primitive, where ``window.joint_attention``
+takes ~25 small ops a layer), and a CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``:
+MLX's CPU softmax is one libm exponential per element on one thread). The batch forms' decode steps take the same
+kernels with per-sequence row counts and spans (``window.batch_finish``). Vector code uses GCC/Clang vector
+extensions; the register-blocked products use the hardware's own width (``common.h``'s ``vn``); value rows of 2-, 4-
+and 8-bit codes are decoded a vector of words at a time (``value_lanes``).
 
 Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
 then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not
