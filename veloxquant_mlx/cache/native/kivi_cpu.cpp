@@ -76,12 +76,12 @@ void fix_key_block(const Fix& f, int bh, int b0, int rows, int G, int D, SlotOf 
   }
 }
 
-// A block's value rows (row j, channel c at slot(c)) corrected likewise, each group's B_g^T re-slotted once.
+// A block's value rows (row j, channel c at slot(c)) corrected likewise, each group's B_g^T re-slotted once into bs
+// (r * DV floats of scratch).
 template <class Slot>
-void fix_value_rows(const Fix& f, int bh, int b0, int rows, int G, int DV, Slot slot, float* vals) {
+void fix_value_rows(const Fix& f, int bh, int b0, int rows, int G, int DV, Slot slot, float* vals, float* bs) {
   const int g0 = b0 / G, g1 = (b0 + rows - 1) / G;
   put_entries(f, bh, g0, g1, b0, rows, G, DV, [&](int j, int c, float x) { vals[size_t(j) * DV + slot(c)] = x; });
-  std::vector<float> bs(size_t(f.r) * DV);
   for (int g = g0; g <= g1 && f.r; ++g) {
     const mx::float16_t* bt = f.bt + size_t(bh) * f.bcap + size_t(g) * f.r * DV;
     for (int k = 0; k < f.r; ++k)
@@ -90,7 +90,7 @@ void fix_value_rows(const Fix& f, int bh, int b0, int rows, int G, int DV, Slot 
       for (int k = 0; k < f.r; ++k) {
         const float a = f16(f.a[(size_t(bh) * f.acap + b0 + j) * f.r + k]);
         float* __restrict u = vals + size_t(j) * DV;
-        const float* __restrict b = bs.data() + size_t(k) * DV;
+        const float* __restrict b = bs + size_t(k) * DV;
         for (int s = 0; s < DV; ++s) u[s] += a * b[s];
       }
   }
@@ -199,22 +199,26 @@ template <int BITS>
 void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, float* m, float* l, float* acc) {
   constexpr int WB = 2 * BITS, CPW = 32 / BITS;
   const int D = d.D, DV = d.DV, R = d.R;
-  std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV + size_t(R) * D, 0.f);
+  std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV + size_t(R) * D +
+                         size_t(in.vf.r) * DV, 0.f);
   float* keys = buf.data();
   float* sc = keys + size_t(D) * BLOCK;
   float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
   float* vals = wt + size_t(R) * BLOCK;
   const float* q = in.q + size_t(bh) * R * D;
   const int lanes = value_lanes(DV, kivi_vector_bits(d), d.vw);
-  const int key_lanes = d.key_rows ? value_lanes(D, d.G % CPW == 0 ? BITS : 0, d.kw) : 0;
+  const int key_bits = d.G % CPW == 0 ? BITS : 0;  // key rows (key_rows) as value rows: vectors where groups allow
+  const int key_lanes = d.key_rows ? value_lanes(D, key_bits, d.kw) : 0;
   if (d.key_rows) {  // key rows decode in value_slot's order: the queries' channels likewise
     float* qs = vals + size_t(BLOCK) * DV;
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < D; ++c) qs[size_t(r) * D + value_slot(c, D, d.G % CPW == 0 ? BITS : 0, d.kw)] = q[r * D + c];
+      for (int c = 0; c < D; ++c) qs[size_t(r) * D + value_slot(c, D, key_bits, d.kw)] = q[r * D + c];
     q = qs;
   }
-  // slot s of a block's scores holds token token_at(s); the channel layout's order is kivi_key_channel's
+  // slot s of a block's scores holds token token_at(s), token j lies at slot_of(j): kivi_key_channel's order (rows:
+  // in order)
   auto token_at = [&d](int s) { return d.key_rows ? s : (s % WB) * CPW + s / WB; };
+  auto slot_of = [&d](int j) { return d.key_rows ? j : (j % CPW) * WB + j / CPW; };
   int from[BLOCK] = {};  // main-order slot s: where its token lies in a second-store block (hbits order)
   for (int s = 0; s < BLOCK && d.nh; ++s) {
     const int t = slot_token(s, BITS), hcpw = 32 / d.hbits;
@@ -238,12 +242,12 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
                           keys + size_t(c) * BLOCK);
     }
     if (in.kf.r || in.kf.o)
-      fix_key_block(in.kf, bh, b0, rows, d.G, D, [](int j) { return (j % CPW) * WB + j / CPW; }, keys);
+      fix_key_block(in.kf, bh, b0, rows, d.G, D, slot_of, keys);
     block_scores(q, keys, R, D, sc);
     softmax_update(sc, R, DV, [&](int slot) { return token_at(slot) < rows; }, m, l, acc);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < rows; ++j)
-        wt[size_t(r) * BLOCK + j] = sc[size_t(r) * BLOCK + (d.key_rows ? j : (j % CPW) * WB + j / CPW)];
+        wt[size_t(r) * BLOCK + j] = sc[size_t(r) * BLOCK + slot_of(j)];
     for (int j = 0; j < rows; ++j) {  // each row's values: code * scale + bias of its channel's group
       const size_t row = size_t(bh) * d.vcap + b0 + j;
       decode_row<BITS>(in.vc + row * d.vw, in.vs + row * d.vg, in.vb + row * d.vg, DV, d.vw, d.gv, lanes,
@@ -251,7 +255,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
     }
     if (in.vf.r || in.vf.o)
       fix_value_rows(in.vf, bh, b0, rows, d.G, DV, [&](int c) { return value_slot(c, DV, kivi_vector_bits(d), d.vw); },
-                     vals);
+                     vals, vals + size_t(BLOCK) * DV + size_t(R) * D);  // scratch past the key rows' queries
     weighted_sum(wt, vals, R, rows, DV, acc);
   }
 }
@@ -322,7 +326,7 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   for (int side = 0; side < 2 && !fixes.empty(); ++side) {
     const int width = side ? dv : d.D, r = fix_sizes[0], o = fix_sizes[1 + side], g = n / std::max(group, 1);
     const auto &a = fixes[4 * side], &bt = fixes[4 * side + 1], &oi = fixes[4 * side + 2], &ov = fixes[4 * side + 3];
-    auto lead = [&](const mx::array& x, int nd) { return x.ndim() == nd && x.shape(0) == d.B && x.shape(1) == d.H; };
+    auto lead = [&](const mx::array& x, size_t nd) { return x.ndim() == nd && x.shape(0) == d.B && x.shape(1) == d.H; };
     check(r >= 0 && o >= 0 && (!r || (a && bt && lead(*a, 4) && a->shape(3) == r && a->shape(2) >= n &&
                                       lead(*bt, 3) && size_t(bt->shape(2)) >= size_t(g) * r * width)) &&
               (!o || (oi && ov && lead(*oi, 3) && oi->shape() == ov->shape() && size_t(oi->shape(2)) >= size_t(g) * o)),
