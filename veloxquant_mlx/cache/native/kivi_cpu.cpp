@@ -20,9 +20,9 @@ struct KiviDims {
   int kcap;  // key rows a head's buffer holds (key_rows)
 };
 
-// GEAR's corrections of one side, applied to each decoded block before it is used (its reconstruction): per G-token
-// group `o` stored entries put back exactly (index t * width + c in the group's [G, width] block, then the value),
-// then the rank-r term A_t B_g^T added (A [B, H, acap, r] per token, B_g^T [r, width] per group).
+// GEAR's corrections of one side (its reconstruction, block by block): per G-token group `o` stored entries put back
+// exactly into the decoded block (index t * width + c in the group's [G, width] block, then the value), then the
+// rank-r term A_t B_g^T (A [B, H, acap, r] per token, B_g^T [r, width] per group) added in the block's products.
 struct Fix {
   const mx::float16_t* a = nullptr;
   const mx::float16_t* bt = nullptr;
@@ -54,45 +54,51 @@ inline void put_entries(const Fix& f, int bh, int g0, int g1, int b0, int rows, 
     }
 }
 
-// A key block (channel-major, token j at slot slot_of(j)) corrected: its entries, then each group's rank-r term as
-// D axpys of the block's A column (zero at other groups' slots).
+// GEAR's rank-r term where it is cheapest, in the products (scores and values are linear in the rows): a block's
+// scores sc [R, BLOCK] (token j at slot slot_of(j)) gain (q B_g^T) . A_t, and the weighted sum acc [R, DV] (channel c
+// at slot(c)) gains (sum_t w_t A_t) B_g^T for each group g, w [R, BLOCK] the block's weights in token order;
+// qa: R * r floats of scratch.
 template <class SlotOf>
-void fix_key_block(const Fix& f, int bh, int b0, int rows, int G, int D, SlotOf slot_of, float* keys) {
-  const int g0 = b0 / G, g1 = (b0 + rows - 1) / G;
-  put_entries(f, bh, g0, g1, b0, rows, G, D, [&](int j, int c, float x) { keys[size_t(c) * BLOCK + slot_of(j)] = x; });
-  float w[BLOCK];
-  for (int g = g0; g <= g1 && f.r; ++g) {
+void low_rank_scores(const Fix& f, int bh, int b0, int rows, int G, int D, int R, const float* q, SlotOf slot_of,
+                     float* sc, float* qa) {
+  for (int g = b0 / G; g <= (b0 + rows - 1) / G; ++g) {
     const mx::float16_t* bt = f.bt + size_t(bh) * f.bcap + size_t(g) * f.r * D;
-    const int j0 = std::max(0, g * G - b0), j1 = std::min(rows, (g + 1) * G - b0);
-    for (int k = 0; k < f.r; ++k) {
-      std::fill(w, w + BLOCK, 0.f);
-      for (int j = j0; j < j1; ++j) w[slot_of(j)] = f16(f.a[(size_t(bh) * f.acap + b0 + j) * f.r + k]);
-      for (int c = 0; c < D; ++c) {
-        const float b = f16(bt[size_t(k) * D + c]);
-        float* __restrict kc = keys + size_t(c) * BLOCK;
-        for (int s = 0; s < BLOCK; ++s) kc[s] += b * w[s];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < f.r; ++k) {
+        float x = 0.f;
+        for (int c = 0; c < D; ++c) x += q[size_t(r) * D + c] * f16(bt[size_t(k) * D + c]);
+        qa[size_t(r) * f.r + k] = x;
+      }
+    for (int j = std::max(0, g * G - b0); j < std::min(rows, (g + 1) * G - b0); ++j) {
+      const mx::float16_t* a = f.a + (size_t(bh) * f.acap + b0 + j) * f.r;
+      for (int r = 0; r < R; ++r) {
+        float x = 0.f;
+        for (int k = 0; k < f.r; ++k) x += qa[size_t(r) * f.r + k] * f16(a[k]);
+        sc[size_t(r) * BLOCK + slot_of(j)] += x;
       }
     }
   }
 }
 
-// A block's value rows (row j, channel c at slot(c)) corrected likewise, each group's B_g^T re-slotted once into bs
-// (r * DV floats of scratch).
 template <class Slot>
-void fix_value_rows(const Fix& f, int bh, int b0, int rows, int G, int DV, Slot slot, float* vals, float* bs) {
-  const int g0 = b0 / G, g1 = (b0 + rows - 1) / G;
-  put_entries(f, bh, g0, g1, b0, rows, G, DV, [&](int j, int c, float x) { vals[size_t(j) * DV + slot(c)] = x; });
-  for (int g = g0; g <= g1 && f.r; ++g) {
+void low_rank_values(const Fix& f, int bh, int b0, int rows, int G, int DV, int R, const float* w, Slot slot,
+                     float* acc, float* wa) {
+  for (int g = b0 / G; g <= (b0 + rows - 1) / G; ++g) {
+    std::fill(wa, wa + size_t(R) * f.r, 0.f);
+    for (int j = std::max(0, g * G - b0); j < std::min(rows, (g + 1) * G - b0); ++j) {
+      const mx::float16_t* a = f.a + (size_t(bh) * f.acap + b0 + j) * f.r;
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < f.r; ++k) wa[size_t(r) * f.r + k] += w[size_t(r) * BLOCK + j] * f16(a[k]);
+    }
     const mx::float16_t* bt = f.bt + size_t(bh) * f.bcap + size_t(g) * f.r * DV;
-    for (int k = 0; k < f.r; ++k)
-      for (int c = 0; c < DV; ++c) bs[size_t(k) * DV + slot(c)] = f16(bt[size_t(k) * DV + c]);
-    for (int j = std::max(0, g * G - b0); j < std::min(rows, (g + 1) * G - b0); ++j)
-      for (int k = 0; k < f.r; ++k) {
-        const float a = f16(f.a[(size_t(bh) * f.acap + b0 + j) * f.r + k]);
-        float* __restrict u = vals + size_t(j) * DV;
-        const float* __restrict b = bs + size_t(k) * DV;
-        for (int s = 0; s < DV; ++s) u[s] += a * b[s];
+    for (int c = 0; c < DV; ++c) {
+      const int s = slot(c);
+      for (int r = 0; r < R; ++r) {
+        float x = 0.f;
+        for (int k = 0; k < f.r; ++k) x += wa[size_t(r) * f.r + k] * f16(bt[size_t(k) * DV + c]);
+        acc[size_t(r) * DV + s] += x;
       }
+    }
   }
 }
 
@@ -200,7 +206,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   constexpr int WB = 2 * BITS, CPW = 32 / BITS;
   const int D = d.D, DV = d.DV, R = d.R;
   std::vector<float> buf(size_t(D) * BLOCK + 2 * size_t(R) * BLOCK + size_t(BLOCK) * DV + size_t(R) * D +
-                         size_t(in.vf.r) * DV, 0.f);
+                         size_t(R) * std::max(in.kf.r, in.vf.r), 0.f);
   float* keys = buf.data();
   float* sc = keys + size_t(D) * BLOCK;
   float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
@@ -219,6 +225,8 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   // in order)
   auto token_at = [&d](int s) { return d.key_rows ? s : (s % WB) * CPW + s / WB; };
   auto slot_of = [&d](int j) { return d.key_rows ? j : (j % CPW) * WB + j / CPW; };
+  auto vslot = [&d](int c) { return value_slot(c, d.DV, kivi_vector_bits(d), d.vw); };
+  float* scratch = vals + size_t(BLOCK) * DV + size_t(R) * D;  // past the key rows' queries: GEAR's rank-r sums
   int from[BLOCK] = {};  // main-order slot s: where its token lies in a second-store block (hbits order)
   for (int s = 0; s < BLOCK && d.nh; ++s) {
     const int t = slot_token(s, BITS), hcpw = 32 / d.hbits;
@@ -241,9 +249,11 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
         key_channel<BITS>(in.kc, in.ks, in.kb, size_t(bh) * (D - d.nh) + (c - d.nh), d.kw, d.kg, b0, rows, d.G,
                           keys + size_t(c) * BLOCK);
     }
-    if (in.kf.r || in.kf.o)
-      fix_key_block(in.kf, bh, b0, rows, d.G, D, slot_of, keys);
+    if (in.kf.o)  // GEAR's key entries put back in the block
+      put_entries(in.kf, bh, b0 / d.G, (b0 + rows - 1) / d.G, b0, rows, d.G, D,
+                  [&](int j, int c, float x) { keys[size_t(c) * BLOCK + slot_of(j)] = x; });
     block_scores(q, keys, R, D, sc);
+    if (in.kf.r) low_rank_scores(in.kf, bh, b0, rows, d.G, D, R, q, slot_of, sc, scratch);
     softmax_update(sc, R, DV, [&](int slot) { return token_at(slot) < rows; }, m, l, acc);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < rows; ++j)
@@ -253,10 +263,11 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
       decode_row<BITS>(in.vc + row * d.vw, in.vs + row * d.vg, in.vb + row * d.vg, DV, d.vw, d.gv, lanes,
                        vals + size_t(j) * DV);
     }
-    if (in.vf.r || in.vf.o)
-      fix_value_rows(in.vf, bh, b0, rows, d.G, DV, [&](int c) { return value_slot(c, DV, kivi_vector_bits(d), d.vw); },
-                     vals, vals + size_t(BLOCK) * DV + size_t(R) * D);  // scratch past the key rows' queries
+    if (in.vf.o)  // GEAR's value entries likewise
+      put_entries(in.vf, bh, b0 / d.G, (b0 + rows - 1) / d.G, b0, rows, d.G, DV,
+                  [&](int j, int c, float x) { vals[size_t(j) * DV + vslot(c)] = x; });
     weighted_sum(wt, vals, R, rows, DV, acc);
+    if (in.vf.r) low_rank_values(in.vf, bh, b0, rows, d.G, DV, R, wt, vslot, acc, scratch);
   }
 }
 

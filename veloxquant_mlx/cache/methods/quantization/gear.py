@@ -17,8 +17,9 @@ SVD's energy in its first r columns, so the rank is never below the SVD's and it
 Until session 36 it came from an exact SVD of the first block on the CPU (MLX's SVD is CPU-only): 0.78 of GEAR's
 1.19 s prefill on an H100 (llama-8b x 8 layers, 8192 tokens), against the plain cache's 0.06 s. A trim keeping part of
 that first block raises ValueError (``calib_end``: the kept groups' factors have the rank the whole block gave).
-A CPU decode step (quantized values, 2/4/8-bit codes) reads the codes in KIVI's CPU kernel, which applies the
-corrections to each decoded block (``_cpu_part``), where other steps reconstruct every row first.
+A CPU decode step (quantized values, 2/4/8-bit codes) reads the codes in KIVI's CPU kernel, which puts the outliers
+back into each decoded block and adds the low-rank term in its products (``_cpu_part``), where other steps
+reconstruct every row first.
 """
 
 from __future__ import annotations
@@ -172,8 +173,8 @@ class GEARKVCache(SparseOutliers, KIVIKVCache):
         return self.config.options.quantize_values and super()._cpu_codes_fit(d, dv, rep)
 
     def _cpu_part(self, qf, n: int, counts=()):
-        """The first ``n`` quantized tokens by KIVI's CPU kernel, GEAR's corrections applied to each decoded block
-        (``fixes``: the outliers put back, then the low-rank term added, as ``_decode`` does to the whole past)."""
+        """The first ``n`` quantized tokens by KIVI's CPU kernel with GEAR's corrections (``fixes``): the outliers put
+        back into each decoded block, the low-rank term added in the block's products (as ``_decode`` rebuilds rows)."""
         d, dv = qf.shape[-1], self.res_v.shape[-1]
         r = max(self.rank, 0) if self.k_a is not None else 0
         sizes = [r, self._n_out(d) if self.k_oidx is not None else 0, self._n_out(dv) if self.v_oidx is not None else 0]
