@@ -24,6 +24,7 @@ from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ...window import Partials
 from .kivi import KIVIKVCache
+from .skvq import permute_channels
 
 
 @register_with_mlx_lm
@@ -94,7 +95,7 @@ class KittyKVCache(KIVIKVCache):
         """The first ``n`` quantized tokens by KIVI's CPU kernel: the low-width key store as its keys, the hi store as
         the kernel's second key store, the queries' channels in the same hi-then-lo order (``k_perm``: a channel
         permutation shared by queries and keys leaves the scores unchanged)."""
-        qp = mx.take_along_axis(qf, mx.broadcast_to(self.k_perm[None, :, None, :], qf.shape), axis=-1)
+        qp = permute_channels(qf, self.k_perm)
         dv = self.res_v.shape[-1]
         hi = [] if self.kh_codes is None else [self.kh_codes, self.kh_scales, self.kh_biases]
         m, l, acc = native.module().kivi_decode(  # noqa: E741
