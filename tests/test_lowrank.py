@@ -141,7 +141,8 @@ def one_chunk_depth_excess(method: str, shallow: int = 2, deep: int = 12, n: int
     ``n`` tokens prefilled in one chunk on tiny llamas of ``shallow`` and ``deep`` layers: what each extra layer
     keeps alive at the peak besides its cache (test_crosslayer.py and test_quant_mixed.py use it too). On the CPU
     device whatever the machine's default (``blocks.settle_prefill`` waits on any device; the peak it bounds is
-    measured on the CPU's allocator)."""
+    measured on the CPU's allocator). The least of two runs: a busy machine (the suite's two workers on two cores)
+    can only add to a run's peak (svdq once measured 0.13 MB over its bound there, never alone)."""
     from test_prefill_memory import _prefill_peak
 
     config, prompt, out = KVCacheConfig(method=method), mx.array([(i * 37 + 11) % VOCAB for i in range(n)]), []
@@ -149,8 +150,9 @@ def one_chunk_depth_excess(method: str, shallow: int = 2, deep: int = 12, n: int
         with mx.stream(mx.cpu):
             model = tiny_llama(head_dim=16, n_layers=layers)
             _prefill_peak(model, KVCacheBuilder.for_model(model, config), prompt, step=n)  # process-wide constants
-            caches = KVCacheBuilder.for_model(model, config)
-            out.append((_prefill_peak(model, caches, prompt, step=n), sum(c.nbytes for c in caches)))
+            runs = [KVCacheBuilder.for_model(model, config) for _ in range(2)]
+            peak = min(_prefill_peak(model, caches, prompt, step=n) for caches in runs)
+            out.append((peak, sum(c.nbytes for c in runs[0])))
     (p0, b0), (p1, b1) = out
     return (p1 - p0) - (b1 - b0), (deep - shallow) * 2 * model.args.num_key_value_heads * n * 16 * 4
 
