@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, SKVQOptions,
+from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, NSNQuantOptions, SKVQOptions,
                                           TurboQuantRVQOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
@@ -31,6 +31,7 @@ from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.gear import GEARKVCache
 from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
+from veloxquant_mlx.cache.methods.quantization.nsnquant import NSNQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.skvq import SKVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
@@ -266,7 +267,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "gear", "turboquant_rvq"])
+                                    "gear", "turboquant_rvq", "nsnquant"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -279,7 +280,8 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "gear": (GEARKVCache, lambda: _variant("gear", GEARKVCache, 64, GEAROptions()), 1500),
                          "zipcache": (ZipCacheKVCache, lambda: _variant("zipcache", ZipCacheKVCache, 64,
                                                                         ZipCacheOptions()), 1500),
-                         "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500)}[method]
+                         "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500),
+                         "nsnquant": (NSNQuantKVCache, lambda: _nsn(64), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -750,7 +752,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes")
+             "gear_decodes or nsnquant_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -910,6 +912,65 @@ def test_rvq_cpu_kernel_rejects_inconsistent_inputs(rvq_calls):
         f(q, *k, *v, 8, 60)
     with pytest.raises(ValueError, match="keys: stage-1 codebook size"):
         f(q, k[0], k[1], k[2], k[3][:200], k[4][:200], k[5], *v, 8, D)
+
+
+def _nsn(D, **opts):
+    return _variant("nsnquant", NSNQuantKVCache, D, NSNQuantOptions(**opts))
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 2 bits a coordinate as two stages of 8-bit codes on 8-dim pieces
+    (2, 4, 128, {"residual_length": 32}, 100, 40),  # groups completed during the steps
+    (1, 5, 64, {"bits": 1, "residual_length": 16}, 90, 30),  # one stage; R in two groups of query lanes
+    (2, 2, 64, {"bits": 1, "codebook_size": 16, "residual_length": 16}, 70, 30),  # two stages of 4-bit codes
+    (3, 3, 64, {"residual_length": 32}, 2100, 6)])  # a past split over the threads
+def test_nsnquant_decodes_on_the_rvq_cpu_kernel(H, R, D, opts, prompt, steps, monkeypatch):
+    """NSNQuant's decode steps read its codes in TurboQuant-RVQ's CPU kernel (norm pairs, the keys' mean as q . mu,
+    both stages in one row, the values' mean weight in acc's last column): each step equals float64 attention over
+    the rows the cache stores, across completed groups, with sink logits every other step."""
+    c = _nsn(D, **opts)
+    calls = _spy_kernel(monkeypatch, NSNQuantKVCache)
+    rng = np.random.default_rng(prompt + R)
+    _feed(c, H, R, D, prompt, rng)
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    assert len(calls) == steps and "nsnquant_cpu" in _common._checked and c.stages <= 2
+
+
+@KERNELS
+def test_nsnquant_with_more_than_two_stages_decodes_on_its_op_path(monkeypatch):
+    """Four residual stages (2 bits a coordinate from 16-codeword books) are past the kernel's two: the op path."""
+    H, R, D = 2, 2, 64
+    c = _nsn(D, codebook_size=16, residual_length=16)
+    calls = _spy_kernel(monkeypatch, NSNQuantKVCache)
+    rng = np.random.default_rng(4)
+    _feed(c, H, R, D, 70, rng)
+    _steps_equal_float64(c, H, R, D, 4, rng)
+    assert c.stages == 4 and not calls
+
+
+@KERNELS
+def test_rvq_cpu_kernel_takes_norm_pairs_only_with_the_keys_mean(rvq_calls):
+    """NSNQuant's arguments that do not fit each other are refused: key norm pairs without q . mu (or q . mu of the
+    wrong shape), a stage-2 word offset without stage-2 codes or past the row."""
+    H, R, D = 2, 2, 64
+    c = _nsn(D, residual_length=16)
+    _feed(c, H, R, D, 70, np.random.default_rng(0))
+    rot, books = c._tools(D)
+    ones, q = mx.ones((c.C,)), mx.zeros((1, H, R, D))
+    side = [c.k_codes, c.k_codes, c.k_norms, books[0], ones, books[1]]
+    f, n = native.module().turboquant_rvq_decode, c.n_quant
+    bias = mx.zeros((1, H, R))
+    with pytest.raises(ValueError, match="k_bias"):
+        f(q, *side, *side, n, D, k_word2=2, v_word2=2)
+    with pytest.raises(ValueError, match="k_bias"):
+        f(q, *side, *side, n, D, k_bias=mx.zeros((1, H, R + 1)), k_word2=2, v_word2=2)
+    with pytest.raises(ValueError, match="word2"):
+        f(q, c.k_codes, None, c.k_norms, books[0], ones, None, *side, n, D, k_bias=bias, k_word2=2, v_word2=2)
+    with pytest.raises(ValueError, match="stage-2 codes"):
+        f(q, *side, *side, n, D, k_bias=bias, k_word2=3, v_word2=2)
+    m, l, acc = f(q, *side, *side, n, D, k_bias=bias, k_word2=2, v_word2=2)  # noqa: E741
+    assert acc.shape == (1, H, R, D + 1) and m.shape == l.shape == (1, H, R)
 
 
 def _codes_of(words, bits, n_sub):

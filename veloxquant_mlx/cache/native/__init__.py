@@ -4,7 +4,8 @@ ops cannot do fast on a CPU -- read each code once and decode it in registers --
 docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout, also behind KIVI-sink's sinks,
 with Kitty's second key store, in age-tiered's three stores and with keys read as rows for SKVQ and ZipCache, with
 GEAR's corrections applied to each decoded block; the op path is MLX's ``quantized_matmul`` on two streams) and
-TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``; the op path gathers from lookup tables and decodes every value codeword),
+TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``, also NSNQuant's residual VQ with its norm pairs and channel mean; the op
+path gathers from lookup tables and decodes every value codeword),
 and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the op path's beam search as vectors, where MLX's
 ops take ~10 small passes per chunk), and the end of those decode steps (``joint_finish_cpu.cpp``: the exact rows,
 the sinks and the normalization joined to a kernel's partials in one primitive, where ``window.joint_attention``

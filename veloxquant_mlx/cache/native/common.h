@@ -374,7 +374,8 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
-                                             const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts);
+                                             const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts,
+                                             const opt_array& k_bias, int k_word2, int v_word2);
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                        const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,

@@ -27,9 +27,12 @@ NB_MODULE(_veloxquant_cpu, m) {
   m.def("turboquant_rvq_decode", &turboquant_rvq_decode, nb::arg("q"), nb::arg("k_codes1"), nb::arg("k_codes2").none(),
         nb::arg("k_norms"), nb::arg("k_c1"), nb::arg("k_sigma"), nb::arg("k_c2").none(), nb::arg("v_codes1"),
         nb::arg("v_codes2").none(), nb::arg("v_norms"), nb::arg("v_c1"), nb::arg("v_sigma"), nb::arg("v_c2").none(),
-        nb::arg("n"), nb::arg("dv"), nb::arg("counts") = std::vector<int>{},
+        nb::arg("n"), nb::arg("dv"), nb::arg("counts") = std::vector<int>{}, nb::arg("k_bias").none() = nb::none(),
+        nb::arg("k_word2") = 0, nb::arg("v_word2") = 0,
         "Partials (m, l, acc) of TurboQuant-RVQ's decode attention over its first n quantized rows (counts: batch "
-        "row b's first counts[b] instead), for rotated scaled queries q (acc in the rotated value domain).");
+        "row b's first counts[b] instead), for rotated scaled queries q (acc in the rotated value domain). NSNQuant's "
+        "layout: norms [B, H, rows, 2] (n1, n2), k_bias = q.mu [B, H, R], stage 2 from word k_word2 / v_word2 of "
+        "the codes' rows, and with value pairs acc's extra last column sum(p n1).");
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");

@@ -7,6 +7,11 @@
 // stored row's values cost one add per piece and query head instead of a codeword's decoding. A thread's rows take
 // two passes (scores and their max; then exp and the histograms), so the histograms are never rescaled. Returns the
 // partials (m, l, acc) with acc in the rotated domain (the caller turns it back).
+//
+// NSNQuant's layout takes the same pass: two float16 norms a row (n1, n2: a row is n1 (n2 y + mu) before the
+// rotation) and both stages' codes in one row (stage 2 from word `word2`). Its key scores are n1 n2 (q.y) +
+// n1 (q.mu) (q.mu given per query head: `bias`); its value weights p n1 n2 go to the bins and sum(p n1), the mean's
+// weight, to acc's extra last column (joined across the ranges like the rest of acc).
 #include "common.h"
 
 namespace veloxquant {
@@ -19,12 +24,21 @@ struct Side {
   const mx::float16_t* norms;   // [B, H, capn]
   const float *cb1, *sigma, *cb2;  // [K1, sd], [K1], [K2, sd] (cb2 null with one stage)
   int cap1, cap2, capn, w1, w2, bits1, bits2, sd, S;
+  int pair = 0, word2 = 0;       // norms (n1, n2) a row; stage 2's first word in its rows
   int k1() const { return 1 << bits1; }
   int k2() const { return c2 ? 1 << bits2 : 0; }
+  // the row's scale of its codes' sum (n1 n2 with a pair) and, with a pair, the mean's (n1)
+  float gain(int bh, int t, float* n1) const {
+    const mx::float16_t* x = norms + (size_t(bh) * capn + t) * (pair ? 2 : 1);
+    if (!pair) return f16(x[0]);
+    *n1 = f16(x[0]);
+    return *n1 * f16(x[1]);
+  }
 };
 
 struct RvqDims {
   int B, H, R, D, DV, n;
+  int DA;  // acc's columns: DV, plus the mean's weight with the values' norm pairs
 };
 
 // A row's S codes of `bits` bits from its packed words (one little-endian bit stream; codes may straddle words).
@@ -67,14 +81,14 @@ struct BlockCodes {
   const uint8_t *c1 = nullptr, *c2 = nullptr;
   explicit BlockCodes(int S) : i1(size_t(S) * BLOCK), i2(size_t(S) * BLOCK) {}
   void load(const Side& x, int bh, int t0, int rows) {
-    c1 = stage(x.c1, x.cap1, x.w1, x.bits1, x.S, bh, t0, rows, i1);
-    if (x.c2) c2 = stage(x.c2, x.cap2, x.w2, x.bits2, x.S, bh, t0, rows, i2);
+    c1 = stage(x.c1, x.cap1, x.w1, 0, x.bits1, x.S, bh, t0, rows, i1);
+    if (x.c2) c2 = stage(x.c2, x.cap2, x.w2, x.word2, x.bits2, x.S, bh, t0, rows, i2);
   }
 
  private:
-  static const uint8_t* stage(const uint32_t* w, int cap, int wpr, int bits, int S, int bh, int t0, int rows,
-                              std::vector<uint8_t>& buf) {
-    const uint32_t* first = w + (size_t(bh) * cap + t0) * wpr;
+  static const uint8_t* stage(const uint32_t* w, int cap, int wpr, int word, int bits, int S, int bh, int t0,
+                              int rows, std::vector<uint8_t>& buf) {
+    const uint32_t* first = w + (size_t(bh) * cap + t0) * wpr + word;
     if (bits == 8 && 4 * wpr == S) return reinterpret_cast<const uint8_t*>(first);
     for (int j = 0; j < rows; ++j) unpack_row(first + size_t(j) * wpr, S, bits, &buf[size_t(j) * S]);
     return buf.data();
@@ -129,12 +143,14 @@ inline vf4 lookup_sum(const vf4* __restrict tab, int K, const uint8_t* __restric
 }
 
 // The partials of rows [t0, t1) of one (batch row, KV head) into m[R], l[R], acc[R * DV] (rotated domain).
-void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, int bh, int t0, int t1, float* m,
-              float* l, float* acc) {
+void rvq_rows(const RvqDims& d, const float* q, const float* bias, const Side& k, const Side& v, int bh, int t0,
+              int t1, float* m, float* l, float* acc) {
   const int R = d.R, G = (R + QL - 1) / QL, len = t1 - t0, K1 = k.k1(), K2 = k.k2(), V1 = v.k1(), V2 = v.k2();
-  empty_partials(R, d.DV, m, l, acc);
+  empty_partials(R, d.DA, m, l, acc);
   if (len <= 0) return;
   const float* qb = q + size_t(bh) * R * d.D;
+  std::vector<vf4> qmu(G, vf4{});  // q.mu of each group's four query heads (norm pairs)
+  for (int r = 0; k.pair && r < R; ++r) qmu[r / QL][r % QL] = bias[size_t(bh) * R + r];
   std::vector<vf4> lut1(size_t(G) * k.S * K1), lut2(size_t(G) * k.S * K2);
   std::vector<vf4> sc(size_t(G) * len);  // [group, row]: four query heads' scores, then exp(s - m)
   lookup_table(qb, R, d.D, k.cb1, K1, k.sd, lut1.data());
@@ -145,11 +161,12 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
     kc.load(k, bh, b0, rows);
     for (int j = 0; j < rows; ++j) {
       const size_t e = size_t(j) * k.S;
-      const float gt = f16(k.norms[size_t(bh) * k.capn + b0 + j]);
+      float n1 = 0.f;
+      const float gt = k.gain(bh, b0 + j, &n1);
       for (int g = 0; g < G; ++g) {
         vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, kc.c1 + e, nullptr, nullptr, k.S);
         if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, kc.c2 + e, k.sigma, kc.c1 + e, k.S);
-        sc[size_t(g) * len + (b0 - t0 + j)] = a * gt;
+        sc[size_t(g) * len + (b0 - t0 + j)] = k.pair ? a * gt + qmu[g] * n1 : a * gt;
       }
     }
   }
@@ -173,15 +190,17 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
     for (int lane = 0; lane < QL && g * QL + lane < R; ++lane) m[g * QL + lane] = m4[lane], l[g * QL + lane] = l4[lane];
   }
   // pass 2: each row's weights p g_v added to its codes' bins (stage 2's times its cell's sigma)
-  std::vector<vf4> h1(size_t(G) * v.S * V1, vf4{}), h2(size_t(G) * v.S * V2, vf4{});
+  std::vector<vf4> h1(size_t(G) * v.S * V1, vf4{}), h2(size_t(G) * v.S * V2, vf4{}), mean(G, vf4{});
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
     vc.load(v, bh, b0, rows);
     for (int j = 0; j < rows; ++j) {
       const size_t e = size_t(j) * v.S;
-      const float gt = f16(v.norms[size_t(bh) * v.capn + b0 + j]);
+      float n1 = 0.f;
+      const float gt = v.gain(bh, b0 + j, &n1);
       for (int g = 0; g < G; ++g) {
-        const vf4 w = sc[size_t(g) * len + (b0 - t0 + j)] * gt;  // lanes past R: never read back
+        const vf4 p = sc[size_t(g) * len + (b0 - t0 + j)], w = p * gt;  // lanes past R: never read back
+        if (v.pair) mean[g] += p * n1;
         vf4* __restrict b1 = h1.data() + size_t(g) * v.S * V1;
         for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.c1[e + s]] += w;
         if (!V2) continue;
@@ -202,8 +221,9 @@ void rvq_rows(const RvqDims& d, const float* q, const Side& k, const Side& v, in
           for (int e = 0; e < v.sd; ++e) piece[e] += bins[c] * cb[size_t(c) * v.sd + e];
       }
       for (int lane = 0; lane < QL && g * QL + lane < R; ++lane)
-        for (int e = 0; e < v.sd; ++e) acc[size_t(g * QL + lane) * d.DV + size_t(s) * v.sd + e] = piece[e][lane];
+        for (int e = 0; e < v.sd; ++e) acc[size_t(g * QL + lane) * d.DA + size_t(s) * v.sd + e] = piece[e][lane];
     }
+  for (int r = 0; v.pair && r < R; ++r) acc[size_t(r) * d.DA + d.DV] = mean[r / QL][r % QL];
 }
 
 class RvqDecode : public mx::Primitive {
@@ -211,7 +231,8 @@ class RvqDecode : public mx::Primitive {
   RvqDecode(mx::Stream s, RvqDims d, Side k, Side v, std::vector<int> counts)
       : mx::Primitive(s), d_(d), k_(k), v_(v), counts_(std::move(counts)) {}
 
-  // inputs: q, then per side (keys, values): codes1, codes2 (or codes1 again), norms, cb1, sigma, cb2 (or cb1 again)
+  // inputs: q, then per side (keys, values): codes1, codes2 (or codes1 again), norms, cb1, sigma, cb2 (or cb1 again),
+  // then the keys' q.mu with norm pairs
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& enc = encoder(stream(), inputs, outputs);
     Side k = k_, v = v_;
@@ -225,10 +246,11 @@ class RvqDecode : public mx::Primitive {
       x.sigma = in[4].data<float>();
       x.cb2 = x.bits2 ? in[5].data<float>() : nullptr;
     }
-    enc.dispatch([d = d_, k, v, counts = counts_, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
+    const float* bias = k.pair ? inputs[13].data<float>() : nullptr;
+    enc.dispatch([d = d_, k, v, bias, counts = counts_, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
                   l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() {
-      split_and_join(d.B * d.H, d.R, d.DV, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
-        rvq_rows(d, q, k, v, bh, t0, t1, pm, pl, pa);
+      split_and_join(d.B * d.H, d.R, d.DA, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
+        rvq_rows(d, q, bias, k, v, bh, t0, t1, pm, pl, pa);
       }, [](int c) { return c; }, m, l, acc, counts, d.H);
     });
   }
@@ -247,14 +269,18 @@ class RvqDecode : public mx::Primitive {
 void check(bool ok, const char* what) { veloxquant::check(ok, "turboquant_rvq_decode", what); }
 
 // A side's shapes checked against the call's, its arrays appended to ins (stage 2 absent: stage 1's in its place).
+// Norms [B, H, rows] (one a row) or [B, H, rows, 2] (NSNQuant's pairs); stage 2 from word `word2` of c2's rows.
 Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, const opt_array& c2,
-          const mx::array& norms, const mx::array& cb1, const mx::array& sigma, const opt_array& cb2,
+          const mx::array& norms, const mx::array& cb1, const mx::array& sigma, const opt_array& cb2, int word2,
           std::vector<mx::array>& ins) {
   const std::string what = std::string(name) + ": ";
   auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
-  need(c1.ndim() == 4 && norms.ndim() == 3 && cb1.ndim() == 2 && sigma.ndim() == 1, "ranks");
+  const bool pair = norms.ndim() == 4 && norms.shape(3) == 2;
+  need(c1.ndim() == 4 && (norms.ndim() == 3 || pair) && cb1.ndim() == 2 && sigma.ndim() == 1, "ranks");
   need(c2.has_value() == cb2.has_value(), "stage-2 codes and codebook go together");
+  need(word2 >= 0 && (c2 || word2 == 0), "word2: a stage-2 word offset >= 0, only with stage-2 codes");
   Side x{};
+  x.pair = pair, x.word2 = word2;
   x.sd = cb1.shape(1), x.S = x.sd > 0 && dim % x.sd == 0 ? dim / x.sd : 0;
   need(x.S > 0 && x.S <= MAX_D, "piece size must divide the head dim");
   const int K1 = cb1.shape(0);
@@ -269,7 +295,7 @@ Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, c
     while ((1 << x.bits2) < K2) ++x.bits2;
     need(cb2->ndim() == 2 && (1 << x.bits2) == K2 && x.bits2 >= 1 && x.bits2 <= 8 && cb2->shape(1) == x.sd,
          "stage-2 codebook");
-    need(c2->ndim() == 4 && c2->shape(0) == B && c2->shape(1) == H && c2->shape(3) * 32 >= x.S * x.bits2 &&
+    need(c2->ndim() == 4 && c2->shape(0) == B && c2->shape(1) == H && (c2->shape(3) - word2) * 32 >= x.S * x.bits2 &&
              n <= c2->shape(2), "stage-2 codes");
     x.cap2 = c2->shape(2), x.w2 = c2->shape(3);
   }
@@ -285,18 +311,23 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
-                                             const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts) {
+                                             const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts,
+                                             const opt_array& k_bias, int k_word2, int v_word2) {
   check(q.ndim() == 4, "q must be [B, H, R, D]");
-  RvqDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), dv, n};
+  RvqDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), dv, n, dv};
   check(d.D <= MAX_D && dv > 0 && dv <= MAX_D && d.R <= MAX_R && n >= 0, "head dims, query heads or rows");
   check(counts.empty() || (int(counts.size()) == d.B &&
                            std::all_of(counts.begin(), counts.end(), [n](int c) { return c >= 0 && c <= n; })),
         "counts: one per batch row, each in 0..n");
   std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
-  const Side k = side("keys", d.B, d.H, d.D, n, k1, k2, k_norms, k_cb1, k_sigma, k_cb2, ins);
-  const Side v = side("values", d.B, d.H, dv, n, v1, v2, v_norms, v_cb1, v_sigma, v_cb2, ins);
+  const Side k = side("keys", d.B, d.H, d.D, n, k1, k2, k_norms, k_cb1, k_sigma, k_cb2, k_word2, ins);
+  const Side v = side("values", d.B, d.H, dv, n, v1, v2, v_norms, v_cb1, v_sigma, v_cb2, v_word2, ins);
   mx::Shape ml{d.B, d.H, d.R};
-  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, dv}}, {mx::float32, mx::float32, mx::float32},
+  check(k.pair == k_bias.has_value() && (!k_bias || k_bias->shape() == ml),
+        "k_bias: [B, H, R] (q.mu) exactly when the keys' norms are pairs");
+  if (k_bias) ins.push_back(contiguous_as(*k_bias, mx::float32));
+  d.DA = dv + v.pair;
+  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<RvqDecode>(mx::default_stream(mx::Device::cpu), d, k, v, counts), ins);
 }
 

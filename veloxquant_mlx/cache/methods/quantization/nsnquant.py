@@ -11,8 +11,11 @@ unit vectors (the NSN output law).
 Deviations from the paper: the channel mean comes from the cache's own first coded block, reused by later tokens;
 the codebook is trained on synthetic sphere samples (the paper: NSN outputs of one model's real data), the 2-bit
 rate by residual VQ stages of the same codebook size; no codebook fine-tuning; KIVI's full-precision window;
-keys coded after RoPE; attention dequantizes (no lookup-table kernel); trim exact for window tokens + whole
-groups, and a trim into the block the mean came from (other than all of it) raises ``ValueError``.
+keys coded after RoPE; trim exact for window tokens + whole groups, and a trim into the block the mean came from
+(other than all of it) raises ``ValueError``. Attention dequantizes the codes, except a CPU decode step with one or
+two stages: TurboQuant-RVQ's CPU kernel (``native/turboquant_rvq_cpu.cpp``) reads each row's codes once, scoring
+keys by lookup tables of the rotated query (``q . k = n1 n2 (H q / sqrt(D)) . y + n1 (q . mu)``) and summing values'
+weights per (sub-vector, codeword), turned back once (``_cpu_part``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
@@ -31,6 +35,7 @@ from ...primitives.buffers import grow_rows
 from ...primitives.codebook import kmeans
 from ...primitives.rotation import randomized_hadamard, seeded_rng
 from ...primitives.vq import vq_assign
+from ...window import Partials
 from .kivi import RES_DTYPE, KIVIKVCache, SideRows
 
 _TAG_NSN = 0x0A7E_0B01
@@ -145,3 +150,37 @@ class NSNQuantKVCache(SideRows, KIVIKVCache):
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
         return sum(B * H * (self.n_quant * (bitpack.packed_nbytes(self.stages * d // self.sub, self.lc) + 4)
                             + (0 if self.k_mu is None else d * 2)) for d in (D, dv))
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: TurboQuant-RVQ's CPU kernel over the packed codes
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Codes the RVQ CPU kernel reads: one or two stages, each stage's codes of a row whole words (stage 2 found
+        at a word offset), head dims up to 256, up to 32 query heads a KV head."""
+        whole = all((x // self.sub * self.lc) % 32 == 0 for x in (d, dv))
+        return (native.available() and self.attend_path == "auto" and self.stages <= 2 and whole
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` coded tokens' partials for scaled float32 queries ``qf`` [B, H, R, D]: the kernel scores
+        ``n1 n2 (q H^T / sqrt(D)) . y + n1 (q . mu_k)`` and returns the values' weighted codeword sum ``sum p n1 n2 y``
+        (turned back here: ``@ H / sqrt(dv)``) and the mean's weight ``sum p n1`` as acc's last column."""
+        d, dv = qf.shape[-1], self.res_v.shape[-1]
+        (rot_k, books_k), (rot_v, books_v) = self._tools(d), self._tools(dv)
+        ones = mx.ones((self.C,), mx.float32)
+
+        def side(p, books, dim):
+            two = self.stages == 2
+            word2 = dim // self.sub * self.lc // 32 if two else 0
+            codes = getattr(self, f"{p}_codes")
+            return (codes, codes if two else None, getattr(self, f"{p}_norms"), books[0], ones,
+                    books[1] if two else None), word2
+
+        (ks, kw2), (vs, vw2) = side("k", books_k, d), side("v", books_v, dv)
+        bias = (qf * self.k_mu.astype(mx.float32)[:, :, None]).sum(-1)
+        m, l, acc = native.module().turboquant_rvq_decode(  # noqa: E741
+            (qf @ rot_k.T) * (1 / math.sqrt(d)), *ks, *vs, n, dv, counts=list(counts), k_bias=bias, k_word2=kw2,
+            v_word2=vw2)
+        out = acc[..., :dv] @ rot_v * (1 / math.sqrt(dv)) + acc[..., dv:] * self.v_mu.astype(mx.float32)[:, :, None]
+        return Partials(m, l, out)
+
