@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
-from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, NSNQuantOptions, SKVQOptions,
-                                          TurboQuantRVQOptions, ZipCacheOptions)
+from veloxquant_mlx.cache.lowrank import LowRankKVCache
+from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, KVTCOptions, NSNQuantOptions,
+                                          SKVQOptions, SVDqOptions, TurboQuantRVQOptions, ZipCacheOptions)
+from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
@@ -267,7 +269,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "gear", "turboquant_rvq", "nsnquant"])
+                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -281,7 +283,9 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "zipcache": (ZipCacheKVCache, lambda: _variant("zipcache", ZipCacheKVCache, 64,
                                                                         ZipCacheOptions()), 1500),
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500),
-                         "nsnquant": (NSNQuantKVCache, lambda: _nsn(64), 1500)}[method]
+                         "nsnquant": (NSNQuantKVCache, lambda: _nsn(64), 1500),
+                         "svdq": (LowRankKVCache, lambda: _variant("svdq", LowRankKVCache, 64, SVDqOptions()), 1500),
+                         "kvtc": (LowRankKVCache, lambda: _variant("kvtc", LowRankKVCache, 64, KVTCOptions()), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -752,7 +756,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes or nsnquant_decodes")
+             "gear_decodes or nsnquant_decodes or latents")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -971,6 +975,82 @@ def test_rvq_cpu_kernel_takes_norm_pairs_only_with_the_keys_mean(rvq_calls):
         f(q, *side, *side, n, D, k_bias=bias, k_word2=3, v_word2=2)
     m, l, acc = f(q, *side, *side, n, D, k_bias=bias, k_word2=2, v_word2=2)  # noqa: E741
     assert acc.shape == (1, H, R, D + 1) and m.shape == l.shape == (1, H, R)
+
+
+@KERNELS
+@pytest.mark.parametrize("method,H,R,D,opts,prompt,steps", [
+    ("svdq", 3, 3, 64, {}, 300, 40),  # the defaults: latents of 8/4/2/1 bits, KIVI's 2-bit value rows
+    ("svdq", 2, 4, 128, {"rank": 40, "bit_schedule": (8, 3, 2)}, 100, 40),  # 3-bit codes straddle words
+    ("svdq", 1, 2, 64, {"group_size": 16}, 2100, 6),  # 16-token groups; a past split over the threads
+    ("kvtc", 3, 3, 64, {}, 300, 40),  # one head group: 9 query rows over ~160 latents a side, 2-3 bits
+    ("kvtc", 2, 2, 32, {"bit_budget": 256, "bit_choices": (0, 5, 6, 7)}, 200, 24)])  # 5-7-bit codes
+def test_low_rank_caches_decode_on_their_latents_in_the_cpu_kernel(method, H, R, D, opts, prompt, steps,
+                                                                    monkeypatch):
+    """SVDq's and KVTC's decode steps read their latents in one pass (``native/latent_cpu.cpp``): each block's
+    latents decoded and scored against the projected queries (plus q . mu), values as latents turned back once or
+    KIVI's rows; each step equals float64 attention over the rows the cache stores, with groups completed and sink
+    logits every other step."""
+    options = (SVDqOptions if method == "svdq" else KVTCOptions)(**opts)
+    c = _variant(method, LowRankKVCache, D, options)
+    calls = _spy_kernel(monkeypatch, LowRankKVCache)
+    rng = np.random.default_rng(prompt + R)
+    _feed(c, H, R, D, prompt, rng)
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    assert len(calls) == steps and f"{method}_cpu" in _common._checked
+
+
+@KERNELS
+@pytest.mark.parametrize("bits,G,n", [((16, 8, 4, 3, 3, 1, 1), 32, 4096), ((16, 16, 6, 5, 2), 16, 1008),
+                                      ((7, 7, 7), 8, 64), ((4, 2), 64, 0)])
+def test_cpu_kernel_partials_over_latents_equal_float64_sums(bits, G, n):
+    """``latent_decode``'s partials (m, l, acc) over latents coded by ``lowrank_fit.encode_latents`` -- float16
+    channels, runs of 1-8-bit codes, groups of 8-64 tokens -- equal float64 sums over ``decode_latents_t``'s decoding
+    of the same codes, with a score bias per query row; n = 0 gives the empty partials."""
+    rng = np.random.default_rng(len(bits) * 7 + G)
+    B, Hg, R, cap = 1, 2, 5, max(n, G)
+    lay = lr.LatentLayout(bits, G)
+    z = mx.array(rng.normal(size=(B, Hg, cap, len(bits))).astype(np.float32)) * mx.array([4.0] + [1.0] * (len(bits) - 1))
+    codes, scales, biases, raw = lr.encode_latents(z, lay)
+    q, bias = _rows(rng, Hg, R, len(bits)).reshape(B, Hg, R, -1) * 0.5, mx.array(rng.normal(size=(B, Hg, R)), mx.float32)
+    m, l, acc = native.module().latent_decode(q, bias, n, G, codes, scales, biases, raw, list(bits), codes, scales,
+                                              biases, raw, v_bits=list(bits))  # noqa: E741
+    if n == 0:
+        assert np.isneginf(np.array(m)).all() and not np.array(l).any() and not np.array(acc).any()
+        return
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    zt = f64(lr.decode_latents_t(codes, scales, biases, raw, n, lay))  # [B, Hg, r, n]
+    s = np.einsum("bhrc,bhcn->bhrn", f64(q), zt) + f64(bias)[..., None]
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    tol = 8 * len(bits) * float(np.finfo(np.float32).eps) * np.einsum("bhrc,bhcn->bhrn", np.abs(f64(q)),
+                                                                       np.abs(zt)).max() + 1e-6
+    np.testing.assert_allclose(np.array(m), s.max(axis=-1), rtol=0, atol=tol)
+    assert _rel(l, p.sum(axis=-1)) < tol and _rel(acc, np.einsum("bhrn,bhcn->bhrc", p, zt)) < tol, tol
+
+
+@KERNELS
+def test_latent_kernel_refuses_latents_that_do_not_fit():
+    """Widths, groups, shapes and value rows that do not fit each other are refused when the call is made, naming
+    what."""
+    lay = lr.LatentLayout((8, 4, 2), 32)
+    codes, scales, biases, _ = lr.encode_latents(mx.ones((1, 2, 64, 3)), lay)
+    q, f = mx.zeros((1, 2, 3, 3)), native.module().latent_decode
+    k = (codes, scales, biases, None)
+    with pytest.raises(ValueError, match="bits: 1..256 non-increasing"):
+        f(q, None, 64, 32, *k, [2, 4, 8], *k, v_bits=[8, 4, 2])
+    with pytest.raises(ValueError, match="group: a divisor of 64"):
+        f(q, None, 48, 48, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])
+    with pytest.raises(ValueError, match="keys: codes"):
+        f(q, None, 96, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])  # more rows than the buffers hold
+    c2, s2, b2, raw = lr.encode_latents(mx.ones((1, 2, 64, 3)), lr.LatentLayout((16, 4, 2), 32))
+    with pytest.raises(ValueError, match="raw"):  # a float16 width without its rows
+        f(q, None, 64, 32, c2, s2, b2, None, [16, 4, 2], *k, v_bits=[8, 4, 2])
+    f(q, None, 64, 32, c2, s2, b2, raw, [16, 4, 2], *k, v_bits=[8, 4, 2])
+    with pytest.raises(ValueError, match="bias"):
+        f(q, mx.zeros((1, 2, 4)), 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])
+    with pytest.raises(ValueError, match="value rows"):
+        f(q, None, 64, 32, *k, [8, 4, 2], codes, scales, biases, None, v_row_bits=3, v_row_group=32, dv=64)
+    m, l, acc = f(q, None, 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])  # noqa: E741
+    assert acc.shape == (1, 2, 3, 3)
 
 
 def _codes_of(words, bits, n_sub):

@@ -1,18 +1,21 @@
 """``LowRankKVCache``: latent (low-rank) storage on KIVI's residual layout, the family base of the low-rank
 quantizers (svdq, palu, kvtc); a decode step's attention reads the latents (``q·Kᵀ = (q W)·Zᵀ``, ``p·V = (p Z_v)
-W_vᵀ``), a prefill chunk's is KIVI's online softmax over tiles of the rows rebuilt once.
+W_vᵀ``), on the CPU in one pass of ``native/latent_cpu.cpp`` (``_cpu_part``), a prefill chunk's is KIVI's online
+softmax over tiles of the rows rebuilt once.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from . import kernels, native
 from .contract import CompressedKVCache
 from .grouped import GroupedQuantCache
 from .primitives import blocks
 from .primitives import groupquant as gq
 from .primitives import lowrank_fit as lr
 from .primitives.buffers import grow_rows, reserve_rows
+from .window import Partials
 
 BASIS_DTYPE = mx.float16  # fitted bases and means as stored
 
@@ -187,7 +190,53 @@ class LowRankKVCache(GroupedQuantCache):
         256)."""
         if queries.shape[2] > 1 or self._attends_returned_rows():
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        new_k, new_v = call[4], call[5]
+        if call[0] and self._cpu_kernel_ready(mask, new_k.shape[-1], new_v.shape[-1],
+                                              queries.shape[1] // new_k.shape[1]):
+            return kernels.checked_call(  # the CPU kernel, checked once against the op path
+                f"{self.method_name}_cpu", self, lambda: self._attend_cpu(queries, call, scale=scale, sinks=sinks),
+                lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks))
         return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+
+    def _cpu_layout(self) -> bool:
+        """Whether ``_cpu_part`` reads this cache: its keys scored on the latents (not a subclass's own
+        ``_key_scores``: Palu's rebuilds its pre-RoPE keys)."""
+        return type(self)._key_scores is LowRankKVCache._key_scores and self.k_bits is not None
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Latents ``native/latent_cpu.cpp`` reads: kernels built, token groups dividing 64, up to 256 latent
+        channels of 1-8 bits or float16 a side, up to 32 query rows a head group; values as latents, or KIVI's
+        2/4/8-bit rows (one head a group, value groups of whole words, dv up to 256)."""
+        widths = [*self.k_bits, *((self.v_bits or ()) if self.latent_values else ())]
+        fits = (native.available() and 64 % self.group == 0 and all(b <= 8 or b == 16 for b in widths)
+                and len(self.k_bits) <= 256 and (self.res_k.shape[1] // self.hg) * rep <= 32)
+        if self.latent_values:
+            return fits and len(self.v_bits) <= 256
+        gv = self.value_group(dv)
+        return (fits and self.qbits in (2, 4, 8) and self.hg == self.res_k.shape[1] and (gv * self.qbits) % 32 == 0
+                and dv <= 256)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` tokens' partials for scaled float32 queries ``qf`` [B, H, M, D] by the CPU kernel: scores
+        ``(q W_h)·z + q·μ_h`` on each block's decoded latents, values summed as latents (turned back here: ``@
+        W_vᵀ + l μ_v``) or from KIVI's rows."""
+        B, H, M, _ = qf.shape
+        Hg, dv = self.hg, self.res_v.shape[-1]
+        W, mu = self._head_proj("k")
+        qz = (qf @ W).reshape(B, Hg, (H // Hg) * M, -1)
+        bias = None if mu is None else (qf @ mu.swapaxes(-1, -2)).reshape(B, Hg, -1)
+        k = [getattr(self, f"k_{a}") for a in ("codes", "scales", "biases", "raw")]
+        if self.latent_values:
+            v = dict(v_raw=self.v_raw, v_bits=list(self.v_bits))
+        else:
+            v = dict(v_raw=None, v_row_bits=self.qbits, v_row_group=self.value_group(dv), dv=dv)
+        m, l, acc = native.module().latent_decode(  # noqa: E741
+            qz, bias, n, self.group, *k, list(self.k_bits), self.v_codes, self.v_scales, self.v_biases, **v)
+        m, l, acc = m.reshape(B, H, M), l.reshape(B, H, M), acc.reshape(B, H, M, -1)
+        if self.latent_values:
+            Wv, mu_v = self._head_proj("v")
+            acc = acc @ Wv.swapaxes(-1, -2) + (0 if mu_v is None else l[..., None] * mu_v)
+        return Partials(m, l, acc)
 
     def _part_bytes(self, which: str) -> int:
         """Bytes of ``which``'s latents: basis, mean and the filled rows."""

@@ -173,6 +173,54 @@ inline int value_slot(int c, int dv, int vbits, int words) {
   return (c % cpw) * words + c / cpw;
 }
 
+// A row of `width` BITS-bit codes (`words` words, one float16 scale and bias per `group` channels) decoded into u:
+// `lanes` words at a time in value_slot's order (value_lanes), else a code at a time in channel order.
+template <int BITS>
+inline void decode_row(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int words,
+                       int group, int lanes, float* __restrict u) {
+  constexpr int CPW = 32 / BITS;
+  constexpr uint32_t vmask = (1u << BITS) - 1;
+  float rs[MAX_D], rb[MAX_D];  // the row's scales and biases, one per group
+  for (int g = 0; g < width / group; ++g) {
+    rs[g] = f16(sc[g]);
+    rb[g] = f16(bi[g]);
+  }
+  if (lanes == 8) {  // 4-bit codes: channel 8w + k at slot k * words + w (value_slot), as waterfill's
+    for (int w0 = 0; w0 < words; w0 += 8) {
+      vu8 x;
+      std::memcpy(&x, v + w0, sizeof(x));
+      vf8 gs, gb;
+      for (int i = 0; i < 8; ++i) {
+        gs[i] = rs[8 * (w0 + i) / group];
+        gb[i] = rb[8 * (w0 + i) / group];
+      }
+      for (int k = 0; k < 8; ++k) {
+        const vf8 y = __builtin_convertvector(reinterpret_cast<vi8>((x >> (4 * k)) & 15u), vf8) * gs + gb;
+        std::memcpy(u + k * words + w0, &y, sizeof(y));
+      }
+    }
+  } else if (lanes == 4) {  // likewise 4 words at a time: channel CPW * w + k at slot k * words + w
+    for (int w0 = 0; w0 < words; w0 += 4) {
+      vu4 x;
+      std::memcpy(&x, v + w0, sizeof(x));
+      vf4u gs, gb;
+      for (int i = 0; i < 4; ++i) {
+        gs[i] = rs[CPW * (w0 + i) / group];
+        gb[i] = rb[CPW * (w0 + i) / group];
+      }
+      for (int k = 0; k < CPW; ++k) {
+        const vf4u y = __builtin_convertvector(reinterpret_cast<vi4>((x >> (BITS * k)) & vmask), vf4u) * gs + gb;
+        std::memcpy(u + k * words + w0, &y, sizeof(y));
+      }
+    }
+  } else {  // codes of BITS in {2, 4, 8} never straddle a word
+    for (int c = 0; c < width; ++c) {
+      const int bit = c * BITS;
+      u[c] = float(int32_t((v[bit >> 5] >> (bit & 31)) & vmask)) * rs[c / group] + rb[c / group];
+    }
+  }
+}
+
 // The hardware's own vector (NL lanes: 16 with AVX-512, 8 with AVX2, 4 on SSE-only x86 or NEON) for the two
 // register-blocked products below: each pass holds 2 query heads x 4 vectors of sums and 4 vectors of inputs, which
 // fit the registers of every ISA. (With the 16-lane vf an AVX2 machine split each sum in two and spilled them to the
@@ -376,6 +424,11 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
                                              const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts,
                                              const opt_array& k_bias, int k_word2, int v_word2);
+std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, int n, int group,
+                                     const opt_array& k_codes, const opt_array& k_scales, const opt_array& k_biases,
+                                     const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
+                                     const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
+                                     const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv);
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                        const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,

@@ -33,6 +33,14 @@ NB_MODULE(_veloxquant_cpu, m) {
         "row b's first counts[b] instead), for rotated scaled queries q (acc in the rotated value domain). NSNQuant's "
         "layout: norms [B, H, rows, 2] (n1, n2), k_bias = q.mu [B, H, R], stage 2 from word k_word2 / v_word2 of "
         "the codes' rows, and with value pairs acc's extra last column sum(p n1).");
+  m.def("latent_decode", &latent_decode, nb::arg("q"), nb::arg("bias").none(), nb::arg("n"), nb::arg("group"),
+        nb::arg("k_codes").none(), nb::arg("k_scales").none(), nb::arg("k_biases").none(), nb::arg("k_raw").none(),
+        nb::arg("k_bits"), nb::arg("v_codes").none(), nb::arg("v_scales").none(), nb::arg("v_biases").none(),
+        nb::arg("v_raw").none(), nb::arg("v_bits") = std::vector<int>{}, nb::arg("v_row_bits") = 0,
+        nb::arg("v_row_group") = 0, nb::arg("dv") = 0,
+        "Partials (m, l, acc) of a low-rank cache's decode attention over its first n rows' latents, for projected "
+        "scaled queries q [B, Hg, R, r_k] (plus bias = q . mu [B, Hg, R]): values as latents (acc = sum p z, v_bits "
+        "their widths) or, with v_row_bits, KIVI's per-token rows of dv channels in groups of v_row_group.");
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");

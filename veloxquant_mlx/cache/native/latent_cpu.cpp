@@ -1,0 +1,254 @@
+// The low-rank caches' (cache/lowrank.py: SVDq, KVTC) decode attention over their latents on the CPU, as an MLX
+// primitive (the op path, ``LowRankKVCache._key_scores`` / ``_value_out``, is the reference it is checked against at
+// first use).
+//
+// Latents (primitives/lowrank_fit.py, ``encode_latents``): per head group and G-token group, the quantized latent
+// channels in runs of equal width, each channel's G codes one little-endian bit stream of ceil(G bits / 32) words
+// (codes may straddle words), a float16 scale and bias a channel and group; the first rf channels float16 a token.
+// A block of 64 tokens is decoded channel-major and scored against the projected queries q W (plus q . mu: bias);
+// values are latents too (decoded token-major: acc = sum p z, the caller applies W^T and the mean) or KIVI's
+// per-token rows (SVDq's: ``decode_row``, acc in its slot order).
+#include "common.h"
+
+namespace veloxquant {
+namespace {
+
+struct Latents {
+  const uint32_t* codes = nullptr;
+  const mx::float16_t *scales = nullptr, *biases = nullptr, *raw = nullptr;
+  int r = 0, rf = 0, rq = 0, W = 0, capg = 0, capt = 0;  // channels, float16 ones, quantized ones, words a group
+  std::vector<int> runs;  // (bits, first channel, end channel, first word) per run of equal widths
+};
+
+// KIVI's per-token value rows (SVDq's values).
+struct Rows {
+  const uint32_t* codes = nullptr;
+  const mx::float16_t *scales = nullptr, *biases = nullptr;
+  int bits = 0, group = 0, words = 0, groups = 0, cap = 0;
+};
+
+struct LatentDims {
+  int B, H, R, DK, DA, n, G;  // DK: key latent channels (q's last dim); DA: acc's columns
+  bool bias;                  // q . mu given
+};
+
+// The n codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step]: a 64-bit
+// window refilled a word at a time (codes may straddle words).
+template <int BITS>
+inline void decode_stream(const uint32_t* __restrict w, int n, float s, float z, float* __restrict out, size_t step) {
+  uint64_t win = 0;
+  int have = 0;
+  for (int i = 0; i < n; ++i) {
+    if (have < BITS) win |= uint64_t(*w++) << have, have += 32;
+    out[i * step] = float(uint32_t(win) & ((1u << BITS) - 1)) * s + z;
+    win >>= BITS, have -= BITS;
+  }
+}
+
+// decode_stream for a group of 32 codes (the families' default group: BITS words), unrolled so that every code's
+// word and shift are constants (no carried window: the codes decode independently).
+template <int BITS>
+inline void decode_group32(const uint32_t* __restrict w, float s, float z, float* __restrict out, size_t step) {
+  uint32_t x[BITS + 1];
+  std::memcpy(x, w, sizeof(uint32_t) * BITS);
+  x[BITS] = 0;
+  float f[32];
+#pragma GCC unroll 32
+  for (int i = 0; i < 32; ++i) {
+    const int p = i * BITS, k = p >> 5, sh = p & 31;
+    uint32_t v = x[k] >> sh;
+    if (sh + BITS > 32) v |= x[k + 1] << (32 - sh);
+    f[i] = float(v & ((1u << BITS) - 1));
+  }
+  for (int i = 0; i < 32; ++i) out[i * step] = f[i] * s + z;
+}
+
+template <int BITS>
+inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out, size_t step) {
+  if (G == 32) decode_group32<BITS>(w, s, z, out, step);
+  else decode_stream<BITS>(w, G, s, z, out, step);
+}
+
+// Latent channels of rows [b0, b0 + rows) (whole token groups) of head group bh into out[c * cs + j * js].
+void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __restrict out, size_t cs, size_t js) {
+  for (int j = 0; j < rows; ++j)
+    for (int c = 0; c < x.rf; ++c) out[c * cs + j * js] = f16(x.raw[(size_t(bh) * x.capt + b0 + j) * x.rf + c]);
+  for (size_t i = 0; i + 3 < x.runs.size(); i += 4) {
+    const int bits = x.runs[i], c0 = x.runs[i + 1], c1 = x.runs[i + 2], w0 = x.runs[i + 3];
+    const int wpg = (G * bits + 31) / 32;
+    for (int g = b0 / G; g < (b0 + rows) / G; ++g) {
+      const size_t at = size_t(bh) * x.capg + g;
+      float* o = out + size_t(g * G - b0) * js;
+      for (int c = c0; c < c1; ++c) {
+        const uint32_t* w = x.codes + at * x.W + w0 + size_t(c - c0) * wpg;
+        const float s = f16(x.scales[at * x.rq + c - x.rf]), z = f16(x.biases[at * x.rq + c - x.rf]);
+        float* oc = o + c * cs;
+        switch (bits) {
+          case 1: decode_codes<1>(w, G, s, z, oc, js); break;
+          case 2: decode_codes<2>(w, G, s, z, oc, js); break;
+          case 3: decode_codes<3>(w, G, s, z, oc, js); break;
+          case 4: decode_codes<4>(w, G, s, z, oc, js); break;
+          case 5: decode_codes<5>(w, G, s, z, oc, js); break;
+          case 6: decode_codes<6>(w, G, s, z, oc, js); break;
+          case 7: decode_codes<7>(w, G, s, z, oc, js); break;
+          default: decode_codes<8>(w, G, s, z, oc, js);
+        }
+      }
+    }
+  }
+}
+
+template <int BITS>
+void latent_rows(const LatentDims& d, const float* q, const float* bias, const Latents& k, const Latents& v,
+                 const Rows& vr, int bh, int t0, int t1, float* m, float* l, float* acc) {
+  const int R = d.R, lanes = vr.codes ? value_lanes(d.DA, vr.group % (32 / BITS) == 0 ? BITS : 0, vr.words) : 0;
+  std::vector<float> buf(size_t(d.DK) * BLOCK + size_t(R) * BLOCK + size_t(BLOCK) * d.DA, 0.f);
+  float *keys = buf.data(), *sc = keys + size_t(d.DK) * BLOCK, *vals = sc + size_t(R) * BLOCK;
+  q += size_t(bh) * R * d.DK;
+  empty_partials(R, d.DA, m, l, acc);
+  for (int b0 = t0; b0 < t1; b0 += BLOCK) {
+    const int rows = std::min(BLOCK, t1 - b0);
+    decode_latents(k, bh, b0, rows, d.G, keys, BLOCK, 1);
+    block_scores(q, keys, R, d.DK, sc);
+    for (int r = 0; bias && r < R; ++r)
+      for (int j = 0; j < rows; ++j) sc[size_t(r) * BLOCK + j] += bias[size_t(bh) * R + r];
+    softmax_update(sc, R, d.DA, [rows](int j) { return j < rows; }, m, l, acc);
+    if (vr.codes)
+      for (int j = 0; j < rows; ++j) {
+        const size_t row = size_t(bh) * vr.cap + b0 + j;
+        decode_row<BITS>(vr.codes + row * vr.words, vr.scales + row * vr.groups, vr.biases + row * vr.groups, d.DA,
+                         vr.words, vr.group, lanes, vals + size_t(j) * d.DA);
+      }
+    else
+      decode_latents(v, bh, b0, rows, d.G, vals, 1, d.DA);
+    weighted_sum(sc, vals, R, rows, d.DA, acc);
+  }
+}
+
+class LatentDecode : public mx::Primitive {
+ public:
+  LatentDecode(mx::Stream s, LatentDims d, Latents k, Latents v, Rows vr)
+      : mx::Primitive(s), d_(d), k_(std::move(k)), v_(std::move(v)), vr_(vr) {}
+
+  // inputs: q, bias (or q again), then keys' codes, scales, biases, raw, then the values' (latents: the same four;
+  // rows: codes, scales, biases); an absent array is q in its place
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(stream(), inputs, outputs);
+    Latents k = k_, v = v_;
+    Rows vr = vr_;
+    auto side = [&](Latents& x, int i) {
+      if (x.rq) x.codes = inputs[i].data<uint32_t>(), x.scales = inputs[i + 1].data<mx::float16_t>(),
+                x.biases = inputs[i + 2].data<mx::float16_t>();
+      if (x.rf) x.raw = inputs[i + 3].data<mx::float16_t>();
+    };
+    side(k, 2);
+    if (vr.bits)
+      vr.codes = inputs[6].data<uint32_t>(), vr.scales = inputs[7].data<mx::float16_t>(),
+      vr.biases = inputs[8].data<mx::float16_t>();
+    else
+      side(v, 6);
+    const float* bias = d_.bias ? inputs[1].data<float>() : nullptr;
+    enc.dispatch([d = d_, k, v, vr, bias, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
+                  l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() {
+      const int bits = vr.bits ? vr.bits : 2;  // the template's width matters for value rows only
+      auto slot = [&](int c) { return vr.bits ? value_slot(c, d.DA, vr.group % (32 / bits) == 0 ? bits : 0,
+                                                           vr.words) : c; };
+      auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DA, d.n, rows, slot, m, l, acc); };
+      if (bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        latent_rows<2>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+      else if (bits == 4) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        latent_rows<4>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+      else go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+        latent_rows<8>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant latent_decode: CPU only");
+  }
+  const char* name() const override { return "VeloxquantLatentDecode"; }
+
+ private:
+  LatentDims d_;
+  Latents k_, v_;
+  Rows vr_;
+};
+
+void check(bool ok, const char* what) { veloxquant::check(ok, "latent_decode", what); }
+
+// A side's latents checked against the call's (B, H, n, G), its arrays (q in an absent one's place) appended to ins.
+Latents latents(const char* name, const mx::array& q, int n, int G, const opt_array& codes, const opt_array& scales,
+                const opt_array& biases, const opt_array& raw, const std::vector<int>& bits,
+                std::vector<mx::array>& ins) {
+  const std::string what = std::string(name) + ": ";
+  auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
+  const int B = q.shape(0), H = q.shape(1), groups = n / G;
+  Latents x;
+  x.r = int(bits.size());
+  need(x.r > 0 && x.r <= MAX_D && std::is_sorted(bits.rbegin(), bits.rend()) && bits.back() >= 1 &&
+           std::all_of(bits.begin(), bits.end(), [](int b) { return b <= 8 || b == 16; }),
+       "bits: 1..256 non-increasing widths of 1-8 bits or 16 (float16)");
+  x.rf = int(std::count(bits.begin(), bits.end(), 16)), x.rq = x.r - x.rf;
+  int words = 0;
+  for (int c = x.rf; c < x.r;) {
+    int e = c;
+    while (e < x.r && bits[e] == bits[c]) ++e;
+    x.runs.insert(x.runs.end(), {bits[c], c, e, words});
+    words += (e - c) * ((G * bits[c] + 31) / 32), c = e;
+  }
+  auto lead = [&](const opt_array& a) { return a && a->ndim() == 4 && a->shape(0) == B && a->shape(1) == H; };
+  need(x.rq == 0 || (lead(codes) && lead(scales) && biases && biases->shape() == scales->shape() &&
+                     codes->shape(3) == words && scales->shape(3) == x.rq && codes->shape(2) >= groups &&
+                     scales->shape(2) >= groups),
+       "codes [B, H, groups, words of the widths], scales and biases [B, H, groups, quantized channels]");
+  need(x.rf == 0 || (lead(raw) && raw->shape(3) == x.rf && raw->shape(2) >= n),
+       "raw [B, H, rows, float16 channels] for the float16 widths");
+  if (x.rq) x.W = words, x.capg = codes->shape(2);
+  if (x.rf) x.capt = raw->shape(2);
+  ins.push_back(x.rq ? contiguous_as(*codes, mx::uint32) : ins[0]);
+  ins.push_back(x.rq ? contiguous_as(*scales, mx::float16) : ins[0]);
+  ins.push_back(x.rq ? contiguous_as(*biases, mx::float16) : ins[0]);
+  ins.push_back(x.rf ? contiguous_as(*raw, mx::float16) : ins[0]);
+  return x;
+}
+
+}  // namespace
+
+std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, int n, int group,
+                                     const opt_array& k_codes, const opt_array& k_scales, const opt_array& k_biases,
+                                     const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
+                                     const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
+                                     const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv) {
+  check(q.ndim() == 4 && q.shape(2) <= MAX_R && q.shape(3) <= MAX_D, "q must be [B, H, R <= 32, channels <= 256]");
+  check(group > 0 && BLOCK % group == 0 && n >= 0 && n % group == 0, "group: a divisor of 64; n whole groups");
+  LatentDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), 0, n, group, bias.has_value()};
+  mx::Shape ml{d.B, d.H, d.R};
+  check(!bias || bias->shape() == ml, "bias: [B, H, R] (q . mu), one a query row");
+  std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
+  ins.push_back(bias ? contiguous_as(*bias, mx::float32) : ins[0]);
+  const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, ins);
+  check(k.r == d.DK, "keys: q's channels are the key latents'");
+  Latents v;
+  Rows vr;
+  if (v_row_bits) {  // KIVI's per-token value rows
+    check((v_row_bits == 2 || v_row_bits == 4 || v_row_bits == 8) && v_codes && v_scales && v_biases &&
+              v_codes->ndim() == 4 && v_scales->ndim() == 4 && v_biases->shape() == v_scales->shape() &&
+              v_codes->shape(0) == d.B && v_codes->shape(1) == d.H && v_scales->shape(0) == d.B &&
+              v_scales->shape(1) == d.H && dv > 0 && dv <= MAX_D && v_row_group > 0 && dv % v_row_group == 0 &&
+              (v_row_group * v_row_bits) % 32 == 0 && v_codes->shape(3) * 32 == dv * v_row_bits &&
+              v_scales->shape(3) == dv / v_row_group && v_codes->shape(2) >= n && v_scales->shape(2) >= n,
+          "value rows: 2, 4 or 8-bit codes [B, H, rows, dv bits / 32], a scale and bias a group of whole words");
+    vr.bits = v_row_bits, vr.group = v_row_group, vr.words = v_codes->shape(3), vr.groups = dv / v_row_group;
+    vr.cap = v_codes->shape(2), d.DA = dv;
+    for (auto [a, t] : {std::pair{&*v_codes, mx::uint32}, {&*v_scales, mx::float16}, {&*v_biases, mx::float16}})
+      ins.push_back(contiguous_as(*a, t));
+  } else {
+    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, ins);
+    d.DA = v.r;
+  }
+  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<LatentDecode>(mx::default_stream(mx::Device::cpu), d, k, v, vr),
+                                ins);
+}
+
+}  // namespace veloxquant
