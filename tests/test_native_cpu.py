@@ -23,8 +23,10 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.lowrank import LowRankKVCache
+from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, KVTCOptions, NSNQuantOptions,
-                                          SKVQOptions, SVDqOptions, TurboQuantRVQOptions, ZipCacheOptions)
+                                          SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
+                                          ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
@@ -269,7 +271,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc"])
+                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -285,7 +287,8 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "turboquant_rvq": (TurboQuantRVQKVCache, lambda: _rvq(64), 1500),
                          "nsnquant": (NSNQuantKVCache, lambda: _nsn(64), 1500),
                          "svdq": (LowRankKVCache, lambda: _variant("svdq", LowRankKVCache, 64, SVDqOptions()), 1500),
-                         "kvtc": (LowRankKVCache, lambda: _variant("kvtc", LowRankKVCache, 64, KVTCOptions()), 1500)}[method]
+                         "kvtc": (LowRankKVCache, lambda: _variant("kvtc", LowRankKVCache, 64, KVTCOptions()), 1500),
+                         "xkv": (XKVKVCache, lambda: _variant("xkv", XKVKVCache, 64, XKVOptions()), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -756,7 +759,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes or nsnquant_decodes or latents")
+             "gear_decodes or nsnquant_decodes or latents or xkv_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -997,6 +1000,23 @@ def test_low_rank_caches_decode_on_their_latents_in_the_cpu_kernel(method, H, R,
     _feed(c, H, R, D, prompt, rng)
     _steps_equal_float64(c, H, R, D, steps, rng)
     assert len(calls) == steps and f"{method}_cpu" in _common._checked
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 4-bit latents of the rank holding 0.95 of the energy
+    (2, 4, 128, {"rank": 24, "latent_bits": 3, "group_quant_size": 16}, 100, 40),  # 3-bit codes straddle words
+    (1, 2, 64, {"latent_bits": 8}, 2100, 6)])  # a past split over the threads
+def test_xkv_decodes_on_its_latents_in_the_cpu_kernel(H, R, D, opts, prompt, steps, monkeypatch):
+    """xKV's decode steps read the group's latents (KIVI's key layout: ``channel_major``) in the latent kernel, the
+    queries through the layer's block of the projection, the values' latent sum turned back once; each step equals
+    float64 attention over the rows the cache stores, with groups completed and sink logits every other step."""
+    c = _variant("xkv", XKVKVCache, D, XKVOptions(**opts))
+    calls = _spy_kernel(monkeypatch, XKVKVCache)
+    rng = np.random.default_rng(prompt + R)
+    _feed(c, H, R, D, prompt, rng)
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    assert len(calls) == steps and "xkv_cpu" in _common._checked
 
 
 @KERNELS

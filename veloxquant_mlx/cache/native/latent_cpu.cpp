@@ -7,7 +7,8 @@
 // (codes may straddle words), a float16 scale and bias a channel and group; the first rf channels float16 a token.
 // A block of 64 tokens is decoded channel-major and scored against the projected queries q W (plus q . mu: bias);
 // values are latents too (decoded token-major: acc = sum p z, the caller applies W^T and the mean) or KIVI's
-// per-token rows (SVDq's: ``decode_row``, acc in its slot order).
+// per-token rows (SVDq's: ``decode_row``, acc in its slot order). xKV's latents are KIVI's key layout instead
+// (channel_major: each channel's codes one stream over all tokens, one width).
 #include "common.h"
 
 namespace veloxquant {
@@ -18,6 +19,7 @@ struct Latents {
   const mx::float16_t *scales = nullptr, *biases = nullptr, *raw = nullptr;
   int r = 0, rf = 0, rq = 0, W = 0, capg = 0, capt = 0;  // channels, float16 ones, quantized ones, words a group
   std::vector<int> runs;  // (bits, first channel, end channel, first word) per run of equal widths
+  bool cm = false;        // channel-major (xKV's, KIVI's key layout): [B, H, r, W] codes, [B, H, r, capg] scales
 };
 
 // KIVI's per-token value rows (SVDq's values).
@@ -80,8 +82,10 @@ void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __
       const size_t at = size_t(bh) * x.capg + g;
       float* o = out + size_t(g * G - b0) * js;
       for (int c = c0; c < c1; ++c) {
-        const uint32_t* w = x.codes + at * x.W + w0 + size_t(c - c0) * wpg;
-        const float s = f16(x.scales[at * x.rq + c - x.rf]), z = f16(x.biases[at * x.rq + c - x.rf]);
+        const size_t ch = size_t(bh) * x.r + c;  // (channel-major)
+        const uint32_t* w = x.codes + (x.cm ? ch * x.W + size_t(g) * wpg : at * x.W + w0 + size_t(c - c0) * wpg);
+        const size_t si = x.cm ? ch * x.capg + g : at * x.rq + c - x.rf;
+        const float s = f16(x.scales[si]), z = f16(x.biases[si]);
         float* oc = o + c * cs;
         switch (bits) {
           case 1: decode_codes<1>(w, G, s, z, oc, js); break;
@@ -178,7 +182,7 @@ void check(bool ok, const char* what) { veloxquant::check(ok, "latent_decode", w
 
 // A side's latents checked against the call's (B, H, n, G), its arrays (q in an absent one's place) appended to ins.
 Latents latents(const char* name, const mx::array& q, int n, int G, const opt_array& codes, const opt_array& scales,
-                const opt_array& biases, const opt_array& raw, const std::vector<int>& bits,
+                const opt_array& biases, const opt_array& raw, const std::vector<int>& bits, bool cm,
                 std::vector<mx::array>& ins) {
   const std::string what = std::string(name) + ": ";
   auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
@@ -197,13 +201,22 @@ Latents latents(const char* name, const mx::array& q, int n, int G, const opt_ar
     words += (e - c) * ((G * bits[c] + 31) / 32), c = e;
   }
   auto lead = [&](const opt_array& a) { return a && a->ndim() == 4 && a->shape(0) == B && a->shape(1) == H; };
+  x.cm = cm;
+  if (cm) {
+    need(x.rf == 0 && x.runs.size() == 4 && lead(codes) && lead(scales) && biases &&
+             biases->shape() == scales->shape() &&
+             codes->shape(2) == x.r && scales->shape(2) == x.r && codes->shape(3) >= words / x.r * groups &&
+             scales->shape(3) >= groups,
+         "channel-major: one width, codes [B, H, channels, words], scales and biases [B, H, channels, groups]");
+    x.W = codes->shape(3), x.capg = scales->shape(3);
+  } else
   need(x.rq == 0 || (lead(codes) && lead(scales) && biases && biases->shape() == scales->shape() &&
                      codes->shape(3) == words && scales->shape(3) == x.rq && codes->shape(2) >= groups &&
                      scales->shape(2) >= groups),
        "codes [B, H, groups, words of the widths], scales and biases [B, H, groups, quantized channels]");
   need(x.rf == 0 || (lead(raw) && raw->shape(3) == x.rf && raw->shape(2) >= n),
        "raw [B, H, rows, float16 channels] for the float16 widths");
-  if (x.rq) x.W = words, x.capg = codes->shape(2);
+  if (x.rq && !cm) x.W = words, x.capg = codes->shape(2);
   if (x.rf) x.capt = raw->shape(2);
   ins.push_back(x.rq ? contiguous_as(*codes, mx::uint32) : ins[0]);
   ins.push_back(x.rq ? contiguous_as(*scales, mx::float16) : ins[0]);
@@ -218,7 +231,8 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& k_codes, const opt_array& k_scales, const opt_array& k_biases,
                                      const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
-                                     const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv) {
+                                     const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
+                                     bool channel_major) {
   check(q.ndim() == 4 && q.shape(2) <= MAX_R && q.shape(3) <= MAX_D, "q must be [B, H, R <= 32, channels <= 256]");
   check(group > 0 && BLOCK % group == 0 && n >= 0 && n % group == 0, "group: a divisor of 64; n whole groups");
   LatentDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), 0, n, group, bias.has_value()};
@@ -226,7 +240,7 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
   check(!bias || bias->shape() == ml, "bias: [B, H, R] (q . mu), one a query row");
   std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
   ins.push_back(bias ? contiguous_as(*bias, mx::float32) : ins[0]);
-  const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, ins);
+  const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, channel_major, ins);
   check(k.r == d.DK, "keys: q's channels are the key latents'");
   Latents v;
   Rows vr;
@@ -243,7 +257,7 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
     for (auto [a, t] : {std::pair{&*v_codes, mx::uint32}, {&*v_scales, mx::float16}, {&*v_biases, mx::float16}})
       ins.push_back(contiguous_as(*a, t));
   } else {
-    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, ins);
+    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, channel_major, ins);
     d.DA = v.r;
   }
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32},

@@ -16,7 +16,8 @@ on synthetic layers sharing a 12-dim subspace, rank 16 shared has relative error
 
 Deviations: P is fitted on the group's first complete block and later tokens (decode too) are projected onto it
 (the paper: the whole prefill, decode uncompressed); latents are quantized (the paper: float16 factors); per KV
-head, not over a layer's heads; attention is KIVI's on the restored rows (not ``(q·P_l)·Zᵀ``); ``xkv_max_ctx``
+head, not over a layer's heads; attention is KIVI's on the restored rows, except a CPU decode step: ``(q P_l)·Zᵀ``
+and ``(p Z) P_lᵀ`` on the latents in one pass (``native/latent_cpu.cpp``, ``_cpu_part``); ``xkv_max_ctx``
 unused; trims are exact only for window rows plus whole latent groups, not into the block P was fitted on (else
 ``ValueError``; emptying the latents refits P) and must hit every layer alike; a cache built alone is a group of
 one; a group's layers need equal head dims.
@@ -28,12 +29,14 @@ import uuid
 
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import blocks
 from ...primitives import groupquant as gq
 from ...primitives import lowrank_fit as lr
 from ...primitives.buffers import grow_columns
+from ...window import Partials
 from ..layer_links import GroupWindow, relink, relinking_state
 from ..quantization.kivi import RES_DTYPE, KIVIKVCache
 
@@ -149,6 +152,26 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
 
     def _values(self, n, dtype=mx.float32):
         return (self._proj("v", dtype) @ self._latents_t("v", n, dtype)).swapaxes(-1, -2)
+
+    def _cpu_layout(self) -> bool:
+        return self.owner.proj_k is not None  # ``_cpu_part``: the latent kernel over the owner's latents
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Latents the CPU kernel reads (KIVI's key layout: ``channel_major``): 1-8-bit codes, token groups dividing
+        64, ranks up to 256, up to 32 query heads a KV head."""
+        own = self.owner
+        return (native.available() and 1 <= self.qbits <= 8 and 64 % self.group == 0 and rep <= 32
+                and max(own.rank_k, own.rank_v) <= 256)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` tokens' partials for scaled float32 queries ``qf`` [B, H, M, D]: ``(q P_l)·z`` on each block's
+        decoded latents, the values' ``sum p z`` turned back once (``@ P_lᵀ``)."""
+        own, b = self.owner, self.qbits
+        m, l, acc = native.module().latent_decode(  # noqa: E741
+            qf @ self._proj("k"), None, n, self.group, own.zk_codes, own.zk_scales, own.zk_biases, None,
+            [b] * own.rank_k, own.zv_codes, own.zv_scales, own.zv_biases, None, v_bits=[b] * own.rank_v,
+            channel_major=True)
+        return Partials(m, l, acc @ self._proj("v").swapaxes(-1, -2))
 
     def _compressed_bytes(self, kind, B, H, D):
         p = getattr(self, f"proj_{kind}")
