@@ -16,8 +16,9 @@ fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
 
 Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks per layer
 by Fisher information); per-channel min/max over token groups, the hi/lo split by singular value (Palu: per-token
-after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused; ``U_r`` is stored float16 and counted in
-``nbytes`` (the model keeps its own ``W_k``/``W_v``).
+after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused (so a CPU decode step stays on the op path:
+the latent kernel that SVDq and KVTC take scores ``(q W)·z``, which RoPE's per-position turn does not allow);
+``U_r`` is stored float16 and counted in ``nbytes`` (the model keeps its own ``W_k``/``W_v``).
 """
 
 from __future__ import annotations
