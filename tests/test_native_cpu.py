@@ -1029,9 +1029,11 @@ def test_cpu_kernel_partials_over_latents_equal_float64_sums(bits, G, n):
     rng = np.random.default_rng(len(bits) * 7 + G)
     B, Hg, R, cap = 1, 2, 5, max(n, G)
     lay = lr.LatentLayout(bits, G)
-    z = mx.array(rng.normal(size=(B, Hg, cap, len(bits))).astype(np.float32)) * mx.array([4.0] + [1.0] * (len(bits) - 1))
+    z = mx.array(rng.normal(size=(B, Hg, cap, len(bits))).astype(np.float32))
+    z = z * mx.array([4.0] + [1.0] * (len(bits) - 1))
     codes, scales, biases, raw = lr.encode_latents(z, lay)
-    q, bias = _rows(rng, Hg, R, len(bits)).reshape(B, Hg, R, -1) * 0.5, mx.array(rng.normal(size=(B, Hg, R)), mx.float32)
+    q = _rows(rng, Hg, R, len(bits)).reshape(B, Hg, R, -1) * 0.5
+    bias = mx.array(rng.normal(size=(B, Hg, R)), mx.float32)
     m, l, acc = native.module().latent_decode(q, bias, n, G, codes, scales, biases, raw, list(bits), codes, scales,
                                               biases, raw, v_bits=list(bits))  # noqa: E741
     if n == 0:

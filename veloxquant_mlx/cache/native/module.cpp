@@ -40,8 +40,8 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("v_row_group") = 0, nb::arg("dv") = 0, nb::arg("channel_major") = false,
         "Partials (m, l, acc) of a low-rank cache's decode attention over its first n rows' latents, for projected "
         "scaled queries q [B, Hg, R, r_k] (plus bias = q . mu [B, Hg, R]): values as latents (acc = sum p z, v_bits "
-        "their widths) or, with v_row_bits, KIVI's per-token rows of dv channels in groups of v_row_group; channel_major: "
-        "latents in KIVI's key layout (xKV's), one width.");
+        "their widths) or, with v_row_bits, KIVI's per-token rows of dv channels in groups of v_row_group; "
+        "channel_major: latents in KIVI's key layout (xKV's), one width.");
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");

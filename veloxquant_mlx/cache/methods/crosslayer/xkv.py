@@ -164,8 +164,8 @@ class XKVKVCache(GroupWindow, KIVIKVCache):
                 and max(own.rank_k, own.rank_v) <= 256)
 
     def _cpu_part(self, qf, n: int, counts=()) -> Partials:
-        """The first ``n`` tokens' partials for scaled float32 queries ``qf`` [B, H, M, D]: ``(q P_l)·z`` on each block's
-        decoded latents, the values' ``sum p z`` turned back once (``@ P_lᵀ``)."""
+        """The first ``n`` tokens' partials for scaled float32 queries ``qf`` [B, H, M, D]: ``(q P_l)·z`` on each
+        block's decoded latents, the values' ``sum p z`` turned back once (``@ P_lᵀ``)."""
         own, b = self.owner, self.qbits
         m, l, acc = native.module().latent_decode(  # noqa: E741
             qf @ self._proj("k"), None, n, self.group, own.zk_codes, own.zk_scales, own.zk_biases, None,
