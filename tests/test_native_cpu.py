@@ -24,7 +24,8 @@ import pytest
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.lowrank import LowRankKVCache
 from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
-from veloxquant_mlx.cache.options import (AgeTieredOptions, GEAROptions, KittyOptions, KVTCOptions, NSNQuantOptions,
+from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
+from veloxquant_mlx.cache.options import (AgeTieredOptions, AMCOptions, GEAROptions, KittyOptions, KVTCOptions, NSNQuantOptions,
                                           SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
                                           ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
@@ -271,7 +272,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv"])
+                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -288,7 +289,8 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "nsnquant": (NSNQuantKVCache, lambda: _nsn(64), 1500),
                          "svdq": (LowRankKVCache, lambda: _variant("svdq", LowRankKVCache, 64, SVDqOptions()), 1500),
                          "kvtc": (LowRankKVCache, lambda: _variant("kvtc", LowRankKVCache, 64, KVTCOptions()), 1500),
-                         "xkv": (XKVKVCache, lambda: _variant("xkv", XKVKVCache, 64, XKVOptions()), 1500)}[method]
+                         "xkv": (XKVKVCache, lambda: _variant("xkv", XKVKVCache, 64, XKVOptions()), 1500),
+                         "amc": (AMCKVCache, lambda: _variant("amc", AMCKVCache, 64, AMCOptions()), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -759,7 +761,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes or nsnquant_decodes or latents or xkv_decodes")
+             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -1020,6 +1022,24 @@ def test_xkv_decodes_on_its_latents_in_the_cpu_kernel(H, R, D, opts, prompt, ste
 
 
 @KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 6 / 10 / 16 rows of a 32-token group at 8 / 4 / 2 bits
+    (2, 4, 128, {"k_high": 0.1, "k_mid": 0.4, "group_size": 64}, 200, 70),  # 6 / 26 / 32 rows of 64; a group completed
+    (1, 2, 64, {"k_high": 0.0, "k_mid": 0.0}, 100, 8),  # one tier
+    (3, 3, 64, {}, 2100, 6)])  # a past split over the threads
+def test_amc_decodes_on_the_latent_kernel_a_call_per_tier(H, R, D, opts, prompt, steps, monkeypatch):
+    """AMC's decode steps read each tier's rows in the latent kernel (keys per token on their group's shared channel
+    ranges: ``k_rows_per_group``; values KIVI's rows) and join the tiers' partials; each step equals float64 attention
+    over the rows the cache stores, with sink logits every other step."""
+    c = _variant("amc", AMCKVCache, D, AMCOptions(**opts))
+    calls = _spy_kernel(monkeypatch, AMCKVCache)
+    rng = np.random.default_rng(prompt + R)
+    _feed(c, H, R, D, prompt, rng)
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    assert len(calls) == steps and "amc_cpu" in _common._checked
+
+
+@KERNELS
 @pytest.mark.parametrize("bits,G,n", [((16, 8, 4, 3, 3, 1, 1), 32, 4096), ((16, 16, 6, 5, 2), 16, 1008),
                                       ((7, 7, 7), 8, 64), ((4, 2), 64, 0)])
 def test_cpu_kernel_partials_over_latents_equal_float64_sums(bits, G, n):
@@ -1071,6 +1091,8 @@ def test_latent_kernel_refuses_latents_that_do_not_fit():
         f(q, mx.zeros((1, 2, 4)), 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])
     with pytest.raises(ValueError, match="value rows"):
         f(q, None, 64, 32, *k, [8, 4, 2], codes, scales, biases, None, v_row_bits=3, v_row_group=32, dv=64)
+    with pytest.raises(ValueError, match="rows: one width"):  # keys as rows take one width
+        f(q, None, 64, 1, *k, [8, 4, 2], *k, v_bits=[8, 4, 2], k_rows_per_group=4)
     m, l, acc = f(q, None, 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])  # noqa: E741
     assert acc.shape == (1, 2, 3, 3)
 

@@ -429,7 +429,7 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
                                      const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
-                                     bool channel_major);
+                                     bool channel_major, int k_rows_per_group);
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                        const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,

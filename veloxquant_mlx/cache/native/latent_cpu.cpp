@@ -8,7 +8,8 @@
 // A block of 64 tokens is decoded channel-major and scored against the projected queries q W (plus q . mu: bias);
 // values are latents too (decoded token-major: acc = sum p z, the caller applies W^T and the mean) or KIVI's
 // per-token rows (SVDq's: ``decode_row``, acc in its slot order). xKV's latents are KIVI's key layout instead
-// (channel_major: each channel's codes one stream over all tokens, one width).
+// (channel_major: each channel's codes one stream over all tokens, one width); AMC's tiers hold keys as rows
+// (k_rows_per_group: a row's codes one stream, each channel's range and minimum shared by a group of rows).
 #include "common.h"
 
 namespace veloxquant {
@@ -20,6 +21,7 @@ struct Latents {
   int r = 0, rf = 0, rq = 0, W = 0, capg = 0, capt = 0;  // channels, float16 ones, quantized ones, words a group
   std::vector<int> runs;  // (bits, first channel, end channel, first word) per run of equal widths
   bool cm = false;        // channel-major (xKV's, KIVI's key layout): [B, H, r, W] codes, [B, H, r, capg] scales
+  int rpg = 0;            // > 0: rows (AMC's tiers): [B, H, capt, W] codes a row, ranges and minima [B, H, r, capg]
 };
 
 // KIVI's per-token value rows (SVDq's values).
@@ -73,6 +75,22 @@ inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out,
 
 // Latent channels of rows [b0, b0 + rows) (whole token groups) of head group bh into out[c * cs + j * js].
 void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __restrict out, size_t cs, size_t js) {
+  if (x.rpg) {  // a row's r codes (one stream), channel c at range / (2^bits - 1) and minimum of the row's group
+    const int bits = x.runs[0];
+    const uint32_t mask = (1u << bits) - 1;
+    for (int j = 0; j < rows; ++j) {
+      const int i = b0 + j;
+      const uint32_t* w = x.codes + (size_t(bh) * x.capt + i) * x.W;
+      for (int c = 0; c < x.r; ++c) {
+        const size_t si = (size_t(bh) * x.r + c) * x.capg + i / x.rpg;
+        const int bit = c * bits, sh = bit & 31;
+        uint64_t v = w[bit >> 5];
+        if (sh + bits > 32) v |= uint64_t(w[(bit >> 5) + 1]) << 32;
+        out[c * cs + j * js] = float(uint32_t(v >> sh) & mask) * (f16(x.scales[si]) / float(mask)) + f16(x.biases[si]);
+      }
+    }
+    return;
+  }
   for (int j = 0; j < rows; ++j)
     for (int c = 0; c < x.rf; ++c) out[c * cs + j * js] = f16(x.raw[(size_t(bh) * x.capt + b0 + j) * x.rf + c]);
   for (size_t i = 0; i + 3 < x.runs.size(); i += 4) {
@@ -187,7 +205,7 @@ void check(bool ok, const char* what) { veloxquant::check(ok, "latent_decode", w
 
 // A side's latents checked against the call's (B, H, n, G), its arrays (q in an absent one's place) appended to ins.
 Latents latents(const char* name, const mx::array& q, int n, int G, const opt_array& codes, const opt_array& scales,
-                const opt_array& biases, const opt_array& raw, const std::vector<int>& bits, bool cm,
+                const opt_array& biases, const opt_array& raw, const std::vector<int>& bits, bool cm, int rpg,
                 std::vector<mx::array>& ins) {
   const std::string what = std::string(name) + ": ";
   auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
@@ -206,8 +224,14 @@ Latents latents(const char* name, const mx::array& q, int n, int G, const opt_ar
     words += (e - c) * ((G * bits[c] + 31) / 32), c = e;
   }
   auto lead = [&](const opt_array& a) { return a && a->ndim() == 4 && a->shape(0) == B && a->shape(1) == H; };
-  x.cm = cm;
-  if (cm) {
+  x.cm = cm, x.rpg = rpg;
+  if (rpg) {
+    need(!cm && x.rf == 0 && x.runs.size() == 4 && lead(codes) && lead(scales) && biases &&
+             biases->shape() == scales->shape() && codes->shape(3) * 32 >= x.r * bits[0] && codes->shape(2) >= n &&
+             scales->shape(2) == x.r && scales->shape(3) >= (n + rpg - 1) / rpg,
+         "rows: one width, codes [B, H, rows, words], ranges and minima [B, H, channels, groups of rows]");
+    x.W = codes->shape(3), x.capt = codes->shape(2), x.capg = scales->shape(3);
+  } else if (cm) {
     need(x.rf == 0 && x.runs.size() == 4 && lead(codes) && lead(scales) && biases &&
              biases->shape() == scales->shape() &&
              codes->shape(2) == x.r && scales->shape(2) == x.r && codes->shape(3) >= words / x.r * groups &&
@@ -221,7 +245,7 @@ Latents latents(const char* name, const mx::array& q, int n, int G, const opt_ar
        "codes [B, H, groups, words of the widths], scales and biases [B, H, groups, quantized channels]");
   need(x.rf == 0 || (lead(raw) && raw->shape(3) == x.rf && raw->shape(2) >= n),
        "raw [B, H, rows, float16 channels] for the float16 widths");
-  if (x.rq && !cm) x.W = words, x.capg = codes->shape(2);
+  if (x.rq && !cm && !rpg) x.W = words, x.capg = codes->shape(2);
   if (x.rf) x.capt = raw->shape(2);
   ins.push_back(x.rq ? contiguous_as(*codes, mx::uint32) : ins[0]);
   ins.push_back(x.rq ? contiguous_as(*scales, mx::float16) : ins[0]);
@@ -237,7 +261,7 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
                                      const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
-                                     bool channel_major) {
+                                     bool channel_major, int k_rows_per_group) {
   check(q.ndim() == 4 && q.shape(2) <= MAX_R && q.shape(3) <= MAX_D, "q must be [B, H, R <= 32, channels <= 256]");
   check(group > 0 && BLOCK % group == 0 && n >= 0 && n % group == 0, "group: a divisor of 64; n whole groups");
   LatentDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), 0, n, group, bias.has_value()};
@@ -245,7 +269,8 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
   check(!bias || bias->shape() == ml, "bias: [B, H, R] (q . mu), one a query row");
   std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
   ins.push_back(bias ? contiguous_as(*bias, mx::float32) : ins[0]);
-  const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, channel_major, ins);
+  const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, channel_major,
+                            k_rows_per_group, ins);
   check(k.r == d.DK, "keys: q's channels are the key latents'");
   Latents v;
   Rows vr;
@@ -262,7 +287,7 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
     for (auto [a, t] : {std::pair{&*v_codes, mx::uint32}, {&*v_scales, mx::float16}, {&*v_biases, mx::float16}})
       ins.push_back(contiguous_as(*a, t));
   } else {
-    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, channel_major, ins);
+    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, channel_major, 0, ins);
     d.DA = v.r;
   }
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32},

@@ -11,7 +11,9 @@ token's width (per-token 2-bit keys: KL 0.30 vs 0.085 shared); values per token 
 Not implemented (rejected with ``QuantizerConfigError``): ``amc_use_query_saliency=True`` (groups are quantized in
 ``update_and_fetch``, without queries, and codes must not depend on whether the dispatch point is installed);
 ``amc_adaptive_thresholds=True`` (``amc_threshold_window``, ``amc_gamma``) and ``amc_calib_variance`` (tier sizes
-are fixed per group). Keys are quantized after RoPE.
+are fixed per group). Keys are quantized after RoPE. A CPU decode step reads each tier's codes in one pass of the
+latent kernel (``native/latent_cpu.cpp``, keys as rows on the group's shared ranges, values KIVI's rows: ``_cpu_part``),
+the tiers' partials joined in one softmax (a softmax does not depend on the rows' order, so ``order`` is not read).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
@@ -27,6 +30,7 @@ from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives import nonuniform as sal
 from ...primitives.buffers import grow_columns, grow_rows
+from ...window import Partials, join_partials
 from .kivi import KIVIKVCache, SideRows
 
 TIERS = ("hi", "mid", "lo")
@@ -143,6 +147,29 @@ class AMCKVCache(RankTiers, KIVIKVCache):
                 x = gq.dequantize(*a, b, self._cg(d), mx.float32)
             parts.append(x.reshape(x.shape[0], x.shape[1], g, c, d))
         return self._in_token_order(parts, n, d).astype(dtype)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: the latent kernel, a call per tier
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Tiers the latent kernel reads: 2/4/8-bit codes, value groups of whole words, head dims up to 256, up to
+        32 query heads a KV head."""
+        cg = self._cg(dv)
+        return (native.available() and all(b in (2, 4, 8) and (cg * b) % 32 == 0 for _, _, b, _ in self._tiers())
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` tokens' partials for scaled float32 queries ``qf``: each tier's rows in one kernel call
+        (keys decoded on their group's channel ranges, ``k_rows_per_group`` = the tier's rows a group), joined."""
+        g, d, dv = n // self.group, qf.shape[-1], self.res_v.shape[-1]
+        parts = []
+        for t, c, b, _ in self._tiers():
+            m, l, acc = native.module().latent_decode(  # noqa: E741
+                qf, None, g * c, 1, getattr(self, f"k_codes_{t}"), self.k_ranges, self.k_mins, None, [b] * d,
+                getattr(self, f"v_codes_{t}"), getattr(self, f"v_scales_{t}"), getattr(self, f"v_biases_{t}"), None,
+                v_row_bits=b, v_row_group=self._cg(dv), dv=dv, k_rows_per_group=c)
+            parts.append(Partials(m, l, acc))
+        return join_partials(parts)
 
     def tier_of_tokens(self) -> mx.array:
         """Tier index (0 = 8 bits, 1 = 4 bits, 2 = 2 bits) of every quantized token [B, H, n_quant]."""
