@@ -25,8 +25,8 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.lowrank import LowRankKVCache
 from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
-from veloxquant_mlx.cache.options import (AgeTieredOptions, AMCOptions, GEAROptions, KittyOptions, KVTCOptions, NSNQuantOptions,
-                                          SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
+from veloxquant_mlx.cache.options import (AgeTieredOptions, AMCOptions, GEAROptions, KittyOptions, KVTCOptions,
+                                          NSNQuantOptions, SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
                                           ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits

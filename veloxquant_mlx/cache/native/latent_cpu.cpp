@@ -73,23 +73,42 @@ inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out,
   else decode_stream<BITS>(w, G, s, z, out, step);
 }
 
-// Latent channels of rows [b0, b0 + rows) (whole token groups) of head group bh into out[c * cs + j * js].
-void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __restrict out, size_t cs, size_t js) {
-  if (x.rpg) {  // a row's r codes (one stream), channel c at range / (2^bits - 1) and minimum of the row's group
-    const int bits = x.runs[0];
-    const uint32_t mask = (1u << bits) - 1;
-    for (int j = 0; j < rows; ++j) {
-      const int i = b0 + j;
-      const uint32_t* w = x.codes + (size_t(bh) * x.capt + i) * x.W;
+// Keys as rows (AMC's tiers): a row's r codes one stream, channel c at range / (2^bits - 1) and minimum of the row's
+// group (computed once a group, as the op path does); BITS 0: the width read at run time (codes may straddle words).
+template <int BITS>
+void decode_rows(const Latents& x, int bh, int b0, int rows, float* __restrict out, size_t cs, size_t js) {
+  const int bits = BITS ? BITS : x.runs[0];
+  const uint32_t mask = (1u << bits) - 1;
+  float s[MAX_D], z[MAX_D];
+  int cur = -1;
+  for (int j = 0; j < rows; ++j) {
+    const int i = b0 + j;
+    if (i / x.rpg != cur) {
+      cur = i / x.rpg;
       for (int c = 0; c < x.r; ++c) {
-        const size_t si = (size_t(bh) * x.r + c) * x.capg + i / x.rpg;
-        const int bit = c * bits, sh = bit & 31;
-        uint64_t v = w[bit >> 5];
-        if (sh + bits > 32) v |= uint64_t(w[(bit >> 5) + 1]) << 32;
-        out[c * cs + j * js] = float(uint32_t(v >> sh) & mask) * (f16(x.scales[si]) / float(mask)) + f16(x.biases[si]);
+        const size_t si = (size_t(bh) * x.r + c) * x.capg + cur;
+        s[c] = f16(x.scales[si]) / float(mask), z[c] = f16(x.biases[si]);
       }
     }
-    return;
+    const uint32_t* w = x.codes + (size_t(bh) * x.capt + i) * x.W;
+    for (int c = 0; c < x.r; ++c) {
+      const int bit = c * bits, sh = bit & 31;
+      uint64_t v = w[bit >> 5];
+      if (!BITS && sh + bits > 32) v |= uint64_t(w[(bit >> 5) + 1]) << 32;
+      out[c * cs + j * js] = float(uint32_t(v >> sh) & mask) * s[c] + z[c];
+    }
+  }
+}
+
+// Latent channels of rows [b0, b0 + rows) (whole token groups) of head group bh into out[c * cs + j * js].
+void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __restrict out, size_t cs, size_t js) {
+  if (x.rpg) {
+    switch (x.runs[0]) {
+      case 2: return decode_rows<2>(x, bh, b0, rows, out, cs, js);
+      case 4: return decode_rows<4>(x, bh, b0, rows, out, cs, js);
+      case 8: return decode_rows<8>(x, bh, b0, rows, out, cs, js);
+      default: return decode_rows<0>(x, bh, b0, rows, out, cs, js);
+    }
   }
   for (int j = 0; j < rows; ++j)
     for (int c = 0; c < x.rf; ++c) out[c * cs + j * js] = f16(x.raw[(size_t(bh) * x.capt + b0 + j) * x.rf + c]);
