@@ -923,6 +923,16 @@ def test_rvq_cpu_kernel_rejects_inconsistent_inputs(rvq_calls):
         f(q, k[0], k[1], k[2], k[3][:200], k[4][:200], k[5], *v, 8, D)
 
 
+def _kernel_steps(c, cls, H, R, D, prompt, steps, seed, monkeypatch) -> list:
+    """A prompt of ``prompt`` rows through cache ``c``, then ``steps`` decode steps, each equal to float64 attention
+    over the rows it stores (``_steps_equal_float64``); returns the steps of ``cls`` caches that took their kernel."""
+    calls = _spy_kernel(monkeypatch, cls)
+    rng = np.random.default_rng(seed)
+    _feed(c, H, R, D, prompt, rng)
+    _steps_equal_float64(c, H, R, D, steps, rng)
+    return calls
+
+
 def _nsn(D, **opts):
     return _variant("nsnquant", NSNQuantKVCache, D, NSNQuantOptions(**opts))
 
@@ -939,10 +949,7 @@ def test_nsnquant_decodes_on_the_rvq_cpu_kernel(H, R, D, opts, prompt, steps, mo
     both stages in one row, the values' mean weight in acc's last column): each step equals float64 attention over
     the rows the cache stores, across completed groups, with sink logits every other step."""
     c = _nsn(D, **opts)
-    calls = _spy_kernel(monkeypatch, NSNQuantKVCache)
-    rng = np.random.default_rng(prompt + R)
-    _feed(c, H, R, D, prompt, rng)
-    _steps_equal_float64(c, H, R, D, steps, rng)
+    calls = _kernel_steps(c, NSNQuantKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
     assert len(calls) == steps and "nsnquant_cpu" in _common._checked and c.stages <= 2
 
 
@@ -951,10 +958,7 @@ def test_nsnquant_with_more_than_two_stages_decodes_on_its_op_path(monkeypatch):
     """Four residual stages (2 bits a coordinate from 16-codeword books) are past the kernel's two: the op path."""
     H, R, D = 2, 2, 64
     c = _nsn(D, codebook_size=16, residual_length=16)
-    calls = _spy_kernel(monkeypatch, NSNQuantKVCache)
-    rng = np.random.default_rng(4)
-    _feed(c, H, R, D, 70, rng)
-    _steps_equal_float64(c, H, R, D, 4, rng)
+    calls = _kernel_steps(c, NSNQuantKVCache, H, R, D, 70, 4, 4, monkeypatch)
     assert c.stages == 4 and not calls
 
 
@@ -997,10 +1001,7 @@ def test_low_rank_caches_decode_on_their_latents_in_the_cpu_kernel(method, H, R,
     logits every other step."""
     options = (SVDqOptions if method == "svdq" else KVTCOptions)(**opts)
     c = _variant(method, LowRankKVCache, D, options)
-    calls = _spy_kernel(monkeypatch, LowRankKVCache)
-    rng = np.random.default_rng(prompt + R)
-    _feed(c, H, R, D, prompt, rng)
-    _steps_equal_float64(c, H, R, D, steps, rng)
+    calls = _kernel_steps(c, LowRankKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
     assert len(calls) == steps and f"{method}_cpu" in _common._checked
 
 
@@ -1014,10 +1015,7 @@ def test_xkv_decodes_on_its_latents_in_the_cpu_kernel(H, R, D, opts, prompt, ste
     queries through the layer's block of the projection, the values' latent sum turned back once; each step equals
     float64 attention over the rows the cache stores, with groups completed and sink logits every other step."""
     c = _variant("xkv", XKVKVCache, D, XKVOptions(**opts))
-    calls = _spy_kernel(monkeypatch, XKVKVCache)
-    rng = np.random.default_rng(prompt + R)
-    _feed(c, H, R, D, prompt, rng)
-    _steps_equal_float64(c, H, R, D, steps, rng)
+    calls = _kernel_steps(c, XKVKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
     assert len(calls) == steps and "xkv_cpu" in _common._checked
 
 
@@ -1032,10 +1030,7 @@ def test_amc_decodes_on_the_latent_kernel_a_call_per_tier(H, R, D, opts, prompt,
     ranges: ``k_rows_per_group``; values KIVI's rows) and join the tiers' partials; each step equals float64 attention
     over the rows the cache stores, with sink logits every other step."""
     c = _variant("amc", AMCKVCache, D, AMCOptions(**opts))
-    calls = _spy_kernel(monkeypatch, AMCKVCache)
-    rng = np.random.default_rng(prompt + R)
-    _feed(c, H, R, D, prompt, rng)
-    _steps_equal_float64(c, H, R, D, steps, rng)
+    calls = _kernel_steps(c, AMCKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
     assert len(calls) == steps and "amc_cpu" in _common._checked
 
 
