@@ -52,6 +52,15 @@ inline float f16(mx::float16_t x) {
 #endif
 }
 
+// The `bits`-bit code at bit `bit` of a little-endian stream of words (it may straddle two words; the second is read
+// only then).
+inline uint32_t code_at(const uint32_t* w, int bit, int bits) {
+  const int sh = bit & 31;
+  uint64_t x = w[bit >> 5];
+  if (sh + bits > 32) x |= uint64_t(w[(bit >> 5) + 1]) << 32;
+  return uint32_t(x >> sh) & ((1u << bits) - 1);
+}
+
 // A persistent pool: run(n, f) calls f(0 .. n-1), f(0) on the caller, the rest on sleeping workers.
 class Pool {
  public:

@@ -36,21 +36,8 @@ struct LatentDims {
   bool bias;                  // q . mu given
 };
 
-// The n codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step]: a 64-bit
-// window refilled a word at a time (codes may straddle words).
-template <int BITS>
-inline void decode_stream(const uint32_t* __restrict w, int n, float s, float z, float* __restrict out, size_t step) {
-  uint64_t win = 0;
-  int have = 0;
-  for (int i = 0; i < n; ++i) {
-    if (have < BITS) win |= uint64_t(*w++) << have, have += 32;
-    out[i * step] = float(uint32_t(win) & ((1u << BITS) - 1)) * s + z;
-    win >>= BITS, have -= BITS;
-  }
-}
-
-// decode_stream for a group of 32 codes (the families' default group: BITS words), unrolled so that every code's
-// word and shift are constants (no carried window: the codes decode independently).
+// A group of 32 codes (the families' default group: BITS words) as code * s + z into out[i * step], unrolled so that
+// every code's word and shift are constants.
 template <int BITS>
 inline void decode_group32(const uint32_t* __restrict w, float s, float z, float* __restrict out, size_t step) {
   uint32_t x[BITS + 1];
@@ -67,10 +54,11 @@ inline void decode_group32(const uint32_t* __restrict w, float s, float z, float
   for (int i = 0; i < 32; ++i) out[i * step] = f[i] * s + z;
 }
 
+// The G codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step].
 template <int BITS>
 inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out, size_t step) {
-  if (G == 32) decode_group32<BITS>(w, s, z, out, step);
-  else decode_stream<BITS>(w, G, s, z, out, step);
+  if (G == 32) return decode_group32<BITS>(w, s, z, out, step);
+  for (int i = 0; i < G; ++i) out[i * step] = float(code_at(w, i * BITS, BITS)) * s + z;
 }
 
 // Keys as rows (AMC's tiers): a row's r codes one stream, channel c at range / (2^bits - 1) and minimum of the row's
@@ -91,12 +79,7 @@ void decode_rows(const Latents& x, int bh, int b0, int rows, float* __restrict o
       }
     }
     const uint32_t* w = x.codes + (size_t(bh) * x.capt + i) * x.W;
-    for (int c = 0; c < x.r; ++c) {
-      const int bit = c * bits, sh = bit & 31;
-      uint64_t v = w[bit >> 5];
-      if (!BITS && sh + bits > 32) v |= uint64_t(w[(bit >> 5) + 1]) << 32;
-      out[c * cs + j * js] = float(uint32_t(v >> sh) & mask) * s[c] + z[c];
-    }
+    for (int c = 0; c < x.r; ++c) out[c * cs + j * js] = float(code_at(w, c * bits, bits)) * s[c] + z[c];
   }
 }
 

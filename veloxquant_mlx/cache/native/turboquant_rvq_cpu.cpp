@@ -63,13 +63,7 @@ inline void unpack_row(const uint32_t* __restrict w, int S, int bits, uint8_t* _
       if (2 * i + 1 < S) out[2 * i + 1] = b[i] >> 4;
     }
   } else {
-    const uint32_t mask = (1u << bits) - 1;
-    for (int s = 0; s < S; ++s) {
-      const int bit = s * bits, sh = bit & 31;
-      uint64_t x = w[bit >> 5];
-      if (sh + bits > 32) x |= uint64_t(w[(bit >> 5) + 1]) << 32;
-      out[s] = uint8_t((x >> sh) & mask);
-    }
+    for (int s = 0; s < S; ++s) out[s] = uint8_t(code_at(w, s * bits, bits));
   }
 }
 

@@ -58,6 +58,14 @@ def nsn_codebooks(D: int, d: int, C: int, S: int, seed: int) -> mx.array:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def unit_sigma(C: int) -> mx.array:
+    """[C] ones: the RVQ kernel's stage-2 scale per stage-1 cell, which NSNQuant's stages do not have."""
+    out = mx.ones((C,), mx.float32)
+    mx.eval(out)
+    return out
+
+
 def vq_encode(y: mx.array, books: mx.array) -> mx.array:
     """y [..., D] -> codes [..., S * D/d] (stage-major) with residual VQ on d-dim sub-vectors."""
     S, C, d = books.shape
@@ -167,7 +175,7 @@ class NSNQuantKVCache(SideRows, KIVIKVCache):
         (turned back here: ``@ H / sqrt(dv)``) and the mean's weight ``sum p n1`` as acc's last column."""
         d, dv = qf.shape[-1], self.res_v.shape[-1]
         (rot_k, books_k), (rot_v, books_v) = self._tools(d), self._tools(dv)
-        ones = mx.ones((self.C,), mx.float32)
+        ones = unit_sigma(self.C)
 
         def side(p, books, dim):
             two = self.stages == 2
