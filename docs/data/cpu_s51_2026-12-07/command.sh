@@ -27,3 +27,6 @@ for r in 1 2; do for t in /tmp/wt_before .; do OPENBLAS_THREAD_TIMEOUT=4 python 
   --context 4096 --steps 8 --rounds 3 --method amc > amc_4096_{before,after}_$r.txt; done; done
 # (the "after" runs were taken at the commit before the ranges' division was moved to once a group, which changed the
 # layer's step within its noise: min 3.0 -> 2.95 ms)
+# alldec_2048_after.txt (at 6bf14e0, one round: its single plain-cache round is every ratio's reference, and this
+# machine was noisy this session -- read it as a ranking; GEAR read 0.90x here against 1.39x in session 50's list):
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --context 2048 --steps 8 --rounds 1 --prefill --all
