@@ -280,6 +280,16 @@ class GroupedQuantCache(CompressedKVCache):
             return dense_attention(queries, call[4], call[5], scale=scale, mask=mask, sinks=sinks)
         return self._attend_stored(queries, keys, values, call, scale=scale, mask=mask, sinks=sinks)
 
+    def _cpu_checked(self, queries, call, *, scale, mask, sinks):
+        """A decode step on the CPU kernel (``_attend_cpu``), checked once per process against the op path
+        (``_attend_codes``); None when ``_cpu_kernel_ready`` refuses this step."""
+        new_k, new_v = call[4], call[5]
+        if not self._cpu_kernel_ready(mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
+            return None
+        return kernels.checked_call(
+            f"{self.method_name}_cpu", self, lambda: self._attend_cpu(queries, call, scale=scale, sinks=sinks),
+            lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks))
+
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
         """Attention over a stored past: the CUDA decode kernel for a decode step, else ``_attend_codes``; a prefill
         chunk as ``dense_attention`` over the rows ``update_and_fetch`` returned (dequantized once per layer; on the
@@ -294,11 +304,10 @@ class GroupedQuantCache(CompressedKVCache):
                 mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
             self._call = call
             return self._decode_checked(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if N == 1 and codes and not self._kernel_off and self._cpu_kernel_ready(
-                mask, new_k.shape[-1], new_v.shape[-1], queries.shape[1] // new_k.shape[1]):
-            return kernels.checked_call(  # the CPU kernel, checked once against the op path
-                f"{self.method_name}_cpu", self, lambda: self._attend_cpu(queries, call, scale=scale, sinks=sinks),
-                lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks))
+        if N == 1 and codes and not self._kernel_off:
+            out = self._cpu_checked(queries, call, scale=scale, mask=mask, sinks=sinks)
+            if out is not None:
+                return out
         if (self.attend_path == "sdpa" or (N > 1 and self.attend_path != "quantized_matmul")
                 or (N == 1 and self._attends_returned_rows())):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import kernels, native
+from . import native
 from .contract import CompressedKVCache
 from .grouped import GroupedQuantCache
 from .primitives import blocks
@@ -190,13 +190,8 @@ class LowRankKVCache(GroupedQuantCache):
         256)."""
         if queries.shape[2] > 1 or self._attends_returned_rows():
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        new_k, new_v = call[4], call[5]
-        if call[0] and self._cpu_kernel_ready(mask, new_k.shape[-1], new_v.shape[-1],
-                                              queries.shape[1] // new_k.shape[1]):
-            return kernels.checked_call(  # the CPU kernel, checked once against the op path
-                f"{self.method_name}_cpu", self, lambda: self._attend_cpu(queries, call, scale=scale, sinks=sinks),
-                lambda: self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks))
-        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+        out = self._cpu_checked(queries, call, scale=scale, mask=mask, sinks=sinks) if call[0] else None
+        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks) if out is None else out
 
     def _cpu_layout(self) -> bool:
         """Whether ``_cpu_part`` reads this cache: its keys scored on the latents (not a subclass's own
