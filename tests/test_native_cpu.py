@@ -24,8 +24,9 @@ import pytest
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.lowrank import LowRankKVCache
 from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
+from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
-from veloxquant_mlx.cache.options import (AgeTieredOptions, AMCOptions, GEAROptions, KittyOptions, KVTCOptions,
+from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, GEAROptions, KittyOptions, KVTCOptions,
                                           NSNQuantOptions, SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
                                           ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
@@ -272,7 +273,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc"])
+                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc", "adakv"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -290,7 +291,9 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "svdq": (LowRankKVCache, lambda: _variant("svdq", LowRankKVCache, 64, SVDqOptions()), 1500),
                          "kvtc": (LowRankKVCache, lambda: _variant("kvtc", LowRankKVCache, 64, KVTCOptions()), 1500),
                          "xkv": (XKVKVCache, lambda: _variant("xkv", XKVKVCache, 64, XKVOptions()), 1500),
-                         "amc": (AMCKVCache, lambda: _variant("amc", AMCKVCache, 64, AMCOptions()), 1500)}[method]
+                         "amc": (AMCKVCache, lambda: _variant("amc", AMCKVCache, 64, AMCOptions()), 1500),
+                         "adakv": (AdaKVKVCache, lambda: _variant("adakv", AdaKVKVCache, 64, AdaKVOptions()), 1500)
+                         }[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -761,7 +764,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes")
+             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -1035,6 +1038,23 @@ def test_amc_decodes_on_the_latent_kernel_a_call_per_tier(H, R, D, opts, prompt,
 
 
 @KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 2 / 3 / 4-bit tiers at 2.5 bits (3-bit codes straddle words)
+    (2, 4, 128, {"importance": "attention", "group_size": 64, "target_avg_bits": 4.0, "lo_bit": 2, "mid_bit": 5,
+                 "hi_bit": 8}, 200, 70),  # ranked by the real queries; 5-bit codes; a group completed in the steps
+    (1, 2, 64, {"target_avg_bits": 2.0}, 100, 8),  # every row in the lowest tier
+    (3, 3, 64, {}, 2100, 6)])  # a past split over the threads
+def test_adakv_decodes_on_the_latent_kernel_a_call_per_tier(H, R, D, opts, prompt, steps, monkeypatch):
+    """AdaKV's decode steps read each tier's rows in the latent kernel as AMC's do (keys on their group's channel
+    ranges; values per token on their groups' ranges: ``v_row_ranges``, codes of any width): each step equals float64
+    attention over the rows the cache stores, with sink logits every other step."""
+    c = _variant("adakv", AdaKVKVCache, D, AdaKVOptions(**opts))
+    dispatch.install()
+    calls = _kernel_steps(c, AdaKVKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
+    assert len(calls) == steps and "adakv_cpu" in _common._checked
+
+
+@KERNELS
 @pytest.mark.parametrize("bits,G,n", [((16, 8, 4, 3, 3, 1, 1), 32, 4096), ((16, 16, 6, 5, 2), 16, 1008),
                                       ((7, 7, 7), 8, 64), ((4, 2), 64, 0)])
 def test_cpu_kernel_partials_over_latents_equal_float64_sums(bits, G, n):
@@ -1088,6 +1108,17 @@ def test_latent_kernel_refuses_latents_that_do_not_fit():
         f(q, None, 64, 32, *k, [8, 4, 2], codes, scales, biases, None, v_row_bits=3, v_row_group=32, dv=64)
     with pytest.raises(ValueError, match="rows: one width"):  # keys as rows take one width
         f(q, None, 64, 1, *k, [8, 4, 2], *k, v_bits=[8, 4, 2], k_rows_per_group=4)
+    with pytest.raises(ValueError, match="group-major ranges are for keys as rows"):
+        f(q, None, 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2], k_group_major=True)
+    with pytest.raises(ValueError, match="v_scale_rows: for value rows"):
+        f(q, None, 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2], v_scale_rows=[1, 2, 0])
+    vc, vs = mx.zeros((1, 2, 64, 6), mx.uint32), mx.zeros((1, 2, 64, 2), mx.float16)  # 3-bit rows, dv 64
+    rows = dict(v_row_bits=3, v_row_group=32, dv=64)
+    f(q, None, 64, 32, *k, [8, 4, 2], vc, vs, vs, None, **rows)
+    with pytest.raises(ValueError, match=r"v_scale_rows: \(per, stride, first\)"):
+        f(q, None, 64, 32, *k, [8, 4, 2], vc, vs, vs, None, **rows, v_scale_rows=[4, 8, 5])
+    with pytest.raises(ValueError, match="value rows: scales for every row"):  # row 63 reads scale row 127
+        f(q, None, 64, 32, *k, [8, 4, 2], vc, vs, vs, None, **rows, v_scale_rows=[4, 8, 0])
     m, l, acc = f(q, None, 64, 32, *k, [8, 4, 2], *k, v_bits=[8, 4, 2])  # noqa: E741
     assert acc.shape == (1, 2, 3, 3)
 

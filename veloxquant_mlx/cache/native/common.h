@@ -182,16 +182,16 @@ inline int value_slot(int c, int dv, int vbits, int words) {
   return (c % cpw) * words + c / cpw;
 }
 
-// A row of `width` BITS-bit codes (`words` words, one float16 scale and bias per `group` channels) decoded into u:
-// `lanes` words at a time in value_slot's order (value_lanes), else a code at a time in channel order.
+// A row of `width` BITS-bit codes (`words` words, one float16 scale and bias per `group` channels; a scale divided by
+// `div`) decoded into u: `lanes` words at a time in value_slot's order (value_lanes), else a code at a time in order.
 template <int BITS>
 inline void decode_row(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int words,
-                       int group, int lanes, float* __restrict u) {
+                       int group, int lanes, float* __restrict u, float div = 1.f) {
   constexpr int CPW = 32 / BITS;
   constexpr uint32_t vmask = (1u << BITS) - 1;
   float rs[MAX_D], rb[MAX_D];  // the row's scales and biases, one per group
   for (int g = 0; g < width / group; ++g) {
-    rs[g] = f16(sc[g]);
+    rs[g] = f16(sc[g]) / div;
     rb[g] = f16(bi[g]);
   }
   if (lanes == 8) {  // 4-bit codes: channel 8w + k at slot k * words + w (value_slot), as waterfill's
@@ -438,7 +438,8 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
                                      const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
-                                     bool channel_major, int k_rows_per_group);
+                                     bool channel_major, int k_rows_per_group, bool v_row_ranges,
+                                     bool k_group_major, const std::vector<int>& v_scale_rows);
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                        const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,

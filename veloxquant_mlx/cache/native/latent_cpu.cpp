@@ -9,7 +9,8 @@
 // values are latents too (decoded token-major: acc = sum p z, the caller applies W^T and the mean) or KIVI's
 // per-token rows (SVDq's: ``decode_row``, acc in its slot order). xKV's latents are KIVI's key layout instead
 // (channel_major: each channel's codes one stream over all tokens, one width); AMC's tiers hold keys as rows
-// (k_rows_per_group: a row's codes one stream, each channel's range and minimum shared by a group of rows).
+// (k_rows_per_group: a row's codes one stream, each channel's range and minimum shared by a group of rows), and so do
+// AdaKV's (ranges group-major; value rows on their groups' ranges, found by rank: v_scale_rows).
 #include "common.h"
 
 namespace veloxquant {
@@ -22,14 +23,20 @@ struct Latents {
   std::vector<int> runs;  // (bits, first channel, end channel, first word) per run of equal widths
   bool cm = false;        // channel-major (xKV's, KIVI's key layout): [B, H, r, W] codes, [B, H, r, capg] scales
   int rpg = 0;            // > 0: rows (AMC's tiers): [B, H, capt, W] codes a row, ranges and minima [B, H, r, capg]
+  bool gm = false;        // rows' ranges and minima group-major, [B, H, capg, r] (AdaKV's)
 };
 
-// KIVI's per-token value rows (SVDq's values).
+// KIVI's per-token value rows (SVDq's values; AMC's and AdaKV's tiers). ``div``: what a stored scale is divided by
+// (2^bits - 1 where the row stores its groups' ranges, AdaKV's; else 1).
 struct Rows {
   const uint32_t* codes = nullptr;
   const mx::float16_t *scales = nullptr, *biases = nullptr;
-  int bits = 0, group = 0, words = 0, groups = 0, cap = 0;
+  int bits = 0, group = 0, words = 0, groups = 0, cap = 0, scap = 0;  // rows the codes / the scales hold a head
+  float div = 1.f;
+  int per = 0, stride = 0, first = 0;  // per > 0: row i's scales at row (i / per) * stride + first + i % per
+  size_t scale_row(size_t i) const { return per ? i / per * stride + first + i % per : i; }
 };
+
 
 struct LatentDims {
   int B, H, R, DK, DA, n, G;  // DK: key latent channels (q's last dim); DA: acc's columns
@@ -74,12 +81,19 @@ void decode_rows(const Latents& x, int bh, int b0, int rows, float* __restrict o
     if (i / x.rpg != cur) {
       cur = i / x.rpg;
       for (int c = 0; c < x.r; ++c) {
-        const size_t si = (size_t(bh) * x.r + c) * x.capg + cur;
+        const size_t si = x.gm ? (size_t(bh) * x.capg + cur) * x.r + c : (size_t(bh) * x.r + c) * x.capg + cur;
         s[c] = f16(x.scales[si]) / float(mask), z[c] = f16(x.biases[si]);
       }
     }
     const uint32_t* w = x.codes + (size_t(bh) * x.capt + i) * x.W;
-    for (int c = 0; c < x.r; ++c) out[c * cs + j * js] = float(code_at(w, c * bits, bits)) * s[c] + z[c];
+    if (BITS && x.r % 32 == 0) {  // 32 codes a chunk of BITS words, their words and shifts constants
+      float f[32];
+      for (int c0 = 0; c0 < x.r; c0 += 32) {
+        decode_group32<BITS ? BITS : 1>(w + c0 / 32 * bits, 1.f, 0.f, f, 1);
+        for (int c = c0; c < c0 + 32; ++c) out[c * cs + j * js] = f[c - c0] * s[c] + z[c];
+      }
+    } else
+      for (int c = 0; c < x.r; ++c) out[c * cs + j * js] = float(code_at(w, c * bits, bits)) * s[c] + z[c];
   }
 }
 
@@ -88,6 +102,7 @@ void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __
   if (x.rpg) {
     switch (x.runs[0]) {
       case 2: return decode_rows<2>(x, bh, b0, rows, out, cs, js);
+      case 3: return decode_rows<3>(x, bh, b0, rows, out, cs, js);
       case 4: return decode_rows<4>(x, bh, b0, rows, out, cs, js);
       case 8: return decode_rows<8>(x, bh, b0, rows, out, cs, js);
       default: return decode_rows<0>(x, bh, b0, rows, out, cs, js);
@@ -122,13 +137,29 @@ void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __
   }
 }
 
+// A value row of 1-8-bit codes (they may straddle words) in channel order: code * scale / div + bias; groups of 32
+// channels a chunk of BITS words (decode_group32), else a code at a time (BITS 0: the width read at run time).
+template <int BITS>
+inline void decode_row_any(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int vbits,
+                           int group, float div, float* __restrict u) {
+  const int bits = BITS ? BITS : vbits;
+  for (int g = 0; g < width / group; ++g) {
+    const float s = f16(sc[g]) / div, z = f16(bi[g]);
+    if (BITS && group % 32 == 0)
+      for (int c = g * group; c < (g + 1) * group; c += 32)
+        decode_group32<BITS ? BITS : 1>(v + c / 32 * bits, s, z, u + c, 1);
+    else
+      for (int c = g * group; c < (g + 1) * group; ++c) u[c] = float(code_at(v, c * bits, bits)) * s + z;
+  }
+}
+
 // The values' columns are padded to whole passes of weighted_sum (whose remainder is a scalar loop: xKV's 59 value
 // latents took 1.8 ms a step at 4k unpadded); the padding stays zero and is dropped at the end.
 template <int BITS>
 void latent_rows(const LatentDims& d, const float* q, const float* bias, const Latents& k, const Latents& v,
                  const Rows& vr, int bh, int t0, int t1, float* m, float* l, float* acc) {
   const int R = d.R, DP = (d.DA + PASS - 1) / PASS * PASS;
-  const int lanes = vr.codes ? value_lanes(d.DA, vr.group % (32 / BITS) == 0 ? BITS : 0, vr.words) : 0;
+  const int lanes = vr.codes ? value_lanes(d.DA, BITS && vr.group % (32 / BITS) == 0 ? BITS : 0, vr.words) : 0;
   std::vector<float> buf(size_t(d.DK) * BLOCK + size_t(R) * BLOCK + size_t(BLOCK) * DP + size_t(R) * DP, 0.f);
   float *keys = buf.data(), *sc = keys + size_t(d.DK) * BLOCK, *vals = sc + size_t(R) * BLOCK;
   float* sum = vals + size_t(BLOCK) * DP;
@@ -143,9 +174,13 @@ void latent_rows(const LatentDims& d, const float* q, const float* bias, const L
     softmax_update(sc, R, DP, [rows](int j) { return j < rows; }, m, l, sum);
     if (vr.codes)
       for (int j = 0; j < rows; ++j) {
-        const size_t row = size_t(bh) * vr.cap + b0 + j;
-        decode_row<BITS>(vr.codes + row * vr.words, vr.scales + row * vr.groups, vr.biases + row * vr.groups, d.DA,
-                         vr.words, vr.group, lanes, vals + size_t(j) * DP);
+        const uint32_t* w = vr.codes + (size_t(bh) * vr.cap + b0 + j) * vr.words;
+        const size_t srow = size_t(bh) * vr.scap + vr.scale_row(b0 + j);
+        const mx::float16_t *sc = vr.scales + srow * vr.groups, *bi = vr.biases + srow * vr.groups;
+        if constexpr (BITS != 2 && BITS != 4 && BITS != 8)
+          decode_row_any<BITS>(w, sc, bi, d.DA, vr.bits, vr.group, vr.div, vals + size_t(j) * DP);
+        else
+          decode_row<BITS>(w, sc, bi, d.DA, vr.words, vr.group, lanes, vals + size_t(j) * DP, vr.div);
       }
     else
       decode_latents(v, bh, b0, rows, d.G, vals, 1, DP);
@@ -180,15 +215,20 @@ class LatentDecode : public mx::Primitive {
     enc.dispatch([d = d_, k, v, vr, bias, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
                   l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() {
       const int bits = vr.bits ? vr.bits : 2;  // the template's width matters for value rows only
-      auto slot = [&](int c) { return vr.bits ? value_slot(c, d.DA, vr.group % (32 / bits) == 0 ? bits : 0,
-                                                           vr.words) : c; };
+      auto slot = [&](int c) {
+        return vr.bits ? value_slot(c, d.DA, vr.group % (32 / bits) == 0 ? bits : 0, vr.words) : c;
+      };
       auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DA, d.n, rows, slot, m, l, acc); };
       if (bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
         latent_rows<2>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
       else if (bits == 4) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
         latent_rows<4>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
-      else go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
+      else if (bits == 8) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
         latent_rows<8>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+      else if (bits == 3) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {  // AdaKV's middle tier
+        latent_rows<3>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+      else go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {  // other widths: a code at a time
+        latent_rows<0>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
     });
   }
 
@@ -208,7 +248,7 @@ void check(bool ok, const char* what) { veloxquant::check(ok, "latent_decode", w
 // A side's latents checked against the call's (B, H, n, G), its arrays (q in an absent one's place) appended to ins.
 Latents latents(const char* name, const mx::array& q, int n, int G, const opt_array& codes, const opt_array& scales,
                 const opt_array& biases, const opt_array& raw, const std::vector<int>& bits, bool cm, int rpg,
-                std::vector<mx::array>& ins) {
+                bool gm, std::vector<mx::array>& ins) {
   const std::string what = std::string(name) + ": ";
   auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
   const int B = q.shape(0), H = q.shape(1), groups = n / G;
@@ -226,13 +266,16 @@ Latents latents(const char* name, const mx::array& q, int n, int G, const opt_ar
     words += (e - c) * ((G * bits[c] + 31) / 32), c = e;
   }
   auto lead = [&](const opt_array& a) { return a && a->ndim() == 4 && a->shape(0) == B && a->shape(1) == H; };
-  x.cm = cm, x.rpg = rpg;
+  x.cm = cm, x.rpg = rpg, x.gm = gm;
+  need(!gm || rpg, "group-major ranges are for keys as rows");
   if (rpg) {
+    const int ra = gm ? 3 : 2, ga = gm ? 2 : 3;  // the ranges' channel and group axes
     need(!cm && x.rf == 0 && x.runs.size() == 4 && lead(codes) && lead(scales) && biases &&
              biases->shape() == scales->shape() && codes->shape(3) * 32 >= x.r * bits[0] && codes->shape(2) >= n &&
-             scales->shape(2) == x.r && scales->shape(3) >= (n + rpg - 1) / rpg,
-         "rows: one width, codes [B, H, rows, words], ranges and minima [B, H, channels, groups of rows]");
-    x.W = codes->shape(3), x.capt = codes->shape(2), x.capg = scales->shape(3);
+             scales->shape(ra) == x.r && scales->shape(ga) >= (n + rpg - 1) / rpg,
+         "rows: one width, codes [B, H, rows, words], ranges and minima [B, H, channels, groups of rows] (group-major: "
+         "[B, H, groups, channels])");
+    x.W = codes->shape(3), x.capt = codes->shape(2), x.capg = scales->shape(ga);
   } else if (cm) {
     need(x.rf == 0 && x.runs.size() == 4 && lead(codes) && lead(scales) && biases &&
              biases->shape() == scales->shape() &&
@@ -263,7 +306,8 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
                                      const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
-                                     bool channel_major, int k_rows_per_group) {
+                                     bool channel_major, int k_rows_per_group, bool v_row_ranges,
+                                     bool k_group_major, const std::vector<int>& v_scale_rows) {
   check(q.ndim() == 4 && q.shape(2) <= MAX_R && q.shape(3) <= MAX_D, "q must be [B, H, R <= 32, channels <= 256]");
   check(group > 0 && BLOCK % group == 0 && n >= 0 && n % group == 0, "group: a divisor of 64; n whole groups");
   LatentDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), 0, n, group, bias.has_value()};
@@ -272,24 +316,33 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
   std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
   ins.push_back(bias ? contiguous_as(*bias, mx::float32) : ins[0]);
   const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, channel_major,
-                            k_rows_per_group, ins);
+                            k_rows_per_group, k_group_major, ins);
   check(k.r == d.DK, "keys: q's channels are the key latents'");
   Latents v;
   Rows vr;
   if (v_row_bits) {  // KIVI's per-token value rows
-    check((v_row_bits == 2 || v_row_bits == 4 || v_row_bits == 8) && v_codes && v_scales && v_biases &&
+    check(v_row_bits >= 1 && v_row_bits <= 8 && v_codes && v_scales && v_biases &&
               v_codes->ndim() == 4 && v_scales->ndim() == 4 && v_biases->shape() == v_scales->shape() &&
               v_codes->shape(0) == d.B && v_codes->shape(1) == d.H && v_scales->shape(0) == d.B &&
               v_scales->shape(1) == d.H && dv > 0 && dv <= MAX_D && v_row_group > 0 && dv % v_row_group == 0 &&
               (v_row_group * v_row_bits) % 32 == 0 && v_codes->shape(3) * 32 == dv * v_row_bits &&
-              v_scales->shape(3) == dv / v_row_group && v_codes->shape(2) >= n && v_scales->shape(2) >= n,
-          "value rows: 2, 4 or 8-bit codes [B, H, rows, dv bits / 32], a scale and bias a group of whole words");
+              v_scales->shape(3) == dv / v_row_group && v_codes->shape(2) >= n,
+          "value rows: 1-8-bit codes [B, H, rows, dv bits / 32], a scale and bias a group of whole words");
+    if (!v_scale_rows.empty()) {
+      check(v_scale_rows.size() == 3 && v_scale_rows[0] > 0 && v_scale_rows[1] >= v_scale_rows[0] &&
+                v_scale_rows[2] >= 0 && v_scale_rows[2] + v_scale_rows[0] <= v_scale_rows[1],
+            "v_scale_rows: (per, stride, first), first + per <= stride");
+      vr.per = v_scale_rows[0], vr.stride = v_scale_rows[1], vr.first = v_scale_rows[2];
+    }
+    check(n == 0 || v_scales->shape(2) > int(vr.scale_row(n - 1)), "value rows: scales for every row");
     vr.bits = v_row_bits, vr.group = v_row_group, vr.words = v_codes->shape(3), vr.groups = dv / v_row_group;
-    vr.cap = v_codes->shape(2), d.DA = dv;
+    vr.div = v_row_ranges ? float((1 << v_row_bits) - 1) : 1.f;
+    vr.cap = v_codes->shape(2), vr.scap = v_scales->shape(2), d.DA = dv;
     for (auto [a, t] : {std::pair{&*v_codes, mx::uint32}, {&*v_scales, mx::float16}, {&*v_biases, mx::float16}})
       ins.push_back(contiguous_as(*a, t));
   } else {
-    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, channel_major, 0, ins);
+    check(v_scale_rows.empty(), "v_scale_rows: for value rows");
+    v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, channel_major, 0, false, ins);
     d.DA = v.r;
   }
   return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32},

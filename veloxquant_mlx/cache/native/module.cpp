@@ -38,12 +38,16 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("k_bits"), nb::arg("v_codes").none(), nb::arg("v_scales").none(), nb::arg("v_biases").none(),
         nb::arg("v_raw").none(), nb::arg("v_bits") = std::vector<int>{}, nb::arg("v_row_bits") = 0,
         nb::arg("v_row_group") = 0, nb::arg("dv") = 0, nb::arg("channel_major") = false,
-        nb::arg("k_rows_per_group") = 0,
+        nb::arg("k_rows_per_group") = 0, nb::arg("v_row_ranges") = false, nb::arg("k_group_major") = false,
+        nb::arg("v_scale_rows") = std::vector<int>{},
         "Partials (m, l, acc) of a low-rank cache's decode attention over its first n rows' latents, for projected "
         "scaled queries q [B, Hg, R, r_k] (plus bias = q . mu [B, Hg, R]): values as latents (acc = sum p z, v_bits "
         "their widths) or, with v_row_bits, KIVI's per-token rows of dv channels in groups of v_row_group; "
         "channel_major: latents in KIVI's key layout (xKV's), one width; k_rows_per_group > 0: keys as rows (AMC's "
-        "tiers: k_scales ranges, k_biases minima [B, H, channels, groups], row i in group i / k_rows_per_group).");
+        "tiers: k_scales ranges, k_biases minima [B, H, channels, groups], row i in group i / k_rows_per_group); "
+        "v_row_ranges: value rows' scales are their groups' ranges (scale = range / (2^v_row_bits - 1), AdaKV's); "
+        "k_group_major: keys as rows with ranges and minima [B, H, groups, channels]; v_scale_rows (per, stride, "
+        "first): value row i's scales at row (i / per) * stride + first + i % per (AdaKV's tiers in rank order).");
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");

@@ -13,7 +13,8 @@ Not implemented (rejected with ``QuantizerConfigError``): ``amc_use_query_salien
 ``amc_adaptive_thresholds=True`` (``amc_threshold_window``, ``amc_gamma``) and ``amc_calib_variance`` (tier sizes
 are fixed per group). Keys are quantized after RoPE. A CPU decode step reads each tier's codes in one pass of the
 latent kernel (``native/latent_cpu.cpp``, keys as rows on the group's shared ranges, values KIVI's rows: ``_cpu_part``),
-the tiers' partials joined in one softmax (a softmax does not depend on the rows' order, so ``order`` is not read).
+the tiers' partials joined in one softmax (a softmax does not depend on the rows' order, so ``order`` is not read);
+AdaKV's tiers take the same path (``RankTiers._cpu_part``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,35 @@ class RankTiers(SideRows):
         B, H = x.shape[:2]
         order = self.order[:, :, :n].astype(mx.int32).reshape(B, H, n // self.group, self.group)
         return mx.take_along_axis(x, mx.argsort(order, axis=-1)[..., None], axis=3).reshape(B, H, n, d)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: the latent kernel, a call per tier
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Tiers the latent kernel reads: 1-8-bit codes, value groups of whole words, head dims up to 256, up to 32
+        query heads a KV head."""
+        cg = self._cg(dv)
+        return (native.available() and all((cg * b) % 32 == 0 for _, _, b, _ in self._tiers())
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` tokens' partials for scaled float32 queries ``qf``: each tier's rows in one kernel call
+        (keys decoded on their group's channel ranges, ``k_rows_per_group`` = the tier's rows a group; values
+        KIVI's rows), joined in one softmax (a softmax does not depend on the rows' order: ``order`` is not read)."""
+        g, d, dv = n // self.group, qf.shape[-1], self.res_v.shape[-1]
+        parts = []
+        for t, c, b, start in self._tiers():
+            (k_codes, k_ranges, k_mins, v_codes, v_scales, v_biases), layout = self._cpu_tier(t, c, start)
+            m, l, acc = native.module().latent_decode(  # noqa: E741
+                qf, None, g * c, 1, k_codes, k_ranges, k_mins, None, [b] * d, v_codes, v_scales, v_biases, None,
+                v_row_bits=b, v_row_group=self._cg(dv), dv=dv, k_rows_per_group=c, **layout)
+            parts.append(Partials(m, l, acc))
+        return join_partials(parts)
+
+    def _cpu_tier(self, t: str, c: int, start: int) -> tuple:
+        """Tier ``t``'s arrays for the latent kernel -- key codes, key ranges and minima, value codes and their side
+        arrays -- and the ``latent_decode`` layout options that read them in place."""
+        raise NotImplementedError
 
     def _code_nbytes(self, B: int, H: int, D: int, dv: int) -> int:
         """Order bytes, the key ranges and each tier's codes (``_tier_nbytes``); the base adds the residual."""
@@ -148,28 +178,9 @@ class AMCKVCache(RankTiers, KIVIKVCache):
             parts.append(x.reshape(x.shape[0], x.shape[1], g, c, d))
         return self._in_token_order(parts, n, d).astype(dtype)
 
-    def _cpu_layout(self) -> bool:
-        return True  # ``_cpu_part``: the latent kernel, a call per tier
-
-    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
-        """Tiers the latent kernel reads: 2/4/8-bit codes, value groups of whole words, head dims up to 256, up to
-        32 query heads a KV head."""
-        cg = self._cg(dv)
-        return (native.available() and all(b in (2, 4, 8) and (cg * b) % 32 == 0 for _, _, b, _ in self._tiers())
-                and max(d, dv) <= 256 and rep <= 32)
-
-    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
-        """The first ``n`` tokens' partials for scaled float32 queries ``qf``: each tier's rows in one kernel call
-        (keys decoded on their group's channel ranges, ``k_rows_per_group`` = the tier's rows a group), joined."""
-        g, d, dv = n // self.group, qf.shape[-1], self.res_v.shape[-1]
-        parts = []
-        for t, c, b, _ in self._tiers():
-            m, l, acc = native.module().latent_decode(  # noqa: E741
-                qf, None, g * c, 1, getattr(self, f"k_codes_{t}"), self.k_ranges, self.k_mins, None, [b] * d,
-                getattr(self, f"v_codes_{t}"), getattr(self, f"v_scales_{t}"), getattr(self, f"v_biases_{t}"), None,
-                v_row_bits=b, v_row_group=self._cg(dv), dv=dv, k_rows_per_group=c)
-            parts.append(Partials(m, l, acc))
-        return join_partials(parts)
+    def _cpu_tier(self, t: str, c: int, start: int) -> tuple:
+        return (getattr(self, f"k_codes_{t}"), self.k_ranges, self.k_mins,
+                *(getattr(self, f"v_{a}_{t}") for a in ("codes", "scales", "biases"))), {}
 
     def tier_of_tokens(self) -> mx.array:
         """Tier index (0 = 8 bits, 1 = 4 bits, 2 = 2 bits) of every quantized token [B, H, n_quant]."""
