@@ -26,7 +26,8 @@ from veloxquant_mlx.cache.lowrank import LowRankKVCache
 from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
-from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, GEAROptions, KittyOptions, KVTCOptions,
+from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
+from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, GEAROptions, KittyOptions, KVTCOptions,
                                           NSNQuantOptions, SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
                                           ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
@@ -273,7 +274,8 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
-                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc", "adakv"])
+                                    "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc", "adakv",
+                                    "anchorkv"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -292,8 +294,9 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "kvtc": (LowRankKVCache, lambda: _variant("kvtc", LowRankKVCache, 64, KVTCOptions()), 1500),
                          "xkv": (XKVKVCache, lambda: _variant("xkv", XKVKVCache, 64, XKVOptions()), 1500),
                          "amc": (AMCKVCache, lambda: _variant("amc", AMCKVCache, 64, AMCOptions()), 1500),
-                         "adakv": (AdaKVKVCache, lambda: _variant("adakv", AdaKVKVCache, 64, AdaKVOptions()), 1500)
-                         }[method]
+                         "adakv": (AdaKVKVCache, lambda: _variant("adakv", AdaKVKVCache, 64, AdaKVOptions()), 1500),
+                         "anchorkv": (AnchorKVCache, lambda: _variant("anchorkv", AnchorKVCache, 64, AnchorKVOptions()),
+                                      1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -625,6 +628,24 @@ def test_kivi_cpu_kernel_takes_gears_corrections_only_as_they_fit():
     with pytest.raises(ValueError, match="kivi_decode: fixes: "):
         native.module().kivi_decode(q, *args, fixes=fixes, fix_sizes=sizes, hi=[c.k_codes, c.k_scales, c.k_biases],
                                     hi_bits=2)
+    with pytest.raises(ValueError, match="kivi_decode: fixes: "):  # KIVI's key layout: its own group spans the fixes
+        native.module().kivi_decode(q, *args, fixes=fixes, fix_sizes=sizes, fix_group=32)
+
+
+@KERNELS
+def test_kivi_cpu_kernel_takes_fixes_over_key_rows_only_with_their_token_group():
+    """With keys as rows (whose group is channels) the corrections need ``fix_group``, tokens the rows fill."""
+    c = _variant("anchorkv", AnchorKVCache, 64, AnchorKVOptions())
+    rng = np.random.default_rng(7)
+    c.update_and_fetch(_rows(rng, 2, 200, 64), _rows(rng, 2, 200, 64))
+    q, n, g = mx.zeros((1, 2, 3, 64)), c.n_quant, c.n_quant // 32
+    args = (c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases, n, 2, 32, 32, 64)
+    fixes, sizes = c._cpu_fixes("k", g, 64) + c._cpu_fixes("v", g, 64), [1, 64, 64]
+    m, _, _ = native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_sizes=sizes, fix_group=32)
+    assert m.shape == (1, 2, 3)
+    for fg in (0, 40):  # none, or one the rows do not fill
+        with pytest.raises(ValueError, match="kivi_decode: fixes: .*fix_group"):
+            native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_sizes=sizes, fix_group=fg)
 
 
 @KERNELS
@@ -764,7 +785,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes")
+             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes or anchorkv_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -1052,6 +1073,22 @@ def test_adakv_decodes_on_the_latent_kernel_a_call_per_tier(H, R, D, opts, promp
     dispatch.install()
     calls = _kernel_steps(c, AdaKVKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
     assert len(calls) == steps and "adakv_cpu" in _common._checked
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: one anchor a 32-token group, 2-bit residuals
+    (2, 4, 128, {"anchor_frac": 0.125, "residual_bits": 4, "window": 64}, 200, 70),  # 8 anchors; a group completed
+    (1, 2, 64, {"theta": 0.0, "anchor_frac": 0.1}, 100, 8),  # 3 anchors, 2-bit references
+    (3, 3, 64, {"window": 16}, 2100, 6)])  # a past split over the threads, groups of 16 inside a block
+def test_anchorkv_decodes_on_kivis_cpu_kernel_its_anchors_as_corrections(H, R, D, opts, prompt, steps,
+                                                                           monkeypatch):
+    """AnchorKV's decode steps read its residual codes as key and value rows in KIVI's CPU kernel, each row's anchor
+    added in the block's products and the anchor rows put back exactly (``fixes``, ``fix_group``): each step equals
+    float64 attention over the rows the cache stores, with sink logits every other step."""
+    c = _variant("anchorkv", AnchorKVCache, D, AnchorKVOptions(**opts))
+    calls = _kernel_steps(c, AnchorKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
+    assert len(calls) == steps and "anchorkv_cpu" in _common._checked
 
 
 @KERNELS

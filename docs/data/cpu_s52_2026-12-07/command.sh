@@ -5,3 +5,8 @@ for r in 1 2; do for t in /tmp/wt_before .; do (cd $t && OPENBLAS_THREAD_TIMEOUT
   --context 4096 --steps 8 --rounds 3 --method adakv); done; done
 # one layer at 8k, printed only (before ~18-21 ms against a plain cache at 3.7-5.1 ms; after 4.0-5.1 against 4.1-4.9):
 python scripts/decode_step_cpu.py --context 8192 --method adakv
+# anchorkv_4k_before_after.txt: likewise for AnchorKV on KIVI's CPU kernel (its anchors as corrections over key rows):
+for r in 1 2; do for t in /tmp/wt_before .; do (cd $t && OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py \
+  --context 4096 --steps 8 --rounds 3 --method anchorkv); done; done
+# one layer at 8k, printed only (before 18.2 ms against a plain cache at 3.8 ms; after 4.3 against 4.7):
+python scripts/decode_step_cpu.py --context 8192 --method anchorkv

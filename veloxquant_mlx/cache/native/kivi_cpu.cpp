@@ -18,9 +18,11 @@ struct KiviDims {
   int nh, hbits, hkw, hkg;
   bool key_rows;
   int kcap;  // key rows a head's buffer holds (key_rows)
+  int fg;    // tokens a group of the corrections spans (G, or its own with key rows)
 };
 
-// GEAR's corrections of one side (its reconstruction, block by block): per G-token group `o` stored entries put back
+// GEAR's corrections of one side (its reconstruction, block by block; AnchorKV's anchors): per group (fg tokens)
+// `o` stored entries put back
 // exactly into the decoded block (index t * width + c in the group's [G, width] block, then the value), then the
 // rank-r term A_t B_g^T (A [B, H, acap, r] per token, B_g^T [r, width] per group) added in the block's products.
 struct Fix {
@@ -164,6 +166,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   float* wt = sc + size_t(R) * BLOCK;  // [R, BLOCK]: the weights in token order
   float* vals = wt + size_t(R) * BLOCK;
   const float* q = in.q + size_t(bh) * R * D;
+  const float* qn = q;  // the queries in the model's channel order (the corrections' rank-r term reads them)
   const int lanes = value_lanes(DV, kivi_vector_bits(d), d.vw);
   const int key_bits = d.G % CPW == 0 ? BITS : 0;  // key rows (key_rows) as value rows: vectors where groups allow
   const int key_lanes = d.key_rows ? value_lanes(D, key_bits, d.kw) : 0;
@@ -178,6 +181,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
   auto token_at = [&d](int s) { return d.key_rows ? s : (s % WB) * CPW + s / WB; };
   auto slot_of = [&d](int j) { return d.key_rows ? j : (j % CPW) * WB + j / CPW; };
   auto vslot = [&d](int c) { return value_slot(c, d.DV, kivi_vector_bits(d), d.vw); };
+  auto kslot = [&](int c) { return d.key_rows ? value_slot(c, D, key_bits, d.kw) : c; };
   float* scratch = vals + size_t(BLOCK) * DV + size_t(R) * D;  // past the key rows' queries: GEAR's rank-r sums
   int from[BLOCK] = {};  // main-order slot s: where its token lies in a second-store block (hbits order)
   for (int s = 0; s < BLOCK && d.nh; ++s) {
@@ -202,10 +206,10 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
                           keys + size_t(c) * BLOCK);
     }
     if (in.kf.o)  // GEAR's key entries put back in the block
-      put_entries(in.kf, bh, b0 / d.G, (b0 + rows - 1) / d.G, b0, rows, d.G, D,
-                  [&](int j, int c, float x) { keys[size_t(c) * BLOCK + slot_of(j)] = x; });
+      put_entries(in.kf, bh, b0 / d.fg, (b0 + rows - 1) / d.fg, b0, rows, d.fg, D,
+                  [&](int j, int c, float x) { keys[size_t(kslot(c)) * BLOCK + slot_of(j)] = x; });
     block_scores(q, keys, R, D, sc);
-    if (in.kf.r) low_rank_scores(in.kf, bh, b0, rows, d.G, D, R, q, slot_of, sc, scratch);
+    if (in.kf.r) low_rank_scores(in.kf, bh, b0, rows, d.fg, D, R, qn, slot_of, sc, scratch);
     softmax_update(sc, R, DV, [&](int slot) { return token_at(slot) < rows; }, m, l, acc);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < rows; ++j)
@@ -216,10 +220,10 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
                        vals + size_t(j) * DV);
     }
     if (in.vf.o)  // GEAR's value entries likewise
-      put_entries(in.vf, bh, b0 / d.G, (b0 + rows - 1) / d.G, b0, rows, d.G, DV,
+      put_entries(in.vf, bh, b0 / d.fg, (b0 + rows - 1) / d.fg, b0, rows, d.fg, DV,
                   [&](int j, int c, float x) { vals[size_t(j) * DV + vslot(c)] = x; });
     weighted_sum(wt, vals, R, rows, DV, acc);
-    if (in.vf.r) low_rank_values(in.vf, bh, b0, rows, d.G, DV, R, wt, vslot, acc, scratch);
+    if (in.vf.r) low_rank_values(in.vf, bh, b0, rows, d.fg, DV, R, wt, vslot, acc, scratch);
   }
 }
 
@@ -272,7 +276,7 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
                                    const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits,
                                    bool key_rows, const std::vector<std::optional<mx::array>>& fixes,
-                                   const std::vector<int>& fix_sizes) {
+                                   const std::vector<int>& fix_sizes, int fix_group) {
   auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
   check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
         "ranks");
@@ -280,14 +284,15 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
   d.B = q.shape(0), d.H = q.shape(1), d.R = q.shape(2), d.D = q.shape(3), d.DV = dv;
   d.kw = k_codes.shape(3), d.kg = k_scales.shape(3), d.vcap = v_codes.shape(2), d.vw = v_codes.shape(3);
   d.vg = v_scales.shape(3), d.n = n, d.bits = bits, d.G = group, d.gv = value_group;
-  d.key_rows = key_rows, d.kcap = k_codes.shape(2);
+  d.key_rows = key_rows, d.kcap = k_codes.shape(2), d.fg = fix_group ? fix_group : group;
   Fix fx[2];  // keys', values'
   std::vector<mx::array> fix_ins;
-  check(fixes.empty() || (fixes.size() == 8 && fix_sizes.size() == 3 && !key_rows && hi.empty() && counts.empty()),
-        "fixes: (a, bt, oidx, oval) of keys then values, fix_sizes (rank, key entries, value entries) a group; KIVI's "
-        "key layout alone, no second store, no counts");
+  check(fixes.empty() || (fixes.size() == 8 && fix_sizes.size() == 3 && hi.empty() && counts.empty() &&
+                          (key_rows ? fix_group > 0 && n % fix_group == 0 : fix_group == 0)),
+        "fixes: (a, bt, oidx, oval) of keys then values, fix_sizes (rank, key entries, value entries) a group; no "
+        "second store, no counts; with key rows a fix_group of tokens the rows fill (else the keys' group)");
   for (int side = 0; side < 2 && !fixes.empty(); ++side) {
-    const int width = side ? dv : d.D, r = fix_sizes[0], o = fix_sizes[1 + side], g = n / std::max(group, 1);
+    const int width = side ? dv : d.D, r = fix_sizes[0], o = fix_sizes[1 + side], g = n / std::max(d.fg, 1);
     const auto &a = fixes[4 * side], &bt = fixes[4 * side + 1], &oi = fixes[4 * side + 2], &ov = fixes[4 * side + 3];
     auto lead = [&](const mx::array& x, size_t nd) { return x.ndim() == nd && x.shape(0) == d.B && x.shape(1) == d.H; };
     check(r >= 0 && o >= 0 && (!r || (a && bt && lead(*a, 4) && a->shape(3) == r && a->shape(2) >= n &&

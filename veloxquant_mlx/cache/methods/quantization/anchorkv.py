@@ -15,7 +15,9 @@ with ceil(log2(A + 1)) bits naming its reference.
 Deviations / choices: at least one anchor per group (effective fraction max(anchor_frac, 1/G)), since anchors
 must be near the tokens coded against them; keys quantized after RoPE, residuals per token (a per-channel min/max
 code is invariant to a per-channel offset, so it would gain nothing from an anchor); KIVI's window deviations (a
-group completed by a decode step is coded after its attention); attention dequantizes; trim: KIVI's rule.
+group completed by a decode step is coded after its attention); trim: KIVI's rule. Attention dequantizes, but for
+a CPU decode step: KIVI's CPU kernel reads the residual codes as key and value rows and adds each row's anchor in
+the block's products, the anchor rows put back exactly (GEAR's corrections: ``_cpu_part``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import bitpack
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_rows
 from ...primitives.rotation import seeded_rng
+from ...window import Partials
 from .kivi import KIVIKVCache, SideRows
 
 _TAG_ANCHOR = 0x0A7E_0A01
@@ -130,13 +134,52 @@ class AnchorKVCache(SideRows, KIVIKVCache):
         parts = [getattr(self, f"{p}_{name}")[:, :, :m] for name, m in zip(_PARTS, (n, n, n, g, g * A, g * A))]
         return anchor_decode(*parts, G, A, self.qbits, self.value_group(parts[-1].shape[-1]), dtype)
 
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: KIVI's CPU kernel, keys as rows, the anchors as its corrections
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Residual codes KIVI's CPU kernel reads as rows (2, 4 or 8 bits, each channel group whole words), head dims
+        up to 256, up to 32 query heads a KV head."""
+        b = self.qbits
+        return (native.available() and self.attend_path == "auto" and b in (2, 4, 8)
+                and (self.value_group(d) * b) % 32 == 0 and (self.value_group(dv) * b) % 32 == 0
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_fixes(self, p: str, g: int, width: int) -> list:
+        """Side ``p``'s anchors as KIVI's kernel's corrections over ``g`` groups: A = the one-hot of each row's
+        reference (none on the anchor rows), B^T = the group's anchors (a row gains anchor[ref]), and each anchor
+        row's entries put back exactly (the anchors, float16 as stored)."""
+        G, A = self.group, self.n_anchors
+        B, H = self.k_apos.shape[:2]
+        ref = bitpack.unpack_bits(getattr(self, f"{p}_ref")[:, :, :g], ref_bits(A), G).astype(mx.int32)
+        onehot = (ref[..., None] == mx.arange(1, A + 1)) & ~self._anchor_rows(p, g)[..., None]
+        flat = getattr(self, f"{p}_anc")[:, :, : g * A].reshape(B, H, g * A * width)
+        pos = getattr(self, f"{p}_apos")[:, :, : g * A].astype(mx.uint32)[..., None]
+        idx = (pos * width + mx.arange(width, dtype=mx.uint32)).reshape(B, H, g * A * width)
+        return [onehot.astype(mx.float16).reshape(B, H, g * G, A), flat, idx, flat]
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` quantized tokens by KIVI's CPU kernel: the residual codes as key and value rows, each row's
+        anchor added in the block's products and the anchor rows put back (``fixes``, ``_cpu_fixes``), as
+        ``anchor_decode`` rebuilds rows."""
+        d, dv, g = qf.shape[-1], self.res_v.shape[-1], n // self.group
+        arrays = [getattr(self, f"{p}_{a}") for p in "kv" for a in ("codes", "scales", "biases")]
+        fixes = self._cpu_fixes("k", g, d) + self._cpu_fixes("v", g, dv)
+        m, l, acc = native.module().kivi_decode(  # noqa: E741
+            qf, *arrays, n, self.qbits, self.value_group(d), self.value_group(dv), dv, key_rows=True, fixes=fixes,
+            fix_sizes=[self.n_anchors, self.n_anchors * d, self.n_anchors * dv], fix_group=self.group)
+        return Partials(m, l, acc)
+
     def anchor_mask(self) -> mx.array:
         """[B, H, n_quant] bool for keys: True where the token is a (float16-exact) key anchor."""
-        G, A = self.group, self.n_anchors
-        g = self.n_quant // G
+        g = self.n_quant // self.group
+        return self._anchor_rows("k", g).reshape(*self.k_apos.shape[:2], g * self.group)
+
+    def _anchor_rows(self, p: str, g: int) -> mx.array:
+        """[B, H, g, G] bool: side ``p``'s anchor rows in each of the first ``g`` groups."""
         B, H = self.k_apos.shape[:2]
-        pos = self.k_apos[:, :, : g * A].astype(mx.int32).reshape(B, H, g, A)
-        return (mx.arange(G)[:, None] == pos[..., None, :]).any(-1).reshape(B, H, g * G)
+        pos = getattr(self, f"{p}_apos")[:, :, : g * self.n_anchors].astype(mx.int32).reshape(B, H, g, self.n_anchors)
+        return (mx.arange(self.group)[:, None] == pos[..., None, :]).any(-1)
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         G, A, b = self.group, self.n_anchors, self.qbits
