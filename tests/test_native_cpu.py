@@ -634,18 +634,26 @@ def test_kivi_cpu_kernel_takes_gears_corrections_only_as_they_fit():
 
 @KERNELS
 def test_kivi_cpu_kernel_takes_fixes_over_key_rows_only_with_their_token_group():
-    """With keys as rows (whose group is channels) the corrections need ``fix_group``, tokens the rows fill."""
+    """With keys as rows (whose group is channels) the corrections need ``fix_group``, tokens the rows fill; AnchorKV's
+    references (``fix_refs``) must name one of the anchors and cover the groups asked for."""
     c = _variant("anchorkv", AnchorKVCache, 64, AnchorKVOptions())
     rng = np.random.default_rng(7)
     c.update_and_fetch(_rows(rng, 2, 200, 64), _rows(rng, 2, 200, 64))
     q, n, g = mx.zeros((1, 2, 3, 64)), c.n_quant, c.n_quant // 32
     args = (c.k_codes, c.k_scales, c.k_biases, c.v_codes, c.v_scales, c.v_biases, n, 2, 32, 32, 64)
-    fixes, sizes = c._cpu_fixes("k", g, 64) + c._cpu_fixes("v", g, 64), [1, 64, 64]
-    m, _, _ = native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_sizes=sizes, fix_group=32)
+    fixes = [x for p in "kv" for x in (None, getattr(c, f"{p}_anc").reshape(1, 2, -1), None, None)]
+    refs = dict(fix_sizes=[1, 0, 0], fix_refs=[getattr(c, f"{p}_{a}") for p in "kv" for a in ("ref", "apos")])
+    m, _, _ = native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_group=32, fix_ref_bits=1, **refs)
     assert m.shape == (1, 2, 3)
     for fg in (0, 40):  # none, or one the rows do not fill
         with pytest.raises(ValueError, match="kivi_decode: fixes: .*fix_group"):
-            native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_sizes=sizes, fix_group=fg)
+            native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_group=fg, fix_ref_bits=1, **refs)
+    for bits in (0, 9):  # references must name the anchors
+        with pytest.raises(ValueError, match="kivi_decode: fixes: fix_refs"):
+            native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_group=32, fix_ref_bits=bits, **refs)
+    with pytest.raises(ValueError, match="kivi_decode: fixes: references"):  # fewer groups than the rows asked for
+        native.module().kivi_decode(q, *args, key_rows=True, fixes=fixes, fix_group=32, fix_ref_bits=1,
+                                    fix_sizes=[1, 0, 0], fix_refs=[c.k_ref[:, :, :2], c.k_apos, c.v_ref, c.v_apos])
 
 
 @KERNELS

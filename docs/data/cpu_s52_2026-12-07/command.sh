@@ -10,3 +10,6 @@ for r in 1 2; do for t in /tmp/wt_before .; do (cd $t && OPENBLAS_THREAD_TIMEOUT
   --context 4096 --steps 8 --rounds 3 --method anchorkv); done; done
 # one layer at 8k, printed only (before 18.2 ms against a plain cache at 3.8 ms; after 4.3 against 4.7):
 python scripts/decode_step_cpu.py --context 8192 --method anchorkv
+# anchorkv_4k_refs.txt: after the kernel reads AnchorKV's references and anchor rows itself (fix_refs), two runs:
+for r in 1 2; do OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 \
+  --method anchorkv; done

@@ -425,7 +425,8 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
                                    const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits,
                                    bool key_rows, const std::vector<std::optional<mx::array>>& fixes,
-                                   const std::vector<int>& fix_sizes, int fix_group);
+                                   const std::vector<int>& fix_sizes, int fix_group,
+                                   const std::vector<mx::array>& fix_refs, int fix_ref_bits);
 using opt_array = std::optional<mx::array>;
 std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const opt_array& k2,
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,

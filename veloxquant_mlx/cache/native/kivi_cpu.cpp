@@ -21,10 +21,12 @@ struct KiviDims {
   int fg;    // tokens a group of the corrections spans (G, or its own with key rows)
 };
 
-// GEAR's corrections of one side (its reconstruction, block by block; AnchorKV's anchors): per group (fg tokens)
-// `o` stored entries put back
-// exactly into the decoded block (index t * width + c in the group's [G, width] block, then the value), then the
-// rank-r term A_t B_g^T (A [B, H, acap, r] per token, B_g^T [r, width] per group) added in the block's products.
+// GEAR's corrections of one side (its reconstruction, block by block): per group (fg tokens) `o` stored entries put
+// back exactly into the decoded block (index t * width + c in the group's [G, width] block, then the value), then
+// the rank-r term A_t B_g^T (A [B, H, acap, r] per token, B_g^T [r, width] per group) added in the block's products.
+// AnchorKV's anchors (ref != nullptr): B_g^T the group's r anchors, A_t the one-hot of row t's reference (rbits-bit
+// codes, 0: none, k: anchor k - 1; a group's fg codes one stream of rwords words) but zero on the anchor rows (the
+// group's r positions apos), whose anchors are put back instead.
 struct Fix {
   const mx::float16_t* a = nullptr;
   const mx::float16_t* bt = nullptr;
@@ -32,7 +34,20 @@ struct Fix {
   const mx::float16_t* oval = nullptr;
   int r = 0, o = 0;               // rank and entries per group (0: none)
   size_t acap = 0, bcap = 0, ocap = 0;  // per head: A's rows, B^T's elements, the entries
+  const uint32_t* ref = nullptr;
+  const uint8_t* apos = nullptr;
+  int rbits = 0, rwords = 0;
+  size_t rcap = 0, pcap = 0;  // per head: reference words, anchor positions
 };
+
+// Row t's anchor (1 + its index) under AnchorKV's corrections, 0 for none or an anchor row (t: the head's row).
+inline int anchor_of(const Fix& f, int bh, int t, int G) {
+  const int g = t / G, i = t % G;
+  const uint8_t* ap = f.apos + size_t(bh) * f.pcap + size_t(g) * f.r;
+  for (int a = 0; a < f.r; ++a)
+    if (ap[a] == i) return 0;
+  return int(code_at(f.ref + size_t(bh) * f.rcap + size_t(g) * f.rwords, i * f.rbits, f.rbits));
+}
 
 struct KiviInputs {
   const float* q;
@@ -48,6 +63,13 @@ struct KiviInputs {
 // The entries of groups g0..g1 that lie in block rows [0, rows) (block start b0): put(j, c, value) for each.
 template <class Put>
 inline void put_entries(const Fix& f, int bh, int g0, int g1, int b0, int rows, int G, int width, Put put) {
+  for (int g = g0; g <= g1 && f.ref; ++g)  // AnchorKV: the anchor rows, the anchors themselves
+    for (int a = 0; a < f.r; ++a) {
+      const int j = g * G + f.apos[size_t(bh) * f.pcap + size_t(g) * f.r + a] - b0;
+      const mx::float16_t* x = f.bt + size_t(bh) * f.bcap + (size_t(g) * f.r + a) * width;
+      if (j >= 0 && j < rows)
+        for (int c = 0; c < width; ++c) put(j, c, f16(x[c]));
+    }
   for (int g = g0; g <= g1; ++g)
     for (int e = 0; e < f.o; ++e) {
       const size_t at = size_t(bh) * f.ocap + size_t(g) * f.o + e;
@@ -72,6 +94,11 @@ void low_rank_scores(const Fix& f, int bh, int b0, int rows, int G, int D, int R
         qa[size_t(r) * f.r + k] = x;
       }
     for (int j = std::max(0, g * G - b0); j < std::min(rows, (g + 1) * G - b0); ++j) {
+      if (f.ref) {  // a one-hot A_t: its anchor's product
+        const int k = anchor_of(f, bh, b0 + j, G);
+        for (int r = 0; k && r < R; ++r) sc[size_t(r) * BLOCK + slot_of(j)] += qa[size_t(r) * f.r + k - 1];
+        continue;
+      }
       const mx::float16_t* a = f.a + (size_t(bh) * f.acap + b0 + j) * f.r;
       for (int r = 0; r < R; ++r) {
         float x = 0.f;
@@ -88,6 +115,11 @@ void low_rank_values(const Fix& f, int bh, int b0, int rows, int G, int DV, int 
   for (int g = b0 / G; g <= (b0 + rows - 1) / G; ++g) {
     std::fill(wa, wa + size_t(R) * f.r, 0.f);
     for (int j = std::max(0, g * G - b0); j < std::min(rows, (g + 1) * G - b0); ++j) {
+      if (f.ref) {  // a one-hot A_t: its weight to its anchor
+        const int k = anchor_of(f, bh, b0 + j, G);
+        for (int r = 0; k && r < R; ++r) wa[size_t(r) * f.r + k - 1] += w[size_t(r) * BLOCK + j];
+        continue;
+      }
       const mx::float16_t* a = f.a + (size_t(bh) * f.acap + b0 + j) * f.r;
       for (int r = 0; r < R; ++r)
         for (int k = 0; k < f.r; ++k) wa[size_t(r) * f.r + k] += w[size_t(r) * BLOCK + j] * f16(a[k]);
@@ -205,7 +237,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
         key_channel<BITS>(in.kc, in.ks, in.kb, size_t(bh) * (D - d.nh) + (c - d.nh), d.kw, d.kg, b0, rows, d.G,
                           keys + size_t(c) * BLOCK);
     }
-    if (in.kf.o)  // GEAR's key entries put back in the block
+    if (in.kf.o || in.kf.ref)  // GEAR's key entries (AnchorKV's anchor rows) put back in the block
       put_entries(in.kf, bh, b0 / d.fg, (b0 + rows - 1) / d.fg, b0, rows, d.fg, D,
                   [&](int j, int c, float x) { keys[size_t(kslot(c)) * BLOCK + slot_of(j)] = x; });
     block_scores(q, keys, R, D, sc);
@@ -219,7 +251,7 @@ void kivi_rows(const KiviDims& d, const KiviInputs& in, int bh, int t0, int t1, 
       decode_row<BITS>(in.vc + row * d.vw, in.vs + row * d.vg, in.vb + row * d.vg, DV, d.vw, d.gv, lanes,
                        vals + size_t(j) * DV);
     }
-    if (in.vf.o)  // GEAR's value entries likewise
+    if (in.vf.o || in.vf.ref)  // GEAR's value entries (AnchorKV's anchor rows) likewise
       put_entries(in.vf, bh, b0 / d.fg, (b0 + rows - 1) / d.fg, b0, rows, d.fg, DV,
                   [&](int j, int c, float x) { vals[size_t(j) * DV + vslot(c)] = x; });
     weighted_sum(wt, vals, R, rows, DV, acc);
@@ -242,8 +274,10 @@ class KiviDecode : public mx::Primitive {
                   kf_, vf_};
     size_t next = hi ? 10 : 7;  // the corrections' arrays follow, those present in order (a, bt, oidx, oval)
     for (Fix* f : {&in.kf, &in.vf}) {
-      if (f->r) f->a = inputs[next++].data<mx::float16_t>(), f->bt = inputs[next++].data<mx::float16_t>();
+      if (f->r && !f->rbits) f->a = inputs[next++].data<mx::float16_t>();
+      if (f->r) f->bt = inputs[next++].data<mx::float16_t>();
       if (f->o) f->oidx = inputs[next++].data<uint32_t>(), f->oval = inputs[next++].data<mx::float16_t>();
+      if (f->rbits) f->ref = inputs[next++].data<uint32_t>(), f->apos = inputs[next++].data<uint8_t>();
     }
     enc.dispatch([d = d_, in, counts = counts_, m = outputs[0].data<float>(), l = outputs[1].data<float>(),
                   acc = outputs[2].data<float>()]() {
@@ -276,7 +310,8 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,
                                    const std::vector<int>& counts, const std::vector<mx::array>& hi, int hi_bits,
                                    bool key_rows, const std::vector<std::optional<mx::array>>& fixes,
-                                   const std::vector<int>& fix_sizes, int fix_group) {
+                                   const std::vector<int>& fix_sizes, int fix_group,
+                                   const std::vector<mx::array>& fix_refs, int fix_ref_bits) {
   auto check = [](bool ok, const char* what) { veloxquant::check(ok, "kivi_decode", what); };
   check(q.ndim() == 4 && k_codes.ndim() == 4 && k_scales.ndim() == 4 && v_codes.ndim() == 4 && v_scales.ndim() == 4,
         "ranks");
@@ -291,24 +326,36 @@ std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes,
                           (key_rows ? fix_group > 0 && n % fix_group == 0 : fix_group == 0)),
         "fixes: (a, bt, oidx, oval) of keys then values, fix_sizes (rank, key entries, value entries) a group; no "
         "second store, no counts; with key rows a fix_group of tokens the rows fill (else the keys' group)");
+  const bool refs = !fix_refs.empty();
+  check(!refs || (fix_refs.size() == 4 && fix_ref_bits >= 1 && fix_ref_bits <= 8 && !fixes.empty() &&
+                  fix_sizes[0] > 0 && (1 << fix_ref_bits) > fix_sizes[0] && fix_sizes[0] <= d.fg),
+        "fixes: fix_refs (key references, key anchor rows, value references, value anchor rows) of fix_ref_bits "
+        "1-8 bits naming one of fix_sizes[0] anchors, no more anchors than rows a group");
   for (int side = 0; side < 2 && !fixes.empty(); ++side) {
     const int width = side ? dv : d.D, r = fix_sizes[0], o = fix_sizes[1 + side], g = n / std::max(d.fg, 1);
     const auto &a = fixes[4 * side], &bt = fixes[4 * side + 1], &oi = fixes[4 * side + 2], &ov = fixes[4 * side + 3];
     auto lead = [&](const mx::array& x, size_t nd) { return x.ndim() == nd && x.shape(0) == d.B && x.shape(1) == d.H; };
-    check(r >= 0 && o >= 0 && (!r || (a && bt && lead(*a, 4) && a->shape(3) == r && a->shape(2) >= n &&
+    check(r >= 0 && o >= 0 && (!r || ((refs || (a && lead(*a, 4) && a->shape(3) == r && a->shape(2) >= n)) && bt &&
                                       lead(*bt, 3) && size_t(bt->shape(2)) >= size_t(g) * r * width)) &&
               (!o || (oi && ov && lead(*oi, 3) && oi->shape() == ov->shape() && size_t(oi->shape(2)) >= size_t(g) * o)),
           "fixes: A [B, H, rows, rank] for the n rows, B^T [B, H, groups * rank * width], entries [B, H, groups * "
           "count] (indices, values) for the n / group groups");
     Fix& f = fx[side];
     f.r = r, f.o = o;
-    if (r) {
-      f.acap = a->shape(2), f.bcap = bt->shape(2);
-      fix_ins.push_back(contiguous_as(*a, mx::float16)), fix_ins.push_back(contiguous_as(*bt, mx::float16));
-    }
+    if (r && !refs) f.acap = a->shape(2), fix_ins.push_back(contiguous_as(*a, mx::float16));
+    if (r) f.bcap = bt->shape(2), fix_ins.push_back(contiguous_as(*bt, mx::float16));
     if (o) {
       f.ocap = oi->shape(2);
       fix_ins.push_back(contiguous_as(*oi, mx::uint32)), fix_ins.push_back(contiguous_as(*ov, mx::float16));
+    }
+    if (refs) {
+      const mx::array &rf = fix_refs[2 * side], &ap = fix_refs[2 * side + 1];
+      f.rbits = fix_ref_bits, f.rwords = (d.fg * fix_ref_bits + 31) / 32;
+      check(lead(rf, 4) && rf.shape(3) == f.rwords && rf.shape(2) >= g && lead(ap, 3) &&
+                size_t(ap.shape(2)) >= size_t(g) * r,
+            "fixes: references [B, H, groups, words of a group's codes], anchor rows [B, H, groups * anchors]");
+      f.rcap = size_t(rf.shape(2)) * f.rwords, f.pcap = ap.shape(2);
+      fix_ins.push_back(contiguous_as(rf, mx::uint32)), fix_ins.push_back(contiguous_as(ap, mx::uint8));
     }
   }
   check(!key_rows || (hi.empty() && d.kw * 32 == d.D * bits && d.kg == d.D / std::max(group, 1) && n <= d.kcap),

@@ -18,14 +18,16 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("value_group"), nb::arg("dv"), nb::arg("counts") = std::vector<int>{},
         nb::arg("hi") = std::vector<mx::array>{}, nb::arg("hi_bits") = 0, nb::arg("key_rows") = false,
         nb::arg("fixes") = std::vector<std::optional<mx::array>>{}, nb::arg("fix_sizes") = std::vector<int>{},
-        nb::arg("fix_group") = 0,
+        nb::arg("fix_group") = 0, nb::arg("fix_refs") = std::vector<mx::array>{}, nb::arg("fix_ref_bits") = 0,
         "Partials (m, l, acc) of KIVI's decode attention over its first n rows (counts: batch row b's first "
         "counts[b] instead); hi = (codes, scales, biases) of a second key store at hi_bits bits holding the first "
         "channels of q's order (Kitty's), the main store the rest; key_rows: keys per token in groups of `group` "
         "channels, laid out as the values (SKVQ's); fixes = (a, bt, oidx, oval) of the keys then the values (None "
         "where absent), fix_sizes = (rank, key entries, value entries) a group: GEAR's corrections, applied to each "
         "decoded block (entries put back, then A_t B_g^T added); fix_group: the tokens a group of the fixes spans "
-        "(with key_rows, whose group is channels; AnchorKV's anchors).");
+        "(with key_rows, whose group is channels); fix_refs = (references, anchor rows) of keys then values: "
+        "AnchorKV's anchors, A_t the one-hot of row t's fix_ref_bits-bit reference, B^T the anchors, put back on the "
+        "anchor rows.");
   m.def("turboquant_rvq_decode", &turboquant_rvq_decode, nb::arg("q"), nb::arg("k_codes1"), nb::arg("k_codes2").none(),
         nb::arg("k_norms"), nb::arg("k_c1"), nb::arg("k_sigma"), nb::arg("k_c2").none(), nb::arg("v_codes1"),
         nb::arg("v_codes2").none(), nb::arg("v_norms"), nb::arg("v_c1"), nb::arg("v_sigma"), nb::arg("v_c2").none(),

@@ -145,29 +145,18 @@ class AnchorKVCache(SideRows, KIVIKVCache):
                 and (self.value_group(d) * b) % 32 == 0 and (self.value_group(dv) * b) % 32 == 0
                 and max(d, dv) <= 256 and rep <= 32)
 
-    def _cpu_fixes(self, p: str, g: int, width: int) -> list:
-        """Side ``p``'s anchors as KIVI's kernel's corrections over ``g`` groups: A = the one-hot of each row's
-        reference (none on the anchor rows), B^T = the group's anchors (a row gains anchor[ref]), and each anchor
-        row's entries put back exactly (the anchors, float16 as stored)."""
-        G, A = self.group, self.n_anchors
-        B, H = self.k_apos.shape[:2]
-        ref = bitpack.unpack_bits(getattr(self, f"{p}_ref")[:, :, :g], ref_bits(A), G).astype(mx.int32)
-        onehot = (ref[..., None] == mx.arange(1, A + 1)) & ~self._anchor_rows(p, g)[..., None]
-        flat = getattr(self, f"{p}_anc")[:, :, : g * A].reshape(B, H, g * A * width)
-        pos = getattr(self, f"{p}_apos")[:, :, : g * A].astype(mx.uint32)[..., None]
-        idx = (pos * width + mx.arange(width, dtype=mx.uint32)).reshape(B, H, g * A * width)
-        return [onehot.astype(mx.float16).reshape(B, H, g * G, A), flat, idx, flat]
-
     def _cpu_part(self, qf, n: int, counts=()) -> Partials:
         """The first ``n`` quantized tokens by KIVI's CPU kernel: the residual codes as key and value rows, each row's
-        anchor added in the block's products and the anchor rows put back (``fixes``, ``_cpu_fixes``), as
-        ``anchor_decode`` rebuilds rows."""
-        d, dv, g = qf.shape[-1], self.res_v.shape[-1], n // self.group
+        anchor added in the block's products (A_t the one-hot of its stored reference, B^T the group's anchors) and
+        the anchor rows put back exactly (``fix_refs``), as ``anchor_decode`` rebuilds rows."""
+        d, dv = qf.shape[-1], self.res_v.shape[-1]
         arrays = [getattr(self, f"{p}_{a}") for p in "kv" for a in ("codes", "scales", "biases")]
-        fixes = self._cpu_fixes("k", g, d) + self._cpu_fixes("v", g, dv)
+        B, H, cap, _ = self.k_anc.shape
+        fixes = [x for p in "kv" for x in (None, getattr(self, f"{p}_anc").reshape(B, H, -1), None, None)]
         m, l, acc = native.module().kivi_decode(  # noqa: E741
             qf, *arrays, n, self.qbits, self.value_group(d), self.value_group(dv), dv, key_rows=True, fixes=fixes,
-            fix_sizes=[self.n_anchors, self.n_anchors * d, self.n_anchors * dv], fix_group=self.group)
+            fix_sizes=[self.n_anchors, 0, 0], fix_group=self.group, fix_ref_bits=ref_bits(self.n_anchors),
+            fix_refs=[getattr(self, f"{p}_{a}") for p in "kv" for a in ("ref", "apos")])
         return Partials(m, l, acc)
 
     def anchor_mask(self) -> mx.array:
