@@ -13,3 +13,7 @@ python scripts/decode_step_cpu.py --context 8192 --method anchorkv
 # anchorkv_4k_refs.txt: after the kernel reads AnchorKV's references and anchor rows itself (fix_refs), two runs:
 for r in 1 2; do OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 \
   --method anchorkv; done
+# drop_row_2k_before_after.txt: TOVA's and MorphKV's one-row drop in one CPU primitive, the tree before (910efc4) and
+# after, one pair:
+for t in /tmp/wt_before .; do (cd $t && OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 2048 \
+  --steps 8 --rounds 3 --method morphkv --method tova); done

@@ -6,13 +6,15 @@ launches on a GPU.
 A block takes one (batch row, KV head): it finds the first row of least score among the unprotected ones (protected:
 position below ``n_sink`` or at least ``recent_start``; ``mx.argmin``'s choice, ties to the lowest row), then copies
 the rows after it down one (keys, values, positions) into buffers of ``rows - 1 + spare`` rows; the spare rows
-repeat the last held row (never read). CUDA; checked once per process against the op path (``checked_encode``).
+repeat the last held row (never read). CUDA; on the CPU the same in C++ (``native/drop_row_cpu.cpp``); each checked
+once per process against the op path (``checked_encode``).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import native
 from ._common import checked_encode, kernels_enabled
 from ._compile import Kernel
 
@@ -75,8 +77,8 @@ _DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def supported(keys: mx.array, values: mx.array, positions: mx.array, rows: int) -> bool:
-    """On the kernels' backend (CUDA), float rows, int32 positions, at least two rows held."""
-    return (kernels_enabled() and keys.dtype in _DTYPES and values.dtype == keys.dtype
+    """On the kernels' backend (CUDA) or the CPU kernels', float rows, int32 positions, at least two rows held."""
+    return ((kernels_enabled() or native.available()) and keys.dtype in _DTYPES and values.dtype == keys.dtype
             and positions.dtype == mx.int32 and 2 <= rows <= keys.shape[2])
 
 
@@ -93,5 +95,8 @@ def _launch(keys, values, positions, scores, rows, spare, n_sink, recent_start):
 def drop(keys, values, positions, scores, rows: int, spare: int, n_sink: int, recent_start: int, op_fn):
     """(keys, values, positions) with each head's lowest-scoring unprotected row of the first ``rows`` dropped and
     ``spare`` rows after the ``rows - 1`` kept; ``op_fn()`` gives the same from the op path."""
+    if native.available():
+        return checked_encode("drop_row_cpu", lambda: tuple(native.module().drop_row(
+            keys, values, positions, scores, rows, spare, n_sink, recent_start)), op_fn)
     return checked_encode("drop_row", lambda: _launch(keys, values, positions, scores, rows, spare, n_sink,
                                                       recent_start), op_fn)

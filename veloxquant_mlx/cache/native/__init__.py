@@ -11,8 +11,9 @@ ranges; the op path decodes every latent each step),
 and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the op path's beam search as vectors, where MLX's
 ops take ~10 small passes per chunk), and the end of those decode steps (``joint_finish_cpu.cpp``: the exact rows,
 the sinks and the normalization joined to a kernel's partials in one primitive, where ``window.joint_attention``
-takes ~25 small ops a layer), and a CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``:
-MLX's CPU softmax is one libm exponential per element on one thread). The batch forms' decode steps take the same
+takes ~25 small ops a layer), a CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``:
+MLX's CPU softmax is one libm exponential per element on one thread), and TOVA's and MorphKV's one-row drop of a
+decode step (``drop_row_cpu.cpp``, ``kernels.drop_row``: the op path's argmin and three gathers of every held row). The batch forms' decode steps take the same
 kernels with per-sequence row counts and spans (``window.batch_finish``). Vector code uses GCC/Clang vector
 extensions; the register-blocked products use the hardware's own width (``common.h``'s ``vn``); value rows of 2-, 4-
 and 8-bit codes are decoded a vector of words at a time (``value_lanes``).

@@ -420,6 +420,8 @@ std::vector<mx::array> waterfill_decode(const mx::array& q, const mx::array& k_w
                                         const mx::array& partner, const mx::array& sign, const mx::array& v_words,
                                         const mx::array& v_scales, const mx::array& poly, int n, long pos0,
                                         int vbits, int dv, bool rotate, const std::vector<int>& counts);
+std::vector<mx::array> drop_row(const mx::array& keys, const mx::array& values, const mx::array& positions,
+                                const mx::array& scores, int rows, int spare, int n_sink, int recent_start);
 std::vector<mx::array> kivi_decode(const mx::array& q, const mx::array& k_codes, const mx::array& k_scales,
                                    const mx::array& k_biases, const mx::array& v_codes, const mx::array& v_scales,
                                    const mx::array& v_biases, int n, int bits, int group, int value_group, int dv,

@@ -52,6 +52,11 @@ NB_MODULE(_veloxquant_cpu, m) {
         "v_row_ranges: value rows' scales are their groups' ranges (scale = range / (2^v_row_bits - 1), AdaKV's); "
         "k_group_major: keys as rows with ranges and minima [B, H, groups, channels]; v_scale_rows (per, stride, "
         "first): value row i's scales at row (i / per) * stride + first + i % per (AdaKV's tiers in rank order).");
+  m.def("drop_row", &drop_row, nb::arg("keys"), nb::arg("values"), nb::arg("positions"), nb::arg("scores"),
+        nb::arg("rows"), nb::arg("spare"), nb::arg("n_sink"), nb::arg("recent_start"),
+        "(keys, values, positions) of an eviction cache with each head's first least-scoring unprotected row of the "
+        "first `rows` dropped (protected: position < n_sink or >= recent_start), `spare` rows after the rows - 1 kept "
+        "repeating the last (TOVA's, MorphKV's decode step).");
   m.def("turboquant_rvq_encode", &turboquant_rvq_encode, nb::arg("z"), nb::arg("c1"), nb::arg("sigma"),
         nb::arg("c2").none(), nb::arg("beam"),
         "TurboQuant-RVQ's codes of rotated rows z [.., dim]: stage-1 words, stage-2 words (with c2), float16 norms.");
