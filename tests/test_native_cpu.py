@@ -27,9 +27,9 @@ from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
 from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
-from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, GEAROptions, KittyOptions, KVTCOptions,
-                                          NSNQuantOptions, SKVQOptions, SVDqOptions, TurboQuantRVQOptions, XKVOptions,
-                                          ZipCacheOptions)
+from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, GEAROptions,
+                                          KittyOptions, KVTCOptions, NSNQuantOptions, SKVQOptions, SVDqOptions,
+                                          TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
@@ -793,7 +793,8 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     env = dict(os.environ, VELOXQUANT_CACHE=str(tmp_path), VELOXQUANT_CPU_ARCH=arch)
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
-             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes or anchorkv_decodes")
+             "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes or "
+             "anchorkv_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)

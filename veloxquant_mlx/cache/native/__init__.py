@@ -3,7 +3,8 @@ ops cannot do fast on a CPU -- read each code once and decode it in registers --
 (``waterfill_cpu.cpp``; its op path is elementwise passes over every stored row, one gather per code, the RoPE turn:
 docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout, also behind KIVI-sink's sinks,
 with Kitty's second key store, in age-tiered's three stores and with keys read as rows for SKVQ and ZipCache, with
-GEAR's corrections applied to each decoded block, AnchorKV's anchors as such corrections over key rows; the op path is MLX's ``quantized_matmul`` on two streams) and
+GEAR's corrections applied to each decoded block, AnchorKV's anchors as such corrections over key rows; the op path
+is MLX's ``quantized_matmul`` on two streams) and
 TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``, also NSNQuant's residual VQ with its norm pairs and channel mean; the op
 path gathers from lookup tables and decodes every value codeword), the low-rank caches' latents (``latent_cpu.cpp``:
 SVDq's and KVTC's mixed-width latents, xKV's in KIVI's key layout, AMC's and AdaKV's tiers' rows on shared channel
@@ -13,10 +14,11 @@ ops take ~10 small passes per chunk), and the end of those decode steps (``joint
 the sinks and the normalization joined to a kernel's partials in one primitive, where ``window.joint_attention``
 takes ~25 small ops a layer), a CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``:
 MLX's CPU softmax is one libm exponential per element on one thread), and TOVA's and MorphKV's one-row drop of a
-decode step (``drop_row_cpu.cpp``, ``kernels.drop_row``: the op path's argmin and three gathers of every held row). The batch forms' decode steps take the same
-kernels with per-sequence row counts and spans (``window.batch_finish``). Vector code uses GCC/Clang vector
-extensions; the register-blocked products use the hardware's own width (``common.h``'s ``vn``); value rows of 2-, 4-
-and 8-bit codes are decoded a vector of words at a time (``value_lanes``).
+decode step (``drop_row_cpu.cpp``, ``kernels.drop_row``: the op path's argmin and three gathers of every held row).
+The batch forms' decode steps take the same kernels with per-sequence row counts and spans (``window.batch_finish``).
+Vector code uses GCC/Clang vector extensions; the register-blocked products use the hardware's own width
+(``common.h``'s ``vn``); value rows of 2-, 4- and 8-bit codes are decoded a vector of words at a time
+(``value_lanes``).
 
 Built on first use for the machine at hand (``build.py``: a C++ compiler, CMake and nanobind, the ``cpu`` extra),
 then loaded from a per-user cache. Where the build is impossible the op path runs: silently when nanobind is not

@@ -151,7 +151,7 @@ class AnchorKVCache(SideRows, KIVIKVCache):
         the anchor rows put back exactly (``fix_refs``), as ``anchor_decode`` rebuilds rows."""
         d, dv = qf.shape[-1], self.res_v.shape[-1]
         arrays = [getattr(self, f"{p}_{a}") for p in "kv" for a in ("codes", "scales", "biases")]
-        B, H, cap, _ = self.k_anc.shape
+        B, H = self.k_anc.shape[:2]
         fixes = [x for p in "kv" for x in (None, getattr(self, f"{p}_anc").reshape(B, H, -1), None, None)]
         m, l, acc = native.module().kivi_decode(  # noqa: E741
             qf, *arrays, n, self.qbits, self.value_group(d), self.value_group(dv), dv, key_rows=True, fixes=fixes,
