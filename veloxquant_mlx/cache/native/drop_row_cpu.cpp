@@ -26,8 +26,8 @@ class DropRow : public mx::Primitive {
     enc.dispatch([d = d_, k = inputs[0].data<char>(), v = inputs[1].data<char>(), pos = inputs[2].data<int32_t>(),
                   s = inputs[3].data<float>(), ok = outputs[0].data<char>(), ov = outputs[1].data<char>(),
                   op = outputs[2].data<int32_t>()]() {
-      pool().run(std::min(pool().size(), d.BH), [&](int tid) {
-        const int per = (d.BH + pool().size() - 1) / std::min(pool().size(), d.BH);
+      const int tasks = std::min(pool().size(), d.BH), per = (d.BH + tasks - 1) / tasks;
+      pool().run(tasks, [&](int tid) {
         for (int bh = tid * per; bh < std::min(d.BH, (tid + 1) * per); ++bh) {
           const int32_t* p = pos + size_t(bh) * d.cap;
           const float* sc = s + size_t(bh) * d.n;
