@@ -37,7 +37,6 @@ struct Rows {
   size_t scale_row(size_t i) const { return per ? i / per * stride + first + i % per : i; }
 };
 
-
 struct LatentDims {
   int B, H, R, DK, DA, n, G;  // DK: key latent channels (q's last dim); DA: acc's columns
   bool bias;                  // q . mu given
@@ -61,10 +60,14 @@ inline void decode_group32(const uint32_t* __restrict w, float s, float z, float
   for (int i = 0; i < 32; ++i) out[i * step] = f[i] * s + z;
 }
 
-// The G codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step].
+// The G codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step]: 32 at a
+// time (BITS words each, decode_group32) where G is a multiple of 32, else a code at a time.
 template <int BITS>
 inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out, size_t step) {
-  if (G == 32) return decode_group32<BITS>(w, s, z, out, step);
+  if (G % 32 == 0) {
+    for (int i = 0; i < G; i += 32) decode_group32<BITS>(w + i / 32 * BITS, s, z, out + i * step, step);
+    return;
+  }
   for (int i = 0; i < G; ++i) out[i * step] = float(code_at(w, i * BITS, BITS)) * s + z;
 }
 
@@ -137,19 +140,17 @@ void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __
   }
 }
 
-// A value row of 1-8-bit codes (they may straddle words) in channel order: code * scale / div + bias; groups of 32
-// channels a chunk of BITS words (decode_group32), else a code at a time (BITS 0: the width read at run time).
+// A value row of 1-8-bit codes (they may straddle words; each group starts a word) in channel order: code * scale /
+// div + bias, a group at a time by decode_codes (BITS 0: the width read at run time, a code at a time).
 template <int BITS>
 inline void decode_row_any(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int vbits,
                            int group, float div, float* __restrict u) {
-  const int bits = BITS ? BITS : vbits;
   for (int g = 0; g < width / group; ++g) {
     const float s = f16(sc[g]) / div, z = f16(bi[g]);
-    if (BITS && group % 32 == 0)
-      for (int c = g * group; c < (g + 1) * group; c += 32)
-        decode_group32<BITS ? BITS : 1>(v + c / 32 * bits, s, z, u + c, 1);
+    if constexpr (BITS > 0)
+      decode_codes<BITS>(v + size_t(g) * group * BITS / 32, group, s, z, u + g * group, 1);
     else
-      for (int c = g * group; c < (g + 1) * group; ++c) u[c] = float(code_at(v, c * bits, bits)) * s + z;
+      for (int c = g * group; c < (g + 1) * group; ++c) u[c] = float(code_at(v, c * vbits, vbits)) * s + z;
   }
 }
 

@@ -161,14 +161,11 @@ class AnchorKVCache(SideRows, KIVIKVCache):
 
     def anchor_mask(self) -> mx.array:
         """[B, H, n_quant] bool for keys: True where the token is a (float16-exact) key anchor."""
-        g = self.n_quant // self.group
-        return self._anchor_rows("k", g).reshape(*self.k_apos.shape[:2], g * self.group)
-
-    def _anchor_rows(self, p: str, g: int) -> mx.array:
-        """[B, H, g, G] bool: side ``p``'s anchor rows in each of the first ``g`` groups."""
+        G, A = self.group, self.n_anchors
+        g = self.n_quant // G
         B, H = self.k_apos.shape[:2]
-        pos = getattr(self, f"{p}_apos")[:, :, : g * self.n_anchors].astype(mx.int32).reshape(B, H, g, self.n_anchors)
-        return (mx.arange(self.group)[:, None] == pos[..., None, :]).any(-1)
+        pos = self.k_apos[:, :, : g * A].astype(mx.int32).reshape(B, H, g, A)
+        return (mx.arange(G)[:, None] == pos[..., None, :]).any(-1).reshape(B, H, g * G)
 
     def bytes_per_token_budget(self, d: int, dv: int) -> float:
         G, A, b = self.group, self.n_anchors, self.qbits
