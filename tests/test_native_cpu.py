@@ -28,16 +28,19 @@ from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
 from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
 from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, GEAROptions,
-                                          KittyOptions, KVTCOptions, NSNQuantOptions, SKVQOptions, SVDqOptions,
+                                          KittyOptions, KVQuantOptions, KVTCOptions, NSNQuantOptions, SKVQOptions,
+                                          SVDqOptions,
                                           TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
+from veloxquant_mlx.cache.kernels.waterfill import rope_tables
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.gear import GEARKVCache
 from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
+from veloxquant_mlx.cache.methods.quantization.kvquant import KVQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.nsnquant import NSNQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.skvq import SKVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
@@ -275,7 +278,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
                                     "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc", "adakv",
-                                    "anchorkv"])
+                                    "anchorkv", "kvquant"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -296,7 +299,8 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "amc": (AMCKVCache, lambda: _variant("amc", AMCKVCache, 64, AMCOptions()), 1500),
                          "adakv": (AdaKVKVCache, lambda: _variant("adakv", AdaKVKVCache, 64, AdaKVOptions()), 1500),
                          "anchorkv": (AnchorKVCache, lambda: _variant("anchorkv", AnchorKVCache, 64, AnchorKVOptions()),
-                                      1500)}[method]
+                                      1500),
+                         "kvquant": (KVQuantKVCache, lambda: _kvquant(64, "rope"), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -794,7 +798,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
              "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes or "
-             "anchorkv_decodes")
+             "anchorkv_decodes or kvquant_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -1098,6 +1102,85 @@ def test_anchorkv_decodes_on_kivis_cpu_kernel_its_anchors_as_corrections(H, R, D
     c = _variant("anchorkv", AnchorKVCache, D, AnchorKVOptions(**opts))
     calls = _kernel_steps(c, AnchorKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
     assert len(calls) == steps and "anchorkv_cpu" in _common._checked
+
+
+def _kvquant(D, rope=None, **opts):
+    """A KVQuant cache of head dim ``D``, bound to a RoPE of ``_rope(rope, D)`` (None: keys quantized post-RoPE)."""
+    c = _variant("kvquant", KVQuantKVCache, D, KVQuantOptions(**opts))
+    if rope is not None:
+        c.bind_attention(nn.Module())  # no rope attribute: unbound, as a model without one ...
+        attn = nn.Module()
+        attn.rope = _rope(rope, D)
+        c.bind_attention(attn)  # ... then the layer's RoPE
+        assert c.rope is not None
+    return c
+
+
+def _kvquant_rows64(c, K, n):
+    """The keys ``c`` attends with in float64: its first ``n`` quantized rows (the call's: a call completing a group
+    attends that group's exact rows) decoded pre-RoPE by the op path (levels, outliers; the float16 sinks as stored)
+    and turned to their positions in float64, then the exact rows of ``K`` after them."""
+    rope = c.rope
+    c.rope = None
+    try:
+        k = np.asarray(c._keys_t(n).swapaxes(-1, -2), np.float64)  # [B, H, n, D]: pre-RoPE but the sink rows
+    finally:
+        c.rope = rope
+    if rope is not None:
+        w, partner, sign = (np.asarray(a) for a in rope_tables(rope, k.shape[-1]))
+        t = np.arange(n, dtype=np.float64)[:, None] * w.astype(np.float64)
+        turned = k * np.cos(t) - sign * k[..., partner] * np.sin(t)
+        k = np.concatenate([k[:, :, : c.n_sink], turned[:, :, c.n_sink :]], axis=2)
+    return np.concatenate([k, np.asarray(K[:, :, n:], np.float64)], axis=2)
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,opts,rope,prompt,steps", [
+    (3, 3, 64, {}, "rope", 300, 40),  # the defaults (3 bits, 1% outliers, one sink); groups completed
+    (2, 4, 128, {"bits": 4}, "traditional", 100, 8),
+    (1, 2, 64, {"bits": 2, "outlier_fraction": 0.0, "n_sink": 0}, None, 90, 8),  # keys post-RoPE, nothing exact
+    (2, 2, 64, {"refit_interval": 2}, "rope", 200, 8),  # levels refitted every two groups: several fits
+    (3, 3, 64, {"n_sink": 5, "group_size": 64}, "partial", 2100, 6)])  # a past split over the threads
+def test_kvquant_decodes_on_its_cpu_kernel_keys_turned_per_block(H, R, D, opts, rope, prompt, steps, monkeypatch):
+    """KVQuant's decode steps read its codes once in ``kvquant_decode`` (non-uniform key levels, outliers put back,
+    pre-RoPE keys turned per block of rows, float16 sinks): each step equals float64 attention over the rows the
+    cache stores, the quantized keys turned in float64, with sink logits every other step."""
+    c = _kvquant(D, rope, **opts)
+    calls = _spy_kernel(monkeypatch, KVQuantKVCache)
+    rng = np.random.default_rng(prompt)
+    _feed(c, H, R, D, prompt, rng)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        n = c.n_quant
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, scale=2.0), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        sk = sinks if i % 2 else None
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, _kvquant_rows64(c, K, n), V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < 1e-5, (i, c.offset)
+    assert len(calls) == steps and "kvquant_cpu" in _common._checked
+
+
+@KERNELS
+def test_kvquant_cpu_kernel_refuses_codes_that_do_not_fit():
+    """``kvquant_decode`` names what does not fit: widths outside 2-4 bits, groups that are not whole words, outlier
+    buffers short of the groups attended; a cache whose codes the kernel cannot read keeps its op path."""
+    c = _kvquant(64, "rope")
+    _feed(c, 2, 2, 64, 200, np.random.default_rng(0))
+    q = mx.zeros((1, 2, 2, 64))
+    keys = [c.k_codes, c.k_scales, c.k_biases, c.k_levels, c.k_fit, c.k_oidx, c.k_oval]
+    values = [c.v_codes, c.v_scales, c.v_biases, c.v_oidx, c.v_oval]
+    rope = list(rope_tables(c.rope, 64))
+    ok = dict(n=192, bits=3, group=32, value_group=32, key_outliers=c._n_out(64), value_outliers=c._n_out(64),
+              rotate=True)
+    m, _, _ = native.module().kvquant_decode(q, keys, values, c.sink_k, c.sink_v, rope, **ok)
+    assert m.shape == (1, 2, 2)
+    for bad, what in (({"bits": 5}, "2-4-bit codes"), ({"group": 16}, "groups of 32k"),
+                      ({"key_outliers": 100}, "outliers"), ({"value_group": 8}, "value rows")):
+        with pytest.raises(ValueError, match=f"kvquant_decode: .*{what}"):
+            native.module().kvquant_decode(q, keys, values, c.sink_k, c.sink_v, rope, **{**ok, **bad})
+    assert not _kvquant(64, bits=5)._cpu_codes_fit(64, 64, 2)  # 5 bits: the op path
+    assert not _kvquant(64, group_size=16)._cpu_codes_fit(64, 64, 2)
 
 
 @KERNELS

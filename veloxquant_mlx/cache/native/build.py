@@ -29,8 +29,7 @@ from pathlib import Path
 MODULE = "_veloxquant_cpu"
 SOURCES = ("common.h", "module.cpp", "waterfill_cpu.cpp", "kivi_cpu.cpp", "turboquant_rvq_cpu.cpp",
            "turboquant_rvq_encode_cpu.cpp", "joint_finish_cpu.cpp", "softmax_cpu.cpp", "latent_cpu.cpp",
-           "drop_row_cpu.cpp",
-           "CMakeLists.txt")
+           "drop_row_cpu.cpp", "kvquant_cpu.cpp", "CMakeLists.txt")
 
 
 def target_arch() -> str:

@@ -408,6 +408,140 @@ inline void check(bool ok, const char* kernel, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("veloxquant ") + kernel + ": " + what);
 }
 
+// A group of 32 codes (the families' default group: BITS words, codes may straddle two) as integers, unrolled so
+// that every code's word and shift are constants.
+template <int BITS>
+inline void codes_group32(const uint32_t* __restrict w, uint32_t* __restrict out) {
+  uint32_t x[BITS + 1];
+  std::memcpy(x, w, sizeof(uint32_t) * BITS);
+  x[BITS] = 0;
+#pragma GCC unroll 32
+  for (int i = 0; i < 32; ++i) {
+    const int p = i * BITS, k = p >> 5, sh = p & 31;
+    uint32_t v = x[k] >> sh;
+    if (sh + BITS > 32) v |= x[k + 1] << (32 - sh);
+    out[i] = v & ((1u << BITS) - 1);
+  }
+}
+
+// A group of 32 codes as code * s + z into out[i * step] (codes_group32).
+template <int BITS>
+inline void decode_group32(const uint32_t* __restrict w, float s, float z, float* __restrict out, size_t step) {
+  uint32_t v[32];
+  codes_group32<BITS>(w, v);
+  float f[32];
+  for (int i = 0; i < 32; ++i) f[i] = float(v[i]);
+  for (int i = 0; i < 32; ++i) out[i * step] = f[i] * s + z;
+}
+
+// The G codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step]: 32 at a
+// time (BITS words each, decode_group32) where G is a multiple of 32, else a code at a time.
+template <int BITS>
+inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out, size_t step) {
+  if (G % 32 == 0) {
+    for (int i = 0; i < G; i += 32) decode_group32<BITS>(w + i / 32 * BITS, s, z, out + i * step, step);
+    return;
+  }
+  for (int i = 0; i < G; ++i) out[i * step] = float(code_at(w, i * BITS, BITS)) * s + z;
+}
+
+// A value row of 1-8-bit codes (they may straddle words; each group starts a word) in channel order: code * scale /
+// div + bias, a group at a time by decode_codes (BITS 0: the width read at run time, a code at a time).
+template <int BITS>
+inline void decode_row_any(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int vbits,
+                           int group, float div, float* __restrict u) {
+  for (int g = 0; g < width / group; ++g) {
+    const float s = f16(sc[g]) / div, z = f16(bi[g]);
+    if constexpr (BITS > 0)
+      decode_codes<BITS>(v + size_t(g) * group * BITS / 32, group, s, z, u + g * group, 1);
+    else
+      for (int c = g * group; c < (g + 1) * group; ++c) u[c] = float(code_at(v, c * vbits, vbits)) * s + z;
+  }
+}
+
+// RoPE per call (waterfill's and KVQuant's pre-RoPE keys): its pairs (first channel a, second b = partner(a), angle
+// w_a per position), the channels it leaves alone, and (cos, sin)(j w) of every pair for the rows j < BLOCK of a
+// block, plus (cos, sin)(BLOCK w) to advance a block. A block at position t is scored as q' . R(j) k with q' =
+// R(t)^T q (turn_queries), so no angle is computed per row. `ok` false: the tables are not rotary pairs.
+struct TurnTable {
+  std::vector<int> first, second, alone;
+  std::vector<float> c, s;  // [pairs, BLOCK]
+  std::vector<double> bc, bs, w;
+  bool ok = true;
+  TurnTable(const int32_t* partner, const float* sign, const float* angle, int D, bool rotate) {
+    for (int ch = 0; ch < D; ++ch) {
+      const int p = partner[ch];
+      if (!rotate || sign[ch] == 0.f) {
+        alone.push_back(ch);
+      } else if (sign[ch] > 0.f) {
+        if (p < 0 || p >= D || partner[p] != ch || !(sign[p] < 0.f) || angle[p] != angle[ch]) {
+          ok = false;
+          return;
+        }
+        first.push_back(ch);
+        second.push_back(p);
+      }
+    }
+    const int np = int(first.size());
+    c.resize(size_t(np) * BLOCK);
+    s.resize(size_t(np) * BLOCK);
+    bc.resize(np), bs.resize(np), w.resize(np);
+    for (int i = 0; i < np; ++i) {  // (cos, sin)(j w) by repeated turns of w in double (64 steps: ~1e-14 off)
+      w[i] = angle[first[i]];
+      const double c1 = std::cos(w[i]), s1 = std::sin(w[i]);
+      double cj = 1.0, sj = 0.0;
+      for (int j = 0; j < BLOCK; ++j) {
+        c[size_t(i) * BLOCK + j] = float(cj);
+        s[size_t(i) * BLOCK + j] = float(sj);
+        const double x = cj * c1 - sj * s1;
+        sj = sj * c1 + cj * s1;
+        cj = x;
+      }
+      bc[i] = cj;  // after BLOCK turns: (cos, sin)(BLOCK w)
+      bs[i] = sj;
+    }
+  }
+  // (cos, sin)(pos w) of every pair into cb, sb (double: a position's angle reduced before its cosine).
+  void start(long pos, double* cb, double* sb) const {
+    for (size_t i = 0; i < first.size(); ++i) {
+      const double a = std::fmod(double(pos) * w[i], 2 * M_PI);
+      cb[i] = std::cos(a);
+      sb[i] = std::sin(a);
+    }
+  }
+  // cb, sb advanced by BLOCK positions.
+  void advance(double* cb, double* sb) const {
+    for (size_t i = 0; i < first.size(); ++i) {
+      const double x = cb[i] * bc[i] - sb[i] * bs[i];
+      sb[i] = sb[i] * bc[i] + cb[i] * bs[i];
+      cb[i] = x;
+    }
+  }
+  // qt[R, D] = R(t)^T q for the queries q[R, D], (cb, sb) the turn of position t.
+  void turn_queries(const float* q, int R, int D, const double* cb, const double* sb, float* qt) const {
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + size_t(r) * D;
+      float* o = qt + size_t(r) * D;
+      for (int c : alone) o[c] = qr[c];
+      for (size_t i = 0; i < first.size(); ++i) {
+        const int a = first[i], b = second[i];
+        o[a] = float(qr[a] * cb[i] + qr[b] * sb[i]);
+        o[b] = float(qr[b] * cb[i] - qr[a] * sb[i]);
+      }
+    }
+  }
+  // Pair i's channels x, y of a block's BLOCK rows turned by each row's offset in the block, into oa, ob.
+  void turn_pair(int i, const float* x, const float* y, float* __restrict oa, float* __restrict ob) const {
+    const float* __restrict cj = c.data() + size_t(i) * BLOCK;
+    const float* __restrict sj = s.data() + size_t(i) * BLOCK;
+    for (int j = 0; j < BLOCK; j += NL) {
+      const vn a = loadn(x + j), b = loadn(y + j), cs = loadn(cj + j), sn = loadn(sj + j);
+      storen(oa + j, a * cs - b * sn);
+      storen(ob + j, b * cs + a * sn);
+    }
+  }
+};
+
 // The CPU stream's contiguous copy of a in dtype t (each primitive's inputs).
 inline mx::array contiguous_as(const mx::array& a, mx::Dtype t) {
   auto s = mx::default_stream(mx::Device::cpu);
@@ -450,5 +584,9 @@ mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& 
 std::vector<mx::array> turboquant_rvq_encode(const mx::array& z, const mx::array& c1, const mx::array& sigma,
                                              const opt_array& c2, int beam);
 mx::array softmax_rows(const mx::array& scores, int offset, const opt_array& sinks, int heads);
+std::vector<mx::array> kvquant_decode(const mx::array& q, const std::vector<mx::array>& keys,
+                                      const std::vector<mx::array>& values, const mx::array& sink_k,
+                                      const mx::array& sink_v, const std::vector<mx::array>& rope, int n, int bits,
+                                      int group, int value_group, int key_outliers, int value_outliers, bool rotate);
 
 }  // namespace veloxquant

@@ -42,35 +42,6 @@ struct LatentDims {
   bool bias;                  // q . mu given
 };
 
-// A group of 32 codes (the families' default group: BITS words) as code * s + z into out[i * step], unrolled so that
-// every code's word and shift are constants.
-template <int BITS>
-inline void decode_group32(const uint32_t* __restrict w, float s, float z, float* __restrict out, size_t step) {
-  uint32_t x[BITS + 1];
-  std::memcpy(x, w, sizeof(uint32_t) * BITS);
-  x[BITS] = 0;
-  float f[32];
-#pragma GCC unroll 32
-  for (int i = 0; i < 32; ++i) {
-    const int p = i * BITS, k = p >> 5, sh = p & 31;
-    uint32_t v = x[k] >> sh;
-    if (sh + BITS > 32) v |= x[k + 1] << (32 - sh);
-    f[i] = float(v & ((1u << BITS) - 1));
-  }
-  for (int i = 0; i < 32; ++i) out[i * step] = f[i] * s + z;
-}
-
-// The G codes of one channel's group (a little-endian bit stream from w) as code * s + z into out[i * step]: 32 at a
-// time (BITS words each, decode_group32) where G is a multiple of 32, else a code at a time.
-template <int BITS>
-inline void decode_codes(const uint32_t* w, int G, float s, float z, float* out, size_t step) {
-  if (G % 32 == 0) {
-    for (int i = 0; i < G; i += 32) decode_group32<BITS>(w + i / 32 * BITS, s, z, out + i * step, step);
-    return;
-  }
-  for (int i = 0; i < G; ++i) out[i * step] = float(code_at(w, i * BITS, BITS)) * s + z;
-}
-
 // Keys as rows (AMC's tiers): a row's r codes one stream, channel c at range / (2^bits - 1) and minimum of the row's
 // group (computed once a group, as the op path does); BITS 0: the width read at run time (codes may straddle words).
 template <int BITS>
@@ -137,20 +108,6 @@ void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __
         }
       }
     }
-  }
-}
-
-// A value row of 1-8-bit codes (they may straddle words; each group starts a word) in channel order: code * scale /
-// div + bias, a group at a time by decode_codes (BITS 0: the width read at run time, a code at a time).
-template <int BITS>
-inline void decode_row_any(const uint32_t* v, const mx::float16_t* sc, const mx::float16_t* bi, int width, int vbits,
-                           int group, float div, float* __restrict u) {
-  for (int g = 0; g < width / group; ++g) {
-    const float s = f16(sc[g]) / div, z = f16(bi[g]);
-    if constexpr (BITS > 0)
-      decode_codes<BITS>(v + size_t(g) * group * BITS / 32, group, s, z, u + g * group, 1);
-    else
-      for (int c = g * group; c < (g + 1) * group; ++c) u[c] = float(code_at(v, c * vbits, vbits)) * s + z;
   }
 }
 

@@ -70,6 +70,14 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("heads"),
         "Softmax over the last axis of float32 scores [..., N, M]: row i's columns past offset + i (offset >= 0) "
         "and -inf scores get 0; sinks [heads] join the normalizer of each of their head's rows.");
+  m.def("kvquant_decode", &kvquant_decode, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("sink_k"),
+        nb::arg("sink_v"), nb::arg("rope"), nb::arg("n"), nb::arg("bits"), nb::arg("group"), nb::arg("value_group"),
+        nb::arg("key_outliers"), nb::arg("value_outliers"), nb::arg("rotate"),
+        "Partials (m, l, acc) of KVQuant's decode attention over its first n quantized rows, for scaled queries q "
+        "[B, H, R, D]: keys = (codes, scales, biases, levels, fit, outlier indices, outlier values) of its per-channel "
+        "non-uniform codes (pre-RoPE when rotate: rope = (angle, partner, sign) per channel), values = (codes, "
+        "scales, biases, outlier indices, outlier values) of KIVI's per-token rows; key_outliers / value_outliers "
+        "entries a group; the first n_sink rows are sink_k / sink_v (float16, post-RoPE).");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
 

@@ -37,48 +37,6 @@ struct Inputs {
   const float* poly;        // [3] the centroids' odd polynomial
 };
 
-// Per call: RoPE's pairs (first channel a, second b = partner(a), angle w_a), the channels it leaves alone, and
-// (cos, sin)(j w) of every pair for the rows j < BLOCK of a block, plus (cos, sin)(BLOCK w) to advance a block.
-struct TurnTable {
-  std::vector<int> first, second, alone;
-  std::vector<float> c, s;  // [pairs, BLOCK]
-  std::vector<double> bc, bs, w;
-  bool ok = true;
-  TurnTable(const Inputs& in, int D, bool rotate) {
-    for (int ch = 0; ch < D; ++ch) {
-      const int p = in.partner[ch];
-      if (!rotate || in.sign[ch] == 0.f) {
-        alone.push_back(ch);
-      } else if (in.sign[ch] > 0.f) {
-        if (p < 0 || p >= D || in.partner[p] != ch || !(in.sign[p] < 0.f) || in.w[p] != in.w[ch]) {
-          ok = false;  // not rotary pairs: the call returns NaN (its first-use check then turns the kernel off)
-          return;
-        }
-        first.push_back(ch);
-        second.push_back(p);
-      }
-    }
-    const int np = int(first.size());
-    c.resize(size_t(np) * BLOCK);
-    s.resize(size_t(np) * BLOCK);
-    bc.resize(np), bs.resize(np), w.resize(np);
-    for (int i = 0; i < np; ++i) {  // (cos, sin)(j w) by repeated turns of w in double (64 steps: ~1e-14 off)
-      w[i] = in.w[first[i]];
-      const double c1 = std::cos(w[i]), s1 = std::sin(w[i]);
-      double cj = 1.0, sj = 0.0;
-      for (int j = 0; j < BLOCK; ++j) {
-        c[size_t(i) * BLOCK + j] = float(cj);
-        s[size_t(i) * BLOCK + j] = float(sj);
-        const double x = cj * c1 - sj * s1;
-        sj = sj * c1 + cj * s1;
-        cj = x;
-      }
-      bc[i] = cj;  // after BLOCK turns: (cos, sin)(BLOCK w)
-      bs[i] = sj;
-    }
-  }
-};
-
 // Channel c's keys of a block (64 rows): code at stream bit off, width bits, from the block's words transposed
 // (words [w][j]), as lo + step * code.
 inline void decode_channel(const uint32_t* __restrict words, uint32_t entry, float lo, float step,
@@ -168,25 +126,12 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
   std::vector<uint32_t> words(size_t(d.wk + 1) * BLOCK, 0u);  // [wk + 1, BLOCK]: the block's words, transposed
 
   std::vector<double> cb(np), sb(np);  // the turn of the block's first position, advanced by BLOCK w per block
-  for (int i = 0; i < np; ++i) {
-    const double a = std::fmod(double(d.pos0 + t0) * tt.w[i], 2 * M_PI);
-    cb[i] = std::cos(a);
-    sb[i] = std::sin(a);
-  }
+  tt.start(d.pos0 + t0, cb.data(), sb.data());
   empty_partials(R, DV, m, l, acc);
 
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
-    for (int r = 0; r < R; ++r) {  // q' = R(t)^T q at t = pos0 + b0: q . R(t + j) k = q' . R(j) k
-      const float* qr = q + size_t(r) * D;
-      float* o = qt + size_t(r) * D;
-      for (int c : tt.alone) o[c] = qr[c];
-      for (int i = 0; i < np; ++i) {
-        const int a = tt.first[i], b = tt.second[i];
-        o[a] = float(qr[a] * cb[i] + qr[b] * sb[i]);
-        o[b] = float(qr[b] * cb[i] - qr[a] * sb[i]);
-      }
-    }
+    tt.turn_queries(q, R, D, cb.data(), sb.data(), qt);
     const uint32_t* src = kw + size_t(b0) * d.wk;
     for (int j = 0; j < rows; ++j)
       for (int w = 0; w < d.wk; ++w) words[size_t(w) * BLOCK + j] = src[size_t(j) * d.wk + w];
@@ -197,15 +142,7 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
       const int a = tt.first[i], b = tt.second[i];
       decode_channel(words.data(), tab[a], lo[a], st[a], ka);
       decode_channel(words.data(), tab[b], lo[b], st[b], kb);
-      const float* __restrict cj = tt.c.data() + size_t(i) * BLOCK;
-      const float* __restrict sj = tt.s.data() + size_t(i) * BLOCK;
-      float* __restrict oa = keys + size_t(a) * BLOCK;
-      float* __restrict ob = keys + size_t(b) * BLOCK;
-      for (int j = 0; j < BLOCK; j += NL) {
-        const vn x = loadn(ka + j), y = loadn(kb + j), c = loadn(cj + j), sn = loadn(sj + j);
-        storen(oa + j, x * c - y * sn);
-        storen(ob + j, y * c + x * sn);
-      }
+      tt.turn_pair(i, ka, kb, keys + size_t(a) * BLOCK, keys + size_t(b) * BLOCK);
     }
     block_scores(qt, keys, R, D, sc);
     softmax_update(sc, R, DV, [rows](int j) { return j < rows; }, m, l, acc);
@@ -215,11 +152,7 @@ void attend_rows(const Dims& d, const Inputs& in, const TurnTable& tt, int bh, i
       for (int r = 0; r < R; ++r) sc[size_t(r) * BLOCK + j] *= scale;
     }
     weighted_sum(sc, cents, R, rows, DV, acc);
-    for (int i = 0; i < np; ++i) {  // advance the block turn by BLOCK rows
-      const double x = cb[i] * tt.bc[i] - sb[i] * tt.bs[i];
-      sb[i] = sb[i] * tt.bc[i] + cb[i] * tt.bs[i];
-      cb[i] = x;
-    }
+    tt.advance(cb.data(), sb.data());
   }
 }
 
@@ -245,7 +178,7 @@ class WaterfillDecode : public mx::Primitive {
 
  private:
   static void run(const Dims& d, const Inputs& in, const std::vector<int>& counts, float* m, float* l, float* acc) {
-    const TurnTable tt(in, d.D, d.rotate);
+    const TurnTable tt(in.partner, in.sign, in.w, d.D, d.rotate);
     const int BH = d.B * d.H;
     if (!tt.ok) {
       std::fill(m, m + size_t(BH) * d.R, NAN);
