@@ -28,6 +28,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ... import native
 from ...attention import group_queries
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
@@ -174,12 +175,20 @@ class A2ATSKVCache(CompressedKVCache):
         H = self.keys.shape[1]
         qg = group_queries(queries, H).reshape(B, H, Hq // H, D)
         s = self.approx_scores(qg * scale, cand)  # [B, H, Hq // H, cand]
-        w = mx.softmax(s, axis=-1, precise=True).sum(axis=2)  # GQA group vote
+        if native.available():  # vectorized exponentials (MLX's CPU softmax: a scalar libm exp each, one thread)
+            p = native.module().softmax_rows(s.reshape(B, Hq, 1, cand), -1, None, Hq).reshape(s.shape)
+        else:
+            p = mx.softmax(s, axis=-1, precise=True)
+        w = p.sum(axis=2)  # GQA group vote
         sel = mx.sort(mx.argpartition(-w, k - 1, axis=-1)[..., :k], axis=-1)  # [B, H, k] in token order
         self.last_selected = sel
-        rest = mx.broadcast_to(mx.arange(cand, T, dtype=sel.dtype)[None, None], (B, H, T - cand))
-        idx = mx.concatenate([sel, rest], axis=-1)
-        kk, vv = (mx.take_along_axis(x, idx[..., None], axis=2).astype(queries.dtype) for x in (keys, values))
+        # the retrieved rows and the window from the stored rows, the call's own row as given: the rows
+        # ``update_and_fetch`` returned (every row, concatenated and cast) are never evaluated (at 4k on the CPU
+        # they were two thirds of a step)
+        t0, dt = call[0], queries.dtype
+        kk, vv = (mx.concatenate([mx.take_along_axis(buf, sel[..., None], axis=2).astype(dt),
+                                  buf[:, :, cand:t0].astype(dt), new.astype(dt)], axis=2)
+                  for buf, new in ((self.keys, call[1]), (self.values, call[2])))
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
     def _trim_rows(self, n):
