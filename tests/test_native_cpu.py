@@ -28,8 +28,8 @@ from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
 from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
 from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, GEAROptions,
-                                          KittyOptions, KVQuantOptions, KVTCOptions, NSNQuantOptions, SKVQOptions,
-                                          SVDqOptions,
+                                          KittyOptions, KVQuantOptions, KVTCOptions, NSNQuantOptions, PaluOptions,
+                                          SKVQOptions, SVDqOptions,
                                           TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
@@ -39,6 +39,7 @@ from veloxquant_mlx.cache.kernels.waterfill import rope_tables
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.gear import GEARKVCache
+from veloxquant_mlx.cache.methods.crosslayer.palu import PALUKVCache
 from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
 from veloxquant_mlx.cache.methods.quantization.kvquant import KVQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.nsnquant import NSNQuantKVCache
@@ -278,7 +279,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
                                     "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc", "adakv",
-                                    "anchorkv", "kvquant"])
+                                    "anchorkv", "kvquant", "palu"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -300,7 +301,8 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "adakv": (AdaKVKVCache, lambda: _variant("adakv", AdaKVKVCache, 64, AdaKVOptions()), 1500),
                          "anchorkv": (AnchorKVCache, lambda: _variant("anchorkv", AnchorKVCache, 64, AnchorKVOptions()),
                                       1500),
-                         "kvquant": (KVQuantKVCache, lambda: _kvquant(64, "rope"), 1500)}[method]
+                         "kvquant": (KVQuantKVCache, lambda: _kvquant(64, "rope"), 1500),
+                         "palu": (PALUKVCache, lambda: _palu(3, 64, 4, "rope"), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -798,7 +800,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
              "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes or "
-             "anchorkv_decodes or kvquant_decodes")
+             "anchorkv_decodes or kvquant_decodes or palu_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -1116,22 +1118,42 @@ def _kvquant(D, rope=None, **opts):
     return c
 
 
-def _kvquant_rows64(c, K, n):
-    """The keys ``c`` attends with in float64: its first ``n`` quantized rows (the call's: a call completing a group
-    attends that group's exact rows) decoded pre-RoPE by the op path (levels, outliers; the float16 sinks as stored)
-    and turned to their positions in float64, then the exact rows of ``K`` after them."""
+def _turned_rows64(c, K, n, exact: int = 0):
+    """The keys a cache with pre-RoPE codes (KVQuant, Palu) attends with, in float64: its first ``n`` coded rows (the
+    call's: a call completing a group attends that group's exact rows) decoded pre-RoPE by the op path (``c.rope``
+    unset meanwhile) and turned to their positions in float64 but the first ``exact`` (KVQuant's float16 sinks, stored
+    post-RoPE), then the exact rows of ``K`` after them."""
     rope = c.rope
     c.rope = None
     try:
-        k = np.asarray(c._keys_t(n).swapaxes(-1, -2), np.float64)  # [B, H, n, D]: pre-RoPE but the sink rows
+        k = np.asarray(c._keys_t(n).swapaxes(-1, -2), np.float64)  # [B, H, n, D]
     finally:
         c.rope = rope
     if rope is not None:
         w, partner, sign = (np.asarray(a) for a in rope_tables(rope, k.shape[-1]))
         t = np.arange(n, dtype=np.float64)[:, None] * w.astype(np.float64)
         turned = k * np.cos(t) - sign * k[..., partner] * np.sin(t)
-        k = np.concatenate([k[:, :, : c.n_sink], turned[:, :, c.n_sink :]], axis=2)
+        k = np.concatenate([k[:, :, :exact], turned[:, :, exact:]], axis=2)
     return np.concatenate([k, np.asarray(K[:, :, n:], np.float64)], axis=2)
+
+
+def _turned_steps(c, cls, H, R, D, prompt, steps, monkeypatch, exact: int = 0) -> list:
+    """A prompt of ``prompt`` rows through ``c``, then ``steps`` decode steps, each equal to float64 attention over the
+    rows it stores with its coded keys turned in float64 (``_turned_rows64``), sink logits every other step; returns
+    the steps of ``cls`` caches that took their CPU kernel."""
+    calls = _spy_kernel(monkeypatch, cls)
+    rng = np.random.default_rng(prompt)
+    _feed(c, H, R, D, prompt, rng)
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        n = c.n_quant
+        K, V = c.update_and_fetch(_rows(rng, H, 1, D, scale=2.0), _rows(rng, H, 1, D))
+        q = _rows(rng, H * R, 1, D)
+        sk = sinks if i % 2 else None
+        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+        want = _softmax_attention64(q, _turned_rows64(c, K, n, exact), V, D**-0.5, None if sk is None else np.array(sk))
+        assert _rel(out, want) < 1e-5, (i, c.offset)
+    return calls
 
 
 @KERNELS
@@ -1146,19 +1168,62 @@ def test_kvquant_decodes_on_its_cpu_kernel_keys_turned_per_block(H, R, D, opts, 
     pre-RoPE keys turned per block of rows, float16 sinks): each step equals float64 attention over the rows the
     cache stores, the quantized keys turned in float64, with sink logits every other step."""
     c = _kvquant(D, rope, **opts)
-    calls = _spy_kernel(monkeypatch, KVQuantKVCache)
-    rng = np.random.default_rng(prompt)
-    _feed(c, H, R, D, prompt, rng)
-    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
-    for i in range(steps):
-        n = c.n_quant
-        K, V = c.update_and_fetch(_rows(rng, H, 1, D, scale=2.0), _rows(rng, H, 1, D))
-        q = _rows(rng, H * R, 1, D)
-        sk = sinks if i % 2 else None
-        out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
-        want = _softmax_attention64(q, _kvquant_rows64(c, K, n), V, D**-0.5, None if sk is None else np.array(sk))
-        assert _rel(out, want) < 1e-5, (i, c.offset)
+    calls = _turned_steps(c, KVQuantKVCache, H, R, D, prompt, steps, monkeypatch, exact=c.n_sink)
     assert len(calls) == steps and "kvquant_cpu" in _common._checked
+
+
+def _palu(H, D, groups, rope=None, bias=False, seed=0, **opts):
+    """A Palu cache of ``H`` KV heads of dim ``D`` in up to ``groups`` head groups, bound to a layer of random
+    ``k_proj`` / ``v_proj`` (``seed``'s; with a ``k_proj`` bias: the latents' offset) and a RoPE of ``_rope(rope,
+    D)``."""
+    c = _variant("palu", PALUKVCache, D, PaluOptions(n_head_groups=groups, **opts))
+    attn = nn.Module()
+    mx.random.seed(seed)
+    attn.k_proj, attn.v_proj = nn.Linear(96, H * D, bias=bias), nn.Linear(96, H * D, bias=False)
+    attn.n_kv_heads = H
+    if rope is not None:
+        attn.rope = _rope(rope, D)
+    c.bind_attention(attn)
+    return c
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,groups,rope,bias,prompt,steps", [
+    (3, 3, 64, 4, "rope", False, 300, 40),  # SmolLM2's shape: a head a group; groups completed
+    (3, 3, 64, 4, "rope", True, 120, 8),  # a k_proj bias: each head's offset added before the turn
+    (4, 2, 64, 2, "traditional", False, 200, 8),  # two heads a group
+    (2, 4, 128, 1, None, False, 100, 8),  # no RoPE
+    (2, 2, 64, 2, "partial", False, 2100, 6)])  # a past split over the threads; half the channels rotated
+def test_palu_decodes_on_the_latent_kernel_its_keys_rebuilt_per_block(H, R, D, groups, rope, bias, prompt, steps,
+                                                                     monkeypatch):
+    """Palu's decode steps rebuild each block's pre-RoPE keys from the latents in the latent kernel (``k_rebuild``:
+    ``U_r z + b`` per head of the group, turned per block) and sum the values as latents: each step equals float64
+    attention over the rows the cache stores, the rebuilt keys turned in float64, with sink logits every other
+    step."""
+    c = _palu(H, D, groups, rope, bias, seed=prompt)
+    calls = _turned_steps(c, PALUKVCache, H, R, D, prompt, steps, monkeypatch)
+    assert len(calls) == steps and "palu_cpu" in _common._checked
+    assert c.hg == max(g for g in range(1, min(groups, H) + 1) if H % g == 0)  # heads a group: H / hg
+
+
+@KERNELS
+def test_latent_kernel_rebuilds_keys_only_as_they_fit():
+    """``latent_decode``'s ``k_rebuild`` names what does not fit: a basis of other heads or latents, channels not a
+    multiple of 4, a bias beside it, rope tables of another width."""
+    c = _palu(3, 64, 4, "rope")
+    _feed(c, 3, 3, 64, 100, np.random.default_rng(0))
+    q = mx.zeros((1, 3, 3, 64))
+    k = [c.k_codes, c.k_scales, c.k_biases, c.k_raw]
+    v = [c.v_codes, c.v_scales, c.v_biases]
+    rope = list(rope_tables(c.rope, 64))
+    call = lambda q, **kw: native.module().latent_decode(  # noqa: E731
+        q, kw.pop("bias", None), 96, 32, *k, list(c.k_bits), *v, v_raw=c.v_raw, v_bits=list(c.v_bits),
+        **{**dict(k_rebuild=c.k_basis, rope=rope, rotate=True), **kw})
+    assert call(q)[0].shape == (1, 3, 3)
+    for q_, kw in ((q, dict(k_rebuild=c.k_basis[..., :-1])), (q[..., :62], dict(rope=[a[:62] for a in rope])),
+                   (q, dict(bias=mx.zeros((1, 3, 3)))), (q, dict(rope=[a[:32] for a in rope]))):
+        with pytest.raises(ValueError, match="latent_decode: k_rebuild"):
+            call(q_, **kw)
 
 
 @KERNELS

@@ -216,22 +216,29 @@ class LowRankKVCache(GroupedQuantCache):
         ``(q W_h)·z + q·μ_h`` on each block's decoded latents, values summed as latents (turned back here: ``@
         W_vᵀ + l μ_v``) or from KIVI's rows."""
         B, H, M, _ = qf.shape
-        Hg, dv = self.hg, self.res_v.shape[-1]
-        W, mu = self._head_proj("k")
-        qz = (qf @ W).reshape(B, Hg, (H // Hg) * M, -1)
-        bias = None if mu is None else (qf @ mu.swapaxes(-1, -2)).reshape(B, Hg, -1)
+        dv = self.res_v.shape[-1]
+        qz, bias, rebuild = self._cpu_keys(qf)
         k = [getattr(self, f"k_{a}") for a in ("codes", "scales", "biases", "raw")]
         if self.latent_values:
             v = dict(v_raw=self.v_raw, v_bits=list(self.v_bits))
         else:
             v = dict(v_raw=None, v_row_bits=self.qbits, v_row_group=self.value_group(dv), dv=dv)
         m, l, acc = native.module().latent_decode(  # noqa: E741
-            qz, bias, n, self.group, *k, list(self.k_bits), self.v_codes, self.v_scales, self.v_biases, **v)
+            qz, bias, n, self.group, *k, list(self.k_bits), self.v_codes, self.v_scales, self.v_biases, **v,
+            **rebuild)
         m, l, acc = m.reshape(B, H, M), l.reshape(B, H, M), acc.reshape(B, H, M, -1)
         if self.latent_values:
             Wv, mu_v = self._head_proj("v")
             acc = acc @ Wv.swapaxes(-1, -2) + (0 if mu_v is None else l[..., None] * mu_v)
         return Partials(m, l, acc)
+
+    def _cpu_keys(self, qf):
+        """(queries, bias, further arguments) of ``latent_decode``'s keys for scaled queries ``qf`` [B, H, M, D]: the
+        projected queries ``q W_h`` [B, Hg, heads * M, r] and ``q·μ_h``, scored on the latents as they are."""
+        B, H, M, _ = qf.shape
+        W, mu = self._head_proj("k")
+        qz = (qf @ W).reshape(B, self.hg, (H // self.hg) * M, -1)
+        return qz, None if mu is None else (qf @ mu.swapaxes(-1, -2)).reshape(B, self.hg, -1), {}
 
     def _part_bytes(self, which: str) -> int:
         """Bytes of ``which``'s latents: basis, mean and the filled rows."""

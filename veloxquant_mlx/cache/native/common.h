@@ -576,7 +576,9 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
                                      const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
                                      bool channel_major, int k_rows_per_group, bool v_row_ranges,
-                                     bool k_group_major, const std::vector<int>& v_scale_rows);
+                                     bool k_group_major, const std::vector<int>& v_scale_rows,
+                                     const opt_array& k_rebuild, const opt_array& k_rebuild_mean,
+                                     const std::vector<mx::array>& rope, bool rotate);
 mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& l, const mx::array& acc,
                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                        const std::vector<int>& rows, const opt_array& sinks, const mx::array& like,

@@ -10,7 +10,9 @@
 // per-token rows (SVDq's: ``decode_row``, acc in its slot order). xKV's latents are KIVI's key layout instead
 // (channel_major: each channel's codes one stream over all tokens, one width); AMC's tiers hold keys as rows
 // (k_rows_per_group: a row's codes one stream, each channel's range and minimum shared by a group of rows), and so do
-// AdaKV's (ranges group-major; value rows on their groups' ranges, found by rank: v_scale_rows).
+// AdaKV's (ranges group-major; value rows on their groups' ranges, found by rank: v_scale_rows). Palu's keys are
+// rebuilt instead (rebuild: k = W_h z + mu_h per head of the group, pre-RoPE, turned per block as waterfill's), then
+// scored against the model's queries.
 #include "common.h"
 
 namespace veloxquant {
@@ -38,8 +40,16 @@ struct Rows {
 };
 
 struct LatentDims {
-  int B, H, R, DK, DA, n, G;  // DK: key latent channels (q's last dim); DA: acc's columns
+  int B, H, R, DK, DA, n, G;  // DK: key latent channels (q's last dim but with rebuild); DA: acc's columns
   bool bias;                  // q . mu given
+  int DQ = 0, hpg = 0, wb = 0;  // rebuild: q's channels (the heads'), heads a group, the basis' batch rows
+  bool mean = false, rotate = false;
+};
+
+// Palu's keys rebuilt per head of a head group: W [wb, H, hpg * DQ, DK] and mu [wb, H, 1, hpg * DQ] (float16).
+struct Rebuild {
+  const mx::float16_t *w = nullptr, *mu = nullptr;
+  const TurnTable* tt = nullptr;
 };
 
 // Keys as rows (AMC's tiers): a row's r codes one stream, channel c at range / (2^bits - 1) and minimum of the row's
@@ -113,20 +123,76 @@ void decode_latents(const Latents& x, int bh, int b0, int rows, int G, float* __
 
 // The values' columns are padded to whole passes of weighted_sum (whose remainder is a scalar loop: xKV's 59 value
 // latents took 1.8 ms a step at 4k unpadded); the padding stays zero and is dropped at the end.
+// Rebuild mode's scores of a block: per head h of the group, its keys W_h z + mu_h [DQ, BLOCK] from the latents z
+// [DK, BLOCK], each rotary pair turned by its row's offset in the block, scored against the head's queries turned
+// to the block's first position (cb, sb) into its rows of sc. w: the group's W as float [hpg * DQ, DK].
+void rebuilt_scores(const LatentDims& d, const Rebuild& rb, const float* w, const float* mu, const float* q,
+                    const float* z, const double* cb, const double* sb, float* kh, float* qt, float* pair, float* sc) {
+  const int DQ = d.DQ, Rh = d.R / d.hpg, np = int(rb.tt->first.size());
+  for (int h = 0; h < d.hpg; ++h) {
+    // four channels by two vectors of rows at a time: eight independent sums (the adds' latency hidden), each
+    // latent vector loaded once for four channels
+    for (int c = 0; c < DQ; c += 4) {
+      const float* wc = w + (size_t(h) * DQ + c) * d.DK;
+      const size_t K = d.DK;
+      for (int j = 0; j < BLOCK; j += 2 * NL) {
+        vn x[8];
+        for (int i = 0; i < 4; ++i) x[i] = x[4 + i] = vn{} + (mu ? mu[size_t(h) * DQ + c + i] : 0.f);
+        for (size_t k = 0; k < K; ++k) {
+          const vn a = loadn(z + k * BLOCK + j), b = loadn(z + k * BLOCK + j + NL);
+          const float w0 = wc[k], w1 = wc[K + k], w2 = wc[2 * K + k], w3 = wc[3 * K + k];
+          x[0] += a * w0, x[1] += a * w1, x[2] += a * w2, x[3] += a * w3;
+          x[4] += b * w0, x[5] += b * w1, x[6] += b * w2, x[7] += b * w3;
+        }
+        for (int i = 0; i < 4; ++i) {
+          storen(kh + size_t(c + i) * BLOCK + j, x[i]);
+          storen(kh + size_t(c + i) * BLOCK + j + NL, x[4 + i]);
+        }
+      }
+    }
+    for (int i = 0; i < np; ++i) {
+      float* a = kh + size_t(rb.tt->first[i]) * BLOCK;
+      float* b = kh + size_t(rb.tt->second[i]) * BLOCK;
+      std::copy(a, a + BLOCK, pair), std::copy(b, b + BLOCK, pair + BLOCK);
+      rb.tt->turn_pair(i, pair, pair + BLOCK, a, b);
+    }
+    rb.tt->turn_queries(q + size_t(h) * Rh * DQ, Rh, DQ, cb, sb, qt);
+    block_scores(qt, kh, Rh, DQ, sc + size_t(h) * Rh * BLOCK);
+  }
+}
+
 template <int BITS>
 void latent_rows(const LatentDims& d, const float* q, const float* bias, const Latents& k, const Latents& v,
-                 const Rows& vr, int bh, int t0, int t1, float* m, float* l, float* acc) {
-  const int R = d.R, DP = (d.DA + PASS - 1) / PASS * PASS;
+                 const Rows& vr, const Rebuild& rb, int bh, int t0, int t1, float* m, float* l, float* acc) {
+  const int R = d.R, DP = (d.DA + PASS - 1) / PASS * PASS, DQ = d.hpg ? d.DQ : d.DK;
   const int lanes = vr.codes ? value_lanes(d.DA, BITS && vr.group % (32 / BITS) == 0 ? BITS : 0, vr.words) : 0;
-  std::vector<float> buf(size_t(d.DK) * BLOCK + size_t(R) * BLOCK + size_t(BLOCK) * DP + size_t(R) * DP, 0.f);
+  const size_t wsize = d.hpg ? size_t(d.hpg) * DQ * (d.DK + 1) : 0;  // rebuild: the group's W and mu as float
+  std::vector<float> buf(size_t(d.DK) * BLOCK + size_t(R) * BLOCK + size_t(BLOCK) * DP + size_t(R) * DP + wsize +
+                             (d.hpg ? size_t(DQ) * BLOCK + size_t(R) * DQ + 2 * BLOCK : 0), 0.f);
   float *keys = buf.data(), *sc = keys + size_t(d.DK) * BLOCK, *vals = sc + size_t(R) * BLOCK;
   float* sum = vals + size_t(BLOCK) * DP;
-  q += size_t(bh) * R * d.DK;
+  float *w = sum + size_t(R) * DP, *mu = w + size_t(d.hpg) * DQ * d.DK;
+  float *kh = mu + size_t(d.hpg) * DQ, *qt = kh + size_t(DQ) * BLOCK, *pair = qt + size_t(R) * DQ;
+  q += size_t(bh) * R * DQ;
+  std::vector<double> cb, sb;
+  if (d.hpg) {
+    const size_t g = size_t(d.wb == 1 ? 0 : bh / d.H) * d.H + bh % d.H, F = size_t(d.hpg) * DQ;
+    for (size_t i = 0; i < F * d.DK; ++i) w[i] = f16(rb.w[g * F * d.DK + i]);
+    for (size_t i = 0; d.mean && i < F; ++i) mu[i] = f16(rb.mu[g * F + i]);
+    cb.resize(rb.tt->first.size()), sb.resize(rb.tt->first.size());
+    rb.tt->start(t0, cb.data(), sb.data());
+  }
   empty_partials(R, DP, m, l, sum);
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
     decode_latents(k, bh, b0, rows, d.G, keys, BLOCK, 1);
-    block_scores(q, keys, R, d.DK, sc);
+    if (d.hpg) {
+      for (int j = rows; j < BLOCK; ++j)  // past the rows: zero latents (their scores are left out)
+        for (int c = 0; c < d.DK; ++c) keys[size_t(c) * BLOCK + j] = 0.f;
+      rebuilt_scores(d, rb, w, d.mean ? mu : nullptr, q, keys, cb.data(), sb.data(), kh, qt, pair, sc);
+      rb.tt->advance(cb.data(), sb.data());
+    } else
+      block_scores(q, keys, R, d.DK, sc);
     for (int r = 0; bias && r < R; ++r)
       for (int j = 0; j < rows; ++j) sc[size_t(r) * BLOCK + j] += bias[size_t(bh) * R + r];
     softmax_update(sc, R, DP, [rows](int j) { return j < rows; }, m, l, sum);
@@ -151,6 +217,7 @@ class LatentDecode : public mx::Primitive {
  public:
   LatentDecode(mx::Stream s, LatentDims d, Latents k, Latents v, Rows vr)
       : mx::Primitive(s), d_(d), k_(std::move(k)), v_(std::move(v)), vr_(vr) {}
+  size_t rebuild_at = 0;  // rebuild: the index of W (then mu, angle, partner, sign) among the inputs
 
   // inputs: q, bias (or q again), then keys' codes, scales, biases, raw, then the values' (latents: the same four;
   // rows: codes, scales, biases); an absent array is q in its place
@@ -170,23 +237,41 @@ class LatentDecode : public mx::Primitive {
     else
       side(v, 6);
     const float* bias = d_.bias ? inputs[1].data<float>() : nullptr;
-    enc.dispatch([d = d_, k, v, vr, bias, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
-                  l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() {
+    Rebuild rb;
+    const int32_t* partner = nullptr;
+    const float *angle = nullptr, *sign = nullptr;
+    if (d_.hpg) {
+      const size_t i = rebuild_at;
+      rb.w = inputs[i].data<mx::float16_t>(), rb.mu = inputs[i + 1].data<mx::float16_t>();
+      angle = inputs[i + 2].data<float>(), partner = inputs[i + 3].data<int32_t>(), sign = inputs[i + 4].data<float>();
+    }
+    enc.dispatch([d = d_, k, v, vr, bias, rb, angle, partner, sign, q = inputs[0].data<float>(),
+                  m = outputs[0].data<float>(), l = outputs[1].data<float>(), acc = outputs[2].data<float>()]() mutable {
+      std::optional<TurnTable> tt;
+      if (d.hpg) {
+        tt.emplace(partner, sign, angle, d.DQ, d.rotate);
+        if (!tt->ok) {  // not rotary pairs: NaN (the first-use check then keeps the op path)
+          std::fill(m, m + size_t(d.B) * d.H * d.R, NAN), std::fill(l, l + size_t(d.B) * d.H * d.R, NAN);
+          std::fill(acc, acc + size_t(d.B) * d.H * d.R * d.DA, NAN);
+          return;
+        }
+        rb.tt = &*tt;
+      }
       const int bits = vr.bits ? vr.bits : 2;  // the template's width matters for value rows only
       auto slot = [&](int c) {
         return vr.bits ? value_slot(c, d.DA, vr.group % (32 / bits) == 0 ? bits : 0, vr.words) : c;
       };
       auto go = [&](auto rows) { split_and_join(d.B * d.H, d.R, d.DA, d.n, rows, slot, m, l, acc); };
       if (bits == 2) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
-        latent_rows<2>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+        latent_rows<2>(d, q, bias, k, v, vr, rb, bh, a, b, pm, pl, pa); });
       else if (bits == 4) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
-        latent_rows<4>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+        latent_rows<4>(d, q, bias, k, v, vr, rb, bh, a, b, pm, pl, pa); });
       else if (bits == 8) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {
-        latent_rows<8>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+        latent_rows<8>(d, q, bias, k, v, vr, rb, bh, a, b, pm, pl, pa); });
       else if (bits == 3) go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {  // AdaKV's middle tier
-        latent_rows<3>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+        latent_rows<3>(d, q, bias, k, v, vr, rb, bh, a, b, pm, pl, pa); });
       else go([&](int bh, int a, int b, float* pm, float* pl, float* pa) {  // other widths: a code at a time
-        latent_rows<0>(d, q, bias, k, v, vr, bh, a, b, pm, pl, pa); });
+        latent_rows<0>(d, q, bias, k, v, vr, rb, bh, a, b, pm, pl, pa); });
     });
   }
 
@@ -265,7 +350,9 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
                                      const opt_array& v_scales, const opt_array& v_biases, const opt_array& v_raw,
                                      const std::vector<int>& v_bits, int v_row_bits, int v_row_group, int dv,
                                      bool channel_major, int k_rows_per_group, bool v_row_ranges,
-                                     bool k_group_major, const std::vector<int>& v_scale_rows) {
+                                     bool k_group_major, const std::vector<int>& v_scale_rows,
+                                     const opt_array& k_rebuild, const opt_array& k_rebuild_mean,
+                                     const std::vector<mx::array>& rope, bool rotate) {
   check(q.ndim() == 4 && q.shape(2) <= MAX_R && q.shape(3) <= MAX_D, "q must be [B, H, R <= 32, channels <= 256]");
   check(group > 0 && BLOCK % group == 0 && n >= 0 && n % group == 0, "group: a divisor of 64; n whole groups");
   LatentDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), 0, n, group, bias.has_value()};
@@ -275,6 +362,20 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
   ins.push_back(bias ? contiguous_as(*bias, mx::float32) : ins[0]);
   const Latents k = latents("keys", q, n, group, k_codes, k_scales, k_biases, k_raw, k_bits, channel_major,
                             k_rows_per_group, k_group_major, ins);
+  if (k_rebuild) {  // Palu's: q's channels are the heads', the latents' count W's last dim
+    const mx::array& w = *k_rebuild;
+    const int DQ = d.DK;
+    check(w.ndim() == 4 && (w.shape(0) == 1 || w.shape(0) == d.B) && w.shape(1) == d.H && w.shape(3) == k.r &&
+              w.shape(2) % DQ == 0 && d.R % (w.shape(2) / DQ) == 0 &&
+              (!k_rebuild_mean || k_rebuild_mean->shape() == mx::Shape{w.shape(0), d.H, 1, w.shape(2)}) &&
+              !bias && !channel_major && !k_rows_per_group && rope.size() == 3 && DQ % 4 == 0 &&
+              std::all_of(rope.begin(), rope.end(), [&](const mx::array& a) { return a.size() == size_t(DQ); }),
+          "k_rebuild: W [1 or B, H, heads * q's channels (a multiple of 4), latents] (mean [.., H, 1, heads * "
+          "channels]), the query rows a multiple of the heads, rope = (angle, partner, sign) of q's channels; no bias, "
+          "no other key layout");
+    d.DQ = DQ, d.DK = k.r, d.hpg = w.shape(2) / DQ, d.wb = w.shape(0), d.mean = bool(k_rebuild_mean);
+    d.rotate = rotate;
+  }
   check(k.r == d.DK, "keys: q's channels are the key latents'");
   Latents v;
   Rows vr;
@@ -303,9 +404,15 @@ std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, 
     v = latents("values", q, n, group, v_codes, v_scales, v_biases, v_raw, v_bits, channel_major, 0, false, ins);
     d.DA = v.r;
   }
-  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<LatentDecode>(mx::default_stream(mx::Device::cpu), d, k, v, vr),
-                                ins);
+  auto prim = std::make_shared<LatentDecode>(mx::default_stream(mx::Device::cpu), d, k, v, vr);
+  if (d.hpg) {
+    prim->rebuild_at = ins.size();
+    ins.push_back(contiguous_as(*k_rebuild, mx::float16));
+    ins.push_back(k_rebuild_mean ? contiguous_as(*k_rebuild_mean, mx::float16) : ins[0]);
+    ins.push_back(contiguous_as(rope[0], mx::float32)), ins.push_back(contiguous_as(rope[1], mx::int32));
+    ins.push_back(contiguous_as(rope[2], mx::float32));
+  }
+  return mx::array::make_arrays({ml, ml, {d.B, d.H, d.R, d.DA}}, {mx::float32, mx::float32, mx::float32}, prim, ins);
 }
 
 }  // namespace veloxquant

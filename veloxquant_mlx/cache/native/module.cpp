@@ -43,7 +43,9 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("v_raw").none(), nb::arg("v_bits") = std::vector<int>{}, nb::arg("v_row_bits") = 0,
         nb::arg("v_row_group") = 0, nb::arg("dv") = 0, nb::arg("channel_major") = false,
         nb::arg("k_rows_per_group") = 0, nb::arg("v_row_ranges") = false, nb::arg("k_group_major") = false,
-        nb::arg("v_scale_rows") = std::vector<int>{},
+        nb::arg("v_scale_rows") = std::vector<int>{}, nb::arg("k_rebuild").none() = nb::none(),
+        nb::arg("k_rebuild_mean").none() = nb::none(), nb::arg("rope") = std::vector<mx::array>{},
+        nb::arg("rotate") = false,
         "Partials (m, l, acc) of a low-rank cache's decode attention over its first n rows' latents, for projected "
         "scaled queries q [B, Hg, R, r_k] (plus bias = q . mu [B, Hg, R]): values as latents (acc = sum p z, v_bits "
         "their widths) or, with v_row_bits, KIVI's per-token rows of dv channels in groups of v_row_group; "
@@ -51,7 +53,10 @@ NB_MODULE(_veloxquant_cpu, m) {
         "tiers: k_scales ranges, k_biases minima [B, H, channels, groups], row i in group i / k_rows_per_group); "
         "v_row_ranges: value rows' scales are their groups' ranges (scale = range / (2^v_row_bits - 1), AdaKV's); "
         "k_group_major: keys as rows with ranges and minima [B, H, groups, channels]; v_scale_rows (per, stride, "
-        "first): value row i's scales at row (i / per) * stride + first + i % per (AdaKV's tiers in rank order).");
+        "first): value row i's scales at row (i / per) * stride + first + i % per (AdaKV's tiers in rank order); "
+        "k_rebuild (Palu's): keys rebuilt per head of the group, W_h z + mu_h (W [1 or B, H, heads * D, latents], "
+        "k_rebuild_mean [.., H, 1, heads * D]), turned by RoPE when rotate (rope = (angle, partner, sign) [D]) and "
+        "scored against the model's queries q [B, H, heads * R, D].");
   m.def("drop_row", &drop_row, nb::arg("keys"), nb::arg("values"), nb::arg("positions"), nb::arg("scores"),
         nb::arg("rows"), nb::arg("spare"), nb::arg("n_sink"), nb::arg("recent_start"),
         "(keys, values, positions) of an eviction cache with each head's first least-scoring unprotected row of the "

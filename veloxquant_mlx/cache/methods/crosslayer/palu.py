@@ -16,8 +16,9 @@ fuses values on the output side, ``(p h_v) U_vᵀ + (Σp) b_v``.
 
 Deviations: plain SVD of the weights (Palu also whitens with calibration activations and searches ranks per layer
 by Fisher information); per-channel min/max over token groups, the hi/lo split by singular value (Palu: per-token
-after a Walsh-Hadamard rotation); keys rebuilt before RoPE, unfused (so a CPU decode step stays on the op path:
-the latent kernel that SVDq and KVTC take scores ``(q W)·z``, which RoPE's per-position turn does not allow);
+after a Walsh-Hadamard rotation); keys rebuilt before RoPE (RoPE's per-position turn does not allow SVDq's
+``(q W)·z``): a CPU decode step rebuilds them per 64-row block in ``native/latent_cpu.cpp`` (``k_rebuild``: W_h z +
+b, turned as waterfill's keys), the GPU attends over the rows ``update_and_fetch`` returned;
 ``U_r`` is stored float16 and counted in ``nbytes`` (the model keeps its own ``W_k``/``W_v``).
 """
 
@@ -28,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import register
+from ...kernels.waterfill import rope_tables
 from ...contract import register_with_mlx_lm
 from ...lowrank import BASIS_DTYPE, LowRankKVCache
 from ...primitives import lowrank_fit as lr
@@ -178,3 +180,15 @@ class PALUKVCache(DeferredStart, LowRankKVCache):
 
     def _key_scores(self, q: mx.array, n: int) -> mx.array:
         return q @ self._keys_t(n)
+
+    def _cpu_layout(self) -> bool:
+        """The CPU kernel reads Palu's latents once fitted, rebuilding its pre-RoPE keys per block (``_cpu_keys``)."""
+        return self.k_bits is not None and self.k_basis is not None
+
+    def _cpu_keys(self, qf):
+        """``latent_decode``'s keys for scaled queries ``qf`` [B, H, M, D]: the model's queries by head group, each
+        block's keys rebuilt per head (``U_r`` and the offset), turned by the layer's RoPE, scored exactly."""
+        B, H, M, D = qf.shape
+        rope = dict(rope=list(rope_tables(self.rope, D)), rotate=self.rope is not None)
+        return qf.reshape(B, self.hg, (H // self.hg) * M, D), None, dict(k_rebuild=self.k_basis,
+                                                                          k_rebuild_mean=self.k_mean, **rope)
