@@ -27,7 +27,8 @@ from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
 from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
-from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, GEAROptions,
+from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, CacheGenOptions,
+                                          GEAROptions,
                                           KittyOptions, KVQuantOptions, KVTCOptions, NSNQuantOptions, PaluOptions,
                                           SKVQOptions, SVDqOptions,
                                           TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
@@ -40,6 +41,7 @@ from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.gear import GEARKVCache
 from veloxquant_mlx.cache.methods.crosslayer.palu import PALUKVCache
+from veloxquant_mlx.cache.methods.quantization.cachegen import CacheGenKVCache
 from veloxquant_mlx.cache.methods.quantization.kitty import KittyKVCache
 from veloxquant_mlx.cache.methods.quantization.kvquant import KVQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.nsnquant import NSNQuantKVCache
@@ -279,7 +281,7 @@ def _same_steps(caches, prompt, seed, monkeypatch, H=3, R=3, D=64, steps=40):
 @KERNELS
 @pytest.mark.parametrize("method", ["waterfill", "kivi", "kivi_sink", "age_tiered", "kitty", "skvq", "zipcache",
                                     "gear", "turboquant_rvq", "nsnquant", "svdq", "kvtc", "xkv", "amc", "adakv",
-                                    "anchorkv", "kvquant", "palu"])
+                                    "anchorkv", "kvquant", "palu", "cachegen"])
 def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
     """Two identical caches, one decoding through its CPU kernel and one through its op path
     (``VELOXQUANT_CPU_KERNELS`` off), give the same outputs step after step, across compactions / completed groups."""
@@ -302,7 +304,9 @@ def test_cpu_kernels_and_op_paths_give_the_same_steps(method, monkeypatch):
                          "anchorkv": (AnchorKVCache, lambda: _variant("anchorkv", AnchorKVCache, 64, AnchorKVOptions()),
                                       1500),
                          "kvquant": (KVQuantKVCache, lambda: _kvquant(64, "rope"), 1500),
-                         "palu": (PALUKVCache, lambda: _palu(3, 64, 4, "rope"), 1500)}[method]
+                         "palu": (PALUKVCache, lambda: _palu(3, 64, 4, "rope"), 1500),
+                         "cachegen": (CacheGenKVCache, lambda: _variant("cachegen", CacheGenKVCache, 64,
+                                                                        CacheGenOptions(bits=5)), 1500)}[method]
     calls = _spy_kernel(monkeypatch, cls)
     _same_steps([make(), make()], prompt, len(method), monkeypatch)
     assert len(calls) == 40
@@ -800,7 +804,7 @@ def test_kernels_built_for_avx2_and_for_128_bit_vectors_pass_their_tests(arch, t
     tests = ("same_steps or partials_equal or partials_over or kivi_cpu_kernel_equals or encoder_gives or "
              "kivi_sink_decodes or age_tiered_decodes or kitty_decodes or skvq_decodes or zipcache_decodes or "
              "gear_decodes or nsnquant_decodes or latents or xkv_decodes or amc_decodes or adakv_decodes or "
-             "anchorkv_decodes or kvquant_decodes or palu_decodes")
+             "anchorkv_decodes or kvquant_decodes or palu_decodes or cachegen_decodes")
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests]
     where = dict(env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     listed = re.search(r"(\d+)/\d+ tests collected", subprocess.run(pytest + ["--collect-only"], **where).stdout)
@@ -1227,6 +1231,22 @@ def test_latent_kernel_rebuilds_keys_only_as_they_fit():
 
 
 @KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 4-bit deltas against 8-bit anchors; groups completed
+    (2, 4, 128, {"bits": 5}, 100, 8),  # codes straddling words
+    (1, 2, 64, {"bits": 6, "group_size": 64}, 200, 8),  # a block one group
+    (2, 2, 64, {"bits": 8, "use_delta": False}, 90, 8),  # no anchors: KIVI's codes at 8 bits
+    (3, 3, 64, {"bits": 3}, 2100, 6)])  # a past split over the threads
+def test_cachegen_decodes_on_kvquants_cpu_kernel_its_anchors_in_place(H, R, D, opts, prompt, steps, monkeypatch):
+    """CacheGen's decode steps read its codes once in KVQuant's CPU kernel (uniform levels at the layer's width, each
+    group's 8-bit anchor in its first row and added to the deltas of the others): each step equals float64 attention
+    over the rows the cache stores, with sink logits every other step."""
+    c = _variant("cachegen", CacheGenKVCache, D, CacheGenOptions(**opts))
+    calls = _kernel_steps(c, CacheGenKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
+    assert len(calls) == steps and "cachegen_cpu" in _common._checked
+
+
+@KERNELS
 def test_kvquant_cpu_kernel_refuses_codes_that_do_not_fit():
     """``kvquant_decode`` names what does not fit: widths outside 2-4 bits, groups that are not whole words, outlier
     buffers short of the groups attended; a cache whose codes the kernel cannot read keeps its op path."""
@@ -1244,6 +1264,20 @@ def test_kvquant_cpu_kernel_refuses_codes_that_do_not_fit():
                       ({"key_outliers": 100}, "outliers"), ({"value_group": 8}, "value rows")):
         with pytest.raises(ValueError, match=f"kvquant_decode: .*{what}"):
             native.module().kvquant_decode(q, keys, values, c.sink_k, c.sink_v, rope, **{**ok, **bad})
+    c = _variant("cachegen", CacheGenKVCache, 64, CacheGenOptions())
+    _feed(c, 2, 2, 64, 200, np.random.default_rng(0))
+    none = [mx.zeros((1, 2, 0), mx.uint16), mx.zeros((1, 2, 0), mx.float16)]
+    uniform = [c.k_codes, c.k_scales, c.k_biases, mx.zeros((1, 2, 64, 0), mx.float16), mx.zeros((0,), mx.int32), *none]
+    anchors = [getattr(c, f"{s}a_{a}") for s in "kv" for a in ("codes", "scales", "biases")]
+    args = (q, uniform, [c.v_codes, c.v_scales, c.v_biases, *none], mx.zeros((1, 2, 0, 64), mx.float16),
+            mx.zeros((1, 2, 0, 64), mx.float16), rope)
+    cg = dict(n=192, bits=4, group=32, value_group=32, key_outliers=0, value_outliers=0, rotate=False)
+    assert native.module().kvquant_decode(*args, **cg, anchors=anchors)[0].shape == (1, 2, 2)
+    for bad, what in (({"bits": 7}, "2-6- or 8-bit uniform"), ({"rotate": True}, "no RoPE"),
+                      ({"anchors": anchors[:3] + [anchors[3][..., :8]] + anchors[4:]}, "anchors"),
+                      ({"anchors": [a[:, :, :2] for a in anchors]}, "anchors")):
+        with pytest.raises(ValueError, match=f"kvquant_decode: .*{what}"):
+            native.module().kvquant_decode(*args, **{**cg, "anchors": anchors, **bad})
     assert not _kvquant(64, bits=5)._cpu_codes_fit(64, 64, 2)  # 5 bits: the op path
     assert not _kvquant(64, group_size=16)._cpu_codes_fit(64, 64, 2)
 

@@ -589,6 +589,7 @@ mx::array softmax_rows(const mx::array& scores, int offset, const opt_array& sin
 std::vector<mx::array> kvquant_decode(const mx::array& q, const std::vector<mx::array>& keys,
                                       const std::vector<mx::array>& values, const mx::array& sink_k,
                                       const mx::array& sink_v, const std::vector<mx::array>& rope, int n, int bits,
-                                      int group, int value_group, int key_outliers, int value_outliers, bool rotate);
+                                      int group, int value_group, int key_outliers, int value_outliers, bool rotate,
+                                      const std::vector<mx::array>& anchors);
 
 }  // namespace veloxquant

@@ -78,11 +78,14 @@ NB_MODULE(_veloxquant_cpu, m) {
   m.def("kvquant_decode", &kvquant_decode, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("sink_k"),
         nb::arg("sink_v"), nb::arg("rope"), nb::arg("n"), nb::arg("bits"), nb::arg("group"), nb::arg("value_group"),
         nb::arg("key_outliers"), nb::arg("value_outliers"), nb::arg("rotate"),
+        nb::arg("anchors") = std::vector<mx::array>{},
         "Partials (m, l, acc) of KVQuant's decode attention over its first n quantized rows, for scaled queries q "
         "[B, H, R, D]: keys = (codes, scales, biases, levels, fit, outlier indices, outlier values) of its per-channel "
         "non-uniform codes (pre-RoPE when rotate: rope = (angle, partner, sign) per channel), values = (codes, "
         "scales, biases, outlier indices, outlier values) of KIVI's per-token rows; key_outliers / value_outliers "
-        "entries a group; the first n_sink rows are sink_k / sink_v (float16, post-RoPE).");
+        "entries a group; the first n_sink rows are sink_k / sink_v (float16, post-RoPE). CacheGen's: levels of size 0 "
+        "(code * scale + bias, 2-6 or 8 bits), anchors = (key codes, scales, biases, value codes, scales, biases) of "
+        "8-bit rows, one a group: its first row, the others deltas against it.");
   m.def("threads", [] { return pool().size(); }, "Threads a call uses.");
 }
 

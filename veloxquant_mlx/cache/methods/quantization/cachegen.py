@@ -21,6 +21,10 @@ Deviations from the paper:
 * rANS with static per-table frequencies, not adaptive arithmetic coding; a table whose streams are not shorter
   than fixed width is stored raw. The entropy-coded form is what is saved, not what attention reads.
 * Trim: KIVI's rule (residual tokens + whole groups), else ``ValueError``.
+
+A CPU decode step reads the codes once in KVQuant's kernel (``native/kvquant_cpu.cpp``, uniform levels): each 64-row
+block's deltas decoded at the layer's width, each group's anchor decoded and put in its first row, added to the
+others (the op path decodes the whole past every step).
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
+from ...kernels.waterfill import rope_tables
 from ...primitives import bitpack, entropy
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_rows
+from ...window import Partials
 from .kivi import KIVIKVCache
 
 ANCHOR_BITS = 8
@@ -123,6 +130,32 @@ class CacheGenKVCache(KIVIKVCache):
         B, H, _, Dv = self.res_v.shape
         x = self._with_anchor(super()._values(n).reshape(B, H, n // self.group, self.group, Dv), "v", n // self.group)
         return x.reshape(B, H, n, Dv).astype(dtype)
+
+    def _cpu_layout(self) -> bool:
+        """The CPU kernel reads CacheGen's codes (KVQuant's kernel, uniform levels and anchors: ``_cpu_part``)."""
+        return True
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Codes ``kvquant_decode`` reads: 2-6- or 8-bit deltas in groups of 32k tokens, value groups of whole words,
+        anchors a scale per whole words of one width on both sides, head dims up to 256, up to 32 query heads."""
+        return (native.available() and self.attend_path == "auto" and self.qbits in (2, 3, 4, 5, 6, 8)
+                and self.group % 32 == 0 and self.value_group(dv) * self.qbits % 32 == 0
+                and (not self.use_delta or (self._acg(d) % 4 == 0 and self._acg(d) == self._acg(dv)))
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` quantized tokens' partials by the CPU kernel (``native/kvquant_cpu.cpp``'s uniform form):
+        each block's delta codes decoded once, each group's anchor put in its first row and added to the others."""
+        B, H, _, D = qf.shape
+        dv = self.res_v.shape[-1]
+        none = mx.zeros((B, H, 0), mx.uint16), mx.zeros((B, H, 0), mx.float16)
+        anchors = [getattr(self, f"{s}a_{a}") for s in "kv" for a in ("codes", "scales", "biases")]
+        m, l, acc = native.module().kvquant_decode(  # noqa: E741
+            qf, [self.k_codes, self.k_scales, self.k_biases, mx.zeros((B, H, D, 0), mx.float16),
+                 mx.zeros((0,), mx.int32), *none], [self.v_codes, self.v_scales, self.v_biases, *none],
+            mx.zeros((B, H, 0, D), mx.float16), mx.zeros((B, H, 0, dv), mx.float16), list(rope_tables(None, D)), n,
+            self.qbits, self.group, self.value_group(dv), 0, 0, False, anchors=anchors if self.use_delta else [])
+        return Partials(m, l, acc)
 
     def _trim_rows(self, n):
         dropped = super()._trim_rows(n)
