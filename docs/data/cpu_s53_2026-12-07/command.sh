@@ -3,3 +3,9 @@
 # worktree at /tmp/wt_before) and after KVQuant's and Palu's kernels and A2ATS's step (857a501), alternated, two pairs:
 for r in 1 2; do for t in /tmp/wt_before /work/main; do (cd $t && OPENBLAS_THREAD_TIMEOUT=4 python \
   scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method kvquant --method palu --method a2ats); done; done
+# cachegen_4k_before_after.txt: CacheGen on KVQuant's kernel, the tree at the session's start and after (7edc5a0), one
+# pair:
+for t in /tmp/wt_before /work/main; do (cd $t && OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py \
+  --context 4096 --steps 8 --rounds 3 --method cachegen); done
+# one layer's step at 4k, Palu (its part with and without rebuilding the keys) and A2ATS: ad-hoc timings printed only
+# (numbers in docs/RESULTS.md, "KVQuant, CacheGen and Palu on CPU kernels").

@@ -8,7 +8,9 @@ is MLX's ``quantized_matmul`` on two streams) and
 TurboQuant-RVQ (``turboquant_rvq_cpu.cpp``, also NSNQuant's residual VQ with its norm pairs and channel mean; the op
 path gathers from lookup tables and decodes every value codeword), the low-rank caches' latents (``latent_cpu.cpp``:
 SVDq's and KVTC's mixed-width latents, xKV's in KIVI's key layout, AMC's and AdaKV's tiers' rows on shared channel
-ranges; the op path decodes every latent each step),
+ranges, Palu's pre-RoPE keys rebuilt per block and turned; the op path decodes every latent each step), KVQuant
+(``kvquant_cpu.cpp``: non-uniform key levels through per-group tables, outliers and sinks put back, pre-RoPE keys
+turned per block; also CacheGen's uniform deltas against their groups' anchors; the op path decodes the whole past),
 and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the op path's beam search as vectors, where MLX's
 ops take ~10 small passes per chunk), and the end of those decode steps (``joint_finish_cpu.cpp``: the exact rows,
 the sinks and the normalization joined to a kernel's partials in one primitive, where ``window.joint_attention``
