@@ -64,7 +64,8 @@ inline void apply_anchors(const KvqDims& d, const uint32_t* codes, const mx::flo
   }
 }
 
-// Channel ch's 64 keys of the block at b0 (whole groups of 32 codes), each code's value from its group's table.
+// Channel ch's 64 keys of the block at b0 (whole groups of 32 codes), each code's value from its group's table
+// (uniform codes: code * scale + bias directly).
 template <int BITS>
 inline void key_channel_levels(const KvqDims& d, const KvqInputs& in, size_t ch, int b0, int rows, float* out) {
   constexpr int L = 1 << BITS;
@@ -73,13 +74,18 @@ inline void key_channel_levels(const KvqDims& d, const KvqInputs& in, size_t ch,
   uint32_t v[32];
   for (int i0 = 0; i0 < rows; i0 += 32) {
     const int t = b0 + i0, g = t / d.G;
-    if (g != group) {  // the group's values: level * scale + bias (uniform: code * scale + bias)
+    const uint32_t* w = in.kc + ch * d.kw + size_t(t) / 32 * BITS;
+    if (d.uniform) {  // code * scale + bias: no table
+      decode_group32<BITS>(w, f16(in.ks[ch * d.kg + g]), f16(in.kb[ch * d.kg + g]), out + i0, 1);
+      continue;
+    }
+    if (g != group) {  // the group's values: level * scale + bias
       group = g;
       const float s = f16(in.ks[ch * d.kg + g]), z = f16(in.kb[ch * d.kg + g]);
-      const mx::float16_t* lv = d.uniform ? nullptr : in.lv + ch * d.lcap + size_t(in.fit[g]) * L;
-      for (int c = 0; c < L; ++c) tbl[c] = (lv ? f16(lv[c]) : float(c)) * s + z;
+      const mx::float16_t* lv = in.lv + ch * d.lcap + size_t(in.fit[g]) * L;
+      for (int c = 0; c < L; ++c) tbl[c] = f16(lv[c]) * s + z;
     }
-    codes_group32<BITS>(in.kc + ch * d.kw + size_t(t) / 32 * BITS, v);
+    codes_group32<BITS>(w, v);
     for (int i = 0; i < 32; ++i) out[i0 + i] = tbl[v[i]];
   }
   for (int j = rows; j < BLOCK; ++j) out[j] = 0.f;
