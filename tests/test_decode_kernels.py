@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch
+from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.kernels import _common, _compile, kernels_enabled, merge_partials, split_count
 from veloxquant_mlx.cache.kernels import kivi as kivi_kernel
 from veloxquant_mlx.cache.kernels import kivi_rows, kvquant_rows, turboquant_rvq_rows as tq_rows
@@ -1510,6 +1510,7 @@ def test_kvquant_decode_step_on_cuda_attends_over_the_returned_rows(monkeypatch)
     monkeypatch.setattr(KVQuantKVCache, "_keys_t", lambda c, n, *a: decoded.append(n) or keys_t(c, n, *a))
     H, R, D = 2, 3, 64
     dispatch.install()
+    monkeypatch.setattr(native, "_ENV_ON", False)  # the CPU pass on the op path (not KVQuant's CPU kernel)
     outs, counts = [], []
     for on in (True, False):
         decoded.clear()
