@@ -9,3 +9,6 @@ for t in /tmp/wt_before /work/main; do (cd $t && OPENBLAS_THREAD_TIMEOUT=4 pytho
   --context 4096 --steps 8 --rounds 3 --method cachegen); done
 # one layer's step at 4k, Palu (its part with and without rebuilding the keys) and A2ATS: ad-hoc timings printed only
 # (numbers in docs/RESULTS.md, "KVQuant, CacheGen and Palu on CPU kernels").
+# cachegen_4k_uniform.txt: after CacheGen's uniform codes are decoded without a table (d0d623a), one pair again:
+for t in /tmp/wt_before /work/main; do (cd $t && OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py \
+  --context 4096 --steps 8 --rounds 3 --method cachegen); done
