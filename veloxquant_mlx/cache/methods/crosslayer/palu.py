@@ -29,8 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import register
-from ...kernels.waterfill import rope_tables
 from ...contract import register_with_mlx_lm
+from ...kernels.waterfill import rope_tables
 from ...lowrank import BASIS_DTYPE, LowRankKVCache
 from ...primitives import lowrank_fit as lr
 from ...primitives.rope import apply_rope, rope_frequencies, rope_spec, rotate_rows
