@@ -349,6 +349,14 @@ inline void empty_partials(int R, int dv, float* m, float* l, float* acc) {
   std::fill(acc, acc + size_t(R) * dv, 0.f);
 }
 
+// NaN partials for `rows` query rows: a call whose tables are not what the kernel reads (e.g. RoPE tables that are
+// not rotary pairs), so that its first-use check turns the kernel off and the op path runs.
+inline void nan_partials(size_t rows, int dv, float* m, float* l, float* acc) {
+  std::fill(m, m + rows, NAN);
+  std::fill(l, l + rows, NAN);
+  std::fill(acc, acc + rows * dv, NAN);
+}
+
 // Each (batch row, KV head)'s rows [0, n) in at most as many ranges as threads (each >= MIN_ROWS_PER_PART rows),
 // rows(bh, t0, t1, m, l, acc) run over the pool, the ranges' partials joined into m, l [BH, R] and acc [BH, R, dv]
 // (acc's channel c read from slot(c) of the ranges' sums). With `counts` (a batch form's, one per batch row: bh / H)

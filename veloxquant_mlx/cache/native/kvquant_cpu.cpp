@@ -172,9 +172,7 @@ class KvquantDecode : public mx::Primitive {
       const TurnTable tt(partner, sign, w, d.D, d.rotate);
       const int BH = d.B * d.H;
       if (!tt.ok) {  // not rotary pairs: NaN (the first-use check then keeps the op path)
-        std::fill(m, m + size_t(BH) * d.R, NAN);
-        std::fill(l, l + size_t(BH) * d.R, NAN);
-        std::fill(acc, acc + size_t(BH) * d.R * d.DV, NAN);
+        nan_partials(size_t(BH) * d.R, d.DV, m, l, acc);
         return;
       }
       auto go = [&](auto rows) { split_and_join(BH, d.R, d.DV, d.n, rows, [](int c) { return c; }, m, l, acc); };

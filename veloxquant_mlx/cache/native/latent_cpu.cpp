@@ -251,8 +251,7 @@ class LatentDecode : public mx::Primitive {
       if (d.hpg) {
         tt.emplace(partner, sign, angle, d.DQ, d.rotate);
         if (!tt->ok) {  // not rotary pairs: NaN (the first-use check then keeps the op path)
-          std::fill(m, m + size_t(d.B) * d.H * d.R, NAN), std::fill(l, l + size_t(d.B) * d.H * d.R, NAN);
-          std::fill(acc, acc + size_t(d.B) * d.H * d.R * d.DA, NAN);
+          nan_partials(size_t(d.B) * d.H * d.R, d.DA, m, l, acc);
           return;
         }
         rb.tt = &*tt;

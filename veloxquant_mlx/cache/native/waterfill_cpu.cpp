@@ -181,9 +181,7 @@ class WaterfillDecode : public mx::Primitive {
     const TurnTable tt(in.partner, in.sign, in.w, d.D, d.rotate);
     const int BH = d.B * d.H;
     if (!tt.ok) {
-      std::fill(m, m + size_t(BH) * d.R, NAN);
-      std::fill(l, l + size_t(BH) * d.R, NAN);
-      std::fill(acc, acc + size_t(BH) * d.R * d.DV, NAN);
+      nan_partials(size_t(BH) * d.R, d.DV, m, l, acc);
       return;
     }
     split_and_join(BH, d.R, d.DV, d.n, [&](int bh, int t0, int t1, float* pm, float* pl, float* pa) {
