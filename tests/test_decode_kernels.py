@@ -10,6 +10,7 @@ present (not in CI), each kernel against the op path on the same caches."""
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -974,9 +975,37 @@ def test_fused_kernel_equals_its_partials_merged(method, H, R, D, prompt, dtype,
     assert (max_splits is None) or splits == {max_splits + 1}
     # past FUSED_MAX_S1 partials: the merge kernel (or, for a dense rotation back, the op path's merge)
     assert fused_max is None or min(splits) > fused_max
-    counters = seen[0][2].counters
-    assert all(how.counters is counters for *_, how in seen) and counters.dtype == mx.int32
-    assert counters.shape[0] >= H and not np.array(counters).any()
+    assert all(how.owner is c for *_, how in seen)
+    counters = c._kernel_counters
+    assert counters.dtype == mx.int32 and counters.shape[0] >= H and not np.array(counters).any()
+
+
+@GPU
+@pytest.mark.parametrize("method", ["kivi", "kivi_sink", "waterfill", "turboquant_rvq"])
+def test_fused_launches_of_one_cache_evaluated_together_equal_those_evaluated_one_by_one(method):
+    """Decode steps whose queries do not come from each other's outputs, evaluated in one ``mx.eval``, give what the
+    same steps evaluated one at a time give: the cache's block counters order each launch after the previous one
+    (``_common.step_counters``). Without that, CUDA's graph ran them concurrently, both counting in the same
+    counters, and a head's merge read another step's partials or never ran (garbage or zeros: session 53, H100)."""
+    outs = []
+    for together in (False, True):
+        rng = np.random.default_rng(5)
+        c = {"kivi": lambda: _kivi(64), "kivi_sink": lambda: _kivi_sink(64, bits=2, group=16, sinks=3),
+             "turboquant_rvq": lambda: _tq(64),
+             "waterfill": lambda: _waterfill(64, nn.RoPE(64, base=10000.0))}[method]()
+        f16 = mx.float16
+        K, V = c.update_and_fetch(_rows(rng, 2, 300, 64, f16), _rows(rng, 2, 300, 64, f16))
+        mx.eval(dispatch.dispatched_sdpa(_rows(rng, 6, 300, 64, f16), K, V, cache=c, scale=0.125, mask="causal"))
+        got = []
+        for _ in range(8):
+            K, V = c.update_and_fetch(_rows(rng, 2, 1, 64, f16), _rows(rng, 2, 1, 64, f16))
+            got.append(dispatch.dispatched_sdpa(_rows(rng, 6, 1, 64, f16), K, V, cache=c, scale=0.125, mask=None))
+            if not together:
+                mx.eval(got[-1])
+        mx.eval(got)
+        outs.append(mx.stack(got).astype(mx.float32))
+    assert float(mx.abs(outs[0]).max()) > 0.05  # attention outputs, not a kernel's untouched zeros
+    assert float(mx.abs(outs[0] - outs[1]).max()) <= 1e-3 * float(mx.abs(outs[0]).max()), method
 
 
 @GPU
@@ -1667,7 +1696,8 @@ def test_launch_routes_fused_and_fallback_calls(S, counters, monkeypatch):
     monkeypatch.setattr(_common, "merge_kernel", lambda *a: merged.append(a) or "merged")
     B, H, R, dv = 2, 3, 4, 64
     sinks, cnt = mx.ones((H * R,)), mx.zeros((B * H + 5,), mx.int32)
-    merge = _common.Merge(sinks, True, mx.bfloat16, cnt if counters else None)
+    owner = SimpleNamespace(_kernel_counters=cnt)  # a cache's stand-in
+    merge = _common.Merge(sinks, True, mx.bfloat16, owner if counters else None)
     out = _common.launch(kernels, False, [mx.zeros((1,))], [1], (), B, H, R, S, dv, merge)
     (fused, arrays, shapes, dtypes, kw), = calls
     assert "init_value" not in kw
@@ -1679,6 +1709,10 @@ def test_launch_routes_fused_and_fallback_calls(S, counters, monkeypatch):
     assert fused and not merged and arrays[1] is sinks and dtypes == [mx.float32, mx.bfloat16]
     assert shapes == [(B * H * R * (S + 1) * (dv + 2),), (B, H * R, 1, dv)] and out.shape == (B, H * R, 1, dv)
     assert arrays[2] is cnt if counters else (arrays[2].shape == (B * H,) and arrays[2].dtype == mx.int32)
+    # the owner's next launch takes a view of its counters ordered after this one's output (mx.depends)
+    after = owner._kernel_counters
+    assert (after is not cnt) == counters and after.shape == cnt.shape and after.dtype == mx.int32
+    assert not np.array(after).any()
 
 
 def test_block_counters_are_held_counted_and_not_copied():

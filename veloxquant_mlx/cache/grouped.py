@@ -463,11 +463,10 @@ class GroupedQuantCache(CompressedKVCache):
         # the residual buffer holds the past rows first, unless this call completed a group: then the record's
         res_k, res_v = (past_k, past_v) if self.n_quant + s != q0 and r0 else (self.res_k, self.res_v)
         exact = (*lead, s, res_k, res_v, r0, new_k, new_v) if s else (res_k, res_v, r0, res_k, res_v, 0, new_k, new_v)
-        counters = kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])
         return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
                                          self.v_scales, self.v_biases, q0 - s, self.qbits, self.group,
                                          self.value_group(new_v.shape[-1]), exact,
-                                         merge=kernels.Merge(sinks, False, queries.dtype, counters))
+                                         merge=kernels.Merge(sinks, False, queries.dtype, self))
 
     def _decode_checked(self, queries, keys, values, *, scale, mask, sinks):
         """The kernel path, checked once per process against the op path (``kernels.checked_call``)."""

@@ -617,21 +617,25 @@ FUSED_TAIL = r"""
 class Merge(NamedTuple):
     """What a fused decode kernel needs to finish the step: the sink logits [H * R] (or None), whether the quantized
     splits' value sum is rotated back from waterfill's Walsh-Hadamard domain, the output's dtype, the calling
-    cache's block counters (``step_counters``; None: fresh zeroed ones, one more queued fill per launch), and a dense
-    matrix that sum is multiplied by instead (``rotation`` [Dv, Dv], also the kernel's own ``VQ_VROT`` input)."""
+    cache (``owner``: the launch takes its block counters, ``step_counters``, and orders its next launch after this
+    one; None: fresh zeroed counters, one more queued fill per launch), and a dense matrix that sum is multiplied by
+    instead (``rotation`` [Dv, Dv], also the kernel's own ``VQ_VROT`` input)."""
 
     sinks: Optional[mx.array]
     hadamard: bool
     out_dtype: mx.Dtype
-    counters: Optional[mx.array] = None
+    owner: object = None
     rotation: Optional[mx.array] = None
 
 
 def step_counters(cache, n: int) -> mx.array:
     """``cache``'s int32 counters [>= n] for its fused decode launches, zero between launches (each head's last block
-    sets its counter back), so a step queues no fill for them. Held per cache: successive launches of one cache are
-    ordered by the step's data (step t + 1 reads step t's token), so two launches never share counters at once. Not
-    state: a deepcopy or a reload makes its own; counted in ``nbytes`` (``held_arrays``) while held."""
+    sets its counter back), so a step queues no fill for them. Held per cache; two launches must never count in them
+    at once, so ``launch`` replaces them by a copy-free view that depends on its output (``mx.depends``): the next
+    launch runs after this one even where nothing else orders them (steps whose queries do not come from each
+    other's outputs, evaluated together: on CUDA the graph ran such launches concurrently and a head's merge read
+    another step's partials). Not state: a deepcopy or a reload makes its own; counted in ``nbytes``
+    (``held_arrays``) while held."""
     c = cache.__dict__.get("_kernel_counters")
     if c is None or c.shape[0] < n:
         c = cache._kernel_counters = mx.zeros((n,), mx.int32)
@@ -643,8 +647,8 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
     """Run a decode kernel (``kernels`` from :func:`kernel_variants`): one block of ``WARPS`` warps per (batch row,
     KV head) and split, plus one block per (batch row, KV head) for the exact rows. Returns the partials (m, l
     [B, H, R, S + 1], acc [.., Dv]); with ``merge`` the attention output [B, H * R, 1, Dv]: up to ``FUSED_MAX_S1``
-    partials per head in the same launch (the partials in a scratch output, the blocks counted in
-    ``merge.counters``), past that by :func:`merge_kernel` (the fused tail is one block per head, slower than the
+    partials per head in the same launch (the partials in a scratch output, the blocks counted in the owner's
+    ``step_counters``), past that by :func:`merge_kernel` (the fused tail is one block per head, slower than the
     merge's many when it reads hundreds of partials)."""
     S1 = S + 1
     grid, threads = (32 * warps * B * H, S1, 1), (32 * warps, 1, 1)
@@ -661,10 +665,12 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
                   else (lambda y: mx.hadamard_transform(y, scale=dv ** -0.5)) if merge.hadamard else None)
         return merge_partials(m, l, acc, merge.sinks, rotate=rotate).reshape(B, H * R, 1, dv).astype(merge.out_dtype)
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
-    cnt = merge.counters if merge.counters is not None else mx.zeros((B * H,), mx.int32)
+    cnt = step_counters(merge.owner, B * H) if merge.owner is not None else mx.zeros((B * H,), mx.int32)
     _, out = kernels[batched, True](arrays + [sk, cnt], scalars + [H * R],
                                     consts + (("HAS_SINK", merge.sinks is not None),
                                               ("ROT", 2 if merge.rotation is not None else int(merge.hadamard))),
                                     [(B * H * R * S1 * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
                                     grid=grid, threads=threads)
+    if merge.owner is not None:  # the owner's next launch after this one (step_counters)
+        merge.owner._kernel_counters = mx.depends(cnt, out)
     return out

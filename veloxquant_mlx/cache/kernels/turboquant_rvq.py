@@ -21,7 +21,7 @@ from ..primitives.bitpack import packed_words
 from ..primitives.rvq import split_bits
 from . import _common
 from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_SHARED, KERNEL_HEAD, MAX_SPLITS, ML_STORE, SQ_EXACT, WARPS, Merge,
-                      exact_args, kernel_variants, launch, step_counters, window_exact)
+                      exact_args, kernel_variants, launch, window_exact)
 
 __all__ = ["tq_partials", "supported", "decode_attend"]
 
@@ -264,8 +264,7 @@ def decode_attend(c, queries, scale: float, sinks=None):
     the call's own row, merged in one softmax (the values rotated back once) by the launch's last block per head."""
     call, c._call = c._call, None
     kq, vq = c._qs()
-    counters = step_counters(c, queries.shape[0] * c.k_codes1.shape[1])
     rot = vq.rotation_back()  # kept on the shared quantizer, counted in the cache's constant_nbytes
     return tq_partials(queries, queries @ kq.rot_t, scale, (c.k_codes1, getattr(c, "k_codes2", None)), c.k_norms,
                        (c.v_codes1, getattr(c, "v_codes2", None)), c.v_norms, kq.cb, vq.cb, rot, call.q0,
-                       window_exact(c, call), merge=Merge(sinks, False, queries.dtype, counters, rot))
+                       window_exact(c, call), merge=Merge(sinks, False, queries.dtype, c, rot))

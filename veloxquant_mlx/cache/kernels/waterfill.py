@@ -35,8 +35,7 @@ from ..primitives.rope import frequencies_of, spec_key
 from ..primitives.value_rotation import poly_coefficients
 from ._compile import HALF_FLOATS, TENSOR_PRELUDE, tensor_cores_here
 from ._common import (ACC_INIT, BLOCK_JOIN, BLOCK_MERGE, BLOCK_SHARED, EXACT_ROWS, KERNEL_HEAD, MMA_STORE, SQ_EXACT,
-                      WARPS, Merge, exact_args, kernel_variants, launch, shared_limit, split_count, step_counters,
-                      window_exact)
+                      WARPS, Merge, exact_args, kernel_variants, launch, shared_limit, split_count, window_exact)
 
 PREFETCH = 4  # rows whose words a warp loads before decoding them (memory-level parallelism)
 
@@ -690,7 +689,7 @@ def decode_attend(c, queries, scale: float, sinks=None):
     launch's last block per head, or past ``_common.FUSED_MAX_S1`` partials by a second launch."""
     call, c._call = c._call, None
     ktab, lo, step, rope, vpoly = cache_constants(c)
-    merge = Merge(sinks, True, queries.dtype, step_counters(c, queries.shape[0] * c.k_words.shape[1]))
+    merge = Merge(sinks, True, queries.dtype, c)
     return waterfill_partials(queries, scale, c.k_words, ktab, lo, step, rope, c.v_words, c.v_scales, vpoly, call.q0,
                               call.s0, c.bit_width, c._shape[2], window_exact(c, call),
                               paired=paired_rope(c.rope, c._shape[1]), merge=merge)

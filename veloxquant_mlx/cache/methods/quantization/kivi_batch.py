@@ -254,11 +254,10 @@ class KIVIBatchKVCache(RaggedBatchCache):
         G = self.group
         counts = step_counts([(q * G, R - r, r, 0, 0) for q, r in zip(nq, nr)])
         k0, v0 = (past_k, past_v) if R else (new_k, new_v)
-        counters = kernels.step_counters(self, queries.shape[0] * self.k_codes.shape[1])
         return kivi_kernel.kivi_partials(queries, scale, self.k_codes, self.k_scales, self.k_biases, self.v_codes,
                                          self.v_scales, self.v_biases, qw * G, self.qbits, G,
                                          self.value_group(new_v.shape[-1]), (k0, v0, 0, k0, v0, 0, new_k, new_v),
-                                         counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, counters))
+                                         counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, self))
 
     def _check_trim_rows(self, n: int) -> None:
         """Exact while the ``n`` newest tokens are all residual rows."""

@@ -305,12 +305,11 @@ class TurboQuantRVQBatchKVCache(RaggedBatchCache):
         kq, vq = self._qs()
         w = call.window
         counts, exact = self._step_exact(call)
-        counters = kernels.step_counters(self, queries.shape[0] * self.k_codes1.shape[1])
         rot = vq.rotation_back()
         return tq_kernel.tq_partials(
             queries, queries @ kq.rot_t, scale, (self.k_codes1, getattr(self, "k_codes2", None)), self.k_norms,
             (self.v_codes1, getattr(self, "v_codes2", None)), self.v_norms, kq.cb, vq.cb, rot, w.q0, exact,
-            counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, counters, rot))
+            counts=counts, merge=kernels.Merge(sinks, False, queries.dtype, self, rot))
 
     def _step_exact(self, call: _BatchCall):
         """The CUDA kernels' per-sequence counts and exact buffers of a one-row step: the sink slots (those below

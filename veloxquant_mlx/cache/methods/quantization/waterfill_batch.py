@@ -234,11 +234,10 @@ class WaterfillBatchKVCache(TurboQuantRVQBatchKVCache):
         window rows right-aligned) and the key tables per sequence and head."""
         ktab, lo, step, rope, vpoly = wf_kernel.cache_constants(self)
         counts, exact = self._step_exact(call)
-        counters = kernels.step_counters(self, queries.shape[0] * self.k_words.shape[1])
         return wf_kernel.waterfill_partials(queries, scale, self.k_words, ktab, lo, step, rope, self.v_words,
                                             self.v_scales, vpoly, call.window.q0, SINK_ROWS, self.bit_width,
                                             self._shape[2], exact, counts=counts,
-                                            merge=kernels.Merge(sinks, True, queries.dtype, counters),
+                                            merge=kernels.Merge(sinks, True, queries.dtype, self),
                                             paired=wf_kernel.paired_rope(self.rope, self._shape[1]))
 
     def _batch_cpu_part(self, q, n: int, counts: list):
