@@ -1141,13 +1141,14 @@ def reference_kernels(monkeypatch):
         partials = (mx.concatenate([qm, em], -1), mx.concatenate([ql, el], -1), mx.concatenate([qa, ea], -2))
         return merged(partials, merge)
 
-    def merge(m, l, acc, sinks, hadamard, out_dtype, counters, rotation=None):
+    def merge(m, l, acc, sinks, hadamard, out_dtype, owner, rotation=None):
         rotate = ((lambda y: rotate_values(y, 0, inverse=True)) if hadamard
                   else (lambda y: y @ rotation) if rotation is not None else None)
         out = merge_partials(m, l, acc, sinks, rotate=rotate)
         B, H, R, dv = out.shape
-        # the cache's own block counters (zero between launches): int32, one per (batch row, KV head)
-        assert counters is not None and counters.dtype == mx.int32 and counters.shape[0] >= B * H
+        # the calling cache, whose block counters the launch takes: int32, one per (batch row, KV head)
+        counters = _common.step_counters(owner, B * H)
+        assert counters.dtype == mx.int32 and counters.shape[0] >= B * H
         return out.reshape(B, H * R, 1, dv).astype(out_dtype)
 
     def wf_decode(c, n, dtype):  # waterfill's prefill kernels: the op path, counted
