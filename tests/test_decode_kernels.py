@@ -1710,10 +1710,13 @@ def test_launch_routes_fused_and_fallback_calls(S, counters, monkeypatch):
     assert fused and not merged and arrays[1] is sinks and dtypes == [mx.float32, mx.bfloat16]
     assert shapes == [(B * H * R * (S + 1) * (dv + 2),), (B, H * R, 1, dv)] and out.shape == (B, H * R, 1, dv)
     assert arrays[2] is cnt if counters else (arrays[2].shape == (B * H,) and arrays[2].dtype == mx.int32)
-    # the owner's next launch takes a view of its counters ordered after this one's output (mx.depends)
-    after = owner._kernel_counters
-    assert (after is not cnt) == counters and after.shape == cnt.shape and after.dtype == mx.int32
-    assert not np.array(after).any()
+    # the owner's next launch takes this one's output as an input it never reads (ordered after it); the first, its
+    # counters again
+    assert arrays[3] is cnt if counters else arrays[3] is arrays[2]
+    if counters:
+        assert owner._kernel_after is out
+        _common.launch(kernels, False, [mx.zeros((1,))], [1], (), B, H, R, S, dv, merge)
+        assert calls[-1][1][2] is cnt and calls[-1][1][3] is out
 
 
 def test_block_counters_are_held_counted_and_not_copied():

@@ -232,8 +232,8 @@ def test_nbytes_compressed_and_no_float_copy():
         assert type(c) is WaterfillBatchKVCache and all(c.src)
         arrays = sum(getattr(c, n).nbytes for n in c.array_fields) + c._layout.nbytes + c._omega_cache.nbytes
         kernel_tables = sum(a.nbytes for a in wf_kernel.held_constants(c))  # built on CUDA only (its decode kernel)
-        counters = c.__dict__.get("_kernel_counters")  # the fused launches' block counters (CUDA only)
-        kernel_tables += counters.nbytes if counters is not None else 0
+        for held in ("_kernel_counters", "_kernel_after"):  # the fused launches' counters, last output (CUDA only)
+            kernel_tables += c.__dict__[held].nbytes if held in c.__dict__ else 0
         cpu_tables = c.__dict__.get("_cpuconst")  # the CPU kernel's (its decode steps here), memoised with k_lo
         if cpu_tables is not None:
             assert cpu_tables[0] is c.k_lo

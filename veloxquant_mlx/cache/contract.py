@@ -70,6 +70,8 @@ class BatchingNotSupported(NotImplementedError):
 
 
 _CONFIG_SKIP = ("store", "observers", "options", "dtype")
+# a cache's fused decode launches' block counters and its last launch's output (kernels.step_counters): held, not state
+_KERNEL_HELD = ("_kernel_counters", "_kernel_after")
 
 
 def config_to_json(config) -> str:
@@ -167,9 +169,9 @@ class CompressedKVCache(mlx_cache._BaseCache):
         raise NotImplementedError
 
     def held_arrays(self) -> list[mx.array]:
-        """``array_fields``, and the decode kernels' block counters once a fused launch made them
+        """``array_fields``, and the decode kernels' block counters and last output once a fused launch made them
         (``kernels.step_counters``: held between steps, so counted)."""
-        arrays = [getattr(self, n) for n in self.array_fields] + [self.__dict__.get("_kernel_counters")]
+        arrays = [getattr(self, n) for n in self.array_fields] + [self.__dict__.get(n) for n in _KERNEL_HELD]
         return [a for a in arrays if a is not None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -303,7 +305,7 @@ class CompressedKVCache(mlx_cache._BaseCache):
         (coordinators) stay shared within one deepcopy call."""
         new = memo[id(self)] = type(self).__new__(type(self))
         for k, v in self.__dict__.items():
-            if k not in ("_kernel_counters", "_step_sig", "_config_json"):  # per-object memos: rebuilt
+            if k not in (*_KERNEL_HELD, "_step_sig", "_config_json"):  # per-object memos: rebuilt
                 setattr(new, k, v if k == "config" or isinstance(v, mx.Dtype) else copy.deepcopy(v, memo))
         return new
 

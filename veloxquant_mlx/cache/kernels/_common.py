@@ -369,13 +369,14 @@ EXACT_SCALARS = [("e0_all", "int"), ("e1_all", "int"), ("T0", "int"), ("T1", "in
 def kernel_variants(name: str, inputs: list, scalars: list, body: str, bounds=None, prelude: str = "") -> dict:
     """{(batched, fused): Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt``
     input), each returning its partials or, ``fused``, also merging them (``FUSED_TAIL``: the sink logits ``sk`` an
-    input, ``HQ`` a scalar) into the attention output: one launch per layer. ``bounds``, ``prelude``: ``Kernel``'s."""
+    input, ``HQ`` a scalar) into the attention output: one launch per layer. A fused kernel also takes the block
+    counters ``vq_blocks`` and ``vq_after``, never read (``launch``). ``bounds``, ``prelude``: ``Kernel``'s."""
     table = {}
     for b in (False, True):
         src = body.replace("VQ_COUNTS", _COUNTS[b])
         ins, sc, nm = inputs + ["cnt"] * b + EXACT_INPUTS, scalars + EXACT_SCALARS, name + ("_batch" if b else "")
         table[b, False] = Kernel(nm, ins, OUTPUTS, sc, src, bounds, prelude)
-        table[b, True] = Kernel(nm + "_fused", ins + ["sk", "vq_blocks"], FUSED_OUTPUTS, sc + [("HQ", "int")],
+        table[b, True] = Kernel(nm + "_fused", ins + ["sk", "vq_blocks", "vq_after"], FUSED_OUTPUTS, sc + [("HQ", "int")],
                                 FUSED_HEAD + src + FUSED_TAIL, bounds, prelude)
     return table
 
@@ -631,11 +632,12 @@ class Merge(NamedTuple):
 def step_counters(cache, n: int) -> mx.array:
     """``cache``'s int32 counters [>= n] for its fused decode launches, zero between launches (each head's last block
     sets its counter back), so a step queues no fill for them. Held per cache; two launches must never count in them
-    at once, so ``launch`` replaces them by a copy-free view that depends on its output (``mx.depends``): the next
-    launch runs after this one even where nothing else orders them (steps whose queries do not come from each
-    other's outputs, evaluated together: on CUDA the graph ran such launches concurrently and a head's merge read
-    another step's partials). Not state: a deepcopy or a reload makes its own; counted in ``nbytes``
-    (``held_arrays``) while held."""
+    at once, so each launch also takes the cache's previous launch's output as an input it never reads
+    (``vq_after``, ``_kernel_after``): MLX's CUDA graph orders a kernel after those that wrote its inputs, and a
+    kernel writing an input it was given (the counters) orders nothing. Without it, steps whose queries do not come
+    from each other's outputs, evaluated together, ran concurrently and a head's merge read another step's
+    partials (H100, session 54; ``mx.depends`` on the counters did not order them). Not state: a deepcopy or a
+    reload makes its own; counted in ``nbytes`` (``held_arrays``) while held."""
     c = cache.__dict__.get("_kernel_counters")
     if c is None or c.shape[0] < n:
         c = cache._kernel_counters = mx.zeros((n,), mx.int32)
@@ -666,11 +668,12 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
         return merge_partials(m, l, acc, merge.sinks, rotate=rotate).reshape(B, H * R, 1, dv).astype(merge.out_dtype)
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
     cnt = step_counters(merge.owner, B * H) if merge.owner is not None else mx.zeros((B * H,), mx.int32)
-    _, out = kernels[batched, True](arrays + [sk, cnt], scalars + [H * R],
+    after = merge.owner.__dict__.get("_kernel_after") if merge.owner is not None else None
+    _, out = kernels[batched, True](arrays + [sk, cnt, cnt if after is None else after], scalars + [H * R],
                                     consts + (("HAS_SINK", merge.sinks is not None),
                                               ("ROT", 2 if merge.rotation is not None else int(merge.hadamard))),
                                     [(B * H * R * S1 * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
                                     grid=grid, threads=threads)
-    if merge.owner is not None:  # the owner's next launch after this one (step_counters)
-        merge.owner._kernel_counters = mx.depends(cnt, out)
+    if merge.owner is not None:  # the owner's next launch reads it: ordered after this one (step_counters)
+        merge.owner._kernel_after = out
     return out
