@@ -25,6 +25,7 @@ EXACT = [F16, F16, BF16, BF16, F32, F32]
 PRS = ("PRS", kivi.PAIR_ROW_WORDS)  # the tensor-core kernel's constant
 PARTIALS = [F32] * 3
 WF_MMA_IN = [F16, U32, U32, F32, F32, F32, U32, U32, F16, F32]  # waterfill's tensor-core form's own inputs
+FUSED_IN = [F32, I32]  # a fused kernel's sink logits and block counters; then the owner's last output (its dtype)
 CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
     ("waterfill_d128_r4", waterfill._KERNELS[False, False], [BF16, U32, U32, F32, F32, F32, I32, F32, U32, F16, F32] + EXACT,
      PARTIALS, (("D", 128), ("WK", 16), ("WV", 16), ("VB", 4), ("PAIR", True)) + waterfill.group_constants(4, 4, 128)
@@ -48,21 +49,21 @@ CASES = [  # (label, kernel, input dtypes, output dtypes, constants)
      (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS, ("NW", 4),
       ("REP", 4), ("DV", 128))),
     ("kivi_mma_fused_d128_r4", kivi._MMA_KERNELS[False, True], [F16, U32, F16, F16, U32, F16, F16] + EXACT
-     + [F32, I32], [F32, F16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
+     + FUSED_IN + [F16], [F32, F16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
                                 ("HAS_SINK", 0), ("ROT", 0), ("NW", 4), ("REP", 4), ("DV", 128))),
     ("kivi_mma_fused_batch_d128_r8", kivi._MMA_KERNELS[True, True], [BF16, U32, F16, F16, U32, F16, F16, I32] + EXACT
-     + [F32, I32], [F32, BF16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
+     + FUSED_IN + [BF16], [F32, BF16], (("D", 128), ("KB", 4), ("G", 32), ("GV", 32), ("WV", 16), ("TW", 8), PRS,
                                  ("HK", 8), ("HAS_SINK", 1), ("ROT", 0), ("NW", 4), ("REP", 8), ("DV", 128))),
     ("kivi_mma_d64_r3", kivi._MMA_KERNELS[False, False], [F16, U32, F16, F16, U32, F16, F16] + EXACT, PARTIALS,
      (("D", 64), ("KB", 4), ("G", 64), ("GV", 64), ("WV", 8), ("TW", 8), PRS, ("NW", 4), ("REP", 3),
       ("DV", 64))),
     # waterfill's tensor-core form (a stack frame of spilled registers is expected there: it runs at 128 registers);
     # WK 16 and 8 stage their key words in shared memory, WK 20 (5-bit keys) reads them from global memory
-    ("waterfill_mma_fused_d128_r4", waterfill._MMA_KERNELS[False, True], WF_MMA_IN + EXACT + [F32, I32], [F32, F16],
-     (("D", 128), ("WK", 16), ("WV", 16), ("HAS_SINK", 1), ("ROT", 1), ("NW", 4), ("REP", 4), ("DV", 128))),
-    ("waterfill_mma_fused_batch_d128_r8", waterfill._MMA_KERNELS[True, True], WF_MMA_IN + [I32] + EXACT + [F32, I32],
-     [F32, BF16], (("D", 128), ("WK", 16), ("WV", 16), ("HK", 8), ("HAS_SINK", 0), ("ROT", 1), ("NW", 4), ("REP", 8),
-                   ("DV", 128))),
+    ("waterfill_mma_fused_d128_r4", waterfill._MMA_KERNELS[False, True], WF_MMA_IN + EXACT + FUSED_IN + [F16],
+     [F32, F16], (("D", 128), ("WK", 16), ("WV", 16), ("HAS_SINK", 1), ("ROT", 1), ("NW", 4), ("REP", 4), ("DV", 128))),
+    ("waterfill_mma_fused_batch_d128_r8", waterfill._MMA_KERNELS[True, True],
+     WF_MMA_IN + [I32] + EXACT + FUSED_IN + [BF16], [F32, BF16],
+     (("D", 128), ("WK", 16), ("WV", 16), ("HK", 8), ("HAS_SINK", 0), ("ROT", 1), ("NW", 4), ("REP", 8), ("DV", 128))),
     ("waterfill_mma_batch_d64_r8", waterfill._MMA_KERNELS[True, False], WF_MMA_IN + [I32] + EXACT, PARTIALS,
      (("D", 64), ("WK", 8), ("WV", 8), ("HK", 8), ("NW", 4), ("REP", 8), ("DV", 64))),
     ("waterfill_mma_d128_k20_r2", waterfill._MMA_KERNELS[False, False], WF_MMA_IN + EXACT, PARTIALS,
