@@ -22,6 +22,7 @@ shift
 for cmd in "$@"; do
   case "$cmd" in
   ktest) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel" > $OUT/ktest.txt 2>&1; tail -25 $OUT/ktest.txt ;;
+  order) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py tests/test_quant_contract.py -k "evaluated_together or fused_kernel_equals or launch_routes or gpu_decode_step or take_the_kernels" > $OUT/order.txt 2>&1; grep -E "^FAILED|passed|failed" $OUT/order.txt ;;  # session 54: a cache's fused launches ordered (vq_after)
   kquick) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_kernels.py -k "kernel_equals or take_the_kernels or decoding_of_the_codes" > $OUT/kquick.txt 2>&1; tail -5 $OUT/kquick.txt ;;
   ktime) timeout 200 python3 scripts/decode_kernel_time.py --context 8192,32768,131072 --old-kernels .gpu/old --host > $OUT/decode_kernel_time.txt 2>&1; cat $OUT/decode_kernel_time.txt ;;
   benchk) timeout 400 python3 -m veloxquant_mlx bench --shape llama-8b --random-weights --method kivi --set kivi:bit_width_inlier=4 --context 8192,32768 --repeats 2 --decode-tokens 16 --baselines none --isolate --json > $OUT/bench_kivi.json; tail -c 3000 $OUT/bench_kivi.json ;;
