@@ -38,6 +38,7 @@ from veloxquant_mlx.cache.grouped import GroupedQuantCache
 from veloxquant_mlx.cache.kernels import _common
 from veloxquant_mlx.cache.kernels.waterfill import rope_tables
 from veloxquant_mlx.cache.methods.quantization import turboquant_rvq as tq
+from veloxquant_mlx.cache.methods.quantization import vecinfer as vi
 from veloxquant_mlx.cache.methods.quantization.age_tiered import AgeTieredKVCache
 from veloxquant_mlx.cache.methods.quantization.gear import GEARKVCache
 from veloxquant_mlx.cache.methods.crosslayer.palu import PALUKVCache
@@ -47,9 +48,11 @@ from veloxquant_mlx.cache.methods.quantization.kvquant import KVQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.nsnquant import NSNQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.skvq import SKVQKVCache
 from veloxquant_mlx.cache.methods.quantization.turboquant_rvq import TurboQuantRVQKVCache
+from veloxquant_mlx.cache.methods.quantization.vecinfer import VecInferKVCache
 from veloxquant_mlx.cache.methods.quantization.waterfill import WaterfillKVCache
 from veloxquant_mlx.cache.methods.quantization.zipcache import ZipCacheKVCache
 from veloxquant_mlx.cache.native import build
+from veloxquant_mlx.cache.settings import build_config
 from veloxquant_mlx.cache.window import Partials, joint_attention
 
 from test_decode_kernels import _kivi, _kivi_sink, _rel, _rows, _softmax_attention64
@@ -1027,6 +1030,102 @@ def test_rvq_cpu_kernel_takes_norm_pairs_only_with_the_keys_mean(rvq_calls):
         f(q, *side, *side, n, D, k_bias=bias, k_word2=3, v_word2=2)
     m, l, acc = f(q, *side, *side, n, D, k_bias=bias, k_word2=2, v_word2=2)  # noqa: E741
     assert acc.shape == (1, H, R, D + 1) and m.shape == l.shape == (1, H, R)
+
+
+# ------------------------------------------------------------------------------------------- VecInfer
+def _vecinfer(D, **sets):
+    """A VecInfer cache of head dim ``D``; ``sets`` by setting name (its sub-vector dims and codebook bits are shared
+    flat fields: ``build_config`` passes them without the flat-field warning)."""
+    c = KVCacheFactory.create(build_config("vecinfer", {"head_dim": D, **sets}))
+    assert isinstance(c, VecInferKVCache)
+    return c
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,sets,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 12-bit keys (planes of 8 + 4 bits) on 4-dim pieces, 8-bit values on 8
+    (2, 4, 128, {}, 100, 40),  # blocks completed during the steps
+    (1, 5, 64, {"key_codebook_bits": 10}, 200, 30),  # planes of 8 + 2 bits; R in two groups of query lanes
+    (2, 2, 64, {"key_codebook_bits": 8, "key_sub_dim": 2, "value_sub_dim": 16}, 200, 30),  # no high plane
+    (2, 1, 32, {"key_codebook_bits": 6, "value_codebook_bits": 10, "value_sub_dim": 4}, 200, 30),  # values' planes
+    (3, 3, 64, {}, 2100, 6),  # a past split over the threads: key scores from the codewords
+    (1, 2, 64, {"key_codebook_bits": 9, "key_sub_dim": 16}, 2100, 6),  # ... from a table of them
+    (2, 3, 64, {"key_codebook_bits": 10, "key_codebook": np.random.default_rng(3).normal(size=(600, 4))}, 200, 12)])
+def test_vecinfer_decodes_on_the_rvq_cpu_kernel(H, R, D, sets, prompt, steps, monkeypatch):
+    """VecInfer's decode steps read its codes in TurboQuant-RVQ's CPU kernel (joint sides: a code's low and high
+    planes one index into the layer's codebook, unit norms, the keys' query smoothed and rotated): each step equals
+    float64 attention over the rows the cache stores, across completed blocks, with sink logits every other step;
+    a given codebook short of 2^bits rows (padded for the kernel)."""
+    c = _vecinfer(D, **sets)
+    calls = _kernel_steps(c, VecInferKVCache, H, R, D, prompt, steps, prompt + R, monkeypatch)
+    assert len(calls) == steps and "vecinfer_cpu" in _common._checked and c.key_cb.shape[0] == 1
+
+
+@KERNELS
+@pytest.mark.parametrize("n_rows,sets", [(4097, {"key_codebook_bits": 9, "key_sub_dim": 16}), (1000, {}),
+                                         (63, {"value_codebook_bits": 10})])
+def test_vecinfer_cpu_partials_equal_float64_sums_over_the_codes(n_rows, sets, monkeypatch):
+    """``_cpu_part``'s partials (m, l, acc) of the first ``n`` coded rows equal float64 sums over the codebooks'
+    decoding of the same codes: key scores read from a table (long ranges of small codebooks) or from the codewords,
+    values' bins over 8- and 10-bit codebooks."""
+    H, R, D = 2, 3, 64
+    c = _vecinfer(D, **sets)
+    rng = np.random.default_rng(n_rows)
+    _feed(c, H, R, D, n_rows + 100, rng)
+    assert c.n_quant >= n_rows
+    qf = _rows(rng, H, R, D) * 0.3
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    qt = f64((qf * c.smooth[None, :, None, :]) @ c._rot(D))
+    keys = f64(vi._lookup(c._codes("k", n_rows), c.key_cb))  # the transformed keys' codewords
+    s = np.einsum("bhrd,bhnd->bhrn", qt, keys)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    part = c._cpu_part(qf, n_rows)
+    spread = np.einsum("bhrd,bhnd->bhrn", np.abs(qt), np.abs(keys)).max()
+    tol = 8 * D * float(np.finfo(np.float32).eps) * spread + 1e-6
+    np.testing.assert_allclose(np.array(part.m), s.max(axis=-1), rtol=0, atol=tol)
+    assert _rel(part.l, p.sum(axis=-1)) < tol
+    assert _rel(part.acc, np.einsum("bhrn,bhnd->bhrd", p, f64(c._values(n_rows)))) < tol, tol
+
+
+@KERNELS
+def test_vecinfer_with_per_head_codebooks_decodes_on_its_op_path(monkeypatch):
+    """A key codebook per head (given as [H, K, d]) is past the kernel's one codebook a side: the op path, still
+    equal to float64 attention over the stored rows."""
+    H, R, D = 2, 2, 64
+    cb = mx.array(np.random.default_rng(1).normal(size=(H, 64, 4)).astype(np.float32))
+    c = _vecinfer(D, key_codebook_bits=6, key_codebook=cb)
+    calls = _kernel_steps(c, VecInferKVCache, H, R, D, 120, 6, 5, monkeypatch)
+    assert c.key_cb.shape[0] == H and c.n_quant and not calls
+
+
+@KERNELS
+def test_rvq_cpu_kernel_takes_joint_sides_only_as_they_fit():
+    """VecInfer's joint arguments that do not fit are refused naming what is wrong: a stage-2 codebook beside a
+    joint side, a codebook whose size does not match the planes (a high plane needs 2^9 .. 2^16 rows, none at most
+    2^8), a high plane with too few rows, values' bins past 2^16; unit norms (shape [B, H, 0]) take any row count."""
+    H, R, D = 2, 2, 64
+    c = _vecinfer(D)
+    _feed(c, H, R, D, 120, np.random.default_rng(0))
+    n, q = c.n_quant, mx.zeros((1, H, R, D))
+    unit, none = mx.zeros((1, H, 0), mx.float16), mx.zeros((0,))
+    k = [c.k_lo, c.k_hi, unit, c.key_cb[0], none, None]
+    v = [c.v_lo, None, unit, c.val_cb[0], none, None]
+    f = native.module().turboquant_rvq_decode
+    with pytest.raises(ValueError, match="keys: joint: no stage-2 codebook"):
+        f(q, *k[:5], c.key_cb[0], *v, n, D, k_joint=True, v_joint=True)
+    with pytest.raises(ValueError, match="keys: joint codebook size"):  # a high plane with 2^8 rows
+        f(q, *k[:3], c.val_cb[0, :, :4], *k[4:], *v, n, D, k_joint=True, v_joint=True)
+    with pytest.raises(ValueError, match="values: joint codebook size"):  # 2^12 rows without a high plane
+        f(q, *k, c.v_lo, None, unit, mx.zeros((4096, 8)), none, None, n, D, k_joint=True, v_joint=True)
+    with pytest.raises(ValueError, match="keys: stage-2 codes"):
+        f(q, k[0], k[1][:, :, :4], *k[2:], *v, n, D, k_joint=True, v_joint=True)
+    with pytest.raises(ValueError, match="stage-2 codes and codebook go together"):  # joint off: as before
+        f(q, *k, *v, n, D, v_joint=True)
+    hi8 = mx.zeros((1, H, n, 2), mx.uint32)  # 16-bit values: 8 pieces x 2^16 bins
+    with pytest.raises(ValueError, match=r"values: joint bins \(pieces x codewords\) up to 2\^16"):
+        f(q, *k, c.v_lo, hi8, unit, mx.zeros((1 << 16, 8)), none, None, n, D, k_joint=True, v_joint=True)
+    m, l, acc = f(q, *k, *v, n, D, k_joint=True, v_joint=True)  # noqa: E741
+    assert acc.shape == (1, H, R, D) and m.shape == l.shape == (1, H, R)
 
 
 @KERNELS

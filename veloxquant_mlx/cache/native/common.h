@@ -577,7 +577,8 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
                                              const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts,
-                                             const opt_array& k_bias, int k_word2, int v_word2);
+                                             const opt_array& k_bias, int k_word2, int v_word2, bool k_joint,
+                                             bool v_joint);
 std::vector<mx::array> latent_decode(const mx::array& q, const opt_array& bias, int n, int group,
                                      const opt_array& k_codes, const opt_array& k_scales, const opt_array& k_biases,
                                      const opt_array& k_raw, const std::vector<int>& k_bits, const opt_array& v_codes,

@@ -32,11 +32,13 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("k_norms"), nb::arg("k_c1"), nb::arg("k_sigma"), nb::arg("k_c2").none(), nb::arg("v_codes1"),
         nb::arg("v_codes2").none(), nb::arg("v_norms"), nb::arg("v_c1"), nb::arg("v_sigma"), nb::arg("v_c2").none(),
         nb::arg("n"), nb::arg("dv"), nb::arg("counts") = std::vector<int>{}, nb::arg("k_bias").none() = nb::none(),
-        nb::arg("k_word2") = 0, nb::arg("v_word2") = 0,
+        nb::arg("k_word2") = 0, nb::arg("v_word2") = 0, nb::arg("k_joint") = false, nb::arg("v_joint") = false,
         "Partials (m, l, acc) of TurboQuant-RVQ's decode attention over its first n quantized rows (counts: batch "
         "row b's first counts[b] instead), for rotated scaled queries q (acc in the rotated value domain). NSNQuant's "
         "layout: norms [B, H, rows, 2] (n1, n2), k_bias = q.mu [B, H, R], stage 2 from word k_word2 / v_word2 of "
-        "the codes' rows, and with value pairs acc's extra last column sum(p n1).");
+        "the codes' rows, and with value pairs acc's extra last column sum(p n1). Norms [B, H, 0]: unit norms (every "
+        "row's gain 1). k_joint / v_joint (VecInfer's): one codebook c1 of 2^bits rows indexed by codes1 | codes2 << "
+        "8, codes2 the high bits (9-16 bits; None with up to 8), no c2, sigma not read.");
   m.def("latent_decode", &latent_decode, nb::arg("q"), nb::arg("bias").none(), nb::arg("n"), nb::arg("group"),
         nb::arg("k_codes").none(), nb::arg("k_scales").none(), nb::arg("k_biases").none(), nb::arg("k_raw").none(),
         nb::arg("k_bits"), nb::arg("v_codes").none(), nb::arg("v_scales").none(), nb::arg("v_biases").none(),

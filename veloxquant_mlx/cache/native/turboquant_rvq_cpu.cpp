@@ -12,6 +12,12 @@
 // rotation) and both stages' codes in one row (stage 2 from word `word2`). Its key scores are n1 n2 (q.y) +
 // n1 (q.mu) (q.mu given per query head: `bias`); its value weights p n1 n2 go to the bins and sum(p n1), the mean's
 // weight, to acc's extra last column (joined across the ranges like the rest of acc).
+//
+// VecInfer's layout takes it as joint sides: one codebook cb1 of 2^(bits1 + bits2) rows indexed by c1 | c2 << bits1,
+// c2 the codes' high bits (bits1 = 8 then; no high plane with up to 8 bits), no stage 2 and no sigma; its rows have
+// no norms, passed as unit norms (shape [B, H, 0]: every row's gain 1). A joint side's key scores read a table over
+// all its codewords where a range's rows pay for building it, else each row's codewords (q . c a piece); its values'
+// bins span all the codewords.
 #include "common.h"
 
 namespace veloxquant {
@@ -25,10 +31,13 @@ struct Side {
   const float *cb1, *sigma, *cb2;  // [K1, sd], [K1], [K2, sd] (cb2 null with one stage)
   int cap1, cap2, capn, w1, w2, bits1, bits2, sd, S;
   int pair = 0, word2 = 0;       // norms (n1, n2) a row; stage 2's first word in its rows
-  int k1() const { return 1 << bits1; }
-  int k2() const { return c2 ? 1 << bits2 : 0; }
+  bool joint = false, unit = false;  // c2 the high bits of an index into cb1 (joint); every row's gain 1 (unit)
+  int k1() const { return 1 << (joint ? bits1 + bits2 : bits1); }
+  int k2() const { return c2 && !joint ? 1 << bits2 : 0; }
+  bool wide() const { return joint && bits2; }  // indices past 8 bits, composed per block (BlockCodes::idx)
   // the row's scale of its codes' sum (n1 n2 with a pair) and, with a pair, the mean's (n1)
   float gain(int bh, int t, float* n1) const {
+    if (unit) return 1.f;
     const mx::float16_t* x = norms + (size_t(bh) * capn + t) * (pair ? 2 : 1);
     if (!pair) return f16(x[0]);
     *n1 = f16(x[0]);
@@ -70,13 +79,19 @@ inline void unpack_row(const uint32_t* __restrict w, int S, int bits, uint8_t* _
 // A block's codes of one side, row-major: c1[j * S + s], c2 likewise (a stage-2 term's scale is sigma[c1], read
 // where it is used: a table of K1 floats in L1, cheaper than a block-sized copy of it). Byte-wide codes filling
 // their rows' words exactly (8-bit codes, S a multiple of 4: the defaults' stage 1) are read where they are stored.
+// A wide joint side's indices c1 | c2 << bits1 go to idx.
 struct BlockCodes {
   std::vector<uint8_t> i1, i2;
+  std::vector<uint16_t> ij;
   const uint8_t *c1 = nullptr, *c2 = nullptr;
-  explicit BlockCodes(int S) : i1(size_t(S) * BLOCK), i2(size_t(S) * BLOCK) {}
+  const uint16_t* idx = nullptr;
+  BlockCodes(int S, bool wide) : i1(size_t(S) * BLOCK), i2(size_t(S) * BLOCK), ij(wide ? size_t(S) * BLOCK : 0) {}
   void load(const Side& x, int bh, int t0, int rows) {
     c1 = stage(x.c1, x.cap1, x.w1, 0, x.bits1, x.S, bh, t0, rows, i1);
     if (x.c2) c2 = stage(x.c2, x.cap2, x.w2, x.word2, x.bits2, x.S, bh, t0, rows, i2);
+    if (!x.wide()) return;
+    for (size_t i = 0, m = size_t(rows) * x.S; i < m; ++i) ij[i] = uint16_t(c1[i] | unsigned(c2[i]) << x.bits1);
+    idx = ij.data();
   }
 
  private:
@@ -119,9 +134,9 @@ void lookup_table(const float* q, int R, int D, const float* cb, int K, int sd, 
 }
 
 // sum_s tab[s * K + code[s]] (each term times sigma[cell[s]] when SCALED: a stage-2 code's scale by its stage-1
-// cell), in four independent sums.
-template <bool SCALED>
-inline vf4 lookup_sum(const vf4* __restrict tab, int K, const uint8_t* __restrict code, const float* sigma,
+// cell), in four independent sums; codes of 8 bits, or a wide joint side's 16-bit indices.
+template <bool SCALED, class Code>
+inline vf4 lookup_sum(const vf4* __restrict tab, int K, const Code* __restrict code, const float* sigma,
                       const uint8_t* __restrict cell, int S) {
   vf4 a0{}, a1{}, a2{}, a3{};
   auto term = [&](int s) { return SCALED ? sigma[cell[s]] * tab[s * K + code[s]] : tab[s * K + code[s]]; };
@@ -136,6 +151,28 @@ inline vf4 lookup_sum(const vf4* __restrict tab, int K, const uint8_t* __restric
   return (a0 + a1) + (a2 + a3);
 }
 
+// sum_s q_s . cb[idx[s]] over the lanes (q_s = qv[s * sd ..]: a piece's sd coordinates as lanes): a wide joint
+// side's key score read from its codewords, where a range is too short to pay for a table of them. SD: sd known at
+// compile time (2, 4, 8: the loops unrolled), else 0.
+template <int SD>
+inline vf4 codeword_sum(const vf4* __restrict qv, const float* __restrict cb, const uint16_t* __restrict idx, int S,
+                        int sd) {
+  if constexpr (SD > 0) sd = SD;
+  vf4 a0{}, a1{};
+  for (int s = 0; s < S; ++s) {
+    const float* c = cb + size_t(idx[s]) * sd;
+    const vf4* qs = qv + size_t(s) * sd;
+    int e = 0;
+    for (; e + 2 <= sd; e += 2) a0 += qs[e] * c[e], a1 += qs[e + 1] * c[e + 1];
+    if (e < sd) a0 += qs[e] * c[e];
+  }
+  return a0 + a1;
+}
+
+// Table entries (vf4) up to which a wide joint side's key scores may read a table (4 MiB), and its values' bins
+// (pieces x codewords, 1 MiB) a group of query heads.
+constexpr size_t MAX_JOINT_TABLE = size_t(1) << 18, MAX_JOINT_BINS = size_t(1) << 16;
+
 // The partials of rows [t0, t1) of one (batch row, KV head) into m[R], l[R], acc[R * DV] (rotated domain).
 void rvq_rows(const RvqDims& d, const float* q, const float* bias, const Side& k, const Side& v, int bh, int t0,
               int t1, float* m, float* l, float* acc) {
@@ -145,11 +182,16 @@ void rvq_rows(const RvqDims& d, const float* q, const float* bias, const Side& k
   const float* qb = q + size_t(bh) * R * d.D;
   std::vector<vf4> qmu(G, vf4{});  // q.mu of each group's four query heads (norm pairs)
   for (int r = 0; k.pair && r < R; ++r) qmu[r / QL][r % QL] = bias[size_t(bh) * R + r];
-  std::vector<vf4> lut1(size_t(G) * k.S * K1), lut2(size_t(G) * k.S * K2);
+  // a wide joint side's table costs K1 D to build against D a row read from the codewords (S from the table)
+  const bool kw = k.wide(), table = !kw || (size_t(K1) * k.sd < size_t(len) * (k.sd - 1) &&
+                                            size_t(G) * k.S * K1 <= MAX_JOINT_TABLE);
+  std::vector<vf4> lut1(table ? size_t(G) * k.S * K1 : 0), lut2(size_t(G) * k.S * K2), qv(table ? 0 : size_t(G) * d.D);
   std::vector<vf4> sc(size_t(G) * len);  // [group, row]: four query heads' scores, then exp(s - m)
-  lookup_table(qb, R, d.D, k.cb1, K1, k.sd, lut1.data());
+  if (table) lookup_table(qb, R, d.D, k.cb1, K1, k.sd, lut1.data());
+  for (int g = 0; !table && g < G; ++g)
+    for (int s = 0; s < k.S; ++s) query_lanes(qb, R, d.D, g, s, k.sd, qv.data() + size_t(g) * d.D + size_t(s) * k.sd);
   if (K2) lookup_table(qb, R, d.D, k.cb2, K2, k.sd, lut2.data());
-  BlockCodes kc(k.S), vc(v.S);
+  BlockCodes kc(k.S, kw), vc(v.S, v.wide());
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {  // pass 1: scores g_t sum_s (T1 + sigma T2)
     const int rows = std::min(BLOCK, t1 - b0);
     kc.load(k, bh, b0, rows);
@@ -158,8 +200,19 @@ void rvq_rows(const RvqDims& d, const float* q, const float* bias, const Side& k
       float n1 = 0.f;
       const float gt = k.gain(bh, b0 + j, &n1);
       for (int g = 0; g < G; ++g) {
-        vf4 a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, kc.c1 + e, nullptr, nullptr, k.S);
-        if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, kc.c2 + e, k.sigma, kc.c1 + e, k.S);
+        vf4 a;
+        if (!kw) {
+          a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, kc.c1 + e, nullptr, nullptr, k.S);
+          if (K2) a += lookup_sum<true>(lut2.data() + size_t(g) * k.S * K2, K2, kc.c2 + e, k.sigma, kc.c1 + e, k.S);
+        } else if (table) {
+          a = lookup_sum<false>(lut1.data() + size_t(g) * k.S * K1, K1, kc.idx + e, nullptr, nullptr, k.S);
+        } else {
+          const vf4* qg = qv.data() + size_t(g) * d.D;
+          a = k.sd == 4   ? codeword_sum<4>(qg, k.cb1, kc.idx + e, k.S, 4)
+              : k.sd == 2 ? codeword_sum<2>(qg, k.cb1, kc.idx + e, k.S, 2)
+              : k.sd == 8 ? codeword_sum<8>(qg, k.cb1, kc.idx + e, k.S, 8)
+                          : codeword_sum<0>(qg, k.cb1, kc.idx + e, k.S, k.sd);
+        }
         sc[size_t(g) * len + (b0 - t0 + j)] = k.pair ? a * gt + qmu[g] * n1 : a * gt;
       }
     }
@@ -183,7 +236,8 @@ void rvq_rows(const RvqDims& d, const float* q, const float* bias, const Side& k
     for (; i < QL * len; ++i) l4[i % QL] += f[i] = exp_neg(f[i] - m4[i % QL]);
     for (int lane = 0; lane < QL && g * QL + lane < R; ++lane) m[g * QL + lane] = m4[lane], l[g * QL + lane] = l4[lane];
   }
-  // pass 2: each row's weights p g_v added to its codes' bins (stage 2's times its cell's sigma)
+  // pass 2: each row's weights p g_v added to its codes' bins (stage 2's times its cell's sigma; a wide joint side's
+  // to its indices' bins)
   std::vector<vf4> h1(size_t(G) * v.S * V1, vf4{}), h2(size_t(G) * v.S * V2, vf4{}), mean(G, vf4{});
   for (int b0 = t0; b0 < t1; b0 += BLOCK) {
     const int rows = std::min(BLOCK, t1 - b0);
@@ -196,6 +250,10 @@ void rvq_rows(const RvqDims& d, const float* q, const float* bias, const Side& k
         const vf4 p = sc[size_t(g) * len + (b0 - t0 + j)], w = p * gt;  // lanes past R: never read back
         if (v.pair) mean[g] += p * n1;
         vf4* __restrict b1 = h1.data() + size_t(g) * v.S * V1;
+        if (vc.idx) {
+          for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.idx[e + s]] += w;
+          continue;
+        }
         for (int s = 0; s < v.S; ++s) b1[s * V1 + vc.c1[e + s]] += w;
         if (!V2) continue;
         vf4* __restrict b2 = h2.data() + size_t(g) * v.S * V2;
@@ -238,7 +296,7 @@ class RvqDecode : public mx::Primitive {
       x.norms = in[2].data<mx::float16_t>();
       x.cb1 = in[3].data<float>();
       x.sigma = in[4].data<float>();
-      x.cb2 = x.bits2 ? in[5].data<float>() : nullptr;
+      x.cb2 = x.k2() ? in[5].data<float>() : nullptr;
     }
     const float* bias = k.pair ? inputs[13].data<float>() : nullptr;
     enc.dispatch([d = d_, k, v, bias, counts = counts_, q = inputs[0].data<float>(), m = outputs[0].data<float>(),
@@ -263,32 +321,45 @@ class RvqDecode : public mx::Primitive {
 void check(bool ok, const char* what) { veloxquant::check(ok, "turboquant_rvq_decode", what); }
 
 // A side's shapes checked against the call's, its arrays appended to ins (stage 2 absent: stage 1's in its place).
-// Norms [B, H, rows] (one a row) or [B, H, rows, 2] (NSNQuant's pairs); stage 2 from word `word2` of c2's rows.
+// Norms [B, H, rows] (one a row), [B, H, rows, 2] (NSNQuant's pairs) or [B, H, 0] (unit norms); stage 2 from word
+// `word2` of c2's rows. Joint: c2 (if any) the high bits of an index into cb1 (no cb2; sigma not read).
 Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, const opt_array& c2,
           const mx::array& norms, const mx::array& cb1, const mx::array& sigma, const opt_array& cb2, int word2,
-          std::vector<mx::array>& ins) {
+          bool joint, std::vector<mx::array>& ins) {
   const std::string what = std::string(name) + ": ";
   auto need = [&](bool ok, const char* why) { check(ok, (what + why).c_str()); };
   const bool pair = norms.ndim() == 4 && norms.shape(3) == 2;
   need(c1.ndim() == 4 && (norms.ndim() == 3 || pair) && cb1.ndim() == 2 && sigma.ndim() == 1, "ranks");
-  need(c2.has_value() == cb2.has_value(), "stage-2 codes and codebook go together");
+  if (joint)
+    need(!cb2, "joint: no stage-2 codebook (the high-bit codes index the stage-1 codebook)");
+  else
+    need(c2.has_value() == cb2.has_value(), "stage-2 codes and codebook go together");
   need(word2 >= 0 && (c2 || word2 == 0), "word2: a stage-2 word offset >= 0, only with stage-2 codes");
   Side x{};
-  x.pair = pair, x.word2 = word2;
+  x.pair = pair, x.word2 = word2, x.joint = joint, x.unit = norms.ndim() == 3 && norms.shape(2) == 0;
   x.sd = cb1.shape(1), x.S = x.sd > 0 && dim % x.sd == 0 ? dim / x.sd : 0;
   need(x.S > 0 && x.S <= MAX_D, "piece size must divide the head dim");
   const int K1 = cb1.shape(0);
-  x.bits1 = 0;
-  while ((1 << x.bits1) < K1) ++x.bits1;
-  need((1 << x.bits1) == K1 && x.bits1 >= 1 && x.bits1 <= 8 && sigma.shape(0) == K1, "stage-1 codebook size");
+  int bits = 0;
+  while (bits < 17 && (1 << bits) < K1) ++bits;
+  if (joint) {  // 1-8 bits in one plane, or 9-16: 8 low bits and the high ones in c2
+    need((1 << bits) == K1 && bits >= 1 && bits <= 16 && (c2 ? bits > 8 : bits <= 8),
+         "joint codebook size: 2^bits rows, 1-8 bits without a high-bit plane, 9-16 with one");
+    x.bits1 = std::min(bits, 8), x.bits2 = bits - x.bits1;
+  } else {
+    x.bits1 = bits;
+    need((1 << bits) == K1 && bits >= 1 && bits <= 8 && sigma.shape(0) == K1, "stage-1 codebook size");
+  }
   x.cap1 = c1.shape(2), x.w1 = c1.shape(3), x.capn = norms.shape(2);
   need(c1.shape(0) == B && c1.shape(1) == H && norms.shape(0) == B && norms.shape(1) == H, "batch or heads differ");
-  need(x.w1 * 32 >= x.S * x.bits1 && n <= x.cap1 && n <= x.capn, "stage-1 words or rows");
-  if (c2) {
+  need(x.w1 * 32 >= x.S * x.bits1 && n <= x.cap1 && (x.unit || n <= x.capn), "stage-1 words or rows");
+  if (c2 && !joint) {
     const int K2 = cb2->shape(0);
     while ((1 << x.bits2) < K2) ++x.bits2;
     need(cb2->ndim() == 2 && (1 << x.bits2) == K2 && x.bits2 >= 1 && x.bits2 <= 8 && cb2->shape(1) == x.sd,
          "stage-2 codebook");
+  }
+  if (c2) {
     need(c2->ndim() == 4 && c2->shape(0) == B && c2->shape(1) == H && (c2->shape(3) - word2) * 32 >= x.S * x.bits2 &&
              n <= c2->shape(2), "stage-2 codes");
     x.cap2 = c2->shape(2), x.w2 = c2->shape(3);
@@ -301,12 +372,14 @@ Side side(const char* name, int B, int H, int dim, int n, const mx::array& c1, c
 
 }  // namespace
 
+// Each side's joint mode (k_joint, v_joint): VecInfer's one codebook indexed by both code planes.
 std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array& k1, const opt_array& k2,
                                              const mx::array& k_norms, const mx::array& k_cb1, const mx::array& k_sigma,
                                              const opt_array& k_cb2, const mx::array& v1, const opt_array& v2,
                                              const mx::array& v_norms, const mx::array& v_cb1, const mx::array& v_sigma,
                                              const opt_array& v_cb2, int n, int dv, const std::vector<int>& counts,
-                                             const opt_array& k_bias, int k_word2, int v_word2) {
+                                             const opt_array& k_bias, int k_word2, int v_word2, bool k_joint,
+                                             bool v_joint) {
   check(q.ndim() == 4, "q must be [B, H, R, D]");
   RvqDims d{q.shape(0), q.shape(1), q.shape(2), q.shape(3), dv, n, dv};
   check(d.D <= MAX_D && dv > 0 && dv <= MAX_D && d.R <= MAX_R && n >= 0, "head dims, query heads or rows");
@@ -314,8 +387,9 @@ std::vector<mx::array> turboquant_rvq_decode(const mx::array& q, const mx::array
                            std::all_of(counts.begin(), counts.end(), [n](int c) { return c >= 0 && c <= n; })),
         "counts: one per batch row, each in 0..n");
   std::vector<mx::array> ins{contiguous_as(q, mx::float32)};
-  const Side k = side("keys", d.B, d.H, d.D, n, k1, k2, k_norms, k_cb1, k_sigma, k_cb2, k_word2, ins);
-  const Side v = side("values", d.B, d.H, dv, n, v1, v2, v_norms, v_cb1, v_sigma, v_cb2, v_word2, ins);
+  const Side k = side("keys", d.B, d.H, d.D, n, k1, k2, k_norms, k_cb1, k_sigma, k_cb2, k_word2, k_joint, ins);
+  const Side v = side("values", d.B, d.H, dv, n, v1, v2, v_norms, v_cb1, v_sigma, v_cb2, v_word2, v_joint, ins);
+  check(!v.wide() || size_t(v.S) * v.k1() <= MAX_JOINT_BINS, "values: joint bins (pieces x codewords) up to 2^16");
   mx::Shape ml{d.B, d.H, d.R};
   check(k.pair == k_bias.has_value() && (!k_bias || k_bias->shape() == ml),
         "k_bias: [B, H, R] (q.mu) exactly when the keys' norms are pairs");

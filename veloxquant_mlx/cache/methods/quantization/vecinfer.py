@@ -17,8 +17,11 @@ Deviations from the paper:
   (``_holds_back``), so a short chat holds only its float16 rows.
 * Values are vector-quantized without smoothing/rotation (the transforms target key outliers).
 * Keys are quantized after RoPE; the newest < 32 tokens stay float16 and a call's rows are attended in full
-  precision (the paper quantizes every token). No fused kernel: the LUT gather is plain MLX ops, for decode steps;
-  a prefill chunk attends the decoded rows (``attention.dense_attention``).
+  precision (the paper quantizes every token). A decode step on the CPU reads the codes in TurboQuant-RVQ's CPU
+  kernel (``native/turboquant_rvq_cpu.cpp``, ``_cpu_part``: a side's code planes one index into its codebook, keys
+  scored against its codewords or a table of them, values' weights summed per (sub-vector, codeword)); elsewhere (a
+  GPU, per-head codebooks) the LUT gather is plain MLX ops; a prefill chunk attends the decoded rows
+  (``attention.dense_attention``).
 * Trim: exact for residual tokens and whole blocks; a trim into the calibration block raises ``ValueError``
   unless it removes every encoded token (then calibration is redone).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ... import native
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
@@ -35,6 +39,7 @@ from ...primitives import bitpack, blocks
 from ...primitives.buffers import grow_rows
 from ...primitives.vq import fit_codebook, pack_codes, unpack_codes, vq_assign  # noqa: F401 (a2ats, tests)
 from ...primitives.rotation import random_orthogonal, randomized_hadamard
+from ...window import Partials
 from .kivi import KIVIKVCache
 
 BLOCK = 32  # tokens per encoded block (= the float16 residual's capacity)
@@ -197,13 +202,45 @@ class VecInferKVCache(KIVIKVCache):
         return not blocks.on_cpu()
 
     def _attend_stored(self, queries, keys, values, call, *, scale, mask, sinks):
-        """A decode step on the codes (LUT scores) unless the fused sdpa path is chosen or, on a GPU, the rows
-        ``update_and_fetch`` returned are attended (``_attends_returned_rows``); a prefill chunk as KIVI's,
+        """A decode step on the codes unless the fused sdpa path is chosen or, on a GPU, the rows
+        ``update_and_fetch`` returned are attended (``_attends_returned_rows``): on the CPU by the RVQ kernel
+        (``_cpu_checked``: checked once against the op path) where it reads the codes, else LUT scores as MLX ops
+        (``_attend_codes``); a prefill chunk as KIVI's,
         ``dense_attention`` over the rows decoded once per layer (the LUT gather of a chunk, [B, H, N, D/sub, M]
         float32 up to ``LUT_MAX``, held 13x the plain cache's peak, 2048 tokens in chunks of 256)."""
         if call[0] == 0 or queries.shape[2] > 1 or self._fused(1, keys.shape[2]) or self._attends_returned_rows():
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks)
+        out = self._cpu_checked(queries, call, scale=scale, mask=mask, sinks=sinks)  # None: not the CPU kernel's
+        return self._attend_codes(queries, call, scale=scale, mask=mask, sinks=sinks) if out is None else out
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: TurboQuant-RVQ's CPU kernel over the code planes, one joint codebook a side
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """Codes the RVQ CPU kernel reads (its joint sides): one codebook a layer (per-head ones: the op path), the
+        values' bins (sub-vectors x codewords) up to 2**16, head dims up to 256, up to 32 query heads a KV head.
+        Fused-sdpa steps never get here (``_attend_stored`` routes them first)."""
+        return (native.available() and self.attend_path == "auto" and self.key_cb is not None
+                and self.key_cb.shape[0] == 1 and self.val_cb.shape[0] == 1 and (dv // self.vs) << self.vbits <= 1 << 16
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` coded tokens' partials for scaled float32 queries ``qf`` [B, H, R, D]: the kernel scores
+        ``((q * s) @ R) . c`` per sub-vector (``lut_scores``' query), each side's low and high code planes one index
+        into its codebook (a given codebook short of ``2**bits`` rows padded), no norms (unit: shape [B, H, 0]); acc
+        is in the values' own domain."""
+        B, H, _, D = qf.shape
+        unit, no_sigma = mx.zeros((B, H, 0), mx.float16), mx.zeros((0,), mx.float32)
+
+        def side(p, cb, bits):
+            cb = cb[0] if cb.shape[1] == 1 << bits else mx.pad(cb[0], [(0, (1 << bits) - cb.shape[1]), (0, 0)])
+            return getattr(self, f"{p}_lo"), getattr(self, f"{p}_hi"), unit, cb, no_sigma, None
+
+        qt = (qf * self.smooth[None, :, None, :]) @ self._rot(D)
+        m, l, acc = native.module().turboquant_rvq_decode(  # noqa: E741
+            qt, *side("k", self.key_cb, self.kbits), *side("v", self.val_cb, self.vbits), n, self.res_v.shape[-1],
+            counts=list(counts), k_joint=True, v_joint=True)
+        return Partials(m, l, acc)
 
     def _key_scores(self, q, n):
         """LUT scores on the codes while the table stays small (``LUT_MAX``), else the decoded keys."""
