@@ -83,6 +83,18 @@ def test_flat_field_emits_deprecation_naming_the_options_class():
     assert c.h2o_budget == 64
 
 
+def test_a_flat_field_the_method_reads_outside_its_options_does_not_warn():
+    """VecInfer's sub-vector dims and codebook widths are flat fields only (``SHARED_FIELDS``; TurboQuant-RVQ's
+    options own them): setting them for vecinfer is not deprecated, and would be misdirected to
+    TurboQuantRVQOptions; for turboquant_rvq the warning names its options class."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        c = KVCacheConfig(method="vecinfer", key_sub_dim=2, key_codebook_bits=10)
+    assert c.key_sub_dim == 2 and c.key_codebook_bits == 10
+    with pytest.warns(DeprecationWarning, match=r"TurboQuantRVQOptions\(key_sub_dim=\.\.\.\)"):
+        KVCacheConfig(method="turboquant_rvq", key_sub_dim=2)
+
+
 def test_options_for_the_wrong_method_is_rejected():
     with pytest.raises(QuantizerConfigError, match="options.*SnapKVOptions.*method='h2o'"):
         KVCacheConfig(method="h2o", options=opts.SnapKVOptions())

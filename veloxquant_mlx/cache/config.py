@@ -19,8 +19,8 @@ from .artifacts import ArtifactStore
 from .base import _METHOD_TABLE, METHOD_NAMES
 from .errors import QuantizerConfigError
 from .observers import QuantizationObserver
-from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, MethodOptions, Rule, bitwidth,
-                      dims, method_fields, rng_seed, rule_of, tokens)
+from .options import (ALL_OPTIONS, FLAT_FIELD_OPTIONS, MAX_LAYERS, OPTIONS_BY_METHOD, SHARED_FIELDS, MethodOptions,
+                      Rule, bitwidth, dims, method_fields, rng_seed, rule_of, tokens)
 
 MethodName = Literal[METHOD_NAMES]  # the spec's 43 methods, in its order, then the library's own waterfill
 
@@ -103,8 +103,9 @@ class KVCacheConfig:
         if self.options is not None:
             self._apply_options()
         elif not getattr(_quiet, "on", False):
+            shared = SHARED_FIELDS.get(self.method, ())  # flat fields this method reads outside its options
             for name, classes in FLAT_FIELD_OPTIONS.items():
-                if _differs(getattr(self, name), _DEFAULTS[name]):
+                if name not in shared and _differs(getattr(self, name), _DEFAULTS[name]):
                     cls = next((c for c in classes if c.METHOD == self.method), classes[0])
                     opt = next(o for o, f in cls.FIELDS.items() if f == name)
                     warnings.warn(f"KVCacheConfig.{name} is deprecated as a flat field; pass "
