@@ -370,14 +370,15 @@ def kernel_variants(name: str, inputs: list, scalars: list, body: str, bounds=No
     """{(batched, fused): Kernel}: the single cache's kernel (counts as scalars) and the batch form's (``cnt``
     input), each returning its partials or, ``fused``, also merging them (``FUSED_TAIL``: the sink logits ``sk`` an
     input, ``HQ`` a scalar) into the attention output: one launch per layer. A fused kernel also takes the block
-    counters ``vq_blocks`` and ``vq_after``, never read (``launch``). ``bounds``, ``prelude``: ``Kernel``'s."""
+    counters ``vq_blocks`` and, never read, its cache's previous output ``vq_after`` (``launch``). ``bounds``,
+    ``prelude``: ``Kernel``'s."""
     table = {}
     for b in (False, True):
         src = body.replace("VQ_COUNTS", _COUNTS[b])
         ins, sc, nm = inputs + ["cnt"] * b + EXACT_INPUTS, scalars + EXACT_SCALARS, name + ("_batch" if b else "")
         table[b, False] = Kernel(nm, ins, OUTPUTS, sc, src, bounds, prelude)
-        table[b, True] = Kernel(nm + "_fused", ins + ["sk", "vq_blocks", "vq_after"], FUSED_OUTPUTS, sc + [("HQ", "int")],
-                                FUSED_HEAD + src + FUSED_TAIL, bounds, prelude)
+        table[b, True] = Kernel(nm + "_fused", ins + ["sk", "vq_blocks", "vq_after"], FUSED_OUTPUTS,
+                                sc + [("HQ", "int")], FUSED_HEAD + src + FUSED_TAIL, bounds, prelude)
     return table
 
 
@@ -669,7 +670,9 @@ def launch(kernels: dict, batched: bool, arrays: list, scalars: list, consts: tu
     sk = merge.sinks if merge.sinks is not None else arrays[0]  # any array: not read without sinks
     cnt = step_counters(merge.owner, B * H) if merge.owner is not None else mx.zeros((B * H,), mx.int32)
     after = merge.owner.__dict__.get("_kernel_after") if merge.owner is not None else None
-    _, out = kernels[batched, True](arrays + [sk, cnt, cnt if after is None else after], scalars + [H * R],
+    if after is None:  # a first launch: any array of the output's dtype (one compiled variant either way)
+        after = mx.zeros((1,), merge.out_dtype)
+    _, out = kernels[batched, True](arrays + [sk, cnt, after], scalars + [H * R],
                                     consts + (("HAS_SINK", merge.sinks is not None),
                                               ("ROT", 2 if merge.rotation is not None else int(merge.hadamard))),
                                     [(B * H * R * S1 * (dv + 2),), (B, H * R, 1, dv)], [mx.float32, merge.out_dtype],
