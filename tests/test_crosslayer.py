@@ -111,27 +111,38 @@ def test_minicache_retention_follows_threshold_and_merged_is_norm_times_slerp():
     om = mx.arccos(mx.clip(cos, -1, 1))[..., None]
     ref_dir = (mx.sin((1 - t) * om) * ep + mx.sin(t * om) * em) / mx.sin(om)
     assert float(mx.abs(slerp(ep, em, t) - ref_dir).max()) < 1e-4
+    forms = set()
     for theta in (1.0, 0.8, 0.5, -1.0):
         prim, mer = mc_pair(retention_threshold=theta, slerp_t=t)
         prim.update_and_fetch(xp, xp)
         mer.update_and_fetch(xm, xm)
         assert mer.n_quant == T and mer.n_res == 0
         keep = cos < theta
-        assert mer.n_retained_k == int(keep.sum()) and mer.n_retained == 2 * int(keep.sum())
-        assert abs(mer.retention_rate - float(keep.mean())) < 1e-6
+        # a block whose merged form (both layers, keys and values: a direction and two magnitudes a row, 2D + 4
+        # bytes a retained row) takes at least the bytes of both layers' float16 rows is kept as those rows
+        r = keep.reshape(B, H, T // BLOCK, BLOCK).sum(axis=(0, 1, 3))
+        raw = 2 * (2 * D + 4) * (B * H * BLOCK + r) >= 2 * 2 * 2 * D * B * H * BLOCK
+        forms |= set(raw.tolist())
+        exact = keep | mx.repeat(raw, BLOCK)[None, None, :]
+        assert mer.n_raw == prim.n_raw == BLOCK * int(raw.sum())
+        assert mer.n_retained_k == int((keep & ~mx.repeat(raw, BLOCK)).sum())
+        assert mer.n_retained == 2 * int(exact.sum())
+        assert abs(mer.retention_rate - float(exact.mean())) < 1e-6
         Km, Kp = mer._dense()[0].astype(mx.float32), prim._dense()[0].astype(mx.float32)
         expect_m = mx.linalg.norm(xm, axis=-1, keepdims=True) * ref_dir
         expect_p = mx.linalg.norm(xp, axis=-1, keepdims=True) * ref_dir
-        err_m = mx.abs(Km - mx.where(keep[..., None], xm, expect_m)).max()
-        err_p = mx.abs(Kp - mx.where(keep[..., None], xp, expect_p)).max()
+        err_m = mx.abs(Km - mx.where(exact[..., None], xm, expect_m)).max()
+        err_p = mx.abs(Kp - mx.where(exact[..., None], xp, expect_p)).max()
         assert float(err_m) < 2e-2 and float(err_p) < 2e-2, theta  # float16 storage
-        if theta == 1.0:  # everything retained: both layers exact (float16 input)
+        if theta == 1.0:  # everything retained: both layers exact (float16 input), every block raw
             assert mer.retention_rate == 1.0 and bool(mx.array_equal(Km, xm)) and bool(mx.array_equal(Kp, xp))
+            assert mer.runs == prim.runs == [[1, T]] and mer.mn_k is None and prim.dir_k is None
         if theta == -1.0:
             assert mer.n_retained == 0 and mer.n_merged == 2 * B * H * T
             # one shared direction: both layers' merged rows are parallel
             cosm = mx.sum(Km * Kp, -1) / (mx.linalg.norm(Km, axis=-1) * mx.linalg.norm(Kp, axis=-1))
             assert float(cosm.min()) > 0.999
+    assert forms == {True, False}  # some threshold mixes raw and merged blocks
 
 
 def test_minicache_bytes_per_token_budget_and_shared_direction_counted_once():
@@ -168,7 +179,7 @@ def test_minicache_contract_on_tiny_models(tmp_path):
     from mlx_lm.generate import generate_step
 
     model = tiny_llama(n_layers=5)
-    cfg = KVCacheConfig(method="minicache", options=MiniCacheOptions(start_frac=0.2, retention_threshold=0.5))
+    cfg = KVCacheConfig(method="minicache", options=MiniCacheOptions(start_frac=0.2, retention_threshold=0.1))
     dispatch.install()
     caches = KVCacheBuilder.for_model(model, cfg)
     assert [c.role for c in caches] == ["primary", "primary", "merge", "primary", "merge"]

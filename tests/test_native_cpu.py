@@ -23,13 +23,14 @@ import pytest
 
 from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.lowrank import LowRankKVCache
+from veloxquant_mlx.cache.methods.crosslayer.minicache import BLOCK as MC_BLOCK, MiniCacheKVCache
 from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
 from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
 from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
 from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOptions, AnchorKVOptions, CacheGenOptions,
-                                          GEAROptions,
-                                          KittyOptions, KVQuantOptions, KVTCOptions, NSNQuantOptions, PaluOptions,
+                                          GEAROptions, KittyOptions, KVQuantOptions, KVTCOptions, MiniCacheOptions,
+                                          NSNQuantOptions, PaluOptions,
                                           SKVQOptions, SVDqOptions,
                                           TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
@@ -1307,6 +1308,57 @@ def test_palu_decodes_on_the_latent_kernel_its_keys_rebuilt_per_block(H, R, D, g
     calls = _turned_steps(c, PALUKVCache, H, R, D, prompt, steps, monkeypatch)
     assert len(calls) == steps and "palu_cpu" in _common._checked
     assert c.hg == max(g for g in range(1, min(groups, H) + 1) if H % g == 0)  # heads a group: H / hg
+
+
+
+@KERNELS
+@pytest.mark.parametrize("R,with_sinks", [(3, False), (3, True), (1, False)])
+def test_minicache_decodes_raw_blocks_in_place_and_merged_ones_on_partials(R, with_sinks, monkeypatch):
+    """MiniCache's CPU decode step: blocks kept raw (dissimilar pairs) read in place by ``joint_finish``, merged
+    blocks as softmax partials on the shared direction (their retained rows' scores and values corrected); every
+    step of both layers equals float64 attention over the rows each stores, across raw / merged runs, a block
+    merged during the steps, and a trim that cuts into a merged run."""
+    B, H, D = 1, 2, 64
+    cfg = KVCacheConfig(method="minicache", head_dim=D, options=MiniCacheOptions(start_frac=0.0,
+                                                                                 retention_threshold=0.5))
+    prim, mer = MiniCacheKVCache.build_layers([cfg] * 2)
+    calls = []
+    real = MiniCacheKVCache._attend_cpu
+    monkeypatch.setattr(MiniCacheKVCache, "_attend_cpu",
+                        lambda c, *a, **k: calls.append((c.mc_role, c.n_raw, c.n_quant)) or real(c, *a, **k))
+    rng = np.random.default_rng(R)
+    T = 5 * MC_BLOCK + 7
+    t = np.arange(T)
+    alike = ((t // MC_BLOCK) % 2 == 1) & (t % 8 != 0)  # blocks 1 and 3 alike but every 8th row: merged, retained
+    rows = lambda n: rng.normal(size=(B, H, n, D)).astype(np.float32)  # noqa: E731
+    kp, vp = rows(T), rows(T)
+    km = np.where(alike[:, None], 1.5 * kp + 0.1 * rows(T), rows(T))
+    vm = np.where(alike[:, None], 0.7 * vp + 0.1 * rows(T), rows(T))
+    prim.update_and_fetch(mx.array(kp), mx.array(vp))
+    mer.update_and_fetch(mx.array(km), mx.array(vm))
+    form = [[1, MC_BLOCK], [0, MC_BLOCK]] * 2 + [[1, MC_BLOCK]]
+    assert prim.runs == mer.runs == form and mer.n_raw == 3 * MC_BLOCK
+    assert mer.n_retained_k == mer.n_retained_v == 2 * B * H * MC_BLOCK // 8
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32)) if with_sinks else None
+
+    def steps(n):
+        for _ in range(n):
+            q = mx.array(rows(R).reshape(B, H * R, 1, D))
+            k, v = rows(1), rows(1)
+            for c, (kk, vv) in ((prim, (k, v)), (mer, (1.5 * k, v))):
+                K, V = c.update_and_fetch(mx.array(kk), mx.array(vv))
+                out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sinks)
+                want = _softmax_attention64(q, K, V, D**-0.5, None if sinks is None else np.array(sinks))
+                assert _rel(out, want) < 1e-5, (c.mc_role, c.offset)
+
+    steps(30)  # the window's 7 + 25 rows complete a sixth block (alike: merged)
+    assert mer.runs == form + [[0, MC_BLOCK]] and mer.n_quant == 6 * MC_BLOCK and mer.n_res == 5
+    for c in (mer, prim):
+        assert c.trim(5 + 2 * MC_BLOCK + 10) > 0  # the window, the last two blocks, 10 rows of the next merged one
+    assert mer.runs == prim.runs == form[:3] + [[0, MC_BLOCK - 10]] and mer.n_quant == 4 * MC_BLOCK - 10
+    assert mer.n_retained_k == B * H * MC_BLOCK // 8 + B * H * 3  # rows 96, 104, 112 of the second merged run kept
+    steps(12)
+    assert len(calls) == 2 * 42 and "minicache_cpu" in _common._checked and "minicache_cpu" not in _common._disabled
 
 
 @KERNELS

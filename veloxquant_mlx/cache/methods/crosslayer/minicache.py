@@ -6,29 +6,39 @@ primaries, then (primary, merge) pairs keep rows in a float16 window (``GroupWin
 ``BLOCK`` rows and merges both windows (keys and values apart; cosine < ``minicache_retention_threshold``:
 retained). The primary holds the shared direction (its own row where retained) and magnitudes ``pn`` (1 where
 retained), the merge layer ``mn`` and its retained rows (``ret`` float16, token-major ``idx``): 2·D + 4 + retained
-fraction · (2·D + 4) bytes per token and KV head for the pair, vs 4·D. One host sync per merge step.
+fraction · (2·D + 4) bytes per token and KV head for the pair, vs 4·D. A block of ``BLOCK`` tokens whose merged form
+(keys and values together) would take at least the bytes of both layers' float16 rows is kept as those rows instead
+(``raw_k``/``raw_v``, both layers; ``runs``: the blocks' forms in token order): exact, never above two float16
+layers, and read in place by the CPU decode (native ``joint_finish``); a lossless primary holds only such rows. One
+host sync per merge step (the blocks' retained counts).
 
 Deviations: a fixed cosine threshold (the paper: relative angular distance); the primary restores merged tokens
 from the shared direction, its retained rows there with magnitude 1 (a lossless primary plus a direction would
-exceed two float16 layers); ``minicache_group_size`` must be 2; ``minicache_max_ctx`` unused; the newest <
-``BLOCK`` tokens stay float16; tokens merged with trimmed ones stay merged, and trims must hit every layer alike;
-a cache built alone is a lossless primary.
+exceed two float16 layers); blocks kept raw when merging them saves nothing (not in the paper);
+``minicache_group_size`` must be 2; ``minicache_max_ctx`` unused; the newest < ``BLOCK`` tokens stay float16;
+tokens merged with trimmed ones stay merged, and trims must hit every layer alike; a cache built alone is a
+lossless primary.
 
 Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, t = 0.5):
 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) and 0.99 retain all (KL 0,
-kv/fp16 1.064); θ = 0: KL 0.444, 0.962; θ = -1: 0.845, 0.837. The paper's premise fails on this model.
+kv/fp16 1.064 before raw blocks); θ = 0: KL 0.444, 0.962; θ = -1: 0.845, 0.837. The paper's premise fails on this
+model.
 """
 
 from __future__ import annotations
 
 import uuid
-import mlx.core as mx
 
+import mlx.core as mx
+import numpy as np
+
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import blocks
-from ...primitives.buffers import grow_rows
+from ...primitives.buffers import grow_rows, reserve_rows
+from ...window import Partials, finish_partials, scaled_rows
 from ..layer_links import GroupWindow, relink, relinking_state
 from ..quantization.kivi import RES_DTYPE, KIVIKVCache, SideRows
 
@@ -69,16 +79,25 @@ def merge_pair(xp: mx.array, xm: mx.array, t: float, threshold: float):
     return mx.where(retain[..., None], xp, slerp(ep, em, t)), mx.where(retain[..., None], 1.0, np_), nm, retain
 
 
+def raw_blocks(retained_k, retained_v, heads: int, dk: int, dv: int) -> np.ndarray:
+    """Per block of ``BLOCK`` tokens: whether its merged form -- per token and KV head a direction and two magnitudes
+    (2·D + 4 bytes a side), plus 2·D + 4 bytes a retained row (``retained_k/v``: counts over the block's ``heads``
+    rows) -- takes at least the bytes of both layers' float16 rows (4·D a side), so it is kept as those rows."""
+    per_row = np.array([2 * dk + 4, 2 * dv + 4])
+    merged = heads * BLOCK * per_row.sum() + np.stack([retained_k, retained_v], axis=-1) @ per_row
+    return merged >= heads * BLOCK * 4 * (dk + dv)
+
+
 @register_with_mlx_lm
 @register("minicache")
 class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
     """MiniCache cross-layer merging for one layer (role "primary" or "merge"; see the module doc)."""
     chunk_invariant, exact_trim = True, False  # whole blocks; rows merged with trimmed ones stay
     trim_exact_or_raises = False
-    array_fields = ("res_k", "res_v", "dir_k", "dir_v", "pn_k", "pn_v", "mn_k", "mn_v",
+    array_fields = ("res_k", "res_v", "raw_k", "raw_v", "dir_k", "dir_v", "pn_k", "pn_v", "mn_k", "mn_v",
                     "ret_k", "idx_k", "ret_v", "idx_v")
     scalar_fields = ("n_quant", "n_res", "dtype_name", "mc_role", "mc_group", "mc_uid", "mc_readers",
-                     "n_retained_k", "n_retained_v")
+                     "n_retained_k", "n_retained_v", "n_raw", "runs")
     attend_path = "dequant"
 
     def __init__(self, config, role: str = "primary", group_id: int = 0, coordinator=None, n_readers: int = 1):
@@ -89,6 +108,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
         self.mc_uid = coordinator.uid if coordinator is not None else ""
         self.mc_readers = 0  # a primary built alone has no reader: lossless
         self.n_retained_k = self.n_retained_v = 0
+        self.n_raw, self.runs = 0, []  # tokens kept as float16 rows; [[kept raw (0/1), tokens], ...] in token order
         if coordinator is None and role == "merge":
             raise QuantizerConfigError("coordinator", None, "a MiniCacheCoordinator for role='merge'")
         if coordinator is not None and role == "primary":
@@ -137,10 +157,10 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
                 raise RuntimeError("MiniCacheKVCache: the primary layer must be fed the same tokens first "
                                    f"(primary {p.n_quant}+{p.n_res}, merge {self.n_quant}+{self.n_res})")
             self._merge_block(p, m)
-        elif self.mc_readers == 0:  # no partner: lossless (direction = row, magnitude 1)
+        elif self.mc_readers == 0:  # no partner: lossless, every block kept raw
             for kind in ("k", "v"):
-                rows = getattr(self, f"res_{kind}")[:, :, :m]
-                self._append_primary(kind, rows, mx.ones((*rows.shape[:3], 1), RES_DTYPE))
+                self._append(f"raw_{kind}", self.n_raw, getattr(self, f"res_{kind}")[:, :, :m])
+            self._keep(np.ones(m // BLOCK, bool))
             self._advance(m)
         # a paired primary waits for its merge layer, which merges both windows
 
@@ -151,35 +171,91 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
         held = self.held_arrays()
         return held + self.primary.held_arrays() if self.mc_role == "merge" else held
 
-    def _append_primary(self, kind, d, pn):
-        for name, new in ((f"dir_{kind}", d), (f"pn_{kind}", pn)):
-            setattr(self, name, grow_rows(getattr(self, name), self.n_quant, new.astype(RES_DTYPE)))
+    def _append(self, name: str, at: int, new: mx.array) -> None:
+        """Write rows at row ``at`` of array ``name`` (float16), with ``reserve_rows``' slack: 1/32, 16 rows at least
+        (a short chat's layer holds at most ``contract.SHORT_PROMPT_SLACK_ROWS`` spare rows)."""
+        new = new.astype(RES_DTYPE)
+        setattr(self, name, grow_rows(reserve_rows(getattr(self, name), at, new, BLOCK // 2), at, new))
+
+    def _keep(self, raw: np.ndarray) -> None:
+        """Record the forms of the next ``len(raw)`` blocks (``runs``) and count the raw ones' tokens."""
+        cuts = np.r_[0, np.flatnonzero(raw[1:] != raw[:-1]) + 1, raw.size]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            flag, rows = int(raw[a]), int(b - a) * BLOCK
+            if self.runs and self.runs[-1][0] == flag:
+                self.runs[-1][1] += rows
+            else:
+                self.runs.append([flag, rows])
+        self.n_raw += int(raw.sum()) * BLOCK
 
     def _merge_block(self, p, m):
         o = self.config.options
-        t0 = self.n_quant
-        for kind in ("k", "v"):
-            xp = getattr(p, f"res_{kind}")[:, :, :m]
-            xm = getattr(self, f"res_{kind}")[:, :, :m]
-            d, pn, mn, retain = merge_pair(xp, xm, float(o.slerp_t), float(o.retention_threshold))
-            p._append_primary(kind, d, pn)
-            setattr(self, f"mn_{kind}", grow_rows(getattr(self, f"mn_{kind}"), t0, mn.astype(RES_DTYPE)))
-            # retained rows, compact, in token-major flat order: position (t0 + i) * B*H + (b*H + h)
-            B, H, _, D = xm.shape
-            flat_ret = retain.transpose(2, 0, 1).reshape(-1)  # [m*B*H]
-            r = int(flat_ret.sum())  # the one host sync of a merge step
-            if r:
+        B, H = self.res_k.shape[:2]
+        nb = m // BLOCK
+        parts = {kind: (getattr(p, f"res_{kind}")[:, :, :m], getattr(self, f"res_{kind}")[:, :, :m])
+                 for kind in ("k", "v")}
+        merged = {kind: merge_pair(xp, xm, float(o.slerp_t), float(o.retention_threshold))
+                  for kind, (xp, xm) in parts.items()}
+        counts = np.array(mx.stack([merged[k][3].reshape(B, H, nb, BLOCK).sum(axis=(0, 1, 3)) for k in "kv"]))
+        raw = raw_blocks(counts[0], counts[1], B * H, self.res_k.shape[-1], self.res_v.shape[-1])  # (the sync)
+        pick = lambda a, sel: a if sel.all() else mx.take(a, mx.array(block_rows(sel)), axis=2)  # noqa: E731
+        t0 = self.n_quant - self.n_raw  # merged tokens before this step
+        for i, kind in enumerate(("k", "v")):
+            (xp, xm), (d, pn, mn, retain) = parts[kind], merged[kind]
+            if raw.any():
+                p._append(f"raw_{kind}", p.n_raw, pick(xp, raw))
+                self._append(f"raw_{kind}", self.n_raw, pick(xm, raw))
+            if raw.all():
+                continue
+            p._append(f"dir_{kind}", t0, pick(d, ~raw))
+            p._append(f"pn_{kind}", t0, pick(pn, ~raw))
+            self._append(f"mn_{kind}", t0, pick(mn, ~raw))
+            r = int(counts[i][~raw].sum())
+            if r:  # retained rows, compact, in token-major flat order: merged position (t0 + i) * B*H + (b*H + h)
+                flat_ret = pick(retain, ~raw).transpose(2, 0, 1).reshape(-1)
+                D = xm.shape[-1]
                 pos = mx.arange(flat_ret.size, dtype=mx.int32)
                 order = mx.argsort(mx.where(flat_ret, pos, pos + flat_ret.size))[:r].astype(mx.int32)
-                for name, new in (("ret", xm.transpose(2, 0, 1, 3).reshape(-1, D)[order]), ("idx", order + t0 * B * H)):
+                rows = pick(xm, ~raw).transpose(2, 0, 1, 3).reshape(-1, D)[order]
+                for name, new in (("ret", rows), ("idx", order + t0 * B * H)):
                     old = getattr(self, f"{name}_{kind}")
                     setattr(self, f"{name}_{kind}", new if old is None else mx.concatenate([old, new]))
-            setattr(self, f"n_retained_{kind}", getattr(self, f"n_retained_{kind}") + r)
-        p._advance(m)
-        self._advance(m)
+                setattr(self, f"n_retained_{kind}", getattr(self, f"n_retained_{kind}") + r)
+        for c in (p, self):
+            c._keep(raw)
+            c._advance(m)
+
+    def _prefix(self, n: int):
+        """Of the first ``n`` stored tokens: (tokens kept raw, tokens merged, their rows' order as stored -- raw then
+        merged -- for token order: an index array, or None where it is the identity)."""
+        nr = nm = 0
+        spans = []
+        for flag, rows in self.runs:
+            take = min(rows, n - nr - nm)
+            if take <= 0:
+                break
+            spans.append((flag, nr if flag else nm, take))
+            nr, nm = (nr + take, nm) if flag else (nr, nm + take)
+        if all(f for f, _, _ in spans[:-1]) or all(not f for f, _, _ in spans):  # raw blocks first: as stored
+            return nr, nm, None
+        memo = self.__dict__.get("_order_memo")
+        key = (n, tuple(spans))
+        if memo is None or memo[0] != key:
+            order = np.concatenate([np.arange(a, a + c) + (0 if f else nr) for f, a, c in spans]).astype(np.int32)
+            memo = self._order_memo = (key, mx.array(order))
+        return nr, nm, memo[1]
 
     def _decode(self, kind: str, n: int, dtype=mx.float32) -> mx.array:
-        """Restored rows [B, H, n, D] of the first ``n`` merged tokens."""
+        """Restored rows [B, H, n, D] of the first ``n`` compressed tokens, in token order."""
+        nr, nm, order = self._prefix(n)
+        parts = [getattr(self, f"raw_{kind}")[:, :, :nr].astype(dtype)] if nr else []
+        if nm:
+            parts.append(self._merged_rows(kind, nm, dtype))
+        x = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+        return x if order is None else mx.take(x, order, axis=2)
+
+    def _merged_rows(self, kind: str, n: int, dtype) -> mx.array:
+        """Restored rows [B, H, n, D] of the first ``n`` merged tokens (in their stored order)."""
         if self.mc_role == "primary":
             return (getattr(self, f"pn_{kind}")[:, :, :n].astype(dtype)
                     * getattr(self, f"dir_{kind}")[:, :, :n].astype(dtype))
@@ -195,6 +271,72 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
             x = flat[:-1].reshape(n, B, H, D).transpose(1, 2, 0, 3)
         return x
 
+    # -- the CPU decode step: raw rows read in place by native joint_finish, merged ones as softmax partials
+
+    def _cpu_kernel_ready(self, mask, d: int, dv: int, rep: int) -> bool:
+        """One query row, a string/None mask, the native module built, head dims and query heads it takes."""
+        return (native.available() and self.attend_path in ("auto", "dequant") and isinstance(mask, (str, type(None)))
+                and max(d, dv) <= 256 and rep <= 32)
+
+    def _attend_cpu(self, queries, call, *, scale, sinks):
+        """A decode step: the raw rows, the window and the call's row joined with the merged tokens' partials
+        (``_merged_partials``) in native ``joint_finish``; checked once per process against ``_attend_codes``."""
+        q0, _, past_k, past_v, new_k, new_v = call
+        qf = scaled_rows(queries, new_k.shape[1], scale)
+        nr, nm, _ = self._prefix(q0)
+        B, H, R, _ = qf.shape
+        if nm:
+            part = self._merged_partials(qf, nm)
+        else:
+            part = Partials(mx.full((B, H, R), -mx.inf), mx.zeros((B, H, R)), mx.zeros((B, H, R, new_v.shape[-1])))
+        raw = (self.raw_k[:, :, :nr], self.raw_v[:, :, :nr]) if nr else None
+        groups = [g for g in (raw, (past_k, past_v), (new_k, new_v)) if g is not None and g[0] is not None]
+        return finish_partials(queries, qf, part, groups, sinks)
+
+    def _merged_partials(self, qf, n: int) -> Partials:
+        """Online-softmax partials of the scaled grouped queries ``qf`` [B, H, R, D] over the first ``n`` merged
+        tokens, on the shared direction: scores ``g · (q · d)`` (``g`` the layer's magnitude), the merge layer's
+        retained rows' scores set to ``q · row`` and their values corrected by ``row - g · d``."""
+        merge = self.mc_role == "merge"
+        src = self.primary if merge else self
+        B, H, R, D = qf.shape
+        dk, dv = (getattr(src, f"dir_{k}")[:, :, :n].astype(mx.float32) for k in "kv")
+        gk, gv = (getattr(self, f"{'mn' if merge else 'pn'}_{k}")[:, :, :n, 0].astype(mx.float32) for k in "kv")
+        s = (qf @ dk.swapaxes(-1, -2)) * gk[:, :, None, :]
+        fix_k = merge and self.n_retained_k
+        if fix_k:  # scores of retained keys: q . row (positions past n go to a trash slot)
+            pos, bh, valid = self._retained_slots("k", n, R)
+            rows = self.ret_k[: self.n_retained_k].astype(mx.float32)
+            sr = (qf.reshape(B * H, R, D)[bh] @ rows[:, :, None])[..., 0]  # [r, R]
+            flat = mx.concatenate([s.reshape(-1), mx.zeros((1,))])
+            flat[pos] = sr
+            s = flat[:-1].reshape(B, H, R, n)
+        m = s.max(axis=-1)
+        e = mx.exp(s - m[..., None])
+        acc = (e * gv[:, :, None, :]) @ dv
+        if merge and self.n_retained_v:  # retained values: + e · (row - g · d) per retained row
+            pos, bh, valid = self._retained_slots("v", n, R)
+            r = self.n_retained_v
+            idx = self.idx_v[:r]
+            t = mx.minimum(idx // (B * H), n - 1)
+            flat_dv = dv.reshape(B * H, n, -1)
+            corr = self.ret_v[:r].astype(mx.float32) - gv.reshape(B * H, n)[bh, t][:, None] * flat_dv[bh, t]
+            w = mx.concatenate([e.reshape(-1), mx.zeros((1,))])[pos] * valid[:, None]  # [r, R]
+            add = mx.zeros((B * H, R, dv.shape[-1])).at[bh].add(w[..., None] * corr[:, None, :])
+            acc = acc + add.reshape(B, H, R, -1)
+        return Partials(m, e.sum(axis=-1), acc)
+
+    def _retained_slots(self, kind: str, n: int, R: int):
+        """A merge layer's retained rows of one side as slots of the [B·H, R, n] scores: (flat positions [r, R],
+        trash slot ``B·H·R·n`` for rows past ``n``; their (batch, head) index [r]; valid [r])."""
+        r = getattr(self, f"n_retained_{kind}")
+        BH = self._heads
+        idx = getattr(self, f"idx_{kind}")[:r]
+        t, bh = idx // BH, idx % BH
+        valid = t < n
+        pos = (bh[:, None] * R + mx.arange(R)[None, :]) * n + t[:, None]
+        return mx.where(valid[:, None], pos, BH * R * n), bh, valid
+
     def _check_trim_rows(self, n: int) -> None:
         """Only past the stored rows: not KIVI's rule (a trim may cut a block; rows merged with trimmed ones stay)."""
         self._check_stored(n, self.stored_rows())
@@ -203,29 +345,50 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
         if n <= self.n_res:
             self.n_res -= n
             return n
-        self.n_quant, self.n_res = self.n_quant - (n - self.n_res), 0
+        cut = n - self.n_res
+        self.n_quant, self.n_res = self.n_quant - cut, 0
+        while cut:  # the newest runs first
+            flag, rows = self.runs[-1]
+            take = min(rows, cut)
+            if flag:
+                self.n_raw -= take
+            self.runs[-1][1] -= take
+            if self.runs[-1][1] == 0:
+                self.runs.pop()
+            cut -= take
         if self.mc_role == "merge":
-            BH = self.mn_k.shape[0] * self.mn_k.shape[1]
+            BH = self._heads
+            merged = self.n_quant - self.n_raw
             for kind in ("k", "v"):
                 r = getattr(self, f"n_retained_{kind}")
-                if r:  # retained positions are ascending: keep those below the new length
-                    keep = int((getattr(self, f"idx_{kind}")[:r] < self.n_quant * BH).sum())
+                if r:  # retained positions are ascending: keep those below the new merged length
+                    keep = int((getattr(self, f"idx_{kind}")[:r] < merged * BH).sum())
                     setattr(self, f"n_retained_{kind}", keep)
                     for name in ("ret", "idx"):
                         setattr(self, f"{name}_{kind}", getattr(self, f"{name}_{kind}")[:keep])
         return n
 
     def _compressed_bytes(self, kind, B, H, D):
+        raw = B * H * self.n_raw * D * 2
+        merged = self.n_quant - self.n_raw
         if self.mc_role == "primary":
-            return B * H * self.n_quant * (D + 1) * 2  # shared direction + magnitudes
-        return B * H * self.n_quant * 2 + getattr(self, f"n_retained_{kind}") * (D * 2 + 4)
+            return raw + B * H * merged * (D + 1) * 2  # shared direction + magnitudes
+        return raw + B * H * merged * 2 + getattr(self, f"n_retained_{kind}") * (D * 2 + 4)
 
-    n_retained = property(lambda self: self.n_retained_k + self.n_retained_v,
-                          doc="Rows (batch, head, token; keys and values apart) a merge layer keeps exactly.")
-    # a merge layer's merged-step rows, keys and values: 2 · B · H · n_quant (0 for a primary)
+    _heads = property(lambda self: self.res_k.shape[0] * self.res_k.shape[1])
+    n_retained = property(lambda self: 0 if not self._slots else
+                          self.n_retained_k + self.n_retained_v + 2 * self._heads * self.n_raw,
+                          doc="Rows (batch, head, token; keys and values apart) a merge layer keeps exactly: "
+                              "retained ones and those of blocks kept raw.")
+    # a merge layer's compressed rows, keys and values: 2 · B · H · n_quant (0 for a primary)
     _slots = property(lambda self: 0 if self.res_k is None or self.mc_role != "merge"
-                      else 2 * self.res_k.shape[0] * self.res_k.shape[1] * self.n_quant)
+                      else 2 * self._heads * self.n_quant)
     n_merged = property(lambda self: self._slots - self.n_retained if self._slots else 0,
                         doc="Rows (as in ``n_retained``) restored as magnitude · shared SLERP direction.")
     retention_rate = property(lambda self: self.n_retained / self._slots if self._slots else 0.0,
                               doc="n_retained / (n_retained + n_merged) of a merge layer (0.0 for a primary).")
+
+
+def block_rows(sel: np.ndarray) -> np.ndarray:
+    """Row indices (int32) of the blocks ``sel`` marks, blocks of ``BLOCK`` rows."""
+    return (np.flatnonzero(sel)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1).astype(np.int32)
