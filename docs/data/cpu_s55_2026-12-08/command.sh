@@ -1,0 +1,3 @@
+# MiniCache's decode at 4k on the 2-core CPU, before (823f6ba) and after (raw blocks read in place), alternated.
+# before: git worktree add /tmp/wt_before 823f6ba; each run from its tree's root with the main checkout's .venv
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method minicache
