@@ -22,7 +22,7 @@ lossless primary.
 Measured (``veloxquant eval --task kld``, SmolLM2-135M float32, CPU, 512-token essay + 32 decode steps, t = 0.5):
 55% of merge-layer rows have cosine < 0 with their primary, so θ = 0.9 (default) retains all: every block raw (KL
 7e-7, the sums' order; kv/fp16 1.00, was 1.064 with every row merged-and-retained); θ = 0: KL 0.444, kv/fp16 0.914
-(0.962 before raw blocks and 1/32 slack); θ = -1: 0.845, 0.837. The paper's premise fails on this model.
+(0.962 before raw blocks and 1/32 slack); θ = -1: 0.845, 0.812 (0.837). The paper's premise fails on this model.
 """
 
 from __future__ import annotations
