@@ -190,6 +190,35 @@ def test_a2ats_vq_retrieval_recall_and_sparse_attention(query_aware):
 
 
 @pytest.mark.skipif("a2ats" not in METHODS, reason="not registered")
+@pytest.mark.parametrize("native_on", [True, False])
+def test_a2ats_sparse_step_with_sinks_in_one_primitive_or_on_the_op_path(native_on, monkeypatch):
+    """The sparse step with sink logits -- exact attention over the retrieved rows, the window and the call's row --
+    in native ``joint_finish`` where the CPU kernels are built (the float16 rows read in place), else concatenated
+    into MLX's fused attention: both equal the reference over the same rows."""
+    from veloxquant_mlx.cache import native
+    from veloxquant_mlx.cache.methods.quantization import a2ats
+
+    calls = []
+    real = a2ats.finish_partials
+    monkeypatch.setattr(a2ats, "finish_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if not native_on:
+        monkeypatch.setattr(native, "available", lambda: False)
+    k, v, q, _ = _needle_data()
+    c, scale, sinks = make("a2ats", window=32, retrieval_fraction=0.05), 0.125, rand(4)
+    K, V = c.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+    dispatch.dispatched_sdpa(rand(1, 4, 599, 64), K, V, cache=c, scale=scale, mask="causal")
+    K, V = c.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+    out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=scale, mask=None, sinks=sinks)
+    cand = 600 - 32 - 1
+    idx = mx.concatenate([c.last_selected, mx.broadcast_to(mx.arange(cand, 600)[None, None], (1, 2, 600 - cand))], -1)
+    ref = mx.fast.scaled_dot_product_attention(q, mx.take_along_axis(K, idx[..., None], axis=2),
+                                               mx.take_along_axis(V, idx[..., None], axis=2), scale=scale,
+                                               sinks=sinks)
+    assert float(mx.abs(out - ref).max()) < 1e-5
+    assert len(calls) == int(native_on and native.available())
+
+
+@pytest.mark.skipif("a2ats" not in METHODS, reason="not registered")
 def test_a2ats_bytes_per_token():
     B, H, D = 1, 3, 64
     c = make("a2ats", head_dim=D, window=16)

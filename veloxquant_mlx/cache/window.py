@@ -54,6 +54,11 @@ class Partials(NamedTuple):
     l: mx.array  # noqa: E741
     acc: mx.array
 
+    @staticmethod
+    def empty(B: int, H: int, R: int, dv: int) -> "Partials":
+        """The partials of no rows (m = -inf, l = 0, acc = 0): a step whose rows are all exact groups."""
+        return Partials(mx.full((B, H, R), -mx.inf), mx.zeros((B, H, R)), mx.zeros((B, H, R, dv)))
+
 
 def join_partials(parts: list) -> Partials:
     """One :class:`Partials` from several over disjoint rows: each sum rescaled to the largest maximum."""

@@ -285,10 +285,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
         qf = scaled_rows(queries, new_k.shape[1], scale)
         nr, nm, _ = self._prefix(q0)
         B, H, R, _ = qf.shape
-        if nm:
-            part = self._merged_partials(qf, nm)
-        else:
-            part = Partials(mx.full((B, H, R), -mx.inf), mx.zeros((B, H, R)), mx.zeros((B, H, R, new_v.shape[-1])))
+        part = self._merged_partials(qf, nm) if nm else Partials.empty(B, H, R, new_v.shape[-1])
         raw = (self.raw_k[:, :, :nr], self.raw_v[:, :, :nr]) if nr else None
         groups = [g for g in (raw, (past_k, past_v), (new_k, new_v)) if g is not None and g[0] is not None]
         return finish_partials(queries, qf, part, groups, sinks)

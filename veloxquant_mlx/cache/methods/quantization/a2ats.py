@@ -35,7 +35,7 @@ from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...primitives import bitpack
 from ...primitives.buffers import dtype_name, grow_rows
-from ...window import concat_rows, fp16_row_bytes
+from ...window import Partials, concat_rows, finish_partials, fp16_row_bytes, scaled_rows
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
 FIT_MIN = 32
@@ -186,9 +186,13 @@ class A2ATSKVCache(CompressedKVCache):
         # ``update_and_fetch`` returned (every row, concatenated and cast) are never evaluated (at 4k on the CPU
         # they were two thirds of a step)
         t0, dt = call[0], queries.dtype
-        kk, vv = (mx.concatenate([mx.take_along_axis(buf, sel[..., None], axis=2).astype(dt),
-                                  buf[:, :, cand:t0].astype(dt), new.astype(dt)], axis=2)
-                  for buf, new in ((self.keys, call[1]), (self.values, call[2])))
+        picked = [mx.take_along_axis(buf, sel[..., None], axis=2) for buf in (self.keys, self.values)]
+        groups = [picked, (self.keys[:, :, cand:t0], self.values[:, :, cand:t0]), call[1:]]
+        if native.available():  # the float16 rows read in place in one primitive (4k, CPU: 3.7 -> 1.2 ms a layer)
+            qf = scaled_rows(queries, H, scale)
+            return finish_partials(queries, qf, Partials.empty(B, H, Hq // H, call[2].shape[-1]),
+                                   [g for g in groups if g[0].shape[2]], sinks)
+        kk, vv = (mx.concatenate([g[i].astype(dt) for g in groups], axis=2) for i in (0, 1))
         return mx.fast.scaled_dot_product_attention(queries, kk, vv, scale=scale, mask=None, sinks=sinks)
 
     def _trim_rows(self, n):
