@@ -1,3 +1,5 @@
 # MiniCache's decode at 4k on the 2-core CPU, before (823f6ba) and after (raw blocks read in place), alternated.
 # before: git worktree add /tmp/wt_before 823f6ba; each run from its tree's root with the main checkout's .venv
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method minicache
+# A2ATS (a2ats_*): before 7c9a14c... the same tree as MiniCache's "after" (6ab9998's A2ATS), after = this commit
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method a2ats
