@@ -33,6 +33,7 @@ from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOpt
                                           NSNQuantOptions, PaluOptions,
                                           SKVQOptions, SVDqOptions,
                                           TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
+from veloxquant_mlx.cache.primitives import bitpack
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
 from veloxquant_mlx.cache.grouped import GroupedQuantCache
@@ -1359,6 +1360,33 @@ def test_minicache_decodes_raw_blocks_in_place_and_merged_ones_on_partials(R, wi
     assert mer.n_retained_k == B * H * MC_BLOCK // 8 + B * H * 3  # rows 96, 104, 112 of the second merged run kept
     steps(12)
     assert len(calls) == 2 * 42 and "minicache_cpu" in _common._checked and "minicache_cpu" not in _common._disabled
+
+
+
+@KERNELS
+@pytest.mark.parametrize("B,H,R,m,bits,K,n,cap", [
+    (1, 3, 3, 8, 8, 256, 700, 720),  # A2ATS's defaults at a head dim of 64: 8 sub-vectors of 8-bit codes
+    (2, 2, 4, 5, 6, 64, 301, 301),  # 6-bit codes straddle words; two batch rows
+    (1, 1, 1, 16, 4, 11, 90, 130),  # a codebook short of 2^bits codewords; one query row
+    (1, 2, 2, 11, 3, 8, 50, 64)])  # 3-bit codes, a row of 33 bits over two words
+def test_vq_vote_equals_a_float64_softmax_of_the_table_scores(B, H, R, m, bits, K, n, cap):
+    """A2ATS's vote (``vq_vote``): per query row, scores of the first n rows from the lookup table at each row's
+    m codes (one little-endian stream a row, as ``bitpack.pack_bits`` writes it), softmaxed over the rows and summed
+    over the query rows -- against float64."""
+    rng = np.random.default_rng(bits)
+    lut = rng.normal(size=(B, H, R, m, K)).astype(np.float32) * 3
+    codes = rng.integers(0, K, size=(B, H, cap, m))
+    got = native.module().vq_vote(mx.array(lut), bitpack.pack_bits(mx.array(codes.astype(np.uint32)), bits), n, bits)
+    s = np.take_along_axis(lut.astype(np.float64)[:, :, :, None],  # [B, H, R, 1, m, K]
+                           codes[:, :, None, :n, :, None], axis=-1)[..., 0].sum(-1)  # [B, H, R, n]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)).sum(2)
+    assert got.shape == (B, H, n) and _rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match="n in 1"):
+        native.module().vq_vote(mx.array(lut), bitpack.pack_bits(mx.array(codes.astype(np.uint32)), bits), cap + 1,
+                                bits)
+    with pytest.raises(ValueError, match="fewer than m codes"):
+        native.module().vq_vote(mx.array(lut), mx.zeros((B, H, cap, 1), mx.uint32), n, 16 if m * bits <= 32 else bits)
 
 
 @KERNELS

@@ -193,8 +193,8 @@ def test_a2ats_vq_retrieval_recall_and_sparse_attention(query_aware):
 @pytest.mark.parametrize("native_on", [True, False])
 def test_a2ats_sparse_step_with_sinks_in_one_primitive_or_on_the_op_path(native_on, monkeypatch):
     """The sparse step with sink logits -- exact attention over the retrieved rows, the window and the call's row --
-    in native ``joint_finish`` where the CPU kernels are built (the float16 rows read in place), else concatenated
-    into MLX's fused attention: both equal the reference over the same rows."""
+    in native ``joint_finish`` where the CPU kernels are built (the float16 rows read in place; the rows chosen by
+    native ``vq_vote``), else concatenated into MLX's fused attention: both equal the reference over the same rows."""
     from veloxquant_mlx.cache import native
     from veloxquant_mlx.cache.methods.quantization import a2ats
 
@@ -216,6 +216,9 @@ def test_a2ats_sparse_step_with_sinks_in_one_primitive_or_on_the_op_path(native_
                                                sinks=sinks)
     assert float(mx.abs(out - ref).max()) < 1e-5
     assert len(calls) == int(native_on and native.available())
+    if calls:  # the vote (native vq_vote) passed its first-use check against the op path
+        from veloxquant_mlx.cache.kernels import _common
+        assert "a2ats_vote" in _common._checked and "a2ats_vote" not in _common._disabled
 
 
 @pytest.mark.skipif("a2ats" not in METHODS, reason="not registered")

@@ -595,6 +595,7 @@ mx::array joint_finish(const mx::array& q, const mx::array& m, const mx::array& 
 std::vector<mx::array> turboquant_rvq_encode(const mx::array& z, const mx::array& c1, const mx::array& sigma,
                                              const opt_array& c2, int beam);
 mx::array softmax_rows(const mx::array& scores, int offset, const opt_array& sinks, int heads);
+mx::array vq_vote(const mx::array& lut, const mx::array& codes, int n, int bits);
 std::vector<mx::array> kvquant_decode(const mx::array& q, const std::vector<mx::array>& keys,
                                       const std::vector<mx::array>& values, const mx::array& sink_k,
                                       const mx::array& sink_v, const std::vector<mx::array>& rope, int n, int bits,

@@ -77,6 +77,9 @@ NB_MODULE(_veloxquant_cpu, m) {
         nb::arg("heads"),
         "Softmax over the last axis of float32 scores [..., N, M]: row i's columns past offset + i (offset >= 0) "
         "and -inf scores get 0; sinks [heads] join the normalizer of each of their head's rows.");
+  m.def("vq_vote", &vq_vote, nb::arg("lut"), nb::arg("codes"), nb::arg("n"), nb::arg("bits"),
+        "A2ATS's vote [B, H, n]: per query row r, scores s_r[t] = sum_j lut[.., r, j, code_j(t)] over the first n "
+        "rows' codes [B, H, cap, words] (m codes of `bits` bits a row), softmaxed over t and summed over r.");
   m.def("kvquant_decode", &kvquant_decode, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("sink_k"),
         nb::arg("sink_v"), nb::arg("rope"), nb::arg("n"), nb::arg("bits"), nb::arg("group"), nb::arg("value_group"),
         nb::arg("key_outliers"), nb::arg("value_outliers"), nb::arg("rotate"),

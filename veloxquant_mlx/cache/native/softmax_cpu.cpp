@@ -4,6 +4,9 @@
 // half of a CPU prompt's time (docs/RESULTS.md), the plain cache's included. A row's columns past `offset + i` (row
 // i of its N, `offset` >= 0: a bottom-right causal mask) take no part and get 0, as do -inf scores; with `sinks`
 // (one logit per query head, rows [.., heads, N, M]) a head's sink joins each of its rows' normalizer.
+// vq_vote: A2ATS's retrieval vote -- per (batch row, KV head) and query row, approximate scores of every coded row
+// from a lookup table over its codewords (a row's m codes, `bits` each, one little-endian stream), softmaxed over the
+// rows and summed over the query rows -- in one pass (the op path: a [B, H, R, m, n] gather, a softmax, a sum).
 #include "common.h"
 
 namespace veloxquant {
@@ -86,7 +89,72 @@ class RowSoftmax : public mx::Primitive {
   bool has_sinks_;
 };
 
+struct VoteDims {
+  int BH, R, m, K, n, bits, words, cap;
+};
+
+class VqVote : public mx::Primitive {
+ public:
+  VqVote(mx::Stream s, VoteDims d) : mx::Primitive(s), d_(d) {}
+
+  // inputs: lut [B, H, R, m, K] float32, codes [B, H, cap, words] uint32; output: votes [B, H, n] float32
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& enc = encoder(stream(), inputs, outputs);
+    enc.dispatch([d = d_, lut = inputs[0].data<float>(), codes = inputs[1].data<uint32_t>(),
+                  out = outputs[0].data<float>()]() {
+      const int threads = std::min(pool().size(), d.BH);
+      pool().run(threads, [&](int tid) {
+        std::vector<float> s(size_t(d.R) * d.n);
+        std::vector<int> code(d.m);
+        for (int bh = tid; bh < d.BH; bh += threads) {
+          const float* tab = lut + size_t(bh) * d.R * d.m * d.K;
+          const uint32_t* rows = codes + size_t(bh) * d.cap * d.words;
+          for (int t = 0; t < d.n; ++t) {
+            for (int j = 0; j < d.m; ++j) code[j] = int(code_at(rows + size_t(t) * d.words, j * d.bits, d.bits));
+            for (int r = 0; r < d.R; ++r) {
+              const float* tr = tab + size_t(r) * d.m * d.K;
+              float acc = 0.f;
+              for (int j = 0; j < d.m; ++j) acc += tr[size_t(j) * d.K + code[j]];
+              s[size_t(r) * d.n + t] = acc;
+            }
+          }
+          float* w = out + size_t(bh) * d.n;
+          std::fill(w, w + d.n, 0.f);
+          for (int r = 0; r < d.R; ++r) {
+            float* sr = &s[size_t(r) * d.n];
+            softmax_row(sr, sr, d.n, d.n, false, 0.f);
+            for (int t = 0; t < d.n; ++t) w[t] += sr[t];
+          }
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("veloxquant vq_vote: CPU only");
+  }
+  const char* name() const override { return "VeloxquantVqVote"; }
+
+ private:
+  VoteDims d_;
+};
+
 }  // namespace
+
+mx::array vq_vote(const mx::array& lut, const mx::array& codes, int n, int bits) {
+  auto need = [](bool ok, const char* what) { check(ok, "vq_vote", what); };
+  need(lut.ndim() == 5 && codes.ndim() == 4 && codes.dtype() == mx::uint32, "lut [B, H, R, m, K], codes uint32 "
+       "[B, H, cap, words]");
+  const int B = lut.shape(0), H = lut.shape(1), R = lut.shape(2), m = lut.shape(3), K = lut.shape(4);
+  need(codes.shape(0) == B && codes.shape(1) == H, "codes' batch and heads differ from the table's");
+  need(bits >= 1 && bits <= 16 && K >= 1 && K <= (1 << bits), "bits in 1..16 and at most 2^bits codewords");
+  need(codes.shape(3) * 32 >= m * bits, "codes' words hold fewer than m codes of `bits` bits");
+  need(n >= 1 && n <= codes.shape(2), "n in 1 .. the codes' rows");
+  VoteDims d{B * H, R, m, K, n, bits, int(codes.shape(3)), int(codes.shape(2))};
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> ins{contiguous_as(lut, mx::float32), mx::contiguous(codes, false, s)};
+  return mx::array({B, H, n}, mx::float32, std::make_shared<VqVote>(s, d), ins);
+}
 
 mx::array softmax_rows(const mx::array& scores, int offset, const opt_array& sinks, int heads) {
   auto need = [](bool ok, const char* what) { check(ok, "softmax_rows", what); };

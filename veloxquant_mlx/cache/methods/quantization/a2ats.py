@@ -33,6 +33,7 @@ from ...attention import group_queries
 from ...base import register
 from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
+from ...kernels._common import checked_encode
 from ...primitives import bitpack
 from ...primitives.buffers import dtype_name, grow_rows
 from ...window import Partials, concat_rows, finish_partials, fp16_row_bytes, scaled_rows
@@ -144,16 +145,31 @@ class A2ATSKVCache(CompressedKVCache):
         self.codes = grow_rows(self.codes, t0, bitpack.pack_bits(c, self.cbits))
         self.n_coded = t1
 
+    def lookup_table(self, q):
+        """``(L_j^{-1} q_j) . c`` for every sub-vector j and codeword c: q [B, H, Q, D] -> [B, H, Q, m, K]."""
+        B, H, Q, D = q.shape
+        m, s = D // self.sub, self.sub
+        qb = q.astype(mx.float32).reshape(B, H, Q, m, 1, s) @ self.metric_linv.swapaxes(-1, -2)
+        return qb.squeeze(-2) @ self.codebook[0].astype(mx.float32).T
+
     def approx_scores(self, q, n):
         """Approximate ``q . k`` for the first ``n`` coded tokens: q [B, H, Q, D] -> [B, H, Q, n] from the
         LUT ``(L_j^{-1} q_j) . c`` over codewords, gathered at the codes."""
         B, H, Q, D = q.shape
-        m, s = D // self.sub, self.sub
-        qb = q.astype(mx.float32).reshape(B, H, Q, m, 1, s) @ self.metric_linv.swapaxes(-1, -2)
-        lut = qb.squeeze(-2) @ self.codebook[0].astype(mx.float32).T  # [B, H, Q, m, K]
+        m = D // self.sub
         codes = bitpack.unpack_bits(self.codes[:, :, :n], self.cbits, m).astype(mx.int32)
         idx = mx.broadcast_to(codes.transpose(0, 1, 3, 2)[:, :, None], (B, H, Q, m, n))
-        return mx.take_along_axis(lut, idx, axis=-1).sum(axis=3)
+        return mx.take_along_axis(self.lookup_table(q), idx, axis=-1).sum(axis=3)
+
+    def retrieval_vote(self, q, n):
+        """The GQA group's vote [B, H, n] over the first ``n`` coded tokens: each query row's softmax of the
+        approximate scores, summed over the group. On the CPU one native pass over the codes (``vq_vote``; the op
+        path -- a gather over [B, H, Q, m, n], a softmax, a sum -- checked against it at first use)."""
+        op = lambda: mx.softmax(self.approx_scores(q, n), axis=-1, precise=True).sum(axis=2)  # noqa: E731
+        if not native.available():
+            return op()
+        return checked_encode("a2ats_vote", lambda: native.module().vq_vote(self.lookup_table(q), self.codes, n,
+                                                                            self.cbits), op)
 
     def n_retrieved(self, n_candidates: int) -> int:
         return min(self.cap, math.ceil(self.frac * n_candidates))
@@ -174,12 +190,7 @@ class A2ATSKVCache(CompressedKVCache):
             return CompressedKVCache.attend(self, queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         H = self.keys.shape[1]
         qg = group_queries(queries, H).reshape(B, H, Hq // H, D)
-        s = self.approx_scores(qg * scale, cand)  # [B, H, Hq // H, cand]
-        if native.available():  # vectorized exponentials (MLX's CPU softmax: a scalar libm exp each, one thread)
-            p = native.module().softmax_rows(s.reshape(B, Hq, 1, cand), -1, None, Hq).reshape(s.shape)
-        else:
-            p = mx.softmax(s, axis=-1, precise=True)
-        w = p.sum(axis=2)  # GQA group vote
+        w = self.retrieval_vote(qg * scale, cand)  # [B, H, cand]
         sel = mx.sort(mx.argpartition(-w, k - 1, axis=-1)[..., :k], axis=-1)  # [B, H, k] in token order
         self.last_selected = sel
         # the retrieved rows and the window from the stored rows, the call's own row as given: the rows
