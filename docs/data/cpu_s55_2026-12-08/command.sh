@@ -3,3 +3,5 @@
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method minicache
 # A2ATS (a2ats_*): before 7c9a14c... the same tree as MiniCache's "after" (6ab9998's A2ATS), after = this commit
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method a2ats
+# A2ATS's vote (a2ats_vote_*): before = 10ce2c9 (joint_finish step), after = the vq_vote commit
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method a2ats
