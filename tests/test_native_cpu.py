@@ -25,6 +25,7 @@ from veloxquant_mlx.cache import KVCacheConfig, KVCacheFactory, dispatch, native
 from veloxquant_mlx.cache.lowrank import LowRankKVCache
 from veloxquant_mlx.cache.methods.crosslayer.minicache import BLOCK as MC_BLOCK, MiniCacheKVCache
 from veloxquant_mlx.cache.methods.crosslayer.xkv import XKVKVCache
+from veloxquant_mlx.cache.methods.crosslayer.xquant import XQuantKVCache
 from veloxquant_mlx.cache.methods.quantization.adakv import AdaKVKVCache
 from veloxquant_mlx.cache.methods.quantization.amc import AMCKVCache
 from veloxquant_mlx.cache.methods.quantization.anchorkv import AnchorKVCache
@@ -32,7 +33,7 @@ from veloxquant_mlx.cache.options import (AdaKVOptions, AgeTieredOptions, AMCOpt
                                           GEAROptions, KittyOptions, KVQuantOptions, KVTCOptions, MiniCacheOptions,
                                           NSNQuantOptions, PaluOptions,
                                           SKVQOptions, SVDqOptions,
-                                          TurboQuantRVQOptions, XKVOptions, ZipCacheOptions)
+                                          TurboQuantRVQOptions, XKVOptions, XQuantOptions, ZipCacheOptions)
 from veloxquant_mlx.cache.primitives import bitpack
 from veloxquant_mlx.cache.primitives import lowrank_fit as lr
 from veloxquant_mlx.cache.primitives.bitpack import unpack_bits
@@ -1387,6 +1388,37 @@ def test_vq_vote_equals_a_float64_softmax_of_the_table_scores(B, H, R, m, bits, 
                                 bits)
     with pytest.raises(ValueError, match="fewer than m codes"):
         native.module().vq_vote(mx.array(lut), mx.zeros((B, H, cap, 1), mx.uint32), n, 16 if m * bits <= 32 else bits)
+
+
+
+@KERNELS
+@pytest.mark.parametrize("H,R,D,opts,prompt,steps", [
+    (3, 3, 64, {}, 300, 40),  # the defaults: 2-bit codes, pairs of layers, groups completed during the steps
+    (2, 4, 128, {"base_bits": 4, "group_size": 3}, 100, 30),  # three layers on one base's 4-bit codes
+    (1, 2, 64, {"base_bits": 8, "group_quant_size": 64}, 2100, 6)])  # 64-token groups; a past split over threads
+def test_xquant_decodes_on_kivis_cpu_kernel_the_base_codes_with_each_layers_scales(H, R, D, opts, prompt, steps,
+                                                                                     monkeypatch):
+    """XQuant's decode steps read the group's one set of codes (the base's) in KIVI's CPU kernel with each layer's
+    own scales and zero points: every step of every layer (base first, as a model feeds them) equals float64
+    attention over the rows it returned, with sink logits every other step."""
+    cfg = KVCacheConfig(method="xquant", head_dim=D, options=XQuantOptions(**opts))
+    layers = XQuantKVCache.build_layers([cfg] * opts.get("group_size", 2))
+    calls = _spy_kernel(monkeypatch, XQuantKVCache)
+    rng = np.random.default_rng(prompt)
+    base = _rows(rng, H, prompt, D)
+    for i, c in enumerate(layers):  # the other layers alike to the base (scaled, noisy): their fits mean something
+        c.update_and_fetch(base * (1 + 0.5 * i) + 0.3 * i * _rows(rng, H, prompt, D), _rows(rng, H, prompt, D))
+    sinks = mx.array(rng.normal(size=(H * R,)).astype(np.float32))
+    for i in range(steps):
+        q = _rows(rng, H * R, 1, D)
+        sk = sinks if i % 2 else None
+        for c in layers:
+            K, V = c.update_and_fetch(_rows(rng, H, 1, D), _rows(rng, H, 1, D))
+            out = dispatch.dispatched_sdpa(q, K, V, cache=c, scale=D**-0.5, mask=None, sinks=sk)
+            want = _softmax_attention64(q, K, V, D**-0.5, None if sk is None else np.array(sk))
+            assert _rel(out, want) < 1e-4, (c.xq_role, c.offset)
+    assert len(calls) == steps * len(layers) and "xquant_cpu" in _common._checked
+    assert [c.xq_role for c in layers][1:] == ["shared"] * (len(layers) - 1) and layers[1].k_codes is None
 
 
 @KERNELS

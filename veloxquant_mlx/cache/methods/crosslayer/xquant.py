@@ -21,10 +21,12 @@ import uuid
 
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...primitives import groupquant as gq
 from ...primitives.buffers import grow_columns, grow_rows
+from ...window import Partials
 from ..layer_links import relink, relinking_state
 from ..quantization.kivi import RES_DTYPE, KIVIKVCache
 
@@ -125,6 +127,23 @@ class XQuantKVCache(KIVIKVCache):
         gv, o = self.value_group(self.res_v.shape[-1]), self._owner
         return gq.dequantize(o.v_codes[:, :, :n], self.v_scales[:, :, :n], self.v_biases[:, :, :n],
                              self.qbits, gv, dtype)
+
+    def _cpu_layout(self) -> bool:
+        return True  # ``_cpu_part``: KIVI's CPU kernel over the owner's codes with this layer's scales and biases
+
+    def _cpu_codes_fit(self, d: int, dv: int, rep: int) -> bool:
+        """KIVI's kernel's layouts (``attend_path`` "dequant" names the op path's decoding, not a user's choice)."""
+        return (native.available() and self.qbits in (2, 4, 8) and self.group % 32 == 0
+                and self.value_group(dv) % 8 == 0 and max(d, dv) <= 256 and rep <= 32)
+
+    def _cpu_part(self, qf, n: int, counts=()) -> Partials:
+        """The first ``n`` quantized tokens' partials by KIVI's CPU kernel: the group's one set of codes (the
+        base's), this layer's own ``s``, ``z`` as the kernel's scales and biases (``s * c + z``: KIVI's decoding)."""
+        o, dv = self._owner, self.res_v.shape[-1]
+        m, l, acc = native.module().kivi_decode(  # noqa: E741
+            qf, o.k_codes, self.k_scales, self.k_biases, o.v_codes, self.v_scales, self.v_biases, n, self.qbits,
+            self.group, self.value_group(dv), dv)
+        return Partials(m, l, acc)
 
     def _code_nbytes(self, B, H, D, dv):
         """KIVI's for the base; a shared layer holds only its float16 scales / zero points, no codes."""
