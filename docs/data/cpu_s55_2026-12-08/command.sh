@@ -5,3 +5,7 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --st
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method a2ats
 # A2ATS's vote (a2ats_vote_*): before = 10ce2c9 (joint_finish step), after = the vq_vote commit
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method a2ats
+# XQuant (xquant_4k_*): before = 2c82d8a, after = the xquant commit
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method xquant
+# every method at 2k, one round, a ranking only (alldec_2048.txt; xquant's row is before its change)
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --context 2048 --steps 8 --rounds 1 --prefill --all
