@@ -87,7 +87,18 @@ def test_each_step_attends_exactly_the_kept_rows_per_head(method, use_dispatch):
         assert not mx.array_equal(cache.positions[0, 0, :16], cache.positions[0, 1, :16])
 
 
-def test_rocketkv_decode_attends_exactly_the_selected_rows_per_head():
+@pytest.mark.parametrize("native_on", [True, False])
+def test_rocketkv_decode_attends_exactly_the_selected_rows_per_head(native_on, monkeypatch):
+    """The stage-2 step attends exactly the selected pages' rows of each KV head: on the CPU in native
+    ``joint_finish`` (the rows past the end cut off, read in place), else MLX's fused attention with a mask."""
+    from veloxquant_mlx.cache import native
+    from veloxquant_mlx.cache.methods.eviction import rocketkv
+
+    calls = []
+    real = rocketkv.finish_partials
+    monkeypatch.setattr(rocketkv, "finish_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if not native_on:
+        monkeypatch.setattr(native, "available", lambda: False)
     dispatch.install()
     mx.random.seed(3)
     cache = make("rocketkv", compression_ratio=16.0, page_size=4, head_topk1=4)
@@ -110,6 +121,7 @@ def test_rocketkv_decode_attends_exactly_the_selected_rows_per_head():
             ref = mx.fast.scaled_dot_product_attention(group[None, :, None], K[b : b + 1, h : h + 1, p],
                                                        V[b : b + 1, h : h + 1, p], scale=SCALE, mask=None)
             assert mx.allclose(out[b, 2 * h : 2 * h + 2], ref[0], atol=1e-5), (b, h)
+    assert len(calls) == int(native_on and native.available())
 
 
 @pytest.mark.parametrize("method", ALL)

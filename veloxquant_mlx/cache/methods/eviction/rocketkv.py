@@ -18,11 +18,13 @@ from __future__ import annotations
 import math
 import mlx.core as mx
 
+from ... import native
 from ...base import register
 from ...contract import register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...eviction import EvictionKVCache
-from ...primitives.buffers import grow_rows
+from ...primitives.buffers import grow_rows, take_rows
+from ...window import Partials, finish_partials, scaled_rows
 from .snapkv import SnapKVKVCache
 
 
@@ -128,6 +130,14 @@ class RocketKVKVCache(EvictionKVCache):
             return super().attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         H = self.keys.shape[1]
         idx, valid = self._select_rows(queries.reshape(B, H, Hq // H, D), self.recent)
+        if native.available() and self.recent > 0 and isinstance(mask, (str, type(None))):
+            # the last page is forced (it holds recent rows), so the clamped rows past the end are idx's last ones:
+            # cut off, and the rows read in place by one primitive (no float32 copy, no mask)
+            n = idx.shape[-1] - (self.n_pages * self.page_size - self.rows)
+            k, v = (take_rows(a, idx[..., :n]) for a in (self.keys, self.values))
+            self.last_attended_rows = n
+            return finish_partials(queries, scaled_rows(queries, H, scale), Partials.empty(B, H, Hq // H, v.shape[-1]),
+                                   [(k, v)], None)
         k, v = (mx.take_along_axis(a, idx[..., None], axis=2).astype(queries.dtype) for a in (self.keys, self.values))
         m = mx.broadcast_to(valid[:, :, None, None, :], (B, H, Hq // H, 1, idx.shape[-1]))
         self.last_attended_rows = idx.shape[-1]

@@ -35,7 +35,7 @@ from ...contract import CompressedKVCache, register_with_mlx_lm
 from ...errors import QuantizerConfigError
 from ...kernels._common import checked_encode
 from ...primitives import bitpack
-from ...primitives.buffers import dtype_name, grow_rows
+from ...primitives.buffers import dtype_name, grow_rows, take_rows
 from ...window import Partials, concat_rows, finish_partials, fp16_row_bytes, scaled_rows
 from .vecinfer import _as_array, fit_codebook, vq_assign
 
@@ -197,7 +197,7 @@ class A2ATSKVCache(CompressedKVCache):
         # ``update_and_fetch`` returned (every row, concatenated and cast) are never evaluated (at 4k on the CPU
         # they were two thirds of a step)
         t0, dt = call[0], queries.dtype
-        picked = [mx.take_along_axis(buf, sel[..., None], axis=2) for buf in (self.keys, self.values)]
+        picked = [take_rows(buf, sel) for buf in (self.keys, self.values)]
         groups = [picked, (self.keys[:, :, cand:t0], self.values[:, :, cand:t0]), call[1:]]
         if native.available():  # the float16 rows read in place in one primitive (4k, CPU: 3.7 -> 1.2 ms a layer)
             qf = scaled_rows(queries, H, scale)
