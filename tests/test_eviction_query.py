@@ -124,6 +124,23 @@ def test_rocketkv_decode_attends_exactly_the_selected_rows_per_head(native_on, m
     assert len(calls) == int(native_on and native.available())
 
 
+def test_rocketkv_pages_follow_an_eviction_left_pending_by_calls_without_attention():
+    """With the dispatch point installed, a prefill chunk's eviction waits for its attention; calls that never reach
+    it (caches filled directly) run it at the next call's store, which then summarizes the pages of the rows held
+    after that eviction (it used the count from before it and failed on the page buffers)."""
+    dispatch.install()
+    cache = make("rocketkv", compression_ratio=16.0, page_size=4, head_topk1=4)
+    for _ in range(3):
+        cache.update_and_fetch(mx.random.normal((B, H, 300, D)), mx.random.normal((B, H, 300, D)))
+    rows, P = cache.rows, cache.page_size
+    assert rows < 900 and cache.page_max.shape[2] >= -(-rows // P)
+    keys = cache.keys[:, :, :rows].astype(mx.float32)
+    pad = -(-rows // P) * P - rows
+    full = mx.concatenate([keys, mx.full((B, H, pad, D), -mx.inf)], axis=2) if pad else keys
+    want = full.reshape(B, H, -1, P, D).max(axis=3)
+    assert bool(mx.array_equal(cache.page_max[:, :, : -(-rows // P)].astype(mx.float32), want))
+
+
 @pytest.mark.parametrize("method", ALL)
 def test_long_decode_memory_stays_bounded(method):
     model = tiny_llama(n_layers=1)

@@ -75,9 +75,8 @@ class RocketKVKVCache(EvictionKVCache):
         self.page_max = grow_rows(self.page_max, p0, hi.reshape(B, H, p1 - p0, P, D).max(axis=3))
 
     def _store(self, keys, values):
-        before = self.rows
-        super()._store(keys, values)
-        self._refresh_pages(before)
+        super()._store(keys, values)  # (a pending eviction runs first, and may shrink the rows held before)
+        self._refresh_pages(self.rows - keys.shape[2])
 
     def keep_rows(self, idx):
         super().keep_rows(idx)
