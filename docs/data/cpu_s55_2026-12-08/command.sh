@@ -9,3 +9,6 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --st
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method xquant
 # every method at 2k, one round, a ranking only (alldec_2048.txt; xquant's row is before its change)
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --context 2048 --steps 8 --rounds 1 --prefill --all
+# RocketKV (rocketkv_4k_*): before = e465d09, after = the rocketkv commits; caches filled through the model (--prefill):
+# filled directly, the before tree fails (a pending eviction's rows; fixed in the second rocketkv commit)
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --prefill --method rocketkv
