@@ -12,3 +12,5 @@ OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --shape smollm2 --c
 # RocketKV (rocketkv_4k_*): before = e465d09, after = the rocketkv commits; caches filled through the model (--prefill):
 # filled directly, the before tree fails (a pending eviction's rows; fixed in the second rocketkv commit)
 OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --prefill --method rocketkv
+# joint_finish's float16 rows 8 at a time (minicache_f16c_4k_*): before = aafa188, after = the joint_finish commit
+OPENBLAS_THREAD_TIMEOUT=4 python scripts/decode_model_cpu.py --context 4096 --steps 8 --rounds 3 --method minicache

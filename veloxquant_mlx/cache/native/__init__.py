@@ -1,7 +1,7 @@
 """CPU kernels as MLX primitives (C++, one source per kernel beside ``common.h``, bound in ``module.cpp``): what MLX's
 ops cannot do fast on a CPU -- read each code once and decode it in registers -- for the decode steps of waterfill
 (``waterfill_cpu.cpp``; its op path is elementwise passes over every stored row, one gather per code, the RoPE turn:
-docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout, also behind KIVI-sink's sinks,
+docs/RESULTS.md "CPU decode on two streams"), KIVI (``kivi_cpu.cpp``, its own layout, also behind KIVI-sink's sinks, XQuant's shared codes,
 with Kitty's second key store, in age-tiered's three stores and with keys read as rows for SKVQ and ZipCache, with
 GEAR's corrections applied to each decoded block, AnchorKV's anchors as such corrections over key rows; the op path
 is MLX's ``quantized_matmul`` on two streams) and
@@ -15,8 +15,10 @@ turned per block; also CacheGen's uniform deltas against their groups' anchors; 
 and TurboQuant-RVQ's encoder (``turboquant_rvq_encode_cpu.cpp``: the op path's beam search as vectors, where MLX's
 ops take ~10 small passes per chunk), and the end of those decode steps (``joint_finish_cpu.cpp``: the exact rows,
 the sinks and the normalization joined to a kernel's partials in one primitive, where ``window.joint_attention``
-takes ~25 small ops a layer), a CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``:
-MLX's CPU softmax is one libm exponential per element on one thread), and TOVA's and MorphKV's one-row drop of a
+takes ~25 small ops a layer; also the whole step of caches holding exact float16 rows: MiniCache's raw blocks,
+A2ATS's and RocketKV's selected rows), a CPU prefill tile's softmax (``softmax_cpu.cpp``, ``attention.cpu_attention``:
+MLX's CPU softmax is one libm exponential per element on one thread; there too A2ATS's retrieval vote, ``vq_vote``),
+and TOVA's and MorphKV's one-row drop of a
 decode step (``drop_row_cpu.cpp``, ``kernels.drop_row``: the op path's argmin and three gathers of every held row).
 The batch forms' decode steps take the same kernels with per-sequence row counts and spans (``window.batch_finish``).
 Vector code uses GCC/Clang vector extensions; the register-blocked products use the hardware's own width
