@@ -6,7 +6,8 @@ XQuant's shared codes, with Kitty's second key store, in age-tiered's three stor
 SKVQ and ZipCache, with GEAR's corrections applied to each decoded block, AnchorKV's anchors as such corrections
 over key rows; the op path is MLX's ``quantized_matmul`` on two streams) and TurboQuant-RVQ
 (``turboquant_rvq_cpu.cpp``, also NSNQuant's residual VQ with its norm pairs and channel mean, and VecInfer's
-product codes, one codebook indexed by both code planes; the op path gathers from lookup tables and decodes every value codeword), the low-rank caches' latents (``latent_cpu.cpp``:
+product codes, one codebook indexed by both code planes; the op path gathers from lookup tables and decodes every
+value codeword), the low-rank caches' latents (``latent_cpu.cpp``:
 SVDq's and KVTC's mixed-width latents, xKV's in KIVI's key layout, AMC's and AdaKV's tiers' rows on shared channel
 ranges, Palu's pre-RoPE keys rebuilt per block and turned; the op path decodes every latent each step), KVQuant
 (``kvquant_cpu.cpp``: non-uniform key levels through per-group tables, outliers and sinks put back, pre-RoPE keys
