@@ -135,6 +135,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
     primary = property(lambda self: self.coordinator.fetch(self.mc_group))
 
     def _relink_loaded(self):
+        self._runs_changed()  # (a loaded state's runs: no memo of the object's earlier ones applies)
         primary = self.mc_role == "primary"
         self.coordinator = relink(f"{self.mc_uid}:{self.mc_group}", primary,
                                   lambda: MiniCacheCoordinator(self.mc_uid), "MiniCacheKVCache: the primary")
@@ -187,6 +188,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
             else:
                 self.runs.append([flag, rows])
         self.n_raw += int(raw.sum()) * BLOCK
+        self._runs_changed()
 
     def _merge_block(self, p, m):
         o = self.config.options
@@ -227,7 +229,12 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
 
     def _prefix(self, n: int):
         """Of the first ``n`` stored tokens: (tokens kept raw, tokens merged, their rows' order as stored -- raw then
-        merged -- for token order: an index array, or None where it is the identity)."""
+        merged -- for token order: an index array, or None where it is the identity). Memoized per ``n`` and runs
+        version (a decode step asks for the same prefix until the next merge: no walk over the runs a step)."""
+        key = (n, self.__dict__.get("_runs_version", 0))
+        memo = self.__dict__.get("_prefix_memo")
+        if memo is not None and memo[0] == key:
+            return memo[1]
         nr = nm = 0
         spans = []
         for flag, rows in self.runs:
@@ -236,14 +243,15 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
                 break
             spans.append((flag, nr if flag else nm, take))
             nr, nm = (nr + take, nm) if flag else (nr, nm + take)
-        if all(f for f, _, _ in spans[:-1]) or all(not f for f, _, _ in spans):  # raw blocks first: as stored
-            return nr, nm, None
-        memo = self.__dict__.get("_order_memo")
-        key = (n, tuple(spans))
-        if memo is None or memo[0] != key:
-            order = np.concatenate([np.arange(a, a + c) + (0 if f else nr) for f, a, c in spans]).astype(np.int32)
-            memo = self._order_memo = (key, mx.array(order))
-        return nr, nm, memo[1]
+        order = None
+        if not (all(f for f, _, _ in spans[:-1]) or all(not f for f, _, _ in spans)):  # else raw first: as stored
+            order = mx.array(np.concatenate([np.arange(a, a + c) + (0 if f else nr) for f, a, c in spans]).astype(
+                np.int32))
+        self._prefix_memo = (key, (nr, nm, order))
+        return nr, nm, order
+
+    def _runs_changed(self) -> None:
+        self._runs_version = self.__dict__.get("_runs_version", 0) + 1
 
     def _decode(self, kind: str, n: int, dtype=mx.float32) -> mx.array:
         """Restored rows [B, H, n, D] of the first ``n`` compressed tokens, in token order."""
@@ -353,6 +361,7 @@ class MiniCacheKVCache(GroupWindow, SideRows, KIVIKVCache):
             if self.runs[-1][1] == 0:
                 self.runs.pop()
             cut -= take
+        self._runs_changed()
         if self.mc_role == "merge":
             BH = self._heads
             merged = self.n_quant - self.n_raw
